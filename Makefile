@@ -1,0 +1,26 @@
+# Two entry points on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Each creates the virtualenv and installs what it needs.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[all,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/ddm sample --strategy top1 --n-per-label 10 --steps 40 --out out/demo.npz --png out/demo.png
+	$(BIN)/ddm eval out/demo.npz
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) out

@@ -1,0 +1,100 @@
+"""PyTorch edge of the checkpoint format: devices, canonical weights, velocity callables."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ddm.checkpoint import Checkpoint, CheckpointError, check_weight_shapes
+from ddm.models.config import ConfigError, RouterConfig, UNetConfig
+from ddm.models.router_net import RouterNet
+from ddm.models.torch_unet import UNet
+
+
+def select_torch_device(name: str | None) -> torch.device:
+    """``cpu``, ``cuda[:i]``, ``xla`` (Trainium via torch-neuronx, TPU via torch-xla) or None.
+
+    None picks CUDA when present, else the CPU. XLA stacks are imported only when asked for.
+    """
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "xla":
+        try:
+            import torch_xla.core.xla_model as xm  # noqa: PLC0415 - optional accelerator stack
+        except ImportError as exc:
+            raise RuntimeError(
+                "device 'xla' needs torch-xla (TPU) or torch-neuronx (AWS Trainium), which is "
+                f"not installed here ({exc}); install the Neuron or TPU image, or pick cpu/cuda"
+            ) from None
+        return xm.xla_device()
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {name!r} asked for, but this torch build sees no CUDA GPU")
+        return torch.device(name)
+    if name == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"unknown torch device {name!r}; use cpu, cuda, cuda:N or xla")
+
+
+def canonical_weights(module: nn.Module) -> dict[str, np.ndarray]:
+    """The module's ``state_dict`` as float32 NumPy arrays: the checkpoint's canonical form."""
+    return {k: v.detach().to("cpu", torch.float32).numpy().copy()
+            for k, v in module.state_dict().items()}
+
+
+def load_canonical(module: nn.Module, ckpt: Checkpoint) -> nn.Module:
+    """Copy checked canonical weights into ``module`` (names and shapes must match exactly)."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    check_weight_shapes(ckpt.path, expected, ckpt.weights)
+    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in ckpt.weights.items()})
+    return module.eval()
+
+
+def unet_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -> UNet:
+    if ckpt.meta.kind not in ("expert", "monolith"):
+        raise CheckpointError(f"checkpoint {ckpt.path} is a {ckpt.meta.kind}, not a UNet")
+    model = UNet(_config(ckpt, UNetConfig))
+    return load_canonical(model, ckpt).to(device or torch.device("cpu"))
+
+
+def router_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -> RouterNet:
+    if ckpt.meta.kind != "router":
+        raise CheckpointError(f"checkpoint {ckpt.path} is a {ckpt.meta.kind}, not a router")
+    model = RouterNet(_config(ckpt, RouterConfig))
+    return load_canonical(model, ckpt).to(device or torch.device("cpu"))
+
+
+def velocity_fn(model: UNet, device: torch.device
+                ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """NumPy ``(x, t, y) -> v`` over a PyTorch UNet, without autograd."""
+
+    def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            v = model(torch.as_tensor(x, device=device), torch.as_tensor(t, device=device),
+                      torch.as_tensor(y, device=device))
+        return v.float().cpu().numpy()
+
+    return velocity
+
+
+def router_probs_fn(model: RouterNet, device: torch.device
+                    ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
+    """NumPy ``(x, t, y) -> p(k | x_t, t, y)`` of shape ``(B, K)``."""
+
+    def probs(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            logits = model(torch.as_tensor(x, device=device), torch.as_tensor(t, device=device),
+                           torch.as_tensor(y, device=device))
+        return torch.softmax(logits.float(), dim=-1).cpu().numpy()
+
+    return probs
+
+
+def _config(ckpt: Checkpoint, cls: type) -> UNetConfig | RouterConfig:
+    try:
+        return cls.from_dict(ckpt.meta.architecture)
+    except ConfigError as exc:
+        raise CheckpointError(f"checkpoint {ckpt.path}: invalid architecture: {exc}") from None

@@ -1,0 +1,120 @@
+"""Routing strategies: router probabilities ``(B, K)`` -> mixture weights ``(B, K)``, per sample.
+
+Every sample gets its own experts at every step; no decision is ever made for a whole batch,
+and no strategy draws experts at random (the DDM paper found that catastrophic). Selection is
+exact and deterministic: ties go to the lower expert index.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+STRATEGY_NAMES = ("oracle", "top1", "topk", "threshold", "ensemble")
+_PATTERN = re.compile(r"^(oracle|ensemble|top(\d+)|topk:(\d+)|threshold:([0-9.]+))$")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """``kind`` is one of ``oracle``, ``topk``, ``threshold``, ``ensemble``."""
+
+    kind: str
+    k: int = 1
+    threshold: float = 0.0
+
+    @property
+    def name(self) -> str:
+        if self.kind == "topk":
+            return f"top{self.k}"
+        if self.kind == "threshold":
+            return f"threshold:{self.threshold:g}"
+        return self.kind
+
+
+def parse_strategy(text: str) -> Strategy:
+    """``oracle``, ``top1``, ``top2`` (or ``topk:2``), ``threshold:0.2``, ``ensemble``."""
+    match = _PATTERN.match(str(text).strip().lower())
+    if not match:
+        raise ValueError(
+            f"unknown routing strategy {text!r}; use oracle, top1, top2, topk:K, "
+            "threshold:P (0 < P <= 1) or ensemble")
+    whole, top_n, topk_n, threshold = match.groups()
+    if whole in ("oracle", "ensemble"):
+        return Strategy(kind=whole)
+    if threshold is not None:
+        p = float(threshold)
+        if not 0.0 < p <= 1.0:
+            raise ValueError(f"threshold must be in (0, 1], got {p}")
+        return Strategy(kind="threshold", threshold=p)
+    k = int(top_n or topk_n)
+    if k < 1:
+        raise ValueError(f"top-k needs k >= 1, got {k}")
+    return Strategy(kind="topk", k=k)
+
+
+def routing_weights(probs: np.ndarray, strategy: Strategy) -> np.ndarray:
+    """Sparse, row-normalised weights from router probabilities ``(B, K)``.
+
+    ``topk`` keeps the k most probable experts (all of them when k >= K), ``threshold`` keeps
+    those with probability >= the threshold and always the most probable one, ``ensemble``
+    keeps all; ``oracle`` expects one-hot ``probs`` from :func:`oracle_probs`.
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim != 2 or probs.shape[1] < 1:
+        raise ValueError(f"router probabilities must have shape (B, K), got {probs.shape}")
+    batch, k_total = probs.shape
+    if strategy.kind == "ensemble":
+        keep = np.ones_like(probs, dtype=bool)
+    elif strategy.kind in ("topk", "oracle"):
+        k = min(strategy.k, k_total) if strategy.kind == "topk" else 1
+        # Stable sort on -p: exact top-k with ties to the lower index.
+        order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        keep = np.zeros_like(probs, dtype=bool)
+        np.put_along_axis(keep, order, True, axis=1)
+    elif strategy.kind == "threshold":
+        keep = probs >= strategy.threshold
+        keep[np.arange(batch), np.argmax(probs, axis=1)] = True
+    else:
+        raise ValueError(f"unknown routing strategy kind {strategy.kind!r}")
+    weights = np.where(keep, probs, 0.0)
+    total = weights.sum(axis=1, keepdims=True)
+    # A row whose kept probabilities are all zero (possible only with degenerate routers)
+    # falls back to equal weights over the kept experts rather than dividing by zero.
+    uniform = keep / keep.sum(axis=1, keepdims=True)
+    weights = np.where(total > 0, weights / np.where(total > 0, total, 1.0), uniform)
+    return weights.astype(np.float32)
+
+
+def oracle_probs(labels: np.ndarray, expert_classes: Sequence[Sequence[int]]) -> np.ndarray:
+    """One-hot ``(B, K)`` probabilities sending each label to the expert that owns it.
+
+    Requires every requested label to be owned by exactly one expert; raises a ``ValueError``
+    naming the uncovered or doubly-covered labels otherwise.
+    """
+    owner = class_owners(expert_classes)
+    labels = np.asarray(labels).reshape(-1)
+    uncovered = sorted({int(y) for y in labels if int(y) not in owner})
+    if uncovered:
+        covered = ", ".join(f"{i}: {list(c)}" for i, c in enumerate(expert_classes))
+        raise ValueError(
+            f"labels {uncovered} are not covered by any expert under the oracle strategy "
+            f"(experts cover {covered})")
+    probs = np.zeros((labels.shape[0], len(expert_classes)), dtype=np.float32)
+    probs[np.arange(labels.shape[0]), [owner[int(y)] for y in labels]] = 1.0
+    return probs
+
+
+def class_owners(expert_classes: Sequence[Sequence[int]]) -> dict[int, int]:
+    """Map each label to the one expert that owns it; overlapping classes are an error."""
+    owner: dict[int, int] = {}
+    for index, classes in enumerate(expert_classes):
+        for c in classes:
+            if int(c) in owner:
+                raise ValueError(
+                    f"label {int(c)} is owned by experts {owner[int(c)]} and {index}; the oracle "
+                    "strategy needs expert classes without overlap")
+            owner[int(c)] = index
+    return owner

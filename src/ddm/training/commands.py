@@ -1,0 +1,142 @@
+"""``ddm train ...``: load data, pick the partition, train, write a checkpoint with provenance."""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddm.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
+from ddm.convention import to_model_space
+from ddm.data import (Dataset, KMeansPartition, LabelPartition, classes_of, fit_kmeans,
+                      load_dataset, parse_label_groups, partition_from_dict)
+from ddm.models.config import RouterConfig, unet_config
+from ddm.sampling.pipeline import discover
+from ddm.training.config import TrainConfig
+from ddm.training.torch_loop import ProgressFn
+
+
+def train_unet(kind: str, framework: str, data: str, model_config: str, train: TrainConfig,
+               out: Path, name: str | None = None, device: str | None = None,
+               partition: str | None = None, index: int | None = None,
+               progress: ProgressFn | None = None) -> Path:
+    """Train an expert (one part of ``partition``) or the monolith (all data) and save it."""
+    if kind not in ("expert", "monolith"):
+        raise ValueError(f"unknown UNet kind {kind!r}")
+    config = unet_config(model_config)
+    dataset = load_dataset(data, config.image_size, "train")
+    if kind == "expert":
+        if partition is None or index is None:
+            raise ValueError("an expert needs --partition and --index")
+        scheme = make_partition(partition, dataset, seed=train.seed)
+        if not 0 <= index < scheme.num_partitions:
+            raise ValueError(f"--index {index} is outside the {scheme.num_partitions} parts "
+                             f"of partition {partition!r}")
+        ids = scheme.assign(dataset.images, dataset.labels)
+        rows = np.flatnonzero(ids == index)
+        if rows.size == 0:
+            raise ValueError(f"part {index} of partition {partition!r} holds no training images")
+        subset = dataset.select(rows, f"{dataset.name}/part{index}")
+        classes = classes_of(ids, dataset.labels, index)
+        partition_meta: dict[str, Any] | None = {"scheme": scheme.to_dict(), "index": index}
+    else:
+        subset, partition_meta = dataset, None
+        classes = tuple(int(c) for c in np.unique(dataset.labels))
+
+    images, labels = to_model_space(subset.images), subset.labels
+    started = time.perf_counter()
+    if framework == "torch":
+        from ddm.models.torch_io import select_torch_device
+        from ddm.training.torch_expert import train_torch_unet
+
+        resolved = select_torch_device(device)
+        weights = train_torch_unet(config, train, images, labels, resolved, progress)
+    elif framework == "jax":
+        from ddm.models.flax_unet import select_jax_device
+        from ddm.training.jax_expert import train_flax_unet
+
+        resolved = select_jax_device(device)
+        weights = train_flax_unet(config, train, images, labels, progress, device=resolved)
+    else:
+        raise ValueError(f"unknown framework {framework!r}; use torch or jax")
+    meta = CheckpointMeta(
+        kind=kind, name=name or out.name, architecture=config.to_dict(), framework=framework,
+        classes=classes, partition=partition_meta, data=_data_record(data, subset),
+        training=_training_record(train, model_config, str(resolved), started))
+    return save_checkpoint(out, meta, weights)
+
+
+def make_partition(spec: str, dataset: Dataset, seed: int) -> LabelPartition | KMeansPartition:
+    """``labels:0-4,5-9`` or ``kmeans:K`` (fitted on ``dataset``, deterministic in ``seed``)."""
+    method, _, arg = spec.partition(":")
+    if method == "labels" and arg:
+        return LabelPartition(parse_label_groups(arg))
+    if method == "kmeans" and arg.isdigit() and int(arg) >= 1:
+        return fit_kmeans(dataset.images, int(arg), seed)
+    raise ValueError(f"unknown partition {spec!r}; use 'labels:0-4,5-9' or 'kmeans:K'")
+
+
+def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path,
+                         use_labels: bool = True, device: str | None = None,
+                         progress: ProgressFn | None = None) -> Path:
+    """Train a router for the experts in ``experts``, which must share one partition."""
+    from ddm.models.torch_io import select_torch_device
+    from ddm.training.router import train_router
+
+    metas = [load_checkpoint(p).meta for p in discover(experts).get("expert", [])]
+    if not metas:
+        raise CheckpointError(f"{experts} holds no expert checkpoints")
+    schemes = {repr(m.partition.get("scheme")) for m in metas if m.partition}
+    if len(schemes) != 1 or any(not m.partition for m in metas):
+        raise CheckpointError(f"the experts in {experts} do not share one partition; "
+                              "a router can only be trained for experts of the same partition")
+    scheme = partition_from_dict(metas[0].partition["scheme"])
+    indices = sorted(int(m.partition["index"]) for m in metas)
+    if indices != list(range(scheme.num_partitions)):
+        raise CheckpointError(f"{experts} holds experts for parts {indices} of a "
+                              f"{scheme.num_partitions}-part partition; every part needs one")
+    arch = metas[0].architecture
+    dataset = load_dataset(data, arch["image_size"], "train")
+    config = RouterConfig(image_size=arch["image_size"], in_channels=arch["in_channels"],
+                          num_experts=scheme.num_partitions, num_classes=arch["num_classes"],
+                          use_labels=use_labels)
+    ids = scheme.assign(dataset.images, dataset.labels)
+    resolved = select_torch_device(device)
+    started = time.perf_counter()
+    weights = train_router(config, train, to_model_space(dataset.images), dataset.labels, ids,
+                           resolved, progress)
+    meta = CheckpointMeta(
+        kind="router", name=out.name, architecture=config.to_dict(), framework="torch",
+        classes=tuple(int(c) for c in np.unique(dataset.labels)),
+        partition={"scheme": scheme.to_dict()}, data=_data_record(data, dataset),
+        training=_training_record(train, "router", str(resolved), started))
+    return save_checkpoint(out, meta, weights)
+
+
+def train_classifier_command(data: str, image_size: int, train: TrainConfig, out: Path,
+                             progress: ProgressFn | None = None) -> Path:
+    """Train the evaluation classifier on the held-out split, never seen by any expert."""
+    from ddm.evaluation.classifier import save_classifier, train_classifier
+
+    heldout = load_dataset(data, image_size, "heldout")
+    started = time.perf_counter()
+    weights = train_classifier(heldout.images, heldout.labels, image_size=image_size,
+                               steps=train.steps, seed=train.seed, batch_size=train.batch_size,
+                               learning_rate=train.learning_rate, progress=progress)
+    return save_classifier(out, weights, image_size=image_size,
+                           data=_data_record(data, heldout) | {"split": "heldout"},
+                           training=_training_record(train, "classifier", "cpu", started))
+
+
+def _data_record(source: str, dataset: Dataset) -> dict[str, Any]:
+    return {"source": source, "split": "train", "name": dataset.name, "images": len(dataset),
+            "image_size": dataset.image_size}
+
+
+def _training_record(train: TrainConfig, config_name: str, device: str,
+                     started: float) -> dict[str, Any]:
+    return {**train.to_dict(), "config": config_name, "device": device,
+            "seconds": round(time.perf_counter() - started, 1), "host": platform.machine()}

@@ -1,0 +1,48 @@
+"""Train the learned router: cross-entropy of ``RouterNet(x_t, t, y)`` against partition ids."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from ddm.convention import interpolate
+from ddm.models.config import RouterConfig
+from ddm.models.router_net import RouterNet
+from ddm.training.config import TrainConfig
+from ddm.training.torch_loop import EMA, ProgressFn, optimise, step_rng
+
+
+def train_router(router_config: RouterConfig, train: TrainConfig, images: np.ndarray,
+                 labels: np.ndarray, partition_ids: np.ndarray,
+                 device: torch.device | None = None,
+                 progress: ProgressFn | None = None) -> dict[str, np.ndarray]:
+    """Learn ``p(k | x_t, t, y)``; ``partition_ids`` ``(N,)`` names each image's expert.
+
+    Noisy inputs are made exactly as for the experts (``ddm.convention``), so the router is
+    trained on the same distribution of ``x_t`` it meets while sampling.
+    """
+    ids = np.asarray(partition_ids, dtype=np.int64)
+    if ids.shape != (len(images),):
+        raise ValueError(f"partition_ids must have shape ({len(images)},), got {ids.shape}")
+    if ids.min() < 0 or ids.max() >= router_config.num_experts:
+        raise ValueError(f"partition ids must lie in [0, {router_config.num_experts})")
+    device = device or torch.device("cpu")
+    torch.manual_seed(train.seed)
+    model = RouterNet(router_config).to(device)
+    ema = EMA(model, train.ema_decay)
+    images = np.asarray(images, dtype=np.float32)
+    labels = np.asarray(labels, dtype=np.int64)
+
+    def loss_at(step: int) -> torch.Tensor:
+        rng = step_rng(train.seed, step)
+        idx = rng.integers(0, len(images), train.batch_size)
+        t = rng.random(train.batch_size, dtype=np.float32)
+        x0 = rng.standard_normal(images[idx].shape, dtype=np.float32)
+        x_t = interpolate(x0, images[idx], t)
+        logits = model(torch.from_numpy(x_t).to(device), torch.from_numpy(t).to(device),
+                       torch.from_numpy(labels[idx]).to(device))
+        return F.cross_entropy(logits, torch.from_numpy(ids[idx]).to(device))
+
+    optimise(model, train, loss_at, progress, ema)
+    return ema.weights()
