@@ -118,16 +118,18 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
 
 def train_classifier_command(data: str, image_size: int, train: TrainConfig, out: Path,
                              progress: ProgressFn | None = None) -> Path:
-    """Train the evaluation classifier on the held-out split, never seen by any expert."""
-    from ddm.evaluation.classifier import save_classifier, train_classifier
+    """Train the evaluation classifier on the held-out split, never seen by any expert.
+
+    Only ``train.steps`` and ``train.seed`` apply: the classifier has its own fixed recipe.
+    """
+    from ddm.evaluation.classifier import ClassifierConfig, save_classifier, train_classifier
 
     heldout = load_dataset(data, image_size, "heldout")
     started = time.perf_counter()
     weights = train_classifier(heldout.images, heldout.labels, image_size=image_size,
-                               steps=train.steps, seed=train.seed, batch_size=train.batch_size,
-                               learning_rate=train.learning_rate, progress=progress)
-    return save_classifier(out, weights, image_size=image_size,
-                           data=_data_record(data, heldout) | {"split": "heldout"},
+                               steps=train.steps, seed=train.seed, progress=progress)
+    record = _data_record(data, heldout) | {"split": "heldout"}
+    return save_classifier(out, ClassifierConfig(image_size=image_size), weights, data=record,
                            training=_training_record(train, "classifier", "cpu", started))
 
 

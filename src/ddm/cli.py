@@ -1,0 +1,234 @@
+"""The ``ddm`` command. Thin: parses arguments and delegates; heavy imports happen per command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A problem with the user's input: reported as one line, exit status 2, no traceback."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int | None] = args.handler
+    try:
+        return int(handler(args) or 0)
+    except KeyboardInterrupt:
+        print("ddm: interrupted", file=sys.stderr)
+        return 130
+    except (UserError, ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"ddm: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddm", description="Decentralized Diffusion Models: train, sample, evaluate, serve.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(commands)
+    _add_sample(commands)
+    _add_eval(commands)
+    _add_report(commands)
+    return parser
+
+
+# -- train --------------------------------------------------------------------------------------
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    train = commands.add_parser("train", help="train an expert, the monolith, the router or the "
+                                              "evaluation classifier")
+    kinds = train.add_subparsers(dest="kind", required=True, metavar="KIND")
+
+    def common(p: argparse.ArgumentParser, steps: int) -> None:
+        p.add_argument("--data", default="digits",
+                       help="'digits' (embedded) or 'mnist:DIR' with the four IDX files")
+        p.add_argument("--steps", type=int, default=steps)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    def optimisation(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
+        common(p, steps)
+        p.add_argument("--batch-size", type=int, default=batch)
+        p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+
+    for kind, about in (("expert", "a UNet on one partition of the data"),
+                        ("monolith", "one UNet on all the data (the baseline)")):
+        p = kinds.add_parser(kind, help=f"train {about}")
+        p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+        p.add_argument("--config", default="digits-small", help="named UNet config")
+        p.add_argument("--device", default=None,
+                       help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: best)")
+        p.add_argument("--name", default=None, help="checkpoint name (default: directory name)")
+        if kind == "expert":
+            p.add_argument("--partition", required=True,
+                           help="'labels:0-4,5-9' (label groups) or 'kmeans:K'")
+            p.add_argument("--index", type=int, required=True, help="which part this expert owns")
+        optimisation(p, steps=1500, batch=128, lr=2e-3)
+        p.set_defaults(handler=_train_unet)
+
+    p = kinds.add_parser("router", help="train the learned router over existing experts")
+    p.add_argument("--experts", required=True, type=Path,
+                   help="directory holding the expert checkpoints (one subdirectory each)")
+    p.add_argument("--no-labels", action="store_true", help="route on (x_t, t) alone")
+    p.add_argument("--device", default=None)
+    optimisation(p, steps=1500, batch=256, lr=2e-3)
+    p.set_defaults(handler=_train_router)
+
+    p = kinds.add_parser("classifier", help="train the evaluation classifier on held-out data")
+    p.add_argument("--image-size", type=int, default=16)
+    common(p, steps=1500)
+    p.set_defaults(handler=_train_classifier)
+
+
+def _progress(args: argparse.Namespace, total: int, what: str):
+    if args.quiet:
+        return None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=what, unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def update(step: int, loss: float) -> None:
+        bar.update(step - bar.n)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if step >= total:
+            bar.close()
+
+    return update
+
+
+def _train_config(args: argparse.Namespace):
+    from ddm.training.config import TrainConfig
+
+    optimiser = {"batch_size": args.batch_size, "learning_rate": args.lr} if hasattr(
+        args, "lr") else {}
+    return TrainConfig(steps=args.steps, seed=args.seed, **optimiser)
+
+
+def _train_unet(args: argparse.Namespace) -> int:
+    from ddm.training.commands import train_unet
+
+    path = train_unet(
+        kind=args.kind, framework=args.framework, data=args.data, model_config=args.config,
+        train=_train_config(args), out=args.out, name=args.name, device=args.device,
+        partition=getattr(args, "partition", None), index=getattr(args, "index", None),
+        progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"))
+    print(f"wrote {path}")
+    return 0
+
+
+def _train_router(args: argparse.Namespace) -> int:
+    from ddm.training.commands import train_router_command
+
+    path = train_router_command(
+        experts=args.experts, data=args.data, train=_train_config(args), out=args.out,
+        use_labels=not args.no_labels, device=args.device,
+        progress=_progress(args, args.steps, "router"))
+    print(f"wrote {path}")
+    return 0
+
+
+def _train_classifier(args: argparse.Namespace) -> int:
+    from ddm.training.commands import train_classifier_command
+
+    path = train_classifier_command(
+        data=args.data, image_size=args.image_size, train=_train_config(args), out=args.out,
+        progress=_progress(args, args.steps, "classifier"))
+    print(f"wrote {path}")
+    return 0
+
+
+# -- sample, eval, report -----------------------------------------------------------------------
+
+def _add_sample(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("sample", help="generate digits in-process from checkpoints")
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="a DDM directory (experts + router) or one model's checkpoint "
+                        "(default: the shipped digits DDM)")
+    p.add_argument("--strategy", default="top1",
+                   help="oracle, top1, top2, topk:K, threshold:P or ensemble")
+    p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="comma-separated labels")
+    p.add_argument("--n-per-label", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--solver", default="euler", help="euler or heun")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="native",
+                   help="run experts on their own framework (native), or all on torch or jax")
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch-size", type=int, default=256, help="images generated at once")
+    p.add_argument("--out", required=True, type=Path, help="samples .npz to write")
+    p.add_argument("--png", type=Path, default=None, help="also write a PNG grid")
+    p.set_defaults(handler=_sample)
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from ddm.sampling.commands import sample_command
+
+    summary = sample_command(
+        checkpoints=args.checkpoints, strategy=args.strategy, labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=args.steps, solver=args.solver, seed=args.seed,
+        backend=args.backend, device=args.device, batch_size=args.batch_size, out=args.out,
+        png=args.png)
+    print(json.dumps(summary))
+    return 0
+
+
+def _add_eval(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("eval", help="score a samples .npz: class accuracy and Frechet distance")
+    p.add_argument("samples", type=Path)
+    p.add_argument("--classifier", type=Path, default=None,
+                   help="classifier checkpoint (default: the shipped one)")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.set_defaults(handler=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from ddm.evaluation.commands import eval_command
+
+    result = eval_command(args.samples, args.classifier)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"accuracy {result['accuracy']:.4f}  fd {result['fd']:.3f}  n {result['n']}")
+    return 0
+
+
+def _add_report(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("report", help="write docs/quality.md: monolith vs DDM strategies")
+    p.add_argument("--checkpoints", type=Path, default=None)
+    p.add_argument("--n-per-label", type=int, default=50)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path("docs/quality.md"))
+    p.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ddm.evaluation.report import write_report
+
+    path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
+                        steps=args.steps, seed=args.seed, out=args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+def _parse_labels(text: str) -> list[int]:
+    try:
+        labels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UserError(f"--labels must be comma-separated integers, got {text!r}") from None
+    if not labels:
+        raise UserError("--labels is empty")
+    return labels
+
+
+if __name__ == "__main__":
+    sys.exit(main())

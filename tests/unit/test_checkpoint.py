@@ -1,0 +1,110 @@
+"""The checkpoint format: atomic writes, integrity checks, and errors that name the problem."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ddm.checkpoint import (CheckpointError, CheckpointMeta, load_checkpoint, read_meta,
+                            save_checkpoint)
+from ddm.models.config import UNET_CONFIGS, ConfigError, UNetConfig, unet_config
+from ddm.models.torch_io import canonical_weights, unet_from_checkpoint
+from ddm.models.torch_unet import UNet, count_parameters
+
+SMOKE = UNET_CONFIGS["smoke"]
+
+
+def _meta(**overrides):
+    fields = dict(kind="expert", name="e0", architecture=SMOKE.to_dict(), framework="torch",
+                  classes=(0, 1), partition={"scheme": {"method": "labels",
+                                                         "groups": [[0, 1], [2]]}, "index": 0})
+    return CheckpointMeta(**(fields | overrides))
+
+
+@pytest.fixture()
+def smoke_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = UNet(SMOKE)
+    return save_checkpoint(tmp_path / "e0", _meta(), canonical_weights(model)), model
+
+
+def test_round_trip_restores_identical_weights(smoke_checkpoint):
+    path, model = smoke_checkpoint
+    restored = unet_from_checkpoint(load_checkpoint(path))
+    for name, value in model.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], value), name
+    assert read_meta(path).classes == (0, 1)
+
+
+def test_missing_directory_and_files(tmp_path, smoke_checkpoint):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "nowhere")
+    path, _ = smoke_checkpoint
+    (path / "weights.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="has no weights.safetensors"):
+        load_checkpoint(path)
+
+
+def test_corrupt_weights_are_detected(smoke_checkpoint):
+    path, _ = smoke_checkpoint
+    data = bytearray((path / "weights.safetensors").read_bytes())
+    data[-10] ^= 0xFF
+    (path / "weights.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_checkpoint(path)
+
+
+def test_corrupt_config_is_detected(smoke_checkpoint):
+    path, _ = smoke_checkpoint
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_checkpoint(path)
+
+
+def test_foreign_convention_is_refused(smoke_checkpoint):
+    path, _ = smoke_checkpoint
+    config = json.loads((path / "config.json").read_text())
+    config["convention"] = "ddpm/epsilon"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="convention"):
+        load_checkpoint(path)
+
+
+def test_architecture_mismatch_names_the_tensor(tmp_path):
+    wider = UNetConfig(**(SMOKE.to_dict() | {"base_channels": 16, "channel_mults": (1, 2)}))
+    path = save_checkpoint(tmp_path / "e0", _meta(), canonical_weights(UNet(wider)))
+    with pytest.raises(CheckpointError, match=r"conv_in.weight has shape \(16, 1, 3, 3\)"):
+        unet_from_checkpoint(load_checkpoint(path))
+
+
+def test_failed_save_leaves_the_old_checkpoint(smoke_checkpoint):
+    path, _ = smoke_checkpoint
+    before = (path / "weights.safetensors").read_bytes()
+    with pytest.raises(Exception):
+        save_checkpoint(path, _meta(), {"bad": object()})
+    assert (path / "weights.safetensors").read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == ["e0"]
+
+
+def test_meta_rejects_unknown_kind_and_framework():
+    with pytest.raises(CheckpointError, match="unknown checkpoint kind"):
+        _meta(kind="painting")
+    with pytest.raises(CheckpointError, match="unknown framework"):
+        _meta(framework="tensorflow")
+
+
+def test_named_configs_have_the_documented_sizes():
+    assert 200_000 < count_parameters(UNet(unet_config("digits-small"))) < 300_000
+    reference = unet_config("reference")
+    assert reference.level_channels == (64, 128, 256) and reference.image_size == 32
+    assert 6_000_000 < count_parameters(UNet(reference)) < 7_000_000
+
+
+def test_configs_reject_bad_values():
+    with pytest.raises(ConfigError, match="unknown UNet config 'huge'"):
+        unet_config("huge")
+    with pytest.raises(ConfigError, match="unknown keys: depth"):
+        UNetConfig.from_dict(SMOKE.to_dict() | {"depth": 3})
+    with pytest.raises(ConfigError, match="not divisible"):
+        UNetConfig(image_size=10, channel_mults=(1, 2, 4))

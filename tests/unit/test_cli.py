@@ -1,0 +1,118 @@
+"""The ``ddm`` command on bad input: a one-line error naming the problem, exit 2, no output file.
+
+Uses a tiny random-weight DDM (two smoke experts and a router) written by the fixture: the
+checks here are about validation, not quality.
+"""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from ddm.checkpoint import CheckpointMeta, save_checkpoint
+from ddm.cli import main
+from ddm.models.config import UNET_CONFIGS, RouterConfig
+from ddm.models.router_net import RouterNet
+from ddm.models.torch_io import canonical_weights
+from ddm.models.torch_unet import UNet
+
+SMOKE = UNET_CONFIGS["smoke"]
+SCHEME = {"method": "labels", "groups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]}
+
+
+@pytest.fixture(scope="module")
+def tiny_ddm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddm")
+    torch.manual_seed(0)
+    for index, classes in enumerate(SCHEME["groups"]):
+        meta = CheckpointMeta(kind="expert", name=f"e{index}", architecture=SMOKE.to_dict(),
+                              framework="torch", classes=classes,
+                              partition={"scheme": SCHEME, "index": index})
+        save_checkpoint(root / f"e{index}", meta, canonical_weights(UNet(SMOKE)))
+    router = RouterConfig(image_size=SMOKE.image_size, num_experts=2)
+    save_checkpoint(root / "router",
+                    CheckpointMeta(kind="router", name="router", architecture=router.to_dict(),
+                                   framework="torch", classes=range(10),
+                                   partition={"scheme": SCHEME}),
+                    canonical_weights(RouterNet(router)))
+    return root
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    return code, capsys.readouterr()
+
+
+def _sample(tiny_ddm, out, *extra):
+    return ("sample", "--checkpoints", tiny_ddm, "--steps", 3, "--out", out, *extra)
+
+
+def test_sample_writes_images_labels_and_expert_calls(tiny_ddm, tmp_path, capsys):
+    out = tmp_path / "s.npz"
+    code, _ = _run(capsys, *_sample(tiny_ddm, out, "--labels", "0,7", "--n-per-label", 2,
+                                    "--strategy", "top2", "--png", tmp_path / "g.png"))
+    assert code == 0
+    data = np.load(out)
+    assert data["images"].shape == (4, 8, 8) and data["images"].dtype == np.uint8
+    np.testing.assert_array_equal(data["labels"], [0, 0, 7, 7])
+    np.testing.assert_array_equal(data["expert_calls"], [6, 6, 6, 6])  # top-2 of 2, 3 steps
+    assert (tmp_path / "g.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_sample_is_deterministic_and_batch_independent(tiny_ddm, tmp_path, capsys):
+    a, b = tmp_path / "a.npz", tmp_path / "b.npz"
+    _run(capsys, *_sample(tiny_ddm, a, "--labels", "1,2,3", "--batch-size", 3))
+    _run(capsys, *_sample(tiny_ddm, b, "--labels", "1,2,3", "--batch-size", 1))
+    np.testing.assert_array_equal(np.load(a)["images"], np.load(b)["images"])
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--strategy", "random"), "unknown routing strategy 'random'"),
+    (("--strategy", "oracle", "--labels", "3,12"), r"labels \[12\] are outside"),
+    (("--steps", "0"), "steps must be an integer in"),
+    (("--labels", "1,x"), "--labels must be comma-separated integers"),
+    (("--solver", "rk45"), "unknown solver 'rk45'"),
+    (("--backend", "tensorflow"), "unknown backend 'tensorflow'"),
+])
+def test_sample_rejects_bad_input(tiny_ddm, tmp_path, capsys, extra, message):
+    out = tmp_path / "s.npz"
+    code, captured = _run(capsys, "sample", "--checkpoints", tiny_ddm, "--out", out, *extra)
+    assert code == 2
+    assert captured.err.startswith("ddm: error: ")
+    assert re.search(message, captured.err), captured.err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_oracle_rejects_labels_no_expert_covers(tmp_path, tiny_ddm, capsys):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "e0").symlink_to(tiny_ddm / "e0")
+    out = tmp_path / "s.npz"
+    code, captured = _run(capsys, *_sample(partial, out, "--strategy", "oracle", "--labels", "2,8"))
+    assert code == 2 and "labels [8] are not covered by any expert" in captured.err
+    assert not out.exists()
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path, tiny_ddm, capsys):
+    out = tmp_path / "s.npz"
+    code, captured = _run(capsys, *_sample(tmp_path / "nope", out))
+    assert code == 2 and "does not exist" in captured.err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("e0", "e1", "router"):
+        (broken / name).mkdir()
+        for f in (tiny_ddm / name).iterdir():
+            (broken / name / f.name).write_bytes(f.read_bytes())
+    weights = broken / "e1" / "weights.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    code, captured = _run(capsys, *_sample(broken, out))
+    assert code == 2 and "e1: weights.safetensors is corrupt" in captured.err
+    assert not out.exists()
+
+
+def test_eval_rejects_a_bad_samples_file(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    code, captured = _run(capsys, "eval", bad, "--json")
+    assert code == 2 and "not a readable .npz" in captured.err
