@@ -1,0 +1,116 @@
+"""Labelled digit image sets: the embedded scikit-learn digits and MNIST, one in-memory form.
+
+Every source becomes a :class:`Dataset` of ``(N, 1, H, W)`` float32 images in ``[0, 1]``
+with ink at 1 (``ddm.convention.to_model_space`` maps them to model space). The split
+names mean the same for every source: ``train`` is what diffusion models learn from;
+``heldout`` is never shown to them and is where the evaluation classifier is trained,
+so that its judgement of generated samples is not biased toward memorised images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from ddm.data.mnist import load_mnist
+from ddm.data.resize import resize_images
+
+SPLITS = ("train", "heldout")
+#: The digits set has no official split: this stratified fraction of it is held out.
+HELDOUT_FRACTION = 0.25
+SPLIT_SEED = 0
+_DIGITS_MAX = 16.0  # scikit-learn's digits count ink in 0..16 per 8x8 cell
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """``images`` ``(N, 1, H, W)`` float32 in ``[0, 1]`` (ink = 1), ``labels`` ``(N,)`` int64."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.images.ndim != 4 or self.images.shape[1] != 1:
+            raise ValueError(f"dataset {self.name}: images must be (N, 1, H, W), "
+                             f"got {self.images.shape}")
+        if self.images.dtype != np.float32:
+            raise ValueError(f"dataset {self.name}: images must be float32, got {self.images.dtype}")
+        if self.labels.dtype != np.int64 or self.labels.shape != self.images.shape[:1]:
+            raise ValueError(f"dataset {self.name}: labels must be int64 of shape "
+                             f"{self.images.shape[:1]}, got {self.labels.dtype} {self.labels.shape}")
+        if self.images.size and (self.images.min() < 0.0 or self.images.max() > 1.0):
+            raise ValueError(f"dataset {self.name}: pixels must lie in [0, 1]")
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    @property
+    def image_size(self) -> int:
+        return int(self.images.shape[-1])
+
+    def select(self, indices: np.ndarray, name: str) -> "Dataset":
+        """The rows ``indices`` (in that order) as a new dataset called ``name``."""
+        return Dataset(self.images[indices], self.labels[indices], name)
+
+
+def load_dataset(source: str, image_size: int, split: str = "train") -> Dataset:
+    """``source`` is ``digits`` or ``mnist:PATH`` (a directory of the four MNIST IDX files).
+
+    For MNIST, ``train`` is its 60k training part and ``heldout`` its 10k test part; for
+    digits they are the two sides of :func:`split_holdout` with the module defaults.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    if source == "digits":
+        train, heldout = split_holdout(load_digits_dataset(image_size))
+        return train if split == "train" else heldout
+    if source.startswith("mnist:") and source[len("mnist:"):]:
+        part = "train" if split == "train" else "t10k"
+        images, labels = load_mnist(source[len("mnist:"):], image_size, part)
+        return Dataset(images, labels, f"mnist-{image_size}x{image_size}/{split}")
+    raise ValueError(f"unknown data source {source!r}; use 'digits' or 'mnist:PATH' "
+                     "(PATH a directory holding the MNIST IDX files)")
+
+
+def load_digits_dataset(image_size: int = 16) -> Dataset:
+    """scikit-learn's 1797 8x8 digits, resized to ``image_size`` (see ``ddm.data.resize``)."""
+    from sklearn.datasets import load_digits  # noqa: PLC0415 - heavy import, digits only
+
+    digits = load_digits()
+    images = resize_images(digits.images / _DIGITS_MAX, image_size)
+    return Dataset(np.clip(images, 0.0, 1.0)[:, None], digits.target.astype(np.int64),
+                   f"digits-{image_size}x{image_size}")
+
+
+def split_holdout(ds: Dataset, fraction: float = HELDOUT_FRACTION,
+                  seed: int = SPLIT_SEED) -> tuple[Dataset, Dataset]:
+    """``(train, heldout)``: ``round(fraction * n_c)`` of every label ``c`` go to heldout.
+
+    Stratified so both sides keep the class balance; deterministic in ``seed``; rows keep
+    their original order within each side.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"heldout fraction must lie strictly between 0 and 1, got {fraction}")
+    rng = np.random.default_rng(seed)
+    held = np.zeros(len(ds), dtype=bool)
+    for label in np.unique(ds.labels):
+        rows = np.flatnonzero(ds.labels == label)
+        held[rng.permutation(rows)[:round(fraction * rows.size)]] = True
+    return (ds.select(np.flatnonzero(~held), f"{ds.name}/train"),
+            ds.select(np.flatnonzero(held), f"{ds.name}/heldout"))
+
+
+def subset_by_classes(ds: Dataset, classes: Iterable[int]) -> Dataset:
+    """The rows whose label is in ``classes``; every class asked for must be present."""
+    wanted = tuple(sorted({int(c) for c in classes}))
+    if not wanted:
+        raise ValueError(f"dataset {ds.name}: no classes given")
+    missing = [c for c in wanted if not np.any(ds.labels == c)]
+    if missing:
+        raise ValueError(f"dataset {ds.name} has no images of class(es) "
+                         f"{', '.join(map(str, missing))}")
+    rows = np.flatnonzero(np.isin(ds.labels, wanted))
+    return ds.select(rows, f"{ds.name}/classes={','.join(map(str, wanted))}")

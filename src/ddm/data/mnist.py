@@ -1,0 +1,107 @@
+"""MNIST from its four IDX files, read strictly so that a damaged download fails loudly.
+
+An IDX file is a big-endian header (magic ``0x00000801`` for a label vector, ``0x00000803``
+for an image stack; the low byte is the number of dimensions, then one uint32 per
+dimension) followed by exactly ``prod(dims)`` unsigned bytes. Files may be raw or gzip;
+gzip is recognised by its magic bytes, not by the file name. Both common namings are
+found: ``train-images-idx3-ubyte`` (LeCun's) and ``train-images.idx3-ubyte`` (mirrors),
+each optionally with ``.gz``. MNIST pixels are 0 background and 255 ink, like ours.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from ddm.data.resize import resize_images
+
+IMAGES_MAGIC = 0x00000803
+LABELS_MAGIC = 0x00000801
+#: File-name prefixes of the two MNIST parts: 60k training and 10k test images.
+PARTS = ("train", "t10k")
+NUM_CLASSES = 10
+_GZIP_MAGIC = b"\x1f\x8b"
+
+
+class IDXError(ValueError):
+    """An IDX file is missing, corrupt, or disagrees with its partner file."""
+
+
+def load_mnist(directory: str | os.PathLike, image_size: int,
+               part: str = "train") -> tuple[np.ndarray, np.ndarray]:
+    """One MNIST part -> images ``(N, 1, S, S)`` float32 in ``[0, 1]`` (ink = 1), labels int64.
+
+    ``S = image_size``; 28x28 is resized with :func:`ddm.data.resize.resize_images`
+    (antialiased triangle filter when shrinking, bilinear when enlarging).
+    """
+    if part not in PARTS:
+        raise ValueError(f"unknown MNIST part {part!r}; known: {', '.join(PARTS)}")
+    root = Path(directory)
+    if not root.is_dir():
+        raise IDXError(f"MNIST directory {root} does not exist")
+    images_path = find_idx_file(root, part, "images")
+    labels_path = find_idx_file(root, part, "labels")
+    images = read_idx(images_path, IMAGES_MAGIC)
+    labels = read_idx(labels_path, LABELS_MAGIC)
+    if images.shape[0] == 0 or 0 in images.shape[1:]:
+        raise IDXError(f"{images_path}: holds no images (dims {images.shape})")
+    if images.shape[0] != labels.shape[0]:
+        raise IDXError(f"{images_path} holds {images.shape[0]} images but {labels_path} "
+                       f"holds {labels.shape[0]} labels")
+    bad = np.flatnonzero(labels >= NUM_CLASSES)
+    if bad.size:
+        raise IDXError(f"{labels_path}: label {labels[bad[0]]} at index {bad[0]} is not a "
+                       f"digit 0-{NUM_CLASSES - 1}")
+    pixels = resize_images(images.astype(np.float32) / 255.0, image_size)
+    return pixels[:, None], labels.astype(np.int64)
+
+
+def find_idx_file(directory: Path, part: str, kind: str) -> Path:
+    """The first existing of the four accepted names for ``part``'s ``kind`` file."""
+    rank = {"images": 3, "labels": 1}[kind]
+    names = [f"{part}-{kind}-idx{rank}-ubyte", f"{part}-{kind}.idx{rank}-ubyte"]
+    candidates = [directory / (name + suffix) for name in names for suffix in ("", ".gz")]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise IDXError(f"no MNIST {part} {kind} file in {directory}; looked for "
+                   + ", ".join(p.name for p in candidates))
+
+
+def read_idx(path: Path, magic: int) -> np.ndarray:
+    """Read an unsigned-byte IDX file whose magic must be ``magic``; shape is its dims."""
+    data = _read_bytes(path)
+    if len(data) < 4:
+        raise IDXError(f"{path}: {len(data)} bytes is too short for an IDX header")
+    found = int.from_bytes(data[:4], "big")
+    if found != magic:
+        what = "images" if magic == IMAGES_MAGIC else "labels"
+        raise IDXError(f"{path}: bad magic number 0x{found:08x}, expected 0x{magic:08x} "
+                       f"for an IDX {what} file")
+    ndim = magic & 0xFF
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise IDXError(f"{path}: truncated header ({len(data)} bytes, need {header})")
+    dims = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
+    expected, present = int(np.prod(dims)), len(data) - header
+    if present < expected:
+        raise IDXError(f"{path}: truncated data: dims {dims} need {expected} bytes, "
+                       f"found {present}")
+    if present > expected:
+        raise IDXError(f"{path}: {present - expected} unexpected bytes after the "
+                       f"{expected} that dims {dims} describe")
+    return np.frombuffer(data, np.uint8, count=expected, offset=header).reshape(dims)
+
+
+def _read_bytes(path: Path) -> bytes:
+    data = path.read_bytes()
+    if not data.startswith(_GZIP_MAGIC):
+        return data
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise IDXError(f"{path}: corrupt gzip data ({exc})") from None

@@ -1,0 +1,222 @@
+"""Frechet distance known answers, the held-out digit classifier, and samples files."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from ddm.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
+from ddm.convention import to_model_space, to_uint8
+from ddm.data import Dataset, load_dataset
+from ddm.evaluation import (
+    Classifier,
+    ClassifierConfig,
+    ClassifierNet,
+    SamplesFileError,
+    evaluate_samples,
+    frechet_distance,
+    frechet_distance_from_stats,
+    load_classifier,
+    load_samples_npz,
+    save_classifier,
+    train_classifier,
+)
+
+# --- Frechet distance --------------------------------------------------------------------
+
+def test_frechet_identical_sets_is_zero() -> None:
+    feats = np.random.default_rng(0).standard_normal((200, 8))
+    assert frechet_distance(feats, feats) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_frechet_shifted_means_is_squared_shift() -> None:
+    feats = np.random.default_rng(1).standard_normal((300, 5))
+    shift = np.array([1.0, -2.0, 0.5, 0.0, 3.0])
+    assert frechet_distance(feats, feats + shift) == pytest.approx(shift @ shift, rel=1e-9)
+
+
+def test_frechet_diagonal_covariances_closed_form() -> None:
+    var_a, var_b = np.array([1.0, 4.0, 0.25]), np.array([9.0, 1.0, 0.0])
+    mu_a, mu_b = np.array([0.0, 1.0, 2.0]), np.array([1.0, 1.0, 0.0])
+    expected = ((mu_a - mu_b) ** 2).sum() + ((np.sqrt(var_a) - np.sqrt(var_b)) ** 2).sum()
+    got = frechet_distance_from_stats(mu_a, np.diag(var_a), mu_b, np.diag(var_b))
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
+def test_frechet_is_finite_for_rank_deficient_covariances() -> None:
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((5, 20)), rng.standard_normal((6, 20))  # N < D: singular
+    fd = frechet_distance(a, b)
+    assert np.isfinite(fd) and fd >= 0.0
+    assert fd == pytest.approx(frechet_distance(b, a), rel=1e-6)
+
+
+@pytest.mark.parametrize("a, b, problem", [
+    (np.zeros((4, 3)), np.zeros((4, 2)), "feature dimensions differ"),
+    (np.zeros((1, 3)), np.zeros((4, 3)), "N >= 2"),
+    (np.full((4, 3), np.nan), np.zeros((4, 3)), "NaN"),
+])
+def test_frechet_rejects_bad_inputs(a: np.ndarray, b: np.ndarray, problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        frechet_distance(a, b)
+
+
+# --- classifier --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def single_thread() -> Iterator[None]:
+    """On a small shared CPU, torch's two-thread kernels thrash; one thread is 4x faster here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def digits_train() -> Dataset:
+    return load_dataset("digits", 16, "train")
+
+
+@pytest.fixture(scope="module")
+def classifier_weights(single_thread: None) -> dict[str, np.ndarray]:
+    heldout = load_dataset("digits", 16, "heldout")
+    return train_classifier(heldout.images, heldout.labels, 16, steps=200, seed=0)
+
+
+def _uint8(ds: Dataset) -> np.ndarray:
+    return to_uint8(to_model_space(ds.images))[:, 0]
+
+
+def test_classifier_trained_on_heldout_classifies_train_split(
+        classifier_weights: dict[str, np.ndarray], digits_train: Dataset) -> None:
+    classifier = Classifier.from_weights(ClassifierConfig(image_size=16), classifier_weights)
+    accuracy = (classifier.predict(_uint8(digits_train)) == digits_train.labels).mean()
+    assert accuracy >= 0.9
+    features = classifier.features(_uint8(digits_train)[:7])
+    assert features.shape == (7, 64) and features.dtype == np.float64
+
+
+def test_training_is_deterministic_given_seed(single_thread: None, digits_train: Dataset) -> None:
+    def train(seed: int) -> dict[str, np.ndarray]:
+        return train_classifier(digits_train.images[:64], digits_train.labels[:64], 16, 2, seed)
+
+    a, b, c = train(5), train(5), train(6)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not all(np.array_equal(a[k], c[k]) for k in a)
+
+
+def test_net_handles_32px_images() -> None:
+    logits, features = ClassifierNet(ClassifierConfig(image_size=32))(torch.zeros(2, 1, 32, 32))
+    assert logits.shape == (2, 10) and features.shape == (2, 64)
+
+
+def test_save_load_round_trip_and_checks(tmp_path: Path, classifier_weights: dict[str, np.ndarray],
+                                         digits_train: Dataset) -> None:
+    config = ClassifierConfig(image_size=16)
+    path = save_classifier(tmp_path / "clf", config, classifier_weights,
+                           data={"source": "digits", "split": "heldout"})
+    loaded = load_classifier(path)
+    images = _uint8(digits_train)[:50]
+    original = Classifier.from_weights(config, classifier_weights)
+    np.testing.assert_array_equal(loaded.predict(images), original.predict(images))
+    assert load_checkpoint(path).meta.kind == "classifier"
+
+    wrong_arch = CheckpointMeta(kind="classifier", name="c", framework="torch", classes=range(10),
+                                architecture={**config.to_dict(), "feature_dim": 32})
+    save_checkpoint(tmp_path / "wrong", wrong_arch, classifier_weights)
+    with pytest.raises(CheckpointError, match=r"body.9.weight has shape \(64, 1024\)"):
+        load_classifier(tmp_path / "wrong")
+    unknown_key = CheckpointMeta(kind="classifier", name="c", framework="torch", classes=range(10),
+                                 architecture={**config.to_dict(), "depth": 3})
+    save_checkpoint(tmp_path / "unknown", unknown_key, classifier_weights)
+    with pytest.raises(CheckpointError, match="unknown keys: depth"):
+        load_classifier(tmp_path / "unknown")
+    router = CheckpointMeta(kind="router", name="r", framework="torch", classes=range(10),
+                            architecture={})
+    save_checkpoint(tmp_path / "router", router, classifier_weights)
+    with pytest.raises(CheckpointError, match="is a router, not a classifier"):
+        load_classifier(tmp_path / "router")
+
+
+def test_classifier_rejects_wrong_inputs(classifier_weights: dict[str, np.ndarray]) -> None:
+    classifier = Classifier.from_weights(ClassifierConfig(image_size=16), classifier_weights)
+    with pytest.raises(TypeError, match="uint8"):
+        classifier.predict(np.zeros((2, 16, 16), np.float32))
+    with pytest.raises(ValueError, match=r"expects images \(N, 16, 16\)"):
+        classifier.predict(np.zeros((2, 32, 32), np.uint8))
+
+
+def test_evaluate_samples_reports_metrics(classifier_weights: dict[str, np.ndarray],
+                                          digits_train: Dataset) -> None:
+    classifier = Classifier.from_weights(ClassifierConfig(image_size=16), classifier_weights)
+    images, labels = _uint8(digits_train), digits_train.labels
+    report = evaluate_samples(images[:300], labels[:300], classifier, images[300:])
+    assert report["n"] == 300 and report["n_reference"] == len(images) - 300
+    assert report["accuracy"] >= 0.9 and report["fd"] > 0.0
+    assert set(report["per_class_accuracy"]) == {str(c) for c in np.unique(labels[:300])}
+    assert json.loads(json.dumps(report)) == report
+    noise = np.random.default_rng(0).integers(0, 256, (300, 16, 16), dtype=np.uint8)
+    assert evaluate_samples(noise, labels[:300], classifier, images[300:])["fd"] > report["fd"]
+    with pytest.raises(ValueError, match="one label per image"):
+        evaluate_samples(images[:10], labels[:9], classifier, images)
+
+
+# --- samples files -----------------------------------------------------------------------
+
+def _arrays(n: int = 4, **override: np.ndarray) -> dict[str, np.ndarray]:
+    arrays = {"images": np.zeros((n, 16, 16), np.uint8), "labels": np.arange(n, dtype=np.int32)}
+    return {**arrays, **override}
+
+
+def test_load_samples_npz_reads_valid_files(tmp_path: Path) -> None:
+    np.savez(tmp_path / "plain.npz", **_arrays())
+    samples = load_samples_npz(tmp_path / "plain.npz")
+    assert samples.images.shape == (4, 16, 16) and samples.labels.dtype == np.int64
+    assert samples.expert_calls is None
+    np.savez_compressed(tmp_path / "calls.npz", **_arrays(expert_calls=np.full(4, 20)))
+    np.testing.assert_array_equal(load_samples_npz(tmp_path / "calls.npz").expert_calls, 20)
+
+
+@pytest.mark.parametrize("arrays, problem", [
+    (_arrays(images=np.zeros((4, 16, 16), np.float32)), "images must be uint8 .N, H, W., got float32"),
+    (_arrays(images=np.zeros((4, 1, 16, 16), np.uint8)), "images must be uint8 .N, H, W."),
+    (_arrays(labels=np.arange(3)), r"labels must be integers of shape \(4,\)"),
+    (_arrays(labels=np.zeros(4)), "labels must be integers .* got float64"),
+    (_arrays(labels=np.array([0, -1, 2, 3])), "labels must be non-negative"),
+    (_arrays(expert_calls=np.ones((4, 2), np.int64)), "expert_calls must be integers"),
+    ({"images": np.zeros((4, 16, 16), np.uint8)}, r"missing keys \['labels'\]"),
+    (_arrays(extra=np.zeros(4)), r"unknown keys \['extra'\]"),
+])
+def test_load_samples_npz_rejects_bad_contents(tmp_path: Path, arrays: dict[str, np.ndarray],
+                                               problem: str) -> None:
+    np.savez(tmp_path / "s.npz", **arrays)
+    with pytest.raises(SamplesFileError, match=problem):
+        load_samples_npz(tmp_path / "s.npz")
+
+
+def test_load_samples_npz_rejects_missing_and_corrupt_files(tmp_path: Path) -> None:
+    with pytest.raises(SamplesFileError, match="does not exist"):
+        load_samples_npz(tmp_path / "absent.npz")
+    (tmp_path / "junk.npz").write_bytes(b"definitely not numpy")
+    with pytest.raises(SamplesFileError, match="not a readable .npz"):
+        load_samples_npz(tmp_path / "junk.npz")
+    np.savez(tmp_path / "whole.npz", **_arrays())
+    (tmp_path / "cut.npz").write_bytes((tmp_path / "whole.npz").read_bytes()[:200])
+    with pytest.raises(SamplesFileError, match="cut.npz"):
+        load_samples_npz(tmp_path / "cut.npz")
+    np.save(tmp_path / "single.npy", np.zeros(3))
+    with pytest.raises(SamplesFileError, match="single .npy array"):
+        load_samples_npz(tmp_path / "single.npy")
+    with zipfile.ZipFile(tmp_path / "objects.npz", "w") as archive:
+        with archive.open("images.npy", "w") as member:
+            np.save(member, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+        with archive.open("labels.npy", "w") as member:
+            np.save(member, np.arange(1))
+    with pytest.raises(SamplesFileError, match="corrupt array"):
+        load_samples_npz(tmp_path / "objects.npz")
