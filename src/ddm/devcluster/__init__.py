@@ -1,0 +1,25 @@
+"""A local Kubernetes control plane for tests and for trying the operator.
+
+Real etcd, kube-apiserver, kube-controller-manager and kube-scheduler, started as local
+processes, and fake nodes (CPU, NVIDIA GPU, AWS Neuron, Google TPU) that the real scheduler
+binds pods to. No kubelet: pods are scheduled, never run. Imports no ML framework.
+"""
+
+from ddm.devcluster.build import Binaries, BuildError, ensure_binaries, find_binaries
+from ddm.devcluster.cluster import ClusterInfo, ClusterStatus, down, status, up
+from ddm.devcluster.command import main
+from ddm.devcluster.processes import StartupError
+
+__all__ = [
+    "Binaries",
+    "BuildError",
+    "ClusterInfo",
+    "ClusterStatus",
+    "StartupError",
+    "down",
+    "ensure_binaries",
+    "find_binaries",
+    "main",
+    "status",
+    "up",
+]

@@ -1,0 +1,314 @@
+"""`up`, `down` and `status` of the local control plane: etcd, kube-apiserver,
+kube-controller-manager and kube-scheduler on free 127.0.0.1 ports, plus fake nodes.
+
+Everything one cluster needs lives in its state directory (default
+``$DDM_DEV_CLUSTER_DIR`` or ``~/.cache/ddm/dev-cluster``): ``state.json`` (pids, ports,
+server, admin token), ``kubeconfig`` (admin), ``pki/``, ``etcd/`` and ``logs/``. The
+processes outlive `up`; `down` stops them. Each `up` starts from an empty etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import ssl
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ddm.devcluster import components as c
+from ddm.devcluster.api import Api, ApiError
+from ddm.devcluster.build import Binaries, Log, ensure_binaries, log_stderr
+from ddm.devcluster.certs import create_pki
+from ddm.devcluster.nodes import DEFAULT_NODES, FakeNode, register_nodes
+from ddm.devcluster.processes import StartupError, free_ports, is_ours, spawn, stop, wait_until
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """How to reach a running dev cluster as its admin (``system:masters``)."""
+
+    state_dir: Path
+    kubeconfig: Path
+    server: str  # https://127.0.0.1:PORT
+    token: str  # bearer token of the admin user
+    ca_file: Path  # PEM CA that signed the API server's certificate
+    kube_version: str  # e.g. "v1.20.2"
+
+    def api(self) -> Api:
+        return Api(self.server, self.token, self.ca_file)
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    """What `status` found: which components run, and whether the API server says ready."""
+
+    state_dir: Path
+    components: dict[str, bool]  # component name -> its process is alive
+    ready: bool  # kube-apiserver answered /readyz with "ok"
+    info: ClusterInfo | None  # None when there is no state file
+
+    @property
+    def running(self) -> bool:
+        return bool(self.components) and all(self.components.values())
+
+
+def default_state_dir() -> Path:
+    """``$DDM_DEV_CLUSTER_DIR`` or ``~/.cache/ddm/dev-cluster``."""
+    env = os.environ.get("DDM_DEV_CLUSTER_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "ddm" / "dev-cluster"
+
+
+def _layout(state_dir: Path | None) -> c.Layout:
+    return c.Layout((state_dir or default_state_dir()).expanduser().resolve())
+
+
+def _marker(layout: c.Layout) -> str:
+    # Every component's command line names a file under the state directory; the trailing
+    # slash keeps /tmp/a from matching a cluster in /tmp/ab.
+    return f"{layout.root}/"
+
+
+def _read_state(layout: c.Layout) -> dict[str, Any] | None:
+    try:
+        return json.loads(layout.state_file.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(layout: c.Layout, state: dict[str, Any]) -> None:
+    partial = layout.state_file.with_suffix(".partial")
+    partial.write_text(json.dumps(state, indent=2))
+    partial.chmod(0o600)  # it holds the admin token
+    partial.replace(layout.state_file)
+
+
+def _info(layout: c.Layout, state: dict[str, Any]) -> ClusterInfo:
+    return ClusterInfo(
+        state_dir=layout.root,
+        kubeconfig=Path(state["kubeconfig"]),
+        server=state["server"],
+        token=state["token"],
+        ca_file=Path(state["ca_file"]),
+        kube_version=state["kube_version"],
+    )
+
+
+def status(state_dir: Path | None = None) -> ClusterStatus:
+    """The state of the dev cluster in ``state_dir`` (no side effects)."""
+    layout = _layout(state_dir)
+    state = _read_state(layout)
+    if state is None:
+        return ClusterStatus(layout.root, {}, False, None)
+    alive = {name: is_ours(pid, _marker(layout)) for name, pid in state["pids"].items()}
+    info = _info(layout, state)
+    ready = False
+    if alive.get("kube-apiserver"):
+        try:
+            ready = info.api().request("GET", "/readyz", timeout_s=2) == "ok"
+        except ApiError:
+            ready = False
+    return ClusterStatus(layout.root, alive, ready, info)
+
+
+def down(state_dir: Path | None = None, *, purge: bool = False, log: Log = log_stderr) -> None:
+    """Stop every process of the cluster in ``state_dir``; with ``purge``, delete its files.
+
+    Safe to call when nothing runs, and after an interrupted `up`.
+    """
+    layout = _layout(state_dir)
+    state = _read_state(layout)
+    if state is not None:
+        # Clients first, etcd last, so the API server does not log lost connections.
+        for stage in c.STOP_ORDER:
+            stop([state["pids"][n] for n in stage if n in state["pids"]], _marker(layout))
+        layout.state_file.unlink(missing_ok=True)
+        log(f"stopped the dev cluster in {layout.root}")
+    if purge:
+        _clear(layout)
+
+
+def _clear(layout: c.Layout) -> None:
+    for path in layout.owned_paths():
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def kube_version(apiserver: Path) -> tuple[str, int]:
+    """("v1.20.2", 20) from ``kube-apiserver --version``."""
+    out = subprocess.run([str(apiserver), "--version"], capture_output=True, text=True).stdout
+    match = re.search(r"v(\d+)\.(\d+)\.\d+\S*", out)
+    if match is None:
+        raise StartupError(f"cannot read the version of {apiserver}: {out!r}")
+    return match.group(0), int(match.group(2))
+
+
+def up(
+    state_dir: Path | None = None,
+    *,
+    binaries: Binaries | None = None,
+    nodes: tuple[FakeNode, ...] = DEFAULT_NODES,
+    allow_build: bool = True,
+    timeout_s: float = 120.0,
+    log: Log = log_stderr,
+) -> ClusterInfo:
+    """Start a fresh dev cluster in ``state_dir`` (or return the one already running there).
+
+    Finds or builds the binaries (see `ddm.devcluster.build`), starts the four components,
+    registers ``nodes`` and waits until controllers and scheduler are serving and the
+    ``default`` service account can mount a token. Prints ``export KUBECONFIG=...`` on
+    stdout. On any failure, or Ctrl-C, it stops what it started before raising.
+    """
+    layout = _layout(state_dir)
+    current = status(layout.root)
+    if current.running and current.ready and current.info is not None:
+        log(f"the dev cluster in {layout.root} is already running")
+        print(f"export KUBECONFIG={shlex.quote(str(current.info.kubeconfig))}", flush=True)
+        return current.info
+    down(layout.root, log=log)  # leftovers of a crashed or interrupted cluster
+    binaries = binaries or ensure_binaries(allow_build=allow_build, log=log)
+    started = time.monotonic()
+    try:
+        _clear(layout)
+        layout.root.mkdir(parents=True, exist_ok=True)
+        info = _start(layout, binaries, nodes, timeout_s, log)
+    except BaseException:
+        down(layout.root, log=log)
+        raise
+    log(
+        f"dev cluster {info.kube_version} up in {time.monotonic() - started:.1f} s at {info.server}"
+    )
+    print(f"export KUBECONFIG={shlex.quote(str(info.kubeconfig))}", flush=True)
+    return info
+
+
+def _start(
+    layout: c.Layout, binaries: Binaries, nodes: tuple[FakeNode, ...], timeout_s: float, log: Log
+) -> ClusterInfo:
+    deadline = time.monotonic() + timeout_s
+    version, minor = kube_version(binaries.kube_apiserver)
+    ports = c.Ports(*free_ports(5))
+    pki = create_pki(layout.pki_dir)
+    server = f"https://127.0.0.1:{ports.apiserver}"
+    admin_token = _write_credentials(layout, server, pki.ca_cert.read_text())
+    state: dict[str, Any] = {
+        "kube_version": version,
+        "server": server,
+        "token": admin_token,
+        "kubeconfig": str(layout.kubeconfig),
+        "ca_file": str(pki.ca_cert),
+        "ports": asdict(ports),
+        "binaries": {k: str(v) for k, v in asdict(binaries).items()},
+        "pids": {},
+    }
+    info = _info(layout, state)
+    api = info.api()
+    marker = _marker(layout)
+    watched: list[tuple[str, int, Path]] = []
+
+    def launch(name: str, args: list[str]) -> None:
+        pid = spawn(args, layout.log_file(name))
+        state["pids"][name] = pid
+        _write_state(layout, state)  # written at once, so `down` can stop a half-started cluster
+        watched.append((name, pid, layout.log_file(name)))
+
+    def wait(what: str, check: Callable[[], bool]) -> None:
+        took = wait_until(
+            check, what=what, timeout_s=max(1.0, deadline - time.monotonic()),
+            watched=watched, marker=marker,
+        )  # fmt: skip
+        log(f"{what}: {took:.1f} s")
+
+    launch("etcd", c.etcd_args(binaries.etcd, layout, ports))
+    wait("etcd healthy", lambda: _http_ok(f"http://127.0.0.1:{ports.etcd_client}/health", '"true"'))
+    launch(
+        "kube-apiserver",
+        c.apiserver_args(
+            binaries.kube_apiserver, layout, ports, pki_ca=pki.ca_cert, pki_cert=pki.apiserver_cert,
+            pki_key=pki.apiserver_key, sa_key=pki.service_account_key,
+            sa_pub=pki.service_account_pub, minor=minor,
+        ),
+    )  # fmt: skip
+    wait("kube-apiserver ready", lambda: _api_ok(api, "/readyz"))
+    launch(
+        "kube-controller-manager",
+        c.controller_manager_args(
+            binaries.kube_controller_manager, layout, ports, pki_ca=pki.ca_cert,
+            ca_key=pki.ca_key, sa_key=pki.service_account_key, minor=minor,
+        ),
+    )  # fmt: skip
+    launch("kube-scheduler", c.scheduler_args(binaries.kube_scheduler, layout, ports, minor=minor))
+    register_nodes(api, nodes, kubelet_version=version)
+    log(f"registered nodes {', '.join(n.name for n in nodes)}")
+    wait("kube-controller-manager healthy", lambda: _https_ok(ports.controller_manager))
+    wait("kube-scheduler healthy", lambda: _https_ok(ports.scheduler))
+    # Pods can be created only once the service-account controllers have made the default
+    # service account (and, before 1.24, its token secret).
+    wait("default service account", lambda: _default_service_account(api, minor))
+    return info
+
+
+def _write_credentials(layout: c.Layout, server: str, ca_pem: str) -> str:
+    """Write the token file and the three kubeconfigs; returns the admin's token."""
+    tokens = {user: secrets.token_hex(16) for user in c.USER_GROUPS}
+    layout.tokens_file.write_text(c.build_token_file(tokens))
+    layout.tokens_file.chmod(0o600)
+    for path, user in (
+        (layout.kubeconfig, c.ADMIN_USER),
+        (layout.component_kubeconfig("kube-controller-manager"), c.CONTROLLER_MANAGER_USER),
+        (layout.component_kubeconfig("kube-scheduler"), c.SCHEDULER_USER),
+    ):
+        path.write_text(yaml.safe_dump(c.build_kubeconfig(server, ca_pem, user, tokens[user])))
+        path.chmod(0o600)
+    return tokens[c.ADMIN_USER]
+
+
+def _http_ok(url: str, expect: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return expect in response.read().decode()
+    except OSError:
+        return False
+
+
+def _https_ok(port: int) -> bool:
+    """A component's own /healthz (self-signed certificate: not verified; it is on loopback)."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{port}/healthz", timeout=2, context=context
+        ) as r:
+            return r.read().decode().strip() == "ok"
+    except OSError:
+        return False
+
+
+def _api_ok(api: Api, path: str) -> bool:
+    try:
+        return api.request("GET", path, timeout_s=2) == "ok"
+    except ApiError:
+        return False
+
+
+def _default_service_account(api: Api, minor: int) -> bool:
+    try:
+        account = api.request(
+            "GET", "/api/v1/namespaces/default/serviceaccounts/default", timeout_s=2
+        )
+    except ApiError:
+        return False
+    return minor >= 24 or bool(account.get("secrets"))

@@ -1,0 +1,86 @@
+"""`ddm dev-cluster {build,up,down,status}`: argument parsing only; the work is in `cluster`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from ddm.devcluster.build import BuildError, ensure_binaries
+from ddm.devcluster.cluster import down, status, up
+from ddm.devcluster.processes import StartupError
+
+
+def build_parser(prog: str = "ddm dev-cluster") -> argparse.ArgumentParser:
+    """The dev-cluster argument parser (a CLI can also mount its subcommands)."""
+    parser = argparse.ArgumentParser(prog=prog, description="A local Kubernetes control plane.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    for name, helptext in (
+        ("build", "find or build kube-apiserver, kube-controller-manager, kube-scheduler"),
+        ("up", "start the control plane and fake nodes; prints export KUBECONFIG=..."),
+        ("down", "stop the control plane"),
+        ("status", "print the state of the control plane as JSON"),
+    ):
+        action = sub.add_parser(name, help=helptext)
+        if name != "build":
+            action.add_argument("--dir", type=Path, default=None, help="state directory")
+        if name == "up":
+            action.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+            action.add_argument(
+                "--no-build", action="store_true", help="fail instead of building the binaries"
+            )
+        if name == "down":
+            action.add_argument("--purge", action="store_true", help="also delete its files")
+    return parser
+
+
+def _raise_system_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one dev-cluster action; returns the exit status (0 ok, 1 failed, 3 not running)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.action == "build":
+            found = ensure_binaries()
+            print(f"binaries from {found.origin}:")
+            for name, path in found.__dict__.items():
+                if name != "origin":
+                    print(f"  {name.replace('_', '-')}: {path}")
+        elif args.action == "up":
+            # SIGTERM (like Ctrl-C) interrupts `up`, which then stops what it started.
+            previous = signal.signal(signal.SIGTERM, _raise_system_exit)
+            try:
+                up(args.dir, timeout_s=args.timeout, allow_build=not args.no_build)
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+        elif args.action == "down":
+            down(args.dir, purge=args.purge)
+        else:
+            found = status(args.dir)
+            print(
+                json.dumps(
+                    {
+                        "state_dir": str(found.state_dir),
+                        "running": found.running,
+                        "ready": found.ready,
+                        "components": found.components,
+                        "server": found.info.server if found.info else None,
+                        "kubeconfig": str(found.info.kubeconfig) if found.info else None,
+                    },
+                    indent=2,
+                )
+            )
+            return 0 if found.running else 3
+    except (BuildError, StartupError) as error:
+        print(f"ddm dev-cluster {args.action}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
