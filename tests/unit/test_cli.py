@@ -116,3 +116,13 @@ def test_eval_rejects_a_bad_samples_file(tmp_path, capsys):
     bad.write_bytes(b"not a zip")
     code, captured = _run(capsys, "eval", bad, "--json")
     assert code == 2 and "not a readable .npz" in captured.err
+
+
+def test_eval_reads_what_sample_writes(tiny_ddm, tmp_path, capsys):
+    from ddm.samples import load_samples_npz
+
+    out = tmp_path / "s.npz"
+    assert _run(capsys, *_sample(tiny_ddm, out, "--labels", "3"))[0] == 0
+    samples = load_samples_npz(out)
+    assert samples.images.shape == (1, 8, 8) and samples.labels.tolist() == [3]
+    assert samples.expert_calls.tolist() == [3]

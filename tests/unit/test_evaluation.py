@@ -18,15 +18,14 @@ from ddm.evaluation import (
     Classifier,
     ClassifierConfig,
     ClassifierNet,
-    SamplesFileError,
     evaluate_samples,
     frechet_distance,
     frechet_distance_from_stats,
     load_classifier,
-    load_samples_npz,
     save_classifier,
     train_classifier,
 )
+from ddm.samples import SamplesFileError, load_samples_npz
 
 # --- Frechet distance --------------------------------------------------------------------
 

@@ -12,7 +12,8 @@ from ddm.checkpoint import read_meta
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import load_dataset
 from ddm.evaluation.classifier import Classifier, load_classifier
-from ddm.evaluation.evaluate import evaluate_samples, load_samples_npz
+from ddm.evaluation.evaluate import evaluate_samples
+from ddm.samples import load_samples_npz
 
 
 def default_classifier() -> Path:

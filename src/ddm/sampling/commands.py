@@ -10,6 +10,7 @@ import numpy as np
 from ddm.fileio import atomic_path
 from ddm.sampling.pipeline import default_checkpoints, generate, load_ddm, validate_request
 from ddm.sampling.routing import parse_strategy
+from ddm.samples import save_samples_npz
 
 
 def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int],
@@ -39,20 +40,15 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
                          solver, first_index=start)
         images.append(chunk.images)
         calls.append(chunk.expert_calls)
-    result = {
-        "images": np.concatenate(images), "labels": all_labels,
-        "expert_calls": np.concatenate(calls),
-        "strategy": np.array(parsed.name if ddm.is_mixture else "single"),
-        "steps": np.array(steps), "solver": np.array(solver), "seed": np.array(seed),
-        "source": np.array(str(source)),
-    }
-    with atomic_path(out) as tmp:
-        with open(tmp, "wb") as f:
-            np.savez_compressed(f, **result)
+    images, calls = np.concatenate(images), np.concatenate(calls)
+    routing = parsed.name if ddm.is_mixture else "single"
+    save_samples_npz(out, images, all_labels, calls,
+                     {"strategy": routing, "steps": steps, "solver": solver, "seed": seed,
+                      "source": str(source)})
     if png is not None:
-        write_png_grid(png, result["images"], columns=n_per_label if n_per_label > 1 else len(all_labels))
-    return {"out": str(out), "n": int(len(all_labels)), "strategy": str(result["strategy"]),
-            "steps": steps, "mean_expert_calls": float(result["expert_calls"].mean())}
+        write_png_grid(png, images, columns=n_per_label if n_per_label > 1 else len(all_labels))
+    return {"out": str(out), "n": int(len(all_labels)), "strategy": routing, "steps": steps,
+            "mean_expert_calls": float(calls.mean())}
 
 
 def write_png_grid(path: Path, images: np.ndarray, columns: int) -> None:

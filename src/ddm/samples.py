@@ -1,0 +1,99 @@
+"""The samples file: what ``ddm sample`` writes and ``ddm eval`` and the report read.
+
+An ``.npz`` with ``images`` uint8 ``(N, H, W)`` (0 background, 255 ink), ``labels`` int
+``(N,)`` (the class each sample was conditioned on), optionally ``expert_calls`` int ``(N,)``
+(expert forward passes per sample), and scalar settings (strategy, steps, solver, seed,
+source) recorded for provenance. One module reads and writes it, so the two cannot drift.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddm.fileio import atomic_path
+
+_REQUIRED_KEYS = ("images", "labels")
+_OPTIONAL_KEYS = ("expert_calls",)
+#: Scalar provenance written by ``ddm sample``; read back as plain Python values.
+SETTINGS_KEYS = ("strategy", "steps", "solver", "seed", "source")
+
+
+class SamplesFileError(ValueError):
+    """A samples file is missing, unreadable, or does not hold the arrays it should."""
+
+
+@dataclass(frozen=True, eq=False)
+class SampleSet:
+    """``images`` uint8 ``(N, H, W)``, ``labels`` int64 ``(N,)``, ``expert_calls`` int64 or None."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    expert_calls: np.ndarray | None = None
+
+
+def load_samples_npz(path: str | os.PathLike) -> SampleSet:
+    """Read and validate a samples file; every problem raises :class:`SamplesFileError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise SamplesFileError(f"samples file {path} does not exist")
+    unreadable = (OSError, ValueError, EOFError, zipfile.BadZipFile)
+    try:
+        archive = np.load(path, allow_pickle=False)
+    except unreadable as exc:
+        raise SamplesFileError(f"samples file {path} is not a readable .npz ({exc})") from None
+    if not isinstance(archive, np.lib.npyio.NpzFile):
+        raise SamplesFileError(f"samples file {path} is a single .npy array, not an .npz")
+    with archive:
+        keys = set(archive.files)
+        try:
+            arrays = {k: archive[k] for k in keys & {*_REQUIRED_KEYS, *_OPTIONAL_KEYS}}
+        except unreadable as exc:
+            raise SamplesFileError(f"samples file {path} has a corrupt array ({exc})") from None
+    missing = [k for k in _REQUIRED_KEYS if k not in keys]
+    unknown = sorted(keys - {*_REQUIRED_KEYS, *_OPTIONAL_KEYS, *SETTINGS_KEYS})
+    if missing or unknown:
+        raise SamplesFileError(f"samples file {path}: missing keys {missing}, unknown keys "
+                               f"{unknown}; expected images, labels and optionally expert_calls")
+    images, labels = arrays["images"], arrays["labels"]
+    if images.dtype != np.uint8 or images.ndim != 3:
+        raise SamplesFileError(f"samples file {path}: images must be uint8 (N, H, W), got "
+                               f"{images.dtype} {images.shape}")
+    n = images.shape[0]
+    _check_counts(path, "labels", labels, n)
+    calls = arrays.get("expert_calls")
+    if calls is not None:
+        _check_counts(path, "expert_calls", calls, n)
+    return SampleSet(images=images, labels=labels.astype(np.int64),
+                     expert_calls=None if calls is None else calls.astype(np.int64))
+
+
+def _check_counts(path: Path, key: str, values: np.ndarray, n: int) -> None:
+    if values.dtype.kind not in "iu" or values.shape != (n,):
+        raise SamplesFileError(f"samples file {path}: {key} must be integers of shape ({n},), "
+                               f"got {values.dtype} {values.shape}")
+    if n and values.min() < 0:
+        raise SamplesFileError(f"samples file {path}: {key} must be non-negative")
+
+
+def save_samples_npz(path: str | os.PathLike, images: np.ndarray, labels: np.ndarray,
+                     expert_calls: np.ndarray | None = None,
+                     settings: dict[str, Any] | None = None) -> Path:
+    """Write a samples file atomically; ``settings`` keys must be in ``SETTINGS_KEYS``."""
+    unknown = sorted(set(settings or {}) - set(SETTINGS_KEYS))
+    if unknown:
+        raise ValueError(f"unknown samples settings {unknown}; known: {', '.join(SETTINGS_KEYS)}")
+    arrays: dict[str, np.ndarray] = {"images": np.asarray(images, np.uint8),
+                                     "labels": np.asarray(labels, np.int64)}
+    if expert_calls is not None:
+        arrays["expert_calls"] = np.asarray(expert_calls, np.int64)
+    arrays |= {k: np.array(v) for k, v in (settings or {}).items()}
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez_compressed(f, **arrays)
+    return Path(path)
