@@ -17,7 +17,11 @@ class UserError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "dev-cluster":  # its own parser handles its options, --help included
+        args.args = extra + args.args
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler: Callable[[argparse.Namespace], int | None] = args.handler
     try:
         return int(handler(args) or 0)
@@ -37,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(commands)
     _add_eval(commands)
     _add_report(commands)
+    _add_dev_cluster(commands)
     return parser
 
 
@@ -218,6 +223,22 @@ def _report(args: argparse.Namespace) -> int:
                         steps=args.steps, seed=args.seed, out=args.out)
     print(f"wrote {path}")
     return 0
+
+
+# -- dev cluster --------------------------------------------------------------------------------
+
+def _add_dev_cluster(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("dev-cluster", add_help=False,
+                            help="a local Kubernetes control plane with fake accelerator nodes "
+                                 "(build, up, down, status)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(handler=lambda args: _dev_cluster(args.args))
+
+
+def _dev_cluster(argv: list[str]) -> int:
+    from ddm.devcluster import main as dev_cluster_main
+
+    return dev_cluster_main(argv)
 
 
 def _parse_labels(text: str) -> list[int]:
