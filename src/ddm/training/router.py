@@ -6,11 +6,10 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ddm.convention import interpolate
 from ddm.models.config import RouterConfig
 from ddm.models.router_net import RouterNet
 from ddm.training.config import TrainConfig
-from ddm.training.torch_loop import EMA, ProgressFn, optimise, step_rng
+from ddm.training.torch_loop import ProgressFn, noisy_batch, optimise, prepare
 
 
 def train_router(router_config: RouterConfig, train: TrainConfig, images: np.ndarray,
@@ -27,22 +26,16 @@ def train_router(router_config: RouterConfig, train: TrainConfig, images: np.nda
         raise ValueError(f"partition_ids must have shape ({len(images)},), got {ids.shape}")
     if ids.min() < 0 or ids.max() >= router_config.num_experts:
         raise ValueError(f"partition ids must lie in [0, {router_config.num_experts})")
-    device = device or torch.device("cpu")
     torch.manual_seed(train.seed)
-    model = RouterNet(router_config).to(device)
-    ema = EMA(model, train.ema_decay)
+    model, ema, device = prepare(RouterNet(router_config), train, device)
     images = np.asarray(images, dtype=np.float32)
     labels = np.asarray(labels, dtype=np.int64)
 
     def loss_at(step: int) -> torch.Tensor:
-        rng = step_rng(train.seed, step)
-        idx = rng.integers(0, len(images), train.batch_size)
-        t = rng.random(train.batch_size, dtype=np.float32)
-        x0 = rng.standard_normal(images[idx].shape, dtype=np.float32)
-        x_t = interpolate(x0, images[idx], t)
-        logits = model(torch.from_numpy(x_t).to(device), torch.from_numpy(t).to(device),
-                       torch.from_numpy(labels[idx]).to(device))
-        return F.cross_entropy(logits, torch.from_numpy(ids[idx]).to(device))
+        rows, path = noisy_batch(images, train, step)
+        logits = model(torch.from_numpy(path.x_t).to(device), torch.from_numpy(path.t).to(device),
+                       torch.from_numpy(labels[rows]).to(device))
+        return F.cross_entropy(logits, torch.from_numpy(ids[rows]).to(device))
 
     optimise(model, train, loss_at, progress, ema)
     return ema.weights()

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ddm.convention import PathSample, sample_path
 from ddm.training.config import TrainConfig
 
 #: ``progress(step, loss)``; trainers call it every ``PROGRESS_EVERY`` steps and at the end.
@@ -15,9 +16,25 @@ ProgressFn = Callable[[int, float], None]
 PROGRESS_EVERY = 10
 
 
-def step_rng(seed: int, step: int) -> np.random.Generator:
-    """The generator for one step's batch and noise: reproducible from (seed, step) alone."""
-    return np.random.default_rng([seed, step])
+def noisy_batch(images: np.ndarray, train: TrainConfig, step: int) -> tuple[np.ndarray, PathSample]:
+    """Step ``step``'s batch: row indices and their point on the path, from (seed, step) alone.
+
+    Rows are drawn with replacement, ``t ~ U(0, 1)``, noise ``x0 ~ N(0, I)``; ``images`` are
+    ``(N, C, H, W)`` in model space. Experts and the router see the same distribution.
+    """
+    rng = np.random.default_rng([train.seed, step])
+    rows = rng.integers(0, len(images), train.batch_size)
+    t = rng.random(train.batch_size, dtype=np.float32)
+    x0 = rng.standard_normal((train.batch_size, *images.shape[1:]), dtype=np.float32)
+    return rows, sample_path(x0, images[rows], t)
+
+
+def prepare(model: nn.Module, train: TrainConfig, device: torch.device | None
+            ) -> tuple[nn.Module, EMA, torch.device]:
+    """Seeded initialisation happens before this; moves ``model`` and starts its EMA."""
+    device = device or torch.device("cpu")
+    model = model.to(device)
+    return model, EMA(model, train.ema_decay), device
 
 
 def make_optimizer(model: nn.Module, train: TrainConfig

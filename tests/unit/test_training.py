@@ -1,0 +1,78 @@
+"""Training commands end to end at smoke size: experts, router, provenance, and refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ddm.checkpoint import CheckpointError, read_meta
+from ddm.cli import main
+from ddm.models.config import UNET_CONFIGS
+from ddm.training.config import TrainConfig
+from ddm.training.torch_expert import train_torch_unet
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(*argv):
+    return main(["train", *map(str, argv), "--steps", "3", "--batch-size", "8", "--quiet"])
+
+
+def test_torch_training_is_deterministic_and_learns():
+    rng = np.random.default_rng(0)
+    images = rng.uniform(-1, 1, (32, 1, 8, 8)).astype(np.float32)
+    labels = rng.integers(0, 10, 32)
+    train = TrainConfig(steps=4, batch_size=8, warmup_steps=1, ema_decay=0.0)
+    a = train_torch_unet(UNET_CONFIGS["smoke"], train, images, labels)
+    b = train_torch_unet(UNET_CONFIGS["smoke"], train, images, labels)
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_learning_rate_schedule_warms_up_then_decays_to_zero():
+    train = TrainConfig(steps=10, warmup_steps=2, learning_rate=1.0)
+    rates = [train.learning_rate_at(s) for s in range(10)]
+    assert rates[:2] == [0.5, 1.0] and rates[2] == 1.0
+    assert all(x >= y for x, y in zip(rates[2:], rates[3:])) and rates[-1] < 0.05
+
+
+def test_experts_and_router_record_their_partition(tmp_path):
+    for index in (0, 1):
+        assert _train("expert", "--config", "smoke", "--partition", "kmeans:2", "--index", index,
+                      "--out", tmp_path / f"e{index}") == 0
+    assert _train("router", "--experts", tmp_path, "--out", tmp_path / "router") == 0
+    expert, router = read_meta(tmp_path / "e1"), read_meta(tmp_path / "router")
+    assert expert.partition["index"] == 1 and expert.partition["scheme"]["method"] == "kmeans"
+    assert router.partition["scheme"] == expert.partition["scheme"]
+    assert router.architecture["num_experts"] == 2
+    recorded = json.loads((tmp_path / "e1" / "config.json").read_text())
+    assert recorded["training"]["steps"] == 3 and recorded["data"]["source"] == "digits"
+
+
+def test_router_refuses_experts_of_different_partitions(tmp_path, capsys):
+    _train("expert", "--config", "smoke", "--partition", "labels:0-4,5-9", "--index", 0,
+           "--out", tmp_path / "e0")
+    _train("expert", "--config", "smoke", "--partition", "labels:0-2,3-9", "--index", 1,
+           "--out", tmp_path / "e1")
+    assert _train("router", "--experts", tmp_path, "--out", tmp_path / "router") == 2
+    assert "do not share one partition" in capsys.readouterr().err
+    assert not (tmp_path / "router").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (("--partition", "labels:0-4,5-9", "--index", 2), "--index 2 is outside the 2 parts"),
+    (("--partition", "colour:3", "--index", 0), "unknown partition 'colour:3'"),
+    (("--partition", "labels:0-4,4-9", "--index", 0), "label 4 is in groups 0 and 1"),
+    (("--partition", "labels:0-4", "--index", 0, "--data", "imagenet"), "unknown data source"),
+    (("--partition", "labels:0-4", "--index", 0, "--config", "huge"), "unknown UNet config"),
+])
+def test_expert_training_rejects_bad_input(tmp_path, capsys, argv, message):
+    code = _train("expert", "--config", "smoke", *argv, "--out", tmp_path / "e")
+    assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
