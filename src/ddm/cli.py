@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(commands)
     _add_eval(commands)
     _add_report(commands)
+    _add_serve(commands)
     _add_dev_cluster(commands)
     return parser
 
@@ -222,6 +223,36 @@ def _report(args: argparse.Namespace) -> int:
     path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
                         steps=args.steps, seed=args.seed, out=args.out)
     print(f"wrote {path}")
+    return 0
+
+
+# -- serve --------------------------------------------------------------------------------------
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="run an expert or router server")
+    roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
+    p = roles.add_parser("expert", help="serve one expert's velocity over the binary protocol")
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=("torch", "jax", "neuron"), default="torch")
+    p.add_argument("--device", default=None,
+                   help="torch: cpu, cuda[:N]; jax: cpu, gpu, tpu[:N]; neuron: none")
+    p.add_argument("--max-batch", type=int, default=64, help="images per model call")
+    p.add_argument("--max-delay-ms", type=float, default=0.0,
+                   help="wait this long for more requests before a model call")
+    p.add_argument("--compile-cache", type=Path, default=None,
+                   help="neuron: where traced models are cached")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(handler=_serve_expert)
+
+
+def _serve_expert(args: argparse.Namespace) -> int:
+    from ddm.serving.expert_server import serve_expert
+
+    serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
+                 device=args.device, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
+                 log_level=args.log_level, compile_cache=args.compile_cache)
     return 0
 
 

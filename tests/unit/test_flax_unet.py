@@ -137,5 +137,7 @@ def test_select_jax_device() -> None:
     assert select_jax_device(None) is not None
     with pytest.raises(ValueError, match="'tpu' is not available"):
         select_jax_device("tpu")
-    with pytest.raises(ValueError, match="unknown JAX platform"):
+    with pytest.raises(ValueError, match="unknown JAX device 'cuda'"):
         select_jax_device("cuda")
+    with pytest.raises(ValueError, match="cpu has 1 device"):
+        select_jax_device("cpu:7")

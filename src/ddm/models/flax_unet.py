@@ -271,14 +271,19 @@ PLATFORMS = ("cpu", "gpu", "tpu")
 
 
 def select_jax_device(name: str | None) -> jax.Device:
-    """The first device of platform ``cpu``, ``gpu`` or ``tpu``; None is JAX's default."""
+    """``cpu``, ``gpu`` or ``tpu``, optionally ``:N`` -> a ``jax.Device``; None is JAX's default."""
     if name is None:
         return jax.devices()[0]
-    if name not in PLATFORMS:
-        raise ValueError(f"unknown JAX platform {name!r}; use one of {', '.join(PLATFORMS)}")
+    platform, _, index = name.partition(":")
+    if platform not in PLATFORMS or not (index == "" or index.isdigit()):
+        raise ValueError(f"unknown JAX device {name!r}; use cpu, gpu or tpu, optionally with :N")
     try:
-        return jax.devices(name)[0]
+        devices = jax.devices(platform)
     except RuntimeError:
         raise ValueError(
-            f"JAX platform {name!r} is not available here (default backend: "
+            f"JAX platform {platform!r} is not available here (default backend: "
             f"{jax.default_backend()}); install the jax build for it or pick another") from None
+    if int(index or 0) >= len(devices):
+        raise ValueError(f"JAX device {name!r} asked for, but {platform} has {len(devices)} "
+                         "device(s)")
+    return devices[int(index or 0)]

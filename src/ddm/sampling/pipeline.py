@@ -145,12 +145,22 @@ def expert_velocity(ckpt: Checkpoint, backend: str = "native",
         return torch_io.velocity_fn(torch_io.unet_from_checkpoint(ckpt, torch_device),
                                     torch_device)
     if framework == "jax":
+        import jax
+
         from ddm.models import flax_unet
         from ddm.models.config import UNetConfig
 
         config = UNetConfig.from_dict(ckpt.meta.architecture)
-        params = flax_unet.params_from_canonical(ckpt.weights, config)
-        return flax_unet.make_velocity_fn(params, config)
+        target = flax_unet.select_jax_device(device)
+        with jax.default_device(target):  # parameters are placed on the default device
+            velocity = flax_unet.make_velocity_fn(
+                flax_unet.params_from_canonical(ckpt.weights, config, ckpt.path), config)
+
+        def on_device(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+            with jax.default_device(target):  # inputs follow the parameters
+                return velocity(x, t, y)
+
+        return on_device
     raise ValueError(f"unknown framework {framework!r}")
 
 

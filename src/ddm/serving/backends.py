@@ -1,0 +1,189 @@
+"""Model backends an expert serves with: PyTorch, JAX, or torch-neuronx (AWS Trainium/Inferentia).
+
+The checkpoint format is framework-neutral, so any backend serves any expert. Each backend is
+a NumPy velocity callable ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> v`` plus the batch
+sizes it is compiled for: JAX compiles one program per batch size and a Neuron trace is fixed
+to one, so those backends pad each batch up to a bucket of :func:`batch_buckets` and compile
+every bucket during :meth:`Backend.warm_up`, before the server reports ready. PyTorch runs any
+size eagerly and is warmed at 1 and ``max_batch`` rows.
+
+Frameworks are imported only when their backend is selected, so a JAX image needs no torch and
+the CPU image needs no torch-neuronx.
+
+Neuron compile cache: ``torch_neuronx.trace`` compiles each bucket with neuronx-cc (minutes for
+a UNet). The traced modules are saved with ``torch.jit.save`` under ``compile_cache``
+(default ``$DDM_NEURON_CACHE``, else ``~/.cache/ddm/neuron``), keyed by the weights' SHA-256,
+the bucket and the torch-neuronx version, and reloaded with ``torch.jit.load`` on the next
+start. Mount that directory on a persistent volume to skip compilation after a restart.
+Compiler flags still come from ``NEURON_CC_FLAGS``; NeuronCores are chosen with
+``NEURON_RT_VISIBLE_CORES``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ddm.checkpoint import CONFIG_FILE, Checkpoint
+from ddm.models.config import UNetConfig
+from ddm.sampling.pipeline import expert_velocity
+from ddm.sampling.solvers import VelocityFn
+from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
+
+BACKENDS = ("torch", "jax", "neuron")
+#: The modules each backend imports, checked (without importing) before anything loads.
+_REQUIRES = {"torch": ("torch",), "jax": ("jax", "flax"), "neuron": ("torch", "torch_neuronx")}
+_INSTALL_HINTS = {
+    "torch": "pip install 'ddm-operator[torch]'",
+    "jax": "pip install 'ddm-operator[jax]' (with the jax build for your accelerator)",
+    "neuron": "use the Neuron image (Dockerfile.neuron) or install torch-neuronx from AWS's "
+              "repository on an Inf2/Trn1 host: pip install torch-neuronx "
+              "--extra-index-url https://pip.repos.neuron.amazonaws.com",
+}
+
+
+class BackendUnavailable(RuntimeError):
+    """The selected backend's framework is not installed, or its device does not exist."""
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """``framework``: the library running the model; ``device``: where it runs."""
+
+    framework: str
+    backend: str
+    device: str
+
+
+class Backend:
+    """A velocity callable with the batch sizes it is compiled for and a warm-up over them."""
+
+    def __init__(self, run: VelocityFn, info: BackendInfo, image_shape: tuple[int, int, int],
+                 warm_sizes: tuple[int, ...], pads_to_warm_sizes: bool, warm_label: int) -> None:
+        self._run = run
+        self._info = info
+        self._image_shape = image_shape
+        self._warm_sizes = warm_sizes
+        self._pads = pads_to_warm_sizes
+        self._warm_label = warm_label
+
+    def velocity(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``v(x, t, y)``: ``x`` (B, C, H, W) float32, ``t`` (B,), ``y`` (B,) -> (B, C, H, W)."""
+        if not self._pads:
+            return self._run(x, t, y)
+        rows = x.shape[0]
+        padded = pad_rows((x, t, y), bucket_for(rows, self._warm_sizes))
+        return self._run(*padded)[:rows]
+
+    def info(self) -> BackendInfo:
+        """What runs the model and where, for ``/v1/info`` and logs."""
+        return self._info
+
+    def warm_up(self) -> None:
+        """Run every compiled batch size once, so that no request pays for compilation."""
+        for size in self._warm_sizes:
+            self.velocity(np.zeros((size, *self._image_shape), np.float32),
+                          np.full((size,), 0.5, np.float32),
+                          np.full((size,), self._warm_label, np.int64))
+
+
+def check_backend(name: str, device: str | None = None) -> None:
+    """Fail fast, without importing anything, if backend ``name`` cannot run here."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+    missing = [m for m in _REQUIRES[name] if importlib.util.find_spec(m) is None]
+    if missing:
+        others = ", ".join(b for b in BACKENDS if b != name)
+        raise BackendUnavailable(
+            f"backend {name!r} needs {', '.join(missing)}, which is not installed here; "
+            f"{_INSTALL_HINTS[name]}; or pick another backend ({others})")
+    if name == "neuron" and device is not None:
+        raise ValueError("the neuron backend takes no device: choose NeuronCores with "
+                         "NEURON_RT_VISIBLE_CORES")
+
+
+def load_backend(ckpt: Checkpoint, backend: str, device: str | None, max_batch: int,
+                 compile_cache: Path | None = None) -> Backend:
+    """Build ``backend`` for a UNet checkpoint (not yet warmed up).
+
+    ``device``: torch ``cpu``/``cuda[:N]``/``xla``; JAX ``cpu``/``gpu``/``tpu`` with an optional
+    ``:N``; None for the framework's default. Neuron takes no device (see the module doc).
+    """
+    check_backend(backend, device)
+    config = UNetConfig.from_dict(ckpt.meta.architecture)
+    image_shape = (config.in_channels, config.image_size, config.image_size)
+    label = min(ckpt.meta.classes, default=0)
+    if backend == "torch":
+        return _torch_backend(ckpt, device, max_batch, image_shape, label)
+    if backend == "jax":
+        return _jax_backend(ckpt, device, max_batch, image_shape, label)
+    return _neuron_backend(ckpt, max_batch, image_shape, label, compile_cache)
+
+
+def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
+                   image_shape: tuple[int, int, int], label: int) -> Backend:
+    import torch
+
+    from ddm.models.torch_io import select_torch_device
+
+    info = BackendInfo(f"torch {torch.__version__}", "torch", str(select_torch_device(device)))
+    return Backend(expert_velocity(ckpt, "torch", device), info, image_shape,
+                   tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label)
+
+
+def _jax_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
+                 image_shape: tuple[int, int, int], label: int) -> Backend:
+    import jax
+
+    from ddm.models.flax_unet import select_jax_device
+
+    try:
+        target = select_jax_device(device)
+    except ValueError as exc:
+        raise BackendUnavailable(str(exc)) from None
+    run = expert_velocity(ckpt, "jax", device)
+    info = BackendInfo(f"jax {jax.__version__}", "jax", f"{target.platform}:{target.id}")
+    return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
+                   warm_label=label)
+
+
+def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, int, int],
+                    label: int, compile_cache: Path | None) -> Backend:
+    import torch
+    import torch_neuronx
+
+    from ddm.models.torch_io import unet_from_checkpoint
+
+    cache = compile_cache or Path(os.environ.get("DDM_NEURON_CACHE",
+                                                 Path.home() / ".cache" / "ddm" / "neuron"))
+    cache.mkdir(parents=True, exist_ok=True)
+    model = unet_from_checkpoint(ckpt)
+    sha = json.loads((ckpt.path / CONFIG_FILE).read_text())["weights_sha256"]
+    version = getattr(torch_neuronx, "__version__", "unknown")
+    traced = {}
+    for size in batch_buckets(max_batch):
+        path = cache / f"unet-{sha[:16]}-b{size}-neuronx-{version}.pt"
+        if path.is_file():
+            traced[size] = torch.jit.load(str(path))
+            continue
+        example = (torch.zeros((size, *image_shape)), torch.zeros(size),
+                   torch.zeros(size, dtype=torch.int64))
+        traced[size] = torch_neuronx.trace(model, example)
+        torch.jit.save(traced[size], str(path))
+
+    def run(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():  # the trace was made with int64 labels
+            v = traced[x.shape[0]](torch.as_tensor(x), torch.as_tensor(t),
+                                   torch.as_tensor(y, dtype=torch.int64))
+        return v.numpy()
+
+    cores = os.environ.get("NEURON_RT_VISIBLE_CORES", "all")
+    info = BackendInfo(f"torch-neuronx {version}", "neuron", f"neuron (cores: {cores})")
+    return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
+                   warm_label=label)

@@ -1,0 +1,274 @@
+"""The expert server over real HTTP on loopback, with real (random-init smoke) models.
+
+Each server runs in-process on a uvicorn thread over a socket bound to port 0, and tests wait
+for readiness by polling ``/readyz`` against a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import statistics
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import aiohttp
+import httpx
+import numpy as np
+import pytest
+
+from ddm.checkpoint import load_checkpoint
+from ddm.sampling.pipeline import expert_velocity
+from ddm.sampling.solvers import iterate
+from ddm.serving.backends import BackendUnavailable, check_backend, load_backend
+from ddm.serving.expert_server import build_server, create_expert_app
+from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
+                                  VelocityRequest, decode_response, encode_request)
+
+SHAPE = (1, 8, 8)  # the smoke config's images
+READY_DEADLINE_S = 60.0
+HEADERS = {"Content-Type": CONTENT_TYPE}
+
+
+@contextmanager
+def running(app) -> Iterator[str]:
+    """Serve ``app`` on a free loopback port; yields the base URL, stops the server after."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = build_server(app, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        time.sleep(0.05)
+    raise AssertionError(f"{base} not ready after {READY_DEADLINE_S} s: "
+                         f"{httpx.get(f'{base}/readyz').text}")
+
+
+@contextmanager
+def ready_server(checkpoint: Path, backend: str = "torch", device: str | None = None,
+                 max_batch: int = 8, max_delay_ms: float = 0.0) -> Iterator[str]:
+    with running(create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms)) as base:
+        wait_ready(base)
+        yield base
+
+
+def post(base: str, body: bytes) -> httpx.Response:
+    return httpx.post(f"{base}/v1/velocity", content=body, headers=HEADERS)
+
+
+def velocity_request(batch: int, seed: int, request_id: int = 1,
+                     labels: list[int] | None = None) -> VelocityRequest:
+    rng = np.random.default_rng(seed)
+    return VelocityRequest(request_id, rng.standard_normal((batch, *SHAPE), dtype=np.float32),
+                           rng.uniform(0, 1, batch).astype(np.float32),
+                           np.asarray(labels if labels is not None else rng.integers(0, 5, batch)))
+
+
+def remote_error(response: httpx.Response, request_id: int) -> RemoteExpertError:
+    with pytest.raises(RemoteExpertError) as caught:
+        decode_response(response.content, request_id)
+    assert caught.value.code == response.status_code
+    return caught.value
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets)."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+@pytest.fixture(scope="module")
+def torch_server(smoke_expert_checkpoint: Path) -> Iterator[str]:
+    with ready_server(smoke_expert_checkpoint, max_batch=8) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def torch_velocity(smoke_expert_checkpoint: Path):
+    return expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+def test_velocity_over_http_equals_in_process(backend, smoke_expert_checkpoint,
+                                              smoke_jax_expert_checkpoint):
+    checkpoint = smoke_expert_checkpoint if backend == "torch" else smoke_jax_expert_checkpoint
+    request = velocity_request(batch=3, seed=0, request_id=42)
+    expected = expert_velocity(load_checkpoint(checkpoint), backend)(request.x, request.t,
+                                                                     request.y)
+    with ready_server(checkpoint, backend, device="cpu", max_batch=4) as base:  # pads 3 -> 4
+        reply = post(base, encode_request(request))
+        info = httpx.get(f"{base}/v1/info").json()
+    assert reply.status_code == 200, reply.content
+    out = decode_response(reply.content, 42, expected_shape=(3, *SHAPE))
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+    assert info["backend"] == backend and info["framework"] == backend
+    assert info["device"] in ("cpu", "cpu:0") and info["runtime"].startswith(backend)
+    assert info["classes"] == [0, 1, 2, 3, 4] and info["image_shape"] == list(SHAPE)
+    assert info["max_batch"] == 4 and info["ready"] and info["convention"].startswith("linear-fm")
+
+
+def test_integrate_equals_local_solver(torch_server, torch_velocity):
+    velocity = velocity_request(batch=2, seed=1)
+    grid = np.array([0.0, 0.1, 0.35, 0.7, 1.0], np.float32)
+    request = IntegrateRequest(7, velocity.x, velocity.y, grid, Solver.HEUN)
+    reply = post(torch_server, encode_request(request))
+    assert reply.status_code == 200, reply.content
+    expected = velocity.x
+    for _, expected in iterate(torch_velocity, velocity.x, velocity.y, grid, "heun"):
+        pass
+    np.testing.assert_allclose(decode_response(reply.content, 7), expected, atol=1e-5)
+
+
+def test_concurrent_single_image_requests_are_batched_and_get_their_own_answers(
+        smoke_expert_checkpoint, torch_velocity):
+    requests = [velocity_request(batch=1, seed=100 + i, request_id=i + 1) for i in range(32)]
+
+    async def send_all(base: str) -> list[bytes]:
+        async with aiohttp.ClientSession() as session:
+            async def one(request: VelocityRequest) -> bytes:
+                async with session.post(f"{base}/v1/velocity", data=encode_request(request),
+                                        headers=HEADERS) as response:
+                    assert response.status == 200
+                    return await response.read()
+            return await asyncio.gather(*(one(r) for r in requests))
+
+    # A long delay makes coalescing certain; the batch dispatches as soon as it holds 32.
+    with ready_server(smoke_expert_checkpoint, max_batch=32, max_delay_ms=2000) as base:
+        replies = asyncio.run(send_all(base))
+        metrics = httpx.get(f"{base}/metrics").text
+    for request, reply in zip(requests, replies):
+        expected = torch_velocity(request.x, request.t, request.y)
+        np.testing.assert_allclose(decode_response(reply, request.request_id), expected,
+                                   atol=1e-5)
+    assert metric(metrics, "ddm_expert_batch_images_sum") == 32
+    assert metric(metrics, "ddm_expert_batch_images_count") < 32  # some batches held several
+    assert metric(metrics, 'ddm_expert_images_total{kind="velocity"}') == 32
+    assert metric(metrics, "ddm_expert_queue_delay_seconds_count") == 32
+
+
+def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(torch_server,
+                                                                          torch_velocity):
+    good = velocity_request(batch=2, seed=3, request_id=9)
+    wrong_dtype = bytearray(encode_request(good))
+    wrong_dtype[19] = 3  # the dtype code of 'x' (after the 18-byte header and its name code)
+    # (body, status, message pattern, request id echoed: 0 where the header was unreadable)
+    cases = [
+        (b"", 400, "truncated header: 0 bytes", 0),
+        (b"GET / HTTP/1.1\r\n\r\n garbage" * 10, 400, "magic", 0),
+        (bytes(wrong_dtype), 400, "int32", 9),
+        (encode_request(VelocityRequest(9, np.zeros((1, 1, 4, 4), np.float32),
+                                        np.zeros(1, np.float32), np.zeros(1, np.int64))),
+         422, r"this expert serves \(1, 8, 8\)", 9),
+        (encode_request(velocity_request(batch=9, seed=0, request_id=9)), 413,
+         "batch of 9 exceeds the limit of 8", 9),
+        (encode_request(velocity_request(batch=2, seed=0, request_id=9, labels=[1, 7])), 422,
+         r"labels \[7\] are not served by this expert \(serves \[0, 1, 2, 3, 4\]\)", 9),
+    ]
+    for body, status, message, echoed in cases:
+        reply = post(torch_server, body)
+        assert reply.status_code == status, (message, reply.content)
+        assert re.search(message, remote_error(reply, echoed).message)
+    reply = post(torch_server, encode_request(good))
+    assert reply.status_code == 200
+    np.testing.assert_allclose(decode_response(reply.content, 9),
+                               torch_velocity(good.x, good.t, good.y), atol=1e-5)
+    metrics = httpx.get(f"{torch_server}/metrics").text
+    assert metric(metrics, 'ddm_expert_requests_total{kind="invalid",status="422"}') >= 2
+    assert httpx.get(f"{torch_server}/healthz").status_code == 200
+
+
+def test_readyz_is_503_until_warm_up_completes(smoke_expert_checkpoint):
+    release = threading.Event()
+
+    def slow_loader(ckpt, backend, device, max_batch, compile_cache):
+        release.wait(timeout=30)  # hold loading here until the test has looked
+        return load_backend(ckpt, backend, device, max_batch, compile_cache)
+
+    app = create_expert_app(smoke_expert_checkpoint, max_batch=2, loader=slow_loader)
+    with running(app) as base:
+        deadline = time.monotonic() + READY_DEADLINE_S
+        while not _listening(base) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        readyz = httpx.get(f"{base}/readyz")
+        assert (readyz.status_code, readyz.json()["status"]) == (503, "loading")
+        reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=5)))
+        assert reply.status_code == 503
+        assert "still loading" in remote_error(reply, 5).message
+        assert httpx.get(f"{base}/v1/info").json()["ready"] is False
+        release.set()
+        wait_ready(base)
+        assert post(base, encode_request(velocity_request(1, 0, request_id=5))).status_code == 200
+
+
+def test_a_failed_load_is_reported_by_the_probes(smoke_expert_checkpoint):
+    def broken_loader(ckpt, backend, device, max_batch, compile_cache):
+        raise RuntimeError("no such accelerator")
+
+    app = create_expert_app(smoke_expert_checkpoint, loader=broken_loader)
+    with running(app) as base:
+        deadline = time.monotonic() + READY_DEADLINE_S
+        while time.monotonic() < deadline:
+            if _listening(base) and httpx.get(f"{base}/healthz").status_code == 500:
+                break
+            time.sleep(0.05)
+        health = httpx.get(f"{base}/healthz")
+        assert health.status_code == 500 and "no such accelerator" in health.json()["error"]
+        assert httpx.get(f"{base}/readyz").status_code == 503
+        reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=3)))
+        assert "failed to load" in remote_error(reply, 3).message
+
+
+def test_neuron_backend_without_torch_neuronx_fails_clearly(smoke_expert_checkpoint):
+    with pytest.raises(BackendUnavailable, match="backend 'neuron' needs torch_neuronx"):
+        create_expert_app(smoke_expert_checkpoint, backend="neuron")
+    with pytest.raises(BackendUnavailable, match="pip.repos.neuron.amazonaws.com"):
+        load_backend(load_checkpoint(smoke_expert_checkpoint), "neuron", None, 4)
+    with pytest.raises(ValueError, match="unknown backend 'tensorflow'"):
+        check_backend("tensorflow")
+
+
+def test_sequential_requests_are_not_held_by_nagle(torch_server):
+    """A reply held for a delayed ACK costs 40 ms; a batch-1 step of the smoke model is ~1 ms."""
+    body = encode_request(velocity_request(batch=1, seed=0))
+
+    async def latencies() -> list[float]:
+        async with aiohttp.ClientSession() as session:
+            times = []
+            for _ in range(30):
+                started = time.perf_counter()
+                async with session.post(f"{torch_server}/v1/velocity", data=body,
+                                        headers=HEADERS) as response:
+                    await response.read()
+                times.append(time.perf_counter() - started)
+            return times
+
+    assert statistics.median(asyncio.run(latencies())) < 0.02
+
+
+def _listening(base: str) -> bool:
+    try:
+        httpx.get(f"{base}/healthz")
+    except httpx.TransportError:
+        return False
+    return True

@@ -1,0 +1,220 @@
+"""Dynamic batching: the pure batch-forming rules, bucket padding, and the Batcher's routing of
+results back to their own requests. No sleeps: tests hold the worker on events."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from ddm.serving.backends import Backend, BackendInfo
+from ddm.serving.batching import (Batcher, BatcherClosed, Dispatch, Pending, Wait, batch_buckets,
+                                  bucket_for, pad_rows, plan_batch)
+
+V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
+
+
+# -- plan_batch ---------------------------------------------------------------------------------
+
+def test_plan_waits_for_more_until_the_oldest_request_is_due():
+    queue = [Pending(V, 1, arrived=10.0), Pending(V, 2, arrived=10.001)]
+    assert plan_batch(queue, max_batch=8, max_delay=0.005, now=10.002) == Wait(pytest.approx(0.003))
+    assert plan_batch(queue, max_batch=8, max_delay=0.005, now=10.005) == Dispatch((0, 1))
+
+
+def test_plan_dispatches_a_full_batch_at_once():
+    queue = [Pending(V, 3, 0.0), Pending(V, 5, 0.0), Pending(V, 1, 0.0)]
+    assert plan_batch(queue, max_batch=8, max_delay=1.0, now=0.0) == Dispatch((0, 1))
+
+
+def test_plan_skips_what_does_not_fit_and_dispatches():
+    # 4 + 6 > 8, so the 6 waits for the next batch; the 2 behind it still fits.
+    queue = [Pending(V, 4, 0.0), Pending(V, 6, 0.0), Pending(V, 2, 0.0)]
+    assert plan_batch(queue, max_batch=8, max_delay=1.0, now=0.0) == Dispatch((0, 2))
+
+
+def test_plan_merges_only_requests_with_the_head_key():
+    queue = [Pending(A, 1, 0.0), Pending(V, 1, 0.0), Pending(B, 1, 0.0), Pending(A, 2, 0.0)]
+    assert plan_batch(queue, max_batch=64, max_delay=0.0, now=0.0) == Dispatch((0, 3))
+
+
+def test_plan_with_no_delay_takes_what_is_queued():
+    queue = [Pending(V, 1, 5.0)]
+    assert plan_batch(queue, max_batch=64, max_delay=0.0, now=5.0) == Dispatch((0,))
+
+
+def test_plan_refuses_an_empty_queue():
+    with pytest.raises(ValueError, match="non-empty"):
+        plan_batch([], max_batch=1, max_delay=0.0, now=0.0)
+
+
+# -- buckets and padding ------------------------------------------------------------------------
+
+def test_buckets_are_powers_of_two_then_max_batch():
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert batch_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert batch_buckets(1) == (1,)
+    with pytest.raises(ValueError):
+        batch_buckets(0)
+
+
+@pytest.mark.parametrize("rows, bucket", [(1, 1), (3, 4), (4, 4), (17, 32), (33, 48), (48, 48)])
+def test_bucket_is_the_smallest_that_fits(rows, bucket):
+    assert bucket_for(rows, batch_buckets(48)) == bucket
+
+
+def test_bucket_refuses_a_batch_over_the_largest():
+    with pytest.raises(ValueError, match="exceeds the largest compiled size 8"):
+        bucket_for(9, batch_buckets(8))
+
+
+def test_pad_repeats_the_last_row_and_keeps_the_originals():
+    x = np.arange(12, dtype=np.float32).reshape(3, 1, 2, 2)
+    y = np.array([7, 8, 9])
+    px, py = pad_rows((x, y), 4)
+    assert px.shape == (4, 1, 2, 2) and py.tolist() == [7, 8, 9, 9]
+    np.testing.assert_array_equal(px[:3], x)
+    np.testing.assert_array_equal(px[3], x[2])
+    assert pad_rows((x,), 3)[0] is x
+    with pytest.raises(ValueError):
+        pad_rows((x,), 2)
+
+
+def test_a_compiled_backend_runs_only_its_sizes_and_returns_the_real_rows():
+    seen = []
+
+    def run(x, t, y):
+        seen.append(x.shape[0])
+        return x + t[:, None, None, None] + y[:, None, None, None]
+
+    backend = Backend(run, BackendInfo("numpy", "test", "cpu"), (1, 2, 2), batch_buckets(8),
+                      pads_to_warm_sizes=True, warm_label=3)
+    backend.warm_up()
+    assert seen == [1, 2, 4, 8]
+    x = np.arange(12, dtype=np.float32).reshape(3, 1, 2, 2)
+    t, y = np.array([0.1, 0.2, 0.3], np.float32), np.array([1, 2, 3])
+    out = backend.velocity(x, t, y)
+    assert seen[-1] == 4
+    np.testing.assert_allclose(out, x + (t + y)[:, None, None, None])
+
+
+# -- Batcher ------------------------------------------------------------------------------------
+
+class GatedModel:
+    """``run`` doubles x plus the key's offset, records batch sizes, and holds its first call
+    until released, so that the test controls what queues up meanwhile."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, key, inputs):
+        (x,) = inputs
+        self.sizes.append(x.shape[0])
+        self.started.set()
+        self.release.wait(timeout=10)
+        return 2 * x + (100 if key == A else 0)
+
+
+def rows(values):
+    return (np.asarray(values, dtype=np.float32).reshape(-1, 1),)
+
+
+def test_concurrent_requests_get_their_own_rows_in_one_batch():
+    async def scenario():
+        model, reports = GatedModel(), []
+        batcher = Batcher(model, max_batch=64, max_delay_ms=0, on_batch=reports.append)
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(V, rows([-1])))
+        await asyncio.to_thread(model.started.wait, 10)  # the worker holds the first batch
+        values = [[i, i + 0.5] if i % 3 else [i] for i in range(20)]
+        tasks = [asyncio.create_task(batcher.submit(V, rows(v))) for v in values]
+        await asyncio.sleep(0)  # let every task enqueue (one loop turn, no wall-clock wait)
+        model.release.set()
+        results = await asyncio.gather(first, *tasks)
+        await batcher.close()
+        return model.sizes, reports, values, results
+
+    sizes, reports, values, results = asyncio.run(scenario())
+    assert sizes == [1, sum(len(v) for v in values)]
+    assert [r.images for r in reports] == sizes and len(reports[1].queue_delays) == 20
+    np.testing.assert_array_equal(results[0], [[-2]])
+    for value, result in zip(values, results[1:]):
+        np.testing.assert_array_equal(result, 2 * rows(value)[0])
+
+
+def test_different_keys_run_in_separate_batches():
+    async def scenario():
+        model = GatedModel()
+        batcher = Batcher(model, max_batch=64, max_delay_ms=0)
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(V, rows([0])))
+        await asyncio.to_thread(model.started.wait, 10)
+        tasks = [asyncio.create_task(batcher.submit(k, rows([i])))
+                 for i, k in enumerate([A, V, A, V])]
+        await asyncio.sleep(0)
+        model.release.set()
+        results = await asyncio.gather(first, *tasks)
+        await batcher.close()
+        return model.sizes, results
+
+    sizes, results = asyncio.run(scenario())
+    assert sizes == [1, 2, 2]
+    assert [r.item() for r in results[1:]] == [100, 2, 104, 6]
+
+
+def test_a_model_error_reaches_every_request_of_the_batch_and_the_batcher_goes_on():
+    calls = []
+
+    def run(key, inputs):
+        calls.append(inputs[0].shape[0])
+        if len(calls) == 1:
+            raise RuntimeError("device lost")
+        return inputs[0]
+
+    async def scenario():
+        batcher = Batcher(run, max_batch=4, max_delay_ms=0)
+        batcher.start()
+        with pytest.raises(RuntimeError, match="device lost"):
+            await batcher.submit(V, rows([1]))
+        result = await batcher.submit(V, rows([3]))
+        await batcher.close()
+        return result
+
+    np.testing.assert_array_equal(asyncio.run(scenario()), [[3]])
+
+
+def test_close_fails_queued_and_running_requests():
+    async def scenario():
+        model = GatedModel()
+        batcher = Batcher(model, max_batch=1, max_delay_ms=0)
+        batcher.start()
+        running = asyncio.create_task(batcher.submit(V, rows([1])))
+        await asyncio.to_thread(model.started.wait, 10)
+        queued = asyncio.create_task(batcher.submit(V, rows([2])))
+        await asyncio.sleep(0)
+        await batcher.close()
+        model.release.set()
+        outcomes = await asyncio.gather(running, queued, return_exceptions=True)
+        with pytest.raises(BatcherClosed):
+            await batcher.submit(V, rows([3]))
+        return outcomes
+
+    assert all(isinstance(o, BatcherClosed) for o in asyncio.run(scenario()))
+
+
+def test_submit_refuses_a_request_over_max_batch():
+    async def scenario():
+        batcher = Batcher(lambda key, inputs: inputs[0], max_batch=2, max_delay_ms=0)
+        batcher.start()
+        try:
+            await batcher.submit(V, rows([1, 2, 3]))
+        finally:
+            await batcher.close()
+
+    with pytest.raises(ValueError, match="1..2 rows, got 3"):
+        asyncio.run(scenario())
+
