@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(commands)
     _add_report(commands)
     _add_serve(commands)
+    _add_up(commands)
+    _add_operator(commands)
     _add_dev_cluster(commands)
     return parser
 
@@ -253,6 +255,65 @@ def _serve_expert(args: argparse.Namespace) -> int:
     serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
                  device=args.device, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
                  log_level=args.log_level, compile_cache=args.compile_cache)
+    return 0
+
+
+# -- local runtime ------------------------------------------------------------------------------
+
+def _add_up(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("up", help="run a DDMDeployment's experts and router as local "
+                                       "processes (default: the shipped digits example)")
+    p.add_argument("manifest", nargs="?", type=Path, default=None,
+                   help="a DDMDeployment YAML file (default: examples/digits.yaml)")
+    p.add_argument("--port", type=int, default=8080, help="the router's port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--pvc-root", type=Path, default=None,
+                   help="directory with one subdirectory per PVC, for pvc:// checkpoints")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    p.set_defaults(handler=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from ddm.operator.spec import load_manifest
+    from ddm.runtime.local import REPOSITORY_ROOT, run_local
+
+    path = args.manifest or REPOSITORY_ROOT / "examples" / "digits.yaml"
+    if not path.is_file():
+        raise UserError(f"manifest {path} does not exist")
+    return run_local(load_manifest(path), router_port=args.port, host=args.host,
+                     pvc_root=args.pvc_root, threads=args.threads)
+
+
+# -- operator -----------------------------------------------------------------------------------
+
+def _add_operator(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    p.add_argument("--namespace", action="append", default=None,
+                   help="watch this namespace (repeatable, globs like team-* work); "
+                        "default: the whole cluster")
+    p.add_argument("--liveness-port", type=int, default=None,
+                   help="serve kopf's liveness probe on this port")
+    p.add_argument("--kubeconfig", type=Path, default=None,
+                   help="default: in-cluster credentials, else $KUBECONFIG")
+    p.set_defaults(handler=_operator)
+
+    p = commands.add_parser("diagram", help="render a DDMDeployment's topology as Mermaid")
+    p.add_argument("file", type=Path)
+    p.set_defaults(handler=_diagram)
+
+
+def _operator(args: argparse.Namespace) -> int:
+    from ddm.operator.runner import run_operator
+
+    run_operator(args.namespace or None, liveness_port=args.liveness_port,
+                 kubeconfig=args.kubeconfig)
+    return 0
+
+
+def _diagram(args: argparse.Namespace) -> int:
+    from ddm.operator.diagram import diagram_file
+
+    print(diagram_file(args.file), end="")
     return 0
 
 

@@ -1,0 +1,16 @@
+"""The operator image's entry point: ``python operator/main.py`` (or ``ddm operator``).
+
+Watches the namespaces listed in ``DDM_WATCH_NAMESPACES`` (comma-separated; empty: the whole
+cluster), serves kopf's liveness probe on ``DDM_LIVENESS_PORT`` (default 8081), and reads the
+rest of its settings from the environment (``ddm.operator.config.OperatorConfig.from_env``).
+"""
+
+import os
+
+from ddm.operator.runner import run_operator
+
+if __name__ == "__main__":
+    run_operator(
+        [ns.strip() for ns in os.environ.get("DDM_WATCH_NAMESPACES", "").split(",") if ns.strip()],
+        liveness_port=int(os.environ.get("DDM_LIVENESS_PORT", "8081")),
+    )

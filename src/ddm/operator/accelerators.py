@@ -1,0 +1,165 @@
+"""What each accelerator type means on Kubernetes, and the sizes the platforms offer.
+
+One place for the platform facts: the extended resource a device plugin advertises, the taint
+its nodes carry, the node labels that pick a product, the image family, the expert server's
+``--backend``/``--device`` flags, and the per-pod counts that exist:
+
+- ``neuron`` (AWS Trainium/Inferentia, Neuron device plugin): ``aws.amazon.com/neuron`` whole
+  devices (1-16, a trn1.32xlarge has 16) or ``aws.amazon.com/neuroncore`` cores (1-32); torch
+  only (the server's neuron backend is torch-neuronx), with a compile cache directory.
+- ``nvidia`` (NVIDIA device plugin / GPU operator): ``nvidia.com/gpu`` 1-8; an optional
+  ``nvidia.com/gpu.product`` node selector (a GPU feature discovery label).
+- ``tpu`` (GKE): ``google.com/tpu`` chips of a single-host slice, 1, 4 or 8 (TPU v5e topologies
+  1x1, 2x2, 2x4), picked by the ``gke-tpu-accelerator`` and ``gke-tpu-topology`` labels.
+- ``cpu``: no device; size the pod with ``resources`` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
+NEURON_UNITS = ("device", "core")
+FRAMEWORKS = ("torch", "jax")
+DEFAULT_TPU_PRODUCT = "tpu-v5-lite-podslice"
+#: Chips of a single-host TPU v5e slice -> its topology.
+TPU_TOPOLOGIES = {1: "1x1", 4: "2x2", 8: "2x4"}
+
+NVIDIA_PRODUCT_LABEL = "nvidia.com/gpu.product"
+TPU_ACCELERATOR_LABEL = "cloud.google.com/gke-tpu-accelerator"
+TPU_TOPOLOGY_LABEL = "cloud.google.com/gke-tpu-topology"
+
+#: (type, unit) -> the extended resource requested per replica.
+_RESOURCES = {
+    ("neuron", "device"): "aws.amazon.com/neuron",
+    ("neuron", "core"): "aws.amazon.com/neuroncore",
+    ("nvidia", None): "nvidia.com/gpu",
+    ("tpu", None): "google.com/tpu",
+}
+#: Every extended resource the ``accelerator`` field controls (users may not set them by hand).
+ACCELERATOR_RESOURCES = frozenset(_RESOURCES.values())
+#: (type, unit) -> the counts one pod may request.
+_COUNTS: dict[tuple[str, str | None], tuple[int, ...]] = {
+    ("neuron", "device"): tuple(range(1, 17)),
+    ("neuron", "core"): tuple(range(1, 33)),
+    ("nvidia", None): tuple(range(1, 9)),
+    ("tpu", None): tuple(TPU_TOPOLOGIES),
+}
+#: The taint key each family's nodes carry (value ``present``, effect NoSchedule).
+_TAINTS = {"neuron": "aws.amazon.com/neuron", "nvidia": "nvidia.com/gpu", "tpu": "google.com/tpu"}
+#: Accelerator type -> image family (a key of ``OperatorConfig.images``).
+IMAGE_FAMILIES = {"cpu": "cpu", "nvidia": "cuda", "neuron": "neuron", "tpu": "tpu"}
+#: (type, framework) -> expert server flags; a missing pair is not supported.
+_BACKENDS = {
+    ("cpu", "torch"): ("--backend", "torch", "--device", "cpu"),
+    ("cpu", "jax"): ("--backend", "jax", "--device", "cpu"),
+    ("nvidia", "torch"): ("--backend", "torch", "--device", "cuda"),
+    ("nvidia", "jax"): ("--backend", "jax", "--device", "gpu"),
+    ("neuron", "torch"): ("--backend", "neuron"),
+    ("tpu", "torch"): ("--backend", "torch", "--device", "xla"),
+    ("tpu", "jax"): ("--backend", "jax", "--device", "tpu"),
+}
+#: Where the Neuron compile cache lives in the pod (an emptyDir; see the serving backends).
+NEURON_CACHE_DIR = "/var/cache/neuron"
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Devices for one expert replica. ``count`` is 0 for cpu; ``unit`` is set for neuron only;
+    ``product`` and ``topology`` are the node labels to require (tpu gets both by default)."""
+
+    type: str = "cpu"
+    count: int = 0
+    unit: str | None = None
+    product: str | None = None
+    topology: str | None = None
+
+    @property
+    def resource(self) -> str | None:
+        """The extended resource name, or None for cpu."""
+        return _RESOURCES.get((self.type, self.unit))
+
+    def problems(self, framework: str) -> list[tuple[str, str]]:
+        """What the platform does not offer, as (field under ``accelerator``, message) pairs."""
+        found: list[tuple[str, str]] = []
+        if self.type == "cpu":
+            if self.count:
+                found.append(("count", "does not apply to cpu; size the pod with resources"))
+        else:
+            allowed = _COUNTS[(self.type, self.unit)]
+            if self.count not in allowed:
+                what = f"{self.type} {self.unit}s" if self.unit else self.type
+                found.append(("count", f"{self.count} is not a size {what} offers per pod; "
+                                       f"use one of {_ranges(allowed)}"))
+        if self.unit is not None and self.type != "neuron":
+            found.append(("unit", "applies to neuron only"))
+        if self.product is not None and self.type not in ("nvidia", "tpu"):
+            found.append(("product", "applies to nvidia and tpu only"))
+        if self.topology is not None:
+            if self.type != "tpu":
+                found.append(("topology", "applies to tpu only"))
+            elif prod(int(d) for d in self.topology.split("x")) != self.count:
+                found.append(("topology", f"{self.topology} has "
+                                          f"{prod(int(d) for d in self.topology.split('x'))} "
+                                          f"chips but count is {self.count}"))
+        if (self.type, framework) not in _BACKENDS:
+            found.append(("type", f"{self.type} cannot run framework {framework}: the neuron "
+                                  "backend is torch-neuronx, use framework torch"))
+        return found
+
+    def describe(self) -> str:
+        """A short human description, e.g. ``nvidia x1 (NVIDIA-H100-80GB-HBM3)``."""
+        if self.type == "cpu":
+            return "cpu"
+        unit = f" {self.unit}s" if self.type == "neuron" and self.unit == "core" else ""
+        detail = [p for p in (self.product, self.topology) if p]
+        return f"{self.type} x{self.count}{unit}" + (f" ({', '.join(detail)})" if detail else "")
+
+
+def with_defaults(accelerator: Accelerator) -> Accelerator:
+    """Fill what the platform implies: count 1, neuron whole devices, the TPU v5e labels."""
+    kind = accelerator.type
+    if kind == "cpu":
+        return accelerator
+    count = accelerator.count or 1
+    unit = accelerator.unit or ("device" if kind == "neuron" else None)
+    product = accelerator.product or (DEFAULT_TPU_PRODUCT if kind == "tpu" else None)
+    topology = accelerator.topology or (TPU_TOPOLOGIES.get(count) if kind == "tpu" else None)
+    return Accelerator(kind, count, unit, product, topology)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What an accelerator adds to a pod: limits, tolerations, node selector, server flags."""
+
+    limits: dict[str, str]
+    tolerations: list[dict[str, str]]
+    node_selector: dict[str, str]
+    backend_args: tuple[str, ...]
+    image_family: str
+
+
+def placement(accelerator: Accelerator, framework: str) -> Placement:
+    """The pod settings for a validated (``problems()`` empty) accelerator and framework."""
+    limits: dict[str, str] = {}
+    tolerations: list[dict[str, str]] = []
+    selector: dict[str, str] = {}
+    if accelerator.resource is not None:
+        limits[accelerator.resource] = str(accelerator.count)
+        tolerations.append({"key": _TAINTS[accelerator.type], "operator": "Exists",
+                            "effect": "NoSchedule"})
+    if accelerator.type == "nvidia" and accelerator.product:
+        selector[NVIDIA_PRODUCT_LABEL] = accelerator.product
+    if accelerator.type == "tpu":
+        selector[TPU_ACCELERATOR_LABEL] = accelerator.product or DEFAULT_TPU_PRODUCT
+        selector[TPU_TOPOLOGY_LABEL] = accelerator.topology or TPU_TOPOLOGIES[accelerator.count]
+    return Placement(limits, tolerations, selector, _BACKENDS[(accelerator.type, framework)],
+                     IMAGE_FAMILIES[accelerator.type])
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    """``1..16`` for a contiguous run, else ``1, 4, 8``."""
+    contiguous = list(values) == list(range(values[0], values[-1] + 1))
+    return f"{values[0]}..{values[-1]}" if contiguous and len(values) > 2 else \
+        ", ".join(map(str, values))

@@ -1,0 +1,69 @@
+"""kopf handlers: which events reconcile a DDMDeployment, and what an outcome means to kopf.
+
+The work is in ``reconcile``; these are the triggers:
+
+- the DDMDeployment created, updated or found at start-up (resume): a run whose outcome kopf
+  sees: an invalid spec posts a Warning and ends in ``PermanentError`` (kopf retries only on the
+  next change), a child that could not be applied posts a Warning and a ``TemporaryError``;
+- any change to a child (Deployment, Service, ConfigMap labelled ``managed-by: ddm-operator``,
+  watched with that server-side label selector): deleted or edited children come back within
+  about a second, and the status follows the Deployments' readiness as it changes;
+- a resync timer, in case a watch missed something (a run that changes nothing writes nothing).
+
+No deletion handler: children carry ownerReferences, so the garbage collector removes them,
+and kopf adds no finalizer. Run through ``ddm.operator.runner.run_operator``, which puts the
+API client (``memo.api_client``) and the reconciler (``memo.reconciler``) in kopf's memo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from ddm.operator import names
+from ddm.operator.runner import connection_info
+
+RESYNC_INTERVAL_S = 30
+RETRY_DELAY_S = 30
+_CRD = (names.GROUP, names.VERSION, names.PLURAL)
+_OURS = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """The operator's own credentials (re-read on every login: tokens rotate)."""
+    return connection_info(memo.api_client.configuration)
+
+
+@kopf.on.resume(*_CRD, id="reconcile")
+@kopf.on.create(*_CRD, id="reconcile")
+@kopf.on.update(*_CRD, id="reconcile")
+def reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    outcome = memo.reconciler.reconcile(namespace, name)
+    if outcome is None:
+        return
+    if outcome.spec_error is not None:
+        message = "; ".join(outcome.spec_error.problems)
+        kopf.warn(body, reason="InvalidSpec", message=message)
+        raise kopf.PermanentError(f"invalid spec, children left unchanged: {message}")
+    if outcome.failure is not None:
+        kopf.warn(body, reason="ApplyFailed", message=outcome.failure)
+        raise kopf.TemporaryError(outcome.failure, delay=RETRY_DELAY_S)
+
+
+@kopf.timer(*_CRD, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S, id="resync")
+def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.reconciler.reconcile(namespace, name, coalesce=True)
+
+
+def _child_changed(namespace: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """Reconcile the DDMDeployment that controls the changed (or deleted) child."""
+    owner = next((ref["name"] for ref in meta.get("ownerReferences") or []
+                  if ref.get("kind") == names.KIND and ref.get("controller")), None)
+    if owner is not None and namespace is not None:
+        memo.reconciler.reconcile(namespace, owner, coalesce=True)
+
+
+for _resource in names.CHILD_RESOURCES:
+    kopf.on.event(*_resource, labels=_OURS, id="child-changed")(_child_changed)

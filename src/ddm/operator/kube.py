@@ -1,0 +1,115 @@
+"""The few Kubernetes API calls the operator makes, on plain dicts (the builders' currency).
+
+Children are written with server-side apply (field manager ``ddm-operator``, forced): fields
+the operator stops setting are removed, fields others own (the Deployment controller's
+annotations, a Service's allocated clusterIP, ``kubectl rollout restart``) are kept, and fields
+it owns but someone edited are taken back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ddm.operator import names
+
+#: kind -> (API class, the method suffix in ``{verb}_namespaced_{suffix}``).
+CHILD_KINDS = {
+    "Deployment": (client.AppsV1Api, "deployment"),
+    "Service": (client.CoreV1Api, "service"),
+    "ConfigMap": (client.CoreV1Api, "config_map"),
+}
+_APPLY = "application/apply-patch+yaml"
+_MERGE = "application/merge-patch+json"
+
+
+class KubeError(RuntimeError):
+    """An API call failed; ``status`` is the HTTP status (404, 409, 422, ...)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _error(what: str, error: ApiException) -> KubeError:
+    detail = error.reason or ""
+    try:
+        detail = json.loads(error.body or "{}").get("message", detail)
+    except ValueError:
+        pass
+    return KubeError(int(error.status or 0), f"{what}: {detail} (HTTP {error.status})")
+
+
+class Kube:
+    """Typed-client calls returning JSON dicts; every failure becomes a ``KubeError``."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._custom = client.CustomObjectsApi(api_client)
+        self._apis = {kind: cls(api_client) for kind, (cls, _) in CHILD_KINDS.items()}
+
+    def _child_call(self, kind: str, verb: str, what: str, *args: Any, **kwargs: Any) -> Any:
+        method = getattr(self._apis[kind], f"{verb}_namespaced_{CHILD_KINDS[kind][1]}")
+        try:
+            return json.loads(method(*args, _preload_content=False, **kwargs).data or b"{}")
+        except ApiException as error:
+            raise _error(what, error) from None
+
+    def get_owner(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The DDMDeployment, or None when it is gone."""
+        try:
+            return self._custom.get_namespaced_custom_object(
+                names.GROUP, names.VERSION, namespace, names.PLURAL, name)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise _error(f"reading DDMDeployment {namespace}/{name}", error) from None
+
+    def write_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        try:
+            self._custom.patch_namespaced_custom_object_status(
+                names.GROUP, names.VERSION, namespace, names.PLURAL, name,
+                {"status": dict(status)}, _content_type=_MERGE)
+        except ApiException as error:
+            if error.status != 404:  # deleted meanwhile: nothing left to report on
+                raise _error(f"writing the status of {namespace}/{name}", error) from None
+
+    def list_children(self, namespace: str, owner: str) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every Deployment, Service and ConfigMap labelled as ``owner``'s, by (kind, name)."""
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        selector = f"{names.DEPLOYMENT_LABEL}={owner}"
+        for kind in CHILD_KINDS:
+            listing = self._child_call(kind, "list", f"listing {kind}s of {owner}", namespace,
+                                       label_selector=selector)
+            for item in listing.get("items", []):
+                found[(kind, item["metadata"]["name"])] = item
+        return found
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """One child by name, or None when there is none."""
+        try:
+            return self._child_call(kind, "read", f"reading {kind} {name}", name, namespace)
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def apply(self, manifest: Mapping[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        """Server-side apply ``manifest``; with ``dry_run`` the server only says what it would
+        store."""
+        kind, meta = manifest["kind"], manifest["metadata"]
+        extra = {"dry_run": "All"} if dry_run else {}
+        return self._child_call(
+            kind, "patch", f"applying {kind} {meta['name']}", meta["name"], meta["namespace"],
+            dict(manifest), field_manager=names.MANAGED_BY, force=True, _content_type=_APPLY,
+            **extra)
+
+    def delete(self, kind: str, namespace: str, name: str) -> None:
+        try:
+            self._child_call(kind, "delete", f"deleting {kind} {name}", name, namespace,
+                             propagation_policy="Background")
+        except KubeError as error:
+            if error.status != 404:
+                raise

@@ -1,0 +1,300 @@
+"""Pure builders: a validated spec and the owner's metadata -> the children's manifests.
+
+No API calls and no kopf: the handlers add ownerReferences, hash and apply what these return.
+Every pod runs under the restricted Pod Security profile (non-root uid 10001, read-only root
+file system, no privilege escalation, all capabilities dropped, RuntimeDefault seccomp), with
+emptyDirs for the few places a server writes: /tmp, a cache directory and, on Neuron, the
+compile cache. ``meta`` needs ``name`` and ``namespace`` (kopf's ``meta`` or a plain dict).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any, Mapping
+
+from ddm.operator import names
+from ddm.operator.accelerators import NEURON_CACHE_DIR, placement
+from ddm.operator.checkpoints import Checkpoint, CheckpointMount, checkpoint_mount
+from ddm.operator.config import OperatorConfig
+from ddm.operator.spec import DDMSpec, ExpertSpec, PodOptions
+from ddm.serving.router_config import (
+    DnsDiscovery,
+    ExpertEntry,
+    RouterConfigFile,
+    SamplingDefaults,
+)
+
+USER_ID = 10001
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID, "fsGroup": USER_ID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT = {
+    "runAsNonRoot": True, "runAsUser": USER_ID, "runAsGroup": USER_ID,
+    "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+}
+CACHE_DIR = "/var/cache/ddm"
+ROUTER_CONFIG_DIR = "/etc/ddm"
+ROUTER_CONFIG_FILE = "router.yaml"
+EXPERT_CHECKPOINT_DIR = "/models/expert"
+ROUTER_CHECKPOINT_DIR = "/models/router"
+#: How long a server may take to load (and compile) its model before it is restarted.
+STARTUP_BUDGET_S = {"neuron": 1800, "default": 600}
+_PROBE_PERIOD_S = 10
+
+
+def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
+                   ) -> list[dict[str, Any]]:
+    """Every child, in the order to apply them: experts first, the router's config, the router."""
+    children: list[dict[str, Any]] = []
+    for expert in spec.experts:
+        children.append(build_expert_service(expert, meta))
+        children.append(build_expert_deployment(expert, meta, config))
+    children.append(build_router_configmap(spec, meta, config))
+    children.append(build_router_service(meta))
+    children.append(build_router_deployment(spec, meta, config))
+    return children
+
+
+def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config: OperatorConfig
+                            ) -> dict[str, Any]:
+    """The expert's Deployment: one pod per replica on its accelerator, ready once loaded."""
+    owner = meta["name"]
+    place = placement(expert.accelerator, expert.framework)
+    image = expert.pod.image or config.images.for_family(place.image_family)
+    mount = _checkpoint(expert.checkpoint, EXPERT_CHECKPOINT_DIR, image, config)
+    command = ["ddm", "serve", "expert", "--checkpoint", mount.path,
+               "--port", str(names.EXPERT_PORT), *place.backend_args]
+    if expert.max_batch is not None:
+        command += ["--max-batch", str(expert.max_batch)]
+    if expert.max_delay_ms is not None:
+        command += ["--max-delay-ms", str(expert.max_delay_ms)]
+    env, volumes, mounts = _scratch()
+    if expert.accelerator.type == "neuron":
+        env += [{"name": "DDM_NEURON_CACHE", "value": f"{NEURON_CACHE_DIR}/traced"},
+                {"name": "NEURON_CC_FLAGS", "value": f"--cache_dir={NEURON_CACHE_DIR}/compiler"}]
+        volumes.append({"name": "neuron-cache", "emptyDir": {}})
+        mounts.append({"name": "neuron-cache", "mountPath": NEURON_CACHE_DIR})
+    resources = _resources(expert.pod, place.limits)
+    container = {
+        "name": "expert",
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": command,
+        "ports": [{"name": "http", "containerPort": names.EXPERT_PORT, "protocol": "TCP"}],
+        "env": env,
+        **({"resources": resources} if resources else {}),
+        "volumeMounts": mounts + mount.mounts,
+        **_probes(STARTUP_BUDGET_S.get(expert.accelerator.type, STARTUP_BUDGET_S["default"])),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    }
+    pod = _pod_spec(container, expert.pod, volumes + mount.volumes, mount.init_containers,
+                    node_selector=place.node_selector, tolerations=place.tolerations)
+    return _deployment(names.expert_name(owner, expert.name), meta, expert.replicas,
+                       names.labels(owner, "expert", expert.name),
+                       names.selector(owner, "expert", expert.name), pod)
+
+
+def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A headless Service: its DNS name resolves to every ready replica, for the router."""
+    owner = meta["name"]
+    return _service(names.expert_name(owner, expert.name), meta,
+                    names.labels(owner, "expert", expert.name),
+                    names.selector(owner, "expert", expert.name), names.EXPERT_PORT,
+                    headless=True)
+
+
+def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
+                        ) -> RouterConfigFile:
+    """router.yaml: the experts (in order) behind their headless Services, and the defaults."""
+    owner, namespace = meta["name"], meta["namespace"]
+    experts = tuple(
+        ExpertEntry(name=e.name, classes=e.classes,
+                    discovery=DnsDiscovery(dns=names.expert_dns(owner, e.name, namespace,
+                                                                config.cluster_domain),
+                                           port=names.EXPERT_PORT))
+        for e in spec.experts)
+    checkpoint = spec.router.checkpoint
+    return RouterConfigFile(
+        experts=experts, num_classes=spec.num_classes,
+        sampling=SamplingDefaults(spec.sampling.steps, spec.sampling.solver,
+                                  spec.sampling.strategy),
+        router_checkpoint=None if checkpoint is None else
+        (checkpoint.path if checkpoint.scheme == "image" else ROUTER_CHECKPOINT_DIR))
+
+
+def build_router_configmap(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
+                           ) -> dict[str, Any]:
+    owner = meta["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _metadata(names.router_config_name(owner), meta,
+                              names.labels(owner, "router")),
+        "data": {ROUTER_CONFIG_FILE: build_router_config(spec, meta, config).to_yaml()},
+    }
+
+
+def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
+                            ) -> dict[str, Any]:
+    """The router's Deployment; its pods roll whenever router.yaml changes."""
+    owner = meta["name"]
+    router = spec.router
+    image = router.pod.image or config.images.cpu
+    mount = (_checkpoint(router.checkpoint, ROUTER_CHECKPOINT_DIR, image, config)
+             if router.checkpoint else None)
+    env, volumes, mounts = _scratch()
+    volumes.append({"name": "config", "configMap": {"name": names.router_config_name(owner)}})
+    mounts.append({"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True})
+    resources = _resources(router.pod, {})
+    container = {
+        "name": "router",
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["ddm", "serve", "router", "--config",
+                    f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}", "--port", str(names.ROUTER_PORT)],
+        "ports": [{"name": "http", "containerPort": names.ROUTER_PORT, "protocol": "TCP"}],
+        "env": env,
+        **({"resources": resources} if resources else {}),
+        "volumeMounts": mounts + (mount.mounts if mount else []),
+        **_probes(STARTUP_BUDGET_S["default"]),
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    }
+    pod = _pod_spec(container, router.pod, volumes + (mount.volumes if mount else []),
+                    mount.init_containers if mount else [], node_selector={}, tolerations=[])
+    config_text = build_router_config(spec, meta, config).to_yaml()
+    pod_annotations = {names.CONFIG_HASH_ANNOTATION: _digest(config_text)}
+    return _deployment(names.router_name(owner), meta, router.replicas,
+                       names.labels(owner, "router"), names.selector(owner, "router"), pod,
+                       pod_annotations)
+
+
+def build_router_service(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The router's stable address (a ClusterIP Service): ``names.router_url``."""
+    owner = meta["name"]
+    return _service(names.router_name(owner), meta, names.labels(owner, "router"),
+                    names.selector(owner, "router"), names.ROUTER_PORT, headless=False)
+
+
+def with_spec_hash(manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``manifest`` annotated with the hash of everything else in it."""
+    out = copy.deepcopy(dict(manifest))
+    out["metadata"].setdefault("annotations", {}).pop(names.SPEC_HASH_ANNOTATION, None)
+    out["metadata"]["annotations"][names.SPEC_HASH_ANNOTATION] = _digest(
+        json.dumps(out, sort_keys=True, separators=(",", ":")))
+    return out
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _metadata(name: str, meta: Mapping[str, Any], labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": meta["namespace"], "labels": labels}
+
+
+def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(env, volumes, mounts) for the writable directories every server needs."""
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": CACHE_DIR}]
+    volumes = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    return env, volumes, mounts
+
+
+def _checkpoint(checkpoint: Checkpoint, mount_path: str, image: str, config: OperatorConfig
+                ) -> CheckpointMount:
+    fetcher = {
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    }
+    return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path,
+                            fetcher=fetcher)
+
+
+def _resources(pod: PodOptions, accelerator_limits: dict[str, str]) -> dict[str, Any]:
+    """The user's resources with the accelerator's limits added (requests follow limits).
+
+    Quantities become strings (``cpu: 2`` -> ``"2"``): server-side apply wants strings.
+    """
+    resources = {kind: {name: str(amount) for name, amount in amounts.items()}
+                 for kind, amounts in (pod.resources or {}).items()}
+    if accelerator_limits:
+        resources["limits"] = {**resources.get("limits", {}), **accelerator_limits}
+    return resources
+
+
+def _probes(startup_budget_s: int) -> dict[str, Any]:
+    """Ready only once the model is loaded (/readyz); restarted if the process hangs (/healthz).
+
+    The startup probe gives a load or compile ``startup_budget_s`` before liveness applies.
+    """
+    def get(path: str, period_s: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s,
+                "timeoutSeconds": 5, "failureThreshold": failures}
+
+    return {
+        "startupProbe": get("/readyz", _PROBE_PERIOD_S, startup_budget_s // _PROBE_PERIOD_S),
+        "readinessProbe": get("/readyz", 5, 2),
+        "livenessProbe": get("/healthz", _PROBE_PERIOD_S, 3),
+    }
+
+
+def _pod_spec(container: dict[str, Any], options: PodOptions, volumes: list[dict[str, Any]],
+              init_containers: list[dict[str, Any]], *, node_selector: dict[str, str],
+              tolerations: list[dict[str, str]]) -> dict[str, Any]:
+    """The pod: the user's placement passes through; the accelerator's selectors win a clash."""
+    selector = {**(options.node_selector or {}), **node_selector}
+    extra = [dict(t) for t in options.tolerations if dict(t) not in tolerations]
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # servers never call the Kubernetes API
+        "enableServiceLinks": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+        **({"initContainers": init_containers} if init_containers else {}),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if selector:
+        pod["nodeSelector"] = selector
+    if tolerations or extra:
+        pod["tolerations"] = copy.deepcopy(tolerations) + copy.deepcopy(extra)
+    if options.affinity:
+        pod["affinity"] = copy.deepcopy(dict(options.affinity))
+    return pod
+
+
+def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],
+                selector: dict[str, str], pod: dict[str, Any],
+                pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+    template_meta: dict[str, Any] = {"labels": dict(labels)}
+    if pod_annotations:
+        template_meta["annotations"] = pod_annotations
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, meta, labels),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector},
+            "template": {"metadata": template_meta, "spec": pod},
+        },
+    }
+
+
+def _service(name: str, meta: Mapping[str, Any], labels: dict[str, str],
+             selector: dict[str, str], port: int, *, headless: bool) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": selector,
+        "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if headless:
+        # Only ready pods get DNS records: the router never sends work to a loading expert.
+        spec.update(clusterIP="None", publishNotReadyAddresses=False)
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _metadata(name, meta, labels), "spec": spec}

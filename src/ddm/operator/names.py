@@ -1,0 +1,77 @@
+"""Names, labels and addresses of a DDMDeployment's children: one place, used by every module.
+
+Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap) and
+``<name>-expert-<expert>`` (Deployment, headless Service). The CRD bounds both names so that
+every Service name stays a DNS-1035 label of at most 63 characters.
+"""
+
+from __future__ import annotations
+
+GROUP = "ddm.dev"
+VERSION = "v1alpha1"
+PLURAL = "ddmdeployments"
+KIND = "DDMDeployment"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+MANAGED_BY = "ddm-operator"
+DEPLOYMENT_LABEL = "ddm.dev/deployment"
+EXPERT_LABEL = "ddm.dev/expert"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+#: Hash of a child's desired manifest: a spec change rewrites only the children it alters.
+SPEC_HASH_ANNOTATION = "ddm.dev/spec-hash"
+#: Hash of router.yaml on the router's pod template: a new config rolls the router.
+CONFIG_HASH_ANNOTATION = "ddm.dev/config-hash"
+
+#: What kopf watches for changes to children: (group, version, plural); "v1" is the core group.
+CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps"))
+
+EXPERT_PORT = 8000
+ROUTER_PORT = 8080
+
+
+def expert_name(owner: str, expert: str) -> str:
+    """The expert's Deployment and headless Service."""
+    return f"{owner}-expert-{expert}"
+
+
+def router_name(owner: str) -> str:
+    """The router's Deployment and Service."""
+    return f"{owner}-router"
+
+
+def router_config_name(owner: str) -> str:
+    """The ConfigMap holding router.yaml."""
+    return f"{owner}-router-config"
+
+
+def labels(owner: str, component: str, expert: str | None = None) -> dict[str, str]:
+    """The recommended ``app.kubernetes.io/*`` labels plus ours; ``component`` is expert|router."""
+    out = {
+        "app.kubernetes.io/name": "ddm",
+        "app.kubernetes.io/instance": owner,
+        COMPONENT_LABEL: component,
+        "app.kubernetes.io/part-of": "ddm",
+        MANAGED_BY_LABEL: MANAGED_BY,
+        DEPLOYMENT_LABEL: owner,
+    }
+    if expert is not None:
+        out[EXPERT_LABEL] = expert
+    return out
+
+
+def selector(owner: str, component: str, expert: str | None = None) -> dict[str, str]:
+    """The immutable pod selector of a child Deployment (and its Service)."""
+    out = {DEPLOYMENT_LABEL: owner, COMPONENT_LABEL: component}
+    if expert is not None:
+        out[EXPERT_LABEL] = expert
+    return out
+
+
+def expert_dns(owner: str, expert: str, namespace: str, cluster_domain: str) -> str:
+    """The headless Service's name: resolves to the IPs of every ready replica."""
+    return f"{expert_name(owner, expert)}.{namespace}.svc.{cluster_domain}"
+
+
+def router_url(owner: str, namespace: str) -> str:
+    return f"http://{router_name(owner)}.{namespace}.svc:{ROUTER_PORT}"

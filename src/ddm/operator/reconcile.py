@@ -1,0 +1,178 @@
+"""Level-triggered reconciliation of one DDMDeployment: read it, converge its children, report.
+
+Every trigger (the resource created, updated or resumed, a child changed or deleted, the
+periodic resync) runs the same ``reconcile(namespace, name)``, which reads the *current*
+resource, so a late trigger never applies a stale spec. Runs for one resource are serialised,
+and a trigger that finds a run already queued is dropped (that run will see its change).
+
+Per child: absent -> apply (create); there but not controlled by this resource -> an error,
+never overwritten; spec hash differs -> apply (update); hash equal -> a dry-run apply shows
+whether someone edited it, and only then apply (restore). (Applying unconditionally would be
+simpler, but on Kubernetes 1.20 even a no-op apply bumps the resourceVersion, so every apply
+would trigger another run.) Children of removed experts are deleted. An invalid spec leaves
+every child as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import kopf
+
+from ddm.operator import names
+from ddm.operator.config import OperatorConfig
+from ddm.operator.kube import Kube, KubeError
+from ddm.operator.manifests import build_children, with_spec_hash
+from ddm.operator.spec import SpecError, parse_spec
+from ddm.operator.status import invalid_status, now_rfc3339, ready_status
+
+log = logging.getLogger("ddm.operator")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended: the spec's problems, or why some child could not be applied (the
+    first such API error; the other children were still converged)."""
+
+    spec_error: SpecError | None = None
+    failure: str | None = None
+
+
+class Reconciler:
+    """Converges DDMDeployments; safe to call from many threads at once, inside kopf handlers
+    (it posts Events through kopf)."""
+
+    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+        self._kube, self._config = kube, config
+        self._guard = threading.Lock()
+        # One lock per resource, alive while some thread holds it: no entry outlives its use.
+        self._locks: weakref.WeakValueDictionary[tuple[str, str], threading.Lock] = (
+            weakref.WeakValueDictionary())
+        self._queued: set[tuple[str, str]] = set()
+
+    def reconcile(self, namespace: str, name: str, *, coalesce: bool = False
+                  ) -> Outcome | None:
+        """One run for ``namespace/name``; None when it is gone, being deleted, or (with
+        ``coalesce``) when a queued run will cover this trigger."""
+        key = (namespace, name)
+        with self._guard:
+            if coalesce and key in self._queued:
+                return None
+            self._queued.add(key)
+            lock = self._locks.get(key)
+            if lock is None:
+                lock = self._locks[key] = threading.Lock()
+        with lock:
+            with self._guard:
+                self._queued.discard(key)
+            return self._run(namespace, name)
+
+    def _run(self, namespace: str, name: str) -> Outcome | None:
+        body = self._kube.get_owner(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return None  # the garbage collector removes the children
+        meta, previous = body["metadata"], body.get("status") or {}
+        try:
+            spec = parse_spec(body.get("spec"), allow_host_paths=self._config.allow_host_paths)
+        except SpecError as error:
+            self._report(body, invalid_status(error, meta, previous=previous, now=now_rfc3339()))
+            return Outcome(spec_error=error)
+        desired = []
+        for manifest in build_children(spec, meta, self._config):
+            kopf.append_owner_reference(manifest, owner=body)
+            desired.append(with_spec_hash(manifest))
+        live = self._kube.list_children(namespace, name)
+        actions: list[tuple[str, str]] = []
+        errors: list[str] = []
+        for manifest in desired:
+            self._attempt(errors, actions, self._converge, manifest,
+                          live.get(_key(manifest)), meta["uid"])
+        wanted = {_key(m) for m in desired}
+        for (kind, child), obj in live.items():
+            if (kind, child) not in wanted and _controlled_by(obj, meta["uid"]):
+                self._attempt(errors, actions, self._delete, kind, namespace, child)
+        for reason, message in actions:
+            log.info("%s/%s: %s", namespace, name, message)
+            kopf.info(body, reason=reason, message=message)
+        for error in errors:
+            log.warning("%s/%s: %s", namespace, name, error)
+        failure = errors[0] if errors else None
+        deployments = {n: obj for (kind, n), obj in live.items() if kind == "Deployment"}
+        self._report(body, ready_status(spec, meta, deployments=deployments, previous=previous,
+                                        now=now_rfc3339(), failure=failure))
+        return Outcome(failure=failure)
+
+    def _converge(self, desired: dict[str, Any], live: Mapping[str, Any] | None, owner_uid: str
+                  ) -> tuple[str, str] | None:
+        """Make one child match ``desired``; returns (reason, message), None if in sync."""
+        kind, meta = desired["kind"], desired["metadata"]
+        what = f"{kind} {meta['name']}"
+        if live is None:  # not among the labelled children; maybe there without our labels
+            live = self._kube.get(kind, meta["namespace"], meta["name"])
+        if live is None:
+            self._kube.apply(desired)
+            return "Created", f"Created {what}"
+        if not _controlled_by(live, owner_uid):
+            raise KubeError(409, f"{what} already exists and belongs to something else; "
+                                 "delete or rename it")
+        if _spec_hash(live) != _spec_hash(desired):
+            self._kube.apply(desired)
+            return "Updated", f"Updated {what}"
+        if _differs(live, self._kube.apply(desired, dry_run=True)):
+            self._kube.apply(desired)
+            return "Restored", f"Restored {what} (it was changed outside the operator)"
+        return None
+
+    @staticmethod
+    def _attempt(errors: list[str], actions: list[tuple[str, str]],
+                 step: Callable[..., tuple[str, str] | None], *args: Any) -> None:
+        """Run one child's ``step``; its API error is recorded and the other children go on."""
+        try:
+            action = step(*args)
+        except KubeError as error:
+            errors.append(str(error))
+            return
+        if action:
+            actions.append(action)
+
+    def _delete(self, kind: str, namespace: str, name: str) -> tuple[str, str]:
+        self._kube.delete(kind, namespace, name)
+        return "Deleted", f"Deleted {kind} {name} (its expert was removed)"
+
+    def _report(self, body: Mapping[str, Any], status: dict[str, Any]) -> None:
+        if status != body.get("status"):
+            meta = body["metadata"]
+            self._kube.write_status(meta["namespace"], meta["name"], status)
+
+
+def _key(manifest: Mapping[str, Any]) -> tuple[str, str]:
+    return manifest["kind"], manifest["metadata"]["name"]
+
+
+def _spec_hash(obj: Mapping[str, Any]) -> str | None:
+    return (obj["metadata"].get("annotations") or {}).get(names.SPEC_HASH_ANNOTATION)
+
+
+def _controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
+    return any(ref.get("uid") == owner_uid and ref.get("controller")
+               for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+def _differs(live: Mapping[str, Any], preview: Mapping[str, Any]) -> bool:
+    """Whether applying would change what the server stores (``preview``: a dry-run apply).
+
+    When the object changed since ``live`` was listed (a controller wrote to it, say), the
+    comparison would be meaningless: False, as that change's own event triggers a new run.
+    """
+    if live["metadata"].get("resourceVersion") != preview["metadata"].get("resourceVersion"):
+        return False
+
+    def essence(obj: Mapping[str, Any]) -> tuple[Any, ...]:
+        meta = obj["metadata"]
+        return (obj.get("spec"), obj.get("data"), meta.get("labels"), meta.get("annotations"),
+                meta.get("ownerReferences"))
+    return essence(live) != essence(preview)

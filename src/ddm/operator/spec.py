@@ -1,0 +1,333 @@
+"""The DDMDeployment spec as frozen dataclasses, and the checks a CRD schema cannot make.
+
+``parse_spec`` also repeats the schema's checks (types, ranges, patterns, unknown keys):
+specs come from files no API server has seen too (``ddm diagram``, ``ddm up``). A unit test
+keeps the limits here equal to the CRD's. Every problem is reported at once, each with its
+field path, e.g. ``spec.experts[1].accelerator.count: 3 is not a size tpu offers per pod``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ddm.operator.accelerators import (
+    ACCELERATOR_RESOURCES,
+    ACCELERATOR_TYPES,
+    FRAMEWORKS,
+    NEURON_UNITS,
+    Accelerator,
+    with_defaults,
+)
+from ddm.operator.checkpoints import Checkpoint, parse_checkpoint
+from ddm.operator.fields import FieldReader
+from ddm.operator.names import API_VERSION, KIND
+from ddm.serving.router_config import MAX_STEPS, SOLVERS, STRATEGY_PATTERN
+
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME_LENGTH = 24
+EXPERT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_EXPERT_NAME_LENGTH = 30
+MAX_EXPERTS = 16
+MAX_REPLICAS = 64
+MAX_NUM_CLASSES = 1000
+MAX_CLASS = 999
+MAX_BATCH = 4096
+MAX_DELAY_MS = 10_000
+MAX_ACCELERATOR_COUNT = 32
+PRODUCT_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+TOPOLOGY_PATTERN = r"^[1-9][0-9]?(x[1-9][0-9]?){1,2}$"
+
+
+class SpecError(ValueError):
+    """An invalid spec; ``problems`` holds one message per offending field."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = tuple(problems)
+
+
+@dataclass(frozen=True)
+class PodOptions:
+    """Passed through to the pods as given (treat the mappings as read-only)."""
+
+    image: str | None = None
+    resources: Mapping[str, Any] | None = None
+    node_selector: Mapping[str, str] | None = None
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Sampling:
+    steps: int = 40
+    solver: str = "euler"
+    strategy: str = "top1"
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """``checkpoint`` is None only with the oracle strategy (it routes by label)."""
+
+    replicas: int = 1
+    checkpoint: Checkpoint | None = None
+    pod: PodOptions = PodOptions()
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """One expert. ``max_batch``/``max_delay_ms`` None: the server's own defaults."""
+
+    name: str
+    framework: str
+    accelerator: Accelerator
+    checkpoint: Checkpoint
+    classes: tuple[int, ...] = ()
+    replicas: int = 1
+    max_batch: int | None = None
+    max_delay_ms: int | None = None
+    pod: PodOptions = PodOptions()
+
+
+@dataclass(frozen=True)
+class DDMSpec:
+    """A validated DDMDeployment spec; ``experts`` in the router network's output order."""
+
+    experts: tuple[ExpertSpec, ...]
+    num_classes: int = 10
+    sampling: Sampling = Sampling()
+    router: RouterSpec = RouterSpec()
+
+
+@dataclass(frozen=True)
+class DDMManifest:
+    """A DDMDeployment read from a file: its name, namespace (None: unset) and spec."""
+
+    name: str
+    namespace: str | None
+    spec: DDMSpec
+
+
+def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
+    """A checked ``DDMSpec`` from a DDMDeployment's ``spec``; raises ``SpecError``.
+
+    ``allow_host_paths`` accepts file:// checkpoints (host paths; see ``checkpoints``).
+    """
+    problems: list[str] = []
+    reader = FieldReader(raw, "spec", problems)
+    num_classes = reader.integer("numClasses", 10, 1, MAX_NUM_CLASSES)
+    sampling = _sampling(reader.child("sampling"))
+    router = _router(reader.child("router"), allow_host_paths)
+    raw_experts = reader.items("experts")
+    if not 1 <= len(raw_experts) <= MAX_EXPERTS:
+        reader.problem("experts", f"must list 1..{MAX_EXPERTS} experts, got {len(raw_experts)}")
+    experts = tuple(
+        e for i, item in enumerate(raw_experts)
+        if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), allow_host_paths))
+    )
+    reader.done()
+    spec = DDMSpec(experts=experts, num_classes=num_classes or 10, sampling=sampling,
+                   router=router)
+    if not problems:
+        problems.extend(_semantic_problems(spec))
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def _sampling(reader: FieldReader) -> Sampling:
+    sampling = Sampling(
+        steps=reader.integer("steps", 40, 1, MAX_STEPS),
+        solver=reader.string("solver", "euler", choices=SOLVERS),
+        strategy=reader.string("strategy", "top1", pattern=STRATEGY_PATTERN,
+                               hint="use oracle, ensemble, topK (K 1..99), topk:K or "
+                                    "threshold:P with 0 < P <= 1"),
+    )
+    reader.done()
+    return sampling
+
+
+def _checkpoint(reader: FieldReader, allow_host_paths: bool) -> Checkpoint | None:
+    uri = reader.value("uri")
+    reader.done()
+    if uri is None:
+        reader.problem("uri", "is required")
+        return None
+    try:
+        checkpoint = parse_checkpoint(uri)
+    except ValueError as error:
+        reader.problem("uri", str(error))
+        return None
+    if checkpoint.scheme == "file" and not allow_host_paths:
+        reader.problem("uri", f"{uri!r} mounts a directory of the node (a hostPath); this "
+                              "operator does not allow host paths (DDM_ALLOW_HOST_PATHS=false): "
+                              "use pvc://, image://, http(s)://, s3:// or gs://")
+    return checkpoint
+
+
+def _pod_options(reader: FieldReader) -> PodOptions:
+    node_selector = reader.mapping("nodeSelector")
+    if node_selector and not all(isinstance(v, str) for v in node_selector.values()):
+        reader.problem("nodeSelector", "values must be strings")
+    tolerations = reader.items("tolerations")
+    if not all(isinstance(t, Mapping) for t in tolerations):
+        reader.problem("tolerations", "must be a list of objects")
+    resources = reader.mapping("resources")
+    for key, amounts in (resources or {}).items():
+        if key not in ("limits", "requests") or not isinstance(amounts, Mapping):
+            reader.problem(f"resources.{key}", "only limits and requests (objects) are allowed")
+            continue
+        for name in sorted(set(amounts) & ACCELERATOR_RESOURCES):
+            reader.problem(f"resources.{key}", f"{name} is set from accelerator; use "
+                                               "accelerator.type and accelerator.count")
+    return PodOptions(
+        image=reader.string("image", None, max_length=512),
+        resources=resources,
+        node_selector=node_selector,
+        tolerations=tuple(t for t in tolerations if isinstance(t, Mapping)),
+        affinity=reader.mapping("affinity"),
+    )
+
+
+def _router(reader: FieldReader, allow_host_paths: bool) -> RouterSpec:
+    checkpoint = (_checkpoint(reader.child("checkpoint"), allow_host_paths)
+                  if reader.has("checkpoint") else None)
+    router = RouterSpec(replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
+                        checkpoint=checkpoint, pod=_pod_options(reader))
+    reader.done()
+    return router
+
+
+def _accelerator(reader: FieldReader) -> Accelerator:
+    accelerator = Accelerator(
+        type=reader.string("type", "cpu", choices=ACCELERATOR_TYPES) or "cpu",
+        count=reader.integer("count", 0, 1, MAX_ACCELERATOR_COUNT) or 0,
+        unit=reader.string("unit", None, choices=NEURON_UNITS),
+        product=reader.string("product", None, pattern=PRODUCT_PATTERN, max_length=63,
+                              hint="a node label value"),
+        topology=reader.string("topology", None, pattern=TOPOLOGY_PATTERN,
+                               hint="e.g. 2x2 or 2x2x1"),
+    )
+    reader.done()
+    return accelerator
+
+
+def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
+    name = reader.string("name", None, pattern=EXPERT_NAME_PATTERN,
+                         max_length=MAX_EXPERT_NAME_LENGTH,
+                         hint="a DNS-1123 label: lower-case letters, digits and '-'")
+    if not reader.has("name"):
+        reader.problem("name", "is required")
+    framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
+    accelerator = with_defaults(_accelerator(reader.child("accelerator")))
+    for field, message in accelerator.problems(framework):
+        reader.problem(f"accelerator.{field}", message)
+    checkpoint = None
+    if reader.has("checkpoint"):
+        checkpoint = _checkpoint(reader.child("checkpoint"), allow_host_paths)
+    else:
+        reader.problem("checkpoint", "is required")
+    classes = reader.items("classes")
+    if not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_CLASS
+               for c in classes):
+        reader.problem("classes", f"must be integers in 0..{MAX_CLASS}, got {classes}")
+    elif len(set(classes)) != len(classes):
+        reader.problem("classes", f"lists a label twice: {classes}")
+    expert = ExpertSpec(
+        name=name or "",
+        framework=framework,
+        accelerator=accelerator,
+        checkpoint=checkpoint,  # type: ignore[arg-type]  # dropped below when None
+        classes=tuple(classes),
+        replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
+        max_batch=reader.integer("maxBatch", None, 1, MAX_BATCH),
+        max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
+        pod=_pod_options(reader),
+    )
+    reader.done()
+    return expert if name and checkpoint else None
+
+
+def _semantic_problems(spec: DDMSpec) -> list[str]:
+    """Rules across fields: class ranges, the oracle's partition, the router checkpoint."""
+    found: list[str] = []
+    names = [e.name for e in spec.experts]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        found.append(f"spec.experts: the name {name!r} is used more than once")
+    last = spec.num_classes - 1
+    for i, expert in enumerate(spec.experts):
+        outside = [c for c in expert.classes if c > last]
+        if outside:
+            found.append(f"spec.experts[{i}].classes: {outside} are outside 0..{last} "
+                         f"(spec.numClasses is {spec.num_classes})")
+    strategy = spec.sampling.strategy
+    if strategy == "oracle":
+        found.extend(_oracle_problems(spec))
+    elif spec.router.checkpoint is None:
+        found.append(f"spec.router.checkpoint: strategy {strategy} needs the router network's "
+                     "checkpoint (only oracle routes without one)")
+    match = re.fullmatch(r"top(?:k:)?(\d+)", strategy)
+    if match and int(match.group(1)) > len(spec.experts):
+        found.append(f"spec.sampling.strategy: {strategy} combines {match.group(1)} experts but "
+                     f"only {len(spec.experts)} are defined")
+    return found
+
+
+def _oracle_problems(spec: DDMSpec) -> list[str]:
+    """The oracle sends each label to the one expert that owns it: a partition of the labels."""
+    found: list[str] = []
+    owner: dict[int, str] = {}
+    for i, expert in enumerate(spec.experts):
+        if not expert.classes:
+            found.append(f"spec.experts[{i}].classes: the oracle strategy routes by label, so "
+                         "every expert must list its classes")
+        for label in expert.classes:
+            if label in owner:
+                found.append(f"spec.experts[{i}].classes: label {label} is also claimed by "
+                             f"expert {owner[label]}; the oracle needs classes without overlap")
+            owner.setdefault(label, expert.name)
+    uncovered = sorted(set(range(spec.num_classes)) - set(owner))
+    if uncovered:
+        found.append(f"spec.experts: labels {uncovered} belong to no expert; the oracle strategy "
+                     f"needs every label 0..{spec.num_classes - 1} covered")
+    return found
+
+
+def parse_manifest(document: Any, *, allow_host_paths: bool = False) -> DDMManifest:
+    """A whole ``kind: DDMDeployment`` document (as read from YAML); raises ``SpecError``."""
+    problems: list[str] = []
+    reader = FieldReader(document, "document", problems)
+    if reader.value("apiVersion") != API_VERSION or reader.value("kind") != KIND:
+        problems.append(f"apiVersion/kind: must be {API_VERSION} {KIND}")
+    metadata = reader.child("metadata")
+    name = metadata.string("name", None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
+                           hint="a DNS-1035 label: a lower-case letter, then letters, digits "
+                                "and '-'")
+    if not metadata.has("name"):
+        metadata.problem("name", "is required")
+    namespace = metadata.string("namespace", None)
+    reader.value("spec")
+    reader.value("status")  # a document saved from the cluster carries one; it is ignored
+    reader.done()  # metadata may hold anything (labels, annotations): not checked
+    try:
+        spec = parse_spec(document.get("spec") if isinstance(document, Mapping) else None,
+                          allow_host_paths=allow_host_paths)
+    except SpecError as error:
+        problems.extend(error.problems)
+    if problems:
+        raise SpecError([p.removeprefix("document.") for p in problems])
+    return DDMManifest(name=name or "", namespace=namespace, spec=spec)
+
+
+def load_manifest(path: str | Path, *, allow_host_paths: bool = True) -> DDMManifest:
+    """Read one DDMDeployment from a YAML file (a local file: host paths are fine)."""
+    text = Path(path).read_text()
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise SpecError([f"{path}: not valid YAML: {error}"]) from None
+    return parse_manifest(document, allow_host_paths=allow_host_paths)

@@ -1,0 +1,239 @@
+"""``router.yaml``: the router server's configuration (its experts, how to reach them, defaults).
+
+The operator writes it into a ConfigMap and the local runtime into a file; ``ddm serve router
+--config FILE`` reads it. Experts are listed in the order of the router network's outputs, and
+each is reached either through DNS (a headless Service name that resolves to every ready pod:
+the router re-resolves it every ``dns_refresh_s`` and balances over the addresses) or through a
+static list of ``host:port`` endpoints. Unknown keys are errors, so a typo never goes unnoticed.
+
+Imports neither NumPy nor any ML framework: the operator imports this module. The strategy
+grammar is the CRD's (``crds/ddmdeployments.ddm.dev.yaml``); a test checks that every name it
+accepts is one ``ddm.sampling.routing.parse_strategy`` accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+import yaml
+
+STRATEGY_PATTERN = (
+    r"^(oracle|ensemble|top[1-9][0-9]?|topk:[1-9][0-9]?"
+    r"|threshold:(0?\.[0-9]*[1-9][0-9]*|1(\.0+)?))$"
+)
+SOLVERS = ("euler", "heun")
+MAX_STEPS = 1000
+
+
+class RouterConfigError(ValueError):
+    """``router.yaml`` is malformed; the message names the offending key."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise RouterConfigError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _strict(cls: type, raw: Any, where: str) -> dict[str, Any]:
+    """``raw`` as keyword arguments of dataclass ``cls``; unknown keys are errors."""
+    _check(isinstance(raw, Mapping), f"{where} must be a mapping, got {raw!r}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(known))
+    _check(not unknown, f"{where} has unknown keys {unknown}; known keys: {known}")
+    return dict(raw)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that names no steps, solver or strategy gets."""
+
+    steps: int = 40
+    solver: str = "euler"
+    strategy: str = "top1"
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.steps) and 1 <= self.steps <= MAX_STEPS,
+               f"sampling.steps must be an integer in 1..{MAX_STEPS}, got {self.steps!r}")
+        _check(self.solver in SOLVERS,
+               f"sampling.solver must be one of {list(SOLVERS)}, got {self.solver!r}")
+        _check(isinstance(self.strategy, str) and re.match(STRATEGY_PATTERN, self.strategy),
+               f"sampling.strategy {self.strategy!r} is not one of oracle, ensemble, topK, "
+               "topk:K, threshold:P (0 < P <= 1)")
+
+
+@dataclass(frozen=True)
+class DnsDiscovery:
+    """A name resolving to every ready replica (a headless Service); all listen on ``port``."""
+
+    dns: str
+    port: int
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.dns, str) and bool(self.dns.strip()),
+               f"discovery.dns must be a host name, got {self.dns!r}")
+        _check(_is_int(self.port) and 1 <= self.port <= 65535,
+               f"discovery.port must be in 1..65535, got {self.port!r}")
+
+
+@dataclass(frozen=True)
+class StaticDiscovery:
+    """A fixed list of ``host:port`` replicas (the local runtime's processes)."""
+
+    endpoints: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        _check(len(self.endpoints) > 0, "discovery.endpoints must list at least one host:port")
+        for endpoint in self.endpoints:
+            host, _, port = str(endpoint).rpartition(":")
+            _check(bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+                   f"discovery.endpoints: {endpoint!r} is not host:port")
+
+
+Discovery = Union[DnsDiscovery, StaticDiscovery]
+
+
+def _discovery(raw: Any, where: str) -> Discovery:
+    _check(isinstance(raw, Mapping), f"{where} must be a mapping, got {raw!r}")
+    if "endpoints" in raw:
+        args = _strict(StaticDiscovery, raw, where)
+        _check(isinstance(args["endpoints"], (list, tuple)),
+               f"{where}.endpoints must be a list of host:port")
+        return StaticDiscovery(tuple(str(e) for e in args["endpoints"]))
+    _check("dns" in raw, f"{where} needs either dns (with port) or endpoints")
+    args = _strict(DnsDiscovery, raw, where)
+    _check("port" in args, f"{where}.port is required with dns")
+    return DnsDiscovery(**args)
+
+
+@dataclass(frozen=True)
+class ExpertEntry:
+    """One expert: its name, the labels it was trained on, and where its replicas are."""
+
+    name: str
+    discovery: Discovery
+    classes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.name, str) and bool(self.name),
+               f"an expert's name must be a non-empty string, got {self.name!r}")
+        _check(all(_is_int(c) and c >= 0 for c in self.classes),
+               f"expert {self.name}: classes must be non-negative integers, got "
+               f"{list(self.classes)}")
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> ExpertEntry:
+        args = _strict(cls, raw, where)
+        _check("name" in args and "discovery" in args, f"{where} needs name and discovery")
+        classes = args.get("classes", ())
+        _check(isinstance(classes, (list, tuple)), f"{where}.classes must be a list")
+        return cls(name=args["name"], classes=tuple(classes),
+                   discovery=_discovery(args["discovery"], f"{where}.discovery"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "classes": list(self.classes),
+                "discovery": _plain(dataclasses.asdict(self.discovery))}
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds to open a connection to an expert, and to wait for one velocity answer."""
+
+    connect_s: float = 2.0
+    request_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect_s", "request_s"):
+            value = getattr(self, name)
+            _check(_is_number(value) and value > 0, f"timeouts.{name} must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Retries:
+    """Tries per expert call (each on another replica when there is one), and the pause."""
+
+    attempts: int = 2
+    backoff_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.attempts) and self.attempts >= 1,
+               f"retries.attempts must be an integer >= 1, got {self.attempts!r}")
+        _check(_is_number(self.backoff_s) and self.backoff_s >= 0,
+               f"retries.backoff_s must be >= 0, got {self.backoff_s!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfigFile:
+    """The whole of ``router.yaml``. ``router_checkpoint`` is None only for the oracle."""
+
+    experts: tuple[ExpertEntry, ...]
+    num_classes: int = 10
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    router_checkpoint: str | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    retries: Retries = field(default_factory=Retries)
+    dns_refresh_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check(len(self.experts) > 0, "experts must list at least one expert")
+        names = [e.name for e in self.experts]
+        _check(len(set(names)) == len(names), f"expert names must be unique, got {names}")
+        _check(_is_int(self.num_classes) and self.num_classes >= 1,
+               f"num_classes must be an integer >= 1, got {self.num_classes!r}")
+        for expert in self.experts:
+            outside = [c for c in expert.classes if c >= self.num_classes]
+            _check(not outside, f"expert {expert.name}: classes {outside} are outside "
+                                f"0..{self.num_classes - 1}")
+        _check(self.sampling.strategy == "oracle" or bool(self.router_checkpoint),
+               f"strategy {self.sampling.strategy} needs router_checkpoint (only oracle "
+               "routes without the router network)")
+        _check(_is_number(self.dns_refresh_s) and self.dns_refresh_s > 0,
+               f"dns_refresh_s must be > 0, got {self.dns_refresh_s!r}")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> RouterConfigFile:
+        args = _strict(cls, raw, "router config")
+        _check("experts" in args, "router config needs experts")
+        _check(isinstance(args["experts"], list), "experts must be a list")
+        args["experts"] = tuple(ExpertEntry.from_dict(e, f"experts[{i}]")
+                                for i, e in enumerate(args["experts"]))
+        for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),
+                          ("retries", Retries)):
+            if key in args:
+                args[key] = kind(**_strict(kind, args[key], key))
+        return cls(**args)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = _plain(dataclasses.asdict(self))
+        out["experts"] = [e.to_dict() for e in self.experts]
+        return out
+
+    @classmethod
+    def from_yaml(cls, text: str) -> RouterConfigFile:
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise RouterConfigError(f"router config is not valid YAML: {error}") from None
+        return cls.from_dict(raw)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists, so that the YAML holds only plain lists and mappings."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,507 @@
+"""The operator against a real control plane (the dev cluster), running in this process.
+
+``run_operator`` runs in a thread for the module (cluster-wide, its own event loop, stopped by
+a flag). The dev cluster has no kubelet: the real scheduler binds pods to the fake accelerator
+nodes and they stay Pending, so where a test needs ready pods it plays the kubelet and writes
+the pods' status itself (the ReplicaSet and Deployment controllers and the endpoints
+controller then do the rest, as they would). Every wait polls the API with a deadline.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from ddm.operator.runner import run_operator
+from ddm.serving.router_config import RouterConfigFile
+
+ROOT = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
+OWNER_LABEL = "ddm.dev/deployment"
+HASH = "ddm.dev/spec-hash"
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout_s: float, what: str) -> T:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; last: {result!r}")
+        time.sleep(0.2)
+
+
+class Cluster:
+    """Plain-dict reads and writes through the typed clients (independent of the operator)."""
+
+    def __init__(self, api_client: Any) -> None:
+        self.custom = client.CustomObjectsApi(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+
+    @staticmethod
+    def _json(response: Any) -> Any:
+        return json.loads(response.data)
+
+    def _api(self, kind: str) -> tuple[Any, str]:
+        return {"Deployment": (self.apps, "deployment"), "ReplicaSet": (self.apps, "replica_set"),
+                "Service": (self.core, "service"), "ConfigMap": (self.core, "config_map"),
+                "Pod": (self.core, "pod"), "Endpoints": (self.core, "endpoints")}[kind]
+
+    def get(self, kind: str, namespace: str, name: str) -> dict | None:
+        api, suffix = self._api(kind)
+        try:
+            return self._json(getattr(api, f"read_namespaced_{suffix}")(
+                name, namespace, _preload_content=False))
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list(self, kind: str, namespace: str, selector: str) -> list[dict]:
+        api, suffix = self._api(kind)
+        return self._json(getattr(api, f"list_namespaced_{suffix}")(
+            namespace, label_selector=selector, _preload_content=False))["items"]
+
+    def create_ddm(self, namespace: str, name: str, spec: dict) -> dict:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "DDMDeployment",
+                "metadata": {"name": name}, "spec": spec}
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL,
+                                                           body)
+
+    def ddm(self, namespace: str, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+
+    def patch_ddm_spec(self, namespace: str, name: str, spec: dict) -> None:
+        self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                                   {"spec": spec})
+
+    def events(self, namespace: str, name: str) -> list[dict]:
+        return self._json(self.core.list_namespaced_event(
+            namespace, field_selector=f"involvedObject.name={name}",
+            _preload_content=False))["items"]
+
+    def children(self, namespace: str, owner: str) -> dict[tuple[str, str], dict]:
+        return {(kind, item["metadata"]["name"]): item
+                for kind in ("Deployment", "Service", "ConfigMap")
+                for item in self.list(kind, namespace, f"{OWNER_LABEL}={owner}")}
+
+
+@pytest.fixture(scope="module")
+def cluster(kube_client: Any) -> Cluster:
+    return Cluster(kube_client)
+
+
+@pytest.fixture(scope="module")
+def crd(kube_client: Any) -> dict:
+    """The CRD from crds/, applied and established."""
+    body = yaml.safe_load((ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())
+    api = client.ApiextensionsV1Api(kube_client)
+    try:
+        api.create_custom_resource_definition(body)
+    except ApiException as error:
+        if error.status != 409:
+            raise
+    name = body["metadata"]["name"]
+
+    def established() -> bool:
+        conditions = api.read_custom_resource_definition(name).status.conditions or []
+        return any(c.type == "Established" and c.status == "True" for c in conditions)
+
+    wait_for(established, 30, "the CRD to be established")
+    return body
+
+
+@pytest.fixture(scope="module")
+def operator(dev_cluster: Any, crd: dict) -> Iterator[None]:
+    """The operator, cluster-wide, in a thread; stopped (and checked stopped) at the end."""
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(
+        target=run_operator, name="ddm-operator", daemon=True,
+        kwargs={"kubeconfig": dev_cluster.kubeconfig, "liveness_port": None,
+                "configure_logging": False, "stop_flag": stop, "ready_flag": ready})
+    thread.start()
+    assert ready.wait(60), "the operator did not start"
+    yield
+    stop.set()
+    thread.join(30)
+    assert not thread.is_alive(), "the operator did not stop"
+
+
+def _expert(name: str, classes: list[int], **fields: Any) -> dict:
+    return {"name": name, "checkpoint": {"uri": f"image:///models/{name}"}, "classes": classes,
+            **fields}
+
+
+CPU_SPEC = {"sampling": {"strategy": "oracle"},
+            "experts": [_expert("a", [0, 1, 2]), _expert("b", [3, 4, 5, 6]),
+                        _expert("c", [7, 8, 9])]}
+MIXED_SPEC = {"sampling": {"strategy": "oracle", "steps": 30}, "experts": [
+    _expert("low", [0, 1, 2, 3], accelerator={"type": "neuron", "count": 1}),
+    {**_expert("mid", [4, 5, 6], framework="jax",
+               accelerator={"type": "nvidia", "count": 1, "product": "NVIDIA-H100-80GB-HBM3"}),
+     "checkpoint": {"uri": "s3://ddm-models/mid"}},
+    _expert("high", [7, 8, 9]),
+]}
+#: expert -> (extended resource it must get, or None for cpu)
+MIXED_RESOURCES = {"low": "aws.amazon.com/neuron", "mid": "nvidia.com/gpu", "high": None}
+
+
+def _expected_children(owner: str, experts: list[str]) -> set[tuple[str, str]]:
+    out = {("ConfigMap", f"{owner}-router-config"), ("Deployment", f"{owner}-router"),
+           ("Service", f"{owner}-router")}
+    for expert in experts:
+        out |= {("Deployment", f"{owner}-expert-{expert}"), ("Service", f"{owner}-expert-{expert}")}
+    return out
+
+
+def _deploy(cluster: Cluster, namespace: str, name: str, spec: dict) -> dict:
+    """Create a DDMDeployment and wait (15 s) for all its children; returns them."""
+    cluster.create_ddm(namespace, name, spec)
+    expected = _expected_children(name, [e["name"] for e in spec["experts"]])
+
+    def complete() -> dict | None:
+        children = cluster.children(namespace, name)
+        return children if set(children) == expected else None
+    return wait_for(complete, 15, f"the children of {name}")
+
+
+def _bound_pods(cluster: Cluster, namespace: str, selector: str, count: int) -> list[dict]:
+    def bound() -> list[dict] | None:
+        pods = [p for p in cluster.list("Pod", namespace, selector)
+                if p["spec"].get("nodeName") and not p["metadata"].get("deletionTimestamp")]
+        return pods if len(pods) == count else None
+    return wait_for(bound, 15, f"{count} pods ({selector}) bound to nodes")
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_mixed_ddm_gets_its_children_scheduled_and_a_status(cluster: Cluster,
+                                                               kube_namespace: str) -> None:
+    ns, started = kube_namespace, time.monotonic()
+    children = _deploy(cluster, ns, "mixed", MIXED_SPEC)
+    owner = cluster.ddm(ns, "mixed")
+    for child in children.values():
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+            "DDMDeployment", "mixed", owner["metadata"]["uid"], True)
+        assert HASH in child["metadata"]["annotations"]
+    for expert, resource in MIXED_RESOURCES.items():
+        pod = children[("Deployment", f"mixed-expert-{expert}")]["spec"]["template"]["spec"]
+        limits = pod["containers"][0].get("resources", {}).get("limits", {})
+        assert limits == ({resource: "1"} if resource else {})
+        service = children[("Service", f"mixed-expert-{expert}")]["spec"]
+        assert service["clusterIP"] == "None"
+        (pod_on_node,) = _bound_pods(cluster, ns, f"ddm.dev/expert={expert}", 1)
+        node = cluster.core.read_node(pod_on_node["spec"]["nodeName"])
+        if resource:
+            assert int(node.status.allocatable.get(resource, "0")) >= 1, node.metadata.name
+        else:
+            assert not node.spec.taints, node.metadata.name  # the CPU node
+    assert time.monotonic() - started < 15
+    mid = children[("Deployment", "mixed-expert-mid")]["spec"]["template"]["spec"]
+    assert mid["initContainers"][0]["command"][:2] == ["ddm", "fetch-checkpoint"]
+    config = RouterConfigFile.from_yaml(
+        children[("ConfigMap", "mixed-router-config")]["data"]["router.yaml"])
+    assert [e.discovery.dns for e in config.experts] == [
+        f"mixed-expert-{e}.{ns}.svc.cluster.local" for e in ("low", "mid", "high")]
+
+    def reported() -> dict | None:
+        status = cluster.ddm(ns, "mixed").get("status") or {}
+        return status if status.get("observedGeneration") == 1 else None
+    status = wait_for(reported, 15, "the status")
+    assert status["phase"] == "Pending" and status["expertsReady"] == "0/3"
+    assert status["routerURL"] == f"http://mixed-router.{ns}.svc:8080"
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Ready": "False", "SpecValid": "True", "ExpertsReady": "False", "RouterReady": "False"}
+    assert all(c["reason"] and c["message"] and c["lastTransitionTime"]
+               for c in status["conditions"])
+    assert {e["name"]: e["accelerator"] for e in status["experts"]} == {
+        "low": "neuron x1", "mid": "nvidia x1 (NVIDIA-H100-80GB-HBM3)", "high": "cpu"}
+    wait_for(lambda: "Created" in {e["reason"] for e in cluster.events(ns, "mixed")}, 15,
+             "Created events")
+
+
+@pytest.mark.usefixtures("operator")
+def test_kubectl_get_ddm_shows_the_printer_columns(cluster: Cluster, kube_namespace: str
+                                                   ) -> None:
+    _deploy(cluster, kube_namespace, "columns", CPU_SPEC)
+    wait_for(lambda: cluster.ddm(kube_namespace, "columns").get("status"), 15, "a status")
+    # What kubectl asks for: the server renders the CRD's printer columns as a Table.
+    response = cluster.custom.list_namespaced_custom_object(
+        GROUP, VERSION, kube_namespace, PLURAL, _preload_content=False,
+        _headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+    table = json.loads(response.data)
+    assert [c["name"] for c in table["columnDefinitions"]] == [
+        "Name", "Ready", "Experts", "Strategy", "Phase", "Age"]
+    assert table["rows"][0]["cells"][:5] == ["columns", "False", "0/3", "oracle", "Pending"]
+
+
+def _mark_ready(cluster: Cluster, pod: dict, ip: str) -> None:
+    """Write what a kubelet would for a started, ready container (there is no kubelet)."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = {
+        "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "conditions": [{"type": kind, "status": "True", "lastTransitionTime": now}
+                       for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+        "containerStatuses": [{"name": c["name"], "ready": True, "started": True,
+                               "restartCount": 0, "image": c["image"], "imageID": "",
+                               "state": {"running": {"startedAt": now}}}
+                              for c in pod["spec"]["containers"]],
+    }
+    cluster.core.patch_namespaced_pod_status(pod["metadata"]["name"],
+                                             pod["metadata"]["namespace"], {"status": status})
+
+
+@pytest.mark.usefixtures("operator")
+def test_the_status_follows_the_pods_readiness(cluster: Cluster, kube_namespace: str) -> None:
+    ns = kube_namespace
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][1]["replicas"] = 2
+    _deploy(cluster, ns, "ready", spec)
+    pods = _bound_pods(cluster, ns, f"{OWNER_LABEL}=ready", 5)  # 4 expert pods, 1 router pod
+    for index, pod in enumerate(pods):
+        _mark_ready(cluster, pod, f"10.244.1.{index + 10}")
+
+    def ready() -> dict | None:
+        status = cluster.ddm(ns, "ready").get("status") or {}
+        return status if status.get("phase") == "Ready" else None
+    status = wait_for(ready, 30, "phase Ready")
+    assert status["expertsReady"] == "3/3"
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Ready": "True", "SpecValid": "True", "ExpertsReady": "True", "RouterReady": "True"}
+    assert {e["name"]: e["readyReplicas"] for e in status["experts"]} == {"a": 1, "b": 2, "c": 1}
+    # The router's DNS name for expert b resolves to both of its ready replicas.
+    b_ips = {p["status"]["podIP"] for p in cluster.list("Pod", ns, "ddm.dev/expert=b")
+             if "status" in p and p["status"].get("podIP")}
+    endpoints = wait_for(lambda: (cluster.get("Endpoints", ns, "ready-expert-b") or {}).get(
+        "subsets"), 15, "endpoints of expert b")
+    assert {a["ip"] for s in endpoints for a in s.get("addresses", [])} == b_ips
+
+
+def _versions(children: dict) -> dict[tuple[str, str], tuple[Any, ...]]:
+    """What changes when a child is rewritten: generation (Deployments), version, hash."""
+    return {key: (c["metadata"].get("generation"),
+                  c["metadata"]["resourceVersion"] if key[0] != "Deployment" else None,
+                  c["metadata"]["annotations"][HASH])
+            for key, c in children.items()}
+
+
+@pytest.mark.usefixtures("operator")
+def test_updates_touch_only_what_changed_and_removed_experts_go(cluster: Cluster,
+                                                                kube_namespace: str) -> None:
+    ns = kube_namespace
+    before = _versions(_deploy(cluster, ns, "upd", CPU_SPEC))
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][1]["replicas"] = 2
+    cluster.patch_ddm_spec(ns, "upd", spec)
+    wait_for(lambda: cluster.get("Deployment", ns, "upd-expert-b")["spec"]["replicas"] == 2,
+             15, "expert b scaled to 2")
+    after = _versions(cluster.children(ns, "upd"))
+    assert [key for key in before if before[key] != after[key]] == [
+        ("Deployment", "upd-expert-b")]
+    wait_for(lambda: (cluster.ddm(ns, "upd").get("status") or {}).get(
+        "observedGeneration") == 2, 15, "observedGeneration 2")
+
+    router_hash = cluster.get("Deployment", ns, "upd-router")["spec"]["template"]["metadata"][
+        "annotations"]["ddm.dev/config-hash"]
+    spec["experts"] = spec["experts"][:2]
+    spec["experts"][1]["classes"] = list(range(3, 10))
+    cluster.patch_ddm_spec(ns, "upd", spec)
+    wait_for(lambda: set(cluster.children(ns, "upd")) == _expected_children("upd", ["a", "b"]),
+             15, "the children of expert c deleted")
+    config = RouterConfigFile.from_yaml(
+        cluster.get("ConfigMap", ns, "upd-router-config")["data"]["router.yaml"])
+    assert [e.name for e in config.experts] == ["a", "b"]
+    template = cluster.get("Deployment", ns, "upd-router")["spec"]["template"]
+    assert template["metadata"]["annotations"]["ddm.dev/config-hash"] != router_hash
+    wait_for(lambda: "Deleted" in {e["reason"] for e in cluster.events(ns, "upd")}, 15,
+             "a Deleted event")
+
+
+@pytest.mark.usefixtures("operator")
+def test_children_changed_by_hand_are_restored(cluster: Cluster, kube_namespace: str) -> None:
+    ns = kube_namespace
+    children = _deploy(cluster, ns, "drift", CPU_SPEC)
+    image = children[("Deployment", "drift-expert-a")]["spec"]["template"]["spec"][
+        "containers"][0]["image"]
+    started = time.monotonic()
+    # Not deserialised: the client expects a Service back, Kubernetes 1.20 answers a Status.
+    cluster.core.delete_namespaced_service("drift-expert-c", ns, _preload_content=False)
+    cluster.apps.patch_namespaced_deployment("drift-expert-a", ns, {"spec": {
+        "replicas": 4, "template": {"spec": {"containers": [{"name": "expert",
+                                                            "image": "nginx"}]}}}})
+
+    def restored() -> bool:
+        deployment = cluster.get("Deployment", ns, "drift-expert-a")
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        return (cluster.get("Service", ns, "drift-expert-c") is not None
+                and deployment["spec"]["replicas"] == 1 and container["image"] == image)
+    wait_for(restored, 30, "the Service re-created and the Deployment restored")
+    assert time.monotonic() - started < 30
+    wait_for(lambda: "Restored" in {e["reason"] for e in cluster.events(ns, "drift")}, 15,
+             "a Restored event")
+
+
+# (a change to a valid spec, a fragment of the API server's message). Kubernetes 1.20 names
+# fields inside list items without their index (spec.experts.replicas), later versions with it.
+SCHEMA_REJECTS = {
+    "duplicate expert names": (
+        lambda s: s["experts"].append(copy.deepcopy(s["experts"][0])),
+        'spec.experts[3]: Duplicate value: map[string]interface {}{"name":"a"}'),
+    "unknown accelerator": (
+        lambda s: s["experts"][0].update(accelerator={"type": "amd"}),
+        'spec.experts.accelerator.type: Unsupported value: "amd"'),
+    "negative replicas": (
+        lambda s: s["experts"][0].update(replicas=-1),
+        "spec.experts.replicas: Invalid value: -1"),
+    "expert name not a DNS label": (
+        lambda s: s["experts"][0].update(name="Expert_A"),
+        "should match '^[a-z0-9]([-a-z0-9]*[a-z0-9])?$'"),
+    "unknown strategy": (
+        lambda s: s["sampling"].update(strategy="random"),
+        'spec.sampling.strategy: Invalid value: "random"'),
+    "too many steps": (
+        lambda s: s["sampling"].update(steps=5000),
+        "spec.sampling.steps: Invalid value: 5000"),
+    "unknown solver": (
+        lambda s: s["sampling"].update(solver="rk4"),
+        'spec.sampling.solver: Unsupported value: "rk4"'),
+    "bad checkpoint URI": (
+        lambda s: s["experts"][0].update(checkpoint={"uri": "ftp://host/model"}),
+        'Invalid value: "ftp://host/model"'),
+    "repeated class": (
+        lambda s: s["experts"][0].update(classes=[0, 0]),
+        "spec.experts[0].classes[1]: Duplicate value: 0"),
+    "no experts": (
+        lambda s: s.update(experts=[]),
+        "spec.experts: Invalid value: 0: spec.experts in body should have at least 1 items"),
+    "too many GPUs for any node": (
+        lambda s: s["experts"][0].update(accelerator={"type": "nvidia", "count": 64}),
+        "spec.experts.accelerator.count: Invalid value: 64"),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEMA_REJECTS))
+def test_the_api_server_rejects_invalid_specs(cluster: Cluster, crd: dict, kube_namespace: str,
+                                              case: str) -> None:
+    change, message = SCHEMA_REJECTS[case]
+    spec = copy.deepcopy(CPU_SPEC)
+    change(spec)
+    with pytest.raises(ApiException) as caught:
+        cluster.create_ddm(kube_namespace, "bad", spec)
+    assert caught.value.status == 422
+    assert message in json.loads(caught.value.body)["message"]
+
+
+def test_the_api_server_rejects_a_name_too_long_for_children(cluster: Cluster, crd: dict,
+                                                             kube_namespace: str) -> None:
+    with pytest.raises(ApiException) as caught:
+        cluster.create_ddm(kube_namespace, "a-name-that-is-much-too-long", CPU_SPEC)
+    assert "metadata.name in body should be at most 24 chars long" in caught.value.body
+
+
+# (a change the schema allows but the operator refuses, a fragment of its message)
+SEMANTIC_ERRORS = {
+    "oracle with overlapping classes": (
+        lambda s: s["experts"][1].update(classes=[2, 3, 4, 5, 6]),
+        "spec.experts[1].classes: label 2 is also claimed by expert a"),
+    "more GPUs than a node has": (
+        lambda s: s["experts"][0].update(accelerator={"type": "nvidia", "count": 9}),
+        "spec.experts[0].accelerator.count: 9 is not a size nvidia offers per pod"),
+    "JAX on Neuron": (
+        lambda s: s["experts"][0].update(framework="jax", accelerator={"type": "neuron"}),
+        "spec.experts[0].accelerator.type: neuron cannot run framework jax"),
+    "host path": (
+        lambda s: s["experts"][0].update(checkpoint={"uri": "file:///srv/models/a"}),
+        "spec.experts[0].checkpoint.uri: 'file:///srv/models/a' mounts a directory of the node"),
+}
+
+
+def _invalid_status(cluster: Cluster, namespace: str, name: str, generation: int) -> dict:
+    def reported() -> dict | None:
+        status = cluster.ddm(namespace, name).get("status") or {}
+        return status if (status.get("phase"), status.get("observedGeneration")) == (
+            "Invalid", generation) else None
+    return wait_for(reported, 15, f"{name} reported Invalid")
+
+
+@pytest.mark.usefixtures("operator")
+@pytest.mark.parametrize("case", list(SEMANTIC_ERRORS))
+def test_semantic_errors_are_reported_and_create_nothing(cluster: Cluster, kube_namespace: str,
+                                                         case: str) -> None:
+    change, message = SEMANTIC_ERRORS[case]
+    spec = copy.deepcopy(CPU_SPEC)
+    change(spec)
+    cluster.create_ddm(kube_namespace, "semantic", spec)
+    status = _invalid_status(cluster, kube_namespace, "semantic", 1)
+    condition = next(c for c in status["conditions"] if c["type"] == "SpecValid")
+    assert condition["status"] == "False" and message in condition["message"]
+    warnings = wait_for(lambda: [e for e in cluster.events(kube_namespace, "semantic")
+                                 if e["type"] == "Warning" and e["reason"] == "InvalidSpec"],
+                        15, "a Warning event")
+    assert message in warnings[0]["message"]
+    assert cluster.children(kube_namespace, "semantic") == {}
+
+
+@pytest.mark.usefixtures("operator")
+def test_an_invalid_update_changes_no_child(cluster: Cluster, kube_namespace: str) -> None:
+    ns = kube_namespace
+    before = _versions(_deploy(cluster, ns, "keep", CPU_SPEC))
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][2]["classes"] = [6, 7, 8, 9]
+    cluster.patch_ddm_spec(ns, "keep", spec)
+    status = _invalid_status(cluster, ns, "keep", 2)
+    assert "label 6 is also claimed by expert b" in status["conditions"][0]["message"]
+    assert _versions(cluster.children(ns, "keep")) == before
+
+
+@pytest.mark.usefixtures("operator")
+def test_an_object_in_the_way_is_reported_not_overwritten(cluster: Cluster,
+                                                          kube_namespace: str) -> None:
+    ns = kube_namespace
+    cluster.core.create_namespaced_config_map(ns, {"metadata": {"name": "clash-router-config"},
+                                                   "data": {"router.yaml": "mine"}})
+    cluster.create_ddm(ns, "clash", CPU_SPEC)
+
+    def failed() -> dict | None:
+        status = cluster.ddm(ns, "clash").get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+    ready = next(c for c in wait_for(failed, 15, "phase Failed")["conditions"]
+                 if c["type"] == "Ready")
+    assert ready["reason"] == "ApplyFailed"
+    assert "ConfigMap clash-router-config already exists and belongs to something else" in \
+        ready["message"]
+    assert cluster.get("ConfigMap", ns, "clash-router-config")["data"] == {"router.yaml": "mine"}
+    assert cluster.get("Deployment", ns, "clash-expert-a") is not None  # the rest goes on
+    wait_for(lambda: [e for e in cluster.events(ns, "clash") if e["reason"] == "ApplyFailed"],
+             15, "an ApplyFailed warning")
+
+
+@pytest.mark.usefixtures("operator")
+def test_deleting_a_ddm_removes_every_child(cluster: Cluster, kube_namespace: str) -> None:
+    ns = kube_namespace
+    _deploy(cluster, ns, "gone", CPU_SPEC)
+    selector = f"{OWNER_LABEL}=gone"
+    wait_for(lambda: len(cluster.list("ReplicaSet", ns, selector)) == 4, 15, "4 ReplicaSets")
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "gone")
+
+    def remaining() -> list[str]:
+        return [f"{kind} {item['metadata']['name']}"
+                for kind in ("Deployment", "ReplicaSet", "Service", "ConfigMap")
+                for item in cluster.list(kind, ns, selector)]
+    wait_for(lambda: "all gone" if not remaining() else None, 60,
+             "garbage collection of the children")
+    # Pods stay Terminating: without a kubelet nothing confirms that they stopped.

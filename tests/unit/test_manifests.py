@@ -1,0 +1,340 @@
+"""The pure manifest builders: accelerator expansion, pass-through, checkpoint sources, the
+restricted security context on every pod, labels, hashes and the router's configuration."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from ddm.operator import names
+from ddm.operator.config import Images, OperatorConfig
+from ddm.operator.manifests import (
+    CONTAINER_SECURITY_CONTEXT,
+    build_children,
+    build_expert_deployment,
+    with_spec_hash,
+)
+from ddm.operator.spec import parse_spec
+from ddm.serving.router_config import DnsDiscovery, RouterConfigFile
+
+META = {"name": "digits", "namespace": "ml", "uid": "1234", "generation": 1}
+CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
+                                      neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"))
+
+
+def _spec(*experts: dict, **extra) -> dict:
+    return {"sampling": {"strategy": "top1"}, "router": {"checkpoint": {"uri": "image:///r"}},
+            "experts": list(experts), **extra}
+
+
+def _expert(name: str = "e", **fields) -> dict:
+    return {"name": name, "checkpoint": {"uri": "image:///models/e"}, **fields}
+
+
+def _children(raw: dict, config: OperatorConfig = CONFIG) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c
+            for c in build_children(parse_spec(raw, allow_host_paths=True), META, config)}
+
+
+def _expert_pod(raw_expert: dict, config: OperatorConfig = CONFIG) -> dict:
+    spec = parse_spec(_spec(raw_expert), allow_host_paths=True)
+    return build_expert_deployment(spec.experts[0], META, config)["spec"]["template"]["spec"]
+
+
+def _container(pod: dict) -> dict:
+    (container,) = pod["containers"]
+    return container
+
+
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_a_ddm_has_these_children() -> None:
+    children = _children(_spec(_expert("a"), _expert("b")))
+    assert sorted(children) == [
+        ("ConfigMap", "digits-router-config"),
+        ("Deployment", "digits-expert-a"), ("Deployment", "digits-expert-b"),
+        ("Deployment", "digits-router"),
+        ("Service", "digits-expert-a"), ("Service", "digits-expert-b"),
+        ("Service", "digits-router"),
+    ]
+    assert all(c["metadata"]["namespace"] == "ml" for c in children.values())
+
+
+def test_neuron_devices() -> None:
+    pod = _expert_pod(_expert(accelerator={"type": "neuron", "count": 2}))
+    container = _container(pod)
+    assert container["resources"]["limits"] == {"aws.amazon.com/neuron": "2"}
+    assert pod["tolerations"] == [{"key": "aws.amazon.com/neuron", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert container["image"] == "reg/ddm-neuron:1"
+    assert _flag(container["command"], "--backend") == "neuron"
+    assert "--device" not in container["command"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["NEURON_CC_FLAGS"] == "--cache_dir=/var/cache/neuron/compiler"
+    assert env["DDM_NEURON_CACHE"].startswith("/var/cache/neuron")
+    assert {"name": "neuron-cache", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "neuron-cache", "mountPath": "/var/cache/neuron"} in container["volumeMounts"]
+    assert "nodeSelector" not in pod
+
+
+def test_neuron_cores() -> None:
+    pod = _expert_pod(_expert(accelerator={"type": "neuron", "unit": "core", "count": 4}))
+    assert _container(pod)["resources"]["limits"] == {"aws.amazon.com/neuroncore": "4"}
+
+
+@pytest.mark.parametrize("framework, device", [("torch", "cuda"), ("jax", "gpu")])
+def test_nvidia_gpus(framework: str, device: str) -> None:
+    pod = _expert_pod(_expert(framework=framework, accelerator={
+        "type": "nvidia", "count": 2, "product": "NVIDIA-H100-80GB-HBM3"}))
+    container = _container(pod)
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "2"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert container["image"] == "reg/ddm-cuda:1"
+    assert (_flag(container["command"], "--backend"),
+            _flag(container["command"], "--device")) == (framework, device)
+
+
+def test_nvidia_without_a_product_selects_no_node_label() -> None:
+    assert "nodeSelector" not in _expert_pod(_expert(accelerator={"type": "nvidia"}))
+
+
+@pytest.mark.parametrize("framework, device", [("jax", "tpu"), ("torch", "xla")])
+def test_tpu_chips(framework: str, device: str) -> None:
+    pod = _expert_pod(_expert(framework=framework, accelerator={"type": "tpu", "count": 4}))
+    container = _container(pod)
+    assert container["resources"]["limits"] == {"google.com/tpu": "4"}
+    assert pod["nodeSelector"] == {
+        "cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice",
+        "cloud.google.com/gke-tpu-topology": "2x2"}
+    assert pod["tolerations"] == [{"key": "google.com/tpu", "operator": "Exists",
+                                   "effect": "NoSchedule"}]
+    assert container["image"] == "reg/ddm-tpu:1"
+    assert _flag(container["command"], "--device") == device
+
+
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_cpu_adds_nothing(framework: str) -> None:
+    pod = _expert_pod(_expert(framework=framework))
+    container = _container(pod)
+    assert "resources" not in container and "tolerations" not in pod
+    assert "nodeSelector" not in pod
+    assert container["image"] == "reg/ddm:1"
+    assert _flag(container["command"], "--device") == "cpu"
+
+
+def test_the_expert_command_is_the_servers() -> None:
+    command = _container(_expert_pod(_expert(maxBatch=32, maxDelayMs=5)))["command"]
+    assert command == ["ddm", "serve", "expert", "--checkpoint", "/models/e", "--port", "8000",
+                       "--backend", "torch", "--device", "cpu", "--max-batch", "32",
+                       "--max-delay-ms", "5"]
+
+
+def test_placement_and_resources_pass_through() -> None:
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "zone", "operator": "In", "values": ["a"]}]}]}}}
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "ddm", "effect": "NoSchedule"}
+    pod = _expert_pod(_expert(
+        accelerator={"type": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+        nodeSelector={"pool": "gpu"}, tolerations=[toleration], affinity=affinity,
+        resources={"requests": {"cpu": 2, "memory": "8Gi"}, "limits": {"memory": "16Gi"}},
+        image="my/own:image"))
+    container = _container(pod)
+    assert pod["nodeSelector"] == {"pool": "gpu",
+                                   "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert toleration in pod["tolerations"] and len(pod["tolerations"]) == 2
+    assert pod["affinity"] == affinity
+    assert container["resources"] == {"requests": {"cpu": "2", "memory": "8Gi"},
+                                      "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"}}
+    assert container["image"] == "my/own:image"
+
+
+def test_a_checkpoint_on_a_volume_claim_with_a_sub_path() -> None:
+    pod = _expert_pod(_expert(checkpoint={"uri": "pvc://models/digits/low"}))
+    assert {"name": "checkpoint", "persistentVolumeClaim": {"claimName": "models",
+                                                            "readOnly": True}} in pod["volumes"]
+    container = _container(pod)
+    assert {"name": "checkpoint", "mountPath": "/models/expert", "readOnly": True,
+            "subPath": "digits/low"} in container["volumeMounts"]
+    assert _flag(container["command"], "--checkpoint") == "/models/expert"
+
+
+def test_a_checkpoint_on_a_whole_claim() -> None:
+    mounts = _container(_expert_pod(_expert(checkpoint={"uri": "pvc://models"})))["volumeMounts"]
+    assert {"name": "checkpoint", "mountPath": "/models/expert", "readOnly": True} in mounts
+
+
+def test_a_checkpoint_inside_the_image_mounts_nothing() -> None:
+    pod = _expert_pod(_expert(checkpoint={"uri": "image:///opt/ddm/ckpt"}))
+    assert _flag(_container(pod)["command"], "--checkpoint") == "/opt/ddm/ckpt"
+    assert all(v["name"] != "checkpoint" for v in pod["volumes"])
+
+
+@pytest.mark.parametrize("uri", ["https://example.com/e.tar", "s3://bucket/e", "gs://bucket/e"])
+def test_a_remote_checkpoint_is_fetched_by_an_init_container(uri: str) -> None:
+    pod = _expert_pod(_expert(checkpoint={"uri": uri}))
+    (fetch,) = pod["initContainers"]
+    assert fetch["command"] == ["ddm", "fetch-checkpoint", uri, "/models/expert"]
+    assert fetch["image"] == "reg/ddm:1"
+    assert {"name": "checkpoint", "mountPath": "/models/expert"} in fetch["volumeMounts"]
+    assert {"name": "checkpoint", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "checkpoint", "mountPath": "/models/expert", "readOnly": True} in \
+        _container(pod)["volumeMounts"]
+
+
+def test_a_host_path_checkpoint() -> None:
+    pod = _expert_pod(_expert(checkpoint={"uri": "file:///srv/models/e"}))
+    assert {"name": "checkpoint", "hostPath": {"path": "/srv/models/e", "type": "Directory"}} \
+        in pod["volumes"]
+
+
+def test_probes_wait_for_the_model_and_allow_long_compiles() -> None:
+    neuron = _container(_expert_pod(_expert(accelerator={"type": "neuron"})))
+    cpu = _container(_expert_pod(_expert()))
+    for container in (neuron, cpu):
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+        assert container["startupProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+
+    def budget(c: dict) -> int:
+        return c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+    assert budget(neuron) == 1800 and budget(cpu) == 600
+
+
+def _pods(children: dict) -> list[dict]:
+    return [c["spec"]["template"]["spec"] for c in children.values() if c["kind"] == "Deployment"]
+
+
+def test_every_pod_runs_restricted_with_writable_scratch() -> None:
+    children = _children(_spec(
+        _expert("a", accelerator={"type": "neuron"}, checkpoint={"uri": "s3://bkt/a"}),
+        _expert("b", accelerator={"type": "nvidia"}, checkpoint={"uri": "pvc://m/b"}),
+        _expert("c", accelerator={"type": "tpu"}),
+        router={"checkpoint": {"uri": "https://example.com/router"}}))
+    pods = _pods(children)
+    assert len(pods) == 4
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == 10001
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"] + pod.get("initContainers", []):
+            context = container["securityContext"]
+            assert context == CONTAINER_SECURITY_CONTEXT
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"] == {"drop": ["ALL"]}
+            assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+        assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
+
+
+def test_labels_and_selectors() -> None:
+    children = _children(_spec(_expert("a")))
+    for child in children.values():
+        labels = child["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "ddm"
+        assert labels["app.kubernetes.io/instance"] == "digits"
+        assert labels["app.kubernetes.io/part-of"] == "ddm"
+        assert labels["app.kubernetes.io/managed-by"] == "ddm-operator"
+        assert labels["ddm.dev/deployment"] == "digits"
+    expert = children[("Deployment", "digits-expert-a")]
+    assert expert["metadata"]["labels"]["app.kubernetes.io/component"] == "expert"
+    assert expert["metadata"]["labels"]["ddm.dev/expert"] == "a"
+    assert children[("Deployment", "digits-router")]["metadata"]["labels"][
+        "app.kubernetes.io/component"] == "router"
+    for name in ("digits-expert-a", "digits-router"):
+        deployment = children[("Deployment", name)]
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= pod_labels.items()
+        assert children[("Service", name)]["spec"]["selector"] == selector
+
+
+def test_expert_services_are_headless_and_list_only_ready_pods() -> None:
+    service = _children(_spec(_expert("a")))[("Service", "digits-expert-a")]["spec"]
+    assert service["clusterIP"] == "None"
+    assert service["publishNotReadyAddresses"] is False
+    assert service["ports"] == [{"name": "http", "port": 8000, "targetPort": "http",
+                                 "protocol": "TCP"}]
+    router = _children(_spec(_expert("a")))[("Service", "digits-router")]["spec"]
+    assert "clusterIP" not in router and router["ports"][0]["port"] == 8080
+
+
+def test_the_router_reads_its_config_map() -> None:
+    children = _children(_spec(_expert("a", classes=[0, 1]), _expert("b", classes=[2]),
+                               numClasses=3, sampling={"steps": 20, "solver": "heun",
+                                                       "strategy": "top2"}))
+    text = children[("ConfigMap", "digits-router-config")]["data"]["router.yaml"]
+    config = RouterConfigFile.from_yaml(text)
+    assert [e.name for e in config.experts] == ["a", "b"]
+    assert config.experts[0].classes == (0, 1)
+    assert config.experts[0].discovery == DnsDiscovery(
+        dns="digits-expert-a.ml.svc.cluster.local", port=8000)
+    assert (config.sampling.steps, config.sampling.solver, config.sampling.strategy) == (
+        20, "heun", "top2")
+    assert config.num_classes == 3 and config.router_checkpoint == "/r"
+    router = children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
+    container = _container(router)
+    assert container["command"] == ["ddm", "serve", "router", "--config", "/etc/ddm/router.yaml",
+                                    "--port", "8080"]
+    assert {"name": "config", "configMap": {"name": "digits-router-config"}} in router["volumes"]
+
+
+def test_an_oracle_router_needs_no_checkpoint() -> None:
+    raw = _spec(_expert("a", classes=list(range(10))), sampling={"strategy": "oracle"})
+    del raw["router"]
+    children = _children(raw)
+    config = RouterConfigFile.from_yaml(
+        children[("ConfigMap", "digits-router-config")]["data"]["router.yaml"])
+    assert config.router_checkpoint is None
+    pod = children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
+    assert all(v["name"] != "checkpoint" for v in pod["volumes"])
+
+
+def test_the_cluster_domain_is_configurable() -> None:
+    config = OperatorConfig.from_env({"DDM_CLUSTER_DOMAIN": "corp.local",
+                                      "DDM_IMAGE_CUDA": "x/cuda:2"})
+    children = _children(_spec(_expert("a", accelerator={"type": "nvidia"})), config)
+    text = children[("ConfigMap", "digits-router-config")]["data"]["router.yaml"]
+    assert "digits-expert-a.ml.svc.corp.local" in text
+    pod = children[("Deployment", "digits-expert-a")]["spec"]["template"]["spec"]
+    assert _container(pod)["image"] == "x/cuda:2"
+    with pytest.raises(ValueError, match="DDM_ALLOW_HOST_PATHS"):
+        OperatorConfig.from_env({"DDM_ALLOW_HOST_PATHS": "maybe"})
+
+
+def _hashes(raw: dict) -> dict[tuple[str, str], str]:
+    return {key: with_spec_hash(child)["metadata"]["annotations"][names.SPEC_HASH_ANNOTATION]
+            for key, child in _children(raw).items()}
+
+
+def test_a_change_to_one_expert_changes_only_its_hash() -> None:
+    before = _spec(_expert("a", classes=[0]), _expert("b", classes=[1]))
+    after = copy.deepcopy(before)
+    after["experts"][1]["replicas"] = 3
+    old, new = _hashes(before), _hashes(after)
+    assert [key for key in old if old[key] != new[key]] == [("Deployment", "digits-expert-b")]
+
+
+def test_a_change_to_the_experts_classes_rolls_the_router() -> None:
+    before = _spec(_expert("a", classes=[0]), _expert("b", classes=[1]))
+    after = copy.deepcopy(before)
+    after["experts"][1]["classes"] = [1, 2]
+    old, new = _hashes(before), _hashes(after)
+    assert sorted(key for key in old if old[key] != new[key]) == [
+        ("ConfigMap", "digits-router-config"), ("Deployment", "digits-router")]
+
+    def config_hash(raw: dict) -> str:
+        template = _children(raw)[("Deployment", "digits-router")]["spec"]["template"]
+        return template["metadata"]["annotations"][names.CONFIG_HASH_ANNOTATION]
+    assert config_hash(before) != config_hash(after)
+
+
+def test_the_hash_ignores_an_existing_hash() -> None:
+    child = _children(_spec(_expert("a")))[("Service", "digits-expert-a")]
+    assert with_spec_hash(with_spec_hash(child)) == with_spec_hash(child)

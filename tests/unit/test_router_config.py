@@ -1,0 +1,73 @@
+"""router.yaml: round trips, both kinds of discovery, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddm.serving.router_config import (
+    DnsDiscovery,
+    ExpertEntry,
+    RouterConfigError,
+    RouterConfigFile,
+    SamplingDefaults,
+    StaticDiscovery,
+)
+
+TEXT = """\
+num_classes: 10
+sampling: {steps: 20, solver: heun, strategy: top1}
+router_checkpoint: /models/router
+experts:
+- name: low
+  classes: [0, 1, 2, 3, 4]
+  discovery: {dns: d-expert-low.ns.svc.cluster.local, port: 8000}
+- name: high
+  classes: [5, 6, 7, 8, 9]
+  discovery: {endpoints: ["127.0.0.1:8001", "[::1]:8002"]}
+timeouts: {connect_s: 1.5, request_s: 10}
+retries: {attempts: 3, backoff_s: 0.1}
+dns_refresh_s: 2
+"""
+
+
+def test_a_file_with_both_kinds_of_discovery() -> None:
+    config = RouterConfigFile.from_yaml(TEXT)
+    low, high = config.experts
+    assert low.discovery == DnsDiscovery(dns="d-expert-low.ns.svc.cluster.local", port=8000)
+    assert high.discovery == StaticDiscovery(endpoints=("127.0.0.1:8001", "[::1]:8002"))
+    assert config.sampling == SamplingDefaults(steps=20, solver="heun", strategy="top1")
+    assert (config.timeouts.connect_s, config.retries.attempts, config.dns_refresh_s) == (
+        1.5, 3, 2)
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
+def test_defaults() -> None:
+    config = RouterConfigFile(experts=(ExpertEntry("a", DnsDiscovery("a.svc", 8000)),),
+                              router_checkpoint="/r")
+    assert config.sampling == SamplingDefaults() and config.num_classes == 10
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.replace("dns_refresh_s", "dns_refresh"), "unknown keys ['dns_refresh']"),
+    (lambda t: t.replace("solver: heun", "solver: rk4"), "sampling.solver must be one of"),
+    (lambda t: t.replace("strategy: top1", "strategy: best"), "sampling.strategy 'best'"),
+    (lambda t: t.replace("port: 8000", "port: 0"), "discovery.port must be in 1..65535"),
+    (lambda t: t.replace("port: 8000", "prt: 8000"), "unknown keys ['prt']"),
+    (lambda t: t.replace('"127.0.0.1:8001"', '"127.0.0.1"'), "'127.0.0.1' is not host:port"),
+    (lambda t: t.replace("name: high", "name: low"), "expert names must be unique"),
+    (lambda t: t.replace("[5, 6, 7, 8, 9]", "[5, 10]"), "classes [10] are outside 0..9"),
+    (lambda t: t.replace("router_checkpoint: /models/router\n", ""),
+     "strategy top1 needs router_checkpoint"),
+    (lambda t: t.replace("attempts: 3", "attempts: 0"), "retries.attempts must be"),
+    (lambda t: t.replace("num_classes: 10", "num_classes: [10"), "not valid YAML"),
+])
+def test_bad_files_are_rejected_with_the_key(change, message: str) -> None:
+    with pytest.raises(RouterConfigError) as caught:
+        RouterConfigFile.from_yaml(change(TEXT))
+    assert message in str(caught.value)
+
+
+def test_the_oracle_needs_no_router_checkpoint() -> None:
+    text = TEXT.replace("router_checkpoint: /models/router\n", "").replace("top1", "oracle")
+    assert RouterConfigFile.from_yaml(text).router_checkpoint is None
