@@ -248,6 +248,19 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_expert)
 
+    p = roles.add_parser("router", help="serve /v1/generate: the step loop over remote experts")
+    p.add_argument("--config", required=True, type=Path, help="router.yaml")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--max-batch", type=int, default=64, help="labels per request")
+    p.add_argument("--max-steps", type=int, default=200)
+    p.add_argument("--max-concurrent", type=int, default=16,
+                   help="generations in flight; more get 429")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="time budget for one expert call, retries included")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(handler=_serve_router)
+
 
 def _serve_expert(args: argparse.Namespace) -> int:
     from ddm.serving.expert_server import serve_expert
@@ -255,6 +268,15 @@ def _serve_expert(args: argparse.Namespace) -> int:
     serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
                  device=args.device, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
                  log_level=args.log_level, compile_cache=args.compile_cache)
+    return 0
+
+
+def _serve_router(args: argparse.Namespace) -> int:
+    from ddm.serving.router_server import serve_router
+
+    serve_router(args.config, host=args.host, port=args.port, log_level=args.log_level,
+                 max_batch=args.max_batch, max_steps=args.max_steps,
+                 max_concurrent=args.max_concurrent, deadline_s=args.deadline_s)
     return 0
 
 

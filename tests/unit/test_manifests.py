@@ -129,7 +129,8 @@ def test_cpu_adds_nothing(framework: str) -> None:
 
 def test_the_expert_command_is_the_servers() -> None:
     command = _container(_expert_pod(_expert(maxBatch=32, maxDelayMs=5)))["command"]
-    assert command == ["ddm", "serve", "expert", "--checkpoint", "/models/e", "--port", "8000",
+    assert command == ["ddm", "serve", "expert", "--checkpoint", "/models/e", "--host", "0.0.0.0",
+                       "--port", "8000",
                        "--backend", "torch", "--device", "cpu", "--max-batch", "32",
                        "--max-delay-ms", "5"]
 
@@ -281,7 +282,7 @@ def test_the_router_reads_its_config_map() -> None:
     router = children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
     container = _container(router)
     assert container["command"] == ["ddm", "serve", "router", "--config", "/etc/ddm/router.yaml",
-                                    "--port", "8080"]
+                                    "--host", "0.0.0.0", "--port", "8080"]
     assert {"name": "config", "configMap": {"name": "digits-router-config"}} in router["volumes"]
 
 
@@ -338,3 +339,21 @@ def test_a_change_to_the_experts_classes_rolls_the_router() -> None:
 def test_the_hash_ignores_an_existing_hash() -> None:
     child = _children(_spec(_expert("a")))[("Service", "digits-expert-a")]
     assert with_spec_hash(with_spec_hash(child)) == with_spec_hash(child)
+
+
+@pytest.mark.parametrize("accelerator", [{"type": "cpu"}, {"type": "nvidia"}, {"type": "neuron"},
+                                         {"type": "tpu", "count": 4}])
+def test_every_container_command_is_a_valid_ddm_command_listening_on_all_addresses(
+        accelerator: dict) -> None:
+    from ddm.cli import build_parser
+
+    framework = "torch" if accelerator["type"] in ("cpu", "nvidia", "neuron") else "jax"
+    children = _children(_spec(_expert("a", accelerator=accelerator, framework=framework)))
+    for child in children.values():
+        if child["kind"] != "Deployment":
+            continue
+        for container in child["spec"]["template"]["spec"]["containers"]:
+            command = container["command"]
+            assert command[0] == "ddm"
+            args = build_parser().parse_args(command[1:])  # SystemExit if a flag is unknown
+            assert args.host == "0.0.0.0", command

@@ -66,7 +66,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     place = placement(expert.accelerator, expert.framework)
     image = expert.pod.image or config.images.for_family(place.image_family)
     mount = _checkpoint(expert.checkpoint, EXPERT_CHECKPOINT_DIR, image, config)
-    command = ["ddm", "serve", "expert", "--checkpoint", mount.path,
+    command = ["ddm", "serve", "expert", "--checkpoint", mount.path, "--host", "0.0.0.0",
                "--port", str(names.EXPERT_PORT), *place.backend_args]
     if expert.max_batch is not None:
         command += ["--max-batch", str(expert.max_batch)]
@@ -155,7 +155,8 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
         "command": ["ddm", "serve", "router", "--config",
-                    f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}", "--port", str(names.ROUTER_PORT)],
+                    f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}", "--host", "0.0.0.0",
+                    "--port", str(names.ROUTER_PORT)],
         "ports": [{"name": "http", "containerPort": names.ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
         **({"resources": resources} if resources else {}),

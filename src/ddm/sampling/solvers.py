@@ -24,18 +24,29 @@ StepFn = Callable[[VelocityFn, np.ndarray, float, float, np.ndarray], np.ndarray
 def euler_step(velocity: VelocityFn, x: np.ndarray, t: float, t_next: float,
                y: np.ndarray) -> np.ndarray:
     """One explicit Euler step from ``t`` to ``t_next``: one velocity evaluation."""
-    v = velocity(x, _times(x, t), y)
-    return (x + (t_next - t) * v).astype(np.float32)
+    return euler_update(x, velocity(x, _times(x, t), y), t, t_next)
 
 
 def heun_step(velocity: VelocityFn, x: np.ndarray, t: float, t_next: float,
               y: np.ndarray) -> np.ndarray:
     """One Heun (explicit trapezoid) step: two velocity evaluations, second-order accurate."""
-    dt = t_next - t
     v0 = velocity(x, _times(x, t), y)
-    x_pred = (x + dt * v0).astype(np.float32)
-    v1 = velocity(x_pred, _times(x, t_next), y)
-    return (x + 0.5 * dt * (v0 + v1)).astype(np.float32)
+    v1 = velocity(euler_update(x, v0, t, t_next), _times(x, t_next), y)
+    return heun_update(x, v0, v1, t, t_next)
+
+
+# The update formulas alone, so that a sampler whose velocity is asynchronous (a remote
+# expert) takes exactly the steps these solvers take.
+
+def euler_update(x: np.ndarray, v: np.ndarray, t: float, t_next: float) -> np.ndarray:
+    """``x + (t_next - t) v``: Euler's step, and Heun's predictor, given ``v`` at ``(x, t)``."""
+    return (x + (t_next - t) * v).astype(np.float32)
+
+
+def heun_update(x: np.ndarray, v0: np.ndarray, v1: np.ndarray, t: float,
+                t_next: float) -> np.ndarray:
+    """Heun's corrector: ``v0`` at ``(x, t)``, ``v1`` at the Euler prediction at ``t_next``."""
+    return (x + 0.5 * (t_next - t) * (v0 + v1)).astype(np.float32)
 
 
 SOLVERS: dict[str, StepFn] = {"euler": euler_step, "heun": heun_step}

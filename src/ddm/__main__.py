@@ -1,0 +1,7 @@
+"""``python -m ddm``: the same as the ``ddm`` command."""
+
+import sys
+
+from ddm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,257 @@
+"""``ddm up``: run a DDMDeployment's experts and router as local processes, no cluster needed.
+
+The same YAML a user would ``kubectl apply`` is planned into processes by a pure function
+(:func:`plan_local`), then supervised (:func:`run_local`): every expert replica becomes a
+``ddm serve expert`` process on a free loopback port, the router a ``ddm serve router`` process
+whose config lists those endpoints. Ctrl-C (or any process dying) stops everything started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence, TextIO
+
+from ddm.operator.checkpoints import Checkpoint
+from ddm.operator.spec import DDMManifest, ExpertSpec
+from ddm.serving.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
+                                       StaticDiscovery)
+
+#: Where the images keep files that ``image://`` URIs name; locally, the repository root.
+IMAGE_PREFIX = "/opt/ddm/"
+REPOSITORY_ROOT = Path(__file__).resolve().parents[3]
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 10.0
+
+
+class LocalRunError(RuntimeError):
+    """The deployment cannot run locally, or one of its processes failed."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process to start: ``name`` labels its log lines, ``port`` is where it listens."""
+
+    name: str
+    argv: tuple[str, ...]
+    port: int
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    experts: tuple[ProcessSpec, ...]
+    router: ProcessSpec
+    router_config: RouterConfigFile
+    url: str
+
+
+def resolve_checkpoint(checkpoint: Checkpoint, image_root: Path = REPOSITORY_ROOT,
+                       pvc_root: Path | None = None) -> Path:
+    """Map a checkpoint URI to a local directory, or say why it cannot be."""
+    if checkpoint.scheme in ("image", "file"):
+        path = Path(checkpoint.path)
+        if path.exists():
+            return path
+        if checkpoint.scheme == "image" and checkpoint.path.startswith(IMAGE_PREFIX):
+            local = image_root / checkpoint.path[len(IMAGE_PREFIX):]
+            if local.exists():
+                return local
+        raise LocalRunError(f"checkpoint {checkpoint.uri}: {path} does not exist here "
+                            f"(image paths under {IMAGE_PREFIX} are looked up in {image_root})")
+    if checkpoint.scheme == "pvc":
+        if pvc_root is None:
+            raise LocalRunError(f"checkpoint {checkpoint.uri} is on a PersistentVolumeClaim; "
+                                "pass --pvc-root DIR holding one directory per claim")
+        local = pvc_root / checkpoint.location / checkpoint.path.strip("/")
+        if not local.exists():
+            raise LocalRunError(f"checkpoint {checkpoint.uri}: {local} does not exist")
+        return local
+    raise LocalRunError(f"checkpoint {checkpoint.uri}: fetch it first (ddm fetch-checkpoint "
+                        f"{checkpoint.uri} DIR) and point the manifest at file://DIR")
+
+
+def expert_backend(expert: ExpertSpec) -> tuple[str, str]:
+    """The ``--backend`` and ``--device`` that run this expert on this machine's hardware."""
+    kind = expert.accelerator.type
+    if kind == "neuron":
+        if expert.framework != "torch":
+            raise LocalRunError(f"expert {expert.name}: Neuron runs PyTorch experts only")
+        return "neuron", ""
+    devices = {("torch", "cpu"): "cpu", ("torch", "nvidia"): "cuda", ("jax", "cpu"): "cpu",
+               ("jax", "nvidia"): "gpu", ("jax", "tpu"): "tpu"}
+    device = devices.get((expert.framework, kind))
+    if device is None:
+        raise LocalRunError(f"expert {expert.name}: {expert.framework} on {kind} is not "
+                            "supported (TPUs run JAX experts)")
+    return expert.framework, device
+
+
+def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int,
+               host: str = "127.0.0.1", image_root: Path = REPOSITORY_ROOT,
+               pvc_root: Path | None = None, threads: int = 1,
+               config_path: Path = Path("router.yaml")) -> LocalPlan:
+    """The processes that run ``manifest`` here; ``ports()`` hands out free expert ports."""
+    spec = manifest.spec
+    env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
+           ("PYTHONUNBUFFERED", "1"))
+    experts, entries = [], []
+    for expert in spec.experts:
+        checkpoint = resolve_checkpoint(expert.checkpoint, image_root, pvc_root)
+        backend, device = expert_backend(expert)
+        endpoints = []
+        for replica in range(max(1, expert.replicas)):
+            port = ports()
+            argv = [*_ddm(), "serve", "expert", "--checkpoint", str(checkpoint), "--host", host,
+                    "--port", str(port), "--backend", backend, "--log-level", "warning"]
+            if device:
+                argv += ["--device", device]
+            if expert.max_batch:
+                argv += ["--max-batch", str(expert.max_batch)]
+            if expert.max_delay_ms is not None:
+                argv += ["--max-delay-ms", str(expert.max_delay_ms)]
+            experts.append(ProcessSpec(f"{expert.name}/{replica}", tuple(argv), port, env))
+            endpoints.append(f"{host}:{port}")
+        entries.append(ExpertEntry(name=expert.name, classes=tuple(expert.classes),
+                                   discovery=StaticDiscovery(tuple(endpoints))))
+    router_checkpoint = None
+    if spec.router.checkpoint is not None:
+        router_checkpoint = str(resolve_checkpoint(spec.router.checkpoint, image_root, pvc_root))
+    config = RouterConfigFile(
+        experts=tuple(entries), num_classes=spec.num_classes,
+        sampling=SamplingDefaults(spec.sampling.steps, spec.sampling.solver,
+                                  spec.sampling.strategy),
+        router_checkpoint=router_checkpoint)
+    router = ProcessSpec("router", (*_ddm(), "serve", "router", "--config", str(config_path),
+                                    "--host", host, "--port", str(router_port),
+                                    "--log-level", "warning"), router_port, env)
+    return LocalPlan(tuple(experts), router, config, f"http://{host}:{router_port}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Supervisor:
+    """Starts processes, relays their output with a name prefix, and stops them all."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.processes: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+
+    def start(self, spec: ProcessSpec) -> None:
+        process = subprocess.Popen(spec.argv, env=os.environ | dict(spec.env),
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)
+        self.processes[spec.name] = process
+        threading.Thread(target=self._relay, args=(spec.name, process), daemon=True).start()
+
+    def _relay(self, name: str, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            with self._lock:
+                self.out.write(f"[{name}] {line}")
+                self.out.flush()
+
+    def wait_ready(self, spec: ProcessSpec, host: str, deadline: float) -> None:
+        """Poll ``/readyz`` until 200; fail at once if the process exits first."""
+        url = f"http://{host}:{spec.port}/readyz"
+        while time.monotonic() < deadline:
+            code = self.processes[spec.name].poll()
+            if code is not None:
+                raise LocalRunError(f"{spec.name} exited with status {code} before it was ready "
+                                    "(its log lines above say why)")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as answer:
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)  # an external process: polling its probe is the only signal
+        raise LocalRunError(f"{spec.name} was not ready within {READY_TIMEOUT_S:.0f} s")
+
+    def first_exit(self) -> tuple[str, int] | None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                return name, process.returncode
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM every process group, then SIGKILL whatever is left after the timeout."""
+        for process in self.processes.values():
+            _signal_group(process, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+
+
+def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0.0.1",
+              image_root: Path = REPOSITORY_ROOT, pvc_root: Path | None = None,
+              threads: int = 1, out: TextIO = sys.stdout,
+              on_ready: Callable[[LocalPlan], None] | None = None,
+              stop: threading.Event | None = None) -> int:
+    """Run until Ctrl-C, ``stop`` being set, or a process dying; returns an exit status."""
+    with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
+        config_path = Path(workdir) / "router.yaml"
+        plan = plan_local(manifest, lambda: free_port(host), router_port, host, image_root,
+                          pvc_root, threads, config_path)
+        config_path.write_text(plan.router_config.to_yaml())
+        supervisor = Supervisor(out)
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            for spec in plan.experts:
+                supervisor.start(spec)
+            for spec in plan.experts:
+                supervisor.wait_ready(spec, host, deadline)
+            supervisor.start(plan.router)
+            supervisor.wait_ready(plan.router, host, deadline)
+            print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
+                  f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate)."
+                  " Ctrl-C stops everything.", file=out, flush=True)
+            if on_ready is not None:
+                on_ready(plan)
+            return _wait(supervisor, stop, out)
+        except KeyboardInterrupt:
+            print("stopping...", file=out, flush=True)
+            return 0
+        finally:
+            supervisor.stop()
+
+
+def _wait(supervisor: Supervisor, stop: threading.Event | None, out: TextIO) -> int:
+    stop = stop or threading.Event()
+    while not stop.wait(0.5):
+        exited = supervisor.first_exit()
+        if exited is not None:
+            print(f"{exited[0]} exited with status {exited[1]}; stopping the others",
+                  file=out, flush=True)
+            return 1
+    return 0
+
+
+def _ddm() -> Sequence[str]:
+    return (sys.executable, "-m", "ddm")
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            pass

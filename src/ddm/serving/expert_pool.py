@@ -1,0 +1,546 @@
+"""The router's client for its experts: replicas, load balancing, failover and discovery.
+
+The router calls an expert at every denoising step, so a call must cost one round trip on a warm
+connection and survive a replica dying mid-generation. Per expert the pool keeps the replicas
+its endpoint source lists (a static list, a DNS name re-resolved every ``refresh_s``, or any
+async callable) and sends each call to the usable replica with the fewest requests in flight,
+round-robin among ties. A replica that fails an attempt is marked down and only re-probed
+(``GET /readyz``), with a doubling backoff, until it answers again; ready replicas are re-probed
+every ``health_interval_s`` so that readiness reflects replicas that died while idle. A failed
+attempt is retried on another replica within the call's deadline; expert calls are pure
+functions of their inputs, so a retry is always safe. An expert's 4xx is the router's own fault
+and is never retried.
+
+One ``aiohttp.ClientSession`` holds keep-alive connections to every replica. aiohttp sets
+``TCP_NODELAY`` on every connection it opens (``BaseProtocol.connection_made``), so a small
+request is not held back by Nagle's algorithm; ``tests/unit/test_expert_pool.py`` checks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeVar
+
+import aiohttp
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
+                                  RemoteExpertError, Solver, VelocityRequest, decode_response,
+                                  encode_request)
+from ddm.serving.router_config import Discovery, DnsDiscovery, RouterConfigFile
+
+logger = logging.getLogger(__name__)
+
+#: ``() -> ["host:port", ...]``: where an expert's replicas are now.
+EndpointSource = Callable[[], Awaitable[Sequence[str]]]
+
+#: How often the prober looks for replicas due for a probe.
+PROBE_TICK_S = 0.1
+#: Shorter than the expert server's keep-alive (75 s), so that the client, not the server,
+#: closes an idle connection and a request never goes out on one the server is closing.
+KEEP_ALIVE_S = 60.0
+# Statuses that say "this replica, now" rather than "your request": retried elsewhere.
+_RETRIABLE_4XX = (408, 429)
+_HEADERS = {"Content-Type": CONTENT_TYPE}
+_T = TypeVar("_T")
+
+
+class ExpertError(RuntimeError):
+    """A call to ``expert`` failed; ``status`` is the HTTP status the router answers with."""
+
+    status = 502
+
+    def __init__(self, expert: str, reason: str) -> None:
+        super().__init__(f"expert {expert}: {reason}")
+        self.expert = expert
+        self.reason = reason
+
+
+class ExpertUnavailable(ExpertError):
+    """No replica of ``expert`` answered within the call's deadline and attempts."""
+
+    status = 503
+
+    def __init__(self, expert: str, reason: str) -> None:
+        super().__init__(expert, f"unavailable: {reason}")
+
+
+class _ReplicaFailed(Exception):
+    """One attempt failed in a way another replica may not: retried elsewhere."""
+
+
+class ExpertRejected(ExpertError):
+    """The expert refused the request with a 4xx (``code``): the router sent something the
+    expert does not serve (a misconfiguration, not a replica failure), so it is not retried."""
+
+    def __init__(self, expert: str, code: int, message: str) -> None:
+        super().__init__(expert, f"refused the request ({code}): {message}")
+        self.code = code
+
+
+# ------------------------------------------------------------------------------- discovery
+
+
+def static_endpoints(endpoints: Sequence[str]) -> EndpointSource:
+    """A fixed list of ``host:port`` replicas."""
+    fixed = tuple(endpoints)
+
+    async def resolve() -> Sequence[str]:
+        return fixed
+
+    return resolve
+
+
+def dns_endpoints(name: str, port: int) -> EndpointSource:
+    """Every IPv4 address (A record) of ``name``, e.g. a headless Service, on ``port``."""
+
+    async def resolve() -> Sequence[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            name, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+        return sorted({f"{info[4][0]}:{port}" for info in infos})
+
+    return resolve
+
+
+def source_for(discovery: Discovery) -> EndpointSource:
+    """The endpoint source a ``router.yaml`` discovery entry describes."""
+    if isinstance(discovery, DnsDiscovery):
+        return dns_endpoints(discovery.dns, discovery.port)
+    return static_endpoints(discovery.endpoints)
+
+
+# -------------------------------------------------------------------------------- replicas
+
+
+class ReplicaState(enum.Enum):
+    UNKNOWN = "unknown"  # listed, not yet probed: tried (after ready ones) rather than idle
+    READY = "ready"
+    DOWN = "down"        # failed; only the prober tries it again
+
+
+@dataclass(eq=False)
+class Replica:
+    endpoint: str
+    state: ReplicaState = ReplicaState.UNKNOWN
+    outstanding: int = 0
+    failures: int = 0
+    next_probe: float = 0.0
+    probing: bool = False
+    last_error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+
+class ReplicaSet:
+    """The replicas of one expert and what is known of each. No I/O: the pool does that."""
+
+    def __init__(self, backoff_s: float, max_backoff_s: float, health_interval_s: float) -> None:
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._health_interval_s = health_interval_s
+        self._replicas: list[Replica] = []
+        self._turn = 0
+        self._usable = asyncio.Event()
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        return tuple(self._replicas)
+
+    def update(self, endpoints: Sequence[str]) -> None:
+        """Take the endpoints a source listed; known ones keep their state."""
+        known = {r.endpoint: r for r in self._replicas}
+        self._replicas = [known.get(e) or Replica(e) for e in dict.fromkeys(endpoints)]
+        self._sync()
+
+    def choose(self) -> Replica | None:
+        """The usable replica with the fewest requests in flight, ready ones first; ties go
+        round-robin. None when every replica is down."""
+        usable = [r for r in self._replicas if r.state is not ReplicaState.DOWN]
+        if not usable:
+            return None
+        self._turn += 1
+        start = self._turn % len(usable)
+        rotated = usable[start:] + usable[:start]
+        return min(rotated, key=lambda r: (r.state is not ReplicaState.READY, r.outstanding))
+
+    def mark_ready(self, replica: Replica, now: float) -> None:
+        """It answered: the next health probe is due ``health_interval_s`` from now."""
+        replica.state, replica.failures, replica.last_error = ReplicaState.READY, 0, None
+        replica.next_probe = now + self._health_interval_s
+        self._sync()
+
+    def mark_down(self, replica: Replica, reason: str, now: float) -> None:
+        """Concurrent failures of one replica count once, so the backoff grows per probe."""
+        replica.last_error = reason
+        if replica.state is not ReplicaState.DOWN:
+            replica.state = ReplicaState.DOWN
+            replica.failures += 1
+            replica.next_probe = now + self.backoff(replica.failures)
+        self._sync()
+
+    def probe_failed(self, replica: Replica, reason: str, now: float) -> None:
+        replica.state, replica.last_error = ReplicaState.DOWN, reason
+        replica.failures += 1
+        replica.next_probe = now + self.backoff(replica.failures)
+        self._sync()
+
+    def backoff(self, failures: int) -> float:
+        """Seconds until the next probe after ``failures`` failures in a row: doubling."""
+        return min(self._max_backoff_s, self._backoff_s * 2 ** max(0, failures - 1))
+
+    def due_for_probe(self, now: float) -> list[Replica]:
+        return [r for r in self._replicas if not r.probing and r.next_probe <= now]
+
+    def ready_count(self) -> int:
+        return sum(r.state is ReplicaState.READY for r in self._replicas)
+
+    async def wait_usable(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a replica that is not down; False on timeout."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout)):
+                await self._usable.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _sync(self) -> None:
+        if any(r.state is not ReplicaState.DOWN for r in self._replicas):
+            self._usable.set()
+        else:
+            self._usable.clear()
+
+
+# -------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """Timeouts in seconds. ``attempt_s`` bounds one HTTP exchange, ``deadline_s`` a whole call
+    (every attempt, and waiting for a replica to come back); ``backoff_s`` is the first pause
+    before a failed replica is probed again, doubling up to ``max_backoff_s``."""
+
+    connect_s: float = 2.0
+    attempt_s: float = 30.0
+    deadline_s: float = 60.0
+    attempts: int = 2
+    backoff_s: float = 0.05
+    max_backoff_s: float = 5.0
+    health_interval_s: float = 5.0
+    refresh_s: float = 5.0
+    max_connections: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("connect_s", "attempt_s", "deadline_s", "max_backoff_s",
+                     "health_interval_s", "refresh_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PoolSettings.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.attempts < 1 or self.max_connections < 1 or self.backoff_s < 0:
+            raise ValueError("PoolSettings needs attempts >= 1, max_connections >= 1 and "
+                             "backoff_s >= 0")
+
+
+def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> PoolSettings:
+    """Settings from ``router.yaml``; the deadline defaults to every attempt timing out."""
+    return PoolSettings(
+        connect_s=config.timeouts.connect_s, attempt_s=config.timeouts.request_s,
+        deadline_s=deadline_s or config.retries.attempts * config.timeouts.request_s,
+        attempts=config.retries.attempts, backoff_s=config.retries.backoff_s,
+        refresh_s=config.dns_refresh_s)
+
+
+def client_session(settings: PoolSettings) -> aiohttp.ClientSession:
+    """One keep-alive session for every replica (create it on the loop that will use it)."""
+    connector = aiohttp.TCPConnector(limit=settings.max_connections,
+                                     keepalive_timeout=KEEP_ALIVE_S)
+    return aiohttp.ClientSession(connector=connector, raise_for_status=False)
+
+
+@dataclass(frozen=True)
+class ExpertInfo:
+    """What an expert says of itself in ``/v1/info``."""
+
+    image_shape: tuple[int, int, int]
+    classes: tuple[int, ...]
+    max_batch: int
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ExpertInfo:
+        shape = tuple(int(d) for d in raw["image_shape"])
+        if len(shape) != 3:
+            raise ValueError(f"image_shape must be (C, H, W), got {shape}")
+        return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]))
+
+
+class PoolMetrics:
+    """Expert calls (one per attempt) by expert, kind and outcome; retries, failovers, and
+    calls given up as unavailable."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.attempts = Counter(
+            "ddm_router_expert_calls", "Expert requests sent, by expert, kind (velocity, "
+            "integrate) and outcome (ok, rejected, failed).", ["expert", "kind", "outcome"],
+            registry=registry)
+        self.seconds = Histogram(
+            "ddm_router_expert_call_seconds", "Round-trip time of successful expert requests.",
+            ["expert", "kind"], registry=registry,
+            buckets=(2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0))
+        self.retries = Counter("ddm_router_expert_retries",
+                               "Attempts after a failed attempt, by expert.", ["expert"],
+                               registry=registry)
+        self.failovers = Counter("ddm_router_expert_failovers",
+                                 "Retries sent to another replica than the failed one.",
+                                 ["expert"], registry=registry)
+        self.unavailable = Counter("ddm_router_expert_unavailable",
+                                   "Calls given up: no replica answered in time.", ["expert"],
+                                   registry=registry)
+
+
+# ----------------------------------------------------------------------------------- pool
+
+
+class ExpertPool:
+    """Calls experts by name over the binary protocol. Use as ``async with``; shared by every
+    request of a router (it holds replicas and connections, never a request's state)."""
+
+    def __init__(self, sources: Mapping[str, EndpointSource], settings: PoolSettings,
+                 metrics: PoolMetrics | None = None) -> None:
+        self._sources = dict(sources)
+        self._settings = settings
+        self.metrics = metrics or PoolMetrics(CollectorRegistry())
+        self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
+                                       settings.health_interval_s) for name in sources}
+        self._info: dict[str, ExpertInfo] = {}
+        self._ids = itertools.count(1)
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def from_config(cls, config: RouterConfigFile, settings: PoolSettings,
+                    metrics: PoolMetrics | None = None) -> ExpertPool:
+        return cls({e.name: source_for(e.discovery) for e in config.experts}, settings, metrics)
+
+    async def __aenter__(self) -> ExpertPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Open the session, list every expert's replicas, and start refreshing and probing."""
+        self._session = client_session(self._settings)
+        await self.refresh()
+        self._spawn(self._refresh_forever())
+        self._spawn(self._probe_forever())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def refresh(self) -> None:
+        """Ask every source for its endpoints now; a source that fails keeps its last list."""
+
+        async def one(name: str) -> None:
+            try:
+                endpoints = await self._sources[name]()
+            except Exception as error:  # noqa: BLE001 - a failing source must not stop refreshing
+                logger.warning("cannot list the replicas of expert %s: %s", name, error)
+                return
+            self._sets[name].update(endpoints)
+
+        await gather_all(*(one(name) for name in self._sources))
+
+    def replicas(self, expert: str) -> tuple[Replica, ...]:
+        return self._replica_set(expert).replicas
+
+    def ready_count(self, expert: str) -> int:
+        return self._replica_set(expert).ready_count()
+
+    def info(self, expert: str) -> ExpertInfo | None:
+        """``/v1/info`` of the expert's first replica to become ready; None until then."""
+        return self._info.get(expert)
+
+    async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
+                       y: np.ndarray) -> np.ndarray:
+        """``v(x, t, y)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), ``y`` (B,)."""
+        return await self._rows(expert, x.shape,
+                                lambda rid, s: VelocityRequest(rid, x[s], t[s], y[s]))
+
+    async def integrate(self, expert: str, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
+                        solver: str) -> np.ndarray:
+        """The state at ``grid[-1]`` after ``expert`` integrates from ``x`` at ``grid[0]``."""
+        try:
+            code = Solver[solver.upper()]
+        except KeyError:
+            raise ValueError(f"unknown solver {solver!r}") from None
+        return await self._rows(expert, x.shape,
+                                lambda rid, s: IntegrateRequest(rid, x[s], y[s], grid, code))
+
+    async def _rows(self, expert: str, shape: tuple[int, ...],
+                    build: Callable[[int, slice], VelocityRequest | IntegrateRequest]
+                    ) -> np.ndarray:
+        """Split a call into the expert's ``max_batch`` and send the parts concurrently."""
+        info = self._info.get(expert)
+        size = info.max_batch if info is not None else shape[0]
+        parts = [slice(i, min(i + size, shape[0])) for i in range(0, shape[0], size)]
+        outs = await gather_all(*(self._call(expert, build(next(self._ids), s)) for s in parts))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    async def _call(self, expert: str, request: VelocityRequest | IntegrateRequest
+                    ) -> np.ndarray:
+        """One request: attempts on the replicas ``choose`` picks until one answers, the
+        attempts run out or the deadline passes; while none is usable, wait for a probe."""
+        replicas = self._replica_set(expert)
+        kind = "velocity" if isinstance(request, VelocityRequest) else "integrate"
+        body = encode_request(request)
+        deadline = time.monotonic() + self._settings.deadline_s
+        attempt, failed, reason = 0, None, "no replica is listed"
+        while (remaining := deadline - time.monotonic()) > 0:
+            replica = replicas.choose()
+            if replica is None:
+                reason = _last_errors(replicas) or reason
+                await replicas.wait_usable(remaining)
+                continue
+            if attempt:
+                self.metrics.retries.labels(expert).inc()
+                if replica is not failed:
+                    self.metrics.failovers.labels(expert).inc()
+            attempt += 1
+            started = time.monotonic()
+            try:
+                out = await self._attempt(expert, replica, body, request,
+                                          min(self._settings.attempt_s, remaining))
+            except ExpertRejected:
+                self.metrics.attempts.labels(expert, kind, "rejected").inc()
+                replicas.mark_ready(replica, time.monotonic())
+                raise
+            except _ReplicaFailed as failure:
+                reason = f"{replica.endpoint}: {failure}"
+                self.metrics.attempts.labels(expert, kind, "failed").inc()
+                logger.warning("expert %s: attempt %d failed: %s", expert, attempt, reason)
+                replicas.mark_down(replica, str(failure), time.monotonic())
+                failed = replica
+                if attempt >= self._settings.attempts:
+                    raise self._give_up(expert, f"{attempt} attempt(s) failed, the last: "
+                                                f"{reason}") from None
+                continue
+            self.metrics.attempts.labels(expert, kind, "ok").inc()
+            self.metrics.seconds.labels(expert, kind).observe(time.monotonic() - started)
+            replicas.mark_ready(replica, time.monotonic())
+            return out
+        raise self._give_up(expert, f"no answer within {self._settings.deadline_s:g} s "
+                                    f"({reason})")
+
+    async def _attempt(self, expert: str, replica: Replica, body: bytes,
+                       request: VelocityRequest | IntegrateRequest, timeout: float) -> np.ndarray:
+        """One exchange with one replica: its answer, :class:`ExpertRejected` for a 4xx, or
+        :class:`_ReplicaFailed` for anything another replica might do better."""
+        assert self._session is not None, "start() the pool first"
+        replica.outstanding += 1
+        try:
+            async with self._session.post(
+                    f"{replica.url}/v1/velocity", data=body, headers=_HEADERS,
+                    timeout=aiohttp.ClientTimeout(total=timeout,
+                                                  sock_connect=self._settings.connect_s)
+            ) as response:
+                reply = await response.read()
+            out = decode_response(reply, request.request_id, request.x.shape)
+        except RemoteExpertError as error:
+            if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
+                raise ExpertRejected(expert, error.code, error.message) from None
+            raise _ReplicaFailed(f"answered {error.code}: {error.message}") from None
+        except ProtocolError as error:
+            raise _ReplicaFailed(f"malformed reply: {error}") from None
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise _ReplicaFailed(_describe(error)) from None
+        finally:
+            replica.outstanding -= 1
+        return out.astype(np.float32, copy=False)  # an expert may answer in float16
+
+    def _give_up(self, expert: str, reason: str) -> ExpertUnavailable:
+        self.metrics.unavailable.labels(expert).inc()
+        return ExpertUnavailable(expert, reason)
+
+    def _replica_set(self, expert: str) -> ReplicaSet:
+        try:
+            return self._sets[expert]
+        except KeyError:
+            raise ValueError(f"unknown expert {expert!r}; known: {', '.join(self._sets)}") from None
+
+    # ------------------------------------------------------------------ background tasks
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.refresh_s)
+            await self.refresh()
+
+    async def _probe_forever(self) -> None:
+        while True:
+            now = time.monotonic()
+            for name, replicas in self._sets.items():
+                for replica in replicas.due_for_probe(now):
+                    replica.probing = True
+                    self._spawn(self._probe(name, replica))
+            await asyncio.sleep(PROBE_TICK_S)
+
+    async def _probe(self, name: str, replica: Replica) -> None:
+        """``GET /readyz``, and ``/v1/info`` the first time one of the expert's replicas is
+        ready (the router learns image shape and batch limit from it)."""
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=self._settings.connect_s)
+        replicas = self._sets[name]
+        try:
+            async with self._session.get(f"{replica.url}/readyz", timeout=timeout) as response:
+                await response.read()
+                if response.status != 200:
+                    raise ValueError(f"/readyz answered {response.status}")
+            if name not in self._info:
+                async with self._session.get(f"{replica.url}/v1/info", timeout=timeout) as info:
+                    self._info[name] = ExpertInfo.from_json(await info.json())
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
+            replicas.probe_failed(replica, f"probe failed: {_describe(error)}", time.monotonic())
+        else:
+            replicas.mark_ready(replica, time.monotonic())
+        finally:
+            replica.probing = False
+
+
+async def gather_all(*calls: Awaitable[_T]) -> list[_T]:
+    """Await ``calls`` concurrently; on the first failure cancel the rest and raise it."""
+    if len(calls) == 1:  # the common case at every step: no task to schedule
+        return [await calls[0]]
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "no answer in time"
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _last_errors(replicas: ReplicaSet) -> str:
+    return "; ".join(f"{r.endpoint}: {r.last_error or 'down'}" for r in replicas.replicas)

@@ -1,0 +1,436 @@
+"""The router server over real HTTP on loopback, with real (random-init smoke) expert servers.
+
+Two small DDMs are written per module: ``split`` (experts for labels 0-4 and 5-9, as a label
+partition trains them) and ``shared`` (two experts that both serve every label, as k-means
+clusters may). Expert and router servers run in-process on uvicorn threads; the failover tests
+run expert replicas (and the router, through ``serve_router``) as subprocesses they can kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ddm.checkpoint import CheckpointMeta, save_checkpoint
+from ddm.models.config import UNET_CONFIGS, RouterConfig
+from ddm.models.router_net import RouterNet
+from ddm.models.torch_io import canonical_weights
+from ddm.models.torch_unet import UNet
+from ddm.sampling.pipeline import generate, load_ddm
+from ddm.sampling.routing import parse_strategy
+from ddm.serving.expert_pool import ExpertPool, PoolSettings, static_endpoints
+from ddm.serving.expert_server import build_server, create_expert_app
+from ddm.serving.remote_sampling import RemoteMixture, SamplingRequest, generate_remote
+from ddm.serving.router_config import RouterConfigFile
+from ddm.serving.router_server import RouterSettings, create_router_app
+
+SMOKE = UNET_CONFIGS["smoke"]
+SHAPE = (1, SMOKE.image_size, SMOKE.image_size)
+LOW, HIGH, ALL = list(range(5)), list(range(5, 10)), list(range(10))
+WAIT_S = 90.0  # subprocesses import torch on a busy machine
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """The in-process servers share two cores with everything else."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ddms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ddms")
+    return {"split": _write_ddm(root / "split", [LOW, HIGH], "labels", seed=0),
+            "shared": _write_ddm(root / "shared", [ALL, ALL], "kmeans", seed=10)}
+
+
+@pytest.fixture(scope="module")
+def experts(ddms: dict[str, Path]) -> Iterator[dict[str, str]]:
+    """``host:port`` of one in-process server per expert: e0, e1 (split), f0, f1 (shared)."""
+    names = {"e0": ddms["split"] / "e0", "e1": ddms["split"] / "e1",
+             "f0": ddms["shared"] / "e0", "f1": ddms["shared"] / "e1"}
+    with _servers({name: create_expert_app(path, max_batch=8) for name, path in names.items()}
+                  ) as endpoints:
+        yield endpoints
+
+
+@pytest.fixture(scope="module")
+def routers(ddms, experts) -> Iterator[dict[str, str]]:
+    """Base URLs of a router over the split DDM (e1 found through DNS) and one over the shared."""
+    split = _config({"e0": {"endpoints": [experts["e0"]]},
+                     "e1": {"dns": "localhost", "port": _port(experts["e1"])}},
+                    [LOW, HIGH], ddms["split"] / "router", strategy="oracle")
+    shared = _config({"e0": {"endpoints": [experts["f0"]]}, "e1": {"endpoints": [experts["f1"]]}},
+                     [ALL, ALL], ddms["shared"] / "router", strategy="top1")
+    apps = {"split": create_router_app(split), "shared": create_router_app(shared)}
+    with _servers(apps) as endpoints:
+        bases = {name: f"http://{endpoint}" for name, endpoint in endpoints.items()}
+        for base in bases.values():
+            _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, f"{base} ready")
+        yield bases
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("ddm,strategy,solver", [("split", "oracle", "euler"),
+                                                 ("shared", "top1", "euler"),
+                                                 ("shared", "top2", "heun")])
+def test_generation_equals_in_process_sampling(ddms, routers, ddm, strategy, solver):
+    labels = [0, 3, 7, 9]
+    reply = httpx.post(f"{routers[ddm]}/v1/generate", timeout=60, json={
+        "labels": labels, "steps": 6, "seed": 5, "strategy": strategy, "solver": solver})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    local = generate(load_ddm(ddms[ddm], backend="torch"), labels, 6, seed=5,
+                     strategy=strategy, solver=solver)
+    images = np.stack([_image(png) for png in body["images"]])
+    assert np.abs(images.astype(int) - local.images).max() <= 1
+    assert body["expert_calls"] == local.expert_calls.tolist()
+    assert body["round_trips"] == body["expert_calls"]  # one request per call, per step
+    names = local.usage.expert_names
+    calls = local.usage.calls_per_expert()
+    assert body["experts"] == [[n for k, n in enumerate(names) if calls[i, k]]
+                               for i in range(len(labels))]
+    assert (body["labels"], body["steps"], body["strategy"]) == (labels, 6, strategy)
+
+
+@pytest.mark.parametrize("solver", ["euler", "heun"])
+def test_delegation_over_http_equals_per_step_sampling(ddms, experts, solver):
+    """Model space, through the pool alone: per step within 1e-4 of in-process sampling,
+    delegated exactly equal to per step, in ceil(steps / delegate) round trips."""
+    mixture = RemoteMixture(("e0", "e1"), (tuple(LOW), tuple(HIGH)), None, SHAPE, 10)
+    labels = (1, 4, 6, 8)
+
+    async def sample(delegate: int):
+        sources = {n: static_endpoints([experts[n]]) for n in ("e0", "e1")}
+        async with ExpertPool(sources, PoolSettings()) as pool:
+            request = SamplingRequest(labels, 10, 2, parse_strategy("oracle"), solver, delegate)
+            return await generate_remote(mixture, pool, request)
+
+    per_step, delegated = asyncio.run(sample(0)), asyncio.run(sample(4))
+    ddm = load_ddm(ddms["split"], backend="torch")
+    local = generate(ddm, labels, 10, seed=2, strategy="oracle", solver=solver)
+    assert np.abs(per_step.images.astype(int) - local.images).max() <= 1
+    np.testing.assert_array_equal(delegated.state, per_step.state)
+    np.testing.assert_array_equal(delegated.round_trips, 3)
+    np.testing.assert_array_equal(delegated.expert_calls, local.expert_calls)
+
+
+def test_stream_yields_an_event_per_step_then_done(routers):
+    events = _stream(routers["split"], label=3, steps=5, strategy="oracle")
+    assert [name for name, _ in events] == ["step"] * 5 + ["done"]
+    assert [data["step"] for _, data in events[:-1]] == [1, 2, 3, 4, 5]
+    assert all(data["experts"] == ["e0"] for _, data in events[:-1])
+    assert _image(events[-2][1]["image"]).shape == SHAPE[1:]
+    done = events[-1][1]
+    np.testing.assert_array_equal(_image(done["image"]), _image(events[-2][1]["image"]))
+    assert (done["label"], done["expert_calls"], done["round_trips"]) == (3, 5, 5)
+
+    delegated = _stream(routers["split"], label=8, steps=5, strategy="oracle", delegate_steps=2)
+    assert [data.get("step") for _, data in delegated] == [2, 4, 5, None]
+    assert delegated[-1][1]["round_trips"] == 3 and delegated[0][1]["delegated"]
+
+
+def test_the_page_and_the_api_description_are_served(routers):
+    page = httpx.get(f"{routers['split']}/")
+    assert page.status_code == 200 and "EventSource" in page.text and "://" not in re.sub(
+        r"<!--.*?-->", "", page.text, flags=re.S)  # no CDN: the page works offline
+    info = httpx.get(f"{routers['split']}/v1/info").json()
+    assert [e["name"] for e in info["experts"]] == ["e0", "e1"]
+    assert info["image_shape"] == list(SHAPE) and info["num_classes"] == 10
+    assert all(e["ready_replicas"] == 1 for e in info["experts"])
+    assert httpx.get(f"{routers['split']}/docs").status_code == 200
+
+
+@pytest.mark.parametrize("ddm,body,message", [
+    ("shared", {"labels": [1], "strategy": "random"}, r"strategy: unknown routing strategy"),
+    ("shared", {"labels": [3, 12]}, r"labels \[12\] are outside the model's classes 0\.\.9"),
+    ("shared", {"labels": [1], "steps": 201}, r"steps: .*less than or equal to 200"),
+    ("shared", {"labels": [1] * 65}, r"labels: .*at most 64"),
+    ("shared", {"labels": [1], "temperature": 0.7}, r"unknown field 'temperature'"),
+    ("shared", {"labels": []}, r"labels: .*at least 1"),
+    ("shared", {"labels": [1], "strategy": "oracle"}, r"label 0 is owned by experts 0 and 1"),
+])
+def test_bad_requests_get_a_4xx_naming_the_problem(routers, ddm, body, message):
+    reply = httpx.post(f"{routers[ddm]}/v1/generate", json=body)
+    assert reply.status_code == 422, reply.text
+    assert re.search(message, reply.json()["detail"]), reply.json()["detail"]
+    assert httpx.get(f"{routers[ddm]}/healthz").status_code == 200
+
+
+def test_bad_stream_queries_get_a_4xx_before_streaming(routers):
+    base = routers["split"]
+    for query, message in (("label=3&steps=0", "steps: .*greater than or equal to 1"),
+                           ("label=11", r"labels \[11\] are outside"),
+                           ("label=3&colour=red", "unknown field 'colour'"),
+                           ("steps=3", "label: Field required")):
+        reply = httpx.get(f"{base}/v1/generate/stream?{query}")
+        assert reply.status_code == 422 and re.search(message, reply.json()["detail"]), reply.text
+
+
+def test_generations_beyond_the_limit_get_429_and_a_hung_expert_503(ddms, experts):
+    """e1's only replica accepts connections and never answers."""
+    with _hanging() as hanging:
+        config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [hanging]}},
+                         [LOW, HIGH], None, strategy="oracle",
+                         timeouts={"connect_s": 0.5, "request_s": 0.5})
+        app = create_router_app(config, RouterSettings(max_concurrent=1, deadline_s=2.0))
+        with _servers({"router": app}) as endpoints:
+            base = f"http://{endpoints['router']}"
+            _wait(lambda: httpx.get(f"{base}/v1/info").json()["image_shape"], "e0 seen")
+
+            async def scenario():
+                async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                    stuck = asyncio.create_task(client.post("/v1/generate", json={
+                        "labels": [7], "steps": 3}))
+                    while _metric((await client.get("/metrics")).text,
+                                  "ddm_router_generations_in_flight") < 1:
+                        await asyncio.sleep(0.01)
+                    busy = await client.post("/v1/generate", json={"labels": [1], "steps": 3})
+                    started = time.monotonic()
+                    return busy, await stuck, time.monotonic() - started
+
+            busy, stuck, waited = asyncio.run(scenario())
+            assert busy.status_code == 429 and "the limit is 1" in busy.json()["detail"]
+            assert stuck.status_code == 503, stuck.text
+            assert stuck.json()["expert"] == "e1" and "expert e1: unavailable" in stuck.text
+            assert waited < 2.0 + 1.0
+            assert httpx.get(f"{base}/healthz").status_code == 200
+            readyz = httpx.get(f"{base}/readyz")
+            assert readyz.status_code == 503 and readyz.json()["missing_experts"] == ["e1"]
+            ok = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 3}, timeout=30)
+            assert ok.status_code == 200, ok.text  # e0's labels are unaffected
+            metrics = httpx.get(f"{base}/metrics").text
+            busy_total = 'ddm_router_requests_total{route="/v1/generate",status="429"}'
+            assert _metric(metrics, busy_total) == 1
+            assert _metric(metrics, 'ddm_router_expert_unavailable_total{expert="e1"}') == 1
+
+
+# ---------------------------------------------------------------------------- failover
+
+
+@pytest.fixture(scope="module")
+def replicated(ddms, experts, tmp_path_factory) -> Iterator[dict]:
+    """Two subprocess replicas of e0, and a subprocess router started by ``serve_router``."""
+    directory = tmp_path_factory.mktemp("router")
+    ports = [_free_port() for _ in range(3)]
+    config = _config({"e0": {"endpoints": [f"127.0.0.1:{p}" for p in ports[:2]]},
+                      "e1": {"endpoints": [experts["e1"]]}}, [LOW, HIGH], "router",
+                     strategy="oracle", timeouts={"connect_s": 1.0, "request_s": 2.0})
+    (directory / "router").symlink_to(ddms["split"] / "router")  # relative to the config
+    (directory / "router.yaml").write_text(config.to_yaml())
+    replicas = {port: _start_expert(ddms["split"] / "e0", port) for port in ports[:2]}
+    router = _spawn(["-c", "from ddm.serving.router_server import serve_router; "
+                           f"serve_router({str(directory / 'router.yaml')!r}, port={ports[2]}, "
+                           "log_level='warning', deadline_s=3.0)"])
+    state = {"base": f"http://127.0.0.1:{ports[2]}", "replicas": replicas,
+             "checkpoint": ddms["split"] / "e0"}
+    try:
+        _wait(lambda: _status(f"{state['base']}/readyz") == 200, "router ready")
+        yield state
+    finally:
+        for process in [router, *state["replicas"].values()]:
+            process.kill()
+            process.wait(timeout=30)
+
+
+def test_killing_a_replica_mid_generation_does_not_fail_it(replicated):
+    base = replicated["base"]
+    killed = next(iter(replicated["replicas"]))
+    with httpx.stream("GET", f"{base}/v1/generate/stream", timeout=60,
+                      params={"label": 2, "steps": 200, "strategy": "oracle"}) as response:
+        events = _events(response)
+        first = next(events)
+        assert first[0] == "step" and first[1]["step"] == 1
+        replicated["replicas"][killed].send_signal(signal.SIGKILL)
+        rest = list(events)
+    assert [name for name, _ in rest] == ["step"] * 199 + ["done"], rest[-1]
+    assert rest[-1][1]["expert_calls"] == 200
+    metrics = httpx.get(f"{base}/metrics").text
+    assert _metric(metrics, 'ddm_router_expert_failovers_total{expert="e0"}') >= 1
+    states = httpx.get(f"{base}/v1/info").json()["experts"][0]["replicas"]
+    assert states[f"127.0.0.1:{killed}"] == "down"
+
+
+def test_every_replica_down_is_a_503_naming_the_expert_until_it_comes_back(replicated):
+    base = replicated["base"]
+    for process in replicated["replicas"].values():
+        process.kill()
+        process.wait(timeout=30)
+    started = time.monotonic()
+    reply = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 4}, timeout=30)
+    assert reply.status_code == 503 and reply.json()["expert"] == "e0", reply.text
+    assert "expert e0: unavailable" in reply.json()["detail"]
+    assert time.monotonic() - started < 3.0 + 1.0
+    assert httpx.get(f"{base}/healthz").status_code == 200
+    readyz = httpx.get(f"{base}/readyz")
+    assert readyz.status_code == 503 and readyz.json()["missing_experts"] == ["e0"]
+    # e1 still serves its labels meanwhile.
+    assert httpx.post(f"{base}/v1/generate", json={"labels": [8], "steps": 2}).status_code == 200
+
+    port = next(iter(replicated["replicas"]))
+    replicated["replicas"][port] = _start_expert(replicated["checkpoint"], port)
+    _wait(lambda: _status(f"{base}/readyz") == 200, "router ready again")
+    reply = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 4}, timeout=30)
+    assert reply.status_code == 200, reply.text
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _write_ddm(root: Path, groups: list[list[int]], method: str, seed: int) -> Path:
+    scheme = {"method": method, "groups": groups}
+    for index, classes in enumerate(groups):
+        torch.manual_seed(seed + index)
+        meta = CheckpointMeta(kind="expert", name=f"e{index}", architecture=SMOKE.to_dict(),
+                              framework="torch", classes=classes,
+                              partition={"scheme": scheme, "index": index})
+        save_checkpoint(root / f"e{index}", meta, canonical_weights(UNet(SMOKE)))
+    torch.manual_seed(seed + 99)
+    router = RouterConfig(image_size=SMOKE.image_size, num_experts=len(groups))
+    save_checkpoint(root / "router",
+                    CheckpointMeta(kind="router", name="router", architecture=router.to_dict(),
+                                   framework="torch", classes=range(10),
+                                   partition={"scheme": scheme}),
+                    canonical_weights(RouterNet(router)))
+    return root
+
+
+def _config(discovery: dict[str, dict], classes: list[list[int]], router: Path | str | None,
+            strategy: str, timeouts: dict | None = None) -> RouterConfigFile:
+    raw = {"experts": [{"name": name, "classes": c, "discovery": d}
+                       for (name, d), c in zip(discovery.items(), classes)],
+           "sampling": {"steps": 6, "strategy": strategy},
+           "router_checkpoint": None if router is None else str(router),
+           "dns_refresh_s": 1.0}
+    if timeouts:
+        raw["timeouts"] = timeouts
+    return RouterConfigFile.from_dict(raw)
+
+
+@contextmanager
+def _servers(apps: dict) -> Iterator[dict[str, str]]:
+    """Serve each app on a free loopback port in a thread; yields ``host:port`` by name."""
+    running = {}
+    try:
+        for name, app in apps.items():
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            server = build_server(app, "127.0.0.1", sock.getsockname()[1], log_level="warning")
+            thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+            thread.start()
+            running[name] = (sock, server, thread)
+        endpoints = {name: f"127.0.0.1:{sock.getsockname()[1]}"
+                     for name, (sock, _, _) in running.items()}
+        for endpoint in endpoints.values():
+            _wait(lambda: _status(f"http://{endpoint}/healthz") == 200, f"{endpoint} up")
+        yield endpoints
+    finally:
+        for sock, server, thread in running.values():
+            server.should_exit = True
+            thread.join(timeout=10)
+            sock.close()
+
+
+def _start_expert(checkpoint: Path, port: int) -> subprocess.Popen:
+    process = _spawn(["-m", "ddm.cli", "serve", "expert", "--checkpoint", str(checkpoint),
+                      "--port", str(port), "--max-batch", "8", "--log-level", "warning"])
+    _wait(lambda: _status(f"http://127.0.0.1:{port}/readyz") == 200, f"replica {port} ready",
+          process)
+    return process
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, *args], env=env)
+
+
+@contextmanager
+def _hanging() -> Iterator[str]:
+    """A port that accepts connections (the kernel's backlog) and never answers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def _stream(base: str, **params) -> list[tuple[str, dict]]:
+    with httpx.stream("GET", f"{base}/v1/generate/stream", params=params, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        return list(_events(response))
+
+
+def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
+    """Parse Server-Sent Events: ``(event name, JSON data)`` in order."""
+    name, data = None, []
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            data.append(line[len("data: "):])
+        elif not line and name is not None:
+            yield name, json.loads("\n".join(data))
+            name, data = None, []
+
+
+def _image(png: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(png))))
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+def _wait(condition, what: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not after {WAIT_S} s")
+        time.sleep(0.05)
+
+
+def _metric(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (or of one labelled sample)."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rpartition(":")[2])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

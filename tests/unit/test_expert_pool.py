@@ -1,0 +1,346 @@
+"""The expert pool: replica choice and backoff (pure), then real expert servers on loopback.
+
+Servers are in-process uvicorn threads with the smoke checkpoint; dead replicas are ports with
+nothing listening, hanging ones are sockets that listen but never answer. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from ddm.checkpoint import load_checkpoint
+from ddm.sampling.pipeline import expert_velocity
+from ddm.serving.expert_pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
+                                     PoolSettings, ReplicaSet, ReplicaState, client_session,
+                                     dns_endpoints, static_endpoints)
+from ddm.serving.expert_server import build_server, create_expert_app
+
+SHAPE = (1, 8, 8)
+FAST = PoolSettings(connect_s=1.0, attempt_s=2.0, deadline_s=3.0, attempts=2, backoff_s=0.05,
+                    max_backoff_s=0.2, health_interval_s=0.5, refresh_s=0.1)
+WAIT_S = 30.0
+
+
+# ------------------------------------------------------------------------ replica choice
+
+
+def test_least_outstanding_replica_wins_and_ties_go_round_robin():
+    replicas = ReplicaSet(0.1, 1.0, 5.0)
+    replicas.update(["a:1", "b:1", "c:1"])
+    for r in replicas.replicas:
+        replicas.mark_ready(r, now=0.0)
+    assert {replicas.choose().endpoint for _ in range(3)} == {"a:1", "b:1", "c:1"}
+    a, b, c = replicas.replicas
+    a.outstanding, b.outstanding, c.outstanding = 2, 0, 1
+    assert all(replicas.choose() is b for _ in range(4))
+    replicas.mark_down(b, "refused", now=0.0)
+    assert replicas.choose() is c
+
+
+def test_ready_replicas_go_before_unprobed_ones_and_down_ones_never():
+    replicas = ReplicaSet(0.1, 1.0, 5.0)
+    replicas.update(["new:1", "ok:1", "dead:1"])
+    new, ok, dead = replicas.replicas
+    replicas.mark_ready(ok, now=0.0)
+    replicas.mark_down(dead, "refused", now=0.0)
+    assert all(replicas.choose() is ok for _ in range(3))
+    replicas.mark_down(ok, "reset", now=0.0)
+    assert replicas.choose() is new
+    replicas.mark_down(new, "refused", now=0.0)
+    assert replicas.choose() is None
+
+
+def test_updates_keep_what_is_known_of_listed_replicas():
+    replicas = ReplicaSet(0.1, 1.0, 5.0)
+    replicas.update(["a:1", "b:1"])
+    a = replicas.replicas[0]
+    replicas.mark_down(a, "refused", now=0.0)
+    replicas.update(["b:1", "a:1", "c:1", "c:1"])
+    assert [r.endpoint for r in replicas.replicas] == ["b:1", "a:1", "c:1"]
+    assert replicas.replicas[1] is a and a.state is ReplicaState.DOWN
+    assert replicas.replicas[2].state is ReplicaState.UNKNOWN
+
+
+def test_failed_replicas_are_probed_with_a_doubling_capped_backoff():
+    replicas = ReplicaSet(0.1, 1.0, 5.0)
+    replicas.update(["a:1"])
+    (a,) = replicas.replicas
+    assert replicas.due_for_probe(now=0.0) == [a]  # new replicas are probed at once
+    replicas.mark_down(a, "refused", now=10.0)
+    replicas.mark_down(a, "refused again, same outage", now=10.0)  # counts once
+    assert a.failures == 1 and a.next_probe == pytest.approx(10.1)
+    delays = []
+    for _ in range(5):
+        replicas.probe_failed(a, "refused", now=0.0)
+        delays.append(a.next_probe)
+    assert delays == pytest.approx([0.2, 0.4, 0.8, 1.0, 1.0])
+    replicas.mark_ready(a, now=0.0)
+    assert a.failures == 0 and a.next_probe == 5.0  # then health-checked now and then
+
+
+def test_waiting_for_a_usable_replica_times_out_or_wakes_on_recovery():
+    async def scenario() -> tuple[bool, bool]:
+        replicas = ReplicaSet(0.1, 1.0, 5.0)
+        replicas.update(["a:1"])
+        replicas.mark_down(replicas.replicas[0], "refused", now=0.0)
+        timed_out = await replicas.wait_usable(0.05)
+        asyncio.get_running_loop().call_later(0.01, replicas.mark_ready,
+                                              replicas.replicas[0], 0.0)
+        return timed_out, await replicas.wait_usable(5.0)
+
+    assert asyncio.run(scenario()) == (False, True)
+
+
+# ----------------------------------------------------------------------------- discovery
+
+
+def test_static_and_dns_sources():
+    async def resolve() -> tuple[list[str], list[str]]:
+        return (list(await static_endpoints(["10.0.0.1:8000", "10.0.0.2:8000"])()),
+                list(await dns_endpoints("localhost", 8000)()))
+
+    static, dns = asyncio.run(resolve())
+    assert static == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert dns == ["127.0.0.1:8000"]  # A records only
+
+
+def test_endpoints_follow_their_source_while_running():
+    listed = ["127.0.0.1:1"]
+
+    async def source() -> list[str]:
+        return list(listed)
+
+    async def scenario() -> list[str]:
+        async with ExpertPool({"e": source}, FAST) as pool:
+            assert [r.endpoint for r in pool.replicas("e")] == ["127.0.0.1:1"]
+            listed[:] = ["127.0.0.1:2", "127.0.0.1:3"]
+            await _until(lambda: len(pool.replicas("e")) == 2)  # refreshed every 0.1 s
+            return [r.endpoint for r in pool.replicas("e")]
+
+    assert asyncio.run(scenario()) == ["127.0.0.1:2", "127.0.0.1:3"]
+
+
+# ------------------------------------------------------------------- over real servers
+
+
+@pytest.fixture(scope="module")
+def expert_a(smoke_expert_checkpoint: Path) -> Iterator[str]:
+    with _expert(smoke_expert_checkpoint) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def expert_b(smoke_expert_checkpoint: Path) -> Iterator[str]:
+    with _expert(smoke_expert_checkpoint) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def local_velocity(smoke_expert_checkpoint: Path):
+    return expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+
+
+def test_dns_discovered_replica_answers_like_the_local_model(expert_a, local_velocity):
+    port = int(expert_a.rpartition(":")[2])
+    x, t, y = _inputs(20, seed=0)
+
+    async def scenario():
+        async with ExpertPool({"e": dns_endpoints("localhost", port)}, FAST) as pool:
+            await _until(lambda: pool.info("e") is not None)
+            v = await pool.velocity("e", x, t, y)  # 20 rows: split into the expert's 8
+            return v, pool.info("e"), [r.endpoint for r in pool.replicas("e")]
+
+    v, info, endpoints = asyncio.run(scenario())
+    assert endpoints == [f"127.0.0.1:{port}"]
+    assert (info.image_shape, info.max_batch, info.classes) == (SHAPE, 8, (0, 1, 2, 3, 4))
+    np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+
+
+def test_calls_are_balanced_over_replicas(expert_a, expert_b):
+    before = {e: _served(e) for e in (expert_a, expert_b)}
+
+    async def scenario() -> None:
+        async with ExpertPool({"e": static_endpoints([expert_a, expert_b])}, FAST) as pool:
+            for _ in range(10):
+                await pool.velocity("e", *_inputs(1, seed=1))
+            await asyncio.gather(*(pool.velocity("e", *_inputs(1, seed=i)) for i in range(10)))
+
+    asyncio.run(scenario())
+    served = [_served(e) - before[e] for e in (expert_a, expert_b)]
+    assert sum(served) == 20 and min(served) >= 5, served
+
+
+def test_a_dead_or_hanging_replica_fails_over_to_a_live_one(expert_a, local_velocity):
+    x, t, y = _inputs(2, seed=2)
+    with _hanging() as hanging:
+        async def scenario():
+            sources = {"e": static_endpoints([_dead(), hanging, expert_a])}
+            settings = PoolSettings(connect_s=0.5, attempt_s=0.5, deadline_s=5.0, attempts=3,
+                                    health_interval_s=60.0)
+            async with ExpertPool(sources, settings) as pool:
+                outs = [await pool.velocity("e", x, t, y) for _ in range(4)]
+                states = {r.endpoint: r.state for r in pool.replicas("e")}
+                return outs, states, pool.metrics
+
+        outs, states, metrics = asyncio.run(scenario())
+    for v in outs:
+        np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+    assert states[expert_a] is ReplicaState.READY
+    assert [s for e, s in states.items() if e != expert_a] == [ReplicaState.DOWN] * 2
+    assert metrics.failovers.labels("e")._value.get() >= 1
+
+
+def test_no_answering_replica_raises_unavailable_within_the_deadline():
+    settings = PoolSettings(connect_s=0.3, attempt_s=0.3, deadline_s=1.0, attempts=10,
+                            backoff_s=0.05, max_backoff_s=0.1)
+    with _hanging() as hanging:
+        async def scenario():
+            async with ExpertPool({"e0": static_endpoints([_dead(), hanging])}, settings) as pool:
+                started = time.monotonic()
+                with pytest.raises(ExpertUnavailable) as caught:
+                    await pool.velocity("e0", *_inputs(1, seed=0))
+                return caught.value, time.monotonic() - started
+
+        error, elapsed = asyncio.run(scenario())
+    assert error.expert == "e0" and error.status == 503
+    assert re.search(r"expert e0: unavailable: .*(within 1 s|attempt)", str(error)), str(error)
+    assert elapsed < 1.0 + 0.5
+
+
+def test_a_4xx_is_the_callers_fault_and_is_not_retried(expert_a, expert_b):
+    async def scenario():
+        async with ExpertPool({"e": static_endpoints([expert_a, expert_b])}, FAST) as pool:
+            with pytest.raises(ExpertRejected) as caught:
+                x, t, _ = _inputs(2, seed=0)
+                await pool.velocity("e", x, t, np.array([1, 7]))  # it serves 0-4
+            return caught.value, pool.metrics
+
+    error, metrics = asyncio.run(scenario())
+    assert (error.code, error.status, error.expert) == (422, 502, "e")
+    assert "labels [7] are not served by this expert" in str(error)
+    assert metrics.retries.labels("e")._value.get() == 0
+
+
+def test_a_replica_that_comes_back_is_used_again(smoke_expert_checkpoint):
+    port = _free_port()
+
+    async def scenario() -> int:
+        async with ExpertPool({"e": static_endpoints([f"127.0.0.1:{port}"])}, FAST) as pool:
+            await _until(lambda: pool.replicas("e")[0].failures >= 2)  # probes keep failing
+            with _expert(smoke_expert_checkpoint, port):
+                await _until(lambda: pool.ready_count("e") == 1)
+                v = await pool.velocity("e", *_inputs(1, seed=0))
+            return v.shape[0]
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_client_connections_disable_nagle():
+    """Read on a connection still in use: a server that sends half its body and waits."""
+
+    async def nodelay() -> int:
+        finished = asyncio.Event()
+
+        async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n.")
+            await reader.read()  # until the client closes
+            writer.close()
+            await writer.wait_closed()
+            finished.set()
+
+        server = await asyncio.start_server(half_answer, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            async with client_session(FAST) as session:
+                async with session.get(f"http://127.0.0.1:{port}/") as response:
+                    sock = response.connection.transport.get_extra_info("socket")
+                    value = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            await finished.wait()
+        return value
+
+    assert asyncio.run(nodelay()) != 0
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+@contextmanager
+def _expert(checkpoint: Path, port: int = 0) -> Iterator[str]:
+    """An expert server on loopback (``port`` 0: any free one); yields ``host:port``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
+    server = build_server(create_expert_app(checkpoint, max_batch=8), "127.0.0.1",
+                          sock.getsockname()[1], log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while not _ready(endpoint):
+            assert time.monotonic() < deadline, f"{endpoint} not ready after {WAIT_S} s"
+            time.sleep(0.05)
+        yield endpoint
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+@contextmanager
+def _hanging() -> Iterator[str]:
+    """A port that accepts connections (the kernel's backlog) and never answers."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def _dead() -> str:
+    return f"127.0.0.1:{_free_port()}"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ready(endpoint: str) -> bool:
+    try:
+        return httpx.get(f"http://{endpoint}/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _served(endpoint: str) -> float:
+    text = httpx.get(f"http://{endpoint}/metrics").text
+    return sum(float(v) for v in re.findall(
+        r'^ddm_expert_images_total\{kind="velocity"\} (\S+)$', text, re.MULTILINE))
+
+
+def _inputs(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch, *SHAPE), dtype=np.float32),
+            rng.uniform(0, 1, batch).astype(np.float32), rng.integers(0, 5, batch))
+
+
+async def _until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
