@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ddm sample --strategy top1 --n-per-label 10 --steps 40 --out out/demo.npz --png out/demo.png
-	$(BIN)/ddm eval out/demo.npz
+	$(BIN)/ddm up
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
