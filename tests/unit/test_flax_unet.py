@@ -12,9 +12,8 @@ import pytest
 from ddm.checkpoint import CheckpointError
 from ddm.models.config import UNET_CONFIGS, UNetConfig
 from ddm.models.flax_unet import (canonical_from_params, canonical_shapes, init_params,
-                                  make_velocity_fn, params_from_canonical)
+                                  make_velocity_fn, params_from_canonical, select_jax_device)
 from ddm.training.config import TrainConfig
-from ddm.models.flax_unet import select_jax_device
 from ddm.training.jax_expert import learning_rate_schedule, train_flax_unet
 
 PARITY_TOL = 1e-4
@@ -141,3 +140,14 @@ def test_select_jax_device() -> None:
         select_jax_device("cuda")
     with pytest.raises(ValueError, match="cpu has 1 device"):
         select_jax_device("cpu:7")
+
+
+def test_velocity_pads_odd_batches_without_changing_results() -> None:
+    config = UNET_CONFIGS["smoke"]
+    velocity = make_velocity_fn(init_params(config, seed=0), config)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 1, 8, 8), dtype=np.float32)
+    t, y = rng.random(5, dtype=np.float32), np.arange(5)
+    whole = velocity(x, t, y)
+    assert whole.shape == (5, 1, 8, 8)
+    np.testing.assert_allclose(velocity(x[:3], t[:3], y[:3]), whole[:3], atol=1e-6)

@@ -252,17 +252,23 @@ def make_velocity_fn(params: Params, config: UNetConfig
                      ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """NumPy ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> v (B, C, H, W) f32``.
 
-    Compiled once per ``(config, batch size)`` and shared by every expert of that config;
-    dynamic batchers should pad to a few fixed sizes. Full float32 matmul precision keeps
-    accelerators within the PyTorch parity tolerance (see the module docstring).
+    Batches are padded to the next power of two, so a router that sends every possible
+    subset size costs at most log2(B) compilations per ``config``, shared by every expert of
+    that config. Full float32 matmul precision keeps accelerators within the PyTorch parity
+    tolerance (see the module docstring).
     """
     device_params = jax.device_put(params)
 
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        rows = x.shape[0]
+        pad = (1 << max(0, rows - 1).bit_length()) - rows
+        x, t, y = (np.concatenate([a, np.repeat(a[-1:], pad, axis=0)]) if pad else a
+                   for a in (np.asarray(x, np.float32), np.asarray(t, np.float32),
+                             np.asarray(y, np.int32)))
         with jax.default_matmul_precision("highest"):
-            v = _apply(device_params, jnp.asarray(x, jnp.float32), jnp.asarray(t, jnp.float32),
-                       jnp.asarray(y, jnp.int32), config=config)
-        return np.asarray(v)
+            v = _apply(device_params, jnp.asarray(x), jnp.asarray(t), jnp.asarray(y),
+                       config=config)
+        return np.asarray(v)[:rows]
 
     return velocity
 
