@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(commands)
     _add_serve(commands)
     _add_up(commands)
+    _add_bench(commands)
     _add_operator(commands)
     _add_dev_cluster(commands)
     return parser
@@ -304,6 +305,26 @@ def _up(args: argparse.Namespace) -> int:
         raise UserError(f"manifest {path} does not exist")
     return run_local(load_manifest(path), router_port=args.port, host=args.host,
                      pvc_root=args.pvc_root, threads=args.threads)
+
+
+# -- bench --------------------------------------------------------------------------------------
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="measure the system (serving throughput, overhead)")
+    kinds = bench.add_subparsers(dest="what", required=True, metavar="WHAT")
+    p = kinds.add_parser("serve", help="serving on loopback with the shipped experts: "
+                                       "throughput, per-step overhead, batching, wire bytes")
+    p.add_argument("--json", action="store_true",
+                   help="print every figure as JSON (progress goes to stderr)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
+    p.add_argument("--steps", type=int, default=40, help="denoising steps per generation")
+    p.set_defaults(handler=_bench_serve)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from ddm.serving.bench import bench_serve_command
+
+    return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json)
 
 
 # -- operator -----------------------------------------------------------------------------------

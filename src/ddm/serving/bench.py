@@ -1,0 +1,678 @@
+"""``ddm bench serve``: what serving the shipped DDM over HTTP costs, measured in one run.
+
+On loopback, with the shipped experts and router started as ``ddm up`` starts them
+(``ddm.runtime.local.plan_local`` and ``Supervisor``: one ``ddm serve expert`` process per expert
+with one CPU thread, then ``ddm serve router``), it measures the figures of the "Serving" issue:
+
+1. images/s in-process (``load_ddm`` + ``generate``) and through the router (``POST
+   /v1/generate`` on a keep-alive client) at batch 1 and 64; target: >= 0.85x at batch 64;
+2. per-step overhead at batch 1: distributed minus in-process seconds per step, paired per
+   generation (same label and seed), median; target: <= 1 ms;
+3. the reference demo's protocol (:mod:`ddm.serving.reference_protocol`) at batch 1; target:
+   ours >= 5x its images/s;
+4. 64 concurrent single-image requests with dynamic batching (experts at ``--max-batch 64``) and
+   without (``--max-batch 1``), through the router and straight to each expert; target: >= 4x;
+5. body bytes per step (request and reply) over raw tensor bytes; target: <= 1.02;
+6. round trips and time per image with ``delegate_steps``, and the shipped classifier's accuracy
+   of per-step routing against delegation; target: within 1 point.
+
+Every process (both deployments and the reference servers) starts at once and idles while the
+others are measured, so that ratios compare numbers taken under the same conditions. In-process
+sampling runs in this process with one torch thread, as each server process does. Each figure
+keeps its raw numbers and, where the issue sets one, ``value``, ``target``, ``comparison`` and
+``met``. Progress goes to ``log``; the result is a JSON-ready dict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, TextIO
+
+import aiohttp
+import numpy as np
+
+from ddm.operator.spec import DDMManifest, load_manifest
+from ddm.runtime.local import (REPOSITORY_ROOT, LocalPlan, ProcessSpec, Supervisor,
+                               expert_backend, free_port, plan_local, resolve_checkpoint)
+from ddm.sampling.pipeline import LoadedDDM, default_checkpoints, generate, load_ddm
+from ddm.serving.expert_pool import PoolSettings, client_session
+from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
+                                  encode_request, encode_response)
+from ddm.serving.reference_protocol import encode_npz, npz_velocity, reference_ddm
+
+HOST = "127.0.0.1"
+MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
+STRATEGY = "top1"
+BIG_BATCH = 64
+CONCURRENT = 64
+#: The router's ``--max-batch``: a quality run of 100 images goes in chunks of this many.
+QUALITY_CHUNK = 50
+READY_S = 240.0
+REQUEST_TIMEOUT_S = 300.0
+#: Bounds the whole measurement, whatever the machine's load.
+MEASURE_TIMEOUT_S = 1200.0
+
+# The issue's targets.
+DISTRIBUTED_VS_IN_PROCESS = 0.85
+STEP_OVERHEAD_MS = 1.0
+SPEEDUP_VS_REFERENCE = 5.0
+BATCHING_SPEEDUP = 4.0
+WIRE_RATIO = 1.02
+ACCURACY_GAP_POINTS = 1.0
+
+
+class BenchError(RuntimeError):
+    """A server answered something other than a result."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """``steps`` per generation; ``quick`` repeats less (for tests), measuring everything."""
+
+    steps: int = 40
+    quick: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.steps, int) or not 1 <= self.steps <= 200:
+            raise ValueError(f"steps must be an integer in 1..200 (the router's limit), "
+                             f"got {self.steps!r}")
+
+    @property
+    def repeats(self) -> int:
+        """Batch-1 generations per figure."""
+        return 2 if self.quick else 12
+
+    @property
+    def big_repeats(self) -> int:
+        """Batch-64 and 64-concurrent runs per figure."""
+        return 1 if self.quick else 3
+
+    @property
+    def rounds(self) -> int:
+        """Rounds of 64 concurrent velocity calls per expert."""
+        return 2 if self.quick else 10
+
+    @property
+    def per_digit(self) -> int:
+        """Images per digit for the quality comparison."""
+        return 1 if self.quick else 10
+
+    @property
+    def delegations(self) -> tuple[int, ...]:
+        return tuple(sorted({0, min(10, self.steps), self.steps}))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "repeats": self.repeats,
+                "big_repeats": self.big_repeats, "rounds": self.rounds,
+                "per_digit": self.per_digit, "delegations": list(self.delegations),
+                "strategy": STRATEGY, "solver": "euler", "big_batch": BIG_BATCH,
+                "concurrent": CONCURRENT, "manifest": str(MANIFEST), "host": HOST,
+                "in_process_torch_threads": 1, "server_threads": 1}
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What runs: a deployment with dynamic batching, one without, and reference servers."""
+
+    batched: LocalPlan
+    unbatched: LocalPlan
+    reference: tuple[str, ...]  # host:port per expert, in the manifest's (router's) order
+
+
+# ---------------------------------------------------------------------------------- running
+
+
+def run_bench(settings: BenchSettings, log: TextIO = sys.stderr) -> dict[str, Any]:
+    """Start the servers, measure everything, stop the servers; the results as a dict."""
+    started = time.perf_counter()
+    result: dict[str, Any] = {"machine": machine(), "settings": settings.to_dict()}
+    _say(log, f"loading the DDM in-process from {default_checkpoints()}")
+    ddm = load_ddm(default_checkpoints())
+    manifest = load_manifest(MANIFEST)
+    served = [tuple(e.classes) for e in manifest.spec.experts]
+    if served != [tuple(e.classes) for e in ddm.experts]:
+        raise BenchError(f"{MANIFEST} serves experts of classes {served}, the in-process DDM "
+                         f"has {[tuple(e.classes) for e in ddm.experts]}")
+    servers: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ddm-bench-") as workdir, _one_torch_thread():
+        try:
+            with _fleet(manifest, Path(workdir), log, servers) as fleet:
+                result.update(asyncio.run(_measure(settings, ddm, fleet, log)))
+        finally:
+            result["servers"] = servers
+    result["machine"]["load_average_after"] = list(os.getloadavg())
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures come from: a shared machine's load matters, so it is recorded."""
+    versions = {}
+    for module in ("torch", "jax", "numpy", "aiohttp", "uvicorn", "fastapi"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            versions[module] = None
+    return {"platform": platform.platform(), "processor": platform.processor() or None,
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "accelerator": None, "versions": versions,
+            "load_average_before": list(os.getloadavg())}
+
+
+@contextmanager
+def _fleet(manifest: DDMManifest, workdir: Path, log: TextIO,
+           servers: list[dict[str, Any]]) -> Iterator[Fleet]:
+    """Start every process (experts first, as ``ddm up`` does), yield, then stop them all and
+    record each one's pid, port and exit status in ``servers``."""
+    ports = _port_source()
+    batched = _plan(manifest, BIG_BATCH, workdir, "batched", ports)
+    unbatched = _plan(manifest, 1, workdir, "unbatched", ports)
+    references, endpoints = _reference_specs(manifest, batched.experts[0].env, ports)
+    experts = [*batched.experts, *unbatched.experts, *references]
+    routers = [batched.router, unbatched.router]
+    supervisor = Supervisor(log)
+    try:
+        _say(log, f"starting {len(experts)} expert processes and {len(routers)} routers")
+        deadline = time.monotonic() + READY_S
+        for spec in experts:
+            supervisor.start(spec)
+        for spec in experts:
+            supervisor.wait_ready(spec, HOST, deadline)
+        for spec in routers:
+            supervisor.start(spec)
+        for spec in routers:
+            supervisor.wait_ready(spec, HOST, deadline)
+        yield Fleet(batched, unbatched, endpoints)
+    finally:
+        _say(log, "stopping the servers")
+        supervisor.stop()
+        for spec in [*experts, *routers]:
+            process = supervisor.processes.get(spec.name)
+            if process is not None:
+                servers.append({"name": spec.name, "port": spec.port, "pid": process.pid,
+                                "exit_code": process.returncode})
+
+
+def _plan(manifest: DDMManifest, max_batch: int, workdir: Path, tag: str,
+          ports: Callable[[], int]) -> LocalPlan:
+    """``ddm up``'s plan with every expert at ``max_batch`` and room for 64 generations."""
+    spec = manifest.spec
+    experts = tuple(dataclasses.replace(e, max_batch=max_batch) for e in spec.experts)
+    manifest = dataclasses.replace(manifest, spec=dataclasses.replace(spec, experts=experts))
+    config_path = workdir / f"router-{tag}.yaml"
+    plan = plan_local(manifest, ports, ports(), HOST, config_path=config_path)
+    config_path.write_text(plan.router_config.to_yaml())
+
+    def named(process: ProcessSpec) -> ProcessSpec:
+        return dataclasses.replace(process, name=f"{tag}/{process.name}")
+
+    router = dataclasses.replace(named(plan.router), argv=(
+        *plan.router.argv, "--max-concurrent", str(CONCURRENT)))
+    return dataclasses.replace(plan, experts=tuple(map(named, plan.experts)), router=router)
+
+
+def _reference_specs(manifest: DDMManifest, env: tuple[tuple[str, str], ...],
+                     ports: Callable[[], int]) -> tuple[list[ProcessSpec], tuple[str, ...]]:
+    """One reference-protocol server per expert, on the backend ``ddm up`` would use."""
+    specs, endpoints = [], []
+    for expert in manifest.spec.experts:
+        backend, device = expert_backend(expert)
+        port = ports()
+        argv = (sys.executable, "-m", "ddm.serving.reference_protocol", "--checkpoint",
+                str(resolve_checkpoint(expert.checkpoint)), "--host", HOST, "--port", str(port),
+                "--backend", backend, "--device", device)
+        specs.append(ProcessSpec(f"reference/{expert.name}", argv, port, env))
+        endpoints.append(f"{HOST}:{port}")
+    return specs, tuple(endpoints)
+
+
+def _port_source() -> Callable[[], int]:
+    """Free loopback ports, never the same one twice."""
+    taken: set[int] = set()
+
+    def port() -> int:
+        for _ in range(100):
+            candidate = free_port(HOST)
+            if candidate not in taken:
+                taken.add(candidate)
+                return candidate
+        raise BenchError("no free loopback port found")
+
+    return port
+
+
+@contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _say(log: TextIO, message: str) -> None:
+    print(f"bench: {message}", file=log, flush=True)
+
+
+# ------------------------------------------------------------------------------- measuring
+
+
+async def _measure(settings: BenchSettings, ddm: LoadedDDM, fleet: Fleet,
+                   log: TextIO) -> dict[str, Any]:
+    """Every figure, one after the other. In-process sampling blocks this event loop on
+    purpose: nothing else of the benchmark runs meanwhile."""
+    async with asyncio.timeout(MEASURE_TIMEOUT_S), client_session(PoolSettings()) as session:
+        url = fleet.batched.url
+        _say(log, "warming up (JAX compiles per batch shape in-process)")
+        for labels in ([0], [5], _big_labels()):
+            _sample_here(ddm, labels, settings.steps, settings.seed)
+            await _generate(session, url, labels, settings.steps, settings.seed)
+        await _generate(session, fleet.unbatched.url, [0], settings.steps, settings.seed)
+        _say(log, "throughput, per-step overhead and the reference demo's protocol")
+        figures = _throughput_figures(await _throughput(settings, ddm, session, fleet),
+                                      settings.steps)
+        figures["reference_baseline"]["call_latency"] = await _call_latency(
+            ddm, session, fleet, settings.repeats * 20)
+        _say(log, "64 concurrent requests, with and without dynamic batching")
+        concurrency = await _concurrency(settings, ddm, session, fleet)
+        _say(log, "bytes on the wire")
+        wire = await _wire(ddm, session, fleet)
+        _say(log, "delegation and quality")
+        delegation = await _delegation(settings, session, url)
+        quality = await _quality(settings, session, url)
+    return {**figures, "concurrency": concurrency, "wire": wire, "delegation": delegation,
+            "quality": quality}
+
+
+async def _throughput(settings: BenchSettings, ddm: LoadedDDM, session: aiohttp.ClientSession,
+                      fleet: Fleet) -> dict[str, Any]:
+    """In-process, distributed and (at batch 1) reference generations, alternated within each
+    repetition so that the machine's drifting load hits all of them alike."""
+    steps, baseline = settings.steps, reference_ddm(ddm, fleet.reference)
+    for label in (0, 5):  # the reference servers' first calls
+        _sample_here(baseline, [label], steps, settings.seed)
+    runs: dict[int, dict[str, list[float]]] = {}
+    checks = {"max_pixel_difference": 0, "reference_same_images": True}
+    for batch, repeats in ((1, settings.repeats), (BIG_BATCH, settings.big_repeats)):
+        times: dict[str, list[float]] = {"in_process": [], "distributed": [], "router": [],
+                                         "reference": []}
+        for i in range(repeats):
+            # Batch 64 repeats one seed: in-process JAX compiles per row count, and another
+            # seed may route another number of rows to an expert.
+            labels, seed = (([i % 10], settings.seed + i) if batch == 1
+                            else (_big_labels(), settings.seed))
+            seconds, images = _sample_here(ddm, labels, steps, seed)
+            times["in_process"].append(seconds)
+            seconds, reply = await _generate(session, fleet.batched.url, labels, steps, seed)
+            times["distributed"].append(seconds)
+            times["router"].append(reply["seconds"])
+            served = _decode_pngs(reply["images"]).astype(int)
+            checks["max_pixel_difference"] = max(checks["max_pixel_difference"],
+                                                 int(np.abs(served - images).max()))
+            if batch == 1:
+                seconds, theirs = _sample_here(baseline, labels, steps, seed)
+                times["reference"].append(seconds)
+                checks["reference_same_images"] &= bool(np.array_equal(theirs, images))
+        runs[batch] = times
+    return {"runs": runs, "checks": checks}
+
+
+def _throughput_figures(measured: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Images/s and the targets' ratios from :func:`_throughput`'s seconds."""
+    figures: dict[str, Any] = {}
+    for batch, times in measured["runs"].items():
+        local, remote = times["in_process"], times["distributed"]
+        figures[f"batch_{batch}"] = {
+            "in_process": _rate(batch, local),
+            "distributed": {**_rate(batch, remote), "router_seconds": _rounded(times["router"])},
+            "ratio": round(_images_per_s(batch, remote) / _images_per_s(batch, local), 3)}
+    big = figures[f"batch_{BIG_BATCH}"]
+    big.update(_verdict(big["ratio"], DISTRIBUTED_VS_IN_PROCESS, at_least=True))
+    figures["max_pixel_difference"] = measured["checks"]["max_pixel_difference"]
+
+    local, remote = measured["runs"][1]["in_process"], measured["runs"][1]["distributed"]
+    per_pair = [(r - lo) / steps * 1e3 for lo, r in zip(local, remote)]
+    overhead = {"steps": steps, "generations": len(per_pair),
+                "in_process_ms_per_step": round(statistics.median(local) / steps * 1e3, 3),
+                "distributed_ms_per_step": round(statistics.median(remote) / steps * 1e3, 3),
+                "overhead_ms_per_step": _rounded(per_pair),
+                **_verdict(round(statistics.median(per_pair), 3), STEP_OVERHEAD_MS,
+                           at_least=False)}
+
+    theirs = _rate(1, measured["runs"][1]["reference"])
+    ours = figures["batch_1"]["distributed"]["images_per_s"]
+    speedup = round(ours / theirs["images_per_s"], 3)
+    # What a transport costing nothing would reach: the in-process rate over the reference's.
+    ceiling = round(figures["batch_1"]["in_process"]["images_per_s"] / theirs["images_per_s"], 3)
+    reference = {"server": "FastAPI on uvicorn (as build_server runs it), model in a worker thread",
+                 "client": "http.client.HTTPConnection per call (TCP_NODELAY), closed after it",
+                 "encoding": "np.savez_compressed of x, t, y; reply of v",
+                 "router_loop": "ddm.sampling.pipeline.generate in the benchmark's process",
+                 "reference": theirs, "ours": {"images_per_s": ours},
+                 "same_images_as_in_process": measured["checks"]["reference_same_images"],
+                 "speedup": speedup, "ceiling": ceiling,
+                 **_verdict(speedup, SPEEDUP_VS_REFERENCE, at_least=True)}
+    return {"throughput": figures, "step_overhead": overhead, "reference_baseline": reference}
+
+
+async def _call_latency(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: Fleet,
+                        calls: int) -> dict[str, Any]:
+    """Median ms of one batch-1 velocity of the first expert: the model alone in this
+    process, our protocol on a keep-alive connection, the reference protocol; and of a
+    ``GET /healthz`` of that expert (HTTP and FastAPI with no model: the transport's floor)."""
+    expert = ddm.experts[0]
+    x = np.random.default_rng(0).standard_normal((1, *ddm.image_shape), np.float32)
+    t, y = np.full(1, 0.5, np.float32), np.full(1, min(expert.classes), np.int64)
+    endpoint = f"http://{HOST}:{fleet.batched.experts[0].port}"
+    body = encode_request(VelocityRequest(1, x, t, y))
+    reference = npz_velocity(fleet.reference[0])
+
+    async def model() -> None:
+        expert.velocity(x, t, y)
+
+    async def ours() -> None:
+        async with session.post(f"{endpoint}/v1/velocity", data=body,
+                                headers={"Content-Type": CONTENT_TYPE}) as response:
+            decode_response(await response.read(), 1, x.shape)
+
+    async def theirs() -> None:
+        reference(x, t, y)
+
+    async def floor() -> None:
+        async with session.get(f"{endpoint}/healthz") as response:
+            await response.read()
+
+    medians = {}
+    for name, call in (("model_only", model), ("ours", ours), ("reference", theirs),
+                       ("http_floor", floor)):
+        runs = []
+        for _ in range(calls + 10):  # the first 10 warm up
+            started = time.perf_counter()
+            await call()
+            runs.append(time.perf_counter() - started)
+        medians[f"{name}_ms"] = round(statistics.median(runs[10:]) * 1e3, 3)
+    return {"expert": expert.name, "calls": calls, **medians}
+
+
+async def _concurrency(settings: BenchSettings, ddm: LoadedDDM,
+                       session: aiohttp.ClientSession, fleet: Fleet) -> dict[str, Any]:
+    """64 single-image generations at once through each router; 64 single-row velocity
+    calls at once straight to each expert, with the model alone for scale."""
+    steps = settings.steps
+
+    async def generations(url: str) -> float:
+        started = time.perf_counter()
+        await asyncio.gather(*(_generate(session, url, [i % 10], steps, settings.seed + i)
+                               for i in range(CONCURRENT)))
+        return time.perf_counter() - started
+
+    router: dict[str, Any] = {"requests": CONCURRENT, "images_per_request": 1, "steps": steps}
+    for name, plan in (("batched", fleet.batched), ("unbatched", fleet.unbatched)):
+        seconds = [await generations(plan.url) for _ in range(settings.big_repeats)]
+        router[name] = _rate(CONCURRENT, seconds)
+    router["speedup"] = _speedup(router)
+    router.update(_verdict(router["speedup"], BATCHING_SPEEDUP, at_least=True))
+
+    experts = {}
+    for index, expert in enumerate(ddm.experts):
+        label = min(expert.classes)
+        figure: dict[str, Any] = {"requests": CONCURRENT, "rows_per_request": 1,
+                                  "rounds": settings.rounds}
+        for name, plan in (("batched", fleet.batched), ("unbatched", fleet.unbatched)):
+            endpoint = f"{HOST}:{plan.experts[index].port}"
+            seconds = await _velocity_rounds(session, endpoint, ddm.image_shape, label,
+                                             settings.rounds)
+            figure[name] = {"seconds": round(seconds, 4),
+                            "evaluations_per_s": round(settings.rounds * CONCURRENT / seconds, 1)}
+        figure["speedup"] = round(figure["batched"]["evaluations_per_s"]
+                                  / figure["unbatched"]["evaluations_per_s"], 3)
+        figure["model_only"] = _model_scaling(expert.velocity, ddm.image_shape, label)
+        figure.update(_verdict(figure["speedup"], BATCHING_SPEEDUP, at_least=True))
+        experts[expert.name] = figure
+    return {"router": router, "expert": experts}
+
+
+async def _velocity_rounds(session: aiohttp.ClientSession, endpoint: str,
+                           shape: tuple[int, int, int], label: int, rounds: int) -> float:
+    """Seconds for ``rounds`` rounds of 64 concurrent one-row velocity requests."""
+    rng = np.random.default_rng(0)
+    bodies = [encode_request(VelocityRequest(i + 1, rng.standard_normal((1, *shape), np.float32),
+                                             np.full(1, (i + 0.5) / CONCURRENT, np.float32),
+                                             np.full(1, label, np.int64)))
+              for i in range(CONCURRENT)]
+
+    async def call(i: int) -> None:
+        async with session.post(f"http://{endpoint}/v1/velocity", data=bodies[i],
+                                headers={"Content-Type": CONTENT_TYPE}) as response:
+            decode_response(await response.read(), i + 1, (1, *shape))
+
+    await asyncio.gather(*(call(i) for i in range(CONCURRENT)))  # connections, warm-up
+    started = time.perf_counter()
+    for _ in range(rounds):
+        await asyncio.gather(*(call(i) for i in range(CONCURRENT)))
+    return time.perf_counter() - started
+
+
+def _model_scaling(velocity: Callable[..., np.ndarray], shape: tuple[int, int, int],
+                   label: int) -> dict[str, Any]:
+    """The model alone in this process at 1 and 64 rows: 64 x t(1) / t(64) bounds what
+    batching can gain."""
+    times = {}
+    for batch in (1, CONCURRENT):
+        x = np.random.default_rng(0).standard_normal((batch, *shape), np.float32)
+        t, y = np.full(batch, 0.5, np.float32), np.full(batch, label, np.int64)
+        velocity(x, t, y)
+        runs = []
+        for _ in range(5):
+            started = time.perf_counter()
+            velocity(x, t, y)
+            runs.append(time.perf_counter() - started)
+        times[batch] = statistics.median(runs)
+    return {"ms_batch_1": round(times[1] * 1e3, 3),
+            "ms_batch_64": round(times[CONCURRENT] * 1e3, 3),
+            "batching_ceiling": round(CONCURRENT * times[1] / times[CONCURRENT], 2)}
+
+
+async def _wire(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: Fleet) -> dict[str, Any]:
+    """Body bytes of one step's request and reply against the raw tensors; the HTTP headers
+    of a real exchange; and the reference protocol's compressed bodies, for comparison."""
+    figure: dict[str, Any] = {}
+    for batch in (1, BIG_BATCH):
+        sizes = wire_bytes(ddm.image_shape, batch)
+        figure[f"batch_{batch}"] = {**sizes,
+                                    **_verdict(sizes["ratio"], WIRE_RATIO, at_least=False)}
+    figure["http_headers"] = await _header_bytes(session, fleet, ddm.image_shape)
+    worst = max(figure[f"batch_{b}"]["ratio"] for b in (1, BIG_BATCH))
+    figure.update(_verdict(worst, WIRE_RATIO, at_least=False))
+    figure["value_is"] = "the worse of the batch-1 and batch-64 body ratios"
+    return figure
+
+
+def wire_bytes(image_shape: tuple[int, int, int], batch: int) -> dict[str, Any]:
+    """Bytes of one velocity step at ``batch`` rows: raw tensors (``x`` float32, ``t`` float32,
+    ``y`` int64 out; ``v`` float32 back), our protocol's bodies, and the reference ``.npz``
+    bodies of standard-normal ``x`` and ``v`` (what a sampler sends: noise-like values)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, *image_shape), np.float32)
+    t, y = np.full(batch, 0.5, np.float32), np.arange(batch, dtype=np.int64) % 10
+    v = rng.standard_normal(x.shape, np.float32)
+    raw_request, raw_reply = x.nbytes + t.nbytes + y.nbytes, v.nbytes
+    request = len(encode_request(VelocityRequest(1, x, t, y)))
+    reply = len(encode_response(1, v))
+    npz_request, npz_reply = len(encode_npz(x=x, t=t, y=y)), len(encode_npz(v=v))
+    return {"raw_request": raw_request, "raw_reply": raw_reply,
+            "body_request": request, "body_reply": reply,
+            "ratio": round((request + reply) / (raw_request + raw_reply), 4),
+            "reference_npz_request": npz_request, "reference_npz_reply": npz_reply,
+            "reference_npz_ratio": round((npz_request + npz_reply)
+                                         / (raw_request + raw_reply), 4)}
+
+
+async def _header_bytes(session: aiohttp.ClientSession, fleet: Fleet,
+                        shape: tuple[int, int, int]) -> dict[str, int]:
+    """HTTP/1.1 header bytes of one velocity exchange with the router's client, rebuilt
+    from the header lines sent and received (``Name: value`` and CRLF each)."""
+    endpoint = f"{HOST}:{fleet.batched.experts[0].port}"
+    body = encode_request(VelocityRequest(1, np.zeros((1, *shape), np.float32),
+                                          np.zeros(1, np.float32), np.zeros(1, np.int64)))
+    async with session.post(f"http://{endpoint}/v1/velocity", data=body,
+                            headers={"Content-Type": CONTENT_TYPE}) as response:
+        await response.read()
+        info = response.request_info
+        sent = len(f"{info.method} {info.url.raw_path_qs} HTTP/1.1\r\n") + 2 + sum(
+            len(k) + len(v) + 4 for k, v in info.headers.items())
+        status = f"HTTP/1.1 {response.status} {response.reason}\r\n"
+        received = len(status) + 2 + sum(len(k) + len(v) + 4 for k, v in response.raw_headers)
+    return {"request": sent, "reply": received}
+
+
+async def _delegation(settings: BenchSettings, session: aiohttp.ClientSession,
+                      url: str) -> dict[str, Any]:
+    """Round trips and seconds per image at batch 1 for each ``delegate_steps``."""
+    rows = []
+    for delegate in settings.delegations:
+        seconds, trips = [], []
+        for i in range(settings.repeats):
+            elapsed, reply = await _generate(session, url, [i % 10], settings.steps,
+                                             settings.seed + i, delegate)
+            seconds.append(elapsed)
+            trips.extend(reply["round_trips"])
+        rows.append({"delegate_steps": delegate, "round_trips_per_image": statistics.mean(trips),
+                     "seconds_per_image": round(statistics.median(seconds), 4),
+                     "images_per_s": round(_images_per_s(1, seconds), 2)})
+    return {"steps": settings.steps, "batch": 1, "runs": rows}
+
+
+async def _quality(settings: BenchSettings, session: aiohttp.ClientSession,
+                   url: str) -> dict[str, Any]:
+    """Classifier accuracy of per-step routing and of delegation on the same noise, and how
+    many images came out identical (the expert integrates with the router's own updates, so
+    a sample whose expert never changes within a chunk gets the same bits)."""
+    from ddm.evaluation.commands import evaluate_images
+
+    labels = [d for d in range(10) for _ in range(settings.per_digit)]
+    delegate = min(10, settings.steps)
+    scores, images = {}, {}
+    for steps_per_call in (0, delegate):
+        chunks = []
+        for chunk, start in enumerate(range(0, len(labels), QUALITY_CHUNK)):
+            _, reply = await _generate(session, url, labels[start:start + QUALITY_CHUNK],
+                                       settings.steps, settings.seed + chunk, steps_per_call)
+            chunks.append(_decode_pngs(reply["images"]))
+        images[steps_per_call] = np.concatenate(chunks)
+        result = evaluate_images(images[steps_per_call], np.asarray(labels))
+        scores[steps_per_call] = {"delegate_steps": steps_per_call,
+                                  "accuracy": round(result["accuracy"], 4),
+                                  "fd": round(result["fd"], 3)}
+    gap = round(abs(scores[0]["accuracy"] - scores[delegate]["accuracy"]) * 100, 2)
+    same = np.all(images[0] == images[delegate], axis=(1, 2))
+    return {"images": len(labels), "steps": settings.steps, "per_step": scores[0],
+            "delegated": scores[delegate], "identical_images": int(same.sum()),
+            "gap_points": gap, **_verdict(gap, ACCURACY_GAP_POINTS, at_least=False)}
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _big_labels() -> list[int]:
+    return [i % 10 for i in range(BIG_BATCH)]
+
+
+def _sample_here(ddm: LoadedDDM, labels: Sequence[int], steps: int,
+                 seed: int) -> tuple[float, np.ndarray]:
+    """(seconds, uint8 images) of ``generate`` in this process: in-process sampling, or for
+    :func:`reference_ddm` the reference router loop, whose experts are remote."""
+    started = time.perf_counter()
+    images = generate(ddm, labels, steps, seed, STRATEGY).images
+    return time.perf_counter() - started, images
+
+
+async def _generate(session: aiohttp.ClientSession, url: str, labels: Sequence[int], steps: int,
+                    seed: int, delegate_steps: int = 0) -> tuple[float, dict[str, Any]]:
+    """One ``POST /v1/generate``: (seconds on this client, the JSON reply)."""
+    body = {"labels": list(labels), "steps": steps, "seed": seed, "strategy": STRATEGY,
+            "delegate_steps": delegate_steps}
+    started = time.perf_counter()
+    async with session.post(f"{url}/v1/generate", json=body,
+                            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)) as response:
+        reply = await response.json(content_type=None)
+        if response.status != 200:
+            raise BenchError(f"{url}/v1/generate answered {response.status}: {reply}")
+    return time.perf_counter() - started, reply
+
+
+def _decode_pngs(encoded: Sequence[str]) -> np.ndarray:
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(text))))
+                     for text in encoded])
+
+
+def _images_per_s(batch: int, seconds: Sequence[float]) -> float:
+    return batch * len(seconds) / sum(seconds)
+
+
+def _rate(batch: int, seconds: Sequence[float]) -> dict[str, Any]:
+    return {"batch": batch, "seconds": _rounded(seconds),
+            "images_per_s": round(_images_per_s(batch, seconds), 3)}
+
+
+def _speedup(figure: dict[str, Any]) -> float:
+    return round(figure["batched"]["images_per_s"] / figure["unbatched"]["images_per_s"], 3)
+
+
+def _rounded(values: Sequence[float]) -> list[float]:
+    return [round(v, 4) for v in values]
+
+
+def _verdict(value: float, target: float, at_least: bool) -> dict[str, Any]:
+    met = value >= target if at_least else value <= target
+    return {"value": value, "target": target, "comparison": ">=" if at_least else "<=",
+            "met": bool(met)}
+
+
+# --------------------------------------------------------------------------------- command
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """One line per figure with a target: what was measured, the target, met or not."""
+    figures = [("throughput, distributed / in-process at batch 64", result["throughput"][
+                   f"batch_{BIG_BATCH}"], "x"),
+               ("per-step overhead at batch 1, median", result["step_overhead"], " ms"),
+               ("ours / reference protocol at batch 1", result["reference_baseline"], "x"),
+               ("dynamic batching, 64 concurrent generations", result["concurrency"]["router"],
+                "x"),
+               *((f"dynamic batching, 64 concurrent calls to {name}", figure, "x")
+                 for name, figure in result["concurrency"]["expert"].items()),
+               ("body bytes / raw tensor bytes", result["wire"], ""),
+               ("accuracy gap, per-step vs delegated (points)", result["quality"], "")]
+    return [f"{'met ' if f['met'] else 'MISS'}  {name}: {f['value']}{unit} "
+            f"(target {f['comparison']} {f['target']}{unit})" for name, f, unit in figures]
+
+
+def bench_serve_command(steps: int = 40, quick: bool = False, as_json: bool = False,
+                        out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
+    """``ddm bench serve``: the results as JSON (``as_json``) or a summary on ``out``."""
+    result = run_bench(BenchSettings(steps=steps, quick=quick), log)
+    if as_json:
+        print(json.dumps(result, indent=2), file=out)
+    else:
+        print("\n".join(summary_lines(result)), file=out)
+    return 0

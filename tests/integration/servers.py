@@ -1,0 +1,54 @@
+"""Real servers on loopback for tests: uvicorn on a thread over a socket bound to port 0."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+
+from ddm.serving.expert_server import build_server, create_expert_app
+
+READY_DEADLINE_S = 60.0
+
+
+@contextmanager
+def running(app) -> Iterator[str]:
+    """Serve ``app`` on a free loopback port; yields the base URL, stops the server after."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = build_server(app, "127.0.0.1", port, log_level="warning")
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.monotonic() + READY_DEADLINE_S
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        time.sleep(0.05)
+    raise AssertionError(f"{base} not ready after {READY_DEADLINE_S} s: "
+                         f"{httpx.get(f'{base}/readyz').text}")
+
+
+@contextmanager
+def ready_server(checkpoint: Path, backend: str = "torch", device: str | None = None,
+                 max_batch: int = 8, max_delay_ms: float = 0.0) -> Iterator[str]:
+    with running(create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms)) as base:
+        wait_ready(base)
+        yield base

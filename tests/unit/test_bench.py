@@ -1,0 +1,82 @@
+"""``ddm bench serve``: the byte counts it reports, its settings, and one quick run end to end.
+
+The quick run starts the real servers on loopback with the shipped checkpoints; it checks the
+shape of the JSON (every figure with a target says whether it met it) and that every process it
+started is stopped afterwards, not the figures themselves, which depend on the machine.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+
+import numpy as np
+import pytest
+
+from ddm.serving.bench import BenchSettings, run_bench, summary_lines, wire_bytes
+from ddm.serving.reference_protocol import decode_npz, encode_npz
+
+FIGURES_WITH_TARGETS = ("step_overhead", "reference_baseline", "wire", "quality")
+
+
+def test_wire_bytes_of_a_16x16_step():
+    """Batch 1: 1036 raw request bytes (x 1024, t 4, y 8) travel in a 1096-byte body (header,
+    descriptors, alignment); the reply's 1024 in 1064. Batch 64 amortises both headers."""
+    one = wire_bytes((1, 16, 16), 1)
+    assert (one["raw_request"], one["raw_reply"]) == (1036, 1024)
+    assert (one["body_request"], one["body_reply"]) == (1096, 1064)
+    assert one["ratio"] == round(2160 / 2060, 4)
+    big = wire_bytes((1, 16, 16), 64)
+    assert big["raw_request"] == 64 * 1036 and big["body_request"] == 66360
+    assert big["ratio"] < 1.001
+    assert one["reference_npz_request"] > one["body_request"]  # zip headers per array
+
+
+def test_npz_round_trip():
+    x = np.random.default_rng(0).standard_normal((2, 1, 4, 4), np.float32)
+    arrays = decode_npz(encode_npz(x=x, y=np.arange(2)))
+    np.testing.assert_array_equal(arrays["x"], x)
+    np.testing.assert_array_equal(arrays["y"], np.arange(2))
+
+
+@pytest.mark.parametrize("steps", [0, 201, 2.5])
+def test_settings_refuse_steps_the_router_refuses(steps):
+    with pytest.raises(ValueError, match="steps"):
+        BenchSettings(steps=steps)
+
+
+def test_quick_settings_repeat_less():
+    quick, full = BenchSettings(quick=True), BenchSettings()
+    assert quick.repeats < full.repeats and quick.per_digit < full.per_digit
+    assert BenchSettings(steps=4).delegations == (0, 4)
+    assert BenchSettings().delegations == (0, 10, 40)
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_figure_and_stops_every_server():
+    log = io.StringIO()
+    result = run_bench(BenchSettings(steps=4, quick=True), log)
+    json.dumps(result)  # JSON-ready as it is
+
+    assert {"platform", "cpu_count", "versions"} <= set(result["machine"])
+    assert result["settings"]["steps"] == 4 and result["settings"]["quick"] is True
+    figures = [result["throughput"]["batch_64"], *(result[k] for k in FIGURES_WITH_TARGETS),
+               result["concurrency"]["router"], *result["concurrency"]["expert"].values()]
+    for figure in figures:
+        assert {"value", "target", "comparison", "met"} <= set(figure)
+        assert isinstance(figure["met"], bool)
+    assert result["reference_baseline"]["same_images_as_in_process"] is True
+    assert [run["round_trips_per_image"] for run in result["delegation"]["runs"]] == [4, 1]
+    assert len(summary_lines(result)) == len(figures)
+
+    # Two deployments of two experts and a router, and two reference servers.
+    assert len(result["servers"]) == 8
+    for server in result["servers"]:
+        assert server["exit_code"] is not None, server
+        with pytest.raises(ChildProcessError):  # exited and reaped: no longer our child
+            os.waitpid(server["pid"], os.WNOHANG)
+        with socket.socket() as probe, pytest.raises(OSError):
+            probe.settimeout(1.0)
+            probe.connect(("127.0.0.1", server["port"]))
