@@ -10,6 +10,9 @@ controller then do the rest, as they would). Every wait polls the API with a dea
 from __future__ import annotations
 
 import copy
+import shutil
+import subprocess
+import sys
 import json
 import threading
 import time
@@ -505,3 +508,25 @@ def test_deleting_a_ddm_removes_every_child(cluster: Cluster, kube_namespace: st
     wait_for(lambda: "all gone" if not remaining() else None, 60,
              "garbage collection of the children")
     # Pods stay Terminating: without a kubelet nothing confirms that they stopped.
+
+
+def test_the_users_path_with_kubectl(dev_cluster: Any, operator: None, cluster: Cluster,
+                                     kube_namespace: str) -> None:
+    """kubectl apply -f the mixed-accelerator example, kubectl get ddm, kubectl delete."""
+    kubectl = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or "kubectl"
+
+    def run(*args: str) -> str:
+        done = subprocess.run([kubectl, "--kubeconfig", str(dev_cluster.kubeconfig),
+                               "-n", kube_namespace, *args], capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    example = ROOT / "examples" / "mixed-accelerators.yaml"
+    assert "created" in run("apply", "-f", str(example))
+    name = yaml.safe_load(example.read_text())["metadata"]["name"]
+    wait_for(lambda: cluster.ddm(kube_namespace, name).get("status"), 15, "a status")
+    header, row = run("get", "ddm", name).splitlines()[:2]
+    assert header.split() == ["NAME", "READY", "EXPERTS", "STRATEGY", "PHASE", "AGE"]
+    assert row.split()[:3] == [name, "False", "0/3"]
+    assert "deleted" in run("delete", "-f", str(example))
