@@ -48,8 +48,10 @@ def quality_rows(checkpoints: Path, n_per_label: int, steps: int, seed: int) -> 
         rows.append(_sampled_row(load_ddm(path), f"monolith ({trained} steps)", "single model",
                                  labels, steps, seed, classifier))
     ddm = load_ddm(checkpoints)
+    trained = sorted({read_meta(p).training.get("steps", "?") for p in found["expert"]})
+    model = f"DDM ({len(found['expert'])} experts, {'/'.join(map(str, trained))} steps each)"
     for strategy in STRATEGIES:
-        rows.append(_sampled_row(ddm, "DDM", strategy, labels, steps, seed, classifier))
+        rows.append(_sampled_row(ddm, model, strategy, labels, steps, seed, classifier))
     return rows
 
 
@@ -71,7 +73,7 @@ def expert_parity(checkpoints: Path, seed: int = 0) -> dict[str, float]:
 
 
 def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, Any]) -> str:
-    top1 = next((r for r in rows if (r.model, r.strategy) == ("DDM", "top1")), None)
+    top1 = next((r for r in rows if r.model.startswith("DDM") and r.strategy == "top1"), None)
     monoliths = [r for r in rows if r.model.startswith("monolith")]
     lines = [
         "# Generation quality: monolith vs DDM routing strategies",

@@ -1,0 +1,183 @@
+"""``ddm up`` on the shipped example: the README's main command, end to end, then abused.
+
+One module-scoped run of examples/digits.yaml as real processes (two expert servers and the
+router on loopback). The generated digits must be read as the asked ones, and a thousand
+malformed bodies to an expert and to the router must each get a 4xx (a mutation that is
+still a valid request gets its answer) while both keep serving.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+from ddm.evaluation.commands import evaluate_images
+from ddm.operator.spec import load_manifest
+from ddm.runtime.local import LocalPlan, free_port, run_local
+from ddm.serving.protocol import (CONTENT_TYPE, Limits, ProtocolError, VelocityRequest,
+                                  decode_request, encode_request)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
+STARTUP_TIMEOUT_S = 300
+HOSTILE = settings(max_examples=1000, deadline=None, derandomize=True, database=None,
+                   suppress_health_check=[HealthCheck.too_slow])
+
+
+class _Log(io.StringIO):
+    """Collects the processes' output so a failure can show it."""
+
+
+@pytest.fixture(scope="module")
+def local_ddm() -> Iterator[LocalPlan]:
+    ready, stop, log = threading.Event(), threading.Event(), _Log()
+    plans: list[LocalPlan] = []
+
+    def on_ready(plan: LocalPlan) -> None:
+        plans.append(plan)
+        ready.set()
+
+    outcome: list[int] = []
+    thread = threading.Thread(
+        target=lambda: outcome.append(run_local(load_manifest(EXAMPLE), router_port=free_port(),
+                                                out=log, on_ready=on_ready, stop=stop)))
+    thread.start()
+    try:
+        while not ready.wait(0.5):
+            assert thread.is_alive(), f"ddm up stopped before it was ready:\n{log.getvalue()}"
+            assert len(log.getvalue()) < 1e7
+        yield plans[0]
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert outcome == [0], log.getvalue()
+    for spec in (*plans[0].experts, plans[0].router):  # every process is gone
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", spec.port)) != 0, f"{spec.name} still listens"
+
+
+def _decode(images_b64: list[str]) -> np.ndarray:
+    return np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(b)))) for b in images_b64])
+
+
+def test_the_router_generates_the_asked_digits(local_ddm: LocalPlan) -> None:
+    labels = np.repeat(np.arange(10), 10)
+    images, experts = [], []
+    for half in (labels[:50], labels[50:]):  # a request holds at most 64 labels
+        answer = httpx.post(f"{local_ddm.url}/v1/generate", timeout=300,
+                            json={"labels": half.tolist(), "steps": 40, "seed": 0,
+                                  "strategy": "top1"})
+        assert answer.status_code == 200, answer.text
+        images.append(_decode(answer.json()["images"]))
+        experts += answer.json()["experts"]
+    images = np.concatenate(images)
+    assert images.shape == (100, 16, 16) and images.dtype == np.uint8
+    metrics = evaluate_images(images, labels)
+    assert metrics["accuracy"] >= 0.95, metrics
+    assert experts == [["digits-0-4"] if y < 5 else ["digits-5-9"] for y in labels]
+
+
+_valid_request = encode_request(VelocityRequest(
+    7, np.zeros((1, 1, 16, 16), np.float32), np.full(1, 0.5, np.float32), np.zeros(1, np.int64)))
+_mutations = st.one_of(
+    st.binary(max_size=2048),
+    st.builds(lambda cut: _valid_request[:cut], st.integers(0, len(_valid_request) - 1)),
+    st.builds(lambda i, b: _valid_request[:i] + bytes([b]) + _valid_request[i + 1:],
+              st.integers(0, 63), st.integers(0, 255)).filter(lambda body: body != _valid_request),
+)
+#: What the digits-0-4 expert accepts (``ddm up`` serves it with the default max batch).
+_EXPERT_LIMITS = Limits(max_batch=64, image_shape=(1, 16, 16), allowed_labels=frozenset(range(5)))
+
+
+def _acceptable(body: bytes) -> bool:
+    """A mutation can land on the request id or a pixel and stay a valid request."""
+    try:
+        decode_request(body, _EXPERT_LIMITS)
+    except ProtocolError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+def test_an_expert_answers_1000_malformed_bodies_with_4xx_and_keeps_serving(
+        local_ddm: LocalPlan, client: httpx.Client) -> None:
+    url = f"http://127.0.0.1:{local_ddm.experts[0].port}/v1/velocity"
+
+    @HOSTILE
+    @given(_mutations)
+    def hostile(body: bytes) -> None:
+        answer = client.post(url, content=body, headers={"Content-Type": CONTENT_TYPE})
+        if _acceptable(body):
+            assert answer.status_code == 200, (answer.status_code, body[:64])
+        else:
+            assert 400 <= answer.status_code < 500, (answer.status_code, body[:64])
+
+    hostile()
+    good = client.post(url, content=_valid_request, headers={"Content-Type": CONTENT_TYPE})
+    assert good.status_code == 200
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10), inner,
+                                                                 max_size=5),
+    max_leaves=20)
+_requests = st.one_of(
+    st.binary(max_size=512),
+    st.fixed_dictionaries({}, optional={
+        "labels": _json_values | st.lists(st.integers(-5, 20), max_size=80),
+        "steps": _json_values | st.integers(-5, 2000),
+        "seed": _json_values,
+        "strategy": _json_values | st.sampled_from(["top1", "top9", "random", "threshold:2"]),
+        "solver": _json_values | st.sampled_from(["euler", "rk4"]),
+        "delegate_steps": _json_values | st.integers(-5, 2000),
+        "extra": _json_values,
+    }).map(lambda d: json.dumps(d).encode()),
+)
+
+
+def _is_valid(body: bytes) -> bool:
+    """Bodies that happen to be a correct request are skipped: they are not hostile."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return False
+    return (isinstance(request, dict) and set(request) <= {"labels", "steps", "seed"}
+            and isinstance(request.get("labels"), list) and 0 < len(request["labels"]) <= 64
+            and all(type(y) is int and 0 <= y < 10 for y in request["labels"])
+            and type(request.get("steps", 40)) is int and 1 <= request.get("steps", 40) <= 200
+            and type(request.get("seed", 0)) is int)
+
+
+def test_the_router_answers_1000_malformed_requests_with_4xx_and_keeps_serving(
+        local_ddm: LocalPlan, client: httpx.Client) -> None:
+    url = f"{local_ddm.url}/v1/generate"
+
+    @HOSTILE
+    @given(_requests.filter(lambda body: not _is_valid(body)))
+    def hostile(body: bytes) -> None:
+        answer = client.post(url, content=body, headers={"Content-Type": "application/json"})
+        assert 400 <= answer.status_code < 500, (answer.status_code, body[:200], answer.text)
+        assert answer.json()["detail"], answer.text
+
+    hostile()
+    assert client.get(f"{local_ddm.url}/healthz").status_code == 200
+    good = client.post(url, json={"labels": [3], "steps": 4})
+    assert good.status_code == 200, good.text
