@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -303,6 +304,7 @@ def _up(args: argparse.Namespace) -> int:
     path = args.manifest or REPOSITORY_ROOT / "examples" / "digits.yaml"
     if not path.is_file():
         raise UserError(f"manifest {path} does not exist")
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops every process, as Ctrl-C does
     return run_local(load_manifest(path), router_port=args.port, host=args.host,
                      pvc_root=args.pvc_root, threads=args.threads)
 
@@ -374,6 +376,10 @@ def _dev_cluster(argv: list[str]) -> int:
     from ddm.devcluster import main as dev_cluster_main
 
     return dev_cluster_main(argv)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _parse_labels(text: str) -> list[int]:

@@ -174,3 +174,30 @@ def test_the_router_answers_1000_malformed_requests_with_4xx_and_keeps_serving(
     assert client.get(f"{local_ddm.url}/healthz").status_code == 200
     good = client.post(url, json={"labels": [3], "steps": 4})
     assert good.status_code == 200, good.text
+
+
+def test_ddm_up_stops_every_process_on_sigterm(tmp_path: Path) -> None:
+    """`kill` of the command, not only Ctrl-C, must leave no server behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    command = subprocess.Popen([sys.executable, "-m", "ddm", "up", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in command.stdout:  # the command says when it is up; no sleeping
+        lines.append(line)
+        if "is up" in line:
+            break
+    assert command.poll() is None, "".join(lines)
+    children = subprocess.run(["pgrep", "-P", str(command.pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert len(children) == 3, "".join(lines)  # two experts and the router
+    command.send_signal(signal.SIGTERM)
+    assert command.wait(timeout=60) == 0
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
+            f"/proc/{pid}/status").read_text().lower(), f"process {pid} survived"
