@@ -1,17 +1,30 @@
-"""Fixtures shared by unit and integration tests: tiny real checkpoints.
+"""Fixtures shared by every test: tiny real checkpoints and a real local control plane.
 
 There are no trained checkpoints in the repository's tests, so these are random-init ``smoke``
 UNets written with the real checkpoint format; the format is framework-neutral, so the JAX one
 differs only in the framework it records.
+
+The dev cluster fixtures run a real local control plane (``ddm.devcluster``) for the session.
+
+``dev_cluster`` finds or builds the binaries (the first build takes 7 to 12 minutes and is
+cached in ``$DDM_KUBE_CACHE``; ``DDM_DEV_CLUSTER_BUILD=0`` forbids building), starts a fresh
+cluster in a temporary directory and always stops it. Without binaries it skips, except
+under CI (``CI`` set), where it fails. Tests that use it are marked ``cluster``
+(``pytest -m "not cluster"`` leaves them out).
 """
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ddm.checkpoint import CheckpointMeta, save_checkpoint
+from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
 from ddm.models.config import UNET_CONFIGS
 
 #: The classes the smoke experts serve (of the smoke config's 10).
@@ -45,3 +58,59 @@ def smoke_expert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def smoke_jax_expert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same ``smoke`` expert recorded as trained with JAX (classes 0-4)."""
     return _smoke_expert(tmp_path_factory.mktemp("ckpt") / "smoke-jax", "jax")
+
+
+# ------------------------------------------------------------------ the dev cluster
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "dev_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def dev_cluster(
+    tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[ClusterInfo]:
+    """A running dev cluster (admin credentials); stopped when the session ends."""
+    capture = pytestconfig.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # show build and start-up progress live
+        try:
+            binaries = ensure_binaries(allow_build=os.environ.get("DDM_DEV_CLUSTER_BUILD") != "0")
+        except BuildError as error:
+            message = f"no Kubernetes control-plane binaries: {error}"
+            if os.environ.get("CI"):
+                pytest.fail(message, pytrace=False)
+            pytest.skip(message)
+        state_dir = tmp_path_factory.mktemp("dev-cluster")
+        info = up(state_dir, binaries=binaries)  # stops what it started if it fails
+    try:
+        yield info
+    finally:
+        down(state_dir)
+
+
+@pytest.fixture(scope="session")
+def kube_client(dev_cluster: ClusterInfo) -> Iterator[Any]:
+    """A ``kubernetes.client.ApiClient`` logged in as the dev cluster's admin."""
+    from kubernetes import config
+
+    client = config.new_client_from_config(config_file=str(dev_cluster.kubeconfig))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def kube_namespace(kube_client: Any) -> str:
+    """A fresh namespace for one test (left behind: the session's cluster is thrown away).
+
+    Pods on the fake nodes are never run nor finalised (no kubelet), so deleting a namespace
+    that has some would never finish; the cluster is deleted as a whole instead.
+    """
+    from kubernetes import client
+
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    client.CoreV1Api(kube_client).create_namespace({"metadata": {"name": name}})
+    return name
