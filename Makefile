@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean chart-sync
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,3 +23,8 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) out
+
+# The chart can only read files inside it: refresh its copies of the CRD and the example.
+chart-sync:
+	cp crds/ddmdeployments.ddm.dev.yaml charts/ddm-operator/crds/
+	cp examples/digits.yaml charts/ddm-operator/examples/

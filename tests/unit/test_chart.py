@@ -1,0 +1,172 @@
+"""The Helm chart, rendered by the real helm: lint, values schema, RBAC, security, copies.
+
+Server-side checks (dry-run, install, upgrade, uninstall) are in tests/e2e/test_helm_install.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from helm_tool import ensure_helm
+from podsecurity import violations
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ddm-operator"
+
+
+@pytest.fixture(scope="module")
+def helm() -> Path:
+    return ensure_helm()
+
+
+def helm_run(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=60)
+
+
+def render(helm: Path, *sets: str, namespace: str = "ddm-system") -> list[dict[str, Any]]:
+    """The chart's objects for these ``--set`` values (CRDs not included)."""
+    args = ["template", "ddm", str(CHART), "--namespace", namespace]
+    for value in sets:
+        args += ["--set", value]
+    result = helm_run(helm, *args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def test_lint_strict_passes(helm: Path) -> None:
+    for sets in ([], ["watchNamespaces={team-a,team-b}", "example.enabled=true"]):
+        args = ["lint", "--strict", str(CHART)]
+        for value in sets:
+            args += ["--set", value]
+        result = helm_run(helm, *args)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("value, message", [
+    ("replicas=2", "Additional property replicas is not allowed"),
+    ("images.gpu=x", "images: Additional property gpu is not allowed"),
+    ("routerAuth.enabled=maybe", "routerAuth.enabled"),
+    ("watchNamespaces={Team_A}", "watchNamespaces"),
+    ("images.pullPolicy=Sometimes", "pullPolicy"),
+    ("operator.livenessPort=80", "livenessPort"),
+])
+def test_values_schema_rejects_bad_values_by_name(helm: Path, value: str, message: str) -> None:
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set", value)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_every_rendered_pod_meets_the_restricted_profile(helm: Path) -> None:
+    for sets in ([], ["watchNamespaces={a}", "networkPolicy.enabled=true"]):
+        deployments = by_kind(render(helm, *sets), "Deployment")
+        assert deployments
+        for deployment in deployments:
+            assert violations(deployment["spec"]["template"]["spec"]) == []
+
+
+def test_operator_deployment_is_one_recreated_replica_with_a_liveness_probe(helm: Path) -> None:
+    (deployment,) = by_kind(render(helm), "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    (container,) = spec["template"]["spec"]["containers"]
+    assert container["command"][:2] == ["ddm", "operator"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["resources"]["limits"]["memory"]
+
+
+def env_of(objects: list[dict[str, Any]]) -> dict[str, str]:
+    (deployment,) = by_kind(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {e["name"]: e["value"] for e in container["env"]}
+
+
+def test_images_get_the_app_version_unless_they_carry_a_tag_or_digest(helm: Path) -> None:
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    env = env_of(render(helm, "images.cuda=registry.example:5000/ddm-cuda",
+                        "images.neuron=ecr.example/ddm-neuron:7",
+                        "images.tpu=gcr.example/ddm-tpu@sha256:" + "0" * 64))
+    assert env["DDM_IMAGE_CPU"] == f"ddm:{version}"
+    assert env["DDM_IMAGE_CUDA"] == f"registry.example:5000/ddm-cuda:{version}"
+    assert env["DDM_IMAGE_NEURON"] == "ecr.example/ddm-neuron:7"
+    assert env["DDM_IMAGE_TPU"] == "gcr.example/ddm-tpu@sha256:" + "0" * 64
+    assert env_of(render(helm, "images.tag=1.2.3"))["DDM_IMAGE_CPU"] == "ddm:1.2.3"
+
+
+def test_operator_settings_reach_the_operator_environment(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    env = env_of(render(helm, "watchNamespaces={a,b}", "networkPolicy.enabled=true",
+                        "routerAuth.enabled=false", "clusterDomain=corp.internal"))
+    assert env["DDM_WATCH_NAMESPACES"] == "a,b"
+    assert env["DDM_NETWORK_POLICY"] == "true" and env["DDM_ROUTER_AUTH"] == "false"
+    config = OperatorConfig.from_env(env)
+    assert config.cluster_domain == "corp.internal" and not config.allow_host_paths
+
+
+def rules_of(role: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
+    return [(group, resource, tuple(rule["verbs"]))
+            for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"]]
+
+
+def test_rbac_has_no_wildcards_and_never_reads_secrets(helm: Path) -> None:
+    for sets in ([], ["watchNamespaces={a,b}"]):
+        objects = render(helm, *sets)
+        for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
+            for group, resource, verbs in rules_of(role):
+                assert "*" not in (group, resource, *verbs), role["metadata"]["name"]
+                if resource == "secrets":
+                    assert verbs == ("create",)
+
+
+def test_cluster_wide_install_binds_one_cluster_role(helm: Path) -> None:
+    objects = render(helm)
+    (cluster_role,) = by_kind(objects, "ClusterRole")
+    assert ("ddm.dev", "ddmdeployments", ("get", "list", "watch", "patch")) in rules_of(
+        cluster_role)
+    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")
+    (binding,) = by_kind(objects, "ClusterRoleBinding")
+    (account,) = by_kind(objects, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": "ddm-system"}]
+
+
+def test_watched_namespaces_get_a_role_each_and_no_cluster_wide_writes(helm: Path) -> None:
+    objects = render(helm, "watchNamespaces={team-a,team-b}")
+    roles = by_kind(objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == [
+        "team-a", "team-b"]
+    (cluster_role,) = by_kind(objects, "ClusterRole")
+    for _, _, verbs in rules_of(cluster_role):
+        assert set(verbs) <= {"get", "list", "watch"}
+
+
+def test_router_auth_off_drops_the_secret_rule(helm: Path) -> None:
+    (cluster_role,) = by_kind(render(helm, "routerAuth.enabled=false"), "ClusterRole")
+    assert all(resource != "secrets" for _, resource, _ in rules_of(cluster_role))
+
+
+def test_example_is_the_shipped_digits_manifest(helm: Path) -> None:
+    assert not by_kind(render(helm), "DDMDeployment")
+    (example,) = by_kind(render(helm, "example.enabled=true"), "DDMDeployment")
+    shipped = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    assert example["spec"] == shipped["spec"]
+    assert example["metadata"]["namespace"] == "ddm-system"
+
+
+def test_chart_copies_equal_their_sources() -> None:
+    """Helm reads only files inside the chart: the CRD and the example are copies."""
+    for source, copy in [("crds/ddmdeployments.ddm.dev.yaml", "crds/ddmdeployments.ddm.dev.yaml"),
+                         ("examples/digits.yaml", "examples/digits.yaml")]:
+        assert (CHART / copy).read_text() == (ROOT / source).read_text(), (
+            f"charts/ddm-operator/{copy} differs from {source}: run `make chart-sync`")
