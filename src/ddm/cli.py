@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(commands)
     _add_bench(commands)
     _add_operator(commands)
+    _add_fetch_checkpoint(commands)
     _add_dev_cluster(commands)
     return parser
 
@@ -359,6 +360,24 @@ def _diagram(args: argparse.Namespace) -> int:
     from ddm.operator.diagram import diagram_file
 
     print(diagram_file(args.file), end="")
+    return 0
+
+
+def _add_fetch_checkpoint(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("fetch-checkpoint",
+                            help="download and verify a checkpoint (the operator's init "
+                                 "container runs this)")
+    p.add_argument("uri", help="http(s)://... (a checkpoint directory or a .tar.gz of it), "
+                               "s3://BUCKET/KEY or gs://BUCKET/KEY (public objects)")
+    p.add_argument("dest", type=Path,
+                   help="directory to create, or an empty one (a volume's mount point)")
+    p.set_defaults(handler=_fetch_checkpoint)
+
+
+def _fetch_checkpoint(args: argparse.Namespace) -> int:
+    from ddm.checkpoint_fetch import fetch_checkpoint
+
+    print(f"fetched {args.uri} into {fetch_checkpoint(args.uri, args.dest)}")
     return 0
 
 

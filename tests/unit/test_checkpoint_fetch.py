@@ -1,0 +1,328 @@
+"""``ddm fetch-checkpoint``: a real HTTP server on loopback serves a real smoke checkpoint.
+
+The server plays a web server, an S3 endpoint and a GCS emulator (the same paths), and can be
+told to fail a path a number of times (a status, a dropped body, or a stalled answer), so the
+retry, timeout, verification and atomicity promises are checked against real sockets.
+"""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from ddm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from ddm.checkpoint_fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
+from ddm.cli import main
+from ddm.operator.checkpoints import FETCH_COMMAND, checkpoint_mount, parse_checkpoint
+
+#: Short waits so failures are quick; three attempts per file.
+FAST = FetchPolicy(timeout_s=5.0, attempts=3, backoff_s=0.01)
+DROP = "drop"    # send the headers and half the body, then close the connection
+STALL = "stall"  # answer nothing until the test ends
+
+
+class Origin:
+    """What the loopback server serves: ``files`` by path, after ``failures`` for that path."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, bytes] = {}
+        self.failures: dict[str, list[int | str]] = {}
+        self.requests: list[str] = []
+        self.release = threading.Event()
+        self.url = ""
+
+
+def _handler(origin: Origin) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            origin.requests.append(self.path)
+            pending = origin.failures.get(self.path)
+            failure = pending.pop(0) if pending else None
+            body = origin.files.get(self.path)
+            if failure == STALL:
+                origin.release.wait(10)
+                return
+            if isinstance(failure, int):
+                self.send_error(failure)
+                return
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body[:len(body) // 2] if failure == DROP else body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    return Handler
+
+
+@pytest.fixture
+def origin() -> Iterator[Origin]:
+    served = Origin()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(served))
+    server.daemon_threads = True
+    served.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    try:
+        yield served
+    finally:
+        served.release.set()
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _serve_directory(origin: Origin, prefix: str, checkpoint: Path) -> None:
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        origin.files[f"{prefix}/{name}"] = (checkpoint / name).read_bytes()
+
+
+def _archive(build: Callable[[tarfile.TarFile], None], mode: str = "w:gz") -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=mode) as tar:
+        build(tar)
+    return buffer.getvalue()
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes, kind: bytes = tarfile.REGTYPE,
+               link: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.size = kind, link, len(data) if kind == tarfile.REGTYPE else 0
+    tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+def _assert_same_checkpoint(dest: Path, source: Path) -> None:
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        assert (dest / name).read_bytes() == (source / name).read_bytes(), name
+    assert load_checkpoint(dest).meta.name == "smoke-torch"
+
+
+def _assert_nothing_left(parent: Path) -> None:
+    """A failed fetch leaves no destination and no staging directory behind."""
+    assert sorted(p.name for p in parent.iterdir()) == []
+
+
+# -- where checkpoints come from -------------------------------------------------------------
+
+def test_a_checkpoint_directory_url_is_fetched_and_verified(origin, smoke_expert_checkpoint,
+                                                            tmp_path):
+    _serve_directory(origin, "/models/smoke", smoke_expert_checkpoint)
+    dest = fetch_checkpoint(f"{origin.url}/models/smoke/", tmp_path / "out" / "expert", FAST)
+    assert dest == tmp_path / "out" / "expert"
+    _assert_same_checkpoint(dest, smoke_expert_checkpoint)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["expert"]  # no staging left
+
+
+@pytest.mark.parametrize("name, mode, top", [("smoke.tar.gz", "w:gz", "smoke-torch/"),
+                                             ("smoke.tgz", "w:gz", ""),
+                                             ("smoke.tar", "w", "")])
+def test_an_archive_of_the_directory_is_fetched_and_verified(origin, smoke_expert_checkpoint,
+                                                             tmp_path, name, mode, top):
+    def build(tar: tarfile.TarFile) -> None:
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            tar.add(smoke_expert_checkpoint / file, arcname=top + file)
+
+    origin.files[f"/{name}"] = _archive(build, mode)
+    dest = fetch_checkpoint(f"{origin.url}/{name}", tmp_path / "expert", FAST)
+    _assert_same_checkpoint(dest, smoke_expert_checkpoint)
+    assert sorted(p.name for p in dest.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]  # no archive
+
+
+@pytest.mark.parametrize("uri, env", [
+    ("s3://ddm-checkpoints/digits/expert-4-6", {"AWS_ENDPOINT_URL": "{url}"}),
+    ("s3://ddm-checkpoints/digits/expert-4-6", {"AWS_ENDPOINT_URL_S3": "{url}/",
+                                                "AWS_ENDPOINT_URL": "http://127.0.0.1:9"}),
+    ("gs://ddm-checkpoints/digits/expert-4-6", {"STORAGE_EMULATOR_HOST": "{host}"}),
+])
+def test_bucket_uris_go_through_their_endpoint_overrides(origin, smoke_expert_checkpoint,
+                                                         tmp_path, uri, env):
+    _serve_directory(origin, "/ddm-checkpoints/digits/expert-4-6", smoke_expert_checkpoint)
+    host = origin.url.removeprefix("http://")
+    env = {k: v.format(url=origin.url, host=host) for k, v in env.items()}
+    dest = fetch_checkpoint(uri, tmp_path / "expert", FAST, env=env)
+    _assert_same_checkpoint(dest, smoke_expert_checkpoint)
+
+
+def test_bucket_uris_map_to_the_public_https_endpoints():
+    assert resolve_url("s3://b/k/x y", {}) == "https://b.s3.amazonaws.com/k/x%20y"
+    assert resolve_url("s3://b/k", {"AWS_REGION": "eu-west-1"}) == \
+        "https://b.s3.eu-west-1.amazonaws.com/k"
+    assert resolve_url("gs://b/k/m", {}) == "https://storage.googleapis.com/b/k/m"
+    assert resolve_url("https://h/p?sig=1", {"AWS_ENDPOINT_URL": "http://x"}) == "https://h/p?sig=1"
+
+
+def test_the_operator_init_container_command_fills_an_existing_mount_point(
+        origin, smoke_expert_checkpoint, tmp_path, capsys):
+    mount_point = tmp_path / "models" / "expert"
+    mount_point.mkdir(parents=True)  # an emptyDir mount point: it exists and cannot be renamed
+    _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
+    mount = checkpoint_mount(parse_checkpoint(f"{origin.url}/smoke"), volume="checkpoint",
+                             mount_path=str(mount_point), fetcher={})
+    command = mount.init_containers[0]["command"]
+    assert tuple(command[:2]) == FETCH_COMMAND
+    assert main(command[1:]) == 0
+    _assert_same_checkpoint(mount_point, smoke_expert_checkpoint)
+    assert sorted(p.name for p in mount_point.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+    assert f"fetched {origin.url}/smoke into {mount_point}" in capsys.readouterr().out
+
+
+def test_a_rerun_replaces_the_checkpoint_a_previous_run_left(origin, smoke_expert_checkpoint,
+                                                             tmp_path):
+    dest = tmp_path / "expert"
+    dest.mkdir()
+    (dest / CONFIG_FILE).write_text("{}")
+    (dest / "stale.bin").write_bytes(b"old")
+    (dest / ".ddm-fetch-interrupted").mkdir()  # what a killed run leaves
+    _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
+    fetch_checkpoint(f"{origin.url}/smoke", dest, FAST)
+    _assert_same_checkpoint(dest, smoke_expert_checkpoint)
+    assert sorted(p.name for p in dest.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+
+
+def test_a_directory_holding_something_else_is_never_overwritten(origin, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(FetchError, match=r"is not empty and holds no checkpoint \(notes.txt\)"):
+        fetch_checkpoint(f"{origin.url}/smoke", tmp_path, FAST)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert origin.requests == []
+
+
+# -- failures: a clear message and no destination ----------------------------------------------
+
+def test_not_found_names_the_uri_and_leaves_no_destination(origin, tmp_path):
+    uri = f"{origin.url}/missing"
+    with pytest.raises(FetchError) as caught:
+        fetch_checkpoint(uri, tmp_path / "expert", FAST)
+    assert str(caught.value).startswith(f"{uri}: ")
+    assert "HTTP 404" in str(caught.value) and "nothing at this URL" in str(caught.value)
+    _assert_nothing_left(tmp_path)
+    assert len(origin.requests) == 1  # a 404 is not retried
+
+
+def test_a_private_object_says_how_to_reach_it(origin, smoke_expert_checkpoint, tmp_path):
+    _serve_directory(origin, "/private/smoke", smoke_expert_checkpoint)
+    origin.failures["/private/smoke/weights.safetensors"] = [403]
+    with pytest.raises(FetchError, match=r"s3://private/smoke: .*HTTP 403.*pvc://.*pre-signed"):
+        fetch_checkpoint("s3://private/smoke", tmp_path / "expert", FAST,
+                         env={"AWS_ENDPOINT_URL": origin.url})
+    _assert_nothing_left(tmp_path)
+
+
+def test_corrupted_weights_fail_verification_and_leave_no_destination(
+        origin, smoke_expert_checkpoint, tmp_path):
+    _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
+    weights = bytearray(origin.files["/smoke/weights.safetensors"])
+    weights[-1] ^= 0xFF
+    origin.files["/smoke/weights.safetensors"] = bytes(weights)
+    with pytest.raises(FetchError, match=r"/smoke: the downloaded checkpoint failed verification"
+                                         r".*weights.safetensors is corrupt \(sha256"):
+        fetch_checkpoint(f"{origin.url}/smoke", tmp_path / "expert", FAST)
+    _assert_nothing_left(tmp_path)
+
+
+def test_transient_failures_are_retried(origin, smoke_expert_checkpoint, tmp_path):
+    _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
+    origin.failures["/smoke/weights.safetensors"] = [503, 503]
+    origin.failures["/smoke/config.json"] = [DROP]
+    dest = fetch_checkpoint(f"{origin.url}/smoke", tmp_path / "expert", FAST)
+    _assert_same_checkpoint(dest, smoke_expert_checkpoint)
+    assert origin.requests.count("/smoke/weights.safetensors") == 3
+    assert origin.requests.count("/smoke/config.json") == 2
+
+
+def test_retries_are_bounded(origin, smoke_expert_checkpoint, tmp_path):
+    _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
+    origin.failures["/smoke/weights.safetensors"] = [500] * 10
+    with pytest.raises(FetchError, match=r"HTTP 500 .*gave up after 3 attempts"):
+        fetch_checkpoint(f"{origin.url}/smoke", tmp_path / "expert", FAST)
+    assert origin.requests.count("/smoke/weights.safetensors") == 3
+    _assert_nothing_left(tmp_path)
+
+
+def test_a_silent_server_times_out(origin, smoke_expert_checkpoint, tmp_path):
+    _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
+    origin.failures["/smoke/weights.safetensors"] = [STALL, STALL]
+    policy = FetchPolicy(timeout_s=0.2, attempts=2, backoff_s=0.01)
+    with pytest.raises(FetchError, match=r"timed out.*gave up after 2 attempts"):
+        fetch_checkpoint(f"{origin.url}/smoke", tmp_path / "expert", policy)
+    _assert_nothing_left(tmp_path)
+
+
+def test_downloads_over_the_size_limit_are_refused(origin, smoke_expert_checkpoint, tmp_path):
+    _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
+    size = (smoke_expert_checkpoint / WEIGHTS_FILE).stat().st_size
+    policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size - 1)
+    with pytest.raises(FetchError, match=rf"is {size} bytes, over the {size - 1}-byte limit"):
+        fetch_checkpoint(f"{origin.url}/smoke", tmp_path / "expert", policy)
+    _assert_nothing_left(tmp_path)
+
+
+def test_an_archive_that_inflates_past_the_limit_is_refused(origin, tmp_path):
+    origin.files["/bomb.tar.gz"] = _archive(
+        lambda tar: _add_bytes(tar, "weights.safetensors", bytes(1 << 20)))
+    size = len(origin.files["/bomb.tar.gz"])
+    policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size + 4096)
+    with pytest.raises(FetchError, match=r"archive member weights.safetensors: more than"):
+        fetch_checkpoint(f"{origin.url}/bomb.tar.gz", tmp_path / "expert", policy)
+    _assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("member, build, problem", [
+    ("/etc/evil", lambda t: _add_bytes(t, "/etc/evil", b"x"), "outside the checkpoint"),
+    ("../evil", lambda t: _add_bytes(t, "../evil", b"x"), "outside the checkpoint"),
+    ("ckpt/../../evil", lambda t: _add_bytes(t, "ckpt/../../evil", b"x"),
+     "outside the checkpoint"),
+    ("config.json", lambda t: _add_bytes(t, "config.json", b"", tarfile.SYMTYPE, "/etc/passwd"),
+     "is a link"),
+    ("weights.safetensors",
+     lambda t: _add_bytes(t, "weights.safetensors", b"", tarfile.LNKTYPE, "../../evil"),
+     "is a link"),
+    ("tty", lambda t: _add_bytes(t, "tty", b"", tarfile.CHRTYPE), "is a special file"),
+    ("pipe", lambda t: _add_bytes(t, "pipe", b"", tarfile.FIFOTYPE), "is a special file"),
+])
+def test_hostile_archive_members_are_rejected(origin, tmp_path, member, build, problem):
+    origin.files["/hostile.tar.gz"] = _archive(build)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(FetchError, match=rf"archive member '{member}'.*{problem}"):
+        fetch_checkpoint(f"{origin.url}/hostile.tar.gz", work / "expert", FAST)
+    _assert_nothing_left(work)
+    assert [p.name for p in tmp_path.iterdir()] == ["work"]  # nothing escaped either
+
+
+def test_an_archive_without_a_checkpoint_is_rejected(origin, tmp_path):
+    origin.files["/empty.tar"] = _archive(lambda t: _add_bytes(t, "a/b/readme", b"hi"), "w")
+    with pytest.raises(FetchError, match=r"the archive holds no checkpoint"):
+        fetch_checkpoint(f"{origin.url}/empty.tar", tmp_path / "expert", FAST)
+    _assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("uri, problem", [
+    ("pvc://models/expert", "a pvc:// checkpoint is mounted, not fetched"),
+    ("ftp://host/x", "is not a checkpoint URI"),
+])
+def test_uris_that_are_not_fetched_are_refused(tmp_path, uri, problem):
+    with pytest.raises(FetchError, match=problem):
+        fetch_checkpoint(uri, tmp_path / "expert", FAST)
+    _assert_nothing_left(tmp_path)
+
+
+def test_the_cli_reports_a_failure_in_one_line_with_exit_status_2(origin, tmp_path, capsys):
+    uri = f"{origin.url}/missing"
+    assert main(["fetch-checkpoint", uri, str(tmp_path / "expert")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"ddm: error: {uri}: ")
+    assert "HTTP 404" in captured.err and captured.err.count("\n") == 1
+    _assert_nothing_left(tmp_path)
