@@ -1,7 +1,8 @@
 """The operator against a real control plane (the dev cluster), running in this process.
 
 ``run_operator`` runs in a thread for the module (cluster-wide, its own event loop, stopped by
-a flag). The dev cluster has no kubelet: the real scheduler binds pods to the fake accelerator
+a flag; a test that needs other operator settings restarts it, as a Helm upgrade would). The
+dev cluster has no kubelet: the real scheduler binds pods to the fake accelerator
 nodes and they stay Pending, so where a test needs ready pods it plays the kubelet and writes
 the pods' status itself (the ReplicaSet and Deployment controllers and the endpoints
 controller then do the rest, as they would). Every wait polls the API with a deadline.
@@ -9,11 +10,12 @@ controller then do the rest, as they would). Every wait polls the API with a dea
 
 from __future__ import annotations
 
+import base64
 import copy
+import json
 import shutil
 import subprocess
 import sys
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,9 @@ import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from podsecurity import violations
 
+from ddm.operator.config import OperatorConfig
 from ddm.operator.runner import run_operator
 from ddm.serving.router_config import RouterConfigFile
 
@@ -54,6 +58,7 @@ class Cluster:
         self.custom = client.CustomObjectsApi(api_client)
         self.apps = client.AppsV1Api(api_client)
         self.core = client.CoreV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
 
     @staticmethod
     def _json(response: Any) -> Any:
@@ -62,7 +67,9 @@ class Cluster:
     def _api(self, kind: str) -> tuple[Any, str]:
         return {"Deployment": (self.apps, "deployment"), "ReplicaSet": (self.apps, "replica_set"),
                 "Service": (self.core, "service"), "ConfigMap": (self.core, "config_map"),
-                "Pod": (self.core, "pod"), "Endpoints": (self.core, "endpoints")}[kind]
+                "Pod": (self.core, "pod"), "Endpoints": (self.core, "endpoints"),
+                "Secret": (self.core, "secret"),
+                "NetworkPolicy": (self.networking, "network_policy")}[kind]
 
     def get(self, kind: str, namespace: str, name: str) -> dict | None:
         api, suffix = self._api(kind)
@@ -92,10 +99,11 @@ class Cluster:
         self.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
                                                    {"spec": spec})
 
-    def events(self, namespace: str, name: str) -> list[dict]:
+    def events(self, namespace: str, name: str | None = None) -> list[dict]:
+        """The events about ``name`` (None: about anything in the namespace)."""
+        selector = f"involvedObject.name={name}" if name else None
         return self._json(self.core.list_namespaced_event(
-            namespace, field_selector=f"involvedObject.name={name}",
-            _preload_content=False))["items"]
+            namespace, field_selector=selector, _preload_content=False))["items"]
 
     def children(self, namespace: str, owner: str) -> dict[tuple[str, str], dict]:
         return {(kind, item["metadata"]["name"]): item
@@ -128,20 +136,57 @@ def crd(kube_client: Any) -> dict:
     return body
 
 
+class OperatorThread:
+    """The operator, cluster-wide, in a thread of this process; restartable with other
+    settings (``OperatorConfig``), as a Helm upgrade restarts its pod with a new environment."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.config: OperatorConfig | None = None
+
+    def start(self, config: OperatorConfig) -> None:
+        assert self._thread is None, "already running"
+        self._stop, ready = threading.Event(), threading.Event()
+        self._thread = threading.Thread(
+            target=run_operator, name="ddm-operator", daemon=True,
+            kwargs={"kubeconfig": self.kubeconfig, "liveness_port": None,
+                    "operator_config": config, "configure_logging": False,
+                    "stop_flag": self._stop, "ready_flag": ready})
+        self._thread.start()
+        assert ready.wait(60), "the operator did not start"
+        self.config = config
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the operator did not stop"
+        self._thread = None
+
+    def restart(self, config: OperatorConfig) -> None:
+        """Run with ``config`` (nothing to do when it already does)."""
+        if self._thread is not None and config == self.config:
+            return
+        self.stop()
+        self.start(config)
+
+
+#: The operator's settings when the environment sets none (the chart's are tested apart).
+DEFAULT_CONFIG = OperatorConfig.from_env({})
+
+
 @pytest.fixture(scope="module")
-def operator(dev_cluster: Any, crd: dict) -> Iterator[None]:
-    """The operator, cluster-wide, in a thread; stopped (and checked stopped) at the end."""
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(
-        target=run_operator, name="ddm-operator", daemon=True,
-        kwargs={"kubeconfig": dev_cluster.kubeconfig, "liveness_port": None,
-                "configure_logging": False, "stop_flag": stop, "ready_flag": ready})
-    thread.start()
-    assert ready.wait(60), "the operator did not start"
-    yield
-    stop.set()
-    thread.join(30)
-    assert not thread.is_alive(), "the operator did not stop"
+def operator(dev_cluster: Any, crd: dict) -> Iterator[OperatorThread]:
+    """The operator with default settings; stopped (and checked stopped) at the end."""
+    running = OperatorThread(dev_cluster.kubeconfig)
+    running.start(DEFAULT_CONFIG)
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
 def _expert(name: str, classes: list[int], **fields: Any) -> dict:
@@ -292,6 +337,163 @@ def test_the_status_follows_the_pods_readiness(cluster: Cluster, kube_namespace:
     endpoints = wait_for(lambda: (cluster.get("Endpoints", ns, "ready-expert-b") or {}).get(
         "subsets"), 15, "endpoints of expert b")
     assert {a["ip"] for s in endpoints for a in s.get("addresses", [])} == b_ips
+
+
+SHA_MISMATCH = ("checkpoint /models/expert-a: weights.safetensors has sha256 9f2c..., "
+                "config.json records 41d0...: sha256 mismatch")
+
+
+def _crash_loop(cluster: Cluster, pod: dict, message: str, restarts: int) -> None:
+    """Write what a kubelet would for a container that exits 1 after writing ``message`` to
+    its termination-message file, and is being restarted with a back-off."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = {
+        "phase": "Running", "podIP": "10.244.2.10", "podIPs": [{"ip": "10.244.2.10"}],
+        "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+                       {"type": "Ready", "status": "False", "lastTransitionTime": now,
+                        "reason": "ContainersNotReady"}],
+        "containerStatuses": [{
+            "name": c["name"], "ready": False, "started": False, "restartCount": restarts,
+            "image": c["image"], "imageID": "",
+            "state": {"waiting": {"reason": "CrashLoopBackOff",
+                                  "message": "back-off 40s restarting failed container"}},
+            "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message,
+                                         "startedAt": now, "finishedAt": now}},
+        } for c in pod["spec"]["containers"]],
+    }
+    cluster.core.patch_namespaced_pod_status(pod["metadata"]["name"],
+                                             pod["metadata"]["namespace"], {"status": status})
+
+
+@pytest.mark.usefixtures("operator")
+def test_the_status_says_why_an_expert_is_not_ready(cluster: Cluster,
+                                                    kube_namespace: str) -> None:
+    """A checkpoint that fails to load (a crash loop) and a pod no node can take (the real
+    scheduler: no node has 16 GPUs), each reported with the reason the pod gives."""
+    ns = kube_namespace
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][2].update(accelerator={"type": "nvidia", "count": 8}, replicas=2)
+    _deploy(cluster, ns, "why", spec)
+    (pod,) = _bound_pods(cluster, ns, "ddm.dev/expert=a", 1)
+    template = cluster.get("Deployment", ns, "why-expert-a")["spec"]["template"]["spec"]
+    assert template["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    _crash_loop(cluster, pod, SHA_MISMATCH, restarts=3)
+
+    def explained() -> dict | None:
+        status = cluster.ddm(ns, "why").get("status") or {}
+        experts = {e["name"]: e for e in status.get("experts", [])}
+        return experts if {"a", "c"} <= {n for n, e in experts.items() if "reason" in e} \
+            else None
+    experts = wait_for(explained, 30, "reasons for experts a and c")
+    assert experts["a"]["reason"] == "CrashLoopBackOff"
+    assert experts["a"]["message"] == (
+        f"container expert restarted 3 times; last exit 1: {SHA_MISMATCH}")
+    assert experts["c"]["reason"] == "Unschedulable"
+    assert "Insufficient nvidia.com/gpu" in experts["c"]["message"]
+    assert "reason" not in experts["b"]
+    condition = next(c for c in cluster.ddm(ns, "why")["status"]["conditions"]
+                     if c["type"] == "ExpertsReady")
+    assert condition["status"] == "False"
+    assert condition["message"].startswith(
+        f"expert a: 0/1 ready: container expert restarted 3 times; last exit 1: {SHA_MISMATCH}; "
+        "expert c: ")
+
+
+@pytest.mark.usefixtures("operator")
+def test_fields_the_schema_does_not_know_never_reach_a_pod(cluster: Cluster,
+                                                           kube_namespace: str) -> None:
+    """The API server prunes unknown fields (the spec has no env, command or host settings),
+    so an injected env, command or hostNetwork is dropped before the operator sees it."""
+    ns = kube_namespace
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][0].update(env=[{"name": "LD_PRELOAD", "value": "/tmp/evil.so"}],
+                              command=["sh", "-c", "id"], hostNetwork=True,
+                              securityContext={"privileged": True})
+    spec["router"] = {"hostPID": True, "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}
+    _deploy(cluster, ns, "pruned", spec)
+    stored = cluster.ddm(ns, "pruned")["spec"]
+    assert set(stored["experts"][0]) == {"name", "checkpoint", "classes", "framework",
+                                         "accelerator", "replicas"}
+    assert stored["router"] == {"replicas": 1}
+    for name in ("pruned-expert-a", "pruned-router"):
+        pod = cluster.get("Deployment", ns, name)["spec"]["template"]["spec"]
+        text = json.dumps(pod)
+        assert "LD_PRELOAD" not in text and "hostNetwork" not in text and "hostPID" not in text
+        assert pod["containers"][0]["command"][:2] == ["ddm", "serve"]
+        assert violations(pod) == []
+
+
+@pytest.mark.usefixtures("operator")
+def test_router_authentication_creates_its_secret_once(cluster: Cluster,
+                                                       kube_namespace: str) -> None:
+    ns = kube_namespace
+    spec = {**copy.deepcopy(CPU_SPEC), "router": {"auth": {}}}
+    _deploy(cluster, ns, "auth", spec)
+    secret = wait_for(lambda: cluster.get("Secret", ns, "auth-router-token"), 15,
+                      "the token Secret")
+    owner = cluster.ddm(ns, "auth")
+    (ref,) = secret["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["uid"], ref["controller"]) == ("DDMDeployment",
+                                                            owner["metadata"]["uid"], True)
+    assert secret["type"] == "Opaque" and set(secret["data"]) == {"token"}
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 43  # 32 random bytes, URL-safe base64 without padding
+
+    pod = cluster.get("Deployment", ns, "auth-router")["spec"]["template"]["spec"]
+    assert {"name": "router-token", "secret": {
+        "secretName": "auth-router-token", "defaultMode": 0o440,
+        "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+    config = RouterConfigFile.from_yaml(
+        cluster.get("ConfigMap", ns, "auth-router-config")["data"]["router.yaml"])
+    assert config.auth.token_file == "/var/run/secrets/ddm/router-token/token"
+    status = wait_for(lambda: cluster.ddm(ns, "auth").get("status"), 15, "a status")
+    assert status["routerTokenSecret"] == "auth-router-token"
+    assert status["routerURL"] == f"http://auth-router.{ns}.svc:8080"
+    assert token not in json.dumps(status)
+
+    spec["router"]["replicas"] = 2  # a change, so the operator reconciles again
+    cluster.patch_ddm_spec(ns, "auth", spec)
+    wait_for(lambda: (cluster.ddm(ns, "auth").get("status") or {}).get(
+        "observedGeneration") == 2, 15, "observedGeneration 2")
+    again = cluster.get("Secret", ns, "auth-router-token")
+    assert (again["metadata"]["uid"], again["metadata"]["resourceVersion"], again["data"]) == (
+        secret["metadata"]["uid"], secret["metadata"]["resourceVersion"], secret["data"])
+    assert [e for e in cluster.events(ns, "auth") if "Secret" in e["message"]
+            and e["reason"] == "Created"] != []
+
+    cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "auth")
+    wait_for(lambda: cluster.get("Secret", ns, "auth-router-token") is None, 60,
+             "the garbage collector to delete the Secret")
+
+
+def test_network_policies_follow_the_operators_setting(operator: OperatorThread,
+                                                       cluster: Cluster,
+                                                       kube_namespace: str) -> None:
+    ns = kube_namespace
+    try:
+        operator.restart(OperatorConfig(images=DEFAULT_CONFIG.images, network_policy=True))
+        _deploy(cluster, ns, "np", CPU_SPEC)
+        policies = wait_for(lambda: {p["metadata"]["name"]: p for p in cluster.list(
+            "NetworkPolicy", ns, f"{OWNER_LABEL}=np")} or None, 15, "NetworkPolicies")
+        assert set(policies) == {"np-experts", "np-router"}
+        pods = _bound_pods(cluster, ns, f"{OWNER_LABEL}=np", 4)
+
+        def selected(selector: dict) -> set[str]:
+            return {p["metadata"]["name"] for p in pods
+                    if selector["matchLabels"].items() <= p["metadata"]["labels"].items()}
+        experts = {p["metadata"]["name"] for p in pods if "-expert-" in p["metadata"]["name"]}
+        routers = {p["metadata"]["name"] for p in pods} - experts
+        expert_policy = policies["np-experts"]["spec"]
+        assert selected(expert_policy["podSelector"]) == experts and len(experts) == 3
+        assert selected(expert_policy["ingress"][0]["from"][0]["podSelector"]) == routers
+        assert selected(policies["np-router"]["spec"]["podSelector"]) == routers
+
+        operator.restart(DEFAULT_CONFIG)
+        wait_for(lambda: not cluster.list("NetworkPolicy", ns, f"{OWNER_LABEL}=np"), 15,
+                 "the NetworkPolicies removed")
+        assert set(cluster.children(ns, "np")) == _expected_children("np", ["a", "b", "c"])
+    finally:
+        operator.restart(DEFAULT_CONFIG)
 
 
 def _versions(children: dict) -> dict[tuple[str, str], tuple[Any, ...]]:

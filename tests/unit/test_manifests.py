@@ -1,13 +1,16 @@
 """The pure manifest builders: accelerator expansion, pass-through, checkpoint sources, the
-restricted security context on every pod, labels, hashes and the router's configuration."""
+restricted security context on every pod, labels, hashes, the router's configuration, its
+bearer token, and the NetworkPolicies."""
 
 from __future__ import annotations
 
 import copy
 
 import pytest
+from podsecurity import violations
 
 from ddm.operator import names
+from ddm.operator.access import build_router_token_secret
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
@@ -234,6 +237,127 @@ def test_every_pod_runs_restricted_with_writable_scratch() -> None:
         assert {"name": "tmp", "emptyDir": {}} in pod["volumes"]
 
 
+def test_every_pod_passes_the_restricted_pod_security_profile() -> None:
+    children = _children(_spec(
+        _expert("a", accelerator={"type": "neuron"}, checkpoint={"uri": "s3://bkt/a"}),
+        _expert("b", accelerator={"type": "nvidia"}, checkpoint={"uri": "pvc://m/b"}),
+        _expert("c", accelerator={"type": "tpu"}, checkpoint={"uri": "gs://bkt/c"}),
+        router={"checkpoint": {"uri": "https://example.com/router"}, "auth": {}}))
+    pods = _pods(children)
+    assert len(pods) == 4 and sum(bool(pod.get("initContainers")) for pod in pods) == 3
+    for pod in pods:
+        assert violations(pod) == []
+
+
+def test_a_host_path_is_the_one_documented_exception_to_the_profile() -> None:
+    pod = _expert_pod(_expert(checkpoint={"uri": "file:///srv/models/e"}))
+    assert violations(pod) == ["volume 'checkpoint' has type ['hostPath']"]
+
+
+def test_every_container_reports_why_it_failed() -> None:
+    pods = _pods(_children(_spec(_expert("a", checkpoint={"uri": "s3://bkt/a"}))))
+    for pod in pods:
+        for container in pod["containers"] + pod.get("initContainers", []):
+            assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
+            assert container["terminationMessagePath"] == "/dev/termination-log"
+
+
+def test_no_dollar_in_a_uri_is_expanded_by_kubernetes() -> None:
+    uri = "https://example.com/$(HOME)/e?sig=a$b"
+    pod = _expert_pod(_expert(checkpoint={"uri": uri}))
+    # Kubernetes turns $$ into $, and leaves $(VAR) unexpanded only when so escaped.
+    assert pod["initContainers"][0]["command"][2] == "https://example.com/$$(HOME)/e?sig=a$$b"
+
+
+def _router_pod(children: dict) -> dict:
+    return children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
+
+
+def _router_yaml(children: dict) -> RouterConfigFile:
+    return RouterConfigFile.from_yaml(
+        children[("ConfigMap", "digits-router-config")]["data"]["router.yaml"])
+
+
+def test_without_authentication_the_router_mounts_no_token() -> None:
+    children = _children(_spec(_expert("a")))
+    assert _router_yaml(children).auth is None
+    assert all("secret" not in v for v in _router_pod(children)["volumes"])
+
+
+@pytest.mark.parametrize("auth, config, secret, key", [
+    ({}, CONFIG, "digits-router-token", "token"),
+    (None, OperatorConfig(images=CONFIG.images, router_auth=True), "digits-router-token",
+     "token"),
+    ({"secretName": "team-tokens", "key": "ddm"}, CONFIG, "team-tokens", "ddm"),
+])
+def test_an_authenticated_router_reads_its_token_from_a_read_only_secret(
+        auth: dict | None, config: OperatorConfig, secret: str, key: str) -> None:
+    raw = _spec(_expert("a"))
+    if auth is not None:
+        raw["router"]["auth"] = auth
+    children = _children(raw, config)
+    pod = _router_pod(children)
+    volume = next(v for v in pod["volumes"] if v["name"] == "router-token")
+    assert volume["secret"] == {"secretName": secret, "defaultMode": 0o440,
+                                "items": [{"key": key, "path": "token"}]}
+    assert {"name": "router-token", "mountPath": "/var/run/secrets/ddm/router-token",
+            "readOnly": True} in _container(pod)["volumeMounts"]
+    assert _router_yaml(children).auth.token_file == "/var/run/secrets/ddm/router-token/token"
+    assert all(c["kind"] != "Secret" for c in children.values())  # created apart, once
+
+
+def test_the_token_secret_holds_the_token_under_the_ddms_labels() -> None:
+    secret = build_router_token_secret(META, "s3cr3t")
+    assert (secret["kind"], secret["type"]) == ("Secret", "Opaque")
+    assert secret["metadata"]["name"] == "digits-router-token"
+    assert secret["metadata"]["labels"][names.DEPLOYMENT_LABEL] == "digits"
+    assert secret["stringData"] == {"token": "s3cr3t"}
+
+
+def _pod_labels(children: dict, name: str) -> dict:
+    return children[("Deployment", name)]["spec"]["template"]["metadata"]["labels"]
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return selector["matchLabels"].items() <= labels.items()
+
+
+def test_network_policies_let_only_the_router_reach_the_experts() -> None:
+    config = OperatorConfig(images=CONFIG.images, network_policy=True)
+    children = _children(_spec(_expert("a"), _expert("b")), config)
+    experts = [_pod_labels(children, f"digits-expert-{e}") for e in ("a", "b")]
+    router = _pod_labels(children, "digits-router")
+    policy = children[("NetworkPolicy", "digits-experts")]["spec"]
+    assert all(_matches(policy["podSelector"], labels) for labels in experts)
+    assert not _matches(policy["podSelector"], router)
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    assert _matches(source["podSelector"], router)
+    assert not any(_matches(source["podSelector"], labels) for labels in experts)
+    expert_ports = {p["containerPort"] for p in _container(
+        children[("Deployment", "digits-expert-a")]["spec"]["template"]["spec"])["ports"]}
+    assert {p["port"] for p in rule["ports"]} == expert_ports
+
+    router_policy = children[("NetworkPolicy", "digits-router")]["spec"]
+    assert _matches(router_policy["podSelector"], router)
+    assert not any(_matches(router_policy["podSelector"], labels) for labels in experts)
+    (router_rule,) = router_policy["ingress"]
+    assert "from" not in router_rule  # clients anywhere, on the router's port only
+    assert [p["port"] for p in router_rule["ports"]] == [
+        p["containerPort"] for p in _container(_router_pod(children))["ports"]]
+
+
+def test_network_policies_only_when_turned_on() -> None:
+    assert all(c["kind"] != "NetworkPolicy" for c in _children(_spec(_expert("a"))).values())
+
+
+def test_the_router_allows_as_many_steps_as_the_ddms_default() -> None:
+    children = _children(_spec(_expert("a"), sampling={"strategy": "top1", "steps": 900}))
+    config = _router_yaml(children)
+    assert config.sampling.steps == 900 and config.limits.max_steps == 900
+
+
 def test_labels_and_selectors() -> None:
     children = _children(_spec(_expert("a")))
     for child in children.values():
@@ -307,6 +431,17 @@ def test_the_cluster_domain_is_configurable() -> None:
     assert _container(pod)["image"] == "x/cuda:2"
     with pytest.raises(ValueError, match="DDM_ALLOW_HOST_PATHS"):
         OperatorConfig.from_env({"DDM_ALLOW_HOST_PATHS": "maybe"})
+
+
+def test_the_operators_switches_are_strict_and_off_by_default() -> None:
+    default = OperatorConfig.from_env({})
+    assert (default.allow_host_paths, default.router_auth, default.network_policy) == (
+        False, False, False)
+    on = OperatorConfig.from_env({"DDM_ROUTER_AUTH": "true", "DDM_NETWORK_POLICY": "True"})
+    assert (on.router_auth, on.network_policy) == (True, True)
+    for name in ("DDM_ROUTER_AUTH", "DDM_NETWORK_POLICY"):
+        with pytest.raises(ValueError, match=f"{name} must be true or false, got 'on'"):
+            OperatorConfig.from_env({name: "on"})
 
 
 def _hashes(raw: dict) -> dict[tuple[str, str], str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddm.operator import accelerators, checkpoints, spec
+from ddm.operator import accelerators, checkpoints, pod_options, spec
 from ddm.operator.diagram import diagram_file, render_mermaid
 from ddm.operator.spec import SpecError, load_manifest, parse_manifest, parse_spec
 from ddm.sampling.routing import parse_strategy
@@ -94,6 +95,24 @@ def test_limits_and_patterns_equal_the_crds() -> None:
     assert accel["topology"]["pattern"] == spec.TOPOLOGY_PATTERN
     assert EXPERT["checkpoint"]["properties"]["uri"]["pattern"] == checkpoints.URI_PATTERN
     assert EXPERT["checkpoint"]["properties"]["uri"]["maxLength"] == checkpoints.MAX_URI_LENGTH
+    for pod in (EXPERT, SPEC["router"]["properties"]):
+        assert (pod["image"]["pattern"], pod["image"]["maxLength"]) == (
+            pod_options.IMAGE_PATTERN, pod_options.MAX_IMAGE_LENGTH)
+        for kind in ("limits", "requests"):
+            quantity = pod["resources"]["properties"][kind]["additionalProperties"]
+            assert quantity["pattern"] == pod_options.QUANTITY_PATTERN
+        selector_value = pod["nodeSelector"]["additionalProperties"]
+        toleration = pod["tolerations"]["items"]["properties"]
+        for value in (selector_value, toleration["value"]):
+            assert (value["pattern"], value["maxLength"]) == (
+                pod_options.LABEL_VALUE_PATTERN, pod_options.MAX_LABEL_VALUE_LENGTH)
+        assert toleration["operator"]["enum"] == list(pod_options.TOLERATION_OPERATORS)
+        assert toleration["effect"]["enum"] == list(pod_options.TAINT_EFFECTS)
+    auth = SPEC["router"]["properties"]["auth"]["properties"]
+    assert (auth["secretName"]["pattern"], auth["secretName"]["maxLength"]) == (
+        spec.SECRET_NAME_PATTERN, spec.MAX_SECRET_NAME_LENGTH)
+    assert (auth["key"]["pattern"], auth["key"]["default"]) == (spec.SECRET_KEY_PATTERN,
+                                                                spec.DEFAULT_TOKEN_KEY)
 
 
 @settings(max_examples=200, deadline=None)
@@ -197,6 +216,57 @@ INVALID = {
     "missing checkpoint": (
         lambda s: s["experts"][0].pop("checkpoint"),
         "spec.experts[0].checkpoint: is required"),
+    "shell in an image": (
+        lambda s: s["experts"][0].update(image="ddm:1; rm -rf /"),
+        "spec.experts[0].image: 'ddm:1; rm -rf /' is not valid: an image reference"),
+    "a newline in a node selector value": (
+        lambda s: s["experts"][0].update(nodeSelector={"pool": "a\nhostNetwork: true"}),
+        "spec.experts[0].nodeSelector['pool']: 'a\\nhostNetwork: true' is not a label value"),
+    "a node selector key that is no label": (
+        lambda s: s["experts"][0].update(nodeSelector={"$(id)": "x"}),
+        "spec.experts[0].nodeSelector['$(id)']: '$(id)' is not a label key"),
+    "Exists with a value": (
+        lambda s: s["experts"][0].update(tolerations=[{"key": "k", "operator": "Exists",
+                                                       "value": "v"}]),
+        "spec.experts[0].tolerations[0].value: must be empty with operator Exists"),
+    "Equal without a key": (
+        lambda s: s["experts"][0].update(tolerations=[{"value": "v"}]),
+        "spec.experts[0].tolerations[0].operator: must be Exists when key is empty"),
+    "tolerationSeconds without NoExecute": (
+        lambda s: s["experts"][0].update(tolerations=[{"key": "k", "operator": "Exists",
+                                                       "effect": "NoSchedule",
+                                                       "tolerationSeconds": 5}]),
+        "spec.experts[0].tolerations[0].tolerationSeconds: applies only with effect NoExecute"),
+    "not a quantity": (
+        lambda s: s["experts"][1].update(resources={"requests": {"cpu": "lots"}}),
+        "spec.experts[1].resources.requests['cpu']: 'lots' is not a quantity"),
+    "a negative quantity": (
+        lambda s: s["experts"][1].update(resources={"limits": {"memory": -1}}),
+        "spec.experts[1].resources.limits['memory']: -1 is not a quantity"),
+    "absurd memory": (
+        lambda s: s["experts"][1].update(resources={"limits": {"memory": "1000Ei"}}),
+        "spec.experts[1].resources.limits['memory']: 1000Ei is more than any node offers"),
+    "requests beyond limits": (
+        lambda s: s["experts"][1].update(resources={"requests": {"cpu": "4"},
+                                                    "limits": {"cpu": "2000m"}}),
+        "spec.experts[1].resources.requests['cpu']: 4 is more than its limit 2000m"),
+    "node selector against the GPU product": (
+        lambda s: s["experts"][1].update(
+            accelerator={"type": "nvidia", "product": "NVIDIA-H100-80GB-HBM3"},
+            nodeSelector={"nvidia.com/gpu.product": "Tesla-T4"}),
+        "spec.experts[1].nodeSelector['nvidia.com/gpu.product']: 'Tesla-T4' contradicts the "
+        "accelerator, which requires 'NVIDIA-H100-80GB-HBM3'"),
+    "node selector for TPUs on a GPU expert": (
+        lambda s: s["experts"][1].update(
+            nodeSelector={"cloud.google.com/gke-tpu-accelerator": "tpu-v5-lite-podslice"}),
+        "spec.experts[1].nodeSelector['cloud.google.com/gke-tpu-accelerator']: selects tpu "
+        "nodes but accelerator.type is nvidia"),
+    "a Secret name with a path": (
+        lambda s: s.update(router={"auth": {"secretName": "../token"}}),
+        "spec.router.auth.secretName: '../token' is not valid: a Secret name"),
+    "a Secret key that is a parent directory": (
+        lambda s: s.update(router={"auth": {"key": ".."}}),
+        "spec.router.auth.key: '..' is not valid: a key of the Secret"),
 }
 
 
@@ -215,6 +285,23 @@ def test_all_problems_are_reported_at_once() -> None:
     raw["experts"][0]["replicas"] = 100
     raw["experts"][1]["accelerator"]["type"] = "gpu"
     assert len(_problems(raw)) == 3
+
+
+@pytest.mark.parametrize("text, amount", [
+    ("500m", Decimal("0.5")), (2, Decimal(2)), ("1Gi", Decimal(2**30)), ("1.5k", Decimal(1500)),
+    ("1e3", Decimal(1000)), ("+.5", Decimal("0.5")), ("-1", None), ("1 Gi", None),
+    ("1Gb", None), (True, None), ("", None)])
+def test_quantities_read_as_kubernetes_reads_them(text, amount) -> None:
+    assert pod_options.parse_quantity(text) == amount
+
+
+def test_router_authentication_defaults_to_the_token_key() -> None:
+    raw = _valid()
+    raw["router"] = {"auth": {}}
+    assert parse_spec(raw).router.auth == spec.RouterAuth(secret_name=None, key="token")
+    raw["router"] = {"auth": {"secretName": "team.tokens", "key": "ddm"}}
+    assert parse_spec(raw).router.auth == spec.RouterAuth("team.tokens", "ddm")
+    assert parse_spec(_valid()).router.auth is None
 
 
 def test_host_paths_when_allowed() -> None:

@@ -1,10 +1,10 @@
-"""Status aggregation from child Deployments: readiness, phases, conditions and their
-transition times, and the status of an invalid spec."""
+"""Status aggregation from child Deployments and their pods: readiness, phases, conditions
+and their transition times, why a replica is not ready, and the status of an invalid spec."""
 
 from __future__ import annotations
 
 from ddm.operator.spec import SpecError, parse_spec
-from ddm.operator.status import invalid_status, ready_status
+from ddm.operator.status import Trouble, invalid_status, pod_trouble, ready_status
 
 META = {"name": "digits", "namespace": "ml", "generation": 3}
 SPEC = parse_spec({
@@ -103,3 +103,116 @@ def test_an_invalid_spec_keeps_what_the_children_report() -> None:
     assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False",
                                                                               "SpecInvalid")
     assert conditions["ExpertsReady"] == _conditions(before)["ExpertsReady"]
+
+
+# ------------------------------------------------------------ why a replica is not ready
+
+def _pod(name: str, expert: str | None, **status) -> dict:
+    labels = {"ddm.dev/deployment": "digits",
+              "app.kubernetes.io/component": "router" if expert is None else "expert"}
+    if expert is not None:
+        labels["ddm.dev/expert"] = expert
+    return {"metadata": {"name": name, "labels": labels}, "status": status}
+
+
+def _crash_looping(name: str, expert: str | None, message: str, restarts: int = 3) -> dict:
+    return _pod(name, expert, phase="Running", containerStatuses=[{
+        "name": "expert", "ready": False, "restartCount": restarts,
+        "state": {"waiting": {"reason": "CrashLoopBackOff",
+                              "message": "back-off 40s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message}}}])
+
+
+SHA_MISMATCH = ("checkpoint /models/expert: weights.safetensors has sha256 12ab..., "
+                "config.json says 34cd...")
+
+
+def test_a_crash_loop_says_how_often_and_what_the_container_said() -> None:
+    trouble = pod_trouble([_crash_looping("p", "low", SHA_MISMATCH)])
+    assert trouble == Trouble("CrashLoopBackOff",
+                              f"container expert restarted 3 times; last exit 1: {SHA_MISMATCH}")
+
+
+def test_a_log_tail_is_cut_to_its_last_line() -> None:
+    log = "Traceback (most recent call last):\n  File x\nValueError: " + "y" * 1000 + "\n\n"
+    trouble = pod_trouble([_crash_looping("p", "low", log, restarts=1)])
+    assert "restarted 1 time; last exit 1: ValueError: yyy" in trouble.message
+    assert trouble.message.endswith("...") and len(trouble.message) < 500
+
+
+def test_an_image_that_cannot_be_pulled() -> None:
+    pod = _pod("p", "low", phase="Pending", containerStatuses=[{
+        "name": "expert", "ready": False, "restartCount": 0,
+        "state": {"waiting": {"reason": "ImagePullBackOff",
+                              "message": 'Back-off pulling image "reg/ddm:nope"'}}}])
+    assert pod_trouble([pod]) == Trouble(
+        "ImagePullBackOff",
+        'container expert: ImagePullBackOff: Back-off pulling image "reg/ddm:nope"')
+
+
+def test_a_failing_fetch_is_an_init_container_trouble() -> None:
+    pod = _pod("p", "low", phase="Pending", initContainerStatuses=[{
+        "name": "fetch-checkpoint", "ready": False, "restartCount": 2,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": "s3://b/k: 403 Forbidden"}}}],
+        containerStatuses=[{"name": "expert", "ready": False, "restartCount": 0,
+                            "state": {"waiting": {"reason": "PodInitializing"}}}])
+    assert pod_trouble([pod]).message == (
+        "init container fetch-checkpoint restarted 2 times; last exit 1: s3://b/k: 403 Forbidden")
+
+
+def test_a_pod_no_node_takes() -> None:
+    pod = _pod("digits-expert-low-1", "low", phase="Pending", conditions=[{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}])
+    assert pod_trouble([pod]) == Trouble(
+        "Unschedulable", "pod digits-expert-low-1 cannot be scheduled: 0/4 nodes are "
+                         "available: 4 Insufficient nvidia.com/gpu.")
+
+
+def test_pods_that_are_merely_starting_or_going_say_nothing() -> None:
+    starting = _pod("a", "low", phase="Pending", containerStatuses=[{
+        "name": "expert", "ready": False, "restartCount": 0,
+        "state": {"waiting": {"reason": "ContainerCreating"}}}])
+    fetched = _pod("b", "low", phase="Running", initContainerStatuses=[{
+        "name": "fetch-checkpoint", "ready": True, "restartCount": 0,
+        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}])
+    leaving = _crash_looping("c", "low", SHA_MISMATCH)
+    leaving["metadata"]["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    assert pod_trouble([starting, fetched, leaving]) is None
+    assert pod_trouble([]) is None
+
+
+def test_the_status_says_why_an_expert_and_the_router_are_not_ready() -> None:
+    pods = [_crash_looping("l1", "low", SHA_MISMATCH),
+            _crash_looping("r1", None, "router.yaml: auth.token_file: no such file")]
+    status = ready_status(SPEC, META, deployments=_deployments(0, 1, 0), previous={}, now="T1",
+                          pods=pods)
+    experts = {e["name"]: e for e in status["experts"]}
+    assert experts["low"]["reason"] == "CrashLoopBackOff"
+    assert experts["low"]["message"].endswith(SHA_MISMATCH)
+    assert "reason" not in experts["high"]  # not ready yet, but nothing says why
+    conditions = _conditions(status)
+    assert conditions["ExpertsReady"]["message"] == (
+        f"expert low: 0/1 ready: container expert restarted 3 times; last exit 1: "
+        f"{SHA_MISMATCH}; waiting for high (1/2 ready)")
+    assert conditions["Ready"]["message"] == conditions["ExpertsReady"]["message"]
+    assert conditions["RouterReady"]["message"] == (
+        "0/2 router replicas ready: container expert restarted 3 times; last exit 1: "
+        "router.yaml: auth.token_file: no such file")
+    assert status["router"]["reason"] == "CrashLoopBackOff"
+
+
+def test_a_ready_expert_reports_no_trouble_from_a_stray_pod() -> None:
+    pods = [_crash_looping("l2", "low", SHA_MISMATCH)]
+    status = ready_status(SPEC, META, deployments=_deployments(1, 2, 2), previous={}, now="T1",
+                          pods=pods)
+    assert status["phase"] == "Ready" and "reason" not in status["experts"][0]
+
+
+def test_the_status_names_the_token_secret_never_the_token() -> None:
+    status = ready_status(SPEC, META, deployments={}, previous={}, now="T1",
+                          token_secret="digits-router-token")
+    assert status["routerTokenSecret"] == "digits-router-token"
+    assert "routerTokenSecret" not in ready_status(SPEC, META, deployments={}, previous={},
+                                                   now="T1")

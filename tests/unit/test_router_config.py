@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 
 from ddm.serving.router_config import (
+    Auth,
     DnsDiscovery,
     ExpertEntry,
     RouterConfigError,
     RouterConfigFile,
+    RouterLimits,
     SamplingDefaults,
     StaticDiscovery,
 )
@@ -60,6 +62,8 @@ def test_defaults() -> None:
     (lambda t: t.replace("router_checkpoint: /models/router\n", ""),
      "strategy top1 needs router_checkpoint"),
     (lambda t: t.replace("attempts: 3", "attempts: 0"), "retries.attempts must be"),
+    (lambda t: t.replace("dns: d-expert-low.ns.svc.cluster.local, port: 8000",
+                         "dns: d-expert-low.ns.svc.cluster.local"), "discovery needs port"),
     (lambda t: t.replace("num_classes: 10", "num_classes: [10"), "not valid YAML"),
 ])
 def test_bad_files_are_rejected_with_the_key(change, message: str) -> None:
@@ -71,3 +75,36 @@ def test_bad_files_are_rejected_with_the_key(change, message: str) -> None:
 def test_the_oracle_needs_no_router_checkpoint() -> None:
     text = TEXT.replace("router_checkpoint: /models/router\n", "").replace("top1", "oracle")
     assert RouterConfigFile.from_yaml(text).router_checkpoint is None
+
+
+def test_limits_and_auth_round_trip() -> None:
+    text = TEXT + ("limits: {max_batch: 8, max_steps: 50, max_concurrent: 4, "
+                   "max_body_bytes: 4096}\n"
+                   "auth: {token_file: /var/run/secrets/ddm/router-token/token}\n")
+    config = RouterConfigFile.from_yaml(text)
+    assert config.limits == RouterLimits(max_batch=8, max_steps=50, max_concurrent=4,
+                                         max_body_bytes=4096)
+    assert config.auth == Auth(token_file="/var/run/secrets/ddm/router-token/token")
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
+def test_without_auth_the_file_has_no_auth_key_and_limits_have_safe_defaults() -> None:
+    config = RouterConfigFile.from_yaml(TEXT)
+    assert config.auth is None and "auth" not in config.to_yaml()
+    assert config.limits == RouterLimits()
+    assert RouterConfigFile.from_yaml(TEXT + "auth: null\n").auth is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("auth: {}\n", "auth needs token_file"),
+    ("auth: {token_file: ''}\n", "auth.token_file must be a file path"),
+    ("auth: {token: secret}\n", "auth has unknown keys ['token']"),
+    ("limits: {max_concurrent: 0}\n", "limits.max_concurrent must be an integer >= 1"),
+    ("limits: {max_steps: 10}\n", "sampling.steps 20 exceeds limits.max_steps 10"),
+    ("limits: {max_steps: 5000}\n", "limits.max_steps must be at most 1000"),
+    ("limits: {max_body: 10}\n", "limits has unknown keys ['max_body']"),
+])
+def test_bad_limits_and_auth_are_rejected_with_the_key(extra: str, message: str) -> None:
+    with pytest.raises(RouterConfigError) as caught:
+        RouterConfigFile.from_yaml(TEXT + extra)
+    assert message in str(caught.value)

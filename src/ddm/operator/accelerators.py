@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
+from typing import Mapping
 
 ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
 NEURON_UNITS = ("device", "core")
@@ -156,6 +157,30 @@ def placement(accelerator: Accelerator, framework: str) -> Placement:
         selector[TPU_TOPOLOGY_LABEL] = accelerator.topology or TPU_TOPOLOGIES[accelerator.count]
     return Placement(limits, tolerations, selector, _BACKENDS[(accelerator.type, framework)],
                      IMAGE_FAMILIES[accelerator.type])
+
+
+#: Node labels that pick one accelerator family: a node selector naming them for another type
+#: (or with a value the accelerator contradicts) matches no node the pod could run on.
+ACCELERATOR_LABELS = {NVIDIA_PRODUCT_LABEL: "nvidia", TPU_ACCELERATOR_LABEL: "tpu",
+                      TPU_TOPOLOGY_LABEL: "tpu"}
+
+
+def node_label_conflicts(accelerator: Accelerator, framework: str,
+                         node_selector: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(node selector key, message) for each label the user's selector sets against the
+    accelerator (valid: ``problems()`` empty); such a pod could never be scheduled."""
+    implied = placement(accelerator, framework).node_selector
+    found: list[tuple[str, str]] = []
+    for key, value in node_selector.items():
+        family = ACCELERATOR_LABELS.get(key)
+        if family is not None and family != accelerator.type:
+            found.append((key, f"selects {family} nodes but accelerator.type is "
+                               f"{accelerator.type}"))
+        elif key in implied and implied[key] != value:
+            found.append((key, f"{value!r} contradicts the accelerator, which requires "
+                               f"{implied[key]!r} (set accelerator.product or "
+                               "accelerator.topology instead)"))
+    return found
 
 
 def _ranges(values: tuple[int, ...]) -> str:

@@ -9,12 +9,25 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Mapping
 
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
 
 def _default_tag() -> str:
     try:
         return version("ddm-operator")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "latest"
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    """A true/false variable; anything else is an error (a typo must not flip a default)."""
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip().lower()
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{name} must be true or false, got {raw!r}")
+    return value in _TRUE
 
 
 @dataclass(frozen=True)
@@ -37,24 +50,29 @@ class Images:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """``allow_host_paths`` lets specs mount node directories (file:// checkpoints)."""
+    """``allow_host_paths`` lets specs mount node directories (file:// checkpoints);
+    ``router_auth`` puts every router behind a bearer token, even when its spec asks for none;
+    ``network_policy`` gives each DDMDeployment NetworkPolicies that let only its router reach
+    its experts (and removes them when turned off)."""
 
     images: Images = field(default_factory=lambda: Images.defaults(_default_tag()))
     image_pull_policy: str = "IfNotPresent"
     cluster_domain: str = "cluster.local"
     allow_host_paths: bool = False
+    router_auth: bool = False
+    network_policy: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
         """From ``DDM_IMAGE_{CPU,CUDA,NEURON,TPU}``, ``DDM_IMAGE_PULL_POLICY``,
-        ``DDM_CLUSTER_DOMAIN`` and ``DDM_ALLOW_HOST_PATHS`` (true/false)."""
+        ``DDM_CLUSTER_DOMAIN`` and the true/false switches ``DDM_ALLOW_HOST_PATHS``,
+        ``DDM_ROUTER_AUTH`` and ``DDM_NETWORK_POLICY`` (all false when unset)."""
         base = cls()
         images = Images(**{family: env.get(f"DDM_IMAGE_{family.upper()}") or default
                            for family, default in vars(base.images).items()})
-        allow = env.get("DDM_ALLOW_HOST_PATHS", "false").strip().lower()
-        if allow not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(f"DDM_ALLOW_HOST_PATHS must be true or false, got {allow!r}")
         return cls(images=images,
                    image_pull_policy=env.get("DDM_IMAGE_PULL_POLICY") or base.image_pull_policy,
                    cluster_domain=env.get("DDM_CLUSTER_DOMAIN") or base.cluster_domain,
-                   allow_host_paths=allow in ("true", "1", "yes"))
+                   allow_host_paths=_flag(env, "DDM_ALLOW_HOST_PATHS", base.allow_host_paths),
+                   router_auth=_flag(env, "DDM_ROUTER_AUTH", base.router_auth),
+                   network_policy=_flag(env, "DDM_NETWORK_POLICY", base.network_policy))

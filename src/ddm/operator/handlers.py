@@ -5,9 +5,11 @@ The work is in ``reconcile``; these are the triggers:
 - the DDMDeployment created, updated or found at start-up (resume): a run whose outcome kopf
   sees: an invalid spec posts a Warning and ends in ``PermanentError`` (kopf retries only on the
   next change), a child that could not be applied posts a Warning and a ``TemporaryError``;
-- any change to a child (Deployment, Service, ConfigMap labelled ``managed-by: ddm-operator``,
-  watched with that server-side label selector): deleted or edited children come back within
-  about a second, and the status follows the Deployments' readiness as it changes;
+- any change to a child (Deployment, Service, ConfigMap, NetworkPolicy) or to a pod of its
+  Deployments, all labelled ``managed-by: ddm-operator`` and watched with that server-side
+  label selector: deleted or edited children come back within about a second, and the status
+  follows the Deployments' readiness and the pods' failures (a crash loop, an image that
+  cannot be pulled, a pod no node takes) as they change;
 - a resync timer, in case a watch missed something (a run that changes nothing writes nothing).
 
 No deletion handler: children carry ownerReferences, so the garbage collector removes them,
@@ -57,11 +59,12 @@ def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     memo.reconciler.reconcile(namespace, name, coalesce=True)
 
 
-def _child_changed(namespace: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
-    """Reconcile the DDMDeployment that controls the changed (or deleted) child."""
-    owner = next((ref["name"] for ref in meta.get("ownerReferences") or []
-                  if ref.get("kind") == names.KIND and ref.get("controller")), None)
-    if owner is not None and namespace is not None:
+def _child_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+                   ) -> None:
+    """Reconcile the DDMDeployment whose child (or child's pod) changed or was deleted: the
+    one its ``ddm.dev/deployment`` label names (pods are owned by ReplicaSets, not by it)."""
+    owner = labels.get(names.DEPLOYMENT_LABEL)
+    if owner and namespace is not None:
         memo.reconciler.reconcile(namespace, owner, coalesce=True)
 
 

@@ -4,6 +4,9 @@ Children are written with server-side apply (field manager ``ddm-operator``, for
 the operator stops setting are removed, fields others own (the Deployment controller's
 annotations, a Service's allocated clusterIP, ``kubectl rollout restart``) are kept, and fields
 it owns but someone edited are taken back.
+
+Secrets are only ever created (``create_secret``): the operator's RBAC grants ``create`` on
+Secrets and nothing else, so it can neither read a token nor be tricked into showing one.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ CHILD_KINDS = {
     "Deployment": (client.AppsV1Api, "deployment"),
     "Service": (client.CoreV1Api, "service"),
     "ConfigMap": (client.CoreV1Api, "config_map"),
+    "NetworkPolicy": (client.NetworkingV1Api, "network_policy"),
 }
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
@@ -29,9 +33,10 @@ _MERGE = "application/merge-patch+json"
 class KubeError(RuntimeError):
     """An API call failed; ``status`` is the HTTP status (404, 409, 422, ...)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, detail: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.detail = detail or message  #: the API server's own message
 
 
 def _error(what: str, error: ApiException) -> KubeError:
@@ -40,7 +45,7 @@ def _error(what: str, error: ApiException) -> KubeError:
         detail = json.loads(error.body or "{}").get("message", detail)
     except ValueError:
         pass
-    return KubeError(int(error.status or 0), f"{what}: {detail} (HTTP {error.status})")
+    return KubeError(int(error.status or 0), f"{what}: {detail} (HTTP {error.status})", detail)
 
 
 class Kube:
@@ -48,6 +53,7 @@ class Kube:
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self._custom = client.CustomObjectsApi(api_client)
+        self._core = client.CoreV1Api(api_client)
         self._apis = {kind: cls(api_client) for kind, (cls, _) in CHILD_KINDS.items()}
 
     def _child_call(self, kind: str, verb: str, what: str, *args: Any, **kwargs: Any) -> Any:
@@ -77,7 +83,8 @@ class Kube:
                 raise _error(f"writing the status of {namespace}/{name}", error) from None
 
     def list_children(self, namespace: str, owner: str) -> dict[tuple[str, str], dict[str, Any]]:
-        """Every Deployment, Service and ConfigMap labelled as ``owner``'s, by (kind, name)."""
+        """Every Deployment, Service, ConfigMap and NetworkPolicy labelled as ``owner``'s, by
+        (kind, name)."""
         found: dict[tuple[str, str], dict[str, Any]] = {}
         selector = f"{names.DEPLOYMENT_LABEL}={owner}"
         for kind in CHILD_KINDS:
@@ -86,6 +93,30 @@ class Kube:
             for item in listing.get("items", []):
                 found[(kind, item["metadata"]["name"])] = item
         return found
+
+    def list_pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        """The pods of ``owner``'s Deployments (they carry its labels)."""
+        selector = (f"{names.DEPLOYMENT_LABEL}={owner},"
+                    f"{names.MANAGED_BY_LABEL}={names.MANAGED_BY}")
+        try:
+            response = self._core.list_namespaced_pod(namespace, label_selector=selector,
+                                                      _preload_content=False)
+        except ApiException as error:
+            raise _error(f"listing the pods of {owner}", error) from None
+        return json.loads(response.data or b"{}").get("items", [])
+
+    def create_secret(self, manifest: Mapping[str, Any]) -> bool:
+        """Create a Secret unless one of that name exists (never read, never updated);
+        True when this call created it."""
+        meta = manifest["metadata"]
+        try:
+            self._core.create_namespaced_secret(meta["namespace"], dict(manifest),
+                                                _preload_content=False)
+        except ApiException as error:
+            if error.status == 409:
+                return False
+            raise _error(f"creating Secret {meta['name']}", error) from None
+        return True
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """One child by name, or None when there is none."""

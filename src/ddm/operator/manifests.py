@@ -1,10 +1,16 @@
 """Pure builders: a validated spec and the owner's metadata -> the children's manifests.
 
 No API calls and no kopf: the handlers add ownerReferences, hash and apply what these return.
-Every pod runs under the restricted Pod Security profile (non-root uid 10001, read-only root
-file system, no privilege escalation, all capabilities dropped, RuntimeDefault seccomp), with
-emptyDirs for the few places a server writes: /tmp, a cache directory and, on Neuron, the
-compile cache. ``meta`` needs ``name`` and ``namespace`` (kopf's ``meta`` or a plain dict).
+Every pod meets the restricted Pod Security profile (non-root uid 10001, read-only root file
+system, no privilege escalation, all capabilities dropped, RuntimeDefault seccomp, no host
+namespaces or ports), with emptyDirs for the few places a server writes: /tmp, a cache
+directory and, on Neuron, the compile cache. Volumes are emptyDir, configMap, secret and
+persistentVolumeClaim, with one exception: a file:// checkpoint is a hostPath, which the
+restricted profile forbids; the operator builds one only when its operator-wide setting
+``DDM_ALLOW_HOST_PATHS`` is on (single-node and development clusters).
+A container that fails says why in its termination message (the server writes it; when it
+could not, Kubernetes takes the end of its log), which the status reports.
+``meta`` needs ``name`` and ``namespace`` (kopf's ``meta`` or a plain dict).
 """
 
 from __future__ import annotations
@@ -15,14 +21,23 @@ import json
 from typing import Any, Mapping
 
 from ddm.operator import names
+from ddm.operator.access import (
+    ROUTER_TOKEN_DIR,
+    ROUTER_TOKEN_FILE,
+    build_network_policies,
+    router_token,
+)
 from ddm.operator.accelerators import NEURON_CACHE_DIR, placement
 from ddm.operator.checkpoints import Checkpoint, CheckpointMount, checkpoint_mount
 from ddm.operator.config import OperatorConfig
-from ddm.operator.spec import DDMSpec, ExpertSpec, PodOptions
+from ddm.operator.pod_options import PodOptions
+from ddm.operator.spec import DDMSpec, ExpertSpec
 from ddm.serving.router_config import (
+    Auth,
     DnsDiscovery,
     ExpertEntry,
     RouterConfigFile,
+    RouterLimits,
     SamplingDefaults,
 )
 
@@ -41,6 +56,10 @@ ROUTER_CONFIG_DIR = "/etc/ddm"
 ROUTER_CONFIG_FILE = "router.yaml"
 EXPERT_CHECKPOINT_DIR = "/models/expert"
 ROUTER_CHECKPOINT_DIR = "/models/router"
+#: Kubernetes writes a failed container's reason into its status from this file, or from the
+#: end of its log when the file is empty.
+TERMINATION_MESSAGE = {"terminationMessagePath": "/dev/termination-log",
+                       "terminationMessagePolicy": "FallbackToLogsOnError"}
 #: How long a server may take to load (and compile) its model before it is restarted.
 STARTUP_BUDGET_S = {"neuron": 1800, "default": 600}
 _PROBE_PERIOD_S = 10
@@ -48,8 +67,11 @@ _PROBE_PERIOD_S = 10
 
 def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                    ) -> list[dict[str, Any]]:
-    """Every child, in the order to apply them: experts first, the router's config, the router."""
-    children: list[dict[str, Any]] = []
+    """Every child, in the order to apply them: the NetworkPolicies (when on), experts, the
+    router's config, the router. Not the token Secret (``build_router_token_secret``): the
+    operator only ever creates it, never reads or updates it."""
+    children: list[dict[str, Any]] = (build_network_policies(meta) if config.network_policy
+                                      else [])
     for expert in spec.experts:
         children.append(build_expert_service(expert, meta))
         children.append(build_expert_deployment(expert, meta, config))
@@ -89,6 +111,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + mount.mounts,
         **_probes(STARTUP_BUDGET_S.get(expert.accelerator.type, STARTUP_BUDGET_S["default"])),
+        **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     pod = _pod_spec(container, expert.pod, volumes + mount.volumes, mount.init_containers,
@@ -123,7 +146,11 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
         sampling=SamplingDefaults(spec.sampling.steps, spec.sampling.solver,
                                   spec.sampling.strategy),
         router_checkpoint=None if checkpoint is None else
-        (checkpoint.path if checkpoint.scheme == "image" else ROUTER_CHECKPOINT_DIR))
+        (checkpoint.path if checkpoint.scheme == "image" else ROUTER_CHECKPOINT_DIR),
+        # Requests may ask for as many steps as the DDM's own default.
+        limits=RouterLimits(max_steps=max(RouterLimits().max_steps, spec.sampling.steps)),
+        auth=(Auth(token_file=ROUTER_TOKEN_FILE) if router_token(spec, meta, config)
+              else None))
 
 
 def build_router_configmap(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
@@ -149,6 +176,12 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     env, volumes, mounts = _scratch()
     volumes.append({"name": "config", "configMap": {"name": names.router_config_name(owner)}})
     mounts.append({"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True})
+    token = router_token(spec, meta, config)
+    if token is not None:
+        volumes.append({"name": "router-token", "secret": {
+            "secretName": token.secret_name, "defaultMode": 0o440,
+            "items": [{"key": token.key, "path": "token"}]}})
+        mounts.append({"name": "router-token", "mountPath": ROUTER_TOKEN_DIR, "readOnly": True})
     resources = _resources(router.pod, {})
     container = {
         "name": "router",
@@ -162,6 +195,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + (mount.mounts if mount else []),
         **_probes(STARTUP_BUDGET_S["default"]),
+        **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     pod = _pod_spec(container, router.pod, volumes + (mount.volumes if mount else []),
@@ -212,6 +246,7 @@ def _checkpoint(checkpoint: Checkpoint, mount_path: str, image: str, config: Ope
         "imagePullPolicy": config.image_pull_policy,
         "env": [{"name": "HOME", "value": "/tmp"}],
         "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path,
@@ -249,15 +284,18 @@ def _probes(startup_budget_s: int) -> dict[str, Any]:
 def _pod_spec(container: dict[str, Any], options: PodOptions, volumes: list[dict[str, Any]],
               init_containers: list[dict[str, Any]], *, node_selector: dict[str, str],
               tolerations: list[dict[str, str]]) -> dict[str, Any]:
-    """The pod: the user's placement passes through; the accelerator's selectors win a clash."""
+    """The pod: the user's placement passes through (the spec's checks leave no clash with the
+    accelerator's selectors). Every ``$`` in a command is doubled: Kubernetes would expand
+    ``$(VAR)`` in a URI or path, and nothing the operator passes is meant to be expanded."""
     selector = {**(options.node_selector or {}), **node_selector}
     extra = [dict(t) for t in options.tolerations if dict(t) not in tolerations]
+    init_containers = [_literal_command(c) for c in init_containers]
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,  # servers never call the Kubernetes API
         "enableServiceLinks": False,
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
         **({"initContainers": init_containers} if init_containers else {}),
-        "containers": [container],
+        "containers": [_literal_command(container)],
         "volumes": volumes,
     }
     if selector:
@@ -267,6 +305,10 @@ def _pod_spec(container: dict[str, Any], options: PodOptions, volumes: list[dict
     if options.affinity:
         pod["affinity"] = copy.deepcopy(dict(options.affinity))
     return pod
+
+
+def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
+    return {**container, "command": [arg.replace("$", "$$") for arg in container["command"]]}
 
 
 def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],

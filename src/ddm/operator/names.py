@@ -1,8 +1,10 @@
 """Names, labels and addresses of a DDMDeployment's children: one place, used by every module.
 
-Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap) and
-``<name>-expert-<expert>`` (Deployment, headless Service). The CRD bounds both names so that
-every Service name stays a DNS-1035 label of at most 63 characters.
+Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
+``<name>-expert-<expert>`` (Deployment, headless Service), with router authentication
+``<name>-router-token`` (a Secret the operator creates when the spec names none), and with
+NetworkPolicies on ``<name>-experts`` and ``<name>-router``. The CRD bounds both names so
+that every Service name stays a DNS-1035 label of at most 63 characters.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ SPEC_HASH_ANNOTATION = "ddm.dev/spec-hash"
 #: Hash of router.yaml on the router's pod template: a new config rolls the router.
 CONFIG_HASH_ANNOTATION = "ddm.dev/config-hash"
 
-#: What kopf watches for changes to children: (group, version, plural); "v1" is the core group.
-CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps"))
+#: What kopf watches (labelled ``managed-by: ddm-operator``) to reconcile the owner on a change:
+#: (group, version, plural); "v1" is the core group. The children the operator writes, and the
+#: pods of its Deployments (their state is the status's "why not ready"). Never Secrets: the
+#: operator may create them but not read them.
+CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps"),
+                   ("networking.k8s.io", "v1", "networkpolicies"), ("v1", "pods"))
 
 EXPERT_PORT = 8000
 ROUTER_PORT = 8080
@@ -43,6 +49,16 @@ def router_name(owner: str) -> str:
 def router_config_name(owner: str) -> str:
     """The ConfigMap holding router.yaml."""
     return f"{owner}-router-config"
+
+
+def router_token_name(owner: str) -> str:
+    """The Secret holding the router's bearer token when the spec names none."""
+    return f"{owner}-router-token"
+
+
+def network_policy_name(owner: str, component: str) -> str:
+    """The NetworkPolicy guarding ``component`` (experts or router)."""
+    return f"{owner}-{component}"
 
 
 def labels(owner: str, component: str, expert: str | None = None) -> dict[str, str]:

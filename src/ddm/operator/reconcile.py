@@ -9,13 +9,21 @@ Per child: absent -> apply (create); there but not controlled by this resource -
 never overwritten; spec hash differs -> apply (update); hash equal -> a dry-run apply shows
 whether someone edited it, and only then apply (restore). (Applying unconditionally would be
 simpler, but on Kubernetes 1.20 even a no-op apply bumps the resourceVersion, so every apply
-would trigger another run.) Children of removed experts are deleted. An invalid spec leaves
-every child as it is.
+would trigger another run.) Children no longer wanted (a removed expert, NetworkPolicies once
+the setting is off) are deleted. An invalid spec leaves every child as it is.
+
+Before writing anything, every child to create or update is applied as a dry run: a value the
+API server refuses (one the spec's checks do not model, such as a malformed ``affinity``)
+makes the spec invalid, reported like the spec's own problems, and no child is written, so a
+DDM is never left half-created. With router authentication and no Secret named in the spec,
+the token Secret is created on every run (a 409 means it exists; it is never read).
+The status reports the pods' troubles (``status.pod_trouble``): a pod event triggers a run.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import weakref
 from dataclasses import dataclass
@@ -24,6 +32,7 @@ from typing import Any, Callable, Mapping
 import kopf
 
 from ddm.operator import names
+from ddm.operator.access import build_router_token_secret, creates_token_secret, router_token
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.manifests import build_children, with_spec_hash
@@ -86,8 +95,16 @@ class Reconciler:
             kopf.append_owner_reference(manifest, owner=body)
             desired.append(with_spec_hash(manifest))
         live = self._kube.list_children(namespace, name)
+        refused = self._refused(desired, live)
+        if refused:
+            error = SpecError(refused)
+            self._report(body, invalid_status(error, meta, previous=previous, now=now_rfc3339()))
+            return Outcome(spec_error=error)
         actions: list[tuple[str, str]] = []
         errors: list[str] = []
+        token = router_token(spec, meta, self._config)
+        if creates_token_secret(spec, self._config):
+            self._attempt(errors, actions, self._create_token_secret, body)
         for manifest in desired:
             self._attempt(errors, actions, self._converge, manifest,
                           live.get(_key(manifest)), meta["uid"])
@@ -98,13 +115,44 @@ class Reconciler:
         for reason, message in actions:
             log.info("%s/%s: %s", namespace, name, message)
             kopf.info(body, reason=reason, message=message)
+        pods: list[dict[str, Any]] = []
+        try:
+            pods = self._kube.list_pods(namespace, name)
+        except KubeError as error:
+            errors.append(str(error))
         for error in errors:
             log.warning("%s/%s: %s", namespace, name, error)
         failure = errors[0] if errors else None
         deployments = {n: obj for (kind, n), obj in live.items() if kind == "Deployment"}
-        self._report(body, ready_status(spec, meta, deployments=deployments, previous=previous,
-                                        now=now_rfc3339(), failure=failure))
+        self._report(body, ready_status(
+            spec, meta, deployments=deployments, previous=previous, now=now_rfc3339(),
+            failure=failure, pods=pods, token_secret=token.secret_name if token else None))
         return Outcome(failure=failure)
+
+    def _refused(self, desired: list[dict[str, Any]],
+                 live: Mapping[tuple[str, str], Mapping[str, Any]]) -> list[str]:
+        """What the API server would refuse (HTTP 422) among the children to write."""
+        refused = []
+        for manifest in desired:
+            current = live.get(_key(manifest))
+            if current is not None and _spec_hash(current) == _spec_hash(manifest):
+                continue
+            try:
+                self._kube.apply(manifest, dry_run=True)
+            except KubeError as error:
+                if error.status == 422:
+                    kind, child = _key(manifest)
+                    refused.append(f"spec: the API server refuses it as {kind} {child}: "
+                                   f"{error.detail}")
+        return refused
+
+    def _create_token_secret(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
+        secret = build_router_token_secret(body["metadata"], secrets.token_urlsafe(32))
+        kopf.append_owner_reference(secret, owner=body)
+        if self._kube.create_secret(secret):
+            return "Created", (f"Created Secret {secret['metadata']['name']} (the router's "
+                               "bearer token)")
+        return None
 
     def _converge(self, desired: dict[str, Any], live: Mapping[str, Any] | None, owner_uid: str
                   ) -> tuple[str, str] | None:
@@ -141,7 +189,7 @@ class Reconciler:
 
     def _delete(self, kind: str, namespace: str, name: str) -> tuple[str, str]:
         self._kube.delete(kind, namespace, name)
-        return "Deleted", f"Deleted {kind} {name} (its expert was removed)"
+        return "Deleted", f"Deleted {kind} {name} (no longer wanted by the spec or settings)"
 
     def _report(self, body: Mapping[str, Any], status: dict[str, Any]) -> None:
         if status != body.get("status"):

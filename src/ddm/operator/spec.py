@@ -16,16 +16,17 @@ from typing import Any, Mapping
 import yaml
 
 from ddm.operator.accelerators import (
-    ACCELERATOR_RESOURCES,
     ACCELERATOR_TYPES,
     FRAMEWORKS,
     NEURON_UNITS,
     Accelerator,
+    node_label_conflicts,
     with_defaults,
 )
 from ddm.operator.checkpoints import Checkpoint, parse_checkpoint
 from ddm.operator.fields import FieldReader
 from ddm.operator.names import API_VERSION, KIND
+from ddm.operator.pod_options import PodOptions, parse_pod_options
 from ddm.serving.router_config import MAX_STEPS, SOLVERS, STRATEGY_PATTERN
 
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -41,6 +42,11 @@ MAX_DELAY_MS = 10_000
 MAX_ACCELERATOR_COUNT = 32
 PRODUCT_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 TOPOLOGY_PATTERN = r"^[1-9][0-9]?(x[1-9][0-9]?){1,2}$"
+#: A Secret's name (a DNS-1123 subdomain) and a key in it (no leading '.', so never '..').
+SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+MAX_SECRET_NAME_LENGTH = 253
+SECRET_KEY_PATTERN = r"^[-_A-Za-z0-9][-._A-Za-z0-9]*$"
+DEFAULT_TOKEN_KEY = "token"
 
 
 class SpecError(ValueError):
@@ -52,17 +58,6 @@ class SpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class PodOptions:
-    """Passed through to the pods as given (treat the mappings as read-only)."""
-
-    image: str | None = None
-    resources: Mapping[str, Any] | None = None
-    node_selector: Mapping[str, str] | None = None
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    affinity: Mapping[str, Any] | None = None
-
-
-@dataclass(frozen=True)
 class Sampling:
     steps: int = 40
     solver: str = "euler"
@@ -70,12 +65,23 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class RouterAuth:
+    """Bearer-token authentication: the token is ``key`` of Secret ``secret_name``; None:
+    the operator creates (and owns) a Secret with a random token."""
+
+    secret_name: str | None = None
+    key: str = DEFAULT_TOKEN_KEY
+
+
+@dataclass(frozen=True)
 class RouterSpec:
-    """``checkpoint`` is None only with the oracle strategy (it routes by label)."""
+    """``checkpoint`` is None only with the oracle strategy (it routes by label); ``auth``
+    None: the spec does not ask for authentication (the operator may still require it)."""
 
     replicas: int = 1
     checkpoint: Checkpoint | None = None
     pod: PodOptions = PodOptions()
+    auth: RouterAuth | None = None
 
 
 @dataclass(frozen=True)
@@ -169,35 +175,26 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool) -> Checkpoint | Non
     return checkpoint
 
 
-def _pod_options(reader: FieldReader) -> PodOptions:
-    node_selector = reader.mapping("nodeSelector")
-    if node_selector and not all(isinstance(v, str) for v in node_selector.values()):
-        reader.problem("nodeSelector", "values must be strings")
-    tolerations = reader.items("tolerations")
-    if not all(isinstance(t, Mapping) for t in tolerations):
-        reader.problem("tolerations", "must be a list of objects")
-    resources = reader.mapping("resources")
-    for key, amounts in (resources or {}).items():
-        if key not in ("limits", "requests") or not isinstance(amounts, Mapping):
-            reader.problem(f"resources.{key}", "only limits and requests (objects) are allowed")
-            continue
-        for name in sorted(set(amounts) & ACCELERATOR_RESOURCES):
-            reader.problem(f"resources.{key}", f"{name} is set from accelerator; use "
-                                               "accelerator.type and accelerator.count")
-    return PodOptions(
-        image=reader.string("image", None, max_length=512),
-        resources=resources,
-        node_selector=node_selector,
-        tolerations=tuple(t for t in tolerations if isinstance(t, Mapping)),
-        affinity=reader.mapping("affinity"),
+def _auth(reader: FieldReader) -> RouterAuth:
+    auth = RouterAuth(
+        secret_name=reader.string("secretName", None, pattern=SECRET_NAME_PATTERN,
+                                  max_length=MAX_SECRET_NAME_LENGTH,
+                                  hint="a Secret name: lower-case letters, digits, '-' and '.'"),
+        key=reader.string("key", DEFAULT_TOKEN_KEY, pattern=SECRET_KEY_PATTERN,
+                          max_length=MAX_SECRET_NAME_LENGTH,
+                          hint="a key of the Secret: letters, digits, '-', '_' and '.'")
+        or DEFAULT_TOKEN_KEY,
     )
+    reader.done()
+    return auth
 
 
 def _router(reader: FieldReader, allow_host_paths: bool) -> RouterSpec:
     checkpoint = (_checkpoint(reader.child("checkpoint"), allow_host_paths)
                   if reader.has("checkpoint") else None)
+    auth = _auth(reader.child("auth")) if reader.has("auth") else None
     router = RouterSpec(replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
-                        checkpoint=checkpoint, pod=_pod_options(reader))
+                        checkpoint=checkpoint, pod=parse_pod_options(reader), auth=auth)
     reader.done()
     return router
 
@@ -224,7 +221,8 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         reader.problem("name", "is required")
     framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
     accelerator = with_defaults(_accelerator(reader.child("accelerator")))
-    for field, message in accelerator.problems(framework):
+    accelerator_problems = accelerator.problems(framework)
+    for field, message in accelerator_problems:
         reader.problem(f"accelerator.{field}", message)
     checkpoint = None
     if reader.has("checkpoint"):
@@ -246,8 +244,12 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
         max_batch=reader.integer("maxBatch", None, 1, MAX_BATCH),
         max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
-        pod=_pod_options(reader),
+        pod=parse_pod_options(reader),
     )
+    if not accelerator_problems:
+        for key, message in node_label_conflicts(accelerator, framework,
+                                                 expert.pod.node_selector or {}):
+            reader.problem(f"nodeSelector[{key!r}]", message)
     reader.done()
     return expert if name and checkpoint else None
 

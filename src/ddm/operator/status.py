@@ -1,21 +1,107 @@
-"""A DDMDeployment's status, computed (purely) from its spec and its Deployments' statuses.
+"""A DDMDeployment's status, computed (purely) from its spec, its Deployments' statuses and
+its pods.
 
 Conditions follow the Kubernetes convention: ``lastTransitionTime`` changes only when a
 condition's status does, so recomputing an unchanged state yields an equal status and the
 operator writes nothing. ``Ready`` is ``SpecValid`` and ``ExpertsReady`` and ``RouterReady``.
-An expert is ready when every replica it asks for (at least one) is ready.
+An expert is ready when every replica it asks for (at least one) is ready. When one is not,
+its pods say why (``pod_trouble``): a container that keeps failing (with its exit status and
+termination message: an expert that cannot load its checkpoint writes the reason there), an
+image that cannot be pulled, a pod no node can take; the status repeats it per expert and in
+the ExpertsReady (or RouterReady) message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ddm.operator import names
 from ddm.operator.spec import DDMSpec, SpecError
 
 PHASES = ("Pending", "Progressing", "Ready", "Failed", "Invalid")
+#: A container waiting for one of these will not start by itself.
+FAILING_WAITING_REASONS = frozenset({
+    "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+#: Characters of a termination message kept (its last line: a traceback ends with the error).
+MAX_DETAIL = 400
+
+
+@dataclass(frozen=True)
+class Trouble:
+    """Why a pod is not running: a short ``reason`` (CrashLoopBackOff, Unschedulable, ...) and
+    a sentence naming the container and what it said."""
+
+    reason: str
+    message: str
+
+
+def pod_trouble(pods: Sequence[Mapping[str, Any]]) -> Trouble | None:
+    """Why the first (by name) of ``pods`` that cannot run cannot; None if none says so.
+
+    Pods being deleted are left out: they belong to a rollout that has moved on.
+    """
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        status = pod.get("status") or {}
+        for field, what in (("initContainerStatuses", "init container"),
+                            ("containerStatuses", "container")):
+            for container in status.get(field) or []:
+                trouble = _container_trouble(container, what)
+                if trouble:
+                    return trouble
+        for condition in status.get("conditions") or []:
+            if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+                reason = condition.get("reason") or "Unschedulable"
+                return Trouble(reason, f"pod {pod['metadata']['name']} cannot be scheduled: "
+                                       f"{_detail(condition.get('message') or reason)}")
+    return None
+
+
+def _container_trouble(container: Mapping[str, Any], what: str) -> Trouble | None:
+    state, last = container.get("state") or {}, container.get("lastState") or {}
+    waiting = state.get("waiting") or {}
+    failed = state.get("terminated") or {}
+    if failed and failed.get("exitCode", 0) == 0:
+        failed = {}  # an init container that finished its work
+    if waiting.get("reason") not in FAILING_WAITING_REASONS and not failed:
+        return None
+    name, restarts = container.get("name", "?"), int(container.get("restartCount") or 0)
+    ended = failed or last.get("terminated") or {}
+    reason = waiting.get("reason") or failed.get("reason") or "Error"
+    if not ended:  # never ran: the image, or the container's configuration
+        return Trouble(reason, f"{what} {name}: {reason}: "
+                               f"{_detail(waiting.get('message') or 'no message')}")
+    said = _detail(ended.get("message") or ended.get("reason") or "no message")
+    times = "time" if restarts == 1 else "times"
+    return Trouble(reason, f"{what} {name} restarted {restarts} {times}; last exit "
+                           f"{ended.get('exitCode', '?')}: {said}")
+
+
+def _detail(text: str) -> str:
+    """The last non-empty line of ``text``, cut to ``MAX_DETAIL`` characters."""
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if len(last) <= MAX_DETAIL else last[:MAX_DETAIL - 3] + "..."
+
+
+def pods_by_owner(owner: str, pods: Sequence[Mapping[str, Any]]
+                  ) -> dict[str | None, list[Mapping[str, Any]]]:
+    """The pods of ``owner``'s Deployments by expert name (None: the router's)."""
+    grouped: dict[str | None, list[Mapping[str, Any]]] = {}
+    for pod in pods:
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get(names.DEPLOYMENT_LABEL) != owner:
+            continue
+        component = labels.get(names.COMPONENT_LABEL)
+        if component == "expert" and labels.get(names.EXPERT_LABEL):
+            grouped.setdefault(labels[names.EXPERT_LABEL], []).append(pod)
+        elif component == "router":
+            grouped.setdefault(None, []).append(pod)
+    return grouped
 
 
 @dataclass(frozen=True)
@@ -43,9 +129,12 @@ def now_rfc3339() -> str:
 
 def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                  deployments: Mapping[str, Mapping[str, Any]], previous: Mapping[str, Any],
-                 now: str, failure: str | None = None) -> dict[str, Any]:
+                 now: str, failure: str | None = None, pods: Sequence[Mapping[str, Any]] = (),
+                 token_secret: str | None = None) -> dict[str, Any]:
     """The status of a valid spec. ``deployments``: live child Deployments by name;
-    ``failure``: why applying the children failed, if it did (phase Failed)."""
+    ``failure``: why applying the children failed, if it did (phase Failed); ``pods``: the
+    pods of the children, which say why a replica is not ready; ``token_secret``: the Secret
+    holding the router's token (its name only), when the router requires one."""
     owner, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     experts = {
         e.name: Replicas(e.replicas,
@@ -54,23 +143,33 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     }
     router = Replicas(spec.router.replicas,
                       ready_replicas(deployments.get(names.router_name(owner))))
+    grouped = pods_by_owner(owner, pods)
+    troubles = {name: pod_trouble(grouped.get(name, [])) for name, r in
+                [*experts.items(), (None, router)] if not r.complete}
+    failing = [f"expert {name}: {r.ready}/{r.desired} ready: {troubles[name].message}"
+               for name, r in experts.items() if troubles.get(name)]
     waiting = [f"{name} ({r.ready}/{r.desired} ready)" for name, r in experts.items()
-               if not r.complete]
-    ready_count = len(experts) - len(waiting)
+               if not r.complete and not troubles.get(name)]
+    ready_count = sum(r.complete for r in experts.values())
     old = _by_type(previous)
     experts_ready = _condition(
-        old, "ExpertsReady", not waiting, generation, now,
-        ("AllExpertsReady", f"{ready_count}/{len(experts)} experts ready") if not waiting else
-        ("ExpertsNotReady", f"waiting for {', '.join(waiting)}"))
+        old, "ExpertsReady", ready_count == len(experts), generation, now,
+        ("AllExpertsReady", f"{ready_count}/{len(experts)} experts ready")
+        if ready_count == len(experts) else
+        ("ExpertsNotReady", "; ".join(failing + ([f"waiting for {', '.join(waiting)}"]
+                                                 if waiting else []))))
+    router_trouble = troubles.get(None)
     router_ready = _condition(
         old, "RouterReady", router.complete, generation, now,
         ("RouterReady" if router.complete else "RouterNotReady",
-         f"{router.ready}/{router.desired} router replicas ready"))
+         f"{router.ready}/{router.desired} router replicas ready"
+         + (f": {router_trouble.message}" if router_trouble else "")))
     spec_valid = _condition(old, "SpecValid", True, generation, now, ("Valid", "spec is valid"))
     if failure:
         ready = _condition(old, "Ready", False, generation, now, ("ApplyFailed", failure))
     else:
-        ready = _condition(old, "Ready", router.complete and not waiting, generation, now,
+        ready = _condition(old, "Ready", router.complete and ready_count == len(experts),
+                           generation, now,
                            _ready_reason(experts_ready, router_ready, len(experts)))
     any_ready = router.ready > 0 or any(r.ready > 0 for r in experts.values())
     phase = ("Failed" if failure else "Ready" if ready["status"] == "True" else
@@ -80,12 +179,19 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         "phase": phase,
         "expertsReady": f"{ready_count}/{len(experts)}",
         "routerURL": names.router_url(owner, namespace),
-        "router": {"replicas": router.desired, "readyReplicas": router.ready},
+        **({"routerTokenSecret": token_secret} if token_secret else {}),
+        "router": {"replicas": router.desired, "readyReplicas": router.ready,
+                   **_why(router_trouble)},
         "experts": [{"name": e.name, "accelerator": e.accelerator.describe(),
                      "replicas": experts[e.name].desired,
-                     "readyReplicas": experts[e.name].ready} for e in spec.experts],
+                     "readyReplicas": experts[e.name].ready, **_why(troubles.get(e.name))}
+                    for e in spec.experts],
         "conditions": [ready, spec_valid, experts_ready, router_ready],
     }
+
+
+def _why(trouble: Trouble | None) -> dict[str, str]:
+    return {"reason": trouble.reason, "message": trouble.message} if trouble else {}
 
 
 def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mapping[str, Any],
@@ -97,7 +203,7 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
     kept = [old[t] for t in ("ExpertsReady", "RouterReady") if t in old]
     return {
         **{k: v for k, v in previous.items() if k in ("expertsReady", "routerURL", "router",
-                                                        "experts")},
+                                                        "experts", "routerTokenSecret")},
         "observedGeneration": generation,
         "phase": "Invalid",
         "conditions": [

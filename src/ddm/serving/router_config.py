@@ -5,6 +5,8 @@ The operator writes it into a ConfigMap and the local runtime into a file; ``ddm
 each is reached either through DNS (a headless Service name that resolves to every ready pod:
 the router re-resolves it every ``dns_refresh_s`` and balances over the addresses) or through a
 static list of ``host:port`` endpoints. Unknown keys are errors, so a typo never goes unnoticed.
+``limits`` bounds what one request may ask for and how many run at once; ``auth``, when present,
+makes every ``/v1/*`` route require ``Authorization: Bearer <the token in token_file>``.
 
 Imports neither NumPy nor any ML framework: the operator imports this module. The strategy
 grammar is the CRD's (``crds/ddmdeployments.ddm.dev.yaml``); a test checks that every name it
@@ -46,11 +48,15 @@ def _is_number(value: Any) -> bool:
 
 
 def _strict(cls: type, raw: Any, where: str) -> dict[str, Any]:
-    """``raw`` as keyword arguments of dataclass ``cls``; unknown keys are errors."""
+    """``raw`` as keyword arguments of dataclass ``cls``; unknown or missing keys are errors."""
     _check(isinstance(raw, Mapping), f"{where} must be a mapping, got {raw!r}")
-    known = [f.name for f in dataclasses.fields(cls)]
+    fields = dataclasses.fields(cls)
+    known = [f.name for f in fields]
     unknown = sorted(set(raw) - set(known))
     _check(not unknown, f"{where} has unknown keys {unknown}; known keys: {known}")
+    missing = [f.name for f in fields if f.name not in raw
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    _check(not missing, f"{where} needs {' and '.join(missing)}")
     return dict(raw)
 
 
@@ -112,7 +118,6 @@ def _discovery(raw: Any, where: str) -> Discovery:
         return StaticDiscovery(tuple(str(e) for e in args["endpoints"]))
     _check("dns" in raw, f"{where} needs either dns (with port) or endpoints")
     args = _strict(DnsDiscovery, raw, where)
-    _check("port" in args, f"{where}.port is required with dns")
     return DnsDiscovery(**args)
 
 
@@ -134,7 +139,6 @@ class ExpertEntry:
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> ExpertEntry:
         args = _strict(cls, raw, where)
-        _check("name" in args and "discovery" in args, f"{where} needs name and discovery")
         classes = args.get("classes", ())
         _check(isinstance(classes, (list, tuple)), f"{where}.classes must be a list")
         return cls(name=args["name"], classes=tuple(classes),
@@ -173,6 +177,40 @@ class Retries:
 
 
 @dataclass(frozen=True)
+class RouterLimits:
+    """What one request may ask for, and how many generations run at once (more get 429).
+
+    ``max_body_bytes`` bounds a JSON body (413 beyond it): 64 labels and every field fit in a
+    few hundred bytes, so the default leaves room without letting a client make us buffer much.
+    """
+
+    max_batch: int = 64
+    max_steps: int = 200
+    max_concurrent: int = 16
+    max_body_bytes: int = 65536
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1,
+                   f"limits.{name} must be an integer >= 1, got {value!r}")
+        _check(self.max_steps <= MAX_STEPS,
+               f"limits.max_steps must be at most {MAX_STEPS}, got {self.max_steps}")
+
+
+@dataclass(frozen=True)
+class Auth:
+    """Bearer-token authentication: the token is the content of ``token_file`` (a mounted
+    Secret), stripped of surrounding whitespace, and re-read when the file changes."""
+
+    token_file: str
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.token_file, str) and bool(self.token_file.strip()),
+               f"auth.token_file must be a file path, got {self.token_file!r}")
+
+
+@dataclass(frozen=True)
 class RouterConfigFile:
     """The whole of ``router.yaml``. ``router_checkpoint`` is None only for the oracle."""
 
@@ -183,6 +221,8 @@ class RouterConfigFile:
     timeouts: Timeouts = field(default_factory=Timeouts)
     retries: Retries = field(default_factory=Retries)
     dns_refresh_s: float = 5.0
+    limits: RouterLimits = field(default_factory=RouterLimits)
+    auth: Auth | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.experts) > 0, "experts must list at least one expert")
@@ -199,23 +239,27 @@ class RouterConfigFile:
                "routes without the router network)")
         _check(_is_number(self.dns_refresh_s) and self.dns_refresh_s > 0,
                f"dns_refresh_s must be > 0, got {self.dns_refresh_s!r}")
+        _check(self.sampling.steps <= self.limits.max_steps,
+               f"sampling.steps {self.sampling.steps} exceeds limits.max_steps "
+               f"{self.limits.max_steps}")
 
     @classmethod
     def from_dict(cls, raw: Any) -> RouterConfigFile:
         args = _strict(cls, raw, "router config")
-        _check("experts" in args, "router config needs experts")
         _check(isinstance(args["experts"], list), "experts must be a list")
         args["experts"] = tuple(ExpertEntry.from_dict(e, f"experts[{i}]")
                                 for i, e in enumerate(args["experts"]))
         for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),
-                          ("retries", Retries)):
-            if key in args:
+                          ("retries", Retries), ("limits", RouterLimits), ("auth", Auth)):
+            if key in args and not (key == "auth" and args[key] is None):
                 args[key] = kind(**_strict(kind, args[key], key))
         return cls(**args)
 
     def to_dict(self) -> dict[str, Any]:
         out = _plain(dataclasses.asdict(self))
         out["experts"] = [e.to_dict() for e in self.experts]
+        if self.auth is None:
+            del out["auth"]
         return out
 
     @classmethod
