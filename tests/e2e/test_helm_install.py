@@ -1,0 +1,288 @@
+"""A user's first ten minutes, on the dev cluster: `helm install`, `kubectl apply`, digits.
+
+The real helm installs the chart; the test node agent (tests/e2e/node_agent.py, which plays
+the kubelet) runs the operator pod under the chart's ServiceAccount, then the expert and router
+pods the operator creates, from their pod specs. The real scheduler, ReplicaSet, endpoints and
+garbage collector controllers do the rest; the router finds its experts through cluster DNS.
+Then the digits the router draws must be read as the asked ones by the shipped classifier.
+
+The module runs in order: dry-run, install, example, generate, security checks, upgrade,
+uninstall. Every wait polls the API with a deadline.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import numpy as np
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from PIL import Image
+
+from ddm.devcluster import ClusterInfo
+from ddm.evaluation.commands import evaluate_images
+from helm_tool import ensure_helm
+from node_agent import NodeAgent
+from podsecurity import violations
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "ddm-operator"
+EXAMPLE = ROOT / "examples" / "digits.yaml"
+RELEASE, SYSTEM, USERS = "ddm", "ddm-system", "digits-demo"
+OPERATOR_ACCOUNT = f"system:serviceaccount:{SYSTEM}:{RELEASE}-ddm-operator"
+RELEASE_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
+READY_TIMEOUT_S = 420
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T], timeout_s: float, what: str,
+             explain: Callable[[], str] = lambda: "") -> T:
+    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline
+    (and what ``explain`` says then, e.g. the logs of the pods involved)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; last: {result!r}\n"
+                        f"{explain()}")
+        time.sleep(0.5)
+
+
+def pod_logs(agent: NodeAgent, core: client.CoreV1Api, namespace: str,
+             tail_chars: int = 4000) -> str:
+    """The end of every container log of the pods in ``namespace`` (for failure messages)."""
+    parts = []
+    for pod in core.list_namespaced_pod(namespace).items:
+        for container in pod.spec.containers:
+            text = agent.logs(namespace, pod.metadata.name, container.name)
+            parts.append(f"--- {pod.metadata.name}/{container.name}\n{text[-tail_chars:]}")
+    return "\n".join(parts)
+
+
+class Tools:
+    """helm and kubectl as a user runs them, logged in as the dev cluster's admin."""
+
+    def __init__(self, cluster: ClusterInfo) -> None:
+        self.helm = ensure_helm()
+        self.env = {**os.environ, "KUBECONFIG": str(cluster.kubeconfig),
+                    "HELM_CACHE_HOME": str(cluster.state_dir / "helm-cache"),
+                    "HELM_CONFIG_HOME": str(cluster.state_dir / "helm-config"),
+                    "HELM_DATA_HOME": str(cluster.state_dir / "helm-data")}
+
+    def run(self, *command: str, stdin: str | None = None, ok: bool = True,
+            timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+        executable = str(self.helm) if command[0] == "helm" else command[0]
+        result = subprocess.run([executable, *command[1:]], input=stdin, capture_output=True,
+                                text=True, env=self.env, timeout=timeout_s)
+        if ok:
+            assert result.returncode == 0, f"{' '.join(command)}:\n{result.stdout}{result.stderr}"
+        return result
+
+    def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return self.run("kubectl", *args, **kwargs)
+
+    def can_i(self, verb: str, resource: str, namespace: str) -> bool:
+        result = self.kubectl("auth", "can-i", verb, resource, "-n", namespace,
+                              f"--as={OPERATOR_ACCOUNT}", ok=False)
+        return result.stdout.strip() == "yes"
+
+
+@pytest.fixture(scope="module")
+def tools(dev_cluster: ClusterInfo) -> Tools:
+    return Tools(dev_cluster)
+
+
+@pytest.fixture(scope="module")
+def agent(dev_cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[NodeAgent]:
+    with NodeAgent(dev_cluster, work_dir=tmp_path_factory.mktemp("node-agent"),
+                   namespaces=[SYSTEM, USERS]) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def core(kube_client: Any) -> client.CoreV1Api:
+    return client.CoreV1Api(kube_client)
+
+
+@pytest.fixture(scope="module")
+def custom(kube_client: Any) -> client.CustomObjectsApi:
+    return client.CustomObjectsApi(kube_client)
+
+
+def ddm_status(custom: client.CustomObjectsApi, namespace: str, name: str) -> dict[str, Any]:
+    try:
+        return custom.get_namespaced_custom_object(
+            "ddm.dev", "v1alpha1", namespace, "ddmdeployments", name).get("status") or {}
+    except ApiException as error:
+        if error.status == 404:
+            return {}
+        raise
+
+
+def test_rendered_chart_passes_server_side_dry_run(tools: Tools, core: client.CoreV1Api
+                                                   ) -> None:
+    """`helm template` output is accepted by the API server as it stands (CRD applied first)."""
+    tools.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
+    core.create_namespace({"metadata": {"name": SYSTEM}})
+    for values in ([], ["--set", "watchNamespaces={default}", "--set", "example.enabled=true"]):
+        rendered = tools.run("helm", "template", RELEASE, str(CHART), "-n", SYSTEM,
+                             *values).stdout
+        tools.kubectl("apply", "--dry-run=server", "-f", "-", stdin=rendered)
+
+
+def test_helm_install_runs_the_operator_under_its_own_account(
+        tools: Tools, agent: NodeAgent, core: client.CoreV1Api) -> None:
+    tools.run("helm", "install", RELEASE, str(CHART), "-n", SYSTEM, "--wait",
+              "--timeout", "5m")
+    (pod,) = core.list_namespaced_pod(SYSTEM, label_selector="app.kubernetes.io/component="
+                                                            "operator").items
+    assert pod.spec.service_account_name == OPERATOR_ACCOUNT.rsplit(":", 1)[1]
+    assert all(c.ready for c in pod.status.container_statuses)
+
+
+def test_the_operator_may_do_exactly_what_it_needs(tools: Tools) -> None:
+    for verb, resource in [("watch", "ddmdeployments.ddm.dev"),
+                           ("patch", "ddmdeployments.ddm.dev/status"),
+                           ("create", "deployments.apps"), ("delete", "services"),
+                           ("list", "pods"), ("create", "secrets"), ("create", "events")]:
+        assert tools.can_i(verb, resource, USERS), f"operator cannot {verb} {resource}"
+    for verb, resource in [("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),
+                           ("delete", "pods"), ("create", "pods"), ("delete", "ddmdeployments.ddm.dev"),
+                           ("create", "roles.rbac.authorization.k8s.io"), ("get", "nodes")]:
+        assert not tools.can_i(verb, resource, USERS), f"operator may {verb} {resource}"
+
+
+@pytest.fixture(scope="module")
+def digits(tools: Tools, agent: NodeAgent, core: client.CoreV1Api,
+           custom: client.CustomObjectsApi) -> dict[str, Any]:
+    """The shipped example, applied with kubectl and Ready; what a user needs to call it."""
+    core.create_namespace({"metadata": {"name": USERS}})
+    tools.kubectl("apply", "-n", USERS, "-f", str(EXAMPLE))
+
+    def ready() -> dict[str, Any] | None:
+        status = ddm_status(custom, USERS, "digits")
+        return status if status.get("phase") == "Ready" else None
+
+    status = wait_for(ready, READY_TIMEOUT_S, "the digits DDMDeployment to be Ready",
+                      lambda: pod_logs(agent, core, SYSTEM) + pod_logs(agent, core, USERS))
+    endpoints = core.read_namespaced_endpoints("digits-router", USERS)
+    address = endpoints.subsets[0].addresses[0].ip
+    port = endpoints.subsets[0].ports[0].port
+    secret = core.read_namespaced_secret("digits-router-token", USERS)
+    token = base64.b64decode(secret.data["token"]).decode()
+    return {"status": status, "url": f"http://{address}:{port}", "token": token}
+
+
+def test_kubectl_get_ddm_shows_it_ready(tools: Tools, digits: dict[str, Any]) -> None:
+    table = tools.kubectl("get", "ddm", "-n", USERS).stdout
+    header, row = table.splitlines()
+    assert header.split()[:3] == ["NAME", "READY", "EXPERTS"], table
+    assert row.split()[:3] == ["digits", "True", "2/2"], table
+
+
+def _decode(images_b64: list[str]) -> np.ndarray:
+    return np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(b)))) for b in images_b64])
+
+
+def test_the_router_draws_the_asked_digits(digits: dict[str, Any]) -> None:
+    headers = {"Authorization": f"Bearer {digits['token']}"}
+    assert httpx.post(f"{digits['url']}/v1/generate", json={"labels": [1]},
+                      timeout=60).status_code == 401
+    labels = np.repeat(np.arange(10), 10)
+    images = []
+    for half in (labels[:50], labels[50:]):
+        answer = httpx.post(f"{digits['url']}/v1/generate", headers=headers, timeout=300,
+                            json={"labels": half.tolist(), "steps": 40, "seed": 0})
+        assert answer.status_code == 200, answer.text
+        images.append(_decode(answer.json()["images"]))
+    metrics = evaluate_images(np.concatenate(images), labels)
+    assert metrics["accuracy"] >= 0.95, metrics
+
+
+def test_every_pod_meets_the_restricted_profile(core: client.CoreV1Api, kube_client: Any,
+                                               digits: dict[str, Any]) -> None:
+    pods = [*core.list_namespaced_pod(SYSTEM).items, *core.list_namespaced_pod(USERS).items]
+    assert len(pods) >= 4  # operator, two experts, router
+    for pod in pods:
+        spec = kube_client.sanitize_for_serialization(pod.spec)
+        assert violations(spec) == [], pod.metadata.name
+
+
+def test_no_token_reaches_any_log(agent: NodeAgent, digits: dict[str, Any],
+                                  core: client.CoreV1Api) -> None:
+    """Neither the router's token nor any ServiceAccount token is ever logged."""
+    secrets = [digits["token"]]
+    for namespace in (SYSTEM, USERS):
+        for secret in core.list_namespaced_secret(namespace).items:
+            if secret.type == "kubernetes.io/service-account-token":
+                secrets.append(base64.b64decode(secret.data["token"]).decode())
+    logs = agent.log_files()
+    assert logs
+    for log in logs:
+        text = log.read_text(errors="replace")
+        for secret in secrets:
+            assert secret not in text, f"a token appears in {log.name}"
+
+
+def release_objects(kube_client: Any) -> list[str]:
+    """Every object the release labelled that still exists (kind/namespace/name)."""
+    rbac = client.RbacAuthorizationV1Api(kube_client)
+    core = client.CoreV1Api(kube_client)
+    apps = client.AppsV1Api(kube_client)
+    found = []
+    for kind, lister in [
+            ("ClusterRole", rbac.list_cluster_role),
+            ("ClusterRoleBinding", rbac.list_cluster_role_binding),
+            ("Role", rbac.list_role_for_all_namespaces),
+            ("RoleBinding", rbac.list_role_binding_for_all_namespaces),
+            ("ServiceAccount", core.list_service_account_for_all_namespaces),
+            ("Deployment", apps.list_deployment_for_all_namespaces),
+            ("Pod", core.list_pod_for_all_namespaces)]:
+        for item in lister(label_selector=f"app.kubernetes.io/instance={RELEASE}").items:
+            if kind != "Pod" or item.metadata.labels.get("app.kubernetes.io/name") == "ddm-operator":
+                found.append(f"{kind}/{item.metadata.namespace or ''}/{item.metadata.name}")
+    return sorted(found)
+
+
+def test_helm_upgrade_to_watched_namespaces_swaps_the_rbac(
+        tools: Tools, kube_client: Any, digits: dict[str, Any], agent: NodeAgent,
+        core: client.CoreV1Api) -> None:
+    tools.run("helm", "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--wait", "--timeout", "5m",
+              "--set", f"watchNamespaces={{{USERS}}}", "--set", "networkPolicy.enabled=true")
+    after = release_objects(kube_client)
+    assert f"Role/{USERS}/{RELEASE}-ddm-operator" in after
+    assert f"RoleBinding/{USERS}/{RELEASE}-ddm-operator" in after
+    assert tools.can_i("watch", "ddmdeployments.ddm.dev", USERS)
+    assert not tools.can_i("watch", "ddmdeployments.ddm.dev", "default")
+    # The new operator (Recreate: the old one is gone first) serves the DDM under the Role:
+    # it adds the NetworkPolicies the new values ask for.
+    networking = client.NetworkingV1Api(kube_client)
+    wait_for(lambda: networking.list_namespaced_network_policy(
+        USERS, label_selector="ddm.dev/deployment=digits").items,
+        120, "the upgraded operator to add the digits NetworkPolicies",
+        lambda: pod_logs(agent, core, SYSTEM))
+    operators = [o for o in after if o.startswith("Pod/")]
+    assert len(operators) == 1, after
+
+
+def test_helm_uninstall_leaves_nothing_of_the_release(
+        tools: Tools, kube_client: Any, custom: client.CustomObjectsApi) -> None:
+    tools.run("helm", "uninstall", RELEASE, "-n", SYSTEM, "--wait", "--timeout", "3m")
+    wait_for(lambda: release_objects(kube_client) == [], 120,
+             "every object of the release to be deleted")
+    # The documented CRD policy: the CRD and the user's DDMDeployments stay.
+    extensions = client.ApiextensionsV1Api(kube_client)
+    assert extensions.read_custom_resource_definition("ddmdeployments.ddm.dev")
+    assert ddm_status(custom, USERS, "digits")
