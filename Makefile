@@ -18,7 +18,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ddm up
 
+# The end-to-end tests' node agent needs ip (iproute2), unshare, setpriv and mount (util-linux).
 test: $(STAMP)
+	@command -v ip >/dev/null && command -v setpriv >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq iproute2 util-linux)
 	$(BIN)/python -m pytest
 
 clean:
