@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from PIL import Image
@@ -234,6 +235,29 @@ def test_no_token_reaches_any_log(agent: NodeAgent, digits: dict[str, Any],
         text = log.read_text(errors="replace")
         for secret in secrets:
             assert secret not in text, f"a token appears in {log.name}"
+
+
+def test_an_expert_whose_checkpoint_cannot_load_is_reported_in_status(
+        tools: Tools, agent: NodeAgent, core: client.CoreV1Api,
+        custom: client.CustomObjectsApi, digits: dict[str, Any]) -> None:
+    """The whole chain: the expert exits with the reason in its termination message, the
+    (test) kubelet reports the crash loop, and the operator puts the reason in the status."""
+    broken = yaml.safe_load(EXAMPLE.read_text())
+    broken["metadata"]["name"] = "broken"
+    broken["spec"]["experts"][0]["checkpoint"]["uri"] = "image:///opt/ddm/checkpoints/missing"
+    tools.kubectl("apply", "-n", USERS, "-f", "-", stdin=yaml.safe_dump(broken))
+
+    def explained() -> str | None:
+        status = ddm_status(custom, USERS, "broken")
+        conditions = {c["type"]: c for c in status.get("conditions") or []}
+        message = conditions.get("ExpertsReady", {}).get("message", "")
+        return message if "/opt/ddm/checkpoints/missing" in message else None
+
+    message = wait_for(explained, 240, "the status to say why expert digits-0-4 is not ready",
+                       lambda: pod_logs(agent, core, USERS))
+    assert "expert digits-0-4: 0/1 ready" in message and "restarted" in message, message
+    assert ddm_status(custom, USERS, "broken")["phase"] != "Ready"
+    tools.kubectl("delete", "ddm", "broken", "-n", USERS, "--wait=false")
 
 
 def release_objects(kube_client: Any) -> list[str]:
