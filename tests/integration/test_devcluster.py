@@ -16,6 +16,8 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
+from ddm.devcluster import ClusterInfo, StartupError, start_component, status, stop_component
+from ddm.devcluster.api import ApiError
 from ddm.devcluster.apt import deb_src_stanzas
 from ddm.devcluster.components import build_token_file
 
@@ -266,3 +268,35 @@ def test_garbage_collector_deletes_dependents_of_a_deleted_owner(
     with pytest.raises(ApiException) as gone:
         core.read_namespaced_config_map("dependent", kube_namespace)
     assert gone.value.status == 404
+
+
+def test_the_api_server_restarts_on_the_same_port_with_its_data(
+    dev_cluster: ClusterInfo, kube_client: Any, kube_namespace: str
+) -> None:
+    core = client.CoreV1Api(kube_client)
+    kept = core.create_namespaced_config_map(kube_namespace, {"metadata": {"name": "kept"}})
+    stop_component(dev_cluster.state_dir, "kube-apiserver")
+    stopped = status(dev_cluster.state_dir)
+    assert stopped.components == {
+        "etcd": True, "kube-apiserver": False,
+        "kube-controller-manager": True, "kube-scheduler": True,
+    }  # fmt: skip
+    assert not stopped.ready
+    with pytest.raises(ApiError) as unreachable:
+        dev_cluster.api().request("GET", "/readyz", timeout_s=2)
+    assert unreachable.value.status == 0
+    with pytest.raises(StartupError, match="is already running"):
+        start_component(dev_cluster.state_dir, "etcd")
+
+    took = start_component(dev_cluster.state_dir, "kube-apiserver")
+    assert took < 60
+    assert status(dev_cluster.state_dir).running
+    # Same address, certificate and tokens: the clients made before the stop work unchanged.
+    again = core.read_namespaced_config_map("kept", kube_namespace)
+    assert again.metadata.uid == kept.metadata.uid
+
+
+def test_only_components_of_the_cluster_can_be_stopped(dev_cluster: ClusterInfo) -> None:
+    with pytest.raises(ValueError, match="'kubelet' is not a component of the dev cluster"):
+        stop_component(dev_cluster.state_dir, "kubelet")
+    assert status(dev_cluster.state_dir).running

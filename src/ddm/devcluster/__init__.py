@@ -6,7 +6,8 @@ binds pods to. No kubelet: pods are scheduled, never run. Imports no ML framewor
 """
 
 from ddm.devcluster.build import Binaries, BuildError, ensure_binaries, find_binaries
-from ddm.devcluster.cluster import ClusterInfo, ClusterStatus, down, status, up
+from ddm.devcluster.cluster import (ClusterInfo, ClusterStatus, down, start_component, status,
+                                    stop_component, up)
 from ddm.devcluster.command import main
 from ddm.devcluster.processes import StartupError
 
@@ -20,6 +21,8 @@ __all__ = [
     "ensure_binaries",
     "find_binaries",
     "main",
+    "start_component",
     "status",
+    "stop_component",
     "up",
 ]

@@ -138,6 +138,59 @@ def down(state_dir: Path | None = None, *, purge: bool = False, log: Log = log_s
         _clear(layout)
 
 
+def stop_component(state_dir: Path | None, name: str) -> None:
+    """Stop one component of the running cluster in ``state_dir`` and leave the others running.
+
+    For fault tests: stopping ``kube-apiserver`` makes the API unavailable while etcd keeps
+    every object, so `start_component` brings the same cluster back.
+    """
+    layout, state = _running_state(state_dir, name)
+    stop([state["pids"][name]], _marker(layout))
+
+
+def start_component(state_dir: Path | None, name: str, *, timeout_s: float = 60.0) -> float:
+    """Start a component that `stop_component` stopped, with the command line it had (same
+    ports, certificates and flags); waits until it is healthy and returns the seconds that took.
+    """
+    layout, state = _running_state(state_dir, name)
+    marker = _marker(layout)
+    if is_ours(state["pids"][name], marker):
+        raise StartupError(f"{name} of the dev cluster in {layout.root} is already running")
+    command = state.get("commands", {}).get(name)
+    if command is None:
+        raise StartupError(f"the dev cluster in {layout.root} did not record how {name} was "
+                           "started (it predates start_component); restart the whole cluster")
+    pid = spawn(command, layout.log_file(name))
+    state["pids"][name] = pid
+    _write_state(layout, state)
+    check = _health_check(name, c.Ports(**state["ports"]), _info(layout, state).api())
+    return wait_until(check, what=f"{name} healthy", timeout_s=timeout_s,
+                      watched=[(name, pid, layout.log_file(name))], marker=marker)
+
+
+def _running_state(state_dir: Path | None, name: str) -> tuple[c.Layout, dict[str, Any]]:
+    layout = _layout(state_dir)
+    state = _read_state(layout)
+    if state is None:
+        raise StartupError(f"no dev cluster in {layout.root} (no {layout.state_file.name})")
+    if name not in state["pids"]:
+        raise ValueError(f"{name!r} is not a component of the dev cluster; "
+                         f"one of {', '.join(state['pids'])}")
+    return layout, state
+
+
+def _health_check(name: str, ports: c.Ports, api: Api) -> Callable[[], bool]:
+    """Whether component ``name`` serves: etcd's /health, the API server's /readyz, the
+    controller-manager's and scheduler's /healthz."""
+    checks: dict[str, Callable[[], bool]] = {
+        "etcd": lambda: _http_ok(f"http://127.0.0.1:{ports.etcd_client}/health", '"true"'),
+        "kube-apiserver": lambda: _api_ok(api, "/readyz"),
+        "kube-controller-manager": lambda: _https_ok(ports.controller_manager),
+        "kube-scheduler": lambda: _https_ok(ports.scheduler),
+    }
+    return checks[name]
+
+
 def _clear(layout: c.Layout) -> None:
     for path in layout.owned_paths():
         if path.is_dir():
@@ -212,6 +265,7 @@ def _start(
         "ports": asdict(ports),
         "binaries": {k: str(v) for k, v in asdict(binaries).items()},
         "pids": {},
+        "commands": {},
     }
     info = _info(layout, state)
     api = info.api()
@@ -221,6 +275,7 @@ def _start(
     def launch(name: str, args: list[str]) -> None:
         pid = spawn(args, layout.log_file(name))
         state["pids"][name] = pid
+        state["commands"][name] = args  # so `start_component` can restart it as it was
         _write_state(layout, state)  # written at once, so `down` can stop a half-started cluster
         watched.append((name, pid, layout.log_file(name)))
 
@@ -232,7 +287,7 @@ def _start(
         log(f"{what}: {took:.1f} s")
 
     launch("etcd", c.etcd_args(binaries.etcd, layout, ports))
-    wait("etcd healthy", lambda: _http_ok(f"http://127.0.0.1:{ports.etcd_client}/health", '"true"'))
+    wait("etcd healthy", _health_check("etcd", ports, api))
     launch(
         "kube-apiserver",
         c.apiserver_args(
@@ -241,7 +296,7 @@ def _start(
             sa_pub=pki.service_account_pub, minor=minor,
         ),
     )  # fmt: skip
-    wait("kube-apiserver ready", lambda: _api_ok(api, "/readyz"))
+    wait("kube-apiserver ready", _health_check("kube-apiserver", ports, api))
     launch(
         "kube-controller-manager",
         c.controller_manager_args(
@@ -252,8 +307,8 @@ def _start(
     launch("kube-scheduler", c.scheduler_args(binaries.kube_scheduler, layout, ports, minor=minor))
     register_nodes(api, nodes, kubelet_version=version)
     log(f"registered nodes {', '.join(n.name for n in nodes)}")
-    wait("kube-controller-manager healthy", lambda: _https_ok(ports.controller_manager))
-    wait("kube-scheduler healthy", lambda: _https_ok(ports.scheduler))
+    wait("kube-controller-manager healthy", _health_check("kube-controller-manager", ports, api))
+    wait("kube-scheduler healthy", _health_check("kube-scheduler", ports, api))
     # Pods can be created only once the service-account controllers have made the default
     # service account (and, before 1.24, its token secret).
     wait("default service account", lambda: _default_service_account(api, minor))

@@ -1,7 +1,12 @@
 """Start the operator: credentials, kopf's settings (all explicit), and ``kopf.run``.
 
 ``run_operator`` is what ``ddm operator`` and the operator image (``operator/main.py``) call.
-Tests call it in a thread with a ``stop_flag``.
+Tests call it in a thread with a ``stop_flag``, or run ``ddm operator`` as a process.
+
+Which namespaces it serves comes from ``DDM_WATCH_NAMESPACES`` (the Helm chart sets it) unless
+the caller names them: a comma-separated list of namespace names, or empty for the whole
+cluster. With a list, every watch and request is namespaced, so the operator needs RBAC only
+in those namespaces (a Role each) and no cluster-scoped permission at all.
 """
 
 from __future__ import annotations
@@ -9,9 +14,10 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import kopf
 from kubernetes import client, config
@@ -23,6 +29,41 @@ from ddm.operator.reconcile import Reconciler
 
 #: Workers for the (synchronous) handlers: runs for different DDMDeployments go in parallel.
 MAX_WORKERS = 8
+#: The namespaces to serve, comma-separated; empty or unset: the whole cluster.
+WATCH_NAMESPACES_ENV = "DDM_WATCH_NAMESPACES"
+#: A namespace name is a DNS-1123 label.
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def watched_namespaces(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The namespaces listed in ``$DDM_WATCH_NAMESPACES``; () (the whole cluster) when it is
+    unset or blank. Raises ValueError naming the first malformed entry."""
+    text = env.get(WATCH_NAMESPACES_ENV, "")
+    if not text.strip():
+        return ()
+    return checked_namespaces((part.strip() for part in text.split(",")),
+                              f"{WATCH_NAMESPACES_ENV}={text!r}")
+
+
+def checked_namespaces(namespaces: Iterable[str], source: str) -> tuple[str, ...]:
+    """``namespaces`` if each is a namespace name, listed once; else a ValueError that says
+    which entry of ``source`` is wrong.
+
+    Names, not globs such as ``team-*``: RBAC is granted per namespace, and kopf would have to
+    list every namespace of the cluster to expand a glob.
+    """
+    found: list[str] = []
+    for position, namespace in enumerate(namespaces, start=1):
+        if not namespace:
+            raise ValueError(f"{source}: entry {position} is empty")
+        if not _NAMESPACE.fullmatch(namespace):
+            raise ValueError(
+                f"{source}: entry {position} {namespace!r} is not a namespace name (at most 63 "
+                "lowercase letters, digits and '-', starting and ending with a letter or digit)")
+        if namespace in found:
+            raise ValueError(f"{source}: namespace {namespace!r} is listed twice")
+        found.append(namespace)
+    return tuple(found)
 
 
 def load_client(kubeconfig: str | Path | None = None) -> client.ApiClient:
@@ -56,8 +97,9 @@ def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:
     )
 
 
-def operator_settings() -> kopf.OperatorSettings:
-    """kopf's settings, every choice written down."""
+def operator_settings(*, clusterwide: bool = True) -> kopf.OperatorSettings:
+    """kopf's settings, every choice written down; ``clusterwide``: serving every namespace,
+    not a list of them."""
     settings = kopf.OperatorSettings()
     # kopf's bookkeeping (handler progress, the last handled spec) goes in annotations under
     # ddm.dev/: the status belongs to the operator, and the CRD's structural schema would
@@ -82,7 +124,24 @@ def operator_settings() -> kopf.OperatorSettings:
     settings.watching.client_timeout = 270
     settings.watching.connect_timeout = 15
     settings.networking.request_timeout = 60
+    # When the API server goes away, every kopf request (a watch reconnecting included) retries
+    # after these pauses; it then gives up (a watch starts over at once). kopf's default
+    # (1, 1, 2, 3, 5, 8, 13, 21) rides out the same ~55 s, but a server back during a 21 s pause
+    # would wait that long to be noticed: capped at 5 s, the operator acts within about 5 s of
+    # the server's return (tests/integration/test_operator_faults.py measures it).
+    settings.networking.error_backoffs = (1, 1, 2, 3, 5, 5, 5, 5, 5, 5, 5, 5, 5)
+    # A handler that raises anything but kopf's own errors is retried after this. In ours that
+    # is a call that failed before the per-child steps (reading the DDMDeployment or listing its
+    # children), most often because the API server is unreachable: retry soon, not after
+    # kopf's default 60 s.
+    settings.execution.default_backoff = 5
     settings.execution.max_workers = MAX_WORKERS
+    # Serving a list of namespaces, kopf would otherwise list and watch every Namespace and
+    # CustomResourceDefinition of the cluster (to expand globs, and to notice CRDs installed
+    # later), which needs cluster-scoped RBAC the namespaced install does not grant. Without it
+    # kopf serves exactly the listed namespaces and the resources found at start-up: the chart
+    # installs the CRD before the operator starts.
+    settings.scanning.disabled = not clusterwide
     return settings
 
 
@@ -93,25 +152,30 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
                  ready_flag: threading.Event | None = None) -> None:
     """Run until Ctrl-C or SIGTERM (or ``stop_flag``, from another thread).
 
-    ``namespaces``: the namespaces (or globs like ``team-*``) to serve; None or empty: the whole
-    cluster. ``standalone``: no kopf peering (one replica, no KopfPeering resources needed).
+    ``namespaces``: the namespaces to serve (names; empty: the whole cluster); None: those in
+    ``$DDM_WATCH_NAMESPACES``. ``standalone``: no kopf peering (one replica, no KopfPeering
+    resources needed).
     ``liveness_port``: serve ``/healthz`` there (None: no probe endpoint).
     ``operator_config``: default from the environment (``OperatorConfig.from_env``).
     """
+    served = (watched_namespaces(os.environ) if namespaces is None
+              else checked_namespaces(namespaces, "the namespaces to watch"))
     if configure_logging:
         kopf.configure(verbose=False, log_format=kopf.LogFormat.FULL)
         # kopf logs every handler success at INFO (one line per child event); the reconciler
         # logs what it changes, so kopf's per-object lines are kept to warnings and errors.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+        # One access line per liveness probe (every 10 s in the chart) would drown the rest.
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     api_client = load_client(kubeconfig)
     importlib.import_module("ddm.operator.handlers")  # registers the handlers with kopf
     reconciler = Reconciler(Kube(api_client),
                             operator_config or OperatorConfig.from_env(os.environ))
     kopf.run(
-        settings=operator_settings(),
+        settings=operator_settings(clusterwide=not served),
         standalone=standalone,
-        clusterwide=not namespaces,
-        namespaces=list(namespaces or ()),
+        clusterwide=not served,
+        namespaces=list(served),
         liveness_endpoint=(None if liveness_port is None
                            else f"http://0.0.0.0:{liveness_port}/healthz"),
         memo=kopf.Memo(api_client=api_client, reconciler=reconciler),

@@ -1,0 +1,464 @@
+"""``ddm bench operator``: the operator bringing up many DDMDeployments on a real control plane.
+
+The operator runs as its own process (``ddm operator``, as in its pod) under its own identity, a
+ServiceAccount, so the API server can tell its requests apart: a FlowSchema of API Priority and
+Fairness matches that account alone, and the server's own counter
+``apiserver_flowcontrol_dispatched_requests_total`` for that schema, read before and after,
+is the number of requests the operator made (watches, which are long-running, excepted).
+
+Measured: seconds until every child exists (Deployments, Services, ConfigMaps), seconds until
+every status is written with the current ``observedGeneration``, the operator's peak RSS
+(``VmHWM`` in ``/proc``), and its API requests, per DDMDeployment and per reconcile run (every
+run starts by reading its DDMDeployment by name, which nothing else here does: the runs are
+counted from ``apiserver_request_total``), then per second while idle.
+
+``OperatorProcess`` and ``service_account_kubeconfig`` are also what the fault and namespace
+tests use to run the operator as a real process under a real identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO, TypeVar
+
+import yaml
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from ddm.devcluster import down, up
+from ddm.devcluster.components import build_kubeconfig
+from ddm.devcluster.processes import free_ports
+from ddm.operator import names
+
+CRD_FILE = Path(__file__).resolve().parents[3] / "crds" / "ddmdeployments.ddm.dev.yaml"
+OPERATOR_ACCOUNT = "ddm-operator"
+#: Requests the API server counts for this FlowSchema are the operator's.
+FLOW_SCHEMA = "ddm-bench-operator"
+_FLOWCONTROL = "flowcontrol.apiserver.k8s.io"
+_DISPATCHED = "apiserver_flowcontrol_dispatched_requests_total"
+_REQUESTS = "apiserver_request_total"
+_POLL_S = 0.5
+#: How long the operator may take to exit after SIGTERM (a pod's default grace period is 30 s).
+_STOP_TIMEOUT_S = 60.0
+T = TypeVar("T")
+
+
+class OperatorProcess:
+    """``ddm operator`` as a separate process, logging to ``log_file``.
+
+    ``settings``: its ``DDM_*`` environment (what the Helm chart would set, such as
+    ``DDM_WATCH_NAMESPACES``); none is inherited from this process.
+    """
+
+    def __init__(self, kubeconfig: Path, log_file: Path, *,
+                 settings: Mapping[str, str] | None = None) -> None:
+        self.kubeconfig, self.log_file = kubeconfig, log_file
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith("DDM_")}
+        self._env.update(settings or {})
+        self._process: subprocess.Popen[bytes] | None = None
+        self._liveness_port = 0
+
+    def start(self, ready_timeout_s: float = 60.0) -> None:
+        """Start it and wait until kopf's liveness endpoint answers (its watches are starting)."""
+        if self.alive:
+            raise RuntimeError(f"the operator (pid {self.pid}) is already running")
+        (self._liveness_port,) = free_ports(1)
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab") as log:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "ddm", "operator", "--kubeconfig", str(self.kubeconfig),
+                 "--liveness-port", str(self._liveness_port)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self._env)
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._live():
+            if not self.alive:
+                raise RuntimeError(f"the operator exited at start-up:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the operator did not start in {ready_timeout_s:.0f} s:\n"
+                                   f"{self.log_tail()}")
+            time.sleep(0.1)
+
+    def _live(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self._liveness_port}/healthz", timeout=1) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    @property
+    def pid(self) -> int:
+        if self._process is None:
+            raise RuntimeError("the operator was never started")
+        return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: no clean-up of any kind, as when its node dies."""
+        if self.alive:
+            assert self._process is not None
+            self._process.send_signal(signal.SIGKILL)
+            self._process.wait(10)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (as Kubernetes stops a pod) and wait; returns the exit status."""
+        if self._process is None:
+            raise RuntimeError("the operator was never started")
+        if self.alive:
+            self._process.send_signal(signal.SIGTERM)
+            try:
+                self._process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise RuntimeError(f"the operator did not exit within {timeout_s:.0f} s of "
+                                   f"SIGTERM (killed):\n{self.log_tail()}") from None
+        return int(self._process.returncode)
+
+    def peak_rss_bytes(self) -> int:
+        """The process's peak resident memory so far (``VmHWM``)."""
+        status = Path(f"/proc/{self.pid}/status").read_text()
+        match = re.search(r"^VmHWM:\s+(\d+) kB$", status, re.MULTILINE)
+        if match is None:
+            raise RuntimeError(f"no VmHWM in /proc/{self.pid}/status")
+        return int(match.group(1)) * 1024
+
+    def log_text(self) -> str:
+        return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+
+def service_account_kubeconfig(api_client: client.ApiClient, namespace: str, name: str,
+                               path: Path, *, hours: int = 12) -> Path:
+    """Create ServiceAccount ``namespace/name`` (if absent) and write a kubeconfig at ``path``
+    that authenticates as it (a TokenRequest token valid ``hours``), on ``api_client``'s server.
+    """
+    core = client.CoreV1Api(api_client)
+    try:
+        core.create_namespaced_service_account(namespace, {"metadata": {"name": name}})
+    except ApiException as error:
+        if error.status != 409:
+            raise
+    token = core.create_namespaced_service_account_token(
+        name, namespace, {"spec": {"expirationSeconds": hours * 3600}}).status.token
+    configuration = api_client.configuration
+    ca_pem = Path(configuration.ssl_ca_cert).read_text()
+    path.write_text(yaml.safe_dump(build_kubeconfig(
+        configuration.host, ca_pem, f"system:serviceaccount:{namespace}:{name}", token)))
+    path.chmod(0o600)
+    return path
+
+
+def install_crd(api_client: client.ApiClient, timeout_s: float = 30.0) -> None:
+    """Create the DDMDeployment CRD from ``crds/`` (kept if there) and wait until it serves."""
+    if not CRD_FILE.is_file():
+        raise FileNotFoundError(f"{CRD_FILE} not found: run from a checkout of the repository")
+    body = yaml.safe_load(CRD_FILE.read_text())
+    api = client.ApiextensionsV1Api(api_client)
+    try:
+        api.create_custom_resource_definition(body)
+    except ApiException as error:
+        if error.status != 409:
+            raise
+
+    def served() -> bool:
+        try:
+            client.CustomObjectsApi(api_client).list_cluster_custom_object(
+                names.GROUP, names.VERSION, names.PLURAL, limit=1)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
+    poll(served, timeout_s, "the DDMDeployment CRD to be served")
+
+
+def poll(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = _POLL_S) -> T:
+    """``check()`` once it is truthy; a RuntimeError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+    return result
+
+
+def bench_spec(experts: int) -> dict[str, Any]:
+    """A CPU DDMDeployment of ``experts`` (2 to 10) experts, one label each, the last the rest."""
+    if not 2 <= experts <= 10:
+        raise ValueError(f"experts must be 2 to 10 (the digits have 10 labels), got {experts}")
+    groups = [[label] for label in range(experts - 1)] + [list(range(experts - 1, 10))]
+    return {"sampling": {"strategy": "oracle"},
+            "experts": [{"name": f"e{i}", "checkpoint": {"uri": f"image:///models/e{i}"},
+                         "classes": classes} for i, classes in enumerate(groups)]}
+
+
+@dataclass(frozen=True)
+class OperatorBenchSettings:
+    """``ddms`` DDMDeployments of ``experts`` experts each; ``idle_s``: how long to count the
+    requests of the settled operator (its periodic resync)."""
+
+    ddms: int = 50
+    experts: int = 8
+    idle_s: float = 30.0
+    timeout_s: float = 600.0
+
+
+class _Metrics:
+    """Counters from the API server's /metrics (read as its admin)."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._api_client = api_client
+
+    def read(self) -> dict[str, float]:
+        """{'operator': requests dispatched for FLOW_SCHEMA, 'owner_reads': reads of one
+        DDMDeployment by name, by anyone (Kubernetes 1.20 files such a read of a custom object
+        as a namespaced LIST, later versions as a GET of scope resource)}."""
+        counts = {"operator": 0.0, "owner_reads": 0.0}
+        for line in _get(self._api_client, "/metrics").decode().splitlines():
+            if not line.startswith((_DISPATCHED + "{", _REQUESTS + "{")):
+                continue
+            series, value = line.rsplit(" ", 1)
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', series))
+            if series.startswith(_DISPATCHED) and labels.get("flow_schema") == FLOW_SCHEMA:
+                counts["operator"] += float(value)
+            elif (series.startswith(_REQUESTS) and labels.get("resource") == names.PLURAL
+                  and labels.get("subresource") == "" and labels.get("verb") in ("GET", "LIST")
+                  and labels.get("scope") in ("namespace", "resource")):
+                counts["owner_reads"] += float(value)
+        return counts
+
+
+def _identify_operator(api_client: client.ApiClient, namespace: str) -> None:
+    """Bind the operator's account to cluster-admin and give it its own FlowSchema."""
+    rbac = client.RbacAuthorizationV1Api(api_client)
+    rbac.create_cluster_role_binding({
+        "metadata": {"name": f"{FLOW_SCHEMA}-{namespace}"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "cluster-admin"},
+        "subjects": [{"kind": "ServiceAccount", "name": OPERATOR_ACCOUNT,
+                      "namespace": namespace}]})
+    version = _flowcontrol_version(api_client)
+    everything = {"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                  "clusterScope": True, "namespaces": ["*"]}
+    client.CustomObjectsApi(api_client).create_cluster_custom_object(
+        _FLOWCONTROL, version, "flowschemas", {
+            "apiVersion": f"{_FLOWCONTROL}/{version}", "kind": "FlowSchema",
+            "metadata": {"name": FLOW_SCHEMA},
+            "spec": {
+                # Where any ServiceAccount goes by default; matched before that schema.
+                "priorityLevelConfiguration": {"name": "workload-low"},
+                "matchingPrecedence": 500,
+                "distinguisherMethod": {"type": "ByUser"},
+                "rules": [{
+                    "subjects": [{"kind": "ServiceAccount", "serviceAccount": {
+                        "name": OPERATOR_ACCOUNT, "namespace": namespace}}],
+                    "resourceRules": [everything],
+                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}})
+
+
+def _flowcontrol_version(api_client: client.ApiClient) -> str:
+    """The served version of API Priority and Fairness (v1beta1 on 1.20, v1 since 1.29)."""
+    groups = client.ApisApi(api_client).get_api_versions().groups
+    found = [g.preferred_version.version for g in groups if g.name == _FLOWCONTROL]
+    if not found:
+        raise RuntimeError("the API server serves no API Priority and Fairness "
+                           f"({_FLOWCONTROL}), which counts the operator's requests")
+    return found[0]
+
+
+def _forget_operator(api_client: client.ApiClient, namespace: str) -> None:
+    """Undo ``_identify_operator`` and delete the benchmark's namespace (in the background)."""
+    client.RbacAuthorizationV1Api(api_client).delete_cluster_role_binding(
+        f"{FLOW_SCHEMA}-{namespace}")
+    client.CustomObjectsApi(api_client).delete_cluster_custom_object(
+        _FLOWCONTROL, _flowcontrol_version(api_client), "flowschemas", FLOW_SCHEMA)
+    client.CoreV1Api(api_client).delete_namespace(namespace, _preload_content=False)
+
+
+def _count_children(api_client: client.ApiClient, namespace: str) -> int:
+    """How many Deployments, Services and ConfigMaps of the operator exist (metadata only)."""
+    selector = f"{names.MANAGED_BY_LABEL}={names.MANAGED_BY}"
+    metadata_only = {"Accept": "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"}
+    total = 0
+    for path in (f"/apis/apps/v1/namespaces/{namespace}/deployments",
+                 f"/api/v1/namespaces/{namespace}/services",
+                 f"/api/v1/namespaces/{namespace}/configmaps"):
+        listing = _get(api_client, path, [("labelSelector", selector)], metadata_only)
+        total += len(json.loads(listing)["items"] or [])  # null when empty
+    return total
+
+
+def _get(api_client: client.ApiClient, path: str, query: list[tuple[str, str]] | None = None,
+         headers: dict[str, str] | None = None) -> bytes:
+    """GET what the typed clients do not offer (/metrics, metadata-only lists) as its user."""
+    request = api_client.param_serialize("GET", path, query_params=query or [],
+                                         header_params=headers or {},
+                                         auth_settings=["BearerToken"])
+    response = api_client.call_api(*request)
+    body = response.read()
+    if not 200 <= response.status < 300:
+        raise RuntimeError(f"GET {path}: HTTP {response.status}: {body[:200]!r}")
+    return body
+
+
+def _statuses_written(custom: client.CustomObjectsApi, namespace: str, count: int) -> bool:
+    # Listed cluster-wide: the only namespaced reads of DDMDeployments are then the operator's.
+    items = [item for item in custom.list_cluster_custom_object(
+        names.GROUP, names.VERSION, names.PLURAL)["items"]
+        if item["metadata"]["namespace"] == namespace]
+    return len(items) == count and all(
+        (item.get("status") or {}).get("observedGeneration") == item["metadata"]["generation"]
+        for item in items)
+
+
+def run_operator_bench(settings: OperatorBenchSettings, kubeconfig: Path | None,
+                       log: TextIO = sys.stderr) -> dict[str, Any]:
+    """The figures as a dict; ``kubeconfig``: a cluster to use as its admin (None: a fresh dev
+    cluster, stopped at the end)."""
+    workdir = Path(tempfile.mkdtemp(prefix="ddm-bench-operator-"))
+    try:
+        if kubeconfig is None:
+            print("starting a dev cluster", file=log, flush=True)
+            with contextlib.redirect_stdout(log):  # `up` prints its export line: not ours
+                kubeconfig = up(workdir / "cluster", log=lambda line: print(line, file=log)
+                                ).kubeconfig
+            try:
+                return _measure(settings, kubeconfig, workdir, log)
+            finally:
+                down(workdir / "cluster", log=lambda line: print(line, file=log))
+        return _measure(settings, kubeconfig, workdir, log)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _measure(settings: OperatorBenchSettings, kubeconfig: Path, workdir: Path, log: TextIO
+             ) -> dict[str, Any]:
+    admin = config.new_client_from_config(config_file=str(kubeconfig))
+    namespace = f"ddm-bench-{uuid.uuid4().hex[:6]}"
+    client.CoreV1Api(admin).create_namespace({"metadata": {"name": namespace}})
+    install_crd(admin)
+    _identify_operator(admin, namespace)
+    try:
+        return _bring_up(settings, admin, namespace, workdir, log)
+    finally:
+        _forget_operator(admin, namespace)
+
+
+def _bring_up(settings: OperatorBenchSettings, admin: client.ApiClient, namespace: str,
+              workdir: Path, log: TextIO) -> dict[str, Any]:
+    identity = service_account_kubeconfig(admin, namespace, OPERATOR_ACCOUNT,
+                                          workdir / "operator.kubeconfig")
+    operator = OperatorProcess(identity, workdir / "operator.log")
+    custom, metrics = client.CustomObjectsApi(admin), _Metrics(admin)
+    expected = settings.ddms * (3 + 2 * settings.experts)
+    load_before = os.getloadavg()
+    operator.start()
+    try:
+        print(f"operator running (pid {operator.pid}); creating {settings.ddms} DDMDeployments "
+              f"of {settings.experts} experts", file=log, flush=True)
+        before = metrics.read()
+        started = time.monotonic()
+        spec = bench_spec(settings.experts)
+        for index in range(settings.ddms):
+            custom.create_namespaced_custom_object(names.GROUP, names.VERSION, namespace,
+                                                   names.PLURAL, {
+                "apiVersion": names.API_VERSION, "kind": names.KIND,
+                "metadata": {"name": f"d{index:03d}"}, "spec": spec})
+        created_s = time.monotonic() - started
+        children_s: float | None = None
+        statuses_s: float | None = None
+        deadline = started + settings.timeout_s
+        while children_s is None or statuses_s is None:
+            if children_s is None and _count_children(admin, namespace) >= expected:
+                children_s = time.monotonic() - started
+            if statuses_s is None and _statuses_written(custom, namespace, settings.ddms):
+                statuses_s = time.monotonic() - started
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not done after {settings.timeout_s:.0f} s (children "
+                                   f"{children_s}, statuses {statuses_s}):\n{operator.log_tail()}")
+            time.sleep(_POLL_S)
+        settled = metrics.read()
+        assert children_s is not None and statuses_s is not None
+        print(f"children in {children_s:.1f} s, statuses in {statuses_s:.1f} s; counting idle "
+              f"requests for {settings.idle_s:.0f} s", file=log, flush=True)
+        time.sleep(settings.idle_s)  # a measurement window, not a wait for an event
+        idle = metrics.read()
+        peak_rss = operator.peak_rss_bytes()
+        stopped_s = _seconds_to_exit(operator)
+    finally:
+        operator.kill()  # only if it is still running: something above failed
+    requests = settled["operator"] - before["operator"]
+    runs = settled["owner_reads"] - before["owner_reads"]
+    return {
+        "settings": asdict(settings),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "kubernetes": client.VersionApi(admin).get_code().git_version,
+            "python": sys.version.split()[0],
+        },
+        "children": expected,
+        "create_s": round(created_s, 2),
+        "all_children_s": round(children_s, 2),
+        "all_statuses_s": round(statuses_s, 2),
+        "poll_interval_s": _POLL_S,
+        "operator_peak_rss_mib": round(peak_rss / 2**20, 1),
+        "operator_sigterm_to_exit_s": None if stopped_s is None else round(stopped_s, 2),
+        "operator_sigterm_limit_s": _STOP_TIMEOUT_S,
+        "api_requests": {
+            "until_statuses": int(requests),
+            "per_ddm": round(requests / settings.ddms, 1),
+            "reconcile_runs": int(runs),
+            "per_reconcile_run": round(requests / runs, 1) if runs else None,
+            "idle_per_s": round((idle["operator"] - settled["operator"]) / settings.idle_s, 1),
+        },
+    }
+
+
+def _seconds_to_exit(operator: OperatorProcess) -> float | None:
+    """How long the operator takes to exit after SIGTERM; None if it was still running after
+    ``_STOP_TIMEOUT_S`` (it is then killed)."""
+    started = time.monotonic()
+    try:
+        operator.stop(timeout_s=_STOP_TIMEOUT_S)
+    except RuntimeError:
+        return None
+    return time.monotonic() - started
+
+
+def bench_operator_command(ddms: int = 50, experts: int = 8, kubeconfig: Path | None = None,
+                           as_json: bool = False, out: TextIO = sys.stdout,
+                           log: TextIO = sys.stderr) -> int:
+    """``ddm bench operator``: the figures as JSON (``as_json``) or one line each on ``out``."""
+    if ddms < 1:
+        raise ValueError(f"ddms must be at least 1, got {ddms}")
+    bench_spec(experts)  # refuses a count it cannot build before any cluster starts
+    result = run_operator_bench(OperatorBenchSettings(ddms=ddms, experts=experts), kubeconfig,
+                                log)
+    if as_json:
+        print(json.dumps(result, indent=2), file=out)
+    else:
+        for key, value in result.items():
+            print(f"{key}: {value}", file=out)
+    return 0
