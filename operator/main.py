@@ -10,7 +10,5 @@ import os
 from ddm.operator.runner import run_operator
 
 if __name__ == "__main__":
-    run_operator(
-        [ns.strip() for ns in os.environ.get("DDM_WATCH_NAMESPACES", "").split(",") if ns.strip()],
-        liveness_port=int(os.environ.get("DDM_LIVENESS_PORT", "8081")),
-    )
+    # run_operator reads and checks DDM_WATCH_NAMESPACES itself.
+    run_operator(liveness_port=int(os.environ.get("DDM_LIVENESS_PORT", "8081")))

@@ -2,7 +2,7 @@
 with a list it needs only the Helm chart's per-namespace Role.
 
 The cluster test installs what the chart renders for ``watchNamespaces`` (its ServiceAccount,
-Role and RoleBinding, and deliberately not its ClusterRole), runs ``ddm operator`` as a process
+Role and RoleBinding: it renders nothing cluster-scoped then), runs ``ddm operator`` as a process
 under that ServiceAccount with the environment the chart gives it, and shows that a DDMDeployment
 in a watched namespace is reconciled while one elsewhere is left untouched.
 """

@@ -140,15 +140,13 @@ def test_cluster_wide_install_binds_one_cluster_role(helm: Path) -> None:
                                     "namespace": "ddm-system"}]
 
 
-def test_watched_namespaces_get_a_role_each_and_no_cluster_wide_writes(helm: Path) -> None:
+def test_watched_namespaces_get_a_role_each_and_nothing_cluster_scoped(helm: Path) -> None:
     objects = render(helm, "watchNamespaces={team-a,team-b}")
     roles = by_kind(objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert sorted(b["metadata"]["namespace"] for b in by_kind(objects, "RoleBinding")) == [
         "team-a", "team-b"]
-    (cluster_role,) = by_kind(objects, "ClusterRole")
-    for _, _, verbs in rules_of(cluster_role):
-        assert set(verbs) <= {"get", "list", "watch"}
+    assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
 
 
 def test_router_auth_off_drops_the_secret_rule(helm: Path) -> None:

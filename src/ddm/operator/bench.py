@@ -215,7 +215,7 @@ def bench_spec(experts: int) -> dict[str, Any]:
 @dataclass(frozen=True)
 class OperatorBenchSettings:
     """``ddms`` DDMDeployments of ``experts`` experts each; ``idle_s``: how long to count the
-    requests of the settled operator (its periodic resync)."""
+    requests of the settled operator (pod changes still trigger runs)."""
 
     ddms: int = 50
     experts: int = 8

@@ -9,11 +9,12 @@ The work is in ``reconcile``; these are the triggers:
   Deployments, all labelled ``managed-by: ddm-operator`` and watched with that server-side
   label selector: deleted or edited children come back within about a second, and the status
   follows the Deployments' readiness and the pods' failures (a crash loop, an image that
-  cannot be pulled, a pod no node takes) as they change;
-- a resync timer, in case a watch missed something (a run that changes nothing writes nothing).
+  cannot be pulled, a pod no node takes) as they change.
 
-No deletion handler: children carry ownerReferences, so the garbage collector removes them,
-and kopf adds no finalizer. Run through ``ddm.operator.runner.run_operator``, which puts the
+There is no resync timer: kopf lists everything again on start-up and after a watch fails,
+and a timer would make kopf put a finalizer on every DDMDeployment, so that deleting one
+would hang whenever no operator runs. No deletion handler either: children carry
+ownerReferences, so the garbage collector removes them, and kopf adds no finalizer. Run through ``ddm.operator.runner.run_operator``, which puts the
 API client (``memo.api_client``) and the reconciler (``memo.reconciler``) in kopf's memo.
 """
 
@@ -26,7 +27,6 @@ import kopf
 from ddm.operator import names
 from ddm.operator.runner import connection_info
 
-RESYNC_INTERVAL_S = 30
 RETRY_DELAY_S = 30
 _CRD = (names.GROUP, names.VERSION, names.PLURAL)
 _OURS = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
@@ -52,11 +52,6 @@ def reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: 
     if outcome.failure is not None:
         kopf.warn(body, reason="ApplyFailed", message=outcome.failure)
         raise kopf.TemporaryError(outcome.failure, delay=RETRY_DELAY_S)
-
-
-@kopf.timer(*_CRD, interval=RESYNC_INTERVAL_S, initial_delay=RESYNC_INTERVAL_S, id="resync")
-def resync(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.reconciler.reconcile(namespace, name, coalesce=True)
 
 
 def _child_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any

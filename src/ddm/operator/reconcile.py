@@ -1,7 +1,7 @@
 """Level-triggered reconciliation of one DDMDeployment: read it, converge its children, report.
 
-Every trigger (the resource created, updated or resumed, a child changed or deleted, the
-periodic resync) runs the same ``reconcile(namespace, name)``, which reads the *current*
+Every trigger (the resource created, updated or resumed, a child or one of its pods changed
+or deleted) runs the same ``reconcile(namespace, name)``, which reads the *current*
 resource, so a late trigger never applies a stale spec. Runs for one resource are serialised,
 and a trigger that finds a run already queued is dropped (that run will see its change).
 
