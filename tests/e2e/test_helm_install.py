@@ -16,24 +16,24 @@ import base64
 import io
 import os
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import numpy as np
 import pytest
 import yaml
+from helm_tool import ensure_helm
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from node_agent import NodeAgent
 from PIL import Image
+from podsecurity import violations
+from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
 from ddm.evaluation.commands import evaluate_images
-from helm_tool import ensure_helm
-from node_agent import NodeAgent
-from podsecurity import violations
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ddm-operator"
@@ -42,22 +42,8 @@ RELEASE, SYSTEM, USERS = "ddm", "ddm-system", "digits-demo"
 OPERATOR_ACCOUNT = f"system:serviceaccount:{SYSTEM}:{RELEASE}-ddm-operator"
 RELEASE_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
 READY_TIMEOUT_S = 420
-T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], timeout_s: float, what: str,
-             explain: Callable[[], str] = lambda: "") -> T:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline
-    (and what ``explain`` says then, e.g. the logs of the pods involved)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; last: {result!r}\n"
-                        f"{explain()}")
-        time.sleep(0.5)
 
 
 def pod_logs(agent: NodeAgent, core: client.CoreV1Api, namespace: str,

@@ -14,33 +14,22 @@ import os
 import socket
 import struct
 import textwrap
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from node_agent import NodeAgent
+from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
 
-T = TypeVar("T")
 TOLERATE_ALL = [{"operator": "Exists"}]  # any fake node will do
 
 
-def wait_for(check: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; last: {result!r}")
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -18,15 +18,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from podsecurity import violations
+from waiting import wait_for
 
 from ddm.operator.config import OperatorConfig
 from ddm.operator.runner import run_operator
@@ -36,19 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
 OWNER_LABEL = "ddm.dev/deployment"
 HASH = "ddm.dev/spec-hash"
-T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], timeout_s: float, what: str) -> T:
-    """Poll ``check`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what}; last: {result!r}")
-        time.sleep(0.2)
 
 
 class Cluster:

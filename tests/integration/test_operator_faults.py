@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 from kubernetes import watch
-from test_operator import OWNER_LABEL, Cluster, wait_for
+from test_operator import OWNER_LABEL, Cluster, _expected_children
+from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo, start_component, stop_component
 from ddm.operator.bench import OperatorProcess, bench_spec, install_crd
@@ -28,14 +29,6 @@ from ddm.operator.bench import OperatorProcess, bench_spec, install_crd
 OUTAGE_S = 10
 #: Seconds from the API server's return to a change being applied, at most.
 RECOVERY_DEADLINE_S = 30
-
-
-def _expected_children(owner: str, experts: list[str]) -> set[tuple[str, str]]:
-    out = {("ConfigMap", f"{owner}-router-config"), ("Deployment", f"{owner}-router"),
-           ("Service", f"{owner}-router")}
-    for expert in experts:
-        out |= {("Deployment", f"{owner}-expert-{expert}"), ("Service", f"{owner}-expert-{expert}")}
-    return out
 
 
 def _experts(spec: dict) -> list[str]:

@@ -20,11 +20,16 @@ import pytest
 import yaml
 from helm_tool import ensure_helm
 from kubernetes import client, utils
-from test_operator import OWNER_LABEL, Cluster, wait_for
+from test_operator import OWNER_LABEL, Cluster
+from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
-from ddm.operator.bench import (OperatorProcess, bench_spec, install_crd,
-                                service_account_kubeconfig)
+from ddm.operator.bench import (
+    OperatorProcess,
+    bench_spec,
+    install_crd,
+    service_account_kubeconfig,
+)
 from ddm.operator.runner import watched_namespaces
 
 ROOT = Path(__file__).resolve().parents[2]
