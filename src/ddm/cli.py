@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ddm.serving.commands import add_serve_commands
+
 EXIT_USAGE = 2
 
 
@@ -42,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sample(commands)
     _add_eval(commands)
     _add_report(commands)
-    _add_serve(commands)
+    add_serve_commands(commands)
     _add_up(commands)
     _add_bench(commands)
     _add_operator(commands)
@@ -228,58 +230,6 @@ def _report(args: argparse.Namespace) -> int:
     path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
                         steps=args.steps, seed=args.seed, out=args.out)
     print(f"wrote {path}")
-    return 0
-
-
-# -- serve --------------------------------------------------------------------------------------
-
-def _add_serve(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser("serve", help="run an expert or router server")
-    roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
-    p = roles.add_parser("expert", help="serve one expert's velocity over the binary protocol")
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", choices=("torch", "jax", "neuron"), default="torch")
-    p.add_argument("--device", default=None,
-                   help="torch: cpu, cuda[:N]; jax: cpu, gpu, tpu[:N]; neuron: none")
-    p.add_argument("--max-batch", type=int, default=64, help="images per model call")
-    p.add_argument("--max-delay-ms", type=float, default=0.0,
-                   help="wait this long for more requests before a model call")
-    p.add_argument("--compile-cache", type=Path, default=None,
-                   help="neuron: where traced models are cached")
-    p.add_argument("--log-level", default="info")
-    p.set_defaults(handler=_serve_expert)
-
-    p = roles.add_parser("router", help="serve /v1/generate: the step loop over remote experts")
-    p.add_argument("--config", required=True, type=Path, help="router.yaml")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--max-batch", type=int, default=64, help="labels per request")
-    p.add_argument("--max-steps", type=int, default=200)
-    p.add_argument("--max-concurrent", type=int, default=16,
-                   help="generations in flight; more get 429")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="time budget for one expert call, retries included")
-    p.add_argument("--log-level", default="info")
-    p.set_defaults(handler=_serve_router)
-
-
-def _serve_expert(args: argparse.Namespace) -> int:
-    from ddm.serving.expert_server import serve_expert
-
-    serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
-                 device=args.device, max_batch=args.max_batch, max_delay_ms=args.max_delay_ms,
-                 log_level=args.log_level, compile_cache=args.compile_cache)
-    return 0
-
-
-def _serve_router(args: argparse.Namespace) -> int:
-    from ddm.serving.router_server import serve_router
-
-    serve_router(args.config, host=args.host, port=args.port, log_level=args.log_level,
-                 max_batch=args.max_batch, max_steps=args.max_steps,
-                 max_concurrent=args.max_concurrent, deadline_s=args.deadline_s)
     return 0
 
 

@@ -7,8 +7,13 @@ for readiness by polling ``/readyz`` against a deadline.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import shutil
+import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,10 +27,11 @@ import pytest
 from ddm.checkpoint import load_checkpoint
 from ddm.sampling.pipeline import expert_velocity
 from ddm.sampling.solvers import iterate
-from ddm.serving.backends import BackendUnavailable, check_backend, load_backend
+from ddm.serving.backends import Backend, BackendUnavailable, check_backend, load_backend
 from ddm.serving.expert_server import create_expert_app
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
                                   VelocityRequest, decode_response, encode_request)
+from ddm.serving.termination import write_termination_message
 from servers import READY_DEADLINE_S, ready_server, running, wait_ready
 
 SHAPE = (1, 8, 8)  # the smoke config's images
@@ -135,11 +141,11 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(torch_
     cases = [
         (b"", 400, "truncated header: 0 bytes", 0),
         (b"GET / HTTP/1.1\r\n\r\n garbage" * 10, 400, "magic", 0),
-        (bytes(wrong_dtype), 400, "int32", 9),
+        (bytes(wrong_dtype), 422, "int32", 9),
         (encode_request(VelocityRequest(9, np.zeros((1, 1, 4, 4), np.float32),
                                         np.zeros(1, np.float32), np.zeros(1, np.int64))),
          422, r"this expert serves \(1, 8, 8\)", 9),
-        (encode_request(velocity_request(batch=9, seed=0, request_id=9)), 413,
+        (encode_request(velocity_request(batch=9, seed=0, request_id=9)), 422,
          "batch of 9 exceeds the limit of 8", 9),
         (encode_request(velocity_request(batch=2, seed=0, request_id=9, labels=[1, 7])), 422,
          r"labels \[7\] are not served by this expert \(serves \[0, 1, 2, 3, 4\]\)", 9),
@@ -153,7 +159,7 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(torch_
     np.testing.assert_allclose(decode_response(reply.content, 9),
                                torch_velocity(good.x, good.t, good.y), atol=1e-5)
     metrics = httpx.get(f"{torch_server}/metrics").text
-    assert metric(metrics, 'ddm_expert_requests_total{kind="invalid",status="422"}') >= 2
+    assert metric(metrics, 'ddm_expert_requests_total{kind="invalid",status="422"}') >= 4
     assert httpx.get(f"{torch_server}/healthz").status_code == 200
 
 
@@ -197,6 +203,88 @@ def test_a_failed_load_is_reported_by_the_probes(smoke_expert_checkpoint):
         assert httpx.get(f"{base}/readyz").status_code == 503
         reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=3)))
         assert "failed to load" in remote_error(reply, 3).message
+
+
+def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
+        smoke_expert_checkpoint):
+    """One request holds the model; with max_pending 1 the next is refused at once."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def gated_loader(ckpt, backend, device, max_batch, compile_cache):
+        real = load_backend(ckpt, backend, device, max_batch, compile_cache)
+
+        def velocity(x, t, y):
+            if x.shape[0] == 5:  # over INLINE_ROWS: runs on the model thread, not the loop
+                entered.set()
+                assert gate.wait(timeout=60)
+            return real.velocity(x, t, y)
+
+        return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
+
+    app = create_expert_app(smoke_expert_checkpoint, max_batch=8, max_pending=1,
+                            loader=gated_loader)
+    with running(app) as base:
+        wait_ready(base)
+        limit = httpx.get(f"{base}/v1/info").json()["max_body_bytes"]
+        over = encode_request(velocity_request(batch=1, seed=0, request_id=4)) + bytes(limit)
+        for content in (over, iter([over[:100], over[100:]])):  # declared, then chunked
+            reply = post(base, content)
+            assert reply.status_code == 413
+            assert f"exceeds the limit of {limit}" in remote_error(reply, 0).message
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(base_url=base, timeout=60, headers=HEADERS) as client:
+                held = asyncio.create_task(client.post("/v1/velocity", content=encode_request(
+                    velocity_request(batch=5, seed=1, request_id=5))))
+                assert await asyncio.to_thread(entered.wait, 60)  # it holds the model now
+                refused = await client.post("/v1/velocity", content=encode_request(
+                    velocity_request(batch=1, seed=2, request_id=6)))
+                gate.set()
+                return refused, await held
+
+        refused, held = asyncio.run(scenario())
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "the limit is 1" in remote_error(refused, 0).message
+        assert held.status_code == 200
+        assert post(base, encode_request(velocity_request(1, 3, request_id=7))).status_code == 200
+
+
+@pytest.mark.parametrize("damage, reason", [
+    ("weights", r"weights.safetensors is corrupt \(sha256"),
+    ("config", "config.json"),
+])
+def test_an_expert_that_cannot_load_exits_1_and_says_why(smoke_expert_checkpoint, tmp_path,
+                                                         damage, reason):
+    """Kubernetes shows the termination message in the pod's lastState."""
+    checkpoint = tmp_path / "broken"
+    shutil.copytree(smoke_expert_checkpoint, checkpoint)
+    if damage == "weights":
+        weights = bytearray((checkpoint / "weights.safetensors").read_bytes())
+        weights[-1] ^= 0xFF
+        (checkpoint / "weights.safetensors").write_bytes(bytes(weights))
+    else:
+        (checkpoint / "config.json").write_text("{not json")
+    log = tmp_path / "termination-log"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    expert = subprocess.Popen(
+        [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint", str(checkpoint),
+         "--port", str(port), "--log-level", "error"],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "DDM_TERMINATION_LOG": str(log)})
+    assert expert.wait(timeout=READY_DEADLINE_S) == 1
+    message = log.read_text()
+    assert re.search(reason, message) and str(checkpoint) in message, message
+    assert message.count("\n") == 1
+
+
+def test_the_termination_message_is_one_line_kubernetes_keeps_or_nothing(tmp_path):
+    reason = "line one\nline two é" + "x" * 5000
+    assert write_termination_message(reason, tmp_path / "log")
+    written = (tmp_path / "log").read_bytes()
+    assert written.startswith(b"line one line two \xc3\xa9x") and written.endswith(b"x\n")
+    assert len(written) == 4096 + 1
+    assert not write_termination_message(reason, tmp_path / "no-such-dir" / "log")
 
 
 def test_neuron_backend_without_torch_neuronx_fails_clearly(smoke_expert_checkpoint):

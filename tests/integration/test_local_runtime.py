@@ -201,3 +201,26 @@ def test_ddm_up_stops_every_process_on_sigterm(tmp_path: Path) -> None:
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
             f"/proc/{pid}/status").read_text().lower(), f"process {pid} survived"
+
+
+def test_ddm_up_says_why_an_expert_could_not_start(tmp_path: Path) -> None:
+    """A corrupt checkpoint: the expert exits 1, and ddm up reports its termination message."""
+    import shutil
+
+    from ddm.runtime.local import LocalRunError
+
+    broken = tmp_path / "expert-0-4"
+    shutil.copytree(EXAMPLE.parents[1] / "checkpoints" / "digits" / "expert-0-4", broken)
+    weights = bytearray((broken / "weights.safetensors").read_bytes())
+    weights[-1] ^= 0xFF
+    (broken / "weights.safetensors").write_bytes(bytes(weights))
+    text = EXAMPLE.read_text().replace("image:///opt/ddm/checkpoints/digits/expert-0-4",
+                                       f"file://{broken}")
+    (tmp_path / "digits.yaml").write_text(text)
+    log = io.StringIO()
+    with pytest.raises(LocalRunError) as caught:
+        run_local(load_manifest(tmp_path / "digits.yaml"), router_port=free_port(), out=log)
+    message = str(caught.value)
+    assert message.startswith("digits-0-4/0 exited with status 1 before it was ready: "), message
+    assert f"checkpoint {broken}: weights.safetensors is corrupt (sha256" in message, message
+

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import io
 import json
+import logging
 import os
 import re
 import signal
@@ -37,11 +39,13 @@ from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
 from ddm.sampling.pipeline import generate, load_ddm
 from ddm.sampling.routing import parse_strategy
-from ddm.serving.expert_pool import ExpertPool, PoolSettings, static_endpoints
-from ddm.serving.expert_server import build_server, create_expert_app
+from ddm.serving.expert_pool import ExpertPool, PoolSettings
+from ddm.serving.expert_server import create_expert_app
+from ddm.serving.http import build_server
 from ddm.serving.remote_sampling import RemoteMixture, SamplingRequest, generate_remote
-from ddm.serving.router_config import RouterConfigFile
-from ddm.serving.router_server import RouterSettings, create_router_app
+from ddm.serving.replicas import static_endpoints
+from ddm.serving.router_config import Auth, RouterConfigFile, RouterLimits
+from ddm.serving.router_server import create_router_app
 
 SMOKE = UNET_CONFIGS["smoke"]
 SHAPE = (1, SMOKE.image_size, SMOKE.image_size)
@@ -196,7 +200,8 @@ def test_generations_beyond_the_limit_get_429_and_a_hung_expert_503(ddms, expert
         config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [hanging]}},
                          [LOW, HIGH], None, strategy="oracle",
                          timeouts={"connect_s": 0.5, "request_s": 0.5})
-        app = create_router_app(config, RouterSettings(max_concurrent=1, deadline_s=2.0))
+        config = dataclasses.replace(config, limits=RouterLimits(max_concurrent=1))
+        app = create_router_app(config, deadline_s=2.0)
         with _servers({"router": app}) as endpoints:
             base = f"http://{endpoints['router']}"
             _wait(lambda: httpx.get(f"{base}/v1/info").json()["image_shape"], "e0 seen")
@@ -295,6 +300,141 @@ def test_every_replica_down_is_a_503_naming_the_expert_until_it_comes_back(repli
     _wait(lambda: _status(f"{base}/readyz") == 200, "router ready again")
     reply = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 4}, timeout=30)
     assert reply.status_code == 200, reply.text
+
+
+# ----------------------------------------------------------------------- limits and auth
+
+TOKEN, ROTATED = "first-secret-token-7f3a", "rotated-secret-token-91bc"
+
+
+@pytest.fixture(scope="module")
+def guarded(ddms, experts, tmp_path_factory) -> Iterator[dict]:
+    """A router with small limits and a bearer token in a file laid out as Kubernetes mounts
+    a Secret: ``token -> ..data/token``, ``..data -> ..<version>`` (swapped on update)."""
+    secret = tmp_path_factory.mktemp("secret")
+    _mount_secret(secret, "v1", TOKEN)
+    (secret / "token").symlink_to("..data/token")
+    config = dataclasses.replace(
+        _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                [LOW, HIGH], None, strategy="oracle"),
+        limits=RouterLimits(max_batch=4, max_steps=8, max_concurrent=4, max_body_bytes=1024),
+        auth=Auth(str(secret / "token")))
+    with _servers({"router": create_router_app(config)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        _wait(lambda: _status(f"{base}/readyz") == 200, "guarded router ready")
+        yield {"base": base, "secret": secret}
+
+
+def test_the_api_needs_the_bearer_token_and_the_probes_do_not(guarded, caplog):
+    base = guarded["base"]
+    for name in (None, "uvicorn", "uvicorn.access", "uvicorn.error", "ddm"):
+        caplog.set_level(logging.DEBUG, logger=name)  # every logger, the access log included
+    refusals = [({}, "missing Authorization header", 'Bearer realm="ddm"'),
+                ({"Authorization": f"Basic {TOKEN}"}, "scheme must be Bearer",
+                 'Bearer realm="ddm"'),
+                ({"Authorization": f"Bearer {TOKEN}x"}, "bad token",
+                 'Bearer realm="ddm", error="invalid_token"')]
+    replies = []
+    for headers, detail, challenge in refusals:
+        for reply in (httpx.get(f"{base}/v1/info", headers=headers),
+                      httpx.post(f"{base}/v1/generate", headers=headers,
+                                 json={"labels": [1], "steps": 2}),
+                      httpx.get(f"{base}/v1/generate/stream?label=1", headers=headers)):
+            assert reply.status_code == 401, reply.text
+            assert detail in reply.json()["detail"]
+            assert reply.headers["www-authenticate"] == challenge
+            replies.append(reply.text)
+    for path in ("/healthz", "/readyz", "/metrics", "/"):
+        assert httpx.get(f"{base}{path}").status_code == 200, path
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(f"{base}/v1/info", headers=good).json()["auth"] is True
+    reply = httpx.post(f"{base}/v1/generate", headers=good, json={"labels": [1], "steps": 2},
+                       timeout=60)
+    assert reply.status_code == 200, reply.text
+    with httpx.stream("GET", f"{base}/v1/generate/stream?label=7&steps=2", headers=good,
+                      timeout=60) as stream:
+        assert [name for name, _ in _events(stream)] == ["step", "step", "done"]
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert TOKEN not in logged and TOKEN not in "".join(replies)
+    metrics = httpx.get(f"{base}/metrics").text
+    assert _metric(metrics, 'ddm_router_requests_total{route="/v1/info",status="401"}') >= 3
+
+
+def test_a_rotated_secret_is_picked_up_without_a_restart(guarded):
+    base, secret = guarded["base"], guarded["secret"]
+    assert httpx.get(f"{base}/v1/info", headers={"Authorization": f"Bearer {TOKEN}"}
+                     ).status_code == 200
+    _mount_secret(secret, "v2", ROTATED + "\n")  # as the kubelet does: a new dir, one rename
+    try:
+        assert httpx.get(f"{base}/v1/info", headers={"Authorization": f"Bearer {TOKEN}"}
+                         ).status_code == 401
+        assert httpx.get(f"{base}/v1/info", headers={"Authorization": f"Bearer {ROTATED}"}
+                         ).status_code == 200
+    finally:
+        _mount_secret(secret, "v1", TOKEN)
+
+
+def test_limits_get_413_and_422_with_the_problem_named(guarded):
+    base, good = guarded["base"], {"Authorization": f"Bearer {TOKEN}"}
+
+    def post(**kwargs) -> httpx.Response:
+        return httpx.post(f"{base}/v1/generate", headers=good, timeout=60, **kwargs)
+
+    padded = {"labels": [1], "steps": 2, "seed": 0, "strategy": "oracle" + " " * 2000}
+    declared = post(content=json.dumps(padded))
+    assert declared.status_code == 413, declared.text
+    assert "exceeds the limit of 1024" in declared.json()["detail"]
+    streamed = post(content=iter([b'{"labels": [1], "seed": 0', b" " * 2000, b"}"]))
+    assert streamed.status_code == 413, streamed.text  # chunked: no length to check first
+    for body, message in (({"labels": [1] * 5}, "labels: List should have at most 4 items"),
+                          ({"labels": [1], "steps": 9}, "steps: .*less than or equal to 8"),
+                          ({"labels": [12]}, r"labels \[12\] are outside"),
+                          ({"labels": [1], "strategy": "best"}, "strategy")):
+        reply = post(json=body)
+        assert reply.status_code == 422 and re.search(message, reply.json()["detail"]), reply.text
+    assert httpx.get(f"{base}/v1/info", headers=good).json()["limits"]["max_body_bytes"] == 1024
+
+
+def test_a_router_that_cannot_start_exits_1_and_says_why(ddms, experts, tmp_path):
+    """Kubernetes shows the termination message in the pod's lastState."""
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], ddms["split"] / "e0", strategy="top1")  # not a router
+    oracle = dataclasses.replace(config, router_checkpoint=None,
+                                 sampling=dataclasses.replace(config.sampling, strategy="oracle"))
+    missing = tmp_path / "no-token"
+    cases = {"network": (config.to_yaml(), [], "e0 is a expert checkpoint, not a router"),
+             "config": ("experts: []\n", [], "experts must list at least one expert"),
+             "token": (dataclasses.replace(oracle, auth=Auth(str(missing))).to_yaml(), [],
+                       f"auth.token_file {missing}: No such file"),
+             "flag": (oracle.to_yaml(), ["--auth-token-file", str(missing)],
+                      f"auth.token_file {missing}: No such file"),
+             "limit": (oracle.to_yaml(), ["--max-steps", "2"],
+                       "sampling.steps 6 exceeds limits.max_steps 2")}
+    for name, (text, flags, reason) in cases.items():
+        (tmp_path / f"{name}.yaml").write_text(text)
+        log = tmp_path / f"{name}.termination-log"
+        router = subprocess.Popen(
+            [sys.executable, "-c", SERVE, "serve", "router", "--config",
+             str(tmp_path / f"{name}.yaml"), "--port", str(_free_port()), "--log-level", "error",
+             *flags],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "DDM_TERMINATION_LOG": str(log)})
+        assert router.wait(timeout=WAIT_S) == 1, name
+        message = log.read_text()
+        assert reason in message and message.count("\n") == 1, (name, message)
+
+
+#: ``ddm serve ...`` through the serving commands' own parser.
+SERVE = ("import argparse, sys; from ddm.serving.commands import add_serve_commands; "
+         "parser = argparse.ArgumentParser(); add_serve_commands(parser.add_subparsers()); "
+         "args = parser.parse_args(); sys.exit(args.handler(args))")
+
+
+def _mount_secret(directory: Path, version: str, token: str) -> None:
+    """Point ``directory/..data`` at a fresh ``..<version>/token`` with one atomic rename."""
+    (directory / f"..{version}").mkdir(exist_ok=True)
+    (directory / f"..{version}" / "token").write_text(token)
+    (directory / "..data_tmp").symlink_to(f"..{version}")
+    os.replace(directory / "..data_tmp", directory / "..data")
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -218,3 +218,42 @@ def test_submit_refuses_a_request_over_max_batch():
     with pytest.raises(ValueError, match="1..2 rows, got 3"):
         asyncio.run(scenario())
 
+
+
+def test_a_small_request_to_an_idle_model_runs_on_the_event_loop_and_others_on_the_worker():
+    threads: list[tuple[int, str]] = []
+
+    def run(key, inputs):
+        threads.append((inputs[0].shape[0], threading.current_thread().name))
+        return inputs[0]
+
+    async def scenario():
+        batcher = Batcher(run, max_batch=8, max_delay_ms=0,
+                          inline=lambda key, size: key == V and size <= 2)
+        batcher.start()
+        await batcher.submit(V, rows([1]))          # small and idle: inline
+        await batcher.submit(A, rows([2]))          # another key: worker
+        await batcher.submit(V, rows([1, 2, 3]))    # too big: worker
+        await asyncio.gather(*(batcher.submit(V, rows([i])) for i in range(3)))
+        await batcher.close()
+
+    asyncio.run(scenario())
+    loop_thread = threading.current_thread().name
+    assert threads[0] == (1, loop_thread)
+    assert all(name.startswith("ddm-model") for _, name in threads[1:3])
+    # Three at once (a burst read in one turn of the loop) see each other: one batch.
+    assert threads[3:] == [(3, threads[1][1])]
+
+
+def test_inline_is_off_when_the_batcher_waits_for_more_requests():
+    threads = []
+
+    async def scenario():
+        batcher = Batcher(lambda key, inputs: threads.append(threading.current_thread().name)
+                          or inputs[0], max_batch=8, max_delay_ms=1, inline=lambda *_: True)
+        batcher.start()
+        await batcher.submit(V, rows([1]))
+        await batcher.close()
+
+    asyncio.run(scenario())
+    assert threads[0].startswith("ddm-model")

@@ -15,7 +15,8 @@ import socket
 import numpy as np
 import pytest
 
-from ddm.serving.bench import BenchSettings, run_bench, summary_lines, wire_bytes
+from ddm.serving.bench import BenchSettings, run_bench
+from ddm.serving.bench_figures import summary_lines, wire_bytes
 from ddm.serving.reference_protocol import decode_npz, encode_npz
 
 FIGURES_WITH_TARGETS = ("step_overhead", "reference_baseline", "wire", "quality")

@@ -22,9 +22,10 @@ import pytest
 from ddm.checkpoint import load_checkpoint
 from ddm.sampling.pipeline import expert_velocity
 from ddm.serving.expert_pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
-                                     PoolSettings, ReplicaSet, ReplicaState, client_session,
-                                     dns_endpoints, static_endpoints)
-from ddm.serving.expert_server import build_server, create_expert_app
+                                     PoolSettings, client_session)
+from ddm.serving.replicas import ReplicaSet, ReplicaState, dns_endpoints, static_endpoints
+from ddm.serving.expert_server import create_expert_app
+from ddm.serving.http import build_server
 
 SHAPE = (1, 8, 8)
 FAST = PoolSettings(connect_s=1.0, attempt_s=2.0, deadline_s=3.0, attempts=2, backoff_s=0.05,

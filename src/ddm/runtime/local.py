@@ -4,6 +4,8 @@ The same YAML a user would ``kubectl apply`` is planned into processes by a pure
 (:func:`plan_local`), then supervised (:func:`run_local`): every expert replica becomes a
 ``ddm serve expert`` process on a free loopback port, the router a ``ddm serve router`` process
 whose config lists those endpoints. Ctrl-C (or any process dying) stops everything started.
+A server that cannot start leaves a one-line reason in its own termination-message file
+(``DDM_TERMINATION_LOG``, as Kubernetes would show it), and ``ddm up`` reports that line.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ddm.operator.checkpoints import Checkpoint
 from ddm.operator.spec import DDMManifest, ExpertSpec
 from ddm.serving.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                        StaticDiscovery)
+from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
 IMAGE_PREFIX = "/opt/ddm/"
@@ -145,15 +148,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class Supervisor:
-    """Starts processes, relays their output with a name prefix, and stops them all."""
+    """Starts processes, relays their output with a name prefix, and stops them all.
 
-    def __init__(self, out: TextIO) -> None:
+    With ``termination_dir``, each process gets its own termination-message file there, and
+    :meth:`exit_reason` reads why one that exited could not start."""
+
+    def __init__(self, out: TextIO, termination_dir: Path | None = None) -> None:
         self.out = out
+        self.termination_dir = termination_dir
         self.processes: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
 
     def start(self, spec: ProcessSpec) -> None:
-        process = subprocess.Popen(spec.argv, env=os.environ | dict(spec.env),
+        env = os.environ | dict(spec.env)
+        if self.termination_dir is not None:
+            env[TERMINATION_LOG_ENV] = str(self._termination_file(spec.name))
+        process = subprocess.Popen(spec.argv, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
         self.processes[spec.name] = process
@@ -171,8 +181,8 @@ class Supervisor:
         while time.monotonic() < deadline:
             code = self.processes[spec.name].poll()
             if code is not None:
-                raise LocalRunError(f"{spec.name} exited with status {code} before it was ready "
-                                    "(its log lines above say why)")
+                raise LocalRunError(f"{spec.name} exited with status {code} before it was ready: "
+                                    f"{self.exit_reason(spec.name)}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as answer:
                     if answer.status == 200:
@@ -181,6 +191,20 @@ class Supervisor:
                 pass
             time.sleep(0.2)  # an external process: polling its probe is the only signal
         raise LocalRunError(f"{spec.name} was not ready within {READY_TIMEOUT_S:.0f} s")
+
+    def exit_reason(self, name: str) -> str:
+        """The line process ``name`` left in its termination-message file, or a pointer to its
+        log when it left none."""
+        path = self._termination_file(name) if self.termination_dir is not None else None
+        try:
+            reason = path.read_text(encoding="utf-8").strip() if path is not None else ""
+        except OSError:
+            reason = ""
+        return reason or "its log lines above say why"
+
+    def _termination_file(self, name: str) -> Path:
+        assert self.termination_dir is not None
+        return self.termination_dir / f"{name.replace('/', '-')}.termination-log"
 
     def first_exit(self) -> tuple[str, int] | None:
         for name, process in self.processes.items():
@@ -212,7 +236,7 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
         plan = plan_local(manifest, lambda: free_port(host), router_port, host, image_root,
                           pvc_root, threads, config_path)
         config_path.write_text(plan.router_config.to_yaml())
-        supervisor = Supervisor(out)
+        supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             for spec in plan.experts:
@@ -239,7 +263,8 @@ def _wait(supervisor: Supervisor, stop: threading.Event | None, out: TextIO) -> 
     while not stop.wait(0.5):
         exited = supervisor.first_exit()
         if exited is not None:
-            print(f"{exited[0]} exited with status {exited[1]}; stopping the others",
+            print(f"{exited[0]} exited with status {exited[1]} "
+                  f"({supervisor.exit_reason(exited[0])}); stopping the others",
                   file=out, flush=True)
             return 1
     return 0

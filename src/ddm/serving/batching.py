@@ -148,10 +148,17 @@ class Batcher:
     call at a time best) and keeps the event loop free to accept the next requests, which
     queue up meanwhile and form the next batch. Use it from one event loop:
     ``start()``, then ``await submit(...)`` from many tasks, then ``await close()``.
+
+    A request that ``inline(key, rows)`` accepts and that finds the model idle, nothing queued
+    and no other request arriving runs at once on the event loop instead (only with
+    ``max_delay_ms`` 0, which asks for no waiting): a lone router stepping one image through
+    the DDM would otherwise pay two thread hops per step. Requests arriving meanwhile wait
+    unread in the socket, as they would wait for the busy worker, and form the next batch.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
-                 on_batch: Callable[[BatchReport], None] | None = None) -> None:
+                 on_batch: Callable[[BatchReport], None] | None = None,
+                 inline: Callable[[Hashable, int], bool] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         if max_delay_ms < 0:
@@ -160,6 +167,9 @@ class Batcher:
         self._max_batch = max_batch
         self._max_delay = max_delay_ms / 1000.0
         self._on_batch = on_batch
+        self._inline = inline if max_delay_ms == 0 else None
+        self._busy = False  # the worker thread is running a batch
+        self._arriving = 0  # inline candidates yielding once to see whether others came too
         self._queue: list[_Job] = []
         self._arrival = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddm-model")
@@ -177,6 +187,19 @@ class Batcher:
         size = inputs[0].shape[0]
         if not 1 <= size <= self._max_batch:
             raise ValueError(f"a request must have 1..{self._max_batch} rows, got {size}")
+        if self._inline is not None and self._inline(key, size):
+            # Requests read in the same turn of the loop (a burst) each get here before any
+            # runs: seeing each other, they queue and form one batch instead.
+            self._arriving += 1
+            try:
+                await asyncio.sleep(0)
+            finally:
+                self._arriving -= 1
+            if not self._busy and not self._queue and not self._arriving:
+                started = time.perf_counter()
+                output = self._run(key, inputs)
+                self._report(size, (0.0,), started)
+                return output
         future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(key, inputs, time.perf_counter(), future))
         self._arrival.set()
@@ -196,6 +219,7 @@ class Batcher:
         while True:
             jobs = await self._next_batch()
             started = time.perf_counter()
+            self._busy = True
             try:
                 outputs = await loop.run_in_executor(self._executor, _run_batch, self._run, jobs)
             except asyncio.CancelledError:
@@ -204,14 +228,18 @@ class Batcher:
             except Exception as error:  # noqa: BLE001 - the model's failure goes to its callers
                 _fail(jobs, error)
                 continue
+            finally:
+                self._busy = False
             for job, output in zip(jobs, outputs):
                 if not job.future.done():  # the client may have gone away
                     job.future.set_result(output)
-            if self._on_batch is not None:
-                self._on_batch(BatchReport(
-                    images=sum(job.size for job in jobs),
-                    queue_delays=tuple(started - job.arrived for job in jobs),
-                    model_seconds=time.perf_counter() - started))
+            self._report(sum(job.size for job in jobs),
+                         tuple(started - job.arrived for job in jobs), started)
+
+    def _report(self, images: int, queue_delays: tuple[float, ...], started: float) -> None:
+        if self._on_batch is not None:
+            self._on_batch(BatchReport(images=images, queue_delays=queue_delays,
+                                       model_seconds=time.perf_counter() - started))
 
     async def _next_batch(self) -> list[_Job]:
         """Wait until :func:`plan_batch` dispatches, then take those jobs off the queue."""

@@ -31,7 +31,6 @@ import dataclasses
 import io
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -44,38 +43,25 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import aiohttp
 import numpy as np
 
-from ddm.operator.spec import DDMManifest, load_manifest
-from ddm.runtime.local import (REPOSITORY_ROOT, LocalPlan, ProcessSpec, Supervisor,
-                               expert_backend, free_port, plan_local, resolve_checkpoint)
+from ddm.operator.spec import load_manifest
+from ddm.runtime.local import REPOSITORY_ROOT
 from ddm.sampling.pipeline import LoadedDDM, default_checkpoints, generate, load_ddm
+from ddm.serving.bench_figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,
+                                       WIRE_RATIO, images_per_s, rate, speedup, summary_lines,
+                                       throughput_figures, verdict, wire_bytes)
+from ddm.serving.bench_fleet import (CONCURRENT, HOST, BenchError, Fleet, machine,
+                                     running_fleet, say)
 from ddm.serving.expert_pool import PoolSettings, client_session
-from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                  encode_request, encode_response)
-from ddm.serving.reference_protocol import encode_npz, npz_velocity, reference_ddm
+from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.reference_protocol import npz_velocity, reference_ddm
 
-HOST = "127.0.0.1"
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
 STRATEGY = "top1"
-BIG_BATCH = 64
-CONCURRENT = 64
 #: The router's ``--max-batch``: a quality run of 100 images goes in chunks of this many.
 QUALITY_CHUNK = 50
-READY_S = 240.0
 REQUEST_TIMEOUT_S = 300.0
 #: Bounds the whole measurement, whatever the machine's load.
 MEASURE_TIMEOUT_S = 1200.0
-
-# The issue's targets.
-DISTRIBUTED_VS_IN_PROCESS = 0.85
-STEP_OVERHEAD_MS = 1.0
-SPEEDUP_VS_REFERENCE = 5.0
-BATCHING_SPEEDUP = 4.0
-WIRE_RATIO = 1.02
-ACCURACY_GAP_POINTS = 1.0
-
-
-class BenchError(RuntimeError):
-    """A server answered something other than a result."""
 
 
 @dataclass(frozen=True)
@@ -124,15 +110,6 @@ class BenchSettings:
                 "in_process_torch_threads": 1, "server_threads": 1}
 
 
-@dataclass(frozen=True)
-class Fleet:
-    """What runs: a deployment with dynamic batching, one without, and reference servers."""
-
-    batched: LocalPlan
-    unbatched: LocalPlan
-    reference: tuple[str, ...]  # host:port per expert, in the manifest's (router's) order
-
-
 # ---------------------------------------------------------------------------------- running
 
 
@@ -140,7 +117,7 @@ def run_bench(settings: BenchSettings, log: TextIO = sys.stderr) -> dict[str, An
     """Start the servers, measure everything, stop the servers; the results as a dict."""
     started = time.perf_counter()
     result: dict[str, Any] = {"machine": machine(), "settings": settings.to_dict()}
-    _say(log, f"loading the DDM in-process from {default_checkpoints()}")
+    say(log, f"loading the DDM in-process from {default_checkpoints()}")
     ddm = load_ddm(default_checkpoints())
     manifest = load_manifest(MANIFEST)
     served = [tuple(e.classes) for e in manifest.spec.experts]
@@ -150,109 +127,13 @@ def run_bench(settings: BenchSettings, log: TextIO = sys.stderr) -> dict[str, An
     servers: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ddm-bench-") as workdir, _one_torch_thread():
         try:
-            with _fleet(manifest, Path(workdir), log, servers) as fleet:
+            with running_fleet(manifest, Path(workdir), log, servers) as fleet:
                 result.update(asyncio.run(_measure(settings, ddm, fleet, log)))
         finally:
             result["servers"] = servers
     result["machine"]["load_average_after"] = list(os.getloadavg())
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
-
-
-def machine() -> dict[str, Any]:
-    """Where the figures come from: a shared machine's load matters, so it is recorded."""
-    versions = {}
-    for module in ("torch", "jax", "numpy", "aiohttp", "uvicorn", "fastapi"):
-        try:
-            versions[module] = __import__(module).__version__
-        except ImportError:
-            versions[module] = None
-    return {"platform": platform.platform(), "processor": platform.processor() or None,
-            "python": platform.python_version(), "cpu_count": os.cpu_count(),
-            "accelerator": None, "versions": versions,
-            "load_average_before": list(os.getloadavg())}
-
-
-@contextmanager
-def _fleet(manifest: DDMManifest, workdir: Path, log: TextIO,
-           servers: list[dict[str, Any]]) -> Iterator[Fleet]:
-    """Start every process (experts first, as ``ddm up`` does), yield, then stop them all and
-    record each one's pid, port and exit status in ``servers``."""
-    ports = _port_source()
-    batched = _plan(manifest, BIG_BATCH, workdir, "batched", ports)
-    unbatched = _plan(manifest, 1, workdir, "unbatched", ports)
-    references, endpoints = _reference_specs(manifest, batched.experts[0].env, ports)
-    experts = [*batched.experts, *unbatched.experts, *references]
-    routers = [batched.router, unbatched.router]
-    supervisor = Supervisor(log)
-    try:
-        _say(log, f"starting {len(experts)} expert processes and {len(routers)} routers")
-        deadline = time.monotonic() + READY_S
-        for spec in experts:
-            supervisor.start(spec)
-        for spec in experts:
-            supervisor.wait_ready(spec, HOST, deadline)
-        for spec in routers:
-            supervisor.start(spec)
-        for spec in routers:
-            supervisor.wait_ready(spec, HOST, deadline)
-        yield Fleet(batched, unbatched, endpoints)
-    finally:
-        _say(log, "stopping the servers")
-        supervisor.stop()
-        for spec in [*experts, *routers]:
-            process = supervisor.processes.get(spec.name)
-            if process is not None:
-                servers.append({"name": spec.name, "port": spec.port, "pid": process.pid,
-                                "exit_code": process.returncode})
-
-
-def _plan(manifest: DDMManifest, max_batch: int, workdir: Path, tag: str,
-          ports: Callable[[], int]) -> LocalPlan:
-    """``ddm up``'s plan with every expert at ``max_batch`` and room for 64 generations."""
-    spec = manifest.spec
-    experts = tuple(dataclasses.replace(e, max_batch=max_batch) for e in spec.experts)
-    manifest = dataclasses.replace(manifest, spec=dataclasses.replace(spec, experts=experts))
-    config_path = workdir / f"router-{tag}.yaml"
-    plan = plan_local(manifest, ports, ports(), HOST, config_path=config_path)
-    config_path.write_text(plan.router_config.to_yaml())
-
-    def named(process: ProcessSpec) -> ProcessSpec:
-        return dataclasses.replace(process, name=f"{tag}/{process.name}")
-
-    router = dataclasses.replace(named(plan.router), argv=(
-        *plan.router.argv, "--max-concurrent", str(CONCURRENT)))
-    return dataclasses.replace(plan, experts=tuple(map(named, plan.experts)), router=router)
-
-
-def _reference_specs(manifest: DDMManifest, env: tuple[tuple[str, str], ...],
-                     ports: Callable[[], int]) -> tuple[list[ProcessSpec], tuple[str, ...]]:
-    """One reference-protocol server per expert, on the backend ``ddm up`` would use."""
-    specs, endpoints = [], []
-    for expert in manifest.spec.experts:
-        backend, device = expert_backend(expert)
-        port = ports()
-        argv = (sys.executable, "-m", "ddm.serving.reference_protocol", "--checkpoint",
-                str(resolve_checkpoint(expert.checkpoint)), "--host", HOST, "--port", str(port),
-                "--backend", backend, "--device", device)
-        specs.append(ProcessSpec(f"reference/{expert.name}", argv, port, env))
-        endpoints.append(f"{HOST}:{port}")
-    return specs, tuple(endpoints)
-
-
-def _port_source() -> Callable[[], int]:
-    """Free loopback ports, never the same one twice."""
-    taken: set[int] = set()
-
-    def port() -> int:
-        for _ in range(100):
-            candidate = free_port(HOST)
-            if candidate not in taken:
-                taken.add(candidate)
-                return candidate
-        raise BenchError("no free loopback port found")
-
-    return port
 
 
 @contextmanager
@@ -267,10 +148,6 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _say(log: TextIO, message: str) -> None:
-    print(f"bench: {message}", file=log, flush=True)
-
-
 # ------------------------------------------------------------------------------- measuring
 
 
@@ -280,21 +157,21 @@ async def _measure(settings: BenchSettings, ddm: LoadedDDM, fleet: Fleet,
     purpose: nothing else of the benchmark runs meanwhile."""
     async with asyncio.timeout(MEASURE_TIMEOUT_S), client_session(PoolSettings()) as session:
         url = fleet.batched.url
-        _say(log, "warming up (JAX compiles per batch shape in-process)")
+        say(log, "warming up (JAX compiles per batch shape in-process)")
         for labels in ([0], [5], _big_labels()):
             _sample_here(ddm, labels, settings.steps, settings.seed)
             await _generate(session, url, labels, settings.steps, settings.seed)
         await _generate(session, fleet.unbatched.url, [0], settings.steps, settings.seed)
-        _say(log, "throughput, per-step overhead and the reference demo's protocol")
-        figures = _throughput_figures(await _throughput(settings, ddm, session, fleet),
+        say(log, "throughput, per-step overhead and the reference demo's protocol")
+        figures = throughput_figures(await _throughput(settings, ddm, session, fleet),
                                       settings.steps)
         figures["reference_baseline"]["call_latency"] = await _call_latency(
             ddm, session, fleet, settings.repeats * 20)
-        _say(log, "64 concurrent requests, with and without dynamic batching")
+        say(log, "64 concurrent requests, with and without dynamic batching")
         concurrency = await _concurrency(settings, ddm, session, fleet)
-        _say(log, "bytes on the wire")
+        say(log, "bytes on the wire")
         wire = await _wire(ddm, session, fleet)
-        _say(log, "delegation and quality")
+        say(log, "delegation and quality")
         delegation = await _delegation(settings, session, url)
         quality = await _quality(settings, session, url)
     return {**figures, "concurrency": concurrency, "wire": wire, "delegation": delegation,
@@ -332,44 +209,6 @@ async def _throughput(settings: BenchSettings, ddm: LoadedDDM, session: aiohttp.
                 checks["reference_same_images"] &= bool(np.array_equal(theirs, images))
         runs[batch] = times
     return {"runs": runs, "checks": checks}
-
-
-def _throughput_figures(measured: dict[str, Any], steps: int) -> dict[str, Any]:
-    """Images/s and the targets' ratios from :func:`_throughput`'s seconds."""
-    figures: dict[str, Any] = {}
-    for batch, times in measured["runs"].items():
-        local, remote = times["in_process"], times["distributed"]
-        figures[f"batch_{batch}"] = {
-            "in_process": _rate(batch, local),
-            "distributed": {**_rate(batch, remote), "router_seconds": _rounded(times["router"])},
-            "ratio": round(_images_per_s(batch, remote) / _images_per_s(batch, local), 3)}
-    big = figures[f"batch_{BIG_BATCH}"]
-    big.update(_verdict(big["ratio"], DISTRIBUTED_VS_IN_PROCESS, at_least=True))
-    figures["max_pixel_difference"] = measured["checks"]["max_pixel_difference"]
-
-    local, remote = measured["runs"][1]["in_process"], measured["runs"][1]["distributed"]
-    per_pair = [(r - lo) / steps * 1e3 for lo, r in zip(local, remote)]
-    overhead = {"steps": steps, "generations": len(per_pair),
-                "in_process_ms_per_step": round(statistics.median(local) / steps * 1e3, 3),
-                "distributed_ms_per_step": round(statistics.median(remote) / steps * 1e3, 3),
-                "overhead_ms_per_step": _rounded(per_pair),
-                **_verdict(round(statistics.median(per_pair), 3), STEP_OVERHEAD_MS,
-                           at_least=False)}
-
-    theirs = _rate(1, measured["runs"][1]["reference"])
-    ours = figures["batch_1"]["distributed"]["images_per_s"]
-    speedup = round(ours / theirs["images_per_s"], 3)
-    # What a transport costing nothing would reach: the in-process rate over the reference's.
-    ceiling = round(figures["batch_1"]["in_process"]["images_per_s"] / theirs["images_per_s"], 3)
-    reference = {"server": "FastAPI on uvicorn (as build_server runs it), model in a worker thread",
-                 "client": "http.client.HTTPConnection per call (TCP_NODELAY), closed after it",
-                 "encoding": "np.savez_compressed of x, t, y; reply of v",
-                 "router_loop": "ddm.sampling.pipeline.generate in the benchmark's process",
-                 "reference": theirs, "ours": {"images_per_s": ours},
-                 "same_images_as_in_process": measured["checks"]["reference_same_images"],
-                 "speedup": speedup, "ceiling": ceiling,
-                 **_verdict(speedup, SPEEDUP_VS_REFERENCE, at_least=True)}
-    return {"throughput": figures, "step_overhead": overhead, "reference_baseline": reference}
 
 
 async def _call_latency(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: Fleet,
@@ -426,9 +265,9 @@ async def _concurrency(settings: BenchSettings, ddm: LoadedDDM,
     router: dict[str, Any] = {"requests": CONCURRENT, "images_per_request": 1, "steps": steps}
     for name, plan in (("batched", fleet.batched), ("unbatched", fleet.unbatched)):
         seconds = [await generations(plan.url) for _ in range(settings.big_repeats)]
-        router[name] = _rate(CONCURRENT, seconds)
-    router["speedup"] = _speedup(router)
-    router.update(_verdict(router["speedup"], BATCHING_SPEEDUP, at_least=True))
+        router[name] = rate(CONCURRENT, seconds)
+    router["speedup"] = speedup(router)
+    router.update(verdict(router["speedup"], BATCHING_SPEEDUP, at_least=True))
 
     experts = {}
     for index, expert in enumerate(ddm.experts):
@@ -444,7 +283,7 @@ async def _concurrency(settings: BenchSettings, ddm: LoadedDDM,
         figure["speedup"] = round(figure["batched"]["evaluations_per_s"]
                                   / figure["unbatched"]["evaluations_per_s"], 3)
         figure["model_only"] = _model_scaling(expert.velocity, ddm.image_shape, label)
-        figure.update(_verdict(figure["speedup"], BATCHING_SPEEDUP, at_least=True))
+        figure.update(verdict(figure["speedup"], BATCHING_SPEEDUP, at_least=True))
         experts[expert.name] = figure
     return {"router": router, "expert": experts}
 
@@ -497,32 +336,12 @@ async def _wire(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: Fleet) ->
     for batch in (1, BIG_BATCH):
         sizes = wire_bytes(ddm.image_shape, batch)
         figure[f"batch_{batch}"] = {**sizes,
-                                    **_verdict(sizes["ratio"], WIRE_RATIO, at_least=False)}
+                                    **verdict(sizes["ratio"], WIRE_RATIO, at_least=False)}
     figure["http_headers"] = await _header_bytes(session, fleet, ddm.image_shape)
     worst = max(figure[f"batch_{b}"]["ratio"] for b in (1, BIG_BATCH))
-    figure.update(_verdict(worst, WIRE_RATIO, at_least=False))
+    figure.update(verdict(worst, WIRE_RATIO, at_least=False))
     figure["value_is"] = "the worse of the batch-1 and batch-64 body ratios"
     return figure
-
-
-def wire_bytes(image_shape: tuple[int, int, int], batch: int) -> dict[str, Any]:
-    """Bytes of one velocity step at ``batch`` rows: raw tensors (``x`` float32, ``t`` float32,
-    ``y`` int64 out; ``v`` float32 back), our protocol's bodies, and the reference ``.npz``
-    bodies of standard-normal ``x`` and ``v`` (what a sampler sends: noise-like values)."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, *image_shape), np.float32)
-    t, y = np.full(batch, 0.5, np.float32), np.arange(batch, dtype=np.int64) % 10
-    v = rng.standard_normal(x.shape, np.float32)
-    raw_request, raw_reply = x.nbytes + t.nbytes + y.nbytes, v.nbytes
-    request = len(encode_request(VelocityRequest(1, x, t, y)))
-    reply = len(encode_response(1, v))
-    npz_request, npz_reply = len(encode_npz(x=x, t=t, y=y)), len(encode_npz(v=v))
-    return {"raw_request": raw_request, "raw_reply": raw_reply,
-            "body_request": request, "body_reply": reply,
-            "ratio": round((request + reply) / (raw_request + raw_reply), 4),
-            "reference_npz_request": npz_request, "reference_npz_reply": npz_reply,
-            "reference_npz_ratio": round((npz_request + npz_reply)
-                                         / (raw_request + raw_reply), 4)}
 
 
 async def _header_bytes(session: aiohttp.ClientSession, fleet: Fleet,
@@ -556,7 +375,7 @@ async def _delegation(settings: BenchSettings, session: aiohttp.ClientSession,
             trips.extend(reply["round_trips"])
         rows.append({"delegate_steps": delegate, "round_trips_per_image": statistics.mean(trips),
                      "seconds_per_image": round(statistics.median(seconds), 4),
-                     "images_per_s": round(_images_per_s(1, seconds), 2)})
+                     "images_per_s": round(images_per_s(1, seconds), 2)})
     return {"steps": settings.steps, "batch": 1, "runs": rows}
 
 
@@ -585,7 +404,7 @@ async def _quality(settings: BenchSettings, session: aiohttp.ClientSession,
     same = np.all(images[0] == images[delegate], axis=(1, 2))
     return {"images": len(labels), "steps": settings.steps, "per_step": scores[0],
             "delegated": scores[delegate], "identical_images": int(same.sum()),
-            "gap_points": gap, **_verdict(gap, ACCURACY_GAP_POINTS, at_least=False)}
+            "gap_points": gap, **verdict(gap, ACCURACY_GAP_POINTS, at_least=False)}
 
 
 # --------------------------------------------------------------------------------- helpers
@@ -625,46 +444,7 @@ def _decode_pngs(encoded: Sequence[str]) -> np.ndarray:
                      for text in encoded])
 
 
-def _images_per_s(batch: int, seconds: Sequence[float]) -> float:
-    return batch * len(seconds) / sum(seconds)
-
-
-def _rate(batch: int, seconds: Sequence[float]) -> dict[str, Any]:
-    return {"batch": batch, "seconds": _rounded(seconds),
-            "images_per_s": round(_images_per_s(batch, seconds), 3)}
-
-
-def _speedup(figure: dict[str, Any]) -> float:
-    return round(figure["batched"]["images_per_s"] / figure["unbatched"]["images_per_s"], 3)
-
-
-def _rounded(values: Sequence[float]) -> list[float]:
-    return [round(v, 4) for v in values]
-
-
-def _verdict(value: float, target: float, at_least: bool) -> dict[str, Any]:
-    met = value >= target if at_least else value <= target
-    return {"value": value, "target": target, "comparison": ">=" if at_least else "<=",
-            "met": bool(met)}
-
-
 # --------------------------------------------------------------------------------- command
-
-
-def summary_lines(result: dict[str, Any]) -> list[str]:
-    """One line per figure with a target: what was measured, the target, met or not."""
-    figures = [("throughput, distributed / in-process at batch 64", result["throughput"][
-                   f"batch_{BIG_BATCH}"], "x"),
-               ("per-step overhead at batch 1, median", result["step_overhead"], " ms"),
-               ("ours / reference protocol at batch 1", result["reference_baseline"], "x"),
-               ("dynamic batching, 64 concurrent generations", result["concurrency"]["router"],
-                "x"),
-               *((f"dynamic batching, 64 concurrent calls to {name}", figure, "x")
-                 for name, figure in result["concurrency"]["expert"].items()),
-               ("body bytes / raw tensor bytes", result["wire"], ""),
-               ("accuracy gap, per-step vs delegated (points)", result["quality"], "")]
-    return [f"{'met ' if f['met'] else 'MISS'}  {name}: {f['value']}{unit} "
-            f"(target {f['comparison']} {f['target']}{unit})" for name, f, unit in figures]
 
 
 def bench_serve_command(steps: int = 40, quick: bool = False, as_json: bool = False,

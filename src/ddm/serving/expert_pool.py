@@ -1,15 +1,15 @@
-"""The router's client for its experts: replicas, load balancing, failover and discovery.
+"""The router's client for its experts: load balancing, failover, probing and refreshing.
 
 The router calls an expert at every denoising step, so a call must cost one round trip on a warm
 connection and survive a replica dying mid-generation. Per expert the pool keeps the replicas
-its endpoint source lists (a static list, a DNS name re-resolved every ``refresh_s``, or any
-async callable) and sends each call to the usable replica with the fewest requests in flight,
-round-robin among ties. A replica that fails an attempt is marked down and only re-probed
-(``GET /readyz``), with a doubling backoff, until it answers again; ready replicas are re-probed
-every ``health_interval_s`` so that readiness reflects replicas that died while idle. A failed
-attempt is retried on another replica within the call's deadline; expert calls are pure
-functions of their inputs, so a retry is always safe. An expert's 4xx is the router's own fault
-and is never retried.
+its endpoint source lists (:mod:`ddm.serving.replicas`: a static list, a DNS name re-resolved
+every ``refresh_s``, or any async callable) and sends each call to the usable replica with the
+fewest requests in flight, round-robin among ties. A replica that fails an attempt is marked
+down and only re-probed (``GET /readyz``), with a doubling backoff, until it answers again;
+ready replicas are re-probed every ``health_interval_s`` so that readiness reflects replicas
+that died while idle. A failed attempt is retried on another replica within the call's deadline;
+expert calls are pure functions of their inputs, so a retry is always safe. An expert's 4xx is
+the router's own fault and is never retried.
 
 One ``aiohttp.ClientSession`` holds keep-alive connections to every replica. aiohttp sets
 ``TCP_NODELAY`` on every connection it opens (``BaseProtocol.connection_made``), so a small
@@ -19,13 +19,11 @@ request is not held back by Nagle's algorithm; ``tests/unit/test_expert_pool.py`
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
-import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Coroutine, Mapping, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Mapping, TypeVar
 
 import aiohttp
 import numpy as np
@@ -34,12 +32,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
                                   encode_request)
-from ddm.serving.router_config import Discovery, DnsDiscovery, RouterConfigFile
+from ddm.serving.replicas import EndpointSource, Replica, ReplicaSet, source_for
+from ddm.serving.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
-
-#: ``() -> ["host:port", ...]``: where an expert's replicas are now.
-EndpointSource = Callable[[], Awaitable[Sequence[str]]]
 
 #: How often the prober looks for replicas due for a probe.
 PROBE_TICK_S = 0.1
@@ -49,6 +45,7 @@ KEEP_ALIVE_S = 60.0
 # Statuses that say "this replica, now" rather than "your request": retried elsewhere.
 _RETRIABLE_4XX = (408, 429)
 _HEADERS = {"Content-Type": CONTENT_TYPE}
+_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 _T = TypeVar("_T")
 
 
@@ -83,140 +80,6 @@ class ExpertRejected(ExpertError):
     def __init__(self, expert: str, code: int, message: str) -> None:
         super().__init__(expert, f"refused the request ({code}): {message}")
         self.code = code
-
-
-# ------------------------------------------------------------------------------- discovery
-
-
-def static_endpoints(endpoints: Sequence[str]) -> EndpointSource:
-    """A fixed list of ``host:port`` replicas."""
-    fixed = tuple(endpoints)
-
-    async def resolve() -> Sequence[str]:
-        return fixed
-
-    return resolve
-
-
-def dns_endpoints(name: str, port: int) -> EndpointSource:
-    """Every IPv4 address (A record) of ``name``, e.g. a headless Service, on ``port``."""
-
-    async def resolve() -> Sequence[str]:
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            name, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
-        return sorted({f"{info[4][0]}:{port}" for info in infos})
-
-    return resolve
-
-
-def source_for(discovery: Discovery) -> EndpointSource:
-    """The endpoint source a ``router.yaml`` discovery entry describes."""
-    if isinstance(discovery, DnsDiscovery):
-        return dns_endpoints(discovery.dns, discovery.port)
-    return static_endpoints(discovery.endpoints)
-
-
-# -------------------------------------------------------------------------------- replicas
-
-
-class ReplicaState(enum.Enum):
-    UNKNOWN = "unknown"  # listed, not yet probed: tried (after ready ones) rather than idle
-    READY = "ready"
-    DOWN = "down"        # failed; only the prober tries it again
-
-
-@dataclass(eq=False)
-class Replica:
-    endpoint: str
-    state: ReplicaState = ReplicaState.UNKNOWN
-    outstanding: int = 0
-    failures: int = 0
-    next_probe: float = 0.0
-    probing: bool = False
-    last_error: str | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.endpoint}"
-
-
-class ReplicaSet:
-    """The replicas of one expert and what is known of each. No I/O: the pool does that."""
-
-    def __init__(self, backoff_s: float, max_backoff_s: float, health_interval_s: float) -> None:
-        self._backoff_s = backoff_s
-        self._max_backoff_s = max_backoff_s
-        self._health_interval_s = health_interval_s
-        self._replicas: list[Replica] = []
-        self._turn = 0
-        self._usable = asyncio.Event()
-
-    @property
-    def replicas(self) -> tuple[Replica, ...]:
-        return tuple(self._replicas)
-
-    def update(self, endpoints: Sequence[str]) -> None:
-        """Take the endpoints a source listed; known ones keep their state."""
-        known = {r.endpoint: r for r in self._replicas}
-        self._replicas = [known.get(e) or Replica(e) for e in dict.fromkeys(endpoints)]
-        self._sync()
-
-    def choose(self) -> Replica | None:
-        """The usable replica with the fewest requests in flight, ready ones first; ties go
-        round-robin. None when every replica is down."""
-        usable = [r for r in self._replicas if r.state is not ReplicaState.DOWN]
-        if not usable:
-            return None
-        self._turn += 1
-        start = self._turn % len(usable)
-        rotated = usable[start:] + usable[:start]
-        return min(rotated, key=lambda r: (r.state is not ReplicaState.READY, r.outstanding))
-
-    def mark_ready(self, replica: Replica, now: float) -> None:
-        """It answered: the next health probe is due ``health_interval_s`` from now."""
-        replica.state, replica.failures, replica.last_error = ReplicaState.READY, 0, None
-        replica.next_probe = now + self._health_interval_s
-        self._sync()
-
-    def mark_down(self, replica: Replica, reason: str, now: float) -> None:
-        """Concurrent failures of one replica count once, so the backoff grows per probe."""
-        replica.last_error = reason
-        if replica.state is not ReplicaState.DOWN:
-            replica.state = ReplicaState.DOWN
-            replica.failures += 1
-            replica.next_probe = now + self.backoff(replica.failures)
-        self._sync()
-
-    def probe_failed(self, replica: Replica, reason: str, now: float) -> None:
-        replica.state, replica.last_error = ReplicaState.DOWN, reason
-        replica.failures += 1
-        replica.next_probe = now + self.backoff(replica.failures)
-        self._sync()
-
-    def backoff(self, failures: int) -> float:
-        """Seconds until the next probe after ``failures`` failures in a row: doubling."""
-        return min(self._max_backoff_s, self._backoff_s * 2 ** max(0, failures - 1))
-
-    def due_for_probe(self, now: float) -> list[Replica]:
-        return [r for r in self._replicas if not r.probing and r.next_probe <= now]
-
-    def ready_count(self) -> int:
-        return sum(r.state is ReplicaState.READY for r in self._replicas)
-
-    async def wait_usable(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for a replica that is not down; False on timeout."""
-        try:
-            async with asyncio.timeout(max(0.0, timeout)):
-                await self._usable.wait()
-        except TimeoutError:
-            return False
-        return True
-
-    def _sync(self) -> None:
-        if any(r.state is not ReplicaState.DOWN for r in self._replicas):
-            self._usable.set()
-        else:
-            self._usable.clear()
 
 
 # -------------------------------------------------------------------------- configuration
@@ -258,10 +121,15 @@ def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> 
 
 
 def client_session(settings: PoolSettings) -> aiohttp.ClientSession:
-    """One keep-alive session for every replica (create it on the loop that will use it)."""
+    """One keep-alive session for every replica (create it on the loop that will use it).
+
+    It sends none of aiohttp's automatic ``User-Agent``, ``Accept`` and ``Accept-Encoding``
+    headers: an expert needs none of them, and they were 70 of the 200 header bytes that
+    every step's request carried."""
     connector = aiohttp.TCPConnector(limit=settings.max_connections,
                                      keepalive_timeout=KEEP_ALIVE_S)
-    return aiohttp.ClientSession(connector=connector, raise_for_status=False)
+    return aiohttp.ClientSession(connector=connector, raise_for_status=False,
+                                 skip_auto_headers=_SKIPPED_HEADERS)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,19 @@ that the server answers probes while a backend compiles (minutes on Neuron): ``/
 until the model is warm, then 200; ``/healthz`` is 200 while the process can still become ready
 and 500 once loading has failed, so that an orchestrator restarts it.
 
+Run as a process (:func:`serve_expert`), a server whose checkpoint fails to load or warm up
+exits with status 1 and leaves the reason in the termination-message file
+(:mod:`ddm.serving.termination`), instead of staying alive and never ready.
+
 The data plane is priced per denoising step, so it avoids JSON and extra copies: the body is
-read raw and decoded as views, and replies are built by the protocol module. Nagle's algorithm
-would hold a small reply back for a delayed ACK (40 ms); uvloop and asyncio set ``TCP_NODELAY``
-on every accepted connection, as aiohttp does on the client side.
+read raw and decoded as views, and replies are built by the protocol module. ``/v1/velocity``
+is a bare ASGI route in front of the FastAPI app, which serves the other routes.
+
+Limits: a body over ``max_body_bytes`` is refused with 413 before it is read; a batch over
+``max_batch``, a grid over ``max_steps`` or any other value the expert refuses gets 422, an
+undecodable body 400 (``docs/protocol.md``); more than ``max_pending`` requests admitted at
+once (queued or running) get 429 with ``Retry-After``, which a router retries on another
+replica.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import importlib.util
 import logging
 import math
 import os
@@ -30,9 +38,9 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Hashable
 
 import numpy as np
-import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddm.checkpoint import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint, read_meta
 from ddm.models.config import UNetConfig
@@ -40,8 +48,11 @@ from ddm.sampling.solvers import iterate
 from ddm.serving import metrics as expert_metrics
 from ddm.serving.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
+from ddm.serving.http import (BodyTooLarge, read_body, retry_after, run_server, send_bytes,
+                              send_json)
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
                                   VelocityRequest, decode_request, encode_error, encode_response)
+from ddm.serving.termination import fail_start
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +61,23 @@ DEFAULT_MAX_BATCH = 64
 #: batch, and a router stepping alone would otherwise pay the whole delay at every step
 #: (measured: +1 ms or more per batch-1 step at 1 ms, with no clear throughput gain).
 DEFAULT_MAX_DELAY_MS = 0.0
-#: Longer than a router's pause between two generations and than common load balancers' idle
-#: timeout (60 s), so that a keep-alive connection is not closed just as a router reuses it.
-KEEP_ALIVE_S = 75
+#: Velocity requests of at most this many rows run on the event loop when the model is idle
+#: (see :class:`Batcher`): a router's batch-1 step then skips two thread hops, while a large
+#: batch or an integration still leaves the loop free for probes.
+INLINE_ROWS = 4
+#: Grid intervals one integrate request may ask for (the CRD allows 1000 steps).
+DEFAULT_MAX_STEPS = 1000
+#: Requests admitted at once, queued or running: four full batches of one-row requests from
+#: routers stepping concurrently, and at most that many bodies buffered.
+DEFAULT_MAX_PENDING = 256
 
 #: ``(checkpoint, backend, device, max_batch, compile_cache) -> Backend``; replaceable to serve
 #: a custom backend.
 BackendLoader = Callable[[Checkpoint, str, str | None, int, Path | None], Backend]
 
 _VELOCITY = "velocity"
+_VELOCITY_PATH = "/v1/velocity"
+_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
 @dataclass(frozen=True)
@@ -73,15 +92,19 @@ class _Expert:
     """What the routes share: facts from the checkpoint's config, and the state of loading."""
 
     def __init__(self, meta: CheckpointMeta, limits: Limits, backend: str, device: str | None,
-                 max_delay_ms: float) -> None:
+                 max_delay_ms: float, max_pending: int) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.meta = meta
         self.limits = limits
+        self.max_pending = max_pending
+        self.pending = 0
         self.backend_name = backend
         self.device = device
         self.max_delay_ms = max_delay_ms
         self.metrics = expert_metrics.ExpertMetrics()
         self.batcher = Batcher(functools.partial(_execute, self), limits.max_batch, max_delay_ms,
-                               self.metrics.observe_batch)
+                               self.metrics.observe_batch, inline=_inline)
         self.backend: Backend | None = None  # set, and the batcher started, once warm
         self.failure: str | None = None
 
@@ -95,20 +118,24 @@ class _Expert:
                 "backend": backend, "runtime": runtime, "device": device,
                 "image_shape": list(self.limits.image_shape or ()),
                 "convention": self.meta.convention, "max_batch": self.limits.max_batch,
-                "max_delay_ms": self.max_delay_ms, "ready": self.backend is not None}
+                "max_steps": self.limits.max_steps, "max_body_bytes": self.limits.max_body_bytes,
+                "max_pending": self.max_pending, "max_delay_ms": self.max_delay_ms,
+                "ready": self.backend is not None}
 
 
 def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       device: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
                       max_delay_ms: float = DEFAULT_MAX_DELAY_MS, *,
-                      compile_cache: Path | None = None,
-                      loader: BackendLoader = load_backend) -> FastAPI:
+                      max_steps: int = DEFAULT_MAX_STEPS, max_pending: int = DEFAULT_MAX_PENDING,
+                      compile_cache: Path | None = None, loader: BackendLoader = load_backend,
+                      on_failure: Callable[[str], None] | None = None) -> ASGIApp:
     """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``.
 
     Requests arriving within ``max_delay_ms`` of each other (or while the model is busy) run
-    as one batch of at most ``max_batch`` images; bigger requests are refused with 413. The
+    as one batch of at most ``max_batch`` images; bigger requests are refused with 422. The
     backend and the checkpoint's config are checked here, so that a wrong flag fails before
-    the server starts; the weights load in the lifespan.
+    the server starts; the weights load in the lifespan, and if they cannot,
+    ``on_failure(reason)`` is called (besides ``/healthz`` answering 500).
     """
     check_backend(backend, device)
     meta = read_meta(checkpoint_dir)
@@ -116,10 +143,12 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
         raise CheckpointError(f"{checkpoint_dir} is a {meta.kind} checkpoint, not a UNet to serve")
     config = UNetConfig.from_dict(meta.architecture)
     image_shape = (config.in_channels, config.image_size, config.image_size)
-    limits = Limits(max_batch=max_batch, image_shape=image_shape, allowed_labels=meta.classes)
+    limits = Limits(max_batch=max_batch, max_steps=max_steps, image_shape=image_shape,
+                    allowed_labels=meta.classes)
     limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(limits))
-    expert = _Expert(meta, limits, backend, device, max_delay_ms)
-    load = functools.partial(_load, expert, Path(checkpoint_dir), loader, compile_cache)
+    expert = _Expert(meta, limits, backend, device, max_delay_ms, max_pending)
+    load = functools.partial(_load, expert, Path(checkpoint_dir), loader, compile_cache,
+                             on_failure)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -132,11 +161,6 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
 
     app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url=None)
-
-    @app.post("/v1/velocity")
-    async def velocity(request: Request) -> Response:
-        status, reply = await _answer(expert, request)
-        return Response(reply, status_code=status, media_type=CONTENT_TYPE)
 
     @app.get("/v1/info")
     async def info() -> dict[str, Any]:
@@ -160,34 +184,72 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     async def metrics() -> Response:
         return Response(expert.metrics.render(), media_type=expert_metrics.CONTENT_TYPE)
 
-    return app
-
-
-def build_server(app: FastAPI, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
-    """A uvicorn server for ``app``: uvloop and httptools when installed, long keep-alive,
-    no access log (one line per denoising step would cost more than the step)."""
-    config = uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
-                            http=_installed_or("httptools", "h11"), lifespan="on",
-                            log_level=log_level, access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
-    return uvicorn.Server(config)
+    return _VelocityRoute(app, expert)
 
 
 def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
                  backend: str = "torch", device: str | None = None,
                  max_batch: int = DEFAULT_MAX_BATCH, max_delay_ms: float = DEFAULT_MAX_DELAY_MS,
-                 log_level: str = "info", compile_cache: Path | None = None) -> None:
-    """Serve one expert until interrupted (SIGINT/SIGTERM); what ``ddm serve expert`` runs."""
+                 log_level: str = "info", compile_cache: Path | None = None, *,
+                 max_steps: int = DEFAULT_MAX_STEPS,
+                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
+    """Serve one expert until interrupted (SIGINT/SIGTERM); what ``ddm serve expert`` runs.
+
+    Exits with status 1, the reason in the termination-message file, when the checkpoint or
+    the backend cannot be loaded, warmed up or compiled."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms,
-                            compile_cache=compile_cache)
-    build_server(app, host, port, log_level).run()
+
+    def make_app(stop: Callable[[str], None]) -> ASGIApp:
+        try:
+            return create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms,
+                                     max_steps=max_steps, max_pending=max_pending,
+                                     compile_cache=compile_cache, on_failure=stop)
+        except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
+            raise fail_start(f"expert {checkpoint}: {error}") from error
+
+    run_server(make_app, host, port, log_level)
 
 
-async def _answer(expert: _Expert, request: Request) -> tuple[int, bytes]:
+class _VelocityRoute:
+    """``POST /v1/velocity`` as bare ASGI in front of ``app``, which serves everything else:
+    the hot path skips FastAPI's routing, dependency resolution and response classes."""
+
+    def __init__(self, app: ASGIApp, expert: _Expert) -> None:
+        self.app = app
+        self.expert = expert
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != _VELOCITY_PATH:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await send_json(send, 405, {"detail": "use POST"}, [(b"allow", b"POST")])
+            return
+        expert = self.expert
+        if expert.pending >= expert.max_pending:
+            message = (f"{expert.pending} requests are pending, the limit is "
+                       f"{expert.max_pending}; retry shortly")
+            expert.metrics.observe_request("invalid", 429, 0)
+            await send_bytes(send, 429, encode_error(0, 429, message), _CONTENT_TYPE,
+                             [retry_after()])
+            return
+        expert.pending += 1
+        try:
+            status, reply = await _answer(expert, scope, receive)
+        finally:
+            expert.pending -= 1
+        await send_bytes(send, status, reply, _CONTENT_TYPE)
+
+
+async def _answer(expert: _Expert, scope: Scope, receive: Receive) -> tuple[int, bytes]:
     """One request -> (HTTP status, protocol reply); every failure becomes an error reply."""
     kind, images, request_id = "invalid", 0, 0
     try:
-        message = decode_request(await _read_body(request, expert.limits), expert.limits)
+        try:
+            body = await read_body(scope, receive, expert.limits.max_body_bytes)
+        except BodyTooLarge as error:
+            raise ProtocolError(str(error), 413) from None
+        message = decode_request(body, expert.limits)
         request_id = message.request_id
         kind = "velocity" if isinstance(message, VelocityRequest) else "integrate"
         images = message.x.shape[0]
@@ -208,20 +270,15 @@ async def _answer(expert: _Expert, request: Request) -> tuple[int, bytes]:
     return status, reply
 
 
-async def _read_body(request: Request, limits: Limits) -> bytes:
-    """The raw body; a declared length over the limit is refused before reading it."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limits.max_body_bytes:
-        raise ProtocolError(f"body of {declared} bytes exceeds the limit of "
-                            f"{limits.max_body_bytes}", 413)
-    return await request.body()
-
-
 def _work(message: VelocityRequest | IntegrateRequest) -> tuple[Hashable, tuple[np.ndarray, ...]]:
     """The batch key and the per-row inputs of a request."""
     if isinstance(message, VelocityRequest):
         return _VELOCITY, (message.x, message.t, message.y)
     return _Integrate(message.solver.name.lower(), message.grid.tobytes()), (message.x, message.y)
+
+
+def _inline(key: Hashable, rows: int) -> bool:
+    return key == _VELOCITY and rows <= INLINE_ROWS
 
 
 def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -238,7 +295,7 @@ def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> 
 
 
 async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
-                compile_cache: Path | None) -> None:
+                compile_cache: Path | None, on_failure: Callable[[str], None] | None) -> None:
     """Load and warm up the backend off the event loop, then start batching."""
     started = time.perf_counter()
 
@@ -253,6 +310,8 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
     except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
         logger.exception("expert %s failed to load from %s", expert.meta.name, directory)
         expert.failure = f"{type(error).__name__}: {error}"
+        if on_failure is not None:
+            on_failure(f"expert {expert.meta.name}: cannot load or warm up {directory}: {error}")
         return
     expert.backend = backend
     expert.batcher.start()
@@ -273,7 +332,3 @@ def _max_body_bytes(limits: Limits) -> int:
     assert limits.image_shape is not None
     per_image = math.prod(limits.image_shape) * 4 + 4 + 8  # x float32, t float32, y int64
     return 2 * (limits.max_batch * per_image + (limits.max_steps + 1) * 4) + 4096
-
-
-def _installed_or(module: str, fallback: str) -> str:
-    return module if importlib.util.find_spec(module) is not None else fallback

@@ -36,10 +36,11 @@ _MAX_U16 = 2**16 - 1
 class ProtocolError(ValueError):
     """A body that is not an acceptable message, with the HTTP status a server answers.
 
-    ``status`` is 400 for a malformed body (layout, codes, tensor names, dtypes or ranks), 413
-    for one over a :class:`Limits` bound, and 422 for a well-formed body whose values the
-    expert refuses. ``request_id`` is filled in once the header has been read, so that the
-    error reply can echo it.
+    ``status`` is 400 for a body that cannot be decoded (layout, codes, tensor names), 413 for
+    one longer than ``Limits.max_body_bytes``, and 422 for a decodable body the expert refuses
+    (a dtype, rank or shape it does not take, a batch or grid over its limits, bad values).
+    ``request_id`` is filled in once the header has been read, so that the error reply can
+    echo it.
     """
 
     def __init__(self, message: str, status: int = 400, request_id: int | None = None) -> None:
@@ -156,7 +157,8 @@ class Limits:
                 raise ValueError(f"Limits.image_shape must be a positive (C, H, W), got {shape}")
             object.__setattr__(self, "image_shape", shape)
         if self.allowed_labels is not None:
-            object.__setattr__(self, "allowed_labels", frozenset(int(c) for c in self.allowed_labels))
+            object.__setattr__(self, "allowed_labels",
+                               frozenset(int(c) for c in self.allowed_labels))
 
 
 # ---------------------------------------------------------------------------------- encoding
@@ -319,6 +321,7 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
     size = view.nbytes
     offset = _FIXED.size
     layouts: list[tuple[_Spec, np.dtype, tuple[int, ...]]] = []
+    refused: str | None = None  # a dtype or rank we decode but do not accept: 422, after 400s
     for index, spec in enumerate(_SCHEMAS[kind]):
         if offset + _DESCRIPTOR.size > size:
             raise ProtocolError(f"truncated header: descriptor of '{spec.name}' is cut off")
@@ -333,10 +336,10 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
         if dtype is None:
             raise ProtocolError(f"unknown dtype code {dtype_code} for '{name}'")
         if dtype not in spec.dtypes:
-            raise ProtocolError(f"dtype {dtype.name} is not allowed for '{name}' "
-                                f"(allowed: {_dtype_names(spec)})")
+            refused = refused or (f"dtype {dtype.name} is not allowed for '{name}' "
+                                  f"(allowed: {_dtype_names(spec)})")
         if ndim != spec.ndim:
-            raise ProtocolError(f"'{name}' must have {spec.ndim} dimensions, got {ndim}")
+            refused = refused or f"'{name}' must have {spec.ndim} dimensions, got {ndim}"
         offset += _DESCRIPTOR.size
         if offset + 4 * ndim > size:
             raise ProtocolError(f"truncated header: dims of '{name}' are cut off")
@@ -355,10 +358,18 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
         if nbytes > size - start:
             raise ProtocolError(f"truncated tensor data: '{spec.name}' {dims} needs {nbytes} "
                                 f"bytes at offset {start}, the body has {size - start} left")
-        tensors.append(np.frombuffer(view, dtype, nbytes // dtype.itemsize, start).reshape(dims))
+        try:
+            tensor = np.frombuffer(view, dtype, nbytes // dtype.itemsize, start).reshape(dims)
+        except ValueError:  # e.g. (2**32 - 1, 2**32 - 1, 0, 0): no bytes, yet too big for NumPy
+            raise ProtocolError(f"'{spec.name}' dims {dims} describe no array NumPy can hold "
+                                "(more than 64 dimensions, or sizes overflowing its index)"
+                                ) from None
+        tensors.append(tensor)
         offset = start + nbytes
     if offset != size:
         raise ProtocolError(f"{size - offset} trailing bytes after the last tensor")
+    if refused is not None:
+        raise ProtocolError(refused, 422)
     return tensors
 
 
@@ -387,7 +398,7 @@ def _check_integrate(request_id: int, param: int, tensors: list[np.ndarray],
     if steps < 1:
         raise ProtocolError(f"'grid' needs at least 2 times, got {grid.shape[0]}", 422)
     if steps > limits.max_steps:
-        raise ProtocolError(f"'grid' has {steps} steps, the limit is {limits.max_steps}", 413)
+        raise ProtocolError(f"'grid' has {steps} steps, the limit is {limits.max_steps}", 422)
     times = _check_times("grid", grid)
     if not all(a < b for a, b in zip(times, times[1:])):
         raise ProtocolError("'grid' must be strictly increasing", 422)
@@ -409,7 +420,7 @@ def _check_batch(x: np.ndarray, others: dict[str, np.ndarray], limits: Limits) -
     if batch == 0:
         raise ProtocolError("empty batch", 422)
     if batch > limits.max_batch:
-        raise ProtocolError(f"batch of {batch} exceeds the limit of {limits.max_batch}", 413)
+        raise ProtocolError(f"batch of {batch} exceeds the limit of {limits.max_batch}", 422)
 
 
 def _check_image(x: np.ndarray, limits: Limits) -> None:

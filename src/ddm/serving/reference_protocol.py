@@ -130,7 +130,7 @@ def reference_ddm(ddm: LoadedDDM, endpoints: Sequence[str]) -> LoadedDDM:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve one expert over the reference protocol until interrupted."""
-    from ddm.serving.expert_server import build_server
+    from ddm.serving.http import build_server
 
     parser = argparse.ArgumentParser(prog="python -m ddm.serving.reference_protocol",
                                      description=__doc__.splitlines()[0])

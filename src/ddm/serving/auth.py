@@ -1,0 +1,113 @@
+"""Optional bearer-token authentication for the router's API (``auth: {token_file: PATH}``).
+
+When on, every ``/v1/*`` request needs ``Authorization: Bearer <token>``; the probes
+(``/healthz``, ``/readyz``), ``/metrics``, the web page at ``/`` (which asks for the token
+itself) and the API docs stay open. The token is compared in constant time
+(``hmac.compare_digest``), never logged and never echoed: a refusal says only what is wrong
+(no header, another scheme, a token that does not match).
+
+The token lives in a file, a Kubernetes Secret mounted into the pod. The kubelet replaces
+such files in place when the Secret changes, so the file is re-read whenever its
+modification time, size or inode changes: one ``stat`` per request.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+#: Paths that need the token: the API, and the data the web page fetches.
+PROTECTED_PREFIX = "/v1/"
+CHALLENGE = b'Bearer realm="ddm"'
+MISSING = "missing Authorization header; send Authorization: Bearer <token>"
+WRONG_SCHEME = "the Authorization scheme must be Bearer"
+BAD_TOKEN = "bad token"
+
+
+class TokenFileError(ValueError):
+    """The token file cannot serve as a token: missing, unreadable or empty."""
+
+
+class TokenFile:
+    """The token in ``path`` (surrounding whitespace stripped), re-read when the file changes.
+
+    A file that becomes unreadable or empty after start-up keeps the last good token (and is
+    logged once), so that a Secret being rotated never opens the API nor locks everyone out.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._stamp: tuple[int, int, int] | None = None
+        self._token = self._read()
+        self._warned = False
+
+    def token(self) -> bytes:
+        """The current token, re-read if the file changed since the last call."""
+        try:
+            stat = os.stat(self.path)
+            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            if stamp != self._stamp:
+                self._token = self._read()
+                self._warned = False
+        except (OSError, TokenFileError) as error:
+            if not self._warned:
+                logger.warning("keeping the previous API token: %s", error)
+                self._warned = True
+        return self._token
+
+    def _read(self) -> bytes:
+        try:
+            stat = os.stat(self.path)
+            token = self.path.read_bytes().strip()
+        except OSError as error:
+            raise TokenFileError(f"auth.token_file {self.path}: {error.strerror}") from None
+        if not token:
+            raise TokenFileError(f"auth.token_file {self.path} is empty")
+        self._stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        return token
+
+
+def check_authorization(header: bytes | None, token: bytes) -> str | None:
+    """None when ``header`` (the raw ``Authorization`` value) carries ``token``, else what is
+    wrong, in words that never include the header's value."""
+    if header is None:
+        return MISSING
+    scheme, _, credentials = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return WRONG_SCHEME
+    if not hmac.compare_digest(credentials.strip(), token):
+        return BAD_TOKEN
+    return None
+
+
+class BearerAuth:
+    """ASGI middleware refusing ``/v1/*`` requests without the token with a 401."""
+
+    def __init__(self, app: ASGIApp, tokens: TokenFile) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])  # names arrive lower-cased
+        problem = check_authorization(headers.get(b"authorization"), self.tokens.token())
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        # RFC 6750: only a presented token that fails gets an error code in the challenge.
+        challenge = CHALLENGE + b', error="invalid_token"' if problem == BAD_TOKEN else CHALLENGE
+        body = json.dumps({"detail": problem}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", challenge)]})
+        await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,139 @@
+"""What ``ddm bench serve`` runs: two deployments of the shipped example started as ``ddm up``
+starts them (experts at ``--max-batch 64`` and at ``--max-batch 1``, each with its router) and
+one reference-protocol server per expert, all on loopback, started together and stopped after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, TextIO
+
+from ddm.operator.spec import DDMManifest
+from ddm.runtime.local import (LocalPlan, ProcessSpec, Supervisor, expert_backend, free_port,
+                               plan_local, resolve_checkpoint)
+from ddm.serving.bench_figures import BIG_BATCH
+
+HOST = "127.0.0.1"
+#: Concurrent generations (and one-row velocity calls) in the batching figure.
+CONCURRENT = 64
+READY_S = 240.0
+
+
+class BenchError(RuntimeError):
+    """A server answered something other than a result."""
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """What runs: a deployment with dynamic batching, one without, and reference servers."""
+
+    batched: LocalPlan
+    unbatched: LocalPlan
+    reference: tuple[str, ...]  # host:port per expert, in the manifest's (router's) order
+
+
+def machine() -> dict[str, Any]:
+    """Where the figures come from: a shared machine's load matters, so it is recorded."""
+    versions = {}
+    for module in ("torch", "jax", "numpy", "aiohttp", "uvicorn", "fastapi"):
+        try:
+            versions[module] = __import__(module).__version__
+        except ImportError:
+            versions[module] = None
+    return {"platform": platform.platform(), "processor": platform.processor() or None,
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
+            "accelerator": None, "versions": versions,
+            "load_average_before": list(os.getloadavg())}
+
+
+@contextmanager
+def running_fleet(manifest: DDMManifest, workdir: Path, log: TextIO,
+           servers: list[dict[str, Any]]) -> Iterator[Fleet]:
+    """Start every process (experts first, as ``ddm up`` does), yield, then stop them all and
+    record each one's pid, port and exit status in ``servers``."""
+    ports = _port_source()
+    batched = _plan(manifest, BIG_BATCH, workdir, "batched", ports)
+    unbatched = _plan(manifest, 1, workdir, "unbatched", ports)
+    references, endpoints = _reference_specs(manifest, batched.experts[0].env, ports)
+    experts = [*batched.experts, *unbatched.experts, *references]
+    routers = [batched.router, unbatched.router]
+    supervisor = Supervisor(log)
+    try:
+        say(log, f"starting {len(experts)} expert processes and {len(routers)} routers")
+        deadline = time.monotonic() + READY_S
+        for spec in experts:
+            supervisor.start(spec)
+        for spec in experts:
+            supervisor.wait_ready(spec, HOST, deadline)
+        for spec in routers:
+            supervisor.start(spec)
+        for spec in routers:
+            supervisor.wait_ready(spec, HOST, deadline)
+        yield Fleet(batched, unbatched, endpoints)
+    finally:
+        say(log, "stopping the servers")
+        supervisor.stop()
+        for spec in [*experts, *routers]:
+            process = supervisor.processes.get(spec.name)
+            if process is not None:
+                servers.append({"name": spec.name, "port": spec.port, "pid": process.pid,
+                                "exit_code": process.returncode})
+
+
+def _plan(manifest: DDMManifest, max_batch: int, workdir: Path, tag: str,
+          ports: Callable[[], int]) -> LocalPlan:
+    """``ddm up``'s plan with every expert at ``max_batch`` and room for 64 generations."""
+    spec = manifest.spec
+    experts = tuple(dataclasses.replace(e, max_batch=max_batch) for e in spec.experts)
+    manifest = dataclasses.replace(manifest, spec=dataclasses.replace(spec, experts=experts))
+    config_path = workdir / f"router-{tag}.yaml"
+    plan = plan_local(manifest, ports, ports(), HOST, config_path=config_path)
+    config_path.write_text(plan.router_config.to_yaml())
+
+    def named(process: ProcessSpec) -> ProcessSpec:
+        return dataclasses.replace(process, name=f"{tag}/{process.name}")
+
+    router = dataclasses.replace(named(plan.router), argv=(
+        *plan.router.argv, "--max-concurrent", str(CONCURRENT)))
+    return dataclasses.replace(plan, experts=tuple(map(named, plan.experts)), router=router)
+
+
+def _reference_specs(manifest: DDMManifest, env: tuple[tuple[str, str], ...],
+                     ports: Callable[[], int]) -> tuple[list[ProcessSpec], tuple[str, ...]]:
+    """One reference-protocol server per expert, on the backend ``ddm up`` would use."""
+    specs, endpoints = [], []
+    for expert in manifest.spec.experts:
+        backend, device = expert_backend(expert)
+        port = ports()
+        argv = (sys.executable, "-m", "ddm.serving.reference_protocol", "--checkpoint",
+                str(resolve_checkpoint(expert.checkpoint)), "--host", HOST, "--port", str(port),
+                "--backend", backend, "--device", device)
+        specs.append(ProcessSpec(f"reference/{expert.name}", argv, port, env))
+        endpoints.append(f"{HOST}:{port}")
+    return specs, tuple(endpoints)
+
+
+def _port_source() -> Callable[[], int]:
+    """Free loopback ports, never the same one twice."""
+    taken: set[int] = set()
+
+    def port() -> int:
+        for _ in range(100):
+            candidate = free_port(HOST)
+            if candidate not in taken:
+                taken.add(candidate)
+                return candidate
+        raise BenchError("no free loopback port found")
+
+    return port
+
+
+def say(log: TextIO, message: str) -> None:
+    print(f"bench: {message}", file=log, flush=True)

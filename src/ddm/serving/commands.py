@@ -1,0 +1,77 @@
+"""``ddm serve expert`` and ``ddm serve router``: their arguments, next to the servers they set.
+
+``ddm.cli`` adds these with :func:`add_serve_commands`. Importing this module is cheap (no
+web framework, no NumPy): the servers are imported only when a command runs. Limits left out
+on the router's command line come from ``router.yaml`` (``limits:``), and
+``--auth-token-file`` overrides ``auth.token_file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_serve_commands(commands: argparse._SubParsersAction) -> None:
+    """Add ``serve expert`` and ``serve router`` to the ``ddm`` command's subcommands."""
+    serve = commands.add_parser("serve", help="run an expert or router server")
+    roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
+    p = roles.add_parser("expert", help="serve one expert's velocity over the binary protocol")
+    p.add_argument("--checkpoint", required=True, type=Path)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=("torch", "jax", "neuron"), default="torch")
+    p.add_argument("--device", default=None,
+                   help="torch: cpu, cuda[:N]; jax: cpu, gpu, tpu[:N]; neuron: none")
+    # Defaults left to serve_expert (one place), and shown by the expert's /v1/info.
+    p.add_argument("--max-batch", type=int, help="images per model call; more get 422")
+    p.add_argument("--max-delay-ms", type=float,
+                   help="wait this long for more requests before a model call")
+    p.add_argument("--max-steps", type=int,
+                   help="grid intervals per integrate request; more get 422")
+    p.add_argument("--max-pending", type=int,
+                   help="requests admitted at once, queued or running; more get 429")
+    p.add_argument("--compile-cache", type=Path, default=None,
+                   help="neuron: where traced models are cached")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(handler=_serve_expert)
+
+    p = roles.add_parser("router", help="serve /v1/generate: the step loop over remote experts")
+    p.add_argument("--config", required=True, type=Path, help="router.yaml")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, default=8080)
+    # Unset limits come from router.yaml's limits: (defaults in ddm.serving.router_config).
+    p.add_argument("--max-batch", type=int, help="labels per request; more get 422")
+    p.add_argument("--max-steps", type=int, help="steps per request; more get 422")
+    p.add_argument("--max-concurrent", type=int,
+                   help="generations in flight; more get 429 with Retry-After")
+    p.add_argument("--max-body-bytes", type=int, help="request body size; more get 413")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="time budget for one expert call, retries included")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="require Authorization: Bearer <the token in this file> on /v1/* "
+                        "(overrides router.yaml's auth.token_file)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(handler=_serve_router)
+
+
+def _serve_expert(args: argparse.Namespace) -> int:
+    from ddm.serving.expert_server import serve_expert
+
+    limits = {name: getattr(args, name) for name in ("max_batch", "max_delay_ms", "max_steps",
+                                                      "max_pending")
+              if getattr(args, name) is not None}
+    serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
+                 device=args.device, log_level=args.log_level, compile_cache=args.compile_cache,
+                 **limits)
+    return 0
+
+
+def _serve_router(args: argparse.Namespace) -> int:
+    from ddm.serving.router_server import serve_router
+
+    serve_router(args.config, host=args.host, port=args.port, log_level=args.log_level,
+                 max_batch=args.max_batch, max_steps=args.max_steps,
+                 max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes,
+                 deadline_s=args.deadline_s, auth_token_file=args.auth_token_file)
+    return 0

@@ -1,0 +1,140 @@
+"""HTTP plumbing the expert and the router share: the uvicorn server, bare ASGI answers, body
+limits, and running a server that exits with a reason when its start-up fails.
+
+The data plane pays for every byte and every layer at each denoising step, so its hot routes
+are bare ASGI (no FastAPI dependency resolution) and the server sends no ``date`` or
+``server`` header and writes no access log. uvloop and asyncio set ``TCP_NODELAY`` on every
+accepted connection, so a small reply is not held back by Nagle's algorithm.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from typing import Any, Callable, Iterable
+
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ddm.serving.termination import fail_start
+
+#: Longer than a router's pause between two generations and than common load balancers' idle
+#: timeout (60 s), so that a keep-alive connection is not closed just as a router reuses it.
+KEEP_ALIVE_S = 75
+#: Seconds a client told 429 or 503 should wait before trying again.
+RETRY_AFTER_S = 1
+
+Headers = Iterable[tuple[bytes, bytes]]
+
+
+class BodyTooLarge(Exception):
+    """A request body over the limit (declared or streamed)."""
+
+    def __init__(self, size: int | str, limit: int) -> None:
+        super().__init__(f"body of {size} bytes exceeds the limit of {limit}")
+
+
+def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
+    """A uvicorn server for ``app``: uvloop and httptools when installed, long keep-alive, no
+    access log (one line per denoising step would cost more than the step; it would also be
+    one more place a credential could leak), no ``date`` or ``server`` header."""
+    config = uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
+                            http=_installed_or("httptools", "h11"), lifespan="on",
+                            log_level=log_level, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                            server_header=False, date_header=False)
+    return uvicorn.Server(config)
+
+
+def run_server(make_app: Callable[[Callable[[str], None]], ASGIApp], host: str, port: int,
+               log_level: str) -> None:
+    """Serve ``make_app(stop)`` until interrupted; ``stop(reason)``, called when the app's
+    background start-up fails, ends the server and exits with status 1 after writing
+    ``reason`` where Kubernetes shows it (:mod:`ddm.serving.termination`)."""
+    failures: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def stop(reason: str) -> None:
+        failures.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    server = build_server(make_app(stop), host, port, log_level)
+    server.run()
+    if failures:
+        raise fail_start(failures[0])
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    """The value of request header ``name`` (lower case), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; :class:`BodyTooLarge` as soon as the declared length or the
+    bytes received pass ``limit``, so that an oversized body is never buffered."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(declared.decode(), limit)
+    chunks: list[bytes] = []
+    size, more = 0, True
+    while more:
+        message = await receive()
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(size if not more else f"over {limit}", limit)
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes,
+                     headers: Headers = ()) -> None:
+    """Answer with ``body`` in one message."""
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", content_type),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(send: Send, status: int, content: Any, headers: Headers = ()) -> None:
+    await send_bytes(send, status, json.dumps(content).encode(), b"application/json", headers)
+
+
+def retry_after() -> tuple[bytes, bytes]:
+    return (b"retry-after", str(RETRY_AFTER_S).encode())
+
+
+class BodyLimit:
+    """ASGI middleware answering 413 for a body over ``limit`` bytes, declared or streamed,
+    before the app buffers it; the app then reads the body as usual."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(scope, receive, self.limit)
+        except BodyTooLarge as error:
+            await send_json(send, 413, {"detail": str(error)})
+            return
+        delivered = False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if delivered:  # the app waits for a disconnect, e.g. while streaming
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+
+def _installed_or(module: str, fallback: str) -> str:
+    return module if importlib.util.find_spec(module) is not None else fallback

@@ -1,0 +1,149 @@
+"""An expert's replicas: where they are (discovery) and what is known of each (no I/O).
+
+Endpoint sources list ``host:port`` replicas: a fixed list (the local runtime), a DNS name
+resolving to every ready pod (a headless Service), or any async callable. A
+:class:`ReplicaSet` keeps each replica's state (unknown, ready, down), requests in flight and
+probe schedule, and picks the replica for the next call; the
+:class:`~ddm.serving.expert_pool.ExpertPool` does the I/O and tells it what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import socket
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Sequence
+
+from ddm.serving.router_config import Discovery, DnsDiscovery
+
+#: ``() -> ["host:port", ...]``: where an expert's replicas are now.
+EndpointSource = Callable[[], Awaitable[Sequence[str]]]
+
+
+def static_endpoints(endpoints: Sequence[str]) -> EndpointSource:
+    """A fixed list of ``host:port`` replicas."""
+    fixed = tuple(endpoints)
+
+    async def resolve() -> Sequence[str]:
+        return fixed
+
+    return resolve
+
+
+def dns_endpoints(name: str, port: int) -> EndpointSource:
+    """Every IPv4 address (A record) of ``name``, e.g. a headless Service, on ``port``."""
+
+    async def resolve() -> Sequence[str]:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            name, port, family=socket.AF_INET, type=socket.SOCK_STREAM)
+        return sorted({f"{info[4][0]}:{port}" for info in infos})
+
+    return resolve
+
+
+def source_for(discovery: Discovery) -> EndpointSource:
+    """The endpoint source a ``router.yaml`` discovery entry describes."""
+    if isinstance(discovery, DnsDiscovery):
+        return dns_endpoints(discovery.dns, discovery.port)
+    return static_endpoints(discovery.endpoints)
+
+
+class ReplicaState(enum.Enum):
+    UNKNOWN = "unknown"  # listed, not yet probed: tried (after ready ones) rather than idle
+    READY = "ready"
+    DOWN = "down"        # failed; only the prober tries it again
+
+
+@dataclass(eq=False)
+class Replica:
+    endpoint: str
+    state: ReplicaState = ReplicaState.UNKNOWN
+    outstanding: int = 0
+    failures: int = 0
+    next_probe: float = 0.0
+    probing: bool = False
+    last_error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.endpoint}"
+
+
+class ReplicaSet:
+    """The replicas of one expert and what is known of each. No I/O: the pool does that."""
+
+    def __init__(self, backoff_s: float, max_backoff_s: float, health_interval_s: float) -> None:
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._health_interval_s = health_interval_s
+        self._replicas: list[Replica] = []
+        self._turn = 0
+        self._usable = asyncio.Event()
+
+    @property
+    def replicas(self) -> tuple[Replica, ...]:
+        return tuple(self._replicas)
+
+    def update(self, endpoints: Sequence[str]) -> None:
+        """Take the endpoints a source listed; known ones keep their state."""
+        known = {r.endpoint: r for r in self._replicas}
+        self._replicas = [known.get(e) or Replica(e) for e in dict.fromkeys(endpoints)]
+        self._sync()
+
+    def choose(self) -> Replica | None:
+        """The usable replica with the fewest requests in flight, ready ones first; ties go
+        round-robin. None when every replica is down."""
+        usable = [r for r in self._replicas if r.state is not ReplicaState.DOWN]
+        if not usable:
+            return None
+        self._turn += 1
+        start = self._turn % len(usable)
+        rotated = usable[start:] + usable[:start]
+        return min(rotated, key=lambda r: (r.state is not ReplicaState.READY, r.outstanding))
+
+    def mark_ready(self, replica: Replica, now: float) -> None:
+        """It answered: the next health probe is due ``health_interval_s`` from now."""
+        replica.state, replica.failures, replica.last_error = ReplicaState.READY, 0, None
+        replica.next_probe = now + self._health_interval_s
+        self._sync()
+
+    def mark_down(self, replica: Replica, reason: str, now: float) -> None:
+        """Concurrent failures of one replica count once, so the backoff grows per probe."""
+        replica.last_error = reason
+        if replica.state is not ReplicaState.DOWN:
+            replica.state = ReplicaState.DOWN
+            replica.failures += 1
+            replica.next_probe = now + self.backoff(replica.failures)
+        self._sync()
+
+    def probe_failed(self, replica: Replica, reason: str, now: float) -> None:
+        replica.state, replica.last_error = ReplicaState.DOWN, reason
+        replica.failures += 1
+        replica.next_probe = now + self.backoff(replica.failures)
+        self._sync()
+
+    def backoff(self, failures: int) -> float:
+        """Seconds until the next probe after ``failures`` failures in a row: doubling."""
+        return min(self._max_backoff_s, self._backoff_s * 2 ** max(0, failures - 1))
+
+    def due_for_probe(self, now: float) -> list[Replica]:
+        return [r for r in self._replicas if not r.probing and r.next_probe <= now]
+
+    def ready_count(self) -> int:
+        return sum(r.state is ReplicaState.READY for r in self._replicas)
+
+    async def wait_usable(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a replica that is not down; False on timeout."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout)):
+                await self._usable.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _sync(self) -> None:
+        if any(r.state is not ReplicaState.DOWN for r in self._replicas):
+            self._usable.set()
+        else:
+            self._usable.clear()

@@ -1,0 +1,166 @@
+"""The router's request and answer schemas, built per config so that they carry its classes,
+limits and defaults, and pydantic's validation errors as one readable line.
+
+The schemas are what ``/openapi.json`` documents, so they say exactly what the router enforces:
+labels in ``0..num_classes - 1``, at most ``max_batch`` of them, ``steps`` in ``1..max_steps``,
+a strategy in the CRD's grammar (``STRATEGY_PATTERN``; only ``oracle`` without a router
+network), no unknown fields and, in a JSON body, integers as JSON Schema reads them (``2`` or
+``2.0``, never ``"2"``, ``2.5`` or ``true``).
+What they cannot say is the one check that spans fields and experts: with the ``oracle``
+strategy, every label must be owned by exactly one expert (a 422 otherwise).
+
+Not ``from __future__ import annotations``: pydantic reads the models' annotations at runtime.
+"""
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+
+from ddm.sampling.routing import parse_strategy
+from ddm.serving.remote_sampling import SamplingRequest
+from ddm.serving.router_config import STRATEGY_PATTERN, RouterConfigFile
+
+#: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
+MAX_STRATEGY_CHARS = 32
+_ORACLE_ONLY = r"^oracle$"
+
+
+def _integral(value: Any) -> Any:
+    """``2.0`` as ``2``: JSON Schema's ``integer`` is any number without a fraction."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+#: An integer field; in a strict model, a string, a bool or a fraction is refused.
+Integer = Annotated[int, BeforeValidator(_integral)]
+
+
+class ErrorDetail(BaseModel):
+    """Every error answer of the router: what is wrong, in one line."""
+
+    detail: str = Field(description="what is wrong with the request, or which expert failed")
+    expert: str | None = Field(None, description="the expert that failed (502 and 503 only)")
+
+
+class GenerateResponse(BaseModel):
+    """The answer of ``POST /v1/generate``: one entry per requested label, in order."""
+
+    images: list[str] = Field(description="base64 PNGs, grayscale, one per label")
+    labels: list[int]
+    experts: list[list[str]] = Field(description="the experts each image used, in any step")
+    expert_calls: list[int] = Field(description="expert evaluations per image")
+    round_trips: list[int] = Field(description="HTTP requests to experts per image")
+    steps: int
+    strategy: str
+    solver: str
+    delegate_steps: int
+    seconds: float = Field(description="time spent generating")
+
+
+def _event(name: str, fields: dict[str, Any]) -> dict[str, Any]:
+    data = {"type": "object", "required": list(fields), "properties": fields}
+    return {"type": "object", "required": ["event", "data"],
+            "properties": {"event": {"const": name},
+                           "data": {"type": "string", "contentMediaType": "application/json",
+                                    "contentSchema": data}}}
+
+
+_INT, _STR, _NAMES = {"type": "integer"}, {"type": "string"}, {"type": "array", "items": {
+    "type": "string"}}
+#: One Server-Sent Event of ``GET /v1/generate/stream`` (the OpenAPI 3.1 reading of an event
+#: stream's ``schema``): ``step`` after each chunk of the grid, then ``done`` or ``failure``.
+STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
+    _event("step", {"step": _INT, "steps": _INT, "t": {"type": "number"}, "image": _STR,
+                    "experts": _NAMES, "delegated": {"type": "boolean"}, "round_trips": _INT}),
+    _event("done", {"image": _STR, "label": _INT, "experts": _NAMES, "expert_calls": _INT,
+                    "round_trips": _INT, "steps": _INT, "strategy": _STR, "solver": _STR,
+                    "delegate_steps": _INT, "seconds": {"type": "number"}}),
+    _event("failure", {"status": _INT, "detail": _STR, "expert": _STR})]}
+
+
+def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[BaseModel]]:
+    """The JSON body of ``/v1/generate`` and the query of the stream, with this router's
+    classes, limits and defaults (so that ``/openapi.json`` and ``/docs`` show them)."""
+    defaults, num_classes, limits = config.sampling, config.num_classes, config.limits
+    pattern = STRATEGY_PATTERN if config.router_checkpoint is not None else _ORACLE_ONLY
+    label_schema = {"type": "integer", "minimum": 0, "maximum": num_classes - 1}
+
+    class Sampling(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        steps: Integer = Field(defaults.steps, ge=1, le=limits.max_steps,
+                           description="denoising steps")
+        seed: Integer = Field(0, ge=0, lt=2**63, description="image i's noise comes from (seed, i)")
+        strategy: str = Field(defaults.strategy, max_length=MAX_STRATEGY_CHARS,
+                              json_schema_extra={"pattern": pattern},
+                              description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or "
+                                          "ensemble; only oracle without a router network")
+        solver: Literal["euler", "heun"] = defaults.solver  # type: ignore[assignment]
+        delegate_steps: Integer = Field(0, ge=0, le=limits.max_steps,
+                                    description="steps per integrate request to an expert "
+                                                "when one expert is selected; 0 or 1: off")
+
+        @field_validator("strategy")
+        @classmethod
+        def known_strategy(cls, value: str) -> str:
+            if not re.fullmatch(STRATEGY_PATTERN, value):
+                raise ValueError(f"unknown routing strategy {value!r}; use oracle, top1, top2, "
+                                 "topk:K, threshold:P (0 < P <= 1) or ensemble")
+            if not re.fullmatch(pattern, value):
+                raise ValueError(f"strategy {value} needs the router network, and this router "
+                                 "has none; use the oracle strategy")
+            return parse_strategy(value).name
+
+    def in_classes(labels: list[int]) -> list[int]:
+        outside = sorted({y for y in labels if not 0 <= y < num_classes})
+        if outside:
+            raise ValueError(f"labels {outside} are outside the model's classes "
+                             f"0..{num_classes - 1}")
+        return labels
+
+    class GenerateRequest(Sampling):
+        # Strict, as the schema is: "2", 2.5 and true are not integers (2.0 is, see Integer).
+        model_config = ConfigDict(extra="forbid", strict=True)
+
+        labels: list[Integer] = Field(min_length=1, max_length=limits.max_batch,
+                                  json_schema_extra={"items": label_schema},
+                                  description="one image per label")
+
+        @field_validator("labels")
+        @classmethod
+        def labels_in_classes(cls, value: list[int]) -> list[int]:
+            return in_classes(value)
+
+    class StreamQuery(Sampling):
+        label: int = Field(json_schema_extra={k: v for k, v in label_schema.items()
+                                              if k != "type"})
+
+        @field_validator("label")
+        @classmethod
+        def label_in_classes(cls, value: int) -> int:
+            return in_classes([value])[0]
+
+    return GenerateRequest, StreamQuery
+
+
+def sampling_request(body: Any, labels: tuple[int, ...]) -> SamplingRequest:
+    return SamplingRequest(labels=labels, steps=body.steps, seed=body.seed,
+                           strategy=parse_strategy(body.strategy), solver=body.solver,
+                           delegate_steps=body.delegate_steps)
+
+
+def echo(request: SamplingRequest) -> dict[str, Any]:
+    return {"steps": request.steps, "strategy": request.strategy.name, "solver": request.solver,
+            "delegate_steps": request.delegate_steps}
+
+
+def readable(errors: Any) -> str:
+    """Pydantic's errors as one line per problem: ``field: what is wrong``."""
+    lines = []
+    for error in errors:
+        where = ".".join(str(p) for p in error["loc"] if p not in ("body", "query")) or "body"
+        if error["type"] == "extra_forbidden":
+            lines.append(f"unknown field {where!r} (see /docs for the fields)")
+        else:
+            lines.append(f"{where}: {str(error['msg']).removeprefix('Value error, ')}")
+    return "; ".join(lines)

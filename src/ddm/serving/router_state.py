@@ -1,0 +1,180 @@
+"""What the router's routes share: its config and limits, the expert pool, the router network.
+
+The network loads in the background (``RouterState.load``) so that probes are answered at once;
+``problems`` says what keeps the router from being ready; ``slot`` counts generations in and
+out against ``limits.max_concurrent``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ddm.checkpoint import CheckpointError
+from ddm.sampling.mixture import RouterFn
+from ddm.serving.auth import TokenFile
+from ddm.serving.expert_pool import ExpertPool, PoolMetrics, pool_settings
+from ddm.serving.remote_sampling import RemoteMixture
+from ddm.serving.router_config import RouterConfigFile
+
+logger = logging.getLogger(__name__)
+
+
+def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
+    """Read ``router.yaml``; a relative ``router_checkpoint`` is relative to the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise FileNotFoundError(f"cannot read router config {path}: {error.strerror}") from None
+    config = RouterConfigFile.from_yaml(text)
+    if config.router_checkpoint and not Path(config.router_checkpoint).is_absolute():
+        config = dataclasses.replace(
+            config, router_checkpoint=str(path.parent / config.router_checkpoint))
+    return config
+
+
+class Busy(RuntimeError):
+    """More generations in flight than the router allows."""
+
+
+class NotReady(RuntimeError):
+    """The router cannot generate yet (network loading or failed, experts never seen)."""
+
+
+class RouterMetrics:
+    """HTTP requests by route and status, their latency, and generations in flight."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("ddm_router_requests", "HTTP requests answered, by route and "
+                                "status.", ["route", "status"], registry=registry)
+        self.seconds = Histogram(
+            "ddm_router_request_seconds", "Time to answer, to the end of the stream for "
+            "/v1/generate/stream, by route.", ["route"], registry=registry,
+            buckets=(1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.in_flight = Gauge("ddm_router_generations_in_flight",
+                               "Generations running now (JSON and streamed).", registry=registry)
+
+
+class RouterState:
+    """What the routes share: config, limits, the pool, the router network once loaded."""
+
+    def __init__(self, config: RouterConfigFile, deadline_s: float | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0, got {deadline_s}")
+        self.config = config
+        self.limits = config.limits
+        self.on_failure = on_failure
+        self.tokens = TokenFile(config.auth.token_file) if config.auth is not None else None
+        self.registry = CollectorRegistry()
+        self.metrics = RouterMetrics(self.registry)
+        self.pool = ExpertPool.from_config(config, pool_settings(config, deadline_s),
+                                           PoolMetrics(self.registry))
+        self.names = tuple(e.name for e in config.experts)
+        self.network: RouterFn | None = None
+        self.network_shape: tuple[int, int, int] | None = None
+        self.loaded = config.router_checkpoint is None
+        self.failure: str | None = None
+        self._in_flight = 0
+
+    async def load(self) -> None:
+        """Load the router network off the event loop; a failure is reported by the probes."""
+        if self.config.router_checkpoint is None:
+            return
+        try:
+            self.network, self.network_shape = await asyncio.to_thread(
+                _load_network, self.config.router_checkpoint, self.config)
+        except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
+            logger.exception("router network %s failed to load", self.config.router_checkpoint)
+            self.failure = f"{type(error).__name__}: {error}"
+            if self.on_failure is not None:
+                self.on_failure(f"router network {self.config.router_checkpoint}: {error}")
+            return
+        self.loaded = True
+
+    def image_shape(self) -> tuple[tuple[int, int, int] | None, list[str]]:
+        """The experts' image shape as they report it, and any disagreement."""
+        shapes = {name: info.image_shape for name in self.names
+                  if (info := self.pool.info(name)) is not None}
+        if self.network_shape is not None:
+            shapes["the router network"] = self.network_shape
+        if len(set(shapes.values())) > 1:
+            return None, [f"image shapes disagree: {shapes}"]
+        return next(iter(shapes.values()), None), []
+
+    def problems(self) -> tuple[list[str], list[str]]:
+        """(experts without a ready replica, every reason not to be ready)."""
+        missing = [name for name in self.names if self.pool.ready_count(name) == 0]
+        problems = [f"expert {name} has no ready replica" for name in missing]
+        if self.failure is not None:
+            problems.append(f"router network failed to load: {self.failure}")
+        elif not self.loaded:
+            problems.append("router network is loading")
+        for entry in self.config.experts:
+            info = self.pool.info(entry.name)
+            if info is not None and not set(entry.classes) <= set(info.classes):
+                problems.append(f"expert {entry.name} serves classes {list(info.classes)}, "
+                                f"but the router config lists {list(entry.classes)}")
+        shape, disagreement = self.image_shape()
+        problems += disagreement
+        if shape is None and not disagreement:
+            problems.append("no expert has reported its image shape yet")
+        return missing, problems
+
+    def mixture(self) -> RemoteMixture:
+        if not self.loaded:
+            raise NotReady(f"router network failed to load: {self.failure}" if self.failure
+                            else "router network is still loading; retry when /readyz is 200")
+        shape, disagreement = self.image_shape()
+        if shape is None:
+            raise NotReady("; ".join(disagreement) or "no expert replica has answered yet; "
+                            "retry when /readyz is 200")
+        return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
+                             self.network, shape, self.config.num_classes)
+
+    def take_slot(self) -> None:
+        """Count a generation in, or refuse it; :meth:`release_slot` counts it out."""
+        if self._in_flight >= self.limits.max_concurrent:
+            raise Busy(f"{self._in_flight} generations are in flight, the limit is "
+                       f"{self.limits.max_concurrent}; retry shortly")
+        self._in_flight += 1
+        self.metrics.in_flight.inc()
+
+    def release_slot(self) -> None:
+        self._in_flight -= 1
+        self.metrics.in_flight.dec()
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        self.take_slot()
+        try:
+            yield
+        finally:
+            self.release_slot()
+
+
+def _load_network(path: str, config: RouterConfigFile) -> tuple[RouterFn, tuple[int, int, int]]:
+    """The router network's probabilities, checked against ``config``, and its image shape."""
+    from ddm.checkpoint import load_checkpoint
+    from ddm.models.config import RouterConfig
+    from ddm.sampling.pipeline import router_probabilities
+
+    ckpt = load_checkpoint(path)
+    if ckpt.meta.kind != "router":
+        raise CheckpointError(f"{path} is a {ckpt.meta.kind} checkpoint, not a router")
+    arch = RouterConfig.from_dict(ckpt.meta.architecture)
+    if arch.num_experts != len(config.experts):
+        raise CheckpointError(f"router {path} was trained for {arch.num_experts} experts, but "
+                              f"the config lists {len(config.experts)}")
+    if arch.num_classes != config.num_classes:
+        raise CheckpointError(f"router {path} knows {arch.num_classes} classes, the config says "
+                              f"{config.num_classes}")
+    return router_probabilities(ckpt), (arch.in_channels, arch.image_size, arch.image_size)
