@@ -1,0 +1,253 @@
+"""Hypothesis strategies for hostile bodies of the expert wire protocol (``docs/protocol.md``).
+
+Shared by the decoder's fuzz test (``tests/unit/test_protocol_fuzz.py``) and the expert's HTTP
+fuzz test (``tests/integration/test_api_fuzz.py``). A hostile body is one of:
+
+- a *valid* velocity or integrate request built with the real encoder, sized for the expert
+  under test (its image shape, labels, batch and step limits) or deliberately not (batches over
+  the limit or mismatched between tensors, other image shapes, labels it does not serve, times
+  outside [0, 1], grids that are not increasing, int32 labels);
+- such a request with one to three *structure-aware mutations*: a header or descriptor field
+  (magic, version, kind, flags, count, id, param, name, dtype and ndim codes, dims) set to an
+  edge value, a dim declaring gigabytes, a truncation, trailing or inserted bytes, a deleted
+  range, non-zero padding, a NaN, infinity or out-of-range value written into a tensor;
+- random bytes, bare or behind a valid magic and version.
+
+The layout below is recomputed here from the tensors' shapes rather than taken from
+``ddm.serving.protocol``, so that the mutations aim at the documented byte offsets and the
+test does not trust the code it checks.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+from hypothesis import strategies as st
+
+from ddm.serving.protocol import IntegrateRequest, Solver, VelocityRequest, encode_request
+
+MAGIC_AND_VERSION = b"DDMT\x01"
+HEADER_BYTES = 18
+ALIGNMENT = 8
+
+
+@dataclass(frozen=True)
+class Field:
+    """``size`` bytes at ``offset``: an unsigned little-endian integer of the layout."""
+
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes of the body that are not integers: padding, or one tensor's data."""
+
+    name: str
+    offset: int
+    size: int
+    dtype: np.dtype | None  # None for padding
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the bodies are sized for: the limits of the decoder or expert under test."""
+
+    image_shape: tuple[int, int, int]
+    labels: tuple[int, ...]
+    max_batch: int
+    max_steps: int
+
+
+def layout(arrays: Sequence[np.ndarray]) -> tuple[list[Field], list[Region]]:
+    """Every field and region of a request body carrying ``arrays`` in wire order."""
+    fields = [Field("magic", 0, 4), Field("version", 4, 1), Field("kind", 5, 1),
+              Field("flags", 6, 1), Field("count", 7, 1), Field("request_id", 8, 8),
+              Field("param", 16, 2)]
+    offset = HEADER_BYTES
+    for index, array in enumerate(arrays):
+        fields += [Field(f"name{index}", offset, 1), Field(f"dtype{index}", offset + 1, 1),
+                   Field(f"ndim{index}", offset + 2, 1)]
+        offset += 3
+        for axis in range(array.ndim):
+            fields.append(Field(f"dim{index}.{axis}", offset, 4))
+            offset += 4
+    regions = []
+    for index, array in enumerate(arrays):
+        start = -(-offset // ALIGNMENT) * ALIGNMENT
+        if start > offset:
+            regions.append(Region(f"padding{index}", offset, start - offset, None))
+        regions.append(Region(f"data{index}", start, array.nbytes, array.dtype))
+        offset = start + array.nbytes
+    return fields, regions
+
+
+@dataclass(frozen=True)
+class Valid:
+    """A request body from the real encoder, with its layout."""
+
+    body: bytes
+    fields: tuple[Field, ...]
+    regions: tuple[Region, ...]
+
+
+_SPECIAL_TIMES = (np.nan, np.inf, -np.inf, -0.5, 1.5, np.float32(1.0000001), -1e-38)
+_SPECIAL_FLOATS = (np.nan, np.inf, -np.inf, -1.0, 2.0, 3.4e38, -0.0, 1e-45)
+_SPECIAL_INTS = (-1, 5, 9, 10, 2**31 - 1, -2**31)
+#: Dims that declare far more data than any body holds (2**32 - 1 is the largest u32).
+HUGE_DIMS = (2**32 - 1, 2**31, 2**24 + 1, 10**9, 65536)
+_IDS = (0, 1, 2**63, 2**64 - 1)
+_MUTATIONS = ("field", "field", "huge_dim", "truncate", "append", "insert", "delete", "byte",
+              "padding", "poison")
+
+# Hypothesis draws the plan of a body (what to build: kind, coherent or not) and seeds; the
+# details (values, positions, sizes, which mutations) come from generators seeded by them. A
+# draw costs far more than a generator call, and ten thousand bodies per test must stay within
+# seconds on a shared machine.
+_SEEDS = st.integers(0, 2**32 - 1)
+_PLANS = st.tuples(_SEEDS, st.integers(0, 3), st.booleans())
+
+
+def _times(rng: np.random.Generator, n: int, in_range: bool) -> np.ndarray:
+    values = rng.uniform(0.0, 1.0, n).astype(np.float32)
+    if not in_range and n:
+        values[rng.integers(n)] = _SPECIAL_TIMES[rng.integers(len(_SPECIAL_TIMES))]
+    return values
+
+
+def _valid(seed: int, coherent: bool, velocity: bool, target: Target) -> Valid:
+    rng = np.random.default_rng(seed)
+    flip = lambda: bool(rng.integers(2))  # noqa: E731 - a coin, local to this generator
+    batch = int(rng.integers(1, target.max_batch + 1) if coherent
+                else rng.integers(0, target.max_batch + 3))
+    shape = target.image_shape if coherent or flip() else tuple(
+        int(d) for d in rng.integers(0, 4, 3))
+    x = rng.standard_normal((batch, *shape)).astype(np.float32)
+    if not coherent and x.size and flip():
+        x.flat[rng.integers(x.size)] = np.nan if flip() else np.inf
+    labels = np.array(target.labels if coherent or flip() else (-1, 10, 2**40), np.int64)
+    rows = batch if coherent or flip() else int(rng.integers(0, batch + 2))
+    y = rng.choice(labels, max(batch, rows)).astype(np.int64 if flip() else np.int32)
+    request_id = int(rng.integers(2**63)) * 2 + int(flip()) if flip() else \
+        _IDS[rng.integers(len(_IDS))]
+    if velocity:
+        t = _times(rng, rows, coherent or flip())
+        request: VelocityRequest | IntegrateRequest = VelocityRequest(request_id, x, t, y[:rows])
+        arrays = (x, t, request.y)
+    else:
+        steps = int(rng.integers(1, min(target.max_steps, 6) + 1) if coherent
+                    else rng.integers(0, target.max_steps + 2))
+        grid = np.linspace(0.0, 1.0, steps + 1, dtype=np.float32)
+        if not coherent:
+            grid = np.sort(_times(rng, steps + 1, True))
+            if steps >= 1 and flip():
+                grid[[0, -1]] = grid[[-1, 0]]  # not increasing
+        solver = Solver.EULER if flip() else Solver.HEUN
+        request = IntegrateRequest(request_id, x, y[:batch], grid, solver)
+        arrays = (x, request.y, grid)
+    body = encode_request(request)
+    fields, regions = layout(arrays)
+    assert regions[-1].offset + regions[-1].size == len(body), "layout out of step with encoder"
+    return Valid(body, tuple(fields), tuple(regions))
+
+
+def valid_requests(target: Target) -> st.SearchStrategy[Valid]:
+    """A velocity or integrate request. Mostly what ``target`` accepts; one time in four it is
+    well formed but over a limit or semantically off (a decodable body the expert refuses)."""
+    return _PLANS.map(lambda plan: _valid(plan[0], plan[1] > 0, plan[2], target))
+
+
+# ---------------------------------------------------------------------------------- mutations
+
+def _edge_value(rng: np.random.Generator, size: int) -> int:
+    top = 2 ** (8 * size) - 1
+    edges = (0, 1, 2, 3, 4, 5, 6, 7, 8, 255 & top, top, top - 1, top // 2 + 1)
+    if rng.integers(3):
+        return edges[rng.integers(len(edges))]
+    return int.from_bytes(rng.bytes(size), "little")
+
+
+def _put(body: bytearray, offset: int, size: int, value: int) -> None:
+    if offset + size <= len(body):
+        body[offset:offset + size] = value.to_bytes(size, "little")
+
+
+def _poison(rng: np.random.Generator, body: bytearray, region: Region) -> None:
+    """Write one bad value into one element of a tensor's data."""
+    assert region.dtype is not None
+    count = region.size // region.dtype.itemsize
+    if count == 0:
+        return
+    at = region.offset + region.dtype.itemsize * int(rng.integers(count))
+    if region.dtype.kind == "f":
+        raw = np.array([_SPECIAL_FLOATS[rng.integers(len(_SPECIAL_FLOATS))]],
+                       region.dtype).tobytes()
+    else:
+        raw = np.array([_SPECIAL_INTS[rng.integers(len(_SPECIAL_INTS))]],
+                       np.int64).astype(region.dtype).tobytes()
+    if at + len(raw) <= len(body):
+        body[at:at + len(raw)] = raw
+
+
+def _mutate(valid: Valid, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    body = bytearray(valid.body)
+    for what in rng.choice(_MUTATIONS, int(rng.integers(1, 4))):
+        if what == "field":
+            field = valid.fields[rng.integers(len(valid.fields))]
+            _put(body, field.offset, field.size, _edge_value(rng, field.size))
+        elif what == "huge_dim":
+            dims = [f for f in valid.fields if f.name.startswith("dim")]
+            field = dims[rng.integers(len(dims))]
+            _put(body, field.offset, field.size, HUGE_DIMS[rng.integers(len(HUGE_DIMS))])
+        elif what == "truncate" and body:
+            del body[rng.integers(len(body)):]
+        elif what == "append":
+            body += (rng.bytes(int(rng.integers(1, 17))) if rng.integers(2)
+                     else bytes((1, 8, 4096)[rng.integers(3)]))
+        elif what == "insert":
+            at = int(rng.integers(len(body) + 1))
+            body[at:at] = rng.bytes(int(rng.integers(1, 9)))
+        elif what == "delete" and body:
+            at = int(rng.integers(len(body)))
+            del body[at:at + int(rng.integers(1, 9))]
+        elif what == "byte" and body:
+            body[rng.integers(len(body))] = int(rng.integers(256))
+        elif what == "padding":
+            pads = [r for r in valid.regions if r.dtype is None]
+            if pads:
+                pad = pads[rng.integers(len(pads))]
+                at = pad.offset + int(rng.integers(pad.size))
+                if at < len(body):
+                    body[at] = int(rng.integers(1, 256))
+        elif what == "poison":
+            tensors = [r for r in valid.regions if r.dtype is not None]
+            _poison(rng, body, tensors[rng.integers(len(tensors))])
+    return bytes(body)
+
+
+def mutated_requests(target: Target) -> st.SearchStrategy[bytes]:
+    """A valid request with one to three structure-aware mutations."""
+    return st.tuples(valid_requests(target), _SEEDS).map(lambda drawn: _mutate(*drawn))
+
+
+def request_bodies(target: Target) -> st.SearchStrategy[bytes]:
+    """Hostile request bodies: mostly mutated requests, some valid ones, some random bytes."""
+    return st.one_of(
+        mutated_requests(target),
+        mutated_requests(target),
+        mutated_requests(target),
+        valid_requests(target).map(lambda valid: valid.body),
+        st.binary(max_size=512),
+        st.binary(max_size=256).map(lambda tail: MAGIC_AND_VERSION + tail),
+    )
+
+
+def huge_header(dims: Sequence[int], kind: int = 1, ndim: int = 4) -> bytes:
+    """A velocity-request header whose ``x`` declares ``dims``, with no data behind it."""
+    fixed = struct.pack("<4sBBBBQH", b"DDMT", 1, kind, 0, 3, 1, 0)
+    return fixed + struct.pack(f"<BBB{len(dims)}I", 1, 1, ndim, *dims)

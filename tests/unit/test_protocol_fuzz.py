@@ -1,0 +1,156 @@
+"""The protocol decoder against hostile bodies: property-based, structure-aware fuzzing.
+
+Ten thousand bodies (``tests/protocol_strategies.py``: valid requests, the same with mutated
+header fields, codes, dims, truncations, inserted bytes, poisoned values, and random bytes) go
+through ``decode_request``. For each one:
+
+- it returns a request or raises ``ProtocolError`` with a message and a 400, 413 or 422 status;
+  nothing else escapes;
+- the memory it allocates (tracemalloc's peak, which counts NumPy's buffers) stays within a
+  bound proportional to the body, so a 100-byte header declaring 2**32 - 1 rows costs nothing;
+- a body it accepts is within the limits and round-trips: encoding the decoded request gives
+  the same bytes back (the format has exactly one encoding per request).
+
+The outcomes are tallied, so that a strategy that stops reaching the deep checks (the 413, the
+422s after a well-formed layout, valid requests) fails the test instead of passing quietly.
+"""
+
+from __future__ import annotations
+
+import re
+import tracemalloc
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from protocol_strategies import HUGE_DIMS, Target, huge_header, request_bodies
+from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
+                                  decode_request, encode_request)
+
+TARGET = Target(image_shape=(1, 4, 4), labels=(0, 1, 2, 3, 4), max_batch=4, max_steps=8)
+#: Small enough that the strategies' 4 KiB appends go over it (413).
+MAX_BODY_BYTES = 2048
+LIMITS = Limits(max_batch=TARGET.max_batch, max_body_bytes=MAX_BODY_BYTES,
+                max_steps=TARGET.max_steps, image_shape=TARGET.image_shape,
+                allowed_labels=frozenset(TARGET.labels))
+CASES = 10_000
+FUZZ = settings(max_examples=CASES, deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+#: What a decode may allocate: a fixed allowance for exception objects, message strings and
+#: header tuples, plus what the value checks build from the tensors (the finiteness mask of
+#: ``x``, the times and labels as Python lists: at most ~8 bytes per body byte).
+FIXED_ALLOWANCE = 16 * 1024
+PER_BODY_BYTE = 8
+
+
+def memory_bound(body_size: int) -> int:
+    return FIXED_ALLOWANCE + PER_BODY_BYTE * body_size
+
+
+def decode_traced(body: bytes) -> tuple[VelocityRequest | IntegrateRequest | ProtocolError, int]:
+    """The decoder's outcome and the peak bytes it allocated (tracemalloc counts NumPy's
+    buffers too). A first, untraced decode warms process-wide caches (``struct``'s compiled
+    formats, NumPy's dispatch caches), and the smaller of two traced decodes is kept, so that a
+    cache growing now and then is not charged to the body, while anything a body makes the
+    decoder allocate shows every time. Tracing runs only around the decoder: under tracing
+    every allocation of Hypothesis would cost several times more."""
+    peaks = []
+    for attempt in range(3):
+        if attempt:
+            tracemalloc.start()
+        try:
+            outcome = decode_request(body, LIMITS)
+        except ProtocolError as error:
+            outcome = error
+        finally:
+            if attempt:
+                peaks.append(tracemalloc.get_traced_memory()[1])
+                tracemalloc.stop()
+    return outcome, min(peaks)
+
+
+def assert_within_limits(request: VelocityRequest | IntegrateRequest) -> None:
+    batch = request.x.shape[0]
+    assert 1 <= batch <= LIMITS.max_batch
+    assert request.x.shape[1:] == LIMITS.image_shape
+    assert request.y.shape == (batch,)
+    assert set(request.y.tolist()) <= LIMITS.allowed_labels
+    assert np.isfinite(request.x).all()
+    if isinstance(request, VelocityRequest):
+        assert request.t.shape == (batch,)
+        assert ((request.t >= 0) & (request.t <= 1)).all()
+    else:
+        grid = request.grid
+        assert 2 <= grid.shape[0] <= LIMITS.max_steps + 1
+        assert grid[0] >= 0 and grid[-1] <= 1 and (np.diff(grid) > 0).all()
+
+
+def reason(error: ProtocolError) -> str:
+    """The kind of refusal: the message with its numbers and quoted names taken out."""
+    return re.sub(r"'[^']*'|b'.*'|0x[0-9a-f]+|-?\d[\d.e+-]*|\(.*?\)|\[.*?\]", "_", str(error))
+
+
+@pytest.mark.slow
+def test_10000_hostile_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
+    outcomes: Counter[int] = Counter()  # HTTP status, 200 for an accepted body
+    reasons: set[str] = set()
+    worst = (0.0, b"")
+
+    @FUZZ
+    @given(request_bodies(TARGET))
+    def decode(body: bytes) -> None:
+        nonlocal worst
+        outcome, peak = decode_traced(body)  # anything but ProtocolError escapes and fails
+        assert peak <= memory_bound(len(body)), (peak, len(body), body[:64])
+        worst = max(worst, (peak / memory_bound(len(body)), body))
+        if isinstance(outcome, ProtocolError):
+            assert outcome.status in (400, 413, 422), (outcome.status, outcome)
+            assert str(outcome).strip(), body[:64]
+            outcomes[outcome.status] += 1
+            reasons.add(reason(outcome))
+        else:
+            assert_within_limits(outcome)
+            assert encode_request(outcome) == body
+            outcomes[200] += 1
+
+    decode()
+    assert sum(outcomes.values()) >= CASES
+    # Every class of answer is reached, often enough to mean something.
+    assert outcomes[400] >= CASES // 3 and outcomes[422] >= CASES // 20, outcomes
+    assert outcomes[413] >= 20 and outcomes[200] >= CASES // 20, outcomes
+    assert len(reasons) >= 30, sorted(reasons)
+    assert worst[0] <= 1.0, worst
+
+
+@pytest.mark.parametrize("dims", [(d,) * 4 for d in HUGE_DIMS] + [(2**32 - 1, 1, 1, 1),
+                                                                  (1, 2**32 - 1, 2**32 - 1, 8)])
+def test_a_header_declaring_gigabytes_is_refused_without_allocating_them(
+        dims: tuple[int, ...]) -> None:
+    body = huge_header(dims)  # 35 bytes
+    outcome, peak = decode_traced(body)
+    assert isinstance(outcome, ProtocolError) and outcome.status == 400
+    assert "cut off" in str(outcome) or "truncated" in str(outcome), outcome
+    assert peak <= memory_bound(len(body)), peak
+
+
+def test_a_huge_declared_tensor_behind_its_full_header_is_refused_in_bounded_memory() -> None:
+    """All three descriptors present, ``x`` declaring 2**128 bytes: the size check is exact."""
+    body = huge_header((2**32 - 1,) * 4) + bytes([2, 1, 1]) + (1).to_bytes(4, "little") + \
+        bytes([3, 4, 1]) + (1).to_bytes(4, "little")
+    body += bytes(-len(body) % 8)
+    outcome, peak = decode_traced(body)
+    assert isinstance(outcome, ProtocolError) and outcome.status == 400
+    assert "needs" in str(outcome) and str(2**32 - 1) in str(outcome), outcome
+    assert peak <= memory_bound(len(body)), peak
+
+
+def test_empty_dims_numpy_cannot_describe_are_refused_with_400() -> None:
+    """``x`` declares (2**32 - 1, 2**32 - 1, 0, 0): zero bytes of data, but not a NumPy shape."""
+    body = huge_header((2**32 - 1, 2**32 - 1, 0, 0)) + bytes([2, 1, 1]) + \
+        (1).to_bytes(4, "little") + bytes([3, 4, 1]) + (1).to_bytes(4, "little")
+    body += bytes(-len(body) % 8) + np.float32(0.5).tobytes() + bytes(4) + bytes(8)
+    with pytest.raises(ProtocolError) as refused:
+        decode_request(body, LIMITS)
+    assert refused.value.status == 400, refused.value
