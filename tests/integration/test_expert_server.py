@@ -314,6 +314,29 @@ def test_sequential_requests_are_not_held_by_nagle(torch_server):
     assert statistics.median(asyncio.run(latencies())) < 0.02
 
 
+#: Every operation the expert serves; /openapi.json and /docs describe them, and are not listed.
+SERVED = {("POST", "/v1/velocity"), ("GET", "/v1/info"), ("GET", "/healthz"), ("GET", "/readyz"),
+          ("GET", "/metrics")}
+
+
+def test_the_openapi_document_describes_exactly_the_served_operations(torch_server):
+    document = httpx.get(f"{torch_server}/openapi.json").json()
+    paths = document["paths"]
+    assert {(m.upper(), p) for p, operations in paths.items() for m in operations} == SERVED
+    velocity = paths["/v1/velocity"]["post"]  # bare ASGI: merged into FastAPI's document
+    binary = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}
+    assert velocity["requestBody"]["content"] == binary
+    assert {s for s, r in velocity["responses"].items() if r["content"] == binary} >= {
+        "200", "400", "413", "422", "429", "503"}
+    for method, path in SERVED:  # each documented operation is served, as documented
+        body = encode_request(velocity_request(batch=1, seed=0)) if method == "POST" else None
+        reply = httpx.request(method, f"{torch_server}{path}", content=body, headers=HEADERS)
+        assert str(reply.status_code) in paths[path][method.lower()]["responses"], (path, reply)
+        assert reply.status_code == 200, (path, reply.text)
+    assert httpx.get(f"{torch_server}/docs").status_code == 200
+    assert httpx.get(f"{torch_server}/v1/nothing").status_code == 404
+
+
 def _listening(base: str) -> bool:
     try:
         httpx.get(f"{base}/healthz")

@@ -44,7 +44,8 @@ from ddm.serving.expert_server import create_expert_app
 from ddm.serving.http import build_server
 from ddm.serving.remote_sampling import RemoteMixture, SamplingRequest, generate_remote
 from ddm.serving.replicas import static_endpoints
-from ddm.serving.router_config import Auth, RouterConfigFile, RouterLimits
+from ddm.serving.router_config import (STRATEGY_PATTERN, Auth, RouterConfigFile,
+                                       RouterLimits)
 from ddm.serving.router_server import create_router_app
 
 SMOKE = UNET_CONFIGS["smoke"]
@@ -166,6 +167,53 @@ def test_the_page_and_the_api_description_are_served(routers):
     assert info["image_shape"] == list(SHAPE) and info["num_classes"] == 10
     assert all(e["ready_replicas"] == 1 for e in info["experts"])
     assert httpx.get(f"{routers['split']}/docs").status_code == 200
+
+
+#: Every operation the router documents; the web page at / is served but not documented.
+DOCUMENTED = {("POST", "/v1/generate"), ("GET", "/v1/generate/stream"), ("GET", "/v1/info"),
+              ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+ERROR = {"$ref": "#/components/schemas/ErrorDetail"}
+
+
+def _document(base: str, **kwargs) -> dict:
+    document = httpx.get(f"{base}/openapi.json", **kwargs).json()
+    assert {(m.upper(), p) for p, ops in document["paths"].items() for m in ops} == DOCUMENTED
+    for method, path in DOCUMENTED:  # served, each with a status the document lists
+        reply = httpx.request(method, f"{base}{path}", json={"labels": [99]}
+                              if method == "POST" else None, **kwargs)
+        assert str(reply.status_code) in document["paths"][path][method.lower()]["responses"]
+    return document
+
+
+def _error_statuses(operation: dict) -> set[str]:
+    return {status for status, response in operation["responses"].items()
+            if response.get("content", {}).get("application/json", {}).get("schema") == ERROR}
+
+
+def test_the_openapi_document_says_what_the_router_enforces(routers):
+    document = _document(routers["split"])
+    generate = document["paths"]["/v1/generate"]["post"]
+    assert _error_statuses(generate) == {"400", "413", "422", "429", "502", "503"}
+    assert "HTTPValidationError" not in json.dumps(document)  # FastAPI's default 422 is wrong
+    body = document["components"]["schemas"]["GenerateRequest"]["properties"]
+    assert body["labels"]["items"] == {"type": "integer", "minimum": 0, "maximum": 9}
+    assert (body["labels"]["maxItems"], body["steps"]["maximum"]) == (64, 200)
+    assert body["strategy"]["pattern"] == STRATEGY_PATTERN
+    assert body["solver"]["enum"] == ["euler", "heun"]
+    query = {p["name"]: p["schema"] for p in document["paths"]["/v1/generate/stream"]["get"][
+        "parameters"]}
+    assert (query["label"]["minimum"], query["label"]["maximum"]) == (0, 9)
+    assert "security" not in generate and "securitySchemes" not in document["components"]
+    for body, status in (({"labels": [9], "steps": 2.0, "strategy": "topk:2"}, 200),
+                         ({"labels": [9], "steps": "2"}, 422),  # the schema's integers
+                         ({"labels": [True]}, 422), ({"labels": [1], "steps": 2.5}, 422),
+                         ({"labels": [1], "strategy": "Top1"}, 422),  # the schema's pattern
+                         ({"labels": [1], "strategy": "top1 "}, 422)):
+        reply = httpx.post(f"{routers['split']}/v1/generate", json=body, timeout=60)
+        assert reply.status_code == status, (body, reply.text)
+    garbled = httpx.post(f"{routers['split']}/v1/generate", content=b'{"labels": [1\xff]}',
+                         headers={"content-type": "application/json"})
+    assert garbled.status_code == 400 and garbled.json()["detail"], garbled.text
 
 
 @pytest.mark.parametrize("ddm,body,message", [
@@ -358,6 +406,24 @@ def test_the_api_needs_the_bearer_token_and_the_probes_do_not(guarded, caplog):
     assert TOKEN not in logged and TOKEN not in "".join(replies)
     metrics = httpx.get(f"{base}/metrics").text
     assert _metric(metrics, 'ddm_router_requests_total{route="/v1/info",status="401"}') >= 3
+
+
+def test_the_openapi_document_declares_the_bearer_token(guarded):
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    document = _document(guarded["base"], headers=good)
+    assert document["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"}}
+    for path, operations in document["paths"].items():
+        for operation in operations.values():
+            secured = path.startswith("/v1/")
+            assert (operation.get("security") == [{"bearer": []}]) is secured, path
+            assert ("401" in _error_statuses(operation)) is secured, path
+    body = document["components"]["schemas"]["GenerateRequest"]["properties"]
+    assert (body["labels"]["maxItems"], body["steps"]["maximum"]) == (4, 8)
+    assert body["strategy"]["pattern"] == "^oracle$"  # no router network: nothing else works
+    reply = httpx.post(f"{guarded['base']}/v1/generate", headers=good,
+                       json={"labels": [1], "strategy": "top1"})
+    assert reply.status_code == 422 and "needs the router network" in reply.json()["detail"]
 
 
 def test_a_rotated_secret_is_picked_up_without_a_restart(guarded):

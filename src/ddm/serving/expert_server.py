@@ -1,7 +1,9 @@
 """The expert server: one checkpoint behind the binary protocol (``docs/protocol.md``), batched.
 
 Routes: ``POST /v1/velocity`` (velocity and integrate requests alike: the kind is in the body),
-``GET /v1/info``, ``/healthz``, ``/readyz`` and ``/metrics``.
+``GET /v1/info``, ``/healthz``, ``/readyz`` and ``/metrics``; their OpenAPI document at
+``/openapi.json`` (browsable at ``/docs``), into which :func:`_document` merges the velocity
+operation, since FastAPI does not see that route.
 
 The lifespan starts loading and warming up the model in a worker thread and returns at once, so
 that the server answers probes while a backend compiles (minutes on Neuron): ``/readyz`` is 503
@@ -39,7 +41,7 @@ from typing import Any, AsyncIterator, Callable, Hashable
 
 import numpy as np
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddm.checkpoint import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint, read_meta
@@ -48,8 +50,8 @@ from ddm.sampling.solvers import iterate
 from ddm.serving import metrics as expert_metrics
 from ddm.serving.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.http import (BodyTooLarge, read_body, retry_after, run_server, send_bytes,
-                              send_json)
+from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, probe_responses, read_body,
+                              retry_after, run_server, send_bytes, send_json)
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
                                   VelocityRequest, decode_request, encode_error, encode_response)
 from ddm.serving.termination import fail_start
@@ -159,20 +161,22 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
             loading.cancel()
             await expert.batcher.close()
 
-    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
+    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, redoc_url=None,
+                  description="One diffusion expert behind the binary protocol of "
+                              "docs/protocol.md.")
+    _document(app)
 
     @app.get("/v1/info")
     async def info() -> dict[str, Any]:
         return expert.describe()
 
-    @app.get("/healthz")
+    @app.get("/healthz", responses=probe_responses(500, "the model failed to load"))
     async def healthz() -> JSONResponse:
         if expert.failure is not None:
             return JSONResponse({"status": "failed", "error": expert.failure}, 500)
         return JSONResponse({"status": "alive"})
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses=probe_responses(503, "the model is loading or failed to load"))
     async def readyz() -> JSONResponse:
         if expert.backend is not None:
             return JSONResponse({"status": "ready"})
@@ -180,7 +184,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
             return JSONResponse({"status": "failed", "error": expert.failure}, 503)
         return JSONResponse({"status": "loading"}, 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         return Response(expert.metrics.render(), media_type=expert_metrics.CONTENT_TYPE)
 
@@ -208,6 +213,45 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
     run_server(make_app, host, port, log_level)
+
+
+_TENSORS = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}
+#: Why the expert answers each status of ``POST /v1/velocity`` (``docs/protocol.md``).
+_VELOCITY_STATUSES = {
+    "200": "a response message: the velocity, or the state at the grid's end",
+    "400": "an error message: the body cannot be decoded",
+    "413": "an error message: the body is over max_body_bytes (see /v1/info)",
+    "422": "an error message: a decodable request the expert refuses (batch, steps, labels, "
+           "values)",
+    "429": "an error message: max_pending requests are admitted; retry after Retry-After",
+    "500": "an error message: the model failed on this request",
+    "503": "an error message: the model is loading, or the server is shutting down"}
+_VELOCITY_OPERATION = {
+    "summary": "Velocity or integration",
+    "operationId": "velocity_v1_velocity_post",
+    "description": "A velocity or integrate request in the binary protocol of docs/protocol.md "
+                   "(application/x-ddm-tensor, version 1); the kind is in the body. Every answer "
+                   "is a message of that protocol: a response (200) or an error message whose "
+                   "code is the HTTP status and which echoes the request id.",
+    "requestBody": {"required": True, "content": _TENSORS,
+                    "description": "a velocity or integrate request message"},
+    "responses": {status: {"description": why, "content": _TENSORS}
+                  for status, why in _VELOCITY_STATUSES.items()},
+}
+_VELOCITY_OPERATION["responses"]["429"]["headers"] = RETRY_AFTER_HEADER
+
+
+def _document(app: FastAPI) -> None:
+    """Merge ``POST /v1/velocity``, served by :class:`_VelocityRoute` outside FastAPI's
+    routes, into the OpenAPI document FastAPI generates for the others."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = generate()  # cached by FastAPI: this runs once on the same dict
+        document["paths"][_VELOCITY_PATH] = {"post": _VELOCITY_OPERATION}
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class _VelocityRoute:

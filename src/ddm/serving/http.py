@@ -1,5 +1,6 @@
 """HTTP plumbing the expert and the router share: the uvicorn server, bare ASGI answers, body
-limits, and running a server that exits with a reason when its start-up fails.
+limits, running a server that exits with a reason when its start-up fails, and the OpenAPI
+descriptions of what both answer alike (probes, ``Retry-After``).
 
 The data plane pays for every byte and every layer at each denoising step, so its hot routes
 are bare ASGI (no FastAPI dependency resolution) and the server sends no ``date`` or
@@ -25,6 +26,11 @@ KEEP_ALIVE_S = 75
 RETRY_AFTER_S = 1
 
 Headers = Iterable[tuple[bytes, bytes]]
+
+#: OpenAPI: the ``Retry-After`` header of a 429 or 503.
+RETRY_AFTER_HEADER = {"Retry-After": {"description": f"seconds to wait ({RETRY_AFTER_S})",
+                                      "schema": {"type": "integer"}}}
+_PROBE = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 
 
 class BodyTooLarge(Exception):
@@ -134,6 +140,13 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+def probe_responses(failing: int, why: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` of a probe: 200, or ``failing`` for ``why``; a JSON object with a
+    ``status`` either way."""
+    content = {"application/json": {"schema": _PROBE}}
+    return {200: {"content": content}, failing: {"description": why, "content": content}}
 
 
 def _installed_or(module: str, fallback: str) -> str:

@@ -5,9 +5,10 @@ The schemas are what ``/openapi.json`` documents, so they say exactly what the r
 labels in ``0..num_classes - 1``, at most ``max_batch`` of them, ``steps`` in ``1..max_steps``,
 a strategy in the CRD's grammar (``STRATEGY_PATTERN``; only ``oracle`` without a router
 network), no unknown fields and, in a JSON body, integers as JSON Schema reads them (``2`` or
-``2.0``, never ``"2"``, ``2.5`` or ``true``).
-What they cannot say is the one check that spans fields and experts: with the ``oracle``
-strategy, every label must be owned by exactly one expert (a 422 otherwise).
+``2.0``, never ``"2"``, ``2.5`` or ``true``). What they cannot say are the checks that span
+a label and the experts (:func:`ddm.serving.remote_sampling.check_request`, a 422): with the
+``oracle`` strategy each label must be owned by exactly one expert, with the others by one at
+least.
 
 Not ``from __future__ import annotations``: pydantic reads the models' annotations at runtime.
 """
@@ -89,16 +90,17 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
         model_config = ConfigDict(extra="forbid")
 
         steps: Integer = Field(defaults.steps, ge=1, le=limits.max_steps,
-                           description="denoising steps")
-        seed: Integer = Field(0, ge=0, lt=2**63, description="image i's noise comes from (seed, i)")
+                               description="denoising steps")
+        seed: Integer = Field(0, ge=0, lt=2**63,
+                              description="image i's noise comes from (seed, i)")
         strategy: str = Field(defaults.strategy, max_length=MAX_STRATEGY_CHARS,
                               json_schema_extra={"pattern": pattern},
                               description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or "
                                           "ensemble; only oracle without a router network")
         solver: Literal["euler", "heun"] = defaults.solver  # type: ignore[assignment]
         delegate_steps: Integer = Field(0, ge=0, le=limits.max_steps,
-                                    description="steps per integrate request to an expert "
-                                                "when one expert is selected; 0 or 1: off")
+                                        description="steps per integrate request to an expert "
+                                                    "when one expert is selected; 0 or 1: off")
 
         @field_validator("strategy")
         @classmethod

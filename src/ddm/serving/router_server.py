@@ -14,11 +14,12 @@ replica, and names what is missing otherwise. Run as a process (:func:`serve_rou
 router whose config, token file or network cannot load exits with status 1 and leaves the
 reason in the termination-message file (:mod:`ddm.serving.termination`).
 
-Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over ``limits.max_body_bytes`` gets 413; a request the DDM cannot serve (too
-many labels or steps, labels outside the classes, unknown fields or strategies) a 422 naming
-the problem, and a JSON body that is not UTF-8 a 400; more generations than ``limits.max_concurrent`` at once a 429 with
-``Retry-After``; with ``auth`` configured, a ``/v1/*`` request without the bearer token a 401
-(:mod:`ddm.serving.auth`). An expert none of whose replicas answers within the call deadline
+Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
+``limits.max_body_bytes`` gets 413; a request the DDM cannot serve (too many labels or steps,
+labels outside the classes, unknown fields or strategies) a 422 naming the problem, and a JSON
+body that is not UTF-8 a 400; more generations than ``limits.max_concurrent`` at once a 429
+with ``Retry-After``; with ``auth`` configured, a ``/v1/*`` request without the bearer token a
+401 (:mod:`ddm.serving.auth`). An expert none of whose replicas answers within the call deadline
 gives a 503 naming it, and an expert refusing what the router sent a 502. None of them touches
 the process's health: ``/healthz`` fails only when the router network cannot load.
 
@@ -52,7 +53,8 @@ from ddm.convention import to_uint8
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
 from ddm.serving.expert_pool import ExpertError
-from ddm.serving.http import BodyLimit, run_server
+from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, probe_responses,
+                              run_server)
 from ddm.serving.remote_sampling import (RemoteMixture, SamplingRequest, StepEvent, Tally,
                                          check_request, denoise, generate_remote)
 from ddm.serving.router_config import Auth, RouterConfigFile, RouterLimits
@@ -76,8 +78,6 @@ _ERRORS = {400: "the JSON body is not UTF-8", 401: "no valid bearer token (auth 
            429: "limits.max_concurrent generations are running; retry after Retry-After",
            502: "an expert refused or garbled what the router sent",
            503: "the router is not ready, or no replica of an expert answered"}
-_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
-_PROBE = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 
 
 def create_router_app(config: RouterConfigFile, deadline_s: float | None = None, *,
@@ -160,13 +160,14 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             "strategies": [s for s in SUGGESTED_STRATEGIES
                            if s == "oracle" or config.router_checkpoint is not None]}
 
-    @app.get("/healthz", responses=_probe(500, "the router network cannot load"))
+    @app.get("/healthz", responses=probe_responses(500, "the router network cannot load"))
     async def healthz() -> JSONResponse:
         if router.failure is not None:
             return JSONResponse({"status": "failed", "error": router.failure}, 500)
         return JSONResponse({"status": "alive"})
 
-    @app.get("/readyz", responses=_probe(503, "loading, or an expert has no ready replica"))
+    @app.get("/readyz", responses=probe_responses(503, "loading, or an expert without a ready "
+                                                       "replica"))
     async def readyz() -> JSONResponse:
         missing, problems = router.problems()
         if problems:
@@ -279,16 +280,11 @@ def _errors(*statuses: int, auth: bool) -> dict[int | str, dict[str, Any]]:
     for status in sorted({*statuses, *((401,) if auth else ())}):
         documented[status] = {"model": ErrorDetail, "description": _ERRORS[status]}
         if status in (429, 503):
-            documented[status]["headers"] = _RETRY_AFTER
+            documented[status]["headers"] = RETRY_AFTER_HEADER
         if status == 401:
             documented[status]["headers"] = {"WWW-Authenticate": {
                 "description": "the bearer challenge", "schema": {"type": "string"}}}
     return documented
-
-
-def _probe(failing: int, why: str) -> dict[int | str, dict[str, Any]]:
-    return {200: {"content": {"application/json": {"schema": _PROBE}}},
-            failing: {"description": why, "content": {"application/json": {"schema": _PROBE}}}}
 
 
 def _document_bearer_auth(app: FastAPI) -> None:
@@ -310,6 +306,9 @@ def _document_bearer_auth(app: FastAPI) -> None:
 
 
 
+_RETRY = {"Retry-After": str(RETRY_AFTER_S)}
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
@@ -321,11 +320,11 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Busy)
     async def busy(_: Request, error: Busy) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, 429, headers={"Retry-After": "1"})
+        return JSONResponse({"detail": str(error)}, 429, headers=_RETRY)
 
     @app.exception_handler(NotReady)
     async def not_ready(_: Request, error: NotReady) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, 503, headers={"Retry-After": "1"})
+        return JSONResponse({"detail": str(error)}, 503, headers=_RETRY)
 
 
 class _Metered:
