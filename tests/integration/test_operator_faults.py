@@ -42,9 +42,12 @@ def cluster(kube_client: Any) -> Cluster:
 
 
 @pytest.fixture
-def operator(dev_cluster: ClusterInfo, tmp_path: Path) -> Iterator[OperatorProcess]:
-    """The operator as a process with the admin's kubeconfig; not started (tests do)."""
-    process = OperatorProcess(dev_cluster.kubeconfig, tmp_path / "operator.log")
+def operator(dev_cluster: ClusterInfo, kube_namespace: str, tmp_path: Path
+             ) -> Iterator[OperatorProcess]:
+    """The operator as a process with the admin's kubeconfig, serving only the test's
+    namespace (other modules' DDMs share the cluster); not started (tests do)."""
+    process = OperatorProcess(dev_cluster.kubeconfig, tmp_path / "operator.log",
+                              settings={"DDM_WATCH_NAMESPACES": kube_namespace})
     try:
         yield process
     finally:
