@@ -26,6 +26,7 @@ import kopf
 
 from ddm.operator import names
 from ddm.operator.runner import connection_info
+from ddm.operator.status import pod_trouble
 
 RETRY_DELAY_S = 30
 _CRD = (names.GROUP, names.VERSION, names.PLURAL)
@@ -63,5 +64,23 @@ def _child_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, 
         memo.reconciler.reconcile(namespace, owner, coalesce=True)
 
 
+def _pod_changed(namespace: str | None, labels: kopf.Labels, body: kopf.Body, type: str | None,
+                 memo: kopf.Memo, **kwargs: Any) -> None:
+    """A pod matters to the status only through its trouble (``status.pod_trouble``); its
+    readiness reaches the status through its Deployment. So a pod event reconciles only when
+    the pod is new, gone, or its trouble changed: a scheduler retrying a pod that fits no node
+    rewrites the pod again and again and would otherwise cost a run each time."""
+    uid = body["metadata"]["uid"]
+    if type == "DELETED":
+        memo.pod_troubles.pop(uid, None)
+    else:
+        trouble = pod_trouble([body])
+        if uid in memo.pod_troubles and memo.pod_troubles[uid] == trouble:
+            return
+        memo.pod_troubles[uid] = trouble
+    _child_changed(namespace=namespace, labels=labels, memo=memo, **kwargs)
+
+
 for _resource in names.CHILD_RESOURCES:
-    kopf.on.event(*_resource, labels=_OURS, id="child-changed")(_child_changed)
+    handler = _pod_changed if _resource == names.POD_RESOURCE else _child_changed
+    kopf.on.event(*_resource, labels=_OURS, id="child-changed")(handler)

@@ -29,8 +29,9 @@ CONFIG_HASH_ANNOTATION = "ddm.dev/config-hash"
 #: (group, version, plural); "v1" is the core group. The children the operator writes, and the
 #: pods of its Deployments (their state is the status's "why not ready"). Never Secrets: the
 #: operator may create them but not read them.
+POD_RESOURCE = ("v1", "pods")
 CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps"),
-                   ("networking.k8s.io", "v1", "networkpolicies"), ("v1", "pods"))
+                   ("networking.k8s.io", "v1", "networkpolicies"), POD_RESOURCE)
 
 EXPERT_PORT = 8000
 ROUTER_PORT = 8080

@@ -178,7 +178,7 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
         namespaces=list(served),
         liveness_endpoint=(None if liveness_port is None
                            else f"http://0.0.0.0:{liveness_port}/healthz"),
-        memo=kopf.Memo(api_client=api_client, reconciler=reconciler),
+        memo=kopf.Memo(api_client=api_client, reconciler=reconciler, pod_troubles={}),
         stop_flag=stop_flag,
         ready_flag=ready_flag,
     )
