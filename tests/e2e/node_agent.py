@@ -288,6 +288,11 @@ def _fill(api: _Api, pod: dict[str, Any], namespace: str, volume: str, source: d
 # ------------------------------------------------------------------ the container's root
 
 
+def _covers(mount_point: str, path: str) -> bool:
+    """Whether a mount at ``mount_point`` hides ``path`` (both absolute, resolved)."""
+    return path == mount_point or path.startswith(mount_point.rstrip("/") + "/")
+
+
 def setup_script(root_dir: Path, repository: Path, mounts: Sequence[tuple[Path, str, bool]],
                  hostname: str, read_only_root: bool, chroot: str) -> str:
     """The shell that builds a container's file system in its new mount namespace and
@@ -328,6 +333,14 @@ def setup_script(root_dir: Path, repository: Path, mounts: Sequence[tuple[Path, 
         lines.append(f"mount --bind {q(str(source))} {inside}")
         if read_only:
             lines.append(f"mount -o remount,bind,ro {inside}")
+    # The "image" is the host's file system: where a volume (say an emptyDir at /tmp) covers
+    # the checkout or the virtualenv that provides `ddm`, show them again at their own paths,
+    # as an image's files would be there whatever the pod mounts elsewhere.
+    for host_path in sorted({os.path.realpath(repository), os.path.realpath(sys.prefix)}):
+        if any(_covers(os.path.realpath(target), host_path) for _, target, _ in mounts):
+            inside = f"{r}/root{q(host_path)}"
+            lines += [f"mkdir -p {inside}", f"mount --bind {q(host_path)} {inside}",
+                      f"mount -o remount,bind,ro {inside}"]
     if read_only_root:
         lines += [f"mount -o remount,bind,ro {r}/root{part}" for part in ("", "/opt", IMAGE_WORKDIR)]
     lines += [
