@@ -37,10 +37,13 @@ def test_8_clients_for_5_seconds_give_figures_and_no_errors(
         tmp_path: Path, smoke_expert_checkpoint: Path) -> None:
     manifest = _smoke_manifest(tmp_path, smoke_expert_checkpoint)
     log = io.StringIO()
-    result = run_load(LoadSettings(clients=8, duration_s=5), manifest=manifest, log=log)
+    settings = LoadSettings(clients=8, duration_s=5)
+    result = run_load(settings, manifest=manifest, log=log)
     assert result["errors"] == {}, (result["error_examples"], log.getvalue()[-2000:])
     assert result["requests"] == result["succeeded"] >= 8
-    assert result["elapsed_s"] >= 5
+    # It stops at the deadline, or earlier when the request budget is spent (a quiet machine
+    # serves the smoke DDM's 4-step requests faster than the budget's 20 per client-second).
+    assert result["elapsed_s"] >= 5 or result["requests"] == settings.request_budget, result
     assert result["images_per_s"] == pytest.approx(result["succeeded"] / result["elapsed_s"],
                                                    rel=1e-2)
     latency = result["latency_s"]
