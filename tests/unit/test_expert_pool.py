@@ -182,6 +182,43 @@ def test_calls_are_balanced_over_replicas(expert_a, expert_b):
     assert sum(served) == 20 and min(served) >= 5, served
 
 
+def test_concurrent_calls_merge_into_few_requests_and_each_gets_its_own_answer(
+        expert_a, local_velocity):
+    inputs = [_inputs(1, seed=i) for i in range(12)]
+    grid, other_grid = np.linspace(0, 0.5, 4, dtype=np.float32), np.array([0.5, 1], np.float32)
+
+    async def scenario():
+        async with ExpertPool({"e": static_endpoints([expert_a])}, FAST) as pool:
+            await _until(lambda: pool.info("e") is not None)
+            velocities = await asyncio.gather(*(pool.velocity("e", *i) for i in inputs))
+            velocity_requests = _count(pool.metrics.request_rows)
+            integrations = await asyncio.gather(
+                *(pool.integrate("e", x, y, g, "euler") for g in (grid, other_grid)
+                  for x, _, y in inputs[:4]))
+            alone = [await pool.integrate("e", x, y, g, "euler") for g in (grid, other_grid)
+                     for x, _, y in inputs[:4]]
+            return velocities, velocity_requests, integrations, alone
+
+    velocities, velocity_requests, integrations, alone = asyncio.run(scenario())
+    for v, (x, t, y) in zip(velocities, inputs):
+        np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+    assert velocity_requests <= 3, velocity_requests  # 12 calls; the expert takes 8 rows
+    for merged, single in zip(integrations, alone):
+        np.testing.assert_allclose(merged, single, atol=1e-5)
+
+
+def test_without_coalescing_every_call_is_its_own_request(expert_a):
+    settings = PoolSettings(**{**FAST.__dict__, "in_flight_per_replica": 0})
+
+    async def scenario() -> float:
+        async with ExpertPool({"e": static_endpoints([expert_a])}, settings) as pool:
+            await _until(lambda: pool.info("e") is not None)
+            await asyncio.gather(*(pool.velocity("e", *_inputs(1, seed=i)) for i in range(6)))
+            return _count(pool.metrics.request_rows)
+
+    assert asyncio.run(scenario()) == 6
+
+
 def test_a_dead_or_hanging_replica_fails_over_to_a_live_one(expert_a, local_velocity):
     x, t, y = _inputs(2, seed=2)
     with _hanging() as hanging:
@@ -327,6 +364,12 @@ def _ready(endpoint: str) -> bool:
         return httpx.get(f"http://{endpoint}/readyz").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _count(histogram) -> float:
+    """Observations of a labelled histogram, over every label value."""
+    return sum(sample.value for metric in histogram.collect() for sample in metric.samples
+               if sample.name.endswith("_count"))
 
 
 def _served(endpoint: str) -> float:

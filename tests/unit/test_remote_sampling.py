@@ -18,8 +18,9 @@ from ddm.sampling.mixture import MixtureExpert
 from ddm.sampling.pipeline import LoadedDDM, generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import SOLVERS, VelocityFn, iterate
-from ddm.serving.remote_sampling import (_ASYNC_STEPS, RemoteMixture, SamplingRequest,
-                                         check_request, denoise, generate_remote)
+from ddm.serving.remote_sampling import (_ASYNC_STEPS, RemoteMixture, RouterNetwork,
+                                         SamplingRequest, check_request, denoise,
+                                         generate_remote)
 
 SHAPE = (1, 4, 4)
 LOW, HIGH = tuple(range(5)), tuple(range(5, 10))
@@ -70,7 +71,8 @@ class LocalExperts:
 
 
 def _mixture(classes=(ALL, ALL), router=_router) -> RemoteMixture:
-    return RemoteMixture(("up", "down"), classes, router, SHAPE, 10)
+    return RemoteMixture(("up", "down"), classes,
+                         RouterNetwork(router) if router is not None else None, SHAPE, 10)
 
 
 def _in_process(classes=(ALL, ALL)) -> LoadedDDM:
@@ -179,6 +181,28 @@ def test_interleaved_generations_equal_sequential_ones():
     for alone, interleaved in zip(sequential, asyncio.run(together())):
         np.testing.assert_array_equal(alone.state, interleaved.state)
         np.testing.assert_array_equal(alone.round_trips, interleaved.round_trips)
+
+
+def test_concurrent_generations_share_router_network_passes():
+    passes: list[int] = []
+
+    def counted(x, t, y):
+        passes.append(len(y))
+        return _router(x, t, y)
+
+    requests = [_request("top1", seed=s, labels=(s,)) for s in range(8)]
+    sequential = [_run(r) for r in requests]
+
+    async def together():
+        mixture = _mixture(router=counted)
+        caller = LocalExperts({"up": ALL, "down": ALL})
+        return await asyncio.gather(*(generate_remote(mixture, caller, r) for r in requests))
+
+    for alone, interleaved in zip(sequential, asyncio.run(together())):
+        np.testing.assert_array_equal(alone.state, interleaved.state)
+    steps = requests[0].steps
+    assert sum(passes) == 8 * steps  # every generation's rows went through the network
+    assert len(passes) <= 2 * steps, passes  # in few passes
 
 
 @pytest.mark.parametrize("mixture,request_,message", [

@@ -6,6 +6,7 @@ import pytest
 
 from ddm.serving.router_config import (
     Auth,
+    Coalescing,
     DnsDiscovery,
     ExpertEntry,
     RouterConfigError,
@@ -95,6 +96,13 @@ def test_without_auth_the_file_has_no_auth_key_and_limits_have_safe_defaults() -
     assert RouterConfigFile.from_yaml(TEXT + "auth: null\n").auth is None
 
 
+def test_coalescing_defaults_to_two_requests_per_replica_and_zero_turns_it_off() -> None:
+    assert RouterConfigFile.from_yaml(TEXT).coalescing == Coalescing(in_flight_per_replica=2)
+    config = RouterConfigFile.from_yaml(TEXT + "coalescing: {in_flight_per_replica: 0}\n")
+    assert config.coalescing.in_flight_per_replica == 0
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
 @pytest.mark.parametrize("extra, message", [
     ("auth: {}\n", "auth needs token_file"),
     ("auth: {token_file: ''}\n", "auth.token_file must be a file path"),
@@ -103,6 +111,9 @@ def test_without_auth_the_file_has_no_auth_key_and_limits_have_safe_defaults() -
     ("limits: {max_steps: 10}\n", "sampling.steps 20 exceeds limits.max_steps 10"),
     ("limits: {max_steps: 5000}\n", "limits.max_steps must be at most 1000"),
     ("limits: {max_body: 10}\n", "limits has unknown keys ['max_body']"),
+    ("coalescing: {in_flight_per_replica: -1}\n",
+     "coalescing.in_flight_per_replica must be an integer >= 0, got -1"),
+    ("coalescing: {in_flight: 2}\n", "coalescing has unknown keys ['in_flight']"),
 ])
 def test_bad_limits_and_auth_are_rejected_with_the_key(extra: str, message: str) -> None:
     with pytest.raises(RouterConfigError) as caught:

@@ -23,12 +23,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Coroutine, Mapping, TypeVar
+from typing import Any, Awaitable, Coroutine, Hashable, Mapping, TypeVar, Union
 
 import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ddm.serving.coalescing import Coalescer
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
                                   encode_request)
@@ -47,6 +48,29 @@ _RETRIABLE_4XX = (408, 429)
 _HEADERS = {"Content-Type": CONTENT_TYPE}
 _SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 _T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class _IntegrateKey:
+    """Integrate calls merge only with calls on the same solver and time grid."""
+
+    solver: Solver
+    grid: bytes  # float32, little-endian
+
+
+_VELOCITY = "velocity"
+_Key = Union[str, _IntegrateKey]
+
+
+def _request(key: Hashable, request_id: int, inputs: tuple[np.ndarray, ...]
+             ) -> VelocityRequest | IntegrateRequest:
+    """The protocol request for a (possibly merged) call with ``key``."""
+    if isinstance(key, _IntegrateKey):
+        x, y = inputs
+        return IntegrateRequest(request_id, x, y, np.frombuffer(key.grid, "<f4"),
+                                key.solver)
+    x, t, y = inputs
+    return VelocityRequest(request_id, x, t, y)
 
 
 class ExpertError(RuntimeError):
@@ -89,7 +113,10 @@ class ExpertRejected(ExpertError):
 class PoolSettings:
     """Timeouts in seconds. ``attempt_s`` bounds one HTTP exchange, ``deadline_s`` a whole call
     (every attempt, and waiting for a replica to come back); ``backoff_s`` is the first pause
-    before a failed replica is probed again, doubling up to ``max_backoff_s``."""
+    before a failed replica is probed again, doubling up to ``max_backoff_s``.
+    ``in_flight_per_replica`` requests per ready replica of an expert may be outstanding before
+    further calls to it wait and merge (:mod:`ddm.serving.coalescing`); 0 sends every call on
+    its own."""
 
     connect_s: float = 2.0
     attempt_s: float = 30.0
@@ -100,15 +127,17 @@ class PoolSettings:
     health_interval_s: float = 5.0
     refresh_s: float = 5.0
     max_connections: int = 256
+    in_flight_per_replica: int = 2
 
     def __post_init__(self) -> None:
         for name in ("connect_s", "attempt_s", "deadline_s", "max_backoff_s",
                      "health_interval_s", "refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PoolSettings.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.attempts < 1 or self.max_connections < 1 or self.backoff_s < 0:
-            raise ValueError("PoolSettings needs attempts >= 1, max_connections >= 1 and "
-                             "backoff_s >= 0")
+        if (self.attempts < 1 or self.max_connections < 1 or self.backoff_s < 0
+                or self.in_flight_per_replica < 0):
+            raise ValueError("PoolSettings needs attempts >= 1, max_connections >= 1, "
+                             "backoff_s >= 0 and in_flight_per_replica >= 0")
 
 
 def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> PoolSettings:
@@ -117,7 +146,8 @@ def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> 
         connect_s=config.timeouts.connect_s, attempt_s=config.timeouts.request_s,
         deadline_s=deadline_s or config.retries.attempts * config.timeouts.request_s,
         attempts=config.retries.attempts, backoff_s=config.retries.backoff_s,
-        refresh_s=config.dns_refresh_s)
+        refresh_s=config.dns_refresh_s,
+        in_flight_per_replica=config.coalescing.in_flight_per_replica)
 
 
 def client_session(settings: PoolSettings) -> aiohttp.ClientSession:
@@ -161,6 +191,10 @@ class PoolMetrics:
             "ddm_router_expert_call_seconds", "Round-trip time of successful expert requests.",
             ["expert", "kind"], registry=registry,
             buckets=(2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0))
+        self.request_rows = Histogram(
+            "ddm_router_expert_request_rows", "Rows per expert request (one per request, not per "
+            "attempt), after merging the calls of concurrent generations.", ["expert"], registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.retries = Counter("ddm_router_expert_retries",
                                "Attempts after a failed attempt, by expert.", ["expert"],
                                registry=registry)
@@ -188,6 +222,7 @@ class ExpertPool:
                                        settings.health_interval_s) for name in sources}
         self._info: dict[str, ExpertInfo] = {}
         self._ids = itertools.count(1)
+        self._coalescers: dict[str, Coalescer] = {}
         self._session: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -211,6 +246,8 @@ class ExpertPool:
         self._spawn(self._probe_forever())
 
     async def close(self) -> None:
+        for coalescer in self._coalescers.values():
+            await coalescer.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -243,8 +280,7 @@ class ExpertPool:
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
                        y: np.ndarray) -> np.ndarray:
         """``v(x, t, y)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), ``y`` (B,)."""
-        return await self._rows(expert, x.shape,
-                                lambda rid, s: VelocityRequest(rid, x[s], t[s], y[s]))
+        return await self._rows(expert, _VELOCITY, (x, t, y))
 
     async def integrate(self, expert: str, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
                         solver: str) -> np.ndarray:
@@ -253,18 +289,38 @@ class ExpertPool:
             code = Solver[solver.upper()]
         except KeyError:
             raise ValueError(f"unknown solver {solver!r}") from None
-        return await self._rows(expert, x.shape,
-                                lambda rid, s: IntegrateRequest(rid, x[s], y[s], grid, code))
+        grid = np.ascontiguousarray(grid, dtype="<f4")
+        return await self._rows(expert, _IntegrateKey(code, grid.tobytes()), (x, y))
 
-    async def _rows(self, expert: str, shape: tuple[int, ...],
-                    build: Callable[[int, slice], VelocityRequest | IntegrateRequest]
-                    ) -> np.ndarray:
-        """Split a call into the expert's ``max_batch`` and send the parts concurrently."""
+    async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+        """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
+        to the expert's coalescer, which merges them with other generations' calls."""
+        coalescer = self._coalescer(expert)
         info = self._info.get(expert)
-        size = info.max_batch if info is not None else shape[0]
-        parts = [slice(i, min(i + size, shape[0])) for i in range(0, shape[0], size)]
-        outs = await gather_all(*(self._call(expert, build(next(self._ids), s)) for s in parts))
+        rows = inputs[0].shape[0]
+        size = info.max_batch if info is not None else rows
+        parts = [tuple(a[i:i + size] for a in inputs) for i in range(0, rows, size)]
+        outs = await gather_all(*(coalescer.submit(key, part) for part in parts))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _coalescer(self, expert: str) -> Coalescer:
+        coalescer = self._coalescers.get(expert)
+        if coalescer is None:
+            replicas = self._replica_set(expert)
+            per_replica = self._settings.in_flight_per_replica
+            rows = self.metrics.request_rows.labels(expert)
+
+            async def send(key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+                rows.observe(inputs[0].shape[0])
+                return await self._call(expert, _request(key, next(self._ids), inputs))
+
+            def max_rows() -> int:
+                info = self._info.get(expert)
+                return info.max_batch if info is not None and per_replica else 1
+
+            coalescer = self._coalescers[expert] = Coalescer(
+                send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica)
+        return coalescer
 
     async def _call(self, expert: str, request: VelocityRequest | IntegrateRequest
                     ) -> np.ndarray:

@@ -18,7 +18,8 @@ concurrently. Two differences from in-process sampling:
   through the chunk. Routing is decided again at the next chunk.
 
 Everything a generation accumulates lives in the generation's own coroutine: concurrent
-generations share only the caller.
+generations share only the caller and the :class:`RouterNetwork`, which both merge the calls
+that concurrent generations make at the same time (:mod:`ddm.serving.coalescing`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,15 @@ from ddm.sampling.mixture import RouterFn, UsageLog
 from ddm.sampling.routing import Strategy, oracle_probs, routing_weights
 from ddm.sampling.solvers import (EVALUATIONS_PER_STEP, euler_update, heun_update,
                                   initial_noise, solver_step)
+from ddm.serving.coalescing import Coalescer
 from ddm.serving.expert_pool import gather_all
 
 #: Up to this many rows, the router network runs on the event loop: at batch 1 it takes about
 #: 0.15 ms, less than the two thread hops of ``asyncio.to_thread``; bigger batches go to a
 #: thread, so that the loop keeps serving other generations meanwhile.
 INLINE_ROUTER_ROWS = 8
+#: The most rows one forward pass of the router network takes when merging calls.
+ROUTER_MAX_ROWS = 256
 
 #: ``async (x (B, C, H, W), t (B,), y (B,)) -> v``.
 AsyncVelocity = Callable[[np.ndarray, np.ndarray, np.ndarray], Awaitable[np.ndarray]]
@@ -55,6 +59,25 @@ class ExpertCaller(Protocol):
                         solver: str) -> np.ndarray: ...
 
 
+class RouterNetwork:
+    """The router network, shared by a router's generations: calls that concurrent
+    generations make in the same turn of the event loop, or while a pass runs, go as one
+    forward pass (at batch 1 the network's cost is almost all per call, not per row)."""
+
+    def __init__(self, probs: RouterFn) -> None:
+        self._probs = probs
+        self._coalescer = Coalescer(self._forward, lambda: ROUTER_MAX_ROWS, lambda: 1)
+
+    async def __call__(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``p(k | x, t, y)`` as (B, K) probabilities."""
+        return await self._coalescer.submit(None, (x, t, y))
+
+    async def _forward(self, _key: object, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+        if inputs[0].shape[0] <= INLINE_ROUTER_ROWS:
+            return self._probs(*inputs)
+        return await asyncio.to_thread(self._probs, *inputs)
+
+
 @dataclass(frozen=True)
 class RemoteMixture:
     """The router's view of a DDM: experts in the router network's output order, the labels
@@ -62,7 +85,7 @@ class RemoteMixture:
 
     expert_names: tuple[str, ...]
     expert_classes: tuple[tuple[int, ...], ...]
-    router: RouterFn | None
+    router: RouterNetwork | None
     image_shape: tuple[int, int, int]
     num_classes: int
 
@@ -259,10 +282,7 @@ async def _route(mixture: RemoteMixture, strategy: Strategy, x: np.ndarray, t: n
     if strategy.kind == "oracle":
         return routing_weights(oracle_probs(y, mixture.expert_classes), strategy)
     assert mixture.router is not None, "check_request refuses learned strategies without one"
-    if len(y) <= INLINE_ROUTER_ROWS:
-        probs = mixture.router(x, t, y)
-    else:
-        probs = await asyncio.to_thread(mixture.router, x, t, y)
+    probs = await mixture.router(x, t, y)
     servable = _servable(mixture, y)
     probs = np.where(servable, probs, 0.0)
     # A row whose servable experts all got probability 0 (underflow) weighs them equally.

@@ -177,6 +177,20 @@ class Retries:
 
 
 @dataclass(frozen=True)
+class Coalescing:
+    """Merging the calls concurrent generations make to an expert (``ddm.serving.coalescing``):
+    up to ``in_flight_per_replica`` requests per ready replica go out at once, later calls
+    wait and go together. 0 sends every call on its own."""
+
+    in_flight_per_replica: int = 2
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.in_flight_per_replica) and self.in_flight_per_replica >= 0,
+               "coalescing.in_flight_per_replica must be an integer >= 0, got "
+               f"{self.in_flight_per_replica!r}")
+
+
+@dataclass(frozen=True)
 class RouterLimits:
     """What one request may ask for, and how many generations run at once (more get 429).
 
@@ -222,6 +236,7 @@ class RouterConfigFile:
     retries: Retries = field(default_factory=Retries)
     dns_refresh_s: float = 5.0
     limits: RouterLimits = field(default_factory=RouterLimits)
+    coalescing: Coalescing = field(default_factory=Coalescing)
     auth: Auth | None = None
 
     def __post_init__(self) -> None:
@@ -250,7 +265,8 @@ class RouterConfigFile:
         args["experts"] = tuple(ExpertEntry.from_dict(e, f"experts[{i}]")
                                 for i, e in enumerate(args["experts"]))
         for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),
-                          ("retries", Retries), ("limits", RouterLimits), ("auth", Auth)):
+                          ("retries", Retries), ("limits", RouterLimits),
+                          ("coalescing", Coalescing), ("auth", Auth)):
             if key in args and not (key == "auth" and args[key] is None):
                 args[key] = kind(**_strict(kind, args[key], key))
         return cls(**args)

@@ -21,7 +21,7 @@ from ddm.checkpoint import CheckpointError
 from ddm.sampling.mixture import RouterFn
 from ddm.serving.auth import TokenFile
 from ddm.serving.expert_pool import ExpertPool, PoolMetrics, pool_settings
-from ddm.serving.remote_sampling import RemoteMixture
+from ddm.serving.remote_sampling import RemoteMixture, RouterNetwork
 from ddm.serving.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class RouterState:
         self.pool = ExpertPool.from_config(config, pool_settings(config, deadline_s),
                                            PoolMetrics(self.registry))
         self.names = tuple(e.name for e in config.experts)
-        self.network: RouterFn | None = None
+        self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.loaded = config.router_checkpoint is None
         self.failure: str | None = None
@@ -90,7 +90,7 @@ class RouterState:
         if self.config.router_checkpoint is None:
             return
         try:
-            self.network, self.network_shape = await asyncio.to_thread(
+            probs, self.network_shape = await asyncio.to_thread(
                 _load_network, self.config.router_checkpoint, self.config)
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
             logger.exception("router network %s failed to load", self.config.router_checkpoint)
@@ -98,6 +98,7 @@ class RouterState:
             if self.on_failure is not None:
                 self.on_failure(f"router network {self.config.router_checkpoint}: {error}")
             return
+        self.network = RouterNetwork(probs)
         self.loaded = True
 
     def image_shape(self) -> tuple[tuple[int, int, int] | None, list[str]]:

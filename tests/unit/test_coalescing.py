@@ -1,0 +1,211 @@
+"""Router-side coalescing: which calls merge into one request, when they go, who gets what.
+
+The coalescer is generic over its ``send``; here ``send`` is an in-process expert that answers
+``x * 10 + key`` after the test releases it, and records every request it got. The pool's use
+of it against a real expert server is in tests/unit/test_expert_pool.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Hashable
+
+import numpy as np
+import pytest
+
+from ddm.serving.coalescing import Coalescer
+
+
+class Expert:
+    """Records requests; each answers once ``release()`` lets it (all at once by default)."""
+
+    def __init__(self, fail_with: Exception | None = None) -> None:
+        self.requests: list[tuple[Hashable, int]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail_with = fail_with
+
+    async def send(self, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+        (x,) = inputs
+        self.requests.append((key, x.shape[0]))
+        await self.gate.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        return x * 10 + key
+
+
+def coalescer(expert: Expert, max_rows: int = 64, limit: int = 1) -> Coalescer:
+    return Coalescer(expert.send, lambda: max_rows, lambda: limit)
+
+
+def rows(*values: float) -> tuple[np.ndarray]:
+    return (np.array(values, np.float32),)
+
+
+async def turns(n: int = 3) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def test_calls_of_one_turn_go_as_one_request_and_each_gets_its_rows():
+    async def scenario():
+        expert = Expert()
+        c = coalescer(expert)
+        outs = await asyncio.gather(c.submit(1, rows(1)), c.submit(1, rows(2, 3)),
+                                    c.submit(1, rows(4)))
+        return expert.requests, outs
+
+    requests, outs = asyncio.run(scenario())
+    assert requests == [(1, 4)]
+    assert [o.tolist() for o in outs] == [[11], [21, 31], [41]]
+
+
+def test_a_lone_call_goes_out_at_once():
+    async def scenario():
+        expert = Expert()
+        expert.gate.clear()
+        c = coalescer(expert)
+        call = asyncio.ensure_future(c.submit(0, rows(5)))
+        await turns()
+        sent, in_flight = list(expert.requests), c.in_flight
+        expert.gate.set()
+        return sent, in_flight, await call
+
+    sent, in_flight, out = asyncio.run(scenario())
+    assert sent == [(0, 1)] and in_flight == 1 and out.tolist() == [50]
+
+
+def test_calls_wait_while_the_limit_is_reached_and_then_go_together():
+    async def scenario():
+        expert = Expert()
+        expert.gate.clear()
+        c = coalescer(expert, limit=1)
+        first = asyncio.ensure_future(c.submit(0, rows(1)))
+        await turns()
+        later = [asyncio.ensure_future(c.submit(0, rows(i))) for i in (2, 3, 4)]
+        await turns()
+        while_busy = list(expert.requests)
+        expert.gate.set()
+        outs = await asyncio.gather(first, *later)
+        return while_busy, expert.requests, outs
+
+    while_busy, requests, outs = asyncio.run(scenario())
+    assert while_busy == [(0, 1)]
+    assert requests == [(0, 1), (0, 3)]
+    assert [o.tolist() for o in outs] == [[10], [20], [30], [40]]
+
+
+def test_only_calls_with_the_same_key_merge_oldest_key_first():
+    async def scenario():
+        expert = Expert()
+        c = coalescer(expert, limit=1)
+        outs = await asyncio.gather(c.submit(1, rows(1)), c.submit(2, rows(2)),
+                                    c.submit(1, rows(3)), c.submit(2, rows(4)))
+        return expert.requests, outs
+
+    requests, outs = asyncio.run(scenario())
+    assert requests == [(1, 2), (2, 2)]
+    assert [o.tolist() for o in outs] == [[11], [22], [31], [42]]
+
+
+def test_requests_never_exceed_max_rows_and_full_calls_go_straight_through():
+    async def scenario():
+        expert = Expert()
+        c = coalescer(expert, max_rows=3, limit=2)
+        outs = await asyncio.gather(*(c.submit(0, rows(i)) for i in range(7)),
+                                    c.submit(0, rows(7, 8, 9)))
+        return expert.requests, outs
+
+    requests, outs = asyncio.run(scenario())
+    assert requests[0] == (0, 3)  # the full call is sent before the turn ends
+    assert sorted(n for _, n in requests[1:]) == [1, 3, 3]
+    assert [o.tolist() for o in outs[:7]] == [[i * 10] for i in range(7)]
+    assert outs[7].tolist() == [70, 80, 90]
+
+
+def test_max_rows_one_sends_every_call_on_its_own_without_a_limit():
+    async def scenario():
+        expert = Expert()
+        expert.gate.clear()
+        c = coalescer(expert, max_rows=1, limit=1)
+        calls = [asyncio.ensure_future(c.submit(0, rows(i))) for i in range(4)]
+        await turns()
+        sent = len(expert.requests)
+        expert.gate.set()
+        await asyncio.gather(*calls)
+        return sent
+
+    assert asyncio.run(scenario()) == 4
+
+
+def test_a_failed_request_fails_every_call_in_it_and_the_next_ones_still_go():
+    async def scenario():
+        expert = Expert(fail_with=RuntimeError("replica died"))
+        c = coalescer(expert)
+        outcomes = await asyncio.gather(c.submit(0, rows(1)), c.submit(0, rows(2)),
+                                        return_exceptions=True)
+        expert.fail_with = None
+        return outcomes, await c.submit(0, rows(3)), expert.requests
+
+    outcomes, after, requests = asyncio.run(scenario())
+    assert [str(o) for o in outcomes] == ["replica died"] * 2
+    assert after.tolist() == [30] and requests == [(0, 2), (0, 1)]
+
+
+def test_a_caller_that_goes_away_while_waiting_is_not_sent():
+    async def scenario():
+        expert = Expert()
+        expert.gate.clear()
+        c = coalescer(expert, limit=1)
+        first = asyncio.ensure_future(c.submit(0, rows(1)))
+        await turns()
+        gone = asyncio.ensure_future(c.submit(0, rows(2)))
+        kept = asyncio.ensure_future(c.submit(0, rows(3)))
+        await turns()
+        gone.cancel()
+        expert.gate.set()
+        outs = await asyncio.gather(first, kept)
+        return expert.requests, outs, gone.cancelled()
+
+    requests, outs, cancelled = asyncio.run(scenario())
+    assert cancelled and requests == [(0, 1), (0, 1)]
+    assert [o.tolist() for o in outs] == [[10], [30]]
+
+
+def test_close_cancels_requests_in_flight():
+    async def scenario():
+        expert = Expert()
+        expert.gate.clear()
+        c = coalescer(expert)
+        calls = [asyncio.ensure_future(c.submit(0, rows(i))) for i in range(2)]
+        await turns()
+        await c.close()
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(o, asyncio.CancelledError) for o in outcomes)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 4])
+def test_many_callers_stepping_in_lockstep_converge_to_few_big_requests(limit):
+    """64 'generations' of 20 steps, each awaiting its call before the next, as the router's
+    generations do: after the first steps, requests carry many rows each."""
+
+    async def scenario():
+        expert = Expert()
+        c = coalescer(expert, limit=limit)
+
+        async def generation(i: int) -> float:
+            value = float(i)
+            for _ in range(20):
+                (value,) = (await c.submit(0, rows(value))).tolist()
+                value = value / 10
+            return value
+
+        outs = await asyncio.gather(*(generation(i) for i in range(64)))
+        return expert.requests, outs
+
+    requests, outs = asyncio.run(scenario())
+    assert outs == [float(i) for i in range(64)]
+    assert sum(n for _, n in requests) == 64 * 20
+    assert len(requests) <= 20 * limit + 2, len(requests)
