@@ -111,10 +111,11 @@ class Coalescer:
             if not isinstance(error, Exception):
                 raise
         else:
-            bounds = np.cumsum([c.rows for c in calls])[:-1]
-            for call, rows in zip(calls, np.split(output, bounds)):
+            start = 0
+            for call in calls:
                 if not call.future.done():
-                    call.future.set_result(rows)
+                    call.future.set_result(output[start:start + call.rows])
+                start += call.rows
         finally:
             self._in_flight -= 1
             self._pump()

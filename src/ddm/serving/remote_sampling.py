@@ -25,6 +25,7 @@ that concurrent generations make at the same time (:mod:`ddm.serving.coalescing`
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, Protocol
 
@@ -88,6 +89,14 @@ class RemoteMixture:
     router: RouterNetwork | None
     image_shape: tuple[int, int, int]
     num_classes: int
+
+    @functools.cached_property
+    def servable(self) -> np.ndarray:
+        """(num_classes, K) bool: expert k serves label c (an expert with no classes serves
+        every label); looked up at every step, so computed once."""
+        return np.array([[not classes or c in classes for classes in self.expert_classes]
+                         for c in range(self.num_classes)], dtype=bool
+                        ).reshape(self.num_classes, len(self.expert_classes))
 
 
 @dataclass(frozen=True)
@@ -293,8 +302,7 @@ async def _route(mixture: RemoteMixture, strategy: Strategy, x: np.ndarray, t: n
 
 def _servable(mixture: RemoteMixture, y: np.ndarray) -> np.ndarray:
     """(B, K) bool: expert k serves label ``y[b]`` (an expert with no classes serves all)."""
-    return np.array([[not classes or int(label) in classes for classes in mixture.expert_classes]
-                     for label in y], dtype=bool).reshape(len(y), len(mixture.expert_classes))
+    return mixture.servable[y]
 
 
 async def _euler(velocity: AsyncVelocity, x: np.ndarray, t: float, t_next: float,
