@@ -271,14 +271,25 @@ def test_generations_beyond_the_limit_get_429_and_a_hung_expert_503(ddms, expert
             assert stuck.json()["expert"] == "e1" and "expert e1: unavailable" in stuck.text
             assert waited < 2.0 + 1.0
             assert httpx.get(f"{base}/healthz").status_code == 200
-            readyz = httpx.get(f"{base}/readyz")
-            assert readyz.status_code == 503 and readyz.json()["missing_experts"] == ["e1"]
+            readyz = httpx.get(f"{base}/readyz")  # it still serves e0's labels: degraded
+            assert readyz.status_code == 200, readyz.text
+            assert readyz.json() == {"status": "degraded", "missing_experts": ["e1"]}
             ok = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 3}, timeout=30)
             assert ok.status_code == 200, ok.text  # e0's labels are unaffected
             metrics = httpx.get(f"{base}/metrics").text
             busy_total = 'ddm_router_requests_total{route="/v1/generate",status="429"}'
             assert _metric(metrics, busy_total) == 1
             assert _metric(metrics, 'ddm_router_expert_unavailable_total{expert="e1"}') == 1
+
+
+def test_a_router_with_no_expert_ready_is_not_ready_and_says_so(ddms):
+    dead = {name: {"endpoints": [f"127.0.0.1:{_free_port()}"]} for name in ("e0", "e1")}
+    config = _config(dead, [LOW, HIGH], None, strategy="oracle")
+    with _servers({"router": create_router_app(config)}) as endpoints:
+        readyz = httpx.get(f"http://{endpoints['router']}/readyz")
+    assert readyz.status_code == 503
+    assert readyz.json()["missing_experts"] == ["e0", "e1"]
+    assert "no expert has a ready replica (e0, e1)" in readyz.json()["problems"]
 
 
 # ---------------------------------------------------------------------------- failover
@@ -339,13 +350,14 @@ def test_every_replica_down_is_a_503_naming_the_expert_until_it_comes_back(repli
     assert time.monotonic() - started < 3.0 + 1.0
     assert httpx.get(f"{base}/healthz").status_code == 200
     readyz = httpx.get(f"{base}/readyz")
-    assert readyz.status_code == 503 and readyz.json()["missing_experts"] == ["e0"]
+    assert readyz.status_code == 200 and readyz.json()["status"] == "degraded", readyz.text
+    assert readyz.json()["missing_experts"] == ["e0"]
     # e1 still serves its labels meanwhile.
     assert httpx.post(f"{base}/v1/generate", json={"labels": [8], "steps": 2}).status_code == 200
 
     port = next(iter(replicated["replicas"]))
     replicated["replicas"][port] = _start_expert(replicated["checkpoint"], port)
-    _wait(lambda: _status(f"{base}/readyz") == 200, "router ready again")
+    _wait(lambda: httpx.get(f"{base}/readyz").json()["status"] == "ready", "router ready again")
     reply = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 4}, timeout=30)
     assert reply.status_code == 200, reply.text
 

@@ -9,8 +9,9 @@ router enforces: :mod:`ddm.serving.router_requests` builds the request schemas f
 The router network is small and runs here; experts are reached through one
 :class:`~ddm.serving.expert_pool.ExpertPool` (:mod:`ddm.serving.router_state` holds both). The
 lifespan starts the pool and loads the router network in the background, so that probes are
-answered at once: ``/readyz`` is 200 once the network is loaded and every expert has a ready
-replica, and names what is missing otherwise. Run as a process (:func:`serve_router`), a
+answered at once: ``/readyz`` is 200 once the network is loaded and the experts agree with the
+config, ``"degraded"`` (still 200, naming them) while some experts have no ready replica, and
+503 naming what is wrong otherwise (no expert ready at all included). Run as a process (:func:`serve_router`), a
 router whose config, token file or network cannot load exits with status 1 and leaves the
 reason in the termination-message file (:mod:`ddm.serving.termination`).
 
@@ -173,6 +174,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         if problems:
             return JSONResponse({"status": "not ready", "missing_experts": missing,
                                  "problems": problems}, 503)
+        if missing:
+            return JSONResponse({"status": "degraded", "missing_experts": missing})
         return JSONResponse({"status": "ready"})
 
     @app.get("/metrics", response_class=PlainTextResponse,

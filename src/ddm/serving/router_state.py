@@ -1,7 +1,7 @@
 """What the router's routes share: its config and limits, the expert pool, the router network.
 
 The network loads in the background (``RouterState.load``) so that probes are answered at once;
-``problems`` says what keeps the router from being ready; ``slot`` counts generations in and
+``problems`` says what keeps the router from being ready (some experts down is only degraded); ``slot`` counts generations in and
 out against ``limits.max_concurrent``.
 """
 
@@ -112,9 +112,15 @@ class RouterState:
         return next(iter(shapes.values()), None), []
 
     def problems(self) -> tuple[list[str], list[str]]:
-        """(experts without a ready replica, every reason not to be ready)."""
+        """(experts without a ready replica, every reason not to be ready).
+
+        Some experts without a ready replica do not make the router unready: it still serves
+        the labels the others own and answers a 503 naming the missing expert for the rest,
+        which an unready router (out of its Service) could not tell a client. With no expert
+        ready it can serve nothing, and that is a problem."""
         missing = [name for name in self.names if self.pool.ready_count(name) == 0]
-        problems = [f"expert {name} has no ready replica" for name in missing]
+        problems = ([f"no expert has a ready replica ({', '.join(missing)})"]
+                    if len(missing) == len(self.names) else [])
         if self.failure is not None:
             problems.append(f"router network failed to load: {self.failure}")
         elif not self.loaded:
