@@ -292,6 +292,20 @@ def test_a_router_with_no_expert_ready_is_not_ready_and_says_so(ddms):
     assert "no expert has a ready replica (e0, e1)" in readyz.json()["problems"]
 
 
+def test_a_draining_router_is_not_ready(ddms, experts):
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], None, strategy="oracle")
+    draining = False
+    with _servers({"router": create_router_app(config, draining=lambda: draining)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, "router ready")
+        draining = True
+        readyz = httpx.get(f"{base}/readyz")
+        generated = httpx.post(f"{base}/v1/generate", json={"labels": [1], "steps": 2})
+    assert (readyz.status_code, readyz.json()) == (503, {"status": "draining"})
+    assert generated.status_code == 200, generated.text  # still serving meanwhile
+
+
 # ---------------------------------------------------------------------------- failover
 
 

@@ -133,7 +133,7 @@ def test_cpu_adds_nothing(framework: str) -> None:
 def test_the_expert_command_is_the_servers() -> None:
     command = _container(_expert_pod(_expert(maxBatch=32, maxDelayMs=5)))["command"]
     assert command == ["ddm", "serve", "expert", "--checkpoint", "/models/e", "--host", "0.0.0.0",
-                       "--port", "8000",
+                       "--port", "8000", "--drain-s", "5",
                        "--backend", "torch", "--device", "cpu", "--max-batch", "32",
                        "--max-delay-ms", "5"]
 
@@ -406,7 +406,7 @@ def test_the_router_reads_its_config_map() -> None:
     router = children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
     container = _container(router)
     assert container["command"] == ["ddm", "serve", "router", "--config", "/etc/ddm/router.yaml",
-                                    "--host", "0.0.0.0", "--port", "8080"]
+                                    "--host", "0.0.0.0", "--port", "8080", "--drain-s", "5"]
     assert {"name": "config", "configMap": {"name": "digits-router-config"}} in router["volumes"]
 
 

@@ -62,6 +62,10 @@ TERMINATION_MESSAGE = {"terminationMessagePath": "/dev/termination-log",
                        "terminationMessagePolicy": "FallbackToLogsOnError"}
 #: How long a server may take to load (and compile) its model before it is restarted.
 STARTUP_BUDGET_S = {"neuron": 1800, "default": 600}
+#: Seconds a terminating expert or router keeps serving (``--drain-s``) while Services and the
+#: routers' DNS caches stop sending it traffic; with the servers' 20 s for requests in flight,
+#: within the pods' default 30 s termination grace period.
+DRAIN_S = 5
 _PROBE_PERIOD_S = 10
 
 
@@ -89,7 +93,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     image = expert.pod.image or config.images.for_family(place.image_family)
     mount = _checkpoint(expert.checkpoint, EXPERT_CHECKPOINT_DIR, image, config)
     command = ["ddm", "serve", "expert", "--checkpoint", mount.path, "--host", "0.0.0.0",
-               "--port", str(names.EXPERT_PORT), *place.backend_args]
+               "--port", str(names.EXPERT_PORT), "--drain-s", str(DRAIN_S), *place.backend_args]
     if expert.max_batch is not None:
         command += ["--max-batch", str(expert.max_batch)]
     if expert.max_delay_ms is not None:
@@ -189,7 +193,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         "imagePullPolicy": config.image_pull_policy,
         "command": ["ddm", "serve", "router", "--config",
                     f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}", "--host", "0.0.0.0",
-                    "--port", str(names.ROUTER_PORT)],
+                    "--port", str(names.ROUTER_PORT), "--drain-s", str(DRAIN_S)],
         "ports": [{"name": "http", "containerPort": names.ROUTER_PORT, "protocol": "TCP"}],
         "env": env,
         **({"resources": resources} if resources else {}),

@@ -33,6 +33,7 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                    help="requests admitted at once, queued or running; more get 429")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="neuron: where traced models are cached")
+    _add_drain(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_expert)
 
@@ -51,8 +52,22 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--auth-token-file", type=Path, default=None,
                    help="require Authorization: Bearer <the token in this file> on /v1/* "
                         "(overrides router.yaml's auth.token_file)")
+    _add_drain(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_router)
+
+
+def _add_drain(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-s", type=_seconds, default=0.0,
+                   help="on SIGTERM, answer /readyz 503 and keep serving this long before "
+                        "stopping (load balancers and DNS caches catch up meanwhile)")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 3600 seconds, got {text}")
+    return value
 
 
 def _serve_expert(args: argparse.Namespace) -> int:
@@ -63,7 +78,7 @@ def _serve_expert(args: argparse.Namespace) -> int:
               if getattr(args, name) is not None}
     serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
                  device=args.device, log_level=args.log_level, compile_cache=args.compile_cache,
-                 **limits)
+                 drain_s=args.drain_s, **limits)
     return 0
 
 
@@ -73,5 +88,6 @@ def _serve_router(args: argparse.Namespace) -> int:
     serve_router(args.config, host=args.host, port=args.port, log_level=args.log_level,
                  max_batch=args.max_batch, max_steps=args.max_steps,
                  max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes,
-                 deadline_s=args.deadline_s, auth_token_file=args.auth_token_file)
+                 deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
+                 drain_s=args.drain_s)
     return 0

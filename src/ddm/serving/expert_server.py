@@ -50,8 +50,9 @@ from ddm.sampling.solvers import iterate
 from ddm.serving import metrics as expert_metrics
 from ddm.serving.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, probe_responses, read_body,
-                              retry_after, run_server, send_bytes, send_json)
+from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ServerControl,
+                              probe_responses, read_body, retry_after, run_server, send_bytes,
+                              send_json)
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
                                   VelocityRequest, decode_request, encode_error, encode_response)
 from ddm.serving.termination import fail_start
@@ -130,14 +131,16 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       max_delay_ms: float = DEFAULT_MAX_DELAY_MS, *,
                       max_steps: int = DEFAULT_MAX_STEPS, max_pending: int = DEFAULT_MAX_PENDING,
                       compile_cache: Path | None = None, loader: BackendLoader = load_backend,
-                      on_failure: Callable[[str], None] | None = None) -> ASGIApp:
+                      on_failure: Callable[[str], None] | None = None,
+                      draining: Callable[[], bool] | None = None) -> ASGIApp:
     """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``.
 
     Requests arriving within ``max_delay_ms`` of each other (or while the model is busy) run
     as one batch of at most ``max_batch`` images; bigger requests are refused with 422. The
     backend and the checkpoint's config are checked here, so that a wrong flag fails before
     the server starts; the weights load in the lifespan, and if they cannot,
-    ``on_failure(reason)`` is called (besides ``/healthz`` answering 500).
+    ``on_failure(reason)`` is called (besides ``/healthz`` answering 500). While
+    ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503.
     """
     check_backend(backend, device)
     meta = read_meta(checkpoint_dir)
@@ -176,8 +179,11 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
             return JSONResponse({"status": "failed", "error": expert.failure}, 500)
         return JSONResponse({"status": "alive"})
 
-    @app.get("/readyz", responses=probe_responses(503, "the model is loading or failed to load"))
+    @app.get("/readyz", responses=probe_responses(
+        503, "the model is loading or failed to load, or the server is draining"))
     async def readyz() -> JSONResponse:
+        if draining is not None and draining():
+            return JSONResponse({"status": "draining"}, 503)
         if expert.backend is not None:
             return JSONResponse({"status": "ready"})
         if expert.failure is not None:
@@ -197,22 +203,24 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
                  max_batch: int = DEFAULT_MAX_BATCH, max_delay_ms: float = DEFAULT_MAX_DELAY_MS,
                  log_level: str = "info", compile_cache: Path | None = None, *,
                  max_steps: int = DEFAULT_MAX_STEPS,
-                 max_pending: int = DEFAULT_MAX_PENDING) -> None:
-    """Serve one expert until interrupted (SIGINT/SIGTERM); what ``ddm serve expert`` runs.
+                 max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0) -> None:
+    """Serve one expert until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
+    draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve expert`` runs.
 
     Exits with status 1, the reason in the termination-message file, when the checkpoint or
     the backend cannot be loaded, warmed up or compiled."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
-    def make_app(stop: Callable[[str], None]) -> ASGIApp:
+    def make_app(control: ServerControl) -> ASGIApp:
         try:
             return create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms,
                                      max_steps=max_steps, max_pending=max_pending,
-                                     compile_cache=compile_cache, on_failure=stop)
+                                     compile_cache=compile_cache, on_failure=control.stop,
+                                     draining=lambda: control.draining)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
-    run_server(make_app, host, port, log_level)
+    run_server(make_app, host, port, log_level, drain_s)
 
 
 _TENSORS = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}

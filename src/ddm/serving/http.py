@@ -1,6 +1,12 @@
 """HTTP plumbing the expert and the router share: the uvicorn server, bare ASGI answers, body
-limits, running a server that exits with a reason when its start-up fails, and the OpenAPI
-descriptions of what both answer alike (probes, ``Retry-After``).
+limits, running a server that exits with a reason when its start-up fails or drains on SIGTERM,
+and the OpenAPI descriptions of what both answer alike (probes, ``Retry-After``).
+
+Draining: Kubernetes sends SIGTERM to a pod while Services, kube-proxy and the routers' DNS
+caches still send it traffic for a few seconds. With ``drain_s`` > 0, the first SIGTERM makes
+``/readyz`` answer 503 ``draining`` and the server keeps serving for ``drain_s`` seconds, then
+stops accepting connections and finishes the requests in flight (at most
+``GRACEFUL_SHUTDOWN_S``). SIGINT, and a second signal, stop at once.
 
 The data plane pays for every byte and every layer at each denoising step, so its hot routes
 are bare ASGI (no FastAPI dependency resolution) and the server sends no ``date`` or
@@ -12,6 +18,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Callable, Iterable
 
 import uvicorn
@@ -24,6 +35,11 @@ from ddm.serving.termination import fail_start
 KEEP_ALIVE_S = 75
 #: Seconds a client told 429 or 503 should wait before trying again.
 RETRY_AFTER_S = 1
+#: After draining, how long requests in flight may take before they are cancelled: with the
+#: operator's drain, within Kubernetes' default 30 s termination grace period.
+GRACEFUL_SHUTDOWN_S = 20
+
+logger = logging.getLogger(__name__)
 
 Headers = Iterable[tuple[bytes, bytes]]
 
@@ -40,34 +56,72 @@ class BodyTooLarge(Exception):
         super().__init__(f"body of {size} bytes exceeds the limit of {limit}")
 
 
-def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info") -> uvicorn.Server:
+def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
+                 drain_s: float = 0.0, control: ServerControl | None = None) -> uvicorn.Server:
     """A uvicorn server for ``app``: uvloop and httptools when installed, long keep-alive, no
     access log (one line per denoising step would cost more than the step; it would also be
-    one more place a credential could leak), no ``date`` or ``server`` header."""
+    one more place a credential could leak), no ``date`` or ``server`` header; draining for
+    ``drain_s`` seconds on SIGTERM, telling ``control``."""
     config = uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
                             http=_installed_or("httptools", "h11"), lifespan="on",
                             log_level=log_level, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             server_header=False, date_header=False)
-    return uvicorn.Server(config)
+    return _DrainingServer(config, control or ServerControl(), drain_s)
 
 
-def run_server(make_app: Callable[[Callable[[str], None]], ASGIApp], host: str, port: int,
-               log_level: str) -> None:
-    """Serve ``make_app(stop)`` until interrupted; ``stop(reason)``, called when the app's
-    background start-up fails, ends the server and exits with status 1 after writing
-    ``reason`` where Kubernetes shows it (:mod:`ddm.serving.termination`)."""
-    failures: list[str] = []
+@dataclass
+class ServerControl:
+    """What a running server and its app tell each other: the app calls ``stop(reason)`` when
+    its background start-up fails; the server sets ``draining`` on SIGTERM (``/readyz``
+    answers 503 from then on)."""
+
+    draining: bool = False
+    failures: list[str] = field(default_factory=list)
     server: uvicorn.Server | None = None
 
-    def stop(reason: str) -> None:
-        failures.append(reason)
-        if server is not None:
-            server.should_exit = True
+    def stop(self, reason: str) -> None:
+        self.failures.append(reason)
+        if self.server is not None:
+            self.server.should_exit = True
 
-    server = build_server(make_app(stop), host, port, log_level)
-    server.run()
-    if failures:
-        raise fail_start(failures[0])
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, control: ServerControl, drain_s: float) -> None:
+        if drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0, got {drain_s}")
+        super().__init__(config)
+        control.server = self
+        self._control = control
+        self._drain_s = drain_s
+        self._drain_until: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self._drain_s > 0 and self._drain_until is None:
+            self._control.draining = True
+            self._drain_until = time.monotonic() + self._drain_s
+            logger.info("SIGTERM: draining for %g s (not ready, still serving), then stopping",
+                        self._drain_s)
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if (self._drain_until is not None and not self.should_exit
+                and time.monotonic() >= self._drain_until):
+            super().handle_exit(signal.SIGTERM, None)  # uvicorn's own stop on that SIGTERM
+        return await super().on_tick(counter)
+
+
+def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: int,
+               log_level: str, drain_s: float = 0.0) -> None:
+    """Serve ``make_app(control)`` until interrupted, draining for ``drain_s`` seconds on
+    SIGTERM; when the app's background start-up fails (``control.stop(reason)``), end the
+    server and exit with status 1 after writing ``reason`` where Kubernetes shows it
+    (:mod:`ddm.serving.termination`)."""
+    control = ServerControl()
+    build_server(make_app(control), host, port, log_level, drain_s, control).run()
+    if control.failures:
+        raise fail_start(control.failures[0])
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

@@ -54,8 +54,8 @@ from ddm.convention import to_uint8
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
 from ddm.serving.expert_pool import ExpertError
-from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, probe_responses,
-                              run_server)
+from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
+                              probe_responses, run_server)
 from ddm.serving.remote_sampling import (RemoteMixture, SamplingRequest, StepEvent, Tally,
                                          check_request, denoise, generate_remote)
 from ddm.serving.router_config import Auth, RouterConfigFile, RouterLimits
@@ -82,12 +82,14 @@ _ERRORS = {400: "the JSON body is not UTF-8", 401: "no valid bearer token (auth 
 
 
 def create_router_app(config: RouterConfigFile, deadline_s: float | None = None, *,
-                      on_failure: Callable[[str], None] | None = None) -> FastAPI:
+                      on_failure: Callable[[str], None] | None = None,
+                      draining: Callable[[], bool] | None = None) -> FastAPI:
     """An ASGI app routing generations over the experts ``config`` lists, within
     ``config.limits``, behind a bearer token when ``config.auth`` is set. ``deadline_s`` bounds
     one expert call, retries and waiting for a replica included (default: every attempt may
     use its whole timeout). ``on_failure(reason)`` is called if the router network cannot
-    load (besides ``/healthz`` answering 500)."""
+    load (besides ``/healthz`` answering 500). While ``draining()`` is true (the server got
+    SIGTERM), ``/readyz`` answers 503."""
     router = RouterState(config, deadline_s, on_failure)
     generate_body, stream_query = request_models(config)
 
@@ -170,6 +172,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     @app.get("/readyz", responses=probe_responses(503, "loading, or an expert without a ready "
                                                        "replica"))
     async def readyz() -> JSONResponse:
+        if draining is not None and draining():
+            return JSONResponse({"status": "draining"}, 503)
         missing, problems = router.problems()
         if problems:
             return JSONResponse({"status": "not ready", "missing_experts": missing,
@@ -190,8 +194,10 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
                  log_level: str = "info", *, max_batch: int | None = None,
                  max_steps: int | None = None, max_concurrent: int | None = None,
                  max_body_bytes: int | None = None, deadline_s: float | None = None,
-                 auth_token_file: str | os.PathLike[str] | None = None) -> None:
-    """Serve the router until interrupted (SIGINT/SIGTERM); what ``ddm serve router`` runs.
+                 auth_token_file: str | os.PathLike[str] | None = None,
+                 drain_s: float = 0.0) -> None:
+    """Serve the router until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
+    draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve router`` runs.
 
     Limits and the token file given here override ``router.yaml``'s. Exits with status 1,
     the reason in the termination-message file, when the config, the token file or the
@@ -201,17 +207,18 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
         ("max_batch", max_batch), ("max_steps", max_steps), ("max_concurrent", max_concurrent),
         ("max_body_bytes", max_body_bytes)) if value is not None}
 
-    def make_app(stop: Callable[[str], None]) -> ASGIApp:
+    def make_app(control: ServerControl) -> ASGIApp:
         try:
             config = load_router_config(config_path)
             config = dataclasses.replace(
                 config, limits=RouterLimits(**{**dataclasses.asdict(config.limits), **overrides}),
                 auth=Auth(str(auth_token_file)) if auth_token_file else config.auth)
-            return create_router_app(config, deadline_s, on_failure=stop)
+            return create_router_app(config, deadline_s, on_failure=control.stop,
+                                     draining=lambda: control.draining)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"router: {error}") from error
 
-    run_server(make_app, host, port, log_level)
+    run_server(make_app, host, port, log_level, drain_s)
 
 
 def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
