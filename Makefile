@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean chart-sync
+.PHONY: demo test lint install clean chart-sync
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,10 +19,13 @@ demo: $(STAMP)
 	$(BIN)/ddm up
 
 # The end-to-end tests' node agent needs ip (iproute2), unshare, setpriv and mount (util-linux).
-test: $(STAMP)
+test: lint
 	@command -v ip >/dev/null && command -v setpriv >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq iproute2 util-linux)
 	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests scripts
 
 clean:
 	rm -rf $(VENV) out

@@ -37,7 +37,8 @@ def violations(spec: dict[str, Any]) -> list[str]:
     for volume in spec.get("volumes") or []:
         kinds = set(volume) - {"name"}
         if not kinds <= ALLOWED_VOLUMES:
-            found.append(f"volume {volume.get('name')!r} has type {sorted(kinds - ALLOWED_VOLUMES)}")
+            found.append(f"volume {volume.get('name')!r} has type "
+                         f"{sorted(kinds - ALLOWED_VOLUMES)}")
     for sysctl in pod_context.get("sysctls") or []:
         if sysctl.get("name") not in SAFE_SYSCTLS:
             found.append(f"sysctl {sysctl.get('name')!r} is not in the safe set")

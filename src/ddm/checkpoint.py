@@ -51,7 +51,8 @@ class CheckpointMeta:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise CheckpointError(f"unknown checkpoint kind {self.kind!r}; known: {', '.join(KINDS)}")
+            raise CheckpointError(f"unknown checkpoint kind {self.kind!r}; "
+                                  f"known: {', '.join(KINDS)}")
         if self.framework not in FRAMEWORKS:
             raise CheckpointError(
                 f"unknown framework {self.framework!r}; known: {', '.join(FRAMEWORKS)}")
@@ -118,18 +119,21 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
     try:
         config = json.loads(config_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+        raise CheckpointError(
+            f"checkpoint {path}: {CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"checkpoint {path}: {CONFIG_FILE} must hold a JSON object")
     version = config.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(
-            f"checkpoint {path}: format_version {version!r} is not supported (expected {FORMAT_VERSION})")
+            f"checkpoint {path}: format_version {version!r} is not supported "
+            f"(expected {FORMAT_VERSION})")
     if config.get("convention") != CONVENTION_NAME:
         raise CheckpointError(
             f"checkpoint {path}: convention {config.get('convention')!r} differs from "
             f"{CONVENTION_NAME!r}; its velocities would be misread")
-    missing = [k for k in ("kind", "name", "architecture", "framework", "classes") if k not in config]
+    missing = [k for k in ("kind", "name", "architecture", "framework", "classes")
+               if k not in config]
     if missing:
         raise CheckpointError(f"checkpoint {path}: {CONFIG_FILE} lacks {', '.join(missing)}")
     try:
@@ -178,7 +182,8 @@ def check_weight_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[in
             problems.append(f"{name} has shape {tuple(actual[name].shape)}, "
                             f"the architecture needs {tuple(expected[name])}")
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
+        shown = "; ".join(problems[:5]) + more
         raise CheckpointError(
             f"checkpoint {path}: weights do not match the architecture in {CONFIG_FILE}: {shown}")
 

@@ -195,7 +195,8 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("eval", help="score a samples .npz: class accuracy and Frechet distance")
+    p = commands.add_parser("eval",
+                            help="score a samples .npz: class accuracy and Frechet distance")
     p.add_argument("samples", type=Path)
     p.add_argument("--classifier", type=Path, default=None,
                    help="classifier checkpoint (default: the shipped one)")

@@ -1,4 +1,4 @@
-"""A stand-in kubelet for the dev cluster's fake nodes (TEST SCAFFOLDING, never part of the product).
+"""A stand-in kubelet for the dev cluster's fake nodes (TEST SCAFFOLDING, not the product).
 
 The dev cluster has no kubelet: the real scheduler binds pods to the fake nodes
 (``ddm.devcluster.nodes``) and they stay Pending. ``NodeAgent`` plays the kubelet for them in
@@ -342,7 +342,8 @@ def setup_script(root_dir: Path, repository: Path, mounts: Sequence[tuple[Path, 
             lines += [f"mkdir -p {inside}", f"mount --bind {q(host_path)} {inside}",
                       f"mount -o remount,bind,ro {inside}"]
     if read_only_root:
-        lines += [f"mount -o remount,bind,ro {r}/root{part}" for part in ("", "/opt", IMAGE_WORKDIR)]
+        lines += [f"mount -o remount,bind,ro {r}/root{part}"
+                  for part in ("", "/opt", IMAGE_WORKDIR)]
     lines += [
         f"hostname {q(hostname)}",
         'PATH="$container_path"',
@@ -1037,8 +1038,9 @@ class NodeAgent:
         server = urlsplit(self.cluster.server)
         for block in range(256):
             network = f"{POD_NETWORK}.{block}.0/24"
-            added = subprocess.run([self.tools["ip"], "route", "add", "local", network, "dev", "lo"],
-                                   capture_output=True, text=True, check=False)
+            added = subprocess.run(
+                [self.tools["ip"], "route", "add", "local", network, "dev", "lo"],
+                capture_output=True, text=True, check=False)
             if "File exists" in added.stderr:
                 continue  # another agent's block
             if added.returncode != 0:

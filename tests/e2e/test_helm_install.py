@@ -146,7 +146,8 @@ def test_the_operator_may_do_exactly_what_it_needs(tools: Tools) -> None:
                            ("list", "pods"), ("create", "secrets"), ("create", "events")]:
         assert tools.can_i(verb, resource, USERS), f"operator cannot {verb} {resource}"
     for verb, resource in [("get", "secrets"), ("list", "secrets"), ("watch", "secrets"),
-                           ("delete", "pods"), ("create", "pods"), ("delete", "ddmdeployments.ddm.dev"),
+                           ("delete", "pods"), ("create", "pods"),
+                           ("delete", "ddmdeployments.ddm.dev"),
                            ("create", "roles.rbac.authorization.k8s.io"), ("get", "nodes")]:
         assert not tools.can_i(verb, resource, USERS), f"operator may {verb} {resource}"
 
@@ -272,7 +273,8 @@ def release_objects(kube_client: Any) -> list[str]:
             ("Deployment", apps.list_deployment_for_all_namespaces),
             ("Pod", core.list_pod_for_all_namespaces)]:
         for item in lister(label_selector=f"app.kubernetes.io/instance={RELEASE}").items:
-            if kind != "Pod" or item.metadata.labels.get("app.kubernetes.io/name") == "ddm-operator":
+            name = item.metadata.labels.get("app.kubernetes.io/name")
+            if kind != "Pod" or name == "ddm-operator":
                 found.append(f"{kind}/{item.metadata.namespace or ''}/{item.metadata.name}")
     return sorted(found)
 

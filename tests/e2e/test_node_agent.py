@@ -357,7 +357,8 @@ def test_in_cluster_credentials_work_and_rbac_applies(
         ns = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()
         config.load_incluster_config()
         core = client.CoreV1Api()
-        report = {"configmaps": [c.metadata.name for c in core.list_namespaced_config_map(ns).items]}
+        report = {"configmaps": [c.metadata.name
+                                 for c in core.list_namespaced_config_map(ns).items]}
         try:
             core.list_namespaced_secret(ns)
             report["secrets"] = "listed"

@@ -47,6 +47,17 @@ async def turns(n: int = 3) -> None:
         await asyncio.sleep(0)
 
 
+async def busy() -> tuple[Expert, Coalescer, asyncio.Future[np.ndarray]]:
+    """An expert holding its answers, a coalescer allowing 1 request in flight, and the first
+    call (``[1]``), sent and not answered."""
+    expert = Expert()
+    expert.gate.clear()
+    c = coalescer(expert, limit=1)
+    first = asyncio.ensure_future(c.submit(0, rows(1)))
+    await turns()
+    return expert, c, first
+
+
 def test_calls_of_one_turn_go_as_one_request_and_each_gets_its_rows():
     async def scenario():
         expert = Expert()
@@ -77,11 +88,7 @@ def test_a_lone_call_goes_out_at_once():
 
 def test_calls_wait_while_the_limit_is_reached_and_then_go_together():
     async def scenario():
-        expert = Expert()
-        expert.gate.clear()
-        c = coalescer(expert, limit=1)
-        first = asyncio.ensure_future(c.submit(0, rows(1)))
-        await turns()
+        expert, c, first = await busy()
         later = [asyncio.ensure_future(c.submit(0, rows(i))) for i in (2, 3, 4)]
         await turns()
         while_busy = list(expert.requests)
@@ -154,11 +161,7 @@ def test_a_failed_request_fails_every_call_in_it_and_the_next_ones_still_go():
 
 def test_a_caller_that_goes_away_while_waiting_is_not_sent():
     async def scenario():
-        expert = Expert()
-        expert.gate.clear()
-        c = coalescer(expert, limit=1)
-        first = asyncio.ensure_future(c.submit(0, rows(1)))
-        await turns()
+        expert, c, first = await busy()
         gone = asyncio.ensure_future(c.submit(0, rows(2)))
         kept = asyncio.ensure_future(c.submit(0, rows(3)))
         await turns()

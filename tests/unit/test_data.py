@@ -85,7 +85,8 @@ def test_load_dataset_digits_splits_match_split_holdout(digits: Dataset) -> None
     ("mnist:", "train", "unknown data source 'mnist:'"),
     ("digits", "test", "unknown split 'test'"),
 ])
-def test_load_dataset_rejects_unknown_sources_and_splits(source: str, split: str, problem: str) -> None:
+def test_load_dataset_rejects_unknown_sources_and_splits(source: str, split: str,
+                                                         problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
         load_dataset(source, 16, split)
 
@@ -156,7 +157,8 @@ def _corrupt(root: Path, kind: str, content: bytes) -> str:
 
 @pytest.mark.parametrize("kind, content, problem", [
     ("images", _idx(0x801, (5,), bytes(5)), "bad magic number 0x00000801, expected 0x00000803"),
-    ("labels", _idx(0x803, (5, 1, 1), bytes(5)), "bad magic number 0x00000803, expected 0x00000801"),
+    ("labels", _idx(0x803, (5, 1, 1), bytes(5)),
+     "bad magic number 0x00000803, expected 0x00000801"),
     ("images", b"\x00\x00", "too short for an IDX header"),
     ("images", _idx(0x803, (5, 28), b""), "truncated header"),
     ("images", _idx(0x803, (5, 28, 28), bytes(28 * 28 * 5 - 1)), "truncated data"),

@@ -183,7 +183,8 @@ def test_load_samples_npz_reads_valid_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arrays, problem", [
-    (_arrays(images=np.zeros((4, 16, 16), np.float32)), "images must be uint8 .N, H, W., got float32"),
+    (_arrays(images=np.zeros((4, 16, 16), np.float32)),
+     "images must be uint8 .N, H, W., got float32"),
     (_arrays(images=np.zeros((4, 1, 16, 16), np.uint8)), "images must be uint8 .N, H, W."),
     (_arrays(labels=np.arange(3)), r"labels must be integers of shape \(4,\)"),
     (_arrays(labels=np.zeros(4)), "labels must be integers .* got float64"),

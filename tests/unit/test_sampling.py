@@ -48,7 +48,10 @@ def test_heun_is_exact_for_velocity_linear_in_time():
     # dx/dt = 2t  ->  x(1) = x(0) + 1; Heun's trapezoid rule is exact for linear integrands,
     # Euler under-shoots by 1/steps.
     x0 = np.zeros((1, *SHAPE), np.float32)
-    v = lambda x, t, y: np.broadcast_to(2 * t[:, None, None, None], x.shape).astype(np.float32)
+
+    def v(x, t, y):
+        return np.broadcast_to(2 * t[:, None, None, None], x.shape).astype(np.float32)
+
     y = np.zeros(1, np.int64)
     np.testing.assert_allclose(integrate(v, x0, y, 4, "heun"), 1.0, atol=1e-6)
     np.testing.assert_allclose(integrate(v, x0, y, 4, "euler"), 0.75, atol=1e-6)
@@ -106,7 +109,10 @@ def test_mixture_routes_each_sample_and_weights_velocities():
     calls_a, calls_b = [], []
     experts = [_constant_expert("a", 1.0, (0,), calls_a), _constant_expert("b", 3.0, (1,), calls_b)]
     # Router: sample 0 -> expert a, sample 1 -> 70/30 split.
-    router = lambda x, t, y: np.array([[0.9, 0.1], [0.3, 0.7]], np.float32)[: len(x)]
+
+    def router(x, t, y):
+        return np.array([[0.9, 0.1], [0.3, 0.7]], np.float32)[: len(x)]
+
     x = np.zeros((2, *SHAPE), np.float32)
     t = np.zeros(2, np.float32)
     y = np.array([0, 1])

@@ -37,10 +37,12 @@ class Dataset:
             raise ValueError(f"dataset {self.name}: images must be (N, 1, H, W), "
                              f"got {self.images.shape}")
         if self.images.dtype != np.float32:
-            raise ValueError(f"dataset {self.name}: images must be float32, got {self.images.dtype}")
+            raise ValueError(f"dataset {self.name}: images must be float32, "
+                             f"got {self.images.dtype}")
         if self.labels.dtype != np.int64 or self.labels.shape != self.images.shape[:1]:
             raise ValueError(f"dataset {self.name}: labels must be int64 of shape "
-                             f"{self.images.shape[:1]}, got {self.labels.dtype} {self.labels.shape}")
+                             f"{self.images.shape[:1]}, "
+                             f"got {self.labels.dtype} {self.labels.shape}")
         if self.images.size and (self.images.min() < 0.0 or self.images.max() > 1.0):
             raise ValueError(f"dataset {self.name}: pixels must lie in [0, 1]")
 

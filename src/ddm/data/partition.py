@@ -85,7 +85,8 @@ class KMeansPartition:
         try:
             centroids = np.array(self.centroids, dtype=np.float32)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"k-means centroids must be a (K, D) array of numbers ({exc})") from None
+            raise ConfigError(
+                f"k-means centroids must be a (K, D) array of numbers ({exc})") from None
         if centroids.ndim != 2 or 0 in centroids.shape or not np.all(np.isfinite(centroids)):
             raise ConfigError(f"k-means centroids must be a finite, non-empty (K, D) array, "
                               f"got shape {centroids.shape}")
@@ -103,7 +104,8 @@ class KMeansPartition:
 
 
 def fit_kmeans(images: np.ndarray, k: int, seed: int) -> KMeansPartition:
-    """k-means (k-means++ seeding, Lloyd iterations) on flattened pixels; deterministic in ``seed``."""
+    """k-means (k-means++ seeding, Lloyd iterations) on flattened pixels; deterministic in
+    ``seed``."""
     x = _features(images, None)
     if not isinstance(k, (int, np.integer)) or not 1 <= k <= len(x):
         raise ValueError(f"k must be an integer between 1 and the {len(x)} images, got {k!r}")
@@ -120,7 +122,8 @@ def partition_from_dict(d: Mapping[str, Any]) -> LabelPartition | KMeansPartitio
     fields = {"labels": {"method", "groups"}, "kmeans": {"method", "features", "centroids"}}
     method = d.get("method")
     if method not in fields:
-        raise ConfigError(f"unknown partition method {method!r}; known: {', '.join(sorted(fields))}")
+        raise ConfigError(f"unknown partition method {method!r}; "
+                          f"known: {', '.join(sorted(fields))}")
     unknown, missing = sorted(set(d) - fields[method]), sorted(fields[method] - set(d))
     if unknown or missing:
         raise ConfigError(f"{method} partition: unknown keys {unknown}, missing keys {missing}")

@@ -44,10 +44,12 @@ class ClassifierConfig:
         for name in ("image_size", "feature_dim", "num_classes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"ClassifierConfig.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(
+                    f"ClassifierConfig.{name} must be a positive integer, got {value!r}")
         channels = tuple(self.channels)
         if len(channels) != 2 or any(not isinstance(c, int) or c < 1 for c in channels):
-            raise ConfigError(f"ClassifierConfig.channels must be two positive integers, got {channels!r}")
+            raise ConfigError(
+                f"ClassifierConfig.channels must be two positive integers, got {channels!r}")
         object.__setattr__(self, "channels", channels)
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,7 +134,8 @@ class Classifier:
         self.config = net.config
 
     @classmethod
-    def from_weights(cls, config: ClassifierConfig, weights: Mapping[str, np.ndarray]) -> "Classifier":
+    def from_weights(cls, config: ClassifierConfig,
+                     weights: Mapping[str, np.ndarray]) -> "Classifier":
         net = ClassifierNet(config)
         net.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in weights.items()})
         return cls(net)
@@ -203,5 +206,6 @@ def _as_input(images_uint8: np.ndarray, image_size: int) -> np.ndarray:
         images = images[:, None]
     if images.ndim != 4 or images.shape[1:] != (1, image_size, image_size):
         raise ValueError(f"classifier expects images (N, {image_size}, {image_size}) or "
-                         f"(N, 1, {image_size}, {image_size}), got {np.asarray(images_uint8).shape}")
+                         f"(N, 1, {image_size}, {image_size}), "
+                         f"got {np.asarray(images_uint8).shape}")
     return images.astype(np.float32) / 255.0

@@ -11,11 +11,12 @@ The work is in ``reconcile``; these are the triggers:
   follows the Deployments' readiness and the pods' failures (a crash loop, an image that
   cannot be pulled, a pod no node takes) as they change.
 
-There is no resync timer: kopf lists everything again on start-up and after a watch fails,
-and a timer would make kopf put a finalizer on every DDMDeployment, so that deleting one
-would hang whenever no operator runs. No deletion handler either: children carry
-ownerReferences, so the garbage collector removes them, and kopf adds no finalizer. Run through ``ddm.operator.runner.run_operator``, which puts the
-API client (``memo.api_client``) and the reconciler (``memo.reconciler``) in kopf's memo.
+There is no resync timer: kopf lists everything again on start-up and after a watch fails, and a
+timer would make kopf put a finalizer on every DDMDeployment, so that deleting one would hang
+whenever no operator runs. No deletion handler either: children carry ownerReferences, so the
+garbage collector removes them, and kopf adds no finalizer. Run through
+``ddm.operator.runner.run_operator``, which puts the API client (``memo.api_client``) and the
+reconciler (``memo.reconciler``) in kopf's memo.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ Per child: absent -> apply (create); there but not controlled by this resource -
 never overwritten; spec hash differs -> apply (update); hash equal -> a dry-run apply shows
 whether someone edited it, and only then apply (restore). (Applying unconditionally would be
 simpler, but on Kubernetes 1.20 even a no-op apply bumps the resourceVersion, so every apply
-would trigger another run.) The dry run is skipped for a child whose resourceVersion is the
-one this operator last wrote or checked: nothing changed it since, so a run triggered by a pod
-event costs a handful of reads instead of a dry run per child. Children no longer wanted (a removed expert, NetworkPolicies once
-the setting is off) are deleted. An invalid spec leaves every child as it is.
+would trigger another run.) The dry run is skipped for a child whose resourceVersion is the one
+this operator last wrote or checked: nothing changed it since, so a run triggered by a pod event
+costs a handful of reads instead of a dry run per child. Children no longer wanted (a removed
+expert, NetworkPolicies once the setting is off) are deleted. An invalid spec leaves every child
+as it is.
 
 Before writing anything, every child to create or update is applied as a dry run: a value the
 API server refuses (one the spec's checks do not model, such as a malformed ``affinity``)

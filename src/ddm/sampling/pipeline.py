@@ -183,7 +183,8 @@ def _assemble(unets: list[Checkpoint], router: Checkpoint | None, backend: str,
         k = router.meta.architecture.get("num_experts")
         if k != len(unets):
             raise CheckpointError(
-                f"router {router.path} was trained for {k} experts, but {source} holds {len(unets)}")
+                f"router {router.path} was trained for {k} experts, "
+                f"but {source} holds {len(unets)}")
     experts = tuple(MixtureExpert(name=c.meta.name, classes=c.meta.classes,
                                   velocity=expert_velocity(c, backend, device)) for c in unets)
     return LoadedDDM(experts=experts,

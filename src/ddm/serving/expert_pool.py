@@ -193,8 +193,8 @@ class PoolMetrics:
             buckets=(2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0))
         self.request_rows = Histogram(
             "ddm_router_expert_request_rows", "Rows per expert request (one per request, not per "
-            "attempt), after merging the calls of concurrent generations.", ["expert"], registry=registry,
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+            "attempt), after merging the calls of concurrent generations.", ["expert"],
+            registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.retries = Counter("ddm_router_expert_retries",
                                "Attempts after a failed attempt, by expert.", ["expert"],
                                registry=registry)

@@ -11,9 +11,9 @@ The router network is small and runs here; experts are reached through one
 lifespan starts the pool and loads the router network in the background, so that probes are
 answered at once: ``/readyz`` is 200 once the network is loaded and the experts agree with the
 config, ``"degraded"`` (still 200, naming them) while some experts have no ready replica, and
-503 naming what is wrong otherwise (no expert ready at all included). Run as a process (:func:`serve_router`), a
-router whose config, token file or network cannot load exits with status 1 and leaves the
-reason in the termination-message file (:mod:`ddm.serving.termination`).
+503 naming what is wrong otherwise (no expert ready at all included). Run as a process
+(:func:`serve_router`), a router whose config, token file or network cannot load exits with
+status 1 and leaves the reason in the termination-message file (:mod:`ddm.serving.termination`).
 
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
 ``limits.max_body_bytes`` gets 413; a request the DDM cannot serve (too many labels or steps,

@@ -1,8 +1,8 @@
 """What the router's routes share: its config and limits, the expert pool, the router network.
 
 The network loads in the background (``RouterState.load``) so that probes are answered at once;
-``problems`` says what keeps the router from being ready (some experts down is only degraded); ``slot`` counts generations in and
-out against ``limits.max_concurrent``.
+``problems`` says what keeps the router from being ready (some experts down is only degraded);
+``slot`` counts generations in and out against ``limits.max_concurrent``.
 """
 
 from __future__ import annotations
