@@ -23,7 +23,8 @@ from ddm.checkpoint import load_checkpoint
 from ddm.sampling.pipeline import expert_velocity
 from ddm.serving.expert_pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
                                      PoolSettings, client_session)
-from ddm.serving.replicas import ReplicaSet, ReplicaState, dns_endpoints, static_endpoints
+from ddm.serving.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
+                                  static_endpoints)
 from ddm.serving.expert_server import create_expert_app
 from ddm.serving.http import build_server
 
@@ -104,6 +105,21 @@ def test_waiting_for_a_usable_replica_times_out_or_wakes_on_recovery():
 
 
 # ----------------------------------------------------------------------------- discovery
+
+
+def test_the_experts_batch_limit_is_the_smallest_of_its_live_replicas():
+    replicas = ReplicaSet(0.1, 1.0, 5.0)
+    replicas.update(["a:1", "b:1", "c:1"])
+    assert replicas.info() is None  # nothing probed yet
+    a, b, c = replicas.replicas
+    for replica, max_batch in ((a, 64), (b, 16)):
+        replica.info = ExpertInfo((1, 16, 16), (0, 1), max_batch)
+        replicas.mark_ready(replica, now=0.0)
+    assert replicas.info() == ExpertInfo((1, 16, 16), (0, 1), 16)
+    replicas.mark_down(b, "refused", now=0.0)
+    assert replicas.info().max_batch == 64  # b gets no request while down
+    replicas.mark_down(a, "refused", now=0.0)
+    assert replicas.info().max_batch == 16  # all down: what they said last
 
 
 def test_static_and_dns_sources():
@@ -284,6 +300,26 @@ def test_a_replica_that_comes_back_is_used_again(smoke_expert_checkpoint):
     assert asyncio.run(scenario()) == 1
 
 
+def test_a_replica_restarted_with_another_batch_limit_is_followed(smoke_expert_checkpoint):
+    """A rolling update may change --max-batch: merged requests must fit the new limit."""
+    port = _free_port()
+
+    async def scenario() -> tuple[int, int, list[int]]:
+        async with ExpertPool({"e": static_endpoints([f"127.0.0.1:{port}"])}, FAST) as pool:
+            with _expert(smoke_expert_checkpoint, port, max_batch=8):
+                await _until(lambda: pool.info("e") is not None)
+                before = pool.info("e").max_batch
+            await _until(lambda: pool.ready_count("e") == 0)  # the prober saw it go
+            with _expert(smoke_expert_checkpoint, port, max_batch=2):
+                await _until(lambda: pool.ready_count("e") == 1)
+                outs = await asyncio.gather(*(pool.velocity("e", *_inputs(1, seed=i))
+                                              for i in range(6)))
+                return before, pool.info("e").max_batch, [len(v) for v in outs]
+
+    before, after, rows = asyncio.run(scenario())
+    assert (before, after, rows) == (8, 2, [1] * 6)
+
+
 def test_client_connections_disable_nagle():
     """Read on a connection still in use: a server that sends half its body and waits."""
 
@@ -315,13 +351,13 @@ def test_client_connections_disable_nagle():
 
 
 @contextmanager
-def _expert(checkpoint: Path, port: int = 0) -> Iterator[str]:
+def _expert(checkpoint: Path, port: int = 0, max_batch: int = 8) -> Iterator[str]:
     """An expert server on loopback (``port`` 0: any free one); yields ``host:port``."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
-    server = build_server(create_expert_app(checkpoint, max_batch=8), "127.0.0.1",
+    server = build_server(create_expert_app(checkpoint, max_batch=max_batch), "127.0.0.1",
                           sock.getsockname()[1], log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -33,7 +33,8 @@ from ddm.serving.coalescing import Coalescer
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
                                   encode_request)
-from ddm.serving.replicas import EndpointSource, Replica, ReplicaSet, source_for
+from ddm.serving.replicas import (EndpointSource, ExpertInfo, Replica, ReplicaSet,
+                                  ReplicaState, source_for)
 from ddm.serving.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
@@ -162,22 +163,6 @@ def client_session(settings: PoolSettings) -> aiohttp.ClientSession:
                                  skip_auto_headers=_SKIPPED_HEADERS)
 
 
-@dataclass(frozen=True)
-class ExpertInfo:
-    """What an expert says of itself in ``/v1/info``."""
-
-    image_shape: tuple[int, int, int]
-    classes: tuple[int, ...]
-    max_batch: int
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> ExpertInfo:
-        shape = tuple(int(d) for d in raw["image_shape"])
-        if len(shape) != 3:
-            raise ValueError(f"image_shape must be (C, H, W), got {shape}")
-        return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]))
-
-
 class PoolMetrics:
     """Expert calls (one per attempt) by expert, kind and outcome; retries, failovers, and
     calls given up as unavailable."""
@@ -220,7 +205,6 @@ class ExpertPool:
         self.metrics = metrics or PoolMetrics(CollectorRegistry())
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
                                        settings.health_interval_s) for name in sources}
-        self._info: dict[str, ExpertInfo] = {}
         self._ids = itertools.count(1)
         self._coalescers: dict[str, Coalescer] = {}
         self._session: aiohttp.ClientSession | None = None
@@ -274,8 +258,9 @@ class ExpertPool:
         return self._replica_set(expert).ready_count()
 
     def info(self, expert: str) -> ExpertInfo | None:
-        """``/v1/info`` of the expert's first replica to become ready; None until then."""
-        return self._info.get(expert)
+        """What the expert's replicas say of it in ``/v1/info`` (:meth:`ReplicaSet.info`);
+        None until one has been probed ready."""
+        return self._replica_set(expert).info()
 
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
                        y: np.ndarray) -> np.ndarray:
@@ -296,7 +281,7 @@ class ExpertPool:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
         to the expert's coalescer, which merges them with other generations' calls."""
         coalescer = self._coalescer(expert)
-        info = self._info.get(expert)
+        info = self.info(expert)
         rows = inputs[0].shape[0]
         size = info.max_batch if info is not None else rows
         parts = [tuple(a[i:i + size] for a in inputs) for i in range(0, rows, size)]
@@ -315,7 +300,7 @@ class ExpertPool:
                 return await self._call(expert, _request(key, next(self._ids), inputs))
 
             def max_rows() -> int:
-                info = self._info.get(expert)
+                info = replicas.info()
                 return info.max_batch if info is not None and per_replica else 1
 
             coalescer = self._coalescers[expert] = Coalescer(
@@ -425,8 +410,8 @@ class ExpertPool:
             await asyncio.sleep(PROBE_TICK_S)
 
     async def _probe(self, name: str, replica: Replica) -> None:
-        """``GET /readyz``, and ``/v1/info`` the first time one of the expert's replicas is
-        ready (the router learns image shape and batch limit from it)."""
+        """``GET /readyz``, and ``/v1/info`` whenever the replica becomes ready (the router
+        learns image shape and batch limit from it; a restarted replica may have new ones)."""
         assert self._session is not None
         timeout = aiohttp.ClientTimeout(total=self._settings.connect_s)
         replicas = self._sets[name]
@@ -435,9 +420,9 @@ class ExpertPool:
                 await response.read()
                 if response.status != 200:
                     raise ValueError(f"/readyz answered {response.status}")
-            if name not in self._info:
+            if replica.state is not ReplicaState.READY or replica.info is None:
                 async with self._session.get(f"{replica.url}/v1/info", timeout=timeout) as info:
-                    self._info[name] = ExpertInfo.from_json(await info.json())
+                    replica.info = ExpertInfo.from_json(await info.json())
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
             replicas.probe_failed(replica, f"probe failed: {_describe(error)}", time.monotonic())
         else:

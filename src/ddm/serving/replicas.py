@@ -13,7 +13,7 @@ import asyncio
 import enum
 import socket
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ddm.serving.router_config import Discovery, DnsDiscovery
 
@@ -49,6 +49,22 @@ def source_for(discovery: Discovery) -> EndpointSource:
     return static_endpoints(discovery.endpoints)
 
 
+@dataclass(frozen=True)
+class ExpertInfo:
+    """What an expert replica says of itself in ``/v1/info``."""
+
+    image_shape: tuple[int, int, int]
+    classes: tuple[int, ...]
+    max_batch: int
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ExpertInfo:
+        shape = tuple(int(d) for d in raw["image_shape"])
+        if len(shape) != 3:
+            raise ValueError(f"image_shape must be (C, H, W), got {shape}")
+        return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]))
+
+
 class ReplicaState(enum.Enum):
     UNKNOWN = "unknown"  # listed, not yet probed: tried (after ready ones) rather than idle
     READY = "ready"
@@ -64,6 +80,7 @@ class Replica:
     next_probe: float = 0.0
     probing: bool = False
     last_error: str | None = None
+    info: ExpertInfo | None = None  # from /v1/info, fetched each time it becomes ready
 
     @property
     def url(self) -> str:
@@ -129,6 +146,20 @@ class ReplicaSet:
 
     def due_for_probe(self, now: float) -> list[Replica]:
         return [r for r in self._replicas if not r.probing and r.next_probe <= now]
+
+    def info(self) -> ExpertInfo | None:
+        """The expert as its replicas describe it: image shape and classes of the first
+        replica probed ready, and the smallest ``max_batch`` of the replicas not down, since a
+        request may go to any of them (during a rolling update old and new ones differ).
+        With every replica down, what they said last; None before any was probed ready."""
+        known = [r for r in self._replicas if r.info is not None]
+        if not known:
+            return None
+        live = [r for r in known if r.state is not ReplicaState.DOWN] or known
+        first = next((r for r in live if r.state is ReplicaState.READY), live[0]).info
+        assert first is not None
+        return ExpertInfo(first.image_shape, first.classes,
+                          min(r.info.max_batch for r in live if r.info is not None))
 
     def ready_count(self) -> int:
         return sum(r.state is ReplicaState.READY for r in self._replicas)
