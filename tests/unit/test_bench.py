@@ -11,12 +11,15 @@ import io
 import json
 import os
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from ddm.serving.bench import BenchSettings, run_bench
-from ddm.serving.bench_figures import summary_lines, wire_bytes
+from ddm.serving.bench_figures import cpu_per_step, summary_lines, wire_bytes
+from ddm.serving.bench_fleet import cpu_seconds
 from ddm.serving.reference_protocol import decode_npz, encode_npz
 
 FIGURES_WITH_TARGETS = ("step_overhead", "reference_baseline", "wire", "quality")
@@ -55,6 +58,38 @@ def test_quick_settings_repeat_less():
     assert BenchSettings().delegations == (0, 10, 40)
 
 
+def test_cpu_seconds_count_every_live_thread_of_the_processes():
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    spun, read = threading.Event(), threading.Event()
+
+    def worker() -> None:
+        spin(0.2)
+        spun.set()
+        read.wait()  # alive while counted: an ended thread's time is gone from /proc
+
+    before = cpu_seconds((os.getpid(),))
+    thread = threading.Thread(target=worker)
+    thread.start()
+    spin(0.1)
+    spun.wait()
+    after = cpu_seconds((os.getpid(),))
+    read.set()
+    thread.join()
+    assert 0.3 <= after - before < 2.0
+    assert cpu_seconds((2 ** 22 + 1,)) is None  # no such process
+
+
+def test_cpu_per_step_is_the_difference_per_step_in_milliseconds():
+    assert cpu_per_step({"in_process": 0.8, "router_and_experts": 1.2}, 400) == {
+        "in_process": 2.0, "router_and_experts": 3.0, "overhead": 1.0}
+    assert cpu_per_step({"in_process": 0.8, "router_and_experts": float("nan")}, 400) == {
+        "in_process": 2.0, "router_and_experts": None, "overhead": None}
+
+
 @pytest.mark.slow
 def test_quick_run_reports_every_figure_and_stops_every_server():
     log = io.StringIO()
@@ -69,6 +104,8 @@ def test_quick_run_reports_every_figure_and_stops_every_server():
         assert {"value", "target", "comparison", "met"} <= set(figure)
         assert isinstance(figure["met"], bool)
     assert result["reference_baseline"]["same_images_as_in_process"] is True
+    cpu = result["step_overhead"]["cpu_ms_per_step"]
+    assert cpu["in_process"] > 0 and cpu["router_and_experts"] > 0
     assert [run["round_trips_per_image"] for run in result["delegation"]["runs"]] == [4, 1]
     assert len(summary_lines(result)) == len(figures)
 

@@ -49,8 +49,8 @@ from ddm.sampling.pipeline import LoadedDDM, default_checkpoints, generate, load
 from ddm.serving.bench_figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,
                                        WIRE_RATIO, images_per_s, rate, speedup, summary_lines,
                                        throughput_figures, verdict, wire_bytes)
-from ddm.serving.bench_fleet import (CONCURRENT, HOST, BenchError, Fleet, machine,
-                                     running_fleet, say)
+from ddm.serving.bench_fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
+                                     machine, running_fleet, say)
 from ddm.serving.expert_pool import PoolSettings, client_session
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from ddm.serving.reference_protocol import npz_velocity, reference_ddm
@@ -187,6 +187,7 @@ async def _throughput(settings: BenchSettings, ddm: LoadedDDM, session: aiohttp.
         _sample_here(baseline, [label], steps, settings.seed)
     runs: dict[int, dict[str, list[float]]] = {}
     checks = {"max_pixel_difference": 0, "reference_same_images": True}
+    cpu = {"in_process": 0.0, "router_and_experts": 0.0}
     for batch, repeats in ((1, settings.repeats), (BIG_BATCH, settings.big_repeats)):
         times: dict[str, list[float]] = {"in_process": [], "distributed": [], "router": [],
                                          "reference": []}
@@ -195,9 +196,18 @@ async def _throughput(settings: BenchSettings, ddm: LoadedDDM, session: aiohttp.
             # seed may route another number of rows to an expert.
             labels, seed = (([i % 10], settings.seed + i) if batch == 1
                             else (_big_labels(), settings.seed))
+            started_cpu = time.process_time()
             seconds, images = _sample_here(ddm, labels, steps, seed)
+            if batch == 1:
+                cpu["in_process"] += time.process_time() - started_cpu
             times["in_process"].append(seconds)
+            servers_before = cpu_seconds(fleet.batched_pids)
             seconds, reply = await _generate(session, fleet.batched.url, labels, steps, seed)
+            servers_after = cpu_seconds(fleet.batched_pids)
+            if batch == 1:
+                cpu["router_and_experts"] += (
+                    servers_after - servers_before
+                    if servers_before is not None and servers_after is not None else float("nan"))
             times["distributed"].append(seconds)
             times["router"].append(reply["seconds"])
             served = _decode_pngs(reply["images"]).astype(int)
@@ -208,7 +218,7 @@ async def _throughput(settings: BenchSettings, ddm: LoadedDDM, session: aiohttp.
                 times["reference"].append(seconds)
                 checks["reference_same_images"] &= bool(np.array_equal(theirs, images))
         runs[batch] = times
-    return {"runs": runs, "checks": checks}
+    return {"runs": runs, "checks": checks, "cpu_seconds_batch_1": cpu}
 
 
 async def _call_latency(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: Fleet,

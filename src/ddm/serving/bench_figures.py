@@ -24,6 +24,18 @@ WIRE_RATIO = 1.02
 ACCURACY_GAP_POINTS = 1.0
 
 
+def cpu_per_step(cpu_seconds: dict[str, float], step_count: int) -> dict[str, float | None]:
+    """CPU milliseconds per batch-1 step in-process and in the router and experts together,
+    and their difference: the data plane's cost in CPU, which, unlike wall time, does not
+    count waiting for a core on a busy machine. None where it could not be read."""
+    local, served = (cpu_seconds[k] * 1e3 / step_count
+                     for k in ("in_process", "router_and_experts"))
+    if served != served:  # NaN: no per-thread CPU counters on this platform
+        return {"in_process": round(local, 3), "router_and_experts": None, "overhead": None}
+    return {"in_process": round(local, 3), "router_and_experts": round(served, 3),
+            "overhead": round(served - local, 3)}
+
+
 def throughput_figures(measured: dict[str, Any], steps: int) -> dict[str, Any]:
     """Images/s and the targets' ratios from :func:`_throughput`'s seconds."""
     figures: dict[str, Any] = {}
@@ -43,6 +55,8 @@ def throughput_figures(measured: dict[str, Any], steps: int) -> dict[str, Any]:
                 "in_process_ms_per_step": round(statistics.median(local) / steps * 1e3, 3),
                 "distributed_ms_per_step": round(statistics.median(remote) / steps * 1e3, 3),
                 "overhead_ms_per_step": rounded(per_pair),
+                "cpu_ms_per_step": cpu_per_step(measured["cpu_seconds_batch_1"],
+                                                len(per_pair) * steps),
                 **verdict(round(statistics.median(per_pair), 3), STEP_OVERHEAD_MS,
                            at_least=False)}
 

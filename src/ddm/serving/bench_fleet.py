@@ -37,6 +37,26 @@ class Fleet:
     batched: LocalPlan
     unbatched: LocalPlan
     reference: tuple[str, ...]  # host:port per expert, in the manifest's (router's) order
+    batched_pids: tuple[int, ...] = ()  # the batched deployment's router and experts
+
+
+def cpu_seconds(pids: tuple[int, ...]) -> float | None:
+    """CPU time the processes' threads have run so far, in seconds, from the scheduler's
+    nanosecond counters (``/proc/PID/task/TID/schedstat``); None where Linux does not keep
+    them. Threads that ended are not counted, so read it around work, not across restarts."""
+    total = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            return None
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+                    total += int(stat.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended meanwhile
+    return total / 1e9
 
 
 def machine() -> dict[str, Any]:
@@ -76,7 +96,9 @@ def running_fleet(manifest: DDMManifest, workdir: Path, log: TextIO,
             supervisor.start(spec)
         for spec in routers:
             supervisor.wait_ready(spec, HOST, deadline)
-        yield Fleet(batched, unbatched, endpoints)
+        pids = tuple(supervisor.processes[spec.name].pid
+                     for spec in (*batched.experts, batched.router))
+        yield Fleet(batched, unbatched, endpoints, pids)
     finally:
         say(log, "stopping the servers")
         supervisor.stop()
