@@ -11,9 +11,11 @@ that died while idle. A failed attempt is retried on another replica within the 
 expert calls are pure functions of their inputs, so a retry is always safe. An expert's 4xx is
 the router's own fault and is never retried.
 
-One ``aiohttp.ClientSession`` holds keep-alive connections to every replica. aiohttp sets
-``TCP_NODELAY`` on every connection it opens (``BaseProtocol.connection_made``), so a small
-request is not held back by Nagle's algorithm; ``tests/unit/test_expert_pool.py`` checks it.
+Expert calls go through :class:`~ddm.serving.http_client.HttpClient`, a lean keep-alive
+HTTP/1.1 client (its cost is paid at every step); probes (``/readyz``, ``/v1/info``) through an
+``aiohttp.ClientSession``. Both keep ``TCP_NODELAY`` on (asyncio and uvloop set it on every TCP
+connection), so a small request is not held back by Nagle's algorithm;
+``tests/unit/test_expert_pool.py`` checks it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ddm.serving.coalescing import Coalescer
+from ddm.serving.http_client import HttpClient, HttpClientError
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
                                   encode_request)
@@ -46,7 +49,6 @@ PROBE_TICK_S = 0.1
 KEEP_ALIVE_S = 60.0
 # Statuses that say "this replica, now" rather than "your request": retried elsewhere.
 _RETRIABLE_4XX = (408, 429)
-_HEADERS = {"Content-Type": CONTENT_TYPE}
 _SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 _T = TypeVar("_T")
 
@@ -152,7 +154,8 @@ def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> 
 
 
 def client_session(settings: PoolSettings) -> aiohttp.ClientSession:
-    """One keep-alive session for every replica (create it on the loop that will use it).
+    """One keep-alive aiohttp session for every replica (create it on the loop that will use
+    it): the pool's probes, and the benchmarks' clients.
 
     It sends none of aiohttp's automatic ``User-Agent``, ``Accept`` and ``Accept-Encoding``
     headers: an expert needs none of them, and they were 70 of the 200 header bytes that
@@ -208,6 +211,7 @@ class ExpertPool:
         self._ids = itertools.count(1)
         self._coalescers: dict[str, Coalescer] = {}
         self._session: aiohttp.ClientSession | None = None
+        self._client: HttpClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -223,8 +227,9 @@ class ExpertPool:
         await self.close()
 
     async def start(self) -> None:
-        """Open the session, list every expert's replicas, and start refreshing and probing."""
+        """Open the clients, list every expert's replicas, and start refreshing and probing."""
         self._session = client_session(self._settings)
+        self._client = HttpClient(KEEP_ALIVE_S)
         await self.refresh()
         self._spawn(self._refresh_forever())
         self._spawn(self._probe_forever())
@@ -237,6 +242,8 @@ class ExpertPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        if self._client is not None:
+            self._client.close()
 
     async def refresh(self) -> None:
         """Ask every source for its endpoints now; a source that fails keeps its last list."""
@@ -356,23 +363,19 @@ class ExpertPool:
                        request: VelocityRequest | IntegrateRequest, timeout: float) -> np.ndarray:
         """One exchange with one replica: its answer, :class:`ExpertRejected` for a 4xx, or
         :class:`_ReplicaFailed` for anything another replica might do better."""
-        assert self._session is not None, "start() the pool first"
+        assert self._client is not None, "start() the pool first"
         replica.outstanding += 1
         try:
-            async with self._session.post(
-                    f"{replica.url}/v1/velocity", data=body, headers=_HEADERS,
-                    timeout=aiohttp.ClientTimeout(total=timeout,
-                                                  sock_connect=self._settings.connect_s)
-            ) as response:
-                reply = await response.read()
-            out = decode_response(reply, request.request_id, request.x.shape)
+            reply = await self._client.post(replica.endpoint, "/v1/velocity", body, CONTENT_TYPE,
+                                            timeout, self._settings.connect_s)
+            out = decode_response(reply.body, request.request_id, request.x.shape)
         except RemoteExpertError as error:
             if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
                 raise ExpertRejected(expert, error.code, error.message) from None
             raise _ReplicaFailed(f"answered {error.code}: {error.message}") from None
         except ProtocolError as error:
             raise _ReplicaFailed(f"malformed reply: {error}") from None
-        except (aiohttp.ClientError, TimeoutError) as error:
+        except (HttpClientError, TimeoutError) as error:
             raise _ReplicaFailed(_describe(error)) from None
         finally:
             replica.outstanding -= 1
@@ -399,6 +402,8 @@ class ExpertPool:
         while True:
             await asyncio.sleep(self._settings.refresh_s)
             await self.refresh()
+            if self._client is not None:
+                self._client.close_idle()
 
     async def _probe_forever(self) -> None:
         while True:

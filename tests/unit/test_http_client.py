@@ -1,0 +1,203 @@
+"""The router's hot-path HTTP client against real servers on loopback.
+
+A uvicorn server (as the experts run it) for the ordinary exchange; small asyncio servers that
+answer exactly the bytes a case needs (chunked bodies, ``Connection: close``, closing idle
+connections, garbage, silence) for the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from ddm.serving.http import build_server
+from ddm.serving.http_client import HttpClient, HttpClientError
+
+CT = "application/octet-stream"
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def echo_app(scope, receive, send) -> None:
+    """Answers a POST with its body and the client's port, so reuse shows."""
+    if scope["type"] != "http":
+        return
+    body, more = b"", True
+    while more:
+        message = await receive()
+        body += message.get("body", b"")
+        more = message.get("more_body", False)
+    reply = f"{scope['client'][1]}:".encode() + body
+    await send({"type": "http.response.start", "status": 201,
+                "headers": [(b"content-length", str(len(reply)).encode())]})
+    await send({"type": "http.response.body", "body": reply})
+
+
+@asynccontextmanager
+async def uvicorn_echo() -> AsyncIterator[str]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = build_server(echo_app, "127.0.0.1", sock.getsockname()[1], log_level="warning")
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    async with server:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    return await reader.readexactly(length)
+
+
+def answer(status: int, body: bytes, *extra: bytes) -> bytes:
+    return (f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n".encode()
+            + b"".join(e + b"\r\n" for e in extra) + b"\r\n" + body)
+
+
+def run(scenario: Callable[[HttpClient], Awaitable]) -> object:
+    async def main():
+        client = HttpClient(keep_alive_s=60.0)
+        try:
+            return await scenario(client)
+        finally:
+            client.close()
+
+    return asyncio.run(main())
+
+
+def test_posts_reuse_one_kept_alive_connection():
+    async def scenario(client: HttpClient):
+        async with uvicorn_echo() as endpoint:
+            return [await client.post(endpoint, "/v1/velocity", b"x" * n, CT, 5.0, 1.0)
+                    for n in (0, 3, 70000)]
+
+    replies = run(scenario)
+    ports = {reply.body.split(b":")[0] for reply in replies}
+    assert [r.status for r in replies] == [201] * 3 and len(ports) == 1
+    assert [len(r.body.split(b":", 1)[1]) for r in replies] == [0, 3, 70000]
+
+
+def test_concurrent_posts_get_their_own_replies_on_separate_connections():
+    async def scenario(client: HttpClient):
+        async with uvicorn_echo() as endpoint:
+            return await asyncio.gather(*(client.post(endpoint, "/", str(i).encode(), CT, 5.0, 1.0)
+                                          for i in range(8)))
+
+    replies = run(scenario)
+    assert [r.body.split(b":")[1] for r in replies] == [str(i).encode() for i in range(8)]
+
+
+def test_chunked_replies_are_reassembled():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            return await client.post(endpoint, "/", b"", CT, 5.0, 1.0)
+
+    assert run(scenario).body == b"abcde"
+
+
+def test_connection_close_and_connections_the_server_drops_are_followed():
+    """A reply with ``Connection: close`` retires its connection; a kept connection the server
+    closes as the next request goes out (its idle timeout) costs a reconnection, not an error."""
+    connections = []
+
+    async def handler(reader, writer):
+        connections.append(writer)
+        drop_next = False
+        while True:
+            try:
+                body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            if drop_next:
+                writer.close()
+                return
+            close = body == b"close"
+            writer.write(answer(200, body, *([b"Connection: close"] if close else [])))
+            await writer.drain()
+            if close:
+                writer.close()
+                return
+            drop_next = body == b"drop-next"
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            return [(await client.post(endpoint, "/", body, CT, 5.0, 1.0)).body
+                    for body in (b"close", b"drop-next", b"after-drop", b"kept")]
+
+    assert run(scenario) == [b"close", b"drop-next", b"after-drop", b"kept"]
+    assert len(connections) == 3  # close; drop-next (dropped); after-drop and kept
+
+
+@pytest.mark.parametrize("reply, message", [
+    (b"NOT HTTP AT ALL\r\n\r\n", "malformed HTTP response"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "connection closed by the server"),
+])
+def test_garbage_and_cut_replies_are_client_errors(reply, message):
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+        writer.close()
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            with pytest.raises(HttpClientError, match=message):
+                await client.post(endpoint, "/", b"x", CT, 5.0, 1.0)
+
+    run(scenario)
+
+
+def test_silence_times_out_and_a_closed_port_is_refused():
+    async def handler(reader, writer):
+        await reader.read()
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(TimeoutError):
+                await client.post(endpoint, "/", b"x", CT, 0.3, 1.0)
+            assert loop.time() - started < 1.0
+        with pytest.raises(HttpClientError, match="cannot connect"):
+            await client.post(endpoint, "/", b"x", CT, 1.0, 1.0)
+
+    run(scenario)
+
+
+def test_connections_disable_nagle_and_stale_ones_are_closed():
+    async def scenario(client: HttpClient):
+        async with uvicorn_echo() as endpoint:
+            await client.post(endpoint, "/", b"x", CT, 5.0, 1.0)
+            (connection,) = client._idle[endpoint]
+            sock = connection._transport.get_extra_info("socket")
+            nodelay = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            client._keep_alive_s = 0.01
+            await asyncio.sleep(0.05)
+            client.close_idle()
+            return nodelay, connection.closed, dict(client._idle)
+
+    nodelay, closed, idle = run(scenario)
+    assert nodelay != 0 and closed and idle == {}
