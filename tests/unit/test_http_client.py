@@ -170,6 +170,33 @@ def test_garbage_and_cut_replies_are_client_errors(reply, message):
     run(scenario)
 
 
+def test_a_reply_cut_short_on_a_kept_connection_is_not_sent_again():
+    """Only a connection closed before any reply byte is retried: a request the server began
+    to answer may have been served."""
+    requests = []
+
+    async def handler(reader, writer):
+        while True:
+            body = await read_request(reader)
+            requests.append(body)
+            if body == b"cut":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+                await writer.drain()
+                writer.close()
+                return
+            writer.write(answer(200, body))
+            await writer.drain()
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            await client.post(endpoint, "/", b"first", CT, 5.0, 1.0)
+            with pytest.raises(HttpClientError, match="connection closed by the server"):
+                await client.post(endpoint, "/", b"cut", CT, 5.0, 1.0)
+
+    run(scenario)
+    assert requests == [b"first", b"cut"]
+
+
 def test_silence_times_out_and_a_closed_port_is_refused():
     async def handler(reader, writer):
         await reader.read()

@@ -34,6 +34,10 @@ class HttpClientError(ConnectionError):
     """The connection failed or the response was not valid HTTP/1.1."""
 
 
+class _ClosedBeforeReply(HttpClientError):
+    """The server closed the connection before a byte of the reply arrived."""
+
+
 @dataclass(frozen=True)
 class HttpReply:
     status: int
@@ -48,6 +52,7 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._reply: asyncio.Future[HttpReply] | None = None
         self._chunks: list[bytes] = []
+        self._replied = False  # a byte of the current reply arrived
         self._close_after = False
         self.closed = False
         self.idle_since = time.monotonic()
@@ -62,6 +67,7 @@ class _Connection(asyncio.Protocol):
         if self._reply is None:  # bytes nobody asked for: the stream is out of step
             self._fail(HttpClientError("the server sent data with no request in flight"))
             return
+        self._replied = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as error:
@@ -70,8 +76,9 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self._reply is not None and not self._reply.done():
-            reason = f": {exc}" if exc else ""
-            self._reply.set_exception(HttpClientError(f"connection closed by the server{reason}"))
+            reason = f"connection closed by the server{f': {exc}' if exc else ''}"
+            self._reply.set_exception(HttpClientError(reason) if self._replied
+                                      else _ClosedBeforeReply(reason))
 
     # httptools callbacks ----------------------------------------------------------------
 
@@ -96,7 +103,7 @@ class _Connection(asyncio.Protocol):
         """Send one whole request and await its whole response."""
         assert self._transport is not None and self._reply is None
         self._reply = asyncio.get_running_loop().create_future()
-        self._chunks = []
+        self._chunks, self._replied = [], False
         try:
             self._transport.write(request)
             reply = await self._reply
@@ -144,7 +151,7 @@ class HttpClient:
             if connection is not None:
                 try:
                     reply = await connection.exchange(request)
-                except HttpClientError:
+                except _ClosedBeforeReply:
                     # The server closed this idle connection as the request went out: that
                     # says nothing of the replica, and the call is pure, so send it once more.
                     connection = None
