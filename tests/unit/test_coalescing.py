@@ -175,18 +175,20 @@ def test_a_caller_that_goes_away_while_waiting_is_not_sent():
     assert [o.tolist() for o in outs] == [[10], [30]]
 
 
-def test_close_cancels_requests_in_flight():
+def test_close_cancels_requests_in_flight_and_waiting_calls_and_refuses_new_ones():
     async def scenario():
-        expert = Expert()
-        expert.gate.clear()
-        c = coalescer(expert)
-        calls = [asyncio.ensure_future(c.submit(0, rows(i))) for i in range(2)]
+        expert, c, first = await busy()
+        waiting = asyncio.ensure_future(c.submit(0, rows(2)))
         await turns()
         await c.close()
-        return await asyncio.gather(*calls, return_exceptions=True)
+        outcomes = await asyncio.gather(first, waiting, return_exceptions=True)
+        with pytest.raises(RuntimeError, match="closed"):
+            await c.submit(0, rows(3))
+        return outcomes, expert.requests
 
-    outcomes = asyncio.run(scenario())
+    outcomes, requests = asyncio.run(scenario())
     assert all(isinstance(o, asyncio.CancelledError) for o in outcomes)
+    assert requests == [(0, 1)]  # the waiting call was never sent
 
 
 @pytest.mark.parametrize("limit", [1, 2, 4])

@@ -60,6 +60,7 @@ class Coalescer:
         self._in_flight = 0
         self._pump_scheduled = False
         self._requests: set[asyncio.Task[None]] = set()
+        self._closed = False
 
     @property
     def in_flight(self) -> int:
@@ -68,6 +69,8 @@ class Coalescer:
 
     async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """One call's output rows, sent alone or merged with other waiting calls."""
+        if self._closed:
+            raise RuntimeError("the coalescer is closed (the router is shutting down)")
         rows = inputs[0].shape[0]
         max_rows = self._max_rows()
         if max_rows <= 1 or rows >= max_rows:
@@ -83,7 +86,7 @@ class Coalescer:
     def _pump(self) -> None:
         """Send waiting calls, merged, while the in-flight limit allows."""
         self._pump_scheduled = False
-        while True:
+        while not self._closed:
             self._waiting = [c for c in self._waiting if not c.future.done()]  # callers gone
             if not self._waiting or self._in_flight >= max(1, self._in_flight_limit()):
                 return
@@ -103,13 +106,14 @@ class Coalescer:
             inputs = (calls[0].inputs if len(calls) == 1 else
                       tuple(np.concatenate(column) for column in zip(*(c.inputs for c in calls))))
             output = await self._send(calls[0].key, inputs)
-        except BaseException as error:  # noqa: BLE001 - every merged caller gets the failure
+        except Exception as error:  # noqa: BLE001 - every merged caller gets the failure
             for call in calls:
                 if not call.future.done():
-                    call.future.set_exception(error if isinstance(error, Exception)
-                                              else asyncio.CancelledError())
-            if not isinstance(error, Exception):
-                raise
+                    call.future.set_exception(error)
+        except BaseException:  # cancelled (closing): so are the calls it carried
+            for call in calls:
+                call.future.cancel()
+            raise
         else:
             start = 0
             for call in calls:
@@ -121,7 +125,12 @@ class Coalescer:
             self._pump()
 
     async def close(self) -> None:
-        """Cancel the requests in flight (their callers get ``CancelledError``)."""
+        """Cancel the requests in flight and the waiting calls (their callers get
+        ``CancelledError``); later calls are refused."""
+        self._closed = True
+        for call in self._waiting:
+            call.future.cancel()
+        self._waiting.clear()
         for request in list(self._requests):
             request.cancel()
         await asyncio.gather(*self._requests, return_exceptions=True)
