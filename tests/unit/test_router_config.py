@@ -1,6 +1,11 @@
-"""router.yaml: round trips, both kinds of discovery, and clear errors for bad files."""
+"""router.yaml: round trips, both kinds of discovery, clear errors for bad files, and its
+reference page (docs/router-config.md) kept true."""
 
 from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 
@@ -12,8 +17,10 @@ from ddm.serving.router_config import (
     RouterConfigError,
     RouterConfigFile,
     RouterLimits,
+    Retries,
     SamplingDefaults,
     StaticDiscovery,
+    Timeouts,
 )
 
 TEXT = """\
@@ -119,3 +126,37 @@ def test_bad_limits_and_auth_are_rejected_with_the_key(extra: str, message: str)
     with pytest.raises(RouterConfigError) as caught:
         RouterConfigFile.from_yaml(TEXT + extra)
     assert message in str(caught.value)
+
+
+# ------------------------------------------------------------------ docs/router-config.md
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "router-config.md"
+
+
+def _key_paths(cls: type, prefix: str = "") -> set[str]:
+    """Every key ``router.yaml`` accepts, as the documentation writes it."""
+    nested = {"experts": (ExpertEntry,), "discovery": (StaticDiscovery, DnsDiscovery)}
+    paths = set()
+    for f in dataclasses.fields(cls):
+        path = f"{prefix}{f.name}"
+        paths.add(path)
+        kinds = nested.get(f.name) or tuple(
+            k for k in (SamplingDefaults, Timeouts, Retries, RouterLimits, Coalescing, Auth)
+            if f.type in (k.__name__, f"{k.__name__} | None"))
+        for kind in kinds:
+            inner = f"{path}[]." if f.name == "experts" else f"{path}."
+            paths |= _key_paths(kind, inner)
+    return paths
+
+
+def test_the_documentation_lists_exactly_the_keys_and_its_example_parses() -> None:
+    text = DOC.read_text()
+    documented = set(re.findall(r"^\| `([a-z_\[\].]+)` \|", text, re.MULTILINE))
+    paths = _key_paths(RouterConfigFile)
+    leaves = {p for p in paths if not any(q.startswith(f"{p}.") or q.startswith(f"{p}[]")
+                                          for q in paths)}
+    assert documented == leaves | {"experts"}
+    example = re.search(r"```yaml\n(.*?)```", text, re.DOTALL).group(1)
+    config = RouterConfigFile.from_yaml(example)
+    assert config.coalescing.in_flight_per_replica == 2 and config.auth is not None
+    assert isinstance(config.experts[1].discovery, DnsDiscovery)
