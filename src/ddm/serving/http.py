@@ -87,6 +87,8 @@ class ServerControl:
 
 
 class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, holding the first SIGTERM for ``drain_s`` seconds of draining."""
+
     def __init__(self, config: uvicorn.Config, control: ServerControl, drain_s: float) -> None:
         if drain_s < 0:
             raise ValueError(f"drain_s must be >= 0, got {drain_s}")
