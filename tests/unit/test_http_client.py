@@ -215,16 +215,19 @@ def test_silence_times_out_and_a_closed_port_is_refused():
 
 
 def test_connections_disable_nagle_and_stale_ones_are_closed():
-    async def scenario(client: HttpClient):
+    async def scenario():
+        client = HttpClient(keep_alive_s=0.05)
         async with uvicorn_echo() as endpoint:
-            await client.post(endpoint, "/", b"x", CT, 5.0, 1.0)
-            (connection,) = client._idle[endpoint]
+            first = await client.post(endpoint, "/", b"x", CT, 5.0, 1.0)
+            (connection,) = client._idle[endpoint]  # the kept connection, to look at its socket
             sock = connection._transport.get_extra_info("socket")
             nodelay = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-            client._keep_alive_s = 0.01
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)
             client.close_idle()
-            return nodelay, connection.closed, dict(client._idle)
+            pruned = connection.closed and endpoint not in client._idle
+            second = await client.post(endpoint, "/", b"y", CT, 5.0, 1.0)  # a new connection
+            client.close()
+        return nodelay, pruned, first.body.split(b":")[0] != second.body.split(b":")[0]
 
-    nodelay, closed, idle = run(scenario)
-    assert nodelay != 0 and closed and idle == {}
+    nodelay, pruned, new_connection = asyncio.run(scenario())
+    assert nodelay != 0 and pruned and new_connection
