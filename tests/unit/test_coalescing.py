@@ -8,6 +8,7 @@ of it against a real expert server is in tests/unit/test_expert_pool.py.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Hashable
 
 import numpy as np
@@ -21,13 +22,16 @@ class Expert:
 
     def __init__(self, fail_with: Exception | None = None) -> None:
         self.requests: list[tuple[Hashable, int]] = []
+        self.since: list[float] = []  # when each request's oldest call was made
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail_with = fail_with
 
-    async def send(self, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+    async def send(self, key: Hashable, inputs: tuple[np.ndarray, ...],
+                   since: float) -> np.ndarray:
         (x,) = inputs
         self.requests.append((key, x.shape[0]))
+        self.since.append(since)
         await self.gate.wait()
         if self.fail_with is not None:
             raise self.fail_with
@@ -89,17 +93,20 @@ def test_a_lone_call_goes_out_at_once():
 def test_calls_wait_while_the_limit_is_reached_and_then_go_together():
     async def scenario():
         expert, c, first = await busy()
+        made = time.monotonic()
         later = [asyncio.ensure_future(c.submit(0, rows(i))) for i in (2, 3, 4)]
         await turns()
         while_busy = list(expert.requests)
+        await asyncio.sleep(0.05)
         expert.gate.set()
         outs = await asyncio.gather(first, *later)
-        return while_busy, expert.requests, outs
+        return while_busy, expert.requests, outs, expert.since[1] - made
 
-    while_busy, requests, outs = asyncio.run(scenario())
+    while_busy, requests, outs, since = asyncio.run(scenario())
     assert while_busy == [(0, 1)]
     assert requests == [(0, 1), (0, 3)]
     assert [o.tolist() for o in outs] == [[10], [20], [30], [40]]
+    assert 0 <= since < 0.05  # the merged request counts from its oldest call, not from sending
 
 
 def test_only_calls_with_the_same_key_merge_oldest_key_first():

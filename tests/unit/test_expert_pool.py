@@ -320,6 +320,35 @@ def test_a_replica_restarted_with_another_batch_limit_is_followed(smoke_expert_c
     assert (before, after, rows) == (8, 2, [1] * 6)
 
 
+def test_calls_queued_behind_a_dead_expert_fail_within_one_deadline(smoke_expert_checkpoint):
+    """A call's deadline runs from when the generation makes it, time spent waiting to be
+    merged included: with every replica gone, no call waits two deadlines."""
+    port = _free_port()
+    settings = PoolSettings(**{**FAST.__dict__, "deadline_s": 1.0, "in_flight_per_replica": 1})
+
+    async def scenario() -> list[tuple[BaseException | None, float]]:
+        async with ExpertPool({"e": static_endpoints([f"127.0.0.1:{port}"])}, settings) as pool:
+            with _expert(smoke_expert_checkpoint, port):
+                await _until(lambda: pool.info("e") is not None)  # its batch limit is known
+            await _until(lambda: pool.ready_count("e") == 0)
+
+            async def call(seed: int) -> tuple[BaseException | None, float]:
+                started = time.monotonic()
+                try:
+                    await pool.velocity("e", *_inputs(1, seed=seed))
+                except ExpertUnavailable as error:
+                    return error, time.monotonic() - started
+                return None, time.monotonic() - started
+
+            first = asyncio.ensure_future(call(0))
+            await asyncio.sleep(0.3)  # the first call holds the one request slot meanwhile
+            return await asyncio.gather(first, *(call(i) for i in range(1, 6)))
+
+    outcomes = asyncio.run(scenario())
+    assert all(isinstance(error, ExpertUnavailable) for error, _ in outcomes), outcomes
+    assert max(waited for _, waited in outcomes) < 1.0 + 0.5, outcomes
+
+
 def test_client_connections_disable_nagle():
     """Read on a connection still in use: a server that sends half its body and waits."""
 

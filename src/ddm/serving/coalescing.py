@@ -16,11 +16,14 @@ request woke) are merged even below the limit: a call is sent after the turn tha
 
 Only calls with the same key merge: every velocity call shares one key (``t`` is per row); an
 integrate call's key holds its solver and time grid. A failed request fails every call in it.
+``send`` is told when the oldest call in a request was made (``time.monotonic()``), so that
+time spent waiting here counts against the caller's deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Hashable
 
@@ -28,8 +31,9 @@ import numpy as np
 
 from ddm.serving.batching import Dispatch, Pending, plan_batch
 
-#: Sends one request: ``(key, inputs) -> output``, with the rows on axis 0 of every array.
-SendFn = Callable[[Hashable, tuple[np.ndarray, ...]], Awaitable[np.ndarray]]
+#: Sends one request: ``(key, inputs, since) -> output``, with the rows on axis 0 of every
+#: array; ``since`` is when its oldest call was made (``time.monotonic()``).
+SendFn = Callable[[Hashable, tuple[np.ndarray, ...], float], Awaitable[np.ndarray]]
 
 
 @dataclass(eq=False)
@@ -37,6 +41,7 @@ class _Call:
     key: Hashable
     inputs: tuple[np.ndarray, ...]
     future: asyncio.Future[np.ndarray]
+    made: float
 
     @property
     def rows(self) -> int:
@@ -74,9 +79,9 @@ class Coalescer:
         rows = inputs[0].shape[0]
         max_rows = self._max_rows()
         if max_rows <= 1 or rows >= max_rows:
-            return await self._send(key, inputs)
+            return await self._send(key, inputs, time.monotonic())
         loop = asyncio.get_running_loop()
-        call = _Call(key, inputs, loop.create_future())
+        call = _Call(key, inputs, loop.create_future(), time.monotonic())
         self._waiting.append(call)
         if not self._pump_scheduled:
             self._pump_scheduled = True
@@ -105,7 +110,7 @@ class Coalescer:
         try:
             inputs = (calls[0].inputs if len(calls) == 1 else
                       tuple(np.concatenate(column) for column in zip(*(c.inputs for c in calls))))
-            output = await self._send(calls[0].key, inputs)
+            output = await self._send(calls[0].key, inputs, min(c.made for c in calls))
         except Exception as error:  # noqa: BLE001 - every merged caller gets the failure
             for call in calls:
                 if not call.future.done():

@@ -302,9 +302,11 @@ class ExpertPool:
             per_replica = self._settings.in_flight_per_replica
             rows = self.metrics.request_rows.labels(expert)
 
-            async def send(key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+            async def send(key: Hashable, inputs: tuple[np.ndarray, ...],
+                           since: float) -> np.ndarray:
                 rows.observe(inputs[0].shape[0])
-                return await self._call(expert, _request(key, next(self._ids), inputs))
+                return await self._call(expert, _request(key, next(self._ids), inputs),
+                                        since + self._settings.deadline_s)
 
             def max_rows() -> int:
                 info = replicas.info()
@@ -314,15 +316,16 @@ class ExpertPool:
                 send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica)
         return coalescer
 
-    async def _call(self, expert: str, request: VelocityRequest | IntegrateRequest
-                    ) -> np.ndarray:
+    async def _call(self, expert: str, request: VelocityRequest | IntegrateRequest,
+                    deadline: float) -> np.ndarray:
         """One request: attempts on the replicas ``choose`` picks until one answers, the
         attempts run out or the deadline passes; while none is usable, wait for a probe."""
         replicas = self._replica_set(expert)
         kind = "velocity" if isinstance(request, VelocityRequest) else "integrate"
         body = encode_request(request)
-        deadline = time.monotonic() + self._settings.deadline_s
-        attempt, failed, reason = 0, None, "no replica is listed"
+        attempt, failed = 0, None
+        reason = ("no replica is listed" if not replicas.replicas else
+                  "the call waited its whole deadline behind earlier requests to this expert")
         while (remaining := deadline - time.monotonic()) > 0:
             replica = replicas.choose()
             if replica is None:

@@ -73,7 +73,8 @@ class RouterNetwork:
         """``p(k | x, t, y)`` as (B, K) probabilities."""
         return await self._coalescer.submit(None, (x, t, y))
 
-    async def _forward(self, _key: object, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+    async def _forward(self, _key: object, inputs: tuple[np.ndarray, ...],
+                       _since: float) -> np.ndarray:
         if inputs[0].shape[0] <= INLINE_ROUTER_ROWS:
             return self._probs(*inputs)
         return await asyncio.to_thread(self._probs, *inputs)
