@@ -41,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ddm.devcluster import down, up
 from ddm.devcluster.components import build_kubeconfig
-from ddm.devcluster.processes import free_ports
+from ddm.devcluster.processes import free_ports, log_tail
 from ddm.operator import names
 
 CRD_FILE = Path(__file__).resolve().parents[3] / "crds" / "ddmdeployments.ddm.dev.yaml"
@@ -144,7 +144,7 @@ class OperatorProcess:
         return self.log_file.read_text(errors="replace") if self.log_file.exists() else ""
 
     def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_text().splitlines()[-lines:])
+        return log_tail(self.log_file, lines)
 
 
 def service_account_kubeconfig(api_client: client.ApiClient, namespace: str, name: str,

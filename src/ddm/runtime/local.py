@@ -175,6 +175,13 @@ class Supervisor:
                 self.out.write(f"[{name}] {line}")
                 self.out.flush()
 
+    def start_ready(self, specs: Sequence[ProcessSpec], host: str, deadline: float) -> None:
+        """Start every process (they load in parallel), then wait until each is ready."""
+        for spec in specs:
+            self.start(spec)
+        for spec in specs:
+            self.wait_ready(spec, host, deadline)
+
     def wait_ready(self, spec: ProcessSpec, host: str, deadline: float) -> None:
         """Poll ``/readyz`` until 200; fail at once if the process exits first."""
         url = f"http://{host}:{spec.port}/readyz"
@@ -239,12 +246,8 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
-            for spec in plan.experts:
-                supervisor.start(spec)
-            for spec in plan.experts:
-                supervisor.wait_ready(spec, host, deadline)
-            supervisor.start(plan.router)
-            supervisor.wait_ready(plan.router, host, deadline)
+            supervisor.start_ready(plan.experts, host, deadline)
+            supervisor.start_ready([plan.router], host, deadline)
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
                   f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate)."
                   " Ctrl-C stops everything.", file=out, flush=True)

@@ -14,12 +14,13 @@ modification time, size or inode changes: one ``stat`` per request.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ddm.serving.http import header, send_json
 
 logger = logging.getLogger(__name__)
 
@@ -98,16 +99,10 @@ class BearerAuth:
         if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
             await self.app(scope, receive, send)
             return
-        headers = dict(scope["headers"])  # names arrive lower-cased
-        problem = check_authorization(headers.get(b"authorization"), self.tokens.token())
+        problem = check_authorization(header(scope, b"authorization"), self.tokens.token())
         if problem is None:
             await self.app(scope, receive, send)
             return
         # RFC 6750: only a presented token that fails gets an error code in the challenge.
         challenge = CHALLENGE + b', error="invalid_token"' if problem == BAD_TOKEN else CHALLENGE
-        body = json.dumps({"detail": problem}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", challenge)]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json(send, 401, {"detail": problem}, [(b"www-authenticate", challenge)])

@@ -88,14 +88,8 @@ def running_fleet(manifest: DDMManifest, workdir: Path, log: TextIO,
     try:
         say(log, f"starting {len(experts)} expert processes and {len(routers)} routers")
         deadline = time.monotonic() + READY_S
-        for spec in experts:
-            supervisor.start(spec)
-        for spec in experts:
-            supervisor.wait_ready(spec, HOST, deadline)
-        for spec in routers:
-            supervisor.start(spec)
-        for spec in routers:
-            supervisor.wait_ready(spec, HOST, deadline)
+        supervisor.start_ready(experts, HOST, deadline)
+        supervisor.start_ready(routers, HOST, deadline)
         pids = tuple(supervisor.processes[spec.name].pid
                      for spec in (*batched.experts, batched.router))
         yield Fleet(batched, unbatched, endpoints, pids)

@@ -209,7 +209,7 @@ class ExpertPool:
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
                                        settings.health_interval_s) for name in sources}
         self._ids = itertools.count(1)
-        self._coalescers: dict[str, Coalescer] = {}
+        self._coalescers = {name: self._coalescer(name) for name in sources}
         self._session: aiohttp.ClientSession | None = None
         self._client: HttpClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -287,8 +287,8 @@ class ExpertPool:
     async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
         to the expert's coalescer, which merges them with other generations' calls."""
-        coalescer = self._coalescer(expert)
-        info = self.info(expert)
+        info = self.info(expert)  # an unknown expert is a ValueError here
+        coalescer = self._coalescers[expert]
         rows = inputs[0].shape[0]
         size = info.max_batch if info is not None else rows
         parts = [tuple(a[i:i + size] for a in inputs) for i in range(0, rows, size)]
@@ -296,25 +296,22 @@ class ExpertPool:
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def _coalescer(self, expert: str) -> Coalescer:
-        coalescer = self._coalescers.get(expert)
-        if coalescer is None:
-            replicas = self._replica_set(expert)
-            per_replica = self._settings.in_flight_per_replica
-            rows = self.metrics.request_rows.labels(expert)
+        """Merges ``expert``'s concurrent calls; sends each request through :meth:`_call`."""
+        replicas = self._sets[expert]
+        per_replica = self._settings.in_flight_per_replica
+        rows = self.metrics.request_rows.labels(expert)
 
-            async def send(key: Hashable, inputs: tuple[np.ndarray, ...],
-                           since: float) -> np.ndarray:
-                rows.observe(inputs[0].shape[0])
-                return await self._call(expert, _request(key, next(self._ids), inputs),
-                                        since + self._settings.deadline_s)
+        async def send(key: Hashable, inputs: tuple[np.ndarray, ...],
+                       since: float) -> np.ndarray:
+            rows.observe(inputs[0].shape[0])
+            return await self._call(expert, _request(key, next(self._ids), inputs),
+                                    since + self._settings.deadline_s)
 
-            def max_rows() -> int:
-                info = replicas.info()
-                return info.max_batch if info is not None and per_replica else 1
+        def max_rows() -> int:
+            info = replicas.info()
+            return info.max_batch if info is not None and per_replica else 1
 
-            coalescer = self._coalescers[expert] = Coalescer(
-                send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica)
-        return coalescer
+        return Coalescer(send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica)
 
     async def _call(self, expert: str, request: VelocityRequest | IntegrateRequest,
                     deadline: float) -> np.ndarray:

@@ -170,26 +170,28 @@ class HttpClient:
     def close_idle(self) -> None:
         """Close connections idle longer than ``keep_alive_s`` or closed by the server, and
         forget endpoints left with none (replicas come and go)."""
-        deadline = time.monotonic() - self._keep_alive_s
+        now = time.monotonic()
         for endpoint, connections in list(self._idle.items()):
-            fresh = [c for c in connections if not c.closed and c.idle_since > deadline]
-            for connection in connections:
-                if connection not in fresh:
-                    connection.close()
+            fresh = [c for c in connections if self._fresh(c, now)]
+            for connection in set(connections) - set(fresh):
+                connection.close()
             if fresh:
                 self._idle[endpoint] = fresh
             else:
                 del self._idle[endpoint]
 
     def _take(self, endpoint: str) -> _Connection | None:
-        idle = self._idle.get(endpoint, [])
-        deadline = time.monotonic() - self._keep_alive_s
+        idle, now = self._idle.get(endpoint, []), time.monotonic()
         while idle:
             connection = idle.pop()  # the most recently used: the least likely to be stale
-            if not connection.closed and connection.idle_since > deadline:
+            if self._fresh(connection, now):
                 return connection
             connection.close()
         return None
+
+    def _fresh(self, connection: _Connection, now: float) -> bool:
+        """Open, and idle for less than ``keep_alive_s``: safe to send on."""
+        return not connection.closed and now - connection.idle_since < self._keep_alive_s
 
     def _give_back(self, endpoint: str, connection: _Connection) -> None:
         idle = self._idle.setdefault(endpoint, [])

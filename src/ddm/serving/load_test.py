@@ -35,12 +35,12 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ddm.operator.spec import load_manifest
-from ddm.runtime.local import REPOSITORY_ROOT, Supervisor, free_port, plan_local
+from ddm.runtime.local import (READY_TIMEOUT_S, REPOSITORY_ROOT, Supervisor, free_port,
+                               plan_local)
 
 HOST = "127.0.0.1"
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-READY_S = 300.0
 #: Seconds between two samples of the servers' resident memory.
 SAMPLE_S = 0.5
 
@@ -141,13 +141,9 @@ def _local_ddm(manifest: Path, clients: int, log: TextIO) -> Iterator[str]:
         try:
             print(f"load: starting {len(plan.experts)} experts and the router", file=log,
                   flush=True)
-            deadline = time.monotonic() + READY_S
-            for spec in plan.experts:
-                supervisor.start(spec)
-            for spec in plan.experts:
-                supervisor.wait_ready(spec, HOST, deadline)
-            supervisor.start(router)
-            supervisor.wait_ready(router, HOST, deadline)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            supervisor.start_ready(plan.experts, HOST, deadline)
+            supervisor.start_ready([router], HOST, deadline)
             yield plan.url
             exited = supervisor.first_exit()
             if exited is not None:

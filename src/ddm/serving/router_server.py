@@ -58,7 +58,7 @@ from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, Serv
                               probe_responses, run_server)
 from ddm.serving.remote_sampling import (RemoteMixture, SamplingRequest, StepEvent, Tally,
                                          check_request, denoise, generate_remote)
-from ddm.serving.router_config import Auth, RouterConfigFile, RouterLimits
+from ddm.serving.router_config import Auth, RouterConfigFile
 from ddm.serving.router_requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
                                          echo, readable, request_models, sampling_request)
 from ddm.serving.router_state import (Busy, NotReady, RouterMetrics, RouterState,
@@ -211,7 +211,7 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
         try:
             config = load_router_config(config_path)
             config = dataclasses.replace(
-                config, limits=RouterLimits(**{**dataclasses.asdict(config.limits), **overrides}),
+                config, limits=dataclasses.replace(config.limits, **overrides),
                 auth=Auth(str(auth_token_file)) if auth_token_file else config.auth)
             return create_router_app(config, deadline_s, on_failure=control.stop,
                                      draining=lambda: control.draining)
@@ -313,7 +313,6 @@ def _document_bearer_auth(app: FastAPI) -> None:
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]
-
 
 
 _RETRY = {"Retry-After": str(RETRY_AFTER_S)}
