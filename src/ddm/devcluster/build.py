@@ -34,6 +34,9 @@ from ddm.devcluster.apt import AptError, Log, ensure_apt_packages, ensure_deb_sr
 
 KUBE_VERSION = "1.20.2"
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+# The real node's binaries, built in the same `make` from the same tree (versions match).
+NODE_BINARIES = ("kubelet", "kube-proxy")
+ALL_BINARIES = KUBE_BINARIES + NODE_BINARIES
 # What the source build needs from Debian; ``openssl`` is what `cluster` uses for certificates.
 APT_PACKAGES = (
     "golang-go",
@@ -188,8 +191,12 @@ def build_from_debian_source(cache: Path | None = None, *, log: Log = log_stderr
     return bin_dir
 
 
+def _all_in(directory: Path) -> bool:
+    return all(_executable(directory / name) for name in ALL_BINARIES)
+
+
 def _build_locked(work: Path, bin_dir: Path, log: Log) -> None:
-    if _trio_in(bin_dir):  # built before (or by another process while we waited)
+    if _all_in(bin_dir):  # built before (or by another process while we waited)
         ensure_apt_packages(("etcd-server",), log=log)  # the one runtime dependency
         return
     started = time.monotonic()
@@ -247,7 +254,8 @@ def _go_root() -> Path:
 
 
 def _make(source: Path, work: Path, log: Log) -> None:
-    if _stamp(work, "make").is_file():
+    # "make-node": builds from before the real node made only the control plane's three.
+    if _stamp(work, "make-node").is_file():
         return
     gopath = work / "gopath"
     link = gopath / "src" / "k8s.io" / "kubernetes"
@@ -264,23 +272,23 @@ def _make(source: Path, work: Path, log: Log) -> None:
         "KUBE_GIT_VERSION": f"v{KUBE_VERSION}",
         "KUBE_GIT_TREE_STATE": "clean",
     }
-    targets = " ".join(f"cmd/{name}" for name in KUBE_BINARIES)
+    targets = " ".join(f"cmd/{name}" for name in ALL_BINARIES)
     # Kubernetes' scripts keep Go's build cache in _output/local/go/cache: a rerun after an
     # interruption is incremental.
-    log(f"compiling {targets} (about 7 minutes on 2 idle cores)")
+    log(f"compiling {targets} (about 12 minutes on 2 idle cores)")
     _run(["make", f"WHAT={targets}"], log, cwd=link, env=env)
-    _stamp(work, "make").write_text("ok\n")
+    _stamp(work, "make-node").write_text("ok\n")
 
 
 def _install(source: Path, bin_dir: Path, log: Log) -> None:
     built = source / "_output" / "bin"
-    if not _trio_in(built):
+    if not _all_in(built):
         built = source / "_output" / "local" / "bin" / "linux" / "amd64"
-    if not _trio_in(built):
+    if not _all_in(built):
         raise BuildError(f"make succeeded but the binaries are not in {source / '_output'}")
     bin_dir.mkdir(parents=True, exist_ok=True)
-    for name in KUBE_BINARIES:
+    for name in ALL_BINARIES:
         partial = bin_dir / f".{name}.partial"
         shutil.copy2(built / name, partial)
         partial.replace(bin_dir / name)  # atomic: a reader never sees half a binary
-    log(f"installed {', '.join(KUBE_BINARIES)} in {bin_dir}")
+    log(f"installed {', '.join(ALL_BINARIES)} in {bin_dir}")
