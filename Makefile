@@ -25,7 +25,7 @@ test: lint
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff check src tests scripts benchmarks
 
 clean:
 	rm -rf $(VENV) out

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from ddm.checkpoint import CheckpointMeta, save_checkpoint
+from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
 from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
 from ddm.models.config import UNET_CONFIGS
 

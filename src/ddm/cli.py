@@ -46,7 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(commands)
     add_serve_commands(commands)
     _add_up(commands)
-    _add_bench(commands)
     _add_operator(commands)
     _add_fetch_checkpoint(commands)
     _add_dev_cluster(commands)
@@ -261,64 +260,6 @@ def _up(args: argparse.Namespace) -> int:
                      pvc_root=args.pvc_root, threads=args.threads)
 
 
-# -- bench --------------------------------------------------------------------------------------
-
-def _add_bench(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="measure the system (serving throughput, overhead)")
-    kinds = bench.add_subparsers(dest="what", required=True, metavar="WHAT")
-    p = kinds.add_parser("serve", help="serving on loopback with the shipped experts: "
-                                       "throughput, per-step overhead, batching, wire bytes")
-    p.add_argument("--json", action="store_true",
-                   help="print every figure as JSON (progress goes to stderr)")
-    p.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
-    p.add_argument("--steps", type=int, default=40, help="denoising steps per generation")
-    p.set_defaults(handler=_bench_serve)
-
-    p = kinds.add_parser("load", help="concurrent clients against a router on loopback for a "
-                                      "bounded time: errors, throughput, latency, peak memory")
-    p.add_argument("--clients", type=int, default=64, help="concurrent clients")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--router", default=None, help="a running router, http://127.0.0.1:PORT "
-                   "(default: start the shipped example's experts and router)")
-    p.add_argument("--json", action="store_true",
-                   help="print every figure as JSON (progress goes to stderr)")
-    p.set_defaults(handler=_bench_load)
-
-    p = kinds.add_parser("operator", help="the operator bringing up many DDMDeployments on a dev "
-                                          "cluster: time to children and statuses, memory, "
-                                          "API requests")
-    p.add_argument("--json", action="store_true",
-                   help="print every figure as JSON (progress goes to stderr)")
-    p.add_argument("--ddms", type=int, default=50, help="DDMDeployments to create")
-    p.add_argument("--experts", type=int, default=8, help="experts in each (2 to 10)")
-    p.add_argument("--kubeconfig", type=Path, default=None,
-                   help="use this cluster as its admin (default: start a fresh dev cluster)")
-    p.set_defaults(handler=_bench_operator)
-
-
-def _bench_serve(args: argparse.Namespace) -> int:
-    from ddm.serving.bench import bench_serve_command
-
-    return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json)
-
-
-def _bench_operator(args: argparse.Namespace) -> int:
-    from ddm.operator.bench import bench_operator_command
-
-    return bench_operator_command(ddms=args.ddms, experts=args.experts,
-                                  kubeconfig=args.kubeconfig, as_json=args.json)
-
-
-def _bench_load(args: argparse.Namespace) -> int:
-    from ddm.serving.load_test import LoadTestError, load_test_command
-
-    try:
-        return load_test_command(clients=args.clients, duration_s=args.duration,
-                                 router=args.router, as_json=args.json)
-    except (LoadTestError, ValueError) as error:
-        raise UserError(str(error)) from None
-
-
 # -- operator -----------------------------------------------------------------------------------
 
 def _add_operator(commands: argparse._SubParsersAction) -> None:
@@ -365,7 +306,7 @@ def _add_fetch_checkpoint(commands: argparse._SubParsersAction) -> None:
 
 
 def _fetch_checkpoint(args: argparse.Namespace) -> int:
-    from ddm.checkpoint_fetch import fetch_checkpoint
+    from ddm.checkpoints.fetch import fetch_checkpoint
 
     print(f"fetched {args.uri} into {fetch_checkpoint(args.uri, args.dest)}")
     return 0

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import httpx
 
-from ddm.serving.expert_server import create_expert_app
+from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
 
 READY_DEADLINE_S = 60.0

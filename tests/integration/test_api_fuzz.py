@@ -41,7 +41,7 @@ from ddm.runtime.local import ProcessSpec, Supervisor, free_port
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_request,
                                   decode_response, encode_request)
-from ddm.serving.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
+from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                        StaticDiscovery)
 
 HOST = "127.0.0.1"
@@ -82,7 +82,7 @@ class Fleet:
 def _write_ddm(root: Path) -> tuple[list[Path], Path]:
     import torch
 
-    from ddm.checkpoint import CheckpointMeta, save_checkpoint
+    from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
     from ddm.models.config import UNET_CONFIGS, RouterConfig
     from ddm.models.router_net import RouterNet
     from ddm.models.torch_io import canonical_weights

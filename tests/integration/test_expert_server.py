@@ -25,11 +25,11 @@ import httpx
 import numpy as np
 import pytest
 
-from ddm.checkpoint import load_checkpoint
+from ddm.checkpoints.format import load_checkpoint
 from ddm.sampling.pipeline import expert_velocity
 from ddm.sampling.solvers import iterate
-from ddm.serving.backends import Backend, BackendUnavailable, check_backend, load_backend
-from ddm.serving.expert_server import create_expert_app
+from ddm.serving.expert.backends import Backend, BackendUnavailable, check_backend, load_backend
+from ddm.serving.expert.server import create_expert_app
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
                                   VelocityRequest, decode_response, encode_request)
 from ddm.serving.termination import write_termination_message

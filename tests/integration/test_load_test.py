@@ -1,4 +1,5 @@
-"""``ddm bench load`` end to end, short: 8 clients for 5 s against a smoke DDM it starts itself.
+"""``python -m benchmarks load`` end to end, short: 8 clients for 5 s against a smoke DDM it
+starts itself.
 
 The command runs a manifest's experts and router as local processes (as ``ddm up`` does), so
 the test hands it a manifest of the random-init ``smoke`` expert (classes 0-4, oracle routing,
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddm.serving.load_test import LoadSettings, LoadTestError, load_test_command, run_load
+from benchmarks.load import LoadSettings, LoadTestError, load_test_command, run_load
 
 
 def _smoke_manifest(directory: Path, checkpoint: Path) -> Path:

@@ -31,7 +31,7 @@ from waiting import wait_for
 
 from ddm.operator.config import OperatorConfig
 from ddm.operator.runner import run_operator
-from ddm.serving.router_config import RouterConfigFile
+from ddm.deploy.router_config import RouterConfigFile
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"

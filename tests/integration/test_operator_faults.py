@@ -23,7 +23,7 @@ from test_operator import OWNER_LABEL, Cluster, _expected_children
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo, start_component, stop_component
-from ddm.operator.bench import OperatorProcess, bench_spec, install_crd
+from benchmarks.operator import OperatorProcess, bench_spec, install_crd
 
 #: Seconds the API server stays down.
 OUTAGE_S = 10

@@ -24,7 +24,7 @@ from test_operator import OWNER_LABEL, Cluster
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
-from ddm.operator.bench import (
+from benchmarks.operator import (
     OperatorProcess,
     bench_spec,
     install_crd,

@@ -32,21 +32,21 @@ import pytest
 import torch
 from PIL import Image
 
-from ddm.checkpoint import CheckpointMeta, save_checkpoint
+from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
 from ddm.models.config import UNET_CONFIGS, RouterConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
 from ddm.sampling.pipeline import generate, load_ddm
 from ddm.sampling.routing import parse_strategy
-from ddm.serving.expert_pool import ExpertPool, PoolSettings
-from ddm.serving.expert_server import create_expert_app
+from ddm.serving.router.pool import ExpertPool, PoolSettings
+from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
-from ddm.serving.remote_sampling import RemoteMixture, SamplingRequest, generate_remote
-from ddm.serving.replicas import static_endpoints
-from ddm.serving.router_config import (STRATEGY_PATTERN, Auth, RouterConfigFile,
+from ddm.serving.router.remote import RemoteMixture, SamplingRequest, generate_remote
+from ddm.serving.router.replicas import static_endpoints
+from ddm.deploy.router_config import (STRATEGY_PATTERN, Auth, RouterConfigFile,
                                        RouterLimits)
-from ddm.serving.router_server import create_router_app
+from ddm.serving.router.server import create_router_app
 
 SMOKE = UNET_CONFIGS["smoke"]
 SHAPE = (1, SMOKE.image_size, SMOKE.image_size)
@@ -320,7 +320,7 @@ def replicated(ddms, experts, tmp_path_factory) -> Iterator[dict]:
     (directory / "router").symlink_to(ddms["split"] / "router")  # relative to the config
     (directory / "router.yaml").write_text(config.to_yaml())
     replicas = {port: _start_expert(ddms["split"] / "e0", port) for port in ports[:2]}
-    router = _spawn(["-c", "from ddm.serving.router_server import serve_router; "
+    router = _spawn(["-c", "from ddm.serving.router.server import serve_router; "
                            f"serve_router({str(directory / 'router.yaml')!r}, port={ports[2]}, "
                            "log_level='warning', deadline_s=3.0)"])
     state = {"base": f"http://127.0.0.1:{ports[2]}", "replicas": replicas,

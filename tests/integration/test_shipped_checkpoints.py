@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddm.checkpoint import read_meta
+from ddm.checkpoints.format import read_meta
 from ddm.evaluation.commands import evaluate_images
 from ddm.evaluation.report import expert_parity
 from ddm.sampling.pipeline import default_checkpoints, discover, generate, load_ddm

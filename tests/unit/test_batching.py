@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from ddm.serving.backends import Backend, BackendInfo
+from ddm.serving.expert.backends import Backend, BackendInfo
 from ddm.serving.batching import (Batcher, BatcherClosed, Dispatch, Pending, Wait, batch_buckets,
                                   bucket_for, pad_rows, plan_batch)
 

@@ -1,4 +1,5 @@
-"""``ddm bench serve``: the byte counts it reports, its settings, and one quick run end to end.
+"""``python -m benchmarks serve``: the byte counts it reports, its settings, and one quick run end
+to end.
 
 The quick run starts the real servers on loopback with the shipped checkpoints; it checks the
 shape of the JSON (every figure with a target says whether it met it) and that every process it
@@ -17,10 +18,10 @@ import time
 import numpy as np
 import pytest
 
-from ddm.serving.bench import BenchSettings, run_bench
-from ddm.serving.bench_figures import cpu_per_step, summary_lines, wire_bytes
-from ddm.serving.bench_fleet import cpu_seconds
-from ddm.serving.reference_protocol import decode_npz, encode_npz
+from benchmarks.serve import BenchSettings, run_bench
+from benchmarks.figures import cpu_per_step, summary_lines, wire_bytes
+from benchmarks.fleet import cpu_seconds
+from benchmarks.reference_protocol import decode_npz, encode_npz
 
 FIGURES_WITH_TARGETS = ("step_overhead", "reference_baseline", "wire", "quality")
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from ddm.checkpoint import (CheckpointError, CheckpointMeta, load_checkpoint, read_meta,
+from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, load_checkpoint, read_meta,
                             save_checkpoint)
 from ddm.models.config import UNET_CONFIGS, ConfigError, UNetConfig, unet_config
 from ddm.models.torch_io import canonical_weights, unet_from_checkpoint

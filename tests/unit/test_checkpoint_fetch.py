@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from ddm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
-from ddm.checkpoint_fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
+from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
 from ddm.cli import main
-from ddm.operator.checkpoints import FETCH_COMMAND, checkpoint_mount, parse_checkpoint
+from ddm.checkpoints.uri import FETCH_COMMAND, checkpoint_mount, parse_checkpoint
 
 #: Short waits so failures are quick; three attempts per file.
 FAST = FetchPolicy(timeout_s=5.0, attempts=3, backoff_s=0.01)

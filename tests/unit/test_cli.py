@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddm.checkpoint import CheckpointMeta, save_checkpoint
+from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
 from ddm.cli import main
 from ddm.models.config import UNET_CONFIGS, RouterConfig
 from ddm.models.router_net import RouterNet

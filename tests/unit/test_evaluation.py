@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddm.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
+from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import Dataset, load_dataset
 from ddm.evaluation import (

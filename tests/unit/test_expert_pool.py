@@ -19,13 +19,13 @@ import httpx
 import numpy as np
 import pytest
 
-from ddm.checkpoint import load_checkpoint
+from ddm.checkpoints.format import load_checkpoint
 from ddm.sampling.pipeline import expert_velocity
-from ddm.serving.expert_pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
+from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
                                      PoolSettings, client_session)
-from ddm.serving.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
+from ddm.serving.router.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
                                   static_endpoints)
-from ddm.serving.expert_server import create_expert_app
+from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
 
 SHAPE = (1, 8, 8)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from ddm.checkpoint import CheckpointError
+from ddm.checkpoints.format import CheckpointError
 from ddm.models.config import UNET_CONFIGS, UNetConfig
 from ddm.models.flax_unet import (canonical_from_params, canonical_shapes, init_params,
                                   make_velocity_fn, params_from_canonical, select_jax_device)

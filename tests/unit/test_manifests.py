@@ -19,7 +19,7 @@ from ddm.operator.manifests import (
     with_spec_hash,
 )
 from ddm.operator.spec import parse_spec
-from ddm.serving.router_config import DnsDiscovery, RouterConfigFile
+from ddm.deploy.router_config import DnsDiscovery, RouterConfigFile
 
 META = {"name": "digits", "namespace": "ml", "uid": "1234", "generation": 1}
 CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",

@@ -14,11 +14,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddm.operator import accelerators, checkpoints, pod_options, spec
+from ddm.checkpoints import uri as checkpoints
+from ddm.operator import accelerators, pod_options, spec
 from ddm.operator.diagram import diagram_file, render_mermaid
 from ddm.operator.spec import SpecError, load_manifest, parse_manifest, parse_spec
 from ddm.sampling.routing import parse_strategy
-from ddm.serving import router_config
+from ddm.deploy import router_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())

@@ -18,7 +18,7 @@ from ddm.sampling.mixture import MixtureExpert
 from ddm.sampling.pipeline import LoadedDDM, generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import SOLVERS, VelocityFn, iterate
-from ddm.serving.remote_sampling import (_ASYNC_STEPS, RemoteMixture, RouterNetwork,
+from ddm.serving.router.remote import (_ASYNC_STEPS, RemoteMixture, RouterNetwork,
                                          SamplingRequest, check_request, denoise,
                                          generate_remote)
 

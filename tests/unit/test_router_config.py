@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddm.serving.router_config import (
+from ddm.deploy.router_config import (
     Auth,
     Coalescing,
     DnsDiscovery,

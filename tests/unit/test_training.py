@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ddm.checkpoint import read_meta
+from ddm.checkpoints.format import read_meta
 from ddm.cli import main
 from ddm.models.config import UNET_CONFIGS
 from ddm.training.config import TrainConfig

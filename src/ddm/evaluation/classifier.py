@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddm.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
+from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from ddm.models.config import ConfigError
 from ddm.models.torch_io import canonical_weights, load_canonical
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ddm.checkpoint import read_meta
+from ddm.checkpoints.format import read_meta
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import load_dataset
 from ddm.evaluation.classifier import Classifier, load_classifier

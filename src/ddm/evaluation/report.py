@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ddm.checkpoint import load_checkpoint, read_meta
+from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import load_dataset
 from ddm.evaluation.commands import evaluate_images

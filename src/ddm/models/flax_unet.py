@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddm.checkpoint import check_weight_shapes
+from ddm.checkpoints.format import check_weight_shapes
 from ddm.convention import TIME_EMBEDDING_SCALE
 from ddm.models.config import UNetConfig
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddm.checkpoint import Checkpoint, CheckpointError, check_weight_shapes
+from ddm.checkpoints.format import Checkpoint, CheckpointError, check_weight_shapes
 from ddm.models.config import ConfigError, RouterConfig, UNetConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_unet import UNet

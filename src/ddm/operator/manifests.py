@@ -28,11 +28,11 @@ from ddm.operator.access import (
     router_token,
 )
 from ddm.operator.accelerators import NEURON_CACHE_DIR, placement
-from ddm.operator.checkpoints import Checkpoint, CheckpointMount, checkpoint_mount
+from ddm.checkpoints.uri import Checkpoint, CheckpointMount, checkpoint_mount
 from ddm.operator.config import OperatorConfig
 from ddm.operator.pod_options import PodOptions
 from ddm.operator.spec import DDMSpec, ExpertSpec
-from ddm.serving.router_config import (
+from ddm.deploy.router_config import (
     Auth,
     DnsDiscovery,
     ExpertEntry,

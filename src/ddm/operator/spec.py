@@ -23,11 +23,11 @@ from ddm.operator.accelerators import (
     node_label_conflicts,
     with_defaults,
 )
-from ddm.operator.checkpoints import Checkpoint, parse_checkpoint
+from ddm.checkpoints.uri import Checkpoint, parse_checkpoint
 from ddm.operator.fields import FieldReader
 from ddm.operator.names import API_VERSION, KIND
 from ddm.operator.pod_options import PodOptions, parse_pod_options
-from ddm.serving.router_config import MAX_STEPS, SOLVERS, STRATEGY_PATTERN
+from ddm.deploy.router_config import MAX_STEPS, SOLVERS, STRATEGY_PATTERN
 
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 24

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from ddm.operator.checkpoints import Checkpoint
+from ddm.checkpoints.uri import Checkpoint
 from ddm.operator.spec import DDMManifest, ExpertSpec
-from ddm.serving.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
+from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                        StaticDiscovery)
 from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 

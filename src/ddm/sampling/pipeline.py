@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ddm.checkpoint import Checkpoint, CheckpointError, load_checkpoint, read_meta
+from ddm.checkpoints.format import Checkpoint, CheckpointError, load_checkpoint, read_meta
 from ddm.convention import time_grid, to_uint8
 from ddm.sampling.mixture import (MixtureExpert, RouterFn, UsageLog, mixture_velocity,
                                   single_model, validate_oracle)

@@ -41,7 +41,7 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True, type=Path, help="router.yaml")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
     p.add_argument("--port", type=int, default=8080)
-    # Unset limits come from router.yaml's limits: (defaults in ddm.serving.router_config).
+    # Unset limits come from router.yaml's limits: (defaults in ddm.deploy.router_config).
     p.add_argument("--max-batch", type=int, help="labels per request; more get 422")
     p.add_argument("--max-steps", type=int, help="steps per request; more get 422")
     p.add_argument("--max-concurrent", type=int,
@@ -71,7 +71,7 @@ def _seconds(text: str) -> float:
 
 
 def _serve_expert(args: argparse.Namespace) -> int:
-    from ddm.serving.expert_server import serve_expert
+    from ddm.serving.expert.server import serve_expert
 
     limits = {name: getattr(args, name) for name in ("max_batch", "max_delay_ms", "max_steps",
                                                       "max_pending")
@@ -83,7 +83,7 @@ def _serve_expert(args: argparse.Namespace) -> int:
 
 
 def _serve_router(args: argparse.Namespace) -> int:
-    from ddm.serving.router_server import serve_router
+    from ddm.serving.router.server import serve_router
 
     serve_router(args.config, host=args.host, port=args.port, log_level=args.log_level,
                  max_batch=args.max_batch, max_steps=args.max_steps,

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ddm.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
+from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from ddm.convention import to_model_space
 from ddm.data import (Dataset, KMeansPartition, LabelPartition, classes_of, fit_kmeans,
                       load_dataset, parse_label_groups, partition_from_dict)

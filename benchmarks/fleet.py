@@ -1,7 +1,7 @@
-"""What ``ddm bench serve`` runs: two deployments of the shipped example started as ``ddm up``
-starts them (experts at ``--max-batch 64`` and at ``--max-batch 1``, each with its router) and
-one reference-protocol server per expert, all on loopback, started together and stopped after.
-"""
+"""What ``python -m benchmarks serve`` runs: two deployments of the shipped example started
+as ``ddm up`` starts them (experts at ``--max-batch 64`` and at ``--max-batch 1``, each with its
+router) and one reference-protocol server per expert, all on loopback, started together and
+stopped after."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, TextIO
 from ddm.operator.spec import DDMManifest
 from ddm.runtime.local import (LocalPlan, ProcessSpec, Supervisor, expert_backend, free_port,
                                plan_local, resolve_checkpoint)
-from ddm.serving.bench_figures import BIG_BATCH
+from benchmarks.figures import BIG_BATCH
 
 HOST = "127.0.0.1"
 #: Concurrent generations (and one-row velocity calls) in the batching figure.
@@ -128,7 +128,7 @@ def _reference_specs(manifest: DDMManifest, env: tuple[tuple[str, str], ...],
     for expert in manifest.spec.experts:
         backend, device = expert_backend(expert)
         port = ports()
-        argv = (sys.executable, "-m", "ddm.serving.reference_protocol", "--checkpoint",
+        argv = (sys.executable, "-m", "benchmarks.reference_protocol", "--checkpoint",
                 str(resolve_checkpoint(expert.checkpoint)), "--host", HOST, "--port", str(port),
                 "--backend", backend, "--device", device)
         specs.append(ProcessSpec(f"reference/{expert.name}", argv, port, env))

@@ -4,10 +4,10 @@ Routes: ``POST /v1/generate`` (JSON in, base64 PNGs out), ``GET /v1/generate/str
 (Server-Sent Events, one ``step`` event per chunk of the grid, then ``done``), ``GET /`` (a web
 page that streams the denoising live), ``GET /v1/info``, ``/healthz``, ``/readyz``, ``/metrics``
 and the OpenAPI document at ``/openapi.json`` (browsable at ``/docs``), which says what the
-router enforces: :mod:`ddm.serving.router_requests` builds the request schemas from the config.
+router enforces: :mod:`ddm.serving.router.requests` builds the request schemas from the config.
 
 The router network is small and runs here; experts are reached through one
-:class:`~ddm.serving.expert_pool.ExpertPool` (:mod:`ddm.serving.router_state` holds both). The
+:class:`~ddm.serving.router.pool.ExpertPool` (:mod:`ddm.serving.router.state` holds both). The
 lifespan starts the pool and loads the router network in the background, so that probes are
 answered at once: ``/readyz`` is 200 once the network is loaded and the experts agree with the
 config, ``"degraded"`` (still 200, naming them) while some experts have no ready replica, and
@@ -53,15 +53,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ddm.convention import to_uint8
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
-from ddm.serving.expert_pool import ExpertError
+from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               probe_responses, run_server)
-from ddm.serving.remote_sampling import (RemoteMixture, SamplingRequest, StepEvent, Tally,
+from ddm.serving.router.remote import (RemoteMixture, SamplingRequest, StepEvent, Tally,
                                          check_request, denoise, generate_remote)
-from ddm.serving.router_config import Auth, RouterConfigFile
-from ddm.serving.router_requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
+from ddm.deploy.router_config import Auth, RouterConfigFile
+from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
                                          echo, readable, request_models, sampling_request)
-from ddm.serving.router_state import (Busy, NotReady, RouterMetrics, RouterState,
+from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.serving.termination import fail_start
 

@@ -6,7 +6,7 @@ labels in ``0..num_classes - 1``, at most ``max_batch`` of them, ``steps`` in ``
 a strategy in the CRD's grammar (``STRATEGY_PATTERN``; only ``oracle`` without a router
 network), no unknown fields and, in a JSON body, integers as JSON Schema reads them (``2`` or
 ``2.0``, never ``"2"``, ``2.5`` or ``true``). What they cannot say are the checks that span
-a label and the experts (:func:`ddm.serving.remote_sampling.check_request`, a 422): with the
+a label and the experts (:func:`ddm.serving.router.remote.check_request`, a 422): with the
 ``oracle`` strategy each label must be owned by exactly one expert, with the others by one at
 least.
 
@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from ddm.sampling.routing import parse_strategy
-from ddm.serving.remote_sampling import SamplingRequest
-from ddm.serving.router_config import STRATEGY_PATTERN, RouterConfigFile
+from ddm.serving.router.remote import SamplingRequest
+from ddm.deploy.router_config import STRATEGY_PATTERN, RouterConfigFile
 
 #: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
 MAX_STRATEGY_CHARS = 32

@@ -2,7 +2,7 @@
 
 The router calls an expert at every denoising step, so a call must cost one round trip on a warm
 connection and survive a replica dying mid-generation. Per expert the pool keeps the replicas
-its endpoint source lists (:mod:`ddm.serving.replicas`: a static list, a DNS name re-resolved
+its endpoint source lists (:mod:`ddm.serving.router.replicas`: a static list, a DNS name re-resolved
 every ``refresh_s``, or any async callable) and sends each call to the usable replica with the
 fewest requests in flight, round-robin among ties. A replica that fails an attempt is marked
 down and only re-probed (``GET /readyz``), with a doubling backoff, until it answers again;
@@ -31,14 +31,14 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ddm.serving.coalescing import Coalescer
+from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.http_client import HttpClient, HttpClientError
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
                                   encode_request)
-from ddm.serving.replicas import (EndpointSource, ExpertInfo, Replica, ReplicaSet,
+from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, Replica, ReplicaSet,
                                   ReplicaState, source_for)
-from ddm.serving.router_config import RouterConfigFile
+from ddm.deploy.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class PoolSettings:
     (every attempt, and waiting for a replica to come back); ``backoff_s`` is the first pause
     before a failed replica is probed again, doubling up to ``max_backoff_s``.
     ``in_flight_per_replica`` requests per ready replica of an expert may be outstanding before
-    further calls to it wait and merge (:mod:`ddm.serving.coalescing`); 0 sends every call on
+    further calls to it wait and merge (:mod:`ddm.serving.router.coalescing`); 0 sends every call on
     its own."""
 
     connect_s: float = 2.0

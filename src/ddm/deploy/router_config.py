@@ -178,9 +178,9 @@ class Retries:
 
 @dataclass(frozen=True)
 class Coalescing:
-    """Merging the calls concurrent generations make to an expert (``ddm.serving.coalescing``):
-    up to ``in_flight_per_replica`` requests per ready replica go out at once, later calls
-    wait and go together. 0 sends every call on its own."""
+    """Merging the calls concurrent generations make to an expert
+    (``ddm.serving.router.coalescing``): up to ``in_flight_per_replica`` requests per ready
+    replica go out at once, later calls wait and go together. 0 sends every call on its own."""
 
     in_flight_per_replica: int = 2
 

@@ -44,11 +44,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ddm.checkpoint import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint, read_meta
+from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
+                                    read_meta)
 from ddm.models.config import UNetConfig
 from ddm.sampling.solvers import iterate
-from ddm.serving import metrics as expert_metrics
-from ddm.serving.backends import Backend, check_backend, load_backend
+from ddm.serving.expert import metrics as expert_metrics
+from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
 from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ServerControl,
                               probe_responses, read_body, retry_after, run_server, send_bytes,

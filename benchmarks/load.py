@@ -1,4 +1,5 @@
-"""``ddm bench load``: many concurrent clients against a router on loopback, for a bounded time.
+"""``python -m benchmarks load``: many concurrent clients against a router on loopback, for a
+bounded time.
 
 With no router URL, the shipped example (``examples/digits.yaml``) runs as ``ddm up`` runs it
 (``ddm.runtime.local.plan_local`` and ``Supervisor``: one ``ddm serve expert`` process per
@@ -101,8 +102,8 @@ def run_load(settings: LoadSettings, router: str | None = None, manifest: Path =
 def load_test_command(clients: int = 64, duration_s: float = 60.0, router: str | None = None,
                       as_json: bool = False, out: TextIO = sys.stdout,
                       log: TextIO = sys.stderr) -> int:
-    """``ddm bench load``: the figures as JSON (``as_json``) or a summary; exit status 1 when
-    any request failed."""
+    """``python -m benchmarks load``: the figures as JSON (``as_json``) or a summary; exit
+    status 1 when any request failed."""
     result = run_load(LoadSettings(clients=clients, duration_s=duration_s), router, log=log)
     if as_json:
         print(json.dumps(result, indent=2), file=out)

@@ -1,4 +1,5 @@
-"""The reference demo's expert protocol, reproduced as the baseline of ``ddm bench serve``.
+"""The reference demo's expert protocol, reproduced as the baseline of
+``python -m benchmarks serve``.
 
 The reference demo called a remote expert at every denoising step by POSTing a zip-compressed
 ``.npz`` (``np.savez_compressed`` of ``x_t``, ``t`` and ``y``) over a new HTTP connection, and the
@@ -17,7 +18,7 @@ models:
 The router loop is ``ddm.sampling.pipeline.generate`` itself, with each expert's velocity replaced
 by :func:`npz_velocity` (:func:`reference_ddm`): the same noise, routing and solver steps as
 in-process sampling. Not for production; the real wire format is ``ddm.serving.protocol``.
-Run one server with ``python -m ddm.serving.reference_protocol --checkpoint DIR --port N``.
+Run one server with ``python -m benchmarks.reference_protocol --checkpoint DIR --port N``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ddm.checkpoint import load_checkpoint
+from ddm.checkpoints.format import load_checkpoint
 from ddm.sampling.pipeline import LoadedDDM, expert_velocity
 from ddm.sampling.solvers import VelocityFn
 
@@ -132,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Serve one expert over the reference protocol until interrupted."""
     from ddm.serving.http import build_server
 
-    parser = argparse.ArgumentParser(prog="python -m ddm.serving.reference_protocol",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.reference_protocol",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--host", default="127.0.0.1")

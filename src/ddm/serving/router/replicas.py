@@ -4,7 +4,7 @@ Endpoint sources list ``host:port`` replicas: a fixed list (the local runtime), 
 resolving to every ready pod (a headless Service), or any async callable. A
 :class:`ReplicaSet` keeps each replica's state (unknown, ready, down), requests in flight and
 probe schedule, and picks the replica for the next call; the
-:class:`~ddm.serving.expert_pool.ExpertPool` does the I/O and tells it what happened.
+:class:`~ddm.serving.router.pool.ExpertPool` does the I/O and tells it what happened.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ddm.serving.router_config import Discovery, DnsDiscovery
+from ddm.deploy.router_config import Discovery, DnsDiscovery
 
 #: ``() -> ["host:port", ...]``: where an expert's replicas are now.
 EndpointSource = Callable[[], Awaitable[Sequence[str]]]

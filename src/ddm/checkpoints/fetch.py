@@ -1,6 +1,6 @@
 """``ddm fetch-checkpoint URI DEST``: download a checkpoint, verify it, and put it at DEST.
 
-The operator's init container runs this (``ddm.operator.checkpoints.FETCH_COMMAND``) so that a
+The operator's init container runs this (``ddm.checkpoints.uri.FETCH_COMMAND``) so that a
 server starts from local files. Where a checkpoint can come from:
 
 - ``http(s)://HOST/PATH``: the checkpoint directory (``PATH/config.json`` and
@@ -40,8 +40,8 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from ddm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, load_checkpoint
-from ddm.operator.checkpoints import REMOTE_SCHEMES, parse_checkpoint
+from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, load_checkpoint
+from ddm.checkpoints.uri import REMOTE_SCHEMES, parse_checkpoint
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 #: Staging directories start with this; a later run removes those an interrupted run left.

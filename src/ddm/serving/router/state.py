@@ -17,12 +17,12 @@ from typing import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ddm.checkpoint import CheckpointError
+from ddm.checkpoints.format import CheckpointError
 from ddm.sampling.mixture import RouterFn
 from ddm.serving.auth import TokenFile
-from ddm.serving.expert_pool import ExpertPool, PoolMetrics, pool_settings
-from ddm.serving.remote_sampling import RemoteMixture, RouterNetwork
-from ddm.serving.router_config import RouterConfigFile
+from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
+from ddm.serving.router.remote import RemoteMixture, RouterNetwork
+from ddm.deploy.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ class RouterState:
 
 def _load_network(path: str, config: RouterConfigFile) -> tuple[RouterFn, tuple[int, int, int]]:
     """The router network's probabilities, checked against ``config``, and its image shape."""
-    from ddm.checkpoint import load_checkpoint
+    from ddm.checkpoints.format import load_checkpoint
     from ddm.models.config import RouterConfig
     from ddm.sampling.pipeline import router_probabilities
 

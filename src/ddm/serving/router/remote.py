@@ -3,7 +3,7 @@
 It takes the steps :func:`ddm.sampling.pipeline.generate` takes — the same noise, time grid,
 routing strategies, per-sample expert selection and solver update formulas
 (``ddm.sampling.solvers``) — but awaits each expert's velocity from an :class:`ExpertCaller`
-(the :class:`~ddm.serving.expert_pool.ExpertPool`), calling the experts one evaluation needs
+(the :class:`~ddm.serving.router.pool.ExpertPool`), calling the experts one evaluation needs
 concurrently. Two differences from in-process sampling:
 
 * an expert is never asked for a label outside its ``classes`` (the expert server refuses them):
@@ -19,7 +19,7 @@ concurrently. Two differences from in-process sampling:
 
 Everything a generation accumulates lives in the generation's own coroutine: concurrent
 generations share only the caller and the :class:`RouterNetwork`, which both merge the calls
-that concurrent generations make at the same time (:mod:`ddm.serving.coalescing`).
+that concurrent generations make at the same time (:mod:`ddm.serving.router.coalescing`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from ddm.sampling.mixture import RouterFn, UsageLog
 from ddm.sampling.routing import Strategy, oracle_probs, routing_weights
 from ddm.sampling.solvers import (EVALUATIONS_PER_STEP, euler_update, heun_update,
                                   initial_noise, solver_step)
-from ddm.serving.coalescing import Coalescer
-from ddm.serving.expert_pool import gather_all
+from ddm.serving.router.coalescing import Coalescer
+from ddm.serving.router.pool import gather_all
 
 #: Up to this many rows, the router network runs on the event loop: at batch 1 it takes about
 #: 0.15 ms, less than the two thread hops of ``asyncio.to_thread``; bigger batches go to a
@@ -51,7 +51,7 @@ AsyncVelocity = Callable[[np.ndarray, np.ndarray, np.ndarray], Awaitable[np.ndar
 
 
 class ExpertCaller(Protocol):
-    """Remote experts by name; :class:`~ddm.serving.expert_pool.ExpertPool` is one."""
+    """Remote experts by name; :class:`~ddm.serving.router.pool.ExpertPool` is one."""
 
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
                        y: np.ndarray) -> np.ndarray: ...

@@ -1,4 +1,5 @@
-"""``ddm bench serve``: what serving the shipped DDM over HTTP costs, measured in one run.
+"""``python -m benchmarks serve``: what serving the shipped DDM over HTTP costs, measured in one
+run.
 
 On loopback, with the shipped experts and router started as ``ddm up`` starts them
 (``ddm.runtime.local.plan_local`` and ``Supervisor``: one ``ddm serve expert`` process per expert
@@ -8,7 +9,7 @@ with one CPU thread, then ``ddm serve router``), it measures the figures of the 
    /v1/generate`` on a keep-alive client) at batch 1 and 64; target: >= 0.85x at batch 64;
 2. per-step overhead at batch 1: distributed minus in-process seconds per step, paired per
    generation (same label and seed), median; target: <= 1 ms;
-3. the reference demo's protocol (:mod:`ddm.serving.reference_protocol`) at batch 1; target:
+3. the reference demo's protocol (:mod:`benchmarks.reference_protocol`) at batch 1; target:
    ours >= 5x its images/s;
 4. 64 concurrent single-image requests with dynamic batching (experts at ``--max-batch 64``) and
    without (``--max-batch 1``), through the router and straight to each expert; target: >= 4x;
@@ -46,14 +47,14 @@ import numpy as np
 from ddm.operator.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT
 from ddm.sampling.pipeline import LoadedDDM, default_checkpoints, generate, load_ddm
-from ddm.serving.bench_figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,
+from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,
                                        WIRE_RATIO, images_per_s, rate, speedup, summary_lines,
                                        throughput_figures, verdict, wire_bytes)
-from ddm.serving.bench_fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
+from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
                                      machine, running_fleet, say)
-from ddm.serving.expert_pool import PoolSettings, client_session
+from ddm.serving.router.pool import PoolSettings, client_session
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
-from ddm.serving.reference_protocol import npz_velocity, reference_ddm
+from benchmarks.reference_protocol import npz_velocity, reference_ddm
 
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
 STRATEGY = "top1"
@@ -459,7 +460,7 @@ def _decode_pngs(encoded: Sequence[str]) -> np.ndarray:
 
 def bench_serve_command(steps: int = 40, quick: bool = False, as_json: bool = False,
                         out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
-    """``ddm bench serve``: the results as JSON (``as_json``) or a summary on ``out``."""
+    """``python -m benchmarks serve``: the results as JSON (``as_json``) or a summary on ``out``."""
     result = run_bench(BenchSettings(steps=steps, quick=quick), log)
     if as_json:
         print(json.dumps(result, indent=2), file=out)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddm.checkpoint import CONFIG_FILE, Checkpoint
+from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
 from ddm.models.config import UNetConfig
 from ddm.sampling.pipeline import expert_velocity
 from ddm.sampling.solvers import VelocityFn

@@ -1,4 +1,5 @@
-"""``ddm bench operator``: the operator bringing up many DDMDeployments on a real control plane.
+"""``python -m benchmarks operator``: the operator bringing up many DDMDeployments on a real
+control plane.
 
 The operator runs as its own process (``ddm operator``, as in its pod) under its own identity, a
 ServiceAccount, so the API server can tell its requests apart: a FlowSchema of API Priority and
@@ -44,7 +45,7 @@ from ddm.devcluster.components import build_kubeconfig
 from ddm.devcluster.processes import free_ports, log_tail
 from ddm.operator import names
 
-CRD_FILE = Path(__file__).resolve().parents[3] / "crds" / "ddmdeployments.ddm.dev.yaml"
+CRD_FILE = Path(__file__).resolve().parents[1] / "crds" / "ddmdeployments.ddm.dev.yaml"
 OPERATOR_ACCOUNT = "ddm-operator"
 #: Requests the API server counts for this FlowSchema are the operator's.
 FLOW_SCHEMA = "ddm-bench-operator"
@@ -450,7 +451,8 @@ def _seconds_to_exit(operator: OperatorProcess) -> float | None:
 def bench_operator_command(ddms: int = 50, experts: int = 8, kubeconfig: Path | None = None,
                            as_json: bool = False, out: TextIO = sys.stdout,
                            log: TextIO = sys.stderr) -> int:
-    """``ddm bench operator``: the figures as JSON (``as_json``) or one line each on ``out``."""
+    """``python -m benchmarks operator``: the figures as JSON (``as_json``) or one line each on
+    ``out``."""
     if ddms < 1:
         raise ValueError(f"ddms must be at least 1, got {ddms}")
     bench_spec(experts)  # refuses a count it cannot build before any cluster starts

@@ -1,7 +1,6 @@
-"""``ddm bench serve``'s arithmetic: the targets, the figures computed from measured seconds
-and bytes, and the one-line summary. Pure functions of what :mod:`ddm.serving.bench` measured,
-so that they are unit-tested without running a server.
-"""
+"""``python -m benchmarks serve``'s arithmetic: the targets, the figures computed from measured
+seconds and bytes, and the one-line summary. Pure functions of what :mod:`benchmarks.serve`
+measured, so that they are unit-tested without running a server."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ddm.serving.protocol import VelocityRequest, encode_request, encode_response
-from ddm.serving.reference_protocol import encode_npz
+from benchmarks.reference_protocol import encode_npz
 
 BIG_BATCH = 64
 

@@ -1,0 +1,1 @@
+"""Benchmarks, load tests and the reference baseline: ``python -m benchmarks --help``."""

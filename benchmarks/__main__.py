@@ -1,0 +1,81 @@
+"""``python -m benchmarks WHAT``: the project's benchmarks, each printing JSON with ``--json``.
+
+They live outside ``src/ddm`` (not shipped in the wheel or the images); run them from a
+checkout with the project installed (``make install``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Measure the system: serving throughput and overhead, load, the operator.")
+    kinds = parser.add_subparsers(dest="what", required=True, metavar="WHAT")
+    p = kinds.add_parser("serve", help="serving on loopback with the shipped experts: "
+                                       "throughput, per-step overhead, batching, wire bytes")
+    p.add_argument("--json", action="store_true",
+                   help="print every figure as JSON (progress goes to stderr)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
+    p.add_argument("--steps", type=int, default=40, help="denoising steps per generation")
+    p.set_defaults(handler=_bench_serve)
+
+    p = kinds.add_parser("load", help="concurrent clients against a router on loopback for a "
+                                      "bounded time: errors, throughput, latency, peak memory")
+    p.add_argument("--clients", type=int, default=64, help="concurrent clients")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
+    p.add_argument("--router", default=None, help="a running router, http://127.0.0.1:PORT "
+                   "(default: start the shipped example's experts and router)")
+    p.add_argument("--json", action="store_true",
+                   help="print every figure as JSON (progress goes to stderr)")
+    p.set_defaults(handler=_bench_load)
+
+    p = kinds.add_parser("operator", help="the operator bringing up many DDMDeployments on a dev "
+                                          "cluster: time to children and statuses, memory, "
+                                          "API requests")
+    p.add_argument("--json", action="store_true",
+                   help="print every figure as JSON (progress goes to stderr)")
+    p.add_argument("--ddms", type=int, default=50, help="DDMDeployments to create")
+    p.add_argument("--experts", type=int, default=8, help="experts in each (2 to 10)")
+    p.add_argument("--kubeconfig", type=Path, default=None,
+                   help="use this cluster as its admin (default: start a fresh dev cluster)")
+    p.set_defaults(handler=_bench_operator)
+    return parser
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from benchmarks.serve import bench_serve_command
+
+    return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json)
+
+
+def _bench_operator(args: argparse.Namespace) -> int:
+    from benchmarks.operator import bench_operator_command
+
+    return bench_operator_command(ddms=args.ddms, experts=args.experts,
+                                  kubeconfig=args.kubeconfig, as_json=args.json)
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from benchmarks.load import LoadTestError, load_test_command
+
+    try:
+        return load_test_command(clients=args.clients, duration_s=args.duration,
+                                 router=args.router, as_json=args.json)
+    except (LoadTestError, ValueError) as error:
+        print(f"benchmarks: error: {error}", file=sys.stderr)
+        return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
