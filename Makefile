@@ -26,6 +26,7 @@ test: lint
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks
+	PYTHONPATH=src $(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) out
