@@ -73,7 +73,7 @@ def get(url: str, out: BinaryIO, *, limit: int, deadline: float, timeout_s: floa
     """GET ``url`` into ``out`` (see the module docstring); raises ``FetchError``."""
     origin = _origin(urlsplit(url))
     for _ in range(max_redirects + 1):
-        parts, destination = _check_hop(url, networks, pinned)
+        parts, destination = check_hop(url, networks, pinned)
         sent = dict(headers) if _origin(parts) == origin else {}
         location = _exchange(url, parts, destination, out, sent, limit, deadline, timeout_s)
         if isinstance(location, Received):
@@ -82,8 +82,10 @@ def get(url: str, out: BinaryIO, *, limit: int, deadline: float, timeout_s: floa
     raise FetchError(f"{shown(url)}: more than {max_redirects} redirects")
 
 
-def _check_hop(url: str, networks: Sequence[Network], pinned: bool
-               ) -> tuple[SplitResult, Destination]:
+def check_hop(url: str, networks: Sequence[Network], pinned: bool
+              ) -> tuple[SplitResult, Destination]:
+    """What may be fetched: ``url``'s parts and checked addresses, or ``FetchError``. It only
+    resolves the host (an IP literal not even that): nothing connects before it answers."""
     try:
         parts = urlsplit(url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
