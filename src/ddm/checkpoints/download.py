@@ -111,11 +111,13 @@ def _exchange(url: str, parts: SplitResult, destination: Destination, out: Binar
               ) -> Received | str:
     """One request on a fresh connection: the body received, or the next URL to try."""
     sock = _connect(url, parts, destination, deadline, timeout_s)
-    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(sock,))
+    expired = threading.Event()
+    watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(sock, expired))
     watchdog.daemon = True
     watchdog.start()
     connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
     connection.sock = sock  # already connected to a checked address: never resolved again
+    late = FetchError(f"{shown(url)}: the download did not finish by its deadline")
     try:
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         connection.request("GET", path, headers={
@@ -126,18 +128,23 @@ def _exchange(url: str, parts: SplitResult, destination: Destination, out: Binar
             location = response.getheader("Location")
             if not location:
                 raise FetchError(f"{shown(url)}: HTTP {response.status} without a Location")
-            return urljoin(url, location.strip()).partition("#")[0]
-        if response.status != 200:
+            outcome: Received | str = urljoin(url, location.strip()).partition("#")[0]
+        elif response.status != 200:
             raise _status_error(url, response.status)
-        return _stream(url, response, out, limit)
-    except (OSError, http.client.HTTPException) as exc:
-        if time.monotonic() >= deadline:
-            raise FetchError(f"{shown(url)}: the download did not finish by its deadline"
-                             ) from None
+        else:
+            outcome = _stream(url, response, out, limit)
+    except (OSError, http.client.HTTPException, Retryable) as exc:
+        if expired.is_set():
+            raise late from None
+        if isinstance(exc, Retryable):
+            raise
         raise Retryable(f"{shown(url)}: download interrupted ({_reason(exc)})") from None
     finally:
         watchdog.cancel()
         connection.close()
+    if expired.is_set():  # a cut socket reads as an end: headers or a body may look complete
+        raise late
+    return outcome
 
 
 def _connect(url: str, parts: SplitResult, destination: Destination, deadline: float,
@@ -217,9 +224,10 @@ def _reason(exc: BaseException | None) -> str:
     return type(exc).__name__
 
 
-def _cut(sock: socket.socket) -> None:
+def _cut(sock: socket.socket, expired: threading.Event) -> None:
     """The deadline: wake whatever read is blocked on ``sock`` (the base class's shutdown, not
-    an SSL socket's, which would unwrap)."""
+    an SSL socket's, which would unwrap) and say so: what was read since is not trusted."""
+    expired.set()
     try:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
     except OSError:
