@@ -216,6 +216,7 @@ class _CountingServer(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], store: Store,
                  context: ssl.SSLContext | None) -> None:
         self.store, self.context = store, context
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         super().__init__(address, _store_handler(store))
 
     def verify_request(self, request: object, client_address: object) -> bool:
@@ -231,14 +232,15 @@ class _CountingServer(ThreadingHTTPServer):
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., Store]]:
-    """Start stores: ``serve(context=None)`` on 127.0.0.1; stopped when the test ends."""
+    """Start stores (``serve(context=None, host="127.0.0.1")``); stopped when the test ends."""
     started: list[tuple[_CountingServer, threading.Thread]] = []
 
-    def start(context: ssl.SSLContext | None = None) -> Store:
+    def start(context: ssl.SSLContext | None = None, host: str = "127.0.0.1") -> Store:
         store = Store()
-        server = _CountingServer(("127.0.0.1", 0), store, context)
+        server = _CountingServer((host, 0), store, context)
         store.port = server.server_address[1]
-        store.url = f"{'https' if context else 'http'}://127.0.0.1:{store.port}"
+        netloc = f"[{host}]" if ":" in host else host
+        store.url = f"{'https' if context else 'http'}://{netloc}:{store.port}"
         thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
                                   daemon=True)
         thread.start()
@@ -320,6 +322,17 @@ def test_a_loopback_store_is_refused_without_a_connection_unless_allowed(serve, 
     assert store.connections == 0 and not (tmp_path / "expert").exists()
     fetch_checkpoint(uri, tmp_path / "expert", FAST)
     assert load_checkpoint(tmp_path / "expert").meta.name == "smoke-torch"
+
+
+def test_an_ipv6_store_is_reached_at_the_address_checked(serve, archive, tmp_path):
+    store = serve(host="::1")
+    store.files["/m.tar.gz"] = archive
+    with pytest.raises(FetchError, match=REFUSED):
+        fetch_checkpoint(f"{store.url}/m.tar.gz", tmp_path / "refused", FAST)
+    policy = FetchPolicy(timeout_s=5.0, attempts=1, allowed_networks=parse_networks(["::1"]))
+    fetch_checkpoint(f"{store.url}/m.tar.gz", tmp_path / "expert", policy)
+    [(_, sent)] = store.requests
+    assert sent["Host"] == f"[::1]:{store.port}" and store.connections == 1
 
 
 @pytest.mark.parametrize("location", [

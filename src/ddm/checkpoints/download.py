@@ -88,7 +88,7 @@ def check_hop(url: str, networks: Sequence[Network], pinned: bool
     resolves the host (an IP literal not even that): nothing connects before it answers."""
     try:
         parts = urlsplit(url)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+        port = _port(parts)
     except ValueError:
         raise FetchError(f"{shown(url)}: not a valid URL") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -115,7 +115,7 @@ def _exchange(url: str, parts: SplitResult, destination: Destination, out: Binar
     watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(sock, expired))
     watchdog.daemon = True
     watchdog.start()
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    connection = http.client.HTTPConnection(parts.hostname, _port(parts), timeout=timeout_s)
     connection.sock = sock  # already connected to a checked address: never resolved again
     late = FetchError(f"{shown(url)}: the download did not finish by its deadline")
     try:
@@ -149,7 +149,7 @@ def _exchange(url: str, parts: SplitResult, destination: Destination, out: Binar
 
 def _connect(url: str, parts: SplitResult, destination: Destination, deadline: float,
              timeout_s: float) -> socket.socket:
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    port = _port(parts)
     problem: OSError | None = None
     for address in destination.addresses:
         wait = min(timeout_s, deadline - time.monotonic())
@@ -206,6 +206,10 @@ def _status_error(url: str, status: int) -> FetchError:
         return Retryable(text)
     hint = {404: NOT_FOUND_HINT, 401: PRIVATE_HINT, 403: PRIVATE_HINT}.get(status)
     return FetchError(text + (f" ({hint})" if hint else ""))
+
+
+def _port(parts: SplitResult) -> int:
+    return parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _origin(parts: SplitResult) -> tuple[str, str, int | None]:
