@@ -336,11 +336,14 @@ def test_uris_that_are_not_fetched_are_refused(tmp_path, uri, problem):
     _assert_nothing_left(tmp_path)
 
 
-def test_the_cli_reports_a_failure_in_one_line_with_exit_status_2(origin, tmp_path, capsys):
+def test_the_cli_reports_a_failure_in_one_line_with_exit_status_2(origin, tmp_path, capsys,
+                                                                  termination_log):
     uri = f"{origin.url}/missing"
     assert main(["fetch-checkpoint", uri, str(tmp_path / "expert"), *ALLOW_LOOPBACK]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"ddm: error: {uri}: ")
     assert "HTTP 404" in captured.err and captured.err.count("\n") == 1
+    # the pod's termination message, which the operator shows in the DDM's status
+    assert termination_log.read_text() == captured.err.removeprefix("ddm: error: ")
     _assert_nothing_left(tmp_path)
