@@ -417,7 +417,8 @@ def test_credentials_go_to_the_store_and_not_to_where_it_redirects(serve, archiv
 @pytest.mark.parametrize("line, problem", [
     (f"Authorization Bearer {SECRET}", "line 2: is not 'Name: value'"),
     (f"Host: {SECRET}", "line 2: sets Host, which the fetcher sets itself"),
-    (f"X-Token: {SECRET}\x01", "line 2: has a control character in its value"),
+    (f"X-Token: {SECRET}\x01", "line 2: has a control or non-ASCII character in its value"),
+    (f"X-Token: {SECRET}\u2019", "line 2: has a control or non-ASCII character in its value"),
 ])
 def test_a_bad_headers_file_names_the_line_and_never_the_value(tmp_path, line, problem):
     path = tmp_path / "headers"

@@ -152,8 +152,8 @@ def read_headers_file(path: str | os.PathLike) -> dict[str, str]:
         problem = ("is not 'Name: value'" if not colon or not _HEADER_NAME.match(name)
                    else f"sets {name}, which the fetcher sets itself"
                    if name.lower() in _OWN_HEADERS
-                   else "has a control character in its value"
-                   if any(ord(c) < 32 or ord(c) == 127 for c in value) else "")
+                   else "has a control or non-ASCII character in its value"
+                   if any(not 32 <= ord(c) < 127 for c in value) else "")
         if problem:
             raise FetchError(f"headers file {path}, line {number}: {problem}")
         headers[name] = value
