@@ -298,17 +298,63 @@ def _add_fetch_checkpoint(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("fetch-checkpoint",
                             help="download and verify a checkpoint (the operator's init "
                                  "container runs this)")
-    p.add_argument("uri", help="http(s)://... (a checkpoint directory or a .tar.gz of it), "
-                               "s3://BUCKET/KEY or gs://BUCKET/KEY (public objects)")
+    p.add_argument("uri", nargs="?",
+                   help="http(s)://... (a checkpoint directory or a .tar.gz of it), "
+                        "s3://BUCKET/KEY or gs://BUCKET/KEY; default $DDM_CHECKPOINT_URI (from a "
+                        "Secret: a pre-signed URL's signature stays off the command line)")
     p.add_argument("dest", type=Path,
                    help="directory to create, or an empty one (a volume's mount point)")
+    p.add_argument("--sha256", metavar="HEX",
+                   help="pin the download: the SHA-256 of the archive, or of config.json for a "
+                        "directory (default $DDM_CHECKPOINT_SHA256); needed for plain http")
+    p.add_argument("--headers-file", type=Path, metavar="PATH",
+                   help="HTTP headers sent to the store ('Name: value' lines, e.g. "
+                        "'Authorization: Bearer ...'; a mounted Secret; default "
+                        "$DDM_FETCH_HEADERS_FILE)")
+    p.add_argument("--allow-network", action="append", metavar="CIDR",
+                   help="a non-public network the store is in (repeatable; e.g. 10.0.3.7/32 "
+                        "for an on-prem store; default $DDM_FETCH_ALLOW_NETWORKS, "
+                        "comma-separated); cloud metadata addresses stay refused")
+    p.add_argument("--deadline", type=float, metavar="SECONDS",
+                   help="time for the whole download, every file and retry included "
+                        "(default: an hour)")
     p.set_defaults(handler=_fetch_checkpoint)
 
 
 def _fetch_checkpoint(args: argparse.Namespace) -> int:
-    from ddm.checkpoints.fetch import fetch_checkpoint
+    import dataclasses
+    import os
 
-    print(f"fetched {args.uri} into {fetch_checkpoint(args.uri, args.dest)}")
+    from ddm.checkpoints.destinations import parse_networks
+    from ddm.checkpoints.fetch import (ENV_ALLOW_NETWORKS, ENV_HEADERS_FILE, ENV_SHA256, ENV_URI,
+                                       FetchError, FetchPolicy, fetch_checkpoint,
+                                       read_headers_file)
+    from ddm.checkpoints.uri import redact_uri
+    from ddm.serving.termination import write_termination_message
+
+    try:
+        uri = args.uri or os.environ.get(ENV_URI)
+        if not uri:
+            raise UserError(f"give the checkpoint URI as an argument or in ${ENV_URI}")
+        if args.deadline is not None and not args.deadline > 0:
+            raise UserError(f"--deadline must be a positive number of seconds, "
+                            f"got {args.deadline:g}")
+        networks = (args.allow_network if args.allow_network is not None
+                    else os.environ.get(ENV_ALLOW_NETWORKS, "").split(","))
+        try:
+            policy = FetchPolicy(allowed_networks=parse_networks(networks))
+        except ValueError as exc:
+            raise UserError(f"--allow-network: {exc}") from None
+        if args.deadline is not None:
+            policy = dataclasses.replace(policy, deadline_s=args.deadline)
+        headers_file = args.headers_file or os.environ.get(ENV_HEADERS_FILE)
+        dest = fetch_checkpoint(uri, args.dest, policy,
+                                sha256=args.sha256 or os.environ.get(ENV_SHA256) or None,
+                                headers=read_headers_file(headers_file) if headers_file else None)
+    except (UserError, FetchError) as exc:
+        write_termination_message(str(exc))  # the pod's status shows it; redacted already
+        raise
+    print(f"fetched {redact_uri(uri)} into {dest}")
     return 0
 
 

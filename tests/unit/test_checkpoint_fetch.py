@@ -16,13 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from ddm.checkpoints.destinations import parse_networks
 from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
-from ddm.cli import main
+from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ddm.checkpoints.uri import FETCH_COMMAND, checkpoint_mount, parse_checkpoint
+from ddm.cli import main
 
+#: The loopback server's one address: the only non-public destination these fetches may reach.
+LOOPBACK = parse_networks(["127.0.0.1/32"])
 #: Short waits so failures are quick; three attempts per file.
-FAST = FetchPolicy(timeout_s=5.0, attempts=3, backoff_s=0.01)
+FAST = FetchPolicy(timeout_s=5.0, attempts=3, backoff_s=0.01, allowed_networks=LOOPBACK)
+ALLOW_LOOPBACK = ["--allow-network", "127.0.0.1/32"]
 DROP = "drop"    # send the headers and half the body, then close the connection
 STALL = "stall"  # answer nothing until the test ends
 
@@ -42,9 +46,10 @@ def _handler(origin: Origin) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             origin.requests.append(self.path)
-            pending = origin.failures.get(self.path)
+            path = self.path.partition("?")[0]  # a pre-signed URL's query names the same file
+            pending = origin.failures.get(path)
             failure = pending.pop(0) if pending else None
-            body = origin.files.get(self.path)
+            body = origin.files.get(path)
             if failure == STALL:
                 origin.release.wait(10)
                 return
@@ -63,6 +68,14 @@ def _handler(origin: Origin) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+@pytest.fixture(autouse=True)
+def termination_log(tmp_path_factory, monkeypatch) -> Path:
+    """Where the CLI leaves its termination message (never the host's /dev)."""
+    path = tmp_path_factory.mktemp("termination") / "message"
+    monkeypatch.setenv("DDM_TERMINATION_LOG", str(path))
+    return path
 
 
 @pytest.fixture
@@ -171,7 +184,7 @@ def test_the_operator_init_container_command_fills_an_existing_mount_point(
                              mount_path=str(mount_point), fetcher={})
     command = mount.init_containers[0]["command"]
     assert tuple(command[:2]) == FETCH_COMMAND
-    assert main(command[1:]) == 0
+    assert main([*command[1:], *ALLOW_LOOPBACK]) == 0
     _assert_same_checkpoint(mount_point, smoke_expert_checkpoint)
     assert sorted(p.name for p in mount_point.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
     assert f"fetched {origin.url}/smoke into {mount_point}" in capsys.readouterr().out
@@ -213,7 +226,8 @@ def test_not_found_names_the_uri_and_leaves_no_destination(origin, tmp_path):
 def test_a_private_object_says_how_to_reach_it(origin, smoke_expert_checkpoint, tmp_path):
     _serve_directory(origin, "/private/smoke", smoke_expert_checkpoint)
     origin.failures["/private/smoke/weights.safetensors"] = [403]
-    with pytest.raises(FetchError, match=r"s3://private/smoke: .*HTTP 403.*pvc://.*pre-signed"):
+    with pytest.raises(FetchError, match=r"s3://private/smoke: .*HTTP 403.*--headers-file.*"
+                                         r"pre-signed"):
         fetch_checkpoint("s3://private/smoke", tmp_path / "expert", FAST,
                          env={"AWS_ENDPOINT_URL": origin.url})
     _assert_nothing_left(tmp_path)
@@ -253,7 +267,7 @@ def test_retries_are_bounded(origin, smoke_expert_checkpoint, tmp_path):
 def test_a_silent_server_times_out(origin, smoke_expert_checkpoint, tmp_path):
     _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
     origin.failures["/smoke/weights.safetensors"] = [STALL, STALL]
-    policy = FetchPolicy(timeout_s=0.2, attempts=2, backoff_s=0.01)
+    policy = FetchPolicy(timeout_s=0.2, attempts=2, backoff_s=0.01, allowed_networks=LOOPBACK)
     with pytest.raises(FetchError, match=r"timed out.*gave up after 2 attempts"):
         fetch_checkpoint(f"{origin.url}/smoke", tmp_path / "expert", policy)
     _assert_nothing_left(tmp_path)
@@ -262,8 +276,11 @@ def test_a_silent_server_times_out(origin, smoke_expert_checkpoint, tmp_path):
 def test_downloads_over_the_size_limit_are_refused(origin, smoke_expert_checkpoint, tmp_path):
     _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
     size = (smoke_expert_checkpoint / WEIGHTS_FILE).stat().st_size
-    policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size - 1)
-    with pytest.raises(FetchError, match=rf"is {size} bytes, over the {size - 1}-byte limit"):
+    config = len(origin.files["/smoke/config.json"])  # fetched first, within the same budget
+    policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size - 1,
+                         allowed_networks=LOOPBACK)
+    with pytest.raises(FetchError, match=rf"is {size} bytes, over the {size - 1 - config}-byte "
+                                         "limit"):
         fetch_checkpoint(f"{origin.url}/smoke", tmp_path / "expert", policy)
     _assert_nothing_left(tmp_path)
 
@@ -272,7 +289,8 @@ def test_an_archive_that_inflates_past_the_limit_is_refused(origin, tmp_path):
     origin.files["/bomb.tar.gz"] = _archive(
         lambda tar: _add_bytes(tar, "weights.safetensors", bytes(1 << 20)))
     size = len(origin.files["/bomb.tar.gz"])
-    policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size + 4096)
+    policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size + 4096,
+                         allowed_networks=LOOPBACK)
     with pytest.raises(FetchError, match=r"archive member weights.safetensors: more than"):
         fetch_checkpoint(f"{origin.url}/bomb.tar.gz", tmp_path / "expert", policy)
     _assert_nothing_left(tmp_path)
@@ -318,11 +336,14 @@ def test_uris_that_are_not_fetched_are_refused(tmp_path, uri, problem):
     _assert_nothing_left(tmp_path)
 
 
-def test_the_cli_reports_a_failure_in_one_line_with_exit_status_2(origin, tmp_path, capsys):
+def test_the_cli_reports_a_failure_in_one_line_with_exit_status_2(origin, tmp_path, capsys,
+                                                                  termination_log):
     uri = f"{origin.url}/missing"
-    assert main(["fetch-checkpoint", uri, str(tmp_path / "expert")]) == 2
+    assert main(["fetch-checkpoint", uri, str(tmp_path / "expert"), *ALLOW_LOOPBACK]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"ddm: error: {uri}: ")
     assert "HTTP 404" in captured.err and captured.err.count("\n") == 1
+    # the pod's termination message, which the operator shows in the DDM's status
+    assert termination_log.read_text() == captured.err.removeprefix("ddm: error: ")
     _assert_nothing_left(tmp_path)

@@ -5,106 +5,188 @@ server starts from local files. Where a checkpoint can come from:
 
 - ``http(s)://HOST/PATH``: the checkpoint directory (``PATH/config.json`` and
   ``PATH/weights.safetensors`` are fetched), or a ``.tar.gz``/``.tgz``/``.tar`` of it (the two
-  files at the archive's root or in one top-level directory). A pre-signed URL (a private
-  object) works in the archive form.
+  files at the archive's root or in one top-level directory).
 - ``s3://BUCKET/KEY`` through ``https://BUCKET.s3.amazonaws.com/KEY`` (``s3.REGION`` when
   ``AWS_REGION`` is set), or ``$AWS_ENDPOINT_URL_S3``/``$AWS_ENDPOINT_URL``/BUCKET/KEY.
 - ``gs://BUCKET/KEY`` through ``https://storage.googleapis.com/BUCKET/KEY``, or
   ``$STORAGE_EMULATOR_HOST``/BUCKET/KEY.
 
-Requests are anonymous: s3:// and gs:// reach public objects only. A private bucket needs a
-``pvc://`` checkpoint or a pre-signed ``https://`` URL of an archive.
+The URI is a tenant's input and the fetcher runs inside the cluster, so (``download`` and
+``destinations`` carry this out):
 
-Each file is streamed to disk with a timeout, bounded retries with exponential back-off on 5xx,
-429 and connection errors, and a size limit on everything downloaded or extracted. Archives are
-extracted member by member: only regular files and directories, no absolute paths, no ``..``.
-The result is checked with the checkpoint module's own loader (config and weights' SHA-256)
-before it is moved into place: DEST holds the complete checkpoint or nothing new. DEST may be
-absent (created by one rename) or an existing directory (an emptyDir mount point, which cannot
-be renamed): the checkpoint is staged inside it, and its ``config.json`` is moved in last.
+- Destinations: public addresses only, judged after DNS resolution and connected to as
+  checked; loopback, link-local, private and other non-public networks only when allowed
+  explicitly (``allowed_networks``, ``--allow-network CIDR``); cloud metadata never. Every
+  redirect (at most ``max_redirects``) is checked the same way before any connection to it.
+  A refused destination gets one message whatever the cause: errors reach the DDM's status
+  and must not map the cluster's network.
+- ``https``; plain ``http`` only when the download is pinned or the host is in an allowed
+  network.
+- A pinned SHA-256 (``--sha256``) of the bytes received: the archive for an archive URI, the
+  ``config.json`` for a directory URI (it records the weights' SHA-256, which the loader
+  checks, so one pin covers both). Unpinned, the checkpoint's own checksum only proves the
+  files agree with each other, not where they came from.
+- Credentials never in the URI (a URI with ``user:password@`` is refused): HTTP headers from a
+  file a Secret mounts (``--headers-file``, ``read_headers_file``), sent to the store's origin
+  only. A pre-signed URL works too; it may come from ``$DDM_CHECKPOINT_URI`` (a Secret) rather
+  than the command line.
+- URIs are shown through ``redact_uri`` (no query, fragment or userinfo) in every message.
+
+Each file is streamed to disk with a timeout per wait, bounded retries with exponential
+back-off on 5xx, 429 and connection errors, one deadline for the whole fetch, and a size limit
+on everything downloaded or extracted. Archives are extracted member by member, at most
+``max_entries``: only regular files and directories, no absolute paths, no ``..``. The result
+is checked with the checkpoint module's own loader (config and weights' SHA-256) before it is
+moved into place: DEST holds the complete checkpoint or nothing new. DEST may be absent
+(created by one rename) or an existing directory (an emptyDir mount point, which cannot be
+renamed): the checkpoint is staged inside it, and its ``config.json`` is moved in last.
 """
 
 from __future__ import annotations
 
-import http.client
 import os
+import re
 import shutil
 import tarfile
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from ddm.checkpoints.destinations import Network
+from ddm.checkpoints.download import FetchError, Received, Retryable, get, shown
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, load_checkpoint
-from ddm.checkpoints.uri import REMOTE_SCHEMES, parse_checkpoint
+from ddm.checkpoints.uri import REMOTE_SCHEMES, parse_checkpoint, redact_uri
 
+__all__ = ["FetchError", "FetchPolicy", "fetch_checkpoint", "parse_sha256", "read_headers_file",
+           "resolve_url"]
+
+#: Environment the init container may be given instead of arguments (from a Secret).
+ENV_URI = "DDM_CHECKPOINT_URI"
+ENV_SHA256 = "DDM_CHECKPOINT_SHA256"
+ENV_HEADERS_FILE = "DDM_FETCH_HEADERS_FILE"
+ENV_ALLOW_NETWORKS = "DDM_FETCH_ALLOW_NETWORKS"
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 #: Staging directories start with this; a later run removes those an interrupted run left.
 STAGING_PREFIX = ".ddm-fetch-"
-NOT_FOUND_HINT = ("nothing at this URL: the URI names a checkpoint directory (with config.json "
-                  "and weights.safetensors) or a .tar.gz of one")
-PRIVATE_HINT = ("anonymous requests reach public objects only: for a private bucket use a pvc:// "
-                "checkpoint or a pre-signed https:// URL of a .tar.gz of the checkpoint")
 _CHUNK = 1 << 20
-#: What a flaky network or server raises (``HTTPError`` is a ``URLError``: caught before).
-_CONNECTION_ERRORS = (urllib.error.URLError, ConnectionError, TimeoutError,
-                      http.client.HTTPException)
-
-
-class FetchError(RuntimeError):
-    """A checkpoint could not be fetched; the message names the URI and the reason."""
+_HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+#: Headers the fetcher sets itself; a headers file may not replace them.
+_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
 
 @dataclass(frozen=True)
 class FetchPolicy:
-    """Limits of one fetch: per-request ``timeout_s``, ``attempts`` per file (the waits between
-    them are ``backoff_s``, doubling), and ``max_bytes`` downloaded plus extracted in all."""
+    """Limits of one fetch.
+
+    ``timeout_s`` bounds each wait for bytes; ``deadline_s`` the whole fetch (every file,
+    attempt, redirect and back-off). ``attempts`` per file, the waits between them
+    ``backoff_s``, doubling. ``max_bytes`` downloaded plus extracted in all, ``max_entries``
+    in an archive, ``max_redirects`` per request. ``allowed_networks``: non-public networks
+    the fetcher may reach (see ``ddm.checkpoints.destinations``); empty, public hosts only.
+    """
 
     timeout_s: float = 60.0
+    deadline_s: float = 3600.0  # an hour
     attempts: int = 5
     backoff_s: float = 1.0
     max_bytes: int = 16 << 30
+    max_entries: int = 64
+    max_redirects: int = 5
+    allowed_networks: tuple[Network, ...] = ()
 
 
-class _Retryable(Exception):
-    """A transient failure (5xx, 429, a dropped or timed-out connection): try again."""
+@dataclass(frozen=True)
+class _Fetch:
+    """One fetch's settings, as the download of each file needs them."""
+
+    policy: FetchPolicy
+    deadline: float
+    pinned: bool
+    headers: Mapping[str, str]
 
 
 def fetch_checkpoint(uri: str, dest: str | os.PathLike, policy: FetchPolicy = FetchPolicy(),
-                     env: Mapping[str, str] | None = None) -> Path:
+                     env: Mapping[str, str] | None = None, *, sha256: str | None = None,
+                     headers: Mapping[str, str] | None = None) -> Path:
     """Fetch the checkpoint at ``uri`` into ``dest`` and return ``dest``.
 
-    ``env`` supplies the endpoint overrides (default ``os.environ``). Raises ``FetchError``;
-    on any failure ``dest`` is left as it was (absent, or without a new checkpoint).
+    ``sha256`` pins the bytes (``parse_sha256``): of the archive for an archive URI, of
+    ``config.json`` for a directory URI. ``headers`` (credentials, ``read_headers_file``) go to
+    the store's origin only. ``env`` supplies the endpoint overrides (default ``os.environ``).
+    Raises ``FetchError`` whose message starts with the redacted URI; on any failure ``dest``
+    is left as it was (absent, or without a new checkpoint).
     """
     try:
-        checkpoint = parse_checkpoint(uri)
-    except ValueError as exc:
-        raise FetchError(str(exc)) from None
-    if checkpoint.scheme not in REMOTE_SCHEMES:
-        raise FetchError(f"{uri}: fetch-checkpoint downloads {', '.join(REMOTE_SCHEMES)} URIs; "
-                         f"a {checkpoint.scheme}:// checkpoint is mounted, not fetched")
-    target = Path(dest)
-    base_url = resolve_url(uri, os.environ if env is None else env)
+        return _fetch(uri, Path(dest), policy, os.environ if env is None else env,
+                      None if sha256 is None else parse_sha256(sha256), headers or {})
+    except FetchError as exc:
+        raise FetchError(f"{redact_uri(uri)}: {exc}") from None
+
+
+def parse_sha256(text: str) -> str:
+    """A pinned SHA-256: 64 hex digits, optionally ``sha256:``-prefixed; lower case."""
+    digest = text.strip().lower().removeprefix("sha256:")
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise FetchError(f"the pinned sha256 must be 64 hexadecimal digits (optionally "
+                         f"'sha256:' first), got {len(digest)} characters")
+    return digest
+
+
+def read_headers_file(path: str | os.PathLike) -> dict[str, str]:
+    """HTTP headers from ``path`` (a mounted Secret key): ``Name: value`` per line, blank
+    lines and ``#`` comments skipped. Errors name the line, never a value."""
     try:
-        staging = _staging_dir(uri, target)
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeError) as exc:
+        raise FetchError(f"cannot read the headers file {path}: {exc}") from None
+    headers: dict[str, str] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, colon, value = line.partition(":")
+        name, value = name.strip(), value.strip()
+        problem = ("is not 'Name: value'" if not colon or not _HEADER_NAME.match(name)
+                   else f"sets {name}, which the fetcher sets itself"
+                   if name.lower() in _OWN_HEADERS
+                   else "has a control or non-ASCII character in its value"
+                   if any(not 32 <= ord(c) < 127 for c in value) else "")
+        if problem:
+            raise FetchError(f"headers file {path}, line {number}: {problem}")
+        headers[name] = value
+    return headers
+
+
+def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
+           sha256: str | None, headers: Mapping[str, str]) -> Path:
+    try:
+        checkpoint = parse_checkpoint(uri)
+    except ValueError as exc:  # its message quotes the URI whole: the prefix shows it redacted
+        reason = str(exc).replace(f"{uri!r}: ", "").replace(f"{uri!r} ", "")
+        unsafe = uri in reason or repr(uri)[1:-1] in reason
+        raise FetchError("is not a checkpoint URI" if unsafe else reason) from None
+    if checkpoint.scheme not in REMOTE_SCHEMES:
+        raise FetchError(f"fetch-checkpoint downloads {', '.join(REMOTE_SCHEMES)} URIs; "
+                         f"a {checkpoint.scheme}:// checkpoint is mounted, not fetched")
+    base_url = resolve_url(uri, env)
+    fetch = _Fetch(policy, time.monotonic() + policy.deadline_s, sha256 is not None, headers)
+    try:
+        staging = _staging_dir(target)
         try:
-            ready = _download_checkpoint(uri, base_url, staging, policy)
+            ready = _download_checkpoint(base_url, staging, fetch, sha256)
             try:
                 load_checkpoint(ready)
             except CheckpointError as exc:
-                raise FetchError(f"{uri}: the downloaded checkpoint failed verification: {exc}"
+                raise FetchError(f"the downloaded checkpoint failed verification: {exc}"
                                  ) from None
             _install(ready, target, staging)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:  # the destination's disk: full, read-only, no permission
-        raise FetchError(f"{uri}: cannot write {target}: {exc}") from None
+        raise FetchError(f"cannot write {target}: {exc}") from None
     return target
 
 
@@ -127,13 +209,13 @@ def resolve_url(uri: str, env: Mapping[str, str]) -> str:
             origin = emulator if "://" in emulator else f"http://{emulator}"
             return f"{origin.rstrip('/')}/{bucket}/{key}"
         return f"https://storage.googleapis.com/{bucket}/{key}"
-    raise FetchError(f"{uri}: scheme {parts.scheme!r} cannot be fetched")
+    raise FetchError(f"scheme {parts.scheme!r} cannot be fetched")
 
 
-def _staging_dir(uri: str, target: Path) -> Path:
+def _staging_dir(target: Path) -> Path:
     """A fresh directory on DEST's file system: beside DEST, or inside it if it exists."""
     if target.exists() and not target.is_dir():
-        raise FetchError(f"{uri}: destination {target} exists and is not a directory")
+        raise FetchError(f"destination {target} exists and is not a directory")
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f".{target.name}{STAGING_PREFIX}", dir=target.parent))
@@ -141,72 +223,61 @@ def _staging_dir(uri: str, target: Path) -> Path:
         shutil.rmtree(leftover, ignore_errors=True)
     others = sorted(p.name for p in target.iterdir())
     if others and not (target / CONFIG_FILE).is_file():
-        raise FetchError(f"{uri}: destination {target} is not empty and holds no checkpoint "
+        raise FetchError(f"destination {target} is not empty and holds no checkpoint "
                          f"({', '.join(others[:5])}); refusing to overwrite it")
     return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target))
 
 
-def _download_checkpoint(uri: str, base_url: str, staging: Path, policy: FetchPolicy) -> Path:
-    """Download (and extract) into ``staging``; return the directory holding the checkpoint."""
+def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: str | None
+                         ) -> Path:
+    """Download (and extract) into ``staging``; return the directory holding the checkpoint.
+
+    The pin covers the archive, or a directory's ``config.json``, fetched first: it records
+    the weights' SHA-256, which ``load_checkpoint`` checks, so one pin covers both files.
+    """
     parts = urlsplit(base_url)
-    budget = policy.max_bytes
+    budget = fetch.policy.max_bytes
+    root = staging / "checkpoint"
     if parts.path.endswith(ARCHIVE_SUFFIXES):
         archive = staging / "archive"
-        budget -= _download(uri, base_url, archive, budget, policy)
-        root = staging / "checkpoint"
-        _extract(uri, archive, root, budget)
+        budget -= _download(base_url, archive, budget, fetch, sha256).size
+        _extract(archive, root, budget, fetch.policy.max_entries)
         archive.unlink()
-        return _checkpoint_root(uri, root)
-    root = staging / "checkpoint"
+        return _checkpoint_root(root)
     root.mkdir()
-    for name in (WEIGHTS_FILE, CONFIG_FILE):
+    for name, pin in ((CONFIG_FILE, sha256), (WEIGHTS_FILE, None)):
         url = urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
-        budget -= _download(uri, url, root / name, budget, policy)
+        budget -= _download(url, root / name, budget, fetch, pin).size
     return root
 
 
-def _download(uri: str, url: str, target: Path, limit: int, policy: FetchPolicy) -> int:
-    """Stream ``url`` to ``target`` with retries; returns the bytes written."""
-    problem = ""
+def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | None
+              ) -> Received:
+    """GET ``url`` into ``target`` with retries, within the fetch's deadline; check the pin."""
+    policy, problem = fetch.policy, ""
     for attempt in range(policy.attempts):
         if attempt:
-            time.sleep(policy.backoff_s * 2 ** (attempt - 1))
-        try:
-            return _download_once(uri, url, target, limit, policy.timeout_s)
-        except _Retryable as exc:
-            problem = str(exc)
-    raise FetchError(f"{uri}: {_redact(url)}: {problem} (gave up after {policy.attempts} "
-                     "attempts)")
-
-
-def _download_once(uri: str, url: str, target: Path, limit: int, timeout_s: float) -> int:
-    request = urllib.request.Request(url, headers={"User-Agent": "ddm-fetch-checkpoint"})
-    try:
-        response = urllib.request.urlopen(request, timeout=timeout_s)
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        status = f"HTTP {exc.code} {exc.reason}"
-        if exc.code >= 500 or exc.code == 429:
-            raise _Retryable(status) from None
-        hint = {404: NOT_FOUND_HINT, 401: PRIVATE_HINT, 403: PRIVATE_HINT}.get(exc.code)
-        raise FetchError(f"{uri}: {_redact(url)}: {status}" + (f" ({hint})" if hint else "")
-                         ) from None
-    except _CONNECTION_ERRORS as exc:
-        raise _Retryable(f"cannot connect ({getattr(exc, 'reason', exc)})") from None
-    with response:
-        declared = response.headers.get("Content-Length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise FetchError(f"{uri}: {_redact(url)} is {int(declared)} bytes, over the "
-                             f"{limit}-byte limit left for this checkpoint")
+            pause = policy.backoff_s * 2 ** (attempt - 1)
+            if time.monotonic() + pause >= fetch.deadline:
+                break
+            time.sleep(pause)
         try:
             with open(target, "wb") as out:
-                written = _copy(response, out, limit, f"{uri}: {_redact(url)}")
-        except _CONNECTION_ERRORS as exc:  # reset or timed out mid-body
-            raise _Retryable(f"download interrupted ({exc!r})") from None
-    # http.client ends a body cut short like a complete one when read in chunks: count.
-    if declared is not None and declared.isdigit() and written != int(declared):
-        raise _Retryable(f"download interrupted (got {written} of {declared} bytes)")
-    return written
+                received = get(url, out, limit=limit, deadline=fetch.deadline,
+                               timeout_s=policy.timeout_s, networks=policy.allowed_networks,
+                               pinned=fetch.pinned, max_redirects=policy.max_redirects,
+                               headers=fetch.headers)
+        except Retryable as exc:
+            problem = str(exc)
+            continue
+        if sha256 is not None and received.sha256 != sha256:
+            raise FetchError(f"{shown(url)}: sha256 {received.sha256} does not match the pinned "
+                             f"{sha256}")
+        return received
+    else:
+        raise FetchError(f"{problem} (gave up after {policy.attempts} attempts)")
+    raise FetchError(f"{problem} (gave up: the {policy.deadline_s:g} s deadline of the whole "
+                     "download leaves no time for another attempt)")
 
 
 def _copy(source: BinaryIO, out: BinaryIO, limit: int, what: str) -> int:
@@ -219,13 +290,15 @@ def _copy(source: BinaryIO, out: BinaryIO, limit: int, what: str) -> int:
     return written
 
 
-def _extract(uri: str, archive: Path, root: Path, limit: int) -> None:
+def _extract(archive: Path, root: Path, limit: int, max_entries: int) -> None:
     """Extract regular files and directories only, each strictly inside ``root``."""
     root.mkdir()
     try:
         with tarfile.open(archive, mode="r:*") as tar:
-            for member in tar:
-                relative = _member_path(uri, member)
+            for count, member in enumerate(tar, 1):
+                if count > max_entries:
+                    raise FetchError(f"the archive holds more than {max_entries} entries")
+                relative = _member_path(member)
                 path = root.joinpath(*relative.parts)
                 if member.isdir():
                     path.mkdir(parents=True, exist_ok=True)
@@ -234,34 +307,34 @@ def _extract(uri: str, archive: Path, root: Path, limit: int) -> None:
                 source = tar.extractfile(member)
                 assert source is not None, member.name  # a regular file always has data
                 with source, open(path, "xb") as out:
-                    limit -= _copy(source, out, limit, f"{uri}: archive member {member.name}")
+                    limit -= _copy(source, out, limit, f"archive member {member.name}")
     except (tarfile.TarError, EOFError) as exc:
-        raise FetchError(f"{uri}: not a readable tar archive ({exc})") from None
+        raise FetchError(f"not a readable tar archive ({exc})") from None
     except FileExistsError:
-        raise FetchError(f"{uri}: the archive holds a file twice") from None
+        raise FetchError("the archive holds a file twice") from None
 
 
-def _member_path(uri: str, member: tarfile.TarInfo) -> PurePosixPath:
+def _member_path(member: tarfile.TarInfo) -> PurePosixPath:
     """The member's relative path, or a ``FetchError`` if it is a link, a device or escapes."""
     if not (member.isfile() or member.isdir()):
         kind = "link" if member.issym() or member.islnk() else "special file"
-        raise FetchError(f"{uri}: archive member {member.name!r} is a {kind}; only regular "
+        raise FetchError(f"archive member {member.name!r} is a {kind}; only regular "
                          "files and directories are extracted")
     path = PurePosixPath(member.name)
     if path.is_absolute() or ".." in path.parts:
-        raise FetchError(f"{uri}: archive member {member.name!r} would be written outside the "
+        raise FetchError(f"archive member {member.name!r} would be written outside the "
                          "checkpoint directory")
     return path
 
 
-def _checkpoint_root(uri: str, root: Path) -> Path:
+def _checkpoint_root(root: Path) -> Path:
     """The extracted checkpoint: the archive's root, or its one top-level directory."""
     if (root / CONFIG_FILE).is_file():
         return root
     entries = list(root.iterdir())
     if len(entries) == 1 and (entries[0] / CONFIG_FILE).is_file():
         return entries[0]
-    raise FetchError(f"{uri}: the archive holds no checkpoint ({CONFIG_FILE} at its root or in "
+    raise FetchError(f"the archive holds no checkpoint ({CONFIG_FILE} at its root or in "
                      "its one top-level directory)")
 
 
@@ -285,11 +358,3 @@ def _install(ready: Path, target: Path, staging: Path) -> None:
             old.unlink()
     for new in sorted(ready.iterdir(), key=lambda p: p.name == CONFIG_FILE):
         new.rename(target / new.name)
-
-
-def _redact(url: str) -> str:
-    """``url`` without its query and credentials: a pre-signed URL's signature stays secret."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))

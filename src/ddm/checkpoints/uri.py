@@ -94,3 +94,19 @@ def checkpoint_mount(checkpoint: Checkpoint, *, volume: str, mount_path: str,
         volumes=[{"name": volume, "emptyDir": {}}],
         mounts=[read_only],
         init_containers=[fetch])
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` as it may be shown anywhere (logs, errors, events, status, a pod's command).
+
+    The query, the fragment and any ``user:password@`` are dropped: a pre-signed URL's
+    signature (``X-Amz-Signature=...``) or a token lives there. Scheme, host, port and path
+    stay, so the message still says which object. Text that is not a URL keeps everything
+    before its first ``?`` or ``#``, with anything up to an ``@`` in its authority dropped.
+    """
+    text = str(uri).split("#", 1)[0].split("?", 1)[0]
+    scheme, separator, rest = text.partition("://")
+    if not separator:
+        return text
+    authority, slash, path = rest.partition("/")
+    return f"{scheme}://{authority.rpartition('@')[2]}{slash}{path}"
