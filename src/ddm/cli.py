@@ -249,7 +249,7 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ddm.operator.spec import load_manifest
+    from ddm.deploy.spec import load_manifest
     from ddm.runtime.local import REPOSITORY_ROOT, run_local
 
     path = args.manifest or REPOSITORY_ROOT / "examples" / "digits.yaml"

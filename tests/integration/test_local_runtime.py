@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from ddm.evaluation.commands import evaluate_images
-from ddm.operator.spec import load_manifest
+from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
 from ddm.serving.protocol import (CONTENT_TYPE, Limits, ProtocolError, VelocityRequest,
                                   decode_request, encode_request)

@@ -18,7 +18,7 @@ from ddm.operator.manifests import (
     build_expert_deployment,
     with_spec_hash,
 )
-from ddm.operator.spec import parse_spec
+from ddm.deploy.spec import parse_spec
 from ddm.deploy.router_config import DnsDiscovery, RouterConfigFile
 
 META = {"name": "digits", "namespace": "ml", "uid": "1234", "generation": 1}
@@ -133,9 +133,8 @@ def test_cpu_adds_nothing(framework: str) -> None:
 def test_the_expert_command_is_the_servers() -> None:
     command = _container(_expert_pod(_expert(maxBatch=32, maxDelayMs=5)))["command"]
     assert command == ["ddm", "serve", "expert", "--checkpoint", "/models/e", "--host", "0.0.0.0",
-                       "--port", "8000", "--drain-s", "5",
-                       "--backend", "torch", "--device", "cpu", "--max-batch", "32",
-                       "--max-delay-ms", "5"]
+                       "--port", "8000", "--backend", "torch", "--device", "cpu",
+                       "--max-batch", "32", "--max-delay-ms", "5", "--drain-s", "5"]
 
 
 def test_placement_and_resources_pass_through() -> None:

@@ -39,7 +39,7 @@ from ddm.operator.access import build_router_token_secret, creates_token_secret,
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.manifests import build_children, with_spec_hash
-from ddm.operator.spec import SpecError, parse_spec
+from ddm.deploy.spec import SpecError, parse_spec
 from ddm.operator.status import invalid_status, now_rfc3339, ready_status
 
 log = logging.getLogger("ddm.operator")

@@ -1,15 +1,17 @@
 """``ddm up``: run a DDMDeployment's experts and router as local processes, no cluster needed.
 
-The same YAML a user would ``kubectl apply`` is planned into processes by a pure function
-(:func:`plan_local`), then supervised (:func:`run_local`): every expert replica becomes a
-``ddm serve expert`` process on a free loopback port, the router a ``ddm serve router`` process
-whose config lists those endpoints. Ctrl-C (or any process dying) stops everything started.
+The same YAML a user would ``kubectl apply`` is planned by the one deployment plan
+(``ddm.deploy.plan``, which the operator uses too), placed here by :func:`plan_local`, then
+supervised (:func:`run_local`): every expert replica becomes a ``ddm serve expert`` process on
+a free loopback port, the router a ``ddm serve router`` process whose config lists those
+endpoints. Ctrl-C (or any process dying) stops everything started.
 A server that cannot start leaves a one-line reason in its own termination-message file
 (``DDM_TERMINATION_LOG``, as Kubernetes would show it), and ``ddm up`` reports that line.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -24,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from ddm.checkpoints.uri import Checkpoint
-from ddm.operator.spec import DDMManifest, ExpertSpec
-from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
-                                       StaticDiscovery)
+from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.plan import RouterPlan, plan_deployment
+from ddm.deploy.router_config import Discovery, RouterConfigFile, StaticDiscovery
+from ddm.deploy.spec import DDMManifest
 from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
@@ -59,7 +61,7 @@ class LocalPlan:
     url: str
 
 
-def resolve_checkpoint(checkpoint: Checkpoint, image_root: Path = REPOSITORY_ROOT,
+def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
                        pvc_root: Path | None = None) -> Path:
     """Map a checkpoint URI to a local directory, or say why it cannot be."""
     if checkpoint.scheme in ("image", "file"):
@@ -84,61 +86,38 @@ def resolve_checkpoint(checkpoint: Checkpoint, image_root: Path = REPOSITORY_ROO
                         f"{checkpoint.uri} DIR) and point the manifest at file://DIR")
 
 
-def expert_backend(expert: ExpertSpec) -> tuple[str, str]:
-    """The ``--backend`` and ``--device`` that run this expert on this machine's hardware."""
-    kind = expert.accelerator.type
-    if kind == "neuron":
-        if expert.framework != "torch":
-            raise LocalRunError(f"expert {expert.name}: Neuron runs PyTorch experts only")
-        return "neuron", ""
-    devices = {("torch", "cpu"): "cpu", ("torch", "nvidia"): "cuda", ("jax", "cpu"): "cpu",
-               ("jax", "nvidia"): "gpu", ("jax", "tpu"): "tpu"}
-    device = devices.get((expert.framework, kind))
-    if device is None:
-        raise LocalRunError(f"expert {expert.name}: {expert.framework} on {kind} is not "
-                            "supported (TPUs run JAX experts)")
-    return expert.framework, device
-
-
 def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int,
-               host: str = "127.0.0.1", image_root: Path = REPOSITORY_ROOT,
-               pvc_root: Path | None = None, threads: int = 1,
-               config_path: Path = Path("router.yaml")) -> LocalPlan:
-    """The processes that run ``manifest`` here; ``ports()`` hands out free expert ports."""
-    spec = manifest.spec
+               host: str = "127.0.0.1", *,
+               locate: Callable[[CheckpointSource], Path] = resolve_checkpoint,
+               threads: int = 1, config_path: Path = Path("router.yaml"),
+               cache_dir: Path = Path(tempfile.gettempdir()) / "ddm-cache") -> LocalPlan:
+    """The manifest's plan placed here: ``ports()`` hands out free expert ports, ``locate``
+    finds each checkpoint's directory, ``cache_dir`` holds compile caches (Neuron).
+
+    An expert with 0 replicas still gets one process: locally there is nothing to save, and
+    the router needs an address for each of its experts."""
+    plan = plan_deployment(manifest.spec)
     env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
            ("PYTHONUNBUFFERED", "1"))
-    experts, entries = [], []
-    for expert in spec.experts:
-        checkpoint = resolve_checkpoint(expert.checkpoint, image_root, pvc_root)
-        backend, device = expert_backend(expert)
+    experts: list[ProcessSpec] = []
+    discovery: dict[str, Discovery] = {}
+    for expert in plan.experts:
+        checkpoint = str(locate(expert.checkpoint))
         endpoints = []
         for replica in range(max(1, expert.replicas)):
             port = ports()
-            argv = [*_ddm(), "serve", "expert", "--checkpoint", str(checkpoint), "--host", host,
-                    "--port", str(port), "--backend", backend, "--log-level", "warning"]
-            if device:
-                argv += ["--device", device]
-            if expert.max_batch:
-                argv += ["--max-batch", str(expert.max_batch)]
-            if expert.max_delay_ms is not None:
-                argv += ["--max-delay-ms", str(expert.max_delay_ms)]
-            experts.append(ProcessSpec(f"{expert.name}/{replica}", tuple(argv), port, env))
+            argv = (*_ddm(), *expert.command(checkpoint, host, port), "--log-level", "warning")
+            experts.append(ProcessSpec(f"{expert.name}/{replica}", argv, port,
+                                       env + expert.env(str(cache_dir))))
             endpoints.append(f"{host}:{port}")
-        entries.append(ExpertEntry(name=expert.name, classes=tuple(expert.classes),
-                                   discovery=StaticDiscovery(tuple(endpoints))))
-    router_checkpoint = None
-    if spec.router.checkpoint is not None:
-        router_checkpoint = str(resolve_checkpoint(spec.router.checkpoint, image_root, pvc_root))
-    config = RouterConfigFile(
-        experts=tuple(entries), num_classes=spec.num_classes,
-        sampling=SamplingDefaults(spec.sampling.steps, spec.sampling.solver,
-                                  spec.sampling.strategy),
-        router_checkpoint=router_checkpoint)
-    router = ProcessSpec("router", (*_ddm(), "serve", "router", "--config", str(config_path),
-                                    "--host", host, "--port", str(router_port),
+        discovery[expert.name] = StaticDiscovery(tuple(endpoints))
+    router_checkpoint = (None if plan.router.checkpoint is None
+                         else str(locate(plan.router.checkpoint)))
+    router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
+                                                                router_port),
                                     "--log-level", "warning"), router_port, env)
-    return LocalPlan(tuple(experts), router, config, f"http://{host}:{router_port}")
+    return LocalPlan(tuple(experts), router, plan.router_config(discovery, router_checkpoint),
+                     f"http://{host}:{router_port}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -240,8 +219,11 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
     """Run until Ctrl-C, ``stop`` being set, or a process dying; returns an exit status."""
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
-        plan = plan_local(manifest, lambda: free_port(host), router_port, host, image_root,
-                          pvc_root, threads, config_path)
+        plan = plan_local(manifest, lambda: free_port(host), router_port, host,
+                          locate=functools.partial(resolve_checkpoint, image_root=image_root,
+                                                   pvc_root=pvc_root),
+                          threads=threads, config_path=config_path,
+                          cache_dir=Path(workdir) / "cache")
         config_path.write_text(plan.router_config.to_yaml())
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
