@@ -389,3 +389,14 @@ def test_the_charts_crd_is_the_crd() -> None:
     if not chart_copy.exists():
         pytest.skip("the Helm chart is not written yet")
     assert chart_copy.read_text() == (ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text()
+
+
+def test_importing_the_handlers_registers_nothing_and_imports_no_runner() -> None:
+    """Handlers go into the registry ``run_operator`` makes (``handlers.register``); the
+    runner imports the handlers, never the other way round."""
+    code = ("import sys, kopf, ddm.operator.handlers; "
+            "print('ddm.operator.runner' in sys.modules, "
+            "len(kopf.get_default_registry()._changing.get_all_handlers()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["False", "0"]
