@@ -274,6 +274,13 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--pvc-root", type=Path, default=None,
                    help="directory with one subdirectory per PVC, for pvc:// checkpoints")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="stop everything when one process dies (default: restart it with a "
+                        "back-off from 1 s doubling to 5 min, as the kubelet does)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="the router's time budget for one expert call, waiting for a "
+                        "restarting expert included; past it the request gets a 503 naming "
+                        "the expert (default: router.yaml's, 60 s)")
     p.set_defaults(handler=_up)
 
 
@@ -286,7 +293,8 @@ def _up(args: argparse.Namespace) -> int:
         raise UserError(f"manifest {path} does not exist")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops every process, as Ctrl-C does
     return run_local(load_manifest(path), router_port=args.port, host=args.host,
-                     pvc_root=args.pvc_root, threads=args.threads)
+                     pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
+                     deadline_s=args.deadline_s)
 
 
 # -- operator -----------------------------------------------------------------------------------

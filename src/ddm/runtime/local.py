@@ -4,13 +4,22 @@ The same YAML a user would ``kubectl apply`` is planned by the one deployment pl
 (``ddm.deploy.plan``, which the operator uses too), placed here by :func:`plan_local`, then
 supervised (:func:`run_local`): every expert replica becomes a ``ddm serve expert`` process on
 a free loopback port, the router a ``ddm serve router`` process whose config lists those
-endpoints. Ctrl-C (or any process dying) stops everything started.
+endpoints. Ctrl-C stops everything started.
+
+A process that dies once everything was up is restarted, on the same port, as the kubelet
+restarts a container: after a back-off that doubles with each restart up to 5 minutes, and
+resets once the process has run 10 minutes (:class:`Backoff`). The kubelet's first delay is
+10 s; here it is 1 s, since a local run has no crash-looping fleet to protect and a developer
+waits for it. Meanwhile the router answers requests that need the dead expert with a 503
+naming it (once its call deadline, ``--deadline-s``, has passed), and serves the others.
+``fail_fast`` (``ddm up --fail-fast``) instead stops everything when one process dies.
 A server that cannot start leaves a one-line reason in its own termination-message file
 (``DDM_TERMINATION_LOG``, as Kubernetes would show it), and ``ddm up`` reports that line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -37,6 +46,8 @@ IMAGE_PREFIX = "/opt/ddm/"
 REPOSITORY_ROOT = Path(__file__).resolve().parents[3]
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
+#: How often the supervisor looks for processes that died or are due to restart.
+SUPERVISE_INTERVAL_S = 0.2
 
 
 class LocalRunError(RuntimeError):
@@ -120,6 +131,21 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                      f"http://{host}:{router_port}")
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """The pause before restarting a process that died: ``first_s`` doubling with each
+    restart up to ``max_s``; a process that ran ``reset_after_s`` starts over at ``first_s``
+    (the kubelet's rule, with 10 s, 300 s and 600 s)."""
+
+    first_s: float = 1.0
+    max_s: float = 300.0
+    reset_after_s: float = 600.0
+
+    def delay(self, restarts: int) -> float:
+        """Seconds to wait before restart number ``restarts + 1``."""
+        return min(self.max_s, self.first_s * 2.0 ** min(restarts, 32))
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -136,16 +162,21 @@ class Supervisor:
         self.out = out
         self.termination_dir = termination_dir
         self.processes: dict[str, subprocess.Popen] = {}
+        self.specs: dict[str, ProcessSpec] = {}
+        self.started_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def start(self, spec: ProcessSpec) -> None:
+        """Start ``spec`` (again, when it ran before: its old termination message goes)."""
         env = os.environ | dict(spec.env)
         if self.termination_dir is not None:
+            self._termination_file(spec.name).unlink(missing_ok=True)
             env[TERMINATION_LOG_ENV] = str(self._termination_file(spec.name))
         process = subprocess.Popen(spec.argv, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
-        self.processes[spec.name] = process
+        self.processes[spec.name], self.specs[spec.name] = process, spec
+        self.started_at[spec.name] = time.monotonic()
         threading.Thread(target=self._relay, args=(spec.name, process), daemon=True).start()
 
     def _relay(self, name: str, process: subprocess.Popen) -> None:
@@ -215,8 +246,11 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
               image_root: Path = REPOSITORY_ROOT, pvc_root: Path | None = None,
               threads: int = 1, out: TextIO = sys.stdout,
               on_ready: Callable[[LocalPlan], None] | None = None,
-              stop: threading.Event | None = None) -> int:
-    """Run until Ctrl-C, ``stop`` being set, or a process dying; returns an exit status."""
+              stop: threading.Event | None = None, *, fail_fast: bool = False,
+              backoff: Backoff = Backoff(), deadline_s: float | None = None) -> int:
+    """Run until Ctrl-C or ``stop`` being set, restarting what dies (with ``fail_fast``:
+    until a process dies); returns an exit status. ``deadline_s``: the router's time budget
+    for one expert call (``ddm serve router --deadline-s``; default from router.yaml)."""
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(manifest, lambda: free_port(host), router_port, host,
@@ -225,6 +259,9 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
                           threads=threads, config_path=config_path,
                           cache_dir=Path(workdir) / "cache")
         config_path.write_text(plan.router_config.to_yaml())
+        if deadline_s is not None:
+            plan = dataclasses.replace(plan, router=dataclasses.replace(
+                plan.router, argv=(*plan.router.argv, "--deadline-s", str(deadline_s))))
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -235,7 +272,8 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
                   " Ctrl-C stops everything.", file=out, flush=True)
             if on_ready is not None:
                 on_ready(plan)
-            return _wait(supervisor, stop, out)
+            return _supervise(supervisor, stop or threading.Event(), out,
+                              None if fail_fast else backoff)
         except KeyboardInterrupt:
             print("stopping...", file=out, flush=True)
             return 0
@@ -243,15 +281,34 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             supervisor.stop()
 
 
-def _wait(supervisor: Supervisor, stop: threading.Event | None, out: TextIO) -> int:
-    stop = stop or threading.Event()
-    while not stop.wait(0.5):
-        exited = supervisor.first_exit()
-        if exited is not None:
-            print(f"{exited[0]} exited with status {exited[1]} "
-                  f"({supervisor.exit_reason(exited[0])}); stopping the others",
-                  file=out, flush=True)
-            return 1
+def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
+               backoff: Backoff | None) -> int:
+    """Until ``stop``: restart each process that died after its back-off; with ``backoff``
+    None, return 1 at the first death instead (the caller stops the others)."""
+    restarts: dict[str, int] = {}
+    due: dict[str, float] = {}  # name -> when to start it again
+    while not stop.wait(SUPERVISE_INTERVAL_S):
+        now = time.monotonic()
+        for name, process in supervisor.processes.items():
+            if name in due or process.poll() is None:
+                continue
+            what = (f"{name} exited with status {process.returncode} "
+                    f"({supervisor.exit_reason(name)})")
+            if backoff is None:
+                print(f"{what}; stopping the others", file=out, flush=True)
+                return 1
+            if now - supervisor.started_at[name] >= backoff.reset_after_s:
+                restarts[name] = 0
+            delay = backoff.delay(restarts.get(name, 0))
+            restarts[name] = restarts.get(name, 0) + 1
+            due[name] = now + delay
+            print(f"{what}; restarting it in {delay:g} s (restart {restarts[name]})", file=out,
+                  flush=True)
+        for name, when in list(due.items()):
+            if when <= now:
+                del due[name]
+                supervisor.start(supervisor.specs[name])
+                print(f"restarted {name}", file=out, flush=True)
     return 0
 
 
