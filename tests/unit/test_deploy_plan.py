@@ -187,9 +187,9 @@ def test_a_manifest_with_300_steps_plans_a_router_that_allows_them(tmp_path: Pat
     assert (config.sampling.steps, config.limits.max_steps) == (300, 300)
 
 
-def test_the_plan_the_operator_and_the_cli_import_no_ml_framework() -> None:
-    code = ("import sys, ddm.deploy.plan, ddm.deploy.limits, ddm.operator.handlers, "
-            "ddm.operator.diagram, ddm.cli; "
+def test_the_plan_its_consumers_and_the_cli_import_no_ml_framework() -> None:
+    code = ("import sys, ddm.deploy.plan, ddm.deploy.limits, ddm.operator.runner, "
+            "ddm.operator.diagram, ddm.runtime.local, ddm.cli; "
             "print(sorted({'numpy', 'torch', 'jax', 'flax'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
