@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, TextIO
 
-from ddm.operator.spec import DDMManifest
-from ddm.runtime.local import (LocalPlan, ProcessSpec, Supervisor, expert_backend, free_port,
-                               plan_local, resolve_checkpoint)
+from ddm.deploy.spec import DDMManifest
+from ddm.deploy.plan import plan_expert
+from ddm.runtime.local import (LocalPlan, ProcessSpec, Supervisor, free_port, plan_local,
+                               resolve_checkpoint)
 from benchmarks.figures import BIG_BATCH
 
 HOST = "127.0.0.1"
@@ -126,11 +127,12 @@ def _reference_specs(manifest: DDMManifest, env: tuple[tuple[str, str], ...],
     """One reference-protocol server per expert, on the backend ``ddm up`` would use."""
     specs, endpoints = [], []
     for expert in manifest.spec.experts:
-        backend, device = expert_backend(expert)
+        planned = plan_expert(expert)
         port = ports()
         argv = (sys.executable, "-m", "benchmarks.reference_protocol", "--checkpoint",
                 str(resolve_checkpoint(expert.checkpoint)), "--host", HOST, "--port", str(port),
-                "--backend", backend, "--device", device)
+                "--backend", planned.backend,
+                *(("--device", planned.device) if planned.device else ()))
         specs.append(ProcessSpec(f"reference/{expert.name}", argv, port, env))
         endpoints.append(f"{HOST}:{port}")
     return specs, tuple(endpoints)

@@ -35,7 +35,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from ddm.operator.spec import load_manifest
+from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import (READY_TIMEOUT_S, REPOSITORY_ROOT, Supervisor, free_port,
                                plan_local)
 

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import aiohttp
 import numpy as np
 
-from ddm.operator.spec import load_manifest
+from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT
 from ddm.sampling.pipeline import LoadedDDM, default_checkpoints, generate, load_ddm
 from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,

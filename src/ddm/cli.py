@@ -1,4 +1,10 @@
-"""The ``ddm`` command. Thin: parses arguments and delegates; heavy imports happen per command."""
+"""The ``ddm`` command. Thin: parses arguments and delegates; heavy imports happen per command.
+
+Exit status: 0 done; 2 a usage or input error (a bad flag, spec, file or value: the user can
+fix it); 1 a failure (an operation that could not complete: a process died, a download or an
+API call failed) or an internal error (a bug: its type is named, ``ddm --debug`` prints the
+traceback); 130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +12,15 @@ import argparse
 import json
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
 from ddm.serving.commands import add_serve_commands
 
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
 class UserError(Exception):
@@ -25,20 +34,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.args = extra + args.args
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command's handler; its errors become a message and an exit status."""
     handler: Callable[[argparse.Namespace], int | None] = args.handler
     try:
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("ddm: interrupted", file=sys.stderr)
-        return 130
-    except (UserError, ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"ddm: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_INTERRUPTED
+    except (UserError, ValueError, FileNotFoundError) as exc:
+        return _fail(args, f"ddm: error: {exc}", EXIT_USAGE)
+    except (RuntimeError, OSError) as exc:
+        return _fail(args, f"ddm: error: {exc}", EXIT_FAILURE)
+    except Exception as exc:  # a bug: say so, and where to find the details
+        hint = "" if args.debug else " (run ddm --debug ... for the traceback)"
+        return _fail(args, f"ddm: internal error: {type(exc).__name__}: {exc}{hint}",
+                       EXIT_FAILURE)
+
+
+def _fail(args: argparse.Namespace, message: str, status: int) -> int:
+    """Print ``message`` (after the traceback with ``--debug``); returns ``status``."""
+    if args.debug:
+        traceback.print_exc()
+    print(message, file=sys.stderr)
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddm", description="Decentralized Diffusion Models: train, sample, evaluate, serve.")
+    parser.add_argument("--debug", action="store_true",
+                        help="print the traceback of an error (before the subcommand)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train(commands)
     _add_sample(commands)
@@ -245,11 +274,18 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--pvc-root", type=Path, default=None,
                    help="directory with one subdirectory per PVC, for pvc:// checkpoints")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="stop everything when one process dies (default: restart it with a "
+                        "back-off from 1 s doubling to 5 min, as the kubelet does)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="the router's time budget for one expert call, waiting for a "
+                        "restarting expert included; past it the request gets a 503 naming "
+                        "the expert (default: router.yaml's, 60 s)")
     p.set_defaults(handler=_up)
 
 
 def _up(args: argparse.Namespace) -> int:
-    from ddm.operator.spec import load_manifest
+    from ddm.deploy.spec import load_manifest
     from ddm.runtime.local import REPOSITORY_ROOT, run_local
 
     path = args.manifest or REPOSITORY_ROOT / "examples" / "digits.yaml"
@@ -257,7 +293,8 @@ def _up(args: argparse.Namespace) -> int:
         raise UserError(f"manifest {path} does not exist")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops every process, as Ctrl-C does
     return run_local(load_manifest(path), router_port=args.port, host=args.host,
-                     pvc_root=args.pvc_root, threads=args.threads)
+                     pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
+                     deadline_s=args.deadline_s)
 
 
 # -- operator -----------------------------------------------------------------------------------

@@ -11,20 +11,26 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
+import signal
 import socket
 import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import numpy as np
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from benchmarks.load import listening_pid
 from ddm.evaluation.commands import evaluate_images
-from ddm.operator.spec import load_manifest
+from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
 from ddm.serving.protocol import (CONTENT_TYPE, Limits, ProtocolError, VelocityRequest,
                                   decode_request, encode_request)
@@ -224,3 +230,93 @@ def test_ddm_up_says_why_an_expert_could_not_start(tmp_path: Path) -> None:
     assert message.startswith("digits-0-4/0 exited with status 1 before it was ready: "), message
     assert f"checkpoint {broken}: weights.safetensors is corrupt (sha256" in message, message
 
+
+
+@contextmanager
+def _ddm_up(manifest: Path, **options: Any) -> Iterator[tuple[LocalPlan, _Log, list[int]]]:
+    """``run_local`` in a thread until the block ends; yields its plan, its log and (once it
+    returned) its exit status."""
+    ready, stop, log = threading.Event(), threading.Event(), _Log()
+    plans: list[LocalPlan] = []
+    outcome: list[int] = []
+
+    def on_ready(plan: LocalPlan) -> None:
+        plans.append(plan)
+        ready.set()
+
+    thread = threading.Thread(target=lambda: outcome.append(run_local(
+        load_manifest(manifest), router_port=free_port(), out=log, on_ready=on_ready, stop=stop,
+        **options)))
+    thread.start()
+    try:
+        while not ready.wait(0.5):
+            assert thread.is_alive(), f"ddm up stopped before it was ready:\n{log.getvalue()}"
+        yield plans[0], log, outcome
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+
+
+def _generate(url: str, label: int, steps: int = 2) -> httpx.Response:
+    return httpx.post(f"{url}/v1/generate", timeout=60,
+                      json={"labels": [label], "steps": steps, "seed": 0})
+
+
+def test_ddm_up_runs_a_manifest_with_300_steps(tmp_path: Path) -> None:
+    """The CRD allows 1000 steps; the router ddm up starts must allow the DDM's own default."""
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["spec"]["sampling"]["steps"] = 300
+    (tmp_path / "steps.yaml").write_text(yaml.safe_dump(document))
+    with _ddm_up(tmp_path / "steps.yaml") as (plan, log, _):
+        info = httpx.get(f"{plan.url}/v1/info", timeout=30).json()
+        assert info["limits"]["max_steps"] == 300, info
+        answer = httpx.post(f"{plan.url}/v1/generate", timeout=300, json={"labels": [7]})
+        assert answer.status_code == 200, answer.text + log.getvalue()[-2000:]
+        assert len(answer.json()["images"]) == 1
+
+
+def test_a_killed_expert_is_restarted_and_meanwhile_the_router_names_it() -> None:
+    """Kill an expert under ddm up: requests that need it get a 503 naming it, the other
+    expert keeps serving, and it comes back without anyone restarting it."""
+    with _ddm_up(EXAMPLE, deadline_s=1.0) as (plan, log, _):
+        assert _generate(plan.url, 1).status_code == 200
+        expert = next(p for p in plan.experts if p.name.startswith("digits-0-4"))
+        pid = listening_pid(expert.port)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        answers = []
+        while True:  # each request waits at most the router's 1 s deadline
+            answers.append(_generate(plan.url, 1))
+            if answers[-1].status_code == 200 and len(answers) > 1:
+                break
+            assert len(answers) < 300, f"{answers[-1].text}\n{log.getvalue()[-3000:]}"
+        unavailable = [a for a in answers if a.status_code == 503]
+        print(f"\nexpert killed: {len(unavailable)} answers 503 naming it, served again "
+              f"{time.monotonic() - killed:.1f} s after the kill")
+        assert unavailable, [a.status_code for a in answers]
+        assert all("digits-0-4" in a.json()["detail"] for a in unavailable), unavailable[0].text
+        assert {a.status_code for a in answers} <= {200, 503}
+        assert _generate(plan.url, 7).status_code == 200  # the other expert never stopped
+        restarted = listening_pid(expert.port)
+        assert restarted is not None and restarted != pid
+        text = log.getvalue()
+        assert f"{expert.name} exited with status -9" in text, text[-3000:]
+        assert f"restarted {expert.name}" in text, text[-3000:]
+
+
+def test_with_fail_fast_a_dead_expert_stops_everything() -> None:
+    with _ddm_up(EXAMPLE, fail_fast=True) as (plan, log, outcome):
+        expert = plan.experts[0]
+        pid = listening_pid(expert.port)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not outcome:  # run_local returns once it has stopped the others
+            assert time.monotonic() < deadline, log.getvalue()[-3000:]
+            threading.Event().wait(0.1)
+    assert outcome == [1]
+    assert f"{expert.name} exited with status -9" in log.getvalue()
+    for spec in (*plan.experts, plan.router):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", spec.port)) != 0, f"{spec.name} still listens"

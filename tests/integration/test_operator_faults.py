@@ -1,5 +1,6 @@
 """The operator under faults, on the dev cluster: killed in the middle of a reconcile, down while
-DDMDeployments change or go, and the API server gone for 10 s.
+DDMDeployments change or go, the API server gone for 10 s, and the API server stopped in the
+middle of a reconcile.
 
 The operator runs as its own process (``ddm operator``, as in its pod), so a SIGKILL leaves
 exactly what a dead pod leaves. The API server is stopped alone (etcd keeps every object) and
@@ -22,8 +23,11 @@ from kubernetes import watch
 from test_operator import OWNER_LABEL, Cluster, _expected_children
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo, start_component, stop_component
 from benchmarks.operator import OperatorProcess, bench_spec, install_crd
+from ddm.devcluster import ClusterInfo, start_component, stop_component
+from ddm.operator.config import OperatorConfig
+from ddm.operator.kube import Kube, KubeError
+from ddm.operator.reconcile import Outcome, Reconciler
 
 #: Seconds the API server stays down.
 OUTAGE_S = 10
@@ -190,3 +194,57 @@ def test_after_an_api_server_outage_the_operator_catches_up_and_acts_again(
         _converged(cluster, ns, name, current)
         assert cluster.ddm(ns, name)["status"]["observedGeneration"] == 2
     assert operator.alive
+
+
+class _ServerStopsAfterWrites(Kube):
+    """The operator's real API calls; once ``writes`` children are written, the API server is
+    stopped (for real, as an outage would), so the rest of the run finds nobody answering."""
+
+    def __init__(self, api_client: Any, state_dir: Path, writes: int) -> None:
+        super().__init__(api_client)
+        self._state_dir, self._writes_left = state_dir, writes
+
+    def apply(self, manifest: Any, *, dry_run: bool = False) -> dict[str, Any]:
+        applied = super().apply(manifest, dry_run=dry_run)
+        if not dry_run:
+            self._writes_left -= 1
+            if self._writes_left == 0:
+                stop_component(self._state_dir, "kube-apiserver")
+        return applied
+
+
+def test_the_api_server_stopped_mid_reconcile_ends_the_run_in_kube_errors_then_it_converges(
+        dev_cluster: ClusterInfo, kube_client: Any, cluster: Cluster,
+        kube_namespace: str) -> None:
+    """No operator process runs here: the reconciler itself, driven by the test, meets the
+    outage after its third child, and every failure after it must be a KubeError (a
+    connection refused is not allowed to escape as urllib3's own exception half way)."""
+    ns, name, spec = kube_namespace, "blip", bench_spec(4)
+    expected = _expected_children(name, _experts(spec))
+    cluster.create_ddm(ns, name, spec)
+    config = OperatorConfig()
+    events: list[str] = []
+
+    def post_event(body: Any, *, reason: str, message: str) -> None:
+        events.append(message)
+
+    broken = Reconciler(_ServerStopsAfterWrites(kube_client, dev_cluster.state_dir, 3), config,
+                        post_event)
+    try:
+        with pytest.raises(KubeError) as caught:  # the status could not be written either
+            broken.reconcile(ns, name)
+    finally:
+        start_component(dev_cluster.state_dir, "kube-apiserver")
+    assert caught.value.status == 0, caught.value
+    assert "did not answer" in str(caught.value), caught.value
+    partial = cluster.children(ns, name)
+    assert len(partial) == 3, sorted(partial)
+
+    outcome = Reconciler(Kube(kube_client), config, post_event).reconcile(ns, name)
+    assert outcome == Outcome(), outcome
+    children = cluster.children(ns, name)
+    assert set(children) == expected
+    for key, before in partial.items():  # what the first run wrote was kept
+        assert children[key]["metadata"]["uid"] == before["metadata"]["uid"], key
+    _assert_owned_by(cluster, ns, name)
+    assert cluster.ddm(ns, name)["status"]["observedGeneration"] == 1

@@ -126,3 +126,42 @@ def test_eval_reads_what_sample_writes(tiny_ddm, tmp_path, capsys):
     samples = load_samples_npz(out)
     assert samples.images.shape == (1, 8, 8) and samples.labels.tolist() == [3]
     assert samples.expert_calls.tolist() == [3]
+
+
+def _failing(error: BaseException):
+    def handler(args):
+        raise error
+    return handler
+
+
+@pytest.mark.parametrize("error,status,prefix", [
+    (ValueError("bad value"), 2, "ddm: error: bad value"),
+    (FileNotFoundError("no such file"), 2, "ddm: error: no such file"),
+    (RuntimeError("the expert exited"), 1, "ddm: error: the expert exited"),
+    (ConnectionRefusedError("refused"), 1, "ddm: error: refused"),
+    (KeyError("images"), 1, "ddm: internal error: KeyError: 'images' (run ddm --debug"),
+])
+def test_errors_are_usage_errors_failures_or_internal_errors(error, status, prefix, capsys):
+    from ddm.cli import build_parser, run
+
+    args = build_parser().parse_args(["diagram", "x.yaml"])
+    args.handler = _failing(error)  # what a command whose code raises this would do
+    assert run(args) == status
+    err = capsys.readouterr().err
+    assert err.startswith(prefix) and "Traceback" not in err, err
+
+
+def test_debug_prints_the_traceback_of_an_internal_error(capsys):
+    from ddm.cli import build_parser, run
+
+    args = build_parser().parse_args(["--debug", "diagram", "x.yaml"])
+    args.handler = _failing(KeyError("images"))
+    assert run(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last):"), err
+    assert err.rstrip().endswith("ddm: internal error: KeyError: 'images'"), err
+
+
+def test_a_manifest_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
+    code, captured = _run(capsys, "up", tmp_path / "missing.yaml")
+    assert code == 2 and "does not exist" in captured.err

@@ -27,7 +27,7 @@ import pytest
 from ddm.cli import build_parser
 from ddm.operator.config import OperatorConfig
 from ddm.operator.manifests import USER_ID, build_children
-from ddm.operator.spec import load_manifest, parse_manifest
+from ddm.deploy.spec import load_manifest, parse_manifest
 from ddm.runtime.local import IMAGE_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,6 +5,7 @@ bearer token, and the NetworkPolicies."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 from podsecurity import violations
@@ -18,7 +19,7 @@ from ddm.operator.manifests import (
     build_expert_deployment,
     with_spec_hash,
 )
-from ddm.operator.spec import parse_spec
+from ddm.deploy.spec import parse_spec
 from ddm.deploy.router_config import DnsDiscovery, RouterConfigFile
 
 META = {"name": "digits", "namespace": "ml", "uid": "1234", "generation": 1}
@@ -133,9 +134,8 @@ def test_cpu_adds_nothing(framework: str) -> None:
 def test_the_expert_command_is_the_servers() -> None:
     command = _container(_expert_pod(_expert(maxBatch=32, maxDelayMs=5)))["command"]
     assert command == ["ddm", "serve", "expert", "--checkpoint", "/models/e", "--host", "0.0.0.0",
-                       "--port", "8000", "--drain-s", "5",
-                       "--backend", "torch", "--device", "cpu", "--max-batch", "32",
-                       "--max-delay-ms", "5"]
+                       "--port", "8000", "--backend", "torch", "--device", "cpu",
+                       "--max-batch", "32", "--max-delay-ms", "5", "--drain-s", "5"]
 
 
 def test_placement_and_resources_pass_through() -> None:
@@ -408,6 +408,35 @@ def test_the_router_reads_its_config_map() -> None:
     assert container["command"] == ["ddm", "serve", "router", "--config", "/etc/ddm/router.yaml",
                                     "--host", "0.0.0.0", "--port", "8080", "--drain-s", "5"]
     assert {"name": "config", "configMap": {"name": "digits-router-config"}} in router["volumes"]
+
+
+def test_the_router_has_default_requests_and_limits_the_spec_can_replace() -> None:
+    def router_resources(**router: dict) -> dict:
+        children = _children(_spec(_expert("a"), router={"checkpoint": {"uri": "image:///r"},
+                                                         **router}))
+        pod = children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
+        assert violations(pod) == []
+        return _container(pod)["resources"]
+
+    assert router_resources() == {"requests": {"cpu": "250m", "memory": "384Mi"},
+                                  "limits": {"cpu": "2", "memory": "1Gi"}}
+    assert router_resources(resources={"limits": {"memory": "4Gi"}}) == {
+        "limits": {"memory": "4Gi"}}
+
+
+def test_the_crd_documents_the_routers_default_resources() -> None:
+    import yaml
+
+    from ddm.operator.manifests import ROUTER_RESOURCES
+
+    crd = yaml.safe_load((Path(__file__).resolve().parents[2] / "crds"
+                          / "ddmdeployments.ddm.dev.yaml").read_text())
+    router = (crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+              ["properties"]["router"]["properties"])
+    text = " ".join(router["resources"]["description"].split())
+    requests, limits = ROUTER_RESOURCES["requests"], ROUTER_RESOURCES["limits"]
+    assert (f"requests cpu {requests['cpu']} and memory {requests['memory']}, limits cpu "
+            f"{limits['cpu']} and memory {limits['memory']}") in text
 
 
 def test_an_oracle_router_needs_no_checkpoint() -> None:

@@ -15,11 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddm.checkpoints import uri as checkpoints
-from ddm.operator import accelerators, pod_options, spec
+from ddm.deploy import accelerators, limits, pod_options, spec
 from ddm.operator.diagram import diagram_file, render_mermaid
-from ddm.operator.spec import SpecError, load_manifest, parse_manifest, parse_spec
+from ddm.deploy.spec import SpecError, load_manifest, parse_manifest, parse_spec
 from ddm.sampling.routing import parse_strategy
-from ddm.deploy import router_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())
@@ -77,21 +76,26 @@ def test_limits_and_patterns_equal_the_crds() -> None:
                                                                    spec.MAX_NAME_LENGTH)
     assert (EXPERT["name"]["pattern"], EXPERT["name"]["maxLength"]) == (
         spec.EXPERT_NAME_PATTERN, spec.MAX_EXPERT_NAME_LENGTH)
-    assert SPEC["experts"]["maxItems"] == spec.MAX_EXPERTS
+    assert SPEC["experts"]["maxItems"] == limits.MAX_EXPERTS
     assert SPEC["experts"]["x-kubernetes-list-map-keys"] == ["name"]
-    assert SPEC["sampling"]["properties"]["strategy"]["pattern"] == router_config.STRATEGY_PATTERN
-    assert SPEC["sampling"]["properties"]["solver"]["enum"] == list(router_config.SOLVERS)
-    assert SPEC["sampling"]["properties"]["steps"]["maximum"] == router_config.MAX_STEPS
-    assert SPEC["numClasses"]["maximum"] == spec.MAX_NUM_CLASSES
-    assert EXPERT["classes"]["items"]["maximum"] == spec.MAX_CLASS
-    assert EXPERT["replicas"]["maximum"] == spec.MAX_REPLICAS
+    sampling = SPEC["sampling"]["properties"]
+    assert sampling["strategy"]["pattern"] == limits.STRATEGY_PATTERN
+    assert sampling["solver"]["enum"] == list(limits.SOLVERS)
+    assert sampling["steps"]["maximum"] == limits.MAX_STEPS
+    assert (sampling["steps"]["default"], sampling["solver"]["default"],
+            sampling["strategy"]["default"]) == (limits.DEFAULT_STEPS, limits.DEFAULT_SOLVER,
+                                                 limits.DEFAULT_STRATEGY)
+    assert SPEC["numClasses"]["maximum"] == limits.MAX_NUM_CLASSES
+    assert SPEC["router"]["properties"]["replicas"]["maximum"] == limits.MAX_REPLICAS
+    assert EXPERT["classes"]["items"]["maximum"] == limits.MAX_CLASS
+    assert EXPERT["replicas"]["maximum"] == limits.MAX_REPLICAS
     assert EXPERT["replicas"]["minimum"] == 0
-    assert EXPERT["maxBatch"]["maximum"] == spec.MAX_BATCH
-    assert EXPERT["maxDelayMs"]["maximum"] == spec.MAX_DELAY_MS
-    assert EXPERT["framework"]["enum"] == list(accelerators.FRAMEWORKS)
-    assert accel["type"]["enum"] == list(accelerators.ACCELERATOR_TYPES)
-    assert accel["unit"]["enum"] == list(accelerators.NEURON_UNITS)
-    assert accel["count"]["maximum"] == spec.MAX_ACCELERATOR_COUNT
+    assert EXPERT["maxBatch"]["maximum"] == limits.MAX_BATCH
+    assert EXPERT["maxDelayMs"]["maximum"] == limits.MAX_DELAY_MS
+    assert EXPERT["framework"]["enum"] == list(limits.FRAMEWORKS)
+    assert accel["type"]["enum"] == list(limits.ACCELERATOR_TYPES)
+    assert accel["unit"]["enum"] == list(limits.NEURON_UNITS)
+    assert accel["count"]["maximum"] == limits.MAX_ACCELERATOR_COUNT
     assert accel["product"]["pattern"] == spec.PRODUCT_PATTERN
     assert accel["topology"]["pattern"] == spec.TOPOLOGY_PATTERN
     assert EXPERT["checkpoint"]["properties"]["uri"]["pattern"] == checkpoints.URI_PATTERN
@@ -117,7 +121,7 @@ def test_limits_and_patterns_equal_the_crds() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.from_regex(router_config.STRATEGY_PATTERN, fullmatch=True))
+@given(st.from_regex(limits.STRATEGY_PATTERN, fullmatch=True))
 def test_every_strategy_the_crd_accepts_the_router_accepts(name: str) -> None:
     parse_strategy(name)
 
@@ -385,3 +389,14 @@ def test_the_charts_crd_is_the_crd() -> None:
     if not chart_copy.exists():
         pytest.skip("the Helm chart is not written yet")
     assert chart_copy.read_text() == (ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text()
+
+
+def test_importing_the_handlers_registers_nothing_and_imports_no_runner() -> None:
+    """Handlers go into the registry ``run_operator`` makes (``handlers.register``); the
+    runner imports the handlers, never the other way round."""
+    code = ("import sys, kopf, ddm.operator.handlers; "
+            "print('ddm.operator.runner' in sys.modules, "
+            "len(kopf.get_default_registry()._changing.get_all_handlers()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.split() == ["False", "0"]

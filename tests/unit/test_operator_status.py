@@ -3,7 +3,7 @@ and their transition times, why a replica is not ready, and the status of an inv
 
 from __future__ import annotations
 
-from ddm.operator.spec import SpecError, parse_spec
+from ddm.deploy.spec import SpecError, parse_spec
 from ddm.operator.status import Trouble, invalid_status, pod_trouble, ready_status
 
 META = {"name": "digits", "namespace": "ml", "generation": 3}

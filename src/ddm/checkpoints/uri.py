@@ -26,8 +26,10 @@ FETCH_COMMAND = ("ddm", "fetch-checkpoint")
 
 
 @dataclass(frozen=True)
-class Checkpoint:
-    """A parsed checkpoint URI: ``location`` is the claim or host, ``path`` the path in it."""
+class CheckpointSource:
+    """Where a checkpoint comes from (a parsed checkpoint URI; the files themselves are
+    ``ddm.checkpoints.format.Checkpoint``): ``location`` is the claim or host, ``path`` the
+    path in it."""
 
     uri: str
     scheme: str
@@ -35,7 +37,7 @@ class Checkpoint:
     path: str
 
 
-def parse_checkpoint(uri: str) -> Checkpoint:
+def parse_checkpoint(uri: str) -> CheckpointSource:
     """Parse and check ``uri``; raises ``ValueError`` saying what is wrong with it."""
     if not isinstance(uri, str) or len(uri) > MAX_URI_LENGTH or not re.match(URI_PATTERN, uri):
         raise ValueError(
@@ -45,7 +47,7 @@ def parse_checkpoint(uri: str) -> Checkpoint:
     path = parts.path.rstrip("/")
     if ".." in path.split("/"):
         raise ValueError(f"{uri!r}: '..' is not allowed in a checkpoint path")
-    return Checkpoint(uri, parts.scheme, parts.netloc, path)
+    return CheckpointSource(uri, parts.scheme, parts.netloc, path)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class CheckpointMount:
     init_containers: list[dict[str, Any]] = field(default_factory=list)
 
 
-def checkpoint_mount(checkpoint: Checkpoint, *, volume: str, mount_path: str,
+def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: str,
                      fetcher: dict[str, Any]) -> CheckpointMount:
     """Volumes, mounts and init containers that put ``checkpoint`` at ``mount_path``.
 

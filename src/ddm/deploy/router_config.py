@@ -8,9 +8,8 @@ static list of ``host:port`` endpoints. Unknown keys are errors, so a typo never
 ``limits`` bounds what one request may ask for and how many run at once; ``auth``, when present,
 makes every ``/v1/*`` route require ``Authorization: Bearer <the token in token_file>``.
 
-Imports neither NumPy nor any ML framework: the operator imports this module. The strategy
-grammar is the CRD's (``crds/ddmdeployments.ddm.dev.yaml``); a test checks that every name it
-accepts is one ``ddm.sampling.routing.parse_strategy`` accepts.
+Imports neither NumPy nor any ML framework: the operator imports this module. Its limits and
+names are ``ddm.deploy.limits``'s.
 """
 
 from __future__ import annotations
@@ -22,12 +21,19 @@ from typing import Any, Mapping, Union
 
 import yaml
 
-STRATEGY_PATTERN = (
-    r"^(oracle|ensemble|top[1-9][0-9]?|topk:[1-9][0-9]?"
-    r"|threshold:(0?\.[0-9]*[1-9][0-9]*|1(\.0+)?))$"
+from ddm.deploy.limits import (
+    DEFAULT_SOLVER,
+    DEFAULT_STEPS,
+    DEFAULT_STRATEGY,
+    MAX_STEPS,
+    ROUTER_MAX_BATCH,
+    ROUTER_MAX_BODY_BYTES,
+    ROUTER_MAX_CONCURRENT,
+    ROUTER_MAX_STEPS,
+    SOLVERS,
+    STRATEGY_HINT,
+    STRATEGY_PATTERN,
 )
-SOLVERS = ("euler", "heun")
-MAX_STEPS = 1000
 
 
 class RouterConfigError(ValueError):
@@ -64,9 +70,9 @@ def _strict(cls: type, raw: Any, where: str) -> dict[str, Any]:
 class SamplingDefaults:
     """What a request that names no steps, solver or strategy gets."""
 
-    steps: int = 40
-    solver: str = "euler"
-    strategy: str = "top1"
+    steps: int = DEFAULT_STEPS
+    solver: str = DEFAULT_SOLVER
+    strategy: str = DEFAULT_STRATEGY
 
     def __post_init__(self) -> None:
         _check(_is_int(self.steps) and 1 <= self.steps <= MAX_STEPS,
@@ -74,8 +80,7 @@ class SamplingDefaults:
         _check(self.solver in SOLVERS,
                f"sampling.solver must be one of {list(SOLVERS)}, got {self.solver!r}")
         _check(isinstance(self.strategy, str) and re.match(STRATEGY_PATTERN, self.strategy),
-               f"sampling.strategy {self.strategy!r} is not one of oracle, ensemble, topK, "
-               "topk:K, threshold:P (0 < P <= 1)")
+               f"sampling.strategy {self.strategy!r} is not valid: {STRATEGY_HINT}")
 
 
 @dataclass(frozen=True)
@@ -198,10 +203,10 @@ class RouterLimits:
     few hundred bytes, so the default leaves room without letting a client make us buffer much.
     """
 
-    max_batch: int = 64
-    max_steps: int = 200
-    max_concurrent: int = 16
-    max_body_bytes: int = 65536
+    max_batch: int = ROUTER_MAX_BATCH
+    max_steps: int = ROUTER_MAX_STEPS
+    max_concurrent: int = ROUTER_MAX_CONCURRENT
+    max_body_bytes: int = ROUTER_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes"):

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 from ddm.operator import names
 from ddm.operator.config import OperatorConfig
-from ddm.operator.spec import DDMSpec, RouterAuth
+from ddm.deploy.spec import DDMSpec, RouterAuth
 
 #: Where the router reads its bearer token (the Secret's key, mounted as a file ``token``).
 ROUTER_TOKEN_DIR = "/var/run/secrets/ddm/router-token"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ddm.operator.spec import DDMSpec, ExpertSpec, load_manifest
+from ddm.deploy.spec import DDMSpec, ExpertSpec, load_manifest
 
 HARDWARE = {"neuron": "AWS Neuron", "nvidia": "NVIDIA GPU", "tpu": "Google TPU", "cpu": "CPU"}
 

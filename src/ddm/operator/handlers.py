@@ -14,37 +14,49 @@ The work is in ``reconcile``; these are the triggers:
 There is no resync timer: kopf lists everything again on start-up and after a watch fails, and a
 timer would make kopf put a finalizer on every DDMDeployment, so that deleting one would hang
 whenever no operator runs. No deletion handler either: children carry ownerReferences, so the
-garbage collector removes them, and kopf adds no finalizer. Run through
-``ddm.operator.runner.run_operator``, which puts the API client (``memo.api_client``) and the
-reconciler (``memo.reconciler``) in kopf's memo.
+garbage collector removes them, and kopf adds no finalizer. ``register`` puts the handlers
+into a registry the caller makes (``kopf.OperatorRegistry``) and passes to ``kopf.run``:
+importing this module registers nothing. ``ddm.operator.runner.run_operator`` does both, and
+puts the API client (``memo.api_client``) and the reconciler (``memo.reconciler``) in kopf's
+memo.
+
+An API call that failed (the API server unreachable included: ``kube.KubeError``) ends a run
+triggered by the DDMDeployment in a ``TemporaryError``, retried after ``RETRY_DELAY_S``; a run
+triggered by a child's event is not retried by kopf, so its failure is only logged: the watch
+that delivered the event re-lists after the outage, and that re-list triggers a run.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import kopf
 
 from ddm.operator import names
-from ddm.operator.runner import connection_info
+from ddm.operator.client import connection_info
+from ddm.operator.kube import KubeError
 from ddm.operator.status import pod_trouble
 
+log = logging.getLogger("ddm.operator")
 RETRY_DELAY_S = 30
+#: After an API call failed without an answer (status 0: the server unreachable), retry soon.
+UNREACHABLE_RETRY_DELAY_S = 5
 _CRD = (names.GROUP, names.VERSION, names.PLURAL)
 _OURS = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
 
 
-@kopf.on.login()
 def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     """The operator's own credentials (re-read on every login: tokens rotate)."""
     return connection_info(memo.api_client.configuration)
 
 
-@kopf.on.resume(*_CRD, id="reconcile")
-@kopf.on.create(*_CRD, id="reconcile")
-@kopf.on.update(*_CRD, id="reconcile")
 def reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    outcome = memo.reconciler.reconcile(namespace, name)
+    try:
+        outcome = memo.reconciler.reconcile(namespace, name)
+    except KubeError as error:  # reading the resource or writing its status failed
+        raise kopf.TemporaryError(str(error), delay=UNREACHABLE_RETRY_DELAY_S if error.status == 0
+                                  else RETRY_DELAY_S) from None
     if outcome is None:
         return
     if outcome.spec_error is not None:
@@ -62,7 +74,11 @@ def _child_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, 
     one its ``ddm.dev/deployment`` label names (pods are owned by ReplicaSets, not by it)."""
     owner = labels.get(names.DEPLOYMENT_LABEL)
     if owner and namespace is not None:
-        memo.reconciler.reconcile(namespace, owner, coalesce=True)
+        try:
+            memo.reconciler.reconcile(namespace, owner, coalesce=True)
+        except KubeError as error:
+            log.warning("%s/%s: %s (retried on the next event or re-list)", namespace, owner,
+                        error)
 
 
 def _pod_changed(namespace: str | None, labels: kopf.Labels, body: kopf.Body, type: str | None,
@@ -82,6 +98,11 @@ def _pod_changed(namespace: str | None, labels: kopf.Labels, body: kopf.Body, ty
     _child_changed(namespace=namespace, labels=labels, memo=memo, **kwargs)
 
 
-for _resource in names.CHILD_RESOURCES:
-    handler = _pod_changed if _resource == names.POD_RESOURCE else _child_changed
-    kopf.on.event(*_resource, labels=_OURS, id="child-changed")(handler)
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Register every handler of the operator in ``registry`` (pass it to ``kopf.run``)."""
+    kopf.on.login(registry=registry)(login)
+    for cause in (kopf.on.resume, kopf.on.create, kopf.on.update):
+        cause(*_CRD, id="reconcile", registry=registry)(reconcile)
+    for resource in names.CHILD_RESOURCES:
+        handler = _pod_changed if resource == names.POD_RESOURCE else _child_changed
+        kopf.on.event(*resource, labels=_OURS, id="child-changed", registry=registry)(handler)

@@ -7,13 +7,19 @@ it owns but someone edited are taken back.
 
 Secrets are only ever created (``create_secret``): the operator's RBAC grants ``create`` on
 Secrets and nothing else, so it can neither read a token nor be tricked into showing one.
+
+Every failure is a ``KubeError``: an answer with an error status, and equally a call that got
+no answer (connection refused or reset, a timeout, TLS broken off: whatever urllib3 or the
+socket raises), with status 0. So a reconcile records it like any refused call and goes on,
+never stopping half way on an exception nobody expected. Every call has a deadline.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
@@ -28,10 +34,17 @@ CHILD_KINDS = {
 }
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
+#: Seconds to connect to the API server, and to wait for its answer to one call.
+REQUEST_TIMEOUT_S = (5.0, 30.0)
+#: What the client raises when no answer came: urllib3's errors (MaxRetryError after its own
+#: retries, ProtocolError, timeouts, TLS errors) and the socket's (OSError: ConnectionError,
+#: TimeoutError, ssl.SSLError).
+TRANSPORT_ERRORS = (urllib3.exceptions.HTTPError, OSError)
 
 
 class KubeError(RuntimeError):
-    """An API call failed; ``status`` is the HTTP status (404, 409, 422, ...)."""
+    """An API call failed; ``status`` is the HTTP status (404, 409, 422, ...), 0 when the API
+    server did not answer."""
 
     def __init__(self, status: int, message: str, detail: str = "") -> None:
         super().__init__(message)
@@ -39,13 +52,24 @@ class KubeError(RuntimeError):
         self.detail = detail or message  #: the API server's own message
 
 
-def _error(what: str, error: ApiException) -> KubeError:
+def _error(what: str, error: Exception) -> KubeError:
+    if not isinstance(error, ApiException):
+        detail = f"the API server did not answer ({type(error).__name__}: {error})"
+        return KubeError(0, f"{what}: {detail}", detail)
     detail = error.reason or ""
     try:
         detail = json.loads(error.body or "{}").get("message", detail)
     except ValueError:
         pass
     return KubeError(int(error.status or 0), f"{what}: {detail} (HTTP {error.status})", detail)
+
+
+def _call(what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``method(*args, **kwargs)`` with a deadline; every failure as a ``KubeError``."""
+    try:
+        return method(*args, _request_timeout=REQUEST_TIMEOUT_S, **kwargs)
+    except (ApiException, *TRANSPORT_ERRORS) as error:
+        raise _error(what, error) from None
 
 
 class Kube:
@@ -58,29 +82,29 @@ class Kube:
 
     def _child_call(self, kind: str, verb: str, what: str, *args: Any, **kwargs: Any) -> Any:
         method = getattr(self._apis[kind], f"{verb}_namespaced_{CHILD_KINDS[kind][1]}")
-        try:
-            return json.loads(method(*args, _preload_content=False, **kwargs).data or b"{}")
-        except ApiException as error:
-            raise _error(what, error) from None
+        return _json(_call(what, method, *args, _preload_content=False, **kwargs))
 
     def get_owner(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The DDMDeployment, or None when it is gone."""
         try:
-            return self._custom.get_namespaced_custom_object(
-                names.GROUP, names.VERSION, namespace, names.PLURAL, name)
-        except ApiException as error:
+            return _json(_call(f"reading DDMDeployment {namespace}/{name}",
+                               self._custom.get_namespaced_custom_object, names.GROUP,
+                               names.VERSION, namespace, names.PLURAL, name,
+                               _preload_content=False))
+        except KubeError as error:
             if error.status == 404:
                 return None
-            raise _error(f"reading DDMDeployment {namespace}/{name}", error) from None
+            raise
 
     def write_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         try:
-            self._custom.patch_namespaced_custom_object_status(
-                names.GROUP, names.VERSION, namespace, names.PLURAL, name,
-                {"status": dict(status)}, _content_type=_MERGE)
-        except ApiException as error:
+            _call(f"writing the status of {namespace}/{name}",
+                  self._custom.patch_namespaced_custom_object_status, names.GROUP,
+                  names.VERSION, namespace, names.PLURAL, name, {"status": dict(status)},
+                  _content_type=_MERGE, _preload_content=False)
+        except KubeError as error:
             if error.status != 404:  # deleted meanwhile: nothing left to report on
-                raise _error(f"writing the status of {namespace}/{name}", error) from None
+                raise
 
     def list_children(self, namespace: str, owner: str) -> dict[tuple[str, str], dict[str, Any]]:
         """Every Deployment, Service, ConfigMap and NetworkPolicy labelled as ``owner``'s, by
@@ -98,24 +122,21 @@ class Kube:
         """The pods of ``owner``'s Deployments (they carry its labels)."""
         selector = (f"{names.DEPLOYMENT_LABEL}={owner},"
                     f"{names.MANAGED_BY_LABEL}={names.MANAGED_BY}")
-        try:
-            response = self._core.list_namespaced_pod(namespace, label_selector=selector,
-                                                      _preload_content=False)
-        except ApiException as error:
-            raise _error(f"listing the pods of {owner}", error) from None
-        return json.loads(response.data or b"{}").get("items", [])
+        return _json(_call(f"listing the pods of {owner}", self._core.list_namespaced_pod,
+                           namespace, label_selector=selector, _preload_content=False)
+                     ).get("items", [])
 
     def create_secret(self, manifest: Mapping[str, Any]) -> bool:
         """Create a Secret unless one of that name exists (never read, never updated);
         True when this call created it."""
         meta = manifest["metadata"]
         try:
-            self._core.create_namespaced_secret(meta["namespace"], dict(manifest),
-                                                _preload_content=False)
-        except ApiException as error:
+            _call(f"creating Secret {meta['name']}", self._core.create_namespaced_secret,
+                  meta["namespace"], dict(manifest), _preload_content=False)
+        except KubeError as error:
             if error.status == 409:
                 return False
-            raise _error(f"creating Secret {meta['name']}", error) from None
+            raise
         return True
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
@@ -144,3 +165,11 @@ class Kube:
         except KubeError as error:
             if error.status != 404:
                 raise
+
+
+def _json(response: Any) -> dict[str, Any]:
+    """The JSON body of an unparsed (``_preload_content=False``) response."""
+    try:
+        return json.loads(response.data or b"{}")
+    except (ValueError, *TRANSPORT_ERRORS) as error:  # cut off while reading the body
+        raise KubeError(0, f"the API server's answer was cut off or malformed: {error}") from None

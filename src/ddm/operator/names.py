@@ -9,11 +9,13 @@ that every Service name stays a DNS-1035 label of at most 63 characters.
 
 from __future__ import annotations
 
-GROUP = "ddm.dev"
-VERSION = "v1alpha1"
+# The resource's identity is the spec's (``ddm.deploy.spec``); re-exported for the operator.
+from ddm.deploy.spec import API_VERSION as API_VERSION
+from ddm.deploy.spec import GROUP as GROUP
+from ddm.deploy.spec import KIND as KIND
+from ddm.deploy.spec import VERSION as VERSION
+
 PLURAL = "ddmdeployments"
-KIND = "DDMDeployment"
-API_VERSION = f"{GROUP}/{VERSION}"
 
 MANAGED_BY = "ddm-operator"
 DEPLOYMENT_LABEL = "ddm.dev/deployment"

@@ -39,7 +39,7 @@ from ddm.operator.access import build_router_token_secret, creates_token_secret,
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.manifests import build_children, with_spec_hash
-from ddm.operator.spec import SpecError, parse_spec
+from ddm.deploy.spec import SpecError, parse_spec
 from ddm.operator.status import invalid_status, now_rfc3339, ready_status
 
 log = logging.getLogger("ddm.operator")
@@ -55,11 +55,17 @@ class Outcome:
 
 
 class Reconciler:
-    """Converges DDMDeployments; safe to call from many threads at once, inside kopf handlers
-    (it posts Events through kopf)."""
+    """Converges DDMDeployments; safe to call from many threads at once. ``post_event(body,
+    reason=..., message=...)`` reports what it changed: kopf's ``kopf.info`` (which needs a
+    running operator) by default.
 
-    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
-        self._kube, self._config = kube, config
+    Every API failure is a ``KubeError`` (``kube``): one while converging a child is recorded
+    and the other children go on; one reading the resource, listing its children or writing
+    its status ends the run with that ``KubeError`` (the handler retries)."""
+
+    def __init__(self, kube: Kube, config: OperatorConfig,
+                 post_event: Callable[..., None] = kopf.info) -> None:
+        self._kube, self._config, self._post_event = kube, config, post_event
         self._guard = threading.Lock()
         # One lock per resource, alive while some thread holds it: no entry outlives its use.
         self._locks: weakref.WeakValueDictionary[tuple[str, str], threading.Lock] = (
@@ -123,7 +129,7 @@ class Reconciler:
                 self._attempt(errors, actions, self._delete, kind, namespace, child)
         for reason, message in actions:
             log.info("%s/%s: %s", namespace, name, message)
-            kopf.info(body, reason=reason, message=message)
+            self._post_event(body, reason=reason, message=message)
         pods: list[dict[str, Any]] = []
         try:
             pods = self._kube.list_pods(namespace, name)

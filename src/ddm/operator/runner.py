@@ -11,7 +11,6 @@ in those namespaces (a Role each) and no cluster-scoped permission at all.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import re
@@ -20,10 +19,11 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 import kopf
-from kubernetes import client, config
 
 from ddm.operator import names
+from ddm.operator.client import load_client
 from ddm.operator.config import OperatorConfig
+from ddm.operator.handlers import register
 from ddm.operator.kube import Kube
 from ddm.operator.reconcile import Reconciler
 
@@ -64,37 +64,6 @@ def checked_namespaces(namespaces: Iterable[str], source: str) -> tuple[str, ...
             raise ValueError(f"{source}: namespace {namespace!r} is listed twice")
         found.append(namespace)
     return tuple(found)
-
-
-def load_client(kubeconfig: str | Path | None = None) -> client.ApiClient:
-    """An API client: the pod's service account in a cluster, else ``kubeconfig`` (default:
-    ``$KUBECONFIG`` or ``~/.kube/config``)."""
-    configuration = client.Configuration()
-    if kubeconfig is None:
-        try:
-            config.load_incluster_config(client_configuration=configuration)
-            return client.ApiClient(configuration)
-        except config.ConfigException:
-            pass
-    config.load_kube_config(config_file=None if kubeconfig is None else str(kubeconfig),
-                            client_configuration=configuration)
-    return client.ApiClient(configuration)
-
-
-def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:
-    """kopf's credentials from the client's (the token re-read through its refresh hook)."""
-    header = (configuration.get_api_key_with_prefix("BearerToken")
-              or configuration.get_api_key_with_prefix("authorization"))
-    scheme, _, token = (header or "").rpartition(" ")
-    return kopf.ConnectionInfo(
-        server=configuration.host,
-        ca_path=configuration.ssl_ca_cert,
-        insecure=not configuration.verify_ssl,
-        scheme=scheme or None,
-        token=token or None,
-        certificate_path=configuration.cert_file,
-        private_key_path=configuration.key_file,
-    )
 
 
 def operator_settings(*, clusterwide: bool = True) -> kopf.OperatorSettings:
@@ -168,10 +137,12 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
         # One access line per liveness probe (every 10 s in the chart) would drown the rest.
         logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     api_client = load_client(kubeconfig)
-    importlib.import_module("ddm.operator.handlers")  # registers the handlers with kopf
+    registry = kopf.OperatorRegistry()
+    register(registry)
     reconciler = Reconciler(Kube(api_client),
                             operator_config or OperatorConfig.from_env(os.environ))
     kopf.run(
+        registry=registry,
         settings=operator_settings(clusterwide=not served),
         standalone=standalone,
         clusterwide=not served,

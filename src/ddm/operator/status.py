@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
 from ddm.operator import names
-from ddm.operator.spec import DDMSpec, SpecError
+from ddm.deploy.spec import DDMSpec, SpecError
 
 PHASES = ("Pending", "Progressing", "Ready", "Failed", "Invalid")
 #: A container waiting for one of these will not start by itself.

@@ -1,15 +1,26 @@
 """``ddm up``: run a DDMDeployment's experts and router as local processes, no cluster needed.
 
-The same YAML a user would ``kubectl apply`` is planned into processes by a pure function
-(:func:`plan_local`), then supervised (:func:`run_local`): every expert replica becomes a
-``ddm serve expert`` process on a free loopback port, the router a ``ddm serve router`` process
-whose config lists those endpoints. Ctrl-C (or any process dying) stops everything started.
+The same YAML a user would ``kubectl apply`` is planned by the one deployment plan
+(``ddm.deploy.plan``, which the operator uses too), placed here by :func:`plan_local`, then
+supervised (:func:`run_local`): every expert replica becomes a ``ddm serve expert`` process on
+a free loopback port, the router a ``ddm serve router`` process whose config lists those
+endpoints. Ctrl-C stops everything started.
+
+A process that dies once everything was up is restarted, on the same port, as the kubelet
+restarts a container: after a back-off that doubles with each restart up to 5 minutes, and
+resets once the process has run 10 minutes (:class:`Backoff`). The kubelet's first delay is
+10 s; here it is 1 s, since a local run has no crash-looping fleet to protect and a developer
+waits for it. Meanwhile the router answers requests that need the dead expert with a 503
+naming it (once its call deadline, ``--deadline-s``, has passed), and serves the others.
+``fail_fast`` (``ddm up --fail-fast``) instead stops everything when one process dies.
 A server that cannot start leaves a one-line reason in its own termination-message file
 (``DDM_TERMINATION_LOG``, as Kubernetes would show it), and ``ddm up`` reports that line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -24,10 +35,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from ddm.checkpoints.uri import Checkpoint
-from ddm.operator.spec import DDMManifest, ExpertSpec
-from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
-                                       StaticDiscovery)
+from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.plan import RouterPlan, plan_deployment
+from ddm.deploy.router_config import Discovery, RouterConfigFile, StaticDiscovery
+from ddm.deploy.spec import DDMManifest
 from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
@@ -35,6 +46,8 @@ IMAGE_PREFIX = "/opt/ddm/"
 REPOSITORY_ROOT = Path(__file__).resolve().parents[3]
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
+#: How often the supervisor looks for processes that died or are due to restart.
+SUPERVISE_INTERVAL_S = 0.2
 
 
 class LocalRunError(RuntimeError):
@@ -59,7 +72,7 @@ class LocalPlan:
     url: str
 
 
-def resolve_checkpoint(checkpoint: Checkpoint, image_root: Path = REPOSITORY_ROOT,
+def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
                        pvc_root: Path | None = None) -> Path:
     """Map a checkpoint URI to a local directory, or say why it cannot be."""
     if checkpoint.scheme in ("image", "file"):
@@ -84,61 +97,53 @@ def resolve_checkpoint(checkpoint: Checkpoint, image_root: Path = REPOSITORY_ROO
                         f"{checkpoint.uri} DIR) and point the manifest at file://DIR")
 
 
-def expert_backend(expert: ExpertSpec) -> tuple[str, str]:
-    """The ``--backend`` and ``--device`` that run this expert on this machine's hardware."""
-    kind = expert.accelerator.type
-    if kind == "neuron":
-        if expert.framework != "torch":
-            raise LocalRunError(f"expert {expert.name}: Neuron runs PyTorch experts only")
-        return "neuron", ""
-    devices = {("torch", "cpu"): "cpu", ("torch", "nvidia"): "cuda", ("jax", "cpu"): "cpu",
-               ("jax", "nvidia"): "gpu", ("jax", "tpu"): "tpu"}
-    device = devices.get((expert.framework, kind))
-    if device is None:
-        raise LocalRunError(f"expert {expert.name}: {expert.framework} on {kind} is not "
-                            "supported (TPUs run JAX experts)")
-    return expert.framework, device
-
-
 def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int,
-               host: str = "127.0.0.1", image_root: Path = REPOSITORY_ROOT,
-               pvc_root: Path | None = None, threads: int = 1,
-               config_path: Path = Path("router.yaml")) -> LocalPlan:
-    """The processes that run ``manifest`` here; ``ports()`` hands out free expert ports."""
-    spec = manifest.spec
+               host: str = "127.0.0.1", *,
+               locate: Callable[[CheckpointSource], Path] = resolve_checkpoint,
+               threads: int = 1, config_path: Path = Path("router.yaml"),
+               cache_dir: Path = Path(tempfile.gettempdir()) / "ddm-cache") -> LocalPlan:
+    """The manifest's plan placed here: ``ports()`` hands out free expert ports, ``locate``
+    finds each checkpoint's directory, ``cache_dir`` holds compile caches (Neuron).
+
+    An expert with 0 replicas still gets one process: locally there is nothing to save, and
+    the router needs an address for each of its experts."""
+    plan = plan_deployment(manifest.spec)
     env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
            ("PYTHONUNBUFFERED", "1"))
-    experts, entries = [], []
-    for expert in spec.experts:
-        checkpoint = resolve_checkpoint(expert.checkpoint, image_root, pvc_root)
-        backend, device = expert_backend(expert)
+    experts: list[ProcessSpec] = []
+    discovery: dict[str, Discovery] = {}
+    for expert in plan.experts:
+        checkpoint = str(locate(expert.checkpoint))
         endpoints = []
         for replica in range(max(1, expert.replicas)):
             port = ports()
-            argv = [*_ddm(), "serve", "expert", "--checkpoint", str(checkpoint), "--host", host,
-                    "--port", str(port), "--backend", backend, "--log-level", "warning"]
-            if device:
-                argv += ["--device", device]
-            if expert.max_batch:
-                argv += ["--max-batch", str(expert.max_batch)]
-            if expert.max_delay_ms is not None:
-                argv += ["--max-delay-ms", str(expert.max_delay_ms)]
-            experts.append(ProcessSpec(f"{expert.name}/{replica}", tuple(argv), port, env))
+            argv = (*_ddm(), *expert.command(checkpoint, host, port), "--log-level", "warning")
+            experts.append(ProcessSpec(f"{expert.name}/{replica}", argv, port,
+                                       env + expert.env(str(cache_dir))))
             endpoints.append(f"{host}:{port}")
-        entries.append(ExpertEntry(name=expert.name, classes=tuple(expert.classes),
-                                   discovery=StaticDiscovery(tuple(endpoints))))
-    router_checkpoint = None
-    if spec.router.checkpoint is not None:
-        router_checkpoint = str(resolve_checkpoint(spec.router.checkpoint, image_root, pvc_root))
-    config = RouterConfigFile(
-        experts=tuple(entries), num_classes=spec.num_classes,
-        sampling=SamplingDefaults(spec.sampling.steps, spec.sampling.solver,
-                                  spec.sampling.strategy),
-        router_checkpoint=router_checkpoint)
-    router = ProcessSpec("router", (*_ddm(), "serve", "router", "--config", str(config_path),
-                                    "--host", host, "--port", str(router_port),
+        discovery[expert.name] = StaticDiscovery(tuple(endpoints))
+    router_checkpoint = (None if plan.router.checkpoint is None
+                         else str(locate(plan.router.checkpoint)))
+    router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
+                                                                router_port),
                                     "--log-level", "warning"), router_port, env)
-    return LocalPlan(tuple(experts), router, config, f"http://{host}:{router_port}")
+    return LocalPlan(tuple(experts), router, plan.router_config(discovery, router_checkpoint),
+                     f"http://{host}:{router_port}")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The pause before restarting a process that died: ``first_s`` doubling with each
+    restart up to ``max_s``; a process that ran ``reset_after_s`` starts over at ``first_s``
+    (the kubelet's rule, with 10 s, 300 s and 600 s)."""
+
+    first_s: float = 1.0
+    max_s: float = 300.0
+    reset_after_s: float = 600.0
+
+    def delay(self, restarts: int) -> float:
+        """Seconds to wait before restart number ``restarts + 1``."""
+        return min(self.max_s, self.first_s * 2.0 ** min(restarts, 32))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -157,16 +162,21 @@ class Supervisor:
         self.out = out
         self.termination_dir = termination_dir
         self.processes: dict[str, subprocess.Popen] = {}
+        self.specs: dict[str, ProcessSpec] = {}
+        self.started_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def start(self, spec: ProcessSpec) -> None:
+        """Start ``spec`` (again, when it ran before: its old termination message goes)."""
         env = os.environ | dict(spec.env)
         if self.termination_dir is not None:
+            self._termination_file(spec.name).unlink(missing_ok=True)
             env[TERMINATION_LOG_ENV] = str(self._termination_file(spec.name))
         process = subprocess.Popen(spec.argv, env=env,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    start_new_session=True)
-        self.processes[spec.name] = process
+        self.processes[spec.name], self.specs[spec.name] = process, spec
+        self.started_at[spec.name] = time.monotonic()
         threading.Thread(target=self._relay, args=(spec.name, process), daemon=True).start()
 
     def _relay(self, name: str, process: subprocess.Popen) -> None:
@@ -236,13 +246,22 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
               image_root: Path = REPOSITORY_ROOT, pvc_root: Path | None = None,
               threads: int = 1, out: TextIO = sys.stdout,
               on_ready: Callable[[LocalPlan], None] | None = None,
-              stop: threading.Event | None = None) -> int:
-    """Run until Ctrl-C, ``stop`` being set, or a process dying; returns an exit status."""
+              stop: threading.Event | None = None, *, fail_fast: bool = False,
+              backoff: Backoff = Backoff(), deadline_s: float | None = None) -> int:
+    """Run until Ctrl-C or ``stop`` being set, restarting what dies (with ``fail_fast``:
+    until a process dies); returns an exit status. ``deadline_s``: the router's time budget
+    for one expert call (``ddm serve router --deadline-s``; default from router.yaml)."""
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
-        plan = plan_local(manifest, lambda: free_port(host), router_port, host, image_root,
-                          pvc_root, threads, config_path)
+        plan = plan_local(manifest, lambda: free_port(host), router_port, host,
+                          locate=functools.partial(resolve_checkpoint, image_root=image_root,
+                                                   pvc_root=pvc_root),
+                          threads=threads, config_path=config_path,
+                          cache_dir=Path(workdir) / "cache")
         config_path.write_text(plan.router_config.to_yaml())
+        if deadline_s is not None:
+            plan = dataclasses.replace(plan, router=dataclasses.replace(
+                plan.router, argv=(*plan.router.argv, "--deadline-s", str(deadline_s))))
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -253,7 +272,8 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
                   " Ctrl-C stops everything.", file=out, flush=True)
             if on_ready is not None:
                 on_ready(plan)
-            return _wait(supervisor, stop, out)
+            return _supervise(supervisor, stop or threading.Event(), out,
+                              None if fail_fast else backoff)
         except KeyboardInterrupt:
             print("stopping...", file=out, flush=True)
             return 0
@@ -261,15 +281,34 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             supervisor.stop()
 
 
-def _wait(supervisor: Supervisor, stop: threading.Event | None, out: TextIO) -> int:
-    stop = stop or threading.Event()
-    while not stop.wait(0.5):
-        exited = supervisor.first_exit()
-        if exited is not None:
-            print(f"{exited[0]} exited with status {exited[1]} "
-                  f"({supervisor.exit_reason(exited[0])}); stopping the others",
-                  file=out, flush=True)
-            return 1
+def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
+               backoff: Backoff | None) -> int:
+    """Until ``stop``: restart each process that died after its back-off; with ``backoff``
+    None, return 1 at the first death instead (the caller stops the others)."""
+    restarts: dict[str, int] = {}
+    due: dict[str, float] = {}  # name -> when to start it again
+    while not stop.wait(SUPERVISE_INTERVAL_S):
+        now = time.monotonic()
+        for name, process in supervisor.processes.items():
+            if name in due or process.poll() is None:
+                continue
+            what = (f"{name} exited with status {process.returncode} "
+                    f"({supervisor.exit_reason(name)})")
+            if backoff is None:
+                print(f"{what}; stopping the others", file=out, flush=True)
+                return 1
+            if now - supervisor.started_at[name] >= backoff.reset_after_s:
+                restarts[name] = 0
+            delay = backoff.delay(restarts.get(name, 0))
+            restarts[name] = restarts.get(name, 0) + 1
+            due[name] = now + delay
+            print(f"{what}; restarting it in {delay:g} s (restart {restarts[name]})", file=out,
+                  flush=True)
+        for name, when in list(due.items()):
+            if when <= now:
+                del due[name]
+                supervisor.start(supervisor.specs[name])
+                print(f"restarted {name}", file=out, flush=True)
     return 0
 
 

@@ -16,13 +16,13 @@ import numpy as np
 
 from ddm.checkpoints.format import Checkpoint, CheckpointError, load_checkpoint, read_meta
 from ddm.convention import time_grid, to_uint8
+from ddm.deploy.limits import MAX_STEPS
 from ddm.sampling.mixture import (MixtureExpert, RouterFn, UsageLog, mixture_velocity,
                                   single_model, validate_oracle)
 from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.sampling.solvers import VelocityFn, initial_noise, iterate, solver_step
 
 BACKENDS = ("native", "torch", "jax")
-MAX_STEPS = 1000
 
 
 @dataclass(frozen=True)

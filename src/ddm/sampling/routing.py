@@ -13,8 +13,10 @@ from typing import Sequence
 
 import numpy as np
 
+from ddm.deploy.limits import STRATEGY_HINT, STRATEGY_PATTERN
+
 STRATEGY_NAMES = ("oracle", "top1", "topk", "threshold", "ensemble")
-_PATTERN = re.compile(r"^(oracle|ensemble|top(\d+)|topk:(\d+)|threshold:([0-9.]+))$")
+_PATTERN = re.compile(STRATEGY_PATTERN)
 
 
 @dataclass(frozen=True)
@@ -36,23 +38,14 @@ class Strategy:
 
 def parse_strategy(text: str) -> Strategy:
     """``oracle``, ``top1``, ``top2`` (or ``topk:2``), ``threshold:0.2``, ``ensemble``."""
-    match = _PATTERN.match(str(text).strip().lower())
-    if not match:
-        raise ValueError(
-            f"unknown routing strategy {text!r}; use oracle, top1, top2, topk:K, "
-            "threshold:P (0 < P <= 1) or ensemble")
-    whole, top_n, topk_n, threshold = match.groups()
-    if whole in ("oracle", "ensemble"):
-        return Strategy(kind=whole)
-    if threshold is not None:
-        p = float(threshold)
-        if not 0.0 < p <= 1.0:
-            raise ValueError(f"threshold must be in (0, 1], got {p}")
-        return Strategy(kind="threshold", threshold=p)
-    k = int(top_n or topk_n)
-    if k < 1:
-        raise ValueError(f"top-k needs k >= 1, got {k}")
-    return Strategy(kind="topk", k=k)
+    name = str(text).strip().lower()
+    if not _PATTERN.match(name):
+        raise ValueError(f"unknown routing strategy {text!r}; {STRATEGY_HINT}")
+    if name in ("oracle", "ensemble"):
+        return Strategy(kind=name)
+    if name.startswith("threshold:"):  # the grammar bounds it to (0, 1]
+        return Strategy(kind="threshold", threshold=float(name.partition(":")[2]))
+    return Strategy(kind="topk", k=int(name.removeprefix("topk:").removeprefix("top")))
 
 
 def routing_weights(probs: np.ndarray, strategy: Strategy) -> np.ndarray:

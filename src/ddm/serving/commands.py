@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ddm.deploy.limits import EXPERT_BACKENDS
+
 
 def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     """Add ``serve expert`` and ``serve router`` to the ``ddm`` command's subcommands."""
@@ -20,7 +22,7 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, type=Path)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", choices=("torch", "jax", "neuron"), default="torch")
+    p.add_argument("--backend", choices=EXPERT_BACKENDS, default="torch")
     p.add_argument("--device", default=None,
                    help="torch: cpu, cuda[:N]; jax: cpu, gpu, tpu[:N]; neuron: none")
     # Defaults left to serve_expert (one place), and shown by the expert's /v1/info.

@@ -16,6 +16,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from ddm.deploy.limits import MAX_STEPS
+
 #: HTTP ``Content-Type`` of every body in this format.
 CONTENT_TYPE = "application/x-ddm-tensor"
 MAGIC = b"DDMT"
@@ -142,7 +144,7 @@ class Limits:
 
     max_batch: int = 256
     max_body_bytes: int = 64 << 20
-    max_steps: int = 1000
+    max_steps: int = MAX_STEPS
     image_shape: tuple[int, int, int] | None = None
     allowed_labels: frozenset[int] | None = None
 

@@ -30,12 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
+from ddm.deploy.limits import EXPERT_BACKENDS
 from ddm.models.config import UNetConfig
 from ddm.sampling.pipeline import expert_velocity
 from ddm.sampling.solvers import VelocityFn
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
 
-BACKENDS = ("torch", "jax", "neuron")
+BACKENDS = EXPERT_BACKENDS
 #: The modules each backend imports, checked (without importing) before anything loads.
 _REQUIRES = {"torch": ("torch",), "jax": ("jax", "flax"), "neuron": ("torch", "torch_neuronx")}
 _INSTALL_HINTS = {

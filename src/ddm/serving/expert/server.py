@@ -46,6 +46,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
                                     read_meta)
+from ddm.deploy.limits import MAX_STEPS
 from ddm.models.config import UNetConfig
 from ddm.sampling.solvers import iterate
 from ddm.serving.expert import metrics as expert_metrics
@@ -69,8 +70,8 @@ DEFAULT_MAX_DELAY_MS = 0.0
 #: (see :class:`Batcher`): a router's batch-1 step then skips two thread hops, while a large
 #: batch or an integration still leaves the loop free for probes.
 INLINE_ROWS = 4
-#: Grid intervals one integrate request may ask for (the CRD allows 1000 steps).
-DEFAULT_MAX_STEPS = 1000
+#: Grid intervals one integrate request may ask for (as many as a DDM may sample with).
+DEFAULT_MAX_STEPS = MAX_STEPS
 #: Requests admitted at once, queued or running: four full batches of one-row requests from
 #: routers stepping concurrently, and at most that many bodies buffered.
 DEFAULT_MAX_PENDING = 256

@@ -20,7 +20,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from ddm.sampling.routing import parse_strategy
 from ddm.serving.router.remote import SamplingRequest
-from ddm.deploy.router_config import STRATEGY_PATTERN, RouterConfigFile
+from ddm.deploy.limits import SOLVERS, STRATEGY_PATTERN
+from ddm.deploy.router_config import RouterConfigFile
 
 #: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
 MAX_STRATEGY_CHARS = 32
@@ -97,7 +98,7 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
                               json_schema_extra={"pattern": pattern},
                               description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or "
                                           "ensemble; only oracle without a router network")
-        solver: Literal["euler", "heun"] = defaults.solver  # type: ignore[assignment]
+        solver: Literal[SOLVERS] = defaults.solver  # type: ignore[assignment]
         delegate_steps: Integer = Field(0, ge=0, le=limits.max_steps,
                                         description="steps per integrate request to an expert "
                                                     "when one expert is selected; 0 or 1: off")

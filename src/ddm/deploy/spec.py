@@ -15,31 +15,39 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.operator.accelerators import (
+from ddm.checkpoints.uri import CheckpointSource, parse_checkpoint
+from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defaults
+from ddm.deploy.fields import FieldReader
+from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
+    DEFAULT_SOLVER,
+    DEFAULT_STEPS,
+    DEFAULT_STRATEGY,
     FRAMEWORKS,
+    MAX_ACCELERATOR_COUNT,
+    MAX_BATCH,
+    MAX_CLASS,
+    MAX_DELAY_MS,
+    MAX_EXPERTS,
+    MAX_NUM_CLASSES,
+    MAX_REPLICAS,
+    MAX_STEPS,
     NEURON_UNITS,
-    Accelerator,
-    node_label_conflicts,
-    with_defaults,
+    SOLVERS,
+    STRATEGY_HINT,
+    STRATEGY_PATTERN,
 )
-from ddm.checkpoints.uri import Checkpoint, parse_checkpoint
-from ddm.operator.fields import FieldReader
-from ddm.operator.names import API_VERSION, KIND
-from ddm.operator.pod_options import PodOptions, parse_pod_options
-from ddm.deploy.router_config import MAX_STEPS, SOLVERS, STRATEGY_PATTERN
+from ddm.deploy.pod_options import PodOptions, parse_pod_options
 
+#: The resource this module describes.
+GROUP = "ddm.dev"
+VERSION = "v1alpha1"
+KIND = "DDMDeployment"
+API_VERSION = f"{GROUP}/{VERSION}"
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 24
 EXPERT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MAX_EXPERT_NAME_LENGTH = 30
-MAX_EXPERTS = 16
-MAX_REPLICAS = 64
-MAX_NUM_CLASSES = 1000
-MAX_CLASS = 999
-MAX_BATCH = 4096
-MAX_DELAY_MS = 10_000
-MAX_ACCELERATOR_COUNT = 32
 PRODUCT_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 TOPOLOGY_PATTERN = r"^[1-9][0-9]?(x[1-9][0-9]?){1,2}$"
 #: A Secret's name (a DNS-1123 subdomain) and a key in it (no leading '.', so never '..').
@@ -59,9 +67,9 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    steps: int = 40
-    solver: str = "euler"
-    strategy: str = "top1"
+    steps: int = DEFAULT_STEPS
+    solver: str = DEFAULT_SOLVER
+    strategy: str = DEFAULT_STRATEGY
 
 
 @dataclass(frozen=True)
@@ -79,7 +87,7 @@ class RouterSpec:
     None: the spec does not ask for authentication (the operator may still require it)."""
 
     replicas: int = 1
-    checkpoint: Checkpoint | None = None
+    checkpoint: CheckpointSource | None = None
     pod: PodOptions = PodOptions()
     auth: RouterAuth | None = None
 
@@ -91,7 +99,7 @@ class ExpertSpec:
     name: str
     framework: str
     accelerator: Accelerator
-    checkpoint: Checkpoint
+    checkpoint: CheckpointSource
     classes: tuple[int, ...] = ()
     replicas: int = 1
     max_batch: int | None = None
@@ -147,17 +155,16 @@ def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
 
 def _sampling(reader: FieldReader) -> Sampling:
     sampling = Sampling(
-        steps=reader.integer("steps", 40, 1, MAX_STEPS),
-        solver=reader.string("solver", "euler", choices=SOLVERS),
-        strategy=reader.string("strategy", "top1", pattern=STRATEGY_PATTERN,
-                               hint="use oracle, ensemble, topK (K 1..99), topk:K or "
-                                    "threshold:P with 0 < P <= 1"),
+        steps=reader.integer("steps", DEFAULT_STEPS, 1, MAX_STEPS),
+        solver=reader.string("solver", DEFAULT_SOLVER, choices=SOLVERS),
+        strategy=reader.string("strategy", DEFAULT_STRATEGY, pattern=STRATEGY_PATTERN,
+                               hint=STRATEGY_HINT),
     )
     reader.done()
     return sampling
 
 
-def _checkpoint(reader: FieldReader, allow_host_paths: bool) -> Checkpoint | None:
+def _checkpoint(reader: FieldReader, allow_host_paths: bool) -> CheckpointSource | None:
     uri = reader.value("uri")
     reader.done()
     if uri is None:
@@ -247,7 +254,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         pod=parse_pod_options(reader),
     )
     if not accelerator_problems:
-        for key, message in node_label_conflicts(accelerator, framework,
+        for key, message in node_label_conflicts(accelerator,
                                                  expert.pod.node_selector or {}):
             reader.problem(f"nodeSelector[{key!r}]", message)
     reader.done()

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Mapping
 
-from ddm.operator.accelerators import ACCELERATOR_RESOURCES
-from ddm.operator.fields import FieldReader
+from ddm.deploy.accelerators import ACCELERATOR_RESOURCES
+from ddm.deploy.fields import FieldReader
 
 #: A container image reference: registry/path:tag@digest, with no space, quote or shell syntax.
 IMAGE_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9._/:@]*$"

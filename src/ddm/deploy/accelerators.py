@@ -1,8 +1,7 @@
-"""What each accelerator type means on Kubernetes, and the sizes the platforms offer.
-
-One place for the platform facts: the extended resource a device plugin advertises, the taint
-its nodes carry, the node labels that pick a product, the image family, the expert server's
-``--backend``/``--device`` flags, and the per-pod counts that exist:
+"""What each accelerator type offers: the sizes that exist, the device plugin's resource, the
+node labels that pick a product. The checks a spec's ``accelerator`` must pass live here; what
+a pod gets from it (limits, tolerations) is ``ddm.operator.placement``, and the expert server's
+``--backend``/``--device`` per (type, framework) is ``ddm.deploy.limits.BACKENDS``.
 
 - ``neuron`` (AWS Trainium/Inferentia, Neuron device plugin): ``aws.amazon.com/neuron`` whole
   devices (1-16, a trn1.32xlarge has 16) or ``aws.amazon.com/neuroncore`` cores (1-32); torch
@@ -20,9 +19,8 @@ from dataclasses import dataclass
 from math import prod
 from typing import Mapping
 
-ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
-NEURON_UNITS = ("device", "core")
-FRAMEWORKS = ("torch", "jax")
+from ddm.deploy.limits import BACKENDS
+
 DEFAULT_TPU_PRODUCT = "tpu-v5-lite-podslice"
 #: Chips of a single-host TPU v5e slice -> its topology.
 TPU_TOPOLOGIES = {1: "1x1", 4: "2x2", 8: "2x4"}
@@ -47,22 +45,6 @@ _COUNTS: dict[tuple[str, str | None], tuple[int, ...]] = {
     ("nvidia", None): tuple(range(1, 9)),
     ("tpu", None): tuple(TPU_TOPOLOGIES),
 }
-#: The taint key each family's nodes carry (value ``present``, effect NoSchedule).
-_TAINTS = {"neuron": "aws.amazon.com/neuron", "nvidia": "nvidia.com/gpu", "tpu": "google.com/tpu"}
-#: Accelerator type -> image family (a key of ``OperatorConfig.images``).
-IMAGE_FAMILIES = {"cpu": "cpu", "nvidia": "cuda", "neuron": "neuron", "tpu": "tpu"}
-#: (type, framework) -> expert server flags; a missing pair is not supported.
-_BACKENDS = {
-    ("cpu", "torch"): ("--backend", "torch", "--device", "cpu"),
-    ("cpu", "jax"): ("--backend", "jax", "--device", "cpu"),
-    ("nvidia", "torch"): ("--backend", "torch", "--device", "cuda"),
-    ("nvidia", "jax"): ("--backend", "jax", "--device", "gpu"),
-    ("neuron", "torch"): ("--backend", "neuron"),
-    ("tpu", "torch"): ("--backend", "torch", "--device", "xla"),
-    ("tpu", "jax"): ("--backend", "jax", "--device", "tpu"),
-}
-#: Where the Neuron compile cache lives in the pod (an emptyDir; see the serving backends).
-NEURON_CACHE_DIR = "/var/cache/neuron"
 
 
 @dataclass(frozen=True)
@@ -104,7 +86,7 @@ class Accelerator:
                 found.append(("topology", f"{self.topology} has "
                                           f"{prod(int(d) for d in self.topology.split('x'))} "
                                           f"chips but count is {self.count}"))
-        if (self.type, framework) not in _BACKENDS:
+        if (self.type, framework) not in BACKENDS:
             found.append(("type", f"{self.type} cannot run framework {framework}: the neuron "
                                   "backend is torch-neuronx, use framework torch"))
         return found
@@ -130,33 +112,15 @@ def with_defaults(accelerator: Accelerator) -> Accelerator:
     return Accelerator(kind, count, unit, product, topology)
 
 
-@dataclass(frozen=True)
-class Placement:
-    """What an accelerator adds to a pod: limits, tolerations, node selector, server flags."""
-
-    limits: dict[str, str]
-    tolerations: list[dict[str, str]]
-    node_selector: dict[str, str]
-    backend_args: tuple[str, ...]
-    image_family: str
-
-
-def placement(accelerator: Accelerator, framework: str) -> Placement:
-    """The pod settings for a validated (``problems()`` empty) accelerator and framework."""
-    limits: dict[str, str] = {}
-    tolerations: list[dict[str, str]] = []
+def node_selector(accelerator: Accelerator) -> dict[str, str]:
+    """The node labels a pod with this (validated) accelerator must match."""
     selector: dict[str, str] = {}
-    if accelerator.resource is not None:
-        limits[accelerator.resource] = str(accelerator.count)
-        tolerations.append({"key": _TAINTS[accelerator.type], "operator": "Exists",
-                            "effect": "NoSchedule"})
     if accelerator.type == "nvidia" and accelerator.product:
         selector[NVIDIA_PRODUCT_LABEL] = accelerator.product
     if accelerator.type == "tpu":
         selector[TPU_ACCELERATOR_LABEL] = accelerator.product or DEFAULT_TPU_PRODUCT
         selector[TPU_TOPOLOGY_LABEL] = accelerator.topology or TPU_TOPOLOGIES[accelerator.count]
-    return Placement(limits, tolerations, selector, _BACKENDS[(accelerator.type, framework)],
-                     IMAGE_FAMILIES[accelerator.type])
+    return selector
 
 
 #: Node labels that pick one accelerator family: a node selector naming them for another type
@@ -165,13 +129,13 @@ ACCELERATOR_LABELS = {NVIDIA_PRODUCT_LABEL: "nvidia", TPU_ACCELERATOR_LABEL: "tp
                       TPU_TOPOLOGY_LABEL: "tpu"}
 
 
-def node_label_conflicts(accelerator: Accelerator, framework: str,
-                         node_selector: Mapping[str, str]) -> list[tuple[str, str]]:
+def node_label_conflicts(accelerator: Accelerator,
+                         selector: Mapping[str, str]) -> list[tuple[str, str]]:
     """(node selector key, message) for each label the user's selector sets against the
     accelerator (valid: ``problems()`` empty); such a pod could never be scheduled."""
-    implied = placement(accelerator, framework).node_selector
+    implied = node_selector(accelerator)
     found: list[tuple[str, str]] = []
-    for key, value in node_selector.items():
+    for key, value in selector.items():
         family = ACCELERATOR_LABELS.get(key)
         if family is not None and family != accelerator.type:
             found.append((key, f"selects {family} nodes but accelerator.type is "

@@ -1,0 +1,59 @@
+"""Every limit and name list of a deployment, declared once; everything else imports them.
+
+The spec parser, ``router.yaml``, the servers, the sampler and the operator all read these.
+The CRD (``crds/ddmdeployments.ddm.dev.yaml``, YAML that cannot import Python) repeats the
+enums, maxima and patterns; ``tests/unit/test_operator_spec.py`` checks them equal to these.
+Plain constants only: no NumPy, no ML framework (the operator and the CLI import this).
+"""
+
+from __future__ import annotations
+
+#: Sampling steps one request (or a DDM's default) may ask for; an expert's integrate grid too.
+MAX_STEPS = 1000
+#: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps).
+SOLVERS = ("euler", "heun")
+#: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and
+#: ``threshold:P`` with 0 < P <= 1. ``ddm.sampling.routing.parse_strategy`` reads its fields.
+STRATEGY_PATTERN = (
+    r"^(oracle|ensemble|top[1-9][0-9]?|topk:[1-9][0-9]?"
+    r"|threshold:(0?\.[0-9]*[1-9][0-9]*|1(\.0+)?))$"
+)
+STRATEGY_HINT = "use oracle, ensemble, topK (K 1..99), topk:K or threshold:P with 0 < P <= 1"
+#: What a DDM samples with when its spec (or a request) names nothing.
+DEFAULT_STEPS = 40
+DEFAULT_SOLVER = "euler"
+DEFAULT_STRATEGY = "top1"
+
+#: The router's per-request defaults (``router.yaml`` ``limits:``); a DDM's own default step
+#: count raises ``ROUTER_MAX_STEPS`` for its router (``ddm.deploy.plan``).
+ROUTER_MAX_BATCH = 64
+ROUTER_MAX_STEPS = 200
+ROUTER_MAX_CONCURRENT = 16
+ROUTER_MAX_BODY_BYTES = 65536
+
+#: A DDMDeployment's sizes.
+MAX_EXPERTS = 16
+MAX_REPLICAS = 64
+MAX_NUM_CLASSES = 1000
+MAX_CLASS = MAX_NUM_CLASSES - 1
+#: An expert server's images per model call (the spec's ``maxBatch``) and its batching wait.
+MAX_BATCH = 4096
+MAX_DELAY_MS = 10_000
+MAX_ACCELERATOR_COUNT = 32
+
+#: Accelerator types, the frameworks an expert is trained in, and the expert server backends.
+ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
+NEURON_UNITS = ("device", "core")
+FRAMEWORKS = ("torch", "jax")
+EXPERT_BACKENDS = ("torch", "jax", "neuron")
+#: (accelerator type, framework) -> the expert server's ``--backend`` and ``--device`` (None:
+#: the backend picks its device); a missing pair is not supported.
+BACKENDS: dict[tuple[str, str], tuple[str, str | None]] = {
+    ("cpu", "torch"): ("torch", "cpu"),
+    ("cpu", "jax"): ("jax", "cpu"),
+    ("nvidia", "torch"): ("torch", "cuda"),
+    ("nvidia", "jax"): ("jax", "gpu"),
+    ("neuron", "torch"): ("neuron", None),
+    ("tpu", "torch"): ("torch", "xla"),
+    ("tpu", "jax"): ("jax", "tpu"),
+}

@@ -1,0 +1,113 @@
+"""One deployment plan: a DDMDeployment spec -> what runs (pure, no I/O, no ML imports).
+
+Both ways of running a DDM consume it and add only what their place decides: the operator
+(``ddm.operator.manifests``) turns it into Deployments, Services and a ConfigMap, with the
+checkpoint at a path in the pod and the experts behind DNS; ``ddm up`` (``ddm.runtime.local``)
+into processes, with the checkpoint a local directory and the experts at loopback ports.
+Everything the spec decides (each expert server's arguments and environment, its backend,
+the router's configuration and limits) is decided here, once, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.limits import BACKENDS, ROUTER_MAX_STEPS
+from ddm.deploy.router_config import (
+    Auth,
+    Discovery,
+    ExpertEntry,
+    RouterConfigFile,
+    RouterLimits,
+    SamplingDefaults,
+)
+from ddm.deploy.spec import DDMSpec, ExpertSpec
+
+
+@dataclass(frozen=True)
+class ExpertPlan:
+    """One expert's server. ``args``: the arguments the spec decides (backend, device,
+    batching), after the ones its place decides (``command``)."""
+
+    name: str
+    classes: tuple[int, ...]
+    replicas: int
+    checkpoint: CheckpointSource
+    accelerator: str
+    backend: str
+    device: str | None
+    args: tuple[str, ...]
+
+    def command(self, checkpoint_dir: str, host: str, port: int) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve this expert from ``checkpoint_dir`` on host:port."""
+        return ("serve", "expert", "--checkpoint", checkpoint_dir, "--host", host,
+                "--port", str(port), *self.args)
+
+    def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
+        """Environment the server needs; on Neuron, its compile caches under ``cache_dir``."""
+        if self.backend != "neuron":
+            return ()
+        return (("DDM_NEURON_CACHE", f"{cache_dir}/traced"),
+                ("NEURON_CC_FLAGS", f"--cache_dir={cache_dir}/compiler"))
+
+
+@dataclass(frozen=True)
+class RouterPlan:
+    """The router: its checkpoint (None with the oracle), request defaults and limits."""
+
+    replicas: int
+    checkpoint: CheckpointSource | None
+    num_classes: int
+    sampling: SamplingDefaults
+    limits: RouterLimits
+
+    @staticmethod
+    def command(config_file: str, host: str, port: int) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve the router with ``config_file`` on host:port."""
+        return ("serve", "router", "--config", config_file, "--host", host, "--port", str(port))
+
+
+@dataclass(frozen=True)
+class DeploymentPlan:
+    """What runs for one spec: the experts (in the router network's output order), the router."""
+
+    experts: tuple[ExpertPlan, ...]
+    router: RouterPlan
+
+    def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
+                      auth: Auth | None = None) -> RouterConfigFile:
+        """router.yaml, with each expert reached through ``discovery[name]`` and the router
+        network read from ``checkpoint_dir`` (None without one)."""
+        router = self.router
+        return RouterConfigFile(
+            experts=tuple(ExpertEntry(name=e.name, classes=e.classes, discovery=discovery[e.name])
+                          for e in self.experts),
+            num_classes=router.num_classes, sampling=router.sampling,
+            router_checkpoint=checkpoint_dir, limits=router.limits, auth=auth)
+
+
+def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
+    """What runs for a validated ``spec``."""
+    sampling = spec.sampling
+    router = RouterPlan(
+        replicas=spec.router.replicas, checkpoint=spec.router.checkpoint,
+        num_classes=spec.num_classes,
+        sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy),
+        # A request may ask for as many steps as the DDM's own default.
+        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)))
+    return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router)
+
+
+def plan_expert(expert: ExpertSpec) -> ExpertPlan:
+    """What runs for one validated expert of a spec."""
+    backend, device = BACKENDS[(expert.accelerator.type, expert.framework)]
+    args = ["--backend", backend, *(("--device", device) if device else ())]
+    if expert.max_batch is not None:
+        args += ["--max-batch", str(expert.max_batch)]
+    if expert.max_delay_ms is not None:
+        args += ["--max-delay-ms", str(expert.max_delay_ms)]
+    return ExpertPlan(name=expert.name, classes=expert.classes, replicas=expert.replicas,
+                      checkpoint=expert.checkpoint, accelerator=expert.accelerator.type,
+                      backend=backend, device=device, args=tuple(args))

@@ -1,0 +1,196 @@
+"""One deployment plan, two consumers: the operator's manifests and ``ddm up``'s processes run
+the same expert commands and give the router the same configuration and limits, for every
+shipped example and for generated specs across every accelerator, framework and limit."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy import limits
+from ddm.deploy.plan import plan_deployment
+from ddm.deploy.router_config import RouterConfigFile
+from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
+from ddm.operator.config import Images, OperatorConfig
+from ddm.operator.manifests import ROUTER_CONFIG_FILE, build_children
+from ddm.runtime.local import plan_local
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
+                                      neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"),
+                        allow_host_paths=True)
+#: Options each consumer sets for its place, not from the spec: value-taking, then flags.
+PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--config", "--drain-s", "--log-level")
+STEPS = (1, 2, limits.DEFAULT_STEPS, limits.ROUTER_MAX_STEPS, limits.ROUTER_MAX_STEPS + 1, 300,
+         limits.MAX_STEPS)
+URIS = ("image:///opt/ddm/checkpoints/{name}", "pvc://models/{name}",
+        "s3://bucket/{name}", "https://models.example.com/{name}.tar.gz", "file:///srv/{name}")
+COUNTS = {"neuron": 2, "nvidia": 1, "tpu": 4, "cpu": 0}
+
+
+def _generated(seed: int) -> dict[str, Any]:
+    """A valid DDMDeployment document drawn from ``seed``."""
+    rng = random.Random(seed)
+    pairs = sorted(limits.BACKENDS)
+    num_experts = rng.randint(1, 4)
+    num_classes = rng.choice((num_experts, 10))
+    strategy = rng.choice(("oracle", "top1", f"top{num_experts}", f"topk:{num_experts}",
+                           "threshold:0.25", "ensemble"))
+    labels = list(range(num_classes))
+    experts = []
+    for i in range(num_experts):
+        kind, framework = rng.choice(pairs)
+        expert: dict[str, Any] = {
+            "name": f"e{i}", "framework": framework,
+            "accelerator": {"type": kind, **({"count": COUNTS[kind]} if COUNTS[kind] else {})},
+            "checkpoint": {"uri": rng.choice(URIS).format(name=f"e{i}")},
+            "classes": labels[i::num_experts], "replicas": rng.randint(0, 3)}
+        if rng.random() < 0.5:
+            expert["maxBatch"] = rng.randint(1, limits.MAX_BATCH)
+        if rng.random() < 0.5:
+            expert["maxDelayMs"] = rng.randint(0, limits.MAX_DELAY_MS)
+        experts.append(expert)
+    spec: dict[str, Any] = {
+        "numClasses": num_classes, "experts": experts,
+        "sampling": {"steps": rng.choice(STEPS), "solver": rng.choice(limits.SOLVERS),
+                     "strategy": strategy}}
+    if strategy != "oracle":
+        spec["router"] = {"checkpoint": {"uri": rng.choice(URIS).format(name="router")}}
+    return {"apiVersion": "ddm.dev/v1alpha1", "kind": "DDMDeployment",
+            "metadata": {"name": f"gen{seed}"}, "spec": spec}
+
+
+MANIFESTS = ([pytest.param(load_manifest(path), id=path.name) for path in EXAMPLES]
+             + [pytest.param(parse_manifest(_generated(seed), allow_host_paths=True),
+                             id=f"generated-{seed}") for seed in range(40)])
+
+
+def _spec_args(argv: tuple[str, ...] | list[str]) -> list[str]:
+    """``argv`` after ``serve ROLE``, without the options that say where it runs."""
+    args = list(argv)
+    args = args[args.index("serve"):]
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in PLACE_OPTIONS:
+            skip = True
+        else:
+            kept.append(arg)
+    return kept
+
+
+def _without_places(config: RouterConfigFile) -> dict[str, Any]:
+    """router.yaml without what differs by place: expert addresses, file paths, auth."""
+    out = config.to_dict()
+    for expert in out["experts"]:
+        del expert["discovery"]
+    out.pop("auth", None)
+    out["router_checkpoint"] = out["router_checkpoint"] is not None
+    return out
+
+
+def _operator(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[str]],
+                                               list[str], RouterConfigFile]:
+    meta = {"name": manifest.name, "namespace": "ml", "uid": "1"}
+    children = build_children(manifest.spec, meta, CONFIG)
+    commands, env = {}, {}
+    router_command: list[str] = []
+    config = None
+    for child in children:
+        if child["kind"] == "Deployment":
+            (container,) = child["spec"]["template"]["spec"]["containers"]
+            if container["name"] == "router":
+                router_command = container["command"]
+            else:
+                name = child["metadata"]["labels"]["ddm.dev/expert"]
+                commands[name] = container["command"]
+                env[name] = {e["name"] for e in container["env"]} - {"HOME", "XDG_CACHE_HOME"}
+        elif child["kind"] == "ConfigMap":
+            config = RouterConfigFile.from_yaml(child["data"][ROUTER_CONFIG_FILE])
+    assert config is not None
+    return commands, env, router_command, config
+
+
+def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[str]],
+                                            list[str], RouterConfigFile]:
+    ports = itertools.count(20000)
+
+    def locate(source: CheckpointSource) -> Path:
+        return Path("/fetched") / source.scheme / source.location / source.path.strip("/")
+
+    plan = plan_local(manifest, lambda: next(ports), 8080, locate=locate)
+    commands, env = {}, {}
+    for process in plan.experts:
+        name = process.name.split("/")[0]
+        commands[name] = list(process.argv)
+        env[name] = {k for k, _ in process.env} - {"OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                     "PYTHONUNBUFFERED"}
+    # What ddm up gives the router is what it reads back from the file it writes.
+    config = RouterConfigFile.from_yaml(plan.router_config.to_yaml())
+    return commands, env, list(plan.router.argv), config
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_the_operator_and_ddm_up_run_the_same_plan(manifest: DDMManifest) -> None:
+    op_commands, op_env, op_router, op_config = _operator(manifest)
+    local_commands, local_env, local_router, local_config = _local(manifest)
+    names = [e.name for e in manifest.spec.experts]
+    assert sorted(op_commands) == sorted(local_commands) == sorted(names)
+    for name in names:
+        assert _spec_args(op_commands[name]) == _spec_args(local_commands[name]), name
+        assert op_env[name] == local_env[name], name
+    assert _spec_args(op_router) == _spec_args(local_router) == ["serve", "router"]
+    assert _without_places(op_config) == _without_places(local_config)
+    assert [e.name for e in op_config.experts] == names
+    # Every request at the DDM's own default step count is allowed, on both.
+    steps = manifest.spec.sampling.steps
+    assert op_config.limits.max_steps == local_config.limits.max_steps == max(
+        limits.ROUTER_MAX_STEPS, steps)
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_each_expert_runs_the_backend_of_its_accelerator_and_framework(
+        manifest: DDMManifest) -> None:
+    for spec, planned in zip(manifest.spec.experts, plan_deployment(manifest.spec).experts):
+        backend, device = limits.BACKENDS[(spec.accelerator.type, spec.framework)]
+        expected = ["--backend", backend, *(["--device", device] if device else [])]
+        assert list(planned.args[:len(expected)]) == expected
+        assert "--device" not in planned.args[len(expected):]
+        assert backend in limits.EXPERT_BACKENDS
+
+
+def test_the_generated_specs_cover_every_backend_and_the_step_limits() -> None:
+    manifests = [p.values[0] for p in MANIFESTS]
+    pairs = {(e.accelerator.type, e.framework) for m in manifests for e in m.spec.experts}
+    assert pairs == set(limits.BACKENDS)
+    steps = {m.spec.sampling.steps for m in manifests}
+    assert {limits.ROUTER_MAX_STEPS + 1, limits.MAX_STEPS} <= steps
+
+
+def test_a_manifest_with_300_steps_plans_a_router_that_allows_them(tmp_path: Path) -> None:
+    document = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    document["spec"]["sampling"]["steps"] = 300
+    plan = plan_local(parse_manifest(document, allow_host_paths=True), iter(range(30000, 30100))
+                      .__next__, 8080, locate=lambda source: tmp_path)
+    config = RouterConfigFile.from_yaml(plan.router_config.to_yaml())
+    assert (config.sampling.steps, config.limits.max_steps) == (300, 300)
+
+
+def test_the_plan_its_consumers_and_the_cli_import_no_ml_framework() -> None:
+    code = ("import sys, ddm.deploy.plan, ddm.deploy.limits, ddm.operator.runner, "
+            "ddm.operator.diagram, ddm.runtime.local, ddm.cli; "
+            "print(sorted({'numpy', 'torch', 'jax', 'flax'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
