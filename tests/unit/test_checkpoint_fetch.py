@@ -336,10 +336,11 @@ def test_uris_that_are_not_fetched_are_refused(tmp_path, uri, problem):
     _assert_nothing_left(tmp_path)
 
 
-def test_the_cli_reports_a_failure_in_one_line_with_exit_status_2(origin, tmp_path, capsys,
+def test_the_cli_reports_a_failure_in_one_line_with_exit_status_1(origin, tmp_path, capsys,
                                                                   termination_log):
     uri = f"{origin.url}/missing"
-    assert main(["fetch-checkpoint", uri, str(tmp_path / "expert"), *ALLOW_LOOPBACK]) == 2
+    # a failed fetch is a failure (1), not a usage error (2)
+    assert main(["fetch-checkpoint", uri, str(tmp_path / "expert"), *ALLOW_LOOPBACK]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.startswith(f"ddm: error: {uri}: ")

@@ -565,7 +565,7 @@ def test_a_presigned_signature_appears_in_no_output_and_no_termination_message(
                                                if termination_log.exists() else "")
         assert SECRET not in shown and "X-Amz-Credential" not in shown, shown
         assert shown.strip(), args
-    assert statuses == [2, 2, 2, 2, 2, 0]
+    assert statuses == [1, 1, 1, 1, 1, 0]  # failures (exit 1), then the success
     assert load_checkpoint(tmp_path / "f").meta.name == "smoke-torch"
     # the URI from the environment (a Secret), not the command line
     monkeypatch.setenv("DDM_CHECKPOINT_URI", f"{store.url}/m.tar.gz{PRESIGNED}")
