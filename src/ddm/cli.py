@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddm", description="Decentralized Diffusion Models: train, sample, evaluate, serve.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_partition(commands)
     _add_train(commands)
     _add_sample(commands)
     _add_eval(commands)
@@ -50,6 +51,49 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fetch_checkpoint(commands)
     _add_dev_cluster(commands)
     return parser
+
+
+# -- partition ----------------------------------------------------------------------------------
+
+def _add_partition(commands: argparse._SubParsersAction) -> None:
+    partition = commands.add_parser("partition", help="fit the data partition that experts and "
+                                                      "router share, or show one")
+    actions = partition.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("fit", help="k-means on the training split, written as one file "
+                                       "that trainers take as --partition file:PATH")
+    p.add_argument("--data", required=True,
+                   help="'digits' (embedded) or 'mnist:DIR' with the four IDX files")
+    p.add_argument("--kmeans", type=int, required=True, metavar="K", help="number of clusters")
+    p.add_argument("--features", choices=("hog", "pixels"), default="hog",
+                   help="what k-means clusters: HOG stroke directions (default) or raw pixels")
+    p.add_argument("--image-size", type=int, required=True,
+                   help="image side the experts train at (MNIST 32: padded 28x28)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, type=Path, help="partition JSON file to write")
+    p.set_defaults(handler=_partition_fit)
+    p = actions.add_parser("show", help="check a partition file's hash and print its summary")
+    p.add_argument("file", type=Path)
+    p.set_defaults(handler=_partition_show)
+
+
+def _partition_fit(args: argparse.Namespace) -> int:
+    from ddm.data.features import features_spec
+    from ddm.data.partition_file import fit_partition_command
+
+    summary = fit_partition_command(
+        data=args.data, k=args.kmeans, features=features_spec(args.features),
+        image_size=args.image_size, seed=args.seed, out=args.out)
+    print(json.dumps(summary))
+    return 0
+
+
+def _partition_show(args: argparse.Namespace) -> int:
+    from ddm.data.partition_file import read_partition_file
+
+    content = read_partition_file(args.file)
+    partition = {k: v for k, v in content["partition"].items() if k != "centroids"}
+    print(json.dumps({"partition": partition, "fit": content.get("fit", {})}, indent=1))
+    return 0
 
 
 # -- train --------------------------------------------------------------------------------------
@@ -95,8 +139,10 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     optimisation(p, steps=1500, batch=256, lr=2e-3)
     p.set_defaults(handler=_train_router)
 
-    p = kinds.add_parser("classifier", help="train the evaluation classifier on held-out data")
+    p = kinds.add_parser("classifier", help="train the evaluation classifier")
     p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="the split it learns (MNIST: train, so the test split stays unseen)")
     common(p, steps=1500)
     p.set_defaults(handler=_train_classifier)
 
@@ -149,11 +195,11 @@ def _train_router(args: argparse.Namespace) -> int:
 
 
 def _train_classifier(args: argparse.Namespace) -> int:
-    from ddm.training.commands import train_classifier_command
+    from ddm.evaluation.commands import train_classifier_command
 
     path = train_classifier_command(
-        data=args.data, image_size=args.image_size, train=_train_config(args), out=args.out,
-        progress=_progress(args, args.steps, "classifier"))
+        data=args.data, image_size=args.image_size, steps=args.steps, seed=args.seed,
+        out=args.out, split=args.split, progress=_progress(args, args.steps, "classifier"))
     print(f"wrote {path}")
     return 0
 
