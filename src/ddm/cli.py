@@ -143,6 +143,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--split", choices=("train", "heldout"), default="train",
                    help="the split it learns (MNIST: train, so the test split stays unseen)")
+    p.add_argument("--channels", default="32,64", help="the two conv stages' widths")
     common(p, steps=1500)
     p.set_defaults(handler=_train_classifier)
 
@@ -199,9 +200,17 @@ def _train_classifier(args: argparse.Namespace) -> int:
 
     path = train_classifier_command(
         data=args.data, image_size=args.image_size, steps=args.steps, seed=args.seed,
-        out=args.out, split=args.split, progress=_progress(args, args.steps, "classifier"))
+        out=args.out, split=args.split, channels=_parse_channels(args.channels),
+        progress=_progress(args, args.steps, "classifier"))
     print(f"wrote {path}")
     return 0
+
+
+def _parse_channels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--channels must be two comma-separated integers, got {text!r}") from None
 
 
 # -- sample, eval, report -----------------------------------------------------------------------
@@ -240,11 +249,15 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("eval",
-                            help="score a samples .npz: class accuracy and Frechet distance")
-    p.add_argument("samples", type=Path)
+    p = commands.add_parser("eval", help="score samples .npz files (one per seed): accuracy, "
+                                         "Frechet distance, precision/recall, density/coverage "
+                                         "and the real-vs-real floor")
+    p.add_argument("samples", type=Path, nargs="+", help="samples files, one per seed")
     p.add_argument("--classifier", type=Path, default=None,
-                   help="classifier checkpoint (default: the shipped one)")
+                   help="classifier checkpoint (default: the shipped digits one)")
+    p.add_argument("--data", default=None,
+                   help="where the reference (held-out) images are, e.g. mnist:DIR "
+                        "(default: the source the classifier recorded)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(handler=_eval)
 
@@ -252,11 +265,15 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
 def _eval(args: argparse.Namespace) -> int:
     from ddm.evaluation.commands import eval_command
 
-    result = eval_command(args.samples, args.classifier)
+    result = eval_command(args.samples, args.classifier, args.data)
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(f"accuracy {result['accuracy']:.4f}  fd {result['fd']:.3f}  n {result['n']}")
+        return 0
+    print(f"n {result['n']} per run, {result['runs']} run(s), cpu {result['cpu_seconds']} s")
+    for metric in ("accuracy", "fd", "precision", "recall", "density", "coverage"):
+        floor = result["floor"].get(metric)
+        real = f"   real-vs-real {floor['mean']:.4f} +/- {floor['std']:.4f}" if floor else ""
+        print(f"{metric:<10} {result[metric]['mean']:.4f} +/- {result[metric]['std']:.4f}{real}")
     return 0
 
 

@@ -85,7 +85,8 @@ def digits_train() -> Dataset:
 @pytest.fixture(scope="module")
 def classifier_weights(single_thread: None) -> dict[str, np.ndarray]:
     heldout = load_dataset("digits", 16, "heldout")
-    return train_classifier(heldout.images, heldout.labels, 16, steps=200, seed=0)
+    return train_classifier(heldout.images, heldout.labels, ClassifierConfig(image_size=16),
+                            steps=200, seed=0)
 
 
 def _uint8(ds: Dataset) -> np.ndarray:
@@ -103,7 +104,8 @@ def test_classifier_trained_on_heldout_classifies_train_split(
 
 def test_training_is_deterministic_given_seed(single_thread: None, digits_train: Dataset) -> None:
     def train(seed: int) -> dict[str, np.ndarray]:
-        return train_classifier(digits_train.images[:64], digits_train.labels[:64], 16, 2, seed)
+        return train_classifier(digits_train.images[:64], digits_train.labels[:64],
+                                ClassifierConfig(image_size=16), 2, seed)
 
     a, b, c = train(5), train(5), train(6)
     assert all(np.array_equal(a[k], b[k]) for k in a)
