@@ -2,11 +2,11 @@
 
 ``pixels``: the flattened ``[0, 1]`` pixels (what the digits DDM's partitions used).
 ``hog``: histograms of oriented gradients (Dalal & Triggs 2005) over square cells: the
-local stroke directions of a digit, which describe its shape and slant while ignoring how
-thick or dark the strokes are. Every image's descriptor is scaled to unit length, so two
-digits of one shape drawn with different pens land close together. Both are pure NumPy and
-deterministic, so a partition file holds everything needed to assign an image (no feature
-network ships beside it).
+stroke directions in each region of a digit, which describe its shape and slant while
+ignoring how dark the strokes are (why MNIST uses them: :mod:`ddm.data.partition_file`).
+Every image's descriptor is scaled to unit length, so two digits of one shape drawn with
+different pens land close together. Both are pure NumPy and deterministic, so a partition
+file holds everything needed to assign an image (no feature network ships beside it).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 from ddm.models.config import ConfigError
 
 PIXELS = "pixels"
-#: HOG defaults: 4x4-pixel cells (8x8 cells on 32x32 MNIST) and 9 unsigned orientation bins.
-HOG_CELL = 4
+#: HOG defaults: 8x8-pixel cells (a 4x4 grid on 32x32 MNIST) and 9 unsigned orientation bins.
+HOG_CELL = 8
 HOG_BINS = 9
 FEATURE_NAMES = (PIXELS, "hog")
 _CHUNK = 4096  # images per HOG pass: bounds the temporaries to ~100 MB on 32x32 images

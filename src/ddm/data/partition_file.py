@@ -10,14 +10,17 @@ sha256 of those); ``fit`` says how it was made (data, seed, cluster sizes, the c
 each cluster), for people: it is not hashed, so refitting the same clusters from another
 copy of the data gives the same hash.
 
-MNIST's partition clusters HOG features (:mod:`ddm.data.features`): stroke directions per
-4x4 cell, normalised per image. Raw pixels mostly measure where ink is, so thick and thin
-versions of one digit fall apart; the evaluation classifier's features would be semantic
-but are trained to separate the ten labels, so their k-means clusters are unions of whole
-classes and a router that sees the label would have nothing left to infer (the digits
-DDM's flaw). HOG sits between: shape and slant, not pen width, and its clusters cut
-across classes (see ``fit.classes_per_cluster`` in the shipped file), so routing needs
-the image. (The DDM paper clusters DINOv2 features, which no CPU-sized demo can ship.)
+MNIST's partition clusters HOG features (:mod:`ddm.data.features`): stroke directions in
+a 4x4 grid of 8x8-pixel cells, normalised per image, so shape and slant count and pen width
+and darkness do not. What matters for a DDM is that clusters are coherent groups of
+images, yet not unions of whole classes: a router that sees the label must still need the
+image (with a label split it learns a lookup, the digits DDM's flaw). Measured with K=4 on
+the 60k training images, as H(cluster | label) (0: each label in one cluster; 2 bits: spread
+evenly): the evaluation classifier's penultimate features 0.39 bits (clusters are
+{2,3,5,8}, {1,4}, {0,6}, {7,9}), HOG with 4x4 cells 0.47, raw pixels 0.99, HOG with 8x8
+cells 1.18 (a cluster of round 0s and 6s, one of upright strokes, two of slanted and
+curved shapes mixing most classes). The DDM paper clusters DINOv2 features, which a CPU
+demo cannot ship; HOG is pure NumPy, so the file alone assigns any image.
 """
 
 from __future__ import annotations
