@@ -278,11 +278,17 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("report", help="write docs/quality.md: monolith vs DDM strategies")
-    p.add_argument("--checkpoints", type=Path, default=None)
-    p.add_argument("--n-per-label", type=int, default=50)
+    p = commands.add_parser("report", help="write docs/quality.md: monolith vs DDM strategies, "
+                                           "three seeds each, with the real-vs-real floor")
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="a DDM directory with its monolith(s) and classifier "
+                        "(default: the shipped digits DDM)")
+    p.add_argument("--data", default=None,
+                   help="where the reference images are, e.g. mnist:DIR (default: the source "
+                        "the classifier recorded)")
+    p.add_argument("--n-per-label", type=int, default=20)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--solver", default="euler", help="euler or heun")
     p.add_argument("--out", type=Path, default=Path("docs/quality.md"))
     p.set_defaults(handler=_report)
 
@@ -291,7 +297,7 @@ def _report(args: argparse.Namespace) -> int:
     from ddm.evaluation.report import write_report
 
     path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
-                        steps=args.steps, seed=args.seed, out=args.out)
+                        steps=args.steps, out=args.out, solver=args.solver, data=args.data)
     print(f"wrote {path}")
     return 0
 

@@ -222,3 +222,18 @@ def test_load_samples_npz_rejects_missing_and_corrupt_files(tmp_path: Path) -> N
             np.save(member, np.arange(1))
     with pytest.raises(SamplesFileError, match="corrupt array"):
         load_samples_npz(tmp_path / "objects.npz")
+
+
+# --- the report --------------------------------------------------------------------------
+
+def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path) -> None:
+    from ddm.cli import main
+
+    out = tmp_path / "quality.md"
+    assert main(["report", "--n-per-label", "3", "--steps", "2", "--out", str(out)]) == 0
+    table = [line for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[1] for row in table] == [
+        "-", "single model", "oracle", "top1", "top2", "ensemble"]
+    assert table[0].startswith("| real test digits (disjoint subsets)")
+    assert all(row.count("+/-") == 6 for row in table)
+    assert "the same images: this judge has seen its reference" in out.read_text()

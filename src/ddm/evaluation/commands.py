@@ -96,10 +96,12 @@ def load_judge(classifier_dir: Path | None = None, data: str | None = None) -> J
     return Judge(load_classifier(directory), *reference_set(directory, data))
 
 
-def score_runs(judge: Judge, runs: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+def score_runs(judge: Judge, runs: Sequence[tuple[np.ndarray, np.ndarray]],
+               with_floor: bool = True) -> dict[str, Any]:
     """Run ``i`` (uint8 images, labels) is scored as seed ``i``; the floor over ``SEEDS``
     uses run 0's labels. Returns per-metric ``{"mean", "std", "values"}``, ``accuracy``
-    likewise, ``floor``, ``n`` and ``cpu_seconds`` (this process's CPU time, all threads)."""
+    likewise, ``floor`` (``with_floor``), ``n``, and ``cpu_seconds``: this process's CPU
+    time (all threads) for the whole evaluation."""
     if not runs:
         raise ValueError("no samples to evaluate")
     started = time.process_time()
@@ -117,7 +119,8 @@ def score_runs(judge: Judge, runs: Sequence[tuple[np.ndarray, np.ndarray]]) -> d
             "accuracy": {"mean": float(spread.mean()),
                          "std": float(spread.std(ddof=1)) if len(runs) > 1 else 0.0,
                          "values": accuracies},
-            **summary, "floor": summarise(judge.floor(runs[0][1])),
+            **summary,
+            **({"floor": summarise(judge.floor(runs[0][1]))} if with_floor else {}),
             "cpu_seconds": round(time.process_time() - started, 2)}
 
 
