@@ -106,7 +106,7 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
         "floor at this size: two disjoint real subsets). Precision / recall (k=3) and density /",
         "coverage (k=5): how much of the generated set lies on the real manifold and how much",
         "of the real manifold it covers; blur lowers precision and density, dropped modes lower",
-        "recall and coverage. CPUseconds per run: sampling, and the evaluation itself.",
+        "recall and coverage. CPU seconds per run: sampling, and the evaluation itself.",
         "",
         "| model | routing | " + " | ".join(COLUMNS) + " | expert passes / image | "
         "sampling CPU s | eval CPU s |",
