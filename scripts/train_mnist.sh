@@ -23,7 +23,7 @@ DATA="mnist:$MNIST"
 PARTITION="$OUT/partition.json"
 
 classifier() {
-    $DDM train classifier --data "$DATA" --image-size 32 --channels 16,32 --steps 2000 \
+    $DDM train classifier --data "$DATA" --image-size 32 --channels 16,32 --steps 6000 \
         --seed 0 --out "$OUT/classifier"
 }
 
