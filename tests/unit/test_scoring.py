@@ -13,7 +13,8 @@ from ddm.cli import main
 from ddm.evaluation.corruptions import blurred, dropped_modes
 from ddm.evaluation.frechet import frechet_distance, frechet_distance_from_stats
 from ddm.evaluation.manifold import manifold_metrics
-from ddm.evaluation.scoring import SEEDS, Scores, matched_subsets, summarise
+from ddm.data import LabelPartition, load_partition
+from ddm.evaluation.scoring import SEEDS, Scores, cluster_agreement, matched_subsets, summarise
 from tests.mnist_data import mnist_dir
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -107,6 +108,15 @@ def test_corruptions() -> None:
                                   np.arange(5).repeat(6))
 
 
+def test_cluster_agreement_counts_choices_matching_the_final_images_cluster() -> None:
+    images = np.zeros((4, 8, 8), np.uint8)
+    labels = np.array([0, 1, 5, 6])
+    partition = LabelPartition(((0, 1, 2, 3, 4), (5, 6, 7, 8, 9)))
+    assert cluster_agreement(partition, images, labels, np.array([0, 0, 1, 0])) == 0.75
+    with pytest.raises(ValueError, match="one choice per image"):
+        cluster_agreement(partition, images, labels, np.array([0, 1]))
+
+
 # --- real MNIST, the shipped classifier --------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -143,6 +153,14 @@ def test_mnist_metrics_tell_real_blurry_and_mode_dropped_apart(judge, labels) ->
     assert _mean(dropped, "recall") < _mean(floor, "recall") - 0.3
     assert _mean(dropped, "coverage") < 0.7 * _mean(floor, "coverage")
     assert judge.floor(labels) == floor  # deterministic
+
+
+def test_real_digits_agree_with_their_own_cluster(judge, labels) -> None:
+    partition = load_partition(REPOSITORY / "checkpoints" / "mnist" / "partition.json")
+    images = judge.real_images(labels, labels, 0)
+    clusters = partition.assign(images[:, None].astype(np.float32) / 255.0, np.sort(labels))
+    assert cluster_agreement(partition, images, np.sort(labels), clusters) == 1.0
+    assert cluster_agreement(partition, images, np.sort(labels), (clusters + 1) % 4) == 0.0
 
 
 def test_ddm_eval_scores_sample_files_against_the_floor(judge, labels, tmp_path: Path,

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ddm.data.partition import Partition
 from ddm.evaluation.classifier import Classifier
 from ddm.evaluation.frechet import frechet_distance
 from ddm.evaluation.manifold import manifold_metrics
@@ -120,3 +121,16 @@ class Judge:
                                  f"left outside the scoring subset; {want} asked for")
             rows.append(rng.permutation(pool)[:want])
         return self.reference_images[np.concatenate(rows)]
+
+
+def cluster_agreement(partition: Partition, images_uint8: np.ndarray, labels: np.ndarray,
+                      chosen: np.ndarray) -> float:
+    """Fraction of images whose chosen expert (e.g. the router's top-1 at some step) is the
+    partition cluster the finished image ``(N, H, W)`` uint8 falls in."""
+    images = np.asarray(images_uint8)
+    chosen = np.asarray(chosen)
+    if images.ndim != 3 or chosen.shape != images.shape[:1]:
+        raise ValueError(f"need uint8 images (N, H, W) and one choice per image, got "
+                         f"{images.shape} and {chosen.shape}")
+    clusters = partition.assign(images[:, None].astype(np.float32) / 255.0, labels)
+    return float((clusters == chosen).mean())
