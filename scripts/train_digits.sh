@@ -12,4 +12,4 @@ $DDM train expert --framework torch --partition "$PARTITION" --index 0 --steps 4
 $DDM train expert --framework jax   --partition "$PARTITION" --index 1 --steps 4000 --out "$OUT/expert-5-9" "$@"
 $DDM train monolith --framework torch --steps 4000 --out "$OUT/monolith" "$@"
 $DDM train router --experts "$OUT" --steps 1500 --out "$OUT/router" "$@"
-$DDM train classifier --steps 1500 --out "$OUT/classifier" "$@"
+$DDM train classifier --split heldout --steps 1500 --out "$OUT/classifier" "$@"

@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an error (before the subcommand)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_partition(commands)
     _add_train(commands)
     _add_sample(commands)
     _add_eval(commands)
@@ -79,6 +80,49 @@ def build_parser() -> argparse.ArgumentParser:
     _add_fetch_checkpoint(commands)
     _add_dev_cluster(commands)
     return parser
+
+
+# -- partition ----------------------------------------------------------------------------------
+
+def _add_partition(commands: argparse._SubParsersAction) -> None:
+    partition = commands.add_parser("partition", help="fit the data partition that experts and "
+                                                      "router share, or show one")
+    actions = partition.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("fit", help="k-means on the training split, written as one file "
+                                       "that trainers take as --partition file:PATH")
+    p.add_argument("--data", required=True,
+                   help="'digits' (embedded) or 'mnist:DIR' with the four IDX files")
+    p.add_argument("--kmeans", type=int, required=True, metavar="K", help="number of clusters")
+    p.add_argument("--features", choices=("hog", "pixels"), default="hog",
+                   help="what k-means clusters: HOG stroke directions (default) or raw pixels")
+    p.add_argument("--image-size", type=int, required=True,
+                   help="image side the experts train at (MNIST 32: padded 28x28)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, type=Path, help="partition JSON file to write")
+    p.set_defaults(handler=_partition_fit)
+    p = actions.add_parser("show", help="check a partition file's hash and print its summary")
+    p.add_argument("file", type=Path)
+    p.set_defaults(handler=_partition_show)
+
+
+def _partition_fit(args: argparse.Namespace) -> int:
+    from ddm.data.features import features_spec
+    from ddm.data.partition_file import fit_partition_command
+
+    summary = fit_partition_command(
+        data=args.data, k=args.kmeans, features=features_spec(args.features),
+        image_size=args.image_size, seed=args.seed, out=args.out)
+    print(json.dumps(summary))
+    return 0
+
+
+def _partition_show(args: argparse.Namespace) -> int:
+    from ddm.data.partition_file import read_partition_file
+
+    content = read_partition_file(args.file)
+    partition = {k: v for k, v in content["partition"].items() if k != "centroids"}
+    print(json.dumps({"partition": partition, "fit": content.get("fit", {})}, indent=1))
+    return 0
 
 
 # -- train --------------------------------------------------------------------------------------
@@ -124,8 +168,11 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     optimisation(p, steps=1500, batch=256, lr=2e-3)
     p.set_defaults(handler=_train_router)
 
-    p = kinds.add_parser("classifier", help="train the evaluation classifier on held-out data")
+    p = kinds.add_parser("classifier", help="train the evaluation classifier")
     p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="the split it learns (MNIST: train, so the test split stays unseen)")
+    p.add_argument("--channels", default="32,64", help="the two conv stages' widths")
     common(p, steps=1500)
     p.set_defaults(handler=_train_classifier)
 
@@ -178,13 +225,21 @@ def _train_router(args: argparse.Namespace) -> int:
 
 
 def _train_classifier(args: argparse.Namespace) -> int:
-    from ddm.training.commands import train_classifier_command
+    from ddm.evaluation.commands import train_classifier_command
 
     path = train_classifier_command(
-        data=args.data, image_size=args.image_size, train=_train_config(args), out=args.out,
+        data=args.data, image_size=args.image_size, steps=args.steps, seed=args.seed,
+        out=args.out, split=args.split, channels=_parse_channels(args.channels),
         progress=_progress(args, args.steps, "classifier"))
     print(f"wrote {path}")
     return 0
+
+
+def _parse_channels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise UserError(f"--channels must be two comma-separated integers, got {text!r}") from None
 
 
 # -- sample, eval, report -----------------------------------------------------------------------
@@ -223,11 +278,15 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _add_eval(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("eval",
-                            help="score a samples .npz: class accuracy and Frechet distance")
-    p.add_argument("samples", type=Path)
+    p = commands.add_parser("eval", help="score samples .npz files (one per seed): accuracy, "
+                                         "Frechet distance, precision/recall, density/coverage "
+                                         "and the real-vs-real floor")
+    p.add_argument("samples", type=Path, nargs="+", help="samples files, one per seed")
     p.add_argument("--classifier", type=Path, default=None,
-                   help="classifier checkpoint (default: the shipped one)")
+                   help="classifier checkpoint (default: the shipped digits one)")
+    p.add_argument("--data", default=None,
+                   help="where the reference (held-out) images are, e.g. mnist:DIR "
+                        "(default: the source the classifier recorded)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.set_defaults(handler=_eval)
 
@@ -235,20 +294,30 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
 def _eval(args: argparse.Namespace) -> int:
     from ddm.evaluation.commands import eval_command
 
-    result = eval_command(args.samples, args.classifier)
+    result = eval_command(args.samples, args.classifier, args.data)
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(f"accuracy {result['accuracy']:.4f}  fd {result['fd']:.3f}  n {result['n']}")
+        return 0
+    print(f"n {result['n']} per run, {result['runs']} run(s), cpu {result['cpu_seconds']} s")
+    for metric in ("accuracy", "fd", "precision", "recall", "density", "coverage"):
+        floor = result["floor"].get(metric)
+        real = f"   real-vs-real {floor['mean']:.4f} +/- {floor['std']:.4f}" if floor else ""
+        print(f"{metric:<10} {result[metric]['mean']:.4f} +/- {result[metric]['std']:.4f}{real}")
     return 0
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("report", help="write docs/quality.md: monolith vs DDM strategies")
-    p.add_argument("--checkpoints", type=Path, default=None)
-    p.add_argument("--n-per-label", type=int, default=50)
+    p = commands.add_parser("report", help="write docs/quality.md: monolith vs DDM strategies, "
+                                           "three seeds each, with the real-vs-real floor")
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="a DDM directory with its monolith(s) and classifier "
+                        "(default: the shipped digits DDM)")
+    p.add_argument("--data", default=None,
+                   help="where the reference images are, e.g. mnist:DIR (default: the source "
+                        "the classifier recorded)")
+    p.add_argument("--n-per-label", type=int, default=20)
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--solver", default="euler", help="euler or heun")
     p.add_argument("--out", type=Path, default=Path("docs/quality.md"))
     p.set_defaults(handler=_report)
 
@@ -257,7 +326,7 @@ def _report(args: argparse.Namespace) -> int:
     from ddm.evaluation.report import write_report
 
     path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
-                        steps=args.steps, seed=args.seed, out=args.out)
+                        steps=args.steps, out=args.out, solver=args.solver, data=args.data)
     print(f"wrote {path}")
     return 0
 

@@ -136,10 +136,14 @@ def test_mnist_reads_raw_and_gzip_in_both_namings(tmp_path: Path, dotted: bool, 
     np.testing.assert_allclose(ds.images[:, 0, 3, 3], pixels[:, 0, 0] / 255.0, atol=1e-6)
 
 
-def test_mnist_heldout_is_the_t10k_part_and_32px_works(tmp_path: Path) -> None:
-    _write_mnist(tmp_path, part="t10k", n=3)
+def test_mnist_heldout_is_the_t10k_part_and_32px_pads(tmp_path: Path) -> None:
+    pixels = _write_mnist(tmp_path, part="t10k", n=3)
     ds = load_dataset(f"mnist:{tmp_path}", 32, "heldout")
     assert ds.images.shape == (3, 1, 32, 32) and ds.name == "mnist-32x32/heldout"
+    np.testing.assert_array_equal(ds.images[:, 0, 2:30, 2:30], pixels / np.float32(255.0))
+    border = np.ones((32, 32), bool)
+    border[2:30, 2:30] = False
+    assert not ds.images[:, 0][:, border].any()  # the 2-pixel margin is background
 
 
 def test_mnist_gzip_is_detected_by_content_not_name(tmp_path: Path) -> None:
@@ -268,7 +272,8 @@ def test_kmeans_rejects_bad_k_and_mismatched_images() -> None:
     images, truth = _blobs()
     with pytest.raises(ValueError, match="k must be an integer between 1 and the 40 images"):
         fit_kmeans(images, 41, seed=0)
-    with pytest.raises(ValueError, match="fitted on 16-pixel images"):
+    with pytest.raises(ValueError, match="give 64 features; the k-means centroids were fitted "
+                                         "on 16"):
         fit_kmeans(images, 2, seed=0).assign(np.zeros((1, 1, 8, 8)), truth[:1])
 
 

@@ -85,7 +85,8 @@ def digits_train() -> Dataset:
 @pytest.fixture(scope="module")
 def classifier_weights(single_thread: None) -> dict[str, np.ndarray]:
     heldout = load_dataset("digits", 16, "heldout")
-    return train_classifier(heldout.images, heldout.labels, 16, steps=200, seed=0)
+    return train_classifier(heldout.images, heldout.labels, ClassifierConfig(image_size=16),
+                            steps=200, seed=0)
 
 
 def _uint8(ds: Dataset) -> np.ndarray:
@@ -103,7 +104,8 @@ def test_classifier_trained_on_heldout_classifies_train_split(
 
 def test_training_is_deterministic_given_seed(single_thread: None, digits_train: Dataset) -> None:
     def train(seed: int) -> dict[str, np.ndarray]:
-        return train_classifier(digits_train.images[:64], digits_train.labels[:64], 16, 2, seed)
+        return train_classifier(digits_train.images[:64], digits_train.labels[:64],
+                                ClassifierConfig(image_size=16), 2, seed)
 
     a, b, c = train(5), train(5), train(6)
     assert all(np.array_equal(a[k], b[k]) for k in a)
@@ -220,3 +222,18 @@ def test_load_samples_npz_rejects_missing_and_corrupt_files(tmp_path: Path) -> N
             np.save(member, np.arange(1))
     with pytest.raises(SamplesFileError, match="corrupt array"):
         load_samples_npz(tmp_path / "objects.npz")
+
+
+# --- the report --------------------------------------------------------------------------
+
+def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path) -> None:
+    from ddm.cli import main
+
+    out = tmp_path / "quality.md"
+    assert main(["report", "--n-per-label", "3", "--steps", "2", "--out", str(out)]) == 0
+    table = [line for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[1] for row in table] == [
+        "-", "single model", "oracle", "top1", "top2", "ensemble"]
+    assert table[0].startswith("| real test digits (disjoint subsets)")
+    assert all(row.count("+/-") == 6 for row in table)
+    assert "the same images: this judge has seen its reference" in out.read_text()

@@ -6,6 +6,10 @@ dimension) followed by exactly ``prod(dims)`` unsigned bytes. Files may be raw o
 gzip is recognised by its magic bytes, not by the file name. Both common namings are
 found: ``train-images-idx3-ubyte`` (LeCun's) and ``train-images.idx3-ubyte`` (mirrors),
 each optionally with ``.gz``. MNIST pixels are 0 background and 255 ink, like ours.
+
+Sizes: MNIST's digits are centred in 28x28 with a 4-pixel empty margin, so a larger size
+pads that margin with background (LeNet-5's 32x32 input) and keeps every pixel exact; a
+smaller size shrinks with :func:`ddm.data.resize.resize_images`.
 """
 
 from __future__ import annotations
@@ -35,8 +39,8 @@ def load_mnist(directory: str | os.PathLike, image_size: int,
                part: str = "train") -> tuple[np.ndarray, np.ndarray]:
     """One MNIST part -> images ``(N, 1, S, S)`` float32 in ``[0, 1]`` (ink = 1), labels int64.
 
-    ``S = image_size``; 28x28 is resized with :func:`ddm.data.resize.resize_images`
-    (antialiased triangle filter when shrinking, bilinear when enlarging).
+    ``S = image_size``: at least 28 pads the 28x28 images with background (the odd pixel,
+    if any, goes right and below); smaller shrinks them (antialiased triangle filter).
     """
     if part not in PARTS:
         raise ValueError(f"unknown MNIST part {part!r}; known: {', '.join(PARTS)}")
@@ -56,8 +60,19 @@ def load_mnist(directory: str | os.PathLike, image_size: int,
     if bad.size:
         raise IDXError(f"{labels_path}: label {labels[bad[0]]} at index {bad[0]} is not a "
                        f"digit 0-{NUM_CLASSES - 1}")
-    pixels = resize_images(images.astype(np.float32) / 255.0, image_size)
+    pixels = fit_to_size(images.astype(np.float32) / 255.0, image_size)
     return pixels[:, None], labels.astype(np.int64)
+
+
+def fit_to_size(images: np.ndarray, size: int) -> np.ndarray:
+    """``(N, H, W)`` -> ``(N, size, size)`` float32: centred padding when ``size >= H, W``,
+    else the shared resize."""
+    height, width = images.shape[1:]
+    if not isinstance(size, (int, np.integer)) or size < max(height, width):
+        return resize_images(images, size)
+    top, left = (size - height) // 2, (size - width) // 2
+    padded = np.pad(images, ((0, 0), (top, size - height - top), (left, size - width - left)))
+    return padded.astype(np.float32)
 
 
 def find_idx_file(directory: Path, part: str, kind: str) -> Path:

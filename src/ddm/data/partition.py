@@ -1,22 +1,24 @@
 """Partitions of a dataset into the K disjoint parts that K experts each learn alone.
 
 Two methods, one interface (:class:`Partition`): :class:`LabelPartition` groups digit
-classes (``0-4`` and ``5-9``); :class:`KMeansPartition` clusters images. The DDM paper
-clusters learned image features (DINOv2); here the features are the flattened pixels of
-the ``(N, 1, H, W)`` ``[0, 1]`` images themselves, which at 16x16 and 32x32 already
-separate stroke styles and need no second model shipped beside the centroids. A partition
-serialises to a small JSON-able dict (``to_dict`` / :func:`partition_from_dict`) that every
-expert and router checkpoint records in its ``partition`` field.
+classes (``0-4`` and ``5-9``); :class:`KMeansPartition` clusters images by features of
+:mod:`ddm.data.features` (why MNIST uses HOG: :mod:`ddm.data.partition_file`). A partition
+serialises to a small JSON-able dict (``to_dict`` / :func:`partition_from_dict`) with the
+sha256 of its content, which every expert and router checkpoint records in its
+``partition`` field; :func:`check_partition_hash` is the one check that they agree.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 import numpy as np
 
+from ddm.data.features import PIXELS, check_spec, extract
 from ddm.models.config import ConfigError
 
 #: k-means restarts (k-means++ each); the lowest-inertia run wins.
@@ -34,7 +36,12 @@ class Partition(Protocol):
         """Images ``(N, 1, H, W)`` in ``[0, 1]`` and labels ``(N,)`` -> part ids ``(N,)`` int64."""
         ...
 
-    def to_dict(self) -> dict[str, Any]: ...
+    @property
+    def sha256(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able content plus its ``sha256`` (see :func:`partition_sha256`)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -71,15 +78,25 @@ class LabelPartition:
                              f"of {self.groups}")
         return np.array([owner[int(y)] for y in labels], dtype=np.int64)
 
+    @property
+    def sha256(self) -> str:
+        return partition_sha256(self.to_dict())
+
     def to_dict(self) -> dict[str, Any]:
-        return {"method": "labels", "groups": [list(g) for g in self.groups]}
+        return _hashed({"method": "labels", "groups": [list(g) for g in self.groups]})
 
 
 @dataclass(frozen=True, eq=False)
 class KMeansPartition:
-    """Part ``i`` holds the images nearest (Euclidean, flattened pixels) to ``centroids[i]``."""
+    """Part ``i`` holds the images whose ``features`` are nearest (Euclidean) ``centroids[i]``.
 
-    centroids: np.ndarray  # (K, D) float32, D = C * H * W
+    ``features`` is a spec of :mod:`ddm.data.features`; ``image_size`` the side of the
+    images it was fitted on (``None`` in partitions recorded before it was).
+    """
+
+    centroids: np.ndarray  # (K, D) float32
+    features: str | Mapping[str, Any] = PIXELS
+    image_size: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -90,48 +107,112 @@ class KMeansPartition:
         if centroids.ndim != 2 or 0 in centroids.shape or not np.all(np.isfinite(centroids)):
             raise ConfigError(f"k-means centroids must be a finite, non-empty (K, D) array, "
                               f"got shape {centroids.shape}")
+        size = self.image_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"k-means image_size must be a positive integer, got {size!r}")
         object.__setattr__(self, "centroids", centroids)
+        object.__setattr__(self, "features", check_spec(self.features))
 
     @property
     def num_partitions(self) -> int:
         return int(self.centroids.shape[0])
 
+    @property
+    def sha256(self) -> str:
+        return partition_sha256(self.to_dict())
+
     def assign(self, images: np.ndarray, labels: np.ndarray) -> np.ndarray:
-        return _nearest(_features(images, self.centroids.shape[1]), self.centroids)
+        images = np.asarray(images)
+        if self.image_size is not None and (images.ndim != 4 or images.shape[2:] != (
+                self.image_size, self.image_size)):
+            raise ValueError(f"this k-means partition was fitted on {self.image_size}x"
+                             f"{self.image_size} images; got images of shape {images.shape}")
+        x = extract(self.features, images)
+        if x.shape[1] != self.centroids.shape[1]:
+            raise ValueError(f"images of shape {images.shape[1:]} give {x.shape[1]} features; "
+                             f"the k-means centroids were fitted on {self.centroids.shape[1]}")
+        return _nearest(x, self.centroids)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": "kmeans", "features": "pixels", "centroids": self.centroids.tolist()}
+        d: dict[str, Any] = {"method": "kmeans", "features": self.features}
+        if self.image_size is not None:
+            d["image_size"] = self.image_size
+        return _hashed({**d, "centroids": self.centroids.tolist()})
 
 
-def fit_kmeans(images: np.ndarray, k: int, seed: int) -> KMeansPartition:
-    """k-means (k-means++ seeding, Lloyd iterations) on flattened pixels; deterministic in
-    ``seed``."""
-    x = _features(images, None)
+def fit_kmeans(images: np.ndarray, k: int, seed: int,
+               features: str | Mapping[str, Any] = PIXELS) -> KMeansPartition:
+    """k-means (k-means++ seeding, Lloyd iterations) on ``features`` of ``images``
+    ``(N, 1, S, S)``; deterministic in ``seed``. Pixel partitions keep the legacy record
+    (no ``image_size``), so refitting one gives the same dict as before."""
+    spec = check_spec(features)
+    x = extract(spec, images)
     if not isinstance(k, (int, np.integer)) or not 1 <= k <= len(x):
         raise ValueError(f"k must be an integer between 1 and the {len(x)} images, got {k!r}")
     rng = np.random.default_rng(seed)
     runs = [_lloyd(x, _kmeans_plus_plus(x, int(k), rng)) for _ in range(KMEANS_RESTARTS)]
     centroids, _ = min(runs, key=lambda run: run[1])
-    return KMeansPartition(centroids)
+    size = None if spec == PIXELS else int(np.asarray(images).shape[-1])
+    return KMeansPartition(centroids, spec, size)
 
 
 def partition_from_dict(d: Mapping[str, Any]) -> LabelPartition | KMeansPartition:
-    """Rebuild a partition from ``to_dict`` output, rejecting unknown methods and keys."""
+    """Rebuild a partition from ``to_dict`` output, rejecting unknown methods and keys.
+
+    A ``sha256`` key, when present, must match the content: a partition edited after it
+    was hashed is refused.
+    """
     if not isinstance(d, Mapping):
         raise ConfigError(f"a partition must be a mapping, got {type(d).__name__}")
     fields = {"labels": {"method", "groups"}, "kmeans": {"method", "features", "centroids"}}
+    optional = {"labels": {"sha256"}, "kmeans": {"image_size", "sha256"}}
     method = d.get("method")
     if method not in fields:
         raise ConfigError(f"unknown partition method {method!r}; "
                           f"known: {', '.join(sorted(fields))}")
-    unknown, missing = sorted(set(d) - fields[method]), sorted(fields[method] - set(d))
+    unknown = sorted(set(d) - fields[method] - optional[method])
+    missing = sorted(fields[method] - set(d))
     if unknown or missing:
         raise ConfigError(f"{method} partition: unknown keys {unknown}, missing keys {missing}")
+    partition: LabelPartition | KMeansPartition
     if method == "labels":
-        return LabelPartition(d["groups"])
-    if d["features"] != "pixels":
-        raise ConfigError(f"kmeans partition: unknown features {d['features']!r}; known: pixels")
-    return KMeansPartition(d["centroids"])
+        partition = LabelPartition(d["groups"])
+    else:
+        partition = KMeansPartition(d["centroids"], d["features"], d.get("image_size"))
+    if "sha256" in d and d["sha256"] != partition.sha256:
+        raise ConfigError(f"{method} partition: recorded sha256 {d['sha256']} does not match "
+                          f"its content's sha256 {partition.sha256}: edited or damaged")
+    return partition
+
+
+def partition_sha256(d: Mapping[str, Any]) -> str:
+    """sha256 of a partition's ``to_dict`` (its ``sha256`` key left out) as canonical JSON.
+
+    It covers exactly what decides ``assign`` (method, features, image size, centroids or
+    groups), so two partitions with one hash put every image in the same part.
+    """
+    content = {key: value for key, value in d.items() if key != "sha256"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _hashed(content: dict[str, Any]) -> dict[str, Any]:
+    return {**content, "sha256": partition_sha256(content)}
+
+
+class PartitionMismatchError(ValueError):
+    """A model was trained against a different partition than the one it is used with."""
+
+
+def check_partition_hash(expected: str, found: str, who: str) -> None:
+    """Raise :class:`PartitionMismatchError` naming both hashes unless they are equal.
+
+    ``who`` names the holder of ``found``, e.g. ``"expert checkpoints/mnist/expert-2"``.
+    """
+    if expected != found:
+        raise PartitionMismatchError(f"{who} was made for partition sha256 {found}, but "
+                                     f"partition sha256 {expected} is expected: experts and "
+                                     "router must share one fitted partition")
 
 
 def classes_of(part_ids: np.ndarray, labels: np.ndarray, index: int) -> tuple[int, ...]:
@@ -176,22 +257,6 @@ def _label(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise ConfigError(f"a label must be a non-negative integer, got {value!r}")
     return int(value)
-
-
-def _features(images: np.ndarray, dim: int | None) -> np.ndarray:
-    """``(N, 1, H, W)`` -> ``(N, D)`` float32, checking ``D`` against the centroids' when given.
-
-    float32 halves the memory traffic of k-means on MNIST; fit and assign share it, so a
-    reloaded partition assigns exactly as the fitted one did.
-    """
-    images = np.asarray(images)
-    if images.ndim != 4:
-        raise ValueError(f"expected images (N, C, H, W), got shape {images.shape}")
-    x = images.reshape(len(images), -1).astype(np.float32)
-    if dim is not None and x.shape[1] != dim:
-        raise ValueError(f"images of shape {images.shape[1:]} have {x.shape[1]} pixels; the "
-                         f"k-means centroids were fitted on {dim}-pixel images")
-    return x
 
 
 def _squared_distances(x: np.ndarray, centroids: np.ndarray) -> np.ndarray:

@@ -87,16 +87,17 @@ class ClassifierNet(nn.Module):
         return self.head(features), features
 
 
-def train_classifier(images01: np.ndarray, labels: np.ndarray, image_size: int, steps: int,
-                     seed: int, progress: Callable[[int, float], None] | None = None
+def train_classifier(images01: np.ndarray, labels: np.ndarray, config: ClassifierConfig,
+                     steps: int, seed: int,
+                     progress: Callable[[int, float], None] | None = None
                      ) -> dict[str, np.ndarray]:
-    """Train a :class:`ClassifierNet` of ``ClassifierConfig(image_size)``; canonical weights out.
+    """Train a :class:`ClassifierNet` of ``config``; canonical weights out.
 
     ``images01`` ``(N, 1, S, S)`` in ``[0, 1]``, ``labels`` ``(N,)``: the held-out split,
     never the diffusion training set. Batch ``i`` and its random shifts come from
     ``(seed, i)`` alone, so a run is reproducible. ``progress(step, loss)`` after each step.
     """
-    config = ClassifierConfig(image_size=image_size)
+    image_size = config.image_size
     images = np.asarray(images01, dtype=np.float32)
     targets = torch.as_tensor(np.asarray(labels, dtype=np.int64))
     if images.shape[1:] != (1, image_size, image_size) or targets.shape != images.shape[:1]:

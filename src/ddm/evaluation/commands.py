@@ -1,19 +1,54 @@
-"""``ddm eval``: score a samples file against the shipped (or a given) held-out classifier."""
+"""``ddm train classifier`` and ``ddm eval``: train the judge, score a samples file with it."""
 
 from __future__ import annotations
 
+import platform
+import time
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ddm.checkpoints.format import read_meta
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import load_dataset
-from ddm.evaluation.classifier import Classifier, load_classifier
+from ddm.data.datasets import SPLITS
+from ddm.evaluation.classifier import (BATCH_SIZE, LEARNING_RATE, Classifier, ClassifierConfig,
+                                       load_classifier, save_classifier, train_classifier)
 from ddm.evaluation.evaluate import evaluate_samples
+from ddm.evaluation.scoring import Judge, summarise
 from ddm.samples import load_samples_npz
+
+
+def train_classifier_command(data: str, image_size: int, steps: int, seed: int, out: Path,
+                             split: str = "train", channels: Sequence[int] = (32, 64),
+                             progress: Callable[[int, float], None] | None = None) -> Path:
+    """Train the evaluation classifier on ``split`` and record its accuracy on the other one.
+
+    MNIST: train on its 60k training images, so that its 10k test images, the reference of
+    every Frechet distance, stay unseen by the judge (as Inception never saw FID's
+    reference). The shipped digits classifier predates this and learned the held-out split.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    learned = load_dataset(data, image_size, split)
+    other_split = SPLITS[1 - SPLITS.index(split)]
+    other = load_dataset(data, image_size, other_split)
+    started = time.perf_counter()
+    config = ClassifierConfig(image_size=image_size, channels=tuple(channels))
+    weights = train_classifier(learned.images, learned.labels, config, steps=steps, seed=seed,
+                               progress=progress)
+    seconds = round(time.perf_counter() - started, 1)
+    judged = Classifier.from_weights(config, weights)
+    accuracy = float((judged.predict(to_uint8(to_model_space(other.images))[:, 0])
+                      == other.labels).mean())
+    record = {"source": data, "split": split, "name": learned.name, "images": len(learned),
+              "image_size": image_size, f"{other_split}_accuracy": round(accuracy, 5)}
+    training = {"steps": steps, "seed": seed, "batch_size": BATCH_SIZE,
+                "learning_rate": LEARNING_RATE, "device": "cpu", "seconds": seconds,
+                "host": platform.machine()}
+    return save_classifier(out, config, weights, name=out.name, data=record, training=training)
 
 
 def default_classifier() -> Path:
@@ -22,15 +57,22 @@ def default_classifier() -> Path:
     return default_checkpoints() / "classifier"
 
 
-def reference_images(classifier_dir: Path) -> np.ndarray:
-    """The real held-out images the classifier was trained on, as uint8 ``(N, H, W)``.
+def reference_set(classifier_dir: Path, data: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The real reference digits as uint8 ``(N, H, W)`` and their labels: the ``heldout``
+    split (MNIST: the test set) of ``data``, by default the source the classifier learned.
 
-    FD compares generated samples with these: real digits no expert has seen.
+    The classifier records where its data came from; ``data`` points elsewhere when that
+    path does not exist here (``mnist:DIR`` on another machine).
     """
-    data = read_meta(classifier_dir).data
-    source, size = data.get("source", "digits"), int(data.get("image_size", 16))
+    recorded = read_meta(classifier_dir).data
+    source, size = data or recorded.get("source", "digits"), int(recorded.get("image_size", 16))
     heldout = load_dataset(source, size, "heldout")
-    return to_uint8(to_model_space(heldout.images)[:, 0])
+    return to_uint8(to_model_space(heldout.images)[:, 0]), heldout.labels
+
+
+def reference_images(classifier_dir: Path) -> np.ndarray:
+    """The classifier's reference digits, uint8 ``(N, H, W)`` (see :func:`reference_set`)."""
+    return reference_set(classifier_dir)[0]
 
 
 @lru_cache(maxsize=4)
@@ -48,10 +90,48 @@ def evaluate_images(images: np.ndarray, labels: np.ndarray,
     return evaluate_samples(images, labels, classifier, reference)
 
 
-def eval_command(samples: Path, classifier_dir: Path | None = None) -> dict[str, Any]:
-    """Metrics of a samples ``.npz``, plus the mean expert forward passes per image."""
-    sample_set = load_samples_npz(samples)
-    result = evaluate_images(sample_set.images, sample_set.labels, classifier_dir)
-    if sample_set.expert_calls is not None:
-        result["expert_calls_per_image"] = float(sample_set.expert_calls.mean())
+def load_judge(classifier_dir: Path | None = None, data: str | None = None) -> Judge:
+    """The classifier (default: the shipped digits one) with its reference set's features."""
+    directory = Path(classifier_dir or default_classifier())
+    return Judge(load_classifier(directory), *reference_set(directory, data))
+
+
+def score_runs(judge: Judge, runs: Sequence[tuple[np.ndarray, np.ndarray]],
+               with_floor: bool = True) -> dict[str, Any]:
+    """Run ``i`` (uint8 images, labels) is scored as seed ``i``; the floor over ``SEEDS``
+    uses run 0's labels. Returns per-metric ``{"mean", "std", "values"}``, ``accuracy``
+    likewise, ``floor`` (``with_floor``), ``n``, and ``cpu_seconds``: this process's CPU
+    time (all threads) for the whole evaluation."""
+    if not runs:
+        raise ValueError("no samples to evaluate")
+    started = time.process_time()
+    size = judge.reference_images.shape[1:]
+    accuracies, scores = [], []
+    for seed, (images, labels) in enumerate(runs):
+        if images.shape[1:] != size:
+            raise ValueError(f"samples are {images.shape[1]}x{images.shape[2]} but the "
+                             f"classifier judges {size[0]}x{size[1]} images")
+        accuracies.append(float((judge.classifier.predict(images) == labels).mean()))
+        scores.append(judge.score(images, labels, seed))
+    summary = summarise(scores)
+    spread = np.array(accuracies)
+    return {"n": int(len(runs[0][1])), "runs": len(runs),
+            "accuracy": {"mean": float(spread.mean()),
+                         "std": float(spread.std(ddof=1)) if len(runs) > 1 else 0.0,
+                         "values": accuracies},
+            **summary,
+            **({"floor": summarise(judge.floor(runs[0][1]))} if with_floor else {}),
+            "cpu_seconds": round(time.process_time() - started, 2)}
+
+
+def eval_command(samples: Sequence[Path], classifier_dir: Path | None = None,
+                 data: str | None = None) -> dict[str, Any]:
+    """Scores of samples files (one per seed, see :func:`score_runs`), plus the mean expert
+    forward passes per image when the files record them."""
+    sets = [load_samples_npz(path) for path in samples]
+    result = score_runs(load_judge(classifier_dir, data),
+                        [(s.images, s.labels) for s in sets])
+    calls = [s.expert_calls for s in sets if s.expert_calls is not None]
+    if calls:
+        result["expert_calls_per_image"] = float(np.concatenate(calls).mean())
     return result

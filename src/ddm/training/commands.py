@@ -116,23 +116,6 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
     return save_checkpoint(out, meta, weights)
 
 
-def train_classifier_command(data: str, image_size: int, train: TrainConfig, out: Path,
-                             progress: ProgressFn | None = None) -> Path:
-    """Train the evaluation classifier on the held-out split, never seen by any expert.
-
-    Only ``train.steps`` and ``train.seed`` apply: the classifier has its own fixed recipe.
-    """
-    from ddm.evaluation.classifier import ClassifierConfig, save_classifier, train_classifier
-
-    heldout = load_dataset(data, image_size, "heldout")
-    started = time.perf_counter()
-    weights = train_classifier(heldout.images, heldout.labels, image_size=image_size,
-                               steps=train.steps, seed=train.seed, progress=progress)
-    record = _data_record(data, heldout) | {"split": "heldout"}
-    return save_classifier(out, ClassifierConfig(image_size=image_size), weights, data=record,
-                           training=_training_record(train, "classifier", "cpu", started))
-
-
 def _data_record(source: str, dataset: Dataset) -> dict[str, Any]:
     return {"source": source, "split": "train", "name": dataset.name, "images": len(dataset),
             "image_size": dataset.image_size}

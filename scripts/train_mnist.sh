@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Trains the MNIST DDM of issue 15 into checkpoints/mnist with the project's own commands:
+#   classifier  the evaluation classifier (learns MNIST's training split; the test split is
+#               the reference of every Frechet distance, so it never sees it)
+#   partition   k-means (K=4) on HOG features of the training images, fitted ONCE
+#   experts     one class-conditional expert per cluster, alternating PyTorch and JAX,
+#               each with its own seed: they share the partition file, not a refit
+#   router      p(k | x_t, t, y) on noisy training images, for those experts
+#   monolith    the same UNet on all the data with the experts' total compute
+# Usage: scripts/train_mnist.sh [STAGE...]   (default: every stage, in this order)
+# MNIST is read from $MNIST (a directory with the four IDX files); images are 28x28 padded
+# to 32x32. CPU-heavy: run it under `nice -n 19`, one stage at a time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+MNIST=${MNIST:-../shared/datasets/mnist}
+OUT=${OUT:-checkpoints/mnist}
+DDM=${DDM:-.venv/bin/ddm}
+CONFIG=${CONFIG:-mnist-small}   # a 32x32 UNet config of ddm.models.config
+EXPERT_STEPS=${EXPERT_STEPS:-8000}
+ROUTER_STEPS=${ROUTER_STEPS:-3000}
+K=4
+DATA="mnist:$MNIST"
+PARTITION="$OUT/partition.json"
+
+classifier() {
+    $DDM train classifier --data "$DATA" --image-size 32 --channels 16,32 --steps 6000 \
+        --seed 0 --out "$OUT/classifier"
+}
+
+partition() {
+    $DDM partition fit --data "$DATA" --kmeans "$K" --features hog --image-size 32 --seed 0 \
+        --out "$PARTITION"
+}
+
+experts() {
+    local frameworks=(torch jax) index
+    for ((index = 0; index < K; index++)); do
+        $DDM train expert --data "$DATA" --framework "${frameworks[index % 2]}" \
+            --config "$CONFIG" --partition "file:$PARTITION" --index "$index" --seed "$index" \
+            --steps "$EXPERT_STEPS" --out "$OUT/expert-$index"
+    done
+}
+
+router() {
+    $DDM train router --data "$DATA" --experts "$OUT" --steps "$ROUTER_STEPS" \
+        --out "$OUT/router"
+}
+
+monolith() {
+    $DDM train monolith --data "$DATA" --framework torch --config "$CONFIG" \
+        --steps $((K * EXPERT_STEPS)) --out "$OUT/monolith"
+}
+
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || stages=(classifier partition experts router monolith)
+for stage in "${stages[@]}"; do
+    case "$stage" in
+        classifier | partition | experts | router | monolith) "$stage" ;;
+        *) echo "unknown stage $stage; known: classifier partition experts router monolith" >&2
+           exit 2 ;;
+    esac
+done
