@@ -17,7 +17,7 @@ from ddm.samples import load_samples_npz
 
 
 def default_classifier() -> Path:
-    from ddm.sampling.pipeline import default_checkpoints
+    from ddm.checkpoints.discovery import default_checkpoints
 
     return default_checkpoints() / "classifier"
 

@@ -19,8 +19,9 @@ from ddm.convention import to_model_space, to_uint8
 from ddm.data import load_dataset
 from ddm.evaluation.commands import evaluate_images
 from ddm.fileio import atomic_path
-from ddm.sampling.pipeline import (LoadedDDM, default_checkpoints, discover, expert_velocity,
-                                   generate, load_ddm)
+from ddm.checkpoints.discovery import default_checkpoints, discover
+from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
+from ddm.sampling.pipeline import generate
 
 STRATEGIES = ("oracle", "top1", "top2", "ensemble")
 PARITY_BATCH = 64

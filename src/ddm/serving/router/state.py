@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddm.checkpoints.format import CheckpointError
-from ddm.sampling.mixture import RouterFn
+from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.remote import RemoteMixture, RouterNetwork
@@ -171,13 +171,10 @@ class RouterState:
 def _load_network(path: str, config: RouterConfigFile) -> tuple[RouterFn, tuple[int, int, int]]:
     """The router network's probabilities, checked against ``config``, and its image shape."""
     from ddm.checkpoints.format import load_checkpoint
-    from ddm.models.config import RouterConfig
-    from ddm.sampling.pipeline import router_probabilities
+    from ddm.models.loading import router_network_config, router_probabilities
 
     ckpt = load_checkpoint(path)
-    if ckpt.meta.kind != "router":
-        raise CheckpointError(f"{path} is a {ckpt.meta.kind} checkpoint, not a router")
-    arch = RouterConfig.from_dict(ckpt.meta.architecture)
+    arch = router_network_config(ckpt)
     if arch.num_experts != len(config.experts):
         raise CheckpointError(f"router {path} was trained for {arch.num_experts} experts, but "
                               f"the config lists {len(config.experts)}")
