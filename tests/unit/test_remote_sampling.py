@@ -256,3 +256,8 @@ def test_requests_the_mixture_cannot_serve_are_refused_before_sampling(mixture, 
 async def _events(mixture, request):
     caller = LocalExperts({"up": ALL, "down": ALL})
     return [event async for event in denoise(mixture, caller, request)]
+
+
+def test_labels_beyond_int64_are_outside_the_classes_not_an_overflow():
+    with pytest.raises(ValueError, match=r"labels \[18446744073709551616\] are outside"):
+        check_request(_mixture(), _request(labels=(2**64,)))

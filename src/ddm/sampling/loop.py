@@ -156,14 +156,14 @@ Loop = Generator[Query | StepEvent, Any, None]
 
 def check_labels(labels: Sequence[int], num_classes: int) -> np.ndarray:
     """``labels`` as ``(N,)`` int64, or a ``ValueError`` naming those outside the classes."""
-    y = np.asarray(list(labels), dtype=np.int64).reshape(-1)
-    if y.size == 0:
+    values = [int(v) for v in labels]  # Python integers: 2**64 is outside, not an overflow
+    if not values:
         raise ValueError("no labels given")
-    outside = sorted({int(v) for v in y if not 0 <= v < num_classes})
+    outside = sorted({v for v in values if not 0 <= v < num_classes})
     if outside:
         raise ValueError(f"labels {outside} are outside the model's classes "
                          f"0..{num_classes - 1}")
-    return y
+    return np.asarray(values, dtype=np.int64)
 
 
 def check_request(mixture: Mixture, request: SamplingRequest,
