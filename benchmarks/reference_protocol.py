@@ -38,8 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ddm.checkpoints.format import load_checkpoint
-from ddm.sampling.pipeline import LoadedDDM, expert_velocity
-from ddm.sampling.solvers import VelocityFn
+from ddm.models.loading import LoadedDDM, ModelFn, expert_velocity
 
 ROUTE = "/velocity"
 _TIMEOUT_S = 60.0
@@ -63,7 +62,7 @@ def create_reference_app(checkpoint_dir: str | os.PathLike, backend: str = "nati
     """An expert answering ``POST /velocity`` (``.npz`` of ``x``, ``t``, ``y`` -> ``.npz`` of
     ``v``) and ``GET /readyz``; the weights load, and the batch-1 program is warmed, in the
     lifespan, so the server accepts connections only once it can answer."""
-    state: dict[str, VelocityFn] = {}
+    state: dict[str, ModelFn] = {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -96,7 +95,7 @@ def create_reference_app(checkpoint_dir: str | os.PathLike, backend: str = "nati
     return app
 
 
-def npz_velocity(endpoint: str) -> VelocityFn:
+def npz_velocity(endpoint: str) -> ModelFn:
     """``v(x, t, y)`` from the reference server at ``host:port``, one new connection per call."""
     host, _, port = endpoint.rpartition(":")
 

@@ -46,7 +46,9 @@ import numpy as np
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT
-from ddm.sampling.pipeline import LoadedDDM, default_checkpoints, generate, load_ddm
+from ddm.checkpoints.discovery import default_checkpoints
+from ddm.models.loading import LoadedDDM, load_ddm
+from ddm.sampling.pipeline import generate
 from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,
                                        WIRE_RATIO, images_per_s, rate, speedup, summary_lines,
                                        throughput_figures, verdict, wire_bytes)

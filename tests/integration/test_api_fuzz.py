@@ -83,7 +83,7 @@ def _write_ddm(root: Path) -> tuple[list[Path], Path]:
     import torch
 
     from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
-    from ddm.models.config import UNET_CONFIGS, RouterConfig
+    from ddm.models.config import UNET_CONFIGS, RouterNetworkConfig
     from ddm.models.router_net import RouterNet
     from ddm.models.torch_io import canonical_weights
     from ddm.models.torch_unet import UNet
@@ -98,7 +98,7 @@ def _write_ddm(root: Path) -> tuple[list[Path], Path]:
                               partition={"scheme": scheme, "index": index})
         experts.append(save_checkpoint(root / f"e{index}", meta, canonical_weights(UNet(smoke))))
     torch.manual_seed(99)
-    arch = RouterConfig(image_size=smoke.image_size, num_experts=len(GROUPS))
+    arch = RouterNetworkConfig(image_size=smoke.image_size, num_experts=len(GROUPS))
     router = save_checkpoint(root / "router", CheckpointMeta(
         kind="router", name="router", architecture=arch.to_dict(), framework="torch",
         classes=range(10), partition={"scheme": scheme}), canonical_weights(RouterNet(arch)))

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from ddm.checkpoints.format import load_checkpoint
-from ddm.sampling.pipeline import expert_velocity
+from ddm.models.loading import expert_velocity
 from ddm.sampling.solvers import iterate
 from ddm.serving.expert.backends import Backend, BackendUnavailable, check_backend, load_backend
 from ddm.serving.expert.server import create_expert_app

@@ -33,11 +33,12 @@ import torch
 from PIL import Image
 
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
-from ddm.models.config import UNET_CONFIGS, RouterConfig
+from ddm.models.config import UNET_CONFIGS, RouterNetworkConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
-from ddm.sampling.pipeline import generate, load_ddm
+from ddm.models.loading import load_ddm
+from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.expert.server import create_expert_app
@@ -541,7 +542,7 @@ def _write_ddm(root: Path, groups: list[list[int]], method: str, seed: int) -> P
                               partition={"scheme": scheme, "index": index})
         save_checkpoint(root / f"e{index}", meta, canonical_weights(UNet(SMOKE)))
     torch.manual_seed(seed + 99)
-    router = RouterConfig(image_size=SMOKE.image_size, num_experts=len(groups))
+    router = RouterNetworkConfig(image_size=SMOKE.image_size, num_experts=len(groups))
     save_checkpoint(root / "router",
                     CheckpointMeta(kind="router", name="router", architecture=router.to_dict(),
                                    framework="torch", classes=range(10),

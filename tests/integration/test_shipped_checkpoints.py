@@ -12,7 +12,9 @@ import pytest
 from ddm.checkpoints.format import read_meta
 from ddm.evaluation.commands import evaluate_images
 from ddm.evaluation.report import expert_parity
-from ddm.sampling.pipeline import default_checkpoints, discover, generate, load_ddm
+from ddm.checkpoints.discovery import default_checkpoints, discover
+from ddm.models.loading import load_ddm
+from ddm.sampling.pipeline import generate
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
 

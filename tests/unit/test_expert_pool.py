@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from ddm.checkpoints.format import load_checkpoint
-from ddm.sampling.pipeline import expert_velocity
+from ddm.models.loading import expert_velocity
 from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
                                      PoolSettings, client_session)
 from ddm.serving.router.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,

@@ -1,8 +1,9 @@
-"""The remote sampling loop against in-process sampling, with closed-form experts in this process.
+"""The router's driver of the sampling loop against the in-process driver, with closed-form
+experts in this process.
 
 ``LocalExperts`` answers the caller interface from plain NumPy velocities (no HTTP: the HTTP path
-is covered by ``tests/integration/test_router_server.py``), so these tests check the loop's own
-arithmetic, routing, delegation and bookkeeping exactly.
+is covered by ``tests/integration/test_sampling_parity.py`` and ``test_router_server.py``), so
+these tests check the drivers' routing, delegation, concurrency and bookkeeping exactly.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddm.sampling.mixture import MixtureExpert
-from ddm.sampling.pipeline import LoadedDDM, generate
+from ddm.models.loading import LoadedDDM, LoadedExpert
+from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
-from ddm.sampling.solvers import SOLVERS, VelocityFn, iterate
-from ddm.serving.router.remote import (_ASYNC_STEPS, RemoteMixture, RouterNetwork,
-                                         SamplingRequest, check_request, denoise,
-                                         generate_remote)
+from ddm.sampling.solvers import VelocityFn, iterate
+from ddm.serving.router.remote import (RemoteMixture, RouterNetwork, SamplingRequest,
+                                       check_request, denoise, generate_remote)
 
 SHAPE = (1, 4, 4)
 LOW, HIGH = tuple(range(5)), tuple(range(5, 10))
@@ -76,7 +76,7 @@ def _mixture(classes=(ALL, ALL), router=_router) -> RemoteMixture:
 
 
 def _in_process(classes=(ALL, ALL)) -> LoadedDDM:
-    experts = tuple(MixtureExpert(name, c, VELOCITIES[name])
+    experts = tuple(LoadedExpert(name, c, VELOCITIES[name])
                     for name, c in zip(VELOCITIES, classes))
     return LoadedDDM(experts=experts, router=_router, image_shape=SHAPE, num_classes=10,
                      is_mixture=True, source=Path("."))
@@ -128,6 +128,38 @@ def test_delegated_oracle_sampling_equals_per_step_sampling_exactly(delegate, so
     np.testing.assert_array_equal(delegated.round_trips, chunks)
     # Samples of one expert and one chunk travel together: one request per expert and chunk.
     assert [kind for kind, _, _ in caller.requests] == ["integrate"] * 2 * chunks
+
+
+@pytest.mark.parametrize("solver", ["euler", "heun"])
+@pytest.mark.parametrize("strategy", ["oracle", "top1", "threshold:0.4"])
+def test_both_drivers_delegate_alike(strategy, solver):
+    """Delegation is decided by the loop, so in-process and remote drivers agree exactly."""
+    classes = (LOW, HIGH) if strategy == "oracle" else (ALL, ALL)
+    caller = LocalExperts(dict(zip(VELOCITIES, classes)))
+    mixture = _mixture(classes, router=None if strategy == "oracle" else _router)
+    labels = tuple(range(10))
+    remote = _run(_request(strategy, solver=solver, delegate=5, labels=labels), mixture, caller)
+    local = generate(_in_process(classes), labels, 12, seed=3, strategy=strategy, solver=solver,
+                     delegate_steps=5)
+    np.testing.assert_array_equal(remote.state, local.state)
+    np.testing.assert_array_equal(remote.round_trips, local.round_trips)
+
+
+def test_delegation_changes_only_samples_whose_routing_switches_within_a_chunk():
+    """The documented approximation: a sample that per-step top-1 keeps on one expert all the
+    way is delegated exactly; one that switches may differ, in at most one round trip a chunk."""
+    def steady_for_low_labels(x, t, y):
+        probs = _router(x, t, y)
+        probs[y < 5] = [0.9, 0.1]
+        return probs
+
+    labels, mixture = tuple(range(10)), _mixture(router=steady_for_low_labels)
+    per_step = _run(_request("top1", steps=20, labels=labels), mixture)
+    delegated = _run(_request("top1", steps=20, delegate=4, labels=labels), mixture)
+    steady = per_step.usage.switches() == 0
+    assert steady.any() and not steady.all(), "want samples of both kinds"
+    np.testing.assert_array_equal(delegated.state[steady], per_step.state[steady])
+    np.testing.assert_array_equal(delegated.round_trips, 5)
 
 
 def test_delegation_bounds_round_trips_by_routing_switches():
@@ -209,7 +241,8 @@ def test_concurrent_generations_share_router_network_passes():
     (_mixture(), _request(labels=(3, 12)), r"labels \[12\] are outside the model's classes 0..9"),
     (_mixture(), _request(labels=()), "no labels"),
     (_mixture(), _request(solver="rk4"), "unknown solver 'rk4'"),
-    (_mixture(), _request(delegate=-1), "delegate_steps must be >= 0"),
+    (_mixture(), _request(delegate=-1), "delegate_steps must be an integer >= 0"),
+    (_mixture(), _request(steps=1001), r"steps must be an integer in \[1, 1000\]"),
     (_mixture(router=None), _request("top1"), "needs the router network"),
     (_mixture((LOW, (5, 6))), _request(labels=(1, 8)), r"labels \[8\] are served by no expert"),
     (_mixture((LOW, (5, 6)), None), _request("oracle", labels=(9,)), "not covered by any expert"),
@@ -220,10 +253,11 @@ def test_requests_the_mixture_cannot_serve_are_refused_before_sampling(mixture, 
         check_request(mixture, request_)
 
 
-def test_every_solver_has_an_asynchronous_twin():
-    assert set(_ASYNC_STEPS) == set(SOLVERS)
-
-
 async def _events(mixture, request):
     caller = LocalExperts({"up": ALL, "down": ALL})
     return [event async for event in denoise(mixture, caller, request)]
+
+
+def test_labels_beyond_int64_are_outside_the_classes_not_an_overflow():
+    with pytest.raises(ValueError, match=r"labels \[18446744073709551616\] are outside"):
+        check_request(_mixture(), _request(labels=(2**64,)))

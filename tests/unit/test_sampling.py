@@ -1,14 +1,17 @@
-"""Solvers, routing strategies and the mixture velocity, against closed-form answers."""
+"""Steppers, routing strategies and the sampling loop in-process, against closed-form answers."""
+
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ddm.convention import (data_from_velocity, interpolate, noise_from_velocity, sample_path,
                             time_grid, to_model_space, to_uint8)
-from ddm.sampling.mixture import MixtureExpert, UsageLog, mixture_velocity
-from ddm.sampling.routing import (Strategy, class_owners, oracle_probs, parse_strategy,
-                                  routing_weights)
-from ddm.sampling.solvers import initial_noise, integrate
+from ddm.models.loading import LoadedDDM, LoadedExpert
+from ddm.sampling.pipeline import generate
+from ddm.sampling.routing import (Strategy, class_owners, mixture_weights, oracle_probs,
+                                  parse_strategy, routing_weights, servable_labels)
+from ddm.sampling.solvers import Evaluation, heun, initial_noise, integrate
 
 SHAPE = (1, 4, 4)
 
@@ -98,56 +101,108 @@ def test_oracle_needs_covering_disjoint_classes():
         class_owners([(0, 1), (1, 2)])
 
 
+def test_steppers_ask_for_velocities_and_never_call_a_model():
+    x = np.ones((1, *SHAPE), np.float32)
+    step = heun(x, 0.0, 0.5)
+    first = next(step)
+    assert first.t == 0.0 and first.x is x
+    second = step.send(np.full_like(x, 2.0))  # v at (x, 0): Euler predicts x + 0.5 * 2
+    assert isinstance(second, Evaluation) and second.t == 0.5
+    np.testing.assert_array_equal(second.x, 2.0)
+    with pytest.raises(StopIteration) as done:
+        step.send(np.full_like(x, 4.0))
+    np.testing.assert_array_equal(done.value.value, 1.0 + 0.25 * (2.0 + 4.0))
+
+
+def test_label_mask_keeps_only_experts_trained_on_the_label():
+    servable = servable_labels([(0, 1), (1, 2), ()], num_classes=3)
+    np.testing.assert_array_equal(servable, [[1, 0, 1], [1, 1, 1], [0, 1, 1]])
+    probs = np.array([[0.2, 0.7, 0.1], [0.0, 0.0, 0.0]], np.float32)
+    labels = np.array([0, 2])
+    # Label 0: expert 1 (most probable) never saw it, so top-1 is the best of the others.
+    np.testing.assert_allclose(mixture_weights(probs, servable[labels], parse_strategy("top1")),
+                               [[1, 0, 0], [0, 1, 0]])
+    # A row whose servable experts all got 0 weighs them equally.
+    np.testing.assert_allclose(
+        mixture_weights(probs, servable[labels], parse_strategy("ensemble")),
+        [[2 / 3, 0, 1 / 3], [0, 0.5, 0.5]], atol=1e-6)
+    with pytest.raises(ValueError, match="trained for other experts"):
+        mixture_weights(probs[:, :2], servable[labels], parse_strategy("top1"))
+
+
 def _constant_expert(name, value, classes, calls):
     def velocity(x, t, y):
+        assert not classes or set(y.tolist()) <= set(classes), f"{name} was sent labels {y}"
         calls.append(len(x))
         return np.full_like(x, value)
-    return MixtureExpert(name=name, classes=classes, velocity=velocity)
+    return LoadedExpert(name=name, classes=classes, velocity=velocity)
+
+
+def _ddm(experts, router=None):
+    return LoadedDDM(experts=tuple(experts), router=router, image_shape=SHAPE, num_classes=2,
+                     is_mixture=True, source=Path("."))
+
+
+def _fixed_router(x, t, y):
+    """Sample 0 -> 90/10 for expert a, sample 1 -> 30/70."""
+    return np.array([[0.9, 0.1], [0.3, 0.7]], np.float32)[: len(x)]
+
+
+def _velocity_of_one_step(out, seed=0):
+    """The velocity of a one-step Euler generation, per sample (dt = 1)."""
+    return (out.state - initial_noise(len(out.labels), SHAPE, seed))[:, 0, 0, 0]
 
 
 def test_mixture_routes_each_sample_and_weights_velocities():
     calls_a, calls_b = [], []
-    experts = [_constant_expert("a", 1.0, (0,), calls_a), _constant_expert("b", 3.0, (1,), calls_b)]
-    # Router: sample 0 -> expert a, sample 1 -> 70/30 split.
-
-    def router(x, t, y):
-        return np.array([[0.9, 0.1], [0.3, 0.7]], np.float32)[: len(x)]
-
-    x = np.zeros((2, *SHAPE), np.float32)
-    t = np.zeros(2, np.float32)
-    y = np.array([0, 1])
-
-    log = UsageLog(("a", "b"))
-    v = mixture_velocity(experts, router, parse_strategy("top1"), log)(x, t, y)
-    np.testing.assert_allclose(v[0], 1.0)
-    np.testing.assert_allclose(v[1], 3.0)
+    experts = [_constant_expert("a", 1.0, (), calls_a), _constant_expert("b", 3.0, (), calls_b)]
+    out = generate(_ddm(experts, _fixed_router), [0, 1], steps=1, seed=0, strategy="top1")
+    np.testing.assert_allclose(_velocity_of_one_step(out), [1.0, 3.0], atol=1e-6)
     assert calls_a == [1] and calls_b == [1]  # each expert saw only its own sample
 
-    log = UsageLog(("a", "b"))
-    v = mixture_velocity(experts, router, parse_strategy("ensemble"), log)(x, t, y)
-    np.testing.assert_allclose(v[0], 0.9 * 1 + 0.1 * 3, atol=1e-6)
-    np.testing.assert_allclose(v[1], 0.3 * 1 + 0.7 * 3, atol=1e-6)
-    np.testing.assert_array_equal(log.expert_calls(), [2, 2])
+    out = generate(_ddm(experts, _fixed_router), [0, 1], steps=1, seed=0, strategy="ensemble")
+    np.testing.assert_allclose(_velocity_of_one_step(out), [0.9 + 0.1 * 3, 0.3 + 0.7 * 3],
+                               atol=1e-6)
+    np.testing.assert_array_equal(out.expert_calls, [2, 2])
+
+
+@pytest.mark.parametrize("strategy", ["top1", "top2", "threshold:0.05", "ensemble"])
+def test_learned_strategies_send_a_label_only_to_experts_trained_on_it(strategy):
+    """The router prefers b for both samples, but b never saw label 0 (a never saw 1)."""
+    experts = [_constant_expert("a", 1.0, (0,), []), _constant_expert("b", 3.0, (1,), [])]
+
+    def prefers_b(x, t, y):
+        return np.tile(np.array([[0.1, 0.9]], np.float32), (len(x), 1))
+
+    out = generate(_ddm(experts, prefers_b), [0, 1], steps=2, seed=0, strategy=strategy)
+    assert out.experts_used() == [["a"], ["b"]]
+    np.testing.assert_array_equal(out.expert_calls, [2, 2])
 
 
 def test_oracle_mixture_uses_labels_and_logs_switches():
     experts = [_constant_expert("a", 1.0, (0,), []), _constant_expert("b", 3.0, (1,), [])]
-    log = UsageLog(("a", "b"))
-    velocity = mixture_velocity(experts, None, parse_strategy("oracle"), log)
-    x0 = np.zeros((2, *SHAPE), np.float32)
-    out = integrate(velocity, x0, np.array([1, 0]), 4)
-    np.testing.assert_allclose(out[0], 3.0, atol=1e-6)
-    np.testing.assert_allclose(out[1], 1.0, atol=1e-6)
-    np.testing.assert_array_equal(log.expert_calls(), [4, 4])
-    np.testing.assert_array_equal(log.switches(), [0, 0])
-    np.testing.assert_array_equal(log.calls_per_expert(), [[0, 4], [4, 0]])
+    out = generate(_ddm(experts), [1, 0], steps=4, seed=0, strategy="oracle")
+    np.testing.assert_allclose(out.state - initial_noise(2, SHAPE, 0),
+                               np.array([3.0, 1.0])[:, None, None, None] + np.zeros(SHAPE),
+                               atol=1e-5)
+    np.testing.assert_array_equal(out.expert_calls, [4, 4])
+    np.testing.assert_array_equal(out.usage.switches(), [0, 0])
+    np.testing.assert_array_equal(out.usage.calls_per_expert(), [[0, 4], [4, 0]])
 
 
 def test_learned_strategies_need_a_router():
-    with pytest.raises(ValueError, match="needs a learned router"):
-        mixture_velocity([_constant_expert("a", 1.0, (0,), [])], None, parse_strategy("top1"))
+    experts = [_constant_expert("a", 1.0, (0,), []), _constant_expert("b", 3.0, (1,), [])]
+    with pytest.raises(ValueError, match="needs the router network"):
+        generate(_ddm(experts), [0], steps=2, seed=0, strategy="top1")
 
 
 def test_an_images_noise_does_not_depend_on_its_batch():
     whole = initial_noise(4, SHAPE, seed=3)
     np.testing.assert_array_equal(initial_noise(2, SHAPE, seed=3, first_index=2), whole[2:])
+
+
+def test_the_steppers_are_exactly_the_declared_solvers() -> None:
+    from ddm.deploy.limits import SOLVERS as DECLARED
+    from ddm.sampling.solvers import EVALUATIONS_PER_STEP, SOLVERS
+
+    assert tuple(SOLVERS) == DECLARED and tuple(EVALUATIONS_PER_STEP) == DECLARED

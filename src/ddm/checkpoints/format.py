@@ -37,7 +37,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class CheckpointMeta:
-    """What a checkpoint is. ``architecture`` is a ``UNetConfig``/``RouterConfig`` dict."""
+    """What a checkpoint is. ``architecture``: a ``UNetConfig``/``RouterNetworkConfig`` dict."""
 
     kind: str
     name: str

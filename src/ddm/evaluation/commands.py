@@ -52,7 +52,7 @@ def train_classifier_command(data: str, image_size: int, steps: int, seed: int, 
 
 
 def default_classifier() -> Path:
-    from ddm.sampling.pipeline import default_checkpoints
+    from ddm.checkpoints.discovery import default_checkpoints
 
     return default_checkpoints() / "classifier"
 

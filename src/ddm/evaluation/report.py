@@ -20,8 +20,9 @@ from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.evaluation.commands import load_judge, score_runs
 from ddm.evaluation.scoring import METRICS, SEEDS, Judge, summarise
 from ddm.fileio import atomic_path
-from ddm.sampling.pipeline import (LoadedDDM, default_checkpoints, discover, expert_velocity,
-                                   generate, load_ddm)
+from ddm.checkpoints.discovery import default_checkpoints, discover
+from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
+from ddm.sampling.pipeline import generate
 
 STRATEGIES = ("oracle", "top1", "top2", "ensemble")
 PARITY_BATCH = 64

@@ -70,8 +70,9 @@ class UNetConfig:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    """A small CNN classifier of ``(x_t, t, y)`` into ``num_experts`` partition logits."""
+class RouterNetworkConfig:
+    """The router network's architecture: a small CNN classifier of ``(x_t, t, y)`` into
+    ``num_experts`` partition logits (not ``router.yaml``, which is ``RouterConfigFile``)."""
 
     image_size: int = 16
     in_channels: int = 1
@@ -85,10 +86,12 @@ class RouterConfig:
         for name in ("image_size", "in_channels", "num_experts", "num_classes", "time_features"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"RouterConfig.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(
+                    f"RouterNetworkConfig.{name} must be a positive integer, got {value!r}")
         chans = tuple(self.channels)
         if not chans or any(not isinstance(c, int) or c < 1 for c in chans):
-            raise ConfigError(f"RouterConfig.channels must be positive integers, got {chans!r}")
+            raise ConfigError(
+                f"RouterNetworkConfig.channels must be positive integers, got {chans!r}")
         object.__setattr__(self, "channels", chans)
         if self.time_features % 2:
             raise ConfigError(f"time_features must be even, got {self.time_features}")
@@ -99,7 +102,7 @@ class RouterConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "RouterConfig":
+    def from_dict(cls, d: Mapping[str, Any]) -> "RouterNetworkConfig":
         return _from_dict(cls, d)
 
 

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ddm.models.config import RouterConfig
+from ddm.models.config import RouterNetworkConfig
 from ddm.models.torch_unet import timestep_features
 
 
 class RouterNet(nn.Module):
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterNetworkConfig) -> None:
         super().__init__()
         self.config = config
         convs, ch = [], config.in_channels

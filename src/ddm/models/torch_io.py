@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ddm.checkpoints.format import Checkpoint, CheckpointError, check_weight_shapes
-from ddm.models.config import ConfigError, RouterConfig, UNetConfig
+from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_unet import UNet
 
@@ -64,7 +64,7 @@ def unet_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -
 def router_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -> RouterNet:
     if ckpt.meta.kind != "router":
         raise CheckpointError(f"checkpoint {ckpt.path} is a {ckpt.meta.kind}, not a router")
-    model = RouterNet(_config(ckpt, RouterConfig))
+    model = RouterNet(_config(ckpt, RouterNetworkConfig))
     return load_canonical(model, ckpt).to(device or torch.device("cpu"))
 
 
@@ -101,7 +101,7 @@ def router_probs_fn(model: RouterNet, device: torch.device
     return probs
 
 
-def _config(ckpt: Checkpoint, cls: type) -> UNetConfig | RouterConfig:
+def _config(ckpt: Checkpoint, cls: type) -> UNetConfig | RouterNetworkConfig:
     try:
         return cls.from_dict(ckpt.meta.architecture)
     except ConfigError as exc:

@@ -7,9 +7,11 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ddm.checkpoints.discovery import default_checkpoints
 from ddm.fileio import atomic_path
-from ddm.sampling.pipeline import default_checkpoints, generate, load_ddm, validate_request
-from ddm.sampling.routing import parse_strategy
+from ddm.models.loading import load_ddm
+from ddm.sampling.loop import check_request
+from ddm.sampling.pipeline import generate, mixture_of, sampling_request
 from ddm.samples import save_samples_npz
 
 
@@ -28,11 +30,12 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     if out.suffix != ".npz":
         raise ValueError(f"--out must name a .npz file, got {out}")
-    parsed = parse_strategy(strategy)
+    all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
+    request = sampling_request(all_labels, steps, seed, strategy, solver)
     source = checkpoints or default_checkpoints()
     ddm = load_ddm(source, backend=backend, device=device)
-    all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
-    validate_request(ddm, all_labels, steps, solver)
+    check_request(mixture_of(ddm), request)  # the whole request, before any chunk runs
+    parsed = request.strategy
 
     images, calls = [], []
     for start in range(0, len(all_labels), batch_size):

@@ -1,8 +1,10 @@
-"""Routing strategies: router probabilities ``(B, K)`` -> mixture weights ``(B, K)``, per sample.
+"""Routing: router probabilities ``(B, K)`` -> mixture weights ``(B, K)``, per sample.
 
 Every sample gets its own experts at every step; no decision is ever made for a whole batch,
 and no strategy draws experts at random (the DDM paper found that catastrophic). Selection is
-exact and deterministic: ties go to the lower expert index.
+exact and deterministic: ties go to the lower expert index. Only experts trained on a sample's
+label may be chosen for it (:func:`mixture_weights`): an expert never sees a label it was not
+trained on, in-process or served (an expert server refuses such labels).
 """
 
 from __future__ import annotations
@@ -111,3 +113,29 @@ def class_owners(expert_classes: Sequence[Sequence[int]]) -> dict[int, int]:
                     "strategy needs expert classes without overlap")
             owner[int(c)] = index
     return owner
+
+
+def servable_labels(expert_classes: Sequence[Sequence[int]], num_classes: int) -> np.ndarray:
+    """``(num_classes, K)`` bool: expert k was trained on label c (no classes: every label)."""
+    return np.array([[not classes or c in classes for classes in expert_classes]
+                     for c in range(num_classes)], dtype=bool
+                    ).reshape(num_classes, len(expert_classes))
+
+
+def mixture_weights(probs: np.ndarray, servable: np.ndarray, strategy: Strategy) -> np.ndarray:
+    """Weights ``(B, K)`` of a learned strategy among the experts that serve each label.
+
+    ``probs`` are the router's ``(B, K)``, ``servable`` the ``(B, K)`` rows of
+    :func:`servable_labels` for the samples' labels. Experts that do not serve a sample's label
+    get probability 0 before the strategy picks, so ``top2`` of experts trained on disjoint
+    labels is the one expert that knows the label.
+    """
+    probs = np.asarray(probs)
+    if probs.shape != servable.shape:
+        raise ValueError(f"router returned probabilities of shape {probs.shape}, expected "
+                         f"{servable.shape}: the router was trained for other experts")
+    probs = np.where(servable, probs, 0.0)
+    # A row whose servable experts all got probability 0 (underflow) weighs them equally.
+    dead = probs.sum(axis=1) <= 0
+    probs[dead] = servable[dead] / servable[dead].sum(axis=1, keepdims=True)
+    return routing_weights(probs, strategy)

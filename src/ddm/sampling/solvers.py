@@ -1,13 +1,17 @@
-"""ODE solvers over a velocity callable, following ``ddm.convention`` (t: 0 noise -> 1 data).
+"""ODE steppers following ``ddm.convention`` (t: 0 noise -> 1 data), sans I/O.
 
-A solver never sees a model: it takes ``velocity(x, t, y) -> v`` with ``x`` ``(B, C, H, W)``
-float32, ``t`` ``(B,)`` float32 and ``y`` ``(B,)`` int64, so the same code drives a PyTorch
-expert, a JAX expert, a remote expert and a routed mixture. Solvers hold no state.
+A stepper never calls a model (after diffusers' ``scheduler.step``): ``stepper(x, t, t_next)``
+is a generator that yields each :class:`Evaluation` it needs, is sent the velocity ``v`` at that
+point (``(B, C, H, W)`` float32), and returns the state at ``t_next``. So one stepper serves
+every driver: :func:`iterate` here with a NumPy velocity, the sampling loop
+(:mod:`ddm.sampling.loop`) with a routed mixture in-process or with remote experts. Steppers
+hold no state between calls.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Protocol
+from dataclasses import dataclass
+from typing import Callable, Generator, Iterator, Protocol
 
 import numpy as np
 
@@ -15,28 +19,23 @@ from ddm.convention import time_grid
 
 
 class VelocityFn(Protocol):
+    """``velocity(x (B, C, H, W) f32, t (B,) f32, y (B,) int64) -> v (B, C, H, W) f32``."""
+
     def __call__(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
 
 
-StepFn = Callable[[VelocityFn, np.ndarray, float, float, np.ndarray], np.ndarray]
+@dataclass(frozen=True)
+class Evaluation:
+    """A point where a stepper needs the velocity: state ``x`` (B, C, H, W) at time ``t``."""
+
+    x: np.ndarray
+    t: float
 
 
-def euler_step(velocity: VelocityFn, x: np.ndarray, t: float, t_next: float,
-               y: np.ndarray) -> np.ndarray:
-    """One explicit Euler step from ``t`` to ``t_next``: one velocity evaluation."""
-    return euler_update(x, velocity(x, _times(x, t), y), t, t_next)
+#: ``stepper(x, t, t_next)``: yields :class:`Evaluation`s, is sent velocities, returns x(t_next).
+Step = Generator[Evaluation, np.ndarray, np.ndarray]
+Stepper = Callable[[np.ndarray, float, float], Step]
 
-
-def heun_step(velocity: VelocityFn, x: np.ndarray, t: float, t_next: float,
-              y: np.ndarray) -> np.ndarray:
-    """One Heun (explicit trapezoid) step: two velocity evaluations, second-order accurate."""
-    v0 = velocity(x, _times(x, t), y)
-    v1 = velocity(euler_update(x, v0, t, t_next), _times(x, t_next), y)
-    return heun_update(x, v0, v1, t, t_next)
-
-
-# The update formulas alone, so that a sampler whose velocity is asynchronous (a remote
-# expert) takes exactly the steps these solvers take.
 
 def euler_update(x: np.ndarray, v: np.ndarray, t: float, t_next: float) -> np.ndarray:
     """``x + (t_next - t) v``: Euler's step, and Heun's predictor, given ``v`` at ``(x, t)``."""
@@ -49,13 +48,27 @@ def heun_update(x: np.ndarray, v0: np.ndarray, v1: np.ndarray, t: float,
     return (x + 0.5 * (t_next - t) * (v0 + v1)).astype(np.float32)
 
 
-SOLVERS: dict[str, StepFn] = {"euler": euler_step, "heun": heun_step}
+def euler(x: np.ndarray, t: float, t_next: float) -> Step:
+    """Explicit Euler: one velocity evaluation per step."""
+    v = yield Evaluation(x, t)
+    return euler_update(x, v, t, t_next)
+
+
+def heun(x: np.ndarray, t: float, t_next: float) -> Step:
+    """Heun (explicit trapezoid): two evaluations per step, second-order accurate."""
+    v0 = yield Evaluation(x, t)
+    v1 = yield Evaluation(euler_update(x, v0, t, t_next), t_next)
+    return heun_update(x, v0, v1, t, t_next)
+
+
+SOLVERS: dict[str, Stepper] = {"euler": euler, "heun": heun}
 
 #: Velocity evaluations per step, for counting expert forward passes.
 EVALUATIONS_PER_STEP = {"euler": 1, "heun": 2}
 
 
-def solver_step(name: str) -> StepFn:
+def stepper(name: str) -> Stepper:
+    """The stepper called ``name``; an unknown name is a ``ValueError`` naming the known ones."""
     try:
         return SOLVERS[name]
     except KeyError:
@@ -78,11 +91,22 @@ def initial_noise(batch: int, image_shape: tuple[int, int, int], seed: int,
 
 def iterate(velocity: VelocityFn, x0: np.ndarray, y: np.ndarray, grid: np.ndarray,
             solver: str = "euler") -> Iterator[tuple[int, np.ndarray]]:
-    """Yield ``(i, x at grid[i + 1])`` after each step, for streaming and per-step routing."""
-    step = solver_step(solver)
+    """Drive ``solver`` with one velocity callable over ``grid``; yield ``(i, x at grid[i+1])``.
+
+    What an expert runs for a delegated chunk, and what the in-process driver runs for one.
+    """
+    step_with = stepper(solver)
     x = np.asarray(x0, dtype=np.float32)
     for i in range(len(grid) - 1):
-        x = step(velocity, x, float(grid[i]), float(grid[i + 1]), y)
+        step = step_with(x, float(grid[i]), float(grid[i + 1]))
+        v = None
+        while True:
+            try:
+                point = step.send(v)  # type: ignore[arg-type]
+            except StopIteration as done:
+                x = done.value
+                break
+            v = velocity(point.x, np.full((len(point.x),), point.t, np.float32), y)
         yield i, x
 
 
@@ -93,7 +117,3 @@ def integrate(velocity: VelocityFn, x0: np.ndarray, y: np.ndarray, steps: int,
     for _, x in iterate(velocity, x0, y, time_grid(steps), solver):
         pass
     return x
-
-
-def _times(x: np.ndarray, t: float) -> np.ndarray:
-    return np.full((x.shape[0],), t, dtype=np.float32)

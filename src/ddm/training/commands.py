@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from ddm.checkpoints.discovery import discover
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from ddm.convention import to_model_space
 from ddm.data import (Dataset, KMeansPartition, LabelPartition, classes_of, fit_kmeans,
                       load_dataset, parse_label_groups, partition_from_dict)
-from ddm.models.config import RouterConfig, unet_config
-from ddm.sampling.pipeline import discover
+from ddm.models.config import RouterNetworkConfig, unet_config
 from ddm.training.config import TrainConfig
 from ddm.training.torch_loop import ProgressFn
 
@@ -100,7 +100,7 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
                               f"{scheme.num_partitions}-part partition; every part needs one")
     arch = metas[0].architecture
     dataset = load_dataset(data, arch["image_size"], "train")
-    config = RouterConfig(image_size=arch["image_size"], in_channels=arch["in_channels"],
+    config = RouterNetworkConfig(image_size=arch["image_size"], in_channels=arch["in_channels"],
                           num_experts=scheme.num_partitions, num_classes=arch["num_classes"],
                           use_labels=use_labels)
     ids = scheme.assign(dataset.images, dataset.labels)

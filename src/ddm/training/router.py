@@ -6,13 +6,13 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from ddm.models.config import RouterConfig
+from ddm.models.config import RouterNetworkConfig
 from ddm.models.router_net import RouterNet
 from ddm.training.config import TrainConfig
 from ddm.training.torch_loop import ProgressFn, noisy_batch, optimise, prepare
 
 
-def train_router(router_config: RouterConfig, train: TrainConfig, images: np.ndarray,
+def train_router(network_config: RouterNetworkConfig, train: TrainConfig, images: np.ndarray,
                  labels: np.ndarray, partition_ids: np.ndarray,
                  device: torch.device | None = None,
                  progress: ProgressFn | None = None) -> dict[str, np.ndarray]:
@@ -24,10 +24,10 @@ def train_router(router_config: RouterConfig, train: TrainConfig, images: np.nda
     ids = np.asarray(partition_ids, dtype=np.int64)
     if ids.shape != (len(images),):
         raise ValueError(f"partition_ids must have shape ({len(images)},), got {ids.shape}")
-    if ids.min() < 0 or ids.max() >= router_config.num_experts:
-        raise ValueError(f"partition ids must lie in [0, {router_config.num_experts})")
+    if ids.min() < 0 or ids.max() >= network_config.num_experts:
+        raise ValueError(f"partition ids must lie in [0, {network_config.num_experts})")
     torch.manual_seed(train.seed)
-    model, ema, device = prepare(RouterNet(router_config), train, device)
+    model, ema, device = prepare(RouterNet(network_config), train, device)
     images = np.asarray(images, dtype=np.float32)
     labels = np.asarray(labels, dtype=np.int64)
 

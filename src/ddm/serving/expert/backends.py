@@ -32,8 +32,7 @@ import numpy as np
 from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
 from ddm.deploy.limits import EXPERT_BACKENDS
 from ddm.models.config import UNetConfig
-from ddm.sampling.pipeline import expert_velocity
-from ddm.sampling.solvers import VelocityFn
+from ddm.models.loading import ModelFn, expert_velocity
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
 
 BACKENDS = EXPERT_BACKENDS
@@ -64,7 +63,7 @@ class BackendInfo:
 class Backend:
     """A velocity callable with the batch sizes it is compiled for and a warm-up over them."""
 
-    def __init__(self, run: VelocityFn, info: BackendInfo, image_shape: tuple[int, int, int],
+    def __init__(self, run: ModelFn, info: BackendInfo, image_shape: tuple[int, int, int],
                  warm_sizes: tuple[int, ...], pads_to_warm_sizes: bool, warm_label: int) -> None:
         self._run = run
         self._info = info

@@ -10,6 +10,7 @@ probe schedule, and picks the replica for the next call; the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import socket
 from dataclasses import dataclass
@@ -51,18 +52,24 @@ def source_for(discovery: Discovery) -> EndpointSource:
 
 @dataclass(frozen=True)
 class ExpertInfo:
-    """What an expert replica says of itself in ``/v1/info``."""
+    """What an expert replica says of itself in ``/v1/info`` (``convention`` and ``partition``
+    as its checkpoint records them; the router checks them, ``ddm.serving.router.state``)."""
 
     image_shape: tuple[int, int, int]
     classes: tuple[int, ...]
     max_batch: int
+    convention: str | None = None
+    partition: Mapping[str, Any] | None = None
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ExpertInfo:
         shape = tuple(int(d) for d in raw["image_shape"])
         if len(shape) != 3:
             raise ValueError(f"image_shape must be (C, H, W), got {shape}")
-        return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]))
+        partition = raw.get("partition")
+        return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]),
+                   convention=raw.get("convention"),
+                   partition=partition if isinstance(partition, Mapping) else None)
 
 
 class ReplicaState(enum.Enum):
@@ -158,8 +165,8 @@ class ReplicaSet:
         live = [r for r in known if r.state is not ReplicaState.DOWN] or known
         first = next((r for r in live if r.state is ReplicaState.READY), live[0]).info
         assert first is not None
-        return ExpertInfo(first.image_shape, first.classes,
-                          min(r.info.max_batch for r in live if r.info is not None))
+        return dataclasses.replace(
+            first, max_batch=min(r.info.max_batch for r in live if r.info is not None))
 
     def ready_count(self) -> int:
         return sum(r.state is ReplicaState.READY for r in self._replicas)

@@ -6,9 +6,10 @@ labels in ``0..num_classes - 1``, at most ``max_batch`` of them, ``steps`` in ``
 a strategy in the CRD's grammar (``STRATEGY_PATTERN``; only ``oracle`` without a router
 network), no unknown fields and, in a JSON body, integers as JSON Schema reads them (``2`` or
 ``2.0``, never ``"2"``, ``2.5`` or ``true``). What they cannot say are the checks that span
-a label and the experts (:func:`ddm.serving.router.remote.check_request`, a 422): with the
-``oracle`` strategy each label must be owned by exactly one expert, with the others by one at
-least.
+a label and the experts: :func:`ddm.sampling.loop.check_request`, the one request validator
+(``ddm sample`` calls it too), makes them and answers a 422: with the ``oracle`` strategy each
+label must be owned by exactly one expert, with the others by one at least. The label and
+strategy checks here are its pieces (``check_labels``, ``parse_strategy``).
 
 Not ``from __future__ import annotations``: pydantic reads the models' annotations at runtime.
 """
@@ -18,10 +19,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from ddm.sampling.routing import parse_strategy
-from ddm.serving.router.remote import SamplingRequest
 from ddm.deploy.limits import SOLVERS, STRATEGY_PATTERN
 from ddm.deploy.router_config import RouterConfigFile
+from ddm.sampling.loop import SamplingRequest, check_labels
+from ddm.sampling.routing import parse_strategy
 
 #: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
 MAX_STRATEGY_CHARS = 32
@@ -115,10 +116,7 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
             return parse_strategy(value).name
 
     def in_classes(labels: list[int]) -> list[int]:
-        outside = sorted({y for y in labels if not 0 <= y < num_classes})
-        if outside:
-            raise ValueError(f"labels {outside} are outside the model's classes "
-                             f"0..{num_classes - 1}")
+        check_labels(labels, num_classes)
         return labels
 
     class GenerateRequest(Sampling):

@@ -3,6 +3,13 @@
 The network loads in the background (``RouterState.load``) so that probes are answered at once;
 ``problems`` says what keeps the router from being ready (some experts down is only degraded);
 ``slot`` counts generations in and out against ``limits.max_concurrent``.
+
+The router checks what it is given (:func:`expert_mismatches`): each expert's ``/v1/info``
+(convention, partition, classes, image shape) against the router network's checkpoint (its
+partition: expert ``k`` of the partition must be the network's output ``k``) and
+``router.yaml`` (the expert listed at position ``k``, the classes listed). While anything
+disagrees the router is not ready and generates nothing, naming the expert and the mismatch: a
+k-means router whose experts are listed in another order must not route to the wrong experts.
 """
 
 from __future__ import annotations
@@ -13,15 +20,17 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ddm.checkpoints.format import CheckpointError
-from ddm.sampling.mixture import RouterFn
+from ddm.checkpoints.format import CheckpointError, CheckpointMeta
+from ddm.convention import CONVENTION_NAME
+from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.remote import RemoteMixture, RouterNetwork
+from ddm.serving.router.replicas import ExpertInfo
 from ddm.deploy.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
@@ -81,6 +90,7 @@ class RouterState:
         self.names = tuple(e.name for e in config.experts)
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
+        self.network_meta: CheckpointMeta | None = None
         self.loaded = config.router_checkpoint is None
         self.failure: str | None = None
         self._in_flight = 0
@@ -90,7 +100,7 @@ class RouterState:
         if self.config.router_checkpoint is None:
             return
         try:
-            probs, self.network_shape = await asyncio.to_thread(
+            probs, self.network_shape, self.network_meta = await asyncio.to_thread(
                 _load_network, self.config.router_checkpoint, self.config)
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
             logger.exception("router network %s failed to load", self.config.router_checkpoint)
@@ -125,21 +135,25 @@ class RouterState:
             problems.append(f"router network failed to load: {self.failure}")
         elif not self.loaded:
             problems.append("router network is loading")
-        for entry in self.config.experts:
-            info = self.pool.info(entry.name)
-            if info is not None and not set(entry.classes) <= set(info.classes):
-                problems.append(f"expert {entry.name} serves classes {list(info.classes)}, "
-                                f"but the router config lists {list(entry.classes)}")
+        problems += self.mismatches()
         shape, disagreement = self.image_shape()
         problems += disagreement
         if shape is None and not disagreement:
             problems.append("no expert has reported its image shape yet")
         return missing, problems
 
+    def mismatches(self) -> list[str]:
+        """How the experts that answered disagree with the router network and router.yaml."""
+        return expert_mismatches(self.config, {n: self.pool.info(n) for n in self.names},
+                                 self.network_meta)
+
     def mixture(self) -> RemoteMixture:
         if not self.loaded:
             raise NotReady(f"router network failed to load: {self.failure}" if self.failure
                             else "router network is still loading; retry when /readyz is 200")
+        mismatches = self.mismatches()
+        if mismatches:
+            raise NotReady("; ".join(mismatches))
         shape, disagreement = self.image_shape()
         if shape is None:
             raise NotReady("; ".join(disagreement) or "no expert replica has answered yet; "
@@ -168,20 +182,62 @@ class RouterState:
             self.release_slot()
 
 
-def _load_network(path: str, config: RouterConfigFile) -> tuple[RouterFn, tuple[int, int, int]]:
-    """The router network's probabilities, checked against ``config``, and its image shape."""
+def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
+                      network: CheckpointMeta | None) -> list[str]:
+    """Every disagreement between what the experts say of themselves (``infos`` by name; None:
+    not heard from yet), the router network's checkpoint (None: oracle only) and ``config``,
+    one line each naming the expert."""
+    found = []
+    for position, entry in enumerate(config.experts):
+        info = infos.get(entry.name)
+        if info is None:
+            continue
+        name = entry.name
+        if info.convention is not None and info.convention != CONVENTION_NAME:
+            found.append(f"expert {name} follows the convention {info.convention!r}, the "
+                         f"router {CONVENTION_NAME!r}")
+        if not set(entry.classes) <= set(info.classes):
+            found.append(f"expert {name} serves classes {list(info.classes)}, but the router "
+                         f"config lists {list(entry.classes)}")
+        trained_on = (network.partition or {}).get("scheme") if network is not None else None
+        if trained_on is None:  # oracle only, or a network that records no partition
+            continue
+        partition = info.partition or {}
+        if partition.get("scheme") is None or "index" not in partition:
+            found.append(f"expert {name} records no partition, so nothing says it is the router "
+                         f"network's output {position} ({_scheme(trained_on)})")
+        elif partition["scheme"] != trained_on:
+            found.append(f"expert {name} was trained on another partition "
+                         f"({_scheme(partition['scheme'])}) than the router network "
+                         f"({_scheme(trained_on)})")
+        elif partition["index"] != position:
+            found.append(f"expert {name} is part {partition['index']} of the router network's "
+                         f"partition, but the router config lists it at position {position}: "
+                         "list the experts in partition order")
+    return found
+
+
+def _scheme(scheme: Any) -> str:
+    if not isinstance(scheme, Mapping):
+        return "no partition recorded"
+    parts = scheme.get("groups", scheme.get("centroids", []))
+    return f"{scheme.get('method', 'unknown')} partition into {len(parts)}"
+
+
+def _load_network(path: str, config: RouterConfigFile
+                  ) -> tuple[RouterFn, tuple[int, int, int], CheckpointMeta]:
+    """The router network's probabilities, checked against ``config``, its image shape and
+    what its checkpoint records (the partition its outputs follow)."""
     from ddm.checkpoints.format import load_checkpoint
-    from ddm.models.config import RouterConfig
-    from ddm.sampling.pipeline import router_probabilities
+    from ddm.models.loading import router_network_config, router_probabilities
 
     ckpt = load_checkpoint(path)
-    if ckpt.meta.kind != "router":
-        raise CheckpointError(f"{path} is a {ckpt.meta.kind} checkpoint, not a router")
-    arch = RouterConfig.from_dict(ckpt.meta.architecture)
+    arch = router_network_config(ckpt)
     if arch.num_experts != len(config.experts):
         raise CheckpointError(f"router {path} was trained for {arch.num_experts} experts, but "
                               f"the config lists {len(config.experts)}")
     if arch.num_classes != config.num_classes:
         raise CheckpointError(f"router {path} knows {arch.num_classes} classes, the config says "
                               f"{config.num_classes}")
-    return router_probabilities(ckpt), (arch.in_channels, arch.image_size, arch.image_size)
+    return (router_probabilities(ckpt), (arch.in_channels, arch.image_size, arch.image_size),
+            ckpt.meta)

@@ -1,0 +1,149 @@
+"""Checkpoint -> NumPy callables per framework: an expert's velocity, the router's
+probabilities, and a whole DDM directory (experts in partition order + router, or one model).
+
+Each UNet runs on the backend of its choice: ``native`` (the framework it was trained with),
+``torch`` or ``jax``; the checkpoint format is the same for both. ML frameworks are imported
+only when a backend needs them. The servers and the in-process sampler load models here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ddm.checkpoints.discovery import discover
+from ddm.checkpoints.format import Checkpoint, CheckpointError, load_checkpoint
+from ddm.models.config import ConfigError, RouterNetworkConfig
+
+BACKENDS = ("native", "torch", "jax")
+
+#: ``velocity(x (B, C, H, W) f32, t (B,) f32, y (B,) int64) -> v (B, C, H, W) f32``.
+ModelFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+#: ``router(x (B, C, H, W), t (B,), y (B,)) -> probabilities (B, K)``.
+RouterFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True)
+class LoadedExpert:
+    """One UNet: its name, the labels it was trained on, its velocity."""
+
+    name: str
+    classes: tuple[int, ...]
+    velocity: ModelFn
+
+
+@dataclass(frozen=True)
+class LoadedDDM:
+    """Either a mixture (``experts`` in the router's output order + optional ``router``) or a
+    single model (one expert, ``is_mixture`` False)."""
+
+    experts: tuple[LoadedExpert, ...]
+    router: RouterFn | None
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    is_mixture: bool
+    source: Path
+
+
+def expert_velocity(ckpt: Checkpoint, backend: str = "native",
+                    device: str | None = None) -> ModelFn:
+    """A NumPy velocity callable for a UNet checkpoint on the chosen framework."""
+    framework = ckpt.meta.framework if backend == "native" else backend
+    if framework == "torch":
+        from ddm.models import torch_io
+
+        torch_device = torch_io.select_torch_device(device)
+        return torch_io.velocity_fn(torch_io.unet_from_checkpoint(ckpt, torch_device),
+                                    torch_device)
+    if framework == "jax":
+        import jax
+
+        from ddm.models import flax_unet
+        from ddm.models.config import UNetConfig
+
+        config = UNetConfig.from_dict(ckpt.meta.architecture)
+        target = flax_unet.select_jax_device(device)
+        with jax.default_device(target):  # parameters are placed on the default device
+            velocity = flax_unet.make_velocity_fn(
+                flax_unet.params_from_canonical(ckpt.weights, config, ckpt.path), config)
+
+        def on_device(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+            with jax.default_device(target):  # inputs follow the parameters
+                return velocity(x, t, y)
+
+        return on_device
+    raise ValueError(f"unknown framework {framework!r}")
+
+
+def router_network_config(ckpt: Checkpoint) -> RouterNetworkConfig:
+    """The architecture of a router checkpoint; anything else is a ``CheckpointError``."""
+    if ckpt.meta.kind != "router":
+        raise CheckpointError(f"{ckpt.path} is a {ckpt.meta.kind} checkpoint, not a router")
+    try:
+        return RouterNetworkConfig.from_dict(ckpt.meta.architecture)
+    except ConfigError as error:
+        raise CheckpointError(f"router {ckpt.path}: invalid architecture: {error}") from None
+
+
+def router_probabilities(ckpt: Checkpoint, device: str | None = None) -> RouterFn:
+    """The router network's ``p(k | x_t, t, y)`` (PyTorch) as a NumPy callable."""
+    from ddm.models import torch_io
+
+    torch_device = torch_io.select_torch_device(device)
+    return torch_io.router_probs_fn(torch_io.router_from_checkpoint(ckpt, torch_device),
+                                    torch_device)
+
+
+def load_ddm(directory: str | os.PathLike, backend: str = "native",
+             device: str | None = None) -> LoadedDDM:
+    """Load what ``directory`` holds: a DDM of experts (+ router), or one model alone."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    found = discover(directory)
+    root = Path(directory)
+    if (root / "config.json").exists():
+        ckpt = load_checkpoint(root)
+        if ckpt.meta.kind not in ("expert", "monolith"):
+            raise CheckpointError(f"{root} is a {ckpt.meta.kind} checkpoint; it cannot generate")
+        return _assemble([ckpt], None, backend, device, root, is_mixture=False)
+    experts = [load_checkpoint(p) for p in found.get("expert", [])]
+    if not experts:
+        raise CheckpointError(f"{root} holds no expert checkpoints (found: {', '.join(found)})")
+    experts.sort(key=_partition_index)
+    routers = found.get("router", [])
+    if len(routers) > 1:
+        raise CheckpointError(f"{root} holds {len(routers)} routers; keep exactly one")
+    router = load_checkpoint(routers[0]) if routers else None
+    return _assemble(experts, router, backend, device, root, is_mixture=True)
+
+
+def _assemble(unets: list[Checkpoint], router: Checkpoint | None, backend: str,
+              device: str | None, source: Path, is_mixture: bool) -> LoadedDDM:
+    archs = {(a["in_channels"], a["image_size"], a["num_classes"])
+             for a in (c.meta.architecture for c in unets)}
+    if len(archs) != 1:
+        raise CheckpointError(f"experts in {source} disagree on channels, size or classes: {archs}")
+    channels, size, num_classes = archs.pop()
+    if router is not None:
+        k = router_network_config(router).num_experts
+        if k != len(unets):
+            raise CheckpointError(
+                f"router {router.path} was trained for {k} experts, "
+                f"but {source} holds {len(unets)}")
+    experts = tuple(LoadedExpert(name=c.meta.name, classes=c.meta.classes,
+                                 velocity=expert_velocity(c, backend, device)) for c in unets)
+    return LoadedDDM(experts=experts,
+                     router=router_probabilities(router, device) if router else None,
+                     image_shape=(channels, size, size), num_classes=num_classes,
+                     is_mixture=is_mixture, source=source)
+
+
+def _partition_index(ckpt: Checkpoint) -> int:
+    partition = ckpt.meta.partition or {}
+    if "index" not in partition:
+        raise CheckpointError(f"expert {ckpt.path} records no partition index")
+    return int(partition["index"])

@@ -1,0 +1,385 @@
+"""The one DDM sampling loop, sans I/O: routing, mixture weights with the label mask, solver.
+
+:func:`denoise` is a generator that never calls a model. It yields what it needs and is sent
+the answer (after h11 and diffusers' ``scheduler.step``):
+
+* :class:`Route` -- the router network's probabilities ``(B, K)`` for ``(x, t, y)``;
+* :class:`Calls` -- expert calls to make, concurrently where the driver can: a
+  :class:`Velocity` (answer ``v`` ``(B, C, H, W)``) or an :class:`Integrate` of a chunk of the
+  grid with the request's solver (answer ``x`` at the chunk's end);
+* :class:`Concurrently` -- sub-loops (generators of the same kind) to run side by side; the
+  answer is the list of their return values;
+
+and it yields a :class:`StepEvent` (answered with None) after each chunk of the grid. Two
+drivers run it: :func:`ddm.sampling.pipeline.generate` in-process, and the router's
+:func:`ddm.serving.router.remote.denoise` over HTTP. What an image becomes therefore depends
+only on the request and the models, not on the driver: ``ddm sample`` and ``POST
+/v1/generate`` give the same pixels.
+
+Per sample and velocity evaluation: the strategy turns the router's probabilities, restricted to
+the experts trained on the sample's label (:func:`ddm.sampling.routing.mixture_weights`), into
+weights; ``v = sum_k w_k v_k`` with each expert evaluated only on its rows.
+
+**Delegation** (``delegate_steps`` > 1) is an approximation for remote experts: the grid is
+walked in chunks of that many steps. At the start of a chunk, a sample whose strategy selects
+exactly one expert (always so for ``oracle`` and ``top1``) is sent to that expert in one
+:class:`Integrate` covering the chunk, grouped with the other samples of that expert; the
+expert runs the same solver on the same times. Other samples step one by one through the chunk.
+Routing is decided again at the next chunk, so within a chunk a delegated sample keeps the
+expert chosen at its start: with ``oracle`` (the choice never changes) the result equals
+per-step sampling exactly; with a learned strategy it differs only where per-step routing
+would have switched experts inside a chunk, and a sample makes at most one round trip per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Generator, Sequence
+
+import numpy as np
+
+from ddm.convention import time_grid, to_uint8
+from ddm.deploy.limits import MAX_STEPS
+from ddm.sampling.routing import (Strategy, mixture_weights, oracle_probs, routing_weights,
+                                  servable_labels)
+from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """What the loop knows of a DDM: experts in the router network's output order, the labels
+    each was trained on (empty: every label), whether a router network exists."""
+
+    expert_names: tuple[str, ...]
+    expert_classes: tuple[tuple[int, ...], ...]
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    routed: bool
+
+    @functools.cached_property
+    def servable(self) -> np.ndarray:
+        """``(num_classes, K)`` bool; looked up at every evaluation, so computed once."""
+        return servable_labels(self.expert_classes, self.num_classes)
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One generation: an image per label; image ``i``'s noise comes from
+    ``(seed, first_index + i)``, so an image does not depend on the batch it is made in."""
+
+    labels: tuple[int, ...]
+    steps: int
+    seed: int
+    strategy: Strategy
+    solver: str = "euler"
+    delegate_steps: int = 0
+    first_index: int = 0
+
+
+# ------------------------------------------------------------------------ what the loop asks
+
+
+@dataclass(frozen=True)
+class Route:
+    """Wanted: the router network's ``p(k | x, t, y)``, ``(B, K)``."""
+
+    x: np.ndarray
+    t: np.ndarray
+    y: np.ndarray
+
+
+@dataclass(frozen=True)
+class Velocity:
+    """Wanted: expert ``expert``'s (an index) velocity at ``(x, t, y)``."""
+
+    expert: int
+    x: np.ndarray
+    t: np.ndarray
+    y: np.ndarray
+
+
+@dataclass(frozen=True)
+class Integrate:
+    """Wanted: expert ``expert`` integrating ``x`` over ``grid`` with ``solver``."""
+
+    expert: int
+    x: np.ndarray
+    y: np.ndarray
+    grid: np.ndarray
+    solver: str
+
+
+@dataclass(frozen=True)
+class Calls:
+    """Expert calls, answered by the list of their results in order."""
+
+    calls: tuple[Velocity | Integrate, ...]
+
+
+@dataclass(frozen=True)
+class Concurrently:
+    """Sub-loops to run side by side, answered by the list of their return values."""
+
+    parts: tuple[Generator[Any, Any, Any], ...]
+
+
+Query = Route | Calls | Concurrently
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """The state after a chunk of the grid (one step unless delegating).
+
+    ``x`` (N, C, H, W) is the state at ``t = grid[step]``; ``selections`` holds one (N, K) bool
+    mask per velocity evaluation of the chunk; ``round_trips`` (N,) counts the expert calls each
+    sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate.
+    """
+
+    step: int
+    t: float
+    x: np.ndarray
+    selections: tuple[np.ndarray, ...]
+    round_trips: np.ndarray
+    delegated: np.ndarray
+
+    def experts_used(self) -> np.ndarray:
+        """(N, K) bool: which experts each sample used during the chunk."""
+        return np.any(self.selections, axis=0)
+
+
+Loop = Generator[Query | StepEvent, Any, None]
+
+
+# ------------------------------------------------------------------------------- validation
+
+
+def check_labels(labels: Sequence[int], num_classes: int) -> np.ndarray:
+    """``labels`` as ``(N,)`` int64, or a ``ValueError`` naming those outside the classes."""
+    values = [int(v) for v in labels]  # Python integers: 2**64 is outside, not an overflow
+    if not values:
+        raise ValueError("no labels given")
+    outside = sorted({v for v in values if not 0 <= v < num_classes})
+    if outside:
+        raise ValueError(f"labels {outside} are outside the model's classes "
+                         f"0..{num_classes - 1}")
+    return np.asarray(values, dtype=np.int64)
+
+
+def check_request(mixture: Mixture, request: SamplingRequest,
+                  max_steps: int = MAX_STEPS) -> np.ndarray:
+    """Raise a ``ValueError`` naming what ``mixture`` cannot do for ``request``, before any
+    model runs; the labels as ``(N,)`` int64. The one request validator: ``ddm sample`` and the
+    router (after its schema, which carries the same limits) both call it."""
+    stepper(request.solver)
+    if not _is_int(request.steps) or not 1 <= request.steps <= max_steps:
+        raise ValueError(f"steps must be an integer in [1, {max_steps}], got {request.steps!r}")
+    if not _is_int(request.delegate_steps) or request.delegate_steps < 0:
+        raise ValueError(f"delegate_steps must be an integer >= 0, got "
+                         f"{request.delegate_steps!r}")
+    y = check_labels(request.labels, mixture.num_classes)
+    if request.strategy.kind == "oracle":
+        oracle_probs(y, mixture.expert_classes)  # every label owned by exactly one expert
+        return y
+    if len(mixture.expert_names) > 1 and not mixture.routed:
+        raise ValueError(f"strategy {request.strategy.name} needs the router network, and "
+                         "this DDM has none; use the oracle strategy")
+    uncovered = sorted({int(v) for v in y[~mixture.servable[y].any(axis=1)]})
+    if uncovered:
+        raise ValueError(f"labels {uncovered} are served by no expert "
+                         f"(experts serve {_coverage(mixture)})")
+    return y
+
+
+# ------------------------------------------------------------------------------- the loop
+
+
+def denoise(mixture: Mixture, request: SamplingRequest) -> Loop:
+    """The loop from noise to data: yields queries and a :class:`StepEvent` per chunk."""
+    y = check_request(mixture, request)
+    grid = time_grid(request.steps)
+    x = initial_noise(len(y), mixture.image_shape, request.seed, request.first_index)
+    chunk = max(1, request.delegate_steps)
+    for start in range(0, request.steps, chunk):
+        end = min(start + chunk, request.steps)
+        event = yield from _chunk(mixture, request, x, y, grid[start:end + 1], end)
+        x = event.x
+        yield event
+
+
+def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndarray,
+           grid: np.ndarray, step: int) -> Generator[Query, Any, StepEvent]:
+    """One chunk: delegate the samples with one expert, step the others, concurrently."""
+    n, k = len(y), len(mixture.expert_names)
+    evaluations = (len(grid) - 1) * EVALUATIONS_PER_STEP[request.solver]
+    delegated = np.zeros(n, bool)
+    groups: list[tuple[int, np.ndarray]] = []
+    if request.delegate_steps > 1:
+        weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y)
+        delegated = (weights > 0).sum(axis=1) == 1
+        groups = [(e, rows) for e in range(k)
+                  if (rows := np.flatnonzero(delegated & (weights[:, e] > 0))).size]
+    stepped = np.flatnonzero(~delegated)
+    parts: list[Generator[Any, Any, Any]] = []
+    if groups:
+        parts.append(_delegate(groups, x, y, grid, request.solver))
+    if stepped.size:
+        parts.append(_step_by_step(mixture, request.strategy, request.solver, x[stepped],
+                                   y[stepped], grid))
+    results = (yield Concurrently(tuple(parts))) if len(parts) > 1 else [(yield from parts[0])]
+
+    x_next = np.empty_like(x)
+    masks = np.zeros((evaluations, n, k), bool)
+    round_trips = np.zeros(n, np.int64)
+    if groups:
+        for (expert, rows), out in zip(groups, results[0]):
+            x_next[rows] = out
+            masks[:, rows, expert] = True
+            round_trips[rows] += 1
+    if stepped.size:
+        xs, selections = results[-1]
+        x_next[stepped] = xs
+        masks[:, stepped, :] = selections
+        round_trips[stepped] += selections.sum(axis=(0, 2))
+    return StepEvent(step=step, t=float(grid[-1]), x=x_next, selections=tuple(masks),
+                     round_trips=round_trips, delegated=delegated)
+
+
+def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray,
+              grid: np.ndarray, solver: str) -> Generator[Query, Any, list[np.ndarray]]:
+    """One integrate call per expert over the chunk; the states at its end, per group."""
+    return (yield Calls(tuple(Integrate(e, x[rows], y[rows], grid, solver)
+                              for e, rows in groups)))
+
+
+def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarray,
+                  y: np.ndarray, grid: np.ndarray
+                  ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
+    """The solver over ``grid`` with the mixture velocity; (x at the end, (E, B, K) masks)."""
+    step_with = stepper(solver)
+    selections: list[np.ndarray] = []
+    for i in range(len(grid) - 1):
+        step = step_with(x, float(grid[i]), float(grid[i + 1]))
+        v = None
+        while True:
+            try:
+                point = step.send(v)  # type: ignore[arg-type]
+            except StopIteration as done:
+                x = done.value
+                break
+            v, chosen = yield from _mixture_velocity(mixture, strategy, point.x,
+                                                     _times(len(y), point.t), y)
+            selections.append(chosen)
+    return x, np.stack(selections)
+
+
+def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
+                      y: np.ndarray) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
+    """``sum_k w_k v_k`` per sample, each expert asked only for its rows; and the (B, K)
+    selection."""
+    weights = yield from _weights(mixture, strategy, x, t, y)
+    chosen = [(k, rows) for k in range(len(mixture.expert_names))
+              if (rows := np.flatnonzero(weights[:, k] > 0)).size]
+    outs = yield Calls(tuple(Velocity(k, x[rows], t[rows], y[rows]) for k, rows in chosen))
+    v = np.zeros_like(x, dtype=np.float32)
+    for (k, rows), vk in zip(chosen, outs):
+        v[rows] += weights[rows, k][:, None, None, None] * vk
+    return v, weights > 0
+
+
+def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
+             y: np.ndarray) -> Generator[Query, Any, np.ndarray]:
+    """Per-sample mixture weights (B, K) among the experts that serve each sample's label."""
+    if strategy.kind == "oracle":
+        return routing_weights(oracle_probs(y, mixture.expert_classes), strategy)
+    if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
+        return np.ones((len(y), 1), np.float32)
+    probs = yield Route(x, t, y)
+    return mixture_weights(probs, mixture.servable[y], strategy)
+
+
+# ------------------------------------------------------------------------------- results
+
+
+@dataclass
+class UsageLog:
+    """Expert selections of one generation: ``selections[i]`` is a ``(B, K)`` bool mask."""
+
+    expert_names: tuple[str, ...]
+    selections: list[np.ndarray] = field(default_factory=list)
+
+    def record(self, selected: np.ndarray) -> None:
+        self.selections.append(np.asarray(selected, dtype=bool))
+
+    def expert_calls(self) -> np.ndarray:
+        """Expert forward passes per sample, ``(B,)`` int64."""
+        if not self.selections:
+            return np.zeros((0,), dtype=np.int64)
+        return np.sum([s.sum(axis=1) for s in self.selections], axis=0).astype(np.int64)
+
+    def calls_per_expert(self) -> np.ndarray:
+        """Forward passes per sample and expert, ``(B, K)`` int64."""
+        return np.sum(self.selections, axis=0).astype(np.int64)
+
+    def switches(self) -> np.ndarray:
+        """How often each sample's set of experts changed between evaluations, ``(B,)``."""
+        if len(self.selections) < 2:
+            return np.zeros((self.selections[0].shape[0] if self.selections else 0,), np.int64)
+        stacked = np.stack(self.selections)
+        return np.any(stacked[1:] != stacked[:-1], axis=2).sum(axis=0).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Generation:
+    images: np.ndarray       # (N, H, W) uint8, 0 background, 255 ink
+    state: np.ndarray        # (N, C, H, W) float32, the final state in model space
+    labels: np.ndarray       # (N,) int64
+    usage: UsageLog
+    round_trips: np.ndarray  # (N,) expert calls per image (delegated chunks count once)
+
+    @property
+    def expert_calls(self) -> np.ndarray:
+        """Expert forward passes per image, ``(N,)``."""
+        return self.usage.expert_calls()
+
+    def experts_used(self) -> list[list[str]]:
+        """The names of the experts each image used, at any step."""
+        calls = self.usage.calls_per_expert()
+        return [[name for k, name in enumerate(self.usage.expert_names) if calls[i, k]]
+                for i in range(calls.shape[0])]
+
+
+class Tally:
+    """Sums the events of one generation into a :class:`Generation` (one per generation: it
+    is the generation's own state)."""
+
+    def __init__(self, expert_names: tuple[str, ...], labels: Sequence[int]) -> None:
+        self._labels = np.asarray(labels, np.int64)
+        self._usage = UsageLog(expert_names)
+        self._round_trips = np.zeros(len(self._labels), np.int64)
+        self._state: np.ndarray | None = None
+
+    def add(self, event: StepEvent) -> None:
+        for mask in event.selections:
+            self._usage.record(mask)
+        self._round_trips += event.round_trips
+        self._state = event.x
+
+    def result(self) -> Generation:
+        assert self._state is not None, "a generation has at least one step"
+        return Generation(images=to_uint8(self._state[:, 0]), state=self._state,
+                          labels=self._labels, usage=self._usage,
+                          round_trips=self._round_trips.copy())
+
+
+def _times(n: int, t: float) -> np.ndarray:
+    return np.full((n,), t, dtype=np.float32)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _coverage(mixture: Mixture) -> str:
+    return ", ".join(f"{name}: {list(classes) or 'all'}"
+                     for name, classes in zip(mixture.expert_names, mixture.expert_classes))

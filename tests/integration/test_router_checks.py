@@ -1,0 +1,126 @@
+"""The router checks what it is given: real expert servers on loopback against the router network's
+checkpoint and router.yaml. A mismatch keeps the router unready and generating nothing, with a
+message naming the expert and what disagrees."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import torch
+
+from ddm.checkpoints.format import load_checkpoint, save_checkpoint
+from ddm.convention import CONVENTION_NAME
+from ddm.deploy.router_config import RouterConfigFile
+from ddm.serving.expert.server import create_expert_app
+from ddm.serving.router.replicas import ExpertInfo
+from ddm.serving.router.server import create_router_app
+from ddm.serving.router.state import expert_mismatches
+from tests.integration.servers import running, wait_ready
+
+DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
+LOW, HIGH = list(range(5)), list(range(5, 10))
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def experts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """``host:port`` of the shipped experts (parts 0 and 1 of a label partition), and of a copy
+    of expert 0-4 recorded as part 0 of a k-means partition."""
+    shipped = load_checkpoint(DIGITS / "expert-0-4")
+    kmeans = {"scheme": {"method": "kmeans", "features": "pixels",
+                         "centroids": [[0.0] * 4, [1.0] * 4]}, "index": 0}
+    other = save_checkpoint(tmp_path_factory.mktemp("kmeans") / "expert",
+                            dataclasses.replace(shipped.meta, partition=kmeans), shipped.weights)
+    paths = {"low": DIGITS / "expert-0-4", "high": DIGITS / "expert-5-9", "kmeans": other}
+    with ExitStack() as stack:
+        bases = {}
+        for name, path in paths.items():
+            bases[name] = stack.enter_context(running(create_expert_app(path, max_batch=8)))
+            wait_ready(bases[name])
+        yield {name: base.removeprefix("http://") for name, base in bases.items()}
+
+
+def _router(experts: dict[str, str], listed: list[tuple[str, str, list[int]]]):
+    """A router app over ``(name, expert, classes)`` in that order, with the shipped network."""
+    return create_router_app(RouterConfigFile.from_dict({
+        "experts": [{"name": name, "classes": classes,
+                     "discovery": {"endpoints": [experts[expert]]}}
+                    for name, expert, classes in listed],
+        "router_checkpoint": str(DIGITS / "router")}))
+
+
+def _problems_once_known(base: str) -> tuple[int, list[str]]:
+    """/readyz once every expert has been heard from (its status and problems)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        reply = httpx.get(f"{base}/readyz")
+        problems = reply.json().get("problems", [])
+        if not any("loading" in p or "reported" in p or "no expert" in p for p in problems):
+            return reply.status_code, problems
+        time.sleep(0.05)
+    raise AssertionError(f"{base}: experts not heard from after {WAIT_S} s")
+
+
+def test_experts_listed_in_partition_order_make_the_router_ready(experts):
+    app = _router(experts, [("first", "low", LOW), ("second", "high", HIGH)])
+    with running(app) as base:
+        assert _problems_once_known(base) == (200, [])
+
+
+def test_experts_listed_out_of_order_keep_the_router_unready_and_idle(experts):
+    """Classes listed to match, so only the partition says the order is wrong: the network's
+    output 0 is the expert of labels 0-4, and top-1 would silently send 0s to the 5-9 expert."""
+    app = _router(experts, [("first", "high", HIGH), ("second", "low", LOW)])
+    with running(app) as base:
+        status, problems = _problems_once_known(base)
+        assert status == 503
+        assert problems == [
+            "expert first is part 1 of the router network's partition, but the router config "
+            "lists it at position 0: list the experts in partition order",
+            "expert second is part 0 of the router network's partition, but the router config "
+            "lists it at position 1: list the experts in partition order"]
+        reply = httpx.post(f"{base}/v1/generate", json={"labels": [0], "steps": 2})
+        assert reply.status_code == 503
+        assert "expert first is part 1" in reply.json()["detail"]
+
+
+def test_an_expert_of_another_partition_keeps_the_router_unready(experts):
+    app = _router(experts, [("first", "kmeans", LOW), ("second", "high", HIGH)])
+    with running(app) as base:
+        status, problems = _problems_once_known(base)
+        assert status == 503
+        assert problems == ["expert first was trained on another partition (kmeans partition "
+                            "into 2) than the router network (labels partition into 2)"]
+
+
+def test_classes_listed_beyond_what_an_expert_serves_keep_the_router_unready(experts):
+    app = _router(experts, [("first", "low", [0, 1, 2, 3, 4, 5]), ("second", "high", HIGH)])
+    with running(app) as base:
+        status, problems = _problems_once_known(base)
+        assert status == 503
+        assert problems == ["expert first serves classes [0, 1, 2, 3, 4], but the router config "
+                            "lists [0, 1, 2, 3, 4, 5]"]
+
+
+def test_an_expert_of_another_convention_is_named():
+    """A pure check (no server of this code can load another convention's checkpoint)."""
+    config = RouterConfigFile.from_dict({"experts": [
+        {"name": "old", "discovery": {"endpoints": ["127.0.0.1:1"]}}],
+        "sampling": {"strategy": "oracle"}})
+    info = ExpertInfo((1, 16, 16), tuple(LOW), 8, convention="ddpm/eps", partition=None)
+    assert expert_mismatches(config, {"old": info}, None) == [
+        f"expert old follows the convention 'ddpm/eps', the router {CONVENTION_NAME!r}"]
