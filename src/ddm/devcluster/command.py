@@ -28,10 +28,12 @@ def build_parser(prog: str = "ddm dev-cluster") -> argparse.ArgumentParser:
         if name != "build":
             action.add_argument("--dir", type=Path, default=None, help="state directory")
         if name == "up":
-            action.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+            action.add_argument("--timeout", type=float, default=180.0, help="seconds to wait")
             action.add_argument(
                 "--no-build", action="store_true", help="fail instead of building the binaries"
             )
+            action.add_argument("--no-real-node", action="store_true",
+                                help="only the control plane and fake nodes (no kubelet)")
         if name == "down":
             action.add_argument("--purge", action="store_true", help="also delete its files")
     return parser
@@ -55,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # SIGTERM (like Ctrl-C) interrupts `up`, which then stops what it started.
             previous = signal.signal(signal.SIGTERM, _raise_system_exit)
             try:
-                up(args.dir, timeout_s=args.timeout, allow_build=not args.no_build)
+                up(args.dir, timeout_s=args.timeout, allow_build=not args.no_build,
+                   real_node=not args.no_real_node)
             finally:
                 signal.signal(signal.SIGTERM, previous)
         elif args.action == "down":
