@@ -152,6 +152,16 @@ def down(state_dir: Path | None = None, *, purge: bool = False, log: Log = log_s
         _clear(layout)
 
 
+def node_layout(state_dir: Path | None = None) -> NodeLayout:
+    """The files of the real node of the running cluster in ``state_dir``."""
+    layout = _layout(state_dir)
+    state = _read_state(layout)
+    if state is None or state.get("real_node") is None:
+        raise StartupError(f"no dev cluster with a real node runs in {layout.root}: "
+                           "run `ddm dev-cluster up`")
+    return NodeLayout(layout.node_dir)
+
+
 def stop_component(state_dir: Path | None, name: str) -> None:
     """Stop one component of the running cluster in ``state_dir`` and leave the others running.
 

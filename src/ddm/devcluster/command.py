@@ -9,8 +9,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddm.devcluster.build import BuildError, ensure_binaries
-from ddm.devcluster.cluster import down, status, up
+from ddm.devcluster import images
+from ddm.devcluster.apt import AptError
+from ddm.devcluster.build import BuildError, ensure_binaries, log_stderr
+from ddm.devcluster.cluster import down, node_layout, status, up
 from ddm.devcluster.processes import StartupError
 
 
@@ -19,12 +21,18 @@ def build_parser(prog: str = "ddm dev-cluster") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="A local Kubernetes control plane.")
     sub = parser.add_subparsers(dest="action", required=True)
     for name, helptext in (
-        ("build", "find or build kube-apiserver, kube-controller-manager, kube-scheduler"),
-        ("up", "start the control plane and fake nodes; prints export KUBECONFIG=..."),
-        ("down", "stop the control plane"),
+        ("build", "find or build the control plane's binaries, the kubelet and kube-proxy"),
+        ("up", "start the control plane, fake nodes and a real node; prints export KUBECONFIG"),
+        ("images", "build the project's images with buildah and import them into the node"),
+        ("down", "stop the cluster and remove the real node's namespaces"),
         ("status", "print the state of the control plane as JSON"),
     ):
         action = sub.add_parser(name, help=helptext)
+        if name == "images":
+            action.add_argument("--cuda", action="store_true",
+                                help="build Dockerfile.cuda (several GB) instead of the CPU image")
+            action.add_argument("--no-import", action="store_true",
+                                help="only build; do not import into a running node")
         if name != "build":
             action.add_argument("--dir", type=Path, default=None, help="state directory")
         if name == "up":
@@ -61,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    real_node=not args.no_real_node)
             finally:
                 signal.signal(signal.SIGTERM, previous)
+        elif args.action == "images":
+            image = images.CUDA if args.cuda else images.CPU
+            images.build_project_image(image, log=log_stderr)
+            if not args.no_import:
+                socket = node_layout(args.dir).containerd_socket
+                images.import_into_containerd([image.name], socket, log=log_stderr)
         elif args.action == "down":
             down(args.dir, purge=args.purge)
         else:
@@ -79,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
             return 0 if found.running else 3
-    except (BuildError, StartupError) as error:
+    except (BuildError, StartupError, AptError, images.ImageError) as error:
         print(f"ddm dev-cluster {args.action}: {error}", file=sys.stderr)
         return 1
     return 0

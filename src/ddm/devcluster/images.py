@@ -242,7 +242,7 @@ def oci_archive(name: str, cache: Path, log: Log) -> Path:
         archive.parent.mkdir(parents=True, exist_ok=True)
         partial = archive.with_name(archive.name + ".partial")
         partial.unlink(missing_ok=True)
-        _run(["buildah", "push", "-q", name, f"oci-archive:{partial}:{name}"], log, env=env,
+        _run(["buildah", "push", "-q", "--disable-compression", name, f"oci-archive:{partial}:{name}"], log, env=env,
              quiet=True)
         partial.replace(archive)
     return archive

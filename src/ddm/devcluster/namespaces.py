@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -125,15 +126,27 @@ def _cgroup_dirs(name: str) -> list[Path]:
 def kill_containers(network: NodeNetwork) -> None:
     """SIGKILL every process in the node's cgroups (its pods' containers)."""
     for group in _cgroup_dirs(network.cgroup_root):
-        try:
-            pids = (group / "cgroup.procs").read_text().split()
-        except OSError:
-            continue
-        for pid in pids:
+        for pid in _procs(group):
             try:
                 os.kill(int(pid), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _wait_for_empty_cgroups(name: str, *, timeout_s: float) -> None:
+    """Killed processes leave their cgroups only once reaped: a cgroup is removable then."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_procs(group) for group in _cgroup_dirs(name)):
+            return
+        time.sleep(0.1)  # polling the kernel's view: no event tells when a zombie is reaped
+
+
+def _procs(group: Path) -> list[str]:
+    try:
+        return (group / "cgroup.procs").read_text().split()
+    except OSError:
+        return []
 
 
 def processes_naming(marker: str) -> list[int]:
@@ -166,6 +179,7 @@ def remove(layout: NodeLayout, network: NodeNetwork | None) -> list[str]:
         # Deleting one end deletes the pair and the routes through it; the pair is usually
         # already gone with the network namespace.
         subprocess.run(["ip", "link", "del", network.host_link], capture_output=True)
+        _wait_for_empty_cgroups(network.cgroup_root, timeout_s=20.0)
         for group in _cgroup_dirs(network.cgroup_root):
             try:
                 group.rmdir()
