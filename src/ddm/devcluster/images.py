@@ -242,8 +242,8 @@ def oci_archive(name: str, cache: Path, log: Log) -> Path:
         archive.parent.mkdir(parents=True, exist_ok=True)
         partial = archive.with_name(archive.name + ".partial")
         partial.unlink(missing_ok=True)
-        _run(["buildah", "push", "-q", "--disable-compression", name, f"oci-archive:{partial}:{name}"], log, env=env,
-             quiet=True)
+        _run(["buildah", "push", "-q", "--disable-compression", name,
+              f"oci-archive:{partial}:{name}"], log, env=env, quiet=True)
         partial.replace(archive)
     return archive
 
