@@ -152,6 +152,12 @@ def down(state_dir: Path | None = None, *, purge: bool = False, log: Log = log_s
         _clear(layout)
 
 
+def cluster_slot(state_dir: Path | None = None) -> int:
+    """The slot (`ddm.devcluster.realnode.NodeNetwork`) of the real node in ``state_dir``."""
+    node_layout(state_dir)  # raises if there is none
+    return _read_state(_layout(state_dir))["real_node"]["slot"]  # type: ignore[index]
+
+
 def node_layout(state_dir: Path | None = None) -> NodeLayout:
     """The files of the real node of the running cluster in ``state_dir``."""
     layout = _layout(state_dir)

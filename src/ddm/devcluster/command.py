@@ -72,9 +72,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.action == "images":
             image = images.CUDA if args.cuda else images.CPU
             images.build_project_image(image, log=log_stderr)
-            if not args.no_import:
-                socket = node_layout(args.dir).containerd_socket
-                images.import_into_containerd([image.name], socket, log=log_stderr)
+            if args.no_import:
+                return 0
+            if not status(args.dir).running:
+                log_stderr("no dev cluster runs: built only (`ddm dev-cluster up` then run "
+                           "this again to import it; the build is cached)")
+                return 0
+            socket = node_layout(args.dir).containerd_socket
+            images.import_into_containerd([image.name], socket, log=log_stderr)
         elif args.action == "down":
             down(args.dir, purge=args.purge)
         else:

@@ -53,6 +53,10 @@ class ProjectImage:
     family: str
     dockerfile: str
     name: str  # the fully qualified name the chart's default resolves to
+    # Whether pip may use the host's wheelhouse (``find-links``). The host's holds the CPU
+    # build of torch, which satisfies the pin ``torch==2.13.0`` too: the CUDA image must not
+    # see it.
+    wheelhouse: bool = True
 
     @property
     def short_name(self) -> str:
@@ -60,7 +64,8 @@ class ProjectImage:
 
 
 CPU = ProjectImage("cpu", "images/cpu/Dockerfile", f"docker.io/library/ddm:{VERSION}")
-CUDA = ProjectImage("cuda", "Dockerfile.cuda", f"docker.io/library/ddm-cuda:{VERSION}")
+CUDA = ProjectImage("cuda", "Dockerfile.cuda", f"docker.io/library/ddm-cuda:{VERSION}",
+                    wheelhouse=False)
 PROJECT_IMAGES = {image.family: image for image in (CPU, CUDA)}
 
 
@@ -184,7 +189,8 @@ def host_pip_settings() -> dict[str, str]:
     return settings
 
 
-def build_pip_config(settings: dict[str, str]) -> tuple[str, list[Path]]:
+def build_pip_config(settings: dict[str, str], *, wheelhouse: bool = True
+                     ) -> tuple[str, list[Path]]:
     """The pip.conf a RUN step gets, and the local directories it names (mounted read-only).
 
     The Dockerfiles' own ``--index-url`` replaces pip's index, so the host's index (PyPI when
@@ -192,7 +198,7 @@ def build_pip_config(settings: dict[str, str]) -> tuple[str, list[Path]]:
     """
     extra = settings.get("extra-index-url", "").split()
     index = settings.get("index-url", "https://pypi.org/simple")
-    find_links = settings.get("find-links", "").split()
+    find_links = settings.get("find-links", "").split() if wheelhouse else []
     config = configparser.ConfigParser()
     config["global"] = {"extra-index-url": " ".join([index, *extra]), "cert": str(CA_BUNDLE),
                         "timeout": settings.get("default-timeout", "60")}
@@ -216,8 +222,9 @@ def build_project_image(image: ProjectImage, *, repo: Path | None = None,
     ensure_apt_packages(APT_PACKAGES, log=log)
     ensure_base(cache, log)
     env = _buildah_env(cache)
-    pip_conf_text, local_dirs = build_pip_config(host_pip_settings())
-    pip_conf = cache / "pip.conf"
+    pip_conf_text, local_dirs = build_pip_config(host_pip_settings(),
+                                                 wheelhouse=image.wheelhouse)
+    pip_conf = cache / f"pip-{image.family}.conf"
     pip_conf.write_text(pip_conf_text)
     volumes = [f"{CA_BUNDLE}:{CA_BUNDLE}:ro", f"{pip_conf}:/etc/pip.conf:ro",
                *(f"{d}:{d}:ro" for d in local_dirs)]
