@@ -17,7 +17,10 @@ import base64
 import io
 import os
 import re
+import signal
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +37,9 @@ from podsecurity import violations
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
-from ddm.devcluster.cluster import node_layout
+from ddm.devcluster.cluster import cluster_slot, node_layout
+from ddm.devcluster.realnode import NodeNetwork
+from ddm.operator.manifests import DRAIN_S
 from ddm.evaluation.commands import evaluate_images
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -269,6 +274,155 @@ def test_no_token_reaches_any_log(dev_cluster: ClusterInfo, digits: dict[str, An
             assert secret not in text, f"a token appears in {log.name}"
 
 
+# -- faults on the real node ---------------------------------------------------------------------
+
+class Load:
+    """Generations sent one after another from a thread until `stop`; every answer recorded."""
+
+    def __init__(self, url: str, token: str, labels: list[int]) -> None:
+        self.statuses: list[int | str] = []
+        self.seconds: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, token, labels), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, token: str, labels: list[int]) -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(timeout=120) as http:
+            seed = 0
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    answer = http.post(f"{url}/v1/generate", headers=headers,
+                                       json={"labels": labels, "steps": 8, "seed": seed})
+                    self.statuses.append(answer.status_code)
+                except httpx.HTTPError as error:
+                    self.statuses.append(f"{type(error).__name__}: {error}")
+                self.seconds.append(time.monotonic() - started)
+                seed += 1
+
+    def stop(self) -> list[int | str]:
+        self._stop.set()
+        self._thread.join(180)
+        return self.statuses
+
+
+def expert_pods(core: client.CoreV1Api, expert: str) -> list[client.V1Pod]:
+    return core.list_namespaced_pod(
+        USERS, label_selector=f"ddm.dev/deployment=digits,ddm.dev/expert={expert}").items
+
+
+def set_expert(custom: client.CustomObjectsApi, index: int, **fields: Any) -> None:
+    """Patch one expert of the digits DDMDeployment (a JSON patch: the list is replaced)."""
+    ddm = custom.get_namespaced_custom_object("ddm.dev", "v1alpha1", USERS, "ddmdeployments",
+                                              "digits")
+    experts = ddm["spec"]["experts"]
+    experts[index].update(fields)
+    custom.patch_namespaced_custom_object("ddm.dev", "v1alpha1", USERS, "ddmdeployments",
+                                          "digits", {"spec": {"experts": experts}})
+
+
+def ready_pods(core: client.CoreV1Api, expert: str, count: int) -> list[client.V1Pod] | None:
+    pods = [p for p in expert_pods(core, expert) if p.metadata.deletion_timestamp is None
+            and p.status.container_statuses and all(c.ready for c in p.status.container_statuses)]
+    everyone = expert_pods(core, expert)
+    return pods if len(pods) == count and len(everyone) == count else None
+
+
+def kill_container(dev_cluster: ClusterInfo, pod: client.V1Pod) -> int:
+    """SIGKILL every process of the pod's container, found in its cgroup on the node; returns
+    how many were killed."""
+    container_id = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    root = NodeNetwork(cluster_slot(dev_cluster.state_dir)).cgroup_root.strip("/")
+    (group,) = Path("/sys/fs/cgroup/pids", root).rglob(container_id)
+    pids = (group / "cgroup.procs").read_text().split()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    return len(pids)
+
+
+def test_a_killed_expert_is_restarted_by_the_kubelet_and_no_generation_fails(
+        dev_cluster: ClusterInfo, core: client.CoreV1Api, custom: client.CustomObjectsApi,
+        digits: dict[str, Any]) -> None:
+    """Two replicas of the 0-4 expert; one's process is SIGKILLed under load: the kubelet
+    restarts the container and the router sends every generation to a live replica."""
+    set_expert(custom, 0, replicas=2)
+    first, _ = wait_for(lambda: ready_pods(core, "digits-0-4", 2), 300,
+                        "two ready replicas of expert digits-0-4", lambda: pod_logs(core, USERS))
+    wait_for(lambda: ddm_status(custom, USERS, "digits").get("phase") == "Ready", 120,
+             "digits Ready with two replicas of digits-0-4")
+    load = Load(digits["url"], digits["token"], [0, 1, 2, 3, 4])
+    wait_for(lambda: len(load.statuses) >= 2, 120, "load to flow")
+    restarts = first.status.container_statuses[0].restart_count
+    started = time.monotonic()
+    assert kill_container(dev_cluster, first) >= 1
+
+    def restarted() -> bool:
+        pod = core.read_namespaced_pod(first.metadata.name, USERS)
+        (status,) = pod.status.container_statuses
+        return status.restart_count > restarts and status.ready
+
+    wait_for(restarted, 300, "the kubelet to restart the killed expert and find it ready",
+             lambda: pod_logs(core, USERS))
+    back_s = time.monotonic() - started
+    statuses = load.stop()
+    print(f"\nkilled expert: back and ready in {back_s:.1f} s; {len(statuses)} generations "
+          f"during the fault, {sum(s != 200 for s in statuses)} failed; slowest "
+          f"{max(load.seconds):.1f} s")
+    assert statuses and all(s == 200 for s in statuses), statuses
+
+
+def test_a_rolling_update_of_an_expert_under_load_drops_no_request(
+        core: client.CoreV1Api, custom: client.CustomObjectsApi,
+        digits: dict[str, Any]) -> None:
+    """A spec change of the 0-4 expert rolls its pods one by one (surge first, readiness
+    gated, old pods drain on SIGTERM) while generations keep coming."""
+    before = {p.metadata.name for p in expert_pods(core, "digits-0-4")}
+    load = Load(digits["url"], digits["token"], [0, 4, 5, 9])
+    wait_for(lambda: len(load.statuses) >= 2, 120, "load to flow")
+    started = time.monotonic()
+    set_expert(custom, 0, resources={"requests": {"cpu": "400m", "memory": "512Mi"},
+                                     "limits": {"memory": "1Gi"}})
+
+    def rolled() -> bool:
+        pods = ready_pods(core, "digits-0-4", len(before))
+        return bool(pods) and not before & {p.metadata.name for p in pods or []}
+
+    wait_for(rolled, 600, "the 0-4 expert's pods to be replaced", lambda: pod_logs(core, USERS))
+    rolled_s = time.monotonic() - started
+    wait_for(lambda: len(load.statuses) >= 2 + 2, 120, "load to flow after the rollout")
+    statuses = load.stop()
+    print(f"\nrolling update: {len(before)} pods replaced in {rolled_s:.1f} s; "
+          f"{len(statuses)} generations, {sum(s != 200 for s in statuses)} failed")
+    assert all(s == 200 for s in statuses), statuses
+
+
+def test_servers_exit_promptly_on_sigterm_as_pid_1(core: client.CoreV1Api,
+                                                   digits: dict[str, Any]) -> None:
+    """Deleting a pod sends SIGTERM to the server, PID 1 of its container: it drains for the
+    operator's DRAIN_S and exits, long before the 30 s grace period would SIGKILL it."""
+    set_expert_pods = expert_pods(core, "digits-0-4")
+    victim = set_expert_pods[0]
+    grace = victim.spec.termination_grace_period_seconds
+    started = time.monotonic()
+    core.delete_namespaced_pod(victim.metadata.name, USERS)
+
+    def gone() -> bool:
+        try:
+            core.read_namespaced_pod(victim.metadata.name, USERS)
+        except ApiException as error:
+            return error.status == 404
+        return False
+
+    wait_for(gone, grace + 30, f"pod {victim.metadata.name} to be gone")
+    took = time.monotonic() - started
+    print(f"\nSIGTERM to PID 1: pod gone {took:.1f} s after deletion (drain {DRAIN_S} s, "
+          f"grace {grace} s)")
+    assert took < DRAIN_S + 10 < grace, took
+    wait_for(lambda: ready_pods(core, "digits-0-4", len(set_expert_pods)), 300,
+             "the expert's Deployment to replace the deleted pod")
+
+
 def test_an_expert_whose_checkpoint_cannot_load_is_reported_in_status(
         tools: Tools, core: client.CoreV1Api,
         custom: client.CustomObjectsApi, digits: dict[str, Any]) -> None:
@@ -277,6 +431,8 @@ def test_an_expert_whose_checkpoint_cannot_load_is_reported_in_status(
     broken = yaml.safe_load(EXAMPLE.read_text())
     broken["metadata"]["name"] = "broken"
     broken["spec"]["experts"][0]["checkpoint"]["uri"] = "image:///opt/ddm/checkpoints/missing"
+    for expert in broken["spec"]["experts"]:  # the real node has 2 CPUs; digits holds 1
+        expert["resources"]["requests"]["cpu"] = "100m"
     tools.kubectl("apply", "-n", USERS, "-f", "-", stdin=yaml.safe_dump(broken))
 
     def explained() -> str | None:
