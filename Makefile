@@ -39,7 +39,7 @@ images: $(STAMP)
 # The CUDA image (Dockerfile.cuda, several GB) and one expert of it served on the real node:
 # not part of `make test` (CI builds and uses the CPU image only). Results: docs/images.md.
 test-images: $(STAMP)
-	$(BIN)/python -m pytest tests/e2e/test_cuda_image.py -p no:cacheprovider
+	DDM_TEST_CUDA_IMAGE=1 $(BIN)/python -m pytest -s tests/e2e/test_cuda_image.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts
