@@ -46,7 +46,7 @@ def dev_cluster(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.C
             _unavailable(f"no real node: {error}")
         try:
             dev_images.import_into_containerd([dev_images.CPU.name],
-                                              node_layout(state_dir).containerd_socket,
+                                              node_layout(state_dir).ctr(),
                                               log=log_stderr)
         except BaseException:
             down(state_dir)

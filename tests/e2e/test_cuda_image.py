@@ -65,7 +65,7 @@ def test_an_expert_from_the_cuda_image_serves_on_the_real_node(
     built_s = time.monotonic() - started
     started = time.monotonic()
     dev_images.import_into_containerd([dev_images.CUDA.name],
-                                      node_layout(dev_cluster.state_dir).containerd_socket,
+                                      node_layout(dev_cluster.state_dir).ctr(),
                                       log=log_stderr)
     imported_s = time.monotonic() - started
     core = client.CoreV1Api(kube_client)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddm.devcluster.realnode import (MAX_SLOTS, NodeLayout, NodeNetwork, cni_config,
+from ddm.devcluster.realnode import (CONTAINERD_SOCKET, MAX_SLOTS, PRIVATE_DIRS, NodeLayout, NodeNetwork, cni_config,
                                      containerd_config, kube_proxy_args, kubelet_args)
 
 BENCHMARKING = ipaddress.ip_network("198.18.0.0/15")
@@ -43,9 +43,12 @@ def test_containerd_keeps_its_state_under_the_node_and_never_asks_for_a_negative
     cri = config["plugins"]["io.containerd.grpc.v1.cri"]
     assert cri["restrict_oom_score_adj"] is True
     assert cri["sandbox_image"] == "localhost/ddm-dev/pause:1"
-    paths = [config["root"], config["state"], config["grpc"]["address"], cri["cni"]["conf_dir"],
+    paths = [config["root"], config["state"], cri["cni"]["conf_dir"],
              config["plugins"]["io.containerd.internal.v1.opt"]["path"]]
     assert all(p.startswith("/state/node/") for p in paths), paths
+    # Its socket is under /run inside the node's mount namespace: the node's own directory.
+    assert config["grpc"]["address"] == CONTAINERD_SOCKET
+    assert CONTAINERD_SOCKET.startswith("/run/") and "/run" in PRIVATE_DIRS
 
 
 def test_the_pods_network_is_the_slots_bridge() -> None:

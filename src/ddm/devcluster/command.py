@@ -78,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log_stderr("no dev cluster runs: built only (`ddm dev-cluster up` then run "
                            "this again to import it; the build is cached)")
                 return 0
-            socket = node_layout(args.dir).containerd_socket
-            images.import_into_containerd([image.name], socket, log=log_stderr)
+            images.import_into_containerd([image.name], node_layout(args.dir).ctr(),
+                                          log=log_stderr)
         elif args.action == "down":
             down(args.dir, purge=args.purge)
         else:

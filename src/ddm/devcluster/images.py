@@ -255,13 +255,14 @@ def oci_archive(name: str, cache: Path, log: Log) -> Path:
     return archive
 
 
-def import_into_containerd(names: Sequence[str], socket: Path, *, cache: Path | None = None,
-                           log: Log) -> None:
-    """Put images from buildah's storage into the containerd at ``socket`` (namespace k8s.io)."""
+def import_into_containerd(names: Sequence[str], ctr: Sequence[str], *,
+                           cache: Path | None = None, log: Log) -> None:
+    """Put images from buildah's storage into a containerd (namespace k8s.io); ``ctr`` is the
+    command line of a ctr that talks to it (`ddm.devcluster.realnode.NodeLayout.ctr`)."""
     cache = cache or cache_dir()
     for name in names:
         started = time.monotonic()
         archive = oci_archive(name, cache, log)
-        _run(["ctr", "-a", str(socket), "-n", "k8s.io", "images", "import",
-              str(archive)], log, env=dict(os.environ), quiet=True)
+        _run([*ctr, "-n", "k8s.io", "images", "import", str(archive)], log,
+             env=dict(os.environ), quiet=True)
         log(f"imported {name} into the node's containerd in {time.monotonic() - started:.0f} s")

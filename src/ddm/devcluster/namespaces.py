@@ -149,14 +149,18 @@ def _procs(group: Path) -> list[str]:
         return []
 
 
-def processes_naming(marker: str) -> list[int]:
-    """Pids whose command line contains ``marker`` (the containerd shims of the node)."""
+def processes_in(namespace_file: Path) -> list[int]:
+    """Pids of the processes in the namespace kept at ``namespace_file`` (a bind mount)."""
+    try:
+        inode = namespace_file.stat().st_ino
+    except OSError:
+        return []
     found = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit():
             continue
         try:
-            if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+            if os.readlink(entry / "ns" / "mnt") == f"mnt:[{inode}]":
                 found.append(int(entry.name))
         except OSError:
             continue

@@ -66,9 +66,9 @@ def start(layout: NodeLayout, network: NodeNetwork, *, kubelet: Path, kube_proxy
     layout.resolv_conf.write_text("# cluster DNS only: the dev cluster has no upstream resolver\n")
     _grant_dns_reads(api)
     launch("containerd", containerd_args(layout))
-    wait("containerd serving", lambda: _containerd_ok(layout.containerd_socket))
+    wait("containerd serving", lambda: _containerd_ok(layout))
     images.ensure_pause(images.cache_dir(), log)
-    images.import_into_containerd([images.PAUSE_IMAGE], layout.containerd_socket, log=log)
+    images.import_into_containerd([images.PAUSE_IMAGE], layout.ctr(), log=log)
     launch("cluster-dns", [sys.executable, "-m", "ddm.devcluster.dns", "--listen",
                            network.host_ip, "--server", server, "--token-file",
                            str(dns_token(layout)), "--ca-file", str(ca_file),
@@ -89,9 +89,10 @@ def stop(layout: NodeLayout, network: NodeNetwork | None, stop_pids: Callable[[S
     if network is not None:
         namespaces.kill_containers(network)
     stop_pids(["containerd"])
-    shims = namespaces.processes_naming(str(layout.containerd_socket))
-    if shims:
-        subprocess.run(["kill", "-KILL", *map(str, shims)], capture_output=True)
+    # containerd's shims (and anything else left) share the node's mount namespace.
+    leftovers = namespaces.processes_in(layout.mntns)
+    if leftovers:
+        subprocess.run(["kill", "-KILL", *map(str, leftovers)], capture_output=True)
     problems = namespaces.remove(layout, network)
     for problem in problems:
         log(f"could not clean up: {problem}")
@@ -110,9 +111,9 @@ def _grant_dns_reads(api: Api) -> None:
     api.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", binding)
 
 
-def _containerd_ok(sock: Path) -> bool:
+def _containerd_ok(layout: NodeLayout) -> bool:
     try:
-        return subprocess.run(["ctr", "-a", str(sock), "version"], capture_output=True,
+        return subprocess.run([*layout.ctr(), "version"], capture_output=True,
                               timeout=10).returncode == 0
     except subprocess.TimeoutExpired:
         return False

@@ -55,6 +55,9 @@ PRIVATE_DIRS = ("/run", "/var/lib", "/var/log")
 NODE_USER = f"system:node:{NODE_NAME}"
 KUBE_PROXY_USER = "system:kube-proxy"
 DNS_USER = "system:ddm-dev-dns"
+# containerd's socket, inside the node's mount namespace (where /run is the node's own): a
+# path under the state directory can exceed the 108 bytes a unix socket's path may have.
+CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
 # Service range of a cluster without a real node (nothing routes it; no slot needs it).
 FAKE_ONLY_SERVICE_RANGE = "198.18.255.0/24"
 
@@ -142,9 +145,9 @@ class NodeLayout:
     def containerd_config(self) -> Path:
         return self.root / "containerd.toml"
 
-    @property
-    def containerd_socket(self) -> Path:
-        return self.root / "containerd" / "containerd.sock"
+    def ctr(self) -> list[str]:
+        """The ``ctr`` command line that talks to the node's containerd (from the host)."""
+        return ["nsenter", f"--mount={self.mntns}", "--", "ctr", "-a", CONTAINERD_SOCKET]
 
     @property
     def cni_dir(self) -> Path:
@@ -175,7 +178,7 @@ root = "{base / 'root'}"
 state = "{base / 'state'}"
 
 [grpc]
-  address = "{layout.containerd_socket}"
+  address = "{CONTAINERD_SOCKET}"
 
 [plugins."io.containerd.internal.v1.opt"]
   path = "{base / 'opt'}"
@@ -229,7 +232,7 @@ def kubelet_args(kubelet: Path, layout: NodeLayout, network: NodeNetwork, *,
         *_in_node(layout, kubelet),
         f"--kubeconfig={layout.kubeconfig_kubelet}",
         "--container-runtime=remote",
-        f"--container-runtime-endpoint=unix://{layout.containerd_socket}",
+        f"--container-runtime-endpoint=unix://{CONTAINERD_SOCKET}",
         "--runtime-request-timeout=5m",
         "--cgroup-driver=cgroupfs",
         f"--cgroup-root={network.cgroup_root}",
