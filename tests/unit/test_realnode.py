@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ddm.devcluster.realnode import (CONTAINERD_SOCKET, MAX_SLOTS, PRIVATE_DIRS, NodeLayout, NodeNetwork, cni_config,
-                                     containerd_config, kube_proxy_args, kubelet_args)
+from ddm.devcluster.realnode import (CONTAINERD_SOCKET, MAX_SLOTS, PRIVATE_DIRS, NodeLayout,
+                                     NodeNetwork, cni_config, containerd_config,
+                                     kube_proxy_args, kubelet_args)
 
 BENCHMARKING = ipaddress.ip_network("198.18.0.0/15")
 LAYOUT = NodeLayout(Path("/state/node"))
