@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean chart-sync
+.PHONY: demo test lint install clean chart-sync images test-images
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,11 +18,28 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ddm up
 
-# The end-to-end tests' node agent needs ip (iproute2), unshare, setpriv and mount (util-linux).
+# What the dev cluster's real node and the image build need from Debian (the Kubernetes source
+# build installs its own). One-off builds, cached under ~/.cache/ddm, print their progress:
+# Kubernetes ~12 min, the CPU image ~8 min cold.
+NODE_APT := containerd runc containernetworking-plugins iptables iproute2 util-linux buildah \
+	debootstrap gcc libc6-dev
 test: lint
-	@command -v ip >/dev/null && command -v setpriv >/dev/null || \
-		(apt-get update -qq && apt-get install -y -qq iproute2 util-linux)
+	@missing=$$(for p in $(NODE_APT); do dpkg-query -W -f='$${db:Status-Status}' $$p 2>/dev/null \
+		| grep -q '^installed$$' || echo $$p; done); \
+	if [ -n "$$missing" ]; then echo "[make test] installing $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		--no-install-recommends $$missing; fi
 	$(BIN)/python -m pytest
+
+# The CPU image (images/cpu/Dockerfile) built with buildah and imported into the running dev
+# cluster's real node (if any); `ddm dev-cluster images --help`.
+images: $(STAMP)
+	$(BIN)/ddm dev-cluster images
+
+# The CUDA image (Dockerfile.cuda, several GB) and one expert of it served on the real node:
+# not part of `make test` (CI builds and uses the CPU image only). Results: docs/images.md.
+test-images: $(STAMP)
+	DDM_TEST_CUDA_IMAGE=1 $(BIN)/python -m pytest -s tests/e2e/test_cuda_image.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks

@@ -4,7 +4,8 @@ There are no trained checkpoints in the repository's tests, so these are random-
 UNets written with the real checkpoint format; the format is framework-neutral, so the JAX one
 differs only in the framework it records.
 
-The dev cluster fixtures run a real local control plane (``ddm.devcluster``) for the session.
+The dev cluster fixtures run a real local control plane (``ddm.devcluster``) for the session,
+with fake nodes only (tests/e2e/conftest.py makes the one with a real node).
 
 ``dev_cluster`` finds or builds the binaries (the first build takes 7 to 12 minutes and is
 cached in ``$DDM_KUBE_CACHE``; ``DDM_DEV_CLUSTER_BUILD=0`` forbids building), starts a fresh
@@ -83,7 +84,9 @@ def dev_cluster(
                 pytest.fail(message, pytrace=False)
             pytest.skip(message)
         state_dir = tmp_path_factory.mktemp("dev-cluster")
-        info = up(state_dir, binaries=binaries)  # stops what it started if it fails
+        # The control plane and fake nodes only: the operator's integration tests watch pods
+        # stay Pending; tests/e2e has its own cluster with the real node.
+        info = up(state_dir, binaries=binaries, real_node=False)  # stops what it started on error
     try:
         yield info
     finally:

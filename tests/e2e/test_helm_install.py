@@ -1,10 +1,11 @@
-"""A user's first ten minutes, on the dev cluster: `helm install`, `kubectl apply`, digits.
+"""A user's first ten minutes, on the dev cluster's real node: the README's "Try it on a local
+cluster", command by command.
 
-The real helm installs the chart; the test node agent (tests/e2e/node_agent.py, which plays
-the kubelet) runs the operator pod under the chart's ServiceAccount, then the expert and router
-pods the operator creates, from their pod specs. The real scheduler, ReplicaSet, endpoints and
-garbage collector controllers do the rest; the router finds its experts through cluster DNS.
-Then the digits the router draws must be read as the asked ones by the shipped classifier.
+The real helm installs the chart; the real kubelet and containerd run the operator in its pod
+from the image built from images/cpu/Dockerfile, under the chart's ServiceAccount, then the
+expert and router pods the operator creates. The router finds its experts through the cluster
+DNS; `kubectl port-forward service/digits-router` reaches the router as a user would, and the
+digits it draws must be read as the asked ones by the shipped classifier.
 
 The module runs in order: dry-run, install, example, generate, security checks, upgrade,
 uninstall. Every wait polls the API with a deadline.
@@ -15,7 +16,11 @@ from __future__ import annotations
 import base64
 import io
 import os
+import re
+import signal
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,12 +32,14 @@ import yaml
 from helm_tool import ensure_helm
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
-from node_agent import NodeAgent
 from PIL import Image
 from podsecurity import violations
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
+from ddm.devcluster.cluster import cluster_slot, node_layout
+from ddm.devcluster.realnode import NodeNetwork
+from ddm.operator.manifests import DRAIN_S
 from ddm.evaluation.commands import evaluate_images
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,19 +49,42 @@ RELEASE, SYSTEM, USERS = "ddm", "ddm-system", "digits-demo"
 OPERATOR_ACCOUNT = f"system:serviceaccount:{SYSTEM}:{RELEASE}-ddm-operator"
 RELEASE_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
 READY_TIMEOUT_S = 420
+# The images are in the node's containerd only (imported, never pushed): pods must not pull.
+DEV_VALUES = ("--set", "images.pullPolicy=Never")
 
 
-
-
-def pod_logs(agent: NodeAgent, core: client.CoreV1Api, namespace: str,
-             tail_chars: int = 4000) -> str:
+def pod_logs(core: client.CoreV1Api, namespace: str, tail_chars: int = 4000) -> str:
     """The end of every container log of the pods in ``namespace`` (for failure messages)."""
     parts = []
     for pod in core.list_namespaced_pod(namespace).items:
         for container in pod.spec.containers:
-            text = agent.logs(namespace, pod.metadata.name, container.name)
+            try:
+                text = core.read_namespaced_pod_log(pod.metadata.name, namespace,
+                                                    container=container.name)
+            except ApiException as error:
+                text = f"(no log: {error.reason})"
             parts.append(f"--- {pod.metadata.name}/{container.name}\n{text[-tail_chars:]}")
     return "\n".join(parts)
+
+
+class PortForward:
+    """``kubectl port-forward service/NAME :PORT`` in the background; ``url`` is its local end."""
+
+    def __init__(self, tools: Tools, namespace: str, target: str, port: int) -> None:
+        self._process = subprocess.Popen(
+            ["kubectl", "port-forward", "-n", namespace, target, f":{port}"], env=tools.env,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self._process.stdout is not None
+        first = self._process.stdout.readline()  # "Forwarding from 127.0.0.1:PORT -> PORT"
+        match = re.search(r"127\.0\.0\.1:(\d+)", first)
+        if match is None:
+            self.close()
+            pytest.fail(f"kubectl port-forward {target}: {first}", pytrace=False)
+        self.url = f"http://127.0.0.1:{match.group(1)}"
+
+    def close(self) -> None:
+        self._process.terminate()
+        self._process.wait(10)
 
 
 class Tools:
@@ -91,14 +121,6 @@ def tools(dev_cluster: ClusterInfo) -> Tools:
 
 
 @pytest.fixture(scope="module")
-def agent(dev_cluster: ClusterInfo, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[NodeAgent]:
-    with NodeAgent(dev_cluster, work_dir=tmp_path_factory.mktemp("node-agent"),
-                   namespaces=[SYSTEM, USERS]) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def core(kube_client: Any) -> client.CoreV1Api:
     return client.CoreV1Api(kube_client)
 
@@ -130,13 +152,15 @@ def test_rendered_chart_passes_server_side_dry_run(tools: Tools, core: client.Co
 
 
 def test_helm_install_runs_the_operator_under_its_own_account(
-        tools: Tools, agent: NodeAgent, core: client.CoreV1Api) -> None:
-    tools.run("helm", "install", RELEASE, str(CHART), "-n", SYSTEM, "--wait",
+        tools: Tools, core: client.CoreV1Api) -> None:
+    tools.run("helm", "install", RELEASE, str(CHART), "-n", SYSTEM, *DEV_VALUES, "--wait",
               "--timeout", "5m")
     (pod,) = core.list_namespaced_pod(SYSTEM, label_selector="app.kubernetes.io/component="
                                                             "operator").items
     assert pod.spec.service_account_name == OPERATOR_ACCOUNT.rsplit(":", 1)[1]
     assert all(c.ready for c in pod.status.container_statuses)
+    # In a container of our image, on the real node (the fake nodes run nothing).
+    assert pod.spec.node_name == "ddm-real-0"
 
 
 def test_the_operator_may_do_exactly_what_it_needs(tools: Tools) -> None:
@@ -153,8 +177,8 @@ def test_the_operator_may_do_exactly_what_it_needs(tools: Tools) -> None:
 
 
 @pytest.fixture(scope="module")
-def digits(tools: Tools, agent: NodeAgent, core: client.CoreV1Api,
-           custom: client.CustomObjectsApi) -> dict[str, Any]:
+def digits(tools: Tools, core: client.CoreV1Api,
+           custom: client.CustomObjectsApi) -> Iterator[dict[str, Any]]:
     """The shipped example, applied with kubectl and Ready; what a user needs to call it."""
     core.create_namespace({"metadata": {"name": USERS}})
     tools.kubectl("apply", "-n", USERS, "-f", str(EXAMPLE))
@@ -164,19 +188,22 @@ def digits(tools: Tools, agent: NodeAgent, core: client.CoreV1Api,
         return status if status.get("phase") == "Ready" else None
 
     status = wait_for(ready, READY_TIMEOUT_S, "the digits DDMDeployment to be Ready",
-                      lambda: pod_logs(agent, core, SYSTEM) + pod_logs(agent, core, USERS))
+                      lambda: pod_logs(core, SYSTEM) + pod_logs(core, USERS))
 
-    def router_endpoint() -> tuple[str, int] | None:
-        """The router pod's address, once the endpoints controller has listed it (it follows
-        the pod's readiness, not the DDMDeployment's status)."""
+    def router_listed() -> bool:
+        """Whether the endpoints controller lists the router pod (port-forward to a Service
+        picks one of its ready pods)."""
         subsets = core.read_namespaced_endpoints("digits-router", USERS).subsets or []
-        ready = [(a.ip, s.ports[0].port) for s in subsets for a in s.addresses or []]
-        return ready[0] if ready else None
+        return any(s.addresses for s in subsets)
 
-    address, port = wait_for(router_endpoint, 60, "the router's Service to list its pod")
+    wait_for(router_listed, 60, "the router's Service to list its pod")
     secret = core.read_namespaced_secret("digits-router-token", USERS)
     token = base64.b64decode(secret.data["token"]).decode()
-    return {"status": status, "url": f"http://{address}:{port}", "token": token}
+    forward = PortForward(tools, USERS, "service/digits-router", 8080)
+    try:
+        yield {"status": status, "url": forward.url, "token": token}
+    finally:
+        forward.close()
 
 
 def test_kubectl_get_ddm_shows_it_ready(tools: Tools, digits: dict[str, Any]) -> None:
@@ -219,30 +246,200 @@ def test_every_pod_meets_the_restricted_profile(core: client.CoreV1Api, kube_cli
         assert violations(spec) == [], pod.metadata.name
 
 
-def test_no_token_reaches_any_log(agent: NodeAgent, digits: dict[str, Any],
+def test_every_pod_runs_on_the_real_node_from_our_image(core: client.CoreV1Api,
+                                                        digits: dict[str, Any]) -> None:
+    pods = [*core.list_namespaced_pod(SYSTEM).items, *core.list_namespaced_pod(USERS).items]
+    for pod in pods:
+        assert pod.spec.node_name == "ddm-real-0", pod.metadata.name
+        (container,) = pod.spec.containers
+        assert container.image == "ddm:0.1.0", (pod.metadata.name, container.image)
+        assert all(s.ready for s in pod.status.container_statuses), pod.metadata.name
+
+
+def test_no_token_reaches_any_log(dev_cluster: ClusterInfo, digits: dict[str, Any],
                                   core: client.CoreV1Api) -> None:
-    """Neither the router's token nor any ServiceAccount token is ever logged."""
+    """Neither the router's token nor any ServiceAccount token is ever logged: not in the
+    containers' logs the kubelet keeps, nor in the cluster's own components' logs."""
     secrets = [digits["token"]]
     for namespace in (SYSTEM, USERS):
         for secret in core.list_namespaced_secret(namespace).items:
             if secret.type == "kubernetes.io/service-account-token":
                 secrets.append(base64.b64decode(secret.data["token"]).decode())
-    logs = agent.log_files()
-    assert logs
+    container_logs = node_layout(dev_cluster.state_dir).private_dir("/var/log") / "pods"
+    logs = [*container_logs.rglob("*.log"), *(dev_cluster.state_dir / "logs").glob("*.log")]
+    assert any(log.is_relative_to(container_logs) for log in logs)
     for log in logs:
         text = log.read_text(errors="replace")
         for secret in secrets:
             assert secret not in text, f"a token appears in {log.name}"
 
 
+# -- faults on the real node ---------------------------------------------------------------------
+
+class Load:
+    """Generations sent one after another from a thread until `stop`; every answer recorded."""
+
+    def __init__(self, url: str, token: str, labels: list[int]) -> None:
+        self.statuses: list[int | str] = []
+        self.seconds: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(url, token, labels), daemon=True)
+        self._thread.start()
+
+    def _run(self, url: str, token: str, labels: list[int]) -> None:
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(timeout=120) as http:
+            seed = 0
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    answer = http.post(f"{url}/v1/generate", headers=headers,
+                                       json={"labels": labels, "steps": 8, "seed": seed})
+                    self.statuses.append(answer.status_code)
+                except httpx.HTTPError as error:
+                    self.statuses.append(f"{type(error).__name__}: {error}")
+                self.seconds.append(time.monotonic() - started)
+                seed += 1
+
+    def stop(self) -> list[int | str]:
+        self._stop.set()
+        self._thread.join(180)
+        return self.statuses
+
+
+def expert_pods(core: client.CoreV1Api, expert: str) -> list[client.V1Pod]:
+    return core.list_namespaced_pod(
+        USERS, label_selector=f"ddm.dev/deployment=digits,ddm.dev/expert={expert}").items
+
+
+def set_expert(custom: client.CustomObjectsApi, index: int, **fields: Any) -> None:
+    """Patch one expert of the digits DDMDeployment (a JSON patch: the list is replaced)."""
+    ddm = custom.get_namespaced_custom_object("ddm.dev", "v1alpha1", USERS, "ddmdeployments",
+                                              "digits")
+    experts = ddm["spec"]["experts"]
+    experts[index].update(fields)
+    custom.patch_namespaced_custom_object("ddm.dev", "v1alpha1", USERS, "ddmdeployments",
+                                          "digits", {"spec": {"experts": experts}})
+
+
+def ready_pods(core: client.CoreV1Api, expert: str, count: int) -> list[client.V1Pod] | None:
+    pods = [p for p in expert_pods(core, expert) if p.metadata.deletion_timestamp is None
+            and p.status.container_statuses and all(c.ready for c in p.status.container_statuses)]
+    everyone = expert_pods(core, expert)
+    return pods if len(pods) == count and len(everyone) == count else None
+
+
+def kill_container(dev_cluster: ClusterInfo, pod: client.V1Pod) -> int:
+    """SIGKILL every process of the pod's container, found in its cgroup on the node; returns
+    how many were killed."""
+    container_id = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    root = NodeNetwork(cluster_slot(dev_cluster.state_dir)).cgroup_root.strip("/")
+    (group,) = Path("/sys/fs/cgroup/pids", root).rglob(container_id)
+    pids = (group / "cgroup.procs").read_text().split()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    return len(pids)
+
+
+def test_a_killed_expert_is_restarted_by_the_kubelet_and_no_generation_fails(
+        dev_cluster: ClusterInfo, core: client.CoreV1Api, custom: client.CustomObjectsApi,
+        digits: dict[str, Any]) -> None:
+    """Two replicas of the 0-4 expert; one's process is SIGKILLed under load: the kubelet
+    restarts the container and the router sends every generation to a live replica."""
+    set_expert(custom, 0, replicas=2)
+    first, _ = wait_for(lambda: ready_pods(core, "digits-0-4", 2), 300,
+                        "two ready replicas of expert digits-0-4", lambda: pod_logs(core, USERS))
+    wait_for(lambda: ddm_status(custom, USERS, "digits").get("phase") == "Ready", 120,
+             "digits Ready with two replicas of digits-0-4")
+    load = Load(digits["url"], digits["token"], [0, 1, 2, 3, 4])
+    wait_for(lambda: len(load.statuses) >= 2, 120, "load to flow")
+    restarts = first.status.container_statuses[0].restart_count
+    started = time.monotonic()
+    assert kill_container(dev_cluster, first) >= 1
+
+    def restarted() -> bool:
+        pod = core.read_namespaced_pod(first.metadata.name, USERS)
+        (status,) = pod.status.container_statuses
+        return status.restart_count > restarts and status.ready
+
+    wait_for(restarted, 300, "the kubelet to restart the killed expert and find it ready",
+             lambda: pod_logs(core, USERS))
+    back_s = time.monotonic() - started
+    statuses = load.stop()
+    print(f"\nkilled expert: back and ready in {back_s:.1f} s; {len(statuses)} generations "
+          f"during the fault, {sum(s != 200 for s in statuses)} failed; slowest "
+          f"{max(load.seconds):.1f} s")
+    assert statuses and all(s == 200 for s in statuses), statuses
+
+
+def test_a_rolling_update_of_an_expert_under_load_drops_no_request(
+        core: client.CoreV1Api, custom: client.CustomObjectsApi,
+        digits: dict[str, Any]) -> None:
+    """A spec change of the 0-4 expert rolls its pods one by one (surge first, readiness
+    gated, old pods drain on SIGTERM) while generations keep coming."""
+    before = {p.metadata.name for p in expert_pods(core, "digits-0-4")}
+    load = Load(digits["url"], digits["token"], [0, 4, 5, 9])
+    wait_for(lambda: len(load.statuses) >= 2, 120, "load to flow")
+    started = time.monotonic()
+    set_expert(custom, 0, resources={"requests": {"cpu": "400m", "memory": "512Mi"},
+                                     "limits": {"memory": "1Gi"}})
+
+    def rolled() -> bool:
+        pods = ready_pods(core, "digits-0-4", len(before))
+        return bool(pods) and not before & {p.metadata.name for p in pods or []}
+
+    wait_for(rolled, 600, "the 0-4 expert's pods to be replaced", lambda: pod_logs(core, USERS))
+    rolled_s = time.monotonic() - started
+    wait_for(lambda: len(load.statuses) >= 2 + 2, 120, "load to flow after the rollout")
+    statuses = load.stop()
+    print(f"\nrolling update: {len(before)} pods replaced in {rolled_s:.1f} s; "
+          f"{len(statuses)} generations, {sum(s != 200 for s in statuses)} failed")
+    assert all(s == 200 for s in statuses), statuses
+
+
+def test_servers_exit_promptly_on_sigterm_as_pid_1(core: client.CoreV1Api,
+                                                   digits: dict[str, Any]) -> None:
+    """Deleting a pod sends SIGTERM to the server, PID 1 of its container: it drains for the
+    operator's DRAIN_S and exits 0, long before the grace period would SIGKILL it (137). The
+    container's own exit (its terminated state) is measured, then the pod's removal."""
+    set_expert_pods = expert_pods(core, "digits-0-4")
+    victim = set_expert_pods[0]
+    grace = victim.spec.termination_grace_period_seconds
+    started = time.monotonic()
+    core.delete_namespaced_pod(victim.metadata.name, USERS)
+    exited: dict[str, Any] = {}
+
+    def gone() -> bool:
+        try:
+            pod = core.read_namespaced_pod(victim.metadata.name, USERS)
+        except ApiException as error:
+            return error.status == 404
+        state = (pod.status.container_statuses or [None])[0]
+        if state is not None and state.state.terminated and "code" not in exited:
+            exited.update(code=state.state.terminated.exit_code, after=time.monotonic() - started)
+        return False
+
+    wait_for(gone, grace + 60, f"pod {victim.metadata.name} to be gone", interval_s=0.1)
+    took = time.monotonic() - started
+    print(f"\nSIGTERM to PID 1: container exited {exited} (drain {DRAIN_S} s, grace {grace} s); "
+          f"pod gone {took:.1f} s after deletion")
+    assert exited, "the container's exit was not seen before the pod went away"
+    assert exited["code"] == 0, exited  # 137 would be the SIGKILL at the end of the grace period
+    assert exited["after"] < DRAIN_S + 10 < grace, exited
+    wait_for(lambda: ready_pods(core, "digits-0-4", len(set_expert_pods)), 300,
+             "the expert's Deployment to replace the deleted pod")
+
+
 def test_an_expert_whose_checkpoint_cannot_load_is_reported_in_status(
-        tools: Tools, agent: NodeAgent, core: client.CoreV1Api,
+        tools: Tools, core: client.CoreV1Api,
         custom: client.CustomObjectsApi, digits: dict[str, Any]) -> None:
     """The whole chain: the expert exits with the reason in its termination message, the
-    (test) kubelet reports the crash loop, and the operator puts the reason in the status."""
+    kubelet reports the crash loop, and the operator puts the reason in the status."""
     broken = yaml.safe_load(EXAMPLE.read_text())
     broken["metadata"]["name"] = "broken"
     broken["spec"]["experts"][0]["checkpoint"]["uri"] = "image:///opt/ddm/checkpoints/missing"
+    for expert in broken["spec"]["experts"]:  # the real node has 2 CPUs; digits holds 1
+        expert["resources"]["requests"]["cpu"] = "100m"
     tools.kubectl("apply", "-n", USERS, "-f", "-", stdin=yaml.safe_dump(broken))
 
     def explained() -> str | None:
@@ -252,7 +449,7 @@ def test_an_expert_whose_checkpoint_cannot_load_is_reported_in_status(
         return message if "/opt/ddm/checkpoints/missing" in message else None
 
     message = wait_for(explained, 240, "the status to say why expert digits-0-4 is not ready",
-                       lambda: pod_logs(agent, core, USERS))
+                       lambda: pod_logs(core, USERS))
     assert "expert digits-0-4: 0/1 ready" in message and "restarted" in message, message
     assert ddm_status(custom, USERS, "broken")["phase"] != "Ready"
     tools.kubectl("delete", "ddm", "broken", "-n", USERS, "--wait=false")
@@ -280,9 +477,10 @@ def release_objects(kube_client: Any) -> list[str]:
 
 
 def test_helm_upgrade_to_watched_namespaces_swaps_the_rbac(
-        tools: Tools, kube_client: Any, digits: dict[str, Any], agent: NodeAgent,
+        tools: Tools, kube_client: Any, digits: dict[str, Any],
         core: client.CoreV1Api) -> None:
-    tools.run("helm", "upgrade", RELEASE, str(CHART), "-n", SYSTEM, "--wait", "--timeout", "5m",
+    tools.run("helm", "upgrade", RELEASE, str(CHART), "-n", SYSTEM, *DEV_VALUES, "--wait",
+              "--timeout", "5m",
               "--set", f"watchNamespaces={{{USERS}}}", "--set", "networkPolicy.enabled=true")
     after = release_objects(kube_client)
     assert f"Role/{USERS}/{RELEASE}-ddm-operator" in after
@@ -295,7 +493,7 @@ def test_helm_upgrade_to_watched_namespaces_swaps_the_rbac(
     wait_for(lambda: networking.list_namespaced_network_policy(
         USERS, label_selector="ddm.dev/deployment=digits").items,
         120, "the upgraded operator to add the digits NetworkPolicies",
-        lambda: pod_logs(agent, core, SYSTEM))
+        lambda: pod_logs(core, SYSTEM))
     operators = [o for o in after if o.startswith("Pod/")]
     assert len(operators) == 1, after
 

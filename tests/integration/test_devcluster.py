@@ -6,6 +6,11 @@ that use the cluster are marked ``cluster`` by conftest; the first two need none
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import re
+import shutil
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -16,10 +21,15 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from ddm.devcluster import ClusterInfo, StartupError, start_component, status, stop_component
+from ddm.devcluster import (ClusterInfo, StartupError, down, start_component, status,
+                            stop_component, up)
+from ddm.devcluster.cluster import cluster_slot
+from ddm.devcluster.namespaces import host_footprint
+from ddm.devcluster.node import dns_query
+from ddm.devcluster.realnode import KERNEL_TUNABLES, NodeNetwork
 from ddm.devcluster.api import ApiError
 from ddm.devcluster.apt import deb_src_stanzas
-from ddm.devcluster.components import build_token_file
+from ddm.devcluster.components import USER_GROUPS, build_token_file
 
 DEADLINE_S = 60
 
@@ -63,14 +73,12 @@ def test_deb_src_entries_mirror_only_debian_archives(tmp_path: Path) -> None:
 
 
 def test_token_file_puts_only_the_admin_in_system_masters() -> None:
-    lines = build_token_file(
-        {"ddm-admin": "a", "system:kube-controller-manager": "c", "system:kube-scheduler": "s"}
-    ).splitlines()
-    assert lines == [
-        'a,ddm-admin,ddm-admin,"system:masters"',
-        "c,system:kube-controller-manager,system:kube-controller-manager",
-        "s,system:kube-scheduler,system:kube-scheduler",
-    ]
+    tokens = {user: user[:3] for user in USER_GROUPS}
+    lines = build_token_file(tokens).splitlines()
+    assert 'ddm,ddm-admin,ddm-admin,"system:masters"' in lines
+    assert 'sys,system:node:ddm-real-0,system:node:ddm-real-0,"system:nodes"' in lines
+    assert sum("system:masters" in line for line in lines) == 1
+    assert len(lines) == len(USER_GROUPS)
 
 
 def test_fake_nodes_are_registered_ready_and_schedulable(kube_client: Any) -> None:
@@ -300,3 +308,66 @@ def test_only_components_of_the_cluster_can_be_stopped(dev_cluster: ClusterInfo)
     with pytest.raises(ValueError, match="'kubelet' is not a component of the dev cluster"):
         stop_component(dev_cluster.state_dir, "kubelet")
     assert status(dev_cluster.state_dir).running
+
+
+# -- the real node ------------------------------------------------------------------------------
+
+#: Host paths the kubelet, containerd and the CNI plugins use by default: the node must never
+#: create them on the host (it sees directories of its own state there).
+NODE_DEFAULT_PATHS = ("/var/lib/kubelet", "/var/lib/cni", "/var/lib/containerd", "/var/log/pods",
+                      "/var/log/containers", "/run/containerd", "/opt/containerd", "/etc/cni",
+                      "/usr/libexec/kubernetes")
+#: Host kernel settings the kubelet, kube-proxy or the CNI plugins would change.
+HOST_SYSCTLS = (*KERNEL_TUNABLES, "net/ipv4/ip_forward", "net/ipv4/conf/all/route_localnet",
+                "net/netfilter/nf_conntrack_max")
+
+
+def host_state() -> dict[str, Any]:
+    """What the real node must leave as it found it: sysctls, iptables rules, default paths."""
+    rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
+    return {
+        "sysctls": {k: Path("/proc/sys", k).read_text() for k in HOST_SYSCTLS
+                    if Path("/proc/sys", k).exists()},
+        "iptables": [re.sub(r"\[\d+:\d+\]", "", line) for line in rules.splitlines()
+                     if not line.startswith("#")],
+        "paths": {p: Path(p).exists() for p in NODE_DEFAULT_PATHS},
+    }
+
+
+@pytest.fixture
+def real_node_cluster(tmp_path: Path) -> Any:
+    """A second dev cluster, with a real node and no fake nodes (only the pause image)."""
+    if os.geteuid() != 0 or shutil.which("iptables-save") is None:
+        message = "the real node needs root and Debian's iptables, containerd, buildah"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    before = host_state()
+    info = up(tmp_path / "cluster", nodes=(), real_node=True,
+              allow_build=os.environ.get("DDM_DEV_CLUSTER_BUILD") != "0")
+    try:
+        yield info, before
+    finally:
+        down(tmp_path / "cluster")
+
+
+def test_the_real_node_is_ready_on_containerd_and_leaves_the_host_as_it_was(
+        real_node_cluster: Any) -> None:
+    info, before = real_node_cluster
+    node = info.api().request("GET", "/api/v1/nodes/ddm-real-0")
+    assert {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"] == "True"
+    assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
+    assert not any(t["key"].startswith("node.kubernetes.io/") for t in node["spec"].get(
+        "taints") or [])
+    (address,) = [a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP"]
+    assert ipaddress.ip_address(address) in ipaddress.ip_network("198.18.0.0/15")
+    network = NodeNetwork(cluster_slot(info.state_dir))
+    assert dns_query(network.host_ip, "kubernetes.default.svc.cluster.local") == (
+        0, [network.kubernetes_service_ip])
+    assert dns_query(network.host_ip, "nothing.default.svc.cluster.local")[0] == 3  # NXDOMAIN
+    assert dns_query(network.host_ip, "example.com")[0] == 5  # REFUSED: no upstream
+    assert host_state() == before  # while it runs
+    down(info.state_dir)
+    assert host_state() == before
+    assert host_footprint(network) == []
+    assert str(info.state_dir) not in Path("/proc/self/mountinfo").read_text()

@@ -111,3 +111,12 @@ def ensure_deb_src(source_package: str, *, log: Log) -> None:
     _run(["apt-get", "update"], log)
     if not _has_deb_src(source_package):
         raise AptError(f"apt has no source package {source_package!r} even with deb-src entries")
+
+
+def debian_mirror(sources_dir: Path = Path("/etc/apt")) -> str:
+    """The URI of the machine's Debian archive (what debootstrap downloads from)."""
+    for stanza in deb_src_stanzas(sources_dir).split("\n\n"):
+        for line in stanza.splitlines():
+            if line.startswith("URIs:") and "security" not in line:
+                return line.split()[1]
+    return "http://deb.debian.org/debian"

@@ -12,11 +12,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-# Names and addresses clients (and in-cluster pods, were there any) use for the API server;
-# 10.0.0.1 is the first address of the service range the API server is started with.
+# Names clients and pods use for the API server; `create_pki` adds its addresses.
 API_SERVER_SANS = (
     "IP:127.0.0.1",
-    "IP:10.0.0.1",
     "DNS:localhost",
     "DNS:kubernetes",
     "DNS:kubernetes.default",
@@ -43,8 +41,11 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise RuntimeError(f"openssl {' '.join(args)} failed: {result.stderr.strip()}")
 
 
-def create_pki(directory: Path) -> Pki:
+def create_pki(directory: Path, api_server_ips: tuple[str, ...] = ()) -> Pki:
     """Write a fresh CA, API-server certificate and service-account key pair into ``directory``.
+
+    ``api_server_ips``: addresses besides 127.0.0.1 the certificate is valid for (where the API
+    server listens, and the cluster IP of the ``kubernetes`` Service).
 
     Takes a few hundred milliseconds (three 2048-bit RSA keys).
     """
@@ -73,13 +74,14 @@ def create_pki(directory: Path) -> Pki:
         "-subj", "/CN=kube-apiserver",
         cwd=directory,
     )  # fmt: skip
+    sans = ",".join((*API_SERVER_SANS, *(f"IP:{ip}" for ip in api_server_ips)))
     (directory / "apiserver.ext").write_text(
         "basicConstraints=CA:FALSE\n"
         "keyUsage=critical,digitalSignature,keyEncipherment\n"
         "extendedKeyUsage=serverAuth\n"
         "subjectKeyIdentifier=hash\n"
         "authorityKeyIdentifier=keyid,issuer\n"
-        f"subjectAltName={','.join(API_SERVER_SANS)}\n"
+        f"subjectAltName={sans}\n"
     )
     _openssl(
         "x509", "-req", "-in", "apiserver.csr", "-days", "3650",

@@ -1,10 +1,16 @@
-"""`up`, `down` and `status` of the local control plane: etcd, kube-apiserver,
-kube-controller-manager and kube-scheduler on free 127.0.0.1 ports, plus fake nodes.
+"""`up`, `down` and `status` of the local cluster: etcd, kube-apiserver,
+kube-controller-manager and kube-scheduler on free ports, fake nodes, and one real node
+(`ddm.devcluster.realnode`: kubelet, kube-proxy, containerd, cluster DNS) unless asked not to.
 
 Everything one cluster needs lives in its state directory (default
 ``$DDM_DEV_CLUSTER_DIR`` or ``~/.cache/ddm/dev-cluster``): ``state.json`` (pids, ports,
-server, admin token), ``kubeconfig`` (admin), ``pki/``, ``etcd/`` and ``logs/``. The
-processes outlive `up`; `down` stops them. Each `up` starts from an empty etcd.
+server, admin token), ``kubeconfig`` (admin), ``pki/``, ``etcd/``, ``logs/`` and ``node/``.
+The processes outlive `up`; `down` stops them and removes the node's namespaces. Each `up`
+starts from an empty etcd.
+
+With a real node, the fake nodes carry the taint ``ddm.dev/fake-node:NoSchedule``: pods that
+do not tolerate it (every workload a user applies) run on the real node, and scheduling
+experiments that tolerate it still reach the fake accelerators.
 """
 
 from __future__ import annotations
@@ -27,10 +33,12 @@ from typing import Any
 import yaml
 
 from ddm.devcluster import components as c
+from ddm.devcluster import namespaces, node
 from ddm.devcluster.api import Api, ApiError
-from ddm.devcluster.build import Binaries, Log, ensure_binaries, log_stderr
+from ddm.devcluster.build import Binaries, Log, cache_bin_dir, ensure_binaries, log_stderr
 from ddm.devcluster.certs import create_pki
 from ddm.devcluster.nodes import DEFAULT_NODES, FakeNode, register_nodes
+from ddm.devcluster.realnode import FAKE_ONLY_SERVICE_RANGE, NodeLayout, NodeNetwork
 from ddm.devcluster.processes import StartupError, free_ports, is_ours, spawn, stop, wait_until
 
 
@@ -129,13 +137,35 @@ def down(state_dir: Path | None = None, *, purge: bool = False, log: Log = log_s
     layout = _layout(state_dir)
     state = _read_state(layout)
     if state is not None:
+        def stop_components(names: list[str] | tuple[str, ...]) -> None:
+            stop([state["pids"][n] for n in names if n in state["pids"]], _marker(layout))
+
+        if state.get("real_node") is not None:
+            node.stop(NodeLayout(layout.node_dir), NodeNetwork(state["real_node"]["slot"]),
+                      stop_components, log)
         # Clients first, etcd last, so the API server does not log lost connections.
         for stage in c.STOP_ORDER:
-            stop([state["pids"][n] for n in stage if n in state["pids"]], _marker(layout))
+            stop_components(stage)
         layout.state_file.unlink(missing_ok=True)
         log(f"stopped the dev cluster in {layout.root}")
     if purge:
         _clear(layout)
+
+
+def cluster_slot(state_dir: Path | None = None) -> int:
+    """The slot (`ddm.devcluster.realnode.NodeNetwork`) of the real node in ``state_dir``."""
+    node_layout(state_dir)  # raises if there is none
+    return _read_state(_layout(state_dir))["real_node"]["slot"]  # type: ignore[index]
+
+
+def node_layout(state_dir: Path | None = None) -> NodeLayout:
+    """The files of the real node of the running cluster in ``state_dir``."""
+    layout = _layout(state_dir)
+    state = _read_state(layout)
+    if state is None or state.get("real_node") is None:
+        raise StartupError(f"no dev cluster with a real node runs in {layout.root}: "
+                           "run `ddm dev-cluster up`")
+    return NodeLayout(layout.node_dir)
 
 
 def stop_component(state_dir: Path | None, name: str) -> None:
@@ -213,14 +243,16 @@ def up(
     *,
     binaries: Binaries | None = None,
     nodes: tuple[FakeNode, ...] = DEFAULT_NODES,
+    real_node: bool = True,
     allow_build: bool = True,
-    timeout_s: float = 120.0,
+    timeout_s: float = 180.0,
     log: Log = log_stderr,
 ) -> ClusterInfo:
     """Start a fresh dev cluster in ``state_dir`` (or return the one already running there).
 
     Finds or builds the binaries (see `ddm.devcluster.build`), starts the four components,
-    registers ``nodes`` and waits until controllers and scheduler are serving and the
+    registers the fake ``nodes``, starts the real node (unless ``real_node`` is False) and
+    waits until controllers and scheduler are serving, the real node is Ready and the
     ``default`` service account can mount a token. Prints ``export KUBECONFIG=...`` on
     stdout. On any failure, or Ctrl-C, it stops what it started before raising.
     """
@@ -232,11 +264,13 @@ def up(
         return current.info
     down(layout.root, log=log)  # leftovers of a crashed or interrupted cluster
     binaries = binaries or ensure_binaries(allow_build=allow_build, log=log)
+    if real_node:
+        node.prepare(log)
     started = time.monotonic()
     try:
         _clear(layout)
         layout.root.mkdir(parents=True, exist_ok=True)
-        info = _start(layout, binaries, nodes, timeout_s, log)
+        info = _start(layout, binaries, nodes, real_node, timeout_s, log)
     except BaseException:
         down(layout.root, log=log)
         raise
@@ -248,14 +282,29 @@ def up(
 
 
 def _start(
-    layout: c.Layout, binaries: Binaries, nodes: tuple[FakeNode, ...], timeout_s: float, log: Log
-) -> ClusterInfo:
+    layout: c.Layout, binaries: Binaries, nodes: tuple[FakeNode, ...], real_node: bool,
+    timeout_s: float, log: Log,
+) -> ClusterInfo:  # fmt: skip
     deadline = time.monotonic() + timeout_s
     version, minor = kube_version(binaries.kube_apiserver)
     ports = c.Ports(*free_ports(5))
-    pki = create_pki(layout.pki_dir)
-    server = f"https://127.0.0.1:{ports.apiserver}"
-    admin_token = _write_credentials(layout, server, pki.ca_cert.read_text())
+    node_layout = NodeLayout(layout.node_dir)
+    network = None
+    if real_node:
+        network = namespaces.allocate()
+        # Recorded before anything else, so that `down` removes the veth if `up` fails.
+        _write_state(layout, {"pids": {}, "real_node": {"slot": network.slot}})
+        namespaces.create(node_layout, network)
+        log(f"node namespaces made: veth {network.host_link} {network.host_ip} <-> "
+            f"{network.node_ip}, pods {network.pod_cidr}, services {network.service_cidr}")
+        addresses = c.Addresses(network.host_ip, network.service_cidr, real_node=True)
+        pki = create_pki(layout.pki_dir, (network.host_ip, network.kubernetes_service_ip))
+    else:
+        addresses = c.Addresses("127.0.0.1", FAKE_ONLY_SERVICE_RANGE, real_node=False)
+        pki = create_pki(layout.pki_dir)
+    server = f"https://{addresses.apiserver_ip}:{ports.apiserver}"
+    tokens = _write_credentials(layout, server, pki.ca_cert.read_text())
+    admin_token = tokens[c.ADMIN_USER]
     state: dict[str, Any] = {
         "kube_version": version,
         "server": server,
@@ -266,6 +315,7 @@ def _start(
         "binaries": {k: str(v) for k, v in asdict(binaries).items()},
         "pids": {},
         "commands": {},
+        "real_node": {"slot": network.slot} if network is not None else None,
     }
     info = _info(layout, state)
     api = info.api()
@@ -291,9 +341,9 @@ def _start(
     launch(
         "kube-apiserver",
         c.apiserver_args(
-            binaries.kube_apiserver, layout, ports, pki_ca=pki.ca_cert, pki_cert=pki.apiserver_cert,
-            pki_key=pki.apiserver_key, sa_key=pki.service_account_key,
-            sa_pub=pki.service_account_pub, minor=minor,
+            binaries.kube_apiserver, layout, ports, addresses, pki_ca=pki.ca_cert,
+            pki_cert=pki.apiserver_cert, pki_key=pki.apiserver_key,
+            sa_key=pki.service_account_key, sa_pub=pki.service_account_pub, minor=minor,
         ),
     )  # fmt: skip
     wait("kube-apiserver ready", _health_check("kube-apiserver", ports, api))
@@ -301,22 +351,39 @@ def _start(
         "kube-controller-manager",
         c.controller_manager_args(
             binaries.kube_controller_manager, layout, ports, pki_ca=pki.ca_cert,
-            ca_key=pki.ca_key, sa_key=pki.service_account_key, minor=minor,
+            ca_key=pki.ca_key, sa_key=pki.service_account_key,
+            service_range=addresses.service_range, minor=minor,
         ),
     )  # fmt: skip
     launch("kube-scheduler", c.scheduler_args(binaries.kube_scheduler, layout, ports, minor=minor))
-    register_nodes(api, nodes, kubelet_version=version)
-    log(f"registered nodes {', '.join(n.name for n in nodes)}")
+    register_nodes(api, nodes, kubelet_version=version, schedulable=not real_node)
+    log(f"registered fake nodes {', '.join(n.name for n in nodes)}")
     wait("kube-controller-manager healthy", _health_check("kube-controller-manager", ports, api))
     wait("kube-scheduler healthy", _health_check("kube-scheduler", ports, api))
+    if network is not None:
+        node_bin = cache_bin_dir()
+        node.write_kubeconfigs(node_layout, server, pki.ca_cert.read_text(), tokens,
+                               c.build_kubeconfig)
+        node.start(node_layout, network, kubelet=_node_binary(binaries, "kubelet", node_bin),
+                   kube_proxy=_node_binary(binaries, "kube-proxy", node_bin), api=api,
+                   server=server, ca_file=pki.ca_cert, launch=launch, wait=wait, log=log)
     # Pods can be created only once the service-account controllers have made the default
     # service account (and, before 1.24, its token secret).
     wait("default service account", lambda: _default_service_account(api, minor))
     return info
 
 
-def _write_credentials(layout: c.Layout, server: str, ca_pem: str) -> str:
-    """Write the token file and the three kubeconfigs; returns the admin's token."""
+def _node_binary(binaries: Binaries, name: str, cache_bin: Path) -> Path:
+    """The kubelet or kube-proxy of the same release as the control plane (same directory)."""
+    for directory in (binaries.kube_apiserver.parent, cache_bin):
+        if (directory / name).is_file():
+            return directory / name
+    raise StartupError(f"no {name} beside {binaries.kube_apiserver} nor in {cache_bin}: run "
+                       "`ddm dev-cluster build`, or use --no-real-node")
+
+
+def _write_credentials(layout: c.Layout, server: str, ca_pem: str) -> dict[str, str]:
+    """Write the token file and the three kubeconfigs; returns every user's token."""
     tokens = {user: secrets.token_hex(16) for user in c.USER_GROUPS}
     layout.tokens_file.write_text(c.build_token_file(tokens))
     layout.tokens_file.chmod(0o600)
@@ -327,7 +394,7 @@ def _write_credentials(layout: c.Layout, server: str, ca_pem: str) -> str:
     ):
         path.write_text(yaml.safe_dump(c.build_kubeconfig(server, ca_pem, user, tokens[user])))
         path.chmod(0o600)
-    return tokens[c.ADMIN_USER]
+    return tokens
 
 
 def _http_ok(url: str, expect: str) -> bool:

@@ -9,7 +9,10 @@ Choices that matter:
 * the controller-manager runs every default controller except ``nodelifecycle``: with no
   kubelet the nodes' heartbeats go stale, and that controller would mark them unreachable,
   taint them and evict their pods;
-* no leader election (one instance each), secure ports only, all on 127.0.0.1.
+* no leader election (one instance each), secure ports only, on 127.0.0.1; with a real node
+  (`ddm.devcluster.realnode`) the API server listens on the host's end of the node's veth
+  instead, so that the kubelet, kube-proxy and pods reach it, and it authorizes the kubelet
+  with the Node authorizer.
 """
 
 from __future__ import annotations
@@ -18,16 +21,21 @@ import base64
 from dataclasses import dataclass
 from pathlib import Path
 
-SERVICE_CLUSTER_IP_RANGE = "10.0.0.0/24"
+from ddm.devcluster.realnode import DNS_USER, KUBE_PROXY_USER, NODE_USER
+
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "ddm-admin"
 CONTROLLER_MANAGER_USER = "system:kube-controller-manager"
 SCHEDULER_USER = "system:kube-scheduler"
 # The users of the token file and their groups.
-USER_GROUPS = {ADMIN_USER: ("system:masters",), CONTROLLER_MANAGER_USER: (), SCHEDULER_USER: ()}
+USER_GROUPS = {ADMIN_USER: ("system:masters",), CONTROLLER_MANAGER_USER: (), SCHEDULER_USER: (),
+               NODE_USER: ("system:nodes",), KUBE_PROXY_USER: (), DNS_USER: ()}
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
-# `down` stops the components stage by stage: the API server's clients, then it, then etcd.
-STOP_ORDER = (("kube-controller-manager", "kube-scheduler"), ("kube-apiserver",), ("etcd",))
+NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "cluster-dns")
+# `down` stops the components stage by stage: the node's (containerd last: its containers are
+# killed first), the API server's other clients, then it, then etcd.
+STOP_ORDER = (("kubelet", "kube-proxy", "cluster-dns"), ("containerd",),
+              ("kube-controller-manager", "kube-scheduler"), ("kube-apiserver",), ("etcd",))
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,11 @@ class Layout:
     def log_file(self, component: str) -> Path:
         return self.root / "logs" / f"{component}.log"
 
+    @property
+    def node_dir(self) -> Path:
+        """The real node's files (`ddm.devcluster.realnode.NodeLayout`)."""
+        return self.root / "node"
+
     def cert_dir(self, component: str) -> Path:
         """Where a component keeps the self-signed certificate of its own secure port."""
         return self.root / "serving-certs" / component
@@ -78,7 +91,17 @@ class Layout:
             self.etcd_dir,
             self.root / "logs",
             self.root / "serving-certs",
+            self.node_dir,
         ]
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where the API server listens and which range its Services' cluster IPs come from."""
+
+    apiserver_ip: str  # 127.0.0.1, or the host's end of the real node's veth
+    service_range: str
+    real_node: bool
 
 
 @dataclass(frozen=True)
@@ -110,14 +133,14 @@ def etcd_args(etcd: Path, layout: Layout, ports: Ports) -> list[str]:
 
 
 def apiserver_args(
-    binary: Path, layout: Layout, ports: Ports, *, pki_ca: Path, pki_cert: Path, pki_key: Path,
-    sa_key: Path, sa_pub: Path, minor: int,
+    binary: Path, layout: Layout, ports: Ports, addresses: Addresses, *, pki_ca: Path,
+    pki_cert: Path, pki_key: Path, sa_key: Path, sa_pub: Path, minor: int,
 ) -> list[str]:  # fmt: skip
     args = [
         str(binary),
         f"--etcd-servers=http://127.0.0.1:{ports.etcd_client}",
-        "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
+        f"--bind-address={addresses.apiserver_ip}",
+        f"--advertise-address={addresses.apiserver_ip}",
         f"--secure-port={ports.apiserver}",
         f"--cert-dir={layout.cert_dir('kube-apiserver')}",
         f"--tls-cert-file={pki_cert}",
@@ -131,15 +154,17 @@ def apiserver_args(
         "--requestheader-group-headers=X-Remote-Group",
         "--requestheader-extra-headers-prefix=X-Remote-Extra-",
         f"--token-auth-file={layout.tokens_file}",
-        "--authorization-mode=RBAC",
-        f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+        "--authorization-mode=Node,RBAC",
+        f"--service-cluster-ip-range={addresses.service_range}",
         f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
         f"--service-account-key-file={sa_pub}",
         f"--service-account-signing-key-file={sa_key}",
         "--allow-privileged=true",
-        # The `kubernetes` Endpoints may not point at a loopback address; nothing in this
-        # cluster runs pods that would use it, so do not maintain it.
-        "--endpoint-reconciler-type=none",
+        # The kubelet's name is not in any DNS the API server reads (logs, exec, port-forward).
+        "--kubelet-preferred-address-types=InternalIP,Hostname",
+        # The `kubernetes` Endpoints may not point at a loopback address: without a real node
+        # no pod runs to use it, so it is not maintained.
+        f"--endpoint-reconciler-type={'lease' if addresses.real_node else 'none'}",
         "--profiling=false",
     ]
     if minor < 24:  # the insecure port (default 8080) exists until 1.24: close it
@@ -149,7 +174,7 @@ def apiserver_args(
 
 def controller_manager_args(
     binary: Path, layout: Layout, ports: Ports, *, pki_ca: Path, ca_key: Path, sa_key: Path,
-    minor: int,
+    service_range: str, minor: int,
 ) -> list[str]:  # fmt: skip
     kubeconfig = layout.component_kubeconfig("kube-controller-manager")
     args = [
@@ -167,7 +192,7 @@ def controller_manager_args(
         f"--root-ca-file={pki_ca}",
         f"--cluster-signing-cert-file={pki_ca}",
         f"--cluster-signing-key-file={ca_key}",
-        f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
+        f"--service-cluster-ip-range={service_range}",
         "--profiling=false",
     ]
     if minor < 24:

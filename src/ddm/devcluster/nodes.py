@@ -15,6 +15,9 @@ from typing import Any
 from ddm.devcluster.api import Api
 
 FAKE_NODE_LABEL = "ddm.dev/fake-node"
+# With a real node in the cluster, the fake nodes carry this taint so that only pods that
+# tolerate it are bound to them (and never run).
+FAKE_NODE_TAINT = {"key": FAKE_NODE_LABEL, "value": "true", "effect": "NoSchedule"}
 # Added by the API server's TaintNodesByCondition admission plugin on create; normally the
 # node-lifecycle controller removes it once the kubelet reports Ready.
 NOT_READY_TAINT = "node.kubernetes.io/not-ready"
@@ -77,8 +80,10 @@ DEFAULT_NODES: tuple[FakeNode, ...] = (
 )
 
 
-def build_node(node: FakeNode, *, kubelet_version: str, now: datetime) -> dict[str, Any]:
-    """The Node manifest (spec and status) for ``node``; ``now`` stamps its Ready condition."""
+def build_node(node: FakeNode, *, kubelet_version: str, now: datetime,
+               schedulable: bool = True) -> dict[str, Any]:
+    """The Node manifest (spec and status) for ``node``; ``now`` stamps its Ready condition;
+    not ``schedulable``: tainted with FAKE_NODE_TAINT."""
     stamp = now.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     labels = {
         "kubernetes.io/hostname": node.name,
@@ -91,7 +96,8 @@ def build_node(node: FakeNode, *, kubelet_version: str, now: datetime) -> dict[s
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": node.name, "labels": labels},
-        "spec": {"taints": [dict(t) for t in node.taints]},
+        "spec": {"taints": [dict(t) for t in node.taints]
+                 + ([] if schedulable else [dict(FAKE_NODE_TAINT)])},
         "status": {
             "capacity": dict(node.capacity),
             "allocatable": dict(node.capacity),
@@ -122,7 +128,8 @@ def build_node(node: FakeNode, *, kubelet_version: str, now: datetime) -> dict[s
     }
 
 
-def register_nodes(api: Api, nodes: tuple[FakeNode, ...], *, kubelet_version: str) -> None:
+def register_nodes(api: Api, nodes: tuple[FakeNode, ...], *, kubelet_version: str,
+                   schedulable: bool = True) -> None:
     """Create ``nodes`` (status included) and remove the not-ready taint admission adds.
 
     The node-lifecycle controller is disabled in this cluster, so nothing puts it back or
@@ -130,9 +137,15 @@ def register_nodes(api: Api, nodes: tuple[FakeNode, ...], *, kubelet_version: st
     """
     now = datetime.now(UTC)
     for node in nodes:
-        manifest = build_node(node, kubelet_version=kubelet_version, now=now)
+        manifest = build_node(node, kubelet_version=kubelet_version, now=now,
+                              schedulable=schedulable)
         created = api.request("POST", "/api/v1/nodes", manifest)  # status is kept on create
-        taints = created.get("spec", {}).get("taints") or []
-        kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
-        if kept != taints:
-            api.merge_patch(f"/api/v1/nodes/{node.name}", {"spec": {"taints": kept}})
+        remove_not_ready_taint(api, created)
+
+
+def remove_not_ready_taint(api: Api, node: dict[str, Any]) -> None:
+    """Drop NOT_READY_TAINT from ``node`` (a Node as read from the API), if it has it."""
+    taints = node.get("spec", {}).get("taints") or []
+    kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
+    if kept != taints:
+        api.merge_patch(f"/api/v1/nodes/{node['metadata']['name']}", {"spec": {"taints": kept}})
