@@ -1,6 +1,7 @@
 """HTTP plumbing the expert and the router share: the uvicorn server, bare ASGI answers, body
 limits, running a server that exits with a reason when its start-up fails or drains on SIGTERM,
-and the OpenAPI descriptions of what both answer alike (probes, ``Retry-After``).
+and the OpenAPI descriptions of what both answer alike (probes, ``Retry-After``). What one
+connection may cost (deadlines, header and connection caps) is in :mod:`ddm.serving.connections`.
 
 Draining: Kubernetes sends SIGTERM to a pod while Services, kube-proxy and the routers' DNS
 caches still send it traffic for a few seconds. With ``drain_s`` > 0, the first SIGTERM makes
@@ -28,11 +29,9 @@ from typing import Any, Callable, Iterable
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ddm.serving.connections import ConnectionLimits, protocol_factory
 from ddm.serving.termination import fail_start
 
-#: Longer than a router's pause between two generations and than common load balancers' idle
-#: timeout (60 s), so that a keep-alive connection is not closed just as a router reuses it.
-KEEP_ALIVE_S = 75
 #: Seconds a client told 429 or 503 should wait before trying again.
 RETRY_AFTER_S = 1
 #: After draining, how long requests in flight may take before they are cancelled: with the
@@ -49,6 +48,10 @@ RETRY_AFTER_HEADER = {"Retry-After": {"description": f"seconds to wait ({RETRY_A
 _PROBE = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 
 
+class ClientDisconnected(Exception):
+    """The client went away (or was cut off by a deadline) before its body was in."""
+
+
 class BodyTooLarge(Exception):
     """A request body over the limit (declared or streamed)."""
 
@@ -57,14 +60,17 @@ class BodyTooLarge(Exception):
 
 
 def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
-                 drain_s: float = 0.0, control: ServerControl | None = None) -> uvicorn.Server:
-    """A uvicorn server for ``app``: uvloop and httptools when installed, long keep-alive, no
-    access log (one line per denoising step would cost more than the step; it would also be
-    one more place a credential could leak), no ``date`` or ``server`` header; draining for
-    ``drain_s`` seconds on SIGTERM, telling ``control``."""
+                 drain_s: float = 0.0, control: ServerControl | None = None,
+                 limits: ConnectionLimits = ConnectionLimits()) -> uvicorn.Server:
+    """A uvicorn server for ``app``: uvloop when installed, httptools behind the connection
+    ``limits`` of :mod:`ddm.serving.connections`, no access log (one line per denoising step
+    would cost more than the step; it would also be one more place a credential could leak),
+    no ``date`` or ``server`` header; draining for ``drain_s`` seconds on SIGTERM, telling
+    ``control``."""
     config = uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
-                            http=_installed_or("httptools", "h11"), lifespan="on",
-                            log_level=log_level, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                            http=protocol_factory(limits), lifespan="on",
+                            log_level=log_level, access_log=False,
+                            timeout_keep_alive=limits.keep_alive_s,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             server_header=False, date_header=False)
     return _DrainingServer(config, control or ServerControl(), drain_s)
@@ -136,7 +142,8 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole request body; :class:`BodyTooLarge` as soon as the declared length or the
-    bytes received pass ``limit``, so that an oversized body is never buffered."""
+    bytes received pass ``limit``, so that an oversized body is never buffered;
+    :class:`ClientDisconnected` if the connection ends first (a truncated body is not a body)."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(declared.decode(), limit)
@@ -144,6 +151,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     size, more = 0, True
     while more:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected(f"the client left after {size} bytes of the body")
         chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
@@ -186,6 +195,8 @@ class BodyLimit:
         except BodyTooLarge as error:
             await send_json(send, 413, {"detail": str(error)})
             return
+        except ClientDisconnected:
+            return  # nobody to answer
         delivered = False
 
         async def replay() -> Message:

@@ -21,8 +21,9 @@ is a bare ASGI route in front of the FastAPI app, which serves the other routes.
 Limits: a body over ``max_body_bytes`` is refused with 413 before it is read; a batch over
 ``max_batch``, a grid over ``max_steps`` or any other value the expert refuses gets 422, an
 undecodable body 400 (``docs/protocol.md``); more than ``max_pending`` requests admitted at
-once (queued or running) get 429 with ``Retry-After``, which a router retries on another
-replica.
+once (queued or running, counted once their body is in) get 429 with ``Retry-After``, which a
+router retries on another replica. Slow, idle and oversized connections are cut off by the
+limits of :mod:`ddm.serving.connections` before they reach this app.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ServerControl,
+from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected, ServerControl,
                               probe_responses, read_body, retry_after, run_server, send_bytes,
                               send_json)
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
@@ -279,6 +280,16 @@ class _VelocityRoute:
             await send_json(send, 405, {"detail": "use POST"}, [(b"allow", b"POST")])
             return
         expert = self.expert
+        try:
+            body = await read_body(scope, receive, expert.limits.max_body_bytes)
+        except ClientDisconnected:
+            return  # cut off by a deadline, or gone: nobody to answer
+        except BodyTooLarge as error:
+            expert.metrics.observe_request("invalid", 413, 0)
+            await send_bytes(send, 413, encode_error(0, 413, str(error)), _CONTENT_TYPE)
+            return
+        # Pending from here: a body still on its way costs the expert nothing but its
+        # connection (bounded by ddm.serving.connections), so slow senders cannot fill the queue.
         if expert.pending >= expert.max_pending:
             message = (f"{expert.pending} requests are pending, the limit is "
                        f"{expert.max_pending}; retry shortly")
@@ -288,20 +299,17 @@ class _VelocityRoute:
             return
         expert.pending += 1
         try:
-            status, reply = await _answer(expert, scope, receive)
+            status, reply = await _answer(expert, body)
         finally:
             expert.pending -= 1
         await send_bytes(send, status, reply, _CONTENT_TYPE)
 
 
-async def _answer(expert: _Expert, scope: Scope, receive: Receive) -> tuple[int, bytes]:
-    """One request -> (HTTP status, protocol reply); every failure becomes an error reply."""
+async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
+    """One request body -> (HTTP status, protocol reply); every failure becomes an error
+    reply."""
     kind, images, request_id = "invalid", 0, 0
     try:
-        try:
-            body = await read_body(scope, receive, expert.limits.max_body_bytes)
-        except BodyTooLarge as error:
-            raise ProtocolError(str(error), 413) from None
         message = decode_request(body, expert.limits)
         request_id = message.request_id
         kind = "velocity" if isinstance(message, VelocityRequest) else "integrate"

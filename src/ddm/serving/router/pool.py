@@ -35,7 +35,7 @@ from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.http_client import HttpClient, HttpClientError
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
-                                  encode_request)
+                                  encode_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, Replica, ReplicaSet,
                                   ReplicaState, source_for)
 from ddm.deploy.router_config import RouterConfigFile
@@ -47,6 +47,8 @@ PROBE_TICK_S = 0.1
 #: Shorter than the expert server's keep-alive (75 s), so that the client, not the server,
 #: closes an idle connection and a request never goes out on one the server is closing.
 KEEP_ALIVE_S = 60.0
+#: An expert's error replies: the protocol's largest, or a server layer's short text (408, 431).
+_MAX_ERROR_BYTES = max_error_reply_bytes()
 # Statuses that say "this replica, now" rather than "your request": retried elsewhere.
 _RETRIABLE_4XX = (408, 429)
 _SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
@@ -366,8 +368,10 @@ class ExpertPool:
         assert self._client is not None, "start() the pool first"
         replica.outstanding += 1
         try:
-            reply = await self._client.post(replica.endpoint, "/v1/velocity", body, CONTENT_TYPE,
-                                            timeout, self._settings.connect_s)
+            reply = await self._client.post(
+                replica.endpoint, "/v1/velocity", body, CONTENT_TYPE, timeout,
+                self._settings.connect_s, max_reply_bytes=max_reply_bytes(request.x.shape),
+                max_error_bytes=_MAX_ERROR_BYTES)
             out = decode_response(reply.body, request.request_id, request.x.shape)
         except RemoteExpertError as error:
             if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
