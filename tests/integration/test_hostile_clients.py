@@ -165,7 +165,7 @@ async def _endless(scope, receive, send) -> None:
     """An app whose replies never end (1 MiB at a time, as fast as the client reads), but for
     ``/readyz``."""
     if scope["type"] == "lifespan":
-        while (message := await receive())["type"] != "lifespan.shutdown":
+        while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return

@@ -102,8 +102,8 @@ def test_posts_reuse_one_kept_alive_connection():
 def test_concurrent_posts_get_their_own_replies_on_separate_connections():
     async def scenario(client: HttpClient):
         async with uvicorn_echo() as endpoint:
-            return await asyncio.gather(*(client.post(endpoint, "/", str(i).encode(), CT, 5.0, 1.0, **CAPS)
-                                          for i in range(8)))
+            return await asyncio.gather(*(client.post(endpoint, "/", str(i).encode(), CT, 5.0,
+                                                      1.0, **CAPS) for i in range(8)))
 
     replies = run(scenario)
     assert [r.body.split(b":")[1] for r in replies] == [str(i).encode() for i in range(8)]
@@ -231,7 +231,8 @@ def test_connections_disable_nagle_and_stale_ones_are_closed():
             await asyncio.sleep(0.1)
             client.close_idle()
             pruned = connection.closed and endpoint not in client._idle
-            second = await client.post(endpoint, "/", b"y", CT, 5.0, 1.0, **CAPS)  # a new connection
+            # a new connection
+            second = await client.post(endpoint, "/", b"y", CT, 5.0, 1.0, **CAPS)
             client.close()
         return nodelay, pruned, first.body.split(b":")[0] != second.body.split(b":")[0]
 
@@ -349,7 +350,8 @@ def _hostile_expert(plans: list[tuple[str, list[int], bytes]]) -> Handler:
                     ends = sorted({c % (len(body) + 1) for c in cuts})
                     pieces = [body[a:b] for a, b in zip([0, *ends], [*ends, len(body)]) if b > a]
                     data = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-                            + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n")
+                            + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+                            + b"0\r\n\r\n")
                 else:
                     data = {
                         "informational": b"HTTP/1.1 100 Continue\r\n\r\n" + answer(status, body),
