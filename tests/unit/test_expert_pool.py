@@ -453,3 +453,19 @@ async def _until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.01)
+
+
+def test_a_batch_over_the_limit_before_any_probe_waits_for_one_and_is_split(
+        expert_a, local_velocity):
+    """Straight after start no replica has been probed, so the expert's batch limit (8) is
+    unknown; sent whole, 20 rows would be refused with 422."""
+    x, t, y = _inputs(20, seed=4)
+
+    async def scenario():
+        async with ExpertPool({"e": static_endpoints([expert_a])}, FAST) as pool:
+            assert pool.info("e") is None
+            return await pool.velocity("e", x, t, y), _count(pool.metrics.request_rows)
+
+    v, requests = asyncio.run(scenario())
+    np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+    assert requests == 3

@@ -75,19 +75,22 @@ class Coalescer:
         """Requests sent and not answered yet."""
         return self._in_flight
 
-    async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
-        """One call's output rows, sent alone or merged with other waiting calls."""
+    async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...],
+                     made: float | None = None) -> np.ndarray:
+        """One call's output rows, sent alone or merged with other waiting calls; ``made``
+        (``time.monotonic()``, default now) is when the caller made it."""
+        made = time.monotonic() if made is None else made
         if self._closed:
             raise RuntimeError("the coalescer is closed (the router is shutting down)")
         if self._max_rows() <= 1:  # nothing can merge: at once, and still counted in flight
             self._in_flight += 1
             try:
-                return await self._send(key, inputs, time.monotonic())
+                return await self._send(key, inputs, made)
             finally:
                 self._in_flight -= 1
                 self._pump()
         loop = asyncio.get_running_loop()
-        call = _Call(key, inputs, loop.create_future(), time.monotonic())
+        call = _Call(key, inputs, loop.create_future(), made)
         self._waiting.append(call)
         if not self._pump_scheduled:
             self._pump_scheduled = True

@@ -288,13 +288,22 @@ class ExpertPool:
 
     async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
-        to the expert's coalescer, which merges them with other generations' calls."""
+        to the expert's coalescer, which merges them with other generations' calls. Before any
+        replica has been probed the batch limit is unknown, and the call waits for a probe
+        (sent whole, a batch over the limit would come back 422, a 502 to the client)."""
+        made = time.monotonic()  # the call's deadline runs from here
         info = self.info(expert)  # an unknown expert is a ValueError here
+        if info is None:  # no replica probed yet: its batch limit is unknown, so wait for it
+            info = await self._sets[expert].wait_described(self._settings.deadline_s)
+            if info is None:
+                raise self._give_up(expert, f"no replica was probed ready within "
+                                            f"{self._settings.deadline_s:g} s "
+                                            f"({_last_errors(self._sets[expert]) or 'none'})")
         coalescer = self._coalescers[expert]
         rows = inputs[0].shape[0]
-        size = info.max_batch if info is not None else rows
+        size = info.max_batch
         parts = [tuple(a[i:i + size] for a in inputs) for i in range(0, rows, size)]
-        outs = await gather_all(*(coalescer.submit(key, part) for part in parts))
+        outs = await gather_all(*(coalescer.submit(key, part, made) for part in parts))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def _coalescer(self, expert: str) -> Coalescer:
