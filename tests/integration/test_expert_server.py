@@ -372,3 +372,31 @@ def _listening(base: str) -> bool:
     except httpx.TransportError:
         return False
     return True
+
+
+def test_velocity_calls_run_between_the_slices_of_a_long_integration(torch_server,
+                                                                     torch_velocity):
+    """A delegated integration of 1000 steps does not hold the model for all of them: velocity
+    calls sent meanwhile are answered before it ends, and its result is unchanged."""
+    start = velocity_request(batch=8, seed=3)
+    grid = np.linspace(0, 1, 1001, dtype=np.float32)
+    integrate = encode_request(IntegrateRequest(9, start.x, start.y, grid, Solver.EULER))
+    single = encode_request(velocity_request(batch=1, seed=4, request_id=5))
+
+    async def scenario() -> tuple[bytes, int]:
+        async with httpx.AsyncClient(headers=HEADERS, timeout=120) as client:
+            long = asyncio.ensure_future(client.post(f"{torch_server}/v1/velocity",
+                                                     content=integrate))
+            answered = 0
+            while not long.done():
+                reply = await client.post(f"{torch_server}/v1/velocity", content=single)
+                assert reply.status_code == 200
+                answered += not long.done()
+            return (await long).content, answered
+
+    content, answered = asyncio.run(scenario())
+    assert answered >= 3, answered
+    expected = start.x
+    for _, expected in iterate(torch_velocity, start.x, start.y, grid, "euler"):
+        pass
+    np.testing.assert_allclose(decode_response(content, 9), expected, atol=1e-4)

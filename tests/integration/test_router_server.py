@@ -666,3 +666,29 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_stream_whose_client_disconnects_is_closed_and_frees_its_slot(ddms, experts):
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], None, strategy="oracle")
+    config = dataclasses.replace(config, limits=RouterLimits(max_concurrent=1, max_steps=1000))
+    with _servers({"router": create_router_app(config)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, "router ready")
+        with socket.create_connection(tuple(_split(endpoints["router"]))) as sock:
+            sock.sendall(b"GET /v1/generate/stream?label=1&steps=1000 HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            while b"event: step" not in received:
+                received += sock.recv(65536)
+            in_flight = _metric(httpx.get(f"{base}/metrics").text,
+                                "ddm_router_generations_in_flight")
+        assert in_flight == 1
+        _wait(lambda: _metric(httpx.get(f"{base}/metrics").text,
+                              "ddm_router_generations_in_flight") == 0, "the slot freed")
+        ok = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 3}, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host, int(port)

@@ -39,15 +39,16 @@ import json
 import logging
 import os
 import time
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, Response,
                                StreamingResponse)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ddm.convention import to_uint8
@@ -139,8 +140,13 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         router.take_slot()
         events = _events(router, mixture, request)
         first = await anext(events)  # started, so that closing it always frees the slot
-        return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store"})
+        body = _prepend(first, events)
+        # Closed when the response ends, however it ends: a client that disconnects while a
+        # frame waits to be written leaves the generator suspended at a ``yield``, where the
+        # cancellation of the stream does not reach it.
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"},
+                                 background=BackgroundTask(body.aclose))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -234,7 +240,7 @@ def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
 
 
 async def _events(router: RouterState, mixture: RemoteMixture, request: SamplingRequest
-                  ) -> AsyncIterator[bytes]:
+                  ) -> AsyncGenerator[bytes, None]:
     """The SSE body: ``step`` events, then ``done``, or ``failure`` if an expert fails.
     Frees the generation's slot when it ends, however it ends."""
     try:
@@ -266,10 +272,12 @@ def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingReques
             "delegated": bool(event.delegated[0]), "round_trips": int(event.round_trips[0])}
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for chunk in rest:
-        yield chunk
+async def _prepend(first: bytes, rest: AsyncGenerator[bytes, None]
+                   ) -> AsyncGenerator[bytes, None]:
+    async with aclosing(rest):
+        yield first
+        async for chunk in rest:
+            yield chunk
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
