@@ -29,7 +29,7 @@ from ddm.checkpoints.format import load_checkpoint
 from ddm.sampling.pipeline import expert_velocity
 from ddm.sampling.solvers import iterate
 from ddm.serving.expert.backends import Backend, BackendUnavailable, check_backend, load_backend
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.expert.server import INLINE_BUDGET_S, create_expert_app
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
                                   VelocityRequest, decode_response, encode_request)
 from ddm.serving.termination import write_termination_message
@@ -215,7 +215,7 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
         real = load_backend(ckpt, backend, device, max_batch, compile_cache)
 
         def velocity(x, t, y):
-            if x.shape[0] == 5:  # over INLINE_ROWS: runs on the model thread, not the loop
+            if x.shape[0] == 5:  # over MAX_INLINE_ROWS: on the model thread, not the loop
                 entered.set()
                 assert gate.wait(timeout=60)
             return real.velocity(x, t, y)
@@ -400,3 +400,22 @@ def test_velocity_calls_run_between_the_slices_of_a_long_integration(torch_serve
     for _, expected in iterate(torch_velocity, start.x, start.y, grid, "euler"):
         pass
     np.testing.assert_allclose(decode_response(content, 9), expected, atol=1e-4)
+
+
+def test_requests_run_inline_only_up_to_the_batch_measured_within_budget(
+        smoke_expert_checkpoint):
+    """A model slower than INLINE_BUDGET_S at batch 1 never runs on the event loop."""
+    def slow_loader(ckpt, backend, device, max_batch, compile_cache):
+        real = load_backend(ckpt, backend, device, max_batch, compile_cache)
+
+        def velocity(x, t, y):
+            time.sleep(2 * INLINE_BUDGET_S)  # a bigger model, as the measurement sees it
+            return real.velocity(x, t, y)
+
+        return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
+
+    with running(create_expert_app(smoke_expert_checkpoint, loader=slow_loader)) as base:
+        wait_ready(base)
+        assert httpx.get(f"{base}/v1/info").json()["inline_rows"] == 0
+        reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=2)))
+        assert reply.status_code == 200
