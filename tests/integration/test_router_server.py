@@ -692,3 +692,16 @@ def test_a_stream_whose_client_disconnects_is_closed_and_frees_its_slot(ddms, ex
 def _split(endpoint: str) -> tuple[str, int]:
     host, _, port = endpoint.rpartition(":")
     return host, int(port)
+
+
+def test_a_stopped_router_closes_its_router_networks_coalescer(ddms, experts):
+    config = _config({"e0": {"endpoints": [experts["f0"]]}, "e1": {"endpoints": [experts["f1"]]}},
+                     [ALL, ALL], ddms["shared"] / "router", strategy="top1")
+    app = create_router_app(config)
+    with _servers({"router": app}) as endpoints:
+        _wait(lambda: _status(f"http://{endpoints['router']}/readyz") == 200, "router ready")
+        network = app.state.router.network
+        assert network is not None
+    x = np.zeros((1, *SHAPE), np.float32)
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(network(x, np.zeros(1, np.float32), np.zeros(1, np.int64)))

@@ -102,9 +102,12 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                 yield
             finally:
                 loading.cancel()
+                if router.network is not None:
+                    await router.network.close()
 
     app = FastAPI(title="ddm router", lifespan=lifespan,
                   description="Decentralized diffusion: route each step to remote experts.")
+    app.state.router = router  # what the routes share, for tests and debugging
     auth = router.tokens is not None
     if auth:
         _document_bearer_auth(app)
