@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import hashlib
 import io
 import json
 import logging
@@ -166,7 +167,33 @@ def test_the_page_and_the_api_description_are_served(routers):
     assert [e["name"] for e in info["experts"]] == ["e0", "e1"]
     assert info["image_shape"] == list(SHAPE) and info["num_classes"] == 10
     assert all(e["ready_replicas"] == 1 for e in info["experts"])
-    assert httpx.get(f"{routers['split']}/docs").status_code == 200
+    assert httpx.get(f"{routers['split']}/docs").status_code == 404  # off by default
+
+
+def test_the_page_and_the_api_docs_forbid_framing_and_run_only_their_own_code(ddms, experts):
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], None, strategy="oracle")
+    with _servers({"router": create_router_app(config, api_docs=True)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        page, docs = httpx.get(f"{base}/"), httpx.get(f"{base}/docs")
+    for answer in (page, docs):
+        assert answer.status_code == 200
+        assert answer.headers["x-frame-options"] == "DENY"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+        policy = dict(d.strip().split(" ", 1) for d in
+                      answer.headers["content-security-policy"].split(";"))
+        assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'"
+        assert policy["connect-src"] == "'self'" and "'unsafe-inline'" not in str(policy)
+        for tag in ("script", "style"):  # every inline block, and nothing else inline, runs
+            blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", answer.text, flags=re.S)
+            assert blocks or answer is docs
+            for block in blocks:
+                digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
+                assert f"'sha256-{digest}'" in policy[f"{tag}-src"].split()
+    page_policy = page.headers["content-security-policy"]
+    assert "https:" not in page_policy  # the page loads nothing from elsewhere
+    assert " style=" not in page.text  # a style attribute would be refused
+    assert "https://cdn.jsdelivr.net" in docs.headers["content-security-policy"]
 
 
 #: Every operation the router documents; the web page at / is served but not documented.

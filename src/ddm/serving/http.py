@@ -17,8 +17,11 @@ accepted connection, so a small reply is not held back by Nagle's algorithm.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.util
 import json
+import re
 import logging
 import signal
 import time
@@ -27,6 +30,9 @@ from types import FrameType
 from typing import Any, Callable, Iterable
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ddm.serving.connections import ConnectionLimits, protocol_factory
@@ -207,6 +213,44 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+def page_headers(html: str, *, sources: tuple[str, ...] = ()) -> dict[str, str]:
+    """Headers for an HTML page: a Content-Security-Policy that runs only the page's own inline
+    ``<script>`` and ``<style>`` blocks (by their SHA-256) and what ``sources`` serve, fetches
+    only from its own origin and shows only its own or ``data:`` images; and no framing by any
+    other page (``frame-ancestors`` and, for old browsers, ``X-Frame-Options``), so that a page
+    that keeps a token cannot be clickjacked or made to run injected code."""
+    extra = " ".join(sources)
+
+    def hashes(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                        for b in blocks)
+
+    policy = (f"default-src 'none'; script-src {hashes('script')} {extra}; "
+              f"style-src {hashes('style')} {extra}; img-src 'self' data:; "
+              f"connect-src 'self'; base-uri 'none'; form-action 'none'; "
+              f"frame-ancestors 'none'")
+    return {"Content-Security-Policy": re.sub(r" +", " ", policy),
+            "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer"}
+
+
+#: Where FastAPI's Swagger UI loads its script and styles from.
+SWAGGER_UI_CDN = "https://cdn.jsdelivr.net"
+
+
+def add_api_docs(app: FastAPI) -> None:
+    """Serve Swagger UI at ``/docs`` for ``app``'s OpenAPI document. Off unless asked for
+    (``--api-docs``): it loads from a CDN, and on the router it would share an origin with the
+    web page that keeps the API token; its CSP admits only that CDN besides itself."""
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        page = get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - API",
+                                   swagger_favicon_url="data:,")
+        html = bytes(page.body).decode()
+        return HTMLResponse(html, headers=page_headers(html, sources=(SWAGGER_UI_CDN,)))
 
 
 def probe_responses(failing: int, why: str) -> dict[int | str, dict[str, Any]]:

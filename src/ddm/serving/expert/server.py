@@ -2,8 +2,8 @@
 
 Routes: ``POST /v1/velocity`` (velocity and integrate requests alike: the kind is in the body),
 ``GET /v1/info``, ``/healthz``, ``/readyz`` and ``/metrics``; their OpenAPI document at
-``/openapi.json`` (browsable at ``/docs``), into which :func:`_document` merges the velocity
-operation, since FastAPI does not see that route.
+``/openapi.json`` (browsable at ``/docs`` with ``--api-docs``), into which :func:`_document`
+merges the velocity operation, since FastAPI does not see that route.
 
 The lifespan starts loading and warming up the model in a worker thread and returns at once, so
 that the server answers probes while a backend compiles (minutes on Neuron): ``/readyz`` is 503
@@ -53,8 +53,8 @@ from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
 from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected, ServerControl,
-                              probe_responses, read_body, retry_after, run_server, send_bytes,
-                              send_json)
+                              add_api_docs, probe_responses, read_body, retry_after, run_server,
+                              send_bytes, send_json)
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
                                   VelocityRequest, decode_request, encode_error, encode_response)
 from ddm.serving.termination import fail_start
@@ -149,7 +149,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       max_steps: int = DEFAULT_MAX_STEPS, max_pending: int = DEFAULT_MAX_PENDING,
                       compile_cache: Path | None = None, loader: BackendLoader = load_backend,
                       on_failure: Callable[[str], None] | None = None,
-                      draining: Callable[[], bool] | None = None) -> ASGIApp:
+                      draining: Callable[[], bool] | None = None,
+                      api_docs: bool = False) -> ASGIApp:
     """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``.
 
     Requests arriving within ``max_delay_ms`` of each other (or while the model is busy) run
@@ -157,7 +158,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     backend and the checkpoint's config are checked here, so that a wrong flag fails before
     the server starts; the weights load in the lifespan, and if they cannot,
     ``on_failure(reason)`` is called (besides ``/healthz`` answering 500). While
-    ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503.
+    ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503. ``api_docs``
+    serves Swagger UI at ``/docs`` (:func:`~ddm.serving.http.add_api_docs`).
     """
     check_backend(backend, device)
     meta = read_meta(checkpoint_dir)
@@ -181,9 +183,11 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
             loading.cancel()
             await expert.batcher.close()
 
-    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, redoc_url=None,
-                  description="One diffusion expert behind the binary protocol of "
-                              "docs/protocol.md.")
+    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, description="One diffusion expert behind the binary protocol "
+                                              "of docs/protocol.md.")
+    if api_docs:
+        add_api_docs(app)
     _document(app)
 
     @app.get("/v1/info")
@@ -220,7 +224,8 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
                  max_batch: int = DEFAULT_MAX_BATCH, max_delay_ms: float = DEFAULT_MAX_DELAY_MS,
                  log_level: str = "info", compile_cache: Path | None = None, *,
                  max_steps: int = DEFAULT_MAX_STEPS,
-                 max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0) -> None:
+                 max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0,
+                 api_docs: bool = False) -> None:
     """Serve one expert until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
     draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve expert`` runs.
 
@@ -233,7 +238,7 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
             return create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms,
                                      max_steps=max_steps, max_pending=max_pending,
                                      compile_cache=compile_cache, on_failure=control.stop,
-                                     draining=lambda: control.draining)
+                                     draining=lambda: control.draining, api_docs=api_docs)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
