@@ -732,3 +732,31 @@ def test_a_stopped_router_closes_its_router_networks_coalescer(ddms, experts):
     x = np.zeros((1, *SHAPE), np.float32)
     with pytest.raises(RuntimeError, match="closed"):
         asyncio.run(network(x, np.zeros(1, np.float32), np.zeros(1, np.int64)))
+
+
+def test_experts_with_a_token_answer_only_the_router_that_sends_it(ddms, tmp_path):
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "other").write_text("another-ddms-token")
+    apps = {name: create_expert_app(ddms["split"] / name, max_batch=8,
+                                    auth_token_file=tmp_path / "token") for name in ("e0", "e1")}
+    with _servers(apps) as experts:
+        expert = f"http://{experts['e0']}"
+        assert httpx.post(f"{expert}/v1/velocity", content=b"x").status_code == 401
+        assert httpx.get(f"{expert}/v1/info").status_code == 401
+        assert all(httpx.get(f"{expert}{path}").status_code == 200
+                   for path in ("/healthz", "/readyz", "/metrics"))
+        discovery = {name: {"endpoints": [endpoint]} for name, endpoint in experts.items()}
+        for token, status in (("token", 200), ("other", 503)):
+            config = dataclasses.replace(
+                _config(discovery, [LOW, HIGH], None, strategy="oracle",
+                        timeouts={"connect_s": 0.5, "request_s": 0.5}),
+                auth=Auth(str(tmp_path / token)))
+            with _servers({"router": create_router_app(config, deadline_s=2.0)}) as router:
+                base = f"http://{router['router']}"
+                bearer = {"Authorization": f"Bearer {(tmp_path / token).read_text().strip()}"}
+                reply = httpx.post(f"{base}/v1/generate", json={"labels": [1], "steps": 2},
+                                   headers=bearer, timeout=30)
+                assert reply.status_code == status, reply.text
+                if status == 503:  # its probes cannot read the experts' /v1/info
+                    assert httpx.get(f"{base}/readyz").json()["missing_experts"] == ["e0",
+                                                                                     "e1"]

@@ -33,6 +33,9 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                    help="requests admitted at once, queued or running; more get 429")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="neuron: where traced models are cached")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="require Authorization: Bearer <the token in this file> on /v1/*: the "
+                        "DDM's router token, which the router sends to its experts")
     _add_drain(p)
     _add_api_docs(p)
     p.add_argument("--log-level", default="info")
@@ -86,7 +89,8 @@ def _serve_expert(args: argparse.Namespace) -> int:
               if getattr(args, name) is not None}
     serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
                  device=args.device, log_level=args.log_level, compile_cache=args.compile_cache,
-                 drain_s=args.drain_s, api_docs=args.api_docs, **limits)
+                 drain_s=args.drain_s, api_docs=args.api_docs,
+                 auth_token_file=args.auth_token_file, **limits)
     return 0
 
 

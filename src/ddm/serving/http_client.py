@@ -212,14 +212,18 @@ class HttpClient:
 
     async def post(self, endpoint: str, path: str, body: bytes, content_type: str,
                    timeout_s: float, connect_timeout_s: float, *, max_reply_bytes: int,
-                   max_error_bytes: int) -> HttpReply:
+                   max_error_bytes: int, authorization: bytes | None = None) -> HttpReply:
         """``POST http://{endpoint}{path}``: the reply, :class:`HttpClientError` or
         ``TimeoutError`` (``timeout_s`` bounds the whole exchange, connecting included).
 
         A 2xx body over ``max_reply_bytes`` or another body over ``max_error_bytes`` is an
-        :class:`HttpClientError` as soon as it is declared or received, never buffered."""
+        :class:`HttpClientError` as soon as it is declared or received, never buffered.
+        ``authorization`` is sent as the ``Authorization`` header."""
         head = (f"POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: {content_type}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+                f"Content-Length: {len(body)}\r\n").encode("latin-1")
+        if authorization is not None:
+            head += b"Authorization: " + authorization + b"\r\n"
+        head += b"\r\n"
         request, caps = head + body, _Caps(max_reply_bytes, max_error_bytes)
         async with asyncio.timeout(timeout_s):
             connection = self._take(endpoint)

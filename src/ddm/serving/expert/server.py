@@ -49,6 +49,7 @@ from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta,
                                     read_meta)
 from ddm.models.config import UNetConfig
 from ddm.sampling.solvers import iterate
+from ddm.serving.auth import BearerAuth, TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
@@ -150,7 +151,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       compile_cache: Path | None = None, loader: BackendLoader = load_backend,
                       on_failure: Callable[[str], None] | None = None,
                       draining: Callable[[], bool] | None = None,
-                      api_docs: bool = False) -> ASGIApp:
+                      api_docs: bool = False,
+                      auth_token_file: str | os.PathLike[str] | None = None) -> ASGIApp:
     """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``.
 
     Requests arriving within ``max_delay_ms`` of each other (or while the model is busy) run
@@ -159,9 +161,13 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     the server starts; the weights load in the lifespan, and if they cannot,
     ``on_failure(reason)`` is called (besides ``/healthz`` answering 500). While
     ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503. ``api_docs``
-    serves Swagger UI at ``/docs`` (:func:`~ddm.serving.http.add_api_docs`).
+    serves Swagger UI at ``/docs`` (:func:`~ddm.serving.http.add_api_docs`). With
+    ``auth_token_file``, ``/v1/*`` needs ``Authorization: Bearer <its token>`` (the router's
+    per-DDM token; :mod:`ddm.serving.auth`), so that only the router reaches the model.
     """
     check_backend(backend, device)
+    if auth_token_file is not None:
+        TokenFile(auth_token_file)  # unreadable, empty or malformed: fail before loading
     meta = read_meta(checkpoint_dir)
     if meta.kind not in ("expert", "monolith"):
         raise CheckpointError(f"{checkpoint_dir} is a {meta.kind} checkpoint, not a UNet to serve")
@@ -216,7 +222,10 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     async def metrics() -> Response:
         return Response(expert.metrics.render(), media_type=expert_metrics.CONTENT_TYPE)
 
-    return _VelocityRoute(app, expert)
+    route = _VelocityRoute(app, expert)
+    if auth_token_file is None:
+        return route
+    return BearerAuth(route, TokenFile(auth_token_file))
 
 
 def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
@@ -225,7 +234,8 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
                  log_level: str = "info", compile_cache: Path | None = None, *,
                  max_steps: int = DEFAULT_MAX_STEPS,
                  max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0,
-                 api_docs: bool = False) -> None:
+                 api_docs: bool = False,
+                 auth_token_file: str | os.PathLike[str] | None = None) -> None:
     """Serve one expert until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
     draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve expert`` runs.
 
@@ -238,7 +248,8 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
             return create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms,
                                      max_steps=max_steps, max_pending=max_pending,
                                      compile_cache=compile_cache, on_failure=control.stop,
-                                     draining=lambda: control.draining, api_docs=api_docs)
+                                     draining=lambda: control.draining, api_docs=api_docs,
+                                     auth_token_file=auth_token_file)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 

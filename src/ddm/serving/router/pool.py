@@ -31,6 +31,7 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.http_client import HttpClient, HttpClientError
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
@@ -204,8 +205,9 @@ class ExpertPool:
     request of a router (it holds replicas and connections, never a request's state)."""
 
     def __init__(self, sources: Mapping[str, EndpointSource], settings: PoolSettings,
-                 metrics: PoolMetrics | None = None) -> None:
+                 metrics: PoolMetrics | None = None, token: TokenFile | None = None) -> None:
         self._sources = dict(sources)
+        self._token = token  # sent to the experts as a bearer token (their --auth-token-file)
         self._settings = settings
         self.metrics = metrics or PoolMetrics(CollectorRegistry())
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
@@ -219,7 +221,11 @@ class ExpertPool:
     @classmethod
     def from_config(cls, config: RouterConfigFile, settings: PoolSettings,
                     metrics: PoolMetrics | None = None) -> ExpertPool:
-        return cls({e.name: source_for(e.discovery) for e in config.experts}, settings, metrics)
+        """The experts ``config`` lists; with ``auth`` configured, the router's token goes to
+        them too (the same per-DDM token; ``ddm serve expert --auth-token-file``)."""
+        token = TokenFile(config.auth.token_file) if config.auth is not None else None
+        return cls({e.name: source_for(e.discovery) for e in config.experts}, settings, metrics,
+                   token)
 
     async def __aenter__(self) -> ExpertPool:
         await self.start()
@@ -380,7 +386,10 @@ class ExpertPool:
             reply = await self._client.post(
                 replica.endpoint, "/v1/velocity", body, CONTENT_TYPE, timeout,
                 self._settings.connect_s, max_reply_bytes=max_reply_bytes(request.x.shape),
-                max_error_bytes=_MAX_ERROR_BYTES)
+                max_error_bytes=_MAX_ERROR_BYTES, authorization=self._authorization())
+            if reply.status == 401:
+                raise _ReplicaFailed("answered 401: it does not accept the router's token "
+                                     "(both must read the same auth token file)")
             out = decode_response(reply.body, request.request_id, request.x.shape)
         except RemoteExpertError as error:
             if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
@@ -393,6 +402,9 @@ class ExpertPool:
         finally:
             replica.outstanding -= 1
         return out.astype(np.float32, copy=False)  # an expert may answer in float16
+
+    def _authorization(self) -> bytes | None:
+        return None if self._token is None else b"Bearer " + self._token.token()
 
     def _give_up(self, expert: str, reason: str) -> ExpertUnavailable:
         self.metrics.unavailable.labels(expert).inc()
@@ -439,7 +451,13 @@ class ExpertPool:
                 if response.status != 200:
                     raise ValueError(f"/readyz answered {response.status}")
             if replica.state is not ReplicaState.READY or replica.info is None:
-                async with self._session.get(f"{replica.url}/v1/info", timeout=timeout) as info:
+                authorization = self._authorization()
+                headers = {} if authorization is None else {"Authorization":
+                                                            authorization.decode()}
+                async with self._session.get(f"{replica.url}/v1/info", timeout=timeout,
+                                             headers=headers) as info:
+                    if info.status != 200:
+                        raise ValueError(f"/v1/info answered {info.status}")
                     replica.info = ExpertInfo.from_json(await info.json())
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
             replicas.probe_failed(replica, f"probe failed: {_describe(error)}", time.monotonic())
