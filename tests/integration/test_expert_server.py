@@ -419,3 +419,28 @@ def test_requests_run_inline_only_up_to_the_batch_measured_within_budget(
         assert httpx.get(f"{base}/v1/info").json()["inline_rows"] == 0
         reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=2)))
         assert reply.status_code == 200
+
+
+def test_with_a_metrics_port_metrics_are_there_only_and_the_api_is_not(smoke_expert_checkpoint):
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    base, scrape = (f"http://127.0.0.1:{port}" for port in ports)
+    expert = subprocess.Popen(
+        [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint",
+         str(smoke_expert_checkpoint), "--port", str(ports[0]), "--metrics-port",
+         str(ports[1]), "--log-level", "warning"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_ready(base)
+        assert post(base, encode_request(velocity_request(1, seed=0))).status_code == 200
+        metrics = httpx.get(f"{scrape}/metrics")
+        assert metrics.status_code == 200 and metric(metrics.text, "ddm_expert_images_total") == 1
+        assert httpx.get(f"{base}/metrics").status_code == 404
+        for path in ("/v1/info", "/readyz", "/openapi.json"):
+            assert httpx.get(f"{scrape}{path}").status_code == 404
+        assert post(scrape, encode_request(velocity_request(1, seed=0))).status_code == 404
+    finally:
+        expert.kill()
+        expert.wait()

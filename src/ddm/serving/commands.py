@@ -38,6 +38,7 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                         "DDM's router token, which the router sends to its experts")
     _add_drain(p)
     _add_api_docs(p)
+    _add_metrics_port(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_expert)
 
@@ -58,6 +59,7 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                         "(overrides router.yaml's auth.token_file)")
     _add_drain(p)
     _add_api_docs(p)
+    _add_metrics_port(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_router)
 
@@ -66,6 +68,12 @@ def _add_drain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-s", type=_seconds, default=0.0,
                    help="on SIGTERM, answer /readyz 503 and keep serving this long before "
                         "stopping (load balancers and DNS caches catch up meanwhile)")
+
+
+def _add_metrics_port(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics on this port only (not on --port), so that scraping "
+                        "needs no access to the API")
 
 
 def _add_api_docs(p: argparse.ArgumentParser) -> None:
@@ -90,7 +98,8 @@ def _serve_expert(args: argparse.Namespace) -> int:
     serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
                  device=args.device, log_level=args.log_level, compile_cache=args.compile_cache,
                  drain_s=args.drain_s, api_docs=args.api_docs,
-                 auth_token_file=args.auth_token_file, **limits)
+                 auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
+                 **limits)
     return 0
 
 
@@ -101,5 +110,5 @@ def _serve_router(args: argparse.Namespace) -> int:
                  max_batch=args.max_batch, max_steps=args.max_steps,
                  max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes,
                  deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
-                 drain_s=args.drain_s, api_docs=args.api_docs)
+                 drain_s=args.drain_s, api_docs=args.api_docs, metrics_port=args.metrics_port)
     return 0

@@ -21,9 +21,10 @@ import base64
 import hashlib
 import importlib.util
 import json
-import re
 import logging
+import re
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from types import FrameType
@@ -127,15 +128,45 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: int,
-               log_level: str, drain_s: float = 0.0) -> None:
+               log_level: str, drain_s: float = 0.0, metrics_port: int | None = None) -> None:
     """Serve ``make_app(control)`` until interrupted, draining for ``drain_s`` seconds on
     SIGTERM; when the app's background start-up fails (``control.stop(reason)``), end the
     server and exit with status 1 after writing ``reason`` where Kubernetes shows it
-    (:mod:`ddm.serving.termination`)."""
+    (:mod:`ddm.serving.termination`). With ``metrics_port``, ``/metrics`` moves there
+    (:class:`MetricsPort`): one server, one event loop, two listening sockets."""
     control = ServerControl()
-    build_server(make_app(control), host, port, log_level, drain_s, control).run()
+    app = make_app(control)
+    sockets = None
+    if metrics_port is not None:
+        app = MetricsPort(app, metrics_port)
+        sockets = [socket.create_server((host, p)) for p in (port, metrics_port)]
+    try:
+        build_server(app, host, port, log_level, drain_s, control).run(sockets=sockets)
+    finally:
+        for sock in sockets or ():
+            sock.close()
     if control.failures:
         raise fail_start(control.failures[0])
+
+
+class MetricsPort:
+    """ASGI middleware for a server listening on a data port and a metrics port: ``/metrics``
+    is answered on the metrics port only, and nothing else is, so that letting Prometheus
+    scrape a pod (a NetworkPolicy rule for that port) does not open its API."""
+
+    def __init__(self, app: ASGIApp, port: int) -> None:
+        self.app = app
+        self.port = port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            server = scope.get("server")
+            on_metrics_port = server is not None and server[1] == self.port
+            if (scope["path"] == "/metrics") != on_metrics_port:
+                where = "the data port" if on_metrics_port else f"port {self.port}"
+                await send_json(send, 404, {"detail": f"not served here; try {where}"})
+                return
+        await self.app(scope, receive, send)
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

@@ -235,9 +235,11 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
                  max_steps: int = DEFAULT_MAX_STEPS,
                  max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0,
                  api_docs: bool = False,
-                 auth_token_file: str | os.PathLike[str] | None = None) -> None:
+                 auth_token_file: str | os.PathLike[str] | None = None,
+                 metrics_port: int | None = None) -> None:
     """Serve one expert until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
-    draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve expert`` runs.
+    draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
+    given); what ``ddm serve expert`` runs.
 
     Exits with status 1, the reason in the termination-message file, when the checkpoint or
     the backend cannot be loaded, warmed up or compiled."""
@@ -253,7 +255,7 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
-    run_server(make_app, host, port, log_level, drain_s)
+    run_server(make_app, host, port, log_level, drain_s, metrics_port)
 
 
 _TENSORS = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}

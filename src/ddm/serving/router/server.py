@@ -212,9 +212,11 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
                  max_steps: int | None = None, max_concurrent: int | None = None,
                  max_body_bytes: int | None = None, deadline_s: float | None = None,
                  auth_token_file: str | os.PathLike[str] | None = None,
-                 drain_s: float = 0.0, api_docs: bool = False) -> None:
+                 drain_s: float = 0.0, api_docs: bool = False,
+                 metrics_port: int | None = None) -> None:
     """Serve the router until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
-    draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve router`` runs.
+    draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
+    given); what ``ddm serve router`` runs.
 
     Limits and the token file given here override ``router.yaml``'s. Exits with status 1,
     the reason in the termination-message file, when the config, the token file or the
@@ -235,7 +237,7 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"router: {error}") from error
 
-    run_server(make_app, host, port, log_level, drain_s)
+    run_server(make_app, host, port, log_level, drain_s, metrics_port)
 
 
 def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
