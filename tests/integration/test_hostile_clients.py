@@ -2,7 +2,7 @@
 call still succeeds while they are open, and each of them is closed by its deadline
 (``ddm.serving.connections``; figures in docs/reliability.md, "Hostile clients").
 
-The deadlines are shortened to 2 s so that the tests take seconds; the defaults only change how
+The deadlines are shortened to 4 s so that the tests take seconds; the defaults only change how
 long an attacker lasts, not what it can do meanwhile.
 """
 
@@ -26,8 +26,8 @@ from ddm.serving.router.server import create_router_app
 from hostile import Attacker, check_closed_in_time, swarm
 from servers import running, wait_ready
 
-LIMITS = ConnectionLimits(head_timeout_s=2.0, body_timeout_s=2.0, send_timeout_s=2.0,
-                          keep_alive_s=2.0)
+LIMITS = ConnectionLimits(head_timeout_s=4.0, body_timeout_s=4.0, send_timeout_s=4.0,
+                          keep_alive_s=4.0)
 #: Timer lateness tolerated on a machine whose two cores run other tests too.
 SLACK_S = 1.5
 #: 300 connections, as issue 13 asks; 120 slow bodies are more than max_pending below.
@@ -53,14 +53,15 @@ async def _under_attack(targets: list[tuple[int, str]], call: Callable[[], httpx
                         ) -> tuple[list[Attacker], list[float], int]:
     """Open PER_KIND attackers on each ``(port, path)``, make CALLS normal calls meanwhile, then
     wait for the server to close every attacker. Returns the attackers, the calls' seconds and
-    how many attackers were still open when the last call was answered."""
+    how many attackers were still open when the first call was answered."""
     attackers, tasks = [], []
     for port, path in targets:
         opened, running_ = await swarm("127.0.0.1", port, path, PER_KIND)
         attackers += opened
         tasks += running_
-    seconds = [await asyncio.to_thread(_timed, call) for _ in range(CALLS)]
+    seconds = [await asyncio.to_thread(_timed, call)]
     still_open = sum(a.closed is None for a in attackers)
+    seconds += [await asyncio.to_thread(_timed, call) for _ in range(CALLS - 1)]
     longest = max(LIMITS.head_timeout_s, LIMITS.body_timeout_s, LIMITS.keep_alive_s)
     await asyncio.wait_for(asyncio.gather(*tasks), timeout=longest + SLACK_S + 10)
     return attackers, seconds, still_open
@@ -96,7 +97,7 @@ def test_an_expert_serves_through_300_hostile_connections_and_closes_them(
         port = int(base.rsplit(":", 1)[1])
         attackers, attacked, still_open = asyncio.run(
             _under_attack([(port, "/v1/velocity")], call))
-        assert still_open > 200, "the calls were answered only once the attackers were cut off"
+        assert still_open > 250, "the call was answered only once the attackers were cut off"
         assert max(attacked) < LIMITS.head_timeout_s
         longest = check_closed_in_time(attackers, LIMITS, SLACK_S)
         _report("expert", attackers, baseline, attacked, longest)
@@ -124,7 +125,7 @@ def test_a_router_generates_through_300_hostile_connections_on_it_and_its_expert
             router_port = int(router.rsplit(":", 1)[1])
             attackers, attacked, still_open = asyncio.run(_under_attack(
                 [(router_port, "/v1/generate"), (expert_port, "/v1/velocity")], call))
-            assert still_open > 400
+            assert still_open > 500
             assert max(attacked) < LIMITS.head_timeout_s
             longest = check_closed_in_time(attackers, LIMITS, SLACK_S)
             _report("router and its expert", attackers, baseline, attacked, longest)
