@@ -218,3 +218,20 @@ def test_a_pipelined_request_is_not_read_and_the_connection_closes_after_the_rep
         answered = asyncio.run(scenario())
         assert answered.count(b"HTTP/1.1 200") == 1
         assert b"connection: close" in answered
+
+
+def test_a_reply_before_the_body_is_in_says_close_and_closes(smoke_expert_checkpoint: Path):
+    """A body declared over the limit gets its 413 at once, marked ``connection: close``, so
+    that a client does not send its next request on a connection about to close."""
+    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8), LIMITS) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+
+        async def scenario() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/velocity HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: 1000000000\r\n\r\n" + b"x" * 1000)
+            return await asyncio.wait_for(reader.read(-1), LIMITS.body_timeout_s / 2)
+
+        answered = asyncio.run(scenario())
+        assert answered.startswith(b"HTTP/1.1 413") and b"connection: close" in answered

@@ -20,8 +20,9 @@ serving        request complete .. reply complete                the app's own l
 keep-alive     reply sent .. first byte of the next request      ``keep_alive_s``: close
 =============  ================================================  ===============================
 
-Every refusal closes the connection. The app sees a request only as uvicorn hands it over, and
-a route that counts requests does so once the body is in (the expert's ``max_pending``).
+Every refusal closes the connection, and so does a reply sent before the request's body is in
+(413, 401): it says ``connection: close``, and the rest of the body is never read. A route that
+counts requests does so once the body is in (the expert's ``max_pending``).
 
 At most ``max_connections`` connections are open: one more evicts the connection that has
 waited longest in the head, body or keep-alive phase (a prompt client spends microseconds
@@ -157,10 +158,23 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
 
     def on_headers_complete(self) -> None:
-        if self.phase is not Phase.SERVING:  # a pipelined request is never started
-            self._head_bytes = 0
-            self._enter(Phase.BODY, self.limits.body_timeout_s)
+        if self.phase is Phase.SERVING:  # a pipelined request is never started
+            super().on_headers_complete()
+            return
+        self._head_bytes = 0
+        self._enter(Phase.BODY, self.limits.body_timeout_s)
         super().on_headers_complete()
+        cycle = self.cycle
+        send = cycle.send
+
+        async def send_closing(message: Any) -> None:
+            if message["type"] == "http.response.start" and self.phase is Phase.BODY:
+                # Answered before its body was in (413, 401, 404...): the rest is not worth
+                # reading, so the reply says "connection: close" and uvicorn closes after it.
+                cycle.keep_alive = False
+            await send(message)
+
+        cycle.send = send_closing  # type: ignore[method-assign]  # looked up when the app runs
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -168,11 +182,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._enter(Phase.SERVING, None)
 
     def on_response_complete(self) -> None:
-        early = self.phase is Phase.BODY  # answered before its body was in (413, 401, ...)
         self._enter(Phase.KEEP_ALIVE, None)  # uvicorn arms its keep-alive timer
         super().on_response_complete()
-        if early:
-            self.transport.close()  # the rest of the body is not worth reading
 
     # writing ------------------------------------------------------------------------------
 
