@@ -163,8 +163,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             return
         self._head_bytes = 0
         self._enter(Phase.BODY, self.limits.body_timeout_s)
+        previous = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
+        if cycle is None or cycle is previous:  # an upgrade, which these servers refuse
+            return
         send = cycle.send
 
         async def send_closing(message: Any) -> None:

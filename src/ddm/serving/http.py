@@ -75,7 +75,7 @@ def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
     no ``date`` or ``server`` header; draining for ``drain_s`` seconds on SIGTERM, telling
     ``control``."""
     config = uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
-                            http=protocol_factory(limits), lifespan="on",
+                            http=protocol_factory(limits), ws="none", lifespan="on",
                             log_level=log_level, access_log=False,
                             timeout_keep_alive=limits.keep_alive_s,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
