@@ -11,6 +11,7 @@ from typing import Iterator
 
 import httpx
 
+from ddm.serving.connections import ConnectionLimits
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
 
@@ -18,12 +19,13 @@ READY_DEADLINE_S = 60.0
 
 
 @contextmanager
-def running(app) -> Iterator[str]:
-    """Serve ``app`` on a free loopback port; yields the base URL, stops the server after."""
+def running(app, limits: ConnectionLimits = ConnectionLimits()) -> Iterator[str]:
+    """Serve ``app`` on a free loopback port within ``limits``; yields the base URL, stops the
+    server after."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = build_server(app, "127.0.0.1", port, log_level="warning")
+    server = build_server(app, "127.0.0.1", port, log_level="warning", limits=limits)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

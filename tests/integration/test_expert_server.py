@@ -29,7 +29,7 @@ from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
 from ddm.sampling.solvers import iterate
 from ddm.serving.expert.backends import Backend, BackendUnavailable, check_backend, load_backend
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.expert.server import INLINE_BUDGET_S, create_expert_app
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
                                   VelocityRequest, decode_response, encode_request)
 from ddm.serving.termination import write_termination_message
@@ -215,7 +215,7 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
         real = load_backend(ckpt, backend, device, max_batch, compile_cache)
 
         def velocity(x, t, y):
-            if x.shape[0] == 5:  # over INLINE_ROWS: runs on the model thread, not the loop
+            if x.shape[0] == 5:  # over MAX_INLINE_ROWS: on the model thread, not the loop
                 entered.set()
                 assert gate.wait(timeout=60)
             return real.velocity(x, t, y)
@@ -362,7 +362,7 @@ def test_the_openapi_document_describes_exactly_the_served_operations(torch_serv
         reply = httpx.request(method, f"{torch_server}{path}", content=body, headers=HEADERS)
         assert str(reply.status_code) in paths[path][method.lower()]["responses"], (path, reply)
         assert reply.status_code == 200, (path, reply.text)
-    assert httpx.get(f"{torch_server}/docs").status_code == 200
+    assert httpx.get(f"{torch_server}/docs").status_code == 404  # --api-docs turns it on
     assert httpx.get(f"{torch_server}/v1/nothing").status_code == 404
 
 
@@ -372,3 +372,75 @@ def _listening(base: str) -> bool:
     except httpx.TransportError:
         return False
     return True
+
+
+def test_velocity_calls_run_between_the_slices_of_a_long_integration(torch_server,
+                                                                     torch_velocity):
+    """A delegated integration of 1000 steps does not hold the model for all of them: velocity
+    calls sent meanwhile are answered before it ends, and its result is unchanged."""
+    start = velocity_request(batch=8, seed=3)
+    grid = np.linspace(0, 1, 1001, dtype=np.float32)
+    integrate = encode_request(IntegrateRequest(9, start.x, start.y, grid, Solver.EULER))
+    single = encode_request(velocity_request(batch=1, seed=4, request_id=5))
+
+    async def scenario() -> tuple[bytes, int]:
+        async with httpx.AsyncClient(headers=HEADERS, timeout=120) as client:
+            long = asyncio.ensure_future(client.post(f"{torch_server}/v1/velocity",
+                                                     content=integrate))
+            answered = 0
+            while not long.done():
+                reply = await client.post(f"{torch_server}/v1/velocity", content=single)
+                assert reply.status_code == 200
+                answered += not long.done()
+            return (await long).content, answered
+
+    content, answered = asyncio.run(scenario())
+    assert answered >= 3, answered
+    expected = start.x
+    for _, expected in iterate(torch_velocity, start.x, start.y, grid, "euler"):
+        pass
+    np.testing.assert_allclose(decode_response(content, 9), expected, atol=1e-4)
+
+
+def test_requests_run_inline_only_up_to_the_batch_measured_within_budget(
+        smoke_expert_checkpoint):
+    """A model slower than INLINE_BUDGET_S at batch 1 never runs on the event loop."""
+    def slow_loader(ckpt, backend, device, max_batch, compile_cache):
+        real = load_backend(ckpt, backend, device, max_batch, compile_cache)
+
+        def velocity(x, t, y):
+            time.sleep(2 * INLINE_BUDGET_S)  # a bigger model, as the measurement sees it
+            return real.velocity(x, t, y)
+
+        return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
+
+    with running(create_expert_app(smoke_expert_checkpoint, loader=slow_loader)) as base:
+        wait_ready(base)
+        assert httpx.get(f"{base}/v1/info").json()["inline_rows"] == 0
+        reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=2)))
+        assert reply.status_code == 200
+
+
+def test_with_a_metrics_port_metrics_are_there_only_and_the_api_is_not(smoke_expert_checkpoint):
+    ports = []
+    for _ in range(2):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    base, scrape = (f"http://127.0.0.1:{port}" for port in ports)
+    expert = subprocess.Popen(
+        [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint",
+         str(smoke_expert_checkpoint), "--port", str(ports[0]), "--metrics-port",
+         str(ports[1]), "--log-level", "warning"], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_ready(base)
+        assert post(base, encode_request(velocity_request(1, seed=0))).status_code == 200
+        metrics = httpx.get(f"{scrape}/metrics")
+        assert metrics.status_code == 200 and metric(metrics.text, "ddm_expert_images_total") == 1
+        assert httpx.get(f"{base}/metrics").status_code == 404
+        for path in ("/v1/info", "/readyz", "/openapi.json"):
+            assert httpx.get(f"{scrape}{path}").status_code == 404
+        assert post(scrape, encode_request(velocity_request(1, seed=0))).status_code == 404
+    finally:
+        expert.kill()
+        expert.wait()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import hashlib
 import io
 import json
 import logging
@@ -167,7 +168,33 @@ def test_the_page_and_the_api_description_are_served(routers):
     assert [e["name"] for e in info["experts"]] == ["e0", "e1"]
     assert info["image_shape"] == list(SHAPE) and info["num_classes"] == 10
     assert all(e["ready_replicas"] == 1 for e in info["experts"])
-    assert httpx.get(f"{routers['split']}/docs").status_code == 200
+    assert httpx.get(f"{routers['split']}/docs").status_code == 404  # off by default
+
+
+def test_the_page_and_the_api_docs_forbid_framing_and_run_only_their_own_code(ddms, experts):
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], None, strategy="oracle")
+    with _servers({"router": create_router_app(config, api_docs=True)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        page, docs = httpx.get(f"{base}/"), httpx.get(f"{base}/docs")
+    for answer in (page, docs):
+        assert answer.status_code == 200
+        assert answer.headers["x-frame-options"] == "DENY"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+        policy = dict(d.strip().split(" ", 1) for d in
+                      answer.headers["content-security-policy"].split(";"))
+        assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'"
+        assert policy["connect-src"] == "'self'" and "'unsafe-inline'" not in str(policy)
+        for tag in ("script", "style"):  # every inline block, and nothing else inline, runs
+            blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", answer.text, flags=re.S)
+            assert blocks or answer is docs
+            for block in blocks:
+                digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
+                assert f"'sha256-{digest}'" in policy[f"{tag}-src"].split()
+    page_policy = page.headers["content-security-policy"]
+    assert "https:" not in page_policy  # the page loads nothing from elsewhere
+    assert " style=" not in page.text  # a style attribute would be refused
+    assert "https://cdn.jsdelivr.net" in docs.headers["content-security-policy"]
 
 
 #: Every operation the router documents; the web page at / is served but not documented.
@@ -667,3 +694,70 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_stream_whose_client_disconnects_is_closed_and_frees_its_slot(ddms, experts):
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], None, strategy="oracle")
+    config = dataclasses.replace(config, limits=RouterLimits(max_concurrent=1, max_steps=1000))
+    with _servers({"router": create_router_app(config)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, "router ready")
+        with socket.create_connection(tuple(_split(endpoints["router"]))) as sock:
+            sock.sendall(b"GET /v1/generate/stream?label=1&steps=1000 HTTP/1.1\r\nHost: x\r\n\r\n")
+            received = b""
+            while b"event: step" not in received:
+                received += sock.recv(65536)
+            in_flight = _metric(httpx.get(f"{base}/metrics").text,
+                                "ddm_router_generations_in_flight")
+        assert in_flight == 1
+        _wait(lambda: _metric(httpx.get(f"{base}/metrics").text,
+                              "ddm_router_generations_in_flight") == 0, "the slot freed")
+        ok = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 3}, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host, int(port)
+
+
+def test_a_stopped_router_closes_its_router_networks_coalescer(ddms, experts):
+    config = _config({"e0": {"endpoints": [experts["f0"]]}, "e1": {"endpoints": [experts["f1"]]}},
+                     [ALL, ALL], ddms["shared"] / "router", strategy="top1")
+    app = create_router_app(config)
+    with _servers({"router": app}) as endpoints:
+        _wait(lambda: _status(f"http://{endpoints['router']}/readyz") == 200, "router ready")
+        network = app.state.router.network
+        assert network is not None
+    x = np.zeros((1, *SHAPE), np.float32)
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(network(x, np.zeros(1, np.float32), np.zeros(1, np.int64)))
+
+
+def test_experts_with_a_token_answer_only_the_router_that_sends_it(ddms, tmp_path):
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    (tmp_path / "other").write_text("another-ddms-token")
+    apps = {name: create_expert_app(ddms["split"] / name, max_batch=8,
+                                    auth_token_file=tmp_path / "token") for name in ("e0", "e1")}
+    with _servers(apps) as experts:
+        expert = f"http://{experts['e0']}"
+        assert httpx.post(f"{expert}/v1/velocity", content=b"x").status_code == 401
+        assert httpx.get(f"{expert}/v1/info").status_code == 401
+        assert all(httpx.get(f"{expert}{path}").status_code == 200
+                   for path in ("/healthz", "/readyz", "/metrics"))
+        discovery = {name: {"endpoints": [endpoint]} for name, endpoint in experts.items()}
+        for token, status in (("token", 200), ("other", 503)):
+            config = dataclasses.replace(
+                _config(discovery, [LOW, HIGH], None, strategy="oracle",
+                        timeouts={"connect_s": 0.5, "request_s": 0.5}),
+                auth=Auth(str(tmp_path / token)))
+            with _servers({"router": create_router_app(config, deadline_s=2.0)}) as router:
+                base = f"http://{router['router']}"
+                bearer = {"Authorization": f"Bearer {(tmp_path / token).read_text().strip()}"}
+                reply = httpx.post(f"{base}/v1/generate", json={"labels": [1], "steps": 2},
+                                   headers=bearer, timeout=30)
+                assert reply.status_code == status, reply.text
+                if status == 503:  # its probes cannot read the experts' /v1/info
+                    assert httpx.get(f"{base}/readyz").json()["missing_experts"] == ["e0",
+                                                                                     "e1"]

@@ -26,13 +26,17 @@ class Expert:
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail_with = fail_with
+        self.in_flight = self.peak = 0
 
     async def send(self, key: Hashable, inputs: tuple[np.ndarray, ...],
                    since: float) -> np.ndarray:
         (x,) = inputs
         self.requests.append((key, x.shape[0]))
         self.since.append(since)
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
         await self.gate.wait()
+        self.in_flight -= 1
         if self.fail_with is not None:
             raise self.fail_with
         return x * 10 + key
@@ -122,19 +126,23 @@ def test_only_calls_with_the_same_key_merge_oldest_key_first():
     assert [o.tolist() for o in outs] == [[11], [22], [31], [42]]
 
 
-def test_requests_never_exceed_max_rows_and_full_calls_go_straight_through():
+def test_requests_never_exceed_max_rows_and_full_calls_count_against_the_limit():
     async def scenario():
         expert = Expert()
+        expert.gate.clear()
         c = coalescer(expert, max_rows=3, limit=2)
-        outs = await asyncio.gather(*(c.submit(0, rows(i)) for i in range(7)),
-                                    c.submit(0, rows(7, 8, 9)))
-        return expert.requests, outs
+        calls = asyncio.gather(*(c.submit(0, rows(i)) for i in range(7)),
+                               c.submit(0, rows(7, 8, 9)), c.submit(0, rows(1, 2, 3)))
+        await turns(5)
+        expert.gate.set()
+        outs = await calls
+        return expert.requests, expert.peak, outs
 
-    requests, outs = asyncio.run(scenario())
-    assert requests[0] == (0, 3)  # the full call is sent before the turn ends
-    assert sorted(n for _, n in requests[1:]) == [1, 3, 3]
+    requests, peak, outs = asyncio.run(scenario())
+    assert max(n for _, n in requests) == 3 and sum(n for _, n in requests) == 13
+    assert peak == 2  # full calls wait their turn too
     assert [o.tolist() for o in outs[:7]] == [[i * 10] for i in range(7)]
-    assert outs[7].tolist() == [70, 80, 90]
+    assert outs[7].tolist() == [70, 80, 90] and outs[8].tolist() == [10, 20, 30]
 
 
 def test_max_rows_one_sends_every_call_on_its_own_without_a_limit():

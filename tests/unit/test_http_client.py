@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
+import tracemalloc
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Awaitable, Callable
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ddm.serving.http import build_server
 from ddm.serving.http_client import HttpClient, HttpClientError
 
 CT = "application/octet-stream"
+#: Reply caps for the ordinary cases: far above what they answer.
+CAPS = {"max_reply_bytes": 1 << 20, "max_error_bytes": 4096}
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -84,7 +90,7 @@ def run(scenario: Callable[[HttpClient], Awaitable]) -> object:
 def test_posts_reuse_one_kept_alive_connection():
     async def scenario(client: HttpClient):
         async with uvicorn_echo() as endpoint:
-            return [await client.post(endpoint, "/v1/velocity", b"x" * n, CT, 5.0, 1.0)
+            return [await client.post(endpoint, "/v1/velocity", b"x" * n, CT, 5.0, 1.0, **CAPS)
                     for n in (0, 3, 70000)]
 
     replies = run(scenario)
@@ -96,8 +102,8 @@ def test_posts_reuse_one_kept_alive_connection():
 def test_concurrent_posts_get_their_own_replies_on_separate_connections():
     async def scenario(client: HttpClient):
         async with uvicorn_echo() as endpoint:
-            return await asyncio.gather(*(client.post(endpoint, "/", str(i).encode(), CT, 5.0, 1.0)
-                                          for i in range(8)))
+            return await asyncio.gather(*(client.post(endpoint, "/", str(i).encode(), CT, 5.0,
+                                                      1.0, **CAPS) for i in range(8)))
 
     replies = run(scenario)
     assert [r.body.split(b":")[1] for r in replies] == [str(i).encode() for i in range(8)]
@@ -113,7 +119,7 @@ def test_chunked_replies_are_reassembled():
 
     async def scenario(client: HttpClient):
         async with raw_server(handler) as endpoint:
-            return await client.post(endpoint, "/", b"", CT, 5.0, 1.0)
+            return await client.post(endpoint, "/", b"", CT, 5.0, 1.0, **CAPS)
 
     assert run(scenario).body == b"abcde"
 
@@ -144,7 +150,7 @@ def test_connection_close_and_connections_the_server_drops_are_followed():
 
     async def scenario(client: HttpClient):
         async with raw_server(handler) as endpoint:
-            return [(await client.post(endpoint, "/", body, CT, 5.0, 1.0)).body
+            return [(await client.post(endpoint, "/", body, CT, 5.0, 1.0, **CAPS)).body
                     for body in (b"close", b"drop-next", b"after-drop", b"kept")]
 
     assert run(scenario) == [b"close", b"drop-next", b"after-drop", b"kept"]
@@ -165,7 +171,7 @@ def test_garbage_and_cut_replies_are_client_errors(reply, message):
     async def scenario(client: HttpClient):
         async with raw_server(handler) as endpoint:
             with pytest.raises(HttpClientError, match=message):
-                await client.post(endpoint, "/", b"x", CT, 5.0, 1.0)
+                await client.post(endpoint, "/", b"x", CT, 5.0, 1.0, **CAPS)
 
     run(scenario)
 
@@ -189,9 +195,9 @@ def test_a_reply_cut_short_on_a_kept_connection_is_not_sent_again():
 
     async def scenario(client: HttpClient):
         async with raw_server(handler) as endpoint:
-            await client.post(endpoint, "/", b"first", CT, 5.0, 1.0)
+            await client.post(endpoint, "/", b"first", CT, 5.0, 1.0, **CAPS)
             with pytest.raises(HttpClientError, match="connection closed by the server"):
-                await client.post(endpoint, "/", b"cut", CT, 5.0, 1.0)
+                await client.post(endpoint, "/", b"cut", CT, 5.0, 1.0, **CAPS)
 
     run(scenario)
     assert requests == [b"first", b"cut"]
@@ -206,10 +212,10 @@ def test_silence_times_out_and_a_closed_port_is_refused():
             loop = asyncio.get_running_loop()
             started = loop.time()
             with pytest.raises(TimeoutError):
-                await client.post(endpoint, "/", b"x", CT, 0.3, 1.0)
+                await client.post(endpoint, "/", b"x", CT, 0.3, 1.0, **CAPS)
             assert loop.time() - started < 1.0
         with pytest.raises(HttpClientError, match="cannot connect"):
-            await client.post(endpoint, "/", b"x", CT, 1.0, 1.0)
+            await client.post(endpoint, "/", b"x", CT, 1.0, 1.0, **CAPS)
 
     run(scenario)
 
@@ -218,16 +224,192 @@ def test_connections_disable_nagle_and_stale_ones_are_closed():
     async def scenario():
         client = HttpClient(keep_alive_s=0.05)
         async with uvicorn_echo() as endpoint:
-            first = await client.post(endpoint, "/", b"x", CT, 5.0, 1.0)
+            first = await client.post(endpoint, "/", b"x", CT, 5.0, 1.0, **CAPS)
             (connection,) = client._idle[endpoint]  # the kept connection, to look at its socket
             sock = connection._transport.get_extra_info("socket")
             nodelay = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
             await asyncio.sleep(0.1)
             client.close_idle()
             pruned = connection.closed and endpoint not in client._idle
-            second = await client.post(endpoint, "/", b"y", CT, 5.0, 1.0)  # a new connection
+            # a new connection
+            second = await client.post(endpoint, "/", b"y", CT, 5.0, 1.0, **CAPS)
             client.close()
         return nodelay, pruned, first.body.split(b":")[0] != second.body.split(b":")[0]
 
     nodelay, pruned, new_connection = asyncio.run(scenario())
     assert nodelay != 0 and pruned and new_connection
+
+
+# ------------------------------------------------------------------------ a hostile expert
+
+
+def test_informational_replies_are_skipped():
+    async def handler(reader, writer):
+        body = await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n"
+                     b"HTTP/1.1 103 Early Hints\r\nLink: </x>; rel=preload\r\n\r\n"
+                     + answer(200, body))
+        await writer.drain()
+        await reader.read()
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            return await client.post(endpoint, "/", b"final", CT, 5.0, 1.0, **CAPS)
+
+    reply = run(scenario)
+    assert (reply.status, reply.body) == (200, b"final")
+
+
+def test_bytes_after_a_reply_close_the_connection_and_are_never_the_next_reply():
+    """A forged reply sent after the real one, at once or later, must not answer the next
+    request: the connection it came on is closed, the next request goes out on a new one."""
+    connections = []
+
+    async def handler(reader, writer):
+        connections.append(writer)
+        while True:
+            try:
+                body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(answer(200, body) + answer(200, b"forged"))
+            await writer.drain()
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            return [(await client.post(endpoint, "/", body, CT, 5.0, 1.0, **CAPS)).body
+                    for body in (b"one", b"two", b"three")]
+
+    assert run(scenario) == [b"one", b"two", b"three"]
+    assert len(connections) == 3
+
+
+@pytest.mark.parametrize("reply, message", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 314572800\r\n\r\n", "declared"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+     + b"10000\r\n" + b"x" * 0x10000 + b"\r\n", "reply body over"),
+    (b"HTTP/1.1 500 Oops\r\nContent-Length: 5000\r\n\r\n", "declared"),
+    (b"HTTP/1.1 200 OK\r\nX-Pad: " + b"p" * 65536, "reply headers exceed"),
+])
+def test_replies_over_what_the_request_implies_are_refused_before_they_are_buffered(
+        reply, message):
+    """The server would go on sending for ever; the client stops at the cap."""
+    sent = []
+
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(reply)
+        try:
+            while True:
+                writer.write(b"x" * 65536 if b"chunked" not in reply
+                             else b"10000\r\n" + b"x" * 0x10000 + b"\r\n")
+                sent.append(0x10000)
+                await writer.drain()
+        except ConnectionError:
+            pass
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            with pytest.raises(HttpClientError, match=message):
+                await client.post(endpoint, "/", b"x", CT, 5.0, 1.0,
+                                  max_reply_bytes=256 << 10, max_error_bytes=4096)
+
+    tracemalloc.start()
+    try:
+        run(scenario)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # the cap and socket buffers, not the endless reply
+
+
+#: What the hostile expert may do with one request; see :func:`_hostile_expert`.
+BEHAVIOURS = ("ok", "chunked", "informational", "leftover", "error", "error-too-big",
+              "too-big", "garbage", "trickle", "silent", "close", "switch")
+#: The caps the fuzz posts with: the right reply ("reply-to-req-<n>") and errors fit.
+FUZZ_CAPS = {"max_reply_bytes": 64, "max_error_bytes": 96}
+FUZZ_TIMEOUT_S = 0.25
+
+
+def _right_reply(request: bytes, behaviour: str) -> tuple[int, bytes]:
+    return (500, b"error-for-" + request) if behaviour == "error" else (200, b"reply-to-" + request)
+
+
+def _hostile_expert(plans: list[tuple[str, list[int], bytes]]) -> Handler:
+    """Answers each request (on any connection, in arrival order) as the next plan says:
+    a behaviour, where to split the reply into writes, and garbage bytes."""
+    async def handler(reader, writer):
+        try:
+            while True:
+                request = await read_request(reader)
+                behaviour, cuts, garbage = plans.pop(0) if plans else ("ok", [], b"")
+                status, body = _right_reply(request, behaviour)
+                forged = answer(200, b"reply-to-req-forged")
+                cut = cuts[0] if cuts else len(forged)
+                if behaviour == "chunked":
+                    ends = sorted({c % (len(body) + 1) for c in cuts})
+                    pieces = [body[a:b] for a, b in zip([0, *ends], [*ends, len(body)]) if b > a]
+                    data = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                            + b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+                            + b"0\r\n\r\n")
+                else:
+                    data = {
+                        "informational": b"HTTP/1.1 100 Continue\r\n\r\n" + answer(status, body),
+                        # all or part of a forged reply: a part would be finished by the
+                        # next request's reply if the client kept reading
+                        "leftover": answer(status, body) + forged[:cut % len(forged) + 1],
+                        "error-too-big": answer(500, b"e" * 200),
+                        "too-big": answer(200, b"r" * 200),
+                        "garbage": b"\x00" + garbage,
+                        "switch": b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
+                    }.get(behaviour, answer(status, body))
+                if behaviour == "silent":
+                    await reader.read()
+                    return
+                if behaviour == "close":
+                    writer.close()
+                    return
+                cuts = sorted({c % (len(data) + 1) for c in cuts})
+                for a, b in zip([0, *cuts], [*cuts, len(data)]):
+                    writer.write(data[a:b])
+                    await writer.drain()
+                    if behaviour == "trickle":
+                        await asyncio.sleep(FUZZ_TIMEOUT_S / 4)
+                if behaviour == "trickle":  # a byte at a time: past any deadline
+                    for byte in range(len(data)):
+                        writer.write(data[byte:byte + 1])
+                        await asyncio.sleep(FUZZ_TIMEOUT_S / 4)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+    return handler
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.sampled_from(BEHAVIOURS),
+                          st.lists(st.integers(0, 200), max_size=4),
+                          st.binary(max_size=64)), min_size=1, max_size=10))
+def test_a_hostile_expert_never_gets_a_wrong_answer_taken_or_a_call_held_past_its_deadline(
+        plans):
+    """Whatever the expert sends, each call returns the right reply to its own request, or
+    fails with HttpClientError or TimeoutError, within its deadline."""
+    outcomes = []
+
+    async def scenario(client: HttpClient):
+        async with raw_server(_hostile_expert(list(plans))) as endpoint:
+            for n in range(len(plans)):
+                request = b"req-%d" % n
+                started = time.monotonic()
+                try:
+                    reply = await client.post(endpoint, "/", request, CT, FUZZ_TIMEOUT_S, 1.0,
+                                              **FUZZ_CAPS)
+                except (HttpClientError, TimeoutError) as error:
+                    outcomes.append((request, type(error).__name__, time.monotonic() - started))
+                    continue
+                outcomes.append((request, (reply.status, reply.body), time.monotonic() - started))
+
+    run(scenario)
+    for request, outcome, seconds in outcomes:
+        assert seconds < FUZZ_TIMEOUT_S + 0.25, (request, outcome, seconds)
+        if isinstance(outcome, tuple):
+            assert outcome in {(200, b"reply-to-" + request), (500, b"error-for-" + request)}, (
+                request, outcome, plans)

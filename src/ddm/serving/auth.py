@@ -1,4 +1,6 @@
-"""Optional bearer-token authentication for the router's API (``auth: {token_file: PATH}``).
+"""Optional bearer-token authentication for the router's API (``auth: {token_file: PATH}``)
+and for the experts' (``ddm serve expert --auth-token-file``: the same per-DDM token, which
+the router sends them).
 
 When on, every ``/v1/*`` request needs ``Authorization: Bearer <token>``; the probes
 (``/healthz``, ``/readyz``), ``/metrics``, the web page at ``/`` (which asks for the token
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -30,6 +33,8 @@ CHALLENGE = b'Bearer realm="ddm"'
 MISSING = "missing Authorization header; send Authorization: Bearer <token>"
 WRONG_SCHEME = "the Authorization scheme must be Bearer"
 BAD_TOKEN = "bad token"
+#: RFC 6750's b64token: what ``secrets.token_urlsafe`` (the operator's tokens) makes.
+_TOKEN = re.compile(rb"[A-Za-z0-9\-._~+/]+=*")
 
 
 class TokenFileError(ValueError):
@@ -71,6 +76,9 @@ class TokenFile:
             raise TokenFileError(f"auth.token_file {self.path}: {error.strerror}") from None
         if not token:
             raise TokenFileError(f"auth.token_file {self.path} is empty")
+        if not _TOKEN.fullmatch(token):  # it goes into headers sent to the experts
+            raise TokenFileError(f"auth.token_file {self.path} is not a bearer token (letters, "
+                                 f"digits and -._~+/, then any '=')")
         self._stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
         return token
 

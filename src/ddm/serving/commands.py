@@ -35,7 +35,12 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                    help="requests admitted at once, queued or running; more get 429")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="neuron: where traced models are cached")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="require Authorization: Bearer <the token in this file> on /v1/*: the "
+                        "DDM's router token, which the router sends to its experts")
     _add_drain(p)
+    _add_api_docs(p)
+    _add_metrics_port(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_expert)
 
@@ -55,6 +60,8 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                    help="require Authorization: Bearer <the token in this file> on /v1/* "
                         "(overrides router.yaml's auth.token_file)")
     _add_drain(p)
+    _add_api_docs(p)
+    _add_metrics_port(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_router)
 
@@ -63,6 +70,18 @@ def _add_drain(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-s", type=_seconds, default=0.0,
                    help="on SIGTERM, answer /readyz 503 and keep serving this long before "
                         "stopping (load balancers and DNS caches catch up meanwhile)")
+
+
+def _add_metrics_port(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve /metrics on this port only (not on --port), so that scraping "
+                        "needs no access to the API")
+
+
+def _add_api_docs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-docs", action="store_true",
+                   help="serve Swagger UI at /docs (it loads from a CDN, so it is off by "
+                        "default; /openapi.json is always served)")
 
 
 def _seconds(text: str) -> float:
@@ -80,7 +99,9 @@ def _serve_expert(args: argparse.Namespace) -> int:
               if getattr(args, name) is not None}
     serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
                  device=args.device, log_level=args.log_level, compile_cache=args.compile_cache,
-                 drain_s=args.drain_s, **limits)
+                 drain_s=args.drain_s, api_docs=args.api_docs,
+                 auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
+                 **limits)
     return 0
 
 
@@ -91,5 +112,5 @@ def _serve_router(args: argparse.Namespace) -> int:
                  max_batch=args.max_batch, max_steps=args.max_steps,
                  max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes,
                  deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
-                 drain_s=args.drain_s)
+                 drain_s=args.drain_s, api_docs=args.api_docs, metrics_port=args.metrics_port)
     return 0

@@ -1,6 +1,7 @@
 """HTTP plumbing the expert and the router share: the uvicorn server, bare ASGI answers, body
 limits, running a server that exits with a reason when its start-up fails or drains on SIGTERM,
-and the OpenAPI descriptions of what both answer alike (probes, ``Retry-After``).
+and the OpenAPI descriptions of what both answer alike (probes, ``Retry-After``). What one
+connection may cost (deadlines, header and connection caps) is in :mod:`ddm.serving.connections`.
 
 Draining: Kubernetes sends SIGTERM to a pod while Services, kube-proxy and the routers' DNS
 caches still send it traffic for a few seconds. With ``drain_s`` > 0, the first SIGTERM makes
@@ -16,23 +17,28 @@ accepted connection, so a small reply is not held back by Nagle's algorithm.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib.util
 import json
 import logging
+import re
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Callable, Iterable
 
 import uvicorn
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ddm.serving.connections import ConnectionLimits, protocol_factory
 from ddm.serving.termination import fail_start
 
-#: Longer than a router's pause between two generations and than common load balancers' idle
-#: timeout (60 s), so that a keep-alive connection is not closed just as a router reuses it.
-KEEP_ALIVE_S = 75
 #: Seconds a client told 429 or 503 should wait before trying again.
 RETRY_AFTER_S = 1
 #: After draining, how long requests in flight may take before they are cancelled: with the
@@ -49,6 +55,10 @@ RETRY_AFTER_HEADER = {"Retry-After": {"description": f"seconds to wait ({RETRY_A
 _PROBE = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 
 
+class ClientDisconnected(Exception):
+    """The client went away (or was cut off by a deadline) before its body was in."""
+
+
 class BodyTooLarge(Exception):
     """A request body over the limit (declared or streamed)."""
 
@@ -57,14 +67,17 @@ class BodyTooLarge(Exception):
 
 
 def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
-                 drain_s: float = 0.0, control: ServerControl | None = None) -> uvicorn.Server:
-    """A uvicorn server for ``app``: uvloop and httptools when installed, long keep-alive, no
-    access log (one line per denoising step would cost more than the step; it would also be
-    one more place a credential could leak), no ``date`` or ``server`` header; draining for
-    ``drain_s`` seconds on SIGTERM, telling ``control``."""
+                 drain_s: float = 0.0, control: ServerControl | None = None,
+                 limits: ConnectionLimits = ConnectionLimits()) -> uvicorn.Server:
+    """A uvicorn server for ``app``: uvloop when installed, httptools behind the connection
+    ``limits`` of :mod:`ddm.serving.connections`, no access log (one line per denoising step
+    would cost more than the step; it would also be one more place a credential could leak),
+    no ``date`` or ``server`` header; draining for ``drain_s`` seconds on SIGTERM, telling
+    ``control``."""
     config = uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
-                            http=_installed_or("httptools", "h11"), lifespan="on",
-                            log_level=log_level, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                            http=protocol_factory(limits), ws="none", lifespan="on",
+                            log_level=log_level, access_log=False,
+                            timeout_keep_alive=limits.keep_alive_s,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             server_header=False, date_header=False)
     return _DrainingServer(config, control or ServerControl(), drain_s)
@@ -115,15 +128,45 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: int,
-               log_level: str, drain_s: float = 0.0) -> None:
+               log_level: str, drain_s: float = 0.0, metrics_port: int | None = None) -> None:
     """Serve ``make_app(control)`` until interrupted, draining for ``drain_s`` seconds on
     SIGTERM; when the app's background start-up fails (``control.stop(reason)``), end the
     server and exit with status 1 after writing ``reason`` where Kubernetes shows it
-    (:mod:`ddm.serving.termination`)."""
+    (:mod:`ddm.serving.termination`). With ``metrics_port``, ``/metrics`` moves there
+    (:class:`MetricsPort`): one server, one event loop, two listening sockets."""
     control = ServerControl()
-    build_server(make_app(control), host, port, log_level, drain_s, control).run()
+    app = make_app(control)
+    sockets = None
+    if metrics_port is not None:
+        app = MetricsPort(app, metrics_port)
+        sockets = [socket.create_server((host, p)) for p in (port, metrics_port)]
+    try:
+        build_server(app, host, port, log_level, drain_s, control).run(sockets=sockets)
+    finally:
+        for sock in sockets or ():
+            sock.close()
     if control.failures:
         raise fail_start(control.failures[0])
+
+
+class MetricsPort:
+    """ASGI middleware for a server listening on a data port and a metrics port: ``/metrics``
+    is answered on the metrics port only, and nothing else is, so that letting Prometheus
+    scrape a pod (a NetworkPolicy rule for that port) does not open its API."""
+
+    def __init__(self, app: ASGIApp, port: int) -> None:
+        self.app = app
+        self.port = port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            server = scope.get("server")
+            on_metrics_port = server is not None and server[1] == self.port
+            if (scope["path"] == "/metrics") != on_metrics_port:
+                where = "the data port" if on_metrics_port else f"port {self.port}"
+                await send_json(send, 404, {"detail": f"not served here; try {where}"})
+                return
+        await self.app(scope, receive, send)
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -136,7 +179,8 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole request body; :class:`BodyTooLarge` as soon as the declared length or the
-    bytes received pass ``limit``, so that an oversized body is never buffered."""
+    bytes received pass ``limit``, so that an oversized body is never buffered;
+    :class:`ClientDisconnected` if the connection ends first (a truncated body is not a body)."""
     declared = header(scope, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(declared.decode(), limit)
@@ -144,6 +188,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     size, more = 0, True
     while more:
         message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected(f"the client left after {size} bytes of the body")
         chunk, more = message.get("body", b""), message.get("more_body", False)
         size += len(chunk)
         if size > limit:
@@ -186,6 +232,8 @@ class BodyLimit:
         except BodyTooLarge as error:
             await send_json(send, 413, {"detail": str(error)})
             return
+        except ClientDisconnected:
+            return  # nobody to answer
         delivered = False
 
         async def replay() -> Message:
@@ -196,6 +244,44 @@ class BodyLimit:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+def page_headers(html: str, *, sources: tuple[str, ...] = ()) -> dict[str, str]:
+    """Headers for an HTML page: a Content-Security-Policy that runs only the page's own inline
+    ``<script>`` and ``<style>`` blocks (by their SHA-256) and what ``sources`` serve, fetches
+    only from its own origin and shows only its own or ``data:`` images; and no framing by any
+    other page (``frame-ancestors`` and, for old browsers, ``X-Frame-Options``), so that a page
+    that keeps a token cannot be clickjacked or made to run injected code."""
+    extra = " ".join(sources)
+
+    def hashes(tag: str) -> str:
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
+        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                        for b in blocks)
+
+    policy = (f"default-src 'none'; script-src {hashes('script')} {extra}; "
+              f"style-src {hashes('style')} {extra}; img-src 'self' data:; "
+              f"connect-src 'self'; base-uri 'none'; form-action 'none'; "
+              f"frame-ancestors 'none'")
+    return {"Content-Security-Policy": re.sub(r" +", " ", policy),
+            "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer"}
+
+
+#: Where FastAPI's Swagger UI loads its script and styles from.
+SWAGGER_UI_CDN = "https://cdn.jsdelivr.net"
+
+
+def add_api_docs(app: FastAPI) -> None:
+    """Serve Swagger UI at ``/docs`` for ``app``'s OpenAPI document. Off unless asked for
+    (``--api-docs``): it loads from a CDN, and on the router it would share an origin with the
+    web page that keeps the API token; its CSP admits only that CDN besides itself."""
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        page = get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - API",
+                                   swagger_favicon_url="data:,")
+        html = bytes(page.body).decode()
+        return HTMLResponse(html, headers=page_headers(html, sources=(SWAGGER_UI_CDN,)))
 
 
 def probe_responses(failing: int, why: str) -> dict[int | str, dict[str, Any]]:

@@ -188,6 +188,18 @@ def encode_response(request_id: int, out: np.ndarray) -> bytes:
     return _encode(_Kind.RESPONSE, request_id, 0, (out,))
 
 
+def max_reply_bytes(shape: tuple[int, ...]) -> int:
+    """The size of a float32 response whose ``out`` has ``shape`` (B, C, H, W): the largest
+    valid answer to a request whose ``x`` has that shape (float16 is half the data)."""
+    return _aligned(_FIXED.size + _DESCRIPTOR.size + 4 * len(shape)) + 4 * math.prod(shape)
+
+
+def max_error_reply_bytes() -> int:
+    """The size of the largest error reply: its header and a message cut to
+    :data:`MAX_ERROR_MESSAGE_BYTES`."""
+    return _aligned(_FIXED.size + _DESCRIPTOR.size + 4) + MAX_ERROR_MESSAGE_BYTES
+
+
 def encode_error(request_id: int, code: int, message: str) -> bytes:
     """An error reply; ``code`` is an HTTP status (e.g. ``ProtocolError.status``, 500, 503)."""
     if not 0 <= code <= _MAX_U16:

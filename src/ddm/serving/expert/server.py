@@ -2,8 +2,8 @@
 
 Routes: ``POST /v1/velocity`` (velocity and integrate requests alike: the kind is in the body),
 ``GET /v1/info``, ``/healthz``, ``/readyz`` and ``/metrics``; their OpenAPI document at
-``/openapi.json`` (browsable at ``/docs``), into which :func:`_document` merges the velocity
-operation, since FastAPI does not see that route.
+``/openapi.json`` (browsable at ``/docs`` with ``--api-docs``), into which :func:`_document`
+merges the velocity operation, since FastAPI does not see that route.
 
 The lifespan starts loading and warming up the model in a worker thread and returns at once, so
 that the server answers probes while a backend compiles (minutes on Neuron): ``/readyz`` is 503
@@ -21,8 +21,9 @@ is a bare ASGI route in front of the FastAPI app, which serves the other routes.
 Limits: a body over ``max_body_bytes`` is refused with 413 before it is read; a batch over
 ``max_batch``, a grid over ``max_steps`` or any other value the expert refuses gets 422, an
 undecodable body 400 (``docs/protocol.md``); more than ``max_pending`` requests admitted at
-once (queued or running) get 429 with ``Retry-After``, which a router retries on another
-replica.
+once (queued or running, counted once their body is in) get 429 with ``Retry-After``, which a
+router retries on another replica. Slow, idle and oversized connections are cut off by the
+limits of :mod:`ddm.serving.connections` before they reach this app.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta,
 from ddm.deploy.limits import MAX_STEPS
 from ddm.models.config import UNetConfig
 from ddm.sampling.solvers import iterate
+from ddm.serving.auth import BearerAuth, TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ServerControl,
-                              probe_responses, read_body, retry_after, run_server, send_bytes,
-                              send_json)
+from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected, ServerControl,
+                              add_api_docs, probe_responses, read_body, retry_after, run_server,
+                              send_bytes, send_json)
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
                                   VelocityRequest, decode_request, encode_error, encode_response)
 from ddm.serving.termination import fail_start
@@ -66,10 +68,20 @@ DEFAULT_MAX_BATCH = 64
 #: batch, and a router stepping alone would otherwise pay the whole delay at every step
 #: (measured: +1 ms or more per batch-1 step at 1 ms, with no clear throughput gain).
 DEFAULT_MAX_DELAY_MS = 0.0
-#: Velocity requests of at most this many rows run on the event loop when the model is idle
-#: (see :class:`Batcher`): a router's batch-1 step then skips two thread hops, while a large
-#: batch or an integration still leaves the loop free for probes.
-INLINE_ROWS = 4
+#: A velocity request runs on the event loop when the model is idle (see :class:`Batcher`) if
+#: a batch of its size took at most this long when measured after warm-up: a router's batch-1
+#: step on a small model then skips two thread hops, while the loop is never held longer than
+#: this from probes and other connections. Measured, not assumed: with one torch thread on the
+#: shared test VM, batch 1 took 0.7 ms for the 8x8 smoke model, 11 ms for 16x16 digits-small
+#: and 98 ms for the 32x32 reference model, so only the first runs inline.
+INLINE_BUDGET_S = 0.002
+#: The largest batch ever run on the event loop (measured up to this size, doubling from 1).
+MAX_INLINE_ROWS = 4
+#: Solver steps of an integration that run as one model-thread job: a velocity call arriving
+#: meanwhile waits for at most this many (Heun: twice as many model calls), not the whole grid.
+#: Each slice costs one batcher job (a thread hop); on the shared test VM, 1000 steps of the
+#: smoke model took 4.2-5.9 s whole and 4.2-7.7 s in slices, within its noise.
+INTEGRATE_SLICE_STEPS = 16
 #: Grid intervals one integrate request may ask for (as many as a DDM may sample with).
 DEFAULT_MAX_STEPS = MAX_STEPS
 #: Requests admitted at once, queued or running: four full batches of one-row requests from
@@ -109,9 +121,13 @@ class _Expert:
         self.max_delay_ms = max_delay_ms
         self.metrics = expert_metrics.ExpertMetrics()
         self.batcher = Batcher(functools.partial(_execute, self), limits.max_batch, max_delay_ms,
-                               self.metrics.observe_batch, inline=_inline)
+                               self.metrics.observe_batch, inline=self.inline)
+        self.inline_rows = 0  # measured once the backend is warm (_inline_rows)
         self.backend: Backend | None = None  # set, and the batcher started, once warm
         self.failure: str | None = None
+
+    def inline(self, key: Hashable, rows: int) -> bool:
+        return key == _VELOCITY and rows <= self.inline_rows
 
     def describe(self) -> dict[str, Any]:
         backend, device, runtime = self.backend_name, self.device, None
@@ -125,6 +141,7 @@ class _Expert:
                 "convention": self.meta.convention, "max_batch": self.limits.max_batch,
                 "max_steps": self.limits.max_steps, "max_body_bytes": self.limits.max_body_bytes,
                 "max_pending": self.max_pending, "max_delay_ms": self.max_delay_ms,
+                "inline_rows": self.inline_rows,
                 "ready": self.backend is not None}
 
 
@@ -134,7 +151,9 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       max_steps: int = DEFAULT_MAX_STEPS, max_pending: int = DEFAULT_MAX_PENDING,
                       compile_cache: Path | None = None, loader: BackendLoader = load_backend,
                       on_failure: Callable[[str], None] | None = None,
-                      draining: Callable[[], bool] | None = None) -> ASGIApp:
+                      draining: Callable[[], bool] | None = None,
+                      api_docs: bool = False,
+                      auth_token_file: str | os.PathLike[str] | None = None) -> ASGIApp:
     """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``.
 
     Requests arriving within ``max_delay_ms`` of each other (or while the model is busy) run
@@ -142,9 +161,14 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     backend and the checkpoint's config are checked here, so that a wrong flag fails before
     the server starts; the weights load in the lifespan, and if they cannot,
     ``on_failure(reason)`` is called (besides ``/healthz`` answering 500). While
-    ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503.
+    ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503. ``api_docs``
+    serves Swagger UI at ``/docs`` (:func:`~ddm.serving.http.add_api_docs`). With
+    ``auth_token_file``, ``/v1/*`` needs ``Authorization: Bearer <its token>`` (the router's
+    per-DDM token; :mod:`ddm.serving.auth`), so that only the router reaches the model.
     """
     check_backend(backend, device)
+    if auth_token_file is not None:
+        TokenFile(auth_token_file)  # unreadable, empty or malformed: fail before loading
     meta = read_meta(checkpoint_dir)
     if meta.kind not in ("expert", "monolith"):
         raise CheckpointError(f"{checkpoint_dir} is a {meta.kind} checkpoint, not a UNet to serve")
@@ -166,9 +190,11 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
             loading.cancel()
             await expert.batcher.close()
 
-    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, redoc_url=None,
-                  description="One diffusion expert behind the binary protocol of "
-                              "docs/protocol.md.")
+    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, description="One diffusion expert behind the binary protocol "
+                                              "of docs/protocol.md.")
+    if api_docs:
+        add_api_docs(app)
     _document(app)
 
     @app.get("/v1/info")
@@ -197,7 +223,10 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     async def metrics() -> Response:
         return Response(expert.metrics.render(), media_type=expert_metrics.CONTENT_TYPE)
 
-    return _VelocityRoute(app, expert)
+    route = _VelocityRoute(app, expert)
+    if auth_token_file is None:
+        return route
+    return BearerAuth(route, TokenFile(auth_token_file))
 
 
 def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
@@ -205,9 +234,13 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
                  max_batch: int = DEFAULT_MAX_BATCH, max_delay_ms: float = DEFAULT_MAX_DELAY_MS,
                  log_level: str = "info", compile_cache: Path | None = None, *,
                  max_steps: int = DEFAULT_MAX_STEPS,
-                 max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0) -> None:
+                 max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0,
+                 api_docs: bool = False,
+                 auth_token_file: str | os.PathLike[str] | None = None,
+                 metrics_port: int | None = None) -> None:
     """Serve one expert until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
-    draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve expert`` runs.
+    draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
+    given); what ``ddm serve expert`` runs.
 
     Exits with status 1, the reason in the termination-message file, when the checkpoint or
     the backend cannot be loaded, warmed up or compiled."""
@@ -218,11 +251,12 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
             return create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms,
                                      max_steps=max_steps, max_pending=max_pending,
                                      compile_cache=compile_cache, on_failure=control.stop,
-                                     draining=lambda: control.draining)
+                                     draining=lambda: control.draining, api_docs=api_docs,
+                                     auth_token_file=auth_token_file)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
-    run_server(make_app, host, port, log_level, drain_s)
+    run_server(make_app, host, port, log_level, drain_s, metrics_port)
 
 
 _TENSORS = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}
@@ -280,6 +314,16 @@ class _VelocityRoute:
             await send_json(send, 405, {"detail": "use POST"}, [(b"allow", b"POST")])
             return
         expert = self.expert
+        try:
+            body = await read_body(scope, receive, expert.limits.max_body_bytes)
+        except ClientDisconnected:
+            return  # cut off by a deadline, or gone: nobody to answer
+        except BodyTooLarge as error:
+            expert.metrics.observe_request("invalid", 413, 0)
+            await send_bytes(send, 413, encode_error(0, 413, str(error)), _CONTENT_TYPE)
+            return
+        # Pending from here: a body still on its way costs the expert nothing but its
+        # connection (bounded by ddm.serving.connections), so slow senders cannot fill the queue.
         if expert.pending >= expert.max_pending:
             message = (f"{expert.pending} requests are pending, the limit is "
                        f"{expert.max_pending}; retry shortly")
@@ -289,27 +333,24 @@ class _VelocityRoute:
             return
         expert.pending += 1
         try:
-            status, reply = await _answer(expert, scope, receive)
+            status, reply = await _answer(expert, body)
         finally:
             expert.pending -= 1
         await send_bytes(send, status, reply, _CONTENT_TYPE)
 
 
-async def _answer(expert: _Expert, scope: Scope, receive: Receive) -> tuple[int, bytes]:
-    """One request -> (HTTP status, protocol reply); every failure becomes an error reply."""
+async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
+    """One request body -> (HTTP status, protocol reply); every failure becomes an error
+    reply."""
     kind, images, request_id = "invalid", 0, 0
     try:
-        try:
-            body = await read_body(scope, receive, expert.limits.max_body_bytes)
-        except BodyTooLarge as error:
-            raise ProtocolError(str(error), 413) from None
         message = decode_request(body, expert.limits)
         request_id = message.request_id
         kind = "velocity" if isinstance(message, VelocityRequest) else "integrate"
         images = message.x.shape[0]
         if expert.backend is None:
             raise ProtocolError(_not_ready(expert), 503, request_id)
-        out = await expert.batcher.submit(*_work(message))
+        out = await _run(expert, message)
         status, reply = 200, encode_response(request_id, out)
     except ProtocolError as error:
         echoed = request_id if error.request_id is None else error.request_id
@@ -324,15 +365,38 @@ async def _answer(expert: _Expert, scope: Scope, receive: Receive) -> tuple[int,
     return status, reply
 
 
-def _work(message: VelocityRequest | IntegrateRequest) -> tuple[Hashable, tuple[np.ndarray, ...]]:
-    """The batch key and the per-row inputs of a request."""
+async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
+    """A velocity request as one batcher job; an integration as one job per
+    :data:`INTEGRATE_SLICE_STEPS` steps of its grid, so that velocity calls queued meanwhile run
+    between slices (one job of 1000 steps held the model for all of them). The solvers are
+    one-step methods, so slicing the grid changes no value."""
     if isinstance(message, VelocityRequest):
-        return _VELOCITY, (message.x, message.t, message.y)
-    return _Integrate(message.solver.name.lower(), message.grid.tobytes()), (message.x, message.y)
+        return await expert.batcher.submit(_VELOCITY, (message.x, message.t, message.y))
+    solver, grid, x = message.solver.name.lower(), message.grid, message.x
+    for start in range(0, len(grid) - 1, INTEGRATE_SLICE_STEPS):
+        piece = grid[start:start + INTEGRATE_SLICE_STEPS + 1]
+        x = await expert.batcher.submit(_Integrate(solver, piece.tobytes()), (x, message.y))
+    return x
 
 
-def _inline(key: Hashable, rows: int) -> bool:
-    return key == _VELOCITY and rows <= INLINE_ROWS
+def _inline_rows(backend: Backend, image_shape: tuple[int, ...], label: int) -> int:
+    """The largest batch (1, 2, 4, ... up to :data:`MAX_INLINE_ROWS`) whose velocity takes at
+    most :data:`INLINE_BUDGET_S` on this backend (the median of three runs); 0 if batch 1
+    takes longer."""
+    rows = 0
+    while rows < MAX_INLINE_ROWS:
+        size = max(1, 2 * rows)
+        x = np.zeros((size, *image_shape), np.float32)
+        t, y = np.full((size,), 0.5, np.float32), np.full((size,), label, np.int64)
+        seconds = []
+        for _ in range(3):
+            started = time.perf_counter()
+            backend.velocity(x, t, y)
+            seconds.append(time.perf_counter() - started)
+        if sorted(seconds)[1] > INLINE_BUDGET_S:
+            break
+        rows = size
+    return rows
 
 
 def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
@@ -353,25 +417,29 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
     """Load and warm up the backend off the event loop, then start batching."""
     started = time.perf_counter()
 
-    def load_and_warm() -> Backend:
+    def load_and_warm() -> tuple[Backend, int]:
         backend = loader(load_checkpoint(directory), expert.backend_name, expert.device,
                          expert.limits.max_batch, compile_cache)
         backend.warm_up()
-        return backend
+        assert expert.limits.image_shape is not None
+        label = expert.meta.classes[0] if expert.meta.classes else 0
+        inline_rows = _inline_rows(backend, expert.limits.image_shape, label)
+        return backend, min(inline_rows, expert.limits.max_batch)
 
     try:
-        backend = await asyncio.to_thread(load_and_warm)
+        backend, inline_rows = await asyncio.to_thread(load_and_warm)
     except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
         logger.exception("expert %s failed to load from %s", expert.meta.name, directory)
         expert.failure = f"{type(error).__name__}: {error}"
         if on_failure is not None:
             on_failure(f"expert {expert.meta.name}: cannot load or warm up {directory}: {error}")
         return
-    expert.backend = backend
+    expert.backend, expert.inline_rows = backend, inline_rows
     expert.batcher.start()
     info = backend.info()
-    logger.info("expert %s ready on %s (%s, %s) after %.1f s", expert.meta.name, info.backend,
-                info.framework, info.device, time.perf_counter() - started)
+    logger.info("expert %s ready on %s (%s, %s) after %.1f s; batches of up to %d run inline",
+                expert.meta.name, info.backend, info.framework, info.device,
+                time.perf_counter() - started, inline_rows)
 
 
 def _not_ready(expert: _Expert) -> str:

@@ -9,7 +9,9 @@ the router and on the expert, more than a batched row of the model itself costs 
 A :class:`Coalescer` (one per expert) sends a call at once while fewer than
 ``in_flight_limit()`` requests to its expert are outstanding; otherwise the call waits, and when
 a request returns, the waiting calls go out together as one request of at most ``max_rows()``
-rows (:func:`ddm.serving.batching.plan_batch` picks them, oldest first, same key only). There is
+rows (:func:`ddm.serving.batching.plan_batch` picks them, oldest first, same key only); a call
+that fills a request alone waits its turn like the others, so that every request counts against
+the limit. There is
 no timer: a lone generation never waits, and while the expert works on one batch the calls for
 the next one gather. Calls made in the same turn of the event loop (every generation a returning
 request woke) are merged even below the limit: a call is sent after the turn that made it.
@@ -53,7 +55,8 @@ class Coalescer:
 
     ``max_rows()`` and ``in_flight_limit()`` are asked at every decision, so they follow the
     expert's batch limit and its number of ready replicas as these change. With
-    ``max_rows() <= 1`` nothing can merge and calls go straight to ``send``.
+    ``max_rows() <= 1`` nothing can merge and calls go straight to ``send`` (still counted in
+    :attr:`in_flight`).
     """
 
     def __init__(self, send: SendFn, max_rows: Callable[[], int],
@@ -72,16 +75,22 @@ class Coalescer:
         """Requests sent and not answered yet."""
         return self._in_flight
 
-    async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
-        """One call's output rows, sent alone or merged with other waiting calls."""
+    async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...],
+                     made: float | None = None) -> np.ndarray:
+        """One call's output rows, sent alone or merged with other waiting calls; ``made``
+        (``time.monotonic()``, default now) is when the caller made it."""
+        made = time.monotonic() if made is None else made
         if self._closed:
             raise RuntimeError("the coalescer is closed (the router is shutting down)")
-        rows = inputs[0].shape[0]
-        max_rows = self._max_rows()
-        if max_rows <= 1 or rows >= max_rows:
-            return await self._send(key, inputs, time.monotonic())
+        if self._max_rows() <= 1:  # nothing can merge: at once, and still counted in flight
+            self._in_flight += 1
+            try:
+                return await self._send(key, inputs, made)
+            finally:
+                self._in_flight -= 1
+                self._pump()
         loop = asyncio.get_running_loop()
-        call = _Call(key, inputs, loop.create_future(), time.monotonic())
+        call = _Call(key, inputs, loop.create_future(), made)
         self._waiting.append(call)
         if not self._pump_scheduled:
             self._pump_scheduled = True

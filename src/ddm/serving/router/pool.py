@@ -31,11 +31,12 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.http_client import HttpClient, HttpClientError
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
-                                  encode_request)
+                                  encode_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, Replica, ReplicaSet,
                                   ReplicaState, source_for)
 from ddm.deploy.router_config import RouterConfigFile
@@ -47,6 +48,8 @@ PROBE_TICK_S = 0.1
 #: Shorter than the expert server's keep-alive (75 s), so that the client, not the server,
 #: closes an idle connection and a request never goes out on one the server is closing.
 KEEP_ALIVE_S = 60.0
+#: An expert's error replies: the protocol's largest, or a server layer's short text (408, 431).
+_MAX_ERROR_BYTES = max_error_reply_bytes()
 # Statuses that say "this replica, now" rather than "your request": retried elsewhere.
 _RETRIABLE_4XX = (408, 429)
 _SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
@@ -202,8 +205,9 @@ class ExpertPool:
     request of a router (it holds replicas and connections, never a request's state)."""
 
     def __init__(self, sources: Mapping[str, EndpointSource], settings: PoolSettings,
-                 metrics: PoolMetrics | None = None) -> None:
+                 metrics: PoolMetrics | None = None, token: TokenFile | None = None) -> None:
         self._sources = dict(sources)
+        self._token = token  # sent to the experts as a bearer token (their --auth-token-file)
         self._settings = settings
         self.metrics = metrics or PoolMetrics(CollectorRegistry())
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
@@ -217,7 +221,11 @@ class ExpertPool:
     @classmethod
     def from_config(cls, config: RouterConfigFile, settings: PoolSettings,
                     metrics: PoolMetrics | None = None) -> ExpertPool:
-        return cls({e.name: source_for(e.discovery) for e in config.experts}, settings, metrics)
+        """The experts ``config`` lists; with ``auth`` configured, the router's token goes to
+        them too (the same per-DDM token; ``ddm serve expert --auth-token-file``)."""
+        token = TokenFile(config.auth.token_file) if config.auth is not None else None
+        return cls({e.name: source_for(e.discovery) for e in config.experts}, settings, metrics,
+                   token)
 
     async def __aenter__(self) -> ExpertPool:
         await self.start()
@@ -286,13 +294,22 @@ class ExpertPool:
 
     async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
-        to the expert's coalescer, which merges them with other generations' calls."""
+        to the expert's coalescer, which merges them with other generations' calls. Before any
+        replica has been probed the batch limit is unknown, and the call waits for a probe
+        (sent whole, a batch over the limit would come back 422, a 502 to the client)."""
+        made = time.monotonic()  # the call's deadline runs from here
         info = self.info(expert)  # an unknown expert is a ValueError here
+        if info is None:  # no replica probed yet: its batch limit is unknown, so wait for it
+            info = await self._sets[expert].wait_described(self._settings.deadline_s)
+            if info is None:
+                raise self._give_up(expert, f"no replica was probed ready within "
+                                            f"{self._settings.deadline_s:g} s "
+                                            f"({_last_errors(self._sets[expert]) or 'none'})")
         coalescer = self._coalescers[expert]
         rows = inputs[0].shape[0]
-        size = info.max_batch if info is not None else rows
+        size = info.max_batch
         parts = [tuple(a[i:i + size] for a in inputs) for i in range(0, rows, size)]
-        outs = await gather_all(*(coalescer.submit(key, part) for part in parts))
+        outs = await gather_all(*(coalescer.submit(key, part, made) for part in parts))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def _coalescer(self, expert: str) -> Coalescer:
@@ -366,8 +383,13 @@ class ExpertPool:
         assert self._client is not None, "start() the pool first"
         replica.outstanding += 1
         try:
-            reply = await self._client.post(replica.endpoint, "/v1/velocity", body, CONTENT_TYPE,
-                                            timeout, self._settings.connect_s)
+            reply = await self._client.post(
+                replica.endpoint, "/v1/velocity", body, CONTENT_TYPE, timeout,
+                self._settings.connect_s, max_reply_bytes=max_reply_bytes(request.x.shape),
+                max_error_bytes=_MAX_ERROR_BYTES, authorization=self._authorization())
+            if reply.status == 401:
+                raise _ReplicaFailed("answered 401: it does not accept the router's token "
+                                     "(both must read the same auth token file)")
             out = decode_response(reply.body, request.request_id, request.x.shape)
         except RemoteExpertError as error:
             if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
@@ -380,6 +402,9 @@ class ExpertPool:
         finally:
             replica.outstanding -= 1
         return out.astype(np.float32, copy=False)  # an expert may answer in float16
+
+    def _authorization(self) -> bytes | None:
+        return None if self._token is None else b"Bearer " + self._token.token()
 
     def _give_up(self, expert: str, reason: str) -> ExpertUnavailable:
         self.metrics.unavailable.labels(expert).inc()
@@ -426,7 +451,13 @@ class ExpertPool:
                 if response.status != 200:
                     raise ValueError(f"/readyz answered {response.status}")
             if replica.state is not ReplicaState.READY or replica.info is None:
-                async with self._session.get(f"{replica.url}/v1/info", timeout=timeout) as info:
+                authorization = self._authorization()
+                headers = {} if authorization is None else {"Authorization":
+                                                            authorization.decode()}
+                async with self._session.get(f"{replica.url}/v1/info", timeout=timeout,
+                                             headers=headers) as info:
+                    if info.status != 200:
+                        raise ValueError(f"/v1/info answered {info.status}")
                     replica.info = ExpertInfo.from_json(await info.json())
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
             replicas.probe_failed(replica, f"probe failed: {_describe(error)}", time.monotonic())

@@ -63,6 +63,10 @@ class RouterNetwork:
         """``p(k | x, t, y)`` as (B, K) probabilities."""
         return await self._coalescer.submit(None, (x, t, y))
 
+    async def close(self) -> None:
+        """Cancel the passes in flight and refuse new calls (the router is stopping)."""
+        await self._coalescer.close()
+
     async def _forward(self, _key: object, inputs: tuple[np.ndarray, ...],
                        _since: float) -> np.ndarray:
         if inputs[0].shape[0] <= INLINE_ROUTER_ROWS:

@@ -104,6 +104,7 @@ class ReplicaSet:
         self._replicas: list[Replica] = []
         self._turn = 0
         self._usable = asyncio.Event()
+        self._described = asyncio.Event()
 
     @property
     def replicas(self) -> tuple[Replica, ...]:
@@ -171,6 +172,16 @@ class ReplicaSet:
     def ready_count(self) -> int:
         return sum(r.state is ReplicaState.READY for r in self._replicas)
 
+    async def wait_described(self, timeout: float) -> ExpertInfo | None:
+        """:meth:`info`, waiting up to ``timeout`` seconds for a replica to be probed ready
+        (the expert's batch limit is unknown until then); None on timeout."""
+        try:
+            async with asyncio.timeout(max(0.0, timeout)):
+                await self._described.wait()
+        except TimeoutError:
+            pass
+        return self.info()
+
     async def wait_usable(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for a replica that is not down; False on timeout."""
         try:
@@ -181,6 +192,10 @@ class ReplicaSet:
         return True
 
     def _sync(self) -> None:
+        if any(r.info is not None for r in self._replicas):
+            self._described.set()
+        else:
+            self._described.clear()
         if any(r.state is not ReplicaState.DOWN for r in self._replicas):
             self._usable.set()
         else:

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/generate`` (JSON in, base64 PNGs out), ``GET /v1/generate/stream``
 (Server-Sent Events, one ``step`` event per chunk of the grid, then ``done``), ``GET /`` (a web
 page that streams the denoising live), ``GET /v1/info``, ``/healthz``, ``/readyz``, ``/metrics``
-and the OpenAPI document at ``/openapi.json`` (browsable at ``/docs``), which says what the
+and the OpenAPI document at ``/openapi.json`` (browsable at ``/docs`` with ``api_docs``), which
+says what the
 router enforces: :mod:`ddm.serving.router.requests` builds the request schemas from the config.
 
 The router network is small and runs here; experts are reached through one
@@ -39,15 +40,16 @@ import json
 import logging
 import os
 import time
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncGenerator, AsyncIterator, Callable
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, Response,
                                StreamingResponse)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ddm.convention import to_uint8
@@ -55,7 +57,7 @@ from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
-                              probe_responses, run_server)
+                              add_api_docs, page_headers, probe_responses, run_server)
 from ddm.serving.router.remote import (RemoteMixture, SamplingRequest, StepEvent, Tally,
                                          check_request, denoise, generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
@@ -83,14 +85,19 @@ _ERRORS = {400: "the JSON body is not UTF-8", 401: "no valid bearer token (auth 
 
 def create_router_app(config: RouterConfigFile, deadline_s: float | None = None, *,
                       on_failure: Callable[[str], None] | None = None,
-                      draining: Callable[[], bool] | None = None) -> FastAPI:
+                      draining: Callable[[], bool] | None = None,
+                      api_docs: bool = False) -> FastAPI:
     """An ASGI app routing generations over the experts ``config`` lists, within
     ``config.limits``, behind a bearer token when ``config.auth`` is set. ``deadline_s`` bounds
     one expert call, retries and waiting for a replica included (default: every attempt may
     use its whole timeout). ``on_failure(reason)`` is called if the router network cannot
     load (besides ``/healthz`` answering 500). While ``draining()`` is true (the server got
-    SIGTERM), ``/readyz`` answers 503."""
+    SIGTERM), ``/readyz`` answers 503. ``api_docs`` serves Swagger UI at ``/docs``
+    (:func:`~ddm.serving.http.add_api_docs`); the web page at ``/`` is sent with a
+    Content-Security-Policy and frame protection (:func:`~ddm.serving.http.page_headers`)."""
     router = RouterState(config, deadline_s, on_failure)
+    page_html = PAGE.read_text()
+    page_security = page_headers(page_html)
     generate_body, stream_query = request_models(config)
 
     @asynccontextmanager
@@ -101,9 +108,14 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                 yield
             finally:
                 loading.cancel()
+                if router.network is not None:
+                    await router.network.close()
 
-    app = FastAPI(title="ddm router", lifespan=lifespan,
+    app = FastAPI(title="ddm router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Decentralized diffusion: route each step to remote experts.")
+    if api_docs:
+        add_api_docs(app)
+    app.state.router = router  # what the routes share, for tests and debugging
     auth = router.tokens is not None
     if auth:
         _document_bearer_auth(app)
@@ -139,12 +151,17 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         router.take_slot()
         events = _events(router, mixture, request)
         first = await anext(events)  # started, so that closing it always frees the slot
-        return StreamingResponse(_prepend(first, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store"})
+        body = _prepend(first, events)
+        # Closed when the response ends, however it ends: a client that disconnects while a
+        # frame waits to be written leaves the generator suspended at a ``yield``, where the
+        # cancellation of the stream does not reach it.
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"},
+                                 background=BackgroundTask(body.aclose))
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
-        return HTMLResponse(PAGE.read_text())
+        return HTMLResponse(page_html, headers=page_security)
 
     @app.get("/v1/info", responses=_errors(auth=auth))
     async def info() -> dict[str, Any]:
@@ -195,9 +212,11 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
                  max_steps: int | None = None, max_concurrent: int | None = None,
                  max_body_bytes: int | None = None, deadline_s: float | None = None,
                  auth_token_file: str | os.PathLike[str] | None = None,
-                 drain_s: float = 0.0) -> None:
+                 drain_s: float = 0.0, api_docs: bool = False,
+                 metrics_port: int | None = None) -> None:
     """Serve the router until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
-    draining on SIGTERM: :mod:`ddm.serving.http`); what ``ddm serve router`` runs.
+    draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
+    given); what ``ddm serve router`` runs.
 
     Limits and the token file given here override ``router.yaml``'s. Exits with status 1,
     the reason in the termination-message file, when the config, the token file or the
@@ -214,11 +233,11 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
                 config, limits=dataclasses.replace(config.limits, **overrides),
                 auth=Auth(str(auth_token_file)) if auth_token_file else config.auth)
             return create_router_app(config, deadline_s, on_failure=control.stop,
-                                     draining=lambda: control.draining)
+                                     draining=lambda: control.draining, api_docs=api_docs)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"router: {error}") from error
 
-    run_server(make_app, host, port, log_level, drain_s)
+    run_server(make_app, host, port, log_level, drain_s, metrics_port)
 
 
 def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
@@ -234,7 +253,7 @@ def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
 
 
 async def _events(router: RouterState, mixture: RemoteMixture, request: SamplingRequest
-                  ) -> AsyncIterator[bytes]:
+                  ) -> AsyncGenerator[bytes, None]:
     """The SSE body: ``step`` events, then ``done``, or ``failure`` if an expert fails.
     Frees the generation's slot when it ends, however it ends."""
     try:
@@ -266,10 +285,12 @@ def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingReques
             "delegated": bool(event.delegated[0]), "round_trips": int(event.round_trips[0])}
 
 
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for chunk in rest:
-        yield chunk
+async def _prepend(first: bytes, rest: AsyncGenerator[bytes, None]
+                   ) -> AsyncGenerator[bytes, None]:
+    async with aclosing(rest):
+        yield first
+        async for chunk in rest:
+            yield chunk
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:

@@ -1,0 +1,237 @@
+"""Slow, idle and oversized connections against real servers on loopback (raw sockets): a normal
+call still succeeds while they are open, and each of them is closed by its deadline
+(``ddm.serving.connections``; figures in docs/reliability.md, "Hostile clients").
+
+The deadlines are shortened to 4 s so that the tests take seconds; the defaults only change how
+long an attacker lasts, not what it can do meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import numpy as np
+import pytest
+
+from ddm.deploy.router_config import RouterConfigFile
+from ddm.serving.connections import ConnectionLimits
+from ddm.serving.expert.server import create_expert_app
+from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.router.server import create_router_app
+from hostile import Attacker, check_closed_in_time, swarm
+from servers import running, wait_ready
+
+LIMITS = ConnectionLimits(head_timeout_s=4.0, body_timeout_s=4.0, send_timeout_s=4.0,
+                          keep_alive_s=4.0)
+#: Timer lateness tolerated on a machine whose two cores run other tests too.
+SLACK_S = 1.5
+#: 300 connections, as issue 13 asks; 120 slow bodies are more than max_pending below.
+PER_KIND = {"idle": 50, "partial-line": 30, "trickled-head": 40, "slow-body": 120,
+            "huge-head": 20, "idle-keep-alive": 40}
+CALLS = 5
+
+
+def _velocity_body() -> bytes:
+    rng = np.random.default_rng(0)
+    return encode_request(VelocityRequest(7, rng.standard_normal((1, 1, 8, 8), dtype=np.float32),
+                                          np.asarray([0.5], np.float32), np.asarray([1])))
+
+
+def _timed(call: Callable[[], httpx.Response]) -> float:
+    started = time.perf_counter()
+    reply = call()
+    assert reply.status_code == 200, reply.text[:300]
+    return time.perf_counter() - started
+
+
+async def _under_attack(targets: list[tuple[int, str]], call: Callable[[], httpx.Response]
+                        ) -> tuple[list[Attacker], list[float], int]:
+    """Open PER_KIND attackers on each ``(port, path)``, make CALLS normal calls meanwhile, then
+    wait for the server to close every attacker. Returns the attackers, the calls' seconds and
+    how many attackers were still open when the first call was answered."""
+    attackers, tasks = [], []
+    for port, path in targets:
+        opened, running_ = await swarm("127.0.0.1", port, path, PER_KIND)
+        attackers += opened
+        tasks += running_
+    seconds = [await asyncio.to_thread(_timed, call)]
+    still_open = sum(a.closed is None for a in attackers)
+    seconds += [await asyncio.to_thread(_timed, call) for _ in range(CALLS - 1)]
+    longest = max(LIMITS.head_timeout_s, LIMITS.body_timeout_s, LIMITS.keep_alive_s)
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=longest + SLACK_S + 10)
+    return attackers, seconds, still_open
+
+
+def _report(what: str, attackers: list[Attacker], baseline: list[float], attacked: list[float],
+            longest: dict[str, float]) -> None:
+    print(f"\n{what}: {len(attackers)} attackers, {sum(a.sent for a in attackers)} bytes sent; "
+          f"normal call median {statistics.median(baseline) * 1e3:.1f} ms alone, "
+          f"{statistics.median(attacked) * 1e3:.1f} ms under attack (max "
+          f"{max(attacked) * 1e3:.1f} ms); longest-lived attacker per kind: "
+          + ", ".join(f"{kind} {seconds:.2f} s" for kind, seconds in longest.items())
+          + f"; huge heads answered 431: {sum(a.status == 431 for a in attackers)}, reset: "
+            f"{sum(a.reset for a in attackers)}")
+
+
+def test_an_expert_serves_through_300_hostile_connections_and_closes_them(
+        smoke_expert_checkpoint: Path):
+    # max_pending below the number of slow bodies: they must not count as pending.
+    app = create_expert_app(smoke_expert_checkpoint, max_batch=8, max_pending=16)
+    with running(app, LIMITS) as base:
+        wait_ready(base)
+        body = _velocity_body()
+
+        def call() -> httpx.Response:
+            reply = httpx.post(f"{base}/v1/velocity", content=body,
+                               headers={"Content-Type": CONTENT_TYPE})
+            if reply.status_code == 200:
+                assert decode_response(reply.content, 7).shape == (1, 1, 8, 8)
+            return reply
+
+        baseline = [_timed(call) for _ in range(CALLS)]
+        port = int(base.rsplit(":", 1)[1])
+        attackers, attacked, still_open = asyncio.run(
+            _under_attack([(port, "/v1/velocity")], call))
+        assert still_open > 250, "the call was answered only once the attackers were cut off"
+        assert max(attacked) < LIMITS.head_timeout_s
+        longest = check_closed_in_time(attackers, LIMITS, SLACK_S)
+        _report("expert", attackers, baseline, attacked, longest)
+        assert _timed(call) < LIMITS.head_timeout_s  # and it serves on afterwards
+
+
+def test_a_router_generates_through_300_hostile_connections_on_it_and_its_expert(
+        smoke_expert_checkpoint: Path):
+    expert_app = create_expert_app(smoke_expert_checkpoint, max_batch=8)
+    with running(expert_app, LIMITS) as expert:
+        wait_ready(expert)
+        expert_port = int(expert.rsplit(":", 1)[1])
+        config = RouterConfigFile.from_dict({
+            "experts": [{"name": "e0", "classes": [0, 1, 2, 3, 4],
+                         "discovery": {"endpoints": [f"127.0.0.1:{expert_port}"]}}],
+            "sampling": {"steps": 4, "strategy": "oracle"}, "router_checkpoint": None})
+        with running(create_router_app(config), LIMITS) as router:
+            wait_ready(router)
+
+            def call() -> httpx.Response:
+                return httpx.post(f"{router}/v1/generate", json={"labels": [0, 3], "seed": 1},
+                                  timeout=10)
+
+            baseline = [_timed(call) for _ in range(CALLS)]
+            router_port = int(router.rsplit(":", 1)[1])
+            attackers, attacked, still_open = asyncio.run(_under_attack(
+                [(router_port, "/v1/generate"), (expert_port, "/v1/velocity")], call))
+            assert still_open > 500
+            assert max(attacked) < LIMITS.head_timeout_s
+            longest = check_closed_in_time(attackers, LIMITS, SLACK_S)
+            _report("router and its expert", attackers, baseline, attacked, longest)
+            assert _timed(call) < LIMITS.head_timeout_s
+
+
+@pytest.mark.parametrize("cap,opened", [(50, 120)])
+def test_connections_over_the_cap_evict_the_longest_waiting_and_normal_calls_get_in(
+        smoke_expert_checkpoint: Path, cap: int, opened: int):
+    limits = ConnectionLimits(max_connections=cap)  # the default deadlines: 10 s and more
+    app = create_expert_app(smoke_expert_checkpoint, max_batch=8)
+    with running(app, limits) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+
+        async def scenario() -> list[Attacker]:
+            attackers, tasks = await swarm("127.0.0.1", port, "/", {"idle": opened})
+            deadline = time.monotonic() + limits.head_timeout_s / 2
+            while sum(a.closed is not None for a in attackers) < opened - cap:
+                assert time.monotonic() < deadline, "connections over the cap stayed open"
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
+                tasks = [task for task in tasks if not task.done()]
+            reply = await asyncio.to_thread(httpx.get, f"{base}/v1/info")
+            assert reply.status_code == 200
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=5)
+            for task in tasks:
+                task.cancel()
+            return attackers
+
+        attackers = asyncio.run(scenario())
+        closed = [a.closed is not None for a in attackers]
+        # the oldest went first: every evicted connection was opened before every kept one
+        assert sum(closed) >= opened - cap + 1
+        assert closed[:opened - cap] == [True] * (opened - cap)
+
+
+async def _endless(scope, receive, send) -> None:
+    """An app whose replies never end (1 MiB at a time, as fast as the client reads), but for
+    ``/readyz``."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    await receive()  # the empty body of a GET; the next message is the disconnect
+    gone = asyncio.ensure_future(receive())
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    while scope["path"] != "/readyz" and not gone.done():
+        await send({"type": "http.response.body", "body": b"x" * (1 << 20), "more_body": True})
+        await asyncio.sleep(0)  # a send to a gone client returns at once
+    gone.cancel()
+    await send({"type": "http.response.body", "body": b"ready"})
+
+
+def test_a_client_that_stops_reading_is_cut_off_after_the_send_deadline():
+    limits = ConnectionLimits(send_timeout_s=1.0)
+    with running(_endless, limits) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+
+        async def scenario() -> int:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            await reader.readexactly(1)  # the reply started
+            await asyncio.sleep(limits.send_timeout_s + SLACK_S)  # the attack: reading nothing
+            received = 1
+            try:
+                while received < 256 << 20 and (chunk := await reader.read(1 << 20)):
+                    received += len(chunk)
+            except ConnectionResetError:
+                pass
+            writer.close()
+            return received
+
+        received = asyncio.run(scenario())
+        assert received < 64 << 20  # what the buffers held, then the server let go
+
+
+def test_a_pipelined_request_is_not_read_and_the_connection_closes_after_the_reply(
+        smoke_expert_checkpoint: Path):
+    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8), LIMITS) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+
+        async def scenario() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+            return await asyncio.wait_for(reader.read(-1), LIMITS.keep_alive_s / 2)
+
+        answered = asyncio.run(scenario())
+        assert answered.count(b"HTTP/1.1 200") == 1
+        assert b"connection: close" in answered
+
+
+def test_a_reply_before_the_body_is_in_says_close_and_closes(smoke_expert_checkpoint: Path):
+    """A body declared over the limit gets its 413 at once, marked ``connection: close``, so
+    that a client does not send its next request on a connection about to close."""
+    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8), LIMITS) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+
+        async def scenario() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/velocity HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Length: 1000000000\r\n\r\n" + b"x" * 1000)
+            return await asyncio.wait_for(reader.read(-1), LIMITS.body_timeout_s / 2)
+
+        answered = asyncio.run(scenario())
+        assert answered.startswith(b"HTTP/1.1 413") and b"connection: close" in answered
