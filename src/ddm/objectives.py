@@ -19,7 +19,8 @@ one at the nearest time the expert can answer for. Our own objective converts as
 
 The maths is written once, on arrays of any framework: functions that do arithmetic on a time
 take ``xp`` (``numpy`` by default, ``jax.numpy`` inside a jitted training step); the two that
-serving calls, :func:`expert_inputs` and :func:`velocity_from_prediction`, take NumPy arrays.
+serving calls, :func:`expert_inputs` and :func:`velocity_from_prediction`, take NumPy arrays,
+and :func:`as_velocity` wraps a NumPy network with both.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -228,6 +229,25 @@ def velocity_from_prediction(objective: Objective, prediction: np.ndarray, x_t: 
     d = point.t * b - (1.0 - point.t) * a
     v = (_per_sample((a + b) / d, x_t.ndim) * x_t - _per_sample(1.0 / d, x_t.ndim) * prediction)
     return v.astype(prediction.dtype, copy=False)
+
+
+#: A NumPy network or velocity: ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> (B, C, H, W)``.
+NetworkFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+def as_velocity(objective: Objective, network: NetworkFn) -> NetworkFn:
+    """Our velocity callable over an expert's network that was trained on ``objective``.
+
+    Loaders call this once per expert; for our own objective it returns ``network`` itself.
+    """
+    if objective.is_native:
+        return network
+
+    def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        x_expert, t_expert = expert_inputs(objective, x, t)
+        return velocity_from_prediction(objective, network(x_expert, t_expert, y), x, t)
+
+    return velocity
 
 
 def training_times(objective: Objective, u: Any, xp: ModuleType = np) -> Any:

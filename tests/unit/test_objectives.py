@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from ddm.convention import data_from_velocity, noise_from_velocity
 from ddm.objectives import (EDGE, NATIVE, PREDICTIONS, SCHEDULES, TIMES, Objective,
-                            ObjectiveError, expert_inputs, expert_point, prediction_coefficients,
-                            time_range, training_example, training_times,
-                            velocity_from_prediction)
+                            ObjectiveError, as_velocity, expert_inputs, expert_point,
+                            prediction_coefficients, time_range, training_example,
+                            training_times, velocity_from_prediction)
 
 T = 1000
 
@@ -133,6 +133,28 @@ def test_every_objective_converts_the_exact_prediction_to_the_exact_velocity(o, 
     expected = exact_velocity(x_t, _per(t), mu, s2)
     assert np.isfinite(expected).all()
     np.testing.assert_allclose(v, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_a_wrapped_network_answers_in_our_velocity():
+    """``as_velocity`` over a perfect DDPM epsilon network is the exact velocity field."""
+    o = Objective("epsilon", "vp-cosine", "discrete", timesteps=T, time_scale=1 / T)
+    mu = np.full((1, 1, 2, 2), 0.5)
+    seen = []
+
+    def perfect_epsilon(z, k_over_t, y):  # a point mass at mu, on the expert's own schedule
+        seen.append(k_over_t)
+        table = _discrete_alpha_bar("vp-cosine")  # between steps: log-SNR interpolated linearly
+        log_snr = np.interp(k_over_t * T, np.arange(T), np.log(table / (1 - table)))
+        alpha_bar = 1 / (1 + np.exp(-log_snr))
+        alpha, sigma = _per(np.sqrt(alpha_bar)), _per(np.sqrt(1 - alpha_bar))
+        return (z - alpha * mu) / sigma
+
+    x_t = np.random.default_rng(4).standard_normal((3, 1, 2, 2))
+    t = np.array([0.2, 0.5, 0.8])
+    v = as_velocity(o, perfect_epsilon)(x_t, t, np.zeros(3, np.int64))
+    assert all(0 < k < 1 for k in seen[0])
+    np.testing.assert_allclose(v, exact_velocity(x_t, _per(t), mu, 0.0), rtol=1e-5, atol=1e-5)
+    assert as_velocity(NATIVE, perfect_epsilon) is perfect_epsilon
 
 
 def test_time_scale_multiplies_only_what_the_network_receives():
