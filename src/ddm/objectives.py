@@ -33,6 +33,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ddm.convention import DATA_MAX, DATA_MIN
+
 PREDICTIONS = ("velocity", "epsilon", "sample", "v_prediction")
 SCHEDULES = ("linear", "rectified-flow", "vp-linear", "vp-cosine")
 TIMES = ("continuous", "discrete", "sigma")
@@ -213,11 +215,15 @@ def expert_inputs(objective: Objective, x_t: np.ndarray, t: np.ndarray
 
 
 def velocity_from_prediction(objective: Objective, prediction: np.ndarray, x_t: np.ndarray,
-                             t: np.ndarray) -> np.ndarray:
+                             t: np.ndarray, data_range: tuple[float, float] | None = None
+                             ) -> np.ndarray:
     """The expert's output at :func:`expert_inputs` ``(x_t, t)`` -> our velocity there.
 
     ``prediction`` and ``x_t`` are ``(B, C, H, W)``, ``t`` is ``(B,)``; the result has
     ``prediction``'s dtype. Outside :func:`time_range` it is the velocity at the clamped time.
+    With ``data_range`` the data estimate ``x_t + (1 - t) v`` is clipped into it (DDPM's
+    ``clip_sample``): the exact estimate, a posterior mean, lies in the data's range anyway,
+    so only an expert's error is cut, and that error is largest where ``D`` is small.
     """
     if objective.is_native:
         return prediction
@@ -228,24 +234,40 @@ def velocity_from_prediction(objective: Objective, prediction: np.ndarray, x_t: 
     a, b = prediction_coefficients(objective, point)
     d = point.t * b - (1.0 - point.t) * a
     v = (_per_sample((a + b) / d, x_t.ndim) * x_t - _per_sample(1.0 / d, x_t.ndim) * prediction)
+    if data_range is not None:
+        v = _clip_data_estimate(v, x_t, point.t, data_range)
     return v.astype(prediction.dtype, copy=False)
+
+
+def _clip_data_estimate(v: np.ndarray, x_t: np.ndarray, t: np.ndarray,
+                        data_range: tuple[float, float]) -> np.ndarray:
+    """``v`` moved so that ``x_t + (1 - t) v`` lies in ``data_range``; left alone within
+    ``EDGE`` of the data end, where ``1 / (1 - t)`` would turn rounding into a jump."""
+    gap = _per_sample(1.0 - t, x_t.ndim)
+    estimate = x_t + gap * v
+    correction = np.clip(estimate, *data_range) - estimate
+    return v + np.where(gap >= EDGE, correction / np.maximum(gap, EDGE), 0.0)
 
 
 #: A NumPy network or velocity: ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> (B, C, H, W)``.
 NetworkFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 
-def as_velocity(objective: Objective, network: NetworkFn) -> NetworkFn:
+def as_velocity(objective: Objective, network: NetworkFn,
+                data_range: tuple[float, float] | None = (DATA_MIN, DATA_MAX)) -> NetworkFn:
     """Our velocity callable over an expert's network that was trained on ``objective``.
 
     Loaders call this once per expert; for our own objective it returns ``network`` itself.
+    Images live in ``ddm.convention``'s ``[DATA_MIN, DATA_MAX]``, so the data estimate is
+    clipped there by default (see :func:`velocity_from_prediction`).
     """
     if objective.is_native:
         return network
 
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         x_expert, t_expert = expert_inputs(objective, x, t)
-        return velocity_from_prediction(objective, network(x_expert, t_expert, y), x, t)
+        return velocity_from_prediction(objective, network(x_expert, t_expert, y), x, t,
+                                        data_range)
 
     return velocity
 

@@ -157,6 +157,30 @@ def test_a_wrapped_network_answers_in_our_velocity():
     assert as_velocity(NATIVE, perfect_epsilon) is perfect_epsilon
 
 
+def test_clipping_the_data_estimate_cuts_only_errors():
+    """The exact data estimate of in-range data is never clipped; an excursion is projected."""
+    o = Objective("epsilon", "vp-linear", "discrete", timesteps=T)
+    rng = np.random.default_rng(5)
+    mu = rng.uniform(-0.9, 0.9, (1, 1, 3, 3))
+    t = np.array([0.02, 0.3, 0.7, 0.995])
+    x_t = rng.standard_normal((4, 1, 3, 3))
+    point = expert_point(o, t)
+    alpha, sigma = _per(point.alpha), _per(point.sigma)
+    exact = exact_prediction(o, (alpha + sigma) * x_t, alpha, sigma, mu, 0.0)
+    assert np.array_equal(velocity_from_prediction(o, exact, x_t, t, (-1.0, 1.0)),
+                          velocity_from_prediction(o, exact, x_t, t))
+
+    wrong = exact + 0.5  # an expert off by 0.5: its data estimates leave [-1, 1] at small t
+    free = velocity_from_prediction(o, wrong, x_t, t)
+    clipped = velocity_from_prediction(o, wrong, x_t, t, (-1.0, 1.0))
+    gap = 1 - _per(point.t)
+    np.testing.assert_allclose(x_t + gap * clipped, np.clip(x_t + gap * free, -1, 1),
+                               rtol=1e-9, atol=1e-9)
+    assert (np.abs(x_t + gap * free) > 1)[0].any()
+    # within EDGE of the data end nothing is clipped: 1 / (1 - t) would amplify rounding
+    assert np.array_equal(clipped[3], free[3])
+
+
 def test_time_scale_multiplies_only_what_the_network_receives():
     plain, scaled = (Objective("velocity", "rectified-flow", time_scale=s) for s in (1, 1000))
     x_t, t = np.ones((3, 1, 2, 2)), np.array([0.1, 0.5, 0.9])
