@@ -84,3 +84,17 @@ def test_the_heterogeneous_ddm_is_the_epsilon_expert_beside_the_shipped_ones():
     assert metas["expert-0-4-epsilon"].training["steps"] == 2000
     assert metas["expert-5-9"].objective.is_native
     assert metas["router"].architecture["num_experts"] == 2
+
+
+def test_the_loader_converts_the_epsilon_expert_for_every_driver():
+    """``load_ddm`` (what ``ddm sample``, the expert server's torch/JAX backends and the
+    evaluation use) applies the conversion: the heterogeneous DDM draws digits 0-4 from its
+    epsilon expert, read by the classifier as well as the bare wrapper above reads them."""
+    from ddm.models.loading import load_ddm
+    from ddm.sampling.pipeline import generate
+
+    labels = np.repeat(np.arange(5), 20)
+    images = generate(load_ddm(EPSILON.parent), labels, steps=40, seed=0,
+                      strategy="oracle").images
+    read = load_classifier(CLASSIFIER).predict(images)
+    assert float(np.mean(read == labels)) >= 0.7

@@ -18,6 +18,7 @@ import numpy as np
 from ddm.checkpoints.discovery import discover
 from ddm.checkpoints.format import Checkpoint, CheckpointError, load_checkpoint
 from ddm.models.config import ConfigError, RouterNetworkConfig
+from ddm.objectives import as_velocity
 
 BACKENDS = ("native", "torch", "jax")
 
@@ -51,7 +52,14 @@ class LoadedDDM:
 
 def expert_velocity(ckpt: Checkpoint, backend: str = "native",
                     device: str | None = None) -> ModelFn:
-    """A NumPy velocity callable for a UNet checkpoint on the chosen framework."""
+    """Our velocity (``ddm.convention``) from a UNet checkpoint on the chosen framework, as a
+    NumPy callable: an expert trained on another objective (epsilon, x0, a VP schedule...) has
+    its network's output converted here, the one place every driver and server loads from."""
+    return as_velocity(ckpt.meta.objective, _network(ckpt, backend, device))
+
+
+def _network(ckpt: Checkpoint, backend: str, device: str | None) -> ModelFn:
+    """The checkpoint's network as trained: its own inputs, its own prediction."""
     framework = ckpt.meta.framework if backend == "native" else backend
     if framework == "torch":
         from ddm.models import torch_io

@@ -33,6 +33,7 @@ from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
 from ddm.deploy.limits import EXPERT_BACKENDS
 from ddm.models.config import UNetConfig
 from ddm.models.loading import ModelFn, expert_velocity
+from ddm.objectives import as_velocity
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
 
 BACKENDS = EXPERT_BACKENDS
@@ -184,5 +185,6 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
 
     cores = os.environ.get("NEURON_RT_VISIBLE_CORES", "all")
     info = BackendInfo(f"torch-neuronx {version}", "neuron", f"neuron (cores: {cores})")
+    run = as_velocity(ckpt.meta.objective, run)  # the traced network predicts as trained
     return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
                    warm_label=label)
