@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from ddm.operator.spec import load_manifest
+from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
 from ddm.serving.connections import ConnectionLimits
 from hostile import check_closed_in_time, swarm
