@@ -16,7 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ddm.objectives import PREDICTIONS, SCHEDULES
+from ddm.objective_names import PREDICTIONS, SCHEDULES
 from ddm.serving.commands import add_serve_commands
 
 EXIT_FAILURE = 1

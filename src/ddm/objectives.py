@@ -34,11 +34,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ddm.convention import DATA_MAX, DATA_MIN
-
-PREDICTIONS = ("velocity", "epsilon", "sample", "v_prediction")
-SCHEDULES = ("linear", "rectified-flow", "vp-linear", "vp-cosine")
-TIMES = ("continuous", "discrete", "sigma")
-FLOW_SCHEDULES = ("linear", "rectified-flow")
+from ddm.objective_names import FLOW_SCHEDULES, PREDICTIONS, SCHEDULES, TIMES
 
 #: ``epsilon`` is not converted below ``t = EDGE``, ``sample`` not above ``1 - EDGE``, and a
 #: ``sigma`` time not below ``EDGE``: there ``D`` (or sigma/alpha) diverges, so the velocity used
