@@ -118,14 +118,14 @@ def rules_of(role: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
             for resource in rule["resources"]]
 
 
-def test_rbac_has_no_wildcards_and_never_reads_secrets(helm: Path) -> None:
+def test_rbac_has_no_wildcards_and_never_lists_secrets(helm: Path) -> None:
     for sets in ([], ["watchNamespaces={a,b}"]):
         objects = render(helm, *sets)
         for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
             for group, resource, verbs in rules_of(role):
                 assert "*" not in (group, resource, *verbs), role["metadata"]["name"]
-                if resource == "secrets":
-                    assert verbs == ("create",)
+                if resource == "secrets":  # get: metadata only (kube.secret_metadata)
+                    assert verbs == ("create", "get", "patch")
 
 
 def test_cluster_wide_install_binds_one_cluster_role(helm: Path) -> None:
@@ -149,9 +149,15 @@ def test_watched_namespaces_get_a_role_each_and_nothing_cluster_scoped(helm: Pat
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
 
 
-def test_router_auth_off_drops_the_secret_rule(helm: Path) -> None:
-    (cluster_role,) = by_kind(render(helm, "routerAuth.enabled=false"), "ClusterRole")
-    assert all(resource != "secrets" for _, resource, _ in rules_of(cluster_role))
+def test_fetch_networks_reach_the_operator_and_bad_ones_fail_the_install(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    env = env_of(render(helm, "checkpointFetch.allowNetworks={10.0.3.7/32,fd00:1::/64}"))
+    assert OperatorConfig.from_env(env).fetch_allow_networks == ("10.0.3.7/32", "fd00:1::/64")
+    assert env_of(render(helm))["DDM_FETCH_ALLOW_NETWORKS"] == ""
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set",
+                      "checkpointFetch.allowNetworks={store.example}")
+    assert result.returncode != 0 and "allowNetworks" in result.stderr
 
 
 def test_example_is_the_shipped_digits_manifest(helm: Path) -> None:

@@ -65,12 +65,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, update, delete]
-{{- if .Values.routerAuth.enabled }}
-# Create only: the operator makes each router's token Secret and can never read one back.
+# The operator's own Secrets: each router's token (created once, never read back) and the URIs
+# of fetched checkpoints (applied). `get` is for their metadata only: the operator asks for a
+# PartialObjectMetadata, to tell its own Secrets from ones planted under their names.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create]
-{{- end }}
+  verbs: [create, get, patch]
 - apiGroups: ["", events.k8s.io]
   resources: [events]
   verbs: [create, patch]

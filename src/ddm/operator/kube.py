@@ -5,8 +5,9 @@ the operator stops setting are removed, fields others own (the Deployment contro
 annotations, a Service's allocated clusterIP, ``kubectl rollout restart``) are kept, and fields
 it owns but someone edited are taken back.
 
-Secrets are only ever created (``create_secret``): the operator's RBAC grants ``create`` on
-Secrets and nothing else, so it can neither read a token nor be tricked into showing one.
+Secrets: the operator creates its own (the router's token, the fetched checkpoints' URIs),
+applies the URIs' one, and reads only Secrets' metadata (``secret_metadata``), to tell its own
+from one someone else put in their place: it never reads a token.
 
 Every failure is a ``KubeError``: an answer with an error status, and equally a call that got
 no answer (connection refused or reset, a timeout, TLS broken off: whatever urllib3 or the
@@ -34,6 +35,8 @@ CHILD_KINDS = {
 }
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
+#: Ask for an object's metadata only (meta.k8s.io/v1 PartialObjectMetadata).
+_METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 #: Seconds to connect to the API server, and to wait for its answer to one call.
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 #: What the client raises when no answer came: urllib3's errors (MaxRetryError after its own
@@ -126,6 +129,21 @@ class Kube:
                            namespace, label_selector=selector, _preload_content=False)
                      ).get("items", [])
 
+    def secret_metadata(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A Secret's metadata alone (a ``PartialObjectMetadata``: its data never reaches the
+        operator), or None when there is none. The operator's own Secrets are recognised by it
+        (``reconcile``); RBAC cannot grant metadata without data, so ``get`` is granted, and
+        this is the only read of a Secret the operator makes."""
+        try:
+            found = _json(_call(f"reading the metadata of Secret {name}",
+                                self._core.read_namespaced_secret, name, namespace,
+                                _headers={"Accept": _METADATA_ONLY}, _preload_content=False))
+        except KubeError as error:
+            if error.status == 404:
+                return None
+            raise
+        return {"metadata": found.get("metadata") or {}}
+
     def create_secret(self, manifest: Mapping[str, Any]) -> bool:
         """Create a Secret unless one of that name exists (never read, never updated);
         True when this call created it."""
@@ -138,6 +156,14 @@ class Kube:
                 return False
             raise
         return True
+
+    def apply_secret(self, manifest: Mapping[str, Any]) -> None:
+        """Server-side apply a Secret the operator owns (its answer is dropped)."""
+        meta = manifest["metadata"]
+        _json(_call(f"applying Secret {meta['name']}", self._core.patch_namespaced_secret,
+                    meta["name"], meta["namespace"], dict(manifest),
+                    field_manager=names.MANAGED_BY, force=True, _content_type=_APPLY,
+                    _preload_content=False))
 
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """One child by name, or None when there is none."""

@@ -2,7 +2,8 @@
 
 Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
 ``<name>-expert-<expert>`` (Deployment, headless Service), with router authentication
-``<name>-router-token`` (a Secret the operator creates when the spec names none), and with
+``<name>-router-token`` (a Secret the operator creates when the spec names none), with
+fetched checkpoints ``<name>-checkpoints`` (a Secret holding their URIs), and with
 NetworkPolicies on ``<name>-experts`` and ``<name>-router``. The CRD bounds both names so
 that every Service name stays a DNS-1035 label of at most 63 characters.
 """
@@ -26,6 +27,8 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 SPEC_HASH_ANNOTATION = "ddm.dev/spec-hash"
 #: Hash of router.yaml on the router's pod template: a new config rolls the router.
 CONFIG_HASH_ANNOTATION = "ddm.dev/config-hash"
+#: Hash of a fetched checkpoint's URI (which lives in a Secret) on the pod template.
+CHECKPOINT_HASH_ANNOTATION = "ddm.dev/checkpoint-hash"
 
 #: What kopf watches (labelled ``managed-by: ddm-operator``) to reconcile the owner on a change:
 #: (group, version, plural); "v1" is the core group. The children the operator writes, and the
@@ -57,6 +60,11 @@ def router_config_name(owner: str) -> str:
 def router_token_name(owner: str) -> str:
     """The Secret holding the router's bearer token when the spec names none."""
     return f"{owner}-router-token"
+
+
+def checkpoint_secret_name(owner: str) -> str:
+    """The Secret holding the URIs of the checkpoints the DDM's init containers fetch."""
+    return f"{owner}-checkpoints"
 
 
 def network_policy_name(owner: str, component: str) -> str:

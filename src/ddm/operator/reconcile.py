@@ -18,8 +18,13 @@ as it is.
 Before writing anything, every child to create or update is applied as a dry run: a value the
 API server refuses (one the spec's checks do not model, such as a malformed ``affinity``)
 makes the spec invalid, reported like the spec's own problems, and no child is written, so a
-DDM is never left half-created. With router authentication and no Secret named in the spec,
-the token Secret is created on every run (a 409 means it exists; it is never read).
+DDM is never left half-created.
+
+The operator's Secrets (the router's token when the spec names none, the URIs of fetched
+checkpoints) are recognised by their metadata alone (``_made_for``: our labels and this
+resource as controller); one of their names taken by a Secret the operator did not make is
+never used nor overwritten: the pods that would read it are not run and the status says so.
+The token is created once and never read or rewritten; the URIs' Secret follows the spec.
 The status reports the pods' troubles (``status.pod_trouble``): a pod event triggers a run.
 """
 
@@ -37,9 +42,10 @@ import kopf
 from ddm.operator import names
 from ddm.operator.access import build_router_token_secret, creates_token_secret, router_token
 from ddm.operator.config import OperatorConfig
+from ddm.operator.fetcher import build_checkpoint_secret
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.manifests import build_children, with_spec_hash
-from ddm.deploy.spec import SpecError, parse_spec
+from ddm.deploy.spec import DDMSpec, SpecError, parse_spec
 from ddm.operator.status import invalid_status, now_rfc3339, ready_status
 
 log = logging.getLogger("ddm.operator")
@@ -116,8 +122,14 @@ class Reconciler:
         actions: list[tuple[str, str]] = []
         errors: list[str] = []
         token = router_token(spec, meta, self._config)
+        blocked: list[str] = []  # our Secrets' names, taken by Secrets that are not ours
         if creates_token_secret(spec, self._config):
-            self._attempt(errors, actions, self._create_token_secret, body)
+            self._attempt(errors, actions, self._token_secret, body, blocked)
+        self._attempt(errors, actions, self._checkpoint_secret, spec, body, blocked)
+        if blocked:  # a pod that would read one is not run (an existing one is deleted below)
+            desired = [m for m in desired if not _uses_secrets(m, blocked)]
+        if token is not None and token.secret_name in blocked:
+            token = None
         known, in_sync = self._in_sync.get((namespace, name), {}), {}
         for manifest in desired:
             self._attempt(errors, actions, self._converge, manifest,
@@ -161,13 +173,51 @@ class Reconciler:
                                    f"{error.detail}")
         return refused
 
-    def _create_token_secret(self, body: Mapping[str, Any]) -> tuple[str, str] | None:
-        secret = build_router_token_secret(body["metadata"], secrets.token_urlsafe(32))
+    def _token_secret(self, body: Mapping[str, Any], blocked: list[str]
+                      ) -> tuple[str, str] | None:
+        """Create the router's token Secret unless the operator's own is there already."""
+        meta = body["metadata"]
+        name = names.router_token_name(meta["name"])
+        if self._own_secret(meta, name, blocked) is not None:
+            return None
+        secret = build_router_token_secret(meta, secrets.token_urlsafe(32))
         kopf.append_owner_reference(secret, owner=body)
         if self._kube.create_secret(secret):
-            return "Created", (f"Created Secret {secret['metadata']['name']} (the router's "
-                               "bearer token)")
-        return None
+            return "Created", f"Created Secret {name} (the router's bearer token)"
+        return None  # created meanwhile: the next run checks whose it is
+
+    def _checkpoint_secret(self, spec: DDMSpec, body: Mapping[str, Any], blocked: list[str]
+                           ) -> tuple[str, str] | None:
+        """Write the fetched checkpoints' URIs into the operator's own Secret (created only
+        when there is a URI; emptied when none is left)."""
+        manifest = build_checkpoint_secret(spec, body["metadata"])
+        name = manifest["metadata"]["name"]
+        live = self._own_secret(body["metadata"], name, blocked)
+        if live is None and not manifest["data"]:
+            return None
+        kopf.append_owner_reference(manifest, owner=body)
+        manifest = with_spec_hash(manifest)
+        if live is not None and _spec_hash(live) == _spec_hash(manifest):
+            return None
+        self._kube.apply_secret(manifest)
+        return (("Created" if live is None else "Updated"),
+                f"{'Created' if live is None else 'Updated'} Secret {name} (the URIs of the "
+                "checkpoints to fetch)")
+
+    def _own_secret(self, owner: Mapping[str, Any], name: str, blocked: list[str]
+                    ) -> dict[str, Any] | None:
+        """The metadata of the operator's Secret ``name`` of ``owner``, None when absent; a
+        ``KubeError`` (409) when a Secret of that name is there that the operator did not make
+        for ``owner`` (``_made_for``): it is never used, nor overwritten."""
+        found = self._kube.secret_metadata(owner["namespace"], name)
+        if found is None or _made_for(found, owner):
+            return found
+        blocked.append(name)
+        raise KubeError(409, f"Secret {name} exists but the operator did not create it for this "
+                             "DDMDeployment (it lacks the operator's labels or an owner "
+                             "reference to this resource), so it is not used and nothing that "
+                             "would read it runs; delete it, or name a Secret of yours in the "
+                             "spec")
 
     def _converge(self, desired: dict[str, Any], live: Mapping[str, Any] | None, owner_uid: str,
                   known: Mapping[tuple[str, str], str], in_sync: dict[tuple[str, str], str]
@@ -235,6 +285,28 @@ def _spec_hash(obj: Mapping[str, Any]) -> str | None:
 def _controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
     return any(ref.get("uid") == owner_uid and ref.get("controller")
                for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+def _made_for(secret: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
+    """Whether the operator created ``secret`` for ``owner``: our labels naming ``owner`` and
+    ``owner`` (by uid, which nobody can know before ``owner`` exists) as its controller. A
+    Secret planted before the DDMDeployment was created cannot carry that reference."""
+    labels = secret["metadata"].get("labels") or {}
+    return (labels.get(names.MANAGED_BY_LABEL) == names.MANAGED_BY
+            and labels.get(names.DEPLOYMENT_LABEL) == owner["name"]
+            and _controlled_by(secret, owner["uid"]))
+
+
+def _uses_secrets(manifest: Mapping[str, Any], secret_names: list[str]) -> bool:
+    """Whether a Deployment's pods would read one of ``secret_names`` (a volume or an env)."""
+    if manifest["kind"] != "Deployment":
+        return False
+    pod = manifest["spec"]["template"]["spec"]
+    used = {(v.get("secret") or {}).get("secretName") for v in pod.get("volumes", [])}
+    for container in pod.get("initContainers", []) + pod["containers"]:
+        used |= {((e.get("valueFrom") or {}).get("secretKeyRef") or {}).get("name")
+                 for e in container.get("env", [])}
+    return bool(used & set(secret_names))
 
 
 def _differs(live: Mapping[str, Any], preview: Mapping[str, Any]) -> bool:
