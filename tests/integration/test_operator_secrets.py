@@ -1,17 +1,21 @@
-"""The operator's Secrets on the real API server: a fetched URI's secret query stays in the
-operator's own Secret, and a Secret planted under one of its names is never adopted."""
+"""Tenants on the real API server: a fetched URI's secret query stays in the operator's own
+Secret, a Secret planted under one of its names is never adopted, and the operator-wide
+allow-lists of images and checkpoint sources refuse a DDM outside them."""
 
 from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 from typing import Any
 
 import pytest
 from test_operator import (  # the shared helpers of the operator's cluster tests
     CPU_SPEC,
+    DEFAULT_CONFIG,
     Cluster,
+    OperatorThread,
     crd,  # noqa: F401  (a fixture: the CRD applied)
     operator,  # noqa: F401  (a fixture: the operator running with default settings)
     wait_for,
@@ -125,3 +129,37 @@ def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace:
     status = wait_for(lambda: (cluster.ddm(ns, "planted").get("status") or {}).get(
         "routerTokenSecret"), 30, "the status to name the operator's Secret")
     assert status == "planted-router-token"
+
+
+def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespace: str,
+                                                  request: pytest.FixtureRequest) -> None:
+    ns = kube_namespace
+    running: OperatorThread = request.getfixturevalue("operator")
+    running.restart(dataclasses.replace(
+        DEFAULT_CONFIG, allowed_images=("registry.acme.example/ddm/",),
+        allowed_checkpoint_sources=("image:///models/",)))
+    try:
+        spec = copy.deepcopy(CPU_SPEC)
+        spec["experts"][1]["image"] = "evil.example/miner:1"
+        spec["experts"][2]["checkpoint"] = {"uri": "s3://elsewhere/c?X-Amz-Signature=abc"}
+        cluster.create_ddm(ns, "outside", spec)
+        allowed = copy.deepcopy(CPU_SPEC)
+        allowed["experts"][0]["image"] = "registry.acme.example/ddm/cpu:1"
+        cluster.create_ddm(ns, "inside", allowed)
+
+        def condition(name: str, kind: str) -> dict | None:
+            status = cluster.ddm(ns, name).get("status") or {}
+            found = [c for c in status.get("conditions", []) if c["type"] == kind]
+            return found[0] if found else None
+        valid = wait_for(lambda: condition("outside", "SpecValid"), 30, "the refusal")
+        assert valid["status"] == "False"
+        assert valid["message"] == (
+            "spec.experts[1].image: 'evil.example/miner:1' is not among the images this "
+            "operator allows (DDM_ALLOWED_IMAGES: registry.acme.example/ddm/); "
+            "spec.experts[2].checkpoint.uri: 's3://elsewhere/c' is not among the checkpoint "
+            "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image:///models/)")
+        assert cluster.children(ns, "outside") == {}
+        assert wait_for(lambda: condition("inside", "SpecValid"), 30, "the other DDM's status"
+                        )["status"] == "True"
+    finally:
+        running.restart(DEFAULT_CONFIG)

@@ -160,6 +160,19 @@ def test_fetch_networks_reach_the_operator_and_bad_ones_fail_the_install(helm: P
     assert result.returncode != 0 and "allowNetworks" in result.stderr
 
 
+def test_tenant_allow_lists_reach_the_operator(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    env = env_of(render(helm, "tenants.allowedImages={reg.example/ddm/,ddm:}",
+                        "tenants.allowedCheckpointSources={pvc://,s3://models/}"))
+    config = OperatorConfig.from_env(env)
+    assert config.allowed_images == ("reg.example/ddm/", "ddm:")
+    assert config.allowed_checkpoint_sources == ("pvc://", "s3://models/")
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set",
+                      "tenants.allowedCheckpointSources={https://store.example}")
+    assert result.returncode != 0 and "allowedCheckpointSources" in result.stderr
+
+
 def test_example_is_the_shipped_digits_manifest(helm: Path) -> None:
     assert not by_kind(render(helm), "DDMDeployment")
     (example,) = by_kind(render(helm, "example.enabled=true"), "DDMDeployment")

@@ -43,6 +43,7 @@ from ddm.operator import names
 from ddm.operator.access import build_router_token_secret, creates_token_secret, router_token
 from ddm.operator.config import OperatorConfig
 from ddm.operator.fetcher import build_checkpoint_secret
+from ddm.operator.policy import policy_problems
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.manifests import build_children, with_spec_hash
 from ddm.deploy.spec import DDMSpec, SpecError, parse_spec
@@ -106,6 +107,10 @@ class Reconciler:
         meta, previous = body["metadata"], body.get("status") or {}
         try:
             spec = parse_spec(body.get("spec"), allow_host_paths=self._config.allow_host_paths)
+            outside = policy_problems(spec, self._config.allowed_images,
+                                      self._config.allowed_checkpoint_sources)
+            if outside:
+                raise SpecError(outside)
         except SpecError as error:
             self._report(body, invalid_status(error, meta, previous=previous, now=now_rfc3339()))
             return Outcome(spec_error=error)
