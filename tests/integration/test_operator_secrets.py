@@ -21,6 +21,9 @@ from test_operator import (  # the shared helpers of the operator's cluster test
     wait_for,
 )
 
+from ddm.operator import kube
+from ddm.operator.reconcile import ownership_tests
+
 SIGNATURE = "5f3c9e1d0b7a4c2e8f6d1a3b5c7e9f0a2b4d6f8e1c3a5b7d9f0e2c4a6b8d0f1e"
 SIGNED = (f"https://store.example/ddm/a.tar.gz?X-Amz-Algorithm=AWS4-HMAC-SHA256"
           f"&X-Amz-Credential=AKIAEXAMPLE%2F20261123&X-Amz-Signature={SIGNATURE}")
@@ -129,6 +132,14 @@ def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace:
     status = wait_for(lambda: (cluster.ddm(ns, "planted").get("status") or {}).get(
         "routerTokenSecret"), 30, "the status to name the operator's Secret")
     assert status == "planted-router-token"
+    # What the operator's ownership check gets back: metadata only, never the token.
+    tests = ownership_tests(owner["metadata"])
+    answer = json.loads(cluster.core.patch_namespaced_secret(
+        "planted-router-token", ns,
+        [{"op": "test", "path": path, "value": value} for path, value in tests.items()],
+        _content_type="application/json-patch+json", _preload_content=False,
+        _headers={"Accept": kube._METADATA_ONLY}).data)
+    assert answer["kind"] == "PartialObjectMetadata" and "data" not in answer
 
 
 def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespace: str,

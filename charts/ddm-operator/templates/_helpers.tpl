@@ -76,11 +76,11 @@ written by server-side apply (patch; create when the apply creates), never by up
   resources: [pods]
   verbs: [list, watch]
 # The operator's own Secrets: each router's token (created once, never read back) and the URIs
-# of fetched checkpoints (applied). `get` is for their metadata only: the operator asks for a
-# PartialObjectMetadata, to tell its own Secrets from ones planted under their names.
+# of fetched checkpoints. Every patch carries JSON-patch tests that only the operator's own
+# Secret passes (a planted one is refused), and asks for metadata back: no get, list or watch.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create, get, patch]
+  verbs: [create, patch]
 # kopf posts the events it is told to (core v1 events, created, never patched).
 - apiGroups: [""]
   resources: [events]

@@ -21,10 +21,11 @@ makes the spec invalid, reported like the spec's own problems, and no child is w
 DDM is never left half-created.
 
 The operator's Secrets (the router's token when the spec names none, the URIs of fetched
-checkpoints) are recognised by their metadata alone (``_made_for``: our labels and this
-resource as controller); one of their names taken by a Secret the operator did not make is
-never used nor overwritten: the pods that would read it are not run and the status says so.
-The token is created once and never read or rewritten; the URIs' Secret follows the spec.
+checkpoints) are recognised without reading them: every write to one is a JSON patch whose
+``test`` operations (``ownership_tests``: our labels and this resource as controller) make
+the API server refuse a Secret the operator did not make. One of their names taken by such a
+Secret is never used nor changed: the pods that would read it are not run and the status says
+so. The token is created once and never read or rewritten; the URIs' Secret follows the spec.
 The status reports the pods' troubles (``status.pod_trouble``): a pod event triggers a run.
 """
 
@@ -183,7 +184,7 @@ class Reconciler:
         """Create the router's token Secret unless the operator's own is there already."""
         meta = body["metadata"]
         name = names.router_token_name(meta["name"])
-        if self._own_secret(meta, name, blocked) is not None:
+        if self._own_secret(meta, name, blocked):
             return None
         secret = build_router_token_secret(meta, secrets.token_urlsafe(32))
         kopf.append_owner_reference(secret, owner=body)
@@ -194,29 +195,30 @@ class Reconciler:
     def _checkpoint_secret(self, spec: DDMSpec, body: Mapping[str, Any], blocked: list[str]
                            ) -> tuple[str, str] | None:
         """Write the fetched checkpoints' URIs into the operator's own Secret (created only
-        when there is a URI; emptied when none is left)."""
+        when there is a URI; emptied when none is left). An unchanged patch changes nothing
+        on the server."""
         manifest = build_checkpoint_secret(spec, body["metadata"])
-        name = manifest["metadata"]["name"]
-        live = self._own_secret(body["metadata"], name, blocked)
-        if live is None and not manifest["data"]:
+        name, data = manifest["metadata"]["name"], manifest["data"]
+        if self._own_secret(body["metadata"], name, blocked,
+                            [{"op": "add", "path": "/data", "value": data}]):
+            return None
+        if not data:
             return None
         kopf.append_owner_reference(manifest, owner=body)
-        manifest = with_spec_hash(manifest)
-        if live is not None and _spec_hash(live) == _spec_hash(manifest):
-            return None
-        self._kube.apply_secret(manifest)
-        return (("Created" if live is None else "Updated"),
-                f"{'Created' if live is None else 'Updated'} Secret {name} (the URIs of the "
-                "checkpoints to fetch)")
+        if self._kube.create_secret(manifest):
+            return "Created", f"Created Secret {name} (the URIs of the checkpoints to fetch)"
+        return None  # created meanwhile: the next run checks whose it is and writes it
 
-    def _own_secret(self, owner: Mapping[str, Any], name: str, blocked: list[str]
-                    ) -> dict[str, Any] | None:
-        """The metadata of the operator's Secret ``name`` of ``owner``, None when absent; a
-        ``KubeError`` (409) when a Secret of that name is there that the operator did not make
-        for ``owner`` (``_made_for``): it is never used, nor overwritten."""
-        found = self._kube.secret_metadata(owner["namespace"], name)
-        if found is None or _made_for(found, owner):
-            return found
+    def _own_secret(self, owner: Mapping[str, Any], name: str, blocked: list[str],
+                    changes: list[dict[str, Any]] | None = None) -> bool:
+        """Whether the operator's Secret ``name`` of ``owner`` exists (then ``changes`` are
+        made to it); False when absent. A ``KubeError`` (409) when a Secret of that name is
+        there that the operator did not make for ``owner`` (``ownership_tests``): it is never
+        used, nor changed."""
+        held = self._kube.patch_own_secret(owner["namespace"], name, ownership_tests(owner),
+                                           changes or [])
+        if held is not False:
+            return bool(held)
         blocked.append(name)
         raise KubeError(409, f"Secret {name} exists but the operator did not create it for this "
                              "DDMDeployment (it lacks the operator's labels or an owner "
@@ -292,14 +294,20 @@ def _controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
                for ref in obj["metadata"].get("ownerReferences") or [])
 
 
-def _made_for(secret: Mapping[str, Any], owner: Mapping[str, Any]) -> bool:
-    """Whether the operator created ``secret`` for ``owner``: our labels naming ``owner`` and
-    ``owner`` (by uid, which nobody can know before ``owner`` exists) as its controller. A
-    Secret planted before the DDMDeployment was created cannot carry that reference."""
-    labels = secret["metadata"].get("labels") or {}
-    return (labels.get(names.MANAGED_BY_LABEL) == names.MANAGED_BY
-            and labels.get(names.DEPLOYMENT_LABEL) == owner["name"]
-            and _controlled_by(secret, owner["uid"]))
+def ownership_tests(owner: Mapping[str, Any]) -> dict[str, Any]:
+    """JSON pointers and values that only a Secret the operator created for ``owner`` has:
+    our labels naming ``owner``, and ``owner`` (by uid, which nobody can know before it
+    exists) as its one controller. A Secret planted before the DDMDeployment was created,
+    labels copied included, fails them."""
+    return {f"/metadata/labels/{_pointer(names.MANAGED_BY_LABEL)}": names.MANAGED_BY,
+            f"/metadata/labels/{_pointer(names.DEPLOYMENT_LABEL)}": owner["name"],
+            "/metadata/ownerReferences/0/uid": owner["uid"],
+            "/metadata/ownerReferences/0/controller": True}
+
+
+def _pointer(key: str) -> str:
+    """``key`` as one JSON-pointer segment (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _uses_secrets(manifest: Mapping[str, Any], secret_names: list[str]) -> bool:
