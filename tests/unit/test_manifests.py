@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import copy
 import dataclasses
+import ipaddress
 import json
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from podsecurity import violations
 from ddm.checkpoints.fetch import ENV_URI, FetchPolicy
 from ddm.operator import fetcher, names
 from ddm.operator.fetcher import build_checkpoint_secret, uri_digest
-from ddm.operator.access import build_router_token_secret
+from ddm.checkpoints.destinations import METADATA_ADDRESSES
+from ddm.operator.access import build_router_token_secret, store_egress
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
@@ -399,7 +401,7 @@ def test_network_policies_let_only_the_router_reach_the_experts() -> None:
     policy = children[("NetworkPolicy", "digits-experts")]["spec"]
     assert all(_matches(policy["podSelector"], labels) for labels in experts)
     assert not _matches(policy["podSelector"], router)
-    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["egress"] == []
     (rule,) = policy["ingress"]
     (source,) = rule["from"]
     assert _matches(source["podSelector"], router)
@@ -415,6 +417,44 @@ def test_network_policies_let_only_the_router_reach_the_experts() -> None:
     assert "from" not in router_rule  # clients anywhere, on the router's port only
     assert [p["port"] for p in router_rule["ports"]] == [
         p["containerPort"] for p in _container(_router_pod(children))["ports"]]
+
+
+def test_egress_router_to_its_experts_and_dns_fetchers_to_stores_not_metadata() -> None:
+    config = OperatorConfig(images=CONFIG.images, network_policy=True)
+    raw = _spec(_expert("a", checkpoint={"uri": "s3://models/a"}), _expert("b"))
+    children = _children(raw, config)
+    fetching, local = (_pod_labels(children, f"digits-expert-{e}") for e in ("a", "b"))
+    router = _pod_labels(children, "digits-router")
+    router_egress = children[("NetworkPolicy", "digits-router")]["spec"]["egress"]
+    to_experts, dns = router_egress
+    assert _matches(to_experts["to"][0]["podSelector"], fetching)
+    assert _matches(to_experts["to"][0]["podSelector"], local)
+    assert [p["port"] for p in to_experts["ports"]] == [names.EXPERT_PORT]
+    assert dns == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+
+    fetch = children[("NetworkPolicy", "digits-fetch")]["spec"]
+    assert fetch["policyTypes"] == ["Egress"]  # a pod selects no init container alone
+    assert _matches(fetch["podSelector"], fetching)
+    assert not _matches(fetch["podSelector"], local) and not _matches(fetch["podSelector"], router)
+    dns, store = fetch["egress"]
+    v4, v6 = (block["ipBlock"] for block in store["to"])
+    assert (v4["cidr"], v6["cidr"]) == ("0.0.0.0/0", "::/0")
+    assert {"169.254.0.0/16", "100.100.100.200/32"} <= set(v4["except"])
+    assert {"fe80::/10", "fd00:ec2::254/128"} <= set(v6["except"])
+    assert "ports" not in store  # any port of the store
+
+
+def test_an_allowed_link_local_store_opens_link_local_but_never_metadata() -> None:
+    (v4, v6) = (b["ipBlock"] for b in store_egress(("169.254.20.0/24",))["to"])
+    assert "169.254.0.0/16" not in v4["except"]
+    assert {"169.254.169.254/32", "169.254.170.2/32"} <= set(v4["except"])
+    assert "fe80::/10" in v6["except"]
+    metadata = {ipaddress.ip_network(a) for a in METADATA_ADDRESSES}
+    for allowed in ((), ("169.254.0.0/16", "fe80::/10")):
+        closed = [ipaddress.ip_network(n) for b in store_egress(allowed)["to"]
+                  for n in b["ipBlock"]["except"]]
+        assert all(any(a.subnet_of(c) for c in closed if c.version == a.version)
+                   for a in metadata)
 
 
 def test_network_policies_only_when_turned_on() -> None:

@@ -75,8 +75,9 @@ def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfi
     """Every child, in the order to apply them: the NetworkPolicies (when on), experts, the
     router's config, the router. Not the token Secret (``build_router_token_secret``): the
     operator only ever creates it, never reads or updates it."""
-    children: list[dict[str, Any]] = (build_network_policies(meta) if config.network_policy
-                                      else [])
+    children: list[dict[str, Any]] = (
+        build_network_policies(meta, config.fetch_allow_networks) if config.network_policy
+        else [])
     for expert in spec.experts:
         children.append(build_expert_service(expert, meta))
         children.append(build_expert_deployment(expert, meta, config))
@@ -121,7 +122,8 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     return _deployment(names.expert_name(owner, expert.name), meta, expert.replicas,
                        names.labels(owner, "expert", expert.name),
                        names.selector(owner, "expert", expert.name), pod,
-                       _checkpoint_annotation(expert.checkpoint))
+                       _checkpoint_annotation(expert.checkpoint),
+                       fetches=bool(mount.init_containers))
 
 
 def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -203,7 +205,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
                        **_checkpoint_annotation(router.checkpoint)}
     return _deployment(names.router_name(owner), meta, router.replicas,
                        names.labels(owner, "router"), names.selector(owner, "router"), pod,
-                       pod_annotations)
+                       pod_annotations, fetches=bool(mount and mount.init_containers))
 
 
 def build_router_service(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -325,8 +327,11 @@ def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
 
 def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
-                pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+                pod_annotations: dict[str, str] | None = None, *, fetches: bool = False
+                ) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
+    if fetches:  # its NetworkPolicy lets it reach the checkpoint store
+        template_meta["labels"][names.FETCH_LABEL] = "true"
     if pod_annotations:
         template_meta["annotations"] = pod_annotations
     return {

@@ -22,6 +22,8 @@ MANAGED_BY = "ddm-operator"
 DEPLOYMENT_LABEL = "ddm.dev/deployment"
 EXPERT_LABEL = "ddm.dev/expert"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+#: On the pods whose init container fetches a checkpoint: their NetworkPolicy lets them out.
+FETCH_LABEL = "ddm.dev/fetches-checkpoint"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 #: Hash of a child's desired manifest: a spec change rewrites only the children it alters.
 SPEC_HASH_ANNOTATION = "ddm.dev/spec-hash"
@@ -68,7 +70,8 @@ def checkpoint_secret_name(owner: str) -> str:
 
 
 def network_policy_name(owner: str, component: str) -> str:
-    """The NetworkPolicy guarding ``component`` (experts or router)."""
+    """The NetworkPolicy guarding ``component`` (experts, router, or fetch: the pods that
+    fetch a checkpoint)."""
     return f"{owner}-{component}"
 
 
