@@ -3,8 +3,10 @@
 Authentication: the spec's ``router.auth`` names a Secret (and key) holding the token, or asks
 for one without naming it; the operator-wide ``router_auth`` setting asks for one for every
 DDM. A Secret nobody named is created by the operator, once, with a random token, owned by
-the DDMDeployment (so it goes with it); the operator never reads Secrets, so it never sees
-the token again. The router reads the token from a read-only file (``ROUTER_TOKEN_FILE``).
+the DDMDeployment (so it goes with it), and recognised later without being read
+(``reconcile.ownership_tests``): the operator never sees the token again, and never adopts
+a Secret someone else put under that name. The router reads the token from a read-only
+file (``ROUTER_TOKEN_FILE``).
 
 NetworkPolicies (operator-wide ``network_policy``): expert pods accept traffic only from their
 own router's pods, on the expert port, and send none; router pods accept traffic on the router

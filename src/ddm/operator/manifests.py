@@ -73,8 +73,9 @@ _PROBE_PERIOD_S = 10
 def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                    ) -> list[dict[str, Any]]:
     """Every child, in the order to apply them: the NetworkPolicies (when on), experts, the
-    router's config, the router. Not the token Secret (``build_router_token_secret``): the
-    operator only ever creates it, never reads or updates it."""
+    router's config, the router. Not the operator's Secrets (``build_router_token_secret``,
+    ``fetcher.build_checkpoint_secret``): they are written only through ownership checks
+    (``reconcile``)."""
     children: list[dict[str, Any]] = (
         build_network_policies(meta, config.fetch_allow_networks) if config.network_policy
         else [])
