@@ -465,7 +465,7 @@ def test_network_policies_follow_the_operators_setting(operator: OperatorThread,
         _deploy(cluster, ns, "np", CPU_SPEC)
         policies = wait_for(lambda: {p["metadata"]["name"]: p for p in cluster.list(
             "NetworkPolicy", ns, f"{OWNER_LABEL}=np")} or None, 15, "NetworkPolicies")
-        assert set(policies) == {"np-experts", "np-router"}
+        assert set(policies) == {"np-experts", "np-router", "np-fetch"}
         pods = _bound_pods(cluster, ns, f"{OWNER_LABEL}=np", 4)
 
         def selected(selector: dict) -> set[str]:
@@ -477,6 +477,7 @@ def test_network_policies_follow_the_operators_setting(operator: OperatorThread,
         assert selected(expert_policy["podSelector"]) == experts and len(experts) == 3
         assert selected(expert_policy["ingress"][0]["from"][0]["podSelector"]) == routers
         assert selected(policies["np-router"]["spec"]["podSelector"]) == routers
+        assert selected(policies["np-fetch"]["spec"]["podSelector"]) == set()  # image://
 
         operator.restart(DEFAULT_CONFIG)
         wait_for(lambda: not cluster.list("NetworkPolicy", ns, f"{OWNER_LABEL}=np"), 15,

@@ -124,8 +124,8 @@ def test_rbac_has_no_wildcards_and_never_reads_secrets(helm: Path) -> None:
         for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
             for group, resource, verbs in rules_of(role):
                 assert "*" not in (group, resource, *verbs), role["metadata"]["name"]
-                if resource == "secrets":
-                    assert verbs == ("create",)
+                if resource == "secrets":  # patches test ownership and return metadata
+                    assert verbs == ("create", "patch")
 
 
 def test_cluster_wide_install_binds_one_cluster_role(helm: Path) -> None:
@@ -149,9 +149,28 @@ def test_watched_namespaces_get_a_role_each_and_nothing_cluster_scoped(helm: Pat
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
 
 
-def test_router_auth_off_drops_the_secret_rule(helm: Path) -> None:
-    (cluster_role,) = by_kind(render(helm, "routerAuth.enabled=false"), "ClusterRole")
-    assert all(resource != "secrets" for _, resource, _ in rules_of(cluster_role))
+def test_fetch_networks_reach_the_operator_and_bad_ones_fail_the_install(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    env = env_of(render(helm, "checkpointFetch.allowNetworks={10.0.3.7/32,fd00:1::/64}"))
+    assert OperatorConfig.from_env(env).fetch_allow_networks == ("10.0.3.7/32", "fd00:1::/64")
+    assert env_of(render(helm))["DDM_FETCH_ALLOW_NETWORKS"] == ""
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set",
+                      "checkpointFetch.allowNetworks={store.example}")
+    assert result.returncode != 0 and "allowNetworks" in result.stderr
+
+
+def test_tenant_allow_lists_reach_the_operator(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    env = env_of(render(helm, "tenants.allowedImages={reg.example/ddm/,ddm:}",
+                        "tenants.allowedCheckpointSources={pvc://,s3://models/}"))
+    config = OperatorConfig.from_env(env)
+    assert config.allowed_images == ("reg.example/ddm/", "ddm:")
+    assert config.allowed_checkpoint_sources == ("pvc://", "s3://models/")
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set",
+                      "tenants.allowedCheckpointSources={https://store.example}")
+    assert result.returncode != 0 and "allowedCheckpointSources" in result.stderr
 
 
 def test_example_is_the_shipped_digits_manifest(helm: Path) -> None:

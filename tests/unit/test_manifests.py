@@ -4,14 +4,21 @@ bearer token, and the NetworkPolicies."""
 
 from __future__ import annotations
 
+import base64
 import copy
+import dataclasses
+import ipaddress
+import json
 from pathlib import Path
 
 import pytest
 from podsecurity import violations
 
-from ddm.operator import names
-from ddm.operator.access import build_router_token_secret
+from ddm.checkpoints.fetch import ENV_URI, FetchPolicy
+from ddm.operator import fetcher, names
+from ddm.operator.fetcher import build_checkpoint_secret, uri_digest
+from ddm.checkpoints.destinations import METADATA_ADDRESSES
+from ddm.operator.access import build_router_token_secret, store_egress
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
@@ -183,12 +190,70 @@ def test_a_checkpoint_inside_the_image_mounts_nothing() -> None:
 def test_a_remote_checkpoint_is_fetched_by_an_init_container(uri: str) -> None:
     pod = _expert_pod(_expert(checkpoint={"uri": uri}))
     (fetch,) = pod["initContainers"]
-    assert fetch["command"] == ["ddm", "fetch-checkpoint", uri, "/models/expert"]
+    assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": "digits-checkpoints", "key": "expert-e"}}} in fetch["env"]
     assert fetch["image"] == "reg/ddm:1"
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert {"name": "checkpoint", "mountPath": "/models/expert"} in fetch["volumeMounts"]
-    assert {"name": "checkpoint", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "checkpoint", "emptyDir": {"sizeLimit": str(FetchPolicy().max_bytes)}} \
+        in pod["volumes"]
     assert {"name": "checkpoint", "mountPath": "/models/expert", "readOnly": True} in \
         _container(pod)["volumeMounts"]
+
+
+SIGNED = "https://store.example/m.tar.gz?X-Amz-Signature=c2VjcmV0&X-Amz-Credential=AKIA"
+
+
+def test_the_fetchers_constants_are_the_fetchers() -> None:
+    assert (fetcher.FETCH_MAX_BYTES, fetcher.ENV_URI) == (FetchPolicy().max_bytes, ENV_URI)
+
+
+def test_a_fetched_uri_is_in_the_operators_secret_and_nowhere_else() -> None:
+    raw = _spec(_expert("a", checkpoint={"uri": SIGNED}), _expert("b"))
+    raw["router"] = {"checkpoint": {"uri": "s3://models/router"}}
+    spec = parse_spec(raw)
+    children = build_children(spec, META, CONFIG)
+    assert "X-Amz" not in json.dumps(children)
+    secret = build_checkpoint_secret(spec, META)
+    assert secret["metadata"]["name"] == "digits-checkpoints"
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == {
+        "expert-a": SIGNED, "router": "s3://models/router"}
+    pods = {c["metadata"]["name"]: c["spec"]["template"] for c in children
+            if c["kind"] == "Deployment"}
+    # the URI's hash rolls the pods when it changes (the Secret's change would not)
+    assert pods["digits-expert-a"]["metadata"]["annotations"] == {
+        names.CHECKPOINT_HASH_ANNOTATION: uri_digest(SIGNED)}
+    assert "annotations" not in pods["digits-expert-b"]["metadata"]
+    assert names.CHECKPOINT_HASH_ANNOTATION in pods["digits-router"]["metadata"]["annotations"]
+    assert build_checkpoint_secret(parse_spec(_spec(_expert())), META)["data"] == {}
+
+
+def test_a_pinned_fetch_with_credentials_and_allowed_networks() -> None:
+    digest = "AB" * 32
+    config = dataclasses.replace(CONFIG, fetch_allow_networks=("10.0.3.7/32", "fd00:1::/64"))
+    pod = _expert_pod(_expert(checkpoint={
+        "uri": "http://store.example/m.tar.gz", "sha256": f"sha256:{digest}",
+        "credentialsSecret": {"name": "store-login", "key": "headers.txt"}}), config)
+    (fetch,) = pod["initContainers"]
+    assert fetch["command"] == [
+        "ddm", "fetch-checkpoint", "--sha256", digest.lower(),
+        "--headers-file", "/var/run/secrets/ddm/checkpoint-credentials/headers",
+        "--allow-network", "10.0.3.7/32", "--allow-network", "fd00:1::/64", "/models/expert"]
+    assert {"name": "checkpoint-credentials", "secret": {
+        "secretName": "store-login", "defaultMode": 0o400,
+        "items": [{"key": "headers.txt", "path": "headers"}]}} in pod["volumes"]
+    credentials = {"name": "checkpoint-credentials", "readOnly": True,
+                   "mountPath": "/var/run/secrets/ddm/checkpoint-credentials"}
+    assert credentials in fetch["volumeMounts"]
+    assert credentials not in _container(pod)["volumeMounts"]  # the fetcher's alone
+
+
+def test_the_operators_fetch_networks_must_be_cidrs() -> None:
+    assert OperatorConfig.from_env({"DDM_FETCH_ALLOW_NETWORKS": " 10.0.0.0/8, ,::1 "}
+                                   ).fetch_allow_networks == ("10.0.0.0/8", "::1")
+    with pytest.raises(ValueError, match="DDM_FETCH_ALLOW_NETWORKS: allowed network '10.0.0.1/8'"):
+        OperatorConfig.from_env({"DDM_FETCH_ALLOW_NETWORKS": "10.0.0.1/8"})
 
 
 def test_a_host_path_checkpoint() -> None:
@@ -264,9 +329,15 @@ def test_every_container_reports_why_it_failed() -> None:
 
 def test_no_dollar_in_a_uri_is_expanded_by_kubernetes() -> None:
     uri = "https://example.com/$(HOME)/e?sig=a$b"
-    pod = _expert_pod(_expert(checkpoint={"uri": uri}))
+    spec = parse_spec(_spec(_expert(checkpoint={"uri": uri})))
+    pod = build_expert_deployment(spec.experts[0], META, CONFIG)["spec"]["template"]["spec"]
+    # A Secret's value reaches the env as it is (Kubernetes expands $(VAR) in `value` only).
+    assert base64.b64decode(build_checkpoint_secret(spec, META)["data"]["expert-e"]) == \
+        uri.encode()
+    assert "$" not in json.dumps(pod["initContainers"])
     # Kubernetes turns $$ into $, and leaves $(VAR) unexpanded only when so escaped.
-    assert pod["initContainers"][0]["command"][2] == "https://example.com/$$(HOME)/e?sig=a$$b"
+    image = _expert_pod(_expert(checkpoint={"uri": "image:///m/$(HOME)"}))
+    assert _flag(_container(image)["command"], "--checkpoint") == "/m/$$(HOME)"
 
 
 def _router_pod(children: dict) -> dict:
@@ -330,7 +401,7 @@ def test_network_policies_let_only_the_router_reach_the_experts() -> None:
     policy = children[("NetworkPolicy", "digits-experts")]["spec"]
     assert all(_matches(policy["podSelector"], labels) for labels in experts)
     assert not _matches(policy["podSelector"], router)
-    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and policy["egress"] == []
     (rule,) = policy["ingress"]
     (source,) = rule["from"]
     assert _matches(source["podSelector"], router)
@@ -346,6 +417,44 @@ def test_network_policies_let_only_the_router_reach_the_experts() -> None:
     assert "from" not in router_rule  # clients anywhere, on the router's port only
     assert [p["port"] for p in router_rule["ports"]] == [
         p["containerPort"] for p in _container(_router_pod(children))["ports"]]
+
+
+def test_egress_router_to_its_experts_and_dns_fetchers_to_stores_not_metadata() -> None:
+    config = OperatorConfig(images=CONFIG.images, network_policy=True)
+    raw = _spec(_expert("a", checkpoint={"uri": "s3://models/a"}), _expert("b"))
+    children = _children(raw, config)
+    fetching, local = (_pod_labels(children, f"digits-expert-{e}") for e in ("a", "b"))
+    router = _pod_labels(children, "digits-router")
+    router_egress = children[("NetworkPolicy", "digits-router")]["spec"]["egress"]
+    to_experts, dns = router_egress
+    assert _matches(to_experts["to"][0]["podSelector"], fetching)
+    assert _matches(to_experts["to"][0]["podSelector"], local)
+    assert [p["port"] for p in to_experts["ports"]] == [names.EXPERT_PORT]
+    assert dns == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+
+    fetch = children[("NetworkPolicy", "digits-fetch")]["spec"]
+    assert fetch["policyTypes"] == ["Egress"]  # a pod selects no init container alone
+    assert _matches(fetch["podSelector"], fetching)
+    assert not _matches(fetch["podSelector"], local) and not _matches(fetch["podSelector"], router)
+    dns, store = fetch["egress"]
+    v4, v6 = (block["ipBlock"] for block in store["to"])
+    assert (v4["cidr"], v6["cidr"]) == ("0.0.0.0/0", "::/0")
+    assert {"169.254.0.0/16", "100.100.100.200/32"} <= set(v4["except"])
+    assert {"fe80::/10", "fd00:ec2::254/128"} <= set(v6["except"])
+    assert "ports" not in store  # any port of the store
+
+
+def test_an_allowed_link_local_store_opens_link_local_but_never_metadata() -> None:
+    (v4, v6) = (b["ipBlock"] for b in store_egress(("169.254.20.0/24",))["to"])
+    assert "169.254.0.0/16" not in v4["except"]
+    assert {"169.254.169.254/32", "169.254.170.2/32"} <= set(v4["except"])
+    assert "fe80::/10" in v6["except"]
+    metadata = {ipaddress.ip_network(a) for a in METADATA_ADDRESSES}
+    for allowed in ((), ("169.254.0.0/16", "fe80::/10")):
+        closed = [ipaddress.ip_network(n) for b in store_egress(allowed)["to"]
+                  for n in b["ipBlock"]["except"]]
+        assert all(any(a.subnet_of(c) for c in closed if c.version == a.version)
+                   for a in metadata)
 
 
 def test_network_policies_only_when_turned_on() -> None:

@@ -113,6 +113,13 @@ def test_limits_and_patterns_equal_the_crds() -> None:
                 pod_options.LABEL_VALUE_PATTERN, pod_options.MAX_LABEL_VALUE_LENGTH)
         assert toleration["operator"]["enum"] == list(pod_options.TOLERATION_OPERATORS)
         assert toleration["effect"]["enum"] == list(pod_options.TAINT_EFFECTS)
+    for checkpoint in (EXPERT["checkpoint"], SPEC["router"]["properties"]["checkpoint"]):
+        fields = checkpoint["properties"]
+        assert fields["sha256"]["pattern"] == spec.SHA256_PATTERN
+        secret = fields["credentialsSecret"]["properties"]
+        assert (secret["name"]["pattern"], secret["name"]["maxLength"], secret["key"]["pattern"]
+                ) == (spec.SECRET_NAME_PATTERN, spec.MAX_SECRET_NAME_LENGTH,
+                      spec.SECRET_KEY_PATTERN)
     auth = SPEC["router"]["properties"]["auth"]["properties"]
     assert (auth["secretName"]["pattern"], auth["secretName"]["maxLength"]) == (
         spec.SECRET_NAME_PATTERN, spec.MAX_SECRET_NAME_LENGTH)
@@ -272,6 +279,24 @@ INVALID = {
     "a Secret key that is a parent directory": (
         lambda s: s.update(router={"auth": {"key": ".."}}),
         "spec.router.auth.key: '..' is not valid: a key of the Secret"),
+    "plain http unpinned": (
+        lambda s: s["experts"][0]["checkpoint"].update(uri="http://store.example/m.tar.gz"),
+        "spec.experts[0].checkpoint.uri: 'http://store.example/m.tar.gz': plain http is refused "
+        "unless the download is pinned"),
+    "credentials in the URI, shown without them": (
+        lambda s: s["experts"][0]["checkpoint"].update(uri="https://me:hunter2@s.example/m?sig=x"),
+        "spec.experts[0].checkpoint.uri: 'https://s.example/m': credentials in the URI are "
+        "refused"),
+    "a pin that is not a SHA-256": (
+        lambda s: s["experts"][0]["checkpoint"].update(uri="s3://b/m", sha256="abc"),
+        "spec.experts[0].checkpoint.sha256: 'abc' is not valid: 64 hexadecimal digits"),
+    "a pin on a checkpoint that is not fetched": (
+        lambda s: s["experts"][0]["checkpoint"].update(sha256="a" * 64),
+        "spec.experts[0].checkpoint.sha256: only for a fetched checkpoint"),
+    "credentials without a key": (
+        lambda s: s["experts"][0]["checkpoint"].update(uri="s3://b/m",
+                                                       credentialsSecret={"name": "login"}),
+        "spec.experts[0].checkpoint.credentialsSecret.key: is required"),
 }
 
 
@@ -298,6 +323,22 @@ def test_all_problems_are_reported_at_once() -> None:
     ("1Gb", None), (True, None), ("", None)])
 def test_quantities_read_as_kubernetes_reads_them(text, amount) -> None:
     assert pod_options.parse_quantity(text) == amount
+
+
+def test_a_pinned_fetch_and_its_credentials_are_read() -> None:
+    raw = _valid()
+    raw["experts"][0]["checkpoint"] = {
+        "uri": "http://store.example/m.tar.gz?X-Amz-Signature=s", "sha256": "sha256:" + "AB" * 32,
+        "credentialsSecret": {"name": "login", "key": "headers"}}
+    fetch = spec.parse_spec(raw).experts[0].fetch
+    assert fetch == spec.FetchOptions(sha256="ab" * 32,
+                                      credentials=spec.SecretKey("login", "headers"))
+
+
+def test_a_uri_in_an_error_is_redacted() -> None:
+    raw = _valid()
+    raw["experts"][0]["checkpoint"] = {"uri": "ftp://s.example/m?X-Amz-Signature=secret"}
+    assert not any("secret" in p for p in _problems(raw))
 
 
 def test_router_authentication_defaults_to_the_token_key() -> None:

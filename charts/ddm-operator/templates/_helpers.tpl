@@ -40,38 +40,49 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 
-{{/* The rules the operator needs in each namespace it serves: exactly the verbs it uses. */}}
+{{/* The rules the operator needs in each namespace it serves: exactly the verbs it uses, as
+tests/integration/test_operator_rbac.py proves from the API server's audit log. Children are
+written by server-side apply (patch; create when the apply creates), never by update. */}}
 {{- define "ddm-operator.namespacedRules" -}}
+# kopf watches DDMDeployments and keeps its progress in their annotations (patch).
 - apiGroups: [ddm.dev]
   resources: [ddmdeployments]
   verbs: [get, list, watch, patch]
 - apiGroups: [ddm.dev]
   resources: [ddmdeployments/status]
-  verbs: [get, patch, update]
-# Owner references with blockOwnerDeletion need update on the owner's finalizers.
+  verbs: [patch]
+# Owner references with blockOwnerDeletion need update on the owner's finalizers (checked by
+# the OwnerReferencesPermissionEnforcement admission plugin where it is on; never a request).
 - apiGroups: [ddm.dev]
   resources: [ddmdeployments/finalizers]
   verbs: [update]
+# Deployments and Services: an expert removed from the spec takes its own with it.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, update, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
-  resources: [services, configmaps]
-  verbs: [get, list, watch, create, patch, update, delete]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+# One ConfigMap per DDMDeployment (router.yaml), removed only with it (by the garbage collector).
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [get, list, watch, create, patch]
+# Removed when the networkPolicy setting is turned off.
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 # Expert pods are read (never changed) to say in the status why an expert is not ready.
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch]
-- apiGroups: [networking.k8s.io]
-  resources: [networkpolicies]
-  verbs: [get, list, watch, create, patch, update, delete]
-{{- if .Values.routerAuth.enabled }}
-# Create only: the operator makes each router's token Secret and can never read one back.
+  verbs: [list, watch]
+# The operator's own Secrets: each router's token (created once, never read back) and the URIs
+# of fetched checkpoints. Every patch carries JSON-patch tests that only the operator's own
+# Secret passes (a planted one is refused), and asks for metadata back: no get, list or watch.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create]
-{{- end }}
-- apiGroups: ["", events.k8s.io]
-  resources: [events]
   verbs: [create, patch]
+# kopf posts the events it is told to (core v1 events, created, never patched).
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
 {{- end -}}

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.checkpoints.uri import CheckpointSource, parse_checkpoint
+from ddm.checkpoints.uri import REMOTE_SCHEMES, CheckpointSource, parse_checkpoint, redact_uri
 from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defaults
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
@@ -55,6 +55,8 @@ SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 MAX_SECRET_NAME_LENGTH = 253
 SECRET_KEY_PATTERN = r"^[-_A-Za-z0-9][-._A-Za-z0-9]*$"
 DEFAULT_TOKEN_KEY = "token"
+#: A pinned SHA-256 (``checkpoint.sha256``): 64 hex digits, optionally ``sha256:`` first.
+SHA256_PATTERN = r"^(sha256:)?[0-9a-fA-F]{64}$"
 
 
 class SpecError(ValueError):
@@ -70,6 +72,24 @@ class Sampling:
     steps: int = DEFAULT_STEPS
     solver: str = DEFAULT_SOLVER
     strategy: str = DEFAULT_STRATEGY
+
+
+@dataclass(frozen=True)
+class SecretKey:
+    """One key of a Secret in the DDMDeployment's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class FetchOptions:
+    """How a fetched (http(s), s3, gs) checkpoint is checked and authorised: ``sha256`` pins
+    the bytes (lower-case hex: of the archive, or of ``config.json`` for a directory, which
+    records the weights' hash); ``credentials`` holds ``Name: value`` HTTP header lines."""
+
+    sha256: str | None = None
+    credentials: SecretKey | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +110,7 @@ class RouterSpec:
     checkpoint: CheckpointSource | None = None
     pod: PodOptions = PodOptions()
     auth: RouterAuth | None = None
+    fetch: FetchOptions = FetchOptions()
 
 
 @dataclass(frozen=True)
@@ -105,6 +126,7 @@ class ExpertSpec:
     max_batch: int | None = None
     max_delay_ms: int | None = None
     pod: PodOptions = PodOptions()
+    fetch: FetchOptions = FetchOptions()
 
 
 @dataclass(frozen=True)
@@ -164,22 +186,58 @@ def _sampling(reader: FieldReader) -> Sampling:
     return sampling
 
 
-def _checkpoint(reader: FieldReader, allow_host_paths: bool) -> CheckpointSource | None:
+def _checkpoint(reader: FieldReader, allow_host_paths: bool
+                ) -> tuple[CheckpointSource | None, FetchOptions]:
+    """The checkpoint's source and fetch options. A URI appears in messages only redacted
+    (``redact_uri``): a pre-signed URL's signature must not reach the status or events."""
     uri = reader.value("uri")
+    sha256 = reader.string("sha256", None, pattern=SHA256_PATTERN,
+                           hint="64 hexadecimal digits, optionally 'sha256:' first")
+    credentials = (_secret_key(reader.child("credentialsSecret"))
+                   if reader.has("credentialsSecret") else None)
     reader.done()
+    fetch = FetchOptions(sha256=sha256.lower().removeprefix("sha256:") if sha256 else None,
+                         credentials=credentials)
     if uri is None:
         reader.problem("uri", "is required")
-        return None
+        return None, fetch
+    shown = redact_uri(uri) if isinstance(uri, str) else uri
     try:
         checkpoint = parse_checkpoint(uri)
     except ValueError as error:
-        reader.problem("uri", str(error))
-        return None
+        reader.problem("uri", str(error).replace(repr(uri), repr(shown)))
+        return None, fetch
     if checkpoint.scheme == "file" and not allow_host_paths:
-        reader.problem("uri", f"{uri!r} mounts a directory of the node (a hostPath); this "
+        reader.problem("uri", f"{shown!r} mounts a directory of the node (a hostPath); this "
                               "operator does not allow host paths (DDM_ALLOW_HOST_PATHS=false): "
                               "use pvc://, image://, http(s)://, s3:// or gs://")
-    return checkpoint
+    if checkpoint.scheme not in REMOTE_SCHEMES:
+        for key in ("sha256", "credentialsSecret"):
+            if reader.has(key):
+                reader.problem(key, f"only for a fetched checkpoint ({', '.join(REMOTE_SCHEMES)}"
+                                    f"); {shown!r} is not fetched")
+    if "@" in checkpoint.location:
+        reader.problem("uri", f"{shown!r}: credentials in the URI are refused; put them in a "
+                              "Secret and name it in credentialsSecret")
+    elif checkpoint.scheme == "http" and fetch.sha256 is None:
+        reader.problem("uri", f"{shown!r}: plain http is refused unless the download is pinned "
+                              "(set sha256: of the archive, or of DIR/config.json for a "
+                              "directory)")
+    return checkpoint, fetch
+
+
+def _secret_key(reader: FieldReader) -> SecretKey | None:
+    name = reader.string("name", None, pattern=SECRET_NAME_PATTERN,
+                         max_length=MAX_SECRET_NAME_LENGTH,
+                         hint="a Secret name: lower-case letters, digits, '-' and '.'")
+    key = reader.string("key", None, pattern=SECRET_KEY_PATTERN,
+                        max_length=MAX_SECRET_NAME_LENGTH,
+                        hint="a key of the Secret: letters, digits, '-', '_' and '.'")
+    for field in ("name", "key"):
+        if not reader.has(field):
+            reader.problem(field, "is required")
+    reader.done()
+    return SecretKey(name, key) if name and key else None
 
 
 def _auth(reader: FieldReader) -> RouterAuth:
@@ -197,11 +255,12 @@ def _auth(reader: FieldReader) -> RouterAuth:
 
 
 def _router(reader: FieldReader, allow_host_paths: bool) -> RouterSpec:
-    checkpoint = (_checkpoint(reader.child("checkpoint"), allow_host_paths)
-                  if reader.has("checkpoint") else None)
+    checkpoint, fetch = (_checkpoint(reader.child("checkpoint"), allow_host_paths)
+                         if reader.has("checkpoint") else (None, FetchOptions()))
     auth = _auth(reader.child("auth")) if reader.has("auth") else None
     router = RouterSpec(replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
-                        checkpoint=checkpoint, pod=parse_pod_options(reader), auth=auth)
+                        checkpoint=checkpoint, pod=parse_pod_options(reader), auth=auth,
+                        fetch=fetch)
     reader.done()
     return router
 
@@ -231,9 +290,9 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
     accelerator_problems = accelerator.problems(framework)
     for field, message in accelerator_problems:
         reader.problem(f"accelerator.{field}", message)
-    checkpoint = None
+    checkpoint, fetch = None, FetchOptions()
     if reader.has("checkpoint"):
-        checkpoint = _checkpoint(reader.child("checkpoint"), allow_host_paths)
+        checkpoint, fetch = _checkpoint(reader.child("checkpoint"), allow_host_paths)
     else:
         reader.problem("checkpoint", "is required")
     classes = reader.items("classes")
@@ -252,6 +311,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         max_batch=reader.integer("maxBatch", None, 1, MAX_BATCH),
         max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
         pod=parse_pod_options(reader),
+        fetch=fetch,
     )
     if not accelerator_problems:
         for key, message in node_label_conflicts(accelerator,

@@ -387,6 +387,7 @@ def _write_credentials(layout: c.Layout, server: str, ca_pem: str) -> dict[str, 
     tokens = {user: secrets.token_hex(16) for user in c.USER_GROUPS}
     layout.tokens_file.write_text(c.build_token_file(tokens))
     layout.tokens_file.chmod(0o600)
+    layout.audit_policy_file.write_text(c.AUDIT_POLICY)
     for path, user in (
         (layout.kubeconfig, c.ADMIN_USER),
         (layout.component_kubeconfig("kube-controller-manager"), c.CONTROLLER_MANAGER_USER),

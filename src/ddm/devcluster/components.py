@@ -32,6 +32,18 @@ USER_GROUPS = {ADMIN_USER: ("system:masters",), CONTROLLER_MANAGER_USER: (), SCH
                NODE_USER: ("system:nodes",), KUBE_PROXY_USER: (), DNS_USER: ()}
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 NODE_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "cluster-dns")
+# The API server's audit policy: the requests of service accounts outside kube-system (an
+# operator under test), metadata only, so a test can list the verbs it used.
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: None
+  userGroups: ["system:serviceaccounts:kube-system"]
+- level: Metadata
+  userGroups: ["system:serviceaccounts"]
+- level: None
+"""
 # `down` stops the components stage by stage: the node's (containerd last: its containers are
 # killed first), the API server's other clients, then it, then etcd.
 STOP_ORDER = (("kubelet", "kube-proxy", "cluster-dns"), ("containerd",),
@@ -55,6 +67,15 @@ class Layout:
     @property
     def tokens_file(self) -> Path:
         return self.root / "tokens.csv"
+
+    @property
+    def audit_policy_file(self) -> Path:
+        return self.root / "audit-policy.yaml"
+
+    @property
+    def audit_log(self) -> Path:
+        """One JSON event per line (``AUDIT_POLICY``)."""
+        return self.root / "logs" / "audit.log"
 
     @property
     def kubeconfig(self) -> Path:
@@ -86,6 +107,7 @@ class Layout:
             self.state_file,
             self.pki_dir,
             self.tokens_file,
+            self.audit_policy_file,
             self.kubeconfig,
             *(self.component_kubeconfig(c) for c in COMPONENTS),
             self.etcd_dir,
@@ -154,6 +176,8 @@ def apiserver_args(
         "--requestheader-group-headers=X-Remote-Group",
         "--requestheader-extra-headers-prefix=X-Remote-Extra-",
         f"--token-auth-file={layout.tokens_file}",
+        f"--audit-policy-file={layout.audit_policy_file}",
+        f"--audit-log-path={layout.audit_log}",
         "--authorization-mode=Node,RBAC",
         f"--service-cluster-ip-range={addresses.service_range}",
         f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",

@@ -3,18 +3,26 @@
 Authentication: the spec's ``router.auth`` names a Secret (and key) holding the token, or asks
 for one without naming it; the operator-wide ``router_auth`` setting asks for one for every
 DDM. A Secret nobody named is created by the operator, once, with a random token, owned by
-the DDMDeployment (so it goes with it); the operator never reads Secrets, so it never sees
-the token again. The router reads the token from a read-only file (``ROUTER_TOKEN_FILE``).
+the DDMDeployment (so it goes with it), and recognised later without being read
+(``reconcile.ownership_tests``): the operator never sees the token again, and never adopts
+a Secret someone else put under that name. The router reads the token from a read-only
+file (``ROUTER_TOKEN_FILE``).
 
 NetworkPolicies (operator-wide ``network_policy``): expert pods accept traffic only from their
-own router's pods, on the expert port; router pods accept traffic on the router port only.
+own router's pods, on the expert port, and send none; router pods accept traffic on the router
+port only and send only to their experts and DNS. A NetworkPolicy selects pods, not containers,
+so the pods whose init container fetches a checkpoint (labelled ``names.FETCH_LABEL``) may send
+to DNS and to any address but the cloud metadata ones and link-local, their server container
+included (the fetcher's own checks are the first line, ``ddm.checkpoints.destinations``).
 The selectors are ``names.selector``'s, the labels every pod of these Deployments carries.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any, Mapping
 
+from ddm.checkpoints.destinations import METADATA_ADDRESSES, parse_networks
 from ddm.operator import names
 from ddm.operator.config import OperatorConfig
 from ddm.deploy.spec import DDMSpec, RouterAuth
@@ -55,31 +63,71 @@ def build_router_token_secret(meta: Mapping[str, Any], token: str) -> dict[str, 
     }
 
 
-def build_network_policies(meta: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Experts accept traffic only from their own router's pods, on the expert port; the
-    router accepts traffic from anywhere on its port (and nothing else)."""
+def build_network_policies(meta: Mapping[str, Any], allow_networks: tuple[str, ...] = ()
+                           ) -> list[dict[str, Any]]:
+    """Experts accept traffic only from their own router's pods, on the expert port, and send
+    none; the router accepts traffic from anywhere on its port and sends only to its experts
+    and to DNS; a pod that fetches a checkpoint (``names.FETCH_LABEL``) may also reach DNS and
+    any address but the cloud metadata ones and link-local (``store_egress``)."""
     owner = meta["name"]
     experts = _network_policy(
         names.network_policy_name(owner, "experts"), meta, names.selector(owner, "expert"),
-        {"from": [{"podSelector": {"matchLabels": names.selector(owner, "router")}}],
-         "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]})
+        ingress=[{"from": [{"podSelector": {"matchLabels": names.selector(owner, "router")}}],
+                  "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}],
+        egress=[])
     router = _network_policy(
         names.network_policy_name(owner, "router"), meta, names.selector(owner, "router"),
-        {"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]})
-    return [experts, router]
+        ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]}],
+        egress=[{"to": [{"podSelector": {"matchLabels": names.selector(owner, "expert")}}],
+                 "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}, DNS_EGRESS])
+    fetch = _network_policy(
+        names.network_policy_name(owner, "fetch"), meta,
+        {names.DEPLOYMENT_LABEL: owner, names.FETCH_LABEL: "true"},
+        ingress=None, egress=[DNS_EGRESS, store_egress(allow_networks)])
+    return [experts, router, fetch]
+
+
+#: Name lookups, to whatever resolver the pod has (a node-local cache may be link-local).
+DNS_EGRESS = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+
+
+def store_egress(allow_networks: tuple[str, ...]) -> dict[str, Any]:
+    """Egress to a checkpoint store: any address, any port, except the cloud metadata
+    addresses (``destinations.METADATA_ADDRESSES``, always) and link-local networks (unless
+    the operator allows one of them to the fetcher, ``allow_networks``). The fetcher checks
+    the same itself; this is the second line, enforced by the CNI."""
+    allowed = parse_networks(allow_networks)
+    blocks = []
+    for everything, link_local in ((ipaddress.ip_network("0.0.0.0/0"), _LINK_LOCAL[0]),
+                                   (ipaddress.ip_network("::/0"), _LINK_LOCAL[1])):
+        closed = [] if any(a.version == link_local.version and a.overlaps(link_local)
+                           for a in allowed) else [link_local]
+        closed += [ipaddress.ip_network(a) for a in sorted(METADATA_ADDRESSES, key=str)
+                   if a.version == everything.version
+                   and not any(a in network for network in closed)]
+        blocks.append({"ipBlock": {"cidr": str(everything),
+                                   "except": [str(n) for n in closed]}})
+    return {"to": blocks}
 
 
 def _metadata(name: str, meta: Mapping[str, Any], labels: dict[str, str]) -> dict[str, Any]:
     return {"name": name, "namespace": meta["namespace"], "labels": labels}
 
 
-def _network_policy(name: str, meta: Mapping[str, Any], pods: dict[str, str],
-                    ingress: dict[str, Any]) -> dict[str, Any]:
+def _network_policy(name: str, meta: Mapping[str, Any], pods: dict[str, str], *,
+                    ingress: list[dict[str, Any]] | None, egress: list[dict[str, Any]] | None
+                    ) -> dict[str, Any]:
+    """A policy on ``pods``; None: the direction is not restricted, []: nothing is allowed."""
     owner = meta["name"]
+    spec: dict[str, Any] = {"podSelector": {"matchLabels": dict(pods)}, "policyTypes": []}
+    for kind, rules in (("Ingress", ingress), ("Egress", egress)):
+        if rules is not None:
+            spec["policyTypes"].append(kind)
+            spec[kind.lower()] = rules
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _metadata(name, meta, names.labels(owner, "network-policy")),
-        "spec": {"podSelector": {"matchLabels": dict(pods)}, "policyTypes": ["Ingress"],
-                 "ingress": [ingress]},
+        "spec": spec,
     }

@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import Mapping
 
+from ddm.checkpoints.destinations import parse_networks
+from ddm.operator import policy
+
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+#: The operator's variable listing the networks fetchers may reach (comma-separated CIDRs).
+FETCH_ALLOW_NETWORKS_ENV = "DDM_FETCH_ALLOW_NETWORKS"
 
 
 def _default_tag() -> str:
@@ -17,6 +22,11 @@ def _default_tag() -> str:
         return version("ddm-operator")
     except PackageNotFoundError:  # running from a source tree that was never installed
         return "latest"
+
+
+def _list(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """A comma-separated variable; blanks around and between entries are dropped."""
+    return tuple(part.strip() for part in env.get(name, "").split(",") if part.strip())
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -53,7 +63,11 @@ class OperatorConfig:
     """``allow_host_paths`` lets specs mount node directories (file:// checkpoints);
     ``router_auth`` puts every router behind a bearer token, even when its spec asks for none;
     ``network_policy`` gives each DDMDeployment NetworkPolicies that let only its router reach
-    its experts (and removes them when turned off)."""
+    its experts (and removes them when turned off); ``fetch_allow_networks``: the non-public
+    networks (CIDRs) checkpoint fetchers may reach (the cluster's private stores; the
+    fetcher's ``--allow-network``): an admin's choice, never a tenant's, so not in the CRD;
+    ``allowed_images`` and ``allowed_checkpoint_sources``: the allow-lists of ``policy``
+    (empty: anything)."""
 
     images: Images = field(default_factory=lambda: Images.defaults(_default_tag()))
     image_pull_policy: str = "IfNotPresent"
@@ -61,12 +75,25 @@ class OperatorConfig:
     allow_host_paths: bool = False
     router_auth: bool = False
     network_policy: bool = False
+    fetch_allow_networks: tuple[str, ...] = ()
+    allowed_images: tuple[str, ...] = ()
+    allowed_checkpoint_sources: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        try:
+            parse_networks(self.fetch_allow_networks)
+        except ValueError as error:
+            raise ValueError(f"{FETCH_ALLOW_NETWORKS_ENV}: {error}") from None
+        policy.check_image_entries(self.allowed_images)
+        policy.check_checkpoint_entries(self.allowed_checkpoint_sources)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
         """From ``DDM_IMAGE_{CPU,CUDA,NEURON,TPU}``, ``DDM_IMAGE_PULL_POLICY``,
         ``DDM_CLUSTER_DOMAIN`` and the true/false switches ``DDM_ALLOW_HOST_PATHS``,
-        ``DDM_ROUTER_AUTH`` and ``DDM_NETWORK_POLICY`` (all false when unset)."""
+        ``DDM_ROUTER_AUTH`` and ``DDM_NETWORK_POLICY`` (all false when unset), and the
+        comma-separated lists ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``
+        and ``DDM_ALLOWED_CHECKPOINT_SOURCES`` (prefixes; see ``policy``), empty when unset."""
         base = cls()
         images = Images(**{family: env.get(f"DDM_IMAGE_{family.upper()}") or default
                            for family, default in vars(base.images).items()})
@@ -75,4 +102,7 @@ class OperatorConfig:
                    cluster_domain=env.get("DDM_CLUSTER_DOMAIN") or base.cluster_domain,
                    allow_host_paths=_flag(env, "DDM_ALLOW_HOST_PATHS", base.allow_host_paths),
                    router_auth=_flag(env, "DDM_ROUTER_AUTH", base.router_auth),
-                   network_policy=_flag(env, "DDM_NETWORK_POLICY", base.network_policy))
+                   network_policy=_flag(env, "DDM_NETWORK_POLICY", base.network_policy),
+                   fetch_allow_networks=_list(env, FETCH_ALLOW_NETWORKS_ENV),
+                   allowed_images=_list(env, policy.IMAGES_ENV),
+                   allowed_checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV))

@@ -27,12 +27,13 @@ from ddm.operator.access import (
     build_network_policies,
     router_token,
 )
-from ddm.checkpoints.uri import CheckpointMount, CheckpointSource, checkpoint_mount
+from ddm.checkpoints.uri import REMOTE_SCHEMES, CheckpointMount, CheckpointSource, checkpoint_mount
 from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, DnsDiscovery, RouterConfigFile
-from ddm.deploy.spec import DDMSpec, ExpertSpec
+from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions
 from ddm.operator.config import OperatorConfig
+from ddm.operator.fetcher import ROUTER_KEY, expert_key, fetch_mount, uri_digest
 from ddm.operator.placement import NEURON_CACHE_DIR, placement
 
 USER_ID = 10001
@@ -72,10 +73,12 @@ _PROBE_PERIOD_S = 10
 def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                    ) -> list[dict[str, Any]]:
     """Every child, in the order to apply them: the NetworkPolicies (when on), experts, the
-    router's config, the router. Not the token Secret (``build_router_token_secret``): the
-    operator only ever creates it, never reads or updates it."""
-    children: list[dict[str, Any]] = (build_network_policies(meta) if config.network_policy
-                                      else [])
+    router's config, the router. Not the operator's Secrets (``build_router_token_secret``,
+    ``fetcher.build_checkpoint_secret``): they are written only through ownership checks
+    (``reconcile``)."""
+    children: list[dict[str, Any]] = (
+        build_network_policies(meta, config.fetch_allow_networks) if config.network_policy
+        else [])
     for expert in spec.experts:
         children.append(build_expert_service(expert, meta))
         children.append(build_expert_deployment(expert, meta, config))
@@ -92,7 +95,8 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     planned = plan_expert(expert)
     place = placement(expert.accelerator)
     image = expert.pod.image or config.images.for_family(place.image_family)
-    mount = _checkpoint(expert.checkpoint, EXPERT_CHECKPOINT_DIR, image, config)
+    mount = _checkpoint(expert.checkpoint, expert.fetch, EXPERT_CHECKPOINT_DIR, image, config,
+                        meta, expert_key(expert.name))
     command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT),
                "--drain-s", str(DRAIN_S)]
     env, volumes, mounts = _scratch()
@@ -118,7 +122,9 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
                     node_selector=place.node_selector, tolerations=place.tolerations)
     return _deployment(names.expert_name(owner, expert.name), meta, expert.replicas,
                        names.labels(owner, "expert", expert.name),
-                       names.selector(owner, "expert", expert.name), pod)
+                       names.selector(owner, "expert", expert.name), pod,
+                       _checkpoint_annotation(expert.checkpoint),
+                       fetches=bool(mount.init_containers))
 
 
 def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -164,7 +170,8 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     owner = meta["name"]
     router = spec.router
     image = router.pod.image or config.images.cpu
-    mount = (_checkpoint(router.checkpoint, ROUTER_CHECKPOINT_DIR, image, config)
+    mount = (_checkpoint(router.checkpoint, router.fetch, ROUTER_CHECKPOINT_DIR, image, config,
+                         meta, ROUTER_KEY)
              if router.checkpoint else None)
     env, volumes, mounts = _scratch()
     volumes.append({"name": "config", "configMap": {"name": names.router_config_name(owner)}})
@@ -195,10 +202,11 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     pod = _pod_spec(container, router.pod, volumes + (mount.volumes if mount else []),
                     mount.init_containers if mount else [], node_selector={}, tolerations=[])
     config_text = build_router_config(spec, meta, config).to_yaml()
-    pod_annotations = {names.CONFIG_HASH_ANNOTATION: _digest(config_text)}
+    pod_annotations = {names.CONFIG_HASH_ANNOTATION: _digest(config_text),
+                       **_checkpoint_annotation(router.checkpoint)}
     return _deployment(names.router_name(owner), meta, router.replicas,
                        names.labels(owner, "router"), names.selector(owner, "router"), pod,
-                       pod_annotations)
+                       pod_annotations, fetches=bool(mount and mount.init_containers))
 
 
 def build_router_service(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -233,8 +241,10 @@ def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[st
     return env, volumes, mounts
 
 
-def _checkpoint(checkpoint: CheckpointSource, mount_path: str, image: str, config: OperatorConfig
-                ) -> CheckpointMount:
+def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path: str, image: str,
+                config: OperatorConfig, meta: Mapping[str, Any], key: str) -> CheckpointMount:
+    """How the pod gets its checkpoint; a fetched one through ``fetcher.fetch_mount`` (its URI
+    from the checkpoint Secret's ``key``)."""
     fetcher = {
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
@@ -243,8 +253,19 @@ def _checkpoint(checkpoint: CheckpointSource, mount_path: str, image: str, confi
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
+    if checkpoint.scheme in REMOTE_SCHEMES:
+        return fetch_mount(checkpoint, options, owner=meta["name"], key=key, volume="checkpoint",
+                           mount_path=mount_path, fetcher=fetcher,
+                           allow_networks=config.fetch_allow_networks)
     return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path,
                             fetcher=fetcher)
+
+
+def _checkpoint_annotation(checkpoint: CheckpointSource | None) -> dict[str, str]:
+    """The pod template's hash of a fetched URI (the URI itself is in a Secret)."""
+    if checkpoint is None or checkpoint.scheme not in REMOTE_SCHEMES:
+        return {}
+    return {names.CHECKPOINT_HASH_ANNOTATION: uri_digest(checkpoint.uri)}
 
 
 def _resources(pod: PodOptions, accelerator_limits: dict[str, str]) -> dict[str, Any]:
@@ -307,8 +328,11 @@ def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
 
 def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
-                pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+                pod_annotations: dict[str, str] | None = None, *, fetches: bool = False
+                ) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
+    if fetches:  # its NetworkPolicy lets it reach the checkpoint store
+        template_meta["labels"][names.FETCH_LABEL] = "true"
     if pod_annotations:
         template_meta["annotations"] = pod_annotations
     return {

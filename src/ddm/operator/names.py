@@ -2,7 +2,8 @@
 
 Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
 ``<name>-expert-<expert>`` (Deployment, headless Service), with router authentication
-``<name>-router-token`` (a Secret the operator creates when the spec names none), and with
+``<name>-router-token`` (a Secret the operator creates when the spec names none), with
+fetched checkpoints ``<name>-checkpoints`` (a Secret holding their URIs), and with
 NetworkPolicies on ``<name>-experts`` and ``<name>-router``. The CRD bounds both names so
 that every Service name stays a DNS-1035 label of at most 63 characters.
 """
@@ -21,11 +22,15 @@ MANAGED_BY = "ddm-operator"
 DEPLOYMENT_LABEL = "ddm.dev/deployment"
 EXPERT_LABEL = "ddm.dev/expert"
 COMPONENT_LABEL = "app.kubernetes.io/component"
+#: On the pods whose init container fetches a checkpoint: their NetworkPolicy lets them out.
+FETCH_LABEL = "ddm.dev/fetches-checkpoint"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 #: Hash of a child's desired manifest: a spec change rewrites only the children it alters.
 SPEC_HASH_ANNOTATION = "ddm.dev/spec-hash"
 #: Hash of router.yaml on the router's pod template: a new config rolls the router.
 CONFIG_HASH_ANNOTATION = "ddm.dev/config-hash"
+#: Hash of a fetched checkpoint's URI (which lives in a Secret) on the pod template.
+CHECKPOINT_HASH_ANNOTATION = "ddm.dev/checkpoint-hash"
 
 #: What kopf watches (labelled ``managed-by: ddm-operator``) to reconcile the owner on a change:
 #: (group, version, plural); "v1" is the core group. The children the operator writes, and the
@@ -59,8 +64,14 @@ def router_token_name(owner: str) -> str:
     return f"{owner}-router-token"
 
 
+def checkpoint_secret_name(owner: str) -> str:
+    """The Secret holding the URIs of the checkpoints the DDM's init containers fetch."""
+    return f"{owner}-checkpoints"
+
+
 def network_policy_name(owner: str, component: str) -> str:
-    """The NetworkPolicy guarding ``component`` (experts or router)."""
+    """The NetworkPolicy guarding ``component`` (experts, router, or fetch: the pods that
+    fetch a checkpoint)."""
     return f"{owner}-{component}"
 
 

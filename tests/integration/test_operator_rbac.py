@@ -1,0 +1,140 @@
+"""The chart's RBAC is exactly what the operator uses, proven with the API server's audit log.
+
+``ddm operator`` runs as a process under the ServiceAccount and Role the chart renders (router
+authentication and NetworkPolicies on), and is taken through everything it does: create a DDM
+(a fetched checkpoint included, so both of its Secrets), change it, remove an expert, restore a
+child edited by hand, refuse a planted Secret and an invalid spec, and (restarted with
+NetworkPolicies off) remove the NetworkPolicies. The dev cluster's API server
+audits every request of a service account outside kube-system (``AUDIT_POLICY``); from the
+audit log come the (API group, resource, verb) the operator used, and they must equal the
+Role's rules, but for the permissions the API server checks without a request of their own
+(``IMPLIED``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from test_operator import Cluster
+from test_operator_namespaces import _install_chart_rbac
+from waiting import wait_for
+
+from benchmarks.operator import OperatorProcess, bench_spec, install_crd, service_account_kubeconfig
+from ddm.devcluster import ClusterInfo
+from ddm.devcluster.components import Layout
+
+#: Granted but never a request of its own: the API server checks them inside another one.
+#: - ``create`` on a kind the operator applies (server-side apply creates with a PATCH; the
+#:   audit shows ``patch`` with status 201, counted as ``create`` below);
+#: - ``update`` on ``ddmdeployments/finalizers``: the OwnerReferencesPermissionEnforcement
+#:   admission plugin (on in OpenShift and some distributions) requires it to set
+#:   ``blockOwnerDeletion`` in a child's ownerReference.
+IMPLIED = {("ddm.dev", "ddmdeployments/finalizers", "update")}
+Use = tuple[str, str, str]  # (API group, resource[/subresource], verb)
+
+
+def _granted(role: dict[str, Any]) -> set[Use]:
+    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+            for resource in rule["resources"] for verb in rule["verbs"]}
+
+
+def _used(audit_log: Path, user: str) -> tuple[set[Use], list[dict[str, Any]]]:
+    """What ``user`` did (applies that created counted as ``create`` too), and its refusals."""
+    used: set[Use] = set()
+    refused = []
+    for line in audit_log.read_text().splitlines():
+        event = json.loads(line)
+        if event["user"]["username"] != user or "objectRef" not in event:
+            continue
+        ref, code = event["objectRef"], (event.get("responseStatus") or {}).get("code", 0)
+        if code == 403:
+            refused.append(event)
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        used.add((ref.get("apiGroup", ""), resource, event["verb"]))
+        if event["verb"] == "patch" and code == 201:
+            used.add((ref.get("apiGroup", ""), resource, "create"))
+    return used, refused
+
+
+def test_the_operator_uses_exactly_the_verbs_the_chart_grants(
+        dev_cluster: ClusterInfo, kube_client: Any, tmp_path: Path) -> None:
+    install_crd(kube_client)
+    cluster, suffix = Cluster(kube_client), uuid.uuid4().hex[:6]
+    home, ns = f"ops-{suffix}", f"audited-{suffix}"
+    for namespace in (home, ns):
+        cluster.core.create_namespace({"metadata": {"name": namespace}})
+    account = _install_chart_rbac(kube_client, f"ddm-{suffix}", home,
+                                  {"ServiceAccount", "Role", "RoleBinding"},
+                                  f"watchNamespaces={{{ns}}}")
+    (role,) = json.loads(client.RbacAuthorizationV1Api(kube_client).list_namespaced_role(
+        ns, _preload_content=False).data)["items"]
+    identity = service_account_kubeconfig(kube_client, home, account, tmp_path / "kubeconfig")
+    operator = OperatorProcess(identity, tmp_path / "operator.log", settings={
+        "DDM_WATCH_NAMESPACES": ns, "DDM_ROUTER_AUTH": "true", "DDM_NETWORK_POLICY": "true"})
+    operator.start()
+    try:
+        _exercise(cluster, ns, operator)
+    finally:
+        operator.stop()
+    # NetworkPolicies turned off: the operator deletes them
+    operator = OperatorProcess(identity, tmp_path / "operator.log", settings={
+        "DDM_WATCH_NAMESPACES": ns, "DDM_ROUTER_AUTH": "true", "DDM_NETWORK_POLICY": "false"})
+    operator.start()
+    try:
+        wait_for(lambda: cluster.get("NetworkPolicy", ns, "audited-experts") is None, 30,
+                 f"the NetworkPolicies to go\n{operator.log_tail()}")
+    finally:
+        operator.stop()
+    used, refused = _used(Layout(dev_cluster.state_dir).audit_log,
+                          f"system:serviceaccount:{home}:{account}")
+    assert refused == [], refused
+    granted = _granted(role)
+    assert not used - granted, f"used but not granted: {sorted(used - granted)}"
+    unused = sorted(granted - IMPLIED - used)
+    assert not unused, f"granted but never used: {unused}"
+
+
+def _status(cluster: Cluster, ns: str, name: str, generation: int, operator: OperatorProcess
+            ) -> dict:
+    def current() -> dict | None:
+        status = cluster.ddm(ns, name).get("status") or {}
+        return status if status.get("observedGeneration") == generation else None
+    return wait_for(current, 30, f"the status of generation {generation}\n{operator.log_tail()}")
+
+
+def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+    """Every kind of call the operator makes."""
+    spec = bench_spec(3)
+    spec["experts"][0]["checkpoint"] = {"uri": "s3://models/e0?X-Amz-Signature=s"}
+    cluster.create_ddm(ns, "audited", spec)
+    _status(cluster, ns, "audited", 1, operator)
+    wait_for(lambda: cluster.get("Secret", ns, "audited-router-token"), 30, "the token")
+    # a new URI (the URIs' Secret is patched) and an expert fewer (its children deleted)
+    changed = copy.deepcopy(spec)
+    changed["experts"][0]["checkpoint"]["uri"] = "s3://models/e0-v2"
+    changed["experts"][1]["classes"] += changed["experts"].pop(2)["classes"]
+    cluster.patch_ddm_spec(ns, "audited", changed)
+    wait_for(lambda: cluster.get("Deployment", ns, "audited-expert-e2") is None, 30,
+             f"the removed expert's Deployment to go\n{operator.log_tail()}")
+    # a child edited by hand is restored
+    cluster.core.patch_namespaced_config_map("audited-router-config", ns,
+                                             {"data": {"router.yaml": "edited: true\n"}})
+    wait_for(lambda: "edited" not in cluster.get("ConfigMap", ns, "audited-router-config")[
+        "data"]["router.yaml"], 30, "the ConfigMap to be restored")
+    # a planted token Secret, and an invalid spec
+    cluster.core.create_namespaced_secret(ns, {"metadata": {"name": "planted-router-token"},
+                                               "stringData": {"token": "known"}})
+    cluster.create_ddm(ns, "planted", bench_spec(2))
+    assert _status(cluster, ns, "planted", 1, operator)["phase"] == "Failed"
+    invalid = bench_spec(2)
+    invalid["experts"][0]["checkpoint"] = {"uri": "http://unpinned.example/m"}
+    cluster.create_ddm(ns, "invalid", invalid)
+    assert _status(cluster, ns, "invalid", 1, operator)["phase"] == "Invalid"
+    wait_for(lambda: {"Created", "Deleted", "Restored"} <= {
+        e["reason"] for e in cluster.events(ns, "audited")}, 30, "the events")

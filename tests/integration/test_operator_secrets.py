@@ -1,0 +1,176 @@
+"""Tenants on the real API server: a fetched URI's secret query stays in the operator's own
+Secret, a Secret planted under one of its names is never adopted, and the operator-wide
+allow-lists of images and checkpoint sources refuse a DDM outside them."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from test_operator import (  # the shared helpers of the operator's cluster tests
+    CPU_SPEC,
+    DEFAULT_CONFIG,
+    Cluster,
+    OperatorThread,
+    crd,  # noqa: F401  (a fixture: the CRD applied)
+    operator,  # noqa: F401  (a fixture: the operator running with default settings)
+    wait_for,
+)
+
+from ddm.operator import kube
+from ddm.operator.reconcile import ownership_tests
+
+SIGNATURE = "5f3c9e1d0b7a4c2e8f6d1a3b5c7e9f0a2b4d6f8e1c3a5b7d9f0e2c4a6b8d0f1e"
+SIGNED = (f"https://store.example/ddm/a.tar.gz?X-Amz-Algorithm=AWS4-HMAC-SHA256"
+          f"&X-Amz-Credential=AKIAEXAMPLE%2F20261123&X-Amz-Signature={SIGNATURE}")
+
+
+@pytest.fixture(scope="module")
+def cluster(kube_client: Any) -> Cluster:
+    return Cluster(kube_client)
+
+
+#: Every kind a DDM's children (and their controllers' products) come in.
+KINDS = ("Deployment", "ReplicaSet", "Pod", "Service", "ConfigMap", "NetworkPolicy")
+
+
+def _everything_but_the_secret(cluster: Cluster, namespace: str, name: str) -> str:
+    """The DDM's status, every event of the namespace and every child, as text (the DDM's
+    spec holds the URI: the tenant wrote it there)."""
+    children = [item for kind in KINDS
+                for item in cluster.list(kind, namespace, f"ddm.dev/deployment={name}")]
+    return json.dumps([cluster.ddm(namespace, name).get("status"), cluster.events(namespace),
+                       children])
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Cluster,
+                                                                     kube_namespace: str
+                                                                     ) -> None:
+    ns = kube_namespace
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][0]["checkpoint"] = {"uri": SIGNED}
+    cluster.create_ddm(ns, "signed", spec)
+    # an invalid DDM quoting the URI in its status: unpinned plain http
+    invalid = copy.deepcopy(spec)
+    invalid["experts"][0]["checkpoint"] = {"uri": SIGNED.replace("https:", "http:")}
+    cluster.create_ddm(ns, "refused", invalid)
+
+    pod = wait_for(lambda: (cluster.list("Pod", ns, "ddm.dev/expert=a") or [None])[0], 30,
+                   "the fetching expert's pod")
+    (fetch,) = pod["spec"]["initContainers"]
+    assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": "signed-checkpoints", "key": "expert-a"}}} in fetch["env"]
+    secret = cluster.get("Secret", ns, "signed-checkpoints")
+    assert base64.b64decode(secret["data"]["expert-a"]).decode() == SIGNED
+    refused = wait_for(lambda: (cluster.ddm(ns, "refused").get("status") or {}).get(
+        "conditions"), 30, "the refused DDM's status")
+    (valid,) = [c for c in refused if c["type"] == "SpecValid"]
+    assert valid["status"] == "False"
+    assert "'http://store.example/ddm/a.tar.gz': plain http is refused" in valid["message"]
+    wait_for(lambda: any(e["reason"] == "InvalidSpec" for e in cluster.events(ns, "refused")),
+             30, "the InvalidSpec event")
+    wait_for(lambda: (cluster.ddm(ns, "signed").get("status") or {}).get("phase"), 30,
+             "the status")
+
+    for name in ("signed", "refused"):
+        shown = _everything_but_the_secret(cluster, ns, name)
+        assert SIGNATURE not in shown and "X-Amz-Credential" not in shown
+
+    # a new URI (a re-signed one) updates the Secret and rolls the expert's pods
+    before = cluster.get("Deployment", ns, "signed-expert-a")["spec"]["template"]
+    spec["experts"][0]["checkpoint"]["uri"] = SIGNED.replace(SIGNATURE, SIGNATURE[::-1])
+    cluster.patch_ddm_spec(ns, "signed", spec)
+    wait_for(lambda: base64.b64decode(cluster.get("Secret", ns, "signed-checkpoints")["data"][
+        "expert-a"]).decode().endswith(SIGNATURE[::-1]), 30, "the Secret's new URI")
+    after = cluster.get("Deployment", ns, "signed-expert-a")["spec"]["template"]
+    assert after["metadata"]["annotations"] != before["metadata"]["annotations"]
+    assert SIGNATURE[::-1] not in _everything_but_the_secret(cluster, ns, "signed")
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace: str) -> None:
+    ns = kube_namespace
+    # Someone who may create Secrets plants one with a token they know, labelled as ours.
+    labels = {"app.kubernetes.io/managed-by": "ddm-operator", "ddm.dev/deployment": "planted"}
+    cluster.core.create_namespaced_secret(ns, {
+        "metadata": {"name": "planted-router-token", "labels": labels},
+        "stringData": {"token": "known-to-the-attacker"}})
+    spec = {**copy.deepcopy(CPU_SPEC), "router": {"auth": {}}}
+    cluster.create_ddm(ns, "planted", spec)
+
+    def refused() -> dict | None:
+        status = cluster.ddm(ns, "planted").get("status") or {}
+        return status if status.get("phase") == "Failed" else None
+    status = wait_for(refused, 30, "the status to refuse the planted Secret")
+    (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
+    assert "Secret planted-router-token exists but the operator did not create it" in \
+        ready["message"]
+    assert "routerTokenSecret" not in status
+    wait_for(lambda: cluster.get("Deployment", ns, "planted-expert-a"), 30, "the experts")
+    assert cluster.get("Deployment", ns, "planted-router") is None  # nothing reads the token
+    planted = cluster.get("Secret", ns, "planted-router-token")
+    assert base64.b64decode(planted["data"]["token"]) == b"known-to-the-attacker"
+    assert not planted["metadata"].get("ownerReferences")  # not overwritten either
+
+    # Once it is gone, the operator makes its own and the router runs.
+    cluster.core.delete_namespaced_secret("planted-router-token", ns)
+    spec["router"]["replicas"] = 2  # a change, so the operator reconciles now
+    cluster.patch_ddm_spec(ns, "planted", spec)
+    wait_for(lambda: (cluster.get("Deployment", ns, "planted-router") or {}).get(
+        "spec", {}).get("replicas") == 2, 30, "the router once the planted Secret is gone")
+    ours = cluster.get("Secret", ns, "planted-router-token")
+    assert base64.b64decode(ours["data"]["token"]) != b"known-to-the-attacker"
+    owner = cluster.ddm(ns, "planted")
+    (ref,) = ours["metadata"]["ownerReferences"]
+    assert (ref["uid"], ref["controller"]) == (owner["metadata"]["uid"], True)
+    status = wait_for(lambda: (cluster.ddm(ns, "planted").get("status") or {}).get(
+        "routerTokenSecret"), 30, "the status to name the operator's Secret")
+    assert status == "planted-router-token"
+    # What the operator's ownership check gets back: metadata only, never the token.
+    tests = ownership_tests(owner["metadata"])
+    answer = json.loads(cluster.core.patch_namespaced_secret(
+        "planted-router-token", ns,
+        [{"op": "test", "path": path, "value": value} for path, value in tests.items()],
+        _content_type="application/json-patch+json", _preload_content=False,
+        _headers={"Accept": kube._METADATA_ONLY}).data)
+    assert answer["kind"] == "PartialObjectMetadata" and "data" not in answer
+
+
+def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespace: str,
+                                                  request: pytest.FixtureRequest) -> None:
+    ns = kube_namespace
+    running: OperatorThread = request.getfixturevalue("operator")
+    running.restart(dataclasses.replace(
+        DEFAULT_CONFIG, allowed_images=("registry.acme.example/ddm/",),
+        allowed_checkpoint_sources=("image:///models/",)))
+    try:
+        spec = copy.deepcopy(CPU_SPEC)
+        spec["experts"][1]["image"] = "evil.example/miner:1"
+        spec["experts"][2]["checkpoint"] = {"uri": "s3://elsewhere/c?X-Amz-Signature=abc"}
+        cluster.create_ddm(ns, "outside", spec)
+        allowed = copy.deepcopy(CPU_SPEC)
+        allowed["experts"][0]["image"] = "registry.acme.example/ddm/cpu:1"
+        cluster.create_ddm(ns, "inside", allowed)
+
+        def condition(name: str, kind: str) -> dict | None:
+            status = cluster.ddm(ns, name).get("status") or {}
+            found = [c for c in status.get("conditions", []) if c["type"] == kind]
+            return found[0] if found else None
+        valid = wait_for(lambda: condition("outside", "SpecValid"), 30, "the refusal")
+        assert valid["status"] == "False"
+        assert valid["message"] == (
+            "spec.experts[1].image: 'evil.example/miner:1' is not among the images this "
+            "operator allows (DDM_ALLOWED_IMAGES: registry.acme.example/ddm/); "
+            "spec.experts[2].checkpoint.uri: 's3://elsewhere/c' is not among the checkpoint "
+            "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image:///models/)")
+        assert cluster.children(ns, "outside") == {}
+        assert wait_for(lambda: condition("inside", "SpecValid"), 30, "the other DDM's status"
+                        )["status"] == "True"
+    finally:
+        running.restart(DEFAULT_CONFIG)
