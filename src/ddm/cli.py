@@ -16,6 +16,7 @@ import traceback
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ddm.objectives import PREDICTIONS, SCHEDULES
 from ddm.serving.commands import add_serve_commands
 
 EXIT_FAILURE = 1
@@ -153,6 +154,13 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--device", default=None,
                        help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: best)")
         p.add_argument("--name", default=None, help="checkpoint name (default: directory name)")
+        p.add_argument("--objective", choices=PREDICTIONS, default="velocity",
+                       help="what the UNet predicts (default: our velocity x1 - x0)")
+        p.add_argument("--schedule", choices=SCHEDULES, default="linear",
+                       help="noise schedule of its inputs (default: our linear path)")
+        p.add_argument("--time", choices=("continuous", "discrete"), default="continuous",
+                       help="discrete: DDPM's steps k = 0..T-1, drawn uniformly")
+        p.add_argument("--timesteps", type=int, default=1000, help="T, with --time discrete")
         if kind == "expert":
             p.add_argument("--partition", required=True,
                            help="'labels:0-4,5-9' (label groups) or 'kmeans:K'")
@@ -202,13 +210,15 @@ def _train_config(args: argparse.Namespace):
 
 
 def _train_unet(args: argparse.Namespace) -> int:
-    from ddm.training.commands import train_unet
+    from ddm.training.commands import train_unet, unet_objective
 
+    objective = unet_objective(args.objective, args.schedule, args.time, args.timesteps)
     path = train_unet(
         kind=args.kind, framework=args.framework, data=args.data, model_config=args.config,
         train=_train_config(args), out=args.out, name=args.name, device=args.device,
         partition=getattr(args, "partition", None), index=getattr(args, "index", None),
-        progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"))
+        progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"),
+        objective=objective)
     print(f"wrote {path}")
     return 0
 

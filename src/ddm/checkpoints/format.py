@@ -3,8 +3,9 @@
 Weights use one canonical naming and layout, PyTorch's ``state_dict`` (conv kernels
 ``(O, I, kH, kW)``, linear ``(out, in)``), as float32 NumPy arrays; ``ddm.models.flax_unet``
 converts to and from Flax's layout losslessly. The JSON records everything needed to rebuild
-and trust the weights: kind, architecture, flow-matching convention, partition, classes,
-training framework, data and steps, and the SHA-256 of the weights file.
+and trust the weights: kind, architecture, flow-matching convention, the objective the model
+was trained with (``ddm.objectives``; absent in old checkpoints, meaning our velocity),
+partition, classes, training framework, data and steps, and the SHA-256 of the weights file.
 
 Writes are atomic: a checkpoint directory either appears complete or not at all.
 """
@@ -23,6 +24,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ddm.convention import CONVENTION_NAME
+from ddm.objectives import NATIVE, Objective, ObjectiveError
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -48,6 +50,7 @@ class CheckpointMeta:
     data: dict[str, Any] = field(default_factory=dict)
     training: dict[str, Any] = field(default_factory=dict)
     convention: str = CONVENTION_NAME
+    objective: Objective = NATIVE
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -70,6 +73,7 @@ class CheckpointMeta:
             "partition": self.partition,
             "data": self.data,
             "training": self.training,
+            "objective": self.objective.to_dict(),
         }
 
 
@@ -137,11 +141,18 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
     if missing:
         raise CheckpointError(f"checkpoint {path}: {CONFIG_FILE} lacks {', '.join(missing)}")
     try:
+        objective = Objective.from_dict(config.get("objective", NATIVE.to_dict()))
+    except ObjectiveError as exc:
+        raise CheckpointError(f"checkpoint {path}: declared objective "
+                              f"{config.get('objective')!r} cannot be converted to our "
+                              f"velocity: {exc}") from None
+    try:
         return CheckpointMeta(
             kind=config["kind"], name=config["name"], architecture=config["architecture"],
             framework=config["framework"], classes=config["classes"],
             partition=config.get("partition"), data=config.get("data", {}),
-            training=config.get("training", {}), convention=config["convention"])
+            training=config.get("training", {}), convention=config["convention"],
+            objective=objective)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
 

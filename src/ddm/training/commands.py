@@ -15,6 +15,7 @@ from ddm.convention import to_model_space
 from ddm.data import (Dataset, KMeansPartition, LabelPartition, classes_of, fit_kmeans,
                       load_dataset, parse_label_groups, partition_from_dict)
 from ddm.models.config import RouterNetworkConfig, unet_config
+from ddm.objectives import NATIVE, Objective
 from ddm.training.config import TrainConfig
 from ddm.training.torch_loop import ProgressFn
 
@@ -22,8 +23,12 @@ from ddm.training.torch_loop import ProgressFn
 def train_unet(kind: str, framework: str, data: str, model_config: str, train: TrainConfig,
                out: Path, name: str | None = None, device: str | None = None,
                partition: str | None = None, index: int | None = None,
-               progress: ProgressFn | None = None) -> Path:
-    """Train an expert (one part of ``partition``) or the monolith (all data) and save it."""
+               progress: ProgressFn | None = None, objective: Objective = NATIVE) -> Path:
+    """Train an expert (one part of ``partition``) or the monolith (all data) and save it.
+
+    ``objective`` (see :func:`unet_objective`) is what the UNet learns to predict; the
+    checkpoint declares it so that loaders convert its outputs to our velocity.
+    """
     if kind not in ("expert", "monolith"):
         raise ValueError(f"unknown UNet kind {kind!r}")
     config = unet_config(model_config)
@@ -53,20 +58,36 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
         from ddm.training.torch_expert import train_torch_unet
 
         resolved = select_torch_device(device)
-        weights = train_torch_unet(config, train, images, labels, resolved, progress)
+        weights = train_torch_unet(config, train, images, labels, resolved, progress,
+                                   objective=objective)
     elif framework == "jax":
         from ddm.models.flax_unet import select_jax_device
         from ddm.training.jax_expert import train_flax_unet
 
         resolved = select_jax_device(device)
-        weights = train_flax_unet(config, train, images, labels, progress, device=resolved)
+        weights = train_flax_unet(config, train, images, labels, progress, device=resolved,
+                                  objective=objective)
     else:
         raise ValueError(f"unknown framework {framework!r}; use torch or jax")
     meta = CheckpointMeta(
         kind=kind, name=name or out.name, architecture=config.to_dict(), framework=framework,
         classes=classes, partition=partition_meta, data=_data_record(data, subset),
-        training=_training_record(train, model_config, str(resolved), started))
+        training=_training_record(train, model_config, str(resolved), started),
+        objective=objective)
     return save_checkpoint(out, meta, weights)
+
+
+def unet_objective(prediction: str = "velocity", schedule: str = "linear",
+                   time: str = "continuous", timesteps: int = 1000) -> Objective:
+    """The objective our UNet trains on: its time input is a fraction of the unit interval
+    (``ddm.convention.TIME_EMBEDDING_SCALE`` spreads it), so a discrete expert receives
+    ``k / T`` (the embedding then sees DDPM's step ``k``) and a continuous one ``tau``."""
+    if time not in ("continuous", "discrete"):
+        raise ValueError(f"our UNet trains with continuous or discrete time, not {time!r}")
+    if time == "discrete":
+        return Objective(prediction, schedule, time, timesteps=timesteps,
+                         time_scale=1.0 / timesteps)
+    return Objective(prediction, schedule, time)
 
 
 def make_partition(spec: str, dataset: Dataset, seed: int) -> LabelPartition | KMeansPartition:

@@ -13,9 +13,10 @@ from ddm.models.config import ConfigError
 class TrainConfig:
     """AdamW with linear warm-up then cosine decay to zero, gradient clipping and an EMA.
 
-    The loss is the flow-matching MSE of ``ddm.convention``: ``t ~ U(0, 1)``,
-    ``x0 ~ N(0, I)``, predict ``x1 - x0`` at ``x_t``. Batch ``i`` and its noise come from
-    ``seed`` and the step number alone, so a run is reproducible given the config.
+    The loss is the MSE to the target of the expert's objective (``ddm.objectives``; by
+    default ``ddm.convention``'s: ``t ~ U(0, 1)``, ``x0 ~ N(0, I)``, predict ``x1 - x0`` at
+    ``x_t``). Batch ``i`` and its noise come from ``seed`` and the step number alone, so a run
+    is reproducible given the config and the objective.
     """
 
     steps: int = 1500

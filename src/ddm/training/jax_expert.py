@@ -1,7 +1,8 @@
-"""Train the Flax UNet with the flow-matching objective of ``ddm.convention``.
+"""Train the Flax UNet on an objective of ``ddm.objectives`` (``ddm.convention``'s by default).
 
-The same objective, schedule, clipping and EMA as the PyTorch trainer (``TrainConfig``), so an
-expert trained here is interchangeable with one trained there; the result is canonical weights.
+The same objective (``ddm.objectives.training_example``, here on ``jax.numpy``), schedule,
+clipping and EMA as the PyTorch trainer (``TrainConfig``), so an expert trained here is
+interchangeable with one trained there; the result is canonical weights.
 
 Randomness: step ``i`` uses ``key_i = fold_in(PRNGKey(seed), i)``, split into the batch key and
 the ``rng`` handed to :func:`train_step`. The batch is ``batch_size`` indices drawn uniformly
@@ -31,6 +32,7 @@ import optax
 from ddm.models.config import UNetConfig
 from ddm.models.flax_unet import (FlaxUNet, Params, canonical_from_params, init_params,
                                   select_jax_device)
+from ddm.objectives import NATIVE, Objective, training_example
 from ddm.training.config import TrainConfig
 
 #: As ``ddm.training.torch_loop.PROGRESS_EVERY`` (not imported: this module must not need torch).
@@ -67,27 +69,27 @@ def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
         optax.adamw(learning_rate_schedule(train), weight_decay=train.weight_decay))
 
 
-def flow_matching_loss(params: Params, model: FlaxUNet, x1: jax.Array, y: jax.Array,
-                       rng: jax.Array) -> jax.Array:
-    """MSE between ``v(x_t, t, y)`` and ``x1 - x0`` with ``t ~ U(0, 1)``, ``x0 ~ N(0, I)``.
+def objective_loss(params: Params, model: FlaxUNet, objective: Objective, x1: jax.Array,
+                   y: jax.Array, rng: jax.Array) -> jax.Array:
+    """MSE between the network and ``objective``'s target, ``u ~ U(0, 1)``, ``x0 ~ N(0, I)``.
 
-    ``x1`` is ``(B, C, H, W)`` in model space; the formulas are ``ddm.convention``'s.
+    ``x1`` is ``(B, C, H, W)`` in model space; input, time and target come from
+    ``ddm.objectives.training_example`` (for our objective: ``x_t``, ``t`` and ``x1 - x0``).
     """
     t_key, noise_key = jax.random.split(rng)
-    t = jax.random.uniform(t_key, (x1.shape[0],), jnp.float32)
+    u = jax.random.uniform(t_key, (x1.shape[0],), jnp.float32)
     x0 = jax.random.normal(noise_key, x1.shape, jnp.float32)
-    tb = t[:, None, None, None]
-    x_t = (1.0 - tb) * x0 + tb * x1
-    v = model.apply({"params": params}, x_t, t, y)
-    return jnp.mean(jnp.square(v - (x1 - x0)))
+    example = training_example(objective, x0, x1, u, xp=jnp)
+    pred = model.apply({"params": params}, example.expert_input, example.expert_time, y)
+    return jnp.mean(jnp.square(pred - example.target))
 
 
 def train_step(state: TrainState, batch: tuple[jax.Array, jax.Array], rng: jax.Array, *,
-               model: FlaxUNet, optimizer: optax.GradientTransformation, ema_decay: float
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               model: FlaxUNet, optimizer: optax.GradientTransformation, ema_decay: float,
+               objective: Objective = NATIVE) -> tuple[TrainState, dict[str, jax.Array]]:
     """One pure update on ``batch = (x1 (B, C, H, W), y (B,))``: AdamW step, then the EMA."""
     x1, y = batch
-    loss, grads = jax.value_and_grad(flow_matching_loss)(state.params, model, x1, y, rng)
+    loss, grads = jax.value_and_grad(objective_loss)(state.params, model, objective, x1, y, rng)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     ema = jax.tree.map(lambda e, p: ema_decay * e + (1.0 - ema_decay) * p,
@@ -97,24 +99,27 @@ def train_step(state: TrainState, batch: tuple[jax.Array, jax.Array], rng: jax.A
     return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "train"), donate_argnums=0)
+@functools.partial(jax.jit, static_argnames=("model_config", "train", "objective"),
+                   donate_argnums=0)
 def _iteration(state: TrainState, images: jax.Array, labels: jax.Array, root_key: jax.Array, *,
-               model_config: UNetConfig, train: TrainConfig
+               model_config: UNetConfig, train: TrainConfig, objective: Objective
                ) -> tuple[TrainState, dict[str, jax.Array]]:
     """The one compiled function: draw step ``state.step``'s batch from its key, then update.
 
-    Compiled once per ``(model_config, train)``; callers pass ``train`` with seed 0 so that
-    experts differing only in seed share the compilation.
+    Compiled once per ``(model_config, train, objective)``; callers pass ``train`` with seed 0
+    so that experts differing only in seed share the compilation.
     """
     batch_key, rng = jax.random.split(jax.random.fold_in(root_key, state.step))
     idx = jax.random.randint(batch_key, (train.batch_size,), 0, images.shape[0])
     return train_step(state, (images[idx], labels[idx]), rng, model=FlaxUNet(model_config),
-                      optimizer=make_optimizer(train), ema_decay=train.ema_decay)
+                      optimizer=make_optimizer(train), ema_decay=train.ema_decay,
+                      objective=objective)
 
 
 def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.ndarray,
                     labels: np.ndarray, progress: Callable[[int, float], None] | None = None,
-                    *, device: jax.Device | None = None) -> dict[str, np.ndarray]:
+                    *, device: jax.Device | None = None, objective: Objective = NATIVE
+                    ) -> dict[str, np.ndarray]:
     """Train for ``train.steps`` updates; return the EMA parameters as canonical weights.
 
     ``images`` are ``(N, C, H, W)`` float32 in model space ``[-1, 1]``, ``labels`` ``(N,)`` ints
@@ -133,7 +138,7 @@ def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.nda
         compiled_train = dataclasses.replace(train, seed=0)
         for step in range(train.steps):
             state, metrics = _iteration(state, *data, root_key, model_config=model_config,
-                                        train=compiled_train)
+                                        train=compiled_train, objective=objective)
             done = step + 1
             if progress is not None and (done % PROGRESS_EVERY == 0 or done == train.steps):
                 progress(done, float(metrics["loss"]))

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ddm.convention import PathSample, sample_path
+from ddm.objectives import Objective, TrainingExample, training_example
 from ddm.training.config import TrainConfig
 
 #: ``progress(step, loss)``; trainers call it every ``PROGRESS_EVERY`` steps and at the end.
@@ -22,11 +23,27 @@ def noisy_batch(images: np.ndarray, train: TrainConfig, step: int) -> tuple[np.n
     Rows are drawn with replacement, ``t ~ U(0, 1)``, noise ``x0 ~ N(0, I)``; ``images`` are
     ``(N, C, H, W)`` in model space. Experts and the router see the same distribution.
     """
+    rows, u, x0 = _draws(images, train, step)
+    return rows, sample_path(x0, images[rows], u)
+
+
+def expert_batch(images: np.ndarray, train: TrainConfig, objective: Objective, step: int
+                 ) -> tuple[np.ndarray, TrainingExample]:
+    """As :func:`noisy_batch`, in ``objective``'s terms (the same draws, so our own velocity
+    objective reproduces :func:`noisy_batch` exactly); arrays are float32."""
+    rows, u, x0 = _draws(images, train, step)
+    example = training_example(objective, x0, images[rows], u)
+    return rows, TrainingExample(*(np.asarray(a, dtype=np.float32) for a in (
+        example.t, example.expert_input, example.expert_time, example.target)))
+
+
+def _draws(images: np.ndarray, train: TrainConfig, step: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng([train.seed, step])
     rows = rng.integers(0, len(images), train.batch_size)
-    t = rng.random(train.batch_size, dtype=np.float32)
+    u = rng.random(train.batch_size, dtype=np.float32)
     x0 = rng.standard_normal((train.batch_size, *images.shape[1:]), dtype=np.float32)
-    return rows, sample_path(x0, images[rows], t)
+    return rows, u, x0
 
 
 def prepare(model: nn.Module, train: TrainConfig, device: torch.device | None
