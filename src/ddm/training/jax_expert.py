@@ -85,13 +85,15 @@ def objective_loss(params: Params, model: FlaxUNet, objective: Objective, x1: ja
 
 
 def train_step(state: TrainState, batch: tuple[jax.Array, jax.Array], rng: jax.Array, *,
-               model: FlaxUNet, optimizer: optax.GradientTransformation, ema_decay: float,
+               model: FlaxUNet, optimizer: optax.GradientTransformation, train: TrainConfig,
                objective: Objective = NATIVE) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One pure update on ``batch = (x1 (B, C, H, W), y (B,))``: AdamW step, then the EMA."""
+    """One pure update on ``batch = (x1 (B, C, H, W), y (B,))``: AdamW step, then the EMA
+    (decay ``train.ema_decay_at(state.step)``, the warm-up the PyTorch trainer follows)."""
     x1, y = batch
     loss, grads = jax.value_and_grad(objective_loss)(state.params, model, objective, x1, y, rng)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    ema_decay = train.ema_decay_at(state.step, xp=jnp)
     ema = jax.tree.map(lambda e, p: ema_decay * e + (1.0 - ema_decay) * p,
                        state.ema_params, params)
     new_state = TrainState(step=state.step + 1, params=params, ema_params=ema,
@@ -112,7 +114,7 @@ def _iteration(state: TrainState, images: jax.Array, labels: jax.Array, root_key
     batch_key, rng = jax.random.split(jax.random.fold_in(root_key, state.step))
     idx = jax.random.randint(batch_key, (train.batch_size,), 0, images.shape[0])
     return train_step(state, (images[idx], labels[idx]), rng, model=FlaxUNet(model_config),
-                      optimizer=make_optimizer(train), ema_decay=train.ema_decay,
+                      optimizer=make_optimizer(train), train=train,
                       objective=objective)
 
 

@@ -51,7 +51,7 @@ def prepare(model: nn.Module, train: TrainConfig, device: torch.device | None
     """Seeded initialisation happens before this; moves ``model`` and starts its EMA."""
     device = device or torch.device("cpu")
     model = model.to(device)
-    return model, EMA(model, train.ema_decay), device
+    return model, EMA(model, train), device
 
 
 def make_optimizer(model: nn.Module, train: TrainConfig
@@ -65,17 +65,20 @@ def make_optimizer(model: nn.Module, train: TrainConfig
 
 
 class EMA:
-    """Exponential moving average of a model's parameters (buffers are copied as they are)."""
+    """Exponential moving average of a model's parameters (buffers are copied as they are),
+    with ``TrainConfig.ema_decay_at``'s warm-up."""
 
-    def __init__(self, model: nn.Module, decay: float) -> None:
-        self.decay = decay
+    def __init__(self, model: nn.Module, train: TrainConfig) -> None:
+        self.train = train
         self.shadow = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, step: int) -> None:
+        """Fold in ``model`` after update ``step`` (0-based)."""
+        decay = float(self.train.ema_decay_at(step))
         for k, v in model.state_dict().items():
             if v.dtype.is_floating_point:
-                self.shadow[k].mul_(self.decay).add_(v.float(), alpha=1.0 - self.decay)
+                self.shadow[k].mul_(decay).add_(v.float(), alpha=1.0 - decay)
             else:
                 self.shadow[k].copy_(v)
 
@@ -96,7 +99,7 @@ def optimise(model: nn.Module, train: TrainConfig, loss_at: Callable[[int], torc
         opt.step()
         sched.step()
         if ema is not None:
-            ema.update(model)
+            ema.update(model, step)
         if progress is not None and ((step + 1) % PROGRESS_EVERY == 0 or step + 1 == train.steps):
             progress(step + 1, float(loss.detach()))
     model.eval()
