@@ -163,7 +163,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--timesteps", type=int, default=1000, help="T, with --time discrete")
         if kind == "expert":
             p.add_argument("--partition", required=True,
-                           help="'labels:0-4,5-9' (label groups) or 'kmeans:K'")
+                           help="'file:PATH' (from `ddm partition fit`: experts of any seed "
+                                "share it), 'labels:0-4,5-9' (label groups) or 'kmeans:K' "
+                                "(legacy: refitted per run)")
             p.add_argument("--index", type=int, required=True, help="which part this expert owns")
         optimisation(p, steps=1500, batch=128, lr=2e-3)
         p.set_defaults(handler=_train_unet)
@@ -172,6 +174,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", required=True, type=Path,
                    help="directory holding the expert checkpoints (one subdirectory each)")
     p.add_argument("--no-labels", action="store_true", help="route on (x_t, t) alone")
+    p.add_argument("--partition", default=None,
+                   help="'file:PATH': refuse experts whose partition's sha256 differs from it")
     p.add_argument("--device", default=None)
     optimisation(p, steps=1500, batch=256, lr=2e-3)
     p.set_defaults(handler=_train_router)
@@ -229,7 +233,7 @@ def _train_router(args: argparse.Namespace) -> int:
     path = train_router_command(
         experts=args.experts, data=args.data, train=_train_config(args), out=args.out,
         use_labels=not args.no_labels, device=args.device,
-        progress=_progress(args, args.steps, "router"))
+        progress=_progress(args, args.steps, "router"), partition=args.partition)
     print(f"wrote {path}")
     return 0
 
