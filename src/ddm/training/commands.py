@@ -17,17 +17,21 @@ from ddm.data import (Dataset, check_partition_hash, classes_of, load_dataset, l
 from ddm.models.config import RouterNetworkConfig, unet_config
 from ddm.objectives import NATIVE, Objective
 from ddm.training.config import TrainConfig
+from ddm.training.resume import SAVE_EVERY, Resumable, state_directory
 from ddm.training.torch_loop import ProgressFn
 
 
 def train_unet(kind: str, framework: str, data: str, model_config: str, train: TrainConfig,
                out: Path, name: str | None = None, device: str | None = None,
                partition: str | None = None, index: int | None = None,
-               progress: ProgressFn | None = None, objective: Objective = NATIVE) -> Path:
+               progress: ProgressFn | None = None, objective: Objective = NATIVE,
+               save_every: int = SAVE_EVERY, resume: bool = False) -> Path:
     """Train an expert (one part of ``partition``) or the monolith (all data) and save it.
 
     ``objective`` (see :func:`unet_objective`) is what the UNet learns to predict; the
-    checkpoint declares it so that loaders convert its outputs to our velocity.
+    checkpoint declares it so that loaders convert its outputs to our velocity. The training
+    state is saved every ``save_every`` steps beside ``out`` (``ddm.training.resume``);
+    ``resume`` continues it.
     """
     if kind not in ("expert", "monolith"):
         raise ValueError(f"unknown UNet kind {kind!r}")
@@ -52,6 +56,10 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
         classes = tuple(int(c) for c in np.unique(dataset.labels))
 
     images, labels = to_model_space(subset.images), subset.labels
+    resumable = Resumable(state_directory(out), every=save_every, resume=resume, identity={
+        "kind": kind, "framework": framework, "config": model_config, "data": data,
+        "partition": partition_meta and [partition_meta["scheme"]["sha256"], index],
+        "objective": objective.to_dict(), "train": train.to_dict()})
     started = time.perf_counter()
     if framework == "torch":
         from ddm.models.torch_io import select_torch_device
@@ -59,14 +67,14 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
 
         resolved = select_torch_device(device)
         weights = train_torch_unet(config, train, images, labels, resolved, progress,
-                                   objective=objective)
+                                   objective=objective, resumable=resumable)
     elif framework == "jax":
         from ddm.models.flax_unet import select_jax_device
         from ddm.training.jax_expert import train_flax_unet
 
         resolved = select_jax_device(device)
         weights = train_flax_unet(config, train, images, labels, progress, device=resolved,
-                                  objective=objective)
+                                  objective=objective, resumable=resumable)
     else:
         raise ValueError(f"unknown framework {framework!r}; use torch or jax")
     meta = CheckpointMeta(
@@ -92,8 +100,8 @@ def unet_objective(prediction: str = "velocity", schedule: str = "linear",
 
 def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path,
                          use_labels: bool = True, device: str | None = None,
-                         progress: ProgressFn | None = None, partition: str | None = None
-                         ) -> Path:
+                         progress: ProgressFn | None = None, partition: str | None = None,
+                         save_every: int = SAVE_EVERY, resume: bool = False) -> Path:
     """Train a router for the experts in ``experts``, which must share one partition (the
     sha256 of its content); ``partition`` (``file:PATH``) must then be that one too."""
     from ddm.models.torch_io import select_torch_device
@@ -129,8 +137,11 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
     ids = scheme.assign(dataset.images, dataset.labels)
     resolved = select_torch_device(device)
     started = time.perf_counter()
+    resumable = Resumable(state_directory(out), every=save_every, resume=resume, identity={
+        "kind": "router", "experts": str(experts), "data": data, "partition": scheme.sha256,
+        "network": config.to_dict(), "train": train.to_dict()})
     weights = train_router(config, train, to_model_space(dataset.images), dataset.labels, ids,
-                           resolved, progress)
+                           resolved, progress, resumable)
     meta = CheckpointMeta(
         kind="router", name=out.name, architecture=config.to_dict(), framework="torch",
         classes=tuple(int(c) for c in np.unique(dataset.labels)),

@@ -23,6 +23,7 @@ import functools
 import math
 from typing import Callable
 
+import flax.serialization
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,12 @@ from ddm.models.flax_unet import (FlaxUNet, Params, canonical_from_params, init_
                                   select_jax_device)
 from ddm.objectives import NATIVE, Objective, training_example
 from ddm.training.config import TrainConfig
+from ddm.training.resume import Resumable
 
 #: As ``ddm.training.torch_loop.PROGRESS_EVERY`` (not imported: this module must not need torch).
 PROGRESS_EVERY = 10
+#: The JAX trainer's state file (the whole ``TrainState``, Flax msgpack) in the state directory.
+JAX_STATE = "state.msgpack"
 
 class TrainState(flax.struct.PyTreeNode):
     """Everything one update reads and writes; ``step`` counts updates already applied."""
@@ -120,9 +124,12 @@ def _iteration(state: TrainState, images: jax.Array, labels: jax.Array, root_key
 
 def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.ndarray,
                     labels: np.ndarray, progress: Callable[[int, float], None] | None = None,
-                    *, device: jax.Device | None = None, objective: Objective = NATIVE
-                    ) -> dict[str, np.ndarray]:
+                    *, device: jax.Device | None = None, objective: Objective = NATIVE,
+                    resumable: Resumable | None = None) -> dict[str, np.ndarray]:
     """Train for ``train.steps`` updates; return the EMA parameters as canonical weights.
+
+    ``resumable`` saves the ``TrainState`` as it goes and continues a saved one (the step is
+    in the state; every key derives from it).
 
     ``images`` are ``(N, C, H, W)`` float32 in model space ``[-1, 1]``, ``labels`` ``(N,)`` ints
     in ``[0, num_classes)``; ``device`` (see :func:`select_jax_device`) defaults to JAX's.
@@ -138,10 +145,17 @@ def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.nda
         root_key = jax.random.PRNGKey(train.seed)
         data = jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32)
         compiled_train = dataclasses.replace(train, seed=0)
-        for step in range(train.steps):
+        saved = resumable.saved(JAX_STATE) if resumable is not None else None
+        if saved is not None:
+            state = jax.tree.map(jnp.asarray,
+                                 flax.serialization.from_bytes(state, saved.read_bytes()))
+        for step in range(int(state.step), train.steps):
             state, metrics = _iteration(state, *data, root_key, model_config=model_config,
                                         train=compiled_train, objective=objective)
             done = step + 1
+            if resumable is not None and resumable.due(done, train.steps):
+                content = flax.serialization.to_bytes(state)
+                resumable.save(JAX_STATE, done, lambda path: path.write_bytes(content))
             if progress is not None and (done % PROGRESS_EVERY == 0 or done == train.steps):
                 progress(done, float(metrics["loss"]))
     return canonical_from_params(state.ema_params, model_config)

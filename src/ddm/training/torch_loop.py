@@ -11,6 +11,10 @@ from torch import nn
 from ddm.convention import PathSample, sample_path
 from ddm.objectives import Objective, TrainingExample, training_example
 from ddm.training.config import TrainConfig
+from ddm.training.resume import Resumable
+
+#: The PyTorch trainers' state file in ``Resumable.directory``.
+TORCH_STATE = "state.pt"
 
 #: ``progress(step, loss)``; trainers call it every ``PROGRESS_EVERY`` steps and at the end.
 ProgressFn = Callable[[int, float], None]
@@ -87,11 +91,14 @@ class EMA:
 
 
 def optimise(model: nn.Module, train: TrainConfig, loss_at: Callable[[int], torch.Tensor],
-             progress: ProgressFn | None = None, ema: EMA | None = None) -> None:
-    """Run ``train.steps`` updates of ``loss_at(step)`` with clipping, schedule and EMA."""
+             progress: ProgressFn | None = None, ema: EMA | None = None,
+             resumable: Resumable | None = None) -> None:
+    """Run ``train.steps`` updates of ``loss_at(step)`` with clipping, schedule and EMA,
+    continuing ``resumable``'s saved state when there is one and saving it as it goes."""
     opt, sched = make_optimizer(model, train)
+    start = _restore(resumable, model, opt, sched, ema) if resumable is not None else 0
     model.train()
-    for step in range(train.steps):
+    for step in range(start, train.steps):
         loss = loss_at(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -100,6 +107,30 @@ def optimise(model: nn.Module, train: TrainConfig, loss_at: Callable[[int], torc
         sched.step()
         if ema is not None:
             ema.update(model, step)
-        if progress is not None and ((step + 1) % PROGRESS_EVERY == 0 or step + 1 == train.steps):
-            progress(step + 1, float(loss.detach()))
+        done = step + 1
+        if resumable is not None and resumable.due(done, train.steps):
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                     "scheduler": sched.state_dict(), "step": done,
+                     "torch_rng": torch.get_rng_state(),
+                     "ema": ema.shadow if ema is not None else {}}
+            resumable.save(TORCH_STATE, done, lambda path: torch.save(state, path))
+        if progress is not None and (done % PROGRESS_EVERY == 0 or done == train.steps):
+            progress(done, float(loss.detach()))
     model.eval()
+
+
+def _restore(resumable: Resumable, model: nn.Module, opt: torch.optim.Optimizer,
+             sched: torch.optim.lr_scheduler.LambdaLR, ema: EMA | None) -> int:
+    """Load the saved state into the live objects; the step to continue from (0: none)."""
+    path = resumable.saved(TORCH_STATE)
+    if path is None:
+        return 0
+    device = next(model.parameters()).device
+    state = torch.load(path, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if ema is not None:
+        ema.shadow = {k: v.to(device) for k, v in state["ema"].items()}
+    return int(state["step"])
