@@ -24,7 +24,9 @@ from ddm.checkpoints.discovery import default_checkpoints, discover
 from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
 from ddm.sampling.pipeline import generate
 
-STRATEGIES = ("oracle", "top1", "top2", "ensemble")
+#: The DDM's rows; ``random`` (an expert per sample and step, drawn uniformly) is the paper's
+#: disaster baseline (FID 157 on ImageNet).
+STRATEGIES = ("oracle", "top1", "top2", "ensemble", "random")
 PARITY_BATCH = 64
 COLUMNS = ("accuracy", *METRICS)
 
