@@ -329,6 +329,16 @@ class UsageLog:
         """Forward passes per sample and expert, ``(B, K)`` int64."""
         return np.sum(self.selections, axis=0).astype(np.int64)
 
+    def step_masks(self, steps: int) -> np.ndarray:
+        """``(B, steps)`` int64: bit ``k`` set when expert ``k`` ran at that step (any of the
+        step's evaluations). The compact per-image routing the API reports."""
+        stacked = np.stack(self.selections)  # (steps * evaluations per step, B, K)
+        if steps < 1 or len(stacked) % steps:
+            raise ValueError(f"{len(stacked)} evaluations do not split into {steps} steps")
+        per_step = stacked.reshape(steps, -1, *stacked.shape[1:]).any(axis=1)  # (steps, B, K)
+        bits = np.left_shift(1, np.arange(per_step.shape[2], dtype=np.int64))
+        return (per_step.astype(np.int64) @ bits).T
+
     def switches(self) -> np.ndarray:
         """How often each sample's set of experts changed between evaluations, ``(B,)``."""
         if len(self.selections) < 2:
