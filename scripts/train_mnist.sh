@@ -9,7 +9,11 @@
 #   monolith    the same UNet on all the data with the experts' total compute
 # Usage: scripts/train_mnist.sh [STAGE...]   (default: every stage, in this order)
 # MNIST is read from $MNIST (a directory with the four IDX files); images are 28x28 padded
-# to 32x32. CPU-heavy: run it under `nice -n 19`, one stage at a time.
+# to 32x32. CPU-heavy: run it under `nice -n 19`, one stage at a time. Long runs resume: each
+# training saves its state every $SAVE_EVERY steps to OUT/NAME.training/ and is started with
+# --resume, so rerunning the script continues where it was stopped; a model whose checkpoint
+# is already written is skipped. Train outside the repo (OUT=~/.cache/ddm/train/mnist) and copy
+# the finished checkpoints into checkpoints/mnist.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MNIST=${MNIST:-../shared/datasets/mnist}
@@ -20,14 +24,22 @@ EXPERT_STEPS=${EXPERT_STEPS:-8000}
 ROUTER_STEPS=${ROUTER_STEPS:-3000}
 K=4
 DATA="mnist:$MNIST"
-PARTITION="$OUT/partition.json"
+PARTITION=${PARTITION:-$OUT/partition.json}
+SAVE_EVERY=${SAVE_EVERY:-250}
+LONG=(--save-every "$SAVE_EVERY" --resume)
+
+done_already() {  # a finished checkpoint is not trained again
+    [ -f "$1/config.json" ] && echo "$1 exists: skipped" >&2
+}
 
 classifier() {
+    done_already "$OUT/classifier" && return
     $DDM train classifier --data "$DATA" --image-size 32 --channels 16,32 --steps 6000 \
         --seed 0 --out "$OUT/classifier"
 }
 
 partition() {
+    [ -f "$PARTITION" ] && echo "$PARTITION exists: skipped" >&2 && return
     $DDM partition fit --data "$DATA" --kmeans "$K" --features hog --image-size 32 --seed 0 \
         --out "$PARTITION"
 }
@@ -35,20 +47,23 @@ partition() {
 experts() {
     local frameworks=(torch jax) index
     for ((index = 0; index < K; index++)); do
+        done_already "$OUT/expert-$index" && continue
         $DDM train expert --data "$DATA" --framework "${frameworks[index % 2]}" \
             --config "$CONFIG" --partition "file:$PARTITION" --index "$index" --seed "$index" \
-            --steps "$EXPERT_STEPS" --out "$OUT/expert-$index"
+            --steps "$EXPERT_STEPS" "${LONG[@]}" --out "$OUT/expert-$index"
     done
 }
 
 router() {
-    $DDM train router --data "$DATA" --experts "$OUT" --steps "$ROUTER_STEPS" \
-        --out "$OUT/router"
+    done_already "$OUT/router" && return
+    $DDM train router --data "$DATA" --experts "$OUT" --partition "file:$PARTITION" \
+        --steps "$ROUTER_STEPS" "${LONG[@]}" --out "$OUT/router"
 }
 
 monolith() {
+    done_already "$OUT/monolith" && return
     $DDM train monolith --data "$DATA" --framework torch --config "$CONFIG" \
-        --steps $((K * EXPERT_STEPS)) --out "$OUT/monolith"
+        --steps $((K * EXPERT_STEPS)) "${LONG[@]}" --out "$OUT/monolith"
 }
 
 stages=("$@")

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from ddm.objective_names import PREDICTIONS, SCHEDULES
 from ddm.serving.commands import add_serve_commands
+from ddm.training.resume import SAVE_EVERY
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -145,6 +146,11 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         common(p, steps)
         p.add_argument("--batch-size", type=int, default=batch)
         p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+        p.add_argument("--save-every", type=int, default=SAVE_EVERY, metavar="STEPS",
+                       help="save the training state (weights, EMA, optimiser, step) to "
+                            "OUT.training/ every STEPS steps")
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the state saved in OUT.training/")
 
     for kind, about in (("expert", "a UNet on one partition of the data"),
                         ("monolith", "one UNet on all the data (the baseline)")):
@@ -163,7 +169,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--timesteps", type=int, default=1000, help="T, with --time discrete")
         if kind == "expert":
             p.add_argument("--partition", required=True,
-                           help="'labels:0-4,5-9' (label groups) or 'kmeans:K'")
+                           help="'file:PATH' (from `ddm partition fit`: experts of any seed "
+                                "share it), 'labels:0-4,5-9' (label groups) or 'kmeans:K' "
+                                "(legacy: refitted per run)")
             p.add_argument("--index", type=int, required=True, help="which part this expert owns")
         optimisation(p, steps=1500, batch=128, lr=2e-3)
         p.set_defaults(handler=_train_unet)
@@ -172,6 +180,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", required=True, type=Path,
                    help="directory holding the expert checkpoints (one subdirectory each)")
     p.add_argument("--no-labels", action="store_true", help="route on (x_t, t) alone")
+    p.add_argument("--partition", default=None,
+                   help="'file:PATH': refuse experts whose partition's sha256 differs from it")
     p.add_argument("--device", default=None)
     optimisation(p, steps=1500, batch=256, lr=2e-3)
     p.set_defaults(handler=_train_router)
@@ -218,7 +228,7 @@ def _train_unet(args: argparse.Namespace) -> int:
         train=_train_config(args), out=args.out, name=args.name, device=args.device,
         partition=getattr(args, "partition", None), index=getattr(args, "index", None),
         progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"),
-        objective=objective)
+        objective=objective, save_every=args.save_every, resume=args.resume)
     print(f"wrote {path}")
     return 0
 
@@ -229,7 +239,8 @@ def _train_router(args: argparse.Namespace) -> int:
     path = train_router_command(
         experts=args.experts, data=args.data, train=_train_config(args), out=args.out,
         use_labels=not args.no_labels, device=args.device,
-        progress=_progress(args, args.steps, "router"))
+        progress=_progress(args, args.steps, "router"), partition=args.partition,
+        save_every=args.save_every, resume=args.resume)
     print(f"wrote {path}")
     return 0
 

@@ -16,6 +16,7 @@ import torch
 
 from ddm.checkpoints.format import load_checkpoint, save_checkpoint
 from ddm.convention import CONVENTION_NAME
+from ddm.data import partition_sha256
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.router.replicas import ExpertInfo
@@ -26,6 +27,8 @@ from tests.integration.servers import running, wait_ready
 DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
 LOW, HIGH = list(range(5)), list(range(5, 10))
 WAIT_S = 60.0
+KMEANS = {"scheme": {"method": "kmeans", "features": "pixels",
+                     "centroids": [[0.0] * 4, [1.0] * 4]}, "index": 0}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,10 +44,8 @@ def experts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     """``host:port`` of the shipped experts (parts 0 and 1 of a label partition), and of a copy
     of expert 0-4 recorded as part 0 of a k-means partition."""
     shipped = load_checkpoint(DIGITS / "expert-0-4")
-    kmeans = {"scheme": {"method": "kmeans", "features": "pixels",
-                         "centroids": [[0.0] * 4, [1.0] * 4]}, "index": 0}
     other = save_checkpoint(tmp_path_factory.mktemp("kmeans") / "expert",
-                            dataclasses.replace(shipped.meta, partition=kmeans), shipped.weights)
+                            dataclasses.replace(shipped.meta, partition=KMEANS), shipped.weights)
     paths = {"low": DIGITS / "expert-0-4", "high": DIGITS / "expert-5-9", "kmeans": other}
     with ExitStack() as stack:
         bases = {}
@@ -103,8 +104,12 @@ def test_an_expert_of_another_partition_keeps_the_router_unready(experts):
     with running(app) as base:
         status, problems = _problems_once_known(base)
         assert status == 503
-        assert problems == ["expert first was trained on another partition (kmeans partition "
-                            "into 2) than the router network (labels partition into 2)"]
+        labels = load_checkpoint(DIGITS / "router").meta.partition["scheme"]
+        assert problems == [
+            f"expert first (kmeans partition into 2) was made for partition sha256 "
+            f"{partition_sha256(KMEANS['scheme'])}, but partition sha256 "
+            f"{partition_sha256(labels)} is expected: experts and router must share one fitted "
+            "partition (the router network's: labels partition into 2)"]
 
 
 def test_classes_listed_beyond_what_an_expert_serves_keep_the_router_unready(experts):

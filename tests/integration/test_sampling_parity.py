@@ -10,6 +10,7 @@ k-means clusters may), so that the learned strategies really mix experts.
 from __future__ import annotations
 
 import base64
+import json
 import io
 from contextlib import ExitStack
 from pathlib import Path
@@ -100,6 +101,49 @@ def test_router_and_in_process_sampling_give_the_same_pixels(routers, in_process
     np.testing.assert_array_equal(served, local.images)
     assert body["expert_calls"] == local.expert_calls.tolist()
     assert body["experts"] == local.experts_used()
+    assert body["routing"] == local.usage.step_masks(STEPS).tolist()
+    assert [len(r) for r in body["routing"]] == [STEPS] * len(labels)
+
+
+def test_the_api_shows_each_images_experts_at_each_step(routers, in_process):
+    """POST /v1/generate's routing, the stream's step events and its done event agree with
+    each other and with the in-process loop, step by step, for the mixing DDM."""
+    labels, seed = BATCHES[7], 5
+    reply = httpx.post(f"{routers['shared']}/v1/generate", timeout=120, json={
+        "labels": labels, "steps": STEPS, "seed": seed, "strategy": "top1", "solver": "heun"})
+    body = reply.json()
+    names = body["expert_names"]
+    assert names == ["s0", "s1"]
+    decoded = [[[n for k, n in enumerate(names) if mask >> k & 1] for mask in row]
+               for row in body["routing"]]
+    assert all(1 <= len(step) <= 2 for row in decoded for step in row)
+    assert {frozenset(n for step in row for n in step) for row in decoded} == {
+        frozenset(e) for e in body["experts"]}
+    local = generate(in_process["shared"], labels, STEPS, seed, "top1", "heun")
+    assert body["routing"] == local.usage.step_masks(STEPS).tolist()
+    assert len({tuple(r) for r in body["routing"]}) > 1  # images are routed differently
+
+    with httpx.stream("GET", f"{routers['shared']}/v1/generate/stream", timeout=120, params={
+            "label": labels[3], "steps": STEPS, "seed": seed, "strategy": "top1",
+            "solver": "heun"}) as stream:
+        events = _sse_events(stream.iter_lines())
+    steps = [data for kind, data in events if kind == "step"]
+    done = next(data for kind, data in events if kind == "done")
+    assert [s["experts"] for s in steps] == [
+        [n for k, n in enumerate(names) if mask >> k & 1] for mask in done["routing"]]
+    # The stream makes image 0 of (seed): the same as a one-label generation in-process.
+    alone = generate(in_process["shared"], [labels[3]], STEPS, seed, "top1", "heun")
+    assert done["routing"] == alone.usage.step_masks(STEPS)[0].tolist()
+
+
+def _sse_events(lines) -> list[tuple[str, dict]]:
+    events, kind = [], None
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((kind, json.loads(line[len("data: "):])))
+    return events
 
 
 def test_learned_strategies_really_mix_the_shared_experts(in_process):

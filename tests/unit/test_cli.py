@@ -69,7 +69,7 @@ def test_sample_is_deterministic_and_batch_independent(tiny_ddm, tmp_path, capsy
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--strategy", "random"), "unknown routing strategy 'random'"),
+    (("--strategy", "randomly"), "unknown routing strategy 'randomly'"),
     (("--strategy", "oracle", "--labels", "3,12"), r"labels \[12\] are outside"),
     (("--steps", "0"), "steps must be an integer in"),
     (("--labels", "1,x"), "--labels must be comma-separated integers"),

@@ -233,7 +233,7 @@ def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path)
     assert main(["report", "--n-per-label", "3", "--steps", "2", "--out", str(out)]) == 0
     table = [line for line in out.read_text().splitlines() if line.startswith("| ")][1:]
     assert [row.split(" | ")[1] for row in table] == [
-        "-", "single model", "oracle", "top1", "top2", "ensemble"]
+        "-", "single model", "oracle", "top1", "top2", "ensemble", "random"]
     assert table[0].startswith("| real test digits (disjoint subsets)")
     assert all(row.count("+/-") == 6 for row in table)
     assert "the same images: this judge has seen its reference" in out.read_text()

@@ -33,7 +33,7 @@ def _random_canonical(config: UNetConfig, seed: int) -> dict[str, np.ndarray]:
             for k, s in canonical_shapes(config).items()}
 
 
-@pytest.mark.parametrize("name", ["smoke", "digits-small"])
+@pytest.mark.parametrize("name", ["smoke", "digits-small", "mnist-small"])
 def test_velocity_matches_pytorch(name: str) -> None:
     torch = pytest.importorskip("torch")
     from ddm.models.torch_unet import UNet
@@ -151,3 +151,11 @@ def test_velocity_pads_odd_batches_without_changing_results() -> None:
     whole = velocity(x, t, y)
     assert whole.shape == (5, 1, 8, 8)
     np.testing.assert_allclose(velocity(x[:3], t[:3], y[:3]), whole[:3], atol=1e-6)
+
+
+def test_mnist_small_stays_a_few_megabytes() -> None:
+    """The shipped MNIST experts: a few MB of float32 each (``reference`` is 26 MB)."""
+    sizes = {name: 4 * sum(int(np.prod(s)) for s in canonical_shapes(UNET_CONFIGS[name]).values())
+             for name in ("mnist-small", "reference")}
+    assert sizes["mnist-small"] < 4e6 and sizes["mnist-small"] * 8 < sizes["reference"]
+    assert UNET_CONFIGS["mnist-small"].image_size == 32

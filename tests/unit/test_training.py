@@ -61,7 +61,46 @@ def test_router_refuses_experts_of_different_partitions(tmp_path, capsys):
     _train("expert", "--config", "smoke", "--partition", "labels:0-2,3-9", "--index", 1,
            "--out", tmp_path / "e1")
     assert _train("router", "--experts", tmp_path, "--out", tmp_path / "router") == 2
-    assert "do not share one partition" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "do not share one partition" in err
+    for index in (0, 1):
+        sha = read_meta(tmp_path / f"e{index}").partition["scheme"]["sha256"]
+        assert f"e{index}: sha256 {sha}" in err
+    assert not (tmp_path / "router").exists()
+
+
+def _fit(path, seed: int, features: str = "hog") -> str:
+    assert main(["partition", "fit", "--data", "digits", "--kmeans", "2", "--features", features,
+                 "--image-size", "8", "--seed", str(seed), "--out", str(path)]) == 0
+    return json.loads(path.read_text())["partition"]["sha256"]
+
+
+def test_experts_of_different_seeds_share_a_partition_file_and_its_router(tmp_path):
+    """A k-means partition fitted once: experts trained with seeds 0 and 1 (PyTorch and JAX)
+    record the file's hash, and a router checked against the file is trained for them."""
+    sha = _fit(tmp_path / "partition.json", seed=0)
+    spec = f"file:{tmp_path / 'partition.json'}"
+    for index, framework in ((0, "torch"), (1, "jax")):
+        assert _train("expert", "--config", "smoke", "--framework", framework, "--partition",
+                      spec, "--index", index, "--seed", index,
+                      "--out", tmp_path / "experts" / f"e{index}") == 0
+    assert {read_meta(tmp_path / "experts" / f"e{i}").partition["scheme"]["sha256"]
+            for i in (0, 1)} == {sha}
+    assert _train("router", "--experts", tmp_path / "experts", "--partition", spec,
+                  "--out", tmp_path / "router") == 0
+    assert read_meta(tmp_path / "router").partition["scheme"]["sha256"] == sha
+
+
+def test_router_refuses_a_partition_file_its_experts_do_not_share(tmp_path, capsys):
+    used = _fit(tmp_path / "used.json", seed=0)
+    other = _fit(tmp_path / "other.json", seed=1, features="pixels")
+    for index in (0, 1):
+        _train("expert", "--config", "smoke", "--partition", f"file:{tmp_path / 'used.json'}",
+               "--index", index, "--out", tmp_path / "experts" / f"e{index}")
+    assert _train("router", "--experts", tmp_path / "experts", "--partition",
+                  f"file:{tmp_path / 'other.json'}", "--out", tmp_path / "router") == 2
+    err = capsys.readouterr().err
+    assert f"made for partition sha256 {used}" in err and f"partition sha256 {other} is " in err
     assert not (tmp_path / "router").exists()
 
 

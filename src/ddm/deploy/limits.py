@@ -19,6 +19,10 @@ STRATEGY_PATTERN = (
     r"|threshold:(0?\.[0-9]*[1-9][0-9]*|1(\.0+)?))$"
 )
 STRATEGY_HINT = "use oracle, ensemble, topK (K 1..99), topk:K or threshold:P with 0 < P <= 1"
+#: Strategies only the evaluation (``ddm eval``/``ddm report``, ``ddm sample``) runs, outside
+#: ``STRATEGY_PATTERN`` so that no DDMDeployment, ``router.yaml`` or request can pick them:
+#: ``random`` (an expert drawn uniformly per sample and step, the paper's FID-157 baseline).
+EVALUATION_STRATEGIES = ("random",)
 #: What a DDM samples with when its spec (or a request) names nothing.
 DEFAULT_STEPS = 40
 DEFAULT_SOLVER = "euler"

@@ -24,7 +24,9 @@ from ddm.checkpoints.discovery import default_checkpoints, discover
 from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
 from ddm.sampling.pipeline import generate
 
-STRATEGIES = ("oracle", "top1", "top2", "ensemble")
+#: The DDM's rows; ``random`` (an expert per sample and step, drawn uniformly) is the paper's
+#: disaster baseline (FID 157 on ImageNet).
+STRATEGIES = ("oracle", "top1", "top2", "ensemble", "random")
 PARITY_BATCH = 64
 COLUMNS = ("accuracy", *METRICS)
 
@@ -108,6 +110,10 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
         "coverage (k=5): how much of the generated set lies on the real manifold and how much",
         "of the real manifold it covers; blur lowers precision and density, dropped modes lower",
         "recall and coverage. CPU seconds per run: sampling, and the evaluation itself.",
+        "Routing `random` (evaluation only, never served): one expert per sample and step,",
+        "drawn uniformly among those trained on the label, the DDM paper's FID-157 baseline.",
+        "Which expert ran each step of a few samples: [routing.png](routing.png)",
+        "(`scripts/routing_figure.py`; the API reports it per image as `routing`).",
         "",
         "| model | routing | " + " | ".join(COLUMNS) + " | expert passes / image | "
         "sampling CPU s | eval CPU s |",

@@ -41,8 +41,8 @@ import numpy as np
 
 from ddm.convention import time_grid, to_uint8
 from ddm.deploy.limits import MAX_STEPS
-from ddm.sampling.routing import (Strategy, mixture_weights, oracle_probs, routing_weights,
-                                  servable_labels)
+from ddm.sampling.routing import (Strategy, mixture_weights, oracle_probs, random_weights,
+                                  routing_weights, servable_labels)
 from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
 
 
@@ -181,7 +181,7 @@ def check_request(mixture: Mixture, request: SamplingRequest,
     if request.strategy.kind == "oracle":
         oracle_probs(y, mixture.expert_classes)  # every label owned by exactly one expert
         return y
-    if len(mixture.expert_names) > 1 and not mixture.routed:
+    if len(mixture.expert_names) > 1 and not mixture.routed and request.strategy.kind != "random":
         raise ValueError(f"strategy {request.strategy.name} needs the router network, and "
                          "this DDM has none; use the oracle strategy")
     uncovered = sorted({int(v) for v in y[~mixture.servable[y].any(axis=1)]})
@@ -199,23 +199,27 @@ def denoise(mixture: Mixture, request: SamplingRequest) -> Loop:
     y = check_request(mixture, request)
     grid = time_grid(request.steps)
     x = initial_noise(len(y), mixture.image_shape, request.seed, request.first_index)
+    # (seed, image index) per sample: what the random baseline's draws are keyed on.
+    keys = np.stack([np.full(len(y), request.seed, np.int64),
+                     request.first_index + np.arange(len(y), dtype=np.int64)], axis=1)
     chunk = max(1, request.delegate_steps)
     for start in range(0, request.steps, chunk):
         end = min(start + chunk, request.steps)
-        event = yield from _chunk(mixture, request, x, y, grid[start:end + 1], end)
+        event = yield from _chunk(mixture, request, x, y, keys, grid[start:end + 1], end)
         x = event.x
         yield event
 
 
 def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndarray,
-           grid: np.ndarray, step: int) -> Generator[Query, Any, StepEvent]:
+           keys: np.ndarray, grid: np.ndarray, step: int) -> Generator[Query, Any, StepEvent]:
     """One chunk: delegate the samples with one expert, step the others, concurrently."""
     n, k = len(y), len(mixture.expert_names)
     evaluations = (len(grid) - 1) * EVALUATIONS_PER_STEP[request.solver]
     delegated = np.zeros(n, bool)
     groups: list[tuple[int, np.ndarray]] = []
     if request.delegate_steps > 1:
-        weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y)
+        weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y,
+                                      keys)
         delegated = (weights > 0).sum(axis=1) == 1
         groups = [(e, rows) for e in range(k)
                   if (rows := np.flatnonzero(delegated & (weights[:, e] > 0))).size]
@@ -225,7 +229,7 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndar
         parts.append(_delegate(groups, x, y, grid, request.solver))
     if stepped.size:
         parts.append(_step_by_step(mixture, request.strategy, request.solver, x[stepped],
-                                   y[stepped], grid))
+                                   y[stepped], keys[stepped], grid))
     results = (yield Concurrently(tuple(parts))) if len(parts) > 1 else [(yield from parts[0])]
 
     x_next = np.empty_like(x)
@@ -253,7 +257,7 @@ def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray
 
 
 def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarray,
-                  y: np.ndarray, grid: np.ndarray
+                  y: np.ndarray, keys: np.ndarray, grid: np.ndarray
                   ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
     """The solver over ``grid`` with the mixture velocity; (x at the end, (E, B, K) masks)."""
     step_with = stepper(solver)
@@ -268,16 +272,17 @@ def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarr
                 x = done.value
                 break
             v, chosen = yield from _mixture_velocity(mixture, strategy, point.x,
-                                                     _times(len(y), point.t), y)
+                                                     _times(len(y), point.t), y, keys)
             selections.append(chosen)
     return x, np.stack(selections)
 
 
 def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-                      y: np.ndarray) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
+                      y: np.ndarray, keys: np.ndarray
+                      ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
     """``sum_k w_k v_k`` per sample, each expert asked only for its rows; and the (B, K)
     selection."""
-    weights = yield from _weights(mixture, strategy, x, t, y)
+    weights = yield from _weights(mixture, strategy, x, t, y, keys)
     chosen = [(k, rows) for k in range(len(mixture.expert_names))
               if (rows := np.flatnonzero(weights[:, k] > 0)).size]
     outs = yield Calls(tuple(Velocity(k, x[rows], t[rows], y[rows]) for k, rows in chosen))
@@ -288,10 +293,13 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
 
 
 def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-             y: np.ndarray) -> Generator[Query, Any, np.ndarray]:
-    """Per-sample mixture weights (B, K) among the experts that serve each sample's label."""
+             y: np.ndarray, keys: np.ndarray) -> Generator[Query, Any, np.ndarray]:
+    """Per-sample mixture weights (B, K) among the experts that serve each sample's label;
+    ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
     if strategy.kind == "oracle":
         return routing_weights(oracle_probs(y, mixture.expert_classes), strategy)
+    if strategy.kind == "random":
+        return random_weights(keys, t, mixture.servable[y])
     if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
         return np.ones((len(y), 1), np.float32)
     probs = yield Route(x, t, y)
@@ -320,6 +328,16 @@ class UsageLog:
     def calls_per_expert(self) -> np.ndarray:
         """Forward passes per sample and expert, ``(B, K)`` int64."""
         return np.sum(self.selections, axis=0).astype(np.int64)
+
+    def step_masks(self, steps: int) -> np.ndarray:
+        """``(B, steps)`` int64: bit ``k`` set when expert ``k`` ran at that step (any of the
+        step's evaluations). The compact per-image routing the API reports."""
+        stacked = np.stack(self.selections)  # (steps * evaluations per step, B, K)
+        if steps < 1 or len(stacked) % steps:
+            raise ValueError(f"{len(stacked)} evaluations do not split into {steps} steps")
+        per_step = stacked.reshape(steps, -1, *stacked.shape[1:]).any(axis=1)  # (steps, B, K)
+        bits = np.left_shift(1, np.arange(per_step.shape[2], dtype=np.int64))
+        return (per_step.astype(np.int64) @ bits).T
 
     def switches(self) -> np.ndarray:
         """How often each sample's set of experts changed between evaluations, ``(B,)``."""

@@ -30,10 +30,12 @@ def mixture_of(ddm: LoadedDDM) -> Mixture:
 def sampling_request(labels: Sequence[int], steps: int, seed: int,
                      strategy: Strategy | str = "top1", solver: str = "euler",
                      first_index: int = 0, delegate_steps: int = 0) -> SamplingRequest:
-    """A :class:`SamplingRequest`, the strategy parsed from its name if need be."""
+    """A :class:`SamplingRequest`, the strategy parsed from its name if need be (in-process
+    sampling also runs the evaluation's baselines, e.g. ``random``)."""
+    if isinstance(strategy, str):
+        strategy = parse_strategy(strategy, evaluation=True)
     return SamplingRequest(labels=tuple(int(v) for v in labels), steps=steps, seed=seed,
-                           strategy=parse_strategy(strategy) if isinstance(strategy, str)
-                           else strategy, solver=solver, delegate_steps=delegate_steps,
+                           strategy=strategy, solver=solver, delegate_steps=delegate_steps,
                            first_index=first_index)
 
 

@@ -1,10 +1,12 @@
 """Routing: router probabilities ``(B, K)`` -> mixture weights ``(B, K)``, per sample.
 
-Every sample gets its own experts at every step; no decision is ever made for a whole batch,
-and no strategy draws experts at random (the DDM paper found that catastrophic). Selection is
-exact and deterministic: ties go to the lower expert index. Only experts trained on a sample's
-label may be chosen for it (:func:`mixture_weights`): an expert never sees a label it was not
-trained on, in-process or served (an expert server refuses such labels).
+Every sample gets its own experts at every step; no decision is ever made for a whole batch.
+Selection is exact and deterministic: ties go to the lower expert index. Only experts trained
+on a sample's label may be chosen for it (:func:`mixture_weights`): an expert never sees a label
+it was not trained on, in-process or served (an expert server refuses such labels).
+
+``random`` (:func:`random_weights`) is the evaluation's baseline, never served: one expert per
+sample and step drawn uniformly, the choice the DDM paper found catastrophic (FID 157).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ from typing import Sequence
 
 import numpy as np
 
-from ddm.deploy.limits import STRATEGY_HINT, STRATEGY_PATTERN
+from ddm.deploy.limits import EVALUATION_STRATEGIES, STRATEGY_HINT, STRATEGY_PATTERN
 
-STRATEGY_NAMES = ("oracle", "top1", "topk", "threshold", "ensemble")
 _PATTERN = re.compile(STRATEGY_PATTERN)
+MASK_64 = 2 ** 64 - 1  # NumPy's seed sequences take non-negative integers
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """``kind`` is one of ``oracle``, ``topk``, ``threshold``, ``ensemble``."""
+    """``kind`` is one of ``oracle``, ``topk``, ``threshold``, ``ensemble`` or (evaluation
+    only) ``random``."""
 
     kind: str
     k: int = 1
@@ -38,11 +41,19 @@ class Strategy:
         return self.kind
 
 
-def parse_strategy(text: str) -> Strategy:
-    """``oracle``, ``top1``, ``top2`` (or ``topk:2``), ``threshold:0.2``, ``ensemble``."""
+def parse_strategy(text: str, evaluation: bool = False) -> Strategy:
+    """``oracle``, ``top1``, ``top2`` (or ``topk:2``), ``threshold:0.2``, ``ensemble``; with
+    ``evaluation`` also ``EVALUATION_STRATEGIES`` (``random``), which nothing served accepts."""
     name = str(text).strip().lower()
+    if name in EVALUATION_STRATEGIES:
+        if not evaluation:
+            raise ValueError(f"routing strategy {name!r} is an evaluation baseline, not served; "
+                             f"{STRATEGY_HINT}")
+        return Strategy(kind=name)
     if not _PATTERN.match(name):
-        raise ValueError(f"unknown routing strategy {text!r}; {STRATEGY_HINT}")
+        hint = f"{STRATEGY_HINT}" + (f" (evaluation: {', '.join(EVALUATION_STRATEGIES)})"
+                                     if evaluation else "")
+        raise ValueError(f"unknown routing strategy {text!r}; {hint}")
     if name in ("oracle", "ensemble"):
         return Strategy(kind=name)
     if name.startswith("threshold:"):  # the grammar bounds it to (0, 1]
@@ -139,3 +150,21 @@ def mixture_weights(probs: np.ndarray, servable: np.ndarray, strategy: Strategy)
     dead = probs.sum(axis=1) <= 0
     probs[dead] = servable[dead] / servable[dead].sum(axis=1, keepdims=True)
     return routing_weights(probs, strategy)
+
+
+def random_weights(keys: np.ndarray, t: np.ndarray, servable: np.ndarray) -> np.ndarray:
+    """One-hot ``(B, K)``: per sample, one expert drawn uniformly among those serving its label.
+
+    ``keys`` ``(B, 2)`` are ``(seed, image index)``, ``t`` ``(B,)`` the times, ``servable``
+    ``(B, K)`` the label mask; each draw is a function of ``(seed, image index, t)`` alone, so a
+    sample's experts do not depend on its batch or driver.
+    """
+    keys = np.asarray(keys, dtype=np.int64)
+    ticks = np.asarray(t, dtype=np.float32).view(np.uint32)  # the exact time, as an integer
+    weights = np.zeros(servable.shape, np.float32)
+    for row, ((seed, index), tick) in enumerate(zip(keys, ticks)):
+        allowed = np.flatnonzero(servable[row])
+        entropy = [int(seed) & MASK_64, int(index) & MASK_64, int(tick)]
+        draw = np.random.default_rng(entropy).integers(allowed.size)
+        weights[row, allowed[draw]] = 1.0
+    return weights

@@ -12,22 +12,26 @@ import numpy as np
 from ddm.checkpoints.discovery import discover
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from ddm.convention import to_model_space
-from ddm.data import (Dataset, KMeansPartition, LabelPartition, classes_of, fit_kmeans,
-                      load_dataset, parse_label_groups, partition_from_dict)
+from ddm.data import (Dataset, check_partition_hash, classes_of, load_dataset, load_partition,
+                      partition_from_dict, partition_from_spec, partition_sha256)
 from ddm.models.config import RouterNetworkConfig, unet_config
 from ddm.objectives import NATIVE, Objective
 from ddm.training.config import TrainConfig
+from ddm.training.resume import SAVE_EVERY, Resumable, state_directory
 from ddm.training.torch_loop import ProgressFn
 
 
 def train_unet(kind: str, framework: str, data: str, model_config: str, train: TrainConfig,
                out: Path, name: str | None = None, device: str | None = None,
                partition: str | None = None, index: int | None = None,
-               progress: ProgressFn | None = None, objective: Objective = NATIVE) -> Path:
+               progress: ProgressFn | None = None, objective: Objective = NATIVE,
+               save_every: int = SAVE_EVERY, resume: bool = False) -> Path:
     """Train an expert (one part of ``partition``) or the monolith (all data) and save it.
 
     ``objective`` (see :func:`unet_objective`) is what the UNet learns to predict; the
-    checkpoint declares it so that loaders convert its outputs to our velocity.
+    checkpoint declares it so that loaders convert its outputs to our velocity. The training
+    state is saved every ``save_every`` steps beside ``out`` (``ddm.training.resume``);
+    ``resume`` continues it.
     """
     if kind not in ("expert", "monolith"):
         raise ValueError(f"unknown UNet kind {kind!r}")
@@ -36,7 +40,7 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
     if kind == "expert":
         if partition is None or index is None:
             raise ValueError("an expert needs --partition and --index")
-        scheme = make_partition(partition, dataset, seed=train.seed)
+        scheme = partition_from_spec(partition, dataset, seed=train.seed)
         if not 0 <= index < scheme.num_partitions:
             raise ValueError(f"--index {index} is outside the {scheme.num_partitions} parts "
                              f"of partition {partition!r}")
@@ -52,6 +56,10 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
         classes = tuple(int(c) for c in np.unique(dataset.labels))
 
     images, labels = to_model_space(subset.images), subset.labels
+    resumable = Resumable(state_directory(out), every=save_every, resume=resume, identity={
+        "kind": kind, "framework": framework, "config": model_config, "data": data,
+        "partition": partition_meta and [partition_meta["scheme"]["sha256"], index],
+        "objective": objective.to_dict(), "train": train.to_dict()})
     started = time.perf_counter()
     if framework == "torch":
         from ddm.models.torch_io import select_torch_device
@@ -59,14 +67,14 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
 
         resolved = select_torch_device(device)
         weights = train_torch_unet(config, train, images, labels, resolved, progress,
-                                   objective=objective)
+                                   objective=objective, resumable=resumable)
     elif framework == "jax":
         from ddm.models.flax_unet import select_jax_device
         from ddm.training.jax_expert import train_flax_unet
 
         resolved = select_jax_device(device)
         weights = train_flax_unet(config, train, images, labels, progress, device=resolved,
-                                  objective=objective)
+                                  objective=objective, resumable=resumable)
     else:
         raise ValueError(f"unknown framework {framework!r}; use torch or jax")
     meta = CheckpointMeta(
@@ -90,31 +98,33 @@ def unet_objective(prediction: str = "velocity", schedule: str = "linear",
     return Objective(prediction, schedule, time)
 
 
-def make_partition(spec: str, dataset: Dataset, seed: int) -> LabelPartition | KMeansPartition:
-    """``labels:0-4,5-9`` or ``kmeans:K`` (fitted on ``dataset``, deterministic in ``seed``)."""
-    method, _, arg = spec.partition(":")
-    if method == "labels" and arg:
-        return LabelPartition(parse_label_groups(arg))
-    if method == "kmeans" and arg.isdigit() and int(arg) >= 1:
-        return fit_kmeans(dataset.images, int(arg), seed)
-    raise ValueError(f"unknown partition {spec!r}; use 'labels:0-4,5-9' or 'kmeans:K'")
-
-
 def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path,
                          use_labels: bool = True, device: str | None = None,
-                         progress: ProgressFn | None = None) -> Path:
-    """Train a router for the experts in ``experts``, which must share one partition."""
+                         progress: ProgressFn | None = None, partition: str | None = None,
+                         save_every: int = SAVE_EVERY, resume: bool = False) -> Path:
+    """Train a router for the experts in ``experts``, which must share one partition (the
+    sha256 of its content); ``partition`` (``file:PATH``) must then be that one too."""
     from ddm.models.torch_io import select_torch_device
     from ddm.training.router import train_router
 
     metas = [load_checkpoint(p).meta for p in discover(experts).get("expert", [])]
     if not metas:
         raise CheckpointError(f"{experts} holds no expert checkpoints")
-    schemes = {repr(m.partition.get("scheme")) for m in metas if m.partition}
-    if len(schemes) != 1 or any(not m.partition for m in metas):
-        raise CheckpointError(f"the experts in {experts} do not share one partition; "
+    if any(not m.partition for m in metas):
+        raise CheckpointError(f"the experts in {experts} do not share one partition (some "
+                              "record none); a router is trained for experts of one partition")
+    hashes = {m.name: partition_sha256(m.partition["scheme"]) for m in metas}
+    if len(set(hashes.values())) != 1:
+        named = ", ".join(f"{name}: sha256 {sha}" for name, sha in sorted(hashes.items()))
+        raise CheckpointError(f"the experts in {experts} do not share one partition ({named}); "
                               "a router can only be trained for experts of the same partition")
     scheme = partition_from_dict(metas[0].partition["scheme"])
+    if partition is not None:
+        method, _, path = partition.partition(":")
+        if method != "file" or not path:
+            raise ValueError(f"a router's --partition is 'file:PATH', got {partition!r}")
+        check_partition_hash(load_partition(path).sha256, scheme.sha256,
+                             f"the experts in {experts}")
     indices = sorted(int(m.partition["index"]) for m in metas)
     if indices != list(range(scheme.num_partitions)):
         raise CheckpointError(f"{experts} holds experts for parts {indices} of a "
@@ -127,8 +137,11 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
     ids = scheme.assign(dataset.images, dataset.labels)
     resolved = select_torch_device(device)
     started = time.perf_counter()
+    resumable = Resumable(state_directory(out), every=save_every, resume=resume, identity={
+        "kind": "router", "experts": str(experts), "data": data, "partition": scheme.sha256,
+        "network": config.to_dict(), "train": train.to_dict()})
     weights = train_router(config, train, to_model_space(dataset.images), dataset.labels, ids,
-                           resolved, progress)
+                           resolved, progress, resumable)
     meta = CheckpointMeta(
         kind="router", name=out.name, architecture=config.to_dict(), framework="torch",
         classes=tuple(int(c) for c in np.unique(dataset.labels)),

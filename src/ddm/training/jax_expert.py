@@ -23,6 +23,7 @@ import functools
 import math
 from typing import Callable
 
+import flax.serialization
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,12 @@ from ddm.models.flax_unet import (FlaxUNet, Params, canonical_from_params, init_
                                   select_jax_device)
 from ddm.objectives import NATIVE, Objective, training_example
 from ddm.training.config import TrainConfig
+from ddm.training.resume import Resumable
 
 #: As ``ddm.training.torch_loop.PROGRESS_EVERY`` (not imported: this module must not need torch).
 PROGRESS_EVERY = 10
+#: The JAX trainer's state file (the whole ``TrainState``, Flax msgpack) in the state directory.
+JAX_STATE = "state.msgpack"
 
 class TrainState(flax.struct.PyTreeNode):
     """Everything one update reads and writes; ``step`` counts updates already applied."""
@@ -85,13 +89,15 @@ def objective_loss(params: Params, model: FlaxUNet, objective: Objective, x1: ja
 
 
 def train_step(state: TrainState, batch: tuple[jax.Array, jax.Array], rng: jax.Array, *,
-               model: FlaxUNet, optimizer: optax.GradientTransformation, ema_decay: float,
+               model: FlaxUNet, optimizer: optax.GradientTransformation, train: TrainConfig,
                objective: Objective = NATIVE) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One pure update on ``batch = (x1 (B, C, H, W), y (B,))``: AdamW step, then the EMA."""
+    """One pure update on ``batch = (x1 (B, C, H, W), y (B,))``: AdamW step, then the EMA
+    (decay ``train.ema_decay_at(state.step)``, the warm-up the PyTorch trainer follows)."""
     x1, y = batch
     loss, grads = jax.value_and_grad(objective_loss)(state.params, model, objective, x1, y, rng)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    ema_decay = train.ema_decay_at(state.step, xp=jnp)
     ema = jax.tree.map(lambda e, p: ema_decay * e + (1.0 - ema_decay) * p,
                        state.ema_params, params)
     new_state = TrainState(step=state.step + 1, params=params, ema_params=ema,
@@ -112,15 +118,18 @@ def _iteration(state: TrainState, images: jax.Array, labels: jax.Array, root_key
     batch_key, rng = jax.random.split(jax.random.fold_in(root_key, state.step))
     idx = jax.random.randint(batch_key, (train.batch_size,), 0, images.shape[0])
     return train_step(state, (images[idx], labels[idx]), rng, model=FlaxUNet(model_config),
-                      optimizer=make_optimizer(train), ema_decay=train.ema_decay,
+                      optimizer=make_optimizer(train), train=train,
                       objective=objective)
 
 
 def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.ndarray,
                     labels: np.ndarray, progress: Callable[[int, float], None] | None = None,
-                    *, device: jax.Device | None = None, objective: Objective = NATIVE
-                    ) -> dict[str, np.ndarray]:
+                    *, device: jax.Device | None = None, objective: Objective = NATIVE,
+                    resumable: Resumable | None = None) -> dict[str, np.ndarray]:
     """Train for ``train.steps`` updates; return the EMA parameters as canonical weights.
+
+    ``resumable`` saves the ``TrainState`` as it goes and continues a saved one (the step is
+    in the state; every key derives from it).
 
     ``images`` are ``(N, C, H, W)`` float32 in model space ``[-1, 1]``, ``labels`` ``(N,)`` ints
     in ``[0, num_classes)``; ``device`` (see :func:`select_jax_device`) defaults to JAX's.
@@ -136,10 +145,17 @@ def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.nda
         root_key = jax.random.PRNGKey(train.seed)
         data = jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32)
         compiled_train = dataclasses.replace(train, seed=0)
-        for step in range(train.steps):
+        saved = resumable.saved(JAX_STATE) if resumable is not None else None
+        if saved is not None:
+            state = jax.tree.map(jnp.asarray,
+                                 flax.serialization.from_bytes(state, saved.read_bytes()))
+        for step in range(int(state.step), train.steps):
             state, metrics = _iteration(state, *data, root_key, model_config=model_config,
                                         train=compiled_train, objective=objective)
             done = step + 1
+            if resumable is not None and resumable.due(done, train.steps):
+                content = flax.serialization.to_bytes(state)
+                resumable.save(JAX_STATE, done, lambda path: path.write_bytes(content))
             if progress is not None and (done % PROGRESS_EVERY == 0 or done == train.steps):
                 progress(done, float(metrics["loss"]))
     return canonical_from_params(state.ema_params, model_config)

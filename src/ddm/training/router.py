@@ -9,13 +9,15 @@ from torch.nn import functional as F
 from ddm.models.config import RouterNetworkConfig
 from ddm.models.router_net import RouterNet
 from ddm.training.config import TrainConfig
+from ddm.training.resume import Resumable
 from ddm.training.torch_loop import ProgressFn, noisy_batch, optimise, prepare
 
 
 def train_router(network_config: RouterNetworkConfig, train: TrainConfig, images: np.ndarray,
                  labels: np.ndarray, partition_ids: np.ndarray,
                  device: torch.device | None = None,
-                 progress: ProgressFn | None = None) -> dict[str, np.ndarray]:
+                 progress: ProgressFn | None = None,
+                 resumable: Resumable | None = None) -> dict[str, np.ndarray]:
     """Learn ``p(k | x_t, t, y)``; ``partition_ids`` ``(N,)`` names each image's expert.
 
     Noisy inputs are made exactly as for the experts (``ddm.convention``), so the router is
@@ -37,5 +39,5 @@ def train_router(network_config: RouterNetworkConfig, train: TrainConfig, images
                        torch.from_numpy(labels[rows]).to(device))
         return F.cross_entropy(logits, torch.from_numpy(ids[rows]).to(device))
 
-    optimise(model, train, loss_at, progress, ema)
+    optimise(model, train, loss_at, progress, ema, resumable)
     return ema.weights()

@@ -9,18 +9,20 @@ from ddm.models.config import UNetConfig
 from ddm.models.torch_unet import UNet
 from ddm.objectives import NATIVE, Objective
 from ddm.training.config import TrainConfig
+from ddm.training.resume import Resumable
 from ddm.training.torch_loop import ProgressFn, expert_batch, optimise, prepare
 
 
 def train_torch_unet(model_config: UNetConfig, train: TrainConfig, images: np.ndarray,
                      labels: np.ndarray, device: torch.device | None = None,
-                     progress: ProgressFn | None = None, objective: Objective = NATIVE
-                     ) -> dict[str, np.ndarray]:
+                     progress: ProgressFn | None = None, objective: Objective = NATIVE,
+                     resumable: Resumable | None = None) -> dict[str, np.ndarray]:
     """Fit ``objective``'s target (our ``v(x_t, t, y) ~ x1 - x0`` by default); EMA weights.
 
     ``images`` are ``(N, C, H, W)`` float32 in model space, ``labels`` ``(N,)`` int.
     Each step draws its batch (with replacement), times and noise from ``(seed, step)``;
     ``ddm.objectives.training_example`` turns them into the network's input, time and target.
+    ``resumable`` saves the training state as it goes and continues a saved one.
     """
     torch.manual_seed(train.seed)
     model, ema, device = prepare(UNet(model_config), train, device)
@@ -34,5 +36,5 @@ def train_torch_unet(model_config: UNetConfig, train: TrainConfig, images: np.nd
                      torch.from_numpy(labels[rows]).to(device))
         return torch.mean((pred - torch.from_numpy(example.target).to(device)) ** 2)
 
-    optimise(model, train, loss_at, progress, ema)
+    optimise(model, train, loss_at, progress, ema, resumable)
     return ema.weights()

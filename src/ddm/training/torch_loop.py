@@ -11,6 +11,10 @@ from torch import nn
 from ddm.convention import PathSample, sample_path
 from ddm.objectives import Objective, TrainingExample, training_example
 from ddm.training.config import TrainConfig
+from ddm.training.resume import Resumable
+
+#: The PyTorch trainers' state file in ``Resumable.directory``.
+TORCH_STATE = "state.pt"
 
 #: ``progress(step, loss)``; trainers call it every ``PROGRESS_EVERY`` steps and at the end.
 ProgressFn = Callable[[int, float], None]
@@ -51,7 +55,7 @@ def prepare(model: nn.Module, train: TrainConfig, device: torch.device | None
     """Seeded initialisation happens before this; moves ``model`` and starts its EMA."""
     device = device or torch.device("cpu")
     model = model.to(device)
-    return model, EMA(model, train.ema_decay), device
+    return model, EMA(model, train), device
 
 
 def make_optimizer(model: nn.Module, train: TrainConfig
@@ -65,17 +69,20 @@ def make_optimizer(model: nn.Module, train: TrainConfig
 
 
 class EMA:
-    """Exponential moving average of a model's parameters (buffers are copied as they are)."""
+    """Exponential moving average of a model's parameters (buffers are copied as they are),
+    with ``TrainConfig.ema_decay_at``'s warm-up."""
 
-    def __init__(self, model: nn.Module, decay: float) -> None:
-        self.decay = decay
+    def __init__(self, model: nn.Module, train: TrainConfig) -> None:
+        self.train = train
         self.shadow = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module, step: int) -> None:
+        """Fold in ``model`` after update ``step`` (0-based)."""
+        decay = float(self.train.ema_decay_at(step))
         for k, v in model.state_dict().items():
             if v.dtype.is_floating_point:
-                self.shadow[k].mul_(self.decay).add_(v.float(), alpha=1.0 - self.decay)
+                self.shadow[k].mul_(decay).add_(v.float(), alpha=1.0 - decay)
             else:
                 self.shadow[k].copy_(v)
 
@@ -84,11 +91,14 @@ class EMA:
 
 
 def optimise(model: nn.Module, train: TrainConfig, loss_at: Callable[[int], torch.Tensor],
-             progress: ProgressFn | None = None, ema: EMA | None = None) -> None:
-    """Run ``train.steps`` updates of ``loss_at(step)`` with clipping, schedule and EMA."""
+             progress: ProgressFn | None = None, ema: EMA | None = None,
+             resumable: Resumable | None = None) -> None:
+    """Run ``train.steps`` updates of ``loss_at(step)`` with clipping, schedule and EMA,
+    continuing ``resumable``'s saved state when there is one and saving it as it goes."""
     opt, sched = make_optimizer(model, train)
+    start = _restore(resumable, model, opt, sched, ema) if resumable is not None else 0
     model.train()
-    for step in range(train.steps):
+    for step in range(start, train.steps):
         loss = loss_at(step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -96,7 +106,31 @@ def optimise(model: nn.Module, train: TrainConfig, loss_at: Callable[[int], torc
         opt.step()
         sched.step()
         if ema is not None:
-            ema.update(model)
-        if progress is not None and ((step + 1) % PROGRESS_EVERY == 0 or step + 1 == train.steps):
-            progress(step + 1, float(loss.detach()))
+            ema.update(model, step)
+        done = step + 1
+        if resumable is not None and resumable.due(done, train.steps):
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                     "scheduler": sched.state_dict(), "step": done,
+                     "torch_rng": torch.get_rng_state(),
+                     "ema": ema.shadow if ema is not None else {}}
+            resumable.save(TORCH_STATE, done, lambda path: torch.save(state, path))
+        if progress is not None and (done % PROGRESS_EVERY == 0 or done == train.steps):
+            progress(done, float(loss.detach()))
     model.eval()
+
+
+def _restore(resumable: Resumable, model: nn.Module, opt: torch.optim.Optimizer,
+             sched: torch.optim.lr_scheduler.LambdaLR, ema: EMA | None) -> int:
+    """Load the saved state into the live objects; the step to continue from (0: none)."""
+    path = resumable.saved(TORCH_STATE)
+    if path is None:
+        return 0
+    device = next(model.parameters()).device
+    state = torch.load(path, map_location=device, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    if ema is not None:
+        ema.shadow = {k: v.to(device) for k, v in state["ema"].items()}
+    return int(state["step"])

@@ -51,6 +51,11 @@ class GenerateResponse(BaseModel):
     images: list[str] = Field(description="base64 PNGs, grayscale, one per label")
     labels: list[int]
     experts: list[list[str]] = Field(description="the experts each image used, in any step")
+    expert_names: list[str] = Field(description="the DDM's experts; bit k of routing is the "
+                                                "k-th of them")
+    routing: list[list[int]] = Field(description="per image, per step, the experts that ran "
+                                                 "it: bit k set for expert_names[k] (top-1: a "
+                                                 "power of two; 3 = experts 0 and 1)")
     expert_calls: list[int] = Field(description="expert evaluations per image")
     round_trips: list[int] = Field(description="HTTP requests to experts per image")
     steps: int
@@ -75,7 +80,8 @@ _INT, _STR, _NAMES = {"type": "integer"}, {"type": "string"}, {"type": "array", 
 STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
     _event("step", {"step": _INT, "steps": _INT, "t": {"type": "number"}, "image": _STR,
                     "experts": _NAMES, "delegated": {"type": "boolean"}, "round_trips": _INT}),
-    _event("done", {"image": _STR, "label": _INT, "experts": _NAMES, "expert_calls": _INT,
+    _event("done", {"image": _STR, "label": _INT, "experts": _NAMES, "expert_names": _NAMES,
+                    "routing": {"type": "array", "items": _INT}, "expert_calls": _INT,
                     "round_trips": _INT, "steps": _INT, "strategy": _STR, "solver": _STR,
                     "delegate_steps": _INT, "seconds": {"type": "number"}}),
     _event("failure", {"status": _INT, "detail": _STR, "expert": _STR})]}

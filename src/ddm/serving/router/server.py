@@ -135,6 +135,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             result = await generate_remote(mixture, router.pool, request)
         return {"images": [_png(image) for image in result.images],
                 "labels": result.labels.tolist(), "experts": result.experts_used(),
+                "expert_names": list(mixture.expert_names),
+                "routing": result.usage.step_masks(request.steps).tolist(),
                 "expert_calls": result.expert_calls.tolist(),
                 "round_trips": result.round_trips.tolist(), **echo(request),
                 "seconds": round(time.perf_counter() - started, 6)}
@@ -266,6 +268,8 @@ async def _events(router: RouterState, mixture: RemoteMixture, request: Sampling
         result = tally.result()
         yield _sse("done", {"image": _png(result.images[0]), "label": int(result.labels[0]),
                             "experts": result.experts_used()[0],
+                            "expert_names": list(mixture.expert_names),
+                            "routing": result.usage.step_masks(request.steps)[0].tolist(),
                             "expert_calls": int(result.expert_calls[0]),
                             "round_trips": int(result.round_trips[0]), **echo(request),
                             "seconds": round(time.perf_counter() - started, 6)})

@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta
 from ddm.convention import CONVENTION_NAME
+from ddm.data.partition import PartitionMismatchError, check_partition_hash, partition_sha256
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
@@ -203,18 +204,32 @@ def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo |
         if trained_on is None:  # oracle only, or a network that records no partition
             continue
         partition = info.partition or {}
-        if partition.get("scheme") is None or "index" not in partition:
+        found_sha = _sha256(partition.get("scheme"))
+        if found_sha is None or "index" not in partition:
             found.append(f"expert {name} records no partition, so nothing says it is the router "
                          f"network's output {position} ({_scheme(trained_on)})")
-        elif partition["scheme"] != trained_on:
-            found.append(f"expert {name} was trained on another partition "
-                         f"({_scheme(partition['scheme'])}) than the router network "
-                         f"({_scheme(trained_on)})")
-        elif partition["index"] != position:
+            continue
+        try:
+            check_partition_hash(_sha256(trained_on) or "unreadable", found_sha,
+                                 f"expert {name} ({_scheme(partition['scheme'])})")
+        except PartitionMismatchError as exc:
+            found.append(f"{exc} (the router network's: {_scheme(trained_on)})")
+            continue
+        if partition["index"] != position:
             found.append(f"expert {name} is part {partition['index']} of the router network's "
                          f"partition, but the router config lists it at position {position}: "
                          "list the experts in partition order")
     return found
+
+
+def _sha256(scheme: Any) -> str | None:
+    """The sha256 of a recorded partition's content; None when nothing usable is recorded."""
+    if not isinstance(scheme, Mapping):
+        return None
+    try:
+        return partition_sha256(scheme)
+    except (TypeError, ValueError):
+        return None
 
 
 def _scheme(scheme: Any) -> str:

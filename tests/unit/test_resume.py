@@ -1,0 +1,72 @@
+"""Long runs resume from their last saved state and end where an uninterrupted run ends.
+
+Bit-identical, not merely close: every batch, time and noise draw is a function of
+``(seed, step)``, and the saved state (float32 weights, EMA, optimiser moments, step) is exact,
+so the resumed run repeats the very same floating-point operations on the same machine.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from ddm.checkpoints.format import load_checkpoint
+from ddm.cli import EXIT_INTERRUPTED, main
+from ddm.training.resume import state_directory
+
+STEPS = 30
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train(out, *extra, framework="torch", kind="expert"):
+    argv = ["train", kind, "--config", "smoke", "--framework", framework, "--steps", STEPS,
+            "--batch-size", 8, "--save-every", 7, "--seed", 3, "--out", out, "--quiet", *extra]
+    if kind == "expert":
+        argv += ["--partition", "labels:0-4,5-9", "--index", 1]
+    return main([str(a) for a in argv])
+
+
+def _interrupt_at(step: int, monkeypatch) -> None:
+    """Interrupt from inside the trainer's progress callback once it reports ``step``."""
+    import ddm.cli
+
+    def progress(args, total, what):
+        def update(done, loss):
+            if done >= step:
+                raise KeyboardInterrupt  # what Ctrl-C raises in the middle of training
+        return update
+
+    monkeypatch.setattr(ddm.cli, "_progress", progress)
+
+
+@pytest.mark.parametrize("framework,kind", [("torch", "expert"), ("jax", "expert"),
+                                            ("torch", "monolith")])
+def test_an_interrupted_run_resumed_ends_bit_identical(tmp_path, monkeypatch, framework, kind):
+    assert _train(tmp_path / "whole", framework=framework, kind=kind) == 0
+    with monkeypatch.context() as patch:
+        _interrupt_at(20, patch)  # saved at 7 and 14: steps 15 to 20 are lost and redone
+        assert _train(tmp_path / "cut", framework=framework, kind=kind) == EXIT_INTERRUPTED
+    assert not (tmp_path / "cut").exists()
+    assert (state_directory(tmp_path / "cut") / "identity.json").exists()
+    assert _train(tmp_path / "cut", "--resume", framework=framework, kind=kind) == 0
+    whole, cut = (load_checkpoint(tmp_path / n).weights for n in ("whole", "cut"))
+    assert whole.keys() == cut.keys()
+    assert all(np.array_equal(whole[k], cut[k]) for k in whole)
+
+
+def test_a_saved_state_is_neither_overwritten_nor_continued_by_another_run(tmp_path, capsys,
+                                                                           monkeypatch):
+    with monkeypatch.context() as patch:
+        _interrupt_at(10, patch)
+        assert _train(tmp_path / "e") == EXIT_INTERRUPTED
+    assert _train(tmp_path / "e") == 2
+    assert "holds a training state at step 7: pass --resume" in capsys.readouterr().err
+    assert _train(tmp_path / "e", "--resume", "--lr", "0.01") == 2
+    assert "was made for another run (differs in: train)" in capsys.readouterr().err
+    assert not (tmp_path / "e").exists()
