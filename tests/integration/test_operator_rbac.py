@@ -87,7 +87,7 @@ def test_the_operator_uses_exactly_the_verbs_the_chart_grants(
         "DDM_WATCH_NAMESPACES": ns, "DDM_ROUTER_AUTH": "true", "DDM_NETWORK_POLICY": "false"})
     operator.start()
     try:
-        wait_for(lambda: cluster.get("NetworkPolicy", ns, "audited-experts") is None, 30,
+        wait_for(lambda: cluster.get("NetworkPolicy", ns, "audited-experts") is None, 60,
                  f"the NetworkPolicies to go\n{operator.log_tail()}")
     finally:
         operator.stop()
@@ -105,7 +105,7 @@ def _status(cluster: Cluster, ns: str, name: str, generation: int, operator: Ope
     def current() -> dict | None:
         status = cluster.ddm(ns, name).get("status") or {}
         return status if status.get("observedGeneration") == generation else None
-    return wait_for(current, 30, f"the status of generation {generation}\n{operator.log_tail()}")
+    return wait_for(current, 60, f"the status of generation {generation}\n{operator.log_tail()}")
 
 
 def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
@@ -114,19 +114,19 @@ def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     spec["experts"][0]["checkpoint"] = {"uri": "s3://models/e0?X-Amz-Signature=s"}
     cluster.create_ddm(ns, "audited", spec)
     _status(cluster, ns, "audited", 1, operator)
-    wait_for(lambda: cluster.get("Secret", ns, "audited-router-token"), 30, "the token")
+    wait_for(lambda: cluster.get("Secret", ns, "audited-router-token"), 60, "the token")
     # a new URI (the URIs' Secret is patched) and an expert fewer (its children deleted)
     changed = copy.deepcopy(spec)
     changed["experts"][0]["checkpoint"]["uri"] = "s3://models/e0-v2"
     changed["experts"][1]["classes"] += changed["experts"].pop(2)["classes"]
     cluster.patch_ddm_spec(ns, "audited", changed)
-    wait_for(lambda: cluster.get("Deployment", ns, "audited-expert-e2") is None, 30,
+    wait_for(lambda: cluster.get("Deployment", ns, "audited-expert-e2") is None, 60,
              f"the removed expert's Deployment to go\n{operator.log_tail()}")
     # a child edited by hand is restored
     cluster.core.patch_namespaced_config_map("audited-router-config", ns,
                                              {"data": {"router.yaml": "edited: true\n"}})
     wait_for(lambda: "edited" not in cluster.get("ConfigMap", ns, "audited-router-config")[
-        "data"]["router.yaml"], 30, "the ConfigMap to be restored")
+        "data"]["router.yaml"], 60, "the ConfigMap to be restored")
     # a planted token Secret, and an invalid spec
     cluster.core.create_namespaced_secret(ns, {"metadata": {"name": "planted-router-token"},
                                                "stringData": {"token": "known"}})
@@ -137,4 +137,4 @@ def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     cluster.create_ddm(ns, "invalid", invalid)
     assert _status(cluster, ns, "invalid", 1, operator)["phase"] == "Invalid"
     wait_for(lambda: {"Created", "Deleted", "Restored"} <= {
-        e["reason"] for e in cluster.events(ns, "audited")}, 30, "the events")
+        e["reason"] for e in cluster.events(ns, "audited")}, 60, "the events")

@@ -60,7 +60,7 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
     invalid["experts"][0]["checkpoint"] = {"uri": SIGNED.replace("https:", "http:")}
     cluster.create_ddm(ns, "refused", invalid)
 
-    pod = wait_for(lambda: (cluster.list("Pod", ns, "ddm.dev/expert=a") or [None])[0], 30,
+    pod = wait_for(lambda: (cluster.list("Pod", ns, "ddm.dev/expert=a") or [None])[0], 60,
                    "the fetching expert's pod")
     (fetch,) = pod["spec"]["initContainers"]
     assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
@@ -69,13 +69,13 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
     secret = cluster.get("Secret", ns, "signed-checkpoints")
     assert base64.b64decode(secret["data"]["expert-a"]).decode() == SIGNED
     refused = wait_for(lambda: (cluster.ddm(ns, "refused").get("status") or {}).get(
-        "conditions"), 30, "the refused DDM's status")
+        "conditions"), 60, "the refused DDM's status")
     (valid,) = [c for c in refused if c["type"] == "SpecValid"]
     assert valid["status"] == "False"
     assert "'http://store.example/ddm/a.tar.gz': plain http is refused" in valid["message"]
     wait_for(lambda: any(e["reason"] == "InvalidSpec" for e in cluster.events(ns, "refused")),
-             30, "the InvalidSpec event")
-    wait_for(lambda: (cluster.ddm(ns, "signed").get("status") or {}).get("phase"), 30,
+             60, "the InvalidSpec event")
+    wait_for(lambda: (cluster.ddm(ns, "signed").get("status") or {}).get("phase"), 60,
              "the status")
 
     for name in ("signed", "refused"):
@@ -87,7 +87,7 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
     spec["experts"][0]["checkpoint"]["uri"] = SIGNED.replace(SIGNATURE, SIGNATURE[::-1])
     cluster.patch_ddm_spec(ns, "signed", spec)
     wait_for(lambda: base64.b64decode(cluster.get("Secret", ns, "signed-checkpoints")["data"][
-        "expert-a"]).decode().endswith(SIGNATURE[::-1]), 30, "the Secret's new URI")
+        "expert-a"]).decode().endswith(SIGNATURE[::-1]), 60, "the Secret's new URI")
     after = cluster.get("Deployment", ns, "signed-expert-a")["spec"]["template"]
     assert after["metadata"]["annotations"] != before["metadata"]["annotations"]
     assert SIGNATURE[::-1] not in _everything_but_the_secret(cluster, ns, "signed")
@@ -107,12 +107,12 @@ def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace:
     def refused() -> dict | None:
         status = cluster.ddm(ns, "planted").get("status") or {}
         return status if status.get("phase") == "Failed" else None
-    status = wait_for(refused, 30, "the status to refuse the planted Secret")
+    status = wait_for(refused, 60, "the status to refuse the planted Secret")
     (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
     assert "Secret planted-router-token exists but the operator did not create it" in \
         ready["message"]
     assert "routerTokenSecret" not in status
-    wait_for(lambda: cluster.get("Deployment", ns, "planted-expert-a"), 30, "the experts")
+    wait_for(lambda: cluster.get("Deployment", ns, "planted-expert-a"), 60, "the experts")
     assert cluster.get("Deployment", ns, "planted-router") is None  # nothing reads the token
     planted = cluster.get("Secret", ns, "planted-router-token")
     assert base64.b64decode(planted["data"]["token"]) == b"known-to-the-attacker"
@@ -123,14 +123,14 @@ def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace:
     spec["router"]["replicas"] = 2  # a change, so the operator reconciles now
     cluster.patch_ddm_spec(ns, "planted", spec)
     wait_for(lambda: (cluster.get("Deployment", ns, "planted-router") or {}).get(
-        "spec", {}).get("replicas") == 2, 30, "the router once the planted Secret is gone")
+        "spec", {}).get("replicas") == 2, 60, "the router once the planted Secret is gone")
     ours = cluster.get("Secret", ns, "planted-router-token")
     assert base64.b64decode(ours["data"]["token"]) != b"known-to-the-attacker"
     owner = cluster.ddm(ns, "planted")
     (ref,) = ours["metadata"]["ownerReferences"]
     assert (ref["uid"], ref["controller"]) == (owner["metadata"]["uid"], True)
     status = wait_for(lambda: (cluster.ddm(ns, "planted").get("status") or {}).get(
-        "routerTokenSecret"), 30, "the status to name the operator's Secret")
+        "routerTokenSecret"), 60, "the status to name the operator's Secret")
     assert status == "planted-router-token"
     # What the operator's ownership check gets back: metadata only, never the token.
     tests = ownership_tests(owner["metadata"])
@@ -162,7 +162,7 @@ def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespa
             status = cluster.ddm(ns, name).get("status") or {}
             found = [c for c in status.get("conditions", []) if c["type"] == kind]
             return found[0] if found else None
-        valid = wait_for(lambda: condition("outside", "SpecValid"), 30, "the refusal")
+        valid = wait_for(lambda: condition("outside", "SpecValid"), 60, "the refusal")
         assert valid["status"] == "False"
         assert valid["message"] == (
             "spec.experts[1].image: 'evil.example/miner:1' is not among the images this "
@@ -170,7 +170,7 @@ def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespa
             "spec.experts[2].checkpoint.uri: 's3://elsewhere/c' is not among the checkpoint "
             "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image:///models/)")
         assert cluster.children(ns, "outside") == {}
-        assert wait_for(lambda: condition("inside", "SpecValid"), 30, "the other DDM's status"
+        assert wait_for(lambda: condition("inside", "SpecValid"), 60, "the other DDM's status"
                         )["status"] == "True"
     finally:
         running.restart(DEFAULT_CONFIG)
