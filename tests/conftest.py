@@ -26,6 +26,8 @@ import pytest
 
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
 from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
+from ddm.devcluster.components import Layout
+from ddm.devcluster.processes import log_tail
 from ddm.models.config import UNET_CONFIGS
 
 #: The classes the smoke experts serve (of the smoke config's 10).
@@ -67,6 +69,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "dev_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+
+
+#: The logs a failed test on a dev cluster reports (those of the real node, when it has one).
+NODE_LOGS = ("kubelet", "containerd", "kube-proxy", "cluster-dns")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[pytest.TestReport]:
+    """A failed test that used a dev cluster reports its real node's logs: the cluster's
+    temporary directory may be gone by the time someone looks."""
+    report = yield
+    if report.failed and report.when == "call":
+        clusters = [v for v in getattr(item, "funcargs", {}).values()
+                    if isinstance(v, ClusterInfo)]
+        for info in dict.fromkeys(clusters):
+            for component in NODE_LOGS:
+                log = Layout(info.state_dir).log_file(component)
+                if log.is_file():
+                    report.sections.append((f"{component} log ({log})", log_tail(log, 40)))
+    return report
 
 
 @pytest.fixture(scope="session")
