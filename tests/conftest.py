@@ -11,7 +11,8 @@ with fake nodes only (tests/e2e/conftest.py makes the one with a real node).
 cached in ``$DDM_KUBE_CACHE``; ``DDM_DEV_CLUSTER_BUILD=0`` forbids building), starts a fresh
 cluster in a temporary directory and always stops it. Without binaries it skips, except
 under CI (``CI`` set), where it fails. Tests that use it are marked ``cluster``
-(``pytest -m "not cluster"`` leaves them out).
+(``pytest -m "not cluster"`` leaves them out). A failed test that used a dev cluster reports
+the tails of its real node's logs.
 """
 
 from __future__ import annotations
