@@ -11,7 +11,8 @@ with fake nodes only (tests/e2e/conftest.py makes the one with a real node).
 cached in ``$DDM_KUBE_CACHE``; ``DDM_DEV_CLUSTER_BUILD=0`` forbids building), starts a fresh
 cluster in a temporary directory and always stops it. Without binaries it skips, except
 under CI (``CI`` set), where it fails. Tests that use it are marked ``cluster``
-(``pytest -m "not cluster"`` leaves them out).
+(``pytest -m "not cluster"`` leaves them out). A failed test that used a dev cluster reports
+the tails of its real node's logs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import pytest
 
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
 from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
+from ddm.devcluster.components import Layout
+from ddm.devcluster.processes import log_tail
 from ddm.models.config import UNET_CONFIGS
 
 #: The classes the smoke experts serve (of the smoke config's 10).
@@ -67,6 +70,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "dev_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+
+
+#: The logs a failed test on a dev cluster reports (those of the real node, when it has one).
+NODE_LOGS = ("kubelet", "containerd", "kube-proxy", "cluster-dns")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Iterator[pytest.TestReport]:
+    """A failed test that used a dev cluster reports its real node's logs: the cluster's
+    temporary directory may be gone by the time someone looks."""
+    report = yield
+    if report.failed and report.when == "call":
+        clusters = [v for v in getattr(item, "funcargs", {}).values()
+                    if isinstance(v, ClusterInfo)]
+        for info in dict.fromkeys(clusters):
+            for component in NODE_LOGS:
+                log = Layout(info.state_dir).log_file(component)
+                if log.is_file():
+                    report.sections.append((f"{component} log ({log})", log_tail(log, 40)))
+    return report
 
 
 @pytest.fixture(scope="session")

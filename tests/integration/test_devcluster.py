@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -326,7 +326,7 @@ def host_state() -> dict[str, Any]:
     """What the real node must leave as it found it: sysctls, iptables rules, default paths."""
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
     return {
-        "sysctls": {k: Path("/proc/sys", k).read_text() for k in HOST_SYSCTLS
+        "sysctls": {k: Path("/proc/sys", k).read_text().strip() for k in HOST_SYSCTLS
                     if Path("/proc/sys", k).exists()},
         "iptables": [re.sub(r"\[\d+:\d+\]", "", line) for line in rules.splitlines()
                      if not line.startswith("#")],
@@ -334,26 +334,55 @@ def host_state() -> dict[str, Any]:
     }
 
 
+def host_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What differs between two `host_state` snapshots, one line per change."""
+    changes = []
+    for name in sorted(before["sysctls"].keys() | after["sysctls"].keys()):
+        was, now = before["sysctls"].get(name), after["sysctls"].get(name)
+        if was != now:
+            changes.append(f"sysctl {name}: {was} -> {now}")
+    changes += [f"iptables rule removed: {line}" for line in before["iptables"]
+                if line not in after["iptables"]]
+    changes += [f"iptables rule added: {line}" for line in after["iptables"]
+                if line not in before["iptables"]]
+    changes += [f"{path} {'appeared' if after['paths'][path] else 'vanished'}"
+                for path in NODE_DEFAULT_PATHS if before["paths"][path] != after["paths"][path]]
+    return changes
+
+
 @pytest.fixture
-def real_node_cluster(tmp_path: Path) -> Any:
-    """A second dev cluster, with a real node and no fake nodes (only the pause image)."""
+def host_before() -> dict[str, Any]:
+    """The host's state before the real node starts."""
     if os.geteuid() != 0 or shutil.which("iptables-save") is None:
         message = "the real node needs root and Debian's iptables, containerd, buildah"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    before = host_state()
-    info = up(tmp_path / "cluster", nodes=(), real_node=True,
+    return host_state()
+
+
+#: A state directory deeper than any a test's temporary directory gets: the node keeps its unix
+#: sockets out of it (a socket's path may not exceed 107 bytes; the kubelet died at start when
+#: its pod-resources socket was under a pytest temporary directory).
+DEEP = "a-state-directory-deeper-than-a-unix-socket-path-may-be/" * 2
+
+
+@pytest.fixture
+def real_node_cluster(tmp_path: Path, host_before: dict[str, Any]) -> Iterator[ClusterInfo]:
+    """A second dev cluster, with a real node and no fake nodes (only the pause image)."""
+    state_dir = tmp_path / DEEP / "cluster"
+    info = up(state_dir, nodes=(), real_node=True,
               allow_build=os.environ.get("DDM_DEV_CLUSTER_BUILD") != "0")
     try:
-        yield info, before
+        yield info
     finally:
-        down(tmp_path / "cluster")
+        down(state_dir)
 
 
 def test_the_real_node_is_ready_on_containerd_and_leaves_the_host_as_it_was(
-        real_node_cluster: Any) -> None:
-    info, before = real_node_cluster
+        real_node_cluster: ClusterInfo, host_before: dict[str, Any]) -> None:
+    info = real_node_cluster
+    assert len(str(info.state_dir)) > 108
     node = info.api().request("GET", "/api/v1/nodes/ddm-real-0")
     assert {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"] == "True"
     assert node["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://")
@@ -366,8 +395,11 @@ def test_the_real_node_is_ready_on_containerd_and_leaves_the_host_as_it_was(
         0, [network.kubernetes_service_ip])
     assert dns_query(network.host_ip, "nothing.default.svc.cluster.local")[0] == 3  # NXDOMAIN
     assert dns_query(network.host_ip, "example.com")[0] == 5  # REFUSED: no upstream
-    assert host_state() == before  # while it runs
+    changes = host_changes(host_before, host_state())
+    assert not changes, "changed on the host while the node runs:\n" + "\n".join(changes)
     down(info.state_dir)
-    assert host_state() == before
+    changes = host_changes(host_before, host_state())
+    assert not changes, "changed on the host after down:\n" + "\n".join(changes)
     assert host_footprint(network) == []
-    assert str(info.state_dir) not in Path("/proc/self/mountinfo").read_text()
+    assert [line for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if str(info.state_dir) in line] == []

@@ -9,7 +9,8 @@ default ``~/.cache/ddm/images``), so that a second build reuses every unchanged 
   Dockerfiles take their base as the ``PYTHON_IMAGE`` build argument);
 * the project's images: ``images/cpu/Dockerfile`` (and ``Dockerfile.cuda`` on request) with
   ``buildah bud --layers --network host``. Host networking keeps buildah from enabling the
-  host's ip_forward and adding iptables chains. pip inside a RUN step sees the host's CA
+  host's ip_forward and adding iptables chains, and its network configuration directory is in
+  the cache too (not ``/etc/cni``). pip inside a RUN step sees the host's CA
   bundle and the host's pip configuration (index, extra indexes, wheelhouse), mounted
   read-only, so the build installs what the host's pip would.
 
@@ -85,14 +86,19 @@ def repository_root() -> Path:
 
 
 def _buildah_env(cache: Path) -> dict[str, str]:
-    """buildah's storage (layers, images) and temporary files, all under ``cache``."""
-    conf = cache / "storage.conf"
-    if not conf.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        conf.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{cache / "storage"}"\n'
-                        f'runroot = "{cache / "run"}"\n')
+    """buildah's storage (layers, images), network configuration and temporary files, all
+    under ``cache``: left to its defaults, buildah makes ``/etc/cni/net.d`` (with a lock file)
+    on the host at its first ``from`` or ``bud``, even with host networking."""
+    storage, containers = cache / "storage.conf", cache / "containers.conf"
+    cache.mkdir(parents=True, exist_ok=True)
+    if not storage.is_file():
+        storage.write_text(f'[storage]\ndriver = "overlay"\ngraphroot = "{cache / "storage"}"\n'
+                           f'runroot = "{cache / "run"}"\n')
+    if not containers.is_file():
+        containers.write_text(f'[network]\nnetwork_config_dir = "{cache / "cni"}"\n')
     (cache / "tmp").mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "CONTAINERS_STORAGE_CONF": str(conf), "TMPDIR": str(cache / "tmp")}
+    return {**os.environ, "CONTAINERS_STORAGE_CONF": str(storage),
+            "CONTAINERS_CONF": str(containers), "TMPDIR": str(cache / "tmp")}
 
 
 def _run(cmd: Sequence[str], log: Log, *, env: dict[str, str], quiet: bool = False,
@@ -247,7 +253,8 @@ def oci_archive(name: str, cache: Path, log: Log) -> Path:
     archive = cache / "archives" / f"{image_id(name, cache)[:20]}.oci.tar"
     if not archive.is_file():
         archive.parent.mkdir(parents=True, exist_ok=True)
-        partial = archive.with_name(archive.name + ".partial")
+        # Per process: two clusters starting at once may both export the same image.
+        partial = archive.with_name(f"{archive.name}.{os.getpid()}.partial")
         partial.unlink(missing_ok=True)
         _run(["buildah", "push", "-q", "--disable-compression", name,
               f"oci-archive:{partial}:{name}"], log, env=env, quiet=True)

@@ -10,6 +10,7 @@ never killed.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,13 +94,26 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
+# How a Go component's death starts in its log: klog's Fatal (``F1123 20:20:19.005095 ...``),
+# which then dumps every goroutine's stack, or the runtime's own panic or fatal error.
+_FATAL = re.compile(r"^(F\d{4} \d|panic: |fatal error: )")
+
+
 def log_tail(log_file: Path, lines: int = 25) -> str:
-    """The last ``lines`` lines of a component's log, for error messages."""
+    """The last ``lines`` lines of a component's log, for error messages.
+
+    When the log has a fatal error, the lines up to it: the goroutine dump after it would
+    fill the tail and hide why the component died.
+    """
     try:
-        text = log_file.read_text(errors="replace")
+        text = log_file.read_text(errors="replace").splitlines()
     except OSError:
         return "(no log)"
-    return "\n".join(text.splitlines()[-lines:])
+    fatal = next((i for i, line in enumerate(text) if _FATAL.match(line)), None)
+    if fatal is None:
+        return "\n".join(text[-lines:])
+    shown = text[max(0, fatal + 1 - lines):fatal + 1]
+    return "\n".join([*shown, f"(then {len(text) - fatal - 1} lines of stack dump in {log_file})"])
 
 
 class StartupError(RuntimeError):

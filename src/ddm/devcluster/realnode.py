@@ -27,7 +27,12 @@ Choices that matter:
   the same bridge through a cluster IP then gets the reply back through the node, without the
   host's ``br_netfilter`` settings;
 * the kubelet's API allows any caller (``--authorization-mode=AlwaysAllow``); it listens on the
-  node's address, which only the host can reach.
+  node's address, which only the host can reach;
+* the kubelet's root directory is ``/var/lib/kubelet`` as the node sees it (the node's private
+  ``/var/lib``, under its state directory on the host): the kubelet makes unix sockets in it
+  (``pod-resources/kubelet.sock``), whose path may not exceed 107 bytes, and a root under a
+  deep state directory (a test's temporary directory) passed that limit; the kubelet then dies
+  at start (``Failed to create listener for podResources endpoint``).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ DNS_USER = "system:ddm-dev-dns"
 # containerd's socket, inside the node's mount namespace (where /run is the node's own): a
 # path under the state directory can exceed the 108 bytes a unix socket's path may have.
 CONTAINERD_SOCKET = "/run/containerd/containerd.sock"
+# The kubelet's root directory, inside the node's mount namespace (under its private /var/lib):
+# it holds unix sockets, so it may not be a path under the state directory either.
+KUBELET_ROOT = "/var/lib/kubelet"
 # Service range of a cluster without a real node (nothing routes it; no slot needs it).
 FAKE_ONLY_SERVICE_RANGE = "198.18.255.0/24"
 
@@ -237,7 +245,7 @@ def kubelet_args(kubelet: Path, layout: NodeLayout, network: NodeNetwork, *,
         "--cgroup-driver=cgroupfs",
         f"--cgroup-root={network.cgroup_root}",
         "--fail-swap-on=false",
-        f"--root-dir={layout.kubelet_dir / 'root'}",
+        f"--root-dir={KUBELET_ROOT}",
         f"--cert-dir={layout.kubelet_dir / 'pki'}",
         f"--volume-plugin-dir={layout.kubelet_dir / 'volume-plugins'}",
         f"--hostname-override={NODE_NAME}",
