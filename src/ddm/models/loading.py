@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 
 from ddm.checkpoints.discovery import discover
-from ddm.checkpoints.format import Checkpoint, CheckpointError, load_checkpoint
-from ddm.models.config import ConfigError, RouterNetworkConfig
+from ddm.checkpoints.format import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint
+from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.objectives import as_velocity
 
 BACKENDS = ("native", "torch", "jax")
@@ -50,16 +50,30 @@ class LoadedDDM:
     source: Path
 
 
+def expert_image_shape(meta: CheckpointMeta) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the images an expert or monolith checkpoint generates."""
+    if meta.kind not in ("expert", "monolith"):
+        raise CheckpointError(f"{meta.name} is a {meta.kind} checkpoint, not a model that "
+                              "generates")
+    try:
+        config = UNetConfig.from_dict(meta.architecture)
+    except ConfigError as error:
+        raise CheckpointError(f"{meta.name}: invalid architecture: {error}") from None
+    return config.in_channels, config.image_size, config.image_size
+
+
 def expert_velocity(ckpt: Checkpoint, backend: str = "native",
                     device: str | None = None) -> ModelFn:
     """Our velocity (``ddm.convention``) from a UNet checkpoint on the chosen framework, as a
     NumPy callable: an expert trained on another objective (epsilon, x0, a VP schedule...) has
     its network's output converted here, the one place every driver and server loads from."""
-    return as_velocity(ckpt.meta.objective, _network(ckpt, backend, device))
+    return as_velocity(ckpt.meta.objective, expert_network(ckpt, backend, device))
 
 
-def _network(ckpt: Checkpoint, backend: str, device: str | None) -> ModelFn:
-    """The checkpoint's network as trained: its own inputs, its own prediction."""
+def expert_network(ckpt: Checkpoint, backend: str = "native",
+                   device: str | None = None) -> ModelFn:
+    """The checkpoint's network as trained: its own inputs, its own prediction (what
+    ``ddm expert check`` tests against the declared objective)."""
     framework = ckpt.meta.framework if backend == "native" else backend
     if framework == "torch":
         from ddm.models import torch_io
@@ -71,7 +85,6 @@ def _network(ckpt: Checkpoint, backend: str, device: str | None) -> ModelFn:
         import jax
 
         from ddm.models import flax_unet
-        from ddm.models.config import UNetConfig
 
         config = UNetConfig.from_dict(ckpt.meta.architecture)
         target = flax_unet.select_jax_device(device)

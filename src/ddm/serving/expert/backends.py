@@ -32,8 +32,8 @@ import numpy as np
 from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
 from ddm.deploy.limits import EXPERT_BACKENDS
 from ddm.models.config import UNetConfig
-from ddm.models.loading import ModelFn, expert_velocity
-from ddm.objectives import as_velocity
+from ddm.models.loading import ModelFn, expert_network
+from ddm.objectives import NATIVE, Objective, as_velocity
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
 
 BACKENDS = EXPERT_BACKENDS
@@ -62,24 +62,31 @@ class BackendInfo:
 
 
 class Backend:
-    """A velocity callable with the batch sizes it is compiled for and a warm-up over them."""
+    """A network with the batch sizes it is compiled for and a warm-up over them; it serves
+    our velocity, converted from the network's declared ``objective`` here for every backend."""
 
     def __init__(self, run: ModelFn, info: BackendInfo, image_shape: tuple[int, int, int],
-                 warm_sizes: tuple[int, ...], pads_to_warm_sizes: bool, warm_label: int) -> None:
+                 warm_sizes: tuple[int, ...], pads_to_warm_sizes: bool, warm_label: int,
+                 objective: Objective = NATIVE) -> None:
         self._run = run
         self._info = info
         self._image_shape = image_shape
         self._warm_sizes = warm_sizes
         self._pads = pads_to_warm_sizes
         self._warm_label = warm_label
+        self._velocity = as_velocity(objective, self.network)
 
-    def velocity(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """``v(x, t, y)``: ``x`` (B, C, H, W) float32, ``t`` (B,), ``y`` (B,) -> (B, C, H, W)."""
+    def network(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """The network as trained (its own inputs and prediction), on any batch size."""
         if not self._pads:
             return self._run(x, t, y)
         rows = x.shape[0]
         padded = pad_rows((x, t, y), bucket_for(rows, self._warm_sizes))
         return self._run(*padded)[:rows]
+
+    def velocity(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``v(x, t, y)``: ``x`` (B, C, H, W) float32, ``t`` (B,), ``y`` (B,) -> (B, C, H, W)."""
+        return self._velocity(x, t, y)
 
     def info(self) -> BackendInfo:
         """What runs the model and where, for ``/v1/info`` and logs."""
@@ -133,8 +140,9 @@ def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
     from ddm.models.torch_io import select_torch_device
 
     info = BackendInfo(f"torch {torch.__version__}", "torch", str(select_torch_device(device)))
-    return Backend(expert_velocity(ckpt, "torch", device), info, image_shape,
-                   tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label)
+    return Backend(expert_network(ckpt, "torch", device), info, image_shape,
+                   tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label,
+                   objective=ckpt.meta.objective)
 
 
 def _jax_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
@@ -147,10 +155,10 @@ def _jax_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
         target = select_jax_device(device)
     except ValueError as exc:
         raise BackendUnavailable(str(exc)) from None
-    run = expert_velocity(ckpt, "jax", device)
+    run = expert_network(ckpt, "jax", device)
     info = BackendInfo(f"jax {jax.__version__}", "jax", f"{target.platform}:{target.id}")
     return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
-                   warm_label=label)
+                   warm_label=label, objective=ckpt.meta.objective)
 
 
 def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, int, int],
@@ -185,6 +193,5 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
 
     cores = os.environ.get("NEURON_RT_VISIBLE_CORES", "all")
     info = BackendInfo(f"torch-neuronx {version}", "neuron", f"neuron (cores: {cores})")
-    run = as_velocity(ckpt.meta.objective, run)  # the traced network predicts as trained
     return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
-                   warm_label=label)
+                   warm_label=label, objective=ckpt.meta.objective)
