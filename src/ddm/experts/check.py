@@ -250,6 +250,9 @@ def _behaviour(objective: Objective, network: ModelFn, data: Dataset,
 
 def _parity(meta: CheckpointMeta, network_on: Callable[[str], ModelFn],
             image_shape: tuple[int, int, int]) -> Verdict | str:
+    if meta.model.kind != "unet":
+        return Verdict("parity", "SKIP", f"a {meta.framework} network ({meta.model.kind}) runs "
+                                         f"on {meta.framework} only")
     missing = [m for m in ("torch", "jax", "flax") if importlib.util.find_spec(m) is None]
     if missing:
         return Verdict("parity", "SKIP", f"{', '.join(missing)} not installed here")

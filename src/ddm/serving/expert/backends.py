@@ -1,11 +1,13 @@
 """Model backends an expert serves with: PyTorch, JAX, or torch-neuronx (AWS Trainium/Inferentia).
 
-The checkpoint format is framework-neutral, so any backend serves any expert. Each backend is
-a NumPy velocity callable ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> v`` plus the batch
-sizes it is compiled for: JAX compiles one program per batch size and a Neuron trace is fixed
-to one, so those backends pad each batch up to a bucket of :func:`batch_buckets` and compile
-every bucket during :meth:`Backend.warm_up`, before the server reports ready. PyTorch runs any
-size eagerly and is warmed at 1 and ``max_batch`` rows.
+The checkpoint format is framework-neutral, so any backend serves any expert built from our
+UNet; a user's network (``ddm.models.imports``) or exported program runs on its own framework.
+Each backend is a NumPy network ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> out``
+(converted to our velocity by :class:`Backend`) plus the batch sizes it is compiled for: JAX
+compiles one program per batch size and a Neuron trace is fixed to one, so those backends pad
+each batch up to a bucket of :func:`batch_buckets` and compile every bucket during
+:meth:`Backend.warm_up`, before the server reports ready. PyTorch runs any size eagerly and is
+warmed at 1 and ``max_batch`` rows.
 
 Frameworks are imported only when their backend is selected, so a JAX image needs no torch and
 the CPU image needs no torch-neuronx.
@@ -31,8 +33,7 @@ import numpy as np
 
 from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
 from ddm.deploy.limits import EXPERT_BACKENDS
-from ddm.models.config import UNetConfig
-from ddm.models.loading import ModelFn, expert_network
+from ddm.models.loading import ModelFn, expert_image_shape, expert_network
 from ddm.objectives import NATIVE, Objective, as_velocity
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
 
@@ -117,14 +118,15 @@ def check_backend(name: str, device: str | None = None) -> None:
 
 def load_backend(ckpt: Checkpoint, backend: str, device: str | None, max_batch: int,
                  compile_cache: Path | None = None) -> Backend:
-    """Build ``backend`` for a UNet checkpoint (not yet warmed up).
+    """Build ``backend`` for an expert checkpoint (not yet warmed up): our UNet on any
+    backend, a user's network (``ckpt.meta.model``) on its own framework (torch networks on
+    Neuron too).
 
     ``device``: torch ``cpu``/``cuda[:N]``/``xla``; JAX ``cpu``/``gpu``/``tpu`` with an optional
     ``:N``; None for the framework's default. Neuron takes no device (see the module doc).
     """
     check_backend(backend, device)
-    config = UNetConfig.from_dict(ckpt.meta.architecture)
-    image_shape = (config.in_channels, config.image_size, config.image_size)
+    image_shape = expert_image_shape(ckpt.meta)
     label = min(ckpt.meta.classes, default=0)
     if backend == "torch":
         return _torch_backend(ckpt, device, max_batch, image_shape, label)
@@ -166,12 +168,17 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
     import torch
     import torch_neuronx
 
-    from ddm.models.torch_io import unet_from_checkpoint
+    from ddm.models.torch_io import expert_module
 
     cache = compile_cache or Path(os.environ.get("DDM_NEURON_CACHE",
                                                  Path.home() / ".cache" / "ddm" / "neuron"))
     cache.mkdir(parents=True, exist_ok=True)
-    model = unet_from_checkpoint(ckpt)
+    if ckpt.meta.model.kind == "exported" or ckpt.meta.framework != "torch":
+        if ckpt.meta.model.kind != "unet":
+            raise BackendUnavailable(
+                f"expert {ckpt.meta.name} is a {ckpt.meta.framework} {ckpt.meta.model.kind} "
+                "network; the neuron backend traces our UNet or a torch module by import path")
+    model = expert_module(ckpt)
     sha = json.loads((ckpt.path / CONFIG_FILE).read_text())["weights_sha256"]
     version = getattr(torch_neuronx, "__version__", "unknown")
     traced = {}
