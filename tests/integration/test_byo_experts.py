@@ -137,3 +137,29 @@ def test_old_checkpoints_are_our_unet(tmp_path):
     meta = load_checkpoint(Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
                            / "expert-0-4").meta
     assert meta.model == ModelSpec() and meta.model.kind == "unet"
+
+
+def test_a_flax_network_named_by_import_path_loads_with_its_params(tmp_path, monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    from ddm.models.imports import flax_weights
+    from tests.support.tiny_flax import build as build_flax
+
+    monkeypatch.setenv(ENV_ALLOW_IMPORT, "tests.support.tiny_flax")
+    architecture = {"hidden": 32, "num_classes": 10}
+    module = build_flax(architecture)
+    x, t, y = inputs()
+    params = module.init(jax.random.PRNGKey(0), jnp.asarray(x), jnp.asarray(t),
+                         jnp.asarray(y))["params"]
+    meta = CheckpointMeta(kind="expert", name="mlp", architecture=architecture, framework="jax",
+                          classes=(5, 6, 7, 8, 9),
+                          model=ModelSpec("import", factory="tests.support.tiny_flax:build",
+                                          image_shape=SHAPE))
+    path = save_checkpoint(tmp_path / "mlp", meta, flax_weights(params))
+    network = expert_network(load_checkpoint(path))
+    expected = np.asarray(module.apply({"params": params}, jnp.asarray(x), jnp.asarray(t),
+                                       jnp.asarray(y)))
+    np.testing.assert_allclose(network(x, t, y), expected, atol=1e-6)
+    with pytest.raises(CheckpointError, match="serve it with backend jax or native"):
+        expert_network(load_checkpoint(path), "torch")
