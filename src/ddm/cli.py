@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(commands)
     _add_report(commands)
     add_serve_commands(commands)
+    _add_expert(commands)
     _add_up(commands)
     _add_operator(commands)
     _add_fetch_checkpoint(commands)
@@ -350,6 +351,33 @@ def _report(args: argparse.Namespace) -> int:
                         steps=args.steps, out=args.out, solver=args.solver, data=args.data)
     print(f"wrote {path}")
     return 0
+
+
+# -- expert -------------------------------------------------------------------------------------
+
+def _add_expert(commands: argparse._SubParsersAction) -> None:
+    expert = commands.add_parser("expert", help="work with one expert checkpoint")
+    actions = expert.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("check", help="check that an expert behaves as its config.json "
+                                         "declares: shapes, dtypes, finiteness, determinism, "
+                                         "objective, torch/JAX parity (docs/experts.md)")
+    p.add_argument("checkpoint", type=Path, help="the expert's checkpoint directory")
+    p.add_argument("--backend", default="native",
+                   help="run it on its own framework (native), torch or jax")
+    p.add_argument("--device", default=None)
+    p.add_argument("--data", default=None,
+                   help="images of its classes for the objective check: digits or mnist:DIR "
+                        "(default: the source its config.json records)")
+    p.set_defaults(handler=_expert_check)
+
+
+def _expert_check(args: argparse.Namespace) -> int:
+    from ddm.experts.check import check_checkpoint
+
+    verdicts = check_checkpoint(args.checkpoint, args.backend, args.device, args.data)
+    for verdict in verdicts:
+        print(verdict.line())
+    return EXIT_FAILURE if any(v.failed for v in verdicts) else 0
 
 
 # -- local runtime ------------------------------------------------------------------------------

@@ -1,5 +1,11 @@
 """The framework-neutral checkpoint: ``config.json`` plus ``weights.safetensors`` in a directory.
 
+An expert's ``model`` (:class:`ModelSpec`) says which network the weights belong to: our UNet
+(the default, so older checkpoints load as before), a user's network built by an importable
+factory (``package.module:function``; its weights in the same safetensors file, in its own
+framework's naming), or a self-contained exported program (``torch.export``'s ``.pt2``, kept
+beside config.json with its SHA-256 recorded; its weights file is empty). docs/experts.md.
+
 Weights use one canonical naming and layout, PyTorch's ``state_dict`` (conv kernels
 ``(O, I, kH, kW)``, linear ``(out, in)``), as float32 NumPy arrays; ``ddm.models.flax_unet``
 converts to and from Flax's layout losslessly. The JSON records everything needed to rebuild
@@ -15,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -29,12 +36,76 @@ from ddm.objectives import NATIVE, Objective, ObjectiveError
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
+PROGRAM_FILE = "program.pt2"
 KINDS = ("expert", "monolith", "router", "classifier")
 FRAMEWORKS = ("torch", "jax")
+#: ``unet``: ours (``architecture`` is a ``UNetConfig``); ``import``: a factory the serving
+#: image can import, called with ``architecture``; ``exported``: a ``torch.export`` program.
+MODEL_KINDS = ("unet", "import", "exported")
+_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
 class CheckpointError(ValueError):
     """A checkpoint is missing, corrupt, or does not match what it claims to be."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which network an expert's weights belong to (see :data:`MODEL_KINDS`).
+
+    ``factory`` (``import`` only): ``package.module:function``, called with the architecture
+    dict; ``image_shape`` ``(C, H, W)`` (``import`` and ``exported``: our UNet's comes from
+    its architecture) is what the network takes and returns.
+    """
+
+    kind: str = "unet"
+    factory: str | None = None
+    image_shape: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise CheckpointError(f"unknown model kind {self.kind!r}; known: "
+                                  f"{', '.join(MODEL_KINDS)}")
+        if (self.kind == "import") != (self.factory is not None):
+            raise CheckpointError("a model of kind 'import' needs a factory "
+                                  "('package.module:function'), and only it takes one")
+        if self.factory is not None and not _FACTORY.fullmatch(str(self.factory)):
+            raise CheckpointError(f"model factory {self.factory!r} is not "
+                                  "'package.module:function'")
+        if self.kind == "unet":
+            if self.image_shape is not None:
+                raise CheckpointError("our UNet's image shape comes from its architecture; "
+                                      "drop model.image_shape")
+            return
+        shape = tuple(self.image_shape or ())
+        if len(shape) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                      for n in shape):
+            raise CheckpointError(f"a model of kind {self.kind!r} needs image_shape "
+                                  f"[C, H, W] of positive integers, got {self.image_shape!r}")
+        object.__setattr__(self, "image_shape", shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind}
+        if self.factory is not None:
+            d["factory"] = self.factory
+        if self.image_shape is not None:
+            d["image_shape"] = list(self.image_shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "ModelSpec":
+        if not isinstance(d, Mapping):
+            raise CheckpointError(f"model must be a JSON object, got {d!r}")
+        unknown = sorted(set(d) - {"kind", "factory", "image_shape"})
+        if unknown:
+            raise CheckpointError(f"model has unknown keys: {', '.join(unknown)}")
+        shape = d.get("image_shape")
+        return cls(kind=d.get("kind", "unet"), factory=d.get("factory"),
+                   image_shape=tuple(shape) if isinstance(shape, list) else shape)
+
+
+#: Our UNet: what a checkpoint without ``model`` holds.
+UNET = ModelSpec()
 
 
 @dataclass(frozen=True)
@@ -51,6 +122,7 @@ class CheckpointMeta:
     training: dict[str, Any] = field(default_factory=dict)
     convention: str = CONVENTION_NAME
     objective: Objective = NATIVE
+    model: ModelSpec = UNET
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -60,6 +132,12 @@ class CheckpointMeta:
             raise CheckpointError(
                 f"unknown framework {self.framework!r}; known: {', '.join(FRAMEWORKS)}")
         object.__setattr__(self, "classes", tuple(int(c) for c in self.classes))
+        if self.model != UNET and self.kind not in ("expert", "monolith"):
+            raise CheckpointError(f"a {self.kind} checkpoint is always our own network; "
+                                  f"model {self.model.kind!r} is for experts and monoliths")
+        if self.model.kind == "exported" and self.framework != "torch":
+            raise CheckpointError("an exported program is torch.export's; its framework is "
+                                  f"torch, not {self.framework!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +152,7 @@ class CheckpointMeta:
             "data": self.data,
             "training": self.training,
             "objective": self.objective.to_dict(),
+            "model": self.model.to_dict(),
         }
 
 
@@ -85,8 +164,11 @@ class Checkpoint:
 
 
 def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
-                    weights: Mapping[str, np.ndarray]) -> Path:
-    """Write ``weights`` and ``meta`` to ``directory`` atomically, replacing an old checkpoint."""
+                    weights: Mapping[str, np.ndarray], program: bytes | None = None) -> Path:
+    """Write ``weights`` and ``meta`` to ``directory`` atomically, replacing an old checkpoint;
+    ``program``: the serialized exported program of a ``model.kind == "exported"`` expert."""
+    if (program is not None) != (meta.model.kind == "exported"):
+        raise CheckpointError("an exported model needs its program, and only it takes one")
     from safetensors.numpy import save_file
 
     target = Path(directory)
@@ -97,6 +179,9 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
         save_file(arrays, str(staging / WEIGHTS_FILE))
         config = meta.to_dict()
         config["weights_sha256"] = _sha256(staging / WEIGHTS_FILE)
+        if program is not None:
+            (staging / PROGRAM_FILE).write_bytes(program)
+            config["program_sha256"] = _sha256(staging / PROGRAM_FILE)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if target.exists():
             backup = target.with_name(f".{target.name}.old")
@@ -147,32 +232,33 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
                               f"{config.get('objective')!r} cannot be converted to our "
                               f"velocity: {exc}") from None
     try:
+        model = ModelSpec.from_dict(config.get("model", UNET.to_dict()))
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+    try:
         return CheckpointMeta(
             kind=config["kind"], name=config["name"], architecture=config["architecture"],
             framework=config["framework"], classes=config["classes"],
             partition=config.get("partition"), data=config.get("data", {}),
             training=config.get("training", {}), convention=config["convention"],
-            objective=objective)
+            objective=objective, model=model)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
 
 
 def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint, verifying its config and the weights' checksum."""
+    """Read a checkpoint, verifying its config and the checksums of its weights (and of its
+    exported program)."""
     from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
     path = Path(directory)
     meta = read_meta(path)
     weights_path = path / WEIGHTS_FILE
-    if not weights_path.is_file():
-        raise CheckpointError(f"checkpoint {path} has no {WEIGHTS_FILE}")
-    expected = json.loads((path / CONFIG_FILE).read_text()).get("weights_sha256")
-    actual = _sha256(weights_path)
-    if expected != actual:
-        raise CheckpointError(
-            f"checkpoint {path}: {WEIGHTS_FILE} is corrupt (sha256 {actual[:12]}..., "
-            f"config.json records {str(expected)[:12]}...)")
+    config = json.loads((path / CONFIG_FILE).read_text())
+    _verify(path, WEIGHTS_FILE, config.get("weights_sha256"))
+    if meta.model.kind == "exported":
+        _verify(path, PROGRAM_FILE, config.get("program_sha256"))
     try:
         weights = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -197,6 +283,16 @@ def check_weight_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[in
         shown = "; ".join(problems[:5]) + more
         raise CheckpointError(
             f"checkpoint {path}: weights do not match the architecture in {CONFIG_FILE}: {shown}")
+
+
+def _verify(path: Path, name: str, expected: Any) -> None:
+    if not (path / name).is_file():
+        raise CheckpointError(f"checkpoint {path} has no {name}")
+    actual = _sha256(path / name)
+    if expected != actual:
+        raise CheckpointError(
+            f"checkpoint {path}: {name} is corrupt (sha256 {actual[:12]}..., "
+            f"config.json records {str(expected)[:12]}...)")
 
 
 def _sha256(path: Path) -> str:

@@ -16,8 +16,8 @@ from typing import Callable
 import numpy as np
 
 from ddm.checkpoints.discovery import discover
-from ddm.checkpoints.format import Checkpoint, CheckpointError, load_checkpoint
-from ddm.models.config import ConfigError, RouterNetworkConfig
+from ddm.checkpoints.format import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint
+from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.objectives import as_velocity
 
 BACKENDS = ("native", "torch", "jax")
@@ -50,28 +50,54 @@ class LoadedDDM:
     source: Path
 
 
+def expert_image_shape(meta: CheckpointMeta) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the images an expert or monolith checkpoint generates."""
+    if meta.kind not in ("expert", "monolith"):
+        raise CheckpointError(f"{meta.name} is a {meta.kind} checkpoint, not a model that "
+                              "generates")
+    if meta.model.image_shape is not None:
+        return meta.model.image_shape
+    try:
+        config = UNetConfig.from_dict(meta.architecture)
+    except ConfigError as error:
+        raise CheckpointError(f"{meta.name}: invalid architecture: {error}") from None
+    return config.in_channels, config.image_size, config.image_size
+
+
 def expert_velocity(ckpt: Checkpoint, backend: str = "native",
                     device: str | None = None) -> ModelFn:
     """Our velocity (``ddm.convention``) from a UNet checkpoint on the chosen framework, as a
     NumPy callable: an expert trained on another objective (epsilon, x0, a VP schedule...) has
     its network's output converted here, the one place every driver and server loads from."""
-    return as_velocity(ckpt.meta.objective, _network(ckpt, backend, device))
+    return as_velocity(ckpt.meta.objective, expert_network(ckpt, backend, device))
 
 
-def _network(ckpt: Checkpoint, backend: str, device: str | None) -> ModelFn:
-    """The checkpoint's network as trained: its own inputs, its own prediction."""
+def expert_network(ckpt: Checkpoint, backend: str = "native",
+                   device: str | None = None) -> ModelFn:
+    """The checkpoint's network as trained: its own inputs, its own prediction (what
+    ``ddm expert check`` tests against the declared objective). Our UNet runs on either
+    framework; a user's network (``ckpt.meta.model``) on its own only."""
     framework = ckpt.meta.framework if backend == "native" else backend
+    model = ckpt.meta.model
+    if model.kind != "unet" and framework != ckpt.meta.framework:
+        raise CheckpointError(
+            f"expert {ckpt.meta.name} is a {ckpt.meta.framework} network ({model.kind}: "
+            f"{model.factory or 'an exported program'}); only our UNet runs on either framework:"
+            f" serve it with backend {ckpt.meta.framework} or native")
     if framework == "torch":
         from ddm.models import torch_io
 
         torch_device = torch_io.select_torch_device(device)
-        return torch_io.velocity_fn(torch_io.unet_from_checkpoint(ckpt, torch_device),
-                                    torch_device)
+        return torch_io.velocity_fn(torch_io.expert_module(ckpt, torch_device), torch_device)
+    if framework == "jax" and model.kind == "import":
+        from ddm.models import flax_unet
+        from ddm.models.imports import flax_network
+
+        return flax_network(ckpt, flax_unet.select_jax_device(device))
     if framework == "jax":
         import jax
 
         from ddm.models import flax_unet
-        from ddm.models.config import UNetConfig
 
         config = UNetConfig.from_dict(ckpt.meta.architecture)
         target = flax_unet.select_jax_device(device)
@@ -131,11 +157,11 @@ def load_ddm(directory: str | os.PathLike, backend: str = "native",
 
 def _assemble(unets: list[Checkpoint], router: Checkpoint | None, backend: str,
               device: str | None, source: Path, is_mixture: bool) -> LoadedDDM:
-    archs = {(a["in_channels"], a["image_size"], a["num_classes"])
-             for a in (c.meta.architecture for c in unets)}
+    archs = {(expert_image_shape(c.meta), _num_classes(c.meta)) for c in unets}
     if len(archs) != 1:
-        raise CheckpointError(f"experts in {source} disagree on channels, size or classes: {archs}")
-    channels, size, num_classes = archs.pop()
+        raise CheckpointError(f"experts in {source} disagree on image shape or number of "
+                              f"classes: {archs}")
+    image_shape, num_classes = archs.pop()
     if router is not None:
         k = router_network_config(router).num_experts
         if k != len(unets):
@@ -146,8 +172,15 @@ def _assemble(unets: list[Checkpoint], router: Checkpoint | None, backend: str,
                                  velocity=expert_velocity(c, backend, device)) for c in unets)
     return LoadedDDM(experts=experts,
                      router=router_probabilities(router, device) if router else None,
-                     image_shape=(channels, size, size), num_classes=num_classes,
+                     image_shape=image_shape, num_classes=num_classes,
                      is_mixture=is_mixture, source=source)
+
+
+def _num_classes(meta: CheckpointMeta) -> int:
+    """The size of the label space an expert was conditioned on: its architecture's
+    ``num_classes`` (our UNet always records one), else one past its largest class."""
+    recorded = meta.architecture.get("num_classes")
+    return int(recorded) if isinstance(recorded, int) else max(meta.classes, default=0) + 1
 
 
 def _partition_index(ckpt: Checkpoint) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import warnings
 from typing import Callable
 
@@ -9,7 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddm.checkpoints.format import Checkpoint, CheckpointError, check_weight_shapes
+from ddm.checkpoints.format import (PROGRAM_FILE, Checkpoint, CheckpointError,
+                                    check_weight_shapes)
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_unet import UNet
@@ -61,6 +63,38 @@ def unet_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -
     return load_canonical(model, ckpt).to(device or torch.device("cpu"))
 
 
+def expert_module(ckpt: Checkpoint, device: torch.device | None = None) -> nn.Module:
+    """An expert's network as the checkpoint names it (``ckpt.meta.model``): our UNet, a
+    user's module by import path (``ddm.models.imports``), or a ``torch.export`` program."""
+    device = device or torch.device("cpu")
+    kind = ckpt.meta.model.kind
+    if kind == "unet":
+        return unet_from_checkpoint(ckpt, device)
+    if kind == "import":
+        from ddm.models.imports import torch_module
+
+        return torch_module(ckpt).to(device)
+    try:
+        program = torch.export.load(str(ckpt.path / PROGRAM_FILE))
+    except Exception as error:  # noqa: BLE001 - any unreadable program is a bad checkpoint
+        raise CheckpointError(f"checkpoint {ckpt.path}: cannot load {PROGRAM_FILE} "
+                              f"({type(error).__name__}: {error})") from None
+    return program.module().to(device)
+
+
+def export_program(module: nn.Module, image_shape: tuple[int, int, int]) -> bytes:
+    """``module`` (``(x, t, y) -> (B, C, H, W)``) as a ``torch.export`` program whose batch
+    size is free: what an ``exported`` checkpoint holds in ``program.pt2``."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    example = (torch.zeros((2, *image_shape)), torch.full((2,), 0.5),
+               torch.zeros(2, dtype=torch.int64))
+    program = torch.export.export(module.eval(), example,
+                                  dynamic_shapes=({0: batch}, {0: batch}, {0: batch}))
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
 def router_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -> RouterNet:
     if ckpt.meta.kind != "router":
         raise CheckpointError(f"checkpoint {ckpt.path} is a {ckpt.meta.kind}, not a router")
@@ -75,9 +109,9 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
                         category=UserWarning)
 
 
-def velocity_fn(model: UNet, device: torch.device
+def velocity_fn(model: nn.Module, device: torch.device
                 ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
-    """NumPy ``(x, t, y) -> v`` over a PyTorch UNet, without autograd."""
+    """NumPy ``(x, t, y) -> out`` over a PyTorch expert network, without autograd."""
 
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         with torch.inference_mode():

@@ -1,11 +1,13 @@
 """Model backends an expert serves with: PyTorch, JAX, or torch-neuronx (AWS Trainium/Inferentia).
 
-The checkpoint format is framework-neutral, so any backend serves any expert. Each backend is
-a NumPy velocity callable ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> v`` plus the batch
-sizes it is compiled for: JAX compiles one program per batch size and a Neuron trace is fixed
-to one, so those backends pad each batch up to a bucket of :func:`batch_buckets` and compile
-every bucket during :meth:`Backend.warm_up`, before the server reports ready. PyTorch runs any
-size eagerly and is warmed at 1 and ``max_batch`` rows.
+The checkpoint format is framework-neutral, so any backend serves any expert built from our
+UNet; a user's network (``ddm.models.imports``) or exported program runs on its own framework.
+Each backend is a NumPy network ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -> out``
+(converted to our velocity by :class:`Backend`) plus the batch sizes it is compiled for: JAX
+compiles one program per batch size and a Neuron trace is fixed to one, so those backends pad
+each batch up to a bucket of :func:`batch_buckets` and compile every bucket during
+:meth:`Backend.warm_up`, before the server reports ready. PyTorch runs any size eagerly and is
+warmed at 1 and ``max_batch`` rows.
 
 Frameworks are imported only when their backend is selected, so a JAX image needs no torch and
 the CPU image needs no torch-neuronx.
@@ -31,9 +33,8 @@ import numpy as np
 
 from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
 from ddm.deploy.limits import EXPERT_BACKENDS
-from ddm.models.config import UNetConfig
-from ddm.models.loading import ModelFn, expert_velocity
-from ddm.objectives import as_velocity
+from ddm.models.loading import ModelFn, expert_image_shape, expert_network
+from ddm.objectives import NATIVE, Objective, as_velocity
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
 
 BACKENDS = EXPERT_BACKENDS
@@ -62,24 +63,31 @@ class BackendInfo:
 
 
 class Backend:
-    """A velocity callable with the batch sizes it is compiled for and a warm-up over them."""
+    """A network with the batch sizes it is compiled for and a warm-up over them; it serves
+    our velocity, converted from the network's declared ``objective`` here for every backend."""
 
     def __init__(self, run: ModelFn, info: BackendInfo, image_shape: tuple[int, int, int],
-                 warm_sizes: tuple[int, ...], pads_to_warm_sizes: bool, warm_label: int) -> None:
+                 warm_sizes: tuple[int, ...], pads_to_warm_sizes: bool, warm_label: int,
+                 objective: Objective = NATIVE) -> None:
         self._run = run
         self._info = info
         self._image_shape = image_shape
         self._warm_sizes = warm_sizes
         self._pads = pads_to_warm_sizes
         self._warm_label = warm_label
+        self._velocity = as_velocity(objective, self.network)
 
-    def velocity(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """``v(x, t, y)``: ``x`` (B, C, H, W) float32, ``t`` (B,), ``y`` (B,) -> (B, C, H, W)."""
+    def network(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """The network as trained (its own inputs and prediction), on any batch size."""
         if not self._pads:
             return self._run(x, t, y)
         rows = x.shape[0]
         padded = pad_rows((x, t, y), bucket_for(rows, self._warm_sizes))
         return self._run(*padded)[:rows]
+
+    def velocity(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``v(x, t, y)``: ``x`` (B, C, H, W) float32, ``t`` (B,), ``y`` (B,) -> (B, C, H, W)."""
+        return self._velocity(x, t, y)
 
     def info(self) -> BackendInfo:
         """What runs the model and where, for ``/v1/info`` and logs."""
@@ -110,14 +118,15 @@ def check_backend(name: str, device: str | None = None) -> None:
 
 def load_backend(ckpt: Checkpoint, backend: str, device: str | None, max_batch: int,
                  compile_cache: Path | None = None) -> Backend:
-    """Build ``backend`` for a UNet checkpoint (not yet warmed up).
+    """Build ``backend`` for an expert checkpoint (not yet warmed up): our UNet on any
+    backend, a user's network (``ckpt.meta.model``) on its own framework (torch networks on
+    Neuron too).
 
     ``device``: torch ``cpu``/``cuda[:N]``/``xla``; JAX ``cpu``/``gpu``/``tpu`` with an optional
     ``:N``; None for the framework's default. Neuron takes no device (see the module doc).
     """
     check_backend(backend, device)
-    config = UNetConfig.from_dict(ckpt.meta.architecture)
-    image_shape = (config.in_channels, config.image_size, config.image_size)
+    image_shape = expert_image_shape(ckpt.meta)
     label = min(ckpt.meta.classes, default=0)
     if backend == "torch":
         return _torch_backend(ckpt, device, max_batch, image_shape, label)
@@ -133,8 +142,9 @@ def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
     from ddm.models.torch_io import select_torch_device
 
     info = BackendInfo(f"torch {torch.__version__}", "torch", str(select_torch_device(device)))
-    return Backend(expert_velocity(ckpt, "torch", device), info, image_shape,
-                   tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label)
+    return Backend(expert_network(ckpt, "torch", device), info, image_shape,
+                   tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label,
+                   objective=ckpt.meta.objective)
 
 
 def _jax_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
@@ -147,10 +157,10 @@ def _jax_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
         target = select_jax_device(device)
     except ValueError as exc:
         raise BackendUnavailable(str(exc)) from None
-    run = expert_velocity(ckpt, "jax", device)
+    run = expert_network(ckpt, "jax", device)
     info = BackendInfo(f"jax {jax.__version__}", "jax", f"{target.platform}:{target.id}")
     return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
-                   warm_label=label)
+                   warm_label=label, objective=ckpt.meta.objective)
 
 
 def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, int, int],
@@ -158,12 +168,17 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
     import torch
     import torch_neuronx
 
-    from ddm.models.torch_io import unet_from_checkpoint
+    from ddm.models.torch_io import expert_module
 
     cache = compile_cache or Path(os.environ.get("DDM_NEURON_CACHE",
                                                  Path.home() / ".cache" / "ddm" / "neuron"))
     cache.mkdir(parents=True, exist_ok=True)
-    model = unet_from_checkpoint(ckpt)
+    if ckpt.meta.model.kind == "exported" or ckpt.meta.framework != "torch":
+        if ckpt.meta.model.kind != "unet":
+            raise BackendUnavailable(
+                f"expert {ckpt.meta.name} is a {ckpt.meta.framework} {ckpt.meta.model.kind} "
+                "network; the neuron backend traces our UNet or a torch module by import path")
+    model = expert_module(ckpt)
     sha = json.loads((ckpt.path / CONFIG_FILE).read_text())["weights_sha256"]
     version = getattr(torch_neuronx, "__version__", "unknown")
     traced = {}
@@ -185,6 +200,5 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
 
     cores = os.environ.get("NEURON_RT_VISIBLE_CORES", "all")
     info = BackendInfo(f"torch-neuronx {version}", "neuron", f"neuron (cores: {cores})")
-    run = as_velocity(ckpt.meta.objective, run)  # the traced network predicts as trained
     return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
-                   warm_label=label)
+                   warm_label=label, objective=ckpt.meta.objective)

@@ -10,8 +10,12 @@ that the server answers probes while a backend compiles (minutes on Neuron): ``/
 until the model is warm, then 200; ``/healthz`` is 200 while the process can still become ready
 and 500 once loading has failed, so that an orchestrator restarts it.
 
-Run as a process (:func:`serve_expert`), a server whose checkpoint fails to load or warm up
-exits with status 1 and leaves the reason in the termination-message file
+Before it warms up, the server runs ``ddm expert check``'s checks of the network it serves
+(:func:`ddm.experts.check.check_network`: shapes, dtypes, finiteness, determinism and that it
+predicts what its config.json declares); a failure is a failure to load.
+
+Run as a process (:func:`serve_expert`), a server whose checkpoint fails to load, pass its
+check or warm up exits with status 1 and leaves the reason in the termination-message file
 (:mod:`ddm.serving.termination`), instead of staying alive and never ready.
 
 The data plane is priced per denoising step, so it avoids JSON and extra copies: the body is
@@ -48,7 +52,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
                                     read_meta)
 from ddm.deploy.limits import MAX_STEPS
-from ddm.models.config import UNetConfig
+from ddm.experts.check import behaviour_data, check_network, require_passing
+from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
 from ddm.serving.auth import BearerAuth, TokenFile
 from ddm.serving.expert import metrics as expert_metrics
@@ -138,7 +143,9 @@ class _Expert:
                 "partition": self.meta.partition, "framework": self.meta.framework,
                 "backend": backend, "runtime": runtime, "device": device,
                 "image_shape": list(self.limits.image_shape or ()),
-                "convention": self.meta.convention, "max_batch": self.limits.max_batch,
+                "convention": self.meta.convention, "model": self.meta.model.kind,
+                "objective": self.meta.objective.to_dict(), "serves": "velocity",
+                "max_batch": self.limits.max_batch,
                 "max_steps": self.limits.max_steps, "max_body_bytes": self.limits.max_body_bytes,
                 "max_pending": self.max_pending, "max_delay_ms": self.max_delay_ms,
                 "inline_rows": self.inline_rows,
@@ -172,8 +179,7 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     meta = read_meta(checkpoint_dir)
     if meta.kind not in ("expert", "monolith"):
         raise CheckpointError(f"{checkpoint_dir} is a {meta.kind} checkpoint, not a UNet to serve")
-    config = UNetConfig.from_dict(meta.architecture)
-    image_shape = (config.in_channels, config.image_size, config.image_size)
+    image_shape = expert_image_shape(meta)
     limits = Limits(max_batch=max_batch, max_steps=max_steps, image_shape=image_shape,
                     allowed_labels=meta.classes)
     limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(limits))
@@ -414,14 +420,17 @@ def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> 
 
 async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
                 compile_cache: Path | None, on_failure: Callable[[str], None] | None) -> None:
-    """Load and warm up the backend off the event loop, then start batching."""
+    """Load, check and warm up the backend off the event loop, then start batching."""
     started = time.perf_counter()
 
     def load_and_warm() -> tuple[Backend, int]:
         backend = loader(load_checkpoint(directory), expert.backend_name, expert.device,
                          expert.limits.max_batch, compile_cache)
-        backend.warm_up()
         assert expert.limits.image_shape is not None
+        require_passing(check_network(expert.meta, backend.network, expert.limits.image_shape,
+                                      behaviour_data(expert.meta), expert.limits.max_batch),
+                        f"expert {expert.meta.name}")
+        backend.warm_up()
         label = expert.meta.classes[0] if expert.meta.classes else 0
         inline_rows = _inline_rows(backend, expert.limits.image_shape, label)
         return backend, min(inline_rows, expert.limits.max_batch)
@@ -432,7 +441,8 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
         logger.exception("expert %s failed to load from %s", expert.meta.name, directory)
         expert.failure = f"{type(error).__name__}: {error}"
         if on_failure is not None:
-            on_failure(f"expert {expert.meta.name}: cannot load or warm up {directory}: {error}")
+            on_failure(f"expert {expert.meta.name}: cannot load, check or warm up {directory}: "
+                       f"{error}")
         return
     expert.backend, expert.inline_rows = backend, inline_rows
     expert.batcher.start()

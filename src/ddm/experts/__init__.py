@@ -1,0 +1,1 @@
+"""Experts as units a user brings: the conformance check every served expert passes."""
