@@ -28,8 +28,9 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
                                       neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"),
                         allow_host_paths=True)
-#: Options each consumer sets for its place, not from the spec: value-taking, then flags.
-PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--config", "--drain-s", "--log-level")
+#: Options each consumer sets for its place, not from the spec (each takes a value).
+PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--config", "--drain-s", "--log-level",
+                 "--auth-token-file")
 STEPS = (1, 2, limits.DEFAULT_STEPS, limits.ROUTER_MAX_STEPS, limits.ROUTER_MAX_STEPS + 1, 300,
          limits.MAX_STEPS)
 URIS = ("image:///opt/ddm/checkpoints/{name}", "pvc://models/{name}",

@@ -344,6 +344,11 @@ def _router_pod(children: dict) -> dict:
     return children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
 
 
+def _expert_pods(children: dict) -> list[dict]:
+    return [c["spec"]["template"]["spec"] for (kind, name), c in children.items()
+            if kind == "Deployment" and name != "digits-router"]
+
+
 def _router_yaml(children: dict) -> RouterConfigFile:
     return RouterConfigFile.from_yaml(
         children[("ConfigMap", "digits-router-config")]["data"]["router.yaml"])
@@ -375,6 +380,24 @@ def test_an_authenticated_router_reads_its_token_from_a_read_only_secret(
             "readOnly": True} in _container(pod)["volumeMounts"]
     assert _router_yaml(children).auth.token_file == "/var/run/secrets/ddm/router-token/token"
     assert all(c["kind"] != "Secret" for c in children.values())  # created apart, once
+
+
+def test_experts_require_the_routers_token_from_the_same_secret() -> None:
+    children = _children(_spec(_expert("a")), OperatorConfig(images=CONFIG.images,
+                                                            router_auth=True))
+    router, expert = _router_pod(children), _expert_pods(children)[0]
+    token_volume = next(v for v in router["volumes"] if v["name"] == "router-token")
+    assert token_volume in expert["volumes"]
+    assert {"name": "router-token", "mountPath": "/var/run/secrets/ddm/router-token",
+            "readOnly": True} in _container(expert)["volumeMounts"]
+    assert _flag(_container(expert)["command"], "--auth-token-file") == \
+        _router_yaml(children).auth.token_file
+
+
+def test_without_authentication_experts_take_no_token() -> None:
+    expert = _expert_pods(_children(_spec(_expert("a"))))[0]
+    assert "--auth-token-file" not in _container(expert)["command"]
+    assert all(v["name"] != "router-token" for v in expert["volumes"])
 
 
 def test_the_token_secret_holds_the_token_under_the_ddms_labels() -> None:

@@ -31,7 +31,7 @@ from ddm.checkpoints.uri import REMOTE_SCHEMES, CheckpointMount, CheckpointSourc
 from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, DnsDiscovery, RouterConfigFile
-from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions
+from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, RouterAuth
 from ddm.operator.config import OperatorConfig
 from ddm.operator.fetcher import ROUTER_KEY, expert_key, fetch_mount, uri_digest
 from ddm.operator.placement import NEURON_CACHE_DIR, placement
@@ -81,16 +81,20 @@ def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfi
         else [])
     for expert in spec.experts:
         children.append(build_expert_service(expert, meta))
-        children.append(build_expert_deployment(expert, meta, config))
+        children.append(build_expert_deployment(expert, meta, config,
+                                                router_token(spec, meta, config)))
     children.append(build_router_configmap(spec, meta, config))
     children.append(build_router_service(meta))
     children.append(build_router_deployment(spec, meta, config))
     return children
 
 
-def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config: OperatorConfig
-                            ) -> dict[str, Any]:
-    """The expert's Deployment: one pod per replica on its accelerator, ready once loaded."""
+def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config: OperatorConfig,
+                            token: RouterAuth | None = None) -> dict[str, Any]:
+    """The expert's Deployment: one pod per replica on its accelerator, ready once loaded.
+
+    With the router's ``token``, the expert answers ``/v1/*`` only to callers that present it
+    (the router does): no other pod can call the model around the router's authentication."""
     owner = meta["name"]
     planned = plan_expert(expert)
     place = placement(expert.accelerator)
@@ -100,6 +104,9 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT),
                "--drain-s", str(DRAIN_S)]
     env, volumes, mounts = _scratch()
+    if token is not None:
+        _mount_token(token, volumes, mounts)
+        command += ["--auth-token-file", ROUTER_TOKEN_FILE]
     env += [{"name": name, "value": value} for name, value in planned.env(NEURON_CACHE_DIR)]
     if planned.backend == "neuron":
         volumes.append({"name": "neuron-cache", "emptyDir": {}})
@@ -125,6 +132,16 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
                        names.selector(owner, "expert", expert.name), pod,
                        _checkpoint_annotation(expert.checkpoint),
                        fetches=bool(mount.init_containers))
+
+
+def _mount_token(token: RouterAuth, volumes: list[dict[str, Any]],
+                 mounts: list[dict[str, Any]]) -> None:
+    """The token's Secret key at ``ROUTER_TOKEN_FILE``, read-only: the router sends it and
+    the experts require it, so both mount the same one."""
+    volumes.append({"name": "router-token", "secret": {
+        "secretName": token.secret_name, "defaultMode": 0o440,
+        "items": [{"key": token.key, "path": "token"}]}})
+    mounts.append({"name": "router-token", "mountPath": ROUTER_TOKEN_DIR, "readOnly": True})
 
 
 def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,10 +195,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     mounts.append({"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True})
     token = router_token(spec, meta, config)
     if token is not None:
-        volumes.append({"name": "router-token", "secret": {
-            "secretName": token.secret_name, "defaultMode": 0o440,
-            "items": [{"key": token.key, "path": "token"}]}})
-        mounts.append({"name": "router-token", "mountPath": ROUTER_TOKEN_DIR, "readOnly": True})
+        _mount_token(token, volumes, mounts)
     resources = (_resources(router.pod, {}) if router.pod.resources
                  else copy.deepcopy(ROUTER_RESOURCES))
     container = {
