@@ -113,3 +113,13 @@ def test_the_expert_server_exits_1_on_a_misdeclared_expert_and_says_why(tmp_path
     message = log.read_text()
     assert "failed ddm expert check: FAIL behaviour: config.json declares velocity" in message
     assert message.count("\n") == 1
+
+
+def test_without_a_data_source_the_behaviour_check_is_skipped_and_says_why(
+        smoke_expert_checkpoint, capsys):
+    """The conftest's random smoke expert records no data: nothing to test its objective on."""
+    status, verdicts = check(smoke_expert_checkpoint, capsys, "--backend", "torch")
+    assert status == 0, verdicts
+    assert verdicts["behaviour"] == ("SKIP behaviour: config.json records no data source "
+                                     "(pass --data digits or mnist:DIR)")
+    assert verdicts["determinism"].startswith("PASS")

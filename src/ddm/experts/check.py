@@ -77,11 +77,12 @@ def require_passing(verdicts: list[Verdict], who: str) -> None:
 
 
 def check_network(meta: CheckpointMeta, network: ModelFn, image_shape: tuple[int, int, int],
-                  data: Dataset | None, max_batch: int = BEHAVIOUR_IMAGES) -> list[Verdict]:
+                  data: Dataset | str, max_batch: int = BEHAVIOUR_IMAGES) -> list[Verdict]:
     """Shapes and dtypes, finiteness, determinism and the declared objective's behaviour of
     ``network`` (as trained: its own inputs and prediction), called with at most
     ``max_batch`` rows at a time. ``data``: images ``(N, 1, H, W)`` in ``[0, 1]`` of the
-    expert's classes, or None to skip the behaviour check."""
+    expert's classes (:func:`behaviour_data`), or why there are none (the behaviour check is
+    then skipped)."""
     network = _in_batches(network, max_batch)
     rng = np.random.default_rng(SEED)
     label = np.int64(meta.classes[0] if meta.classes else 0)
@@ -91,9 +92,8 @@ def check_network(meta: CheckpointMeta, network: ModelFn, image_shape: tuple[int
     verdicts.append(_run("determinism", lambda: _determinism(velocity, image_shape, label, rng)))
     if any(v.failed for v in verdicts):
         verdicts.append(Verdict("behaviour", "SKIP", "the network's outputs are not usable"))
-    elif data is None:
-        verdicts.append(Verdict("behaviour", "SKIP", "config.json records no data source we "
-                                                     "can load (pass --data digits)"))
+    elif isinstance(data, str):
+        verdicts.append(Verdict("behaviour", "SKIP", data))
     else:
         verdicts.append(_run("behaviour", lambda: _behaviour(meta.objective, network, data,
                                                               rng)))
@@ -126,17 +126,20 @@ def check_checkpoint(directory: str | Path, backend: str = "native", device: str
     return verdicts
 
 
-def behaviour_data(meta: CheckpointMeta, source: str | None = None) -> Dataset | None:
+def behaviour_data(meta: CheckpointMeta, source: str | None = None) -> Dataset | str:
     """Held-out images of the expert's classes from ``source`` (default: the source its
-    config.json records), at its image size; None when there is no source to load."""
+    config.json records), at its image size; or why there are none here (no source recorded,
+    its files or its loader not installed where this runs: the check then skips behaviour)."""
     source = source or meta.data.get("source")
     if not source:
-        return None
+        return "config.json records no data source (pass --data digits or mnist:DIR)"
     channels, size, _ = expert_image_shape(meta)
     if channels != 1:
-        raise CheckpointError(f"data source {source!r} holds 1-channel images; {meta.name} "
-                              f"takes {channels} channels")
-    return subset_by_classes(load_dataset(source, size, "heldout"), meta.classes)
+        return f"data source {source!r} holds 1-channel images; {meta.name} takes {channels}"
+    try:
+        return subset_by_classes(load_dataset(source, size, "heldout"), meta.classes)
+    except (ImportError, OSError, ValueError) as error:
+        return f"cannot load data source {source!r} here ({type(error).__name__}: {error})"
 
 
 def _in_batches(network: ModelFn, max_batch: int) -> ModelFn:
