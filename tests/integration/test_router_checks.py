@@ -129,3 +129,23 @@ def test_an_expert_of_another_convention_is_named():
     info = ExpertInfo((1, 16, 16), tuple(LOW), 8, convention="ddpm/eps", partition=None)
     assert expert_mismatches(config, {"old": info}, None) == [
         f"expert old follows the convention 'ddpm/eps', the router {CONVENTION_NAME!r}"]
+
+
+def test_an_expert_that_serves_its_raw_prediction_is_named():
+    """A pure check: this code's servers always convert (``"serves": "velocity"``, checked
+    next), so only a foreign server would answer its network's own epsilon."""
+    config = RouterConfigFile.from_dict({"experts": [
+        {"name": "raw", "discovery": {"endpoints": ["127.0.0.1:1"]}}],
+        "sampling": {"strategy": "oracle"}})
+    info = ExpertInfo((1, 16, 16), tuple(LOW), 8, convention=CONVENTION_NAME, serves="epsilon")
+    assert expert_mismatches(config, {"raw": info}, None) == [
+        "expert raw answers 'epsilon', not our velocity: its server does not convert its "
+        "objective"]
+    converted = ExpertInfo((1, 16, 16), tuple(LOW), 8, convention=CONVENTION_NAME,
+                           serves="velocity")
+    assert expert_mismatches(config, {"raw": converted}, None) == []
+
+
+def test_this_codes_expert_says_it_serves_velocity(experts):
+    """What the check above relies on, read from a real expert's /v1/info."""
+    assert httpx.get(f"http://{experts['low']}/v1/info").json()["serves"] == "velocity"

@@ -60,6 +60,9 @@ class ExpertInfo:
     max_batch: int
     convention: str | None = None
     partition: Mapping[str, Any] | None = None
+    #: What its ``/v1/velocity`` answers: ``velocity`` once the server has converted the
+    #: network's own prediction (``ddm.objectives``); None from servers that predate the field.
+    serves: str | None = None
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ExpertInfo:
@@ -69,7 +72,8 @@ class ExpertInfo:
         partition = raw.get("partition")
         return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]),
                    convention=raw.get("convention"),
-                   partition=partition if isinstance(partition, Mapping) else None)
+                   partition=partition if isinstance(partition, Mapping) else None,
+                   serves=raw.get("serves") if isinstance(raw.get("serves"), str) else None)
 
 
 class ReplicaState(enum.Enum):

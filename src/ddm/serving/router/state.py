@@ -197,6 +197,9 @@ def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo |
         if info.convention is not None and info.convention != CONVENTION_NAME:
             found.append(f"expert {name} follows the convention {info.convention!r}, the "
                          f"router {CONVENTION_NAME!r}")
+        if info.serves is not None and info.serves != "velocity":
+            found.append(f"expert {name} answers {info.serves!r}, not our velocity: its server "
+                         "does not convert its objective")
         if not set(entry.classes) <= set(info.classes):
             found.append(f"expert {name} serves classes {list(info.classes)}, but the router "
                          f"config lists {list(entry.classes)}")
