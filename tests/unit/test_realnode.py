@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ddm.devcluster.realnode import (CONTAINERD_SOCKET, MAX_SLOTS, PRIVATE_DIRS, NodeLayout,
-                                     NodeNetwork, cni_config, containerd_config,
+from ddm.devcluster.realnode import (CONTAINERD_SOCKET, KUBELET_ROOT, MAX_SLOTS, PRIVATE_DIRS,
+                                     NodeLayout, NodeNetwork, cni_config, containerd_config,
                                      kube_proxy_args, kubelet_args)
 
 BENCHMARKING = ipaddress.ip_network("198.18.0.0/15")
@@ -72,7 +72,10 @@ def test_the_kubelet_and_kube_proxy_run_inside_the_nodes_namespaces_and_leave_ho
     assert "--image-gc-high-threshold=100" in kubelet  # imported images cannot be pulled back
     assert f"--cgroup-root={network.cgroup_root}" in kubelet
     assert f"--cluster-dns={network.host_ip}" in kubelet
-    for flag in ("--root-dir", "--cert-dir", "--volume-plugin-dir", "--resolv-conf"):
+    # the kubelet's own root is the node's private /var/lib: short socket paths (unix sockets
+    # allow 107 bytes), still under the state directory on the host
+    assert f"--root-dir={KUBELET_ROOT}" in kubelet and "/var/lib" in PRIVATE_DIRS
+    for flag in ("--cert-dir", "--volume-plugin-dir", "--resolv-conf"):
         (value,) = [a.split("=", 1)[1] for a in kubelet if a.startswith(flag + "=")]
         assert value.startswith("/state/node/"), (flag, value)
     # 0 leaves the host-wide conntrack table size and timeouts alone.
