@@ -444,3 +444,17 @@ def test_with_a_metrics_port_metrics_are_there_only_and_the_api_is_not(smoke_exp
     finally:
         expert.kill()
         expert.wait()
+
+
+@pytest.mark.parametrize("max_batch", [1, 3])
+def test_a_jax_expert_with_a_small_batch_limit_measures_inline_rows_within_it(
+        smoke_jax_expert_checkpoint, max_batch):
+    """JAX compiles only the batch sizes up to ``--max-batch``: measuring which batches may run
+    inline must not ask for a bigger one (it once made ``--max-batch 1`` fail to start)."""
+    app = create_expert_app(smoke_jax_expert_checkpoint, backend="jax", max_batch=max_batch)
+    with running(app) as base:
+        wait_ready(base)
+        info = httpx.get(f"{base}/v1/info").json()
+        assert info["ready"] is True and info["inline_rows"] <= max_batch
+        reply = post(base, encode_request(velocity_request(batch=max_batch, seed=0)))
+        assert reply.status_code == 200

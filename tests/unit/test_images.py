@@ -301,7 +301,8 @@ def _operator_pods() -> dict[str, list[dict]]:
             scratch = [mounts[v["name"]] for v in pod["volumes"]
                        if "emptyDir" in v and v["name"] in mounts and v["name"] != "checkpoint"]
             pods.setdefault(family_of[container["image"]], []).append(
-                {"env": {e["name"]: e["value"] for e in container.get("env", [])},
+                # literal values only: one read from a Secret (a fetched URI) is no path
+                {"env": {e["name"]: e["value"] for e in container.get("env", []) if "value" in e},
                  "writable": scratch, "name": f"{child['metadata']['name']}/{container['name']}"})
     return pods
 

@@ -385,13 +385,13 @@ async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> 
     return x
 
 
-def _inline_rows(backend: Backend, image_shape: tuple[int, ...], label: int) -> int:
-    """The largest batch (1, 2, 4, ... up to :data:`MAX_INLINE_ROWS`) whose velocity takes at
-    most :data:`INLINE_BUDGET_S` on this backend (the median of three runs); 0 if batch 1
-    takes longer."""
+def _inline_rows(backend: Backend, image_shape: tuple[int, ...], label: int,
+                 max_batch: int) -> int:
+    """The largest batch (1, 2, 4, ... up to :data:`MAX_INLINE_ROWS` and ``max_batch``, the
+    largest a backend compiled for) whose velocity takes at most :data:`INLINE_BUDGET_S` on
+    this backend (the median of three runs); 0 if batch 1 takes longer."""
     rows = 0
-    while rows < MAX_INLINE_ROWS:
-        size = max(1, 2 * rows)
+    while (size := max(1, 2 * rows)) <= min(MAX_INLINE_ROWS, max_batch):
         x = np.zeros((size, *image_shape), np.float32)
         t, y = np.full((size,), 0.5, np.float32), np.full((size,), label, np.int64)
         seconds = []
@@ -432,8 +432,8 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
                         f"expert {expert.meta.name}")
         backend.warm_up()
         label = expert.meta.classes[0] if expert.meta.classes else 0
-        inline_rows = _inline_rows(backend, expert.limits.image_shape, label)
-        return backend, min(inline_rows, expert.limits.max_batch)
+        return backend, _inline_rows(backend, expert.limits.image_shape, label,
+                                     expert.limits.max_batch)
 
     try:
         backend, inline_rows = await asyncio.to_thread(load_and_warm)
