@@ -141,3 +141,15 @@ def kube_namespace(kube_client: Any) -> str:
     name = f"t-{uuid.uuid4().hex[:8]}"
     client.CoreV1Api(kube_client).create_namespace({"metadata": {"name": name}})
     return name
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """PyTorch on one thread for a module's tests (opt in with ``pytestmark``): the models and
+    in-process servers share two cores with everything else."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -21,6 +21,9 @@ from ddm.evaluation.classifier import load_classifier
 from ddm.models.torch_io import unet_from_checkpoint
 from ddm.objectives import NetworkFn, Objective, as_velocity
 
+# the models run on two cores shared with everything else
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 ROOT = Path(__file__).resolve().parents[2]
 EPSILON = ROOT / "checkpoints" / "digits-heterogeneous" / "expert-0-4-epsilon"
 VELOCITY = ROOT / "checkpoints" / "digits" / "expert-0-4"
@@ -47,12 +50,6 @@ def accuracy(velocity: NetworkFn, labels: np.ndarray, steps: int = 40, seed: int
     return float(np.mean(load_classifier(CLASSIFIER).predict(to_uint8(x[:, 0])) == labels))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_epsilon_expert_draws_digits_through_the_conversion():

@@ -12,7 +12,6 @@ from typing import Iterator
 
 import httpx
 import pytest
-import torch
 
 from ddm.checkpoints.format import load_checkpoint, save_checkpoint
 from ddm.convention import CONVENTION_NAME
@@ -24,6 +23,9 @@ from ddm.serving.router.server import create_router_app
 from ddm.serving.router.state import expert_mismatches
 from tests.integration.servers import running, wait_ready
 
+# the models run on two cores shared with everything else
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
 LOW, HIGH = list(range(5)), list(range(5, 10))
 WAIT_S = 60.0
@@ -31,12 +33,6 @@ KMEANS = {"scheme": {"method": "kmeans", "features": "pixels",
                      "centroids": [[0.0] * 4, [1.0] * 4]}, "index": 0}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

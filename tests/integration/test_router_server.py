@@ -50,19 +50,15 @@ from ddm.deploy.router_config import (STRATEGY_PATTERN, Auth, RouterConfigFile,
                                        RouterLimits)
 from ddm.serving.router.server import create_router_app
 
+# the models run on two cores shared with everything else
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 SMOKE = UNET_CONFIGS["smoke"]
 SHAPE = (1, SMOKE.image_size, SMOKE.image_size)
 LOW, HIGH, ALL = list(range(5)), list(range(5, 10)), list(range(10))
 WAIT_S = 90.0  # subprocesses import torch on a busy machine
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The in-process servers share two cores with everything else."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

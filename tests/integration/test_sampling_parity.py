@@ -34,19 +34,15 @@ from ddm.serving.expert.server import create_expert_app
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 
+# the models run on two cores shared with everything else
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
 STRATEGIES = ("oracle", "top1", "top2", "topk:2", "threshold:0.2", "ensemble")
 BATCHES = {1: [6], 7: [0, 3, 5, 7, 9, 2, 8]}
 STEPS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The in-process servers share two cores with everything else."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from ddm.checkpoints.format import read_meta
 from ddm.cli import main
@@ -13,13 +12,10 @@ from ddm.training.torch_loop import expert_batch, noisy_batch
 EPSILON_ARGS = ("--objective", "epsilon", "--schedule", "vp-linear", "--time", "discrete",
                 "--timesteps", "100")
 
+# the models run on two cores shared with everything else
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def _train(out, framework, *objective):

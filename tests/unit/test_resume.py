@@ -7,21 +7,17 @@ so the resumed run repeats the very same floating-point operations on the same m
 
 import numpy as np
 import pytest
-import torch
 
 from ddm.checkpoints.format import load_checkpoint
 from ddm.cli import EXIT_INTERRUPTED, main
 from ddm.training.resume import state_directory
 
+# the models run on two cores shared with everything else
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 STEPS = 30
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _train(out, *extra, framework="torch", kind="expert"):

@@ -4,7 +4,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 
 from ddm.checkpoints.format import read_meta
 from ddm.cli import main
@@ -12,13 +11,10 @@ from ddm.models.config import UNET_CONFIGS
 from ddm.training.config import TrainConfig
 from ddm.training.torch_expert import train_torch_unet
 
+# the models run on two cores shared with everything else
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+
 
 
 def _train(*argv):
