@@ -267,10 +267,16 @@ def _parse_channels(text: str) -> tuple[int, ...]:
 # -- sample, eval, report -----------------------------------------------------------------------
 
 def _add_sample(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("sample", help="generate digits in-process from checkpoints")
+    p = commands.add_parser("sample", help="generate digits in-process from checkpoints, or "
+                                           "from a running router (--router)")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory (experts + router) or one model's checkpoint "
                         "(default: the shipped digits DDM)")
+    p.add_argument("--router", default=None, metavar="URL",
+                   help="ask the router serving at URL (`ddm up`, a cluster Service) instead: "
+                        "the same images as in-process for the same arguments")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="with --router: a file holding the router's bearer token")
     p.add_argument("--strategy", default="top1",
                    help="oracle, top1, top2, topk:K, threshold:P or ensemble")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="comma-separated labels")
@@ -281,20 +287,45 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="native",
                    help="run experts on their own framework (native), or all on torch or jax")
     p.add_argument("--device", default=None)
-    p.add_argument("--batch-size", type=int, default=256, help="images generated at once")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="images generated at once (default: 256; with --router, the router's "
+                        "batch limit)")
     p.add_argument("--out", required=True, type=Path, help="samples .npz to write")
     p.add_argument("--png", type=Path, default=None, help="also write a PNG grid")
     p.set_defaults(handler=_sample)
 
 
 def _sample(args: argparse.Namespace) -> int:
+    if args.router is not None:
+        return _sample_router(args)
+    if args.token_file is not None:
+        raise UserError("--token-file goes with --router")
     from ddm.sampling.commands import sample_command
 
     summary = sample_command(
         checkpoints=args.checkpoints, strategy=args.strategy, labels=_parse_labels(args.labels),
         n_per_label=args.n_per_label, steps=args.steps, solver=args.solver, seed=args.seed,
-        backend=args.backend, device=args.device, batch_size=args.batch_size, out=args.out,
+        backend=args.backend, device=args.device,
+        batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
         png=args.png)
+    print(json.dumps(summary))
+    return 0
+
+
+def _sample_router(args: argparse.Namespace) -> int:
+    local_only = [flag for flag, value in (("--checkpoints", args.checkpoints),
+                                           ("--device", args.device)) if value is not None]
+    if args.backend != "native":
+        local_only.append("--backend")
+    if local_only:
+        raise UserError(f"{', '.join(local_only)} run models in-process and cannot go with "
+                        "--router (the router's experts run where they are served)")
+    from ddm.serving.router.client import sample_router_command
+
+    summary = sample_router_command(
+        url=args.router, strategy=args.strategy, labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=args.steps, solver=args.solver, seed=args.seed,
+        batch_size=args.batch_size, token_file=args.token_file, out=args.out, png=args.png)
     print(json.dumps(summary))
     return 0
 

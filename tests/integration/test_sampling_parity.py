@@ -169,6 +169,39 @@ def test_delegation_over_http_equals_the_in_process_delegation(routers, in_proce
     assert reply.json()["round_trips"] == [2] * len(labels)  # ceil(6 / 4) chunks
 
 
+def test_ddm_sample_from_a_router_equals_ddm_sample_in_process(routers, ddm_dirs, tmp_path):
+    """``ddm sample --router`` splits a run into requests of 3 labels, each passing its
+    ``first_index``: the samples file equals the one ``ddm sample`` makes in one batch."""
+    from ddm.cli import main
+    from ddm.samples import load_samples_npz
+
+    common = ["--labels", "1,4,8", "--n-per-label", "3", "--steps", str(STEPS), "--seed", "9",
+              "--strategy", "top2"]
+    assert main(["sample", "--router", routers["shared"], "--batch-size", "3", *common,
+                 "--out", str(tmp_path / "served.npz")]) == 0
+    assert main(["sample", "--checkpoints", str(ddm_dirs["shared"]), "--backend", "torch",
+                 *common, "--out", str(tmp_path / "local.npz")]) == 0
+    served, local = (load_samples_npz(tmp_path / f"{n}.npz") for n in ("served", "local"))
+    np.testing.assert_array_equal(served.images, local.images)
+    np.testing.assert_array_equal(served.labels, local.labels)
+    np.testing.assert_array_equal(served.expert_calls, local.expert_calls)
+    # the same noise in different requests would have repeated images across labels
+    assert len({image.tobytes() for image in served.images}) == 9
+
+
+def test_ddm_sample_names_a_router_that_refuses(routers, tmp_path, capsys):
+    from ddm.cli import main
+
+    assert main(["sample", "--router", routers["shared"], "--labels", "12",
+                 "--out", str(tmp_path / "x.npz")]) == 1
+    error = capsys.readouterr().err
+    assert "answered 422" in error and "12" in error
+    assert not (tmp_path / "x.npz").exists()
+    assert main(["sample", "--router", routers["shared"], "--checkpoints", str(DIGITS),
+                 "--out", str(tmp_path / "x.npz")]) == 2
+    assert "--checkpoints" in capsys.readouterr().err
+
+
 def _shared_ddm(root: Path) -> Path:
     """Two random smoke experts serving every label (k-means-like), a random router."""
     smoke = UNET_CONFIGS["smoke"]

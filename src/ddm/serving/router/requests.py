@@ -100,7 +100,11 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
         steps: Integer = Field(defaults.steps, ge=1, le=limits.max_steps,
                                description="denoising steps")
         seed: Integer = Field(0, ge=0, lt=2**63,
-                              description="image i's noise comes from (seed, i)")
+                              description="image i's noise comes from (seed, first_index + i)")
+        first_index: Integer = Field(0, ge=0, lt=2**62,
+                                     description="this request's first image's index in a "
+                                                 "larger run: a run split into requests gives "
+                                                 "the images one request would")
         strategy: str = Field(defaults.strategy, max_length=MAX_STRATEGY_CHARS,
                               json_schema_extra={"pattern": pattern},
                               description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or "
@@ -153,7 +157,7 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
 def sampling_request(body: Any, labels: tuple[int, ...]) -> SamplingRequest:
     return SamplingRequest(labels=labels, steps=body.steps, seed=body.seed,
                            strategy=parse_strategy(body.strategy), solver=body.solver,
-                           delegate_steps=body.delegate_steps)
+                           delegate_steps=body.delegate_steps, first_index=body.first_index)
 
 
 def echo(request: SamplingRequest) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""Sample a served DDM: what ``ddm sample --router URL`` asks a running router for.
+
+The router's ``POST /v1/generate`` takes at most its batch limit of labels per request, so a
+run is split into requests that each pass ``first_index``: image ``i`` of the run gets the
+noise ``(seed, i)`` whichever request carries it, and the images equal those of the
+in-process driver (``ddm sample``) for the same arguments. ``ddm eval`` then scores what users
+are actually served (``ddm up`` or a cluster's router Service), not a local re-run.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ddm.sampling.commands import write_png_grid
+from ddm.samples import save_samples_npz
+
+#: Per request; a CPU router makes 64 images of 40 steps in a few seconds.
+TIMEOUT_S = 600.0
+
+
+class RouterCallError(RuntimeError):
+    """The router refused a request or could not be reached; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ServedSamples:
+    """``images`` uint8 ``(N, H, W)``; ``expert_calls`` and ``routing`` per image."""
+
+    images: np.ndarray
+    expert_calls: np.ndarray
+    routing: list[list[int]]
+
+
+def router_info(url: str, token: str | None = None) -> dict[str, Any]:
+    """``GET /v1/info``: the router's classes, limits and experts."""
+    return _call(f"{url.rstrip('/')}/v1/info", None, token)
+
+
+def served_samples(url: str, labels: Sequence[int], steps: int, seed: int, strategy: str,
+                   solver: str, batch_size: int | None = None,
+                   token: str | None = None) -> ServedSamples:
+    """One image per label from the router at ``url``, ``batch_size`` labels per request
+    (default: the router's own batch limit, read from ``/v1/info``)."""
+    if batch_size is None:
+        batch_size = int(router_info(url, token)["limits"]["max_batch"])
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    images, calls, routing = [], [], []
+    for start in range(0, len(labels), batch_size):
+        body = {"labels": [int(v) for v in labels[start:start + batch_size]], "steps": steps,
+                "seed": seed, "strategy": strategy, "solver": solver, "first_index": start}
+        answer = _call(f"{url.rstrip('/')}/v1/generate", body, token)
+        images += [_decode_png(text) for text in answer["images"]]
+        calls += answer["expert_calls"]
+        routing += answer["routing"]
+    return ServedSamples(np.stack(images), np.asarray(calls, np.int64), routing)
+
+
+def sample_router_command(url: str, strategy: str, labels: Sequence[int], n_per_label: int,
+                          steps: int, solver: str, seed: int, batch_size: int | None,
+                          token_file: Path | None, out: Path,
+                          png: Path | None = None) -> dict[str, Any]:
+    """``ddm sample --router URL``: the samples file of ``ddm sample``, made by a served DDM."""
+    if n_per_label < 1:
+        raise ValueError(f"--n-per-label must be >= 1, got {n_per_label}")
+    if out.suffix != ".npz":
+        raise ValueError(f"--out must name a .npz file, got {out}")
+    token = None
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--token-file {token_file} cannot be read: {exc.strerror}") from None
+    all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
+    served = served_samples(url, all_labels.tolist(), steps, seed, strategy, solver,
+                            batch_size, token)
+    save_samples_npz(out, served.images, all_labels, served.expert_calls,
+                     {"strategy": strategy, "steps": steps, "solver": solver, "seed": seed,
+                      "source": url})
+    if png is not None:
+        write_png_grid(png, served.images,
+                       columns=n_per_label if n_per_label > 1 else len(all_labels))
+    return {"out": str(out), "n": int(len(all_labels)), "strategy": strategy, "steps": steps,
+            "mean_expert_calls": float(served.expert_calls.mean())}
+
+
+def _call(url: str, body: dict[str, Any] | None, token: str | None) -> dict[str, Any]:
+    headers = {"accept": "application/json"}
+    if body is not None:
+        headers["content-type"] = "application/json"
+    if token:
+        headers["authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
+            return json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read(4096).decode(errors="replace")
+        try:
+            detail = json.loads(detail).get("detail", detail)
+        except (ValueError, AttributeError):
+            pass
+        raise RouterCallError(f"router at {url} answered {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RouterCallError(f"router at {url} could not be reached: {reason}") from None
+
+
+def _decode_png(text: str) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(base64.b64decode(text))) as image:
+        return np.asarray(image.convert("L"), dtype=np.uint8)
