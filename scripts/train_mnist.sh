@@ -14,13 +14,15 @@
 # --resume, so rerunning the script continues where it was stopped; a model whose checkpoint
 # is already written is skipped. Train outside the repo (OUT=~/.cache/ddm/train/mnist) and copy
 # the finished checkpoints into checkpoints/mnist.
+# Budget (mnist-small, batch 128, one x86 core): ~0.6 CPU-s per step, so ~40 CPU-min per
+# expert, ~2.7 CPU-h for the monolith (4x the steps); spread over sessions by --resume.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MNIST=${MNIST:-../shared/datasets/mnist}
 OUT=${OUT:-checkpoints/mnist}
 DDM=${DDM:-.venv/bin/ddm}
 CONFIG=${CONFIG:-mnist-small}   # a 32x32 UNet config of ddm.models.config
-EXPERT_STEPS=${EXPERT_STEPS:-8000}
+EXPERT_STEPS=${EXPERT_STEPS:-4000}
 ROUTER_STEPS=${ROUTER_STEPS:-3000}
 K=4
 DATA="mnist:$MNIST"
