@@ -371,6 +371,9 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--n-per-label", type=int, default=20)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--solver", default="euler", help="euler or heun")
+    p.add_argument("--compare", type=Path, action="append", default=[], metavar="DIR",
+                   help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
+                        "at top-1 beside the DDM's own top-1; repeatable")
     p.add_argument("--out", type=Path, default=Path("docs/quality.md"))
     p.set_defaults(handler=_report)
 
@@ -379,7 +382,8 @@ def _report(args: argparse.Namespace) -> int:
     from ddm.evaluation.report import write_report
 
     path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
-                        steps=args.steps, out=args.out, solver=args.solver, data=args.data)
+                        steps=args.steps, out=args.out, solver=args.solver, data=args.data,
+                        compare=args.compare)
     print(f"wrote {path}")
     return 0
 

@@ -237,3 +237,29 @@ def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path)
     assert table[0].startswith("| real test digits (disjoint subsets)")
     assert all(row.count("+/-") == 6 for row in table)
     assert "the same images: this judge has seen its reference" in out.read_text()
+
+
+def test_report_compares_the_heterogeneous_ddm_at_top1(tmp_path: Path, capsys) -> None:
+    """``--compare``: the epsilon + velocity DDM beside the all-velocity one, same judge."""
+    from ddm.cli import main
+
+    root = Path(__file__).resolve().parents[2] / "checkpoints"
+    out = tmp_path / "quality.md"
+    assert main(["report", "--n-per-label", "2", "--steps", "2", "--out", str(out),
+                 "--compare", str(root / "digits-heterogeneous")]) == 0
+    text = out.read_text()
+    section = text[text.index("## Homogeneous vs heterogeneous experts"):]
+    assert "velocity 0-4 (4000 steps) + velocity 5-9 (4000 steps)" in section
+    assert "epsilon 0-4 (" in section and ") + velocity 5-9 (4000 steps)" in section
+    table = [line for line in section.splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[1] for row in table] == ["top1", "top1"]
+    assert "digits-heterogeneous` top-1 accuracy - DDM top-1 accuracy = " in section
+    # the main table keeps only the DDM's own rows
+    main_table = text[:text.index("## Homogeneous")]
+    assert "digits-heterogeneous" not in main_table.split("| model |")[1]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["report", "--n-per-label", "2", "--steps", "2", "--out", str(out),
+                 "--compare", str(empty)]) == 2  # named before any sampling; out untouched
+    assert f"no checkpoints (directories with config.json) in {empty}" in capsys.readouterr().err
+    assert out.read_text() == text

@@ -8,6 +8,7 @@ score is the first row.
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import time
 from dataclasses import dataclass
@@ -41,11 +42,14 @@ class Row:
     expert_calls: float
     sample_cpu_seconds: float
     eval_cpu_seconds: float
+    compared: bool = False  # a DDM of ``--compare``, shown in its own section
 
 
 def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
-                 solver: str) -> list[Row]:
-    """Real-vs-real floor, the monoliths (most trained first), then the DDM per strategy."""
+                 solver: str, compare: Sequence[tuple[Path, LoadedDDM]] = ()) -> list[Row]:
+    """Real-vs-real floor, the monoliths (most trained first), the DDM per strategy, then
+    each DDM of ``compare`` at top-1 (e.g. the same partition with experts of other
+    objectives: the homogeneous vs heterogeneous comparison)."""
     found = discover(checkpoints)
     labels = np.repeat(np.arange(judge.classifier.config.num_classes), n_per_label)
     started = time.process_time()
@@ -63,7 +67,27 @@ def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
     model = f"DDM ({len(found['expert'])} experts, {'/'.join(map(str, trained))} steps each)"
     for strategy in STRATEGIES:
         rows.append(_sampled_row(ddm, model, strategy, judge, labels, steps, solver))
+    for path, other in compare:
+        row = _sampled_row(other, str(path), "top1", judge, labels, steps, solver)
+        rows.append(dataclasses.replace(row, compared=True))
     return rows
+
+
+def describe_experts(checkpoints: Path) -> str:
+    """``epsilon 0-4 (2000 steps) + velocity 5-9 (4000 steps)``: each expert's objective,
+    classes and training, in partition order."""
+    metas = sorted((read_meta(p) for p in discover(checkpoints)["expert"]),
+                   key=lambda m: m.partition.get("index", 0))
+    return " + ".join(
+        f"{m.objective.prediction} {_classes(m.classes)} ({m.training.get('steps', '?')} steps)"
+        for m in metas)
+
+
+def _classes(classes: Sequence[int]) -> str:
+    ordered = sorted(classes)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)) and len(ordered) > 2:
+        return f"{ordered[0]}-{ordered[-1]}"
+    return ",".join(map(str, ordered))
 
 
 def expert_parity(checkpoints: Path, seed: int = 0) -> dict[str, float]:
@@ -85,6 +109,9 @@ def expert_parity(checkpoints: Path, seed: int = 0) -> dict[str, float]:
 
 def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, Any]) -> str:
     top1 = next((r for r in rows if r.model.startswith("DDM") and r.strategy == "top1"), None)
+    header = ("| model | routing | " + " | ".join(COLUMNS) + " | expert passes / image | "
+              "sampling CPU s | eval CPU s |")
+    rule = "|---|---|" + "---:|" * (len(COLUMNS) + 3)
     monoliths = [r for r in rows if r.model.startswith("monolith")]
     lines = [
         "# Generation quality: monolith vs DDM routing strategies",
@@ -115,21 +142,25 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
         "Which expert ran each step of a few samples: [routing.png](routing.png)",
         "(`scripts/routing_figure.py`; the API reports it per image as `routing`).",
         "",
-        "| model | routing | " + " | ".join(COLUMNS) + " | expert passes / image | "
-        "sampling CPU s | eval CPU s |",
-        "|---|---|" + "---:|" * (len(COLUMNS) + 3),
+        header, rule,
     ]
-    for r in rows:
-        calls = "-" if r.expert_calls == 0 else f"{r.expert_calls:.1f}"
-        cells = [_cell(r.summary[c], 2 if c == "fd" else 3) for c in COLUMNS]
-        sampling = "-" if r.sample_cpu_seconds == 0 else f"{r.sample_cpu_seconds:.1f}"
-        lines.append(f"| {r.model} | {r.strategy} | {' | '.join(cells)} | {calls} | "
-                     f"{sampling} | {r.eval_cpu_seconds:.1f} |")
+    compared = [r for r in rows if r.compared]
+    lines += [_table_row(r) for r in rows if not r.compared]
     if top1:
         lines += ["", f"DDM top-1 accuracy {top1.summary['accuracy']['mean']:.3f}."]
         lines += [f"DDM top-1 FD / {m.model} FD = "
                   f"{top1.summary['fd']['mean'] / m.summary['fd']['mean']:.3f}."
                   for m in monoliths]
+    if compared and top1:
+        lines += ["", "## Homogeneous vs heterogeneous experts", "",
+                  "The same partition, router and settings with experts of other training "
+                  "objectives (converted to our velocity, docs/objectives.md), at top-1:", "",
+                  *[f"- `{path}`: {describe_experts(Path(path))}"
+                    for path in (settings["checkpoints"], *(r.model for r in compared))],
+                  "", header, rule, _table_row(top1), *map(_table_row, compared), ""]
+        lines += [f"`{r.model}` top-1 accuracy - DDM top-1 accuracy = "
+                  f"{r.summary['accuracy']['mean'] - top1.summary['accuracy']['mean']:+.3f}."
+                  for r in compared]
     lines += ["", "## PyTorch <-> Flax parity of the shipped experts", "",
               f"Max absolute velocity difference over {PARITY_BATCH} random `(x_t, t, y)`, float32 "
               "on CPU, same canonical weights run by both frameworks (target: <= 1e-4):", ""]
@@ -138,14 +169,17 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
 
 
 def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Path,
-                 solver: str = "euler", data: str | None = None) -> Path:
-    """Sample every row ``len(SEEDS)`` times, score, and write the table to ``out``."""
+                 solver: str = "euler", data: str | None = None,
+                 compare: Sequence[Path] = ()) -> Path:
+    """Sample every row ``len(SEEDS)`` times, score, and write the table to ``out``.
+    ``compare``: other DDM directories judged by the same classifier, at top-1."""
     if n_per_label < 1:
         raise ValueError(f"--n-per-label must be >= 1, got {n_per_label}")
     source = checkpoints or default_checkpoints()
     classifier = discover(source)["classifier"][0]
     judge = load_judge(classifier, data)
-    rows = quality_rows(source, judge, n_per_label, steps, solver)
+    compared = [(path, load_ddm(path)) for path in compare]  # bad ones fail before sampling
+    rows = quality_rows(source, judge, n_per_label, steps, solver, compared)
     recorded = read_meta(classifier).data
     settings = {"checkpoints": source, "n_per_label": n_per_label,
                 "reference": data or recorded.get("source", "digits"),
@@ -158,6 +192,14 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
     with atomic_path(out) as tmp:
         tmp.write_text(text)
     return out
+
+
+def _table_row(r: Row) -> str:
+    calls = "-" if r.expert_calls == 0 else f"{r.expert_calls:.1f}"
+    cells = [_cell(r.summary[c], 2 if c == "fd" else 3) for c in COLUMNS]
+    sampling = "-" if r.sample_cpu_seconds == 0 else f"{r.sample_cpu_seconds:.1f}"
+    return (f"| {r.model} | {r.strategy} | {' | '.join(cells)} | {calls} | {sampling} | "
+            f"{r.eval_cpu_seconds:.1f} |")
 
 
 def _cell(summary: dict[str, Any], digits: int) -> str:
