@@ -203,3 +203,40 @@ def test_the_expert_server_serves_an_exported_program_over_http(exported_unet, u
         refused = httpx.post(f"{base}/v1/velocity", headers={"Content-Type": CONTENT_TYPE},
                              content=encode_request(VelocityRequest(5, *inputs(3, 5, (0, 5)))))
         assert refused.status_code == 422
+
+
+def test_ddm_expert_export_turns_an_imported_flax_network_into_a_program(mlp, tmp_path,
+                                                                         monkeypatch, capsys):
+    """The author's module is needed once, to export; never where the program is served."""
+    from ddm.models.imports import flax_weights
+
+    monkeypatch.setenv(ENV_ALLOW_IMPORT, "tests.support.tiny_flax")
+    meta = dataclasses.replace(exported_meta(), architecture={"hidden": 32, "num_classes": 10},
+                               model=ModelSpec("import", factory="tests.support.tiny_flax:build",
+                                               image_shape=SHAPE))
+    source = save_checkpoint(tmp_path / "mlp", meta, flax_weights(mlp.params))
+    assert main(["expert", "export", str(source), "--out", str(tmp_path / "mlp-exported")]) == 0
+    assert re.fullmatch(rf"wrote {tmp_path}/mlp-exported \(program.jaxexport, [0-9.]+ MB\); its "
+                        rf"outputs match {source}'s network within [0-9.e-]+\n",
+                        capsys.readouterr().out)
+    monkeypatch.delenv(ENV_ALLOW_IMPORT)
+    exported = load_checkpoint(tmp_path / "mlp-exported")
+    assert exported.meta.model == ModelSpec("exported", image_shape=SHAPE)
+    assert exported.meta.framework == "jax" and exported.meta.classes == (5, 6, 7, 8, 9)
+    x, t, y = inputs(4, 6)
+    np.testing.assert_allclose(expert_network(exported)(x, t, y), mlp(x, t, y), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_ddm_expert_export_writes_our_unet_for_either_framework(exported_unet, tmp_path):
+    x, t, y = inputs(5, 2, (0, 5))
+    expected = expert_network(load_checkpoint(exported_unet))(x, t, y)
+    for framework, program in (("jax", "program.jaxexport"), ("torch", "program.pt2")):
+        out = tmp_path / framework
+        assert main(["expert", "export", str(SHIPPED_EXPERT), "--out", str(out),
+                     "--format", framework]) == 0
+        assert (out / program).is_file()
+        np.testing.assert_allclose(expert_network(load_checkpoint(out))(x, t, y), expected,
+                                   atol=1e-5)
+    assert main(["expert", "export", str(tmp_path / "jax"), "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
