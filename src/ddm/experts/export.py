@@ -30,7 +30,7 @@ SEED = 0
 
 
 @dataclass(frozen=True)
-class Exported:
+class ExportedExpert:
     """What :func:`export_expert` wrote: where, in which file, and how closely the program
     reproduces the network it came from (max absolute difference, output units)."""
 
@@ -40,7 +40,8 @@ class Exported:
     max_difference: float
 
 
-def export_expert(source: str | Path, out: str | Path, framework: str | None = None) -> Exported:
+def export_expert(source: str | Path, out: str | Path,
+                  framework: str | None = None) -> ExportedExpert:
     """Write ``source``'s network as an ``exported`` checkpoint at ``out`` (replacing one
     there), for ``framework`` (default: the checkpoint's own; our UNet exports to either).
     A program that does not reproduce the network within :data:`EXPORT_TOLERANCE` is a
@@ -74,7 +75,7 @@ def export_expert(source: str | Path, out: str | Path, framework: str | None = N
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     save_checkpoint(target, meta, {}, program=program)
-    return Exported(target, program_file_name(meta), len(program), difference)
+    return ExportedExpert(target, program_file_name(meta), len(program), difference)
 
 
 def _program(ckpt: Checkpoint, framework: str, image_shape: tuple[int, int, int]) -> bytes:
