@@ -404,6 +404,26 @@ def _add_expert(commands: argparse._SubParsersAction) -> None:
                    help="images of its classes for the objective check: digits or mnist:DIR "
                         "(default: the source its config.json records)")
     p.set_defaults(handler=_expert_check)
+    p = actions.add_parser("export", help="write an expert as a self-contained exported "
+                                          "program (torch.export .pt2 or jax.export StableHLO) "
+                                          "that needs no Python code of its author where it "
+                                          "is served (docs/experts.md)")
+    p.add_argument("checkpoint", type=Path, help="the expert's checkpoint directory")
+    p.add_argument("--out", type=Path, required=True,
+                   help="the exported checkpoint's directory (an old one there is replaced)")
+    p.add_argument("--format", choices=("torch", "jax"), default=None,
+                   help="the program's framework (default: the checkpoint's; our UNet "
+                        "exports to either)")
+    p.set_defaults(handler=_expert_export)
+
+
+def _expert_export(args: argparse.Namespace) -> int:
+    from ddm.experts.export import export_expert
+
+    done = export_expert(args.checkpoint, args.out, args.format)
+    print(f"wrote {done.path} ({done.program_file}, {done.program_bytes / 1e6:.2f} MB); its "
+          f"outputs match {args.checkpoint}'s network within {done.max_difference:.2g}")
+    return 0
 
 
 def _expert_check(args: argparse.Namespace) -> int:

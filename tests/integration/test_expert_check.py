@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ddm.checkpoints.format import load_checkpoint, save_checkpoint
+from ddm.checkpoints.format import load_checkpoint, read_meta, save_checkpoint
 from ddm.cli import main
+from ddm.data import Dataset
+from ddm.experts.check import behaviour_data
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "checkpoints"
@@ -123,3 +125,13 @@ def test_without_a_data_source_the_behaviour_check_is_skipped_and_says_why(
     assert verdicts["behaviour"] == ("SKIP behaviour: config.json records no data source "
                                      "(pass --data digits or mnist:DIR)")
     assert verdicts["determinism"].startswith("PASS")
+
+
+def test_the_behaviour_check_has_its_digits_where_scikit_learn_is_not_installed(monkeypatch):
+    """As in the serving images: the digits are the package's own, so a server in a cluster
+    runs the behaviour check instead of skipping it."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # import sklearn now raises ImportError
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    data = behaviour_data(read_meta(SHIPPED / "digits" / "expert-0-4"))
+    assert isinstance(data, Dataset), data
+    assert data.name == "digits-16x16/heldout/classes=0,1,2,3,4" and len(data) == 225

@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, load_checkpoint, read_meta,
-                            save_checkpoint)
+from ddm.checkpoints.format import (EXPORTED_PROGRAMS, FRAMEWORKS, CheckpointError,
+                                    CheckpointMeta, ModelSpec, load_checkpoint, read_meta,
+                                    save_checkpoint)
 from ddm.models.config import UNET_CONFIGS, ConfigError, UNetConfig, unet_config
 from ddm.models.torch_io import canonical_weights, unet_from_checkpoint
 from ddm.models.torch_unet import UNet, count_parameters
@@ -91,6 +92,22 @@ def test_meta_rejects_unknown_kind_and_framework():
         _meta(kind="painting")
     with pytest.raises(CheckpointError, match="unknown framework"):
         _meta(framework="tensorflow")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_an_exported_program_is_kept_in_its_frameworks_file_and_pinned(framework, tmp_path):
+    """Every framework has an exported format; the file name says which, config.json its
+    SHA-256. A program in the other framework's file is a missing program."""
+    assert set(EXPORTED_PROGRAMS) == set(FRAMEWORKS)
+    meta = _meta(framework=framework, model=ModelSpec("exported", image_shape=(1, 8, 8)))
+    path = save_checkpoint(tmp_path / framework, meta, {}, program=b"program bytes")
+    assert (path / EXPORTED_PROGRAMS[framework]).read_bytes() == b"program bytes"
+    assert load_checkpoint(path).meta.model.kind == "exported"
+    config = json.loads((path / "config.json").read_text())
+    other = "jax" if framework == "torch" else "torch"
+    (path / "config.json").write_text(json.dumps(config | {"framework": other}))
+    with pytest.raises(CheckpointError, match=f"has no {EXPORTED_PROGRAMS[other]}"):
+        load_checkpoint(path)
 
 
 def test_named_configs_have_the_documented_sizes():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +41,22 @@ def test_digits_shape_range_and_labels(digits: Dataset) -> None:
     assert digits.labels.dtype == np.int64 and set(digits.labels.tolist()) == set(range(10))
 
 
-def test_digits_at_native_size_are_the_raw_values_scaled() -> None:
-    from sklearn.datasets import load_digits
+def test_the_embedded_digits_are_scikit_learns_exactly() -> None:
+    """The package carries its own copy (no scikit-learn where experts are served); it is
+    the one scikit-learn returns, so every training run and check reads the same images."""
+    sklearn_datasets = pytest.importorskip("sklearn.datasets")
+    digits = sklearn_datasets.load_digits()
+    np.testing.assert_array_equal(load_digits_dataset(8).images[:, 0] * 16.0, digits.images)
+    np.testing.assert_array_equal(load_digits_dataset(8).labels, digits.target)
+    scaled = np.clip(resize_images(digits.images / 16.0, 16), 0.0, 1.0)[:, None]
+    np.testing.assert_array_equal(load_digits_dataset(16).images, scaled)
 
-    np.testing.assert_allclose(load_digits_dataset(8).images[:, 0] * 16.0, load_digits().images,
-                               atol=1e-5)
+
+def test_the_digits_load_without_scikit_learn(monkeypatch) -> None:
+    """As in the serving images: a blocked import of sklearn changes nothing."""
+    monkeypatch.setitem(sys.modules, "sklearn", None)
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)
+    assert len(subset_by_classes(load_dataset("digits", 16, "heldout"), (0, 1, 2, 3, 4))) == 225
 
 
 def test_resize_is_identity_at_same_size_and_keeps_constants_and_range() -> None:

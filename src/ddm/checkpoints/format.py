@@ -3,8 +3,10 @@
 An expert's ``model`` (:class:`ModelSpec`) says which network the weights belong to: our UNet
 (the default, so older checkpoints load as before), a user's network built by an importable
 factory (``package.module:function``; its weights in the same safetensors file, in its own
-framework's naming), or a self-contained exported program (``torch.export``'s ``.pt2``, kept
-beside config.json with its SHA-256 recorded; its weights file is empty). docs/experts.md.
+framework's naming), or a self-contained exported program of its framework
+(:data:`EXPORTED_PROGRAMS`: ``torch.export``'s ``.pt2`` or ``jax.export``'s serialized
+StableHLO, kept beside config.json with its SHA-256 recorded; its weights file is empty).
+docs/experts.md.
 
 Weights use one canonical naming and layout, PyTorch's ``state_dict`` (conv kernels
 ``(O, I, kH, kW)``, linear ``(out, in)``), as float32 NumPy arrays; ``ddm.models.flax_unet``
@@ -36,12 +38,15 @@ from ddm.objectives import NATIVE, Objective, ObjectiveError
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
-PROGRAM_FILE = "program.pt2"
 KINDS = ("expert", "monolith", "router", "classifier")
 FRAMEWORKS = ("torch", "jax")
 #: ``unet``: ours (``architecture`` is a ``UNetConfig``); ``import``: a factory the serving
-#: image can import, called with ``architecture``; ``exported``: a ``torch.export`` program.
+#: image can import, called with ``architecture``; ``exported``: a program of its framework.
 MODEL_KINDS = ("unet", "import", "exported")
+#: framework -> the file an ``exported`` expert's program is in: ``torch.export``'s archive
+#: (``ddm.models.torch_io.export_program``) or ``jax.export``'s serialized StableHLO
+#: (``ddm.models.jax_export.export_program``). Data, not code: loading runs nothing of the author's.
+EXPORTED_PROGRAMS = {"torch": "program.pt2", "jax": "program.jaxexport"}
 _FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -135,9 +140,6 @@ class CheckpointMeta:
         if self.model != UNET and self.kind not in ("expert", "monolith"):
             raise CheckpointError(f"a {self.kind} checkpoint is always our own network; "
                                   f"model {self.model.kind!r} is for experts and monoliths")
-        if self.model.kind == "exported" and self.framework != "torch":
-            raise CheckpointError("an exported program is torch.export's; its framework is "
-                                  f"torch, not {self.framework!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -180,8 +182,9 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
         config = meta.to_dict()
         config["weights_sha256"] = _sha256(staging / WEIGHTS_FILE)
         if program is not None:
-            (staging / PROGRAM_FILE).write_bytes(program)
-            config["program_sha256"] = _sha256(staging / PROGRAM_FILE)
+            program_file = staging / program_file_name(meta)
+            program_file.write_bytes(program)
+            config["program_sha256"] = _sha256(program_file)
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if target.exists():
             backup = target.with_name(f".{target.name}.old")
@@ -258,12 +261,18 @@ def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
     config = json.loads((path / CONFIG_FILE).read_text())
     _verify(path, WEIGHTS_FILE, config.get("weights_sha256"))
     if meta.model.kind == "exported":
-        _verify(path, PROGRAM_FILE, config.get("program_sha256"))
+        _verify(path, program_file_name(meta), config.get("program_sha256"))
     try:
         weights = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: cannot read {WEIGHTS_FILE} ({exc})") from None
     return Checkpoint(meta=meta, weights=weights, path=path)
+
+
+def program_file_name(meta: CheckpointMeta) -> str:
+    """The file an ``exported`` expert's program is in, by its framework."""
+    assert meta.model.kind == "exported", "only an exported model has a program"
+    return EXPORTED_PROGRAMS[meta.framework]
 
 
 def check_weight_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[int, ...]],

@@ -77,6 +77,25 @@ def torch_module(ckpt: Checkpoint) -> Any:
 
 def flax_network(ckpt: Checkpoint, device: Any) -> NetworkFn:
     """The user's Flax module with the checkpoint's ``params``, jitted on ``device``."""
+    import jax
+    import jax.numpy as jnp
+
+    apply, params = flax_model(ckpt)
+    params = jax.device_put(params, device)
+    apply = jax.jit(apply)
+
+    def network(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+        with jax.default_device(device):
+            out = apply(params, jnp.asarray(x), jnp.asarray(t), jnp.asarray(y, jnp.int32))
+        return np.asarray(out, dtype=np.float32)
+
+    return network
+
+
+def flax_model(ckpt: Checkpoint) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """``(apply, params)``: the user's Flax module as a traceable
+    ``apply(params, x, t, y) -> (B, C, H, W)`` and the checkpoint's ``params`` tree (NumPy;
+    names and shapes checked against the module)."""
     import flax.linen as linen
     import jax
     import jax.numpy as jnp
@@ -93,16 +112,11 @@ def flax_network(ckpt: Checkpoint, device: Any) -> NetworkFn:
     abstract = jax.eval_shape(module.init, jax.random.PRNGKey(0), *example)["params"]
     expected = {k: tuple(v.shape) for k, v in flax_weights(abstract).items()}
     check_weight_shapes(ckpt.path, expected, ckpt.weights)
-    with jax.default_device(device):
-        params = _unflatten({k: jnp.asarray(v) for k, v in ckpt.weights.items()})
-    apply = jax.jit(lambda p, x, t, y: module.apply({"params": p}, x, t, y))
 
-    def network(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        with jax.default_device(device):
-            out = apply(params, jnp.asarray(x), jnp.asarray(t), jnp.asarray(y, jnp.int32))
-        return np.asarray(out, dtype=np.float32)
+    def apply(params: Any, x: Any, t: Any, y: Any) -> Any:
+        return module.apply({"params": params}, x, t, y)
 
-    return network
+    return apply, _unflatten(dict(ckpt.weights))
 
 
 def flax_weights(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -94,6 +94,11 @@ def expert_network(ckpt: Checkpoint, backend: str = "native",
         from ddm.models.imports import flax_network
 
         return flax_network(ckpt, flax_unet.select_jax_device(device))
+    if framework == "jax" and model.kind == "exported":
+        from ddm.models import flax_unet
+        from ddm.models.jax_export import exported_network
+
+        return exported_network(ckpt, flax_unet.select_jax_device(device))
     if framework == "jax":
         import jax
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from ddm.checkpoints.format import (PROGRAM_FILE, Checkpoint, CheckpointError,
-                                    check_weight_shapes)
+from ddm.checkpoints.format import (Checkpoint, CheckpointError, check_weight_shapes,
+                                    program_file_name)
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_unet import UNet
@@ -74,10 +74,11 @@ def expert_module(ckpt: Checkpoint, device: torch.device | None = None) -> nn.Mo
         from ddm.models.imports import torch_module
 
         return torch_module(ckpt).to(device)
+    name = program_file_name(ckpt.meta)
     try:
-        program = torch.export.load(str(ckpt.path / PROGRAM_FILE))
+        program = torch.export.load(str(ckpt.path / name))
     except Exception as error:  # noqa: BLE001 - any unreadable program is a bad checkpoint
-        raise CheckpointError(f"checkpoint {ckpt.path}: cannot load {PROGRAM_FILE} "
+        raise CheckpointError(f"checkpoint {ckpt.path}: cannot load {name} "
                               f"({type(error).__name__}: {error})") from None
     return program.module().to(device)
 
