@@ -735,6 +735,9 @@ def test_a_stream_whose_client_stopped_reading_is_closed_when_it_disconnects(tmp
 
     The experts serve 64x64 images, so that a step's preview is about 5 KB (noise as PNG), and
     the router's send buffer is held at 16 KiB: a few dozen steps of the 1000 fill the buffers.
+    (The disconnect releases the blocked write, so the stream's cancellation reaches the
+    generator at its next expert call: this holds on the code before the stream closed its
+    generator explicitly too, 8790abd.)
     """
     wide = _write_ddm(tmp_path, [LOW, HIGH], "labels", seed=0,
                       architecture=dataclasses.replace(SMOKE, image_size=64))
