@@ -754,12 +754,15 @@ def test_a_stream_whose_client_stopped_reading_is_closed_when_it_disconnects(tmp
             _wait(lambda: _status(f"{router}/readyz") == 200, "router ready")
             client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+            client.settimeout(WAIT_S)
             client.connect(_split(endpoint))
             client.sendall(b"GET /v1/generate/stream?label=1&steps=1000&seed=3 HTTP/1.1\r\n"
                            b"Host: x\r\n\r\n")
             received = b""
-            while b"event: step" not in received:
-                received += client.recv(4096)
+            while b"event: step" not in received:  # the first step, then no more reading
+                chunk = client.recv(4096)
+                assert chunk, f"the router ended the stream: {received!r}"
+                received += chunk
             _wait(lambda: _writes_paused(server), "the router's writes to the client blocked")
             assert _metric(_metrics(router), "ddm_router_generations_in_flight") == 1
             client.close()
