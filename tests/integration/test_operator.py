@@ -32,6 +32,7 @@ from waiting import wait_for
 from ddm.operator.config import OperatorConfig
 from ddm.operator.runner import run_operator
 from ddm.deploy.router_config import RouterConfigFile
+from tests.support.operator_process import CRD_FILE, install_crd
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
@@ -108,22 +109,9 @@ def cluster(kube_client: Any) -> Cluster:
 
 @pytest.fixture(scope="module")
 def crd(kube_client: Any) -> dict:
-    """The CRD from crds/, applied and established."""
-    body = yaml.safe_load((ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())
-    api = client.ApiextensionsV1Api(kube_client)
-    try:
-        api.create_custom_resource_definition(body)
-    except ApiException as error:
-        if error.status != 409:
-            raise
-    name = body["metadata"]["name"]
-
-    def established() -> bool:
-        conditions = api.read_custom_resource_definition(name).status.conditions or []
-        return any(c.type == "Established" and c.status == "True" for c in conditions)
-
-    wait_for(established, 30, "the CRD to be established")
-    return body
+    """The CRD from crds/, installed and served."""
+    install_crd(kube_client)
+    return yaml.safe_load(CRD_FILE.read_text())
 
 
 class OperatorThread:

@@ -23,11 +23,11 @@ from kubernetes import watch
 from test_operator import OWNER_LABEL, Cluster, _expected_children
 from waiting import wait_for
 
-from benchmarks.operator import OperatorProcess, bench_spec, install_crd
 from ddm.devcluster import ClusterInfo, start_component, stop_component
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.reconcile import Outcome, Reconciler
+from tests.support.operator_process import OperatorProcess, cpu_spec, install_crd
 
 #: Seconds the API server stays down.
 OUTAGE_S = 10
@@ -90,7 +90,7 @@ def _deploy(cluster: Cluster, namespace: str, name: str, spec: dict) -> dict:
 
 def test_killed_mid_reconcile_the_restarted_operator_converges_exactly(
         cluster: Cluster, kube_namespace: str, operator: OperatorProcess) -> None:
-    ns, name, spec = kube_namespace, "killed", bench_spec(8)  # 19 children, one at a time
+    ns, name, spec = kube_namespace, "killed", cpu_spec(8)  # 19 children, one at a time
     expected = _expected_children(name, _experts(spec))
     operator.start()
     since = cluster.core.list_namespaced_service(ns).metadata.resource_version
@@ -123,7 +123,7 @@ def test_killed_mid_reconcile_the_restarted_operator_converges_exactly(
 
 def test_a_spec_changed_while_the_operator_is_down_is_applied_after_restart(
         cluster: Cluster, kube_namespace: str, operator: OperatorProcess) -> None:
-    ns, spec = kube_namespace, bench_spec(3)
+    ns, spec = kube_namespace, cpu_spec(3)
     operator.start()
     _deploy(cluster, ns, "later", spec)
     operator.kill()
@@ -143,7 +143,7 @@ def test_a_ddm_deleted_while_the_operator_is_down_leaves_nothing_behind(
         cluster: Cluster, kube_namespace: str, operator: OperatorProcess) -> None:
     ns = kube_namespace
     operator.start()
-    _deploy(cluster, ns, "gone", bench_spec(3))
+    _deploy(cluster, ns, "gone", cpu_spec(3))
     operator.kill()
     finalizers = cluster.ddm(ns, "gone")["metadata"].get("finalizers")
     assert not finalizers, f"{finalizers} would hold the deletion until an operator runs again"
@@ -154,7 +154,7 @@ def test_a_ddm_deleted_while_the_operator_is_down_leaves_nothing_behind(
 
     restarted_at = len(operator.log_text())
     operator.start()
-    _deploy(cluster, ns, "next", bench_spec(2))  # it works
+    _deploy(cluster, ns, "next", cpu_spec(2))  # it works
     assert not cluster.children(ns, "gone")
     log = operator.log_text()[restarted_at:]
     assert not re.search(r"\b(ERROR|Traceback)\b", log), log
@@ -163,7 +163,7 @@ def test_a_ddm_deleted_while_the_operator_is_down_leaves_nothing_behind(
 def test_after_an_api_server_outage_the_operator_catches_up_and_acts_again(
         dev_cluster: ClusterInfo, cluster: Cluster, kube_namespace: str,
         operator: OperatorProcess) -> None:
-    ns, spec = kube_namespace, bench_spec(2)
+    ns, spec = kube_namespace, cpu_spec(2)
     operator.start()
     _deploy(cluster, ns, "before", spec)
     _deploy(cluster, ns, "after", spec)
@@ -219,7 +219,7 @@ def test_the_api_server_stopped_mid_reconcile_ends_the_run_in_kube_errors_then_i
     """No operator process runs here: the reconciler itself, driven by the test, meets the
     outage after its third child, and every failure after it must be a KubeError (a
     connection refused is not allowed to escape as urllib3's own exception half way)."""
-    ns, name, spec = kube_namespace, "blip", bench_spec(4)
+    ns, name, spec = kube_namespace, "blip", cpu_spec(4)
     expected = _expected_children(name, _experts(spec))
     cluster.create_ddm(ns, name, spec)
     config = OperatorConfig()

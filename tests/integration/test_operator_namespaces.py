@@ -24,13 +24,9 @@ from test_operator import OWNER_LABEL, Cluster
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
-from benchmarks.operator import (
-    OperatorProcess,
-    bench_spec,
-    install_crd,
-    service_account_kubeconfig,
-)
 from ddm.operator.runner import watched_namespaces
+from tests.support.operator_process import (OperatorProcess, cpu_spec,
+                                            install_crd, service_account_kubeconfig)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -128,8 +124,8 @@ def test_only_the_watched_namespace_is_served_with_the_charts_namespaced_rbac(
     operator = _operator_as(kube_client, home, account, tmp_path, watched)
     operator.start()
     try:
-        cluster.create_ddm(other, "left", bench_spec(2))  # first, so it had every chance
-        cluster.create_ddm(watched, "served", bench_spec(2))
+        cluster.create_ddm(other, "left", cpu_spec(2))  # first, so it had every chance
+        cluster.create_ddm(watched, "served", cpu_spec(2))
         assert _reported(cluster, watched, "served", operator)["phase"] == "Pending"
         assert cluster.children(watched, "served")
         wait_for(lambda: "Created" in {e["reason"] for e in cluster.events(watched, "served")},
@@ -162,7 +158,7 @@ def test_cluster_wide_the_charts_cluster_role_is_enough(
     operator = _operator_as(kube_client, home, account, tmp_path, "")
     operator.start()
     try:
-        cluster.create_ddm(anywhere, "served", bench_spec(2))
+        cluster.create_ddm(anywhere, "served", cpu_spec(2))
         assert _reported(cluster, anywhere, "served", operator)["phase"] == "Pending"
         _assert_no_permission_problem(operator)
     finally:

@@ -24,9 +24,10 @@ from test_operator import Cluster
 from test_operator_namespaces import _install_chart_rbac
 from waiting import wait_for
 
-from benchmarks.operator import OperatorProcess, bench_spec, install_crd, service_account_kubeconfig
 from ddm.devcluster import ClusterInfo
 from ddm.devcluster.components import Layout
+from tests.support.operator_process import (OperatorProcess, cpu_spec,
+                                            install_crd, service_account_kubeconfig)
 
 #: Granted but never a request of its own: the API server checks them inside another one.
 #: - ``create`` on a kind the operator applies (server-side apply creates with a PATCH; the
@@ -110,7 +111,7 @@ def _status(cluster: Cluster, ns: str, name: str, generation: int, operator: Ope
 
 def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     """Every kind of call the operator makes."""
-    spec = bench_spec(3)
+    spec = cpu_spec(3)
     spec["experts"][0]["checkpoint"] = {"uri": "s3://models/e0?X-Amz-Signature=s"}
     cluster.create_ddm(ns, "audited", spec)
     _status(cluster, ns, "audited", 1, operator)
@@ -130,9 +131,9 @@ def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     # a planted token Secret, and an invalid spec
     cluster.core.create_namespaced_secret(ns, {"metadata": {"name": "planted-router-token"},
                                                "stringData": {"token": "known"}})
-    cluster.create_ddm(ns, "planted", bench_spec(2))
+    cluster.create_ddm(ns, "planted", cpu_spec(2))
     assert _status(cluster, ns, "planted", 1, operator)["phase"] == "Failed"
-    invalid = bench_spec(2)
+    invalid = cpu_spec(2)
     invalid["experts"][0]["checkpoint"] = {"uri": "http://unpinned.example/m"}
     cluster.create_ddm(ns, "invalid", invalid)
     assert _status(cluster, ns, "invalid", 1, operator)["phase"] == "Invalid"

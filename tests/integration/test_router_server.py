@@ -31,10 +31,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import uvicorn
 from PIL import Image
 
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
-from ddm.models.config import UNET_CONFIGS, RouterNetworkConfig
+from ddm.models.config import UNET_CONFIGS, RouterNetworkConfig, UNetConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
@@ -556,16 +557,17 @@ def _mount_secret(directory: Path, version: str, token: str) -> None:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _write_ddm(root: Path, groups: list[list[int]], method: str, seed: int) -> Path:
+def _write_ddm(root: Path, groups: list[list[int]], method: str, seed: int,
+               architecture: UNetConfig = SMOKE) -> Path:
     scheme = {"method": method, "groups": groups}
     for index, classes in enumerate(groups):
         torch.manual_seed(seed + index)
-        meta = CheckpointMeta(kind="expert", name=f"e{index}", architecture=SMOKE.to_dict(),
-                              framework="torch", classes=classes,
-                              partition={"scheme": scheme, "index": index})
-        save_checkpoint(root / f"e{index}", meta, canonical_weights(UNet(SMOKE)))
+        meta = CheckpointMeta(kind="expert", name=f"e{index}",
+                              architecture=architecture.to_dict(), framework="torch",
+                              classes=classes, partition={"scheme": scheme, "index": index})
+        save_checkpoint(root / f"e{index}", meta, canonical_weights(UNet(architecture)))
     torch.manual_seed(seed + 99)
-    router = RouterNetworkConfig(image_size=SMOKE.image_size, num_experts=len(groups))
+    router = RouterNetworkConfig(image_size=architecture.image_size, num_experts=len(groups))
     save_checkpoint(root / "router",
                     CheckpointMeta(kind="router", name="router", architecture=router.to_dict(),
                                    framework="torch", classes=range(10),
@@ -589,10 +591,22 @@ def _config(discovery: dict[str, dict], classes: list[list[int]], router: Path |
 @contextmanager
 def _servers(apps: dict) -> Iterator[dict[str, str]]:
     """Serve each app on a free loopback port in a thread; yields ``host:port`` by name."""
+    with _uvicorn_servers(apps) as running:
+        yield {name: endpoint for name, (endpoint, _) in running.items()}
+
+
+@contextmanager
+def _uvicorn_servers(apps: dict, send_buffer_bytes: int | None = None
+                     ) -> Iterator[dict[str, tuple[str, uvicorn.Server]]]:
+    """:func:`_servers`, yielding each server with its ``host:port`` (for a test that watches
+    a server's connections); with ``send_buffer_bytes``, every connection a server accepts has
+    that kernel send buffer (inherited from the listening socket), not one autotuned to MBs."""
     running = {}
     try:
         for name, app in apps.items():
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            if send_buffer_bytes is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
             sock.bind(("127.0.0.1", 0))
             server = build_server(app, "127.0.0.1", sock.getsockname()[1], log_level="warning")
             thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -602,7 +616,7 @@ def _servers(apps: dict) -> Iterator[dict[str, str]]:
                      for name, (sock, _, _) in running.items()}
         for endpoint in endpoints.values():
             _wait(lambda: _status(f"http://{endpoint}/healthz") == 200, f"{endpoint} up")
-        yield endpoints
+        yield {name: (endpoints[name], server) for name, (_, server, _) in running.items()}
     finally:
         for sock, server, thread in running.values():
             server.should_exit = True
@@ -711,6 +725,73 @@ def test_a_stream_whose_client_disconnects_is_closed_and_frees_its_slot(ddms, ex
                               "ddm_router_generations_in_flight") == 0, "the slot freed")
         ok = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 3}, timeout=30)
         assert ok.status_code == 200, ok.text
+
+
+def test_a_stream_whose_client_stopped_reading_is_closed_when_it_disconnects(tmp_path):
+    """A client that stops reading fills the socket buffers until the router's writes block,
+    the stream's generator suspended at a ``yield`` until its frame is written. When the client
+    then goes away, the generation stops all the same: its slot is freed and its expert gets no
+    more calls.
+
+    The experts serve 64x64 images, so that a step's preview is about 5 KB (noise as PNG), and
+    the router's send buffer is held at 16 KiB: a few dozen steps of the 1000 fill the buffers.
+    (The disconnect releases the blocked write, so the stream's cancellation reaches the
+    generator at its next expert call: this holds on the code before the stream closed its
+    generator explicitly too, 8790abd.)
+    """
+    wide = _write_ddm(tmp_path, [LOW, HIGH], "labels", seed=0,
+                      architecture=dataclasses.replace(SMOKE, image_size=64))
+    with _servers({name: create_expert_app(wide / name, max_batch=8)
+                   for name in ("e0", "e1")}) as experts:
+        config = _config({name: {"endpoints": [experts[name]]} for name in ("e0", "e1")},
+                         [LOW, HIGH], None, strategy="oracle")
+        config = dataclasses.replace(config, limits=RouterLimits(max_concurrent=1,
+                                                                 max_steps=1000))
+        apps = {"router": create_router_app(config)}
+        with _uvicorn_servers(apps, send_buffer_bytes=16 * 1024) as running:
+            endpoint, server = running["router"]
+            router = f"http://{endpoint}"
+            _wait(lambda: _status(f"{router}/readyz") == 200, "router ready")
+            client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+            client.settimeout(WAIT_S)
+            client.connect(_split(endpoint))
+            client.sendall(b"GET /v1/generate/stream?label=1&steps=1000&seed=3 HTTP/1.1\r\n"
+                           b"Host: x\r\n\r\n")
+            received = b""
+            while b"event: step" not in received:  # the first step, then no more reading
+                chunk = client.recv(4096)
+                assert chunk, f"the router ended the stream: {received!r}"
+                received += chunk
+            _wait(lambda: _writes_paused(server), "the router's writes to the client blocked")
+            assert _metric(_metrics(router), "ddm_router_generations_in_flight") == 1
+            client.close()
+            _wait(lambda: _metric(_metrics(router), "ddm_router_generations_in_flight") == 0,
+                  "the generation's slot freed")
+            calls = _velocity_calls(experts["e0"])
+            assert calls < 1000  # it stopped before its end
+            ok = httpx.post(f"{router}/v1/generate", json={"labels": [7], "steps": 3},
+                            timeout=30)  # e1's label, in the one slot, free again
+            assert ok.status_code == 200, ok.text
+            assert _velocity_calls(experts["e1"]) == 3
+            assert _velocity_calls(experts["e0"]) == calls
+
+
+def _metrics(base: str) -> str:
+    return httpx.get(f"{base}/metrics", timeout=10).text
+
+
+def _velocity_calls(expert: str) -> float:
+    """Velocity requests the expert at ``host:port`` has answered."""
+    return _metric(_metrics(f"http://{expert}"),
+                   'ddm_expert_requests_total{kind="velocity",status="200"}')
+
+
+def _writes_paused(server: uvicorn.Server) -> bool:
+    """Whether ``server`` holds a reply it cannot write: a connection's transport buffer is
+    over its high-water mark (uvicorn's flow control), its client not reading."""
+    return any(c.flow is not None and c.flow.write_paused
+               for c in list(server.server_state.connections))
 
 
 def _split(endpoint: str) -> tuple[str, int]:

@@ -154,9 +154,11 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         events = _events(router, mixture, request)
         first = await anext(events)  # started, so that closing it always frees the slot
         body = _prepend(first, events)
-        # Closed when the response ends, however it ends: a client that disconnects while a
-        # frame waits to be written leaves the generator suspended at a ``yield``, where the
-        # cancellation of the stream does not reach it.
+        # Closed when the response ends, however it ends, not left to where the stream's
+        # cancellation lands: were it to land in a ``send`` that waits for a client who has
+        # gone, the generator would stay suspended at a ``yield`` until garbage collected.
+        # (uvicorn releases that ``send`` when the connection is lost, so there the
+        # cancellation reaches the generator at its next expert call, this close or not.)
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"},
                                  background=BackgroundTask(body.aclose))
