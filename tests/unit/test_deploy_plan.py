@@ -29,8 +29,8 @@ CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
                                       neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"),
                         allow_host_paths=True)
 #: Options each consumer sets for its place, not from the spec (each takes a value).
-PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--config", "--drain-s", "--log-level",
-                 "--auth-token-file")
+PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--metrics-port", "--config", "--drain-s",
+                 "--log-level", "--auth-token-file")
 STEPS = (1, 2, limits.DEFAULT_STEPS, limits.ROUTER_MAX_STEPS, limits.ROUTER_MAX_STEPS + 1, 300,
          limits.MAX_STEPS)
 URIS = ("image:///opt/ddm/checkpoints/{name}", "pvc://models/{name}",
@@ -152,6 +152,10 @@ def test_the_operator_and_ddm_up_run_the_same_plan(manifest: DDMManifest) -> Non
         assert _spec_args(op_commands[name]) == _spec_args(local_commands[name]), name
         assert op_env[name] == local_env[name], name
     assert _spec_args(op_router) == _spec_args(local_router) == ["serve", "router"]
+    # Both serve /metrics apart from the API (on a port of its own).
+    for argv in (op_router, local_router, *op_commands.values(), *local_commands.values()):
+        assert argv.count("--metrics-port") == 1 and argv[argv.index("--metrics-port") + 1] \
+            != argv[argv.index("--port") + 1]
     assert _without_places(op_config) == _without_places(local_config)
     assert [e.name for e in op_config.experts] == names
     # Every request at the DDM's own default step count is allowed, on both.

@@ -40,10 +40,12 @@ class ExpertPlan:
     device: str | None
     args: tuple[str, ...]
 
-    def command(self, checkpoint_dir: str, host: str, port: int) -> tuple[str, ...]:
-        """``ddm``'s arguments that serve this expert from ``checkpoint_dir`` on host:port."""
+    def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int
+                ) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve this expert from ``checkpoint_dir`` on host:port,
+        with ``/metrics`` on ``metrics_port`` only (scraping it opens no model)."""
         return ("serve", "expert", "--checkpoint", checkpoint_dir, "--host", host,
-                "--port", str(port), *self.args)
+                "--port", str(port), "--metrics-port", str(metrics_port), *self.args)
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
         """Environment the server needs; on Neuron, its compile caches under ``cache_dir``."""
@@ -64,9 +66,11 @@ class RouterPlan:
     limits: RouterLimits
 
     @staticmethod
-    def command(config_file: str, host: str, port: int) -> tuple[str, ...]:
-        """``ddm``'s arguments that serve the router with ``config_file`` on host:port."""
-        return ("serve", "router", "--config", config_file, "--host", host, "--port", str(port))
+    def command(config_file: str, host: str, port: int, metrics_port: int) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve the router with ``config_file`` on host:port, with
+        ``/metrics`` on ``metrics_port`` only (scraping it opens no API)."""
+        return ("serve", "router", "--config", config_file, "--host", host, "--port", str(port),
+                "--metrics-port", str(metrics_port))
 
 
 @dataclass(frozen=True)

@@ -56,12 +56,14 @@ class LocalRunError(RuntimeError):
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One process to start: ``name`` labels its log lines, ``port`` is where it listens."""
+    """One process to start: ``name`` labels its log lines, ``port`` is where it listens,
+    ``metrics_port`` where it serves ``/metrics`` (alone, as in a pod)."""
 
     name: str
     argv: tuple[str, ...]
     port: int
     env: tuple[tuple[str, str], ...] = ()
+    metrics_port: int | None = None
 
 
 @dataclass(frozen=True)
@@ -116,17 +118,19 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
         checkpoint = str(locate(expert.checkpoint))
         endpoints = []
         for replica in range(max(1, expert.replicas)):
-            port = ports()
-            argv = (*_ddm(), *expert.command(checkpoint, host, port), "--log-level", "warning")
+            port, metrics_port = ports(), ports()
+            argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port),
+                    "--log-level", "warning")
             experts.append(ProcessSpec(f"{expert.name}/{replica}", argv, port,
-                                       env + expert.env(str(cache_dir))))
+                                       env + expert.env(str(cache_dir)), metrics_port))
             endpoints.append(f"{host}:{port}")
         discovery[expert.name] = StaticDiscovery(tuple(endpoints))
     router_checkpoint = (None if plan.router.checkpoint is None
                          else str(locate(plan.router.checkpoint)))
+    metrics_port = ports()
     router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
-                                                                router_port),
-                                    "--log-level", "warning"), router_port, env)
+                                                                router_port, metrics_port),
+                                    "--log-level", "warning"), router_port, env, metrics_port)
     return LocalPlan(tuple(experts), router, plan.router_config(discovery, router_checkpoint),
                      f"http://{host}:{router_port}")
 
@@ -270,6 +274,7 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
                   f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate)."
                   " Ctrl-C stops everything.", file=out, flush=True)
+            print(metrics_line(plan, host), file=out, flush=True)
             if on_ready is not None:
                 on_ready(plan)
             return _supervise(supervisor, stop or threading.Event(), out,
@@ -279,6 +284,13 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             return 0
         finally:
             supervisor.stop()
+
+
+def metrics_line(plan: LocalPlan, host: str) -> str:
+    """Where each process serves ``/metrics`` (its own port, apart from the API, as in a pod)."""
+    where = ", ".join(f"{p.name} http://{host}:{p.metrics_port}/metrics"
+                      for p in (plan.router, *plan.experts) if p.metrics_port is not None)
+    return f"Metrics: {where}."
 
 
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
