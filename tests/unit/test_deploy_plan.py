@@ -164,6 +164,23 @@ def test_the_operator_and_ddm_up_run_the_same_plan(manifest: DDMManifest) -> Non
         limits.ROUTER_MAX_STEPS, steps)
 
 
+def test_with_auth_both_give_the_experts_the_routers_token() -> None:
+    """A spec asking for a token: the router requires it and every expert, on both, reads
+    the same file as the router (a Secret's mount in a pod, a file ddm up writes)."""
+    document = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    for auth in (False, True):
+        if auth:
+            document["spec"]["router"]["auth"] = {}
+        manifest = parse_manifest(document, allow_host_paths=True)
+        for commands, _, _, config in (_operator(manifest), _local(manifest)):
+            files = {_flag_value(c, "--auth-token-file") for c in commands.values()}
+            assert files == ({config.auth.token_file} if auth else {None}), (files, config.auth)
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
 @pytest.mark.parametrize("manifest", MANIFESTS)
 def test_each_expert_runs_the_backend_of_its_accelerator_and_framework(
         manifest: DDMManifest) -> None:

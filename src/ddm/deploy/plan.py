@@ -40,12 +40,15 @@ class ExpertPlan:
     device: str | None
     args: tuple[str, ...]
 
-    def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int
-                ) -> tuple[str, ...]:
+    def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
+                token_file: str | None = None) -> tuple[str, ...]:
         """``ddm``'s arguments that serve this expert from ``checkpoint_dir`` on host:port,
-        with ``/metrics`` on ``metrics_port`` only (scraping it opens no model)."""
+        with ``/metrics`` on ``metrics_port`` only (scraping it opens no model). With the
+        router's ``token_file`` (auth on), ``/v1/*`` answers only callers presenting that token:
+        the router does, so nobody calls the model around the router's authentication."""
+        auth = ("--auth-token-file", token_file) if token_file is not None else ()
         return ("serve", "expert", "--checkpoint", checkpoint_dir, "--host", host,
-                "--port", str(port), "--metrics-port", str(metrics_port), *self.args)
+                "--port", str(port), "--metrics-port", str(metrics_port), *auth, *self.args)
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
         """Environment the server needs; on Neuron, its compile caches under ``cache_dir``."""
@@ -57,13 +60,16 @@ class ExpertPlan:
 
 @dataclass(frozen=True)
 class RouterPlan:
-    """The router: its checkpoint (None with the oracle), request defaults and limits."""
+    """The router: its checkpoint (None with the oracle), request defaults and limits;
+    ``auth``: the spec asks for a bearer token (where it comes from is the place's choice:
+    a Secret in a cluster, a file ``ddm up`` writes)."""
 
     replicas: int
     checkpoint: CheckpointSource | None
     num_classes: int
     sampling: SamplingDefaults
     limits: RouterLimits
+    auth: bool = False
 
     @staticmethod
     def command(config_file: str, host: str, port: int, metrics_port: int) -> tuple[str, ...]:
@@ -83,7 +89,9 @@ class DeploymentPlan:
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
                       auth: Auth | None = None) -> RouterConfigFile:
         """router.yaml, with each expert reached through ``discovery[name]`` and the router
-        network read from ``checkpoint_dir`` (None without one)."""
+        network read from ``checkpoint_dir`` (None without one); with ``auth``, the token the
+        router requires and sends to its experts (give them the same file:
+        :meth:`ExpertPlan.command`)."""
         router = self.router
         return RouterConfigFile(
             experts=tuple(ExpertEntry(name=e.name, classes=e.classes, discovery=discovery[e.name])
@@ -100,7 +108,8 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
         num_classes=spec.num_classes,
         sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy),
         # A request may ask for as many steps as the DDM's own default.
-        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)))
+        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)),
+        auth=spec.router.auth is not None)
     return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router)
 
 

@@ -102,12 +102,12 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     mount = _checkpoint(expert.checkpoint, expert.fetch, EXPERT_CHECKPOINT_DIR, image, config,
                         meta, expert_key(expert.name))
     command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT,
-                                       names.METRICS_PORT),
+                                       names.METRICS_PORT,
+                                       ROUTER_TOKEN_FILE if token is not None else None),
                "--drain-s", str(DRAIN_S)]
     env, volumes, mounts = _scratch()
     if token is not None:
         _mount_token(token, volumes, mounts)
-        command += ["--auth-token-file", ROUTER_TOKEN_FILE]
     env += [{"name": name, "value": value} for name, value in planned.env(NEURON_CACHE_DIR)]
     if planned.backend == "neuron":
         volumes.append({"name": "neuron-cache", "emptyDir": {}})
