@@ -537,6 +537,17 @@ def test_the_router_allows_as_many_steps_as_the_ddms_default() -> None:
     assert config.sampling.steps == 900 and config.limits.max_steps == 900
 
 
+def test_the_routers_clients_behind_the_operators_trusted_proxies_are_forwarded_ones() -> None:
+    config = _router_yaml(_children(_spec(_expert("a"))))
+    assert config.trusted_proxies == ()
+    assert config.limits.max_concurrent_per_client < config.limits.max_concurrent
+    behind = _router_yaml(_children(_spec(_expert("a")), OperatorConfig(
+        images=CONFIG.images, router_trusted_proxies=("10.42.7.0/24",))))
+    assert behind.trusted_proxies == ("10.42.7.0/24",)
+    with pytest.raises(ValueError, match="DDM_ROUTER_TRUSTED_PROXIES: .*'10.42.7.1/24'"):
+        OperatorConfig.from_env({"DDM_ROUTER_TRUSTED_PROXIES": "10.42.7.1/24"})
+
+
 def test_labels_and_selectors() -> None:
     children = _children(_spec(_expert("a")))
     for child in children.values():

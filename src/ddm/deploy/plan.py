@@ -87,17 +87,20 @@ class DeploymentPlan:
     router: RouterPlan
 
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
-                      auth: Auth | None = None) -> RouterConfigFile:
+                      auth: Auth | None = None, trusted_proxies: tuple[str, ...] = ()
+                      ) -> RouterConfigFile:
         """router.yaml, with each expert reached through ``discovery[name]`` and the router
         network read from ``checkpoint_dir`` (None without one); with ``auth``, the token the
         router requires and sends to its experts (give them the same file:
-        :meth:`ExpertPlan.command`)."""
+        :meth:`ExpertPlan.command`); ``trusted_proxies``: the CIDRs of the proxies in front of
+        the router, whose ``X-Forwarded-For`` names the client its per-client limit counts."""
         router = self.router
         return RouterConfigFile(
             experts=tuple(ExpertEntry(name=e.name, classes=e.classes, discovery=discovery[e.name])
                           for e in self.experts),
             num_classes=router.num_classes, sampling=router.sampling,
-            router_checkpoint=checkpoint_dir, limits=router.limits, auth=auth)
+            router_checkpoint=checkpoint_dir, limits=router.limits, auth=auth,
+            trusted_proxies=trusted_proxies)
 
 
 def plan_deployment(spec: DDMSpec) -> DeploymentPlan:

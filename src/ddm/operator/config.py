@@ -20,6 +20,9 @@ FETCH_ALLOW_NETWORKS_ENV = "DDM_FETCH_ALLOW_NETWORKS"
 #: The operator's variable listing who may scrape the servers' metrics port: a JSON list of
 #: NetworkPolicyPeers (the chart's ``networkPolicy.metricsFrom``).
 METRICS_FROM_ENV = "DDM_METRICS_FROM"
+#: The operator's variable listing the proxies in front of every router (comma-separated
+#: CIDRs, router.yaml's ``trusted_proxies``).
+TRUSTED_PROXIES_ENV = "DDM_ROUTER_TRUSTED_PROXIES"
 _PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
 _SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 
@@ -117,9 +120,11 @@ class OperatorConfig:
     networks (CIDRs) checkpoint fetchers may reach (the cluster's private stores; the
     fetcher's ``--allow-network``): an admin's choice, never a tenant's, so not in the CRD;
     ``allowed_images`` and ``allowed_checkpoint_sources``: the allow-lists of ``policy``
-    (empty: anything); ``metrics_from``: the NetworkPolicyPeers that may reach the servers'
-    metrics port (empty: none; only with ``network_policy``, as without policies every port
-    is open)."""
+    (empty: anything); ``router_trusted_proxies``: CIDRs of the proxies in front of every
+    router (the cluster's ingress controllers: an admin's knowledge), whose
+    ``X-Forwarded-For`` names the client a request counts against; ``metrics_from``: the
+    NetworkPolicyPeers that may reach the servers' metrics port (empty: none; only with
+    ``network_policy``, as without policies every port is open)."""
 
     images: Images = field(default_factory=lambda: Images.defaults(_default_tag()))
     image_pull_policy: str = "IfNotPresent"
@@ -131,9 +136,14 @@ class OperatorConfig:
     allowed_images: tuple[str, ...] = ()
     allowed_checkpoint_sources: tuple[str, ...] = ()
     metrics_from: tuple[dict[str, Any], ...] = ()
+    router_trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_peers(self.metrics_from)
+        try:
+            parse_networks(self.router_trusted_proxies)
+        except ValueError as error:
+            raise ValueError(f"{TRUSTED_PROXIES_ENV}: {error}") from None
         try:
             parse_networks(self.fetch_allow_networks)
         except ValueError as error:
@@ -148,7 +158,8 @@ class OperatorConfig:
         ``DDM_ROUTER_AUTH`` and ``DDM_NETWORK_POLICY`` (all false when unset), and the
         comma-separated lists ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``
         and ``DDM_ALLOWED_CHECKPOINT_SOURCES`` (prefixes; see ``policy``), empty when unset,
-        and ``DDM_METRICS_FROM`` (a JSON list of NetworkPolicyPeers; unset: none)."""
+        ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), and ``DDM_METRICS_FROM`` (a JSON list of
+        NetworkPolicyPeers; unset: none)."""
         base = cls()
         images = Images(**{family: env.get(f"DDM_IMAGE_{family.upper()}") or default
                            for family, default in vars(base.images).items()})
@@ -161,4 +172,5 @@ class OperatorConfig:
                    fetch_allow_networks=_list(env, FETCH_ALLOW_NETWORKS_ENV),
                    allowed_images=_list(env, policy.IMAGES_ENV),
                    allowed_checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV),
-                   metrics_from=_peers(env))
+                   metrics_from=_peers(env),
+                   router_trusted_proxies=_list(env, TRUSTED_PROXIES_ENV))

@@ -156,7 +156,8 @@ def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[st
 
 def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                         ) -> RouterConfigFile:
-    """router.yaml (the plan's): the experts behind their headless Services."""
+    """router.yaml (the plan's): the experts behind their headless Services, the operator's
+    trusted proxies (the cluster's ingress) naming the clients of its per-client limit."""
     owner, namespace = meta["name"], meta["namespace"]
     discovery = {e.name: DnsDiscovery(dns=names.expert_dns(owner, e.name, namespace,
                                                            config.cluster_domain),
@@ -167,7 +168,8 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
         discovery,
         None if checkpoint is None else
         (checkpoint.path if checkpoint.scheme == "image" else ROUTER_CHECKPOINT_DIR),
-        Auth(token_file=ROUTER_TOKEN_FILE) if router_token(spec, meta, config) else None)
+        Auth(token_file=ROUTER_TOKEN_FILE) if router_token(spec, meta, config) else None,
+        config.router_trusted_proxies)
 
 
 def build_router_configmap(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
