@@ -21,7 +21,7 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import ROUTER_CONFIG_FILE, build_children
-from ddm.runtime.local import plan_local
+from ddm.runtime.local import LocalRunError, plan_local
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -130,7 +130,8 @@ def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[s
     def locate(source: CheckpointSource) -> Path:
         return Path("/fetched") / source.scheme / source.location / source.path.strip("/")
 
-    plan = plan_local(manifest, lambda: next(ports), 8080, locate=locate)
+    plan = plan_local(manifest, lambda: next(ports), 8080, locate=locate,
+                      token_file=Path("/run/ddm-up/router-token"))
     commands, env = {}, {}
     for process in plan.experts:
         name = process.name.split("/")[0]
@@ -175,6 +176,9 @@ def test_with_auth_both_give_the_experts_the_routers_token() -> None:
         for commands, _, _, config in (_operator(manifest), _local(manifest)):
             files = {_flag_value(c, "--auth-token-file") for c in commands.values()}
             assert files == ({config.auth.token_file} if auth else {None}), (files, config.auth)
+    with pytest.raises(LocalRunError, match=r"digits asks for a bearer token \(spec.router.auth\)"):
+        plan_local(manifest, itertools.count(20000).__next__, 8080,
+                   locate=lambda source: Path("/fetched"))
 
 
 def _flag_value(argv: list[str], flag: str) -> str | None:

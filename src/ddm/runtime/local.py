@@ -109,8 +109,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                locate: Callable[[CheckpointSource], Path] = resolve_checkpoint,
                threads: int = 1, config_path: Path = Path("router.yaml"),
                cache_dir: Path = Path(tempfile.gettempdir()) / "ddm-cache",
-               token_file: Path = Path("router-token"), require_auth: bool = False
-               ) -> LocalPlan:
+               token_file: Path | None = None, require_auth: bool = False) -> LocalPlan:
     """The manifest's plan placed here: ``ports()`` hands out free expert ports, ``locate``
     finds each checkpoint's directory, ``cache_dir`` holds compile caches (Neuron).
     When the spec asks for authentication (``router.auth``) or ``require_auth``, the router
@@ -120,7 +119,12 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     An expert with 0 replicas still gets one process: locally there is nothing to save, and
     the router needs an address for each of its experts."""
     plan = plan_deployment(manifest.spec)
-    token = str(token_file) if plan.router.auth or require_auth else None
+    token = None
+    if plan.router.auth or require_auth:
+        if token_file is None:
+            raise LocalRunError(f"{manifest.name} asks for a bearer token (spec.router.auth): "
+                                "give a token file (ddm up --auth-token-file, or ddm up's own)")
+        token = str(token_file)
     env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
            ("PYTHONUNBUFFERED", "1"))
     experts: list[ProcessSpec] = []
