@@ -326,7 +326,8 @@ def test_with_auth_ddm_up_experts_refuse_callers_without_the_routers_token(
         tmp_path: Path) -> None:
     """A manifest asking for a token (``router.auth``): ddm up writes a random one to a
     private file, the router requires it, and its experts (reached directly on loopback)
-    answer only a caller presenting it, as the operator's pods do; generations still work."""
+    answer only a caller presenting it, as the operator's pods do; generations still work.
+    Every process serves /metrics on the port ddm up printed, and not on its API port."""
     document = yaml.safe_load(EXAMPLE.read_text())
     document["spec"]["router"]["auth"] = {}
     (tmp_path / "auth.yaml").write_text(yaml.safe_dump(document))
@@ -349,6 +350,12 @@ def test_with_auth_ddm_up_experts_refuse_callers_without_the_routers_token(
                 assert answer.status_code == status, (expert.name, headers, answer.text)
             assert httpx.get(f"{base}/v1/info", timeout=30).status_code == 401
             assert httpx.get(f"{base}/readyz", timeout=30).status_code == 200  # probes open
+        for process in (plan.router, *plan.experts):  # /metrics apart from the API, open
+            scrape = f"http://127.0.0.1:{process.metrics_port}/metrics"
+            assert scrape in log.getvalue()
+            assert httpx.get(scrape, timeout=30).status_code == 200
+            assert httpx.get(f"http://127.0.0.1:{process.port}/metrics",
+                             timeout=30).status_code == 404
         assert _generate(plan.url, 3).status_code == 401
         answer = httpx.post(f"{plan.url}/v1/generate", timeout=60, headers=bearer,
                             json={"labels": [3, 8], "steps": 4, "seed": 0})
