@@ -312,7 +312,8 @@ HOLD_S = 10.0
 
 def test_one_client_cannot_take_the_router_and_a_forwarded_client_is_its_own(ddms, experts):
     """Clients on distinct loopback source addresses, each limited to 2 generations at once:
-    a client holding 2 gets 429 naming it and the limit, another client is served meanwhile.
+    a client holding 2 gets 429 naming it and the limit (for a JSON or a streamed
+    generation), another client is served meanwhile.
     Through a trusted proxy (127.0.0.4) the client is the right-most X-Forwarded-For entry,
     which a client cannot escape by writing entries of its own to its left; an untrusted
     peer (127.0.0.5) is its own address whatever the header says. Held generations need e1,
@@ -351,6 +352,8 @@ def test_one_client_cannot_take_the_router_and_a_forwarded_client_is_its_own(ddm
                 started = time.monotonic()
                 answers = {
                     "a again": await generate(a, 1),
+                    "a streaming": await a.get("/v1/generate/stream",
+                                               params={"label": 1, "steps": 3}),
                     "b": await generate(b, 1),
                     "forwarded 203.0.113.7": await generate(proxy, 1, "203.0.113.7"),
                     "203.0.113.7 spoofing": await generate(proxy, 1, "198.51.100.9, 203.0.113.7"),
@@ -365,12 +368,14 @@ def test_one_client_cannot_take_the_router_and_a_forwarded_client_is_its_own(ddm
 
             answers, quick_s, held_answers, after = asyncio.run(scenario())
             statuses = {what: reply.status_code for what, reply in answers.items()}
-            assert statuses == {"a again": 429, "b": 200, "forwarded 203.0.113.7": 429,
+            assert statuses == {"a again": 429, "a streaming": 429, "b": 200,
+                                "forwarded 203.0.113.7": 429,
                                 "203.0.113.7 spoofing": 429, "forwarded 203.0.113.8": 200,
                                 "untrusted, new header": 429}, {
                 what: reply.text for what, reply in answers.items()}
             assert quick_s < HOLD_S  # all of them answered while the held ones were in flight
-            for what, client in (("a again", "127.0.0.2"), ("forwarded 203.0.113.7", "203.0.113.7"),
+            for what, client in (("a again", "127.0.0.2"), ("a streaming", "127.0.0.2"),
+                                 ("forwarded 203.0.113.7", "203.0.113.7"),
                                  ("203.0.113.7 spoofing", "203.0.113.7"),
                                  ("untrusted, new header", "127.0.0.5")):
                 reply = answers[what]
@@ -381,7 +386,7 @@ def test_one_client_cannot_take_the_router_and_a_forwarded_client_is_its_own(ddm
             assert [r.status_code for r in held_answers] == [503] * len(held_answers)
             assert after.status_code == 200, after.text  # the slots were given back
             metrics = httpx.get(f"{base}/metrics").text
-            assert _metric(metrics, "ddm_router_client_limited_total") == 4
+            assert _metric(metrics, "ddm_router_client_limited_total") == 5
             assert _metric(metrics, "ddm_router_generations_in_flight") == 0
 
 
