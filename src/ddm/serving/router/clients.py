@@ -24,13 +24,11 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-from ddm.checkpoints.destinations import Network
+from ddm.checkpoints.destinations import Address, Network
 
 #: The header a proxy appends the address it received a request from to (one header, or
 #: several whose values join with commas).
 FORWARDED_FOR = b"x-forwarded-for"
-
-Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class ClientBusy(RuntimeError):
