@@ -118,7 +118,8 @@ def _plan(manifest: DDMManifest, max_batch: int, workdir: Path, tag: str,
         return dataclasses.replace(process, name=f"{tag}/{process.name}")
 
     router = dataclasses.replace(named(plan.router), argv=(
-        *plan.router.argv, "--max-concurrent", str(CONCURRENT)))
+        *plan.router.argv, "--max-concurrent", str(CONCURRENT),
+            "--max-concurrent-per-client", str(CONCURRENT)))  # every client is on loopback
     return dataclasses.replace(plan, experts=tuple(map(named, plan.experts)), router=router)
 
 

@@ -137,7 +137,8 @@ def _local_ddm(manifest: Path, clients: int, log: TextIO) -> Iterator[str]:
                           HOST, config_path=config_path)
         config_path.write_text(plan.router_config.to_yaml())
         router = dataclasses.replace(plan.router, argv=(
-            *plan.router.argv, "--max-concurrent", str(clients)))
+            *plan.router.argv, "--max-concurrent", str(clients),
+            "--max-concurrent-per-client", str(clients)))  # every client is on loopback
         supervisor = Supervisor(log)
         try:
             print(f"load: starting {len(plan.experts)} experts and the router", file=log,

@@ -454,6 +454,10 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                    help="the router's time budget for one expert call, waiting for a "
                         "restarting expert included; past it the request gets a 503 naming "
                         "the expert (default: router.yaml's, 60 s)")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="require this bearer token on the router's API and on every expert "
+                        "(default: a random one, in a private file it names, when the "
+                        "manifest's router.auth asks for a token)")
     p.set_defaults(handler=_up)
 
 
@@ -467,7 +471,7 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops every process, as Ctrl-C does
     return run_local(load_manifest(path), router_port=args.port, host=args.host,
                      pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
-                     deadline_s=args.deadline_s)
+                     deadline_s=args.deadline_s, auth_token_file=args.auth_token_file)
 
 
 # -- operator -----------------------------------------------------------------------------------

@@ -320,3 +320,44 @@ def test_with_fail_fast_a_dead_expert_stops_everything() -> None:
     for spec in (*plan.experts, plan.router):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", spec.port)) != 0, f"{spec.name} still listens"
+
+
+def test_with_auth_ddm_up_experts_refuse_callers_without_the_routers_token(
+        tmp_path: Path) -> None:
+    """A manifest asking for a token (``router.auth``): ddm up writes a random one to a
+    private file, the router requires it, and its experts (reached directly on loopback)
+    answer only a caller presenting it, as the operator's pods do; generations still work.
+    Every process serves /metrics on the port ddm up printed, and not on its API port."""
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["spec"]["router"]["auth"] = {}
+    (tmp_path / "auth.yaml").write_text(yaml.safe_dump(document))
+    with _ddm_up(tmp_path / "auth.yaml") as (plan, log, _):
+        assert plan.token_file is not None and plan.token_file.stat().st_mode & 0o077 == 0
+        token = plan.token_file.read_text().strip()
+        assert len(token) >= 43 and token not in log.getvalue()
+        assert str(plan.token_file) in log.getvalue()  # ddm up says where it is
+        bearer = {"Authorization": f"Bearer {token}"}
+        velocity = {"content-type": CONTENT_TYPE}
+        for expert, label in zip(plan.experts, (0, 5)):  # digits-0-4, digits-5-9
+            base = f"http://127.0.0.1:{expert.port}"
+            request = encode_request(VelocityRequest(
+                1, np.zeros((1, 1, 16, 16), np.float32), np.full(1, 0.5, np.float32),
+                np.full(1, label, np.int64)))
+            for headers, status in (({}, 401), ({"Authorization": "Bearer guessed"}, 401),
+                                    (bearer, 200)):
+                answer = httpx.post(f"{base}/v1/velocity", content=request,
+                                    headers={**velocity, **headers}, timeout=30)
+                assert answer.status_code == status, (expert.name, headers, answer.text)
+            assert httpx.get(f"{base}/v1/info", timeout=30).status_code == 401
+            assert httpx.get(f"{base}/readyz", timeout=30).status_code == 200  # probes open
+        for process in (plan.router, *plan.experts):  # /metrics apart from the API, open
+            scrape = f"http://127.0.0.1:{process.metrics_port}/metrics"
+            assert scrape in log.getvalue()
+            assert httpx.get(scrape, timeout=30).status_code == 200
+            assert httpx.get(f"http://127.0.0.1:{process.port}/metrics",
+                             timeout=30).status_code == 404
+        assert _generate(plan.url, 3).status_code == 401
+        answer = httpx.post(f"{plan.url}/v1/generate", timeout=60, headers=bearer,
+                            json={"labels": [3, 8], "steps": 4, "seed": 0})
+        assert answer.status_code == 200, answer.text + log.getvalue()[-2000:]
+        assert answer.json()["experts"] == [["digits-0-4"], ["digits-5-9"]]

@@ -29,6 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from podsecurity import violations
 from waiting import wait_for
 
+from ddm.operator import names
 from ddm.operator.config import OperatorConfig
 from ddm.operator.runner import run_operator
 from ddm.deploy.router_config import RouterConfigFile
@@ -449,7 +450,11 @@ def test_network_policies_follow_the_operators_setting(operator: OperatorThread,
                                                        kube_namespace: str) -> None:
     ns = kube_namespace
     try:
-        operator.restart(OperatorConfig(images=DEFAULT_CONFIG.images, network_policy=True))
+        scrapers = ({"namespaceSelector": {"matchLabels": {"team": "monitoring"}},
+                     "podSelector": {"matchLabels": {"app": "prometheus"}}},
+                    {"ipBlock": {"cidr": "10.9.0.0/16", "except": ["10.9.1.0/24"]}})
+        operator.restart(OperatorConfig(images=DEFAULT_CONFIG.images, network_policy=True,
+                                        metrics_from=scrapers))
         _deploy(cluster, ns, "np", CPU_SPEC)
         policies = wait_for(lambda: {p["metadata"]["name"]: p for p in cluster.list(
             "NetworkPolicy", ns, f"{OWNER_LABEL}=np")} or None, 15, "NetworkPolicies")
@@ -466,6 +471,10 @@ def test_network_policies_follow_the_operators_setting(operator: OperatorThread,
         assert selected(expert_policy["ingress"][0]["from"][0]["podSelector"]) == routers
         assert selected(policies["np-router"]["spec"]["podSelector"]) == routers
         assert selected(policies["np-fetch"]["spec"]["podSelector"]) == set()  # image://
+        for name in ("np-experts", "np-router"):  # the API server kept the scrapers' rule
+            (scrape,) = [rule for rule in policies[name]["spec"]["ingress"]
+                         if rule["ports"] == [{"protocol": "TCP", "port": names.METRICS_PORT}]]
+            assert scrape["from"] == list(scrapers)
 
         operator.restart(DEFAULT_CONFIG)
         wait_for(lambda: not cluster.list("NetworkPolicy", ns, f"{OWNER_LABEL}=np"), 15,

@@ -307,6 +307,90 @@ def test_generations_beyond_the_limit_get_429_and_a_hung_expert_503(ddms, expert
             assert _metric(metrics, 'ddm_router_expert_unavailable_total{expert="e1"}') == 1
 
 
+#: How long a generation that needs the hung expert stays in flight (the router's deadline).
+HOLD_S = 10.0
+
+
+def test_one_client_cannot_take_the_router_and_a_forwarded_client_is_its_own(ddms, experts):
+    """Clients on distinct loopback source addresses, each limited to 2 generations at once:
+    a client holding 2 gets 429 naming it and the limit (for a JSON or a streamed
+    generation), another client is served meanwhile.
+    Through a trusted proxy (127.0.0.4) the client is the right-most X-Forwarded-For entry,
+    which a client cannot escape by writing entries of its own to its left; an untrusted
+    peer (127.0.0.5) is its own address whatever the header says. Held generations need e1,
+    which never answers, so they stay in flight until the router's deadline."""
+    with _hanging() as hanging:
+        config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [hanging]}},
+                         [LOW, HIGH], None, strategy="oracle",
+                         timeouts={"connect_s": 0.5, "request_s": 0.5})
+        config = dataclasses.replace(
+            config, limits=RouterLimits(max_concurrent=8, max_concurrent_per_client=2),
+            trusted_proxies=("127.0.0.4/32",))
+        with _servers({"router": create_router_app(config, deadline_s=HOLD_S)}) as endpoints:
+            base = f"http://{endpoints['router']}"
+            _wait(lambda: httpx.get(f"{base}/v1/info").json()["image_shape"], "e0 seen")
+
+            async def scenario():
+                clients = {address: httpx.AsyncClient(
+                    base_url=base, timeout=30,
+                    transport=httpx.AsyncHTTPTransport(local_address=address))
+                    for address in ("127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5")}
+                a, b, proxy, untrusted = clients.values()
+
+                def generate(client, label, forwarded=None):
+                    headers = {"X-Forwarded-For": forwarded} if forwarded else {}
+                    return client.post("/v1/generate", json={"labels": [label], "steps": 3},
+                                       headers=headers)
+
+                held = [asyncio.create_task(generate(client, 7, forwarded))
+                        for client, forwarded in (
+                            (a, None), (a, None), (proxy, "203.0.113.7"),
+                            (proxy, "203.0.113.7"), (untrusted, "203.0.113.50"),
+                            (untrusted, "203.0.113.51"))]
+                while _metric((await b.get("/metrics")).text,
+                              "ddm_router_generations_in_flight") < len(held):
+                    await asyncio.sleep(0.01)
+                started = time.monotonic()
+                answers = {
+                    "a again": await generate(a, 1),
+                    "a streaming": await a.get("/v1/generate/stream",
+                                               params={"label": 1, "steps": 3}),
+                    "b": await generate(b, 1),
+                    "forwarded 203.0.113.7": await generate(proxy, 1, "203.0.113.7"),
+                    "203.0.113.7 spoofing": await generate(proxy, 1, "198.51.100.9, 203.0.113.7"),
+                    "forwarded 203.0.113.8": await generate(proxy, 1, "203.0.113.8"),
+                    "untrusted, new header": await generate(untrusted, 1, "203.0.113.52")}
+                quick_s = time.monotonic() - started
+                held_answers = await asyncio.gather(*held)
+                after = await generate(a, 1)
+                for client in clients.values():
+                    await client.aclose()
+                return answers, quick_s, held_answers, after
+
+            answers, quick_s, held_answers, after = asyncio.run(scenario())
+            statuses = {what: reply.status_code for what, reply in answers.items()}
+            assert statuses == {"a again": 429, "a streaming": 429, "b": 200,
+                                "forwarded 203.0.113.7": 429,
+                                "203.0.113.7 spoofing": 429, "forwarded 203.0.113.8": 200,
+                                "untrusted, new header": 429}, {
+                what: reply.text for what, reply in answers.items()}
+            assert quick_s < HOLD_S  # all of them answered while the held ones were in flight
+            for what, client in (("a again", "127.0.0.2"), ("a streaming", "127.0.0.2"),
+                                 ("forwarded 203.0.113.7", "203.0.113.7"),
+                                 ("203.0.113.7 spoofing", "203.0.113.7"),
+                                 ("untrusted, new header", "127.0.0.5")):
+                reply = answers[what]
+                assert reply.headers["Retry-After"] == "1"
+                assert reply.json()["detail"] == (
+                    f"client {client} has 2 generations in flight, the limit per client is 2 "
+                    "(limits.max_concurrent_per_client); retry when one ends"), reply.text
+            assert [r.status_code for r in held_answers] == [503] * len(held_answers)
+            assert after.status_code == 200, after.text  # the slots were given back
+            metrics = httpx.get(f"{base}/metrics").text
+            assert _metric(metrics, "ddm_router_client_limited_total") == 5
+            assert _metric(metrics, "ddm_router_generations_in_flight") == 0
+
+
 def test_a_router_with_no_expert_ready_is_not_ready_and_says_so(ddms):
     dead = {name: {"endpoints": [f"127.0.0.1:{_free_port()}"]} for name in ("e0", "e1")}
     config = _config(dead, [LOW, HIGH], None, strategy="oracle")
@@ -526,7 +610,12 @@ def test_a_router_that_cannot_start_exits_1_and_says_why(ddms, experts, tmp_path
              "flag": (oracle.to_yaml(), ["--auth-token-file", str(missing)],
                       f"auth.token_file {missing}: No such file"),
              "limit": (oracle.to_yaml(), ["--max-steps", "2"],
-                       "sampling.steps 6 exceeds limits.max_steps 2")}
+                       "sampling.steps 6 exceeds limits.max_steps 2"),
+             "per client": (oracle.to_yaml(), ["--max-concurrent-per-client", "0"],
+                            "limits.max_concurrent_per_client must be an integer >= 1, got 0"),
+             "proxy": (oracle.to_yaml(), ["--trusted-proxy", "10.0.0.0/8",
+                                          "--trusted-proxy", "10.0.0.1/8"],
+                       "trusted_proxies: network '10.0.0.1/8' is not an address or a CIDR")}
     for name, (text, flags, reason) in cases.items():
         (tmp_path / f"{name}.yaml").write_text(text)
         log = tmp_path / f"{name}.termination-log"

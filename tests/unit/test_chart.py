@@ -160,6 +160,34 @@ def test_fetch_networks_reach_the_operator_and_bad_ones_fail_the_install(helm: P
     assert result.returncode != 0 and "allowNetworks" in result.stderr
 
 
+def test_metrics_scrapers_reach_the_operator_and_malformed_ones_fail_the_install(
+        helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    assert OperatorConfig.from_env(env_of(render(helm))).metrics_from == ()
+    env = env_of(render(
+        helm, "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
+        "networkPolicy.metricsFrom[1].ipBlock.cidr=10.9.0.0/16"))
+    assert OperatorConfig.from_env(env).metrics_from == (
+        {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}},
+        {"ipBlock": {"cidr": "10.9.0.0/16"}})
+    for bad in ("networkPolicy.metricsFrom[0].podSelector.app=x",
+                "networkPolicy.metricsFrom[0].ipBlock.cidr=everyone"):
+        result = helm_run(helm, "template", "ddm", str(CHART), "--set", bad)
+        assert result.returncode != 0 and "metricsFrom" in result.stderr, bad
+
+
+def test_the_routers_trusted_proxies_reach_the_operator(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    assert OperatorConfig.from_env(env_of(render(helm))).router_trusted_proxies == ()
+    env = env_of(render(helm, "routerClients.trustedProxies={10.42.7.0/24,fd00:7::/64}"))
+    assert OperatorConfig.from_env(env).router_trusted_proxies == ("10.42.7.0/24", "fd00:7::/64")
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set",
+                      "routerClients.trustedProxies={ingress.example}")
+    assert result.returncode != 0 and "trustedProxies" in result.stderr
+
+
 def test_tenant_allow_lists_reach_the_operator(helm: Path) -> None:
     from ddm.operator.config import OperatorConfig
 

@@ -33,8 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reliability.md"
 #: The chart's value sets checked: its defaults with the example, and namespaced RBAC.
 CHART_VALUES = (("example.enabled=true",), ("watchNamespaces={team-a,team-b}",))
-#: The operator as the chart runs it; the examples' objects in a namespace of their own.
-CONFIG = OperatorConfig(router_auth=True, network_policy=True)
+#: The operator as the chart runs it, with Prometheus admitted to the metrics port; the
+#: examples' objects in a namespace of their own.
+CONFIG = OperatorConfig(router_auth=True, network_policy=True, metrics_from=(
+    {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},))
 NAMESPACE = "ddm-users"
 
 

@@ -21,7 +21,7 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import ROUTER_CONFIG_FILE, build_children
-from ddm.runtime.local import plan_local
+from ddm.runtime.local import LocalRunError, plan_local
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -29,8 +29,8 @@ CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
                                       neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"),
                         allow_host_paths=True)
 #: Options each consumer sets for its place, not from the spec (each takes a value).
-PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--config", "--drain-s", "--log-level",
-                 "--auth-token-file")
+PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--metrics-port", "--config", "--drain-s",
+                 "--log-level", "--auth-token-file")
 STEPS = (1, 2, limits.DEFAULT_STEPS, limits.ROUTER_MAX_STEPS, limits.ROUTER_MAX_STEPS + 1, 300,
          limits.MAX_STEPS)
 URIS = ("image:///opt/ddm/checkpoints/{name}", "pvc://models/{name}",
@@ -130,7 +130,8 @@ def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[s
     def locate(source: CheckpointSource) -> Path:
         return Path("/fetched") / source.scheme / source.location / source.path.strip("/")
 
-    plan = plan_local(manifest, lambda: next(ports), 8080, locate=locate)
+    plan = plan_local(manifest, lambda: next(ports), 8080, locate=locate,
+                      token_file=Path("/run/ddm-up/router-token"))
     commands, env = {}, {}
     for process in plan.experts:
         name = process.name.split("/")[0]
@@ -152,12 +153,36 @@ def test_the_operator_and_ddm_up_run_the_same_plan(manifest: DDMManifest) -> Non
         assert _spec_args(op_commands[name]) == _spec_args(local_commands[name]), name
         assert op_env[name] == local_env[name], name
     assert _spec_args(op_router) == _spec_args(local_router) == ["serve", "router"]
+    # Both serve /metrics apart from the API (on a port of its own).
+    for argv in (op_router, local_router, *op_commands.values(), *local_commands.values()):
+        assert argv.count("--metrics-port") == 1 and argv[argv.index("--metrics-port") + 1] \
+            != argv[argv.index("--port") + 1]
     assert _without_places(op_config) == _without_places(local_config)
     assert [e.name for e in op_config.experts] == names
     # Every request at the DDM's own default step count is allowed, on both.
     steps = manifest.spec.sampling.steps
     assert op_config.limits.max_steps == local_config.limits.max_steps == max(
         limits.ROUTER_MAX_STEPS, steps)
+
+
+def test_with_auth_both_give_the_experts_the_routers_token() -> None:
+    """A spec asking for a token: the router requires it and every expert, on both, reads
+    the same file as the router (a Secret's mount in a pod, a file ddm up writes)."""
+    document = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
+    for auth in (False, True):
+        if auth:
+            document["spec"]["router"]["auth"] = {}
+        manifest = parse_manifest(document, allow_host_paths=True)
+        for commands, _, _, config in (_operator(manifest), _local(manifest)):
+            files = {_flag_value(c, "--auth-token-file") for c in commands.values()}
+            assert files == ({config.auth.token_file} if auth else {None}), (files, config.auth)
+    with pytest.raises(LocalRunError, match=r"digits asks for a bearer token \(spec.router.auth\)"):
+        plan_local(manifest, itertools.count(20000).__next__, 8080,
+                   locate=lambda source: Path("/fetched"))
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
 
 
 @pytest.mark.parametrize("manifest", MANIFESTS)

@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from podsecurity import violations
@@ -141,7 +142,8 @@ def test_cpu_adds_nothing(framework: str) -> None:
 def test_the_expert_command_is_the_servers() -> None:
     command = _container(_expert_pod(_expert(maxBatch=32, maxDelayMs=5)))["command"]
     assert command == ["ddm", "serve", "expert", "--checkpoint", "/models/e", "--host", "0.0.0.0",
-                       "--port", "8000", "--backend", "torch", "--device", "cpu",
+                       "--port", "8000", "--metrics-port", "9090", "--backend", "torch",
+                       "--device", "cpu",
                        "--max-batch", "32", "--max-delay-ms", "5", "--drain-s", "5"]
 
 
@@ -223,8 +225,9 @@ def test_a_fetched_uri_is_in_the_operators_secret_and_nowhere_else() -> None:
             if c["kind"] == "Deployment"}
     # the URI's hash rolls the pods when it changes (the Secret's change would not)
     assert pods["digits-expert-a"]["metadata"]["annotations"] == {
-        names.CHECKPOINT_HASH_ANNOTATION: uri_digest(SIGNED)}
-    assert "annotations" not in pods["digits-expert-b"]["metadata"]
+        **names.SCRAPE_ANNOTATIONS, names.CHECKPOINT_HASH_ANNOTATION: uri_digest(SIGNED)}
+    assert names.CHECKPOINT_HASH_ANNOTATION not in pods["digits-expert-b"]["metadata"][
+        "annotations"]
     assert names.CHECKPOINT_HASH_ANNOTATION in pods["digits-router"]["metadata"]["annotations"]
     assert build_checkpoint_secret(parse_spec(_spec(_expert())), META)["data"] == {}
 
@@ -429,9 +432,9 @@ def test_network_policies_let_only_the_router_reach_the_experts() -> None:
     (source,) = rule["from"]
     assert _matches(source["podSelector"], router)
     assert not any(_matches(source["podSelector"], labels) for labels in experts)
-    expert_ports = {p["containerPort"] for p in _container(
+    expert_ports = {p["name"]: p["containerPort"] for p in _container(
         children[("Deployment", "digits-expert-a")]["spec"]["template"]["spec"])["ports"]}
-    assert {p["port"] for p in rule["ports"]} == expert_ports
+    assert [p["port"] for p in rule["ports"]] == [expert_ports["http"]]
 
     router_policy = children[("NetworkPolicy", "digits-router")]["spec"]
     assert _matches(router_policy["podSelector"], router)
@@ -439,7 +442,51 @@ def test_network_policies_let_only_the_router_reach_the_experts() -> None:
     (router_rule,) = router_policy["ingress"]
     assert "from" not in router_rule  # clients anywhere, on the router's port only
     assert [p["port"] for p in router_rule["ports"]] == [
-        p["containerPort"] for p in _container(_router_pod(children))["ports"]]
+        p["containerPort"] for p in _container(_router_pod(children))["ports"]
+        if p["name"] == "http"]
+
+
+#: Prometheus in its own namespace, and a scraper outside the cluster.
+SCRAPERS = ({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
+            {"ipBlock": {"cidr": "10.9.0.0/16"}})
+
+
+def test_the_metrics_port_is_named_and_admits_only_the_configured_scrapers() -> None:
+    quiet = _children(_spec(_expert("a")), OperatorConfig(images=CONFIG.images,
+                                                          network_policy=True))
+    scraped = _children(_spec(_expert("a")), OperatorConfig(
+        images=CONFIG.images, network_policy=True, metrics_from=SCRAPERS))
+    for children in (quiet, scraped):
+        for name, component in (("digits-expert-a", "experts"), ("digits-router", "router")):
+            template = children[("Deployment", name)]["spec"]["template"]
+            container = _container(template["spec"])
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert ports["metrics"] == names.METRICS_PORT != ports["http"]
+            assert _flag(container["command"], "--metrics-port") == str(names.METRICS_PORT)
+            assert template["metadata"]["annotations"]["prometheus.io/port"] == str(
+                names.METRICS_PORT)
+            rules = children[("NetworkPolicy", f"digits-{component}")]["spec"]["ingress"]
+            to_metrics = [r for r in rules
+                          if any(p["port"] == names.METRICS_PORT for p in r["ports"])]
+            if children is quiet:  # no scrapers configured: nobody reaches the port
+                assert to_metrics == []
+            else:  # only them, and on the metrics port alone
+                (rule,) = to_metrics
+                assert rule["from"] == list(SCRAPERS)
+                assert [p["port"] for p in rule["ports"]] == [names.METRICS_PORT]
+
+
+@pytest.mark.parametrize("peers, message", [
+    ([{}], "non-empty mapping"),
+    ([{"podSelector": {}, "ipBlock": {"cidr": "10.0.0.0/8"}}], "cannot be combined"),
+    ([{"ipBlock": {"cidr": "10.0.0.300/8"}}], "ipBlock"),
+    ([{"podSelector": {"app": "x"}}], "label selector"),
+    ({"podSelector": {}}, "must be a list"),
+])
+def test_malformed_scrapers_are_refused_by_name(peers: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        OperatorConfig.from_env({"DDM_METRICS_FROM": json.dumps(peers)})
 
 
 def test_egress_router_to_its_experts_and_dns_fetchers_to_stores_not_metadata() -> None:
@@ -490,6 +537,17 @@ def test_the_router_allows_as_many_steps_as_the_ddms_default() -> None:
     assert config.sampling.steps == 900 and config.limits.max_steps == 900
 
 
+def test_the_routers_clients_behind_the_operators_trusted_proxies_are_forwarded_ones() -> None:
+    config = _router_yaml(_children(_spec(_expert("a"))))
+    assert config.trusted_proxies == ()
+    assert config.limits.max_concurrent_per_client < config.limits.max_concurrent
+    behind = _router_yaml(_children(_spec(_expert("a")), OperatorConfig(
+        images=CONFIG.images, router_trusted_proxies=("10.42.7.0/24",))))
+    assert behind.trusted_proxies == ("10.42.7.0/24",)
+    with pytest.raises(ValueError, match="DDM_ROUTER_TRUSTED_PROXIES: .*'10.42.7.1/24'"):
+        OperatorConfig.from_env({"DDM_ROUTER_TRUSTED_PROXIES": "10.42.7.1/24"})
+
+
 def test_labels_and_selectors() -> None:
     children = _children(_spec(_expert("a")))
     for child in children.values():
@@ -538,7 +596,8 @@ def test_the_router_reads_its_config_map() -> None:
     router = children[("Deployment", "digits-router")]["spec"]["template"]["spec"]
     container = _container(router)
     assert container["command"] == ["ddm", "serve", "router", "--config", "/etc/ddm/router.yaml",
-                                    "--host", "0.0.0.0", "--port", "8080", "--drain-s", "5"]
+                                    "--host", "0.0.0.0", "--port", "8080",
+                                    "--metrics-port", "9090", "--drain-s", "5"]
     assert {"name": "config", "configMap": {"name": "digits-router-config"}} in router["volumes"]
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ddm.deploy.limits import ROUTER_MAX_CONCURRENT_PER_CLIENT
 from ddm.deploy.router_config import (
     Auth,
     Coalescing,
@@ -103,6 +104,20 @@ def test_without_auth_the_file_has_no_auth_key_and_limits_have_safe_defaults() -
     assert RouterConfigFile.from_yaml(TEXT + "auth: null\n").auth is None
 
 
+def test_the_per_client_limit_and_trusted_proxies_round_trip_with_safe_defaults() -> None:
+    default = RouterConfigFile.from_yaml(TEXT)
+    assert default.limits.max_concurrent_per_client == ROUTER_MAX_CONCURRENT_PER_CLIENT
+    assert ROUTER_MAX_CONCURRENT_PER_CLIENT < default.limits.max_concurrent
+    assert default.trusted_proxies == () and default.trusted_networks() == ()
+    config = RouterConfigFile.from_yaml(
+        TEXT + "limits: {max_concurrent_per_client: 2}\n"
+               "trusted_proxies: [10.0.0.0/24, 'fd00::/64', 192.0.2.7]\n")
+    assert config.limits.max_concurrent_per_client == 2
+    assert [str(n) for n in config.trusted_networks()] == ["10.0.0.0/24", "fd00::/64",
+                                                            "192.0.2.7/32"]
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
 def test_coalescing_defaults_to_two_requests_per_replica_and_zero_turns_it_off() -> None:
     assert RouterConfigFile.from_yaml(TEXT).coalescing == Coalescing(in_flight_per_replica=2)
     config = RouterConfigFile.from_yaml(TEXT + "coalescing: {in_flight_per_replica: 0}\n")
@@ -121,6 +136,11 @@ def test_coalescing_defaults_to_two_requests_per_replica_and_zero_turns_it_off()
     ("coalescing: {in_flight_per_replica: -1}\n",
      "coalescing.in_flight_per_replica must be an integer >= 0, got -1"),
     ("coalescing: {in_flight: 2}\n", "coalescing has unknown keys ['in_flight']"),
+    ("limits: {max_concurrent_per_client: 0}\n",
+     "limits.max_concurrent_per_client must be an integer >= 1, got 0"),
+    ("trusted_proxies: 10.0.0.0/8\n", "trusted_proxies must be a list of CIDRs"),
+    ("trusted_proxies: [10.0.0.1/8]\n", "trusted_proxies: network '10.0.0.1/8' is not an "
+                                         "address or a CIDR"),
 ])
 def test_bad_limits_and_auth_are_rejected_with_the_key(extra: str, message: str) -> None:
     with pytest.raises(RouterConfigError) as caught:

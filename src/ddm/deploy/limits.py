@@ -33,6 +33,9 @@ DEFAULT_STRATEGY = "top1"
 ROUTER_MAX_BATCH = 64
 ROUTER_MAX_STEPS = 200
 ROUTER_MAX_CONCURRENT = 16
+#: Of those, what one client may run at once (``ddm.serving.router.clients`` says who a
+#: client is): a quarter, so that one client cannot take the router from the others.
+ROUTER_MAX_CONCURRENT_PER_CLIENT = 4
 ROUTER_MAX_BODY_BYTES = 65536
 
 #: A DDMDeployment's sizes.

@@ -40,10 +40,15 @@ class ExpertPlan:
     device: str | None
     args: tuple[str, ...]
 
-    def command(self, checkpoint_dir: str, host: str, port: int) -> tuple[str, ...]:
-        """``ddm``'s arguments that serve this expert from ``checkpoint_dir`` on host:port."""
+    def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
+                token_file: str | None = None) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve this expert from ``checkpoint_dir`` on host:port,
+        with ``/metrics`` on ``metrics_port`` only (scraping it opens no model). With the
+        router's ``token_file`` (auth on), ``/v1/*`` answers only callers presenting that token:
+        the router does, so nobody calls the model around the router's authentication."""
+        auth = ("--auth-token-file", token_file) if token_file is not None else ()
         return ("serve", "expert", "--checkpoint", checkpoint_dir, "--host", host,
-                "--port", str(port), *self.args)
+                "--port", str(port), "--metrics-port", str(metrics_port), *auth, *self.args)
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
         """Environment the server needs; on Neuron, its compile caches under ``cache_dir``."""
@@ -55,18 +60,23 @@ class ExpertPlan:
 
 @dataclass(frozen=True)
 class RouterPlan:
-    """The router: its checkpoint (None with the oracle), request defaults and limits."""
+    """The router: its checkpoint (None with the oracle), request defaults and limits;
+    ``auth``: the spec asks for a bearer token (where it comes from is the place's choice:
+    a Secret in a cluster, a file ``ddm up`` writes)."""
 
     replicas: int
     checkpoint: CheckpointSource | None
     num_classes: int
     sampling: SamplingDefaults
     limits: RouterLimits
+    auth: bool = False
 
     @staticmethod
-    def command(config_file: str, host: str, port: int) -> tuple[str, ...]:
-        """``ddm``'s arguments that serve the router with ``config_file`` on host:port."""
-        return ("serve", "router", "--config", config_file, "--host", host, "--port", str(port))
+    def command(config_file: str, host: str, port: int, metrics_port: int) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve the router with ``config_file`` on host:port, with
+        ``/metrics`` on ``metrics_port`` only (scraping it opens no API)."""
+        return ("serve", "router", "--config", config_file, "--host", host, "--port", str(port),
+                "--metrics-port", str(metrics_port))
 
 
 @dataclass(frozen=True)
@@ -77,15 +87,20 @@ class DeploymentPlan:
     router: RouterPlan
 
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
-                      auth: Auth | None = None) -> RouterConfigFile:
+                      auth: Auth | None = None, trusted_proxies: tuple[str, ...] = ()
+                      ) -> RouterConfigFile:
         """router.yaml, with each expert reached through ``discovery[name]`` and the router
-        network read from ``checkpoint_dir`` (None without one)."""
+        network read from ``checkpoint_dir`` (None without one); with ``auth``, the token the
+        router requires and sends to its experts (give them the same file:
+        :meth:`ExpertPlan.command`); ``trusted_proxies``: the CIDRs of the proxies in front of
+        the router, whose ``X-Forwarded-For`` names the client its per-client limit counts."""
         router = self.router
         return RouterConfigFile(
             experts=tuple(ExpertEntry(name=e.name, classes=e.classes, discovery=discovery[e.name])
                           for e in self.experts),
             num_classes=router.num_classes, sampling=router.sampling,
-            router_checkpoint=checkpoint_dir, limits=router.limits, auth=auth)
+            router_checkpoint=checkpoint_dir, limits=router.limits, auth=auth,
+            trusted_proxies=trusted_proxies)
 
 
 def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
@@ -96,7 +111,8 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
         num_classes=spec.num_classes,
         sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy),
         # A request may ask for as many steps as the DDM's own default.
-        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)))
+        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)),
+        auth=spec.router.auth is not None)
     return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router)
 
 

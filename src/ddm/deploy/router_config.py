@@ -21,6 +21,7 @@ from typing import Any, Mapping, Union
 
 import yaml
 
+from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.deploy.limits import (
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
@@ -29,6 +30,7 @@ from ddm.deploy.limits import (
     ROUTER_MAX_BATCH,
     ROUTER_MAX_BODY_BYTES,
     ROUTER_MAX_CONCURRENT,
+    ROUTER_MAX_CONCURRENT_PER_CLIENT,
     ROUTER_MAX_STEPS,
     SOLVERS,
     STRATEGY_HINT,
@@ -197,7 +199,8 @@ class Coalescing:
 
 @dataclass(frozen=True)
 class RouterLimits:
-    """What one request may ask for, and how many generations run at once (more get 429).
+    """What one request may ask for, and how many generations run at once, in all and per
+    client (more get 429; who a client is: ``RouterConfigFile.trusted_proxies``).
 
     ``max_body_bytes`` bounds a JSON body (413 beyond it): 64 labels and every field fit in a
     few hundred bytes, so the default leaves room without letting a client make us buffer much.
@@ -207,9 +210,11 @@ class RouterLimits:
     max_steps: int = ROUTER_MAX_STEPS
     max_concurrent: int = ROUTER_MAX_CONCURRENT
     max_body_bytes: int = ROUTER_MAX_BODY_BYTES
+    max_concurrent_per_client: int = ROUTER_MAX_CONCURRENT_PER_CLIENT
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes"):
+        for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes",
+                     "max_concurrent_per_client"):
             value = getattr(self, name)
             _check(_is_int(value) and value >= 1,
                    f"limits.{name} must be an integer >= 1, got {value!r}")
@@ -231,7 +236,12 @@ class Auth:
 
 @dataclass(frozen=True)
 class RouterConfigFile:
-    """The whole of ``router.yaml``. ``router_checkpoint`` is None only for the oracle."""
+    """The whole of ``router.yaml``. ``router_checkpoint`` is None only for the oracle.
+
+    ``trusted_proxies``: CIDRs of the proxies in front of the router (an ingress controller's
+    pods). A request from one of them counts against the client its ``X-Forwarded-For``
+    names (the right-most address that is not a trusted proxy), any other against its peer
+    address (``ddm.serving.router.clients``); empty: every client is its peer address."""
 
     experts: tuple[ExpertEntry, ...]
     num_classes: int = 10
@@ -243,9 +253,18 @@ class RouterConfigFile:
     limits: RouterLimits = field(default_factory=RouterLimits)
     coalescing: Coalescing = field(default_factory=Coalescing)
     auth: Auth | None = None
+    trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(len(self.experts) > 0, "experts must list at least one expert")
+        _check(isinstance(self.trusted_proxies, tuple)
+               and all(isinstance(c, str) for c in self.trusted_proxies),
+               f"trusted_proxies must be a list of CIDRs, got {self.trusted_proxies!r}")
+        try:
+            parse_networks(self.trusted_proxies)
+        except ValueError as error:
+            raise RouterConfigError(
+                f"trusted_proxies: {str(error).removeprefix('allowed ')}") from None
         names = [e.name for e in self.experts]
         _check(len(set(names)) == len(names), f"expert names must be unique, got {names}")
         _check(_is_int(self.num_classes) and self.num_classes >= 1,
@@ -263,10 +282,18 @@ class RouterConfigFile:
                f"sampling.steps {self.sampling.steps} exceeds limits.max_steps "
                f"{self.limits.max_steps}")
 
+    def trusted_networks(self) -> tuple[Network, ...]:
+        """``trusted_proxies`` as networks (checked when the config was made)."""
+        return parse_networks(self.trusted_proxies)
+
     @classmethod
     def from_dict(cls, raw: Any) -> RouterConfigFile:
         args = _strict(cls, raw, "router config")
         _check(isinstance(args["experts"], list), "experts must be a list")
+        if "trusted_proxies" in args:
+            _check(isinstance(args["trusted_proxies"], list),
+                   f"trusted_proxies must be a list of CIDRs, got {args['trusted_proxies']!r}")
+            args["trusted_proxies"] = tuple(args["trusted_proxies"])
         args["experts"] = tuple(ExpertEntry.from_dict(e, f"experts[{i}]")
                                 for i, e in enumerate(args["experts"]))
         for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),

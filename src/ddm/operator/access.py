@@ -10,15 +10,18 @@ file (``ROUTER_TOKEN_FILE``).
 
 NetworkPolicies (operator-wide ``network_policy``): expert pods accept traffic only from their
 own router's pods, on the expert port, and send none; router pods accept traffic on the router
-port only and send only to their experts and DNS. A NetworkPolicy selects pods, not containers,
-so the pods whose init container fetches a checkpoint (labelled ``names.FETCH_LABEL``) may send
-to DNS and to any address but the cloud metadata ones and link-local, their server container
-included (the fetcher's own checks are the first line, ``ddm.checkpoints.destinations``).
-The selectors are ``names.selector``'s, the labels every pod of these Deployments carries.
+port only and send only to their experts and DNS; both accept scrapers (operator-wide
+``metrics_from``) on their metrics port, which serves ``/metrics`` alone. A NetworkPolicy
+selects pods, not containers, so the pods whose init container fetches a checkpoint (labelled
+``names.FETCH_LABEL``) may send to DNS and to any address but the cloud metadata ones and
+link-local, their server container included (the fetcher's own checks are the first line,
+``ddm.checkpoints.destinations``). The selectors are ``names.selector``'s, the labels every
+pod of these Deployments carries.
 """
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 from typing import Any, Mapping
 
@@ -63,21 +66,28 @@ def build_router_token_secret(meta: Mapping[str, Any], token: str) -> dict[str, 
     }
 
 
-def build_network_policies(meta: Mapping[str, Any], allow_networks: tuple[str, ...] = ()
+def build_network_policies(meta: Mapping[str, Any], allow_networks: tuple[str, ...] = (),
+                           metrics_from: tuple[Mapping[str, Any], ...] = ()
                            ) -> list[dict[str, Any]]:
     """Experts accept traffic only from their own router's pods, on the expert port, and send
     none; the router accepts traffic from anywhere on its port and sends only to its experts
     and to DNS; a pod that fetches a checkpoint (``names.FETCH_LABEL``) may also reach DNS and
-    any address but the cloud metadata ones and link-local (``store_egress``)."""
+    any address but the cloud metadata ones and link-local (``store_egress``). Both servers'
+    metrics port admits ``metrics_from`` (NetworkPolicyPeers: the scrapers), and nobody when
+    it is empty (a rule with no peers would admit everyone)."""
     owner = meta["name"]
+    scrape = ([{"from": [dict(peer) for peer in metrics_from],
+                "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
+              if metrics_from else [])
     experts = _network_policy(
         names.network_policy_name(owner, "experts"), meta, names.selector(owner, "expert"),
         ingress=[{"from": [{"podSelector": {"matchLabels": names.selector(owner, "router")}}],
-                  "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}],
+                  "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}, *scrape],
         egress=[])
     router = _network_policy(
         names.network_policy_name(owner, "router"), meta, names.selector(owner, "router"),
-        ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]}],
+        ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]},
+                 *copy.deepcopy(scrape)],
         egress=[{"to": [{"podSelector": {"matchLabels": names.selector(owner, "expert")}}],
                  "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}, DNS_EGRESS])
     fetch = _network_policy(

@@ -5,9 +5,11 @@ The Helm chart sets these variables; each has a default that works for a plain i
 
 from __future__ import annotations
 
+import ipaddress
+import json
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Mapping
+from typing import Any, Mapping
 
 from ddm.checkpoints.destinations import parse_networks
 from ddm.operator import policy
@@ -15,6 +17,14 @@ from ddm.operator import policy
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 #: The operator's variable listing the networks fetchers may reach (comma-separated CIDRs).
 FETCH_ALLOW_NETWORKS_ENV = "DDM_FETCH_ALLOW_NETWORKS"
+#: The operator's variable listing who may scrape the servers' metrics port: a JSON list of
+#: NetworkPolicyPeers (the chart's ``networkPolicy.metricsFrom``).
+METRICS_FROM_ENV = "DDM_METRICS_FROM"
+#: The operator's variable listing the proxies in front of every router (comma-separated
+#: CIDRs, router.yaml's ``trusted_proxies``).
+TRUSTED_PROXIES_ENV = "DDM_ROUTER_TRUSTED_PROXIES"
+_PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
+_SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 
 
 def _default_tag() -> str:
@@ -38,6 +48,49 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value not in _TRUE + _FALSE:
         raise ValueError(f"{name} must be true or false, got {raw!r}")
     return value in _TRUE
+
+
+def check_peers(peers: Any) -> tuple[dict[str, Any], ...]:
+    """``peers`` as NetworkPolicyPeers, or a ValueError naming the first malformed one: each a
+    non-empty mapping of ``podSelector``/``namespaceSelector`` (label selectors) or an
+    ``ipBlock`` alone (a ``cidr`` and optional ``except`` CIDRs). A mistake here must fail the
+    operator's start, not open the metrics port to the cluster or to nobody silently."""
+    if not isinstance(peers, (list, tuple)):
+        raise ValueError(f"{METRICS_FROM_ENV} must be a list of NetworkPolicyPeers, "
+                         f"got {peers!r}")
+    for index, peer in enumerate(peers):
+        where = f"{METRICS_FROM_ENV}[{index}]"
+        if not isinstance(peer, Mapping) or not peer or set(peer) - set(_PEER_KEYS):
+            raise ValueError(f"{where} must be a non-empty mapping of {', '.join(_PEER_KEYS)}; "
+                             f"got {peer!r}")
+        if "ipBlock" in peer and len(peer) > 1:
+            raise ValueError(f"{where}: ipBlock cannot be combined with a selector")
+        for key in ("podSelector", "namespaceSelector"):
+            selector = peer.get(key, {})
+            if not isinstance(selector, Mapping) or set(selector) - set(_SELECTOR_KEYS):
+                raise ValueError(f"{where}.{key} must be a label selector (matchLabels, "
+                                 f"matchExpressions); got {selector!r}")
+        block = peer.get("ipBlock")
+        if block is not None:
+            if not isinstance(block, Mapping) or set(block) - {"cidr", "except"}:
+                raise ValueError(f"{where}.ipBlock needs cidr (and optional except); "
+                                 f"got {block!r}")
+            try:
+                for cidr in (block.get("cidr"), *block.get("except", ())):
+                    ipaddress.ip_network(str(cidr))
+            except ValueError as error:
+                raise ValueError(f"{where}.ipBlock: {error}") from None
+    return tuple(json.loads(json.dumps(peer)) for peer in peers)
+
+
+def _peers(env: Mapping[str, str]) -> tuple[dict[str, Any], ...]:
+    raw = env.get(METRICS_FROM_ENV, "").strip()
+    if not raw:
+        return ()
+    try:
+        return check_peers(json.loads(raw))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{METRICS_FROM_ENV} is not JSON: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -67,7 +120,11 @@ class OperatorConfig:
     networks (CIDRs) checkpoint fetchers may reach (the cluster's private stores; the
     fetcher's ``--allow-network``): an admin's choice, never a tenant's, so not in the CRD;
     ``allowed_images`` and ``allowed_checkpoint_sources``: the allow-lists of ``policy``
-    (empty: anything)."""
+    (empty: anything); ``router_trusted_proxies``: CIDRs of the proxies in front of every
+    router (the cluster's ingress controllers: an admin's knowledge), whose
+    ``X-Forwarded-For`` names the client a request counts against; ``metrics_from``: the
+    NetworkPolicyPeers that may reach the servers' metrics port (empty: none; only with
+    ``network_policy``, as without policies every port is open)."""
 
     images: Images = field(default_factory=lambda: Images.defaults(_default_tag()))
     image_pull_policy: str = "IfNotPresent"
@@ -78,8 +135,15 @@ class OperatorConfig:
     fetch_allow_networks: tuple[str, ...] = ()
     allowed_images: tuple[str, ...] = ()
     allowed_checkpoint_sources: tuple[str, ...] = ()
+    metrics_from: tuple[dict[str, Any], ...] = ()
+    router_trusted_proxies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_peers(self.metrics_from)
+        try:
+            parse_networks(self.router_trusted_proxies)
+        except ValueError as error:
+            raise ValueError(f"{TRUSTED_PROXIES_ENV}: {error}") from None
         try:
             parse_networks(self.fetch_allow_networks)
         except ValueError as error:
@@ -93,7 +157,9 @@ class OperatorConfig:
         ``DDM_CLUSTER_DOMAIN`` and the true/false switches ``DDM_ALLOW_HOST_PATHS``,
         ``DDM_ROUTER_AUTH`` and ``DDM_NETWORK_POLICY`` (all false when unset), and the
         comma-separated lists ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``
-        and ``DDM_ALLOWED_CHECKPOINT_SOURCES`` (prefixes; see ``policy``), empty when unset."""
+        and ``DDM_ALLOWED_CHECKPOINT_SOURCES`` (prefixes; see ``policy``), empty when unset,
+        ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), and ``DDM_METRICS_FROM`` (a JSON list of
+        NetworkPolicyPeers; unset: none)."""
         base = cls()
         images = Images(**{family: env.get(f"DDM_IMAGE_{family.upper()}") or default
                            for family, default in vars(base.images).items()})
@@ -105,4 +171,6 @@ class OperatorConfig:
                    network_policy=_flag(env, "DDM_NETWORK_POLICY", base.network_policy),
                    fetch_allow_networks=_list(env, FETCH_ALLOW_NETWORKS_ENV),
                    allowed_images=_list(env, policy.IMAGES_ENV),
-                   allowed_checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV))
+                   allowed_checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV),
+                   metrics_from=_peers(env),
+                   router_trusted_proxies=_list(env, TRUSTED_PROXIES_ENV))

@@ -77,8 +77,8 @@ def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfi
     ``fetcher.build_checkpoint_secret``): they are written only through ownership checks
     (``reconcile``)."""
     children: list[dict[str, Any]] = (
-        build_network_policies(meta, config.fetch_allow_networks) if config.network_policy
-        else [])
+        build_network_policies(meta, config.fetch_allow_networks, config.metrics_from)
+        if config.network_policy else [])
     for expert in spec.experts:
         children.append(build_expert_service(expert, meta))
         children.append(build_expert_deployment(expert, meta, config,
@@ -101,12 +101,13 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     image = expert.pod.image or config.images.for_family(place.image_family)
     mount = _checkpoint(expert.checkpoint, expert.fetch, EXPERT_CHECKPOINT_DIR, image, config,
                         meta, expert_key(expert.name))
-    command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT),
+    command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT,
+                                       names.METRICS_PORT,
+                                       ROUTER_TOKEN_FILE if token is not None else None),
                "--drain-s", str(DRAIN_S)]
     env, volumes, mounts = _scratch()
     if token is not None:
         _mount_token(token, volumes, mounts)
-        command += ["--auth-token-file", ROUTER_TOKEN_FILE]
     env += [{"name": name, "value": value} for name, value in planned.env(NEURON_CACHE_DIR)]
     if planned.backend == "neuron":
         volumes.append({"name": "neuron-cache", "emptyDir": {}})
@@ -117,7 +118,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
         "command": command,
-        "ports": [{"name": "http", "containerPort": names.EXPERT_PORT, "protocol": "TCP"}],
+        "ports": _ports(names.EXPERT_PORT),
         "env": env,
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + mount.mounts,
@@ -130,7 +131,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     return _deployment(names.expert_name(owner, expert.name), meta, expert.replicas,
                        names.labels(owner, "expert", expert.name),
                        names.selector(owner, "expert", expert.name), pod,
-                       _checkpoint_annotation(expert.checkpoint),
+                       {**names.SCRAPE_ANNOTATIONS, **_checkpoint_annotation(expert.checkpoint)},
                        fetches=bool(mount.init_containers))
 
 
@@ -155,7 +156,8 @@ def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[st
 
 def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                         ) -> RouterConfigFile:
-    """router.yaml (the plan's): the experts behind their headless Services."""
+    """router.yaml (the plan's): the experts behind their headless Services, the operator's
+    trusted proxies (the cluster's ingress) naming the clients of its per-client limit."""
     owner, namespace = meta["name"], meta["namespace"]
     discovery = {e.name: DnsDiscovery(dns=names.expert_dns(owner, e.name, namespace,
                                                            config.cluster_domain),
@@ -166,7 +168,8 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
         discovery,
         None if checkpoint is None else
         (checkpoint.path if checkpoint.scheme == "image" else ROUTER_CHECKPOINT_DIR),
-        Auth(token_file=ROUTER_TOKEN_FILE) if router_token(spec, meta, config) else None)
+        Auth(token_file=ROUTER_TOKEN_FILE) if router_token(spec, meta, config) else None,
+        config.router_trusted_proxies)
 
 
 def build_router_configmap(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
@@ -203,9 +206,10 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
         "command": ["ddm", *RouterPlan.command(f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}",
-                                               "0.0.0.0", names.ROUTER_PORT),
+                                               "0.0.0.0", names.ROUTER_PORT,
+                                               names.METRICS_PORT),
                     "--drain-s", str(DRAIN_S)],
-        "ports": [{"name": "http", "containerPort": names.ROUTER_PORT, "protocol": "TCP"}],
+        "ports": _ports(names.ROUTER_PORT),
         "env": env,
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + (mount.mounts if mount else []),
@@ -216,7 +220,8 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     pod = _pod_spec(container, router.pod, volumes + (mount.volumes if mount else []),
                     mount.init_containers if mount else [], node_selector={}, tolerations=[])
     config_text = build_router_config(spec, meta, config).to_yaml()
-    pod_annotations = {names.CONFIG_HASH_ANNOTATION: _digest(config_text),
+    pod_annotations = {**names.SCRAPE_ANNOTATIONS,
+                       names.CONFIG_HASH_ANNOTATION: _digest(config_text),
                        **_checkpoint_annotation(router.checkpoint)}
     return _deployment(names.router_name(owner), meta, router.replicas,
                        names.labels(owner, "router"), names.selector(owner, "router"), pod,
@@ -245,6 +250,13 @@ def _digest(text: str) -> str:
 
 def _metadata(name: str, meta: Mapping[str, Any], labels: dict[str, str]) -> dict[str, Any]:
     return {"name": name, "namespace": meta["namespace"], "labels": labels}
+
+
+def _ports(api_port: int) -> list[dict[str, Any]]:
+    """A server's named ports: ``http`` (its API and probes) and ``metrics`` (``/metrics``
+    alone, which a NetworkPolicy opens to scrapers without opening the API)."""
+    return [{"name": "http", "containerPort": api_port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": names.METRICS_PORT, "protocol": "TCP"}]
 
 
 def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:

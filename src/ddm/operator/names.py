@@ -40,8 +40,14 @@ POD_RESOURCE = ("v1", "pods")
 CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps"),
                    ("networking.k8s.io", "v1", "networkpolicies"), POD_RESOURCE)
 
+#: The ports the servers listen on in a pod (``ddm up`` picks free loopback ports instead):
+#: the API of an expert and of the router, and ``/metrics`` (either server's, alone on it).
 EXPERT_PORT = 8000
 ROUTER_PORT = 8080
+METRICS_PORT = 9090
+#: Annotations that point annotation-based Prometheus discovery at ``METRICS_PORT``.
+SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
+                      "prometheus.io/path": "/metrics"}
 
 
 def expert_name(owner: str, expert: str) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,7 +38,7 @@ from typing import Callable, Sequence, TextIO
 
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.plan import RouterPlan, plan_deployment
-from ddm.deploy.router_config import Discovery, RouterConfigFile, StaticDiscovery
+from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import DDMManifest
 from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 
@@ -56,20 +57,26 @@ class LocalRunError(RuntimeError):
 
 @dataclass(frozen=True)
 class ProcessSpec:
-    """One process to start: ``name`` labels its log lines, ``port`` is where it listens."""
+    """One process to start: ``name`` labels its log lines, ``port`` is where it listens,
+    ``metrics_port`` where it serves ``/metrics`` (alone, as in a pod)."""
 
     name: str
     argv: tuple[str, ...]
     port: int
     env: tuple[tuple[str, str], ...] = ()
+    metrics_port: int | None = None
 
 
 @dataclass(frozen=True)
 class LocalPlan:
+    """The processes to run; ``token_file``: the bearer token the router requires and sends
+    to its experts, which require it too (None: auth is off)."""
+
     experts: tuple[ProcessSpec, ...]
     router: ProcessSpec
     router_config: RouterConfigFile
     url: str
+    token_file: Path | None = None
 
 
 def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
@@ -101,13 +108,23 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                host: str = "127.0.0.1", *,
                locate: Callable[[CheckpointSource], Path] = resolve_checkpoint,
                threads: int = 1, config_path: Path = Path("router.yaml"),
-               cache_dir: Path = Path(tempfile.gettempdir()) / "ddm-cache") -> LocalPlan:
+               cache_dir: Path = Path(tempfile.gettempdir()) / "ddm-cache",
+               token_file: Path | None = None, require_auth: bool = False) -> LocalPlan:
     """The manifest's plan placed here: ``ports()`` hands out free expert ports, ``locate``
     finds each checkpoint's directory, ``cache_dir`` holds compile caches (Neuron).
+    When the spec asks for authentication (``router.auth``) or ``require_auth``, the router
+    and every expert read their bearer token from ``token_file`` (the router sends it to the
+    experts, which answer nobody else), as the operator mounts one Secret into all of them.
 
     An expert with 0 replicas still gets one process: locally there is nothing to save, and
     the router needs an address for each of its experts."""
     plan = plan_deployment(manifest.spec)
+    token = None
+    if plan.router.auth or require_auth:
+        if token_file is None:
+            raise LocalRunError(f"{manifest.name} asks for a bearer token (spec.router.auth): "
+                                "give a token file (ddm up --auth-token-file, or ddm up's own)")
+        token = str(token_file)
     env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
            ("PYTHONUNBUFFERED", "1"))
     experts: list[ProcessSpec] = []
@@ -116,19 +133,24 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
         checkpoint = str(locate(expert.checkpoint))
         endpoints = []
         for replica in range(max(1, expert.replicas)):
-            port = ports()
-            argv = (*_ddm(), *expert.command(checkpoint, host, port), "--log-level", "warning")
+            port, metrics_port = ports(), ports()
+            argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port, token),
+                    "--log-level", "warning")
             experts.append(ProcessSpec(f"{expert.name}/{replica}", argv, port,
-                                       env + expert.env(str(cache_dir))))
+                                       env + expert.env(str(cache_dir)), metrics_port))
             endpoints.append(f"{host}:{port}")
         discovery[expert.name] = StaticDiscovery(tuple(endpoints))
     router_checkpoint = (None if plan.router.checkpoint is None
                          else str(locate(plan.router.checkpoint)))
+    metrics_port = ports()
     router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
-                                                                router_port),
-                                    "--log-level", "warning"), router_port, env)
-    return LocalPlan(tuple(experts), router, plan.router_config(discovery, router_checkpoint),
-                     f"http://{host}:{router_port}")
+                                                                router_port, metrics_port),
+                                    "--log-level", "warning"), router_port, env, metrics_port)
+    return LocalPlan(tuple(experts), router,
+                     plan.router_config(discovery, router_checkpoint,
+                                        Auth(token_file=token) if token is not None else None),
+                     f"http://{host}:{router_port}",
+                     Path(token) if token is not None else None)
 
 
 @dataclass(frozen=True)
@@ -247,18 +269,26 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
               threads: int = 1, out: TextIO = sys.stdout,
               on_ready: Callable[[LocalPlan], None] | None = None,
               stop: threading.Event | None = None, *, fail_fast: bool = False,
-              backoff: Backoff = Backoff(), deadline_s: float | None = None) -> int:
+              backoff: Backoff = Backoff(), deadline_s: float | None = None,
+              auth_token_file: Path | None = None) -> int:
     """Run until Ctrl-C or ``stop`` being set, restarting what dies (with ``fail_fast``:
     until a process dies); returns an exit status. ``deadline_s``: the router's time budget
-    for one expert call (``ddm serve router --deadline-s``; default from router.yaml)."""
+    for one expert call (``ddm serve router --deadline-s``; default from router.yaml).
+    Authentication is on when the spec asks for it (``router.auth``), with a random token
+    written to a private file in the run's directory, or with ``auth_token_file`` (the
+    caller's token); the router and every expert read the same file."""
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(manifest, lambda: free_port(host), router_port, host,
                           locate=functools.partial(resolve_checkpoint, image_root=image_root,
                                                    pvc_root=pvc_root),
                           threads=threads, config_path=config_path,
-                          cache_dir=Path(workdir) / "cache")
+                          cache_dir=Path(workdir) / "cache",
+                          token_file=auth_token_file or Path(workdir) / "router-token",
+                          require_auth=auth_token_file is not None)
         config_path.write_text(plan.router_config.to_yaml())
+        if plan.token_file is not None and auth_token_file is None:
+            write_token(plan.token_file)
         if deadline_s is not None:
             plan = dataclasses.replace(plan, router=dataclasses.replace(
                 plan.router, argv=(*plan.router.argv, "--deadline-s", str(deadline_s))))
@@ -270,6 +300,10 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
                   f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate)."
                   " Ctrl-C stops everything.", file=out, flush=True)
+            print(metrics_line(plan, host), file=out, flush=True)
+            if plan.token_file is not None:  # the path only: a token never goes to a log
+                print(f"The API and the experts need Authorization: Bearer <the token in "
+                      f"{plan.token_file}>.", file=out, flush=True)
             if on_ready is not None:
                 on_ready(plan)
             return _supervise(supervisor, stop or threading.Event(), out,
@@ -279,6 +313,20 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             return 0
         finally:
             supervisor.stop()
+
+
+def write_token(path: Path) -> None:
+    """A fresh random bearer token (256 bits, URL-safe base64), readable by this user only."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(secrets.token_urlsafe(32) + "\n")
+
+
+def metrics_line(plan: LocalPlan, host: str) -> str:
+    """Where each process serves ``/metrics`` (its own port, apart from the API, as in a pod)."""
+    where = ", ".join(f"{p.name} http://{host}:{p.metrics_port}/metrics"
+                      for p in (plan.router, *plan.experts) if p.metrics_port is not None)
+    return f"Metrics: {where}."
 
 
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,

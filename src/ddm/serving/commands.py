@@ -3,7 +3,7 @@
 ``ddm.cli`` adds these with :func:`add_serve_commands`. Importing this module is cheap (no
 web framework, no NumPy): the servers are imported only when a command runs. Limits left out
 on the router's command line come from ``router.yaml`` (``limits:``), and
-``--auth-token-file`` overrides ``auth.token_file``.
+``--auth-token-file`` overrides ``auth.token_file``, ``--trusted-proxy`` ``trusted_proxies``.
 """
 
 from __future__ import annotations
@@ -53,6 +53,12 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-steps", type=int, help="steps per request; more get 422")
     p.add_argument("--max-concurrent", type=int,
                    help="generations in flight; more get 429 with Retry-After")
+    p.add_argument("--max-concurrent-per-client", type=int,
+                   help="generations in flight from one client; more get 429 with Retry-After")
+    p.add_argument("--trusted-proxy", action="append", default=None, metavar="CIDR",
+                   help="a proxy in front of the router (repeatable; replaces router.yaml's "
+                        "trusted_proxies): its requests count against the client its "
+                        "X-Forwarded-For names")
     p.add_argument("--max-body-bytes", type=int, help="request body size; more get 413")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="time budget for one expert call, retries included")
@@ -111,6 +117,8 @@ def _serve_router(args: argparse.Namespace) -> int:
     serve_router(args.config, host=args.host, port=args.port, log_level=args.log_level,
                  max_batch=args.max_batch, max_steps=args.max_steps,
                  max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes,
+                 max_concurrent_per_client=args.max_concurrent_per_client,
+                 trusted_proxies=args.trusted_proxy,
                  deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
                  drain_s=args.drain_s, api_docs=args.api_docs, metrics_port=args.metrics_port)
     return 0

@@ -79,7 +79,12 @@ def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
                             log_level=log_level, access_log=False,
                             timeout_keep_alive=limits.keep_alive_s,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            server_header=False, date_header=False)
+                            server_header=False, date_header=False,
+                            # The peer stays the peer: uvicorn would otherwise take a loopback
+                            # peer's X-Forwarded-For as the client, which any local process
+                            # can write (the router reads it itself, from trusted proxies
+                            # only: ddm.serving.router.clients).
+                            proxy_headers=False)
     return _DrainingServer(config, control or ServerControl(), drain_s)
 
 

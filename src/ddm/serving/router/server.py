@@ -19,11 +19,13 @@ status 1 and leaves the reason in the termination-message file (:mod:`ddm.servin
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
 ``limits.max_body_bytes`` gets 413; a request the DDM cannot serve (too many labels or steps,
 labels outside the classes, unknown fields or strategies) a 422 naming the problem, and a JSON
-body that is not UTF-8 a 400; more generations than ``limits.max_concurrent`` at once a 429
-with ``Retry-After``; with ``auth`` configured, a ``/v1/*`` request without the bearer token a
-401 (:mod:`ddm.serving.auth`). An expert none of whose replicas answers within the call deadline
-gives a 503 naming it, and an expert refusing what the router sent a 502. None of them touches
-the process's health: ``/healthz`` fails only when the router network cannot load.
+body that is not UTF-8 a 400; more generations than ``limits.max_concurrent`` at once, or
+than ``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.clients`),
+a 429 with ``Retry-After`` naming the limit; with ``auth`` configured, a ``/v1/*`` request
+without the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas
+answers within the call deadline gives a 503 naming it, and an expert refusing what the router
+sent a 502. None of them touches the process's health: ``/healthz`` fails only when the
+router network cannot load.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
@@ -42,7 +44,7 @@ import os
 import time
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncGenerator, AsyncIterator, Callable
+from typing import Annotated, Any, AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -55,6 +57,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ddm.convention import to_uint8
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
+from ddm.serving.router.clients import FORWARDED_FOR
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
@@ -78,7 +81,8 @@ _ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/info", "/healthz", "
 _ERRORS = {400: "the JSON body is not UTF-8", 401: "no valid bearer token (auth is on)",
            413: "the body is over limits.max_body_bytes",
            422: "a request the router cannot serve; detail names the problem",
-           429: "limits.max_concurrent generations are running; retry after Retry-After",
+           429: "limits.max_concurrent generations are running, or this client's "
+                "limits.max_concurrent_per_client; detail names which; retry after Retry-After",
            502: "an expert refused or garbled what the router sent",
            503: "the router is not ready, or no replica of an expert answered"}
 
@@ -127,11 +131,12 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
 
     @app.post("/v1/generate", response_model=GenerateResponse,
               responses=_errors(400, 413, 422, 429, 502, 503, auth=auth))
-    async def generate(body: generate_body) -> dict[str, Any]:  # type: ignore[valid-type]
+    async def generate(body: generate_body,  # type: ignore[valid-type]
+                       http: Request) -> dict[str, Any]:
         request = sampling_request(body, tuple(body.labels))
         mixture = _checked(router, request)
         started = time.perf_counter()
-        with router.slot():
+        with router.slot(_client(router, http)):
             result = await generate_remote(mixture, router.pool, request)
         return {"images": [_png(image) for image in result.images],
                 "labels": result.labels.tolist(), "experts": result.experts_used(),
@@ -146,12 +151,13 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
               "content": {"text/event-stream": {"schema": STREAM_EVENT_SCHEMA}}},
         **_errors(422, 429, 503, auth=auth)})
     async def stream(
-            query: Annotated[stream_query, Query()]  # type: ignore[valid-type]
-    ) -> StreamingResponse:
+            query: Annotated[stream_query, Query()],  # type: ignore[valid-type]
+            http: Request) -> StreamingResponse:
         request = sampling_request(query, (query.label,))
         mixture = _checked(router, request)
-        router.take_slot()
-        events = _events(router, mixture, request)
+        client = _client(router, http)
+        router.take_slot(client)
+        events = _events(router, mixture, request, client)
         first = await anext(events)  # started, so that closing it always frees the slot
         body = _prepend(first, events)
         # Closed when the response ends, however it ends, not left to where the stream's
@@ -217,31 +223,44 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
                  max_body_bytes: int | None = None, deadline_s: float | None = None,
                  auth_token_file: str | os.PathLike[str] | None = None,
                  drain_s: float = 0.0, api_docs: bool = False,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None,
+                 max_concurrent_per_client: int | None = None,
+                 trusted_proxies: Sequence[str] | None = None) -> None:
     """Serve the router until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
     draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
     given); what ``ddm serve router`` runs.
 
-    Limits and the token file given here override ``router.yaml``'s. Exits with status 1,
+    Limits, the token file and the trusted proxies given here override ``router.yaml``'s.
+    Exits with status 1,
     the reason in the termination-message file, when the config, the token file or the
     router network cannot be loaded."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     overrides = {name: value for name, value in (
         ("max_batch", max_batch), ("max_steps", max_steps), ("max_concurrent", max_concurrent),
-        ("max_body_bytes", max_body_bytes)) if value is not None}
+        ("max_body_bytes", max_body_bytes),
+        ("max_concurrent_per_client", max_concurrent_per_client)) if value is not None}
 
     def make_app(control: ServerControl) -> ASGIApp:
         try:
             config = load_router_config(config_path)
             config = dataclasses.replace(
                 config, limits=dataclasses.replace(config.limits, **overrides),
-                auth=Auth(str(auth_token_file)) if auth_token_file else config.auth)
+                auth=Auth(str(auth_token_file)) if auth_token_file else config.auth,
+                trusted_proxies=(config.trusted_proxies if trusted_proxies is None
+                                 else tuple(trusted_proxies)))
             return create_router_app(config, deadline_s, on_failure=control.stop,
                                      draining=lambda: control.draining, api_docs=api_docs)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"router: {error}") from error
 
     run_server(make_app, host, port, log_level, drain_s, metrics_port)
+
+
+def _client(router: RouterState, http: Request) -> str:
+    """The client ``http`` counts against: its peer, or whom a trusted proxy forwarded."""
+    return router.client(http.client.host if http.client else None,
+                         [value for name, value in http.scope["headers"]
+                          if name == FORWARDED_FOR])
 
 
 def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
@@ -256,10 +275,10 @@ def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
 # ---------------------------------------------------------------------------------- stream
 
 
-async def _events(router: RouterState, mixture: RemoteMixture, request: SamplingRequest
-                  ) -> AsyncGenerator[bytes, None]:
+async def _events(router: RouterState, mixture: RemoteMixture, request: SamplingRequest,
+                  client: str) -> AsyncGenerator[bytes, None]:
     """The SSE body: ``step`` events, then ``done``, or ``failure`` if an expert fails.
-    Frees the generation's slot when it ends, however it ends."""
+    Frees ``client``'s generation slot when it ends, however it ends."""
     try:
         yield b": generating\n\n"
         started = time.perf_counter()
@@ -279,7 +298,7 @@ async def _events(router: RouterState, mixture: RemoteMixture, request: Sampling
         yield _sse("failure", {"status": error.status, "detail": str(error),
                                "expert": error.expert})
     finally:
-        router.release_slot()
+        router.release_slot(client)
 
 
 def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingRequest

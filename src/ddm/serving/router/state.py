@@ -2,7 +2,8 @@
 
 The network loads in the background (``RouterState.load``) so that probes are answered at once;
 ``problems`` says what keeps the router from being ready (some experts down is only degraded);
-``slot`` counts generations in and out against ``limits.max_concurrent``.
+``slot`` counts generations in and out against ``limits.max_concurrent`` and, per client
+(:mod:`ddm.serving.router.clients`), ``limits.max_concurrent_per_client``.
 
 The router checks what it is given (:func:`expert_mismatches`): each expert's ``/v1/info``
 (convention, partition, classes, image shape) against the router network's checkpoint (its
@@ -20,7 +21,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -29,6 +30,7 @@ from ddm.convention import CONVENTION_NAME
 from ddm.data.partition import PartitionMismatchError, check_partition_hash, partition_sha256
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
+from ddm.serving.router.clients import ClientBusy, ClientSlots, client_key
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.remote import RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo
@@ -52,7 +54,7 @@ def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
 
 
 class Busy(RuntimeError):
-    """More generations in flight than the router allows."""
+    """More generations in flight than the router allows, in all or to this client."""
 
 
 class NotReady(RuntimeError):
@@ -71,6 +73,9 @@ class RouterMetrics:
             buckets=(1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.in_flight = Gauge("ddm_router_generations_in_flight",
                                "Generations running now (JSON and streamed).", registry=registry)
+        self.client_busy = Counter(
+            "ddm_router_client_limited", "Generations refused because their client already "
+            "ran limits.max_concurrent_per_client.", registry=registry)
 
 
 class RouterState:
@@ -94,7 +99,9 @@ class RouterState:
         self.network_meta: CheckpointMeta | None = None
         self.loaded = config.router_checkpoint is None
         self.failure: str | None = None
+        self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
+        self._clients = ClientSlots(config.limits.max_concurrent_per_client)
 
     async def load(self) -> None:
         """Load the router network off the event loop; a failure is reported by the probes."""
@@ -162,25 +169,37 @@ class RouterState:
         return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
                              self.network, shape, self.config.num_classes)
 
-    def take_slot(self) -> None:
-        """Count a generation in, or refuse it; :meth:`release_slot` counts it out."""
+    def client(self, peer: str | None, forwarded_for: Iterable[bytes]) -> str:
+        """Who a request from ``peer`` counts against (:func:`clients.client_key`)."""
+        return client_key(peer, forwarded_for, self.trusted_proxies)
+
+    def take_slot(self, client: str) -> None:
+        """Count a generation of ``client`` in, or refuse it (:class:`Busy` naming the limit
+        reached: the client's own first); :meth:`release_slot` counts it out."""
+        try:
+            self._clients.take(client)
+        except ClientBusy as error:
+            self.metrics.client_busy.inc()
+            raise Busy(str(error)) from None
         if self._in_flight >= self.limits.max_concurrent:
+            self._clients.release(client)
             raise Busy(f"{self._in_flight} generations are in flight, the limit is "
-                       f"{self.limits.max_concurrent}; retry shortly")
+                       f"{self.limits.max_concurrent} (limits.max_concurrent); retry shortly")
         self._in_flight += 1
         self.metrics.in_flight.inc()
 
-    def release_slot(self) -> None:
+    def release_slot(self, client: str) -> None:
         self._in_flight -= 1
+        self._clients.release(client)
         self.metrics.in_flight.dec()
 
     @contextmanager
-    def slot(self) -> Iterator[None]:
-        self.take_slot()
+    def slot(self, client: str) -> Iterator[None]:
+        self.take_slot(client)
         try:
             yield
         finally:
-            self.release_slot()
+            self.release_slot(client)
 
 
 def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
