@@ -574,10 +574,13 @@ def test_expert_services_are_headless_and_list_only_ready_pods() -> None:
     service = _children(_spec(_expert("a")))[("Service", "digits-expert-a")]["spec"]
     assert service["clusterIP"] == "None"
     assert service["publishNotReadyAddresses"] is False
-    assert service["ports"] == [{"name": "http", "port": 8000, "targetPort": "http",
-                                 "protocol": "TCP"}]
+    assert service["ports"] == [
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"},
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"}]
     router = _children(_spec(_expert("a")))[("Service", "digits-router")]["spec"]
     assert "clusterIP" not in router and router["ports"][0]["port"] == 8080
+    # a ServiceMonitor names the port: both Services list ``metrics``
+    assert router["ports"][1] == service["ports"][1]
 
 
 def test_the_router_reads_its_config_map() -> None:

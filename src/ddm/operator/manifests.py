@@ -376,9 +376,13 @@ def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[
 
 def _service(name: str, meta: Mapping[str, Any], labels: dict[str, str],
              selector: dict[str, str], port: int, *, headless: bool) -> dict[str, Any]:
+    # ``metrics`` as well, so that a Prometheus Operator ServiceMonitor (which selects Services
+    # and names a port) finds it; the NetworkPolicy still admits only the configured scrapers.
     spec: dict[str, Any] = {
         "selector": selector,
-        "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+        "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"},
+                  {"name": "metrics", "port": names.METRICS_PORT, "targetPort": "metrics",
+                   "protocol": "TCP"}],
     }
     if headless:
         # Only ready pods get DNS records: the router never sends work to a loading expert.
