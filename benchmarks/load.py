@@ -38,6 +38,7 @@ import aiohttp
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import (READY_TIMEOUT_S, REPOSITORY_ROOT, Supervisor, free_port,
                                plan_local)
+from tests.support.processes import listening_pid
 
 HOST = "127.0.0.1"
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
@@ -152,29 +153,6 @@ def _local_ddm(manifest: Path, clients: int, log: TextIO) -> Iterator[str]:
                 raise LoadTestError(f"{exited[0]} exited with status {exited[1]} during the run")
         finally:
             supervisor.stop()
-
-
-def listening_pid(port: int) -> int | None:
-    """The process listening on loopback TCP ``port`` (this user's processes only)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # LISTEN
-                inodes.add(f"socket:[{fields[9]}]")
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                return int(proc.name)
-        except OSError:
-            continue  # gone, or not ours
-    return None
 
 
 def _memory_mib(pid: int, field: str) -> float | None:

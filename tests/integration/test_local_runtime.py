@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from benchmarks.load import listening_pid
+from tests.support.processes import listening_pid
 from ddm.evaluation.commands import evaluate_images
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
