@@ -3,8 +3,8 @@
 Real checkpoints, real models, the real classifier: ``checkpoints/digits-heterogeneous``'s
 DDPM-style expert for digits 0-4 is wrapped as a loader wraps it (``as_velocity``:
 ``expert_inputs`` in, ``velocity_from_prediction`` out) and integrated with Euler from the same
-noise as the shipped velocity expert for 0-4. Read without the conversion it draws no digits;
-it trained half as long as that expert and does not yet match it (docs/objectives.md).
+noise as the shipped velocity expert for 0-4, which trained as long (4000 steps). Read without
+the conversion it draws no digits.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 
 from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.convention import time_grid, to_uint8
+from ddm.data.partition import partition_sha256
 from ddm.evaluation.classifier import load_classifier
 from ddm.models.torch_io import unet_from_checkpoint
 from ddm.objectives import NetworkFn, Objective, as_velocity
@@ -53,8 +54,8 @@ def accuracy(velocity: NetworkFn, labels: np.ndarray, steps: int = 40, seed: int
 
 
 def test_the_epsilon_expert_draws_digits_through_the_conversion():
-    """Measured on 500 samples: 0.80 converted, 0.37 without clipping, 0.08 misread as
-    velocity; its velocity twin (4000 steps to its 2000) 0.986."""
+    """Measured on 500 samples: 0.968 converted (0.974 without clipping the data estimate),
+    0.07 misread as velocity; its velocity twin 0.986."""
     epsilon, objective = _network(EPSILON)
     assert objective == Objective("epsilon", "vp-linear", "discrete", timesteps=1000,
                                   time_scale=1e-3)
@@ -63,11 +64,10 @@ def test_the_epsilon_expert_draws_digits_through_the_conversion():
     labels = np.repeat(np.arange(5), 20)
 
     ours = accuracy(as_velocity(objective, epsilon), labels)
-    unclipped = accuracy(as_velocity(objective, epsilon, data_range=None), labels)
     misread = accuracy(epsilon, labels)  # epsilon taken for velocity: the bug this prevents
     twin = accuracy(velocity, labels)
-    assert ours >= 0.7 and twin >= 0.9, (ours, twin)
-    assert unclipped <= ours - 0.2 and misread <= 0.2, (unclipped, misread)
+    assert ours >= 0.9 and twin >= 0.9, (ours, twin)
+    assert misread <= 0.2, misread
 
 
 def test_the_heterogeneous_ddm_is_the_epsilon_expert_beside_the_shipped_ones():
@@ -77,8 +77,11 @@ def test_the_heterogeneous_ddm_is_the_epsilon_expert_beside_the_shipped_ones():
     """
     metas = {p.name: read_meta(p) for p in sorted(EPSILON.parent.iterdir())}
     assert sorted(metas) == ["expert-0-4-epsilon", "expert-5-9", "router"]
-    assert metas["expert-0-4-epsilon"].partition == metas["expert-5-9"].partition | {"index": 0}
-    assert metas["expert-0-4-epsilon"].training["steps"] == 2000
+    epsilon, velocity = (metas[n].partition for n in ("expert-0-4-epsilon", "expert-5-9"))
+    assert (epsilon["index"], velocity["index"]) == (0, 1)
+    # the newer trainer records the partition's hash; the older checkpoints' content hashes alike
+    assert epsilon["scheme"]["sha256"] == partition_sha256(velocity["scheme"])
+    assert metas["expert-0-4-epsilon"].training["steps"] == 4000  # as its velocity twin
     assert metas["expert-5-9"].objective.is_native
     assert metas["router"].architecture["num_experts"] == 2
 
@@ -94,4 +97,4 @@ def test_the_loader_converts_the_epsilon_expert_for_every_driver():
     images = generate(load_ddm(EPSILON.parent), labels, steps=40, seed=0,
                       strategy="oracle").images
     read = load_classifier(CLASSIFIER).predict(images)
-    assert float(np.mean(read == labels)) >= 0.7
+    assert float(np.mean(read == labels)) >= 0.9
