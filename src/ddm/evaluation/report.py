@@ -157,7 +157,9 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
                   "objectives (converted to our velocity, docs/objectives.md), at top-1:", "",
                   *[f"- `{path}`: {describe_experts(Path(path))}"
                     for path in (settings["checkpoints"], *(r.model for r in compared))],
-                  "", header, rule, _table_row(top1), *map(_table_row, compared), ""]
+                  "", header, rule, _table_row(top1), *map(_table_row, compared), "",
+                  f"One image is {1 / settings['n']:.3f} of a run's accuracy; compare the "
+                  "differences with the spreads.", ""]
         lines += [f"`{r.model}` top-1 accuracy - DDM top-1 accuracy = "
                   f"{r.summary['accuracy']['mean'] - top1.summary['accuracy']['mean']:+.3f}."
                   for r in compared]
@@ -178,10 +180,10 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
     source = checkpoints or default_checkpoints()
     classifier = discover(source)["classifier"][0]
     judge = load_judge(classifier, data)
-    compared = [(path, load_ddm(path)) for path in compare]  # bad ones fail before sampling
+    compared = [(_shown(path), load_ddm(path)) for path in compare]  # fail before sampling
     rows = quality_rows(source, judge, n_per_label, steps, solver, compared)
     recorded = read_meta(classifier).data
-    settings = {"checkpoints": source, "n_per_label": n_per_label,
+    settings = {"checkpoints": _shown(source), "n_per_label": n_per_label,
                 "reference": data or recorded.get("source", "digits"),
                 "classifier_split": recorded.get("split", "heldout"),
                 "n": judge.classifier.config.num_classes * n_per_label, "steps": steps,
@@ -192,6 +194,15 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
     with atomic_path(out) as tmp:
         tmp.write_text(text)
     return out
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the working directory when inside it: the report is committed,
+    and the machine's absolute paths say nothing to its readers."""
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:
+        return path
 
 
 def _table_row(r: Row) -> str:
