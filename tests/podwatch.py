@@ -1,0 +1,69 @@
+"""Watching a pod end on a real node: its container's log as it runs, and what the kubelet
+reports when the pod is deleted (exit code, when the container exited, when the pod was gone).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from kubernetes import client, watch
+
+
+class LogFollower:
+    """A container's log from now until the container exits (``kubectl logs -f``), in a thread."""
+
+    def __init__(self, core: client.CoreV1Api, pod: client.V1Pod) -> None:
+        self.lines: list[str] = []
+        self._response = core.read_namespaced_pod_log(
+            pod.metadata.name, pod.metadata.namespace, container=pod.spec.containers[0].name,
+            follow=True, since_seconds=1, _preload_content=False)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._response.stream(decode_content=False):
+            self.lines.extend(line.decode(errors="replace").splitlines())
+
+    def text(self, timeout_s: float) -> str:
+        """The log so far; waits up to ``timeout_s`` for its end (the container's exit)."""
+        self._thread.join(timeout_s)
+        return "\n".join(self.lines)
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a deleted pod ended, in seconds after the deletion; None where not seen."""
+
+    exit_code: int | None
+    reason: str | None
+    exited_after_s: float | None
+    gone_after_s: float | None
+
+
+def delete_and_watch(core: client.CoreV1Api, pod: client.V1Pod, timeout_s: float) -> Ending:
+    """Delete ``pod`` (its own grace period) and watch it from the version read in ``pod``:
+    the kubelet's report of the first container's exit, then the pod's removal."""
+    name, namespace = pod.metadata.name, pod.metadata.namespace
+    started = time.monotonic()
+    core.delete_namespaced_pod(name, namespace)
+    code: int | None = None
+    reason: str | None = None
+    exited_s: float | None = None
+    gone_s: float | None = None
+    stream = watch.Watch()
+    for event in stream.stream(core.list_namespaced_pod, namespace,
+                               field_selector=f"metadata.name={name}",
+                               resource_version=pod.metadata.resource_version,
+                               timeout_seconds=int(timeout_s)):
+        seen = event["object"]
+        statuses = seen.status.container_statuses or []
+        terminated = statuses[0].state.terminated if statuses else None
+        if terminated is not None and exited_s is None:
+            code, reason = terminated.exit_code, terminated.reason
+            exited_s = round(time.monotonic() - started, 1)
+        if event["type"] == "DELETED":
+            gone_s = round(time.monotonic() - started, 1)
+            stream.stop()
+    return Ending(code, reason, exited_s, gone_s)
