@@ -1,5 +1,6 @@
-"""Watching a pod end on a real node: its container's log as it runs, and what the kubelet
-reports when the pod is deleted (exit code, when the container exited, when the pod was gone).
+"""Pods of a test on a real node: a namespace ready for them, the container's log as it runs,
+and what the kubelet reports when a pod is deleted (exit code, when the container exited, when
+the pod was gone).
 """
 
 from __future__ import annotations
@@ -9,6 +10,25 @@ import time
 from dataclasses import dataclass
 
 from kubernetes import client, watch
+from kubernetes.client.exceptions import ApiException
+from waiting import wait_for
+
+
+def new_namespace(core: client.CoreV1Api, name: str) -> None:
+    """Create namespace ``name`` and wait for its ``default`` ServiceAccount and that account's
+    token: until the controllers made them, the API server refuses pods there (500, "No API
+    token found for service account")."""
+    core.create_namespace({"metadata": {"name": name}})
+
+    def account_ready() -> bool:
+        try:
+            return bool(core.read_namespaced_service_account("default", name).secrets)
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+
+    wait_for(account_ready, 60, f"namespace {name}'s default ServiceAccount and its token")
 
 
 class LogFollower:

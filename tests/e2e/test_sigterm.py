@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from kubernetes import client
-from podwatch import LogFollower, delete_and_watch
+from podwatch import LogFollower, delete_and_watch, new_namespace
 from waiting import wait_for
 
 from ddm.devcluster import images as dev_images
@@ -42,6 +42,7 @@ def expert_pod(name: str, cpu_limit: str | None = None) -> dict[str, Any]:
         "spec": {
             "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
+            "automountServiceAccountToken": False,  # as the operator's server pods
             "terminationGracePeriodSeconds": GRACE_S,
             "containers": [{
                 "name": "expert", "image": dev_images.CPU.short_name,
@@ -67,7 +68,7 @@ def expert_pod(name: str, cpu_limit: str | None = None) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def core(kube_client: Any) -> Iterator[client.CoreV1Api]:
     api = client.CoreV1Api(kube_client)
-    api.create_namespace({"metadata": {"name": NAMESPACE}})
+    new_namespace(api, NAMESPACE)
     try:
         yield api
     finally:
