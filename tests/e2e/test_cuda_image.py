@@ -64,12 +64,12 @@ def expert_pod() -> dict[str, Any]:
 def test_an_expert_from_the_cuda_image_serves_on_the_real_node(
         dev_cluster: ClusterInfo, kube_client: Any) -> None:
     started = time.monotonic()
-    dev_images.build_project_image(dev_images.CUDA, log=log_stderr)
+    built = dev_images.build_project_image(dev_images.CUDA, log=log_stderr)
     built_s = time.monotonic() - started
     started = time.monotonic()
     dev_images.import_into_containerd([dev_images.CUDA.name],
                                       node_layout(dev_cluster.state_dir).ctr(),
-                                      log=log_stderr)
+                                      ids={dev_images.CUDA.name: built}, log=log_stderr)
     imported_s = time.monotonic() - started
     core = client.CoreV1Api(kube_client)
     new_namespace(core, NAMESPACE)
