@@ -1,17 +1,23 @@
-"""Pods of a test on a real node: a namespace ready for them, the container's log as it runs,
-and what the kubelet reports when a pod is deleted (exit code, when the container exited, when
-the pod was gone).
+"""Pods of a test on a real node: a namespace ready for them, the container's processes and
+log as it runs, and what the kubelet reports when a pod is deleted (exit code, when the
+container exited, when the pod was gone).
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from waiting import wait_for
+
+from ddm.devcluster import ClusterInfo
+from ddm.devcluster.cluster import cluster_slot
+from ddm.devcluster.realnode import NodeNetwork
 
 
 def new_namespace(core: client.CoreV1Api, name: str) -> None:
@@ -29,6 +35,23 @@ def new_namespace(core: client.CoreV1Api, name: str) -> None:
             raise
 
     wait_for(account_ready, 60, f"namespace {name}'s default ServiceAccount and its token")
+
+
+def container_pids(cluster: ClusterInfo, pod: client.V1Pod) -> list[int]:
+    """The host's pids of the processes of the pod's (first) container, from its cgroup on the
+    node (the node shares the host's PID namespace tree)."""
+    container_id = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    root = NodeNetwork(cluster_slot(cluster.state_dir)).cgroup_root.strip("/")
+    (group,) = Path("/sys/fs/cgroup/pids", root).rglob(container_id)
+    return [int(pid) for pid in (group / "cgroup.procs").read_text().split()]
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGTERM (``SigCgt`` in its status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
 
 
 class LogFollower:

@@ -34,12 +34,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from PIL import Image
 from podsecurity import violations
-from podwatch import LogFollower, delete_and_watch
+from podwatch import LogFollower, container_pids, delete_and_watch
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
-from ddm.devcluster.cluster import cluster_slot, node_layout
-from ddm.devcluster.realnode import NodeNetwork
+from ddm.devcluster.cluster import node_layout
 from ddm.operator.manifests import DRAIN_S
 from ddm.evaluation.commands import evaluate_images
 
@@ -346,12 +345,9 @@ def ready_pods(core: client.CoreV1Api, expert: str, count: int) -> list[client.V
 def kill_container(dev_cluster: ClusterInfo, pod: client.V1Pod) -> int:
     """SIGKILL every process of the pod's container, found in its cgroup on the node; returns
     how many were killed."""
-    container_id = pod.status.container_statuses[0].container_id.split("://", 1)[1]
-    root = NodeNetwork(cluster_slot(dev_cluster.state_dir)).cgroup_root.strip("/")
-    (group,) = Path("/sys/fs/cgroup/pids", root).rglob(container_id)
-    pids = (group / "cgroup.procs").read_text().split()
+    pids = container_pids(dev_cluster, pod)
     for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     return len(pids)
 
 

@@ -1,11 +1,12 @@
 """SIGTERM to ``ddm`` as PID 1 of its container, on the dev cluster's real node.
 
-Deleting a pod while its expert still starts (importing PyTorch and loading, checking and
-warming up the model in its start-up thread) must not cost the grace period: the kernel gives
-a PID namespace's init no default action for a signal it has no handler for (``ddm`` handles
-SIGTERM from its first line: ddm.cli, and tests/integration/test_sigterm_as_pid1.py for that
-first second), a server never ready has no traffic to drain, and its process does not wait
-for a start-up nobody will use (ddm.serving.http). A serving pod still drains, then exits 0.
+Deleting a pod while its expert still starts must not cost the grace period: while ``ddm``
+imports, before uvicorn installs its handlers, the kernel gives a PID namespace's init no
+default action for a signal it has no handler for (``ddm`` handles SIGTERM from its first
+line: ddm.cli; exit 143); while it loads, checks and warms up its model (importing PyTorch in
+its start-up thread), a server never ready has no traffic to drain, and its process does not
+wait for a start-up nobody will use (ddm.serving.http; exit 0). A serving pod still drains,
+then exits 0.
 The pods are the operator's expert pods in miniature: the CPU image, restricted, read-only
 root file system.
 """
@@ -18,9 +19,12 @@ from typing import Any
 import httpx
 import pytest
 from kubernetes import client
-from podwatch import LogFollower, delete_and_watch, new_namespace
+from podwatch import (LogFollower, catches_sigterm, container_pids, delete_and_watch,
+                      new_namespace)
 from waiting import wait_for
 
+from ddm.cli import EXIT_TERMINATED
+from ddm.devcluster import ClusterInfo
 from ddm.devcluster import images as dev_images
 
 NAMESPACE = "sigterm"
@@ -29,11 +33,15 @@ DRAIN_S = 2
 # A throttled start-up: at a quarter of a core, importing PyTorch and loading, checking and
 # warming up the expert takes several seconds after the server answers its first probe.
 STARTING_CPU = "250m"
+# At a twentieth of a core, what ddm imports before uvicorn installs its handlers (FastAPI,
+# NumPy, uvicorn: about 0.5 s of CPU) takes about 10 s; its own handler is in place after the
+# first twentieth of that.
+IMPORTING_CPU = "50m"
 
 
 def expert_pod(name: str, cpu_limit: str | None = None) -> dict[str, Any]:
     """The digits 0-4 expert as the operator runs experts (restricted, read-only root)."""
-    resources: dict[str, Any] = {"requests": {"cpu": "100m"}}
+    resources: dict[str, Any] = {"requests": {"cpu": "50m"}}
     if cpu_limit is not None:
         resources["limits"] = {"cpu": cpu_limit}
     return {
@@ -82,6 +90,30 @@ def container_state(core: client.CoreV1Api, name: str, state: str) -> client.V1P
     if not statuses:
         return None
     return pod if (statuses[0].ready if state == "ready" else statuses[0].state.running) else None
+
+
+def test_a_pod_deleted_while_ddm_still_imports_ends_at_once(dev_cluster: ClusterInfo,
+                                                            core: client.CoreV1Api) -> None:
+    """Before uvicorn's handlers: the pod is deleted as soon as ddm's process (PID 1 of the
+    container, seen from the host through its cgroup) handles SIGTERM, seconds before it can
+    serve. Without ddm's handler, the kernel drops the SIGTERM and the kubelet SIGKILLs the
+    container at the end of the grace period (137)."""
+    core.create_namespaced_pod(NAMESPACE, expert_pod("importing", cpu_limit=IMPORTING_CPU))
+    pod = wait_for(lambda: container_state(core, "importing", "running"), 300,
+                   "the container to run",
+                   lambda: str(core.read_namespaced_pod("importing", NAMESPACE).status))
+    (pid,) = wait_for(lambda: container_pids(dev_cluster, pod), 30, "the container's process")
+    wait_for(lambda: catches_sigterm(pid), 60, "ddm to handle SIGTERM")
+    log = LogFollower(core, pod)
+    ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60)
+    text = log.text(timeout_s=10)
+    print(f"\ndeleted while importing: {ending} (grace {GRACE_S} s)")
+    explain = f"{ending}; its log:\n{text}"
+    assert "Started server process" not in text, f"no longer importing; {explain}"
+    assert ending.exit_code == EXIT_TERMINATED, explain
+    assert "ddm: terminated (SIGTERM)" in text, explain
+    assert ending.exited_after_s is not None and ending.exited_after_s < 10, explain
+    assert ending.gone_after_s is not None and ending.gone_after_s < GRACE_S / 2, explain
 
 
 def loading(pod: client.V1Pod) -> bool:

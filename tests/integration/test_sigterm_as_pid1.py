@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from podwatch import catches_sigterm
 from waiting import wait_for
 
 from ddm.cli import EXIT_TERMINATED
@@ -38,14 +39,6 @@ def as_pid_1(*argv: str) -> subprocess.Popen[str]:
 
 def children(pid: int) -> list[int]:
     return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-
-
-def catches_sigterm(pid: int) -> bool:
-    """Whether process ``pid`` has a handler for SIGTERM (``SigCgt`` in its status)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("SigCgt:"):
-            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
-    return False
 
 
 def test_a_server_still_importing_ends_on_sigterm_as_pid_1() -> None:
