@@ -3,18 +3,32 @@
 Exit status: 0 done; 2 a usage or input error (a bad flag, spec, file or value: the user can
 fix it); 1 a failure (an operation that could not complete: a process died, a download or an
 API call failed) or an internal error (a bug: its type is named, ``ddm --debug`` prints the
-traceback); 130 interrupted.
+traceback); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM) before the command was done. A
+server (``ddm serve``) that drains and stops on SIGTERM is done: it exits 0.
+
+SIGTERM ends every command from the first line of :func:`main` on, before any heavy import.
+In a container ``ddm`` is PID 1, and the kernel gives PID 1 no default action for a signal it
+has no handler for: without one, a pod deleted while its server still imports PyTorch or JAX
+(before uvicorn, kopf or ``ddm up`` install their own handlers) would ignore the SIGTERM and
+wait for the SIGKILL at the end of its grace period. A handler in ``ddm`` itself rather than an
+init process (tini) as the images' entry point, because the operator's pods and the chart name
+their ``command`` (``ddm ...``), which replaces an image's entry point, and because it holds in
+every image (the Neuron one's base is AWS's) and outside containers. No ``ddm`` process leaves
+orphans for PID 1 to reap: ``ddm up`` waits for its servers, and the servers' own children
+(compilers) are waited for by whoever started them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ddm.objective_names import PREDICTIONS, SCHEDULES
 from ddm.serving.commands import add_serve_commands
@@ -23,20 +37,50 @@ from ddm.training.resume import SAVE_EVERY
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143, as a shell reports a process SIGTERM ended
 
 
 class UserError(Exception):
     """A problem with the user's input: reported as one line, exit status 2, no traceback."""
 
 
+class Terminated(SystemExit):
+    """SIGTERM arrived before the command was done (raised by the handler :func:`main`
+    installs). A ``SystemExit`` with status 143, so that ``except Exception`` lets it through
+    and ``finally`` blocks run (``ddm up`` stops its servers, a fetch removes its partial file)."""
+
+    def __init__(self) -> None:
+        super().__init__(EXIT_TERMINATED)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command == "dev-cluster":  # its own parser handles its options, --help included
-        args.args = extra + args.args
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    return run(args)
+    with _sigterm_terminates():
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        if args.command == "dev-cluster":  # its own parser handles its options, --help included
+            args.args = extra + args.args
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return run(args)
+
+
+@contextlib.contextmanager
+def _sigterm_terminates() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` until the block ends (then the previous handler is
+    back: tests call :func:`main` in-process). Servers, kopf and ``ddm up`` replace it with
+    their own while they run. Signals are the main thread's: elsewhere, nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("ddm: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Terminated:
+        print("ddm: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except (UserError, ValueError, FileNotFoundError) as exc:
         return _fail(args, f"ddm: error: {exc}", EXIT_USAGE)
     except (RuntimeError, OSError) as exc:

@@ -39,7 +39,7 @@ def dev_cluster(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.C
     with capture.global_and_fixture_disabled():  # show build and start-up progress live
         try:
             binaries = ensure_binaries(allow_build=os.environ.get("DDM_DEV_CLUSTER_BUILD") != "0")
-            dev_images.build_project_image(dev_images.CPU, log=log_stderr)
+            built = dev_images.build_project_image(dev_images.CPU, log=log_stderr)
             state_dir = tmp_path_factory.mktemp("dev-cluster")
             info = up(state_dir, binaries=binaries, real_node=True)
         except (BuildError, AptError, NamespaceError, dev_images.ImageError) as error:
@@ -47,7 +47,7 @@ def dev_cluster(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.C
         try:
             dev_images.import_into_containerd([dev_images.CPU.name],
                                               node_layout(state_dir).ctr(),
-                                              log=log_stderr)
+                                              ids={dev_images.CPU.name: built}, log=log_stderr)
         except BaseException:
             down(state_dir)
             raise

@@ -10,6 +10,7 @@ operator's pods run it (uid 10001, read-only root file system).
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.request
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 from kubernetes.stream import stream
+from podwatch import new_namespace
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
@@ -37,6 +39,7 @@ def expert_pod() -> dict[str, Any]:
         "spec": {
             "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
+            "automountServiceAccountToken": False,  # as the operator's server pods
             "terminationGracePeriodSeconds": 10,
             "containers": [{
                 "name": "expert", "image": dev_images.CUDA.short_name,
@@ -61,15 +64,15 @@ def expert_pod() -> dict[str, Any]:
 def test_an_expert_from_the_cuda_image_serves_on_the_real_node(
         dev_cluster: ClusterInfo, kube_client: Any) -> None:
     started = time.monotonic()
-    dev_images.build_project_image(dev_images.CUDA, log=log_stderr)
+    built = dev_images.build_project_image(dev_images.CUDA, log=log_stderr)
     built_s = time.monotonic() - started
     started = time.monotonic()
     dev_images.import_into_containerd([dev_images.CUDA.name],
                                       node_layout(dev_cluster.state_dir).ctr(),
-                                      log=log_stderr)
+                                      ids={dev_images.CUDA.name: built}, log=log_stderr)
     imported_s = time.monotonic() - started
     core = client.CoreV1Api(kube_client)
-    core.create_namespace({"metadata": {"name": NAMESPACE}})
+    new_namespace(core, NAMESPACE)
     core.create_namespaced_pod(NAMESPACE, expert_pod())
     started = time.monotonic()
 
@@ -84,10 +87,16 @@ def test_an_expert_from_the_cuda_image_serves_on_the_real_node(
     assert pod.spec.node_name == "ddm-real-0"
     with urllib.request.urlopen(f"http://{pod.status.pod_ip}:8000/healthz", timeout=10) as answer:
         assert answer.status == 200
+    # no GPU on the node: the server says it runs on the CPU
+    log = core.read_namespaced_pod_log("expert", NAMESPACE)
+    assert re.search(r"expert expert-0-4 ready on torch \(torch [^,]+, cpu\)", log), log
     versions = stream(core.connect_get_namespaced_pod_exec, "expert", NAMESPACE,
-                      command=["python", "-c", "import torch, jax, jax_plugins; "
-                               "print(torch.version.cuda, jax.__version__)"],
-                      stderr=True, stdout=True)
-    assert versions.split()[0].startswith("13."), versions
+                      command=["python", "-c", "import torch, jax, jax_plugins.xla_cuda13; "
+                               "print(torch.version.cuda, torch.cuda.is_available(), "
+                               "jax.__version__)"],
+                      stderr=False, stdout=True)
+    cuda, available, jax_version = versions.split()[-3:]
+    assert cuda.startswith("13.") and available == "False", versions
     print(f"\nCUDA image: built in {built_s:.0f} s, imported in {imported_s:.0f} s, expert "
-          f"ready {ready_s:.0f} s after creation; torch CUDA, JAX: {versions.strip()}")
+          f"ready {ready_s:.0f} s after creation; torch's CUDA {cuda} (GPU seen: {available}), "
+          f"JAX {jax_version} with its CUDA 13 plugin")

@@ -30,15 +30,15 @@ import numpy as np
 import pytest
 import yaml
 from helm_tool import ensure_helm
-from kubernetes import client, watch
+from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from PIL import Image
 from podsecurity import violations
+from podwatch import LogFollower, container_pids, delete_and_watch
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
-from ddm.devcluster.cluster import cluster_slot, node_layout
-from ddm.devcluster.realnode import NodeNetwork
+from ddm.devcluster.cluster import node_layout
 from ddm.operator.manifests import DRAIN_S
 from ddm.evaluation.commands import evaluate_images
 
@@ -345,12 +345,9 @@ def ready_pods(core: client.CoreV1Api, expert: str, count: int) -> list[client.V
 def kill_container(dev_cluster: ClusterInfo, pod: client.V1Pod) -> int:
     """SIGKILL every process of the pod's container, found in its cgroup on the node; returns
     how many were killed."""
-    container_id = pod.status.container_statuses[0].container_id.split("://", 1)[1]
-    root = NodeNetwork(cluster_slot(dev_cluster.state_dir)).cgroup_root.strip("/")
-    (group,) = Path("/sys/fs/cgroup/pids", root).rglob(container_id)
-    pids = (group / "cgroup.procs").read_text().split()
+    pids = container_pids(dev_cluster, pod)
     for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
     return len(pids)
 
 
@@ -413,27 +410,6 @@ def test_a_rolling_update_of_an_expert_under_load_drops_no_request(
     assert all(s == 200 for s in statuses), statuses
 
 
-class LogFollower:
-    """A container's log from now until the container exits (``kubectl logs -f``), in a thread."""
-
-    def __init__(self, core: client.CoreV1Api, pod: client.V1Pod) -> None:
-        self.lines: list[str] = []
-        self._response = core.read_namespaced_pod_log(
-            pod.metadata.name, pod.metadata.namespace, container=pod.spec.containers[0].name,
-            follow=True, since_seconds=1, _preload_content=False)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        for line in self._response.stream(decode_content=False):
-            self.lines.extend(line.decode(errors="replace").splitlines())
-
-    def text(self, timeout_s: float) -> str:
-        """The log so far; waits up to ``timeout_s`` for its end (the container's exit)."""
-        self._thread.join(timeout_s)
-        return "\n".join(self.lines)
-
-
 def test_servers_exit_promptly_on_sigterm_as_pid_1(core: client.CoreV1Api,
                                                    digits: dict[str, Any]) -> None:
     """Deleting a pod sends SIGTERM to the server, PID 1 of its container: it drains for the
@@ -447,34 +423,19 @@ def test_servers_exit_promptly_on_sigterm_as_pid_1(core: client.CoreV1Api,
                       "a ready, settled replica of expert digits-0-4")
     name, grace = victim.metadata.name, victim.spec.termination_grace_period_seconds
     server_log = LogFollower(core, victim)
-    started = time.monotonic()
-    core.delete_namespaced_pod(name, USERS)
-    exited: dict[str, Any] = {}
-    gone_s = None
-    stream = watch.Watch()
-    for event in stream.stream(core.list_namespaced_pod, USERS,
-                               field_selector=f"metadata.name={name}",
-                               resource_version=victim.metadata.resource_version,
-                               timeout_seconds=grace + 60):
-        pod = event["object"]
-        statuses = pod.status.container_statuses or []
-        terminated = statuses[0].state.terminated if statuses else None
-        if terminated is not None and not exited:
-            exited.update(code=terminated.exit_code, reason=terminated.reason,
-                          after_s=round(time.monotonic() - started, 1))
-        if event["type"] == "DELETED":
-            gone_s = round(time.monotonic() - started, 1)
-            stream.stop()
+    ending = delete_and_watch(core, victim, timeout_s=grace + 60)
     shutdown = server_log.text(timeout_s=10)
-    print(f"\nSIGTERM to PID 1: container exited {exited} (drain {DRAIN_S} s, grace {grace} s);"
-          f" pod gone {gone_s} s after deletion")
-    explain = f"pod {name}: exit {exited}, gone after {gone_s} s; its log:\n{shutdown}"
-    assert gone_s is not None, f"not deleted within {grace + 60} s; {explain}"
-    assert exited, f"the kubelet reported no exit before the pod went away; {explain}"
+    print(f"\nSIGTERM to PID 1: container exited {ending.exit_code} after "
+          f"{ending.exited_after_s} s (drain {DRAIN_S} s, grace {grace} s); pod gone "
+          f"{ending.gone_after_s} s after deletion")
+    explain = f"pod {name}: {ending}; its log:\n{shutdown}"
+    assert ending.gone_after_s is not None, f"not deleted within {grace + 60} s; {explain}"
+    assert ending.exited_after_s is not None, \
+        f"the kubelet reported no exit before the pod went away; {explain}"
     # 137 would be the SIGKILL at the end of the grace period; exiting before DRAIN_S would
     # mean it did not drain. How long after the drain it took is a figure (docs/reliability.md).
-    assert exited["code"] == 0, explain
-    assert DRAIN_S <= exited["after_s"] < grace, explain
+    assert ending.exit_code == 0, explain
+    assert DRAIN_S <= ending.exited_after_s < grace, explain
     wait_for(lambda: ready_pods(core, "digits-0-4", replicas), 300,
              "the expert's Deployment to replace the deleted pod")
 

@@ -301,7 +301,7 @@ def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
         assert served.status_code == 200 and time.monotonic() - signalled < 2.0
         expert.wait(timeout=20)
         assert time.monotonic() - signalled >= 2.0
-        assert expert.returncode == -signal.SIGTERM  # uvicorn re-raises the signal it handled
+        assert expert.returncode == 0  # stopping on SIGTERM is a server's normal end
     finally:
         expert.kill()
         expert.wait()

@@ -166,3 +166,32 @@ def test_debug_prints_the_traceback_of_an_internal_error(capsys):
 def test_a_manifest_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
     code, captured = _run(capsys, "up", tmp_path / "missing.yaml")
     assert code == 2 and "does not exist" in captured.err
+
+
+def test_sigterm_ends_a_command_with_143_and_main_restores_the_handler(monkeypatch, capsys):
+    """``ddm``'s own SIGTERM handler (PID 1 of a container has no default action for it): a
+    command SIGTERM interrupts runs its ``finally`` blocks and exits 143; after ``main`` the
+    previous handler is back (tests call ``main`` in-process)."""
+    import os
+    import signal
+    import time
+
+    import ddm.cli
+
+    cleaned_up = []
+
+    def command(args):
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN, None):
+            raise AssertionError("no SIGTERM handler: the signal would end pytest itself")
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler's exception ends the sleep at once
+        finally:
+            cleaned_up.append(True)
+
+    before = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(ddm.cli, "_diagram", command)
+    assert main(["diagram", "x.yaml"]) == 143
+    assert cleaned_up == [True]
+    assert capsys.readouterr().err.strip() == "ddm: terminated (SIGTERM)"
+    assert signal.getsignal(signal.SIGTERM) is before

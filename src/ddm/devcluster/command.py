@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 signal.signal(signal.SIGTERM, previous)
         elif args.action == "images":
             image = images.CUDA if args.cuda else images.CPU
-            images.build_project_image(image, log=log_stderr)
+            built = images.build_project_image(image, log=log_stderr)
             if args.no_import:
                 return 0
             if not status(args.dir).running:
@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "this again to import it; the build is cached)")
                 return 0
             images.import_into_containerd([image.name], node_layout(args.dir).ctr(),
-                                          log=log_stderr)
+                                          ids={image.name: built}, log=log_stderr)
         elif args.action == "down":
             down(args.dir, purge=args.purge)
         else:

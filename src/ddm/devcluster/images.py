@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -221,8 +221,10 @@ def build_pip_config(settings: dict[str, str], *, wheelhouse: bool = True
 
 
 def build_project_image(image: ProjectImage, *, repo: Path | None = None,
-                        cache: Path | None = None, log: Log) -> float:
-    """Build ``image`` on the debootstrap base; returns the seconds it took."""
+                        cache: Path | None = None, log: Log) -> str:
+    """Build ``image`` on the debootstrap base; returns the id of what was built. Import that
+    id, not the name: a build from another checkout sharing the cache may retag the name in
+    the meantime."""
     cache = cache or cache_dir()
     repo = repo or repository_root()
     ensure_apt_packages(APT_PACKAGES, log=log)
@@ -237,39 +239,46 @@ def build_project_image(image: ProjectImage, *, repo: Path | None = None,
     started = time.monotonic()
     log(f"building {image.short_name} from {image.dockerfile} (cold: 8 to 10 minutes; "
         "a change under src/: 2 to 3)")
-    _run(["buildah", "bud", "--layers", "--pull=never", "--network", "host",
-          "-f", str(repo / image.dockerfile), "--build-arg", f"VERSION={VERSION}",
-          "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
-          *(a for v in volumes for a in ("-v", v)), "-t", image.name, str(repo)],
-         log, env=env)
-    took = time.monotonic() - started
-    log(f"built {image.short_name} in {took:.0f} s")
-    return took
+    with tempfile.TemporaryDirectory(dir=cache / "tmp") as work:
+        iidfile = Path(work) / "iid"
+        _run(["buildah", "bud", "--layers", "--pull=never", "--network", "host",
+              "-f", str(repo / image.dockerfile), "--build-arg", f"VERSION={VERSION}",
+              "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
+              *(a for v in volumes for a in ("-v", v)), "-t", image.name,
+              "--iidfile", str(iidfile), str(repo)], log, env=env)
+        built = iidfile.read_text().strip().removeprefix("sha256:")
+    log(f"built {image.short_name} ({built[:12]}) in {time.monotonic() - started:.0f} s")
+    return built
 
 
-def oci_archive(name: str, cache: Path, log: Log) -> Path:
-    """An OCI archive of ``name`` (kept per image id, so an unchanged image is exported once)."""
+def oci_archive(name: str, cache: Path, log: Log, source: str | None = None) -> Path:
+    """An OCI archive of image ``source`` (an id; default: what ``name`` names now) named
+    ``name``, kept per image id, so that an unchanged image is exported once."""
     env = _buildah_env(cache)
-    archive = cache / "archives" / f"{image_id(name, cache)[:20]}.oci.tar"
+    source = source or name
+    archive = cache / "archives" / f"{image_id(source, cache)[:20]}.oci.tar"
     if not archive.is_file():
         archive.parent.mkdir(parents=True, exist_ok=True)
         # Per process: two clusters starting at once may both export the same image.
         partial = archive.with_name(f"{archive.name}.{os.getpid()}.partial")
         partial.unlink(missing_ok=True)
-        _run(["buildah", "push", "-q", "--disable-compression", name,
+        _run(["buildah", "push", "-q", "--disable-compression", source,
               f"oci-archive:{partial}:{name}"], log, env=env, quiet=True)
         partial.replace(archive)
     return archive
 
 
 def import_into_containerd(names: Sequence[str], ctr: Sequence[str], *,
-                           cache: Path | None = None, log: Log) -> None:
+                           cache: Path | None = None, ids: Mapping[str, str] | None = None,
+                           log: Log) -> None:
     """Put images from buildah's storage into a containerd (namespace k8s.io); ``ctr`` is the
-    command line of a ctr that talks to it (`ddm.devcluster.realnode.NodeLayout.ctr`)."""
+    command line of a ctr that talks to it (`ddm.devcluster.realnode.NodeLayout.ctr`). ``ids``
+    maps a name to the image id to import under it (what :func:`build_project_image`
+    returned); other names are imported as they name an image now."""
     cache = cache or cache_dir()
     for name in names:
         started = time.monotonic()
-        archive = oci_archive(name, cache, log)
+        archive = oci_archive(name, cache, log, (ids or {}).get(name))
         _run([*ctr, "-n", "k8s.io", "images", "import", str(archive)], log,
              env=dict(os.environ), quiet=True)
         log(f"imported {name} into the node's containerd in {time.monotonic() - started:.0f} s")

@@ -7,7 +7,13 @@ Draining: Kubernetes sends SIGTERM to a pod while Services, kube-proxy and the r
 caches still send it traffic for a few seconds. With ``drain_s`` > 0, the first SIGTERM makes
 ``/readyz`` answer 503 ``draining`` and the server keeps serving for ``drain_s`` seconds, then
 stops accepting connections and finishes the requests in flight (at most
-``GRACEFUL_SHUTDOWN_S``). SIGINT, and a second signal, stop at once.
+``GRACEFUL_SHUTDOWN_S``). SIGINT, and a second signal, stop at once. Stopping on SIGTERM is
+how a server's life normally ends: it exits 0, as PID 1 of a container or not (uvicorn would
+raise the SIGTERM again once stopped, which kills a process that is not PID 1 with -15).
+A server still starting (its app's start-up work, e.g. loading and compiling a model, running
+in :meth:`ServerControl.start_up`) has never been ready, so no Service sends it traffic: SIGTERM
+stops it at once, and the process exits without waiting for that work (minutes for a compile),
+so that a pod deleted while it starts is gone long before its grace period ends.
 
 The data plane pays for every byte and every layer at each denoising step, so its hot routes
 are bare ASGI (no FastAPI dependency resolution) and the server sends no ``date`` or
@@ -17,18 +23,24 @@ accepted connection, so a small reply is not held back by Nagle's algorithm.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
 import logging
+import os
 import re
 import signal
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
@@ -47,6 +59,7 @@ GRACEFUL_SHUTDOWN_S = 20
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Headers = Iterable[tuple[bytes, bytes]]
 
 #: OpenAPI: the ``Retry-After`` header of a 429 or 503.
@@ -90,18 +103,50 @@ def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
 
 @dataclass
 class ServerControl:
-    """What a running server and its app tell each other: the app calls ``stop(reason)`` when
-    its background start-up fails; the server sets ``draining`` on SIGTERM (``/readyz``
-    answers 503 from then on)."""
+    """What a running server and its app tell each other: the app runs its background
+    start-up through ``start_up`` and calls ``stop(reason)`` when it fails; the server sets
+    ``draining`` on SIGTERM (``/readyz`` answers 503 from then on)."""
 
     draining: bool = False
     failures: list[str] = field(default_factory=list)
     server: uvicorn.Server | None = None
+    _start_up: threading.Thread | None = None
 
     def stop(self, reason: str) -> None:
         self.failures.append(reason)
         if self.server is not None:
             self.server.should_exit = True
+
+    async def start_up(self, work: Callable[[], T]) -> T:
+        """``work()`` in a daemon thread (not ``asyncio.to_thread``'s pool, which the event
+        loop and the interpreter wait for when they end), awaited."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+
+        def settle(outcome: Callable[[], None]) -> None:
+            if not done.done():  # cancelled when the server stopped first
+                outcome()
+
+        def run() -> None:
+            try:
+                result = work()
+            except BaseException as error:  # noqa: BLE001 - handed to the awaiting task
+                report = functools.partial(settle, functools.partial(done.set_exception, error))
+            else:
+                report = functools.partial(settle, functools.partial(done.set_result, result))
+            try:
+                loop.call_soon_threadsafe(report)
+            except RuntimeError:  # the loop is closed: the server is gone, nobody awaits
+                pass
+
+        self._start_up = threading.Thread(target=run, name="start-up", daemon=True)
+        self._start_up.start()
+        return await done
+
+    @property
+    def starting(self) -> bool:
+        """Whether the app's start-up work is still running."""
+        return self._start_up is not None and self._start_up.is_alive()
 
 
 class _DrainingServer(uvicorn.Server):
@@ -117,13 +162,23 @@ class _DrainingServer(uvicorn.Server):
         self._drain_until: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM and self._drain_s > 0 and self._drain_until is None:
+        if (sig == signal.SIGTERM and self._drain_s > 0 and self._drain_until is None
+                and not self._control.starting):
             self._control.draining = True
             self._drain_until = time.monotonic() + self._drain_s
             logger.info("SIGTERM: draining for %g s (not ready, still serving), then stopping",
                         self._drain_s)
             return
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's, less raising SIGTERM again after the graceful stop (SIGINT still is:
+        ``ddm`` then exits 130, interrupted)."""
+        with super().capture_signals():
+            yield
+            self._captured_signals[:] = [s for s in self._captured_signals
+                                         if s != signal.SIGTERM]
 
     async def on_tick(self, counter: int) -> bool:
         if (self._drain_until is not None and not self.should_exit
@@ -137,7 +192,8 @@ def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: in
     """Serve ``make_app(control)`` until interrupted, draining for ``drain_s`` seconds on
     SIGTERM; when the app's background start-up fails (``control.stop(reason)``), end the
     server and exit with status 1 after writing ``reason`` where Kubernetes shows it
-    (:mod:`ddm.serving.termination`). With ``metrics_port``, ``/metrics`` moves there
+    (:mod:`ddm.serving.termination`); when stopped while the app's start-up work still runs,
+    exit 0 at once without waiting for it. With ``metrics_port``, ``/metrics`` moves there
     (:class:`MetricsPort`): one server, one event loop, two listening sockets."""
     control = ServerControl()
     app = make_app(control)
@@ -152,6 +208,12 @@ def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: in
             sock.close()
     if control.failures:
         raise fail_start(control.failures[0])
+    if control.starting:  # stopped before the app was ready: nothing will use that work
+        logger.info("stopped while still starting; not waiting for the start-up to finish")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # a daemon thread at interpreter shutdown may take C++ code down with it
 
 
 class MetricsPort:

@@ -42,7 +42,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Hashable
+from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
 
 import numpy as np
 from fastapi import FastAPI
@@ -96,6 +96,8 @@ DEFAULT_MAX_PENDING = 256
 #: ``(checkpoint, backend, device, max_batch, compile_cache) -> Backend``; replaceable to serve
 #: a custom backend.
 BackendLoader = Callable[[Checkpoint, str, str | None, int, Path | None], Backend]
+#: Runs the loading off the event loop: ``await start_up(work)`` is ``work()``'s result.
+StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 _VELOCITY = "velocity"
 _VELOCITY_PATH = "/v1/velocity"
@@ -159,6 +161,7 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       compile_cache: Path | None = None, loader: BackendLoader = load_backend,
                       on_failure: Callable[[str], None] | None = None,
                       draining: Callable[[], bool] | None = None,
+                      start_up: StartUp = asyncio.to_thread,
                       api_docs: bool = False,
                       auth_token_file: str | os.PathLike[str] | None = None) -> ASGIApp:
     """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``.
@@ -168,7 +171,9 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     backend and the checkpoint's config are checked here, so that a wrong flag fails before
     the server starts; the weights load in the lifespan, and if they cannot,
     ``on_failure(reason)`` is called (besides ``/healthz`` answering 500). While
-    ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503. ``api_docs``
+    ``draining()`` is true (the server got SIGTERM), ``/readyz`` answers 503. The loading runs
+    in ``start_up(work)`` (a worker thread; a process's server runs it in
+    :meth:`~ddm.serving.http.ServerControl.start_up`, which it need not wait for). ``api_docs``
     serves Swagger UI at ``/docs`` (:func:`~ddm.serving.http.add_api_docs`). With
     ``auth_token_file``, ``/v1/*`` needs ``Authorization: Bearer <its token>`` (the router's
     per-DDM token; :mod:`ddm.serving.auth`), so that only the router reaches the model.
@@ -185,7 +190,7 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(limits))
     expert = _Expert(meta, limits, backend, device, max_delay_ms, max_pending)
     load = functools.partial(_load, expert, Path(checkpoint_dir), loader, compile_cache,
-                             on_failure)
+                             on_failure, start_up)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -257,7 +262,8 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
             return create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms,
                                      max_steps=max_steps, max_pending=max_pending,
                                      compile_cache=compile_cache, on_failure=control.stop,
-                                     draining=lambda: control.draining, api_docs=api_docs,
+                                     draining=lambda: control.draining,
+                                     start_up=control.start_up, api_docs=api_docs,
                                      auth_token_file=auth_token_file)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
@@ -419,7 +425,8 @@ def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> 
 
 
 async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
-                compile_cache: Path | None, on_failure: Callable[[str], None] | None) -> None:
+                compile_cache: Path | None, on_failure: Callable[[str], None] | None,
+                start_up: StartUp) -> None:
     """Load, check and warm up the backend off the event loop, then start batching."""
     started = time.perf_counter()
 
@@ -436,7 +443,7 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
                                      expert.limits.max_batch)
 
     try:
-        backend, inline_rows = await asyncio.to_thread(load_and_warm)
+        backend, inline_rows = await start_up(load_and_warm)
     except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
         logger.exception("expert %s failed to load from %s", expert.meta.name, directory)
         expert.failure = f"{type(error).__name__}: {error}"
