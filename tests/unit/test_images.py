@@ -417,6 +417,18 @@ def test_the_final_stage_runs_as_the_operators_numeric_non_root_user(family):
 
 
 @FAMILIES
+def test_expose_lists_the_ports_the_operators_pods_serve_on(family):
+    """EXPOSE documents the image: the API ports of the roles it runs and the metrics port."""
+    from ddm.operator import names
+
+    exposed = {int(port) for line in _load(family)[-1].all("EXPOSE") for port in line.words}
+    roles = {names.EXPERT_PORT, names.METRICS_PORT}
+    if family != "neuron":  # the Neuron image serves experts only
+        roles.add(names.ROUTER_PORT)
+    assert exposed == roles, f"{DOCKERFILES[family]}: EXPOSE {sorted(exposed)}, not {sorted(roles)}"
+
+
+@FAMILIES
 def test_the_entrypoint_is_the_cli_and_every_cmd_is_a_real_command(family):
     stages = _load(family)
     entrypoints = stages[-1].all("ENTRYPOINT")
