@@ -45,6 +45,7 @@ from ddm.evaluation.commands import evaluate_images
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "ddm-operator"
 EXAMPLE = ROOT / "examples" / "digits.yaml"
+HETEROGENEOUS = ROOT / "examples" / "heterogeneous.yaml"
 RELEASE, SYSTEM, USERS = "ddm", "ddm-system", "digits-demo"
 OPERATOR_ACCOUNT = f"system:serviceaccount:{SYSTEM}:{RELEASE}-ddm-operator"
 RELEASE_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/managed-by=Helm"
@@ -248,6 +249,45 @@ def test_the_router_draws_the_asked_digits(digits: dict[str, Any]) -> None:
         images.append(_decode(answer.json()["images"]))
     metrics = evaluate_images(np.concatenate(images), labels)
     assert metrics["accuracy"] >= 0.95, metrics
+
+
+def test_the_heterogeneous_example_serves_an_epsilon_expert_beside_a_velocity_one(
+        tools: Tools, core: client.CoreV1Api, custom: client.CustomObjectsApi,
+        digits: dict[str, Any]) -> None:
+    """examples/heterogeneous.yaml from the image (a DDPM epsilon expert for 0-4, our velocity
+    expert for 5-9): the router converts and mixes them, and the classifier reads its digits
+    as it reads the all-velocity DDM's."""
+    manifest = yaml.safe_load(HETEROGENEOUS.read_text())
+    for expert in manifest["spec"]["experts"]:  # the real node has 2 CPUs; digits holds 1.25
+        expert["resources"]["requests"]["cpu"] = "100m"
+    name = manifest["metadata"]["name"]
+    tools.kubectl("apply", "-n", USERS, "-f", "-", stdin=yaml.safe_dump(manifest))
+    try:
+        wait_for(lambda: ddm_status(custom, USERS, name).get("phase") == "Ready",
+                 READY_TIMEOUT_S, f"the {name} DDMDeployment to be Ready",
+                 lambda: pod_logs(core, USERS))
+        wait_for(lambda: any(s.addresses for s in core.read_namespaced_endpoints(
+            f"{name}-router", USERS).subsets or []), 60, "its router's Service to list its pod")
+        secret = core.read_namespaced_secret(f"{name}-router-token", USERS)
+        headers = {"Authorization": f"Bearer {base64.b64decode(secret.data['token']).decode()}"}
+        labels = np.repeat(np.arange(10), 10)
+        forward = PortForward(tools, USERS, f"service/{name}-router", 8080)
+        try:
+            images = []
+            for half in (labels[:50], labels[50:]):
+                answer = httpx.post(f"{forward.url}/v1/generate", headers=headers, timeout=300,
+                                    json={"labels": half.tolist(), "steps": 40, "seed": 0})
+                assert answer.status_code == 200, answer.text
+                images.append(_decode(answer.json()["images"]))
+        finally:
+            forward.close()
+        metrics = evaluate_images(np.concatenate(images), labels)
+        assert metrics["accuracy"] >= 0.95, metrics
+    finally:  # its pods gone before the next tests ask the node for CPU
+        tools.kubectl("delete", "ddm", name, "-n", USERS, "--wait=true")
+        wait_for(lambda: not core.list_namespaced_pod(
+            USERS, label_selector=f"app.kubernetes.io/instance={name}").items, 120,
+            f"the {name} pods to be gone")
 
 
 def test_every_pod_meets_the_restricted_profile(core: client.CoreV1Api, kube_client: Any,
