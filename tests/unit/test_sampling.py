@@ -74,6 +74,15 @@ def test_parse_strategy(text, expected):
     assert parse_strategy(text) == expected
 
 
+@pytest.mark.parametrize("text", ["top1", "topk:12", "threshold:.0000001", "threshold:0.25",
+                                  "threshold:1.0", "threshold:0.123456789012345678", "oracle"])
+def test_a_strategys_name_parses_back_to_it(text):
+    """The router validates a request's strategy, echoes its name and parses that again: a
+    name the grammar refuses (``threshold:1e-07``, found by the API fuzz test) was a 500."""
+    strategy = parse_strategy(text)
+    assert parse_strategy(strategy.name) == strategy
+
+
 @pytest.mark.parametrize("text", ["random", "top0", "threshold:1.5", "threshold:0", "", "top-1"])
 def test_parse_strategy_rejects_unknown(text):
     with pytest.raises(ValueError):

@@ -34,10 +34,12 @@ class Strategy:
 
     @property
     def name(self) -> str:
+        """The canonical spelling, which :func:`parse_strategy` reads back (the router echoes
+        it and parses it again): a threshold in plain decimals, never ``1e-07``."""
         if self.kind == "topk":
             return f"top{self.k}"
         if self.kind == "threshold":
-            return f"threshold:{self.threshold:g}"
+            return f"threshold:{np.format_float_positional(self.threshold, trim='-')}"
         return self.kind
 
 
