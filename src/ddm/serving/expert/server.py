@@ -78,8 +78,11 @@ DEFAULT_MAX_DELAY_MS = 0.0
 #: step on a small model then skips two thread hops, while the loop is never held longer than
 #: this from probes and other connections. Measured, not assumed: with one torch thread on the
 #: shared test VM, batch 1 took 0.7 ms for the 8x8 smoke model, 11 ms for 16x16 digits-small
-#: and 98 ms for the 32x32 reference model, so only the first runs inline.
-INLINE_BUDGET_S = 0.002
+#: and 98 ms for the 32x32 reference model, so only the first runs inline there. On a quiet
+#: machine digits-small takes 1.6-2.7 ms: at a 2 ms budget it fell just outside and each
+#: batch-1 call paid the hops (1.9-2.1 ms beyond the model instead of 0.6 before the budget
+#: existed; 0.47 ms at 5 ms, docs/benchmarks.md).
+INLINE_BUDGET_S = 0.005
 #: The largest batch ever run on the event loop (measured up to this size, doubling from 1).
 MAX_INLINE_ROWS = 4
 #: Solver steps of an integration that run as one model-thread job: a velocity call arriving
