@@ -8,6 +8,8 @@
 #   router      p(k | x_t, t, y) on noisy training images, for those experts
 #   monolith    the same UNet on all the data with the experts' total compute
 # Usage: scripts/train_mnist.sh [STAGE...]   (default: every stage, in this order)
+# Two cores: train two experts at once, one lane each, e.g.
+#   EXPERTS="1 3" scripts/train_mnist.sh experts &  EXPERTS="0 2" scripts/train_mnist.sh experts
 # MNIST is read from $MNIST (a directory with the four IDX files); images are 28x28 padded
 # to 32x32. CPU-heavy: run it under `nice -n 19`, one stage at a time. Long runs resume: each
 # training saves its state every $SAVE_EVERY steps to OUT/NAME.training/ and is started with
@@ -25,6 +27,7 @@ CONFIG=${CONFIG:-mnist-small}   # a 32x32 UNet config of ddm.models.config
 EXPERT_STEPS=${EXPERT_STEPS:-4000}
 ROUTER_STEPS=${ROUTER_STEPS:-3000}
 K=4
+EXPERTS=${EXPERTS:-$(seq 0 $((K - 1)))}   # which experts the experts stage trains
 DATA="mnist:$MNIST"
 PARTITION=${PARTITION:-$OUT/partition.json}
 SAVE_EVERY=${SAVE_EVERY:-250}
@@ -48,7 +51,7 @@ partition() {
 
 experts() {
     local frameworks=(torch jax) index
-    for ((index = 0; index < K; index++)); do
+    for index in $EXPERTS; do
         done_already "$OUT/expert-$index" && continue
         $DDM train expert --data "$DATA" --framework "${frameworks[index % 2]}" \
             --config "$CONFIG" --partition "file:$PARTITION" --index "$index" --seed "$index" \

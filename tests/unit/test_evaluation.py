@@ -231,12 +231,34 @@ def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path)
 
     out = tmp_path / "quality.md"
     assert main(["report", "--n-per-label", "3", "--steps", "2", "--out", str(out)]) == 0
-    table = [line for line in out.read_text().splitlines() if line.startswith("| ")][1:]
+    main_table = out.read_text().split("| model |")[1].split("\n\n")[0]
+    table = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[1] for row in table] == [
         "-", "single model", "oracle", "top1", "top2", "ensemble", "random"]
     assert table[0].startswith("| real test digits (disjoint subsets)")
     assert all(row.count("+/-") == 6 for row in table)
     assert "the same images: this judge has seen its reference" in out.read_text()
+    # a label partition: the router sees the label, so its choice is the final image's part
+    agreement = out.read_text().split("Router top-1 agreement")[1].splitlines()
+    assert "| step | 1 | 2 |" in agreement
+    assert "| agreement | 1.000 | 1.000 |" in agreement
+
+
+def test_oracle_is_reported_only_where_each_label_has_one_expert() -> None:
+    from ddm.evaluation.report import STRATEGIES, agreement_steps, strategies_for
+    from ddm.models.loading import LoadedDDM, LoadedExpert
+
+    def ddm(*classes: tuple[int, ...]) -> LoadedDDM:
+        experts = tuple(LoadedExpert(name=f"e{i}", classes=c, velocity=None)
+                        for i, c in enumerate(classes))
+        return LoadedDDM(experts=experts, router=None, image_shape=(1, 8, 8), num_classes=4,
+                         is_mixture=True, source=Path("."))
+
+    assert strategies_for(ddm((0, 1), (2, 3))) == STRATEGIES
+    assert "oracle" not in strategies_for(ddm((0, 1, 2, 3), (0, 1, 2, 3)))  # k-means
+    assert "oracle" not in strategies_for(ddm((0, 1), (1, 2, 3)))
+    assert agreement_steps(40) == (1, 10, 20, 30, 40)
+    assert agreement_steps(2) == (1, 2)
 
 
 def test_report_compares_the_heterogeneous_ddm_at_top1(tmp_path: Path, capsys) -> None:

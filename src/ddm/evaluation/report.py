@@ -9,6 +9,7 @@ score is the first row.
 from __future__ import annotations
 
 import dataclasses
+import json
 import platform
 import time
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ import numpy as np
 
 from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.evaluation.commands import load_judge, score_runs
-from ddm.evaluation.scoring import METRICS, SEEDS, Judge, summarise
+from ddm.data.partition import Partition, partition_from_dict
+from ddm.evaluation.scoring import METRICS, SEEDS, Judge, cluster_agreement, summarise
 from ddm.fileio import atomic_path
 from ddm.checkpoints.discovery import default_checkpoints, discover
 from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
@@ -43,6 +45,9 @@ class Row:
     sample_cpu_seconds: float
     eval_cpu_seconds: float
     compared: bool = False  # a DDM of ``--compare``, shown in its own section
+    #: top-1 rows of a routed DDM: ``{step: fraction}``, the router's choice at that step
+    #: (1-based) equal to the partition cluster of the finished image, mean over seeds
+    agreement: dict[int, float] | None = None
 
 
 def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
@@ -65,12 +70,36 @@ def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
     ddm = load_ddm(checkpoints)
     trained = sorted({read_meta(p).training.get("steps", "?") for p in found["expert"]})
     model = f"DDM ({len(found['expert'])} experts, {'/'.join(map(str, trained))} steps each)"
-    for strategy in STRATEGIES:
-        rows.append(_sampled_row(ddm, model, strategy, judge, labels, steps, solver))
+    partition = shared_partition(found["expert"]) if ddm.router is not None else None
+    for strategy in strategies_for(ddm):
+        rows.append(_sampled_row(ddm, model, strategy, judge, labels, steps, solver,
+                                 partition if strategy == "top1" else None))
     for path, other in compare:
         row = _sampled_row(other, str(path), "top1", judge, labels, steps, solver)
         rows.append(dataclasses.replace(row, compared=True))
     return rows
+
+
+def strategies_for(ddm: LoadedDDM) -> tuple[str, ...]:
+    """:data:`STRATEGIES` less ``oracle`` where a label is not owned by exactly one expert
+    (a k-means partition: every expert learns every digit, and only the image decides)."""
+    owners = [sum(label in e.classes for e in ddm.experts) for label in range(ddm.num_classes)]
+    return STRATEGIES if owners == [1] * ddm.num_classes else STRATEGIES[1:]
+
+
+def shared_partition(experts: Sequence[Path]) -> Partition | None:
+    """The partition the experts were trained on (None where they record none)."""
+    schemes = {json.dumps(read_meta(p).partition.get("scheme"), sort_keys=True)
+               for p in experts}
+    if len(schemes) != 1 or schemes == {"null"}:
+        return None
+    return partition_from_dict(json.loads(schemes.pop()))
+
+
+def agreement_steps(steps: int) -> tuple[int, ...]:
+    """The steps (1-based) whose routing is compared with the finished image's cluster:
+    the first, each quarter, the last."""
+    return tuple(sorted({1, *(max(1, round(steps * q)) for q in (0.25, 0.5, 0.75)), steps}))
 
 
 def describe_experts(checkpoints: Path) -> str:
@@ -146,6 +175,15 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
     ]
     compared = [r for r in rows if r.compared]
     lines += [_table_row(r) for r in rows if not r.compared]
+    if top1 and top1.agreement:
+        lines += ["", "Router top-1 agreement: the fraction of images whose top-1 expert at a "
+                  "step is the partition cluster of the finished image (mean over the runs; "
+                  f"a uniform guess among the {settings['experts']} experts scores "
+                  f"{1 / settings['experts']:.2f}):", "",
+                  "| step | " + " | ".join(map(str, top1.agreement)) + " |",
+                  "|---|" + "---:|" * len(top1.agreement),
+                  "| agreement | " + " | ".join(f"{v:.3f}" for v in top1.agreement.values())
+                  + " |"]
     if top1:
         lines += ["", f"DDM top-1 accuracy {top1.summary['accuracy']['mean']:.3f}."]
         lines += [f"DDM top-1 FD / {m.model} FD = "
@@ -187,7 +225,7 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
                 "reference": data or recorded.get("source", "digits"),
                 "classifier_split": recorded.get("split", "heldout"),
                 "n": judge.classifier.config.num_classes * n_per_label, "steps": steps,
-                "solver": solver,
+                "solver": solver, "experts": len(discover(source).get("expert", [])) or 1,
                 "machine": f"{platform.machine()} CPU, {platform.python_implementation()} "
                            f"{platform.python_version()}"}
     text = render(rows, expert_parity(source), settings)
@@ -228,16 +266,29 @@ def _accuracy_summary(judge: Judge, labels: np.ndarray) -> dict[str, Any]:
 
 
 def _sampled_row(ddm: LoadedDDM, model: str, strategy: str, judge: Judge, labels: np.ndarray,
-                 steps: int, solver: str) -> Row:
+                 steps: int, solver: str, partition: Partition | None = None) -> Row:
+    """``partition`` (top-1 only): also measure the router's agreement with it."""
     routing = "top1" if strategy == "single model" else strategy
-    runs, calls, cpu = [], [], []
+    runs, calls, cpu, agreements = [], [], [], []
     for seed in SEEDS:
         started = time.process_time()
         out = generate(ddm, labels, steps, seed, routing, solver)
         cpu.append(time.process_time() - started)
         runs.append((out.images, out.labels))
         calls.append(float(out.expert_calls.mean()))
+        if partition is not None:
+            chosen = _first_expert(out.usage.step_masks(steps))
+            agreements.append({step: cluster_agreement(partition, out.images, out.labels,
+                                                       chosen[:, step - 1])
+                               for step in agreement_steps(steps)})
     scored = score_runs(judge, runs, with_floor=False)
     summary = {c: scored[c] for c in COLUMNS}
+    agreement = ({step: float(np.mean([a[step] for a in agreements]))
+                  for step in agreements[0]} if agreements else None)
     return Row(model, strategy, summary, float(np.mean(calls)), float(np.mean(cpu)),
-               scored["cpu_seconds"] / len(SEEDS))
+               scored["cpu_seconds"] / len(SEEDS), agreement=agreement)
+
+
+def _first_expert(masks: np.ndarray) -> np.ndarray:
+    """Index of the lowest set bit of each ``(N, steps)`` expert mask (top-1: the expert)."""
+    return np.log2(masks & -masks).astype(np.int64)
