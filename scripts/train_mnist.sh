@@ -7,6 +7,8 @@
 #               each with its own seed: they share the partition file, not a refit
 #   router      p(k | x_t, t, y) on noisy training images, for those experts
 #   monolith    the same UNet on all the data with the experts' total compute
+#   ship        copy the finished models from OUT into checkpoints/mnist (weights and config
+#               only, world-readable: the images run them as an unprivileged user)
 # Usage: scripts/train_mnist.sh [STAGE...]   (default: every stage, in this order)
 # Two cores: train two experts at once, one lane each, e.g.
 #   EXPERTS="1 3" scripts/train_mnist.sh experts &  EXPERTS="0 2" scripts/train_mnist.sh experts
@@ -14,8 +16,8 @@
 # to 32x32. CPU-heavy: run it under `nice -n 19`, one stage at a time. Long runs resume: each
 # training saves its state every $SAVE_EVERY steps to OUT/NAME.training/ and is started with
 # --resume, so rerunning the script continues where it was stopped; a model whose checkpoint
-# is already written is skipped. Train outside the repo (OUT=~/.cache/ddm/train/mnist) and copy
-# the finished checkpoints into checkpoints/mnist.
+# is already written is skipped. Train outside the repo (OUT=~/.cache/ddm/train/mnist), then
+# `OUT=... scripts/train_mnist.sh ship`.
 # Budget (mnist-small, batch 128, one x86 core): ~0.6 CPU-s per step, so ~40 CPU-min per
 # expert, ~2.7 CPU-h for the monolith (4x the steps); spread over sessions by --resume.
 set -euo pipefail
@@ -71,12 +73,24 @@ monolith() {
         --steps $((K * EXPERT_STEPS)) "${LONG[@]}" --out "$OUT/monolith"
 }
 
+ship() {
+    local shipped=checkpoints/mnist model
+    for model in "$OUT"/expert-* "$OUT"/router "$OUT"/monolith; do
+        [ -f "$model/config.json" ] || continue
+        [ "$(realpath "$model")" = "$(realpath -m "$shipped/${model##*/}")" ] && continue
+        install -D -m 644 -t "$shipped/${model##*/}" "$model/config.json" \
+            "$model/weights.safetensors"
+        echo "shipped $model" >&2
+    done
+}
+
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(classifier partition experts router monolith)
 for stage in "${stages[@]}"; do
     case "$stage" in
-        classifier | partition | experts | router | monolith) "$stage" ;;
-        *) echo "unknown stage $stage; known: classifier partition experts router monolith" >&2
+        classifier | partition | experts | router | monolith | ship) "$stage" ;;
+        *) echo "unknown stage $stage; known: classifier partition experts router monolith" \
+                "ship" >&2
            exit 2 ;;
     esac
 done
