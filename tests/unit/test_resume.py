@@ -56,6 +56,22 @@ def test_an_interrupted_run_resumed_ends_bit_identical(tmp_path, monkeypatch, fr
     assert all(np.array_equal(whole[k], cut[k]) for k in whole)
 
 
+def test_a_resumed_run_records_the_training_time_of_every_session(tmp_path, monkeypatch):
+    import json
+
+    with monkeypatch.context() as patch:
+        _interrupt_at(10, patch)
+        assert _train(tmp_path / "e") == EXIT_INTERRUPTED
+    identity = state_directory(tmp_path / "e") / "identity.json"
+    saved = json.loads(identity.read_text())
+    assert saved["step"] == 7 and 0 < saved["seconds"] < 600
+    # as if the first session had trained for an hour before its last save
+    identity.write_text(json.dumps({**saved, "seconds": 3600.0}))
+    assert _train(tmp_path / "e", "--resume") == 0
+    seconds = load_checkpoint(tmp_path / "e").meta.training["seconds"]
+    assert 3600.0 < seconds < 4200.0
+
+
 def test_a_saved_state_is_neither_overwritten_nor_continued_by_another_run(tmp_path, capsys,
                                                                            monkeypatch):
     with monkeypatch.context() as patch:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import platform
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,6 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
         "kind": kind, "framework": framework, "config": model_config, "data": data,
         "partition": partition_meta and [partition_meta["scheme"]["sha256"], index],
         "objective": objective.to_dict(), "train": train.to_dict()})
-    started = time.perf_counter()
     if framework == "torch":
         from ddm.models.torch_io import select_torch_device
         from ddm.training.torch_expert import train_torch_unet
@@ -80,7 +78,7 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
     meta = CheckpointMeta(
         kind=kind, name=name or out.name, architecture=config.to_dict(), framework=framework,
         classes=classes, partition=partition_meta, data=_data_record(data, subset),
-        training=_training_record(train, model_config, str(resolved), started),
+        training=_training_record(train, model_config, str(resolved), resumable.elapsed()),
         objective=objective)
     return save_checkpoint(out, meta, weights)
 
@@ -136,7 +134,6 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
                           use_labels=use_labels)
     ids = scheme.assign(dataset.images, dataset.labels)
     resolved = select_torch_device(device)
-    started = time.perf_counter()
     resumable = Resumable(state_directory(out), every=save_every, resume=resume, identity={
         "kind": "router", "experts": str(experts), "data": data, "partition": scheme.sha256,
         "network": config.to_dict(), "train": train.to_dict()})
@@ -146,7 +143,7 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
         kind="router", name=out.name, architecture=config.to_dict(), framework="torch",
         classes=tuple(int(c) for c in np.unique(dataset.labels)),
         partition={"scheme": scheme.to_dict()}, data=_data_record(data, dataset),
-        training=_training_record(train, "router", str(resolved), started))
+        training=_training_record(train, "router", str(resolved), resumable.elapsed()))
     return save_checkpoint(out, meta, weights)
 
 
@@ -156,6 +153,7 @@ def _data_record(source: str, dataset: Dataset) -> dict[str, Any]:
 
 
 def _training_record(train: TrainConfig, config_name: str, device: str,
-                     started: float) -> dict[str, Any]:
+                     seconds: float) -> dict[str, Any]:
+    """``seconds``: the whole run's training time, every session of a resumed one."""
     return {**train.to_dict(), "config": config_name, "device": device,
-            "seconds": round(time.perf_counter() - started, 1), "host": platform.machine()}
+            "seconds": round(seconds, 1), "host": platform.machine()}

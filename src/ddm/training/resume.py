@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,14 +31,17 @@ def state_directory(out: Path) -> Path:
     return out.with_name(out.name + ".training")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Resumable:
-    """Where and how often a trainer saves, and whether it continues a saved state."""
+    """Where and how often a trainer saves, and whether it continues a saved state; it also
+    keeps the run's training time, earlier sessions of a resumed run included."""
 
     directory: Path
     identity: dict[str, Any] = field(default_factory=dict)
     every: int = SAVE_EVERY
     resume: bool = False
+    _started: float = field(default_factory=time.perf_counter, init=False, repr=False)
+    _before: float = field(default=0.0, init=False, repr=False)  # the resumed state's seconds
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
@@ -55,6 +59,7 @@ class Resumable:
             return None
         recorded = json.loads((self.directory / IDENTITY_FILE).read_text())
         step = recorded.pop("step", "?")
+        before = float(recorded.pop("seconds", 0.0))  # states saved before it was kept: 0
         if not self.resume:
             raise ValueError(f"{self.directory} holds a training state at step {step}: pass "
                              "--resume to continue it, or delete it to start again")
@@ -64,7 +69,13 @@ class Resumable:
                             if recorded.get(k) != expected.get(k))
             raise ValueError(f"the training state in {self.directory} was made for another run "
                              f"(differs in: {', '.join(differ)}); delete it to start again")
+        self._before = before
         return path
+
+    def elapsed(self) -> float:
+        """Seconds of training so far: this process's, plus those the resumed state records
+        (time lost between its save and an interruption is not counted)."""
+        return self._before + time.perf_counter() - self._started
 
     def due(self, done: int, total: int) -> bool:
         """Whether to save after ``done`` updates (every ``every``, and after the last)."""
@@ -76,6 +87,7 @@ class Resumable:
         partial = self.directory / f".{name}.partial"
         write(partial)
         identity = self.directory / f".{IDENTITY_FILE}.partial"
-        identity.write_text(json.dumps({**self.identity, "step": step}, indent=1))
+        identity.write_text(json.dumps({**self.identity, "step": step,
+                                        "seconds": round(self.elapsed(), 1)}, indent=1))
         os.replace(partial, self.directory / name)
         os.replace(identity, self.directory / IDENTITY_FILE)
