@@ -486,9 +486,10 @@ def _expert_check(args: argparse.Namespace) -> int:
 
 def _add_up(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("up", help="run a DDMDeployment's experts and router as local "
-                                       "processes (default: the shipped digits example)")
+                                       "processes (default: the shipped MNIST example)")
     p.add_argument("manifest", nargs="?", type=Path, default=None,
-                   help="a DDMDeployment YAML file (default: examples/digits.yaml)")
+                   help="a DDMDeployment YAML file (default: examples/mnist.yaml, the shipped "
+                        "MNIST DDM)")
     p.add_argument("--port", type=int, default=8080, help="the router's port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--pvc-root", type=Path, default=None,
@@ -512,7 +513,7 @@ def _up(args: argparse.Namespace) -> int:
     from ddm.deploy.spec import load_manifest
     from ddm.runtime.local import REPOSITORY_ROOT, run_local
 
-    path = args.manifest or REPOSITORY_ROOT / "examples" / "digits.yaml"
+    path = args.manifest or REPOSITORY_ROOT / "examples" / "mnist.yaml"
     if not path.is_file():
         raise UserError(f"manifest {path} does not exist")
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops every process, as Ctrl-C does

@@ -201,7 +201,7 @@ def test_ddm_up_stops_every_process_on_sigterm(tmp_path: Path) -> None:
     assert command.poll() is None, "".join(lines)
     children = subprocess.run(["pgrep", "-P", str(command.pid)], capture_output=True,
                               text=True).stdout.split()
-    assert len(children) == 3, "".join(lines)  # two experts and the router
+    assert len(children) == 5, "".join(lines)  # the MNIST DDM's four experts and the router
     command.send_signal(signal.SIGTERM)
     assert command.wait(timeout=60) == 0
     for pid in children:
