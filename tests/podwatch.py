@@ -5,9 +5,12 @@ container exited, when the pod was gone).
 
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +88,47 @@ class Ending:
     gone_after_s: float | None
 
 
-def delete_and_watch(core: client.CoreV1Api, pod: client.V1Pod, timeout_s: float) -> Ending:
+class TaskExits:
+    """containerd's task exits on the node (``ctr events``) from now on, by container id.
+
+    The kubelet does not always report a deleted pod's exit: when it removes the container
+    before its last status update, the pod goes with no terminated state (seen once in CI,
+    kubelet 1.20). containerd's exit event always carries the status."""
+
+    def __init__(self, ctr: Sequence[str]) -> None:
+        self._exits: dict[str, tuple[int, float]] = {}
+        self._seen = threading.Condition()
+        self._process = subprocess.Popen([*ctr, "-n", "k8s.io", "events"],
+                                         stdout=subprocess.PIPE, text=True)
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:  # "<time> k8s.io /tasks/exit {json}"
+            if " /tasks/exit " not in line:
+                continue
+            event = json.loads(line.split(" /tasks/exit ", 1)[1])
+            with self._seen:
+                self._exits[event["container_id"]] = (int(event.get("exit_status", 0)),
+                                                      time.monotonic())
+                self._seen.notify_all()
+
+    def wait(self, container_id: str, timeout_s: float) -> tuple[int, float] | None:
+        """``(exit status, time.monotonic() when seen)`` of the container's task, or None."""
+        with self._seen:
+            self._seen.wait_for(lambda: container_id in self._exits, timeout_s)
+            return self._exits.get(container_id)
+
+    def close(self) -> None:
+        self._process.kill()
+        self._process.wait()
+
+
+def delete_and_watch(core: client.CoreV1Api, pod: client.V1Pod, timeout_s: float,
+                     exits: TaskExits | None = None) -> Ending:
     """Delete ``pod`` (its own grace period) and watch it from the version read in ``pod``:
-    the kubelet's report of the first container's exit, then the pod's removal."""
+    the kubelet's report of the first container's exit, then the pod's removal. ``exits``:
+    where the kubelet reported no exit, containerd's (reason ``containerd``)."""
     name, namespace = pod.metadata.name, pod.metadata.namespace
     started = time.monotonic()
     core.delete_namespaced_pod(name, namespace)
@@ -109,4 +150,9 @@ def delete_and_watch(core: client.CoreV1Api, pod: client.V1Pod, timeout_s: float
         if event["type"] == "DELETED":
             gone_s = round(time.monotonic() - started, 1)
             stream.stop()
+    if code is None and exits is not None:
+        container_id = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+        seen = exits.wait(container_id, timeout_s=10)
+        if seen is not None:
+            code, reason, exited_s = seen[0], "containerd", round(seen[1] - started, 1)
     return Ending(code, reason, exited_s, gone_s)

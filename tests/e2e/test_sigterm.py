@@ -19,13 +19,14 @@ from typing import Any
 import httpx
 import pytest
 from kubernetes import client
-from podwatch import (LogFollower, catches_sigterm, container_pids, delete_and_watch,
-                      new_namespace)
+from podwatch import (Ending, LogFollower, TaskExits, catches_sigterm, container_pids,
+                      delete_and_watch, new_namespace)
 from waiting import wait_for
 
 from ddm.cli import EXIT_TERMINATED
 from ddm.devcluster import ClusterInfo
 from ddm.devcluster import images as dev_images
+from ddm.devcluster.cluster import node_layout
 
 NAMESPACE = "sigterm"
 GRACE_S = 60  # long, so that waiting for the SIGKILL cannot pass for a prompt exit
@@ -83,6 +84,26 @@ def core(kube_client: Any) -> Iterator[client.CoreV1Api]:
         api.delete_namespace(NAMESPACE, grace_period_seconds=0)
 
 
+def assert_gone_promptly(ending: Ending, explain: str) -> None:
+    """The pod is removed long before the grace period ends once its container exited, unless
+    the kubelet lost track of that exit (reason ``containerd``): kubelet 1.20 sometimes removes
+    a deleted pod's dead container before its last status update ("ContainerStatus ... not
+    found" in its log); it then reports no exit and either deletes the pod at once or waits
+    out the grace period (seen under load: 66.8 s). The exit itself is ours and checked."""
+    if ending.reason != "containerd":
+        assert ending.gone_after_s is not None and ending.gone_after_s < GRACE_S / 2, explain
+
+
+@pytest.fixture(scope="module")
+def exits(dev_cluster: ClusterInfo) -> Iterator[TaskExits]:
+    """Exit statuses from the node's containerd, for pods the kubelet removes unreported."""
+    watcher = TaskExits(node_layout(dev_cluster.state_dir).ctr())
+    try:
+        yield watcher
+    finally:
+        watcher.close()
+
+
 def container_state(core: client.CoreV1Api, name: str, state: str) -> client.V1Pod | None:
     """The pod once its container is ``running`` or ``ready``."""
     pod = core.read_namespaced_pod(name, NAMESPACE)
@@ -93,7 +114,8 @@ def container_state(core: client.CoreV1Api, name: str, state: str) -> client.V1P
 
 
 def test_a_pod_deleted_while_ddm_still_imports_ends_at_once(dev_cluster: ClusterInfo,
-                                                            core: client.CoreV1Api) -> None:
+                                                            core: client.CoreV1Api,
+                                                            exits: TaskExits) -> None:
     """Before uvicorn's handlers: the pod is deleted as soon as ddm's process (PID 1 of the
     container, seen from the host through its cgroup) handles SIGTERM, seconds before it can
     serve. Without ddm's handler, the kernel drops the SIGTERM and the kubelet SIGKILLs the
@@ -105,7 +127,7 @@ def test_a_pod_deleted_while_ddm_still_imports_ends_at_once(dev_cluster: Cluster
     (pid,) = wait_for(lambda: container_pids(dev_cluster, pod), 30, "the container's process")
     wait_for(lambda: catches_sigterm(pid), 60, "ddm to handle SIGTERM")
     log = LogFollower(core, pod)
-    ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60)
+    ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60, exits=exits)
     text = log.text(timeout_s=10)
     print(f"\ndeleted while importing: {ending} (grace {GRACE_S} s)")
     explain = f"{ending}; its log:\n{text}"
@@ -113,7 +135,7 @@ def test_a_pod_deleted_while_ddm_still_imports_ends_at_once(dev_cluster: Cluster
     assert ending.exit_code == EXIT_TERMINATED, explain
     assert "ddm: terminated (SIGTERM)" in text, explain
     assert ending.exited_after_s is not None and ending.exited_after_s < 10, explain
-    assert ending.gone_after_s is not None and ending.gone_after_s < GRACE_S / 2, explain
+    assert_gone_promptly(ending, explain)
 
 
 def loading(pod: client.V1Pod) -> bool:
@@ -126,7 +148,8 @@ def loading(pod: client.V1Pod) -> bool:
     return answer.status_code == 503 and answer.json().get("status") == "loading"
 
 
-def test_a_pod_deleted_while_its_server_starts_is_gone_at_once(core: client.CoreV1Api) -> None:
+def test_a_pod_deleted_while_its_server_starts_is_gone_at_once(core: client.CoreV1Api,
+                                                              exits: TaskExits) -> None:
     core.create_namespaced_pod(NAMESPACE, expert_pod("starting", cpu_limit=STARTING_CPU))
     pod = wait_for(lambda: container_state(core, "starting", "running"), 300,
                    "the container to run",
@@ -134,7 +157,7 @@ def test_a_pod_deleted_while_its_server_starts_is_gone_at_once(core: client.Core
     log = LogFollower(core, pod)
     wait_for(lambda: loading(pod), 120, "the expert to answer that it is loading",
              lambda: log.text(timeout_s=0))
-    ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60)
+    ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60, exits=exits)
     text = log.text(timeout_s=10)
     print(f"\ndeleted while starting: {ending} (drain {DRAIN_S} s, grace {GRACE_S} s)")
     explain = f"{ending}; its log:\n{text}"
@@ -143,20 +166,21 @@ def test_a_pod_deleted_while_its_server_starts_is_gone_at_once(core: client.Core
     # 137: the SIGKILL at the end of the grace period
     assert ending.exit_code == 0, explain
     assert ending.exited_after_s is not None and ending.exited_after_s < DRAIN_S + 3, explain
-    assert ending.gone_after_s is not None and ending.gone_after_s < GRACE_S / 2, explain
+    assert_gone_promptly(ending, explain)
 
 
-def test_a_serving_pod_deleted_drains_then_exits_0(core: client.CoreV1Api) -> None:
+def test_a_serving_pod_deleted_drains_then_exits_0(core: client.CoreV1Api,
+                                                   exits: TaskExits) -> None:
     core.create_namespaced_pod(NAMESPACE, expert_pod("serving"))
     pod = wait_for(lambda: container_state(core, "serving", "ready"), 300,
                    "the expert to be ready",
                    lambda: core.read_namespaced_pod_log("serving", NAMESPACE))
     log = LogFollower(core, pod)
-    ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60)
+    ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60, exits=exits)
     text = log.text(timeout_s=10)
     print(f"\ndeleted while serving: {ending} (drain {DRAIN_S} s, grace {GRACE_S} s)")
     explain = f"{ending}; its log:\n{text}"
     assert "SIGTERM: draining" in text, explain
     assert ending.exit_code == 0, explain
     assert ending.exited_after_s is not None and DRAIN_S <= ending.exited_after_s < 20, explain
-    assert ending.gone_after_s is not None and ending.gone_after_s < GRACE_S / 2, explain
+    assert_gone_promptly(ending, explain)
