@@ -34,7 +34,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from PIL import Image
 from podsecurity import violations
-from podwatch import LogFollower, container_pids, delete_and_watch
+from podwatch import LogFollower, TaskExits, container_pids, delete_and_watch
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
@@ -449,12 +449,15 @@ def test_a_rolling_update_of_an_expert_under_load_drops_no_request(
     assert all(s == 200 for s in statuses), statuses
 
 
-def test_servers_exit_promptly_on_sigterm_as_pid_1(core: client.CoreV1Api,
+def test_servers_exit_promptly_on_sigterm_as_pid_1(dev_cluster: ClusterInfo,
+                                                   core: client.CoreV1Api,
                                                    digits: dict[str, Any]) -> None:
     """Deleting a pod sends SIGTERM to the server, PID 1 of its container: it drains for the
     operator's DRAIN_S and exits 0, before the grace period would SIGKILL it (137). A
     watch on the pod sees the kubelet report the container's exit (code and when), then the
-    pod's removal; the server's own log of its shutdown is kept for the failure message."""
+    pod's removal (containerd's exit event where the kubelet lost track of the exit:
+    podwatch.TaskExits); the server's own log of its shutdown is kept for the failure
+    message."""
     (deployment,) = client.AppsV1Api(core.api_client).list_namespaced_deployment(
         USERS, label_selector="ddm.dev/deployment=digits,ddm.dev/expert=digits-0-4").items
     replicas = deployment.spec.replicas
@@ -462,7 +465,11 @@ def test_servers_exit_promptly_on_sigterm_as_pid_1(core: client.CoreV1Api,
                       "a ready, settled replica of expert digits-0-4")
     name, grace = victim.metadata.name, victim.spec.termination_grace_period_seconds
     server_log = LogFollower(core, victim)
-    ending = delete_and_watch(core, victim, timeout_s=grace + 60)
+    exits = TaskExits(node_layout(dev_cluster.state_dir).ctr())
+    try:
+        ending = delete_and_watch(core, victim, timeout_s=grace + 60, exits=exits)
+    finally:
+        exits.close()
     shutdown = server_log.text(timeout_s=10)
     print(f"\nSIGTERM to PID 1: container exited {ending.exit_code} after "
           f"{ending.exited_after_s} s (drain {DRAIN_S} s, grace {grace} s); pod gone "
@@ -470,7 +477,7 @@ def test_servers_exit_promptly_on_sigterm_as_pid_1(core: client.CoreV1Api,
     explain = f"pod {name}: {ending}; its log:\n{shutdown}"
     assert ending.gone_after_s is not None, f"not deleted within {grace + 60} s; {explain}"
     assert ending.exited_after_s is not None, \
-        f"the kubelet reported no exit before the pod went away; {explain}"
+        f"neither the kubelet nor containerd reported the exit; {explain}"
     # 137 would be the SIGKILL at the end of the grace period; exiting before DRAIN_S would
     # mean it did not drain. How long after the drain it took is a figure (docs/reliability.md).
     assert ending.exit_code == 0, explain
