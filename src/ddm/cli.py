@@ -422,6 +422,11 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
                    help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
                         "at top-1 beside the DDM's own top-1; repeatable")
     p.add_argument("--out", type=Path, default=Path("docs/quality.md"))
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="keep every sampled run in DIR and reuse those already there: a "
+                        "stopped report resumes, and a new monolith samples only its own rows "
+                        "(keyed by the checkpoints and settings, not the code: use a fresh DIR "
+                        "after changing the sampler)")
     p.set_defaults(handler=_report)
 
 
@@ -430,7 +435,8 @@ def _report(args: argparse.Namespace) -> int:
 
     path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
                         steps=args.steps, out=args.out, solver=args.solver, data=args.data,
-                        compare=args.compare)
+                        compare=args.compare, cache=args.cache,
+                        progress=lambda line: print(f"ddm report: {line}", file=sys.stderr))
     print(f"wrote {path}")
     return 0
 

@@ -124,3 +124,29 @@ def test_configs_reject_bad_values():
         UNetConfig.from_dict(SMOKE.to_dict() | {"depth": 3})
     with pytest.raises(ConfigError, match="not divisible"):
         UNetConfig(image_size=10, channel_mults=(1, 2, 4))
+
+
+def test_a_ddm_is_its_experts_and_router_only(tmp_path, smoke_checkpoint):
+    """What ``load_ddm`` assembles (and what ``ddm report --cache`` fingerprints): a classifier
+    or monolith beside the experts is not part of the DDM; a second router is refused."""
+    from ddm.models.loading import ddm_members
+
+    path, model = smoke_checkpoint
+    assert ddm_members(path) == ([path], None)  # one model alone
+    weights = canonical_weights(model)
+    save_checkpoint(tmp_path / "e1", _meta(name="e1", classes=(2,), partition={
+        "scheme": {"method": "labels", "groups": [[0, 1], [2]]}, "index": 1}), weights)
+    save_checkpoint(tmp_path / "mono", _meta(kind="monolith", name="mono", partition={}),
+                    weights)
+    assert ddm_members(tmp_path) == ([tmp_path / "e0", tmp_path / "e1"], None)
+    for name in ("router", "router2"):  # weights of the right kind do not matter here
+        save_checkpoint(tmp_path / name, _meta(kind="router", name=name, partition={}), weights)
+        if name == "router":
+            assert ddm_members(tmp_path) == ([tmp_path / "e0", tmp_path / "e1"],
+                                             tmp_path / "router")
+    with pytest.raises(CheckpointError, match="holds 2 routers; keep exactly one"):
+        ddm_members(tmp_path)
+    lone = tmp_path / "lone"
+    save_checkpoint(lone / "mono", _meta(kind="monolith", name="mono", partition={}), weights)
+    with pytest.raises(CheckpointError, match="holds no expert checkpoints \\(found: monolith\\)"):
+        ddm_members(lone)

@@ -285,3 +285,49 @@ def test_report_compares_the_heterogeneous_ddm_at_top1(tmp_path: Path, capsys) -
                  "--compare", str(empty)]) == 2  # named before any sampling; out untouched
     assert f"no checkpoints (directories with config.json) in {empty}" in capsys.readouterr().err
     assert out.read_text() == text
+
+
+def test_a_stopped_report_resumes_from_its_cache(tmp_path: Path) -> None:
+    """``--cache``: every sampled run is kept; a rerun samples only what is missing and
+    writes the same table (CPU seconds aside: a fresh run measures them again)."""
+    from ddm.evaluation.report import write_report
+
+    class Stopped(Exception):
+        pass
+
+    cache, heard = tmp_path / "runs", []
+
+    def stop_after_four(line: str) -> None:
+        heard.append(line)
+        if len(heard) == 4:
+            raise Stopped(line)
+
+    settings = dict(checkpoints=None, n_per_label=2, steps=2, cache=cache)
+    with pytest.raises(Stopped):
+        write_report(out=tmp_path / "stopped.md", progress=stop_after_four, **settings)
+    assert not (tmp_path / "stopped.md").exists()
+    assert len(list(cache.glob("*.npz"))) == 4
+    assert all(line.endswith("CPU-s") for line in heard)
+
+    heard.clear()
+    resumed = write_report(out=tmp_path / "resumed.md", progress=heard.append, **settings)
+    reused = [line for line in heard if ": reused " in line]
+    assert len(reused) == 4 and len(heard) == 3 * 6  # 6 sampled rows, 3 seeds each
+    assert "4 of the 18 runs were reused from an earlier" in resumed.read_text()
+
+    heard.clear()
+    (cache / reused[0].split(": reused ")[1]).write_bytes(b"PK\x03\x04 cut short")
+    again = write_report(out=tmp_path / "again.md", progress=heard.append, **settings)
+    assert sum(": reused " in line for line in heard) == 17  # the damaged run is sampled anew
+
+    def table(path: Path) -> list[str]:
+        rows = [r for r in path.read_text().splitlines() if r.startswith("| ") and "+/-" in r]
+        return [r.rsplit(" | ", 2)[0] for r in rows]  # less the CPU seconds
+
+    fresh = write_report(out=tmp_path / "fresh.md", **{**settings, "cache": None})
+    assert table(resumed) == table(again) == table(fresh)
+    assert "runs were reused" not in fresh.read_text()
+
+    heard.clear()
+    write_report(out=tmp_path / "other.md", progress=heard.append, **{**settings, "steps": 3})
+    assert not any(": reused " in line for line in heard)  # other settings: other runs

@@ -13,13 +13,15 @@ import json
 import platform
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.evaluation.commands import load_judge, score_runs
+from ddm.evaluation.runcache import RunCache, SampledRun
 from ddm.data.partition import Partition, partition_from_dict
 from ddm.evaluation.scoring import METRICS, SEEDS, Judge, cluster_agreement, summarise
 from ddm.fileio import atomic_path
@@ -51,10 +53,13 @@ class Row:
 
 
 def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
-                 solver: str, compare: Sequence[tuple[Path, LoadedDDM]] = ()) -> list[Row]:
+                 solver: str, compare: Sequence[tuple[Path, LoadedDDM]] = (),
+                 cache: RunCache | None = None) -> list[Row]:
     """Real-vs-real floor, the monoliths (most trained first), the DDM per strategy, then
     each DDM of ``compare`` at top-1 (e.g. the same partition with experts of other
-    objectives: the homogeneous vs heterogeneous comparison)."""
+    objectives: the homogeneous vs heterogeneous comparison). ``cache``: where sampled runs
+    are kept and reused (default: none kept)."""
+    cache = cache or RunCache(None)
     found = discover(checkpoints)
     labels = np.repeat(np.arange(judge.classifier.config.num_classes), n_per_label)
     started = time.process_time()
@@ -66,16 +71,16 @@ def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
                        key=lambda p: -int(read_meta(p).training.get("steps", 0))):
         trained = read_meta(path).training.get("steps", "?")
         rows.append(_sampled_row(load_ddm(path), f"monolith ({trained} steps)", "single model",
-                                 judge, labels, steps, solver))
+                                 judge, labels, steps, solver, cache))
     ddm = load_ddm(checkpoints)
     trained = sorted({read_meta(p).training.get("steps", "?") for p in found["expert"]})
     model = f"DDM ({len(found['expert'])} experts, {'/'.join(map(str, trained))} steps each)"
     partition = shared_partition(found["expert"]) if ddm.router is not None else None
     for strategy in strategies_for(ddm):
-        rows.append(_sampled_row(ddm, model, strategy, judge, labels, steps, solver,
+        rows.append(_sampled_row(ddm, model, strategy, judge, labels, steps, solver, cache,
                                  partition if strategy == "top1" else None))
     for path, other in compare:
-        row = _sampled_row(other, str(path), "top1", judge, labels, steps, solver)
+        row = _sampled_row(other, str(path), "top1", judge, labels, steps, solver, cache)
         rows.append(dataclasses.replace(row, compared=True))
     return rows
 
@@ -153,7 +158,10 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
         f"Settings: {settings['n_per_label']} images per digit ({settings['n']} per run), "
         f"{len(SEEDS)} runs (seeds {', '.join(map(str, SEEDS))}), {settings['steps']} "
         f"{settings['solver']} steps, {settings['machine']}. Values are mean +/- standard "
-        "deviation over the runs.",
+        "deviation over the runs."
+        + (f" {settings['reused']} of the {settings['runs']} runs were reused from an "
+           "earlier `ddm report --cache` with the same models and settings (their sampling "
+           "CPU is as measured then)." if settings["reused"] else ""),
         "",
         f"Reference: the held-out split of `{settings['reference']}`; the classifier learned "
         f"the `{settings['classifier_split']}` split"
@@ -210,16 +218,20 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
 
 def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Path,
                  solver: str = "euler", data: str | None = None,
-                 compare: Sequence[Path] = ()) -> Path:
+                 compare: Sequence[Path] = (), cache: Path | None = None,
+                 progress: Callable[[str], None] | None = None) -> Path:
     """Sample every row ``len(SEEDS)`` times, score, and write the table to ``out``.
-    ``compare``: other DDM directories judged by the same classifier, at top-1."""
+    ``compare``: other DDM directories judged by the same classifier, at top-1. ``cache``:
+    a directory keeping each sampled run, so a stopped report resumes (``RunCache``);
+    ``progress`` hears one line per run."""
     if n_per_label < 1:
         raise ValueError(f"--n-per-label must be >= 1, got {n_per_label}")
     source = checkpoints or default_checkpoints()
     classifier = discover(source)["classifier"][0]
     judge = load_judge(classifier, data)
     compared = [(_shown(path), load_ddm(path)) for path in compare]  # fail before sampling
-    rows = quality_rows(source, judge, n_per_label, steps, solver, compared)
+    runs = RunCache(cache, progress)
+    rows = quality_rows(source, judge, n_per_label, steps, solver, compared, runs)
     recorded = read_meta(classifier).data
     settings = {"checkpoints": _shown(source), "n_per_label": n_per_label,
                 "reference": data or recorded.get("source", "digits"),
@@ -227,7 +239,8 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
                 "n": judge.classifier.config.num_classes * n_per_label, "steps": steps,
                 "solver": solver, "experts": len(discover(source).get("expert", [])) or 1,
                 "machine": f"{platform.machine()} CPU, {platform.python_implementation()} "
-                           f"{platform.python_version()}"}
+                           f"{platform.python_version()}",
+                "reused": runs.reused, "runs": runs.reused + runs.sampled}
     text = render(rows, expert_parity(source), settings)
     with atomic_path(out) as tmp:
         tmp.write_text(text)
@@ -266,18 +279,19 @@ def _accuracy_summary(judge: Judge, labels: np.ndarray) -> dict[str, Any]:
 
 
 def _sampled_row(ddm: LoadedDDM, model: str, strategy: str, judge: Judge, labels: np.ndarray,
-                 steps: int, solver: str, partition: Partition | None = None) -> Row:
+                 steps: int, solver: str, cache: RunCache,
+                 partition: Partition | None = None) -> Row:
     """``partition`` (top-1 only): also measure the router's agreement with it."""
     routing = "top1" if strategy == "single model" else strategy
     runs, calls, cpu, agreements = [], [], [], []
     for seed in SEEDS:
-        started = time.process_time()
-        out = generate(ddm, labels, steps, seed, routing, solver)
-        cpu.append(time.process_time() - started)
+        out = cache.run(ddm, routing, solver, steps, seed, labels,
+                        partial(_sample, ddm, labels, steps, seed, routing, solver))
+        cpu.append(out.cpu_seconds)
         runs.append((out.images, out.labels))
         calls.append(float(out.expert_calls.mean()))
         if partition is not None:
-            chosen = _first_expert(out.usage.step_masks(steps))
+            chosen = _first_expert(out.step_masks)
             agreements.append({step: cluster_agreement(partition, out.images, out.labels,
                                                        chosen[:, step - 1])
                                for step in agreement_steps(steps)})
@@ -287,6 +301,14 @@ def _sampled_row(ddm: LoadedDDM, model: str, strategy: str, judge: Judge, labels
                   for step in agreements[0]} if agreements else None)
     return Row(model, strategy, summary, float(np.mean(calls)), float(np.mean(cpu)),
                scored["cpu_seconds"] / len(SEEDS), agreement=agreement)
+
+
+def _sample(ddm: LoadedDDM, labels: np.ndarray, steps: int, seed: int, routing: str,
+            solver: str) -> SampledRun:
+    started = time.process_time()
+    out = generate(ddm, labels, steps, seed, routing, solver)
+    return SampledRun(out.images, out.labels, out.expert_calls, out.usage.step_masks(steps),
+                      time.process_time() - started)
 
 
 def _first_expert(masks: np.ndarray) -> np.ndarray:

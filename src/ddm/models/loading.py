@@ -142,22 +142,33 @@ def load_ddm(directory: str | os.PathLike, backend: str = "native",
     """Load what ``directory`` holds: a DDM of experts (+ router), or one model alone."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
-    found = discover(directory)
     root = Path(directory)
-    if (root / "config.json").exists():
+    members, router_path = ddm_members(root)
+    if router_path is None and members == [root]:
         ckpt = load_checkpoint(root)
         if ckpt.meta.kind not in ("expert", "monolith"):
             raise CheckpointError(f"{root} is a {ckpt.meta.kind} checkpoint; it cannot generate")
         return _assemble([ckpt], None, backend, device, root, is_mixture=False)
-    experts = [load_checkpoint(p) for p in found.get("expert", [])]
+    experts = sorted((load_checkpoint(p) for p in members), key=_partition_index)
+    router = load_checkpoint(router_path) if router_path else None
+    return _assemble(experts, router, backend, device, root, is_mixture=True)
+
+
+def ddm_members(directory: str | os.PathLike) -> tuple[list[Path], Path | None]:
+    """The checkpoints :func:`load_ddm` assembles from ``directory``: ``([directory], None)``
+    for one model, else its experts and its router (None without one); a classifier or a
+    monolith beside the experts is not part of the DDM."""
+    root = Path(directory)
+    if (root / "config.json").exists():
+        return [root], None
+    found = discover(root)
+    experts = found.get("expert", [])
     if not experts:
         raise CheckpointError(f"{root} holds no expert checkpoints (found: {', '.join(found)})")
-    experts.sort(key=_partition_index)
     routers = found.get("router", [])
     if len(routers) > 1:
         raise CheckpointError(f"{root} holds {len(routers)} routers; keep exactly one")
-    router = load_checkpoint(routers[0]) if routers else None
-    return _assemble(experts, router, backend, device, root, is_mixture=True)
+    return experts, (routers[0] if routers else None)
 
 
 def _assemble(unets: list[Checkpoint], router: Checkpoint | None, backend: str,
