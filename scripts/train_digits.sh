@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains every shipped checkpoint in checkpoints/digits with the project's own commands.
 # The experts mirror the reference demo: digits 0-4 in PyTorch, digits 5-9 in JAX/Flax.
-# The monolith, the baseline in docs/quality.md, gets as many steps as each expert.
+# The monolith, the baseline in docs/quality-digits.md, gets as many steps as each expert.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-checkpoints/digits}

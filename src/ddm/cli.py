@@ -407,8 +407,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("report", help="write docs/quality.md: monolith vs DDM strategies, "
-                                           "three seeds each, with the real-vs-real floor")
+    p = commands.add_parser("report", help="write a quality table (docs/quality.md): monolith "
+                                           "vs DDM strategies, three seeds each, with the "
+                                           "real-vs-real floor")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory with its monolith(s) and classifier "
                         "(default: the shipped digits DDM)")
@@ -421,7 +422,9 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", type=Path, action="append", default=[], metavar="DIR",
                    help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
                         "at top-1 beside the DDM's own top-1; repeatable")
-    p.add_argument("--out", type=Path, default=Path("docs/quality.md"))
+    p.add_argument("--out", type=Path, required=True,
+                   help="the Markdown file to write, e.g. docs/quality.md (MNIST) or "
+                        "docs/quality-digits.md (digits)")
     p.add_argument("--cache", type=Path, default=None, metavar="DIR",
                    help="keep every sampled run in DIR and reuse those already there: a "
                         "stopped report resumes, and a new monolith samples only its own rows "

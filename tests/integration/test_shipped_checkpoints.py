@@ -1,6 +1,6 @@
 """The shipped digits DDM: complete, loadable by both frameworks, and good enough to ship.
 
-The full quality figures (50 images per digit, every strategy) live in docs/quality.md and
+The full quality figures (50 images per digit, every strategy) live in docs/quality-digits.md and
 come from ``ddm report``; this test re-checks a smaller sample so that CI stays fast.
 """
 

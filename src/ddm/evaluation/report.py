@@ -1,4 +1,5 @@
-"""``ddm report``: the DDM paper's Table 1 at small scale, written to ``docs/quality.md``.
+"""``ddm report``: the DDM paper's Table 1 at small scale (docs/quality.md for the MNIST DDM,
+docs/quality-digits.md for the digits one).
 
 Every row samples the same labels from the same noise (seeds ``SEEDS``, same steps and
 solver), so rows differ only in the model and the routing strategy; each seed is scored
@@ -176,8 +177,9 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
         "recall and coverage. CPU seconds per run: sampling, and the evaluation itself.",
         "Routing `random` (evaluation only, never served): one expert per sample and step,",
         "drawn uniformly among those trained on the label, the DDM paper's FID-157 baseline.",
-        "Which expert ran each step of a few samples: [routing.png](routing.png)",
-        "(`scripts/routing_figure.py`; the API reports it per image as `routing`).",
+        "Which expert ran each step of a few samples: `python scripts/routing_figure.py "
+        f"--checkpoints {settings['checkpoints']}` draws it; the API reports it per image as",
+        "`routing`.",
         "",
         header, rule,
     ]
