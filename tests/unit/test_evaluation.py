@@ -242,6 +242,11 @@ def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path)
     agreement = out.read_text().split("Router top-1 agreement")[1].splitlines()
     assert "| step | 1 | 2 |" in agreement
     assert "| agreement | 1.000 | 1.000 |" in agreement
+    verdicts = [line for line in out.read_text().splitlines() if " FD = " in line]
+    assert verdicts[0].startswith("DDM top-1 FD / monolith (4000 steps) FD = ")
+    assert verdicts[1].startswith("Random expert per step FD / DDM top-1 FD = ")
+    assert all(" lower in " in line and " of 3 runs" in line or " all 3 runs" in line
+               for line in verdicts)
 
 
 def test_oracle_is_reported_only_where_each_label_has_one_expert() -> None:
@@ -331,3 +336,21 @@ def test_a_stopped_report_resumes_from_its_cache(tmp_path: Path) -> None:
     heard.clear()
     write_report(out=tmp_path / "other.md", progress=heard.append, **{**settings, "steps": 3})
     assert not any(": reused " in line for line in heard)  # other settings: other runs
+
+
+def test_models_are_compared_run_by_run() -> None:
+    """Each run's real subset moves every model's FD alike: the verdict pairs the runs."""
+    from ddm.evaluation.report import Row, compare_fd
+
+    def row(*fd: float) -> Row:
+        return Row("m", "top1", {"fd": {"mean": float(np.mean(fd)), "values": list(fd)}},
+                   40.0, 1.0, 1.0)
+
+    # the means differ by less than either spread, yet the DDM is lower in every run
+    ddm, monolith = row(10.0, 20.0, 30.0), row(11.0, 21.5, 31.0)
+    assert compare_fd(ddm, monolith, "the DDM", "the monolith") == (
+        "the DDM is better, lower in all 3 runs (per run -1.17 +/- 0.29)")
+    assert compare_fd(monolith, ddm, "the monolith", "the DDM").startswith(
+        "the DDM is better, lower in all 3 runs (per run +1.17")
+    assert compare_fd(row(10.0, 22.0, 30.0), monolith, "the DDM", "the monolith") == (
+        "no consistent difference, the DDM lower in 2 of 3 runs (per run -0.50 +/- 0.87)")

@@ -125,6 +125,21 @@ def _classes(classes: Sequence[int]) -> str:
     return ",".join(map(str, ordered))
 
 
+def compare_fd(a: Row, b: Row, a_name: str, b_name: str) -> str:
+    """Which of two rows has the lower Frechet distance, judged run by run: the rows share
+    each run's labels, noise and real subset, so the per-run difference cancels the subset's
+    noise (the floor's spread) that a comparison of the two means would carry."""
+    differences = np.subtract(a.summary["fd"]["values"], b.summary["fd"]["values"])
+    lower, runs = int((differences < 0).sum()), len(differences)
+    spread = float(differences.std(ddof=1)) if runs > 1 else 0.0
+    paired = f"per run {differences.mean():+.2f} +/- {spread:.2f}"
+    if lower == runs:
+        return f"{a_name} is better, lower in all {runs} runs ({paired})"
+    if lower == 0:
+        return f"{b_name} is better, lower in all {runs} runs ({paired})"
+    return f"no consistent difference, {a_name} lower in {lower} of {runs} runs ({paired})"
+
+
 def expert_parity(checkpoints: Path, seed: int = 0) -> dict[str, float]:
     """Max |v_torch - v_jax| per shipped expert on random ``x_t``, ``t`` and owned labels."""
     result = {}
@@ -197,8 +212,14 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
     if top1:
         lines += ["", f"DDM top-1 accuracy {top1.summary['accuracy']['mean']:.3f}."]
         lines += [f"DDM top-1 FD / {m.model} FD = "
-                  f"{top1.summary['fd']['mean'] / m.summary['fd']['mean']:.3f}."
+                  f"{top1.summary['fd']['mean'] / m.summary['fd']['mean']:.3f}: "
+                  f"{compare_fd(top1, m, 'the DDM', 'the monolith')}."
                   for m in monoliths]
+        lines += [f"Random expert per step FD / DDM top-1 FD = "
+                  f"{r.summary['fd']['mean'] / top1.summary['fd']['mean']:.3f}: "
+                  f"{compare_fd(r, top1, 'random routing', 'top-1')}; accuracy "
+                  f"{r.summary['accuracy']['mean']:.3f}."
+                  for r in rows if r.model == top1.model and r.strategy == "random"]
     if compared and top1:
         lines += ["", "## Homogeneous vs heterogeneous experts", "",
                   "The same partition, router and settings with experts of other training "
