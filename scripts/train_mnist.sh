@@ -9,6 +9,9 @@
 #   monolith    the same UNet on all the data with the experts' total compute
 #   ship        copy the finished models from OUT into checkpoints/mnist (weights and config
 #               only, world-readable: the images run them as an unprivileged user)
+#   report      docs/quality.md from the shipped models: 3 runs of 1000 digits per row (about
+#               an hour of CPU; every run is kept in $REPORT_CACHE, so a stopped report resumes
+#               and a new model samples only its own rows)
 # Usage: scripts/train_mnist.sh [STAGE...]   (default: every stage, in this order)
 # Two cores: train two experts at once, one lane each, e.g.
 #   EXPERTS="1 3" scripts/train_mnist.sh experts &  EXPERTS="0 2" scripts/train_mnist.sh experts
@@ -34,6 +37,7 @@ DATA="mnist:$MNIST"
 PARTITION=${PARTITION:-$OUT/partition.json}
 SAVE_EVERY=${SAVE_EVERY:-250}
 LONG=(--save-every "$SAVE_EVERY" --resume)
+REPORT_CACHE=${REPORT_CACHE:-$HOME/.cache/ddm/report/mnist}
 
 done_already() {  # a finished checkpoint is not trained again
     [ -f "$1/config.json" ] && echo "$1 exists: skipped" >&2
@@ -84,13 +88,18 @@ ship() {
     done
 }
 
+report() {
+    $DDM report --checkpoints checkpoints/mnist --data "$DATA" --n-per-label 100 \
+        --cache "$REPORT_CACHE" --out docs/quality.md
+}
+
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=(classifier partition experts router monolith)
 for stage in "${stages[@]}"; do
     case "$stage" in
-        classifier | partition | experts | router | monolith | ship) "$stage" ;;
+        classifier | partition | experts | router | monolith | ship | report) "$stage" ;;
         *) echo "unknown stage $stage; known: classifier partition experts router monolith" \
-                "ship" >&2
+                "ship report" >&2
            exit 2 ;;
     esac
 done
