@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_experts_alternate_frameworks_and_share_the_shipped_partition():
     found = discover(MNIST)
-    assert {k: len(v) for k, v in found.items()} == {"expert": 4, "router": 1, "classifier": 1}
+    assert {k: len(v) for k, v in found.items()} == {
+        "expert": 4, "router": 1, "classifier": 1, "monolith": 1}
     shipped = read_partition_file(MNIST / "partition.json")["partition"]
     metas = sorted((read_meta(p) for p in found["expert"]), key=lambda m: m.partition["index"])
     assert [m.partition["index"] for m in metas] == [0, 1, 2, 3]
@@ -39,6 +40,19 @@ def test_experts_alternate_frameworks_and_share_the_shipped_partition():
         assert meta.classes == tuple(range(10))
     size = sum(f.stat().st_size for f in MNIST.rglob("*") if f.is_file())
     assert size < 8_000_000
+
+
+def test_the_monolith_has_the_experts_network_and_their_total_compute():
+    """docs/quality.md's baseline: the same UNet and batch on all the data, as many steps as
+    the four experts together."""
+    found = discover(MNIST)
+    experts = [read_meta(p) for p in found["expert"]]
+    monolith = read_meta(found["monolith"][0])
+    assert monolith.classes == tuple(range(10)) and not monolith.partition
+    assert all(monolith.architecture == e.architecture for e in experts)
+    assert all(monolith.training["batch_size"] == e.training["batch_size"] for e in experts)
+    assert monolith.training["steps"] == sum(e.training["steps"] for e in experts)
+    assert monolith.data["images"] == sum(e.data["images"] for e in experts) == 60000
 
 
 def test_torch_and_flax_agree_on_the_shipped_mnist_experts():
