@@ -54,13 +54,12 @@ class Row:
 
 
 def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
-                 solver: str, compare: Sequence[tuple[Path, LoadedDDM]] = (),
-                 cache: RunCache | None = None) -> list[Row]:
+                 solver: str, compare: Sequence[tuple[Path, LoadedDDM]],
+                 cache: RunCache) -> list[Row]:
     """Real-vs-real floor, the monoliths (most trained first), the DDM per strategy, then
     each DDM of ``compare`` at top-1 (e.g. the same partition with experts of other
     objectives: the homogeneous vs heterogeneous comparison). ``cache``: where sampled runs
-    are kept and reused (default: none kept)."""
-    cache = cache or RunCache(None)
+    are kept and reused."""
     found = discover(checkpoints)
     labels = np.repeat(np.arange(judge.classifier.config.num_classes), n_per_label)
     started = time.process_time()
