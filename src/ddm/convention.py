@@ -88,3 +88,94 @@ def to_uint8(x: np.ndarray) -> np.ndarray:
 def _broadcast_time(t: np.ndarray, ndim: int) -> np.ndarray:
     t = np.asarray(t, dtype=np.float32)
     return t.reshape(t.shape + (1,) * (ndim - t.ndim))
+
+
+# diffusers' FlowMatchEulerDiscreteScheduler (Paris and other rectified-flow releases) ---------
+#
+# Its models see the same straight path from the other end: ``sigma`` runs from 1 (noise) down
+# to 0 (data), ``x_sigma = (1 - sigma) * data + sigma * noise``, the model's time input is
+# ``timestep = sigma * num_train_timesteps`` and its output is ``d x / d sigma = noise - data``
+# (``scheduler.step`` moves ``x + (sigma_next - sigma) * output``). Hence, exactly:
+# ``t = 1 - sigma`` and our velocity ``v = x1 - x0 = -output``.
+
+#: diffusers' default ``num_train_timesteps``: a flow-matching model's time input is
+#: ``sigma * 1000``.
+FLOW_MATCH_TRAIN_TIMESTEPS = 1000
+
+
+@dataclass(frozen=True)
+class SigmaGrid:
+    """A FlowMatchEulerDiscrete schedule as ``set_timesteps`` makes it, float32.
+
+    ``sigmas`` has ``steps + 1`` entries from 1 down to a final 0; ``timesteps`` has ``steps``,
+    the model's time input ``sigma * num_train_timesteps`` at each visited sigma.
+    """
+
+    sigmas: np.ndarray
+    timesteps: np.ndarray
+
+    @property
+    def times(self) -> np.ndarray:
+        """The same grid in our time, ``t = 1 - sigma``, from 0 (noise) to 1 (data)."""
+        return time_from_sigma(self.sigmas)
+
+
+def shift_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
+    """diffusers' static shift ``shift * s / (1 + (shift - 1) * s)``: ``shift > 1`` spends more
+    steps near noise. Keeps the array's dtype."""
+    s = np.asarray(sigmas)
+    k = s.dtype.type(shift) if np.issubdtype(s.dtype, np.floating) else shift
+    return k * s / (1 + (k - 1) * s)
+
+
+def flow_match_sigma_grid(steps: int, shift: float = 1.0,
+                          num_train_timesteps: int = FLOW_MATCH_TRAIN_TIMESTEPS) -> SigmaGrid:
+    """The grid ``FlowMatchEulerDiscreteScheduler(num_train_timesteps, shift).set_timesteps(steps)``
+    visits (no dynamic shifting, Karras or terminal stretching), value for value.
+
+    As diffusers does, the training grid's smallest sigma ``1 / num_train_timesteps`` is shifted
+    once when the scheduler is built and the inference grid is shifted again.
+    """
+    if not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ValueError(f"steps must be a positive integer, got {steps!r}")
+    if not shift > 0:
+        raise ValueError(f"shift must be positive, got {shift!r}")
+    if not isinstance(num_train_timesteps, (int, np.integer)) or num_train_timesteps < 1:
+        raise ValueError(f"num_train_timesteps must be a positive integer, "
+                         f"got {num_train_timesteps!r}")
+    n = np.float32(num_train_timesteps)
+    train_ends = shift_sigmas(np.array([n, 1.0], dtype=np.float32) / n, shift)
+    sigma_max, sigma_min = (float(s) for s in train_ends)
+    visited = np.linspace(sigma_max * num_train_timesteps, sigma_min * num_train_timesteps,
+                          int(steps)) / num_train_timesteps
+    sigmas = shift_sigmas(visited, shift).astype(np.float32)
+    return SigmaGrid(sigmas=np.append(sigmas, np.float32(0.0)),
+                     timesteps=sigmas * np.float32(num_train_timesteps))
+
+
+def time_from_sigma(sigma: np.ndarray) -> np.ndarray:
+    """FlowMatchEulerDiscrete's ``sigma`` -> our ``t = 1 - sigma`` (float32): exact for
+    ``sigma >= 0.5``, rounded by at most 3e-8 below (float32 spacing near 1)."""
+    return (np.float32(1.0) - np.asarray(sigma, dtype=np.float32)).astype(np.float32)
+
+
+def sigma_from_time(t: np.ndarray) -> np.ndarray:
+    """Our ``t`` -> FlowMatchEulerDiscrete's ``sigma = 1 - t`` (float32): exact for ``t >= 0.5``,
+    rounded by at most 3e-8 below; ``sigma -> t -> sigma`` is exact or within 3e-8."""
+    return (np.float32(1.0) - np.asarray(t, dtype=np.float32)).astype(np.float32)
+
+
+def flow_match_timestep(t: np.ndarray,
+                        num_train_timesteps: int = FLOW_MATCH_TRAIN_TIMESTEPS) -> np.ndarray:
+    """Our ``t`` -> the time input a FlowMatchEulerDiscrete model takes, ``sigma * N``."""
+    return sigma_from_time(t) * np.float32(num_train_timesteps)
+
+
+def velocity_from_flow_match(output: np.ndarray) -> np.ndarray:
+    """A FlowMatchEulerDiscrete model's output ``noise - data`` -> our ``v = x1 - x0``."""
+    return -np.asarray(output)
+
+
+def flow_match_from_velocity(v: np.ndarray) -> np.ndarray:
+    """Our velocity ``x1 - x0`` -> the ``noise - data`` a FlowMatchEulerDiscrete step takes."""
+    return -np.asarray(v)

@@ -1,0 +1,232 @@
+"""Bagel Labs' Paris DDM: its expert (DiT-XL/2 with cross-attention to CLIP tokens) and its
+router network (DiT-B with a CLS token that sees only ``(x_t, t)``).
+
+Module and parameter names are those of the public AWS Neuron port (GitHub
+jimburtoft/neuronx-distributed-inference, branch contrib/paris-diffusion-model,
+``modeling_paris.py``), so a release's ``diffusion_pytorch_model.safetensors`` loads with
+``strict=True``; constructor arguments carry the port's names. Both networks follow
+diffusers' FlowMatchEulerDiscrete convention, not ours: the time input is
+``timestep = sigma * 1000`` (sigma 1 = noise) and the expert predicts ``noise - data``;
+:mod:`ddm.convention` converts (``flow_match_timestep``, ``velocity_from_flow_match``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.embeddings import get_timestep_embedding
+from torch import nn
+
+from ddm.models.config import ConfigError
+
+#: Width of the sinusoidal time features both networks embed (fixed in the port).
+FREQUENCY_EMBEDDING_SIZE = 256
+
+
+@dataclass(frozen=True)
+class ParisExpertConfig:
+    """A Paris expert's architecture; the defaults are the release's DiT-XL/2 (605M)."""
+
+    input_size: int = 32
+    patch_size: int = 2
+    in_channels: int = 4
+    out_channels: int = 4
+    hidden_size: int = 1152
+    depth: int = 28
+    num_heads: int = 16
+    mlp_ratio: float = 4.0
+    text_embed_dim: int = 768
+
+    def __post_init__(self) -> None:
+        _check_transformer(self)
+
+    def to_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ParisRouterConfig:
+    """A Paris router network's architecture; the defaults are the release's DiT-B (129M)."""
+
+    input_size: int = 32
+    patch_size: int = 2
+    in_channels: int = 4
+    hidden_size: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    num_clusters: int = 8
+
+    def __post_init__(self) -> None:
+        _check_transformer(self)
+
+    def to_dict(self) -> dict[str, int | float]:
+        return asdict(self)
+
+
+class TimestepEmbedder(nn.Module):
+    """``timestep`` (B,) in ``sigma * 1000`` units -> (B, hidden) through DiT's cos/sin
+    features and a two-layer MLP."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(FREQUENCY_EMBEDDING_SIZE, hidden_size), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size))
+
+    def forward(self, timestep: torch.Tensor) -> torch.Tensor:
+        features = get_timestep_embedding(timestep, FREQUENCY_EMBEDDING_SIZE,
+                                          flip_sin_to_cos=True, downscale_freq_shift=0)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
+
+
+class ExpertBlock(nn.Module):
+    """Self-attention, cross-attention to the text tokens, MLP; adaLN-single modulation
+    (one shared projection of time, plus a learned per-block table), as in PixArt-alpha."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float) -> None:
+        super().__init__()
+        self.scale_shift_table = nn.Parameter(torch.zeros(6, hidden_size))
+        self.attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.cross_attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.mlp = _mlp(hidden_size, mlp_ratio)
+
+    def forward(self, x: torch.Tensor, time_modulation: torch.Tensor,
+                text: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, N, D), ``time_modulation`` (B, 6, D), ``text`` (B, L, D) -> (B, N, D)."""
+        shift1, scale1, gate1, shift2, scale2, gate2 = (
+            self.scale_shift_table[None] + time_modulation).chunk(6, dim=1)
+        h = _modulate(x, shift1, scale1)
+        x = x + gate1 * self.attn(h, h, h, need_weights=False)[0]
+        x = x + self.cross_attn(x, text, text, need_weights=False)[0]
+        return x + gate2 * self.mlp(_modulate(x, shift2, scale2))
+
+
+class ExpertFinalLayer(nn.Module):
+    """Modulated layer norm and the projection of each token back to a patch."""
+
+    def __init__(self, hidden_size: int, patch_values: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, patch_values)
+        self.scale_shift_table = nn.Parameter(torch.zeros(2, hidden_size))
+
+
+class ParisExpert(nn.Module):
+    """A Paris expert: ``(latents (B, C, S, S), timestep (B,), text (B, L, text_embed_dim))``
+    -> the flow-matching output ``noise - data`` (B, C, S, S); ``timestep = sigma * 1000``.
+
+    ``text`` is CLIP's last hidden state (all 77 tokens, padding included, no mask)."""
+
+    def __init__(self, input_size: int = 32, patch_size: int = 2, in_channels: int = 4,
+                 out_channels: int = 4, hidden_size: int = 1152, depth: int = 28,
+                 num_heads: int = 16, mlp_ratio: float = 4.0, text_embed_dim: int = 768) -> None:
+        super().__init__()
+        self.config = ParisExpertConfig(input_size, patch_size, in_channels, out_channels,
+                                        hidden_size, depth, num_heads, mlp_ratio, text_embed_dim)
+        self.patch_embed = nn.Conv2d(in_channels, hidden_size, patch_size, stride=patch_size)
+        self.pos_embed = nn.Parameter(torch.zeros(1, (input_size // patch_size) ** 2, hidden_size))
+        self.time_embed = TimestepEmbedder(hidden_size)
+        self.text_proj = nn.Linear(text_embed_dim, hidden_size)
+        self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        self.layers = nn.ModuleList(ExpertBlock(hidden_size, num_heads, mlp_ratio)
+                                    for _ in range(depth))
+        self.final_layer = ExpertFinalLayer(hidden_size, patch_size * patch_size * out_channels)
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor,
+                text: torch.Tensor) -> torch.Tensor:
+        batch, width = latents.shape[0], self.config.hidden_size
+        x = self.patch_embed(latents).flatten(2).transpose(1, 2) + self.pos_embed
+        time = self.time_embed(timestep)
+        time_modulation = self.t_block(time).reshape(batch, 6, width)
+        text = self.text_proj(text)
+        for layer in self.layers:
+            x = layer(x, time_modulation, text)
+        final = self.final_layer
+        shift, scale = (final.scale_shift_table[None] + time[:, None]).chunk(2, dim=1)
+        patches = final.linear(_modulate(x, shift, scale))
+        return _unpatchify(patches, self.config.patch_size, self.config.out_channels)
+
+
+class RouterBlock(nn.Module):
+    """Self-attention and MLP under adaLN-Zero modulation from the time embedding (DiT)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float) -> None:
+        super().__init__()
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+        self.attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.mlp = _mlp(hidden_size, mlp_ratio)
+
+    def forward(self, x: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, N, D), ``time`` (B, D) -> (B, N, D)."""
+        modulation = self.adaLN_modulation(time).reshape(x.shape[0], 6, x.shape[-1])
+        shift1, scale1, gate1, shift2, scale2, gate2 = modulation.chunk(6, dim=1)
+        h = _modulate(x, shift1, scale1)
+        x = x + gate1 * self.attn(h, h, h, need_weights=False)[0]
+        return x + gate2 * self.mlp(_modulate(x, shift2, scale2))
+
+
+class ParisRouter(nn.Module):
+    """Paris's router network: ``(latents (B, C, S, S), timestep (B,))`` -> cluster logits
+    (B, num_clusters), read from a CLS token; ``timestep = sigma * 1000``. No text input."""
+
+    def __init__(self, input_size: int = 32, patch_size: int = 2, in_channels: int = 4,
+                 hidden_size: int = 768, depth: int = 12, num_heads: int = 12,
+                 mlp_ratio: float = 4.0, num_clusters: int = 8) -> None:
+        super().__init__()
+        self.config = ParisRouterConfig(input_size, patch_size, in_channels, hidden_size, depth,
+                                        num_heads, mlp_ratio, num_clusters)
+        self.patch_embed = nn.Conv2d(in_channels, hidden_size, patch_size, stride=patch_size)
+        self.pos_embed = nn.Parameter(torch.zeros(1, (input_size // patch_size) ** 2, hidden_size))
+        self.time_embed = TimestepEmbedder(hidden_size)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, hidden_size))
+        self.layers = nn.ModuleList(RouterBlock(hidden_size, num_heads, mlp_ratio)
+                                    for _ in range(depth))
+        self.head = nn.Sequential(
+            nn.Linear(hidden_size, hidden_size), nn.GELU(approximate="tanh"),
+            nn.LayerNorm(hidden_size), nn.GELU(approximate="tanh"),
+            nn.Linear(hidden_size, num_clusters))
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embed(latents).flatten(2).transpose(1, 2) + self.pos_embed
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
+        time = self.time_embed(timestep)
+        for layer in self.layers:
+            x = layer(x, time)
+        return self.head(x[:, 0])
+
+
+def _mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
+    inner = int(hidden_size * mlp_ratio)
+    return nn.Sequential(nn.Linear(hidden_size, inner), nn.GELU(approximate="tanh"),
+                         nn.Linear(inner, hidden_size))
+
+
+def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Parameter-free layer norm over the width, then ``* (1 + scale) + shift``."""
+    return F.layer_norm(x, (x.shape[-1],)) * (1 + scale) + shift
+
+
+def _unpatchify(patches: torch.Tensor, patch: int, channels: int) -> torch.Tensor:
+    """(B, side * side, patch * patch * channels), each token ``(p, q, c)`` -> (B, C, H, W)."""
+    batch, tokens = patches.shape[:2]
+    side = math.isqrt(tokens)
+    x = patches.reshape(batch, side, side, patch, patch, channels)
+    return torch.einsum("nhwpqc->nchpwq", x).reshape(batch, channels, side * patch,
+                                                      side * patch)
+
+
+def _check_transformer(config: ParisExpertConfig | ParisRouterConfig) -> None:
+    name = type(config).__name__
+    for field, value in asdict(config).items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"{name}.{field} must be a positive number, got {value!r}")
+        if field != "mlp_ratio" and not isinstance(value, int):
+            raise ConfigError(f"{name}.{field} must be an integer, got {value!r}")
+    if config.input_size % config.patch_size:
+        raise ConfigError(f"{name}: input_size {config.input_size} is not a multiple of "
+                          f"patch_size {config.patch_size}")
+    if config.hidden_size % config.num_heads:
+        raise ConfigError(f"{name}: hidden_size {config.hidden_size} is not a multiple of "
+                          f"num_heads {config.num_heads}")

@@ -1,0 +1,150 @@
+"""Paris's expert and router networks: the port's parameter names and sizes, strict loading of
+a release's component directories, and architecture inferred from the weights' shapes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ddm.checkpoints.format import CheckpointError
+from ddm.models.paris import ParisExpert, ParisExpertConfig, ParisRouter, ParisRouterConfig
+from ddm.models.paris_loading import (infer_expert_config, infer_router_config,
+                                      load_paris_expert, load_paris_router)
+from tests.support.paris_release import TinyParis, write_paris_release
+
+EXPERT_WEIGHTS = "diffusion_pytorch_model.safetensors"
+ROUTER_WEIGHTS = "pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory) -> Path:
+    return write_paris_release(tmp_path_factory.mktemp("paris") / "release")
+
+
+@pytest.fixture
+def expert_dir(release, tmp_path) -> Path:
+    return Path(shutil.copytree(release / "expert_0", tmp_path / "expert_0"))
+
+
+def meta_shapes(network: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(t.shape) for name, t in network.state_dict().items()}
+
+
+def rewrite_weights(directory: Path, name: str, change) -> None:
+    weights = load_file(str(directory / name))
+    change(weights)
+    save_file(weights, str(directory / name))
+
+
+def test_full_size_networks_have_the_release_parameter_counts_and_the_port_names():
+    with torch.device("meta"):
+        expert, router = ParisExpert(), ParisRouter()
+    # The release's DiT-XL/2 expert (605M) and DiT-B router (129M), counted from the port.
+    assert sum(p.numel() for p in expert.parameters()) == 605_970_448
+    assert sum(p.numel() for p in router.parameters()) == 129_136_904
+    expert_names, router_names = set(expert.state_dict()), set(router.state_dict())
+    assert {"patch_embed.weight", "pos_embed", "time_embed.mlp.0.weight", "text_proj.weight",
+            "t_block.1.weight", "layers.27.scale_shift_table", "layers.27.attn.in_proj_weight",
+            "layers.27.cross_attn.out_proj.bias", "layers.27.mlp.2.weight",
+            "final_layer.linear.weight", "final_layer.scale_shift_table"} <= expert_names
+    assert {"cls_token", "layers.11.adaLN_modulation.1.weight", "layers.11.attn.in_proj_bias",
+            "head.0.weight", "head.2.weight", "head.4.weight"} <= router_names
+    assert expert.state_dict()["text_proj.weight"].shape == (1152, 768)
+    assert router.state_dict()["head.4.weight"].shape == (8, 768)
+
+
+def test_full_size_architecture_is_inferred_from_the_weights_shapes_alone():
+    with torch.device("meta"):
+        expert, router = ParisExpert(), ParisRouter()
+    assert infer_expert_config(meta_shapes(expert)) == ParisExpertConfig()
+    assert infer_router_config(meta_shapes(router)) == ParisRouterConfig()
+
+
+def test_release_components_load_strictly_and_run(release):
+    sizes = TinyParis()
+    expert = load_paris_expert(release / "expert_1")
+    router = load_paris_router(release / "router")
+    assert expert.config == sizes.expert and router.config == sizes.router
+    assert not expert.training and not router.training
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    timestep = torch.tensor([1000.0, 20.0])
+    with torch.no_grad():
+        assert expert(x, timestep, torch.zeros(2, 77, 32)).shape == (2, 4, 8, 8)
+        assert router(x, timestep).shape == (2, 2)
+
+
+def test_without_config_json_the_sizes_come_from_the_weights(expert_dir):
+    (expert_dir / "config.json").unlink()
+    config = load_paris_expert(expert_dir).config
+    # Every size but num_heads is in the weights; num_heads falls back to the release's 16.
+    assert config == ParisExpertConfig(input_size=8, hidden_size=32, depth=2, num_heads=16,
+                                       text_embed_dim=32)
+
+
+def test_a_router_whose_width_takes_no_12_heads_needs_num_heads_in_config_json(release,
+                                                                                tmp_path):
+    router_dir = Path(shutil.copytree(release / "router", tmp_path / "router"))
+    (router_dir / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="num_heads"):
+        load_paris_router(router_dir)
+
+
+def test_config_json_that_disagrees_with_the_weights_is_refused_naming_the_field(expert_dir):
+    config = json.loads((expert_dir / "config.json").read_text())
+    (expert_dir / "config.json").write_text(json.dumps({**config, "hidden_size": 64,
+                                                        "_class_name": "DiTExpert"}))
+    with pytest.raises(CheckpointError, match=r"hidden_size: config.json says 64, the weights "
+                                              r"have 32"):
+        load_paris_expert(expert_dir)
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda w: w.pop("layers.1.cross_attn.in_proj_bias"),
+     "missing layers.1.cross_attn.in_proj_bias"),
+    (lambda w: w.update({"layers.0.attn.bias_k": torch.zeros(1, 1, 32)}),
+     "unexpected layers.0.attn.bias_k"),
+    (lambda w: w.update({"layers.1.scale_shift_table": torch.zeros(7, 32)}),
+     r"layers.1.scale_shift_table has shape \(7, 32\), the architecture needs \(6, 32\)"),
+])
+def test_a_missing_extra_or_misshapen_tensor_is_refused_by_name(expert_dir, change, named):
+    rewrite_weights(expert_dir, EXPERT_WEIGHTS, change)
+    with pytest.raises(CheckpointError, match=named):
+        load_paris_expert(expert_dir)
+
+
+def test_weights_missing_what_the_architecture_is_read_from_are_refused_by_name(expert_dir):
+    rewrite_weights(expert_dir, EXPERT_WEIGHTS, lambda w: w.pop("text_proj.weight"))
+    with pytest.raises(CheckpointError, match="no text_proj.weight"):
+        load_paris_expert(expert_dir)
+
+
+def test_a_component_must_hold_exactly_one_weight_file(release, expert_dir):
+    shutil.copy(release / "router" / ROUTER_WEIGHTS, expert_dir / ROUTER_WEIGHTS)
+    with pytest.raises(CheckpointError, match="exactly one of"):
+        load_paris_expert(expert_dir)
+    (expert_dir / ROUTER_WEIGHTS).unlink()
+    (expert_dir / EXPERT_WEIGHTS).unlink()
+    with pytest.raises(CheckpointError, match="found neither"):
+        load_paris_expert(expert_dir)
+
+
+def test_malformed_config_json_is_refused(expert_dir):
+    (expert_dir / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="JSON object"):
+        load_paris_expert(expert_dir)
+    (expert_dir / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        load_paris_expert(expert_dir)
+
+
+def test_weights_keep_their_dtype_unless_one_is_asked_for(expert_dir):
+    rewrite_weights(expert_dir, EXPERT_WEIGHTS,
+                    lambda w: w.update({k: v.to(torch.bfloat16) for k, v in w.items()}))
+    assert {p.dtype for p in load_paris_expert(expert_dir).parameters()} == {torch.bfloat16}
+    as_float = load_paris_expert(expert_dir, dtype=torch.float32)
+    assert {p.dtype for p in as_float.parameters()} == {torch.float32}
