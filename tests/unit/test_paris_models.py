@@ -41,6 +41,20 @@ def rewrite_weights(directory: Path, name: str, change) -> None:
     save_file(weights, str(directory / name))
 
 
+def test_the_tiny_release_has_the_release_layout(release):
+    assert sorted(p.name for p in release.iterdir()) == [
+        "config.json", "expert_0", "expert_1", "model_index.json", "router", "text_encoder",
+        "tokenizer", "vae"]
+    for expert in ("expert_0", "expert_1"):
+        assert sorted(p.name for p in (release / expert).iterdir()) == ["config.json",
+                                                                         EXPERT_WEIGHTS]
+    assert sorted(p.name for p in (release / "router").iterdir()) == ["config.json",
+                                                                       ROUTER_WEIGHTS]
+    index = json.loads((release / "model_index.json").read_text())
+    assert index["vae"] == ["diffusers", "AutoencoderKL"]
+    assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
+
+
 def test_full_size_networks_have_the_release_parameter_counts_and_the_port_names():
     with torch.device("meta"):
         expert, router = ParisExpert(), ParisRouter()
