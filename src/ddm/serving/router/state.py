@@ -137,18 +137,19 @@ class RouterState:
     def problems(self) -> tuple[list[str], list[str]]:
         """(experts without a ready replica, every reason not to be ready).
 
-        Some experts without a ready replica do not make the router unready: it still serves
-        the labels the others own and answers a 503 naming the missing expert for the rest,
-        which an unready router (out of its Service) could not tell a client. With no expert
-        ready it can serve nothing, and that is a problem."""
+        Some experts without a ready replica (down, or their report refused) do not make the
+        router unready: it still serves the labels the others own and answers a 503 naming the
+        missing expert for the rest, which an unready router (out of its Service) could not
+        tell a client. With no expert ready it can serve nothing, and that is a problem."""
         missing = [name for name in self.names if self.pool.ready_count(name) == 0]
-        problems = ([f"no expert has a ready replica ({', '.join(missing)})"]
+        problems = ([f"no expert has a ready replica ({', '.join(missing)})",
+                     *(p.public for p in self.refused())]
                     if len(missing) == len(self.names) else [])
         if self.failure is not None:
             problems.append(f"router network failed to load: {self.failure}")
         elif not self.loaded:
             problems.append("router network is loading")
-        problems += [p.public for p in self.refused() + self.mismatches()]
+        problems += [p.public for p in self.mismatches()]
         shape, disagreement = self.image_shape()
         problems += disagreement
         if shape is None and not disagreement:
