@@ -106,7 +106,7 @@ class RouterState:
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
         self._clients = ClientSlots(config.limits.max_concurrent_per_client)
-        self._logged: frozenset[str] = frozenset()  # the mismatches' details last logged
+        self._logged: frozenset[ExpertProblem] = frozenset()  # the mismatches last logged
 
     async def load(self) -> None:
         """Load the router network off the event loop; a failure is reported by the probes."""
@@ -161,11 +161,9 @@ class RouterState:
         logs their details when they change."""
         found = expert_mismatches(self.config, {n: self.pool.info(n) for n in self.names},
                                   self.network_meta)
-        details = frozenset(p.detail for p in found)
-        for problem in found:
-            if problem.detail not in self._logged:
-                logger.warning("expert %s: %s", problem.expert, problem.detail)
-        self._logged = details
+        for problem in set(found) - self._logged:
+            logger.warning("expert %s: %s", problem.expert, problem.detail)
+        self._logged = frozenset(found)
         return found
 
     def refused(self) -> list[ExpertProblem]:
