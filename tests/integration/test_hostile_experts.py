@@ -1,6 +1,7 @@
 """Hostile experts against a real router process (``ddm serve router``) on loopback: fake experts,
 small real HTTP servers in this process, report ``max_batch: 0`` or ``-1``, a huge image shape,
-stream a 400 MB ``/readyz`` body, or refuse a request with their own text. The router stays
+stream a 400 MB ``/readyz`` body, refuse a request with their own text, or answer far more
+than was asked. The router stays
 within a memory bound (its peak resident memory, ``VmHWM``), answers generations needing such an
 expert with a 503 naming it (never a 500), keeps serving the others, repeats none of the
 experts' text to its callers (the log has it), and recovers once an expert reports valid info.
@@ -59,6 +60,7 @@ class FakeExpert:
     info: dict[str, Any]
     readyz_bytes: int = 0  # > 0: /readyz streams that many bytes (no Content-Length)
     refusal: str | None = None  # /v1/velocity answers a 422 with this text
+    answer_shape: tuple[int, int, int] | None = None  # /v1/velocity answers rows of this shape
     streamed: int = 0  # bytes of huge /readyz bodies generated so far
     streams_ended: int = 0
 
@@ -74,8 +76,9 @@ class FakeExpert:
 
         async def velocity(request: Request) -> Response:
             call = decode_request(await request.body(), Limits())
+            rows = np.zeros((len(call.x), *(self.answer_shape or call.x.shape[1:])), np.float32)
             reply = (encode_error(call.request_id, 422, self.refusal) if self.refusal
-                     else encode_response(call.request_id, np.zeros_like(call.x)))
+                     else encode_response(call.request_id, rows))
             return Response(reply, 422 if self.refusal else 200, media_type=CONTENT_TYPE)
 
         return Starlette(routes=[Route("/readyz", readyz), Route("/v1/info", info),
@@ -173,7 +176,8 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
              "negative-batch": FakeExpert(_info(2, max_batch=-1)),
              "huge-shape": FakeExpert(_info(3, image_shape=[1, 100_000, 100_000])),
              "huge-readyz": FakeExpert(_info(4)),
-             "rude": FakeExpert(_info(5), refusal=MARKER)}
+             "rude": FakeExpert(_info(5), refusal=MARKER),
+             "bloated": FakeExpert(_info(6), answer_shape=(1, 512, 512))}
     with _router(tmp_path, fakes) as router:
         _wait_for("ready", lambda: httpx.get(f"{router.url}/readyz").status_code == 200)
         assert router.generate(0).status_code == 200  # warm: a generation end to end
@@ -190,6 +194,10 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
         assert rude.status_code == 502 and rude.json() == {
             "expert": "rude", "detail": "expert rude: refused the request (422) (details in "
                                         "the router's log)"}
+        bloated = router.generate(6)  # a reply 4096 times what was asked, refused unread
+        assert bloated.status_code == 503 and bloated.json() == {
+            "expert": "bloated", "detail": "expert bloated: unavailable: no replica gave a "
+                                           "usable answer in time (details in the router's log)"}
         streamed = httpx.get(f"{router.url}/v1/generate/stream", params={"label": 5},
                              timeout=DEADLINE_S + 10)
         assert streamed.status_code == 200 and streamed.text.endswith(
@@ -215,7 +223,7 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
                       ("huge-shape", "image_shape must be (C, H, W)"),
                       ("huge-readyz", f"/readyz sent a body over the {MAX_EXPERT_PROBE_BYTES} "
                                       "bytes the router reads"),
-                      ("rude", MARKER)):
+                      ("rude", MARKER), ("bloated", "this request can be answered with")):
         assert f"expert {name}" in log and why in log, (name, log[-3000:])
     assert "500 Internal" not in log and "Traceback" not in log, log[-3000:]
 

@@ -111,7 +111,7 @@ class ExpertUnavailable(ExpertError):
     status = 503
 
     def __init__(self, expert: str, reason: str,
-                 summary: str = "no replica answered in time") -> None:
+                 summary: str = "no replica gave a usable answer in time") -> None:
         super().__init__(expert, f"unavailable: {reason}", f"unavailable: {summary}")
 
 
