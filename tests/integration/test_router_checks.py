@@ -1,6 +1,7 @@
 """The router checks what it is given: real expert servers on loopback against the router network's
 checkpoint and router.yaml. A mismatch keeps the router unready and generating nothing, with a
-message naming the expert and what disagrees."""
+message naming the expert and what disagrees: ``/readyz`` and 503 bodies in the router's own words
+(anyone may read them), the log quoting what the expert said."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from ddm.convention import CONVENTION_NAME
 from ddm.data import partition_sha256
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.expert.server import create_expert_app
-from ddm.serving.router.replicas import ExpertInfo
+from ddm.serving.router.replicas import ExpertInfo, ExpertProblem
 from ddm.serving.router.server import create_router_app
 from ddm.serving.router.state import expert_mismatches
 from tests.integration.servers import running, wait_ready
@@ -60,6 +61,11 @@ def _router(experts: dict[str, str], listed: list[tuple[str, str, list[int]]]):
         "router_checkpoint": str(DIGITS / "router")}))
 
 
+def _details(app) -> list[str]:
+    """What the router logs of its experts' mismatches."""
+    return [f"expert {p.expert}: {p.detail}" for p in app.state.router.mismatches()]
+
+
 def _problems_once_known(base: str) -> tuple[int, list[str]]:
     """/readyz once every expert has been heard from (its status and problems)."""
     deadline = time.monotonic() + WAIT_S
@@ -86,13 +92,20 @@ def test_experts_listed_out_of_order_keep_the_router_unready_and_idle(experts):
         status, problems = _problems_once_known(base)
         assert status == 503
         assert problems == [
-            "expert first is part 1 of the router network's partition, but the router config "
+            "expert first is not part 0 of the router network's partition, but the router "
+            "config lists it at position 0: list the experts in partition order (details in the "
+            "router's log)",
+            "expert second is not part 1 of the router network's partition, but the router "
+            "config lists it at position 1: list the experts in partition order (details in the "
+            "router's log)"]
+        assert _details(app) == [
+            "expert first: is part 1 of the router network's partition, but the router config "
             "lists it at position 0: list the experts in partition order",
-            "expert second is part 0 of the router network's partition, but the router config "
+            "expert second: is part 0 of the router network's partition, but the router config "
             "lists it at position 1: list the experts in partition order"]
         reply = httpx.post(f"{base}/v1/generate", json={"labels": [0], "steps": 2})
         assert reply.status_code == 503
-        assert "expert first is part 1" in reply.json()["detail"]
+        assert "expert first is not part 0" in reply.json()["detail"]
 
 
 def test_an_expert_of_another_partition_keeps_the_router_unready(experts):
@@ -100,9 +113,12 @@ def test_an_expert_of_another_partition_keeps_the_router_unready(experts):
     with running(app) as base:
         status, problems = _problems_once_known(base)
         assert status == 503
-        labels = load_checkpoint(DIGITS / "router").meta.partition["scheme"]
         assert problems == [
-            f"expert first (kmeans partition into 2) was made for partition sha256 "
+            "expert first was made for another partition than the router network's: experts "
+            "and router must share one fitted partition (details in the router's log)"]
+        labels = load_checkpoint(DIGITS / "router").meta.partition["scheme"]
+        assert _details(app) == [
+            f"expert first: its partition (kmeans partition into 2) was made for partition sha256 "
             f"{partition_sha256(KMEANS['scheme'])}, but partition sha256 "
             f"{partition_sha256(labels)} is expected: experts and router must share one fitted "
             "partition (the router network's: labels partition into 2)"]
@@ -113,8 +129,10 @@ def test_classes_listed_beyond_what_an_expert_serves_keep_the_router_unready(exp
     with running(app) as base:
         status, problems = _problems_once_known(base)
         assert status == 503
-        assert problems == ["expert first serves classes [0, 1, 2, 3, 4], but the router config "
-                            "lists [0, 1, 2, 3, 4, 5]"]
+        assert problems == ["expert first does not serve every class the router config lists "
+                            "[0, 1, 2, 3, 4, 5] (details in the router's log)"]
+        assert _details(app) == ["expert first: serves classes [0, 1, 2, 3, 4], but the router "
+                                 "config lists [0, 1, 2, 3, 4, 5]"]
 
 
 def test_an_expert_of_another_convention_is_named():
@@ -123,8 +141,9 @@ def test_an_expert_of_another_convention_is_named():
         {"name": "old", "discovery": {"endpoints": ["127.0.0.1:1"]}}],
         "sampling": {"strategy": "oracle"}})
     info = ExpertInfo((1, 16, 16), tuple(LOW), 8, convention="ddpm/eps", partition=None)
-    assert expert_mismatches(config, {"old": info}, None) == [
-        f"expert old follows the convention 'ddpm/eps', the router {CONVENTION_NAME!r}"]
+    assert expert_mismatches(config, {"old": info}, None) == [ExpertProblem(
+        "old", f"follows another convention than the router's {CONVENTION_NAME!r}",
+        f"follows the convention 'ddpm/eps', the router {CONVENTION_NAME!r}")]
 
 
 def test_an_expert_that_serves_its_raw_prediction_is_named():
@@ -134,9 +153,8 @@ def test_an_expert_that_serves_its_raw_prediction_is_named():
         {"name": "raw", "discovery": {"endpoints": ["127.0.0.1:1"]}}],
         "sampling": {"strategy": "oracle"}})
     info = ExpertInfo((1, 16, 16), tuple(LOW), 8, convention=CONVENTION_NAME, serves="epsilon")
-    assert expert_mismatches(config, {"raw": info}, None) == [
-        "expert raw answers 'epsilon', not our velocity: its server does not convert its "
-        "objective"]
+    assert [p.detail for p in expert_mismatches(config, {"raw": info}, None)] == [
+        "answers 'epsilon', not our velocity: its server does not convert its objective"]
     converted = ExpertInfo((1, 16, 16), tuple(LOW), 8, convention=CONVENTION_NAME,
                            serves="velocity")
     assert expert_mismatches(config, {"raw": converted}, None) == []

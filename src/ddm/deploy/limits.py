@@ -48,6 +48,17 @@ MAX_BATCH = 4096
 MAX_DELAY_MS = 10_000
 MAX_ACCELERATOR_COUNT = 32
 
+#: What the router believes of an expert's own report (``/v1/info``, ``ddm.serving.router.
+#: replicas.ExpertInfo``): an image is at most this many channels and this side in pixels (the
+#: router allocates ``(B, C, H, W)`` states from it), a string field at most this long.
+MAX_IMAGE_CHANNELS = 16
+MAX_IMAGE_SIDE = 1024
+MAX_EXPERT_TEXT = 256
+#: Bodies the router reads from an expert outside the binary protocol: ``/v1/info`` (its
+#: checkpoint's partition included; the shipped MNIST experts' is 20 KB) and ``/readyz``.
+MAX_EXPERT_INFO_BYTES = 1024 * 1024
+MAX_EXPERT_PROBE_BYTES = 16 * 1024
+
 #: Accelerator types, the frameworks an expert is trained in, and the expert server backends.
 ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
 NEURON_UNITS = ("device", "core")

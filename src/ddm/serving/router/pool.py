@@ -16,12 +16,21 @@ HTTP/1.1 client (its cost is paid at every step); probes (``/readyz``, ``/v1/inf
 ``aiohttp.ClientSession``. Both keep ``TCP_NODELAY`` on (asyncio and uvloop set it on every TCP
 connection), so a small request is not held back by Nagle's algorithm;
 ``tests/unit/test_expert_pool.py`` checks it.
+
+An expert is a peer, not a part of the router: every body read from it is capped (a velocity
+reply at what the request implies, ``/readyz`` at ``MAX_EXPERT_PROBE_BYTES``, ``/v1/info`` at
+``MAX_EXPERT_INFO_BYTES``) and its ``/v1/info`` is validated
+(:meth:`~ddm.serving.router.replicas.ExpertInfo.from_json`). A replica whose answer is refused
+is not ready, and an expert all of whose replicas are refused is unavailable at once (503)
+rather than waited for. What an expert says goes to the log, never to the router's callers:
+:attr:`ExpertError.public` is the router's own words.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -31,14 +40,15 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ddm.deploy.limits import MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.http_client import HttpClient, HttpClientError
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
                                   RemoteExpertError, Solver, VelocityRequest, decode_response,
                                   encode_request, max_error_reply_bytes, max_reply_bytes)
-from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, Replica, ReplicaSet,
-                                  ReplicaState, source_for)
+from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, InvalidReport, Replica,
+                                         ReplicaSet, ReplicaState, source_for)
 from ddm.deploy.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
@@ -80,23 +90,29 @@ def _request(key: Hashable, request_id: int, inputs: tuple[np.ndarray, ...]
 
 
 class ExpertError(RuntimeError):
-    """A call to ``expert`` failed; ``status`` is the HTTP status the router answers with."""
+    """A call to ``expert`` failed; ``status`` is the HTTP status the router answers with.
+
+    The message (for the log) says everything, what the expert said included; ``public`` (for
+    the caller) names the expert and ``summary``, the router's own words."""
 
     status = 502
 
-    def __init__(self, expert: str, reason: str) -> None:
+    def __init__(self, expert: str, reason: str, summary: str) -> None:
         super().__init__(f"expert {expert}: {reason}")
         self.expert = expert
         self.reason = reason
+        self.public = f"expert {expert}: {summary} (details in the router's log)"
 
 
 class ExpertUnavailable(ExpertError):
-    """No replica of ``expert`` answered within the call's deadline and attempts."""
+    """No replica of ``expert`` answered within the call's deadline and attempts, or every
+    replica's report was refused."""
 
     status = 503
 
-    def __init__(self, expert: str, reason: str) -> None:
-        super().__init__(expert, f"unavailable: {reason}")
+    def __init__(self, expert: str, reason: str,
+                 summary: str = "no replica gave a usable answer in time") -> None:
+        super().__init__(expert, f"unavailable: {reason}", f"unavailable: {summary}")
 
 
 class _ReplicaFailed(Exception):
@@ -108,7 +124,8 @@ class ExpertRejected(ExpertError):
     expert does not serve (a misconfiguration, not a replica failure), so it is not retried."""
 
     def __init__(self, expert: str, code: int, message: str) -> None:
-        super().__init__(expert, f"refused the request ({code}): {message}")
+        super().__init__(expert, f"refused the request ({code}): {message}",
+                         f"refused the request ({code})")
         self.code = code
 
 
@@ -277,6 +294,11 @@ class ExpertPool:
         None until one has been probed ready."""
         return self._replica_set(expert).info()
 
+    def invalid_report(self, expert: str) -> str | None:
+        """Why, when every replica of ``expert`` last sent a report the router refused
+        (:meth:`ReplicaSet.invalid_report`); None otherwise."""
+        return self._replica_set(expert).invalid_report()
+
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
                        y: np.ndarray) -> np.ndarray:
         """``v(x, t, y)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), ``y`` (B,)."""
@@ -299,6 +321,10 @@ class ExpertPool:
         (sent whole, a batch over the limit would come back 422, a 502 to the client)."""
         made = time.monotonic()  # the call's deadline runs from here
         info = self.info(expert)  # an unknown expert is a ValueError here
+        invalid = self.invalid_report(expert)
+        if info is None and invalid is not None:  # nothing to wait for: it answered, wrongly
+            raise self._give_up(expert, f"every replica's report was refused: {invalid}",
+                                "its report was refused")
         if info is None:  # no replica probed yet: its batch limit is unknown, so wait for it
             info = await self._sets[expert].wait_described(self._settings.deadline_s)
             if info is None:
@@ -406,9 +432,9 @@ class ExpertPool:
     def _authorization(self) -> bytes | None:
         return None if self._token is None else b"Bearer " + self._token.token()
 
-    def _give_up(self, expert: str, reason: str) -> ExpertUnavailable:
+    def _give_up(self, expert: str, reason: str, *summary: str) -> ExpertUnavailable:
         self.metrics.unavailable.labels(expert).inc()
-        return ExpertUnavailable(expert, reason)
+        return ExpertUnavailable(expert, reason, *summary)
 
     def _replica_set(self, expert: str) -> ReplicaSet:
         try:
@@ -447,7 +473,7 @@ class ExpertPool:
         replicas = self._sets[name]
         try:
             async with self._session.get(f"{replica.url}/readyz", timeout=timeout) as response:
-                await response.read()
+                await _read_capped(response, "/readyz", MAX_EXPERT_PROBE_BYTES)
                 if response.status != 200:
                     raise ValueError(f"/readyz answered {response.status}")
             if replica.state is not ReplicaState.READY or replica.info is None:
@@ -455,11 +481,17 @@ class ExpertPool:
                 headers = {} if authorization is None else {"Authorization":
                                                             authorization.decode()}
                 async with self._session.get(f"{replica.url}/v1/info", timeout=timeout,
-                                             headers=headers) as info:
-                    if info.status != 200:
-                        raise ValueError(f"/v1/info answered {info.status}")
-                    replica.info = ExpertInfo.from_json(await info.json())
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as error:
+                                             headers=headers) as response:
+                    body = await _read_capped(response, "/v1/info", MAX_EXPERT_INFO_BYTES)
+                    if response.status != 200:
+                        raise ValueError(f"/v1/info answered {response.status}")
+                replica.info = ExpertInfo.from_json(_json(body))
+        except InvalidReport as error:
+            if replica.invalid != str(error):  # once per change: probes repeat every few s
+                logger.warning("expert %s: replica %s is not ready, its report is refused: %s",
+                               name, replica.endpoint, error)
+            replicas.report_invalid(replica, str(error), time.monotonic())
+        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             replicas.probe_failed(replica, f"probe failed: {_describe(error)}", time.monotonic())
         else:
             replicas.mark_ready(replica, time.monotonic())
@@ -479,6 +511,28 @@ async def gather_all(*calls: Awaitable[_T]) -> list[_T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+async def _read_capped(response: aiohttp.ClientResponse, path: str, limit: int) -> bytes:
+    """The body of ``response``, refused (:class:`InvalidReport`) as soon as it is declared or
+    read over ``limit`` bytes; the connection is then closed, the rest never read."""
+    declared = response.content_length
+    if declared is not None and declared > limit:
+        raise InvalidReport(f"{path} declares a body of {declared} bytes, over the "
+                            f"{limit} the router reads")
+    body = bytearray()
+    async for chunk in response.content.iter_chunked(64 * 1024):
+        body += chunk
+        if len(body) > limit:
+            raise InvalidReport(f"{path} sent a body over the {limit} bytes the router reads")
+    return bytes(body)
+
+
+def _json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
+        raise InvalidReport(f"/v1/info is not JSON: {_describe(error)}") from None
 
 
 def _describe(error: BaseException) -> str:

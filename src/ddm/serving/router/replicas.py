@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import reprlib
 import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_TEXT, MAX_EXPERTS,
+                               MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_NUM_CLASSES)
 from ddm.deploy.router_config import Discovery, DnsDiscovery
 
 #: ``() -> ["host:port", ...]``: where an expert's replicas are now.
@@ -50,6 +53,26 @@ def source_for(discovery: Discovery) -> EndpointSource:
     return static_endpoints(discovery.endpoints)
 
 
+class InvalidReport(ValueError):
+    """An expert answered a probe with what the router cannot use (a body over its cap, not
+    JSON, a field out of bounds); the message names what."""
+
+
+@dataclass(frozen=True)
+class ExpertProblem:
+    """What is wrong with what expert ``expert`` reports. ``summary`` is the router's own words
+    (what unauthenticated callers see: ``/readyz``, 503 bodies); ``detail`` quotes the expert
+    too, and goes only to the router's log."""
+
+    expert: str
+    summary: str
+    detail: str
+
+    @property
+    def public(self) -> str:
+        return f"expert {self.expert} {self.summary} (details in the router's log)"
+
+
 @dataclass(frozen=True)
 class ExpertInfo:
     """What an expert replica says of itself in ``/v1/info`` (``convention`` and ``partition``
@@ -65,15 +88,60 @@ class ExpertInfo:
     serves: str | None = None
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> ExpertInfo:
-        shape = tuple(int(d) for d in raw["image_shape"])
-        if len(shape) != 3:
-            raise ValueError(f"image_shape must be (C, H, W), got {shape}")
+    def from_json(cls, raw: Any) -> ExpertInfo:
+        """The fields the router uses from a parsed ``/v1/info``, each checked against the
+        deployment's limits (``ddm.deploy.limits``): strict types, bounded sizes. An expert is
+        a peer: its report sizes the router's allocations and splits its batches, so anything
+        else is :class:`InvalidReport` naming the field."""
+        _require(isinstance(raw, Mapping), f"/v1/info is not a JSON object: {_shown(raw)}")
+        shape = _ints(raw, "image_shape", 3, 3)
+        _require(1 <= shape[0] <= MAX_IMAGE_CHANNELS
+                 and all(1 <= side <= MAX_IMAGE_SIDE for side in shape[1:]),
+                 f"image_shape must be (C, H, W) with C in 1..{MAX_IMAGE_CHANNELS} and H, W in "
+                 f"1..{MAX_IMAGE_SIDE}, got {_shown(raw['image_shape'])}")
+        classes = _ints(raw, "classes", 0, MAX_NUM_CLASSES)
+        _require(all(0 <= c <= MAX_CLASS for c in classes) and len(set(classes)) == len(classes),
+                 f"classes must be distinct integers in 0..{MAX_CLASS}, got "
+                 f"{_shown(raw['classes'])}")
+        max_batch = raw.get("max_batch")
+        _require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
+                 f"max_batch must be an integer in 1..{MAX_BATCH}, got {_shown(max_batch)}")
         partition = raw.get("partition")
-        return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]),
-                   convention=raw.get("convention"),
-                   partition=partition if isinstance(partition, Mapping) else None,
-                   serves=raw.get("serves") if isinstance(raw.get("serves"), str) else None)
+        _require(partition is None or isinstance(partition, Mapping),
+                 f"partition must be an object or null, got {_shown(partition)}")
+        index = (partition or {}).get("index")
+        _require(index is None or (type(index) is int and 0 <= index < MAX_EXPERTS),
+                 f"partition.index must be an integer in 0..{MAX_EXPERTS - 1}, got "
+                 f"{_shown(index)}")
+        return cls((shape[0], shape[1], shape[2]), classes, max_batch,
+                   convention=_text(raw, "convention"), partition=partition,
+                   serves=_text(raw, "serves"))
+
+
+def _require(ok: bool, problem: str) -> None:
+    if not ok:
+        raise InvalidReport(problem)
+
+
+def _shown(value: Any) -> str:
+    """``value`` for a log line, cut short: an expert chooses it."""
+    return reprlib.repr(value)
+
+
+def _ints(raw: Mapping[str, Any], field: str, least: int, most: int) -> tuple[int, ...]:
+    values = raw.get(field)
+    _require(isinstance(values, list) and least <= len(values) <= most
+             and all(type(v) is int for v in values),
+             f"{field} must be a list of {least}..{most} integers, got {_shown(values)}")
+    return tuple(values)
+
+
+def _text(raw: Mapping[str, Any], field: str) -> str | None:
+    value = raw.get(field)
+    _require(value is None or (isinstance(value, str) and len(value) <= MAX_EXPERT_TEXT),
+             f"{field} must be a string of at most {MAX_EXPERT_TEXT} characters or null, got "
+             f"{_shown(value)}")
+    return value
 
 
 class ReplicaState(enum.Enum):
@@ -92,6 +160,7 @@ class Replica:
     probing: bool = False
     last_error: str | None = None
     info: ExpertInfo | None = None  # from /v1/info, fetched each time it becomes ready
+    invalid: str | None = None  # why its last answer to a probe was refused (InvalidReport)
 
     @property
     def url(self) -> str:
@@ -134,6 +203,7 @@ class ReplicaSet:
     def mark_ready(self, replica: Replica, now: float) -> None:
         """It answered: the next health probe is due ``health_interval_s`` from now."""
         replica.state, replica.failures, replica.last_error = ReplicaState.READY, 0, None
+        replica.invalid = None
         replica.next_probe = now + self._health_interval_s
         self._sync()
 
@@ -146,8 +216,20 @@ class ReplicaSet:
             replica.next_probe = now + self.backoff(replica.failures)
         self._sync()
 
+    def report_invalid(self, replica: Replica, reason: str, now: float) -> None:
+        """Its answer to a probe was refused (:class:`InvalidReport`): not ready, and nothing
+        it said before is used."""
+        self.probe_failed(replica, f"invalid report: {reason}", now)
+        replica.info, replica.invalid = None, reason
+
+    def invalid_report(self) -> str | None:
+        """Why, when every replica's last report was refused; None otherwise."""
+        if not self._replicas or any(r.invalid is None for r in self._replicas):
+            return None
+        return "; ".join(f"{r.endpoint}: {r.invalid}" for r in self._replicas)
+
     def probe_failed(self, replica: Replica, reason: str, now: float) -> None:
-        replica.state, replica.last_error = ReplicaState.DOWN, reason
+        replica.state, replica.last_error, replica.invalid = ReplicaState.DOWN, reason, None
         replica.failures += 1
         replica.next_probe = now + self.backoff(replica.failures)
         self._sync()

@@ -23,9 +23,11 @@ body that is not UTF-8 a 400; more generations than ``limits.max_concurrent`` at
 than ``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.clients`),
 a 429 with ``Retry-After`` naming the limit; with ``auth`` configured, a ``/v1/*`` request
 without the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas
-answers within the call deadline gives a 503 naming it, and an expert refusing what the router
+answers within the call deadline, or whose every replica sent a report the router refuses
+(:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an expert refusing what the router
 sent a 502. None of them touches the process's health: ``/healthz`` fails only when the
-router network cannot load.
+router network cannot load. ``/readyz`` and the bodies of 502 and 503 are the router's own
+words naming the expert by its ``router.yaml`` name; what the expert said goes to the log.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
@@ -295,7 +297,8 @@ async def _events(router: RouterState, mixture: RemoteMixture, request: Sampling
                             "round_trips": int(result.round_trips[0]), **echo(request),
                             "seconds": round(time.perf_counter() - started, 6)})
     except ExpertError as error:
-        yield _sse("failure", {"status": error.status, "detail": str(error),
+        logger.warning("generation failed: %s", error)
+        yield _sse("failure", {"status": error.status, "detail": error.public,
                                "expert": error.expert})
     finally:
         router.release_slot(client)
@@ -371,7 +374,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ExpertError)
     async def expert_failed(_: Request, error: ExpertError) -> JSONResponse:
-        return JSONResponse({"detail": str(error), "expert": error.expert}, error.status)
+        logger.warning("generation failed: %s", error)  # what the expert said: the log only
+        return JSONResponse({"detail": error.public, "expert": error.expert}, error.status)
 
     @app.exception_handler(Busy)
     async def busy(_: Request, error: Busy) -> JSONResponse:

@@ -11,6 +11,10 @@ partition: expert ``k`` of the partition must be the network's output ``k``) and
 ``router.yaml`` (the expert listed at position ``k``, the classes listed). While anything
 disagrees the router is not ready and generates nothing, naming the expert and the mismatch: a
 k-means router whose experts are listed in another order must not route to the wrong experts.
+
+``/readyz`` and 503 bodies are answered to anyone, so they say what is wrong in the router's
+own words, naming the expert by its ``router.yaml`` name (:class:`ExpertProblem`); what the
+expert said (its convention, partition, refused report) goes to the log, once per change.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from ddm.serving.auth import TokenFile
 from ddm.serving.router.clients import ClientBusy, ClientSlots, client_key
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.remote import RemoteMixture, RouterNetwork
-from ddm.serving.router.replicas import ExpertInfo
+from ddm.serving.router.replicas import ExpertInfo, ExpertProblem
 from ddm.deploy.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
@@ -102,6 +106,7 @@ class RouterState:
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
         self._clients = ClientSlots(config.limits.max_concurrent_per_client)
+        self._logged: frozenset[ExpertProblem] = frozenset()  # the mismatches last logged
 
     async def load(self) -> None:
         """Load the router network off the event loop; a failure is reported by the probes."""
@@ -132,28 +137,40 @@ class RouterState:
     def problems(self) -> tuple[list[str], list[str]]:
         """(experts without a ready replica, every reason not to be ready).
 
-        Some experts without a ready replica do not make the router unready: it still serves
-        the labels the others own and answers a 503 naming the missing expert for the rest,
-        which an unready router (out of its Service) could not tell a client. With no expert
-        ready it can serve nothing, and that is a problem."""
+        Some experts without a ready replica (down, or their report refused) do not make the
+        router unready: it still serves the labels the others own and answers a 503 naming the
+        missing expert for the rest, which an unready router (out of its Service) could not
+        tell a client. With no expert ready it can serve nothing, and that is a problem."""
         missing = [name for name in self.names if self.pool.ready_count(name) == 0]
-        problems = ([f"no expert has a ready replica ({', '.join(missing)})"]
+        problems = ([f"no expert has a ready replica ({', '.join(missing)})",
+                     *(p.public for p in self.refused())]
                     if len(missing) == len(self.names) else [])
         if self.failure is not None:
             problems.append(f"router network failed to load: {self.failure}")
         elif not self.loaded:
             problems.append("router network is loading")
-        problems += self.mismatches()
+        problems += [p.public for p in self.mismatches()]
         shape, disagreement = self.image_shape()
         problems += disagreement
         if shape is None and not disagreement:
             problems.append("no expert has reported its image shape yet")
         return missing, problems
 
-    def mismatches(self) -> list[str]:
-        """How the experts that answered disagree with the router network and router.yaml."""
-        return expert_mismatches(self.config, {n: self.pool.info(n) for n in self.names},
-                                 self.network_meta)
+    def mismatches(self) -> list[ExpertProblem]:
+        """How the experts that answered disagree with the router network and router.yaml;
+        logs their details when they change."""
+        found = expert_mismatches(self.config, {n: self.pool.info(n) for n in self.names},
+                                  self.network_meta)
+        for problem in set(found) - self._logged:
+            logger.warning("expert %s: %s", problem.expert, problem.detail)
+        self._logged = frozenset(found)
+        return found
+
+    def refused(self) -> list[ExpertProblem]:
+        """Experts every replica of which sent a report the router refused (the pool logs
+        what each sent)."""
+        return [ExpertProblem(name, "sent the router a report it refuses", detail)
+                for name in self.names if (detail := self.pool.invalid_report(name))]
 
     def mixture(self) -> RemoteMixture:
         if not self.loaded:
@@ -161,11 +178,12 @@ class RouterState:
                             else "router network is still loading; retry when /readyz is 200")
         mismatches = self.mismatches()
         if mismatches:
-            raise NotReady("; ".join(mismatches))
+            raise NotReady("; ".join(p.public for p in mismatches))
         shape, disagreement = self.image_shape()
         if shape is None:
-            raise NotReady("; ".join(disagreement) or "no expert replica has answered yet; "
-                            "retry when /readyz is 200")
+            refused = "; ".join(p.public for p in self.refused())
+            raise NotReady("; ".join(disagreement) or refused or "no expert replica has "
+                           "answered yet; retry when /readyz is 200")
         return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
                              self.network, shape, self.config.num_classes)
 
@@ -203,44 +221,58 @@ class RouterState:
 
 
 def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
-                      network: CheckpointMeta | None) -> list[str]:
+                      network: CheckpointMeta | None) -> list[ExpertProblem]:
     """Every disagreement between what the experts say of themselves (``infos`` by name; None:
     not heard from yet), the router network's checkpoint (None: oracle only) and ``config``,
-    one line each naming the expert."""
+    one each naming the expert: ``summary`` in the router's words, ``detail`` quoting both."""
     found = []
     for position, entry in enumerate(config.experts):
         info = infos.get(entry.name)
         if info is None:
             continue
         name = entry.name
+
+        def mismatch(summary: str, detail: str) -> None:
+            found.append(ExpertProblem(name, summary, detail))
+
         if info.convention is not None and info.convention != CONVENTION_NAME:
-            found.append(f"expert {name} follows the convention {info.convention!r}, the "
-                         f"router {CONVENTION_NAME!r}")
+            mismatch(f"follows another convention than the router's {CONVENTION_NAME!r}",
+                     f"follows the convention {info.convention!r}, the router "
+                     f"{CONVENTION_NAME!r}")
         if info.serves is not None and info.serves != "velocity":
-            found.append(f"expert {name} answers {info.serves!r}, not our velocity: its server "
-                         "does not convert its objective")
+            mismatch("does not answer velocity: its server does not convert its objective",
+                     f"answers {info.serves!r}, not our velocity: its server does not convert "
+                     "its objective")
         if not set(entry.classes) <= set(info.classes):
-            found.append(f"expert {name} serves classes {list(info.classes)}, but the router "
-                         f"config lists {list(entry.classes)}")
+            mismatch(f"does not serve every class the router config lists "
+                     f"{list(entry.classes)}",
+                     f"serves classes {list(info.classes)}, but the router config lists "
+                     f"{list(entry.classes)}")
         trained_on = (network.partition or {}).get("scheme") if network is not None else None
         if trained_on is None:  # oracle only, or a network that records no partition
             continue
         partition = info.partition or {}
         found_sha = _sha256(partition.get("scheme"))
         if found_sha is None or "index" not in partition:
-            found.append(f"expert {name} records no partition, so nothing says it is the router "
-                         f"network's output {position} ({_scheme(trained_on)})")
+            mismatch(f"records no partition, so nothing says it is the router network's output "
+                     f"{position}", f"records no partition, so nothing says it is the router "
+                     f"network's output {position} ({_scheme(trained_on)})")
             continue
         try:
             check_partition_hash(_sha256(trained_on) or "unreadable", found_sha,
-                                 f"expert {name} ({_scheme(partition['scheme'])})")
+                                 f"its partition ({_scheme(partition['scheme'])})")
         except PartitionMismatchError as exc:
-            found.append(f"{exc} (the router network's: {_scheme(trained_on)})")
+            mismatch("was made for another partition than the router network's: experts and "
+                     "router must share one fitted partition",
+                     f"{exc} (the router network's: {_scheme(trained_on)})")
             continue
         if partition["index"] != position:
-            found.append(f"expert {name} is part {partition['index']} of the router network's "
-                         f"partition, but the router config lists it at position {position}: "
-                         "list the experts in partition order")
+            mismatch(f"is not part {position} of the router network's partition, but the "
+                     f"router config lists it at position {position}: list the experts in "
+                     "partition order",
+                     f"is part {partition['index']} of the router network's partition, but "
+                     f"the router config lists it at position {position}: list the experts in "
+                     "partition order")
     return found
 
 

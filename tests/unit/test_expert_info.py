@@ -1,0 +1,79 @@
+"""What the router accepts of an expert's ``/v1/info``: every field it uses, strictly typed and
+within the deployment's limits (``ddm.deploy.limits``); anything else is refused, naming the
+field."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_TEXT, MAX_IMAGE_CHANNELS,
+                               MAX_IMAGE_SIDE)
+from ddm.serving.router.replicas import ExpertInfo, InvalidReport
+
+VALID = {"image_shape": [1, 16, 16], "classes": [0, 1, 2], "max_batch": 8,
+         "convention": "linear-fm/x0-to-x1/v=x1-x0", "serves": "velocity",
+         "partition": {"scheme": {"method": "labels", "groups": [[0, 1, 2]]}, "index": 0},
+         "name": "anything else is ignored"}
+
+
+def test_a_valid_report_is_read_as_sent():
+    assert ExpertInfo.from_json(VALID) == ExpertInfo(
+        (1, 16, 16), (0, 1, 2), 8, convention=VALID["convention"], serves="velocity",
+        partition=VALID["partition"])
+
+
+def test_the_largest_valid_report_is_accepted():
+    largest = {**VALID, "image_shape": [MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_IMAGE_SIDE],
+               "max_batch": MAX_BATCH, "classes": list(range(MAX_CLASS + 1)),
+               "convention": "c" * MAX_EXPERT_TEXT, "partition": None, "serves": None}
+    assert ExpertInfo.from_json(largest).max_batch == MAX_BATCH
+
+
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"max_batch": 0}, f"max_batch must be an integer in 1..{MAX_BATCH}, got 0"),
+    ({"max_batch": -1}, "max_batch must be an integer in 1..4096, got -1"),
+    ({"max_batch": MAX_BATCH + 1}, "max_batch must be an integer in 1..4096, got 4097"),
+    ({"max_batch": 8.0}, "max_batch must be an integer in 1..4096, got 8.0"),
+    ({"max_batch": True}, "max_batch must be an integer in 1..4096, got True"),
+    ({"max_batch": "8"}, "max_batch must be an integer in 1..4096, got '8'"),
+    ({"max_batch": None}, "got None"),
+    ({"image_shape": [1, 100_000, 100_000]}, "image_shape must be (C, H, W) with C in 1..16"),
+    ({"image_shape": [0, 16, 16]}, "image_shape must be (C, H, W)"),
+    ({"image_shape": [17, 16, 16]}, "image_shape must be (C, H, W)"),
+    ({"image_shape": [16, 16]}, "image_shape must be a list of 3..3 integers"),
+    ({"image_shape": [1, 16, 16.5]}, "image_shape must be a list of 3..3 integers"),
+    ({"image_shape": "1x16x16"}, "image_shape must be a list"),
+    ({"classes": [0, 0]}, f"classes must be distinct integers in 0..{MAX_CLASS}"),
+    ({"classes": [-1]}, "classes must be distinct integers"),
+    ({"classes": [MAX_CLASS + 1]}, "classes must be distinct integers"),
+    ({"classes": list(range(MAX_CLASS + 2))}, "classes must be a list of 0..1000 integers"),
+    ({"classes": {"0": 1}}, "classes must be a list"),
+    ({"convention": "c" * (MAX_EXPERT_TEXT + 1)},
+     f"convention must be a string of at most {MAX_EXPERT_TEXT} characters or null"),
+    ({"serves": ["velocity"]}, "serves must be a string"),
+    ({"partition": "labels"}, "partition must be an object or null, got 'labels'"),
+    ({"partition": {"index": "0"}}, "partition.index must be an integer in 0..15, got '0'"),
+    ({"partition": {"index": 16}}, "partition.index must be an integer in 0..15, got 16"),
+])
+def test_a_report_out_of_bounds_or_of_the_wrong_type_is_refused_naming_the_field(changes, named):
+    with pytest.raises(InvalidReport) as refused:
+        ExpertInfo.from_json({**VALID, **changes})
+    assert named in str(refused.value)
+
+
+@pytest.mark.parametrize("field", ["image_shape", "classes", "max_batch"])
+def test_a_report_without_a_required_field_is_refused(field):
+    with pytest.raises(InvalidReport, match=f"^{field} must be"):
+        ExpertInfo.from_json({k: v for k, v in VALID.items() if k != field})
+
+
+def test_a_report_that_is_not_an_object_is_refused():
+    with pytest.raises(InvalidReport, match="not a JSON object"):
+        ExpertInfo.from_json([VALID])
+
+
+def test_what_an_expert_sent_is_quoted_cut_short():
+    """A refusal goes to the log: a megabyte string must not become a megabyte log line."""
+    with pytest.raises(InvalidReport) as refused:
+        ExpertInfo.from_json({**VALID, "convention": "x" * 1_000_000})
+    assert len(str(refused.value)) < 200
