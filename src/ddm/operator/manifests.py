@@ -7,7 +7,8 @@ namespaces or ports), with emptyDirs for the few places a server writes: /tmp, a
 directory and, on Neuron, the compile cache. Volumes are emptyDir, configMap, secret and
 persistentVolumeClaim, with one exception: a file:// checkpoint is a hostPath, which the
 restricted profile forbids; the operator builds one only when its operator-wide setting
-``DDM_ALLOW_HOST_PATHS`` is on (single-node and development clusters).
+``DDM_ALLOW_HOST_PATHS`` lists a node directory above it (single-node and development
+clusters; ``policy``).
 A container that fails says why in its termination message (the server writes it; when it
 could not, Kubernetes takes the end of its log), which the status reports.
 ``meta`` needs ``name`` and ``namespace`` (kopf's ``meta`` or a plain dict).
