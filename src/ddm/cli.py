@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -549,6 +550,16 @@ def _add_operator(commands: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path)
     p.set_defaults(handler=_diagram)
 
+    p = commands.add_parser(
+        "render", help="print, as YAML, every object the operator would create for a "
+                       "DDMDeployment (its pods, Secrets, Services and NetworkPolicies)",
+        description="Under the operator's settings from the same DDM_* variables, with router "
+                    "authentication and NetworkPolicies on unless set (the chart's defaults).")
+    p.add_argument("file", type=Path, help="a DDMDeployment manifest (YAML)")
+    p.add_argument("--namespace", default=None,
+                   help="the namespace it would live in (default: its own, else default)")
+    p.set_defaults(handler=_render)
+
 
 def _operator(args: argparse.Namespace) -> int:
     from ddm.operator.runner import run_operator
@@ -562,6 +573,13 @@ def _diagram(args: argparse.Namespace) -> int:
     from ddm.operator.diagram import diagram_file
 
     print(diagram_file(args.file), end="")
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from ddm.operator.render import render_file
+
+    print(render_file(args.file, os.environ, args.namespace), end="")
     return 0
 
 

@@ -247,7 +247,9 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
             config = load_router_config(config_path)
             config = dataclasses.replace(
                 config, limits=dataclasses.replace(config.limits, **overrides),
-                auth=Auth(str(auth_token_file)) if auth_token_file else config.auth,
+                auth=(config.auth if not auth_token_file else
+                      dataclasses.replace(config.auth, token_file=str(auth_token_file))
+                      if config.auth else Auth(str(auth_token_file))),
                 trusted_proxies=(config.trusted_proxies if trusted_proxies is None
                                  else tuple(trusted_proxies)))
             return create_router_app(config, deadline_s, on_failure=control.stop,
