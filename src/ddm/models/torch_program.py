@@ -84,6 +84,9 @@ ALLOWED_OPS = frozenset({f"torch.ops.aten.{op}" for op in (
     "upsample_nearest2d.default", "upsample_nearest2d.vec", "var.correction", "view.default",
     "where.self", "zeros.default", "zeros_like.default")} | {
     f"_operator.{op}" for op in ("add", "floordiv", "getitem", "mod", "mul", "neg", "sub")})
+#: Allowed operators that draw random numbers unless their dropout argument (named here) is 0,
+#: as it is in every network exported in eval mode.
+ZERO_DROPOUT = {"torch.ops.aten.scaled_dot_product_attention.default": "dropout_p"}
 #: The argument kinds a node may take (torch's ``Argument`` union): values, tensors and
 #: symbolic sizes; never a custom object, an operator or a subgraph.
 ALLOWED_ARGUMENTS = frozenset({
@@ -298,6 +301,7 @@ def check_graph(program: schema.ExportedProgram, where: str) -> None:
                                      "an operator exported experts may call (side-effect-free"
                                      " aten operators: ddm.models.torch_program.ALLOWED_OPS)")
             _identifier(value.name, where)
+            _check_dropout(value, where)
         elif isinstance(value, schema.Argument) and value.type not in ALLOWED_ARGUMENTS:
             raise ProgramRefused(f"{where}: the graph passes an argument of kind "
                                  f"{value.type!r}; exported experts pass tensors and values")
@@ -312,6 +316,15 @@ def check_graph(program: schema.ExportedProgram, where: str) -> None:
     for name in (*graph.tensor_values, *graph.sym_int_values, *graph.sym_bool_values,
                  *graph.sym_float_values):
         _identifier(name, where)
+
+
+def _check_dropout(node: schema.Node, where: str) -> None:
+    name = ZERO_DROPOUT.get(node.target)
+    for argument in node.inputs if name else ():
+        if argument.name == name and argument.arg.value != 0:
+            raise ProgramRefused(f"{where}: node {node.name!r} calls {node.target!r} with "
+                                 f"{name} {argument.arg.value!r}; an expert must be "
+                                 "deterministic (export it in eval mode)")
 
 
 def _check_signature(module: schema.GraphModule, where: str) -> None:
@@ -453,7 +466,8 @@ def _view(storage: torch.Tensor, meta: schema.TensorMeta, dtype: torch.dtype,
     elements = storage.numel() // dtype.itemsize
     last = meta.storage_offset.value + sum((s - 1) * st for s, st in zip(sizes, strides))
     if 0 not in sizes and last >= elements:
-        raise ProgramRefused(f"{what} reaches element {last}, past its entry's {elements}")
+        raise ProgramRefused(f"{what} reaches element {last}, past the {elements} of its "
+                             "entry")
     flat = storage.view(dtype) if elements else torch.empty(0, dtype=dtype)
     return torch.as_strided(flat, sizes, strides, meta.storage_offset.value)
 
