@@ -153,6 +153,15 @@ def _mutated_buffer(graph: dict) -> None:
     outputs.append({"buffer_mutation": {"arg": {"name": "x"}, "buffer_name": "b"}})
 
 
+def _broadcast_weight(entries: dict[str, bytes]) -> None:
+    """A one-element weight viewed as 10^12 elements (stride 0): memory for whatever uses it."""
+    config = json.loads(entries["data/weights/model_weights_config.json"])
+    meta = next(m for m in config["config"].values() if m["path_name"] == "weight_0")
+    meta["tensor_meta"]["sizes"] = [{"as_int": 10 ** 6}, {"as_int": 10 ** 6}]
+    meta["tensor_meta"]["strides"] = [{"as_int": 0}, {"as_int": 0}]
+    entries["data/weights/model_weights_config.json"] = json.dumps(config).encode()
+
+
 @pytest.mark.parametrize("edit, refusal", [
     (_pickled_weight, r"entry 'data/weights/weight_\d' \(weight '[a-z.]+'\) is a pickle "
                       r"\(use_pickle\)"),
@@ -167,6 +176,8 @@ def _mutated_buffer(graph: dict) -> None:
     (lambda entries: entries.update({"data/weights/weight_0": b""}),
      r"entry 'data/weights/weight_0' \(weight '[a-z.]+'\) reaches element 0, past the 0 of "
      r"its entry"),
+    (_broadcast_weight, r"\(weight '[a-z.]+'\) has 1000000000000 elements, more than the 1 "
+                        r"of its entry"),
     (lambda entries: entries.update({"archive_version": b"1"}),
      "entry 'archive_version' is b'1', not '0'"),
 ])

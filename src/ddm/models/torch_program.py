@@ -35,6 +35,7 @@ import functools
 import io
 import json
 import keyword
+import math
 import re
 import sys
 import types
@@ -141,9 +142,12 @@ def load_program(path: Path) -> torch.nn.Module:
     read by this module's strict reader (module doc); anything else is a
     :class:`ProgramRefused` naming the refused entry, operator or value."""
     entries = read_entries(path.read_bytes(), path.name)
-    program = _parse(schema.ExportedProgram, _json(entries, "graph", path.name),
-                     f"{path.name}: graph")
-    check_graph(program, path.name)
+    try:
+        program = _parse(schema.ExportedProgram, _json(entries, "graph", path.name),
+                         f"{path.name}: graph")
+        check_graph(program, path.name)
+    except RecursionError:
+        raise ProgramRefused(f"{path.name}: its graph is nested too deeply") from None
     state_dict = _tensors(entries, "weight", path.name)
     constants = _tensors(entries, "constant", path.name)
     _check_lifted(program, state_dict, constants, path.name)
@@ -173,6 +177,12 @@ def read_entries(data: bytes, where: str) -> dict[str, bytes]:
         raise ProgramRefused(f"{where} is not a torch.export archive: its entries are not in "
                              f"one folder ({', '.join(sorted(roots)[:5]) or 'none'})")
     root = roots.pop() + "/"
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise ProgramRefused(f"{where}: entry {info.filename[len(root):]!r} is compressed; "
+                                 "torch.export.save stores every entry as it is")
+    if sum(info.file_size for info in infos) > len(data):  # entries overlap: a zip bomb
+        raise ProgramRefused(f"{where}: its entries hold more bytes than the archive")
     entries: dict[str, bytes] = {}
     for info in infos:
         name = info.filename[len(root):]
@@ -184,10 +194,10 @@ def read_entries(data: bytes, where: str) -> dict[str, bytes]:
                 "may hold no pickles, custom objects, extra files or compiled code")
         if name in entries:
             raise ProgramRefused(f"{where}: entry {name!r} appears twice")
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise ProgramRefused(f"{where}: entry {name!r} is compressed; torch.export.save "
-                                 "stores every entry as it is")
-        entries[name] = archive.read(info)
+        try:
+            entries[name] = archive.read(info)
+        except (zipfile.BadZipFile, ValueError, OSError) as error:
+            raise ProgramRefused(f"{where}: entry {name!r} is unreadable ({error})") from None
     for name, value in ((layout.ARCHIVE_FORMAT_PATH, layout.ARCHIVE_FORMAT_VALUE),
                         (layout.ARCHIVE_VERSION_PATH, layout.ARCHIVE_VERSION_VALUE),
                         ("byteorder", sys.byteorder)):
@@ -468,6 +478,9 @@ def _view(storage: torch.Tensor, meta: schema.TensorMeta, dtype: torch.dtype,
     if 0 not in sizes and last >= elements:
         raise ProgramRefused(f"{what} reaches element {last}, past the {elements} of its "
                              "entry")
+    if 0 not in sizes and math.prod(sizes) > elements:  # a broadcast view, unbounded in size
+        raise ProgramRefused(f"{what} has {math.prod(sizes)} elements, more than the "
+                             f"{elements} of its entry")
     flat = storage.view(dtype) if elements else torch.empty(0, dtype=dtype)
     return torch.as_strided(flat, sizes, strides, meta.storage_offset.value)
 
