@@ -8,12 +8,14 @@ and nothing is ever written. The untampered program still loads and serves the s
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -146,14 +148,17 @@ def test_ddm_serve_expert_never_becomes_ready_on_a_pickled_weight(exported, tmp_
          "--port", str(port), "--backend", "torch", "--log-level", "error"],
         env={**os.environ, "OMP_NUM_THREADS": "1", "DDM_TERMINATION_LOG": str(log)})
     readiness = []
+    deadline = time.monotonic() + SERVER_DEADLINE_S
     try:
-        while server.poll() is None:  # poll readiness for as long as it lives
+        while (status := server.poll()) is None:  # ask for readiness for as long as it lives
+            assert time.monotonic() < deadline, "the server neither exited nor became ready"
             try:
                 readiness.append(httpx.get(f"http://127.0.0.1:{port}/readyz",
                                            timeout=1).status_code)
             except httpx.TransportError:
                 readiness.append(None)
-        status = server.wait(timeout=SERVER_DEADLINE_S)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(timeout=0.05)  # its exit ends the wait at once
     finally:
         server.kill()
         server.wait()
