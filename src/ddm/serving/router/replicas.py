@@ -50,6 +50,39 @@ def source_for(discovery: Discovery) -> EndpointSource:
     return static_endpoints(discovery.endpoints)
 
 
+#: The most characters of a descriptive string an expert's ``/v1/info`` may set (a peer's).
+ABOUT_CHARS = 120
+
+
+@dataclass(frozen=True)
+class ExpertAbout:
+    """What an expert says runs it and what it learned from, for people (the router's
+    ``/v1/info`` and web page), never for routing: each a short string or None where not said
+    (``hardware``: the processor's model name; ``data``: the training set's name)."""
+
+    framework: str | None = None
+    runtime: str | None = None
+    device: str | None = None
+    hardware: str | None = None
+    data: str | None = None
+    images: int | None = None
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ExpertAbout:
+        data = raw.get("data") if isinstance(raw.get("data"), Mapping) else {}
+        images = data.get("images")
+        return cls(*(short_text(raw.get(key)) for key in ("framework", "runtime", "device",
+                                                      "hardware")),
+                   data=short_text(data.get("name")),
+                   images=images if isinstance(images, int) and not isinstance(images, bool)
+                   and images >= 0 else None)
+
+
+def short_text(value: Any) -> str | None:
+    """``value`` cut to :data:`ABOUT_CHARS` if a peer sent a string, else None."""
+    return value[:ABOUT_CHARS] if isinstance(value, str) else None
+
+
 @dataclass(frozen=True)
 class ExpertInfo:
     """What an expert replica says of itself in ``/v1/info`` (``convention`` and ``partition``
@@ -63,6 +96,7 @@ class ExpertInfo:
     #: What its ``/v1/velocity`` answers: ``velocity`` once the server has converted the
     #: network's own prediction (``ddm.objectives``); None from servers that predate the field.
     serves: str | None = None
+    about: ExpertAbout = ExpertAbout()
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ExpertInfo:
@@ -73,7 +107,8 @@ class ExpertInfo:
         return cls(shape, tuple(int(c) for c in raw["classes"]), int(raw["max_batch"]),
                    convention=raw.get("convention"),
                    partition=partition if isinstance(partition, Mapping) else None,
-                   serves=raw.get("serves") if isinstance(raw.get("serves"), str) else None)
+                   serves=raw.get("serves") if isinstance(raw.get("serves"), str) else None,
+                   about=ExpertAbout.from_json(raw))
 
 
 class ReplicaState(enum.Enum):
