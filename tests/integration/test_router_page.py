@@ -55,13 +55,14 @@ new MutationObserver(() => window.__captions.push(document.getElementById("capti
 @contextmanager
 def _ddm(manifest: str, auth: Auth | None = None) -> Iterator[str]:
     """A router and an in-process server per expert for ``examples/<manifest>``, planned as
-    ``ddm up`` plans them (the experts on torch); yields the router's base URL."""
+    ``ddm up`` plans them, but every expert on torch (JAX compiles for a minute on a busy
+    machine, and the page does not care); yields the router's base URL."""
     plan = plan_deployment(load_manifest(REPOSITORY_ROOT / "examples" / manifest).spec)
     with ExitStack() as stack:
         discovery = {}
         for expert in plan.experts:
             base = stack.enter_context(running(create_expert_app(
-                resolve_checkpoint(expert.checkpoint), "torch", max_batch=16)))
+                resolve_checkpoint(expert.checkpoint), "torch", max_batch=8)))
             wait_ready(base)
             discovery[expert.name] = StaticDiscovery((base.removeprefix("http://"),))
         config: RouterConfigFile = plan.router_config(
@@ -167,7 +168,9 @@ def test_a_k_means_ddm_offers_no_oracle_and_its_experts_are_clusters(browser, mn
     for k, card in enumerate(cards):
         text = card.text
         assert f"k-means cluster {k} of 4 (HOG features): every label" in text
-        assert "1/1 replicas ready" in text and f"trained with\n{['torch', 'jax'][k % 2]}" in text
+        framework = ['torch', 'jax'][k % 2]  # alternating, as examples/mnist.yaml says
+        assert "1/1 replicas ready" in text and f"trained with\n{framework}" in text
+        assert "runs on\ntorch " in text
     _screenshot(browser, "idle")
     browser.find_element(By.ID, "go").click()  # the page's defaults: four labels, 40 steps
     _wait(browser, lambda b: len(b.find_elements(By.CSS_SELECTOR, "#filmstrip img")) >= 20)
