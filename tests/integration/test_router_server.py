@@ -179,6 +179,7 @@ def test_the_page_and_the_api_description_are_served(routers):
     info = httpx.get(f"{routers['split']}/v1/info").json()
     assert [e["name"] for e in info["experts"]] == ["e0", "e1"]
     assert info["image_shape"] == list(SHAPE) and info["num_classes"] == 10
+    assert info["conditioning"] == "labels"
     assert all(e["ready_replicas"] == 1 for e in info["experts"])
     assert httpx.get(f"{routers['split']}/docs").status_code == 404  # off by default
 

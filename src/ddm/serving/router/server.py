@@ -181,6 +181,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                                      for r in router.pool.replicas(e.name)},
                                     router.pool.ready_count(e.name))
                         for e in config.experts],
+            # what a request conditions on, so the page builds its inputs (a label per image)
+            "conditioning": "labels",
             "num_classes": config.num_classes, "image_shape": list(shape) if shape else None,
             "router_network": config.router_checkpoint is not None,
             "defaults": dataclasses.asdict(config.sampling),
