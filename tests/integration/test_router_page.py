@@ -176,6 +176,8 @@ def test_a_k_means_ddm_offers_no_oracle_and_its_experts_are_clusters(browser, mn
     _wait(browser, lambda b: len(b.find_elements(By.CSS_SELECTOR, "#filmstrip img")) >= 20)
     _screenshot(browser, "generating")
     _wait(browser, lambda b: b.find_element(By.ID, "status").text == "4 images done")
+    browser.find_elements(By.CSS_SELECTOR, "#gallery .tile")[2].click()
+    assert browser.find_element(By.ID, "caption").text.startswith("label 2, seed 0 · step 40/40")
     _screenshot(browser, "done")
     _assert_no_errors(browser)
 
