@@ -133,7 +133,10 @@ class StepEvent:
 
     ``x`` (N, C, H, W) is the state at ``t = grid[step]``; ``selections`` holds one (N, K) bool
     mask per velocity evaluation of the chunk; ``round_trips`` (N,) counts the expert calls each
-    sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate.
+    sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate;
+    ``probs`` (N, K) float32 is the routing distribution that decided each sample's first
+    evaluation of the chunk, at the state of the previous event: the router network's
+    ``p(k | x_t, t, y)``, the oracle's one-hot, or the random baseline's uniform draw.
     """
 
     step: int
@@ -142,6 +145,7 @@ class StepEvent:
     selections: tuple[np.ndarray, ...]
     round_trips: np.ndarray
     delegated: np.ndarray
+    probs: np.ndarray
 
     def experts_used(self) -> np.ndarray:
         """(N, K) bool: which experts each sample used during the chunk."""
@@ -216,9 +220,10 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndar
     n, k = len(y), len(mixture.expert_names)
     evaluations = (len(grid) - 1) * EVALUATIONS_PER_STEP[request.solver]
     delegated = np.zeros(n, bool)
+    probs = np.zeros((n, k), np.float32)
     groups: list[tuple[int, np.ndarray]] = []
     if request.delegate_steps > 1:
-        weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y,
+        probs, weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y,
                                       keys)
         delegated = (weights > 0).sum(axis=1) == 1
         groups = [(e, rows) for e in range(k)
@@ -241,12 +246,13 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndar
             masks[:, rows, expert] = True
             round_trips[rows] += 1
     if stepped.size:
-        xs, selections = results[-1]
+        xs, selections, first_probs = results[-1]
         x_next[stepped] = xs
+        probs[stepped] = first_probs
         masks[:, stepped, :] = selections
         round_trips[stepped] += selections.sum(axis=(0, 2))
     return StepEvent(step=step, t=float(grid[-1]), x=x_next, selections=tuple(masks),
-                     round_trips=round_trips, delegated=delegated)
+                     round_trips=round_trips, delegated=delegated, probs=probs)
 
 
 def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray,
@@ -258,10 +264,12 @@ def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray
 
 def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarray,
                   y: np.ndarray, keys: np.ndarray, grid: np.ndarray
-                  ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
-    """The solver over ``grid`` with the mixture velocity; (x at the end, (E, B, K) masks)."""
+                  ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The solver over ``grid`` with the mixture velocity; (x at the end, (E, B, K) masks,
+    the (B, K) routing probabilities of the first evaluation)."""
     step_with = stepper(solver)
     selections: list[np.ndarray] = []
+    first_probs: np.ndarray | None = None
     for i in range(len(grid) - 1):
         step = step_with(x, float(grid[i]), float(grid[i + 1]))
         v = None
@@ -271,39 +279,46 @@ def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarr
             except StopIteration as done:
                 x = done.value
                 break
-            v, chosen = yield from _mixture_velocity(mixture, strategy, point.x,
-                                                     _times(len(y), point.t), y, keys)
+            v, chosen, probs = yield from _mixture_velocity(mixture, strategy, point.x,
+                                                            _times(len(y), point.t), y, keys)
             selections.append(chosen)
-    return x, np.stack(selections)
+            first_probs = probs if first_probs is None else first_probs
+    assert first_probs is not None, "a chunk has at least one step"
+    return x, np.stack(selections), first_probs
 
 
 def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
                       y: np.ndarray, keys: np.ndarray
-                      ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
-    """``sum_k w_k v_k`` per sample, each expert asked only for its rows; and the (B, K)
-    selection."""
-    weights = yield from _weights(mixture, strategy, x, t, y, keys)
+                      ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """``sum_k w_k v_k`` per sample, each expert asked only for its rows; the (B, K)
+    selection and the (B, K) probabilities it was made from."""
+    probs, weights = yield from _weights(mixture, strategy, x, t, y, keys)
     chosen = [(k, rows) for k in range(len(mixture.expert_names))
               if (rows := np.flatnonzero(weights[:, k] > 0)).size]
     outs = yield Calls(tuple(Velocity(k, x[rows], t[rows], y[rows]) for k, rows in chosen))
     v = np.zeros_like(x, dtype=np.float32)
     for (k, rows), vk in zip(chosen, outs):
         v[rows] += weights[rows, k][:, None, None, None] * vk
-    return v, weights > 0
+    return v, weights > 0, probs
 
 
 def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-             y: np.ndarray, keys: np.ndarray) -> Generator[Query, Any, np.ndarray]:
-    """Per-sample mixture weights (B, K) among the experts that serve each sample's label;
-    ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
+             y: np.ndarray, keys: np.ndarray
+             ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
+    """Per-sample routing probabilities and mixture weights, both (B, K), among the experts
+    that serve each sample's label; ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
     if strategy.kind == "oracle":
-        return routing_weights(oracle_probs(y, mixture.expert_classes), strategy)
+        probs = oracle_probs(y, mixture.expert_classes)
+        return probs, routing_weights(probs, strategy)
+    servable = mixture.servable[y]
     if strategy.kind == "random":
-        return random_weights(keys, t, mixture.servable[y])
+        uniform = servable / servable.sum(axis=1, keepdims=True)
+        return uniform.astype(np.float32), random_weights(keys, t, servable)
     if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
-        return np.ones((len(y), 1), np.float32)
+        ones = np.ones((len(y), 1), np.float32)
+        return ones, ones
     probs = yield Route(x, t, y)
-    return mixture_weights(probs, mixture.servable[y], strategy)
+    return np.asarray(probs, np.float32), mixture_weights(probs, servable, strategy)
 
 
 # ------------------------------------------------------------------------------- results
