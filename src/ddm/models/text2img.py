@@ -54,7 +54,7 @@ SIZES: dict[str, Text2ImgSizes] = {
                            router_width=16, router_depth=1, router_heads=2, router_patch=2),
     "small": Text2ImgSizes(text_width=128, text_layers=3, vision_width=128, vision_layers=3,
                            projection_dim=64, vae_channels=(16, 32, 64), expert_heads=4,
-                           expert_head_dim=32, expert_layers=6, expert_patch=2,
+                           expert_head_dim=32, expert_layers=4, expert_patch=2,
                            router_width=128, router_depth=3, router_heads=4, router_patch=2),
 }
 
@@ -109,9 +109,14 @@ def expert_kwargs(size: Text2ImgSizes, text_width: int) -> dict[str, Any]:
                 use_additional_conditions=False, interpolation_scale=1)
 
 
+def router_convention() -> dict[str, Any]:
+    """What the router's time input means: ours, scaled (it sees no prompt)."""
+    return {"convention": CONVENTION_NAME, "timestep": "t * timestep_scale",
+            "timestep_scale": TIME_EMBEDDING_SCALE}
+
+
 def expert_convention() -> dict[str, Any]:
     """What an expert's inputs and output mean, as its config.json declares them."""
-    return {"convention": CONVENTION_NAME, "timestep": "t * scale", "timestep_scale":
-            TIME_EMBEDDING_SCALE, "prediction": "velocity x1 - x0",
+    return {**router_convention(), "prediction": "velocity x1 - x0",
             "conditioning": "text_encoder last_hidden_state of the padded prompt, no mask",
             "unconditional_prompt": ""}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ddm.fileio import atomic_path
+from ddm.models.text2img import DDM_CONFIG_KEY
 
 TOKENIZER, CLIP, TEXT_ENCODER, VAE = "tokenizer", "clip", "text_encoder", "vae"
 ROUTER, MONOLITH = "router", "monolith"
@@ -53,12 +54,18 @@ def write_model_index(root: Path) -> Path:
     return root / MODEL_INDEX
 
 
-def save_component(component: Any, root: Path, name: str) -> Path:
+def save_component(component: Any, root: Path, name: str,
+                   declared: dict[str, Any] | None = None) -> Path:
     """``component.save_pretrained`` into ``root/name`` atomically: written beside it, then
-    renamed, so a killed run never leaves a config without its weights."""
+    renamed, so a killed run never leaves a config without its weights. ``declared`` (our
+    conventions and provenance) goes into its config.json under ``DDM_CONFIG_KEY``."""
     partial = root / f".{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     component.save_pretrained(partial)
+    if declared is not None:
+        config = json.loads((partial / "config.json").read_text())
+        config[DDM_CONFIG_KEY] = declared
+        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     shutil.rmtree(root / name, ignore_errors=True)
     partial.rename(root / name)
     return root / name
