@@ -1,5 +1,6 @@
-"""The text-to-image DDM's first stages, each run by its CLI on tiny IDX files at the smoke size:
-tokenizer, small CLIP (and its text tower as the text encoder), VAE with its scaling factor."""
+"""The text-to-image DDM's stages, each run by its CLI on tiny IDX files at the smoke size:
+tokenizer, small CLIP (and its text tower as the text encoder), VAE with its scaling factor,
+CLIP-feature partition, latents, experts, router and monolith."""
 
 from __future__ import annotations
 
@@ -46,8 +47,10 @@ def smoke_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("text2img")
     write_bars_mnist(base / "mnist", per_class=4)
     root = base / "ddm"
-    for stage in ("tokenizer", "clip", "vae"):
-        assert main(["train", "text2img", stage, "--mnist", str(base / "mnist"), "--root",
+    stages = [["tokenizer"], ["clip"], ["vae"], ["partition"], ["latents"]] + [
+        ["expert", "--index", str(i)] for i in range(4)] + [["router"], ["monolith"]]
+    for stage in stages:
+        assert main(["train", "text2img", *stage, "--mnist", str(base / "mnist"), "--root",
                      str(root), "--size", "smoke", "--steps", "1", "--batch-size", "4",
                      "--quiet"]) == 0
     return base / "mnist", root
@@ -59,6 +62,11 @@ def test_stages_write_diffusers_layout_and_index(smoke_root: tuple[Path, Path]) 
     assert index["tokenizer"] == ["transformers", "PreTrainedTokenizerFast"]
     assert index["text_encoder"] == ["transformers", "CLIPTextModel"]
     assert index["vae"] == ["diffusers", "AutoencoderKL"]
+    assert index["router"] == ["ddm", "LatentRouter"]
+    assert [k for k in index if k.startswith("expert_")] == [f"expert_{i}" for i in range(4)]
+    assert all(index[f"expert_{i}"] == ["diffusers", "PixArtTransformer2DModel"]
+               for i in range(4))
+    assert "monolith" not in index and "clip" not in index  # training aids, not the DDM
     assert (root / "text_encoder" / "model.safetensors").is_file()
     assert (root / "vae" / "diffusion_pytorch_model.safetensors").is_file()
     assert not list(root.glob(".*.partial"))
@@ -91,3 +99,55 @@ def test_vae_maps_32x32_rgb_to_4x8x8_with_its_measured_scale(
         decoded = vae.decode(means).sample
     assert means.shape == (40, 4, 8, 8) and decoded.shape == (40, 3, 32, 32)
     assert vae.config.scaling_factor == pytest.approx(1 / float(np.std(means.numpy())), rel=1e-4)
+
+
+def test_experts_declare_our_convention_and_their_cluster(smoke_root: tuple[Path, Path]) -> None:
+    from diffusers import PixArtTransformer2DModel
+
+    from ddm.convention import CONVENTION_NAME
+    from ddm.training.text2img.partition import read_embedding_partition
+
+    _, root = smoke_root
+    sha = read_embedding_partition(root / "partition.json")["sha256"]
+    for index in range(4):
+        declared = json.loads((root / f"expert_{index}" / "config.json").read_text())["_ddm"]
+        assert declared["convention"] == CONVENTION_NAME and declared["timestep_scale"] == 1000
+        assert declared["cluster"] == index and declared["partition_sha256"] == sha
+    model = PixArtTransformer2DModel.from_pretrained(root / "expert_0")
+    text = json.loads((root / "text_encoder" / "config.json").read_text())
+    with torch.no_grad():
+        out = model(torch.zeros(2, 4, 8, 8), encoder_hidden_states=torch.zeros(
+            2, 32, text["hidden_size"]), timestep=torch.tensor([0.0, 1000.0])).sample
+    assert out.shape == (2, 4, 8, 8)
+    monolith = json.loads((root / "monolith" / "config.json").read_text())["_ddm"]
+    assert monolith["role"] == "monolith" and "cluster" not in monolith
+
+
+def test_router_sees_only_the_latent_and_time(smoke_root: tuple[Path, Path]) -> None:
+    from ddm.models.latent_router import LatentRouter
+
+    _, root = smoke_root
+    router = LatentRouter.from_pretrained(root / "router")
+    with torch.no_grad():
+        logits = router(torch.randn(3, 4, 8, 8), torch.tensor([0.0, 0.5, 1.0]))
+    assert logits.shape == (3, 4)
+    declared = json.loads((root / "router" / "config.json").read_text())["_ddm"]
+    assert set(declared["accuracy_by_time"]) == {"t=0", "t=0.25", "t=0.5", "t=0.75", "t=1"}
+
+
+def test_latents_hold_each_image_its_cluster_and_caption(smoke_root: tuple[Path, Path]) -> None:
+    from diffusers import AutoencoderKL
+
+    from ddm.data.colored_mnist import load_colored_mnist
+    from ddm.training.text2img.flow import LatentSet
+
+    mnist, root = smoke_root
+    data = load_colored_mnist(mnist)
+    latents = LatentSet.load(root / "latents.safetensors")
+    vae = AutoencoderKL.from_pretrained(root / "vae")
+    with torch.no_grad():
+        expected = vae.encode(torch.from_numpy(data.float_images())).latent_dist.mean
+    np.testing.assert_allclose(latents.latents, expected.numpy() * vae.config.scaling_factor,
+                               atol=1e-5)
+    assert latents.clusters.shape == (40,) and set(latents.clusters) <= {0, 1, 2, 3}
+    assert len(latents.text_embeddings) == len(set(data.captions) | {""})

@@ -41,10 +41,11 @@ class LatentSet:
 
         from ddm.fileio import atomic_path
 
-        with atomic_path(path) as tmp:
-            save_file({"latents": self.latents, "clusters": self.clusters,
-                       "caption_index": self.caption_index,
-                       "text_embeddings": self.text_embeddings}, str(tmp), metadata=metadata)
+        arrays = {"latents": self.latents, "clusters": self.clusters,
+                  "caption_index": self.caption_index, "text_embeddings": self.text_embeddings}
+        with atomic_path(path) as tmp:  # safetensors writes the buffer: C order, not strides
+            save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp),
+                      metadata=metadata)
 
     @classmethod
     def load(cls, path: Path) -> "LatentSet":
