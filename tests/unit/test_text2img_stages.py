@@ -151,3 +151,16 @@ def test_latents_hold_each_image_its_cluster_and_caption(smoke_root: tuple[Path,
                                atol=1e-5)
     assert latents.clusters.shape == (40,) and set(latents.clusters) <= {0, 1, 2, 3}
     assert len(latents.text_embeddings) == len(set(data.captions) | {""})
+
+
+def test_a_stage_resumes_only_its_own_run(tmp_path: Path) -> None:
+    write_bars_mnist(tmp_path / "mnist", per_class=2)
+    args = ["train", "text2img", "vae", "--mnist", str(tmp_path / "mnist"), "--root",
+            str(tmp_path / "ddm"), "--size", "smoke", "--batch-size", "4", "--save-every", "1",
+            "--quiet"]
+    assert main([*args, "--steps", "2"]) == 0
+    saved = json.loads((tmp_path / "ddm" / "vae.training" / "identity.json").read_text())
+    assert saved["step"] == 2 and saved["stage"] == "vae" and saved["size"] == "smoke"
+    assert main([*args, "--steps", "2"]) == 2  # a saved state is never overwritten silently
+    assert main([*args, "--steps", "3", "--resume"]) == 2  # nor continued by another run
+    assert main([*args, "--steps", "2", "--resume"]) == 0
