@@ -17,8 +17,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_TEXT, MAX_EXPERTS,
-                               MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_NUM_CLASSES)
+from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH, MAX_EXPERT_TEXT,
+                               MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
+                               MAX_NUM_CLASSES)
 from ddm.deploy.router_config import Discovery, DnsDiscovery
 
 #: ``() -> ["host:port", ...]``: where an expert's replicas are now.
@@ -109,6 +110,8 @@ class ExpertInfo:
         partition = raw.get("partition")
         _require(partition is None or isinstance(partition, Mapping),
                  f"partition must be an object or null, got {_shown(partition)}")
+        _require(not _nested_deeper(partition, MAX_EXPERT_INFO_DEPTH),
+                 f"partition nests objects and lists more than {MAX_EXPERT_INFO_DEPTH} deep")
         index = (partition or {}).get("index")
         _require(index is None or (type(index) is int and 0 <= index < MAX_EXPERTS),
                  f"partition.index must be an integer in 0..{MAX_EXPERTS - 1}, got "
@@ -126,6 +129,17 @@ def _require(ok: bool, problem: str) -> None:
 def _shown(value: Any) -> str:
     """``value`` for a log line, cut short: an expert chooses it."""
     return reprlib.repr(value)
+
+
+def _nested_deeper(value: Any, levels: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests objects and lists more than ``levels`` deep; the
+    recursion stops there, so it cannot overflow."""
+    if not isinstance(value, (Mapping, list)):
+        return False
+    if levels == 0:
+        return True
+    items = value.values() if isinstance(value, Mapping) else value
+    return any(_nested_deeper(item, levels - 1) for item in items)
 
 
 def _ints(raw: Mapping[str, Any], field: str, least: int, most: int) -> tuple[int, ...]:
