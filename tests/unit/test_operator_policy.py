@@ -111,6 +111,36 @@ def test_only_listed_toleration_and_node_selector_keys_may_be_used() -> None:
         "operator allows (DDM_ALLOWED_NODE_SELECTOR_KEYS: topology.kubernetes.io/zone)"]
 
 
+def test_node_affinity_keys_are_held_to_the_node_selector_list() -> None:
+    """A nodeAffinity places a pod as a nodeSelector does; it passed any list before."""
+    lists = AllowLists(node_selector_keys=("topology.kubernetes.io/zone",))
+    zone = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["eu-1a"]}
+    host = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["control-plane"]}
+    name = {"key": "metadata.name", "operator": "In", "values": ["control-plane"]}
+    raw = _spec()
+    raw["experts"][0]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [zone]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 1, "preference": {"matchExpressions": [zone]}}]}}
+    assert policy_problems(parse_spec(raw), lists) == []
+    raw["experts"][0]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [zone]}, {"matchExpressions": [host]},
+            {"matchFields": [name]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "preference": {"matchExpressions": [host]}}]}}
+    refusal = ("is not among the keys this operator allows (DDM_ALLOWED_NODE_SELECTOR_KEYS: "
+               "topology.kubernetes.io/zone)")
+    assert policy_problems(parse_spec(raw), lists) == [
+        f"spec.experts[0].affinity.nodeAffinity.required matchExpressions: key "
+        f"'kubernetes.io/hostname' {refusal}",
+        f"spec.experts[0].affinity.nodeAffinity.required matchFields: key 'metadata.name' "
+        f"{refusal}",
+        f"spec.experts[0].affinity.nodeAffinity.preferred matchExpressions: key "
+        f"'kubernetes.io/hostname' {refusal}"]
+
+
 @pytest.mark.parametrize("path, allowed", [
     ("/srv/ddm/models/e", True), ("/srv/ddm/", True), ("/srv/ddm", True),
     ("/srv/ddm-evil/e", False), ("/srv/ddm/./e", False), ("/etc/kubernetes", False),
