@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH, MAX_EXPERT_TEXT,
                                MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
                                MAX_NUM_CLASSES)
+from ddm.data.partition import partition_sha256
 from ddm.deploy.router_config import Discovery, DnsDiscovery
 
 #: ``() -> ["host:port", ...]``: where an expert's replicas are now.
@@ -74,6 +75,9 @@ class ExpertProblem:
         return f"expert {self.expert} {self.summary} (details in the router's log)"
 
 
+_UNHASHED = ""  # ExpertInfo.scheme_sha256 before it is computed
+
+
 @dataclass(frozen=True)
 class ExpertInfo:
     """What an expert replica says of itself in ``/v1/info`` (``convention`` and ``partition``
@@ -87,6 +91,16 @@ class ExpertInfo:
     #: What its ``/v1/velocity`` answers: ``velocity`` once the server has converted the
     #: network's own prediction (``ddm.objectives``); None from servers that predate the field.
     serves: str | None = None
+
+    #: The sha256 of the partition's scheme (:func:`hash_scheme`), hashed once when made
+    #: (``dataclasses.replace`` carries it over): the router compares it at every ``/readyz``
+    #: and generation, and a report may hold 1 MB.
+    scheme_sha256: str | None = dataclasses.field(default=_UNHASHED, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.scheme_sha256 == _UNHASHED:
+            object.__setattr__(self, "scheme_sha256",
+                               hash_scheme((self.partition or {}).get("scheme")))
 
     @classmethod
     def from_json(cls, raw: Any) -> ExpertInfo:
@@ -119,6 +133,16 @@ class ExpertInfo:
         return cls((shape[0], shape[1], shape[2]), classes, max_batch,
                    convention=_text(raw, "convention"), partition=partition,
                    serves=_text(raw, "serves"))
+
+
+def hash_scheme(scheme: Any) -> str | None:
+    """The sha256 of a recorded partition's content; None when nothing usable is recorded."""
+    if not isinstance(scheme, Mapping):
+        return None
+    try:
+        return partition_sha256(scheme)
+    except (TypeError, ValueError):
+        return None
 
 
 def _require(ok: bool, problem: str) -> None:
