@@ -231,7 +231,7 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
                                       "bytes the router reads"),
                       ("rude", MARKER), ("bloated", "this request can be answered with")):
         assert f"expert {name}" in log and why in log, (name, log[-3000:])
-    assert "500 Internal" not in log and "Traceback" not in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]  # a 500 logs one (access lines are not logged)
 
 
 def test_the_router_recovers_when_the_expert_reports_valid_info(tmp_path):
@@ -277,7 +277,7 @@ def test_a_partition_nested_too_deeply_to_hash_is_refused_not_a_500(tmp_path):
         _refused(router, "high")
     log = router.log.read_text()
     assert "expert high" in log and "partition nests objects and lists more than 8" in log
-    assert "500 Internal" not in log and "Traceback" not in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]  # a 500 logs one (access lines are not logged)
 
 
 def test_a_large_partition_is_hashed_once_not_at_every_probe_of_the_router(tmp_path):
