@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddm.deploy.spec import parse_spec
+from ddm.deploy.spec import SpecError, parse_spec
 from ddm.operator.config import OperatorConfig
 from ddm.operator.policy import AllowLists, policy_problems
 
@@ -49,6 +49,16 @@ def test_a_source_outside_the_list_is_refused_redacted(uri: str, shown: str) -> 
     assert policy_problems(parse_spec(_spec(uri)), LISTS) == [
         f"spec.experts[0].checkpoint.uri: {shown!r} is not among the checkpoint sources this "
         f"operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: {', '.join(SOURCES)})"]
+
+
+@pytest.mark.parametrize("uri", ["https://models.acme.example/ddm/%2e%2e/team-b/m.tar",
+                                 "https://models.acme.example/ddm/%2E./team-b/m.tar",
+                                 "s3://acme-models/.%2e/team-b/m.tar"])
+def test_a_percent_encoded_parent_segment_cannot_leave_a_listed_prefix(uri: str) -> None:
+    """A store decodes ``%2e`` to ``.`` (RFC 3986: the same character), so under the listed
+    ``https://models.acme.example/ddm/`` this would fetch ``/team-b/m.tar``; it passed."""
+    with pytest.raises(SpecError, match=r"'\.\.' is not allowed in a checkpoint path"):
+        parse_spec(_spec(uri))
 
 
 def test_empty_lists_allow_everything() -> None:
