@@ -53,10 +53,13 @@ def test_a_source_outside_the_list_is_refused_redacted(uri: str, shown: str) -> 
 
 @pytest.mark.parametrize("uri", ["https://models.acme.example/ddm/%2e%2e/team-b/m.tar",
                                  "https://models.acme.example/ddm/%2E./team-b/m.tar",
-                                 "s3://acme-models/.%2e/team-b/m.tar"])
-def test_a_percent_encoded_parent_segment_cannot_leave_a_listed_prefix(uri: str) -> None:
-    """A store decodes ``%2e`` to ``.`` (RFC 3986: the same character), so under the listed
-    ``https://models.acme.example/ddm/`` this would fetch ``/team-b/m.tar``; it passed."""
+                                 "s3://acme-models/.%2e/team-b/m.tar",
+                                 "https://models.acme.example/ddm/x%2f..%2fteam-b/m.tar",
+                                 "https://models.acme.example/ddm/x\\..\\team-b/m.tar"])
+def test_a_parent_segment_however_encoded_cannot_leave_a_listed_prefix(uri: str) -> None:
+    """A store decodes ``%2e`` to ``.`` (RFC 3986: the same character), and may read ``%2f``
+    or ``\\`` as ``/``, so under the listed ``https://models.acme.example/ddm/`` these would
+    fetch ``/team-b/m.tar``; they passed."""
     with pytest.raises(SpecError, match=r"'\.\.' is not allowed in a checkpoint path"):
         parse_spec(_spec(uri))
 

@@ -45,8 +45,9 @@ def parse_checkpoint(uri: str) -> CheckpointSource:
             "http(s)://..., s3://BUCKET/KEY, gs://BUCKET/KEY or file:///ABS/PATH")
     parts = urlsplit(uri)
     path = parts.path.rstrip("/")
-    if any(unquote(segment) == ".." for segment in path.split("/")):  # a store decodes %2e
-        raise ValueError(f"{uri!r}: '..' is not allowed in a checkpoint path (nor '%2e%2e')")
+    decoded = unquote(path).replace("\\", "/")  # as a store may read it: %2e, %2f, '\\'
+    if ".." in decoded.split("/"):
+        raise ValueError(f"{uri!r}: '..' is not allowed in a checkpoint path (nor encoded)")
     return CheckpointSource(uri, parts.scheme, parts.netloc, path)
 
 
