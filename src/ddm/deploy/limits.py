@@ -54,6 +54,9 @@ MAX_ACCELERATOR_COUNT = 32
 MAX_IMAGE_CHANNELS = 16
 MAX_IMAGE_SIDE = 1024
 MAX_EXPERT_TEXT = 256
+#: How deeply an expert's ``partition`` may nest objects and lists (a k-means partition nests 4:
+#: the router hashes it with ``json.dumps``, which a deeper one overflows, a 500 on every call).
+MAX_EXPERT_INFO_DEPTH = 8
 #: Bodies the router reads from an expert outside the binary protocol: ``/v1/info`` (its
 #: checkpoint's partition included; the shipped MNIST experts' is 20 KB) and ``/readyz``.
 MAX_EXPERT_INFO_BYTES = 1024 * 1024
