@@ -13,7 +13,7 @@ Pure NumPy: the sampling loop, the servers and every model family share it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -115,25 +115,40 @@ class Conditioning:
 
 def concat(parts: Sequence[Conditioning]) -> Conditioning:
     """The rows of ``parts`` one after the other; all must be of one kind and carry the same
-    fields (texts of one length and width)."""
+    fields (texts of one length and width). A missing mask or guidance means its neutral value
+    (every token counts, scale 1), so it is filled in where other parts have one."""
     if not parts:
         raise ValueError("nothing to concatenate")
-    layout = [{f.name: getattr(p, f.name) is not None for f in fields(p)} for p in parts]
-    if any(each != layout[0] for each in layout[1:]):
-        raise ValueError("cannot concatenate conditionings that carry different fields "
-                         f"({', '.join(sorted(k for k, v in layout[0].items() if v))} vs "
-                         "others)")
     if len({p.kind for p in parts}) != 1:
         raise ValueError("cannot concatenate label and text conditioning")
     widths = {p.embeddings.shape[1:] for p in parts if p.embeddings is not None}
     if len(widths) > 1:
         raise ValueError(f"cannot concatenate text embeddings of different (L, D): "
                          f"{sorted(widths)}")
-    joined = {name: np.concatenate([getattr(p, name) for p in parts])
-              for name in _ROW_FIELDS if getattr(parts[0], name) is not None}
-    negative = (None if parts[0].negative is None
-                else concat([p.negative for p in parts if p.negative is not None]))
+    joined = {}
+    for name in _ROW_FIELDS:
+        present = [getattr(p, name) is not None for p in parts]
+        if not any(present):
+            continue
+        if not all(present) and name not in ("mask", "guidance"):
+            raise ValueError(f"cannot concatenate conditionings with and without {name}")
+        joined[name] = np.concatenate([_field_or_neutral(p, name) for p in parts])
+    negatives = [p.negative is not None for p in parts]
+    if any(negatives) and not all(negatives):
+        raise ValueError("cannot concatenate rows with and without a negative conditioning")
+    negative = concat([p.negative for p in parts if p.negative is not None]) if any(
+        negatives) else None
     return Conditioning(**joined, negative=negative)
+
+
+def _field_or_neutral(part: Conditioning, name: str) -> np.ndarray:
+    value = getattr(part, name)
+    if value is not None:
+        return value
+    if name == "mask":
+        assert part.embeddings is not None
+        return np.ones(part.embeddings.shape[:2], np.int64)
+    return np.ones(len(part), np.float32)
 
 
 def _check(condition: bool, message: str) -> None:
