@@ -275,3 +275,17 @@ def test_a_label_ddm_still_routes_by_label_and_decodes_nothing():
     assert not any(isinstance(q, (Encode, Route, Decode, Decoded)) for q in seen)
     calls = [q for q in seen if isinstance(q, Calls)]
     assert [(c.expert, c.cond.labels.tolist()) for c in calls[0].calls] == [(0, [0]), (1, [1])]
+
+
+def test_the_loop_walks_the_ddms_declared_grid_flow_match_with_shift_as_diffusers_sets_it():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    shifted = dataclasses.replace(TEXT_DDM, grid=TimeGrid("flow-match", shift=3.0))
+    seen = drive(shifted, text_request(steps=5, output="latent"))
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    scheduler.set_timesteps(5)
+    expected = 1.0 - scheduler.sigmas.numpy()[1:]
+    np.testing.assert_allclose([e.t for e in seen if isinstance(e, StepEvent)], expected,
+                               atol=1e-7)
+    routed_times = [float(q.t[0]) for q in seen if isinstance(q, Route)]
+    np.testing.assert_allclose(routed_times, 1.0 - scheduler.sigmas.numpy()[:-1], atol=1e-7)

@@ -132,3 +132,16 @@ def test_a_release_whose_decoder_takes_other_latents_is_refused(tmp_path):
     tiny_vae(latent_channels=8).save_pretrained(root / "vae")
     with pytest.raises(CheckpointError, match="decoder takes 8-channel latents"):
         load_paris_ddm(root)
+
+
+def test_stages_keep_their_weights_dtype_and_answer_float32(tmp_path):
+    import torch
+
+    from ddm.models.stages import VaeDecoder
+    from tests.support.paris_release import tiny_vae
+
+    tiny_vae(latent_channels=4).to(torch.bfloat16).save_pretrained(tmp_path / "vae")
+    decoder = VaeDecoder(tmp_path / "vae")
+    assert decoder.model.dtype == torch.bfloat16
+    images = decoder(np.zeros((1, 4, 8, 8), np.float32))
+    assert images.dtype == np.float32 and images.shape == (1, 3, 16, 16)
