@@ -204,6 +204,7 @@ def test_a_text_ddm_encodes_first_routes_and_guides_per_step_and_decodes_last():
         assert call.cond.negative.embeddings[:, 0, 0].tolist() == [4, 4]  # "blurry" per row
     # Velocity 1 on FlowMatchEulerDiscrete's grid: x moves by exactly t_end - t_start = 1.
     events = [e for e in seen if isinstance(e, StepEvent)]
+    np.testing.assert_allclose(events[0].probs, [[0.75, 0.25]] * 2)  # the router's, per row
     start = drive(TEXT_DDM, text_request(output="latent"), velocity=0.0)[-1].x
     np.testing.assert_allclose(events[-1].x, start + 1.0, atol=1e-6)
     assert [e.t for e in events] == pytest.approx(flow_match_sigma_grid(3).times[1:].tolist())
