@@ -10,6 +10,9 @@ from __future__ import annotations
 
 #: Sampling steps one request (or a DDM's default) may ask for; an expert's integrate grid too.
 MAX_STEPS = 1000
+#: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
+#: unguided. diffusers' pipelines default to 4.5-7.5.
+MAX_GUIDANCE_SCALE = 50.0
 #: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps).
 SOLVERS = ("euler", "heun")
 #: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and

@@ -21,9 +21,10 @@ from typing import Any, AsyncIterator, Generator, Protocol
 
 import numpy as np
 
+from ddm.conditioning import Conditioning
 from ddm.models.loading import RouterFn
-from ddm.sampling.loop import (Calls, Concurrently, Generation, Loop, Mixture, Query, Route,
-                               SamplingRequest, StepEvent, Tally, Velocity)
+from ddm.sampling.loop import (Calls, Concurrently, Decode, Encode, Generation, Loop, Mixture,
+                               Query, Route, SamplingRequest, StepEvent, Tally, Velocity)
 from ddm.sampling.loop import check_request as check_loop_request
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.coalescing import Coalescer
@@ -127,17 +128,28 @@ async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
 
 
 async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query) -> Any:
+    if isinstance(query, (Encode, Decode)):
+        raise NotImplementedError(f"{type(query).__name__}: text encoder and decoder stages "
+                                  "are not supported by the remote driver yet")
     if isinstance(query, Route):
         assert mixture.router is not None, "check_request refuses learned strategies without one"
-        return await mixture.router(query.x, query.t, query.y)
+        return await mixture.router(query.x, query.t, _labels(query.cond))
     names = mixture.expert_names
     if isinstance(query, Calls):
         return await gather_all(*(
-            caller.velocity(names[c.expert], c.x, c.t, c.y) if isinstance(c, Velocity)
-            else caller.integrate(names[c.expert], c.x, c.y, c.grid, c.solver)
+            caller.velocity(names[c.expert], c.x, c.t, _labels(c.cond))
+            if isinstance(c, Velocity)
+            else caller.integrate(names[c.expert], c.x, _labels(c.cond), c.grid, c.solver)
             for c in query.calls))
     assert isinstance(query, Concurrently), f"unknown query {query!r}"
     return await gather_all(*(_finish(mixture, caller, part) for part in query.parts))
+
+
+def _labels(cond: Conditioning) -> np.ndarray:
+    """The labels the wire carries today; text conditioning does not travel yet."""
+    if cond.labels is None:
+        raise NotImplementedError("text conditioning is not supported by the remote driver yet")
+    return cond.labels
 
 
 async def _finish(mixture: RemoteMixture, caller: ExpertCaller,
