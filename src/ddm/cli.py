@@ -526,7 +526,8 @@ def _up(args: argparse.Namespace) -> int:
     path = args.manifest or REPOSITORY_ROOT / "examples" / "mnist.yaml"
     if not path.is_file():
         raise UserError(f"manifest {path} does not exist")
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops every process, as Ctrl-C does
+    # SIGTERM (`kill`) raises Terminated (see main): run_local stops every process it started
+    # on its way out, and ddm exits 143, "terminated", as a shell expects of a killed command.
     return run_local(load_manifest(path), router_port=args.port, host=args.host,
                      pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
                      deadline_s=args.deadline_s, auth_token_file=args.auth_token_file)
@@ -661,10 +662,6 @@ def _dev_cluster(argv: list[str]) -> int:
     from ddm.devcluster import main as dev_cluster_main
 
     return dev_cluster_main(argv)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _parse_labels(text: str) -> list[int]:

@@ -4,7 +4,7 @@ The same YAML a user would ``kubectl apply`` is planned by the one deployment pl
 (``ddm.deploy.plan``, which the operator uses too), placed here by :func:`plan_local`, then
 supervised (:func:`run_local`): every expert replica becomes a ``ddm serve expert`` process on
 a free loopback port, the router a ``ddm serve router`` process whose config lists those
-endpoints. Ctrl-C stops everything started.
+endpoints. Ctrl-C or SIGTERM stops everything started.
 
 A process that dies once everything was up is restarted, on the same port, as the kubelet
 restarts a container: after a back-off that doubles with each restart up to 5 minutes, and
@@ -215,11 +215,20 @@ class Supervisor:
                 self.out.flush()
 
     def start_ready(self, specs: Sequence[ProcessSpec], host: str, deadline: float) -> None:
-        """Start every process (they load in parallel), then wait until each is ready."""
+        """Start every process (they load in parallel), then wait until each is ready; says
+        when each starts and when it becomes ready (loading a model takes a while)."""
         for spec in specs:
             self.start(spec)
+            self._say(f"started {spec.name} (pid {self.processes[spec.name].pid}, "
+                      f"port {spec.port}); loading...")
         for spec in specs:
             self.wait_ready(spec, host, deadline)
+            seconds = time.monotonic() - self.started_at[spec.name]
+            self._say(f"{spec.name} is ready ({seconds:.1f} s)")
+
+    def _say(self, line: str) -> None:
+        with self._lock:
+            print(line, file=self.out, flush=True)
 
     def wait_ready(self, spec: ProcessSpec, host: str, deadline: float) -> None:
         """Poll ``/readyz`` until 200; fail at once if the process exits first."""
@@ -321,9 +330,9 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             return _supervise(supervisor, stop or threading.Event(), out,
                               None if fail_fast else backoff)
         except KeyboardInterrupt:
-            print("stopping...", file=out, flush=True)
             return 0
-        finally:
+        finally:  # Ctrl-C, SIGTERM (the caller's exception), an error or a death: stop all
+            print(f"stopping {len(supervisor.processes)} process(es)...", file=out, flush=True)
             supervisor.stop()
 
 
