@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
+from ddm.checkpoints.discovery import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
@@ -45,6 +46,8 @@ from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
 IMAGE_PREFIX = "/opt/ddm/"
 REPOSITORY_ROOT = Path(__file__).resolve().parents[3]
+#: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.
+DEFAULT_MANIFEST = REPOSITORY_ROOT / "examples" / f"{DEFAULT_DDM}.yaml"
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
 #: How often the supervisor looks for processes that died or are due to restart.
@@ -286,14 +289,15 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
               on_ready: Callable[[LocalPlan], None] | None = None,
               stop: threading.Event | None = None, *, fail_fast: bool = False,
               backoff: Backoff = Backoff(), deadline_s: float | None = None,
-              auth_token_file: Path | None = None) -> int:
+              auth_token_file: Path | None = None, api_docs: bool = False) -> int:
     """Run until Ctrl-C or ``stop`` being set, restarting what dies (with ``fail_fast``:
     until a process dies); returns an exit status. ``deadline_s``: the router's time budget
     for one expert call (``ddm serve router --deadline-s``; default from router.yaml).
     Authentication is on when the spec asks for it (``router.auth``), with a random token
     written to a private file in the run's directory, or with ``auth_token_file`` (the
     caller's token); the experts require another random token, in another private file,
-    which only the router presents."""
+    which only the router presents. ``api_docs``: the router serves Swagger UI
+    at ``/docs``."""
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(manifest, lambda: free_port(host), router_port, host,
@@ -309,17 +313,19 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             write_token(plan.token_file)
         if plan.expert_token_file is not None:
             write_token(plan.expert_token_file)
-        if deadline_s is not None:
-            plan = dataclasses.replace(plan, router=dataclasses.replace(
-                plan.router, argv=(*plan.router.argv, "--deadline-s", str(deadline_s))))
+        extra = (*(("--deadline-s", str(deadline_s)) if deadline_s is not None else ()),
+                 *(("--api-docs",) if api_docs else ()))
+        plan = dataclasses.replace(plan, router=dataclasses.replace(
+            plan.router, argv=(*plan.router.argv, *extra)))
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             supervisor.start_ready(plan.experts, host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
-                  f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate)."
-                  " Ctrl-C stops everything.", file=out, flush=True)
+                  f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate"
+                  f"{f', API docs {plan.url}/docs' if api_docs else ''}). Ctrl-C stops "
+                  "everything.", file=out, flush=True)
             print(metrics_line(plan, host), file=out, flush=True)
             if plan.token_file is not None:  # the path only: a token never goes to a log
                 print(f"The API needs Authorization: Bearer <the token in {plan.token_file}>; "
