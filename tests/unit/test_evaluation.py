@@ -233,7 +233,8 @@ def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path)
     from ddm.cli import main
 
     out = tmp_path / "quality.md"
-    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "3", "--steps", "2", "--out", str(out)]) == 0
+    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "3", "--steps", "2",
+                 "--out", str(out)]) == 0
     main_table = out.read_text().split("| model |")[1].split("\n\n")[0]
     table = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[1] for row in table] == [
@@ -275,7 +276,8 @@ def test_report_compares_the_heterogeneous_ddm_at_top1(tmp_path: Path, capsys) -
 
     root = Path(__file__).resolve().parents[2] / "checkpoints"
     out = tmp_path / "quality.md"
-    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "2", "--steps", "2", "--out", str(out),
+    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "2", "--steps", "2",
+                 "--out", str(out),
                  "--compare", str(root / "digits-heterogeneous")]) == 0
     text = out.read_text()
     section = text[text.index("## Homogeneous vs heterogeneous experts"):]
@@ -289,7 +291,8 @@ def test_report_compares_the_heterogeneous_ddm_at_top1(tmp_path: Path, capsys) -
     assert "digits-heterogeneous" not in main_table.split("| model |")[1]
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "2", "--steps", "2", "--out", str(out),
+    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "2", "--steps", "2",
+                 "--out", str(out),
                  "--compare", str(empty)]) == 2  # named before any sampling; out untouched
     assert f"no checkpoints (directories with config.json) in {empty}" in capsys.readouterr().err
     assert out.read_text() == text
