@@ -348,9 +348,11 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0,
                    help="noise seed: image i of a run gets the noise (seed, i) (default 0)")
     p.add_argument("--backend", default="native",
-                   help="run experts on their own framework (native), or all on torch or jax")
+                   help="native: each expert on the framework it was trained with (default); "
+                        "torch or jax: every expert on that one (weights convert losslessly)")
     p.add_argument("--device", default=None,
-                   help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: cpu)")
+                   help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: the "
+                        "framework's best)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="images generated at once (default: 256; with --router, the router's "
                         "batch limit)")
@@ -556,8 +558,9 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="the address every process binds (default 127.0.0.1, this machine "
                         "only; 0.0.0.0 exposes them to the network)")
-    p.add_argument("--pvc-root", type=Path, default=None,
-                   help="directory with one subdirectory per PVC, for pvc:// checkpoints")
+    p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
+                   help="stands in for the cluster's PersistentVolumeClaims: a checkpoint "
+                        "pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
                         "share the machine)")
