@@ -313,10 +313,7 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             write_token(plan.token_file)
         if plan.expert_token_file is not None:
             write_token(plan.expert_token_file)
-        extra = (*(("--deadline-s", str(deadline_s)) if deadline_s is not None else ()),
-                 *(("--api-docs",) if api_docs else ()))
-        plan = dataclasses.replace(plan, router=dataclasses.replace(
-            plan.router, argv=(*plan.router.argv, *extra)))
+        plan = with_router_options(plan, deadline_s, api_docs)
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -340,6 +337,15 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
         finally:  # Ctrl-C, SIGTERM (the caller's exception), an error or a death: stop all
             print(f"stopping {len(supervisor.processes)} process(es)...", file=out, flush=True)
             supervisor.stop()
+
+
+def with_router_options(plan: LocalPlan, deadline_s: float | None = None,
+                        api_docs: bool = False) -> LocalPlan:
+    """``plan`` with ``ddm up``'s router options on the router's command line."""
+    extra = (*(("--deadline-s", str(deadline_s)) if deadline_s is not None else ()),
+             *(("--api-docs",) if api_docs else ()))
+    return dataclasses.replace(plan, router=dataclasses.replace(
+        plan.router, argv=(*plan.router.argv, *extra)))
 
 
 def write_token(path: Path) -> None:
