@@ -214,6 +214,15 @@ def test_an_output_in_a_missing_directory_fails_before_sampling_and_creates_noth
     assert list(tmp_path.iterdir()) == []  # not even the samples file: checked before sampling
 
 
+def test_a_report_checks_its_output_before_an_hour_of_sampling(tmp_path, capsys):
+    out = tmp_path / "missing" / "quality.md"
+    code, captured = _run(capsys, "report", "--out", out)
+    assert code == 2
+    assert captured.err.strip() == (f"ddm: error: --out {out}: directory {out.parent} does not "
+                                    "exist (create it first)")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
 def test_outputs_get_the_mode_the_umask_gives_any_new_file(tiny_ddm, tmp_path, capsys, umask,
                                                            mode):
