@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	@echo "[make] installing the demo's packages into $(VENV) (PyTorch, JAX, the servers)"
+	@echo "[make] installing the demo's packages into $(VENV) (PyTorch, JAX, the servers: minutes)"
 	$(BIN)/python -m pip install --quiet -e '.[demo]'
 	touch $@
 

@@ -29,7 +29,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from ddm.checkpoints.discovery import DEFAULT_DDM
 from ddm.objective_names import PREDICTIONS, SCHEDULES
@@ -435,10 +435,10 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spread(summary: dict, runs: int) -> str:
+def _spread(summary: dict[str, Any], runs: int) -> str:
     """``mean +/- std`` over runs; the mean alone for one run, which has no spread."""
     mean = f"{summary['mean']:.4f}"
-    return f"{mean} +/- {summary['std']:.4f}" if runs > 1 else f"{mean}          "
+    return f"{mean} +/- {summary['std']:.4f}" if runs > 1 else mean
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
