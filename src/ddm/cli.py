@@ -31,7 +31,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from ddm.checkpoints.discovery import DEFAULT_DDM
+from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.objective_names import PREDICTIONS, SCHEDULES
 from ddm.serving.commands import add_serve_commands
 from ddm.training.resume import SAVE_EVERY

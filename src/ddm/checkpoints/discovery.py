@@ -6,13 +6,7 @@ import os
 from pathlib import Path
 
 from ddm.checkpoints.format import CheckpointError, read_meta
-
-#: The DDM every command uses unless told otherwise: the one ``make demo`` (``ddm up``) serves,
-#: ``examples/mnist.yaml`` over ``checkpoints/mnist/`` (MNIST digits padded to 32x32).
-DEFAULT_DDM = "mnist"
-#: Where the shipped DDMs live: the repository's ``checkpoints/``, or the images' copy.
-SHIPPED_ROOTS = (Path(__file__).resolve().parents[3] / "checkpoints",
-                 Path("/opt/ddm/checkpoints"))
+from ddm.checkpoints.shipped import DEFAULT_DDM, SHIPPED_ROOTS
 
 
 def default_checkpoints() -> Path:

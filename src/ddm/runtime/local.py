@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
-from ddm.checkpoints.discovery import DEFAULT_DDM
+from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
