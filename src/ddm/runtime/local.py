@@ -219,36 +219,39 @@ class Supervisor:
 
     def start_ready(self, specs: Sequence[ProcessSpec], host: str, deadline: float) -> None:
         """Start every process (they load in parallel), then wait until each is ready; says
-        when each starts and when it becomes ready (loading a model takes a while)."""
+        when each starts and when it becomes ready (loading a model takes a while), in the
+        order they become ready."""
         for spec in specs:
             self.start(spec)
             self._say(f"started {spec.name} (pid {self.processes[spec.name].pid}, "
                       f"port {spec.port}); loading...")
-        for spec in specs:
-            self.wait_ready(spec, host, deadline)
-            seconds = time.monotonic() - self.started_at[spec.name]
-            self._say(f"{spec.name} is ready ({seconds:.1f} s)")
+        waiting = list(specs)
+        while waiting:
+            for spec in [spec for spec in waiting if self.is_ready(spec, host)]:
+                waiting.remove(spec)
+                seconds = time.monotonic() - self.started_at[spec.name]
+                self._say(f"{spec.name} is ready ({seconds:.1f} s)")
+            if waiting and time.monotonic() >= deadline:
+                raise LocalRunError(f"{', '.join(spec.name for spec in waiting)} not ready "
+                                    f"within {READY_TIMEOUT_S:.0f} s")
+            if waiting:
+                time.sleep(0.2)  # external processes: polling their probes is the only signal
 
     def _say(self, line: str) -> None:
         with self._lock:
             print(line, file=self.out, flush=True)
 
-    def wait_ready(self, spec: ProcessSpec, host: str, deadline: float) -> None:
-        """Poll ``/readyz`` until 200; fail at once if the process exits first."""
-        url = f"http://{host}:{spec.port}/readyz"
-        while time.monotonic() < deadline:
-            code = self.processes[spec.name].poll()
-            if code is not None:
-                raise LocalRunError(f"{spec.name} exited with status {code} before it was ready: "
-                                    f"{self.exit_reason(spec.name)}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)  # an external process: polling its probe is the only signal
-        raise LocalRunError(f"{spec.name} was not ready within {READY_TIMEOUT_S:.0f} s")
+    def is_ready(self, spec: ProcessSpec, host: str) -> bool:
+        """Whether ``/readyz`` answers 200 now; fails if the process has exited."""
+        code = self.processes[spec.name].poll()
+        if code is not None:
+            raise LocalRunError(f"{spec.name} exited with status {code} before it was ready: "
+                                f"{self.exit_reason(spec.name)}")
+        try:
+            with urllib.request.urlopen(f"http://{host}:{spec.port}/readyz", timeout=2) as answer:
+                return answer.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
 
     def exit_reason(self, name: str) -> str:
         """The line process ``name`` left in its termination-message file, or a pointer to its
