@@ -55,8 +55,10 @@ def sampling_request(labels: Sequence[int], steps: int, seed: int,
 
 def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
              strategy: Strategy | str = "top1", solver: str = "euler",
-             first_index: int = 0, delegate_steps: int = 0) -> Generation:
+             first_index: int = 0, delegate_steps: int = 0,
+             on_step: Callable[[StepEvent], None] | None = None) -> Generation:
     """Sample one image per label; image ``i``'s noise comes from ``(seed, first_index + i)``.
+    ``on_step`` sees each :class:`StepEvent` as it comes (a progress bar).
 
     Everything is validated before any model runs (:func:`ddm.sampling.loop.check_request`).
     """
@@ -65,6 +67,8 @@ def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
     tally = Tally(tuple(e.name for e in ddm.experts), request.labels)
     for event in steps_of(ddm, request):
         tally.add(event)
+        if on_step is not None:
+            on_step(event)
     return tally.result()
 
 
