@@ -159,7 +159,7 @@ def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
     target = select_torch_device(device)
     hardware = torch.cuda.get_device_name(target) if target.type == "cuda" else cpu_model()
     info = BackendInfo(f"torch {torch.__version__}", "torch", str(target), hardware)
-    return Backend(expert_network(ckpt, "torch", device), info, image_shape,
+    return Backend(expert_network(ckpt, "torch", device, max_batch), info, image_shape,
                    tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label,
                    objective=ckpt.meta.objective)
 
