@@ -66,7 +66,7 @@ def graph_edit(change: Callable[[dict], None]) -> Callable[[dict[str, bytes]], N
 def load(tmp_path: Path, program: bytes) -> torch.nn.Module:
     path = tmp_path / "program.pt2"
     path.write_bytes(program)
-    return load_program(path, SHAPE, MAX_BATCH)
+    return load_program(path, SHAPE, (1, MAX_BATCH))
 
 
 def test_a_plain_export_loads_and_computes_what_the_module_does(program, tmp_path):

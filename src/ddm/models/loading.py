@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -74,12 +74,12 @@ def expert_velocity(ckpt: Checkpoint, backend: str = "native",
 
 
 def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None = None,
-                   max_batch: int = MAX_BATCH) -> ModelFn:
+                   batch_sizes: Sequence[int] = (1, MAX_BATCH)) -> ModelFn:
     """The checkpoint's network as trained: its own inputs, its own prediction (what
     ``ddm expert check`` tests against the declared objective). Our UNet runs on either
     framework; a user's network (``ckpt.meta.model``) on its own only. An exported torch
-    program is refused if a batch up to ``max_batch`` (default: the most any server takes)
-    would make it compute an oversized tensor."""
+    program is refused if one of ``batch_sizes`` (default: one row and the most any server
+    takes) would make it compute an oversized tensor; call it with those sizes only."""
     framework = ckpt.meta.framework if backend == "native" else backend
     model = ckpt.meta.model
     if model.kind != "unet" and framework != ckpt.meta.framework:
@@ -91,7 +91,7 @@ def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None
         from ddm.models import torch_io
 
         torch_device = torch_io.select_torch_device(device)
-        return torch_io.velocity_fn(torch_io.expert_module(ckpt, torch_device, max_batch),
+        return torch_io.velocity_fn(torch_io.expert_module(ckpt, torch_device, batch_sizes),
                                     torch_device)
     if framework == "jax" and model.kind == "import":
         from ddm.models import flax_unet

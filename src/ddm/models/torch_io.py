@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -65,12 +65,12 @@ def unet_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -
 
 
 def expert_module(ckpt: Checkpoint, device: torch.device | None = None,
-                  max_batch: int = MAX_BATCH) -> nn.Module:
+                  batch_sizes: Sequence[int] = (1, MAX_BATCH)) -> nn.Module:
     """An expert's network as the checkpoint names it (``ckpt.meta.model``): our UNet, a
     user's module by import path (``ddm.models.imports``), or a ``torch.export`` program read
     by our strict reader (``ddm.models.torch_program``: a graph and raw tensors, never
-    ``torch.export.load``, which runs code from the archive), its memory checked for batches
-    up to ``max_batch``."""
+    ``torch.export.load``, which runs code from the archive), its memory checked at each of
+    ``batch_sizes``, the only batch sizes it may then be called with."""
     device = device or torch.device("cpu")
     kind = ckpt.meta.model.kind
     if kind == "unet":
@@ -83,7 +83,7 @@ def expert_module(ckpt: Checkpoint, device: torch.device | None = None,
 
     try:
         return load_program(ckpt.path / program_file_name(ckpt.meta),
-                            ckpt.meta.model.image_shape, max_batch).to(device)
+                            ckpt.meta.model.image_shape, batch_sizes).to(device)
     except CheckpointError as error:
         raise type(error)(f"checkpoint {ckpt.path}: {error}") from None
 

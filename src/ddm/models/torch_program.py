@@ -23,9 +23,10 @@ its sha256), so a program never reaches that loader. This module reads the archi
 The program is then built by torch's deserializer from those parsed parts: tensors made here
 from the raw bytes, no sample inputs (so ``module()`` generates no guards), node metadata and
 ``guards_code`` left out. The sample-input entry is accepted, as ``torch.export.save`` always
-writes it, and never read. Last, the program is run once on fake tensors (no memory) at one row
-and at the server's largest batch (:func:`check_memory`): sizes written in the graph (``full``,
-``arange``, ``expand``, ``pad``...) could otherwise allocate any amount on the first call.
+writes it, and never read. Last, the program is run on fake tensors (no memory) at every batch
+size it will be called with (:func:`check_memory`): sizes written in the graph (``full``,
+``arange``, ``expand``, ``pad``...) could otherwise allocate any amount on the first call; they
+may be any function of the batch, so the server pads batches to the sizes checked.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import sys
 import types
 import typing
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -143,9 +145,9 @@ class ProgramRefused(CheckpointError):
 
 
 def load_program(path: Path, image_shape: tuple[int, int, int],
-                 max_batch: int) -> torch.nn.Module:
+                 batch_sizes: Sequence[int]) -> torch.nn.Module:
     """The ``torch.export`` program at ``path`` as a module ``(x, t, y) -> out`` on the CPU,
-    ``x`` and ``out`` ``(B, *image_shape)`` for ``B`` up to ``max_batch``, read by this module's
+    ``x`` and ``out`` ``(B, *image_shape)`` for ``B`` in ``batch_sizes``, read by this module's
     strict reader (module doc); anything else is a :class:`ProgramRefused` naming the refused
     entry, operator, value or oversized tensor."""
     entries = read_entries(path.read_bytes(), path.name)
@@ -169,7 +171,7 @@ def load_program(path: Path, image_shape: tuple[int, int, int],
     except Exception as error:  # noqa: BLE001 - an inconsistent graph is a bad checkpoint
         raise ProgramRefused(f"{path.name}: torch cannot build its graph "
                              f"({type(error).__name__}: {error})") from None
-    for batch in sorted({1, max_batch}):
+    for batch in sorted(set(batch_sizes)):
         check_memory(module, (batch, *image_shape), path.name)
     return module
 
