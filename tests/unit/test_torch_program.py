@@ -254,3 +254,19 @@ def test_an_output_of_another_shape_is_refused(tmp_path):
     with pytest.raises(ProgramRefused, match=r"its output is \(1, 16\) for x \(1, 1, 4, 4\);"
                                              " an expert's is the shape of its input"):
         load(tmp_path, export_program(Flat(), SHAPE))
+
+
+def test_a_tensor_growing_with_the_batch_is_refused_at_the_first_size_it_exceeds(tmp_path):
+    """5M float32 (20 MB) a row: within the 64 MiB floor at 2 rows, over it at 4; the server
+    runs a program only at the batch sizes it was checked at."""
+    class Growing(torch.nn.Module):
+        def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x + torch.zeros(x.shape[0] * 5_000_000).sum()
+
+    path = tmp_path / "program.pt2"
+    path.write_bytes(export_program(Growing(), SHAPE))
+    load_program(path, SHAPE, (1, 2))
+    with pytest.raises(ProgramRefused, match=r"node 'zeros' \(aten.zeros.default\) computes a "
+                                             r"torch.float32 tensor of \(20000000,\), 80000000 "
+                                             r"bytes, at batch 4;"):
+        load_program(path, SHAPE, (1, 2, 4))
