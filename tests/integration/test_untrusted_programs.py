@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -223,6 +224,25 @@ def test_an_extra_entry_is_refused_naming_it(exported, tmp_path):
     with pytest.raises(CheckpointError, match=r"program.pt2: entry 'extra/notes.txt' is not "
                                               r"part of a torch.export program of raw tensors"):
         expert_network(load_checkpoint(path))
+
+
+def test_an_arange_edited_to_100_gb_fails_ddm_expert_check_naming_it_without_allocating(
+        exported, tmp_path, capsys):
+    """The sinusoidal time embedding's ``arange(32)`` made ``arange(25e9)``: refused on fake
+    tensors at load; the process's peak memory barely moves."""
+    def change(graph: dict) -> None:
+        node = next(n for n in graph["graph_module"]["graph"]["nodes"] if n["name"] == "arange")
+        node["inputs"][0]["arg"] = {"as_int": 25_000_000_000}
+
+    hostile = tampered(exported, tmp_path / "hostile", edit_json(GRAPH, change))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    assert main(["expert", "check", str(hostile)]) == 1
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 500 * 1024
+    lines = capsys.readouterr().out.splitlines()
+    load = next(line for line in lines if line.startswith(("PASS load", "FAIL load")))
+    assert load.startswith(f"FAIL load: ProgramRefused: checkpoint {hostile}: program.pt2: node "
+                           "'arange' (aten.arange.default) computes a torch.float32 tensor of "
+                           "(25000000000,), 100000000000 bytes, at batch 1;"), load
 
 
 def test_the_untampered_export_serves_the_velocity_of_the_network_it_came_from(exported):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import operator
+import resource
 import zipfile
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,7 @@ from ddm.models.torch_program import (ALLOWED_OPS, ZERO_DROPOUT, ProgramRefused,
                                       check_expression, load_program)
 
 SHAPE = (1, 4, 4)
+MAX_BATCH = 64
 GRAPH = "models/model.json"
 
 
@@ -64,7 +66,7 @@ def graph_edit(change: Callable[[dict], None]) -> Callable[[dict[str, bytes]], N
 def load(tmp_path: Path, program: bytes) -> torch.nn.Module:
     path = tmp_path / "program.pt2"
     path.write_bytes(program)
-    return load_program(path)
+    return load_program(path, SHAPE, (1, MAX_BATCH))
 
 
 def test_a_plain_export_loads_and_computes_what_the_module_does(program, tmp_path):
@@ -199,3 +201,72 @@ def test_attention_with_dropout_is_refused(tmp_path):
     with pytest.raises(ProgramRefused, match=r"calls 'torch.ops.aten.scaled_dot_product_"
                                              r"attention.default' with dropout_p 0.5"):
         load(tmp_path, export_program(Dropping(), SHAPE))
+
+
+class Padded(torch.nn.Module):
+    """``x`` plus the sum of a ``(4, 4)`` block of zeros: one ``aten.zeros`` whose size the
+    graph writes."""
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + torch.zeros(4, 4).sum()
+
+
+def _zeros_of(sizes: list[int]) -> Callable[[dict], None]:
+    """The graph's ``aten.zeros`` node (and its declared value) resized to ``sizes``."""
+    def change(graph: dict) -> None:
+        node = next(n for n in graph["graph_module"]["graph"]["nodes"]
+                    if n["target"] == "torch.ops.aten.zeros.default")
+        node["inputs"][0]["arg"] = {"as_ints": sizes}
+        value = graph["graph_module"]["graph"]["tensor_values"][node["name"]]
+        value["sizes"] = [{"as_int": n} for n in sizes]
+        value["strides"] = [{"as_int": sizes[1]}, {"as_int": 1}]
+    return change
+
+
+def test_zeros_edited_to_100_gb_is_refused_at_load_naming_its_node_without_allocating(tmp_path):
+    """The program is run on fake tensors only: the process's peak memory barely moves."""
+    hostile = edited(export_program(Padded(), SHAPE), graph_edit(_zeros_of([100_000, 250_000])))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    with pytest.raises(ProgramRefused, match=r"program.pt2: node 'zeros' "
+                                             r"\(aten.zeros.default\) computes a torch.float32 "
+                                             r"tensor of \(100000, 250000\), 100000000000 bytes, "
+                                             r"at batch 1; .* at most 67108864 bytes there"):
+        load(tmp_path, hostile)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 200 * 1024
+
+
+@pytest.mark.parametrize("rows, refused", [(16384, False), (16385, True)])
+def test_at_tiny_images_the_bound_is_its_64_mib_floor(tmp_path, rows, refused):
+    """1024 times a batch of 64 images of 1x4x4 is 4 MiB, below the floor."""
+    program = edited(export_program(Padded(), SHAPE), graph_edit(_zeros_of([rows, 1024])))
+    if refused:
+        with pytest.raises(ProgramRefused, match="node 'zeros'"):
+            load(tmp_path, program)
+    else:
+        load(tmp_path, program)
+
+
+def test_an_output_of_another_shape_is_refused(tmp_path):
+    class Flat(torch.nn.Module):
+        def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x.flatten(1)
+
+    with pytest.raises(ProgramRefused, match=r"its output is \(1, 16\) for x \(1, 1, 4, 4\);"
+                                             " an expert's is the shape of its input"):
+        load(tmp_path, export_program(Flat(), SHAPE))
+
+
+def test_a_tensor_growing_with_the_batch_is_refused_at_the_first_size_it_exceeds(tmp_path):
+    """5M float32 (20 MB) a row: within the 64 MiB floor at 2 rows, over it at 4; the server
+    runs a program only at the batch sizes it was checked at."""
+    class Growing(torch.nn.Module):
+        def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return x + torch.zeros(x.shape[0] * 5_000_000).sum()
+
+    path = tmp_path / "program.pt2"
+    path.write_bytes(export_program(Growing(), SHAPE))
+    load_program(path, SHAPE, (1, 2))
+    with pytest.raises(ProgramRefused, match=r"node 'zeros' \(aten.zeros.default\) computes a "
+                                             r"torch.float32 tensor of \(20000000,\), 80000000 "
+                                             r"bytes, at batch 4;"):
+        load_program(path, SHAPE, (1, 2, 4))

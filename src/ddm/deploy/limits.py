@@ -50,6 +50,14 @@ MAX_CLASS = MAX_NUM_CLASSES - 1
 MAX_BATCH = 4096
 MAX_DELAY_MS = 10_000
 MAX_ACCELERATOR_COUNT = 32
+#: The largest tensor an exported torch program may compute at a batch (``ddm.models.
+#: torch_program.check_memory``, on fake tensors before it runs): this multiple of the batch's
+#: input ``x``, or the floor for small batches (weights are not counted: the archive holds them).
+#: Measured at 1x16x16, batch 1 and 64: our digits UNet's largest is 72x its input (72 channels
+#: after a skip concatenation), the tiny DiT's of the docs 16x (its MLP's hidden tokens); 1024x
+#: leaves room for wider networks and attention over more pixels, 64 MiB for small images.
+MAX_PROGRAM_TENSOR_INPUT_MULTIPLE = 1024
+MIN_PROGRAM_TENSOR_BYTES = 64 * 1024 * 1024
 
 #: What the router believes of an expert's own report (``/v1/info``, ``ddm.serving.router.
 #: replicas.ExpertInfo``): an image is at most this many channels and this side in pixels (the

@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 
 from ddm.checkpoints.discovery import discover
 from ddm.checkpoints.format import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint
+from ddm.deploy.limits import MAX_BATCH
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.objectives import as_velocity
 
@@ -72,11 +73,13 @@ def expert_velocity(ckpt: Checkpoint, backend: str = "native",
     return as_velocity(ckpt.meta.objective, expert_network(ckpt, backend, device))
 
 
-def expert_network(ckpt: Checkpoint, backend: str = "native",
-                   device: str | None = None) -> ModelFn:
+def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None = None,
+                   batch_sizes: Sequence[int] = (1, MAX_BATCH)) -> ModelFn:
     """The checkpoint's network as trained: its own inputs, its own prediction (what
     ``ddm expert check`` tests against the declared objective). Our UNet runs on either
-    framework; a user's network (``ckpt.meta.model``) on its own only."""
+    framework; a user's network (``ckpt.meta.model``) on its own only. An exported torch
+    program is refused if one of ``batch_sizes`` (default: one row and the most any server
+    takes) would make it compute an oversized tensor; call it with those sizes only."""
     framework = ckpt.meta.framework if backend == "native" else backend
     model = ckpt.meta.model
     if model.kind != "unet" and framework != ckpt.meta.framework:
@@ -88,7 +91,8 @@ def expert_network(ckpt: Checkpoint, backend: str = "native",
         from ddm.models import torch_io
 
         torch_device = torch_io.select_torch_device(device)
-        return torch_io.velocity_fn(torch_io.expert_module(ckpt, torch_device), torch_device)
+        return torch_io.velocity_fn(torch_io.expert_module(ckpt, torch_device, batch_sizes),
+                                    torch_device)
     if framework == "jax" and model.kind == "import":
         from ddm.models import flax_unet
         from ddm.models.imports import flax_network

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, check_weight_shapes,
                                     program_file_name)
+from ddm.deploy.limits import MAX_BATCH
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_unet import UNet
@@ -63,11 +64,13 @@ def unet_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -
     return load_canonical(model, ckpt).to(device or torch.device("cpu"))
 
 
-def expert_module(ckpt: Checkpoint, device: torch.device | None = None) -> nn.Module:
+def expert_module(ckpt: Checkpoint, device: torch.device | None = None,
+                  batch_sizes: Sequence[int] = (1, MAX_BATCH)) -> nn.Module:
     """An expert's network as the checkpoint names it (``ckpt.meta.model``): our UNet, a
     user's module by import path (``ddm.models.imports``), or a ``torch.export`` program read
     by our strict reader (``ddm.models.torch_program``: a graph and raw tensors, never
-    ``torch.export.load``, which runs code from the archive)."""
+    ``torch.export.load``, which runs code from the archive), its memory checked at each of
+    ``batch_sizes``, the only batch sizes it may then be called with."""
     device = device or torch.device("cpu")
     kind = ckpt.meta.model.kind
     if kind == "unet":
@@ -79,7 +82,8 @@ def expert_module(ckpt: Checkpoint, device: torch.device | None = None) -> nn.Mo
     from ddm.models.torch_program import load_program
 
     try:
-        return load_program(ckpt.path / program_file_name(ckpt.meta)).to(device)
+        return load_program(ckpt.path / program_file_name(ckpt.meta),
+                            ckpt.meta.model.image_shape, batch_sizes).to(device)
     except CheckpointError as error:
         raise type(error)(f"checkpoint {ckpt.path}: {error}") from None
 

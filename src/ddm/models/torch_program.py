@@ -23,7 +23,10 @@ its sha256), so a program never reaches that loader. This module reads the archi
 The program is then built by torch's deserializer from those parsed parts: tensors made here
 from the raw bytes, no sample inputs (so ``module()`` generates no guards), node metadata and
 ``guards_code`` left out. The sample-input entry is accepted, as ``torch.export.save`` always
-writes it, and never read.
+writes it, and never read. Last, the program is run on fake tensors (no memory) at every batch
+size it will be called with (:func:`check_memory`): sizes written in the graph (``full``,
+``arange``, ``expand``, ``pad``...) could otherwise allocate any amount on the first call; they
+may be any function of the batch, so the server pads batches to the sizes checked.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import sys
 import types
 import typing
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +54,10 @@ from torch._export.serde.serialize import ExportedProgramDeserializer
 from torch._export.serde.union import _Union
 from torch.export.pt2_archive import constants as layout
 
+from torch._subclasses.fake_tensor import FakeTensorMode
+
 from ddm.checkpoints.format import CheckpointError
+from ddm.deploy.limits import MAX_PROGRAM_TENSOR_INPUT_MULTIPLE, MIN_PROGRAM_TENSOR_BYTES
 
 #: The operators an exported expert may call: the aten operators our UNet and the tiny DiT
 #: of the docs export to, and the common layers of other diffusion networks (convolutions,
@@ -137,10 +144,12 @@ class ProgramRefused(CheckpointError):
     """An exported torch program holds something other than a graph and raw tensors."""
 
 
-def load_program(path: Path) -> torch.nn.Module:
+def load_program(path: Path, image_shape: tuple[int, int, int],
+                 batch_sizes: Sequence[int]) -> torch.nn.Module:
     """The ``torch.export`` program at ``path`` as a module ``(x, t, y) -> out`` on the CPU,
-    read by this module's strict reader (module doc); anything else is a
-    :class:`ProgramRefused` naming the refused entry, operator or value."""
+    ``x`` and ``out`` ``(B, *image_shape)`` for ``B`` in ``batch_sizes``, read by this module's
+    strict reader (module doc); anything else is a :class:`ProgramRefused` naming the refused
+    entry, operator, value or oversized tensor."""
     entries = read_entries(path.read_bytes(), path.name)
     try:
         program = _parse(schema.ExportedProgram, _json(entries, "graph", path.name),
@@ -158,10 +167,60 @@ def load_program(path: Path) -> torch.nn.Module:
     try:
         exported = ExportedProgramDeserializer().deserialize(program, state_dict, constants,
                                                              None)
-        return exported.module()
+        module = exported.module()
     except Exception as error:  # noqa: BLE001 - an inconsistent graph is a bad checkpoint
         raise ProgramRefused(f"{path.name}: torch cannot build its graph "
                              f"({type(error).__name__}: {error})") from None
+    for batch in sorted(set(batch_sizes)):
+        check_memory(module, (batch, *image_shape), path.name)
+    return module
+
+
+def tensor_bound(input_shape: tuple[int, ...]) -> int:
+    """The most bytes one tensor of a program may take when its ``x`` is float32
+    ``input_shape``: :data:`~ddm.deploy.limits.MAX_PROGRAM_TENSOR_INPUT_MULTIPLE` times the
+    input, or :data:`~ddm.deploy.limits.MIN_PROGRAM_TENSOR_BYTES` if more."""
+    return max(MIN_PROGRAM_TENSOR_BYTES,
+               MAX_PROGRAM_TENSOR_INPUT_MULTIPLE * math.prod(input_shape) * 4)
+
+
+def check_memory(module: torch.nn.Module, input_shape: tuple[int, ...], where: str) -> None:
+    """Run ``module`` on fake tensors (shapes without memory) with ``x`` float32
+    ``input_shape`` ``(B, C, H, W)``: refuse it, naming the node, if any tensor it computes is
+    larger than :func:`tensor_bound`, if it cannot run, or if its output is not
+    ``(B, C, H, W)``."""
+    bound = tensor_bound(input_shape)
+    batch = input_shape[0]
+
+    class Bounded(torch.fx.Interpreter):
+        def run_node(self, node: torch.fx.Node) -> Any:
+            result = super().run_node(node)
+            computed = result if node.op == "call_function" else ()  # not weights, inputs
+            for value in torch.utils._pytree.tree_leaves(computed):
+                if isinstance(value, torch.Tensor) and (
+                        size := value.numel() * value.element_size()) > bound:
+                    raise ProgramRefused(
+                        f"{where}: node {node.name!r} ({node.target}) computes a "
+                        f"{value.dtype} tensor of {tuple(value.shape)}, {size} bytes, at "
+                        f"batch {batch}; an exported expert's tensors may take at most "
+                        f"{bound} bytes there (ddm.deploy.limits.MAX_PROGRAM_TENSOR_*)")
+            return result
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the weights stay real, read only
+    try:
+        with mode:
+            inputs = (torch.empty(input_shape), torch.empty(batch),
+                      torch.zeros(batch, dtype=torch.int64))
+            out = Bounded(module).run(*inputs)
+    except ProgramRefused:
+        raise
+    except Exception as error:  # noqa: BLE001 - a program that cannot run is a bad checkpoint
+        raise ProgramRefused(f"{where}: torch cannot run it on x {input_shape} "
+                             f"({type(error).__name__}: {error})") from None
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(input_shape):
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ProgramRefused(f"{where}: its output is {shape} for x {input_shape}; an expert's "
+                             "is the shape of its input")
 
 
 def read_entries(data: bytes, where: str) -> dict[str, bytes]:

@@ -7,7 +7,8 @@ Each backend is a NumPy network ``(x (B, C, H, W) f32, t (B,) f32, y (B,) int) -
 compiles one program per batch size and a Neuron trace is fixed to one, so those backends pad
 each batch up to a bucket of :func:`batch_buckets` and compile every bucket during
 :meth:`Backend.warm_up`, before the server reports ready. PyTorch runs any size eagerly and is
-warmed at 1 and ``max_batch`` rows.
+warmed at 1 and ``max_batch`` rows, except an exported program, padded to the buckets too: its
+tensors' sizes are checked at those batch sizes only (``ddm.models.torch_program``).
 
 Frameworks are imported only when their backend is selected, so a JAX image needs no torch and
 the CPU image needs no torch-neuronx.
@@ -159,8 +160,10 @@ def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
     target = select_torch_device(device)
     hardware = torch.cuda.get_device_name(target) if target.type == "cuda" else cpu_model()
     info = BackendInfo(f"torch {torch.__version__}", "torch", str(target), hardware)
-    return Backend(expert_network(ckpt, "torch", device), info, image_shape,
-                   tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label,
+    exported = ckpt.meta.model.kind == "exported"  # checked at, so run at, these sizes only
+    sizes = batch_buckets(max_batch) if exported else tuple(sorted({1, max_batch}))
+    return Backend(expert_network(ckpt, "torch", device, sizes), info, image_shape,
+                   sizes, pads_to_warm_sizes=exported, warm_label=label,
                    objective=ckpt.meta.objective)
 
 
