@@ -9,6 +9,7 @@ and nothing is ever written. The untampered program still loads and serves the s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -269,3 +270,16 @@ def inputs() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
     return (rng.standard_normal((3, *SHAPE), dtype=np.float32),
             np.array([0.1, 0.5, 0.9], np.float32), np.array([0, 2, 4]))
+
+
+def test_a_declared_image_shape_over_the_limits_is_refused_before_the_program_runs(
+        exported, tmp_path):
+    """The program's memory bound scales with ``model.image_shape``, which the tenant writes:
+    a checkpoint that declares a 4096-pixel side must not raise its own bound."""
+    ckpt = load_checkpoint(exported)
+    huge = dataclasses.replace(ckpt.meta, model=dataclasses.replace(
+        ckpt.meta.model, image_shape=(1, 4096, 4096)))
+    path = save_checkpoint(tmp_path / "huge", huge, {},
+                           program=(exported / "program.pt2").read_bytes())
+    with pytest.raises(CheckpointError, match=r"image_shape \[1, 4096, 4096\] is over the limits"):
+        expert_network(load_checkpoint(path))

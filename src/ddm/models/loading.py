@@ -17,7 +17,7 @@ import numpy as np
 
 from ddm.checkpoints.discovery import discover
 from ddm.checkpoints.format import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint
-from ddm.deploy.limits import MAX_BATCH
+from ddm.deploy.limits import MAX_BATCH, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.objectives import as_velocity
 
@@ -82,6 +82,14 @@ def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None
     takes) would make it compute an oversized tensor; call it with those sizes only."""
     framework = ckpt.meta.framework if backend == "native" else backend
     model = ckpt.meta.model
+    if model.image_shape is not None:
+        channels, height, width = model.image_shape
+        if channels > MAX_IMAGE_CHANNELS or max(height, width) > MAX_IMAGE_SIDE:
+            # The shape sizes the memory bound a program is checked against: a checkpoint
+            # must not raise its own bound.
+            raise CheckpointError(
+                f"expert {ckpt.meta.name}: model.image_shape {list(model.image_shape)} is over "
+                f"the limits ({MAX_IMAGE_CHANNELS} channels, sides of {MAX_IMAGE_SIDE})")
     if model.kind != "unet" and framework != ckpt.meta.framework:
         raise CheckpointError(
             f"expert {ckpt.meta.name} is a {ckpt.meta.framework} network ({model.kind}: "
