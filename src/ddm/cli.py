@@ -586,6 +586,12 @@ def _add_fetch_checkpoint(commands: argparse._SubParsersAction) -> None:
                    help="a non-public network the store is in (repeatable; e.g. 10.0.3.7/32 "
                         "for an on-prem store; default $DDM_FETCH_ALLOW_NETWORKS, "
                         "comma-separated); cloud metadata addresses stay refused")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name that may resolve to a non-public address (repeatable; the "
+                        "DDM's checkpoint stager Service); cloud metadata addresses stay refused")
+    p.add_argument("--max-bytes", type=int, metavar="BYTES",
+                   help="cap on everything downloaded and extracted (default "
+                        "$DDM_FETCH_MAX_BYTES, else 16 GiB)")
     p.add_argument("--deadline", type=float, metavar="SECONDS",
                    help="time for the whole download, every file and retry included "
                         "(default: an hour)")
@@ -597,9 +603,9 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
     import os
 
     from ddm.checkpoints.destinations import parse_networks
-    from ddm.checkpoints.fetch import (ENV_ALLOW_NETWORKS, ENV_HEADERS_FILE, ENV_SHA256, ENV_URI,
-                                       FetchError, FetchPolicy, fetch_checkpoint,
-                                       read_headers_file)
+    from ddm.checkpoints.fetch import (ENV_ALLOW_NETWORKS, ENV_HEADERS_FILE, ENV_MAX_BYTES,
+                                       ENV_SHA256, ENV_URI, FetchError, FetchPolicy,
+                                       fetch_checkpoint, read_headers_file)
     from ddm.checkpoints.uri import redact_uri
     from ddm.serving.termination import write_termination_message
 
@@ -613,9 +619,17 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
         networks = (args.allow_network if args.allow_network is not None
                     else os.environ.get(ENV_ALLOW_NETWORKS, "").split(","))
         try:
-            policy = FetchPolicy(allowed_networks=parse_networks(networks))
+            policy = FetchPolicy(allowed_networks=parse_networks(networks),
+                                 allowed_hosts=tuple(args.allow_host))
         except ValueError as exc:
             raise UserError(f"--allow-network: {exc}") from None
+        max_bytes = (args.max_bytes if args.max_bytes is not None
+                     else os.environ.get(ENV_MAX_BYTES))
+        if max_bytes is not None:
+            if not str(max_bytes).isdigit() or int(max_bytes) <= 0:
+                raise UserError(f"--max-bytes must be a positive number of bytes, "
+                                f"got {max_bytes}")
+            policy = dataclasses.replace(policy, max_bytes=int(max_bytes))
         if args.deadline is not None:
             policy = dataclasses.replace(policy, deadline_s=args.deadline)
         headers_file = args.headers_file or os.environ.get(ENV_HEADERS_FILE)

@@ -7,12 +7,18 @@ retry, timeout, verification and atomicity promises are checked against real soc
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import struct
+import subprocess
+import sys
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -347,4 +353,99 @@ def test_the_cli_reports_a_failure_in_one_line_with_exit_status_1(origin, tmp_pa
     assert "HTTP 404" in captured.err and captured.err.count("\n") == 1
     # the pod's termination message, which the operator shows in the DDM's status
     assert termination_log.read_text() == captured.err.removeprefix("ddm: error: ")
+    _assert_nothing_left(tmp_path)
+
+
+# -- a small archive of large weights: checked in constant memory, capped on disk -------------
+
+#: The zero weights the bomb inflates to, and what ``ddm fetch-checkpoint`` may use meanwhile:
+#: the interpreter and its imports take about 40 MiB; loading the weights to check them (as
+#: the fetcher once did) takes their size on top.
+BOMB_WEIGHTS = 256 << 20
+FETCH_RSS_BOUND = 128 << 20
+
+
+def _zero_weights_bomb(smoke: Path) -> bytes:
+    """A .tar.gz of a checkpoint whose weights are one ``BOMB_WEIGHTS``-byte tensor of zeros
+    (a valid safetensors file, recorded in config.json): a few hundred kB on the wire."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [BOMB_WEIGHTS],
+                               "data_offsets": [0, BOMB_WEIGHTS]}}).encode()
+    prefix = struct.pack("<Q", len(header)) + header
+    digest = hashlib.sha256(prefix)
+    zeros = bytes(1 << 20)
+    for _ in range(BOMB_WEIGHTS >> 20):
+        digest.update(zeros)
+    config = json.loads((smoke / CONFIG_FILE).read_text())
+    config["weights_sha256"] = digest.hexdigest()
+
+    class Weights(io.RawIOBase):
+        """The file, streamed into the archive without ever being whole in memory."""
+
+        def __init__(self) -> None:
+            self.left = memoryview(prefix)
+            self.zeros = BOMB_WEIGHTS
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            if self.left:
+                n = min(len(buffer), len(self.left))
+                buffer[:n], self.left = self.left[:n], self.left[n:]
+                return n
+            n = min(len(buffer), self.zeros)
+            buffer[:n] = bytes(n)
+            self.zeros -= n
+            return n
+
+    def build(tar: tarfile.TarFile) -> None:
+        _add_bytes(tar, CONFIG_FILE, json.dumps(config).encode())
+        info = tarfile.TarInfo(WEIGHTS_FILE)
+        info.size = len(prefix) + BOMB_WEIGHTS
+        tar.addfile(info, io.BufferedReader(Weights(), 1 << 20))
+
+    return _archive(build)
+
+
+#: ``ddm fetch-checkpoint`` that writes its peak RSS (``VmHWM``, its own address space's: a
+#: child's ``ru_maxrss`` starts at its parent's, from the fork) to the file named first.
+_MEASURED_CLI = """
+import atexit, sys
+from ddm.cli import main
+report = sys.argv.pop(1)
+atexit.register(lambda: open(report, "w").write(next(
+    line for line in open("/proc/self/status") if line.startswith("VmHWM:"))))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _fetch_in_a_child(url: str, dest: Path, *extra: str) -> tuple[int, int]:
+    """Run ``ddm fetch-checkpoint`` as its own process: (exit status, peak RSS in bytes)."""
+    report = dest.parent / "vmhwm"
+    status = subprocess.run([sys.executable, "-c", _MEASURED_CLI, str(report),
+                             "fetch-checkpoint", url, str(dest), *ALLOW_LOOPBACK, *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    peak_kib = int(report.read_text().split()[1])
+    report.unlink()
+    return status, peak_kib << 10
+
+
+def test_an_archive_of_zero_weights_is_checked_without_loading_them(
+        origin, smoke_expert_checkpoint, tmp_path):
+    origin.files["/bomb.tar.gz"] = _zero_weights_bomb(smoke_expert_checkpoint)
+    assert len(origin.files["/bomb.tar.gz"]) < BOMB_WEIGHTS // 256  # a small download
+    status, peak = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert")
+    assert status == 0
+    assert (tmp_path / "expert" / WEIGHTS_FILE).stat().st_size > BOMB_WEIGHTS
+    assert peak < FETCH_RSS_BOUND, f"peak RSS {peak >> 20} MiB"
+
+
+def test_the_admins_lower_cap_refuses_the_bomb_and_leaves_nothing(
+        origin, smoke_expert_checkpoint, tmp_path, termination_log):
+    origin.files["/bomb.tar.gz"] = _zero_weights_bomb(smoke_expert_checkpoint)
+    cap = 32 << 20
+    status, _ = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert",
+                                  "--max-bytes", str(cap))
+    assert status == 1
+    assert "archive member weights.safetensors: more than the" in termination_log.read_text()
     _assert_nothing_left(tmp_path)

@@ -16,7 +16,8 @@ The URI is a tenant's input and the fetcher runs inside the cluster, so (``downl
 
 - Destinations: public addresses only, judged after DNS resolution and connected to as
   checked; loopback, link-local, private and other non-public networks only when allowed
-  explicitly (``allowed_networks``, ``--allow-network CIDR``); cloud metadata never. Every
+  explicitly (``allowed_networks``, ``--allow-network CIDR``; or one host by name,
+  ``allowed_hosts``, ``--allow-host``: the DDM's stager); cloud metadata never. Every
   redirect (at most ``max_redirects``) is checked the same way before any connection to it.
   A refused destination gets one message whatever the cause: errors reach the DDM's status
   and must not map the cluster's network.
@@ -36,10 +37,11 @@ Each file is streamed to disk with a timeout per wait, bounded retries with expo
 back-off on 5xx, 429 and connection errors, one deadline for the whole fetch, and a size limit
 on everything downloaded or extracted. Archives are extracted member by member, at most
 ``max_entries``: only regular files and directories, no absolute paths, no ``..``. The result
-is checked with the checkpoint module's own loader (config and weights' SHA-256) before it is
-moved into place: DEST holds the complete checkpoint or nothing new. DEST may be absent
-(created by one rename) or an existing directory (an emptyDir mount point, which cannot be
-renamed): the checkpoint is staged inside it, and its ``config.json`` is moved in last.
+is checked in constant memory (``verify.verify_checkpoint``: config, SHA-256s streamed, the
+safetensors header; no weight is loaded) before it is moved into place: DEST holds the
+complete checkpoint or nothing new. DEST may be absent (created by one rename) or an existing
+directory (an emptyDir mount point, which cannot be renamed): the checkpoint is staged inside
+it, and its ``config.json`` is moved in last.
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from ddm.checkpoints.destinations import Network
 from ddm.checkpoints.download import FetchError, Received, Retryable, get, shown
-from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, load_checkpoint
-from ddm.checkpoints.uri import REMOTE_SCHEMES, parse_checkpoint, redact_uri
+from ddm.checkpoints.destinations import normal_host
+from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
+from ddm.checkpoints.uri import FETCH_MAX_BYTES, REMOTE_SCHEMES, parse_checkpoint, redact_uri
+from ddm.checkpoints.verify import verify_checkpoint
 
 __all__ = ["FetchError", "FetchPolicy", "fetch_checkpoint", "parse_sha256", "read_headers_file",
            "resolve_url"]
@@ -69,6 +73,7 @@ ENV_URI = "DDM_CHECKPOINT_URI"
 ENV_SHA256 = "DDM_CHECKPOINT_SHA256"
 ENV_HEADERS_FILE = "DDM_FETCH_HEADERS_FILE"
 ENV_ALLOW_NETWORKS = "DDM_FETCH_ALLOW_NETWORKS"
+ENV_MAX_BYTES = "DDM_FETCH_MAX_BYTES"
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 #: Staging directories start with this; a later run removes those an interrupted run left.
 STAGING_PREFIX = ".ddm-fetch-"
@@ -86,17 +91,19 @@ class FetchPolicy:
     attempt, redirect and back-off). ``attempts`` per file, the waits between them
     ``backoff_s``, doubling. ``max_bytes`` downloaded plus extracted in all, ``max_entries``
     in an archive, ``max_redirects`` per request. ``allowed_networks``: non-public networks
-    the fetcher may reach (see ``ddm.checkpoints.destinations``); empty, public hosts only.
+    the fetcher may reach (see ``ddm.checkpoints.destinations``); empty, public hosts only;
+    ``allowed_hosts``: names that may resolve to any address but a metadata one.
     """
 
     timeout_s: float = 60.0
     deadline_s: float = 3600.0  # an hour
     attempts: int = 5
     backoff_s: float = 1.0
-    max_bytes: int = 16 << 30
+    max_bytes: int = FETCH_MAX_BYTES
     max_entries: int = 64
     max_redirects: int = 5
     allowed_networks: tuple[Network, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,7 +185,7 @@ def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
         try:
             ready = _download_checkpoint(base_url, staging, fetch, sha256)
             try:
-                load_checkpoint(ready)
+                verify_checkpoint(ready)
             except CheckpointError as exc:
                 raise FetchError(f"the downloaded checkpoint failed verification: {exc}"
                                  ) from None
@@ -233,7 +240,7 @@ def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: st
     """Download (and extract) into ``staging``; return the directory holding the checkpoint.
 
     The pin covers the archive, or a directory's ``config.json``, fetched first: it records
-    the weights' SHA-256, which ``load_checkpoint`` checks, so one pin covers both files.
+    the weights' SHA-256, which ``verify_checkpoint`` checks, so one pin covers both files.
     """
     parts = urlsplit(base_url)
     budget = fetch.policy.max_bytes
@@ -266,7 +273,8 @@ def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | N
                 received = get(url, out, limit=limit, deadline=fetch.deadline,
                                timeout_s=policy.timeout_s, networks=policy.allowed_networks,
                                pinned=fetch.pinned, max_redirects=policy.max_redirects,
-                               headers=fetch.headers)
+                               headers=fetch.headers,
+                               hosts=frozenset(map(normal_host, policy.allowed_hosts)))
         except Retryable as exc:
             problem = str(exc)
             continue

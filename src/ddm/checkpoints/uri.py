@@ -21,6 +21,9 @@ URI_PATTERN = (
 )
 MAX_URI_LENGTH = 1024
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
+#: The fetcher's default byte cap (downloaded and extracted together); an admin may lower it
+#: (``--max-bytes``, the operator's ``DDM_FETCH_MAX_BYTES``).
+FETCH_MAX_BYTES = 16 << 30
 #: The CLI command the init container runs (``ddm fetch-checkpoint URI DEST``).
 FETCH_COMMAND = ("ddm", "fetch-checkpoint")
 
