@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(commands)
     _add_operator(commands)
     _add_fetch_checkpoint(commands)
+    _add_serve_checkpoints(commands)
     _add_dev_cluster(commands)
     return parser
 
@@ -640,6 +641,28 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
         write_termination_message(str(exc))  # the pod's status shows it; redacted already
         raise
     print(f"fetched {redact_uri(uri)} into {dest}")
+    return 0
+
+
+def _add_serve_checkpoints(commands: argparse._SubParsersAction) -> None:
+    from ddm.checkpoints.uri import STAGER_PORT
+
+    p = commands.add_parser("serve-checkpoints",
+                            help="serve fetched checkpoints read-only to the DDM's pods (the "
+                                 "operator's checkpoint stager runs this)")
+    p.add_argument("root", type=Path, help="the directory holding one checkpoint per key")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=STAGER_PORT, help="port to listen on")
+    p.set_defaults(handler=_serve_checkpoints)
+
+
+def _serve_checkpoints(args: argparse.Namespace) -> int:
+    from ddm.checkpoints.serve import serve_checkpoints
+
+    try:
+        serve_checkpoints(args.root, args.host, args.port)
+    except FileNotFoundError as exc:
+        raise UserError(str(exc)) from None
     return 0
 
 

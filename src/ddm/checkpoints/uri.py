@@ -26,6 +26,14 @@ REMOTE_SCHEMES = ("http", "https", "s3", "gs")
 FETCH_MAX_BYTES = 16 << 30
 #: The CLI command the init container runs (``ddm fetch-checkpoint URI DEST``).
 FETCH_COMMAND = ("ddm", "fetch-checkpoint")
+#: The command of the DDM's checkpoint stager (``ddm serve-checkpoints ROOT``) and its port.
+SERVE_COMMAND = ("ddm", "serve-checkpoints")
+STAGER_PORT = 8070
+
+
+def staged_path(key: str) -> str:
+    """The stager's URL path of the checkpoint staged under ``key`` (a tar of its files)."""
+    return f"/{key}.tar"
 
 
 @dataclass(frozen=True)
