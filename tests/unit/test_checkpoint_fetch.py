@@ -25,7 +25,7 @@ import pytest
 from ddm.checkpoints.destinations import parse_networks
 from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
-from ddm.checkpoints.uri import FETCH_COMMAND, checkpoint_mount, parse_checkpoint
+from ddm.checkpoints.uri import FETCH_COMMAND
 from ddm.cli import main
 
 #: The loopback server's one address: the only non-public destination these fetches may reach.
@@ -181,16 +181,13 @@ def test_bucket_uris_map_to_the_public_https_endpoints():
     assert resolve_url("https://h/p?sig=1", {"AWS_ENDPOINT_URL": "http://x"}) == "https://h/p?sig=1"
 
 
-def test_the_operator_init_container_command_fills_an_existing_mount_point(
-        origin, smoke_expert_checkpoint, tmp_path, capsys):
+def test_the_cli_fills_an_existing_mount_point(origin, smoke_expert_checkpoint, tmp_path,
+                                               capsys):
     mount_point = tmp_path / "models" / "expert"
     mount_point.mkdir(parents=True)  # an emptyDir mount point: it exists and cannot be renamed
     _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
-    mount = checkpoint_mount(parse_checkpoint(f"{origin.url}/smoke"), volume="checkpoint",
-                             mount_path=str(mount_point), fetcher={})
-    command = mount.init_containers[0]["command"]
-    assert tuple(command[:2]) == FETCH_COMMAND
-    assert main([*command[1:], *ALLOW_LOOPBACK]) == 0
+    assert main([*FETCH_COMMAND[1:], f"{origin.url}/smoke", str(mount_point),
+                 *ALLOW_LOOPBACK]) == 0
     _assert_same_checkpoint(mount_point, smoke_expert_checkpoint)
     assert sorted(p.name for p in mount_point.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
     assert f"fetched {origin.url}/smoke into {mount_point}" in capsys.readouterr().out

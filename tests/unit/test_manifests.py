@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import netpolicy
 import pytest
 from podsecurity import violations
 
@@ -19,7 +20,7 @@ from ddm.checkpoints.fetch import ENV_URI, FetchPolicy
 from ddm.operator import fetcher, names
 from ddm.operator.fetcher import build_checkpoint_secret, uri_digest
 from ddm.checkpoints.destinations import METADATA_ADDRESSES
-from ddm.operator.access import build_router_token_secret, store_egress
+from ddm.operator.access import build_router_token_secret
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
@@ -188,27 +189,56 @@ def test_a_checkpoint_inside_the_image_mounts_nothing() -> None:
     assert all(v["name"] != "checkpoint" for v in pod["volumes"])
 
 
+def _stager_pod(children: dict[tuple[str, str], dict]) -> dict:
+    return children[("Deployment", "digits-stager")]["spec"]["template"]["spec"]
+
+
 @pytest.mark.parametrize("uri", ["https://example.com/e.tar", "s3://bucket/e", "gs://bucket/e"])
-def test_a_remote_checkpoint_is_fetched_by_an_init_container(uri: str) -> None:
-    pod = _expert_pod(_expert(checkpoint={"uri": uri}))
-    (fetch,) = pod["initContainers"]
-    assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
+def test_a_remote_checkpoint_is_fetched_by_the_stager_and_copied_by_the_expert(uri: str) -> None:
+    config = dataclasses.replace(CONFIG, fetch_max_bytes=1 << 30)
+    children = _children(_spec(_expert(checkpoint={"uri": uri})), config)
+    staged = f"expert-e-{uri_digest(uri)}"
+    fetch_step, = _stager_pod(children)["initContainers"]
+    assert fetch_step["command"] == ["ddm", "fetch-checkpoint", "--max-bytes", str(1 << 30),
+                                     f"/stage/{staged}"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
-        "name": "digits-checkpoints", "key": "expert-e"}}} in fetch["env"]
-    assert fetch["image"] == "reg/ddm:1"
-    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert {"name": "checkpoint", "mountPath": "/models/expert"} in fetch["volumeMounts"]
-    assert {"name": "checkpoint", "emptyDir": {"sizeLimit": str(FetchPolicy().max_bytes)}} \
-        in pod["volumes"]
+        "name": "digits-checkpoints", "key": "expert-e"}}} in fetch_step["env"]
+    assert fetch_step["image"] == "reg/ddm:1"  # the operator's own image, never a tenant's
+    assert fetch_step["resources"]["requests"]["ephemeral-storage"] == str(1 << 30)
+    assert fetch_step["resources"]["limits"]["memory"]
+    (server,) = _stager_pod(children)["containers"]
+    assert server["command"] == ["ddm", "serve-checkpoints", "/stage", "--port", "8070"]
+    assert {"name": "stage", "mountPath": "/stage", "readOnly": True} in server["volumeMounts"]
+
+    pod = children[("Deployment", "digits-expert-e")]["spec"]["template"]["spec"]
+    (copy_step,) = pod["initContainers"]
+    host = "digits-stager.ml.svc.cluster.local"
+    assert copy_step["command"] == [
+        "ddm", "fetch-checkpoint", f"http://{host}:8070/{staged}.tar", "/models/expert",
+        "--allow-host", host, "--max-bytes", str(1 << 30)]
+    assert "env" not in copy_step or all(e["name"] != "DDM_CHECKPOINT_URI"
+                                         for e in copy_step["env"])
+    assert copy_step["resources"]["requests"]["ephemeral-storage"] == str(1 << 30)
+    assert copy_step["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert {"name": "checkpoint", "mountPath": "/models/expert"} in copy_step["volumeMounts"]
+    assert {"name": "checkpoint", "emptyDir": {"sizeLimit": str(1 << 30)}} in pod["volumes"]
     assert {"name": "checkpoint", "mountPath": "/models/expert", "readOnly": True} in \
         _container(pod)["volumeMounts"]
+    assert not violations(_stager_pod(children))
+
+
+def test_no_stager_without_a_fetched_checkpoint() -> None:
+    children = _children(_spec(_expert(checkpoint={"uri": "pvc://models/e"})))
+    assert all(kind != "Deployment" or "stager" not in name for kind, name in children)
+    assert ("Service", "digits-stager") not in children
 
 
 SIGNED = "https://store.example/m.tar.gz?X-Amz-Signature=c2VjcmV0&X-Amz-Credential=AKIA"
 
 
 def test_the_fetchers_constants_are_the_fetchers() -> None:
-    assert (fetcher.FETCH_MAX_BYTES, fetcher.ENV_URI) == (FetchPolicy().max_bytes, ENV_URI)
+    assert fetcher.ENV_URI == ENV_URI
+    assert OperatorConfig().fetch_max_bytes == FetchPolicy().max_bytes
 
 
 def test_a_fetched_uri_is_in_the_operators_secret_and_nowhere_else() -> None:
@@ -235,21 +265,34 @@ def test_a_fetched_uri_is_in_the_operators_secret_and_nowhere_else() -> None:
 def test_a_pinned_fetch_with_credentials_and_allowed_networks() -> None:
     digest = "AB" * 32
     config = dataclasses.replace(CONFIG, fetch_allow_networks=("10.0.3.7/32", "fd00:1::/64"))
-    pod = _expert_pod(_expert(checkpoint={
-        "uri": "http://store.example/m.tar.gz", "sha256": f"sha256:{digest}",
-        "credentialsSecret": {"name": "store-login", "key": "headers.txt"}}), config)
-    (fetch,) = pod["initContainers"]
+    uri = "http://store.example/m.tar.gz"
+    children = _children(_spec(_expert(checkpoint={
+        "uri": uri, "sha256": f"sha256:{digest}",
+        "credentialsSecret": {"name": "store-login", "key": "headers.txt"}})), config)
+    stager = _stager_pod(children)
+    (fetch,) = stager["initContainers"]
     assert fetch["command"] == [
         "ddm", "fetch-checkpoint", "--sha256", digest.lower(),
         "--headers-file", "/var/run/secrets/ddm/checkpoint-credentials/headers",
-        "--allow-network", "10.0.3.7/32", "--allow-network", "fd00:1::/64", "/models/expert"]
-    assert {"name": "checkpoint-credentials", "secret": {
+        "--allow-network", "10.0.3.7/32", "--allow-network", "fd00:1::/64",
+        "--max-bytes", str(16 << 30), f"/stage/expert-e-{uri_digest(uri)}"]
+    assert {"name": "credentials-expert-e", "secret": {
         "secretName": "store-login", "defaultMode": 0o400,
-        "items": [{"key": "headers.txt", "path": "headers"}]}} in pod["volumes"]
-    credentials = {"name": "checkpoint-credentials", "readOnly": True,
+        "items": [{"key": "headers.txt", "path": "headers"}]}} in stager["volumes"]
+    credentials = {"name": "credentials-expert-e", "readOnly": True,
                    "mountPath": "/var/run/secrets/ddm/checkpoint-credentials"}
     assert credentials in fetch["volumeMounts"]
-    assert credentials not in _container(pod)["volumeMounts"]  # the fetcher's alone
+    assert credentials not in _container(stager)["volumeMounts"]  # the fetch step's alone
+    expert = children[("Deployment", "digits-expert-e")]["spec"]["template"]["spec"]
+    assert "store-login" not in json.dumps(expert)  # serving pods never see the credentials
+
+
+def test_the_admin_sets_the_fetch_cap() -> None:
+    assert OperatorConfig.from_env({"DDM_FETCH_MAX_BYTES": "1073741824"}).fetch_max_bytes == \
+        1 << 30
+    for bad in ("-1", "1Gi", "0"):
+        with pytest.raises(ValueError, match="DDM_FETCH_MAX_BYTES must be a positive number"):
+            OperatorConfig.from_env({"DDM_FETCH_MAX_BYTES": bad})
 
 
 def test_the_operators_fetch_networks_must_be_cidrs() -> None:
@@ -289,7 +332,7 @@ def test_every_pod_runs_restricted_with_writable_scratch() -> None:
         _expert("c", accelerator={"type": "tpu"}),
         router={"checkpoint": {"uri": "https://example.com/router"}}))
     pods = _pods(children)
-    assert len(pods) == 4
+    assert len(pods) == 5  # the experts, the router, the stager
     for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == 10001
@@ -312,7 +355,7 @@ def test_every_pod_passes_the_restricted_pod_security_profile() -> None:
         _expert("c", accelerator={"type": "tpu"}, checkpoint={"uri": "gs://bkt/c"}),
         router={"checkpoint": {"uri": "https://example.com/router"}, "auth": {}}))
     pods = _pods(children)
-    assert len(pods) == 4 and sum(bool(pod.get("initContainers")) for pod in pods) == 3
+    assert len(pods) == 5 and sum(bool(pod.get("initContainers")) for pod in pods) == 4
     for pod in pods:
         assert violations(pod) == []
 
@@ -489,42 +532,86 @@ def test_malformed_scrapers_are_refused_by_name(peers: Any, message: str) -> Non
         OperatorConfig.from_env({"DDM_METRICS_FROM": json.dumps(peers)})
 
 
-def test_egress_router_to_its_experts_and_dns_fetchers_to_stores_not_metadata() -> None:
+#: What the stager must never reach unless an admin allows it.
+CLOSED = {"private": ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"],
+          "loopback": ["127.0.0.0/8", "::1/128"], "link-local": ["169.254.0.0/16", "fe80::/10"],
+          "CGNAT": ["100.64.0.0/10"], "ULA": ["fc00::/7"],
+          "metadata": [f"{a}/{a.max_prefixlen}" for a in METADATA_ADDRESSES]}
+DNS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+
+
+def _policies(children: dict[tuple[str, str], dict]) -> list[dict]:
+    return [c for (kind, _), c in children.items() if kind == "NetworkPolicy"]
+
+
+def test_serving_pods_send_only_to_their_experts_the_stager_and_the_cluster_dns() -> None:
     config = OperatorConfig(images=CONFIG.images, network_policy=True)
     raw = _spec(_expert("a", checkpoint={"uri": "s3://models/a"}), _expert("b"))
     children = _children(raw, config)
-    fetching, local = (_pod_labels(children, f"digits-expert-{e}") for e in ("a", "b"))
-    router = _pod_labels(children, "digits-router")
-    router_egress = children[("NetworkPolicy", "digits-router")]["spec"]["egress"]
-    to_experts, dns = router_egress
-    assert _matches(to_experts["to"][0]["podSelector"], fetching)
-    assert _matches(to_experts["to"][0]["podSelector"], local)
-    assert [p["port"] for p in to_experts["ports"]] == [names.EXPERT_PORT]
-    assert dns == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    policies = _policies(children)
+    stager = _pod_labels(children, "digits-stager")
+    for name in ("digits-expert-a", "digits-expert-b", "digits-router"):
+        labels = _pod_labels(children, name)
+        rules = netpolicy.egress_rules(policies, labels)
+        assert rules, name  # restricted, and to something
+        for rule in rules:
+            for peer in rule["to"]:
+                assert "ipBlock" not in peer, name
+                if "namespaceSelector" in peer:  # the cluster DNS, port 53 only
+                    assert peer == DNS_PEER
+                    assert {p["port"] for p in rule["ports"]} == {53}
+                else:
+                    assert peer["podSelector"]["matchLabels"][names.DEPLOYMENT_LABEL] == "digits"
+                    assert peer["podSelector"]["matchLabels"][names.COMPONENT_LABEL] in (
+                        "expert", "stager")
+        assert not netpolicy.admits_address(rules, ipaddress.ip_address("8.8.8.8"))
+        to_stager = [r for r in rules for p in r["to"]
+                     if "podSelector" in p and "namespaceSelector" not in p
+                     and netpolicy.selects(p["podSelector"], stager)]
+        assert [p["port"] for r in to_stager for p in r["ports"]] == [8070]
+        assert not netpolicy.selects(children[("NetworkPolicy", "digits-stager")]["spec"][
+            "podSelector"], labels)
 
-    fetch = children[("NetworkPolicy", "digits-fetch")]["spec"]
-    assert fetch["policyTypes"] == ["Egress"]  # a pod selects no init container alone
-    assert _matches(fetch["podSelector"], fetching)
-    assert not _matches(fetch["podSelector"], local) and not _matches(fetch["podSelector"], router)
-    dns, store = fetch["egress"]
-    v4, v6 = (block["ipBlock"] for block in store["to"])
-    assert (v4["cidr"], v6["cidr"]) == ("0.0.0.0/0", "::/0")
-    assert {"169.254.0.0/16", "100.100.100.200/32"} <= set(v4["except"])
-    assert {"fe80::/10", "fd00:ec2::254/128"} <= set(v6["except"])
-    assert "ports" not in store  # any port of the store
+
+@pytest.mark.parametrize("allowed", [(), ("10.0.3.7/32", "169.254.0.0/16", "fd00:1::/64")])
+def test_the_stager_reaches_public_stores_never_private_or_metadata_ranges(allowed) -> None:
+    config = OperatorConfig(images=CONFIG.images, network_policy=True,
+                            fetch_allow_networks=allowed)
+    children = _children(_spec(_expert("a", checkpoint={"uri": "s3://models/a"})), config)
+    stager = _pod_labels(children, "digits-stager")
+    rules = netpolicy.egress_rules(_policies(children), stager)
+    for kind, networks in CLOSED.items():
+        for network in networks:
+            for address in netpolicy.samples(network):
+                readmitted = any(address in ipaddress.ip_network(n) for n in allowed)
+                assert netpolicy.admits_address(rules, address) == (
+                    readmitted and kind != "metadata"), (kind, address)
+    for public in ("8.8.8.8", "52.216.0.1", "2600:1f18::1"):
+        assert netpolicy.admits_address(rules, ipaddress.ip_address(public))
+    ingress = children[("NetworkPolicy", "digits-stager")]["spec"]["ingress"]
+    assert ingress == [{"from": [{"podSelector": {"matchLabels": {
+        names.DEPLOYMENT_LABEL: "digits"}}}], "ports": [{"protocol": "TCP", "port": 8070}]}]
 
 
-def test_an_allowed_link_local_store_opens_link_local_but_never_metadata() -> None:
-    (v4, v6) = (b["ipBlock"] for b in store_egress(("169.254.20.0/24",))["to"])
-    assert "169.254.0.0/16" not in v4["except"]
-    assert {"169.254.169.254/32", "169.254.170.2/32"} <= set(v4["except"])
-    assert "fe80::/10" in v6["except"]
-    metadata = {ipaddress.ip_network(a) for a in METADATA_ADDRESSES}
-    for allowed in ((), ("169.254.0.0/16", "fe80::/10")):
-        closed = [ipaddress.ip_network(n) for b in store_egress(allowed)["to"]
-                  for n in b["ipBlock"]["except"]]
-        assert all(any(a.subnet_of(c) for c in closed if c.version == a.version)
-                   for a in metadata)
+def test_without_fetches_experts_send_nothing() -> None:
+    config = OperatorConfig(images=CONFIG.images, network_policy=True)
+    children = _children(_spec(_expert("a")), config)
+    assert children[("NetworkPolicy", "digits-experts")]["spec"]["egress"] == []
+    assert ("NetworkPolicy", "digits-stager") not in children
+
+
+def test_the_cluster_dns_is_the_admins_choice() -> None:
+    config = OperatorConfig.from_env({
+        "DDM_NETWORK_POLICY": "true",
+        "DDM_DNS_NAMESPACE_SELECTOR": '{"matchLabels": {"name": "dns"}}',
+        "DDM_DNS_POD_SELECTOR": '{"matchLabels": {"app": "coredns"}}'})
+    children = _children(_spec(_expert("a")), config)
+    (_, dns) = children[("NetworkPolicy", "digits-router")]["spec"]["egress"]
+    assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"name": "dns"}},
+                          "podSelector": {"matchLabels": {"app": "coredns"}}}]
+    with pytest.raises(ValueError, match="label selector"):
+        OperatorConfig.from_env({"DDM_DNS_POD_SELECTOR": '{"app": "coredns"}'})
 
 
 def test_network_policies_only_when_turned_on() -> None:

@@ -2,8 +2,9 @@
 
 - ``pvc://CLAIM[/SUB/PATH]``: the claim, mounted read-only (at ``SUB/PATH`` with a subPath).
 - ``image:///ABS/PATH``: already inside the image; nothing is mounted.
-- ``http(s)://...``, ``s3://BUCKET/KEY``, ``gs://BUCKET/KEY``: an init container runs
-  ``ddm fetch-checkpoint URI DEST`` into an emptyDir, so the server starts from local files.
+- ``http(s)://...``, ``s3://BUCKET/KEY``, ``gs://BUCKET/KEY``: the DDM's checkpoint stager
+  runs ``ddm fetch-checkpoint URI DEST``, and an init container copies the verified
+  checkpoint from it into an emptyDir, so the server starts from local files.
 - ``file:///ABS/PATH``: a hostPath volume. It exposes the node's own files to the pod, so the
   operator refuses it unless it was started with host paths allowed (single-node clusters).
 """
@@ -71,13 +72,10 @@ class CheckpointMount:
     init_containers: list[dict[str, Any]] = field(default_factory=list)
 
 
-def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: str,
-                     fetcher: dict[str, Any]) -> CheckpointMount:
-    """Volumes, mounts and init containers that put ``checkpoint`` at ``mount_path``.
-
-    ``fetcher`` is the init container to run for remote URIs, without its command: the same
-    image and security context as the server, so the fetch runs as the same non-root user.
-    """
+def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: str
+                     ) -> CheckpointMount:
+    """Volumes and mounts that put a local (pvc, image, file) ``checkpoint`` at ``mount_path``
+    (a fetched one is copied from the DDM's stager: ``ddm.operator.fetcher``)."""
     scheme = checkpoint.scheme
     if scheme == "image":
         return CheckpointMount(path=checkpoint.path)
@@ -89,24 +87,11 @@ def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: s
             path=mount_path,
             volumes=[{"name": volume, "persistentVolumeClaim": claim}],
             mounts=[{**read_only, "subPath": sub_path} if sub_path else read_only])
-    if scheme == "file":
-        return CheckpointMount(
-            path=mount_path,
-            volumes=[{"name": volume, "hostPath": {"path": checkpoint.path, "type": "Directory"}}],
-            mounts=[read_only])
-    assert scheme in REMOTE_SCHEMES, scheme
-    fetch = {
-        **fetcher,
-        "name": f"fetch-{volume}",
-        "command": [*FETCH_COMMAND, checkpoint.uri, mount_path],
-        "volumeMounts": [*fetcher.get("volumeMounts", []),
-                         {"name": volume, "mountPath": mount_path}],
-    }
+    assert scheme == "file", scheme
     return CheckpointMount(
         path=mount_path,
-        volumes=[{"name": volume, "emptyDir": {}}],
-        mounts=[read_only],
-        init_containers=[fetch])
+        volumes=[{"name": volume, "hostPath": {"path": checkpoint.path, "type": "Directory"}}],
+        mounts=[read_only])
 
 
 def redact_uri(uri: str) -> str:

@@ -1,17 +1,18 @@
-"""The checkpoint fetcher's init container and the Secret its URIs travel in (pure builders).
+"""The checkpoint stager's fetch steps and the Secret their URIs travel in (pure builders).
 
 A fetched checkpoint's URI is a tenant's input that may carry a secret (a pre-signed URL's
 ``X-Amz-Signature=...``), so it never appears in a child's spec: the operator writes every
 fetched URI of a DDMDeployment into one Secret it owns (``<name>-checkpoints``, one key per
-pod kind: ``router``, ``expert-<name>``), and the init container reads it from
-``$DDM_CHECKPOINT_URI`` (``ddm fetch-checkpoint DEST``). Its command carries only what is not
-secret: the pinned ``--sha256``, the ``--headers-file`` of the spec's ``credentialsSecret``
-(that one key, mounted read-only with mode 0400 into the init container alone), and the
-operator-wide ``--allow-network`` CIDRs. The pod template carries a hash of the URI
-(``names.CHECKPOINT_HASH_ANNOTATION``), so a new URI rolls the pods as a new command would.
+pod kind: ``router``, ``expert-<name>``), or the spec names the user's own Secret
+(``checkpoint.uriFrom.secretKeyRef``, which the operator never reads); the fetch step reads it
+from ``$DDM_CHECKPOINT_URI`` (``ddm fetch-checkpoint DEST``). Its command carries only what is
+not secret: the pinned ``--sha256``, the ``--headers-file`` of the spec's
+``credentialsSecret`` (that one key, mounted read-only with mode 0400 into that step alone),
+the operator-wide ``--allow-network`` CIDRs and ``--max-bytes`` cap.
 
-The checkpoint's emptyDir is capped at the fetcher's own byte cap (``FetchPolicy.max_bytes``,
-the download and its extraction together).
+The fetch steps run in the DDM's checkpoint stager (``stager``), never in a serving pod: only
+the stager's pod may reach the stores. Each step has requests and limits
+(``FETCH_RESOURCES``), and requests as much ephemeral storage as it may write: the cap.
 """
 
 from __future__ import annotations
@@ -20,18 +21,27 @@ import base64
 import hashlib
 from typing import Any, Mapping
 
-from ddm.checkpoints.uri import FETCH_COMMAND, REMOTE_SCHEMES, CheckpointMount, CheckpointSource
+from ddm.checkpoints.uri import (
+    FETCH_COMMAND,
+    REMOTE_SCHEMES,
+    SERVE_COMMAND,
+    STAGER_PORT,
+    CheckpointSource,
+    staged_path,
+)
 from ddm.deploy.spec import DDMSpec, FetchOptions
 from ddm.operator import names
 
-# ``ddm.checkpoints.fetch`` declares these two; it imports NumPy (through the checkpoint
-# format), which the operator must not, so they are repeated here and a unit test
+# ``ddm.checkpoints.fetch`` declares this; it imports NumPy (through the checkpoint format),
+# which the operator must not, so it is repeated here and a unit test
 # (tests/unit/test_manifests.py) keeps them equal.
-#: The fetcher's byte cap (``FetchPolicy.max_bytes``): the checkpoint emptyDir's sizeLimit.
-FETCH_MAX_BYTES = 16 << 30
-FETCH_SIZE_LIMIT = str(FETCH_MAX_BYTES)
 #: The variable the fetcher reads its URI from (``fetch.ENV_URI``).
 ENV_URI = "DDM_CHECKPOINT_URI"
+#: A fetch step's CPU and memory: ``ddm fetch-checkpoint`` streams to disk and checks a
+#: checkpoint in constant memory (about 40 MiB resident; tests/unit/test_checkpoint_fetch.py
+#: bounds it at 128 MiB with 256 MiB of weights).
+FETCH_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"},
+                   "limits": {"cpu": "1", "memory": "256Mi"}}
 #: Where the fetcher reads the store's HTTP headers (the credentials Secret's one key).
 CREDENTIALS_DIR = "/var/run/secrets/ddm/checkpoint-credentials"
 CREDENTIALS_FILE = f"{CREDENTIALS_DIR}/headers"
@@ -43,14 +53,25 @@ def expert_key(expert: str) -> str:
     return f"expert-{expert}"
 
 
-def fetched_uris(spec: DDMSpec) -> dict[str, str]:
-    """Secret key -> URI of every checkpoint the DDM fetches (none: no Secret is needed)."""
-    uris = {expert_key(e.name): e.checkpoint.uri for e in spec.experts
-            if e.checkpoint.scheme in REMOTE_SCHEMES}
+def fetched(spec: DDMSpec) -> list[tuple[str, CheckpointSource, FetchOptions]]:
+    """(Secret key, checkpoint, options) of every checkpoint the DDM fetches."""
+    found = [(expert_key(e.name), e.checkpoint, e.fetch) for e in spec.experts
+             if e.checkpoint.scheme in REMOTE_SCHEMES]
     router = spec.router.checkpoint
     if router is not None and router.scheme in REMOTE_SCHEMES:
-        uris[ROUTER_KEY] = router.uri
-    return uris
+        found.append((ROUTER_KEY, router, spec.router.fetch))
+    return found
+
+
+def fetched_uris(spec: DDMSpec) -> dict[str, str]:
+    """Secret key -> URI of every checkpoint the DDM fetches (none: no Secret is needed)."""
+    return {key: checkpoint.uri for key, checkpoint, _ in fetched(spec)}
+
+
+def staged_key(key: str, checkpoint: CheckpointSource) -> str:
+    """Where the stager keeps ``checkpoint`` (``key`` and the URI's hash): a serving pod of a
+    new URI never copies what a stager of the old one still serves."""
+    return f"{key}-{uri_digest(checkpoint.uri)}"
 
 
 def build_checkpoint_secret(spec: DDMSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,35 +94,60 @@ def uri_digest(uri: str) -> str:
     return hashlib.sha256(uri.encode()).hexdigest()[:16]
 
 
-def fetch_mount(checkpoint: CheckpointSource, options: FetchOptions, *, owner: str, key: str,
-                volume: str, mount_path: str, fetcher: dict[str, Any],
-                allow_networks: tuple[str, ...]) -> CheckpointMount:
-    """The emptyDir, mounts and init container that fetch ``checkpoint`` to ``mount_path``.
+def fetch_resources(max_bytes: int) -> dict[str, dict[str, str]]:
+    """``FETCH_RESOURCES`` with the ephemeral storage of ``max_bytes`` requested."""
+    return {"requests": {**FETCH_RESOURCES["requests"], "ephemeral-storage": str(max_bytes)},
+            "limits": dict(FETCH_RESOURCES["limits"])}
 
-    ``fetcher``: the init container without its command (the server's image and security
-    context); ``key``: the URI's key in the checkpoint Secret.
-    """
+
+def fetch_step(checkpoint: CheckpointSource, options: FetchOptions, *, owner: str, key: str,
+               dest: str, base: dict[str, Any], allow_networks: tuple[str, ...],
+               max_bytes: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The init container that fetches ``checkpoint`` to ``dest``, and the volumes it needs
+    (its credentials). ``base``: the container without its name and command (image, security
+    context, the volume ``dest`` is on); ``key``: the URI's key in the checkpoint Secret."""
     assert checkpoint.scheme in REMOTE_SCHEMES, checkpoint.scheme
     command = [*FETCH_COMMAND]
     if options.sha256:
         command += ["--sha256", options.sha256]
-    volumes = [{"name": volume, "emptyDir": {"sizeLimit": FETCH_SIZE_LIMIT}}]
-    mounts = [*fetcher.get("volumeMounts", []), {"name": volume, "mountPath": mount_path}]
+    volumes, mounts = [], list(base.get("volumeMounts", []))
     credentials = options.credentials
     if credentials is not None:
+        volume = f"credentials-{key}"
         command += ["--headers-file", CREDENTIALS_FILE]
-        volumes.append({"name": f"{volume}-credentials", "secret": {
+        volumes.append({"name": volume, "secret": {
             "secretName": credentials.name, "defaultMode": 0o400,
             "items": [{"key": credentials.key, "path": "headers"}]}})
-        mounts.append({"name": f"{volume}-credentials", "mountPath": CREDENTIALS_DIR,
-                       "readOnly": True})
+        mounts.append({"name": volume, "mountPath": CREDENTIALS_DIR, "readOnly": True})
     for network in allow_networks:
         command += ["--allow-network", network]
+    command += ["--max-bytes", str(max_bytes)]
     uri_env = {"name": ENV_URI, "valueFrom": {"secretKeyRef": {
         "name": names.checkpoint_secret_name(owner), "key": key}}}
-    init = {**fetcher, "name": f"fetch-{volume}", "command": [*command, mount_path],
-            "env": [*fetcher.get("env", []), uri_env], "volumeMounts": mounts}
-    return CheckpointMount(
-        path=mount_path, volumes=volumes,
-        mounts=[{"name": volume, "mountPath": mount_path, "readOnly": True}],
-        init_containers=[init])
+    step = {**base, "name": f"fetch-{key}", "command": [*command, dest],
+            "env": [*base.get("env", []), uri_env], "volumeMounts": mounts,
+            "resources": fetch_resources(max_bytes)}
+    return step, volumes
+
+
+def copy_step(staged: str, *, owner: str, namespace: str, cluster_domain: str, dest: str,
+              base: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """A serving pod's init container: copies the checkpoint staged as ``staged`` from the
+    stager Service into ``dest``, allowed to reach that one name (``--allow-host``) and
+    nothing else, and verifies it as the stager did."""
+    host = names.stager_host(owner, namespace, cluster_domain)
+    url = f"http://{host}:{STAGER_PORT}{staged_path(staged)}"
+    return {**base, "name": "copy-checkpoint",
+            "command": [*FETCH_COMMAND, url, dest, "--allow-host", host,
+                        "--max-bytes", str(max_bytes)],
+            "resources": fetch_resources(max_bytes)}
+
+
+def serve_step(root: str, base: dict[str, Any], staged_bytes: int) -> dict[str, Any]:
+    """The stager's one container: serves what its fetch steps left under ``root``,
+    read-only; ready once it listens (after every fetch step succeeded)."""
+    return {**base, "name": "stager",
+            "command": [*SERVE_COMMAND, root, "--port", str(STAGER_PORT)],
+            "ports": [{"name": "http", "containerPort": STAGER_PORT, "protocol": "TCP"}],
+            "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+            "resources": fetch_resources(staged_bytes)}

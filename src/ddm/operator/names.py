@@ -3,9 +3,11 @@
 Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
 ``<name>-expert-<expert>`` (Deployment, headless Service), with router authentication
 ``<name>-router-token`` (a Secret the operator creates when the spec names none), with
-fetched checkpoints ``<name>-checkpoints`` (a Secret holding their URIs), and with
-NetworkPolicies on ``<name>-experts`` and ``<name>-router``. The CRD bounds both names so
-that every Service name stays a DNS-1035 label of at most 63 characters.
+fetched checkpoints ``<name>-checkpoints`` (a Secret holding their URIs) and
+``<name>-stager`` (the Deployment and Service that fetch and hand them out), and with
+NetworkPolicies on ``<name>-experts``, ``<name>-router`` and ``<name>-stager``. The CRD
+bounds both names so that every Service name stays a DNS-1035 label of at most 63
+characters.
 """
 
 from __future__ import annotations
@@ -22,8 +24,6 @@ MANAGED_BY = "ddm-operator"
 DEPLOYMENT_LABEL = "ddm.dev/deployment"
 EXPERT_LABEL = "ddm.dev/expert"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-#: On the pods whose init container fetches a checkpoint: their NetworkPolicy lets them out.
-FETCH_LABEL = "ddm.dev/fetches-checkpoint"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 #: Hash of a child's desired manifest: a spec change rewrites only the children it alters.
 SPEC_HASH_ANNOTATION = "ddm.dev/spec-hash"
@@ -75,14 +75,24 @@ def checkpoint_secret_name(owner: str) -> str:
     return f"{owner}-checkpoints"
 
 
+def stager_name(owner: str) -> str:
+    """The checkpoint stager's Deployment and Service (only when the DDM fetches one)."""
+    return f"{owner}-stager"
+
+
+def stager_host(owner: str, namespace: str, cluster_domain: str) -> str:
+    """The stager Service's name, which the serving pods' copies are allowed to reach."""
+    return f"{stager_name(owner)}.{namespace}.svc.{cluster_domain}"
+
+
 def network_policy_name(owner: str, component: str) -> str:
-    """The NetworkPolicy guarding ``component`` (experts, router, or fetch: the pods that
-    fetch a checkpoint)."""
+    """The NetworkPolicy guarding ``component`` (experts, router or stager)."""
     return f"{owner}-{component}"
 
 
 def labels(owner: str, component: str, expert: str | None = None) -> dict[str, str]:
-    """The recommended ``app.kubernetes.io/*`` labels plus ours; ``component`` is expert|router."""
+    """The recommended ``app.kubernetes.io/*`` labels plus ours; ``component`` is
+    expert|router|stager."""
     out = {
         "app.kubernetes.io/name": "ddm",
         "app.kubernetes.io/instance": owner,
