@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from ddm.operator.fetcher import build_checkpoint_secret, uri_digest
 from ddm.checkpoints.destinations import METADATA_ADDRESSES
 from ddm.operator.access import build_router_token_secret
 from ddm.operator.config import Images, OperatorConfig
+from ddm.operator.policy import policy_problems
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
     build_children,
@@ -802,3 +804,42 @@ def test_every_container_command_is_a_valid_ddm_command_listening_on_all_address
             assert command[0] == "ddm"
             args = build_parser().parse_args(command[1:])  # SystemExit if a flag is unknown
             assert args.host == "0.0.0.0", command
+
+
+def test_a_uri_held_in_the_users_secret_is_read_by_the_fetch_step_alone() -> None:
+    held = {"uriFrom": {"secretKeyRef": {"name": "signed-urls", "key": "expert-a"}},
+            "sha256": "ab" * 32}
+    raw = _spec(_expert("a", checkpoint=held))
+    spec = parse_spec(raw)
+    assert build_checkpoint_secret(spec, META)["data"] == {}  # the operator holds no copy
+    children = _children(raw)
+    (fetch,) = _stager_pod(children)["initContainers"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": "signed-urls", "key": "expert-a"}}} in fetch["env"]
+    assert fetch["command"][:4] == ["ddm", "fetch-checkpoint", "--sha256", "ab" * 32]
+    expert = children[("Deployment", "digits-expert-a")]["spec"]["template"]
+    assert "signed-urls" not in json.dumps(expert["spec"])
+    assert expert["metadata"]["annotations"][names.CHECKPOINT_HASH_ANNOTATION] == uri_digest(
+        "secret://signed-urls/expert-a")
+
+
+@pytest.mark.parametrize("checkpoint, problem", [
+    ({"uri": "s3://m/a", "uriFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+     "checkpoint.uriFrom: give uri or uriFrom, not both"),
+    ({"uriFrom": {}}, "checkpoint.uriFrom.secretKeyRef: is required"),
+    ({"uriFrom": {"secretKeyRef": {"name": "s"}}}, "secretKeyRef.key: is required"),
+    ({}, "checkpoint.uri: is required (or uriFrom.secretKeyRef)"),
+    ({"uri": "secret://s/k"}, "is not a checkpoint URI"),
+])
+def test_a_checkpoint_names_one_uri_or_one_secret_key(checkpoint: dict, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_spec(_spec(_expert("a", checkpoint=checkpoint)))
+
+
+def test_an_allow_list_admits_secret_held_uris_only_by_their_own_entry() -> None:
+    spec = parse_spec(_spec(_expert("a", checkpoint={
+        "uriFrom": {"secretKeyRef": {"name": "signed-urls", "key": "a"}}})))
+    assert policy_problems(spec, (), ("image://", "s3://models/")) == [
+        "spec.experts[0].checkpoint.uri: 'secret://signed-urls/a' is not among the checkpoint "
+        "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image://, s3://models/)"]
+    assert policy_problems(spec, (), ("image://", "s3://models/", "secret://")) == []

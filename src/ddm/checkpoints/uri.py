@@ -22,6 +22,11 @@ URI_PATTERN = (
 )
 MAX_URI_LENGTH = 1024
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
+#: A checkpoint whose URI is in a key of the user's Secret (the spec's
+#: ``uriFrom.secretKeyRef``): fetched like the remote ones, by a fetch step that reads the
+#: Secret itself; the operator never sees the URI. Shown as ``secret://NAME/KEY``.
+SECRET_SCHEME = "secret"
+FETCHED_SCHEMES = (*REMOTE_SCHEMES, SECRET_SCHEME)
 #: The fetcher's default byte cap (downloaded and extracted together); an admin may lower it
 #: (``--max-bytes``, the operator's ``DDM_FETCH_MAX_BYTES``).
 FETCH_MAX_BYTES = 16 << 30
@@ -47,6 +52,11 @@ class CheckpointSource:
     scheme: str
     location: str
     path: str
+
+
+def secret_checkpoint(name: str, key: str) -> CheckpointSource:
+    """The checkpoint whose URI is ``key`` of the Secret ``name`` (``SECRET_SCHEME``)."""
+    return CheckpointSource(f"{SECRET_SCHEME}://{name}/{key}", SECRET_SCHEME, name, key)
 
 
 def parse_checkpoint(uri: str) -> CheckpointSource:

@@ -23,7 +23,8 @@ from typing import Any, Mapping
 
 from ddm.checkpoints.uri import (
     FETCH_COMMAND,
-    REMOTE_SCHEMES,
+    FETCHED_SCHEMES,
+    SECRET_SCHEME,
     SERVE_COMMAND,
     STAGER_PORT,
     CheckpointSource,
@@ -56,16 +57,18 @@ def expert_key(expert: str) -> str:
 def fetched(spec: DDMSpec) -> list[tuple[str, CheckpointSource, FetchOptions]]:
     """(Secret key, checkpoint, options) of every checkpoint the DDM fetches."""
     found = [(expert_key(e.name), e.checkpoint, e.fetch) for e in spec.experts
-             if e.checkpoint.scheme in REMOTE_SCHEMES]
+             if e.checkpoint.scheme in FETCHED_SCHEMES]
     router = spec.router.checkpoint
-    if router is not None and router.scheme in REMOTE_SCHEMES:
+    if router is not None and router.scheme in FETCHED_SCHEMES:
         found.append((ROUTER_KEY, router, spec.router.fetch))
     return found
 
 
 def fetched_uris(spec: DDMSpec) -> dict[str, str]:
-    """Secret key -> URI of every checkpoint the DDM fetches (none: no Secret is needed)."""
-    return {key: checkpoint.uri for key, checkpoint, _ in fetched(spec)}
+    """Secret key -> URI of every checkpoint the DDM fetches from a URI in its spec (none: no
+    Secret is needed; a URI in the user's Secret stays there)."""
+    return {key: checkpoint.uri for key, checkpoint, _ in fetched(spec)
+            if checkpoint.scheme != SECRET_SCHEME}
 
 
 def staged_key(key: str, checkpoint: CheckpointSource) -> str:
@@ -105,8 +108,9 @@ def fetch_step(checkpoint: CheckpointSource, options: FetchOptions, *, owner: st
                max_bytes: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The init container that fetches ``checkpoint`` to ``dest``, and the volumes it needs
     (its credentials). ``base``: the container without its name and command (image, security
-    context, the volume ``dest`` is on); ``key``: the URI's key in the checkpoint Secret."""
-    assert checkpoint.scheme in REMOTE_SCHEMES, checkpoint.scheme
+    context, the volume ``dest`` is on); ``key``: the URI's key in the checkpoint Secret,
+    unless the URI is in the user's (``SECRET_SCHEME``: ``location`` and ``path`` name it)."""
+    assert checkpoint.scheme in FETCHED_SCHEMES, checkpoint.scheme
     command = [*FETCH_COMMAND]
     if options.sha256:
         command += ["--sha256", options.sha256]
@@ -122,8 +126,10 @@ def fetch_step(checkpoint: CheckpointSource, options: FetchOptions, *, owner: st
     for network in allow_networks:
         command += ["--allow-network", network]
     command += ["--max-bytes", str(max_bytes)]
-    uri_env = {"name": ENV_URI, "valueFrom": {"secretKeyRef": {
-        "name": names.checkpoint_secret_name(owner), "key": key}}}
+    held = ({"name": checkpoint.location, "key": checkpoint.path}
+            if checkpoint.scheme == SECRET_SCHEME
+            else {"name": names.checkpoint_secret_name(owner), "key": key})
+    uri_env = {"name": ENV_URI, "valueFrom": {"secretKeyRef": held}}
     step = {**base, "name": f"fetch-{key}", "command": [*command, dest],
             "env": [*base.get("env", []), uri_env], "volumeMounts": mounts,
             "resources": fetch_resources(max_bytes)}

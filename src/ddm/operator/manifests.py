@@ -28,7 +28,7 @@ from ddm.operator.access import (
     router_token,
 )
 from ddm.checkpoints.uri import (
-    REMOTE_SCHEMES,
+    FETCHED_SCHEMES,
     STAGER_PORT,
     CheckpointMount,
     CheckpointSource,
@@ -346,7 +346,7 @@ def _checkpoint(checkpoint: CheckpointSource, mount_path: str, image: str,
                 config: OperatorConfig, meta: Mapping[str, Any], key: str) -> CheckpointMount:
     """How the pod gets its checkpoint; a fetched one is copied from the DDM's stager
     (``fetcher.copy_step``), into an emptyDir of the fetch's cap."""
-    if checkpoint.scheme not in REMOTE_SCHEMES:
+    if checkpoint.scheme not in FETCHED_SCHEMES:
         return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path)
     fetcher = _fetcher(image, config)
     fetcher["volumeMounts"].append({"name": "checkpoint", "mountPath": mount_path})
@@ -364,7 +364,7 @@ def _checkpoint(checkpoint: CheckpointSource, mount_path: str, image: str,
 
 def _checkpoint_annotation(checkpoint: CheckpointSource | None) -> dict[str, str]:
     """The pod template's hash of a fetched URI (the URI itself is in a Secret)."""
-    if checkpoint is None or checkpoint.scheme not in REMOTE_SCHEMES:
+    if checkpoint is None or checkpoint.scheme not in FETCHED_SCHEMES:
         return {}
     return {names.CHECKPOINT_HASH_ANNOTATION: uri_digest(checkpoint.uri)}
 

@@ -13,6 +13,9 @@ Each entry is a prefix that ends where a name does, so that it cannot be stretch
   (``s3://acme-models/``, ``https://models.acme.example/ddm/``, ``image:///opt/models/``):
   never a host without its ``/``, which ``https://models.acme.example.evil.test/`` would
   match.
+- a URI held in the user's Secret (``uriFrom``) is shown as ``secret://NAME/KEY``: the
+  operator cannot see it, so only the entry ``secret://`` admits it (its fetch still goes
+  through the fetcher's destination rules and the stager's NetworkPolicy).
 
 An empty list allows everything (the default). A spec outside a list is invalid
 (``SpecValid`` False), with a message naming the field, the value (a URI redacted) and the
