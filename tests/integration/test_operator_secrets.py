@@ -60,10 +60,11 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
     invalid["experts"][0]["checkpoint"] = {"uri": SIGNED.replace("https:", "http:")}
     cluster.create_ddm(ns, "refused", invalid)
 
-    pod = wait_for(lambda: (cluster.list("Pod", ns, "ddm.dev/expert=a") or [None])[0], 60,
-                   "the fetching expert's pod")
+    pod = wait_for(lambda: (cluster.list(
+        "Pod", ns, "ddm.dev/deployment=signed,app.kubernetes.io/component=stager") or [None])[0],
+        60, "the stager's pod")
     (fetch,) = pod["spec"]["initContainers"]
-    assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
+    assert fetch["command"][:2] == ["ddm", "fetch-checkpoint"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
         "name": "signed-checkpoints", "key": "expert-a"}}} in fetch["env"]
     secret = cluster.get("Secret", ns, "signed-checkpoints")

@@ -112,13 +112,13 @@ def dns_egress(config: OperatorConfig) -> dict[str, Any]:
 
 #: What the stager may never reach unless an admin allows it (``fetch_allow_networks``):
 #: private (RFC 1918), loopback, link-local (169.254.169.254 and the other metadata
-#: endpoints there), CGNAT (RFC 6598), unique-local IPv6 (fd00:ec2::254 is there), and the
-#: IPv6 forms that carry an IPv4 address (mapped, NAT64). Metadata addresses outside these
-#: (``destinations.METADATA_ADDRESSES``) are closed too, and are never re-admitted.
+#: endpoints there), CGNAT (RFC 6598), unique-local IPv6 (fd00:ec2::254 is there), and NAT64
+#: (IPv6 that a gateway turns into IPv4). Metadata addresses outside these
+#: (``destinations.METADATA_ADDRESSES``) are closed too, and are never re-admitted. (IPv4-mapped
+#: IPv6 is IPv4 to the API server, which refuses ``::ffff:0:0/96`` inside ``::/0``.)
 CLOSED_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
     "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16",
-    "100.64.0.0/10", "0.0.0.0/8", "::1/128", "fe80::/10", "fc00::/7", "::ffff:0:0/96",
-    "64:ff9b::/96"))
+    "100.64.0.0/10", "0.0.0.0/8", "::1/128", "fe80::/10", "fc00::/7", "64:ff9b::/96"))
 _EVERYWHERE = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
 
 
