@@ -176,3 +176,22 @@ def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespa
                         )["status"] == "True"
     finally:
         running.restart(DEFAULT_CONFIG)
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_uri_in_the_users_secret_is_read_by_the_stager_alone(cluster: Cluster,
+                                                               kube_namespace: str) -> None:
+    ns = kube_namespace
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][0]["checkpoint"] = {"uriFrom": {"secretKeyRef": {"name": "signed-urls",
+                                                                      "key": "a"}}}
+    cluster.create_ddm(ns, "held", spec)
+    stager = wait_for(lambda: cluster.get("Deployment", ns, "held-stager"), 60, "the stager")
+    (fetch,) = stager["spec"]["template"]["spec"]["initContainers"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": "signed-urls", "key": "a"}}} in fetch["env"]
+    expert = wait_for(lambda: cluster.get("Deployment", ns, "held-expert-a"), 60, "the expert")
+    assert "signed-urls" not in json.dumps(expert)
+    wait_for(lambda: (cluster.ddm(ns, "held").get("status") or {}).get("phase"), 60,
+             "the status")
+    assert cluster.get("Secret", ns, "held-checkpoints") is None  # no copy of the URI
