@@ -156,4 +156,5 @@ def serve_step(root: str, base: dict[str, Any], staged_bytes: int) -> dict[str, 
             "command": [*SERVE_COMMAND, root, "--port", str(STAGER_PORT)],
             "ports": [{"name": "http", "containerPort": STAGER_PORT, "protocol": "TCP"}],
             "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 5},
+            "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10},
             "resources": fetch_resources(staged_bytes)}
