@@ -446,3 +446,23 @@ def test_the_admins_lower_cap_refuses_the_bomb_and_leaves_nothing(
     assert status == 1
     assert "archive member weights.safetensors: more than the" in termination_log.read_text()
     _assert_nothing_left(tmp_path)
+
+
+def test_an_exported_directory_brings_the_program_its_config_names(origin,
+                                                                   smoke_expert_checkpoint,
+                                                                   tmp_path):
+    """A directory URI of an exported expert: config.json names its program, which is fetched
+    and checked against the SHA-256 config.json records (the stager's copies are such URIs)."""
+    program = b"not really a torch.export archive"
+    config = json.loads((smoke_expert_checkpoint / CONFIG_FILE).read_text())
+    config["model"] = {"kind": "exported", "image_shape": [1, 8, 8]}
+    config["program_sha256"] = hashlib.sha256(program).hexdigest()
+    origin.files["/exported/config.json"] = json.dumps(config).encode()
+    origin.files["/exported/weights.safetensors"] = (
+        smoke_expert_checkpoint / WEIGHTS_FILE).read_bytes()
+    origin.files["/exported/program.pt2"] = program
+    dest = fetch_checkpoint(f"{origin.url}/exported", tmp_path / "expert", FAST)
+    assert (dest / "program.pt2").read_bytes() == program
+    origin.files["/exported/program.pt2"] = b"tampered"
+    with pytest.raises(FetchError, match="program.pt2 is corrupt"):
+        fetch_checkpoint(f"{origin.url}/exported", tmp_path / "again", FAST)

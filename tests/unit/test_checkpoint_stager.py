@@ -4,6 +4,7 @@ loopback; ``localhost`` plays the stager Service's name)."""
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 import threading
 from collections.abc import Iterator
@@ -45,18 +46,39 @@ def test_a_serving_pod_copies_its_checkpoint_from_the_stager_by_name(
     assert load_checkpoint(dest).meta.name == "smoke-torch"
 
 
+def test_a_directory_pin_holds_for_the_copy_too(stager, smoke_expert_checkpoint, tmp_path):
+    pin = hashlib.sha256((smoke_expert_checkpoint / CONFIG_FILE).read_bytes()).hexdigest()
+    url = stager + staged_path("expert-a")
+    assert fetch_checkpoint(url, tmp_path / "pinned", COPY, sha256=pin).is_dir()
+    with pytest.raises(FetchError, match="does not match the pinned"):
+        fetch_checkpoint(url, tmp_path / "tampered", COPY, sha256="0" * 64)
+
+
 def test_the_stagers_name_is_needed_its_address_alone_is_refused(stager, tmp_path):
     by_address = stager.replace("localhost", "127.0.0.1") + staged_path("expert-a")
     with pytest.raises(FetchError, match="does not resolve to an allowed address"):
         fetch_checkpoint(by_address, tmp_path / "expert", COPY)
 
 
-@pytest.mark.parametrize("path", ["/expert-b.tar", "/../stage/expert-a.tar", "/expert-a",
-                                  "/expert-a/config.json", "/"])
-def test_the_stager_serves_staged_checkpoints_and_nothing_else(stager, path):
+def test_the_stager_serves_staged_files_with_their_length(stager, smoke_expert_checkpoint):
+    answer = httpx.get(stager + staged_path("expert-a") + "/" + WEIGHTS_FILE)
+    assert answer.status_code == 200
+    assert answer.headers["content-length"] == str(len(answer.content))
+    assert answer.content == (smoke_expert_checkpoint / WEIGHTS_FILE).read_bytes()
+
+
+@pytest.mark.parametrize("path", ["/expert-b/config.json", "/expert-a", "/expert-a/",
+                                  "/expert-a/.hidden", "/expert-a/%2e%2e/x", "/expert-a/link",
+                                  "/expert-a/sub", "/"])
+def test_the_stager_serves_staged_checkpoints_and_nothing_else(stager, path, tmp_path):
+    staged = tmp_path / "stage" / "expert-a"
+    (staged / ".hidden").write_text("x")
+    (staged / "link").symlink_to("/etc/passwd")
+    (staged / "sub").mkdir()
     assert httpx.get(stager + path).status_code == 404
 
 
 def test_the_stager_is_read_only(stager):
     for method in ("PUT", "POST", "DELETE"):
-        assert httpx.request(method, stager + staged_path("expert-a")).status_code == 501
+        assert httpx.request(method, stager + staged_path("expert-a") + "/" + CONFIG_FILE
+                             ).status_code == 501

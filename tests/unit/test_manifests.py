@@ -216,7 +216,7 @@ def test_a_remote_checkpoint_is_fetched_by_the_stager_and_copied_by_the_expert(u
     (copy_step,) = pod["initContainers"]
     host = "digits-stager.ml.svc.cluster.local"
     assert copy_step["command"] == [
-        "ddm", "fetch-checkpoint", f"http://{host}:8070/{staged}.tar", "/models/expert",
+        "ddm", "fetch-checkpoint", f"http://{host}:8070/{staged}", "/models/expert",
         "--allow-host", host, "--max-bytes", str(1 << 30)]
     assert "env" not in copy_step or all(e["name"] != "DDM_CHECKPOINT_URI"
                                          for e in copy_step["env"])
@@ -287,6 +287,16 @@ def test_a_pinned_fetch_with_credentials_and_allowed_networks() -> None:
     assert credentials not in _container(stager)["volumeMounts"]  # the fetch step's alone
     expert = children[("Deployment", "digits-expert-e")]["spec"]["template"]["spec"]
     assert "store-login" not in json.dumps(expert)  # serving pods never see the credentials
+    (copy_step,) = expert["initContainers"]
+    assert "--sha256" not in copy_step["command"]  # the archive's pin: the stager checked it
+
+
+def test_a_pinned_directory_is_copied_from_the_stager_under_the_same_pin() -> None:
+    children = _children(_spec(_expert(checkpoint={"uri": "http://store.example/models/e",
+                                                   "sha256": "cd" * 32})))
+    expert = children[("Deployment", "digits-expert-e")]["spec"]["template"]["spec"]
+    (copy_step,) = expert["initContainers"]
+    assert copy_step["command"][4:6] == ["--sha256", "cd" * 32]  # config.json's, served as is
 
 
 def test_the_admin_sets_the_fetch_cap() -> None:

@@ -1,11 +1,13 @@
 """``ddm fetch-checkpoint URI DEST``: download a checkpoint, verify it, and put it at DEST.
 
-The operator's init container runs this (``ddm.checkpoints.uri.FETCH_COMMAND``) so that a
-server starts from local files. Where a checkpoint can come from:
+The DDM's checkpoint stager runs this (``ddm.checkpoints.uri.FETCH_COMMAND``), and each of the
+DDM's pods to copy its checkpoint from the stager, so that a server starts from local files.
+Where a checkpoint can come from:
 
-- ``http(s)://HOST/PATH``: the checkpoint directory (``PATH/config.json`` and
-  ``PATH/weights.safetensors`` are fetched), or a ``.tar.gz``/``.tgz``/``.tar`` of it (the two
-  files at the archive's root or in one top-level directory).
+- ``http(s)://HOST/PATH``: the checkpoint directory (``PATH/config.json``,
+  ``PATH/weights.safetensors`` and the exported program that config.json names are fetched),
+  or a ``.tar.gz``/``.tgz``/``.tar`` of it (the files at the archive's root or in one
+  top-level directory).
 - ``s3://BUCKET/KEY`` through ``https://BUCKET.s3.amazonaws.com/KEY`` (``s3.REGION`` when
   ``AWS_REGION`` is set), or ``$AWS_ENDPOINT_URL_S3``/``$AWS_ENDPOINT_URL``/BUCKET/KEY.
 - ``gs://BUCKET/KEY`` through ``https://storage.googleapis.com/BUCKET/KEY``, or
@@ -61,8 +63,20 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from ddm.checkpoints.destinations import Network
 from ddm.checkpoints.download import FetchError, Received, Retryable, get, shown
 from ddm.checkpoints.destinations import normal_host
-from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, CheckpointError
-from ddm.checkpoints.uri import FETCH_MAX_BYTES, REMOTE_SCHEMES, parse_checkpoint, redact_uri
+from ddm.checkpoints.format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    program_file_name,
+    read_meta,
+)
+from ddm.checkpoints.uri import (
+    ARCHIVE_SUFFIXES,
+    FETCH_MAX_BYTES,
+    REMOTE_SCHEMES,
+    parse_checkpoint,
+    redact_uri,
+)
 from ddm.checkpoints.verify import verify_checkpoint
 
 __all__ = ["FetchError", "FetchPolicy", "fetch_checkpoint", "parse_sha256", "read_headers_file",
@@ -74,7 +88,6 @@ ENV_SHA256 = "DDM_CHECKPOINT_SHA256"
 ENV_HEADERS_FILE = "DDM_FETCH_HEADERS_FILE"
 ENV_ALLOW_NETWORKS = "DDM_FETCH_ALLOW_NETWORKS"
 ENV_MAX_BYTES = "DDM_FETCH_MAX_BYTES"
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 #: Staging directories start with this; a later run removes those an interrupted run left.
 STAGING_PREFIX = ".ddm-fetch-"
 _CHUNK = 1 << 20
@@ -252,10 +265,23 @@ def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: st
         archive.unlink()
         return _checkpoint_root(root)
     root.mkdir()
-    for name, pin in ((CONFIG_FILE, sha256), (WEIGHTS_FILE, None)):
-        url = urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
-        budget -= _download(url, root / name, budget, fetch, pin).size
+
+    def file_url(name: str) -> str:
+        return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
+
+    budget -= _download(file_url(CONFIG_FILE), root / CONFIG_FILE, budget, fetch, sha256).size
+    for name in (WEIGHTS_FILE, *_program_file(root)):
+        budget -= _download(file_url(name), root / name, budget, fetch, None).size
     return root
+
+
+def _program_file(root: Path) -> list[str]:
+    """The exported program a directory's ``config.json`` names, if any (fetched too)."""
+    try:
+        meta = read_meta(root)
+    except CheckpointError as exc:
+        raise FetchError(f"the downloaded checkpoint failed verification: {exc}") from None
+    return [program_file_name(meta)] if meta.model.kind == "exported" else []
 
 
 def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | None

@@ -22,6 +22,8 @@ URI_PATTERN = (
 )
 MAX_URI_LENGTH = 1024
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
+#: A fetched URI ending so names an archive of the checkpoint; any other, its directory.
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 #: A checkpoint whose URI is in a key of the user's Secret (the spec's
 #: ``uriFrom.secretKeyRef``): fetched like the remote ones, by a fetch step that reads the
 #: Secret itself; the operator never sees the URI. Shown as ``secret://NAME/KEY``.
@@ -38,8 +40,8 @@ STAGER_PORT = 8070
 
 
 def staged_path(key: str) -> str:
-    """The stager's URL path of the checkpoint staged under ``key`` (a tar of its files)."""
-    return f"/{key}.tar"
+    """The stager's URL path of the checkpoint staged under ``key`` (a directory URI)."""
+    return f"/{key}"
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import hashlib
 from typing import Any, Mapping
 
 from ddm.checkpoints.uri import (
+    ARCHIVE_SUFFIXES,
     FETCH_COMMAND,
     FETCHED_SCHEMES,
     SECRET_SCHEME,
@@ -136,15 +137,20 @@ def fetch_step(checkpoint: CheckpointSource, options: FetchOptions, *, owner: st
     return step, volumes
 
 
-def copy_step(staged: str, *, owner: str, namespace: str, cluster_domain: str, dest: str,
-              base: dict[str, Any], max_bytes: int) -> dict[str, Any]:
-    """A serving pod's init container: copies the checkpoint staged as ``staged`` from the
-    stager Service into ``dest``, allowed to reach that one name (``--allow-host``) and
-    nothing else, and verifies it as the stager did."""
+def copy_step(checkpoint: CheckpointSource, options: FetchOptions, *, key: str, owner: str,
+              namespace: str, cluster_domain: str, dest: str, base: dict[str, Any],
+              max_bytes: int) -> dict[str, Any]:
+    """A serving pod's init container: copies ``checkpoint`` from the stager Service (the
+    directory it staged) into ``dest``, allowed to reach that one name (``--allow-host``) and
+    nothing else, and verifies it as the stager did. The spec's pin goes with it when it pins
+    a directory's ``config.json``, the very file the stager serves (an archive's pin covers
+    bytes the stager no longer holds)."""
     host = names.stager_host(owner, namespace, cluster_domain)
-    url = f"http://{host}:{STAGER_PORT}{staged_path(staged)}"
+    url = f"http://{host}:{STAGER_PORT}{staged_path(staged_key(key, checkpoint))}"
+    pin = (["--sha256", options.sha256] if options.sha256 and checkpoint.scheme != SECRET_SCHEME
+           and not checkpoint.path.endswith(ARCHIVE_SUFFIXES) else [])
     return {**base, "name": "copy-checkpoint",
-            "command": [*FETCH_COMMAND, url, dest, "--allow-host", host,
+            "command": [*FETCH_COMMAND, url, dest, *pin, "--allow-host", host,
                         "--max-bytes", str(max_bytes)],
             "resources": fetch_resources(max_bytes)}
 

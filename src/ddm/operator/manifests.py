@@ -37,7 +37,7 @@ from ddm.checkpoints.uri import (
 from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, DnsDiscovery, RouterConfigFile
-from ddm.deploy.spec import DDMSpec, ExpertSpec, RouterAuth
+from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, RouterAuth
 from ddm.operator.config import OperatorConfig
 from ddm.operator.fetcher import (
     ROUTER_KEY,
@@ -120,8 +120,8 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     planned = plan_expert(expert)
     place = placement(expert.accelerator)
     image = expert.pod.image or config.images.for_family(place.image_family)
-    mount = _checkpoint(expert.checkpoint, EXPERT_CHECKPOINT_DIR, image, config, meta,
-                        expert_key(expert.name))
+    mount = _checkpoint(expert.checkpoint, expert.fetch, EXPERT_CHECKPOINT_DIR, image, config,
+                        meta, expert_key(expert.name))
     command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT,
                                        names.METRICS_PORT,
                                        ROUTER_TOKEN_FILE if token is not None else None),
@@ -210,8 +210,8 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     owner = meta["name"]
     router = spec.router
     image = router.pod.image or config.images.cpu
-    mount = (_checkpoint(router.checkpoint, ROUTER_CHECKPOINT_DIR, image, config, meta,
-                         ROUTER_KEY)
+    mount = (_checkpoint(router.checkpoint, router.fetch, ROUTER_CHECKPOINT_DIR, image, config,
+                         meta, ROUTER_KEY)
              if router.checkpoint else None)
     env, volumes, mounts = _scratch()
     volumes.append({"name": "config", "configMap": {"name": names.router_config_name(owner)}})
@@ -342,8 +342,9 @@ def _fetcher(image: str, config: OperatorConfig) -> dict[str, Any]:
     }
 
 
-def _checkpoint(checkpoint: CheckpointSource, mount_path: str, image: str,
-                config: OperatorConfig, meta: Mapping[str, Any], key: str) -> CheckpointMount:
+def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path: str,
+                image: str, config: OperatorConfig, meta: Mapping[str, Any], key: str
+                ) -> CheckpointMount:
     """How the pod gets its checkpoint; a fetched one is copied from the DDM's stager
     (``fetcher.copy_step``), into an emptyDir of the fetch's cap."""
     if checkpoint.scheme not in FETCHED_SCHEMES:
@@ -351,7 +352,7 @@ def _checkpoint(checkpoint: CheckpointSource, mount_path: str, image: str,
     fetcher = _fetcher(image, config)
     fetcher["volumeMounts"].append({"name": "checkpoint", "mountPath": mount_path})
     copy_container = copy_step(
-        staged_key(key, checkpoint), owner=meta["name"], namespace=meta["namespace"],
+        checkpoint, options, key=key, owner=meta["name"], namespace=meta["namespace"],
         cluster_domain=config.cluster_domain, dest=mount_path, base=fetcher,
         max_bytes=config.fetch_max_bytes)
     return CheckpointMount(
