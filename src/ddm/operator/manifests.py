@@ -297,8 +297,8 @@ def build_stager_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     steps = fetched(spec)
     base = _fetcher(config.images.cpu, config)
     staged_bytes = config.fetch_max_bytes * len(steps)
-    env, volumes, mounts = _scratch()
-    volumes.append({"name": "stage", "emptyDir": {"sizeLimit": str(staged_bytes)}})
+    volumes = [{"name": "tmp", "emptyDir": {}},
+               {"name": "stage", "emptyDir": {"sizeLimit": str(staged_bytes)}}]
     init_containers = []
     for key, checkpoint, options in steps:
         step, more = fetch_step(
