@@ -127,7 +127,9 @@ def test_the_stager_reaches_stores_but_no_private_or_metadata_range(
             assert reached <= _names([p for pods in fetching_ddm.values() for p in pods])
     (fetch, held) = stager["spec"]["initContainers"]
     assert fetch["resources"]["requests"]["ephemeral-storage"] == str(CONFIG.fetch_max_bytes)
+    uid = cluster.ddm(kube_namespace, "egress")["metadata"]["uid"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
-        "name": "egress-checkpoints", "key": "expert-a"}}} in fetch["env"]
+        "name": names.checkpoint_secret_name("egress", uid, "expert-a", "s3://ddm-models/a"),
+        "key": "uri"}}} in fetch["env"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
         "name": "signed-urls", "key": "router"}}} in held["env"]  # the user's, never read
