@@ -590,8 +590,8 @@ def test_an_expert_fetched_over_http_from_an_allowed_store_serves_generations(
         assert "store." not in " ".join(expert.spec.init_containers[0].command)
         assert expert.spec.node_name == "ddm-real-0"
 
-        token = base64.b64decode(core.read_namespaced_secret(
-            "fetched-router-token", FETCHING).data["token"]).decode()
+        token = base64.b64decode(core.read_namespaced_secret(ddm_status(
+            custom, FETCHING, "fetched")["routerTokenSecret"], FETCHING).data["token"]).decode()
         forward = PortForward(tools, FETCHING, "service/fetched-router", 8080)
         try:
             answer = httpx.post(f"{forward.url}/v1/generate", timeout=300,
