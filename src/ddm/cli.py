@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up(commands)
     _add_operator(commands)
     _add_fetch_checkpoint(commands)
+    _add_serve_checkpoints(commands)
     _add_dev_cluster(commands)
     return parser
 
@@ -707,6 +708,12 @@ def _add_fetch_checkpoint(commands: argparse._SubParsersAction) -> None:
                    help="a non-public network the store is in (repeatable; e.g. 10.0.3.7/32 "
                         "for an on-prem store; default $DDM_FETCH_ALLOW_NETWORKS, "
                         "comma-separated); cloud metadata addresses stay refused")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name that may resolve to a non-public address (repeatable; the "
+                        "DDM's checkpoint stager Service); cloud metadata addresses stay refused")
+    p.add_argument("--max-bytes", type=int, metavar="BYTES",
+                   help="cap on everything downloaded and extracted (default "
+                        "$DDM_FETCH_MAX_BYTES, else 16 GiB)")
     p.add_argument("--deadline", type=float, metavar="SECONDS",
                    help="time for the whole download, every file and retry included "
                         "(default: an hour)")
@@ -718,9 +725,9 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
     import os
 
     from ddm.checkpoints.destinations import parse_networks
-    from ddm.checkpoints.fetch import (ENV_ALLOW_NETWORKS, ENV_HEADERS_FILE, ENV_SHA256, ENV_URI,
-                                       FetchError, FetchPolicy, fetch_checkpoint,
-                                       read_headers_file)
+    from ddm.checkpoints.fetch import (ENV_ALLOW_NETWORKS, ENV_HEADERS_FILE, ENV_MAX_BYTES,
+                                       ENV_SHA256, ENV_URI, FetchError, FetchPolicy,
+                                       fetch_checkpoint, read_headers_file)
     from ddm.checkpoints.uri import redact_uri
     from ddm.serving.termination import write_termination_message
 
@@ -734,9 +741,17 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
         networks = (args.allow_network if args.allow_network is not None
                     else os.environ.get(ENV_ALLOW_NETWORKS, "").split(","))
         try:
-            policy = FetchPolicy(allowed_networks=parse_networks(networks))
+            policy = FetchPolicy(allowed_networks=parse_networks(networks),
+                                 allowed_hosts=tuple(args.allow_host))
         except ValueError as exc:
             raise UserError(f"--allow-network: {exc}") from None
+        max_bytes = (args.max_bytes if args.max_bytes is not None
+                     else os.environ.get(ENV_MAX_BYTES))
+        if max_bytes is not None:
+            if not str(max_bytes).isdigit() or int(max_bytes) <= 0:
+                raise UserError(f"--max-bytes must be a positive number of bytes, "
+                                f"got {max_bytes}")
+            policy = dataclasses.replace(policy, max_bytes=int(max_bytes))
         if args.deadline is not None:
             policy = dataclasses.replace(policy, deadline_s=args.deadline)
         headers_file = args.headers_file or os.environ.get(ENV_HEADERS_FILE)
@@ -747,6 +762,28 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
         write_termination_message(str(exc))  # the pod's status shows it; redacted already
         raise
     print(f"fetched {redact_uri(uri)} into {dest}")
+    return 0
+
+
+def _add_serve_checkpoints(commands: argparse._SubParsersAction) -> None:
+    from ddm.checkpoints.uri import STAGER_PORT
+
+    p = commands.add_parser("serve-checkpoints",
+                            help="serve fetched checkpoints read-only to the DDM's pods (the "
+                                 "operator's checkpoint stager runs this)")
+    p.add_argument("root", type=Path, help="the directory holding one checkpoint per key")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=STAGER_PORT, help="port to listen on")
+    p.set_defaults(handler=_serve_checkpoints)
+
+
+def _serve_checkpoints(args: argparse.Namespace) -> int:
+    from ddm.checkpoints.serve import serve_checkpoints
+
+    try:
+        serve_checkpoints(args.root, args.host, args.port)
+    except FileNotFoundError as exc:
+        raise UserError(str(exc)) from None
     return 0
 
 

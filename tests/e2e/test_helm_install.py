@@ -14,6 +14,7 @@ uninstall. Every wait polls the API with a deadline.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import os
 import re
@@ -510,6 +511,99 @@ def test_an_expert_whose_checkpoint_cannot_load_is_reported_in_status(
     assert "expert digits-0-4: 0/1 ready" in message and "restarted" in message, message
     assert ddm_status(custom, USERS, "broken")["phase"] != "Ready"
     tools.kubectl("delete", "ddm", "broken", "-n", USERS, "--wait=false")
+
+
+#: The namespace of the DDM whose expert is fetched, and of the store that serves it.
+FETCHING = "fetch-demo"
+#: The admin's cap on each fetched checkpoint (the shipped ones are under 1 MiB): the size of
+#: the stager's and the expert's volumes and of their fetch steps' ephemeral-storage requests.
+FETCH_CAP = 64 << 20
+
+
+def _store(image: str) -> list[dict[str, Any]]:
+    """An allowed checkpoint store inside the cluster: Python's own HTTP server, in our image,
+    serving the shipped checkpoints read-only (a pod of the restricted profile)."""
+    labels = {"app": "checkpoint-store"}
+    context = {"runAsNonRoot": True, "runAsUser": 10001, "allowPrivilegeEscalation": False,
+               "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+               "seccompProfile": {"type": "RuntimeDefault"}}
+    pod = {"metadata": {"labels": labels}, "spec": {
+        "automountServiceAccountToken": False,
+        "containers": [{"name": "store", "image": image, "imagePullPolicy": "Never",
+                        "command": ["python", "-m", "http.server", "8000", "--directory",
+                                    "/opt/ddm/checkpoints/digits"],
+                        "ports": [{"containerPort": 8000}],
+                        "readinessProbe": {"tcpSocket": {"port": 8000}, "periodSeconds": 2},
+                        "resources": {"requests": {"cpu": "20m", "memory": "32Mi"}},
+                        "securityContext": context}]}}
+    return [{"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "store"},
+             "spec": {"replicas": 1, "selector": {"matchLabels": labels}, "template": pod}},
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "store"},
+             "spec": {"selector": labels, "ports": [{"port": 8000, "targetPort": 8000}]}}]
+
+
+def test_an_expert_fetched_over_http_from_an_allowed_store_serves_generations(
+        tools: Tools, core: client.CoreV1Api, custom: client.CustomObjectsApi) -> None:
+    """The digits DDM with its PyTorch expert fetched over plain http (pinned) from a store
+    the admin allowed: the operator's stager fetches and verifies it, the expert's pod copies
+    it from the stager (its own pod never reaches the store), and generations come back."""
+    apps = client.AppsV1Api(core.api_client)
+    (operator,) = apps.list_namespaced_deployment(
+        SYSTEM, label_selector="app.kubernetes.io/component=operator").items
+    image = {e.name: e.value for e in operator.spec.template.spec.containers[0].env}[
+        "DDM_IMAGE_CPU"]
+    core.create_namespace({"metadata": {"name": FETCHING}})
+    tools.kubectl("apply", "-n", FETCHING, "-f", "-",
+                  stdin=yaml.safe_dump_all(_store(image)))
+    tools.kubectl("rollout", "status", "deployment/store", "-n", FETCHING, "--timeout=180s")
+    store_ip = core.read_namespaced_service("store", FETCHING).spec.cluster_ip
+    tools.run("helm", "upgrade", RELEASE, str(CHART), "-n", SYSTEM, *DEV_VALUES,
+              "--reuse-values", "--wait", "--timeout", "5m",
+              "--set", f"checkpointFetch.allowNetworks={{{store_ip}/32}}",
+              "--set", f"checkpointFetch.maxBytes={FETCH_CAP}")
+
+    fetched = yaml.safe_load(EXAMPLE.read_text())
+    fetched["metadata"]["name"] = "fetched"
+    config = (ROOT / "checkpoints" / "digits" / "expert-0-4" / "config.json").read_bytes()
+    fetched["spec"]["experts"][0]["checkpoint"] = {
+        "uri": f"http://store.{FETCHING}.svc.cluster.local:8000/expert-0-4",
+        "sha256": hashlib.sha256(config).hexdigest()}
+    for expert in fetched["spec"]["experts"]:  # the real node has 2 CPUs; digits holds 1
+        expert["resources"]["requests"]["cpu"] = "50m"
+    fetched["spec"]["router"]["resources"] = {"requests": {"cpu": "50m", "memory": "256Mi"},
+                                              "limits": {"memory": "1Gi"}}
+    tools.kubectl("apply", "-n", FETCHING, "-f", "-", stdin=yaml.safe_dump(fetched))
+    try:
+        wait_for(lambda: ddm_status(custom, FETCHING, "fetched").get("phase") == "Ready",
+                 READY_TIMEOUT_S, "the DDM with a fetched expert to be Ready",
+                 lambda: pod_states(core, FETCHING) + pod_logs(core, SYSTEM)
+                 + pod_logs(core, FETCHING))
+        pods = {p.metadata.labels.get("app.kubernetes.io/component"): p
+                for p in core.list_namespaced_pod(
+                    FETCHING, label_selector="ddm.dev/deployment=fetched").items}
+        (fetch,) = pods["stager"].status.init_container_statuses
+        assert fetch.state.terminated.exit_code == 0
+        expert = core.list_namespaced_pod(
+            FETCHING, label_selector="ddm.dev/expert=digits-0-4").items[0]
+        (copied,) = expert.status.init_container_statuses
+        assert copied.name == "copy-checkpoint" and copied.state.terminated.exit_code == 0
+        assert "store." not in " ".join(expert.spec.init_containers[0].command)
+        assert expert.spec.node_name == "ddm-real-0"
+
+        token = base64.b64decode(core.read_namespaced_secret(ddm_status(
+            custom, FETCHING, "fetched")["routerTokenSecret"], FETCHING).data["token"]).decode()
+        forward = PortForward(tools, FETCHING, "service/fetched-router", 8080)
+        try:
+            answer = httpx.post(f"{forward.url}/v1/generate", timeout=300,
+                                headers={"Authorization": f"Bearer {token}"},
+                                json={"labels": [0, 1, 2, 3, 4], "steps": 40, "seed": 0})
+        finally:
+            forward.close()
+        assert answer.status_code == 200, answer.text
+        drawn = evaluate_images(_decode(answer.json()["images"]), np.arange(5))
+        assert drawn["accuracy"] >= 0.8, drawn
+    finally:
+        tools.kubectl("delete", "namespace", FETCHING, "--wait=false")
 
 
 def release_objects(kube_client: Any) -> list[str]:

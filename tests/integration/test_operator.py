@@ -29,6 +29,7 @@ from kubernetes.client.exceptions import ApiException
 from podsecurity import violations
 from waiting import wait_for
 
+from ddm.checkpoints.uri import REMOTE_SCHEMES
 from ddm.operator import names
 from ddm.operator.config import OperatorConfig
 from ddm.operator.runner import run_operator
@@ -187,18 +188,31 @@ MIXED_SPEC = {"sampling": {"strategy": "oracle", "steps": 30}, "experts": [
 MIXED_RESOURCES = {"low": "aws.amazon.com/neuron", "mid": "nvidia.com/gpu", "high": None}
 
 
-def _expected_children(owner: str, experts: list[str]) -> set[tuple[str, str]]:
+def _expected_children(owner: str, experts: list[str], *, stager: bool = False
+                       ) -> set[tuple[str, str]]:
+    """``stager``: the DDM fetches a checkpoint, so it has a checkpoint stager too."""
     out = {("ConfigMap", f"{owner}-router-config"), ("Deployment", f"{owner}-router"),
            ("Service", f"{owner}-router")}
+    if stager:
+        out |= {("Deployment", f"{owner}-stager"), ("Service", f"{owner}-stager")}
     for expert in experts:
         out |= {("Deployment", f"{owner}-expert-{expert}"), ("Service", f"{owner}-expert-{expert}")}
     return out
 
 
+def _fetches(spec: dict) -> bool:
+    """Whether a spec names a checkpoint to fetch (from a URI or the user's Secret)."""
+    checkpoints = [e["checkpoint"] for e in spec["experts"]]
+    checkpoints += [spec.get("router", {}).get("checkpoint") or {}]
+    return any("uriFrom" in c or c.get("uri", "").split("://")[0] in REMOTE_SCHEMES
+               for c in checkpoints)
+
+
 def _deploy(cluster: Cluster, namespace: str, name: str, spec: dict) -> dict:
     """Create a DDMDeployment and wait (15 s) for all its children; returns them."""
     cluster.create_ddm(namespace, name, spec)
-    expected = _expected_children(name, [e["name"] for e in spec["experts"]])
+    expected = _expected_children(name, [e["name"] for e in spec["experts"]],
+                                  stager=_fetches(spec))
 
     def complete() -> dict | None:
         children = cluster.children(namespace, name)
@@ -240,6 +254,9 @@ def test_a_mixed_ddm_gets_its_children_scheduled_and_a_status(cluster: Cluster,
     assert time.monotonic() - started < 15
     mid = children[("Deployment", "mixed-expert-mid")]["spec"]["template"]["spec"]
     assert mid["initContainers"][0]["command"][:2] == ["ddm", "fetch-checkpoint"]
+    (stager,) = _bound_pods(cluster, ns, f"{OWNER_LABEL}=mixed,{names.COMPONENT_LABEL}=stager",
+                            1)
+    assert not violations(stager["spec"])
     config = RouterConfigFile.from_yaml(
         children[("ConfigMap", "mixed-router-config")]["data"]["router.yaml"])
     assert [e.discovery.dns for e in config.experts] == [
@@ -475,7 +492,7 @@ def test_network_policies_follow_the_operators_setting(operator: OperatorThread,
         _deploy(cluster, ns, "np", CPU_SPEC)
         policies = wait_for(lambda: {p["metadata"]["name"]: p for p in cluster.list(
             "NetworkPolicy", ns, f"{OWNER_LABEL}=np")} or None, 15, "NetworkPolicies")
-        assert set(policies) == {"np-experts", "np-router", "np-fetch"}
+        assert set(policies) == {"np-experts", "np-router"}  # image:// only: no stager
         pods = _bound_pods(cluster, ns, f"{OWNER_LABEL}=np", 4)
 
         def selected(selector: dict) -> set[str]:
@@ -487,7 +504,6 @@ def test_network_policies_follow_the_operators_setting(operator: OperatorThread,
         assert selected(expert_policy["podSelector"]) == experts and len(experts) == 3
         assert selected(expert_policy["ingress"][0]["from"][0]["podSelector"]) == routers
         assert selected(policies["np-router"]["spec"]["podSelector"]) == routers
-        assert selected(policies["np-fetch"]["spec"]["podSelector"]) == set()  # image://
         for name in ("np-experts", "np-router"):  # the API server kept the scrapers' rule
             (scrape,) = [rule for rule in policies[name]["spec"]["ingress"]
                          if rule["ports"] == [{"protocol": "TCP", "port": names.METRICS_PORT}]]

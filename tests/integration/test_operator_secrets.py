@@ -60,10 +60,11 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
     invalid["experts"][0]["checkpoint"] = {"uri": SIGNED.replace("https:", "http:")}
     cluster.create_ddm(ns, "refused", invalid)
 
-    pod = wait_for(lambda: (cluster.list("Pod", ns, "ddm.dev/expert=a") or [None])[0], 60,
-                   "the fetching expert's pod")
+    pod = wait_for(lambda: (cluster.list(
+        "Pod", ns, "ddm.dev/deployment=signed,app.kubernetes.io/component=stager") or [None])[0],
+        60, "the stager's pod")
     (fetch,) = pod["spec"]["initContainers"]
-    assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
+    assert fetch["command"][:2] == ["ddm", "fetch-checkpoint"]
     uid = cluster.ddm(ns, "signed")["metadata"]["uid"]
     first = names.checkpoint_secret_name("signed", uid, "expert-a", SIGNED)
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
@@ -85,7 +86,7 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
         shown = _everything_but_the_secret(cluster, ns, name)
         assert SIGNATURE not in shown and "X-Amz-Credential" not in shown
 
-    # a new URI (a re-signed one) is a new Secret, and the expert's pods roll to it; the old
+    # a new URI (a re-signed one) is a new Secret, and the stager's pods roll to it; the old
     # one stays, unchanged, for the old ReplicaSet (a rollback), until the DDM goes
     resigned = SIGNED.replace(SIGNATURE, SIGNATURE[::-1])
     spec["experts"][0]["checkpoint"]["uri"] = resigned
@@ -93,8 +94,8 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
     second = names.checkpoint_secret_name("signed", uid, "expert-a", resigned)
     created = wait_for(lambda: cluster.get("Secret", ns, second), 60, "the new URI's Secret")
     assert base64.b64decode(created["data"]["uri"]).decode() == resigned
-    wait_for(lambda: second in json.dumps(cluster.get("Deployment", ns, "signed-expert-a")[
-        "spec"]["template"]), 60, "the expert's pods to read the new Secret")
+    wait_for(lambda: second in json.dumps(cluster.get("Deployment", ns, "signed-stager")[
+        "spec"]["template"]), 60, "the stager to read the new Secret")
     assert cluster.get("Secret", ns, first)["data"] == secret["data"]
     assert SIGNATURE[::-1] not in _everything_but_the_secret(cluster, ns, "signed")
     cluster.custom.delete_namespaced_custom_object("ddm.dev", "v1alpha1", ns, "ddmdeployments",
@@ -193,3 +194,23 @@ def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespa
                         )["status"] == "True"
     finally:
         running.restart(DEFAULT_CONFIG)
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_uri_in_the_users_secret_is_read_by_the_stager_alone(cluster: Cluster,
+                                                               kube_namespace: str) -> None:
+    ns = kube_namespace
+    spec = copy.deepcopy(CPU_SPEC)
+    spec["experts"][0]["checkpoint"] = {"uriFrom": {"secretKeyRef": {"name": "signed-urls",
+                                                                      "key": "a"}}}
+    cluster.create_ddm(ns, "held", spec)
+    stager = wait_for(lambda: cluster.get("Deployment", ns, "held-stager"), 60, "the stager")
+    (fetch,) = stager["spec"]["template"]["spec"]["initContainers"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": "signed-urls", "key": "a"}}} in fetch["env"]
+    expert = wait_for(lambda: cluster.get("Deployment", ns, "held-expert-a"), 60, "the expert")
+    assert "signed-urls" not in json.dumps(expert)
+    wait_for(lambda: (cluster.ddm(ns, "held").get("status") or {}).get("phase"), 60,
+             "the status")
+    assert cluster.list("Secret", ns, "ddm.dev/deployment=held,"
+                        "app.kubernetes.io/component=checkpoints") == []  # no copy of the URI

@@ -232,3 +232,21 @@ def test_chart_copies_equal_their_sources() -> None:
                          ("examples/digits.yaml", "examples/digits.yaml")]:
         assert (CHART / copy).read_text() == (ROOT / source).read_text(), (
             f"charts/ddm-operator/{copy} differs from {source}: run `make chart-sync`")
+
+
+def test_the_fetch_cap_and_the_cluster_dns_reach_the_operator(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    default = OperatorConfig.from_env(env_of(render(helm)))
+    assert default.fetch_max_bytes == 16 << 30
+    assert default.dns_namespace_selector == {
+        "matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
+    assert default.dns_pod_selector == {"matchLabels": {"k8s-app": "kube-dns"}}
+    config = OperatorConfig.from_env(env_of(render(
+        helm, "checkpointFetch.maxBytes=1073741824",
+        "networkPolicy.dns.podSelector.matchLabels.app=node-cache")))
+    assert config.fetch_max_bytes == 1 << 30
+    assert config.dns_pod_selector == {"matchLabels": {"k8s-app": "kube-dns",
+                                                       "app": "node-cache"}}
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set", "checkpointFetch.maxBytes=0")
+    assert result.returncode != 0 and "maxBytes" in result.stderr

@@ -7,19 +7,25 @@ retry, timeout, verification and atomicity promises are checked against real soc
 
 from __future__ import annotations
 
+import hashlib
 import io
+import json
+import struct
+import subprocess
+import sys
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ddm.checkpoints.destinations import parse_networks
 from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
-from ddm.checkpoints.uri import FETCH_COMMAND, checkpoint_mount, parse_checkpoint
+from ddm.checkpoints.uri import FETCH_COMMAND
 from ddm.cli import main
 
 #: The loopback server's one address: the only non-public destination these fetches may reach.
@@ -175,16 +181,13 @@ def test_bucket_uris_map_to_the_public_https_endpoints():
     assert resolve_url("https://h/p?sig=1", {"AWS_ENDPOINT_URL": "http://x"}) == "https://h/p?sig=1"
 
 
-def test_the_operator_init_container_command_fills_an_existing_mount_point(
-        origin, smoke_expert_checkpoint, tmp_path, capsys):
+def test_the_cli_fills_an_existing_mount_point(origin, smoke_expert_checkpoint, tmp_path,
+                                               capsys):
     mount_point = tmp_path / "models" / "expert"
     mount_point.mkdir(parents=True)  # an emptyDir mount point: it exists and cannot be renamed
     _serve_directory(origin, "/smoke", smoke_expert_checkpoint)
-    mount = checkpoint_mount(parse_checkpoint(f"{origin.url}/smoke"), volume="checkpoint",
-                             mount_path=str(mount_point), fetcher={})
-    command = mount.init_containers[0]["command"]
-    assert tuple(command[:2]) == FETCH_COMMAND
-    assert main([*command[1:], *ALLOW_LOOPBACK]) == 0
+    assert main([*FETCH_COMMAND[1:], f"{origin.url}/smoke", str(mount_point),
+                 *ALLOW_LOOPBACK]) == 0
     _assert_same_checkpoint(mount_point, smoke_expert_checkpoint)
     assert sorted(p.name for p in mount_point.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
     assert f"fetched {origin.url}/smoke into {mount_point}" in capsys.readouterr().out
@@ -348,3 +351,118 @@ def test_the_cli_reports_a_failure_in_one_line_with_exit_status_1(origin, tmp_pa
     # the pod's termination message, which the operator shows in the DDM's status
     assert termination_log.read_text() == captured.err.removeprefix("ddm: error: ")
     _assert_nothing_left(tmp_path)
+
+
+# -- a small archive of large weights: checked in constant memory, capped on disk -------------
+
+#: The zero weights the bomb inflates to, and what ``ddm fetch-checkpoint`` may use meanwhile:
+#: the interpreter and its imports take about 40 MiB; loading the weights to check them (as
+#: the fetcher once did) takes their size on top.
+BOMB_WEIGHTS = 256 << 20
+FETCH_RSS_BOUND = 128 << 20
+
+
+def _zero_weights_bomb(smoke: Path) -> bytes:
+    """A .tar.gz of a checkpoint whose weights are one ``BOMB_WEIGHTS``-byte tensor of zeros
+    (a valid safetensors file, recorded in config.json): a few hundred kB on the wire."""
+    header = json.dumps({"w": {"dtype": "U8", "shape": [BOMB_WEIGHTS],
+                               "data_offsets": [0, BOMB_WEIGHTS]}}).encode()
+    prefix = struct.pack("<Q", len(header)) + header
+    digest = hashlib.sha256(prefix)
+    zeros = bytes(1 << 20)
+    for _ in range(BOMB_WEIGHTS >> 20):
+        digest.update(zeros)
+    config = json.loads((smoke / CONFIG_FILE).read_text())
+    config["weights_sha256"] = digest.hexdigest()
+
+    class Weights(io.RawIOBase):
+        """The file, streamed into the archive without ever being whole in memory."""
+
+        def __init__(self) -> None:
+            self.left = memoryview(prefix)
+            self.zeros = BOMB_WEIGHTS
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buffer: Any) -> int:
+            if self.left:
+                n = min(len(buffer), len(self.left))
+                buffer[:n], self.left = self.left[:n], self.left[n:]
+                return n
+            n = min(len(buffer), self.zeros)
+            buffer[:n] = bytes(n)
+            self.zeros -= n
+            return n
+
+    def build(tar: tarfile.TarFile) -> None:
+        _add_bytes(tar, CONFIG_FILE, json.dumps(config).encode())
+        info = tarfile.TarInfo(WEIGHTS_FILE)
+        info.size = len(prefix) + BOMB_WEIGHTS
+        tar.addfile(info, io.BufferedReader(Weights(), 1 << 20))
+
+    return _archive(build)
+
+
+#: ``ddm fetch-checkpoint`` that writes its peak RSS (``VmHWM``, its own address space's: a
+#: child's ``ru_maxrss`` starts at its parent's, from the fork) to the file named first.
+_MEASURED_CLI = """
+import atexit, sys
+from ddm.cli import main
+report = sys.argv.pop(1)
+atexit.register(lambda: open(report, "w").write(next(
+    line for line in open("/proc/self/status") if line.startswith("VmHWM:"))))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _fetch_in_a_child(url: str, dest: Path, *extra: str) -> tuple[int, int]:
+    """Run ``ddm fetch-checkpoint`` as its own process: (exit status, peak RSS in bytes)."""
+    report = dest.parent / "vmhwm"
+    status = subprocess.run([sys.executable, "-c", _MEASURED_CLI, str(report),
+                             "fetch-checkpoint", url, str(dest), *ALLOW_LOOPBACK, *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+    peak_kib = int(report.read_text().split()[1])
+    report.unlink()
+    return status, peak_kib << 10
+
+
+def test_an_archive_of_zero_weights_is_checked_without_loading_them(
+        origin, smoke_expert_checkpoint, tmp_path):
+    origin.files["/bomb.tar.gz"] = _zero_weights_bomb(smoke_expert_checkpoint)
+    assert len(origin.files["/bomb.tar.gz"]) < BOMB_WEIGHTS // 256  # a small download
+    status, peak = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert")
+    assert status == 0
+    assert (tmp_path / "expert" / WEIGHTS_FILE).stat().st_size > BOMB_WEIGHTS
+    assert peak < FETCH_RSS_BOUND, f"peak RSS {peak >> 20} MiB"
+
+
+def test_the_admins_lower_cap_refuses_the_bomb_and_leaves_nothing(
+        origin, smoke_expert_checkpoint, tmp_path, termination_log):
+    origin.files["/bomb.tar.gz"] = _zero_weights_bomb(smoke_expert_checkpoint)
+    cap = 32 << 20
+    status, _ = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert",
+                                  "--max-bytes", str(cap))
+    assert status == 1
+    assert "archive member weights.safetensors: more than the" in termination_log.read_text()
+    _assert_nothing_left(tmp_path)
+
+
+def test_an_exported_directory_brings_the_program_its_config_names(origin,
+                                                                   smoke_expert_checkpoint,
+                                                                   tmp_path):
+    """A directory URI of an exported expert: config.json names its program, which is fetched
+    and checked against the SHA-256 config.json records (the stager's copies are such URIs)."""
+    program = b"not really a torch.export archive"
+    config = json.loads((smoke_expert_checkpoint / CONFIG_FILE).read_text())
+    config["model"] = {"kind": "exported", "image_shape": [1, 8, 8]}
+    config["program_sha256"] = hashlib.sha256(program).hexdigest()
+    origin.files["/exported/config.json"] = json.dumps(config).encode()
+    origin.files["/exported/weights.safetensors"] = (
+        smoke_expert_checkpoint / WEIGHTS_FILE).read_bytes()
+    origin.files["/exported/program.pt2"] = program
+    dest = fetch_checkpoint(f"{origin.url}/exported", tmp_path / "expert", FAST)
+    assert (dest / "program.pt2").read_bytes() == program
+    origin.files["/exported/program.pt2"] = b"tampered"
+    with pytest.raises(FetchError, match="program.pt2 is corrupt"):
+        fetch_checkpoint(f"{origin.url}/exported", tmp_path / "again", FAST)

@@ -128,6 +128,19 @@ def test_names_and_numeric_forms_are_judged_by_what_they_resolve_to(host):
     assert resolve(host, 80, parse_networks(["127.0.0.0/8", "::1/128"])).explicitly_allowed
 
 
+def test_a_host_allowed_by_name_may_be_private_but_never_metadata():
+    """The DDM's stager: a Service name whose address the operator cannot know in advance."""
+    stager = resolve("LocalHost.", 80, (), {"localhost"})
+    assert stager.explicitly_allowed and stager.addresses
+    with pytest.raises(DestinationRefused):
+        resolve("localhost.evil.test", 80, (), {"localhost"})
+    for metadata in ("metadata.google.internal", "169.254.169.254"):
+        with pytest.raises(DestinationRefused):
+            resolve(metadata, 80, (), {metadata})
+    assert check_hop("http://localhost:8070/expert-a", (), pinned=False,
+                     hosts=frozenset({"localhost"}))
+
+
 # -- check_hop: what may be fetched, decided before any connection -----------------------------
 
 def test_plain_http_to_a_public_host_needs_a_pin():

@@ -112,6 +112,8 @@ def _operator(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, se
     for child in children:
         if child["kind"] == "Deployment":
             (container,) = child["spec"]["template"]["spec"]["containers"]
+            if container["name"] == "stager":  # fetches for the servers, runs no model
+                continue
             if container["name"] == "router":
                 router_command = container["command"]
             else:

@@ -298,8 +298,10 @@ def _operator_pods() -> dict[str, list[dict]]:
         pod = child["spec"]["template"]["spec"]
         for container in pod["containers"] + pod.get("initContainers", []):
             mounts = {m["name"]: m["mountPath"] for m in container.get("volumeMounts", [])}
-            scratch = [mounts[v["name"]] for v in pod["volumes"]
-                       if "emptyDir" in v and v["name"] in mounts and v["name"] != "checkpoint"]
+            # the checkpoints' volumes (a server's, the stager's) are data, not scratch: a
+            # mount point outside the image's directories, which the runtime creates
+            scratch = [mounts[v["name"]] for v in pod["volumes"] if "emptyDir" in v
+                       and v["name"] in mounts and v["name"] not in ("checkpoint", "stage")]
             pods.setdefault(family_of[container["image"]], []).append(
                 # literal values only: one read from a Secret (a fetched URI) is no path
                 {"env": {e["name"]: e["value"] for e in container.get("env", []) if "value" in e},

@@ -9,9 +9,11 @@ import copy
 import dataclasses
 import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+import netpolicy
 import pytest
 from podsecurity import violations
 
@@ -19,8 +21,9 @@ from ddm.checkpoints.fetch import ENV_URI, FetchPolicy
 from ddm.operator import fetcher, names
 from ddm.operator.fetcher import build_checkpoint_secrets
 from ddm.checkpoints.destinations import METADATA_ADDRESSES
-from ddm.operator.access import build_token_secrets, store_egress
+from ddm.operator.access import build_token_secrets
 from ddm.operator.config import Images, OperatorConfig
+from ddm.operator.policy import AllowLists, policy_problems
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
     build_children,
@@ -188,28 +191,57 @@ def test_a_checkpoint_inside_the_image_mounts_nothing() -> None:
     assert all(v["name"] != "checkpoint" for v in pod["volumes"])
 
 
+def _stager_pod(children: dict[tuple[str, str], dict]) -> dict:
+    return children[("Deployment", "digits-stager")]["spec"]["template"]["spec"]
+
+
 @pytest.mark.parametrize("uri", ["https://example.com/e.tar", "s3://bucket/e", "gs://bucket/e"])
-def test_a_remote_checkpoint_is_fetched_by_an_init_container(uri: str) -> None:
-    pod = _expert_pod(_expert(checkpoint={"uri": uri}))
-    (fetch,) = pod["initContainers"]
-    assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
+def test_a_remote_checkpoint_is_fetched_by_the_stager_and_copied_by_the_expert(uri: str) -> None:
+    config = dataclasses.replace(CONFIG, fetch_max_bytes=1 << 30)
+    children = _children(_spec(_expert(checkpoint={"uri": uri})), config)
+    staged = f"expert-e-{names.digest(uri)}"
+    fetch_step, = _stager_pod(children)["initContainers"]
+    assert fetch_step["command"] == ["ddm", "fetch-checkpoint", "--max-bytes", str(1 << 30),
+                                     f"/stage/{staged}"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
         "name": names.checkpoint_secret_name("digits", "1234", "expert-e", uri),
-        "key": "uri"}}} in fetch["env"]
-    assert fetch["image"] == "reg/ddm:1"
-    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert {"name": "checkpoint", "mountPath": "/models/expert"} in fetch["volumeMounts"]
-    assert {"name": "checkpoint", "emptyDir": {"sizeLimit": str(FetchPolicy().max_bytes)}} \
-        in pod["volumes"]
+        "key": "uri"}}} in fetch_step["env"]
+    assert fetch_step["image"] == "reg/ddm:1"  # the operator's own image, never a tenant's
+    assert fetch_step["resources"]["requests"]["ephemeral-storage"] == str(1 << 30)
+    assert fetch_step["resources"]["limits"]["memory"]
+    (server,) = _stager_pod(children)["containers"]
+    assert server["command"] == ["ddm", "serve-checkpoints", "/stage", "--port", "8070"]
+    assert {"name": "stage", "mountPath": "/stage", "readOnly": True} in server["volumeMounts"]
+
+    pod = children[("Deployment", "digits-expert-e")]["spec"]["template"]["spec"]
+    (copy_step,) = pod["initContainers"]
+    host = "digits-stager.ml.svc.cluster.local"
+    assert copy_step["command"] == [
+        "ddm", "fetch-checkpoint", f"http://{host}:8070/{staged}", "/models/expert",
+        "--allow-host", host, "--max-bytes", str(1 << 30)]
+    assert "env" not in copy_step or all(e["name"] != "DDM_CHECKPOINT_URI"
+                                         for e in copy_step["env"])
+    assert copy_step["resources"]["requests"]["ephemeral-storage"] == str(1 << 30)
+    assert copy_step["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert {"name": "checkpoint", "mountPath": "/models/expert"} in copy_step["volumeMounts"]
+    assert {"name": "checkpoint", "emptyDir": {"sizeLimit": str(1 << 30)}} in pod["volumes"]
     assert {"name": "checkpoint", "mountPath": "/models/expert", "readOnly": True} in \
         _container(pod)["volumeMounts"]
+    assert not violations(_stager_pod(children))
+
+
+def test_no_stager_without_a_fetched_checkpoint() -> None:
+    children = _children(_spec(_expert(checkpoint={"uri": "pvc://models/e"})))
+    assert all(kind != "Deployment" or "stager" not in name for kind, name in children)
+    assert ("Service", "digits-stager") not in children
 
 
 SIGNED = "https://store.example/m.tar.gz?X-Amz-Signature=c2VjcmV0&X-Amz-Credential=AKIA"
 
 
 def test_the_fetchers_constants_are_the_fetchers() -> None:
-    assert (fetcher.FETCH_MAX_BYTES, fetcher.ENV_URI) == (FetchPolicy().max_bytes, ENV_URI)
+    assert fetcher.ENV_URI == ENV_URI
+    assert OperatorConfig().fetch_max_bytes == FetchPolicy().max_bytes
 
 
 def _uris(secrets: list[dict]) -> dict[str, str]:
@@ -230,9 +262,12 @@ def test_a_fetched_uri_is_in_an_immutable_secret_of_its_own_and_nowhere_else() -
     assert _uris(secrets) == {expert_secret: SIGNED, router_secret: "s3://models/router"}
     pods = {c["metadata"]["name"]: c["spec"]["template"] for c in children
             if c["kind"] == "Deployment"}
-    (fetch,) = pods["digits-expert-a"]["spec"]["initContainers"]
+    fetches = {c["name"]: c for c in pods["digits-stager"]["spec"]["initContainers"]}
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
-        "name": expert_secret, "key": "uri"}}} in fetch["env"]
+        "name": expert_secret, "key": "uri"}}} in fetches["fetch-expert-a"]["env"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": router_secret, "key": "uri"}}} in fetches["fetch-router"]["env"]
+    assert expert_secret not in json.dumps(pods["digits-expert-a"])  # it copies, never reads
     assert pods["digits-expert-a"]["metadata"]["annotations"] == {
         **names.SCRAPE_ANNOTATIONS, names.CHECKPOINT_HASH_ANNOTATION: names.digest(SIGNED)}
     assert names.CHECKPOINT_HASH_ANNOTATION not in pods["digits-expert-b"]["metadata"][
@@ -259,21 +294,44 @@ def test_a_new_uri_is_a_new_secret_and_a_new_ddm_never_reuses_an_old_ones() -> N
 def test_a_pinned_fetch_with_credentials_and_allowed_networks() -> None:
     digest = "AB" * 32
     config = dataclasses.replace(CONFIG, fetch_allow_networks=("10.0.3.7/32", "fd00:1::/64"))
-    pod = _expert_pod(_expert(checkpoint={
-        "uri": "http://store.example/m.tar.gz", "sha256": f"sha256:{digest}",
-        "credentialsSecret": {"name": "store-login", "key": "headers.txt"}}), config)
-    (fetch,) = pod["initContainers"]
+    uri = "http://store.example/m.tar.gz"
+    children = _children(_spec(_expert(checkpoint={
+        "uri": uri, "sha256": f"sha256:{digest}",
+        "credentialsSecret": {"name": "store-login", "key": "headers.txt"}})), config)
+    stager = _stager_pod(children)
+    (fetch,) = stager["initContainers"]
     assert fetch["command"] == [
         "ddm", "fetch-checkpoint", "--sha256", digest.lower(),
         "--headers-file", "/var/run/secrets/ddm/checkpoint-credentials/headers",
-        "--allow-network", "10.0.3.7/32", "--allow-network", "fd00:1::/64", "/models/expert"]
-    assert {"name": "checkpoint-credentials", "secret": {
+        "--allow-network", "10.0.3.7/32", "--allow-network", "fd00:1::/64",
+        "--max-bytes", str(16 << 30), f"/stage/expert-e-{names.digest(uri)}"]
+    assert {"name": "credentials-expert-e", "secret": {
         "secretName": "store-login", "defaultMode": 0o400,
-        "items": [{"key": "headers.txt", "path": "headers"}]}} in pod["volumes"]
-    credentials = {"name": "checkpoint-credentials", "readOnly": True,
+        "items": [{"key": "headers.txt", "path": "headers"}]}} in stager["volumes"]
+    credentials = {"name": "credentials-expert-e", "readOnly": True,
                    "mountPath": "/var/run/secrets/ddm/checkpoint-credentials"}
     assert credentials in fetch["volumeMounts"]
-    assert credentials not in _container(pod)["volumeMounts"]  # the fetcher's alone
+    assert credentials not in _container(stager)["volumeMounts"]  # the fetch step's alone
+    expert = children[("Deployment", "digits-expert-e")]["spec"]["template"]["spec"]
+    assert "store-login" not in json.dumps(expert)  # serving pods never see the credentials
+    (copy_step,) = expert["initContainers"]
+    assert "--sha256" not in copy_step["command"]  # the archive's pin: the stager checked it
+
+
+def test_a_pinned_directory_is_copied_from_the_stager_under_the_same_pin() -> None:
+    children = _children(_spec(_expert(checkpoint={"uri": "http://store.example/models/e",
+                                                   "sha256": "cd" * 32})))
+    expert = children[("Deployment", "digits-expert-e")]["spec"]["template"]["spec"]
+    (copy_step,) = expert["initContainers"]
+    assert copy_step["command"][4:6] == ["--sha256", "cd" * 32]  # config.json's, served as is
+
+
+def test_the_admin_sets_the_fetch_cap() -> None:
+    assert OperatorConfig.from_env({"DDM_FETCH_MAX_BYTES": "1073741824"}).fetch_max_bytes == \
+        1 << 30
+    for bad in ("-1", "1Gi", "0"):
+        with pytest.raises(ValueError, match="DDM_FETCH_MAX_BYTES must be a positive number"):
+            OperatorConfig.from_env({"DDM_FETCH_MAX_BYTES": bad})
 
 
 def test_the_operators_fetch_networks_must_be_cidrs() -> None:
@@ -313,7 +371,7 @@ def test_every_pod_runs_restricted_with_writable_scratch() -> None:
         _expert("c", accelerator={"type": "tpu"}),
         router={"checkpoint": {"uri": "https://example.com/router"}}))
     pods = _pods(children)
-    assert len(pods) == 4
+    assert len(pods) == 5  # the experts, the router, the stager
     for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["runAsUser"] == 10001
@@ -336,7 +394,7 @@ def test_every_pod_passes_the_restricted_pod_security_profile() -> None:
         _expert("c", accelerator={"type": "tpu"}, checkpoint={"uri": "gs://bkt/c"}),
         router={"checkpoint": {"uri": "https://example.com/router"}, "auth": {}}))
     pods = _pods(children)
-    assert len(pods) == 4 and sum(bool(pod.get("initContainers")) for pod in pods) == 3
+    assert len(pods) == 5 and sum(bool(pod.get("initContainers")) for pod in pods) == 4
     for pod in pods:
         assert violations(pod) == []
 
@@ -535,42 +593,86 @@ def test_malformed_scrapers_are_refused_by_name(peers: Any, message: str) -> Non
         OperatorConfig.from_env({"DDM_METRICS_FROM": json.dumps(peers)})
 
 
-def test_egress_router_to_its_experts_and_dns_fetchers_to_stores_not_metadata() -> None:
+#: What the stager must never reach unless an admin allows it.
+CLOSED = {"private": ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"],
+          "loopback": ["127.0.0.0/8", "::1/128"], "link-local": ["169.254.0.0/16", "fe80::/10"],
+          "CGNAT": ["100.64.0.0/10"], "ULA": ["fc00::/7"],
+          "metadata": [f"{a}/{a.max_prefixlen}" for a in METADATA_ADDRESSES]}
+DNS_PEER = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+            "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+
+
+def _policies(children: dict[tuple[str, str], dict]) -> list[dict]:
+    return [c for (kind, _), c in children.items() if kind == "NetworkPolicy"]
+
+
+def test_serving_pods_send_only_to_their_experts_the_stager_and_the_cluster_dns() -> None:
     config = OperatorConfig(images=CONFIG.images, network_policy=True)
     raw = _spec(_expert("a", checkpoint={"uri": "s3://models/a"}), _expert("b"))
     children = _children(raw, config)
-    fetching, local = (_pod_labels(children, f"digits-expert-{e}") for e in ("a", "b"))
-    router = _pod_labels(children, "digits-router")
-    router_egress = children[("NetworkPolicy", "digits-router")]["spec"]["egress"]
-    to_experts, dns = router_egress
-    assert _matches(to_experts["to"][0]["podSelector"], fetching)
-    assert _matches(to_experts["to"][0]["podSelector"], local)
-    assert [p["port"] for p in to_experts["ports"]] == [names.EXPERT_PORT]
-    assert dns == {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+    policies = _policies(children)
+    stager = _pod_labels(children, "digits-stager")
+    for name in ("digits-expert-a", "digits-expert-b", "digits-router"):
+        labels = _pod_labels(children, name)
+        rules = netpolicy.egress_rules(policies, labels)
+        assert rules, name  # restricted, and to something
+        for rule in rules:
+            for peer in rule["to"]:
+                assert "ipBlock" not in peer, name
+                if "namespaceSelector" in peer:  # the cluster DNS, port 53 only
+                    assert peer == DNS_PEER
+                    assert {p["port"] for p in rule["ports"]} == {53}
+                else:
+                    assert peer["podSelector"]["matchLabels"][names.DEPLOYMENT_LABEL] == "digits"
+                    assert peer["podSelector"]["matchLabels"][names.COMPONENT_LABEL] in (
+                        "expert", "stager")
+        assert not netpolicy.admits_address(rules, ipaddress.ip_address("8.8.8.8"))
+        to_stager = [r for r in rules for p in r["to"]
+                     if "podSelector" in p and "namespaceSelector" not in p
+                     and netpolicy.selects(p["podSelector"], stager)]
+        assert [p["port"] for r in to_stager for p in r["ports"]] == [8070]
+        assert not netpolicy.selects(children[("NetworkPolicy", "digits-stager")]["spec"][
+            "podSelector"], labels)
 
-    fetch = children[("NetworkPolicy", "digits-fetch")]["spec"]
-    assert fetch["policyTypes"] == ["Egress"]  # a pod selects no init container alone
-    assert _matches(fetch["podSelector"], fetching)
-    assert not _matches(fetch["podSelector"], local) and not _matches(fetch["podSelector"], router)
-    dns, store = fetch["egress"]
-    v4, v6 = (block["ipBlock"] for block in store["to"])
-    assert (v4["cidr"], v6["cidr"]) == ("0.0.0.0/0", "::/0")
-    assert {"169.254.0.0/16", "100.100.100.200/32"} <= set(v4["except"])
-    assert {"fe80::/10", "fd00:ec2::254/128"} <= set(v6["except"])
-    assert "ports" not in store  # any port of the store
+
+@pytest.mark.parametrize("allowed", [(), ("10.0.3.7/32", "169.254.0.0/16", "fd00:1::/64")])
+def test_the_stager_reaches_public_stores_never_private_or_metadata_ranges(allowed) -> None:
+    config = OperatorConfig(images=CONFIG.images, network_policy=True,
+                            fetch_allow_networks=allowed)
+    children = _children(_spec(_expert("a", checkpoint={"uri": "s3://models/a"})), config)
+    stager = _pod_labels(children, "digits-stager")
+    rules = netpolicy.egress_rules(_policies(children), stager)
+    for kind, networks in CLOSED.items():
+        for network in networks:
+            for address in netpolicy.samples(network):
+                readmitted = any(address in ipaddress.ip_network(n) for n in allowed)
+                assert netpolicy.admits_address(rules, address) == (
+                    readmitted and kind != "metadata"), (kind, address)
+    for public in ("8.8.8.8", "52.216.0.1", "2600:1f18::1"):
+        assert netpolicy.admits_address(rules, ipaddress.ip_address(public))
+    ingress = children[("NetworkPolicy", "digits-stager")]["spec"]["ingress"]
+    assert ingress == [{"from": [{"podSelector": {"matchLabels": {
+        names.DEPLOYMENT_LABEL: "digits"}}}], "ports": [{"protocol": "TCP", "port": 8070}]}]
 
 
-def test_an_allowed_link_local_store_opens_link_local_but_never_metadata() -> None:
-    (v4, v6) = (b["ipBlock"] for b in store_egress(("169.254.20.0/24",))["to"])
-    assert "169.254.0.0/16" not in v4["except"]
-    assert {"169.254.169.254/32", "169.254.170.2/32"} <= set(v4["except"])
-    assert "fe80::/10" in v6["except"]
-    metadata = {ipaddress.ip_network(a) for a in METADATA_ADDRESSES}
-    for allowed in ((), ("169.254.0.0/16", "fe80::/10")):
-        closed = [ipaddress.ip_network(n) for b in store_egress(allowed)["to"]
-                  for n in b["ipBlock"]["except"]]
-        assert all(any(a.subnet_of(c) for c in closed if c.version == a.version)
-                   for a in metadata)
+def test_without_fetches_experts_send_nothing() -> None:
+    config = OperatorConfig(images=CONFIG.images, network_policy=True)
+    children = _children(_spec(_expert("a")), config)
+    assert children[("NetworkPolicy", "digits-experts")]["spec"]["egress"] == []
+    assert ("NetworkPolicy", "digits-stager") not in children
+
+
+def test_the_cluster_dns_is_the_admins_choice() -> None:
+    config = OperatorConfig.from_env({
+        "DDM_NETWORK_POLICY": "true",
+        "DDM_DNS_NAMESPACE_SELECTOR": '{"matchLabels": {"name": "dns"}}',
+        "DDM_DNS_POD_SELECTOR": '{"matchLabels": {"app": "coredns"}}'})
+    children = _children(_spec(_expert("a")), config)
+    (_, dns) = children[("NetworkPolicy", "digits-router")]["spec"]["egress"]
+    assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"name": "dns"}},
+                          "podSelector": {"matchLabels": {"app": "coredns"}}}]
+    with pytest.raises(ValueError, match="label selector"):
+        OperatorConfig.from_env({"DDM_DNS_POD_SELECTOR": '{"app": "coredns"}'})
 
 
 def test_network_policies_only_when_turned_on() -> None:
@@ -761,3 +863,46 @@ def test_every_container_command_is_a_valid_ddm_command_listening_on_all_address
             assert command[0] == "ddm"
             args = build_parser().parse_args(command[1:])  # SystemExit if a flag is unknown
             assert args.host == "0.0.0.0", command
+
+
+def test_a_uri_held_in_the_users_secret_is_read_by_the_fetch_step_alone() -> None:
+    held = {"uriFrom": {"secretKeyRef": {"name": "signed-urls", "key": "expert-a"}},
+            "sha256": "ab" * 32}
+    raw = _spec(_expert("a", checkpoint=held))
+    spec = parse_spec(raw)
+    assert build_checkpoint_secrets(spec, META) == []  # the operator holds no copy
+    children = _children(raw)
+    (fetch,) = _stager_pod(children)["initContainers"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": "signed-urls", "key": "expert-a"}}} in fetch["env"]
+    assert fetch["command"][:4] == ["ddm", "fetch-checkpoint", "--sha256", "ab" * 32]
+    expert = children[("Deployment", "digits-expert-a")]["spec"]["template"]
+    assert "signed-urls" not in json.dumps(expert["spec"])
+    assert expert["metadata"]["annotations"][names.CHECKPOINT_HASH_ANNOTATION] == names.digest(
+        "secret://signed-urls/expert-a")
+
+
+@pytest.mark.parametrize("checkpoint, problem", [
+    ({"uri": "s3://m/a", "uriFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+     "checkpoint.uriFrom: give uri or uriFrom, not both"),
+    ({"uriFrom": {}}, "checkpoint.uriFrom.secretKeyRef: is required"),
+    ({"uriFrom": {"secretKeyRef": {"name": "s"}}}, "secretKeyRef.key: is required"),
+    ({}, "checkpoint.uri: is required (or uriFrom.secretKeyRef)"),
+    ({"uri": "secret://s/k"}, "is not a checkpoint URI"),
+])
+def test_a_checkpoint_names_one_uri_or_one_secret_key(checkpoint: dict, problem: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_spec(_spec(_expert("a", checkpoint=checkpoint)))
+
+
+def test_an_allow_list_admits_secret_held_uris_only_by_their_own_entry() -> None:
+    spec = parse_spec(_spec(_expert("a", checkpoint={
+        "uriFrom": {"secretKeyRef": {"name": "signed-urls", "key": "a"}}})))
+    sources = ("image://", "s3://models/")
+    assert policy_problems(spec, AllowLists(checkpoint_sources=sources)) == [
+        "spec.experts[0].checkpoint.uri: 'secret://signed-urls/a' is not among the checkpoint "
+        "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image://, s3://models/)"]
+    assert policy_problems(spec, AllowLists(checkpoint_sources=(*sources, "secret://"))) == []
+    (problem,) = policy_problems(spec, AllowLists(secrets=("ddm-*",)))
+    assert problem.startswith("spec.experts[0].checkpoint.uriFrom.secretKeyRef.name: Secret "
+                              "'signed-urls' is not among the Secrets")

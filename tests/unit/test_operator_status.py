@@ -216,3 +216,29 @@ def test_the_status_names_the_token_secret_never_the_token() -> None:
     assert status["routerTokenSecret"] == "digits-router-token"
     assert "routerTokenSecret" not in ready_status(SPEC, META, deployments={}, previous={},
                                                    now="T1")
+
+
+def test_a_failing_stager_is_why_the_pods_that_copy_from_it_wait() -> None:
+    spec = parse_spec({
+        "sampling": {"strategy": "oracle"}, "router": {"replicas": 2},
+        "experts": [{"name": "low", "checkpoint": {"uri": "s3://models/low"},
+                     "classes": [0, 1, 2, 3, 4]},
+                    {"name": "high", "checkpoint": {"uri": "image:///h"},
+                     "classes": [5, 6, 7, 8, 9]}]})
+    stager = {"metadata": {"name": "digits-stager-1", "labels": {
+        "ddm.dev/deployment": "digits", "app.kubernetes.io/component": "stager"}},
+        "status": {"phase": "Pending", "initContainerStatuses": [{
+            "name": "fetch-expert-low", "ready": False, "restartCount": 1,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1,
+                                         "message": "s3://models/low: HTTP 403 Forbidden"}}}]}}
+    copying = _pod("l1", "low", phase="Pending", initContainerStatuses=[{
+        "name": "copy-checkpoint", "ready": False, "restartCount": 0,
+        "state": {"running": {}}}])
+    status = ready_status(spec, META, deployments=_deployments(0, 0, 0), previous={},
+                          now="T1", pods=[stager, copying])
+    experts = {e["name"]: e for e in status["experts"]}
+    assert experts["low"]["message"] == (
+        "checkpoint stager: init container fetch-expert-low restarted 1 time; last exit 1: "
+        "s3://models/low: HTTP 403 Forbidden")
+    assert "reason" not in experts["high"]  # its checkpoint is in its image

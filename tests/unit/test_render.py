@@ -38,7 +38,6 @@ def test_render_prints_every_child_of_the_mnist_example(capsys: pytest.CaptureFi
         ("Secret", names.router_token_name("mnist", PLACEHOLDER_UID)),
         ("Secret", names.expert_token_name("mnist", PLACEHOLDER_UID)),
         ("NetworkPolicy", "mnist-experts"), ("NetworkPolicy", "mnist-router"),
-        ("NetworkPolicy", "mnist-fetch"),
         *[(kind, e) for e in experts for kind in ("Service", "Deployment")],
         ("ConfigMap", "mnist-router-config"), ("Service", "mnist-router"),
         ("Deployment", "mnist-router")]

@@ -11,7 +11,9 @@ and the fetcher then connects to those checked addresses and never resolves the 
   carries an IPv4 one (mapped ``::ffff:a.b.c.d``, compatible ``::a.b.c.d``, 6to4, Teredo, NAT64
   ``64:ff9b::/96``) is judged by that IPv4 address too.
 - Any other address only inside a network allowed explicitly (``--allow-network CIDR``: the
-  on-prem store, e.g. ``10.0.3.7/32``; loopback for tests).
+  on-prem store, e.g. ``10.0.3.7/32``; loopback for tests), or as the address of a host
+  allowed by name (``--allow-host NAME``: the DDM's checkpoint stager, a Service whose
+  address the operator cannot know in advance).
 - The cloud metadata endpoints never, whatever is allowed: their names are refused before any
   lookup, their addresses after it.
 
@@ -39,6 +41,8 @@ METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "100.100.100.200", "192.0.0.192", "168.63.129.16"))
 _NAT64 = (ipaddress.ip_network("64:ff9b::/96"), ipaddress.ip_network("64:ff9b:1::/48"))
 _IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+#: Every address: what a host allowed by name may resolve to (metadata still refused).
+_EVERYWHERE = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
 #: The one message of every refused destination (see the module's docstring).
 REFUSED = "the host does not resolve to an allowed address"
 
@@ -110,12 +114,21 @@ def check_addresses(addresses: Sequence[Address], networks: Sequence[Network]) -
     return Destination(tuple(dict.fromkeys(addresses)), explicit)
 
 
-def resolve(host: str, port: int, networks: Sequence[Network]) -> Destination:
+def normal_host(host: str) -> str:
+    """A host as it is compared: lower case, no brackets, no trailing dot."""
+    return host.strip("[]").rstrip(".").lower()
+
+
+def resolve(host: str, port: int, networks: Sequence[Network],
+            hosts: Iterable[str] = ()) -> Destination:
     """Resolve ``host`` once and check every address (``DestinationRefused``, same text for a
-    name that does not resolve). ``host`` is a URL's host: a name or an IP literal."""
-    name = host.strip("[]").rstrip(".").lower()
+    name that does not resolve). ``host`` is a URL's host: a name or an IP literal; a name in
+    ``hosts`` (``normal_host`` form) may resolve to any address but a metadata one."""
+    name = normal_host(host)
     if name in METADATA_HOSTS:
         raise DestinationRefused()
+    if name in hosts:
+        networks = _EVERYWHERE
     try:
         return check_addresses([ipaddress.ip_address(name)], networks)
     except ValueError:

@@ -69,11 +69,11 @@ def shown(url: str) -> str:
 
 def get(url: str, out: BinaryIO, *, limit: int, deadline: float, timeout_s: float,
         networks: Sequence[Network], pinned: bool, max_redirects: int,
-        headers: Mapping[str, str]) -> Received:
+        headers: Mapping[str, str], hosts: frozenset[str] = frozenset()) -> Received:
     """GET ``url`` into ``out`` (see the module docstring); raises ``FetchError``."""
     origin = _origin(urlsplit(url))
     for _ in range(max_redirects + 1):
-        parts, destination = check_hop(url, networks, pinned)
+        parts, destination = check_hop(url, networks, pinned, hosts)
         sent = dict(headers) if _origin(parts) == origin else {}
         location = _exchange(url, parts, destination, out, sent, limit, deadline, timeout_s)
         if isinstance(location, Received):
@@ -82,10 +82,11 @@ def get(url: str, out: BinaryIO, *, limit: int, deadline: float, timeout_s: floa
     raise FetchError(f"{shown(url)}: more than {max_redirects} redirects")
 
 
-def check_hop(url: str, networks: Sequence[Network], pinned: bool
-              ) -> tuple[SplitResult, Destination]:
+def check_hop(url: str, networks: Sequence[Network], pinned: bool,
+              hosts: frozenset[str] = frozenset()) -> tuple[SplitResult, Destination]:
     """What may be fetched: ``url``'s parts and checked addresses, or ``FetchError``. It only
-    resolves the host (an IP literal not even that): nothing connects before it answers."""
+    resolves the host (an IP literal not even that): nothing connects before it answers.
+    ``hosts``: names allowed whatever they resolve to (``destinations.resolve``)."""
     try:
         parts = urlsplit(url)
         port = _port(parts)
@@ -97,12 +98,12 @@ def check_hop(url: str, networks: Sequence[Network], pinned: bool
         raise FetchError(f"{shown(url)}: credentials in a URL are refused; give them in a "
                          "headers file (--headers-file) from a Secret")
     try:
-        destination = resolve(parts.hostname, port, networks)
+        destination = resolve(parts.hostname, port, networks, hosts)
     except DestinationRefused as exc:
         raise FetchError(f"could not fetch {shown(url)}: {exc}") from None
     if parts.scheme == "http" and not (pinned or destination.explicitly_allowed):
         raise FetchError(f"{shown(url)}: plain http is refused unless the download is pinned "
-                         "(--sha256) or its host is in an allowed network (--allow-network)")
+                         "(--sha256) or its host is allowed (--allow-network, --allow-host)")
     return parts, destination
 
 

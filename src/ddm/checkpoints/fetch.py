@@ -1,11 +1,13 @@
 """``ddm fetch-checkpoint URI DEST``: download a checkpoint, verify it, and put it at DEST.
 
-The operator's init container runs this (``ddm.checkpoints.uri.FETCH_COMMAND``) so that a
-server starts from local files. Where a checkpoint can come from:
+The DDM's checkpoint stager runs this (``ddm.checkpoints.uri.FETCH_COMMAND``), and each of the
+DDM's pods to copy its checkpoint from the stager, so that a server starts from local files.
+Where a checkpoint can come from:
 
-- ``http(s)://HOST/PATH``: the checkpoint directory (``PATH/config.json`` and
-  ``PATH/weights.safetensors`` are fetched), or a ``.tar.gz``/``.tgz``/``.tar`` of it (the two
-  files at the archive's root or in one top-level directory).
+- ``http(s)://HOST/PATH``: the checkpoint directory (``PATH/config.json``,
+  ``PATH/weights.safetensors`` and the exported program that config.json names are fetched),
+  or a ``.tar.gz``/``.tgz``/``.tar`` of it (the files at the archive's root or in one
+  top-level directory).
 - ``s3://BUCKET/KEY`` through ``https://BUCKET.s3.amazonaws.com/KEY`` (``s3.REGION`` when
   ``AWS_REGION`` is set), or ``$AWS_ENDPOINT_URL_S3``/``$AWS_ENDPOINT_URL``/BUCKET/KEY.
 - ``gs://BUCKET/KEY`` through ``https://storage.googleapis.com/BUCKET/KEY``, or
@@ -16,7 +18,8 @@ The URI is a tenant's input and the fetcher runs inside the cluster, so (``downl
 
 - Destinations: public addresses only, judged after DNS resolution and connected to as
   checked; loopback, link-local, private and other non-public networks only when allowed
-  explicitly (``allowed_networks``, ``--allow-network CIDR``); cloud metadata never. Every
+  explicitly (``allowed_networks``, ``--allow-network CIDR``; or one host by name,
+  ``allowed_hosts``, ``--allow-host``: the DDM's stager); cloud metadata never. Every
   redirect (at most ``max_redirects``) is checked the same way before any connection to it.
   A refused destination gets one message whatever the cause: errors reach the DDM's status
   and must not map the cluster's network.
@@ -36,10 +39,11 @@ Each file is streamed to disk with a timeout per wait, bounded retries with expo
 back-off on 5xx, 429 and connection errors, one deadline for the whole fetch, and a size limit
 on everything downloaded or extracted. Archives are extracted member by member, at most
 ``max_entries``: only regular files and directories, no absolute paths, no ``..``. The result
-is checked with the checkpoint module's own loader (config and weights' SHA-256) before it is
-moved into place: DEST holds the complete checkpoint or nothing new. DEST may be absent
-(created by one rename) or an existing directory (an emptyDir mount point, which cannot be
-renamed): the checkpoint is staged inside it, and its ``config.json`` is moved in last.
+is checked in constant memory (``verify.verify_checkpoint``: config, SHA-256s streamed, the
+safetensors header; no weight is loaded) before it is moved into place: DEST holds the
+complete checkpoint or nothing new. DEST may be absent (created by one rename) or an existing
+directory (an emptyDir mount point, which cannot be renamed): the checkpoint is staged inside
+it, and its ``config.json`` is moved in last.
 """
 
 from __future__ import annotations
@@ -58,8 +62,22 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from ddm.checkpoints.destinations import Network
 from ddm.checkpoints.download import FetchError, Received, Retryable, get, shown
-from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, CheckpointError, load_checkpoint
-from ddm.checkpoints.uri import REMOTE_SCHEMES, parse_checkpoint, redact_uri
+from ddm.checkpoints.destinations import normal_host
+from ddm.checkpoints.format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    CheckpointError,
+    program_file_name,
+    read_meta,
+)
+from ddm.checkpoints.uri import (
+    ARCHIVE_SUFFIXES,
+    FETCH_MAX_BYTES,
+    REMOTE_SCHEMES,
+    parse_checkpoint,
+    redact_uri,
+)
+from ddm.checkpoints.verify import verify_checkpoint
 
 __all__ = ["FetchError", "FetchPolicy", "fetch_checkpoint", "parse_sha256", "read_headers_file",
            "resolve_url"]
@@ -69,7 +87,7 @@ ENV_URI = "DDM_CHECKPOINT_URI"
 ENV_SHA256 = "DDM_CHECKPOINT_SHA256"
 ENV_HEADERS_FILE = "DDM_FETCH_HEADERS_FILE"
 ENV_ALLOW_NETWORKS = "DDM_FETCH_ALLOW_NETWORKS"
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+ENV_MAX_BYTES = "DDM_FETCH_MAX_BYTES"
 #: Staging directories start with this; a later run removes those an interrupted run left.
 STAGING_PREFIX = ".ddm-fetch-"
 _CHUNK = 1 << 20
@@ -86,17 +104,19 @@ class FetchPolicy:
     attempt, redirect and back-off). ``attempts`` per file, the waits between them
     ``backoff_s``, doubling. ``max_bytes`` downloaded plus extracted in all, ``max_entries``
     in an archive, ``max_redirects`` per request. ``allowed_networks``: non-public networks
-    the fetcher may reach (see ``ddm.checkpoints.destinations``); empty, public hosts only.
+    the fetcher may reach (see ``ddm.checkpoints.destinations``); empty, public hosts only;
+    ``allowed_hosts``: names that may resolve to any address but a metadata one.
     """
 
     timeout_s: float = 60.0
     deadline_s: float = 3600.0  # an hour
     attempts: int = 5
     backoff_s: float = 1.0
-    max_bytes: int = 16 << 30
+    max_bytes: int = FETCH_MAX_BYTES
     max_entries: int = 64
     max_redirects: int = 5
     allowed_networks: tuple[Network, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -178,7 +198,7 @@ def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
         try:
             ready = _download_checkpoint(base_url, staging, fetch, sha256)
             try:
-                load_checkpoint(ready)
+                verify_checkpoint(ready)
             except CheckpointError as exc:
                 raise FetchError(f"the downloaded checkpoint failed verification: {exc}"
                                  ) from None
@@ -233,7 +253,7 @@ def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: st
     """Download (and extract) into ``staging``; return the directory holding the checkpoint.
 
     The pin covers the archive, or a directory's ``config.json``, fetched first: it records
-    the weights' SHA-256, which ``load_checkpoint`` checks, so one pin covers both files.
+    the weights' SHA-256, which ``verify_checkpoint`` checks, so one pin covers both files.
     """
     parts = urlsplit(base_url)
     budget = fetch.policy.max_bytes
@@ -245,10 +265,23 @@ def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: st
         archive.unlink()
         return _checkpoint_root(root)
     root.mkdir()
-    for name, pin in ((CONFIG_FILE, sha256), (WEIGHTS_FILE, None)):
-        url = urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
-        budget -= _download(url, root / name, budget, fetch, pin).size
+
+    def file_url(name: str) -> str:
+        return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
+
+    budget -= _download(file_url(CONFIG_FILE), root / CONFIG_FILE, budget, fetch, sha256).size
+    for name in (WEIGHTS_FILE, *_program_file(root)):
+        budget -= _download(file_url(name), root / name, budget, fetch, None).size
     return root
+
+
+def _program_file(root: Path) -> list[str]:
+    """The exported program a directory's ``config.json`` names, if any (fetched too)."""
+    try:
+        meta = read_meta(root)
+    except CheckpointError as exc:
+        raise FetchError(f"the downloaded checkpoint failed verification: {exc}") from None
+    return [program_file_name(meta)] if meta.model.kind == "exported" else []
 
 
 def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | None
@@ -266,7 +299,8 @@ def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | N
                 received = get(url, out, limit=limit, deadline=fetch.deadline,
                                timeout_s=policy.timeout_s, networks=policy.allowed_networks,
                                pinned=fetch.pinned, max_redirects=policy.max_redirects,
-                               headers=fetch.headers)
+                               headers=fetch.headers,
+                               hosts=frozenset(map(normal_host, policy.allowed_hosts)))
         except Retryable as exc:
             problem = str(exc)
             continue

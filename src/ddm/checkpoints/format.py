@@ -260,9 +260,9 @@ def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
     meta = read_meta(path)
     weights_path = path / WEIGHTS_FILE
     config = json.loads((path / CONFIG_FILE).read_text())
-    _verify(path, WEIGHTS_FILE, config.get("weights_sha256"))
+    check_sha256(path, WEIGHTS_FILE, config.get("weights_sha256"))
     if meta.model.kind == "exported":
-        _verify(path, program_file_name(meta), config.get("program_sha256"))
+        check_sha256(path, program_file_name(meta), config.get("program_sha256"))
     try:
         weights = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -295,7 +295,8 @@ def check_weight_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[in
             f"checkpoint {path}: weights do not match the architecture in {CONFIG_FILE}: {shown}")
 
 
-def _verify(path: Path, name: str, expected: Any) -> None:
+def check_sha256(path: Path, name: str, expected: Any) -> None:
+    """``path/name`` exists and its SHA-256 (streamed) is ``expected`` (config.json's)."""
     if not (path / name).is_file():
         raise CheckpointError(f"checkpoint {path} has no {name}")
     actual = _sha256(path / name)

@@ -2,8 +2,9 @@
 
 - ``pvc://CLAIM[/SUB/PATH]``: the claim, mounted read-only (at ``SUB/PATH`` with a subPath).
 - ``image:///ABS/PATH``: already inside the image; nothing is mounted.
-- ``http(s)://...``, ``s3://BUCKET/KEY``, ``gs://BUCKET/KEY``: an init container runs
-  ``ddm fetch-checkpoint URI DEST`` into an emptyDir, so the server starts from local files.
+- ``http(s)://...``, ``s3://BUCKET/KEY``, ``gs://BUCKET/KEY``: the DDM's checkpoint stager
+  runs ``ddm fetch-checkpoint URI DEST``, and an init container copies the verified
+  checkpoint from it into an emptyDir, so the server starts from local files.
 - ``file:///ABS/PATH``: a hostPath volume. It exposes the node's own files to the pod, so the
   operator refuses it unless it was started with host paths allowed (single-node clusters).
 """
@@ -21,8 +22,26 @@ URI_PATTERN = (
 )
 MAX_URI_LENGTH = 1024
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
+#: A fetched URI ending so names an archive of the checkpoint; any other, its directory.
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+#: A checkpoint whose URI is in a key of the user's Secret (the spec's
+#: ``uriFrom.secretKeyRef``): fetched like the remote ones, by a fetch step that reads the
+#: Secret itself; the operator never sees the URI. Shown as ``secret://NAME/KEY``.
+SECRET_SCHEME = "secret"
+FETCHED_SCHEMES = (*REMOTE_SCHEMES, SECRET_SCHEME)
+#: The fetcher's default byte cap (downloaded and extracted together); an admin may lower it
+#: (``--max-bytes``, the operator's ``DDM_FETCH_MAX_BYTES``).
+FETCH_MAX_BYTES = 16 << 30
 #: The CLI command the init container runs (``ddm fetch-checkpoint URI DEST``).
 FETCH_COMMAND = ("ddm", "fetch-checkpoint")
+#: The command of the DDM's checkpoint stager (``ddm serve-checkpoints ROOT``) and its port.
+SERVE_COMMAND = ("ddm", "serve-checkpoints")
+STAGER_PORT = 8070
+
+
+def staged_path(key: str) -> str:
+    """The stager's URL path of the checkpoint staged under ``key`` (a directory URI)."""
+    return f"/{key}"
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,11 @@ class CheckpointSource:
     scheme: str
     location: str
     path: str
+
+
+def secret_checkpoint(name: str, key: str) -> CheckpointSource:
+    """The checkpoint whose URI is ``key`` of the Secret ``name`` (``SECRET_SCHEME``)."""
+    return CheckpointSource(f"{SECRET_SCHEME}://{name}/{key}", SECRET_SCHEME, name, key)
 
 
 def parse_checkpoint(uri: str) -> CheckpointSource:
@@ -61,13 +85,10 @@ class CheckpointMount:
     init_containers: list[dict[str, Any]] = field(default_factory=list)
 
 
-def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: str,
-                     fetcher: dict[str, Any]) -> CheckpointMount:
-    """Volumes, mounts and init containers that put ``checkpoint`` at ``mount_path``.
-
-    ``fetcher`` is the init container to run for remote URIs, without its command: the same
-    image and security context as the server, so the fetch runs as the same non-root user.
-    """
+def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: str
+                     ) -> CheckpointMount:
+    """Volumes and mounts that put a local (pvc, image, file) ``checkpoint`` at ``mount_path``
+    (a fetched one is copied from the DDM's stager: ``ddm.operator.fetcher``)."""
     scheme = checkpoint.scheme
     if scheme == "image":
         return CheckpointMount(path=checkpoint.path)
@@ -79,24 +100,11 @@ def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: s
             path=mount_path,
             volumes=[{"name": volume, "persistentVolumeClaim": claim}],
             mounts=[{**read_only, "subPath": sub_path} if sub_path else read_only])
-    if scheme == "file":
-        return CheckpointMount(
-            path=mount_path,
-            volumes=[{"name": volume, "hostPath": {"path": checkpoint.path, "type": "Directory"}}],
-            mounts=[read_only])
-    assert scheme in REMOTE_SCHEMES, scheme
-    fetch = {
-        **fetcher,
-        "name": f"fetch-{volume}",
-        "command": [*FETCH_COMMAND, checkpoint.uri, mount_path],
-        "volumeMounts": [*fetcher.get("volumeMounts", []),
-                         {"name": volume, "mountPath": mount_path}],
-    }
+    assert scheme == "file", scheme
     return CheckpointMount(
         path=mount_path,
-        volumes=[{"name": volume, "emptyDir": {}}],
-        mounts=[read_only],
-        init_containers=[fetch])
+        volumes=[{"name": volume, "hostPath": {"path": checkpoint.path, "type": "Directory"}}],
+        mounts=[read_only])
 
 
 def redact_uri(uri: str) -> str:

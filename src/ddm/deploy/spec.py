@@ -15,7 +15,13 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.checkpoints.uri import REMOTE_SCHEMES, CheckpointSource, parse_checkpoint, redact_uri
+from ddm.checkpoints.uri import (
+    REMOTE_SCHEMES,
+    CheckpointSource,
+    parse_checkpoint,
+    redact_uri,
+    secret_checkpoint,
+)
 from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defaults
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
@@ -191,15 +197,26 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
     """The checkpoint's source and fetch options. A URI appears in messages only redacted
     (``redact_uri``): a pre-signed URL's signature must not reach the status or events."""
     uri = reader.value("uri")
+    uri_from = reader.child("uriFrom") if reader.has("uriFrom") else None
     sha256 = reader.string("sha256", None, pattern=SHA256_PATTERN,
                            hint="64 hexadecimal digits, optionally 'sha256:' first")
     credentials = (_secret_key(reader.child("credentialsSecret"))
                    if reader.has("credentialsSecret") else None)
-    reader.done()
     fetch = FetchOptions(sha256=sha256.lower().removeprefix("sha256:") if sha256 else None,
                          credentials=credentials)
+    if uri_from is not None:
+        if uri is not None:
+            reader.problem("uriFrom", "give uri or uriFrom, not both")
+        held = (_secret_key(uri_from.child("secretKeyRef")) if uri_from.has("secretKeyRef")
+                else None)
+        if not uri_from.has("secretKeyRef"):
+            uri_from.problem("secretKeyRef", "is required")
+        uri_from.done()
+        reader.done()
+        return (secret_checkpoint(held.name, held.key) if held and uri is None else None), fetch
+    reader.done()
     if uri is None:
-        reader.problem("uri", "is required")
+        reader.problem("uri", "is required (or uriFrom.secretKeyRef)")
         return None, fetch
     shown = redact_uri(uri) if isinstance(uri, str) else uri
     try:
@@ -215,7 +232,7 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
         for key in ("sha256", "credentialsSecret"):
             if reader.has(key):
                 reader.problem(key, f"only for a fetched checkpoint ({', '.join(REMOTE_SCHEMES)}"
-                                    f"); {shown!r} is not fetched")
+                                    f" or uriFrom); {shown!r} is not fetched")
     if "@" in checkpoint.location:
         reader.problem("uri", f"{shown!r}: credentials in the URI are refused; put them in a "
                               "Secret and name it in credentialsSecret")

@@ -14,14 +14,18 @@ recognised as planted and never used (``reconcile``). Each server reads its toke
 read-only file (``ROUTER_TOKEN_FILE``, ``EXPERT_TOKEN_FILE``).
 
 NetworkPolicies (operator-wide ``network_policy``): expert pods accept traffic only from their
-own router's pods, on the expert port, and send none; router pods accept traffic on the router
-port only and send only to their experts and DNS; both accept scrapers (operator-wide
-``metrics_from``) on their metrics port, which serves ``/metrics`` alone. A NetworkPolicy
-selects pods, not containers, so the pods whose init container fetches a checkpoint (labelled
-``names.FETCH_LABEL``) may send to DNS and to any address but the cloud metadata ones and
-link-local, their server container included (the fetcher's own checks are the first line,
-``ddm.checkpoints.destinations``). The selectors are ``names.selector``'s, the labels every
-pod of these Deployments carries.
+own router's pods, on the expert port; router pods accept traffic on the router port only and
+send only to their experts; both accept scrapers (operator-wide ``metrics_from``) on their
+metrics port, which serves ``/metrics`` alone. When the DDM fetches a checkpoint, its serving
+pods may also send to its checkpoint stager (which they copy the checkpoint from) and to the
+cluster DNS (the operator-wide DNS selectors, port 53): nothing else, for the life of the pod.
+The stager alone reaches the stores: any address except private, loopback, link-local,
+CGNAT, unique-local and cloud metadata ones (``CLOSED_NETWORKS``; the operator-wide
+``fetch_allow_networks`` re-admit some, metadata never), and it accepts only the DDM's own
+pods. A NetworkPolicy selects pods, not containers, which is why the fetch runs in a pod of
+its own (``fetcher``). The fetcher checks the same destinations itself
+(``ddm.checkpoints.destinations``); the policies are the second line, enforced by the CNI.
+The selectors are ``names.selector``'s, the labels every pod of these Deployments carries.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import ipaddress
 from typing import Any, Callable, Mapping
 
 from ddm.checkpoints.destinations import METADATA_ADDRESSES, parse_networks
+from ddm.checkpoints.uri import STAGER_PORT
 from ddm.operator import names
 from ddm.operator.config import OperatorConfig
 from ddm.deploy.spec import DDMSpec, RouterAuth
@@ -94,59 +99,87 @@ def build_token_secrets(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
     } for token in wanted if token is not None]
 
 
-def build_network_policies(meta: Mapping[str, Any], allow_networks: tuple[str, ...] = (),
-                           metrics_from: tuple[Mapping[str, Any], ...] = ()
-                           ) -> list[dict[str, Any]]:
-    """Experts accept traffic only from their own router's pods, on the expert port, and send
-    none; the router accepts traffic from anywhere on its port and sends only to its experts
-    and to DNS; a pod that fetches a checkpoint (``names.FETCH_LABEL``) may also reach DNS and
-    any address but the cloud metadata ones and link-local (``store_egress``). Both servers'
-    metrics port admits ``metrics_from`` (NetworkPolicyPeers: the scrapers), and nobody when
-    it is empty (a rule with no peers would admit everyone)."""
+def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
+                           fetches: bool) -> list[dict[str, Any]]:
+    """The DDM's NetworkPolicies (see the module's docstring); ``fetches``: the DDM fetches a
+    checkpoint, so it has a stager. The metrics port admits ``config.metrics_from``
+    (NetworkPolicyPeers: the scrapers), and nobody when it is empty (a rule with no peers
+    would admit everyone)."""
     owner = meta["name"]
-    scrape = ([{"from": [dict(peer) for peer in metrics_from],
+    scrape = ([{"from": [dict(peer) for peer in config.metrics_from],
                 "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
-              if metrics_from else [])
+              if config.metrics_from else [])
+    copies = [_to_pods(owner, "stager", STAGER_PORT), dns_egress(config)] if fetches else []
     experts = _network_policy(
         names.network_policy_name(owner, "experts"), meta, names.selector(owner, "expert"),
         ingress=[{"from": [{"podSelector": {"matchLabels": names.selector(owner, "router")}}],
                   "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}, *scrape],
-        egress=[])
+        egress=copy.deepcopy(copies))
     router = _network_policy(
         names.network_policy_name(owner, "router"), meta, names.selector(owner, "router"),
         ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]},
                  *copy.deepcopy(scrape)],
-        egress=[{"to": [{"podSelector": {"matchLabels": names.selector(owner, "expert")}}],
-                 "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}, DNS_EGRESS])
-    fetch = _network_policy(
-        names.network_policy_name(owner, "fetch"), meta,
-        {names.DEPLOYMENT_LABEL: owner, names.FETCH_LABEL: "true"},
-        ingress=None, egress=[DNS_EGRESS, store_egress(allow_networks)])
-    return [experts, router, fetch]
+        egress=[_to_pods(owner, "expert", names.EXPERT_PORT), dns_egress(config),
+                *copies[:1]])
+    if not fetches:
+        return [experts, router]
+    stager = _network_policy(
+        names.network_policy_name(owner, "stager"), meta, names.selector(owner, "stager"),
+        ingress=[{"from": [{"podSelector": {"matchLabels": {names.DEPLOYMENT_LABEL: owner}}}],
+                  "ports": [{"protocol": "TCP", "port": STAGER_PORT}]}],
+        egress=[dns_egress(config), store_egress(config.fetch_allow_networks)])
+    return [experts, router, stager]
 
 
-#: Name lookups, to whatever resolver the pod has (a node-local cache may be link-local).
-DNS_EGRESS = {"ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
-_LINK_LOCAL = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("fe80::/10"))
+def dns_egress(config: OperatorConfig) -> dict[str, Any]:
+    """Name lookups, to the cluster DNS's pods only (the operator's DNS selectors)."""
+    return {"to": [{"namespaceSelector": copy.deepcopy(config.dns_namespace_selector),
+                    "podSelector": copy.deepcopy(config.dns_pod_selector)}],
+            "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}]}
+
+
+#: What the stager may never reach unless an admin allows it (``fetch_allow_networks``):
+#: private (RFC 1918), loopback, link-local (169.254.169.254 and the other metadata
+#: endpoints there), CGNAT (RFC 6598), unique-local IPv6 (fd00:ec2::254 is there), and NAT64
+#: (IPv6 that a gateway turns into IPv4). Metadata addresses outside these
+#: (``destinations.METADATA_ADDRESSES``) are closed too, and are never re-admitted. (IPv4-mapped
+#: IPv6 is IPv4 to the API server, which refuses ``::ffff:0:0/96`` inside ``::/0``.)
+CLOSED_NETWORKS = tuple(ipaddress.ip_network(n) for n in (
+    "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16",
+    "100.64.0.0/10", "0.0.0.0/8", "::1/128", "fe80::/10", "fc00::/7", "64:ff9b::/96"))
+_EVERYWHERE = (ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0"))
 
 
 def store_egress(allow_networks: tuple[str, ...]) -> dict[str, Any]:
-    """Egress to a checkpoint store: any address, any port, except the cloud metadata
-    addresses (``destinations.METADATA_ADDRESSES``, always) and link-local networks (unless
-    the operator allows one of them to the fetcher, ``allow_networks``). The fetcher checks
-    the same itself; this is the second line, enforced by the CNI."""
-    allowed = parse_networks(allow_networks)
+    """Egress to a checkpoint store: any address, any port, except ``CLOSED_NETWORKS`` and
+    the metadata addresses; each network in ``allow_networks`` re-admitted (less any metadata
+    address in it)."""
+    metadata = [ipaddress.ip_network(a) for a in sorted(METADATA_ADDRESSES, key=str)]
     blocks = []
-    for everything, link_local in ((ipaddress.ip_network("0.0.0.0/0"), _LINK_LOCAL[0]),
-                                   (ipaddress.ip_network("::/0"), _LINK_LOCAL[1])):
-        closed = [] if any(a.version == link_local.version and a.overlaps(link_local)
-                           for a in allowed) else [link_local]
-        closed += [ipaddress.ip_network(a) for a in sorted(METADATA_ADDRESSES, key=str)
-                   if a.version == everything.version
-                   and not any(a in network for network in closed)]
-        blocks.append({"ipBlock": {"cidr": str(everything),
-                                   "except": [str(n) for n in closed]}})
+    for whole in _EVERYWHERE:
+        closed = [n for n in CLOSED_NETWORKS if n.version == whole.version]
+        closed += [m for m in metadata if m.version == whole.version
+                   and not any(m.subnet_of(n) for n in closed)]
+        blocks.append(_block(whole, closed))
+    for network in parse_networks(allow_networks):
+        inside = [m for m in metadata if m.version == network.version and m.subnet_of(network)]
+        if inside != [network]:  # a network that is one metadata address stays closed
+            blocks.append(_block(network, inside))
     return {"to": blocks}
+
+
+def _block(cidr: ipaddress.IPv4Network | ipaddress.IPv6Network,
+           closed: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> dict[str, Any]:
+    block: dict[str, Any] = {"cidr": str(cidr)}
+    if closed:
+        block["except"] = [str(n) for n in closed]
+    return {"ipBlock": block}
+
+
+def _to_pods(owner: str, component: str, port: int) -> dict[str, Any]:
+    """Egress to the DDM's ``component`` pods on ``port``."""
+    return {"to": [{"podSelector": {"matchLabels": names.selector(owner, component)}}],
+            "ports": [{"protocol": "TCP", "port": port}]}
 
 
 def _metadata(name: str, meta: Mapping[str, Any], labels: dict[str, str]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ The Helm chart sets these variables; each has a default that works for a plain i
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import json
 from dataclasses import dataclass, field
@@ -12,11 +13,20 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping
 
 from ddm.checkpoints.destinations import parse_networks
+from ddm.checkpoints.uri import FETCH_MAX_BYTES
 from ddm.operator import policy
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 #: The operator's variable listing the networks fetchers may reach (comma-separated CIDRs).
 FETCH_ALLOW_NETWORKS_ENV = "DDM_FETCH_ALLOW_NETWORKS"
+#: The operator's variable capping each fetched checkpoint, in bytes (downloaded and extracted).
+FETCH_MAX_BYTES_ENV = "DDM_FETCH_MAX_BYTES"
+#: The operator's variables selecting the cluster DNS's pods (JSON label selectors): the one
+#: place the serving pods and the stager may send name lookups to.
+DNS_NAMESPACE_SELECTOR_ENV = "DDM_DNS_NAMESPACE_SELECTOR"
+DNS_POD_SELECTOR_ENV = "DDM_DNS_POD_SELECTOR"
+DEFAULT_DNS_NAMESPACE_SELECTOR = {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}}
+DEFAULT_DNS_POD_SELECTOR = {"matchLabels": {"k8s-app": "kube-dns"}}
 #: The operator's variable listing who may scrape the servers' metrics port: a JSON list of
 #: NetworkPolicyPeers (the chart's ``networkPolicy.metricsFrom``).
 METRICS_FROM_ENV = "DDM_METRICS_FROM"
@@ -50,16 +60,15 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return value in _TRUE
 
 
-def check_peers(peers: Any) -> tuple[dict[str, Any], ...]:
+def check_peers(peers: Any, setting: str = METRICS_FROM_ENV) -> tuple[dict[str, Any], ...]:
     """``peers`` as NetworkPolicyPeers, or a ValueError naming the first malformed one: each a
     non-empty mapping of ``podSelector``/``namespaceSelector`` (label selectors) or an
     ``ipBlock`` alone (a ``cidr`` and optional ``except`` CIDRs). A mistake here must fail the
     operator's start, not open the metrics port to the cluster or to nobody silently."""
     if not isinstance(peers, (list, tuple)):
-        raise ValueError(f"{METRICS_FROM_ENV} must be a list of NetworkPolicyPeers, "
-                         f"got {peers!r}")
+        raise ValueError(f"{setting} must be a list of NetworkPolicyPeers, got {peers!r}")
     for index, peer in enumerate(peers):
-        where = f"{METRICS_FROM_ENV}[{index}]"
+        where = f"{setting}[{index}]"
         if not isinstance(peer, Mapping) or not peer or set(peer) - set(_PEER_KEYS):
             raise ValueError(f"{where} must be a non-empty mapping of {', '.join(_PEER_KEYS)}; "
                              f"got {peer!r}")
@@ -81,6 +90,25 @@ def check_peers(peers: Any) -> tuple[dict[str, Any], ...]:
             except ValueError as error:
                 raise ValueError(f"{where}.ipBlock: {error}") from None
     return tuple(json.loads(json.dumps(peer)) for peer in peers)
+
+
+def _selector(env: Mapping[str, str], name: str, default: dict[str, Any]) -> dict[str, Any]:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return copy.deepcopy(default)
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} is not JSON: {error}") from None
+
+
+def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise ValueError(f"{name} must be a positive number of bytes, got {raw!r}")
+    return int(raw)
 
 
 def _peers(env: Mapping[str, str]) -> tuple[dict[str, Any], ...]:
@@ -125,7 +153,11 @@ class OperatorConfig:
     cluster's ingress controllers: an admin's knowledge), whose
     ``X-Forwarded-For`` names the client a request counts against; ``metrics_from``: the
     NetworkPolicyPeers that may reach the servers' metrics port (empty: none; only with
-    ``network_policy``, as without policies every port is open)."""
+    ``network_policy``, as without policies every port is open); ``fetch_max_bytes``: the
+    cap on each fetched checkpoint (downloaded and extracted), also the size of the volumes
+    and the ephemeral storage its fetch requests; ``dns_namespace_selector`` and
+    ``dns_pod_selector``: label selectors of the cluster DNS's pods, the only peer the DDM's
+    pods may send name lookups to."""
 
     images: Images = field(default_factory=lambda: Images.defaults(_default_tag()))
     image_pull_policy: str = "IfNotPresent"
@@ -136,9 +168,19 @@ class OperatorConfig:
     fetch_allow_networks: tuple[str, ...] = ()
     metrics_from: tuple[dict[str, Any], ...] = ()
     router_trusted_proxies: tuple[str, ...] = ()
+    fetch_max_bytes: int = FETCH_MAX_BYTES
+    dns_namespace_selector: dict[str, Any] = field(
+        default_factory=lambda: copy.deepcopy(DEFAULT_DNS_NAMESPACE_SELECTOR))
+    dns_pod_selector: dict[str, Any] = field(
+        default_factory=lambda: copy.deepcopy(DEFAULT_DNS_POD_SELECTOR))
 
     def __post_init__(self) -> None:
         check_peers(self.metrics_from)
+        check_peers([{"namespaceSelector": self.dns_namespace_selector,
+                      "podSelector": self.dns_pod_selector}], DNS_POD_SELECTOR_ENV)
+        if not self.fetch_max_bytes > 0:
+            raise ValueError(f"{FETCH_MAX_BYTES_ENV} must be a positive number of bytes, "
+                             f"got {self.fetch_max_bytes}")
         try:
             parse_networks(self.router_trusted_proxies)
         except ValueError as error:
@@ -157,8 +199,10 @@ class OperatorConfig:
         ``DDM_ALLOWED_CHECKPOINT_SOURCES``, ``DDM_ALLOWED_SECRETS``,
         ``DDM_ALLOWED_TOLERATION_KEYS``, ``DDM_ALLOWED_NODE_SELECTOR_KEYS`` and
         ``DDM_ALLOW_HOST_PATHS`` (see ``policy``), empty when unset,
-        ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), and ``DDM_METRICS_FROM`` (a JSON list of
-        NetworkPolicyPeers; unset: none)."""
+        ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), ``DDM_METRICS_FROM`` (a JSON list of
+        NetworkPolicyPeers; unset: none), ``DDM_FETCH_MAX_BYTES`` (unset: 16 GiB) and
+        ``DDM_DNS_NAMESPACE_SELECTOR``/``DDM_DNS_POD_SELECTOR`` (JSON label selectors; unset:
+        kube-system's ``k8s-app: kube-dns``)."""
         base = cls()
         images = Images(**{family: env.get(f"DDM_IMAGE_{family.upper()}") or default
                            for family, default in vars(base.images).items()})
@@ -176,4 +220,9 @@ class OperatorConfig:
                        node_selector_keys=_list(env, policy.NODE_SELECTOR_KEYS_ENV),
                        host_paths=_list(env, policy.HOST_PATHS_ENV)),
                    metrics_from=_peers(env),
-                   router_trusted_proxies=_list(env, TRUSTED_PROXIES_ENV))
+                   router_trusted_proxies=_list(env, TRUSTED_PROXIES_ENV),
+                   fetch_max_bytes=_bytes(env, FETCH_MAX_BYTES_ENV, base.fetch_max_bytes),
+                   dns_namespace_selector=_selector(env, DNS_NAMESPACE_SELECTOR_ENV,
+                                                    DEFAULT_DNS_NAMESPACE_SELECTOR),
+                   dns_pod_selector=_selector(env, DNS_POD_SELECTOR_ENV,
+                                              DEFAULT_DNS_POD_SELECTOR))

@@ -30,13 +30,27 @@ from ddm.operator.access import (
     expert_token,
     router_token,
 )
-from ddm.checkpoints.uri import REMOTE_SCHEMES, CheckpointMount, CheckpointSource, checkpoint_mount
+from ddm.checkpoints.uri import (
+    FETCHED_SCHEMES,
+    STAGER_PORT,
+    CheckpointMount,
+    CheckpointSource,
+    checkpoint_mount,
+)
 from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, DnsDiscovery, RouterConfigFile
 from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, RouterAuth
 from ddm.operator.config import OperatorConfig
-from ddm.operator.fetcher import ROUTER_KEY, checkpoint_secret, expert_key, fetch_mount
+from ddm.operator.fetcher import (
+    ROUTER_KEY,
+    copy_step,
+    expert_key,
+    fetch_step,
+    fetched,
+    serve_step,
+    staged_key,
+)
 from ddm.operator.placement import NEURON_CACHE_DIR, placement
 
 USER_ID = 10001
@@ -54,6 +68,8 @@ ROUTER_CONFIG_DIR = "/etc/ddm"
 ROUTER_CONFIG_FILE = "router.yaml"
 EXPERT_CHECKPOINT_DIR = "/models/expert"
 ROUTER_CHECKPOINT_DIR = "/models/router"
+#: Where the stager's fetch steps leave each checkpoint (``fetcher.staged_key``).
+STAGE_DIR = "/stage"
 #: Kubernetes writes a failed container's reason into its status from this file, or from the
 #: end of its log when the file is empty.
 TERMINATION_MESSAGE = {"terminationMessagePath": "/dev/termination-log",
@@ -75,13 +91,17 @@ _PROBE_PERIOD_S = 10
 
 def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                    ) -> list[dict[str, Any]]:
-    """Every child the operator applies, in order: the NetworkPolicies (when on), experts,
-    the router's config, the router. Not the operator's Secrets, which it creates once and
-    never applies (``children.desired_children`` has both). ``meta`` needs ``name``,
-    ``namespace`` and ``uid`` (the Secrets' names derive from it)."""
+    """Every child the operator applies, in order: the NetworkPolicies (when on), the
+    checkpoint stager (when the DDM fetches one), experts, the router's config, the router.
+    Not the operator's Secrets, which it creates once and never applies
+    (``children.desired_children`` has both). ``meta`` needs ``name``, ``namespace`` and
+    ``uid`` (the Secrets' names derive from it)."""
+    fetches = bool(fetched(spec))
     children: list[dict[str, Any]] = (
-        build_network_policies(meta, config.fetch_allow_networks, config.metrics_from)
-        if config.network_policy else [])
+        build_network_policies(meta, config, fetches=fetches) if config.network_policy else [])
+    if fetches:
+        children.append(build_stager_service(meta))
+        children.append(build_stager_deployment(spec, meta, config))
     for expert in spec.experts:
         children.append(build_expert_service(expert, meta))
         children.append(build_expert_deployment(expert, meta, config,
@@ -135,8 +155,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     return _deployment(names.expert_name(owner, expert.name), meta, expert.replicas,
                        names.labels(owner, "expert", expert.name),
                        names.selector(owner, "expert", expert.name), pod,
-                       {**names.SCRAPE_ANNOTATIONS, **_checkpoint_annotation(expert.checkpoint)},
-                       fetches=bool(mount.init_containers))
+                       {**names.SCRAPE_ANNOTATIONS, **_checkpoint_annotation(expert.checkpoint)})
 
 
 def _mount_token(token: RouterAuth, volume: str, directory: str,
@@ -230,7 +249,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
                        **_checkpoint_annotation(router.checkpoint)}
     return _deployment(names.router_name(owner), meta, router.replicas,
                        names.labels(owner, "router"), names.selector(owner, "router"), pod,
-                       pod_annotations, fetches=bool(mount and mount.init_containers))
+                       pod_annotations)
 
 
 def build_router_service(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -268,11 +287,52 @@ def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[st
     return env, volumes, mounts
 
 
-def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path: str, image: str,
-                config: OperatorConfig, meta: Mapping[str, Any], key: str) -> CheckpointMount:
-    """How the pod gets its checkpoint; a fetched one through ``fetcher.fetch_mount`` (its URI
-    from its own Secret; ``key``: which pod fetches it)."""
-    fetcher = {
+def build_stager_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
+                            ) -> dict[str, Any]:
+    """The checkpoint stager: one fetch step per fetched checkpoint (``fetcher.fetch_step``)
+    into its emptyDir, then ``ddm serve-checkpoints`` hands them to the DDM's pods. The only
+    pod of the DDM whose NetworkPolicy reaches the stores; it runs our code only, in the
+    operator's own image, and never loads a model."""
+    owner = meta["name"]
+    steps = fetched(spec)
+    base = _fetcher(config.images.cpu, config)
+    staged_bytes = config.fetch_max_bytes * len(steps)
+    volumes = [{"name": "tmp", "emptyDir": {}},
+               {"name": "stage", "emptyDir": {"sizeLimit": str(staged_bytes)}}]
+    init_containers = []
+    for key, checkpoint, options in steps:
+        step, more = fetch_step(
+            checkpoint, options, meta=meta, key=key,
+            dest=f"{STAGE_DIR}/{staged_key(key, checkpoint)}",
+            base={**base, "volumeMounts": [*base["volumeMounts"],
+                                           {"name": "stage", "mountPath": STAGE_DIR}]},
+            allow_networks=config.fetch_allow_networks, max_bytes=config.fetch_max_bytes)
+        init_containers.append(step)
+        volumes += more
+    server = serve_step(STAGE_DIR, {**base, "volumeMounts": [
+        *base["volumeMounts"], {"name": "stage", "mountPath": STAGE_DIR, "readOnly": True}]},
+        staged_bytes)
+    pod = _pod_spec(server, PodOptions(), volumes, init_containers, node_selector={},
+                    tolerations=[])
+    digests = {names.CHECKPOINT_HASH_ANNOTATION: names.digest(",".join(
+        staged_key(key, checkpoint) for key, checkpoint, _ in steps))}
+    return _deployment(names.stager_name(owner), meta, 1, names.labels(owner, "stager"),
+                       names.selector(owner, "stager"), pod, digests)
+
+
+def build_stager_service(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The stager's name (``names.stager_host``), the one the serving pods copy from."""
+    owner = meta["name"]
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _metadata(names.stager_name(owner), meta, names.labels(owner, "stager")),
+            "spec": {"selector": names.selector(owner, "stager"),
+                     "ports": [{"name": "http", "port": STAGER_PORT, "targetPort": "http",
+                                "protocol": "TCP"}]}}
+
+
+def _fetcher(image: str, config: OperatorConfig) -> dict[str, Any]:
+    """A fetch or copy step's container, less its name, command and checkpoint volume."""
+    return {
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
         "env": [{"name": "HOME", "value": "/tmp"}],
@@ -280,18 +340,32 @@ def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path:
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    if checkpoint.scheme in REMOTE_SCHEMES:
-        return fetch_mount(checkpoint, options, secret=checkpoint_secret(meta, key, checkpoint.uri),
-                           volume="checkpoint",
-                           mount_path=mount_path, fetcher=fetcher,
-                           allow_networks=config.fetch_allow_networks)
-    return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path,
-                            fetcher=fetcher)
+
+
+def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path: str,
+                image: str, config: OperatorConfig, meta: Mapping[str, Any], key: str
+                ) -> CheckpointMount:
+    """How the pod gets its checkpoint; a fetched one is copied from the DDM's stager
+    (``fetcher.copy_step``), into an emptyDir of the fetch's cap."""
+    if checkpoint.scheme not in FETCHED_SCHEMES:
+        return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path)
+    fetcher = _fetcher(image, config)
+    fetcher["volumeMounts"].append({"name": "checkpoint", "mountPath": mount_path})
+    copy_container = copy_step(
+        checkpoint, options, key=key, owner=meta["name"], namespace=meta["namespace"],
+        cluster_domain=config.cluster_domain, dest=mount_path, base=fetcher,
+        max_bytes=config.fetch_max_bytes)
+    return CheckpointMount(
+        path=mount_path,
+        volumes=[{"name": "checkpoint",
+                  "emptyDir": {"sizeLimit": str(config.fetch_max_bytes)}}],
+        mounts=[{"name": "checkpoint", "mountPath": mount_path, "readOnly": True}],
+        init_containers=[copy_container])
 
 
 def _checkpoint_annotation(checkpoint: CheckpointSource | None) -> dict[str, str]:
     """The pod template's hash of a fetched URI (the URI itself is in a Secret)."""
-    if checkpoint is None or checkpoint.scheme not in REMOTE_SCHEMES:
+    if checkpoint is None or checkpoint.scheme not in FETCHED_SCHEMES:
         return {}
     return {names.CHECKPOINT_HASH_ANNOTATION: names.digest(checkpoint.uri)}
 
@@ -356,11 +430,8 @@ def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
 
 def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
-                pod_annotations: dict[str, str] | None = None, *, fetches: bool = False
-                ) -> dict[str, Any]:
+                pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
-    if fetches:  # its NetworkPolicy lets it reach the checkpoint store
-        template_meta["labels"][names.FETCH_LABEL] = "true"
     if pod_annotations:
         template_meta["annotations"] = pod_annotations
     return {

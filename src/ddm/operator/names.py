@@ -1,9 +1,10 @@
 """Names, labels and addresses of a DDMDeployment's children: one place, used by every module.
 
 Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
-``<name>-expert-<expert>`` (Deployment, headless Service), and NetworkPolicies on
-``<name>-experts``, ``<name>-router`` and ``<name>-fetch``. The CRD bounds both names so
-that every Service name stays a DNS-1035 label of at most 63 characters.
+``<name>-expert-<expert>`` (Deployment, headless Service), with fetched checkpoints
+``<name>-stager`` (the Deployment and Service that fetch them and hand them out), and
+NetworkPolicies on ``<name>-experts``, ``<name>-router`` and ``<name>-stager``. The CRD bounds
+both names so that every Service name stays a DNS-1035 label of at most 63 characters.
 
 The operator's Secrets are immutable and never read back, so their names say what they hold:
 with router authentication ``<name>-router-token-<u>`` (the public API token, when the spec
@@ -30,8 +31,6 @@ MANAGED_BY = "ddm-operator"
 DEPLOYMENT_LABEL = "ddm.dev/deployment"
 EXPERT_LABEL = "ddm.dev/expert"
 COMPONENT_LABEL = "app.kubernetes.io/component"
-#: On the pods whose init container fetches a checkpoint: their NetworkPolicy lets them out.
-FETCH_LABEL = "ddm.dev/fetches-checkpoint"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 #: Hash of a child's desired manifest: a spec change rewrites only the children it alters.
 SPEC_HASH_ANNOTATION = "ddm.dev/spec-hash"
@@ -93,14 +92,24 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def stager_name(owner: str) -> str:
+    """The checkpoint stager's Deployment and Service (only when the DDM fetches one)."""
+    return f"{owner}-stager"
+
+
+def stager_host(owner: str, namespace: str, cluster_domain: str) -> str:
+    """The stager Service's name, which the serving pods' copies are allowed to reach."""
+    return f"{stager_name(owner)}.{namespace}.svc.{cluster_domain}"
+
+
 def network_policy_name(owner: str, component: str) -> str:
-    """The NetworkPolicy guarding ``component`` (experts, router, or fetch: the pods that
-    fetch a checkpoint)."""
+    """The NetworkPolicy guarding ``component`` (experts, router or stager)."""
     return f"{owner}-{component}"
 
 
 def labels(owner: str, component: str, expert: str | None = None) -> dict[str, str]:
-    """The recommended ``app.kubernetes.io/*`` labels plus ours; ``component`` is expert|router."""
+    """The recommended ``app.kubernetes.io/*`` labels plus ours; ``component`` is
+    expert|router|stager."""
     out = {
         "app.kubernetes.io/name": "ddm",
         "app.kubernetes.io/instance": owner,

@@ -1,7 +1,7 @@
 """The operator-wide allow-lists a DDMDeployment must stay within (pure).
 
 Whoever may create a DDMDeployment in a namespace may run pods there: its images, its
-checkpoints (fetched by an init container inside the cluster), the Secrets of the namespace
+checkpoints (fetched by its checkpoint stager inside the cluster), the Secrets of the namespace
 it names, the nodes it asks for. An admin narrows that with lists in the operator's settings
 (``OperatorConfig``, from the chart's ``tenants`` values and ``allowHostPaths``), never in the
 CRD:
@@ -12,9 +12,11 @@ CRD:
 - checkpoint sources: a scheme (``pvc://``), or a scheme, a host or bucket and a ``/``
   (``s3://acme-models/``, ``https://models.acme.example/ddm/``, ``image:///opt/models/``):
   never a host without its ``/``, which ``https://models.acme.example.evil.test/`` would
-  match;
-- Secrets a spec may name (``credentialsSecret``, ``router.auth.secretName``): a whole name, or
-  a prefix ending with ``*`` (``ddm-*``);
+  match; a URI held in the user's Secret (``uriFrom``) is shown as ``secret://NAME/KEY``:
+  the operator cannot see it, so only the entry ``secret://`` admits it (its fetch still goes
+  through the fetcher's destination rules and the stager's NetworkPolicy);
+- Secrets a spec may name (``credentialsSecret``, ``uriFrom.secretKeyRef``,
+  ``router.auth.secretName``): a whole name, or a prefix ending with ``*`` (``ddm-*``);
 - toleration keys and nodeSelector keys the spec's pod options may use (whole keys; a
   toleration without a key tolerates every taint, so it is refused by any list; a
   ``nodeAffinity`` places pods as a nodeSelector does, so its keys and fields are held to the
@@ -34,7 +36,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
-from ddm.checkpoints.uri import CheckpointSource, redact_uri
+from ddm.checkpoints.uri import SECRET_SCHEME, CheckpointSource, redact_uri
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.spec import DDMSpec, SecretKey
 
@@ -202,3 +204,8 @@ def _secret_references(spec: DDMSpec) -> Iterator[tuple[str, str]]:
     for path, credentials in fetches:
         if credentials is not None:
             yield f"{path}.name", credentials.name
+    held = [("spec.router.checkpoint", spec.router.checkpoint)]
+    held += [(f"spec.experts[{i}].checkpoint", e.checkpoint) for i, e in enumerate(spec.experts)]
+    for path, checkpoint in held:
+        if checkpoint is not None and checkpoint.scheme == SECRET_SCHEME:
+            yield f"{path}.uriFrom.secretKeyRef.name", checkpoint.location

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Mapping, Sequence
 
+from ddm.checkpoints.uri import FETCHED_SCHEMES
 from ddm.operator import names
 from ddm.deploy.spec import DDMSpec, SpecError
 
@@ -104,6 +105,16 @@ def pods_by_owner(owner: str, pods: Sequence[Mapping[str, Any]]
     return grouped
 
 
+def stager_trouble(owner: str, pods: Sequence[Mapping[str, Any]]) -> Trouble | None:
+    """Why ``owner``'s checkpoint stager cannot serve (a fetch step failing), as the reason
+    of the pods that copy from it."""
+    trouble = pod_trouble([p for p in pods if (p["metadata"].get("labels") or {}).get(
+        names.COMPONENT_LABEL) == "stager" and p["metadata"]["labels"].get(
+        names.DEPLOYMENT_LABEL) == owner])
+    return None if trouble is None else Trouble(trouble.reason,
+                                                f"checkpoint stager: {trouble.message}")
+
+
 @dataclass(frozen=True)
 class Replicas:
     """``desired`` from the spec, ``ready`` from the Deployment's status (0 when absent)."""
@@ -148,6 +159,13 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     grouped = pods_by_owner(owner, pods)
     troubles = {name: pod_trouble(grouped.get(name, [])) for name, r in
                 [*experts.items(), (None, router)] if not r.complete}
+    stager = stager_trouble(owner, pods)
+    checkpoints = {None: spec.router.checkpoint, **{e.name: e.checkpoint for e in spec.experts}}
+    for name in troubles:  # the pods that copy from the stager wait on it: its reason is theirs
+        checkpoint = checkpoints[name]
+        if stager is not None and checkpoint is not None and (
+                checkpoint.scheme in FETCHED_SCHEMES):
+            troubles[name] = stager
     failing = [f"expert {name}: {r.ready}/{r.desired} ready: {troubles[name].message}"
                for name, r in experts.items() if troubles.get(name)]
     waiting = [f"{name} ({r.ready}/{r.desired} ready)" for name, r in experts.items()
