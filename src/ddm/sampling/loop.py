@@ -20,6 +20,14 @@ Per sample and velocity evaluation: the strategy turns the router's probabilitie
 the experts trained on the sample's label (:func:`ddm.sampling.routing.mixture_weights`), into
 weights; ``v = sum_k w_k v_k`` with each expert evaluated only on its rows.
 
+**Missing experts.** A driver may answer a :class:`Velocity` asked with ``fallback`` by
+:class:`Missing` (the router's ``reroute`` policy, when the expert has no ready replica): the
+loop then routes the rows that wanted it to the best available experts serving their labels
+(:func:`ddm.sampling.routing.available_weights`), asks those for the rows they lack, and marks
+the rows ``rerouted`` in the step's event. Rows no available expert serves ask the missing
+expert again without ``fallback`` (the driver waits for it or fails). Delegated chunks
+(:class:`Integrate`) are never rerouted.
+
 **Delegation** (``delegate_steps`` > 1) is an approximation for remote experts: the grid is
 walked in chunks of that many steps. At the start of a chunk, a sample whose strategy selects
 exactly one expert (always so for ``oracle`` and ``top1``) is sent to that expert in one
@@ -41,8 +49,8 @@ import numpy as np
 
 from ddm.convention import time_grid, to_uint8
 from ddm.deploy.limits import MAX_STEPS
-from ddm.sampling.routing import (Strategy, mixture_weights, oracle_probs, random_weights,
-                                  routing_weights, servable_labels)
+from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
+                                  random_weights, servable_labels)
 from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
 
 
@@ -91,12 +99,21 @@ class Route:
 
 @dataclass(frozen=True)
 class Velocity:
-    """Wanted: expert ``expert``'s (an index) velocity at ``(x, t, y)``."""
+    """Wanted: expert ``expert``'s (an index) velocity at ``(x, t, y)``; with ``fallback``,
+    :class:`Missing` is an answer too (the loop can route the rows elsewhere)."""
 
     expert: int
     x: np.ndarray
     t: np.ndarray
     y: np.ndarray
+    fallback: bool = False
+
+
+@dataclass(frozen=True)
+class Missing:
+    """The answer to a :class:`Velocity` with ``fallback`` whose expert has no ready replica."""
+
+    expert: int
 
 
 @dataclass(frozen=True)
@@ -133,7 +150,11 @@ class StepEvent:
 
     ``x`` (N, C, H, W) is the state at ``t = grid[step]``; ``selections`` holds one (N, K) bool
     mask per velocity evaluation of the chunk; ``round_trips`` (N,) counts the expert calls each
-    sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate.
+    sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate;
+    ``rerouted`` (N,) which had a missing expert's share moved to others. ``wanted_rows`` (K,)
+    and ``wanted_weight`` (K,) are the chunk's demand on each expert as the strategy chose it,
+    before any rerouting: rows evaluated and their summed weight (a delegated row counts once
+    per evaluation of the chunk, with weight 1).
     """
 
     step: int
@@ -142,6 +163,9 @@ class StepEvent:
     selections: tuple[np.ndarray, ...]
     round_trips: np.ndarray
     delegated: np.ndarray
+    rerouted: np.ndarray
+    wanted_rows: np.ndarray
+    wanted_weight: np.ndarray
 
     def experts_used(self) -> np.ndarray:
         """(N, K) bool: which experts each sample used during the chunk."""
@@ -235,18 +259,25 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndar
     x_next = np.empty_like(x)
     masks = np.zeros((evaluations, n, k), bool)
     round_trips = np.zeros(n, np.int64)
+    rerouted = np.zeros(n, bool)
+    wanted = np.zeros((evaluations, n, k), np.float64)
     if groups:
         for (expert, rows), out in zip(groups, results[0]):
             x_next[rows] = out
             masks[:, rows, expert] = True
+            wanted[:, rows, expert] = 1.0
             round_trips[rows] += 1
     if stepped.size:
-        xs, selections = results[-1]
-        x_next[stepped] = xs
-        masks[:, stepped, :] = selections
-        round_trips[stepped] += selections.sum(axis=(0, 2))
+        walked: _Walk = results[-1]
+        x_next[stepped] = walked.x
+        masks[:, stepped, :] = walked.selections
+        wanted[:, stepped, :] = walked.wanted
+        rerouted[stepped] = walked.rerouted
+        round_trips[stepped] += walked.selections.sum(axis=(0, 2))
     return StepEvent(step=step, t=float(grid[-1]), x=x_next, selections=tuple(masks),
-                     round_trips=round_trips, delegated=delegated)
+                     round_trips=round_trips, delegated=delegated, rerouted=rerouted,
+                     wanted_rows=(wanted > 0).sum(axis=(0, 1)),
+                     wanted_weight=wanted.sum(axis=(0, 1)))
 
 
 def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray,
@@ -256,12 +287,35 @@ def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray
                               for e, rows in groups)))
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """Rows stepped one by one through a chunk: ``x`` at its end; per evaluation, the
+    ``selections`` (E, B, K) that ran and the weights ``wanted`` (E, B, K) before rerouting;
+    ``rerouted`` (B,)."""
+
+    x: np.ndarray
+    selections: np.ndarray
+    wanted: np.ndarray
+    rerouted: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Mixed:
+    """One mixture velocity ``v`` (B, C, H, W), the experts that ran (B, K), the weights the
+    strategy wanted (B, K) and the rows rerouted (B,)."""
+
+    v: np.ndarray
+    selected: np.ndarray
+    wanted: np.ndarray
+    rerouted: np.ndarray
+
+
 def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarray,
                   y: np.ndarray, keys: np.ndarray, grid: np.ndarray
-                  ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
-    """The solver over ``grid`` with the mixture velocity; (x at the end, (E, B, K) masks)."""
+                  ) -> Generator[Query, Any, _Walk]:
+    """The solver over ``grid`` with the mixture velocity."""
     step_with = stepper(solver)
-    selections: list[np.ndarray] = []
+    mixed: list[_Mixed] = []
     for i in range(len(grid) - 1):
         step = step_with(x, float(grid[i]), float(grid[i + 1]))
         v = None
@@ -271,38 +325,71 @@ def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarr
             except StopIteration as done:
                 x = done.value
                 break
-            v, chosen = yield from _mixture_velocity(mixture, strategy, point.x,
-                                                     _times(len(y), point.t), y, keys)
-            selections.append(chosen)
-    return x, np.stack(selections)
+            evaluation = yield from _mixture_velocity(mixture, strategy, point.x,
+                                                      _times(len(y), point.t), y, keys)
+            v = evaluation.v
+            mixed.append(evaluation)
+    return _Walk(x, np.stack([m.selected for m in mixed]), np.stack([m.wanted for m in mixed]),
+                 np.any([m.rerouted for m in mixed], axis=0))
 
 
 def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-                      y: np.ndarray, keys: np.ndarray
-                      ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
-    """``sum_k w_k v_k`` per sample, each expert asked only for its rows; and the (B, K)
-    selection."""
-    weights = yield from _weights(mixture, strategy, x, t, y, keys)
-    chosen = [(k, rows) for k in range(len(mixture.expert_names))
-              if (rows := np.flatnonzero(weights[:, k] > 0)).size]
-    outs = yield Calls(tuple(Velocity(k, x[rows], t[rows], y[rows]) for k, rows in chosen))
+                      y: np.ndarray, keys: np.ndarray) -> Generator[Query, Any, _Mixed]:
+    """``sum_k w_k v_k`` per sample, each expert asked only for its rows; an expert answered
+    :class:`Missing` has its rows rerouted (module docstring)."""
+    n, k = len(y), len(mixture.expert_names)
+    reroutable = strategy.kind != "random"  # the evaluation baseline is never served
+    probs = (yield from _probs(mixture, strategy, x, t, y)) if reroutable else None
+    servable = mixture.servable[y]
+    wanted = (mixture_weights(probs, servable, strategy) if probs is not None
+              else random_weights(keys, t, servable))
+    weights, available, rerouted = wanted, np.ones(k, bool), np.zeros(n, bool)
+    answered = np.zeros((n, k), bool)
+    v_k: dict[int, np.ndarray] = {}
+    while True:
+        calls = [(e, rows) for e in range(k)
+                 if (rows := np.flatnonzero((weights[:, e] > 0) & ~answered[:, e])).size]
+        if not calls:  # the answered experts cover the rerouted rows
+            break
+        outs = yield Calls(tuple(Velocity(e, x[rows], t[rows], y[rows],
+                                          fallback=reroutable and bool(available[e]))
+                                 for e, rows in calls))
+        missing = [e for (e, _), out in zip(calls, outs) if isinstance(out, Missing)]
+        for (e, rows), out in zip(calls, outs):
+            if not isinstance(out, Missing):
+                v_k.setdefault(e, np.zeros_like(x, dtype=np.float32))[rows] = out
+                answered[rows, e] = True
+        if not missing:
+            break
+        assert probs is not None and available[missing].all(), "Missing answers only fallback"
+        available[missing] = False
+        routed = available_weights(probs, servable, available, strategy)
+        weights, rerouted = routed.weights, rerouted | routed.rerouted
     v = np.zeros_like(x, dtype=np.float32)
-    for (k, rows), vk in zip(chosen, outs):
-        v[rows] += weights[rows, k][:, None, None, None] * vk
-    return v, weights > 0
+    for e, ve in v_k.items():
+        rows = np.flatnonzero(weights[:, e] > 0)
+        v[rows] += weights[rows, e][:, None, None, None] * ve[rows]
+    return _Mixed(v, weights > 0, wanted, rerouted)
+
+
+def _probs(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
+           y: np.ndarray) -> Generator[Query, Any, np.ndarray]:
+    """What a served strategy picks from, ``(B, K)``: the oracle's one-hot, the router
+    network's probabilities, or the one expert's certainty."""
+    if strategy.kind == "oracle":
+        return oracle_probs(y, mixture.expert_classes)
+    if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
+        return np.ones((len(y), 1), np.float32)
+    return (yield Route(x, t, y))
 
 
 def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
              y: np.ndarray, keys: np.ndarray) -> Generator[Query, Any, np.ndarray]:
     """Per-sample mixture weights (B, K) among the experts that serve each sample's label;
     ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
-    if strategy.kind == "oracle":
-        return routing_weights(oracle_probs(y, mixture.expert_classes), strategy)
     if strategy.kind == "random":
         return random_weights(keys, t, mixture.servable[y])
-    if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
-        return np.ones((len(y), 1), np.float32)
-    probs = yield Route(x, t, y)
+    probs = yield from _probs(mixture, strategy, x, t, y)
     return mixture_weights(probs, mixture.servable[y], strategy)
 
 
@@ -354,6 +441,7 @@ class Generation:
     labels: np.ndarray       # (N,) int64
     usage: UsageLog
     round_trips: np.ndarray  # (N,) expert calls per image (delegated chunks count once)
+    rerouted: tuple[tuple[int, ...], ...] = ()  # per image, the steps whose routing moved
 
     @property
     def expert_calls(self) -> np.ndarray:
@@ -375,19 +463,23 @@ class Tally:
         self._labels = np.asarray(labels, np.int64)
         self._usage = UsageLog(expert_names)
         self._round_trips = np.zeros(len(self._labels), np.int64)
+        self._rerouted: list[list[int]] = [[] for _ in self._labels]
         self._state: np.ndarray | None = None
 
     def add(self, event: StepEvent) -> None:
         for mask in event.selections:
             self._usage.record(mask)
         self._round_trips += event.round_trips
+        for row in np.flatnonzero(event.rerouted):
+            self._rerouted[row].append(event.step)
         self._state = event.x
 
     def result(self) -> Generation:
         assert self._state is not None, "a generation has at least one step"
         return Generation(images=to_uint8(self._state[:, 0]), state=self._state,
                           labels=self._labels, usage=self._usage,
-                          round_trips=self._round_trips.copy())
+                          round_trips=self._round_trips.copy(),
+                          rerouted=tuple(tuple(steps) for steps in self._rerouted))
 
 
 def _times(n: int, t: float) -> np.ndarray:
