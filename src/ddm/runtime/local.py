@@ -40,6 +40,7 @@ from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import DDMManifest
+from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
 from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
@@ -70,13 +71,15 @@ class ProcessSpec:
 @dataclass(frozen=True)
 class LocalPlan:
     """The processes to run; ``token_file``: the bearer token the router requires and sends
-    to its experts, which require it too (None: auth is off)."""
+    to its experts, which require it too (None: auth is off); ``on_demand``: experts with
+    ``minReplicas: 0``, whose processes run only while there is demand for them."""
 
     experts: tuple[ProcessSpec, ...]
     router: ProcessSpec
     router_config: RouterConfigFile
     url: str
     token_file: Path | None = None
+    on_demand: tuple[OnDemand, ...] = ()
 
 
 def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
@@ -117,7 +120,9 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     experts, which answer nobody else), as the operator mounts one Secret into all of them.
 
     An expert with 0 replicas still gets one process: locally there is nothing to save, and
-    the router needs an address for each of its experts."""
+    the router needs an address for each of its experts. One with ``autoscaling.minReplicas``
+    0 gets its process(es) on demand (:mod:`ddm.runtime.scaling`); with autoscaling, locally
+    ``max(1, minReplicas)`` processes."""
     plan = plan_deployment(manifest.spec)
     token = None
     if plan.router.auth or require_auth:
@@ -129,10 +134,17 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
            ("PYTHONUNBUFFERED", "1"))
     experts: list[ProcessSpec] = []
     discovery: dict[str, Discovery] = {}
+    on_demand: list[OnDemand] = []
     for expert in plan.experts:
         checkpoint = str(locate(expert.checkpoint))
         endpoints = []
-        for replica in range(max(1, expert.replicas)):
+        scaling = expert.autoscaling
+        processes = max(1, expert.replicas if scaling is None else scaling.min_replicas)
+        if scaling is not None and scaling.min_replicas == 0:
+            on_demand.append(OnDemand(expert.name, tuple(f"{expert.name}/{replica}" for replica
+                                                         in range(processes)),
+                                      float(scaling.scale_down_delay_s)))
+        for replica in range(processes):
             port, metrics_port = ports(), ports()
             argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port, token),
                     "--log-level", "warning")
@@ -150,7 +162,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                      plan.router_config(discovery, router_checkpoint,
                                         Auth(token_file=token) if token is not None else None),
                      f"http://{host}:{router_port}",
-                     Path(token) if token is not None else None)
+                     Path(token) if token is not None else None, tuple(on_demand))
 
 
 @dataclass(frozen=True)
@@ -245,6 +257,21 @@ class Supervisor:
         assert self.termination_dir is not None
         return self.termination_dir / f"{name.replace('/', '-')}.termination-log"
 
+    def stop_one(self, name: str) -> None:
+        """Stop process ``name`` (SIGTERM, SIGKILL after the timeout) and forget it, so that
+        it is not restarted: an expert scaled to zero."""
+        process = self.processes.pop(name)
+        _signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+
+    def running(self, name: str) -> bool:
+        process = self.processes.get(name)
+        return process is not None and process.poll() is None
+
     def first_exit(self) -> tuple[str, int] | None:
         for name, process in self.processes.items():
             if process.poll() is not None:
@@ -295,7 +322,9 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
-            supervisor.start_ready(plan.experts, host, deadline)
+            scaler = _scaler(plan, supervisor, out)
+            supervisor.start_ready([p for p in plan.experts if p.name not in scaler.names],
+                                   host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
                   f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate)."
@@ -307,7 +336,7 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             if on_ready is not None:
                 on_ready(plan)
             return _supervise(supervisor, stop or threading.Event(), out,
-                              None if fail_fast else backoff)
+                              None if fail_fast else backoff, scaler.tick)
         except KeyboardInterrupt:
             print("stopping...", file=out, flush=True)
             return 0
@@ -329,13 +358,23 @@ def metrics_line(plan: LocalPlan, host: str) -> str:
     return f"Metrics: {where}."
 
 
+def _scaler(plan: LocalPlan, supervisor: Supervisor, out: TextIO) -> Scaler:
+    """Starts and stops the plan's on-demand experts as the router's demand says."""
+    specs = {p.name: p for p in plan.experts}
+    return Scaler(plan.on_demand, DemandPoller(plan.url, plan.token_file),
+                  start=lambda name: supervisor.start(specs[name]), stop=supervisor.stop_one,
+                  running=supervisor.running, out=out)
+
+
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
-               backoff: Backoff | None) -> int:
-    """Until ``stop``: restart each process that died after its back-off; with ``backoff``
-    None, return 1 at the first death instead (the caller stops the others)."""
+               backoff: Backoff | None, scale: Callable[[], None]) -> int:
+    """Until ``stop``: restart each process that died after its back-off, and ``scale()``;
+    with ``backoff`` None, return 1 at the first death instead (the caller stops the
+    others)."""
     restarts: dict[str, int] = {}
     due: dict[str, float] = {}  # name -> when to start it again
     while not stop.wait(SUPERVISE_INTERVAL_S):
+        scale()
         now = time.monotonic()
         for name, process in supervisor.processes.items():
             if name in due or process.poll() is None:
@@ -353,7 +392,9 @@ def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
             print(f"{what}; restarting it in {delay:g} s (restart {restarts[name]})", file=out,
                   flush=True)
         for name, when in list(due.items()):
-            if when <= now:
+            if name not in supervisor.processes:  # scaled to zero meanwhile
+                del due[name]
+            elif when <= now:
                 del due[name]
                 supervisor.start(supervisor.specs[name])
                 print(f"restarted {name}", file=out, flush=True)
