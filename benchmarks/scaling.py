@@ -7,7 +7,8 @@ router) runs under ``ddm up`` with ``digits-0-4`` at ``minReplicas: 0`` (scale-d
 expert fixed at one process. The trace (:func:`skewed_trace`, seeded) keeps ``digits-5-9`` hot
 (a request every ``hot_gap_s`` on average, with a burst) while ``digits-0-4`` is rarely chosen:
 a few bursts of requests, far enough apart for it to scale to zero in between. Each request is
-sent at its time whatever the others do, so a cold start delays only those needing it.
+sent at its time whatever the others do, so a cold start delays only those needing it; they
+come from 16 clients in turn (loopback addresses of their own), as users would.
 
 The result: requests, failed requests (target: none), latency percentiles overall and of the
 requests that needed the scaled expert, cold starts, and expert process-seconds used (sampled:
@@ -19,6 +20,7 @@ is a process loading its checkpoint from a warm page cache.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -41,6 +43,8 @@ from tests.support.processes import listening_pid
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
 SCALED = "digits-0-4"
 RARE_LABELS, HOT_LABELS = (0, 1, 2, 3, 4), (5, 6, 7, 8, 9)
+#: Distinct clients (loopback addresses 127.0.0.2 and on) the requests come from in turn.
+CLIENTS = 16
 #: Seconds between two looks at which expert processes are up.
 SAMPLE_S = 0.25
 
@@ -69,10 +73,16 @@ def skewed_trace(duration_s: float, hot_gap_s: float, rare_bursts: int, burst_si
 
 
 async def _replay(url: str, trace: list[Arrival], steps: int) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=600) as client:
+    """Each request at its time, from one of ``CLIENTS`` clients in turn (each its own
+    loopback address, so that the router's per-client limit sees many users, not one)."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            timeout=600, transport=httpx.AsyncHTTPTransport(local_address=f"127.0.0.{2 + i}")))
+            for i in range(CLIENTS)]
         started = time.monotonic()
 
-        async def one(arrival: Arrival) -> dict[str, Any]:
+        async def one(index: int, arrival: Arrival) -> dict[str, Any]:
+            client = clients[index % CLIENTS]
             await asyncio.sleep(max(0.0, started + arrival.at_s - time.monotonic()))
             sent = time.monotonic()
             try:
@@ -84,7 +94,7 @@ async def _replay(url: str, trace: list[Arrival], steps: int) -> list[dict[str, 
             return {"label": arrival.label, "status": status,
                     "latency_s": time.monotonic() - sent}
 
-        return await asyncio.gather(*(one(a) for a in trace))
+        return await asyncio.gather(*(one(i, a) for i, a in enumerate(trace)))
 
 
 def _percentiles(values: list[float]) -> dict[str, float | None]:
