@@ -13,6 +13,10 @@ resets once the process has run 10 minutes (:class:`Backoff`). The kubelet's fir
 waits for it. Meanwhile the router answers requests that need the dead expert with a 503
 naming it (once its call deadline, ``--deadline-s``, has passed), and serves the others.
 ``fail_fast`` (``ddm up --fail-fast``) instead stops everything when one process dies.
+An expert with ``autoscaling.minReplicas: 0`` runs on demand (:mod:`ddm.runtime.scaling`): its
+process starts when the router's ``/v1/demand`` shows a generation needing it and stops after
+its scale-down delay without demand; what a request meanwhile gets is the router's
+``missingExpert`` policy (wait for it, or reroute to the best available experts).
 A server that cannot start leaves a one-line reason in its own termination-message file
 (``DDM_TERMINATION_LOG``, as Kubernetes would show it), and ``ddm up`` reports that line.
 """
