@@ -19,10 +19,11 @@ demo: $(STAMP)
 	$(BIN)/ddm up
 
 # What the dev cluster's real node and the image build need from Debian (the Kubernetes source
-# build installs its own). One-off builds, cached under ~/.cache/ddm, print their progress:
+# build installs its own), and the browser the web page's test drives (chromium, through
+# chromium-driver). One-off builds, cached under ~/.cache/ddm, print their progress:
 # Kubernetes ~12 min, the CPU image ~8 min cold.
 NODE_APT := containerd runc containernetworking-plugins iptables iproute2 util-linux buildah \
-	debootstrap gcc libc6-dev
+	debootstrap gcc libc6-dev chromium chromium-driver
 test: lint
 	@missing=$$(for p in $(NODE_APT); do dpkg-query -W -f='$${db:Status-Status}' $$p 2>/dev/null \
 		| grep -q '^installed$$' || echo $$p; done); \

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -241,6 +242,45 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--channels", default="32,64", help="the two conv stages' widths")
     common(p, steps=1500)
     p.set_defaults(handler=_train_classifier)
+    _add_train_text2img(kinds)
+
+
+def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
+    from ddm.training.text2img.commands import STAGES
+
+    p = kinds.add_parser("text2img", help="train one stage of the text-to-image DDM (coloured "
+                                          "MNIST) into a diffusers-style directory")
+    p.add_argument("stage", choices=STAGES, help="what to train; each reads the stages before "
+                                                 "it from --root (see scripts/train_text2img.sh)")
+    p.add_argument("--mnist", required=True, type=Path,
+                   help="directory with MNIST's four IDX files (coloured and captioned here)")
+    p.add_argument("--root", required=True, type=Path, help="the DDM's directory")
+    p.add_argument("--size", default="small", help="network sizes: small, or smoke (tests)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of colours and captions")
+    p.add_argument("--index", type=int, default=None, help="expert: which cluster it learns")
+    p.add_argument("--steps", type=int, default=None, help="default: the stage's own")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--save-every", type=int, default=250, metavar="STEPS",
+                   help="save the training state to ROOT/COMPONENT.training/ every STEPS steps")
+    p.add_argument("--resume", action="store_true", help="continue a saved training state")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_train_text2img)
+
+
+def _train_text2img(args: argparse.Namespace) -> int:
+    from ddm.training.text2img.commands import StageRun, default_train, run_stage
+
+    train = default_train(args.stage, {"steps": args.steps, "batch_size": args.batch_size,
+                                       "learning_rate": args.lr, "seed": args.seed})
+    run = StageRun(root=args.root, mnist=args.mnist, size=args.size, train=train,
+                   data_seed=args.data_seed, index=args.index, save_every=args.save_every,
+                   resume=args.resume,
+                   progress=None if args.stage == "tokenizer" else _progress(
+                       args, train.steps, f"text2img {args.stage}"))
+    print(f"wrote {run_stage(args.stage, run)}")
+    return 0
 
 
 def _progress(args: argparse.Namespace, total: int, what: str):
@@ -549,6 +589,16 @@ def _add_operator(commands: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path)
     p.set_defaults(handler=_diagram)
 
+    p = commands.add_parser(
+        "render", help="print, as YAML, every object the operator would create for a "
+                       "DDMDeployment (its pods, Secrets, Services and NetworkPolicies)",
+        description="Under the operator's settings from the same DDM_* variables, with router "
+                    "authentication and NetworkPolicies on unless set (the chart's defaults).")
+    p.add_argument("file", type=Path, help="a DDMDeployment manifest (YAML)")
+    p.add_argument("--namespace", default=None,
+                   help="the namespace it would live in (default: its own, else default)")
+    p.set_defaults(handler=_render)
+
 
 def _operator(args: argparse.Namespace) -> int:
     from ddm.operator.runner import run_operator
@@ -562,6 +612,13 @@ def _diagram(args: argparse.Namespace) -> int:
     from ddm.operator.diagram import diagram_file
 
     print(diagram_file(args.file), end="")
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from ddm.operator.render import render_file
+
+    print(render_file(args.file, os.environ, args.namespace), end="")
     return 0
 
 

@@ -211,7 +211,7 @@ def digits(tools: Tools, core: client.CoreV1Api,
         return any(s.addresses for s in subsets)
 
     wait_for(router_listed, 60, "the router's Service to list its pod")
-    secret = core.read_namespaced_secret("digits-router-token", USERS)
+    secret = core.read_namespaced_secret(status["routerTokenSecret"], USERS)
     token = base64.b64decode(secret.data["token"]).decode()
     forward = PortForward(tools, USERS, "service/digits-router", 8080)
     try:
@@ -274,7 +274,8 @@ def test_the_heterogeneous_example_serves_an_epsilon_expert_beside_a_velocity_on
                  lambda: pod_logs(core, USERS))
         wait_for(lambda: any(s.addresses for s in core.read_namespaced_endpoints(
             f"{name}-router", USERS).subsets or []), 60, "its router's Service to list its pod")
-        secret = core.read_namespaced_secret(f"{name}-router-token", USERS)
+        secret = core.read_namespaced_secret(
+            ddm_status(custom, USERS, name)["routerTokenSecret"], USERS)
         headers = {"Authorization": f"Bearer {base64.b64decode(secret.data['token']).decode()}"}
         forward = PortForward(tools, USERS, f"service/{name}-router", 8080)
         try:

@@ -162,6 +162,20 @@ def test_the_export_helper_refuses_a_network_of_another_signature():
         export_program(lambda x, t, y: x[:, 0], SHAPE)
 
 
+def test_a_program_calling_native_code_outside_the_allow_list_is_refused_naming_it(tmp_path):
+    """A Cholesky factorisation lowers to LAPACK through a custom_call (one JAX exports as
+    stable); no expert needs it, and a served program calls only JAX's shape checks."""
+    def network(x: jax.Array, t: jax.Array, y: jax.Array) -> jax.Array:
+        return jnp.linalg.cholesky(x @ jnp.swapaxes(x, -1, -2) + 16 * jnp.eye(SHAPE[-1]))
+
+    path = save_checkpoint(tmp_path / "lapack", exported_meta(), {},
+                           program=export_program(network, SHAPE))
+    with pytest.raises(CheckpointError, match=r"program.jaxexport calls custom_call target "
+                                              r"'lapack_spotrf_ffi', native code outside the "
+                                              r"program; exported experts may call only "):
+        expert_network(load_checkpoint(path))
+
+
 def test_a_program_exported_for_other_platforms_is_refused(mlp, tmp_path):
     path = save_checkpoint(tmp_path / "tpu", exported_meta(), {}, program=mlp.program(("tpu",)))
     with pytest.raises(CheckpointError, match=r"program.jaxexport was exported for tpu, not for "

@@ -294,21 +294,28 @@ def test_with_fail_fast_a_dead_expert_stops_everything() -> None:
             assert s.connect_ex(("127.0.0.1", spec.port)) != 0, f"{spec.name} still listens"
 
 
-def test_with_auth_ddm_up_experts_refuse_callers_without_the_routers_token(
+def test_with_auth_ddm_up_experts_answer_only_the_token_the_router_presents(
         tmp_path: Path) -> None:
     """A manifest asking for a token (``router.auth``): ddm up writes a random one to a
     private file, the router requires it, and its experts (reached directly on loopback)
-    answer only a caller presenting it, as the operator's pods do; generations still work.
-    Every process serves /metrics on the port ddm up printed, and not on its API port."""
+    answer only a caller presenting another random token, in a private file of its own, that
+    the router presents (the public token included gets 401), as the operator's pods do;
+    generations still work. Every process serves /metrics on the port ddm up printed, and
+    not on its API port."""
     document = yaml.safe_load(EXAMPLE.read_text())
     document["spec"]["router"]["auth"] = {}
     (tmp_path / "auth.yaml").write_text(yaml.safe_dump(document))
     with _ddm_up(tmp_path / "auth.yaml") as (plan, log, _):
-        assert plan.token_file is not None and plan.token_file.stat().st_mode & 0o077 == 0
-        token = plan.token_file.read_text().strip()
-        assert len(token) >= 43 and token not in log.getvalue()
-        assert str(plan.token_file) in log.getvalue()  # ddm up says where it is
+        tokens = []
+        for path in (plan.token_file, plan.expert_token_file):
+            assert path is not None and path.stat().st_mode & 0o077 == 0
+            tokens.append(path.read_text().strip())
+            assert len(tokens[-1]) >= 43 and tokens[-1] not in log.getvalue()
+            assert str(path) in log.getvalue()  # ddm up says where it is
+        token, expert_token = tokens
+        assert token != expert_token
         bearer = {"Authorization": f"Bearer {token}"}
+        expert_bearer = {"Authorization": f"Bearer {expert_token}"}
         velocity = {"content-type": CONTENT_TYPE}
         for expert, label in zip(plan.experts, (0, 5)):  # digits-0-4, digits-5-9
             base = f"http://127.0.0.1:{expert.port}"
@@ -316,7 +323,7 @@ def test_with_auth_ddm_up_experts_refuse_callers_without_the_routers_token(
                 1, np.zeros((1, 1, 16, 16), np.float32), np.full(1, 0.5, np.float32),
                 np.full(1, label, np.int64)))
             for headers, status in (({}, 401), ({"Authorization": "Bearer guessed"}, 401),
-                                    (bearer, 200)):
+                                    (bearer, 401), (expert_bearer, 200)):
                 answer = httpx.post(f"{base}/v1/velocity", content=request,
                                     headers={**velocity, **headers}, timeout=30)
                 assert answer.status_code == status, (expert.name, headers, answer.text)

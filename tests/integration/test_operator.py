@@ -403,46 +403,63 @@ def test_fields_the_schema_does_not_know_never_reach_a_pod(cluster: Cluster,
 
 
 @pytest.mark.usefixtures("operator")
-def test_router_authentication_creates_its_secret_once(cluster: Cluster,
-                                                       kube_namespace: str) -> None:
+def test_router_authentication_creates_its_two_immutable_secrets_once(
+        cluster: Cluster, kube_namespace: str) -> None:
+    """The public token (mounted into the router alone) and the experts' token (the router
+    and the experts): immutable, named after the DDM's uid, created once, kept across
+    reconciles, and garbage-collected with the DDM."""
     ns = kube_namespace
     spec = {**copy.deepcopy(CPU_SPEC), "router": {"auth": {}}}
     _deploy(cluster, ns, "auth", spec)
-    secret = wait_for(lambda: cluster.get("Secret", ns, "auth-router-token"), 15,
-                      "the token Secret")
     owner = cluster.ddm(ns, "auth")
-    (ref,) = secret["metadata"]["ownerReferences"]
-    assert (ref["kind"], ref["uid"], ref["controller"]) == ("DDMDeployment",
-                                                            owner["metadata"]["uid"], True)
-    assert secret["type"] == "Opaque" and set(secret["data"]) == {"token"}
-    token = base64.b64decode(secret["data"]["token"]).decode()
-    assert len(token) == 43  # 32 random bytes, URL-safe base64 without padding
+    uid = owner["metadata"]["uid"]
+    public, private = names.router_token_name("auth", uid), names.expert_token_name("auth", uid)
+    secrets, tokens = {}, {}
+    for name in (public, private):
+        secret = secrets[name] = wait_for(lambda: cluster.get("Secret", ns, name), 15, name)
+        (ref,) = secret["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["uid"], ref["controller"]) == ("DDMDeployment", uid, True)
+        assert secret["type"] == "Opaque" and set(secret["data"]) == {"token"}
+        assert secret["immutable"] is True
+        tokens[name] = base64.b64decode(secret["data"]["token"]).decode()
+        assert len(tokens[name]) == 43  # 32 random bytes, URL-safe base64 without padding
+    assert tokens[public] != tokens[private]
 
     pod = cluster.get("Deployment", ns, "auth-router")["spec"]["template"]["spec"]
-    assert {"name": "router-token", "secret": {
-        "secretName": "auth-router-token", "defaultMode": 0o440,
-        "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+    for volume, secret in (("router-token", public), ("expert-token", private)):
+        assert {"name": volume, "secret": {
+            "secretName": secret, "defaultMode": 0o440,
+            "items": [{"key": "token", "path": "token"}]}} in pod["volumes"]
+    for expert in ("a", "b", "c"):
+        text = json.dumps(cluster.get("Deployment", ns, f"auth-expert-{expert}"))
+        assert private in text and public not in text
     config = RouterConfigFile.from_yaml(
         cluster.get("ConfigMap", ns, "auth-router-config")["data"]["router.yaml"])
     assert config.auth.token_file == "/var/run/secrets/ddm/router-token/token"
+    assert config.auth.expert_token_file == "/var/run/secrets/ddm/expert-token/token"
     status = wait_for(lambda: cluster.ddm(ns, "auth").get("status"), 15, "a status")
-    assert status["routerTokenSecret"] == "auth-router-token"
+    assert status["routerTokenSecret"] == public
+    assert sorted(status["tokenSecrets"]) == sorted([public, private])
     assert status["routerURL"] == f"http://auth-router.{ns}.svc:8080"
-    assert token not in json.dumps(status)
+    assert not any(token in json.dumps(status) for token in tokens.values())
 
     spec["router"]["replicas"] = 2  # a change, so the operator reconciles again
     cluster.patch_ddm_spec(ns, "auth", spec)
     wait_for(lambda: (cluster.ddm(ns, "auth").get("status") or {}).get(
         "observedGeneration") == 2, 15, "observedGeneration 2")
-    again = cluster.get("Secret", ns, "auth-router-token")
-    assert (again["metadata"]["uid"], again["metadata"]["resourceVersion"], again["data"]) == (
-        secret["metadata"]["uid"], secret["metadata"]["resourceVersion"], secret["data"])
+    assert cluster.ddm(ns, "auth")["status"]["phase"] != "Failed"  # its own: not "planted"
+    for name, secret in secrets.items():
+        again = cluster.get("Secret", ns, name)
+        assert (again["metadata"]["uid"], again["metadata"]["resourceVersion"],
+                again["data"]) == (secret["metadata"]["uid"],
+                                   secret["metadata"]["resourceVersion"], secret["data"])
     assert [e for e in cluster.events(ns, "auth") if "Secret" in e["message"]
             and e["reason"] == "Created"] != []
 
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, "auth")
-    wait_for(lambda: cluster.get("Secret", ns, "auth-router-token") is None, 60,
-             "the garbage collector to delete the Secret")
+    for name in (public, private):
+        wait_for(lambda: cluster.get("Secret", ns, name) is None, 60,
+                 "the garbage collector to delete the Secrets")
 
 
 def test_network_policies_follow_the_operators_setting(operator: OperatorThread,

@@ -1,30 +1,36 @@
 """The chart's RBAC is exactly what the operator uses, proven with the API server's audit log.
 
 ``ddm operator`` runs as a process under the ServiceAccount and Role the chart renders (router
-authentication and NetworkPolicies on), and is taken through everything it does: create a DDM
-(a fetched checkpoint included, so both of its Secrets), change it, remove an expert, restore a
-child edited by hand, refuse a planted Secret and an invalid spec, and (restarted with
-NetworkPolicies off) remove the NetworkPolicies. The dev cluster's API server
-audits every request of a service account outside kube-system (``AUDIT_POLICY``); from the
-audit log come the (API group, resource, verb) the operator used, and they must equal the
-Role's rules, but for the permissions the API server checks without a request of their own
-(``IMPLIED``).
+authentication and NetworkPolicies on), and is taken through a DDM's whole life and everything
+it does: create a DDM (a fetched checkpoint included, so all three kinds of its Secrets),
+change it (a new URI: a new Secret), remove an expert, restore a child edited by hand, refuse
+a planted token Secret and an invalid spec, (restarted with NetworkPolicies off) remove the
+NetworkPolicies, and delete the DDM. The dev cluster's API server audits every request of a
+service account outside kube-system (``AUDIT_POLICY``); from the audit log come the (API
+group, resource, verb) the operator used, and they must equal the Role's rules, but for the
+permissions the API server checks without a request of their own (``IMPLIED``), and lie
+within the ClusterRole the chart renders for a cluster-wide install. On Secrets it used, and
+has, ``create`` alone.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
 
+import yaml
+from helm_tool import ensure_helm
 from kubernetes import client
-from test_operator import Cluster
+from test_operator import ROOT, Cluster
 from test_operator_namespaces import _install_chart_rbac
 from waiting import wait_for
 
 from ddm.devcluster import ClusterInfo
+from ddm.operator import names
 from ddm.devcluster.components import Layout
 from tests.support.operator_process import (OperatorProcess, cpu_spec,
                                             install_crd, service_account_kubeconfig)
@@ -92,6 +98,12 @@ def test_the_operator_uses_exactly_the_verbs_the_chart_grants(
                  f"the NetworkPolicies to go\n{operator.log_tail()}")
     finally:
         operator.stop()
+    # the DDM deleted: the garbage collector, not the operator, removes its Secrets
+    uid = cluster.ddm(ns, "audited")["metadata"]["uid"]
+    cluster.custom.delete_namespaced_custom_object("ddm.dev", "v1alpha1", ns, "ddmdeployments",
+                                                   "audited")
+    wait_for(lambda: cluster.get("Secret", ns, names.expert_token_name("audited", uid)) is None,
+             60, "the garbage collector to delete the Secrets")
     used, refused = _used(Layout(dev_cluster.state_dir).audit_log,
                           f"system:serviceaccount:{home}:{account}")
     assert refused == [], refused
@@ -99,6 +111,22 @@ def test_the_operator_uses_exactly_the_verbs_the_chart_grants(
     assert not used - granted, f"used but not granted: {sorted(used - granted)}"
     unused = sorted(granted - IMPLIED - used)
     assert not unused, f"granted but never used: {unused}"
+    assert {verb for group, resource, verb in used if (group, resource) == ("", "secrets")} \
+        == {verb for group, resource, verb in granted if (group, resource) == ("", "secrets")} \
+        == {"create"}
+    cluster_wide = _granted(_cluster_role())
+    assert not used - cluster_wide, f"not in the ClusterRole: {sorted(used - cluster_wide)}"
+
+
+def _cluster_role() -> dict[str, Any]:
+    """The ClusterRole the chart renders when it serves the whole cluster."""
+    done = subprocess.run([str(ensure_helm()), "template", "ddm",
+                           str(ROOT / "charts" / "ddm-operator")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (role,) = [doc for doc in yaml.safe_load_all(done.stdout)
+               if doc and doc["kind"] == "ClusterRole"]
+    return role
 
 
 def _status(cluster: Cluster, ns: str, name: str, generation: int, operator: OperatorProcess
@@ -113,10 +141,11 @@ def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     """Every kind of call the operator makes."""
     spec = cpu_spec(3)
     spec["experts"][0]["checkpoint"] = {"uri": "s3://models/e0?X-Amz-Signature=s"}
-    cluster.create_ddm(ns, "audited", spec)
+    uid = cluster.create_ddm(ns, "audited", spec)["metadata"]["uid"]
     _status(cluster, ns, "audited", 1, operator)
-    wait_for(lambda: cluster.get("Secret", ns, "audited-router-token"), 60, "the token")
-    # a new URI (the URIs' Secret is patched) and an expert fewer (its children deleted)
+    wait_for(lambda: cluster.get("Secret", ns, names.router_token_name("audited", uid)), 60,
+             "the token")
+    # a new URI (a new Secret) and an expert fewer (its children deleted)
     changed = copy.deepcopy(spec)
     changed["experts"][0]["checkpoint"]["uri"] = "s3://models/e0-v2"
     changed["experts"][1]["classes"] += changed["experts"].pop(2)["classes"]
@@ -128,10 +157,13 @@ def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
                                              {"data": {"router.yaml": "edited: true\n"}})
     wait_for(lambda: "edited" not in cluster.get("ConfigMap", ns, "audited-router-config")[
         "data"]["router.yaml"], 60, "the ConfigMap to be restored")
-    # a planted token Secret, and an invalid spec
-    cluster.core.create_namespaced_secret(ns, {"metadata": {"name": "planted-router-token"},
-                                               "stringData": {"token": "known"}})
-    cluster.create_ddm(ns, "planted", cpu_spec(2))
+    # a planted token Secret (before the operator's first run), and an invalid spec
+    operator.stop()
+    uid = cluster.create_ddm(ns, "planted", cpu_spec(2))["metadata"]["uid"]
+    cluster.core.create_namespaced_secret(ns, {
+        "metadata": {"name": names.router_token_name("planted", uid)},
+        "stringData": {"token": "known"}})
+    operator.start()
     assert _status(cluster, ns, "planted", 1, operator)["phase"] == "Failed"
     invalid = cpu_spec(2)
     invalid["experts"][0]["checkpoint"] = {"uri": "http://unpinned.example/m"}

@@ -1,6 +1,6 @@
 """Tenants on the real API server: a fetched URI's secret query stays in the operator's own
-Secret, a Secret planted under one of its names is never adopted, and the operator-wide
-allow-lists of images and checkpoint sources refuse a DDM outside them."""
+immutable Secret (a new URI is a new Secret), a token Secret planted under one of its names is
+never adopted, and the operator-wide allow-lists refuse a DDM outside them."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from test_operator import (  # the shared helpers of the operator's cluster test
     wait_for,
 )
 
-from ddm.operator import kube
-from ddm.operator.reconcile import ownership_tests
+from ddm.operator import names
+from ddm.operator.policy import AllowLists
 
 SIGNATURE = "5f3c9e1d0b7a4c2e8f6d1a3b5c7e9f0a2b4d6f8e1c3a5b7d9f0e2c4a6b8d0f1e"
 SIGNED = (f"https://store.example/ddm/a.tar.gz?X-Amz-Algorithm=AWS4-HMAC-SHA256"
@@ -64,10 +64,13 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
                    "the fetching expert's pod")
     (fetch,) = pod["spec"]["initContainers"]
     assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
+    uid = cluster.ddm(ns, "signed")["metadata"]["uid"]
+    first = names.checkpoint_secret_name("signed", uid, "expert-a", SIGNED)
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
-        "name": "signed-checkpoints", "key": "expert-a"}}} in fetch["env"]
-    secret = cluster.get("Secret", ns, "signed-checkpoints")
-    assert base64.b64decode(secret["data"]["expert-a"]).decode() == SIGNED
+        "name": first, "key": "uri"}}} in fetch["env"]
+    secret = cluster.get("Secret", ns, first)
+    assert base64.b64decode(secret["data"]["uri"]).decode() == SIGNED
+    assert secret["immutable"] is True
     refused = wait_for(lambda: (cluster.ddm(ns, "refused").get("status") or {}).get(
         "conditions"), 60, "the refused DDM's status")
     (valid,) = [c for c in refused if c["type"] == "SpecValid"]
@@ -82,78 +85,88 @@ def test_a_presigned_query_never_shows_outside_the_operators_secret(cluster: Clu
         shown = _everything_but_the_secret(cluster, ns, name)
         assert SIGNATURE not in shown and "X-Amz-Credential" not in shown
 
-    # a new URI (a re-signed one) updates the Secret and rolls the expert's pods
-    before = cluster.get("Deployment", ns, "signed-expert-a")["spec"]["template"]
-    spec["experts"][0]["checkpoint"]["uri"] = SIGNED.replace(SIGNATURE, SIGNATURE[::-1])
+    # a new URI (a re-signed one) is a new Secret, and the expert's pods roll to it; the old
+    # one stays, unchanged, for the old ReplicaSet (a rollback), until the DDM goes
+    resigned = SIGNED.replace(SIGNATURE, SIGNATURE[::-1])
+    spec["experts"][0]["checkpoint"]["uri"] = resigned
     cluster.patch_ddm_spec(ns, "signed", spec)
-    wait_for(lambda: base64.b64decode(cluster.get("Secret", ns, "signed-checkpoints")["data"][
-        "expert-a"]).decode().endswith(SIGNATURE[::-1]), 60, "the Secret's new URI")
-    after = cluster.get("Deployment", ns, "signed-expert-a")["spec"]["template"]
-    assert after["metadata"]["annotations"] != before["metadata"]["annotations"]
+    second = names.checkpoint_secret_name("signed", uid, "expert-a", resigned)
+    created = wait_for(lambda: cluster.get("Secret", ns, second), 60, "the new URI's Secret")
+    assert base64.b64decode(created["data"]["uri"]).decode() == resigned
+    wait_for(lambda: second in json.dumps(cluster.get("Deployment", ns, "signed-expert-a")[
+        "spec"]["template"]), 60, "the expert's pods to read the new Secret")
+    assert cluster.get("Secret", ns, first)["data"] == secret["data"]
     assert SIGNATURE[::-1] not in _everything_but_the_secret(cluster, ns, "signed")
+    cluster.custom.delete_namespaced_custom_object("ddm.dev", "v1alpha1", ns, "ddmdeployments",
+                                                   "signed")
+    for name in (first, second):
+        wait_for(lambda: cluster.get("Secret", ns, name) is None, 60,
+                 "the garbage collector to delete the URIs' Secrets")
 
 
-@pytest.mark.usefixtures("operator")
-def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace: str) -> None:
+def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace: str,
+                                               request: pytest.FixtureRequest) -> None:
+    """A token Secret's name is known once the DDM exists (a digest of its uid): someone who
+    may create Secrets and wins the race to the operator's first run plants one with a token
+    they know. The operator cannot read it; the status, which lists the token Secrets the
+    operator created, says it is not its own, so nothing that would read it runs."""
     ns = kube_namespace
-    # Someone who may create Secrets plants one with a token they know, labelled as ours.
-    labels = {"app.kubernetes.io/managed-by": "ddm-operator", "ddm.dev/deployment": "planted"}
-    cluster.core.create_namespaced_secret(ns, {
-        "metadata": {"name": "planted-router-token", "labels": labels},
-        "stringData": {"token": "known-to-the-attacker"}})
-    spec = {**copy.deepcopy(CPU_SPEC), "router": {"auth": {}}}
-    cluster.create_ddm(ns, "planted", spec)
+    running: OperatorThread = request.getfixturevalue("operator")
+    running.stop()  # the race won: planted before the operator's first run
+    try:
+        spec = {**copy.deepcopy(CPU_SPEC), "router": {"auth": {}}}
+        uid = cluster.create_ddm(ns, "planted", spec)["metadata"]["uid"]
+        token = names.router_token_name("planted", uid)
+        labels = {"app.kubernetes.io/managed-by": "ddm-operator",
+                  "ddm.dev/deployment": "planted"}
+        cluster.core.create_namespaced_secret(ns, {
+            "metadata": {"name": token, "labels": labels},
+            "stringData": {"token": "known-to-the-attacker"}})
+    finally:
+        running.start(DEFAULT_CONFIG)
 
     def refused() -> dict | None:
         status = cluster.ddm(ns, "planted").get("status") or {}
         return status if status.get("phase") == "Failed" else None
     status = wait_for(refused, 60, "the status to refuse the planted Secret")
     (ready,) = [c for c in status["conditions"] if c["type"] == "Ready"]
-    assert "Secret planted-router-token exists but the operator did not create it" in \
-        ready["message"]
-    assert "routerTokenSecret" not in status
-    # nothing reads the token: neither the router that sends it nor the experts that require it
+    assert f"Secret {token} exists but the operator did not create it" in ready["message"]
+    assert "routerTokenSecret" not in status and token not in status.get("tokenSecrets", [])
+    # nothing reads the token: the router that requires it (the experts use their own)
     assert cluster.get("Deployment", ns, "planted-router") is None
-    assert cluster.get("Deployment", ns, "planted-expert-a") is None
-    planted = cluster.get("Secret", ns, "planted-router-token")
+    planted = cluster.get("Secret", ns, token)
     assert base64.b64decode(planted["data"]["token"]) == b"known-to-the-attacker"
-    assert not planted["metadata"].get("ownerReferences")  # not overwritten either
+    assert not planted["metadata"].get("ownerReferences")  # not changed either
 
     # Once it is gone, the operator makes its own and the router runs.
-    cluster.core.delete_namespaced_secret("planted-router-token", ns)
+    cluster.core.delete_namespaced_secret(token, ns)
     spec["router"]["replicas"] = 2  # a change, so the operator reconciles now
     cluster.patch_ddm_spec(ns, "planted", spec)
     wait_for(lambda: (cluster.get("Deployment", ns, "planted-router") or {}).get(
         "spec", {}).get("replicas") == 2, 60, "the router once the planted Secret is gone")
-    ours = cluster.get("Secret", ns, "planted-router-token")
+    ours = cluster.get("Secret", ns, token)
     assert base64.b64decode(ours["data"]["token"]) != b"known-to-the-attacker"
-    owner = cluster.ddm(ns, "planted")
     (ref,) = ours["metadata"]["ownerReferences"]
-    assert (ref["uid"], ref["controller"]) == (owner["metadata"]["uid"], True)
+    assert (ref["uid"], ref["controller"]) == (uid, True)
     status = wait_for(lambda: (cluster.ddm(ns, "planted").get("status") or {}).get(
         "routerTokenSecret"), 60, "the status to name the operator's Secret")
-    assert status == "planted-router-token"
-    # What the operator's ownership check gets back: metadata only, never the token.
-    tests = ownership_tests(owner["metadata"])
-    answer = json.loads(cluster.core.patch_namespaced_secret(
-        "planted-router-token", ns,
-        [{"op": "test", "path": path, "value": value} for path, value in tests.items()],
-        _content_type="application/json-patch+json", _preload_content=False,
-        _headers={"Accept": kube._METADATA_ONLY}).data)
-    assert answer["kind"] == "PartialObjectMetadata" and "data" not in answer
+    assert status == token
+    assert token in cluster.ddm(ns, "planted")["status"]["tokenSecrets"]
 
 
 def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespace: str,
                                                   request: pytest.FixtureRequest) -> None:
     ns = kube_namespace
     running: OperatorThread = request.getfixturevalue("operator")
-    running.restart(dataclasses.replace(
-        DEFAULT_CONFIG, allowed_images=("registry.acme.example/ddm/",),
-        allowed_checkpoint_sources=("image:///models/",)))
+    running.restart(dataclasses.replace(DEFAULT_CONFIG, allowed=AllowLists(
+        images=("registry.acme.example/ddm/",), checkpoint_sources=("image:///models/",),
+        secrets=("team-*",), toleration_keys=("team-a/dedicated",))))
     try:
         spec = copy.deepcopy(CPU_SPEC)
         spec["experts"][1]["image"] = "evil.example/miner:1"
         spec["experts"][2]["checkpoint"] = {"uri": "s3://elsewhere/c?X-Amz-Signature=abc"}
+        spec["experts"][0]["tolerations"] = [{"operator": "Exists"}]
+        spec["router"] = {"auth": {"secretName": "cluster-admin-token"}}
         cluster.create_ddm(ns, "outside", spec)
         allowed = copy.deepcopy(CPU_SPEC)
         allowed["experts"][0]["image"] = "registry.acme.example/ddm/cpu:1"
@@ -166,10 +179,15 @@ def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespa
         valid = wait_for(lambda: condition("outside", "SpecValid"), 60, "the refusal")
         assert valid["status"] == "False"
         assert valid["message"] == (
+            "spec.experts[0].tolerations[0]: key none (it would tolerate every taint) is not "
+            "among the keys this operator allows (DDM_ALLOWED_TOLERATION_KEYS: "
+            "team-a/dedicated); "
             "spec.experts[1].image: 'evil.example/miner:1' is not among the images this "
             "operator allows (DDM_ALLOWED_IMAGES: registry.acme.example/ddm/); "
             "spec.experts[2].checkpoint.uri: 's3://elsewhere/c' is not among the checkpoint "
-            "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image:///models/)")
+            "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image:///models/); "
+            "spec.router.auth.secretName: Secret 'cluster-admin-token' is not among the "
+            "Secrets this operator lets a spec name (DDM_ALLOWED_SECRETS: team-*)")
         assert cluster.children(ns, "outside") == {}
         assert wait_for(lambda: condition("inside", "SpecValid"), 60, "the other DDM's status"
                         )["status"] == "True"

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Iterator
 
@@ -42,6 +43,7 @@ from ddm.models.torch_unet import UNet
 from ddm.models.loading import load_ddm
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
+from ddm.sampling.solvers import initial_noise
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
@@ -147,6 +149,7 @@ def test_stream_yields_an_event_per_step_then_done(routers):
     assert [name for name, _ in events] == ["step"] * 5 + ["done"]
     assert [data["step"] for _, data in events[:-1]] == [1, 2, 3, 4, 5]
     assert all(data["experts"] == ["e0"] for _, data in events[:-1])
+    assert all(data["probs"] == [1, 0] for _, data in events[:-1])  # the oracle's one-hot
     assert _image(events[-2][1]["image"]).shape == SHAPE[1:]
     done = events[-1][1]
     np.testing.assert_array_equal(_image(done["image"]), _image(events[-2][1]["image"]))
@@ -157,15 +160,45 @@ def test_stream_yields_an_event_per_step_then_done(routers):
     assert delegated[-1][1]["round_trips"] == 3 and delegated[0][1]["delegated"]
 
 
+def test_stream_frames_carry_the_router_networks_probabilities(ddms, routers):
+    """Each step's p(k | x_t, t, y): the first from the router network at the request's noise,
+    and every step run by the expert top1 picks from them."""
+    steps = _stream(routers["shared"], label=7, steps=4, seed=3, strategy="top1")[:-1]
+    network = load_ddm(ddms["shared"], backend="torch").router
+    first = network(initial_noise(1, SHAPE, 3), np.zeros(1, np.float32), np.array([7]))
+    np.testing.assert_allclose(steps[0][1]["probs"], first[0], atol=1e-4)
+    for _, data in steps:
+        assert sum(data["probs"]) == pytest.approx(1, abs=1e-3)
+        assert data["experts"] == [["e0", "e1"][int(np.argmax(data["probs"]))]]
+
+
 def test_the_page_and_the_api_description_are_served(routers):
     page = httpx.get(f"{routers['split']}/")
-    assert page.status_code == 200 and "EventSource" in page.text and "://" not in re.sub(
+    assert page.status_code == 200 and "v1/generate/stream" in page.text and "://" not in re.sub(
         r"<!--.*?-->", "", page.text, flags=re.S)  # no CDN: the page works offline
     info = httpx.get(f"{routers['split']}/v1/info").json()
     assert [e["name"] for e in info["experts"]] == ["e0", "e1"]
     assert info["image_shape"] == list(SHAPE) and info["num_classes"] == 10
+    assert info["conditioning"] == "labels"
     assert all(e["ready_replicas"] == 1 for e in info["experts"])
     assert httpx.get(f"{routers['split']}/docs").status_code == 404  # off by default
+
+
+def test_the_info_offers_only_what_the_ddm_can_do_and_says_what_each_expert_is(routers):
+    """A label partition can be routed by the oracle, clusters cannot; each expert's card says
+    what runs it (as the expert says, here torch on this CPU) and what it learned from."""
+    split, shared = (httpx.get(f"{routers[d]}/v1/info").json() for d in ("split", "shared"))
+    assert split["strategies"] == ["oracle", "top1", "top2", "threshold:0.2", "ensemble"]
+    assert shared["strategies"] == ["top1", "top2", "threshold:0.2", "ensemble"]
+    assert [e["trained_on"] for e in split["experts"]] == [
+        {"partition": "labels", "part": k, "parts": 2, "features": None, "labels": labels,
+         "data": None, "images": None} for k, labels in enumerate([LOW, HIGH])]
+    assert [(e["trained_on"]["partition"], e["trained_on"]["part"]) for e in shared["experts"]
+            ] == [("kmeans", 0), ("kmeans", 1)]
+    for card in split["experts"] + shared["experts"]:
+        assert "classes" not in card
+        assert (card["framework"], card["device"]) == ("torch", "cpu")
+        assert card["runtime"] == f"torch {torch.__version__}" and card["hardware"]
 
 
 def test_the_page_and_the_api_docs_forbid_framing_and_run_only_their_own_code(ddms, experts):
@@ -182,12 +215,13 @@ def test_the_page_and_the_api_docs_forbid_framing_and_run_only_their_own_code(dd
                       answer.headers["content-security-policy"].split(";"))
         assert policy["default-src"] == "'none'" and policy["frame-ancestors"] == "'none'"
         assert policy["connect-src"] == "'self'" and "'unsafe-inline'" not in str(policy)
-        for tag in ("script", "style"):  # every inline block, and nothing else inline, runs
-            blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", answer.text, flags=re.S)
+        for tag in ("script", "style"):  # every inline element, and nothing else inline, runs
+            blocks = _inline_elements(answer.text, tag)
             assert blocks or answer is docs
-            for block in blocks:
-                digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
-                assert f"'sha256-{digest}'" in policy[f"{tag}-src"].split()
+            digests = {f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
+                       for b in blocks}
+            assert {s for s in policy[f"{tag}-src"].split() if s.startswith("'sha256-")
+                    } == digests
     page_policy = page.headers["content-security-policy"]
     assert "https:" not in page_policy  # the page loads nothing from elsewhere
     assert " style=" not in page.text  # a style attribute would be refused
@@ -757,6 +791,33 @@ def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:
         elif not line and name is not None:
             yield name, json.loads("\n".join(data))
             name, data = None, []
+
+
+class _Elements(HTMLParser):
+    """The text of every ``<tag>`` element without a ``src``, as a browser reads it."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__(convert_charrefs=False)
+        self.tag, self.found, self.inside = tag, [], False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == self.tag and "src" not in dict(attrs):
+            self.inside = True
+            self.found.append("")
+
+    def handle_data(self, data):
+        if self.inside:
+            self.found[-1] += data
+
+    def handle_endtag(self, tag):
+        self.inside = self.inside and tag != self.tag
+
+
+def _inline_elements(html: str, tag: str) -> list[str]:
+    parser = _Elements(tag)
+    parser.feed(html)
+    parser.close()
+    return parser.found
 
 
 def _image(png: str) -> np.ndarray:

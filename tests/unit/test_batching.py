@@ -89,7 +89,8 @@ def test_a_compiled_backend_runs_only_its_sizes_and_returns_the_real_rows():
         seen.append(x.shape[0])
         return x + t[:, None, None, None] + y[:, None, None, None]
 
-    backend = Backend(run, BackendInfo("numpy", "test", "cpu"), (1, 2, 2), batch_buckets(8),
+    info = BackendInfo("numpy", "test", "cpu", "test CPU")
+    backend = Backend(run, info, (1, 2, 2), batch_buckets(8),
                       pads_to_warm_sizes=True, warm_label=3)
     backend.warm_up()
     assert seen == [1, 2, 4, 8]

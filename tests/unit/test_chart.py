@@ -109,7 +109,12 @@ def test_operator_settings_reach_the_operator_environment(helm: Path) -> None:
     assert env["DDM_WATCH_NAMESPACES"] == "a,b"
     assert env["DDM_NETWORK_POLICY"] == "true" and env["DDM_ROUTER_AUTH"] == "false"
     config = OperatorConfig.from_env(env)
-    assert config.cluster_domain == "corp.internal" and not config.allow_host_paths
+    assert config.cluster_domain == "corp.internal" and config.allowed.host_paths == ()
+    host_paths = env_of(render(helm, "allowHostPaths={/srv/ddm/,/var/lib/ddm/}"))
+    assert OperatorConfig.from_env(host_paths).allowed.host_paths == ("/srv/ddm/",
+                                                                      "/var/lib/ddm/")
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set", "allowHostPaths=true")
+    assert result.returncode != 0 and "allowHostPaths" in result.stderr
 
 
 def rules_of(role: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
@@ -118,14 +123,17 @@ def rules_of(role: dict[str, Any]) -> list[tuple[str, str, tuple[str, ...]]]:
             for resource in rule["resources"]]
 
 
-def test_rbac_has_no_wildcards_and_never_reads_secrets(helm: Path) -> None:
+def test_rbac_has_no_wildcards_and_only_creates_secrets(helm: Path) -> None:
     for sets in ([], ["watchNamespaces={a,b}"]):
         objects = render(helm, *sets)
-        for role in by_kind(objects, "ClusterRole") + by_kind(objects, "Role"):
+        roles = by_kind(objects, "ClusterRole") + by_kind(objects, "Role")
+        assert len(roles) == (1 if not sets else 2)
+        for role in roles:
+            secrets = [verbs for group, resource, verbs in rules_of(role)
+                       if resource == "secrets" and group == ""]
+            assert secrets == [("create",)], role["metadata"]["name"]  # immutable, never read
             for group, resource, verbs in rules_of(role):
                 assert "*" not in (group, resource, *verbs), role["metadata"]["name"]
-                if resource == "secrets":  # patches test ownership and return metadata
-                    assert verbs == ("create", "patch")
 
 
 def test_cluster_wide_install_binds_one_cluster_role(helm: Path) -> None:
@@ -192,10 +200,19 @@ def test_tenant_allow_lists_reach_the_operator(helm: Path) -> None:
     from ddm.operator.config import OperatorConfig
 
     env = env_of(render(helm, "tenants.allowedImages={reg.example/ddm/,ddm:}",
-                        "tenants.allowedCheckpointSources={pvc://,s3://models/}"))
-    config = OperatorConfig.from_env(env)
-    assert config.allowed_images == ("reg.example/ddm/", "ddm:")
-    assert config.allowed_checkpoint_sources == ("pvc://", "s3://models/")
+                        "tenants.allowedCheckpointSources={pvc://,s3://models/}",
+                        "tenants.allowedSecrets={ddm-*,store-login}",
+                        "tenants.allowedTolerationKeys={team-a/dedicated}",
+                        "tenants.allowedNodeSelectorKeys={topology.kubernetes.io/zone}"))
+    allowed = OperatorConfig.from_env(env).allowed
+    assert allowed.images == ("reg.example/ddm/", "ddm:")
+    assert allowed.checkpoint_sources == ("pvc://", "s3://models/")
+    assert allowed.secrets == ("ddm-*", "store-login")
+    assert allowed.toleration_keys == ("team-a/dedicated",)
+    assert allowed.node_selector_keys == ("topology.kubernetes.io/zone",)
+    for bad in ("tenants.allowedSecrets={Team_Token}", "tenants.allowedTolerationKeys={a b}"):
+        result = helm_run(helm, "template", "ddm", str(CHART), "--set", bad)
+        assert result.returncode != 0 and bad.split("=")[0].split(".")[1] in result.stderr
     result = helm_run(helm, "template", "ddm", str(CHART), "--set",
                       "tenants.allowedCheckpointSources={https://store.example}")
     assert result.returncode != 0 and "allowedCheckpointSources" in result.stderr

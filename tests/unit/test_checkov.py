@@ -24,10 +24,9 @@ import yaml
 from helm_tool import ensure_helm
 
 from ddm.deploy.spec import load_manifest
-from ddm.operator.access import build_router_token_secret
+from ddm.operator import names
+from ddm.operator.children import desired_children
 from ddm.operator.config import OperatorConfig
-from ddm.operator.fetcher import build_checkpoint_secret
-from ddm.operator.manifests import build_children
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reliability.md"
@@ -72,10 +71,9 @@ def _write_objects(directory: Path) -> None:
         (directory / f"chart-{index}.yaml").write_text(done.stdout)
     for example in sorted((ROOT / "examples").glob("*.yaml")):
         manifest = load_manifest(example, allow_host_paths=False)
-        meta = {"name": manifest.name, "namespace": NAMESPACE, "uid": "0"}
-        objects = [*build_children(manifest.spec, meta, CONFIG),
-                   build_router_token_secret(meta, "not-a-real-token"),
-                   build_checkpoint_secret(manifest.spec, meta)]
+        owner = {"apiVersion": names.API_VERSION, "kind": names.KIND,
+                 "metadata": {"name": manifest.name, "namespace": NAMESPACE, "uid": "0"}}
+        objects = desired_children(manifest.spec, owner, CONFIG, lambda: "not-a-real-token")
         (directory / f"operator-{example.stem}.yaml").write_text(yaml.safe_dump_all(objects))
 
 

@@ -21,13 +21,14 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import ROUTER_CONFIG_FILE, build_children
+from ddm.operator.policy import AllowLists
 from ddm.runtime.local import LocalRunError, plan_local
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
                                       neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"),
-                        allow_host_paths=True)
+                        allowed=AllowLists(host_paths=("/",)))
 #: Options each consumer sets for its place, not from the spec (each takes a value).
 PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--metrics-port", "--config", "--drain-s",
                  "--log-level", "--auth-token-file")
@@ -131,7 +132,8 @@ def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[s
         return Path("/fetched") / source.scheme / source.location / source.path.strip("/")
 
     plan = plan_local(manifest, lambda: next(ports), 8080, locate=locate,
-                      token_file=Path("/run/ddm-up/router-token"))
+                      token_file=Path("/run/ddm-up/router-token"),
+                      expert_token_file=Path("/run/ddm-up/expert-token"))
     commands, env = {}, {}
     for process in plan.experts:
         name = process.name.split("/")[0]
@@ -165,9 +167,10 @@ def test_the_operator_and_ddm_up_run_the_same_plan(manifest: DDMManifest) -> Non
         limits.ROUTER_MAX_STEPS, steps)
 
 
-def test_with_auth_both_give_the_experts_the_routers_token() -> None:
-    """A spec asking for a token: the router requires it and every expert, on both, reads
-    the same file as the router (a Secret's mount in a pod, a file ddm up writes)."""
+def test_with_auth_both_give_the_experts_a_token_of_their_own() -> None:
+    """A spec asking for a token: the router requires it, and every expert, on both, reads
+    the token the router presents to experts (``auth.expert_token_file``: a Secret's mount in
+    a pod, a file ddm up writes), never the public one."""
     document = yaml.safe_load((ROOT / "examples" / "digits.yaml").read_text())
     for auth in (False, True):
         if auth:
@@ -175,7 +178,10 @@ def test_with_auth_both_give_the_experts_the_routers_token() -> None:
         manifest = parse_manifest(document, allow_host_paths=True)
         for commands, _, _, config in (_operator(manifest), _local(manifest)):
             files = {_flag_value(c, "--auth-token-file") for c in commands.values()}
-            assert files == ({config.auth.token_file} if auth else {None}), (files, config.auth)
+            assert files == ({config.auth.expert_token_file} if auth else {None}), (
+                files, config.auth)
+            if auth:
+                assert config.auth.expert_token_file != config.auth.token_file
     with pytest.raises(LocalRunError, match=r"digits asks for a bearer token \(spec.router.auth\)"):
         plan_local(manifest, itertools.count(20000).__next__, 8080,
                    locate=lambda source: Path("/fetched"))

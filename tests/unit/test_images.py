@@ -291,8 +291,8 @@ def _operator_pods() -> dict[str, list[dict]]:
     config = OperatorConfig()
     family_of = {image: family for family, image in vars(config.images).items()}
     pods: dict[str, list[dict]] = {}
-    for child in build_children(parse_manifest(document).spec, {"name": "x",
-                                                                 "namespace": "ns"}, config):
+    for child in build_children(parse_manifest(document).spec,
+                                {"name": "x", "namespace": "ns", "uid": "1"}, config):
         if child["kind"] != "Deployment":
             continue
         pod = child["spec"]["template"]["spec"]

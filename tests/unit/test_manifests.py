@@ -17,9 +17,9 @@ from podsecurity import violations
 
 from ddm.checkpoints.fetch import ENV_URI, FetchPolicy
 from ddm.operator import fetcher, names
-from ddm.operator.fetcher import build_checkpoint_secret, uri_digest
+from ddm.operator.fetcher import build_checkpoint_secrets
 from ddm.checkpoints.destinations import METADATA_ADDRESSES
-from ddm.operator.access import build_router_token_secret, store_egress
+from ddm.operator.access import build_token_secrets, store_egress
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
@@ -194,7 +194,8 @@ def test_a_remote_checkpoint_is_fetched_by_an_init_container(uri: str) -> None:
     (fetch,) = pod["initContainers"]
     assert fetch["command"] == ["ddm", "fetch-checkpoint", "/models/expert"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
-        "name": "digits-checkpoints", "key": "expert-e"}}} in fetch["env"]
+        "name": names.checkpoint_secret_name("digits", "1234", "expert-e", uri),
+        "key": "uri"}}} in fetch["env"]
     assert fetch["image"] == "reg/ddm:1"
     assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
     assert {"name": "checkpoint", "mountPath": "/models/expert"} in fetch["volumeMounts"]
@@ -211,25 +212,48 @@ def test_the_fetchers_constants_are_the_fetchers() -> None:
     assert (fetcher.FETCH_MAX_BYTES, fetcher.ENV_URI) == (FetchPolicy().max_bytes, ENV_URI)
 
 
-def test_a_fetched_uri_is_in_the_operators_secret_and_nowhere_else() -> None:
+def _uris(secrets: list[dict]) -> dict[str, str]:
+    return {s["metadata"]["name"]: base64.b64decode(s["data"]["uri"]).decode() for s in secrets}
+
+
+def test_a_fetched_uri_is_in_an_immutable_secret_of_its_own_and_nowhere_else() -> None:
     raw = _spec(_expert("a", checkpoint={"uri": SIGNED}), _expert("b"))
     raw["router"] = {"checkpoint": {"uri": "s3://models/router"}}
     spec = parse_spec(raw)
     children = build_children(spec, META, CONFIG)
     assert "X-Amz" not in json.dumps(children)
-    secret = build_checkpoint_secret(spec, META)
-    assert secret["metadata"]["name"] == "digits-checkpoints"
-    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == {
-        "expert-a": SIGNED, "router": "s3://models/router"}
+    secrets = build_checkpoint_secrets(spec, META)
+    assert all(s["immutable"] is True and s["kind"] == "Secret" for s in secrets)
+    expert_secret = names.checkpoint_secret_name("digits", "1234", "expert-a", SIGNED)
+    router_secret = names.checkpoint_secret_name("digits", "1234", "router",
+                                                 "s3://models/router")
+    assert _uris(secrets) == {expert_secret: SIGNED, router_secret: "s3://models/router"}
     pods = {c["metadata"]["name"]: c["spec"]["template"] for c in children
             if c["kind"] == "Deployment"}
-    # the URI's hash rolls the pods when it changes (the Secret's change would not)
+    (fetch,) = pods["digits-expert-a"]["spec"]["initContainers"]
+    assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
+        "name": expert_secret, "key": "uri"}}} in fetch["env"]
     assert pods["digits-expert-a"]["metadata"]["annotations"] == {
-        **names.SCRAPE_ANNOTATIONS, names.CHECKPOINT_HASH_ANNOTATION: uri_digest(SIGNED)}
+        **names.SCRAPE_ANNOTATIONS, names.CHECKPOINT_HASH_ANNOTATION: names.digest(SIGNED)}
     assert names.CHECKPOINT_HASH_ANNOTATION not in pods["digits-expert-b"]["metadata"][
         "annotations"]
     assert names.CHECKPOINT_HASH_ANNOTATION in pods["digits-router"]["metadata"]["annotations"]
-    assert build_checkpoint_secret(parse_spec(_spec(_expert())), META)["data"] == {}
+    assert build_checkpoint_secrets(parse_spec(_spec(_expert())), META) == []
+
+
+def test_a_new_uri_is_a_new_secret_and_a_new_ddm_never_reuses_an_old_ones() -> None:
+    """Content-named: the operator only ever creates (a changed URI is another name, so the
+    pods roll to it); the uid in the name keeps a re-created DDMDeployment of the same name
+    from taking a Secret the garbage collector is about to delete."""
+    def secret_name(uri: str, meta: dict = META) -> str:
+        (secret,) = build_checkpoint_secrets(parse_spec(_spec(_expert(
+            "a", checkpoint={"uri": uri}))), meta)
+        return secret["metadata"]["name"]
+    first = secret_name("s3://models/a-v1")
+    assert secret_name("s3://models/a-v1") == first
+    assert secret_name("s3://models/a-v2") != first
+    assert secret_name("s3://models/a-v1", {**META, "uid": "5678"}) != first
+    assert first.startswith("digits-checkpoint-") and len(first) <= 253
 
 
 def test_a_pinned_fetch_with_credentials_and_allowed_networks() -> None:
@@ -335,8 +359,7 @@ def test_no_dollar_in_a_uri_is_expanded_by_kubernetes() -> None:
     spec = parse_spec(_spec(_expert(checkpoint={"uri": uri})))
     pod = build_expert_deployment(spec.experts[0], META, CONFIG)["spec"]["template"]["spec"]
     # A Secret's value reaches the env as it is (Kubernetes expands $(VAR) in `value` only).
-    assert base64.b64decode(build_checkpoint_secret(spec, META)["data"]["expert-e"]) == \
-        uri.encode()
+    assert list(_uris(build_checkpoint_secrets(spec, META)).values()) == [uri]
     assert "$" not in json.dumps(pod["initContainers"])
     # Kubernetes turns $$ into $, and leaves $(VAR) unexpanded only when so escaped.
     image = _expert_pod(_expert(checkpoint={"uri": "image:///m/$(HOME)"}))
@@ -363,10 +386,14 @@ def test_without_authentication_the_router_mounts_no_token() -> None:
     assert all("secret" not in v for v in _router_pod(children)["volumes"])
 
 
+TOKEN = names.router_token_name("digits", "1234")
+EXPERT_TOKEN = names.expert_token_name("digits", "1234")
+AUTH_ON = OperatorConfig(images=CONFIG.images, router_auth=True)
+
+
 @pytest.mark.parametrize("auth, config, secret, key", [
-    ({}, CONFIG, "digits-router-token", "token"),
-    (None, OperatorConfig(images=CONFIG.images, router_auth=True), "digits-router-token",
-     "token"),
+    ({}, CONFIG, TOKEN, "token"),
+    (None, AUTH_ON, TOKEN, "token"),
     ({"secretName": "team-tokens", "key": "ddm"}, CONFIG, "team-tokens", "ddm"),
 ])
 def test_an_authenticated_router_reads_its_token_from_a_read_only_secret(
@@ -385,30 +412,49 @@ def test_an_authenticated_router_reads_its_token_from_a_read_only_secret(
     assert all(c["kind"] != "Secret" for c in children.values())  # created apart, once
 
 
-def test_experts_require_the_routers_token_from_the_same_secret() -> None:
-    children = _children(_spec(_expert("a")), OperatorConfig(images=CONFIG.images,
-                                                            router_auth=True))
-    router, expert = _router_pod(children), _expert_pods(children)[0]
-    token_volume = next(v for v in router["volumes"] if v["name"] == "router-token")
-    assert token_volume in expert["volumes"]
-    assert {"name": "router-token", "mountPath": "/var/run/secrets/ddm/router-token",
-            "readOnly": True} in _container(expert)["volumeMounts"]
-    assert _flag(_container(expert)["command"], "--auth-token-file") == \
-        _router_yaml(children).auth.token_file
+def test_experts_require_a_token_of_their_own_and_never_see_the_public_one() -> None:
+    children = _children(_spec(_expert("a"), _expert("b")), AUTH_ON)
+    router, config = _router_pod(children), _router_yaml(children)
+    expert_volume = {"name": "expert-token", "secret": {
+        "secretName": EXPERT_TOKEN, "defaultMode": 0o440,
+        "items": [{"key": "token", "path": "token"}]}}
+    assert expert_volume in router["volumes"]
+    assert config.auth.expert_token_file == "/var/run/secrets/ddm/expert-token/token"
+    assert config.auth.expert_token_file != config.auth.token_file
+    for expert in _expert_pods(children):
+        assert expert_volume in expert["volumes"]
+        assert {"name": "expert-token", "mountPath": "/var/run/secrets/ddm/expert-token",
+                "readOnly": True} in _container(expert)["volumeMounts"]
+        assert _flag(_container(expert)["command"], "--auth-token-file") == \
+            config.auth.expert_token_file
+        assert TOKEN not in json.dumps(expert)  # the public token's Secret: the router's alone
 
 
 def test_without_authentication_experts_take_no_token() -> None:
     expert = _expert_pods(_children(_spec(_expert("a"))))[0]
     assert "--auth-token-file" not in _container(expert)["command"]
-    assert all(v["name"] != "router-token" for v in expert["volumes"])
+    assert all("secret" not in v for v in expert["volumes"])
 
 
-def test_the_token_secret_holds_the_token_under_the_ddms_labels() -> None:
-    secret = build_router_token_secret(META, "s3cr3t")
-    assert (secret["kind"], secret["type"]) == ("Secret", "Opaque")
-    assert secret["metadata"]["name"] == "digits-router-token"
-    assert secret["metadata"]["labels"][names.DEPLOYMENT_LABEL] == "digits"
-    assert secret["stringData"] == {"token": "s3cr3t"}
+@pytest.mark.parametrize("auth, config, created", [
+    (None, CONFIG, []),
+    ({}, CONFIG, [TOKEN, EXPERT_TOKEN]),
+    (None, AUTH_ON, [TOKEN, EXPERT_TOKEN]),
+    ({"secretName": "team-tokens"}, CONFIG, [EXPERT_TOKEN]),
+])
+def test_the_operator_makes_immutable_token_secrets_named_after_the_ddms_uid(
+        auth: dict | None, config: OperatorConfig, created: list[str]) -> None:
+    raw = _spec(_expert("a"))
+    if auth is not None:
+        raw["router"]["auth"] = auth
+    tokens = iter(["first", "second"])
+    secrets = build_token_secrets(parse_spec(raw), META, config, lambda: next(tokens))
+    assert [s["metadata"]["name"] for s in secrets] == created
+    for secret, token in zip(secrets, ["first", "second"]):
+        assert (secret["kind"], secret["type"], secret["immutable"]) == ("Secret", "Opaque", True)
+        assert secret["metadata"]["labels"][names.DEPLOYMENT_LABEL] == "digits"
+        assert secret["stringData"] == {"token": token}
+    assert names.router_token_name("digits", "5678") != TOKEN
 
 
 def _pod_labels(children: dict, name: str) -> dict:
@@ -658,8 +704,8 @@ def test_the_cluster_domain_is_configurable() -> None:
 
 def test_the_operators_switches_are_strict_and_off_by_default() -> None:
     default = OperatorConfig.from_env({})
-    assert (default.allow_host_paths, default.router_auth, default.network_policy) == (
-        False, False, False)
+    assert (default.allowed.host_paths, default.router_auth, default.network_policy) == (
+        (), False, False)
     on = OperatorConfig.from_env({"DDM_ROUTER_AUTH": "true", "DDM_NETWORK_POLICY": "True"})
     assert (on.router_auth, on.network_policy) == (True, True)
     for name in ("DDM_ROUTER_AUTH", "DDM_NETWORK_POLICY"):

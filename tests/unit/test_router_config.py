@@ -95,6 +95,15 @@ def test_limits_and_auth_round_trip() -> None:
     assert config.limits == RouterLimits(max_batch=8, max_steps=50, max_concurrent=4,
                                          max_body_bytes=4096)
     assert config.auth == Auth(token_file="/var/run/secrets/ddm/router-token/token")
+    assert config.auth.expert_token == config.auth.token_file  # written before the split
+    assert "expert_token_file" not in config.to_yaml()
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
+def test_the_router_presents_its_expert_token_not_the_public_one() -> None:
+    config = RouterConfigFile.from_yaml(TEXT + "auth: {token_file: /t/public, "
+                                               "expert_token_file: /t/experts}\n")
+    assert config.auth.expert_token == "/t/experts"
     assert RouterConfigFile.from_yaml(config.to_yaml()) == config
 
 
@@ -136,6 +145,8 @@ def test_a_missing_expert_fails_by_default_and_the_policy_round_trips() -> None:
 @pytest.mark.parametrize("extra, message", [
     ("auth: {}\n", "auth needs token_file"),
     ("auth: {token_file: ''}\n", "auth.token_file must be a file path"),
+    ("auth: {token_file: /t, expert_token_file: 3}\n",
+     "auth.expert_token_file must be a file path, got 3"),
     ("auth: {token: secret}\n", "auth has unknown keys ['token']"),
     ("limits: {max_concurrent: 0}\n", "limits.max_concurrent must be an integer >= 1"),
     ("limits: {max_steps: 10}\n", "sampling.steps 20 exceeds limits.max_steps 10"),

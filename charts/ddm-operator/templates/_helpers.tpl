@@ -75,12 +75,12 @@ written by server-side apply (patch; create when the apply creates), never by up
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
-# The operator's own Secrets: each router's token (created once, never read back) and the URIs
-# of fetched checkpoints. Every patch carries JSON-patch tests that only the operator's own
-# Secret passes (a planted one is refused), and asks for metadata back: no get, list or watch.
+# The operator's own Secrets (the tokens, the URIs of fetched checkpoints): immutable, named
+# after what they hold, created once and never read, changed or deleted by the operator (the
+# garbage collector removes them with their DDMDeployment). No get, list, watch or patch.
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create, patch]
+  verbs: [create]
 # kopf posts the events it is told to (core v1 events, created, never patched).
 - apiGroups: [""]
   resources: [events]

@@ -45,7 +45,8 @@ FRAMEWORKS = ("torch", "jax")
 MODEL_KINDS = ("unet", "import", "exported")
 #: framework -> the file an ``exported`` expert's program is in: ``torch.export``'s archive
 #: (``ddm.models.torch_io.export_program``) or ``jax.export``'s serialized StableHLO
-#: (``ddm.models.jax_export.export_program``). Data, not code: loading runs nothing of the author's.
+#: (``ddm.models.jax_export.export_program``), each read by a strict reader
+#: (``ddm.models.torch_program``, ``jax_export.check_custom_calls``) that runs none of it.
 EXPORTED_PROGRAMS = {"torch": "program.pt2", "jax": "program.jaxexport"}
 _FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 

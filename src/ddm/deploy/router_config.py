@@ -249,13 +249,27 @@ class MissingExpert:
 @dataclass(frozen=True)
 class Auth:
     """Bearer-token authentication: the token is the content of ``token_file`` (a mounted
-    Secret), stripped of surrounding whitespace, and re-read when the file changes."""
+    Secret), stripped of surrounding whitespace, and re-read when the file changes.
+
+    ``expert_token_file``: the token the router presents to its experts (which require it),
+    distinct from the public one so that an expert never holds what clients use; None: the
+    router presents ``token_file``'s (configurations written before the split)."""
 
     token_file: str
+    expert_token_file: str | None = None
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.token_file, str) and bool(self.token_file.strip()),
-               f"auth.token_file must be a file path, got {self.token_file!r}")
+        for key in ("token_file", "expert_token_file"):
+            value = getattr(self, key)
+            if key == "expert_token_file" and value is None:
+                continue
+            _check(isinstance(value, str) and bool(value.strip()),
+                   f"auth.{key} must be a file path, got {value!r}")
+
+    @property
+    def expert_token(self) -> str:
+        """The file of the token the router presents to its experts."""
+        return self.expert_token_file or self.token_file
 
 
 @dataclass(frozen=True)
@@ -334,6 +348,8 @@ class RouterConfigFile:
         out["experts"] = [e.to_dict() for e in self.experts]
         if self.auth is None:
             del out["auth"]
+        elif self.auth.expert_token_file is None:
+            del out["auth"]["expert_token_file"]
         return out
 
     @classmethod

@@ -231,7 +231,7 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
         return None, fetch
     if checkpoint.scheme == "file" and not allow_host_paths:
         reader.problem("uri", f"{shown!r} mounts a directory of the node (a hostPath); this "
-                              "operator does not allow host paths (DDM_ALLOW_HOST_PATHS=false): "
+                              "operator allows no host path (DDM_ALLOW_HOST_PATHS is empty): "
                               "use pvc://, image://, http(s)://, s3:// or gs://")
     if checkpoint.scheme not in REMOTE_SCHEMES:
         for key in ("sha256", "credentialsSecret"):

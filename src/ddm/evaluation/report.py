@@ -29,6 +29,7 @@ from ddm.fileio import atomic_path
 from ddm.checkpoints.discovery import default_checkpoints, discover
 from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
 from ddm.sampling.pipeline import generate
+from ddm.sampling.routing import routes_by_label
 
 #: The DDM's rows; ``random`` (an expert per sample and step, drawn uniformly) is the paper's
 #: disaster baseline (FID 157 on ImageNet).
@@ -88,8 +89,8 @@ def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
 def strategies_for(ddm: LoadedDDM) -> tuple[str, ...]:
     """:data:`STRATEGIES` less ``oracle`` where a label is not owned by exactly one expert
     (a k-means partition: every expert learns every digit, and only the image decides)."""
-    owners = [sum(label in e.classes for e in ddm.experts) for label in range(ddm.num_classes)]
-    return STRATEGIES if owners == [1] * ddm.num_classes else STRATEGIES[1:]
+    by_label = routes_by_label([e.classes for e in ddm.experts], ddm.num_classes)
+    return STRATEGIES if by_label else STRATEGIES[1:]
 
 
 def shared_partition(experts: Sequence[Path]) -> Partition | None:

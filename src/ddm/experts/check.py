@@ -4,7 +4,9 @@ An expert trained elsewhere arrives with a declaration (objective, architecture,
 nothing else verifies: a wrong one serves garbage at full speed. Each check here returns a
 :class:`Verdict`; the expert server runs :func:`check_network` on the backend it is about to
 serve and refuses to become ready on a failure, and the command adds the declaration itself
-and torch/JAX parity (:func:`check_checkpoint`).
+and torch/JAX parity (:func:`check_checkpoint`). Both load the network through the one
+function the server uses (``ddm.models.loading.expert_network``), so an exported program the
+server's strict readers refuse fails the ``load`` check with the same reason.
 
 The behaviour check tests the declared objective against the network's outputs on known
 inputs: images ``x1`` of its own classes and Gaussian noise ``x0``, mixed as its declared

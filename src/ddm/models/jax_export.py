@@ -5,7 +5,10 @@ the network once, with a symbolic batch size, and JAX lowers it to StableHLO wit
 as constants and serializes it (``Exported.serialize``); the expert server deserializes it
 (``jax.export.deserialize``) and compiles it for each batch size it runs. No Python code of
 the author's runs where it is served, so it needs neither their package nor
-``DDM_ALLOW_IMPORT``.
+``DDM_ALLOW_IMPORT``. StableHLO calls native code only through ``custom_call``, whose target
+names any function registered in the serving process (host callbacks into Python, LAPACK,
+GPU kernels): a program is refused on load unless each target is one of
+:data:`ALLOWED_CUSTOM_CALLS`.
 
 Every expert network has one signature, checked here before a program is saved or served:
 ``(x f32[B, C, H, W], t f32[B], y i32[B]) -> f32[B, C, H, W]`` for every batch size ``B``
@@ -30,6 +33,11 @@ from ddm.checkpoints.format import Checkpoint, CheckpointError, program_file_nam
 EXPORT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 #: A JAX device's ``platform`` -> the export platforms whose code runs on it.
 _RUNS_ON = {"cpu": ("cpu",), "gpu": ("cuda", "rocm"), "tpu": ("tpu",)}
+#: The ``custom_call`` targets a served program may hold: JAX's own checks of symbolic shapes
+#: (every program with a symbolic batch has them) and its sharding annotations, which compute
+#: nothing. Anything else (a host callback, a kernel library) is refused on load, naming it.
+ALLOWED_CUSTOM_CALLS = frozenset({"shape_assertion", "Sharding", "SPMDFullToShardShape",
+                                  "SPMDShardToFullShape"})
 #: The name of the symbolic batch dimension.
 BATCH = "batch"
 #: ``(x, t, y) -> out`` as a JAX-traceable function of ``jax.Array``s.
@@ -61,6 +69,7 @@ def exported_network(ckpt: Checkpoint, device: Any) -> NetworkFn:
     image_shape = ckpt.meta.model.image_shape
     assert image_shape is not None, "ModelSpec requires an image shape for exported models"
     exported = read_program(Path(ckpt.path) / name, where)
+    check_custom_calls(exported, where)
     check_signature(exported, image_shape, where)
     runs_here = _RUNS_ON.get(device.platform, (device.platform,))
     if not set(exported.platforms) & set(runs_here):
@@ -86,6 +95,37 @@ def read_program(path: Path, where: str) -> export.Exported:
     except Exception as error:  # noqa: BLE001 - any unreadable program is a bad checkpoint
         raise CheckpointError(f"{where} is not a jax.export program this JAX ({jax.__version__})"
                               f" reads ({type(error).__name__}: {error})") from None
+
+
+def check_custom_calls(exported: export.Exported, where: str) -> None:
+    """Raise a ``CheckpointError`` naming the first ``custom_call`` target of ``exported``'s
+    StableHLO (the module JAX compiles) outside :data:`ALLOWED_CUSTOM_CALLS`."""
+    from jax.extend import mlir
+    from jax.extend.mlir import ir
+    from jax.extend.mlir.dialects import chlo, stablehlo
+
+    with ir.Context() as context:
+        stablehlo.register_dialect(context)
+        chlo.register_dialect(context)
+        module = mlir.deserialize_portable_artifact(exported.mlir_module_serialized)
+        for op in _operations(module.operation):
+            if op.name != "stablehlo.custom_call":
+                continue
+            target = ir.StringAttr(op.attributes["call_target_name"]).value
+            if target not in ALLOWED_CUSTOM_CALLS:
+                allowed = ", ".join(sorted(ALLOWED_CUSTOM_CALLS))
+                raise CheckpointError(
+                    f"{where} calls custom_call target {target!r}, native code outside the "
+                    f"program; exported experts may call only {allowed} (docs/experts.md)")
+
+
+def _operations(op: Any) -> Any:
+    """``op`` and every operation nested in its regions, depth first."""
+    yield op
+    for region in op.regions:
+        for block in region:
+            for inner in block:
+                yield from _operations(inner.operation)
 
 
 def check_signature(exported: export.Exported, image_shape: tuple[int, int, int],

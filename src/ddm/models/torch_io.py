@@ -65,7 +65,9 @@ def unet_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None) -
 
 def expert_module(ckpt: Checkpoint, device: torch.device | None = None) -> nn.Module:
     """An expert's network as the checkpoint names it (``ckpt.meta.model``): our UNet, a
-    user's module by import path (``ddm.models.imports``), or a ``torch.export`` program."""
+    user's module by import path (``ddm.models.imports``), or a ``torch.export`` program read
+    by our strict reader (``ddm.models.torch_program``: a graph and raw tensors, never
+    ``torch.export.load``, which runs code from the archive)."""
     device = device or torch.device("cpu")
     kind = ckpt.meta.model.kind
     if kind == "unet":
@@ -74,13 +76,12 @@ def expert_module(ckpt: Checkpoint, device: torch.device | None = None) -> nn.Mo
         from ddm.models.imports import torch_module
 
         return torch_module(ckpt).to(device)
-    name = program_file_name(ckpt.meta)
+    from ddm.models.torch_program import load_program
+
     try:
-        program = torch.export.load(str(ckpt.path / name))
-    except Exception as error:  # noqa: BLE001 - any unreadable program is a bad checkpoint
-        raise CheckpointError(f"checkpoint {ckpt.path}: cannot load {name} "
-                              f"({type(error).__name__}: {error})") from None
-    return program.module().to(device)
+        return load_program(ckpt.path / program_file_name(ckpt.meta)).to(device)
+    except CheckpointError as error:
+        raise type(error)(f"checkpoint {ckpt.path}: {error}") from None
 
 
 def export_program(module: nn.Module, image_shape: tuple[int, int, int]) -> bytes:

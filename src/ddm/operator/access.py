@@ -1,12 +1,17 @@
-"""Who may reach what: the router's bearer token and the NetworkPolicies (pure builders).
+"""Who may reach what: the tokens and the NetworkPolicies (pure builders).
 
-Authentication: the spec's ``router.auth`` names a Secret (and key) holding the token, or asks
-for one without naming it; the operator-wide ``router_auth`` setting asks for one for every
-DDM. A Secret nobody named is created by the operator, once, with a random token, owned by
-the DDMDeployment (so it goes with it), and recognised later without being read
-(``reconcile.ownership_tests``): the operator never sees the token again, and never adopts
-a Secret someone else put under that name. The router reads the token from a read-only
-file (``ROUTER_TOKEN_FILE``).
+Authentication: the spec's ``router.auth`` names a Secret (and key) holding the public API
+token, or asks for one without naming it; the operator-wide ``router_auth`` setting asks for
+one for every DDM. With authentication on there are two tokens. The public one (the spec's
+Secret, or one the operator creates with a random token) is mounted into the router alone.
+The router presents a second one to its experts, which require it: always a Secret the
+operator creates (``names.expert_token_name``), mounted into the router and the experts, so a
+compromised expert pod never holds the token clients use. The operator's token Secrets are
+immutable, named after the DDMDeployment's uid, created once and never read back (``create``
+is the operator's only verb on Secrets); the status lists the ones it made
+(``status.tokenSecrets``), so one that was there before the operator's first create is
+recognised as planted and never used (``reconcile``). Each server reads its token from a
+read-only file (``ROUTER_TOKEN_FILE``, ``EXPERT_TOKEN_FILE``).
 
 NetworkPolicies (operator-wide ``network_policy``): expert pods accept traffic only from their
 own router's pods, on the expert port, and send none; router pods accept traffic on the router
@@ -23,47 +28,70 @@ from __future__ import annotations
 
 import copy
 import ipaddress
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ddm.checkpoints.destinations import METADATA_ADDRESSES, parse_networks
 from ddm.operator import names
 from ddm.operator.config import OperatorConfig
 from ddm.deploy.spec import DDMSpec, RouterAuth
 
-#: Where the router reads its bearer token (the Secret's key, mounted as a file ``token``).
+#: Where the router reads the public API token (the Secret's key, mounted as a file ``token``).
 ROUTER_TOKEN_DIR = "/var/run/secrets/ddm/router-token"
 ROUTER_TOKEN_FILE = f"{ROUTER_TOKEN_DIR}/token"
-#: The key of the Secret the operator creates.
+#: Where the router and the experts read the token the router presents to the experts.
+EXPERT_TOKEN_DIR = "/var/run/secrets/ddm/expert-token"
+EXPERT_TOKEN_FILE = f"{EXPERT_TOKEN_DIR}/token"
+#: The key of the token Secrets the operator creates.
 TOKEN_SECRET_KEY = "token"
+#: The component label of the operator's token Secrets (``reconcile`` checks they are its own).
+TOKEN_COMPONENT = "token"
 
 
 def router_token(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                  ) -> RouterAuth | None:
-    """Where the router's token is (a Secret and key), or None when the router needs none:
-    the spec's ``router.auth``, else the operator's own Secret when ``router_auth`` is on."""
+    """Where the router's public token is (a Secret and key), or None when the router needs
+    none: the spec's ``router.auth``, else the operator's own Secret when ``router_auth`` is on."""
     auth = spec.router.auth or (RouterAuth() if config.router_auth else None)
     if auth is None or not creates_token_secret(spec, config):
         return auth
-    return RouterAuth(secret_name=names.router_token_name(meta["name"]), key=TOKEN_SECRET_KEY)
+    return RouterAuth(secret_name=names.router_token_name(meta["name"], meta["uid"]),
+                      key=TOKEN_SECRET_KEY)
+
+
+def expert_token(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
+                 ) -> RouterAuth | None:
+    """Where the token the router presents to its experts is: the operator's own Secret
+    whenever the router requires a token, else None (the experts require none)."""
+    if router_token(spec, meta, config) is None:
+        return None
+    return RouterAuth(secret_name=names.expert_token_name(meta["name"], meta["uid"]),
+                      key=TOKEN_SECRET_KEY)
 
 
 def creates_token_secret(spec: DDMSpec, config: OperatorConfig) -> bool:
-    """Whether the operator must create the token Secret: auth is on and no Secret is named."""
+    """Whether the operator must create the public token's Secret: auth is on and the spec
+    names no Secret."""
     auth = spec.router.auth or (RouterAuth() if config.router_auth else None)
     return auth is not None and auth.secret_name is None
 
 
-def build_router_token_secret(meta: Mapping[str, Any], token: str) -> dict[str, Any]:
-    """The Secret the operator creates (once) when auth is on and the spec names no Secret;
-    ``token``: a fresh random one (the caller's: this builder stays pure)."""
-    owner = meta["name"]
-    return {
+def build_token_secrets(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig,
+                        new_token: Callable[[], str]) -> list[dict[str, Any]]:
+    """The token Secrets the operator creates (once): the experts' whenever auth is on, the
+    public one when the spec names none. ``new_token()``: a fresh random token (the caller's,
+    so that this builder stays pure)."""
+    wanted = [expert_token(spec, meta, config)]
+    if creates_token_secret(spec, config):
+        wanted.insert(0, router_token(spec, meta, config))
+    return [{
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(names.router_token_name(owner), meta, names.labels(owner, "router")),
-        "stringData": {TOKEN_SECRET_KEY: token},
-    }
+        "immutable": True,
+        "metadata": _metadata(str(token.secret_name), meta,
+                              names.labels(meta["name"], TOKEN_COMPONENT)),
+        "stringData": {TOKEN_SECRET_KEY: new_token()},
+    } for token in wanted if token is not None]
 
 
 def build_network_policies(meta: Mapping[str, Any], allow_networks: tuple[str, ...] = (),

@@ -113,15 +113,16 @@ class Images:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """``allow_host_paths`` lets specs mount node directories (file:// checkpoints);
-    ``router_auth`` puts every router behind a bearer token, even when its spec asks for none;
-    ``network_policy`` gives each DDMDeployment NetworkPolicies that let only its router reach
-    its experts (and removes them when turned off); ``fetch_allow_networks``: the non-public
+    """``allowed``: the admin's allow-lists (``policy.AllowLists``: images, checkpoint
+    sources, Secrets, toleration and nodeSelector keys, and the host paths file://
+    checkpoints may mount, none by default); ``router_auth`` puts every router behind a
+    bearer token, even when its spec asks for none; ``network_policy`` gives each
+    DDMDeployment NetworkPolicies that let only its router reach its experts (and removes
+    them when turned off); ``fetch_allow_networks``: the non-public
     networks (CIDRs) checkpoint fetchers may reach (the cluster's private stores; the
     fetcher's ``--allow-network``): an admin's choice, never a tenant's, so not in the CRD;
-    ``allowed_images`` and ``allowed_checkpoint_sources``: the allow-lists of ``policy``
-    (empty: anything); ``router_trusted_proxies``: CIDRs of the proxies in front of every
-    router (the cluster's ingress controllers: an admin's knowledge), whose
+    ``router_trusted_proxies``: CIDRs of the proxies in front of every router (the
+    cluster's ingress controllers: an admin's knowledge), whose
     ``X-Forwarded-For`` names the client a request counts against; ``metrics_from``: the
     NetworkPolicyPeers that may reach the servers' metrics port (empty: none; only with
     ``network_policy``, as without policies every port is open)."""
@@ -129,12 +130,10 @@ class OperatorConfig:
     images: Images = field(default_factory=lambda: Images.defaults(_default_tag()))
     image_pull_policy: str = "IfNotPresent"
     cluster_domain: str = "cluster.local"
-    allow_host_paths: bool = False
+    allowed: policy.AllowLists = policy.AllowLists()
     router_auth: bool = False
     network_policy: bool = False
     fetch_allow_networks: tuple[str, ...] = ()
-    allowed_images: tuple[str, ...] = ()
-    allowed_checkpoint_sources: tuple[str, ...] = ()
     metrics_from: tuple[dict[str, Any], ...] = ()
     router_trusted_proxies: tuple[str, ...] = ()
 
@@ -148,16 +147,16 @@ class OperatorConfig:
             parse_networks(self.fetch_allow_networks)
         except ValueError as error:
             raise ValueError(f"{FETCH_ALLOW_NETWORKS_ENV}: {error}") from None
-        policy.check_image_entries(self.allowed_images)
-        policy.check_checkpoint_entries(self.allowed_checkpoint_sources)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
         """From ``DDM_IMAGE_{CPU,CUDA,NEURON,TPU}``, ``DDM_IMAGE_PULL_POLICY``,
-        ``DDM_CLUSTER_DOMAIN`` and the true/false switches ``DDM_ALLOW_HOST_PATHS``,
-        ``DDM_ROUTER_AUTH`` and ``DDM_NETWORK_POLICY`` (all false when unset), and the
-        comma-separated lists ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``
-        and ``DDM_ALLOWED_CHECKPOINT_SOURCES`` (prefixes; see ``policy``), empty when unset,
+        ``DDM_CLUSTER_DOMAIN``, the true/false switches ``DDM_ROUTER_AUTH`` and
+        ``DDM_NETWORK_POLICY`` (false when unset), and the comma-separated lists
+        ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``,
+        ``DDM_ALLOWED_CHECKPOINT_SOURCES``, ``DDM_ALLOWED_SECRETS``,
+        ``DDM_ALLOWED_TOLERATION_KEYS``, ``DDM_ALLOWED_NODE_SELECTOR_KEYS`` and
+        ``DDM_ALLOW_HOST_PATHS`` (see ``policy``), empty when unset,
         ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), and ``DDM_METRICS_FROM`` (a JSON list of
         NetworkPolicyPeers; unset: none)."""
         base = cls()
@@ -166,11 +165,15 @@ class OperatorConfig:
         return cls(images=images,
                    image_pull_policy=env.get("DDM_IMAGE_PULL_POLICY") or base.image_pull_policy,
                    cluster_domain=env.get("DDM_CLUSTER_DOMAIN") or base.cluster_domain,
-                   allow_host_paths=_flag(env, "DDM_ALLOW_HOST_PATHS", base.allow_host_paths),
                    router_auth=_flag(env, "DDM_ROUTER_AUTH", base.router_auth),
                    network_policy=_flag(env, "DDM_NETWORK_POLICY", base.network_policy),
                    fetch_allow_networks=_list(env, FETCH_ALLOW_NETWORKS_ENV),
-                   allowed_images=_list(env, policy.IMAGES_ENV),
-                   allowed_checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV),
+                   allowed=policy.AllowLists(
+                       images=_list(env, policy.IMAGES_ENV),
+                       checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV),
+                       secrets=_list(env, policy.SECRETS_ENV),
+                       toleration_keys=_list(env, policy.TOLERATION_KEYS_ENV),
+                       node_selector_keys=_list(env, policy.NODE_SELECTOR_KEYS_ENV),
+                       host_paths=_list(env, policy.HOST_PATHS_ENV)),
                    metrics_from=_peers(env),
                    router_trusted_proxies=_list(env, TRUSTED_PROXIES_ENV))

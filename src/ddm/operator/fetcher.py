@@ -1,14 +1,15 @@
-"""The checkpoint fetcher's init container and the Secret its URIs travel in (pure builders).
+"""The checkpoint fetcher's init container and the Secrets its URIs travel in (pure builders).
 
 A fetched checkpoint's URI is a tenant's input that may carry a secret (a pre-signed URL's
-``X-Amz-Signature=...``), so it never appears in a child's spec: the operator writes every
-fetched URI of a DDMDeployment into one Secret it owns (``<name>-checkpoints``, one key per
-pod kind: ``router``, ``expert-<name>``), and the init container reads it from
-``$DDM_CHECKPOINT_URI`` (``ddm fetch-checkpoint DEST``). Its command carries only what is not
-secret: the pinned ``--sha256``, the ``--headers-file`` of the spec's ``credentialsSecret``
-(that one key, mounted read-only with mode 0400 into the init container alone), and the
-operator-wide ``--allow-network`` CIDRs. The pod template carries a hash of the URI
-(``names.CHECKPOINT_HASH_ANNOTATION``), so a new URI rolls the pods as a new command would.
+``X-Amz-Signature=...``), so it never appears in a child's spec: the operator writes each
+fetched URI into a Secret of its own (``names.checkpoint_secret_name``: named after the URI's
+digest, immutable, created once and never read back, owned by the DDMDeployment), and the
+init container reads it from ``$DDM_CHECKPOINT_URI`` (``ddm fetch-checkpoint DEST``). Its
+command carries only what is not secret: the pinned ``--sha256``, the ``--headers-file`` of the
+spec's ``credentialsSecret`` (that one key, mounted read-only with mode 0400 into the init
+container alone), and the operator-wide ``--allow-network`` CIDRs. A new URI is a new Secret
+name in the pod template, so it rolls the pods as a new command would; the pod template also
+carries the URI's digest (``names.CHECKPOINT_HASH_ANNOTATION``).
 
 The checkpoint's emptyDir is capped at the fetcher's own byte cap (``FetchPolicy.max_bytes``,
 the download and its extraction together).
@@ -17,7 +18,6 @@ the download and its extraction together).
 from __future__ import annotations
 
 import base64
-import hashlib
 from typing import Any, Mapping
 
 from ddm.checkpoints.uri import FETCH_COMMAND, REMOTE_SCHEMES, CheckpointMount, CheckpointSource
@@ -35,16 +35,18 @@ ENV_URI = "DDM_CHECKPOINT_URI"
 #: Where the fetcher reads the store's HTTP headers (the credentials Secret's one key).
 CREDENTIALS_DIR = "/var/run/secrets/ddm/checkpoint-credentials"
 CREDENTIALS_FILE = f"{CREDENTIALS_DIR}/headers"
+#: The key of the URI in its Secret.
+URI_KEY = "uri"
 ROUTER_KEY = "router"
 
 
 def expert_key(expert: str) -> str:
-    """The key of ``expert``'s URI in the checkpoint Secret."""
+    """Which pod fetches: ``router`` or ``expert-<name>`` (part of its Secret's name)."""
     return f"expert-{expert}"
 
 
 def fetched_uris(spec: DDMSpec) -> dict[str, str]:
-    """Secret key -> URI of every checkpoint the DDM fetches (none: no Secret is needed)."""
+    """Pod key (``ROUTER_KEY``, ``expert_key``) -> URI of every checkpoint the DDM fetches."""
     uris = {expert_key(e.name): e.checkpoint.uri for e in spec.experts
             if e.checkpoint.scheme in REMOTE_SCHEMES}
     router = spec.router.checkpoint
@@ -53,33 +55,32 @@ def fetched_uris(spec: DDMSpec) -> dict[str, str]:
     return uris
 
 
-def build_checkpoint_secret(spec: DDMSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The Secret holding the fetched URIs (no data when the DDM fetches nothing: the operator
-    then creates none, and empties one left from an earlier spec)."""
-    uris = fetched_uris(spec)
+def checkpoint_secret(meta: Mapping[str, Any], key: str, uri: str) -> str:
+    """The name of the Secret holding ``uri``, fetched by the pod ``key``."""
+    return names.checkpoint_secret_name(meta["name"], meta["uid"], key, uri)
+
+
+def build_checkpoint_secrets(spec: DDMSpec, meta: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One immutable Secret per fetched URI (none when the DDM fetches nothing)."""
     owner = meta["name"]
-    return {
+    return [{
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": {"name": names.checkpoint_secret_name(owner),
-                     "namespace": meta["namespace"], "labels": names.labels(owner, "checkpoints")},
-        "data": {key: base64.b64encode(uri.encode()).decode() for key, uri in uris.items()},
-    }
+        "immutable": True,
+        "metadata": {"name": checkpoint_secret(meta, key, uri), "namespace": meta["namespace"],
+                     "labels": names.labels(owner, "checkpoints")},
+        "data": {URI_KEY: base64.b64encode(uri.encode()).decode()},
+    } for key, uri in fetched_uris(spec).items()]
 
 
-def uri_digest(uri: str) -> str:
-    """A short hash of ``uri`` for the pod template (rolls pods when it changes)."""
-    return hashlib.sha256(uri.encode()).hexdigest()[:16]
-
-
-def fetch_mount(checkpoint: CheckpointSource, options: FetchOptions, *, owner: str, key: str,
+def fetch_mount(checkpoint: CheckpointSource, options: FetchOptions, *, secret: str,
                 volume: str, mount_path: str, fetcher: dict[str, Any],
                 allow_networks: tuple[str, ...]) -> CheckpointMount:
     """The emptyDir, mounts and init container that fetch ``checkpoint`` to ``mount_path``.
 
     ``fetcher``: the init container without its command (the server's image and security
-    context); ``key``: the URI's key in the checkpoint Secret.
+    context); ``secret``: the Secret holding the URI (``checkpoint_secret``).
     """
     assert checkpoint.scheme in REMOTE_SCHEMES, checkpoint.scheme
     command = [*FETCH_COMMAND]
@@ -97,8 +98,7 @@ def fetch_mount(checkpoint: CheckpointSource, options: FetchOptions, *, owner: s
                        "readOnly": True})
     for network in allow_networks:
         command += ["--allow-network", network]
-    uri_env = {"name": ENV_URI, "valueFrom": {"secretKeyRef": {
-        "name": names.checkpoint_secret_name(owner), "key": key}}}
+    uri_env = {"name": ENV_URI, "valueFrom": {"secretKeyRef": {"name": secret, "key": URI_KEY}}}
     init = {**fetcher, "name": f"fetch-{volume}", "command": [*command, mount_path],
             "env": [*fetcher.get("env", []), uri_env], "volumeMounts": mounts}
     return CheckpointMount(

@@ -5,10 +5,9 @@ the operator stops setting are removed, fields others own (the Deployment contro
 annotations, a Service's allocated clusterIP, ``kubectl rollout restart``) are kept, and fields
 it owns but someone edited are taken back.
 
-Secrets: the operator creates its own (the router's token, the fetched checkpoints' URIs) and
-patches them only through ``patch_own_secret``, whose tests make the server refuse a Secret
-that is not the operator's; RBAC grants ``create`` and ``patch`` on Secrets, never ``get``,
-``list`` or ``watch``, and no answer carries a Secret's data back: it never reads a token.
+Secrets: the operator creates its own (the tokens, the fetched checkpoints' URIs), immutable,
+and nothing else: RBAC grants ``create`` on Secrets and no other verb, so it never reads,
+changes or deletes one (the garbage collector removes them with their DDMDeployment).
 
 Every failure is a ``KubeError``: an answer with an error status, and equally a call that got
 no answer (connection refused or reset, a timeout, TLS broken off: whatever urllib3 or the
@@ -19,7 +18,7 @@ never stopping half way on an exception nobody expected. Every call has a deadli
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import urllib3
 from kubernetes import client
@@ -36,9 +35,6 @@ CHILD_KINDS = {
 }
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
-_JSON_PATCH = "application/json-patch+json"
-#: Ask for an object's metadata only (meta.k8s.io/v1 PartialObjectMetadata).
-_METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 #: Seconds to connect to the API server, and to wait for its answer to one call.
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 #: What the client raises when no answer came: urllib3's errors (MaxRetryError after its own
@@ -130,27 +126,6 @@ class Kube:
         return _json(_call(f"listing the pods of {owner}", self._core.list_namespaced_pod,
                            namespace, label_selector=selector, _preload_content=False)
                      ).get("items", [])
-
-    def patch_own_secret(self, namespace: str, name: str, tests: Mapping[str, Any],
-                         changes: Sequence[Mapping[str, Any]] = ()) -> bool | None:
-        """JSON-patch Secret ``name`` with ``changes`` only if every ``tests`` path (a JSON
-        pointer) holds its value, atomically on the server: True when they held (and the
-        changes are made; none: nothing changes), False when one did not, None when there is
-        no such Secret. The answer is asked for as metadata alone (``PartialObjectMetadata``),
-        so no Secret's data reaches the operator, and RBAC needs no ``get`` on Secrets."""
-        operations = [{"op": "test", "path": path, "value": value}
-                      for path, value in tests.items()] + [dict(c) for c in changes]
-        try:
-            _json(_call(f"patching Secret {name}", self._core.patch_namespaced_secret, name,
-                        namespace, operations, _content_type=_JSON_PATCH,
-                        _headers={"Accept": _METADATA_ONLY}, _preload_content=False))
-        except KubeError as error:
-            if error.status == 404:
-                return None
-            if error.status == 422:  # a test failed (or a path was missing)
-                return False
-            raise
-        return True
 
     def create_secret(self, manifest: Mapping[str, Any]) -> bool:
         """Create a Secret unless one of that name exists (never read, never updated);

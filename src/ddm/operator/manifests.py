@@ -7,7 +7,8 @@ namespaces or ports), with emptyDirs for the few places a server writes: /tmp, a
 directory and, on Neuron, the compile cache. Volumes are emptyDir, configMap, secret and
 persistentVolumeClaim, with one exception: a file:// checkpoint is a hostPath, which the
 restricted profile forbids; the operator builds one only when its operator-wide setting
-``DDM_ALLOW_HOST_PATHS`` is on (single-node and development clusters).
+``DDM_ALLOW_HOST_PATHS`` lists a node directory above it (single-node and development
+clusters; ``policy``).
 A container that fails says why in its termination message (the server writes it; when it
 could not, Kubernetes takes the end of its log), which the status reports.
 ``meta`` needs ``name`` and ``namespace`` (kopf's ``meta`` or a plain dict).
@@ -16,15 +17,17 @@ could not, Kubernetes takes the end of its log), which the status reports.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 from typing import Any, Mapping
 
 from ddm.operator import names
 from ddm.operator.access import (
+    EXPERT_TOKEN_DIR,
+    EXPERT_TOKEN_FILE,
     ROUTER_TOKEN_DIR,
     ROUTER_TOKEN_FILE,
     build_network_policies,
+    expert_token,
     router_token,
 )
 from ddm.checkpoints.uri import REMOTE_SCHEMES, CheckpointMount, CheckpointSource, checkpoint_mount
@@ -33,7 +36,7 @@ from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, DnsDiscovery, RouterConfigFile
 from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, RouterAuth
 from ddm.operator.config import OperatorConfig
-from ddm.operator.fetcher import ROUTER_KEY, expert_key, fetch_mount, uri_digest
+from ddm.operator.fetcher import ROUTER_KEY, checkpoint_secret, expert_key, fetch_mount
 from ddm.operator.placement import NEURON_CACHE_DIR, placement
 
 USER_ID = 10001
@@ -72,17 +75,17 @@ _PROBE_PERIOD_S = 10
 
 def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                    ) -> list[dict[str, Any]]:
-    """Every child, in the order to apply them: the NetworkPolicies (when on), experts, the
-    router's config, the router. Not the operator's Secrets (``build_router_token_secret``,
-    ``fetcher.build_checkpoint_secret``): they are written only through ownership checks
-    (``reconcile``)."""
+    """Every child the operator applies, in order: the NetworkPolicies (when on), experts,
+    the router's config, the router. Not the operator's Secrets, which it creates once and
+    never applies (``children.desired_children`` has both). ``meta`` needs ``name``,
+    ``namespace`` and ``uid`` (the Secrets' names derive from it)."""
     children: list[dict[str, Any]] = (
         build_network_policies(meta, config.fetch_allow_networks, config.metrics_from)
         if config.network_policy else [])
     for expert in spec.experts:
         children.append(build_expert_service(expert, meta))
         children.append(build_expert_deployment(expert, meta, config,
-                                                router_token(spec, meta, config)))
+                                                expert_token(spec, meta, config)))
     children.append(build_router_configmap(spec, meta, config))
     children.append(build_router_service(meta))
     children.append(build_router_deployment(spec, meta, config))
@@ -93,8 +96,9 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
                             token: RouterAuth | None = None) -> dict[str, Any]:
     """The expert's Deployment: one pod per replica on its accelerator, ready once loaded.
 
-    With the router's ``token``, the expert answers ``/v1/*`` only to callers that present it
-    (the router does): no other pod can call the model around the router's authentication."""
+    With ``token`` (the router's expert token, ``access.expert_token``), the expert answers
+    ``/v1/*`` only to callers that present it (the router does): no other pod can call the
+    model around the router's authentication, and the expert never holds the public token."""
     owner = meta["name"]
     planned = plan_expert(expert)
     place = placement(expert.accelerator)
@@ -103,11 +107,11 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
                         meta, expert_key(expert.name))
     command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT,
                                        names.METRICS_PORT,
-                                       ROUTER_TOKEN_FILE if token is not None else None),
+                                       EXPERT_TOKEN_FILE if token is not None else None),
                "--drain-s", str(DRAIN_S)]
     env, volumes, mounts = _scratch()
     if token is not None:
-        _mount_token(token, volumes, mounts)
+        _mount_token(token, "expert-token", EXPERT_TOKEN_DIR, volumes, mounts)
     env += [{"name": name, "value": value} for name, value in planned.env(NEURON_CACHE_DIR)]
     if planned.backend == "neuron":
         volumes.append({"name": "neuron-cache", "emptyDir": {}})
@@ -135,14 +139,13 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
                        fetches=bool(mount.init_containers))
 
 
-def _mount_token(token: RouterAuth, volumes: list[dict[str, Any]],
-                 mounts: list[dict[str, Any]]) -> None:
-    """The token's Secret key at ``ROUTER_TOKEN_FILE``, read-only: the router sends it and
-    the experts require it, so both mount the same one."""
-    volumes.append({"name": "router-token", "secret": {
+def _mount_token(token: RouterAuth, volume: str, directory: str,
+                 volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
+    """The token's Secret key as the file ``token`` in ``directory``, read-only."""
+    volumes.append({"name": volume, "secret": {
         "secretName": token.secret_name, "defaultMode": 0o440,
         "items": [{"key": token.key, "path": "token"}]}})
-    mounts.append({"name": "router-token", "mountPath": ROUTER_TOKEN_DIR, "readOnly": True})
+    mounts.append({"name": volume, "mountPath": directory, "readOnly": True})
 
 
 def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -168,7 +171,8 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
         discovery,
         None if checkpoint is None else
         (checkpoint.path if checkpoint.scheme == "image" else ROUTER_CHECKPOINT_DIR),
-        Auth(token_file=ROUTER_TOKEN_FILE) if router_token(spec, meta, config) else None,
+        Auth(token_file=ROUTER_TOKEN_FILE, expert_token_file=EXPERT_TOKEN_FILE)
+        if router_token(spec, meta, config) else None,
         config.router_trusted_proxies)
 
 
@@ -196,9 +200,10 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     env, volumes, mounts = _scratch()
     volumes.append({"name": "config", "configMap": {"name": names.router_config_name(owner)}})
     mounts.append({"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True})
-    token = router_token(spec, meta, config)
-    if token is not None:
-        _mount_token(token, volumes, mounts)
+    token, experts_token = router_token(spec, meta, config), expert_token(spec, meta, config)
+    if token is not None and experts_token is not None:
+        _mount_token(token, "router-token", ROUTER_TOKEN_DIR, volumes, mounts)
+        _mount_token(experts_token, "expert-token", EXPERT_TOKEN_DIR, volumes, mounts)
     resources = (_resources(router.pod, {}) if router.pod.resources
                  else copy.deepcopy(ROUTER_RESOURCES))
     container = {
@@ -221,7 +226,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
                     mount.init_containers if mount else [], node_selector={}, tolerations=[])
     config_text = build_router_config(spec, meta, config).to_yaml()
     pod_annotations = {**names.SCRAPE_ANNOTATIONS,
-                       names.CONFIG_HASH_ANNOTATION: _digest(config_text),
+                       names.CONFIG_HASH_ANNOTATION: names.digest(config_text),
                        **_checkpoint_annotation(router.checkpoint)}
     return _deployment(names.router_name(owner), meta, router.replicas,
                        names.labels(owner, "router"), names.selector(owner, "router"), pod,
@@ -239,13 +244,9 @@ def with_spec_hash(manifest: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``manifest`` annotated with the hash of everything else in it."""
     out = copy.deepcopy(dict(manifest))
     out["metadata"].setdefault("annotations", {}).pop(names.SPEC_HASH_ANNOTATION, None)
-    out["metadata"]["annotations"][names.SPEC_HASH_ANNOTATION] = _digest(
+    out["metadata"]["annotations"][names.SPEC_HASH_ANNOTATION] = names.digest(
         json.dumps(out, sort_keys=True, separators=(",", ":")))
     return out
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _metadata(name: str, meta: Mapping[str, Any], labels: dict[str, str]) -> dict[str, Any]:
@@ -270,7 +271,7 @@ def _scratch() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[st
 def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path: str, image: str,
                 config: OperatorConfig, meta: Mapping[str, Any], key: str) -> CheckpointMount:
     """How the pod gets its checkpoint; a fetched one through ``fetcher.fetch_mount`` (its URI
-    from the checkpoint Secret's ``key``)."""
+    from its own Secret; ``key``: which pod fetches it)."""
     fetcher = {
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
@@ -280,7 +281,8 @@ def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path:
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
     if checkpoint.scheme in REMOTE_SCHEMES:
-        return fetch_mount(checkpoint, options, owner=meta["name"], key=key, volume="checkpoint",
+        return fetch_mount(checkpoint, options, secret=checkpoint_secret(meta, key, checkpoint.uri),
+                           volume="checkpoint",
                            mount_path=mount_path, fetcher=fetcher,
                            allow_networks=config.fetch_allow_networks)
     return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path,
@@ -291,7 +293,7 @@ def _checkpoint_annotation(checkpoint: CheckpointSource | None) -> dict[str, str
     """The pod template's hash of a fetched URI (the URI itself is in a Secret)."""
     if checkpoint is None or checkpoint.scheme not in REMOTE_SCHEMES:
         return {}
-    return {names.CHECKPOINT_HASH_ANNOTATION: uri_digest(checkpoint.uri)}
+    return {names.CHECKPOINT_HASH_ANNOTATION: names.digest(checkpoint.uri)}
 
 
 def _resources(pod: PodOptions, accelerator_limits: dict[str, str]) -> dict[str, Any]:

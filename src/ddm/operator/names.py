@@ -1,14 +1,22 @@
 """Names, labels and addresses of a DDMDeployment's children: one place, used by every module.
 
 Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
-``<name>-expert-<expert>`` (Deployment, headless Service), with router authentication
-``<name>-router-token`` (a Secret the operator creates when the spec names none), with
-fetched checkpoints ``<name>-checkpoints`` (a Secret holding their URIs), and with
-NetworkPolicies on ``<name>-experts`` and ``<name>-router``. The CRD bounds both names so
+``<name>-expert-<expert>`` (Deployment, headless Service), and NetworkPolicies on
+``<name>-experts``, ``<name>-router`` and ``<name>-fetch``. The CRD bounds both names so
 that every Service name stays a DNS-1035 label of at most 63 characters.
+
+The operator's Secrets are immutable and never read back, so their names say what they hold:
+with router authentication ``<name>-router-token-<u>`` (the public API token, when the spec
+names no Secret) and ``<name>-expert-token-<u>`` (what the router presents to its experts),
+where ``<u>`` is a digest of the DDMDeployment's uid (unknown before it exists, new when it is
+re-created); per fetched checkpoint ``<name>-checkpoint-<d>``, ``<d>`` a digest of the uid,
+the pod and the URI, so a new URI is a new Secret and the old one stays for the old
+ReplicaSets (a rollback) until the garbage collector removes it with the DDMDeployment.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 # The resource's identity is the spec's (``ddm.deploy.spec``); re-exported for the operator.
 from ddm.deploy.spec import API_VERSION as API_VERSION
@@ -65,14 +73,24 @@ def router_config_name(owner: str) -> str:
     return f"{owner}-router-config"
 
 
-def router_token_name(owner: str) -> str:
-    """The Secret holding the router's bearer token when the spec names none."""
-    return f"{owner}-router-token"
+def router_token_name(owner: str, uid: str) -> str:
+    """The Secret holding the router's public bearer token when the spec names none."""
+    return f"{owner}-router-token-{digest(uid)[:8]}"
 
 
-def checkpoint_secret_name(owner: str) -> str:
-    """The Secret holding the URIs of the checkpoints the DDM's init containers fetch."""
-    return f"{owner}-checkpoints"
+def expert_token_name(owner: str, uid: str) -> str:
+    """The Secret holding the token the router presents to its experts (never the public one)."""
+    return f"{owner}-expert-token-{digest(uid)[:8]}"
+
+
+def checkpoint_secret_name(owner: str, uid: str, key: str, uri: str) -> str:
+    """The Secret holding the URI of one fetched checkpoint (``key``: whose, router or expert)."""
+    return f"{owner}-checkpoint-{digest(f'{uid}/{key}/{uri}')}"
+
+
+def digest(text: str) -> str:
+    """A short content hash (16 hex digits of SHA-256) for names and annotations."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def network_policy_name(owner: str, component: str) -> str:

@@ -20,12 +20,16 @@ API server refuses (one the spec's checks do not model, such as a malformed ``af
 makes the spec invalid, reported like the spec's own problems, and no child is written, so a
 DDM is never left half-created.
 
-The operator's Secrets (the router's token when the spec names none, the URIs of fetched
-checkpoints) are recognised without reading them: every write to one is a JSON patch whose
-``test`` operations (``ownership_tests``: our labels and this resource as controller) make
-the API server refuse a Secret the operator did not make. One of their names taken by such a
-Secret is never used nor changed: the pods that would read it are not run and the status says
-so. The token is created once and never read or rewritten; the URIs' Secret follows the spec.
+The operator's Secrets (the tokens, the URIs of fetched checkpoints) are immutable and named
+after what they hold (``names``), so the operator only ever creates them: ``create``
+answering 409 means one of that name is there already. A URI's Secret is named after the
+DDMDeployment's uid and the URI, so that one is the operator's own. A token Secret's name
+(from the uid) is known once the resource exists, so whether the one there is the operator's
+is decided by the status, which lists the token Secrets the operator created
+(``status.tokenSecrets``): one there that it did not create is never used, the pods that would
+read it are not run, and the status says so. Secrets no longer wanted stay until the garbage
+collector removes them with the DDMDeployment (the old ReplicaSets a rollback needs still
+name them): the operator needs no verb on Secrets but ``create``.
 The status reports the pods' troubles (``status.pod_trouble``): a pod event triggers a run.
 """
 
@@ -41,13 +45,11 @@ from typing import Any, Callable, Mapping
 import kopf
 
 from ddm.operator import names
-from ddm.operator.access import build_router_token_secret, creates_token_secret, router_token
+from ddm.operator.access import TOKEN_COMPONENT, router_token
+from ddm.operator.children import checked_spec, desired_children
 from ddm.operator.config import OperatorConfig
-from ddm.operator.fetcher import build_checkpoint_secret
-from ddm.operator.policy import policy_problems
 from ddm.operator.kube import Kube, KubeError
-from ddm.operator.manifests import build_children, with_spec_hash
-from ddm.deploy.spec import DDMSpec, SpecError, parse_spec
+from ddm.deploy.spec import SpecError
 from ddm.operator.status import invalid_status, now_rfc3339, ready_status
 
 log = logging.getLogger("ddm.operator")
@@ -107,18 +109,13 @@ class Reconciler:
             return None  # the garbage collector removes the children
         meta, previous = body["metadata"], body.get("status") or {}
         try:
-            spec = parse_spec(body.get("spec"), allow_host_paths=self._config.allow_host_paths)
-            outside = policy_problems(spec, self._config.allowed_images,
-                                      self._config.allowed_checkpoint_sources)
-            if outside:
-                raise SpecError(outside)
+            spec = checked_spec(body.get("spec"), self._config)
         except SpecError as error:
             self._report(body, invalid_status(error, meta, previous=previous, now=now_rfc3339()))
             return Outcome(spec_error=error)
-        desired = []
-        for manifest in build_children(spec, meta, self._config):
-            kopf.append_owner_reference(manifest, owner=body)
-            desired.append(with_spec_hash(manifest))
+        desired = desired_children(spec, body, self._config, _new_token)
+        secrets_wanted = [m for m in desired if m["kind"] == "Secret"]
+        desired = [m for m in desired if m["kind"] != "Secret"]
         live = self._kube.list_children(namespace, name)
         refused = self._refused(desired, live)
         if refused:
@@ -129,9 +126,9 @@ class Reconciler:
         errors: list[str] = []
         token = router_token(spec, meta, self._config)
         blocked: list[str] = []  # our Secrets' names, taken by Secrets that are not ours
-        if creates_token_secret(spec, self._config):
-            self._attempt(errors, actions, self._token_secret, body, blocked)
-        self._attempt(errors, actions, self._checkpoint_secret, spec, body, blocked)
+        made = list(previous.get("tokenSecrets") or [])  # the token Secrets we created
+        for secret in secrets_wanted:
+            self._attempt(errors, actions, self._create_secret, secret, made, blocked)
         if blocked:  # a pod that would read one is not run (an existing one is deleted below)
             desired = [m for m in desired if not _uses_secrets(m, blocked)]
         if token is not None and token.secret_name in blocked:
@@ -159,7 +156,8 @@ class Reconciler:
         deployments = {n: obj for (kind, n), obj in live.items() if kind == "Deployment"}
         self._report(body, ready_status(
             spec, meta, deployments=deployments, previous=previous, now=now_rfc3339(),
-            failure=failure, pods=pods, token_secret=token.secret_name if token else None))
+            failure=failure, pods=pods, token_secret=token.secret_name if token else None,
+            token_secrets=made))
         return Outcome(failure=failure)
 
     def _refused(self, desired: list[dict[str, Any]],
@@ -179,52 +177,23 @@ class Reconciler:
                                    f"{error.detail}")
         return refused
 
-    def _token_secret(self, body: Mapping[str, Any], blocked: list[str]
-                      ) -> tuple[str, str] | None:
-        """Create the router's token Secret unless the operator's own is there already."""
-        meta = body["metadata"]
-        name = names.router_token_name(meta["name"])
-        if self._own_secret(meta, name, blocked):
-            return None
-        secret = build_router_token_secret(meta, secrets.token_urlsafe(32))
-        kopf.append_owner_reference(secret, owner=body)
+    def _create_secret(self, secret: dict[str, Any], made: list[str], blocked: list[str]
+                       ) -> tuple[str, str] | None:
+        """Create one of the operator's Secrets unless it is there. A token Secret there that
+        the status does not list among those the operator created (``made``, to which one
+        created now is added) was planted: a ``KubeError`` (409), and its name is ``blocked``."""
+        name = secret["metadata"]["name"]
+        token = secret["metadata"]["labels"][names.COMPONENT_LABEL] == TOKEN_COMPONENT
         if self._kube.create_secret(secret):
-            return "Created", f"Created Secret {name} (the router's bearer token)"
-        return None  # created meanwhile: the next run checks whose it is
-
-    def _checkpoint_secret(self, spec: DDMSpec, body: Mapping[str, Any], blocked: list[str]
-                           ) -> tuple[str, str] | None:
-        """Write the fetched checkpoints' URIs into the operator's own Secret (created only
-        when there is a URI; emptied when none is left). An unchanged patch changes nothing
-        on the server."""
-        manifest = build_checkpoint_secret(spec, body["metadata"])
-        name, data = manifest["metadata"]["name"], manifest["data"]
-        if self._own_secret(body["metadata"], name, blocked,
-                            [{"op": "add", "path": "/data", "value": data}]):
+            if token:
+                made.append(name)
+            return "Created", f"Created Secret {name}"
+        if not token or name in made:
             return None
-        if not data:
-            return None
-        kopf.append_owner_reference(manifest, owner=body)
-        if self._kube.create_secret(manifest):
-            return "Created", f"Created Secret {name} (the URIs of the checkpoints to fetch)"
-        return None  # created meanwhile: the next run checks whose it is and writes it
-
-    def _own_secret(self, owner: Mapping[str, Any], name: str, blocked: list[str],
-                    changes: list[dict[str, Any]] | None = None) -> bool:
-        """Whether the operator's Secret ``name`` of ``owner`` exists (then ``changes`` are
-        made to it); False when absent. A ``KubeError`` (409) when a Secret of that name is
-        there that the operator did not make for ``owner`` (``ownership_tests``): it is never
-        used, nor changed."""
-        held = self._kube.patch_own_secret(owner["namespace"], name, ownership_tests(owner),
-                                           changes or [])
-        if held is not False:
-            return bool(held)
         blocked.append(name)
         raise KubeError(409, f"Secret {name} exists but the operator did not create it for this "
-                             "DDMDeployment (it lacks the operator's labels or an owner "
-                             "reference to this resource), so it is not used and nothing that "
-                             "would read it runs; delete it, or name a Secret of yours in the "
-                             "spec")
+                             "DDMDeployment, so it is not used and nothing that would read it "
+                             "runs; delete it (the operator then creates its own)")
 
     def _converge(self, desired: dict[str, Any], live: Mapping[str, Any] | None, owner_uid: str,
                   known: Mapping[tuple[str, str], str], in_sync: dict[tuple[str, str], str]
@@ -294,22 +263,6 @@ def _controlled_by(obj: Mapping[str, Any], owner_uid: str) -> bool:
                for ref in obj["metadata"].get("ownerReferences") or [])
 
 
-def ownership_tests(owner: Mapping[str, Any]) -> dict[str, Any]:
-    """JSON pointers and values that only a Secret the operator created for ``owner`` has:
-    our labels naming ``owner``, and ``owner`` (by uid, which nobody can know before it
-    exists) as its one controller. A Secret planted before the DDMDeployment was created,
-    labels copied included, fails them."""
-    return {f"/metadata/labels/{_pointer(names.MANAGED_BY_LABEL)}": names.MANAGED_BY,
-            f"/metadata/labels/{_pointer(names.DEPLOYMENT_LABEL)}": owner["name"],
-            "/metadata/ownerReferences/0/uid": owner["uid"],
-            "/metadata/ownerReferences/0/controller": True}
-
-
-def _pointer(key: str) -> str:
-    """``key`` as one JSON-pointer segment (RFC 6901)."""
-    return key.replace("~", "~0").replace("/", "~1")
-
-
 def _uses_secrets(manifest: Mapping[str, Any], secret_names: list[str]) -> bool:
     """Whether a Deployment's pods would read one of ``secret_names`` (a volume or an env)."""
     if manifest["kind"] != "Deployment":
@@ -336,3 +289,8 @@ def _differs(live: Mapping[str, Any], preview: Mapping[str, Any]) -> bool:
         return (obj.get("spec"), obj.get("data"), meta.get("labels"), meta.get("annotations"),
                 meta.get("ownerReferences"))
     return essence(live) != essence(preview)
+
+
+def _new_token() -> str:
+    """A fresh random bearer token (256 bits)."""
+    return secrets.token_urlsafe(32)

@@ -130,11 +130,13 @@ def now_rfc3339() -> str:
 def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                  deployments: Mapping[str, Mapping[str, Any]], previous: Mapping[str, Any],
                  now: str, failure: str | None = None, pods: Sequence[Mapping[str, Any]] = (),
-                 token_secret: str | None = None) -> dict[str, Any]:
+                 token_secret: str | None = None, token_secrets: Sequence[str] = ()
+                 ) -> dict[str, Any]:
     """The status of a valid spec. ``deployments``: live child Deployments by name;
     ``failure``: why applying the children failed, if it did (phase Failed); ``pods``: the
     pods of the children, which say why a replica is not ready; ``token_secret``: the Secret
-    holding the router's token (its name only), when the router requires one."""
+    holding the router's token (its name only), when the router requires one;
+    ``token_secrets``: the token Secrets the operator has created for this resource."""
     owner, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     experts = {
         e.name: Replicas(e.replicas,
@@ -180,6 +182,7 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         "expertsReady": f"{ready_count}/{len(experts)}",
         "routerURL": names.router_url(owner, namespace),
         **({"routerTokenSecret": token_secret} if token_secret else {}),
+        **({"tokenSecrets": list(token_secrets)} if token_secrets else {}),
         "router": {"replicas": router.desired, "readyReplicas": router.ready,
                    **_why(router_trouble)},
         "experts": [{"name": e.name, "accelerator": e.accelerator.describe(),
@@ -203,7 +206,8 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
     kept = [old[t] for t in ("ExpertsReady", "RouterReady") if t in old]
     return {
         **{k: v for k, v in previous.items() if k in ("expertsReady", "routerURL", "router",
-                                                        "experts", "routerTokenSecret")},
+                                                        "experts", "routerTokenSecret",
+                                                        "tokenSecrets")},
         "observedGeneration": generation,
         "phase": "Invalid",
         "conditions": [

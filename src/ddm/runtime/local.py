@@ -74,15 +74,17 @@ class ProcessSpec:
 
 @dataclass(frozen=True)
 class LocalPlan:
-    """The processes to run; ``token_file``: the bearer token the router requires and sends
-    to its experts, which require it too (None: auth is off); ``on_demand``: experts with
-    ``minReplicas: 0``, whose processes run only while there is demand for them."""
+    """The processes to run; ``token_file``: the bearer token the router requires (None: auth
+    is off); ``expert_token_file``: the one the router presents to its experts, which require
+    it (another token, so that an expert never holds the public one); ``on_demand``: experts
+    with ``minReplicas: 0``, whose processes run only while there is demand for them."""
 
     experts: tuple[ProcessSpec, ...]
     router: ProcessSpec
     router_config: RouterConfigFile
     url: str
     token_file: Path | None = None
+    expert_token_file: Path | None = None
     on_demand: tuple[OnDemand, ...] = ()
 
 
@@ -116,24 +118,26 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                locate: Callable[[CheckpointSource], Path] = resolve_checkpoint,
                threads: int = 1, config_path: Path = Path("router.yaml"),
                cache_dir: Path = Path(tempfile.gettempdir()) / "ddm-cache",
-               token_file: Path | None = None, require_auth: bool = False) -> LocalPlan:
+               token_file: Path | None = None, expert_token_file: Path | None = None,
+               require_auth: bool = False) -> LocalPlan:
     """The manifest's plan placed here: ``ports()`` hands out free expert ports, ``locate``
     finds each checkpoint's directory, ``cache_dir`` holds compile caches (Neuron).
     When the spec asks for authentication (``router.auth``) or ``require_auth``, the router
-    and every expert read their bearer token from ``token_file`` (the router sends it to the
-    experts, which answer nobody else), as the operator mounts one Secret into all of them.
+    reads its public bearer token from ``token_file``, and presents the one in
+    ``expert_token_file`` to the experts, which answer nobody else: as the operator mounts
+    the public token's Secret into the router alone and the experts' into both.
 
     An expert with 0 replicas still gets one process: locally there is nothing to save, and
     the router needs an address for each of its experts. One with ``autoscaling.minReplicas``
     0 gets its process(es) on demand (:mod:`ddm.runtime.scaling`); with autoscaling, locally
     ``max(1, minReplicas)`` processes."""
     plan = plan_deployment(manifest.spec)
-    token = None
+    token = expert_token = None
     if plan.router.auth or require_auth:
-        if token_file is None:
+        if token_file is None or expert_token_file is None:
             raise LocalRunError(f"{manifest.name} asks for a bearer token (spec.router.auth): "
-                                "give a token file (ddm up --auth-token-file, or ddm up's own)")
-        token = str(token_file)
+                                "give a token file and the experts' (ddm up writes its own)")
+        token, expert_token = str(token_file), str(expert_token_file)
     env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
            ("PYTHONUNBUFFERED", "1"))
     experts: list[ProcessSpec] = []
@@ -150,7 +154,8 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                                       float(scaling.scale_down_delay_s)))
         for replica in range(processes):
             port, metrics_port = ports(), ports()
-            argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port, token),
+            argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port,
+                                             expert_token),
                     "--log-level", "warning")
             experts.append(ProcessSpec(f"{expert.name}/{replica}", argv, port,
                                        env + expert.env(str(cache_dir)), metrics_port))
@@ -162,11 +167,14 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
                                                                 router_port, metrics_port),
                                     "--log-level", "warning"), router_port, env, metrics_port)
+    auth = (Auth(token_file=token, expert_token_file=expert_token)
+            if token is not None and expert_token is not None else None)
     return LocalPlan(tuple(experts), router,
-                     plan.router_config(discovery, router_checkpoint,
-                                        Auth(token_file=token) if token is not None else None),
+                     plan.router_config(discovery, router_checkpoint, auth),
                      f"http://{host}:{router_port}",
-                     Path(token) if token is not None else None, tuple(on_demand))
+                     Path(token) if token is not None else None,
+                     Path(expert_token) if expert_token is not None else None,
+                     tuple(on_demand))
 
 
 @dataclass(frozen=True)
@@ -307,7 +315,8 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
     for one expert call (``ddm serve router --deadline-s``; default from router.yaml).
     Authentication is on when the spec asks for it (``router.auth``), with a random token
     written to a private file in the run's directory, or with ``auth_token_file`` (the
-    caller's token); the router and every expert read the same file."""
+    caller's token); the experts require another random token, in another private file,
+    which only the router presents."""
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(manifest, lambda: free_port(host), router_port, host,
@@ -316,10 +325,13 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
                           threads=threads, config_path=config_path,
                           cache_dir=Path(workdir) / "cache",
                           token_file=auth_token_file or Path(workdir) / "router-token",
+                          expert_token_file=Path(workdir) / "expert-token",
                           require_auth=auth_token_file is not None)
         config_path.write_text(plan.router_config.to_yaml())
         if plan.token_file is not None and auth_token_file is None:
             write_token(plan.token_file)
+        if plan.expert_token_file is not None:
+            write_token(plan.expert_token_file)
         if deadline_s is not None:
             plan = dataclasses.replace(plan, router=dataclasses.replace(
                 plan.router, argv=(*plan.router.argv, "--deadline-s", str(deadline_s))))
@@ -335,8 +347,9 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
                   " Ctrl-C stops everything.", file=out, flush=True)
             print(metrics_line(plan, host), file=out, flush=True)
             if plan.token_file is not None:  # the path only: a token never goes to a log
-                print(f"The API and the experts need Authorization: Bearer <the token in "
-                      f"{plan.token_file}>.", file=out, flush=True)
+                print(f"The API needs Authorization: Bearer <the token in {plan.token_file}>; "
+                      f"the experts need the one in {plan.expert_token_file}.", file=out,
+                      flush=True)
             if on_ready is not None:
                 on_ready(plan)
             return _supervise(supervisor, stop or threading.Event(), out,

@@ -50,7 +50,7 @@ import numpy as np
 from ddm.convention import time_grid, to_uint8
 from ddm.deploy.limits import MAX_STEPS
 from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
-                                  random_weights, servable_labels)
+                                  random_weights, routing_weights, servable_labels)
 from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
 
 
@@ -151,6 +151,9 @@ class StepEvent:
     ``x`` (N, C, H, W) is the state at ``t = grid[step]``; ``selections`` holds one (N, K) bool
     mask per velocity evaluation of the chunk; ``round_trips`` (N,) counts the expert calls each
     sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate;
+    ``probs`` (N, K) float32 is the routing distribution that decided each sample's first
+    evaluation of the chunk, at the state of the previous event: the router network's
+    ``p(k | x_t, t, y)``, the oracle's one-hot, or the random baseline's uniform draw;
     ``rerouted`` (N,) which had a missing expert's share moved to others. ``wanted_rows`` (K,)
     and ``wanted_weight`` (K,) are the chunk's demand on each expert as the strategy chose it,
     before any rerouting: rows evaluated and their summed weight (a delegated row counts once
@@ -163,6 +166,7 @@ class StepEvent:
     selections: tuple[np.ndarray, ...]
     round_trips: np.ndarray
     delegated: np.ndarray
+    probs: np.ndarray
     rerouted: np.ndarray
     wanted_rows: np.ndarray
     wanted_weight: np.ndarray
@@ -240,9 +244,10 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndar
     n, k = len(y), len(mixture.expert_names)
     evaluations = (len(grid) - 1) * EVALUATIONS_PER_STEP[request.solver]
     delegated = np.zeros(n, bool)
+    probs = np.zeros((n, k), np.float32)
     groups: list[tuple[int, np.ndarray]] = []
     if request.delegate_steps > 1:
-        weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y,
+        probs, weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y,
                                       keys)
         delegated = (weights > 0).sum(axis=1) == 1
         groups = [(e, rows) for e in range(k)
@@ -270,12 +275,14 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndar
     if stepped.size:
         walked: _Walk = results[-1]
         x_next[stepped] = walked.x
+        probs[stepped] = walked.probs
         masks[:, stepped, :] = walked.selections
         wanted[:, stepped, :] = walked.wanted
         rerouted[stepped] = walked.rerouted
         round_trips[stepped] += walked.selections.sum(axis=(0, 2))
     return StepEvent(step=step, t=float(grid[-1]), x=x_next, selections=tuple(masks),
-                     round_trips=round_trips, delegated=delegated, rerouted=rerouted,
+                     round_trips=round_trips, delegated=delegated, probs=probs,
+                     rerouted=rerouted,
                      wanted_rows=(wanted > 0).sum(axis=(0, 1)),
                      wanted_weight=wanted.sum(axis=(0, 1)))
 
@@ -291,23 +298,26 @@ def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray
 class _Walk:
     """Rows stepped one by one through a chunk: ``x`` at its end; per evaluation, the
     ``selections`` (E, B, K) that ran and the weights ``wanted`` (E, B, K) before rerouting;
-    ``rerouted`` (B,)."""
+    ``rerouted`` (B,); the (B, K) routing ``probs`` of the first evaluation."""
 
     x: np.ndarray
     selections: np.ndarray
     wanted: np.ndarray
     rerouted: np.ndarray
+    probs: np.ndarray
 
 
 @dataclass(frozen=True)
 class _Mixed:
     """One mixture velocity ``v`` (B, C, H, W), the experts that ran (B, K), the weights the
-    strategy wanted (B, K) and the rows rerouted (B,)."""
+    strategy wanted (B, K), the rows rerouted (B,) and the (B, K) probabilities the weights
+    were made from."""
 
     v: np.ndarray
     selected: np.ndarray
     wanted: np.ndarray
     rerouted: np.ndarray
+    probs: np.ndarray
 
 
 def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarray,
@@ -330,7 +340,7 @@ def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarr
             v = evaluation.v
             mixed.append(evaluation)
     return _Walk(x, np.stack([m.selected for m in mixed]), np.stack([m.wanted for m in mixed]),
-                 np.any([m.rerouted for m in mixed], axis=0))
+                 np.any([m.rerouted for m in mixed], axis=0), mixed[0].probs)
 
 
 def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
@@ -339,10 +349,8 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
     :class:`Missing` has its rows rerouted (module docstring)."""
     n, k = len(y), len(mixture.expert_names)
     reroutable = strategy.kind != "random"  # the evaluation baseline is never served
-    probs = (yield from _probs(mixture, strategy, x, t, y)) if reroutable else None
+    probs, wanted = yield from _weights(mixture, strategy, x, t, y, keys)
     servable = mixture.servable[y]
-    wanted = (mixture_weights(probs, servable, strategy) if probs is not None
-              else random_weights(keys, t, servable))
     weights, available, rerouted = wanted, np.ones(k, bool), np.zeros(n, bool)
     answered = np.zeros((n, k), bool)
     v_k: dict[int, np.ndarray] = {}
@@ -361,7 +369,7 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
                 answered[rows, e] = True
         if not missing:
             break
-        assert probs is not None and available[missing].all(), "Missing answers only fallback"
+        assert reroutable and available[missing].all(), "Missing answers only fallback"
         available[missing] = False
         routed = available_weights(probs, servable, available, strategy)
         weights, rerouted = routed.weights, rerouted | routed.rerouted
@@ -369,28 +377,26 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
     for e, ve in v_k.items():
         rows = np.flatnonzero(weights[:, e] > 0)
         v[rows] += weights[rows, e][:, None, None, None] * ve[rows]
-    return _Mixed(v, weights > 0, wanted, rerouted)
-
-
-def _probs(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-           y: np.ndarray) -> Generator[Query, Any, np.ndarray]:
-    """What a served strategy picks from, ``(B, K)``: the oracle's one-hot, the router
-    network's probabilities, or the one expert's certainty."""
-    if strategy.kind == "oracle":
-        return oracle_probs(y, mixture.expert_classes)
-    if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
-        return np.ones((len(y), 1), np.float32)
-    return (yield Route(x, t, y))
+    return _Mixed(v, weights > 0, wanted, rerouted, probs)
 
 
 def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-             y: np.ndarray, keys: np.ndarray) -> Generator[Query, Any, np.ndarray]:
-    """Per-sample mixture weights (B, K) among the experts that serve each sample's label;
-    ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
+             y: np.ndarray, keys: np.ndarray
+             ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
+    """Per-sample routing probabilities and mixture weights, both (B, K), among the experts
+    that serve each sample's label; ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
+    if strategy.kind == "oracle":
+        probs = oracle_probs(y, mixture.expert_classes)
+        return probs, routing_weights(probs, strategy)
+    servable = mixture.servable[y]
     if strategy.kind == "random":
-        return random_weights(keys, t, mixture.servable[y])
-    probs = yield from _probs(mixture, strategy, x, t, y)
-    return mixture_weights(probs, mixture.servable[y], strategy)
+        uniform = servable / servable.sum(axis=1, keepdims=True)
+        return uniform.astype(np.float32), random_weights(keys, t, servable)
+    if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
+        ones = np.ones((len(y), 1), np.float32)
+        return ones, ones
+    probs = yield Route(x, t, y)
+    return np.asarray(probs, np.float32), mixture_weights(probs, servable, strategy)
 
 
 # ------------------------------------------------------------------------------- results

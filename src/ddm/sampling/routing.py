@@ -128,6 +128,12 @@ def class_owners(expert_classes: Sequence[Sequence[int]]) -> dict[int, int]:
     return owner
 
 
+def routes_by_label(expert_classes: Sequence[Sequence[int]], num_classes: int) -> bool:
+    """Whether every label belongs to exactly one expert (a partition by label), the only
+    DDM the ``oracle`` strategy can route: in a k-means DDM every expert draws every label."""
+    return bool((servable_labels(expert_classes, num_classes).sum(axis=1) == 1).all())
+
+
 def servable_labels(expert_classes: Sequence[Sequence[int]], num_classes: int) -> np.ndarray:
     """``(num_classes, K)`` bool: expert k was trained on label c (no classes: every label)."""
     return np.array([[not classes or c in classes for classes in expert_classes]

@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from types import FrameType
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
@@ -315,16 +316,17 @@ class BodyLimit:
 
 def page_headers(html: str, *, sources: tuple[str, ...] = ()) -> dict[str, str]:
     """Headers for an HTML page: a Content-Security-Policy that runs only the page's own inline
-    ``<script>`` and ``<style>`` blocks (by their SHA-256) and what ``sources`` serve, fetches
-    only from its own origin and shows only its own or ``data:`` images; and no framing by any
-    other page (``frame-ancestors`` and, for old browsers, ``X-Frame-Options``), so that a page
-    that keeps a token cannot be clickjacked or made to run injected code."""
+    ``<script>`` and ``<style>`` elements (by the SHA-256 of their text, :func:`inline_blocks`)
+    and what ``sources`` serve, fetches only from its own origin and shows only its own or
+    ``data:`` images; and no framing by any other page (``frame-ancestors`` and, for old
+    browsers, ``X-Frame-Options``), so that a page that keeps a token cannot be clickjacked or
+    made to run injected code."""
     extra = " ".join(sources)
+    blocks = inline_blocks(html)
 
     def hashes(tag: str) -> str:
-        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.S)
-        return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'"
-                        for b in blocks)
+        digests = (hashlib.sha256(text.encode()).digest() for kind, text in blocks if kind == tag)
+        return " ".join(f"'sha256-{base64.b64encode(d).decode()}'" for d in digests)
 
     policy = (f"default-src 'none'; script-src {hashes('script')} {extra}; "
               f"style-src {hashes('style')} {extra}; img-src 'self' data:; "
@@ -333,6 +335,36 @@ def page_headers(html: str, *, sources: tuple[str, ...] = ()) -> dict[str, str]:
     return {"Content-Security-Policy": re.sub(r" +", " ", policy),
             "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
             "Referrer-Policy": "no-referrer"}
+
+
+def inline_blocks(html: str) -> list[tuple[str, str]]:
+    """``(tag, text)`` of every inline ``<script>`` (one without ``src``) and ``<style>``
+    element of ``html``, in order: the exact text a browser hashes to check a CSP. Read by an
+    HTML parser, so that a comment or a string that mentions a tag is not taken for one."""
+    parser = _InlineBlocks()
+    parser.feed(html)
+    parser.close()
+    return parser.blocks
+
+
+class _InlineBlocks(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=False)  # script and style text is never unescaped
+        self.blocks: list[tuple[str, str]] = []
+        self._open: tuple[str, list[str]] | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "style" or (tag == "script" and "src" not in dict(attrs)):
+            self._open = (tag, [])
+
+    def handle_data(self, data: str) -> None:
+        if self._open is not None:
+            self._open[1].append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._open is not None and self._open[0] == tag:
+            self.blocks.append((tag, "".join(self._open[1])))
+            self._open = None
 
 
 #: Where FastAPI's Swagger UI loads its script and styles from.

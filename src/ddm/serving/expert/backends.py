@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,11 +56,25 @@ class BackendUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """``framework``: the library running the model; ``device``: where it runs."""
+    """``framework``: the library running the model; ``device``: where it runs;
+    ``hardware``: the processor's model name, for people (``/v1/info``, the router's page)."""
 
     framework: str
     backend: str
     device: str
+    hardware: str
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (``/proc/cpuinfo``), or the machine type where unknown."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine() or "unknown CPU"
 
 
 class Backend:
@@ -141,7 +156,9 @@ def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
 
     from ddm.models.torch_io import select_torch_device
 
-    info = BackendInfo(f"torch {torch.__version__}", "torch", str(select_torch_device(device)))
+    target = select_torch_device(device)
+    hardware = torch.cuda.get_device_name(target) if target.type == "cuda" else cpu_model()
+    info = BackendInfo(f"torch {torch.__version__}", "torch", str(target), hardware)
     return Backend(expert_network(ckpt, "torch", device), info, image_shape,
                    tuple(sorted({1, max_batch})), pads_to_warm_sizes=False, warm_label=label,
                    objective=ckpt.meta.objective)
@@ -158,7 +175,8 @@ def _jax_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
     except ValueError as exc:
         raise BackendUnavailable(str(exc)) from None
     run = expert_network(ckpt, "jax", device)
-    info = BackendInfo(f"jax {jax.__version__}", "jax", f"{target.platform}:{target.id}")
+    info = BackendInfo(f"jax {jax.__version__}", "jax", f"{target.platform}:{target.id}",
+                       cpu_model() if target.platform == "cpu" else target.device_kind)
     return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
                    warm_label=label, objective=ckpt.meta.objective)
 
@@ -199,6 +217,7 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
         return v.numpy()
 
     cores = os.environ.get("NEURON_RT_VISIBLE_CORES", "all")
-    info = BackendInfo(f"torch-neuronx {version}", "neuron", f"neuron (cores: {cores})")
+    info = BackendInfo(f"torch-neuronx {version}", "neuron", f"neuron (cores: {cores})",
+                       "AWS NeuronCore")
     return Backend(run, info, image_shape, batch_buckets(max_batch), pads_to_warm_sizes=True,
                    warm_label=label, objective=ckpt.meta.objective)

@@ -140,13 +140,15 @@ class _Expert:
         return key == _VELOCITY and rows <= self.inline_rows
 
     def describe(self) -> dict[str, Any]:
-        backend, device, runtime = self.backend_name, self.device, None
+        backend, device, runtime, hardware = self.backend_name, self.device, None, None
         if self.backend is not None:
             info = self.backend.info()
-            backend, device, runtime = info.backend, info.device, info.framework
+            backend, device, runtime, hardware = (info.backend, info.device, info.framework,
+                                                  info.hardware)
         return {"name": self.meta.name, "kind": self.meta.kind, "classes": list(self.meta.classes),
-                "partition": self.meta.partition, "framework": self.meta.framework,
-                "backend": backend, "runtime": runtime, "device": device,
+                "partition": self.meta.partition, "data": self.meta.data,
+                "framework": self.meta.framework, "backend": backend, "runtime": runtime,
+                "device": device, "hardware": hardware,
                 "image_shape": list(self.limits.image_shape or ()),
                 "convention": self.meta.convention, "model": self.meta.model.kind,
                 "objective": self.meta.objective.to_dict(), "serves": "velocity",

@@ -238,9 +238,10 @@ class ExpertPool:
     @classmethod
     def from_config(cls, config: RouterConfigFile, settings: PoolSettings,
                     metrics: PoolMetrics | None = None) -> ExpertPool:
-        """The experts ``config`` lists; with ``auth`` configured, the router's token goes to
-        them too (the same per-DDM token; ``ddm serve expert --auth-token-file``)."""
-        token = TokenFile(config.auth.token_file) if config.auth is not None else None
+        """The experts ``config`` lists; with ``auth`` configured, the router presents its
+        expert token (``auth.expert_token_file``) to them (``ddm serve expert
+        --auth-token-file``)."""
+        token = TokenFile(config.auth.expert_token) if config.auth is not None else None
         return cls({e.name: source_for(e.discovery) for e in config.experts}, settings, metrics,
                    token)
 

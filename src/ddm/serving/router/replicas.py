@@ -74,6 +74,35 @@ class ExpertProblem:
 
 
 @dataclass(frozen=True)
+class ExpertAbout:
+    """What an expert says runs it and what it learned from, for people (the router's
+    ``/v1/info`` and web page), never for routing: each a short string or None where not said
+    (``hardware``: the processor's model name; ``data``: the training set's name)."""
+
+    framework: str | None = None
+    runtime: str | None = None
+    device: str | None = None
+    hardware: str | None = None
+    data: str | None = None
+    images: int | None = None
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ExpertAbout:
+        data = raw.get("data") if isinstance(raw.get("data"), Mapping) else {}
+        images = data.get("images")
+        return cls(*(short_text(raw.get(key)) for key in ("framework", "runtime", "device",
+                                                      "hardware")),
+                   data=short_text(data.get("name")),
+                   images=images if isinstance(images, int) and not isinstance(images, bool)
+                   and images >= 0 else None)
+
+
+def short_text(value: Any) -> str | None:
+    """``value`` cut to :data:`MAX_EXPERT_TEXT` if a peer sent a string, else None."""
+    return value[:MAX_EXPERT_TEXT] if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
 class ExpertInfo:
     """What an expert replica says of itself in ``/v1/info`` (``convention`` and ``partition``
     as its checkpoint records them; the router checks them, ``ddm.serving.router.state``)."""
@@ -86,6 +115,7 @@ class ExpertInfo:
     #: What its ``/v1/velocity`` answers: ``velocity`` once the server has converted the
     #: network's own prediction (``ddm.objectives``); None from servers that predate the field.
     serves: str | None = None
+    about: ExpertAbout = ExpertAbout()
 
     @classmethod
     def from_json(cls, raw: Any) -> ExpertInfo:
@@ -115,7 +145,7 @@ class ExpertInfo:
                  f"{_shown(index)}")
         return cls((shape[0], shape[1], shape[2]), classes, max_batch,
                    convention=_text(raw, "convention"), partition=partition,
-                   serves=_text(raw, "serves"))
+                   serves=_text(raw, "serves"), about=ExpertAbout.from_json(raw))
 
 
 def _require(ok: bool, problem: str) -> None:

@@ -85,7 +85,10 @@ _INT, _STR, _NAMES = {"type": "integer"}, {"type": "string"}, {"type": "array", 
 STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
     _event("step", {"step": _INT, "steps": _INT, "t": {"type": "number"}, "image": _STR,
                     "experts": _NAMES, "delegated": {"type": "boolean"}, "round_trips": _INT,
-                    "rerouted": {"type": "boolean"}}),
+                    "rerouted": {"type": "boolean"},
+                    "probs": {"type": "array", "items": {"type": "number"},
+                              "description": "p(k | x_t, t, y) per expert (expert_names' "
+                                             "order) that routed the step's first evaluation"}}),
     _event("done", {"image": _STR, "label": _INT, "experts": _NAMES, "expert_names": _NAMES,
                     "routing": {"type": "array", "items": _INT}, "expert_calls": _INT,
                     "round_trips": _INT, "rerouted": {"type": "array", "items": _INT},

@@ -60,6 +60,7 @@ from ddm.convention import to_uint8
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
 from ddm.serving.router.clients import FORWARDED_FOR
+from ddm.serving.router.info import expert_card, strategies
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
@@ -75,8 +76,6 @@ from ddm.serving.termination import fail_start
 logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).parent / "static" / "index.html"
-#: Strategies the web page offers; any that ``parse_strategy`` accepts may be requested.
-SUGGESTED_STRATEGIES = ("oracle", "top1", "top2", "threshold:0.2", "ensemble")
 _ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/info", "/v1/demand", "/healthz",
            "/readyz", "/metrics")
 #: Why the router answers each error status (the body is always :class:`ErrorDetail`).
@@ -182,18 +181,19 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     async def info() -> dict[str, Any]:
         shape, _ = router.image_shape()
         return {
-            "experts": [{"name": e.name, "classes": list(e.classes),
-                         "ready_replicas": router.pool.ready_count(e.name),
-                         "replicas": {r.endpoint: r.state.value
-                                      for r in router.pool.replicas(e.name)}}
+            "experts": [expert_card(e, router.pool.info(e.name),
+                                    {r.endpoint: r.state.value
+                                     for r in router.pool.replicas(e.name)},
+                                    router.pool.ready_count(e.name))
                         for e in config.experts],
+            # what a request conditions on, so the page builds its inputs (a label per image)
+            "conditioning": "labels",
             "num_classes": config.num_classes, "image_shape": list(shape) if shape else None,
             "router_network": config.router_checkpoint is not None,
             "defaults": dataclasses.asdict(config.sampling),
             "limits": dataclasses.asdict(config.limits),
             "auth": config.auth is not None,
-            "strategies": [s for s in SUGGESTED_STRATEGIES
-                           if s == "oracle" or config.router_checkpoint is not None]}
+            "strategies": strategies(config)}
 
     @app.get("/v1/demand", responses=_errors(auth=auth))
     async def demand() -> dict[str, Any]:
@@ -257,7 +257,9 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
             config = load_router_config(config_path)
             config = dataclasses.replace(
                 config, limits=dataclasses.replace(config.limits, **overrides),
-                auth=Auth(str(auth_token_file)) if auth_token_file else config.auth,
+                auth=(config.auth if not auth_token_file else
+                      dataclasses.replace(config.auth, token_file=str(auth_token_file))
+                      if config.auth else Auth(str(auth_token_file))),
                 trusted_proxies=(config.trusted_proxies if trusted_proxies is None
                                  else tuple(trusted_proxies)))
             return create_router_app(config, deadline_s, on_failure=control.stop,
@@ -324,7 +326,8 @@ def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingReques
             "image": _png(to_uint8(event.x[0, 0])),
             "experts": [name for name, on in zip(mixture.expert_names, used) if on],
             "delegated": bool(event.delegated[0]), "round_trips": int(event.round_trips[0]),
-            "rerouted": bool(event.rerouted[0])}
+            "rerouted": bool(event.rerouted[0]),
+            "probs": [round(float(p), 4) for p in event.probs[0]]}
 
 
 async def _prepend(first: bytes, rest: AsyncGenerator[bytes, None]

@@ -1,0 +1,58 @@
+"""``ddm render``: every object the operator would create for a DDMDeployment, as YAML.
+
+As ``helm template`` does for a chart: users and reviewers read the pods, the Secrets and
+the NetworkPolicies before applying. The objects come from the operator's own functions
+(``children.checked_spec``, ``children.desired_children``), under the operator's settings read
+from the same variables (``OperatorConfig.from_env``), where router authentication and
+NetworkPolicies default to the chart's values (on) rather than to a bare process's (off).
+
+What the API server decides is not known before the DDMDeployment exists: its uid (in the
+ownerReferences, and digested into the names of the operator's Secrets) is shown as
+``PLACEHOLDER_UID``, and a token the operator would draw at random as ``PLACEHOLDER_TOKEN``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ddm.deploy.spec import SpecError, parse_manifest
+from ddm.operator import names
+from ddm.operator.children import checked_spec, desired_children
+from ddm.operator.config import OperatorConfig
+
+PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
+PLACEHOLDER_TOKEN = "random-when-the-operator-creates-it"
+#: The chart's defaults (values.yaml ``routerAuth.enabled``, ``networkPolicy.enabled``) for the
+#: settings whose bare default differs; tests/unit/test_render.py keeps them equal.
+CHART_DEFAULTS = {"DDM_ROUTER_AUTH": "true", "DDM_NETWORK_POLICY": "true"}
+DEFAULT_NAMESPACE = "default"
+
+
+def render_objects(document: Any, config: OperatorConfig, *, namespace: str | None = None,
+                   uid: str = PLACEHOLDER_UID) -> list[dict[str, Any]]:
+    """The objects for one DDMDeployment ``document`` (as read from YAML), in the order the
+    operator creates them; ``namespace``: where it would live (default: its own, else
+    ``default``). ``SpecError`` when the operator would refuse it."""
+    manifest = parse_manifest(document, allow_host_paths=True)  # the settings decide below
+    spec = checked_spec(document["spec"], config)
+    owner = {"apiVersion": names.API_VERSION, "kind": names.KIND,
+             "metadata": {"name": manifest.name, "uid": uid,
+                          "namespace": namespace or manifest.namespace or DEFAULT_NAMESPACE}}
+    return desired_children(spec, owner, config, lambda: PLACEHOLDER_TOKEN)
+
+
+def render_file(path: Path, env: Mapping[str, str], namespace: str | None = None) -> str:
+    """``ddm render PATH``: a multi-document YAML stream, one document per object."""
+    try:
+        document = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise SpecError([f"{path}: not valid YAML: {error}"]) from None
+    config = OperatorConfig.from_env({**CHART_DEFAULTS, **env})
+    objects = render_objects(document, config, namespace=namespace)
+    header = (f"# The objects the operator creates for {path}.\n# Made when it is created: "
+              f"the DDMDeployment's uid (here {PLACEHOLDER_UID}),\n# and so the names "
+              f"ending in its digest, and the tokens (here {PLACEHOLDER_TOKEN}).\n")
+    return header + yaml.safe_dump_all(objects, sort_keys=False)

@@ -1,0 +1,58 @@
+"""What the router says of its DDM in ``GET /v1/info``, and so on its web page: the strategies
+this DDM can serve, and a card per expert (what runs it and where, its replicas, what it was
+trained on). Pure: built from ``router.yaml`` and what each expert said of itself in its own
+``/v1/info`` (:class:`~ddm.serving.router.replicas.ExpertInfo`, a peer's word, already cut to
+size there), so that a test can build any card without servers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ddm.deploy.router_config import ExpertEntry, RouterConfigFile
+from ddm.sampling.routing import routes_by_label
+from ddm.serving.router.replicas import ExpertAbout, ExpertInfo, short_text
+
+#: The strategies the web page offers, those this DDM can serve (:func:`strategies`); any
+#: that ``parse_strategy`` accepts may be requested.
+SUGGESTED_STRATEGIES = ("oracle", "top1", "top2", "threshold:0.2", "ensemble")
+
+
+def strategies(config: RouterConfigFile) -> list[str]:
+    """:data:`SUGGESTED_STRATEGIES` this DDM can serve: ``oracle`` only where every label
+    belongs to exactly one expert (a partition by label; in a k-means DDM every expert draws
+    every label, so the label cannot pick one), the learned ones only with a router network."""
+    by_label = routes_by_label([e.classes for e in config.experts], config.num_classes)
+    learned = config.router_checkpoint is not None
+    return [s for s in SUGGESTED_STRATEGIES if (by_label if s == "oracle" else learned)]
+
+
+def expert_card(entry: ExpertEntry, info: ExpertInfo | None, replicas: Mapping[str, str],
+                ready: int) -> dict[str, Any]:
+    """One expert as ``/v1/info`` lists it: its name, replicas (endpoint: state) and how many
+    are ready, what runs it (framework, runtime, device, hardware: None until a replica has
+    answered) and :func:`trained_on`."""
+    about = info.about if info is not None else ExpertAbout()
+    return {"name": entry.name, "ready_replicas": ready, "replicas": dict(replicas),
+            "framework": about.framework, "runtime": about.runtime, "device": about.device,
+            "hardware": about.hardware, "trained_on": trained_on(entry, info)}
+
+
+def trained_on(entry: ExpertEntry, info: ExpertInfo | None) -> dict[str, Any]:
+    """What the expert learned from: ``partition`` (``labels`` or ``kmeans``; None where it
+    records none), its ``part`` (the cluster or label group, 0-based) of ``parts``, the
+    ``features`` a k-means partition clustered, the ``labels`` it draws (None: every label),
+    and the training set's name (``data``) and size (``images``)."""
+    partition = info.partition if info is not None else None
+    scheme = partition.get("scheme") if partition is not None else None
+    scheme = scheme if isinstance(scheme, Mapping) else {}
+    parts = scheme.get("groups", scheme.get("centroids"))
+    features = scheme.get("features")
+    index = partition.get("index") if partition is not None else None
+    about = info.about if info is not None else ExpertAbout()
+    return {"partition": short_text(scheme.get("method")),
+            "part": index if isinstance(index, int) and not isinstance(index, bool) else None,
+            "parts": len(parts) if isinstance(parts, list) else None,
+            "features": short_text(features.get("name")) if isinstance(features, Mapping) else None,
+            "labels": list(entry.classes) or None,
+            "data": about.data, "images": about.images}

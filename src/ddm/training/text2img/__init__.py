@@ -1,0 +1,1 @@
+"""Training the text-to-image DDM, stage by stage, into one diffusers-style directory."""

@@ -1,0 +1,71 @@
+"""Where each component of a text-to-image DDM lives in its root directory, and its index.
+
+The root holds one subfolder per role (config.json + safetensors, written by the library's own
+``save_pretrained``), as a diffusers pipeline does, and ``model_index.json`` mapping each role
+to its (library, class). ``clip/`` (both towers) and the latents are training aids: the index
+names only what serving loads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ddm.fileio import atomic_path
+from ddm.models.text2img import DDM_CONFIG_KEY
+
+TOKENIZER, CLIP, TEXT_ENCODER, VAE = "tokenizer", "clip", "text_encoder", "vae"
+ROUTER, MONOLITH = "router", "monolith"
+LATENTS = "latents.safetensors"
+PARTITION = "partition.json"
+MODEL_INDEX = "model_index.json"
+#: (library, class) of each role, as diffusers' model_index.json records them.
+CLASSES = {TOKENIZER: ("transformers", "PreTrainedTokenizerFast"),
+           TEXT_ENCODER: ("transformers", "CLIPTextModel"),
+           VAE: ("diffusers", "AutoencoderKL"),
+           ROUTER: ("ddm", "LatentRouter")}
+EXPERT_CLASS = ("diffusers", "PixArtTransformer2DModel")
+
+
+def expert_name(index: int) -> str:
+    return f"expert_{index}"
+
+
+def finished(path: Path) -> bool:
+    """A component is finished once its config is written (weights are saved before it)."""
+    return (path / "config.json").is_file() or (path / "tokenizer.json").is_file()
+
+
+def write_model_index(root: Path) -> Path:
+    """(Re)write ``root/model_index.json`` listing the finished components; experts in order."""
+    index: dict[str, object] = {"_class_name": "DDMText2ImagePipeline",
+                                "_ddm_format": "ddm-text2img/1"}
+    for role, library_class in CLASSES.items():
+        if finished(root / role):
+            index[role] = list(library_class)
+    experts = sorted((p for p in root.glob("expert_*") if finished(p)),
+                     key=lambda p: int(p.name.split("_")[1]))
+    for path in experts:
+        index[path.name] = list(EXPERT_CLASS)
+    with atomic_path(root / MODEL_INDEX) as tmp:
+        tmp.write_text(json.dumps(index, indent=1) + "\n")
+    return root / MODEL_INDEX
+
+
+def save_component(component: Any, root: Path, name: str,
+                   declared: dict[str, Any] | None = None) -> Path:
+    """``component.save_pretrained`` into ``root/name`` atomically: written beside it, then
+    renamed, so a killed run never leaves a config without its weights. ``declared`` (our
+    conventions and provenance) goes into its config.json under ``DDM_CONFIG_KEY``."""
+    partial = root / f".{name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    component.save_pretrained(partial)
+    if declared is not None:
+        config = json.loads((partial / "config.json").read_text())
+        config[DDM_CONFIG_KEY] = declared
+        (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    shutil.rmtree(root / name, ignore_errors=True)
+    partial.rename(root / name)
+    return root / name

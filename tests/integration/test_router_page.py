@@ -1,0 +1,227 @@
+"""The router's web page in a real browser: Debian's Chromium, headless, driven through
+chromium-driver by selenium, against real routers and experts on loopback serving the shipped
+DDMs (`examples/digits.yaml`: two label groups; `examples/mnist.yaml`: four k-means clusters),
+planned as `ddm up` plans them. The page must run under its own Content-Security-Policy with
+no violation and no console error, play a generation live to its end, ask for a token only when
+the router wants one, and offer only the strategies the DDM can serve.
+
+With ``DDM_SCREENSHOTS=DIR`` the browser saves the page idle, mid-generation and done in DIR
+(``page-idle.png``, ``page-generating.png``, ``page-done.png``: the README's pictures, made
+with ``DDM_SCREENSHOTS=docs``). ``make test`` installs ``chromium`` and ``chromium-driver``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from ddm.deploy.plan import plan_deployment
+from ddm.deploy.router_config import Auth, RouterConfigFile, StaticDiscovery
+from ddm.deploy.spec import load_manifest
+from ddm.runtime.local import REPOSITORY_ROOT, resolve_checkpoint
+from ddm.serving.expert.server import create_expert_app
+from ddm.serving.router.server import create_router_app
+from tests.integration.servers import running, wait_ready
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER) and not os.environ.get("CI"),
+                                 reason="needs Debian's chromium and chromium-driver "
+                                        "(make test installs them; under CI their absence fails)")]
+
+GENERATION_S = 240.0  # a whole generation on two busy cores
+TOKEN = "page-test-token"
+#: Records, from before the page's own script runs, every CSP violation the browser reports.
+VIOLATIONS = """window.__violations = [];
+document.addEventListener("securitypolicyviolation",
+  (e) => window.__violations.push(`${e.violatedDirective} blocked ${e.blockedURI}`));"""
+#: Records every caption the viewer shows while a generation plays.
+WATCH_CAPTIONS = """window.__captions = [];
+new MutationObserver(() => window.__captions.push(document.getElementById("caption").textContent))
+  .observe(document.getElementById("caption"), {childList: true, characterData: true,
+                                                subtree: true});"""
+
+
+@contextmanager
+def _ddm(manifest: str, auth: Auth | None = None) -> Iterator[str]:
+    """A router and an in-process server per expert for ``examples/<manifest>``, planned as
+    ``ddm up`` plans them, but every expert on torch (JAX compiles for a minute on a busy
+    machine, and the page does not care); yields the router's base URL."""
+    plan = plan_deployment(load_manifest(REPOSITORY_ROOT / "examples" / manifest).spec)
+    with ExitStack() as stack:
+        discovery = {}
+        for expert in plan.experts:
+            base = stack.enter_context(running(create_expert_app(
+                resolve_checkpoint(expert.checkpoint), "torch", max_batch=8)))
+            wait_ready(base)
+            discovery[expert.name] = StaticDiscovery((base.removeprefix("http://"),))
+        config: RouterConfigFile = plan.router_config(
+            discovery, str(resolve_checkpoint(plan.router.checkpoint)), auth=auth)
+        router = stack.enter_context(running(create_router_app(config)))
+        if auth is None:
+            wait_ready(router)
+        yield router
+
+
+@pytest.fixture(scope="module")
+def digits() -> Iterator[str]:
+    with _ddm("digits.yaml") as router:
+        yield router
+
+
+@pytest.fixture(scope="module")
+def mnist() -> Iterator[str]:
+    with _ddm("mnist.yaml") as router:
+        yield router
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[webdriver.Chrome]:
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--window-size=1280,900",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(options=options,
+                              service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": VIOLATIONS})
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def test_the_page_plays_a_generation_live_to_the_end(browser, digits):
+    _open(browser, digits)
+    assert not browser.find_element(By.ID, "login").is_displayed()  # auth is off
+    assert _options(browser, "strategy") == ["oracle", "top1", "top2", "threshold:0.2",
+                                             "ensemble"]  # a label partition: oracle too
+    browser.find_element(By.XPATH, "//button[text()='none']").click()
+    for label in ("3", "8"):
+        browser.find_element(By.XPATH, f"//div[@id='labels']//span[text()='{label}']").click()
+    _set(browser, "count", "2")
+    _set(browser, "steps", "12")
+    browser.execute_script(WATCH_CAPTIONS)
+    browser.find_element(By.ID, "go").click()
+
+    _wait(browser, lambda b: b.find_element(By.ID, "status").text == "4 images done")
+    tiles = browser.find_elements(By.CSS_SELECTOR, "#gallery .tile")
+    assert [t.find_element(By.TAG_NAME, "span").text for t in tiles] == [
+        "label 3, seed 0", "label 3, seed 1", "label 8, seed 0", "label 8, seed 1"]
+    assert all(t.find_element(By.TAG_NAME, "progress").get_property("value") == 12
+               for t in tiles)
+    # Frames arrived one by one: the viewer showed the first image at several steps before
+    # it was done, each step in order.
+    shown = [int(m.group(1)) for c in browser.execute_script("return window.__captions")
+             if (m := re.search(r"step (\d+)/12", c)) and "done" not in c]
+    assert len(set(shown)) > 1 and shown == sorted(shown)
+    caption = browser.find_element(By.ID, "caption").text
+    assert caption.startswith("label 3, seed 0 · step 12/12") and "done in" in caption
+    frame = browser.find_element(By.ID, "frame")
+    assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth",
+                                  frame) == 16
+    thumbs = browser.find_elements(By.CSS_SELECTOR, "#filmstrip img")
+    assert len(thumbs) == 12 and frame.get_attribute("src") == thumbs[-1].get_attribute("src")
+
+    browser.execute_script("const s = document.getElementById('scrub'); s.value = 3; "
+                           "s.dispatchEvent(new Event('input'));")
+    assert "step 3/12" in browser.find_element(By.ID, "caption").text
+    assert frame.get_attribute("src") == thumbs[2].get_attribute("src")
+    assert not browser.find_element(By.ID, "download").get_property("disabled")
+    _assert_no_errors(browser)
+
+
+def test_the_token_form_shows_only_when_the_router_wants_a_token(browser, tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    with _ddm("digits.yaml", auth=Auth(str(token_file))) as router:
+        browser.get(f"{router}/")
+        login = browser.find_element(By.ID, "login")
+        _wait(browser, lambda _: login.is_displayed())
+        browser.find_element(By.ID, "token").send_keys(TOKEN)
+        login.find_element(By.TAG_NAME, "button").click()
+        _wait(browser, lambda b: _options(b, "strategy") and not login.is_displayed())
+        # the 401 that asked for the token is the one error the console may show
+        _assert_no_errors(browser, allowed="v1/info - Failed to load resource: the server "
+                                           "responded with a status of 401")
+
+
+def test_a_k_means_ddm_offers_no_oracle_and_its_experts_are_clusters(browser, mnist):
+    _open(browser, mnist)
+    assert "oracle" not in _options(browser, "strategy")
+    cards = browser.find_elements(By.CSS_SELECTOR, "#cards .card")
+    assert [c.find_element(By.TAG_NAME, "h3").text.split("\n")[0] for c in cards] == [
+        f"mnist-cluster-{k}" for k in range(4)]
+    for k, card in enumerate(cards):
+        text = card.text
+        assert f"k-means cluster {k} of 4 (HOG features): every label" in text
+        framework = ['torch', 'jax'][k % 2]  # alternating, as examples/mnist.yaml says
+        assert "1/1 replicas ready" in text and f"trained with\n{framework}" in text
+        assert "runs on\ntorch " in text
+    _screenshot(browser, "idle")
+    browser.find_element(By.ID, "go").click()  # the page's defaults: four labels, 40 steps
+    _wait(browser, lambda b: len(b.find_elements(By.CSS_SELECTOR, "#filmstrip img")) >= 20)
+    _screenshot(browser, "generating")
+    _wait(browser, lambda b: b.find_element(By.ID, "status").text == "4 images done")
+    browser.find_elements(By.CSS_SELECTOR, "#gallery .tile")[2].click()
+    assert browser.find_element(By.ID, "caption").text.startswith("label 2, seed 0 · step 40/40")
+    _screenshot(browser, "done")
+    _assert_no_errors(browser)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _open(browser, base: str) -> None:
+    """Load the page until it says the DDM is ready, or the browser refused part of it."""
+    browser.get(f"{base}/")
+    _wait(browser, lambda b: b.execute_script("return window.__violations.length") or
+          "ok" in b.find_element(By.ID, "readiness").get_attribute("class"))
+    assert browser.execute_script("return window.__violations") == []
+
+
+def _options(browser, select: str) -> list[str]:
+    return [o.get_attribute("value")
+            for o in browser.find_elements(By.CSS_SELECTOR, f"#{select} option")]
+
+
+def _set(browser, field: str, value: str) -> None:
+    element = browser.find_element(By.ID, field)
+    element.clear()
+    element.send_keys(value)
+
+
+def _wait(browser, condition) -> None:
+    WebDriverWait(browser, GENERATION_S, poll_frequency=0.05).until(condition)
+
+
+def _assert_no_errors(browser, allowed: str | None = None) -> None:
+    """No CSP violation and no console error (the CSP's refusals are console errors too)."""
+    assert browser.execute_script("return window.__violations") == []
+    errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert [m for m in errors if allowed is None or allowed not in m] == []
+
+
+def _screenshot(browser, name: str) -> None:
+    directory = os.environ.get("DDM_SCREENSHOTS")
+    if not directory:
+        return
+    height = browser.execute_script("return document.documentElement.scrollHeight")
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": 1280, "height": height, "deviceScaleFactor": 1, "mobile": False})
+    browser.save_screenshot(str(Path(directory) / f"page-{name}.png"))
+    browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+

@@ -1,0 +1,91 @@
+"""``ddm render MANIFEST``: every object the operator would create, as a YAML stream, under the
+chart's defaults (tests/integration/test_operator_render.py compares it with what the operator
+creates on the real API server)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddm.cli import main
+from ddm.operator import names
+from ddm.operator.render import CHART_DEFAULTS, PLACEHOLDER_TOKEN, PLACEHOLDER_UID
+
+ROOT = Path(__file__).resolve().parents[2]
+MNIST = ROOT / "examples" / "mnist.yaml"
+
+
+def _render(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+            *args: str, env: dict[str, str] | None = None) -> tuple[int, list[dict], str]:
+    for key in [k for k in os.environ if k.startswith("DDM_")]:
+        monkeypatch.delenv(key)
+    for key, value in (env or {}).items():
+        monkeypatch.setenv(key, value)
+    status = main(["render", *args])
+    out, err = capsys.readouterr()
+    return status, [d for d in yaml.safe_load_all(out) if d] if status == 0 else [], err
+
+
+def test_render_prints_every_child_of_the_mnist_example(capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    status, objects, _ = _render(capsys, monkeypatch, str(MNIST))
+    assert status == 0
+    experts = [f"mnist-expert-mnist-cluster-{i}" for i in range(4)]
+    assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
+        ("Secret", names.router_token_name("mnist", PLACEHOLDER_UID)),
+        ("Secret", names.expert_token_name("mnist", PLACEHOLDER_UID)),
+        ("NetworkPolicy", "mnist-experts"), ("NetworkPolicy", "mnist-router"),
+        ("NetworkPolicy", "mnist-fetch"),
+        *[(kind, e) for e in experts for kind in ("Service", "Deployment")],
+        ("ConfigMap", "mnist-router-config"), ("Service", "mnist-router"),
+        ("Deployment", "mnist-router")]
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == "default"
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"]) == ("DDMDeployment", "mnist",
+                                                                PLACEHOLDER_UID)
+        if obj["kind"] == "Secret":
+            assert obj["immutable"] is True and obj["stringData"] == {"token": PLACEHOLDER_TOKEN}
+        else:
+            assert names.SPEC_HASH_ANNOTATION in obj["metadata"]["annotations"]
+
+
+def test_render_follows_the_operators_settings_and_namespace(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    status, objects, _ = _render(capsys, monkeypatch, str(MNIST), "--namespace", "team-a",
+                                 env={"DDM_NETWORK_POLICY": "false", "DDM_ROUTER_AUTH": "false"})
+    assert status == 0
+    assert {o["kind"] for o in objects} == {"Service", "Deployment", "ConfigMap"}
+    assert {o["metadata"]["namespace"] for o in objects} == {"team-a"}
+
+
+def test_render_refuses_what_the_operator_refuses(capsys: pytest.CaptureFixture[str],
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    status, _, err = _render(capsys, monkeypatch, str(MNIST),
+                             env={"DDM_ALLOWED_IMAGES": "registry.acme.example/"})
+    assert status == 0  # the operator's own images are always allowed
+    document = yaml.safe_load(MNIST.read_text())
+    document["spec"]["experts"][0]["image"] = "evil.example/miner:1"
+    manifest = tmp_path / "evil.yaml"
+    manifest.write_text(yaml.safe_dump(document))
+    status, _, err = _render(capsys, monkeypatch, str(manifest),
+                             env={"DDM_ALLOWED_IMAGES": "registry.acme.example/"})
+    assert (status, err) == (2, "ddm: error: spec.experts[0].image: 'evil.example/miner:1' is "
+                                "not among the images this operator allows "
+                                "(DDM_ALLOWED_IMAGES: registry.acme.example/)\n")
+    document["spec"]["experts"][0]["checkpoint"] = {"uri": "file:///etc/kubernetes"}
+    manifest.write_text(yaml.safe_dump(document))
+    for env in ({}, {"DDM_ALLOW_HOST_PATHS": "/srv/ddm/"}):
+        status, _, err = _render(capsys, monkeypatch, str(manifest), env=env)
+        assert status == 2 and "'file:///etc/kubernetes'" in err, err
+
+
+def test_the_render_defaults_are_the_charts() -> None:
+    values = yaml.safe_load((ROOT / "charts" / "ddm-operator" / "values.yaml").read_text())
+    assert CHART_DEFAULTS == {
+        "DDM_ROUTER_AUTH": str(values["routerAuth"]["enabled"]).lower(),
+        "DDM_NETWORK_POLICY": str(values["networkPolicy"]["enabled"]).lower()}
