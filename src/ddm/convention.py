@@ -179,3 +179,45 @@ def velocity_from_flow_match(output: np.ndarray) -> np.ndarray:
 def flow_match_from_velocity(v: np.ndarray) -> np.ndarray:
     """Our velocity ``x1 - x0`` -> the ``noise - data`` a FlowMatchEulerDiscrete step takes."""
     return -np.asarray(v)
+
+
+@dataclass(frozen=True)
+class FlowMatchNetwork:
+    """What a network trained for FlowMatchEulerDiscrete declares, so that it is converted
+    exactly instead of having its weights rewritten: its time input is
+    ``sigma * num_train_timesteps`` and its output ``noise - data`` (our velocity negated)."""
+
+    num_train_timesteps: int = FLOW_MATCH_TRAIN_TIMESTEPS
+
+    def timestep(self, t: np.ndarray) -> np.ndarray:
+        """Our ``t`` (B,) -> the network's time input (B,) float32."""
+        return flow_match_timestep(t, self.num_train_timesteps)
+
+    def velocity(self, output: np.ndarray) -> np.ndarray:
+        """The network's output -> our ``v = x1 - x0``."""
+        return velocity_from_flow_match(output)
+
+
+#: The time grids a DDM may sample on: ours, or FlowMatchEulerDiscrete's sigmas in our time.
+GRID_KINDS = ("uniform", "flow-match")
+
+
+@dataclass(frozen=True)
+class TimeGrid:
+    """The grid a DDM's sampler walks: ``uniform`` (:func:`time_grid`) or ``flow-match``
+    (:func:`flow_match_sigma_grid` with ``shift``, as ``t = 1 - sigma``), from 0 to 1."""
+
+    kind: str = "uniform"
+    shift: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRID_KINDS:
+            raise ValueError(f"unknown time grid {self.kind!r}; known: {', '.join(GRID_KINDS)}")
+        if self.kind == "uniform" and self.shift != 1.0:
+            raise ValueError("the uniform grid takes no shift")
+
+    def times(self, steps: int) -> np.ndarray:
+        """``steps + 1`` float32 times from 0 (noise) to 1 (data)."""
+        if self.kind == "uniform":
+            return time_grid(steps)
+        return flow_match_sigma_grid(steps, self.shift).times

@@ -1,25 +1,46 @@
-"""Atomic file output: a reader sees the old file or the complete new one, never half of it."""
+"""Output files: checked before the work that fills them, written atomically (a reader sees
+the old file or the complete new one, never half of it), with the mode any new file gets.
+
+Nothing here creates directories: an output's directory must exist, so that a typo in
+``--out`` (or one run as root) fails at once instead of leaving a directory tree behind."""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+#: A new output's mode before the umask: 0644 under the usual 022, as ``open()`` would make it.
+OUTPUT_MODE = 0o666
+
+
+def check_output(path: Path, suffix: str, flag: str) -> None:
+    """Fail before any work if ``path`` (given as ``flag``) cannot be written: the wrong
+    suffix, a directory, or a directory that does not exist."""
+    if path.suffix != suffix:
+        raise ValueError(f"{flag} must name a {suffix} file, got {path}")
+    if path.is_dir():
+        raise IsADirectoryError(f"{flag} {path} is a directory")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{flag} {path}: directory {path.parent} does not exist "
+                                "(create it first)")
+
 
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path``, else vanishes."""
+    """Yield a new empty file beside ``path``; on success it replaces ``path``, else vanishes."""
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"output {target} is a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=target.suffix, dir=target.parent)
-    os.close(fd)
+    if not target.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {target}: directory {target.parent} does not "
+                                "exist (create it first)")
+    tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}{target.suffix}"
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, OUTPUT_MODE))  # umask applies
     try:
-        yield Path(tmp)
+        yield tmp
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

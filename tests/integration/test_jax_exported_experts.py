@@ -162,12 +162,24 @@ def test_the_export_helper_refuses_a_network_of_another_signature():
         export_program(lambda x, t, y: x[:, 0], SHAPE)
 
 
-def test_a_program_calling_native_code_outside_the_allow_list_is_refused_naming_it(tmp_path):
+def _cholesky(x: jax.Array, t: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.linalg.cholesky(x @ jnp.swapaxes(x, -1, -2) + 16 * jnp.eye(SHAPE[-1]))
+
+
+def _hidden_cholesky(x: jax.Array, t: jax.Array, y: jax.Array) -> jax.Array:
+    """The same call inside a loop body inside a jitted function inside a branch taken for no
+    label: nested regions of private functions of the module."""
+    def loop(x: jax.Array) -> jax.Array:
+        return jax.lax.while_loop(lambda c: c[1] < 1, lambda c: (_cholesky(c[0], t, y),
+                                                                 c[1] + 1), (x, 0))[0]
+    return jax.lax.cond(jnp.all(y > 100), jax.jit(loop), lambda x: x, x)
+
+
+@pytest.mark.parametrize("network", [_cholesky, _hidden_cholesky])
+def test_a_program_calling_native_code_outside_the_allow_list_is_refused_naming_it(tmp_path,
+                                                                                   network):
     """A Cholesky factorisation lowers to LAPACK through a custom_call (one JAX exports as
     stable); no expert needs it, and a served program calls only JAX's shape checks."""
-    def network(x: jax.Array, t: jax.Array, y: jax.Array) -> jax.Array:
-        return jnp.linalg.cholesky(x @ jnp.swapaxes(x, -1, -2) + 16 * jnp.eye(SHAPE[-1]))
-
     path = save_checkpoint(tmp_path / "lapack", exported_meta(), {},
                            program=export_program(network, SHAPE))
     with pytest.raises(CheckpointError, match=r"program.jaxexport calls custom_call target "

@@ -179,8 +179,11 @@ def test_the_router_answers_1000_malformed_requests_with_4xx_and_keeps_serving(
     assert good.status_code == 200, good.text
 
 
-def test_ddm_up_stops_every_process_on_sigterm(tmp_path: Path) -> None:
-    """`kill` of the command, not only Ctrl-C, must leave no server behind."""
+def test_ddm_up_reports_progress_and_ends_terminated_143_on_sigterm(tmp_path: Path) -> None:
+    """`kill` of the command, not only Ctrl-C, must leave no server behind, and say it was
+    terminated with the status a shell expects of it (143, not Ctrl-C's), so that `make demo`
+    stopped by a service manager is not reported as interrupted. On its way up it names each
+    process as it starts and as it becomes ready."""
     import os
     import signal
     import subprocess
@@ -199,8 +202,14 @@ def test_ddm_up_stops_every_process_on_sigterm(tmp_path: Path) -> None:
     children = subprocess.run(["pgrep", "-P", str(command.pid)], capture_output=True,
                               text=True).stdout.split()
     assert len(children) == 5, "".join(lines)  # the MNIST DDM's four experts and the router
+    up = "".join(lines)
+    names = [f"mnist-cluster-{k}/0" for k in range(4)] + ["router"]
+    for name in names:
+        assert f"started {name} (pid " in up and f"{name} is ready (" in up, up
     command.send_signal(signal.SIGTERM)
-    assert command.wait(timeout=60) == 0
+    rest = command.stdout.read()
+    assert command.wait(timeout=60) == 143, up + rest
+    assert "stopping 5 process(es)..." in rest and "ddm: terminated (SIGTERM)" in rest, rest
     for pid in children:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
             f"/proc/{pid}/status").read_text().lower(), f"process {pid} survived"

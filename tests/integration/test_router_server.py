@@ -253,7 +253,7 @@ def _error_statuses(operation: dict) -> set[str]:
 def test_the_openapi_document_says_what_the_router_enforces(routers):
     document = _document(routers["split"])
     generate = document["paths"]["/v1/generate"]["post"]
-    assert _error_statuses(generate) == {"400", "413", "422", "429", "502", "503"}
+    assert _error_statuses(generate) == {"400", "413", "415", "422", "429", "502", "503"}
     assert "HTTPValidationError" not in json.dumps(document)  # FastAPI's default 422 is wrong
     body = document["components"]["schemas"]["GenerateRequest"]["properties"]
     assert body["labels"]["items"] == {"type": "integer", "minimum": 0, "maximum": 9}

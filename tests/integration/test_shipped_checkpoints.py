@@ -13,14 +13,22 @@ from ddm.checkpoints.format import read_meta
 from ddm.evaluation.commands import evaluate_images
 from ddm.evaluation.report import expert_parity
 from ddm.checkpoints.discovery import default_checkpoints, discover
+from ddm.deploy.spec import load_manifest
 from ddm.models.loading import load_ddm
+from ddm.runtime.local import DEFAULT_MANIFEST, resolve_checkpoint
 from ddm.sampling.pipeline import generate
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
 
 
-def test_default_checkpoints_are_the_shipped_ones():
-    assert default_checkpoints() == SHIPPED
+def test_every_command_defaults_to_the_ddm_make_demo_serves():
+    """`ddm sample`, `eval` and `report` default to the checkpoints `ddm up` (make demo) serves
+    from its default manifest: the served and the in-process images are the same model's."""
+    spec = load_manifest(DEFAULT_MANIFEST).spec
+    served = {resolve_checkpoint(e.checkpoint) for e in spec.experts}
+    assert resolve_checkpoint(spec.router.checkpoint) == default_checkpoints() / "router"
+    assert served == set(discover(default_checkpoints())["expert"])
+    assert default_checkpoints() == SHIPPED.parent / "mnist"
 
 
 def test_shipped_ddm_mirrors_the_reference_demo():

@@ -5,6 +5,7 @@ checks here are about validation, not quality.
 """
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,3 +196,136 @@ def test_sigterm_ends_a_command_with_143_and_main_restores_the_handler(monkeypat
     assert cleaned_up == [True]
     assert capsys.readouterr().err.strip() == "ddm: terminated (SIGTERM)"
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- outputs and progress ------------------------------------------------------------------------
+
+def test_an_output_in_a_missing_directory_fails_before_sampling_and_creates_nothing(
+        tiny_ddm, tmp_path, capsys):
+    out = tmp_path / "missing" / "s.npz"
+    code, captured = _run(capsys, *_sample(tiny_ddm, out))
+    assert code == 2
+    assert captured.err.strip() == (f"ddm: error: --out {out}: directory {out.parent} does not "
+                                    "exist (create it first)")
+    assert list(tmp_path.iterdir()) == []
+    code, captured = _run(capsys, *_sample(tiny_ddm, tmp_path / "s.npz", "--png",
+                                           tmp_path / "nowhere" / "g.png"))
+    assert code == 2 and f"directory {tmp_path / 'nowhere'} does not exist" in captured.err
+    assert list(tmp_path.iterdir()) == []  # not even the samples file: checked before sampling
+
+
+def test_a_report_checks_its_output_before_an_hour_of_sampling(tmp_path, capsys):
+    out = tmp_path / "missing" / "quality.md"
+    code, captured = _run(capsys, "report", "--out", out)
+    assert code == 2
+    assert captured.err.strip() == (f"ddm: error: --out {out}: directory {out.parent} does not "
+                                    "exist (create it first)")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_outputs_get_the_mode_the_umask_gives_any_new_file(tiny_ddm, tmp_path, capsys, umask,
+                                                           mode):
+    import os
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        code, _ = _run(capsys, *_sample(tiny_ddm, tmp_path / "s.npz", "--png",
+                                        tmp_path / "g.png"))
+    finally:
+        os.umask(previous)
+    assert code == 0
+    for name in ("s.npz", "g.png"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == mode, name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g.png", "s.npz"]  # no temporaries
+
+
+def _sample_in_a_process(tiny_ddm, out, stderr_on_a_terminal: bool) -> str:
+    """``ddm sample`` as a process, its stderr a pipe or a pseudo-terminal; what it wrote."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    argv = [sys.executable, "-m", "ddm", *map(str, _sample(tiny_ddm, out, "--labels", "1,2"))]
+    if not stderr_on_a_terminal:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 wide
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=secondary)
+    os.close(secondary)
+    written = b""
+    while True:  # until the process closes the terminal (EIO on Linux)
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(primary)
+    assert process.wait(timeout=300) == 0, written
+    return written.decode(errors="replace")
+
+
+def test_sampling_shows_a_progress_bar_only_on_a_terminal(tiny_ddm, tmp_path):
+    on_terminal = _sample_in_a_process(tiny_ddm, tmp_path / "a.npz", stderr_on_a_terminal=True)
+    assert "sampling 2 images" in on_terminal and "3/3" in on_terminal, on_terminal
+    piped = _sample_in_a_process(tiny_ddm, tmp_path / "b.npz", stderr_on_a_terminal=False)
+    assert piped == ""  # a log or a pipe gets no bar, no carriage returns
+
+
+# -- eval: which classifier, and what its figures are worth ---------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _real_digits(path, n):
+    """``n`` real 16x16 digits (the held-out split) written as a samples file."""
+    from ddm.convention import to_model_space, to_uint8
+    from ddm.data import load_dataset
+    from ddm.samples import save_samples_npz
+
+    real = load_dataset("digits", 16, "heldout")
+    save_samples_npz(path, to_uint8(to_model_space(real.images[:n]))[:, 0], real.labels[:n])
+    return path
+
+
+def test_eval_judges_16x16_samples_with_the_digits_classifier_and_warns_of_few_images(
+        tmp_path, capsys):
+    code, captured = _run(capsys, "eval", _real_digits(tmp_path / "s.npz", 24))
+    assert code == 0, captured.err
+    assert f"judged by {ROOT / 'checkpoints' / 'digits' / 'classifier'}" in captured.out
+    assert ("ddm eval: warning: 24 images per run: FD is unreliable below 640 (10 per feature "
+            "of the classifier's 64)") in captured.err
+    assert "ddm eval: warning: one run: no spread" in captured.err
+    fd = next(line for line in captured.out.splitlines() if line.startswith("fd "))
+    assert fd.split("real-vs-real")[0].count("+/-") == 0, fd  # one run has no spread
+    assert "+/-" in fd.split("real-vs-real")[1]  # the floor's three subsets have one
+
+
+def test_eval_names_the_classifier_for_the_samples_size(tmp_path, capsys):
+    samples = _real_digits(tmp_path / "s.npz", 24)
+    mnist = ROOT / "checkpoints" / "mnist" / "classifier"
+    code, captured = _run(capsys, "eval", samples, "--classifier", mnist)
+    assert code == 2
+    assert captured.err.strip() == (
+        f"ddm: error: samples are 16x16 but {mnist} judges 32x32 images: pass --classifier "
+        f"{ROOT / 'checkpoints' / 'digits' / 'classifier'}, which judges 16x16")
+
+
+def test_eval_of_a_size_no_shipped_classifier_judges_says_how_to_get_one(tiny_ddm, tmp_path,
+                                                                          capsys):
+    out = tmp_path / "s.npz"
+    assert _run(capsys, *_sample(tiny_ddm, out, "--labels", "3"))[0] == 0  # 8x8 images
+    code, captured = _run(capsys, "eval", out)
+    assert code == 2
+    assert captured.err.strip() == (
+        "ddm: error: no shipped classifier judges 8x8 images: train one (ddm train classifier "
+        "--image-size 8 --data SOURCE --out DIR) and pass --classifier DIR")

@@ -226,3 +226,19 @@ def test_the_plan_its_consumers_and_the_cli_import_no_ml_framework() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_ddm_up_hands_its_router_options_to_the_router_command() -> None:
+    """`ddm up --api-docs --deadline-s 5`: the router process is started with both, as
+    `ddm serve router` parses them."""
+    from ddm.cli import build_parser
+    from ddm.runtime.local import DEFAULT_MANIFEST, with_router_options
+
+    plan = plan_local(load_manifest(DEFAULT_MANIFEST), itertools.count(20000).__next__, 8080,
+                      locate=lambda source: Path("/fetched") / source.path.strip("/"))
+    argv = with_router_options(plan, deadline_s=5.0, api_docs=True).router.argv
+    assert argv[:3] == (sys.executable, "-m", "ddm")
+    served = build_parser().parse_args(list(argv[3:]))
+    assert (served.command, served.api_docs, served.deadline_s) == ("serve", True, 5.0)
+    plain = build_parser().parse_args(list(with_router_options(plan).router.argv[3:]))
+    assert (plain.api_docs, plain.deadline_s) == (False, None)

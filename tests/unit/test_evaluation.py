@@ -27,6 +27,9 @@ from ddm.evaluation import (
 )
 from ddm.samples import SamplesFileError, load_samples_npz
 
+#: The small 16x16 DDM: the report's tests name it (the default is the MNIST DDM).
+DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
+
 # --- Frechet distance --------------------------------------------------------------------
 
 def test_frechet_identical_sets_is_zero() -> None:
@@ -230,7 +233,8 @@ def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path)
     from ddm.cli import main
 
     out = tmp_path / "quality.md"
-    assert main(["report", "--n-per-label", "3", "--steps", "2", "--out", str(out)]) == 0
+    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "3", "--steps", "2",
+                 "--out", str(out)]) == 0
     main_table = out.read_text().split("| model |")[1].split("\n\n")[0]
     table = [line for line in main_table.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[1] for row in table] == [
@@ -272,7 +276,8 @@ def test_report_compares_the_heterogeneous_ddm_at_top1(tmp_path: Path, capsys) -
 
     root = Path(__file__).resolve().parents[2] / "checkpoints"
     out = tmp_path / "quality.md"
-    assert main(["report", "--n-per-label", "2", "--steps", "2", "--out", str(out),
+    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "2", "--steps", "2",
+                 "--out", str(out),
                  "--compare", str(root / "digits-heterogeneous")]) == 0
     text = out.read_text()
     section = text[text.index("## Homogeneous vs heterogeneous experts"):]
@@ -286,7 +291,8 @@ def test_report_compares_the_heterogeneous_ddm_at_top1(tmp_path: Path, capsys) -
     assert "digits-heterogeneous" not in main_table.split("| model |")[1]
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["report", "--n-per-label", "2", "--steps", "2", "--out", str(out),
+    assert main(["report", "--checkpoints", str(DIGITS), "--n-per-label", "2", "--steps", "2",
+                 "--out", str(out),
                  "--compare", str(empty)]) == 2  # named before any sampling; out untouched
     assert f"no checkpoints (directories with config.json) in {empty}" in capsys.readouterr().err
     assert out.read_text() == text
@@ -307,7 +313,7 @@ def test_a_stopped_report_resumes_from_its_cache(tmp_path: Path) -> None:
         if len(heard) == 4:
             raise Stopped(line)
 
-    settings = dict(checkpoints=None, n_per_label=2, steps=2, cache=cache)
+    settings = dict(checkpoints=DIGITS, n_per_label=2, steps=2, cache=cache)
     with pytest.raises(Stopped):
         write_report(out=tmp_path / "stopped.md", progress=stop_after_four, **settings)
     assert not (tmp_path / "stopped.md").exists()

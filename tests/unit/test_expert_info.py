@@ -4,6 +4,9 @@ field."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_TEXT, MAX_IMAGE_CHANNELS,
@@ -65,6 +68,20 @@ def test_a_report_out_of_bounds_or_of_the_wrong_type_is_refused_naming_the_field
 def test_a_report_without_a_required_field_is_refused(field):
     with pytest.raises(InvalidReport, match=f"^{field} must be"):
         ExpertInfo.from_json({k: v for k, v in VALID.items() if k != field})
+
+
+def test_the_shipped_k_means_partition_is_accepted_and_one_nested_too_deeply_is_refused():
+    """The router hashes an expert's partition with ``json.dumps``: one nested 900 deep passed
+    ``json.loads`` in the probe, then overflowed the stack in every ``/readyz`` and generation
+    (500s for all experts; tests/integration/test_hostile_experts.py)."""
+    mnist = Path(__file__).resolve().parents[2] / "checkpoints" / "mnist" / "expert-0"
+    shipped = json.loads((mnist / "config.json").read_text())["partition"]
+    assert ExpertInfo.from_json({**VALID, "partition": shipped}).partition == shipped
+    deep: object = 0
+    for _ in range(900):
+        deep = [deep]
+    with pytest.raises(InvalidReport, match="^partition nests objects and lists more than 8 "):
+        ExpertInfo.from_json({**VALID, "partition": {"scheme": {"centroids": deep}}})
 
 
 def test_a_report_that_is_not_an_object_is_refused():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddm.deploy.spec import parse_spec
+from ddm.deploy.spec import SpecError, parse_spec
 from ddm.operator.config import OperatorConfig
 from ddm.operator.policy import AllowLists, policy_problems
 
@@ -49,6 +49,19 @@ def test_a_source_outside_the_list_is_refused_redacted(uri: str, shown: str) -> 
     assert policy_problems(parse_spec(_spec(uri)), LISTS) == [
         f"spec.experts[0].checkpoint.uri: {shown!r} is not among the checkpoint sources this "
         f"operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: {', '.join(SOURCES)})"]
+
+
+@pytest.mark.parametrize("uri", ["https://models.acme.example/ddm/%2e%2e/team-b/m.tar",
+                                 "https://models.acme.example/ddm/%2E./team-b/m.tar",
+                                 "s3://acme-models/.%2e/team-b/m.tar",
+                                 "https://models.acme.example/ddm/x%2f..%2fteam-b/m.tar",
+                                 "https://models.acme.example/ddm/x\\..\\team-b/m.tar"])
+def test_a_parent_segment_however_encoded_cannot_leave_a_listed_prefix(uri: str) -> None:
+    """A store decodes ``%2e`` to ``.`` (RFC 3986: the same character), and may read ``%2f``
+    or ``\\`` as ``/``, so under the listed ``https://models.acme.example/ddm/`` these would
+    fetch ``/team-b/m.tar``; they passed."""
+    with pytest.raises(SpecError, match=r"'\.\.' is not allowed in a checkpoint path"):
+        parse_spec(_spec(uri))
 
 
 def test_empty_lists_allow_everything() -> None:
@@ -109,6 +122,36 @@ def test_only_listed_toleration_and_node_selector_keys_may_be_used() -> None:
         "the keys this operator allows (DDM_ALLOWED_TOLERATION_KEYS: team-a/dedicated)",
         "spec.experts[0].nodeSelector: key 'kubernetes.io/hostname' is not among the keys this "
         "operator allows (DDM_ALLOWED_NODE_SELECTOR_KEYS: topology.kubernetes.io/zone)"]
+
+
+def test_node_affinity_keys_are_held_to_the_node_selector_list() -> None:
+    """A nodeAffinity places a pod as a nodeSelector does; it passed any list before."""
+    lists = AllowLists(node_selector_keys=("topology.kubernetes.io/zone",))
+    zone = {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["eu-1a"]}
+    host = {"key": "kubernetes.io/hostname", "operator": "In", "values": ["control-plane"]}
+    name = {"key": "metadata.name", "operator": "In", "values": ["control-plane"]}
+    raw = _spec()
+    raw["experts"][0]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [zone]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 1, "preference": {"matchExpressions": [zone]}}]}}
+    assert policy_problems(parse_spec(raw), lists) == []
+    raw["experts"][0]["affinity"] = {"nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [zone]}, {"matchExpressions": [host]},
+            {"matchFields": [name]}]},
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 100, "preference": {"matchExpressions": [host]}}]}}
+    refusal = ("is not among the keys this operator allows (DDM_ALLOWED_NODE_SELECTOR_KEYS: "
+               "topology.kubernetes.io/zone)")
+    assert policy_problems(parse_spec(raw), lists) == [
+        f"spec.experts[0].affinity.nodeAffinity.required matchExpressions: key "
+        f"'kubernetes.io/hostname' {refusal}",
+        f"spec.experts[0].affinity.nodeAffinity.required matchFields: key 'metadata.name' "
+        f"{refusal}",
+        f"spec.experts[0].affinity.nodeAffinity.preferred matchExpressions: key "
+        f"'kubernetes.io/hostname' {refusal}"]
 
 
 @pytest.mark.parametrize("path, allowed", [

@@ -63,7 +63,7 @@ def _run(strategy: str, missing: set[int], steps: int = 4) -> tuple[list[StepEve
             events.append(query)
             answer = None
         elif isinstance(query, Route):
-            answer = np.tile([0.7, 0.3], (len(query.y), 1))
+            answer = np.tile([0.7, 0.3], (len(query.x), 1))
         else:
             assert isinstance(query, Calls)
             calls.append(query.calls)

@@ -1,4 +1,4 @@
-"""Finding checkpoints: the shipped digits DDM, and the checkpoints a directory holds by kind."""
+"""Finding checkpoints: the shipped DDMs (the default one first), and a directory's by kind."""
 
 from __future__ import annotations
 
@@ -6,19 +6,36 @@ import os
 from pathlib import Path
 
 from ddm.checkpoints.format import CheckpointError, read_meta
+from ddm.checkpoints.shipped import DEFAULT_DDM, SHIPPED_ROOTS
 
 
 def default_checkpoints() -> Path:
-    """The shipped digits DDM: ``$DDM_CHECKPOINTS``, the repo's copy, or the image's copy."""
-    candidates = [os.environ.get("DDM_CHECKPOINTS"),
-                  Path(__file__).resolve().parents[3] / "checkpoints" / "digits",
-                  "/opt/ddm/checkpoints/digits"]
-    for candidate in candidates:
-        if candidate and Path(candidate).is_dir():
-            return Path(candidate)
+    """The default DDM's directory: ``$DDM_CHECKPOINTS``, else the shipped ``DEFAULT_DDM``."""
+    override = os.environ.get("DDM_CHECKPOINTS")
+    if override and Path(override).is_dir():
+        return Path(override)
+    return shipped_checkpoints(DEFAULT_DDM)
+
+
+def shipped_checkpoints(name: str) -> Path:
+    """The shipped DDM ``name`` (``mnist``, ``digits``, ...): the repository's or the image's."""
+    for root in SHIPPED_ROOTS:
+        if (root / name).is_dir():
+            return root / name
     raise CheckpointError(
-        "no shipped checkpoints found (looked at $DDM_CHECKPOINTS, the repository's "
-        "checkpoints/digits and /opt/ddm/checkpoints/digits); pass --checkpoints DIR")
+        f"no shipped checkpoints {name!r} found (looked in $DDM_CHECKPOINTS and "
+        f"{' and '.join(str(root) for root in SHIPPED_ROOTS)}); pass --checkpoints DIR")
+
+
+def shipped_ddms() -> list[Path]:
+    """Every shipped DDM directory, the default one first (the first copy of each name)."""
+    found: dict[str, Path] = {}
+    for root in SHIPPED_ROOTS:
+        if root.is_dir():
+            for path in sorted(root.iterdir()):
+                if path.is_dir() and not path.name.startswith("."):
+                    found.setdefault(path.name, path)
+    return sorted(found.values(), key=lambda path: path.name != DEFAULT_DDM)
 
 
 def discover(directory: str | os.PathLike) -> dict[str, list[Path]]:

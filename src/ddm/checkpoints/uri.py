@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 URI_PATTERN = (
     r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/\s]+)*/?|(image|file)://(/[^/\s]+)+/?"
@@ -45,8 +45,9 @@ def parse_checkpoint(uri: str) -> CheckpointSource:
             "http(s)://..., s3://BUCKET/KEY, gs://BUCKET/KEY or file:///ABS/PATH")
     parts = urlsplit(uri)
     path = parts.path.rstrip("/")
-    if ".." in path.split("/"):
-        raise ValueError(f"{uri!r}: '..' is not allowed in a checkpoint path")
+    decoded = unquote(path).replace("\\", "/")  # as a store may read it: %2e, %2f, '\\'
+    if ".." in decoded.split("/"):
+        raise ValueError(f"{uri!r}: '..' is not allowed in a checkpoint path (nor encoded)")
     return CheckpointSource(uri, parts.scheme, parts.netloc, path)
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 #: Sampling steps one request (or a DDM's default) may ask for; an expert's integrate grid too.
 MAX_STEPS = 1000
+#: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
+#: unguided. diffusers' pipelines default to 4.5-7.5.
+MAX_GUIDANCE_SCALE = 50.0
 #: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps).
 SOLVERS = ("euler", "heun")
 #: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and
@@ -64,6 +67,9 @@ MAX_ACCELERATOR_COUNT = 32
 MAX_IMAGE_CHANNELS = 16
 MAX_IMAGE_SIDE = 1024
 MAX_EXPERT_TEXT = 256
+#: How deeply an expert's ``partition`` may nest objects and lists (a k-means partition nests 4:
+#: the router hashes it with ``json.dumps``, which a deeper one overflows, a 500 on every call).
+MAX_EXPERT_INFO_DEPTH = 8
 #: Bodies the router reads from an expert outside the binary protocol: ``/v1/info`` (its
 #: checkpoint's partition included; the shipped MNIST experts' is 20 KB) and ``/readyz``.
 MAX_EXPERT_INFO_BYTES = 1024 * 1024

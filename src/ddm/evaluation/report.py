@@ -25,7 +25,7 @@ from ddm.evaluation.commands import load_judge, score_runs
 from ddm.evaluation.runcache import RunCache, SampledRun
 from ddm.data.partition import Partition, partition_from_dict
 from ddm.evaluation.scoring import METRICS, SEEDS, Judge, cluster_agreement, summarise
-from ddm.fileio import atomic_path
+from ddm.fileio import atomic_path, check_output
 from ddm.checkpoints.discovery import default_checkpoints, discover
 from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
 from ddm.sampling.pipeline import generate
@@ -249,6 +249,7 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
     ``progress`` hears one line per run."""
     if n_per_label < 1:
         raise ValueError(f"--n-per-label must be >= 1, got {n_per_label}")
+    check_output(out, ".md", "--out")  # before an hour of sampling, not after
     source = checkpoints or default_checkpoints()
     classifier = discover(source)["classifier"][0]
     judge = load_judge(classifier, data)

@@ -53,6 +53,8 @@ class RunCache:
     def __init__(self, directory: Path | None,
                  progress: Callable[[str], None] | None = None) -> None:
         self.directory = directory
+        if directory is not None:  # a cache, unlike an output, is made where it is asked for
+            directory.mkdir(parents=True, exist_ok=True)
         self.reused = 0
         self.sampled = 0
         self._progress = progress or (lambda line: None)

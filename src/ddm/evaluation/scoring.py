@@ -24,6 +24,24 @@ from ddm.evaluation.manifold import manifold_metrics
 #: Seeds per configuration: each draws its own reference subset (and, for models, noise).
 SEEDS = (0, 1, 2)
 METRICS = ("fd", "precision", "recall", "density", "coverage")
+#: Samples per feature dimension below which FD is unreliable: its covariance has D x D
+#: entries, and with few samples its small-sample bias swamps the differences between models
+#: (FID asks for 10k-50k images for Inception's 2048 features).
+FD_SAMPLES_PER_FEATURE = 10
+
+
+def small_sample_warnings(n: int, feature_dim: int, runs: int) -> list[str]:
+    """What a reader of scores of ``runs`` runs of ``n`` images each must be told."""
+    warnings = []
+    reliable = FD_SAMPLES_PER_FEATURE * feature_dim
+    if n < reliable:
+        warnings.append(f"{n} images per run: FD is unreliable below {reliable} "
+                        f"({FD_SAMPLES_PER_FEATURE} per feature of the classifier's "
+                        f"{feature_dim}); compare it only with FDs of {n} images, such as "
+                        "the real-vs-real floor")
+    if runs == 1:
+        warnings.append("one run: no spread; give one samples file per seed for one")
+    return warnings
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ CRD:
 - Secrets a spec may name (``credentialsSecret``, ``router.auth.secretName``): a whole name, or
   a prefix ending with ``*`` (``ddm-*``);
 - toleration keys and nodeSelector keys the spec's pod options may use (whole keys; a
-  toleration without a key tolerates every taint, so it is refused by any list); the
-  accelerators' own, which the operator adds, are the admin's;
+  toleration without a key tolerates every taint, so it is refused by any list; a
+  ``nodeAffinity`` places pods as a nodeSelector does, so its keys and fields are held to the
+  same list); the accelerators' own, which the operator adds, are the admin's;
 - host paths (``file://`` checkpoints, off unless listed): absolute directory prefixes ending
   with ``/``; a path with ``.`` or ``..`` segments is inside none.
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 import posixpath
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 from ddm.checkpoints.uri import CheckpointSource, redact_uri
 from ddm.deploy.pod_options import PodOptions
@@ -149,9 +150,12 @@ def policy_problems(spec: DDMSpec, allowed: AllowLists) -> list[str]:
 def _placement_problems(path: str, pod: PodOptions, allowed: AllowLists) -> list[str]:
     found = []
     if allowed.node_selector_keys:
-        for key in pod.node_selector or {}:
+        keys = [("nodeSelector", key) for key in pod.node_selector or {}]
+        keys += [(f"affinity.nodeAffinity.{where}", key)
+                 for where, key in _node_affinity_keys(pod.affinity)]
+        for field, key in keys:
             if key not in allowed.node_selector_keys:
-                found.append(f"{path}.nodeSelector: key {key!r} is not among the keys this "
+                found.append(f"{path}.{field}: key {key!r} is not among the keys this "
                              f"operator allows ({NODE_SELECTOR_KEYS_ENV}: "
                              f"{', '.join(allowed.node_selector_keys)})")
     if allowed.toleration_keys:
@@ -163,6 +167,28 @@ def _placement_problems(path: str, pod: PodOptions, allowed: AllowLists) -> list
                              f"this operator allows ({TOLERATION_KEYS_ENV}: "
                              f"{', '.join(allowed.toleration_keys)})")
     return found
+
+
+def _node_affinity_keys(affinity: Mapping[str, Any] | None) -> Iterator[tuple[str, Any]]:
+    """(where, key) of every node label or field a ``nodeAffinity`` selects on, required or
+    preferred: it places a pod as a nodeSelector does, so the same keys are allowed."""
+    node = (affinity or {}).get("nodeAffinity")
+    node = node if isinstance(node, Mapping) else {}
+    required = node.get("requiredDuringSchedulingIgnoredDuringExecution")
+    terms = [("required", term) for term in _items(
+        required.get("nodeSelectorTerms") if isinstance(required, Mapping) else None)]
+    terms += [("preferred", preferred.get("preference"))
+              for preferred in _items(node.get("preferredDuringSchedulingIgnoredDuringExecution"))
+              if isinstance(preferred, Mapping)]
+    for kind, term in terms:
+        for match in ("matchExpressions", "matchFields"):
+            for requirement in _items(term.get(match) if isinstance(term, Mapping) else None):
+                yield f"{kind} {match}", (requirement.get("key")
+                                          if isinstance(requirement, Mapping) else requirement)
+
+
+def _items(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
 
 
 def _secret_references(spec: DDMSpec) -> Iterator[tuple[str, str]]:

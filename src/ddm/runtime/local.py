@@ -4,7 +4,7 @@ The same YAML a user would ``kubectl apply`` is planned by the one deployment pl
 (``ddm.deploy.plan``, which the operator uses too), placed here by :func:`plan_local`, then
 supervised (:func:`run_local`): every expert replica becomes a ``ddm serve expert`` process on
 a free loopback port, the router a ``ddm serve router`` process whose config lists those
-endpoints. Ctrl-C stops everything started.
+endpoints. Ctrl-C or SIGTERM stops everything started.
 
 A process that dies once everything was up is restarted, on the same port, as the kubelet
 restarts a container: after a back-off that doubles with each restart up to 5 minutes, and
@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
+from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
@@ -50,6 +51,8 @@ from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
 IMAGE_PREFIX = "/opt/ddm/"
 REPOSITORY_ROOT = Path(__file__).resolve().parents[3]
+#: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.
+DEFAULT_MANIFEST = REPOSITORY_ROOT / "examples" / f"{DEFAULT_DDM}.yaml"
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 10.0
 #: How often the supervisor looks for processes that died or are due to restart.
@@ -232,28 +235,40 @@ class Supervisor:
                 self.out.flush()
 
     def start_ready(self, specs: Sequence[ProcessSpec], host: str, deadline: float) -> None:
-        """Start every process (they load in parallel), then wait until each is ready."""
+        """Start every process (they load in parallel), then wait until each is ready; says
+        when each starts and when it becomes ready (loading a model takes a while), in the
+        order they become ready."""
         for spec in specs:
             self.start(spec)
-        for spec in specs:
-            self.wait_ready(spec, host, deadline)
+            self._say(f"started {spec.name} (pid {self.processes[spec.name].pid}, "
+                      f"port {spec.port}); loading...")
+        waiting = list(specs)
+        while waiting:
+            for spec in [spec for spec in waiting if self.is_ready(spec, host)]:
+                waiting.remove(spec)
+                seconds = time.monotonic() - self.started_at[spec.name]
+                self._say(f"{spec.name} is ready ({seconds:.1f} s)")
+            if waiting and time.monotonic() >= deadline:
+                raise LocalRunError(f"{', '.join(spec.name for spec in waiting)} not ready "
+                                    f"within {READY_TIMEOUT_S:.0f} s")
+            if waiting:
+                time.sleep(0.2)  # external processes: polling their probes is the only signal
 
-    def wait_ready(self, spec: ProcessSpec, host: str, deadline: float) -> None:
-        """Poll ``/readyz`` until 200; fail at once if the process exits first."""
-        url = f"http://{host}:{spec.port}/readyz"
-        while time.monotonic() < deadline:
-            code = self.processes[spec.name].poll()
-            if code is not None:
-                raise LocalRunError(f"{spec.name} exited with status {code} before it was ready: "
-                                    f"{self.exit_reason(spec.name)}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as answer:
-                    if answer.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.2)  # an external process: polling its probe is the only signal
-        raise LocalRunError(f"{spec.name} was not ready within {READY_TIMEOUT_S:.0f} s")
+    def _say(self, line: str) -> None:
+        with self._lock:
+            print(line, file=self.out, flush=True)
+
+    def is_ready(self, spec: ProcessSpec, host: str) -> bool:
+        """Whether ``/readyz`` answers 200 now; fails if the process has exited."""
+        code = self.processes[spec.name].poll()
+        if code is not None:
+            raise LocalRunError(f"{spec.name} exited with status {code} before it was ready: "
+                                f"{self.exit_reason(spec.name)}")
+        try:
+            with urllib.request.urlopen(f"http://{host}:{spec.port}/readyz", timeout=2) as answer:
+                return answer.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
 
     def exit_reason(self, name: str) -> str:
         """The line process ``name`` left in its termination-message file, or a pointer to its
@@ -309,14 +324,15 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
               on_ready: Callable[[LocalPlan], None] | None = None,
               stop: threading.Event | None = None, *, fail_fast: bool = False,
               backoff: Backoff = Backoff(), deadline_s: float | None = None,
-              auth_token_file: Path | None = None) -> int:
+              auth_token_file: Path | None = None, api_docs: bool = False) -> int:
     """Run until Ctrl-C or ``stop`` being set, restarting what dies (with ``fail_fast``:
     until a process dies); returns an exit status. ``deadline_s``: the router's time budget
     for one expert call (``ddm serve router --deadline-s``; default from router.yaml).
     Authentication is on when the spec asks for it (``router.auth``), with a random token
     written to a private file in the run's directory, or with ``auth_token_file`` (the
     caller's token); the experts require another random token, in another private file,
-    which only the router presents."""
+    which only the router presents. ``api_docs``: the router serves Swagger UI
+    at ``/docs``."""
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(manifest, lambda: free_port(host), router_port, host,
@@ -332,9 +348,7 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             write_token(plan.token_file)
         if plan.expert_token_file is not None:
             write_token(plan.expert_token_file)
-        if deadline_s is not None:
-            plan = dataclasses.replace(plan, router=dataclasses.replace(
-                plan.router, argv=(*plan.router.argv, "--deadline-s", str(deadline_s))))
+        plan = with_router_options(plan, deadline_s, api_docs)
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
@@ -343,8 +357,9 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
                                    host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
-                  f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate)."
-                  " Ctrl-C stops everything.", file=out, flush=True)
+                  f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate"
+                  f"{f', API docs {plan.url}/docs' if api_docs else ''}). Ctrl-C stops "
+                  "everything.", file=out, flush=True)
             print(metrics_line(plan, host), file=out, flush=True)
             if plan.token_file is not None:  # the path only: a token never goes to a log
                 print(f"The API needs Authorization: Bearer <the token in {plan.token_file}>; "
@@ -355,10 +370,19 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             return _supervise(supervisor, stop or threading.Event(), out,
                               None if fail_fast else backoff, scaler.tick)
         except KeyboardInterrupt:
-            print("stopping...", file=out, flush=True)
             return 0
-        finally:
+        finally:  # Ctrl-C, SIGTERM (the caller's exception), an error or a death: stop all
+            print(f"stopping {len(supervisor.processes)} process(es)...", file=out, flush=True)
             supervisor.stop()
+
+
+def with_router_options(plan: LocalPlan, deadline_s: float | None = None,
+                        api_docs: bool = False) -> LocalPlan:
+    """``plan`` with ``ddm up``'s router options on the router's command line."""
+    extra = (*(("--deadline-s", str(deadline_s)) if deadline_s is not None else ()),
+             *(("--api-docs",) if api_docs else ()))
+    return dataclasses.replace(plan, router=dataclasses.replace(
+        plan.router, argv=(*plan.router.argv, *extra)))
 
 
 def write_token(path: Path) -> None:

@@ -8,9 +8,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from ddm.checkpoints.discovery import default_checkpoints
-from ddm.fileio import atomic_path
+from ddm.fileio import atomic_path, check_output
 from ddm.models.loading import load_ddm
-from ddm.sampling.loop import check_request
+from ddm.progress import progress_bar
+from ddm.sampling.loop import StepEvent, check_request
 from ddm.sampling.pipeline import generate, mixture_of, sampling_request
 from ddm.samples import save_samples_npz
 
@@ -18,8 +19,9 @@ from ddm.samples import save_samples_npz
 def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int],
                    n_per_label: int, steps: int, solver: str, seed: int, backend: str,
                    device: str | None, batch_size: int, out: Path,
-                   png: Path | None = None) -> dict[str, Any]:
-    """Generate ``n_per_label`` images per label; write ``out`` (and ``png``) atomically.
+                   png: Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Generate ``n_per_label`` images per label; write ``out`` (and ``png``) atomically,
+    with a progress bar of the sampling steps on a terminal's stderr unless ``quiet``.
 
     The samples file holds ``images`` (N, H, W) uint8 (0 background, 255 ink), ``labels``
     (N,) int64 and ``expert_calls`` (N,) int64, plus the settings that produced them.
@@ -28,8 +30,9 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
         raise ValueError(f"--n-per-label must be >= 1, got {n_per_label}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    if out.suffix != ".npz":
-        raise ValueError(f"--out must name a .npz file, got {out}")
+    check_output(out, ".npz", "--out")
+    if png is not None:
+        check_output(png, ".png", "--png")
     all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
     request = sampling_request(all_labels, steps, seed, strategy, solver)
     source = checkpoints or default_checkpoints()
@@ -38,11 +41,17 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
     parsed = request.strategy
 
     images, calls = [], []
-    for start in range(0, len(all_labels), batch_size):
-        chunk = generate(ddm, all_labels[start:start + batch_size], steps, seed, parsed,
-                         solver, first_index=start)
-        images.append(chunk.images)
-        calls.append(chunk.expert_calls)
+    starts = range(0, len(all_labels), batch_size)
+    with progress_bar(len(starts) * steps, f"sampling {len(all_labels)} images", "step",
+                      quiet) as bar:
+        for chunk_index, start in enumerate(starts):
+            def advance(event: StepEvent, done: int = chunk_index * steps) -> None:
+                bar.update(done + event.step - bar.n)
+
+            chunk = generate(ddm, all_labels[start:start + batch_size], steps, seed, parsed,
+                             solver, first_index=start, on_step=advance)
+            images.append(chunk.images)
+            calls.append(chunk.expert_calls)
     images, calls = np.concatenate(images), np.concatenate(calls)
     routing = parsed.name if ddm.is_mixture else "single"
     save_samples_npz(out, images, all_labels, calls,

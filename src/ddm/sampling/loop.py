@@ -3,12 +3,17 @@
 :func:`denoise` is a generator that never calls a model. It yields what it needs and is sent
 the answer (after h11 and diffusers' ``scheduler.step``):
 
-* :class:`Route` -- the router network's probabilities ``(B, K)`` for ``(x, t, y)``;
+* :class:`Encode` -- first, for a DDM with a text encoder asked with prompts: the prompts'
+  :class:`~ddm.conditioning.Conditioning` (a negative prompt rides as the last row);
+* :class:`Route` -- the router network's probabilities ``(B, K)`` for ``(x, t, cond)``;
 * :class:`Calls` -- expert calls to make, concurrently where the driver can: a
-  :class:`Velocity` (answer ``v`` ``(B, C, H, W)``) or an :class:`Integrate` of a chunk of the
+  :class:`Velocity` (answer ``v`` ``(B, C, H, W)``; its conditioning carries each row's
+  guidance scale, applied inside the expert) or an :class:`Integrate` of a chunk of the
   grid with the request's solver (answer ``x`` at the chunk's end);
 * :class:`Concurrently` -- sub-loops (generators of the same kind) to run side by side; the
   answer is the list of their return values;
+* :class:`Decode` -- last, for a DDM with a decoder: the images ``(N, 3, H, W)`` in
+  ``[-1, 1]`` of the final latents; the loop then yields them as a :class:`Decoded` event.
 
 and it yields a :class:`StepEvent` (answered with None) after each chunk of the grid. Two
 drivers run it: :func:`ddm.sampling.pipeline.generate` in-process, and the router's
@@ -17,8 +22,10 @@ only on the request and the models, not on the driver: ``ddm sample`` and ``POST
 /v1/generate`` give the same pixels.
 
 Per sample and velocity evaluation: the strategy turns the router's probabilities, restricted to
-the experts trained on the sample's label (:func:`ddm.sampling.routing.mixture_weights`), into
-weights; ``v = sum_k w_k v_k`` with each expert evaluated only on its rows.
+the experts trained on the sample's label where the partition is by label
+(:func:`ddm.sampling.routing.mixture_weights`; a text DDM's experts all serve every row), into
+weights; ``v = sum_k w_k v_k`` with each expert evaluated only on its rows. Guidance is linear,
+so guiding inside each expert and mixing equals mixing and guiding.
 
 **Missing experts.** A driver may answer a :class:`Velocity` asked with ``fallback`` by
 :class:`Missing` (the router's ``reroute`` policy, when the expert has no ready replica): the
@@ -47,8 +54,9 @@ from typing import Any, Generator, Sequence
 
 import numpy as np
 
-from ddm.convention import time_grid, to_uint8
-from ddm.deploy.limits import MAX_STEPS
+from ddm.conditioning import LABELS, TEXT, Conditioning
+from ddm.convention import TimeGrid, to_uint8
+from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_STEPS
 from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
                                   random_weights, routing_weights, servable_labels)
 from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
@@ -57,13 +65,19 @@ from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
 @dataclass(frozen=True)
 class Mixture:
     """What the loop knows of a DDM: experts in the router network's output order, the labels
-    each was trained on (empty: every label), whether a router network exists."""
+    each was trained on (empty: every label), whether a router network exists; what it is
+    conditioned on, whether it has a text encoder and a decoder stage, and its time grid.
+    ``image_shape`` is the state's ``(C, H, W)``: latents where a decoder follows."""
 
     expert_names: tuple[str, ...]
     expert_classes: tuple[tuple[int, ...], ...]
     image_shape: tuple[int, int, int]
     num_classes: int
     routed: bool
+    conditioning: str = LABELS
+    encoder: bool = False
+    decoder: bool = False
+    grid: TimeGrid = TimeGrid()
 
     @functools.cached_property
     def servable(self) -> np.ndarray:
@@ -71,10 +85,20 @@ class Mixture:
         return servable_labels(self.expert_classes, self.num_classes)
 
 
+#: What a generation returns: decoded images, or the final state (latents) as it is.
+OUTPUTS = ("image", "latent")
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
-    """One generation: an image per label; image ``i``'s noise comes from
-    ``(seed, first_index + i)``, so an image does not depend on the batch it is made in."""
+    """One generation: an image per label (a label DDM) or per prompt or row of precomputed
+    ``conditioning`` (a text DDM); image ``i``'s noise comes from ``(seed, first_index + i)``,
+    so an image does not depend on the batch it is made in, unless ``latents`` (N, C, H, W)
+    float32 give the initial state (diffusers' ``latents``).
+
+    Guidance (text DDMs): ``guidance_scale`` for every row (1: none), against the null
+    conditioning or the ``negative_prompt``'s, for the first ``guidance_cutoff`` fraction of
+    the steps. ``output="latent"`` skips the decoder."""
 
     labels: tuple[int, ...]
     steps: int
@@ -83,29 +107,44 @@ class SamplingRequest:
     solver: str = "euler"
     delegate_steps: int = 0
     first_index: int = 0
+    prompts: tuple[str, ...] = ()
+    conditioning: Conditioning | None = field(default=None, compare=False)
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    guidance_cutoff: float = 1.0
+    latents: np.ndarray | None = field(default=None, compare=False)
+    output: str = "image"
 
 
 # ------------------------------------------------------------------------ what the loop asks
 
 
 @dataclass(frozen=True)
+class Encode:
+    """Wanted: the text encoder's conditioning of ``prompts``, one row each."""
+
+    prompts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Route:
-    """Wanted: the router network's ``p(k | x, t, y)``, ``(B, K)``."""
+    """Wanted: the router network's ``p(k | x, t, cond)``, ``(B, K)``."""
 
     x: np.ndarray
     t: np.ndarray
-    y: np.ndarray
+    cond: Conditioning
 
 
 @dataclass(frozen=True)
 class Velocity:
-    """Wanted: expert ``expert``'s (an index) velocity at ``(x, t, y)``; with ``fallback``,
-    :class:`Missing` is an answer too (the loop can route the rows elsewhere)."""
+    """Wanted: expert ``expert``'s (an index) velocity at ``(x, t, cond)``, guided per row
+    as ``cond.guidance`` says; with ``fallback``, :class:`Missing` is an answer too (the loop
+    can route the rows elsewhere)."""
 
     expert: int
     x: np.ndarray
     t: np.ndarray
-    y: np.ndarray
+    cond: Conditioning
     fallback: bool = False
 
 
@@ -122,9 +161,16 @@ class Integrate:
 
     expert: int
     x: np.ndarray
-    y: np.ndarray
+    cond: Conditioning
     grid: np.ndarray
     solver: str
+
+
+@dataclass(frozen=True)
+class Decode:
+    """Wanted: the decoder's images ``(N, 3, H, W)`` in ``[-1, 1]`` of ``latents``."""
+
+    latents: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -141,7 +187,7 @@ class Concurrently:
     parts: tuple[Generator[Any, Any, Any], ...]
 
 
-Query = Route | Calls | Concurrently
+Query = Encode | Route | Calls | Concurrently | Decode
 
 
 @dataclass(frozen=True)
@@ -153,7 +199,7 @@ class StepEvent:
     sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate;
     ``probs`` (N, K) float32 is the routing distribution that decided each sample's first
     evaluation of the chunk, at the state of the previous event: the router network's
-    ``p(k | x_t, t, y)``, the oracle's one-hot, or the random baseline's uniform draw;
+    ``p(k | x_t, t, cond)``, the oracle's one-hot, or the random baseline's uniform draw;
     ``rerouted`` (N,) which had a missing expert's share moved to others. ``wanted_rows`` (K,)
     and ``wanted_weight`` (K,) are the chunk's demand on each expert as the strategy chose it,
     before any rerouting: rows evaluated and their summed weight (a delegated row counts once
@@ -176,7 +222,14 @@ class StepEvent:
         return np.any(self.selections, axis=0)
 
 
-Loop = Generator[Query | StepEvent, Any, None]
+@dataclass(frozen=True)
+class Decoded:
+    """The decoded images after the last step, ``(N, H, W, 3)`` uint8 RGB."""
+
+    images: np.ndarray
+
+
+Loop = Generator[Query | StepEvent | Decoded, Any, None]
 
 
 # ------------------------------------------------------------------------------- validation
@@ -197,21 +250,44 @@ def check_labels(labels: Sequence[int], num_classes: int) -> np.ndarray:
 def check_request(mixture: Mixture, request: SamplingRequest,
                   max_steps: int = MAX_STEPS) -> np.ndarray:
     """Raise a ``ValueError`` naming what ``mixture`` cannot do for ``request``, before any
-    model runs; the labels as ``(N,)`` int64. The one request validator: ``ddm sample`` and the
-    router (after its schema, which carries the same limits) both call it."""
+    model runs; the labels as ``(N,)`` int64 (none for a text DDM). The one request validator:
+    ``ddm sample`` and the router (after its schema, which carries the same limits) both call
+    it."""
     stepper(request.solver)
     if not _is_int(request.steps) or not 1 <= request.steps <= max_steps:
         raise ValueError(f"steps must be an integer in [1, {max_steps}], got {request.steps!r}")
     if not _is_int(request.delegate_steps) or request.delegate_steps < 0:
         raise ValueError(f"delegate_steps must be an integer >= 0, got "
                          f"{request.delegate_steps!r}")
+    if request.output not in OUTPUTS:
+        raise ValueError(f"output must be one of {', '.join(OUTPUTS)}, got {request.output!r}")
+    if mixture.conditioning == TEXT:
+        rows = _check_text(mixture, request)
+        y = np.zeros(0, np.int64)
+    else:
+        y = _check_labelled(mixture, request)
+        rows = len(y)
+    _check_latents(mixture, request.latents, rows)
+    return y
+
+
+def _check_labelled(mixture: Mixture, request: SamplingRequest) -> np.ndarray:
+    """A label DDM's request: its labels; no prompts and no guidance."""
+    text = [name for name, given in (("prompts", bool(request.prompts)),
+                                     ("conditioning", request.conditioning is not None),
+                                     ("negative_prompt", request.negative_prompt is not None))
+            if given]
+    if text:
+        raise ValueError(f"this DDM is conditioned on labels; it takes no {', '.join(text)}")
+    if request.guidance_scale != 1.0:
+        raise ValueError(f"guidance_scale must be 1 for a label DDM (got "
+                         f"{request.guidance_scale!r}): classifier-free guidance needs experts "
+                         "with an unconditional input, as a text DDM's")
     y = check_labels(request.labels, mixture.num_classes)
     if request.strategy.kind == "oracle":
         oracle_probs(y, mixture.expert_classes)  # every label owned by exactly one expert
         return y
-    if len(mixture.expert_names) > 1 and not mixture.routed and request.strategy.kind != "random":
-        raise ValueError(f"strategy {request.strategy.name} needs the router network, and "
-                         "this DDM has none; use the oracle strategy")
+    _check_routable(mixture, request.strategy)
     uncovered = sorted({int(v) for v in y[~mixture.servable[y].any(axis=1)]})
     if uncovered:
         raise ValueError(f"labels {uncovered} are served by no expert "
@@ -219,46 +295,139 @@ def check_request(mixture: Mixture, request: SamplingRequest,
     return y
 
 
+def _check_text(mixture: Mixture, request: SamplingRequest) -> int:
+    """A text DDM's request: prompts or precomputed text conditioning; its number of rows."""
+    if request.labels:
+        raise ValueError("this DDM is conditioned on text: send prompts, not labels")
+    if request.strategy.kind == "oracle":
+        raise ValueError("the oracle strategy routes by label, and this DDM is conditioned on "
+                         "text (its experts are not split by label); use a learned strategy "
+                         "such as top2")
+    if bool(request.prompts) == (request.conditioning is not None):
+        raise ValueError("give either prompts or precomputed conditioning, exactly one")
+    if request.conditioning is None:
+        if not mixture.encoder:
+            raise ValueError("this DDM has no text encoder: send precomputed embeddings")
+        strings = [request.negative_prompt] if request.negative_prompt is not None else []
+        if not all(isinstance(p, str) for p in [*request.prompts, *strings]):
+            raise ValueError("prompts and the negative prompt must be strings")
+        rows = len(request.prompts)
+    else:
+        if request.conditioning.kind != TEXT:
+            raise ValueError("this DDM is conditioned on text; the conditioning given holds "
+                             "labels")
+        if request.negative_prompt is not None:
+            raise ValueError("a negative prompt goes with prompts; with precomputed "
+                             "conditioning, give its embeddings as conditioning.negative")
+        rows = len(request.conditioning)
+    if rows < 1:
+        raise ValueError("no prompts given")
+    scale = request.guidance_scale
+    if (not isinstance(scale, (int, float, np.floating)) or isinstance(scale, bool)
+            or not 0.0 <= scale <= MAX_GUIDANCE_SCALE):
+        raise ValueError(f"guidance_scale must be a number in [0, {MAX_GUIDANCE_SCALE:g}], "
+                         f"got {scale!r}")
+    cutoff = request.guidance_cutoff
+    if not isinstance(cutoff, (int, float)) or isinstance(cutoff, bool) or not 0 <= cutoff <= 1:
+        raise ValueError(f"guidance_cutoff must be a fraction of the steps in [0, 1], "
+                         f"got {cutoff!r}")
+    _check_routable(mixture, request.strategy)
+    return rows
+
+
+def _check_routable(mixture: Mixture, strategy: Strategy) -> None:
+    if len(mixture.expert_names) > 1 and not mixture.routed and strategy.kind != "random":
+        raise ValueError(f"strategy {strategy.name} needs the router network, and "
+                         "this DDM has none; use the oracle strategy")
+
+
+def _check_latents(mixture: Mixture, latents: np.ndarray | None, rows: int) -> None:
+    if latents is None:
+        return
+    expected = (rows, *mixture.image_shape)
+    if (not isinstance(latents, np.ndarray) or latents.dtype != np.float32
+            or latents.shape != expected):
+        got = (f"{latents.dtype} {latents.shape}" if isinstance(latents, np.ndarray)
+               else type(latents).__name__)
+        raise ValueError(f"latents must be float32 of shape {expected}, got {got}")
+    if not np.isfinite(latents).all():
+        raise ValueError("latents hold NaN or infinity")
+
+
 # ------------------------------------------------------------------------------- the loop
 
 
 def denoise(mixture: Mixture, request: SamplingRequest) -> Loop:
-    """The loop from noise to data: yields queries and a :class:`StepEvent` per chunk."""
+    """The loop from noise to data: yields queries, a :class:`StepEvent` per chunk and, where
+    the DDM has a decoder and images are asked for, a :class:`Decoded` at the end."""
     y = check_request(mixture, request)
-    grid = time_grid(request.steps)
-    x = initial_noise(len(y), mixture.image_shape, request.seed, request.first_index)
+    cond = yield from _conditioning(mixture, request, y)
+    n = len(cond)
+    grid = mixture.grid.times(request.steps)
+    x = (request.latents.copy() if request.latents is not None
+         else initial_noise(n, mixture.image_shape, request.seed, request.first_index))
     # (seed, image index) per sample: what the random baseline's draws are keyed on.
-    keys = np.stack([np.full(len(y), request.seed, np.int64),
-                     request.first_index + np.arange(len(y), dtype=np.int64)], axis=1)
+    keys = np.stack([np.full(n, request.seed, np.int64),
+                     request.first_index + np.arange(n, dtype=np.int64)], axis=1)
+    guided_steps = int(request.guidance_cutoff * request.steps)
     chunk = max(1, request.delegate_steps)
     for start in range(0, request.steps, chunk):
         end = min(start + chunk, request.steps)
-        event = yield from _chunk(mixture, request, x, y, keys, grid[start:end + 1], end)
+        step_cond = (cond if cond.guidance is None or start < guided_steps
+                     else cond.with_guidance(1.0))
+        event = yield from _chunk(mixture, request, x, step_cond, keys, grid[start:end + 1],
+                                  end)
         x = event.x
         yield event
+    if mixture.decoder and request.output == "image":
+        pixels = yield Decode(x)
+        yield Decoded(np.ascontiguousarray(to_uint8(pixels).transpose(0, 2, 3, 1)))
 
 
-def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndarray,
+def _conditioning(mixture: Mixture, request: SamplingRequest, y: np.ndarray
+                  ) -> Generator[Query, Any, Conditioning]:
+    """The rows' conditioning, with the request's guidance on text rows: the labels, the
+    precomputed conditioning, or the text encoder's (one :class:`Encode`, the negative prompt
+    as its last row)."""
+    if mixture.conditioning == LABELS:
+        return Conditioning.from_labels(y)
+    if request.conditioning is not None:
+        given = request.conditioning
+        return given.with_guidance(request.guidance_scale, given.negative)
+    prompts = request.prompts
+    negative = () if request.negative_prompt is None else (request.negative_prompt,)
+    encoded = yield Encode(prompts + negative)
+    if not isinstance(encoded, Conditioning) or encoded.kind != TEXT or (
+            len(encoded) != len(prompts) + len(negative)):
+        raise ValueError(f"the text encoder answered {encoded!r} for "
+                         f"{len(prompts) + len(negative)} prompts")
+    rows = np.arange(len(prompts))
+    return encoded.take(rows).with_guidance(
+        request.guidance_scale,
+        encoded.take(np.full(len(prompts), len(prompts))) if negative else None)
+
+
+def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, cond: Conditioning,
            keys: np.ndarray, grid: np.ndarray, step: int) -> Generator[Query, Any, StepEvent]:
     """One chunk: delegate the samples with one expert, step the others, concurrently."""
-    n, k = len(y), len(mixture.expert_names)
+    n, k = len(cond), len(mixture.expert_names)
     evaluations = (len(grid) - 1) * EVALUATIONS_PER_STEP[request.solver]
     delegated = np.zeros(n, bool)
     probs = np.zeros((n, k), np.float32)
     groups: list[tuple[int, np.ndarray]] = []
     if request.delegate_steps > 1:
-        probs, weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]), y,
-                                      keys)
+        probs, weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]),
+                                             cond, keys)
         delegated = (weights > 0).sum(axis=1) == 1
         groups = [(e, rows) for e in range(k)
                   if (rows := np.flatnonzero(delegated & (weights[:, e] > 0))).size]
     stepped = np.flatnonzero(~delegated)
     parts: list[Generator[Any, Any, Any]] = []
     if groups:
-        parts.append(_delegate(groups, x, y, grid, request.solver))
+        parts.append(_delegate(groups, x, cond, grid, request.solver))
     if stepped.size:
         parts.append(_step_by_step(mixture, request.strategy, request.solver, x[stepped],
-                                   y[stepped], keys[stepped], grid))
+                                   cond.take(stepped), keys[stepped], grid))
     results = (yield Concurrently(tuple(parts))) if len(parts) > 1 else [(yield from parts[0])]
 
     x_next = np.empty_like(x)
@@ -287,10 +456,10 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, y: np.ndar
                      wanted_weight=wanted.sum(axis=(0, 1)))
 
 
-def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, y: np.ndarray,
+def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, cond: Conditioning,
               grid: np.ndarray, solver: str) -> Generator[Query, Any, list[np.ndarray]]:
     """One integrate call per expert over the chunk; the states at its end, per group."""
-    return (yield Calls(tuple(Integrate(e, x[rows], y[rows], grid, solver)
+    return (yield Calls(tuple(Integrate(e, x[rows], cond.take(rows), grid, solver)
                               for e, rows in groups)))
 
 
@@ -321,7 +490,7 @@ class _Mixed:
 
 
 def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarray,
-                  y: np.ndarray, keys: np.ndarray, grid: np.ndarray
+                  cond: Conditioning, keys: np.ndarray, grid: np.ndarray
                   ) -> Generator[Query, Any, _Walk]:
     """The solver over ``grid`` with the mixture velocity."""
     step_with = stepper(solver)
@@ -336,7 +505,7 @@ def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarr
                 x = done.value
                 break
             evaluation = yield from _mixture_velocity(mixture, strategy, point.x,
-                                                      _times(len(y), point.t), y, keys)
+                                                      _times(len(cond), point.t), cond, keys)
             v = evaluation.v
             mixed.append(evaluation)
     return _Walk(x, np.stack([m.selected for m in mixed]), np.stack([m.wanted for m in mixed]),
@@ -344,13 +513,13 @@ def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarr
 
 
 def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-                      y: np.ndarray, keys: np.ndarray) -> Generator[Query, Any, _Mixed]:
+                      cond: Conditioning, keys: np.ndarray) -> Generator[Query, Any, _Mixed]:
     """``sum_k w_k v_k`` per sample, each expert asked only for its rows; an expert answered
     :class:`Missing` has its rows rerouted (module docstring)."""
-    n, k = len(y), len(mixture.expert_names)
+    n, k = len(cond), len(mixture.expert_names)
     reroutable = strategy.kind != "random"  # the evaluation baseline is never served
-    probs, wanted = yield from _weights(mixture, strategy, x, t, y, keys)
-    servable = mixture.servable[y]
+    probs, wanted = yield from _weights(mixture, strategy, x, t, cond, keys)
+    servable = _servable(mixture, cond)
     weights, available, rerouted = wanted, np.ones(k, bool), np.zeros(n, bool)
     answered = np.zeros((n, k), bool)
     v_k: dict[int, np.ndarray] = {}
@@ -359,7 +528,7 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
                  if (rows := np.flatnonzero((weights[:, e] > 0) & ~answered[:, e])).size]
         if not calls:  # the answered experts cover the rerouted rows
             break
-        outs = yield Calls(tuple(Velocity(e, x[rows], t[rows], y[rows],
+        outs = yield Calls(tuple(Velocity(e, x[rows], t[rows], cond.take(rows),
                                           fallback=reroutable and bool(available[e]))
                                  for e, rows in calls))
         missing = [e for (e, _), out in zip(calls, outs) if isinstance(out, Missing)]
@@ -381,22 +550,30 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
 
 
 def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-             y: np.ndarray, keys: np.ndarray
+             cond: Conditioning, keys: np.ndarray
              ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
     """Per-sample routing probabilities and mixture weights, both (B, K), among the experts
-    that serve each sample's label; ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
-    if strategy.kind == "oracle":
-        probs = oracle_probs(y, mixture.expert_classes)
+    that serve each sample (by label where the partition is by label; a text DDM's experts
+    serve every row); ``keys`` (B, 2) are the samples' ``(seed, image index)``."""
+    if strategy.kind == "oracle":  # check_request allows it for label DDMs only
+        assert cond.labels is not None, "the oracle routes by label"
+        probs = oracle_probs(cond.labels, mixture.expert_classes)
         return probs, routing_weights(probs, strategy)
-    servable = mixture.servable[y]
+    servable = _servable(mixture, cond)
     if strategy.kind == "random":
         uniform = servable / servable.sum(axis=1, keepdims=True)
         return uniform.astype(np.float32), random_weights(keys, t, servable)
     if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
-        ones = np.ones((len(y), 1), np.float32)
+        ones = np.ones((len(cond), 1), np.float32)
         return ones, ones
-    probs = yield Route(x, t, y)
+    probs = yield Route(x, t, cond)
     return np.asarray(probs, np.float32), mixture_weights(probs, servable, strategy)
+
+
+def _servable(mixture: Mixture, cond: Conditioning) -> np.ndarray:
+    """(B, K) bool: expert k may take row b (by label where the partition is by label)."""
+    return (mixture.servable[cond.labels] if cond.labels is not None
+            else np.ones((len(cond), len(mixture.expert_names)), bool))
 
 
 # ------------------------------------------------------------------------------- results
@@ -442,9 +619,12 @@ class UsageLog:
 
 @dataclass(frozen=True)
 class Generation:
-    images: np.ndarray       # (N, H, W) uint8, 0 background, 255 ink
+    """What a generation made. ``images``: (N, H, W) uint8 (0 background, 255 ink) from a
+    label DDM's state, (N, H, W, 3) uint8 RGB from a decoder, None for latent output."""
+
+    images: np.ndarray | None
     state: np.ndarray        # (N, C, H, W) float32, the final state in model space
-    labels: np.ndarray       # (N,) int64
+    labels: np.ndarray       # (N,) int64; empty for a text DDM
     usage: UsageLog
     round_trips: np.ndarray  # (N,) expert calls per image (delegated chunks count once)
     rerouted: tuple[tuple[int, ...], ...] = ()  # per image, the steps whose routing moved
@@ -463,29 +643,40 @@ class Generation:
 
 class Tally:
     """Sums the events of one generation into a :class:`Generation` (one per generation: it
-    is the generation's own state)."""
+    is the generation's own state). ``state_is_image``: the final state is the image (a label
+    DDM in pixel space); otherwise images come only from a :class:`Decoded` event."""
 
-    def __init__(self, expert_names: tuple[str, ...], labels: Sequence[int]) -> None:
+    def __init__(self, expert_names: tuple[str, ...], labels: Sequence[int],
+                 state_is_image: bool = True) -> None:
         self._labels = np.asarray(labels, np.int64)
         self._usage = UsageLog(expert_names)
-        self._round_trips = np.zeros(len(self._labels), np.int64)
-        self._rerouted: list[list[int]] = [[] for _ in self._labels]
+        self._round_trips: np.ndarray | None = None
+        self._rerouted: dict[int, list[int]] = {}  # row -> the steps its routing moved
         self._state: np.ndarray | None = None
+        self._images: np.ndarray | None = None
+        self._state_is_image = state_is_image
 
-    def add(self, event: StepEvent) -> None:
+    def add(self, event: StepEvent | Decoded) -> None:
+        if isinstance(event, Decoded):
+            self._images = event.images
+            return
         for mask in event.selections:
             self._usage.record(mask)
-        self._round_trips += event.round_trips
+        self._round_trips = (event.round_trips.copy() if self._round_trips is None
+                             else self._round_trips + event.round_trips)
         for row in np.flatnonzero(event.rerouted):
-            self._rerouted[row].append(event.step)
+            self._rerouted.setdefault(int(row), []).append(event.step)
         self._state = event.x
 
     def result(self) -> Generation:
-        assert self._state is not None, "a generation has at least one step"
-        return Generation(images=to_uint8(self._state[:, 0]), state=self._state,
-                          labels=self._labels, usage=self._usage,
-                          round_trips=self._round_trips.copy(),
-                          rerouted=tuple(tuple(steps) for steps in self._rerouted))
+        assert self._state is not None and self._round_trips is not None, \
+            "a generation has at least one step"
+        images = (self._images if self._images is not None
+                  else to_uint8(self._state[:, 0]) if self._state_is_image else None)
+        return Generation(images=images, state=self._state, labels=self._labels,
+                          usage=self._usage, round_trips=self._round_trips.copy(),
+                          rerouted=tuple(tuple(self._rerouted.get(row, ()))
+                                         for row in range(len(self._state))))
 
 
 def _times(n: int, t: float) -> np.ndarray:

@@ -1,5 +1,6 @@
 """The in-process driver of the sampling loop (:mod:`ddm.sampling.loop`): ``ddm sample``,
-evaluation and benchmarks generate with it, from a DDM loaded by :mod:`ddm.models.loading`.
+evaluation and benchmarks generate with it, from a label DDM loaded by
+:mod:`ddm.models.loading` or a text DDM's stages (:mod:`ddm.models.paris_ddm`).
 
 It answers the loop's queries by calling the models in this process, one after the other; an
 :class:`~ddm.sampling.loop.Integrate` (delegation) runs the same solver over the expert alone,
@@ -8,19 +9,32 @@ as an expert server does.
 
 from __future__ import annotations
 
-from typing import Any, Generator, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
+from ddm.conditioning import TEXT, Conditioning
 from ddm.models.loading import LoadedDDM
-from ddm.sampling.loop import (Calls, Concurrently, Generation, Loop, Mixture, Query, Route,
-                               SamplingRequest, StepEvent, Tally, Velocity, denoise)
+from ddm.models.stages import ConditionedVelocity, TextDDM
+from ddm.sampling.guidance import guided
+from ddm.sampling.loop import (Calls, Concurrently, Decode, Decoded, Encode, Generation, Loop,
+                               Mixture, Query, Route, SamplingRequest, StepEvent, Tally,
+                               Velocity, denoise)
 from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.sampling.solvers import iterate
 
+DDM = LoadedDDM | TextDDM
 
-def mixture_of(ddm: LoadedDDM) -> Mixture:
+
+def mixture_of(ddm: DDM) -> Mixture:
     """What the loop knows of ``ddm``."""
+    if isinstance(ddm, TextDDM):
+        return Mixture(expert_names=ddm.expert_names,
+                       expert_classes=((),) * len(ddm.expert_names),
+                       image_shape=ddm.latent_shape, num_classes=0,
+                       routed=ddm.router is not None, conditioning=TEXT,
+                       encoder=ddm.encode is not None, decoder=ddm.decode is not None,
+                       grid=ddm.grid)
     return Mixture(expert_names=tuple(e.name for e in ddm.experts),
                    expert_classes=tuple(tuple(e.classes) for e in ddm.experts),
                    image_shape=ddm.image_shape, num_classes=ddm.num_classes,
@@ -41,8 +55,10 @@ def sampling_request(labels: Sequence[int], steps: int, seed: int,
 
 def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
              strategy: Strategy | str = "top1", solver: str = "euler",
-             first_index: int = 0, delegate_steps: int = 0) -> Generation:
+             first_index: int = 0, delegate_steps: int = 0,
+             on_step: Callable[[StepEvent], None] | None = None) -> Generation:
     """Sample one image per label; image ``i``'s noise comes from ``(seed, first_index + i)``.
+    ``on_step`` sees each :class:`StepEvent` as it comes (a progress bar).
 
     Everything is validated before any model runs (:func:`ddm.sampling.loop.check_request`).
     """
@@ -51,49 +67,105 @@ def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
     tally = Tally(tuple(e.name for e in ddm.experts), request.labels)
     for event in steps_of(ddm, request):
         tally.add(event)
+        if on_step is not None:
+            on_step(event)
     return tally.result()
 
 
-def steps_of(ddm: LoadedDDM, request: SamplingRequest) -> Iterator[StepEvent]:
-    """Run the loop in this process, yielding its :class:`StepEvent` after each chunk."""
+def generate_text(ddm: TextDDM, prompts: Sequence[str] = (), *, steps: int | None = None,
+                  seed: int = 0, strategy: Strategy | str | None = None,
+                  guidance_scale: float | None = None, negative_prompt: str | None = None,
+                  guidance_cutoff: float = 1.0, latents: np.ndarray | None = None,
+                  conditioning: Conditioning | None = None, output: str = "image",
+                  solver: str = "euler") -> Generation:
+    """One image per prompt (or per row of precomputed ``conditioning``) from a text DDM;
+    steps, strategy and guidance default to the release's. ``latents`` (N, C, S, S) float32
+    replace the seed's initial noise; ``output="latent"`` skips the decoder (images None)."""
+    chosen = ddm.strategy if strategy is None else strategy
+    request = SamplingRequest(
+        labels=(), steps=ddm.steps if steps is None else steps, seed=seed,
+        strategy=parse_strategy(chosen, evaluation=True) if isinstance(chosen, str) else chosen,
+        solver=solver, prompts=tuple(prompts), conditioning=conditioning,
+        guidance_scale=ddm.guidance_scale if guidance_scale is None else guidance_scale,
+        negative_prompt=negative_prompt, guidance_cutoff=guidance_cutoff, latents=latents,
+        output=output)
+    tally = Tally(ddm.expert_names, (), state_is_image=False)
+    for event in steps_of(ddm, request):
+        tally.add(event)
+    return tally.result()
+
+
+def steps_of(ddm: DDM, request: SamplingRequest) -> Iterator[StepEvent | Decoded]:
+    """Run the loop in this process, yielding its :class:`StepEvent` after each chunk (and
+    the :class:`Decoded` images at the end, where the DDM decodes)."""
     loop: Loop = denoise(mixture_of(ddm), request)  # validates the request first
+    stages = _Stages(ddm)
     answer: Any = None
     while True:
         try:
             item = loop.send(answer)
         except StopIteration:
             return
-        if isinstance(item, StepEvent):
+        if isinstance(item, (StepEvent, Decoded)):
             answer = None
             yield item
         else:
-            answer = _answer(ddm, item)
+            answer = stages.answer(item)
 
 
-def _answer(ddm: LoadedDDM, query: Query) -> Any:
-    if isinstance(query, Route):
-        assert ddm.router is not None, "check_request refuses learned strategies without one"
-        return ddm.router(query.x, query.t, query.y)
-    if isinstance(query, Calls):
-        return [ddm.experts[c.expert].velocity(c.x, c.t, c.y) if isinstance(c, Velocity)
-                else _integrate(ddm, c.expert, c.x, c.y, c.grid, c.solver) for c in query.calls]
-    assert isinstance(query, Concurrently), f"unknown query {query!r}"
-    return [_finish(ddm, part) for part in query.parts]
+class _Stages:
+    """Answers the loop's queries with ``ddm``'s models, in this process: label experts
+    take the labels, a text DDM's experts are guided against its null conditioning."""
+
+    def __init__(self, ddm: DDM) -> None:
+        self.ddm = ddm
+        self.velocities: tuple[ConditionedVelocity, ...] = (
+            tuple(guided(e, ddm.null) for e in ddm.experts) if isinstance(ddm, TextDDM)
+            else tuple(_labelled(e.velocity) for e in ddm.experts))
+
+    def answer(self, query: Query) -> Any:
+        ddm = self.ddm
+        if isinstance(query, Encode):
+            assert isinstance(ddm, TextDDM) and ddm.encode is not None, "checked by the loop"
+            return ddm.encode(query.prompts)
+        if isinstance(query, Decode):
+            assert isinstance(ddm, TextDDM) and ddm.decode is not None, "checked by the loop"
+            return ddm.decode(query.latents)
+        if isinstance(query, Route):
+            assert ddm.router is not None, "check_request refuses learned strategies without one"
+            if isinstance(ddm, TextDDM):
+                return ddm.router(query.x, query.t, query.cond)
+            return ddm.router(query.x, query.t, _labels(query.cond))
+        if isinstance(query, Calls):
+            return [self.velocities[c.expert](c.x, c.t, c.cond) if isinstance(c, Velocity)
+                    else self._integrate(c.expert, c.x, c.cond, c.grid, c.solver)
+                    for c in query.calls]
+        assert isinstance(query, Concurrently), f"unknown query {query!r}"
+        return [self._finish(part) for part in query.parts]
+
+    def _finish(self, part: Generator[Query, Any, Any]) -> Any:
+        """Run a sub-loop to its end; its return value."""
+        answer: Any = None
+        while True:
+            try:
+                query = part.send(answer)
+            except StopIteration as done:
+                return done.value
+            answer = self.answer(query)
+
+    def _integrate(self, expert: int, x: np.ndarray, cond: Conditioning, grid: np.ndarray,
+                   solver: str) -> np.ndarray:
+        for _, x in iterate(self.velocities[expert], x, cond, grid, solver):
+            pass
+        return x
 
 
-def _finish(ddm: LoadedDDM, part: Generator[Query, Any, Any]) -> Any:
-    """Run a sub-loop to its end; its return value."""
-    answer: Any = None
-    while True:
-        try:
-            query = part.send(answer)
-        except StopIteration as done:
-            return done.value
-        answer = _answer(ddm, query)
+def _labelled(velocity: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+              ) -> ConditionedVelocity:
+    """A label expert's ``v(x, t, y)`` taking the rows' :class:`Conditioning`."""
+    return lambda x, t, cond: velocity(x, t, _labels(cond))
 
 
-def _integrate(ddm: LoadedDDM, expert: int, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
-               solver: str) -> np.ndarray:
-    for _, x in iterate(ddm.experts[expert].velocity, x, y, grid, solver):
-        pass
-    return x
+def _labels(cond: Conditioning) -> np.ndarray:
+    assert cond.labels is not None, "a label DDM's loop carries labels"
+    return cond.labels

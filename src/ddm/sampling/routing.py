@@ -1,9 +1,11 @@
 """Routing: router probabilities ``(B, K)`` -> mixture weights ``(B, K)``, per sample.
 
 Every sample gets its own experts at every step; no decision is ever made for a whole batch.
-Selection is exact and deterministic: ties go to the lower expert index. Only experts trained
-on a sample's label may be chosen for it (:func:`mixture_weights`): an expert never sees a label
-it was not trained on, in-process or served (an expert server refuses such labels).
+Selection is exact and deterministic: ties go to the lower expert index. Where the partition is
+by label, only experts trained on a sample's label may be chosen for it (:func:`mixture_weights`):
+an expert never sees a label it was not trained on, in-process or served (an expert server
+refuses such labels). The label mask and the ``oracle`` exist only there: a text DDM's experts
+(clusters of images) all serve every prompt, and the sampling loop refuses ``oracle`` for it.
 
 ``random`` (:func:`random_weights`) is the evaluation's baseline, never served: one expert per
 sample and step drawn uniformly, the choice the DDM paper found catastrophic (FID 157).

@@ -11,7 +11,7 @@ hold no state between calls.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Generator, Iterator, Protocol
+from typing import Any, Callable, Generator, Iterator, Protocol
 
 import numpy as np
 
@@ -19,9 +19,11 @@ from ddm.convention import time_grid
 
 
 class VelocityFn(Protocol):
-    """``velocity(x (B, C, H, W) f32, t (B,) f32, y (B,) int64) -> v (B, C, H, W) f32``."""
+    """``velocity(x (B, C, H, W) f32, t (B,) f32, cond) -> v (B, C, H, W) f32``; ``cond`` is
+    the rows' conditioning as the velocity takes it: labels ``(B,)`` int64 or a
+    :class:`~ddm.conditioning.Conditioning`, passed through untouched."""
 
-    def __call__(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray: ...
+    def __call__(self, x: np.ndarray, t: np.ndarray, cond: Any) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ def initial_noise(batch: int, image_shape: tuple[int, int, int], seed: int,
     return out
 
 
-def iterate(velocity: VelocityFn, x0: np.ndarray, y: np.ndarray, grid: np.ndarray,
+def iterate(velocity: VelocityFn, x0: np.ndarray, y: Any, grid: np.ndarray,
             solver: str = "euler") -> Iterator[tuple[int, np.ndarray]]:
     """Drive ``solver`` with one velocity callable over ``grid``; yield ``(i, x at grid[i+1])``.
 
@@ -110,7 +112,7 @@ def iterate(velocity: VelocityFn, x0: np.ndarray, y: np.ndarray, grid: np.ndarra
         yield i, x
 
 
-def integrate(velocity: VelocityFn, x0: np.ndarray, y: np.ndarray, steps: int,
+def integrate(velocity: VelocityFn, x0: np.ndarray, y: Any, steps: int,
               solver: str = "euler") -> np.ndarray:
     """Integrate ``dx/dt = v`` from noise ``x0`` at t=0 to data at t=1 in ``steps`` steps."""
     x = x0

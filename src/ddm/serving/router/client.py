@@ -16,10 +16,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ddm.fileio import check_output
+from ddm.progress import progress_bar
 from ddm.sampling.commands import write_png_grid
 from ddm.samples import save_samples_npz
 
@@ -47,9 +49,11 @@ def router_info(url: str, token: str | None = None) -> dict[str, Any]:
 
 def served_samples(url: str, labels: Sequence[int], steps: int, seed: int, strategy: str,
                    solver: str, batch_size: int | None = None,
-                   token: str | None = None) -> ServedSamples:
+                   token: str | None = None,
+                   on_images: Callable[[int], None] | None = None) -> ServedSamples:
     """One image per label from the router at ``url``, ``batch_size`` labels per request
-    (default: the router's own batch limit, read from ``/v1/info``)."""
+    (default: the router's own batch limit, read from ``/v1/info``); ``on_images`` hears
+    how many images each answer brought (a progress bar)."""
     if batch_size is None:
         batch_size = int(router_info(url, token)["limits"]["max_batch"])
     if batch_size < 1:
@@ -62,18 +66,22 @@ def served_samples(url: str, labels: Sequence[int], steps: int, seed: int, strat
         images += [_decode_png(text) for text in answer["images"]]
         calls += answer["expert_calls"]
         routing += answer["routing"]
+        if on_images is not None:
+            on_images(len(answer["images"]))
     return ServedSamples(np.stack(images), np.asarray(calls, np.int64), routing)
 
 
 def sample_router_command(url: str, strategy: str, labels: Sequence[int], n_per_label: int,
                           steps: int, solver: str, seed: int, batch_size: int | None,
                           token_file: Path | None, out: Path,
-                          png: Path | None = None) -> dict[str, Any]:
-    """``ddm sample --router URL``: the samples file of ``ddm sample``, made by a served DDM."""
+                          png: Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """``ddm sample --router URL``: the samples file of ``ddm sample``, made by a served DDM
+    (a progress bar of the images received on a terminal's stderr unless ``quiet``)."""
     if n_per_label < 1:
         raise ValueError(f"--n-per-label must be >= 1, got {n_per_label}")
-    if out.suffix != ".npz":
-        raise ValueError(f"--out must name a .npz file, got {out}")
+    check_output(out, ".npz", "--out")
+    if png is not None:
+        check_output(png, ".png", "--png")
     token = None
     if token_file is not None:
         try:
@@ -81,8 +89,10 @@ def sample_router_command(url: str, strategy: str, labels: Sequence[int], n_per_
         except OSError as exc:
             raise ValueError(f"--token-file {token_file} cannot be read: {exc.strerror}") from None
     all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
-    served = served_samples(url, all_labels.tolist(), steps, seed, strategy, solver,
-                            batch_size, token)
+    with progress_bar(len(all_labels), f"sampling {len(all_labels)} images from {url}",
+                      "image", quiet) as bar:
+        served = served_samples(url, all_labels.tolist(), steps, seed, strategy, solver,
+                                batch_size, token, on_images=bar.update)
     save_samples_npz(out, served.images, all_labels, served.expert_calls,
                      {"strategy": strategy, "steps": steps, "solver": solver, "seed": seed,
                       "source": url})

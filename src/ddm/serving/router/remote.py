@@ -21,9 +21,11 @@ from typing import Any, AsyncIterator, Awaitable, Generator, Protocol
 
 import numpy as np
 
+from ddm.conditioning import Conditioning
 from ddm.models.loading import RouterFn
-from ddm.sampling.loop import (Calls, Concurrently, Generation, Integrate, Loop, Missing,
-                               Mixture, Query, Route, SamplingRequest, StepEvent, Tally, Velocity)
+from ddm.sampling.loop import (Calls, Concurrently, Decode, Encode, Generation, Integrate, Loop,
+                               Missing, Mixture, Query, Route, SamplingRequest, StepEvent, Tally,
+                               Velocity)
 from ddm.sampling.loop import check_request as check_loop_request
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.coalescing import Coalescer
@@ -142,9 +144,12 @@ async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
 
 async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
                   guard: Guard | None) -> Any:
+    if isinstance(query, (Encode, Decode)):
+        raise NotImplementedError(f"{type(query).__name__}: text encoder and decoder stages "
+                                  "are not supported by the remote driver yet")
     if isinstance(query, Route):
         assert mixture.router is not None, "check_request refuses learned strategies without one"
-        return await mixture.router(query.x, query.t, query.y)
+        return await mixture.router(query.x, query.t, _labels(query.cond))
     if isinstance(query, Calls):
         return await gather_all(*(_call(mixture, caller, c, guard) for c in query.calls))
     assert isinstance(query, Concurrently), f"unknown query {query!r}"
@@ -157,14 +162,21 @@ async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | I
 
     def send() -> Awaitable[np.ndarray]:
         if isinstance(call, Velocity):
-            return caller.velocity(name, call.x, call.t, call.y)
-        return caller.integrate(name, call.x, call.y, call.grid, call.solver)
+            return caller.velocity(name, call.x, call.t, _labels(call.cond))
+        return caller.integrate(name, call.x, _labels(call.cond), call.grid, call.solver)
 
     if guard is None:
         return await send()
     fallback = isinstance(call, Velocity) and call.fallback
     out = await guard.missing.call(name, send, fallback, guard.held, call.x.shape[0])
     return Missing(call.expert) if out is None else out
+
+
+def _labels(cond: Conditioning) -> np.ndarray:
+    """The labels the wire carries today; text conditioning does not travel yet."""
+    if cond.labels is None:
+        raise NotImplementedError("text conditioning is not supported by the remote driver yet")
+    return cond.labels
 
 
 async def _finish(mixture: RemoteMixture, caller: ExpertCaller,

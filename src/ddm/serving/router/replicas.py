@@ -17,8 +17,10 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
-from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_TEXT, MAX_EXPERTS,
-                               MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_NUM_CLASSES)
+from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH, MAX_EXPERT_TEXT,
+                               MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
+                               MAX_NUM_CLASSES)
+from ddm.data.partition import partition_sha256
 from ddm.deploy.router_config import Discovery, DnsDiscovery
 
 #: ``() -> ["host:port", ...]``: where an expert's replicas are now.
@@ -73,6 +75,9 @@ class ExpertProblem:
         return f"expert {self.expert} {self.summary} (details in the router's log)"
 
 
+_UNHASHED = ""  # ExpertInfo.scheme_sha256 before it is computed
+
+
 @dataclass(frozen=True)
 class ExpertAbout:
     """What an expert says runs it and what it learned from, for people (the router's
@@ -117,6 +122,16 @@ class ExpertInfo:
     serves: str | None = None
     about: ExpertAbout = ExpertAbout()
 
+    #: The sha256 of the partition's scheme (:func:`hash_scheme`), hashed once when made
+    #: (``dataclasses.replace`` carries it over): the router compares it at every ``/readyz``
+    #: and generation, and a report may hold 1 MB.
+    scheme_sha256: str | None = dataclasses.field(default=_UNHASHED, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.scheme_sha256 == _UNHASHED:
+            object.__setattr__(self, "scheme_sha256",
+                               hash_scheme((self.partition or {}).get("scheme")))
+
     @classmethod
     def from_json(cls, raw: Any) -> ExpertInfo:
         """The fields the router uses from a parsed ``/v1/info``, each checked against the
@@ -139,6 +154,8 @@ class ExpertInfo:
         partition = raw.get("partition")
         _require(partition is None or isinstance(partition, Mapping),
                  f"partition must be an object or null, got {_shown(partition)}")
+        _require(not _nested_deeper(partition, MAX_EXPERT_INFO_DEPTH),
+                 f"partition nests objects and lists more than {MAX_EXPERT_INFO_DEPTH} deep")
         index = (partition or {}).get("index")
         _require(index is None or (type(index) is int and 0 <= index < MAX_EXPERTS),
                  f"partition.index must be an integer in 0..{MAX_EXPERTS - 1}, got "
@@ -146,6 +163,16 @@ class ExpertInfo:
         return cls((shape[0], shape[1], shape[2]), classes, max_batch,
                    convention=_text(raw, "convention"), partition=partition,
                    serves=_text(raw, "serves"), about=ExpertAbout.from_json(raw))
+
+
+def hash_scheme(scheme: Any) -> str | None:
+    """The sha256 of a recorded partition's content; None when nothing usable is recorded."""
+    if not isinstance(scheme, Mapping):
+        return None
+    try:
+        return partition_sha256(scheme)
+    except (TypeError, ValueError):
+        return None
 
 
 def _require(ok: bool, problem: str) -> None:
@@ -156,6 +183,17 @@ def _require(ok: bool, problem: str) -> None:
 def _shown(value: Any) -> str:
     """``value`` for a log line, cut short: an expert chooses it."""
     return reprlib.repr(value)
+
+
+def _nested_deeper(value: Any, levels: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests objects and lists more than ``levels`` deep; the
+    recursion stops there, so it cannot overflow."""
+    if not isinstance(value, (Mapping, list)):
+        return False
+    if levels == 0:
+        return True
+    items = value.values() if isinstance(value, Mapping) else value
+    return any(_nested_deeper(item, levels - 1) for item in items)
 
 
 def _ints(raw: Mapping[str, Any], field: str, least: int, most: int) -> tuple[int, ...]:

@@ -175,13 +175,41 @@ def echo(request: SamplingRequest) -> dict[str, Any]:
             "delegate_steps": request.delegate_steps}
 
 
-def readable(errors: Any) -> str:
-    """Pydantic's errors as one line per problem: ``field: what is wrong``."""
+def readable(errors: Any, fields_at: str = "/openapi.json") -> str:
+    """Pydantic's errors as one line per problem: ``field: what is wrong``; an unknown field's
+    line points to ``fields_at``, where the fields are listed (an endpoint that is served)."""
     lines = []
     for error in errors:
         where = ".".join(str(p) for p in error["loc"] if p not in ("body", "query")) or "body"
         if error["type"] == "extra_forbidden":
-            lines.append(f"unknown field {where!r} (see /docs for the fields)")
+            lines.append(f"unknown field {where!r} (the fields: {fields_at})")
         else:
             lines.append(f"{where}: {str(error['msg']).removeprefix('Value error, ')}")
     return "; ".join(lines)
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a Content-Type names JSON (``application/json``, ``application/*+json``), the
+    only bodies FastAPI parses as JSON."""
+    media = (content_type or "").split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/")
+                                           and media.endswith("+json"))
+
+
+def invalid_request(errors: Any, body: Any, content_type: str | None,
+                    fields_at: str = "/openapi.json") -> tuple[int, str]:
+    """The status and message for a request FastAPI could not validate: 400 with the line
+    and column of malformed JSON, 415 for a body that is not sent as JSON, else 422 naming
+    every problem (:func:`readable`)."""
+    for error in errors:
+        if error["type"] == "json_invalid" and isinstance(body, str):
+            position = error["loc"][-1] if isinstance(error["loc"][-1], int) else 0
+            line = body.count("\n", 0, position) + 1
+            column = position - (body.rfind("\n", 0, position) + 1) + 1
+            reason = error.get("ctx", {}).get("error", "invalid JSON")
+            return 400, f"malformed JSON at line {line}, column {column}: {reason}"
+    if not is_json(content_type) and any(error["loc"][:1] == ("body",) for error in errors):
+        return 415, (f"the body must be JSON, sent with Content-Type: application/json "
+                     f"(got {content_type or 'none'}; curl: -H 'content-type: "
+                     "application/json')")
+    return 422, readable(errors, fields_at)

@@ -18,16 +18,18 @@ status 1 and leaves the reason in the termination-message file (:mod:`ddm.servin
 
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
 ``limits.max_body_bytes`` gets 413; a request the DDM cannot serve (too many labels or steps,
-labels outside the classes, unknown fields or strategies) a 422 naming the problem, and a JSON
-body that is not UTF-8 a 400; more generations than ``limits.max_concurrent`` at once, or
-than ``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.clients`),
-a 429 with ``Retry-After`` naming the limit; with ``auth`` configured, a ``/v1/*`` request
-without the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas
-answers within the call deadline, or whose every replica sent a report the router refuses
-(:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an expert refusing what the router
-sent a 502. None of them touches the process's health: ``/healthz`` fails only when the
-router network cannot load. ``/readyz`` and the bodies of 502 and 503 are the router's own
-words naming the expert by its ``router.yaml`` name; what the expert said goes to the log.
+labels outside the classes, unknown fields or strategies) a 422 naming the problem; malformed
+JSON a 400 with its line and column (or saying it is not UTF-8); a body not sent as JSON
+(``Content-Type``) a 415 saying how to send it; more generations than ``limits.max_concurrent``
+at once, or than ``limits.max_concurrent_per_client`` from one client
+(:mod:`ddm.serving.router.clients`), a 429 with ``Retry-After`` naming the limit; with ``auth``
+configured, a ``/v1/*`` request without the bearer token a 401 (:mod:`ddm.serving.auth`). An
+expert none of whose replicas answers within the call deadline, or whose every replica sent a
+report the router refuses (:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an
+expert refusing what the router sent a 502. None of them touches the process's health:
+``/healthz`` fails only when the router network cannot load. ``/readyz`` and the bodies of 502
+and 503 are the router's own words naming the expert by its ``router.yaml`` name; what the
+expert said goes to the log.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
@@ -68,7 +70,8 @@ from ddm.serving.router.remote import (RemoteMixture, SamplingRequest, StepEvent
                                          check_request, denoise, generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
-                                         echo, readable, request_models, sampling_request)
+                                         echo, invalid_request, request_models,
+                                         sampling_request)
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.serving.termination import fail_start
@@ -79,8 +82,10 @@ PAGE = Path(__file__).parent / "static" / "index.html"
 _ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/info", "/v1/demand", "/healthz",
            "/readyz", "/metrics")
 #: Why the router answers each error status (the body is always :class:`ErrorDetail`).
-_ERRORS = {400: "the JSON body is not UTF-8", 401: "no valid bearer token (auth is on)",
+_ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8",
+           401: "no valid bearer token (auth is on)",
            413: "the body is over limits.max_body_bytes",
+           415: "the body is not sent as JSON (Content-Type: application/json)",
            422: "a request the router cannot serve; detail names the problem",
            429: "limits.max_concurrent generations are running, or this client's "
                 "limits.max_concurrent_per_client; detail names which; retry after Retry-After",
@@ -128,10 +133,10 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     if router.tokens is not None:
         app.add_middleware(BearerAuth, tokens=router.tokens)
     app.add_middleware(_Metered, metrics=router.metrics)  # outermost: counts 401s and 413s
-    _add_error_handlers(app)
+    _add_error_handlers(app, "/docs" if api_docs else "/openapi.json")
 
     @app.post("/v1/generate", response_model=GenerateResponse,
-              responses=_errors(400, 413, 422, 429, 502, 503, auth=auth))
+              responses=_errors(400, 413, 415, 422, 429, 502, 503, auth=auth))
     async def generate(body: generate_body,  # type: ignore[valid-type]
                        http: Request) -> dict[str, Any]:
         request = sampling_request(body, tuple(body.labels))
@@ -384,10 +389,12 @@ def _document_bearer_auth(app: FastAPI) -> None:
 _RETRY = {"Retry-After": str(RETRY_AFTER_S)}
 
 
-def _add_error_handlers(app: FastAPI) -> None:
+def _add_error_handlers(app: FastAPI, fields_at: str) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": readable(error.errors())}, 422)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        status, detail = invalid_request(error.errors(), error.body,
+                                         request.headers.get("content-type"), fields_at)
+        return JSONResponse({"detail": detail}, status)
 
     @app.exception_handler(ExpertError)
     async def expert_failed(_: Request, error: ExpertError) -> JSONResponse:

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta
 from ddm.convention import CONVENTION_NAME
-from ddm.data.partition import PartitionMismatchError, check_partition_hash, partition_sha256
+from ddm.data.partition import PartitionMismatchError, check_partition_hash
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.clients import ClientBusy, ClientSlots, client_key
@@ -39,7 +39,7 @@ from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork
-from ddm.serving.router.replicas import ExpertInfo, ExpertProblem
+from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
 from ddm.deploy.router_config import RouterConfigFile
 
 logger = logging.getLogger(__name__)
@@ -234,6 +234,8 @@ def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo |
     not heard from yet), the router network's checkpoint (None: oracle only) and ``config``,
     one each naming the expert: ``summary`` in the router's words, ``detail`` quoting both."""
     found = []
+    trained_on = (network.partition or {}).get("scheme") if network is not None else None
+    trained_sha = hash_scheme(trained_on) or "unreadable"
     for position, entry in enumerate(config.experts):
         info = infos.get(entry.name)
         if info is None:
@@ -256,18 +258,17 @@ def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo |
                      f"{list(entry.classes)}",
                      f"serves classes {list(info.classes)}, but the router config lists "
                      f"{list(entry.classes)}")
-        trained_on = (network.partition or {}).get("scheme") if network is not None else None
         if trained_on is None:  # oracle only, or a network that records no partition
             continue
         partition = info.partition or {}
-        found_sha = _sha256(partition.get("scheme"))
+        found_sha = info.scheme_sha256
         if found_sha is None or "index" not in partition:
             mismatch(f"records no partition, so nothing says it is the router network's output "
                      f"{position}", f"records no partition, so nothing says it is the router "
                      f"network's output {position} ({_scheme(trained_on)})")
             continue
         try:
-            check_partition_hash(_sha256(trained_on) or "unreadable", found_sha,
+            check_partition_hash(trained_sha, found_sha,
                                  f"its partition ({_scheme(partition['scheme'])})")
         except PartitionMismatchError as exc:
             mismatch("was made for another partition than the router network's: experts and "
@@ -282,16 +283,6 @@ def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo |
                      f"the router config lists it at position {position}: list the experts in "
                      "partition order")
     return found
-
-
-def _sha256(scheme: Any) -> str | None:
-    """The sha256 of a recorded partition's content; None when nothing usable is recorded."""
-    if not isinstance(scheme, Mapping):
-        return None
-    try:
-        return partition_sha256(scheme)
-    except (TypeError, ValueError):
-        return None
 
 
 def _scheme(scheme: Any) -> str:

@@ -1,0 +1,156 @@
+"""Per-row conditioning: what each row of a batch is generated from, carried as data.
+
+A :class:`Conditioning` holds, for ``B`` rows, either class labels or text embeddings (with the
+tokens' attention mask and a pooled vector where a model uses them), and for guided text rows
+the classifier-free guidance scale and an optional negative conditioning (the embeddings that
+replace the null prompt's). :meth:`Conditioning.take` and :func:`concat` keep it aligned with
+the rows of ``x`` through batching, routing (an expert sees only its rows) and guidance (the
+conditional and unconditional rows stacked in one forward), after diffusers' ``encode_prompt``
+outputs and flow_matching's ``model_extras``.
+
+Pure NumPy: the sampling loop, the servers and every model family share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+
+#: The kinds of conditioning a DDM is trained on.
+LABELS, TEXT = "labels", "text"
+
+#: Fields that hold one entry per row (the others describe the whole batch).
+_ROW_FIELDS = ("labels", "embeddings", "mask", "pooled", "guidance")
+
+
+@dataclass(frozen=True, eq=False)
+class Conditioning:
+    """``B`` rows of conditioning; exactly one of ``labels`` and ``embeddings`` is set.
+
+    * ``labels`` (B,) int64: class labels;
+    * ``embeddings`` (B, L, D) float32: per-token text embeddings (CLIP's last hidden state);
+    * ``mask`` (B, L) int64: 1 for a token, 0 for padding (None: every token counts);
+    * ``pooled`` (B, P) float32: a pooled text vector, for models that take one;
+    * ``guidance`` (B,) float32: classifier-free guidance scale per row (None, or 1: unguided);
+    * ``negative``: ``B`` rows of embeddings that replace the null conditioning as the
+      unconditional half of guided rows (a negative prompt); None: the model's null one.
+    """
+
+    labels: np.ndarray | None = None
+    embeddings: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    pooled: np.ndarray | None = None
+    guidance: np.ndarray | None = None
+    negative: Conditioning | None = None
+
+    def __post_init__(self) -> None:
+        if (self.labels is None) == (self.embeddings is None):
+            raise ValueError("conditioning holds either labels or text embeddings, "
+                             "exactly one of them")
+        if self.labels is not None:
+            _check(self.labels.ndim == 1, f"labels must have shape (B,), got "
+                                          f"{self.labels.shape}")
+            _check(self.mask is None and self.pooled is None and self.negative is None,
+                   "label conditioning takes no mask, pooled vector or negative prompt")
+        else:
+            assert self.embeddings is not None
+            _check(self.embeddings.ndim == 3, f"text embeddings must have shape (B, L, D), got "
+                                              f"{self.embeddings.shape}")
+        rows = len(self)
+        for name in _ROW_FIELDS:
+            value = getattr(self, name)
+            _check(value is None or value.shape[:1] == (rows,),
+                   f"conditioning {name} has {None if value is None else value.shape[:1]} "
+                   f"rows, expected {rows}")
+        if self.mask is not None:
+            _check(self.embeddings is not None and self.mask.shape == self.embeddings.shape[:2],
+                   f"attention mask shape {self.mask.shape} differs from the embeddings' "
+                   "(B, L)")
+        if self.negative is not None:
+            _check(self.negative.kind == TEXT and len(self.negative) == rows,
+                   f"a negative conditioning needs {rows} rows of text embeddings")
+            _check(self.negative.negative is None and self.negative.guidance is None,
+                   "a negative conditioning is itself unguided")
+
+    @classmethod
+    def from_labels(cls, labels: Sequence[int] | np.ndarray) -> Conditioning:
+        """Label conditioning, ``(B,)`` int64."""
+        return cls(labels=np.asarray(labels, dtype=np.int64).reshape(-1))
+
+    @property
+    def kind(self) -> str:
+        """:data:`LABELS` or :data:`TEXT`."""
+        return LABELS if self.labels is not None else TEXT
+
+    def __len__(self) -> int:
+        rows = self.labels if self.labels is not None else self.embeddings
+        assert rows is not None
+        return int(rows.shape[0])
+
+    def take(self, rows: Sequence[int] | np.ndarray) -> Conditioning:
+        """The conditioning of ``rows`` (indices, repeats allowed), every field aligned."""
+        index = np.asarray(rows, dtype=np.int64).reshape(-1)
+        if index.size and not (index.min() >= -len(self) and index.max() < len(self)):
+            raise IndexError(f"rows {index.tolist()} outside a conditioning of {len(self)}")
+        return replace(self, **{name: getattr(self, name)[index] for name in _ROW_FIELDS
+                                if getattr(self, name) is not None},
+                       negative=None if self.negative is None else self.negative.take(index))
+
+    def with_guidance(self, scale: np.ndarray | float,
+                      negative: Conditioning | None = None) -> Conditioning:
+        """These rows guided with ``scale`` (a float or one per row) against ``negative``
+        (None: the model's null conditioning)."""
+        if self.kind != TEXT:
+            raise ValueError("classifier-free guidance needs text conditioning; label experts "
+                             "have no unconditional input")
+        guidance = np.broadcast_to(np.asarray(scale, np.float32), (len(self),)).copy()
+        return replace(self, guidance=guidance, negative=negative)
+
+    def unguided(self) -> Conditioning:
+        """The same rows without guidance: what a network's forward pass sees."""
+        return replace(self, guidance=None, negative=None)
+
+
+def concat(parts: Sequence[Conditioning]) -> Conditioning:
+    """The rows of ``parts`` one after the other; all must be of one kind and carry the same
+    fields (texts of one length and width). A missing mask or guidance means its neutral value
+    (every token counts, scale 1), so it is filled in where other parts have one."""
+    if not parts:
+        raise ValueError("nothing to concatenate")
+    if len({p.kind for p in parts}) != 1:
+        raise ValueError("cannot concatenate label and text conditioning")
+    widths = {p.embeddings.shape[1:] for p in parts if p.embeddings is not None}
+    if len(widths) > 1:
+        raise ValueError(f"cannot concatenate text embeddings of different (L, D): "
+                         f"{sorted(widths)}")
+    joined = {}
+    for name in _ROW_FIELDS:
+        present = [getattr(p, name) is not None for p in parts]
+        if not any(present):
+            continue
+        if not all(present) and name not in ("mask", "guidance"):
+            raise ValueError(f"cannot concatenate conditionings with and without {name}")
+        joined[name] = np.concatenate([_field_or_neutral(p, name) for p in parts])
+    negatives = [p.negative is not None for p in parts]
+    if any(negatives) and not all(negatives):
+        raise ValueError("cannot concatenate rows with and without a negative conditioning")
+    negative = concat([p.negative for p in parts if p.negative is not None]) if any(
+        negatives) else None
+    return Conditioning(**joined, negative=negative)
+
+
+def _field_or_neutral(part: Conditioning, name: str) -> np.ndarray:
+    value = getattr(part, name)
+    if value is not None:
+        return value
+    if name == "mask":
+        assert part.embeddings is not None
+        return np.ones(part.embeddings.shape[:2], np.int64)
+    return np.ones(len(part), np.float32)
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
