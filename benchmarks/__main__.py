@@ -15,7 +15,8 @@ from pathlib import Path
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="Measure the system: serving throughput and overhead, load, the operator.")
+        description="Measure the system: serving throughput and overhead, load, the operator, "
+                    "scale to zero.")
     kinds = parser.add_subparsers(dest="what", required=True, metavar="WHAT")
     p = kinds.add_parser("serve", help="serving on loopback with the shipped experts: "
                                        "throughput, per-step overhead, batching, wire bytes")
@@ -45,7 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kubeconfig", type=Path, default=None,
                    help="use this cluster as its admin (default: start a fresh dev cluster)")
     p.set_defaults(handler=_bench_operator)
+
+    p = kinds.add_parser("scale-to-zero", help="a skewed, bursty trace against ddm up with one "
+                                               "expert at minReplicas 0: process-seconds vs "
+                                               "fixed, latency, failures, cold starts")
+    p.add_argument("--json", action="store_true",
+                   help="print every figure as JSON (progress goes to stderr)")
+    p.add_argument("--duration", type=float, default=150.0, help="seconds of trace")
+    p.add_argument("--delay", type=float, default=15.0,
+                   help="the scaled expert's scale-down delay, seconds")
+    p.add_argument("--steps", type=int, default=10, help="denoising steps per generation")
+    p.add_argument("--seed", type=int, default=0, help="the trace's seed")
+    p.set_defaults(handler=_bench_scale_to_zero)
     return parser
+
+
+def _bench_scale_to_zero(args: argparse.Namespace) -> int:
+    from benchmarks.scaling import bench_scale_to_zero_command
+
+    return bench_scale_to_zero_command(args.json, duration_s=args.duration, delay_s=args.delay,
+                                       steps=args.steps, seed=args.seed)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

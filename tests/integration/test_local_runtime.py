@@ -16,9 +16,8 @@ import signal
 import socket
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import httpx
 import numpy as np
@@ -28,6 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
+from tests.support.local_runtime import Log as _Log
+from tests.support.local_runtime import ddm_up as _ddm_up
 from tests.support.processes import listening_pid
 from ddm.evaluation.commands import evaluate_images
 from ddm.deploy.spec import load_manifest
@@ -39,10 +40,6 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 STARTUP_TIMEOUT_S = 300
 HOSTILE = settings(max_examples=1000, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow])
-
-
-class _Log(io.StringIO):
-    """Collects the processes' output so a failure can show it."""
 
 
 @pytest.fixture(scope="module")
@@ -239,31 +236,6 @@ def test_ddm_up_says_why_an_expert_could_not_start(tmp_path: Path) -> None:
     assert message.startswith("digits-0-4/0 exited with status 1 before it was ready: "), message
     assert f"checkpoint {broken}: weights.safetensors is corrupt (sha256" in message, message
 
-
-
-@contextmanager
-def _ddm_up(manifest: Path, **options: Any) -> Iterator[tuple[LocalPlan, _Log, list[int]]]:
-    """``run_local`` in a thread until the block ends; yields its plan, its log and (once it
-    returned) its exit status."""
-    ready, stop, log = threading.Event(), threading.Event(), _Log()
-    plans: list[LocalPlan] = []
-    outcome: list[int] = []
-
-    def on_ready(plan: LocalPlan) -> None:
-        plans.append(plan)
-        ready.set()
-
-    thread = threading.Thread(target=lambda: outcome.append(run_local(
-        load_manifest(manifest), router_port=free_port(), out=log, on_ready=on_ready, stop=stop,
-        **options)))
-    thread.start()
-    try:
-        while not ready.wait(0.5):
-            assert thread.is_alive(), f"ddm up stopped before it was ready:\n{log.getvalue()}"
-        yield plans[0], log, outcome
-    finally:
-        stop.set()
-        thread.join(timeout=60)
 
 
 def _generate(url: str, label: int, steps: int = 2) -> httpx.Response:

@@ -230,7 +230,8 @@ def test_the_page_and_the_api_docs_forbid_framing_and_run_only_their_own_code(dd
 
 #: Every operation the router documents; the web page at / is served but not documented.
 DOCUMENTED = {("POST", "/v1/generate"), ("GET", "/v1/generate/stream"), ("GET", "/v1/info"),
-              ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+              ("GET", "/v1/demand"), ("GET", "/healthz"), ("GET", "/readyz"),
+              ("GET", "/metrics")}
 ERROR = {"$ref": "#/components/schemas/ErrorDetail"}
 
 

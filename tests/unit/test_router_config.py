@@ -15,6 +15,7 @@ from ddm.deploy.router_config import (
     Coalescing,
     DnsDiscovery,
     ExpertEntry,
+    MissingExpert,
     RouterConfigError,
     RouterConfigFile,
     RouterLimits,
@@ -134,6 +135,13 @@ def test_coalescing_defaults_to_two_requests_per_replica_and_zero_turns_it_off()
     assert RouterConfigFile.from_yaml(config.to_yaml()) == config
 
 
+def test_a_missing_expert_fails_by_default_and_the_policy_round_trips() -> None:
+    assert RouterConfigFile.from_yaml(TEXT).missing_expert == MissingExpert("fail", 120.0)
+    config = RouterConfigFile.from_yaml(TEXT + "missing_expert: {policy: wait, wait_s: 5}\n")
+    assert config.missing_expert == MissingExpert("wait", 5)
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
 @pytest.mark.parametrize("extra, message", [
     ("auth: {}\n", "auth needs token_file"),
     ("auth: {token_file: ''}\n", "auth.token_file must be a file path"),
@@ -149,6 +157,10 @@ def test_coalescing_defaults_to_two_requests_per_replica_and_zero_turns_it_off()
     ("coalescing: {in_flight: 2}\n", "coalescing has unknown keys ['in_flight']"),
     ("limits: {max_concurrent_per_client: 0}\n",
      "limits.max_concurrent_per_client must be an integer >= 1, got 0"),
+    ("missing_expert: {policy: hope}\n",
+     "missing_expert.policy must be one of ['fail', 'wait', 'reroute'], got 'hope'"),
+    ("missing_expert: {wait_s: 0}\n", "missing_expert.wait_s must be in (0, 3600], got 0"),
+    ("missing_expert: {wait: 3}\n", "missing_expert has unknown keys ['wait']"),
     ("trusted_proxies: 10.0.0.0/8\n", "trusted_proxies must be a list of CIDRs"),
     ("trusted_proxies: [10.0.0.1/8]\n", "trusted_proxies: network '10.0.0.1/8' is not an "
                                          "address or a CIDR"),
@@ -172,7 +184,8 @@ def _key_paths(cls: type, prefix: str = "") -> set[str]:
         path = f"{prefix}{f.name}"
         paths.add(path)
         kinds = nested.get(f.name) or tuple(
-            k for k in (SamplingDefaults, Timeouts, Retries, RouterLimits, Coalescing, Auth)
+            k for k in (SamplingDefaults, Timeouts, Retries, RouterLimits, Coalescing,
+                      MissingExpert, Auth)
             if f.type in (k.__name__, f"{k.__name__} | None"))
         for kind in kinds:
             inner = f"{path}[]." if f.name == "experts" else f"{path}."

@@ -33,6 +33,16 @@ DEFAULT_STRATEGY = "top1"
 
 #: The router's per-request defaults (``router.yaml`` ``limits:``); a DDM's own default step
 #: count raises ``ROUTER_MAX_STEPS`` for its router (``ddm.deploy.plan``).
+#: What the router does with a step routed to an expert that has no ready replica
+#: (``ddm.serving.router.missing``): 503 (``fail``), hold the generation until one is ready,
+#: within ``MISSING_EXPERT_WAIT_S`` (``wait``), or use the best available experts (``reroute``).
+MISSING_EXPERT_POLICIES = ("fail", "wait", "reroute")
+DEFAULT_MISSING_EXPERT_POLICY = "fail"
+MISSING_EXPERT_WAIT_S = 120.0
+MAX_MISSING_EXPERT_WAIT_S = 3600.0
+#: An expert with ``autoscaling`` waits this long without demand before scaling down.
+DEFAULT_SCALE_DOWN_DELAY_S = 300
+MAX_SCALE_DOWN_DELAY_S = 86400
 ROUTER_MAX_BATCH = 64
 ROUTER_MAX_STEPS = 200
 ROUTER_MAX_CONCURRENT = 16

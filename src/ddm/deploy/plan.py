@@ -19,17 +19,19 @@ from ddm.deploy.router_config import (
     Auth,
     Discovery,
     ExpertEntry,
+    MissingExpert,
     RouterConfigFile,
     RouterLimits,
     SamplingDefaults,
 )
-from ddm.deploy.spec import DDMSpec, ExpertSpec
+from ddm.deploy.spec import Autoscaling, DDMSpec, ExpertSpec
 
 
 @dataclass(frozen=True)
 class ExpertPlan:
     """One expert's server. ``args``: the arguments the spec decides (backend, device,
-    batching), after the ones its place decides (``command``)."""
+    batching), after the ones its place decides (``command``); ``autoscaling``: replicas
+    follow the router's demand (None: ``replicas`` fixed)."""
 
     name: str
     classes: tuple[int, ...]
@@ -39,6 +41,7 @@ class ExpertPlan:
     backend: str
     device: str | None
     args: tuple[str, ...]
+    autoscaling: Autoscaling | None = None
 
     def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -62,7 +65,8 @@ class ExpertPlan:
 class RouterPlan:
     """The router: its checkpoint (None with the oracle), request defaults and limits;
     ``auth``: the spec asks for a bearer token (where it comes from is the place's choice:
-    a Secret in a cluster, a file ``ddm up`` writes)."""
+    a Secret in a cluster, a file ``ddm up`` writes); ``missing_expert``: the policy for a
+    step routed to an expert without a ready replica."""
 
     replicas: int
     checkpoint: CheckpointSource | None
@@ -70,6 +74,7 @@ class RouterPlan:
     sampling: SamplingDefaults
     limits: RouterLimits
     auth: bool = False
+    missing_expert: MissingExpert = MissingExpert()
 
     @staticmethod
     def command(config_file: str, host: str, port: int, metrics_port: int) -> tuple[str, ...]:
@@ -100,7 +105,7 @@ class DeploymentPlan:
                           for e in self.experts),
             num_classes=router.num_classes, sampling=router.sampling,
             router_checkpoint=checkpoint_dir, limits=router.limits, auth=auth,
-            trusted_proxies=trusted_proxies)
+            trusted_proxies=trusted_proxies, missing_expert=router.missing_expert)
 
 
 def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
@@ -112,7 +117,7 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
         sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy),
         # A request may ask for as many steps as the DDM's own default.
         limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)),
-        auth=spec.router.auth is not None)
+        auth=spec.router.auth is not None, missing_expert=spec.router.missing_expert)
     return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router)
 
 
@@ -126,4 +131,5 @@ def plan_expert(expert: ExpertSpec) -> ExpertPlan:
         args += ["--max-delay-ms", str(expert.max_delay_ms)]
     return ExpertPlan(name=expert.name, classes=expert.classes, replicas=expert.replicas,
                       checkpoint=expert.checkpoint, accelerator=expert.accelerator.type,
-                      backend=backend, device=device, args=tuple(args))
+                      backend=backend, device=device, args=tuple(args),
+                      autoscaling=expert.autoscaling)

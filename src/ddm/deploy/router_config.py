@@ -23,8 +23,12 @@ import yaml
 
 from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.deploy.limits import (
+    DEFAULT_MISSING_EXPERT_POLICY,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
+    MAX_MISSING_EXPERT_WAIT_S,
+    MISSING_EXPERT_POLICIES,
+    MISSING_EXPERT_WAIT_S,
     DEFAULT_STRATEGY,
     MAX_STEPS,
     ROUTER_MAX_BATCH,
@@ -223,6 +227,26 @@ class RouterLimits:
 
 
 @dataclass(frozen=True)
+class MissingExpert:
+    """A step routed to an expert without a ready replica (scaled to zero, or down): ``fail``
+    answers 503 naming it; ``wait`` holds the generation until a replica is ready, for at most
+    ``wait_s`` seconds per call (then 503); ``reroute`` gives the step to the best available
+    experts that serve the label, weights renormalised over them (waiting as ``wait`` does only
+    when none of them serves it)."""
+
+    policy: str = DEFAULT_MISSING_EXPERT_POLICY
+    wait_s: float = MISSING_EXPERT_WAIT_S
+
+    def __post_init__(self) -> None:
+        _check(self.policy in MISSING_EXPERT_POLICIES,
+               f"missing_expert.policy must be one of {list(MISSING_EXPERT_POLICIES)}, got "
+               f"{self.policy!r}")
+        _check(_is_number(self.wait_s) and 0 < self.wait_s <= MAX_MISSING_EXPERT_WAIT_S,
+               f"missing_expert.wait_s must be in (0, {MAX_MISSING_EXPERT_WAIT_S:g}], got "
+               f"{self.wait_s!r}")
+
+
+@dataclass(frozen=True)
 class Auth:
     """Bearer-token authentication: the token is the content of ``token_file`` (a mounted
     Secret), stripped of surrounding whitespace, and re-read when the file changes.
@@ -266,6 +290,7 @@ class RouterConfigFile:
     dns_refresh_s: float = 5.0
     limits: RouterLimits = field(default_factory=RouterLimits)
     coalescing: Coalescing = field(default_factory=Coalescing)
+    missing_expert: MissingExpert = field(default_factory=MissingExpert)
     auth: Auth | None = None
     trusted_proxies: tuple[str, ...] = ()
 
@@ -312,7 +337,8 @@ class RouterConfigFile:
                                 for i, e in enumerate(args["experts"]))
         for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),
                           ("retries", Retries), ("limits", RouterLimits),
-                          ("coalescing", Coalescing), ("auth", Auth)):
+                          ("coalescing", Coalescing), ("missing_expert", MissingExpert),
+                          ("auth", Auth)):
             if key in args and not (key == "auth" and args[key] is None):
                 args[key] = kind(**_strict(kind, args[key], key))
         return cls(**args)

@@ -26,6 +26,8 @@ from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defa
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
+    DEFAULT_MISSING_EXPERT_POLICY,
+    DEFAULT_SCALE_DOWN_DELAY_S,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
     DEFAULT_STRATEGY,
@@ -36,14 +38,19 @@ from ddm.deploy.limits import (
     MAX_DELAY_MS,
     MAX_EXPERTS,
     MAX_NUM_CLASSES,
+    MAX_MISSING_EXPERT_WAIT_S,
     MAX_REPLICAS,
+    MAX_SCALE_DOWN_DELAY_S,
     MAX_STEPS,
+    MISSING_EXPERT_POLICIES,
+    MISSING_EXPERT_WAIT_S,
     NEURON_UNITS,
     SOLVERS,
     STRATEGY_HINT,
     STRATEGY_PATTERN,
 )
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
+from ddm.deploy.router_config import MissingExpert
 
 #: The resource this module describes.
 GROUP = "ddm.dev"
@@ -110,13 +117,27 @@ class RouterAuth:
 @dataclass(frozen=True)
 class RouterSpec:
     """``checkpoint`` is None only with the oracle strategy (it routes by label); ``auth``
-    None: the spec does not ask for authentication (the operator may still require it)."""
+    None: the spec does not ask for authentication (the operator may still require it).
+    ``missing_expert``: what a step routed to an expert without a ready replica gets
+    (``missingExpert: {policy, waitSeconds}``; router.yaml's ``missing_expert``)."""
 
     replicas: int = 1
     checkpoint: CheckpointSource | None = None
     pod: PodOptions = PodOptions()
     auth: RouterAuth | None = None
     fetch: FetchOptions = FetchOptions()
+    missing_expert: MissingExpert = MissingExpert()
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """An expert's replicas follow the router's demand between ``min_replicas`` (0: none
+    while idle, started on demand) and ``max_replicas``; ``scale_down_delay_s``: how long
+    without demand before scaling down."""
+
+    min_replicas: int
+    max_replicas: int
+    scale_down_delay_s: int = DEFAULT_SCALE_DOWN_DELAY_S
 
 
 @dataclass(frozen=True)
@@ -133,6 +154,7 @@ class ExpertSpec:
     max_delay_ms: int | None = None
     pod: PodOptions = PodOptions()
     fetch: FetchOptions = FetchOptions()
+    autoscaling: Autoscaling | None = None
 
 
 @dataclass(frozen=True)
@@ -277,9 +299,36 @@ def _router(reader: FieldReader, allow_host_paths: bool) -> RouterSpec:
     auth = _auth(reader.child("auth")) if reader.has("auth") else None
     router = RouterSpec(replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
                         checkpoint=checkpoint, pod=parse_pod_options(reader), auth=auth,
-                        fetch=fetch)
+                        fetch=fetch, missing_expert=_missing_expert(reader.child("missingExpert")))
     reader.done()
     return router
+
+
+def _missing_expert(reader: FieldReader) -> MissingExpert:
+    policy = reader.string("policy", DEFAULT_MISSING_EXPERT_POLICY,
+                           choices=MISSING_EXPERT_POLICIES) or DEFAULT_MISSING_EXPERT_POLICY
+    wait_s = reader.integer("waitSeconds", int(MISSING_EXPERT_WAIT_S), 1,
+                            int(MAX_MISSING_EXPERT_WAIT_S))
+    reader.done()
+    return MissingExpert(policy, float(wait_s or MISSING_EXPERT_WAIT_S))
+
+
+def _autoscaling(reader: FieldReader) -> Autoscaling | None:
+    low = reader.integer("minReplicas", None, 0, MAX_REPLICAS)
+    high = reader.integer("maxReplicas", None, 1, MAX_REPLICAS)
+    delay = reader.integer("scaleDownDelaySeconds", DEFAULT_SCALE_DOWN_DELAY_S, 0,
+                           MAX_SCALE_DOWN_DELAY_S)
+    for key, value in (("minReplicas", low), ("maxReplicas", high)):
+        if value is None and not any(p.startswith(f"{reader.path}.{key}")
+                                     for p in reader.problems):
+            reader.problem(key, "is required")
+    reader.done()
+    if low is None or high is None:
+        return None
+    if low > high:
+        reader.problem("minReplicas", f"{low} is above maxReplicas {high}")
+        return None
+    return Autoscaling(low, high, DEFAULT_SCALE_DOWN_DELAY_S if delay is None else delay)
 
 
 def _accelerator(reader: FieldReader) -> Accelerator:
@@ -329,6 +378,8 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
         pod=parse_pod_options(reader),
         fetch=fetch,
+        autoscaling=_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling")
+        else None,
     )
     if not accelerator_problems:
         for key, message in node_label_conflicts(accelerator,

@@ -13,6 +13,10 @@ resets once the process has run 10 minutes (:class:`Backoff`). The kubelet's fir
 waits for it. Meanwhile the router answers requests that need the dead expert with a 503
 naming it (once its call deadline, ``--deadline-s``, has passed), and serves the others.
 ``fail_fast`` (``ddm up --fail-fast``) instead stops everything when one process dies.
+An expert with ``autoscaling.minReplicas: 0`` runs on demand (:mod:`ddm.runtime.scaling`): its
+process starts when the router's ``/v1/demand`` shows a generation needing it and stops after
+its scale-down delay without demand; what a request meanwhile gets is the router's
+``missingExpert`` policy (wait for it, or reroute to the best available experts).
 A server that cannot start leaves a one-line reason in its own termination-message file
 (``DDM_TERMINATION_LOG``, as Kubernetes would show it), and ``ddm up`` reports that line.
 """
@@ -41,6 +45,7 @@ from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import DDMManifest
+from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
 from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
 
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
@@ -74,7 +79,8 @@ class ProcessSpec:
 class LocalPlan:
     """The processes to run; ``token_file``: the bearer token the router requires (None: auth
     is off); ``expert_token_file``: the one the router presents to its experts, which require
-    it (another token, so that an expert never holds the public one)."""
+    it (another token, so that an expert never holds the public one); ``on_demand``: experts
+    with ``minReplicas: 0``, whose processes run only while there is demand for them."""
 
     experts: tuple[ProcessSpec, ...]
     router: ProcessSpec
@@ -82,6 +88,7 @@ class LocalPlan:
     url: str
     token_file: Path | None = None
     expert_token_file: Path | None = None
+    on_demand: tuple[OnDemand, ...] = ()
 
 
 def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
@@ -124,7 +131,9 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     the public token's Secret into the router alone and the experts' into both.
 
     An expert with 0 replicas still gets one process: locally there is nothing to save, and
-    the router needs an address for each of its experts."""
+    the router needs an address for each of its experts. One with ``autoscaling.minReplicas``
+    0 gets its process(es) on demand (:mod:`ddm.runtime.scaling`); with autoscaling, locally
+    ``max(1, minReplicas)`` processes."""
     plan = plan_deployment(manifest.spec)
     token = expert_token = None
     if plan.router.auth or require_auth:
@@ -136,10 +145,17 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
            ("PYTHONUNBUFFERED", "1"))
     experts: list[ProcessSpec] = []
     discovery: dict[str, Discovery] = {}
+    on_demand: list[OnDemand] = []
     for expert in plan.experts:
         checkpoint = str(locate(expert.checkpoint))
         endpoints = []
-        for replica in range(max(1, expert.replicas)):
+        scaling = expert.autoscaling
+        processes = max(1, expert.replicas if scaling is None else scaling.min_replicas)
+        if scaling is not None and scaling.min_replicas == 0:
+            on_demand.append(OnDemand(expert.name, tuple(f"{expert.name}/{replica}" for replica
+                                                         in range(processes)),
+                                      float(scaling.scale_down_delay_s)))
+        for replica in range(processes):
             port, metrics_port = ports(), ports()
             argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port,
                                              expert_token),
@@ -160,7 +176,8 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                      plan.router_config(discovery, router_checkpoint, auth),
                      f"http://{host}:{router_port}",
                      Path(token) if token is not None else None,
-                     Path(expert_token) if expert_token is not None else None)
+                     Path(expert_token) if expert_token is not None else None,
+                     tuple(on_demand))
 
 
 @dataclass(frozen=True)
@@ -267,6 +284,21 @@ class Supervisor:
         assert self.termination_dir is not None
         return self.termination_dir / f"{name.replace('/', '-')}.termination-log"
 
+    def stop_one(self, name: str) -> None:
+        """Stop process ``name`` (SIGTERM, SIGKILL after the timeout) and forget it, so that
+        it is not restarted: an expert scaled to zero."""
+        process = self.processes.pop(name)
+        _signal_group(process, signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            process.wait()
+
+    def running(self, name: str) -> bool:
+        process = self.processes.get(name)
+        return process is not None and process.poll() is None
+
     def first_exit(self) -> tuple[str, int] | None:
         for name, process in self.processes.items():
             if process.poll() is not None:
@@ -320,7 +352,9 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
-            supervisor.start_ready(plan.experts, host, deadline)
+            scaler = _scaler(plan, supervisor, out)
+            supervisor.start_ready([p for p in plan.experts if p.name not in scaler.names],
+                                   host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
                   f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate"
@@ -334,7 +368,7 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
             if on_ready is not None:
                 on_ready(plan)
             return _supervise(supervisor, stop or threading.Event(), out,
-                              None if fail_fast else backoff)
+                              None if fail_fast else backoff, scaler.tick)
         except KeyboardInterrupt:
             return 0
         finally:  # Ctrl-C, SIGTERM (the caller's exception), an error or a death: stop all
@@ -365,13 +399,23 @@ def metrics_line(plan: LocalPlan, host: str) -> str:
     return f"Metrics: {where}."
 
 
+def _scaler(plan: LocalPlan, supervisor: Supervisor, out: TextIO) -> Scaler:
+    """Starts and stops the plan's on-demand experts as the router's demand says."""
+    specs = {p.name: p for p in plan.experts}
+    return Scaler(plan.on_demand, DemandPoller(plan.url, plan.token_file),
+                  start=lambda name: supervisor.start(specs[name]), stop=supervisor.stop_one,
+                  running=supervisor.running, out=out)
+
+
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
-               backoff: Backoff | None) -> int:
-    """Until ``stop``: restart each process that died after its back-off; with ``backoff``
-    None, return 1 at the first death instead (the caller stops the others)."""
+               backoff: Backoff | None, scale: Callable[[], None]) -> int:
+    """Until ``stop``: restart each process that died after its back-off, and ``scale()``;
+    with ``backoff`` None, return 1 at the first death instead (the caller stops the
+    others)."""
     restarts: dict[str, int] = {}
     due: dict[str, float] = {}  # name -> when to start it again
     while not stop.wait(SUPERVISE_INTERVAL_S):
+        scale()
         now = time.monotonic()
         for name, process in supervisor.processes.items():
             if name in due or process.poll() is None:
@@ -389,7 +433,9 @@ def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
             print(f"{what}; restarting it in {delay:g} s (restart {restarts[name]})", file=out,
                   flush=True)
         for name, when in list(due.items()):
-            if when <= now:
+            if name not in supervisor.processes:  # scaled to zero meanwhile
+                del due[name]
+            elif when <= now:
                 del due[name]
                 supervisor.start(supervisor.specs[name])
                 print(f"restarted {name}", file=out, flush=True)

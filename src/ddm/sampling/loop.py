@@ -27,6 +27,14 @@ the experts trained on the sample's label where the partition is by label
 weights; ``v = sum_k w_k v_k`` with each expert evaluated only on its rows. Guidance is linear,
 so guiding inside each expert and mixing equals mixing and guiding.
 
+**Missing experts.** A driver may answer a :class:`Velocity` asked with ``fallback`` by
+:class:`Missing` (the router's ``reroute`` policy, when the expert has no ready replica): the
+loop then routes the rows that wanted it to the best available experts serving their labels
+(:func:`ddm.sampling.routing.available_weights`), asks those for the rows they lack, and marks
+the rows ``rerouted`` in the step's event. Rows no available expert serves ask the missing
+expert again without ``fallback`` (the driver waits for it or fails). Delegated chunks
+(:class:`Integrate`) are never rerouted.
+
 **Delegation** (``delegate_steps`` > 1) is an approximation for remote experts: the grid is
 walked in chunks of that many steps. At the start of a chunk, a sample whose strategy selects
 exactly one expert (always so for ``oracle`` and ``top1``) is sent to that expert in one
@@ -49,8 +57,8 @@ import numpy as np
 from ddm.conditioning import LABELS, TEXT, Conditioning
 from ddm.convention import TimeGrid, to_uint8
 from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_STEPS
-from ddm.sampling.routing import (Strategy, mixture_weights, oracle_probs, random_weights,
-                                  routing_weights, servable_labels)
+from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
+                                  random_weights, routing_weights, servable_labels)
 from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
 
 
@@ -130,12 +138,21 @@ class Route:
 @dataclass(frozen=True)
 class Velocity:
     """Wanted: expert ``expert``'s (an index) velocity at ``(x, t, cond)``, guided per row
-    as ``cond.guidance`` says."""
+    as ``cond.guidance`` says; with ``fallback``, :class:`Missing` is an answer too (the loop
+    can route the rows elsewhere)."""
 
     expert: int
     x: np.ndarray
     t: np.ndarray
     cond: Conditioning
+    fallback: bool = False
+
+
+@dataclass(frozen=True)
+class Missing:
+    """The answer to a :class:`Velocity` with ``fallback`` whose expert has no ready replica."""
+
+    expert: int
 
 
 @dataclass(frozen=True)
@@ -182,7 +199,11 @@ class StepEvent:
     sample took part in during the chunk; ``delegated`` (N,) says which went in one integrate;
     ``probs`` (N, K) float32 is the routing distribution that decided each sample's first
     evaluation of the chunk, at the state of the previous event: the router network's
-    ``p(k | x_t, t, cond)``, the oracle's one-hot, or the random baseline's uniform draw.
+    ``p(k | x_t, t, cond)``, the oracle's one-hot, or the random baseline's uniform draw;
+    ``rerouted`` (N,) which had a missing expert's share moved to others. ``wanted_rows`` (K,)
+    and ``wanted_weight`` (K,) are the chunk's demand on each expert as the strategy chose it,
+    before any rerouting: rows evaluated and their summed weight (a delegated row counts once
+    per evaluation of the chunk, with weight 1).
     """
 
     step: int
@@ -192,6 +213,9 @@ class StepEvent:
     round_trips: np.ndarray
     delegated: np.ndarray
     probs: np.ndarray
+    rerouted: np.ndarray
+    wanted_rows: np.ndarray
+    wanted_weight: np.ndarray
 
     def experts_used(self) -> np.ndarray:
         """(N, K) bool: which experts each sample used during the chunk."""
@@ -409,19 +433,27 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, cond: Cond
     x_next = np.empty_like(x)
     masks = np.zeros((evaluations, n, k), bool)
     round_trips = np.zeros(n, np.int64)
+    rerouted = np.zeros(n, bool)
+    wanted = np.zeros((evaluations, n, k), np.float64)
     if groups:
         for (expert, rows), out in zip(groups, results[0]):
             x_next[rows] = out
             masks[:, rows, expert] = True
+            wanted[:, rows, expert] = 1.0
             round_trips[rows] += 1
     if stepped.size:
-        xs, selections, first_probs = results[-1]
-        x_next[stepped] = xs
-        probs[stepped] = first_probs
-        masks[:, stepped, :] = selections
-        round_trips[stepped] += selections.sum(axis=(0, 2))
+        walked: _Walk = results[-1]
+        x_next[stepped] = walked.x
+        probs[stepped] = walked.probs
+        masks[:, stepped, :] = walked.selections
+        wanted[:, stepped, :] = walked.wanted
+        rerouted[stepped] = walked.rerouted
+        round_trips[stepped] += walked.selections.sum(axis=(0, 2))
     return StepEvent(step=step, t=float(grid[-1]), x=x_next, selections=tuple(masks),
-                     round_trips=round_trips, delegated=delegated, probs=probs)
+                     round_trips=round_trips, delegated=delegated, probs=probs,
+                     rerouted=rerouted,
+                     wanted_rows=(wanted > 0).sum(axis=(0, 1)),
+                     wanted_weight=wanted.sum(axis=(0, 1)))
 
 
 def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, cond: Conditioning,
@@ -431,14 +463,38 @@ def _delegate(groups: list[tuple[int, np.ndarray]], x: np.ndarray, cond: Conditi
                               for e, rows in groups)))
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """Rows stepped one by one through a chunk: ``x`` at its end; per evaluation, the
+    ``selections`` (E, B, K) that ran and the weights ``wanted`` (E, B, K) before rerouting;
+    ``rerouted`` (B,); the (B, K) routing ``probs`` of the first evaluation."""
+
+    x: np.ndarray
+    selections: np.ndarray
+    wanted: np.ndarray
+    rerouted: np.ndarray
+    probs: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Mixed:
+    """One mixture velocity ``v`` (B, C, H, W), the experts that ran (B, K), the weights the
+    strategy wanted (B, K), the rows rerouted (B,) and the (B, K) probabilities the weights
+    were made from."""
+
+    v: np.ndarray
+    selected: np.ndarray
+    wanted: np.ndarray
+    rerouted: np.ndarray
+    probs: np.ndarray
+
+
 def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarray,
                   cond: Conditioning, keys: np.ndarray, grid: np.ndarray
-                  ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """The solver over ``grid`` with the mixture velocity; (x at the end, (E, B, K) masks,
-    the (B, K) routing probabilities of the first evaluation)."""
+                  ) -> Generator[Query, Any, _Walk]:
+    """The solver over ``grid`` with the mixture velocity."""
     step_with = stepper(solver)
-    selections: list[np.ndarray] = []
-    first_probs: np.ndarray | None = None
+    mixed: list[_Mixed] = []
     for i in range(len(grid) - 1):
         step = step_with(x, float(grid[i]), float(grid[i + 1]))
         v = None
@@ -448,29 +504,49 @@ def _step_by_step(mixture: Mixture, strategy: Strategy, solver: str, x: np.ndarr
             except StopIteration as done:
                 x = done.value
                 break
-            v, chosen, probs = yield from _mixture_velocity(mixture, strategy, point.x,
-                                                            _times(len(cond), point.t), cond,
-                                                            keys)
-            selections.append(chosen)
-            first_probs = probs if first_probs is None else first_probs
-    assert first_probs is not None, "a chunk has at least one step"
-    return x, np.stack(selections), first_probs
+            evaluation = yield from _mixture_velocity(mixture, strategy, point.x,
+                                                      _times(len(cond), point.t), cond, keys)
+            v = evaluation.v
+            mixed.append(evaluation)
+    return _Walk(x, np.stack([m.selected for m in mixed]), np.stack([m.wanted for m in mixed]),
+                 np.any([m.rerouted for m in mixed], axis=0), mixed[0].probs)
 
 
 def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
-                      cond: Conditioning, keys: np.ndarray
-                      ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """``sum_k w_k v_k`` per sample, each expert asked only for its rows; the (B, K)
-    selection and the (B, K) probabilities it was made from."""
-    probs, weights = yield from _weights(mixture, strategy, x, t, cond, keys)
-    chosen = [(k, rows) for k in range(len(mixture.expert_names))
-              if (rows := np.flatnonzero(weights[:, k] > 0)).size]
-    outs = yield Calls(tuple(Velocity(k, x[rows], t[rows], cond.take(rows))
-                             for k, rows in chosen))
+                      cond: Conditioning, keys: np.ndarray) -> Generator[Query, Any, _Mixed]:
+    """``sum_k w_k v_k`` per sample, each expert asked only for its rows; an expert answered
+    :class:`Missing` has its rows rerouted (module docstring)."""
+    n, k = len(cond), len(mixture.expert_names)
+    reroutable = strategy.kind != "random"  # the evaluation baseline is never served
+    probs, wanted = yield from _weights(mixture, strategy, x, t, cond, keys)
+    servable = _servable(mixture, cond)
+    weights, available, rerouted = wanted, np.ones(k, bool), np.zeros(n, bool)
+    answered = np.zeros((n, k), bool)
+    v_k: dict[int, np.ndarray] = {}
+    while True:
+        calls = [(e, rows) for e in range(k)
+                 if (rows := np.flatnonzero((weights[:, e] > 0) & ~answered[:, e])).size]
+        if not calls:  # the answered experts cover the rerouted rows
+            break
+        outs = yield Calls(tuple(Velocity(e, x[rows], t[rows], cond.take(rows),
+                                          fallback=reroutable and bool(available[e]))
+                                 for e, rows in calls))
+        missing = [e for (e, _), out in zip(calls, outs) if isinstance(out, Missing)]
+        for (e, rows), out in zip(calls, outs):
+            if not isinstance(out, Missing):
+                v_k.setdefault(e, np.zeros_like(x, dtype=np.float32))[rows] = out
+                answered[rows, e] = True
+        if not missing:
+            break
+        assert reroutable and available[missing].all(), "Missing answers only fallback"
+        available[missing] = False
+        routed = available_weights(probs, servable, available, strategy)
+        weights, rerouted = routed.weights, rerouted | routed.rerouted
     v = np.zeros_like(x, dtype=np.float32)
-    for (k, rows), vk in zip(chosen, outs):
-        v[rows] += weights[rows, k][:, None, None, None] * vk
-    return v, weights > 0, probs
+    for e, ve in v_k.items():
+        rows = np.flatnonzero(weights[:, e] > 0)
+        v[rows] += weights[rows, e][:, None, None, None] * ve[rows]
+    return _Mixed(v, weights > 0, wanted, rerouted, probs)
 
 
 def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
@@ -483,8 +559,7 @@ def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
         assert cond.labels is not None, "the oracle routes by label"
         probs = oracle_probs(cond.labels, mixture.expert_classes)
         return probs, routing_weights(probs, strategy)
-    servable = (mixture.servable[cond.labels] if cond.labels is not None
-                else np.ones((len(cond), len(mixture.expert_names)), bool))
+    servable = _servable(mixture, cond)
     if strategy.kind == "random":
         uniform = servable / servable.sum(axis=1, keepdims=True)
         return uniform.astype(np.float32), random_weights(keys, t, servable)
@@ -493,6 +568,12 @@ def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
         return ones, ones
     probs = yield Route(x, t, cond)
     return np.asarray(probs, np.float32), mixture_weights(probs, servable, strategy)
+
+
+def _servable(mixture: Mixture, cond: Conditioning) -> np.ndarray:
+    """(B, K) bool: expert k may take row b (by label where the partition is by label)."""
+    return (mixture.servable[cond.labels] if cond.labels is not None
+            else np.ones((len(cond), len(mixture.expert_names)), bool))
 
 
 # ------------------------------------------------------------------------------- results
@@ -546,6 +627,7 @@ class Generation:
     labels: np.ndarray       # (N,) int64; empty for a text DDM
     usage: UsageLog
     round_trips: np.ndarray  # (N,) expert calls per image (delegated chunks count once)
+    rerouted: tuple[tuple[int, ...], ...] = ()  # per image, the steps whose routing moved
 
     @property
     def expert_calls(self) -> np.ndarray:
@@ -569,6 +651,7 @@ class Tally:
         self._labels = np.asarray(labels, np.int64)
         self._usage = UsageLog(expert_names)
         self._round_trips: np.ndarray | None = None
+        self._rerouted: dict[int, list[int]] = {}  # row -> the steps its routing moved
         self._state: np.ndarray | None = None
         self._images: np.ndarray | None = None
         self._state_is_image = state_is_image
@@ -581,6 +664,8 @@ class Tally:
             self._usage.record(mask)
         self._round_trips = (event.round_trips.copy() if self._round_trips is None
                              else self._round_trips + event.round_trips)
+        for row in np.flatnonzero(event.rerouted):
+            self._rerouted.setdefault(int(row), []).append(event.step)
         self._state = event.x
 
     def result(self) -> Generation:
@@ -589,7 +674,9 @@ class Tally:
         images = (self._images if self._images is not None
                   else to_uint8(self._state[:, 0]) if self._state_is_image else None)
         return Generation(images=images, state=self._state, labels=self._labels,
-                          usage=self._usage, round_trips=self._round_trips.copy())
+                          usage=self._usage, round_trips=self._round_trips.copy(),
+                          rerouted=tuple(tuple(self._rerouted.get(row, ()))
+                                         for row in range(len(self._state))))
 
 
 def _times(n: int, t: float) -> np.ndarray:

@@ -162,6 +162,37 @@ def mixture_weights(probs: np.ndarray, servable: np.ndarray, strategy: Strategy)
     return routing_weights(probs, strategy)
 
 
+@dataclass(frozen=True)
+class Rerouting:
+    """Weights ``(B, K)`` over the available experts. ``rerouted`` ``(B,)``: the strategy
+    wanted a missing expert for the row and got others; ``stranded`` ``(B,)``: no available
+    expert serves the row's label, so it keeps the weights it wanted (its missing experts
+    must come back: the driver waits or fails)."""
+
+    weights: np.ndarray
+    rerouted: np.ndarray
+    stranded: np.ndarray
+
+
+def available_weights(probs: np.ndarray, servable: np.ndarray, available: np.ndarray,
+                      strategy: Strategy) -> Rerouting:
+    """The ``reroute`` policy for missing experts: a row whose weights
+    (:func:`mixture_weights`) name an expert that ``available`` ``(K,)`` marks missing picks,
+    with the same strategy, among the available experts that serve its label: the best of
+    them, weights renormalised over them. Other rows keep their weights."""
+    wanted = mixture_weights(probs, servable, strategy)
+    available = np.asarray(available, bool).reshape(1, -1)
+    hit = ((wanted > 0) & ~available).any(axis=1)
+    allowed = servable & available
+    stranded = hit & ~allowed.any(axis=1)
+    rerouted = hit & ~stranded
+    weights = wanted.copy()
+    if rerouted.any():
+        weights[rerouted] = mixture_weights(np.asarray(probs)[rerouted], allowed[rerouted],
+                                            strategy)
+    return Rerouting(weights, rerouted, stranded)
+
+
 def random_weights(keys: np.ndarray, t: np.ndarray, servable: np.ndarray) -> np.ndarray:
     """One-hot ``(B, K)``: per sample, one expert drawn uniformly among those serving its label.
 

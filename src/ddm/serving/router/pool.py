@@ -290,6 +290,18 @@ class ExpertPool:
     def ready_count(self, expert: str) -> int:
         return self._replica_set(expert).ready_count()
 
+    def usable(self, expert: str) -> bool:
+        """Some replica of ``expert`` is not down: a call may go out now."""
+        return self._replica_set(expert).usable()
+
+    async def wait_usable(self, expert: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a usable replica of ``expert``; False if none."""
+        return await self._replica_set(expert).wait_usable(timeout)
+
+    async def wait_missing(self, expert: str) -> None:
+        """Until no replica of ``expert`` is usable."""
+        await self._replica_set(expert).wait_missing()
+
     def info(self, expert: str) -> ExpertInfo | None:
         """What the expert's replicas say of it in ``/v1/info`` (:meth:`ReplicaSet.info`);
         None until one has been probed ready."""

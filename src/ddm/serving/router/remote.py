@@ -17,21 +17,23 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Generator, Protocol
+from typing import Any, AsyncIterator, Awaitable, Generator, Protocol
 
 import numpy as np
 
 from ddm.conditioning import Conditioning
 from ddm.models.loading import RouterFn
-from ddm.sampling.loop import (Calls, Concurrently, Decode, Encode, Generation, Loop, Mixture,
-                               Query, Route, SamplingRequest, StepEvent, Tally, Velocity)
+from ddm.sampling.loop import (Calls, Concurrently, Decode, Encode, Generation, Integrate, Loop,
+                               Missing, Mixture, Query, Route, SamplingRequest, StepEvent, Tally,
+                               Velocity)
 from ddm.sampling.loop import check_request as check_loop_request
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.coalescing import Coalescer
+from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import gather_all
 
-__all__ = ["ExpertCaller", "RemoteMixture", "RouterNetwork", "SamplingRequest", "StepEvent",
-           "Tally", "check_request", "denoise", "generate_remote"]
+__all__ = ["ExpertCaller", "Guard", "RemoteMixture", "RouterNetwork", "SamplingRequest",
+           "StepEvent", "Tally", "check_request", "denoise", "generate_remote"]
 
 #: Up to this many rows, the router network runs on the event loop: at batch 1 it takes about
 #: 0.15 ms, less than the two thread hops of ``asyncio.to_thread``; bigger batches go to a
@@ -93,14 +95,24 @@ class RemoteMixture:
                        self.num_classes, routed=self.router is not None)
 
 
+@dataclass(frozen=True)
+class Guard:
+    """One generation under the router's ``missing_expert`` policy: ``held`` collects the
+    time it waited for missing experts; the policy's demand meter sees every step."""
+
+    missing: MissingExperts
+    held: Held
+
+
 def check_request(mixture: RemoteMixture, request: SamplingRequest) -> np.ndarray:
     """:func:`ddm.sampling.loop.check_request` for this mixture (a ``ValueError``: a 422)."""
     return check_loop_request(mixture.mixture, request)
 
 
-async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
-                  request: SamplingRequest) -> AsyncIterator[StepEvent]:
-    """Run the loop with remote experts, yielding its :class:`StepEvent` after each chunk."""
+async def denoise(mixture: RemoteMixture, caller: ExpertCaller, request: SamplingRequest,
+                  guard: Guard | None = None) -> AsyncIterator[StepEvent]:
+    """Run the loop with remote experts, yielding its :class:`StepEvent` after each chunk;
+    with ``guard``, under its missing-expert policy, counting each chunk's demand."""
     loop: Loop = loop_denoise(mixture.mixture, request)
     answer: Any = None
     try:
@@ -111,38 +123,53 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
                 return
             if isinstance(item, StepEvent):
                 answer = None
+                if guard is not None:
+                    guard.missing.demand.routed(item.wanted_rows, item.wanted_weight)
+                    guard.missing.demand.rerouted_steps.inc(int(item.rerouted.sum()))
                 yield item
             else:
-                answer = await _answer(mixture, caller, item)
+                answer = await _answer(mixture, caller, item, guard)
     finally:
         loop.close()
 
 
 async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
-                          request: SamplingRequest) -> Generation:
+                          request: SamplingRequest, guard: Guard | None = None) -> Generation:
     """Run :func:`denoise` to the end and sum up what each image used."""
     tally = Tally(mixture.expert_names, request.labels)
-    async for event in denoise(mixture, caller, request):
+    async for event in denoise(mixture, caller, request, guard):
         tally.add(event)
     return tally.result()
 
 
-async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query) -> Any:
+async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
+                  guard: Guard | None) -> Any:
     if isinstance(query, (Encode, Decode)):
         raise NotImplementedError(f"{type(query).__name__}: text encoder and decoder stages "
                                   "are not supported by the remote driver yet")
     if isinstance(query, Route):
         assert mixture.router is not None, "check_request refuses learned strategies without one"
         return await mixture.router(query.x, query.t, _labels(query.cond))
-    names = mixture.expert_names
     if isinstance(query, Calls):
-        return await gather_all(*(
-            caller.velocity(names[c.expert], c.x, c.t, _labels(c.cond))
-            if isinstance(c, Velocity)
-            else caller.integrate(names[c.expert], c.x, _labels(c.cond), c.grid, c.solver)
-            for c in query.calls))
+        return await gather_all(*(_call(mixture, caller, c, guard) for c in query.calls))
     assert isinstance(query, Concurrently), f"unknown query {query!r}"
-    return await gather_all(*(_finish(mixture, caller, part) for part in query.parts))
+    return await gather_all(*(_finish(mixture, caller, part, guard) for part in query.parts))
+
+
+async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | Integrate,
+                guard: Guard | None) -> np.ndarray | Missing:
+    name = mixture.expert_names[call.expert]
+
+    def send() -> Awaitable[np.ndarray]:
+        if isinstance(call, Velocity):
+            return caller.velocity(name, call.x, call.t, _labels(call.cond))
+        return caller.integrate(name, call.x, _labels(call.cond), call.grid, call.solver)
+
+    if guard is None:
+        return await send()
+    fallback = isinstance(call, Velocity) and call.fallback
+    out = await guard.missing.call(name, send, fallback, guard.held, call.x.shape[0])
+    return Missing(call.expert) if out is None else out
 
 
 def _labels(cond: Conditioning) -> np.ndarray:
@@ -153,7 +180,7 @@ def _labels(cond: Conditioning) -> np.ndarray:
 
 
 async def _finish(mixture: RemoteMixture, caller: ExpertCaller,
-                  part: Generator[Query, Any, Any]) -> Any:
+                  part: Generator[Query, Any, Any], guard: Guard | None) -> Any:
     """Run a sub-loop to its end; its return value."""
     answer: Any = None
     while True:
@@ -161,4 +188,4 @@ async def _finish(mixture: RemoteMixture, caller: ExpertCaller,
             query = part.send(answer)
         except StopIteration as done:
             return done.value
-        answer = await _answer(mixture, caller, query)
+        answer = await _answer(mixture, caller, query, guard)

@@ -245,6 +245,7 @@ class ReplicaSet:
         self._replicas: list[Replica] = []
         self._turn = 0
         self._usable = asyncio.Event()
+        self._missing = asyncio.Event()  # no replica is usable (the opposite of _usable)
         self._described = asyncio.Event()
 
     @property
@@ -345,6 +346,14 @@ class ReplicaSet:
             return False
         return True
 
+    def usable(self) -> bool:
+        """Some replica is not down (ready, or not probed yet)."""
+        return self._usable.is_set()
+
+    async def wait_missing(self) -> None:
+        """Until no replica is usable."""
+        await self._missing.wait()
+
     def _sync(self) -> None:
         if any(r.info is not None for r in self._replicas):
             self._described.set()
@@ -352,5 +361,7 @@ class ReplicaSet:
             self._described.clear()
         if any(r.state is not ReplicaState.DOWN for r in self._replicas):
             self._usable.set()
+            self._missing.clear()
         else:
             self._usable.clear()
+            self._missing.set()

@@ -58,6 +58,11 @@ class GenerateResponse(BaseModel):
                                                  "power of two; 3 = experts 0 and 1)")
     expert_calls: list[int] = Field(description="expert evaluations per image")
     round_trips: list[int] = Field(description="HTTP requests to experts per image")
+    rerouted: list[list[int]] = Field(description="per image, the steps (1-based) whose "
+                                                  "missing expert's share went to the best "
+                                                  "available experts (missing_expert reroute)")
+    waited_s: float = Field(description="time the generation waited for missing experts "
+                                        "to have a ready replica (missing_expert wait)")
     steps: int
     strategy: str
     solver: str
@@ -80,13 +85,15 @@ _INT, _STR, _NAMES = {"type": "integer"}, {"type": "string"}, {"type": "array", 
 STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
     _event("step", {"step": _INT, "steps": _INT, "t": {"type": "number"}, "image": _STR,
                     "experts": _NAMES, "delegated": {"type": "boolean"}, "round_trips": _INT,
+                    "rerouted": {"type": "boolean"},
                     "probs": {"type": "array", "items": {"type": "number"},
                               "description": "p(k | x_t, t, y) per expert (expert_names' "
                                              "order) that routed the step's first evaluation"}}),
     _event("done", {"image": _STR, "label": _INT, "experts": _NAMES, "expert_names": _NAMES,
                     "routing": {"type": "array", "items": _INT}, "expert_calls": _INT,
-                    "round_trips": _INT, "steps": _INT, "strategy": _STR, "solver": _STR,
-                    "delegate_steps": _INT, "seconds": {"type": "number"}}),
+                    "round_trips": _INT, "rerouted": {"type": "array", "items": _INT},
+                    "waited_s": {"type": "number"}, "steps": _INT, "strategy": _STR,
+                    "solver": _STR, "delegate_steps": _INT, "seconds": {"type": "number"}}),
     _event("failure", {"status": _INT, "detail": _STR, "expert": _STR})]}
 
 

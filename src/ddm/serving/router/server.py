@@ -79,8 +79,8 @@ from ddm.serving.termination import fail_start
 logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).parent / "static" / "index.html"
-_ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/info", "/healthz", "/readyz",
-           "/metrics")
+_ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/info", "/v1/demand", "/healthz",
+           "/readyz", "/metrics")
 #: Why the router answers each error status (the body is always :class:`ErrorDetail`).
 _ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8",
            401: "no valid bearer token (auth is on)",
@@ -142,14 +142,17 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         request = sampling_request(body, tuple(body.labels))
         mixture = _checked(router, request)
         started = time.perf_counter()
+        guard = router.guard()
         with router.slot(_client(router, http)):
-            result = await generate_remote(mixture, router.pool, request)
+            result = await generate_remote(mixture, router.pool, request, guard)
         return {"images": [_png(image) for image in result.images],
                 "labels": result.labels.tolist(), "experts": result.experts_used(),
                 "expert_names": list(mixture.expert_names),
                 "routing": result.usage.step_masks(request.steps).tolist(),
                 "expert_calls": result.expert_calls.tolist(),
-                "round_trips": result.round_trips.tolist(), **echo(request),
+                "round_trips": result.round_trips.tolist(),
+                "rerouted": [list(steps) for steps in result.rerouted],
+                "waited_s": round(guard.held.total_s, 6), **echo(request),
                 "seconds": round(time.perf_counter() - started, 6)}
 
     @app.get("/v1/generate/stream", response_class=StreamingResponse, responses={
@@ -196,6 +199,13 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             "limits": dataclasses.asdict(config.limits),
             "auth": config.auth is not None,
             "strategies": strategies(config)}
+
+    @app.get("/v1/demand", responses=_errors(auth=auth))
+    async def demand() -> dict[str, Any]:
+        """Per expert, over the last ``window_s`` seconds: rows per second the routing sent
+        it, their weight, rows rerouted away while it was missing, seconds waited for it per
+        second; and now: generations waiting for it, seconds since its last demand."""
+        return {**router.demand.as_json(), "missing_expert": router.config.missing_expert.policy}
 
     @app.get("/healthz", responses=probe_responses(500, "the router network cannot load"))
     async def healthz() -> JSONResponse:
@@ -292,7 +302,8 @@ async def _events(router: RouterState, mixture: RemoteMixture, request: Sampling
         yield b": generating\n\n"
         started = time.perf_counter()
         tally = Tally(mixture.expert_names, request.labels)
-        async for event in denoise(mixture, router.pool, request):
+        guard = router.guard()
+        async for event in denoise(mixture, router.pool, request, guard):
             tally.add(event)
             yield _sse("step", _step_data(event, mixture, request))
         result = tally.result()
@@ -301,7 +312,9 @@ async def _events(router: RouterState, mixture: RemoteMixture, request: Sampling
                             "expert_names": list(mixture.expert_names),
                             "routing": result.usage.step_masks(request.steps)[0].tolist(),
                             "expert_calls": int(result.expert_calls[0]),
-                            "round_trips": int(result.round_trips[0]), **echo(request),
+                            "round_trips": int(result.round_trips[0]),
+                            "rerouted": list(result.rerouted[0]),
+                            "waited_s": round(guard.held.total_s, 6), **echo(request),
                             "seconds": round(time.perf_counter() - started, 6)})
     except ExpertError as error:
         logger.warning("generation failed: %s", error)
@@ -318,6 +331,7 @@ def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingReques
             "image": _png(to_uint8(event.x[0, 0])),
             "experts": [name for name, on in zip(mixture.expert_names, used) if on],
             "delegated": bool(event.delegated[0]), "round_trips": int(event.round_trips[0]),
+            "rerouted": bool(event.rerouted[0]),
             "probs": [round(float(p), 4) for p in event.probs[0]]}
 
 

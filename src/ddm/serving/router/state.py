@@ -35,8 +35,10 @@ from ddm.data.partition import PartitionMismatchError, check_partition_hash
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.clients import ClientBusy, ClientSlots, client_key
+from ddm.serving.router.demand import DemandMeter
+from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
-from ddm.serving.router.remote import RemoteMixture, RouterNetwork
+from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
 from ddm.deploy.router_config import RouterConfigFile
 
@@ -98,6 +100,8 @@ class RouterState:
         self.pool = ExpertPool.from_config(config, pool_settings(config, deadline_s),
                                            PoolMetrics(self.registry))
         self.names = tuple(e.name for e in config.experts)
+        self.demand = DemandMeter(self.names, self.registry)
+        self.missing = MissingExperts(config.missing_expert, self.pool, self.demand)
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None
@@ -186,6 +190,10 @@ class RouterState:
                            "answered yet; retry when /readyz is 200")
         return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
                              self.network, shape, self.config.num_classes)
+
+    def guard(self) -> Guard:
+        """A new generation's guard: the missing-expert policy, its own waiting time."""
+        return Guard(self.missing, Held())
 
     def client(self, peer: str | None, forwarded_for: Iterable[bytes]) -> str:
         """Who a request from ``peer`` counts against (:func:`clients.client_key`)."""

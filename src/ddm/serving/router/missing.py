@@ -1,0 +1,106 @@
+"""The ``missing_expert`` policy of ``router.yaml`` around each expert call of a generation.
+
+An expert is missing when none of its replicas is usable (scaled to zero, or down). With
+``fail`` a call goes to the pool as it is (which answers 503 once its deadline passes). With
+``reroute``, a velocity call the loop can route elsewhere (``fallback``) is answered
+:class:`~ddm.sampling.loop.Missing` at once when the expert is missing, or as soon as it becomes
+so while the call is pending (a replica killed mid-step); the loop then reroutes its rows. With
+``wait``, and for calls ``reroute`` cannot move, the generation waits up to ``wait_s`` for a
+usable replica, then calls; a call that fails because the expert went missing meanwhile waits
+again within the same ``wait_s``. What the generation waited is kept in its :class:`Held` and
+the demand window (:mod:`ddm.serving.router.demand`) counts the waiting generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from ddm.deploy.router_config import MissingExpert
+from ddm.serving.router.demand import DemandMeter
+from ddm.serving.router.pool import ExpertPool, ExpertUnavailable
+
+
+@dataclass
+class Held:
+    """One generation's time held waiting for missing experts, in seconds, per expert."""
+
+    waited_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.waited_s.values())
+
+
+class MissingExperts:
+    """Applies the policy to calls to ``pool``'s experts; ``demand`` counts waits."""
+
+    def __init__(self, config: MissingExpert, pool: ExpertPool, demand: DemandMeter) -> None:
+        self.config = config
+        self._pool = pool
+        self.demand = demand
+
+    async def call(self, expert: str, send: Callable[[], Awaitable[np.ndarray]],
+                   fallback: bool, held: Held, rows: int) -> np.ndarray | None:
+        """``send()``'s answer, or None when the call (of ``rows`` rows) may be rerouted and
+        the expert is missing (policy ``reroute``)."""
+        policy = self.config.policy
+        if policy == "fail":
+            return await send()
+        if policy == "reroute" and fallback:
+            out = await self._unless_missing(expert, send)
+            if out is None:
+                self.demand.rerouted(expert, rows)
+            return out
+        deadline = None
+        while True:
+            if not self._pool.usable(expert):
+                deadline = deadline or time.monotonic() + self.config.wait_s
+                await self._wait(expert, deadline, held)
+            try:
+                return await send()
+            except ExpertUnavailable:
+                if self._pool.usable(expert):  # failed for another reason than being missing
+                    raise
+                deadline = deadline or time.monotonic() + self.config.wait_s
+                if time.monotonic() >= deadline:
+                    raise
+
+    async def _unless_missing(self, expert: str,
+                              send: Callable[[], Awaitable[np.ndarray]]) -> np.ndarray | None:
+        if not self._pool.usable(expert):
+            return None
+        call = asyncio.ensure_future(send())
+        gone = asyncio.ensure_future(self._pool.wait_missing(expert))
+        try:
+            await asyncio.wait((call, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if call.done():
+            try:
+                return call.result()
+            except ExpertUnavailable:
+                return None
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        return None
+
+    async def _wait(self, expert: str, deadline: float, held: Held) -> None:
+        """Until a replica of ``expert`` is usable, or :class:`ExpertUnavailable` at
+        ``deadline``."""
+        started = time.monotonic()
+        self.demand.wait_started(expert)
+        try:
+            ready = await self._pool.wait_usable(expert, deadline - started)
+        finally:
+            ended = time.monotonic()
+            self.demand.wait_ended(expert, ended - started)
+            held.waited_s[expert] = held.waited_s.get(expert, 0.0) + ended - started
+        if not ready:
+            raise ExpertUnavailable(expert, f"no replica was ready within the "
+                                            f"missing_expert.wait_s of {self.config.wait_s:g} s",
+                                    f"no replica was ready within {self.config.wait_s:g} s")

@@ -1,0 +1,144 @@
+"""Missing experts and scale to zero under ``ddm up``, real processes on loopback (issue 24).
+
+* ``reroute``: with the MNIST DDM (every expert draws every digit), an expert killed for good
+  leaves generations at 200; the answers name the rerouted steps, the killed expert runs no
+  step, and the shipped MNIST classifier still reads the asked digits.
+* ``wait``: with the digits DDM (label partition: nothing to reroute to), a request arriving
+  while an expert is down waits for ``ddm up`` to restart it, succeeds, and says how long it
+  waited.
+* ``minReplicas: 0``: no process of that expert while idle; a request needing it starts one
+  (a cold start) and succeeds; after the scale-down delay without demand it is stopped.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import yaml
+from PIL import Image
+
+from ddm.evaluation.classifier import load_classifier
+from ddm.runtime.local import Backoff
+from tests.support.local_runtime import Log, ddm_up
+from tests.support.processes import listening_pid
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS, MNIST = ROOT / "examples" / "digits.yaml", ROOT / "examples" / "mnist.yaml"
+NEVER = Backoff(first_s=3600.0)  # a killed process stays dead for the test
+EVENT_TIMEOUT_S = 120.0
+
+
+def _manifest(example: Path, tmp_path: Path, missing: dict[str, Any],
+              autoscaling: dict[str, dict[str, Any]] | None = None) -> Path:
+    document = yaml.safe_load(example.read_text())
+    document["spec"]["router"]["missingExpert"] = missing
+    for expert in document["spec"]["experts"]:
+        if expert["name"] in (autoscaling or {}):
+            expert["autoscaling"] = autoscaling[expert["name"]]
+    path = tmp_path / example.name
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def _generate(url: str, labels: list[int], steps: int, log: Log) -> dict[str, Any]:
+    answer = httpx.post(f"{url}/v1/generate", timeout=300,
+                        json={"labels": labels, "steps": steps, "seed": 0})
+    assert answer.status_code == 200, f"{answer.text}\n{log.getvalue()[-3000:]}"
+    return answer.json()
+
+
+def _until(condition, what: str, log: Log) -> None:
+    """Poll ``condition()`` until true (the processes are external: nothing else to wait on)."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen:\n{log.getvalue()[-3000:]}"
+        time.sleep(0.2)
+
+
+def _replica_states(url: str, expert: str) -> list[str]:
+    info = httpx.get(f"{url}/v1/info", timeout=30).json()
+    return list(next(e for e in info["experts"] if e["name"] == expert)["replicas"].values())
+
+
+def _kill(port: int) -> None:
+    pid = listening_pid(port)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_with_reroute_a_killed_expert_keeps_answers_200_and_the_digits_right(
+        tmp_path: Path) -> None:
+    labels = list(range(10)) * 2
+    manifest = _manifest(MNIST, tmp_path, {"policy": "reroute"})
+    with ddm_up(manifest, backoff=NEVER) as (plan, log, _):
+        before = _generate(plan.url, labels, 20, log)
+        names = before["expert_names"]
+        uses = [sum(bool(mask >> k & 1) for image in before["routing"] for mask in image)
+                for k in range(len(names))]
+        victim = int(np.argmax(uses))  # the expert these digits need most
+        _kill(next(p for p in plan.experts if p.name == f"{names[victim]}/0").port)
+
+        after = _generate(plan.url, labels, 20, log)  # the expert is gone from the start
+        rerouted = [steps for steps in after["rerouted"] if steps]
+        assert rerouted, after["rerouted"]
+        assert not any(mask >> victim & 1 for image in after["routing"] for mask in image)
+        assert all(names[victim] not in used for used in after["experts"])
+        images = np.stack([np.asarray(Image.open(io.BytesIO(base64.b64decode(b))))
+                           for b in after["images"]])
+        read = load_classifier(ROOT / "checkpoints" / "mnist" / "classifier").predict(images)
+        accuracy = float(np.mean(read == np.array(labels)))
+        print(f"\nreroute: {names[victim]} killed ({uses[victim]} of the image-steps before); "
+              f"{len(rerouted)} of {len(labels)} images rerouted on "
+              f"{sum(map(len, rerouted))} steps; classifier accuracy {accuracy:.2f}")
+        assert accuracy >= 0.9, read
+        metrics = httpx.get(f"http://127.0.0.1:{plan.router.metrics_port}/metrics").text
+        assert f'ddm_router_expert_rerouted_rows_total{{expert="{names[victim]}"}}' in metrics
+        assert "ddm_router_rerouted_steps_total " in metrics
+
+
+def test_with_wait_a_request_for_a_down_expert_waits_until_it_is_back(tmp_path: Path) -> None:
+    manifest = _manifest(DIGITS, tmp_path, {"policy": "wait", "waitSeconds": 120})
+    with ddm_up(manifest, backoff=Backoff(first_s=8.0)) as (plan, log, _):
+        assert _generate(plan.url, [1], 4, log)["waited_s"] == 0.0
+        expert = next(p for p in plan.experts if p.name == "digits-0-4/0")
+        _kill(expert.port)
+        _until(lambda: _replica_states(plan.url, "digits-0-4") == ["down"],
+               "the router seeing digits-0-4 down", log)
+        answer = _generate(plan.url, [1, 7], 4, log)  # arrives while it is down
+        assert f"restarted {expert.name}" in log.getvalue()
+        print(f"\nwait: the request waited {answer['waited_s']:.1f} s for digits-0-4")
+        assert answer["waited_s"] > 0.5, answer
+        assert answer["experts"] == [["digits-0-4"], ["digits-5-9"]]
+
+
+def test_an_expert_at_min_replicas_0_starts_on_demand_and_stops_after_the_delay(
+        tmp_path: Path) -> None:
+    manifest = _manifest(DIGITS, tmp_path, {"policy": "wait"}, {"digits-0-4": {
+        "minReplicas": 0, "maxReplicas": 1, "scaleDownDelaySeconds": 3}})
+    with ddm_up(manifest) as (plan, log, _):
+        expert = next(p for p in plan.experts if p.name == "digits-0-4/0")
+        assert listening_pid(expert.port) is None  # idle: no process
+        assert _generate(plan.url, [7], 4, log)["waited_s"] == 0.0  # the other expert's
+        assert listening_pid(expert.port) is None
+        demand = httpx.get(f"{plan.url}/v1/demand", timeout=30).json()
+        assert demand["experts"]["digits-0-4"]["idle_s"] is None, demand
+        assert demand["experts"]["digits-5-9"]["rows_per_s"] > 0, demand
+
+        answer = _generate(plan.url, [1], 4, log)  # needs it: a cold start
+        assert answer["experts"] == [["digits-0-4"]] and answer["waited_s"] > 0, answer
+        assert listening_pid(expert.port) is not None
+        assert "scaling digits-0-4 up from zero" in log.getvalue()
+        print(f"\nscale to zero: cold start answered after {answer['seconds']:.1f} s "
+              f"(waited {answer['waited_s']:.1f} s)")
+
+        _until(lambda: listening_pid(expert.port) is None, "scaling digits-0-4 to zero", log)
+        assert "scaling digits-0-4 to zero: no demand for 3 s" in log.getvalue()
+        assert f"{expert.name} exited" not in log.getvalue()  # stopped, not crashed

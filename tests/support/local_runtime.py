@@ -1,0 +1,41 @@
+"""``ddm up`` in a thread for the tests: its plan, its log and its exit status."""
+
+from __future__ import annotations
+
+import io
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from ddm.deploy.spec import load_manifest
+from ddm.runtime.local import LocalPlan, free_port, run_local
+
+
+class Log(io.StringIO):
+    """Collects the processes' output so a failure can show it."""
+
+
+@contextmanager
+def ddm_up(manifest: Path, **options: Any) -> Iterator[tuple[LocalPlan, Log, list[int]]]:
+    """``run_local`` in a thread until the block ends; yields its plan, its log and (once it
+    returned) its exit status."""
+    ready, stop, log = threading.Event(), threading.Event(), Log()
+    plans: list[LocalPlan] = []
+    outcome: list[int] = []
+
+    def on_ready(plan: LocalPlan) -> None:
+        plans.append(plan)
+        ready.set()
+
+    thread = threading.Thread(target=lambda: outcome.append(run_local(
+        load_manifest(manifest), router_port=free_port(), out=log, on_ready=on_ready, stop=stop,
+        **options)))
+    thread.start()
+    try:
+        while not ready.wait(0.5):
+            assert thread.is_alive(), f"ddm up stopped before it was ready:\n{log.getvalue()}"
+        yield plans[0], log, outcome
+    finally:
+        stop.set()
+        thread.join(timeout=60)

@@ -1,0 +1,60 @@
+"""The spec's ``autoscaling`` (per expert) and ``router.missingExpert``, and what the plan
+carries of them into router.yaml and the local runtime."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddm.deploy.plan import plan_deployment
+from ddm.deploy.router_config import MissingExpert, StaticDiscovery
+from ddm.deploy.spec import Autoscaling, SpecError, parse_spec
+
+
+def _spec(router: dict | None = None, autoscaling: dict | None = None) -> dict:
+    expert = {"name": "e", "checkpoint": {"uri": "image:///e"}}
+    if autoscaling is not None:
+        expert["autoscaling"] = autoscaling
+    return {"sampling": {"strategy": "oracle"}, "router": router or {},
+            "experts": [{**expert, "classes": [0]},
+                        {"name": "f", "checkpoint": {"uri": "image:///f"}, "classes": [1]}],
+            "numClasses": 2}
+
+
+def test_autoscaling_and_the_policy_reach_the_plan_and_router_yaml() -> None:
+    spec = parse_spec(_spec({"missingExpert": {"policy": "wait", "waitSeconds": 30}},
+                            {"minReplicas": 0, "maxReplicas": 3,
+                             "scaleDownDelaySeconds": 60}))
+    plan = plan_deployment(spec)
+    assert plan.experts[0].autoscaling == Autoscaling(0, 3, 60)
+    assert plan.experts[1].autoscaling is None
+    config = plan.router_config({"e": StaticDiscovery(("h:1",)),
+                                 "f": StaticDiscovery(("h:2",))}, None)
+    assert config.missing_expert == MissingExpert("wait", 30.0)
+
+
+def test_by_default_a_missing_expert_fails_and_scaling_is_fixed() -> None:
+    spec = parse_spec(_spec())
+    assert spec.router.missing_expert == MissingExpert("fail", 120.0)
+    assert spec.experts[0].autoscaling is None
+
+
+def test_the_scale_down_delay_defaults_to_five_minutes() -> None:
+    spec = parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1}))
+    assert spec.experts[0].autoscaling == Autoscaling(0, 1, 300)
+
+
+@pytest.mark.parametrize("router, autoscaling, problem", [
+    ({"missingExpert": {"policy": "hope"}}, None,
+     "spec.router.missingExpert.policy: must be one of fail, wait, reroute, got 'hope'"),
+    ({"missingExpert": {"waitSeconds": 0}}, None,
+     "spec.router.missingExpert.waitSeconds: must be an integer in 1..3600, got 0"),
+    ({}, {"minReplicas": 2, "maxReplicas": 1},
+     "spec.experts[0].autoscaling.minReplicas: 2 is above maxReplicas 1"),
+    ({}, {"minReplicas": 0}, "spec.experts[0].autoscaling.maxReplicas: is required"),
+    ({}, {"minReplicas": 0, "maxReplicas": 1, "target": 3},
+     "spec.experts[0].autoscaling: unknown fields ['target']"),
+])
+def test_bad_values_are_reported_with_their_field(router, autoscaling, problem) -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_spec(router, autoscaling))
+    assert problem in caught.value.problems
