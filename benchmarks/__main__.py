@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=40, help="denoising steps per generation")
     p.set_defaults(handler=_bench_serve)
 
+    p = kinds.add_parser("calls", help="one batch-1 expert call's cost beyond the model and "
+                                       "the HTTP floor, fast and slow models, several source "
+                                       "trees side by side")
+    p.add_argument("trees", nargs="+", help="checkouts whose expert servers to compare")
+    p.set_defaults(handler=_bench_calls)
+
     p = kinds.add_parser("load", help="concurrent clients against a router on loopback for a "
                                       "bounded time: errors, throughput, latency, peak memory")
     p.add_argument("--clients", type=int, default=64, help="concurrent clients")
@@ -72,6 +78,12 @@ def _bench_serve(args: argparse.Namespace) -> int:
     from benchmarks.serve import bench_serve_command
 
     return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json)
+
+
+def _bench_calls(args: argparse.Namespace) -> int:
+    from benchmarks.calls import bench_calls_command
+
+    return bench_calls_command(args.trees)
 
 
 def _bench_operator(args: argparse.Namespace) -> int:

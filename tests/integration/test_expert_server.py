@@ -29,7 +29,7 @@ from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
 from ddm.sampling.solvers import iterate
 from ddm.serving.expert.backends import Backend, BackendUnavailable, check_backend, load_backend
-from ddm.serving.expert.server import INLINE_BUDGET_S, create_expert_app
+from ddm.serving.expert.server import create_expert_app
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
                                   VelocityRequest, decode_response, encode_request)
 from ddm.serving.termination import write_termination_message
@@ -215,7 +215,7 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
         real = load_backend(ckpt, backend, device, max_batch, compile_cache)
 
         def velocity(x, t, y):
-            if x.shape[0] == 5:  # over MAX_INLINE_ROWS: on the model thread, not the loop
+            if x.shape[0] == 5:
                 entered.set()
                 assert gate.wait(timeout=60)
             return real.velocity(x, t, y)
@@ -402,23 +402,36 @@ def test_velocity_calls_run_between_the_slices_of_a_long_integration(torch_serve
     np.testing.assert_allclose(decode_response(content, 9), expected, atol=1e-4)
 
 
-def test_requests_run_inline_only_up_to_the_batch_measured_within_budget(
-        smoke_expert_checkpoint):
-    """A model slower than INLINE_BUDGET_S at batch 1 never runs on the event loop."""
-    def slow_loader(ckpt, backend, device, max_batch, compile_cache):
+def test_a_batch_of_one_holding_the_model_does_not_hold_the_probes(smoke_expert_checkpoint):
+    """Every batch, however small or quick the model, runs on the model thread: the event
+    loop answers probes while a batch-1 call is held (it once ran small batches on the loop)."""
+    serving, entered, gate = threading.Event(), threading.Event(), threading.Event()
+
+    def gated_loader(ckpt, backend, device, max_batch, compile_cache):
         real = load_backend(ckpt, backend, device, max_batch, compile_cache)
 
         def velocity(x, t, y):
-            time.sleep(2 * INLINE_BUDGET_S)  # a bigger model, as the measurement sees it
+            if serving.is_set():
+                entered.set()
+                assert gate.wait(timeout=60)
             return real.velocity(x, t, y)
 
         return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
 
-    with running(create_expert_app(smoke_expert_checkpoint, loader=slow_loader)) as base:
+    with running(create_expert_app(smoke_expert_checkpoint, loader=gated_loader)) as base:
         wait_ready(base)
-        assert httpx.get(f"{base}/v1/info").json()["inline_rows"] == 0
-        reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=2)))
-        assert reply.status_code == 200
+        serving.set()
+
+        async def scenario() -> tuple[int, int]:
+            async with httpx.AsyncClient(base_url=base, timeout=60, headers=HEADERS) as client:
+                held = asyncio.create_task(client.post("/v1/velocity", content=encode_request(
+                    velocity_request(batch=1, seed=0, request_id=2))))
+                assert await asyncio.to_thread(entered.wait, 60)
+                probe = await client.get("/healthz", timeout=5)
+                gate.set()
+                return probe.status_code, (await held).status_code
+
+        assert asyncio.run(scenario()) == (200, 200)
 
 
 def test_with_a_metrics_port_metrics_are_there_only_and_the_api_is_not(smoke_expert_checkpoint):
@@ -447,14 +460,14 @@ def test_with_a_metrics_port_metrics_are_there_only_and_the_api_is_not(smoke_exp
 
 
 @pytest.mark.parametrize("max_batch", [1, 3])
-def test_a_jax_expert_with_a_small_batch_limit_measures_inline_rows_within_it(
+def test_a_jax_expert_with_a_small_batch_limit_starts_and_serves_it(
         smoke_jax_expert_checkpoint, max_batch):
-    """JAX compiles only the batch sizes up to ``--max-batch``: measuring which batches may run
-    inline must not ask for a bigger one (it once made ``--max-batch 1`` fail to start)."""
+    """JAX compiles only the batch sizes up to ``--max-batch``: start-up must not ask for a
+    bigger one (it once made ``--max-batch 1`` fail to start)."""
     app = create_expert_app(smoke_jax_expert_checkpoint, backend="jax", max_batch=max_batch)
     with running(app) as base:
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()
-        assert info["ready"] is True and info["inline_rows"] <= max_batch
+        assert info["ready"] is True and info["max_batch"] == max_batch
         reply = post(base, encode_request(velocity_request(batch=max_batch, seed=0)))
         assert reply.status_code == 200

@@ -220,41 +220,59 @@ def test_submit_refuses_a_request_over_max_batch():
         asyncio.run(scenario())
 
 
-
-def test_a_small_request_to_an_idle_model_runs_on_the_event_loop_and_others_on_the_worker():
-    threads: list[tuple[int, str]] = []
+def test_every_batch_runs_on_one_long_lived_model_thread_whatever_its_size():
+    threads: list[str] = []
 
     def run(key, inputs):
-        threads.append((inputs[0].shape[0], threading.current_thread().name))
+        threads.append(threading.current_thread().name)
         return inputs[0]
 
     async def scenario():
-        batcher = Batcher(run, max_batch=8, max_delay_ms=0,
-                          inline=lambda key, size: key == V and size <= 2)
+        batcher = Batcher(run, max_batch=8, max_delay_ms=0)
         batcher.start()
-        await batcher.submit(V, rows([1]))          # small and idle: inline
-        await batcher.submit(A, rows([2]))          # another key: worker
-        await batcher.submit(V, rows([1, 2, 3]))    # too big: worker
+        await batcher.submit(V, rows([1]))
+        await batcher.submit(A, rows([2]))
+        await batcher.submit(V, rows([1, 2, 3]))
         await asyncio.gather(*(batcher.submit(V, rows([i])) for i in range(3)))
         await batcher.close()
 
-    asyncio.run(scenario())
-    loop_thread = threading.current_thread().name
-    assert threads[0] == (1, loop_thread)
-    assert all(name.startswith("ddm-model") for _, name in threads[1:3])
-    # Three at once (a burst read in one turn of the loop) see each other: one batch.
-    assert threads[3:] == [(3, threads[1][1])]
+    asyncio.run(scenario())  # the event loop runs on this (the main) thread
+    assert len(threads) >= 4 and set(threads) == {"ddm-model"}
 
 
-def test_inline_is_off_when_the_batcher_waits_for_more_requests():
-    threads = []
+def test_with_a_delay_requests_wait_for_each_other_until_the_batch_is_full():
+    """A delay long enough never to expire here: the batch leaves because it is full."""
+    model = GatedModel()
+    model.release.set()
 
     async def scenario():
-        batcher = Batcher(lambda key, inputs: threads.append(threading.current_thread().name)
-                          or inputs[0], max_batch=8, max_delay_ms=1, inline=lambda *_: True)
+        batcher = Batcher(model, max_batch=3, max_delay_ms=60_000)
         batcher.start()
-        await batcher.submit(V, rows([1]))
+        results = await asyncio.gather(*(batcher.submit(V, rows([i])) for i in range(3)))
         await batcher.close()
+        return results
 
-    asyncio.run(scenario())
-    assert threads[0].startswith("ddm-model")
+    results = asyncio.run(scenario())
+    assert model.sizes == [3]
+    assert [r.item() for r in results] == [0, 2, 4]
+
+
+def test_a_request_cancelled_while_queued_is_dropped_unrun():
+    async def scenario():
+        model = GatedModel()
+        batcher = Batcher(model, max_batch=1, max_delay_ms=0)
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(V, rows([1])))
+        await asyncio.to_thread(model.started.wait, 10)
+        gone = asyncio.create_task(batcher.submit(V, rows([2])))
+        kept = asyncio.create_task(batcher.submit(V, rows([3])))
+        await asyncio.sleep(0)
+        gone.cancel()
+        model.release.set()
+        results = await asyncio.gather(first, kept)
+        await batcher.close()
+        return model.sizes, results, gone.cancelled()
+
+    sizes, results, cancelled = asyncio.run(scenario())
+    assert cancelled and sizes == [1, 1]
+    assert [r.item() for r in results] == [2, 6]

@@ -14,14 +14,14 @@ requests that step through the same times together are merged.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-#: Runs one batch in the worker thread: ``(key, inputs) -> output``; every input and the
+#: Runs one batch in the model thread: ``(key, inputs) -> output``; every input and the
 #: output have the batch on axis 0.
 RunFn = Callable[[Hashable, tuple[np.ndarray, ...]], np.ndarray]
 
@@ -142,23 +142,23 @@ class _Job:
 
 
 class Batcher:
-    """Queue requests, run them in batches on one worker thread, hand each its own rows.
+    """Queue requests, run them in batches on one model thread, hand each its own rows.
 
-    One worker thread keeps the model single-threaded (frameworks and accelerators run one
+    One long-lived thread keeps the model single-threaded (frameworks and accelerators run one
     call at a time best) and keeps the event loop free to accept the next requests, which
     queue up meanwhile and form the next batch. Use it from one event loop:
     ``start()``, then ``await submit(...)`` from many tasks, then ``await close()``.
 
-    A request that ``inline(key, rows)`` accepts and that finds the model idle, nothing queued
-    and no other request arriving runs at once on the event loop instead (only with
-    ``max_delay_ms`` 0, which asks for no waiting): a lone router stepping one image through
-    the DDM would otherwise pay two thread hops per step. Requests arriving meanwhile wait
-    unread in the socket, as they would wait for the busy worker, and form the next batch.
+    Every request takes the same path whatever the model's size: the event loop appends it to
+    the queue and wakes the thread (a condition variable); the thread forms the batch
+    (:func:`plan_batch`), runs it, and completes the requests' futures with one
+    ``call_soon_threadsafe``. That is two thread wake-ups per batch and little else, where an
+    executor plus a dispatching task on the loop cost several loop turns more (and made
+    running small models on the loop, behind a measured time budget, worth its cliff).
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
-                 on_batch: Callable[[BatchReport], None] | None = None,
-                 inline: Callable[[Hashable, int], bool] | None = None) -> None:
+                 on_batch: Callable[[BatchReport], None] | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         if max_delay_ms < 0:
@@ -167,105 +167,96 @@ class Batcher:
         self._max_batch = max_batch
         self._max_delay = max_delay_ms / 1000.0
         self._on_batch = on_batch
-        self._inline = inline if max_delay_ms == 0 else None
-        self._busy = False  # the worker thread is running a batch
-        self._arriving = 0  # inline candidates yielding once to see whether others came too
+        self._changed = threading.Condition()  # guards the three fields below
         self._queue: list[_Job] = []
-        self._arrival = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddm-model")
-        self._loop_task: asyncio.Task[None] | None = None
+        self._running: list[_Job] = []  # the batch the model thread runs now
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        """Start dispatching on the running event loop (idempotent)."""
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(self._dispatch_forever())
+        """Start the model thread, delivering to the running event loop (idempotent)."""
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            threading.Thread(target=self._work, name="ddm-model", daemon=True).start()
 
     async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Queue one request (arrays with its rows on axis 0) and await its rows of output."""
-        if self._loop_task is None or self._loop_task.done():
+        if self._loop is None or self._closed:
             raise BatcherClosed("the batcher is not running")
         size = inputs[0].shape[0]
         if not 1 <= size <= self._max_batch:
             raise ValueError(f"a request must have 1..{self._max_batch} rows, got {size}")
-        if self._inline is not None and self._inline(key, size):
-            # Requests read in the same turn of the loop (a burst) each get here before any
-            # runs: seeing each other, they queue and form one batch instead.
-            self._arriving += 1
-            try:
-                await asyncio.sleep(0)
-            finally:
-                self._arriving -= 1
-            if not self._busy and not self._queue and not self._arriving:
-                started = time.perf_counter()
-                output = self._run(key, inputs)
-                self._report(size, (0.0,), started)
-                return output
-        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(key, inputs, time.perf_counter(), future))
-        self._arrival.set()
+        future: asyncio.Future[np.ndarray] = self._loop.create_future()
+        with self._changed:
+            self._queue.append(_Job(key, inputs, time.perf_counter(), future))
+            self._changed.notify()
         return await future
 
     async def close(self) -> None:
-        """Stop dispatching, fail queued requests with :class:`BatcherClosed`, free the thread."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
-        _fail(self._queue, BatcherClosed("the server is shutting down"))
-        self._queue.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Fail queued and running requests with :class:`BatcherClosed` and let the model
+        thread end after the batch it runs (it is not waited for: a model may hang)."""
+        with self._changed:
+            self._closed = True
+            jobs, self._queue = self._queue + self._running, []
+            self._changed.notify()
+        _fail(jobs, BatcherClosed("the server is shutting down"))
 
-    async def _dispatch_forever(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            jobs = await self._next_batch()
+    def _work(self) -> None:
+        """The model thread: take a batch, run it, hand the results to the event loop."""
+        assert self._loop is not None
+        while (jobs := self._next_batch()) is not None:
             started = time.perf_counter()
-            self._busy = True
             try:
-                outputs = await loop.run_in_executor(self._executor, _run_batch, self._run, jobs)
-            except asyncio.CancelledError:
-                _fail(jobs, BatcherClosed("the server is shutting down"))
-                raise
+                outputs: list[np.ndarray] | Exception = _run_batch(self._run, jobs)
             except Exception as error:  # noqa: BLE001 - the model's failure goes to its callers
-                _fail(jobs, error)
-                continue
-            finally:
-                self._busy = False
-            for job, output in zip(jobs, outputs):
-                if not job.future.done():  # the client may have gone away
-                    job.future.set_result(output)
-            self._report(sum(job.size for job in jobs),
-                         tuple(started - job.arrived for job in jobs), started)
-
-    def _report(self, images: int, queue_delays: tuple[float, ...], started: float) -> None:
-        if self._on_batch is not None:
-            self._on_batch(BatchReport(images=images, queue_delays=queue_delays,
-                                       model_seconds=time.perf_counter() - started))
-
-    async def _next_batch(self) -> list[_Job]:
-        """Wait until :func:`plan_batch` dispatches, then take those jobs off the queue."""
-        while True:
-            self._queue = [job for job in self._queue if not job.future.done()]
-            if not self._queue:
-                self._arrival.clear()
-                await self._arrival.wait()
-                continue
-            pending = [Pending(job.key, job.size, job.arrived) for job in self._queue]
-            decision = plan_batch(pending, self._max_batch, self._max_delay, time.perf_counter())
-            if isinstance(decision, Dispatch):
-                chosen = set(decision.indices)
-                jobs = [self._queue[i] for i in decision.indices]
-                self._queue = [job for i, job in enumerate(self._queue) if i not in chosen]
-                return jobs
-            self._arrival.clear()
+                outputs = error
+            report = BatchReport(images=sum(job.size for job in jobs),
+                                 queue_delays=tuple(started - job.arrived for job in jobs),
+                                 model_seconds=time.perf_counter() - started)
             try:
-                async with asyncio.timeout(decision.seconds):
-                    await self._arrival.wait()
-            except TimeoutError:
-                pass
+                self._loop.call_soon_threadsafe(self._deliver, jobs, outputs, report)
+            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+                return
+
+    def _next_batch(self) -> list[_Job] | None:
+        """Wait until :func:`plan_batch` dispatches, then take those jobs off the queue;
+        None once closed."""
+        with self._changed:
+            self._running = []
+            while not self._closed:
+                # A request whose client went away (its future cancelled) is dropped unrun.
+                self._queue = [job for job in self._queue if not job.future.done()]
+                if not self._queue:
+                    self._changed.wait()
+                    continue
+                pending = [Pending(job.key, job.size, job.arrived) for job in self._queue]
+                decision = plan_batch(pending, self._max_batch, self._max_delay,
+                                      time.perf_counter())
+                if isinstance(decision, Wait):
+                    self._changed.wait(decision.seconds)
+                    continue
+                chosen = set(decision.indices)
+                self._running = [self._queue[i] for i in decision.indices]
+                self._queue = [job for i, job in enumerate(self._queue) if i not in chosen]
+                return self._running
+            return None
+
+    def _deliver(self, jobs: list[_Job], outputs: list[np.ndarray] | Exception,
+                 report: BatchReport) -> None:
+        """On the event loop: each request gets its rows, or the model's error (a failed
+        batch is not reported)."""
+        if isinstance(outputs, Exception):
+            _fail(jobs, outputs)
+            return
+        for job, output in zip(jobs, outputs):
+            if not job.future.done():  # the client may have gone away
+                job.future.set_result(output)
+        if self._on_batch is not None:
+            self._on_batch(report)
 
 
 def _run_batch(run: RunFn, jobs: list[_Job]) -> list[np.ndarray]:
-    """Worker-thread side: concatenate the requests, run the model once, split the rows."""
+    """Model-thread side: concatenate the requests, run the model once, split the rows."""
     inputs = tuple(np.concatenate(column) for column in zip(*(job.inputs for job in jobs)))
     output = run(jobs[0].key, inputs)
     bounds = np.cumsum([job.size for job in jobs])[:-1]

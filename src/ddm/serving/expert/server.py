@@ -73,18 +73,6 @@ DEFAULT_MAX_BATCH = 64
 #: batch, and a router stepping alone would otherwise pay the whole delay at every step
 #: (measured: +1 ms or more per batch-1 step at 1 ms, with no clear throughput gain).
 DEFAULT_MAX_DELAY_MS = 0.0
-#: A velocity request runs on the event loop when the model is idle (see :class:`Batcher`) if
-#: a batch of its size took at most this long when measured after warm-up: a router's batch-1
-#: step on a small model then skips two thread hops, while the loop is never held longer than
-#: this from probes and other connections. Measured, not assumed: with one torch thread on the
-#: shared test VM, batch 1 took 0.7 ms for the 8x8 smoke model, 11 ms for 16x16 digits-small
-#: and 98 ms for the 32x32 reference model, so only the first runs inline there. On a quiet
-#: machine digits-small takes 1.6-2.7 ms: at a 2 ms budget it fell just outside and each
-#: batch-1 call paid the hops (1.9-2.1 ms beyond the model instead of 0.6 before the budget
-#: existed; 0.47 ms at 5 ms, docs/benchmarks.md).
-INLINE_BUDGET_S = 0.005
-#: The largest batch ever run on the event loop (measured up to this size, doubling from 1).
-MAX_INLINE_ROWS = 4
 #: Solver steps of an integration that run as one model-thread job: a velocity call arriving
 #: meanwhile waits for at most this many (Heun: twice as many model calls), not the whole grid.
 #: Each slice costs one batcher job (a thread hop); on the shared test VM, 1000 steps of the
@@ -131,13 +119,9 @@ class _Expert:
         self.max_delay_ms = max_delay_ms
         self.metrics = expert_metrics.ExpertMetrics()
         self.batcher = Batcher(functools.partial(_execute, self), limits.max_batch, max_delay_ms,
-                               self.metrics.observe_batch, inline=self.inline)
-        self.inline_rows = 0  # measured once the backend is warm (_inline_rows)
+                               self.metrics.observe_batch)
         self.backend: Backend | None = None  # set, and the batcher started, once warm
         self.failure: str | None = None
-
-    def inline(self, key: Hashable, rows: int) -> bool:
-        return key == _VELOCITY and rows <= self.inline_rows
 
     def describe(self) -> dict[str, Any]:
         backend, device, runtime, hardware = self.backend_name, self.device, None, None
@@ -155,7 +139,6 @@ class _Expert:
                 "max_batch": self.limits.max_batch,
                 "max_steps": self.limits.max_steps, "max_body_bytes": self.limits.max_body_bytes,
                 "max_pending": self.max_pending, "max_delay_ms": self.max_delay_ms,
-                "inline_rows": self.inline_rows,
                 "ready": self.backend is not None}
 
 
@@ -396,28 +379,8 @@ async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> 
     return x
 
 
-def _inline_rows(backend: Backend, image_shape: tuple[int, ...], label: int,
-                 max_batch: int) -> int:
-    """The largest batch (1, 2, 4, ... up to :data:`MAX_INLINE_ROWS` and ``max_batch``, the
-    largest a backend compiled for) whose velocity takes at most :data:`INLINE_BUDGET_S` on
-    this backend (the median of three runs); 0 if batch 1 takes longer."""
-    rows = 0
-    while (size := max(1, 2 * rows)) <= min(MAX_INLINE_ROWS, max_batch):
-        x = np.zeros((size, *image_shape), np.float32)
-        t, y = np.full((size,), 0.5, np.float32), np.full((size,), label, np.int64)
-        seconds = []
-        for _ in range(3):
-            started = time.perf_counter()
-            backend.velocity(x, t, y)
-            seconds.append(time.perf_counter() - started)
-        if sorted(seconds)[1] > INLINE_BUDGET_S:
-            break
-        rows = size
-    return rows
-
-
 def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Run one batch in the worker thread: a velocity, or a whole integration on one grid."""
+    """Run one batch in the model thread: a velocity, or a whole integration on one grid."""
     backend = expert.backend
     assert backend is not None, "the batcher starts only once the backend is loaded"
     if not isinstance(key, _Integrate):
@@ -435,7 +398,7 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
     """Load, check and warm up the backend off the event loop, then start batching."""
     started = time.perf_counter()
 
-    def load_and_warm() -> tuple[Backend, int]:
+    def load_and_warm() -> Backend:
         backend = loader(load_checkpoint(directory), expert.backend_name, expert.device,
                          expert.limits.max_batch, compile_cache)
         assert expert.limits.image_shape is not None
@@ -443,12 +406,10 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
                                       behaviour_data(expert.meta), expert.limits.max_batch),
                         f"expert {expert.meta.name}")
         backend.warm_up()
-        label = expert.meta.classes[0] if expert.meta.classes else 0
-        return backend, _inline_rows(backend, expert.limits.image_shape, label,
-                                     expert.limits.max_batch)
+        return backend
 
     try:
-        backend, inline_rows = await start_up(load_and_warm)
+        backend = await start_up(load_and_warm)
     except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
         logger.exception("expert %s failed to load from %s", expert.meta.name, directory)
         expert.failure = f"{type(error).__name__}: {error}"
@@ -456,12 +417,11 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
             on_failure(f"expert {expert.meta.name}: cannot load, check or warm up {directory}: "
                        f"{error}")
         return
-    expert.backend, expert.inline_rows = backend, inline_rows
+    expert.backend = backend
     expert.batcher.start()
     info = backend.info()
-    logger.info("expert %s ready on %s (%s, %s) after %.1f s; batches of up to %d run inline",
-                expert.meta.name, info.backend, info.framework, info.device,
-                time.perf_counter() - started, inline_rows)
+    logger.info("expert %s ready on %s (%s, %s) after %.1f s", expert.meta.name, info.backend,
+                info.framework, info.device, time.perf_counter() - started)
 
 
 def _not_ready(expert: _Expert) -> str:
