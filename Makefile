@@ -7,10 +7,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint install clean chart-sync images test-images
 
-$(STAMP): pyproject.toml
+# The dev cluster (tools/devcluster: `ddm-dev-cluster`) is a tool of this repository, installed
+# beside the product, never in its wheel or images.
+$(STAMP): pyproject.toml tools/devcluster/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[all,dev]'
+	$(BIN)/python -m pip install --quiet -e '.[all,dev]' -e tools/devcluster
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,9 +34,9 @@ test: lint
 	$(BIN)/python -m pytest
 
 # The CPU image (images/cpu/Dockerfile) built with buildah and imported into the running dev
-# cluster's real node (if any); `ddm dev-cluster images --help`.
+# cluster's real node (if any); `ddm-dev-cluster images --help`.
 images: $(STAMP)
-	$(BIN)/ddm dev-cluster images
+	$(BIN)/ddm-dev-cluster images
 
 # The CUDA image (Dockerfile.cuda, several GB) and one expert of it served on the real node:
 # not part of `make test` (CI builds and uses the CPU image only). Results: docs/images.md.
@@ -42,8 +44,8 @@ test-images: $(STAMP)
 	DDM_TEST_CUDA_IMAGE=1 $(BIN)/python -m pytest -s tests/e2e/test_cuda_image.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts benchmarks
-	PYTHONPATH=src $(BIN)/lint-imports
+	$(BIN)/ruff check src tests scripts benchmarks tools
+	PYTHONPATH=src:tools/devcluster/src $(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) out

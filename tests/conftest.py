@@ -4,7 +4,7 @@ There are no trained checkpoints in the repository's tests, so these are random-
 UNets written with the real checkpoint format; the format is framework-neutral, so the JAX one
 differs only in the framework it records.
 
-The dev cluster fixtures run a real local control plane (``ddm.devcluster``) for the session,
+The dev cluster fixtures run a real local control plane (``ddm_devcluster``) for the session,
 with fake nodes only (tests/e2e/conftest.py makes the one with a real node).
 
 ``dev_cluster`` finds or builds the binaries (the first build takes 7 to 12 minutes and is
@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
-from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
-from ddm.devcluster.components import Layout
-from ddm.devcluster.processes import log_tail
+from ddm_devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
+from ddm_devcluster.components import Layout
+from ddm_devcluster.processes import log_tail
 from ddm.models.config import UNET_CONFIGS
 
 #: The classes the smoke experts serve (of the smoke config's 10).

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
-from ddm.devcluster import images as dev_images
-from ddm.devcluster.apt import AptError
-from ddm.devcluster.build import log_stderr
-from ddm.devcluster.cluster import node_layout
-from ddm.devcluster.namespaces import NamespaceError
+from ddm_devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
+from ddm_devcluster import images as dev_images
+from ddm_devcluster.apt import AptError
+from ddm_devcluster.build import log_stderr
+from ddm_devcluster.cluster import node_layout
+from ddm_devcluster.namespaces import NamespaceError
 
 def _unavailable(message: str) -> None:
     if os.environ.get("CI"):

@@ -37,8 +37,8 @@ from podsecurity import violations
 from podwatch import LogFollower, TaskExits, container_pids, delete_and_watch
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo
-from ddm.devcluster.cluster import node_layout
+from ddm_devcluster import ClusterInfo
+from ddm_devcluster.cluster import node_layout
 from ddm.operator.manifests import DRAIN_S
 from ddm.evaluation.commands import evaluate_images
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ddm.devcluster import images
+from ddm_devcluster import images
 
 NAME = "localhost/ddm-test/tiny:1"
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ddm.devcluster.apt import Log, debian_mirror, ensure_apt_packages
+from ddm_devcluster.apt import Log, debian_mirror, ensure_apt_packages
 
 VERSION = "0.1.0"  # the chart's appVersion: the tag the chart's images default to
 BASE_IMAGE = "localhost/ddm-dev/bookworm-python:3.11"
@@ -82,7 +82,7 @@ def cache_dir() -> Path:
 
 def repository_root() -> Path:
     """The checkout this package runs from (the images' build context)."""
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]  # tools/devcluster/src/ddm_devcluster
     if not (root / CPU.dockerfile).is_file():
         raise ImageError(f"{root} is not a checkout of the project (no {CPU.dockerfile}); "
                          "images are built from a source checkout")
@@ -126,7 +126,7 @@ def image_id(name: str, cache: Path | None = None) -> str:
     result = subprocess.run(["buildah", "inspect", "--type", "image", "--format",
                              "{{.FromImageID}}", name], env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise ImageError(f"no image {name} in {cache or cache_dir()}: run `ddm dev-cluster images`")
+        raise ImageError(f"no image {name} in {cache or cache_dir()}: run `ddm-dev-cluster images`")
     return result.stdout.strip()
 
 
@@ -138,7 +138,7 @@ def ensure_pause(cache: Path, log: Log) -> None:
     work = Path(tempfile.mkdtemp(dir=cache / "tmp"))
     try:
         source = work / "pause.c"
-        source.write_text(resources.files("ddm.devcluster").joinpath("pause.c").read_text())
+        source.write_text(resources.files("ddm_devcluster").joinpath("pause.c").read_text())
         _run(["gcc", "-Os", "-static", "-o", str(work / "pause"), str(source)], log, env=env)
         container = _run(["buildah", "from", "scratch"], log, env=env, quiet=True).strip()
         try:
@@ -308,7 +308,7 @@ def import_into_containerd(names: Sequence[str], ctr: Sequence[str], *,
                            cache: Path | None = None, ids: Mapping[str, str] | None = None,
                            log: Log) -> None:
     """Put images from buildah's storage into a containerd (namespace k8s.io); ``ctr`` is the
-    command line of a ctr that talks to it (`ddm.devcluster.realnode.NodeLayout.ctr`). ``ids``
+    command line of a ctr that talks to it (`ddm_devcluster.realnode.NodeLayout.ctr`). ``ids``
     maps a name to the image id to import under it (what :func:`build_project_image`
     returned); other names are imported as they name an image now."""
     cache = cache or cache_dir()

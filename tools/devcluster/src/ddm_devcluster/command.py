@@ -1,4 +1,4 @@
-"""`ddm dev-cluster {build,up,down,status}`: argument parsing only; the work is in `cluster`."""
+"""`ddm-dev-cluster {build,up,down,status}`: argument parsing only; the work is in `cluster`."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddm.devcluster import images
-from ddm.devcluster.apt import AptError
-from ddm.devcluster.build import BuildError, ensure_binaries, log_stderr
-from ddm.devcluster.cluster import down, node_layout, status, up
-from ddm.devcluster.processes import StartupError
+from ddm_devcluster import images
+from ddm_devcluster.apt import AptError
+from ddm_devcluster.build import BuildError, ensure_binaries, log_stderr
+from ddm_devcluster.cluster import down, node_layout, status, up
+from ddm_devcluster.processes import StartupError
 
 
-def build_parser(prog: str = "ddm dev-cluster") -> argparse.ArgumentParser:
+def build_parser(prog: str = "ddm-dev-cluster") -> argparse.ArgumentParser:
     """The dev-cluster argument parser (a CLI can also mount its subcommands)."""
     parser = argparse.ArgumentParser(prog=prog, description="A local Kubernetes control plane.")
     sub = parser.add_subparsers(dest="action", required=True)
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.no_import:
                 return 0
             if not status(args.dir).running:
-                log_stderr("no dev cluster runs: built only (`ddm dev-cluster up` then run "
+                log_stderr("no dev cluster runs: built only (`ddm-dev-cluster up` then run "
                            "this again to import it; the build is cached)")
                 return 0
             images.import_into_containerd([image.name], node_layout(args.dir).ctr(),
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 0 if found.running else 3
     except (BuildError, StartupError, AptError, images.ImageError) as error:
-        print(f"ddm dev-cluster {args.action}: {error}", file=sys.stderr)
+        print(f"ddm-dev-cluster {args.action}: {error}", file=sys.stderr)
         return 1
     return 0
 

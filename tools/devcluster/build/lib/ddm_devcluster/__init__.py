@@ -5,11 +5,11 @@ processes, and fake nodes (CPU, NVIDIA GPU, AWS Neuron, Google TPU) that the rea
 binds pods to. No kubelet: pods are scheduled, never run. Imports no ML framework.
 """
 
-from ddm.devcluster.build import Binaries, BuildError, ensure_binaries, find_binaries
-from ddm.devcluster.cluster import (ClusterInfo, ClusterStatus, down, start_component, status,
+from ddm_devcluster.build import Binaries, BuildError, ensure_binaries, find_binaries
+from ddm_devcluster.cluster import (ClusterInfo, ClusterStatus, down, start_component, status,
                                     stop_component, up)
-from ddm.devcluster.command import main
-from ddm.devcluster.processes import StartupError
+from ddm_devcluster.command import main
+from ddm_devcluster.processes import StartupError
 
 __all__ = [
     "Binaries",
