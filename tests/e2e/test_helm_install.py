@@ -38,6 +38,7 @@ from podwatch import LogFollower, TaskExits, container_pids, delete_and_watch
 from waiting import wait_for
 
 from ddm_devcluster import ClusterInfo
+from ddm_devcluster import images as dev_images
 from ddm_devcluster.cluster import node_layout
 from ddm.operator.manifests import DRAIN_S
 from ddm.evaluation.commands import evaluate_images
@@ -173,7 +174,10 @@ def test_helm_install_runs_the_operator_under_its_own_account(
                                                             "operator").items
     assert pod.spec.service_account_name == OPERATOR_ACCOUNT.rsplit(":", 1)[1]
     assert all(c.ready for c in pod.status.container_statuses)
-    # In a container of our image, on the real node (the fake nodes run nothing).
+    # In a container of the slim operator image (images/operator/Dockerfile: no ML framework),
+    # on the real node (the fake nodes run nothing).
+    (container,) = pod.status.container_statuses
+    assert container.image == dev_images.OPERATOR.name
     assert pod.spec.node_name == "ddm-real-0"
 
 
