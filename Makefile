@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean chart-sync images test-images
+.PHONY: demo test test-fast lint install clean chart-sync images test-images
 
 # The dev cluster (tools/devcluster: `ddm-dev-cluster`) is a tool of this repository, installed
 # beside the product, never in its wheel or images.
@@ -32,6 +32,13 @@ test: lint
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		--no-install-recommends $$missing; fi
 	$(BIN)/python -m pytest
+
+# Everything that needs no cluster and no image build, and not the slow tests (full-size Paris,
+# load tests, JAX exports, long fuzzing): the quick lane for a change that does not touch the
+# cluster, the chart's rendering on a real node or the images. `make test` stays what CI runs.
+FAST := not cluster and not e2e and not image and not slow
+test-fast: lint
+	$(BIN)/python -m pytest -m "$(FAST)"
 
 # The CPU image (images/cpu/Dockerfile) built with buildah and imported into the running dev
 # cluster's real node (if any); `ddm-dev-cluster images --help`.

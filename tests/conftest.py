@@ -11,7 +11,8 @@ with fake nodes only (tests/e2e/conftest.py makes the one with a real node).
 cached in ``$DDM_KUBE_CACHE``; ``DDM_DEV_CLUSTER_BUILD=0`` forbids building), starts a fresh
 cluster in a temporary directory and always stops it. Without binaries it skips, except
 under CI (``CI`` set), where it fails. Tests that use it are marked ``cluster``
-(``pytest -m "not cluster"`` leaves them out). A failed test that used a dev cluster reports
+(``pytest -m "not cluster"`` leaves them out; ``make test-fast`` leaves out ``cluster``, ``e2e``,
+``image`` and ``slow``). A failed test that used a dev cluster reports
 the tails of its real node's logs.
 """
 
@@ -66,10 +67,17 @@ def smoke_jax_expert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 # ------------------------------------------------------------------ the dev cluster
 
+E2E = Path(__file__).parent / "e2e"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``cluster``: the test uses a dev cluster; ``e2e``: it is one of tests/e2e (the real node
+    and the images). ``make test-fast`` leaves both out."""
     for item in items:
         if "dev_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+        if E2E in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 #: The logs a failed test on a dev cluster reports (those of the real node, when it has one).

@@ -13,6 +13,8 @@ import pytest
 
 from ddm_devcluster import images
 
+pytestmark = pytest.mark.image
+
 NAME = "localhost/ddm-test/tiny:1"
 
 
