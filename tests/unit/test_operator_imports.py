@@ -55,7 +55,8 @@ def test_ddm_operator_help_runs_without_an_ml_framework() -> None:
 def test_the_operators_modules_and_entry_point_import_without_an_ml_framework() -> None:
     result = _run_without_ml("""
         import runpy
-        import ddm.checkpoints.uri, ddm.deploy.plan, ddm.operator.handlers, ddm.operator.runner
+        import ddm.checkpoints.uri, ddm.deploy.plan, ddm.operator.diagram
+        import ddm.operator.handlers, ddm.operator.runner
         runpy.run_path("operator/main.py", run_name="operator_main")  # imports, does not run
         print(sorted(m for m in sys.modules if m.split(".")[0] in {"kopf", "kubernetes"})[:1])
     """)

@@ -2,7 +2,10 @@
 
 Real etcd, kube-apiserver, kube-controller-manager and kube-scheduler, started as local
 processes, and fake nodes (CPU, NVIDIA GPU, AWS Neuron, Google TPU) that the real scheduler
-binds pods to. No kubelet: pods are scheduled, never run. Imports no ML framework.
+binds pods to, and a real node (kubelet, kube-proxy, containerd) that runs them; the
+project's images built with buildah. Imports no ML framework, and nothing of the product: a
+tool of this repository (``ddm-dev-cluster``, the tests, the benchmarks), its own
+distribution, never in the product's wheel or images.
 """
 
 from ddm_devcluster.build import Binaries, BuildError, ensure_binaries, find_binaries

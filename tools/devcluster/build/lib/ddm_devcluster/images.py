@@ -7,7 +7,8 @@ default ``~/.cache/ddm/images``), so that a second build reuses every unchanged 
 * the base image: Debian bookworm with python3 from ``debootstrap --variant=minbase`` (the
   Dockerfiles' default ``python:3.12-slim-bookworm`` lives on a registry we cannot reach; the
   Dockerfiles take their base as the ``PYTHON_IMAGE`` build argument);
-* the project's images: ``images/cpu/Dockerfile`` (and ``Dockerfile.cuda`` on request) with
+* the project's images: ``images/operator/Dockerfile`` and ``images/cpu/Dockerfile`` (and
+  ``Dockerfile.cuda`` on request) with
   ``buildah bud --layers --network host``. Host networking keeps buildah from enabling the
   host's ip_forward and adding iptables chains, and its network configuration directory is in
   the cache too (not ``/etc/cni``). pip inside a RUN step sees the host's CA
@@ -66,9 +67,14 @@ class ProjectImage:
 
 
 CPU = ProjectImage("cpu", "images/cpu/Dockerfile", f"docker.io/library/ddm:{VERSION}")
+#: The operator alone, no ML framework: what the chart's operator Deployment runs.
+OPERATOR = ProjectImage("operator", "images/operator/Dockerfile",
+                        f"docker.io/library/ddm-operator:{VERSION}")
 CUDA = ProjectImage("cuda", "Dockerfile.cuda", f"docker.io/library/ddm-cuda:{VERSION}",
                     wheelhouse=False)
-PROJECT_IMAGES = {image.family: image for image in (CPU, CUDA)}
+PROJECT_IMAGES = {image.family: image for image in (CPU, OPERATOR, CUDA)}
+#: What the chart runs on a CPU-only cluster (``ddm-dev-cluster images`` builds these).
+CHART_IMAGES = (OPERATOR, CPU)
 #: A superseded image (its name now points at a newer build) and its archive are deleted
 #: once this old: a build from another checkout sharing the cache may still be importing it.
 SUPERSEDED_GRACE_S = 3600.0
