@@ -419,6 +419,9 @@ def test_the_final_stage_runs_as_the_operators_numeric_non_root_user(family):
         f"{user.where}: USER {match[1]} is not {USER_ID}, the operator's runAsUser"
     assert match[2] is None or int(match[2]) == USER_ID, \
         f"{user.where}: group {match[2]} is not {USER_ID}, the operator's runAsGroup"
+    # Named too: kopf (getpass.getuser) and others look the user up in /etc/passwd.
+    created = [i for i in final.all("RUN") if re.search(rf"useradd .*--uid {USER_ID}\b", i.text)]
+    assert created, f"{final.where}: no `useradd --uid {USER_ID}`: uid {USER_ID} has no name"
 
 
 @FAMILIES
