@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint install clean chart-sync images test-images
+.PHONY: demo test test-fast lint install clean chart-sync images test-images
 
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,9 +16,11 @@ $(DEMO_STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[demo]'
 	touch $@
 
-$(STAMP): $(DEMO_STAMP)
-	@echo "[make] installing every extra and the dev tools into $(VENV)"
-	$(BIN)/python -m pip install --quiet -e '.[all,dev]'
+# The dev cluster (tools/devcluster: `ddm-dev-cluster`) is a tool of this repository, installed
+# beside the product, never in its wheel or images.
+$(STAMP): $(DEMO_STAMP) tools/devcluster/pyproject.toml
+	@echo "[make] installing every extra, the dev tools and the dev cluster into $(VENV)"
+	$(BIN)/python -m pip install --quiet -e '.[all,dev]' -e tools/devcluster
 	touch $@
 
 install: $(STAMP)
@@ -40,10 +42,17 @@ test: lint
 		--no-install-recommends $$missing; fi
 	$(BIN)/python -m pytest
 
+# Everything that needs no cluster and no image build, and not the slow tests (full-size Paris,
+# load tests, JAX exports, long fuzzing): the quick lane for a change that does not touch the
+# cluster, the chart's rendering on a real node or the images. `make test` stays what CI runs.
+FAST := not cluster and not e2e and not image and not slow
+test-fast: lint
+	$(BIN)/python -m pytest -m "$(FAST)"
+
 # The CPU image (images/cpu/Dockerfile) built with buildah and imported into the running dev
-# cluster's real node (if any); `ddm dev-cluster images --help`.
+# cluster's real node (if any); `ddm-dev-cluster images --help`.
 images: $(STAMP)
-	$(BIN)/ddm dev-cluster images
+	$(BIN)/ddm-dev-cluster images
 
 # The CUDA image (Dockerfile.cuda, several GB) and one expert of it served on the real node:
 # not part of `make test` (CI builds and uses the CPU image only). Results: docs/images.md.
@@ -51,8 +60,8 @@ test-images: $(STAMP)
 	DDM_TEST_CUDA_IMAGE=1 $(BIN)/python -m pytest -s tests/e2e/test_cuda_image.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests scripts benchmarks
-	PYTHONPATH=src $(BIN)/lint-imports
+	$(BIN)/ruff check src tests scripts benchmarks tools
+	PYTHONPATH=src:tools/devcluster/src $(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) out

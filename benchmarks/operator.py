@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 from kubernetes import client, config
 
-from ddm.devcluster import down, up
+from ddm_devcluster import down, up
 from ddm.operator import names
 from tests.support.operator_process import (OperatorProcess, cpu_spec, install_crd,
                                             service_account_kubeconfig)

@@ -4,14 +4,15 @@ There are no trained checkpoints in the repository's tests, so these are random-
 UNets written with the real checkpoint format; the format is framework-neutral, so the JAX one
 differs only in the framework it records.
 
-The dev cluster fixtures run a real local control plane (``ddm.devcluster``) for the session,
+The dev cluster fixtures run a real local control plane (``ddm_devcluster``) for the session,
 with fake nodes only (tests/e2e/conftest.py makes the one with a real node).
 
 ``dev_cluster`` finds or builds the binaries (the first build takes 7 to 12 minutes and is
 cached in ``$DDM_KUBE_CACHE``; ``DDM_DEV_CLUSTER_BUILD=0`` forbids building), starts a fresh
 cluster in a temporary directory and always stops it. Without binaries it skips, except
 under CI (``CI`` set), where it fails. Tests that use it are marked ``cluster``
-(``pytest -m "not cluster"`` leaves them out). A failed test that used a dev cluster reports
+(``pytest -m "not cluster"`` leaves them out; ``make test-fast`` leaves out ``cluster``, ``e2e``,
+``image`` and ``slow``). A failed test that used a dev cluster reports
 the tails of its real node's logs.
 """
 
@@ -26,9 +27,9 @@ from typing import Any
 import pytest
 
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
-from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
-from ddm.devcluster.components import Layout
-from ddm.devcluster.processes import log_tail
+from ddm_devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
+from ddm_devcluster.components import Layout
+from ddm_devcluster.processes import log_tail
 from ddm.models.config import UNET_CONFIGS
 
 #: The classes the smoke experts serve (of the smoke config's 10).
@@ -66,10 +67,17 @@ def smoke_jax_expert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 # ------------------------------------------------------------------ the dev cluster
 
+E2E = Path(__file__).parent / "e2e"
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``cluster``: the test uses a dev cluster; ``e2e``: it is one of tests/e2e (the real node
+    and the images). ``make test-fast`` leaves both out."""
     for item in items:
         if "dev_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.cluster)
+        if E2E in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 #: The logs a failed test on a dev cluster reports (those of the real node, when it has one).

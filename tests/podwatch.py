@@ -18,9 +18,9 @@ from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo
-from ddm.devcluster.cluster import cluster_slot
-from ddm.devcluster.realnode import NodeNetwork
+from ddm_devcluster import ClusterInfo
+from ddm_devcluster.cluster import cluster_slot
+from ddm_devcluster.realnode import NodeNetwork
 
 
 def new_namespace(core: client.CoreV1Api, name: str) -> None:

@@ -58,12 +58,7 @@ class Terminated(SystemExit):
 def main(argv: Sequence[str] | None = None) -> int:
     with _sigterm_terminates():
         parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
-        if args.command == "dev-cluster":  # its own parser handles its options, --help included
-            args.args = extra + args.args
-        elif extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        return run(args)
+        return run(parser.parse_args(argv))
 
 
 @contextlib.contextmanager
@@ -131,7 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_operator(commands)
     _add_fetch_checkpoint(commands)
     _add_serve_checkpoints(commands)
-    _add_dev_cluster(commands)
     return parser
 
 
@@ -785,22 +779,6 @@ def _serve_checkpoints(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         raise UserError(str(exc)) from None
     return 0
-
-
-# -- dev cluster --------------------------------------------------------------------------------
-
-def _add_dev_cluster(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("dev-cluster", add_help=False,
-                            help="a local Kubernetes control plane with fake accelerator nodes "
-                                 "(build, up, down, status)")
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(handler=lambda args: _dev_cluster(args.args))
-
-
-def _dev_cluster(argv: list[str]) -> int:
-    from ddm.devcluster import main as dev_cluster_main
-
-    return dev_cluster_main(argv)
 
 
 def _parse_labels(text: str) -> list[int]:

@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from ddm.devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
-from ddm.devcluster import images as dev_images
-from ddm.devcluster.apt import AptError
-from ddm.devcluster.build import log_stderr
-from ddm.devcluster.cluster import node_layout
-from ddm.devcluster.namespaces import NamespaceError
+from ddm_devcluster import BuildError, ClusterInfo, down, ensure_binaries, up
+from ddm_devcluster import images as dev_images
+from ddm_devcluster.apt import AptError
+from ddm_devcluster.build import log_stderr
+from ddm_devcluster.cluster import node_layout
+from ddm_devcluster.namespaces import NamespaceError
 
 def _unavailable(message: str) -> None:
     if os.environ.get("CI"):
@@ -32,22 +32,23 @@ def _unavailable(message: str) -> None:
 @pytest.fixture(scope="package")
 def dev_cluster(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
                 ) -> Iterator[ClusterInfo]:
-    """A dev cluster with its real node, the CPU image imported; admin credentials."""
+    """A dev cluster with its real node, the chart's images (operator, CPU) imported; admin
+    credentials."""
     if os.geteuid() != 0:
         _unavailable("the real node needs root (namespaces, cgroups, containerd)")
     capture = pytestconfig.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # show build and start-up progress live
         try:
             binaries = ensure_binaries(allow_build=os.environ.get("DDM_DEV_CLUSTER_BUILD") != "0")
-            built = dev_images.build_project_image(dev_images.CPU, log=log_stderr)
+            built = {image.name: dev_images.build_project_image(image, log=log_stderr)
+                     for image in dev_images.CHART_IMAGES}
             state_dir = tmp_path_factory.mktemp("dev-cluster")
             info = up(state_dir, binaries=binaries, real_node=True)
         except (BuildError, AptError, NamespaceError, dev_images.ImageError) as error:
             _unavailable(f"no real node: {error}")
         try:
-            dev_images.import_into_containerd([dev_images.CPU.name],
-                                              node_layout(state_dir).ctr(),
-                                              ids={dev_images.CPU.name: built}, log=log_stderr)
+            dev_images.import_into_containerd(list(built), node_layout(state_dir).ctr(),
+                                              ids=built, log=log_stderr)
         except BaseException:
             down(state_dir)
             raise

@@ -21,10 +21,10 @@ from kubernetes.stream import stream
 from podwatch import new_namespace
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo
-from ddm.devcluster import images as dev_images
-from ddm.devcluster.build import log_stderr
-from ddm.devcluster.cluster import node_layout
+from ddm_devcluster import ClusterInfo
+from ddm_devcluster import images as dev_images
+from ddm_devcluster.build import log_stderr
+from ddm_devcluster.cluster import node_layout
 
 pytestmark = pytest.mark.skipif(os.environ.get("DDM_TEST_CUDA_IMAGE") != "1",
                                 reason="builds the multi-GB CUDA image: `make test-images`")

@@ -2,10 +2,11 @@
 cluster", command by command.
 
 The real helm installs the chart; the real kubelet and containerd run the operator in its pod
-from the image built from images/cpu/Dockerfile, under the chart's ServiceAccount, then the
-expert and router pods the operator creates. The router finds its experts through the cluster
-DNS; `kubectl port-forward service/digits-router` reaches the router as a user would, and the
-digits it draws must be read as the asked ones by the shipped classifier.
+from the image built from images/operator/Dockerfile (no ML framework), under the chart's
+ServiceAccount, then the expert and router pods the operator creates, from
+images/cpu/Dockerfile. The router finds its experts through the cluster DNS; `kubectl
+port-forward service/digits-router` reaches the router as a user would, and the digits it
+draws must be read as the asked ones by the shipped classifier.
 
 The module runs in order: dry-run, install, example, generate, security checks, upgrade,
 uninstall. Every wait polls the API with a deadline.
@@ -38,8 +39,9 @@ from podsecurity import violations
 from podwatch import LogFollower, TaskExits, container_pids, delete_and_watch
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo
-from ddm.devcluster.cluster import node_layout
+from ddm_devcluster import ClusterInfo
+from ddm_devcluster import images as dev_images
+from ddm_devcluster.cluster import node_layout
 from ddm.operator.manifests import DRAIN_S
 from ddm.evaluation.commands import evaluate_images
 
@@ -174,7 +176,10 @@ def test_helm_install_runs_the_operator_under_its_own_account(
                                                             "operator").items
     assert pod.spec.service_account_name == OPERATOR_ACCOUNT.rsplit(":", 1)[1]
     assert all(c.ready for c in pod.status.container_statuses)
-    # In a container of our image, on the real node (the fake nodes run nothing).
+    # In a container of the slim operator image (images/operator/Dockerfile: no ML framework),
+    # on the real node (the fake nodes run nothing).
+    (container,) = pod.spec.containers
+    assert container.image == dev_images.OPERATOR.short_name
     assert pod.spec.node_name == "ddm-real-0"
 
 
@@ -300,13 +305,16 @@ def test_every_pod_meets_the_restricted_profile(core: client.CoreV1Api, kube_cli
         assert violations(spec) == [], pod.metadata.name
 
 
-def test_every_pod_runs_on_the_real_node_from_our_image(core: client.CoreV1Api,
-                                                        digits: dict[str, Any]) -> None:
+def test_every_pod_runs_on_the_real_node_from_our_images(core: client.CoreV1Api,
+                                                         digits: dict[str, Any]) -> None:
+    """The operator from the slim operator image, everything it creates from the CPU image."""
+    image = {SYSTEM: dev_images.OPERATOR.short_name, USERS: dev_images.CPU.short_name}
     pods = [*core.list_namespaced_pod(SYSTEM).items, *core.list_namespaced_pod(USERS).items]
     for pod in pods:
         assert pod.spec.node_name == "ddm-real-0", pod.metadata.name
         (container,) = pod.spec.containers
-        assert container.image == "ddm:0.1.0", (pod.metadata.name, container.image)
+        assert container.image == image[pod.metadata.namespace], (pod.metadata.name,
+                                                                  container.image)
         assert all(s.ready for s in pod.status.container_statuses), pod.metadata.name
 
 

@@ -24,9 +24,9 @@ from podwatch import (Ending, LogFollower, TaskExits, catches_sigterm, container
 from waiting import wait_for
 
 from ddm.cli import EXIT_TERMINATED
-from ddm.devcluster import ClusterInfo
-from ddm.devcluster import images as dev_images
-from ddm.devcluster.cluster import node_layout
+from ddm_devcluster import ClusterInfo
+from ddm_devcluster import images as dev_images
+from ddm_devcluster.cluster import node_layout
 
 NAMESPACE = "sigterm"
 GRACE_S = 60  # long, so that waiting for the SIGKILL cannot pass for a prompt exit

@@ -21,15 +21,15 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from ddm.devcluster import (ClusterInfo, StartupError, down, start_component, status,
+from ddm_devcluster import (ClusterInfo, StartupError, down, start_component, status,
                             stop_component, up)
-from ddm.devcluster.cluster import cluster_slot
-from ddm.devcluster.namespaces import host_footprint
-from ddm.devcluster.node import dns_query
-from ddm.devcluster.realnode import KERNEL_TUNABLES, NodeNetwork
-from ddm.devcluster.api import ApiError
-from ddm.devcluster.apt import deb_src_stanzas
-from ddm.devcluster.components import USER_GROUPS, build_token_file
+from ddm_devcluster.cluster import cluster_slot
+from ddm_devcluster.namespaces import host_footprint
+from ddm_devcluster.node import dns_query
+from ddm_devcluster.realnode import KERNEL_TUNABLES, NodeNetwork
+from ddm_devcluster.api import ApiError
+from ddm_devcluster.apt import deb_src_stanzas
+from ddm_devcluster.components import USER_GROUPS, build_token_file
 
 DEADLINE_S = 60
 

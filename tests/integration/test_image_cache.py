@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ddm.devcluster import images
+from ddm_devcluster import images
+
+pytestmark = pytest.mark.image
 
 NAME = "localhost/ddm-test/tiny:1"
 

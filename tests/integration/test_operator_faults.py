@@ -23,7 +23,7 @@ from kubernetes import watch
 from test_operator import OWNER_LABEL, Cluster, _expected_children
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo, start_component, stop_component
+from ddm_devcluster import ClusterInfo, start_component, stop_component
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.reconcile import Outcome, Reconciler

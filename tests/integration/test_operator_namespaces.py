@@ -23,7 +23,7 @@ from kubernetes import client, utils
 from test_operator import OWNER_LABEL, Cluster
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo
+from ddm_devcluster import ClusterInfo
 from ddm.operator.runner import watched_namespaces
 from tests.support.operator_process import (OperatorProcess, cpu_spec,
                                             install_crd, service_account_kubeconfig)

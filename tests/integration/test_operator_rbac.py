@@ -29,9 +29,9 @@ from test_operator import ROOT, Cluster
 from test_operator_namespaces import _install_chart_rbac
 from waiting import wait_for
 
-from ddm.devcluster import ClusterInfo
+from ddm_devcluster import ClusterInfo
 from ddm.operator import names
-from ddm.devcluster.components import Layout
+from ddm_devcluster.components import Layout
 from tests.support.operator_process import (OperatorProcess, cpu_spec,
                                             install_crd, service_account_kubeconfig)
 

@@ -26,8 +26,8 @@ import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from ddm.devcluster.components import build_kubeconfig
-from ddm.devcluster.processes import free_ports, log_tail
+from ddm_devcluster.components import build_kubeconfig
+from ddm_devcluster.processes import free_ports, log_tail
 from ddm.operator import names
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "ddmdeployments.ddm.dev.yaml"

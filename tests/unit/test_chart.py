@@ -101,6 +101,20 @@ def test_images_get_the_app_version_unless_they_carry_a_tag_or_digest(helm: Path
     assert env_of(render(helm, "images.tag=1.2.3"))["DDM_IMAGE_CPU"] == "ddm:1.2.3"
 
 
+def test_the_operator_runs_its_own_image_not_the_workloads(helm: Path) -> None:
+    """The operator's pod runs the slim operator image (no ML framework); the images it hands
+    to its children are the workload images."""
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    objects = render(helm)
+    (deployment,) = by_kind(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"ddm-operator:{version}"
+    assert env_of(objects)["DDM_IMAGE_CPU"] == f"ddm:{version}"
+    (moved,) = by_kind(render(helm, "images.operator=reg.example/ops/ddm-operator"), "Deployment")
+    assert moved["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        f"reg.example/ops/ddm-operator:{version}"
+
+
 def test_operator_settings_reach_the_operator_environment(helm: Path) -> None:
     from ddm.operator.config import OperatorConfig
 

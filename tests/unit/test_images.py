@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import pytest
+import yaml
 
 from ddm.cli import build_parser
 from ddm.operator.config import OperatorConfig
@@ -34,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Image family (``OperatorConfig.images``) -> its Dockerfile. The tpu family has none yet.
 DOCKERFILES = {"cpu": "images/cpu/Dockerfile", "cuda": "Dockerfile.cuda",
                "neuron": "Dockerfile.neuron"}
+#: The workload images and the operator's own (the chart's ``images.operator``).
+ALL_DOCKERFILES = {**DOCKERFILES, "operator": "images/operator/Dockerfile"}
 #: The operator image's entry point (``python /opt/ddm/operator/main.py``).
 OPERATOR_MAIN = f"{IMAGE_PREFIX}operator/main.py"
 
@@ -210,7 +213,7 @@ def is_ignored(relative: str, patterns: list[tuple[re.Pattern[str], bool]]) -> b
 # -- what the images and the operator need -------------------------------------------------------
 
 def _load(family: str) -> list[Stage]:
-    path = DOCKERFILES[family]
+    path = ALL_DOCKERFILES[family]
     return parse_dockerfile((ROOT / path).read_text(), path)
 
 
@@ -312,12 +315,13 @@ def _operator_pods() -> dict[str, list[dict]]:
 # -- the tests ----------------------------------------------------------------------------------
 
 FAMILIES = pytest.mark.parametrize("family", sorted(DOCKERFILES))
+EVERY_IMAGE = pytest.mark.parametrize("family", sorted(ALL_DOCKERFILES))
 
 
 def test_every_dockerfile_in_the_repository_is_checked():
     found = {str(p.relative_to(ROOT)) for p in [*ROOT.glob("Dockerfile*"),
                                                *ROOT.glob("images/*/Dockerfile*")]}
-    assert found == set(DOCKERFILES.values())
+    assert found == set(ALL_DOCKERFILES.values())
     assert set(DOCKERFILES) <= set(vars(OperatorConfig().images))
 
 
@@ -366,11 +370,12 @@ def test_dockerignore_matching_follows_docker():
 
 def test_the_build_context_leaves_out_local_state():
     for path in (".git/HEAD", ".venv/bin/python", "out/x", "tests/unit/test_images.py",
-                 ".pytest_cache/v", "src/ddm/__pycache__/cli.cpython-312.pyc"):
+                 ".pytest_cache/v", "src/ddm/__pycache__/cli.cpython-312.pyc",
+                 "tools/devcluster/src/ddm_devcluster/pause.c"):  # a tool, not the product
         assert is_ignored(path, IGNORED), f".dockerignore: {path} would be sent to the builder"
 
 
-@FAMILIES
+@EVERY_IMAGE
 def test_every_copy_source_is_in_the_build_context(family):
     stages = _load(family)
     names = {s.name for s in stages if s.name}
@@ -404,7 +409,7 @@ def test_every_copy_source_is_in_the_build_context(family):
     assert not problems, "\n".join(problems)
 
 
-@FAMILIES
+@EVERY_IMAGE
 def test_the_final_stage_runs_as_the_operators_numeric_non_root_user(family):
     final = _load(family)[-1]
     users = final.all("USER")
@@ -416,6 +421,9 @@ def test_the_final_stage_runs_as_the_operators_numeric_non_root_user(family):
         f"{user.where}: USER {match[1]} is not {USER_ID}, the operator's runAsUser"
     assert match[2] is None or int(match[2]) == USER_ID, \
         f"{user.where}: group {match[2]} is not {USER_ID}, the operator's runAsGroup"
+    # Named too: kopf (getpass.getuser) and others look the user up in /etc/passwd.
+    created = [i for i in final.all("RUN") if re.search(rf"useradd .*--uid {USER_ID}\b", i.text)]
+    assert created, f"{final.where}: no `useradd --uid {USER_ID}`: uid {USER_ID} has no name"
 
 
 @FAMILIES
@@ -430,7 +438,7 @@ def test_expose_lists_the_ports_the_operators_pods_serve_on(family):
     assert exposed == roles, f"{DOCKERFILES[family]}: EXPOSE {sorted(exposed)}, not {sorted(roles)}"
 
 
-@FAMILIES
+@EVERY_IMAGE
 def test_the_entrypoint_is_the_cli_and_every_cmd_is_a_real_command(family):
     stages = _load(family)
     entrypoints = stages[-1].all("ENTRYPOINT")
@@ -449,7 +457,7 @@ def test_the_entrypoint_is_the_cli_and_every_cmd_is_a_real_command(family):
             f"{cmd.where}: `ddm {' '.join(cmd.words)}` is not a ddm command: {errors.getvalue()}"
 
 
-@FAMILIES
+@EVERY_IMAGE
 def test_base_images_are_pinned(family):
     stages = _load(family)
     for stage in stages:
@@ -472,6 +480,15 @@ def test_the_images_install_the_torch_the_project_pins():
         args = [i for i in builder.all("ARG") if i.text.startswith("TORCH_VERSION=")]
         assert args and args[0].text == f"TORCH_VERSION={pin}", \
             f"{DOCKERFILES[family]}: ARG TORCH_VERSION must be {pin}, the pin in pyproject.toml"
+
+
+def test_the_operator_image_holds_the_entry_point_and_exposes_the_liveness_port():
+    stages = _load("operator")
+    assert image_source(stages, OPERATOR_MAIN) == ROOT / OPERATOR_MAIN.removeprefix(IMAGE_PREFIX)
+    liveness = yaml.safe_load((ROOT / "charts/ddm-operator/values.yaml").read_text())[
+        "operator"]["livenessPort"]
+    exposed = {int(port) for line in stages[-1].all("EXPOSE") for port in line.words}
+    assert exposed == {liveness}
 
 
 @FAMILIES

@@ -26,8 +26,10 @@ def _lint(tree: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _copy_of_package(tmp_path: Path) -> Path:
-    shutil.copytree(ROOT / "src" / "ddm", tmp_path / "ddm",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    """The product and the dev cluster (both root packages of the contracts)."""
+    for package in (ROOT / "src" / "ddm", ROOT / "tools" / "devcluster" / "src" / "ddm_devcluster"):
+        shutil.copytree(package, tmp_path / package.name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
 
@@ -47,6 +49,8 @@ def test_the_tree_keeps_every_contract(tmp_path: Path) -> None:
     # the plan pulling in a model
     ("deploy/router_config.py", "import ddm.models.config",
      "ddm.deploy.router_config -> ddm.models"),
+    # the product reaching for the dev cluster, a tool of the repository
+    ("cli.py", "import ddm_devcluster", "ddm.cli -> ddm_devcluster"),
 ])
 def test_an_import_against_the_rules_fails_the_lint(
     tmp_path: Path, module: str, added_import: str, reported: str

@@ -417,14 +417,6 @@ def test_the_diagram_of_a_file(tmp_path: Path) -> None:
         diagram_file(bad)
 
 
-def test_the_operator_imports_no_numpy_and_no_ml_framework() -> None:
-    code = ("import sys, ddm.operator.handlers, ddm.operator.diagram; "
-            "print(sorted({'numpy', 'torch', 'jax', 'flax'} & set(sys.modules)))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout
-    assert out.strip() == "[]"
-
-
 def test_the_charts_crd_is_the_crd() -> None:
     chart_copy = ROOT / "charts" / "ddm-operator" / "crds" / "ddmdeployments.ddm.dev.yaml"
     if not chart_copy.exists():

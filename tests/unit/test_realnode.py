@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddm.devcluster.realnode import (CONTAINERD_SOCKET, KUBELET_ROOT, MAX_SLOTS, PRIVATE_DIRS,
+from ddm_devcluster.realnode import (CONTAINERD_SOCKET, KUBELET_ROOT, MAX_SLOTS, PRIVATE_DIRS,
                                      NodeLayout, NodeNetwork, cni_config, containerd_config,
                                      kube_proxy_args, kubelet_args)
 

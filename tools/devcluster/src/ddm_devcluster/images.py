@@ -7,7 +7,8 @@ default ``~/.cache/ddm/images``), so that a second build reuses every unchanged 
 * the base image: Debian bookworm with python3 from ``debootstrap --variant=minbase`` (the
   Dockerfiles' default ``python:3.12-slim-bookworm`` lives on a registry we cannot reach; the
   Dockerfiles take their base as the ``PYTHON_IMAGE`` build argument);
-* the project's images: ``images/cpu/Dockerfile`` (and ``Dockerfile.cuda`` on request) with
+* the project's images: ``images/operator/Dockerfile`` and ``images/cpu/Dockerfile`` (and
+  ``Dockerfile.cuda`` on request) with
   ``buildah bud --layers --network host``. Host networking keeps buildah from enabling the
   host's ip_forward and adding iptables chains, and its network configuration directory is in
   the cache too (not ``/etc/cni``). pip inside a RUN step sees the host's CA
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ddm.devcluster.apt import Log, debian_mirror, ensure_apt_packages
+from ddm_devcluster.apt import Log, debian_mirror, ensure_apt_packages
 
 VERSION = "0.1.0"  # the chart's appVersion: the tag the chart's images default to
 BASE_IMAGE = "localhost/ddm-dev/bookworm-python:3.11"
@@ -66,9 +67,14 @@ class ProjectImage:
 
 
 CPU = ProjectImage("cpu", "images/cpu/Dockerfile", f"docker.io/library/ddm:{VERSION}")
+#: The operator alone, no ML framework: what the chart's operator Deployment runs.
+OPERATOR = ProjectImage("operator", "images/operator/Dockerfile",
+                        f"docker.io/library/ddm-operator:{VERSION}")
 CUDA = ProjectImage("cuda", "Dockerfile.cuda", f"docker.io/library/ddm-cuda:{VERSION}",
                     wheelhouse=False)
-PROJECT_IMAGES = {image.family: image for image in (CPU, CUDA)}
+PROJECT_IMAGES = {image.family: image for image in (CPU, OPERATOR, CUDA)}
+#: What the chart runs on a CPU-only cluster (``ddm-dev-cluster images`` builds these).
+CHART_IMAGES = (OPERATOR, CPU)
 #: A superseded image (its name now points at a newer build) and its archive are deleted
 #: once this old: a build from another checkout sharing the cache may still be importing it.
 SUPERSEDED_GRACE_S = 3600.0
@@ -82,7 +88,7 @@ def cache_dir() -> Path:
 
 def repository_root() -> Path:
     """The checkout this package runs from (the images' build context)."""
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]  # tools/devcluster/src/ddm_devcluster
     if not (root / CPU.dockerfile).is_file():
         raise ImageError(f"{root} is not a checkout of the project (no {CPU.dockerfile}); "
                          "images are built from a source checkout")
@@ -126,7 +132,7 @@ def image_id(name: str, cache: Path | None = None) -> str:
     result = subprocess.run(["buildah", "inspect", "--type", "image", "--format",
                              "{{.FromImageID}}", name], env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise ImageError(f"no image {name} in {cache or cache_dir()}: run `ddm dev-cluster images`")
+        raise ImageError(f"no image {name} in {cache or cache_dir()}: run `ddm-dev-cluster images`")
     return result.stdout.strip()
 
 
@@ -138,7 +144,7 @@ def ensure_pause(cache: Path, log: Log) -> None:
     work = Path(tempfile.mkdtemp(dir=cache / "tmp"))
     try:
         source = work / "pause.c"
-        source.write_text(resources.files("ddm.devcluster").joinpath("pause.c").read_text())
+        source.write_text(resources.files("ddm_devcluster").joinpath("pause.c").read_text())
         _run(["gcc", "-Os", "-static", "-o", str(work / "pause"), str(source)], log, env=env)
         container = _run(["buildah", "from", "scratch"], log, env=env, quiet=True).strip()
         try:
@@ -308,7 +314,7 @@ def import_into_containerd(names: Sequence[str], ctr: Sequence[str], *,
                            cache: Path | None = None, ids: Mapping[str, str] | None = None,
                            log: Log) -> None:
     """Put images from buildah's storage into a containerd (namespace k8s.io); ``ctr`` is the
-    command line of a ctr that talks to it (`ddm.devcluster.realnode.NodeLayout.ctr`). ``ids``
+    command line of a ctr that talks to it (`ddm_devcluster.realnode.NodeLayout.ctr`). ``ids``
     maps a name to the image id to import under it (what :func:`build_project_image`
     returned); other names are imported as they name an image now."""
     cache = cache or cache_dir()

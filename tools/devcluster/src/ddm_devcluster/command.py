@@ -1,4 +1,4 @@
-"""`ddm dev-cluster {build,up,down,status}`: argument parsing only; the work is in `cluster`."""
+"""`ddm-dev-cluster {build,up,down,status}`: argument parsing only; the work is in `cluster`."""
 
 from __future__ import annotations
 
@@ -9,28 +9,30 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddm.devcluster import images
-from ddm.devcluster.apt import AptError
-from ddm.devcluster.build import BuildError, ensure_binaries, log_stderr
-from ddm.devcluster.cluster import down, node_layout, status, up
-from ddm.devcluster.processes import StartupError
+from ddm_devcluster import images
+from ddm_devcluster.apt import AptError
+from ddm_devcluster.build import BuildError, ensure_binaries, log_stderr
+from ddm_devcluster.cluster import down, node_layout, status, up
+from ddm_devcluster.processes import StartupError
 
 
-def build_parser(prog: str = "ddm dev-cluster") -> argparse.ArgumentParser:
+def build_parser(prog: str = "ddm-dev-cluster") -> argparse.ArgumentParser:
     """The dev-cluster argument parser (a CLI can also mount its subcommands)."""
     parser = argparse.ArgumentParser(prog=prog, description="A local Kubernetes control plane.")
     sub = parser.add_subparsers(dest="action", required=True)
     for name, helptext in (
         ("build", "find or build the control plane's binaries, the kubelet and kube-proxy"),
         ("up", "start the control plane, fake nodes and a real node; prints export KUBECONFIG"),
-        ("images", "build the project's images with buildah and import them into the node"),
+        ("images", "build the chart's images (operator, CPU) with buildah and import them "
+                   "into the node"),
         ("down", "stop the cluster and remove the real node's namespaces"),
         ("status", "print the state of the control plane as JSON"),
     ):
         action = sub.add_parser(name, help=helptext)
         if name == "images":
             action.add_argument("--cuda", action="store_true",
-                                help="build Dockerfile.cuda (several GB) instead of the CPU image")
+                                help="build Dockerfile.cuda (several GB) instead of the chart's "
+                                     "images")
             action.add_argument("--no-import", action="store_true",
                                 help="only build; do not import into a running node")
         if name != "build":
@@ -70,16 +72,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 signal.signal(signal.SIGTERM, previous)
         elif args.action == "images":
-            image = images.CUDA if args.cuda else images.CPU
-            built = images.build_project_image(image, log=log_stderr)
+            wanted = [images.CUDA] if args.cuda else list(images.CHART_IMAGES)
+            built = {image.name: images.build_project_image(image, log=log_stderr)
+                     for image in wanted}
             if args.no_import:
                 return 0
             if not status(args.dir).running:
-                log_stderr("no dev cluster runs: built only (`ddm dev-cluster up` then run "
+                log_stderr("no dev cluster runs: built only (`ddm-dev-cluster up` then run "
                            "this again to import it; the build is cached)")
                 return 0
-            images.import_into_containerd([image.name], node_layout(args.dir).ctr(),
-                                          ids={image.name: built}, log=log_stderr)
+            images.import_into_containerd(list(built), node_layout(args.dir).ctr(), ids=built,
+                                          log=log_stderr)
         elif args.action == "down":
             down(args.dir, purge=args.purge)
         else:
@@ -99,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 0 if found.running else 3
     except (BuildError, StartupError, AptError, images.ImageError) as error:
-        print(f"ddm dev-cluster {args.action}: {error}", file=sys.stderr)
+        print(f"ddm-dev-cluster {args.action}: {error}", file=sys.stderr)
         return 1
     return 0
 

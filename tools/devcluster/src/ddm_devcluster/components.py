@@ -10,7 +10,7 @@ Choices that matter:
   kubelet the nodes' heartbeats go stale, and that controller would mark them unreachable,
   taint them and evict their pods;
 * no leader election (one instance each), secure ports only, on 127.0.0.1; with a real node
-  (`ddm.devcluster.realnode`) the API server listens on the host's end of the node's veth
+  (`ddm_devcluster.realnode`) the API server listens on the host's end of the node's veth
   instead, so that the kubelet, kube-proxy and pods reach it, and it authorizes the kubelet
   with the Node authorizer.
 """
@@ -21,7 +21,7 @@ import base64
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddm.devcluster.realnode import DNS_USER, KUBE_PROXY_USER, NODE_USER
+from ddm_devcluster.realnode import DNS_USER, KUBE_PROXY_USER, NODE_USER
 
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 ADMIN_USER = "ddm-admin"
@@ -94,7 +94,7 @@ class Layout:
 
     @property
     def node_dir(self) -> Path:
-        """The real node's files (`ddm.devcluster.realnode.NodeLayout`)."""
+        """The real node's files (`ddm_devcluster.realnode.NodeLayout`)."""
         return self.root / "node"
 
     def cert_dir(self, component: str) -> Path:

@@ -1,6 +1,6 @@
 """A minimal Kubernetes REST client (stdlib only) for bringing the dev cluster up.
 
-`ddm dev-cluster up` must work without the ``kubernetes`` package (the operator extra), and it
+`ddm-dev-cluster up` must work without the ``kubernetes`` package (the operator extra), and it
 needs only a handful of calls: health checks, create, get and merge-patch.
 """
 

@@ -1,7 +1,7 @@
 """Start, watch and stop the control-plane processes.
 
 Each component runs in its own session (so its own process group), with its output in a log
-file; it outlives the Python process that started it (`ddm dev-cluster up` returns while the
+file; it outlives the Python process that started it (`ddm-dev-cluster up` returns while the
 cluster keeps running). Stopping signals the whole group, after checking that the pid still
 belongs to this cluster (its command line names the state directory), so a recycled pid is
 never killed.

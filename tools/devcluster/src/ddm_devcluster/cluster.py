@@ -1,6 +1,6 @@
 """`up`, `down` and `status` of the local cluster: etcd, kube-apiserver,
 kube-controller-manager and kube-scheduler on free ports, fake nodes, and one real node
-(`ddm.devcluster.realnode`: kubelet, kube-proxy, containerd, cluster DNS) unless asked not to.
+(`ddm_devcluster.realnode`: kubelet, kube-proxy, containerd, cluster DNS) unless asked not to.
 
 Everything one cluster needs lives in its state directory (default
 ``$DDM_DEV_CLUSTER_DIR`` or ``~/.cache/ddm/dev-cluster``): ``state.json`` (pids, ports,
@@ -32,14 +32,14 @@ from typing import Any
 
 import yaml
 
-from ddm.devcluster import components as c
-from ddm.devcluster import namespaces, node
-from ddm.devcluster.api import Api, ApiError
-from ddm.devcluster.build import Binaries, Log, cache_bin_dir, ensure_binaries, log_stderr
-from ddm.devcluster.certs import create_pki
-from ddm.devcluster.nodes import DEFAULT_NODES, FakeNode, register_nodes
-from ddm.devcluster.realnode import FAKE_ONLY_SERVICE_RANGE, NodeLayout, NodeNetwork
-from ddm.devcluster.processes import StartupError, free_ports, is_ours, spawn, stop, wait_until
+from ddm_devcluster import components as c
+from ddm_devcluster import namespaces, node
+from ddm_devcluster.api import Api, ApiError
+from ddm_devcluster.build import Binaries, Log, cache_bin_dir, ensure_binaries, log_stderr
+from ddm_devcluster.certs import create_pki
+from ddm_devcluster.nodes import DEFAULT_NODES, FakeNode, register_nodes
+from ddm_devcluster.realnode import FAKE_ONLY_SERVICE_RANGE, NodeLayout, NodeNetwork
+from ddm_devcluster.processes import StartupError, free_ports, is_ours, spawn, stop, wait_until
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def down(state_dir: Path | None = None, *, purge: bool = False, log: Log = log_s
 
 
 def cluster_slot(state_dir: Path | None = None) -> int:
-    """The slot (`ddm.devcluster.realnode.NodeNetwork`) of the real node in ``state_dir``."""
+    """The slot (`ddm_devcluster.realnode.NodeNetwork`) of the real node in ``state_dir``."""
     node_layout(state_dir)  # raises if there is none
     return _read_state(_layout(state_dir))["real_node"]["slot"]  # type: ignore[index]
 
@@ -164,7 +164,7 @@ def node_layout(state_dir: Path | None = None) -> NodeLayout:
     state = _read_state(layout)
     if state is None or state.get("real_node") is None:
         raise StartupError(f"no dev cluster with a real node runs in {layout.root}: "
-                           "run `ddm dev-cluster up`")
+                           "run `ddm-dev-cluster up`")
     return NodeLayout(layout.node_dir)
 
 
@@ -250,7 +250,7 @@ def up(
 ) -> ClusterInfo:
     """Start a fresh dev cluster in ``state_dir`` (or return the one already running there).
 
-    Finds or builds the binaries (see `ddm.devcluster.build`), starts the four components,
+    Finds or builds the binaries (see `ddm_devcluster.build`), starts the four components,
     registers the fake ``nodes``, starts the real node (unless ``real_node`` is False) and
     waits until controllers and scheduler are serving, the real node is Ready and the
     ``default`` service account can mount a token. Prints ``export KUBECONFIG=...`` on
@@ -379,7 +379,7 @@ def _node_binary(binaries: Binaries, name: str, cache_bin: Path) -> Path:
         if (directory / name).is_file():
             return directory / name
     raise StartupError(f"no {name} beside {binaries.kube_apiserver} nor in {cache_bin}: run "
-                       "`ddm dev-cluster build`, or use --no-real-node")
+                       "`ddm-dev-cluster build`, or use --no-real-node")
 
 
 def _write_credentials(layout: c.Layout, server: str, ca_pem: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from ddm.devcluster.api import Api
+from ddm_devcluster.api import Api
 
 FAKE_NODE_LABEL = "ddm.dev/fake-node"
 # With a real node in the cluster, the fake nodes carry this taint so that only pods that
@@ -106,7 +106,7 @@ def build_node(node: FakeNode, *, kubelet_version: str, now: datetime,
                     "type": "Ready",
                     "status": "True",
                     "reason": "KubeletReady",
-                    "message": "fake node registered by ddm dev-cluster (no kubelet)",
+                    "message": "fake node registered by ddm-dev-cluster (no kubelet)",
                     "lastHeartbeatTime": stamp,
                     "lastTransitionTime": stamp,
                 }

@@ -2,7 +2,7 @@
 
 One node, ``ddm-real-0``, runs the real kubelet and kube-proxy (from the same build as the
 control plane) with Debian's containerd, runc and CNI plugins. It lives in namespaces of its own
-(see `ddm.devcluster.namespaces`), so nothing it does touches the host:
+(see `ddm_devcluster.namespaces`), so nothing it does touches the host:
 
 * a network namespace joined to the host by a veth pair. Every address is in 198.18.0.0/15 (the
   benchmarking range, never routed on the internet nor used by private networks): the veth,

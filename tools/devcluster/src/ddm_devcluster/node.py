@@ -1,6 +1,6 @@
 """Start and stop the real node's processes: containerd, the kubelet, kube-proxy, cluster DNS.
 
-`ddm.devcluster.cluster` calls `start` once the control plane serves, with its own ``launch``
+`ddm_devcluster.cluster` calls `start` once the control plane serves, with its own ``launch``
 (which records each process in the cluster's state) and ``wait``; `stop` undoes everything,
 also after a half-finished `start`.
 """
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import yaml
 
-from ddm.devcluster import images, namespaces
-from ddm.devcluster.api import Api, ApiError
-from ddm.devcluster.apt import Log, ensure_apt_packages
-from ddm.devcluster.dns import TYPE_A
-from ddm.devcluster.nodes import remove_not_ready_taint
-from ddm.devcluster.realnode import (CLUSTER_DOMAIN, DNS_USER, KUBE_PROXY_USER, NODE_NAME,
+from ddm_devcluster import images, namespaces
+from ddm_devcluster.api import Api, ApiError
+from ddm_devcluster.apt import Log, ensure_apt_packages
+from ddm_devcluster.dns import TYPE_A
+from ddm_devcluster.nodes import remove_not_ready_taint
+from ddm_devcluster.realnode import (CLUSTER_DOMAIN, DNS_USER, KUBE_PROXY_USER, NODE_NAME,
                                      NODE_USER, NodeLayout, NodeNetwork, cni_config,
                                      containerd_args, containerd_config, kube_proxy_args,
                                      kubelet_args)
@@ -69,7 +69,7 @@ def start(layout: NodeLayout, network: NodeNetwork, *, kubelet: Path, kube_proxy
     wait("containerd serving", lambda: _containerd_ok(layout))
     images.ensure_pause(images.cache_dir(), log)
     images.import_into_containerd([images.PAUSE_IMAGE], layout.ctr(), log=log)
-    launch("cluster-dns", [sys.executable, "-m", "ddm.devcluster.dns", "--listen",
+    launch("cluster-dns", [sys.executable, "-m", "ddm_devcluster.dns", "--listen",
                            network.host_ip, "--server", server, "--token-file",
                            str(dns_token(layout)), "--ca-file", str(ca_file),
                            "--domain", CLUSTER_DOMAIN])

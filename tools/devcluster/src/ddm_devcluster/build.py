@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ddm.devcluster.apt import AptError, Log, ensure_apt_packages, ensure_deb_src
+from ddm_devcluster.apt import AptError, Log, ensure_apt_packages, ensure_deb_src
 
 KUBE_VERSION = "1.20.2"
 KUBE_BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
@@ -52,7 +52,7 @@ REFLECT2_SYSTEM = Path("/usr/share/gocode/src/github.com/modern-go/reflect2")
 
 def log_stderr(message: str) -> None:
     """Default progress printer: one line on stderr."""
-    print(f"[ddm dev-cluster] {message}", file=sys.stderr, flush=True)
+    print(f"[ddm-dev-cluster] {message}", file=sys.stderr, flush=True)
 
 
 class BuildError(RuntimeError):
@@ -140,7 +140,7 @@ def ensure_binaries(
         raise BuildError(
             "kube-apiserver, kube-controller-manager and kube-scheduler were not found in "
             f"$KUBEBUILDER_ASSETS, on $PATH or in {cache_bin_dir(cache)}; "
-            "run `ddm dev-cluster build`"
+            "run `ddm-dev-cluster build`"
         )
     build_from_debian_source(cache, log=log)
     found = find_binaries(cache)

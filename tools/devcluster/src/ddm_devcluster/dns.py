@@ -16,7 +16,7 @@ seconds (also the records' TTL), so a Service's new endpoints show within about 
 It listens on UDP and TCP port 53 of the host's end of the real node's veth, the address the
 kubelet gives pods as their nameserver (``--cluster-dns``).
 
-Run as ``python -m ddm.devcluster.dns --listen IP --server URL --token-file F --ca-file F``.
+Run as ``python -m ddm_devcluster.dns --listen IP --server URL --token-file F --ca-file F``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from ddm.devcluster.api import Api, ApiError
+from ddm_devcluster.api import Api, ApiError
 
 TYPE_A, CLASS_IN = 1, 1
 NOERROR, FORMERR, SERVFAIL, NXDOMAIN, REFUSED = 0, 1, 2, 3, 5
@@ -194,7 +194,7 @@ def _reply(ident: int, query_flags: int, rcode: int, question: bytes, addresses:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve until SIGTERM or SIGINT."""
-    parser = argparse.ArgumentParser(prog="python -m ddm.devcluster.dns", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m ddm_devcluster.dns", description=__doc__)
     parser.add_argument("--listen", required=True, help="IPv4 address to serve on (port 53)")
     parser.add_argument("--port", type=int, default=53)
     parser.add_argument("--server", required=True, help="the API server's URL")

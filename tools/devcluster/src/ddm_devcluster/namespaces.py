@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddm.devcluster.realnode import (KERNEL_TUNABLES, MAX_SLOTS, PRIVATE_DIRS, NodeLayout,
+from ddm_devcluster.realnode import (KERNEL_TUNABLES, MAX_SLOTS, PRIVATE_DIRS, NodeLayout,
                                      NodeNetwork)
 
 CGROUP_V1 = Path("/sys/fs/cgroup")
