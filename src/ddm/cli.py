@@ -243,7 +243,7 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
-    from ddm.training.text2img.commands import STAGES
+    from ddm.training.text2img import STAGES
 
     p = kinds.add_parser("text2img", help="train one stage of the text-to-image DDM (coloured "
                                           "MNIST) into a diffusers-style directory")

@@ -25,7 +25,6 @@ DEFAULTS = {
     "monolith": TrainConfig(steps=4 * 3000, batch_size=128, learning_rate=5e-4),
     "router": TrainConfig(steps=1500, batch_size=256, learning_rate=1e-3),
 }
-STAGES = ("tokenizer", "clip", "vae", "partition", "latents", "expert", "router", "monolith")
 #: Clusters of the partition (experts), and the times the router's accuracy is reported at.
 CLUSTERS = 4
 ROUTER_REPORT_TIMES = (0.0, 0.25, 0.5, 0.75, 1.0)
