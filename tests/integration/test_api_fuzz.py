@@ -129,12 +129,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     supervisor = Supervisor(log)
     try:
         deadline = time.monotonic() + STARTUP_S
-        for spec in experts:
-            supervisor.start(spec)
-        for spec in experts:
-            supervisor.wait_ready(spec, HOST, deadline)
-        supervisor.start(router)
-        supervisor.wait_ready(router, HOST, deadline)
+        supervisor.start_ready(experts, HOST, deadline)
+        supervisor.start_ready([router], HOST, deadline)
 
         def server(spec: ProcessSpec) -> Server:
             return Server(f"http://{HOST}:{spec.port}", supervisor.processes[spec.name].pid)
