@@ -10,9 +10,9 @@ docs/paris.md records the figures.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,8 +23,13 @@ CLIP_TOKENS, CLIP_WIDTH = 77, 768
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident memory so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory so far: ``VmHWM`` of its own address space, not
+    ``ru_maxrss``, which a child started by ``fork`` inherits from its parent (a large pytest
+    process made every figure here its own size)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def measure(role: str, calls: int = 2) -> dict[str, float | int | str]:
