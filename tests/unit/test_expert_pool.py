@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
 from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
@@ -181,7 +182,7 @@ def test_dns_discovered_replica_answers_like_the_local_model(expert_a, local_vel
     v, info, endpoints = asyncio.run(scenario())
     assert endpoints == [f"127.0.0.1:{port}"]
     assert (info.image_shape, info.max_batch, info.classes) == (SHAPE, 8, (0, 1, 2, 3, 4))
-    np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+    np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
 
 
 def test_calls_are_balanced_over_replicas(expert_a, expert_b):
@@ -217,7 +218,7 @@ def test_concurrent_calls_merge_into_few_requests_and_each_gets_its_own_answer(
 
     velocities, velocity_requests, integrations, alone = asyncio.run(scenario())
     for v, (x, t, y) in zip(velocities, inputs):
-        np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+        np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
     assert velocity_requests <= 3, velocity_requests  # 12 calls; the expert takes 8 rows
     for merged, single in zip(integrations, alone):
         np.testing.assert_allclose(merged, single, atol=1e-5)
@@ -252,7 +253,7 @@ def test_a_dead_or_hanging_replica_fails_over_to_a_live_one(expert_a, local_velo
 
         outs, states = asyncio.run(scenario())
     for v in outs:
-        np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+        np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
     assert states[expert_a] is ReplicaState.READY
     assert [s for e, s in states.items() if e != expert_a] == [ReplicaState.DOWN] * 2
 
@@ -279,7 +280,7 @@ def test_a_4xx_is_the_callers_fault_and_is_not_retried(expert_a, expert_b):
         async with ExpertPool({"e": static_endpoints([expert_a, expert_b])}, FAST) as pool:
             with pytest.raises(ExpertRejected) as caught:
                 x, t, _ = _inputs(2, seed=0)
-                await pool.velocity("e", x, t, np.array([1, 7]))  # it serves 0-4
+                await pool.velocity("e", x, t, Conditioning.from_labels([1, 7]))  # it serves 0-4
             return caught.value, pool.metrics
 
     error, metrics = asyncio.run(scenario())
@@ -445,10 +446,11 @@ def _served(endpoint: str) -> float:
         r'^ddm_expert_images_total\{kind="velocity"\} (\S+)$', text, re.MULTILINE))
 
 
-def _inputs(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _inputs(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray, Conditioning]:
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((batch, *SHAPE), dtype=np.float32),
-            rng.uniform(0, 1, batch).astype(np.float32), rng.integers(0, 5, batch))
+            rng.uniform(0, 1, batch).astype(np.float32),
+            Conditioning.from_labels(rng.integers(0, 5, batch)))
 
 
 async def _until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
@@ -469,5 +471,5 @@ def test_a_batch_over_the_limit_before_any_probe_waits_for_one_and_is_split(
             return await pool.velocity("e", x, t, y), _count(pool.metrics.request_rows)
 
     v, requests = asyncio.run(scenario())
-    np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+    np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
     assert requests == 3

@@ -40,6 +40,7 @@ import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ddm.conditioning import Conditioning
 from ddm.deploy.limits import MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
@@ -313,11 +314,11 @@ class ExpertPool:
         return self._replica_set(expert).invalid_report()
 
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
-                       y: np.ndarray) -> np.ndarray:
-        """``v(x, t, y)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), ``y`` (B,)."""
-        return await self._rows(expert, _VELOCITY, (x, t, y))
+                       cond: Conditioning) -> np.ndarray:
+        """``v(x, t, y)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), labels ``y`` (B,)."""
+        return await self._rows(expert, _VELOCITY, (x, t, _labels(cond)))
 
-    async def integrate(self, expert: str, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
+    async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning, grid: np.ndarray,
                         solver: str) -> np.ndarray:
         """The state at ``grid[-1]`` after ``expert`` integrates from ``x`` at ``grid[0]``."""
         try:
@@ -325,7 +326,7 @@ class ExpertPool:
         except KeyError:
             raise ValueError(f"unknown solver {solver!r}") from None
         grid = np.ascontiguousarray(grid, dtype="<f4")
-        return await self._rows(expert, _IntegrateKey(code, grid.tobytes()), (x, y))
+        return await self._rows(expert, _IntegrateKey(code, grid.tobytes()), (x, _labels(cond)))
 
     async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
@@ -556,3 +557,11 @@ def _describe(error: BaseException) -> str:
 
 def _last_errors(replicas: ReplicaSet) -> str:
     return "; ".join(f"{r.endpoint}: {r.last_error or 'down'}" for r in replicas.replicas)
+
+
+def _labels(cond: Conditioning) -> np.ndarray:
+    """The labels protocol v1 carries (text conditioning travels with protocol v2)."""
+    if cond.labels is None:
+        raise ValueError("these experts are called with labels; text conditioning needs "
+                         "experts served with protocol v2")
+    return cond.labels

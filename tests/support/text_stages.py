@@ -1,0 +1,54 @@
+"""A tiny Paris release laid out as the router loads it, and an in-process expert caller.
+
+:func:`stage_directories` lays the release's text encoder, decoder and router network out as
+``ddm import`` does (the tokenizer's files inside the text encoder's directory).
+:class:`GuidedExperts` is a real :class:`~ddm.serving.router.remote.ExpertCaller`: the
+release's experts in this process, guided against CLIP of the empty prompt as an expert server
+guides them, so that the router's driver runs against real models without HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from ddm.conditioning import Conditioning
+from ddm.models.stages import TextDDM
+from ddm.sampling.guidance import guided
+from ddm.sampling.solvers import iterate
+
+
+def stage_directories(release: Path, out: Path) -> dict[str, Path]:
+    """``text_encoder`` (model and tokenizer in one directory), ``decoder`` and
+    ``router_network`` of ``release``, under ``out``."""
+    encoder = out / "text_encoder"
+    shutil.copytree(release / "text_encoder", encoder)
+    for item in (release / "tokenizer").iterdir():
+        shutil.copy(item, encoder / item.name)
+    return {"text_encoder": encoder, "decoder": release / "vae",
+            "router_network": release / "router"}
+
+
+class GuidedExperts:
+    """``ddm``'s experts by name, each guided per row as its ``Conditioning`` says."""
+
+    def __init__(self, ddm: TextDDM) -> None:
+        self._velocities = {name: guided(expert, ddm.null)
+                            for name, expert in zip(ddm.expert_names, ddm.experts)}
+
+    async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
+                       cond: Conditioning) -> np.ndarray:
+        return await asyncio.to_thread(self._velocities[expert], x, t, cond)
+
+    async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
+                        grid: np.ndarray, solver: str) -> np.ndarray:
+        def walk() -> np.ndarray:
+            state = x
+            for _, state in iterate(self._velocities[expert], x, cond, grid, solver):
+                pass
+            return state
+
+        return await asyncio.to_thread(walk)
