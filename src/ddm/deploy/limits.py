@@ -13,6 +13,10 @@ MAX_STEPS = 1000
 #: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
 #: unguided. diffusers' pipelines default to 4.5-7.5.
 MAX_GUIDANCE_SCALE = 50.0
+#: Characters of one prompt (or negative prompt) a request may send; the text encoder cuts
+#: what is past its tokenizer's length (CLIP: 77 tokens, a few hundred characters), so this
+#: only bounds the tokenizer's work.
+MAX_PROMPT_CHARS = 4096
 #: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps).
 SOLVERS = ("euler", "heun")
 #: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and

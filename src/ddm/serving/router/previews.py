@@ -29,9 +29,11 @@ FIT_SEED = 0
 
 @dataclass(frozen=True)
 class LatentPreview:
-    """``weights`` (C + 1, 3): a latent pixel ``[z_1 .. z_C, 1]`` -> RGB in ``[-1, 1]``."""
+    """``weights`` (C + 1, 3): a latent pixel ``[z_1 .. z_C, 1]`` -> RGB in ``[-1, 1]``;
+    ``image_size`` (H, W): the decoder's images' size for the latents it was fitted on."""
 
     weights: np.ndarray
+    image_size: tuple[int, int] | None = None
 
     def rgb(self, latents: np.ndarray) -> np.ndarray:
         """Latents (C, S, S) -> a preview (S, S, 3) uint8 RGB."""
@@ -57,7 +59,7 @@ def fit_preview(latents: np.ndarray, images: np.ndarray) -> LatentPreview:
     targets = np.moveaxis(pooled, 1, -1).reshape(-1, 3)
     weights, *_ = np.linalg.lstsq(design.astype(np.float64), targets.astype(np.float64),
                                   rcond=None)
-    return LatentPreview(weights.astype(np.float32))
+    return LatentPreview(weights.astype(np.float32), (int(images.shape[2]), int(images.shape[3])))
 
 
 async def decoder_preview(decoder: StageCaller, latent_shape: tuple[int, int, int]

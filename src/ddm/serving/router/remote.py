@@ -191,13 +191,17 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller, request: Samplin
 
 
 async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
-                          request: SamplingRequest, guard: Guard | None = None) -> Generation:
-    """Run :func:`denoise` to the end and sum up what each image used."""
+                          request: SamplingRequest, guard: Guard | None = None,
+                          on_encoded: Callable[[Encoded], None] | None = None) -> Generation:
+    """Run :func:`denoise` to the end and sum up what each image used; ``on_encoded`` sees
+    the text encoder's answer (what it cut of each prompt)."""
     tally = Tally(mixture.expert_names, request.labels,
                   state_is_image=mixture.conditioning == LABELS)
     async for event in denoise(mixture, caller, request, guard):
         if not isinstance(event, Encoded):
             tally.add(event)
+        elif on_encoded is not None:
+            on_encoded(event)
     return tally.result()
 
 

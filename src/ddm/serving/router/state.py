@@ -1,6 +1,9 @@
 """What the router's routes share: its config and limits, the expert pool, the router network.
 
-The network loads in the background (``RouterState.load``) so that probes are answered at once;
+The network, and a text DDM's stages placed in the router (``router.yaml``'s
+``text_encoder``, ``decoder``, ``router_network`` with a ``checkpoint``:
+:mod:`ddm.serving.router.stages`), load in the background (``RouterState.load``) so that
+probes are answered at once;
 ``problems`` says what keeps the router from being ready (some experts down is only degraded);
 ``slot`` counts generations in and out against ``limits.max_concurrent`` and, per client
 (:mod:`ddm.serving.router.clients`), ``limits.max_concurrent_per_client``.
@@ -30,7 +33,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta
-from ddm.convention import CONVENTION_NAME
+from ddm.conditioning import TEXT
+from ddm.convention import CONVENTION_NAME, TimeGrid
 from ddm.data.partition import PartitionMismatchError, check_partition_hash
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
@@ -38,15 +42,18 @@ from ddm.serving.router.clients import ClientBusy, ClientSlots, client_key
 from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
-from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork
+from ddm.serving.router.previews import LatentPreview, decoder_preview
+from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork, StageCaller
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
-from ddm.deploy.router_config import RouterConfigFile
+from ddm.serving.router.stages import InRouterStage, load_in_router
+from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
 logger = logging.getLogger(__name__)
 
 
 def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
-    """Read ``router.yaml``; a relative ``router_checkpoint`` is relative to the file."""
+    """Read ``router.yaml``; a relative ``router_checkpoint`` or stage checkpoint is relative
+    to the file."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -56,7 +63,16 @@ def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
     if config.router_checkpoint and not Path(config.router_checkpoint).is_absolute():
         config = dataclasses.replace(
             config, router_checkpoint=str(path.parent / config.router_checkpoint))
+    for role in STAGE_ROLES:
+        stage: StageEntry | None = getattr(config, role)
+        if stage is not None and stage.checkpoint and not Path(stage.checkpoint).is_absolute():
+            config = dataclasses.replace(config, **{role: dataclasses.replace(
+                stage, checkpoint=str(path.parent / stage.checkpoint))})
     return config
+
+
+#: ``router.yaml``'s stages besides the experts, by role.
+STAGE_ROLES = ("text_encoder", "decoder", "router_network")
 
 
 class Busy(RuntimeError):
@@ -105,7 +121,9 @@ class RouterState:
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None
-        self.loaded = config.router_checkpoint is None
+        self.stages: dict[str, StageCaller] = {}
+        self._preview: asyncio.Task[LatentPreview] | None = None
+        self.loaded = config.router_checkpoint is None and not self._stage_checkpoints()
         self.failure: str | None = None
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
@@ -113,20 +131,66 @@ class RouterState:
         self._logged: frozenset[ExpertProblem] = frozenset()  # the mismatches last logged
 
     async def load(self) -> None:
-        """Load the router network off the event loop; a failure is reported by the probes."""
-        if self.config.router_checkpoint is None:
+        """Load the router network and the stages placed in the router off the event loop;
+        a failure is reported by the probes."""
+        if self.loaded:
             return
+        what = "router network"
         try:
-            probs, self.network_shape, self.network_meta = await asyncio.to_thread(
-                _load_network, self.config.router_checkpoint, self.config)
+            if self.config.router_checkpoint is not None:
+                probs, self.network_shape, self.network_meta = await asyncio.to_thread(
+                    _load_network, self.config.router_checkpoint, self.config)
+                self.network = RouterNetwork(probs)
+            for role, checkpoint in self._stage_checkpoints().items():
+                what = f"{role} stage {checkpoint}"
+                self.stages[role] = await asyncio.to_thread(load_in_router, role, checkpoint)
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
-            logger.exception("router network %s failed to load", self.config.router_checkpoint)
+            logger.exception("%s failed to load", what)
             self.failure = f"{type(error).__name__}: {error}"
             if self.on_failure is not None:
-                self.on_failure(f"router network {self.config.router_checkpoint}: {error}")
+                self.on_failure(f"{what}: {error}")
             return
-        self.network = RouterNetwork(probs)
         self.loaded = True
+
+    async def close(self) -> None:
+        """Stop what runs in the router process (the router is stopping)."""
+        if self.network is not None:
+            await self.network.close()
+        for stage in self.stages.values():
+            if isinstance(stage, InRouterStage):
+                await stage.close()
+        if self._preview is not None:
+            self._preview.cancel()
+
+    def _stage_checkpoints(self) -> dict[str, str]:
+        """The stages ``router.yaml`` places in the router, role -> checkpoint; a stage
+        served on its own is refused here until the router can call one."""
+        found = {}
+        for role in STAGE_ROLES:
+            stage: StageEntry | None = getattr(self.config, role)
+            if stage is None:
+                continue
+            if stage.checkpoint is None:
+                raise NotImplementedError(f"{role}: a stage served on its own needs the stage "
+                                          "client; place it in the router (checkpoint)")
+            found[role] = stage.checkpoint
+        return found
+
+    @property
+    def text(self) -> bool:
+        """Whether this DDM is conditioned on text (prompts) rather than labels."""
+        return self.config.conditioning == TEXT
+
+    async def preview(self, latent_shape: tuple[int, int, int]) -> LatentPreview | None:
+        """The decoder's latent -> RGB projection (None without a decoder), fitted once
+        (:mod:`ddm.serving.router.previews`) by the first generation that wants it."""
+        decoder = self.stages.get("decoder")
+        if decoder is None:
+            return None
+        if self._preview is None or (self._preview.done() and (
+                self._preview.cancelled() or self._preview.exception() is not None)):
+            self._preview = asyncio.create_task(decoder_preview(decoder, latent_shape))
+        return await asyncio.shield(self._preview)
 
     def image_shape(self) -> tuple[tuple[int, int, int] | None, list[str]]:
         """The experts' image shape as they report it, and any disagreement."""
@@ -188,8 +252,21 @@ class RouterState:
             refused = "; ".join(p.public for p in self.refused())
             raise NotReady("; ".join(disagreement) or refused or "no expert replica has "
                            "answered yet; retry when /readyz is 200")
-        return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
-                             self.network, shape, self.config.num_classes)
+        if not self.text:
+            return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
+                                 self.network, shape, self.config.num_classes)
+        return RemoteMixture(
+            self.names, ((),) * len(self.names), None, shape, 0, conditioning=TEXT,
+            encoder=self.stages.get("text_encoder"), decoder=self.stages.get("decoder"),
+            router_stage=self.stages.get("router_network"), grid=self._grid())
+
+    def _grid(self) -> TimeGrid:
+        """The time grid the experts' convention samples on: FlowMatchEulerDiscrete's for
+        experts that declare ``flow-match-N``, else ours."""
+        conventions = {info.convention for name in self.names
+                       if (info := self.pool.info(name)) is not None}
+        return TimeGrid("flow-match" if any((c or "").startswith("flow-match-")
+                                            for c in conventions) else "uniform")
 
     def guard(self) -> Guard:
         """A new generation's guard: the missing-expert policy, its own waiting time."""
