@@ -28,6 +28,7 @@ from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_PROMPT_CHARS, SOLVERS, STR
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import parse_strategy
+from ddm.serving.router.info import has_router_network
 
 #: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
 MAX_STRATEGY_CHARS = 32
@@ -146,8 +147,7 @@ def request_models(config: RouterConfigFile
     ``/v1/images/generations``, with this router's classes, limits and defaults (so that
     ``/openapi.json`` and ``/docs`` show them)."""
     defaults, num_classes, limits = config.sampling, config.num_classes, config.limits
-    learned = config.router_checkpoint is not None or config.router_network is not None
-    pattern = STRATEGY_PATTERN if learned else _ORACLE_ONLY
+    pattern = STRATEGY_PATTERN if has_router_network(config) else _ORACLE_ONLY
     text = config.conditioning == TEXT
     label_schema = {"type": "integer", "minimum": 0, "maximum": num_classes - 1}
 

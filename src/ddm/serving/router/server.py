@@ -72,7 +72,7 @@ from ddm.deploy.limits import MAX_GUIDANCE_SCALE
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
 from ddm.serving.router.clients import FORWARDED_FOR
-from ddm.serving.router.info import expert_card, strategies
+from ddm.serving.router.info import expert_card, has_router_network, strategies
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
@@ -238,7 +238,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             "conditioning": config.conditioning,
             "max_guidance_scale": MAX_GUIDANCE_SCALE,
             "num_classes": config.num_classes, "image_shape": list(shape) if shape else None,
-            "router_network": config.router_checkpoint is not None,
+            "router_network": has_router_network(config),
             "defaults": dataclasses.asdict(config.sampling),
             "limits": dataclasses.asdict(config.limits),
             "auth": config.auth is not None,
