@@ -19,7 +19,7 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running
 from tests.support.paris_release import write_paris_release
-from tests.support.text_stages import stage_directories
+from tests.support.text_stages import write_paris_stages
 
 NOBODY = "127.0.0.1:9"
 IMAGES = "/v1/images/generations"
@@ -30,13 +30,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def router(tmp_path_factory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("paris")
-    stages = stage_directories(write_paris_release(root / "release"), root / "stages")
+    stages = write_paris_stages(write_paris_release(root / "release"), root / "stages")
     config = RouterConfigFile.from_dict({
         "experts": [{"name": f"expert_{k}", "discovery": {"endpoints": [NOBODY]}}
                     for k in range(2)],
         "conditioning": "text", "sampling": {"steps": 4, "strategy": "top2",
                                              "guidance_scale": 7.5},
-        **{role: {"checkpoint": str(path)} for role, path in stages.items()}})
+        "text_encoder": {"checkpoint": str(stages / "text_encoder")},
+        "decoder": {"checkpoint": str(stages / "decoder")},
+        "router_network": {"checkpoint": str(stages / "router")}})
     with running(create_router_app(config)) as base:
         yield base
 

@@ -18,8 +18,9 @@ from ddm.sampling.routing import parse_strategy
 from ddm.serving.router.remote import (Encoded, RemoteMixture, SamplingRequest, check_request,
                                        denoise, generate_remote)
 from ddm.serving.router.stages import load_in_router
+from tests.support.guided_experts import GuidedExperts
 from tests.support.paris_release import write_paris_release
-from tests.support.text_stages import GuidedExperts, stage_directories
+from tests.support.text_stages import write_paris_stages
 
 PROMPTS = ("a photo of a red car", "a cat on the beach")
 STEPS = 4
@@ -39,8 +40,10 @@ def paris(release):
 
 @pytest.fixture(scope="module")
 def mixture(release, paris, tmp_path_factory) -> RemoteMixture:
-    stages = {role: load_in_router(role, directory) for role, directory in
-              stage_directories(release, tmp_path_factory.mktemp("stages")).items()}
+    root = write_paris_stages(release, tmp_path_factory.mktemp("stages"))
+    stages = {name: load_in_router(name, root / directory) for name, directory in
+              (("text_encoder", "text_encoder"), ("decoder", "decoder"),
+               ("router_network", "router"))}
     return RemoteMixture(paris.expert_names, ((),) * len(paris.expert_names), None,
                          paris.latent_shape, 0, conditioning=TEXT,
                          encoder=stages["text_encoder"], decoder=stages["decoder"],

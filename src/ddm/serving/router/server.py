@@ -77,8 +77,9 @@ from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
 from ddm.serving.router.previews import LatentPreview
-from ddm.serving.router.remote import (Encoded, RemoteMixture, SamplingRequest, StepEvent,
-                                       Tally, check_request, denoise, generate_remote)
+from ddm.serving.router.remote import (CheckedRequest, Encoded, RemoteMixture, SamplingRequest,
+                                       StepEvent, Tally, check_request, denoise,
+                                       generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
                                          ImagesResponse, echo, invalid_request, parse_latents,
@@ -150,12 +151,12 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     async def generate(body: generate_body,  # type: ignore[valid-type]
                        http: Request) -> dict[str, Any]:
         request = sampling_request(body, tuple(body.labels), tuple(body.prompts))
-        mixture = _checked(router, request)
+        mixture, checked = _checked(router, request)
         started = time.perf_counter()
         guard = router.guard()
         encoded = _Encoding()
         with router.slot(_client(router, http)):
-            result = await generate_remote(mixture, router.pool, request, guard, encoded.add)
+            result = await generate_remote(mixture, router.pool, checked, guard, encoded.add)
         return {"images": [_png(image) for image in result.images],
                 "labels": result.labels.tolist(), "prompts": list(request.prompts),
                 "truncated": encoded.truncated, "experts": result.experts_used(),
@@ -176,11 +177,11 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             http: Request) -> StreamingResponse:
         request = sampling_request(query, () if query.label is None else (query.label,),
                                    () if query.prompt is None else (query.prompt,))
-        mixture = _checked(router, request)
+        mixture, checked = _checked(router, request)
         preview = await router.preview(mixture.image_shape)
         client = _client(router, http)
         router.take_slot(client)
-        events = _events(router, mixture, request, client, preview)
+        events = _events(router, mixture, checked, client, preview)
         first = await anext(events)  # started, so that closing it always frees the slot
         body = _prepend(first, events)
         # Closed when the response ends, however it ends, not left to where the stream's
@@ -202,7 +203,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         except ValueError as error:
             raise HTTPException(422, str(error)) from None
         request = sampling_request(body, prompts=(body.prompt,) * body.n, latents=latents)
-        mixture = _checked(router, request)
+        mixture, checked = _checked(router, request)
         if body.size is not None:
             preview = await router.preview(mixture.image_shape)
             own = _image_size(mixture, preview)
@@ -211,7 +212,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                                          f"{own} images only")
         encoded = _Encoding()
         with router.slot(_client(router, http)):
-            result = await generate_remote(mixture, router.pool, request, router.guard(),
+            result = await generate_remote(mixture, router.pool, checked, router.guard(),
                                            encoded.add)
         return {"created": int(time.time()),
                 "data": [{"b64_json": _png(image)} for image in result.images],
@@ -346,31 +347,33 @@ def _image_size(mixture: RemoteMixture, preview: LatentPreview | None) -> str | 
     return f"{preview.image_size[1]}x{preview.image_size[0]}"
 
 
-def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
+def _checked(router: RouterState, request: SamplingRequest
+             ) -> tuple[RemoteMixture, CheckedRequest]:
+    """The mixture to generate with, and ``request`` checked against it (a 422 if refused)."""
     mixture = router.mixture()
-    try:
-        check_request(mixture, request)
-    except ValueError as error:
-        raise HTTPException(422, str(error)) from None
     if mixture.conditioning == TEXT and mixture.decoder is None:
         raise HTTPException(422, "this DDM has no decoder: it makes latents, not images")
-    return mixture
+    try:
+        return mixture, check_request(mixture, request)
+    except ValueError as error:
+        raise HTTPException(422, str(error)) from None
 
 
 # ---------------------------------------------------------------------------------- stream
 
 
-async def _events(router: RouterState, mixture: RemoteMixture, request: SamplingRequest,
+async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedRequest,
                   client: str, preview: LatentPreview | None) -> AsyncGenerator[bytes, None]:
     """The SSE body: ``encoded`` (a prompt), ``step`` events, then ``done``, or ``failure``
     if an expert fails. Frees ``client``'s generation slot when it ends, however it ends."""
+    request = checked.request
     try:
         yield b": generating\n\n"
         started = time.perf_counter()
         tally = Tally(mixture.expert_names, request.labels,
                       state_is_image=mixture.decoder is None)
         guard = router.guard()
-        async for event in denoise(mixture, router.pool, request, guard):
+        async for event in denoise(mixture, router.pool, checked, guard):
             if isinstance(event, Encoded):
                 yield _sse("encoded", {"truncated": list(event.truncated)})
                 continue

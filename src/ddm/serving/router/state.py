@@ -34,7 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta
 from ddm.conditioning import TEXT
-from ddm.convention import CONVENTION_NAME, TimeGrid
+from ddm.convention import CONVENTION_NAME, FLOW_MATCH_PREFIX, TimeGrid
 from ddm.data.partition import PartitionMismatchError, check_partition_hash
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
@@ -45,6 +45,7 @@ from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
 from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork, StageCaller
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
+from ddm.serving.router.stages import ROLES as STAGES
 from ddm.serving.router.stages import InRouterStage, load_in_router
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
@@ -63,16 +64,13 @@ def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
     if config.router_checkpoint and not Path(config.router_checkpoint).is_absolute():
         config = dataclasses.replace(
             config, router_checkpoint=str(path.parent / config.router_checkpoint))
-    for role in STAGE_ROLES:
+    for role in STAGES:
         stage: StageEntry | None = getattr(config, role)
         if stage is not None and stage.checkpoint and not Path(stage.checkpoint).is_absolute():
             config = dataclasses.replace(config, **{role: dataclasses.replace(
                 stage, checkpoint=str(path.parent / stage.checkpoint))})
     return config
 
-
-#: ``router.yaml``'s stages besides the experts, by role.
-STAGE_ROLES = ("text_encoder", "decoder", "router_network")
 
 
 class Busy(RuntimeError):
@@ -128,7 +126,9 @@ class RouterState:
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
         self._clients = ClientSlots(config.limits.max_concurrent_per_client)
-        self._logged: frozenset[ExpertProblem] = frozenset()  # the mismatches last logged
+        #: The experts' reports, invalid reports and the network's state last seen, and
+        #: what the router made of them (:meth:`_view`).
+        self._viewed: tuple[Any, _View] | None = None
 
     async def load(self) -> None:
         """Load the router network and the stages placed in the router off the event loop;
@@ -141,9 +141,10 @@ class RouterState:
                 probs, self.network_shape, self.network_meta = await asyncio.to_thread(
                     _load_network, self.config.router_checkpoint, self.config)
                 self.network = RouterNetwork(probs)
-            for role, checkpoint in self._stage_checkpoints().items():
-                what = f"{role} stage {checkpoint}"
-                self.stages[role] = await asyncio.to_thread(load_in_router, role, checkpoint)
+            for role, stage in self._stage_checkpoints().items():
+                what = f"{role} stage {stage.checkpoint}"
+                self.stages[role] = await asyncio.to_thread(
+                    load_in_router, role, stage.checkpoint, stage.precision)
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
             logger.exception("%s failed to load", what)
             self.failure = f"{type(error).__name__}: {error}"
@@ -162,24 +163,19 @@ class RouterState:
         if self._preview is not None:
             self._preview.cancel()
 
-    def _stage_checkpoints(self) -> dict[str, str]:
-        """The stages ``router.yaml`` places in the router, role -> checkpoint; a stage
-        served on its own is refused here until the router can call one."""
+    def _stage_checkpoints(self) -> dict[str, StageEntry]:
+        """The stages ``router.yaml`` places in the router, by name; a stage served on its
+        own is refused here until the router can call one."""
         found = {}
-        for role in STAGE_ROLES:
+        for role in STAGES:
             stage: StageEntry | None = getattr(self.config, role)
             if stage is None:
                 continue
             if stage.checkpoint is None:
                 raise NotImplementedError(f"{role}: a stage served on its own needs the stage "
                                           "client; place it in the router (checkpoint)")
-            found[role] = stage.checkpoint
+            found[role] = stage
         return found
-
-    @property
-    def text(self) -> bool:
-        """Whether this DDM is conditioned on text (prompts) rather than labels."""
-        return self.config.conditioning == TEXT
 
     async def preview(self, latent_shape: tuple[int, int, int]) -> LatentPreview | None:
         """The decoder's latent -> RGB projection (None without a decoder), fitted once
@@ -194,13 +190,8 @@ class RouterState:
 
     def image_shape(self) -> tuple[tuple[int, int, int] | None, list[str]]:
         """The experts' image shape as they report it, and any disagreement."""
-        shapes = {name: info.image_shape for name in self.names
-                  if (info := self.pool.info(name)) is not None}
-        if self.network_shape is not None:
-            shapes["the router network"] = self.network_shape
-        if len(set(shapes.values())) > 1:
-            return None, [f"image shapes disagree: {shapes}"]
-        return next(iter(shapes.values()), None), []
+        view = self._view()
+        return view.image_shape, list(view.disagreement)
 
     def problems(self) -> tuple[list[str], list[str]]:
         """(experts without a ready replica, every reason not to be ready).
@@ -209,64 +200,54 @@ class RouterState:
         router unready: it still serves the labels the others own and answers a 503 naming the
         missing expert for the rest, which an unready router (out of its Service) could not
         tell a client. With no expert ready it can serve nothing, and that is a problem."""
+        view = self._view()
         missing = [name for name in self.names if self.pool.ready_count(name) == 0]
         problems = ([f"no expert has a ready replica ({', '.join(missing)})",
-                     *(p.public for p in self.refused())]
+                     *(p.public for p in view.refused)]
                     if len(missing) == len(self.names) else [])
         if self.failure is not None:
             problems.append(f"router network failed to load: {self.failure}")
         elif not self.loaded:
             problems.append("router network is loading")
-        problems += [p.public for p in self.mismatches()]
-        shape, disagreement = self.image_shape()
-        problems += disagreement
-        if shape is None and not disagreement:
+        problems += [p.public for p in view.mismatches]
+        problems += view.disagreement
+        if view.image_shape is None and not view.disagreement:
             problems.append("no expert has reported its image shape yet")
         return missing, problems
 
     def mismatches(self) -> list[ExpertProblem]:
-        """How the experts that answered disagree with the router network and router.yaml;
-        logs their details when they change."""
-        found = expert_mismatches(self.config, {n: self.pool.info(n) for n in self.names},
-                                  self.network_meta)
-        for problem in set(found) - self._logged:
-            logger.warning("expert %s: %s", problem.expert, problem.detail)
-        self._logged = frozenset(found)
-        return found
-
-    def refused(self) -> list[ExpertProblem]:
-        """Experts every replica of which sent a report the router refused (the pool logs
-        what each sent)."""
-        return [ExpertProblem(name, "sent the router a report it refuses", detail)
-                for name in self.names if (detail := self.pool.invalid_report(name))]
+        """How the experts that answered disagree with the router network and router.yaml."""
+        return list(self._view().mismatches)
 
     def mixture(self) -> RemoteMixture:
-        if not self.loaded:
-            raise NotReady(f"router network failed to load: {self.failure}" if self.failure
-                            else "router network is still loading; retry when /readyz is 200")
-        mismatches = self.mismatches()
-        if mismatches:
-            raise NotReady("; ".join(p.public for p in mismatches))
-        shape, disagreement = self.image_shape()
-        if shape is None:
-            refused = "; ".join(p.public for p in self.refused())
-            raise NotReady("; ".join(disagreement) or refused or "no expert replica has "
-                           "answered yet; retry when /readyz is 200")
-        if not self.text:
-            return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
-                                 self.network, shape, self.config.num_classes)
-        return RemoteMixture(
-            self.names, ((),) * len(self.names), None, shape, 0, conditioning=TEXT,
-            encoder=self.stages.get("text_encoder"), decoder=self.stages.get("decoder"),
-            router_stage=self.stages.get("router_network"), grid=self._grid())
+        """The DDM as the experts' reports and the router network make it, or
+        :class:`NotReady` saying why there is none."""
+        view = self._view()
+        if view.mixture is None:
+            raise NotReady(view.not_ready)
+        return view.mixture
 
-    def _grid(self) -> TimeGrid:
-        """The time grid the experts' convention samples on: FlowMatchEulerDiscrete's for
-        experts that declare ``flow-match-N``, else ours."""
-        conventions = {info.convention for name in self.names
-                       if (info := self.pool.info(name)) is not None}
-        return TimeGrid("flow-match" if any((c or "").startswith("flow-match-")
-                                            for c in conventions) else "uniform")
+    def _view(self) -> _View:
+        """What the experts' reports and the router network make of the DDM, worked out again
+        only when one of them changed (every generation, stream and probe reads it)."""
+        key = (tuple(self.pool.info(n) for n in self.names),
+               tuple(self.pool.invalid_report(n) for n in self.names), self.loaded, self.failure)
+        if self._viewed is None or self._viewed[0] != key:
+            infos = dict(zip(self.names, key[0]))
+            view = _view_of(self.config, infos, self.network_meta, self.network_shape,
+                            self._refused(), self.network if self.loaded else None,
+                            self.loaded, self.failure, self.stages)
+            for problem in set(view.mismatches) - set(self._viewed[1].mismatches
+                                                      if self._viewed else ()):
+                logger.warning("expert %s: %s", problem.expert, problem.detail)
+            self._viewed = (key, view)
+        return self._viewed[1]
+
+    def _refused(self) -> tuple[ExpertProblem, ...]:
+        """Experts every replica of which sent a report the router refused (the pool logs
+        what each sent)."""
+        return tuple(ExpertProblem(name, "sent the router a report it refuses", detail)
+                     for name in self.names if (detail := self.pool.invalid_report(name)))
 
     def guard(self) -> Guard:
         """A new generation's guard: the missing-expert policy, its own waiting time."""
@@ -303,6 +284,62 @@ class RouterState:
             yield
         finally:
             self.release_slot(client)
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """What the router makes of its experts' reports and its network: their disagreements,
+    the image shape, and the mixture to generate with (None: ``not_ready`` says why)."""
+
+    mismatches: tuple[ExpertProblem, ...]
+    refused: tuple[ExpertProblem, ...]
+    image_shape: tuple[int, int, int] | None
+    disagreement: tuple[str, ...]
+    mixture: RemoteMixture | None
+    not_ready: str
+
+
+def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
+             network_meta: CheckpointMeta | None, network_shape: tuple[int, int, int] | None,
+             refused: tuple[ExpertProblem, ...], network: RouterNetwork | None, loaded: bool,
+             failure: str | None, stages: Mapping[str, StageCaller]) -> _View:
+    mismatches = tuple(expert_mismatches(config, infos, network_meta))
+    shapes: dict[str, tuple[int, int, int]] = {
+        name: info.image_shape for name, info in infos.items() if info is not None}
+    if network_shape is not None:
+        shapes["the router network"] = network_shape
+    disagreement = (f"image shapes disagree: {shapes}",) if len(set(shapes.values())) > 1 else ()
+    shape = None if disagreement else next(iter(shapes.values()), None)
+    mixture, not_ready = None, ""
+    if not loaded:
+        not_ready = (f"router network failed to load: {failure}" if failure
+                     else "router network is still loading; retry when /readyz is 200")
+    elif mismatches:
+        not_ready = "; ".join(p.public for p in mismatches)
+    elif shape is None:
+        not_ready = ("; ".join(disagreement) or "; ".join(p.public for p in refused)
+                     or "no expert replica has answered yet; retry when /readyz is 200")
+    elif config.conditioning == TEXT:
+        mixture = RemoteMixture(
+            tuple(e.name for e in config.experts), ((),) * len(config.experts), None, shape, 0,
+            conditioning=TEXT, encoder=stages.get("text_encoder"), decoder=stages.get("decoder"),
+            router_stage=stages.get("router_network"), grid=_grid(infos, stages))
+    else:
+        mixture = RemoteMixture(tuple(e.name for e in config.experts),
+                                tuple(e.classes for e in config.experts),
+                                network, shape, config.num_classes)
+    return _View(mismatches, refused, shape, disagreement, mixture, not_ready)
+
+
+def _grid(infos: Mapping[str, ExpertInfo | None], stages: Mapping[str, StageCaller]
+          ) -> TimeGrid:
+    """A text DDM's time grid: FlowMatchEulerDiscrete's where its networks were trained on
+    it (the router network's declared convention, or the experts' reported one), else ours."""
+    network = stages.get("router_network")
+    conventions = {getattr(network, "convention", None),
+                   *(info.convention for info in infos.values() if info is not None)}
+    return TimeGrid("flow-match" if any((c or "").startswith(FLOW_MATCH_PREFIX)
+                                        for c in conventions) else "uniform")
 
 
 def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
