@@ -46,9 +46,10 @@ Integer = Annotated[int, BeforeValidator(_integral)]
 #: A prompt; the text encoder cuts what its tokenizer cannot take (and the answer says so).
 Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
 #: The answer's per-prompt count of tokens the text encoder cut.
-TRUNCATED = ("per prompt, the tokens the text encoder cut because the prompt is longer than "
-             "its tokenizer takes (CLIP: 77 tokens, the start and end tokens included), as CLIP "
-             "truncates; 0: the whole prompt was used. Empty for a label DDM")
+TRUNCATED = ("per prompt (then the negative prompt, if one was given), the tokens the text "
+             "encoder cut because the prompt is longer than its tokenizer takes (CLIP: 77 "
+             "tokens, the start and end tokens included), as CLIP truncates; 0: the whole "
+             "prompt was used. Empty for a label DDM")
 
 
 class ErrorDetail(BaseModel):
