@@ -9,18 +9,15 @@ from __future__ import annotations
 
 import base64
 import io
-from pathlib import Path
 from typing import Iterator
 
 import httpx
 import numpy as np
 import pytest
 
-from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running
-from tests.support.paris_release import write_paris_release
-from tests.support.text_stages import write_paris_stages
+from tests.support.text_router import EXPERTS, paris_stages, text_config
 
 NOBODY = "127.0.0.1:9"
 IMAGES = "/v1/images/generations"
@@ -28,24 +25,10 @@ IMAGES = "/v1/images/generations"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _text_config(stages: Path, experts: dict[str, str]) -> RouterConfigFile:
-    """router.yaml for the tiny Paris DDM at ``stages``: its experts at ``experts`` (name:
-    host:port), the other stages in the router."""
-    return RouterConfigFile.from_dict({
-        "experts": [{"name": name, "discovery": {"endpoints": [endpoint]}}
-                    for name, endpoint in experts.items()],
-        "conditioning": "text", "sampling": {"steps": 4, "strategy": "top2",
-                                             "guidance_scale": 7.5},
-        "text_encoder": {"checkpoint": str(stages / "text_encoder")},
-        "decoder": {"checkpoint": str(stages / "decoder")},
-        "router_network": {"checkpoint": str(stages / "router")}})
-
-
 @pytest.fixture(scope="module")
 def router(tmp_path_factory) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("paris")
-    stages = write_paris_stages(write_paris_release(root / "release"), root / "stages")
-    config = _text_config(stages, {f"expert_{k}": NOBODY for k in range(2)})
+    stages = paris_stages(tmp_path_factory.mktemp("paris"))
+    config = text_config(stages, {f"expert_{k}": NOBODY for k in range(EXPERTS)})
     with running(create_router_app(config)) as base:
         yield base
 
