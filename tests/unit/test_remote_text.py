@@ -15,9 +15,10 @@ from ddm.convention import TimeGrid
 from ddm.models.paris_ddm import load_paris_ddm
 from ddm.sampling.pipeline import generate_text
 from ddm.sampling.routing import parse_strategy
-from ddm.serving.router.remote import (Encoded, RemoteMixture, SamplingRequest, check_request,
-                                       denoise, generate_remote)
-from ddm.serving.router.stages import load_in_router
+from ddm.models.stages import EncodedPrompts, load_stage
+from ddm.serving.router.remote import (RemoteMixture, SamplingRequest, check_request, denoise,
+                                       generate_remote)
+from ddm.serving.router.stage_clients import LocalStages
 from tests.support.guided_experts import GuidedExperts
 from tests.support.paris_release import write_paris_release
 from tests.support.text_stages import write_paris_stages
@@ -41,13 +42,11 @@ def paris(release):
 @pytest.fixture(scope="module")
 def mixture(release, paris, tmp_path_factory) -> RemoteMixture:
     root = write_paris_stages(release, tmp_path_factory.mktemp("stages"))
-    stages = {name: load_in_router(name, root / directory) for name, directory in
-              (("text_encoder", "text_encoder"), ("decoder", "decoder"),
-               ("router_network", "router"))}
+    stages = LocalStages(*(load_stage(root / role) for role in ("text_encoder", "decoder",
+                                                                 "router")))
     return RemoteMixture(paris.expert_names, ((),) * len(paris.expert_names), None,
-                         paris.latent_shape, 0, conditioning=TEXT,
-                         encoder=stages["text_encoder"], decoder=stages["decoder"],
-                         router_stage=stages["router_network"], grid=TimeGrid("flow-match"))
+                         paris.latent_shape, 0, conditioning=TEXT, encoder=stages,
+                         decoder=stages, router_stage=stages, grid=TimeGrid("flow-match"))
 
 
 def _request(prompts=PROMPTS, seed=1, guidance=7.5, strategy="top2", **options):
@@ -101,9 +100,9 @@ def test_the_encoder_says_which_prompts_it_cut(mixture, paris):
             await events.aclose()
 
     encoded = asyncio.run(first_event())
-    assert isinstance(encoded, Encoded)
+    assert isinstance(encoded, EncodedPrompts)
     # 100 words and the start and end tokens, of which CLIP keeps 77.
-    assert encoded.truncated == (0, 102 - 77)
+    assert encoded.tokens_cut.tolist() == [0, 102 - 77]
 
 
 def test_latent_output_skips_the_decoder(mixture, paris):

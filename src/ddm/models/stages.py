@@ -62,6 +62,16 @@ BACKENDS = ("torch", "jax")
 MAX_LATENT_CHANNELS, MAX_LATENT_SIDE, MAX_TEXT_WIDTH = 64, 1024, 16384
 
 
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """A text encoder's answer: the prompts' :class:`Conditioning` and ``tokens_cut`` (B,)
+    int64, the tokens truncation dropped from each (0: the prompt fit), so that the API can
+    say a prompt was too long."""
+
+    cond: Conditioning
+    tokens_cut: np.ndarray
+
+
 class ClipTextEncoder:
     """``prompts`` -> text :class:`Conditioning`: CLIP's last hidden state (B, L, D) and the
     tokens' attention mask, each prompt padded and truncated to the tokenizer's length (77 for

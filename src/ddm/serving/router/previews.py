@@ -14,11 +14,14 @@ on its own server, through the same :class:`~ddm.serving.router.remote.StageCall
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ddm.convention import to_uint8
-from ddm.serving.router.remote import StageCaller
+
+if TYPE_CHECKING:
+    from ddm.serving.router.stage_clients import StageCaller
 
 #: Random latents decoded to fit a projection: 4 x S x S pixels each, far more equations than
 #: the (C + 1) x 3 unknowns.

@@ -9,9 +9,9 @@ with each call's :class:`~ddm.conditioning.Conditioning` through an :class:`Expe
 :class:`~ddm.serving.router.pool.ExpertPool`), the calls of one query concurrently and the
 sub-loops of a :class:`~ddm.sampling.loop.Concurrently` side by side, and
 :class:`~ddm.sampling.loop.Decode` through the decoder's :class:`StageCaller`. A stage loaded in
-the router (:mod:`ddm.serving.router.stages`) and one served on its own implement the same
-:class:`StageCaller`. So a generation here gives the pixels ``ddm sample`` gives for the same
-request.
+the router and one served on its own implement the same
+:class:`~ddm.serving.router.stage_clients.StageCaller`. So a generation here gives the pixels
+``ddm sample`` gives for the same request.
 
 Everything a generation accumulates lives in the generation's own coroutine and loop: concurrent
 generations share only the caller and the :class:`RouterNetwork`, which both merge the calls
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Generator, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Generator, Protocol
 
 import numpy as np
 
@@ -37,7 +37,15 @@ from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import gather_all
 
-__all__ = ["CheckedRequest", "Decoded", "Encoded", "ExpertCaller", "Guard", "RemoteMixture",
+if TYPE_CHECKING:  # the stages' modules import torch, which a label DDM's router never needs
+    from ddm.models.stages import EncodedPrompts
+    from ddm.serving.router.stage_clients import StageCaller
+
+    #: What :func:`denoise` yields: the text encoder's answer first where the loop encodes
+    #: prompts, a :class:`StepEvent` per chunk, the :class:`Decoded` images last.
+    Event = EncodedPrompts | StepEvent | Decoded
+
+__all__ = ["CheckedRequest", "Decoded", "ExpertCaller", "Guard", "RemoteMixture",
            "RouterNetwork", "SamplingRequest", "StageCaller", "StepEvent", "Tally",
            "check_request", "denoise", "generate_remote"]
 
@@ -59,32 +67,6 @@ class ExpertCaller(Protocol):
 
     async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
                         grid: np.ndarray, solver: str) -> np.ndarray: ...
-
-
-@dataclass(frozen=True)
-class Encoded:
-    """A text encoder's answer: the prompts' conditioning, one row each, and per prompt the
-    tokens its tokenizer cut (0: the prompt fitted), which the API reports."""
-
-    conditioning: Conditioning
-    truncated: tuple[int, ...]
-
-
-class StageCaller(Protocol):
-    """A text DDM's stage, in the router process (:mod:`ddm.serving.router.stages`) or on
-    its own server: each answers the calls of its role only."""
-
-    async def encode(self, prompts: Sequence[str]) -> Encoded:
-        """The prompts' text conditioning (B, L, D), one row each."""
-        ...
-
-    async def decode(self, latents: np.ndarray) -> np.ndarray:
-        """Latents (B, C, S, S) -> images (B, 3, H, W) float32 in ``[-1, 1]``."""
-        ...
-
-    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
-        """The router network's ``p(k | x, t)``, (B, K), from the state alone."""
-        ...
 
 
 class RouterNetwork:
@@ -158,13 +140,12 @@ def check_request(mixture: RemoteMixture, request: SamplingRequest) -> CheckedRe
     return checked(mixture.mixture, request)
 
 
-Event = Encoded | StepEvent | Decoded
 
 
 async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
                   request: SamplingRequest | CheckedRequest,
                   guard: Guard | None = None) -> AsyncIterator[Event]:
-    """Run the loop with remote experts, yielding the text encoder's :class:`Encoded` (where
+    """Run the loop with remote experts, yielding the text encoder's answer (where
     the loop encodes prompts), its :class:`StepEvent` after each chunk and the
     :class:`Decoded` images (where the DDM decodes); with ``guard``, under its missing-expert
     policy, counting each chunk's demand."""
@@ -185,7 +166,7 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
             elif isinstance(item, Encode):
                 assert mixture.encoder is not None, "check_request refuses prompts without one"
                 encoded = await mixture.encoder.encode(item.prompts)
-                answer = encoded.conditioning
+                answer = encoded.cond
                 yield encoded
             else:
                 answer = await _answer(mixture, caller, item, guard)
@@ -196,13 +177,14 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
 async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
                           request: SamplingRequest | CheckedRequest,
                           guard: Guard | None = None,
-                          on_encoded: Callable[[Encoded], None] | None = None) -> Generation:
+                          on_encoded: Callable[[EncodedPrompts], None] | None = None
+                          ) -> Generation:
     """Run :func:`denoise` to the end and sum up what each image used; ``on_encoded`` sees
     the text encoder's answer (what it cut of each prompt)."""
     labels = (request.request if isinstance(request, CheckedRequest) else request).labels
     tally = Tally(mixture.expert_names, labels, state_is_image=mixture.conditioning == LABELS)
     async for event in denoise(mixture, caller, request, guard):
-        if not isinstance(event, Encoded):
+        if isinstance(event, (StepEvent, Decoded)):
             tally.add(event)
         elif on_encoded is not None:
             on_encoded(event)

@@ -56,7 +56,8 @@ import time
 from dataclasses import dataclass, field
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import (TYPE_CHECKING, Annotated, Any, AsyncGenerator, AsyncIterator, Callable,
+                    Sequence)
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -77,9 +78,9 @@ from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
 from ddm.serving.router.previews import LatentPreview
-from ddm.serving.router.remote import (CheckedRequest, Encoded, RemoteMixture, SamplingRequest,
-                                       StepEvent, Tally, check_request, denoise,
-                                       generate_remote)
+from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
+                                       SamplingRequest, StepEvent, Tally, check_request,
+                                       denoise, generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
                                          ImagesResponse, echo, invalid_request, parse_latents,
@@ -87,6 +88,9 @@ from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, Gener
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.serving.termination import fail_start
+
+if TYPE_CHECKING:  # imports torch, which a label DDM's router never needs
+    from ddm.models.stages import EncodedPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -333,8 +337,8 @@ class _Encoding:
 
     truncated: list[int] = field(default_factory=list)
 
-    def add(self, encoded: Encoded) -> None:
-        self.truncated = list(encoded.truncated)
+    def add(self, encoded: "EncodedPrompts") -> None:
+        self.truncated = encoded.tokens_cut.tolist()
 
 
 def _image_size(mixture: RemoteMixture, preview: LatentPreview | None) -> str | None:
@@ -374,8 +378,8 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
                       state_is_image=mixture.decoder is None)
         guard = router.guard()
         async for event in denoise(mixture, router.pool, checked, guard):
-            if isinstance(event, Encoded):
-                yield _sse("encoded", {"truncated": list(event.truncated)})
+            if not isinstance(event, (StepEvent, Decoded)):  # the encoder's answer
+                yield _sse("encoded", {"truncated": event.tokens_cut.tolist()})
                 continue
             tally.add(event)
             if isinstance(event, StepEvent):

@@ -1,9 +1,9 @@
 """What the router's routes share: its config and limits, the expert pool, the router network.
 
 The network, and a text DDM's stages placed in the router (``router.yaml``'s
-``text_encoder``, ``decoder``, ``router_network`` with a ``checkpoint``:
-:mod:`ddm.serving.router.stages`), load in the background (``RouterState.load``) so that
-probes are answered at once;
+``text_encoder``, ``decoder``, ``router_network`` with a ``checkpoint``, answered by
+:class:`~ddm.serving.router.stage_clients.LocalStages`), load in the background
+(``RouterState.load``) so that probes are answered at once;
 ``problems`` says what keeps the router from being ready (some experts down is only degraded);
 ``slot`` counts generations in and out against ``limits.max_concurrent`` and, per client
 (:mod:`ddm.serving.router.clients`), ``limits.max_concurrent_per_client``.
@@ -28,7 +28,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -43,11 +43,13 @@ from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
-from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork, StageCaller
+from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
-from ddm.serving.router.stages import ROLES as STAGES
-from ddm.serving.router.stages import InRouterStage, load_in_router
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
+
+if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
+    from ddm.models.stages import Stage
+    from ddm.serving.router.stage_clients import StageCaller
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +121,10 @@ class RouterState:
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None
+        #: ``router.yaml``'s stages by name, and the time convention its router network stage
+        #: declares.
         self.stages: dict[str, StageCaller] = {}
+        self.stage_convention: str | None = None
         self._preview: asyncio.Task[LatentPreview] | None = None
         self.loaded = config.router_checkpoint is None and not self._stage_checkpoints()
         self.failure: str | None = None
@@ -141,10 +146,16 @@ class RouterState:
                 probs, self.network_shape, self.network_meta = await asyncio.to_thread(
                     _load_network, self.config.router_checkpoint, self.config)
                 self.network = RouterNetwork(probs)
-            for role, stage in self._stage_checkpoints().items():
-                what = f"{role} stage {stage.checkpoint}"
-                self.stages[role] = await asyncio.to_thread(
-                    load_in_router, role, stage.checkpoint, stage.precision)
+            loaded = {}
+            for name, entry in self._stage_checkpoints().items():
+                what = f"{name} stage {entry.checkpoint}"
+                loaded[name] = await asyncio.to_thread(_load_stage, name, entry)
+            from ddm.serving.router.stage_clients import LocalStages
+
+            local = LocalStages(**{STAGES[name]: stage for name, stage in loaded.items()})
+            self.stages = {name: local for name in loaded}
+            if "router_network" in loaded:
+                self.stage_convention = loaded["router_network"].declaration.convention
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
             logger.exception("%s failed to load", what)
             self.failure = f"{type(error).__name__}: {error}"
@@ -157,9 +168,6 @@ class RouterState:
         """Stop what runs in the router process (the router is stopping)."""
         if self.network is not None:
             await self.network.close()
-        for stage in self.stages.values():
-            if isinstance(stage, InRouterStage):
-                await stage.close()
         if self._preview is not None:
             self._preview.cancel()
 
@@ -236,7 +244,7 @@ class RouterState:
             infos = dict(zip(self.names, key[0]))
             view = _view_of(self.config, infos, self.network_meta, self.network_shape,
                             self._refused(), self.network if self.loaded else None,
-                            self.loaded, self.failure, self.stages)
+                            self.loaded, self.failure, self.stages, self.stage_convention)
             for problem in set(view.mismatches) - set(self._viewed[1].mismatches
                                                       if self._viewed else ()):
                 logger.warning("expert %s: %s", problem.expert, problem.detail)
@@ -302,7 +310,8 @@ class _View:
 def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
              network_meta: CheckpointMeta | None, network_shape: tuple[int, int, int] | None,
              refused: tuple[ExpertProblem, ...], network: RouterNetwork | None, loaded: bool,
-             failure: str | None, stages: Mapping[str, StageCaller]) -> _View:
+             failure: str | None, stages: Mapping[str, StageCaller],
+             stage_convention: str | None) -> _View:
     mismatches = tuple(expert_mismatches(config, infos, network_meta))
     shapes: dict[str, tuple[int, int, int]] = {
         name: info.image_shape for name, info in infos.items() if info is not None}
@@ -323,7 +332,7 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
         mixture = RemoteMixture(
             tuple(e.name for e in config.experts), ((),) * len(config.experts), None, shape, 0,
             conditioning=TEXT, encoder=stages.get("text_encoder"), decoder=stages.get("decoder"),
-            router_stage=stages.get("router_network"), grid=_grid(infos, stages))
+            router_stage=stages.get("router_network"), grid=_grid(infos, stage_convention))
     else:
         mixture = RemoteMixture(tuple(e.name for e in config.experts),
                                 tuple(e.classes for e in config.experts),
@@ -331,12 +340,11 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
     return _View(mismatches, refused, shape, disagreement, mixture, not_ready)
 
 
-def _grid(infos: Mapping[str, ExpertInfo | None], stages: Mapping[str, StageCaller]
+def _grid(infos: Mapping[str, ExpertInfo | None], network_convention: str | None
           ) -> TimeGrid:
     """A text DDM's time grid: FlowMatchEulerDiscrete's where its networks were trained on
     it (the router network's declared convention, or the experts' reported one), else ours."""
-    network = stages.get("router_network")
-    conventions = {getattr(network, "convention", None),
+    conventions = {network_convention,
                    *(info.convention for info in infos.values() if info is not None)}
     return TimeGrid("flow-match" if any((c or "").startswith(FLOW_MATCH_PREFIX)
                                         for c in conventions) else "uniform")
@@ -404,6 +412,24 @@ def _scheme(scheme: Any) -> str:
         return "no partition recorded"
     parts = scheme.get("groups", scheme.get("centroids", []))
     return f"{scheme.get('method', 'unknown')} partition into {len(parts)}"
+
+
+#: ``router.yaml``'s stages placed in the router -> the role their checkpoints declare.
+STAGES = {"text_encoder": "text_encoder", "decoder": "decoder", "router_network": "router"}
+
+
+def _load_stage(name: str, entry: StageEntry) -> Stage:
+    """``router.yaml``'s stage ``name`` from its checkpoint (safetensors only: loading runs no
+    code), cast to its ``precision``, on the router's CPU; another role is refused naming
+    both."""
+    from ddm.models.stages import load_stage
+
+    assert entry.checkpoint is not None, "only stages placed in the router are loaded"
+    stage = load_stage(entry.checkpoint, entry.precision)
+    if stage.role != STAGES[name]:
+        raise CheckpointError(f"{entry.checkpoint} declares the role {stage.role!r}; "
+                              f"router.yaml's {name} needs a {STAGES[name]!r} checkpoint")
+    return stage
 
 
 def _load_network(path: str, config: RouterConfigFile
