@@ -62,24 +62,26 @@ def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
         return {"uri": checkpoint_base + directory}
 
     with_precision = {"precision": precision} if precision else {}
-    stage_accelerator = accelerators[0]
-    stage_place: dict[str, Any] = (
-        {"placement": "router"} if stage_accelerator == "cpu" else
-        {"placement": "separate", "accelerator": {"type": stage_accelerator}, "replicas": 1})
+
+    def stage_place() -> dict[str, Any]:
+        """Fresh for each stage (shared dicts would be written as YAML aliases)."""
+        if accelerators[0] == "cpu":
+            return {"placement": "router", **with_precision}
+        return {"placement": "separate", "accelerator": {"type": accelerators[0]},
+                "replicas": 1, **with_precision}
+
     sampling = {"steps": ddm.steps, "solver": "euler", "strategy": ddm.strategy,
                 **({"guidanceScale": ddm.guidance_scale}
                    if ddm.conditioning == "text" else {})}
     spec: dict[str, Any] = {"conditioning": ddm.conditioning, "sampling": sampling}
     if ddm.text_encoder:
-        spec["textEncoder"] = {"checkpoint": checkpoint(TEXT_ENCODER_DIR), **stage_place,
-                               **with_precision}
+        spec["textEncoder"] = {"checkpoint": checkpoint(TEXT_ENCODER_DIR), **stage_place()}
     if ddm.decoder:
-        spec["decoder"] = {"checkpoint": checkpoint(DECODER_DIR), **stage_place,
-                           **with_precision}
+        spec["decoder"] = {"checkpoint": checkpoint(DECODER_DIR), **stage_place()}
     spec["router"] = {"replicas": 1}
     if ddm.router:
         spec["router"].update(checkpoint=checkpoint(ROUTER_DIR),
-                              network={**stage_place, **with_precision})
+                              network=stage_place())
     spec["experts"] = [
         {"name": f"expert-{k}", "framework": "torch",
          "accelerator": {"type": accelerators[k % len(accelerators)]},

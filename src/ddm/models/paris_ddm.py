@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ import torch
 from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import Conditioning
 from ddm.convention import FlowMatchNetwork, TimeGrid
-from ddm.models.paris import ParisExpert, ParisRouter
+from ddm.models.paris import ParisExpert, ParisExpertConfig, ParisRouter, ParisRouterConfig
 from ddm.models.paris_loading import load_paris_expert, load_paris_router, read_component_config
 from ddm.models.stages import (ClipTextEncoder, ConditionedRouter, ConditionedVelocity,
                                TextDDM, VaeDecoder)
@@ -31,6 +32,8 @@ PARIS_CONVENTION = FlowMatchNetwork(num_train_timesteps=1000)
 DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_ROUTING = 7.5, 50, "top2"
 
 _EXPERT_DIR = re.compile(r"expert_(\d+)")
+#: A release's components beside its experts.
+RELEASE_COMPONENTS = ("router", "vae", "text_encoder", "tokenizer")
 
 
 def load_paris_ddm(release: str | Path, device: str = "cpu") -> TextDDM:
@@ -38,19 +41,13 @@ def load_paris_ddm(release: str | Path, device: str = "cpu") -> TextDDM:
     their dtype. Raises a ``CheckpointError`` naming a missing component or a stage whose
     shapes disagree with the experts'."""
     root = Path(release)
-    indices = sorted(int(m.group(1)) for p in root.iterdir()
-                     if p.is_dir() and (m := _EXPERT_DIR.fullmatch(p.name)))
-    if indices != list(range(len(indices))) or not indices:
-        raise CheckpointError(f"{root} must hold expert_0 .. expert_N-1, found experts "
-                              f"{indices}")
-    for role in ("router", "vae", "text_encoder", "tokenizer"):
-        if not (root / role).is_dir():
-            raise CheckpointError(f"{root} has no {role}/ component")
+    indices = release_experts(root)
     experts = [load_paris_expert(root / f"expert_{k}").to(device) for k in indices]
     router = load_paris_router(root / "router").to(device)
     encoder = ClipTextEncoder(root / "tokenizer", root / "text_encoder", device)
     decoder = VaeDecoder(root / "vae", device)
-    latent_shape = _check_stages(root, experts, router, encoder, decoder)
+    latent_shape = check_paris_shapes(root, [e.config for e in experts], router.config,
+                                      decoder.latent_channels, encoder.width)
     settings = read_component_config(root)
     return TextDDM(
         expert_names=tuple(f"expert_{k}" for k in indices),
@@ -63,29 +60,46 @@ def load_paris_ddm(release: str | Path, device: str = "cpu") -> TextDDM:
         strategy=str(settings.get("routing", DEFAULT_ROUTING)))
 
 
-def _check_stages(root: Path, experts: list[ParisExpert], router: ParisRouter,
-                  encoder: ClipTextEncoder, decoder: VaeDecoder) -> tuple[int, int, int]:
-    """The state's (C, S, S), the same for every expert, the router and the decoder."""
-    shapes = {f"expert_{k}": (e.config.in_channels, e.config.input_size) for k, e in
-              enumerate(experts)}
-    shapes["router"] = (router.config.in_channels, router.config.input_size)
+def release_experts(root: Path) -> list[int]:
+    """The expert indices 0..N-1 of the release at ``root``, after checking that it holds
+    every component directory."""
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory (a Paris release)")
+    indices = sorted(int(m.group(1)) for p in root.iterdir()
+                     if p.is_dir() and (m := _EXPERT_DIR.fullmatch(p.name)))
+    if indices != list(range(len(indices))) or not indices:
+        raise CheckpointError(f"{root} must hold expert_0 .. expert_N-1, found experts "
+                              f"{indices}")
+    for role in RELEASE_COMPONENTS:
+        if not (root / role).is_dir():
+            raise CheckpointError(f"{root} has no {role}/ component")
+    return indices
+
+
+def check_paris_shapes(root: Path, experts: Sequence[ParisExpertConfig],
+                       router: ParisRouterConfig, latent_channels: int,
+                       text_width: int) -> tuple[int, int, int]:
+    """The state's (C, S, S), the same for every expert, the router and the decoder (which
+    takes ``latent_channels``); the experts take the text encoder's ``text_width``."""
+    shapes = {f"expert_{k}": (e.in_channels, e.input_size) for k, e in enumerate(experts)}
+    shapes["router"] = (router.in_channels, router.input_size)
     if len(set(shapes.values())) != 1:
         raise CheckpointError(f"{root}: the stages disagree on the latent (channels, size): "
                               f"{shapes}")
     channels, size = shapes["router"]
-    outputs = {e.config.out_channels for e in experts}
+    outputs = {e.out_channels for e in experts}
     if outputs != {channels}:
         raise CheckpointError(f"{root}: experts predict {sorted(outputs)} channels for "
                               f"{channels}-channel latents")
-    if decoder.latent_channels != channels:
-        raise CheckpointError(f"{root}: the decoder takes {decoder.latent_channels}-channel "
+    if latent_channels != channels:
+        raise CheckpointError(f"{root}: the decoder takes {latent_channels}-channel "
                               f"latents, the experts make {channels}")
-    widths = {e.config.text_embed_dim for e in experts}
-    if widths != {encoder.width}:
-        raise CheckpointError(f"{root}: the text encoder's width is {encoder.width}, the "
+    widths = {e.text_embed_dim for e in experts}
+    if widths != {text_width}:
+        raise CheckpointError(f"{root}: the text encoder's width is {text_width}, the "
                               f"experts take {sorted(widths)}")
-    if router.config.num_clusters != len(experts):
-        raise CheckpointError(f"{root}: the router network has {router.config.num_clusters} "
+    if router.num_clusters != len(experts):
+        raise CheckpointError(f"{root}: the router network has {router.num_clusters} "
                               f"clusters for {len(experts)} experts")
     return channels, size, size
 
