@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ddm.checkpoints.declared import DDM_KEY
 from ddm.checkpoints.format import CONFIG_FILE, CheckpointError
 
-#: The key of a component's config.json under which we declare what the stage is;
-#: diffusers and transformers ignore (or keep) keys that start with ``_``.
-DDM_KEY = "_ddm"
 #: The deployment an import writes beside its components.
 MANIFEST_FILE = "ddm.yaml"
 WEIGHTS_SUFFIX = ".safetensors"

@@ -153,29 +153,32 @@ class DeploymentPlan:
 
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
                       auth: Auth | None = None, trusted_proxies: tuple[str, ...] = (),
-                      stage_dirs: Mapping[str, str] | None = None) -> RouterConfigFile:
-        """router.yaml, with each expert and separate stage reached through
-        ``discovery[name or role]``, the router network read from ``checkpoint_dir`` (None
-        without one) and every other stage the router loads from ``stage_dirs[role]``; with
-        ``auth``, the token the router requires and sends to its experts and stages (give them
-        the same file: :meth:`ExpertPlan.command`); ``trusted_proxies``: the CIDRs of the
-        proxies in front of the router, whose ``X-Forwarded-For`` names the client its
-        per-client limit counts. A label DDM's router network in the router stays
-        ``router_checkpoint``; a text DDM's is ``router_network``."""
+                      stage_places: Mapping[str, str | Discovery] | None = None
+                      ) -> RouterConfigFile:
+        """router.yaml, with each expert reached through ``discovery[name]``, the router
+        network read from ``checkpoint_dir`` (None without one, or when it runs on its own)
+        and every other stage from ``stage_places[role]``: a directory the router loads it
+        from, or the discovery of its servers (placed ``separate``); with ``auth``, the token
+        the router requires and sends to its experts and stages (give them the same file:
+        :meth:`ExpertPlan.command`); ``trusted_proxies``: the CIDRs of the proxies in front of
+        the router, whose ``X-Forwarded-For`` names the client its per-client limit counts. A
+        label DDM's router network in the router stays ``router_checkpoint``; a text DDM's is
+        ``router_network``."""
         router = self.router
-        places: dict[str, str] = {**(stage_dirs or {})}
+        places = {**(stage_places or {})}
         if checkpoint_dir is not None:
-            places["router-network"] = checkpoint_dir
+            places.setdefault("router-network", checkpoint_dir)
         network = next((s for s in self.stages if s.role == "router-network"), None)
         as_checkpoint = (router.conditioning == "labels" and network is not None
                          and not network.separate and network.precision is None)
-        entries = {s.config_key: s.entry(discovery[s.role] if s.separate else places[s.role])
+        entries = {s.config_key: s.entry(places[s.role])
                    for s in self.stages if not (as_checkpoint and s is network)}
         return RouterConfigFile(
             experts=tuple(ExpertEntry(name=e.name, classes=e.classes, discovery=discovery[e.name])
                           for e in self.experts),
             num_classes=router.num_classes, sampling=router.sampling,
-            router_checkpoint=checkpoint_dir if as_checkpoint else None, limits=router.limits,
+            router_checkpoint=places["router-network"] if as_checkpoint else None,
+            limits=router.limits,
             auth=auth, trusted_proxies=trusted_proxies, missing_expert=router.missing_expert,
             conditioning=router.conditioning, **entries)
 

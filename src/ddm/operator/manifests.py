@@ -237,18 +237,15 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
                                                   config.cluster_domain),
                              port=names.EXPERT_PORT)
         for e in spec.experts}
-    discovery.update({role: DnsDiscovery(dns=names.stage_dns(owner, role, namespace,
-                                                             config.cluster_domain),
-                                         port=names.EXPERT_PORT)
-                      for role, stage in spec.stages.items() if stage.separate})
-    in_router = _router_stages(spec)
-    network = in_router.pop("router-network", None)
+    places: dict[str, str | Discovery] = {
+        role: DnsDiscovery(dns=names.stage_dns(owner, role, namespace, config.cluster_domain),
+                           port=names.EXPERT_PORT)
+        for role, stage in spec.stages.items() if stage.separate}
+    places.update({role: _pod_dir(*place) for role, place in _router_stages(spec).items()})
     return plan_deployment(spec).router_config(
-        discovery, None if network is None else _pod_dir(*network),
-        Auth(token_file=ROUTER_TOKEN_FILE, expert_token_file=EXPERT_TOKEN_FILE)
+        discovery, None, Auth(token_file=ROUTER_TOKEN_FILE, expert_token_file=EXPERT_TOKEN_FILE)
         if router_token(spec, meta, config) else None,
-        config.router_trusted_proxies,
-        stage_dirs={role: _pod_dir(*place) for role, place in in_router.items()})
+        config.router_trusted_proxies, places)
 
 
 def _router_stages(spec: DDMSpec) -> dict[str, tuple[StageSpec, str]]:
