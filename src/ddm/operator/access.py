@@ -104,9 +104,9 @@ def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
                            fetches: bool, stages: bool = False) -> list[dict[str, Any]]:
     """The DDM's NetworkPolicies (see the module's docstring); ``fetches``: the DDM fetches a
     checkpoint, so it has a stager; ``stages``: it has stages in pods of their own (text
-    encoder, decoder, router network), which admit the router as experts do. The metrics port admits ``config.metrics_from``
-    (NetworkPolicyPeers: the scrapers), and nobody when it is empty (a rule with no peers
-    would admit everyone)."""
+    encoder, decoder, router network), which admit the router as experts do. The metrics
+    port admits ``config.metrics_from`` (NetworkPolicyPeers: the scrapers), and nobody when
+    it is empty (a rule with no peers would admit everyone)."""
     owner = meta["name"]
     scrape = ([{"from": [dict(peer) for peer in config.metrics_from],
                 "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
