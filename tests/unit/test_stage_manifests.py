@@ -164,3 +164,40 @@ def test_fetched_stage_checkpoints_go_through_the_stager() -> None:
         "copy-checkpoint-text-encoder"]
     decoder_pod = children[("Deployment", "paris-stage-decoder")]["spec"]["template"]["spec"]
     assert [c["name"] for c in decoder_pod["initContainers"]] == ["copy-checkpoint"]
+
+
+def _ready(name: str, ready: int) -> tuple[str, dict]:
+    return name, {"status": {"readyReplicas": ready}}
+
+
+def test_status_reports_separate_stages_and_waits_for_them() -> None:
+    from ddm.operator.status import ready_status
+
+    spec = parse_spec(_text_spec())
+    running = dict([_ready("paris-router", 1), _ready("paris-expert-expert-0", 1),
+                    _ready("paris-expert-expert-1", 1), _ready("paris-stage-decoder", 1),
+                    _ready("paris-stage-router-network", 1)])
+    crash = {"metadata": {"name": "paris-stage-decoder-x", "labels": names.labels(
+                 "paris", "stage", stage="decoder")},
+             "status": {"containerStatuses": [{
+                 "name": "stage", "restartCount": 3,
+                 "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                 "lastState": {"terminated": {"exitCode": 1,
+                                              "message": "CUDA out of memory"}}}]}}
+    status = ready_status(spec, META, deployments=running, previous={}, now="T1", pods=[crash])
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["StagesReady"]["status"] == "False"
+    assert conditions["StagesReady"]["message"].startswith("decoder: 1/2 ready: ")
+    assert "CUDA out of memory" in conditions["StagesReady"]["message"]
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == (
+        "False", "StagesNotReady")
+    assert status["stages"][0]["name"] == "decoder"
+    assert (status["stages"][0]["replicas"], status["stages"][0]["readyReplicas"],
+            status["stages"][0]["reason"]) == (2, 1, "CrashLoopBackOff")
+    assert status["stages"][1] == {"name": "router-network", "placement": "separate",
+                                   "accelerator": "neuron x1", "replicas": 1,
+                                   "readyReplicas": 1}
+    running.update([_ready("paris-stage-decoder", 2)])
+    ready = ready_status(spec, META, deployments=running, previous=status, now="T2")
+    assert ready["phase"] == "Ready"
+    assert {c["type"]: c["status"] for c in ready["conditions"]}["StagesReady"] == "True"

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ddm.checkpoints.declared import DDM_KEY
 from ddm.checkpoints.format import CheckpointError, check_sha256
 from ddm.conditioning import Conditioning
 from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
@@ -44,8 +45,6 @@ ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: prompt.
 RouterProbabilities = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-#: The key of a component's config.json under which we declare role, family and convention.
-DDM_KEY = "_ddm"
 ROLES = ("expert", "router", "text_encoder", "decoder")
 #: family -> the role its networks play.
 FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
