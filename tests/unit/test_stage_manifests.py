@@ -201,3 +201,23 @@ def test_status_reports_separate_stages_and_waits_for_them() -> None:
     ready = ready_status(spec, META, deployments=running, previous=status, now="T2")
     assert ready["phase"] == "Ready"
     assert {c["type"]: c["status"] for c in ready["conditions"]}["StagesReady"] == "True"
+
+
+def test_the_mixed_deployment_of_docs_paris_md_is_valid() -> None:
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    from ddm.deploy.spec import parse_manifest
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "paris.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S)
+                 if "kind: DDMDeployment" in b)
+    spec = parse_manifest(yaml.safe_load(block)).spec
+    assert [e.accelerator.type for e in spec.experts] == ["nvidia", "neuron"] * 4
+    children = {(c["kind"], c["metadata"]["name"])
+                for c in build_children(spec, META, CONFIG)}
+    assert {("Deployment", "paris-stage-decoder"),
+            ("Deployment", "paris-stage-router-network")} <= children
+    assert ("Deployment", "paris-stage-text-encoder") not in children
