@@ -166,7 +166,8 @@ def expert_b(smoke_expert_checkpoint: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def local_velocity(smoke_expert_checkpoint: Path):
-    return expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+    velocity = expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+    return lambda x, t, cond: velocity(x, t, cond.labels)
 
 
 def test_dns_discovered_replica_answers_like_the_local_model(expert_a, local_velocity):
@@ -182,7 +183,7 @@ def test_dns_discovered_replica_answers_like_the_local_model(expert_a, local_vel
     v, info, endpoints = asyncio.run(scenario())
     assert endpoints == [f"127.0.0.1:{port}"]
     assert (info.image_shape, info.max_batch, info.classes) == (SHAPE, 8, (0, 1, 2, 3, 4))
-    np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
+    np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
 
 
 def test_calls_are_balanced_over_replicas(expert_a, expert_b):
@@ -218,7 +219,7 @@ def test_concurrent_calls_merge_into_few_requests_and_each_gets_its_own_answer(
 
     velocities, velocity_requests, integrations, alone = asyncio.run(scenario())
     for v, (x, t, y) in zip(velocities, inputs):
-        np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
+        np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
     assert velocity_requests <= 3, velocity_requests  # 12 calls; the expert takes 8 rows
     for merged, single in zip(integrations, alone):
         np.testing.assert_allclose(merged, single, atol=1e-5)
@@ -253,7 +254,7 @@ def test_a_dead_or_hanging_replica_fails_over_to_a_live_one(expert_a, local_velo
 
         outs, states = asyncio.run(scenario())
     for v in outs:
-        np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
+        np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
     assert states[expert_a] is ReplicaState.READY
     assert [s for e, s in states.items() if e != expert_a] == [ReplicaState.DOWN] * 2
 
@@ -471,5 +472,5 @@ def test_a_batch_over_the_limit_before_any_probe_waits_for_one_and_is_split(
             return await pool.velocity("e", x, t, y), _count(pool.metrics.request_rows)
 
     v, requests = asyncio.run(scenario())
-    np.testing.assert_allclose(v, local_velocity(x, t, y.labels), atol=1e-5)
+    np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
     assert requests == 3

@@ -23,6 +23,7 @@ import yaml
 
 from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.deploy.limits import (
+    CONDITIONINGS,
     DEFAULT_MISSING_EXPERT_POLICY,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
@@ -32,6 +33,7 @@ from ddm.deploy.limits import (
     DEFAULT_STRATEGY,
     MAX_GUIDANCE_SCALE,
     MAX_STEPS,
+    PRECISIONS,
     ROUTER_MAX_BATCH,
     ROUTER_MAX_BODY_BYTES,
     ROUTER_MAX_CONCURRENT,
@@ -81,8 +83,12 @@ class SamplingDefaults:
     solver: str = DEFAULT_SOLVER
     strategy: str = DEFAULT_STRATEGY
     guidance_scale: float = 1.0
+    guidance_cutoff: float = 1.0
 
     def __post_init__(self) -> None:
+        _check(_is_number(self.guidance_cutoff) and 0 < self.guidance_cutoff <= 1,
+               "sampling.guidance_cutoff must be a fraction of the steps in (0, 1], got "
+               f"{self.guidance_cutoff!r}")
         _check(_is_number(self.guidance_scale)
                and 0 <= self.guidance_scale <= MAX_GUIDANCE_SCALE,
                f"sampling.guidance_scale must be a number in 0..{MAX_GUIDANCE_SCALE:g}, got "
@@ -151,6 +157,11 @@ class StageEntry:
     def __post_init__(self) -> None:
         _check((self.checkpoint is None) != (self.discovery is None),
                "a stage has either a checkpoint (loaded in the router) or a discovery")
+        _check(self.precision is None or self.precision in PRECISIONS,
+               f"a stage's precision must be one of {list(PRECISIONS)}, got "
+               f"{self.precision!r}")
+        _check(self.discovery is None or self.precision is None,
+               "a stage served on its own has its precision in its server's flags, not here")
 
     @classmethod
     def from_dict(cls, raw: Any, where: str) -> StageEntry:
@@ -353,8 +364,12 @@ class RouterConfigFile:
             outside = [c for c in expert.classes if c >= self.num_classes]
             _check(not outside, f"expert {expert.name}: classes {outside} are outside "
                                 f"0..{self.num_classes - 1}")
-        _check(self.conditioning in ("labels", "text"),
-               f"conditioning must be labels or text, got {self.conditioning!r}")
+        _check(self.conditioning in CONDITIONINGS,
+               f"conditioning must be one of {list(CONDITIONINGS)}, got {self.conditioning!r}")
+        _check(self.conditioning == "labels" or self.text_encoder is not None,
+               "conditioning text needs text_encoder (prompts -> the experts' embeddings)")
+        _check(self.router_checkpoint is None or self.router_network is None,
+               "give the router network as router_checkpoint or router_network, not both")
         _check(self.sampling.strategy == "oracle" or bool(self.router_checkpoint)
                or self.router_network is not None,
                f"strategy {self.sampling.strategy} needs router_checkpoint (only oracle "

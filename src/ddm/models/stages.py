@@ -28,8 +28,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ddm.checkpoints.declared import DDM_KEY
 from ddm.checkpoints.format import CheckpointError, check_sha256
 from ddm.conditioning import Conditioning
+from ddm.deploy import limits
+from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
 from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
                             network_convention)
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
@@ -44,8 +47,6 @@ ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: prompt.
 RouterProbabilities = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-#: The key of a component's config.json under which we declare role, family and convention.
-DDM_KEY = "_ddm"
 ROLES = ("expert", "router", "text_encoder", "decoder")
 #: family -> the role its networks play.
 FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
@@ -55,11 +56,9 @@ FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
 #: names the family where ``_ddm`` does not (the text2img training's components).
 _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent-router",
                    "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
-#: Precision names (``--precision``, the spec's ``precision``) -> torch dtypes.
-PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
+PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 BACKENDS = ("torch", "jax")
-#: Sizes a declaration may state: a latent has at most this many channels and this side.
-MAX_LATENT_CHANNELS, MAX_LATENT_SIDE, MAX_TEXT_WIDTH = 64, 1024, 16384
 
 
 @dataclass(frozen=True)
@@ -208,10 +207,10 @@ class StageDeclaration:
         shape = block.get("latent_shape")
         if shape is not None and not (
                 isinstance(shape, list) and len(shape) == 3 and _ints(shape)
-                and 0 < shape[0] <= MAX_LATENT_CHANNELS and 0 < shape[1] <= MAX_LATENT_SIDE
+                and 0 < shape[0] <= MAX_IMAGE_CHANNELS and 0 < shape[1] <= MAX_IMAGE_SIDE
                 and shape[1] == shape[2]):
             raise CheckpointError(f"{directory}: {DDM_KEY}.latent_shape must be [C, S, S] with "
-                                  f"C <= {MAX_LATENT_CHANNELS}, S <= {MAX_LATENT_SIDE}; got "
+                                  f"C <= {MAX_IMAGE_CHANNELS}, S <= {MAX_IMAGE_SIDE}; got "
                                   f"{shape!r}")
         width, cluster = block.get("text_width"), block.get("cluster")
         for name, value, top in (("text_width", width, MAX_TEXT_WIDTH), ("cluster", cluster,
@@ -274,7 +273,7 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str = "c
                               f"{declared.family}")
     if declared.weights_sha256 is not None:
         weights = (weight_file(path) if declared.family.startswith("paris-")
-                   else _one_safetensors(path))
+                   else one_safetensors(path))
         check_sha256(path, weights.name, declared.weights_sha256)
     return load_declared(path, declared, dtype, device, backend)
 
@@ -372,7 +371,7 @@ def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | Non
 
 def stored_dtype(directory: Path) -> torch.dtype:
     """The one floating dtype of a diffusers component's safetensors weights."""
-    path = _one_safetensors(directory)
+    path = one_safetensors(directory)
     with safe_open(str(path), framework="pt") as weights:
         dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
     floating = {_SAFETENSORS_DTYPES[d] for d in dtypes if d in _SAFETENSORS_DTYPES}
@@ -596,11 +595,14 @@ def _class_family(config: Mapping[str, Any]) -> str | None:
     return next((_CLASS_FAMILIES[n] for n in names if n in _CLASS_FAMILIES), None)
 
 
-def _one_safetensors(directory: Path) -> Path:
+def one_safetensors(directory: Path) -> Path:
+    """The one safetensors file of a library's component directory (never pickled weights)."""
     files = sorted(directory.glob("*.safetensors"))
     if len(files) != 1:
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (pickled weights {pickled} are never loaded)" if pickled else ""
         raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
-                              f"{[f.name for f in files]}")
+                              f"{[f.name for f in files]}{hint}")
     return files[0]
 
 

@@ -95,6 +95,25 @@ class RouterNetwork:
         return await asyncio.to_thread(self._probs, *inputs)
 
 
+class NullConditioning:
+    """The empty prompt's conditioning, encoded once on first use: the unconditional half of
+    the guided rows that name no negative prompt (an expert server takes guided rows with
+    their unconditional embeddings, ``docs/protocol.md``), as the in-process driver's
+    ``TextDDM.null``."""
+
+    def __init__(self, encoder: StageCaller) -> None:
+        self._encoder = encoder
+        self._made: asyncio.Future[EncodedPrompts] | None = None
+
+    async def rows(self, n: int) -> Conditioning:
+        """``n`` rows of it."""
+        if self._made is None or (self._made.done() and (self._made.cancelled()
+                                                         or self._made.exception())):
+            self._made = asyncio.ensure_future(self._encoder.encode([""]))
+        null = (await asyncio.shield(self._made)).cond
+        return null.take(np.zeros(n, np.int64))
+
+
 @dataclass(frozen=True)
 class RemoteMixture:
     """The router's view of a DDM: experts in the router network's output order, the labels
@@ -113,6 +132,7 @@ class RemoteMixture:
     decoder: StageCaller | None = None
     router_stage: StageCaller | None = None
     grid: TimeGrid = TimeGrid()
+    null: NullConditioning | None = None
 
     @functools.cached_property
     def mixture(self) -> Mixture:
@@ -211,11 +231,14 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
 async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | Integrate,
                 guard: Guard | None) -> np.ndarray | Missing:
     name = mixture.expert_names[call.expert]
+    cond = call.cond
+    if cond.guidance is not None and cond.negative is None and mixture.null is not None:
+        cond = cond.with_guidance(cond.guidance, await mixture.null.rows(len(cond)))
 
     def send() -> Awaitable[np.ndarray]:
         if isinstance(call, Velocity):
-            return caller.velocity(name, call.x, call.t, call.cond)
-        return caller.integrate(name, call.x, call.cond, call.grid, call.solver)
+            return caller.velocity(name, call.x, call.t, cond)
+        return caller.integrate(name, call.x, cond, call.grid, call.solver)
 
     if guard is None:
         return await send()

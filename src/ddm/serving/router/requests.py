@@ -21,11 +21,11 @@ import re
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
-                      field_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      WithJsonSchema, field_validator)
 
 from ddm.conditioning import TEXT
-from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_PROMPT_CHARS, SOLVERS, STRATEGY_PATTERN
+from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, SOLVERS, STRATEGY_PATTERN
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
@@ -43,8 +43,18 @@ def _integral(value: Any) -> Any:
 
 #: An integer field; in a strict model, a string, a bool or a fraction is refused.
 Integer = Annotated[int, BeforeValidator(_integral)]
+def _fits(prompt: str) -> str:
+    """A prompt within the wire's ``MAX_PROMPT_BYTES`` (UTF-8), which a text encoder served
+    on its own takes (``docs/protocol.md``)."""
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if size > MAX_PROMPT_BYTES:
+        raise ValueError(f"a prompt may hold at most {MAX_PROMPT_BYTES} UTF-8 bytes, got "
+                         f"{size}")
+    return prompt
+
+
 #: A prompt; the text encoder cuts what its tokenizer cannot take (and the answer says so).
-Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+Prompt = Annotated[str, Field(max_length=MAX_PROMPT_BYTES), AfterValidator(_fits)]
 #: The answer's per-prompt count of tokens the text encoder cut.
 TRUNCATED = ("per prompt (then the negative prompt, if one was given), the tokens the text "
              "encoder cut because the prompt is longer than its tokenizer takes (CLIP: 77 "
@@ -179,7 +189,7 @@ def request_models(config: RouterConfigFile
             defaults.guidance_scale, ge=0, le=MAX_GUIDANCE_SCALE,
             description="classifier-free guidance scale (text DDMs; 1: unguided, the only "
                         "value for labels), applied inside each expert")
-        guidance_cutoff: float = Field(1.0, gt=0, le=1,
+        guidance_cutoff: float = Field(defaults.guidance_cutoff, gt=0, le=1,
                                        description="the fraction of the steps guided (text "
                                                    "DDMs); later steps run unguided")
         negative_prompt: Prompt | None = Field(

@@ -43,8 +43,8 @@ from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
-from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork
-from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
+from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
+from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme, source_for
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
@@ -125,8 +125,11 @@ class RouterState:
         #: declares.
         self.stages: dict[str, StageCaller] = {}
         self.stage_convention: str | None = None
+        self.null: NullConditioning | None = None
+        self._stage_pool: ExpertPool | None = None  # the stages served on their own
+        self._settings = pool_settings(config, deadline_s)
         self._preview: asyncio.Task[LatentPreview] | None = None
-        self.loaded = config.router_checkpoint is None and not self._stage_checkpoints()
+        self.loaded = config.router_checkpoint is None and not self._stage_entries()
         self.failure: str | None = None
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
@@ -146,16 +149,8 @@ class RouterState:
                 probs, self.network_shape, self.network_meta = await asyncio.to_thread(
                     _load_network, self.config.router_checkpoint, self.config)
                 self.network = RouterNetwork(probs)
-            loaded = {}
-            for name, entry in self._stage_checkpoints().items():
-                what = f"{name} stage {entry.checkpoint}"
-                loaded[name] = await asyncio.to_thread(_load_stage, name, entry)
-            from ddm.serving.router.stage_clients import LocalStages
-
-            local = LocalStages(**{STAGES[name]: stage for name, stage in loaded.items()})
-            self.stages = {name: local for name in loaded}
-            if "router_network" in loaded:
-                self.stage_convention = loaded["router_network"].declaration.convention
+            what = "a stage"
+            await self._load_stages()
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
             logger.exception("%s failed to load", what)
             self.failure = f"{type(error).__name__}: {error}"
@@ -164,26 +159,49 @@ class RouterState:
             return
         self.loaded = True
 
+    async def _load_stages(self) -> None:
+        """A text DDM's stages: those placed in the router loaded here (off the event loop),
+        those served on their own reached through one stage pool."""
+        from ddm.serving.router.stage_clients import LocalStages, RemoteStages, StagePool
+
+        entries = self._stage_entries()
+        loaded = {}
+        for name, entry in entries.items():
+            if entry.checkpoint is not None:
+                try:
+                    loaded[name] = await asyncio.to_thread(_load_stage, name, entry)
+                except Exception as error:
+                    raise CheckpointError(f"{name} stage {entry.checkpoint}: {error}") from error
+        local = LocalStages(**{STAGES[name]: stage for name, stage in loaded.items()})
+        remote = {name: entry.discovery for name, entry in entries.items()
+                  if entry.discovery is not None}
+        if remote:
+            token = (TokenFile(self.config.auth.expert_token) if self.config.auth is not None
+                     else None)
+            self._stage_pool = StagePool({STAGES[name]: source_for(discovery)
+                                          for name, discovery in remote.items()},
+                                         self._settings, token=token)
+            await self._stage_pool.start()
+        self.stages = {name: local if name in loaded else RemoteStages(self._stage_pool)
+                       for name in entries}
+        if "router_network" in loaded:
+            self.stage_convention = loaded["router_network"].declaration.convention
+        if "text_encoder" in self.stages:
+            self.null = NullConditioning(self.stages["text_encoder"])
+
     async def close(self) -> None:
         """Stop what runs in the router process (the router is stopping)."""
         if self.network is not None:
             await self.network.close()
         if self._preview is not None:
             self._preview.cancel()
+        if self._stage_pool is not None:
+            await self._stage_pool.close()
 
-    def _stage_checkpoints(self) -> dict[str, StageEntry]:
-        """The stages ``router.yaml`` places in the router, by name; a stage served on its
-        own is refused here until the router can call one."""
-        found = {}
-        for role in STAGES:
-            stage: StageEntry | None = getattr(self.config, role)
-            if stage is None:
-                continue
-            if stage.checkpoint is None:
-                raise NotImplementedError(f"{role}: a stage served on its own needs the stage "
-                                          "client; place it in the router (checkpoint)")
-            found[role] = stage
-        return found
+    def _stage_entries(self) -> dict[str, StageEntry]:
+        """``router.yaml``'s stages besides the experts, by name."""
+        return {name: entry for name in STAGES
+                if (entry := getattr(self.config, name)) is not None}
 
     async def preview(self, latent_shape: tuple[int, int, int]) -> LatentPreview | None:
         """The decoder's latent -> RGB projection (None without a decoder), fitted once
@@ -244,7 +262,8 @@ class RouterState:
             infos = dict(zip(self.names, key[0]))
             view = _view_of(self.config, infos, self.network_meta, self.network_shape,
                             self._refused(), self.network if self.loaded else None,
-                            self.loaded, self.failure, self.stages, self.stage_convention)
+                            self.loaded, self.failure, self.stages, self.stage_convention,
+                            self.null)
             for problem in set(view.mismatches) - set(self._viewed[1].mismatches
                                                       if self._viewed else ()):
                 logger.warning("expert %s: %s", problem.expert, problem.detail)
@@ -311,7 +330,7 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
              network_meta: CheckpointMeta | None, network_shape: tuple[int, int, int] | None,
              refused: tuple[ExpertProblem, ...], network: RouterNetwork | None, loaded: bool,
              failure: str | None, stages: Mapping[str, StageCaller],
-             stage_convention: str | None) -> _View:
+             stage_convention: str | None, null: NullConditioning | None) -> _View:
     mismatches = tuple(expert_mismatches(config, infos, network_meta))
     shapes: dict[str, tuple[int, int, int]] = {
         name: info.image_shape for name, info in infos.items() if info is not None}
@@ -332,7 +351,8 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
         mixture = RemoteMixture(
             tuple(e.name for e in config.experts), ((),) * len(config.experts), None, shape, 0,
             conditioning=TEXT, encoder=stages.get("text_encoder"), decoder=stages.get("decoder"),
-            router_stage=stages.get("router_network"), grid=_grid(infos, stage_convention))
+            router_stage=stages.get("router_network"), grid=_grid(infos, stage_convention),
+            null=null)
     else:
         mixture = RemoteMixture(tuple(e.name for e in config.experts),
                                 tuple(e.classes for e in config.experts),
