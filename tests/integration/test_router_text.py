@@ -129,6 +129,20 @@ def test_a_generation_through_the_router_equals_the_in_process_one(served, in_pr
     assert body["routing"] == local.usage.step_masks(4).tolist()
 
 
+def test_stages_served_on_their_own_give_the_same_image(served, tmp_path_factory):
+    """The text encoder, decoder and router network on stage servers (``ddm serve stage``),
+    the null prompt's embeddings sent with the guided rows: the image the router makes with
+    them in its own process."""
+    body = {"prompts": ["a photo of a red car"], "steps": 3, "seed": 2, "strategy": "top2"}
+    with served_text_ddm(tmp_path_factory.mktemp("apart"), stages_apart=True) as (apart, _):
+        remote = httpx.post(f"{apart}/v1/generate", json=body, timeout=GENERATION_S)
+    local = httpx.post(f"{served[0]}/v1/generate", json=body, timeout=GENERATION_S)
+    assert remote.status_code == local.status_code == 200, (remote.text, local.text)
+    assert np.abs(_png(remote.json()["images"][0]).astype(int)
+                  - _png(local.json()["images"][0])).max() <= 1
+    assert remote.json()["routing"] == local.json()["routing"]
+
+
 def test_the_openai_image_api_answers_its_schema(served):
     router, _ = served
     long = " ".join(["photo"] * 100)  # 100 tokens and the start and end ones: 25 past 77
