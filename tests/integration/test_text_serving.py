@@ -8,8 +8,11 @@ encoder, decoder and router network answer over the wire what they answer in pro
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +25,7 @@ from ddm.conditioning import Conditioning
 from ddm.models.stages import load_stage
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.expert.stage_server import STAGE_ROLES, create_stage_app
+from ddm.serving import termination
 from ddm.serving.http import build_server
 from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
                                   TextVelocityRequest, VelocityRequest, context_id,
@@ -335,3 +339,19 @@ def test_a_stage_refuses_what_another_role_serves(stages):
     info = httpx.get(f"http://{stages['decoder']}/v1/info").json()
     assert (info["role"], info["serves"], info["image_shape"]) == ("decoder", "decode",
                                                                    [3, 32, 32])
+
+
+@pytest.mark.parametrize("command, directory, message", [
+    ("stage", "expert_0", "is a stage of role expert; this command serves text_encoder or "
+                          "decoder or router"),
+    ("expert", "decoder", "is a stage of role decoder; this command serves expert"),
+])
+def test_serving_a_stage_under_the_wrong_command_exits_1_naming_it(root, tmp_path, command,
+                                                                   directory, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "ddm", "serve", command, "--checkpoint", str(root / directory),
+         "--port", "0"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, termination.ENV: str(tmp_path / "termination")})
+    assert done.returncode == 1, done.stderr
+    assert message in done.stderr
+    assert message in (tmp_path / "termination").read_text()
