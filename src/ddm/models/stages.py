@@ -31,6 +31,8 @@ from safetensors import safe_open
 from ddm.checkpoints.declared import DDM_KEY
 from ddm.checkpoints.format import CheckpointError, check_sha256
 from ddm.conditioning import Conditioning
+from ddm.deploy import limits
+from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
 from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
                             network_convention)
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
@@ -54,11 +56,19 @@ FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
 #: names the family where ``_ddm`` does not (the text2img training's components).
 _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent-router",
                    "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
-#: Precision names (``--precision``, the spec's ``precision``) -> torch dtypes.
-PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
+PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 BACKENDS = ("torch", "jax")
-#: Sizes a declaration may state: a latent has at most this many channels and this side.
-MAX_LATENT_CHANNELS, MAX_LATENT_SIDE, MAX_TEXT_WIDTH = 64, 1024, 16384
+
+
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """A text encoder's answer: the prompts' :class:`Conditioning` and ``tokens_cut`` (B,)
+    int64, the tokens truncation dropped from each (0: the prompt fit), so that the API can
+    say a prompt was too long."""
+
+    cond: Conditioning
+    tokens_cut: np.ndarray
 
 
 class ClipTextEncoder:
@@ -197,10 +207,10 @@ class StageDeclaration:
         shape = block.get("latent_shape")
         if shape is not None and not (
                 isinstance(shape, list) and len(shape) == 3 and _ints(shape)
-                and 0 < shape[0] <= MAX_LATENT_CHANNELS and 0 < shape[1] <= MAX_LATENT_SIDE
+                and 0 < shape[0] <= MAX_IMAGE_CHANNELS and 0 < shape[1] <= MAX_IMAGE_SIDE
                 and shape[1] == shape[2]):
             raise CheckpointError(f"{directory}: {DDM_KEY}.latent_shape must be [C, S, S] with "
-                                  f"C <= {MAX_LATENT_CHANNELS}, S <= {MAX_LATENT_SIDE}; got "
+                                  f"C <= {MAX_IMAGE_CHANNELS}, S <= {MAX_IMAGE_SIDE}; got "
                                   f"{shape!r}")
         width, cluster = block.get("text_width"), block.get("cluster")
         for name, value, top in (("text_width", width, MAX_TEXT_WIDTH), ("cluster", cluster,

@@ -47,10 +47,10 @@ class ExpertCaller(Protocol):
     """Remote experts by name; :class:`~ddm.serving.router.pool.ExpertPool` is one."""
 
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
-                       y: np.ndarray) -> np.ndarray: ...
+                       cond: Conditioning) -> np.ndarray: ...
 
-    async def integrate(self, expert: str, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
-                        solver: str) -> np.ndarray: ...
+    async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
+                        grid: np.ndarray, solver: str) -> np.ndarray: ...
 
 
 class RouterNetwork:
@@ -167,8 +167,8 @@ async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | I
 
     def send() -> Awaitable[np.ndarray]:
         if isinstance(call, Velocity):
-            return caller.velocity(name, call.x, call.t, _labels(call.cond))
-        return caller.integrate(name, call.x, _labels(call.cond), call.grid, call.solver)
+            return caller.velocity(name, call.x, call.t, call.cond)
+        return caller.integrate(name, call.x, call.cond, call.grid, call.solver)
 
     if guard is None:
         return await send()
