@@ -58,7 +58,8 @@ def test_the_plan_has_every_stage_with_its_servers_flags() -> None:
     assert [s.role for s in plan.separate_stages] == ["decoder", "router-network"]
     assert stages["decoder"].command("/c", "0.0.0.0", 8000, 9090) == (
         "serve", "stage", "--checkpoint", "/c", "--host", "0.0.0.0", "--port", "8000",
-        "--metrics-port", "9090", "--backend", "torch", "--device", "cuda", "--precision", "bfloat16")
+        "--metrics-port", "9090", "--backend", "torch", "--device", "cuda", "--precision",
+        "bfloat16")
     assert stages["router-network"].args == ("--backend", "neuron")
     assert stages["router-network"].env("/cache")  # Neuron's compile caches
     assert plan.experts[0].args == ("--backend", "torch", "--device", "cuda",
