@@ -152,7 +152,10 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     }
     pod = _pod_spec(container, expert.pod, volumes + mount.volumes, mount.init_containers,
                     node_selector=place.node_selector, tolerations=place.tolerations)
-    return _deployment(names.expert_name(owner, expert.name), meta, expert.replicas,
+    # An autoscaled expert's replicas are the scaler's (ddm.operator.scaler): left out here,
+    # so that applying this manifest never resets them.
+    replicas = None if expert.autoscaling is not None else expert.replicas
+    return _deployment(names.expert_name(owner, expert.name), meta, replicas,
                        names.labels(owner, "expert", expert.name),
                        names.selector(owner, "expert", expert.name), pod,
                        {**names.SCRAPE_ANNOTATIONS, **_checkpoint_annotation(expert.checkpoint)})
@@ -428,7 +431,8 @@ def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
     return {**container, "command": [arg.replace("$", "$$") for arg in container["command"]]}
 
 
-def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],
+def _deployment(name: str, meta: Mapping[str, Any], replicas: int | None,
+                labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
                 pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
@@ -439,7 +443,7 @@ def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[
         "kind": "Deployment",
         "metadata": _metadata(name, meta, labels),
         "spec": {
-            "replicas": replicas,
+            **({"replicas": replicas} if replicas is not None else {}),
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector},
             "template": {"metadata": template_meta, "spec": pod},

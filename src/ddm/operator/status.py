@@ -4,7 +4,9 @@ its pods.
 Conditions follow the Kubernetes convention: ``lastTransitionTime`` changes only when a
 condition's status does, so recomputing an unchanged state yields an equal status and the
 operator writes nothing. ``Ready`` is ``SpecValid`` and ``ExpertsReady`` and ``RouterReady``.
-An expert is ready when every replica it asks for (at least one) is ready. When one is not,
+An expert is ready when every replica it asks for (at least one) is ready; an autoscaled
+expert asks for what the scaler last set on its Deployment (``ddm.operator.scaler``), and is
+ready at zero too. When one is not,
 its pods say why (``pod_trouble``): a container that keeps failing (with its exit status and
 termination message: an expert that cannot load its checkpoint writes the reason there), an
 image that cannot be pulled, a pod no node can take; the status repeats it per expert and in
@@ -19,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from ddm.checkpoints.uri import FETCHED_SCHEMES
 from ddm.operator import names
-from ddm.deploy.spec import DDMSpec, SpecError
+from ddm.deploy.spec import DDMSpec, ExpertSpec, SpecError
 
 PHASES = ("Pending", "Progressing", "Ready", "Failed", "Invalid")
 #: A container waiting for one of these will not start by itself.
@@ -117,14 +119,27 @@ def stager_trouble(owner: str, pods: Sequence[Mapping[str, Any]]) -> Trouble | N
 
 @dataclass(frozen=True)
 class Replicas:
-    """``desired`` from the spec, ``ready`` from the Deployment's status (0 when absent)."""
+    """``desired`` from the spec (an autoscaled expert's: from its Deployment, ``scaled``),
+    ``ready`` from the Deployment's status (0 when absent)."""
 
     desired: int
     ready: int
+    scaled: bool = False
 
     @property
     def complete(self) -> bool:
-        return self.desired >= 1 and self.ready >= self.desired
+        return (self.scaled or self.desired >= 1) and self.ready >= self.desired
+
+
+def expert_replicas(expert: ExpertSpec, deployment: Mapping[str, Any] | None) -> Replicas:
+    """An expert's replicas: fixed by its spec, or, autoscaled, as its Deployment has them
+    (its ``minReplicas`` until the Deployment exists)."""
+    ready = ready_replicas(deployment)
+    if expert.autoscaling is None:
+        return Replicas(expert.replicas, ready)
+    desired = (expert.autoscaling.min_replicas if deployment is None
+               else int(deployment["spec"].get("replicas", 1)))
+    return Replicas(desired, ready, scaled=True)
 
 
 def ready_replicas(deployment: Mapping[str, Any] | None) -> int:
@@ -149,11 +164,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     holding the router's token (its name only), when the router requires one;
     ``token_secrets``: the token Secrets the operator has created for this resource."""
     owner, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
-    experts = {
-        e.name: Replicas(e.replicas,
-                         ready_replicas(deployments.get(names.expert_name(owner, e.name))))
-        for e in spec.experts
-    }
+    experts = {e.name: expert_replicas(e, deployments.get(names.expert_name(owner, e.name)))
+               for e in spec.experts}
     router = Replicas(spec.router.replicas,
                       ready_replicas(deployments.get(names.router_name(owner))))
     grouped = pods_by_owner(owner, pods)
@@ -198,6 +210,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         "observedGeneration": generation,
         "phase": phase,
         "expertsReady": f"{ready_count}/{len(experts)}",
+        "expertReplicas": ", ".join(f"{name} {r.ready}/{r.desired}"
+                                    for name, r in experts.items()),
         "routerURL": names.router_url(owner, namespace),
         **({"routerTokenSecret": token_secret} if token_secret else {}),
         **({"tokenSecrets": list(token_secrets)} if token_secrets else {}),
@@ -208,6 +222,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                      "readyReplicas": experts[e.name].ready, **_why(troubles.get(e.name))}
                     for e in spec.experts],
         "conditions": [ready, spec_valid, experts_ready, router_ready],
+        # the scaler's own part (ddm.operator.scaler), kept as it wrote it
+        **({"demand": previous["demand"]} if "demand" in previous else {}),
     }
 
 
