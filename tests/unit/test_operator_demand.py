@@ -54,13 +54,13 @@ def test_rates_are_counter_increases_over_the_window() -> None:
     rates.observe(10, {"p": RouterReading({"a": 400}, {})}, EXPERTS)
     # 300 rows in the 10 s seen so far
     assert rates.observe(10, {"p": RouterReading({"a": 400}, {"b": 1})}, EXPERTS) == {
-        "a": Demand(30.0, 0), "b": Demand(0, 1)}
+        "a": Demand(30.0, 0, active=False), "b": Demand(0, 1)}  # no new rows this round
     # a second router's rows add up; after 30 s the first increase leaves the window
     rates.observe(20, {"p": RouterReading({"a": 400}, {}), "q": RouterReading({"a": 0}, {})},
                   EXPERTS)
     demand = rates.observe(30, {"p": RouterReading({"a": 460}, {}),
                                 "q": RouterReading({"a": 90}, {})}, EXPERTS)
-    assert demand["a"] == Demand((300 + 60 + 90) / 30, 0)
+    assert demand["a"] == Demand((300 + 60 + 90) / 30, 0, active=True)
     assert rates.observe(41, {"p": RouterReading({"a": 460}, {}),
                               "q": RouterReading({"a": 90}, {})}, EXPERTS)["a"] == Demand(5.0, 0)
 
@@ -68,7 +68,8 @@ def test_rates_are_counter_increases_over_the_window() -> None:
 def test_a_restarted_routers_counter_counts_whole() -> None:
     rates = DemandRates(window_s=10)
     rates.observe(0, {"p": RouterReading({"a": 500}, {})}, EXPERTS)
-    assert rates.observe(10, {"p": RouterReading({"a": 40}, {})}, EXPERTS)["a"] == Demand(4, 0)
+    restarted = rates.observe(10, {"p": RouterReading({"a": 40}, {})}, EXPERTS)
+    assert restarted["a"] == Demand(4, 0, True)
 
 
 class _Answer(http.server.BaseHTTPRequestHandler):

@@ -31,11 +31,18 @@ TOLERANCE = 0.1
 
 @dataclass(frozen=True)
 class Demand:
-    """An expert's demand now: routed rows per second (summed over the routers) and the
-    generations waiting for it to have a replica."""
+    """An expert's demand: routed rows per second (summed over the routers, over the rate
+    window), the generations waiting for it to have a replica now, and whether rows came
+    since the last reading."""
 
     rows_per_s: float
     waiting: int
+    active: bool = False  #: rows were routed to it since the last reading
+
+    @property
+    def now(self) -> bool:
+        """Whether the expert is in demand at this moment (the delay counts from the last)."""
+        return self.active or self.waiting > 0
 
 
 @dataclass(frozen=True)
@@ -67,9 +74,10 @@ def raw_recommendation(rules: Autoscaling, current: int, demand: Demand) -> int:
 def decide(rules: Autoscaling, current: int, demand: Demand, history: History, now: float
            ) -> tuple[int, History]:
     """The replicas to run now, and the history to pass to the next call."""
-    last = now if demand.rows_per_s > 0 or demand.waiting > 0 else history.last_demand
-    raw = raw_recommendation(rules, current, demand)
+    last = now if demand.now else history.last_demand
     recent = last is not None and now - last < rules.scale_down_delay_s
+    # A whole delay without demand: none needed, whatever rate the window still averages.
+    raw = raw_recommendation(rules, current, demand) if recent else 0
     floor = 1 if demand.waiting > 0 or recent else 0
     load = _bounded(rules, raw)
     wanted = _bounded(rules, max(raw, floor))

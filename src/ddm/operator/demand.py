@@ -100,6 +100,7 @@ class DemandRates:
         keep their last counters; pods gone from the round are forgotten)."""
         if self._since is None:
             self._since = now
+        active: set[str] = set()
         for pod, reading in readings.items():
             before = self._last.get(pod)
             if before is not None:
@@ -108,6 +109,7 @@ class DemandRates:
                     increase = total - previous if total >= previous else total
                     if increase > 0:
                         self._increases.append((now, expert, increase))
+                        active.add(expert)
             self._last[pod] = reading
         while self._increases and self._increases[0][0] <= now - self.window_s:
             self._increases.popleft()
@@ -121,7 +123,7 @@ class DemandRates:
             for expert, count in reading.waiting.items():
                 if expert in waiting:
                     waiting[expert] += int(count)
-        return {e: Demand(rows[e] / span, waiting[e]) for e in experts}
+        return {e: Demand(rows[e] / span, waiting[e], e in active) for e in experts}
 
     def forget_except(self, pods: Collection[str]) -> None:
         """Drop the counters of router pods no longer there."""

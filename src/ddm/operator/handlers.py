@@ -14,8 +14,9 @@ The work is in ``reconcile``; these are the triggers:
 The autoscaler (``scaler``) is one thread that the start-up handler starts in ``memo.scaler``;
 a run with a valid spec hands it the DDMDeployment. There is no resync timer: kopf lists
 everything again on start-up and after a watch fails, and a timer would make kopf put a
-finalizer on every DDMDeployment, so that deleting one would hang whenever no operator runs. No deletion handler either: children carry ownerReferences, so the
-garbage collector removes them, and kopf adds no finalizer. ``register`` puts the handlers
+finalizer on every DDMDeployment, so that deleting one would hang whenever no operator runs.
+No deletion handler either: children carry ownerReferences, so the garbage collector removes
+them, and kopf adds no finalizer. ``register`` puts the handlers
 into a registry the caller makes (``kopf.OperatorRegistry``) and passes to ``kopf.run``:
 importing this module registers nothing. ``ddm.operator.runner.run_operator`` does both, and
 puts the API client (``memo.api_client``) and the reconciler (``memo.reconciler``) in kopf's
