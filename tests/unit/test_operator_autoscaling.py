@@ -54,3 +54,22 @@ def test_the_scalers_demand_survives_the_reconciles_status() -> None:
     status = ready_status(SPEC, META, deployments=_deployments(0, 0),
                           previous={"demand": demand}, now="T")
     assert status["demand"] == demand
+
+
+def test_the_routers_metrics_port_admits_the_operator_the_chart_names() -> None:
+    """With network policies on (the chart's default), the scaler can read the routers."""
+    from helm_tool import ensure_helm
+    from test_chart import env_of, render
+
+    from ddm.operator import names
+    from ddm.operator.access import build_network_policies
+
+    config = OperatorConfig.from_env(env_of(render(ensure_helm(), namespace="ops")))
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "ddm-operator",
+                                                "app.kubernetes.io/instance": "ddm"}}}
+    assert config.operator_from == (operator,)
+    experts, router = build_network_policies(META, config, fetches=False)
+    assert {"from": [operator], "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]} in (
+        router["spec"]["ingress"])
+    assert all(operator not in rule.get("from", []) for rule in experts["spec"]["ingress"])

@@ -104,7 +104,8 @@ def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
     """The DDM's NetworkPolicies (see the module's docstring); ``fetches``: the DDM fetches a
     checkpoint, so it has a stager. The metrics port admits ``config.metrics_from``
     (NetworkPolicyPeers: the scrapers), and nobody when it is empty (a rule with no peers
-    would admit everyone)."""
+    would admit everyone); the routers' admits the operator too (``config.operator_from``),
+    whose autoscaler reads their demand there."""
     owner = meta["name"]
     scrape = ([{"from": [dict(peer) for peer in config.metrics_from],
                 "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
@@ -115,10 +116,14 @@ def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
         ingress=[{"from": [{"podSelector": {"matchLabels": names.selector(owner, "router")}}],
                   "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}, *scrape],
         egress=copy.deepcopy(copies))
+    # the operator's autoscaler reads the routers' demand from their metrics port
+    autoscaler = ([{"from": [dict(peer) for peer in config.operator_from],
+                    "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
+                  if config.operator_from else [])
     router = _network_policy(
         names.network_policy_name(owner, "router"), meta, names.selector(owner, "router"),
         ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]},
-                 *copy.deepcopy(scrape)],
+                 *copy.deepcopy(scrape), *autoscaler],
         egress=[_to_pods(owner, "expert", names.EXPERT_PORT), dns_egress(config),
                 *copies[:1]])
     if not fetches:
