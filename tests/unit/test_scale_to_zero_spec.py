@@ -90,3 +90,15 @@ def test_bad_values_are_reported_with_their_field(router, autoscaling, problem) 
     with pytest.raises(SpecError) as caught:
         parse_spec(_spec(router, autoscaling))
     assert problem in caught.value.problems
+
+
+def test_an_external_scaler_is_named_and_the_operator_leaves_it_the_replicas() -> None:
+    spec = parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 4,
+                                         "scaler": "external"}))
+    assert spec.experts[0].autoscaling.scaler == "external"
+    assert parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1})
+                      ).experts[0].autoscaling.scaler == "operator"
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1, "scaler": "hpa"}))
+    assert ("spec.experts[0].autoscaling.scaler: must be one of operator, external, got 'hpa'"
+            in caught.value.problems)

@@ -36,6 +36,9 @@ MAX_STABILIZATION_WINDOW_S = 3600
 MAX_POLICY_PERIOD_S = 1800
 MAX_POLICY_VALUE = 10_000
 POLICY_TYPES = ("Pods", "Percent")
+#: Who sets the replicas: the operator's own scaler, or something else (an HPA on external
+#: metrics, KEDA) that the operator then leaves them to.
+SCALERS = ("operator", "external")
 SELECT_POLICIES = ("Max", "Min", "Disabled")
 
 
@@ -72,7 +75,8 @@ class Autoscaling:
     """An expert's replicas follow the router's demand between ``min_replicas`` (0: none
     while idle, started on demand) and ``max_replicas``, sized for ``target_rows_per_s``
     routed rows per second each; ``scale_down_delay_s``: how long without any demand before
-    its last replica goes (``min_replicas`` 0)."""
+    its last replica goes (``min_replicas`` 0). ``scaler``: ``external`` leaves the replicas
+    to an HPA or KEDA (docs/autoscaling.md), the operator only keeps its hands off them."""
 
     min_replicas: int
     max_replicas: int
@@ -80,6 +84,7 @@ class Autoscaling:
     target_rows_per_s: int = DEFAULT_TARGET_ROWS_PER_S
     scale_up: ScalingRules = DEFAULT_SCALE_UP
     scale_down: ScalingRules = DEFAULT_SCALE_DOWN
+    scaler: str = "operator"
 
 
 def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
@@ -91,6 +96,7 @@ def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
     target = reader.child("target")
     rows = target.integer("rowsPerSecond", DEFAULT_TARGET_ROWS_PER_S, 1, MAX_TARGET_ROWS_PER_S)
     target.done()
+    scaler = reader.string("scaler", "operator", choices=SCALERS) or "operator"
     behavior = reader.child("behavior")
     up = _rules(behavior.child("scaleUp"), DEFAULT_SCALE_UP)
     down = _rules(behavior.child("scaleDown"), DEFAULT_SCALE_DOWN)
@@ -106,7 +112,7 @@ def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
         reader.problem("minReplicas", f"{low} is above maxReplicas {high}")
         return None
     return Autoscaling(low, high, DEFAULT_SCALE_DOWN_DELAY_S if delay is None else delay,
-                       rows or DEFAULT_TARGET_ROWS_PER_S, up, down)
+                       rows or DEFAULT_TARGET_ROWS_PER_S, up, down, scaler)
 
 
 def _rules(reader: FieldReader, default: ScalingRules) -> ScalingRules:

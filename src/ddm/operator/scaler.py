@@ -117,7 +117,8 @@ class Scaler:
             spec = parse_spec(body.get("spec"), allow_host_paths=True)
         except SpecError:
             return True  # the reconcile reports it; a fixed spec is scaled again
-        scaled = {e.name: e.autoscaling for e in spec.experts if e.autoscaling is not None}
+        scaled = {e.name: e.autoscaling for e in spec.experts
+                  if e.autoscaling is not None and e.autoscaling.scaler == "operator"}
         if not scaled:
             return False
         routers = [pod for pod in self._kube.list_pods(namespace, name) if _ready_router(pod)]
