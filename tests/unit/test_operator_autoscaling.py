@@ -73,3 +73,10 @@ def test_the_routers_metrics_port_admits_the_operator_the_chart_names() -> None:
     assert {"from": [operator], "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]} in (
         router["spec"]["ingress"])
     assert all(operator not in rule.get("from", []) for rule in experts["spec"]["ingress"])
+
+
+def test_the_diagram_shows_an_autoscaled_experts_range() -> None:
+    from ddm.operator.diagram import render_mermaid
+
+    text = render_mermaid(SPEC, "digits")
+    assert "0 to 2 replicas (autoscaled) on CPU" in text and "2 replicas on CPU" in text
