@@ -5,15 +5,13 @@ file), written by each library's own ``save_pretrained``.
 ``write_text_ddm`` makes a text2img-style DDM (diffusers PixArt experts in our convention, our
 LatentRouter, a CLIP text encoder with a word-level ``PreTrainedTokenizerFast``, an
 AutoencoderKL decoder) at the text2img training's ``smoke`` sizes: 4x8x8 latents, 32x32 RGB
-images, 16-wide text. ``write_paris_stages`` declares a tiny Paris release's components as
-stages (what ``ddm import paris`` does).
+images, 16-wide text. ``write_paris_stages`` imports a tiny Paris release (``ddm import paris``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,24 +94,11 @@ def _vae(shapes: TinyText) -> Any:
 
 
 def write_paris_stages(release: Path, out: Path) -> Path:
-    """A tiny Paris release's components as stage checkpoints under ``out``: experts and
-    router with their flow-match convention declared, the tokenizer beside the text encoder."""
-    config = json.loads((release / "config.json").read_text())
-    shape = [config["latent_channels"], config["latent_size"], config["latent_size"]]
-    experts = sorted(p.name for p in release.glob("expert_*"))
-    for k, name in enumerate(experts):
-        shutil.copytree(release / name, out / name)
-        declare(out / name, role="expert", family="paris-dit", convention="flow-match-1000",
-                latent_shape=shape, cluster=k)
-    shutil.copytree(release / "router", out / "router")
-    declare(out / "router", role="router", family="paris-router",
-            convention="flow-match-1000", latent_shape=shape)
-    shutil.copytree(release / "text_encoder", out / "text_encoder")
-    shutil.copytree(release / "tokenizer", out / "text_encoder", dirs_exist_ok=True)
-    declare(out / "text_encoder", role="text_encoder", family="clip-text")
-    shutil.copytree(release / "vae", out / "decoder")
-    declare(out / "decoder", role="decoder", family="autoencoder-kl", latent_shape=shape)
-    return out
+    """A tiny Paris release's components as stage checkpoints under ``out`` (a new
+    directory): what ``ddm import paris`` writes, by it."""
+    from ddm.models.paris_import import import_paris
+
+    return import_paris(release, out)
 
 
 def save_stage(model: Any, directory: Path, **declared: Any) -> Path:

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ddm.checkpoints.destinations import parse_networks
@@ -156,6 +157,43 @@ def test_an_archive_of_the_directory_is_fetched_and_verified(origin, smoke_exper
     dest = fetch_checkpoint(f"{origin.url}/{name}", tmp_path / "expert", FAST)
     _assert_same_checkpoint(dest, smoke_expert_checkpoint)
     assert sorted(p.name for p in dest.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]  # no archive
+
+
+def _stage_archive(tmp_path: Path, corrupt: bool = False) -> bytes:
+    """An archive of a stage checkpoint (a text DDM's decoder, as ``ddm import`` writes one):
+    the library's config.json with ``_ddm`` (the weights' SHA-256), its weights file, a
+    tokenizer-like extra file."""
+    from safetensors.numpy import save_file
+
+    stage = tmp_path / "decoder"
+    stage.mkdir()
+    save_file({"conv.weight": np.ones((2, 2), np.float16)},
+              str(stage / "diffusion_pytorch_model.safetensors"))
+    digest = hashlib.sha256((stage / "diffusion_pytorch_model.safetensors").read_bytes())
+    (stage / CONFIG_FILE).write_text(json.dumps({
+        "_class_name": "AutoencoderKL", "latent_channels": 4,
+        "_ddm": {"role": "decoder", "family": "autoencoder-kl",
+                 "weights_sha256": ("0" * 64) if corrupt else digest.hexdigest()}}))
+    (stage / "notes.json").write_text("{}")
+    return _archive(lambda tar: tar.add(stage, arcname="decoder"))
+
+
+def test_a_stage_checkpoint_archive_is_fetched_and_verified_by_its_declaration(
+        origin, tmp_path):
+    origin.files["/paris/decoder.tar.gz"] = _stage_archive(tmp_path)
+    dest = fetch_checkpoint(f"{origin.url}/paris/decoder.tar.gz", tmp_path / "out", FAST)
+    assert sorted(p.name for p in dest.iterdir()) == [
+        CONFIG_FILE, "diffusion_pytorch_model.safetensors", "notes.json"]
+
+
+def test_a_stage_checkpoint_whose_weights_differ_from_its_declaration_is_refused(
+        origin, tmp_path):
+    origin.files["/paris/decoder.tar.gz"] = _stage_archive(tmp_path, corrupt=True)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FetchError, match=r"failed verification.*"
+                                         r"diffusion_pytorch_model.safetensors is corrupt"):
+        fetch_checkpoint(f"{origin.url}/paris/decoder.tar.gz", tmp_path / "out" / "d", FAST)
+    _assert_nothing_left(tmp_path / "out")
 
 
 @pytest.mark.parametrize("uri, env", [

@@ -13,6 +13,14 @@ MAX_STEPS = 1000
 #: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
 #: unguided. diffusers' pipelines default to 4.5-7.5.
 MAX_GUIDANCE_SCALE = 50.0
+#: What a DDM is conditioned on: class labels (one integer per image) or text prompts (encoded
+#: by its text encoder stage).
+CONDITIONINGS = ("labels", "text")
+#: Where a stage other than the experts runs (text encoder, decoder, router network): in the
+#: router's own process, or in pods (processes) of its own on its accelerator.
+STAGE_PLACEMENTS = ("router", "separate")
+#: The dtypes a server may cast a model's weights to (``--precision``; default: as stored).
+PRECISIONS = ("float32", "bfloat16", "float16")
 #: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps).
 SOLVERS = ("euler", "heun")
 #: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and

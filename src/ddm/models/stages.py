@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from ddm.checkpoints.declared import DDM_KEY
 from ddm.checkpoints.format import CheckpointError, check_sha256
 from ddm.conditioning import Conditioning
 from ddm.deploy import limits
@@ -46,8 +47,6 @@ ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: prompt.
 RouterProbabilities = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-#: The key of a component's config.json under which we declare role, family and convention.
-DDM_KEY = "_ddm"
 ROLES = ("expert", "router", "text_encoder", "decoder")
 #: family -> the role its networks play.
 FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
@@ -274,7 +273,7 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str = "c
                               f"{declared.family}")
     if declared.weights_sha256 is not None:
         weights = (weight_file(path) if declared.family.startswith("paris-")
-                   else _one_safetensors(path))
+                   else one_safetensors(path))
         check_sha256(path, weights.name, declared.weights_sha256)
     return load_declared(path, declared, dtype, device, backend)
 
@@ -372,7 +371,7 @@ def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | Non
 
 def stored_dtype(directory: Path) -> torch.dtype:
     """The one floating dtype of a diffusers component's safetensors weights."""
-    path = _one_safetensors(directory)
+    path = one_safetensors(directory)
     with safe_open(str(path), framework="pt") as weights:
         dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
     floating = {_SAFETENSORS_DTYPES[d] for d in dtypes if d in _SAFETENSORS_DTYPES}
@@ -596,11 +595,14 @@ def _class_family(config: Mapping[str, Any]) -> str | None:
     return next((_CLASS_FAMILIES[n] for n in names if n in _CLASS_FAMILIES), None)
 
 
-def _one_safetensors(directory: Path) -> Path:
+def one_safetensors(directory: Path) -> Path:
+    """The one safetensors file of a library's component directory (never pickled weights)."""
     files = sorted(directory.glob("*.safetensors"))
     if len(files) != 1:
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (pickled weights {pickled} are never loaded)" if pickled else ""
         raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
-                              f"{[f.name for f in files]}")
+                              f"{[f.name for f in files]}{hint}")
     return files[0]
 
 
