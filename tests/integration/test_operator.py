@@ -343,8 +343,9 @@ def test_kubectl_get_ddm_shows_the_printer_columns(cluster: Cluster, kube_namesp
         _headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
     table = json.loads(response.data)
     assert [c["name"] for c in table["columnDefinitions"]] == [
-        "Name", "Ready", "Experts", "Strategy", "Phase", "Age"]
-    assert table["rows"][0]["cells"][:5] == ["columns", "False", "0/3", "oracle", "Pending"]
+        "Name", "Ready", "Experts", "Replicas", "Strategy", "Phase", "Age"]
+    assert table["rows"][0]["cells"][:6] == ["columns", "False", "0/3", "a 0/1, b 0/1, c 0/1",
+                                             "oracle", "Pending"]
 
 
 def _mark_ready(cluster: Cluster, pod: dict, ip: str) -> None:
@@ -804,6 +805,7 @@ def test_the_users_path_with_kubectl(dev_cluster: Any, operator: None, cluster: 
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     wait_for(lambda: cluster.ddm(kube_namespace, name).get("status"), 15, "a status")
     header, row = run("get", "ddm", name).splitlines()[:2]
-    assert header.split() == ["NAME", "READY", "EXPERTS", "STRATEGY", "PHASE", "AGE"]
+    assert header.split() == ["NAME", "READY", "EXPERTS", "REPLICAS", "STRATEGY", "PHASE",
+                              "AGE"]
     assert row.split()[:3] == [name, "False", "0/3"]
     assert "deleted" in run("delete", "-f", str(example))
