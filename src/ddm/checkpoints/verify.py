@@ -8,8 +8,8 @@ what loading relies on, in constant memory:
 - ``config.json`` (``format.read_meta``: format, convention, objective, model);
 - the SHA-256 of the weights (and of an exported program), streamed from disk, against the
   ones ``config.json`` records; for a stage checkpoint (its config.json declares ``_ddm``,
-  ``ddm.checkpoints.declared``) the one safetensors file against ``_ddm.weights_sha256``,
-  which a fetched one must record (the role and family are checked where it is loaded);
+  ``ddm.checkpoints.declared``) every file against ``_ddm.files``, which a fetched one must
+  record, nothing more or less (the role and family are checked where it is loaded);
 - the safetensors header, parsed by safetensors itself over a memory map of the file (no
   tensor is read): every tensor's dtype known, its byte range matching its shape and dtype,
   the ranges tiling the file exactly.
@@ -23,7 +23,7 @@ import json
 import os
 from pathlib import Path
 
-from ddm.checkpoints.declared import DDM_KEY, read_declaration
+from ddm.checkpoints.declared import DDM_KEY, declared_files, read_declaration
 from ddm.checkpoints.format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -54,16 +54,23 @@ def verify_checkpoint(directory: str | os.PathLike) -> CheckpointMeta | None:
 
 
 def _verify_stage(path: Path, declared: dict) -> None:
-    """A stage checkpoint: its one safetensors file, hashed as ``_ddm`` records."""
-    files = sorted(p.name for p in path.glob("*.safetensors"))
-    if len(files) != 1:
-        raise CheckpointError(f"stage checkpoint {path} must hold exactly one .safetensors "
-                              f"file, found {files}")
-    if not isinstance(declared.get("weights_sha256"), str):
-        raise CheckpointError(f"stage checkpoint {path}: config.json's {DDM_KEY} records no "
-                              "weights_sha256 (ddm import writes it)")
-    check_sha256(path, files[0], declared["weights_sha256"])
-    _check_header(path, files[0])
+    """A stage checkpoint: exactly the files ``_ddm.files`` lists, each with its SHA-256, one
+    of them the safetensors file ``_ddm.weights_sha256`` names."""
+    try:
+        files = declared_files(path, declared)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    present = sorted(p.name for p in path.iterdir() if p.name != CONFIG_FILE)
+    if present != sorted(files):
+        raise CheckpointError(f"stage checkpoint {path} holds {present}; its config.json's "
+                              f"{DDM_KEY} lists {sorted(files)}")
+    weights = [name for name in files if name.endswith(".safetensors")]
+    if len(weights) != 1 or declared.get("weights_sha256") != files[weights[0]]:
+        raise CheckpointError(f"stage checkpoint {path}: {DDM_KEY} must list one .safetensors "
+                              "file, the one weights_sha256 records")
+    for name, digest in files.items():
+        check_sha256(path, name, digest)
+    _check_header(path, weights[0])
 
 
 def _check_header(path: Path, name: str) -> None:
