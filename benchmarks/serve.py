@@ -57,7 +57,7 @@ from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH
                                        throughput_figures, verdict, wire_bytes)
 from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
                                      machine, running_fleet, say)
-from ddm.serving.router.pool import PoolSettings, client_session
+from ddm.serving.router.pool import KEEP_ALIVE_S
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
 from benchmarks.text_serving import text_figures, text_summary_lines
@@ -156,6 +156,14 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def client_session() -> aiohttp.ClientSession:
+    """The benchmark's keep-alive client, sending none of aiohttp's automatic
+    ``User-Agent``, ``Accept`` and ``Accept-Encoding`` headers (as the router sends none)."""
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEP_ALIVE_S)
+    return aiohttp.ClientSession(connector=connector, raise_for_status=False,
+                                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+
+
 # ------------------------------------------------------------------------------- measuring
 
 
@@ -163,7 +171,7 @@ async def _measure(settings: BenchSettings, ddm: LoadedDDM, fleet: Fleet,
                    log: TextIO) -> dict[str, Any]:
     """Every figure, one after the other. In-process sampling blocks this event loop on
     purpose: nothing else of the benchmark runs meanwhile."""
-    async with asyncio.timeout(MEASURE_TIMEOUT_S), client_session(PoolSettings()) as session:
+    async with asyncio.timeout(MEASURE_TIMEOUT_S), client_session() as session:
         url = fleet.batched.url
         say(log, "warming up (JAX compiles per batch shape in-process)")
         for labels in ([0], [5], _big_labels()):

@@ -56,6 +56,10 @@ from ddm.operator.status import invalid_status, now_rfc3339, ready_status
 log = logging.getLogger("ddm.operator")
 
 
+class _Stopped(Exception):
+    """The operator is stopping (:meth:`Reconciler.stop`): the run ends where it is."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a run ended: the spec's problems, or why some child could not be applied (the
@@ -89,8 +93,8 @@ class Reconciler:
 
     def stop(self) -> None:
         """The operator is stopping: runs not started yet end at once, a run under way ends
-        before its next child (each child is written whole, and the next start's run, which
-        reads everything afresh, converges the rest)."""
+        before its next API request (each child is written whole, and the next start's run,
+        which reads everything afresh, converges the rest)."""
         self._stopping.set()
 
     def reconcile(self, namespace: str, name: str, *, coalesce: bool = False
@@ -108,11 +112,19 @@ class Reconciler:
         with lock:
             with self._guard:
                 self._queued.discard(key)
-            if self._stopping.is_set():
-                return None
-            return self._run(namespace, name)
+            try:
+                return self._run(namespace, name)
+            except _Stopped:
+                return None  # resumable: the next start's run converges what is left
+
+    def _between_requests(self) -> None:
+        """Raise :class:`_Stopped` if the operator is stopping: a run ends between two API
+        requests, never half way through writing a child."""
+        if self._stopping.is_set():
+            raise _Stopped()
 
     def _run(self, namespace: str, name: str) -> Outcome | None:
+        self._between_requests()
         body = self._kube.get_owner(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self._in_sync.pop((namespace, name), None)
@@ -126,6 +138,7 @@ class Reconciler:
         desired = desired_children(spec, body, self._config, _new_token)
         secrets_wanted = [m for m in desired if m["kind"] == "Secret"]
         desired = [m for m in desired if m["kind"] != "Secret"]
+        self._between_requests()
         live = self._kube.list_children(namespace, name)
         refused, previews = self._refused(desired, live)
         if refused:
@@ -145,8 +158,7 @@ class Reconciler:
             token = None
         known, in_sync = self._in_sync.get((namespace, name), {}), {}
         for manifest in desired:
-            if self._stopping.is_set():
-                return None  # resumable: the next start converges what is left
+            self._between_requests()
             self._attempt(errors, actions, self._converge, manifest,
                           live.get(_key(manifest)), previews.get(_key(manifest)),
                           meta["uid"], known, in_sync)
@@ -184,6 +196,7 @@ class Reconciler:
             current = live.get(_key(manifest))
             if current is not None and _spec_hash(current) == _spec_hash(manifest):
                 continue
+            self._between_requests()
             try:
                 previews[_key(manifest)] = self._kube.apply(manifest, dry_run=True)
             except KubeError as error:

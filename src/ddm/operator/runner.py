@@ -148,7 +148,7 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
     stopping = threading.Event()  # kopf's stop flag, set by stop() alone
 
     def stop(*_: object) -> None:
-        reconciler.stop()  # first: the runs under way end at their next child
+        reconciler.stop()  # first: the runs under way end before their next request
         stopping.set()
 
     operator = threading.Thread(name="kopf", target=functools.partial(
