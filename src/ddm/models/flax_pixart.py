@@ -14,6 +14,7 @@ Parameter paths follow diffusers' keys: ``transformer_blocks.N.attn1.to_q.weight
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -21,9 +22,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddm.checkpoints.format import check_weight_shapes
+from ddm.conditioning import Conditioning
+from ddm.models.stages import ConditionedVelocity, weight_file
+from ddm.models.text2img import timestep_scale, velocity_network_config
+
 #: diffusers' ``AdaLayerNormSingle`` time projection width and LayerNorm epsilon.
 TIME_PROJECTION_DIM = 256
 NORM_EPS = 1e-6
+#: The smallest batch an expert compiles for; larger ones are rounded up to a power of two.
+MIN_BUCKET = 8
 
 
 def _layer_norm(x: jax.Array) -> jax.Array:
@@ -158,3 +166,55 @@ def torch_from_params(params: Mapping[str, Any], keys: list[str]) -> dict[str, n
         out[key] = (value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T) \
             if path[-1] == "kernel" else value
     return out
+
+
+def load_flax_expert(directory: str | Path) -> ConditionedVelocity:
+    """A text2img expert directory (diffusers config.json + safetensors) run on JAX: our
+    unguided velocity ``(x (B, C, S, S), t (B,) ours, cond: text) -> v``, float32 NumPy.
+
+    The weights are converted exactly (:func:`params_from_torch`) and must be exactly the
+    network's tensors, in shape and name; computation is float32 whatever their dtype."""
+    from safetensors.flax import load_file
+
+    root = Path(directory)
+    config = velocity_network_config(root)
+    network = FlaxPixArt({k: v for k, v in config.items() if not k.startswith("_")})
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32),
+                                    params_from_torch(load_file(str(weight_file(root)))))
+    c = network.config
+    expected = jax.eval_shape(network.init, jax.random.PRNGKey(0),
+                              jnp.zeros((1, c["in_channels"], c["sample_size"],
+                                         c["sample_size"])),
+                              jnp.zeros((1, 1, c["caption_channels"])), jnp.zeros(1))["params"]
+    check_weight_shapes(root, _shapes(expected), _leaves(params))
+    scale = timestep_scale(config)
+    apply = jax.jit(lambda p, x, text, timestep: network.apply({"params": p}, x, text, timestep))
+
+    def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
+        if cond.embeddings is None:
+            raise ValueError(f"{root.name} is conditioned on text embeddings, not labels")
+        rows = len(x)
+        timestep = np.asarray(t, np.float32) * np.float32(scale)
+        inputs = [_padded(np.asarray(a, np.float32), rows) for a in (x, cond.embeddings,
+                                                                      timestep)]
+        return np.asarray(apply(params, *inputs), dtype=np.float32)[:rows]
+
+    return velocity
+
+
+def _padded(array: np.ndarray, rows: int) -> np.ndarray:
+    """``array`` with zero rows appended up to the next power of two (at least
+    :data:`MIN_BUCKET`): a routed expert sees a different number of rows at every step, and
+    each new shape would compile anew."""
+    bucket = max(MIN_BUCKET, 1 << max(rows - 1, 0).bit_length())
+    return np.concatenate([array, np.zeros((bucket - rows, *array.shape[1:]), array.dtype)])
+
+
+def _leaves(tree: Any) -> dict[str, Any]:
+    """``{"['transformer_blocks_0']['attn1_to_q']['kernel']": array}``: a tree's leaves by path."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(leaf.shape) for name, leaf in _leaves(tree).items()}

@@ -36,9 +36,9 @@ class ClipTextEncoder:
     (Paris's experts take none)."""
 
     def __init__(self, tokenizer: Path, text_encoder: Path, device: str = "cpu") -> None:
-        from transformers import CLIPTextModel, CLIPTokenizer
+        from transformers import AutoTokenizer, CLIPTextModel
 
-        self.tokenizer = CLIPTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.model = CLIPTextModel.from_pretrained(text_encoder, use_safetensors=True,
                                                    dtype="auto").to(device).eval()
         self.device = device
@@ -101,17 +101,23 @@ class TextDDM:
     strategy: str
 
 
-def stored_dtype(directory: Path) -> torch.dtype:
-    """The one floating dtype of a diffusers component's safetensors weights."""
-    files = sorted(directory.glob("*.safetensors"))
+def weight_file(directory: Path) -> Path:
+    """The one ``.safetensors`` file of a diffusers/transformers component directory."""
+    files = sorted(Path(directory).glob("*.safetensors"))
     if len(files) != 1:
         raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
                               f"{[f.name for f in files]}")
-    with safe_open(str(files[0]), framework="pt") as weights:
+    return files[0]
+
+
+def stored_dtype(directory: Path) -> torch.dtype:
+    """The one floating dtype of a diffusers component's safetensors weights."""
+    path = weight_file(directory)
+    with safe_open(str(path), framework="pt") as weights:
         dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
     floating = {_SAFETENSORS_DTYPES[d] for d in dtypes if d in _SAFETENSORS_DTYPES}
     if len(floating) != 1:
-        raise CheckpointError(f"{files[0]} holds weights of dtypes {sorted(dtypes)}; "
+        raise CheckpointError(f"{path} holds weights of dtypes {sorted(dtypes)}; "
                               "expected one of F32, BF16, F16")
     return floating.pop()
 
