@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("trees", nargs="+", help="checkouts whose expert servers to compare")
     p.set_defaults(handler=_bench_calls)
 
+    p = kinds.add_parser("router", help="the router's own CPU per one-step generation and per "
+                                        "/readyz, several source trees side by side over the "
+                                        "same MNIST experts")
+    p.add_argument("trees", nargs="+", help="checkouts whose routers to compare")
+    p.set_defaults(handler=_bench_router)
+
     p = kinds.add_parser("load", help="concurrent clients against a router on loopback for a "
                                       "bounded time: errors, throughput, latency, peak memory")
     p.add_argument("--clients", type=int, default=64, help="concurrent clients")
@@ -84,6 +90,12 @@ def _bench_calls(args: argparse.Namespace) -> int:
     from benchmarks.calls import bench_calls_command
 
     return bench_calls_command(args.trees)
+
+
+def _bench_router(args: argparse.Namespace) -> int:
+    from benchmarks.router_cpu import bench_router_command
+
+    return bench_router_command(args.trees)
 
 
 def _bench_operator(args: argparse.Namespace) -> int:

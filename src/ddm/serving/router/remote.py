@@ -16,6 +16,7 @@ that concurrent generations make at the same time (:mod:`ddm.serving.router.coal
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Generator, Protocol
 
@@ -23,17 +24,16 @@ import numpy as np
 
 from ddm.conditioning import Conditioning
 from ddm.models.loading import RouterFn
-from ddm.sampling.loop import (Calls, Concurrently, Decode, Encode, Generation, Integrate, Loop,
-                               Missing, Mixture, Query, Route, SamplingRequest, StepEvent, Tally,
-                               Velocity)
-from ddm.sampling.loop import check_request as check_loop_request
+from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Encode, Generation,
+                               Integrate, Loop, Missing, Mixture, Query, Route, SamplingRequest,
+                               StepEvent, Tally, Velocity, checked)
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import gather_all
 
-__all__ = ["ExpertCaller", "Guard", "RemoteMixture", "RouterNetwork", "SamplingRequest",
-           "StepEvent", "Tally", "check_request", "denoise", "generate_remote"]
+__all__ = ["CheckedRequest", "ExpertCaller", "Guard", "RemoteMixture", "RouterNetwork",
+           "SamplingRequest", "StepEvent", "Tally", "check_request", "denoise", "generate_remote"]
 
 #: Up to this many rows, the router network runs on the event loop: at batch 1 it takes about
 #: 0.15 ms, less than the two thread hops of ``asyncio.to_thread``; bigger batches go to a
@@ -88,9 +88,10 @@ class RemoteMixture:
     image_shape: tuple[int, int, int]
     num_classes: int
 
-    @property
+    @functools.cached_property
     def mixture(self) -> Mixture:
-        """What the sampling loop knows of it."""
+        """What the sampling loop knows of it: made once, as the router makes this object once
+        per change of its experts' reports (``ddm.serving.router.state``)."""
         return Mixture(self.expert_names, self.expert_classes, self.image_shape,
                        self.num_classes, routed=self.router is not None)
 
@@ -104,12 +105,14 @@ class Guard:
     held: Held
 
 
-def check_request(mixture: RemoteMixture, request: SamplingRequest) -> np.ndarray:
-    """:func:`ddm.sampling.loop.check_request` for this mixture (a ``ValueError``: a 422)."""
-    return check_loop_request(mixture.mixture, request)
+def check_request(mixture: RemoteMixture, request: SamplingRequest) -> CheckedRequest:
+    """:func:`ddm.sampling.loop.check_request` for this mixture (a ``ValueError``: a 422), its
+    verdict kept so that :func:`denoise` does not check again."""
+    return checked(mixture.mixture, request)
 
 
-async def denoise(mixture: RemoteMixture, caller: ExpertCaller, request: SamplingRequest,
+async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
+                  request: SamplingRequest | CheckedRequest,
                   guard: Guard | None = None) -> AsyncIterator[StepEvent]:
     """Run the loop with remote experts, yielding its :class:`StepEvent` after each chunk;
     with ``guard``, under its missing-expert policy, counting each chunk's demand."""
@@ -134,9 +137,11 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller, request: Samplin
 
 
 async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
-                          request: SamplingRequest, guard: Guard | None = None) -> Generation:
+                          request: SamplingRequest | CheckedRequest,
+                          guard: Guard | None = None) -> Generation:
     """Run :func:`denoise` to the end and sum up what each image used."""
-    tally = Tally(mixture.expert_names, request.labels)
+    labels = (request.request if isinstance(request, CheckedRequest) else request).labels
+    tally = Tally(mixture.expert_names, labels)
     async for event in denoise(mixture, caller, request, guard):
         tally.add(event)
     return tally.result()

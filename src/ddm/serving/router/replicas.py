@@ -247,6 +247,9 @@ class ReplicaSet:
         self._usable = asyncio.Event()
         self._missing = asyncio.Event()  # no replica is usable (the opposite of _usable)
         self._described = asyncio.Event()
+        #: What :meth:`info` last answered, and the replicas' (report, state) it came from.
+        self._described_by: tuple[tuple[ExpertInfo | None, ReplicaState], ...] = ()
+        self._description: ExpertInfo | None = None
 
     @property
     def replicas(self) -> tuple[Replica, ...]:
@@ -314,7 +317,15 @@ class ReplicaSet:
         """The expert as its replicas describe it: image shape and classes of the first
         replica probed ready, and the smallest ``max_batch`` of the replicas not down, since a
         request may go to any of them (during a rolling update old and new ones differ).
-        With every replica down, what they said last; None before any was probed ready."""
+        With every replica down, what they said last; None before any was probed ready.
+        The same object until a replica's report or state changes, so that what the router
+        makes of it is worked out once per change (``ddm.serving.router.state``)."""
+        key = tuple((r.info, r.state) for r in self._replicas)
+        if key != self._described_by:
+            self._described_by, self._description = key, self._describe()
+        return self._description
+
+    def _describe(self) -> ExpertInfo | None:
         known = [r for r in self._replicas if r.info is not None]
         if not known:
             return None

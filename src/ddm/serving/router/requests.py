@@ -17,12 +17,13 @@ Not ``from __future__ import annotations``: pydantic reads the models' annotatio
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
+                      field_validator)
 
 from ddm.deploy.limits import SOLVERS, STRATEGY_PATTERN
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.sampling.loop import SamplingRequest, check_labels
-from ddm.sampling.routing import parse_strategy
+from ddm.sampling.routing import Strategy, parse_strategy
 
 #: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
 MAX_STRATEGY_CHARS = 32
@@ -115,25 +116,32 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
                                      description="this request's first image's index in a "
                                                  "larger run: a run split into requests gives "
                                                  "the images one request would")
-        strategy: str = Field(defaults.strategy, max_length=MAX_STRATEGY_CHARS,
-                              json_schema_extra={"pattern": pattern},
-                              description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or "
-                                          "ensemble; only oracle without a router network")
+        # Parsed here, once: the field holds the Strategy, the schema says what is sent.
+        strategy: Annotated[Strategy, WithJsonSchema({"type": "string",
+                                                      "maxLength": MAX_STRATEGY_CHARS})] = (
+            Field(parse_strategy(defaults.strategy),
+                  json_schema_extra={"pattern": pattern, "default": defaults.strategy},
+                  description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or ensemble; "
+                              "only oracle without a router network"))
         solver: Literal[SOLVERS] = defaults.solver  # type: ignore[assignment]
         delegate_steps: Integer = Field(0, ge=0, le=limits.max_steps,
                                         description="steps per integrate request to an expert "
                                                     "when one expert is selected; 0 or 1: off")
 
-        @field_validator("strategy")
+        @field_validator("strategy", mode="plain")
         @classmethod
-        def known_strategy(cls, value: str) -> str:
+        def known_strategy(cls, value: Any) -> Strategy:
+            if not isinstance(value, str):
+                raise ValueError(f"strategy must be a string, got {type(value).__name__}")
+            if len(value) > MAX_STRATEGY_CHARS:
+                raise ValueError(f"String should have at most {MAX_STRATEGY_CHARS} characters")
             if not re.fullmatch(STRATEGY_PATTERN, value):
                 raise ValueError(f"unknown routing strategy {value!r}; use oracle, top1, top2, "
                                  "topk:K, threshold:P (0 < P <= 1) or ensemble")
             if not re.fullmatch(pattern, value):
                 raise ValueError(f"strategy {value} needs the router network, and this router "
                                  "has none; use the oracle strategy")
-            return parse_strategy(value).name
+            return parse_strategy(value)
 
     def in_classes(labels: list[int]) -> list[int]:
         check_labels(labels, num_classes)
@@ -166,7 +174,7 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
 
 def sampling_request(body: Any, labels: tuple[int, ...]) -> SamplingRequest:
     return SamplingRequest(labels=labels, steps=body.steps, seed=body.seed,
-                           strategy=parse_strategy(body.strategy), solver=body.solver,
+                           strategy=body.strategy, solver=body.solver,
                            delegate_steps=body.delegate_steps, first_index=body.first_index)
 
 

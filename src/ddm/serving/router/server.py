@@ -66,8 +66,9 @@ from ddm.serving.router.info import expert_card, strategies
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
-from ddm.serving.router.remote import (RemoteMixture, SamplingRequest, StepEvent, Tally,
-                                         check_request, denoise, generate_remote)
+from ddm.serving.router.remote import (CheckedRequest, RemoteMixture, SamplingRequest,
+                                       StepEvent, Tally, check_request, denoise,
+                                       generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
                                          echo, invalid_request, request_models,
@@ -140,11 +141,11 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     async def generate(body: generate_body,  # type: ignore[valid-type]
                        http: Request) -> dict[str, Any]:
         request = sampling_request(body, tuple(body.labels))
-        mixture = _checked(router, request)
+        mixture, checked = _checked(router, request)
         started = time.perf_counter()
         guard = router.guard()
         with router.slot(_client(router, http)):
-            result = await generate_remote(mixture, router.pool, request, guard)
+            result = await generate_remote(mixture, router.pool, checked, guard)
         return {"images": [_png(image) for image in result.images],
                 "labels": result.labels.tolist(), "experts": result.experts_used(),
                 "expert_names": list(mixture.expert_names),
@@ -163,10 +164,10 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             query: Annotated[stream_query, Query()],  # type: ignore[valid-type]
             http: Request) -> StreamingResponse:
         request = sampling_request(query, (query.label,))
-        mixture = _checked(router, request)
+        mixture, checked = _checked(router, request)
         client = _client(router, http)
         router.take_slot(client)
-        events = _events(router, mixture, request, client)
+        events = _events(router, mixture, checked, client)
         first = await anext(events)  # started, so that closing it always frees the slot
         body = _prepend(first, events)
         # Closed when the response ends, however it ends, not left to where the stream's
@@ -282,28 +283,30 @@ def _client(router: RouterState, http: Request) -> str:
                           if name == FORWARDED_FOR])
 
 
-def _checked(router: RouterState, request: SamplingRequest) -> RemoteMixture:
+def _checked(router: RouterState, request: SamplingRequest
+             ) -> tuple[RemoteMixture, CheckedRequest]:
+    """The mixture to generate with, and ``request`` checked against it (a 422 if refused)."""
     mixture = router.mixture()
     try:
-        check_request(mixture, request)
+        return mixture, check_request(mixture, request)
     except ValueError as error:
         raise HTTPException(422, str(error)) from None
-    return mixture
 
 
 # ---------------------------------------------------------------------------------- stream
 
 
-async def _events(router: RouterState, mixture: RemoteMixture, request: SamplingRequest,
+async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedRequest,
                   client: str) -> AsyncGenerator[bytes, None]:
     """The SSE body: ``step`` events, then ``done``, or ``failure`` if an expert fails.
     Frees ``client``'s generation slot when it ends, however it ends."""
+    request = checked.request
     try:
         yield b": generating\n\n"
         started = time.perf_counter()
         tally = Tally(mixture.expert_names, request.labels)
         guard = router.guard()
-        async for event in denoise(mixture, router.pool, request, guard):
+        async for event in denoise(mixture, router.pool, checked, guard):
             tally.add(event)
             yield _sse("step", _step_data(event, mixture, request))
         result = tally.result()

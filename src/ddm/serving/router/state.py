@@ -110,7 +110,9 @@ class RouterState:
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
         self._clients = ClientSlots(config.limits.max_concurrent_per_client)
-        self._logged: frozenset[ExpertProblem] = frozenset()  # the mismatches last logged
+        #: The experts' reports, invalid reports and the network's state last seen, and
+        #: what the router made of them (:meth:`_view`).
+        self._viewed: tuple[Any, _View] | None = None
 
     async def load(self) -> None:
         """Load the router network off the event loop; a failure is reported by the probes."""
@@ -130,13 +132,8 @@ class RouterState:
 
     def image_shape(self) -> tuple[tuple[int, int, int] | None, list[str]]:
         """The experts' image shape as they report it, and any disagreement."""
-        shapes = {name: info.image_shape for name in self.names
-                  if (info := self.pool.info(name)) is not None}
-        if self.network_shape is not None:
-            shapes["the router network"] = self.network_shape
-        if len(set(shapes.values())) > 1:
-            return None, [f"image shapes disagree: {shapes}"]
-        return next(iter(shapes.values()), None), []
+        view = self._view()
+        return view.image_shape, list(view.disagreement)
 
     def problems(self) -> tuple[list[str], list[str]]:
         """(experts without a ready replica, every reason not to be ready).
@@ -145,51 +142,54 @@ class RouterState:
         router unready: it still serves the labels the others own and answers a 503 naming the
         missing expert for the rest, which an unready router (out of its Service) could not
         tell a client. With no expert ready it can serve nothing, and that is a problem."""
+        view = self._view()
         missing = [name for name in self.names if self.pool.ready_count(name) == 0]
         problems = ([f"no expert has a ready replica ({', '.join(missing)})",
-                     *(p.public for p in self.refused())]
+                     *(p.public for p in view.refused)]
                     if len(missing) == len(self.names) else [])
         if self.failure is not None:
             problems.append(f"router network failed to load: {self.failure}")
         elif not self.loaded:
             problems.append("router network is loading")
-        problems += [p.public for p in self.mismatches()]
-        shape, disagreement = self.image_shape()
-        problems += disagreement
-        if shape is None and not disagreement:
+        problems += [p.public for p in view.mismatches]
+        problems += view.disagreement
+        if view.image_shape is None and not view.disagreement:
             problems.append("no expert has reported its image shape yet")
         return missing, problems
 
     def mismatches(self) -> list[ExpertProblem]:
-        """How the experts that answered disagree with the router network and router.yaml;
-        logs their details when they change."""
-        found = expert_mismatches(self.config, {n: self.pool.info(n) for n in self.names},
-                                  self.network_meta)
-        for problem in set(found) - self._logged:
-            logger.warning("expert %s: %s", problem.expert, problem.detail)
-        self._logged = frozenset(found)
-        return found
-
-    def refused(self) -> list[ExpertProblem]:
-        """Experts every replica of which sent a report the router refused (the pool logs
-        what each sent)."""
-        return [ExpertProblem(name, "sent the router a report it refuses", detail)
-                for name in self.names if (detail := self.pool.invalid_report(name))]
+        """How the experts that answered disagree with the router network and router.yaml."""
+        return list(self._view().mismatches)
 
     def mixture(self) -> RemoteMixture:
-        if not self.loaded:
-            raise NotReady(f"router network failed to load: {self.failure}" if self.failure
-                            else "router network is still loading; retry when /readyz is 200")
-        mismatches = self.mismatches()
-        if mismatches:
-            raise NotReady("; ".join(p.public for p in mismatches))
-        shape, disagreement = self.image_shape()
-        if shape is None:
-            refused = "; ".join(p.public for p in self.refused())
-            raise NotReady("; ".join(disagreement) or refused or "no expert replica has "
-                           "answered yet; retry when /readyz is 200")
-        return RemoteMixture(self.names, tuple(e.classes for e in self.config.experts),
-                             self.network, shape, self.config.num_classes)
+        """The DDM as the experts' reports and the router network make it, or
+        :class:`NotReady` saying why there is none."""
+        view = self._view()
+        if view.mixture is None:
+            raise NotReady(view.not_ready)
+        return view.mixture
+
+    def _view(self) -> _View:
+        """What the experts' reports and the router network make of the DDM, worked out again
+        only when one of them changed (every generation, stream and probe reads it)."""
+        key = (tuple(self.pool.info(n) for n in self.names),
+               tuple(self.pool.invalid_report(n) for n in self.names), self.loaded, self.failure)
+        if self._viewed is None or self._viewed[0] != key:
+            infos = dict(zip(self.names, key[0]))
+            view = _view_of(self.config, infos, self.network_meta, self.network_shape,
+                            self._refused(), self.network if self.loaded else None,
+                            self.loaded, self.failure)
+            for problem in set(view.mismatches) - set(self._viewed[1].mismatches
+                                                      if self._viewed else ()):
+                logger.warning("expert %s: %s", problem.expert, problem.detail)
+            self._viewed = (key, view)
+        return self._viewed[1]
+
+    def _refused(self) -> tuple[ExpertProblem, ...]:
+        """Experts every replica of which sent a report the router refused (the pool logs
+        what each sent)."""
+        return tuple(ExpertProblem(name, "sent the router a report it refuses", detail)
+                     for name in self.names if (detail := self.pool.invalid_report(name)))
 
     def guard(self) -> Guard:
         """A new generation's guard: the missing-expert policy, its own waiting time."""
@@ -226,6 +226,46 @@ class RouterState:
             yield
         finally:
             self.release_slot(client)
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """What the router makes of its experts' reports and its network: their disagreements,
+    the image shape, and the mixture to generate with (None: ``not_ready`` says why)."""
+
+    mismatches: tuple[ExpertProblem, ...]
+    refused: tuple[ExpertProblem, ...]
+    image_shape: tuple[int, int, int] | None
+    disagreement: tuple[str, ...]
+    mixture: RemoteMixture | None
+    not_ready: str
+
+
+def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
+             network_meta: CheckpointMeta | None, network_shape: tuple[int, int, int] | None,
+             refused: tuple[ExpertProblem, ...], network: RouterNetwork | None, loaded: bool,
+             failure: str | None) -> _View:
+    mismatches = tuple(expert_mismatches(config, infos, network_meta))
+    shapes: dict[str, tuple[int, int, int]] = {
+        name: info.image_shape for name, info in infos.items() if info is not None}
+    if network_shape is not None:
+        shapes["the router network"] = network_shape
+    disagreement = (f"image shapes disagree: {shapes}",) if len(set(shapes.values())) > 1 else ()
+    shape = None if disagreement else next(iter(shapes.values()), None)
+    mixture, not_ready = None, ""
+    if not loaded:
+        not_ready = (f"router network failed to load: {failure}" if failure
+                     else "router network is still loading; retry when /readyz is 200")
+    elif mismatches:
+        not_ready = "; ".join(p.public for p in mismatches)
+    elif shape is None:
+        not_ready = ("; ".join(disagreement) or "; ".join(p.public for p in refused)
+                     or "no expert replica has answered yet; retry when /readyz is 200")
+    else:
+        mixture = RemoteMixture(tuple(e.name for e in config.experts),
+                                tuple(e.classes for e in config.experts),
+                                network, shape, config.num_classes)
+    return _View(mismatches, refused, shape, disagreement, mixture, not_ready)
 
 
 def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
