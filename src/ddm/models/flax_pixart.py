@@ -15,21 +15,22 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddm.checkpoints.format import check_weight_shapes
-from ddm.conditioning import Conditioning
-from ddm.models.stages import ConditionedVelocity, weight_file
-from ddm.models.text2img import timestep_scale, velocity_network_config
+from ddm.checkpoints.format import CheckpointError, check_weight_shapes
+from ddm.models.text2img import EXPERT_CLASS_NAME
 
 #: diffusers' ``AdaLayerNormSingle`` time projection width and LayerNorm epsilon.
 TIME_PROJECTION_DIM = 256
 NORM_EPS = 1e-6
+#: ``forward(latents (B, C, S, S), text (B, L, D), timestep (B,)) -> (B, C, S, S)`` float32
+#: NumPy, the timestep as the diffusers model takes it.
+PixArtForward = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 #: The smallest batch an expert compiles for; larger ones are rounded up to a power of two.
 MIN_BUCKET = 8
 
@@ -168,38 +169,38 @@ def torch_from_params(params: Mapping[str, Any], keys: list[str]) -> dict[str, n
     return out
 
 
-def load_flax_expert(directory: str | Path) -> ConditionedVelocity:
-    """A text2img expert directory (diffusers config.json + safetensors) run on JAX: our
-    unguided velocity ``(x (B, C, S, S), t (B,) ours, cond: text) -> v``, float32 NumPy.
-
-    The weights are converted exactly (:func:`params_from_torch`) and must be exactly the
-    network's tensors, in shape and name; computation is float32 whatever their dtype."""
+def load_flax_expert(directory: str | Path) -> tuple[PixArtForward, dict[str, Any]]:
+    """A diffusers PixArt directory (config.json + one safetensors file) on JAX: its forward,
+    in the network's own convention (:mod:`ddm.models.stages` converts at the edge), and its
+    diffusers config. The weights are converted exactly (:func:`params_from_torch`) and must
+    be exactly the network's tensors; the network computes in float32."""
     from safetensors.flax import load_file
 
+    from ddm.models.paris_loading import read_component_config
+    from ddm.models.stages import one_safetensors
+
     root = Path(directory)
-    config = velocity_network_config(root)
+    config = read_component_config(root)
+    if config.get("_class_name") != EXPERT_CLASS_NAME:
+        raise CheckpointError(f"{root}: the jax backend runs {EXPERT_CLASS_NAME} experts, "
+                              f"not {config.get('_class_name')!r}")
     network = FlaxPixArt({k: v for k, v in config.items() if not k.startswith("_")})
     params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32),
-                                    params_from_torch(load_file(str(weight_file(root)))))
+                                    params_from_torch(load_file(str(one_safetensors(root)))))
     c = network.config
     expected = jax.eval_shape(network.init, jax.random.PRNGKey(0),
                               jnp.zeros((1, c["in_channels"], c["sample_size"],
                                          c["sample_size"])),
                               jnp.zeros((1, 1, c["caption_channels"])), jnp.zeros(1))["params"]
     check_weight_shapes(root, _shapes(expected), _leaves(params))
-    scale = timestep_scale(config)
     apply = jax.jit(lambda p, x, text, timestep: network.apply({"params": p}, x, text, timestep))
 
-    def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
-        if cond.embeddings is None:
-            raise ValueError(f"{root.name} is conditioned on text embeddings, not labels")
-        rows = len(x)
-        timestep = np.asarray(t, np.float32) * np.float32(scale)
-        inputs = [_padded(np.asarray(a, np.float32), rows) for a in (x, cond.embeddings,
-                                                                      timestep)]
+    def forward(latents: np.ndarray, text: np.ndarray, timestep: np.ndarray) -> np.ndarray:
+        rows = len(latents)
+        inputs = [_padded(np.asarray(a, np.float32), rows) for a in (latents, text, timestep)]
         return np.asarray(apply(params, *inputs), dtype=np.float32)[:rows]
 
-    return velocity
+    return forward, dict(config)
 
 
 def _padded(array: np.ndarray, rows: int) -> np.ndarray:

@@ -264,7 +264,7 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str = "c
                               f"{declared.family}")
     if declared.weights_sha256 is not None:
         weights = (weight_file(path) if declared.family.startswith("paris-")
-                   else _one_safetensors(path))
+                   else one_safetensors(path))
         check_sha256(path, weights.name, declared.weights_sha256)
     return load_declared(path, declared, dtype, device, backend)
 
@@ -279,19 +279,26 @@ def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = No
     return stage
 
 
-def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu") -> TextDDM:
+def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
+                  backends: Sequence[str] = ("torch",),
+                  experts: Sequence[str] | None = None) -> TextDDM:
     """A directory of stage checkpoints (``expert_0 .. expert_N-1/``, ``router/`` unless one
     expert, ``text_encoder/``, ``decoder/`` or ``vae/``) -> a :class:`TextDDM` in this process.
     The state shape and text width are checked across stages; experts must declare one
-    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match)."""
+    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match).
+    Expert ``k`` runs on ``backends[k % len(backends)]`` (``("torch", "jax")`` alternates);
+    ``experts`` names other subdirectories to load as the experts (``("monolith",)``)."""
     path = Path(root)
-    names = expert_directories(path)
-    experts = [load_stage(path / name, dtype, device) for name in names]
+    if not backends:
+        raise CheckpointError("backends must name at least one of " + ", ".join(BACKENDS))
+    names = expert_directories(path) if experts is None else list(experts)
+    stages = [load_stage(path / name, dtype, device, backends[k % len(backends)])
+              for k, name in enumerate(names)]
     router = load_stage(path / "router", dtype, device) if len(names) > 1 else None
     encoder = load_stage(path / "text_encoder", dtype, device)
     decoder_dir = next((path / d for d in ("decoder", "vae") if (path / d).is_dir()), None)
     decoder = None if decoder_dir is None else load_stage(decoder_dir, dtype, device)
-    return assemble_text_ddm(path, names, experts, router, encoder, decoder)
+    return assemble_text_ddm(path, names, stages, router, encoder, decoder)
 
 
 def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],
@@ -362,7 +369,7 @@ def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | Non
 
 def stored_dtype(directory: Path) -> torch.dtype:
     """The one floating dtype of a diffusers component's safetensors weights."""
-    path = _one_safetensors(directory)
+    path = one_safetensors(directory)
     with safe_open(str(path), framework="pt") as weights:
         dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
     floating = {_SAFETENSORS_DTYPES[d] for d in dtypes if d in _SAFETENSORS_DTYPES}
@@ -586,7 +593,7 @@ def _class_family(config: Mapping[str, Any]) -> str | None:
     return next((_CLASS_FAMILIES[n] for n in names if n in _CLASS_FAMILIES), None)
 
 
-def _one_safetensors(directory: Path) -> Path:
+def one_safetensors(directory: Path) -> Path:
     files = sorted(directory.glob("*.safetensors"))
     if len(files) != 1:
         raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "

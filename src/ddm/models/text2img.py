@@ -16,10 +16,8 @@ declares that under :data:`DDM_CONFIG_KEY` (diffusers ignores keys starting with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from ddm.checkpoints.format import CheckpointError
 from ddm.convention import CONVENTION_NAME, TIME_EMBEDDING_SCALE
 from ddm.models.config import ConfigError
 
@@ -27,9 +25,8 @@ from ddm.models.config import ConfigError
 IMAGE_SIZE, LATENT_CHANNELS, LATENT_SIZE = 32, 4, 8
 #: The key in a diffusers config.json under which we declare conventions and provenance.
 DDM_CONFIG_KEY = "_ddm"
-#: The experts' (and the monolith's) diffusers class, and the roles such a network declares.
+#: The experts' (and the monolith's) diffusers class.
 EXPERT_CLASS_NAME = "PixArtTransformer2DModel"
-VELOCITY_ROLES = ("expert", "monolith")
 #: The sampler settings the model ships with: guidance that makes the prompt's digit, colour
 #: and stroke reliable (docs/quality-text2img.md's sweep), 30 Euler steps, top-2 routing.
 DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY = 4.0, 30, "top2"
@@ -129,29 +126,3 @@ def expert_convention() -> dict[str, Any]:
             "conditioning": "text_encoder last_hidden_state of the padded prompt, no mask",
             "unconditional_prompt": ""}
 
-
-def velocity_network_config(directory: Path) -> dict[str, Any]:
-    """An expert's (or the monolith's) diffusers config.json, checked to declare a PixArt
-    velocity network in our convention; a ``CheckpointError`` names what is wrong."""
-    from ddm.models.paris_loading import read_component_config
-
-    config = read_component_config(directory)
-    declared = config.get(DDM_CONFIG_KEY)
-    if config.get("_class_name") != EXPERT_CLASS_NAME or not isinstance(declared, dict):
-        raise CheckpointError(f"{directory} is not a text2img expert: its config.json must "
-                              f"name {EXPERT_CLASS_NAME} and declare {DDM_CONFIG_KEY}")
-    if declared.get("role") not in VELOCITY_ROLES:
-        raise CheckpointError(f"{directory} declares role {declared.get('role')!r}; an expert "
-                              f"is one of {', '.join(VELOCITY_ROLES)}")
-    if declared.get("convention") != CONVENTION_NAME:
-        raise CheckpointError(f"{directory} declares convention "
-                              f"{declared.get('convention')!r}, not {CONVENTION_NAME!r}")
-    return config
-
-
-def timestep_scale(config: dict[str, Any]) -> float:
-    """What the network's timestep is ``t`` times (``t`` ours), as its config declares it."""
-    scale = config[DDM_CONFIG_KEY].get("timestep_scale", TIME_EMBEDDING_SCALE)
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0:
-        raise CheckpointError(f"timestep_scale must be a positive number, got {scale!r}")
-    return float(scale)
