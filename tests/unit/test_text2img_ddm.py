@@ -158,3 +158,20 @@ def test_the_monolith_loads_as_a_one_expert_ddm(imported: Path) -> None:
     assert monolith.expert_names == ("monolith",) and monolith.router is None
     images = generate_text(monolith, ["a 4"], steps=2, seed=0, strategy="top1").images
     assert images.shape == (1, 32, 32, 3)
+
+
+def test_a_monolith_snapshot_is_its_training_state_declared_as_such(trained: Path) -> None:
+    """While the monolith trains, `monolith-snapshot` exports its saved EMA weights; the
+    one-step smoke monolith's snapshot is the monolith itself."""
+    from ddm.cli import main
+    from safetensors.torch import load_file
+
+    assert main(["train", "text2img", "monolith-snapshot", "--mnist", str(trained.parent /
+                 "mnist"), "--root", str(trained), "--quiet"]) == 0
+    snapshot = trained / "monolith-snapshot"
+    declared = json.loads((snapshot / "config.json").read_text())["_ddm"]
+    assert declared["trained_steps"] == declared["train"]["steps"] == 1
+    got, expected = (load_file(str(d / "diffusion_pytorch_model.safetensors"))
+                     for d in (snapshot, trained / "monolith"))
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in got)

@@ -19,12 +19,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ddm.data.colored_mnist import COLOUR_NAMES, DIGIT_WORDS, ColoredDigits, load_colored_mnist
+from ddm.checkpoints.format import read_meta
 from ddm.evaluation.classifier import Classifier, load_classifier
 from ddm.evaluation.report import agreement_steps, paired_verdict, shown_path
 from ddm.evaluation.scoring import SEEDS, Judge, matched_subsets
 from ddm.evaluation.text2img_judges import ClipJudge, grey, ink_colours, ink_mass
 from ddm.fileio import atomic_path, check_output
-from ddm.models.stages import TextDDM, load_text_ddm
+from ddm.models.paris_loading import read_component_config
+from ddm.models.stages import DDM_KEY, TextDDM, load_text_ddm
 from ddm.models.text2img import DEFAULT_GUIDANCE, DEFAULT_STRATEGY
 from ddm.sampling.pipeline import generate_text
 
@@ -158,9 +160,19 @@ def quality_rows(root: Path, judges: Judges, steps: int, backends: Sequence[str]
                                     steps, progress))
     if (root / "monolith").is_dir():
         monolith = load_text_ddm(root, experts=("monolith",))
-        rows.append(sampled_row(monolith, "monolith", "single model", DEFAULT_GUIDANCE,
-                                judges, prompts, steps, progress))
+        rows.append(sampled_row(monolith, monolith_name(root / "monolith"), "single model",
+                                DEFAULT_GUIDANCE, judges, prompts, steps, progress))
     return rows
+
+
+def monolith_name(directory: Path) -> str:
+    """``monolith (12000 steps)``, or ``monolith (4700 of 12000 steps)`` for a snapshot of an
+    unfinished training (its config.json declares ``trained_steps``)."""
+    declared = read_component_config(directory).get(DDM_KEY, {})
+    planned = declared.get("train", {}).get("steps", "?")
+    trained = declared.get("trained_steps", planned)
+    return f"monolith ({trained} steps)" if trained == planned else (
+        f"monolith ({trained} of {planned} steps)")
 
 
 def load_judges(classifier: Path, mnist: Path, clip: Path, tokenizer: Path) -> Judges:
@@ -206,14 +218,14 @@ def render(rows: Sequence[Row], settings: dict[str, Any]) -> str:
               f"{_verdict(default, unguided, 'digit', 'guided', 'unguided')}; colour "
               f"accuracy {unguided.mean('colour'):.3f} -> {default.mean('colour'):.3f}, "
               f"{_verdict(default, unguided, 'colour', 'guided', 'unguided')}."]
-    monolith = next((r for r in rows if r.model == "monolith"), None)
+    monolith = next((r for r in rows if r.model.startswith("monolith")), None)
     for routing in ("top2", "top1"):
         ddm = next(r for r in ddm_rows if r.routing == routing
                    and r.guidance == DEFAULT_GUIDANCE)
         if monolith is None:
             lines.append(f"- DDM {routing} vs monolith: the monolith is not trained yet.")
             continue
-        lines.append(f"- DDM {routing} vs the monolith: " + "; ".join(
+        lines.append(f"- DDM {routing} vs the {monolith.model}: " + "; ".join(
             f"{HEADINGS[COLUMNS.index(m)]} {ddm.mean(m):.3f} vs {monolith.mean(m):.3f}, "
             f"{_verdict(ddm, monolith, m, 'the DDM', 'the monolith')}"
             for m in ("fd", "digit", "colour", "clip_match")) + ".")
@@ -231,6 +243,21 @@ def render(rows: Sequence[Row], settings: dict[str, Any]) -> str:
                   + " |" for k in range(row.usage.shape[1])]
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def is_text2img(root: Path) -> bool:
+    """Whether ``root`` is an imported text2img DDM (``ddm import text2img``)."""
+    return (root / "text_encoder").is_dir() and (root / "clip").is_dir()
+
+
+def mnist_directory(classifier: Path, data: str | None) -> Path:
+    """The MNIST IDX directory of ``data`` (``mnist:DIR``), else the one the classifier
+    learned from; the coloured test digits are built from its test part."""
+    source = data or read_meta(classifier).data.get("source", "")
+    if not source.startswith("mnist:"):
+        raise ValueError(f"the text2img report needs MNIST's IDX files: pass --data mnist:DIR "
+                         f"(the classifier recorded {source!r})")
+    return Path(source.removeprefix("mnist:"))
 
 
 def write_text2img_report(root: Path, out: Path, classifier: Path, mnist: Path,

@@ -7,7 +7,8 @@ Each component keeps its library's config.json and its one safetensors file byte
 (weights stay float32 as trained); the import adds our declarations under ``"_ddm"`` (role,
 family, convention, state shape, text width, cluster, ``weights_sha256``) beside the
 training's provenance. The report's aids travel too, outside the deployment: ``monolith/``
-(the equal-compute baseline, declared as an expert so the same loader runs it) and ``clip/``
+(the equal-compute baseline, or a snapshot of its unfinished training, declared as an expert
+so the same loader runs it) and ``clip/``
 (both towers of the small CLIP, the report's text-image judge). The experts alternate
 PyTorch and JAX in ddm.yaml. Every component is loaded and checked before anything is
 written, and the write is atomic (a hidden directory beside DST, renamed into place).
@@ -29,34 +30,37 @@ from ddm.models.stages import DDM_KEY, expert_directories, load_text_ddm, one_sa
 from ddm.models.text2img import (DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY,
                                  LATENT_CHANNELS, LATENT_SIZE)
 
-#: Training directory -> imported stage directory, for the stages every DDM has.
-STAGES = {"router": "router", "text_encoder": "text_encoder", "vae": "decoder"}
-#: Carried beside the deployment for the report, not served.
-AIDS = ("monolith", "clip")
+#: The training's directories every import needs.
+NEEDED = ("router", "text_encoder", "vae", "tokenizer")
+#: Where the baseline comes from: the finished monolith, else a snapshot of its training
+#: (``ddm train text2img monolith-snapshot``); imported as ``monolith/``.
+MONOLITHS = ("monolith", "monolith-snapshot")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MANIFEST_FILE = "ddm.yaml"
 #: Expert k's framework in ddm.yaml: PyTorch and JAX in turn.
 FRAMEWORKS = ("torch", "jax")
 
 
-def declarations(src: Path) -> dict[str, dict[str, Any]]:
-    """Imported directory name -> the ``_ddm`` block the import writes for it (before its
-    ``weights_sha256``); training provenance under the source's ``_ddm`` is kept."""
+def declarations(src: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Imported directory name -> (its training directory, the ``_ddm`` block the import
+    writes for it, before its ``weights_sha256``); training provenance is kept."""
     latent = [LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE]
     text_width = int(_config(src / "text_encoder")["hidden_size"])
-    out: dict[str, dict[str, Any]] = {}
-    for name in [*expert_directories(src), "monolith"]:
-        if name == "monolith" and not (src / name).is_dir():
-            continue
-        trained = _config(src / name).get(DDM_KEY, {})
-        out[name] = {**trained, "role": "expert", "family": "pixart", "convention": "ours",
-                     "latent_shape": latent, "text_width": text_width,
-                     **({"cluster": trained["cluster"]} if "cluster" in trained else {})}
-    out["router"] = {**_config(src / "router").get(DDM_KEY, {}), "role": "router",
-                     "family": "latent-router", "convention": "ours", "latent_shape": latent}
-    out["text_encoder"] = {"role": "text_encoder", "family": "clip-text",
-                           "text_width": text_width}
-    out["decoder"] = {"role": "decoder", "family": "autoencoder-kl", "latent_shape": latent}
+    experts = {name: src / name for name in expert_directories(src)}
+    monolith = next((src / m for m in MONOLITHS if (src / m / "config.json").is_file()), None)
+    out: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for name, source in {**experts, **({"monolith": monolith} if monolith else {})}.items():
+        out[name] = (source, {**_config(source).get(DDM_KEY, {}), "role": "expert",
+                              "family": "pixart", "convention": "ours", "latent_shape": latent,
+                              "text_width": text_width})
+    out["router"] = (src / "router", {**_config(src / "router").get(DDM_KEY, {}),
+                                      "role": "router", "family": "latent-router",
+                                      "convention": "ours", "latent_shape": latent})
+    out["text_encoder"] = (src / "text_encoder", {"role": "text_encoder",
+                                                  "family": "clip-text",
+                                                  "text_width": text_width})
+    out["decoder"] = (src / "vae", {"role": "decoder", "family": "autoencoder-kl",
+                                    "latent_shape": latent})
     return out
 
 
@@ -95,7 +99,7 @@ def import_text2img(src: str | Path, out: str | Path, name: str = "text2img",
         raise FileExistsError(f"{target} exists; an import writes a new directory")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"cannot write {target}: {target.parent} does not exist")
-    for needed in (*STAGES, "tokenizer"):
+    for needed in NEEDED:
         if not (source / needed).is_dir():
             raise CheckpointError(f"{source} has no {needed}/: train it first "
                                   "(scripts/train_text2img.sh)")
@@ -104,11 +108,10 @@ def import_text2img(src: str | Path, out: str | Path, name: str = "text2img",
     base = checkpoint_base or target.as_uri() + "/"
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        for imported, block in declared.items():
-            trained = next((k for k, v in STAGES.items() if v == imported), imported)
+        for imported, (trained, block) in declared.items():
             extra = [source / "tokenizer" / f for f in TOKENIZER_FILES] \
                 if imported == "text_encoder" else []
-            _write_component(source / trained, staging / imported, block, extra)
+            _write_component(trained, staging / imported, block, extra)
         if (source / "clip").is_dir():
             shutil.copytree(source / "clip", staging / "clip")
         (staging / MANIFEST_FILE).write_text(
