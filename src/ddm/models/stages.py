@@ -288,19 +288,26 @@ def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = No
     return stage
 
 
-def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu") -> TextDDM:
+def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
+                  backends: Sequence[str] = ("torch",),
+                  experts: Sequence[str] | None = None) -> TextDDM:
     """A directory of stage checkpoints (``expert_0 .. expert_N-1/``, ``router/`` unless one
     expert, ``text_encoder/``, ``decoder/`` or ``vae/``) -> a :class:`TextDDM` in this process.
     The state shape and text width are checked across stages; experts must declare one
-    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match)."""
+    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match).
+    Expert ``k`` runs on ``backends[k % len(backends)]`` (``("torch", "jax")`` alternates);
+    ``experts`` names other subdirectories to load as the experts (``("monolith",)``)."""
     path = Path(root)
-    names = expert_directories(path)
-    experts = [load_stage(path / name, dtype, device) for name in names]
+    if not backends:
+        raise CheckpointError("backends must name at least one of " + ", ".join(BACKENDS))
+    names = expert_directories(path) if experts is None else list(experts)
+    stages = [load_stage(path / name, dtype, device, backends[k % len(backends)])
+              for k, name in enumerate(names)]
     router = load_stage(path / "router", dtype, device) if len(names) > 1 else None
     encoder = load_stage(path / "text_encoder", dtype, device)
     decoder_dir = next((path / d for d in ("decoder", "vae") if (path / d).is_dir()), None)
     decoder = None if decoder_dir is None else load_stage(decoder_dir, dtype, device)
-    return assemble_text_ddm(path, names, experts, router, encoder, decoder)
+    return assemble_text_ddm(path, names, stages, router, encoder, decoder)
 
 
 def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],
