@@ -482,12 +482,14 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
                                            "real-vs-real floor")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory with its monolith(s) and classifier "
-                        f"(default: the shipped {DEFAULT_DDM} DDM)")
+                        f"(default: the shipped {DEFAULT_DDM} DDM), or an imported text2img "
+                        "DDM (checkpoints/text2img: docs/quality-text2img.md)")
     p.add_argument("--data", default=None,
                    help="where the reference images are, e.g. mnist:DIR (default: the source "
                         "the classifier recorded)")
     p.add_argument("--n-per-label", type=int, default=20)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampling steps (default 40; a text2img DDM: its default, 30)")
     p.add_argument("--solver", default="euler", help="euler or heun")
     p.add_argument("--compare", type=Path, action="append", default=[], metavar="DIR",
                    help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
@@ -507,6 +509,7 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from ddm.evaluation.report import write_report
+    from ddm.evaluation.text2img_report import is_text2img
     from ddm.progress import progress_bar
 
     with progress_bar(None, "report runs", "run", args.quiet) as bar:
@@ -517,12 +520,31 @@ def _report(args: argparse.Namespace) -> int:
                 bar.update(1)
                 bar.set_postfix_str(line)
 
+        if args.checkpoints is not None and is_text2img(args.checkpoints):
+            path = _report_text2img(args, progress)
+            print(f"wrote {path}")
+            return 0
         path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
-                            steps=args.steps, out=args.out, solver=args.solver,
+                            steps=args.steps or 40, out=args.out, solver=args.solver,
                             data=args.data, compare=args.compare, cache=args.cache,
                             progress=progress)
     print(f"wrote {path}")
     return 0
+
+
+def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) -> Path:
+    """``ddm report --checkpoints DIR`` of an imported text2img DDM (docs/quality-text2img.md),
+    judged by the shipped MNIST classifier and the import's small CLIP."""
+    from ddm.checkpoints.discovery import shipped_checkpoints
+    from ddm.evaluation.text2img_report import mnist_directory, write_text2img_report
+    from ddm.models.text2img import DEFAULT_STEPS
+
+    if args.compare or args.cache or args.solver != "euler":
+        raise UserError("--compare, --cache and --solver are for label DDMs' reports")
+    classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
+    return write_text2img_report(args.checkpoints, args.out, classifier,
+                                 mnist_directory(classifier, args.data),
+                                 steps=args.steps or DEFAULT_STEPS, progress=progress)
 
 
 # -- expert -------------------------------------------------------------------------------------

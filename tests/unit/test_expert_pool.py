@@ -23,7 +23,7 @@ from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
 from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
-                                     PoolSettings, client_session)
+                                     PoolSettings)
 from ddm.serving.router.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
                                   static_endpoints)
 from ddm.serving.expert.server import create_expert_app
@@ -351,33 +351,6 @@ def test_calls_queued_behind_a_dead_expert_fail_within_one_deadline(smoke_expert
     outcomes = asyncio.run(scenario())
     assert all(isinstance(error, ExpertUnavailable) for error, _ in outcomes), outcomes
     assert max(waited for _, waited in outcomes) < 1.0 + 0.5, outcomes
-
-
-def test_client_connections_disable_nagle():
-    """Read on a connection still in use: a server that sends half its body and waits."""
-
-    async def nodelay() -> int:
-        finished = asyncio.Event()
-
-        async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n.")
-            await reader.read()  # until the client closes
-            writer.close()
-            await writer.wait_closed()
-            finished.set()
-
-        server = await asyncio.start_server(half_answer, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
-            async with client_session(FAST) as session:
-                async with session.get(f"http://127.0.0.1:{port}/") as response:
-                    sock = response.connection.transport.get_extra_info("socket")
-                    value = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-            await finished.wait()
-        return value
-
-    assert asyncio.run(nodelay()) != 0
 
 
 # ----------------------------------------------------------------------------- helpers

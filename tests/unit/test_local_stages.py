@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from ddm.checkpoints.declared import DDM_KEY
+from ddm.cli import build_parser
 from ddm.deploy.spec import parse_manifest
 from ddm.runtime.local import LocalRunError, plan_local
 
@@ -44,7 +45,9 @@ def _manifest(root: Path, decoder_shape: list[int] = [4, 8, 8]) -> dict:
 def test_separate_stages_are_processes_and_the_router_loads_the_others(tmp_path: Path) -> None:
     plan = plan_local(_manifest(tmp_path), itertools.count(20000).__next__, 8080)
     assert [p.name for p in plan.stages] == ["decoder/0", "decoder/1"]
-    assert plan.stages[0].argv[3:7] == ("serve", "stage", str(tmp_path / "decoder"), "--host")
+    served = build_parser().parse_args(list(plan.stages[0].argv[3:]))
+    assert (served.command, served.role, served.checkpoint, served.port, served.precision) == (
+        "serve", "stage", tmp_path / "decoder", plan.stages[0].port, "bfloat16")
     assert plan.stages[0].argv[-4:] == ("--precision", "bfloat16", "--log-level", "warning")
     config = plan.router_config
     assert config.decoder.discovery.endpoints == tuple(f"127.0.0.1:{p.port}"

@@ -222,3 +222,16 @@ def test_the_imported_ddm_generates_what_the_reference_sampler_does(release: Pat
     difference = np.abs(result.images[0].astype(int) - expected.image.astype(int))
     assert difference.max() <= 2, f"max pixel difference {difference.max()}"
     assert (ddm.guidance_scale, ddm.steps, ddm.strategy) == (7.5, 50, "top2")
+
+
+def test_every_stage_lists_its_files_so_a_fetch_verifies_them(imported: Path) -> None:
+    from ddm.checkpoints.verify import verify_checkpoint
+
+    for stage in ("expert_0", "expert_1", "router", "text_encoder", "decoder"):
+        directory = imported / stage
+        files = _config(directory)["_ddm"]["files"]
+        assert files == {p.name: _sha256(p) for p in directory.iterdir()
+                         if p.name != "config.json"}
+        verify_checkpoint(directory)  # what the fetcher runs on a fetched stage
+    assert {"tokenizer.json", "model.safetensors"} <= set(
+        _config(imported / "text_encoder")["_ddm"]["files"])

@@ -57,8 +57,9 @@ def test_the_plan_has_every_stage_with_its_servers_flags() -> None:
     assert set(stages) == {"text-encoder", "decoder", "router-network"}
     assert [s.role for s in plan.separate_stages] == ["decoder", "router-network"]
     assert stages["decoder"].command("/c", "0.0.0.0", 8000, 9090) == (
-        "serve", "stage", "/c", "--host", "0.0.0.0", "--port", "8000", "--metrics-port",
-        "9090", "--backend", "torch", "--device", "cuda", "--precision", "bfloat16")
+        "serve", "stage", "--checkpoint", "/c", "--host", "0.0.0.0", "--port", "8000",
+        "--metrics-port", "9090", "--backend", "torch", "--device", "cuda", "--precision",
+        "bfloat16")
     assert stages["router-network"].args == ("--backend", "neuron")
     assert stages["router-network"].env("/cache")  # Neuron's compile caches
     assert plan.experts[0].args == ("--backend", "torch", "--device", "cuda",
@@ -102,7 +103,8 @@ def test_a_separate_stage_is_a_deployment_and_headless_service_on_its_accelerato
     assert decoder["spec"]["replicas"] == 2
     container = _container(decoder)
     assert container["image"] == "reg/ddm-cuda:1"
-    assert container["command"][:4] == ["ddm", "serve", "stage", "/models/stage"]
+    assert container["command"][:5] == ["ddm", "serve", "stage", "--checkpoint",
+                                        "/models/stage"]
     assert container["command"][-6:] == ["--device", "cuda", "--precision", "bfloat16",
                                          "--drain-s", "5"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"

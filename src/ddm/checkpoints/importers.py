@@ -6,8 +6,10 @@ describes each as a :class:`Component`; :func:`write_import` then lays them out 
     DST/expert_0 .. expert_{N-1}/  router/  text_encoder/  decoder/  ddm.yaml
 
 each directory its library's ``config.json`` (with our declarations under ``"_ddm"``: role,
-family, convention, shapes, ``weights_sha256``) beside the one safetensors file, copied byte for
-byte (weights keep their dtype), and any other files the component needs (a tokenizer's).
+family, convention, shapes, ``weights_sha256``, and ``files``: the SHA-256 of every other file,
+which a fetch of the directory downloads and verifies) beside the one safetensors file, copied
+byte for byte (weights keep their dtype), and any other files the component needs (a
+tokenizer's).
 The write is atomic: everything goes to a hidden directory beside DST, renamed into place only
 once complete, so a failed import leaves nothing behind. An existing DST is never replaced.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddm.checkpoints.declared import DDM_KEY
+from ddm.checkpoints.declared import DDM_KEY, FILES_KEY
 from ddm.checkpoints.format import CONFIG_FILE, CheckpointError
 
 #: The deployment an import writes beside its components.
@@ -82,11 +84,11 @@ def write_import(out: str | Path, components: tuple[Component, ...], manifest: s
 
 def _write_component(directory: Path, component: Component) -> None:
     directory.mkdir()
-    digest = copy_with_sha256(component.weights, directory / component.weights.name)
-    for path in component.files:
-        shutil.copyfile(path, directory / path.name)
+    digests = {path.name: copy_with_sha256(path, directory / path.name)
+               for path in (component.weights, *component.files)}
     config = {**component.config,
-              DDM_KEY: {**component.ddm, "weights_sha256": digest}}
+              DDM_KEY: {**component.ddm, "weights_sha256": digests[component.weights.name],
+                        FILES_KEY: digests}}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
                                          encoding="utf-8")
 

@@ -122,8 +122,6 @@ MAX_PROMPT_BYTES = 4096
 #: negative rows, float32) is 3.8 MB, so the default keeps about 65 generations.
 DEFAULT_CONTEXT_CACHE_BYTES = 256 * 1024 * 1024
 MAX_CONTEXT_CACHE_BYTES = 64 * 1024 * 1024 * 1024
-#: The dtypes a stage's weights may run in (``--precision``, a spec's ``precision``).
-PRECISIONS = ("float32", "bfloat16", "float16")
 #: The largest context body an expert reads: 64 prompts of Paris's CLIP (77 x 768) with their
 #: negative rows in float32 are 30 MB.
 MAX_CONTEXT_BODY_BYTES = 64 * 1024 * 1024

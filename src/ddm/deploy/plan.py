@@ -7,7 +7,7 @@ into processes, with the checkpoint a local directory and the experts at loopbac
 Everything the spec decides (each expert server's arguments and environment, its backend,
 the router's configuration and limits) is decided here, once, so the two cannot disagree.
 The stages besides the experts (text encoder, decoder, router network) are planned the same
-way: one placed ``separate`` is a server of its own (``ddm serve stage DIR``) that the router
+way: one placed ``separate`` is a server of its own (``ddm serve stage``) that the router
 reaches as it reaches an expert; one placed ``router`` is loaded by the router from its
 checkpoint directory.
 """
@@ -91,7 +91,8 @@ class StagePlan:
         :meth:`ExpertPlan.command`: ``/metrics`` alone on ``metrics_port``; with the router's
         expert ``token_file``, only the router may call it)."""
         auth = ("--auth-token-file", token_file) if token_file is not None else ()
-        return ("serve", "stage", checkpoint_dir, "--host", host, "--port", str(port),
+        return ("serve", "stage", "--checkpoint", checkpoint_dir, "--host", host, "--port",
+                str(port),
                 "--metrics-port", str(metrics_port), *auth, *self.args)
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:

@@ -23,12 +23,12 @@ from ddm.checkpoints.uri import (
     secret_checkpoint,
 )
 from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defaults
+from ddm.deploy.autoscaling import Autoscaling, parse_autoscaling
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
     CONDITIONINGS,
     DEFAULT_MISSING_EXPERT_POLICY,
-    DEFAULT_SCALE_DOWN_DELAY_S,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
     DEFAULT_STRATEGY,
@@ -42,7 +42,6 @@ from ddm.deploy.limits import (
     MAX_NUM_CLASSES,
     MAX_MISSING_EXPERT_WAIT_S,
     MAX_REPLICAS,
-    MAX_SCALE_DOWN_DELAY_S,
     MAX_STEPS,
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
@@ -159,17 +158,6 @@ class RouterSpec:
     fetch: FetchOptions = FetchOptions()
     missing_expert: MissingExpert = MissingExpert()
     network: StageSpec | None = None
-
-
-@dataclass(frozen=True)
-class Autoscaling:
-    """An expert's replicas follow the router's demand between ``min_replicas`` (0: none
-    while idle, started on demand) and ``max_replicas``; ``scale_down_delay_s``: how long
-    without demand before scaling down."""
-
-    min_replicas: int
-    max_replicas: int
-    scale_down_delay_s: int = DEFAULT_SCALE_DOWN_DELAY_S
 
 
 @dataclass(frozen=True)
@@ -426,24 +414,6 @@ def _missing_expert(reader: FieldReader) -> MissingExpert:
     return MissingExpert(policy, float(wait_s or MISSING_EXPERT_WAIT_S))
 
 
-def _autoscaling(reader: FieldReader) -> Autoscaling | None:
-    low = reader.integer("minReplicas", None, 0, MAX_REPLICAS)
-    high = reader.integer("maxReplicas", None, 1, MAX_REPLICAS)
-    delay = reader.integer("scaleDownDelaySeconds", DEFAULT_SCALE_DOWN_DELAY_S, 0,
-                           MAX_SCALE_DOWN_DELAY_S)
-    for key, value in (("minReplicas", low), ("maxReplicas", high)):
-        if value is None and not any(p.startswith(f"{reader.path}.{key}")
-                                     for p in reader.problems):
-            reader.problem(key, "is required")
-    reader.done()
-    if low is None or high is None:
-        return None
-    if low > high:
-        reader.problem("minReplicas", f"{low} is above maxReplicas {high}")
-        return None
-    return Autoscaling(low, high, DEFAULT_SCALE_DOWN_DELAY_S if delay is None else delay)
-
-
 def _accelerator(reader: FieldReader) -> Accelerator:
     accelerator = Accelerator(
         type=reader.string("type", "cpu", choices=ACCELERATOR_TYPES) or "cpu",
@@ -488,7 +458,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
         pod=parse_pod_options(reader),
         fetch=fetch,
-        autoscaling=_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling")
+        autoscaling=parse_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling")
         else None,
         precision=reader.string("precision", None, choices=PRECISIONS),
     )

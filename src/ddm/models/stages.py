@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ddm.checkpoints.declared import DDM_KEY
-from ddm.checkpoints.format import CheckpointError, check_sha256
+from ddm.checkpoints.format import CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
 from ddm.deploy import limits
 from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
@@ -288,19 +288,26 @@ def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = No
     return stage
 
 
-def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu") -> TextDDM:
+def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
+                  backends: Sequence[str] = ("torch",),
+                  experts: Sequence[str] | None = None) -> TextDDM:
     """A directory of stage checkpoints (``expert_0 .. expert_N-1/``, ``router/`` unless one
     expert, ``text_encoder/``, ``decoder/`` or ``vae/``) -> a :class:`TextDDM` in this process.
     The state shape and text width are checked across stages; experts must declare one
-    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match)."""
+    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match).
+    Expert ``k`` runs on ``backends[k % len(backends)]`` (``("torch", "jax")`` alternates);
+    ``experts`` names other subdirectories to load as the experts (``("monolith",)``)."""
     path = Path(root)
-    names = expert_directories(path)
-    experts = [load_stage(path / name, dtype, device) for name in names]
+    if not backends:
+        raise CheckpointError("backends must name at least one of " + ", ".join(BACKENDS))
+    names = expert_directories(path) if experts is None else list(experts)
+    stages = [load_stage(path / name, dtype, device, backends[k % len(backends)])
+              for k, name in enumerate(names)]
     router = load_stage(path / "router", dtype, device) if len(names) > 1 else None
     encoder = load_stage(path / "text_encoder", dtype, device)
     decoder_dir = next((path / d for d in ("decoder", "vae") if (path / d).is_dir()), None)
     decoder = None if decoder_dir is None else load_stage(decoder_dir, dtype, device)
-    return assemble_text_ddm(path, names, experts, router, encoder, decoder)
+    return assemble_text_ddm(path, names, stages, router, encoder, decoder)
 
 
 def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],
@@ -482,10 +489,6 @@ def _flax_pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | No
     gives ``(forward(latents, text, timestep) -> output NumPy, its diffusers config)``."""
     from ddm.models import flax_pixart
 
-    if not hasattr(flax_pixart, "load_flax_expert"):
-        raise CheckpointError("the jax backend for pixart experts needs "
-                              "ddm.models.flax_pixart.load_flax_expert, which this build "
-                              "lacks; serve it with --backend torch")
     if dtype is not None:
         raise CheckpointError("the jax pixart expert runs in its stored dtype; --precision "
                               "is for the torch backend")
@@ -595,15 +598,6 @@ def _class_family(config: Mapping[str, Any]) -> str | None:
     return next((_CLASS_FAMILIES[n] for n in names if n in _CLASS_FAMILIES), None)
 
 
-def one_safetensors(directory: Path) -> Path:
-    """The one safetensors file of a library's component directory (never pickled weights)."""
-    files = sorted(directory.glob("*.safetensors"))
-    if len(files) != 1:
-        pickled = sorted(p.name for p in directory.glob("*.bin"))
-        hint = f" (pickled weights {pickled} are never loaded)" if pickled else ""
-        raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
-                              f"{[f.name for f in files]}{hint}")
-    return files[0]
 
 
 def _ints(values: Sequence[Any]) -> bool:

@@ -106,7 +106,8 @@ def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
     checkpoint, so it has a stager; ``stages``: it has stages in pods of their own (text
     encoder, decoder, router network), which admit the router as experts do. The metrics
     port admits ``config.metrics_from`` (NetworkPolicyPeers: the scrapers), and nobody when
-    it is empty (a rule with no peers would admit everyone)."""
+    it is empty (a rule with no peers would admit everyone); the routers' admits the
+    operator too (``config.operator_from``), whose autoscaler reads their demand there."""
     owner = meta["name"]
     scrape = ([{"from": [dict(peer) for peer in config.metrics_from],
                 "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
@@ -120,10 +121,14 @@ def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
                  *copy.deepcopy(scrape)],
         egress=copy.deepcopy(copies))
         for plural, component in kinds]
+    # the operator's autoscaler reads the routers' demand from their metrics port
+    autoscaler = ([{"from": [dict(peer) for peer in config.operator_from],
+                    "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
+                  if config.operator_from else [])
     router = _network_policy(
         names.network_policy_name(owner, "router"), meta, names.selector(owner, "router"),
         ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]},
-                 *copy.deepcopy(scrape)],
+                 *copy.deepcopy(scrape), *autoscaler],
         egress=[_to_pods(owner, "expert", names.EXPERT_PORT),
                 *([_to_pods(owner, "stage", names.EXPERT_PORT)] if stages else []),
                 dns_egress(config), *copies[:1]])

@@ -133,8 +133,11 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     model around the router's authentication, and the expert never holds the public token."""
     owner = meta["name"]
     planned = plan_expert(expert)
+    # An autoscaled expert's replicas are the scaler's (ddm.operator.scaler): left out here,
+    # so that applying this manifest never resets them.
+    replicas = None if expert.autoscaling is not None else expert.replicas
     return _model_server(
-        names.expert_name(owner, expert.name), "expert", meta, config, expert.replicas,
+        names.expert_name(owner, expert.name), "expert", meta, config, replicas,
         names.labels(owner, "expert", expert.name), names.selector(owner, "expert", expert.name),
         accelerator=expert.accelerator, pod=expert.pod, checkpoint=expert.checkpoint,
         fetch=expert.fetch, key=expert_key(expert.name), mount_path=EXPERT_CHECKPOINT_DIR,
@@ -169,14 +172,15 @@ def build_stage_service(role: str, meta: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
-                  config: OperatorConfig, replicas: int, labels: dict[str, str],
+                  config: OperatorConfig, replicas: int | None, labels: dict[str, str],
                   selector: dict[str, str], *, accelerator: Accelerator, pod: PodOptions,
                   checkpoint: CheckpointSource, fetch: FetchOptions, key: str, mount_path: str,
                   command: Callable[[str, str | None], tuple[str, ...]],
                   env: tuple[tuple[str, str], ...], token: RouterAuth | None
                   ) -> dict[str, Any]:
     """The Deployment of a model server (an expert or a stage): one pod per replica on its
-    accelerator, ready once loaded; ``command(checkpoint_dir, token_file)``: its arguments."""
+    accelerator, ready once loaded (``replicas`` None: left to the scaler);
+    ``command(checkpoint_dir, token_file)``: its arguments."""
     place = placement(accelerator)
     image = pod.image or config.images.for_family(place.image_family)
     mount = _checkpoint(checkpoint, fetch, mount_path, image, config, meta, key)
@@ -500,7 +504,8 @@ def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
     return {**container, "command": [arg.replace("$", "$$") for arg in container["command"]]}
 
 
-def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],
+def _deployment(name: str, meta: Mapping[str, Any], replicas: int | None,
+                labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
                 pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
@@ -511,7 +516,7 @@ def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[
         "kind": "Deployment",
         "metadata": _metadata(name, meta, labels),
         "spec": {
-            "replicas": replicas,
+            **({"replicas": replicas} if replicas is not None else {}),
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector},
             "template": {"metadata": template_meta, "spec": pod},

@@ -6,7 +6,9 @@ condition's status does, so recomputing an unchanged state yields an equal statu
 operator writes nothing. ``Ready`` is ``SpecValid`` and ``ExpertsReady`` and ``RouterReady``,
 and ``StagesReady`` for a DDM with stages in pods of their own (text encoder, decoder, router
 network placed ``separate``), each reported under ``stages`` as experts are.
-An expert is ready when every replica it asks for (at least one) is ready. When one is not,
+An expert is ready when every replica it asks for (at least one) is ready; an autoscaled
+expert asks for what the scaler last set on its Deployment (``ddm.operator.scaler``), and is
+ready at zero too. When one is not,
 its pods say why (``pod_trouble``): a container that keeps failing (with its exit status and
 termination message: an expert that cannot load its checkpoint writes the reason there), an
 image that cannot be pulled, a pod no node can take; the status repeats it per expert and in
@@ -21,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from ddm.checkpoints.uri import FETCHED_SCHEMES
 from ddm.operator import names
-from ddm.deploy.spec import DDMSpec, SpecError
+from ddm.deploy.spec import DDMSpec, ExpertSpec, SpecError
 
 PHASES = ("Pending", "Progressing", "Ready", "Failed", "Invalid")
 #: A container waiting for one of these will not start by itself.
@@ -127,14 +129,27 @@ def stager_trouble(owner: str, pods: Sequence[Mapping[str, Any]]) -> Trouble | N
 
 @dataclass(frozen=True)
 class Replicas:
-    """``desired`` from the spec, ``ready`` from the Deployment's status (0 when absent)."""
+    """``desired`` from the spec (an autoscaled expert's: from its Deployment, ``scaled``),
+    ``ready`` from the Deployment's status (0 when absent)."""
 
     desired: int
     ready: int
+    scaled: bool = False
 
     @property
     def complete(self) -> bool:
-        return self.desired >= 1 and self.ready >= self.desired
+        return (self.scaled or self.desired >= 1) and self.ready >= self.desired
+
+
+def expert_replicas(expert: ExpertSpec, deployment: Mapping[str, Any] | None) -> Replicas:
+    """An expert's replicas: fixed by its spec, or, autoscaled, as its Deployment has them
+    (its ``minReplicas`` until the Deployment exists)."""
+    ready = ready_replicas(deployment)
+    if expert.autoscaling is None:
+        return Replicas(expert.replicas, ready)
+    desired = (expert.autoscaling.min_replicas if deployment is None
+               else int(deployment["spec"].get("replicas", 1)))
+    return Replicas(desired, ready, scaled=True)
 
 
 def ready_replicas(deployment: Mapping[str, Any] | None) -> int:
@@ -159,11 +174,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     holding the router's token (its name only), when the router requires one;
     ``token_secrets``: the token Secrets the operator has created for this resource."""
     owner, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
-    experts = {
-        e.name: Replicas(e.replicas,
-                         ready_replicas(deployments.get(names.expert_name(owner, e.name))))
-        for e in spec.experts
-    }
+    experts = {e.name: expert_replicas(e, deployments.get(names.expert_name(owner, e.name)))
+               for e in spec.experts}
     separate = {role: stage for role, stage in spec.stages.items() if stage.separate}
     stages = {stage_key(role): Replicas(stage.replicas, ready_replicas(
         deployments.get(names.stage_name(owner, role)))) for role, stage in separate.items()}
@@ -222,6 +234,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         "observedGeneration": generation,
         "phase": phase,
         "expertsReady": f"{ready_count}/{len(experts)}",
+        "expertReplicas": ", ".join(f"{name} {r.ready}/{r.desired}"
+                                    for name, r in experts.items()),
         "routerURL": names.router_url(owner, namespace),
         **({"routerTokenSecret": token_secret} if token_secret else {}),
         **({"tokenSecrets": list(token_secrets)} if token_secrets else {}),
@@ -238,6 +252,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                         **_why(troubles.get(stage_key(role)))}
                        for role, stage in separate.items()]} if stages else {}),
         "conditions": [ready, spec_valid, experts_ready, router_ready, *stage_conditions],
+        # the scaler's own part (ddm.operator.scaler), kept as it wrote it
+        **({"demand": previous["demand"]} if "demand" in previous else {}),
     }
 
 

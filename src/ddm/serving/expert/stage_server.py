@@ -181,8 +181,8 @@ def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
     declared = StageDeclaration.from_config(path, read_component_config(path))
     roles = (role,) if isinstance(role, str) else role
     if declared.role not in roles:
-        raise CheckpointError(f"{path} is a {declared.role} stage; this command serves "
-                              f"{' or '.join(roles)}")
+        raise CheckpointError(f"{path} is a stage of role {declared.role}; this command "
+                              f"serves {' or '.join(roles)}")
     if precision is not None and precision not in PRECISIONS:
         raise CheckpointError(f"unknown precision {precision!r}; expected one of "
                               f"{', '.join(PRECISIONS)}")

@@ -11,9 +11,9 @@ that died while idle. A failed attempt is retried on another replica within the 
 expert calls are pure functions of their inputs, so a retry is always safe. An expert's 4xx is
 the router's own fault and is never retried.
 
-Expert calls go through :class:`~ddm.serving.http_client.HttpClient`, a lean keep-alive
-HTTP/1.1 client (its cost is paid at every step); probes (``/readyz``, ``/v1/info``) through an
-``aiohttp.ClientSession``. Both keep ``TCP_NODELAY`` on (asyncio and uvloop set it on every TCP
+Expert calls and probes (``/readyz``, ``/v1/info``) go through one
+:class:`~ddm.serving.http_client.HttpClient`, a lean keep-alive HTTP/1.1 client (its cost is
+paid at every step). It keeps ``TCP_NODELAY`` on (asyncio and uvloop set it on every TCP
 connection), so a small request is not held back by Nagle's algorithm;
 ``tests/unit/test_expert_pool.py`` checks it.
 
@@ -47,7 +47,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Coroutine, Hashable, Mapping, TypeVar, Union
 
-import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -56,7 +55,7 @@ from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_EXPERT_INFO_BYTE
                                MAX_EXPERT_PROBE_BYTES)
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
-from ddm.serving.http_client import HttpClient, HttpClientError
+from ddm.serving.http_client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
 from ddm.serving.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
                                   ProtocolError, RemoteExpertError, Solver, TextIntegrateRequest,
                                   TextVelocityRequest, VelocityRequest, context_id,
@@ -77,7 +76,6 @@ KEEP_ALIVE_S = 60.0
 _MAX_ERROR_BYTES = max_error_reply_bytes()
 # Statuses that say "this replica, now" rather than "your request": retried elsewhere.
 _RETRIABLE_4XX = (408, 429)
-_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 _T = TypeVar("_T")
 
 
@@ -293,7 +291,6 @@ class PoolSettings:
     max_backoff_s: float = 5.0
     health_interval_s: float = 5.0
     refresh_s: float = 5.0
-    max_connections: int = 256
     in_flight_per_replica: int = 2
 
     def __post_init__(self) -> None:
@@ -301,10 +298,9 @@ class PoolSettings:
                      "health_interval_s", "refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PoolSettings.{name} must be > 0, got {getattr(self, name)!r}")
-        if (self.attempts < 1 or self.max_connections < 1 or self.backoff_s < 0
-                or self.in_flight_per_replica < 0):
-            raise ValueError("PoolSettings needs attempts >= 1, max_connections >= 1, "
-                             "backoff_s >= 0 and in_flight_per_replica >= 0")
+        if self.attempts < 1 or self.backoff_s < 0 or self.in_flight_per_replica < 0:
+            raise ValueError("PoolSettings needs attempts >= 1, backoff_s >= 0 and "
+                             "in_flight_per_replica >= 0")
 
 
 def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> PoolSettings:
@@ -315,19 +311,6 @@ def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> 
         attempts=config.retries.attempts, backoff_s=config.retries.backoff_s,
         refresh_s=config.dns_refresh_s,
         in_flight_per_replica=config.coalescing.in_flight_per_replica)
-
-
-def client_session(settings: PoolSettings) -> aiohttp.ClientSession:
-    """One keep-alive aiohttp session for every replica (create it on the loop that will use
-    it): the pool's probes, and the benchmarks' clients.
-
-    It sends none of aiohttp's automatic ``User-Agent``, ``Accept`` and ``Accept-Encoding``
-    headers: an expert needs none of them, and they were 70 of the 200 header bytes that
-    every step's request carried."""
-    connector = aiohttp.TCPConnector(limit=settings.max_connections,
-                                     keepalive_timeout=KEEP_ALIVE_S)
-    return aiohttp.ClientSession(connector=connector, raise_for_status=False,
-                                 skip_auto_headers=_SKIPPED_HEADERS)
 
 
 class PoolMetrics:
@@ -378,7 +361,6 @@ class ExpertPool:
         self._contexts = _Contexts()
         #: Bytes sent to experts, by message: what the context cache saves (benchmarks).
         self.bytes_sent = {"context": 0, "call": 0}
-        self._session: aiohttp.ClientSession | None = None
         self._client: HttpClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -401,7 +383,6 @@ class ExpertPool:
 
     async def start(self) -> None:
         """Open the clients, list every expert's replicas, and start refreshing and probing."""
-        self._session = client_session(self._settings)
         self._client = HttpClient(KEEP_ALIVE_S)
         await self.refresh()
         self._spawn(self._refresh_forever())
@@ -413,8 +394,6 @@ class ExpertPool:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
         if self._client is not None:
             self._client.close()
 
@@ -707,35 +686,41 @@ class ExpertPool:
     async def _probe(self, name: str, replica: Replica) -> None:
         """``GET /readyz``, and ``/v1/info`` whenever the replica becomes ready (the router
         learns image shape and batch limit from it; a restarted replica may have new ones)."""
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=self._settings.connect_s)
         replicas = self._sets[name]
         try:
-            async with self._session.get(f"{replica.url}/readyz", timeout=timeout) as response:
-                await _read_capped(response, "/readyz", MAX_EXPERT_PROBE_BYTES)
-                if response.status != 200:
-                    raise ValueError(f"/readyz answered {response.status}")
+            ready = await self._get(replica, "/readyz", MAX_EXPERT_PROBE_BYTES)
+            if ready.status != 200:
+                raise ValueError(f"/readyz answered {ready.status}")
             if replica.state is not ReplicaState.READY or replica.info is None:
-                authorization = self._authorization()
-                headers = {} if authorization is None else {"Authorization":
-                                                            authorization.decode()}
-                async with self._session.get(f"{replica.url}/v1/info", timeout=timeout,
-                                             headers=headers) as response:
-                    body = await _read_capped(response, "/v1/info", MAX_EXPERT_INFO_BYTES)
-                    if response.status != 200:
-                        raise ValueError(f"/v1/info answered {response.status}")
-                replica.info = self._parse_info(_json(body))
+                info = await self._get(replica, "/v1/info", MAX_EXPERT_INFO_BYTES,
+                                       self._authorization())
+                if info.status != 200:
+                    raise ValueError(f"/v1/info answered {info.status}")
+                replica.info = self._parse_info(_json(info.body))
         except InvalidReport as error:
             if replica.invalid != str(error):  # once per change: probes repeat every few s
                 logger.warning("expert %s: replica %s is not ready, its report is refused: %s",
                                name, replica.endpoint, error)
             replicas.report_invalid(replica, str(error), time.monotonic())
-        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+        except (HttpClientError, TimeoutError, ValueError) as error:
             replicas.probe_failed(replica, f"probe failed: {_describe(error)}", time.monotonic())
         else:
             replicas.mark_ready(replica, time.monotonic())
         finally:
             replica.probing = False
+
+    async def _get(self, replica: Replica, path: str, limit: int,
+                   authorization: bytes | None = None) -> HttpReply:
+        """A probe's ``GET``, within ``connect_s``; a body over ``limit`` bytes is refused
+        (:class:`InvalidReport`) as soon as it is declared or read over it, the rest unread."""
+        assert self._client is not None, "start() the pool first"
+        timeout = self._settings.connect_s
+        try:
+            return await self._client.get(replica.endpoint, path, timeout, timeout,
+                                          max_reply_bytes=limit, authorization=authorization)
+        except ReplyTooLarge:
+            raise InvalidReport(f"{path} sent a body over the {limit} bytes the router "
+                                "reads") from None
 
 
 async def gather_all(*calls: Awaitable[_T]) -> list[_T]:
@@ -750,21 +735,6 @@ async def gather_all(*calls: Awaitable[_T]) -> list[_T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
-
-
-async def _read_capped(response: aiohttp.ClientResponse, path: str, limit: int) -> bytes:
-    """The body of ``response``, refused (:class:`InvalidReport`) as soon as it is declared or
-    read over ``limit`` bytes; the connection is then closed, the rest never read."""
-    declared = response.content_length
-    if declared is not None and declared > limit:
-        raise InvalidReport(f"{path} declares a body of {declared} bytes, over the "
-                            f"{limit} the router reads")
-    body = bytearray()
-    async for chunk in response.content.iter_chunked(64 * 1024):
-        body += chunk
-        if len(body) > limit:
-            raise InvalidReport(f"{path} sent a body over the {limit} bytes the router reads")
-    return bytes(body)
 
 
 def _json(body: bytes) -> Any:

@@ -183,7 +183,7 @@ class ExpertInfo:
         _require(conditioning in (LABELS, TEXT), f"conditioning must be {LABELS!r} or "
                                                  f"{TEXT!r}, got {_shown(conditioning)}")
         text_width = raw.get("text_width")
-        _require((text_width is None and conditioning == LABELS) or (
+        _require(text_width is None if conditioning == LABELS else (
             type(text_width) is int and 1 <= text_width <= MAX_TEXT_WIDTH),
             f"text_width must be an integer in 1..{MAX_TEXT_WIDTH} for a text expert (null "
             f"for labels), got {_shown(text_width)}")
