@@ -93,6 +93,11 @@ def test_the_info_tells_the_page_to_ask_for_prompts_and_guidance(router):
     assert body["guidance_scale"]["maximum"] == 50 and body["n"]["maximum"] == 64
     answer = document["components"]["schemas"]["ImagesResponse"]
     assert {"created", "data", "truncated"} <= set(answer["required"])
+    # what the schema says is what the router takes: prompts, never labels
+    generate = document["components"]["schemas"]["GenerateRequest"]
+    assert "prompts" in generate["required"] and "labels" not in generate.get("required", [])
+    assert generate["properties"]["labels"]["not"] == {}
+    assert generate["properties"]["prompts"]["minItems"] == 1
 
 
 # ------------------------------------------------- served: the experts on their own servers
@@ -189,8 +194,9 @@ def test_given_latents_are_the_initial_noise(served, in_process):
 
 
 @pytest.mark.parametrize("route,body,problem", [
-    ("/v1/generate", {"labels": [1]}, "this DDM is conditioned on text: send prompts, not "
-                                      "labels"),
+    ("/v1/generate", {"labels": [1]}, "prompts: Field required"),
+    ("/v1/generate", {"labels": [1], "prompts": ["a"]},
+     "this DDM is conditioned on text: send prompts, not labels"),
     (IMAGES, {"prompt": "a", "latents": _npy(np.zeros((1, 4, 4, 4), np.float32))},
      "latents must be float32 of shape (1, 4, 8, 8), got float32 (1, 4, 4, 4)"),
     (IMAGES, {"prompt": "a", "n": 2, "latents": _npy(np.zeros((1, 4, 8, 8), np.float32))},
