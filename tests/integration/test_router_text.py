@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 from PIL import Image
 
 from ddm.models.stages import load_text_ddm
 from ddm.sampling.pipeline import generate_text
+from ddm.serving.router.requests import STREAM_EVENT_SCHEMA
 
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running
@@ -220,6 +222,10 @@ def test_the_stream_previews_latents_in_rgb_then_sends_the_decoded_image(served)
     assert [name for name, _ in events] == ["encoded", "step", "step", "step", "done"]
     assert events[0][1] == {"truncated": [0]}
     assert all(_png(data["image"]).shape == (8, 8, 3) for _, data in events[1:4])
+    for name, data in events:  # as the OpenAPI document says (schemathesis reads it so)
+        (schema,) = [e["properties"]["data"]["contentSchema"] for e in STREAM_EVENT_SCHEMA["oneOf"]
+                     if e["properties"]["event"]["const"] == name]
+        jsonschema.validate(data, schema)
     done = events[-1][1]
     assert done["prompt"] == "a red car" and "label" not in done
     assert _png(done["image"]).shape == (16, 16, 3)

@@ -102,8 +102,10 @@ class GenerateResponse(BaseModel):
     seconds: float = Field(description="time spent generating")
 
 
-def _event(name: str, fields: dict[str, Any]) -> dict[str, Any]:
-    data = {"type": "object", "required": list(fields), "properties": fields}
+def _event(name: str, fields: dict[str, Any], optional: tuple[str, ...] = ()
+           ) -> dict[str, Any]:
+    data = {"type": "object", "required": [f for f in fields if f not in optional],
+            "properties": fields}
     return {"type": "object", "required": ["event", "data"],
             "properties": {"event": {"const": name},
                            "data": {"type": "string", "contentMediaType": "application/json",
@@ -130,7 +132,8 @@ STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
                     "routing": {"type": "array", "items": _INT}, "expert_calls": _INT,
                     "round_trips": _INT, "rerouted": {"type": "array", "items": _INT},
                     "waited_s": {"type": "number"}, "steps": _INT, "strategy": _STR,
-                    "solver": _STR, "delegate_steps": _INT, "seconds": {"type": "number"}}),
+                    "solver": _STR, "delegate_steps": _INT, "seconds": {"type": "number"}},
+           optional=("label", "prompt")),  # a label DDM's image has a label, a text DDM's a prompt
     _event("failure", {"status": _INT, "detail": _STR, "expert": _STR})]}
 
 
