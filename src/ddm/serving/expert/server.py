@@ -40,13 +40,11 @@ import logging
 import math
 import os
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
+from typing import Any, Awaitable, Callable, Hashable
 
 import numpy as np
-from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
@@ -58,13 +56,13 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.auth import TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
-from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.expert.routes import model_routes
+from ddm.serving.batching import Batcher
+from ddm.serving.expert.routes import Handling, answer_or_error, model_app
 from ddm.serving.expert.stage_server import (DEFAULT_CONTEXT_CACHE_BYTES, create_stage_app,
                                              is_stage_checkpoint)
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
-                                  decode_request, encode_error, encode_response)
+                                  decode_request, encode_response)
 from ddm.serving.termination import fail_start
 
 logger = logging.getLogger(__name__)
@@ -196,21 +194,11 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     expert = _Expert(meta, limits, backend, device, max_delay_ms, max_pending)
     load = functools.partial(_load, expert, Path(checkpoint_dir), loader, compile_cache,
                              on_failure, start_up)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(load())
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await expert.batcher.close()
-
-    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, description="One diffusion expert behind the binary protocol "
-                                              "of docs/protocol.md.")
-    return model_routes(app, expert, functools.partial(_answer, expert), api_docs=api_docs,
-                        draining=draining, auth_token_file=auth_token_file)
+    return model_app(expert, functools.partial(_answer, expert), load,
+                     title=f"ddm expert {meta.name}",
+                     description="One diffusion expert behind the binary protocol of "
+                                 "docs/protocol.md.",
+                     api_docs=api_docs, draining=draining, auth_token_file=auth_token_file)
 
 
 def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
@@ -249,31 +237,21 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
 async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
     """One request body -> (HTTP status, protocol reply); every failure becomes an error
     reply."""
-    kind, images, request_id = "invalid", 0, 0
-    try:
+
+    async def handle(handling: Handling) -> bytes:
         message = decode_request(body, expert.limits)
-        request_id = message.request_id
+        handling.request_id = message.request_id
         if not isinstance(message, (VelocityRequest, IntegrateRequest)):
             raise ProtocolError(f"expert {expert.meta.name} is conditioned on labels: send "
                                 "velocity or integrate requests (protocol version 1)", 422,
-                                request_id)
+                                message.request_id)
         kind = "velocity" if isinstance(message, VelocityRequest) else "integrate"
-        images = message.x.shape[0]
+        handling.kind, handling.rows = kind, message.x.shape[0]
         if expert.backend is None:
-            raise ProtocolError(_not_ready(expert), 503, request_id)
-        out = await _run(expert, message)
-        status, reply = 200, encode_response(request_id, out)
-    except ProtocolError as error:
-        echoed = request_id if error.request_id is None else error.request_id
-        status, reply = error.status, encode_error(echoed, error.status, str(error))
-    except BatcherClosed as error:
-        status, reply = 503, encode_error(request_id, 503, str(error))
-    except Exception as error:  # noqa: BLE001 - a failing model must not take the server down
-        logger.exception("request %d failed", request_id)
-        status, reply = 500, encode_error(request_id, 500,
-                                          f"internal error: {type(error).__name__}: {error}")
-    expert.metrics.observe_request(kind, status, images)
-    return status, reply
+            raise ProtocolError(_not_ready(expert), 503, message.request_id)
+        return encode_response(message.request_id, await _run(expert, message))
+
+    return await answer_or_error(expert, handle)
 
 
 async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
