@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import jsonschema
 import numpy as np
 import pytest
 from PIL import Image
 
 from ddm.models.stages import load_text_ddm
 from ddm.sampling.pipeline import generate_text
+from ddm.serving.router.requests import STREAM_EVENT_SCHEMA
 
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running
@@ -93,6 +95,11 @@ def test_the_info_tells_the_page_to_ask_for_prompts_and_guidance(router):
     assert body["guidance_scale"]["maximum"] == 50 and body["n"]["maximum"] == 64
     answer = document["components"]["schemas"]["ImagesResponse"]
     assert {"created", "data", "truncated"} <= set(answer["required"])
+    # what the schema says is what the router takes: prompts, never labels
+    generate = document["components"]["schemas"]["GenerateRequest"]
+    assert "prompts" in generate["required"] and "labels" not in generate.get("required", [])
+    assert generate["properties"]["labels"]["not"] == {}
+    assert generate["properties"]["prompts"]["minItems"] == 1
 
 
 # ------------------------------------------------- served: the experts on their own servers
@@ -127,6 +134,20 @@ def test_a_generation_through_the_router_equals_the_in_process_one(served, in_pr
     assert np.abs(images.astype(int) - local.images).max() <= 1
     assert (body["prompts"], body["labels"], body["truncated"]) == (prompts, [], [0, 0])
     assert body["routing"] == local.usage.step_masks(4).tolist()
+
+
+def test_stages_served_on_their_own_give_the_same_image(served, tmp_path_factory):
+    """The text encoder, decoder and router network on stage servers (``ddm serve stage``),
+    the null prompt's embeddings sent with the guided rows: the image the router makes with
+    them in its own process."""
+    body = {"prompts": ["a photo of a red car"], "steps": 3, "seed": 2, "strategy": "top2"}
+    with served_text_ddm(tmp_path_factory.mktemp("apart"), stages_apart=True) as (apart, _):
+        remote = httpx.post(f"{apart}/v1/generate", json=body, timeout=GENERATION_S)
+    local = httpx.post(f"{served[0]}/v1/generate", json=body, timeout=GENERATION_S)
+    assert remote.status_code == local.status_code == 200, (remote.text, local.text)
+    assert np.abs(_png(remote.json()["images"][0]).astype(int)
+                  - _png(local.json()["images"][0])).max() <= 1
+    assert remote.json()["routing"] == local.json()["routing"]
 
 
 def test_the_openai_image_api_answers_its_schema(served):
@@ -175,8 +196,9 @@ def test_given_latents_are_the_initial_noise(served, in_process):
 
 
 @pytest.mark.parametrize("route,body,problem", [
-    ("/v1/generate", {"labels": [1]}, "this DDM is conditioned on text: send prompts, not "
-                                      "labels"),
+    ("/v1/generate", {"labels": [1]}, "prompts: Field required"),
+    ("/v1/generate", {"labels": [1], "prompts": ["a"]},
+     "this DDM is conditioned on text: send prompts, not labels"),
     (IMAGES, {"prompt": "a", "latents": _npy(np.zeros((1, 4, 4, 4), np.float32))},
      "latents must be float32 of shape (1, 4, 8, 8), got float32 (1, 4, 4, 4)"),
     (IMAGES, {"prompt": "a", "n": 2, "latents": _npy(np.zeros((1, 4, 8, 8), np.float32))},
@@ -200,6 +222,10 @@ def test_the_stream_previews_latents_in_rgb_then_sends_the_decoded_image(served)
     assert [name for name, _ in events] == ["encoded", "step", "step", "step", "done"]
     assert events[0][1] == {"truncated": [0]}
     assert all(_png(data["image"]).shape == (8, 8, 3) for _, data in events[1:4])
+    for name, data in events:  # as the OpenAPI document says (schemathesis reads it so)
+        (schema,) = [e["properties"]["data"]["contentSchema"] for e in STREAM_EVENT_SCHEMA["oneOf"]
+                     if e["properties"]["event"]["const"] == name]
+        jsonschema.validate(data, schema)
     done = events[-1][1]
     assert done["prompt"] == "a red car" and "label" not in done
     assert _png(done["image"]).shape == (16, 16, 3)

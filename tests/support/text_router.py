@@ -1,6 +1,6 @@
 """A tiny Paris DDM served as a router serves one: each expert on an expert server of its own
-(guidance inside), the text encoder, decoder and router network loaded in the router, all on
-loopback in this process."""
+(guidance inside), the text encoder, decoder and router network loaded in the router or each
+on a stage server of its own, all on loopback in this process."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Iterator, Mapping
 
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.expert.server import create_expert_app
+from ddm.serving.expert.stage_server import create_stage_app
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.paris_release import write_paris_release
@@ -19,17 +20,22 @@ from tests.support.text_stages import write_paris_stages
 EXPERTS = 2
 
 
-def text_config(stages: Path, experts: Mapping[str, str]) -> RouterConfigFile:
+#: router.yaml's stages besides the experts -> their directories (and roles) in the stages.
+STAGES = {"text_encoder": "text_encoder", "decoder": "decoder", "router_network": "router"}
+
+
+def text_config(stages: Path, experts: Mapping[str, str],
+                apart: Mapping[str, str] | None = None) -> RouterConfigFile:
     """router.yaml for the tiny Paris DDM at ``stages``: its experts at ``experts`` (name:
-    host:port), the other stages in the router."""
+    host:port), the other stages at ``apart`` (name: host:port) or in the router."""
+    apart = apart or {}
     return RouterConfigFile.from_dict({
         "experts": [{"name": name, "discovery": {"endpoints": [endpoint]}}
                     for name, endpoint in experts.items()],
         "conditioning": "text", "sampling": {"steps": 4, "strategy": "top2",
                                              "guidance_scale": 7.5},
-        "text_encoder": {"checkpoint": str(stages / "text_encoder")},
-        "decoder": {"checkpoint": str(stages / "decoder")},
-        "router_network": {"checkpoint": str(stages / "router")}})
+        **{name: {"endpoints": [apart[name]]} if name in apart
+           else {"checkpoint": str(stages / directory)} for name, directory in STAGES.items()}})
 
 
 def paris_stages(root: Path) -> Path:
@@ -38,17 +44,23 @@ def paris_stages(root: Path) -> Path:
 
 
 @contextmanager
-def served_text_ddm(root: Path) -> Iterator[tuple[str, Path]]:
-    """Serve a tiny Paris DDM made under ``root``; yields the router's base URL (ready) and
-    the stage checkpoints' root."""
+def served_text_ddm(root: Path, stages_apart: bool = False) -> Iterator[tuple[str, Path]]:
+    """Serve a tiny Paris DDM made under ``root`` (``stages_apart``: its text encoder, decoder
+    and router network each on a stage server); yields the router's base URL (ready) and the
+    stage checkpoints' root."""
     stages = paris_stages(root)
     with ExitStack() as stack:
-        experts = {}
-        for k in range(EXPERTS):
-            base = stack.enter_context(running(create_expert_app(stages / f"expert_{k}",
-                                                                 "torch", max_batch=8)))
+        def serve(app) -> str:
+            base = stack.enter_context(running(app))
             wait_ready(base)
-            experts[f"expert_{k}"] = base.removeprefix("http://")
-        router = stack.enter_context(running(create_router_app(text_config(stages, experts))))
+            return base.removeprefix("http://")
+
+        experts = {f"expert_{k}": serve(create_expert_app(stages / f"expert_{k}", "torch",
+                                                          max_batch=8))
+                   for k in range(EXPERTS)}
+        apart = {name: serve(create_stage_app(stages / directory, directory))
+                 for name, directory in STAGES.items()} if stages_apart else {}
+        router = stack.enter_context(running(create_router_app(
+            text_config(stages, experts, apart))))
         wait_ready(router)
         yield router, stages

@@ -41,7 +41,7 @@ def paris(release):
 
 @pytest.fixture(scope="module")
 def mixture(release, paris, tmp_path_factory) -> RemoteMixture:
-    root = write_paris_stages(release, tmp_path_factory.mktemp("stages"))
+    root = write_paris_stages(release, tmp_path_factory.mktemp("stages") / "ddm")
     stages = LocalStages(*(load_stage(root / role) for role in ("text_encoder", "decoder",
                                                                  "router")))
     return RemoteMixture(paris.expert_names, ((),) * len(paris.expert_names), None,

@@ -131,6 +131,9 @@ class ExpertInfo:
     wire_dtype: str = "float32"
     #: Its router-network output index (a text expert's cluster); None where not declared.
     cluster: int | None = None
+    #: The convention its network was trained in (``ours``, ``flow-match-N``), which its
+    #: server converts from, and which picks a text DDM's time grid; None: not said.
+    network_convention: str | None = None
 
     @property
     def rows_per_call(self) -> int:
@@ -195,7 +198,7 @@ class ExpertInfo:
                    convention=_text(raw, "convention"), partition=partition,
                    serves=_text(raw, "serves"), about=ExpertAbout.from_json(raw),
                    conditioning=conditioning, text_width=text_width, wire_dtype=wire_dtype,
-                   cluster=cluster)
+                   cluster=cluster, network_convention=_text(raw, "network_convention"))
 
 
 def hash_scheme(scheme: Any) -> str | None:

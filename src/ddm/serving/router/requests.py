@@ -31,6 +31,10 @@ from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.serving.router.info import has_router_network
 
+#: The schema of a field this DDM takes none of (a label DDM's prompts, a text DDM's labels):
+#: nothing matches it. The field stays, so that a request sending it is told why it is refused
+#: (:func:`ddm.sampling.loop.check_request`) rather than that the field is unknown.
+_NONE = {"not": {}}
 #: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
 MAX_STRATEGY_CHARS = 32
 _ORACLE_ONLY = r"^oracle$"
@@ -98,8 +102,10 @@ class GenerateResponse(BaseModel):
     seconds: float = Field(description="time spent generating")
 
 
-def _event(name: str, fields: dict[str, Any]) -> dict[str, Any]:
-    data = {"type": "object", "required": list(fields), "properties": fields}
+def _event(name: str, fields: dict[str, Any], optional: tuple[str, ...] = ()
+           ) -> dict[str, Any]:
+    data = {"type": "object", "required": [f for f in fields if f not in optional],
+            "properties": fields}
     return {"type": "object", "required": ["event", "data"],
             "properties": {"event": {"const": name},
                            "data": {"type": "string", "contentMediaType": "application/json",
@@ -126,7 +132,8 @@ STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
                     "routing": {"type": "array", "items": _INT}, "expert_calls": _INT,
                     "round_trips": _INT, "rerouted": {"type": "array", "items": _INT},
                     "waited_s": {"type": "number"}, "steps": _INT, "strategy": _STR,
-                    "solver": _STR, "delegate_steps": _INT, "seconds": {"type": "number"}}),
+                    "solver": _STR, "delegate_steps": _INT, "seconds": {"type": "number"}},
+           optional=("label", "prompt")),  # a label DDM's image has a label, a text DDM's a prompt
     _event("failure", {"status": _INT, "detail": _STR, "expert": _STR})]}
 
 
@@ -186,15 +193,17 @@ def request_models(config: RouterConfigFile
                                         description="steps per integrate request to an expert "
                                                     "when one expert is selected; 0 or 1: off")
         guidance_scale: float = Field(
-            defaults.guidance_scale, ge=0, le=MAX_GUIDANCE_SCALE,
+            defaults.guidance_scale, **({"ge": 0, "le": MAX_GUIDANCE_SCALE} if text else {}),
+            json_schema_extra=None if text else {"minimum": 1, "maximum": 1},
             description="classifier-free guidance scale (text DDMs; 1: unguided, the only "
                         "value for labels), applied inside each expert")
         guidance_cutoff: float = Field(defaults.guidance_cutoff, gt=0, le=1,
                                        description="the fraction of the steps guided (text "
                                                    "DDMs); later steps run unguided")
         negative_prompt: Prompt | None = Field(
-            None, description="text DDMs: its embedding replaces the empty prompt's as the "
-                              "unguided half of guidance")
+            None, json_schema_extra=None if text else _NONE,
+            description="text DDMs: its embedding replaces the empty prompt's as the "
+                        "unguided half of guidance")
 
         @field_validator("strategy", mode="plain")
         @classmethod
@@ -220,11 +229,15 @@ def request_models(config: RouterConfigFile
         # Strict, as the schema is: "2", 2.5 and true are not integers (2.0 is, see Integer).
         model_config = ConfigDict(extra="forbid", strict=True)
 
-        labels: list[Integer] = Field([], max_length=limits.max_batch,
-                                      json_schema_extra={"items": label_schema},
-                                      description="a label DDM: one image per label")
-        prompts: list[Prompt] = Field([], max_length=limits.max_batch,
-                                      description="a text DDM: one image per prompt")
+        labels: list[Integer] = Field(
+            [] if text else ..., max_length=limits.max_batch,
+            **({} if text else {"min_length": 1}),
+            json_schema_extra=_NONE if text else {"items": label_schema},
+            description="a label DDM: one image per label")
+        prompts: list[Prompt] = Field(
+            ... if text else [], max_length=limits.max_batch,
+            **({"min_length": 1} if text else {}), json_schema_extra=None if text else _NONE,
+            description="a text DDM: one image per prompt")
 
         @field_validator("labels")
         @classmethod
@@ -232,10 +245,13 @@ def request_models(config: RouterConfigFile
             return in_classes(value) if value else value
 
     class StreamQuery(Sampling):
-        label: int | None = Field(None, json_schema_extra={
-            k: v for k, v in label_schema.items() if k != "type"},
+        label: int | None = Field(
+            None if text else ..., json_schema_extra=_NONE if text else {
+                k: v for k, v in label_schema.items() if k != "type"},
             description="a label DDM: the image's label")
-        prompt: Prompt | None = Field(None, description="a text DDM: the image's prompt")
+        prompt: Prompt | None = Field(... if text else None,
+                                      json_schema_extra=None if text else _NONE,
+                                      description="a text DDM: the image's prompt")
 
         @field_validator("label")
         @classmethod

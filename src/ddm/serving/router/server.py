@@ -197,7 +197,9 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                                  headers={"Cache-Control": "no-store"},
                                  background=BackgroundTask(body.aclose))
 
+    # Documented for a text DDM only: a label DDM refuses every prompt (a 422 saying so).
     @app.post("/v1/images/generations", response_model=ImagesResponse,
+              include_in_schema=config.conditioning == TEXT,
               responses=_errors(400, 413, 415, 422, 429, 502, 503, auth=auth))
     async def images(body: images_body,  # type: ignore[valid-type]
                      http: Request) -> dict[str, Any]:

@@ -365,7 +365,7 @@ def _grid(infos: Mapping[str, ExpertInfo | None], network_convention: str | None
     """A text DDM's time grid: FlowMatchEulerDiscrete's where its networks were trained on
     it (the router network's declared convention, or the experts' reported one), else ours."""
     conventions = {network_convention,
-                   *(info.convention for info in infos.values() if info is not None)}
+                   *(info.network_convention for info in infos.values() if info is not None)}
     return TimeGrid("flow-match" if any((c or "").startswith(FLOW_MATCH_PREFIX)
                                         for c in conventions) else "uniform")
 
