@@ -15,7 +15,10 @@ with one CPU thread, then ``ddm serve router``), it measures the figures of the 
    without (``--max-batch 1``), through the router and straight to each expert; target: >= 4x;
 5. body bytes per step (request and reply) over raw tensor bytes; target: <= 1.02;
 6. round trips and time per image with ``delegate_steps``, and the shipped classifier's accuracy
-   of per-step routing against delegation; target: within 1 point.
+   of per-step routing against delegation; target: within 1 point;
+7. a text DDM's bytes per step with and without the context cache (target: a step within 5%
+   of the latent's bytes), guided vs unguided time per step, and the decode stage's share of a
+   generation (:mod:`benchmarks.text_serving`).
 
 Every process (both deployments and the reference servers) starts at once and idles while the
 others are measured, so that ratios compare numbers taken under the same conditions. In-process
@@ -57,6 +60,7 @@ from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
 from ddm.serving.router.pool import KEEP_ALIVE_S
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
+from benchmarks.text_serving import text_figures, text_summary_lines
 
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
 STRATEGY = "top1"
@@ -470,11 +474,21 @@ def _decode_pngs(encoded: Sequence[str]) -> np.ndarray:
 
 
 def bench_serve_command(steps: int = 40, quick: bool = False, as_json: bool = False,
-                        out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
-    """``python -m benchmarks serve``: the results as JSON (``as_json``) or a summary on ``out``."""
-    result = run_bench(BenchSettings(steps=steps, quick=quick), log)
+                        out: TextIO = sys.stdout, log: TextIO = sys.stderr,
+                        text_only: bool = False) -> int:
+    """``python -m benchmarks serve``: the results as JSON (``as_json``) or a summary on ``out``;
+    ``text_only``: the text DDM's figures alone."""
+    settings = BenchSettings(steps=steps, quick=quick)
+    text_steps = min(steps, 30)
+    if text_only:
+        result = {"machine": machine(), **text_figures(text_steps, settings.rounds, log)}
+        print(json.dumps(result, indent=2) if as_json else "\n".join(text_summary_lines(result)),
+              file=out)
+        return 0
+    result = run_bench(settings, log)
+    result.update(text_figures(text_steps, settings.rounds, log))
     if as_json:
         print(json.dumps(result, indent=2), file=out)
     else:
-        print("\n".join(summary_lines(result)), file=out)
+        print("\n".join(summary_lines(result) + text_summary_lines(result)), file=out)
     return 0

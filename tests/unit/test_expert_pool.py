@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
+from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
 from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
@@ -165,7 +166,8 @@ def expert_b(smoke_expert_checkpoint: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def local_velocity(smoke_expert_checkpoint: Path):
-    return expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+    velocity = expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+    return lambda x, t, cond: velocity(x, t, cond.labels)
 
 
 def test_dns_discovered_replica_answers_like_the_local_model(expert_a, local_velocity):
@@ -279,7 +281,7 @@ def test_a_4xx_is_the_callers_fault_and_is_not_retried(expert_a, expert_b):
         async with ExpertPool({"e": static_endpoints([expert_a, expert_b])}, FAST) as pool:
             with pytest.raises(ExpertRejected) as caught:
                 x, t, _ = _inputs(2, seed=0)
-                await pool.velocity("e", x, t, np.array([1, 7]))  # it serves 0-4
+                await pool.velocity("e", x, t, Conditioning.from_labels([1, 7]))  # it serves 0-4
             return caught.value, pool.metrics
 
     error, metrics = asyncio.run(scenario())
@@ -418,10 +420,11 @@ def _served(endpoint: str) -> float:
         r'^ddm_expert_images_total\{kind="velocity"\} (\S+)$', text, re.MULTILINE))
 
 
-def _inputs(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _inputs(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray, Conditioning]:
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((batch, *SHAPE), dtype=np.float32),
-            rng.uniform(0, 1, batch).astype(np.float32), rng.integers(0, 5, batch))
+            rng.uniform(0, 1, batch).astype(np.float32),
+            Conditioning.from_labels(rng.integers(0, 5, batch)))
 
 
 async def _until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:
