@@ -177,7 +177,7 @@ def load_flax_expert(directory: str | Path) -> tuple[PixArtForward, dict[str, An
     from safetensors.flax import load_file
 
     from ddm.models.paris_loading import read_component_config
-    from ddm.models.stages import one_safetensors
+    from ddm.checkpoints.format import one_safetensors
 
     root = Path(directory)
     config = read_component_config(root)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from ddm.checkpoints.format import CheckpointError
+from ddm.checkpoints.format import CheckpointError, one_safetensors
 from ddm.checkpoints.importers import Component, write_import
 from ddm.deploy.imported import (
     DECODER_DIR,
@@ -40,7 +40,6 @@ from ddm.models.stages import (
     DEFAULT_ROUTING,
     DEFAULT_STEPS,
     check_stage_shapes,
-    one_safetensors,
 )
 
 #: The files of a Hugging Face CLIP tokenizer that the import carries, where present.

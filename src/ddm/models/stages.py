@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ddm.checkpoints.declared import DDM_KEY
-from ddm.checkpoints.format import CheckpointError, check_sha256
+from ddm.checkpoints.format import CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
 from ddm.deploy import limits
 from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
@@ -489,10 +489,6 @@ def _flax_pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | No
     gives ``(forward(latents, text, timestep) -> output NumPy, its diffusers config)``."""
     from ddm.models import flax_pixart
 
-    if not hasattr(flax_pixart, "load_flax_expert"):
-        raise CheckpointError("the jax backend for pixart experts needs "
-                              "ddm.models.flax_pixart.load_flax_expert, which this build "
-                              "lacks; serve it with --backend torch")
     if dtype is not None:
         raise CheckpointError("the jax pixart expert runs in its stored dtype; --precision "
                               "is for the torch backend")
@@ -602,15 +598,6 @@ def _class_family(config: Mapping[str, Any]) -> str | None:
     return next((_CLASS_FAMILIES[n] for n in names if n in _CLASS_FAMILIES), None)
 
 
-def one_safetensors(directory: Path) -> Path:
-    """The one safetensors file of a library's component directory (never pickled weights)."""
-    files = sorted(directory.glob("*.safetensors"))
-    if len(files) != 1:
-        pickled = sorted(p.name for p in directory.glob("*.bin"))
-        hint = f" (pickled weights {pickled} are never loaded)" if pickled else ""
-        raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
-                              f"{[f.name for f in files]}{hint}")
-    return files[0]
 
 
 def _ints(values: Sequence[Any]) -> bool:
