@@ -91,14 +91,16 @@ MAX_EXPERT_INFO_DEPTH = 8
 MAX_EXPERT_INFO_BYTES = 1024 * 1024
 MAX_EXPERT_PROBE_BYTES = 16 * 1024
 
-#: Accelerator types, the frameworks an expert is trained in, and the expert server backends.
+#: Accelerator types, the frameworks an expert is trained in (a stage's, an exported program's),
+#: and the expert server's ``--backend`` choices. (In-process loading adds ``native``, the
+#: checkpoint's own framework: ``ddm.models.loading.LOAD_BACKENDS``.)
 ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
 NEURON_UNITS = ("device", "core")
 FRAMEWORKS = ("torch", "jax")
 EXPERT_BACKENDS = ("torch", "jax", "neuron")
 #: (accelerator type, framework) -> the expert server's ``--backend`` and ``--device`` (None:
 #: the backend picks its device); a missing pair is not supported.
-BACKENDS: dict[tuple[str, str], tuple[str, str | None]] = {
+BACKEND_BY_ACCELERATOR: dict[tuple[str, str], tuple[str, str | None]] = {
     ("cpu", "torch"): ("torch", "cpu"),
     ("cpu", "jax"): ("jax", "cpu"),
     ("nvidia", "torch"): ("torch", "cuda"),
