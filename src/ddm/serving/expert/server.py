@@ -49,7 +49,8 @@ from starlette.types import ASGIApp
 
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
                                     read_meta)
-from ddm.deploy.limits import MAX_STEPS
+from ddm.deploy.limits import (MAX_STEPS, SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS,
+                               SERVER_MAX_PENDING)
 from ddm.experts.check import behaviour_data, check_network, require_passing
 from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
@@ -67,21 +68,11 @@ from ddm.serving.termination import fail_start
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH = 64
-#: No waiting by default: requests that arrive while the model is busy already form the next
-#: batch, and a router stepping alone would otherwise pay the whole delay at every step
-#: (measured: +1 ms or more per batch-1 step at 1 ms, with no clear throughput gain).
-DEFAULT_MAX_DELAY_MS = 0.0
 #: Solver steps of an integration that run as one model-thread job: a velocity call arriving
 #: meanwhile waits for at most this many (Heun: twice as many model calls), not the whole grid.
 #: Each slice costs one batcher job (a thread hop); on the shared test VM, 1000 steps of the
 #: smoke model took 4.2-5.9 s whole and 4.2-7.7 s in slices, within its noise.
 INTEGRATE_SLICE_STEPS = 16
-#: Grid intervals one integrate request may ask for (as many as a DDM may sample with).
-DEFAULT_MAX_STEPS = MAX_STEPS
-#: Requests admitted at once, queued or running: four full batches of one-row requests from
-#: routers stepping concurrently, and at most that many bodies buffered.
-DEFAULT_MAX_PENDING = 256
 
 #: ``(checkpoint, backend, device, max_batch, compile_cache) -> Backend``; replaceable to serve
 #: a custom backend.
@@ -144,9 +135,9 @@ class _Expert:
 
 
 def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
-                      device: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                      max_delay_ms: float = DEFAULT_MAX_DELAY_MS, *,
-                      max_steps: int = DEFAULT_MAX_STEPS, max_pending: int = DEFAULT_MAX_PENDING,
+                      device: str | None = None, max_batch: int = SERVER_MAX_BATCH,
+                      max_delay_ms: float = SERVER_MAX_DELAY_MS, *,
+                      max_steps: int = MAX_STEPS, max_pending: int = SERVER_MAX_PENDING,
                       compile_cache: Path | None = None, loader: BackendLoader = load_backend,
                       on_failure: Callable[[str], None] | None = None,
                       draining: Callable[[], bool] | None = None,
@@ -203,10 +194,10 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
 
 def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
                  backend: str = "torch", device: str | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, max_delay_ms: float = DEFAULT_MAX_DELAY_MS,
+                 max_batch: int = SERVER_MAX_BATCH, max_delay_ms: float = SERVER_MAX_DELAY_MS,
                  log_level: str = "info", compile_cache: Path | None = None, *,
-                 max_steps: int = DEFAULT_MAX_STEPS,
-                 max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0,
+                 max_steps: int = MAX_STEPS,
+                 max_pending: int = SERVER_MAX_PENDING, drain_s: float = 0.0,
                  api_docs: bool = False,
                  auth_token_file: str | os.PathLike[str] | None = None,
                  metrics_port: int | None = None, precision: str | None = None,

@@ -39,7 +39,8 @@ from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import TEXT, Conditioning
 from ddm.convention import CONVENTION_NAME
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
-                               MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS)
+                               MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
+                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
 from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import DDM_KEY, Stage, StageDeclaration, load_stage
 from ddm.sampling.guidance import guided
@@ -164,9 +165,11 @@ class _StageServer:
 
 
 def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
-                     backend: str = "torch", device: str | None = None, max_batch: int = 64,
-                     max_delay_ms: float = 0.0, *, max_steps: int = MAX_STEPS,
-                     max_pending: int = 256, on_failure: Callable[[str], None] | None = None,
+                     backend: str = "torch", device: str | None = None,
+                     max_batch: int = SERVER_MAX_BATCH,
+                     max_delay_ms: float = SERVER_MAX_DELAY_MS, *, max_steps: int = MAX_STEPS,
+                     max_pending: int = SERVER_MAX_PENDING,
+                     on_failure: Callable[[str], None] | None = None,
                      draining: Callable[[], bool] | None = None,
                      start_up: StartUp = asyncio.to_thread, api_docs: bool = False,
                      auth_token_file: str | os.PathLike[str] | None = None,
