@@ -28,7 +28,6 @@ from ddm.operator.scaler import FIELD_MANAGER
 from ddm.serving.router.demand import DemandMeter
 from tests.support.operator_process import install_crd
 
-pytestmark = pytest.mark.cluster
 GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
 ROUTER_IP = "127.0.0.7"  # a loopback address of its own: the "pod" the scaler scrapes
 NAME, SCALED = "scaled", "a"
