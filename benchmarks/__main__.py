@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every figure as JSON (progress goes to stderr)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
     p.add_argument("--steps", type=int, default=40, help="denoising steps per generation")
+    p.add_argument("--text-only", action="store_true",
+                   help="only the text DDM's figures (context bytes, guidance, decode share)")
     p.set_defaults(handler=_bench_serve)
 
     p = kinds.add_parser("calls", help="one batch-1 expert call's cost beyond the model and "
@@ -31,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
                                        "trees side by side")
     p.add_argument("trees", nargs="+", help="checkouts whose expert servers to compare")
     p.set_defaults(handler=_bench_calls)
+
+    p = kinds.add_parser("router", help="the router's own CPU per one-step generation and per "
+                                        "/readyz, several source trees side by side over the "
+                                        "same MNIST experts")
+    p.add_argument("trees", nargs="+", help="checkouts whose routers to compare")
+    p.set_defaults(handler=_bench_router)
 
     p = kinds.add_parser("load", help="concurrent clients against a router on loopback for a "
                                       "bounded time: errors, throughput, latency, peak memory")
@@ -77,13 +85,20 @@ def _bench_scale_to_zero(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from benchmarks.serve import bench_serve_command
 
-    return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json)
+    return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json,
+                               text_only=args.text_only)
 
 
 def _bench_calls(args: argparse.Namespace) -> int:
     from benchmarks.calls import bench_calls_command
 
     return bench_calls_command(args.trees)
+
+
+def _bench_router(args: argparse.Namespace) -> int:
+    from benchmarks.router_cpu import bench_router_command
+
+    return bench_router_command(args.trees)
 
 
 def _bench_operator(args: argparse.Namespace) -> int:

@@ -79,7 +79,7 @@ def running_fleet(manifest: DDMManifest, workdir: Path, log: TextIO,
            servers: list[dict[str, Any]]) -> Iterator[Fleet]:
     """Start every process (experts first, as ``ddm up`` does), yield, then stop them all and
     record each one's pid, port and exit status in ``servers``."""
-    ports = _port_source()
+    ports = port_source()
     batched = _plan(manifest, BIG_BATCH, workdir, "batched", ports)
     unbatched = _plan(manifest, 1, workdir, "unbatched", ports)
     references, endpoints = _reference_specs(manifest, batched.experts[0].env, ports)
@@ -139,7 +139,7 @@ def _reference_specs(manifest: DDMManifest, env: tuple[tuple[str, str], ...],
     return specs, tuple(endpoints)
 
 
-def _port_source() -> Callable[[], int]:
+def port_source() -> Callable[[], int]:
     """Free loopback ports, never the same one twice."""
     taken: set[int] = set()
 

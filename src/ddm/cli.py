@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(commands)
     add_serve_commands(commands)
     _add_expert(commands)
+    _add_import(commands)
     _add_up(commands)
     _add_operator(commands)
     _add_fetch_checkpoint(commands)
@@ -481,12 +482,14 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
                                            "real-vs-real floor")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory with its monolith(s) and classifier "
-                        f"(default: the shipped {DEFAULT_DDM} DDM)")
+                        f"(default: the shipped {DEFAULT_DDM} DDM), or an imported text2img "
+                        "DDM (checkpoints/text2img: docs/quality-text2img.md)")
     p.add_argument("--data", default=None,
                    help="where the reference images are, e.g. mnist:DIR (default: the source "
                         "the classifier recorded)")
     p.add_argument("--n-per-label", type=int, default=20)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampling steps (default 40; a text2img DDM: its default, 30)")
     p.add_argument("--solver", default="euler", help="euler or heun")
     p.add_argument("--compare", type=Path, action="append", default=[], metavar="DIR",
                    help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
@@ -506,6 +509,7 @@ def _add_report(commands: argparse._SubParsersAction) -> None:
 
 def _report(args: argparse.Namespace) -> int:
     from ddm.evaluation.report import write_report
+    from ddm.evaluation.text2img_report import is_text2img
     from ddm.progress import progress_bar
 
     with progress_bar(None, "report runs", "run", args.quiet) as bar:
@@ -516,12 +520,31 @@ def _report(args: argparse.Namespace) -> int:
                 bar.update(1)
                 bar.set_postfix_str(line)
 
+        if args.checkpoints is not None and is_text2img(args.checkpoints):
+            path = _report_text2img(args, progress)
+            print(f"wrote {path}")
+            return 0
         path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
-                            steps=args.steps, out=args.out, solver=args.solver,
+                            steps=args.steps or 40, out=args.out, solver=args.solver,
                             data=args.data, compare=args.compare, cache=args.cache,
                             progress=progress)
     print(f"wrote {path}")
     return 0
+
+
+def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) -> Path:
+    """``ddm report --checkpoints DIR`` of an imported text2img DDM (docs/quality-text2img.md),
+    judged by the shipped MNIST classifier and the import's small CLIP."""
+    from ddm.checkpoints.discovery import shipped_checkpoints
+    from ddm.evaluation.text2img_report import mnist_directory, write_text2img_report
+    from ddm.models.text2img import DEFAULT_STEPS
+
+    if args.compare or args.cache or args.solver != "euler":
+        raise UserError("--compare, --cache and --solver are for label DDMs' reports")
+    classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
+    return write_text2img_report(args.checkpoints, args.out, classifier,
+                                 mnist_directory(classifier, args.data),
+                                 steps=args.steps or DEFAULT_STEPS, progress=progress)
 
 
 # -- expert -------------------------------------------------------------------------------------
@@ -569,6 +592,56 @@ def _expert_check(args: argparse.Namespace) -> int:
     for verdict in verdicts:
         print(verdict.line())
     return EXIT_FAILURE if any(v.failed for v in verdicts) else 0
+
+
+# -- import ----------------------------------------------------------------------------------
+
+def _add_import(commands: argparse._SubParsersAction) -> None:
+    from ddm.deploy.limits import ACCELERATOR_TYPES, PRECISIONS
+
+    p = commands.add_parser("import", help="convert a DDM published in another layout into our "
+                                           "stage checkpoints and a DDMDeployment (ddm.yaml) "
+                                           "that ddm up and the operator serve")
+    sources = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
+    paris = sources.add_parser("paris", help="a Paris release directory (expert_0..N-1, router, "
+                                             "vae, text_encoder, tokenizer): docs/paris.md")
+    paris.add_argument("release", type=Path, help="the release's directory")
+    paris.set_defaults(handler=_import_paris)
+    for source in (paris,):
+        source.add_argument("--out", type=Path, required=True,
+                            help="the new directory to write (refused if it exists)")
+        source.add_argument("--name", default="paris",
+                            help="the DDMDeployment's name in ddm.yaml (default %(default)s)")
+        source.add_argument("--accelerator", default="cpu", type=_accelerators,
+                            metavar="TYPE[,TYPE...]",
+                            help=f"where the stages run ({', '.join(ACCELERATOR_TYPES)}): "
+                                 "experts cycle through the list (nvidia,neuron alternates "
+                                 "them); the text encoder, decoder and router network run on "
+                                 "the first, in pods of their own (in the router on cpu)")
+        source.add_argument("--precision", choices=PRECISIONS, default=None,
+                            help="the dtype every stage's server casts its weights to "
+                                 "(default: as stored)")
+        source.add_argument("--checkpoint-base", default=None, metavar="URI/",
+                            help="where the DDM reads the written directory from, e.g. "
+                                 "pvc://models/paris/ after copying it there (default: "
+                                 "file:// and its absolute path)")
+
+
+def _accelerators(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(","))
+
+
+def _import_paris(args: argparse.Namespace) -> int:
+    from ddm.models.paris_import import import_paris
+
+    try:
+        out = import_paris(args.release, args.out, name=args.name,
+                           accelerators=args.accelerator, precision=args.precision,
+                           checkpoint_base=args.checkpoint_base)
+    except FileExistsError as exc:
+        raise UserError(str(exc)) from None
+    print(f"imported {args.release} into {out}; serve it with: ddm up {out}/ddm.yaml")
+    return 0
 
 
 # -- local runtime ------------------------------------------------------------------------------

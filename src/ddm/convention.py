@@ -221,3 +221,38 @@ class TimeGrid:
         if self.kind == "uniform":
             return time_grid(steps)
         return flow_match_sigma_grid(steps, self.shift).times
+
+
+@dataclass(frozen=True)
+class ScaledTimeNetwork:
+    """What a network trained in our convention declares: its time input is
+    ``t * timestep_scale`` (our ``t``, 0 noise) and its output is our velocity itself."""
+
+    timestep_scale: float = TIME_EMBEDDING_SCALE
+
+    def timestep(self, t: np.ndarray) -> np.ndarray:
+        """Our ``t`` (B,) -> the network's time input (B,) float32."""
+        return np.asarray(t, np.float32) * np.float32(self.timestep_scale)
+
+    def velocity(self, output: np.ndarray) -> np.ndarray:
+        """The network's output is already our ``v = x1 - x0``."""
+        return np.asarray(output)
+
+
+#: How a stage checkpoint names its network's convention (``_ddm.convention``): ``ours``
+#: (also spelled :data:`CONVENTION_NAME`) or ``flow-match-N`` (FlowMatchEulerDiscrete, ``N``
+#: training timesteps).
+OURS, FLOW_MATCH_PREFIX = "ours", "flow-match-"
+NetworkConvention = ScaledTimeNetwork | FlowMatchNetwork
+
+
+def network_convention(name: str, timestep_scale: float = TIME_EMBEDDING_SCALE
+                       ) -> NetworkConvention:
+    """A declared convention name -> its exact conversion; ``ValueError`` for anything else."""
+    if name in (OURS, CONVENTION_NAME):
+        return ScaledTimeNetwork(timestep_scale)
+    steps = name.removeprefix(FLOW_MATCH_PREFIX)
+    if name.startswith(FLOW_MATCH_PREFIX) and steps.isdigit() and 0 < int(steps) <= 100_000:
+        return FlowMatchNetwork(int(steps))
+    raise ValueError(f"unknown network convention {name!r}; known: {OURS!r} and "
+                     f"'{FLOW_MATCH_PREFIX}N' (e.g. 'flow-match-1000')")

@@ -84,6 +84,27 @@ def test_experts_listed_in_partition_order_make_the_router_ready(experts):
         assert _problems_once_known(base) == (200, [])
 
 
+def test_the_router_works_out_its_mixture_once_per_change_of_its_experts_reports(experts):
+    """Generations, streams and probes read what the router made of the reports (the checks
+    hash every partition) and make it again only when a report changes."""
+    app = _router(experts, [("first", "low", LOW), ("second", "high", HIGH)])
+    with running(app) as base:
+        assert _problems_once_known(base) == (200, [])
+        router = app.state.router
+        made = router.mixture()
+        for _ in range(2):
+            assert httpx.post(f"{base}/v1/generate", json={"labels": [3], "steps": 1}
+                              ).status_code == 200
+            assert httpx.get(f"{base}/readyz").status_code == 200
+        assert router.mixture() is made
+        replica = router.pool.replicas("first")[0]
+        # what the prober stores when a restarted replica reports something new
+        replica.info = dataclasses.replace(replica.info, image_shape=(1, 8, 8))
+        reply = httpx.get(f"{base}/readyz")
+        assert reply.status_code == 503
+        assert reply.json()["problems"][0].startswith("image shapes disagree")
+
+
 def test_experts_listed_out_of_order_keep_the_router_unready_and_idle(experts):
     """Classes listed to match, so only the partition says the order is wrong: the network's
     output 0 is the expert of labels 0-4, and top-1 would silently send 0s to the 5-9 expert."""

@@ -16,6 +16,7 @@ from ddm.cli import main
 from ddm.training.text2img.clip import contrastive_loss
 from ddm.training.text2img.tokenizer import build_tokenizer, tokenize
 from tests.support.bars_mnist import write_bars_mnist
+from tests.support.text2img_smoke import train_smoke_text2img
 
 
 def test_tokenizer_wraps_lowercases_pads_and_truncates_as_clip(tmp_path: Path) -> None:
@@ -44,16 +45,7 @@ def test_contrastive_loss_counts_repeated_captions_as_positives() -> None:
 
 @pytest.fixture(scope="module")
 def smoke_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    base = tmp_path_factory.mktemp("text2img")
-    write_bars_mnist(base / "mnist", per_class=4)
-    root = base / "ddm"
-    stages = [["tokenizer"], ["clip"], ["vae"], ["partition"], ["latents"]] + [
-        ["expert", "--index", str(i)] for i in range(4)] + [["router"], ["monolith"]]
-    for stage in stages:
-        assert main(["train", "text2img", *stage, "--mnist", str(base / "mnist"), "--root",
-                     str(root), "--size", "smoke", "--steps", "1", "--batch-size", "4",
-                     "--quiet"]) == 0
-    return base / "mnist", root
+    return train_smoke_text2img(tmp_path_factory.mktemp("text2img"))
 
 
 def test_stages_write_diffusers_layout_and_index(smoke_root: tuple[Path, Path]) -> None:

@@ -129,15 +129,25 @@ def compare_fd(a: Row, b: Row, a_name: str, b_name: str) -> str:
     """Which of two rows has the lower Frechet distance, judged run by run: the rows share
     each run's labels, noise and real subset, so the per-run difference cancels the subset's
     noise (the floor's spread) that a comparison of the two means would carry."""
-    differences = np.subtract(a.summary["fd"]["values"], b.summary["fd"]["values"])
-    lower, runs = int((differences < 0).sum()), len(differences)
+    return paired_verdict(a.summary["fd"]["values"], b.summary["fd"]["values"], a_name, b_name)
+
+
+def paired_verdict(a: Sequence[float], b: Sequence[float], a_name: str, b_name: str,
+                   lower_is_better: bool = True, digits: int = 2) -> str:
+    """Which of two configurations scores better, run by run (``a[i]`` and ``b[i]`` share
+    run ``i``'s inputs): better only where it is so in every run."""
+    differences = np.subtract(a, b)
+    word = "lower" if lower_is_better else "higher"
+    better = int(((differences < 0) if lower_is_better else (differences > 0)).sum())
+    worse = int(((differences > 0) if lower_is_better else (differences < 0)).sum())
+    runs = len(differences)
     spread = float(differences.std(ddof=1)) if runs > 1 else 0.0
-    paired = f"per run {differences.mean():+.2f} +/- {spread:.2f}"
-    if lower == runs:
-        return f"{a_name} is better, lower in all {runs} runs ({paired})"
-    if lower == 0:
-        return f"{b_name} is better, lower in all {runs} runs ({paired})"
-    return f"no consistent difference, {a_name} lower in {lower} of {runs} runs ({paired})"
+    paired = f"per run {differences.mean():+.{digits}f} +/- {spread:.{digits}f}"
+    if better == runs:
+        return f"{a_name} is better, {word} in all {runs} runs ({paired})"
+    if worse == runs:
+        return f"{b_name} is better, {word} in all {runs} runs ({paired})"
+    return f"no consistent difference, {a_name} {word} in {better} of {runs} runs ({paired})"
 
 
 def expert_parity(checkpoints: Path, seed: int = 0) -> dict[str, float]:
@@ -253,11 +263,11 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
     source = checkpoints or default_checkpoints()
     classifier = discover(source)["classifier"][0]
     judge = load_judge(classifier, data)
-    compared = [(_shown(path), load_ddm(path)) for path in compare]  # fail before sampling
+    compared = [(shown_path(path), load_ddm(path)) for path in compare]  # fail before sampling
     runs = RunCache(cache, progress)
     rows = quality_rows(source, judge, n_per_label, steps, solver, compared, runs)
     recorded = read_meta(classifier).data
-    settings = {"checkpoints": _shown(source), "n_per_label": n_per_label,
+    settings = {"checkpoints": shown_path(source), "n_per_label": n_per_label,
                 "reference": data or recorded.get("source", "digits"),
                 "classifier_split": recorded.get("split", "heldout"),
                 "n": judge.classifier.config.num_classes * n_per_label, "steps": steps,
@@ -271,7 +281,7 @@ def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Pa
     return out
 
 
-def _shown(path: Path) -> Path:
+def shown_path(path: Path) -> Path:
     """``path`` relative to the working directory when inside it: the report is committed,
     and the machine's absolute paths say nothing to its readers."""
     try:

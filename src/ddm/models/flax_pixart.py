@@ -14,16 +14,25 @@ Parameter paths follow diffusers' keys: ``transformer_blocks.N.attn1.to_q.weight
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddm.checkpoints.format import CheckpointError, check_weight_shapes
+from ddm.models.text2img import EXPERT_CLASS_NAME
+
 #: diffusers' ``AdaLayerNormSingle`` time projection width and LayerNorm epsilon.
 TIME_PROJECTION_DIM = 256
 NORM_EPS = 1e-6
+#: ``forward(latents (B, C, S, S), text (B, L, D), timestep (B,)) -> (B, C, S, S)`` float32
+#: NumPy, the timestep as the diffusers model takes it.
+PixArtForward = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+#: The smallest batch an expert compiles for; larger ones are rounded up to a power of two.
+MIN_BUCKET = 8
 
 
 def _layer_norm(x: jax.Array) -> jax.Array:
@@ -158,3 +167,55 @@ def torch_from_params(params: Mapping[str, Any], keys: list[str]) -> dict[str, n
         out[key] = (value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T) \
             if path[-1] == "kernel" else value
     return out
+
+
+def load_flax_expert(directory: str | Path) -> tuple[PixArtForward, dict[str, Any]]:
+    """A diffusers PixArt directory (config.json + one safetensors file) on JAX: its forward,
+    in the network's own convention (:mod:`ddm.models.stages` converts at the edge), and its
+    diffusers config. The weights are converted exactly (:func:`params_from_torch`) and must
+    be exactly the network's tensors; the network computes in float32."""
+    from safetensors.flax import load_file
+
+    from ddm.models.paris_loading import read_component_config
+    from ddm.checkpoints.format import one_safetensors
+
+    root = Path(directory)
+    config = read_component_config(root)
+    if config.get("_class_name") != EXPERT_CLASS_NAME:
+        raise CheckpointError(f"{root}: the jax backend runs {EXPERT_CLASS_NAME} experts, "
+                              f"not {config.get('_class_name')!r}")
+    network = FlaxPixArt({k: v for k, v in config.items() if not k.startswith("_")})
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32),
+                                    params_from_torch(load_file(str(one_safetensors(root)))))
+    c = network.config
+    expected = jax.eval_shape(network.init, jax.random.PRNGKey(0),
+                              jnp.zeros((1, c["in_channels"], c["sample_size"],
+                                         c["sample_size"])),
+                              jnp.zeros((1, 1, c["caption_channels"])), jnp.zeros(1))["params"]
+    check_weight_shapes(root, _shapes(expected), _leaves(params))
+    apply = jax.jit(lambda p, x, text, timestep: network.apply({"params": p}, x, text, timestep))
+
+    def forward(latents: np.ndarray, text: np.ndarray, timestep: np.ndarray) -> np.ndarray:
+        rows = len(latents)
+        inputs = [_padded(np.asarray(a, np.float32), rows) for a in (latents, text, timestep)]
+        return np.asarray(apply(params, *inputs), dtype=np.float32)[:rows]
+
+    return forward, dict(config)
+
+
+def _padded(array: np.ndarray, rows: int) -> np.ndarray:
+    """``array`` with zero rows appended up to the next power of two (at least
+    :data:`MIN_BUCKET`): a routed expert sees a different number of rows at every step, and
+    each new shape would compile anew."""
+    bucket = max(MIN_BUCKET, 1 << max(rows - 1, 0).bit_length())
+    return np.concatenate([array, np.zeros((bucket - rows, *array.shape[1:]), array.dtype)])
+
+
+def _leaves(tree: Any) -> dict[str, Any]:
+    """``{"['transformer_blocks_0']['attn1_to_q']['kernel']": array}``: a tree's leaves by path."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {jax.tree_util.keystr(path): leaf for path, leaf in flat}
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(leaf.shape) for name, leaf in _leaves(tree).items()}

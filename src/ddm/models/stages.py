@@ -1,46 +1,91 @@
 """The stages of a text-conditioned latent DDM, each a model loaded by role from its own
 component directory (after diffusers' ``model_index.json``): the text encoder (transformers'
-CLIPTokenizer + CLIPTextModel), the experts and router network, the decoder (diffusers'
-AutoencoderKL). :class:`TextDDM` bundles them for the in-process driver
-(:mod:`ddm.sampling.pipeline`); each stage is a NumPy callable, so it can move to a server.
+tokenizer + CLIPTextModel), the experts and router network, the decoder (diffusers'
+AutoencoderKL). :func:`load_stage` loads one directory by the role and family its config.json
+declares under ``"_ddm"``; :func:`load_text_ddm` bundles a root of them as a :class:`TextDDM`
+for the in-process driver (:mod:`ddm.sampling.pipeline`). Each stage is a NumPy callable in our
+convention (conversions at its edge), so it can move to a server.
 
-Weights keep the dtype they were saved in; every stage answers float32 NumPy arrays.
-Only safetensors files are read (``use_safetensors=True``): loading runs no code.
+Weights keep the dtype they were saved in unless a precision is asked for; every stage answers
+float32 NumPy arrays. Only safetensors files are read (``use_safetensors=True``): loading runs
+no code.
+
+Families: ``paris-dit`` / ``paris-router`` (:mod:`ddm.models.paris_loading`), ``pixart``
+(diffusers' PixArtTransformer2DModel), ``latent-router`` (:class:`~ddm.models.latent_router.
+LatentRouter`), ``clip-text`` (CLIPTextModel and its tokenizer in the same directory),
+``autoencoder-kl``. diffusers' DiTTransformer2DModel takes class labels, not text, so it is no
+family here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from safetensors import safe_open
 
-from ddm.checkpoints.format import CheckpointError
+from ddm.checkpoints.declared import DDM_KEY
+from ddm.checkpoints.format import CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
-from ddm.convention import TimeGrid
+from ddm.deploy import limits
+from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
+from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
+                            network_convention)
+from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
+                                      read_component_config, weight_file)
 
 #: ``forward(x (B, C, H, W) f32, t (B,) f32 ours, cond) -> v (B, C, H, W) f32``: an expert's
 #: unguided velocity in our convention (guidance wraps it: :mod:`ddm.sampling.guidance`).
 ConditionedVelocity = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: ``router(x (B, C, H, W), t (B,) ours, cond) -> probabilities (B, K)``.
 ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
+#: ``router(x (B, C, H, W), t (B,) ours) -> probabilities (B, K)``: a router network sees no
+#: prompt.
+RouterProbabilities = Callable[[np.ndarray, np.ndarray], np.ndarray]
+
+ROLES = ("expert", "router", "text_encoder", "decoder")
+#: family -> the role its networks play.
+FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
+            "latent-router": "router", "clip-text": "text_encoder",
+            "autoencoder-kl": "decoder"}
+#: A family's library class name (config.json's ``_class_name`` or ``architectures``), which
+#: names the family where ``_ddm`` does not (the text2img training's components).
+_CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent-router",
+                   "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
+#: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
+PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
+BACKENDS = ("torch", "jax")
+
+
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """A text encoder's answer: the prompts' :class:`Conditioning` and ``tokens_cut`` (B,)
+    int64, the tokens truncation dropped from each (0: the prompt fit), so that the API can
+    say a prompt was too long."""
+
+    cond: Conditioning
+    tokens_cut: np.ndarray
 
 
 class ClipTextEncoder:
     """``prompts`` -> text :class:`Conditioning`: CLIP's last hidden state (B, L, D) and the
-    tokens' attention mask, each prompt padded and truncated to the tokenizer's length (77).
-    The model sees no mask (as Stable Diffusion and Paris run CLIP); no pooled vector is kept
-    (Paris's experts take none)."""
+    tokens' attention mask, each prompt padded and truncated to the tokenizer's length (77 for
+    CLIP). The model sees no mask (as Stable Diffusion and Paris run CLIP); no pooled vector is
+    kept (Paris's experts take none). The tokenizer is ``AutoTokenizer``'s, so a CLIPTokenizer
+    and a plain ``PreTrainedTokenizerFast`` both load."""
 
-    def __init__(self, tokenizer: Path, text_encoder: Path, device: str = "cpu") -> None:
-        from transformers import CLIPTextModel, CLIPTokenizer
+    def __init__(self, tokenizer: Path, text_encoder: Path, device: str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
+        from transformers import AutoTokenizer, CLIPTextModel
 
-        self.tokenizer = CLIPTokenizer.from_pretrained(tokenizer)
-        self.model = CLIPTextModel.from_pretrained(text_encoder, use_safetensors=True,
-                                                   dtype="auto").to(device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.model = CLIPTextModel.from_pretrained(
+            text_encoder, use_safetensors=True,
+            dtype=dtype or stored_dtype(text_encoder)).to(device).eval()
         self.device = device
 
     @property
@@ -48,30 +93,47 @@ class ClipTextEncoder:
         """``D``, the embedding width."""
         return int(self.model.config.hidden_size)
 
+    @property
+    def length(self) -> int:
+        """``L``, the tokens every prompt is padded or cut to."""
+        return int(self.tokenizer.model_max_length)
+
     @torch.no_grad()
     def __call__(self, prompts: Sequence[str]) -> Conditioning:
-        tokens = self.tokenizer(list(prompts), max_length=self.tokenizer.model_max_length,
-                                padding="max_length", truncation=True, return_tensors="pt")
+        tokens = self.tokenizer(list(prompts), max_length=self.length, padding="max_length",
+                                truncation=True, return_tensors="pt")
         hidden = self.model(tokens.input_ids.to(self.device)).last_hidden_state
         return Conditioning(embeddings=hidden.float().cpu().numpy(),
                             mask=tokens.attention_mask.numpy().astype(np.int64))
+
+    def tokens_cut(self, prompts: Sequence[str]) -> np.ndarray:
+        """(B,) int64: how many tokens truncation drops from each prompt (CLIP keeps the
+        first ``L``, special tokens included)."""
+        ids = self.tokenizer(list(prompts), truncation=False).input_ids
+        return np.array([max(0, len(row) - self.length) for row in ids], np.int64)
 
 
 class VaeDecoder:
     """Latents (B, C, S, S) -> images (B, 3, H, W) float32 in ``[-1, 1]``: diffusers'
     ``AutoencoderKL.decode(latents / scaling_factor)``, in the weights' own dtype."""
 
-    def __init__(self, directory: Path, device: str = "cpu") -> None:
+    def __init__(self, directory: Path, device: str = "cpu",
+                 dtype: torch.dtype | None = None) -> None:
         from diffusers import AutoencoderKL
 
         self.model = AutoencoderKL.from_pretrained(
-            directory, use_safetensors=True, torch_dtype=stored_dtype(directory)
+            directory, use_safetensors=True, torch_dtype=dtype or stored_dtype(directory)
         ).to(device).eval()
         self.device = device
 
     @property
     def latent_channels(self) -> int:
         return int(self.model.config.latent_channels)
+
+    @property
+    def upsampling(self) -> int:
+        """Image side / latent side."""
+        return 2 ** (len(self.model.config.block_out_channels) - 1)
 
     @torch.no_grad()
     def __call__(self, latents: np.ndarray) -> np.ndarray:
@@ -101,19 +163,442 @@ class TextDDM:
     strategy: str
 
 
+@dataclass(frozen=True)
+class StageDeclaration:
+    """A component's ``_ddm`` block, checked; sizes the library config determines are filled
+    in by :func:`load_stage` (``latent_shape`` (C, S, S), ``text_width`` D)."""
+
+    role: str
+    family: str
+    convention: str | None = None
+    latent_shape: tuple[int, int, int] | None = None
+    text_width: int | None = None
+    cluster: int | None = None
+    weights_sha256: str | None = None
+
+    @classmethod
+    def from_config(cls, directory: Path, config: Mapping[str, Any]) -> StageDeclaration:
+        """Parse ``config[DDM_KEY]``; the family may instead come from the library class name.
+        Other ``_ddm`` keys (provenance: training settings, partition hashes) are kept out."""
+        block = config.get(DDM_KEY)
+        if not isinstance(block, dict):
+            raise CheckpointError(f"{directory}/config.json declares no {DDM_KEY!r} object "
+                                  "(role, family, convention): `ddm import` writes it")
+        role = block.get("role")
+        if role not in ROLES:
+            raise CheckpointError(f"{directory}: {DDM_KEY}.role is {role!r}; expected one of "
+                                  f"{', '.join(ROLES)}")
+        family = block.get("family", _class_family(config))
+        if family not in FAMILIES:
+            raise CheckpointError(f"{directory}: {DDM_KEY}.family is {family!r}; expected one "
+                                  f"of {', '.join(FAMILIES)}")
+        if FAMILIES[family] != role:
+            raise CheckpointError(f"{directory}: a {family} network plays the role "
+                                  f"{FAMILIES[family]}, not {role}")
+        convention = block.get("convention")
+        if role in ("expert", "router"):
+            if not isinstance(convention, str):
+                raise CheckpointError(f"{directory}: an {role} must declare {DDM_KEY}."
+                                      "convention ('ours' or 'flow-match-1000')")
+            try:
+                network_convention(convention)
+            except ValueError as exc:
+                raise CheckpointError(f"{directory}: {exc}") from None
+        shape = block.get("latent_shape")
+        if shape is not None and not (
+                isinstance(shape, list) and len(shape) == 3 and _ints(shape)
+                and 0 < shape[0] <= MAX_IMAGE_CHANNELS and 0 < shape[1] <= MAX_IMAGE_SIDE
+                and shape[1] == shape[2]):
+            raise CheckpointError(f"{directory}: {DDM_KEY}.latent_shape must be [C, S, S] with "
+                                  f"C <= {MAX_IMAGE_CHANNELS}, S <= {MAX_IMAGE_SIDE}; got "
+                                  f"{shape!r}")
+        width, cluster = block.get("text_width"), block.get("cluster")
+        for name, value, top in (("text_width", width, MAX_TEXT_WIDTH), ("cluster", cluster,
+                                                                          1 << 16)):
+            if value is not None and not (_ints([value]) and 0 <= value <= top):
+                raise CheckpointError(f"{directory}: {DDM_KEY}.{name} must be an integer in "
+                                      f"0..{top}; got {value!r}")
+        digest = block.get("weights_sha256")
+        if digest is not None and not (isinstance(digest, str)
+                                       and re.fullmatch(r"[0-9a-f]{64}", digest)):
+            raise CheckpointError(f"{directory}: {DDM_KEY}.weights_sha256 must be 64 "
+                                  "lower-case hex digits")
+        return cls(role=role, family=family, convention=convention,
+                   latent_shape=None if shape is None else (shape[0], shape[1], shape[2]),
+                   text_width=width, cluster=cluster, weights_sha256=digest)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One loaded stage: its declaration (sizes filled in), the dtype its weights run in
+    (a :data:`PRECISIONS` name) and its NumPy callable, by role:
+
+    * expert: ``(x, t, cond) -> v`` (:data:`ConditionedVelocity`, unguided);
+    * router: ``(x, t) -> probabilities (B, K)``;
+    * text_encoder: ``(prompts) -> Conditioning``, with ``tokens_cut(prompts) -> (B,)``;
+    * decoder: ``(latents) -> images (B, 3, H, W)`` in ``[-1, 1]``; ``image_shape`` (3, H, W).
+    """
+
+    declaration: StageDeclaration
+    dtype: str
+    forward: Callable[..., Any]
+    image_shape: tuple[int, int, int] | None = None
+    tokens_cut: Callable[[Sequence[str]], np.ndarray] | None = field(default=None, repr=False)
+    #: The router network's number of clusters (router stages).
+    clusters: int | None = None
+
+    @property
+    def role(self) -> str:
+        return self.declaration.role
+
+
+def load_stage(directory: str | Path, dtype: str | None = None, device: str = "cpu",
+               backend: str = "torch") -> Stage:
+    """Load the stage checkpoint at ``directory`` by its declared role and family, its weights
+    cast to ``dtype`` (a :data:`PRECISIONS` name; None: as stored), on ``device``. Raises a
+    ``CheckpointError`` naming what is missing, undeclared or inconsistent."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+    config = read_component_config(path)
+    declared = StageDeclaration.from_config(path, config)
+    if dtype is not None and dtype not in PRECISIONS:
+        raise CheckpointError(f"unknown precision {dtype!r}; expected one of "
+                              f"{', '.join(PRECISIONS)}")
+    if backend not in BACKENDS:
+        raise CheckpointError(f"unknown backend {backend!r}; expected one of "
+                              f"{', '.join(BACKENDS)}")
+    if backend == "jax" and declared.family != "pixart":
+        raise CheckpointError(f"{path}: the jax backend serves pixart experts only, not "
+                              f"{declared.family}")
+    if declared.weights_sha256 is not None:
+        weights = (weight_file(path) if declared.family.startswith("paris-")
+                   else one_safetensors(path))
+        check_sha256(path, weights.name, declared.weights_sha256)
+    return load_declared(path, declared, dtype, device, backend)
+
+
+def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = None,
+                  device: str = "cpu", backend: str = "torch") -> Stage:
+    """Load ``path`` as ``declared`` says (a release's component that declares nothing
+    itself, e.g. Paris's); what it states must match the network."""
+    torch_dtype = None if dtype is None else PRECISIONS[dtype]
+    stage = _LOADERS[declared.family](path, declared, torch_dtype, device, backend)
+    _check_declared(path, declared, stage.declaration)
+    return stage
+
+
+def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
+                  backends: Sequence[str] = ("torch",),
+                  experts: Sequence[str] | None = None) -> TextDDM:
+    """A directory of stage checkpoints (``expert_0 .. expert_N-1/``, ``router/`` unless one
+    expert, ``text_encoder/``, ``decoder/`` or ``vae/``) -> a :class:`TextDDM` in this process.
+    The state shape and text width are checked across stages; experts must declare one
+    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match).
+    Expert ``k`` runs on ``backends[k % len(backends)]`` (``("torch", "jax")`` alternates);
+    ``experts`` names other subdirectories to load as the experts (``("monolith",)``)."""
+    path = Path(root)
+    if not backends:
+        raise CheckpointError("backends must name at least one of " + ", ".join(BACKENDS))
+    names = expert_directories(path) if experts is None else list(experts)
+    stages = [load_stage(path / name, dtype, device, backends[k % len(backends)])
+              for k, name in enumerate(names)]
+    router = load_stage(path / "router", dtype, device) if len(names) > 1 else None
+    encoder = load_stage(path / "text_encoder", dtype, device)
+    decoder_dir = next((path / d for d in ("decoder", "vae") if (path / d).is_dir()), None)
+    decoder = None if decoder_dir is None else load_stage(decoder_dir, dtype, device)
+    return assemble_text_ddm(path, names, stages, router, encoder, decoder)
+
+
+def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],
+                      router: Stage | None, encoder: Stage, decoder: Stage | None) -> TextDDM:
+    """Loaded stages -> a :class:`TextDDM`, their shapes checked; the defaults come from
+    ``root``'s config.json where it has Paris's keys."""
+    latent_shape = check_stage_shapes(root, experts, router, encoder, decoder)
+    conventions = {network_convention(e.declaration.convention or "") for e in experts}
+    if len(conventions) != 1:
+        raise CheckpointError(f"{root}: the experts declare different conventions")
+    settings = read_component_config(root)
+    return TextDDM(
+        expert_names=tuple(names), experts=tuple(e.forward for e in experts),
+        router=(None if router is None or len(experts) == 1 else
+                (lambda x, t, _cond, network=router.forward: network(x, t))),
+        encode=encoder.forward, decode=None if decoder is None else decoder.forward,
+        null=encoder.forward([""]), latent_shape=latent_shape,
+        grid=TimeGrid("flow-match" if isinstance(conventions.pop(), FlowMatchNetwork)
+                      else "uniform"),
+        guidance_scale=float(settings.get("cfg_scale", DEFAULT_GUIDANCE)),
+        steps=int(settings.get("num_inference_steps", DEFAULT_STEPS)),
+        strategy=str(settings.get("routing", DEFAULT_ROUTING)))
+
+
+#: A DDM's sampler settings where its root config.json says nothing (Paris's port's).
+DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_ROUTING = 7.5, 50, "top2"
+_EXPERT_DIR = re.compile(r"expert_(\d+)")
+
+
+def expert_directories(root: Path) -> list[str]:
+    """``expert_0 .. expert_N-1``, the names of ``root``'s expert subdirectories in order."""
+    indices = sorted(int(m.group(1)) for p in root.iterdir()
+                     if p.is_dir() and (m := _EXPERT_DIR.fullmatch(p.name)))
+    if indices != list(range(len(indices))) or not indices:
+        raise CheckpointError(f"{root} must hold expert_0 .. expert_N-1, found experts "
+                              f"{indices}")
+    return [f"expert_{k}" for k in indices]
+
+
+def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | None,
+                       encoder: Stage | None, decoder: Stage | None) -> tuple[int, int, int]:
+    """The state's (C, S, S), the same for every expert, the router and the decoder (its
+    channels; its side where declared), and the text width the experts and encoder share."""
+    shapes = {f"expert_{k}": e.declaration.latent_shape for k, e in enumerate(experts)}
+    if router is not None:
+        shapes["router"] = router.declaration.latent_shape
+        if router.clusters != len(experts):
+            raise CheckpointError(f"{root}: the router network has {router.clusters} clusters "
+                                  f"for {len(experts)} experts")
+    if len(set(shapes.values())) != 1:
+        raise CheckpointError(f"{root}: the stages disagree on the latent shape (C, S, S): "
+                              f"{shapes}")
+    latent_shape = shapes["expert_0"]
+    assert latent_shape is not None, "every expert and router family fills it in"
+    if decoder is not None:
+        decoded = decoder.declaration.latent_shape
+        assert decoded is not None, "the decoder's loader fills it in"
+        if decoded[0] != latent_shape[0]:
+            raise CheckpointError(f"{root}: the decoder takes {decoded[0]}-channel latents, "
+                                  f"the experts make {latent_shape[0]}")
+    widths = {e.declaration.text_width for e in experts}
+    if encoder is not None and widths != {encoder.declaration.text_width}:
+        raise CheckpointError(f"{root}: the text encoder's width is "
+                              f"{encoder.declaration.text_width}, the experts take "
+                              f"{sorted(widths)}")
+    return latent_shape
+
+
 def stored_dtype(directory: Path) -> torch.dtype:
     """The one floating dtype of a diffusers component's safetensors weights."""
-    files = sorted(directory.glob("*.safetensors"))
-    if len(files) != 1:
-        raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
-                              f"{[f.name for f in files]}")
-    with safe_open(str(files[0]), framework="pt") as weights:
+    path = one_safetensors(directory)
+    with safe_open(str(path), framework="pt") as weights:
         dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
     floating = {_SAFETENSORS_DTYPES[d] for d in dtypes if d in _SAFETENSORS_DTYPES}
     if len(floating) != 1:
-        raise CheckpointError(f"{files[0]} holds weights of dtypes {sorted(dtypes)}; "
+        raise CheckpointError(f"{path} holds weights of dtypes {sorted(dtypes)}; "
                               "expected one of F32, BF16, F16")
     return floating.pop()
 
 
+def precision_name(dtype: torch.dtype) -> str:
+    """A torch floating dtype -> its :data:`PRECISIONS` name."""
+    return next(name for name, value in PRECISIONS.items() if value == dtype)
+
+
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+# Conversions at a network's edge: our (x, t, cond) in, our velocity out --------------------
+
+def network_velocity(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                     like: torch.Tensor, convention: NetworkConvention) -> ConditionedVelocity:
+    """An expert network ``run(x, timestep, embeddings) -> output`` (tensors in the weights'
+    dtype and device, timestep float32) as our unguided velocity."""
+
+    @torch.no_grad()
+    def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
+        if cond.embeddings is None:
+            raise ValueError("a text expert is conditioned on text embeddings, not labels")
+        output = run(_tensor(x, like), _tensor(convention.timestep(t), like, torch.float32),
+                     _tensor(cond.embeddings, like))
+        return np.asarray(convention.velocity(output.float().cpu().numpy()), np.float32)
+
+    return velocity
+
+
+def network_probabilities(run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                          like: torch.Tensor, timestep: Callable[[np.ndarray], np.ndarray]
+                          ) -> RouterProbabilities:
+    """A router network ``run(x, timestep) -> logits`` as ``(x, t) -> softmax (B, K)``."""
+
+    @torch.no_grad()
+    def probabilities(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        logits = run(_tensor(x, like), _tensor(timestep(t), like, torch.float32))
+        return torch.softmax(logits.float(), dim=-1).cpu().numpy()
+
+    return probabilities
+
+
+def _tensor(array: np.ndarray, like: torch.Tensor,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(array)).to(like.device, dtype or like.dtype)
+
+
+# One loader per family ---------------------------------------------------------------------
+
+def _paris_expert(path: Path, declared: StageDeclaration, dtype: torch.dtype | None,
+                  device: str, backend: str) -> Stage:
+    network = load_paris_expert(path, dtype).to(device)
+    _check_outputs(path, network.config.in_channels, network.config.out_channels)
+    return _stage(declared, network, paris_expert_velocity(network, _convention(declared)),
+                  latent=(network.config.in_channels, network.config.input_size),
+                  text_width=network.config.text_embed_dim)
+
+
+def _paris_router(path: Path, declared: StageDeclaration, dtype: torch.dtype | None,
+                  device: str, backend: str) -> Stage:
+    network = load_paris_router(path, dtype).to(device)
+    stage = _stage(declared, network,
+                   paris_router_probabilities(network, _convention(declared)),
+                   latent=(network.config.in_channels, network.config.input_size))
+    return _with_clusters(stage, network.config.num_clusters)
+
+
+def paris_expert_velocity(network: torch.nn.Module, convention: NetworkConvention
+                          ) -> ConditionedVelocity:
+    """A Paris expert ``(x, timestep, text)`` as our unguided velocity."""
+    return network_velocity(network, next(network.parameters()), convention)
+
+
+def paris_router_probabilities(network: torch.nn.Module, convention: NetworkConvention
+                               ) -> RouterProbabilities:
+    """A Paris router network ``(x, timestep)`` as our cluster probabilities."""
+    return network_probabilities(network, next(network.parameters()), convention.timestep)
+
+
+def _pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | None, device: str,
+            backend: str) -> Stage:
+    from diffusers import PixArtTransformer2DModel
+
+    if backend == "jax":
+        return _flax_pixart(path, declared, dtype)
+    model = PixArtTransformer2DModel.from_pretrained(
+        path, use_safetensors=True, torch_dtype=dtype or stored_dtype(path)).to(device).eval()
+    config = model.config
+    _check_outputs(path, config.in_channels, config.out_channels)
+
+    def run(x: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return model(x, encoder_hidden_states=text, timestep=timestep,
+                     added_cond_kwargs={"resolution": None, "aspect_ratio": None}).sample
+
+    velocity = network_velocity(run, next(model.parameters()), _convention(declared))
+    return _stage(declared, model, velocity, latent=(config.in_channels, config.sample_size),
+                  text_width=config.caption_channels)
+
+
+def _flax_pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | None) -> Stage:
+    """The pixart expert on JAX: ``ddm.models.flax_pixart.load_flax_expert(directory)``
+    gives ``(forward(latents, text, timestep) -> output NumPy, its diffusers config)``."""
+    from ddm.models import flax_pixart
+
+    if dtype is not None:
+        raise CheckpointError("the jax pixart expert runs in its stored dtype; --precision "
+                              "is for the torch backend")
+    forward, config = flax_pixart.load_flax_expert(path)
+    convention = _convention(declared)
+
+    def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
+        if cond.embeddings is None:
+            raise ValueError("a text expert is conditioned on text embeddings, not labels")
+        output = forward(np.asarray(x, np.float32), np.asarray(cond.embeddings, np.float32),
+                         convention.timestep(t))
+        return np.asarray(convention.velocity(np.asarray(output, np.float32)), np.float32)
+
+    filled = _filled(declared, latent=(config["in_channels"], config["sample_size"]),
+                     text_width=config["caption_channels"])
+    return Stage(filled, precision_name(stored_dtype(path)), velocity)
+
+
+def _latent_router(path: Path, declared: StageDeclaration, dtype: torch.dtype | None,
+                   device: str, backend: str) -> Stage:
+    from ddm.models.latent_router import LatentRouter
+
+    if not isinstance(_convention(declared), ScaledTimeNetwork):
+        raise CheckpointError(f"{path}: a latent-router sees our time t (it scales it "
+                              "itself): its convention must be 'ours'")
+    model = LatentRouter.from_pretrained(path, use_safetensors=True,
+                                         torch_dtype=dtype or stored_dtype(path))
+    model = model.to(device).eval()
+    stage = _stage(declared, model, network_probabilities(
+        model, next(model.parameters()), lambda t: np.asarray(t, np.float32)),
+        latent=(model.config.in_channels, model.config.input_size))
+    return _with_clusters(stage, model.config.num_clusters)
+
+
+def _clip_text(path: Path, declared: StageDeclaration, dtype: torch.dtype | None, device: str,
+               backend: str) -> Stage:
+    try:
+        encoder = ClipTextEncoder(path, path, device, dtype)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: a clip-text stage holds CLIPTextModel and its "
+                              f"tokenizer files: {exc}") from None
+    filled = _filled(declared, text_width=encoder.width)
+    return Stage(filled, precision_name(encoder.model.dtype), encoder,
+                 tokens_cut=encoder.tokens_cut)
+
+
+def _autoencoder_kl(path: Path, declared: StageDeclaration, dtype: torch.dtype | None,
+                    device: str, backend: str) -> Stage:
+    decoder = VaeDecoder(path, device, dtype)
+    config = decoder.model.config
+    side = (declared.latent_shape[1] if declared.latent_shape is not None
+            else int(config.sample_size) // decoder.upsampling)
+    filled = _filled(declared, latent=(decoder.latent_channels, side))
+    return Stage(filled, precision_name(decoder.model.dtype), decoder,
+                 image_shape=(int(config.out_channels), side * decoder.upsampling,
+                              side * decoder.upsampling))
+
+
+_LOADERS: dict[str, Callable[[Path, StageDeclaration, torch.dtype | None, str, str], Stage]] = {
+    "paris-dit": _paris_expert, "paris-router": _paris_router, "pixart": _pixart,
+    "latent-router": _latent_router, "clip-text": _clip_text,
+    "autoencoder-kl": _autoencoder_kl}
+
+
+def _stage(declared: StageDeclaration, network: torch.nn.Module, forward: Callable[..., Any],
+           latent: tuple[int, int], text_width: int | None = None) -> Stage:
+    dtype = next(network.parameters()).dtype
+    return Stage(_filled(declared, latent, text_width), precision_name(dtype), forward)
+
+
+def _with_clusters(stage: Stage, clusters: int) -> Stage:
+    return Stage(stage.declaration, stage.dtype, stage.forward, clusters=int(clusters))
+
+
+def _filled(declared: StageDeclaration, latent: tuple[int, int] | None = None,
+            text_width: int | None = None) -> StageDeclaration:
+    """``declared`` with the sizes the library config determines."""
+    from dataclasses import replace
+
+    shape = None if latent is None else (int(latent[0]), int(latent[1]), int(latent[1]))
+    return replace(declared, latent_shape=shape or declared.latent_shape,
+                   text_width=declared.text_width if text_width is None else int(text_width))
+
+
+def _check_declared(path: Path, declared: StageDeclaration, loaded: StageDeclaration) -> None:
+    """What ``_ddm`` states must be what the weights and library config say."""
+    for name in ("latent_shape", "text_width"):
+        stated, actual = getattr(declared, name), getattr(loaded, name)
+        if stated is not None and stated != actual:
+            raise CheckpointError(f"{path}: {DDM_KEY}.{name} says {stated}, the network "
+                                  f"has {actual}")
+
+
+def _check_outputs(path: Path, channels: int, outputs: int) -> None:
+    if outputs != channels:
+        raise CheckpointError(f"{path}: the expert predicts {outputs} channels for "
+                              f"{channels}-channel latents (a learned sigma is not served)")
+
+
+def _convention(declared: StageDeclaration) -> NetworkConvention:
+    assert declared.convention is not None, "StageDeclaration requires it of experts, routers"
+    return network_convention(declared.convention)
+
+
+def _class_family(config: Mapping[str, Any]) -> str | None:
+    names = [config.get("_class_name"), *(config.get("architectures") or [])]
+    return next((_CLASS_FAMILIES[n] for n in names if n in _CLASS_FAMILIES), None)
+
+
+
+
+def _ints(values: Sequence[Any]) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) for v in values)

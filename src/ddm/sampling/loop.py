@@ -357,10 +357,31 @@ def _check_latents(mixture: Mixture, latents: np.ndarray | None, rows: int) -> N
 # ------------------------------------------------------------------------------- the loop
 
 
-def denoise(mixture: Mixture, request: SamplingRequest) -> Loop:
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request :func:`check_request` accepted for ``mixture``, and the labels it returned: a
+    driver that refuses a bad request before it starts (the router, with a 422) hands this to
+    :func:`denoise`, so that the request is checked once."""
+
+    mixture: Mixture
+    request: SamplingRequest
+    labels: np.ndarray
+
+
+def checked(mixture: Mixture, request: SamplingRequest) -> CheckedRequest:
+    """:func:`check_request`, its verdict kept for :func:`denoise` (a ``ValueError``: refused)."""
+    return CheckedRequest(mixture, request, check_request(mixture, request))
+
+
+def denoise(mixture: Mixture, request: SamplingRequest | CheckedRequest) -> Loop:
     """The loop from noise to data: yields queries, a :class:`StepEvent` per chunk and, where
-    the DDM has a decoder and images are asked for, a :class:`Decoded` at the end."""
-    y = check_request(mixture, request)
+    the DDM has a decoder and images are asked for, a :class:`Decoded` at the end. A
+    :class:`CheckedRequest` for this very ``mixture`` is not checked again."""
+    if isinstance(request, CheckedRequest) and request.mixture is mixture:
+        request, y = request.request, request.labels
+    else:
+        request = request.request if isinstance(request, CheckedRequest) else request
+        y = check_request(mixture, request)
     cond = yield from _conditioning(mixture, request, y)
     n = len(cond)
     grid = mixture.grid.times(request.steps)

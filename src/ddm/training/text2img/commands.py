@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddm.data.colored_mnist import ColoredDigits, load_colored_mnist
-from ddm.models.text2img import expert_convention, router_convention, sizes
+from ddm.models.text2img import expert_convention, expert_kwargs, router_convention, sizes
 from ddm.training.config import TrainConfig
 from ddm.training.resume import Resumable, state_directory
 from ddm.training.text2img import layout
@@ -66,7 +66,8 @@ def run_stage(stage: str, run: StageRun) -> Path:
     stages: dict[str, Callable[[StageRun], Path]] = {
         "tokenizer": tokenizer_stage, "clip": clip_stage, "vae": vae_stage,
         "partition": partition_stage, "latents": latents_stage, "expert": expert_stage,
-        "router": router_stage, "monolith": monolith_stage}
+        "router": router_stage, "monolith": monolith_stage,
+        "monolith-snapshot": monolith_snapshot_stage}
     if stage not in stages:
         raise ValueError(f"unknown text2img stage {stage!r}; known: {', '.join(stages)}")
     sizes(run.size)  # reject an unknown size before any work
@@ -194,6 +195,33 @@ def monolith_stage(run: StageRun) -> Path:
                        resumable, run.progress)
     return layout.save_component(model, run.root, layout.MONOLITH, _declared(
         run, resumable, expert_convention(), role="monolith"))
+
+
+def monolith_snapshot_stage(run: StageRun) -> Path:
+    """``monolith-snapshot/``: the EMA weights of the monolith's latest saved training state,
+    for comparisons while its (long) training still runs; its config declares the steps it
+    had (``trained_steps``) beside the planned ones (``train.steps``). Reads only."""
+    import json
+
+    import torch
+    from diffusers import PixArtTransformer2DModel
+
+    from ddm.training.resume import IDENTITY_FILE
+    from ddm.training.torch_loop import TORCH_STATE
+
+    saved = state_directory(run.root / layout.MONOLITH)
+    if not (saved / TORCH_STATE).is_file():
+        raise FileNotFoundError(f"{saved / TORCH_STATE} is missing: the monolith has saved no "
+                                "state yet")
+    state = torch.load(saved / TORCH_STATE, map_location="cpu", weights_only=True)
+    identity = json.loads((saved / IDENTITY_FILE).read_text())
+    text = json.loads((_component(run.root, layout.TEXT_ENCODER) / "config.json").read_text())
+    model = PixArtTransformer2DModel(**expert_kwargs(sizes(identity["size"]),
+                                                     text["hidden_size"]))
+    model.load_state_dict(state["ema"], strict=True)
+    return layout.save_component(model.eval(), run.root, layout.MONOLITH_SNAPSHOT, {
+        **expert_convention(), "role": "monolith", "size": identity["size"],
+        "train": identity["train"], "trained_steps": int(state["step"])})
 
 
 def router_stage(run: StageRun) -> Path:

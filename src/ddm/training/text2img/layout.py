@@ -17,7 +17,7 @@ from ddm.fileio import atomic_path
 from ddm.models.text2img import DDM_CONFIG_KEY
 
 TOKENIZER, CLIP, TEXT_ENCODER, VAE = "tokenizer", "clip", "text_encoder", "vae"
-ROUTER, MONOLITH = "router", "monolith"
+ROUTER, MONOLITH, MONOLITH_SNAPSHOT = "router", "monolith", "monolith-snapshot"
 LATENTS = "latents.safetensors"
 PARTITION = "partition.json"
 MODEL_INDEX = "model_index.json"

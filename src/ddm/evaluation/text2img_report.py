@@ -1,0 +1,300 @@
+"""``ddm report`` of the text-to-image DDM (docs/quality-text2img.md).
+
+Every run asks for the same prompts: "a {thick|thin} {colour} {digit}" for each digit and
+named colour, the thick and the thin prompt of a pair from the same noise, so a pair differs
+only in its stroke word. Rows differ only in the model, the routing and the guidance scale;
+each is run for every seed of ``SEEDS`` (noise and, for FD, the real subset), and compared
+run by run (paired verdicts). The first row is the real coloured test digits: the judges'
+ceiling and the FD floor at this size.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ddm.data.colored_mnist import COLOUR_NAMES, DIGIT_WORDS, ColoredDigits, load_colored_mnist
+from ddm.checkpoints.format import read_meta
+from ddm.evaluation.classifier import Classifier, load_classifier
+from ddm.evaluation.report import agreement_steps, paired_verdict, shown_path
+from ddm.evaluation.scoring import SEEDS, Judge, matched_subsets
+from ddm.evaluation.text2img_judges import ClipJudge, grey, ink_colours, ink_mass
+from ddm.fileio import atomic_path, check_output
+from ddm.models.paris_loading import read_component_config
+from ddm.models.stages import DDM_KEY, TextDDM, load_text_ddm
+from ddm.models.text2img import DEFAULT_GUIDANCE, DEFAULT_STRATEGY
+from ddm.sampling.pipeline import generate_text
+
+#: Guidance scales of the sweep, and the routings compared at the default scale (``random``:
+#: an expert per sample and step, drawn uniformly: the DDM paper's disaster baseline).
+SWEEP = (1.0, 2.0, 4.0, 7.5)
+ROUTINGS = ("top1", "top2", "ensemble", "random")
+STROKES = ("thick", "thin")
+COLUMNS = ("digit", "colour", "stroke", "fd", "clip_match", "clip_score")
+HEADINGS = ("digit acc.", "colour acc.", "thick > thin", "FD", "CLIP match", "CLIP score")
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The report's prompts, thick then thin of each (digit, colour) pair."""
+
+    text: tuple[str, ...]
+    digits: np.ndarray
+    colours: np.ndarray
+
+    @classmethod
+    def make(cls) -> Prompts:
+        rows = [(d, c, s) for d in range(len(DIGIT_WORDS)) for c in range(len(COLOUR_NAMES))
+                for s in STROKES]
+        return cls(tuple(f"a {s} {COLOUR_NAMES[c]} {DIGIT_WORDS[d]}" for d, c, s in rows),
+                   np.array([r[0] for r in rows]), np.array([r[1] for r in rows]))
+
+    def noise(self, shape: tuple[int, ...], seed: int) -> np.ndarray:
+        """``(N, *shape)`` float32: one draw per pair, shared by its thick and thin prompt."""
+        pairs = np.random.default_rng((seed, 23)).standard_normal((len(self.text) // 2,
+                                                                   *shape), np.float32)
+        return np.repeat(pairs, 2, axis=0)
+
+
+@dataclass
+class Row:
+    """One configuration: ``values[metric]`` has one entry per seed."""
+
+    model: str
+    routing: str
+    guidance: float | None
+    values: dict[str, list[float]] = field(default_factory=dict)
+    expert_calls: float = 0.0
+    cpu_seconds: float = 0.0
+    #: ``(steps, K)``: the fraction of images each expert ran for at each step (mean of runs)
+    usage: np.ndarray | None = None
+
+    def mean(self, metric: str) -> float:
+        return float(np.mean(self.values[metric]))
+
+
+@dataclass(frozen=True)
+class Judges:
+    classifier: Classifier
+    fd: Judge  # the classifier's features of the grey real test digits
+    clip: ClipJudge
+    real: ColoredDigits
+
+
+def score(judges: Judges, images: np.ndarray, prompts: Prompts, seed: int) -> dict[str, float]:
+    """Every metric of one run's images."""
+    greys = grey(images)
+    mass = ink_mass(images)
+    clip_score, clip_match = judges.clip.agreement(images, prompts.text, prompts.digits,
+                                                   prompts.colours)
+    return {"digit": float((judges.classifier.predict(greys) == prompts.digits).mean()),
+            "colour": float((ink_colours(images) == prompts.colours).mean()),
+            "stroke": float((mass[0::2] > mass[1::2]).mean()),
+            "fd": judges.fd.score(greys, prompts.digits, seed).fd,
+            "clip_match": clip_match, "clip_score": clip_score}
+
+
+def real_row(judges: Judges, prompts: Prompts) -> Row:
+    """Real test digits with the prompts' digit counts (FD: disjoint from the reference)."""
+    row = Row("real coloured test digits", "-", None)
+    started = time.process_time()
+    for seed in SEEDS:
+        real, _ = matched_subsets(judges.real.labels, prompts.digits, seed)
+        images = judges.real.images[real].transpose(0, 2, 3, 1)
+        colours, digits = judges.real.colours[real], judges.real.labels[real]
+        asked = [f"a {COLOUR_NAMES[c]} {DIGIT_WORDS[d]}" for d, c in zip(digits, colours)]
+        clip_score, clip_match = judges.clip.agreement(images, asked, digits, colours)
+        values = {"digit": float((judges.classifier.predict(grey(images)) == digits).mean()),
+                  "colour": float((ink_colours(images) == colours).mean()),
+                  "stroke": float("nan"), "fd": judges.fd.floor(prompts.digits, (seed,))[0].fd,
+                  "clip_match": clip_match, "clip_score": clip_score}
+        for metric, value in values.items():
+            row.values.setdefault(metric, []).append(value)
+    row.cpu_seconds = (time.process_time() - started) / len(SEEDS)
+    return row
+
+
+def sampled_row(ddm: TextDDM, model: str, routing: str, guidance: float, judges: Judges,
+                prompts: Prompts, steps: int,
+                progress: Callable[[str], None] | None = None) -> Row:
+    row = Row(model, routing, guidance)
+    usage, calls, cpu = [], [], []
+    for seed in SEEDS:
+        started = time.process_time()
+        out = generate_text(ddm, prompts.text, steps=steps, seed=seed, strategy=routing,
+                            guidance_scale=guidance,
+                            latents=prompts.noise(ddm.latent_shape, seed))
+        cpu.append(time.process_time() - started)
+        masks = out.usage.step_masks(steps)  # (N, steps) bit k: expert k ran
+        bits = np.left_shift(1, np.arange(len(ddm.expert_names)))
+        usage.append(((masks[:, :, None] & bits) > 0).mean(axis=0))
+        calls.append(float(out.expert_calls.mean()))
+        for metric, value in score(judges, out.images, prompts, seed).items():
+            row.values.setdefault(metric, []).append(value)
+        if progress is not None:
+            progress(f"{model} {routing} guidance {guidance:g} seed {seed}")
+    row.usage, row.expert_calls = np.mean(usage, axis=0), float(np.mean(calls))
+    row.cpu_seconds = float(np.mean(cpu))
+    return row
+
+
+def quality_rows(root: Path, judges: Judges, steps: int, backends: Sequence[str],
+                 progress: Callable[[str], None] | None = None) -> list[Row]:
+    """The floor, the guidance sweep at the default routing, each routing at the default
+    guidance, then the monolith (where ``root/monolith`` exists) at the default guidance."""
+    prompts = Prompts.make()
+    ddm = load_text_ddm(root, backends=backends)
+    name = f"DDM ({len(ddm.expert_names)} experts)"
+    rows = [real_row(judges, prompts)]
+    for guidance in SWEEP:
+        rows.append(sampled_row(ddm, name, DEFAULT_STRATEGY, guidance, judges, prompts, steps,
+                                progress))
+    for routing in ROUTINGS:
+        if routing != DEFAULT_STRATEGY:
+            rows.append(sampled_row(ddm, name, routing, DEFAULT_GUIDANCE, judges, prompts,
+                                    steps, progress))
+    if (root / "monolith").is_dir():
+        monolith = load_text_ddm(root, experts=("monolith",))
+        rows.append(sampled_row(monolith, monolith_name(root / "monolith"), "single model",
+                                DEFAULT_GUIDANCE, judges, prompts, steps, progress))
+    return rows
+
+
+def monolith_name(directory: Path) -> str:
+    """``monolith (12000 steps)``, or ``monolith (4700 of 12000 steps)`` for a snapshot of an
+    unfinished training (its config.json declares ``trained_steps``)."""
+    declared = read_component_config(directory).get(DDM_KEY, {})
+    planned = declared.get("train", {}).get("steps", "?")
+    trained = declared.get("trained_steps", planned)
+    return f"monolith ({trained} steps)" if trained == planned else (
+        f"monolith ({trained} of {planned} steps)")
+
+
+def load_judges(classifier: Path, mnist: Path, clip: Path, tokenizer: Path) -> Judges:
+    real = load_colored_mnist(mnist, "t10k")
+    judge = load_classifier(classifier)
+    return Judges(judge, Judge(judge, grey(real.images.transpose(0, 2, 3, 1)), real.labels),
+                  ClipJudge.load(clip, tokenizer), real)
+
+
+def render(rows: Sequence[Row], settings: dict[str, Any]) -> str:
+    header = ("| model | routing | guidance | " + " | ".join(HEADINGS)
+              + " | expert passes / image | sampling CPU s |")
+    lines = [
+        "# Generation quality of the text-to-image DDM (coloured MNIST)", "",
+        "Generated by `ddm report` (do not edit by hand). The DDM in "
+        f"`{settings['checkpoints']}` (experts {settings['backends']}) against its real test "
+        "digits and, where trained, the monolith: the experts' architecture trained on all the "
+        "data for the experts' total steps (equal training compute).", "",
+        f"Settings: {settings['n']} prompts per run, \"a {{thick|thin}} {{colour}} {{digit}}\" "
+        "for each digit (as a word) and each of the seven colours, the thick and thin prompt "
+        f"of a pair from the same noise; {len(SEEDS)} runs (seeds "
+        f"{', '.join(map(str, SEEDS))}), {settings['steps']} Euler steps, "
+        f"{settings['machine']}. Values are mean +/- standard deviation over the runs.", "",
+        "Digit acc.: our MNIST classifier (`" + settings["classifier"] + "`) reads the grey "
+        "image (each pixel's brightest channel) as the asked digit. Colour acc.: the named "
+        "colour nearest the mean chromaticity of the ink (pixels at half brightness or more) "
+        "is the asked one. Thick > thin: the fraction of pairs whose thick image has more ink "
+        "than its thin twin. FD: Frechet distance of the classifier's features (a space no "
+        "text2img model trained in) to a real subset of the coloured test digits with the "
+        "same digit counts; the first row is its floor (two disjoint real subsets). CLIP "
+        "match: the fraction of images whose nearest of the 70 prompts \"a {colour} {digit}\" "
+        "(the small CLIP's two towers) is the asked pair; CLIP score: the mean cosine of "
+        "image and prompt.", "",
+        header, "|---|---|---:|" + "---:|" * (len(COLUMNS) + 2)]
+    lines += [_table_row(r) for r in rows]
+    ddm_rows = [r for r in rows if r.model.startswith("DDM")]
+    default = next(r for r in ddm_rows if r.routing == DEFAULT_STRATEGY
+                   and r.guidance == DEFAULT_GUIDANCE)
+    unguided = next(r for r in ddm_rows if r.guidance == 1.0)
+    lines += ["", "## Verdicts (paired: each run's rows share prompts and noise)", "",
+              f"- Guidance: digit accuracy {unguided.mean('digit'):.3f} at guidance 1 -> "
+              f"{default.mean('digit'):.3f} at the default {DEFAULT_GUIDANCE:g}, "
+              f"{_verdict(default, unguided, 'digit', 'guided', 'unguided')}; colour "
+              f"accuracy {unguided.mean('colour'):.3f} -> {default.mean('colour'):.3f}, "
+              f"{_verdict(default, unguided, 'colour', 'guided', 'unguided')}."]
+    monolith = next((r for r in rows if r.model.startswith("monolith")), None)
+    for routing in ("top2", "top1"):
+        ddm = next(r for r in ddm_rows if r.routing == routing
+                   and r.guidance == DEFAULT_GUIDANCE)
+        if monolith is None:
+            lines.append(f"- DDM {routing} vs monolith: the monolith is not trained yet.")
+            continue
+        lines.append(f"- DDM {routing} vs the {monolith.model}: " + "; ".join(
+            f"{HEADINGS[COLUMNS.index(m)]} {ddm.mean(m):.3f} vs {monolith.mean(m):.3f}, "
+            f"{_verdict(ddm, monolith, m, 'the DDM', 'the monolith')}"
+            for m in ("fd", "digit", "colour", "clip_match")) + ".")
+    lines += ["", f"One image is {1 / settings['n']:.4f} of a run's accuracy; the FD floor "
+              "row gives the spread of FD between real subsets of this size.", "",
+              "## Expert usage per step", "",
+              "The fraction of images each expert ran for at a step (mean of the runs), at "
+              f"guidance {DEFAULT_GUIDANCE:g}:", ""]
+    for row in (r for r in ddm_rows if r.guidance == DEFAULT_GUIDANCE and r.usage is not None
+                and r.routing in ("top1", "top2")):
+        shown = agreement_steps(len(row.usage))
+        lines += [f"{row.routing}:", "", "| step | " + " | ".join(map(str, shown)) + " |",
+                  "|---|" + "---:|" * len(shown)]
+        lines += [f"| expert_{k} | " + " | ".join(f"{row.usage[s - 1, k]:.2f}" for s in shown)
+                  + " |" for k in range(row.usage.shape[1])]
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def is_text2img(root: Path) -> bool:
+    """Whether ``root`` is an imported text2img DDM (``ddm import text2img``)."""
+    return (root / "text_encoder").is_dir() and (root / "clip").is_dir()
+
+
+def mnist_directory(classifier: Path, data: str | None) -> Path:
+    """The MNIST IDX directory of ``data`` (``mnist:DIR``), else the one the classifier
+    learned from; the coloured test digits are built from its test part."""
+    source = data or read_meta(classifier).data.get("source", "")
+    if not source.startswith("mnist:"):
+        raise ValueError(f"the text2img report needs MNIST's IDX files: pass --data mnist:DIR "
+                         f"(the classifier recorded {source!r})")
+    return Path(source.removeprefix("mnist:"))
+
+
+def write_text2img_report(root: Path, out: Path, classifier: Path, mnist: Path,
+                          clip: Path | None = None, steps: int = 30,
+                          backends: Sequence[str] = ("torch", "jax"),
+                          progress: Callable[[str], None] | None = None) -> Path:
+    """Sample every row, score it, and write the Markdown table to ``out``."""
+    check_output(out, ".md", "--out")  # before the sampling, not after
+    judges = load_judges(classifier, mnist, clip or root / "clip", root / "text_encoder")
+    rows = quality_rows(root, judges, steps, backends, progress)
+    settings = {"checkpoints": shown_path(root), "backends": " / ".join(
+                    f"expert_{k}: {backends[k % len(backends)]}" for k in range(4)),
+                "n": len(Prompts.make().text), "steps": steps,
+                "classifier": shown_path(classifier),
+                "machine": f"{platform.machine()} CPU, {platform.python_implementation()} "
+                           f"{platform.python_version()}"}
+    with atomic_path(out) as tmp:
+        tmp.write_text(render(rows, settings))
+    return out
+
+
+def _verdict(a: Row, b: Row, metric: str, a_name: str, b_name: str) -> str:
+    return paired_verdict(a.values[metric], b.values[metric], a_name, b_name,
+                          lower_is_better=metric == "fd", digits=2 if metric == "fd" else 3)
+
+
+def _table_row(r: Row) -> str:
+    cells = []
+    for metric in COLUMNS:
+        values = np.asarray(r.values[metric], dtype=np.float64)
+        if np.isnan(values).all():
+            cells.append("-")
+            continue
+        digits = 2 if metric == "fd" else 3
+        cells.append(f"{values.mean():.{digits}f} +/- {values.std(ddof=1):.{digits}f}")
+    guidance = "-" if r.guidance is None else f"{r.guidance:g}"
+    calls = "-" if not r.expert_calls else f"{r.expert_calls:.1f}"
+    cpu = "-" if r.guidance is None else f"{r.cpu_seconds:.1f}"
+    return (f"| {r.model} | {r.routing} | {guidance} | {' | '.join(cells)} | {calls} | "
+            f"{cpu} |")
