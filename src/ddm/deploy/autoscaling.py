@@ -115,6 +115,16 @@ def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
                        rows or DEFAULT_TARGET_ROWS_PER_S, up, down, scaler)
 
 
+def fleet_problems(experts: list[Autoscaling | None]) -> list[str]:
+    """Rules across a DDM's experts: one must keep a replica. The router learns the image
+    shape from its experts and is not ready while none has a ready replica, so with every
+    expert at zero it would never be in its Service, see demand, nor let anything start."""
+    if experts and all(e is not None and e.min_replicas == 0 for e in experts):
+        return ["spec.experts: every expert has autoscaling.minReplicas 0; keep at least one "
+                "replica of one expert (the router needs a ready expert to serve at all)"]
+    return []
+
+
 def _rules(reader: FieldReader, default: ScalingRules) -> ScalingRules:
     """One direction of ``behavior``: an omitted field keeps HPA's default."""
     window = reader.integer("stabilizationWindowSeconds", default.stabilization_window_s, 0,
