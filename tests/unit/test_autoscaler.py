@@ -1,10 +1,10 @@
-"""The operator's scale decision (ddm.operator.autoscaler): HPA's rules on routed rows, with
+"""The operator's scale decision (ddm.deploy.autoscaler): HPA's rules on routed rows, with
 scale to zero. Each expectation is worked out by hand from the rule it names."""
 
 from __future__ import annotations
 
 from ddm.deploy.autoscaling import Autoscaling, ScalePolicy, ScalingRules
-from ddm.operator.autoscaler import Demand, History, decide
+from ddm.deploy.autoscaler import Demand, History, decide
 
 IDLE = Demand(rows_per_s=0.0, waiting=0)
 AT_ONCE = ScalingRules(0, "Max", (ScalePolicy("Percent", 100, 15),))

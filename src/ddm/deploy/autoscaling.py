@@ -7,7 +7,7 @@ figure one can measure (``python -m benchmarks serve``). The router counts those
 any rerouting, so an expert with no replica still shows the demand it would get. Weight mass
 changes the image, not the compute; time waited and generations waiting are symptoms of too
 few replicas, not a measure of how many are needed (a waiting generation does start an
-expert at zero: :mod:`ddm.operator.autoscaler`).
+expert at zero: :mod:`ddm.deploy.autoscaler`).
 
 ``behavior`` is the HorizontalPodAutoscaler's (autoscaling/v2): per direction a
 stabilization window and rate policies (``Pods`` or ``Percent`` per ``periodSeconds``,
