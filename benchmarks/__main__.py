@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every figure as JSON (progress goes to stderr)")
     p.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
     p.add_argument("--steps", type=int, default=40, help="denoising steps per generation")
+    p.add_argument("--text-only", action="store_true",
+                   help="only the text DDM's figures (context bytes, guidance, decode share)")
     p.set_defaults(handler=_bench_serve)
 
     p = kinds.add_parser("calls", help="one batch-1 expert call's cost beyond the model and "
@@ -83,7 +85,8 @@ def _bench_scale_to_zero(args: argparse.Namespace) -> int:
 def _bench_serve(args: argparse.Namespace) -> int:
     from benchmarks.serve import bench_serve_command
 
-    return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json)
+    return bench_serve_command(steps=args.steps, quick=args.quick, as_json=args.json,
+                               text_only=args.text_only)
 
 
 def _bench_calls(args: argparse.Namespace) -> int:

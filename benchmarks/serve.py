@@ -15,7 +15,10 @@ with one CPU thread, then ``ddm serve router``), it measures the figures of the 
    without (``--max-batch 1``), through the router and straight to each expert; target: >= 4x;
 5. body bytes per step (request and reply) over raw tensor bytes; target: <= 1.02;
 6. round trips and time per image with ``delegate_steps``, and the shipped classifier's accuracy
-   of per-step routing against delegation; target: within 1 point.
+   of per-step routing against delegation; target: within 1 point;
+7. a text DDM's bytes per step with and without the context cache (target: a step within 5%
+   of the latent's bytes), guided vs unguided time per step, and the decode stage's share of a
+   generation (:mod:`benchmarks.text_serving`).
 
 Every process (both deployments and the reference servers) starts at once and idles while the
 others are measured, so that ratios compare numbers taken under the same conditions. In-process
@@ -54,9 +57,10 @@ from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH
                                        throughput_figures, verdict, wire_bytes)
 from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
                                      machine, running_fleet, say)
-from ddm.serving.router.pool import PoolSettings, client_session
+from ddm.serving.router.pool import KEEP_ALIVE_S
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
+from benchmarks.text_serving import text_figures, text_summary_lines
 
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
 STRATEGY = "top1"
@@ -152,6 +156,14 @@ def _one_torch_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def client_session() -> aiohttp.ClientSession:
+    """The benchmark's keep-alive client, sending none of aiohttp's automatic
+    ``User-Agent``, ``Accept`` and ``Accept-Encoding`` headers (as the router sends none)."""
+    connector = aiohttp.TCPConnector(limit=256, keepalive_timeout=KEEP_ALIVE_S)
+    return aiohttp.ClientSession(connector=connector, raise_for_status=False,
+                                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+
+
 # ------------------------------------------------------------------------------- measuring
 
 
@@ -159,7 +171,7 @@ async def _measure(settings: BenchSettings, ddm: LoadedDDM, fleet: Fleet,
                    log: TextIO) -> dict[str, Any]:
     """Every figure, one after the other. In-process sampling blocks this event loop on
     purpose: nothing else of the benchmark runs meanwhile."""
-    async with asyncio.timeout(MEASURE_TIMEOUT_S), client_session(PoolSettings()) as session:
+    async with asyncio.timeout(MEASURE_TIMEOUT_S), client_session() as session:
         url = fleet.batched.url
         say(log, "warming up (JAX compiles per batch shape in-process)")
         for labels in ([0], [5], _big_labels()):
@@ -462,11 +474,21 @@ def _decode_pngs(encoded: Sequence[str]) -> np.ndarray:
 
 
 def bench_serve_command(steps: int = 40, quick: bool = False, as_json: bool = False,
-                        out: TextIO = sys.stdout, log: TextIO = sys.stderr) -> int:
-    """``python -m benchmarks serve``: the results as JSON (``as_json``) or a summary on ``out``."""
-    result = run_bench(BenchSettings(steps=steps, quick=quick), log)
+                        out: TextIO = sys.stdout, log: TextIO = sys.stderr,
+                        text_only: bool = False) -> int:
+    """``python -m benchmarks serve``: the results as JSON (``as_json``) or a summary on ``out``;
+    ``text_only``: the text DDM's figures alone."""
+    settings = BenchSettings(steps=steps, quick=quick)
+    text_steps = min(steps, 30)
+    if text_only:
+        result = {"machine": machine(), **text_figures(text_steps, settings.rounds, log)}
+        print(json.dumps(result, indent=2) if as_json else "\n".join(text_summary_lines(result)),
+              file=out)
+        return 0
+    result = run_bench(settings, log)
+    result.update(text_figures(text_steps, settings.rounds, log))
     if as_json:
         print(json.dumps(result, indent=2), file=out)
     else:
-        print("\n".join(summary_lines(result)), file=out)
+        print("\n".join(summary_lines(result) + text_summary_lines(result)), file=out)
     return 0

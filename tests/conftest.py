@@ -70,14 +70,42 @@ def smoke_jax_expert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Pat
 E2E = Path(__file__).parent / "e2e"
 
 
+#: The fixtures that start a dev cluster (the second one with a real node).
+CLUSTER_FIXTURES = ("dev_cluster", "real_node_cluster")
+TESTS = Path(__file__).parent
+#: Modules every test of which is ``slow``, and why: ``make test-fast`` leaves them to ``make
+#: test`` (which runs everything), so that the quick lane stays within a few minutes.
+SLOW_MODULES = {
+    "integration/test_local_runtime.py": "ddm up: five processes per test, minutes each",
+    "integration/test_hostile_ddm_up.py": "ddm up under 600 slow connections",
+    "integration/test_byo_ddm.py": "trains a DiT, then serves it with ddm up",
+    "integration/test_expert_server.py": "expert processes, SIGTERM and drain timings",
+    "integration/test_expert_check.py": "ddm expert check runs every check on real experts",
+    "unit/test_ema_warmup.py": "trains with both frameworks (JAX compiles for a minute)",
+    "unit/test_flax_unet.py": "compiles and trains Flax UNets",
+    "unit/test_paris_reference.py": "the Paris reference pipeline end to end",
+    "unit/test_evaluation.py": "trains a classifier, writes and resumes reports",
+    "unit/test_training.py": "trains experts and routers",
+    "unit/test_resume.py": "interrupted and resumed training runs, both frameworks",
+    "unit/test_objective_training.py": "trains epsilon experts with both frameworks",
+    "unit/test_checkov.py": "runs checkov over the chart",
+    "unit/test_chart.py": "renders the chart with helm, once per case",
+    "unit/test_packaging.py": "builds the wheels",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """``cluster``: the test uses a dev cluster; ``e2e``: it is one of tests/e2e (the real node
-    and the images). ``make test-fast`` leaves both out."""
+    and the images); ``slow``: its module is one of :data:`SLOW_MODULES`. ``make test-fast``
+    leaves the three out."""
     for item in items:
-        if "dev_cluster" in getattr(item, "fixturenames", ()):
+        if any(name in getattr(item, "fixturenames", ()) for name in CLUSTER_FIXTURES):
             item.add_marker(pytest.mark.cluster)
         if E2E in item.path.parents:
             item.add_marker(pytest.mark.e2e)
+        if item.path.is_relative_to(TESTS) and (
+                item.path.relative_to(TESTS).as_posix() in SLOW_MODULES):
+            item.add_marker(pytest.mark.slow)
 
 
 #: The logs a failed test on a dev cluster reports (those of the real node, when it has one).

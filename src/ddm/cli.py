@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report(commands)
     add_serve_commands(commands)
     _add_expert(commands)
+    _add_import(commands)
     _add_up(commands)
     _add_operator(commands)
     _add_fetch_checkpoint(commands)
@@ -591,6 +592,56 @@ def _expert_check(args: argparse.Namespace) -> int:
     for verdict in verdicts:
         print(verdict.line())
     return EXIT_FAILURE if any(v.failed for v in verdicts) else 0
+
+
+# -- import ----------------------------------------------------------------------------------
+
+def _add_import(commands: argparse._SubParsersAction) -> None:
+    from ddm.deploy.limits import ACCELERATOR_TYPES, PRECISIONS
+
+    p = commands.add_parser("import", help="convert a DDM published in another layout into our "
+                                           "stage checkpoints and a DDMDeployment (ddm.yaml) "
+                                           "that ddm up and the operator serve")
+    sources = p.add_subparsers(dest="source", required=True, metavar="SOURCE")
+    paris = sources.add_parser("paris", help="a Paris release directory (expert_0..N-1, router, "
+                                             "vae, text_encoder, tokenizer): docs/paris.md")
+    paris.add_argument("release", type=Path, help="the release's directory")
+    paris.set_defaults(handler=_import_paris)
+    for source in (paris,):
+        source.add_argument("--out", type=Path, required=True,
+                            help="the new directory to write (refused if it exists)")
+        source.add_argument("--name", default="paris",
+                            help="the DDMDeployment's name in ddm.yaml (default %(default)s)")
+        source.add_argument("--accelerator", default="cpu", type=_accelerators,
+                            metavar="TYPE[,TYPE...]",
+                            help=f"where the stages run ({', '.join(ACCELERATOR_TYPES)}): "
+                                 "experts cycle through the list (nvidia,neuron alternates "
+                                 "them); the text encoder, decoder and router network run on "
+                                 "the first, in pods of their own (in the router on cpu)")
+        source.add_argument("--precision", choices=PRECISIONS, default=None,
+                            help="the dtype every stage's server casts its weights to "
+                                 "(default: as stored)")
+        source.add_argument("--checkpoint-base", default=None, metavar="URI/",
+                            help="where the DDM reads the written directory from, e.g. "
+                                 "pvc://models/paris/ after copying it there (default: "
+                                 "file:// and its absolute path)")
+
+
+def _accelerators(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(","))
+
+
+def _import_paris(args: argparse.Namespace) -> int:
+    from ddm.models.paris_import import import_paris
+
+    try:
+        out = import_paris(args.release, args.out, name=args.name,
+                           accelerators=args.accelerator, precision=args.precision,
+                           checkpoint_base=args.checkpoint_base)
+    except FileExistsError as exc:
+        raise UserError(str(exc)) from None
+    print(f"imported {args.release} into {out}; serve it with: ddm up {out}/ddm.yaml")
+    return 0
 
 
 # -- local runtime ------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Encode uint8 digit images (0 background, 255 ink) as PNG tiles and grids."""
+"""Encode uint8 images (grayscale digits, 0 background and 255 ink, or RGB) as PNG tiles and
+grids."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import numpy as np
 
 
 def png_bytes(image: np.ndarray, scale: int = 1) -> bytes:
-    """One ``(H, W)`` uint8 image -> PNG bytes, upscaled ``scale`` times (nearest)."""
+    """One ``(H, W)`` grayscale or ``(H, W, 3)`` RGB uint8 image -> PNG bytes, upscaled
+    ``scale`` times (nearest)."""
     from PIL import Image
 
-    if image.ndim != 2 or image.dtype != np.uint8:
-        raise ValueError(f"expected a (H, W) uint8 image, got {image.shape} {image.dtype}")
-    pixels = np.kron(image, np.ones((scale, scale), np.uint8)) if scale > 1 else image
+    rgb = image.ndim == 3 and image.shape[2] == 3
+    if not (image.ndim == 2 or rgb) or image.dtype != np.uint8:
+        raise ValueError(f"expected a (H, W) or (H, W, 3) uint8 image, got {image.shape} "
+                         f"{image.dtype}")
+    pixels = image.repeat(scale, axis=0).repeat(scale, axis=1) if scale > 1 else image
     buffer = io.BytesIO()
-    Image.fromarray(pixels, mode="L").save(buffer, format="PNG")
+    Image.fromarray(pixels, mode="RGB" if rgb else "L").save(buffer, format="PNG")
     return buffer.getvalue()
 
 

@@ -278,6 +278,60 @@ def test_a_mixed_ddm_gets_its_children_scheduled_and_a_status(cluster: Cluster,
              "Created events")
 
 
+#: A text DDM: the decoder and router network in pods of their own on accelerators, the text
+#: encoder in the router's pod.
+TEXT_SPEC = {
+    "conditioning": "text",
+    "sampling": {"strategy": "top2", "steps": 50, "guidanceScale": 7.5},
+    "textEncoder": {"checkpoint": {"uri": "image:///opt/paris/text_encoder"}},
+    "decoder": {"checkpoint": {"uri": "image:///opt/paris/decoder"}, "placement": "separate",
+                "accelerator": {"type": "nvidia"}, "precision": "bfloat16"},
+    "router": {"checkpoint": {"uri": "image:///opt/paris/router"},
+               "network": {"placement": "separate", "accelerator": {"type": "neuron"}}},
+    "experts": [{"name": "e0", "accelerator": {"type": "nvidia"}, "precision": "bfloat16",
+                 "checkpoint": {"uri": "image:///opt/paris/expert_0"}},
+                {"name": "e1", "checkpoint": {"uri": "image:///opt/paris/expert_1"}}],
+}
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_text_ddm_gets_a_deployment_per_separate_stage(cluster: Cluster,
+                                                         kube_namespace: str) -> None:
+    ns = kube_namespace
+    cluster.create_ddm(ns, "text", TEXT_SPEC)
+    stages = {("Deployment", "text-stage-decoder"), ("Service", "text-stage-decoder"),
+              ("Deployment", "text-stage-router-network"),
+              ("Service", "text-stage-router-network")}
+    expected = _expected_children("text", ["e0", "e1"]) | stages
+    children = wait_for(lambda: (c if set(c := cluster.children(ns, "text")) == expected
+                                 else None), 15, "the children of text")
+    # The API server kept every new field and defaulted no numClasses onto the text DDM.
+    stored = cluster.ddm(ns, "text")["spec"]
+    assert "numClasses" not in stored and stored["decoder"]["placement"] == "separate"
+    for role, resource in (("decoder", "nvidia.com/gpu"),
+                           ("router-network", "aws.amazon.com/neuron")):
+        pod = children[("Deployment", f"text-stage-{role}")]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["command"][:3] == ["ddm", "serve", "stage"]
+        assert container["resources"]["limits"] == {resource: "1"}
+        (bound,) = _bound_pods(cluster, ns, f"{names.STAGE_LABEL}={role}", 1)
+        node = cluster.core.read_node(bound["spec"]["nodeName"])
+        assert int(node.status.allocatable.get(resource, "0")) >= 1, node.metadata.name
+    config = RouterConfigFile.from_yaml(
+        children[("ConfigMap", "text-router-config")]["data"]["router.yaml"])
+    assert config.conditioning == "text" and config.sampling.guidance_scale == 7.5
+    assert config.text_encoder.checkpoint == "/opt/paris/text_encoder"
+    assert config.decoder.discovery.dns == f"text-stage-decoder.{ns}.svc.cluster.local"
+
+    def reported() -> dict | None:
+        status = cluster.ddm(ns, "text").get("status") or {}
+        return status if status.get("stages") else None
+    status = wait_for(reported, 15, "the stages in the status")
+    assert [(s["name"], s["accelerator"], s["readyReplicas"]) for s in status["stages"]] == [
+        ("decoder", "nvidia x1", 0), ("router-network", "neuron x1", 0)]
+    assert {c["type"]: c["status"] for c in status["conditions"]}["StagesReady"] == "False"
+
+
 @pytest.mark.usefixtures("operator")
 def test_kubectl_get_ddm_shows_the_printer_columns(cluster: Cluster, kube_namespace: str
                                                    ) -> None:
@@ -289,8 +343,9 @@ def test_kubectl_get_ddm_shows_the_printer_columns(cluster: Cluster, kube_namesp
         _headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
     table = json.loads(response.data)
     assert [c["name"] for c in table["columnDefinitions"]] == [
-        "Name", "Ready", "Experts", "Strategy", "Phase", "Age"]
-    assert table["rows"][0]["cells"][:5] == ["columns", "False", "0/3", "oracle", "Pending"]
+        "Name", "Ready", "Experts", "Replicas", "Strategy", "Phase", "Age"]
+    assert table["rows"][0]["cells"][:6] == ["columns", "False", "0/3", "a 0/1, b 0/1, c 0/1",
+                                             "oracle", "Pending"]
 
 
 def _mark_ready(cluster: Cluster, pod: dict, ip: str) -> None:
@@ -750,6 +805,7 @@ def test_the_users_path_with_kubectl(dev_cluster: Any, operator: None, cluster: 
     name = yaml.safe_load(example.read_text())["metadata"]["name"]
     wait_for(lambda: cluster.ddm(kube_namespace, name).get("status"), 15, "a status")
     header, row = run("get", "ddm", name).splitlines()[:2]
-    assert header.split() == ["NAME", "READY", "EXPERTS", "STRATEGY", "PHASE", "AGE"]
+    assert header.split() == ["NAME", "READY", "EXPERTS", "REPLICAS", "STRATEGY", "PHASE",
+                              "AGE"]
     assert row.split()[:3] == [name, "False", "0/3"]
     assert "deleted" in run("delete", "-f", str(example))

@@ -121,6 +121,41 @@ def test_killed_mid_reconcile_the_restarted_operator_converges_exactly(
     assert {c["type"]: c["status"] for c in status["conditions"]}["SpecValid"] == "True"
 
 
+#: Seconds from SIGTERM to the operator's exit, at most (Kubernetes' grace period is 30 s).
+SIGTERM_EXIT_S = 10
+
+
+def test_sigterm_in_the_middle_of_reconciles_exits_within_10_s_and_the_next_start_converges(
+        cluster: Cluster, kube_namespace: str, operator: OperatorProcess) -> None:
+    """Several DDMDeployments being created at once, as in a rollout of the operator under
+    load: it stops within the limit, each run ended between two children, and the operator
+    started again converges every one exactly."""
+    ns, spec = kube_namespace, cpu_spec(8)  # 19 children each
+    ddm_names = [f"term-{index}" for index in range(6)]
+    operator.start()
+    since = cluster.core.list_namespaced_service(ns).metadata.resource_version
+    for name in ddm_names:
+        cluster.create_ddm(ns, name, spec)
+    stream = watch.Watch()
+    for _ in stream.stream(cluster.core.list_namespaced_service, ns, resource_version=since,
+                           timeout_seconds=30):
+        stream.stop()  # at the first child: the runs are under way
+    started = time.monotonic()
+    status = operator.stop(timeout_s=30)
+    exited_s = time.monotonic() - started
+    assert status == 0, operator.log_tail()
+    assert exited_s < SIGTERM_EXIT_S, f"{exited_s:.1f} s from SIGTERM to exit"
+    partial = {name: cluster.children(ns, name) for name in ddm_names}
+    assert sum(map(len, partial.values())) < 19 * len(ddm_names), "nothing was left to do"
+
+    operator.start()
+    for name in ddm_names:
+        children = _converged(cluster, ns, name, spec)
+        _assert_owned_by(cluster, ns, name)
+        for key, before in partial[name].items():  # what the stopped runs wrote was kept
+            assert children[key]["metadata"]["uid"] == before["metadata"]["uid"], key
+
+
 def test_a_spec_changed_while_the_operator_is_down_is_applied_after_restart(
         cluster: Cluster, kube_namespace: str, operator: OperatorProcess) -> None:
     ns, spec = kube_namespace, cpu_spec(3)

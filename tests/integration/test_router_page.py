@@ -1,7 +1,8 @@
 """The router's web page in a real browser: Debian's Chromium, headless, driven through
 chromium-driver by selenium, against real routers and experts on loopback serving the shipped
 DDMs (`examples/digits.yaml`: two label groups; `examples/mnist.yaml`: four k-means clusters),
-planned as `ddm up` plans them. The page must run under its own Content-Security-Policy with
+planned as `ddm up` plans them, and a tiny Paris text DDM (its prompt box, guidance, latent
+previews and the decoded image). The page must run under its own Content-Security-Policy with
 no violation and no console error, play a generation live to its end, ask for a token only when
 the router wants one, and offer only the strategies the DDM can serve.
 
@@ -28,6 +29,7 @@ from ddm.runtime.local import REPOSITORY_ROOT, resolve_checkpoint
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
+from tests.support.text_router import served_text_ddm
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is in the dev extra")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -182,6 +184,46 @@ def test_a_k_means_ddm_offers_no_oracle_and_its_experts_are_clusters(browser, mn
     _assert_no_errors(browser)
 
 
+@pytest.fixture(scope="module")
+def paris(tmp_path_factory) -> Iterator[str]:
+    """A tiny Paris DDM: experts on expert servers, the other stages in the router."""
+    with served_text_ddm(tmp_path_factory.mktemp("paris")) as (router, _):
+        yield router
+
+
+def test_a_text_ddm_gets_a_prompt_box_and_latent_previews_then_its_decoded_image(browser,
+                                                                                 paris):
+    _open(browser, paris)
+    assert browser.find_elements(By.ID, "labels") == []  # no label chips: prompts
+    assert "oracle" not in _options(browser, "strategy")
+    assert browser.find_element(By.ID, "guidance").get_property("value") == "7.5"
+    prompts = browser.find_element(By.ID, "prompts")
+    prompts.clear()
+    prompts.send_keys("a photo of a red car\n" + " ".join(["photo"] * 100))
+    _set(browser, "negative", "sunset")
+    _set(browser, "steps", "3")
+    browser.execute_script(WATCH_CAPTIONS)
+    browser.find_element(By.ID, "go").click()
+
+    _wait(browser, lambda b: b.find_element(By.ID, "status").text == "2 images done")
+    # While it ran, the frames were the decoder's latent previews (8x8 RGB)...
+    captions = browser.execute_script("return window.__captions")
+    assert any("(latent preview)" in c for c in captions)
+    thumbs = browser.find_elements(By.CSS_SELECTOR, "#filmstrip img")
+    assert len(thumbs) == 3
+    assert browser.execute_script("return arguments[0].naturalWidth", thumbs[-1]) == 8
+    # ... and once done, the last frame is the decoded 16x16 image.
+    frame = browser.find_element(By.ID, "frame")
+    assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth",
+                                  frame) == 16
+    caption = browser.find_element(By.ID, "caption").text
+    assert caption.startswith("“a photo of a red car”, seed 0 · step 3/3") and "done in" in caption
+    browser.find_elements(By.CSS_SELECTOR, "#gallery .tile")[1].click()
+    assert "the prompt was cut to the text encoder's length (25 tokens dropped)" in (
+        browser.find_element(By.ID, "caption").text)
+    _assert_no_errors(browser)
+
+
 # ------------------------------------------------------------------------------ helpers
 
 
@@ -224,4 +266,5 @@ def _screenshot(browser, name: str) -> None:
         "width": 1280, "height": height, "deviceScaleFactor": 1, "mobile": False})
     browser.save_screenshot(str(Path(directory) / f"page-{name}.png"))
     browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
 

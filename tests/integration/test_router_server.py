@@ -229,9 +229,9 @@ def test_the_page_and_the_api_docs_forbid_framing_and_run_only_their_own_code(dd
 
 
 #: Every operation the router documents; the web page at / is served but not documented.
-DOCUMENTED = {("POST", "/v1/generate"), ("GET", "/v1/generate/stream"), ("GET", "/v1/info"),
-              ("GET", "/v1/demand"), ("GET", "/healthz"), ("GET", "/readyz"),
-              ("GET", "/metrics")}
+DOCUMENTED = {("POST", "/v1/generate"), ("POST", "/v1/images/generations"),
+              ("GET", "/v1/generate/stream"), ("GET", "/v1/info"), ("GET", "/v1/demand"),
+              ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
 ERROR = {"$ref": "#/components/schemas/ErrorDetail"}
 
 
@@ -282,8 +282,14 @@ def test_the_openapi_document_says_what_the_router_enforces(routers):
     ("shared", {"labels": [1], "steps": 201}, r"steps: .*less than or equal to 200"),
     ("shared", {"labels": [1] * 65}, r"labels: .*at most 64"),
     ("shared", {"labels": [1], "temperature": 0.7}, r"unknown field 'temperature'"),
-    ("shared", {"labels": []}, r"labels: .*at least 1"),
+    ("shared", {"labels": []}, r"^no labels given$"),
     ("shared", {"labels": [1], "strategy": "oracle"}, r"label 0 is owned by experts 0 and 1"),
+    # a label DDM takes no text and no guidance (issue 22, item 9)
+    ("split", {"prompts": ["a red car"]}, r"conditioned on labels; it takes no prompts"),
+    ("split", {"labels": [1], "negative_prompt": "blur"}, r"it takes no negative_prompt"),
+    ("split", {"labels": [1], "guidance_scale": 7.5},
+     r"guidance_scale must be 1 for a label DDM \(got 7\.5\)"),
+    ("split", {"labels": [1], "guidance_scale": 51}, r"guidance_scale: .*less than or equal to 50"),
 ])
 def test_bad_requests_get_a_4xx_naming_the_problem(routers, ddm, body, message):
     reply = httpx.post(f"{routers[ddm]}/v1/generate", json=body)
@@ -292,12 +298,20 @@ def test_bad_requests_get_a_4xx_naming_the_problem(routers, ddm, body, message):
     assert httpx.get(f"{routers[ddm]}/healthz").status_code == 200
 
 
+def test_the_openai_image_api_refuses_a_label_ddm_naming_why(routers):
+    reply = httpx.post(f"{routers['split']}/v1/images/generations",
+                       json={"prompt": "a red car", "n": 2})
+    assert reply.status_code == 422, reply.text
+    assert reply.json()["detail"] == "this DDM is conditioned on labels; it takes no prompts"
+
+
 def test_bad_stream_queries_get_a_4xx_before_streaming(routers):
     base = routers["split"]
     for query, message in (("label=3&steps=0", "steps: .*greater than or equal to 1"),
                            ("label=11", r"labels \[11\] are outside"),
                            ("label=3&colour=red", "unknown field 'colour'"),
-                           ("steps=3", "label: Field required")):
+                           ("steps=3", "^no labels given$"),
+                           ("prompt=a+red+car", "conditioned on labels; it takes no prompts")):
         reply = httpx.get(f"{base}/v1/generate/stream?{query}")
         assert reply.status_code == 422 and re.search(message, reply.json()["detail"]), reply.text
 

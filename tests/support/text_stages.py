@@ -5,85 +5,100 @@ file), written by each library's own ``save_pretrained``.
 ``write_text_ddm`` makes a text2img-style DDM (diffusers PixArt experts in our convention, our
 LatentRouter, a CLIP text encoder with a word-level ``PreTrainedTokenizerFast``, an
 AutoencoderKL decoder) at the text2img training's ``smoke`` sizes: 4x8x8 latents, 32x32 RGB
-images, 16-wide text. ``write_paris_stages`` declares a tiny Paris release's components as
-stages (what ``ddm import paris`` does).
+images, 16-wide text. ``write_paris_stages`` imports a tiny Paris release (``ddm import paris``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddm.models.text2img import (LATENT_CHANNELS, LATENT_SIZE, SIZES, expert_kwargs,
-                                 vae_kwargs)
+from ddm.models.text2img import LATENT_CHANNELS, LATENT_SIZE, SIZES, expert_kwargs
 
 CAPTIONS = ("a red car", "a blue cat on the beach", "a green bird at sunset", "a photo")
 SMOKE = SIZES["smoke"]
 LATENT_SHAPE = [LATENT_CHANNELS, LATENT_SIZE, LATENT_SIZE]
 
 
+@dataclass(frozen=True)
+class TinyText:
+    """Shapes of a tiny text DDM: ``latent_side`` (4 channels), ``text_width`` x ``tokens``
+    embeddings, a VAE of ``vae_blocks`` blocks (image side = latent side x 2^(blocks-1)).
+    The default is the text2img training's smoke size; :data:`PARIS_SHAPES` has Paris's
+    state and text shapes (4x32x32 latents, CLIP's 77 x 768, 256x256 images) at tiny widths."""
+
+    latent_side: int = LATENT_SIZE
+    text_width: int = SMOKE.text_width
+    tokens: int = 12
+    vae_blocks: int = 3
+
+
+PARIS_SHAPES = TinyText(latent_side=32, text_width=768, tokens=77, vae_blocks=4)
+
+
 def write_text_ddm(root: Path, experts: int = 2, seed: int = 0,
-                   dtype: torch.dtype = torch.float32) -> Path:
+                   dtype: torch.dtype = torch.float32, shapes: TinyText = TinyText()) -> Path:
     """expert_0..N-1/ (pixart), router/ (latent-router), text_encoder/ (clip-text),
     decoder/ (autoencoder-kl) under ``root``, weights random in ``seed`` and saved in
     ``dtype``."""
-    from diffusers import AutoencoderKL, PixArtTransformer2DModel
+    from diffusers import PixArtTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from ddm.models.latent_router import LatentRouter
     from ddm.training.text2img.tokenizer import build_tokenizer, special_ids
 
-    width = SMOKE.text_width
+    width, side = shapes.text_width, shapes.latent_side
+    latent_shape = [LATENT_CHANNELS, side, side]
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         for k in range(experts):
-            model = PixArtTransformer2DModel(**expert_kwargs(SMOKE, width))
+            model = PixArtTransformer2DModel(**{**expert_kwargs(SMOKE, width),
+                                                "sample_size": side})
             _randomise(model)
             save_stage(model.to(dtype), root / f"expert_{k}", role="expert", family="pixart",
-                       convention="ours", latent_shape=LATENT_SHAPE, text_width=width,
+                       convention="ours", latent_shape=latent_shape, text_width=width,
                        cluster=k)
-        router = LatentRouter(input_size=LATENT_SIZE, in_channels=LATENT_CHANNELS,
+        router = LatentRouter(input_size=side, in_channels=LATENT_CHANNELS,
                               hidden_size=16, depth=1, num_heads=2, num_clusters=experts)
         save_stage(router.to(dtype), root / "router", role="router", family="latent-router",
-                   convention="ours", latent_shape=LATENT_SHAPE)
-        tokenizer = build_tokenizer(CAPTIONS, max_length=12)
+                   convention="ours", latent_shape=latent_shape)
+        tokenizer = build_tokenizer(CAPTIONS, max_length=shapes.tokens)
         ids = special_ids(tokenizer)
         encoder = CLIPTextModel(CLIPTextConfig(
             vocab_size=len(tokenizer), hidden_size=width, intermediate_size=2 * width,
-            num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=12,
+            num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=shapes.tokens,
             bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]))
         save_stage(encoder.to(dtype), root / "text_encoder", role="text_encoder",
                    family="clip-text", text_width=width)
         tokenizer.save_pretrained(root / "text_encoder")
-        save_stage(AutoencoderKL(**vae_kwargs(SMOKE)).to(dtype), root / "decoder",
-                   role="decoder", family="autoencoder-kl", latent_shape=LATENT_SHAPE)
+        save_stage(_vae(shapes).to(dtype), root / "decoder", role="decoder",
+                   family="autoencoder-kl", latent_shape=latent_shape)
     return root
 
 
+def _vae(shapes: TinyText) -> Any:
+    from diffusers import AutoencoderKL
+
+    channels = (8,) + (16,) * (shapes.vae_blocks - 1)
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=LATENT_CHANNELS,
+        down_block_types=("DownEncoderBlock2D",) * shapes.vae_blocks,
+        up_block_types=("UpDecoderBlock2D",) * shapes.vae_blocks, block_out_channels=channels,
+        layers_per_block=1, norm_num_groups=4,
+        sample_size=shapes.latent_side * 2 ** (shapes.vae_blocks - 1))
+
+
 def write_paris_stages(release: Path, out: Path) -> Path:
-    """A tiny Paris release's components as stage checkpoints under ``out``: experts and
-    router with their flow-match convention declared, the tokenizer beside the text encoder."""
-    config = json.loads((release / "config.json").read_text())
-    shape = [config["latent_channels"], config["latent_size"], config["latent_size"]]
-    experts = sorted(p.name for p in release.glob("expert_*"))
-    for k, name in enumerate(experts):
-        shutil.copytree(release / name, out / name)
-        declare(out / name, role="expert", family="paris-dit", convention="flow-match-1000",
-                latent_shape=shape, cluster=k)
-    shutil.copytree(release / "router", out / "router")
-    declare(out / "router", role="router", family="paris-router",
-            convention="flow-match-1000", latent_shape=shape)
-    shutil.copytree(release / "text_encoder", out / "text_encoder")
-    shutil.copytree(release / "tokenizer", out / "text_encoder", dirs_exist_ok=True)
-    declare(out / "text_encoder", role="text_encoder", family="clip-text")
-    shutil.copytree(release / "vae", out / "decoder")
-    declare(out / "decoder", role="decoder", family="autoencoder-kl", latent_shape=shape)
-    return out
+    """A tiny Paris release's components as stage checkpoints under ``out`` (a new
+    directory): what ``ddm import paris`` writes, by it."""
+    from ddm.models.paris_import import import_paris
+
+    return import_paris(release, out)
 
 
 def save_stage(model: Any, directory: Path, **declared: Any) -> Path:

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from ddm.checkpoints.destinations import parse_networks
@@ -156,6 +157,69 @@ def test_an_archive_of_the_directory_is_fetched_and_verified(origin, smoke_exper
     dest = fetch_checkpoint(f"{origin.url}/{name}", tmp_path / "expert", FAST)
     _assert_same_checkpoint(dest, smoke_expert_checkpoint)
     assert sorted(p.name for p in dest.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]  # no archive
+
+
+def _stage_archive(tmp_path: Path, corrupt: bool = False) -> bytes:
+    """An archive of a stage checkpoint (a text DDM's decoder, as ``ddm import`` writes one):
+    the library's config.json with ``_ddm`` (the weights' SHA-256), its weights file, a
+    tokenizer-like extra file."""
+    stage = _stage_directory(tmp_path, corrupt)
+    return _archive(lambda tar: tar.add(stage, arcname="decoder"))
+
+
+def _stage_directory(tmp_path: Path, corrupt: bool = False) -> Path:
+    from safetensors.numpy import save_file
+
+    stage = tmp_path / "decoder"
+    stage.mkdir()
+    save_file({"conv.weight": np.ones((2, 2), np.float16)},
+              str(stage / "diffusion_pytorch_model.safetensors"))
+    (stage / "notes.json").write_text("{}")
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in stage.iterdir()}
+    (stage / CONFIG_FILE).write_text(json.dumps({
+        "_class_name": "AutoencoderKL", "latent_channels": 4,
+        "_ddm": {"role": "decoder", "family": "autoencoder-kl",
+                 "weights_sha256": files["diffusion_pytorch_model.safetensors"],
+                 "files": {**files, **({"notes.json": "0" * 64} if corrupt else {})}}}))
+    return stage
+
+
+def test_a_stage_checkpoint_archive_is_fetched_and_verified_by_its_declaration(
+        origin, tmp_path):
+    origin.files["/paris/decoder.tar.gz"] = _stage_archive(tmp_path)
+    dest = fetch_checkpoint(f"{origin.url}/paris/decoder.tar.gz", tmp_path / "out", FAST)
+    assert sorted(p.name for p in dest.iterdir()) == [
+        CONFIG_FILE, "diffusion_pytorch_model.safetensors", "notes.json"]
+
+
+def test_a_stage_checkpoint_directory_is_fetched_file_by_file_as_declared(origin, tmp_path):
+    """As the stager hands a staged checkpoint to the DDM's pods: a directory URI."""
+    stage = _stage_directory(tmp_path)
+    for path in stage.iterdir():
+        origin.files[f"/staged/decoder/{path.name}"] = path.read_bytes()
+    dest = fetch_checkpoint(f"{origin.url}/staged/decoder", tmp_path / "out", FAST)
+    for path in stage.iterdir():
+        assert (dest / path.name).read_bytes() == path.read_bytes()
+
+
+def test_a_stage_checkpoint_with_an_undeclared_file_is_refused(origin, tmp_path):
+    stage = _stage_directory(tmp_path)
+    (stage / "extra.py").write_text("print('hello')")
+    origin.files["/paris/decoder.tar.gz"] = _archive(lambda tar: tar.add(stage, "decoder"))
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FetchError, match=r"holds \[.*'extra.py'.*\]; its config.json's _ddm "
+                                         r"lists"):
+        fetch_checkpoint(f"{origin.url}/paris/decoder.tar.gz", tmp_path / "out" / "d", FAST)
+    _assert_nothing_left(tmp_path / "out")
+
+
+def test_a_stage_checkpoint_whose_files_differ_from_its_declaration_is_refused(
+        origin, tmp_path):
+    origin.files["/paris/decoder.tar.gz"] = _stage_archive(tmp_path, corrupt=True)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FetchError, match=r"failed verification.*notes.json is corrupt"):
+        fetch_checkpoint(f"{origin.url}/paris/decoder.tar.gz", tmp_path / "out" / "d", FAST)
+    _assert_nothing_left(tmp_path / "out")
 
 
 @pytest.mark.parametrize("uri, env", [

@@ -57,11 +57,27 @@ def test_the_largest_valid_report_is_accepted():
     ({"partition": "labels"}, "partition must be an object or null, got 'labels'"),
     ({"partition": {"index": "0"}}, "partition.index must be an integer in 0..15, got '0'"),
     ({"partition": {"index": 16}}, "partition.index must be an integer in 0..15, got 16"),
+    ({"conditioning": "images"}, "conditioning must be 'labels' or 'text', got 'images'"),
+    ({"conditioning": "text"}, "text_width must be an integer in 1..8192 for a text expert"),
+    ({"conditioning": "text", "text_width": 8193}, "text_width must be an integer in 1..8192"),
+    ({"conditioning": "text", "text_width": 768.0}, "text_width must be an integer"),
+    ({"text_width": 768}, "text_width must be an integer in 1..8192 for a text expert (null "
+                          "for labels)"),
+    ({"wire_dtype": "int8"}, "wire_dtype must be one of float32, bfloat16, float16"),
+    ({"cluster": 16}, "cluster must be an integer in 0..15 or null, got 16"),
 ])
 def test_a_report_out_of_bounds_or_of_the_wrong_type_is_refused_naming_the_field(changes, named):
     with pytest.raises(InvalidReport) as refused:
         ExpertInfo.from_json({**VALID, **changes})
     assert named in str(refused.value)
+
+
+def test_a_text_experts_report_is_read_with_its_width_dtype_and_cluster():
+    info = ExpertInfo.from_json({**VALID, "classes": [], "conditioning": "text",
+                                 "text_width": 768, "wire_dtype": "bfloat16", "cluster": 3})
+    assert (info.conditioning, info.text_width, info.wire_dtype, info.cluster) == (
+        "text", 768, "bfloat16", 3)
+    assert info.rows_per_call == 4  # half its max_batch: each row may be guided
 
 
 @pytest.mark.parametrize("field", ["image_shape", "classes", "max_batch"])

@@ -19,10 +19,11 @@ import httpx
 import numpy as np
 import pytest
 
+from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
 from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
-                                     PoolSettings, client_session)
+                                     PoolSettings)
 from ddm.serving.router.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
                                   static_endpoints)
 from ddm.serving.expert.server import create_expert_app
@@ -165,7 +166,8 @@ def expert_b(smoke_expert_checkpoint: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def local_velocity(smoke_expert_checkpoint: Path):
-    return expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+    velocity = expert_velocity(load_checkpoint(smoke_expert_checkpoint), "torch")
+    return lambda x, t, cond: velocity(x, t, cond.labels)
 
 
 def test_dns_discovered_replica_answers_like_the_local_model(expert_a, local_velocity):
@@ -279,7 +281,7 @@ def test_a_4xx_is_the_callers_fault_and_is_not_retried(expert_a, expert_b):
         async with ExpertPool({"e": static_endpoints([expert_a, expert_b])}, FAST) as pool:
             with pytest.raises(ExpertRejected) as caught:
                 x, t, _ = _inputs(2, seed=0)
-                await pool.velocity("e", x, t, np.array([1, 7]))  # it serves 0-4
+                await pool.velocity("e", x, t, Conditioning.from_labels([1, 7]))  # it serves 0-4
             return caught.value, pool.metrics
 
     error, metrics = asyncio.run(scenario())
@@ -351,33 +353,6 @@ def test_calls_queued_behind_a_dead_expert_fail_within_one_deadline(smoke_expert
     assert max(waited for _, waited in outcomes) < 1.0 + 0.5, outcomes
 
 
-def test_client_connections_disable_nagle():
-    """Read on a connection still in use: a server that sends half its body and waits."""
-
-    async def nodelay() -> int:
-        finished = asyncio.Event()
-
-        async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n.")
-            await reader.read()  # until the client closes
-            writer.close()
-            await writer.wait_closed()
-            finished.set()
-
-        server = await asyncio.start_server(half_answer, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        async with server:
-            async with client_session(FAST) as session:
-                async with session.get(f"http://127.0.0.1:{port}/") as response:
-                    sock = response.connection.transport.get_extra_info("socket")
-                    value = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-            await finished.wait()
-        return value
-
-    assert asyncio.run(nodelay()) != 0
-
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -445,10 +420,11 @@ def _served(endpoint: str) -> float:
         r'^ddm_expert_images_total\{kind="velocity"\} (\S+)$', text, re.MULTILINE))
 
 
-def _inputs(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _inputs(batch: int, seed: int) -> tuple[np.ndarray, np.ndarray, Conditioning]:
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((batch, *SHAPE), dtype=np.float32),
-            rng.uniform(0, 1, batch).astype(np.float32), rng.integers(0, 5, batch))
+            rng.uniform(0, 1, batch).astype(np.float32),
+            Conditioning.from_labels(rng.integers(0, 5, batch)))
 
 
 async def _until(condition: Callable[[], bool], timeout: float = WAIT_S) -> None:

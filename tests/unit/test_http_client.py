@@ -1,4 +1,4 @@
-"""The router's hot-path HTTP client against real servers on loopback.
+"""The router's one HTTP client (expert calls and probes) against real servers on loopback.
 
 A uvicorn server (as the experts run it) for the ordinary exchange; small asyncio servers that
 answer exactly the bytes a case needs (chunked bodies, ``Connection: close``, closing idle
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddm.serving.http import build_server
-from ddm.serving.http_client import HttpClient, HttpClientError
+from ddm.serving.http_client import HttpClient, HttpClientError, ReplyTooLarge
 
 CT = "application/octet-stream"
 #: Reply caps for the ordinary cases: far above what they answer.
@@ -107,6 +107,40 @@ def test_concurrent_posts_get_their_own_replies_on_separate_connections():
 
     replies = run(scenario)
     assert [r.body.split(b":")[1] for r in replies] == [str(i).encode() for i in range(8)]
+
+
+def test_probes_get_on_the_calls_connection_and_their_replies_are_capped_whatever_the_status():
+    """A probe (``GET``, no body) and an expert call share one kept-alive connection; a
+    probe's reply over its cap is refused, a 503's as a 200's."""
+    requests: list[bytes] = []
+
+    async def handler(reader, writer):
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                requests.append(head.split(b"\r\n")[0])
+                if head.startswith(b"POST"):
+                    await reader.readexactly(1)
+                    writer.write(answer(200, b"v"))
+                elif b"/big" in head:
+                    writer.write(answer(503, b"x" * 100))
+                else:
+                    writer.write(answer(200, b"ready"))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed the connection
+
+    async def scenario(client: HttpClient):
+        async with raw_server(handler) as endpoint:
+            ready = await client.get(endpoint, "/readyz", 5.0, 1.0, max_reply_bytes=64)
+            call = await client.post(endpoint, "/v1/velocity", b"x", CT, 5.0, 1.0, **CAPS)
+            with pytest.raises(ReplyTooLarge, match="over the 64"):
+                await client.get(endpoint, "/big", 5.0, 1.0, max_reply_bytes=64)
+            return ready, call
+
+    ready, call = run(scenario)
+    assert (ready.status, ready.body, call.body) == (200, b"ready", b"v")
+    assert requests == [b"GET /readyz HTTP/1.1", b"POST /v1/velocity HTTP/1.1",
+                        b"GET /big HTTP/1.1"]
 
 
 def test_chunked_replies_are_reassembled():

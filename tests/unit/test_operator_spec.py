@@ -58,7 +58,8 @@ def test_defaults_equal_the_crds() -> None:
     parsed = parse_spec({"router": {"checkpoint": {"uri": "image:///r"}},
                          "experts": [{"name": "e", "checkpoint": {"uri": "image:///e"}}]})
     sampling = SPEC["sampling"]["properties"]
-    assert parsed.num_classes == SPEC["numClasses"]["default"]
+    # The CRD defaults no numClasses (a text DDM must have none); a label DDM's is 10.
+    assert "default" not in SPEC["numClasses"] and parsed.num_classes == 10
     assert parsed.sampling.steps == sampling["steps"]["default"]
     assert parsed.sampling.solver == sampling["solver"]["default"]
     assert parsed.sampling.strategy == sampling["strategy"]["default"]

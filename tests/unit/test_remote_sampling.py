@@ -53,15 +53,15 @@ class LocalExperts:
         self.classes = classes
         self.requests: list[tuple[str, str, tuple[int, ...]]] = []
 
-    async def velocity(self, expert, x, t, y):
-        self._log("velocity", expert, y)
+    async def velocity(self, expert, x, t, cond):
+        self._log("velocity", expert, cond.labels)
         await asyncio.sleep(0)  # let concurrent generations interleave
-        return VELOCITIES[expert](x, t, y)
+        return VELOCITIES[expert](x, t, cond.labels)
 
-    async def integrate(self, expert, x, y, grid, solver):
-        self._log("integrate", expert, y)
+    async def integrate(self, expert, x, cond, grid, solver):
+        self._log("integrate", expert, cond.labels)
         await asyncio.sleep(0)
-        for _, x in iterate(VELOCITIES[expert], x, y, grid, solver):
+        for _, x in iterate(VELOCITIES[expert], x, cond.labels, grid, solver):
             pass
         return x
 

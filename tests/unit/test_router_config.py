@@ -190,6 +190,9 @@ def _key_paths(cls: type, prefix: str = "") -> set[str]:
         for kind in kinds:
             inner = f"{path}[]." if f.name == "experts" else f"{path}."
             paths |= _key_paths(kind, inner)
+        if f.type == "StageEntry | None":  # {checkpoint, precision} or a discovery, inline
+            paths |= {f"{path}.{key}" for key in ("checkpoint", "precision", "endpoints",
+                                                   "dns", "port")}
     return paths
 
 

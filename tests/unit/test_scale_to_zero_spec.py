@@ -7,7 +7,8 @@ import pytest
 
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.router_config import MissingExpert, StaticDiscovery
-from ddm.deploy.spec import Autoscaling, SpecError, parse_spec
+from ddm.deploy.autoscaling import Autoscaling, ScalePolicy, ScalingRules
+from ddm.deploy.spec import SpecError, parse_spec
 
 
 def _spec(router: dict | None = None, autoscaling: dict | None = None) -> dict:
@@ -38,9 +39,27 @@ def test_by_default_a_missing_expert_fails_and_scaling_is_fixed() -> None:
     assert spec.experts[0].autoscaling is None
 
 
-def test_the_scale_down_delay_defaults_to_five_minutes() -> None:
+def test_the_scale_down_delay_defaults_to_five_minutes_and_behavior_to_hpas() -> None:
     spec = parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1}))
-    assert spec.experts[0].autoscaling == Autoscaling(0, 1, 300)
+    assert spec.experts[0].autoscaling == Autoscaling(
+        0, 1, 300, target_rows_per_s=64,
+        scale_up=ScalingRules(0, "Max", (ScalePolicy("Percent", 100, 15),
+                                         ScalePolicy("Pods", 4, 15))),
+        scale_down=ScalingRules(300, "Max", (ScalePolicy("Percent", 100, 15),)))
+
+
+def test_target_and_behavior_are_read_as_an_hpa_reads_them() -> None:
+    spec = parse_spec(_spec(autoscaling={
+        "minReplicas": 1, "maxReplicas": 8, "target": {"rowsPerSecond": 200},
+        "behavior": {"scaleUp": {"stabilizationWindowSeconds": 30, "selectPolicy": "Min",
+                                 "policies": [{"type": "Pods", "value": 2,
+                                               "periodSeconds": 60}]},
+                     "scaleDown": {"stabilizationWindowSeconds": 0}}}))
+    scaling = spec.experts[0].autoscaling
+    assert scaling.target_rows_per_s == 200
+    assert scaling.scale_up == ScalingRules(30, "Min", (ScalePolicy("Pods", 2, 60),))
+    # an omitted field keeps HPA's default
+    assert scaling.scale_down == ScalingRules(0, "Max", (ScalePolicy("Percent", 100, 15),))
 
 
 @pytest.mark.parametrize("router, autoscaling, problem", [
@@ -51,10 +70,35 @@ def test_the_scale_down_delay_defaults_to_five_minutes() -> None:
     ({}, {"minReplicas": 2, "maxReplicas": 1},
      "spec.experts[0].autoscaling.minReplicas: 2 is above maxReplicas 1"),
     ({}, {"minReplicas": 0}, "spec.experts[0].autoscaling.maxReplicas: is required"),
-    ({}, {"minReplicas": 0, "maxReplicas": 1, "target": 3},
-     "spec.experts[0].autoscaling: unknown fields ['target']"),
+    ({}, {"minReplicas": 0, "maxReplicas": 1, "target": {"cpu": 3}},
+     "spec.experts[0].autoscaling.target: unknown fields ['cpu']"),
+    ({}, {"minReplicas": 0, "maxReplicas": 1, "target": {"rowsPerSecond": 0}},
+     "spec.experts[0].autoscaling.target.rowsPerSecond: must be an integer in 1..1000000, "
+     "got 0"),
+    ({}, {"minReplicas": 0, "maxReplicas": 1,
+          "behavior": {"scaleUp": {"policies": [{"type": "Pods", "value": 1}]}}},
+     "spec.experts[0].autoscaling.behavior.scaleUp.policies[0].periodSeconds: is required"),
+    ({}, {"minReplicas": 0, "maxReplicas": 1,
+          "behavior": {"scaleDown": {"selectPolicy": "Most"}}},
+     "spec.experts[0].autoscaling.behavior.scaleDown.selectPolicy: must be one of Max, Min, "
+     "Disabled, got 'Most'"),
+    ({}, {"minReplicas": 0, "maxReplicas": 1, "behavior": {"scaleDown": {"policies": []}}},
+     "spec.experts[0].autoscaling.behavior.scaleDown.policies: must list at least one policy "
+     "(or be left out)"),
 ])
 def test_bad_values_are_reported_with_their_field(router, autoscaling, problem) -> None:
     with pytest.raises(SpecError) as caught:
         parse_spec(_spec(router, autoscaling))
     assert problem in caught.value.problems
+
+
+def test_an_external_scaler_is_named_and_the_operator_leaves_it_the_replicas() -> None:
+    spec = parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 4,
+                                         "scaler": "external"}))
+    assert spec.experts[0].autoscaling.scaler == "external"
+    assert parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1})
+                      ).experts[0].autoscaling.scaler == "operator"
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1, "scaler": "hpa"}))
+    assert ("spec.experts[0].autoscaling.scaler: must be one of operator, external, got 'hpa'"
+            in caught.value.problems)

@@ -5,9 +5,9 @@ DDM's pods to copy its checkpoint from the stager, so that a server starts from 
 Where a checkpoint can come from:
 
 - ``http(s)://HOST/PATH``: the checkpoint directory (``PATH/config.json``,
-  ``PATH/weights.safetensors`` and the exported program that config.json names are fetched),
-  or a ``.tar.gz``/``.tgz``/``.tar`` of it (the files at the archive's root or in one
-  top-level directory).
+  ``PATH/weights.safetensors`` and the exported program that config.json names are fetched;
+  for a stage checkpoint, the files its ``_ddm.files`` lists), or a ``.tar.gz``/``.tgz``/
+  ``.tar`` of it (the files at the archive's root or in one top-level directory).
 - ``s3://BUCKET/KEY`` through ``https://BUCKET.s3.amazonaws.com/KEY`` (``s3.REGION`` when
   ``AWS_REGION`` is set), or ``$AWS_ENDPOINT_URL_S3``/``$AWS_ENDPOINT_URL``/BUCKET/KEY.
 - ``gs://BUCKET/KEY`` through ``https://storage.googleapis.com/BUCKET/KEY``, or
@@ -77,6 +77,7 @@ from ddm.checkpoints.uri import (
     parse_checkpoint,
     redact_uri,
 )
+from ddm.checkpoints.declared import declared_files, read_declaration
 from ddm.checkpoints.verify import verify_checkpoint
 
 __all__ = ["FetchError", "FetchPolicy", "fetch_checkpoint", "parse_sha256", "read_headers_file",
@@ -270,9 +271,21 @@ def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: st
         return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
 
     budget -= _download(file_url(CONFIG_FILE), root / CONFIG_FILE, budget, fetch, sha256).size
-    for name in (WEIGHTS_FILE, *_program_file(root)):
+    for name in _directory_files(root):
         budget -= _download(file_url(name), root / name, budget, fetch, None).size
     return root
+
+
+def _directory_files(root: Path) -> list[str]:
+    """What a directory's ``config.json`` says it holds besides itself: a stage checkpoint's
+    ``_ddm.files``; ours, the weights and the exported program it names, if any."""
+    declared = read_declaration(root)
+    if declared is None:
+        return [WEIGHTS_FILE, *_program_file(root)]
+    try:
+        return sorted(declared_files(root, declared))
+    except ValueError as exc:
+        raise FetchError(f"the downloaded checkpoint failed verification: {exc}") from None
 
 
 def _program_file(root: Path) -> list[str]:

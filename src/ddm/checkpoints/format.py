@@ -312,3 +312,14 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def one_safetensors(directory: Path) -> Path:
+    """The one safetensors file of a library's component directory (never pickled weights)."""
+    files = sorted(directory.glob("*.safetensors"))
+    if len(files) != 1:
+        pickled = sorted(p.name for p in directory.glob("*.bin"))
+        hint = f" (pickled weights {pickled} are never loaded)" if pickled else ""
+        raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
+                              f"{[f.name for f in files]}{hint}")
+    return files[0]

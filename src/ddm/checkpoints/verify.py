@@ -7,7 +7,9 @@ what loading relies on, in constant memory:
 
 - ``config.json`` (``format.read_meta``: format, convention, objective, model);
 - the SHA-256 of the weights (and of an exported program), streamed from disk, against the
-  ones ``config.json`` records;
+  ones ``config.json`` records; for a stage checkpoint (its config.json declares ``_ddm``,
+  ``ddm.checkpoints.declared``) every file against ``_ddm.files``, which a fetched one must
+  record, nothing more or less (the role and family are checked where it is loaded);
 - the safetensors header, parsed by safetensors itself over a memory map of the file (no
   tensor is read): every tensor's dtype known, its byte range matching its shape and dtype,
   the ranges tiling the file exactly.
@@ -21,6 +23,7 @@ import json
 import os
 from pathlib import Path
 
+from ddm.checkpoints.declared import DDM_KEY, declared_files, read_declaration
 from ddm.checkpoints.format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -32,21 +35,51 @@ from ddm.checkpoints.format import (
 )
 
 
-def verify_checkpoint(directory: str | os.PathLike) -> CheckpointMeta:
-    """The checkpoint's metadata once its files check out; a ``CheckpointError`` naming the
-    first problem otherwise."""
-    from safetensors import SafetensorError, safe_open
-
+def verify_checkpoint(directory: str | os.PathLike) -> CheckpointMeta | None:
+    """The checkpoint's metadata once its files check out (None for a stage checkpoint,
+    whose metadata is its library's); a ``CheckpointError`` naming the first problem
+    otherwise."""
     path = Path(directory)
+    declared = read_declaration(path)
+    if declared is not None:
+        _verify_stage(path, declared)
+        return None
     meta = read_meta(path)
     config = json.loads((path / CONFIG_FILE).read_text())
     check_sha256(path, WEIGHTS_FILE, config.get("weights_sha256"))
     if meta.model.kind == "exported":
         check_sha256(path, program_file_name(meta), config.get("program_sha256"))
+    _check_header(path, WEIGHTS_FILE)
+    return meta
+
+
+def _verify_stage(path: Path, declared: dict) -> None:
+    """A stage checkpoint: exactly the files ``_ddm.files`` lists, each with its SHA-256, one
+    of them the safetensors file ``_ddm.weights_sha256`` names."""
     try:
-        with safe_open(str(path / WEIGHTS_FILE), framework="numpy") as weights:
+        files = declared_files(path, declared)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    present = sorted(p.name for p in path.iterdir() if p.name != CONFIG_FILE)
+    if present != sorted(files):
+        raise CheckpointError(f"stage checkpoint {path} holds {present}; its config.json's "
+                              f"{DDM_KEY} lists {sorted(files)}")
+    weights = [name for name in files if name.endswith(".safetensors")]
+    if len(weights) != 1 or declared.get("weights_sha256") != files[weights[0]]:
+        raise CheckpointError(f"stage checkpoint {path}: {DDM_KEY} must list one .safetensors "
+                              "file, the one weights_sha256 records")
+    for name, digest in files.items():
+        check_sha256(path, name, digest)
+    _check_header(path, weights[0])
+
+
+def _check_header(path: Path, name: str) -> None:
+    """The safetensors header parses (no tensor is read)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path / name), framework="numpy") as weights:
             weights.keys()
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {WEIGHTS_FILE} is not a valid safetensors "
+        raise CheckpointError(f"checkpoint {path}: {name} is not a valid safetensors "
                               f"file ({exc})") from None
-    return meta

@@ -45,6 +45,17 @@ class FieldReader:
             return default
         return value
 
+    def number(self, key: str, default: float | None, low: float, high: float
+               ) -> float | None:
+        value = self.value(key)
+        if value is None:
+            return default
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not low <= value <= high):
+            self.problem(key, f"must be a number in {low:g}..{high:g}, got {value!r}")
+            return default
+        return float(value)
+
     def string(self, key: str, default: str | None, *, choices: tuple[str, ...] = (),
                pattern: str | None = None, hint: str = "", max_length: int = 1024) -> str | None:
         value = self.value(key)

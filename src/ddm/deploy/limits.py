@@ -13,6 +13,14 @@ MAX_STEPS = 1000
 #: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
 #: unguided. diffusers' pipelines default to 4.5-7.5.
 MAX_GUIDANCE_SCALE = 50.0
+#: What a DDM is conditioned on: class labels (one integer per image) or text prompts (encoded
+#: by its text encoder stage).
+CONDITIONINGS = ("labels", "text")
+#: Where a stage other than the experts runs (text encoder, decoder, router network): in the
+#: router's own process, or in pods (processes) of its own on its accelerator.
+STAGE_PLACEMENTS = ("router", "separate")
+#: The dtypes a server may cast a model's weights to (``--precision``; default: as stored).
+PRECISIONS = ("float32", "bfloat16", "float16")
 #: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps).
 SOLVERS = ("euler", "heun")
 #: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and
@@ -99,3 +107,21 @@ BACKENDS: dict[tuple[str, str], tuple[str, str | None]] = {
     ("tpu", "torch"): ("torch", "xla"),
     ("tpu", "jax"): ("jax", "tpu"),
 }
+
+#: A text DDM's conditioning on the wire (``docs/protocol.md``, version 2): a context (one
+#: generation's embeddings) holds at most this many rows (prompts) of at most this many tokens
+#: of this width (CLIP ViT-L/14: 77 x 768; T5-XXL: 512 x 4096); an encode request at most this
+#: many prompts of this many UTF-8 bytes each (CLIP cuts at 77 tokens, a few hundred bytes).
+MAX_CONTEXT_ROWS = 256
+MAX_TEXT_TOKENS = 512
+MAX_TEXT_WIDTH = 8192
+MAX_PROMPTS = 256
+MAX_PROMPT_BYTES = 4096
+#: An expert server's cache of contexts (LRU, by bytes held): the default, and the most
+#: ``--context-cache-bytes`` may ask. One Paris context of 8 prompts (77 x 768, with its
+#: negative rows, float32) is 3.8 MB, so the default keeps about 65 generations.
+DEFAULT_CONTEXT_CACHE_BYTES = 256 * 1024 * 1024
+MAX_CONTEXT_CACHE_BYTES = 64 * 1024 * 1024 * 1024
+#: The largest context body an expert reads: 64 prompts of Paris's CLIP (77 x 768) with their
+#: negative rows in float32 are 30 MB.
+MAX_CONTEXT_BODY_BYTES = 64 * 1024 * 1024

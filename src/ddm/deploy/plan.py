@@ -6,6 +6,10 @@ checkpoint at a path in the pod and the experts behind DNS; ``ddm up`` (``ddm.ru
 into processes, with the checkpoint a local directory and the experts at loopback ports.
 Everything the spec decides (each expert server's arguments and environment, its backend,
 the router's configuration and limits) is decided here, once, so the two cannot disagree.
+The stages besides the experts (text encoder, decoder, router network) are planned the same
+way: one placed ``separate`` is a server of its own (``ddm serve stage``) that the router
+reaches as it reaches an expert; one placed ``router`` is loaded by the router from its
+checkpoint directory.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from ddm.deploy.router_config import (
     RouterConfigFile,
     RouterLimits,
     SamplingDefaults,
+    StageEntry,
 )
-from ddm.deploy.spec import Autoscaling, DDMSpec, ExpertSpec
+from ddm.deploy.spec import Autoscaling, DDMSpec, ExpertSpec, StageSpec
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,59 @@ class ExpertPlan:
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
         """Environment the server needs; on Neuron, its compile caches under ``cache_dir``."""
-        if self.backend != "neuron":
-            return ()
-        return (("DDM_NEURON_CACHE", f"{cache_dir}/traced"),
-                ("NEURON_CC_FLAGS", f"--cache_dir={cache_dir}/compiler"))
+        return backend_env(self.backend, cache_dir)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """A stage besides the experts. ``role``: ``text-encoder``, ``decoder`` or
+    ``router-network`` (its router.yaml key with ``_``); ``separate``: served by ``replicas``
+    servers of its own on ``accelerator`` (``args``: backend, device, precision), else loaded
+    by the router from its checkpoint, cast to ``precision``."""
+
+    role: str
+    checkpoint: CheckpointSource
+    separate: bool
+    replicas: int
+    accelerator: str
+    backend: str
+    device: str | None
+    precision: str | None
+    args: tuple[str, ...]
+
+    @property
+    def config_key(self) -> str:
+        """Its key in router.yaml."""
+        return self.role.replace("-", "_")
+
+    def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
+                token_file: str | None = None) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve this stage from ``checkpoint_dir`` on host:port (as
+        :meth:`ExpertPlan.command`: ``/metrics`` alone on ``metrics_port``; with the router's
+        expert ``token_file``, only the router may call it)."""
+        auth = ("--auth-token-file", token_file) if token_file is not None else ()
+        return ("serve", "stage", "--checkpoint", checkpoint_dir, "--host", host, "--port",
+                str(port),
+                "--metrics-port", str(metrics_port), *auth, *self.args)
+
+    def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
+        return backend_env(self.backend, cache_dir)
+
+    def entry(self, place: str | Discovery) -> StageEntry:
+        """router.yaml's entry: the router loads the stage from ``place`` (a directory), or
+        reaches its servers through ``place`` (a discovery)."""
+        if isinstance(place, str):
+            return StageEntry(checkpoint=place, precision=self.precision)
+        return StageEntry(discovery=place)
+
+
+def backend_env(backend: str, cache_dir: str) -> tuple[tuple[str, str], ...]:
+    """Environment a server of ``backend`` needs; on Neuron, its compile caches under
+    ``cache_dir``."""
+    if backend != "neuron":
+        return ()
+    return (("DDM_NEURON_CACHE", f"{cache_dir}/traced"),
+            ("NEURON_CC_FLAGS", f"--cache_dir={cache_dir}/compiler"))
 
 
 @dataclass(frozen=True)
@@ -75,6 +129,7 @@ class RouterPlan:
     limits: RouterLimits
     auth: bool = False
     missing_expert: MissingExpert = MissingExpert()
+    conditioning: str = "labels"
 
     @staticmethod
     def command(config_file: str, host: str, port: int, metrics_port: int) -> tuple[str, ...]:
@@ -86,26 +141,47 @@ class RouterPlan:
 
 @dataclass(frozen=True)
 class DeploymentPlan:
-    """What runs for one spec: the experts (in the router network's output order), the router."""
+    """What runs for one spec: the experts (in the router network's output order), the router
+    and the other stages (``separate`` ones run beside the experts)."""
 
     experts: tuple[ExpertPlan, ...]
     router: RouterPlan
+    stages: tuple[StagePlan, ...] = ()
+
+    @property
+    def separate_stages(self) -> tuple[StagePlan, ...]:
+        return tuple(s for s in self.stages if s.separate)
 
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
-                      auth: Auth | None = None, trusted_proxies: tuple[str, ...] = ()
+                      auth: Auth | None = None, trusted_proxies: tuple[str, ...] = (),
+                      stage_places: Mapping[str, str | Discovery] | None = None
                       ) -> RouterConfigFile:
-        """router.yaml, with each expert reached through ``discovery[name]`` and the router
-        network read from ``checkpoint_dir`` (None without one); with ``auth``, the token the
-        router requires and sends to its experts (give them the same file:
+        """router.yaml, with each expert reached through ``discovery[name]``, the router
+        network read from ``checkpoint_dir`` (None without one, or when it runs on its own)
+        and every other stage from ``stage_places[role]``: a directory the router loads it
+        from, or the discovery of its servers (placed ``separate``); with ``auth``, the token
+        the router requires and sends to its experts and stages (give them the same file:
         :meth:`ExpertPlan.command`); ``trusted_proxies``: the CIDRs of the proxies in front of
-        the router, whose ``X-Forwarded-For`` names the client its per-client limit counts."""
+        the router, whose ``X-Forwarded-For`` names the client its per-client limit counts. A
+        label DDM's router network in the router stays ``router_checkpoint``; a text DDM's is
+        ``router_network``."""
         router = self.router
+        places = {**(stage_places or {})}
+        if checkpoint_dir is not None:
+            places.setdefault("router-network", checkpoint_dir)
+        network = next((s for s in self.stages if s.role == "router-network"), None)
+        as_checkpoint = (router.conditioning == "labels" and network is not None
+                         and not network.separate and network.precision is None)
+        entries = {s.config_key: s.entry(places[s.role])
+                   for s in self.stages if not (as_checkpoint and s is network)}
         return RouterConfigFile(
             experts=tuple(ExpertEntry(name=e.name, classes=e.classes, discovery=discovery[e.name])
                           for e in self.experts),
             num_classes=router.num_classes, sampling=router.sampling,
-            router_checkpoint=checkpoint_dir, limits=router.limits, auth=auth,
-            trusted_proxies=trusted_proxies, missing_expert=router.missing_expert)
+            router_checkpoint=places["router-network"] if as_checkpoint else None,
+            limits=router.limits,
+            auth=auth, trusted_proxies=trusted_proxies, missing_expert=router.missing_expert,
+            conditioning=router.conditioning, **entries)
 
 
 def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
@@ -114,17 +190,35 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
     router = RouterPlan(
         replicas=spec.router.replicas, checkpoint=spec.router.checkpoint,
         num_classes=spec.num_classes,
-        sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy),
+        sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy,
+                                  sampling.guidance_scale, sampling.guidance_cutoff),
         # A request may ask for as many steps as the DDM's own default.
         limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)),
-        auth=spec.router.auth is not None, missing_expert=spec.router.missing_expert)
-    return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router)
+        auth=spec.router.auth is not None, missing_expert=spec.router.missing_expert,
+        conditioning=spec.conditioning)
+    return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router,
+                          stages=tuple(plan_stage(role, stage)
+                                       for role, stage in spec.stages.items()))
+
+
+def plan_stage(role: str, stage: StageSpec) -> StagePlan:
+    """What runs for one validated stage (``role``: its key in ``DDMSpec.stages``)."""
+    backend, device = BACKENDS[(stage.accelerator.type, "torch")]
+    return StagePlan(role=role, checkpoint=stage.checkpoint, separate=stage.separate,
+                     replicas=stage.replicas, accelerator=stage.accelerator.type,
+                     backend=backend, device=device, precision=stage.precision,
+                     args=tuple(_server_args(backend, device, stage.precision)))
+
+
+def _server_args(backend: str, device: str | None, precision: str | None) -> list[str]:
+    return ["--backend", backend, *(("--device", device) if device else ()),
+            *(("--precision", precision) if precision else ())]
 
 
 def plan_expert(expert: ExpertSpec) -> ExpertPlan:
     """What runs for one validated expert of a spec."""
     backend, device = BACKENDS[(expert.accelerator.type, expert.framework)]
-    args = ["--backend", backend, *(("--device", device) if device else ())]
+    args = _server_args(backend, device, expert.precision)
     if expert.max_batch is not None:
         args += ["--max-batch", str(expert.max_batch)]
     if expert.max_delay_ms is not None:

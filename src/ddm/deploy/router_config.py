@@ -23,6 +23,7 @@ import yaml
 
 from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.deploy.limits import (
+    CONDITIONINGS,
     DEFAULT_MISSING_EXPERT_POLICY,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
@@ -30,7 +31,9 @@ from ddm.deploy.limits import (
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
     DEFAULT_STRATEGY,
+    MAX_GUIDANCE_SCALE,
     MAX_STEPS,
+    PRECISIONS,
     ROUTER_MAX_BATCH,
     ROUTER_MAX_BODY_BYTES,
     ROUTER_MAX_CONCURRENT,
@@ -79,8 +82,17 @@ class SamplingDefaults:
     steps: int = DEFAULT_STEPS
     solver: str = DEFAULT_SOLVER
     strategy: str = DEFAULT_STRATEGY
+    guidance_scale: float = 1.0
+    guidance_cutoff: float = 1.0
 
     def __post_init__(self) -> None:
+        _check(_is_number(self.guidance_cutoff) and 0 < self.guidance_cutoff <= 1,
+               "sampling.guidance_cutoff must be a fraction of the steps in (0, 1], got "
+               f"{self.guidance_cutoff!r}")
+        _check(_is_number(self.guidance_scale)
+               and 0 <= self.guidance_scale <= MAX_GUIDANCE_SCALE,
+               f"sampling.guidance_scale must be a number in 0..{MAX_GUIDANCE_SCALE:g}, got "
+               f"{self.guidance_scale!r}")
         _check(_is_int(self.steps) and 1 <= self.steps <= MAX_STEPS,
                f"sampling.steps must be an integer in 1..{MAX_STEPS}, got {self.steps!r}")
         _check(self.solver in SOLVERS,
@@ -130,6 +142,42 @@ def _discovery(raw: Any, where: str) -> Discovery:
     _check("dns" in raw, f"{where} needs either dns (with port) or endpoints")
     args = _strict(DnsDiscovery, raw, where)
     return DnsDiscovery(**args)
+
+
+@dataclass(frozen=True)
+class StageEntry:
+    """A text DDM's stage besides the experts: loaded in the router process from
+    ``checkpoint`` (a component directory, cast to ``precision``), or served on its own and
+    reached through ``discovery``."""
+
+    checkpoint: str | None = None
+    precision: str | None = None
+    discovery: Discovery | None = None
+
+    def __post_init__(self) -> None:
+        _check((self.checkpoint is None) != (self.discovery is None),
+               "a stage has either a checkpoint (loaded in the router) or a discovery")
+        _check(self.precision is None or self.precision in PRECISIONS,
+               f"a stage's precision must be one of {list(PRECISIONS)}, got "
+               f"{self.precision!r}")
+        _check(self.discovery is None or self.precision is None,
+               "a stage served on its own has its precision in its server's flags, not here")
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str) -> StageEntry:
+        _check(isinstance(raw, Mapping), f"{where} must be a mapping, got {raw!r}")
+        if "checkpoint" in raw:
+            args = _strict(cls, raw, where)
+            _check(isinstance(args["checkpoint"], str) and bool(args["checkpoint"]),
+                   f"{where}.checkpoint must be a path")
+            return cls(checkpoint=args["checkpoint"], precision=args.get("precision"))
+        return cls(discovery=_discovery(raw, where))
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.discovery is not None:
+            return _plain(dataclasses.asdict(self.discovery))
+        return {"checkpoint": self.checkpoint,
+                **({"precision": self.precision} if self.precision else {})}
 
 
 @dataclass(frozen=True)
@@ -293,6 +341,10 @@ class RouterConfigFile:
     missing_expert: MissingExpert = field(default_factory=MissingExpert)
     auth: Auth | None = None
     trusted_proxies: tuple[str, ...] = ()
+    conditioning: str = "labels"
+    text_encoder: StageEntry | None = None
+    decoder: StageEntry | None = None
+    router_network: StageEntry | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.experts) > 0, "experts must list at least one expert")
@@ -312,7 +364,14 @@ class RouterConfigFile:
             outside = [c for c in expert.classes if c >= self.num_classes]
             _check(not outside, f"expert {expert.name}: classes {outside} are outside "
                                 f"0..{self.num_classes - 1}")
-        _check(self.sampling.strategy == "oracle" or bool(self.router_checkpoint),
+        _check(self.conditioning in CONDITIONINGS,
+               f"conditioning must be one of {list(CONDITIONINGS)}, got {self.conditioning!r}")
+        _check(self.conditioning == "labels" or self.text_encoder is not None,
+               "conditioning text needs text_encoder (prompts -> the experts' embeddings)")
+        _check(self.router_checkpoint is None or self.router_network is None,
+               "give the router network as router_checkpoint or router_network, not both")
+        _check(self.sampling.strategy == "oracle" or bool(self.router_checkpoint)
+               or self.router_network is not None,
                f"strategy {self.sampling.strategy} needs router_checkpoint (only oracle "
                "routes without the router network)")
         _check(_is_number(self.dns_refresh_s) and self.dns_refresh_s > 0,
@@ -335,6 +394,9 @@ class RouterConfigFile:
             args["trusted_proxies"] = tuple(args["trusted_proxies"])
         args["experts"] = tuple(ExpertEntry.from_dict(e, f"experts[{i}]")
                                 for i, e in enumerate(args["experts"]))
+        for key in ("text_encoder", "decoder", "router_network"):
+            if args.get(key) is not None:
+                args[key] = StageEntry.from_dict(args[key], key)
         for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),
                           ("retries", Retries), ("limits", RouterLimits),
                           ("coalescing", Coalescing), ("missing_expert", MissingExpert),
@@ -346,6 +408,12 @@ class RouterConfigFile:
     def to_dict(self) -> dict[str, Any]:
         out = _plain(dataclasses.asdict(self))
         out["experts"] = [e.to_dict() for e in self.experts]
+        for key in ("text_encoder", "decoder", "router_network"):
+            stage = getattr(self, key)
+            if stage is None:
+                del out[key]
+            else:
+                out[key] = stage.to_dict()
         if self.auth is None:
             del out["auth"]
         elif self.auth.expert_token_file is None:

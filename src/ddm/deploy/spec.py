@@ -23,11 +23,12 @@ from ddm.checkpoints.uri import (
     secret_checkpoint,
 )
 from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defaults
+from ddm.deploy.autoscaling import Autoscaling, parse_autoscaling
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
+    CONDITIONINGS,
     DEFAULT_MISSING_EXPERT_POLICY,
-    DEFAULT_SCALE_DOWN_DELAY_S,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
     DEFAULT_STRATEGY,
@@ -36,16 +37,18 @@ from ddm.deploy.limits import (
     MAX_BATCH,
     MAX_CLASS,
     MAX_DELAY_MS,
+    MAX_GUIDANCE_SCALE,
     MAX_EXPERTS,
     MAX_NUM_CLASSES,
     MAX_MISSING_EXPERT_WAIT_S,
     MAX_REPLICAS,
-    MAX_SCALE_DOWN_DELAY_S,
     MAX_STEPS,
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
     NEURON_UNITS,
+    PRECISIONS,
     SOLVERS,
+    STAGE_PLACEMENTS,
     STRATEGY_HINT,
     STRATEGY_PATTERN,
 )
@@ -82,9 +85,15 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
+    """A request's defaults. ``guidance_scale``: classifier-free guidance (1: unguided, the
+    only value for labels); ``guidance_cutoff``: the fraction of the steps guided, after which
+    the experts run unguided (1: every step)."""
+
     steps: int = DEFAULT_STEPS
     solver: str = DEFAULT_SOLVER
     strategy: str = DEFAULT_STRATEGY
+    guidance_scale: float = 1.0
+    guidance_cutoff: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,27 @@ class RouterAuth:
 
 
 @dataclass(frozen=True)
+class StageSpec:
+    """A stage besides the experts: the text encoder, the decoder or the router network (whose
+    ``checkpoint`` is ``spec.router.checkpoint``). ``placement``: ``router`` loads it inside
+    the router's process (its pods' CPU: no accelerator, replicas or pod options of its own);
+    ``separate`` serves it from pods (processes) of its own, ``replicas`` of them, each on
+    ``accelerator``. ``precision``: the dtype its weights are cast to (None: as stored)."""
+
+    checkpoint: CheckpointSource
+    placement: str = "router"
+    accelerator: Accelerator = Accelerator()
+    replicas: int = 1
+    precision: str | None = None
+    pod: PodOptions = PodOptions()
+    fetch: FetchOptions = FetchOptions()
+
+    @property
+    def separate(self) -> bool:
+        return self.placement == "separate"
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     """``checkpoint`` is None only with the oracle strategy (it routes by label); ``auth``
     None: the spec does not ask for authentication (the operator may still require it).
@@ -127,17 +157,7 @@ class RouterSpec:
     auth: RouterAuth | None = None
     fetch: FetchOptions = FetchOptions()
     missing_expert: MissingExpert = MissingExpert()
-
-
-@dataclass(frozen=True)
-class Autoscaling:
-    """An expert's replicas follow the router's demand between ``min_replicas`` (0: none
-    while idle, started on demand) and ``max_replicas``; ``scale_down_delay_s``: how long
-    without demand before scaling down."""
-
-    min_replicas: int
-    max_replicas: int
-    scale_down_delay_s: int = DEFAULT_SCALE_DOWN_DELAY_S
+    network: StageSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -155,16 +175,32 @@ class ExpertSpec:
     pod: PodOptions = PodOptions()
     fetch: FetchOptions = FetchOptions()
     autoscaling: Autoscaling | None = None
+    precision: str | None = None
 
 
 @dataclass(frozen=True)
 class DDMSpec:
-    """A validated DDMDeployment spec; ``experts`` in the router network's output order."""
+    """A validated DDMDeployment spec; ``experts`` in the router network's output order.
+    ``conditioning``: ``labels`` (``num_classes`` of them) or ``text`` (prompts, encoded by
+    ``text_encoder``); ``decoder``: latents -> images (None: the experts work in pixels)."""
 
     experts: tuple[ExpertSpec, ...]
     num_classes: int = 10
     sampling: Sampling = Sampling()
     router: RouterSpec = RouterSpec()
+    conditioning: str = "labels"
+    text_encoder: StageSpec | None = None
+    decoder: StageSpec | None = None
+
+    @property
+    def stages(self) -> dict[str, StageSpec]:
+        """Role -> stage, for every stage besides the experts this DDM has (the router
+        network's only when it has one)."""
+        network = self.router.network or (StageSpec(self.router.checkpoint)
+                                          if self.router.checkpoint else None)
+        found = {"text-encoder": self.text_encoder, "decoder": self.decoder,
+                 "router-network": network}
+        return {role: stage for role, stage in found.items() if stage is not None}
 
 
 @dataclass(frozen=True)
@@ -183,9 +219,15 @@ def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
     """
     problems: list[str] = []
     reader = FieldReader(raw, "spec", problems)
+    conditioning = reader.string("conditioning", "labels", choices=CONDITIONINGS) or "labels"
+    if conditioning == "text" and reader.has("numClasses"):
+        reader.problem("numClasses", "only for conditioning: labels (a text DDM takes prompts)")
     num_classes = reader.integer("numClasses", 10, 1, MAX_NUM_CLASSES)
     sampling = _sampling(reader.child("sampling"))
     router = _router(reader.child("router"), allow_host_paths)
+    text_encoder, decoder = (
+        _stage(reader.child(key), allow_host_paths) if reader.has(key) else None
+        for key in ("textEncoder", "decoder"))
     raw_experts = reader.items("experts")
     if not 1 <= len(raw_experts) <= MAX_EXPERTS:
         reader.problem("experts", f"must list 1..{MAX_EXPERTS} experts, got {len(raw_experts)}")
@@ -195,7 +237,8 @@ def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
     )
     reader.done()
     spec = DDMSpec(experts=experts, num_classes=num_classes or 10, sampling=sampling,
-                   router=router)
+                   router=router, conditioning=conditioning, text_encoder=text_encoder,
+                   decoder=decoder)
     if not problems:
         problems.extend(_semantic_problems(spec))
     if problems:
@@ -209,7 +252,12 @@ def _sampling(reader: FieldReader) -> Sampling:
         solver=reader.string("solver", DEFAULT_SOLVER, choices=SOLVERS),
         strategy=reader.string("strategy", DEFAULT_STRATEGY, pattern=STRATEGY_PATTERN,
                                hint=STRATEGY_HINT),
+        guidance_scale=reader.number("guidanceScale", 1.0, 0.0, MAX_GUIDANCE_SCALE) or 0.0,
+        guidance_cutoff=reader.number("guidanceCutoff", 1.0, 0.0, 1.0) or 0.0,
     )
+    if reader.has("guidanceCutoff") and sampling.guidance_cutoff == 0.0:
+        reader.problem("guidanceCutoff", "must be above 0 (the fraction of the steps guided); "
+                                         "for no guidance set guidanceScale: 1")
     reader.done()
     return sampling
 
@@ -297,11 +345,64 @@ def _router(reader: FieldReader, allow_host_paths: bool) -> RouterSpec:
     checkpoint, fetch = (_checkpoint(reader.child("checkpoint"), allow_host_paths)
                          if reader.has("checkpoint") else (None, FetchOptions()))
     auth = _auth(reader.child("auth")) if reader.has("auth") else None
+    network = None
+    if reader.has("network"):
+        if checkpoint is None and not reader.has("checkpoint"):
+            reader.problem("network", "places the router network: it needs "
+                                      "spec.router.checkpoint")
+        network = _stage(reader.child("network"), allow_host_paths, (checkpoint, fetch))
     router = RouterSpec(replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
                         checkpoint=checkpoint, pod=parse_pod_options(reader), auth=auth,
-                        fetch=fetch, missing_expert=_missing_expert(reader.child("missingExpert")))
+                        fetch=fetch, missing_expert=_missing_expert(reader.child("missingExpert")),
+                        network=network)
     reader.done()
     return router
+
+
+def _stage(reader: FieldReader, allow_host_paths: bool,
+           router: tuple[CheckpointSource | None, FetchOptions] | None = None
+           ) -> StageSpec | None:
+    """A text encoder or decoder (its own ``checkpoint``), or the router network (given
+    ``router``: the router's checkpoint and fetch options; the field is not read)."""
+    checkpoint, fetch = router or (None, FetchOptions())
+    if router is None:
+        if reader.has("checkpoint"):
+            checkpoint, fetch = _checkpoint(reader.child("checkpoint"), allow_host_paths)
+        else:
+            reader.problem("checkpoint", "is required")
+    placement = reader.string("placement", "router", choices=STAGE_PLACEMENTS) or "router"
+    if placement == "router":
+        for key in ("accelerator", "replicas", "resources", "image", "nodeSelector",
+                    "tolerations", "affinity"):
+            if reader.has(key):
+                reader.problem(key, "only for placement: separate (placement: router loads "
+                                    "the stage inside the router's pods, on their CPU)")
+    accelerator, accelerator_ok = _placed_accelerator(reader, "torch")
+    stage = StageSpec(
+        checkpoint=checkpoint,  # type: ignore[arg-type]  # dropped below when None
+        placement=placement, accelerator=accelerator,
+        replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
+        precision=reader.string("precision", None, choices=PRECISIONS),
+        pod=parse_pod_options(reader), fetch=fetch)
+    if accelerator_ok:
+        _node_label_conflicts(reader, accelerator, stage.pod)
+    reader.done()
+    return stage if checkpoint else None
+
+
+def _placed_accelerator(reader: FieldReader, framework: str) -> tuple[Accelerator, bool]:
+    """The ``accelerator`` field with its defaults, and whether it passed its checks."""
+    accelerator = with_defaults(_accelerator(reader.child("accelerator")))
+    accelerator_problems = accelerator.problems(framework)
+    for field, message in accelerator_problems:
+        reader.problem(f"accelerator.{field}", message)
+    return accelerator, not accelerator_problems
+
+
+def _node_label_conflicts(reader: FieldReader, accelerator: Accelerator,
+                          pod: PodOptions) -> None:
+    for key, message in node_label_conflicts(accelerator, pod.node_selector or {}):
+        reader.problem(f"nodeSelector[{key!r}]", message)
 
 
 def _missing_expert(reader: FieldReader) -> MissingExpert:
@@ -311,24 +412,6 @@ def _missing_expert(reader: FieldReader) -> MissingExpert:
                             int(MAX_MISSING_EXPERT_WAIT_S))
     reader.done()
     return MissingExpert(policy, float(wait_s or MISSING_EXPERT_WAIT_S))
-
-
-def _autoscaling(reader: FieldReader) -> Autoscaling | None:
-    low = reader.integer("minReplicas", None, 0, MAX_REPLICAS)
-    high = reader.integer("maxReplicas", None, 1, MAX_REPLICAS)
-    delay = reader.integer("scaleDownDelaySeconds", DEFAULT_SCALE_DOWN_DELAY_S, 0,
-                           MAX_SCALE_DOWN_DELAY_S)
-    for key, value in (("minReplicas", low), ("maxReplicas", high)):
-        if value is None and not any(p.startswith(f"{reader.path}.{key}")
-                                     for p in reader.problems):
-            reader.problem(key, "is required")
-    reader.done()
-    if low is None or high is None:
-        return None
-    if low > high:
-        reader.problem("minReplicas", f"{low} is above maxReplicas {high}")
-        return None
-    return Autoscaling(low, high, DEFAULT_SCALE_DOWN_DELAY_S if delay is None else delay)
 
 
 def _accelerator(reader: FieldReader) -> Accelerator:
@@ -352,10 +435,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
     if not reader.has("name"):
         reader.problem("name", "is required")
     framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
-    accelerator = with_defaults(_accelerator(reader.child("accelerator")))
-    accelerator_problems = accelerator.problems(framework)
-    for field, message in accelerator_problems:
-        reader.problem(f"accelerator.{field}", message)
+    accelerator, accelerator_ok = _placed_accelerator(reader, framework)
     checkpoint, fetch = None, FetchOptions()
     if reader.has("checkpoint"):
         checkpoint, fetch = _checkpoint(reader.child("checkpoint"), allow_host_paths)
@@ -378,13 +458,12 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
         pod=parse_pod_options(reader),
         fetch=fetch,
-        autoscaling=_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling")
+        autoscaling=parse_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling")
         else None,
+        precision=reader.string("precision", None, choices=PRECISIONS),
     )
-    if not accelerator_problems:
-        for key, message in node_label_conflicts(accelerator,
-                                                 expert.pod.node_selector or {}):
-            reader.problem(f"nodeSelector[{key!r}]", message)
+    if accelerator_ok:
+        _node_label_conflicts(reader, accelerator, expert.pod)
     reader.done()
     return expert if name and checkpoint else None
 
@@ -401,6 +480,7 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
         if outside:
             found.append(f"spec.experts[{i}].classes: {outside} are outside 0..{last} "
                          f"(spec.numClasses is {spec.num_classes})")
+    found.extend(_conditioning_problems(spec))
     strategy = spec.sampling.strategy
     if strategy == "oracle":
         found.extend(_oracle_problems(spec))
@@ -411,6 +491,30 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
     if match and int(match.group(1)) > len(spec.experts):
         found.append(f"spec.sampling.strategy: {strategy} combines {match.group(1)} experts but "
                      f"only {len(spec.experts)} are defined")
+    return found
+
+
+def _conditioning_problems(spec: DDMSpec) -> list[str]:
+    """A text DDM encodes prompts and routes without labels; a label DDM has no prompts to
+    encode and no guidance (its experts take no unconditional input)."""
+    if spec.conditioning == "labels":
+        found = []
+        if spec.text_encoder is not None:
+            found.append("spec.textEncoder: only for conditioning: text (a label DDM has no "
+                         "prompts to encode)")
+        if spec.sampling.guidance_scale != 1.0 or spec.sampling.guidance_cutoff != 1.0:
+            found.append("spec.sampling.guidanceScale: classifier-free guidance needs "
+                         "conditioning: text; a label DDM samples unguided (1)")
+        return found
+    found = [f"spec.experts[{i}].classes: only for conditioning: labels (a text DDM's experts "
+             "own clusters of images, not labels)"
+             for i, expert in enumerate(spec.experts) if expert.classes]
+    if spec.text_encoder is None:
+        found.append("spec.textEncoder: conditioning: text needs the text encoder that turns "
+                     "prompts into the experts' embeddings")
+    if spec.sampling.strategy == "oracle":
+        found.append("spec.sampling.strategy: oracle routes by label; a text DDM needs the "
+                     "router network (e.g. top1, top2)")
     return found
 
 

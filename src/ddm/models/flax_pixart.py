@@ -174,21 +174,19 @@ def load_flax_expert(directory: str | Path) -> tuple[PixArtForward, dict[str, An
     in the network's own convention (:mod:`ddm.models.stages` converts at the edge), and its
     diffusers config. The weights are converted exactly (:func:`params_from_torch`) and must
     be exactly the network's tensors; the network computes in float32."""
-    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
     from safetensors.flax import load_file
 
     from ddm.models.paris_loading import read_component_config
+    from ddm.checkpoints.format import one_safetensors
 
     root = Path(directory)
     config = read_component_config(root)
     if config.get("_class_name") != EXPERT_CLASS_NAME:
         raise CheckpointError(f"{root}: the jax backend runs {EXPERT_CLASS_NAME} experts, "
                               f"not {config.get('_class_name')!r}")
-    if not (root / SAFETENSORS_WEIGHTS_NAME).is_file():
-        raise CheckpointError(f"{root} has no {SAFETENSORS_WEIGHTS_NAME}")
     network = FlaxPixArt({k: v for k, v in config.items() if not k.startswith("_")})
-    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32), params_from_torch(
-        load_file(str(root / SAFETENSORS_WEIGHTS_NAME))))
+    params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float32),
+                                    params_from_torch(load_file(str(one_safetensors(root)))))
     c = network.config
     expected = jax.eval_shape(network.init, jax.random.PRNGKey(0),
                               jnp.zeros((1, c["in_channels"], c["sample_size"],

@@ -25,13 +25,27 @@ from ddm.models.stages import (ClipTextEncoder, Stage, StageDeclaration, TextDDM
 PARIS_CONVENTION = "flow-match-1000"
 
 
+#: A release's components beside its experts.
+RELEASE_COMPONENTS = ("router", "vae", "text_encoder", "tokenizer")
+
+
 def load_paris_ddm(release: str | Path, device: str = "cpu") -> TextDDM:
     """Load every stage of the Paris release at ``release`` on ``device``; weights keep
     their dtype. Raises a ``CheckpointError`` naming a missing component or a stage whose
     shapes disagree with the experts'."""
     root = Path(release)
+    return assemble_text_ddm(root, *load_release_stages(root, device))
+
+
+def load_release_stages(root: Path, device: str = "cpu"
+                        ) -> tuple[list[str], list[Stage], Stage, Stage, Stage]:
+    """The release's expert directory names and its stages (experts, router, text encoder,
+    decoder), each loaded strictly as the release's layout says; on ``device`` ``"meta"``
+    every weight is checked and then let go (``ddm import`` checks a release so)."""
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory (a Paris release)")
     names = expert_directories(root)
-    for role in ("router", "vae", "text_encoder", "tokenizer"):
+    for role in RELEASE_COMPONENTS:
         if not (root / role).is_dir():
             raise CheckpointError(f"{root} has no {role}/ component")
     expert = StageDeclaration(role="expert", family="paris-dit", convention=PARIS_CONVENTION)
@@ -45,4 +59,4 @@ def load_paris_ddm(release: str | Path, device: str = "cpu") -> TextDDM:
     decoder = load_declared(root / "vae", StageDeclaration(role="decoder",
                                                            family="autoencoder-kl"),
                             device=device)
-    return assemble_text_ddm(root, names, experts, router, encoder, decoder)
+    return names, experts, router, encoder, decoder

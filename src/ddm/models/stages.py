@@ -28,8 +28,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ddm.checkpoints.format import CheckpointError, check_sha256
+from ddm.checkpoints.declared import DDM_KEY
+from ddm.checkpoints.format import CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
+from ddm.deploy import limits
+from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
 from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
                             network_convention)
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
@@ -44,8 +47,6 @@ ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: prompt.
 RouterProbabilities = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
-#: The key of a component's config.json under which we declare role, family and convention.
-DDM_KEY = "_ddm"
 ROLES = ("expert", "router", "text_encoder", "decoder")
 #: family -> the role its networks play.
 FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
@@ -55,11 +56,19 @@ FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
 #: names the family where ``_ddm`` does not (the text2img training's components).
 _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent-router",
                    "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
-#: Precision names (``--precision``, the spec's ``precision``) -> torch dtypes.
-PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
+PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 BACKENDS = ("torch", "jax")
-#: Sizes a declaration may state: a latent has at most this many channels and this side.
-MAX_LATENT_CHANNELS, MAX_LATENT_SIDE, MAX_TEXT_WIDTH = 64, 1024, 16384
+
+
+@dataclass(frozen=True)
+class EncodedPrompts:
+    """A text encoder's answer: the prompts' :class:`Conditioning` and ``tokens_cut`` (B,)
+    int64, the tokens truncation dropped from each (0: the prompt fit), so that the API can
+    say a prompt was too long."""
+
+    cond: Conditioning
+    tokens_cut: np.ndarray
 
 
 class ClipTextEncoder:
@@ -198,10 +207,10 @@ class StageDeclaration:
         shape = block.get("latent_shape")
         if shape is not None and not (
                 isinstance(shape, list) and len(shape) == 3 and _ints(shape)
-                and 0 < shape[0] <= MAX_LATENT_CHANNELS and 0 < shape[1] <= MAX_LATENT_SIDE
+                and 0 < shape[0] <= MAX_IMAGE_CHANNELS and 0 < shape[1] <= MAX_IMAGE_SIDE
                 and shape[1] == shape[2]):
             raise CheckpointError(f"{directory}: {DDM_KEY}.latent_shape must be [C, S, S] with "
-                                  f"C <= {MAX_LATENT_CHANNELS}, S <= {MAX_LATENT_SIDE}; got "
+                                  f"C <= {MAX_IMAGE_CHANNELS}, S <= {MAX_IMAGE_SIDE}; got "
                                   f"{shape!r}")
         width, cluster = block.get("text_width"), block.get("cluster")
         for name, value, top in (("text_width", width, MAX_TEXT_WIDTH), ("cluster", cluster,
@@ -480,10 +489,6 @@ def _flax_pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | No
     gives ``(forward(latents, text, timestep) -> output NumPy, its diffusers config)``."""
     from ddm.models import flax_pixart
 
-    if not hasattr(flax_pixart, "load_flax_expert"):
-        raise CheckpointError("the jax backend for pixart experts needs "
-                              "ddm.models.flax_pixart.load_flax_expert, which this build "
-                              "lacks; serve it with --backend torch")
     if dtype is not None:
         raise CheckpointError("the jax pixart expert runs in its stored dtype; --precision "
                               "is for the torch backend")
@@ -593,12 +598,6 @@ def _class_family(config: Mapping[str, Any]) -> str | None:
     return next((_CLASS_FAMILIES[n] for n in names if n in _CLASS_FAMILIES), None)
 
 
-def one_safetensors(directory: Path) -> Path:
-    files = sorted(directory.glob("*.safetensors"))
-    if len(files) != 1:
-        raise CheckpointError(f"{directory} must hold exactly one .safetensors file, found "
-                              f"{[f.name for f in files]}")
-    return files[0]
 
 
 def _ints(values: Sequence[Any]) -> bool:

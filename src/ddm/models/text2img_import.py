@@ -25,8 +25,8 @@ from typing import Any
 
 import yaml
 
-from ddm.checkpoints.format import CheckpointError
-from ddm.models.stages import DDM_KEY, expert_directories, load_text_ddm, one_safetensors
+from ddm.checkpoints.format import CheckpointError, one_safetensors
+from ddm.models.stages import DDM_KEY, expert_directories, load_text_ddm
 from ddm.models.text2img import (DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY,
                                  LATENT_CHANNELS, LATENT_SIZE)
 

@@ -13,9 +13,10 @@ is the operator's only verb on Secrets); the status lists the ones it made
 recognised as planted and never used (``reconcile``). Each server reads its token from a
 read-only file (``ROUTER_TOKEN_FILE``, ``EXPERT_TOKEN_FILE``).
 
-NetworkPolicies (operator-wide ``network_policy``): expert pods accept traffic only from their
+NetworkPolicies (operator-wide ``network_policy``): expert pods, and the pods of stages
+placed on their own (text encoder, decoder, router network), accept traffic only from their
 own router's pods, on the expert port; router pods accept traffic on the router port only and
-send only to their experts; both accept scrapers (operator-wide ``metrics_from``) on their
+send only to their experts and stages; all accept scrapers (operator-wide ``metrics_from``) on their
 metrics port, which serves ``/metrics`` alone. When the DDM fetches a checkpoint, its serving
 pods may also send to its checkpoint stager (which they copy the checkpoint from) and to the
 cluster DNS (the operator-wide DNS selectors, port 53): nothing else, for the life of the pod.
@@ -100,35 +101,45 @@ def build_token_secrets(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
 
 
 def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
-                           fetches: bool) -> list[dict[str, Any]]:
+                           fetches: bool, stages: bool = False) -> list[dict[str, Any]]:
     """The DDM's NetworkPolicies (see the module's docstring); ``fetches``: the DDM fetches a
-    checkpoint, so it has a stager. The metrics port admits ``config.metrics_from``
-    (NetworkPolicyPeers: the scrapers), and nobody when it is empty (a rule with no peers
-    would admit everyone)."""
+    checkpoint, so it has a stager; ``stages``: it has stages in pods of their own (text
+    encoder, decoder, router network), which admit the router as experts do. The metrics
+    port admits ``config.metrics_from`` (NetworkPolicyPeers: the scrapers), and nobody when
+    it is empty (a rule with no peers would admit everyone); the routers' admits the
+    operator too (``config.operator_from``), whose autoscaler reads their demand there."""
     owner = meta["name"]
     scrape = ([{"from": [dict(peer) for peer in config.metrics_from],
                 "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
               if config.metrics_from else [])
     copies = [_to_pods(owner, "stager", STAGER_PORT), dns_egress(config)] if fetches else []
-    experts = _network_policy(
-        names.network_policy_name(owner, "experts"), meta, names.selector(owner, "expert"),
+    kinds = [("experts", "expert"), *([("stages", "stage")] if stages else [])]
+    servers = [_network_policy(
+        names.network_policy_name(owner, plural), meta, names.selector(owner, component),
         ingress=[{"from": [{"podSelector": {"matchLabels": names.selector(owner, "router")}}],
-                  "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]}, *scrape],
+                  "ports": [{"protocol": "TCP", "port": names.EXPERT_PORT}]},
+                 *copy.deepcopy(scrape)],
         egress=copy.deepcopy(copies))
+        for plural, component in kinds]
+    # the operator's autoscaler reads the routers' demand from their metrics port
+    autoscaler = ([{"from": [dict(peer) for peer in config.operator_from],
+                    "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
+                  if config.operator_from else [])
     router = _network_policy(
         names.network_policy_name(owner, "router"), meta, names.selector(owner, "router"),
         ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]},
-                 *copy.deepcopy(scrape)],
-        egress=[_to_pods(owner, "expert", names.EXPERT_PORT), dns_egress(config),
-                *copies[:1]])
+                 *copy.deepcopy(scrape), *autoscaler],
+        egress=[_to_pods(owner, "expert", names.EXPERT_PORT),
+                *([_to_pods(owner, "stage", names.EXPERT_PORT)] if stages else []),
+                dns_egress(config), *copies[:1]])
     if not fetches:
-        return [experts, router]
+        return [*servers, router]
     stager = _network_policy(
         names.network_policy_name(owner, "stager"), meta, names.selector(owner, "stager"),
         ingress=[{"from": [{"podSelector": {"matchLabels": {names.DEPLOYMENT_LABEL: owner}}}],
                   "ports": [{"protocol": "TCP", "port": STAGER_PORT}]}],
         egress=[dns_egress(config), store_egress(config.fetch_allow_networks)])
-    return [experts, router, stager]
+    return [*servers, router, stager]
 
 
 def dns_egress(config: OperatorConfig) -> dict[str, Any]:

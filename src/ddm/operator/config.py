@@ -30,6 +30,9 @@ DEFAULT_DNS_POD_SELECTOR = {"matchLabels": {"k8s-app": "kube-dns"}}
 #: The operator's variable listing who may scrape the servers' metrics port: a JSON list of
 #: NetworkPolicyPeers (the chart's ``networkPolicy.metricsFrom``).
 METRICS_FROM_ENV = "DDM_METRICS_FROM"
+#: The operator's own pods, a JSON list of NetworkPolicyPeers (the chart sets it): the routers'
+#: metrics port admits them, for the autoscaler to read the demand (``ddm.operator.scaler``).
+OPERATOR_FROM_ENV = "DDM_OPERATOR_FROM"
 #: The operator's variable listing the proxies in front of every router (comma-separated
 #: CIDRs, router.yaml's ``trusted_proxies``).
 TRUSTED_PROXIES_ENV = "DDM_ROUTER_TRUSTED_PROXIES"
@@ -111,14 +114,14 @@ def _bytes(env: Mapping[str, str], name: str, default: int) -> int:
     return int(raw)
 
 
-def _peers(env: Mapping[str, str]) -> tuple[dict[str, Any], ...]:
-    raw = env.get(METRICS_FROM_ENV, "").strip()
+def _peers(env: Mapping[str, str], name: str = METRICS_FROM_ENV) -> tuple[dict[str, Any], ...]:
+    raw = env.get(name, "").strip()
     if not raw:
         return ()
     try:
-        return check_peers(json.loads(raw))
+        return check_peers(json.loads(raw), name)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{METRICS_FROM_ENV} is not JSON: {error}") from None
+        raise ValueError(f"{name} is not JSON: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -153,7 +156,9 @@ class OperatorConfig:
     cluster's ingress controllers: an admin's knowledge), whose
     ``X-Forwarded-For`` names the client a request counts against; ``metrics_from``: the
     NetworkPolicyPeers that may reach the servers' metrics port (empty: none; only with
-    ``network_policy``, as without policies every port is open); ``fetch_max_bytes``: the
+    ``network_policy``, as without policies every port is open); ``operator_from``: the
+    operator's own pods (NetworkPolicyPeers), which the routers' metrics port admits too, for
+    the autoscaler to read their demand; ``fetch_max_bytes``: the
     cap on each fetched checkpoint (downloaded and extracted), also the size of the volumes
     and the ephemeral storage its fetch requests; ``dns_namespace_selector`` and
     ``dns_pod_selector``: label selectors of the cluster DNS's pods, the only peer the DDM's
@@ -167,6 +172,7 @@ class OperatorConfig:
     network_policy: bool = False
     fetch_allow_networks: tuple[str, ...] = ()
     metrics_from: tuple[dict[str, Any], ...] = ()
+    operator_from: tuple[dict[str, Any], ...] = ()
     router_trusted_proxies: tuple[str, ...] = ()
     fetch_max_bytes: int = FETCH_MAX_BYTES
     dns_namespace_selector: dict[str, Any] = field(
@@ -176,6 +182,7 @@ class OperatorConfig:
 
     def __post_init__(self) -> None:
         check_peers(self.metrics_from)
+        check_peers(self.operator_from, OPERATOR_FROM_ENV)
         check_peers([{"namespaceSelector": self.dns_namespace_selector,
                       "podSelector": self.dns_pod_selector}], DNS_POD_SELECTOR_ENV)
         if not self.fetch_max_bytes > 0:
@@ -199,8 +206,8 @@ class OperatorConfig:
         ``DDM_ALLOWED_CHECKPOINT_SOURCES``, ``DDM_ALLOWED_SECRETS``,
         ``DDM_ALLOWED_TOLERATION_KEYS``, ``DDM_ALLOWED_NODE_SELECTOR_KEYS`` and
         ``DDM_ALLOW_HOST_PATHS`` (see ``policy``), empty when unset,
-        ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), ``DDM_METRICS_FROM`` (a JSON list of
-        NetworkPolicyPeers; unset: none), ``DDM_FETCH_MAX_BYTES`` (unset: 16 GiB) and
+        ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), ``DDM_METRICS_FROM`` and ``DDM_OPERATOR_FROM``
+        (JSON lists of NetworkPolicyPeers; unset: none), ``DDM_FETCH_MAX_BYTES`` (unset: 16 GiB) and
         ``DDM_DNS_NAMESPACE_SELECTOR``/``DDM_DNS_POD_SELECTOR`` (JSON label selectors; unset:
         kube-system's ``k8s-app: kube-dns``)."""
         base = cls()
@@ -220,6 +227,7 @@ class OperatorConfig:
                        node_selector_keys=_list(env, policy.NODE_SELECTOR_KEYS_ENV),
                        host_paths=_list(env, policy.HOST_PATHS_ENV)),
                    metrics_from=_peers(env),
+                   operator_from=_peers(env, OPERATOR_FROM_ENV),
                    router_trusted_proxies=_list(env, TRUSTED_PROXIES_ENV),
                    fetch_max_bytes=_bytes(env, FETCH_MAX_BYTES_ENV, base.fetch_max_bytes),
                    dns_namespace_selector=_selector(env, DNS_NAMESPACE_SELECTOR_ENV,

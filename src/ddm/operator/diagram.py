@@ -44,7 +44,10 @@ def _expert_label(expert: ExpertSpec) -> str:
     classes = f", classes {_classes(expert.classes)}" if expert.classes else ""
     devices = expert.accelerator.describe()
     where = "on CPU" if devices == "cpu" else f"with {devices} each"
-    return f"{expert.name}<br/>{expert.framework}{classes}<br/>{_replicas(expert.replicas)} {where}"
+    scaling = expert.autoscaling
+    count = (_replicas(expert.replicas) if scaling is None else
+             f"{scaling.min_replicas} to {scaling.max_replicas} replicas (autoscaled)")
+    return f"{expert.name}<br/>{expert.framework}{classes}<br/>{count} {where}"
 
 
 def _replicas(count: int) -> str:

@@ -58,6 +58,12 @@ def expert_key(expert: str) -> str:
     return f"expert-{expert}"
 
 
+def stage_key(role: str) -> str:
+    """A text encoder's or decoder's checkpoint: ``stage-<role>`` (the router network's is the
+    router's, ``ROUTER_KEY``)."""
+    return f"stage-{role}"
+
+
 def fetched(spec: DDMSpec) -> list[tuple[str, CheckpointSource, FetchOptions]]:
     """(whose key, checkpoint, options) of every checkpoint the DDM fetches."""
     found = [(expert_key(e.name), e.checkpoint, e.fetch) for e in spec.experts
@@ -65,6 +71,9 @@ def fetched(spec: DDMSpec) -> list[tuple[str, CheckpointSource, FetchOptions]]:
     router = spec.router.checkpoint
     if router is not None and router.scheme in FETCHED_SCHEMES:
         found.append((ROUTER_KEY, router, spec.router.fetch))
+    found += [(stage_key(role), stage.checkpoint, stage.fetch)
+              for role, stage in spec.stages.items()
+              if role != "router-network" and stage.checkpoint.scheme in FETCHED_SCHEMES]
     return found
 
 

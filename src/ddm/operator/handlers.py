@@ -11,10 +11,12 @@ The work is in ``reconcile``; these are the triggers:
   follows the Deployments' readiness and the pods' failures (a crash loop, an image that
   cannot be pulled, a pod no node takes) as they change.
 
-There is no resync timer: kopf lists everything again on start-up and after a watch fails, and a
-timer would make kopf put a finalizer on every DDMDeployment, so that deleting one would hang
-whenever no operator runs. No deletion handler either: children carry ownerReferences, so the
-garbage collector removes them, and kopf adds no finalizer. ``register`` puts the handlers
+The autoscaler (``scaler``) is one thread that the start-up handler starts in ``memo.scaler``;
+a run with a valid spec hands it the DDMDeployment. There is no resync timer: kopf lists
+everything again on start-up and after a watch fails, and a timer would make kopf put a
+finalizer on every DDMDeployment, so that deleting one would hang whenever no operator runs.
+No deletion handler either: children carry ownerReferences, so the garbage collector removes
+them, and kopf adds no finalizer. ``register`` puts the handlers
 into a registry the caller makes (``kopf.OperatorRegistry``) and passes to ``kopf.run``:
 importing this module registers nothing. ``ddm.operator.runner.run_operator`` does both, and
 puts the API client (``memo.api_client``) and the reconciler (``memo.reconciler``) in kopf's
@@ -36,6 +38,7 @@ import kopf
 from ddm.operator import names
 from ddm.operator.client import connection_info
 from ddm.operator.kube import KubeError
+from ddm.operator.scaler import start_scaler, stop_scaler
 from ddm.operator.status import pod_trouble
 
 log = logging.getLogger("ddm.operator")
@@ -59,7 +62,9 @@ def reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: 
                                   else RETRY_DELAY_S) from None
     if outcome is None:
         return
-    if outcome.spec_error is not None:
+    if outcome.spec_error is None:
+        memo.scaler.watch(namespace, name)  # its autoscaled experts, if it has any
+    else:
         message = "; ".join(outcome.spec_error.problems)
         kopf.warn(body, reason="InvalidSpec", message=message)
         raise kopf.PermanentError(f"invalid spec, children left unchanged: {message}")
@@ -101,6 +106,8 @@ def _pod_changed(namespace: str | None, labels: kopf.Labels, body: kopf.Body, ty
 def register(registry: kopf.OperatorRegistry) -> None:
     """Register every handler of the operator in ``registry`` (pass it to ``kopf.run``)."""
     kopf.on.login(registry=registry)(login)
+    kopf.on.startup(registry=registry)(start_scaler)
+    kopf.on.cleanup(registry=registry)(stop_scaler)
     for cause in (kopf.on.resume, kopf.on.create, kopf.on.update):
         cause(*_CRD, id="reconcile", registry=registry)(reconcile)
     for resource in names.CHILD_RESOURCES:

@@ -159,6 +159,18 @@ class Kube:
             dict(manifest), field_manager=names.MANAGED_BY, force=True, _content_type=_APPLY,
             **extra)
 
+    def apply_replicas(self, namespace: str, name: str, replicas: int, manager: str
+                       ) -> dict[str, Any]:
+        """Server-side apply of a Deployment's ``spec.replicas`` alone, as field manager
+        ``manager`` (forced): it then owns that field, so applies of the rest of the
+        Deployment that leave it out (the operator's) keep its value."""
+        body = {"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": {"replicas": replicas}}
+        return self._child_call("Deployment", "patch", f"scaling Deployment {name}", name,
+                                namespace, body, field_manager=manager, force=True,
+                                _content_type=_APPLY)
+
     def delete(self, kind: str, namespace: str, name: str) -> None:
         try:
             self._child_call(kind, "delete", f"deleting {kind} {name}", name, namespace,

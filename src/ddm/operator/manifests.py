@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ddm.operator import names
 from ddm.operator.access import (
@@ -37,10 +37,11 @@ from ddm.checkpoints.uri import (
     CheckpointSource,
     checkpoint_mount,
 )
-from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert
+from ddm.deploy.accelerators import Accelerator
+from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert, plan_stage
 from ddm.deploy.pod_options import PodOptions
-from ddm.deploy.router_config import Auth, DnsDiscovery, RouterConfigFile
-from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, RouterAuth
+from ddm.deploy.router_config import Auth, Discovery, DnsDiscovery, RouterConfigFile
+from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, RouterAuth, StageSpec
 from ddm.operator.config import OperatorConfig
 from ddm.operator.fetcher import (
     ROUTER_KEY,
@@ -49,6 +50,7 @@ from ddm.operator.fetcher import (
     fetch_step,
     fetched,
     serve_step,
+    stage_key,
     staged_key,
 )
 from ddm.operator.placement import NEURON_CACHE_DIR, placement
@@ -68,6 +70,9 @@ ROUTER_CONFIG_DIR = "/etc/ddm"
 ROUTER_CONFIG_FILE = "router.yaml"
 EXPERT_CHECKPOINT_DIR = "/models/expert"
 ROUTER_CHECKPOINT_DIR = "/models/router"
+#: A separate stage's checkpoint in its own pod; a stage in the router's pod is under
+#: ``/models/<role>`` there.
+STAGE_CHECKPOINT_DIR = "/models/stage"
 #: Where the stager's fetch steps leave each checkpoint (``fetcher.staged_key``).
 STAGE_DIR = "/stage"
 #: Kubernetes writes a failed container's reason into its status from this file, or from the
@@ -98,7 +103,9 @@ def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfi
     ``uid`` (the Secrets' names derive from it)."""
     fetches = bool(fetched(spec))
     children: list[dict[str, Any]] = (
-        build_network_policies(meta, config, fetches=fetches) if config.network_policy else [])
+        build_network_policies(meta, config, fetches=fetches,
+                               stages=any(s.separate for s in spec.stages.values()))
+        if config.network_policy else [])
     if fetches:
         children.append(build_stager_service(meta))
         children.append(build_stager_deployment(spec, meta, config))
@@ -106,6 +113,11 @@ def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfi
         children.append(build_expert_service(expert, meta))
         children.append(build_expert_deployment(expert, meta, config,
                                                 expert_token(spec, meta, config)))
+    for role, stage in spec.stages.items():
+        if stage.separate:
+            children.append(build_stage_service(role, meta))
+            children.append(build_stage_deployment(role, stage, meta, config,
+                                                   expert_token(spec, meta, config)))
     children.append(build_router_configmap(spec, meta, config))
     children.append(build_router_service(meta))
     children.append(build_router_deployment(spec, meta, config))
@@ -121,41 +133,84 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     model around the router's authentication, and the expert never holds the public token."""
     owner = meta["name"]
     planned = plan_expert(expert)
-    place = placement(expert.accelerator)
-    image = expert.pod.image or config.images.for_family(place.image_family)
-    mount = _checkpoint(expert.checkpoint, expert.fetch, EXPERT_CHECKPOINT_DIR, image, config,
-                        meta, expert_key(expert.name))
-    command = ["ddm", *planned.command(mount.path, "0.0.0.0", names.EXPERT_PORT,
-                                       names.METRICS_PORT,
-                                       EXPERT_TOKEN_FILE if token is not None else None),
-               "--drain-s", str(DRAIN_S)]
-    env, volumes, mounts = _scratch()
+    # An autoscaled expert's replicas are the scaler's (ddm.operator.scaler): left out here,
+    # so that applying this manifest never resets them.
+    replicas = None if expert.autoscaling is not None else expert.replicas
+    return _model_server(
+        names.expert_name(owner, expert.name), "expert", meta, config, replicas,
+        names.labels(owner, "expert", expert.name), names.selector(owner, "expert", expert.name),
+        accelerator=expert.accelerator, pod=expert.pod, checkpoint=expert.checkpoint,
+        fetch=expert.fetch, key=expert_key(expert.name), mount_path=EXPERT_CHECKPOINT_DIR,
+        command=lambda path, token_file: planned.command(
+            path, "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
+        env=planned.env(NEURON_CACHE_DIR), token=token)
+
+
+def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
+                           config: OperatorConfig, token: RouterAuth | None = None
+                           ) -> dict[str, Any]:
+    """A separate stage's Deployment (``ddm serve stage``): as an expert's, on its own
+    accelerator, answering only the router (``token``: the router's expert token)."""
+    owner = meta["name"]
+    planned = plan_stage(role, stage)
+    return _model_server(
+        names.stage_name(owner, role), "stage", meta, config, stage.replicas,
+        names.labels(owner, "stage", stage=role), names.selector(owner, "stage", stage=role),
+        accelerator=stage.accelerator, pod=stage.pod, checkpoint=stage.checkpoint,
+        fetch=stage.fetch, key=ROUTER_KEY if role == "router-network" else stage_key(role),
+        mount_path=STAGE_CHECKPOINT_DIR,
+        command=lambda path, token_file: planned.command(
+            path, "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
+        env=planned.env(NEURON_CACHE_DIR), token=token)
+
+
+def build_stage_service(role: str, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A headless Service: its DNS name resolves to every ready replica of the stage."""
+    owner = meta["name"]
+    return _service(names.stage_name(owner, role), meta, names.labels(owner, "stage", stage=role),
+                    names.selector(owner, "stage", stage=role), names.EXPERT_PORT, headless=True)
+
+
+def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
+                  config: OperatorConfig, replicas: int | None, labels: dict[str, str],
+                  selector: dict[str, str], *, accelerator: Accelerator, pod: PodOptions,
+                  checkpoint: CheckpointSource, fetch: FetchOptions, key: str, mount_path: str,
+                  command: Callable[[str, str | None], tuple[str, ...]],
+                  env: tuple[tuple[str, str], ...], token: RouterAuth | None
+                  ) -> dict[str, Any]:
+    """The Deployment of a model server (an expert or a stage): one pod per replica on its
+    accelerator, ready once loaded (``replicas`` None: left to the scaler);
+    ``command(checkpoint_dir, token_file)``: its arguments."""
+    place = placement(accelerator)
+    image = pod.image or config.images.for_family(place.image_family)
+    mount = _checkpoint(checkpoint, fetch, mount_path, image, config, meta, key)
+    arguments = ["ddm", *command(mount.path, EXPERT_TOKEN_FILE if token is not None else None),
+                 "--drain-s", str(DRAIN_S)]
+    scratch_env, volumes, mounts = _scratch()
     if token is not None:
         _mount_token(token, "expert-token", EXPERT_TOKEN_DIR, volumes, mounts)
-    env += [{"name": name, "value": value} for name, value in planned.env(NEURON_CACHE_DIR)]
-    if planned.backend == "neuron":
+    scratch_env += [{"name": n, "value": value} for n, value in env]
+    if env:  # the Neuron backend's compile caches
         volumes.append({"name": "neuron-cache", "emptyDir": {}})
         mounts.append({"name": "neuron-cache", "mountPath": NEURON_CACHE_DIR})
-    resources = _resources(expert.pod, place.limits)
+    resources = _resources(pod, place.limits)
     container = {
-        "name": "expert",
+        "name": container_name,
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
-        "command": command,
+        "command": arguments,
         "ports": _ports(names.EXPERT_PORT),
-        "env": env,
+        "env": scratch_env,
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + mount.mounts,
-        **_probes(STARTUP_BUDGET_S.get(expert.accelerator.type, STARTUP_BUDGET_S["default"])),
+        **_probes(STARTUP_BUDGET_S.get(accelerator.type, STARTUP_BUDGET_S["default"])),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    pod = _pod_spec(container, expert.pod, volumes + mount.volumes, mount.init_containers,
-                    node_selector=place.node_selector, tolerations=place.tolerations)
-    return _deployment(names.expert_name(owner, expert.name), meta, expert.replicas,
-                       names.labels(owner, "expert", expert.name),
-                       names.selector(owner, "expert", expert.name), pod,
-                       {**names.SCRAPE_ANNOTATIONS, **_checkpoint_annotation(expert.checkpoint)})
+    pod_spec = _pod_spec(container, pod, volumes + mount.volumes, mount.init_containers,
+                         node_selector=place.node_selector, tolerations=place.tolerations)
+    return _deployment(name, meta, replicas, labels, selector, pod_spec,
+                       {**names.SCRAPE_ANNOTATIONS, **_checkpoint_annotation(checkpoint)})
 
 
 def _mount_token(token: RouterAuth, volume: str, directory: str,
@@ -181,18 +236,32 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
     """router.yaml (the plan's): the experts behind their headless Services, the operator's
     trusted proxies (the cluster's ingress) naming the clients of its per-client limit."""
     owner, namespace = meta["name"], meta["namespace"]
-    discovery = {e.name: DnsDiscovery(dns=names.expert_dns(owner, e.name, namespace,
-                                                           config.cluster_domain),
-                                      port=names.EXPERT_PORT)
-                 for e in spec.experts}
-    checkpoint = spec.router.checkpoint
+    discovery: dict[str, Discovery] = {
+        e.name: DnsDiscovery(dns=names.expert_dns(owner, e.name, namespace,
+                                                  config.cluster_domain),
+                             port=names.EXPERT_PORT)
+        for e in spec.experts}
+    places: dict[str, str | Discovery] = {
+        role: DnsDiscovery(dns=names.stage_dns(owner, role, namespace, config.cluster_domain),
+                           port=names.EXPERT_PORT)
+        for role, stage in spec.stages.items() if stage.separate}
+    places.update({role: _pod_dir(*place) for role, place in _router_stages(spec).items()})
     return plan_deployment(spec).router_config(
-        discovery,
-        None if checkpoint is None else
-        (checkpoint.path if checkpoint.scheme == "image" else ROUTER_CHECKPOINT_DIR),
-        Auth(token_file=ROUTER_TOKEN_FILE, expert_token_file=EXPERT_TOKEN_FILE)
+        discovery, None, Auth(token_file=ROUTER_TOKEN_FILE, expert_token_file=EXPERT_TOKEN_FILE)
         if router_token(spec, meta, config) else None,
-        config.router_trusted_proxies)
+        config.router_trusted_proxies, places)
+
+
+def _router_stages(spec: DDMSpec) -> dict[str, tuple[StageSpec, str]]:
+    """Role -> (stage, its mount path) of every stage the router's pods load themselves."""
+    return {role: (stage, ROUTER_CHECKPOINT_DIR if role == "router-network"
+                   else f"/models/{role}")
+            for role, stage in spec.stages.items() if not stage.separate}
+
+
+def _pod_dir(stage: StageSpec, mount_path: str) -> str:
+    """Where a pod finds the stage's checkpoint: in its image, or where it is mounted."""
+    return stage.checkpoint.path if stage.checkpoint.scheme == "image" else mount_path
 
 
 def build_router_configmap(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
@@ -213,9 +282,11 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     owner = meta["name"]
     router = spec.router
     image = router.pod.image or config.images.cpu
-    mount = (_checkpoint(router.checkpoint, router.fetch, ROUTER_CHECKPOINT_DIR, image, config,
-                         meta, ROUTER_KEY)
-             if router.checkpoint else None)
+    checkpoints = [
+        _checkpoint(stage.checkpoint, stage.fetch, path, image, config, meta,
+                    ROUTER_KEY if role == "router-network" else stage_key(role),
+                    volume="checkpoint" if role == "router-network" else f"checkpoint-{role}")
+        for role, (stage, path) in _router_stages(spec).items()]
     env, volumes, mounts = _scratch()
     volumes.append({"name": "config", "configMap": {"name": names.router_config_name(owner)}})
     mounts.append({"name": "config", "mountPath": ROUTER_CONFIG_DIR, "readOnly": True})
@@ -236,17 +307,20 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         "ports": _ports(names.ROUTER_PORT),
         "env": env,
         **({"resources": resources} if resources else {}),
-        "volumeMounts": mounts + (mount.mounts if mount else []),
+        "volumeMounts": mounts + [m for mount in checkpoints for m in mount.mounts],
         **_probes(STARTUP_BUDGET_S["default"]),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    pod = _pod_spec(container, router.pod, volumes + (mount.volumes if mount else []),
-                    mount.init_containers if mount else [], node_selector={}, tolerations=[])
+    pod = _pod_spec(container, router.pod,
+                    volumes + [v for mount in checkpoints for v in mount.volumes],
+                    [c for mount in checkpoints for c in mount.init_containers],
+                    node_selector={}, tolerations=[])
     config_text = build_router_config(spec, meta, config).to_yaml()
     pod_annotations = {**names.SCRAPE_ANNOTATIONS,
                        names.CONFIG_HASH_ANNOTATION: names.digest(config_text),
-                       **_checkpoint_annotation(router.checkpoint)}
+                       **_checkpoint_annotation(*(stage.checkpoint for stage, _ in
+                                                  _router_stages(spec).values()))}
     return _deployment(names.router_name(owner), meta, router.replicas,
                        names.labels(owner, "router"), names.selector(owner, "router"), pod,
                        pod_annotations)
@@ -343,31 +417,33 @@ def _fetcher(image: str, config: OperatorConfig) -> dict[str, Any]:
 
 
 def _checkpoint(checkpoint: CheckpointSource, options: FetchOptions, mount_path: str,
-                image: str, config: OperatorConfig, meta: Mapping[str, Any], key: str
-                ) -> CheckpointMount:
+                image: str, config: OperatorConfig, meta: Mapping[str, Any], key: str,
+                volume: str = "checkpoint") -> CheckpointMount:
     """How the pod gets its checkpoint; a fetched one is copied from the DDM's stager
     (``fetcher.copy_step``), into an emptyDir of the fetch's cap."""
     if checkpoint.scheme not in FETCHED_SCHEMES:
-        return checkpoint_mount(checkpoint, volume="checkpoint", mount_path=mount_path)
+        return checkpoint_mount(checkpoint, volume=volume, mount_path=mount_path)
     fetcher = _fetcher(image, config)
-    fetcher["volumeMounts"].append({"name": "checkpoint", "mountPath": mount_path})
+    fetcher["volumeMounts"].append({"name": volume, "mountPath": mount_path})
     copy_container = copy_step(
         checkpoint, options, key=key, owner=meta["name"], namespace=meta["namespace"],
         cluster_domain=config.cluster_domain, dest=mount_path, base=fetcher,
         max_bytes=config.fetch_max_bytes)
+    if volume != "checkpoint":  # a second copy into the same pod (the router's stages)
+        copy_container["name"] = f"copy-{volume}"
     return CheckpointMount(
         path=mount_path,
-        volumes=[{"name": "checkpoint",
-                  "emptyDir": {"sizeLimit": str(config.fetch_max_bytes)}}],
-        mounts=[{"name": "checkpoint", "mountPath": mount_path, "readOnly": True}],
+        volumes=[{"name": volume, "emptyDir": {"sizeLimit": str(config.fetch_max_bytes)}}],
+        mounts=[{"name": volume, "mountPath": mount_path, "readOnly": True}],
         init_containers=[copy_container])
 
 
-def _checkpoint_annotation(checkpoint: CheckpointSource | None) -> dict[str, str]:
-    """The pod template's hash of a fetched URI (the URI itself is in a Secret)."""
-    if checkpoint is None or checkpoint.scheme not in FETCHED_SCHEMES:
+def _checkpoint_annotation(*checkpoints: CheckpointSource) -> dict[str, str]:
+    """The pod template's hash of its fetched URIs (the URIs themselves are in Secrets)."""
+    uris = [c.uri for c in checkpoints if c.scheme in FETCHED_SCHEMES]
+    if not uris:
         return {}
-    return {names.CHECKPOINT_HASH_ANNOTATION: names.digest(checkpoint.uri)}
+    return {names.CHECKPOINT_HASH_ANNOTATION: names.digest(",".join(uris))}
 
 
 def _resources(pod: PodOptions, accelerator_limits: dict[str, str]) -> dict[str, Any]:
@@ -428,7 +504,8 @@ def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
     return {**container, "command": [arg.replace("$", "$$") for arg in container["command"]]}
 
 
-def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[str, str],
+def _deployment(name: str, meta: Mapping[str, Any], replicas: int | None,
+                labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
                 pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
@@ -439,7 +516,7 @@ def _deployment(name: str, meta: Mapping[str, Any], replicas: int, labels: dict[
         "kind": "Deployment",
         "metadata": _metadata(name, meta, labels),
         "spec": {
-            "replicas": replicas,
+            **({"replicas": replicas} if replicas is not None else {}),
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector},
             "template": {"metadata": template_meta, "spec": pod},

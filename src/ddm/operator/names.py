@@ -1,7 +1,9 @@
 """Names, labels and addresses of a DDMDeployment's children: one place, used by every module.
 
 Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
-``<name>-expert-<expert>`` (Deployment, headless Service), with fetched checkpoints
+``<name>-expert-<expert>`` (Deployment, headless Service), ``<name>-stage-<role>``
+(Deployment, headless Service) per stage placed ``separate`` (``text-encoder``, ``decoder``,
+``router-network``), with fetched checkpoints
 ``<name>-stager`` (the Deployment and Service that fetch them and hand them out), and
 NetworkPolicies on ``<name>-experts``, ``<name>-router`` and ``<name>-stager``. The CRD bounds
 both names so that every Service name stays a DNS-1035 label of at most 63 characters.
@@ -30,6 +32,7 @@ PLURAL = "ddmdeployments"
 MANAGED_BY = "ddm-operator"
 DEPLOYMENT_LABEL = "ddm.dev/deployment"
 EXPERT_LABEL = "ddm.dev/expert"
+STAGE_LABEL = "ddm.dev/stage"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 #: Hash of a child's desired manifest: a spec change rewrites only the children it alters.
@@ -60,6 +63,17 @@ SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(
 def expert_name(owner: str, expert: str) -> str:
     """The expert's Deployment and headless Service."""
     return f"{owner}-expert-{expert}"
+
+
+def stage_name(owner: str, role: str) -> str:
+    """A separate stage's Deployment and headless Service (``role``: text-encoder, decoder,
+    router-network)."""
+    return f"{owner}-stage-{role}"
+
+
+def stage_dns(owner: str, role: str, namespace: str, cluster_domain: str) -> str:
+    """The stage's headless Service's name: resolves to the IPs of every ready replica."""
+    return f"{stage_name(owner, role)}.{namespace}.svc.{cluster_domain}"
 
 
 def router_name(owner: str) -> str:
@@ -107,9 +121,10 @@ def network_policy_name(owner: str, component: str) -> str:
     return f"{owner}-{component}"
 
 
-def labels(owner: str, component: str, expert: str | None = None) -> dict[str, str]:
+def labels(owner: str, component: str, expert: str | None = None,
+           stage: str | None = None) -> dict[str, str]:
     """The recommended ``app.kubernetes.io/*`` labels plus ours; ``component`` is
-    expert|router|stager."""
+    expert|stage|router|stager."""
     out = {
         "app.kubernetes.io/name": "ddm",
         "app.kubernetes.io/instance": owner,
@@ -118,17 +133,18 @@ def labels(owner: str, component: str, expert: str | None = None) -> dict[str, s
         MANAGED_BY_LABEL: MANAGED_BY,
         DEPLOYMENT_LABEL: owner,
     }
-    if expert is not None:
-        out[EXPERT_LABEL] = expert
-    return out
+    return {**out, **_member(expert, stage)}
 
 
-def selector(owner: str, component: str, expert: str | None = None) -> dict[str, str]:
+def selector(owner: str, component: str, expert: str | None = None,
+             stage: str | None = None) -> dict[str, str]:
     """The immutable pod selector of a child Deployment (and its Service)."""
-    out = {DEPLOYMENT_LABEL: owner, COMPONENT_LABEL: component}
-    if expert is not None:
-        out[EXPERT_LABEL] = expert
-    return out
+    return {DEPLOYMENT_LABEL: owner, COMPONENT_LABEL: component, **_member(expert, stage)}
+
+
+def _member(expert: str | None, stage: str | None) -> dict[str, str]:
+    return {**({EXPERT_LABEL: expert} if expert is not None else {}),
+            **({STAGE_LABEL: stage} if stage is not None else {})}
 
 
 def expert_dns(owner: str, expert: str, namespace: str, cluster_domain: str) -> str:

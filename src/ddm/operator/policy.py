@@ -38,7 +38,7 @@ from typing import Any, Iterator, Mapping
 
 from ddm.checkpoints.uri import SECRET_SCHEME, CheckpointSource, redact_uri
 from ddm.deploy.pod_options import PodOptions
-from ddm.deploy.spec import DDMSpec, SecretKey
+from ddm.deploy.spec import DDMSpec, SecretKey, StageSpec
 
 IMAGES_ENV = "DDM_ALLOWED_IMAGES"
 CHECKPOINTS_ENV = "DDM_ALLOWED_CHECKPOINT_SOURCES"
@@ -126,6 +126,9 @@ def policy_problems(spec: DDMSpec, allowed: AllowLists) -> list[str]:
     found = []
     pods = [("spec.router", spec.router.pod, spec.router.checkpoint)]
     pods += [(f"spec.experts[{i}]", e.pod, e.checkpoint) for i, e in enumerate(spec.experts)]
+    pods += [(path, stage.pod, stage.checkpoint) for path, stage in _stages(spec)]
+    if spec.router.network is not None:
+        pods.append(("spec.router.network", spec.router.network.pod, None))
     for path, pod, checkpoint in pods:
         image = pod.image
         if image is not None and not image_allowed(image, allowed.images):
@@ -193,6 +196,14 @@ def _items(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
+def _stages(spec: DDMSpec) -> list[tuple[str, StageSpec]]:
+    """(field, stage) of the text encoder and decoder (the router network's checkpoint is the
+    router's; its pod options are checked with its placement)."""
+    return [(path, stage) for path, stage in (("spec.textEncoder", spec.text_encoder),
+                                              ("spec.decoder", spec.decoder))
+            if stage is not None]
+
+
 def _secret_references(spec: DDMSpec) -> Iterator[tuple[str, str]]:
     """(field, Secret name) of every Secret the spec names."""
     if spec.router.auth is not None and spec.router.auth.secret_name is not None:
@@ -201,11 +212,14 @@ def _secret_references(spec: DDMSpec) -> Iterator[tuple[str, str]]:
         ("spec.router.checkpoint.credentialsSecret", spec.router.fetch.credentials)]
     fetches += [(f"spec.experts[{i}].checkpoint.credentialsSecret", e.fetch.credentials)
                 for i, e in enumerate(spec.experts)]
+    fetches += [(f"{path}.checkpoint.credentialsSecret", stage.fetch.credentials)
+                for path, stage in _stages(spec)]
     for path, credentials in fetches:
         if credentials is not None:
             yield f"{path}.name", credentials.name
     held = [("spec.router.checkpoint", spec.router.checkpoint)]
     held += [(f"spec.experts[{i}].checkpoint", e.checkpoint) for i, e in enumerate(spec.experts)]
+    held += [(f"{path}.checkpoint", stage.checkpoint) for path, stage in _stages(spec)]
     for path, checkpoint in held:
         if checkpoint is not None and checkpoint.scheme == SECRET_SCHEME:
             yield f"{path}.uriFrom.secretKeyRef.name", checkpoint.location

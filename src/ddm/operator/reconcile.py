@@ -35,6 +35,7 @@ The status reports the pods' troubles (``status.pod_trouble``): a pod event trig
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -53,6 +54,10 @@ from ddm.deploy.spec import SpecError
 from ddm.operator.status import invalid_status, now_rfc3339, ready_status
 
 log = logging.getLogger("ddm.operator")
+
+
+class _Stopped(Exception):
+    """The operator is stopping (:meth:`Reconciler.stop`): the run ends where it is."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +88,14 @@ class Reconciler:
         self._queued: set[tuple[str, str]] = set()
         # Per DDMDeployment: child (kind, name) -> the resourceVersion last known to match the
         # desired state. Replaced by each run (so only live children are remembered).
-        self._in_sync: dict[tuple[str, str], dict[tuple[str, str], str]] = {}
+        self._in_sync: dict[tuple[str, str], dict[tuple[str, str], _Fingerprint]] = {}
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        """The operator is stopping: runs not started yet end at once, a run under way ends
+        before its next API request (each child is written whole, and the next start's run,
+        which reads everything afresh, converges the rest)."""
+        self._stopping.set()
 
     def reconcile(self, namespace: str, name: str, *, coalesce: bool = False
                   ) -> Outcome | None:
@@ -100,9 +112,19 @@ class Reconciler:
         with lock:
             with self._guard:
                 self._queued.discard(key)
-            return self._run(namespace, name)
+            try:
+                return self._run(namespace, name)
+            except _Stopped:
+                return None  # resumable: the next start's run converges what is left
+
+    def _between_requests(self) -> None:
+        """Raise :class:`_Stopped` if the operator is stopping: a run ends between two API
+        requests, never half way through writing a child."""
+        if self._stopping.is_set():
+            raise _Stopped()
 
     def _run(self, namespace: str, name: str) -> Outcome | None:
+        self._between_requests()
         body = self._kube.get_owner(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self._in_sync.pop((namespace, name), None)
@@ -116,8 +138,9 @@ class Reconciler:
         desired = desired_children(spec, body, self._config, _new_token)
         secrets_wanted = [m for m in desired if m["kind"] == "Secret"]
         desired = [m for m in desired if m["kind"] != "Secret"]
+        self._between_requests()
         live = self._kube.list_children(namespace, name)
-        refused = self._refused(desired, live)
+        refused, previews = self._refused(desired, live)
         if refused:
             error = SpecError(refused)
             self._report(body, invalid_status(error, meta, previous=previous, now=now_rfc3339()))
@@ -135,8 +158,10 @@ class Reconciler:
             token = None
         known, in_sync = self._in_sync.get((namespace, name), {}), {}
         for manifest in desired:
+            self._between_requests()
             self._attempt(errors, actions, self._converge, manifest,
-                          live.get(_key(manifest)), meta["uid"], known, in_sync)
+                          live.get(_key(manifest)), previews.get(_key(manifest)),
+                          meta["uid"], known, in_sync)
         self._in_sync[(namespace, name)] = in_sync
         wanted = {_key(m) for m in desired}
         for (kind, child), obj in live.items():
@@ -144,6 +169,7 @@ class Reconciler:
                 self._attempt(errors, actions, self._delete, kind, namespace, child)
         for reason, message in actions:
             log.info("%s/%s: %s", namespace, name, message)
+        for reason, message in _summaries(actions):  # one Event per reason and run
             self._post_event(body, reason=reason, message=message)
         pods: list[dict[str, Any]] = []
         try:
@@ -161,21 +187,24 @@ class Reconciler:
         return Outcome(failure=failure)
 
     def _refused(self, desired: list[dict[str, Any]],
-                 live: Mapping[tuple[str, str], Mapping[str, Any]]) -> list[str]:
-        """What the API server would refuse (HTTP 422) among the children to write."""
-        refused = []
+                 live: Mapping[tuple[str, str], Mapping[str, Any]]
+                 ) -> tuple[list[str], dict[tuple[str, str], dict[str, Any]]]:
+        """What the API server would refuse (HTTP 422) among the children to write, and what
+        it would store for each of the others (its dry-run answer, by child)."""
+        refused, previews = [], {}
         for manifest in desired:
             current = live.get(_key(manifest))
             if current is not None and _spec_hash(current) == _spec_hash(manifest):
                 continue
+            self._between_requests()
             try:
-                self._kube.apply(manifest, dry_run=True)
+                previews[_key(manifest)] = self._kube.apply(manifest, dry_run=True)
             except KubeError as error:
                 if error.status == 422:
                     kind, child = _key(manifest)
                     refused.append(f"spec: the API server refuses it as {kind} {child}: "
                                    f"{error.detail}")
-        return refused
+        return refused, previews
 
     def _create_secret(self, secret: dict[str, Any], made: list[str], blocked: list[str]
                        ) -> tuple[str, str] | None:
@@ -195,33 +224,36 @@ class Reconciler:
                              "DDMDeployment, so it is not used and nothing that would read it "
                              "runs; delete it (the operator then creates its own)")
 
-    def _converge(self, desired: dict[str, Any], live: Mapping[str, Any] | None, owner_uid: str,
-                  known: Mapping[tuple[str, str], str], in_sync: dict[tuple[str, str], str]
-                  ) -> tuple[str, str] | None:
+    def _converge(self, desired: dict[str, Any], live: Mapping[str, Any] | None,
+                  preview: Mapping[str, Any] | None, owner_uid: str,
+                  known: Mapping[tuple[str, str], _Fingerprint],
+                  in_sync: dict[tuple[str, str], _Fingerprint]) -> tuple[str, str] | None:
         """Make one child match ``desired``; returns (reason, message), None if in sync.
 
-        ``known``: the resourceVersions the previous run left in sync; ``in_sync`` collects
-        this run's."""
+        ``preview``: the dry-run answer for it, if :meth:`_refused` made one; ``known``: the
+        children the previous run left in sync; ``in_sync`` collects this run's."""
         kind, meta = desired["kind"], desired["metadata"]
         what, key = f"{kind} {meta['name']}", _key(desired)
-        if live is None:  # not among the labelled children; maybe there without our labels
+        if live is None and (preview is None or _version(preview)):
+            # Not among the labelled children, yet maybe there without our labels: a dry run
+            # that would create it answers no resourceVersion, so only then is it surely absent.
             live = self._kube.get(kind, meta["namespace"], meta["name"])
         if live is None:
-            in_sync[key] = _version(self._kube.apply(desired))
+            in_sync[key] = _fingerprint(self._kube.apply(desired))
             return "Created", f"Created {what}"
         if not _controlled_by(live, owner_uid):
             raise KubeError(409, f"{what} already exists and belongs to something else; "
                                  "delete or rename it")
         if _spec_hash(live) != _spec_hash(desired):
-            in_sync[key] = _version(self._kube.apply(desired))
+            in_sync[key] = _fingerprint(self._kube.apply(desired))
             return "Updated", f"Updated {what}"
-        if known.get(key) == _version(live):
-            in_sync[key] = _version(live)  # untouched since it was last written or checked
+        if known.get(key) == _fingerprint(live):
+            in_sync[key] = _fingerprint(live)  # untouched since it was last written or checked
             return None
         if _differs(live, self._kube.apply(desired, dry_run=True)):
-            in_sync[key] = _version(self._kube.apply(desired))
+            in_sync[key] = _fingerprint(self._kube.apply(desired))
             return "Restored", f"Restored {what} (it was changed outside the operator)"
-        in_sync[key] = _version(live)
+        in_sync[key] = _fingerprint(live)
         return None
 
     @staticmethod
@@ -248,6 +280,32 @@ class Reconciler:
 
 def _version(obj: Mapping[str, Any]) -> str:
     return obj["metadata"].get("resourceVersion", "")
+
+
+#: What says a child is as the operator last wrote or checked it (:func:`_fingerprint`).
+_Fingerprint = tuple[str, str]
+
+
+def _fingerprint(obj: Mapping[str, Any]) -> _Fingerprint:
+    """A child's ``metadata.generation`` (moved only by a change to its spec) and a digest of
+    its labels, annotations and ownerReferences; its resourceVersion where it has no
+    generation (ConfigMaps, Services). A Deployment whose status alone the controller wrote
+    keeps its fingerprint, so that the run its change triggers costs no dry run for it."""
+    meta = obj["metadata"]
+    generation = meta.get("generation")
+    return (f"generation {generation}" if generation is not None else _version(obj),
+            json.dumps([meta.get("labels"), meta.get("annotations"),
+                        meta.get("ownerReferences")], sort_keys=True))
+
+
+def _summaries(actions: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """One (reason, message) per reason, naming every child it concerns: a DDM's creation
+    posts one Event, not one per child (each is an API request)."""
+    by_reason: dict[str, list[str]] = {}
+    for reason, message in actions:
+        by_reason.setdefault(reason, []).append(message)
+    return [(reason, messages[0] if len(messages) == 1 else "; ".join(messages))
+            for reason, messages in by_reason.items()]
 
 
 def _key(manifest: Mapping[str, Any]) -> tuple[str, str]:

@@ -11,9 +11,11 @@ in those namespaces (a Role each) and no cluster-scoped permission at all.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
+import signal
 import threading
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
@@ -27,6 +29,8 @@ from ddm.operator.handlers import register
 from ddm.operator.kube import Kube
 from ddm.operator.reconcile import Reconciler
 
+#: How often the waiting thread looks at ``stop_flag`` (signals wake it at once).
+STOP_POLL_S = 0.2
 #: Workers for the (synchronous) handlers: runs for different DDMDeployments go in parallel.
 MAX_WORKERS = 8
 #: The namespaces to serve, comma-separated; empty or unset: the whole cluster.
@@ -141,7 +145,14 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
     register(registry)
     reconciler = Reconciler(Kube(api_client),
                             operator_config or OperatorConfig.from_env(os.environ))
-    kopf.run(
+    stopping = threading.Event()  # kopf's stop flag, set by stop() alone
+
+    def stop(*_: object) -> None:
+        reconciler.stop()  # first: the runs under way end before their next request
+        stopping.set()
+
+    operator = threading.Thread(name="kopf", target=functools.partial(
+        kopf.run,
         registry=registry,
         settings=operator_settings(clusterwide=not served),
         standalone=standalone,
@@ -150,6 +161,18 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
         liveness_endpoint=(None if liveness_port is None
                            else f"http://0.0.0.0:{liveness_port}/healthz"),
         memo=kopf.Memo(api_client=api_client, reconciler=reconciler, pod_troubles={}),
-        stop_flag=stop_flag,
+        stop_flag=stopping,
         ready_flag=ready_flag,
-    )
+    ))
+    # kopf runs in a thread of its own, where it leaves signals alone: SIGTERM and SIGINT
+    # (or ``stop_flag``) come here, so that they stop the reconciler before kopf. Left to
+    # kopf, they would stop its tasks while the handlers' threads ran every queued
+    # reconcile to its end: well past the pod's grace period, then a SIGKILL.
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stop)
+    operator.start()
+    while operator.is_alive():
+        if stop_flag is not None and stop_flag.is_set():
+            stop()
+        operator.join(STOP_POLL_S)

@@ -3,8 +3,12 @@ its pods.
 
 Conditions follow the Kubernetes convention: ``lastTransitionTime`` changes only when a
 condition's status does, so recomputing an unchanged state yields an equal status and the
-operator writes nothing. ``Ready`` is ``SpecValid`` and ``ExpertsReady`` and ``RouterReady``.
-An expert is ready when every replica it asks for (at least one) is ready. When one is not,
+operator writes nothing. ``Ready`` is ``SpecValid`` and ``ExpertsReady`` and ``RouterReady``,
+and ``StagesReady`` for a DDM with stages in pods of their own (text encoder, decoder, router
+network placed ``separate``), each reported under ``stages`` as experts are.
+An expert is ready when every replica it asks for (at least one) is ready; an autoscaled
+expert asks for what the scaler last set on its Deployment (``ddm.operator.scaler``), and is
+ready at zero too. When one is not,
 its pods say why (``pod_trouble``): a container that keeps failing (with its exit status and
 termination message: an expert that cannot load its checkpoint writes the reason there), an
 image that cannot be pulled, a pod no node can take; the status repeats it per expert and in
@@ -19,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from ddm.checkpoints.uri import FETCHED_SCHEMES
 from ddm.operator import names
-from ddm.deploy.spec import DDMSpec, SpecError
+from ddm.deploy.spec import DDMSpec, ExpertSpec, SpecError
 
 PHASES = ("Pending", "Progressing", "Ready", "Failed", "Invalid")
 #: A container waiting for one of these will not start by itself.
@@ -91,7 +95,8 @@ def _detail(text: str) -> str:
 
 def pods_by_owner(owner: str, pods: Sequence[Mapping[str, Any]]
                   ) -> dict[str | None, list[Mapping[str, Any]]]:
-    """The pods of ``owner``'s Deployments by expert name (None: the router's)."""
+    """The pods of ``owner``'s Deployments by expert name (None: the router's; a stage's
+    under :func:`stage_key`)."""
     grouped: dict[str | None, list[Mapping[str, Any]]] = {}
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -100,9 +105,16 @@ def pods_by_owner(owner: str, pods: Sequence[Mapping[str, Any]]
         component = labels.get(names.COMPONENT_LABEL)
         if component == "expert" and labels.get(names.EXPERT_LABEL):
             grouped.setdefault(labels[names.EXPERT_LABEL], []).append(pod)
+        elif component == "stage" and labels.get(names.STAGE_LABEL):
+            grouped.setdefault(stage_key(labels[names.STAGE_LABEL]), []).append(pod)
         elif component == "router":
             grouped.setdefault(None, []).append(pod)
     return grouped
+
+
+def stage_key(role: str) -> str:
+    """A stage's key among the experts' names (which cannot hold a ``/``)."""
+    return f"stage/{role}"
 
 
 def stager_trouble(owner: str, pods: Sequence[Mapping[str, Any]]) -> Trouble | None:
@@ -117,14 +129,27 @@ def stager_trouble(owner: str, pods: Sequence[Mapping[str, Any]]) -> Trouble | N
 
 @dataclass(frozen=True)
 class Replicas:
-    """``desired`` from the spec, ``ready`` from the Deployment's status (0 when absent)."""
+    """``desired`` from the spec (an autoscaled expert's: from its Deployment, ``scaled``),
+    ``ready`` from the Deployment's status (0 when absent)."""
 
     desired: int
     ready: int
+    scaled: bool = False
 
     @property
     def complete(self) -> bool:
-        return self.desired >= 1 and self.ready >= self.desired
+        return (self.scaled or self.desired >= 1) and self.ready >= self.desired
+
+
+def expert_replicas(expert: ExpertSpec, deployment: Mapping[str, Any] | None) -> Replicas:
+    """An expert's replicas: fixed by its spec, or, autoscaled, as its Deployment has them
+    (its ``minReplicas`` until the Deployment exists)."""
+    ready = ready_replicas(deployment)
+    if expert.autoscaling is None:
+        return Replicas(expert.replicas, ready)
+    desired = (expert.autoscaling.min_replicas if deployment is None
+               else int(deployment["spec"].get("replicas", 1)))
+    return Replicas(desired, ready, scaled=True)
 
 
 def ready_replicas(deployment: Mapping[str, Any] | None) -> int:
@@ -149,18 +174,19 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     holding the router's token (its name only), when the router requires one;
     ``token_secrets``: the token Secrets the operator has created for this resource."""
     owner, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
-    experts = {
-        e.name: Replicas(e.replicas,
-                         ready_replicas(deployments.get(names.expert_name(owner, e.name))))
-        for e in spec.experts
-    }
+    experts = {e.name: expert_replicas(e, deployments.get(names.expert_name(owner, e.name)))
+               for e in spec.experts}
+    separate = {role: stage for role, stage in spec.stages.items() if stage.separate}
+    stages = {stage_key(role): Replicas(stage.replicas, ready_replicas(
+        deployments.get(names.stage_name(owner, role)))) for role, stage in separate.items()}
     router = Replicas(spec.router.replicas,
                       ready_replicas(deployments.get(names.router_name(owner))))
     grouped = pods_by_owner(owner, pods)
     troubles = {name: pod_trouble(grouped.get(name, [])) for name, r in
-                [*experts.items(), (None, router)] if not r.complete}
+                [*experts.items(), *stages.items(), (None, router)] if not r.complete}
     stager = stager_trouble(owner, pods)
-    checkpoints = {None: spec.router.checkpoint, **{e.name: e.checkpoint for e in spec.experts}}
+    checkpoints = {None: spec.router.checkpoint, **{e.name: e.checkpoint for e in spec.experts},
+                   **{stage_key(role): stage.checkpoint for role, stage in separate.items()}}
     for name in troubles:  # the pods that copy from the stager wait on it: its reason is theirs
         checkpoint = checkpoints[name]
         if stager is not None and checkpoint is not None and (
@@ -184,20 +210,32 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         ("RouterReady" if router.complete else "RouterNotReady",
          f"{router.ready}/{router.desired} router replicas ready"
          + (f": {router_trouble.message}" if router_trouble else "")))
+    stage_conditions = [_condition(
+        old, "StagesReady", all(r.complete for r in stages.values()), generation, now,
+        ("AllStagesReady", f"{len(stages)} stage(s) ready")
+        if all(r.complete for r in stages.values()) else
+        ("StagesNotReady", "; ".join(
+            f"{key.removeprefix('stage/')}: {r.ready}/{r.desired} ready"
+            + (f": {troubles[key].message}" if troubles.get(key) else "")
+            for key, r in stages.items() if not r.complete)))] if stages else []
     spec_valid = _condition(old, "SpecValid", True, generation, now, ("Valid", "spec is valid"))
     if failure:
         ready = _condition(old, "Ready", False, generation, now, ("ApplyFailed", failure))
     else:
-        ready = _condition(old, "Ready", router.complete and ready_count == len(experts),
-                           generation, now,
-                           _ready_reason(experts_ready, router_ready, len(experts)))
-    any_ready = router.ready > 0 or any(r.ready > 0 for r in experts.values())
+        ready = _condition(old, "Ready", router.complete and ready_count == len(experts)
+                           and all(r.complete for r in stages.values()), generation, now,
+                           _ready_reason(experts_ready, router_ready, len(experts),
+                                         *stage_conditions))
+    any_ready = router.ready > 0 or any(r.ready > 0 for r in [*experts.values(),
+                                                              *stages.values()])
     phase = ("Failed" if failure else "Ready" if ready["status"] == "True" else
              "Progressing" if any_ready else "Pending")
     return {
         "observedGeneration": generation,
         "phase": phase,
         "expertsReady": f"{ready_count}/{len(experts)}",
+        "expertReplicas": ", ".join(f"{name} {r.ready}/{r.desired}"
+                                    for name, r in experts.items()),
         "routerURL": names.router_url(owner, namespace),
         **({"routerTokenSecret": token_secret} if token_secret else {}),
         **({"tokenSecrets": list(token_secrets)} if token_secrets else {}),
@@ -207,7 +245,15 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                      "replicas": experts[e.name].desired,
                      "readyReplicas": experts[e.name].ready, **_why(troubles.get(e.name))}
                     for e in spec.experts],
-        "conditions": [ready, spec_valid, experts_ready, router_ready],
+        **({"stages": [{"name": role, "placement": stage.placement,
+                        "accelerator": stage.accelerator.describe(),
+                        "replicas": stages[stage_key(role)].desired,
+                        "readyReplicas": stages[stage_key(role)].ready,
+                        **_why(troubles.get(stage_key(role)))}
+                       for role, stage in separate.items()]} if stages else {}),
+        "conditions": [ready, spec_valid, experts_ready, router_ready, *stage_conditions],
+        # the scaler's own part (ddm.operator.scaler), kept as it wrote it
+        **({"demand": previous["demand"]} if "demand" in previous else {}),
     }
 
 
@@ -221,11 +267,11 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
     generation = meta.get("generation")
     old = _by_type(previous)
     message = "; ".join(error.problems)
-    kept = [old[t] for t in ("ExpertsReady", "RouterReady") if t in old]
+    kept = [old[t] for t in ("ExpertsReady", "RouterReady", "StagesReady") if t in old]
     return {
         **{k: v for k, v in previous.items() if k in ("expertsReady", "routerURL", "router",
-                                                        "experts", "routerTokenSecret",
-                                                        "tokenSecrets")},
+                                                        "experts", "stages",
+                                                        "routerTokenSecret", "tokenSecrets")},
         "observedGeneration": generation,
         "phase": "Invalid",
         "conditions": [
@@ -236,12 +282,11 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
     }
 
 
-def _ready_reason(experts: Mapping[str, Any], router: Mapping[str, Any], count: int
-                  ) -> tuple[str, str]:
-    if experts["status"] != "True":
-        return experts["reason"], experts["message"]
-    if router["status"] != "True":
-        return router["reason"], router["message"]
+def _ready_reason(experts: Mapping[str, Any], router: Mapping[str, Any], count: int,
+                  *stages: Mapping[str, Any]) -> tuple[str, str]:
+    for condition in (experts, router, *stages):
+        if condition["status"] != "True":
+            return condition["reason"], condition["message"]
     return "Ready", f"the router and {count} experts are ready"
 
 

@@ -1,10 +1,15 @@
-"""``ddm up``: run a DDMDeployment's experts and router as local processes, no cluster needed.
+"""``ddm up``: run a DDMDeployment's experts, stages and router as local processes, no cluster
+needed.
 
 The same YAML a user would ``kubectl apply`` is planned by the one deployment plan
 (``ddm.deploy.plan``, which the operator uses too), placed here by :func:`plan_local`, then
 supervised (:func:`run_local`): every expert replica becomes a ``ddm serve expert`` process on
 a free loopback port, the router a ``ddm serve router`` process whose config lists those
-endpoints. Ctrl-C or SIGTERM stops everything started.
+endpoints. A stage placed ``separate`` (a text encoder, decoder or router network) becomes
+``ddm serve stage`` processes the router reaches the same way; one placed ``router`` is loaded
+by the router from its local directory. Before anything starts, the state shape the local
+stage checkpoints declare (``_ddm.latent_shape``) must agree across experts, router network
+and decoder. Ctrl-C or SIGTERM stops everything started.
 
 A process that dies once everything was up is restarted, on the same port, as the kubelet
 restarts a container: after a back-off that doubles with each restart up to 5 minutes, and
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
+from ddm.checkpoints.declared import declared_latent_shape
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.plan import RouterPlan, plan_deployment
@@ -80,7 +86,8 @@ class LocalPlan:
     """The processes to run; ``token_file``: the bearer token the router requires (None: auth
     is off); ``expert_token_file``: the one the router presents to its experts, which require
     it (another token, so that an expert never holds the public one); ``on_demand``: experts
-    with ``minReplicas: 0``, whose processes run only while there is demand for them."""
+    with ``minReplicas: 0``, whose processes run only while there is demand for them;
+    ``stages``: the servers of the stages placed ``separate``."""
 
     experts: tuple[ProcessSpec, ...]
     router: ProcessSpec
@@ -89,6 +96,7 @@ class LocalPlan:
     token_file: Path | None = None
     expert_token_file: Path | None = None
     on_demand: tuple[OnDemand, ...] = ()
+    stages: tuple[ProcessSpec, ...] = ()
 
 
 def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
@@ -164,8 +172,26 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                                        env + expert.env(str(cache_dir)), metrics_port))
             endpoints.append(f"{host}:{port}")
         discovery[expert.name] = StaticDiscovery(tuple(endpoints))
-    router_checkpoint = (None if plan.router.checkpoint is None
-                         else str(locate(plan.router.checkpoint)))
+    stages: list[ProcessSpec] = []
+    stage_places: dict[str, str | Discovery] = {}
+    local_dirs = {f"expert {e.name}": locate(e.checkpoint) for e in plan.experts}
+    for stage in plan.stages:
+        checkpoint = locate(stage.checkpoint)
+        local_dirs[stage.role] = checkpoint
+        if not stage.separate:
+            stage_places[stage.role] = str(checkpoint)
+            continue
+        endpoints = []
+        for replica in range(stage.replicas):
+            port, metrics_port = ports(), ports()
+            argv = (*_ddm(), *stage.command(str(checkpoint), host, port, metrics_port,
+                                            expert_token),
+                    "--log-level", "warning")
+            stages.append(ProcessSpec(f"{stage.role}/{replica}", argv, port,
+                                      env + stage.env(str(cache_dir)), metrics_port))
+            endpoints.append(f"{host}:{port}")
+        stage_places[stage.role] = StaticDiscovery(tuple(endpoints))
+    check_state_shapes(local_dirs)
     metrics_port = ports()
     router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
                                                                 router_port, metrics_port),
@@ -173,11 +199,24 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     auth = (Auth(token_file=token, expert_token_file=expert_token)
             if token is not None and expert_token is not None else None)
     return LocalPlan(tuple(experts), router,
-                     plan.router_config(discovery, router_checkpoint, auth),
+                     plan.router_config(discovery, None, auth, stage_places=stage_places),
                      f"http://{host}:{router_port}",
                      Path(token) if token is not None else None,
                      Path(expert_token) if expert_token is not None else None,
-                     tuple(on_demand))
+                     tuple(on_demand), tuple(stages))
+
+
+def check_state_shapes(directories: dict[str, Path]) -> None:
+    """Refuse, naming each, stage checkpoints that declare different state shapes
+    (``_ddm.latent_shape`` of an expert, router network or decoder; checkpoints without the
+    declaration, such as label experts, are not compared)."""
+    declared = {name: shape for name, directory in directories.items()
+                if (shape := declared_latent_shape(directory)) is not None}
+    if len(set(declared.values())) > 1:
+        shown = ", ".join(f"{name} {list(shape)}" for name, shape in declared.items())
+        raise LocalRunError(f"the stages disagree on the state shape (latent channels, size): "
+                            f"{shown}")
+
 
 
 @dataclass(frozen=True)
@@ -353,10 +392,11 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             scaler = _scaler(plan, supervisor, out)
-            supervisor.start_ready([p for p in plan.experts if p.name not in scaler.names],
-                                   host, deadline)
+            supervisor.start_ready([*(p for p in plan.experts if p.name not in scaler.names),
+                                    *plan.stages], host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
             print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
+                  f"{f'{len(plan.stages)} stage process(es), ' if plan.stages else ''}"
                   f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate"
                   f"{f', API docs {plan.url}/docs' if api_docs else ''}). Ctrl-C stops "
                   "everything.", file=out, flush=True)
@@ -395,7 +435,8 @@ def write_token(path: Path) -> None:
 def metrics_line(plan: LocalPlan, host: str) -> str:
     """Where each process serves ``/metrics`` (its own port, apart from the API, as in a pod)."""
     where = ", ".join(f"{p.name} http://{host}:{p.metrics_port}/metrics"
-                      for p in (plan.router, *plan.experts) if p.metrics_port is not None)
+                      for p in (plan.router, *plan.experts, *plan.stages)
+                      if p.metrics_port is not None)
     return f"Metrics: {where}."
 
 

@@ -18,10 +18,11 @@ from ddm.conditioning import TEXT, Conditioning, concat
 from ddm.models.stages import ConditionedVelocity
 
 
-def guided(forward: ConditionedVelocity, null: Conditioning) -> ConditionedVelocity:
+def guided(forward: ConditionedVelocity, null: Conditioning | None) -> ConditionedVelocity:
     """``forward`` (an unguided velocity) guided per row against ``null`` (one row of text
-    conditioning, e.g. CLIP of the empty prompt)."""
-    if null.kind != TEXT or len(null) != 1 or null.guidance is not None:
+    conditioning, e.g. CLIP of the empty prompt), or, with None, against the negative rows
+    every guided call must then carry (an expert server: the context brings them)."""
+    if null is not None and (null.kind != TEXT or len(null) != 1 or null.guidance is not None):
         raise ValueError("the null conditioning must be one unguided row of text embeddings")
 
     def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
@@ -31,8 +32,13 @@ def guided(forward: ConditionedVelocity, null: Conditioning) -> ConditionedVeloc
         rows = np.flatnonzero(cond.guidance != 1.0)
         if not rows.size:
             return forward(x, t, plain)
-        unconditional = (cond.negative.take(rows) if cond.negative is not None
-                         else null.take(np.zeros(rows.size, np.int64)))
+        if cond.negative is not None:
+            unconditional = cond.negative.take(rows)
+        elif null is not None:
+            unconditional = null.take(np.zeros(rows.size, np.int64))
+        else:
+            raise ValueError("guided rows need negative conditioning (this expert has no "
+                             "null conditioning of its own)")
         both = forward(np.concatenate([x, x[rows]]), np.concatenate([t, t[rows]]),
                        concat([plain, unconditional]))
         v = np.array(both[:len(x)], dtype=np.float32)

@@ -22,8 +22,9 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 #: Runs one batch in the model thread: ``(key, inputs) -> output``; every input and the
-#: output have the batch on axis 0.
-RunFn = Callable[[Hashable, tuple[np.ndarray, ...]], np.ndarray]
+#: output (an array, or a tuple of arrays) have the batch on axis 0.
+Output = np.ndarray | tuple[np.ndarray, ...]
+RunFn = Callable[[Hashable, tuple[np.ndarray, ...]], Output]
 
 
 class BatcherClosed(RuntimeError):
@@ -134,7 +135,9 @@ class _Job:
     key: Hashable
     inputs: tuple[np.ndarray, ...]
     arrived: float
-    future: asyncio.Future[np.ndarray]
+    future: asyncio.Future[Output]
+    #: Rows the model runs for it (a guided row runs twice): what counts against max_batch.
+    cost: int
 
     @property
     def size(self) -> int:
@@ -179,16 +182,18 @@ class Batcher:
             self._loop = asyncio.get_running_loop()
             threading.Thread(target=self._work, name="ddm-model", daemon=True).start()
 
-    async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
-        """Queue one request (arrays with its rows on axis 0) and await its rows of output."""
+    async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...],
+                     cost: int | None = None) -> Output:
+        """Queue one request (arrays with its rows on axis 0) and await its rows of output;
+        ``cost`` is the rows the model runs for it (default: its rows), which batches count."""
         if self._loop is None or self._closed:
             raise BatcherClosed("the batcher is not running")
-        size = inputs[0].shape[0]
+        size = inputs[0].shape[0] if cost is None else cost
         if not 1 <= size <= self._max_batch:
             raise ValueError(f"a request must have 1..{self._max_batch} rows, got {size}")
-        future: asyncio.Future[np.ndarray] = self._loop.create_future()
+        future: asyncio.Future[Output] = self._loop.create_future()
         with self._changed:
-            self._queue.append(_Job(key, inputs, time.perf_counter(), future))
+            self._queue.append(_Job(key, inputs, time.perf_counter(), future, size))
             self._changed.notify()
         return await future
 
@@ -207,10 +212,10 @@ class Batcher:
         while (jobs := self._next_batch()) is not None:
             started = time.perf_counter()
             try:
-                outputs: list[np.ndarray] | Exception = _run_batch(self._run, jobs)
+                outputs: list[Output] | Exception = _run_batch(self._run, jobs)
             except Exception as error:  # noqa: BLE001 - the model's failure goes to its callers
                 outputs = error
-            report = BatchReport(images=sum(job.size for job in jobs),
+            report = BatchReport(images=sum(job.cost for job in jobs),
                                  queue_delays=tuple(started - job.arrived for job in jobs),
                                  model_seconds=time.perf_counter() - started)
             try:
@@ -229,7 +234,7 @@ class Batcher:
                 if not self._queue:
                     self._changed.wait()
                     continue
-                pending = [Pending(job.key, job.size, job.arrived) for job in self._queue]
+                pending = [Pending(job.key, job.cost, job.arrived) for job in self._queue]
                 decision = plan_batch(pending, self._max_batch, self._max_delay,
                                       time.perf_counter())
                 if isinstance(decision, Wait):
@@ -241,7 +246,7 @@ class Batcher:
                 return self._running
             return None
 
-    def _deliver(self, jobs: list[_Job], outputs: list[np.ndarray] | Exception,
+    def _deliver(self, jobs: list[_Job], outputs: list[Output] | Exception,
                  report: BatchReport) -> None:
         """On the event loop: each request gets its rows, or the model's error (a failed
         batch is not reported)."""
@@ -255,11 +260,13 @@ class Batcher:
             self._on_batch(report)
 
 
-def _run_batch(run: RunFn, jobs: list[_Job]) -> list[np.ndarray]:
+def _run_batch(run: RunFn, jobs: list[_Job]) -> list[Output]:
     """Model-thread side: concatenate the requests, run the model once, split the rows."""
     inputs = tuple(np.concatenate(column) for column in zip(*(job.inputs for job in jobs)))
     output = run(jobs[0].key, inputs)
     bounds = np.cumsum([job.size for job in jobs])[:-1]
+    if isinstance(output, tuple):
+        return list(zip(*(np.split(part, bounds) for part in output)))
     return np.split(output, bounds)
 
 

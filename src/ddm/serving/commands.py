@@ -1,4 +1,5 @@
-"""``ddm serve expert`` and ``ddm serve router``: their arguments, next to the servers they set.
+"""``ddm serve expert``, ``ddm serve stage`` and ``ddm serve router``: their arguments, next to
+the servers they set.
 
 ``ddm.cli`` adds these with :func:`add_serve_commands`. Importing this module is cheap (no
 web framework, no NumPy): the servers are imported only when a command runs. Limits left out
@@ -11,38 +12,36 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddm.deploy.limits import EXPERT_BACKENDS
+from ddm.deploy.limits import EXPERT_BACKENDS, PRECISIONS
 
 
 def add_serve_commands(commands: argparse._SubParsersAction) -> None:
-    """Add ``serve expert`` and ``serve router`` to the ``ddm`` command's subcommands."""
+    """Add ``serve expert``, ``serve stage`` and ``serve router`` to the ``ddm`` command's
+    subcommands."""
     serve = commands.add_parser("serve", help="run an expert or router server")
     roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
     p = roles.add_parser("expert", help="serve one expert's velocity over the binary protocol")
-    p.add_argument("--checkpoint", required=True, type=Path)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--backend", choices=EXPERT_BACKENDS, default="torch")
-    p.add_argument("--device", default=None,
-                   help="torch: cpu, cuda[:N]; jax: cpu, gpu, tpu[:N]; neuron: none")
-    # Defaults left to serve_expert (one place), and shown by the expert's /v1/info.
-    p.add_argument("--max-batch", type=int, help="images per model call; more get 422")
-    p.add_argument("--max-delay-ms", type=float,
-                   help="wait this long for more requests before a model call")
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="a label checkpoint, or a text DDM's stage checkpoint of role expert")
+    _add_model_flags(p)
+    p.add_argument("--context-cache-bytes", type=int, default=None,
+                   help="text experts: bytes of generation contexts kept (least recently used "
+                        "evicted first)")
     p.add_argument("--max-steps", type=int,
                    help="grid intervals per integrate request; more get 422")
-    p.add_argument("--max-pending", type=int,
-                   help="requests admitted at once, queued or running; more get 429")
     p.add_argument("--compile-cache", type=Path, default=None,
                    help="neuron: where traced models are cached")
-    p.add_argument("--auth-token-file", type=Path, default=None,
-                   help="require Authorization: Bearer <the token in this file> on /v1/*: the "
-                        "DDM's router token, which the router sends to its experts")
-    _add_drain(p)
-    _add_api_docs(p)
-    _add_metrics_port(p)
-    p.add_argument("--log-level", default="info")
+    _add_common(p)
     p.set_defaults(handler=_serve_expert)
+
+    p = roles.add_parser("stage", help="serve a text DDM's text encoder, decoder or router "
+                                       "network over the binary protocol")
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="a stage checkpoint of role text_encoder, decoder or router")
+    _add_model_flags(p)
+    _add_common(p)
+    p.set_defaults(handler=_serve_stage)
+
 
     p = roles.add_parser("router", help="serve /v1/generate: the step loop over remote experts")
     p.add_argument("--config", required=True, type=Path, help="router.yaml")
@@ -70,6 +69,35 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     _add_metrics_port(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler=_serve_router)
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    """Where the model runs and how many rows a call takes: every model server's flags."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--backend", choices=EXPERT_BACKENDS, default="torch")
+    p.add_argument("--device", default=None,
+                   help="torch: cpu, cuda[:N]; jax: cpu, gpu, tpu[:N]; neuron: none")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="stage checkpoints: cast the weights to this dtype, which replies "
+                        "travel in too (default: the weights' own)")
+    # Defaults left to the servers (one place), and shown by their /v1/info.
+    p.add_argument("--max-batch", type=int,
+                   help="rows per model call (a guided row counts twice); more get 422")
+    p.add_argument("--max-delay-ms", type=float,
+                   help="wait this long for more requests before a model call")
+    p.add_argument("--max-pending", type=int,
+                   help="requests admitted at once, queued or running; more get 429")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="require Authorization: Bearer <the token in this file> on /v1/*: the "
+                        "DDM's router token, which the router sends to its experts and stages")
+    _add_drain(p)
+    _add_api_docs(p)
+    _add_metrics_port(p)
+    p.add_argument("--log-level", default="info")
 
 
 def _add_drain(p: argparse.ArgumentParser) -> None:
@@ -100,15 +128,30 @@ def _seconds(text: str) -> float:
 def _serve_expert(args: argparse.Namespace) -> int:
     from ddm.serving.expert.server import serve_expert
 
-    limits = {name: getattr(args, name) for name in ("max_batch", "max_delay_ms", "max_steps",
-                                                      "max_pending")
-              if getattr(args, name) is not None}
+    options = _given(args, "max_batch", "max_delay_ms", "max_steps", "max_pending",
+                     "context_cache_bytes")
     serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
                  device=args.device, log_level=args.log_level, compile_cache=args.compile_cache,
                  drain_s=args.drain_s, api_docs=args.api_docs,
                  auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
-                 **limits)
+                 precision=args.precision, **options)
     return 0
+
+
+def _serve_stage(args: argparse.Namespace) -> int:
+    from ddm.serving.expert.stage_server import STAGE_ROLES, serve_stage
+
+    serve_stage(args.checkpoint, STAGE_ROLES, host=args.host, port=args.port,
+                backend=args.backend, device=args.device, log_level=args.log_level,
+                drain_s=args.drain_s, metrics_port=args.metrics_port, api_docs=args.api_docs,
+                auth_token_file=args.auth_token_file, precision=args.precision,
+                **_given(args, "max_batch", "max_delay_ms", "max_pending"))
+    return 0
+
+
+def _given(args: argparse.Namespace, *names: str) -> dict[str, object]:
+    """The flags among ``names`` given on the command line (the servers keep the defaults)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def _serve_router(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The router's hot-path HTTP/1.1 client: one POST per expert call on a kept-alive connection.
+"""The router's one HTTP/1.1 client: a POST per expert call on a kept-alive connection, and
+the GETs that probe the experts (``/readyz``, ``/v1/info``).
 
 The router sends a request to an expert at every denoising step, so the client's own cost is
 paid per step. aiohttp's client spent about 1.0-1.2 ms of CPU per batch-1 velocity call here
@@ -6,7 +7,9 @@ paid per step. aiohttp's client spent about 1.0-1.2 ms of CPU per batch-1 veloci
 asyncio protocol with httptools' C parser 0.6-0.7 ms, and 0.35-0.5 ms less wall time per call
 (alternated rounds on loopback against the same expert). This client does only what an expert
 call needs: ``POST`` a body with a fixed header block, read a response with ``Content-Length``
-or chunked encoding, keep the connection for the next call.
+or chunked encoding, keep the connection for the next call. The probes use it too, rather
+than a second client stack in the router (aiohttp's, which they used to): the same caps,
+deadlines and connections, and one less dependency in the router's image.
 
 An expert is a peer, not a trusted part of the router: a reply's headers are capped at
 :data:`MAX_REPLY_HEAD_BYTES` and its body at what the request implies (the caller's
@@ -44,6 +47,10 @@ MAX_REPLY_HEAD_BYTES = 8 * 1024
 
 class HttpClientError(ConnectionError):
     """The connection failed or the response was not valid HTTP/1.1."""
+
+
+class ReplyTooLarge(HttpClientError):
+    """The reply's body was declared or received over what the request allows."""
 
 
 class _ClosedBeforeReply(HttpClientError):
@@ -134,7 +141,7 @@ class _Connection(asyncio.Protocol):
         status = self._parser.get_status_code()
         self._limit = self._caps.ok if 200 <= status < 300 else self._caps.error
         if self._declared is not None and self._declared > self._limit and status >= 200:
-            self._fail(HttpClientError(f"reply of {self._declared} bytes declared, over the "
+            self._fail(ReplyTooLarge(f"reply of {self._declared} bytes declared, over the "
                                        f"{self._limit} this request can be answered with"))
 
     def on_body(self, body: bytes) -> None:
@@ -142,7 +149,7 @@ class _Connection(asyncio.Protocol):
             return
         self._size += len(body)
         if self._size > self._limit:
-            self._fail(HttpClientError(f"reply body over {self._limit} bytes, the most this "
+            self._fail(ReplyTooLarge(f"reply body over {self._limit} bytes, the most this "
                                        f"request can be answered with"))
             return
         self._chunks.append(body)
@@ -200,7 +207,7 @@ class _Connection(asyncio.Protocol):
 
 
 class HttpClient:
-    """Keep-alive POSTs to many ``host:port`` endpoints. Create and use it on one event loop;
+    """Keep-alive requests to many ``host:port`` endpoints. Create and use it on one event loop;
     ``close()`` when done."""
 
     def __init__(self, keep_alive_s: float, max_idle_per_endpoint: int = 32) -> None:
@@ -221,10 +228,22 @@ class HttpClient:
         ``authorization`` is sent as the ``Authorization`` header."""
         head = (f"POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(body)}\r\n").encode("latin-1")
+        return await self._send(endpoint, head, body, authorization, timeout_s,
+                                connect_timeout_s, _Caps(max_reply_bytes, max_error_bytes))
+
+    async def get(self, endpoint: str, path: str, timeout_s: float, connect_timeout_s: float,
+                  *, max_reply_bytes: int, authorization: bytes | None = None) -> HttpReply:
+        """``GET http://{endpoint}{path}`` (the router's probes), as :meth:`post`: any body
+        over ``max_reply_bytes``, whatever its status, is :class:`ReplyTooLarge`."""
+        head = f"GET {path} HTTP/1.1\r\nHost: {endpoint}\r\n".encode("latin-1")
+        return await self._send(endpoint, head, b"", authorization, timeout_s,
+                                connect_timeout_s, _Caps(max_reply_bytes, max_reply_bytes))
+
+    async def _send(self, endpoint: str, head: bytes, body: bytes, authorization: bytes | None,
+                    timeout_s: float, connect_timeout_s: float, caps: _Caps) -> HttpReply:
         if authorization is not None:
             head += b"Authorization: " + authorization + b"\r\n"
-        head += b"\r\n"
-        request, caps = head + body, _Caps(max_reply_bytes, max_error_bytes)
+        request = head + b"\r\n" + body
         async with asyncio.timeout(timeout_s):
             connection = self._take(endpoint)
             if connection is not None:
@@ -232,7 +251,8 @@ class HttpClient:
                     reply = await connection.exchange(request, caps)
                 except _ClosedBeforeReply:
                     # The server closed this idle connection as the request went out: that
-                    # says nothing of the replica, and the call is pure, so send it once more.
+                    # says nothing of the replica, and the request is pure (an expert call, a
+                    # probe), so send it once more.
                     connection = None
             if connection is None:
                 connection = await self._open(endpoint, connect_timeout_s)

@@ -5,23 +5,38 @@ model, dominates latency. Bodies therefore carry the tensors' own bytes, decoded
 NumPy views without copies, and are checked strictly so that a server can answer every bad body
 with a precise 4xx before touching a model. This module is the one place that knows the layout;
 ``docs/protocol.md`` describes it byte by byte, with its codes and HTTP statuses.
+
+Version 1 carries label experts' calls; version 2 adds the kinds a text-conditioned latent DDM
+needs, in the same framing: a generation's CONTEXT (its text embeddings, sent once per expert
+replica and named by the SHA-256 of its bytes), TEXT_VELOCITY / TEXT_INTEGRATE (rows of a
+context, a guidance scale per row), and the stages' ENCODE, DECODE and ROUTE. Replies may carry
+bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+import ml_dtypes
 import numpy as np
 
-from ddm.deploy.limits import MAX_STEPS
+from ddm.deploy.limits import (MAX_CONTEXT_ROWS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
+                               MAX_PROMPTS, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH)
 
 #: HTTP ``Content-Type`` of every body in this format.
 CONTENT_TYPE = "application/x-ddm-tensor"
 MAGIC = b"DDMT"
-VERSION = 1
+#: Label messages are version 1 (unchanged); the text DDM's kinds are version 2.
+VERSION, VERSION_TEXT = 1, 2
+#: The error code (and HTTP status) of a text call naming a context the expert does not hold
+#: (never sent, or evicted, or the replica restarted): the caller sends the context, retries.
+UNKNOWN_CONTEXT = 412
+#: Bytes of a context id: a SHA-256.
+CONTEXT_ID_BYTES = 32
 #: Every tensor's data starts at a multiple of this many bytes from the start of the body.
 ALIGNMENT = 8
 #: Error texts are cut to this many UTF-8 bytes so that an error reply stays small.
@@ -73,20 +88,41 @@ class _Kind(IntEnum):
     INTEGRATE = 2
     RESPONSE = 3
     ERROR = 4
+    CONTEXT = 5
+    CONTEXT_ACK = 6
+    TEXT_VELOCITY = 7
+    TEXT_INTEGRATE = 8
+    ENCODE = 9
+    ENCODED = 10
+    DECODE = 11
+    ROUTE = 12
+    PROBABILITIES = 13
 
 
 # For error messages.
 _KIND_NAMES = {_Kind.VELOCITY: "a velocity request", _Kind.INTEGRATE: "an integrate request",
-               _Kind.RESPONSE: "a response", _Kind.ERROR: "an error reply"}
-_REQUESTS = (_Kind.VELOCITY, _Kind.INTEGRATE)
+               _Kind.RESPONSE: "a response", _Kind.ERROR: "an error reply",
+               _Kind.CONTEXT: "a context", _Kind.CONTEXT_ACK: "a context acknowledgement",
+               _Kind.TEXT_VELOCITY: "a text velocity request",
+               _Kind.TEXT_INTEGRATE: "a text integrate request",
+               _Kind.ENCODE: "an encode request", _Kind.ENCODED: "an encode reply",
+               _Kind.DECODE: "a decode request", _Kind.ROUTE: "a route request",
+               _Kind.PROBABILITIES: "a route reply"}
+_REQUESTS = (_Kind.VELOCITY, _Kind.INTEGRATE, _Kind.CONTEXT, _Kind.TEXT_VELOCITY,
+             _Kind.TEXT_INTEGRATE, _Kind.ENCODE, _Kind.DECODE, _Kind.ROUTE)
 _REPLIES = (_Kind.RESPONSE, _Kind.ERROR)
+#: The version each kind is sent with: the label kinds and the replies keep version 1.
+_VERSIONS = {kind: VERSION if kind <= _Kind.ERROR else VERSION_TEXT for kind in _Kind}
 
-_F32, _F16 = np.dtype("<f4"), np.dtype("<f2")
+_F32, _F16, _BF16 = np.dtype("<f4"), np.dtype("<f2"), np.dtype(ml_dtypes.bfloat16)
 _I32, _I64, _U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1")
-# bfloat16 is left out: NumPy has no native bfloat16, and float16 already halves a reply.
-_DTYPES = {1: _F32, 2: _F16, 3: _I32, 4: _I64, 5: _U8}
+_DTYPES = {1: _F32, 2: _F16, 3: _I32, 4: _I64, 5: _U8, 6: _BF16}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
-_NAMES = {1: "x", 2: "t", 3: "y", 4: "grid", 5: "out", 6: "message"}
+#: Wire dtypes of floating tensors a model produces, by precision name.
+WIRE_DTYPES = {"float32": _F32, "float16": _F16, "bfloat16": _BF16}
+_NAMES = {1: "x", 2: "t", 3: "y", 4: "grid", 5: "out", 6: "message", 7: "embeddings",
+          8: "mask", 9: "negative", 10: "context", 11: "rows", 12: "guidance", 13: "text",
+          14: "lengths", 15: "cut", 16: "probs"}
 _NAME_CODES = {name: code for code, name in _NAMES.items()}
 
 
@@ -99,13 +135,26 @@ class _Spec:
     dtypes: tuple[np.dtype, ...]
 
 
+_FLOATS = (_F32, _F16, _BF16)
+_X, _T, _GRID = _Spec("x", 4, (_F32,)), _Spec("t", 1, (_F32,)), _Spec("grid", 1, (_F32,))
+_TEXT_ROWS = (_Spec("context", 1, (_U8,)), _Spec("rows", 1, (_I32,)),
+              _Spec("guidance", 1, (_F32,)))
+_EMBEDDINGS, _MASK = _Spec("embeddings", 3, _FLOATS), _Spec("mask", 2, (_U8,))
 # Each kind carries exactly these tensors, in this order.
 _SCHEMAS: dict[_Kind, tuple[_Spec, ...]] = {
-    _Kind.VELOCITY: (_Spec("x", 4, (_F32,)), _Spec("t", 1, (_F32,)), _Spec("y", 1, (_I64, _I32))),
-    _Kind.INTEGRATE: (_Spec("x", 4, (_F32,)), _Spec("y", 1, (_I64, _I32)),
-                      _Spec("grid", 1, (_F32,))),
-    _Kind.RESPONSE: (_Spec("out", 4, (_F32, _F16)),),
+    _Kind.VELOCITY: (_X, _T, _Spec("y", 1, (_I64, _I32))),
+    _Kind.INTEGRATE: (_X, _Spec("y", 1, (_I64, _I32)), _GRID),
+    _Kind.RESPONSE: (_Spec("out", 4, _FLOATS),),
     _Kind.ERROR: (_Spec("message", 1, (_U8,)),),
+    _Kind.CONTEXT: (_EMBEDDINGS, _MASK, _Spec("negative", 3, _FLOATS)),
+    _Kind.CONTEXT_ACK: (_Spec("context", 1, (_U8,)),),
+    _Kind.TEXT_VELOCITY: (_X, _T, *_TEXT_ROWS),
+    _Kind.TEXT_INTEGRATE: (_X, *_TEXT_ROWS, _GRID),
+    _Kind.ENCODE: (_Spec("text", 1, (_U8,)), _Spec("lengths", 1, (_I32,))),
+    _Kind.ENCODED: (_EMBEDDINGS, _MASK, _Spec("cut", 1, (_I32,))),
+    _Kind.DECODE: (_X,),
+    _Kind.ROUTE: (_X, _T),
+    _Kind.PROBABILITIES: (_Spec("probs", 2, (_F32,)),),
 }
 
 
@@ -133,13 +182,99 @@ class IntegrateRequest:
     solver: Solver
 
 
+@dataclass(frozen=True, eq=False)
+class Context:
+    """A generation's text conditioning, sent once to each expert replica (version 2):
+    ``embeddings`` (N, L, D) and ``negative`` (N, L, D), the unconditional rows guidance uses
+    (a negative prompt's embeddings, or the empty prompt's), or (0, L, D) when no row is guided;
+    ``mask`` (N, L) uint8, 1 for a token. Floats as float32, float16 or bfloat16. ``id`` is
+    the SHA-256 of the message's bytes after its fixed header (:func:`context_id`): the same
+    conditioning has the same id whoever sends it, and an expert recomputes it, never trusting
+    the sender's."""
+
+    request_id: int
+    embeddings: np.ndarray
+    mask: np.ndarray
+    negative: np.ndarray
+    id: bytes = b""
+
+
+@dataclass(frozen=True, eq=False)
+class TextVelocityRequest:
+    """Ask for the guided ``v(x, t, c)`` (version 2): ``x`` (B, C, H, W) float32, ``t`` (B,)
+    float32, the conditioning of row ``i`` being row ``rows[i]`` (int32) of the context named
+    ``context`` (32 bytes), guided with scale ``guidance[i]`` (float32; 1: unguided)."""
+
+    request_id: int
+    x: np.ndarray
+    t: np.ndarray
+    context: bytes
+    rows: np.ndarray
+    guidance: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class TextIntegrateRequest:
+    """:class:`IntegrateRequest` for a text expert: the rows of a context, guided per row."""
+
+    request_id: int
+    x: np.ndarray
+    context: bytes
+    rows: np.ndarray
+    guidance: np.ndarray
+    grid: np.ndarray
+    solver: Solver
+
+
+@dataclass(frozen=True, eq=False)
+class EncodeRequest:
+    """Ask a text encoder for the embeddings of ``prompts`` (version 2)."""
+
+    request_id: int
+    prompts: tuple[str, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeRequest:
+    """Ask a decoder for the images of latents ``x`` (B, C, S, S) float32 (version 2)."""
+
+    request_id: int
+    x: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class RouteRequest:
+    """Ask a router network for ``p(k | x, t)``: ``x`` (B, C, S, S), ``t`` (B,) float32."""
+
+    request_id: int
+    x: np.ndarray
+    t: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class Encoded:
+    """A text encoder's reply: ``embeddings`` (P, L, D), ``mask`` (P, L) uint8 and ``cut``
+    (P,) int32, the tokens truncation dropped from each prompt."""
+
+    embeddings: np.ndarray
+    mask: np.ndarray
+    cut: np.ndarray
+
+
+Request = (VelocityRequest | IntegrateRequest | Context | TextVelocityRequest
+           | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest)
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a server accepts, checked while decoding a request.
 
     ``max_body_bytes`` is checked before parsing, ``max_batch`` and ``max_steps`` before any
-    tensor value is read. ``image_shape`` is the expected ``(C, H, W)`` and ``allowed_labels``
-    the classes this expert serves (any iterable of ints); ``None`` accepts any.
+    tensor value is read. ``image_shape`` is the expected ``(C, H, W)`` (a latent's for a
+    latent DDM's stages) and ``allowed_labels`` the classes this expert serves (any iterable of
+    ints); ``None`` accepts any. ``text_width`` is the width ``D`` a context's embeddings must
+    have; contexts have at most ``max_context_rows`` rows of ``max_text_tokens`` tokens, an
+    encode request ``max_prompts`` prompts of ``max_prompt_bytes`` UTF-8 bytes each.
     """
 
     max_batch: int = 256
@@ -147,9 +282,15 @@ class Limits:
     max_steps: int = MAX_STEPS
     image_shape: tuple[int, int, int] | None = None
     allowed_labels: frozenset[int] | None = None
+    text_width: int | None = None
+    max_context_rows: int = MAX_CONTEXT_ROWS
+    max_text_tokens: int = MAX_TEXT_TOKENS
+    max_prompts: int = MAX_PROMPTS
+    max_prompt_bytes: int = MAX_PROMPT_BYTES
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "max_body_bytes", "max_steps"):
+        for name in ("max_batch", "max_body_bytes", "max_steps", "max_context_rows",
+                     "max_text_tokens", "max_prompts", "max_prompt_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
@@ -173,18 +314,77 @@ def encode_request(request: VelocityRequest | IntegrateRequest) -> bytes:
     if isinstance(request, VelocityRequest):
         return _encode(_Kind.VELOCITY, request.request_id, 0, (request.x, request.t, request.y))
     if isinstance(request, IntegrateRequest):
-        try:
-            solver = Solver(request.solver)
-        except ValueError:
-            raise ProtocolError(f"unknown solver {request.solver!r}") from None
-        return _encode(_Kind.INTEGRATE, request.request_id, solver,
+        return _encode(_Kind.INTEGRATE, request.request_id, _solver(request.solver),
                        (request.x, request.y, request.grid))
     raise TypeError(f"not a request: {type(request).__name__}")
 
 
+def _solver(solver: int) -> Solver:
+    try:
+        return Solver(solver)
+    except ValueError:
+        raise ProtocolError(f"unknown solver {solver!r}") from None
+
+
+def _id_tensor(context: bytes) -> np.ndarray:
+    if len(context) != CONTEXT_ID_BYTES:
+        raise ProtocolError(f"a context id is {CONTEXT_ID_BYTES} bytes, got {len(context)}")
+    return np.frombuffer(context, _U8)
+
+
+def encode_text_request(request: Context | TextVelocityRequest | TextIntegrateRequest
+                        | EncodeRequest | DecodeRequest | RouteRequest) -> bytes:
+    """The body of a version 2 request (:class:`Context`'s ``id`` is not sent: the receiver
+    computes it, :func:`context_id`)."""
+    if isinstance(request, Context):
+        return _encode(_Kind.CONTEXT, request.request_id, 0,
+                       (request.embeddings, request.mask, request.negative))
+    if isinstance(request, TextVelocityRequest):
+        return _encode(_Kind.TEXT_VELOCITY, request.request_id, 0,
+                       (request.x, request.t, _id_tensor(request.context), request.rows,
+                        request.guidance))
+    if isinstance(request, TextIntegrateRequest):
+        return _encode(_Kind.TEXT_INTEGRATE, request.request_id, _solver(request.solver),
+                       (request.x, _id_tensor(request.context), request.rows, request.guidance,
+                        request.grid))
+    if isinstance(request, EncodeRequest):
+        texts = [p.encode("utf-8") for p in request.prompts]
+        return _encode(_Kind.ENCODE, request.request_id, 0,
+                       (np.frombuffer(b"".join(texts), _U8),
+                        np.array([len(t) for t in texts], _I32)))
+    if isinstance(request, DecodeRequest):
+        return _encode(_Kind.DECODE, request.request_id, 0, (request.x,))
+    if isinstance(request, RouteRequest):
+        return _encode(_Kind.ROUTE, request.request_id, 0, (request.x, request.t))
+    raise TypeError(f"not a version 2 request: {type(request).__name__}")
+
+
+def context_id(body: bytes | bytearray | memoryview) -> bytes:
+    """The id of an encoded :class:`Context`: SHA-256 of its bytes after the fixed header
+    (descriptors and tensors; the request id is left out)."""
+    return hashlib.sha256(_byte_view(body)[_FIXED.size:]).digest()
+
+
+def encode_context_ack(request_id: int, context: bytes) -> bytes:
+    """The reply to a context: its id, as the expert computed it."""
+    return _encode(_Kind.CONTEXT_ACK, request_id, 0, (_id_tensor(context),))
+
+
+def encode_encoded(request_id: int, encoded: Encoded) -> bytes:
+    """The reply to an encode request."""
+    return _encode(_Kind.ENCODED, request_id, 0,
+                   (encoded.embeddings, encoded.mask, encoded.cut))
+
+
+def encode_probabilities(request_id: int, probs: np.ndarray) -> bytes:
+    """The reply to a route request: ``probs`` (B, K) float32."""
+    return _encode(_Kind.PROBABILITIES, request_id, 0, (probs,))
+
+
 def encode_response(request_id: int, out: np.ndarray) -> bytes:
-    """The reply to a request: ``out`` (B, C, H, W) is the velocity for a velocity request or
-    the state at ``grid[-1]`` for an integrate request; float16 is sent as is, to halve it."""
+    """The reply to a request: ``out`` (B, C, H, W) is the velocity for a velocity request,
+    the state at ``grid[-1]`` for an integrate request, the images for a decode request;
+    float16 and bfloat16 are sent as they are, to halve it."""
     return _encode(_Kind.RESPONSE, request_id, 0, (out,))
 
 
@@ -213,7 +413,7 @@ def _encode(kind: _Kind, request_id: int, param: int, values: tuple[np.ndarray, 
     if not 0 <= request_id <= _MAX_U64:
         raise ProtocolError(f"request id {request_id} does not fit in u64")
     arrays = [_to_wire(value, spec) for value, spec in zip(values, _SCHEMAS[kind])]
-    header = [_FIXED.pack(MAGIC, VERSION, kind, 0, len(arrays), request_id, param)]
+    header = [_FIXED.pack(MAGIC, _VERSIONS[kind], kind, 0, len(arrays), request_id, param)]
     for spec, array in zip(_SCHEMAS[kind], arrays):
         header.append(_DESCRIPTOR.pack(_NAME_CODES[spec.name], _DTYPE_CODES[array.dtype],
                                        array.ndim))
@@ -244,8 +444,7 @@ def _to_wire(value: np.ndarray, spec: _Spec) -> np.ndarray:
 # ---------------------------------------------------------------------------------- decoding
 
 
-def decode_request(body: bytes | bytearray | memoryview,
-                   limits: Limits) -> VelocityRequest | IntegrateRequest:
+def decode_request(body: bytes | bytearray | memoryview, limits: Limits) -> Request:
     """Parse and validate a request body; raises :class:`ProtocolError` on anything wrong.
 
     The arrays are read-only views into ``body`` (no copy): keep ``body`` alive as long as
@@ -257,11 +456,13 @@ def decode_request(body: bytes | bytearray | memoryview,
                             f"{limits.max_body_bytes}", 413)
     kind, flags, count, request_id, param = _read_fixed(view)
     try:
-        kind = _check_kind(kind, flags, count, _REQUESTS)
+        kind = _check_kind(kind, flags, count, _REQUESTS, _version(view))
         tensors = _read_tensors(view, kind)
-        if kind is _Kind.VELOCITY:
-            return _check_velocity(request_id, param, tensors, limits)
-        return _check_integrate(request_id, param, tensors, limits)
+        if kind is _Kind.CONTEXT:
+            return _check_context(request_id, param, tensors, limits, context_id(view))
+        if kind is _Kind.ENCODE:
+            return _check_encode(request_id, param, tensors, limits)
+        return _CHECKS[kind](request_id, param, tensors, limits)
     except ProtocolError as err:
         err.request_id = request_id
         raise
@@ -269,31 +470,79 @@ def decode_request(body: bytes | bytearray | memoryview,
 
 def decode_response(body: bytes | bytearray | memoryview, expected_request_id: int,
                     expected_shape: tuple[int, ...] | None = None) -> np.ndarray:
-    """The ``out`` tensor of a reply (B, C, H, W), float32 or float16 as sent, read-only.
+    """The ``out`` tensor of a reply (B, C, H, W), float32, float16 or bfloat16 as sent,
+    read-only.
 
     Raises :class:`RemoteExpertError` for an error reply, and :class:`ProtocolError` for a
     malformed one, another request's reply, a shape other than ``expected_shape`` or
     non-finite values, so that a caller can retry elsewhere.
     """
-    view = _byte_view(body)
-    kind, flags, count, request_id, param = _read_fixed(view)
-    kind = _check_kind(kind, flags, count, _REPLIES)
-    (tensor,) = _read_tensors(view, kind)
-    if kind is _Kind.ERROR:
-        # 0 means the expert could not read the request's id.
-        if request_id not in (expected_request_id, 0):
-            raise ProtocolError(f"error reply is for request {request_id}, "
-                                f"expected {expected_request_id}")
-        raise RemoteExpertError(param, tensor.tobytes().decode("utf-8", "replace"), request_id)
-    if request_id != expected_request_id:
-        raise ProtocolError(f"reply is for request {request_id}, expected {expected_request_id}")
-    _check_param_zero(param, kind)
+    (tensor,) = _read_reply(body, expected_request_id, _Kind.RESPONSE)
     if expected_shape is not None and tensor.shape != tuple(expected_shape):
         raise ProtocolError(f"'out' has shape {tensor.shape}, expected {tuple(expected_shape)}",
                             422)
     if not np.isfinite(tensor).all():
         raise ProtocolError("'out' has non-finite values", 422)
     return tensor
+
+
+def decode_context_ack(body: bytes | bytearray | memoryview, expected_request_id: int) -> bytes:
+    """The context id an expert acknowledged; errors as :func:`decode_response`."""
+    (context,) = _read_reply(body, expected_request_id, _Kind.CONTEXT_ACK)
+    if context.shape != (CONTEXT_ID_BYTES,):
+        raise ProtocolError(f"a context id is {CONTEXT_ID_BYTES} bytes, got {context.shape[0]}",
+                            422)
+    return context.tobytes()
+
+
+def decode_encoded(body: bytes | bytearray | memoryview, expected_request_id: int,
+                   prompts: int, limits: Limits) -> Encoded:
+    """A text encoder's reply for ``prompts`` prompts: (P, L, D) embeddings with L and D
+    within ``limits`` (``text_width`` when set), a 0/1 mask, cuts >= 0, finite values."""
+    embeddings, mask, cut = _read_reply(body, expected_request_id, _Kind.ENCODED)
+    rows, tokens, width = embeddings.shape
+    if rows != prompts or mask.shape != (rows, tokens) or cut.shape != (rows,):
+        raise ProtocolError(f"an encode reply for {prompts} prompts has embeddings "
+                            f"{embeddings.shape}, mask {mask.shape}, cut {cut.shape}", 422)
+    _check_text_shape("embeddings", tokens, width, limits)
+    if not ((mask <= 1).all() and (cut >= 0).all() and np.isfinite(embeddings).all()):
+        raise ProtocolError("an encode reply's mask must be 0/1, its cut >= 0, its "
+                            "embeddings finite", 422)
+    return Encoded(embeddings, mask, cut)
+
+
+def decode_probabilities(body: bytes | bytearray | memoryview, expected_request_id: int,
+                         rows: int, clusters: int | None) -> np.ndarray:
+    """A router network's reply: (rows, K) probabilities (K = ``clusters`` when given), each
+    row non-negative and summing to 1 within float32 rounding."""
+    (probs,) = _read_reply(body, expected_request_id, _Kind.PROBABILITIES)
+    if probs.shape[0] != rows or (clusters is not None and probs.shape[1] != clusters):
+        raise ProtocolError(f"'probs' has shape {probs.shape}, expected ({rows}, "
+                            f"{clusters if clusters is not None else 'K'})", 422)
+    if not (np.isfinite(probs).all() and (probs >= 0).all()
+            and np.allclose(probs.sum(axis=1), 1.0, atol=1e-3)):
+        raise ProtocolError("'probs' rows must be finite, non-negative and sum to 1", 422)
+    return probs
+
+
+def _read_reply(body: bytes | bytearray | memoryview, expected_request_id: int,
+                kind: _Kind) -> list[np.ndarray]:
+    """The tensors of a reply of ``kind``; an error reply raises :class:`RemoteExpertError`."""
+    view = _byte_view(body)
+    code, flags, count, request_id, param = _read_fixed(view)
+    found = _check_kind(code, flags, count, (kind, _Kind.ERROR), _version(view))
+    tensors = _read_tensors(view, found)
+    if found is _Kind.ERROR:
+        # 0 means the expert could not read the request's id.
+        if request_id not in (expected_request_id, 0):
+            raise ProtocolError(f"error reply is for request {request_id}, "
+                                f"expected {expected_request_id}")
+        raise RemoteExpertError(param, tensors[0].tobytes().decode("utf-8", "replace"),
+                                request_id)
+    if request_id != expected_request_id:
+        raise ProtocolError(f"reply is for request {request_id}, expected {expected_request_id}")
+    _check_param_zero(param, found)
+    return tensors
 
 
 def _byte_view(body: bytes | bytearray | memoryview) -> memoryview:
@@ -309,16 +558,25 @@ def _read_fixed(view: memoryview) -> tuple[int, int, int, int, int]:
     magic, version, kind, flags, count, request_id, param = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != VERSION:
-        raise ProtocolError(f"unsupported protocol version {version}; this build speaks {VERSION}")
+    if version not in (VERSION, VERSION_TEXT):
+        raise ProtocolError(f"unsupported protocol version {version}; this build speaks "
+                            f"{VERSION} and {VERSION_TEXT}")
     return kind, flags, count, request_id, param
 
 
-def _check_kind(code: int, flags: int, count: int, kinds: tuple[_Kind, ...]) -> _Kind:
+def _version(view: memoryview) -> int:
+    return view[4]
+
+
+def _check_kind(code: int, flags: int, count: int, kinds: tuple[_Kind, ...],
+                version: int) -> _Kind:
     try:
         kind = _Kind(code)
     except ValueError:
         raise ProtocolError(f"unknown message kind {code}") from None
+    if _VERSIONS[kind] != version:
+        raise ProtocolError(f"{_KIND_NAMES[kind]} is a version {_VERSIONS[kind]} message, "
+                            f"sent as version {version}")
     if kind not in kinds:
         raise ProtocolError(f"{_KIND_NAMES[kind]} is not expected here "
                             f"(want {' or '.join(_KIND_NAMES[k] for k in kinds)})")
@@ -402,6 +660,14 @@ def _check_integrate(request_id: int, param: int, tensors: list[np.ndarray],
                      limits: Limits) -> IntegrateRequest:
     x, y, grid = tensors
     _check_batch(x, {"y": y}, limits)
+    solver = _check_grid(param, grid, limits)
+    _check_labels(y, limits)
+    _check_image(x, limits)
+    return IntegrateRequest(request_id, x, y, grid, solver)
+
+
+def _check_grid(param: int, grid: np.ndarray, limits: Limits) -> Solver:
+    """The solver ``param`` names; the grid's size and times checked."""
     try:
         solver = Solver(param)
     except ValueError:
@@ -416,9 +682,116 @@ def _check_integrate(request_id: int, param: int, tensors: list[np.ndarray],
     times = _check_times("grid", grid)
     if not all(a < b for a, b in zip(times, times[1:])):
         raise ProtocolError("'grid' must be strictly increasing", 422)
-    _check_labels(y, limits)
+    return solver
+
+
+def _check_context(request_id: int, param: int, tensors: list[np.ndarray], limits: Limits,
+                   identity: bytes) -> Context:
+    embeddings, mask, negative = tensors
+    _check_param_zero(param, _Kind.CONTEXT)
+    rows, tokens, width = embeddings.shape
+    if not 1 <= rows <= limits.max_context_rows:
+        raise ProtocolError(f"a context holds 1 to {limits.max_context_rows} rows, got {rows}",
+                            422)
+    _check_text_shape("embeddings", tokens, width, limits)
+    if mask.shape != (rows, tokens):
+        raise ProtocolError(f"'mask' has shape {mask.shape}, the embeddings' (N, L) is "
+                            f"{(rows, tokens)}", 422)
+    if negative.shape not in ((rows, tokens, width), (0, tokens, width)):
+        raise ProtocolError(f"'negative' has shape {negative.shape}; expected {embeddings.shape}"
+                            f" or (0, {tokens}, {width}) (no guided rows)", 422)
+    if not (mask <= 1).all():
+        raise ProtocolError("'mask' holds values other than 0 and 1", 422)
+    if not (np.isfinite(embeddings).all() and np.isfinite(negative).all()):
+        raise ProtocolError("a context's embeddings have non-finite values", 422)
+    return Context(request_id, embeddings, mask, negative, identity)
+
+
+def _check_text_shape(name: str, tokens: int, width: int, limits: Limits) -> None:
+    if not 1 <= tokens <= limits.max_text_tokens:
+        raise ProtocolError(f"'{name}' has {tokens} tokens per row; the limit is "
+                            f"{limits.max_text_tokens}", 422)
+    expected = limits.text_width
+    if (expected is not None and width != expected) or not 1 <= width <= MAX_TEXT_WIDTH:
+        raise ProtocolError(f"'{name}' are {width} wide; this stage takes "
+                            f"{expected if expected is not None else f'at most {MAX_TEXT_WIDTH}'}",
+                            422)
+
+
+def _check_text_rows(context: np.ndarray, rows: np.ndarray, guidance: np.ndarray) -> bytes:
+    """The context id; rows >= 0 (the expert checks them against the context), guidance
+    finite in [0, MAX_GUIDANCE_SCALE]."""
+    if context.shape != (CONTEXT_ID_BYTES,):
+        raise ProtocolError(f"'context' must be a {CONTEXT_ID_BYTES}-byte id, got "
+                            f"{context.shape[0]} bytes", 422)
+    if rows.size and rows.min() < 0:
+        raise ProtocolError("'rows' must be non-negative", 422)
+    if not all(0.0 <= g <= MAX_GUIDANCE_SCALE for g in guidance.tolist()):
+        raise ProtocolError(f"'guidance' must be finite and in [0, {MAX_GUIDANCE_SCALE}]", 422)
+    return context.tobytes()
+
+
+def _check_text_velocity(request_id: int, param: int, tensors: list[np.ndarray],
+                         limits: Limits) -> TextVelocityRequest:
+    x, t, context, rows, guidance = tensors
+    _check_param_zero(param, _Kind.TEXT_VELOCITY)
+    _check_batch(x, {"t": t, "rows": rows, "guidance": guidance}, limits)
+    _check_times("t", t)
+    identity = _check_text_rows(context, rows, guidance)
     _check_image(x, limits)
-    return IntegrateRequest(request_id, x, y, grid, solver)
+    return TextVelocityRequest(request_id, x, t, identity, rows, guidance)
+
+
+def _check_text_integrate(request_id: int, param: int, tensors: list[np.ndarray],
+                          limits: Limits) -> TextIntegrateRequest:
+    x, context, rows, guidance, grid = tensors
+    _check_batch(x, {"rows": rows, "guidance": guidance}, limits)
+    solver = _check_grid(param, grid, limits)
+    identity = _check_text_rows(context, rows, guidance)
+    _check_image(x, limits)
+    return TextIntegrateRequest(request_id, x, identity, rows, guidance, grid, solver)
+
+
+def _check_encode(request_id: int, param: int, tensors: list[np.ndarray],
+                  limits: Limits) -> EncodeRequest:
+    text, lengths = tensors
+    _check_param_zero(param, _Kind.ENCODE)
+    if int(lengths.astype(np.int64).sum()) != text.shape[0] or (lengths < 0).any():
+        raise ProtocolError(f"'lengths' must be non-negative and sum to the {text.shape[0]} "
+                            "bytes of 'text'")
+    if not 1 <= lengths.shape[0] <= limits.max_prompts:
+        raise ProtocolError(f"an encode request holds 1 to {limits.max_prompts} prompts, got "
+                            f"{lengths.shape[0]}", 422)
+    ends = np.cumsum(lengths.astype(np.int64)).tolist()
+    prompts = []
+    for index, (start, end) in enumerate(zip([0, *ends], ends)):
+        if end - start > limits.max_prompt_bytes:
+            raise ProtocolError(f"prompt {index} is {end - start} bytes; the limit is "
+                                f"{limits.max_prompt_bytes}", 422)
+        try:
+            prompts.append(text[start:end].tobytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ProtocolError(f"prompt {index} is not valid UTF-8", 422) from None
+    return EncodeRequest(request_id, tuple(prompts))
+
+
+def _check_decode(request_id: int, param: int, tensors: list[np.ndarray],
+                  limits: Limits) -> DecodeRequest:
+    (x,) = tensors
+    _check_param_zero(param, _Kind.DECODE)
+    _check_batch(x, {}, limits)
+    _check_image(x, limits)
+    return DecodeRequest(request_id, x)
+
+
+def _check_route(request_id: int, param: int, tensors: list[np.ndarray],
+                 limits: Limits) -> RouteRequest:
+    x, t = tensors
+    _check_param_zero(param, _Kind.ROUTE)
+    _check_batch(x, {"t": t}, limits)
+    _check_times("t", t)
+    _check_image(x, limits)
+    return RouteRequest(request_id, x, t)
 
 
 def _check_param_zero(param: int, kind: _Kind) -> None:
@@ -463,6 +836,12 @@ def _check_labels(y: np.ndarray, limits: Limits) -> None:
     if unknown:
         raise ProtocolError(f"labels {sorted(unknown)[:8]} are not served by this expert "
                             f"(serves {sorted(limits.allowed_labels)})", 422)
+
+
+_CHECKS = {_Kind.VELOCITY: _check_velocity, _Kind.INTEGRATE: _check_integrate,
+           _Kind.TEXT_VELOCITY: _check_text_velocity,
+           _Kind.TEXT_INTEGRATE: _check_text_integrate, _Kind.DECODE: _check_decode,
+           _Kind.ROUTE: _check_route}
 
 
 def _aligned(offset: int) -> int:

@@ -1,9 +1,10 @@
 """The expert server: one checkpoint behind the binary protocol (``docs/protocol.md``), batched.
 
-Routes: ``POST /v1/velocity`` (velocity and integrate requests alike: the kind is in the body),
-``GET /v1/info``, ``/healthz``, ``/readyz`` and ``/metrics``; their OpenAPI document at
-``/openapi.json`` (browsable at ``/docs`` with ``--api-docs``), into which :func:`_document`
-merges the velocity operation, since FastAPI does not see that route.
+Routes (:mod:`ddm.serving.expert.routes`, shared with the stage server): ``POST /v1/velocity``
+(velocity and integrate requests alike: the kind is in the body), ``GET /v1/info``,
+``/healthz``, ``/readyz`` and ``/metrics``; their OpenAPI document at ``/openapi.json``
+(browsable at ``/docs`` with ``--api-docs``). A stage checkpoint (a text DDM's expert, whose
+config.json declares ``_ddm``) is served by :mod:`ddm.serving.expert.stage_server` instead.
 
 The lifespan starts loading and warming up the model in a worker thread and returns at once, so
 that the server answers probes while a backend compiles (minutes on Neuron): ``/readyz`` is 503
@@ -46,8 +47,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
 
 import numpy as np
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
                                     read_meta)
@@ -55,15 +55,16 @@ from ddm.deploy.limits import MAX_STEPS
 from ddm.experts.check import behaviour_data, check_network, require_passing
 from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
-from ddm.serving.auth import BearerAuth, TokenFile
+from ddm.serving.auth import TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected, ServerControl,
-                              add_api_docs, probe_responses, read_body, retry_after, run_server,
-                              send_bytes, send_json)
-from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
-                                  VelocityRequest, decode_request, encode_error, encode_response)
+from ddm.serving.expert.routes import model_routes
+from ddm.serving.expert.stage_server import (DEFAULT_CONTEXT_CACHE_BYTES, create_stage_app,
+                                             is_stage_checkpoint)
+from ddm.serving.http import ServerControl, run_server
+from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
+                                  decode_request, encode_error, encode_response)
 from ddm.serving.termination import fail_start
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,6 @@ BackendLoader = Callable[[Checkpoint, str, str | None, int, Path | None], Backen
 StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 _VELOCITY = "velocity"
-_VELOCITY_PATH = "/v1/velocity"
-_CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
 @dataclass(frozen=True)
@@ -123,6 +122,10 @@ class _Expert:
         self.backend: Backend | None = None  # set, and the batcher started, once warm
         self.failure: str | None = None
 
+    @property
+    def ready(self) -> bool:
+        return self.backend is not None
+
     def describe(self) -> dict[str, Any]:
         backend, device, runtime, hardware = self.backend_name, self.device, None, None
         if self.backend is not None:
@@ -151,8 +154,12 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       draining: Callable[[], bool] | None = None,
                       start_up: StartUp = asyncio.to_thread,
                       api_docs: bool = False,
-                      auth_token_file: str | os.PathLike[str] | None = None) -> ASGIApp:
-    """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``.
+                      auth_token_file: str | os.PathLike[str] | None = None,
+                      precision: str | None = None,
+                      context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> ASGIApp:
+    """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``, or the
+    stage checkpoint of role expert there (:func:`~ddm.serving.expert.stage_server.
+    create_stage_app`, with ``precision`` and its context cache's bytes).
 
     Requests arriving within ``max_delay_ms`` of each other (or while the model is busy) run
     as one batch of at most ``max_batch`` images; bigger requests are refused with 422. The
@@ -166,6 +173,16 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     ``auth_token_file``, ``/v1/*`` needs ``Authorization: Bearer <its token>`` (the router's
     per-DDM token; :mod:`ddm.serving.auth`), so that only the router reaches the model.
     """
+    if is_stage_checkpoint(checkpoint_dir):
+        return create_stage_app(
+            checkpoint_dir, "expert", backend, device, max_batch, max_delay_ms,
+            max_steps=max_steps, max_pending=max_pending, on_failure=on_failure,
+            draining=draining, start_up=start_up, api_docs=api_docs,
+            auth_token_file=auth_token_file, precision=precision,
+            context_cache_bytes=context_cache_bytes)
+    if precision is not None:
+        raise CheckpointError(f"{checkpoint_dir} is a label checkpoint, served in float32: "
+                              "--precision is for stage checkpoints")
     check_backend(backend, device)
     if auth_token_file is not None:
         TokenFile(auth_token_file)  # unreadable, empty or malformed: fail before loading
@@ -192,40 +209,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, docs_url=None,
                   redoc_url=None, description="One diffusion expert behind the binary protocol "
                                               "of docs/protocol.md.")
-    if api_docs:
-        add_api_docs(app)
-    _document(app)
-
-    @app.get("/v1/info")
-    async def info() -> dict[str, Any]:
-        return expert.describe()
-
-    @app.get("/healthz", responses=probe_responses(500, "the model failed to load"))
-    async def healthz() -> JSONResponse:
-        if expert.failure is not None:
-            return JSONResponse({"status": "failed", "error": expert.failure}, 500)
-        return JSONResponse({"status": "alive"})
-
-    @app.get("/readyz", responses=probe_responses(
-        503, "the model is loading or failed to load, or the server is draining"))
-    async def readyz() -> JSONResponse:
-        if draining is not None and draining():
-            return JSONResponse({"status": "draining"}, 503)
-        if expert.backend is not None:
-            return JSONResponse({"status": "ready"})
-        if expert.failure is not None:
-            return JSONResponse({"status": "failed", "error": expert.failure}, 503)
-        return JSONResponse({"status": "loading"}, 503)
-
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text exposition format"}})
-    async def metrics() -> Response:
-        return Response(expert.metrics.render(), media_type=expert_metrics.CONTENT_TYPE)
-
-    route = _VelocityRoute(app, expert)
-    if auth_token_file is None:
-        return route
-    return BearerAuth(route, TokenFile(auth_token_file))
+    return model_routes(app, expert, functools.partial(_answer, expert), api_docs=api_docs,
+                        draining=draining, auth_token_file=auth_token_file)
 
 
 def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
@@ -236,7 +221,8 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
                  max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0,
                  api_docs: bool = False,
                  auth_token_file: str | os.PathLike[str] | None = None,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, precision: str | None = None,
+                 context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> None:
     """Serve one expert until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
     draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
     given); what ``ddm serve expert`` runs.
@@ -252,91 +238,12 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
                                      compile_cache=compile_cache, on_failure=control.stop,
                                      draining=lambda: control.draining,
                                      start_up=control.start_up, api_docs=api_docs,
-                                     auth_token_file=auth_token_file)
+                                     auth_token_file=auth_token_file, precision=precision,
+                                     context_cache_bytes=context_cache_bytes)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
     run_server(make_app, host, port, log_level, drain_s, metrics_port)
-
-
-_TENSORS = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}
-#: Why the expert answers each status of ``POST /v1/velocity`` (``docs/protocol.md``).
-_VELOCITY_STATUSES = {
-    "200": "a response message: the velocity, or the state at the grid's end",
-    "400": "an error message: the body cannot be decoded",
-    "413": "an error message: the body is over max_body_bytes (see /v1/info)",
-    "422": "an error message: a decodable request the expert refuses (batch, steps, labels, "
-           "values)",
-    "429": "an error message: max_pending requests are admitted; retry after Retry-After",
-    "500": "an error message: the model failed on this request",
-    "503": "an error message: the model is loading, or the server is shutting down"}
-_VELOCITY_OPERATION = {
-    "summary": "Velocity or integration",
-    "operationId": "velocity_v1_velocity_post",
-    "description": "A velocity or integrate request in the binary protocol of docs/protocol.md "
-                   "(application/x-ddm-tensor, version 1); the kind is in the body. Every answer "
-                   "is a message of that protocol: a response (200) or an error message whose "
-                   "code is the HTTP status and which echoes the request id.",
-    "requestBody": {"required": True, "content": _TENSORS,
-                    "description": "a velocity or integrate request message"},
-    "responses": {status: {"description": why, "content": _TENSORS}
-                  for status, why in _VELOCITY_STATUSES.items()},
-}
-_VELOCITY_OPERATION["responses"]["429"]["headers"] = RETRY_AFTER_HEADER
-
-
-def _document(app: FastAPI) -> None:
-    """Merge ``POST /v1/velocity``, served by :class:`_VelocityRoute` outside FastAPI's
-    routes, into the OpenAPI document FastAPI generates for the others."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        document = generate()  # cached by FastAPI: this runs once on the same dict
-        document["paths"][_VELOCITY_PATH] = {"post": _VELOCITY_OPERATION}
-        return document
-
-    app.openapi = openapi  # type: ignore[method-assign]
-
-
-class _VelocityRoute:
-    """``POST /v1/velocity`` as bare ASGI in front of ``app``, which serves everything else:
-    the hot path skips FastAPI's routing, dependency resolution and response classes."""
-
-    def __init__(self, app: ASGIApp, expert: _Expert) -> None:
-        self.app = app
-        self.expert = expert
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != _VELOCITY_PATH:
-            await self.app(scope, receive, send)
-            return
-        if scope["method"] != "POST":
-            await send_json(send, 405, {"detail": "use POST"}, [(b"allow", b"POST")])
-            return
-        expert = self.expert
-        try:
-            body = await read_body(scope, receive, expert.limits.max_body_bytes)
-        except ClientDisconnected:
-            return  # cut off by a deadline, or gone: nobody to answer
-        except BodyTooLarge as error:
-            expert.metrics.observe_request("invalid", 413, 0)
-            await send_bytes(send, 413, encode_error(0, 413, str(error)), _CONTENT_TYPE)
-            return
-        # Pending from here: a body still on its way costs the expert nothing but its
-        # connection (bounded by ddm.serving.connections), so slow senders cannot fill the queue.
-        if expert.pending >= expert.max_pending:
-            message = (f"{expert.pending} requests are pending, the limit is "
-                       f"{expert.max_pending}; retry shortly")
-            expert.metrics.observe_request("invalid", 429, 0)
-            await send_bytes(send, 429, encode_error(0, 429, message), _CONTENT_TYPE,
-                             [retry_after()])
-            return
-        expert.pending += 1
-        try:
-            status, reply = await _answer(expert, body)
-        finally:
-            expert.pending -= 1
-        await send_bytes(send, status, reply, _CONTENT_TYPE)
 
 
 async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
@@ -346,6 +253,10 @@ async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
     try:
         message = decode_request(body, expert.limits)
         request_id = message.request_id
+        if not isinstance(message, (VelocityRequest, IntegrateRequest)):
+            raise ProtocolError(f"expert {expert.meta.name} is conditioned on labels: send "
+                                "velocity or integrate requests (protocol version 1)", 422,
+                                request_id)
         kind = "velocity" if isinstance(message, VelocityRequest) else "integrate"
         images = message.x.shape[0]
         if expert.backend is None:

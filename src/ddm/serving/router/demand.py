@@ -23,6 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ddm.deploy.autoscaling import ROWS_METRIC, WAITING_METRIC
+
 #: The window ``/v1/demand`` reports rates over.
 DEMAND_WINDOW_S = 30.0
 #: Columns of a bucket: rows routed, their weight, rows rerouted away, seconds waited.
@@ -130,7 +132,7 @@ class DemandMeter:
                  window_s: float = DEMAND_WINDOW_S) -> None:
         self.window = DemandWindow(experts, window_s)
         self._experts = tuple(experts)
-        self._rows = Counter("ddm_router_expert_rows", "Rows the routing strategy sent to "
+        self._rows = Counter(ROWS_METRIC, "Rows the routing strategy sent to "
                              "each expert, per velocity evaluation (before rerouting).",
                              ["expert"], registry=registry)
         self._weight = Counter("ddm_router_expert_weight", "Mixture weight mass of those rows.",
@@ -142,7 +144,7 @@ class DemandMeter:
         self._waited = Counter("ddm_router_expert_wait_seconds", "Seconds generations waited "
                                "for the expert to have a usable replica (policy wait).",
                                ["expert"], registry=registry)
-        self._waiting = Gauge("ddm_router_expert_generations_waiting", "Generations waiting "
+        self._waiting = Gauge(WAITING_METRIC, "Generations waiting "
                               "now for the expert to have a usable replica.", ["expert"],
                               registry=registry)
         self.rerouted_steps = Counter("ddm_router_rerouted_steps", "Steps of images that had "

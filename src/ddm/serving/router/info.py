@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ddm.conditioning import LABELS
 from ddm.deploy.router_config import ExpertEntry, RouterConfigFile
 from ddm.sampling.routing import routes_by_label
 from ddm.serving.router.replicas import ExpertAbout, ExpertInfo, short_text
@@ -22,9 +23,16 @@ def strategies(config: RouterConfigFile) -> list[str]:
     """:data:`SUGGESTED_STRATEGIES` this DDM can serve: ``oracle`` only where every label
     belongs to exactly one expert (a partition by label; in a k-means DDM every expert draws
     every label, so the label cannot pick one), the learned ones only with a router network."""
-    by_label = routes_by_label([e.classes for e in config.experts], config.num_classes)
-    learned = config.router_checkpoint is not None
+    by_label = (config.conditioning == LABELS
+                and routes_by_label([e.classes for e in config.experts], config.num_classes))
+    learned = has_router_network(config)
     return [s for s in SUGGESTED_STRATEGIES if (by_label if s == "oracle" else learned)]
+
+
+def has_router_network(config: RouterConfigFile) -> bool:
+    """Whether the DDM has a router network: a label DDM's checkpoint, or a text DDM's
+    stage."""
+    return config.router_checkpoint is not None or config.router_network is not None
 
 
 def expert_card(entry: ExpertEntry, info: ExpertInfo | None, replicas: Mapping[str, str],

@@ -11,11 +11,20 @@ that died while idle. A failed attempt is retried on another replica within the 
 expert calls are pure functions of their inputs, so a retry is always safe. An expert's 4xx is
 the router's own fault and is never retried.
 
-Expert calls go through :class:`~ddm.serving.http_client.HttpClient`, a lean keep-alive
-HTTP/1.1 client (its cost is paid at every step); probes (``/readyz``, ``/v1/info``) through an
-``aiohttp.ClientSession``. Both keep ``TCP_NODELAY`` on (asyncio and uvloop set it on every TCP
+Expert calls and probes (``/readyz``, ``/v1/info``) go through one
+:class:`~ddm.serving.http_client.HttpClient`, a lean keep-alive HTTP/1.1 client (its cost is
+paid at every step). It keeps ``TCP_NODELAY`` on (asyncio and uvloop set it on every TCP
 connection), so a small request is not held back by Nagle's algorithm;
 ``tests/unit/test_expert_pool.py`` checks it.
+
+Text experts (``docs/protocol.md`` version 2) take a context, sent once per replica: a call's
+text rows are looked up in the contexts the pool has made (:class:`_Contexts`: by the SHA-256
+of each row's embeddings, mask and negative row), a new context is made of the call's distinct
+rows where none holds them all, and the replica is sent that context before its first call
+naming it. A replica that answers ``UNKNOWN_CONTEXT`` (it evicted the context, or restarted) is
+sent it again and the call retried at once, within the same attempt: calls stay pure functions
+of their inputs, and a context is content-addressed, so re-sending is always safe. Only calls
+on the same context merge into one request.
 
 An expert is a peer, not a part of the router: every body read from it is capped (a velocity
 reply at what the request implies, ``/readyz`` at ``MAX_EXPERT_PROBE_BYTES``, ``/v1/info`` at
@@ -29,24 +38,29 @@ rather than waited for. What an expert says goes to the log, never to the router
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Coroutine, Hashable, Mapping, TypeVar, Union
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Coroutine, Hashable, Mapping, TypeVar, Union
 
-import aiohttp
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ddm.deploy.limits import MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES
+from ddm.conditioning import Conditioning
+from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_EXPERT_INFO_BYTES,
+                               MAX_EXPERT_PROBE_BYTES)
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
-from ddm.serving.http_client import HttpClient, HttpClientError
-from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, ProtocolError,
-                                  RemoteExpertError, Solver, VelocityRequest, decode_response,
-                                  encode_request, max_error_reply_bytes, max_reply_bytes)
+from ddm.serving.http_client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
+from ddm.serving.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
+                                  ProtocolError, RemoteExpertError, Solver, TextIntegrateRequest,
+                                  TextVelocityRequest, VelocityRequest, context_id,
+                                  decode_context_ack, decode_response, encode_request,
+                                  encode_text_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, InvalidReport, Replica,
                                          ReplicaSet, ReplicaState, source_for)
 from ddm.deploy.router_config import RouterConfigFile
@@ -62,7 +76,6 @@ KEEP_ALIVE_S = 60.0
 _MAX_ERROR_BYTES = max_error_reply_bytes()
 # Statuses that say "this replica, now" rather than "your request": retried elsewhere.
 _RETRIABLE_4XX = (408, 429)
-_SKIPPED_HEADERS = ("User-Agent", "Accept", "Accept-Encoding")
 _T = TypeVar("_T")
 
 
@@ -74,19 +87,148 @@ class _IntegrateKey:
     grid: bytes  # float32, little-endian
 
 
+@dataclass(frozen=True)
+class _TextKey:
+    """Text calls merge only with calls on the same context (and, integrating, the same solver
+    and grid); the key carries the context's body, to send to a replica that lacks it."""
+
+    context: bytes  # its id
+    integrate: _IntegrateKey | None = None
+    body: bytes = field(default=b"", compare=False, repr=False)
+
+
 _VELOCITY = "velocity"
-_Key = Union[str, _IntegrateKey]
+_Key = Union[str, _IntegrateKey, _TextKey]
+_Request = VelocityRequest | IntegrateRequest | TextVelocityRequest | TextIntegrateRequest
+#: Context ids the pool remembers a replica holds (it may have evicted them: it says so).
+MAX_KNOWN_CONTEXTS = 1024
 
 
-def _request(key: Hashable, request_id: int, inputs: tuple[np.ndarray, ...]
-             ) -> VelocityRequest | IntegrateRequest:
+def _request(key: Hashable, request_id: int, inputs: tuple[np.ndarray, ...]) -> _Request:
     """The protocol request for a (possibly merged) call with ``key``."""
+    if isinstance(key, _TextKey):
+        if key.integrate is None:
+            x, t, rows, guidance = inputs
+            return TextVelocityRequest(request_id, x, t, key.context, rows, guidance)
+        x, rows, guidance = inputs
+        return TextIntegrateRequest(request_id, x, key.context, rows, guidance,
+                                    np.frombuffer(key.integrate.grid, "<f4"),
+                                    key.integrate.solver)
     if isinstance(key, _IntegrateKey):
         x, y = inputs
         return IntegrateRequest(request_id, x, y, np.frombuffer(key.grid, "<f4"),
                                 key.solver)
     x, t, y = inputs
     return VelocityRequest(request_id, x, t, y)
+
+
+@dataclass(frozen=True, eq=False)
+class _MadeContext:
+    id: bytes
+    body: bytes
+    embeddings: np.ndarray  # (N, L, D) float32
+    mask: np.ndarray  # (N, L) uint8
+    negative: np.ndarray  # (N, L, D), or (0, L, D)
+    rows: dict[bytes, int]  # a row's digests (plain, and with its negative) -> its index
+
+
+class _Contexts:
+    """The contexts the pool has made, least recently used dropped past ``max_bytes`` of
+    bodies (dropping one costs only re-making it). A row is known by the SHA-256 of its
+    embeddings and mask (enough for an unguided row) and, with its negative row, for a guided
+    one; a call uses a context holding all its rows, else a new one made of the most recent
+    context that shares a row with it plus its other rows, so that the steps of a generation,
+    whatever rows routing sends an expert and whether or not guidance is cut off, soon name
+    one context that every replica keeps."""
+
+    def __init__(self, max_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._bytes = 0
+        self._made: OrderedDict[bytes, _MadeContext] = OrderedDict()
+
+    def rows_of(self, cond: Conditioning, guided: np.ndarray) -> tuple[_MadeContext, np.ndarray]:
+        """A context holding every row of ``cond`` (text; ``guided`` rows with their negative
+        rows), and each row's index in it."""
+        keys = [_row_digest(cond, i, bool(guided[i])) for i in range(len(cond))]
+        for made in reversed(self._made.values()):
+            if all(k in made.rows for k in keys):
+                self._made.move_to_end(made.id)
+                return made, np.array([made.rows[k] for k in keys], np.int32)
+        base = next((m for m in reversed(self._made.values()) if any(k in m.rows for k in keys)),
+                    None)
+        made = self._make(cond, keys, base)
+        return made, np.array([made.rows[k] for k in keys], np.int32)
+
+    def _make(self, cond: Conditioning, keys: list[bytes],
+              base: _MadeContext | None) -> _MadeContext:
+        assert cond.embeddings is not None
+        new = [i for i, k in enumerate(keys)
+               if (base is None or k not in base.rows) and k not in keys[:i]]
+        embeddings = np.ascontiguousarray(cond.embeddings[new], np.float32)
+        mask = (np.ones(embeddings.shape[:2], np.uint8) if cond.mask is None
+                else np.asarray(cond.mask[new], np.uint8))
+        negative = (np.ascontiguousarray(cond.negative.embeddings[new], np.float32)
+                    if cond.negative is not None else None)
+        if base is not None:
+            if negative is None and base.negative.shape[0]:
+                negative = np.zeros_like(embeddings)  # placeholders: no guided key names them
+            elif negative is not None and not base.negative.shape[0]:
+                base = _with_placeholder_negative(base)
+            embeddings = np.concatenate([base.embeddings, embeddings])
+            mask = np.concatenate([base.mask, mask])
+            if negative is not None:
+                negative = np.concatenate([base.negative, negative])
+        if negative is None:
+            negative = np.zeros((0, *embeddings.shape[1:]), np.float32)
+        rows = dict(base.rows) if base is not None else {}
+        offset = 0 if base is None else base.embeddings.shape[0]
+        for position, i in enumerate(new):
+            rows[_row_digest(cond, i, False)] = offset + position
+            if cond.negative is not None:
+                rows[_row_digest(cond, i, True)] = offset + position
+        body = encode_text_request(Context(0, embeddings, mask, negative))
+        made = _MadeContext(context_id(body), body, embeddings, mask, negative, rows)
+        self._made[made.id] = made
+        self._bytes += len(body)
+        while self._bytes > self.max_bytes and len(self._made) > 1:
+            _, dropped = self._made.popitem(last=False)
+            self._bytes -= len(dropped.body)
+        return made
+
+
+def _with_placeholder_negative(made: _MadeContext) -> _MadeContext:
+    """``made`` with zero negative rows, which no guided row's digest names."""
+    return _MadeContext(made.id, made.body, made.embeddings, made.mask,
+                        np.zeros_like(made.embeddings),
+                        {k: i for k, i in made.rows.items()})
+
+
+def _row_digest(cond: Conditioning, row: int, with_negative: bool) -> bytes:
+    """SHA-256 of row ``row``'s embeddings (shape and bytes) and mask, and of its negative row
+    ``with_negative``."""
+    assert cond.embeddings is not None
+    digest = hashlib.sha256(str(cond.embeddings.shape[1:]).encode())
+    digest.update(np.ascontiguousarray(cond.embeddings[row], np.float32).tobytes())
+    mask = (np.ones(cond.embeddings.shape[1], np.uint8) if cond.mask is None
+            else np.asarray(cond.mask[row], np.uint8))
+    digest.update(mask.tobytes())
+    if with_negative:
+        assert cond.negative is not None and cond.negative.embeddings is not None
+        digest.update(b"negative")
+        digest.update(np.ascontiguousarray(cond.negative.embeddings[row], np.float32).tobytes())
+    return digest.digest()
+
+
+def _guidance(cond: Conditioning) -> np.ndarray:
+    """The rows' guidance scales (float32, 1: unguided); a guided row needs its negative row
+    (the router's empty-prompt or negative-prompt embeddings: an expert has no text
+    encoder)."""
+    guidance = (np.ones(len(cond), np.float32) if cond.guidance is None
+                else np.asarray(cond.guidance, np.float32))
+    if (guidance != 1.0).any() and cond.negative is None:
+        raise ValueError("guided text rows need their negative conditioning (the text "
+                         "encoder's embeddings of the empty or negative prompt)")
+    return guidance
 
 
 class ExpertError(RuntimeError):
@@ -149,7 +291,6 @@ class PoolSettings:
     max_backoff_s: float = 5.0
     health_interval_s: float = 5.0
     refresh_s: float = 5.0
-    max_connections: int = 256
     in_flight_per_replica: int = 2
 
     def __post_init__(self) -> None:
@@ -157,10 +298,9 @@ class PoolSettings:
                      "health_interval_s", "refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PoolSettings.{name} must be > 0, got {getattr(self, name)!r}")
-        if (self.attempts < 1 or self.max_connections < 1 or self.backoff_s < 0
-                or self.in_flight_per_replica < 0):
-            raise ValueError("PoolSettings needs attempts >= 1, max_connections >= 1, "
-                             "backoff_s >= 0 and in_flight_per_replica >= 0")
+        if self.attempts < 1 or self.backoff_s < 0 or self.in_flight_per_replica < 0:
+            raise ValueError("PoolSettings needs attempts >= 1, backoff_s >= 0 and "
+                             "in_flight_per_replica >= 0")
 
 
 def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> PoolSettings:
@@ -171,19 +311,6 @@ def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> 
         attempts=config.retries.attempts, backoff_s=config.retries.backoff_s,
         refresh_s=config.dns_refresh_s,
         in_flight_per_replica=config.coalescing.in_flight_per_replica)
-
-
-def client_session(settings: PoolSettings) -> aiohttp.ClientSession:
-    """One keep-alive aiohttp session for every replica (create it on the loop that will use
-    it): the pool's probes, and the benchmarks' clients.
-
-    It sends none of aiohttp's automatic ``User-Agent``, ``Accept`` and ``Accept-Encoding``
-    headers: an expert needs none of them, and they were 70 of the 200 header bytes that
-    every step's request carried."""
-    connector = aiohttp.TCPConnector(limit=settings.max_connections,
-                                     keepalive_timeout=KEEP_ALIVE_S)
-    return aiohttp.ClientSession(connector=connector, raise_for_status=False,
-                                 skip_auto_headers=_SKIPPED_HEADERS)
 
 
 class PoolMetrics:
@@ -231,7 +358,9 @@ class ExpertPool:
                                        settings.health_interval_s) for name in sources}
         self._ids = itertools.count(1)
         self._coalescers = {name: self._coalescer(name) for name in sources}
-        self._session: aiohttp.ClientSession | None = None
+        self._contexts = _Contexts()
+        #: Bytes sent to experts, by message: what the context cache saves (benchmarks).
+        self.bytes_sent = {"context": 0, "call": 0}
         self._client: HttpClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -254,7 +383,6 @@ class ExpertPool:
 
     async def start(self) -> None:
         """Open the clients, list every expert's replicas, and start refreshing and probing."""
-        self._session = client_session(self._settings)
         self._client = HttpClient(KEEP_ALIVE_S)
         await self.refresh()
         self._spawn(self._refresh_forever())
@@ -266,8 +394,6 @@ class ExpertPool:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
         if self._client is not None:
             self._client.close()
 
@@ -313,19 +439,30 @@ class ExpertPool:
         return self._replica_set(expert).invalid_report()
 
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
-                       y: np.ndarray) -> np.ndarray:
-        """``v(x, t, y)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), ``y`` (B,)."""
-        return await self._rows(expert, _VELOCITY, (x, t, y))
+                       cond: Conditioning) -> np.ndarray:
+        """``v(x, t, cond)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), ``cond`` B rows
+        of labels, or of text (guided per row by ``cond.guidance`` against ``cond.negative``)."""
+        if cond.labels is not None:
+            return await self._rows(expert, _VELOCITY, (x, t, cond.labels))
+        guidance = _guidance(cond)
+        made, rows = self._contexts.rows_of(cond, guidance != 1.0)
+        return await self._rows(expert, _TextKey(made.id, body=made.body),
+                                (x, t, rows, guidance))
 
-    async def integrate(self, expert: str, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
-                        solver: str) -> np.ndarray:
+    async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
+                        grid: np.ndarray, solver: str) -> np.ndarray:
         """The state at ``grid[-1]`` after ``expert`` integrates from ``x`` at ``grid[0]``."""
         try:
             code = Solver[solver.upper()]
         except KeyError:
             raise ValueError(f"unknown solver {solver!r}") from None
         grid = np.ascontiguousarray(grid, dtype="<f4")
-        return await self._rows(expert, _IntegrateKey(code, grid.tobytes()), (x, y))
+        key = _IntegrateKey(code, grid.tobytes())
+        if cond.labels is not None:
+            return await self._rows(expert, key, (x, cond.labels))
+        guidance = _guidance(cond)
+        made, rows = self._contexts.rows_of(cond, guidance != 1.0)
+        return await self._rows(expert, _TextKey(made.id, key, made.body), (x, rows, guidance))
 
     async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
@@ -346,7 +483,7 @@ class ExpertPool:
                                             f"({_last_errors(self._sets[expert]) or 'none'})")
         coalescer = self._coalescers[expert]
         rows = inputs[0].shape[0]
-        size = info.max_batch
+        size = info.rows_per_call
         parts = [tuple(a[i:i + size] for a in inputs) for i in range(0, rows, size)]
         outs = await gather_all(*(coalescer.submit(key, part, made) for part in parts))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
@@ -360,23 +497,35 @@ class ExpertPool:
         async def send(key: Hashable, inputs: tuple[np.ndarray, ...],
                        since: float) -> np.ndarray:
             rows.observe(inputs[0].shape[0])
+            context = key if isinstance(key, _TextKey) else None
             return await self._call(expert, _request(key, next(self._ids), inputs),
-                                    since + self._settings.deadline_s)
+                                    since + self._settings.deadline_s, context)
 
         def max_rows() -> int:
             info = replicas.info()
-            return info.max_batch if info is not None and per_replica else 1
+            return info.rows_per_call if info is not None and per_replica else 1
 
         return Coalescer(send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica)
 
-    async def _call(self, expert: str, request: VelocityRequest | IntegrateRequest,
-                    deadline: float) -> np.ndarray:
-        """One request: attempts on the replicas ``choose`` picks until one answers, the
-        attempts run out or the deadline passes; while none is usable, wait for a probe."""
+    async def _call(self, expert: str, request: _Request, deadline: float,
+                    context: _TextKey | None = None) -> np.ndarray:
+        """One expert request, on the replicas :meth:`_send` picks."""
+        kind = ("velocity" if isinstance(request, (VelocityRequest, TextVelocityRequest))
+                else "integrate")
+        body = (encode_request(request) if context is None
+                else encode_text_request(request))  # type: ignore[arg-type]
+
+        def attempt(replica: Replica, timeout: float) -> Awaitable[np.ndarray]:
+            return self._attempt(expert, replica, body, request, timeout, context)
+
+        return await self._send(expert, kind, attempt, deadline)
+
+    async def _send(self, expert: str, kind: str,
+                    attempt: Callable[[Replica, float], Awaitable[_T]], deadline: float) -> _T:
+        """Attempts on the replicas ``choose`` picks until one answers, the attempts run out
+        or the deadline passes; while none is usable, wait for a probe."""
         replicas = self._replica_set(expert)
-        kind = "velocity" if isinstance(request, VelocityRequest) else "integrate"
-        body = encode_request(request)
-        attempt, failed = 0, None
+        attempts, failed = 0, None
         reason = ("no replica is listed" if not replicas.replicas else
                   "the call waited its whole deadline behind earlier requests to this expert")
         while (remaining := deadline - time.monotonic()) > 0:
@@ -385,15 +534,14 @@ class ExpertPool:
                 reason = _last_errors(replicas) or reason
                 await replicas.wait_usable(remaining)
                 continue
-            if attempt:
+            if attempts:
                 self.metrics.retries.labels(expert).inc()
                 if replica is not failed:
                     self.metrics.failovers.labels(expert).inc()
-            attempt += 1
+            attempts += 1
             started = time.monotonic()
             try:
-                out = await self._attempt(expert, replica, body, request,
-                                          min(self._settings.attempt_s, remaining))
+                out = await attempt(replica, min(self._settings.attempt_s, remaining))
             except ExpertRejected:
                 self.metrics.attempts.labels(expert, kind, "rejected").inc()
                 replicas.mark_ready(replica, time.monotonic())
@@ -401,11 +549,11 @@ class ExpertPool:
             except _ReplicaFailed as failure:
                 reason = f"{replica.endpoint}: {failure}"
                 self.metrics.attempts.labels(expert, kind, "failed").inc()
-                logger.warning("expert %s: attempt %d failed: %s", expert, attempt, reason)
+                logger.warning("expert %s: attempt %d failed: %s", expert, attempts, reason)
                 replicas.mark_down(replica, str(failure), time.monotonic())
                 failed = replica
-                if attempt >= self._settings.attempts:
-                    raise self._give_up(expert, f"{attempt} attempt(s) failed, the last: "
+                if attempts >= self._settings.attempts:
+                    raise self._give_up(expert, f"{attempts} attempt(s) failed, the last: "
                                                 f"{reason}") from None
                 continue
             self.metrics.attempts.labels(expert, kind, "ok").inc()
@@ -415,32 +563,89 @@ class ExpertPool:
         raise self._give_up(expert, f"no answer within {self._settings.deadline_s:g} s "
                                     f"({reason})")
 
-    async def _attempt(self, expert: str, replica: Replica, body: bytes,
-                       request: VelocityRequest | IntegrateRequest, timeout: float) -> np.ndarray:
-        """One exchange with one replica: its answer, :class:`ExpertRejected` for a 4xx, or
+    async def _exchange_once(self, expert: str, replica: Replica, body: bytes,
+                             max_reply: int, timeout: float,
+                             decode: Callable[[bytes], _T]) -> _T:
+        """One POST to one replica, its reply decoded: :class:`ExpertRejected` for a 4xx,
         :class:`_ReplicaFailed` for anything another replica might do better."""
-        assert self._client is not None, "start() the pool first"
         replica.outstanding += 1
         try:
-            reply = await self._client.post(
-                replica.endpoint, "/v1/velocity", body, CONTENT_TYPE, timeout,
-                self._settings.connect_s, max_reply_bytes=max_reply_bytes(request.x.shape),
-                max_error_bytes=_MAX_ERROR_BYTES, authorization=self._authorization())
-            if reply.status == 401:
-                raise _ReplicaFailed("answered 401: it does not accept the router's token "
-                                     "(both must read the same auth token file)")
-            out = decode_response(reply.body, request.request_id, request.x.shape)
+            return decode(await self._post(replica, body, max_reply,
+                                           time.monotonic() + timeout))
         except RemoteExpertError as error:
-            if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
-                raise ExpertRejected(expert, error.code, error.message) from None
-            raise _ReplicaFailed(f"answered {error.code}: {error.message}") from None
+            raise _rejected_or_failed(expert, error) from None
         except ProtocolError as error:
             raise _ReplicaFailed(f"malformed reply: {error}") from None
         except (HttpClientError, TimeoutError) as error:
             raise _ReplicaFailed(_describe(error)) from None
         finally:
             replica.outstanding -= 1
-        return out.astype(np.float32, copy=False)  # an expert may answer in float16
+
+    async def _attempt(self, expert: str, replica: Replica, body: bytes, request: _Request,
+                       timeout: float, context: _TextKey | None = None) -> np.ndarray:
+        """One exchange with one replica (two or three for a text call whose context the
+        replica lacks): its answer, :class:`ExpertRejected` for a 4xx, or
+        :class:`_ReplicaFailed` for anything another replica might do better."""
+        replica.outstanding += 1
+        ends = time.monotonic() + timeout
+        try:
+            if context is not None and context.context not in replica.contexts:
+                await self._send_context(replica, context, ends)
+            try:
+                out = await self._exchange(replica, body, request, ends)
+            except RemoteExpertError as error:
+                if context is None or error.code != UNKNOWN_CONTEXT:
+                    raise
+                replica.contexts.pop(context.context, None)  # evicted, or a restart
+                await self._send_context(replica, context, ends)
+                out = await self._exchange(replica, body, request, ends)
+        except RemoteExpertError as error:
+            raise _rejected_or_failed(expert, error) from None
+        except ProtocolError as error:
+            raise _ReplicaFailed(f"malformed reply: {error}") from None
+        except (HttpClientError, TimeoutError) as error:
+            raise _ReplicaFailed(_describe(error)) from None
+        finally:
+            replica.outstanding -= 1
+        return out.astype(np.float32, copy=False)  # an expert may answer in (b)float16
+
+    async def _exchange(self, replica: Replica, body: bytes, request: _Request,
+                        ends: float) -> np.ndarray:
+        """POST one call, decode its reply (:class:`RemoteExpertError` for an error reply)."""
+        reply = await self._post(replica, body, max_reply_bytes(request.x.shape), ends)
+        self.bytes_sent["call"] += len(body)
+        return decode_response(reply, request.request_id, request.x.shape)
+
+    async def _send_context(self, replica: Replica, context: _TextKey, ends: float) -> None:
+        """Send ``context`` to ``replica``, check the id it acknowledges, remember it."""
+        request_id = next(self._ids)
+        body = context.body[:8] + request_id.to_bytes(8, "little") + context.body[16:]
+        reply = await self._post(replica, body, _MAX_ERROR_BYTES, ends)
+        self.bytes_sent["context"] += len(body)
+        acknowledged = decode_context_ack(reply, request_id)
+        if acknowledged != context.context:
+            raise ProtocolError(f"the expert acknowledged context {acknowledged.hex()[:16]} "
+                                f"for {context.context.hex()[:16]}")
+        replica.contexts[context.context] = None
+        while len(replica.contexts) > MAX_KNOWN_CONTEXTS:
+            replica.contexts.popitem(last=False)
+
+    async def _post(self, replica: Replica, body: bytes, max_reply: int, ends: float) -> bytes:
+        assert self._client is not None, "start() the pool first"
+        remaining = ends - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        reply = await self._client.post(
+            replica.endpoint, "/v1/velocity", body, CONTENT_TYPE, remaining,
+            self._settings.connect_s, max_reply_bytes=max_reply,
+            max_error_bytes=_MAX_ERROR_BYTES, authorization=self._authorization())
+        if reply.status == 401:
+            raise _ReplicaFailed("answered 401: it does not accept the router's token "
+                                 "(both must read the same auth token file)")
+        return reply.body
+
+    #: Reads a replica's ``/v1/info``; a pool of stages parses a stage's report.
+    _parse_info: Callable[[Any], Any] = staticmethod(ExpertInfo.from_json)
 
     def _authorization(self) -> bytes | None:
         return None if self._token is None else b"Bearer " + self._token.token()
@@ -481,35 +686,41 @@ class ExpertPool:
     async def _probe(self, name: str, replica: Replica) -> None:
         """``GET /readyz``, and ``/v1/info`` whenever the replica becomes ready (the router
         learns image shape and batch limit from it; a restarted replica may have new ones)."""
-        assert self._session is not None
-        timeout = aiohttp.ClientTimeout(total=self._settings.connect_s)
         replicas = self._sets[name]
         try:
-            async with self._session.get(f"{replica.url}/readyz", timeout=timeout) as response:
-                await _read_capped(response, "/readyz", MAX_EXPERT_PROBE_BYTES)
-                if response.status != 200:
-                    raise ValueError(f"/readyz answered {response.status}")
+            ready = await self._get(replica, "/readyz", MAX_EXPERT_PROBE_BYTES)
+            if ready.status != 200:
+                raise ValueError(f"/readyz answered {ready.status}")
             if replica.state is not ReplicaState.READY or replica.info is None:
-                authorization = self._authorization()
-                headers = {} if authorization is None else {"Authorization":
-                                                            authorization.decode()}
-                async with self._session.get(f"{replica.url}/v1/info", timeout=timeout,
-                                             headers=headers) as response:
-                    body = await _read_capped(response, "/v1/info", MAX_EXPERT_INFO_BYTES)
-                    if response.status != 200:
-                        raise ValueError(f"/v1/info answered {response.status}")
-                replica.info = ExpertInfo.from_json(_json(body))
+                info = await self._get(replica, "/v1/info", MAX_EXPERT_INFO_BYTES,
+                                       self._authorization())
+                if info.status != 200:
+                    raise ValueError(f"/v1/info answered {info.status}")
+                replica.info = self._parse_info(_json(info.body))
         except InvalidReport as error:
             if replica.invalid != str(error):  # once per change: probes repeat every few s
                 logger.warning("expert %s: replica %s is not ready, its report is refused: %s",
                                name, replica.endpoint, error)
             replicas.report_invalid(replica, str(error), time.monotonic())
-        except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+        except (HttpClientError, TimeoutError, ValueError) as error:
             replicas.probe_failed(replica, f"probe failed: {_describe(error)}", time.monotonic())
         else:
             replicas.mark_ready(replica, time.monotonic())
         finally:
             replica.probing = False
+
+    async def _get(self, replica: Replica, path: str, limit: int,
+                   authorization: bytes | None = None) -> HttpReply:
+        """A probe's ``GET``, within ``connect_s``; a body over ``limit`` bytes is refused
+        (:class:`InvalidReport`) as soon as it is declared or read over it, the rest unread."""
+        assert self._client is not None, "start() the pool first"
+        timeout = self._settings.connect_s
+        try:
+            return await self._client.get(replica.endpoint, path, timeout, timeout,
+                                          max_reply_bytes=limit, authorization=authorization)
+        except ReplyTooLarge:
+            raise InvalidReport(f"{path} sent a body over the {limit} bytes the router "
+                                "reads") from None
 
 
 async def gather_all(*calls: Awaitable[_T]) -> list[_T]:
@@ -526,26 +737,19 @@ async def gather_all(*calls: Awaitable[_T]) -> list[_T]:
         raise
 
 
-async def _read_capped(response: aiohttp.ClientResponse, path: str, limit: int) -> bytes:
-    """The body of ``response``, refused (:class:`InvalidReport`) as soon as it is declared or
-    read over ``limit`` bytes; the connection is then closed, the rest never read."""
-    declared = response.content_length
-    if declared is not None and declared > limit:
-        raise InvalidReport(f"{path} declares a body of {declared} bytes, over the "
-                            f"{limit} the router reads")
-    body = bytearray()
-    async for chunk in response.content.iter_chunked(64 * 1024):
-        body += chunk
-        if len(body) > limit:
-            raise InvalidReport(f"{path} sent a body over the {limit} bytes the router reads")
-    return bytes(body)
-
-
 def _json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
         raise InvalidReport(f"/v1/info is not JSON: {_describe(error)}") from None
+
+
+def _rejected_or_failed(expert: str, error: RemoteExpertError) -> Exception:
+    """An expert's error reply: its 4xx is the router's fault (not retried), the rest the
+    replica's."""
+    if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
+        return ExpertRejected(expert, error.code, error.message)
+    return _ReplicaFailed(f"answered {error.code}: {error.message}")
 
 
 def _describe(error: BaseException) -> str:

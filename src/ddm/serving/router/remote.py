@@ -1,12 +1,17 @@
-"""The router's driver of the sampling loop (:mod:`ddm.sampling.loop`): routing in the router
-process, velocities over HTTP.
+"""The router's driver of the sampling loop (:mod:`ddm.sampling.loop`): experts over HTTP,
+the other stages in the router process or on their own servers.
 
-The loop decides everything (noise, time grid, routing with the label mask, solver steps,
-delegation); this driver only answers its queries: the router network through a shared
-:class:`RouterNetwork`, expert calls through an :class:`ExpertCaller` (the
+The loop decides everything (noise, time grid, routing with the label mask, guidance, solver
+steps, delegation); this driver only answers its queries: :class:`~ddm.sampling.loop.Encode`
+through the text encoder's :class:`StageCaller`, :class:`~ddm.sampling.loop.Route` through a
+label DDM's shared :class:`RouterNetwork` or a text DDM's router-network stage, expert calls
+with each call's :class:`~ddm.conditioning.Conditioning` through an :class:`ExpertCaller` (the
 :class:`~ddm.serving.router.pool.ExpertPool`), the calls of one query concurrently and the
-sub-loops of a :class:`~ddm.sampling.loop.Concurrently` side by side. So a generation here gives
-the pixels ``ddm sample`` gives for the same request.
+sub-loops of a :class:`~ddm.sampling.loop.Concurrently` side by side, and
+:class:`~ddm.sampling.loop.Decode` through the decoder's :class:`StageCaller`. A stage loaded in
+the router and one served on its own implement the same
+:class:`~ddm.serving.router.stage_clients.StageCaller`. So a generation here gives the pixels
+``ddm sample`` gives for the same request.
 
 Everything a generation accumulates lives in the generation's own coroutine and loop: concurrent
 generations share only the caller and the :class:`RouterNetwork`, which both merge the calls
@@ -18,22 +23,31 @@ from __future__ import annotations
 import asyncio
 import functools
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Generator, Protocol
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Generator, Protocol
 
 import numpy as np
 
-from ddm.conditioning import Conditioning
-from ddm.models.loading import RouterFn
-from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Encode, Generation,
-                               Integrate, Loop, Missing, Mixture, Query, Route, SamplingRequest,
-                               StepEvent, Tally, Velocity, checked)
+from ddm.conditioning import LABELS, TEXT, Conditioning
+from ddm.convention import TimeGrid
+from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Decoded, Encode,
+                               Generation, Integrate, Loop, Missing, Mixture, Query, Route,
+                               SamplingRequest, StepEvent, Tally, Velocity, checked)
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import gather_all
 
-__all__ = ["CheckedRequest", "ExpertCaller", "Guard", "RemoteMixture", "RouterNetwork",
-           "SamplingRequest", "StepEvent", "Tally", "check_request", "denoise", "generate_remote"]
+if TYPE_CHECKING:  # the stages' modules import torch, which a label DDM's router never needs
+    from ddm.models.stages import EncodedPrompts
+    from ddm.serving.router.stage_clients import StageCaller
+
+    #: What :func:`denoise` yields: the text encoder's answer first where the loop encodes
+    #: prompts, a :class:`StepEvent` per chunk, the :class:`Decoded` images last.
+    Event = EncodedPrompts | StepEvent | Decoded
+
+__all__ = ["CheckedRequest", "Decoded", "ExpertCaller", "Guard", "RemoteMixture",
+           "RouterNetwork", "SamplingRequest", "StageCaller", "StepEvent", "Tally",
+           "check_request", "denoise", "generate_remote"]
 
 #: Up to this many rows, the router network runs on the event loop: at batch 1 it takes about
 #: 0.15 ms, less than the two thread hops of ``asyncio.to_thread``; bigger batches go to a
@@ -44,27 +58,31 @@ ROUTER_MAX_ROWS = 256
 
 
 class ExpertCaller(Protocol):
-    """Remote experts by name; :class:`~ddm.serving.router.pool.ExpertPool` is one."""
+    """Remote experts by name; :class:`~ddm.serving.router.pool.ExpertPool` is one. ``cond``
+    holds the rows' labels, or their text embeddings with each row's guidance scale (guidance
+    runs inside the expert)."""
 
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
-                       y: np.ndarray) -> np.ndarray: ...
+                       cond: Conditioning) -> np.ndarray: ...
 
-    async def integrate(self, expert: str, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
-                        solver: str) -> np.ndarray: ...
+    async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
+                        grid: np.ndarray, solver: str) -> np.ndarray: ...
 
 
 class RouterNetwork:
-    """The router network, shared by a router's generations: calls that concurrent
-    generations make in the same turn of the event loop, or while a pass runs, go as one
-    forward pass (at batch 1 the network's cost is almost all per call, not per row)."""
+    """A router network in the router process, shared by a router's generations: calls that
+    concurrent generations make in the same turn of the event loop, or while a pass runs, go
+    as one forward pass (at batch 1 the network's cost is almost all per call, not per row).
+    ``probs`` takes the arrays it is called with: ``(x, t, y)`` for a label DDM's network,
+    ``(x, t)`` for a text DDM's."""
 
-    def __init__(self, probs: RouterFn) -> None:
+    def __init__(self, probs: Callable[..., np.ndarray]) -> None:
         self._probs = probs
         self._coalescer = Coalescer(self._forward, lambda: ROUTER_MAX_ROWS, lambda: 1)
 
-    async def __call__(self, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """``p(k | x, t, y)`` as (B, K) probabilities."""
-        return await self._coalescer.submit(None, (x, t, y))
+    async def __call__(self, *inputs: np.ndarray) -> np.ndarray:
+        """``p(k | inputs)`` as (B, K) probabilities."""
+        return await self._coalescer.submit(None, inputs)
 
     async def close(self) -> None:
         """Cancel the passes in flight and refuse new calls (the router is stopping)."""
@@ -77,23 +95,54 @@ class RouterNetwork:
         return await asyncio.to_thread(self._probs, *inputs)
 
 
+class NullConditioning:
+    """The empty prompt's conditioning, encoded once on first use: the unconditional half of
+    the guided rows that name no negative prompt (an expert server takes guided rows with
+    their unconditional embeddings, ``docs/protocol.md``), as the in-process driver's
+    ``TextDDM.null``."""
+
+    def __init__(self, encoder: StageCaller) -> None:
+        self._encoder = encoder
+        self._made: asyncio.Future[EncodedPrompts] | None = None
+
+    async def rows(self, n: int) -> Conditioning:
+        """``n`` rows of it."""
+        if self._made is None or (self._made.done() and (self._made.cancelled()
+                                                         or self._made.exception())):
+            self._made = asyncio.ensure_future(self._encoder.encode([""]))
+        null = (await asyncio.shield(self._made)).cond
+        return null.take(np.zeros(n, np.int64))
+
+
 @dataclass(frozen=True)
 class RemoteMixture:
     """The router's view of a DDM: experts in the router network's output order, the labels
-    each serves (empty: every label), the router network (None: oracle only)."""
+    each serves (empty: every label), a label DDM's router network (None: oracle only), the
+    state's shape (latents where a decoder follows). A text DDM adds its stages (None: absent;
+    without an encoder, requests bring embeddings; without a router network, one expert) and
+    its time grid."""
 
     expert_names: tuple[str, ...]
     expert_classes: tuple[tuple[int, ...], ...]
     router: RouterNetwork | None
     image_shape: tuple[int, int, int]
     num_classes: int
+    conditioning: str = LABELS
+    encoder: StageCaller | None = None
+    decoder: StageCaller | None = None
+    router_stage: StageCaller | None = None
+    grid: TimeGrid = TimeGrid()
+    null: NullConditioning | None = None
 
     @functools.cached_property
     def mixture(self) -> Mixture:
         """What the sampling loop knows of it: made once, as the router makes this object once
         per change of its experts' reports (``ddm.serving.router.state``)."""
         return Mixture(self.expert_names, self.expert_classes, self.image_shape,
-                       self.num_classes, routed=self.router is not None)
+                       self.num_classes,
+                       routed=self.router is not None or self.router_stage is not None,
+                       conditioning=self.conditioning, encoder=self.encoder is not None,
+                       decoder=self.decoder is not None, grid=self.grid)
 
 
 @dataclass(frozen=True)
@@ -111,11 +160,15 @@ def check_request(mixture: RemoteMixture, request: SamplingRequest) -> CheckedRe
     return checked(mixture.mixture, request)
 
 
+
+
 async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
                   request: SamplingRequest | CheckedRequest,
-                  guard: Guard | None = None) -> AsyncIterator[StepEvent]:
-    """Run the loop with remote experts, yielding its :class:`StepEvent` after each chunk;
-    with ``guard``, under its missing-expert policy, counting each chunk's demand."""
+                  guard: Guard | None = None) -> AsyncIterator[Event]:
+    """Run the loop with remote experts, yielding the text encoder's answer (where
+    the loop encodes prompts), its :class:`StepEvent` after each chunk and the
+    :class:`Decoded` images (where the DDM decodes); with ``guard``, under its missing-expert
+    policy, counting each chunk's demand."""
     loop: Loop = loop_denoise(mixture.mixture, request)
     answer: Any = None
     try:
@@ -124,12 +177,17 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
                 item = loop.send(answer)
             except StopIteration:
                 return
-            if isinstance(item, StepEvent):
+            if isinstance(item, (StepEvent, Decoded)):
                 answer = None
-                if guard is not None:
+                if guard is not None and isinstance(item, StepEvent):
                     guard.missing.demand.routed(item.wanted_rows, item.wanted_weight)
                     guard.missing.demand.rerouted_steps.inc(int(item.rerouted.sum()))
                 yield item
+            elif isinstance(item, Encode):
+                assert mixture.encoder is not None, "check_request refuses prompts without one"
+                encoded = await mixture.encoder.encode(item.prompts)
+                answer = encoded.cond
+                yield encoded
             else:
                 answer = await _answer(mixture, caller, item, guard)
     finally:
@@ -138,21 +196,30 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
 
 async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
                           request: SamplingRequest | CheckedRequest,
-                          guard: Guard | None = None) -> Generation:
-    """Run :func:`denoise` to the end and sum up what each image used."""
+                          guard: Guard | None = None,
+                          on_encoded: Callable[[EncodedPrompts], None] | None = None
+                          ) -> Generation:
+    """Run :func:`denoise` to the end and sum up what each image used; ``on_encoded`` sees
+    the text encoder's answer (what it cut of each prompt)."""
     labels = (request.request if isinstance(request, CheckedRequest) else request).labels
-    tally = Tally(mixture.expert_names, labels)
+    tally = Tally(mixture.expert_names, labels, state_is_image=mixture.conditioning == LABELS)
     async for event in denoise(mixture, caller, request, guard):
-        tally.add(event)
+        if isinstance(event, (StepEvent, Decoded)):
+            tally.add(event)
+        elif on_encoded is not None:
+            on_encoded(event)
     return tally.result()
 
 
 async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
                   guard: Guard | None) -> Any:
-    if isinstance(query, (Encode, Decode)):
-        raise NotImplementedError(f"{type(query).__name__}: text encoder and decoder stages "
-                                  "are not supported by the remote driver yet")
+    if isinstance(query, Decode):
+        assert mixture.decoder is not None, "the loop decodes only where a decoder exists"
+        return await mixture.decoder.decode(query.latents)
     if isinstance(query, Route):
+        if mixture.conditioning == TEXT:
+            assert mixture.router_stage is not None, "check_request: learned needs a network"
+            return await mixture.router_stage.route(query.x, query.t)
         assert mixture.router is not None, "check_request refuses learned strategies without one"
         return await mixture.router(query.x, query.t, _labels(query.cond))
     if isinstance(query, Calls):
@@ -164,11 +231,14 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
 async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | Integrate,
                 guard: Guard | None) -> np.ndarray | Missing:
     name = mixture.expert_names[call.expert]
+    cond = call.cond
+    if cond.guidance is not None and cond.negative is None and mixture.null is not None:
+        cond = cond.with_guidance(cond.guidance, await mixture.null.rows(len(cond)))
 
     def send() -> Awaitable[np.ndarray]:
         if isinstance(call, Velocity):
-            return caller.velocity(name, call.x, call.t, _labels(call.cond))
-        return caller.integrate(name, call.x, _labels(call.cond), call.grid, call.solver)
+            return caller.velocity(name, call.x, call.t, cond)
+        return caller.integrate(name, call.x, cond, call.grid, call.solver)
 
     if guard is None:
         return await send()
@@ -178,9 +248,8 @@ async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | I
 
 
 def _labels(cond: Conditioning) -> np.ndarray:
-    """The labels the wire carries today; text conditioning does not travel yet."""
-    if cond.labels is None:
-        raise NotImplementedError("text conditioning is not supported by the remote driver yet")
+    """A label DDM's router network sees the labels."""
+    assert cond.labels is not None, "a label DDM's loop carries labels"
     return cond.labels
 
 

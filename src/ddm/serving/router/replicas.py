@@ -14,12 +14,14 @@ import dataclasses
 import enum
 import reprlib
 import socket
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
+from ddm.conditioning import LABELS, TEXT
 from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH, MAX_EXPERT_TEXT,
                                MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
-                               MAX_NUM_CLASSES)
+                               MAX_NUM_CLASSES, MAX_TEXT_WIDTH, PRECISIONS)
 from ddm.data.partition import partition_sha256
 from ddm.deploy.router_config import Discovery, DnsDiscovery
 
@@ -121,6 +123,20 @@ class ExpertInfo:
     #: network's own prediction (``ddm.objectives``); None from servers that predate the field.
     serves: str | None = None
     about: ExpertAbout = ExpertAbout()
+    #: ``labels`` or ``text`` (a stage checkpoint's expert: docs/protocol.md version 2).
+    conditioning: str = LABELS
+    #: A text expert's embedding width ``D``; None for label experts.
+    text_width: int | None = None
+    #: The dtype its replies travel in: float32, float16 or bfloat16.
+    wire_dtype: str = "float32"
+    #: Its router-network output index (a text expert's cluster); None where not declared.
+    cluster: int | None = None
+
+    @property
+    def rows_per_call(self) -> int:
+        """Rows a call may carry: a text expert runs each guided row twice, so half its
+        ``max_batch`` (every row may be guided)."""
+        return max(1, self.max_batch // 2) if self.conditioning == TEXT else self.max_batch
 
     #: The sha256 of the partition's scheme (:func:`hash_scheme`), hashed once when made
     #: (``dataclasses.replace`` carries it over): the router compares it at every ``/readyz``
@@ -160,9 +176,26 @@ class ExpertInfo:
         _require(index is None or (type(index) is int and 0 <= index < MAX_EXPERTS),
                  f"partition.index must be an integer in 0..{MAX_EXPERTS - 1}, got "
                  f"{_shown(index)}")
+        conditioning = raw.get("conditioning", LABELS)
+        _require(conditioning in (LABELS, TEXT), f"conditioning must be {LABELS!r} or "
+                                                 f"{TEXT!r}, got {_shown(conditioning)}")
+        text_width = raw.get("text_width")
+        _require(text_width is None if conditioning == LABELS else (
+            type(text_width) is int and 1 <= text_width <= MAX_TEXT_WIDTH),
+            f"text_width must be an integer in 1..{MAX_TEXT_WIDTH} for a text expert (null "
+            f"for labels), got {_shown(text_width)}")
+        wire_dtype = raw.get("wire_dtype", "float32")
+        _require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)},"
+                                           f" got {_shown(wire_dtype)}")
+        cluster = raw.get("cluster")
+        _require(cluster is None or (type(cluster) is int and 0 <= cluster < MAX_EXPERTS),
+                 f"cluster must be an integer in 0..{MAX_EXPERTS - 1} or null, got "
+                 f"{_shown(cluster)}")
         return cls((shape[0], shape[1], shape[2]), classes, max_batch,
                    convention=_text(raw, "convention"), partition=partition,
-                   serves=_text(raw, "serves"), about=ExpertAbout.from_json(raw))
+                   serves=_text(raw, "serves"), about=ExpertAbout.from_json(raw),
+                   conditioning=conditioning, text_width=text_width, wire_dtype=wire_dtype,
+                   cluster=cluster)
 
 
 def hash_scheme(scheme: Any) -> str | None:
@@ -229,6 +262,9 @@ class Replica:
     last_error: str | None = None
     info: ExpertInfo | None = None  # from /v1/info, fetched each time it becomes ready
     invalid: str | None = None  # why its last answer to a probe was refused (InvalidReport)
+    #: Ids of the text contexts sent to it, oldest first (the pool bounds it; the replica may
+    #: have evicted some: it answers UNKNOWN_CONTEXT and the pool sends it again).
+    contexts: OrderedDict[bytes, None] = dataclasses.field(default_factory=OrderedDict)
 
     @property
     def url(self) -> str:

@@ -14,16 +14,22 @@ strategy checks here are its pieces (``check_labels``, ``parse_strategy``).
 Not ``from __future__ import annotations``: pydantic reads the models' annotations at runtime.
 """
 
+import base64
+import binascii
+import io
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema,
-                      field_validator)
+import numpy as np
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
+                      WithJsonSchema, field_validator)
 
-from ddm.deploy.limits import SOLVERS, STRATEGY_PATTERN
+from ddm.conditioning import TEXT
+from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, SOLVERS, STRATEGY_PATTERN
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
+from ddm.serving.router.info import has_router_network
 
 #: Longer than any name in the grammar needs; bounds ``threshold:0.000...1`` away from 0.
 MAX_STRATEGY_CHARS = 32
@@ -37,6 +43,23 @@ def _integral(value: Any) -> Any:
 
 #: An integer field; in a strict model, a string, a bool or a fraction is refused.
 Integer = Annotated[int, BeforeValidator(_integral)]
+def _fits(prompt: str) -> str:
+    """A prompt within the wire's ``MAX_PROMPT_BYTES`` (UTF-8), which a text encoder served
+    on its own takes (``docs/protocol.md``)."""
+    size = len(prompt.encode("utf-8", "surrogatepass"))
+    if size > MAX_PROMPT_BYTES:
+        raise ValueError(f"a prompt may hold at most {MAX_PROMPT_BYTES} UTF-8 bytes, got "
+                         f"{size}")
+    return prompt
+
+
+#: A prompt; the text encoder cuts what its tokenizer cannot take (and the answer says so).
+Prompt = Annotated[str, Field(max_length=MAX_PROMPT_BYTES), AfterValidator(_fits)]
+#: The answer's per-prompt count of tokens the text encoder cut.
+TRUNCATED = ("per prompt (then the negative prompt, if one was given), the tokens the text "
+             "encoder cut because the prompt is longer than its tokenizer takes (CLIP: 77 "
+             "tokens, the start and end tokens included), as CLIP truncates; 0: the whole "
+             "prompt was used. Empty for a label DDM")
 
 
 class ErrorDetail(BaseModel):
@@ -47,10 +70,14 @@ class ErrorDetail(BaseModel):
 
 
 class GenerateResponse(BaseModel):
-    """The answer of ``POST /v1/generate``: one entry per requested label, in order."""
+    """The answer of ``POST /v1/generate``: one entry per requested label or prompt, in
+    order."""
 
-    images: list[str] = Field(description="base64 PNGs, grayscale, one per label")
-    labels: list[int]
+    images: list[str] = Field(description="base64 PNGs, one per label or prompt: grayscale "
+                                          "from a label DDM, RGB from a decoder")
+    labels: list[int] = Field(description="the labels asked for (empty for a text DDM)")
+    prompts: list[str] = Field(description="the prompts asked for (empty for a label DDM)")
+    truncated: list[int] = Field(description=TRUNCATED)
     experts: list[list[str]] = Field(description="the experts each image used, in any step")
     expert_names: list[str] = Field(description="the DDM's experts; bit k of routing is the "
                                                 "k-th of them")
@@ -82,15 +109,20 @@ def _event(name: str, fields: dict[str, Any]) -> dict[str, Any]:
 _INT, _STR, _NAMES = {"type": "integer"}, {"type": "string"}, {"type": "array", "items": {
     "type": "string"}}
 #: One Server-Sent Event of ``GET /v1/generate/stream`` (the OpenAPI 3.1 reading of an event
-#: stream's ``schema``): ``step`` after each chunk of the grid, then ``done`` or ``failure``.
+#: stream's ``schema``): ``encoded`` first for a prompt, ``step`` after each chunk of the grid
+#: (its ``image`` the state itself: grayscale pixels, or a latent's linear RGB preview), then
+#: ``done`` or ``failure``. A label DDM's ``done`` has no ``prompt``, a text DDM's no ``label``.
 STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
+    _event("encoded", {"truncated": {"type": "array", "items": _INT,
+                                     "description": TRUNCATED}}),
     _event("step", {"step": _INT, "steps": _INT, "t": {"type": "number"}, "image": _STR,
                     "experts": _NAMES, "delegated": {"type": "boolean"}, "round_trips": _INT,
                     "rerouted": {"type": "boolean"},
                     "probs": {"type": "array", "items": {"type": "number"},
                               "description": "p(k | x_t, t, y) per expert (expert_names' "
                                              "order) that routed the step's first evaluation"}}),
-    _event("done", {"image": _STR, "label": _INT, "experts": _NAMES, "expert_names": _NAMES,
+    _event("done", {"image": _STR, "label": _INT, "prompt": _STR, "experts": _NAMES,
+                    "expert_names": _NAMES,
                     "routing": {"type": "array", "items": _INT}, "expert_calls": _INT,
                     "round_trips": _INT, "rerouted": {"type": "array", "items": _INT},
                     "waited_s": {"type": "number"}, "steps": _INT, "strategy": _STR,
@@ -98,11 +130,37 @@ STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
     _event("failure", {"status": _INT, "detail": _STR, "expert": _STR})]}
 
 
-def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[BaseModel]]:
-    """The JSON body of ``/v1/generate`` and the query of the stream, with this router's
-    classes, limits and defaults (so that ``/openapi.json`` and ``/docs`` show them)."""
+class ImageData(BaseModel):
+    """One image of ``POST /v1/images/generations``."""
+
+    b64_json: str = Field(description="the image as a base64 PNG (RGB from a decoder)")
+
+
+class ImagesResponse(BaseModel):
+    """The answer of ``POST /v1/images/generations``: OpenAI's (``created``, ``data``), with
+    what the router adds."""
+
+    created: int = Field(description="Unix time the images were made")
+    data: list[ImageData] = Field(description="n images, in order")
+    truncated: list[int] = Field(description=TRUNCATED)
+    expert_names: list[str] = Field(description="the DDM's experts; bit k of routing is the "
+                                                "k-th of them")
+    routing: list[list[int]] = Field(description="per image, per step, the experts that ran "
+                                                 "it (bit k: expert_names[k])")
+    seed: int
+    steps: int
+    strategy: str
+    guidance_scale: float
+
+
+def request_models(config: RouterConfigFile
+                   ) -> tuple[type[BaseModel], type[BaseModel], type[BaseModel]]:
+    """The JSON body of ``/v1/generate``, the query of the stream and the JSON body of
+    ``/v1/images/generations``, with this router's classes, limits and defaults (so that
+    ``/openapi.json`` and ``/docs`` show them)."""
     defaults, num_classes, limits = config.sampling, config.num_classes, config.limits
-    pattern = STRATEGY_PATTERN if config.router_checkpoint is not None else _ORACLE_ONLY
+    pattern = STRATEGY_PATTERN if has_router_network(config) else _ORACLE_ONLY
+    text = config.conditioning == TEXT
     label_schema = {"type": "integer", "minimum": 0, "maximum": num_classes - 1}
 
     class Sampling(BaseModel):
@@ -127,6 +185,16 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
         delegate_steps: Integer = Field(0, ge=0, le=limits.max_steps,
                                         description="steps per integrate request to an expert "
                                                     "when one expert is selected; 0 or 1: off")
+        guidance_scale: float = Field(
+            defaults.guidance_scale, ge=0, le=MAX_GUIDANCE_SCALE,
+            description="classifier-free guidance scale (text DDMs; 1: unguided, the only "
+                        "value for labels), applied inside each expert")
+        guidance_cutoff: float = Field(defaults.guidance_cutoff, gt=0, le=1,
+                                       description="the fraction of the steps guided (text "
+                                                   "DDMs); later steps run unguided")
+        negative_prompt: Prompt | None = Field(
+            None, description="text DDMs: its embedding replaces the empty prompt's as the "
+                              "unguided half of guidance")
 
         @field_validator("strategy", mode="plain")
         @classmethod
@@ -144,43 +212,110 @@ def request_models(config: RouterConfigFile) -> tuple[type[BaseModel], type[Base
             return parse_strategy(value)
 
     def in_classes(labels: list[int]) -> list[int]:
-        check_labels(labels, num_classes)
+        if not text:  # a text DDM refuses labels whatever they are (check_request)
+            check_labels(labels, num_classes)
         return labels
 
     class GenerateRequest(Sampling):
         # Strict, as the schema is: "2", 2.5 and true are not integers (2.0 is, see Integer).
         model_config = ConfigDict(extra="forbid", strict=True)
 
-        labels: list[Integer] = Field(min_length=1, max_length=limits.max_batch,
-                                  json_schema_extra={"items": label_schema},
-                                  description="one image per label")
+        labels: list[Integer] = Field([], max_length=limits.max_batch,
+                                      json_schema_extra={"items": label_schema},
+                                      description="a label DDM: one image per label")
+        prompts: list[Prompt] = Field([], max_length=limits.max_batch,
+                                      description="a text DDM: one image per prompt")
 
         @field_validator("labels")
         @classmethod
         def labels_in_classes(cls, value: list[int]) -> list[int]:
-            return in_classes(value)
+            return in_classes(value) if value else value
 
     class StreamQuery(Sampling):
-        label: int = Field(json_schema_extra={k: v for k, v in label_schema.items()
-                                              if k != "type"})
+        label: int | None = Field(None, json_schema_extra={
+            k: v for k, v in label_schema.items() if k != "type"},
+            description="a label DDM: the image's label")
+        prompt: Prompt | None = Field(None, description="a text DDM: the image's prompt")
 
         @field_validator("label")
         @classmethod
-        def label_in_classes(cls, value: int) -> int:
-            return in_classes([value])[0]
+        def label_in_classes(cls, value: int | None) -> int | None:
+            return value if value is None else in_classes([value])[0]
 
-    return GenerateRequest, StreamQuery
+    class ImagesRequest(Sampling):
+        """OpenAI's image generation request; ``seed``, ``steps``, ``strategy``,
+        ``guidance_scale``, ``negative_prompt`` and ``latents`` are this router's."""
+
+        prompt: Prompt = Field(description="the prompt of every image")
+        n: Integer = Field(1, ge=1, le=limits.max_batch, description="images to make; image "
+                                                                     "i's noise comes from "
+                                                                     "(seed, i)")
+        size: str | None = Field(None, pattern=r"^[0-9]{1,5}x[0-9]{1,5}$",
+                                 description="WxH: the DDM's own size only (default)")
+        response_format: str = Field("b64_json", description="b64_json only: the router "
+                                                             "stores no images to link to")
+        model: str | None = Field(None, max_length=256, description="accepted for "
+                                  "compatibility and ignored: a router serves one DDM")
+        user: str | None = Field(None, max_length=256, description="accepted and ignored")
+        latents: str | None = Field(None, description="the initial noise, as diffusers' "
+                                    "latents: base64 of a .npy float32 array (n, C, H, W) of "
+                                    "the DDM's state shape")
+
+        @field_validator("response_format")
+        @classmethod
+        def b64_json_only(cls, value: str) -> str:
+            if value != "b64_json":
+                raise ValueError(f"response_format {value!r} is not supported: this router "
+                                 "stores no images to link to; use b64_json")
+            return value
+
+    return GenerateRequest, StreamQuery, ImagesRequest
 
 
-def sampling_request(body: Any, labels: tuple[int, ...]) -> SamplingRequest:
+def sampling_request(body: Any, labels: tuple[int, ...] = (), prompts: tuple[str, ...] = (),
+                     latents: np.ndarray | None = None) -> SamplingRequest:
+    """The loop's request from a validated body (any of :func:`request_models`'s)."""
     return SamplingRequest(labels=labels, steps=body.steps, seed=body.seed,
                            strategy=body.strategy, solver=body.solver,
-                           delegate_steps=body.delegate_steps, first_index=body.first_index)
+                           delegate_steps=body.delegate_steps, first_index=body.first_index,
+                           prompts=prompts, guidance_scale=body.guidance_scale,
+                           negative_prompt=body.negative_prompt,
+                           guidance_cutoff=body.guidance_cutoff, latents=latents)
 
 
 def echo(request: SamplingRequest) -> dict[str, Any]:
     return {"steps": request.steps, "strategy": request.strategy.name, "solver": request.solver,
             "delegate_steps": request.delegate_steps}
+
+
+def parse_latents(encoded: str) -> np.ndarray:
+    """``latents`` (base64 of a .npy file) as an array, or a ``ValueError`` naming what is
+    wrong. Nothing in it is trusted: no pickle, and the header's shape must account for
+    exactly the bytes sent before anything is allocated (the body limit bounds them).
+    Its dtype and shape are checked against the DDM by ``check_request``."""
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("latents must be base64 (of a .npy file)") from None
+    stream = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(stream)
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran, dtype = read_header(stream)
+    except ValueError as error:
+        raise ValueError(f"latents are not a .npy file: {error}") from None
+    if dtype.hasobject:
+        raise ValueError("latents must be float32, not objects")
+    if dtype != np.dtype("<f4"):
+        raise ValueError(f"latents must be float32 (little-endian <f4), got {dtype.str}")
+    body = raw[stream.tell():]
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count * dtype.itemsize != len(body):
+        raise ValueError(f"latents' header says shape {shape} ({count * dtype.itemsize} "
+                         f"bytes), the file holds {len(body)}")
+    array = np.frombuffer(body, dtype).reshape(shape, order="F" if fortran else "C")
+    return np.ascontiguousarray(array, np.float32)
 
 
 def readable(errors: Any, fields_at: str = "/openapi.json") -> str:

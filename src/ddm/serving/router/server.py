@@ -1,11 +1,17 @@
-"""The router server: generates digits by routing every denoising step to remote experts.
+"""The router server: generates images by routing every denoising step to remote experts.
 
-Routes: ``POST /v1/generate`` (JSON in, base64 PNGs out), ``GET /v1/generate/stream``
-(Server-Sent Events, one ``step`` event per chunk of the grid, then ``done``), ``GET /`` (a web
-page that streams the denoising live), ``GET /v1/info``, ``/healthz``, ``/readyz``, ``/metrics``
-and the OpenAPI document at ``/openapi.json`` (browsable at ``/docs`` with ``api_docs``), which
-says what the
-router enforces: :mod:`ddm.serving.router.requests` builds the request schemas from the config.
+Routes: ``POST /v1/generate`` (JSON in, labels or prompts; base64 PNGs out),
+``POST /v1/images/generations`` (OpenAI's image API, for text DDMs, with this router's
+extensions), ``GET /v1/generate/stream`` (Server-Sent Events, one ``step`` event per chunk of
+the grid, then ``done``), ``GET /`` (a web page that streams the denoising live),
+``GET /v1/info``, ``/healthz``, ``/readyz``, ``/metrics`` and the OpenAPI document at
+``/openapi.json`` (browsable at ``/docs`` with ``api_docs``), which says what the router
+enforces: :mod:`ddm.serving.router.requests` builds the request schemas from the config.
+
+A text DDM's stages (text encoder, decoder, router network) run in the router process or on
+their own servers (:mod:`ddm.serving.router.remote`); its images are RGB. A prompt longer
+than the tokenizer takes is cut as CLIP cuts it, and the answer says how many tokens each
+prompt lost (``truncated``).
 
 The router network is small and runs here; experts are reached through one
 :class:`~ddm.serving.router.pool.ExpertPool` (:mod:`ddm.serving.router.state` holds both). The
@@ -33,7 +39,8 @@ expert said goes to the log.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
-between chunks, while ``x_t`` is always at hand.
+between chunks, while ``x_t`` is always at hand. A latent state is shown through its decoder's
+linear latent -> RGB projection (:mod:`ddm.serving.router.previews`), at the latents' size.
 
 Not ``from __future__ import annotations``: FastAPI reads the routes' annotations at runtime, and
 the request models are built per app (they carry its limits).
@@ -46,9 +53,11 @@ import json
 import logging
 import os
 import time
+from dataclasses import dataclass, field
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncGenerator, AsyncIterator, Callable, Sequence
+from typing import (TYPE_CHECKING, Annotated, Any, AsyncGenerator, AsyncIterator, Callable,
+                    Sequence)
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -58,30 +67,36 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ddm.conditioning import TEXT
 from ddm.convention import to_uint8
+from ddm.deploy.limits import MAX_GUIDANCE_SCALE
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
 from ddm.serving.router.clients import FORWARDED_FOR
-from ddm.serving.router.info import expert_card, strategies
+from ddm.serving.router.info import expert_card, has_router_network, strategies
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
-from ddm.serving.router.remote import (CheckedRequest, RemoteMixture, SamplingRequest,
-                                       StepEvent, Tally, check_request, denoise,
-                                       generate_remote)
+from ddm.serving.router.previews import LatentPreview
+from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
+                                       SamplingRequest, StepEvent, Tally, check_request,
+                                       denoise, generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
-                                         echo, invalid_request, request_models,
-                                         sampling_request)
+                                         ImagesResponse, echo, invalid_request, parse_latents,
+                                         request_models, sampling_request)
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.serving.termination import fail_start
 
+if TYPE_CHECKING:  # imports torch, which a label DDM's router never needs
+    from ddm.models.stages import EncodedPrompts
+
 logger = logging.getLogger(__name__)
 
 PAGE = Path(__file__).parent / "static" / "index.html"
-_ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/info", "/v1/demand", "/healthz",
-           "/readyz", "/metrics")
+_ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/images/generations", "/v1/info",
+           "/v1/demand", "/healthz", "/readyz", "/metrics")
 #: Why the router answers each error status (the body is always :class:`ErrorDetail`).
 _ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8",
            401: "no valid bearer token (auth is on)",
@@ -109,7 +124,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     router = RouterState(config, deadline_s, on_failure)
     page_html = PAGE.read_text()
     page_security = page_headers(page_html)
-    generate_body, stream_query = request_models(config)
+    generate_body, stream_query, images_body = request_models(config)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -119,8 +134,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                 yield
             finally:
                 loading.cancel()
-                if router.network is not None:
-                    await router.network.close()
+                await router.close()
 
     app = FastAPI(title="ddm router", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Decentralized diffusion: route each step to remote experts.")
@@ -140,14 +154,16 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
               responses=_errors(400, 413, 415, 422, 429, 502, 503, auth=auth))
     async def generate(body: generate_body,  # type: ignore[valid-type]
                        http: Request) -> dict[str, Any]:
-        request = sampling_request(body, tuple(body.labels))
+        request = sampling_request(body, tuple(body.labels), tuple(body.prompts))
         mixture, checked = _checked(router, request)
         started = time.perf_counter()
         guard = router.guard()
+        encoded = _Encoding()
         with router.slot(_client(router, http)):
-            result = await generate_remote(mixture, router.pool, checked, guard)
+            result = await generate_remote(mixture, router.pool, checked, guard, encoded.add)
         return {"images": [_png(image) for image in result.images],
-                "labels": result.labels.tolist(), "experts": result.experts_used(),
+                "labels": result.labels.tolist(), "prompts": list(request.prompts),
+                "truncated": encoded.truncated, "experts": result.experts_used(),
                 "expert_names": list(mixture.expert_names),
                 "routing": result.usage.step_masks(request.steps).tolist(),
                 "expert_calls": result.expert_calls.tolist(),
@@ -163,11 +179,13 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     async def stream(
             query: Annotated[stream_query, Query()],  # type: ignore[valid-type]
             http: Request) -> StreamingResponse:
-        request = sampling_request(query, (query.label,))
+        request = sampling_request(query, () if query.label is None else (query.label,),
+                                   () if query.prompt is None else (query.prompt,))
         mixture, checked = _checked(router, request)
+        preview = await router.preview(mixture.image_shape)
         client = _client(router, http)
         router.take_slot(client)
-        events = _events(router, mixture, checked, client)
+        events = _events(router, mixture, checked, client, preview)
         first = await anext(events)  # started, so that closing it always frees the slot
         body = _prepend(first, events)
         # Closed when the response ends, however it ends, not left to where the stream's
@@ -178,6 +196,34 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         return StreamingResponse(body, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"},
                                  background=BackgroundTask(body.aclose))
+
+    @app.post("/v1/images/generations", response_model=ImagesResponse,
+              responses=_errors(400, 413, 415, 422, 429, 502, 503, auth=auth))
+    async def images(body: images_body,  # type: ignore[valid-type]
+                     http: Request) -> dict[str, Any]:
+        """OpenAI's image generation for a text DDM: ``n`` images of ``prompt``."""
+        try:
+            latents = None if body.latents is None else parse_latents(body.latents)
+        except ValueError as error:
+            raise HTTPException(422, str(error)) from None
+        request = sampling_request(body, prompts=(body.prompt,) * body.n, latents=latents)
+        mixture, checked = _checked(router, request)
+        if body.size is not None:
+            preview = await router.preview(mixture.image_shape)
+            own = _image_size(mixture, preview)
+            if own is not None and body.size != own:
+                raise HTTPException(422, f"size {body.size} is not this DDM's; it makes "
+                                         f"{own} images only")
+        encoded = _Encoding()
+        with router.slot(_client(router, http)):
+            result = await generate_remote(mixture, router.pool, checked, router.guard(),
+                                           encoded.add)
+        return {"created": int(time.time()),
+                "data": [{"b64_json": _png(image)} for image in result.images],
+                "truncated": encoded.truncated, "expert_names": list(mixture.expert_names),
+                "routing": result.usage.step_masks(request.steps).tolist(),
+                "seed": request.seed, "steps": request.steps,
+                "strategy": request.strategy.name, "guidance_scale": request.guidance_scale}
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -192,10 +238,12 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                                      for r in router.pool.replicas(e.name)},
                                     router.pool.ready_count(e.name))
                         for e in config.experts],
-            # what a request conditions on, so the page builds its inputs (a label per image)
-            "conditioning": "labels",
+            # what a request conditions on, so the page builds its inputs (a label or a
+            # prompt per image)
+            "conditioning": config.conditioning,
+            "max_guidance_scale": MAX_GUIDANCE_SCALE,
             "num_classes": config.num_classes, "image_shape": list(shape) if shape else None,
-            "router_network": config.router_checkpoint is not None,
+            "router_network": has_router_network(config),
             "defaults": dataclasses.asdict(config.sampling),
             "limits": dataclasses.asdict(config.limits),
             "auth": config.auth is not None,
@@ -283,10 +331,32 @@ def _client(router: RouterState, http: Request) -> str:
                           if name == FORWARDED_FOR])
 
 
+@dataclass
+class _Encoding:
+    """What the text encoder cut of each prompt of one generation (empty: no prompts)."""
+
+    truncated: list[int] = field(default_factory=list)
+
+    def add(self, encoded: "EncodedPrompts") -> None:
+        self.truncated = encoded.tokens_cut.tolist()
+
+
+def _image_size(mixture: RemoteMixture, preview: LatentPreview | None) -> str | None:
+    """The DDM's images' ``WxH``: the state's, or its decoder's (known once its preview
+    projection was fitted)."""
+    if mixture.decoder is None:
+        return f"{mixture.image_shape[2]}x{mixture.image_shape[1]}"
+    if preview is None or preview.image_size is None:
+        return None
+    return f"{preview.image_size[1]}x{preview.image_size[0]}"
+
+
 def _checked(router: RouterState, request: SamplingRequest
              ) -> tuple[RemoteMixture, CheckedRequest]:
     """The mixture to generate with, and ``request`` checked against it (a 422 if refused)."""
     mixture = router.mixture()
+    if mixture.conditioning == TEXT and mixture.decoder is None:
+        raise HTTPException(422, "this DDM has no decoder: it makes latents, not images")
     try:
         return mixture, check_request(mixture, request)
     except ValueError as error:
@@ -297,20 +367,27 @@ def _checked(router: RouterState, request: SamplingRequest
 
 
 async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedRequest,
-                  client: str) -> AsyncGenerator[bytes, None]:
-    """The SSE body: ``step`` events, then ``done``, or ``failure`` if an expert fails.
-    Frees ``client``'s generation slot when it ends, however it ends."""
+                  client: str, preview: LatentPreview | None) -> AsyncGenerator[bytes, None]:
+    """The SSE body: ``encoded`` (a prompt), ``step`` events, then ``done``, or ``failure``
+    if an expert fails. Frees ``client``'s generation slot when it ends, however it ends."""
     request = checked.request
     try:
         yield b": generating\n\n"
         started = time.perf_counter()
-        tally = Tally(mixture.expert_names, request.labels)
+        tally = Tally(mixture.expert_names, request.labels,
+                      state_is_image=mixture.decoder is None)
         guard = router.guard()
         async for event in denoise(mixture, router.pool, checked, guard):
+            if not isinstance(event, (StepEvent, Decoded)):  # the encoder's answer
+                yield _sse("encoded", {"truncated": event.tokens_cut.tolist()})
+                continue
             tally.add(event)
-            yield _sse("step", _step_data(event, mixture, request))
+            if isinstance(event, StepEvent):
+                yield _sse("step", _step_data(event, mixture, request, preview))
         result = tally.result()
-        yield _sse("done", {"image": _png(result.images[0]), "label": int(result.labels[0]),
+        subject = ({"prompt": request.prompts[0]} if request.prompts
+                   else {"label": int(result.labels[0])})
+        yield _sse("done", {"image": _png(result.images[0]), **subject,
                             "experts": result.experts_used()[0],
                             "expert_names": list(mixture.expert_names),
                             "routing": result.usage.step_masks(request.steps)[0].tolist(),
@@ -327,11 +404,12 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
         router.release_slot(client)
 
 
-def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingRequest
-               ) -> dict[str, Any]:
+def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingRequest,
+               preview: LatentPreview | None) -> dict[str, Any]:
     used = event.experts_used()[0]
+    frame = preview.rgb(event.x[0]) if preview is not None else to_uint8(event.x[0, 0])
     return {"step": event.step, "steps": request.steps, "t": round(event.t, 6),
-            "image": _png(to_uint8(event.x[0, 0])),
+            "image": _png(frame),
             "experts": [name for name, on in zip(mixture.expert_names, used) if on],
             "delegated": bool(event.delegated[0]), "round_trips": int(event.round_trips[0]),
             "rerouted": bool(event.rerouted[0]),

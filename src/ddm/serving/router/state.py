@@ -1,6 +1,9 @@
 """What the router's routes share: its config and limits, the expert pool, the router network.
 
-The network loads in the background (``RouterState.load``) so that probes are answered at once;
+The network, and a text DDM's stages placed in the router (``router.yaml``'s
+``text_encoder``, ``decoder``, ``router_network`` with a ``checkpoint``, answered by
+:class:`~ddm.serving.router.stage_clients.LocalStages`), load in the background
+(``RouterState.load``) so that probes are answered at once;
 ``problems`` says what keeps the router from being ready (some experts down is only degraded);
 ``slot`` counts generations in and out against ``limits.max_concurrent`` and, per client
 (:mod:`ddm.serving.router.clients`), ``limits.max_concurrent_per_client``.
@@ -25,12 +28,13 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta
-from ddm.convention import CONVENTION_NAME
+from ddm.conditioning import TEXT
+from ddm.convention import CONVENTION_NAME, FLOW_MATCH_PREFIX, TimeGrid
 from ddm.data.partition import PartitionMismatchError, check_partition_hash
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
@@ -38,15 +42,21 @@ from ddm.serving.router.clients import ClientBusy, ClientSlots, client_key
 from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
-from ddm.serving.router.remote import Guard, RemoteMixture, RouterNetwork
-from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
-from ddm.deploy.router_config import RouterConfigFile
+from ddm.serving.router.previews import LatentPreview, decoder_preview
+from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
+from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme, source_for
+from ddm.deploy.router_config import RouterConfigFile, StageEntry
+
+if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
+    from ddm.models.stages import Stage
+    from ddm.serving.router.stage_clients import StageCaller
 
 logger = logging.getLogger(__name__)
 
 
 def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
-    """Read ``router.yaml``; a relative ``router_checkpoint`` is relative to the file."""
+    """Read ``router.yaml``; a relative ``router_checkpoint`` or stage checkpoint is relative
+    to the file."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -56,7 +66,13 @@ def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
     if config.router_checkpoint and not Path(config.router_checkpoint).is_absolute():
         config = dataclasses.replace(
             config, router_checkpoint=str(path.parent / config.router_checkpoint))
+    for role in STAGES:
+        stage: StageEntry | None = getattr(config, role)
+        if stage is not None and stage.checkpoint and not Path(stage.checkpoint).is_absolute():
+            config = dataclasses.replace(config, **{role: dataclasses.replace(
+                stage, checkpoint=str(path.parent / stage.checkpoint))})
     return config
+
 
 
 class Busy(RuntimeError):
@@ -105,7 +121,15 @@ class RouterState:
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None
-        self.loaded = config.router_checkpoint is None
+        #: ``router.yaml``'s stages by name, and the time convention its router network stage
+        #: declares.
+        self.stages: dict[str, StageCaller] = {}
+        self.stage_convention: str | None = None
+        self.null: NullConditioning | None = None
+        self._stage_pool: ExpertPool | None = None  # the stages served on their own
+        self._settings = pool_settings(config, deadline_s)
+        self._preview: asyncio.Task[LatentPreview] | None = None
+        self.loaded = config.router_checkpoint is None and not self._stage_entries()
         self.failure: str | None = None
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
@@ -115,20 +139,80 @@ class RouterState:
         self._viewed: tuple[Any, _View] | None = None
 
     async def load(self) -> None:
-        """Load the router network off the event loop; a failure is reported by the probes."""
-        if self.config.router_checkpoint is None:
+        """Load the router network and the stages placed in the router off the event loop;
+        a failure is reported by the probes."""
+        if self.loaded:
             return
+        what = "router network"
         try:
-            probs, self.network_shape, self.network_meta = await asyncio.to_thread(
-                _load_network, self.config.router_checkpoint, self.config)
+            if self.config.router_checkpoint is not None:
+                probs, self.network_shape, self.network_meta = await asyncio.to_thread(
+                    _load_network, self.config.router_checkpoint, self.config)
+                self.network = RouterNetwork(probs)
+            what = "a stage"
+            await self._load_stages()
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
-            logger.exception("router network %s failed to load", self.config.router_checkpoint)
+            logger.exception("%s failed to load", what)
             self.failure = f"{type(error).__name__}: {error}"
             if self.on_failure is not None:
-                self.on_failure(f"router network {self.config.router_checkpoint}: {error}")
+                self.on_failure(f"{what}: {error}")
             return
-        self.network = RouterNetwork(probs)
         self.loaded = True
+
+    async def _load_stages(self) -> None:
+        """A text DDM's stages: those placed in the router loaded here (off the event loop),
+        those served on their own reached through one stage pool."""
+        from ddm.serving.router.stage_clients import LocalStages, RemoteStages, StagePool
+
+        entries = self._stage_entries()
+        loaded = {}
+        for name, entry in entries.items():
+            if entry.checkpoint is not None:
+                try:
+                    loaded[name] = await asyncio.to_thread(_load_stage, name, entry)
+                except Exception as error:
+                    raise CheckpointError(f"{name} stage {entry.checkpoint}: {error}") from error
+        local = LocalStages(**{STAGES[name]: stage for name, stage in loaded.items()})
+        remote = {name: entry.discovery for name, entry in entries.items()
+                  if entry.discovery is not None}
+        if remote:
+            token = (TokenFile(self.config.auth.expert_token) if self.config.auth is not None
+                     else None)
+            self._stage_pool = StagePool({STAGES[name]: source_for(discovery)
+                                          for name, discovery in remote.items()},
+                                         self._settings, token=token)
+            await self._stage_pool.start()
+        self.stages = {name: local if name in loaded else RemoteStages(self._stage_pool)
+                       for name in entries}
+        if "router_network" in loaded:
+            self.stage_convention = loaded["router_network"].declaration.convention
+        if "text_encoder" in self.stages:
+            self.null = NullConditioning(self.stages["text_encoder"])
+
+    async def close(self) -> None:
+        """Stop what runs in the router process (the router is stopping)."""
+        if self.network is not None:
+            await self.network.close()
+        if self._preview is not None:
+            self._preview.cancel()
+        if self._stage_pool is not None:
+            await self._stage_pool.close()
+
+    def _stage_entries(self) -> dict[str, StageEntry]:
+        """``router.yaml``'s stages besides the experts, by name."""
+        return {name: entry for name in STAGES
+                if (entry := getattr(self.config, name)) is not None}
+
+    async def preview(self, latent_shape: tuple[int, int, int]) -> LatentPreview | None:
+        """The decoder's latent -> RGB projection (None without a decoder), fitted once
+        (:mod:`ddm.serving.router.previews`) by the first generation that wants it."""
+        decoder = self.stages.get("decoder")
+        if decoder is None:
+            return None
+        if self._preview is None or (self._preview.done() and (
+                self._preview.cancelled() or self._preview.exception() is not None)):
+            self._preview = asyncio.create_task(decoder_preview(decoder, latent_shape))
+        return await asyncio.shield(self._preview)
 
     def image_shape(self) -> tuple[tuple[int, int, int] | None, list[str]]:
         """The experts' image shape as they report it, and any disagreement."""
@@ -178,7 +262,8 @@ class RouterState:
             infos = dict(zip(self.names, key[0]))
             view = _view_of(self.config, infos, self.network_meta, self.network_shape,
                             self._refused(), self.network if self.loaded else None,
-                            self.loaded, self.failure)
+                            self.loaded, self.failure, self.stages, self.stage_convention,
+                            self.null)
             for problem in set(view.mismatches) - set(self._viewed[1].mismatches
                                                       if self._viewed else ()):
                 logger.warning("expert %s: %s", problem.expert, problem.detail)
@@ -244,7 +329,8 @@ class _View:
 def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
              network_meta: CheckpointMeta | None, network_shape: tuple[int, int, int] | None,
              refused: tuple[ExpertProblem, ...], network: RouterNetwork | None, loaded: bool,
-             failure: str | None) -> _View:
+             failure: str | None, stages: Mapping[str, StageCaller],
+             stage_convention: str | None, null: NullConditioning | None) -> _View:
     mismatches = tuple(expert_mismatches(config, infos, network_meta))
     shapes: dict[str, tuple[int, int, int]] = {
         name: info.image_shape for name, info in infos.items() if info is not None}
@@ -261,11 +347,27 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
     elif shape is None:
         not_ready = ("; ".join(disagreement) or "; ".join(p.public for p in refused)
                      or "no expert replica has answered yet; retry when /readyz is 200")
+    elif config.conditioning == TEXT:
+        mixture = RemoteMixture(
+            tuple(e.name for e in config.experts), ((),) * len(config.experts), None, shape, 0,
+            conditioning=TEXT, encoder=stages.get("text_encoder"), decoder=stages.get("decoder"),
+            router_stage=stages.get("router_network"), grid=_grid(infos, stage_convention),
+            null=null)
     else:
         mixture = RemoteMixture(tuple(e.name for e in config.experts),
                                 tuple(e.classes for e in config.experts),
                                 network, shape, config.num_classes)
     return _View(mismatches, refused, shape, disagreement, mixture, not_ready)
+
+
+def _grid(infos: Mapping[str, ExpertInfo | None], network_convention: str | None
+          ) -> TimeGrid:
+    """A text DDM's time grid: FlowMatchEulerDiscrete's where its networks were trained on
+    it (the router network's declared convention, or the experts' reported one), else ours."""
+    conventions = {network_convention,
+                   *(info.convention for info in infos.values() if info is not None)}
+    return TimeGrid("flow-match" if any((c or "").startswith(FLOW_MATCH_PREFIX)
+                                        for c in conventions) else "uniform")
 
 
 def expert_mismatches(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
@@ -330,6 +432,24 @@ def _scheme(scheme: Any) -> str:
         return "no partition recorded"
     parts = scheme.get("groups", scheme.get("centroids", []))
     return f"{scheme.get('method', 'unknown')} partition into {len(parts)}"
+
+
+#: ``router.yaml``'s stages placed in the router -> the role their checkpoints declare.
+STAGES = {"text_encoder": "text_encoder", "decoder": "decoder", "router_network": "router"}
+
+
+def _load_stage(name: str, entry: StageEntry) -> Stage:
+    """``router.yaml``'s stage ``name`` from its checkpoint (safetensors only: loading runs no
+    code), cast to its ``precision``, on the router's CPU; another role is refused naming
+    both."""
+    from ddm.models.stages import load_stage
+
+    assert entry.checkpoint is not None, "only stages placed in the router are loaded"
+    stage = load_stage(entry.checkpoint, entry.precision)
+    if stage.role != STAGES[name]:
+        raise CheckpointError(f"{entry.checkpoint} declares the role {stage.role!r}; "
+                              f"router.yaml's {name} needs a {STAGES[name]!r} checkpoint")
+    return stage
 
 
 def _load_network(path: str, config: RouterConfigFile

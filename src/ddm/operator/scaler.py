@@ -1,0 +1,205 @@
+"""The operator's autoscaler: reads the routers' demand and sets autoscaled experts' replicas.
+
+One thread for the whole operator (not a kopf timer per DDMDeployment: kopf puts a finalizer
+on every resource a timer or daemon serves, and deleting one would then hang whenever no
+operator runs). A successful reconcile :meth:`Scaler.watch`\\ es its DDMDeployment; every
+``SCALE_INTERVAL_S`` (and at once when woken) the thread, for each one watched: reads it (gone,
+or no expert with ``autoscaling``: no longer watched), scrapes its ready router pods'
+``/metrics`` (:mod:`ddm.operator.demand`), decides each autoscaled expert's replicas
+(:func:`ddm.operator.autoscaler.decide`, pure) and applies ``spec.replicas`` of its Deployment
+as field manager ``FIELD_MANAGER``, and writes ``status.demand``.
+
+The Deployment builder leaves ``replicas`` out of an autoscaled expert's Deployment
+(``ddm.operator.manifests``), and this scaler owns the field by server-side apply, so a
+reconcile never resets what it set. A new Deployment starts at Kubernetes' default of one
+replica until the scaler's first pass, woken by the reconcile that created it. Without a
+readable router the scaler changes nothing (no demand known is not zero demand).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Collection, Mapping
+
+from ddm.deploy.autoscaling import Autoscaling
+from ddm.deploy.spec import SpecError, parse_spec
+from ddm.operator import names
+from ddm.operator.autoscaler import Demand, History, decide
+from ddm.operator.demand import DemandRates, RouterReading, scrape
+from ddm.operator.kube import Kube, KubeError
+
+log = logging.getLogger("ddm.operator.scaler")
+#: How often each watched DDMDeployment's demand is read and its experts scaled.
+SCALE_INTERVAL_S = 2.0
+#: The field manager owning autoscaled experts' ``spec.replicas``.
+FIELD_MANAGER = "ddm-autoscaler"
+#: ``status.demand`` is rewritten at most this often unless a replica count or a waiting
+#: count changed (each write is an API call and a watch event).
+STATUS_INTERVAL_S = 15.0
+
+Scrape = Callable[[str, Collection[str]], "RouterReading | None"]
+
+
+@dataclass
+class _Tracked:
+    """What the scaler keeps per DDMDeployment between passes."""
+
+    rates: DemandRates = field(default_factory=DemandRates)
+    histories: dict[str, History] = field(default_factory=dict)
+    claimed: set[str] = field(default_factory=set)  # Deployment uids whose replicas we own
+    status_key: tuple[Any, ...] = ()
+    status_at: float = float("-inf")
+
+
+class Scaler:
+    """Scales the autoscaled experts of the DDMDeployments it watches (see the module)."""
+
+    def __init__(self, kube: Kube, *, scrape_metrics: Scrape = scrape,
+                 clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = SCALE_INTERVAL_S) -> None:
+        self._kube, self._scrape, self._clock = kube, scrape_metrics, clock
+        self._interval_s = interval_s
+        self._guard = threading.Lock()
+        self._tracked: dict[tuple[str, str], _Tracked] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, namespace: str, name: str) -> None:
+        """Scale ``namespace/name``'s experts from now on (a no-op when it has none)."""
+        with self._guard:
+            self._tracked.setdefault((namespace, name), _Tracked())
+        self._wake.set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ddm-autoscaler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            with self._guard:
+                keys = list(self._tracked)
+            for key in keys:
+                if self._stop.is_set():
+                    return
+                try:
+                    keep = self.scale(*key)
+                except KubeError as error:
+                    log.warning("%s/%s: %s (retried in %g s)", *key, error, self._interval_s)
+                    keep = True
+                except Exception:  # one DDM's surprise must not end scaling for the others
+                    log.exception("%s/%s: scaling failed", *key)
+                    keep = True
+                if not keep:
+                    with self._guard:
+                        self._tracked.pop(key, None)
+
+    def scale(self, namespace: str, name: str) -> bool:
+        """One pass for ``namespace/name``; False when there is nothing left to scale."""
+        with self._guard:
+            tracked = self._tracked.setdefault((namespace, name), _Tracked())
+        body = self._kube.get_owner(namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return False
+        try:
+            spec = parse_spec(body.get("spec"), allow_host_paths=True)
+        except SpecError:
+            return True  # the reconcile reports it; a fixed spec is scaled again
+        scaled = {e.name: e.autoscaling for e in spec.experts
+                  if e.autoscaling is not None and e.autoscaling.scaler == "operator"}
+        if not scaled:
+            return False
+        routers = [pod for pod in self._kube.list_pods(namespace, name) if _ready_router(pod)]
+        readings = {}
+        for pod in routers:
+            url = f"http://{pod['status']['podIP']}:{names.METRICS_PORT}/metrics"
+            reading = self._scrape(url, scaled)
+            if reading is not None:
+                readings[pod["metadata"]["uid"]] = reading
+        tracked.rates.forget_except([pod["metadata"]["uid"] for pod in routers])
+        if not readings:
+            log.debug("%s/%s: no router's metrics readable; replicas left as they are",
+                      namespace, name)
+            return True
+        now = self._clock()
+        demand = tracked.rates.observe(now, readings, scaled)
+        decided = {expert: self._scale_expert(namespace, name, expert, rules, demand[expert],
+                                              tracked, now)
+                   for expert, rules in scaled.items()}
+        self._report(body, tracked, demand, decided, f"{len(readings)}/{len(routers)}", now)
+        return True
+
+    def _scale_expert(self, namespace: str, owner: str, expert: str, rules: Autoscaling,
+                      demand: Demand, tracked: _Tracked, now: float) -> int | None:
+        """Decide and apply one expert's replicas; None when its Deployment is not there."""
+        deployment = self._kube.get("Deployment", namespace, names.expert_name(owner, expert))
+        if deployment is None:
+            return None  # the reconcile creates it
+        current = int(deployment["spec"].get("replicas", 1))
+        history = tracked.histories.get(expert)
+        if history is None:  # serving replicas keep a whole delay after the operator starts
+            ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+            history = History.start(now) if ready > 0 else History()
+        wanted, tracked.histories[expert] = decide(rules, current, demand, history, now)
+        uid = deployment["metadata"]["uid"]
+        if wanted != current or uid not in tracked.claimed:
+            self._kube.apply_replicas(namespace, deployment["metadata"]["name"], wanted,
+                                      FIELD_MANAGER)
+            tracked.claimed.add(uid)
+            if wanted != current:
+                log.info("%s/%s: expert %s scaled %d -> %d (%.3g rows/s, %d waiting)",
+                         namespace, owner, expert, current, wanted, demand.rows_per_s,
+                         demand.waiting)
+        return wanted
+
+    def _report(self, body: Mapping[str, Any], tracked: _Tracked, demand: Mapping[str, Demand],
+                decided: Mapping[str, int | None], routers: str, now: float) -> None:
+        """``status.demand``, written when a count changed or ``STATUS_INTERVAL_S`` passed."""
+        key = (routers, tuple((e, decided[e], demand[e].waiting) for e in decided))
+        if key == tracked.status_key and now - tracked.status_at < STATUS_INTERVAL_S:
+            return
+        experts = []
+        for expert, replicas in decided.items():
+            last = tracked.histories[expert].last_demand if expert in tracked.histories else None
+            experts.append({"name": expert, "rowsPerSecond": round(demand[expert].rows_per_s, 3),
+                            "waiting": demand[expert].waiting,
+                            **({"desiredReplicas": replicas} if replicas is not None else {}),
+                            **({"idleSeconds": int(now - last)} if last is not None else {})})
+        status = {"observedAt": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                  "routers": routers, "experts": experts}
+        meta = body["metadata"]
+        self._kube.write_status(meta["namespace"], meta["name"], {"demand": status})
+        tracked.status_key, tracked.status_at = key, now
+
+
+def _ready_router(pod: Mapping[str, Any]) -> bool:
+    labels = pod["metadata"].get("labels") or {}
+    status = pod.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or [])
+    return labels.get(names.COMPONENT_LABEL) == "router" and ready and bool(status.get("podIP"))
+
+
+def start_scaler(memo: Any, **_: Any) -> None:
+    """kopf's start-up: the scaler over the operator's API client, in ``memo.scaler``."""
+    memo.scaler = Scaler(Kube(memo.api_client))
+    memo.scaler.start()
+
+
+def stop_scaler(memo: Any, **_: Any) -> None:
+    """kopf's clean-up: the scaler's thread ends."""
+    scaler = getattr(memo, "scaler", None)
+    if scaler is not None:
+        scaler.stop()

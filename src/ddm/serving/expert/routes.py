@@ -1,0 +1,168 @@
+"""The routes every model server shares, whatever it serves (a label expert, a stage
+checkpoint of any role): ``POST /v1/velocity`` (the binary protocol of ``docs/protocol.md``,
+every message kind on one route), ``GET /v1/info``, ``/healthz``, ``/readyz`` and ``/metrics``,
+and the OpenAPI document that lists the binary route beside the JSON ones.
+
+A server supplies a :class:`ModelState` (what it reports, whether it is ready, its limits and
+metrics) and an ``answer(body) -> (status, reply)`` coroutine; :func:`model_routes` wraps its
+FastAPI app in the bare ASGI route, so that the hot path skips FastAPI's routing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Awaitable, Callable, Protocol
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ddm.serving.auth import BearerAuth, TokenFile
+from ddm.serving.expert import metrics as expert_metrics
+from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected,
+                              add_api_docs, probe_responses, read_body, retry_after, send_bytes,
+                              send_json)
+from ddm.serving.protocol import CONTENT_TYPE, Limits, encode_error
+
+#: ``body -> (HTTP status, reply body)``: every failure is an error reply, never an exception.
+Answer = Callable[[bytes], Awaitable[tuple[int, bytes]]]
+
+VELOCITY_PATH = "/v1/velocity"
+_CONTENT_TYPE = CONTENT_TYPE.encode()
+
+
+class ModelState(Protocol):
+    """What the shared routes read of a model server."""
+
+    limits: Limits
+    pending: int
+    max_pending: int
+    failure: str | None
+    metrics: expert_metrics.ExpertMetrics
+
+    @property
+    def ready(self) -> bool: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+def model_routes(app: FastAPI, state: ModelState, answer: Answer, *, api_docs: bool,
+                 draining: Callable[[], bool] | None,
+                 auth_token_file: str | os.PathLike[str] | None) -> ASGIApp:
+    """Add the JSON routes to ``app`` and put the binary route in front of it (behind bearer
+    auth on ``/v1/*`` with ``auth_token_file``)."""
+    if api_docs:
+        add_api_docs(app)
+    _document(app)
+
+    @app.get("/v1/info")
+    async def info() -> dict[str, Any]:
+        return state.describe()
+
+    @app.get("/healthz", responses=probe_responses(500, "the model failed to load"))
+    async def healthz() -> JSONResponse:
+        if state.failure is not None:
+            return JSONResponse({"status": "failed", "error": state.failure}, 500)
+        return JSONResponse({"status": "alive"})
+
+    @app.get("/readyz", responses=probe_responses(
+        503, "the model is loading or failed to load, or the server is draining"))
+    async def readyz() -> JSONResponse:
+        if draining is not None and draining():
+            return JSONResponse({"status": "draining"}, 503)
+        if state.ready:
+            return JSONResponse({"status": "ready"})
+        if state.failure is not None:
+            return JSONResponse({"status": "failed", "error": state.failure}, 503)
+        return JSONResponse({"status": "loading"}, 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format"}})
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=expert_metrics.CONTENT_TYPE)
+
+    route = _BinaryRoute(app, state, answer)
+    if auth_token_file is None:
+        return route
+    return BearerAuth(route, TokenFile(auth_token_file))
+
+
+_TENSORS = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}
+#: Why the expert answers each status of ``POST /v1/velocity`` (``docs/protocol.md``).
+_VELOCITY_STATUSES = {
+    "200": "a response message: the velocity, or the state at the grid's end",
+    "400": "an error message: the body cannot be decoded",
+    "413": "an error message: the body is over max_body_bytes (see /v1/info)",
+    "422": "an error message: a decodable request the expert refuses (batch, steps, labels, "
+           "values)",
+    "429": "an error message: max_pending requests are admitted; retry after Retry-After",
+    "500": "an error message: the model failed on this request",
+    "503": "an error message: the model is loading, or the server is shutting down"}
+_VELOCITY_OPERATION = {
+    "summary": "Velocity or integration",
+    "operationId": "velocity_v1_velocity_post",
+    "description": "A velocity or integrate request in the binary protocol of docs/protocol.md "
+                   "(application/x-ddm-tensor, version 1); the kind is in the body. Every answer "
+                   "is a message of that protocol: a response (200) or an error message whose "
+                   "code is the HTTP status and which echoes the request id.",
+    "requestBody": {"required": True, "content": _TENSORS,
+                    "description": "a velocity or integrate request message"},
+    "responses": {status: {"description": why, "content": _TENSORS}
+                  for status, why in _VELOCITY_STATUSES.items()},
+}
+_VELOCITY_OPERATION["responses"]["429"]["headers"] = RETRY_AFTER_HEADER
+
+
+def _document(app: FastAPI) -> None:
+    """Merge ``POST /v1/velocity``, served by :class:`_BinaryRoute` outside FastAPI's
+    routes, into the OpenAPI document FastAPI generates for the others."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        document = generate()  # cached by FastAPI: this runs once on the same dict
+        document["paths"][VELOCITY_PATH] = {"post": _VELOCITY_OPERATION}
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class _BinaryRoute:
+    """``POST /v1/velocity`` as bare ASGI in front of ``app``, which serves everything else:
+    the hot path skips FastAPI's routing, dependency resolution and response classes."""
+
+    def __init__(self, app: ASGIApp, state: ModelState, answer: Answer) -> None:
+        self.app = app
+        self.expert = state
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != VELOCITY_PATH:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            await send_json(send, 405, {"detail": "use POST"}, [(b"allow", b"POST")])
+            return
+        expert = self.expert
+        try:
+            body = await read_body(scope, receive, expert.limits.max_body_bytes)
+        except ClientDisconnected:
+            return  # cut off by a deadline, or gone: nobody to answer
+        except BodyTooLarge as error:
+            expert.metrics.observe_request("invalid", 413, 0)
+            await send_bytes(send, 413, encode_error(0, 413, str(error)), _CONTENT_TYPE)
+            return
+        # Pending from here: a body still on its way costs the expert nothing but its
+        # connection (bounded by ddm.serving.connections), so slow senders cannot fill the queue.
+        if expert.pending >= expert.max_pending:
+            message = (f"{expert.pending} requests are pending, the limit is "
+                       f"{expert.max_pending}; retry shortly")
+            expert.metrics.observe_request("invalid", 429, 0)
+            await send_bytes(send, 429, encode_error(0, 429, message), _CONTENT_TYPE,
+                             [retry_after()])
+            return
+        expert.pending += 1
+        try:
+            status, reply = await self.answer(body)
+        finally:
+            expert.pending -= 1
+        await send_bytes(send, status, reply, _CONTENT_TYPE)

@@ -1,0 +1,425 @@
+"""The model server for stage checkpoints (DESIGN-22 section 1): one server for every role.
+
+``ddm serve expert DIR`` serves a text DDM's expert from a stage checkpoint, ``ddm serve stage
+DIR`` its text encoder, decoder or router network, each loaded by
+:func:`ddm.models.stages.load_stage` (``--precision`` casts the weights) behind the same routes,
+batcher and protocol as a label expert (:mod:`ddm.serving.expert.routes`, ``docs/protocol.md``
+version 2):
+
+* expert: CONTEXT (stored in a :class:`~ddm.serving.expert.contexts.ContextCache`, acknowledged
+  with its id), TEXT_VELOCITY and TEXT_INTEGRATE. Classifier-free guidance runs here
+  (:func:`ddm.sampling.guidance.guided`): each guided row and its unconditional twin (the
+  context's negative row: the empty prompt's embeddings unless a negative prompt replaced
+  them; the router sends them with the context, so an expert needs no text encoder) go through
+  the network in one batch with the other requests' rows; rows with scale 1 run once. Batches
+  count forward rows, so a guided row costs two. Replies travel in the weights' dtype
+  (``wire_dtype``: float32, float16 or bfloat16).
+* text_encoder: ENCODE -> embeddings, mask and the tokens truncation cut.
+* decoder: DECODE -> images (B, 3, H, W) in [-1, 1].
+* router: ROUTE -> probabilities (B, K).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import math
+import os
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
+
+import numpy as np
+from fastapi import FastAPI
+from starlette.types import ASGIApp
+
+from ddm.checkpoints.format import CheckpointError
+from ddm.conditioning import TEXT, Conditioning
+from ddm.convention import CONVENTION_NAME
+from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
+                               MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS)
+from ddm.models.paris_loading import read_component_config
+from ddm.models.stages import DDM_KEY, Stage, StageDeclaration, load_stage
+from ddm.sampling.guidance import guided
+from ddm.sampling.solvers import iterate
+from ddm.serving.auth import TokenFile
+from ddm.serving.batching import Batcher, BatcherClosed
+from ddm.serving.expert import metrics as expert_metrics
+from ddm.serving.expert.backends import cpu_model
+from ddm.serving.expert.contexts import ContextCache
+from ddm.serving.expert.routes import model_routes
+from ddm.serving.http import ServerControl, run_server
+from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Encoded,
+                                  Limits, ProtocolError, Request, RouteRequest,
+                                  TextIntegrateRequest, TextVelocityRequest, decode_request,
+                                  encode_context_ack, encode_encoded, encode_error,
+                                  encode_probabilities, encode_response)
+from ddm.serving.termination import fail_start
+
+__all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "STAGE_ROLES", "create_stage_app",
+           "is_stage_checkpoint", "serve_stage"]
+
+logger = logging.getLogger(__name__)
+
+#: The roles ``ddm serve stage`` serves (experts are ``ddm serve expert``'s).
+STAGE_ROLES = ("text_encoder", "decoder", "router")
+#: What each role's ``/v1/velocity`` answers (``/v1/info`` ``serves``).
+_SERVES = {"expert": "velocity", "text_encoder": "encode", "decoder": "decode",
+           "router": "route"}
+#: The request kinds each role takes.
+_TAKES: dict[str, tuple[type, ...]] = {
+    "expert": (Context, TextVelocityRequest, TextIntegrateRequest),
+    "text_encoder": (EncodeRequest,), "decoder": (DecodeRequest,), "router": (RouteRequest,)}
+#: Integration steps per batcher job (as the label server's), so velocity calls interleave.
+INTEGRATE_SLICE_STEPS = 16
+#: Tokens per row of the expert's warm-up call (any length runs; the context decides).
+_WARM_TOKENS = 8
+
+StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+def is_stage_checkpoint(directory: str | os.PathLike) -> bool:
+    """Whether ``directory``'s config.json declares a stage (``_ddm``), rather than being one
+    of our label checkpoints."""
+    try:
+        return DDM_KEY in read_component_config(Path(directory))
+    except CheckpointError:
+        return False
+
+
+@dataclass(frozen=True)
+class _Velocity:
+    """Batch key of text velocity calls: rows merge when their contexts' token length does."""
+
+    tokens: int
+
+
+@dataclass(frozen=True)
+class _Integrate:
+    solver: str
+    grid: bytes
+    tokens: int
+
+
+class _StageServer:
+    """What the routes share: the declaration, limits, the context cache, the loaded stage."""
+
+    def __init__(self, directory: Path, declared: StageDeclaration, limits: Limits,
+                 backend: str, device: str | None, precision: str | None, max_delay_ms: float,
+                 max_pending: int, context_cache_bytes: int) -> None:
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending}")
+        self.directory = directory
+        self.declared = declared
+        self.limits = limits
+        self.backend_name = backend
+        self.device = device
+        self.precision = precision
+        self.max_delay_ms = max_delay_ms
+        self.max_pending = max_pending
+        self.pending = 0
+        self.metrics = expert_metrics.ExpertMetrics()
+        self.contexts = ContextCache(context_cache_bytes)
+        self.batcher = Batcher(functools.partial(_execute, self), limits.max_batch,
+                               max_delay_ms, self.metrics.observe_batch)
+        self.stage: Stage | None = None
+        self.failure: str | None = None
+        self.hardware: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.stage is not None
+
+    @property
+    def wire_dtype(self) -> str | None:
+        return None if self.stage is None else self.stage.dtype
+
+    def describe(self) -> dict[str, Any]:
+        stage, declared = self.stage, self.declared
+        if stage is not None:
+            declared = stage.declaration
+        latent = list(declared.latent_shape or ())
+        image = (list(stage.image_shape) if stage is not None and stage.image_shape is not None
+                 else latent)
+        return {"name": self.directory.name, "kind": declared.role, "role": declared.role,
+                "family": declared.family,
+                "conditioning": TEXT if declared.role == "expert" else None,
+                "classes": [], "partition": None, "cluster": declared.cluster,
+                "clusters": None if stage is None else stage.clusters,
+                "latent_shape": latent, "image_shape": image,
+                "text_width": declared.text_width, "wire_dtype": self.wire_dtype,
+                "precision": self.wire_dtype, "convention": CONVENTION_NAME,
+                "network_convention": declared.convention, "serves": _SERVES[declared.role],
+                "framework": self.backend_name, "backend": self.backend_name,
+                "runtime": self.backend_name, "device": self.device or "cpu",
+                "hardware": self.hardware,
+                "max_batch": self.limits.max_batch, "max_steps": self.limits.max_steps,
+                "max_body_bytes": self.limits.max_body_bytes, "max_pending": self.max_pending,
+                "max_delay_ms": self.max_delay_ms,
+                "context_cache_bytes": self.contexts.max_bytes if declared.role == "expert"
+                else None,
+                "ready": self.ready}
+
+
+def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
+                     backend: str = "torch", device: str | None = None, max_batch: int = 64,
+                     max_delay_ms: float = 0.0, *, max_steps: int = MAX_STEPS,
+                     max_pending: int = 256, on_failure: Callable[[str], None] | None = None,
+                     draining: Callable[[], bool] | None = None,
+                     start_up: StartUp = asyncio.to_thread, api_docs: bool = False,
+                     auth_token_file: str | os.PathLike[str] | None = None,
+                     precision: str | None = None,
+                     context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> ASGIApp:
+    """An ASGI app serving the stage checkpoint in ``directory``, whose declared role must be
+    ``role`` (or one of them). The declaration, precision and limits are checked here, so that
+    a wrong flag fails before the server starts; the weights load in the lifespan."""
+    path = Path(directory)
+    declared = StageDeclaration.from_config(path, read_component_config(path))
+    roles = (role,) if isinstance(role, str) else role
+    if declared.role not in roles:
+        raise CheckpointError(f"{path} is a stage of role {declared.role}; this command "
+                              f"serves {' or '.join(roles)}")
+    if precision is not None and precision not in PRECISIONS:
+        raise CheckpointError(f"unknown precision {precision!r}; expected one of "
+                              f"{', '.join(PRECISIONS)}")
+    if not 1 <= context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES:
+        raise ValueError(f"the context cache takes 1..{MAX_CONTEXT_CACHE_BYTES} bytes, got "
+                         f"{context_cache_bytes}")
+    if auth_token_file is not None:
+        TokenFile(auth_token_file)
+    limits = Limits(max_batch=max_batch, max_steps=max_steps,
+                    image_shape=declared.latent_shape, text_width=declared.text_width)
+    limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(declared.role, limits))
+    server = _StageServer(path, declared, limits, backend, device, precision, max_delay_ms,
+                          max_pending, context_cache_bytes)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load(server, on_failure, start_up))
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await server.batcher.close()
+
+    app = FastAPI(title=f"ddm {declared.role} {path.name}", lifespan=lifespan, docs_url=None,
+                  redoc_url=None, description=f"A text DDM's {declared.role} stage behind the "
+                                              "binary protocol of docs/protocol.md.")
+    return model_routes(app, server, functools.partial(_answer, server), api_docs=api_docs,
+                        draining=draining, auth_token_file=auth_token_file)
+
+
+def serve_stage(directory: str | os.PathLike, role: str | tuple[str, ...],
+                host: str = "127.0.0.1", port: int = 8000, backend: str = "torch",
+                device: str | None = None, log_level: str = "info", *,
+                drain_s: float = 0.0, metrics_port: int | None = None,
+                **options: Any) -> None:
+    """Serve one stage until interrupted (``ddm serve stage``); exits with status 1 and the
+    reason in the termination-message file when it cannot load."""
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+    def make_app(control: ServerControl) -> ASGIApp:
+        try:
+            return create_stage_app(directory, role, backend, device,
+                                    on_failure=control.stop,
+                                    draining=lambda: control.draining,
+                                    start_up=control.start_up, **options)
+        except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
+            raise fail_start(f"stage {directory}: {error}") from error
+
+    run_server(make_app, host, port, log_level, drain_s, metrics_port)
+
+
+async def _answer(server: _StageServer, body: bytes) -> tuple[int, bytes]:
+    """One request body -> (HTTP status, protocol reply)."""
+    kind, rows, request_id = "invalid", 0, 0
+    try:
+        message = decode_request(body, server.limits)
+        request_id = message.request_id
+        kind = type(message).__name__
+        takes = _TAKES[server.declared.role]
+        if not isinstance(message, takes):
+            raise ProtocolError(f"this {server.declared.role} stage takes "
+                                f"{', '.join(t.__name__ for t in takes)}, not {kind}", 422,
+                                request_id)
+        if server.stage is None:
+            raise ProtocolError(_not_ready(server), 503, request_id)
+        status, reply = 200, await _run(server, message)
+        rows = 0 if isinstance(message, (Context, EncodeRequest)) else message.x.shape[0]
+    except ProtocolError as error:
+        echoed = request_id if error.request_id is None else error.request_id
+        status, reply = error.status, encode_error(echoed, error.status, str(error))
+    except BatcherClosed as error:
+        status, reply = 503, encode_error(request_id, 503, str(error))
+    except Exception as error:  # noqa: BLE001 - a failing model must not take the server down
+        logger.exception("request %d failed", request_id)
+        status, reply = 500, encode_error(request_id, 500,
+                                          f"internal error: {type(error).__name__}: {error}")
+    server.metrics.observe_request(kind, status, rows)
+    return status, reply
+
+
+async def _run(server: _StageServer, message: Request) -> bytes:
+    """The reply body to a decoded, accepted request."""
+    request_id, batcher = message.request_id, server.batcher
+    if isinstance(message, Context):
+        server.contexts.put(message.id, message.embeddings, message.negative)
+        return encode_context_ack(request_id, message.id)
+    if isinstance(message, EncodeRequest):
+        if len(message.prompts) > server.limits.max_batch:
+            raise ProtocolError(f"{len(message.prompts)} prompts exceed this encoder's "
+                                f"max_batch of {server.limits.max_batch}", 422)
+        embeddings, mask, cut = await batcher.submit(
+            "encode", (np.array(message.prompts, dtype=object),))
+        return encode_encoded(request_id, Encoded(_wire(server, embeddings), mask, cut))
+    if isinstance(message, DecodeRequest):
+        return encode_response(request_id,
+                               _wire(server, await batcher.submit("decode", (message.x,))))
+    if isinstance(message, RouteRequest):
+        return encode_probabilities(request_id, await batcher.submit("route",
+                                                                     (message.x, message.t)))
+    assert isinstance(message, (TextVelocityRequest, TextIntegrateRequest))
+    embeddings, negative, cost = _context_rows(server, message)
+    tokens = embeddings.shape[1]
+    if isinstance(message, TextVelocityRequest):
+        out = await batcher.submit(_Velocity(tokens), (message.x, message.t, embeddings,
+                                                       negative, message.guidance), cost)
+        return encode_response(request_id, _wire(server, out))
+    solver, grid, x = message.solver.name.lower(), message.grid, message.x
+    for start in range(0, len(grid) - 1, INTEGRATE_SLICE_STEPS):
+        piece = grid[start:start + INTEGRATE_SLICE_STEPS + 1]
+        x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens),
+                                 (x, embeddings, negative, message.guidance), cost)
+    return encode_response(request_id, x)
+
+
+def _context_rows(server: _StageServer, message: TextVelocityRequest | TextIntegrateRequest
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
+    """The rows' embeddings and negative rows (float32; a row without guidance gets its own
+    embeddings as a placeholder that is never run), and the forward rows the call costs."""
+    context = server.contexts.get(message.context)
+    held = context.embeddings.shape[0]
+    if message.rows.max() >= held:
+        raise ProtocolError(f"'rows' name row {int(message.rows.max())} of a context of {held}",
+                            422)
+    guided_rows = message.guidance != 1.0
+    if guided_rows.any() and context.negative.shape[0] == 0:
+        raise ProtocolError("guided rows need the context's negative rows, and it has none", 422)
+    cost = message.x.shape[0] + int(guided_rows.sum())
+    if cost > server.limits.max_batch:
+        raise ProtocolError(f"{message.x.shape[0]} rows, {int(guided_rows.sum())} of them "
+                            f"guided, run {cost} forward rows; the limit is "
+                            f"{server.limits.max_batch}", 422)
+    embeddings = np.asarray(context.embeddings[message.rows], np.float32)
+    negative = (np.asarray(context.negative[message.rows], np.float32)
+                if context.negative.shape[0] else embeddings)
+    return embeddings, negative, cost
+
+
+def _execute(server: _StageServer, key: Hashable, inputs: tuple[np.ndarray, ...]) -> Any:
+    """One batch in the model thread."""
+    stage = server.stage
+    assert stage is not None, "the batcher starts once the stage is loaded"
+    if key == "encode":
+        (prompts,) = inputs
+        cond = stage.forward(list(prompts))
+        assert stage.tokens_cut is not None and cond.mask is not None
+        return (cond.embeddings, cond.mask.astype(np.uint8),
+                stage.tokens_cut(list(prompts)).astype(np.int32))
+    if key in ("decode", "route"):
+        return np.asarray(stage.forward(*inputs), np.float32)
+    velocity = guided(stage.forward, None)
+    if isinstance(key, _Velocity):
+        x, t, embeddings, negative, guidance = inputs
+        return velocity(x, t, _guided(embeddings, negative, guidance))
+    assert isinstance(key, _Integrate), f"unknown batch key {key!r}"
+    x, embeddings, negative, guidance = inputs
+    for _, x in iterate(velocity, x, _guided(embeddings, negative, guidance),
+                        np.frombuffer(key.grid, np.float32), key.solver):
+        pass
+    return x
+
+
+def _guided(embeddings: np.ndarray, negative: np.ndarray,
+            guidance: np.ndarray) -> Conditioning:
+    return Conditioning(embeddings=embeddings).with_guidance(
+        guidance, Conditioning(embeddings=negative))
+
+
+def _wire(server: _StageServer, out: np.ndarray) -> np.ndarray:
+    """``out`` (float32) in the dtype the stage declares for its replies."""
+    return np.asarray(out).astype(WIRE_DTYPES[server.wire_dtype or "float32"])
+
+
+async def _load(server: _StageServer, on_failure: Callable[[str], None] | None,
+                start_up: StartUp) -> None:
+    """Load and warm up the stage off the event loop, then start batching."""
+    started = time.perf_counter()
+
+    def load_and_warm() -> Stage:
+        stage = load_stage(server.directory, server.precision, server.device or "cpu",
+                           server.backend_name)
+        _warm_up(stage)
+        return stage
+
+    try:
+        stage = await start_up(load_and_warm)
+    except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
+        logger.exception("stage %s failed to load", server.directory)
+        server.failure = f"{type(error).__name__}: {error}"
+        if on_failure is not None:
+            on_failure(f"stage {server.directory}: cannot load or warm up: {error}")
+        return
+    declared = stage.declaration
+    limits = dataclasses.replace(server.limits, image_shape=declared.latent_shape,
+                                 text_width=declared.text_width)
+    server.limits = dataclasses.replace(
+        limits, max_body_bytes=_max_body_bytes(declared.role, limits))
+    server.hardware = cpu_model() if (server.device or "cpu") == "cpu" else server.device
+    server.stage = stage
+    server.batcher.start()
+    logger.info("%s stage %s ready (%s, %s) after %.1f s", declared.role, server.directory.name,
+                declared.family, stage.dtype, time.perf_counter() - started)
+
+
+def _warm_up(stage: Stage) -> None:
+    """One call at batch 1, so that the first request pays no lazy initialisation."""
+    declared = stage.declaration
+    if declared.role == "text_encoder":
+        stage.forward([""])
+        return
+    assert declared.latent_shape is not None
+    x = np.zeros((1, *declared.latent_shape), np.float32)
+    t = np.full((1,), 0.5, np.float32)
+    if declared.role == "expert":
+        assert declared.text_width is not None
+        stage.forward(x, t, Conditioning(
+            embeddings=np.zeros((1, _WARM_TOKENS, declared.text_width), np.float32)))
+    elif declared.role == "router":
+        stage.forward(x, t)
+    else:
+        stage.forward(x)
+
+
+def _not_ready(server: _StageServer) -> str:
+    if server.failure is not None:
+        return f"stage {server.directory.name} failed to load: {server.failure}"
+    return f"stage {server.directory.name} is still loading; retry when /readyz answers 200"
+
+
+def _max_body_bytes(role: str, limits: Limits) -> int:
+    """Twice the largest valid request of the role (a context for an expert, whose cap is
+    :data:`~ddm.deploy.limits.MAX_CONTEXT_BODY_BYTES`), so that a batch just over
+    ``max_batch`` is refused with a message about the batch."""
+    if role == "text_encoder":
+        return 2 * limits.max_prompts * (limits.max_prompt_bytes + 4) + 4096
+    shape = limits.image_shape
+    if shape is None:  # not declared: until the network says, a context's cap
+        return MAX_CONTEXT_BODY_BYTES
+    per_row = 4 * math.prod(shape) + 4 + 4 + 4  # x, t, rows, guidance
+    calls = 2 * (limits.max_batch * per_row + (limits.max_steps + 1) * 4) + 4096
+    return max(calls, MAX_CONTEXT_BODY_BYTES) if role == "expert" else calls

@@ -1,0 +1,249 @@
+"""The router's stages: a text DDM's text encoder, decoder and router network, called over
+the wire (``ddm serve stage``) or run in the router's process, behind one interface.
+
+:class:`StageCaller` is what the router's driver asks: ``encode`` once per request, ``decode``
+once at the end, ``route`` at every step. :class:`RemoteStages` answers it with a
+:class:`StagePool`, the expert pool's replica, discovery, probing, retry and failover
+machinery pointed at stage servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
+:class:`LocalStages` with stages loaded in this process
+(:func:`ddm.models.stages.load_stage`), off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
+
+import numpy as np
+
+from ddm.conditioning import Conditioning
+from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
+                               MAX_TEXT_TOKENS, MAX_TEXT_WIDTH, PRECISIONS)
+from ddm.models.stages import EncodedPrompts, Stage
+from ddm.serving.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
+                                  decode_encoded, decode_probabilities, decode_response,
+                                  encode_text_request, max_error_reply_bytes, max_reply_bytes)
+from ddm.serving.router.pool import ExpertPool, gather_all
+from ddm.serving.router.replicas import InvalidReport, Replica
+
+__all__ = ["LocalStages", "RemoteStages", "StageCaller", "StageInfo", "StagePool"]
+
+_T = TypeVar("_T")
+#: The stage roles a router calls.
+TEXT_ENCODER, DECODER, ROUTER = "text_encoder", "decoder", "router"
+
+
+class StageCaller(Protocol):
+    """A text DDM's stages as the router's driver calls them; remote or in-process."""
+
+    async def encode(self, prompts: Sequence[str]) -> EncodedPrompts: ...
+
+    async def decode(self, latents: np.ndarray) -> np.ndarray: ...
+
+    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """What a stage server says of itself in ``/v1/info``, checked as strictly as an expert's
+    (:class:`~ddm.serving.router.replicas.ExpertInfo`): a peer's report sizes the router's
+    allocations. ``latent_shape`` is what it takes (decoder, router), ``image_shape`` what a
+    decoder makes, ``text_width`` what an encoder makes, ``clusters`` a router's outputs."""
+
+    role: str
+    max_batch: int
+    wire_dtype: str
+    latent_shape: tuple[int, int, int] | None = None
+    image_shape: tuple[int, int, int] | None = None
+    text_width: int | None = None
+    clusters: int | None = None
+
+    @classmethod
+    def from_json(cls, raw: Any) -> StageInfo:
+        _require(isinstance(raw, Mapping), "/v1/info is not a JSON object")
+        role = raw.get("role")
+        _require(role in (TEXT_ENCODER, DECODER, ROUTER),
+                 f"role must be {TEXT_ENCODER}, {DECODER} or {ROUTER}, got {str(role)[:64]!r}")
+        max_batch = raw.get("max_batch")
+        _require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
+                 f"max_batch must be an integer in 1..{MAX_BATCH}")
+        wire_dtype = raw.get("wire_dtype")
+        _require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}")
+        width = raw.get("text_width")
+        _require(role != TEXT_ENCODER or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
+                 f"a text encoder's text_width must be an integer in 1..{MAX_TEXT_WIDTH}")
+        clusters = raw.get("clusters")
+        _require(role != ROUTER or (type(clusters) is int and 1 <= clusters <= MAX_EXPERTS),
+                 f"a router's clusters must be an integer in 1..{MAX_EXPERTS}")
+        latent = _shape(raw, "latent_shape") if role != TEXT_ENCODER else None
+        image = _shape(raw, "image_shape") if role == DECODER else None
+        return cls(role, max_batch, wire_dtype, latent, image,
+                   width if role == TEXT_ENCODER else None,
+                   clusters if role == ROUTER else None)
+
+
+class StagePool(ExpertPool):
+    """Stage servers by role (sources named :data:`TEXT_ENCODER`, :data:`DECODER`,
+    :data:`ROUTER`): the expert pool's replicas, probes and retries, their reports read as
+    :class:`StageInfo`. Stage calls are not coalesced: each runs once per request."""
+
+    _parse_info = staticmethod(StageInfo.from_json)
+
+    async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
+        info = await self._described(TEXT_ENCODER)
+        limits = Limits(text_width=info.text_width)
+        parts = [tuple(prompts[i:i + info.max_batch])
+                 for i in range(0, len(prompts), info.max_batch)]
+
+        async def one(part: tuple[str, ...]) -> EncodedPrompts:
+            def request(request_id: int) -> tuple[bytes, int]:
+                return (encode_text_request(EncodeRequest(request_id, part)),
+                        _max_encoded_bytes(len(part), info.text_width or MAX_TEXT_WIDTH))
+
+            encoded = await self._stage_call(
+                TEXT_ENCODER, request,
+                lambda body, rid: decode_encoded(body, rid, len(part), limits))
+            return EncodedPrompts(
+                Conditioning(embeddings=encoded.embeddings.astype(np.float32),
+                             mask=encoded.mask.astype(np.int64)),
+                encoded.cut.astype(np.int64))
+
+        encoded = await gather_all(*(one(part) for part in parts))
+        if len(encoded) == 1:
+            return encoded[0]
+        return EncodedPrompts(
+            Conditioning(embeddings=np.concatenate([e.cond.embeddings for e in encoded]),
+                         mask=np.concatenate([e.cond.mask for e in encoded])),
+            np.concatenate([e.tokens_cut for e in encoded]))
+
+    async def decode(self, latents: np.ndarray) -> np.ndarray:
+        info = await self._described(DECODER)
+        assert info.image_shape is not None, "StageInfo requires it of a decoder"
+
+        async def one(x: np.ndarray) -> np.ndarray:
+            shape = (x.shape[0], *info.image_shape)
+
+            def request(request_id: int) -> tuple[bytes, int]:
+                return (encode_text_request(DecodeRequest(request_id, x)),
+                        max_reply_bytes(shape))
+
+            images = await self._stage_call(
+                DECODER, request, lambda body, rid: decode_response(body, rid, shape))
+            return images.astype(np.float32)
+
+        return await self._split(latents, info.max_batch, one)
+
+    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        info = await self._described(ROUTER)
+
+        async def one(rows: np.ndarray) -> np.ndarray:
+            part, times = x[rows], t[rows]
+
+            def request(request_id: int) -> tuple[bytes, int]:
+                return (encode_text_request(RouteRequest(request_id, part, times)),
+                        max_reply_bytes((part.shape[0], info.clusters or 1, 1, 1)) + 64)
+
+            return await self._stage_call(
+                ROUTER, request,
+                lambda body, rid: decode_probabilities(body, rid, part.shape[0],
+                                                       info.clusters))
+
+        return await self._split(np.arange(x.shape[0]), info.max_batch, one)
+
+    async def _described(self, stage: str) -> StageInfo:
+        info = self.info(stage) or await self._sets[stage].wait_described(
+            self._settings.deadline_s)
+        if info is None:
+            raise self._give_up(stage, "no replica was probed ready in time")
+        return info
+
+    async def _split(self, rows: np.ndarray, size: int,
+                     call: Callable[[np.ndarray], Awaitable[np.ndarray]]) -> np.ndarray:
+        outs = await gather_all(*(call(rows[i:i + size]) for i in range(0, len(rows), size)))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    async def _stage_call(self, stage: str, request: Callable[[int], tuple[bytes, int]],
+                          decode: Callable[[bytes, int], _T]) -> _T:
+        request_id = next(self._ids)
+        body, max_reply = request(request_id)
+
+        def attempt(replica: Replica, timeout: float) -> Awaitable[_T]:
+            return self._exchange_once(stage, replica, body, max_reply, timeout,
+                                       lambda reply: decode(reply, request_id))
+
+        return await self._send(stage, stage, attempt,
+                                time.monotonic() + self._settings.deadline_s)
+
+
+class RemoteStages:
+    """:class:`StageCaller` over a :class:`StagePool`."""
+
+    def __init__(self, pool: StagePool) -> None:
+        self.pool = pool
+
+    async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
+        return await self.pool.encode(prompts)
+
+    async def decode(self, latents: np.ndarray) -> np.ndarray:
+        return await self.pool.decode(latents)
+
+    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        return await self.pool.route(x, t)
+
+
+class LocalStages:
+    """:class:`StageCaller` with stages loaded in the router's process; each call runs in a
+    worker thread, one at a time per stage (a model is not called concurrently)."""
+
+    def __init__(self, text_encoder: Stage | None = None, decoder: Stage | None = None,
+                 router: Stage | None = None) -> None:
+        self._stages = {TEXT_ENCODER: text_encoder, DECODER: decoder, ROUTER: router}
+        self._locks = {role: asyncio.Lock() for role in self._stages}
+
+    async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
+        stage = self._stage(TEXT_ENCODER)
+        assert stage.tokens_cut is not None, "a text encoder stage counts truncation"
+        cut = stage.tokens_cut
+        return await self._run(TEXT_ENCODER, lambda: EncodedPrompts(
+            stage.forward(list(prompts)), cut(list(prompts))))
+
+    async def decode(self, latents: np.ndarray) -> np.ndarray:
+        stage = self._stage(DECODER)
+        return await self._run(DECODER, lambda: stage.forward(latents))
+
+    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        stage = self._stage(ROUTER)
+        return await self._run(ROUTER, lambda: stage.forward(x, t))
+
+    def _stage(self, role: str) -> Stage:
+        stage = self._stages[role]
+        if stage is None:
+            raise ValueError(f"this router has no {role} stage")
+        return stage
+
+    async def _run(self, role: str, work: Callable[[], _T]) -> _T:
+        async with self._locks[role]:
+            return await asyncio.to_thread(work)
+
+
+def _max_encoded_bytes(prompts: int, width: int) -> int:
+    """The largest encode reply for ``prompts`` prompts of the declared ``width``: float32
+    embeddings and a mask of at most MAX_TEXT_TOKENS tokens, the cuts, headers."""
+    return prompts * MAX_TEXT_TOKENS * (4 * width + 1) + 8 * prompts + max_error_reply_bytes()
+
+
+def _require(ok: bool, problem: str) -> None:
+    if not ok:
+        raise InvalidReport(problem)
+
+
+def _shape(raw: Mapping[str, Any], field: str) -> tuple[int, int, int]:
+    value = raw.get(field)
+    _require(isinstance(value, list) and len(value) == 3 and all(type(v) is int for v in value)
+             and 1 <= value[0] <= MAX_IMAGE_CHANNELS
+             and all(1 <= v <= MAX_IMAGE_SIDE for v in value[1:]),
+             f"{field} must be (C, H, W) with C in 1..{MAX_IMAGE_CHANNELS}, H and W in "
+             f"1..{MAX_IMAGE_SIDE}")
+    return value[0], value[1], value[2]

@@ -1,0 +1,162 @@
+"""The operator's autoscaler against a real API server (the dev cluster, fake nodes).
+
+The operator runs in this process. There is no kubelet, so the test plays it for the router's
+pod: ready, at a loopback address (127.0.0.7) where a real metrics endpoint listens on the
+metrics port, serving the router's own ``DemandMeter`` series, which the test drives as a
+router would (rows routed, generations waiting). The scaler reads them there and sets the
+autoscaled expert's replicas; a reconcile that rewrites the Deployment keeps them.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from kubernetes import client
+from prometheus_client import CollectorRegistry, generate_latest
+from waiting import wait_for
+
+from ddm.operator import names
+from ddm.operator.config import OperatorConfig
+from ddm.operator.runner import run_operator
+from ddm.operator.scaler import FIELD_MANAGER
+from ddm.serving.router.demand import DemandMeter
+from tests.support.operator_process import install_crd
+
+pytestmark = pytest.mark.cluster
+GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
+ROUTER_IP = "127.0.0.7"  # a loopback address of its own: the "pod" the scaler scrapes
+NAME, SCALED = "scaled", "a"
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    registry = CollectorRegistry()
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        body = generate_latest(type(self).registry)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def meter() -> Iterator[DemandMeter]:
+    """The router's demand series, served at ROUTER_IP on the metrics port."""
+    registry = CollectorRegistry()
+    _Metrics.registry = registry
+    server = http.server.ThreadingHTTPServer((ROUTER_IP, names.METRICS_PORT), _Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield DemandMeter((SCALED, "b"), registry)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def operator(dev_cluster: Any, kube_client: Any) -> Iterator[None]:
+    install_crd(kube_client)
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=run_operator, daemon=True, kwargs={
+        "namespaces": (), "kubeconfig": dev_cluster.kubeconfig, "liveness_port": None,
+        "operator_config": OperatorConfig(), "configure_logging": False,
+        "stop_flag": stop, "ready_flag": ready})
+    thread.start()
+    assert ready.wait(60), "the operator did not start"
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def _spec(max_batch: int | None = None) -> dict[str, Any]:
+    scaled = {"name": SCALED, "checkpoint": {"uri": "image:///models/a"}, "classes": [0, 1, 2],
+              "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "target": {"rowsPerSecond": 10},
+                              "scaleDownDelaySeconds": 3,
+                              "behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}}
+    if max_batch is not None:
+        scaled["maxBatch"] = max_batch
+    return {"sampling": {"strategy": "oracle"}, "router": {"missingExpert": {"policy": "wait"}},
+            "experts": [scaled, {"name": "b", "checkpoint": {"uri": "image:///models/b"},
+                                 "classes": list(range(3, 10))}]}
+
+
+def _mark_ready(core: client.CoreV1Api, pod: client.V1Pod, ip: str) -> None:
+    """Write what a kubelet would for a started, ready container."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, {"status": {
+        "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "conditions": [{"type": kind, "status": "True", "lastTransitionTime": now}
+                       for kind in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+        "containerStatuses": [{"name": c.name, "ready": True, "started": True,
+                               "restartCount": 0, "image": c.image, "imageID": "",
+                               "state": {"running": {"startedAt": now}}}
+                              for c in pod.spec.containers]}})
+
+
+@pytest.mark.usefixtures("operator")
+def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replicas(
+        kube_client: Any, kube_namespace: str, meter: DemandMeter) -> None:
+    ns = kube_namespace
+    core, apps = client.CoreV1Api(kube_client), client.AppsV1Api(kube_client)
+    custom = client.CustomObjectsApi(kube_client)
+    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, {
+        "apiVersion": f"{GROUP}/{VERSION}", "kind": "DDMDeployment",
+        "metadata": {"name": NAME}, "spec": _spec()})
+    deployment = f"{NAME}-expert-{SCALED}"
+
+    def replicas() -> int | None:
+        try:
+            return apps.read_namespaced_deployment(deployment, ns).spec.replicas
+        except client.ApiException:
+            return None
+
+    def status() -> dict[str, Any]:
+        return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, NAME).get(
+            "status") or {}
+
+    router = wait_for(lambda: [p for p in core.list_namespaced_pod(
+        ns, label_selector=f"ddm.dev/deployment={NAME},app.kubernetes.io/component=router"
+    ).items if p.spec.node_name], 60, "the router's pod to be bound")[0]
+    assert replicas() == 1  # Kubernetes' default: no router read yet, nothing decided
+    _mark_ready(core, router, ROUTER_IP)
+
+    # idle: the scaler reads the router and takes the expert to zero
+    wait_for(lambda: replicas() == 0, 60, "the idle expert at zero")
+    owners = {f.manager for f in apps.read_namespaced_deployment(deployment, ns).metadata
+              .managed_fields if "f:replicas" in str(f.fields_v1)}
+    assert owners == {FIELD_MANAGER}, owners
+
+    meter.wait_started(SCALED)  # a generation waits for it: started from zero
+    wait_for(lambda: replicas() == 1, 30, "one replica for the waiting generation")
+    meter.wait_ended(SCALED, 1.0)
+
+    meter.routed(np.array([10_000, 0]), np.array([10_000.0, 0.0]))  # far above 3 x 10 rows/s
+    wait_for(lambda: replicas() == 3, 30, "maxReplicas under heavy demand")
+    demand = wait_for(lambda: {e["name"]: e for e in status().get("demand", {}).get(
+        "experts", [])}.get(SCALED, {}).get("desiredReplicas") == 3 and status()["demand"],
+        30, "status.demand to show the decision")
+    assert demand["routers"] == "1/1" and demand["experts"][0]["rowsPerSecond"] > 30
+    wait_for(lambda: f"{SCALED} 0/3" in status().get("expertReplicas", ""), 30,
+             "the Replicas column to show the scaler's count")
+
+    # a spec change rewrites the Deployment; the replicas stay the scaler's
+    custom.patch_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, NAME,
+                                          {"spec": _spec(max_batch=8)})
+    wait_for(lambda: "--max-batch" in apps.read_namespaced_deployment(deployment, ns)
+             .spec.template.spec.containers[0].command, 30, "the reconcile's update")
+    assert replicas() == 3
+
+    # no new rows: back at zero once the delay has passed (the 30 s rate window notwithstanding)
+    wait_for(lambda: replicas() == 0, 30, "zero replicas after the scale-down delay")

@@ -1,0 +1,357 @@
+"""A text DDM's stages served over real HTTP on loopback (``ddm serve expert`` / ``ddm serve
+stage``), with tiny real models: a text expert answers guided velocities equal to its network's
+own conditional and unconditional outputs combined; a generation's context crosses once and a
+miss (eviction, restart) is recovered without the caller noticing; replies travel in float16
+or bfloat16 where the expert runs in it; bad bodies get a 4xx naming the problem; the text
+encoder, decoder and router network answer over the wire what they answer in process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from ddm.conditioning import Conditioning
+from ddm.models.stages import load_stage
+from ddm.serving.expert.server import create_expert_app
+from ddm.serving.expert.stage_server import STAGE_ROLES, create_stage_app
+from ddm.serving import termination
+from ddm.serving.http import build_server
+from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
+                                  TextVelocityRequest, VelocityRequest, context_id,
+                                  decode_response, encode_request, encode_text_request)
+from ddm.serving.router.pool import ExpertPool, PoolSettings
+from ddm.serving.router.replicas import ExpertInfo, static_endpoints
+from ddm.serving.router.stage_clients import RemoteStages, StagePool
+from tests.integration.servers import running, wait_ready
+from tests.support.text_stages import LATENT_SHAPE, write_text_ddm
+
+FAST = PoolSettings(connect_s=1.0, attempt_s=10.0, deadline_s=20.0, attempts=2, backoff_s=0.05,
+                    max_backoff_s=0.2, health_interval_s=0.5, refresh_s=0.1)
+PROMPTS = ["a red car", "a blue cat on the beach", "a photo"]
+GUIDANCE = np.array([7.5, 1.0, 3.0], np.float32)
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((3, *LATENT_SHAPE)).astype(np.float32)
+T = np.array([0.1, 0.5, 0.9], np.float32)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return write_text_ddm(tmp_path_factory.mktemp("text") / "ddm")
+
+
+@pytest.fixture(scope="module")
+def encoder(root):
+    return load_stage(root / "text_encoder")
+
+
+@pytest.fixture(scope="module")
+def cond(encoder) -> Conditioning:
+    """The prompts' rows guided per GUIDANCE against the empty prompt's embeddings."""
+    empty = encoder.forward([""] * len(PROMPTS))
+    return encoder.forward(PROMPTS).with_guidance(GUIDANCE, empty)
+
+
+@pytest.fixture(scope="module")
+def expert(root) -> Iterator[str]:
+    with running(create_expert_app(root / "expert_0", max_batch=8)) as base:
+        wait_ready(base)
+        yield base
+
+
+def expected_guided(stage, x, t, cond: Conditioning) -> np.ndarray:
+    """CFG written out: the network's conditional and unconditional outputs, u + s (c - u)."""
+    c = stage.forward(x, t, cond.unguided())
+    u = stage.forward(x, t, cond.negative)
+    scale = cond.guidance.reshape(-1, 1, 1, 1)
+    return np.where(scale != 1.0, u + scale * (c - u), c)
+
+
+def with_pool(endpoint: str, work, cls=ExpertPool, name: str = "e"):
+    async def scenario():
+        async with cls({name: static_endpoints([endpoint])}, FAST) as pool:
+            return await work(pool)
+
+    return asyncio.run(scenario())
+
+
+def endpoint_of(base: str) -> str:
+    return base.removeprefix("http://")
+
+
+def test_a_served_text_expert_answers_guided_velocities_equal_to_its_network(root, expert,
+                                                                              cond):
+    v = with_pool(endpoint_of(expert), lambda pool: pool.velocity("e", X, T, cond))
+    stage = load_stage(root / "expert_0")
+    expected = expected_guided(stage, X, T, cond)
+    np.testing.assert_allclose(v, expected, atol=1e-5)
+    # Guidance matters: the unguided velocity differs on the guided rows only.
+    plain = stage.forward(X, T, cond.unguided())
+    assert np.abs(v[0] - plain[0]).max() > 1e-3 and np.abs(v[2] - plain[2]).max() > 1e-3
+    np.testing.assert_allclose(v[1], plain[1], atol=1e-5)
+
+
+def test_integrate_runs_the_guided_velocity_over_the_grid(root, expert, cond):
+    grid = np.linspace(0.0, 0.5, 4, dtype=np.float32)
+    out = with_pool(endpoint_of(expert),
+                    lambda pool: pool.integrate("e", X, cond, grid, "euler"))
+    stage, x = load_stage(root / "expert_0"), X.copy()
+    for a, b in zip(grid, grid[1:]):
+        x = x + (b - a) * expected_guided(stage, x, np.full(3, a, np.float32), cond)
+    np.testing.assert_allclose(out, x, atol=1e-4)
+
+
+def test_the_context_crosses_once_per_generation_and_steps_carry_only_the_latent(expert,
+                                                                                  cond):
+    steps = 10
+    # Routing sends any subset of the rows at each step, and guidance is cut off after half
+    # the steps (rows unguided, their negative dropped): every call names the first context.
+    subsets = [[0, 1, 2] if i % 2 == 0 else [2, 0] for i in range(steps)]
+
+    async def generation(pool: ExpertPool):
+        for i, rows in enumerate(subsets):
+            step = cond if i < steps // 2 else cond.with_guidance(1.0)
+            await pool.velocity("e", X[rows], T[rows], step.take(rows))
+        return dict(pool.bytes_sent), pool.replicas("e")[0].contexts
+
+    sent, held = with_pool(endpoint_of(expert), generation)
+    assert sent["context"] == context_size(cond) and len(held) == 1
+    latents = sum(X[rows].nbytes for rows in subsets)
+    # A step's body is its latent plus t, rows, guidance (12 bytes a row) and ~130 of header.
+    assert latents < sent["call"] < latents + sum(12 * len(r) + 160 for r in subsets)
+
+
+class Restartable:
+    """An expert on a fixed loopback port that can stop and start again there (a replica's
+    restart: same address, empty context cache)."""
+
+    def __init__(self, directory: Path, **options) -> None:
+        self.directory, self.options = directory, options
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        self.port = probe.getsockname()[1]
+        probe.close()
+        self.endpoint = f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.server = build_server(create_expert_app(self.directory, max_batch=8,
+                                                     **self.options),
+                                   "127.0.0.1", self.port, log_level="warning")
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        wait_ready(f"http://{self.endpoint}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def context_size(cond: Conditioning) -> int:
+    return len(encode_text_request(Context(0, cond.embeddings, cond.mask.astype(np.uint8),
+                                           cond.negative.embeddings)))
+
+
+def test_a_context_evicted_by_another_is_sent_again_transparently(root, cond, encoder):
+    other = encoder.forward(["a green bird", "a red bird", "a cat at sunset"]).with_guidance(
+        GUIDANCE, cond.negative)
+    one_context = cond.embeddings.nbytes * 2  # its embeddings and negative rows, float32
+    replica = Restartable(root / "expert_0", context_cache_bytes=one_context)
+    replica.start()
+    try:
+        async def alternate(pool: ExpertPool):
+            outs = [await pool.velocity("e", X, T, c) for c in (cond, other, cond)]
+            return outs, pool.bytes_sent["context"]
+
+        (first, second, third), context_sent = with_pool(replica.endpoint, alternate)
+    finally:
+        replica.stop()
+    np.testing.assert_allclose(third, first)
+    np.testing.assert_allclose(second, expected_guided(load_stage(root / "expert_0"), X, T,
+                                                       other), atol=1e-5)
+    # Each context evicted the other, so the third call's was sent again after a miss.
+    assert context_sent == 2 * context_size(cond) + context_size(other)
+
+
+def test_a_restarted_replicas_miss_is_recovered_transparently(root, cond):
+    replica = Restartable(root / "expert_0")
+    replica.start()
+
+    async def across_a_restart(pool: ExpertPool):
+        before = await pool.velocity("e", X, T, cond)
+        await asyncio.to_thread(replica.restart)
+        after = await pool.velocity("e", X, T, cond)
+        return before, after, pool.bytes_sent["context"]
+
+    try:
+        before, after, context_sent = with_pool(replica.endpoint, across_a_restart)
+    finally:
+        replica.stop()
+    np.testing.assert_allclose(after, before, atol=1e-6)
+    assert context_sent == 2 * context_size(cond)  # once, then again after its miss
+
+
+@pytest.mark.parametrize("precision, code, tolerance", [("bfloat16", 6, 0.05),
+                                                       ("float16", 2, 0.01)])
+def test_replies_travel_in_the_dtype_the_expert_runs_in(root, cond, precision, code,
+                                                       tolerance):
+    stage = load_stage(root / "expert_0", dtype=precision)
+    with running(create_expert_app(root / "expert_0", max_batch=8,
+                                   precision=precision)) as base:
+        wait_ready(base)
+        info = httpx.get(f"{base}/v1/info").json()
+        v = with_pool(endpoint_of(base), lambda pool: pool.velocity("e", X, T, cond))
+        context = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+                                              cond.negative.embeddings))
+        assert post(base, context).status_code == 200
+        reply = post(base, encode_text_request(TextVelocityRequest(
+            2, X, T, context_id(context), np.arange(3, dtype=np.int32), GUIDANCE)))
+    assert (info["wire_dtype"], info["precision"]) == (precision, precision)
+    assert reply.status_code == 200 and reply.content[18 + 1] == code  # out's dtype code
+    assert len(reply.content) == 40 + X.size * 2  # half a float32 reply
+    expected = expected_guided(stage, X, T, cond)
+    assert v.dtype == np.float32
+    assert np.abs(v - expected).max() <= tolerance * np.abs(expected).max()
+
+
+def post(base: str, body: bytes) -> httpx.Response:
+    return httpx.post(f"{base}/v1/velocity", content=body,
+                      headers={"content-type": CONTENT_TYPE})
+
+
+def error_of(reply: httpx.Response) -> str:
+    with pytest.raises(RemoteExpertError) as info:
+        decode_response(reply.content, 0 if reply.content[8:16] == bytes(8) else
+                        int.from_bytes(reply.content[8:16], "little"))
+    assert info.value.code == reply.status_code
+    return info.value.message
+
+
+def test_bad_bodies_get_a_4xx_naming_the_problem(expert, cond):
+    context = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+                                          cond.negative.embeddings))
+    unguidable = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+                                             np.zeros((0, 12, 16), np.float32)))
+    for body in (context, unguidable):
+        assert post(expert, body).status_code == 200
+
+    def velocity(identity: bytes, rows=(0, 1, 2), guidance=GUIDANCE) -> bytes:
+        return encode_text_request(TextVelocityRequest(
+            5, X, T, identity, np.array(rows, np.int32), np.asarray(guidance, np.float32)))
+
+    cases = [
+        (velocity(bytes(32)), 412, "unknown context 0000000000000000: send it, then retry"),
+        (velocity(context_id(context), rows=(0, 1, 3)), 422,
+         "'rows' name row 3 of a context of 3"),
+        (velocity(context_id(unguidable)), 422, "guided rows need the context's negative rows"),
+        (encode_text_request(Context(1, np.zeros((1, 12, 8), np.float32),
+                                     np.ones((1, 12), np.uint8), np.zeros((0, 12, 8)))), 422,
+         "'embeddings' are 8 wide; this stage takes 16"),
+        (encode_request(VelocityRequest(5, X, T, np.zeros(3, np.int64))), 422,
+         "this expert stage takes Context, TextVelocityRequest, TextIntegrateRequest, not "
+         "VelocityRequest"),
+        (velocity(context_id(context), guidance=(60.0, 1.0, 1.0)), 422,
+         r"'guidance' must be finite and in \[0, 50.0\]"),
+    ]
+    for body, status, message in cases:
+        reply = post(expert, body)
+        assert reply.status_code == status, reply.content
+        assert re.search(message, error_of(reply)), error_of(reply)
+
+
+def test_five_guided_rows_of_a_batch_of_eight_are_refused_by_their_forward_rows(expert, cond):
+    context = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+                                          cond.negative.embeddings))
+    post(expert, context)
+    x = np.zeros((5, *LATENT_SHAPE), np.float32)
+    reply = post(expert, encode_text_request(TextVelocityRequest(
+        6, x, np.zeros(5, np.float32), context_id(context), np.zeros(5, np.int32),
+        np.full(5, 2.0, np.float32))))
+    assert reply.status_code == 422
+    assert "5 rows, 5 of them guided, run 10 forward rows; the limit is 8" in error_of(reply)
+
+
+def test_a_text_experts_info_is_what_the_router_reads(expert):
+    raw = httpx.get(f"{expert}/v1/info").json()
+    assert (raw["role"], raw["family"], raw["conditioning"], raw["text_width"],
+            raw["latent_shape"], raw["wire_dtype"], raw["network_convention"],
+            raw["cluster"]) == ("expert", "pixart", "text", 16, [4, 8, 8], "float32", "ours", 0)
+    info = ExpertInfo.from_json(raw)
+    assert (info.conditioning, info.text_width, info.image_shape, info.rows_per_call) == (
+        "text", 16, (4, 8, 8), 4)
+
+
+@pytest.fixture(scope="module")
+def stages(root) -> Iterator[dict[str, str]]:
+    with running(create_stage_app(root / "text_encoder", STAGE_ROLES, max_batch=4)) as encoder, \
+            running(create_stage_app(root / "decoder", STAGE_ROLES, max_batch=2)) as decoder, \
+            running(create_stage_app(root / "router", STAGE_ROLES, max_batch=8)) as router:
+        for base in (encoder, decoder, router):
+            wait_ready(base)
+        yield {"text_encoder": endpoint_of(encoder), "decoder": endpoint_of(decoder),
+               "router": endpoint_of(router)}
+
+
+def test_stages_answer_over_the_wire_what_they_answer_in_process(root, stages):
+    prompts = [*PROMPTS, "a red car " * 6, "a photo"]  # 5 prompts: two encode calls of <= 4
+
+    async def calls():
+        async with StagePool({role: static_endpoints([e]) for role, e in stages.items()},
+                             FAST) as pool:
+            remote = RemoteStages(pool)
+            return (await remote.encode(prompts), await remote.decode(X),
+                    await remote.route(X, T))
+
+    encoded, images, probabilities = asyncio.run(calls())
+    encoder = load_stage(root / "text_encoder")
+    expected = encoder.forward(prompts)
+    np.testing.assert_allclose(encoded.cond.embeddings, expected.embeddings, atol=1e-6)
+    np.testing.assert_array_equal(encoded.cond.mask, expected.mask)
+    assert encoded.tokens_cut.tolist() == [0, 0, 0, 8, 0]  # 18 words + 2 special tokens, 12 kept
+    np.testing.assert_allclose(images, load_stage(root / "decoder").forward(X), atol=1e-5)
+    assert images.shape == (3, 3, 32, 32)  # three latents: two decode calls of <= 2
+    np.testing.assert_allclose(probabilities, load_stage(root / "router").forward(X, T),
+                               atol=1e-6)
+
+
+def test_a_stage_refuses_what_another_role_serves(stages):
+    reply = post(f"http://{stages['decoder']}",
+                 encode_text_request(RouteRequest(3, X[:2], T[:2])))
+    assert reply.status_code == 422
+    assert "this decoder stage takes DecodeRequest, not RouteRequest" in error_of(reply)
+    info = httpx.get(f"http://{stages['decoder']}/v1/info").json()
+    assert (info["role"], info["serves"], info["image_shape"]) == ("decoder", "decode",
+                                                                   [3, 32, 32])
+
+
+@pytest.mark.parametrize("command, directory, message", [
+    ("stage", "expert_0", "is a stage of role expert; this command serves text_encoder or "
+                          "decoder or router"),
+    ("expert", "decoder", "is a stage of role decoder; this command serves expert"),
+])
+def test_serving_a_stage_under_the_wrong_command_exits_1_naming_it(root, tmp_path, command,
+                                                                   directory, message):
+    done = subprocess.run(
+        [sys.executable, "-m", "ddm", "serve", command, "--checkpoint", str(root / directory),
+         "--port", "0"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, termination.ENV: str(tmp_path / "termination")})
+    assert done.returncode == 1, done.stderr
+    assert message in done.stderr
+    assert message in (tmp_path / "termination").read_text()

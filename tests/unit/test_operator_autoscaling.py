@@ -1,0 +1,82 @@
+"""What the builders and the status make of ``autoscaling``: the Deployment leaves its replicas
+to the scaler, and the status shows the replicas the scaler set (an expert at zero is ready)."""
+
+from __future__ import annotations
+
+from ddm.deploy.spec import parse_spec
+from ddm.operator.config import OperatorConfig
+from ddm.operator.manifests import build_expert_deployment
+from ddm.operator.status import ready_status
+
+META = {"name": "digits", "namespace": "ml", "uid": "u-1", "generation": 2}
+SPEC = parse_spec({
+    "sampling": {"strategy": "oracle"},
+    "router": {"missingExpert": {"policy": "wait"}},
+    "experts": [
+        {"name": "hot", "checkpoint": {"uri": "image:///h"}, "classes": [0, 1, 2, 3, 4],
+         "replicas": 2},
+        {"name": "rare", "checkpoint": {"uri": "image:///r"}, "classes": [5, 6, 7, 8, 9],
+         "replicas": 3, "autoscaling": {"minReplicas": 0, "maxReplicas": 2}},
+    ],
+})
+
+
+def _deployments(rare_desired: int, rare_ready: int) -> dict:
+    return {"digits-expert-hot": {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}},
+            "digits-expert-rare": {"spec": {"replicas": rare_desired},
+                                   "status": {"readyReplicas": rare_ready}},
+            "digits-router": {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}}
+
+
+def test_an_autoscaled_experts_deployment_leaves_replicas_to_the_scaler() -> None:
+    hot, rare = (build_expert_deployment(e, META, OperatorConfig()) for e in SPEC.experts)
+    assert hot["spec"]["replicas"] == 2
+    assert "replicas" not in rare["spec"]  # not the spec's 3: applying it never resets them
+
+
+def test_an_expert_scaled_to_zero_is_ready_and_the_column_says_so() -> None:
+    status = ready_status(SPEC, META, deployments=_deployments(0, 0), previous={}, now="T")
+    assert status["phase"] == "Ready" and status["expertsReady"] == "2/2"
+    assert status["expertReplicas"] == "hot 2/2, rare 0/0"
+    assert status["experts"][1]["replicas"] == 0
+
+
+def test_an_expert_scaling_up_is_waited_for() -> None:
+    status = ready_status(SPEC, META, deployments=_deployments(1, 0), previous={}, now="T")
+    assert status["phase"] == "Progressing" and status["expertReplicas"] == "hot 2/2, rare 0/1"
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert conditions["ExpertsReady"]["message"] == "waiting for rare (0/1 ready)"
+
+
+def test_the_scalers_demand_survives_the_reconciles_status() -> None:
+    demand = {"observedAt": "T0", "routers": "1/1",
+              "experts": [{"name": "rare", "rowsPerSecond": 0.0, "waiting": 0}]}
+    status = ready_status(SPEC, META, deployments=_deployments(0, 0),
+                          previous={"demand": demand}, now="T")
+    assert status["demand"] == demand
+
+
+def test_the_routers_metrics_port_admits_the_operator_the_chart_names() -> None:
+    """With network policies on (the chart's default), the scaler can read the routers."""
+    from helm_tool import ensure_helm
+    from test_chart import env_of, render
+
+    from ddm.operator import names
+    from ddm.operator.access import build_network_policies
+
+    config = OperatorConfig.from_env(env_of(render(ensure_helm(), namespace="ops")))
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+                "podSelector": {"matchLabels": {"app.kubernetes.io/name": "ddm-operator",
+                                                "app.kubernetes.io/instance": "ddm"}}}
+    assert config.operator_from == (operator,)
+    experts, router = build_network_policies(META, config, fetches=False)
+    assert {"from": [operator], "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]} in (
+        router["spec"]["ingress"])
+    assert all(operator not in rule.get("from", []) for rule in experts["spec"]["ingress"])
+
+
+def test_the_diagram_shows_an_autoscaled_experts_range() -> None:
+    from ddm.operator.diagram import render_mermaid
+
+    text = render_mermaid(SPEC, "digits")
+    assert "0 to 2 replicas (autoscaled) on CPU" in text and "2 replicas on CPU" in text
