@@ -607,12 +607,17 @@ def _add_import(commands: argparse._SubParsersAction) -> None:
     paris = sources.add_parser("paris", help="a Paris release directory (expert_0..N-1, router, "
                                              "vae, text_encoder, tokenizer): docs/paris.md")
     paris.add_argument("release", type=Path, help="the release's directory")
-    paris.set_defaults(handler=_import_paris)
-    for source in (paris,):
+    paris.set_defaults(handler=_import_paris, name="paris")
+    text2img = sources.add_parser("text2img", help="the text2img training's directory "
+                                                   "(scripts/train_text2img.sh): "
+                                                   "docs/text2img.md")
+    text2img.add_argument("training", type=Path, help="the training's directory (its OUT)")
+    text2img.set_defaults(handler=_import_text2img, name="text2img")
+    for source in (paris, text2img):
         source.add_argument("--out", type=Path, required=True,
                             help="the new directory to write (refused if it exists)")
-        source.add_argument("--name", default="paris",
-                            help="the DDMDeployment's name in ddm.yaml (default %(default)s)")
+        source.add_argument("--name", help="the DDMDeployment's name in ddm.yaml (default: "
+                                           "the source's)")
         source.add_argument("--accelerator", default="cpu", type=_accelerators,
                             metavar="TYPE[,TYPE...]",
                             help=f"where the stages run ({', '.join(ACCELERATOR_TYPES)}): "
@@ -642,6 +647,19 @@ def _import_paris(args: argparse.Namespace) -> int:
     except FileExistsError as exc:
         raise UserError(str(exc)) from None
     print(f"imported {args.release} into {out}; serve it with: ddm up {out}/ddm.yaml")
+    return 0
+
+
+def _import_text2img(args: argparse.Namespace) -> int:
+    from ddm.models.text2img_import import import_text2img
+
+    try:
+        out = import_text2img(args.training, args.out, name=args.name,
+                              accelerators=args.accelerator, precision=args.precision,
+                              checkpoint_base=args.checkpoint_base)
+    except FileExistsError as exc:
+        raise UserError(str(exc)) from None
+    print(f"imported {args.training} into {out}; serve it with: ddm up {out}/ddm.yaml")
     return 0
 
 
