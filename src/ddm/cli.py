@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import signal
 import sys
 import threading
@@ -33,6 +32,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.objective_names import PREDICTIONS, SCHEDULES
+from ddm.operator.commands import add_operator_commands
+from ddm.runtime.commands import add_up_command
 from ddm.serving.commands import add_serve_commands
 from ddm.training.resume import SAVE_EVERY
 
@@ -123,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_commands(commands)
     _add_expert(commands)
     _add_import(commands)
-    _add_up(commands)
-    _add_operator(commands)
+    add_up_command(commands)
+    add_operator_commands(commands)
     _add_fetch_checkpoint(commands)
     _add_serve_checkpoints(commands)
     return parser
@@ -606,12 +607,17 @@ def _add_import(commands: argparse._SubParsersAction) -> None:
     paris = sources.add_parser("paris", help="a Paris release directory (expert_0..N-1, router, "
                                              "vae, text_encoder, tokenizer): docs/paris.md")
     paris.add_argument("release", type=Path, help="the release's directory")
-    paris.set_defaults(handler=_import_paris)
-    for source in (paris,):
+    paris.set_defaults(handler=_import_paris, name="paris")
+    text2img = sources.add_parser("text2img", help="the text2img training's directory "
+                                                   "(scripts/train_text2img.sh): "
+                                                   "docs/text2img.md")
+    text2img.add_argument("training", type=Path, help="the training's directory (its OUT)")
+    text2img.set_defaults(handler=_import_text2img, name="text2img")
+    for source in (paris, text2img):
         source.add_argument("--out", type=Path, required=True,
                             help="the new directory to write (refused if it exists)")
-        source.add_argument("--name", default="paris",
-                            help="the DDMDeployment's name in ddm.yaml (default %(default)s)")
+        source.add_argument("--name", help="the DDMDeployment's name in ddm.yaml (default: "
+                                           "the source's)")
         source.add_argument("--accelerator", default="cpu", type=_accelerators,
                             metavar="TYPE[,TYPE...]",
                             help=f"where the stages run ({', '.join(ACCELERATOR_TYPES)}): "
@@ -644,115 +650,22 @@ def _import_paris(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_text2img(args: argparse.Namespace) -> int:
+    from ddm.models.text2img_import import import_text2img
+
+    try:
+        out = import_text2img(args.training, args.out, name=args.name,
+                              accelerators=args.accelerator, precision=args.precision,
+                              checkpoint_base=args.checkpoint_base)
+    except FileExistsError as exc:
+        raise UserError(str(exc)) from None
+    print(f"imported {args.training} into {out}; serve it with: ddm up {out}/ddm.yaml")
+    return 0
+
+
 # -- local runtime ------------------------------------------------------------------------------
 
-def _add_up(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser(
-        "up", help="run a DDMDeployment's experts and router as local processes (default: the "
-                   "shipped MNIST example, what make demo runs)",
-        description="Plan a DDMDeployment as the operator would and run it here: one ddm "
-                    "serve expert process per expert replica on a free loopback port, and a "
-                    "ddm serve router process in front of them, each reported as it starts "
-                    "and becomes ready. Runs until Ctrl-C (exit 0) or SIGTERM (exit 143), "
-                    "which stop every process it started; a process that dies is restarted "
-                    "after a back-off.")
-    p.add_argument("manifest", nargs="?", type=Path, default=None,
-                   help=f"a DDMDeployment YAML file (default: examples/{DEFAULT_DDM}.yaml, the "
-                        f"shipped {DEFAULT_DDM} DDM over checkpoints/{DEFAULT_DDM})")
-    p.add_argument("--port", type=int, default=8080,
-                   help="the router's port: its web page and API (default 8080); the experts "
-                        "and every /metrics get free ports, printed once all is up")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="the address every process binds (default 127.0.0.1, this machine "
-                        "only; 0.0.0.0 exposes them to the network)")
-    p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
-                   help="stands in for the cluster's PersistentVolumeClaims: a checkpoint "
-                        "pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
-                        "share the machine)")
-    p.add_argument("--fail-fast", action="store_true",
-                   help="stop everything when one process dies (default: restart it with a "
-                        "back-off from 1 s doubling to 5 min, as the kubelet does)")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="the router's time budget for one expert call, waiting for a "
-                        "restarting expert included; past it the request gets a 503 naming "
-                        "the expert (default: router.yaml's, 60 s)")
-    p.add_argument("--auth-token-file", type=Path, default=None,
-                   help="require this bearer token on the router's API and on every expert "
-                        "(default: a random one, in a private file it names, when the "
-                        "manifest's router.auth asks for a token)")
-    p.add_argument("--api-docs", action="store_true",
-                   help="have the router serve Swagger UI at /docs (it loads from a CDN, so "
-                        "off by default; /openapi.json is always served)")
-    p.set_defaults(handler=_up)
-
-
-def _up(args: argparse.Namespace) -> int:
-    from ddm.deploy.spec import load_manifest
-    from ddm.runtime.local import DEFAULT_MANIFEST, run_local
-
-    path = args.manifest or DEFAULT_MANIFEST
-    if not path.is_file():
-        raise UserError(f"manifest {path} does not exist")
-    # SIGTERM (`kill`) raises Terminated (see main): run_local stops every process it started
-    # on its way out, and ddm exits 143, "terminated", as a shell expects of a killed command.
-    return run_local(load_manifest(path), router_port=args.port, host=args.host,
-                     pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
-                     deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
-                     api_docs=args.api_docs)
-
-
-# -- operator -----------------------------------------------------------------------------------
-
-def _add_operator(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("operator", help="run the Kubernetes operator (kopf)")
-    p.add_argument("--namespace", action="append", default=None,
-                   help="watch this namespace (repeatable); default: the comma-separated "
-                        "list in $DDM_WATCH_NAMESPACES, or the whole cluster when it is unset "
-                        "or empty")
-    p.add_argument("--liveness-port", type=int, default=None,
-                   help="serve kopf's liveness probe on this port")
-    p.add_argument("--kubeconfig", type=Path, default=None,
-                   help="default: in-cluster credentials, else $KUBECONFIG")
-    p.set_defaults(handler=_operator)
-
-    p = commands.add_parser("diagram", help="render a DDMDeployment's topology as Mermaid")
-    p.add_argument("file", type=Path)
-    p.set_defaults(handler=_diagram)
-
-    p = commands.add_parser(
-        "render", help="print, as YAML, every object the operator would create for a "
-                       "DDMDeployment (its pods, Secrets, Services and NetworkPolicies)",
-        description="Under the operator's settings from the same DDM_* variables, with router "
-                    "authentication and NetworkPolicies on unless set (the chart's defaults).")
-    p.add_argument("file", type=Path, help="a DDMDeployment manifest (YAML)")
-    p.add_argument("--namespace", default=None,
-                   help="the namespace it would live in (default: its own, else default)")
-    p.set_defaults(handler=_render)
-
-
-def _operator(args: argparse.Namespace) -> int:
-    from ddm.operator.runner import run_operator
-
-    run_operator(args.namespace or None, liveness_port=args.liveness_port,
-                 kubeconfig=args.kubeconfig)
-    return 0
-
-
-def _diagram(args: argparse.Namespace) -> int:
-    from ddm.operator.diagram import diagram_file
-
-    print(diagram_file(args.file), end="")
-    return 0
-
-
-def _render(args: argparse.Namespace) -> int:
-    from ddm.operator.render import render_file
-
-    print(render_file(args.file, os.environ, args.namespace), end="")
-    return 0
-
+# -- checkpoints --------------------------------------------------------------------------------
 
 def _add_fetch_checkpoint(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("fetch-checkpoint",

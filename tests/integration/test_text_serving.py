@@ -32,7 +32,7 @@ from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, Rout
                                   decode_response, encode_request, encode_text_request)
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.router.replicas import ExpertInfo, static_endpoints
-from ddm.serving.router.stage_clients import RemoteStages, StagePool
+from ddm.serving.router.stage_clients import LocalStages, RemoteStages, StagePool
 from tests.integration.servers import running, wait_ready
 from tests.support.text_stages import LATENT_SHAPE, write_text_ddm
 
@@ -355,3 +355,22 @@ def test_serving_a_stage_under_the_wrong_command_exits_1_naming_it(root, tmp_pat
     assert done.returncode == 1, done.stderr
     assert message in done.stderr
     assert message in (tmp_path / "termination").read_text()
+
+
+def test_stages_in_the_routers_process_answer_the_same_calls(root):
+    encoder, decoder, router = (load_stage(root / name)
+                                for name in ("text_encoder", "decoder", "router"))
+    local = LocalStages(encoder, decoder, router)
+
+    async def calls():
+        return await asyncio.gather(local.encode(["a red car " * 6]), local.decode(X[:1]),
+                                    local.route(X, T))
+
+    encoded, images, probabilities = asyncio.run(calls())
+    assert encoded.tokens_cut.tolist() == [8]
+    np.testing.assert_array_equal(encoded.cond.embeddings,
+                                  encoder.forward(["a red car " * 6]).embeddings)
+    np.testing.assert_array_equal(images, decoder.forward(X[:1]))
+    np.testing.assert_array_equal(probabilities, router.forward(X, T))
+    with pytest.raises(ValueError, match="this router has no decoder stage"):
+        asyncio.run(LocalStages(encoder).decode(X))

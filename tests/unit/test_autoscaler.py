@@ -1,10 +1,10 @@
-"""The operator's scale decision (ddm.operator.autoscaler): HPA's rules on routed rows, with
+"""The operator's scale decision (ddm.deploy.autoscaler): HPA's rules on routed rows, with
 scale to zero. Each expectation is worked out by hand from the rule it names."""
 
 from __future__ import annotations
 
 from ddm.deploy.autoscaling import Autoscaling, ScalePolicy, ScalingRules
-from ddm.operator.autoscaler import Demand, History, decide
+from ddm.deploy.autoscaler import Demand, History, decide
 
 IDLE = Demand(rows_per_s=0.0, waiting=0)
 AT_ONCE = ScalingRules(0, "Max", (ScalePolicy("Percent", 100, 15),))
@@ -58,6 +58,15 @@ def test_the_last_replica_goes_once_the_delay_passes_without_demand() -> None:
     # demand at t=50 restarts the delay: zero at 110, not 60
     assert _run(rules, 1, [(0, IDLE), (50, Demand(2, 0, True)), (100, IDLE), (110, IDLE)]
                 ) == [1, 1, 1, 0]
+
+
+def test_the_last_replica_goes_after_the_delay_whatever_the_scale_down_window() -> None:
+    """HPA's default 300 s window would keep the load's 1 for 300 s; the delay decides."""
+    rules = _rules(scale_down_delay_s=60, scale_down=ScalingRules(300, "Max", AT_ONCE.policies))
+    assert _run(rules, 1, [(0, Demand(5, 0, True)), (30, Demand(5, 0, True)), (89, IDLE),
+                           (90, IDLE)]) == [1, 1, 1, 0]
+    # between replicas the window still holds: 3 wanted at t=0 keeps 3 while load wants 1
+    assert _run(rules, 3, [(0, Demand(190, 0, True)), (10, Demand(5, 0, True))]) == [3, 3]
 
 
 def test_a_rate_still_averaging_old_rows_does_not_outlast_the_delay() -> None:

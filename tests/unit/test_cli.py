@@ -177,7 +177,7 @@ def test_sigterm_ends_a_command_with_143_and_main_restores_the_handler(monkeypat
     import signal
     import time
 
-    import ddm.cli
+    import ddm.operator.commands
 
     cleaned_up = []
 
@@ -191,7 +191,7 @@ def test_sigterm_ends_a_command_with_143_and_main_restores_the_handler(monkeypat
             cleaned_up.append(True)
 
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(ddm.cli, "_diagram", command)
+    monkeypatch.setattr(ddm.operator.commands, "_diagram", command)
     assert main(["diagram", "x.yaml"]) == 143
     assert cleaned_up == [True]
     assert capsys.readouterr().err.strip() == "ddm: terminated (SIGTERM)"

@@ -42,7 +42,7 @@ COUNTS = {"neuron": 2, "nvidia": 1, "tpu": 4, "cpu": 0}
 def _generated(seed: int) -> dict[str, Any]:
     """A valid DDMDeployment document drawn from ``seed``."""
     rng = random.Random(seed)
-    pairs = sorted(limits.BACKENDS)
+    pairs = sorted(limits.BACKEND_BY_ACCELERATOR)
     num_experts = rng.randint(1, 4)
     num_classes = rng.choice((num_experts, 10))
     strategy = rng.choice(("oracle", "top1", f"top{num_experts}", f"topk:{num_experts}",
@@ -197,7 +197,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 def test_each_expert_runs_the_backend_of_its_accelerator_and_framework(
         manifest: DDMManifest) -> None:
     for spec, planned in zip(manifest.spec.experts, plan_deployment(manifest.spec).experts):
-        backend, device = limits.BACKENDS[(spec.accelerator.type, spec.framework)]
+        backend, device = limits.BACKEND_BY_ACCELERATOR[(spec.accelerator.type, spec.framework)]
         expected = ["--backend", backend, *(["--device", device] if device else [])]
         assert list(planned.args[:len(expected)]) == expected
         assert "--device" not in planned.args[len(expected):]
@@ -207,7 +207,7 @@ def test_each_expert_runs_the_backend_of_its_accelerator_and_framework(
 def test_the_generated_specs_cover_every_backend_and_the_step_limits() -> None:
     manifests = [p.values[0] for p in MANIFESTS]
     pairs = {(e.accelerator.type, e.framework) for m in manifests for e in m.spec.experts}
-    assert pairs == set(limits.BACKENDS)
+    assert pairs == set(limits.BACKEND_BY_ACCELERATOR)
     steps = {m.spec.sampling.steps for m in manifests}
     assert {limits.ROUTER_MAX_STEPS + 1, limits.MAX_STEPS} <= steps
 

@@ -5,20 +5,27 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.scaling import HOT_LABELS, RARE_LABELS, skewed_trace
-from ddm.runtime.scaling import wanted
+from ddm.deploy.autoscaler import Demand
+from ddm.runtime.scaling import demand_of
 
 
-@pytest.mark.parametrize("demand, expected", [
-    ({"waiting": 1, "idle_s": 0.0}, True),         # a generation waits for it
-    ({"waiting": 0, "idle_s": 2.9}, True),         # demand within the delay
-    ({"waiting": 0, "idle_s": 3.0}, False),        # the delay has passed without demand
-    ({"waiting": 0, "idle_s": None}, False),       # never had demand
-    ({"waiting": "1", "idle_s": 0.0}, None),       # not what the router writes: no change
+def _entry(rows: object = 0.0, waiting: object = 0, idle: object = None) -> dict:
+    return {"rows_per_s": rows, "weight_per_s": 0.0, "rerouted_rows_per_s": 0.0,
+            "waited_s_per_s": 0.0, "waiting": waiting, "idle_s": idle}
+
+
+@pytest.mark.parametrize("entry, expected", [
+    (_entry(waiting=1, idle=0.0), Demand(0.0, 1, True)),   # a generation waits for it
+    (_entry(rows=2.5, idle=0.3), Demand(2.5, 0, True)),    # demand since the last reading
+    (_entry(rows=2.5, idle=0.7), Demand(2.5, 0, False)),   # only before it: the window's rate
+    (_entry(), Demand(0.0, 0, False)),                     # never had demand
+    (_entry(waiting="1"), None),                           # not what the router writes
+    (_entry(rows=-1.0), None),
     ({"idle_s": 1.0}, None),
     (None, None),
 ])
-def test_an_expert_runs_while_waited_for_or_within_its_delay(demand, expected) -> None:
-    assert wanted(demand, delay_s=3.0) is expected
+def test_an_entry_of_v1_demand_reads_as_the_operators_demand(entry, expected) -> None:
+    assert demand_of(entry, since_s=0.5) == expected
 
 
 def test_the_trace_is_skewed_bursty_and_seeded() -> None:

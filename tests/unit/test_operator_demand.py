@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from ddm.operator.autoscaler import Demand
+from ddm.deploy.autoscaler import Demand
 from ddm.operator.demand import MAX_METRICS_BYTES, DemandRates, RouterReading, parse_metrics, scrape
 from ddm.serving.router.demand import DemandMeter
 

@@ -102,3 +102,15 @@ def test_an_external_scaler_is_named_and_the_operator_leaves_it_the_replicas() -
         parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1, "scaler": "hpa"}))
     assert ("spec.experts[0].autoscaling.scaler: must be one of operator, external, got 'hpa'"
             in caught.value.problems)
+
+
+def test_one_expert_must_keep_a_replica() -> None:
+    raw = _spec(autoscaling={"minReplicas": 0, "maxReplicas": 1})
+    raw["experts"][1]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
+    with pytest.raises(SpecError) as caught:
+        parse_spec(raw)
+    assert caught.value.problems == (
+        "spec.experts: every expert has autoscaling.minReplicas 0; keep at least one replica "
+        "of one expert (the router needs a ready expert to serve at all)",)
+    raw["experts"][1]["autoscaling"]["minReplicas"] = 1
+    assert parse_spec(raw).experts[1].autoscaling.min_replicas == 1

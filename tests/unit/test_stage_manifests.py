@@ -223,3 +223,15 @@ def test_the_mixed_deployment_of_docs_paris_md_is_valid() -> None:
     assert {("Deployment", "paris-stage-decoder"),
             ("Deployment", "paris-stage-router-network")} <= children
     assert ("Deployment", "paris-stage-text-encoder") not in children
+
+
+def test_the_diagram_shows_separate_stages_on_their_hardware_and_the_routers_own() -> None:
+    from ddm.operator.diagram import render_mermaid
+
+    text = render_mermaid(parse_spec(_text_spec()), "paris")
+    assert "paris router<br/>strategy top2, 50 euler steps<br/>1 replica on CPU<br/>with its " \
+           "text encoder" in text
+    nvidia = text[text.index('subgraph nvidia'):text.index("end", text.index("subgraph nvidia"))]
+    assert 'stage_decoder["decoder<br/>2 replicas with nvidia x1 each"]' in nvidia
+    assert 'stage_router_network["router network<br/>1 replica with neuron x1 each"]' in text
+    assert "router --> stage_decoder" in text and "router --> expert1" in text

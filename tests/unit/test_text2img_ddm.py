@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from ddm.checkpoints.format import CheckpointError
+from ddm.deploy.spec import load_manifest
 from ddm.models.flax_pixart import load_flax_expert
 from ddm.models.stages import load_stage, load_text_ddm
 from ddm.models.text2img_import import import_text2img
@@ -42,7 +43,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def imported(trained: Path) -> Path:
-    return import_text2img(trained, trained.parent / "imported")
+    from ddm.cli import main
+
+    out = trained.parent / "imported"
+    assert main(["import", "text2img", str(trained), "--out", str(out)]) == 0
+    return out
 
 
 def _inputs(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -119,6 +124,8 @@ def test_the_import_writes_declared_stages_and_a_deployment(trained: Path,
     assert expert["train"]["steps"] == 1  # the training's provenance is kept
     assert {"tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in (imported / "text_encoder").iterdir()}
+    parsed = load_manifest(imported / "ddm.yaml").spec  # the spec's own parser accepts it
+    assert [e.framework for e in parsed.experts] == ["torch", "jax", "torch", "jax"]
     spec = yaml.safe_load((imported / "ddm.yaml").read_text())["spec"]
     assert [e["framework"] for e in spec["experts"]] == ["torch", "jax", "torch", "jax"]
     assert spec["experts"][3]["checkpoint"]["uri"] == (imported / "expert_3").as_uri()

@@ -1,7 +1,7 @@
 """What each accelerator type offers: the sizes that exist, the device plugin's resource, the
 node labels that pick a product. The checks a spec's ``accelerator`` must pass live here; what
 a pod gets from it (limits, tolerations) is ``ddm.operator.placement``, and the expert server's
-``--backend``/``--device`` per (type, framework) is ``ddm.deploy.limits.BACKENDS``.
+``--backend``/``--device`` per (type, framework) is ``ddm.deploy.limits.BACKEND_BY_ACCELERATOR``.
 
 - ``neuron`` (AWS Trainium/Inferentia, Neuron device plugin): ``aws.amazon.com/neuron`` whole
   devices (1-16, a trn1.32xlarge has 16) or ``aws.amazon.com/neuroncore`` cores (1-32); torch
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import Mapping
 
-from ddm.deploy.limits import BACKENDS
+from ddm.deploy.limits import BACKEND_BY_ACCELERATOR
 
 DEFAULT_TPU_PRODUCT = "tpu-v5-lite-podslice"
 #: Chips of a single-host TPU v5e slice -> its topology.
@@ -86,7 +86,7 @@ class Accelerator:
                 found.append(("topology", f"{self.topology} has "
                                           f"{prod(int(d) for d in self.topology.split('x'))} "
                                           f"chips but count is {self.count}"))
-        if (self.type, framework) not in BACKENDS:
+        if (self.type, framework) not in BACKEND_BY_ACCELERATOR:
             found.append(("type", f"{self.type} cannot run framework {framework}: the neuron "
                                   "backend is torch-neuronx, use framework torch"))
         return found

@@ -7,7 +7,7 @@ figure one can measure (``python -m benchmarks serve``). The router counts those
 any rerouting, so an expert with no replica still shows the demand it would get. Weight mass
 changes the image, not the compute; time waited and generations waiting are symptoms of too
 few replicas, not a measure of how many are needed (a waiting generation does start an
-expert at zero: :mod:`ddm.operator.autoscaler`).
+expert at zero: :mod:`ddm.deploy.autoscaler`).
 
 ``behavior`` is the HorizontalPodAutoscaler's (autoscaling/v2): per direction a
 stabilization window and rate policies (``Pods`` or ``Percent`` per ``periodSeconds``,
@@ -113,6 +113,16 @@ def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
         return None
     return Autoscaling(low, high, DEFAULT_SCALE_DOWN_DELAY_S if delay is None else delay,
                        rows or DEFAULT_TARGET_ROWS_PER_S, up, down, scaler)
+
+
+def fleet_problems(experts: list[Autoscaling | None]) -> list[str]:
+    """Rules across a DDM's experts: one must keep a replica. The router learns the image
+    shape from its experts and is not ready while none has a ready replica, so with every
+    expert at zero it would never be in its Service, see demand, nor let anything start."""
+    if experts and all(e is not None and e.min_replicas == 0 for e in experts):
+        return ["spec.experts: every expert has autoscaling.minReplicas 0; keep at least one "
+                "replica of one expert (the router needs a ready expert to serve at all)"]
+    return []
 
 
 def _rules(reader: FieldReader, default: ScalingRules) -> ScalingRules:

@@ -32,7 +32,8 @@ def expert_dir(k: int) -> str:
 class ImportedDDM:
     """What an import holds: ``experts`` of them (directories ``expert_0..``), a router network
     when there is more than one, a text encoder and decoder where present, and the sampler's
-    defaults from the source (steps, routing strategy, guidance scale)."""
+    defaults from the source (steps, routing strategy, guidance scale). Expert ``k`` runs on
+    ``frameworks[k % len(frameworks)]`` (``("torch", "jax")`` alternates them)."""
 
     experts: int
     conditioning: str
@@ -42,14 +43,17 @@ class ImportedDDM:
     router: bool = True
     text_encoder: bool = True
     decoder: bool = True
+    frameworks: tuple[str, ...] = ("torch",)
 
 
 def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
                       accelerators: Sequence[str] = ("cpu",), precision: str | None = None,
-                      ) -> dict[str, Any]:
+                      separate_stages: bool = False) -> dict[str, Any]:
     """The DDMDeployment ``name`` serving ``ddm`` from the checkpoints under
     ``checkpoint_base`` (a URI ending with ``/``: ``file:///abs/DST/``, ``pvc://claim/paris/``);
-    raises ``ValueError`` naming a bad argument, ``SpecError`` for a document we would refuse."""
+    ``separate_stages``: the text encoder and decoder in pods of their own on CPU too.
+    Raises ``ValueError`` naming a bad argument, ``SpecError`` for a document we would
+    refuse."""
     if not accelerators or any(a not in ACCELERATOR_TYPES for a in accelerators):
         raise ValueError(f"accelerators must be among {', '.join(ACCELERATOR_TYPES)}, got "
                          f"{list(accelerators)}")
@@ -63,9 +67,9 @@ def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
 
     with_precision = {"precision": precision} if precision else {}
 
-    def stage_place() -> dict[str, Any]:
+    def stage_place(separate: bool = False) -> dict[str, Any]:
         """Fresh for each stage (shared dicts would be written as YAML aliases)."""
-        if accelerators[0] == "cpu":
+        if accelerators[0] == "cpu" and not separate:
             return {"placement": "router", **with_precision}
         return {"placement": "separate", "accelerator": {"type": accelerators[0]},
                 "replicas": 1, **with_precision}
@@ -75,15 +79,16 @@ def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
                    if ddm.conditioning == "text" else {})}
     spec: dict[str, Any] = {"conditioning": ddm.conditioning, "sampling": sampling}
     if ddm.text_encoder:
-        spec["textEncoder"] = {"checkpoint": checkpoint(TEXT_ENCODER_DIR), **stage_place()}
+        spec["textEncoder"] = {"checkpoint": checkpoint(TEXT_ENCODER_DIR),
+                               **stage_place(separate_stages)}
     if ddm.decoder:
-        spec["decoder"] = {"checkpoint": checkpoint(DECODER_DIR), **stage_place()}
+        spec["decoder"] = {"checkpoint": checkpoint(DECODER_DIR), **stage_place(separate_stages)}
     spec["router"] = {"replicas": 1}
     if ddm.router:
         spec["router"].update(checkpoint=checkpoint(ROUTER_DIR),
                               network=stage_place())
     spec["experts"] = [
-        {"name": f"expert-{k}", "framework": "torch",
+        {"name": f"expert-{k}", "framework": ddm.frameworks[k % len(ddm.frameworks)],
          "accelerator": {"type": accelerators[k % len(accelerators)]},
          "checkpoint": checkpoint(expert_dir(k)), **with_precision}
         for k in range(ddm.experts)]

@@ -64,6 +64,16 @@ MAX_EXPERTS = 16
 MAX_REPLICAS = 64
 MAX_NUM_CLASSES = 1000
 MAX_CLASS = MAX_NUM_CLASSES - 1
+#: A model server's defaults (``ddm serve expert``, ``ddm serve stage``; a DDMDeployment's
+#: ``maxBatch`` and ``maxDelayMs`` override the first two): images per model call; no waiting
+#: for more requests (those arriving while the model is busy already form the next batch, and a
+#: router stepping alone would pay the whole delay at every step: measured +1 ms or more per
+#: batch-1 step at 1 ms, with no clear throughput gain); requests admitted at once, queued or
+#: running (four full batches of one-row requests from routers stepping concurrently, and at
+#: most that many bodies buffered).
+SERVER_MAX_BATCH = 64
+SERVER_MAX_DELAY_MS = 0.0
+SERVER_MAX_PENDING = 256
 #: An expert server's images per model call (the spec's ``maxBatch``) and its batching wait.
 MAX_BATCH = 4096
 MAX_DELAY_MS = 10_000
@@ -91,14 +101,16 @@ MAX_EXPERT_INFO_DEPTH = 8
 MAX_EXPERT_INFO_BYTES = 1024 * 1024
 MAX_EXPERT_PROBE_BYTES = 16 * 1024
 
-#: Accelerator types, the frameworks an expert is trained in, and the expert server backends.
+#: Accelerator types, the frameworks an expert is trained in (a stage's, an exported program's),
+#: and the expert server's ``--backend`` choices. (In-process loading adds ``native``, the
+#: checkpoint's own framework: ``ddm.models.loading.LOAD_BACKENDS``.)
 ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
 NEURON_UNITS = ("device", "core")
 FRAMEWORKS = ("torch", "jax")
 EXPERT_BACKENDS = ("torch", "jax", "neuron")
 #: (accelerator type, framework) -> the expert server's ``--backend`` and ``--device`` (None:
 #: the backend picks its device); a missing pair is not supported.
-BACKENDS: dict[tuple[str, str], tuple[str, str | None]] = {
+BACKEND_BY_ACCELERATOR: dict[tuple[str, str], tuple[str, str | None]] = {
     ("cpu", "torch"): ("torch", "cpu"),
     ("cpu", "jax"): ("jax", "cpu"),
     ("nvidia", "torch"): ("torch", "cuda"),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from ddm.checkpoints.uri import CheckpointSource
-from ddm.deploy.limits import BACKENDS, ROUTER_MAX_STEPS
+from ddm.deploy.limits import BACKEND_BY_ACCELERATOR, ROUTER_MAX_STEPS
 from ddm.deploy.router_config import (
     Auth,
     Discovery,
@@ -203,7 +203,7 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
 
 def plan_stage(role: str, stage: StageSpec) -> StagePlan:
     """What runs for one validated stage (``role``: its key in ``DDMSpec.stages``)."""
-    backend, device = BACKENDS[(stage.accelerator.type, "torch")]
+    backend, device = BACKEND_BY_ACCELERATOR[(stage.accelerator.type, "torch")]
     return StagePlan(role=role, checkpoint=stage.checkpoint, separate=stage.separate,
                      replicas=stage.replicas, accelerator=stage.accelerator.type,
                      backend=backend, device=device, precision=stage.precision,
@@ -217,7 +217,7 @@ def _server_args(backend: str, device: str | None, precision: str | None) -> lis
 
 def plan_expert(expert: ExpertSpec) -> ExpertPlan:
     """What runs for one validated expert of a spec."""
-    backend, device = BACKENDS[(expert.accelerator.type, expert.framework)]
+    backend, device = BACKEND_BY_ACCELERATOR[(expert.accelerator.type, expert.framework)]
     args = _server_args(backend, device, expert.precision)
     if expert.max_batch is not None:
         args += ["--max-batch", str(expert.max_batch)]

@@ -23,7 +23,7 @@ from ddm.checkpoints.uri import (
     secret_checkpoint,
 )
 from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defaults
-from ddm.deploy.autoscaling import Autoscaling, parse_autoscaling
+from ddm.deploy.autoscaling import Autoscaling, fleet_problems, parse_autoscaling
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
@@ -471,6 +471,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
 def _semantic_problems(spec: DDMSpec) -> list[str]:
     """Rules across fields: class ranges, the oracle's partition, the router checkpoint."""
     found: list[str] = []
+    found.extend(fleet_problems([e.autoscaling for e in spec.experts]))
     names = [e.name for e in spec.experts]
     for name in sorted({n for n in names if names.count(n) > 1}):
         found.append(f"spec.experts: the name {name!r} is used more than once")

@@ -21,7 +21,8 @@ from ddm.deploy.limits import MAX_BATCH, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.objectives import as_velocity
 
-BACKENDS = ("native", "torch", "jax")
+#: In-process loading: ``native`` (the checkpoint's own framework) or either framework.
+LOAD_BACKENDS = ("native", "torch", "jax")
 
 #: ``velocity(x (B, C, H, W) f32, t (B,) f32, y (B,) int64) -> v (B, C, H, W) f32``.
 ModelFn = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -152,8 +153,8 @@ def router_probabilities(ckpt: Checkpoint, device: str | None = None) -> RouterF
 def load_ddm(directory: str | os.PathLike, backend: str = "native",
              device: str | None = None) -> LoadedDDM:
     """Load what ``directory`` holds: a DDM of experts (+ router), or one model alone."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    if backend not in LOAD_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known: {', '.join(LOAD_BACKENDS)}")
     root = Path(directory)
     members, router_path = ddm_members(root)
     if router_path is None and members == [root]:

@@ -58,7 +58,6 @@ _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent
                    "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
 #: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
 PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
-BACKENDS = ("torch", "jax")
 
 
 @dataclass(frozen=True)
@@ -265,9 +264,9 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str = "c
     if dtype is not None and dtype not in PRECISIONS:
         raise CheckpointError(f"unknown precision {dtype!r}; expected one of "
                               f"{', '.join(PRECISIONS)}")
-    if backend not in BACKENDS:
+    if backend not in limits.FRAMEWORKS:
         raise CheckpointError(f"unknown backend {backend!r}; expected one of "
-                              f"{', '.join(BACKENDS)}")
+                              f"{', '.join(limits.FRAMEWORKS)}")
     if backend == "jax" and declared.family != "pixart":
         raise CheckpointError(f"{path}: the jax backend serves pixart experts only, not "
                               f"{declared.family}")
@@ -299,7 +298,7 @@ def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu
     ``experts`` names other subdirectories to load as the experts (``("monolith",)``)."""
     path = Path(root)
     if not backends:
-        raise CheckpointError("backends must name at least one of " + ", ".join(BACKENDS))
+        raise CheckpointError("backends must name at least one of " + ", ".join(limits.FRAMEWORKS))
     names = expert_directories(path) if experts is None else list(experts)
     stages = [load_stage(path / name, dtype, device, backends[k % len(backends)])
               for k, name in enumerate(names)]

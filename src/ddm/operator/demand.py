@@ -27,7 +27,7 @@ from typing import Collection, Mapping
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddm.deploy.autoscaling import ROWS_METRIC, WAITING_METRIC
-from ddm.operator.autoscaler import Demand
+from ddm.deploy.autoscaler import Demand
 
 #: Deadline for one router's ``/metrics``, and the most of it read.
 SCRAPE_TIMEOUT_S = 2.0

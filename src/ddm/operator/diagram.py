@@ -1,14 +1,16 @@
 """``ddm diagram``: a DDMDeployment's topology as a Mermaid flowchart.
 
-Clients reach the router; the router calls every expert; experts are grouped by the hardware
-they run on, each showing its framework, classes, replicas and devices per replica.
+Clients reach the router; the router calls every expert and every stage placed on its own (a
+text DDM's text encoder, decoder, router network); experts and stages are grouped by the
+hardware they run on, each showing its replicas and devices per replica (an expert also its
+framework and classes); the stages the router loads itself are named in the router's box.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ddm.deploy.spec import DDMSpec, ExpertSpec, load_manifest
+from ddm.deploy.spec import DDMSpec, ExpertSpec, StageSpec, load_manifest
 
 HARDWARE = {"neuron": "AWS Neuron", "nvidia": "NVIDIA GPU", "tpu": "Google TPU", "cpu": "CPU"}
 
@@ -16,21 +18,28 @@ HARDWARE = {"neuron": "AWS Neuron", "nvidia": "NVIDIA GPU", "tpu": "Google TPU",
 def render_mermaid(spec: DDMSpec, name: str = "ddm") -> str:
     """Mermaid ``flowchart LR`` source for ``spec`` (``name``: the DDMDeployment's name)."""
     sampling, router = spec.sampling, spec.router
+    inside = [role.replace("-", " ") for role, stage in spec.stages.items()
+              if not stage.separate and spec.conditioning == "text"]
     lines = [
         "flowchart LR",
         '    clients(["clients"]) -->|"HTTP :8080"| router',
         f'    router["{name} router<br/>strategy {sampling.strategy}, {sampling.steps} '
-        f'{sampling.solver} steps<br/>{_replicas(router.replicas)} on CPU"]',
+        f'{sampling.solver} steps<br/>{_replicas(router.replicas)} on CPU'
+        f'{"<br/>with its " + ", ".join(inside) if inside else ""}"]',
     ]
-    ids = {e.name: f"expert{i}" for i, e in enumerate(spec.experts)}
+    nodes = {f"expert{i}": (e.accelerator.type, _expert_label(e))
+             for i, e in enumerate(spec.experts)}
+    nodes.update({f"stage_{role.replace('-', '_')}": (stage.accelerator.type,
+                                                      _stage_label(role, stage))
+                  for role, stage in spec.stages.items() if stage.separate})
     for kind, title in HARDWARE.items():
-        experts = [e for e in spec.experts if e.accelerator.type == kind]
-        if not experts:
+        here = [(node, label) for node, (hardware, label) in nodes.items() if hardware == kind]
+        if not here:
             continue
         lines.append(f'    subgraph {kind}["{title}"]')
-        lines.extend(f"        {ids[e.name]}[\"{_expert_label(e)}\"]" for e in experts)
+        lines.extend(f'        {node}["{label}"]' for node, label in here)
         lines.append("    end")
-    lines.extend(f"    router --> {ids[e.name]}" for e in spec.experts)
+    lines.extend(f"    router --> {node}" for node in nodes)
     return "\n".join(lines) + "\n"
 
 
@@ -48,6 +57,12 @@ def _expert_label(expert: ExpertSpec) -> str:
     count = (_replicas(expert.replicas) if scaling is None else
              f"{scaling.min_replicas} to {scaling.max_replicas} replicas (autoscaled)")
     return f"{expert.name}<br/>{expert.framework}{classes}<br/>{count} {where}"
+
+
+def _stage_label(role: str, stage: StageSpec) -> str:
+    devices = stage.accelerator.describe()
+    where = "on CPU" if devices == "cpu" else f"with {devices} each"
+    return f"{role.replace('-', ' ')}<br/>{_replicas(stage.replicas)} {where}"
 
 
 def _replicas(count: int) -> str:

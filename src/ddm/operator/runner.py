@@ -31,6 +31,9 @@ from ddm.operator.reconcile import Reconciler
 
 #: How often the waiting thread looks at ``stop_flag`` (signals wake it at once).
 STOP_POLL_S = 0.2
+#: Seconds from SIGTERM to the process's exit, at most: well within Kubernetes' default grace
+#: period (30 s), so that a rollout never SIGKILLs the operator.
+SHUTDOWN_S = 8.0
 #: Workers for the (synchronous) handlers: runs for different DDMDeployments go in parallel.
 MAX_WORKERS = 8
 #: The namespaces to serve, comma-separated; empty or unset: the whole cluster.
@@ -168,11 +171,29 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
     # (or ``stop_flag``) come here, so that they stop the reconciler before kopf. Left to
     # kopf, they would stop its tasks while the handlers' threads ran every queued
     # reconcile to its end: well past the pod's grace period, then a SIGKILL.
+    def signalled(*_: object) -> None:
+        stop()
+        # The process is being stopped (a pod's SIGTERM): it exits within SHUTDOWN_S even if
+        # kopf's own shutdown (thousands of per-object tasks under load) or an API request in
+        # flight takes longer. Nothing is lost: every run is resumable.
+        watchdog = threading.Timer(SHUTDOWN_S, _exit_now)
+        watchdog.daemon = True  # a quick exit does not wait for it
+        watchdog.start()
+
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, stop)
+            signal.signal(signum, signalled)
     operator.start()
     while operator.is_alive():
         if stop_flag is not None and stop_flag.is_set():
             stop()
         operator.join(STOP_POLL_S)
+
+
+def _exit_now() -> None:
+    """End the process at once (the watchdog of a signalled shutdown), saying why."""
+    logging.getLogger("ddm.operator").warning(
+        "still stopping %.0f s after the signal: exiting now (every reconcile is resumable: the "
+        "next start converges what is left)", SHUTDOWN_S)
+    logging.shutdown()
+    os._exit(0)

@@ -6,7 +6,7 @@ operator runs). A successful reconcile :meth:`Scaler.watch`\\ es its DDMDeployme
 ``SCALE_INTERVAL_S`` (and at once when woken) the thread, for each one watched: reads it (gone,
 or no expert with ``autoscaling``: no longer watched), scrapes its ready router pods'
 ``/metrics`` (:mod:`ddm.operator.demand`), decides each autoscaled expert's replicas
-(:func:`ddm.operator.autoscaler.decide`, pure) and applies ``spec.replicas`` of its Deployment
+(:func:`ddm.deploy.autoscaler.decide`, pure) and applies ``spec.replicas`` of its Deployment
 as field manager ``FIELD_MANAGER``, and writes ``status.demand``.
 
 The Deployment builder leaves ``replicas`` out of an autoscaled expert's Deployment
@@ -28,7 +28,7 @@ from typing import Any, Callable, Collection, Mapping
 from ddm.deploy.autoscaling import Autoscaling
 from ddm.deploy.spec import SpecError, parse_spec
 from ddm.operator import names
-from ddm.operator.autoscaler import Demand, History, decide
+from ddm.deploy.autoscaler import Demand, History, decide
 from ddm.operator.demand import DemandRates, RouterReading, scrape
 from ddm.operator.kube import Kube, KubeError
 

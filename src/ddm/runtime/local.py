@@ -161,8 +161,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
         processes = max(1, expert.replicas if scaling is None else scaling.min_replicas)
         if scaling is not None and scaling.min_replicas == 0:
             on_demand.append(OnDemand(expert.name, tuple(f"{expert.name}/{replica}" for replica
-                                                         in range(processes)),
-                                      float(scaling.scale_down_delay_s)))
+                                                         in range(processes)), scaling))
         for replica in range(processes):
             port, metrics_port = ports(), ports()
             argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port,

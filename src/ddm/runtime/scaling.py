@@ -2,11 +2,12 @@
 
 Such an expert's processes are not started with the others. The supervisor polls the router's
 ``GET /v1/demand`` (:mod:`ddm.serving.router.demand`) every ``POLL_INTERVAL_S`` and, per expert,
-starts its processes when a generation waits for it or it had demand within its scale-down
-delay (the router counts demand before rerouting, so with ``reroute`` a missing expert's
-demand starts it too), and stops them once it has had none for the delay. The decision is
-:func:`wanted`, pure; :class:`DemandPoller` only reads the router, as a peer: a deadline, a
-capped body, and an answer it cannot read means "no change".
+decides with the operator's rule (:func:`ddm.deploy.autoscaler.decide`, on at most its one
+local process): its process starts when a generation waits for it or it had demand within its
+scale-down delay (the router counts demand before rerouting, so with ``reroute`` a missing
+expert's demand starts it too), and stops once it has had none for the delay.
+:func:`demand_of` reads one expert's entry; :class:`DemandPoller` only reads the router, as a
+peer: a deadline, a capped body, and an answer it cannot read means "no change".
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ import json
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
+
+from ddm.deploy.autoscaler import Demand, History, decide
+from ddm.deploy.autoscaling import Autoscaling
 
 #: How often ``ddm up`` asks the router for its demand.
 POLL_INTERVAL_S = 0.5
@@ -27,23 +31,25 @@ MAX_DEMAND_BYTES = 1024 * 1024
 
 @dataclass(frozen=True)
 class OnDemand:
-    """An expert run on demand: its processes (supervisor names) and the scale-down delay."""
+    """An expert run on demand: its processes (supervisor names) and its ``autoscaling``."""
 
     expert: str
     processes: tuple[str, ...]
-    scale_down_delay_s: float
+    rules: Autoscaling
 
 
-def wanted(demand: Any, delay_s: float) -> bool | None:
-    """Whether an expert with ``demand`` (its entry of ``/v1/demand``) should run: a
-    generation waits for it, or its last demand is less than ``delay_s`` old; None when the
-    entry is not one the router writes."""
-    if not isinstance(demand, Mapping):
+def demand_of(entry: Any, since_s: float) -> Demand | None:
+    """An expert's :class:`Demand` from its entry of ``/v1/demand``, ``since_s`` seconds after
+    the previous reading (it was active if its last demand is no older); None when the entry
+    is not one the router writes."""
+    if not isinstance(entry, Mapping):
         return None
-    waiting, idle = demand.get("waiting"), demand.get("idle_s")
-    if not _is_number(waiting) or not (idle is None or _is_number(idle)):
+    rows, waiting, idle = entry.get("rows_per_s"), entry.get("waiting"), entry.get("idle_s")
+    if not (_is_number(rows) and _is_number(waiting) and (idle is None or _is_number(idle))):
         return None
-    return waiting > 0 or (idle is not None and idle < delay_s)
+    if rows < 0 or waiting < 0:
+        return None
+    return Demand(float(rows), int(waiting), idle is not None and idle <= since_s)
 
 
 class Scaler:
@@ -59,6 +65,8 @@ class Scaler:
         self._start, self._stop, self._running = start, stop, running
         self._out = out
         self._next_poll = 0.0
+        self._last_read = float("-inf")  # the first reading counts any demand as recent
+        self._histories: dict[str, History] = {}
         self.cold_starts = 0
 
     @property
@@ -74,18 +82,26 @@ class Scaler:
         demand = self._poller.experts()
         if demand is None:
             return
+        since, self._last_read = now - self._last_read, now
         for expert in self._experts:
-            want = wanted(demand.get(expert.expert), expert.scale_down_delay_s)
+            seen = demand_of(demand.get(expert.expert), since)
+            if seen is None:
+                continue
             running = any(self._running(name) for name in expert.processes)
-            if want and not running:
+            # locally all of its processes or none (one for minReplicas 0)
+            rules = replace(expert.rules, max_replicas=len(expert.processes))
+            current = len(expert.processes) if running else 0
+            history = self._histories.get(expert.expert, History())
+            wanted, self._histories[expert.expert] = decide(rules, current, seen, history, now)
+            if wanted > current:
                 self.cold_starts += 1
                 print(f"scaling {expert.expert} up from zero: a generation needs it",
                       file=self._out, flush=True)
                 for name in expert.processes:
                     self._start(name)
-            elif want is False and running:
+            elif wanted < current:
                 print(f"scaling {expert.expert} to zero: no demand for "
-                      f"{expert.scale_down_delay_s:g} s", file=self._out, flush=True)
+                      f"{expert.rules.scale_down_delay_s:g} s", file=self._out, flush=True)
                 for name in expert.processes:
                     self._stop(name)
 

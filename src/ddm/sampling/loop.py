@@ -59,7 +59,7 @@ from ddm.convention import TimeGrid, to_uint8
 from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_STEPS
 from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
                                   random_weights, routing_weights, servable_labels)
-from ddm.sampling.solvers import EVALUATIONS_PER_STEP, initial_noise, stepper
+from ddm.sampling.solvers import initial_noise, solver_named, stepper
 
 
 @dataclass(frozen=True)
@@ -432,7 +432,7 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, cond: Cond
            keys: np.ndarray, grid: np.ndarray, step: int) -> Generator[Query, Any, StepEvent]:
     """One chunk: delegate the samples with one expert, step the others, concurrently."""
     n, k = len(cond), len(mixture.expert_names)
-    evaluations = (len(grid) - 1) * EVALUATIONS_PER_STEP[request.solver]
+    evaluations = (len(grid) - 1) * solver_named(request.solver).evaluations
     delegated = np.zeros(n, bool)
     probs = np.zeros((n, k), np.float32)
     groups: list[tuple[int, np.ndarray]] = []

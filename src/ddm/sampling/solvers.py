@@ -63,18 +63,31 @@ def heun(x: np.ndarray, t: float, t_next: float) -> Step:
     return heun_update(x, v0, v1, t, t_next)
 
 
-SOLVERS: dict[str, Stepper] = {"euler": euler, "heun": heun}
+@dataclass(frozen=True)
+class Solver:
+    """A solver's stepper and its velocity evaluations per step (what counts expert forward
+    passes)."""
 
-#: Velocity evaluations per step, for counting expert forward passes.
-EVALUATIONS_PER_STEP = {"euler": 1, "heun": 2}
+    step: Stepper
+    evaluations: int
 
 
-def stepper(name: str) -> Stepper:
-    """The stepper called ``name``; an unknown name is a ``ValueError`` naming the known ones."""
+#: The solvers ``ddm.deploy.limits.SOLVERS`` names (the one list of their names, for the layers
+#: that import no NumPy and for the CRD), by name.
+SOLVERS: dict[str, Solver] = {"euler": Solver(euler, 1), "heun": Solver(heun, 2)}
+
+
+def solver_named(name: str) -> Solver:
+    """The solver called ``name``; an unknown name is a ``ValueError`` naming the known ones."""
     try:
         return SOLVERS[name]
     except KeyError:
         raise ValueError(f"unknown solver {name!r}; known: {', '.join(SOLVERS)}") from None
+
+
+def stepper(name: str) -> Stepper:
+    """The stepper of the solver called ``name`` (:func:`solver_named`)."""
+    return solver_named(name).step
 
 
 def initial_noise(batch: int, image_shape: tuple[int, int, int], seed: int,

@@ -39,7 +39,6 @@ from ddm.models.loading import ModelFn, expert_image_shape, expert_network
 from ddm.objectives import NATIVE, Objective, as_velocity
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
 
-BACKENDS = EXPERT_BACKENDS
 #: The modules each backend imports, checked (without importing) before anything loads.
 _REQUIRES = {"torch": ("torch",), "jax": ("jax", "flax"), "neuron": ("torch", "torch_neuronx")}
 _INSTALL_HINTS = {
@@ -119,11 +118,11 @@ class Backend:
 
 def check_backend(name: str, device: str | None = None) -> None:
     """Fail fast, without importing anything, if backend ``name`` cannot run here."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}")
+    if name not in EXPERT_BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; known: {', '.join(EXPERT_BACKENDS)}")
     missing = [m for m in _REQUIRES[name] if importlib.util.find_spec(m) is None]
     if missing:
-        others = ", ".join(b for b in BACKENDS if b != name)
+        others = ", ".join(b for b in EXPERT_BACKENDS if b != name)
         raise BackendUnavailable(
             f"backend {name!r} needs {', '.join(missing)}, which is not installed here; "
             f"{_INSTALL_HINTS[name]}; or pick another backend ({others})")

@@ -10,8 +10,12 @@ FastAPI app in the bare ASGI route, so that the hot path skips FastAPI's routing
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
-from typing import Any, Awaitable, Callable, Protocol
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -22,7 +26,10 @@ from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected,
                               add_api_docs, probe_responses, read_body, retry_after, send_bytes,
                               send_json)
-from ddm.serving.protocol import CONTENT_TYPE, Limits, encode_error
+from ddm.serving.batching import Batcher, BatcherClosed
+from ddm.serving.protocol import CONTENT_TYPE, Limits, ProtocolError, encode_error
+
+logger = logging.getLogger(__name__)
 
 #: ``body -> (HTTP status, reply body)``: every failure is an error reply, never an exception.
 Answer = Callable[[bytes], Awaitable[tuple[int, bytes]]]
@@ -39,11 +46,65 @@ class ModelState(Protocol):
     max_pending: int
     failure: str | None
     metrics: expert_metrics.ExpertMetrics
+    batcher: Batcher
 
     @property
     def ready(self) -> bool: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Handling:
+    """What a request turned out to be, filled in as it is decoded: for the error reply's
+    request id and the metrics' kind and rows."""
+
+    request_id: int = 0
+    kind: str = "invalid"
+    rows: int = 0
+
+
+async def answer_or_error(state: ModelState,
+                          handle: Callable[[Handling], Awaitable[bytes]]) -> tuple[int, bytes]:
+    """``handle``'s reply (200), or the error reply every failure becomes: a
+    ``ProtocolError``'s status, 503 once the batcher closed, 500 for the model's own failure
+    (a failing model must not take the server down); counted in the metrics."""
+    handling = Handling()
+    try:
+        status, reply = 200, await handle(handling)
+    except ProtocolError as error:
+        echoed = handling.request_id if error.request_id is None else error.request_id
+        status, reply = error.status, encode_error(echoed, error.status, str(error))
+    except BatcherClosed as error:
+        status, reply = 503, encode_error(handling.request_id, 503, str(error))
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        logger.exception("request %d failed", handling.request_id)
+        status, reply = 500, encode_error(handling.request_id, 500,
+                                          f"internal error: {type(error).__name__}: {error}")
+    state.metrics.observe_request(handling.kind, status, handling.rows)
+    return status, reply
+
+
+def model_app(state: ModelState, answer: Answer, load: Callable[[], Awaitable[None]], *,
+              title: str, description: str, api_docs: bool,
+              draining: Callable[[], bool] | None,
+              auth_token_file: str | os.PathLike[str] | None) -> ASGIApp:
+    """A model server's app: ``load()`` starts in its lifespan (the probes answer meanwhile)
+    and the batcher closes at its end; the routes of :func:`model_routes`."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loading.cancel()
+            await state.batcher.close()
+
+    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description=description)
+    return model_routes(app, state, answer, api_docs=api_docs, draining=draining,
+                        auth_token_file=auth_token_file)
 
 
 def model_routes(app: FastAPI, state: ModelState, answer: Answer, *, api_docs: bool,

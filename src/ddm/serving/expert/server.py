@@ -40,50 +40,39 @@ import logging
 import math
 import os
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
+from typing import Any, Awaitable, Callable, Hashable
 
 import numpy as np
-from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
                                     read_meta)
-from ddm.deploy.limits import MAX_STEPS
+from ddm.deploy.limits import (MAX_STEPS, SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS,
+                               SERVER_MAX_PENDING)
 from ddm.experts.check import behaviour_data, check_network, require_passing
 from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
 from ddm.serving.auth import TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
-from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.expert.routes import model_routes
+from ddm.serving.batching import Batcher
+from ddm.serving.expert.routes import Handling, answer_or_error, model_app
 from ddm.serving.expert.stage_server import (DEFAULT_CONTEXT_CACHE_BYTES, create_stage_app,
                                              is_stage_checkpoint)
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
-                                  decode_request, encode_error, encode_response)
+                                  decode_request, encode_response)
 from ddm.serving.termination import fail_start
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH = 64
-#: No waiting by default: requests that arrive while the model is busy already form the next
-#: batch, and a router stepping alone would otherwise pay the whole delay at every step
-#: (measured: +1 ms or more per batch-1 step at 1 ms, with no clear throughput gain).
-DEFAULT_MAX_DELAY_MS = 0.0
 #: Solver steps of an integration that run as one model-thread job: a velocity call arriving
 #: meanwhile waits for at most this many (Heun: twice as many model calls), not the whole grid.
 #: Each slice costs one batcher job (a thread hop); on the shared test VM, 1000 steps of the
 #: smoke model took 4.2-5.9 s whole and 4.2-7.7 s in slices, within its noise.
 INTEGRATE_SLICE_STEPS = 16
-#: Grid intervals one integrate request may ask for (as many as a DDM may sample with).
-DEFAULT_MAX_STEPS = MAX_STEPS
-#: Requests admitted at once, queued or running: four full batches of one-row requests from
-#: routers stepping concurrently, and at most that many bodies buffered.
-DEFAULT_MAX_PENDING = 256
 
 #: ``(checkpoint, backend, device, max_batch, compile_cache) -> Backend``; replaceable to serve
 #: a custom backend.
@@ -146,9 +135,9 @@ class _Expert:
 
 
 def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
-                      device: str | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                      max_delay_ms: float = DEFAULT_MAX_DELAY_MS, *,
-                      max_steps: int = DEFAULT_MAX_STEPS, max_pending: int = DEFAULT_MAX_PENDING,
+                      device: str | None = None, max_batch: int = SERVER_MAX_BATCH,
+                      max_delay_ms: float = SERVER_MAX_DELAY_MS, *,
+                      max_steps: int = MAX_STEPS, max_pending: int = SERVER_MAX_PENDING,
                       compile_cache: Path | None = None, loader: BackendLoader = load_backend,
                       on_failure: Callable[[str], None] | None = None,
                       draining: Callable[[], bool] | None = None,
@@ -196,29 +185,19 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     expert = _Expert(meta, limits, backend, device, max_delay_ms, max_pending)
     load = functools.partial(_load, expert, Path(checkpoint_dir), loader, compile_cache,
                              on_failure, start_up)
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(load())
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await expert.batcher.close()
-
-    app = FastAPI(title=f"ddm expert {meta.name}", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, description="One diffusion expert behind the binary protocol "
-                                              "of docs/protocol.md.")
-    return model_routes(app, expert, functools.partial(_answer, expert), api_docs=api_docs,
-                        draining=draining, auth_token_file=auth_token_file)
+    return model_app(expert, functools.partial(_answer, expert), load,
+                     title=f"ddm expert {meta.name}",
+                     description="One diffusion expert behind the binary protocol of "
+                                 "docs/protocol.md.",
+                     api_docs=api_docs, draining=draining, auth_token_file=auth_token_file)
 
 
 def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
                  backend: str = "torch", device: str | None = None,
-                 max_batch: int = DEFAULT_MAX_BATCH, max_delay_ms: float = DEFAULT_MAX_DELAY_MS,
+                 max_batch: int = SERVER_MAX_BATCH, max_delay_ms: float = SERVER_MAX_DELAY_MS,
                  log_level: str = "info", compile_cache: Path | None = None, *,
-                 max_steps: int = DEFAULT_MAX_STEPS,
-                 max_pending: int = DEFAULT_MAX_PENDING, drain_s: float = 0.0,
+                 max_steps: int = MAX_STEPS,
+                 max_pending: int = SERVER_MAX_PENDING, drain_s: float = 0.0,
                  api_docs: bool = False,
                  auth_token_file: str | os.PathLike[str] | None = None,
                  metrics_port: int | None = None, precision: str | None = None,
@@ -249,31 +228,21 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: i
 async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
     """One request body -> (HTTP status, protocol reply); every failure becomes an error
     reply."""
-    kind, images, request_id = "invalid", 0, 0
-    try:
+
+    async def handle(handling: Handling) -> bytes:
         message = decode_request(body, expert.limits)
-        request_id = message.request_id
+        handling.request_id = message.request_id
         if not isinstance(message, (VelocityRequest, IntegrateRequest)):
             raise ProtocolError(f"expert {expert.meta.name} is conditioned on labels: send "
                                 "velocity or integrate requests (protocol version 1)", 422,
-                                request_id)
+                                message.request_id)
         kind = "velocity" if isinstance(message, VelocityRequest) else "integrate"
-        images = message.x.shape[0]
+        handling.kind, handling.rows = kind, message.x.shape[0]
         if expert.backend is None:
-            raise ProtocolError(_not_ready(expert), 503, request_id)
-        out = await _run(expert, message)
-        status, reply = 200, encode_response(request_id, out)
-    except ProtocolError as error:
-        echoed = request_id if error.request_id is None else error.request_id
-        status, reply = error.status, encode_error(echoed, error.status, str(error))
-    except BatcherClosed as error:
-        status, reply = 503, encode_error(request_id, 503, str(error))
-    except Exception as error:  # noqa: BLE001 - a failing model must not take the server down
-        logger.exception("request %d failed", request_id)
-        status, reply = 500, encode_error(request_id, 500,
-                                          f"internal error: {type(error).__name__}: {error}")
-    expert.metrics.observe_request(kind, status, images)
-    return status, reply
+            raise ProtocolError(_not_ready(expert), 503, message.request_id)
+        return encode_response(message.request_id, await _run(expert, message))
+
+    return await answer_or_error(expert, handle)
 
 
 async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> np.ndarray:

@@ -28,36 +28,35 @@ import logging
 import math
 import os
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Hashable
+from typing import Any, Awaitable, Callable, Hashable
 
 import numpy as np
-from fastapi import FastAPI
 from starlette.types import ASGIApp
 
 from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import TEXT, Conditioning
 from ddm.convention import CONVENTION_NAME
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
-                               MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS)
+                               MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
+                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
 from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import DDM_KEY, Stage, StageDeclaration, load_stage
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
 from ddm.serving.auth import TokenFile
-from ddm.serving.batching import Batcher, BatcherClosed
+from ddm.serving.batching import Batcher
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import cpu_model
 from ddm.serving.expert.contexts import ContextCache
-from ddm.serving.expert.routes import model_routes
+from ddm.serving.expert.routes import Handling, answer_or_error, model_app
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Encoded,
                                   Limits, ProtocolError, Request, RouteRequest,
                                   TextIntegrateRequest, TextVelocityRequest, decode_request,
-                                  encode_context_ack, encode_encoded, encode_error,
-                                  encode_probabilities, encode_response)
+                                  encode_context_ack, encode_encoded, encode_probabilities,
+                                  encode_response)
 from ddm.serving.termination import fail_start
 
 __all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "STAGE_ROLES", "create_stage_app",
@@ -166,9 +165,11 @@ class _StageServer:
 
 
 def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
-                     backend: str = "torch", device: str | None = None, max_batch: int = 64,
-                     max_delay_ms: float = 0.0, *, max_steps: int = MAX_STEPS,
-                     max_pending: int = 256, on_failure: Callable[[str], None] | None = None,
+                     backend: str = "torch", device: str | None = None,
+                     max_batch: int = SERVER_MAX_BATCH,
+                     max_delay_ms: float = SERVER_MAX_DELAY_MS, *, max_steps: int = MAX_STEPS,
+                     max_pending: int = SERVER_MAX_PENDING,
+                     on_failure: Callable[[str], None] | None = None,
                      draining: Callable[[], bool] | None = None,
                      start_up: StartUp = asyncio.to_thread, api_docs: bool = False,
                      auth_token_file: str | os.PathLike[str] | None = None,
@@ -197,20 +198,12 @@ def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
     server = _StageServer(path, declared, limits, backend, device, precision, max_delay_ms,
                           max_pending, context_cache_bytes)
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(_load(server, on_failure, start_up))
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await server.batcher.close()
-
-    app = FastAPI(title=f"ddm {declared.role} {path.name}", lifespan=lifespan, docs_url=None,
-                  redoc_url=None, description=f"A text DDM's {declared.role} stage behind the "
-                                              "binary protocol of docs/protocol.md.")
-    return model_routes(app, server, functools.partial(_answer, server), api_docs=api_docs,
-                        draining=draining, auth_token_file=auth_token_file)
+    return model_app(server, functools.partial(_answer, server),
+                     functools.partial(_load, server, on_failure, start_up),
+                     title=f"ddm {declared.role} {path.name}",
+                     description=f"A text DDM's {declared.role} stage behind the binary "
+                                 "protocol of docs/protocol.md.",
+                     api_docs=api_docs, draining=draining, auth_token_file=auth_token_file)
 
 
 def serve_stage(directory: str | os.PathLike, role: str | tuple[str, ...],
@@ -236,31 +229,22 @@ def serve_stage(directory: str | os.PathLike, role: str | tuple[str, ...],
 
 async def _answer(server: _StageServer, body: bytes) -> tuple[int, bytes]:
     """One request body -> (HTTP status, protocol reply)."""
-    kind, rows, request_id = "invalid", 0, 0
-    try:
+
+    async def handle(handling: Handling) -> bytes:
         message = decode_request(body, server.limits)
-        request_id = message.request_id
-        kind = type(message).__name__
+        handling.request_id, handling.kind = message.request_id, type(message).__name__
         takes = _TAKES[server.declared.role]
         if not isinstance(message, takes):
             raise ProtocolError(f"this {server.declared.role} stage takes "
-                                f"{', '.join(t.__name__ for t in takes)}, not {kind}", 422,
-                                request_id)
+                                f"{', '.join(t.__name__ for t in takes)}, not "
+                                f"{handling.kind}", 422, message.request_id)
         if server.stage is None:
-            raise ProtocolError(_not_ready(server), 503, request_id)
-        status, reply = 200, await _run(server, message)
-        rows = 0 if isinstance(message, (Context, EncodeRequest)) else message.x.shape[0]
-    except ProtocolError as error:
-        echoed = request_id if error.request_id is None else error.request_id
-        status, reply = error.status, encode_error(echoed, error.status, str(error))
-    except BatcherClosed as error:
-        status, reply = 503, encode_error(request_id, 503, str(error))
-    except Exception as error:  # noqa: BLE001 - a failing model must not take the server down
-        logger.exception("request %d failed", request_id)
-        status, reply = 500, encode_error(request_id, 500,
-                                          f"internal error: {type(error).__name__}: {error}")
-    server.metrics.observe_request(kind, status, rows)
-    return status, reply
+            raise ProtocolError(_not_ready(server), 503, message.request_id)
+        reply = await _run(server, message)
+        handling.rows = 0 if isinstance(message, (Context, EncodeRequest)) else message.x.shape[0]
+        return reply
+
+    return await answer_or_error(server, handle)
 
 
 async def _run(server: _StageServer, message: Request) -> bytes:

@@ -566,39 +566,41 @@ class ExpertPool:
     async def _exchange_once(self, expert: str, replica: Replica, body: bytes,
                              max_reply: int, timeout: float,
                              decode: Callable[[bytes], _T]) -> _T:
-        """One POST to one replica, its reply decoded: :class:`ExpertRejected` for a 4xx,
-        :class:`_ReplicaFailed` for anything another replica might do better."""
-        replica.outstanding += 1
-        try:
-            return decode(await self._post(replica, body, max_reply,
-                                           time.monotonic() + timeout))
-        except RemoteExpertError as error:
-            raise _rejected_or_failed(expert, error) from None
-        except ProtocolError as error:
-            raise _ReplicaFailed(f"malformed reply: {error}") from None
-        except (HttpClientError, TimeoutError) as error:
-            raise _ReplicaFailed(_describe(error)) from None
-        finally:
-            replica.outstanding -= 1
+        """One POST to one replica, its reply decoded (:meth:`_guarded`)."""
+
+        async def exchange(ends: float) -> _T:
+            return decode(await self._post(replica, body, max_reply, ends))
+
+        return await self._guarded(expert, replica, timeout, exchange)
 
     async def _attempt(self, expert: str, replica: Replica, body: bytes, request: _Request,
                        timeout: float, context: _TextKey | None = None) -> np.ndarray:
         """One exchange with one replica (two or three for a text call whose context the
-        replica lacks): its answer, :class:`ExpertRejected` for a 4xx, or
-        :class:`_ReplicaFailed` for anything another replica might do better."""
-        replica.outstanding += 1
-        ends = time.monotonic() + timeout
-        try:
+        replica lacks: sent first, or again after ``UNKNOWN_CONTEXT``)."""
+
+        async def exchange(ends: float) -> np.ndarray:
             if context is not None and context.context not in replica.contexts:
                 await self._send_context(replica, context, ends)
             try:
-                out = await self._exchange(replica, body, request, ends)
+                return await self._exchange(replica, body, request, ends)
             except RemoteExpertError as error:
                 if context is None or error.code != UNKNOWN_CONTEXT:
                     raise
                 replica.contexts.pop(context.context, None)  # evicted, or a restart
                 await self._send_context(replica, context, ends)
-                out = await self._exchange(replica, body, request, ends)
+                return await self._exchange(replica, body, request, ends)
+
+        out = await self._guarded(expert, replica, timeout, exchange)
+        return out.astype(np.float32, copy=False)  # an expert may answer in (b)float16
+
+    async def _guarded(self, expert: str, replica: Replica, timeout: float,
+                       exchange: Callable[[float], Awaitable[_T]]) -> _T:
+        """``exchange(ends)`` with the replica counted busy: its answer,
+        :class:`ExpertRejected` for a 4xx, or :class:`_ReplicaFailed` for anything another
+        replica might do better."""
+        replica.outstanding += 1
+        try:
+            return await exchange(time.monotonic() + timeout)
         except RemoteExpertError as error:
             raise _rejected_or_failed(expert, error) from None
         except ProtocolError as error:
@@ -607,7 +609,6 @@ class ExpertPool:
             raise _ReplicaFailed(_describe(error)) from None
         finally:
             replica.outstanding -= 1
-        return out.astype(np.float32, copy=False)  # an expert may answer in (b)float16
 
     async def _exchange(self, replica: Replica, body: bytes, request: _Request,
                         ends: float) -> np.ndarray:

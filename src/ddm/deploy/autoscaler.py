@@ -6,9 +6,9 @@
 1. the raw recommendation is ``ceil(rows_per_s / target)``, kept at the current count while the
    load per replica is within ``TOLERANCE`` of the target (HPA's 10%);
 2. an expert a generation waits for, or one with demand within its ``scale_down_delay_s``, gets
-   at least one replica (from zero: neither window nor policy holds back that first one, and
-   the scale-down window smooths the load's recommendations only, so the last replica goes
-   when the delay ends);
+   at least one replica (from zero: neither window nor policy holds back that first one); one
+   without any for a whole delay needs none, and its last replica goes then, whatever the
+   scale-down window (KEDA's ``cooldownPeriod`` does the same);
 3. the recommendation is clamped to ``[min_replicas, max_replicas]``;
 4. stabilization: scaling up takes the lowest recommendation of the scale-up window, scaling
    down the highest of the scale-down window;
@@ -87,14 +87,16 @@ def decide(rules: Autoscaling, current: int, demand: Demand, history: History, n
     limited = _limited(rules, current, stabilized, history.changes, now)
     if current == 0 and wanted > 0:
         limited = max(limited, 1)  # a generation needs it: nothing holds back the first one
+    if current <= 1 and not floor:
+        limited = 0  # a whole delay idle: the last replica goes, as KEDA's cooldown decides
     replicas = _bounded(rules, limited)
     period = max((p.period_s for p in rules.scale_up.policies + rules.scale_down.policies),
                  default=0)
     changes = tuple((t, c) for t, c in history.changes if now - t < period)
     if replicas != current:
         changes += ((now, replicas - current),)
-    # The load's recommendation is remembered, not the floor: the delay alone decides when
-    # the last replica goes, the scale-down window only smooths the load.
+    # The load's recommendation is remembered, not the floor: the scale-down window smooths
+    # the load between replicas; the delay alone decides when the last one goes.
     return replicas, replace(history, recommendations=recommendations + ((now, load),),
                              changes=changes, last_demand=last)
 

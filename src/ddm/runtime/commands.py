@@ -1,0 +1,71 @@
+"""``ddm up``: its arguments, next to the local runtime it runs.
+
+``ddm.cli`` adds it with :func:`add_up_command`, as each area adds its own. Importing this
+module is cheap: the runtime is imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ddm.checkpoints.shipped import DEFAULT_DDM
+
+
+def add_up_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``up`` to the ``ddm`` command's subcommands."""
+    p = commands.add_parser(
+        "up", help="run a DDMDeployment's experts and router as local processes (default: the "
+                   "shipped MNIST example, what make demo runs)",
+        description="Plan a DDMDeployment as the operator would and run it here: one ddm "
+                    "serve expert process per expert replica on a free loopback port, and a "
+                    "ddm serve router process in front of them, each reported as it starts "
+                    "and becomes ready. Runs until Ctrl-C (exit 0) or SIGTERM (exit 143), "
+                    "which stop every process it started; a process that dies is restarted "
+                    "after a back-off.")
+    p.add_argument("manifest", nargs="?", type=Path, default=None,
+                   help=f"a DDMDeployment YAML file (default: examples/{DEFAULT_DDM}.yaml, the "
+                        f"shipped {DEFAULT_DDM} DDM over checkpoints/{DEFAULT_DDM})")
+    p.add_argument("--port", type=int, default=8080,
+                   help="the router's port: its web page and API (default 8080); the experts "
+                        "and every /metrics get free ports, printed once all is up")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address every process binds (default 127.0.0.1, this machine "
+                        "only; 0.0.0.0 exposes them to the network)")
+    p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
+                   help="stands in for the cluster's PersistentVolumeClaims: a checkpoint "
+                        "pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
+                        "share the machine)")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="stop everything when one process dies (default: restart it with a "
+                        "back-off from 1 s doubling to 5 min, as the kubelet does)")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="the router's time budget for one expert call, waiting for a "
+                        "restarting expert included; past it the request gets a 503 naming "
+                        "the expert (default: router.yaml's, 60 s)")
+    p.add_argument("--auth-token-file", type=Path, default=None,
+                   help="require this bearer token on the router's API and on every expert "
+                        "(default: a random one, in a private file it names, when the "
+                        "manifest's router.auth asks for a token)")
+    p.add_argument("--api-docs", action="store_true",
+                   help="have the router serve Swagger UI at /docs (it loads from a CDN, so "
+                        "off by default; /openapi.json is always served)")
+    p.set_defaults(handler=_up)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from ddm.deploy.spec import load_manifest
+    from ddm.runtime.local import DEFAULT_MANIFEST, run_local
+
+    path = args.manifest or DEFAULT_MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest {path} does not exist")
+    # SIGTERM (`kill`) raises Terminated (see ddm.cli.main): run_local stops every process it
+    # started on its way out, and ddm exits 143, "terminated", as a shell expects of a killed
+    # command.
+    return run_local(load_manifest(path), router_port=args.port, host=args.host,
+                     pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
+                     deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
+                     api_docs=args.api_docs)

@@ -1,0 +1,66 @@
+"""The text2img report's judges read a coloured digit's colour, grey digit and ink mass as the
+data painted them; its prompts pair thick and thin twins on the same noise; its verdicts are
+paired run by run, in the direction each metric improves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ddm.data.colored_mnist import COLOUR_NAMES, paint
+from ddm.evaluation.report import paired_verdict
+from ddm.evaluation.text2img_judges import grey, ink_colours, ink_mass
+from ddm.evaluation.text2img_report import Prompts
+
+
+def _strokes(widths: list[int], level: float = 1.0) -> np.ndarray:
+    """Grey (N, 1, 32, 32) vertical bars of the given widths, anti-aliased at their edge."""
+    images = np.zeros((len(widths), 1, 32, 32), np.float32)
+    for i, width in enumerate(widths):
+        images[i, 0, 4:28, 10:10 + width] = level
+        images[i, 0, 4:28, 10 + width] = 0.3 * level  # a soft edge keeps the hue
+    return images
+
+
+def test_the_ink_colour_is_the_painted_one_for_every_named_colour() -> None:
+    colours = np.arange(len(COLOUR_NAMES))
+    painted = paint(_strokes([3] * len(colours), level=0.8), colours).transpose(0, 2, 3, 1)
+    assert ink_colours(painted).tolist() == colours.tolist()
+    assert ink_colours(np.zeros((1, 32, 32, 3), np.uint8)).tolist() == [-1]  # no ink
+
+
+def test_grey_and_ink_mass_undo_the_painting() -> None:
+    bars = _strokes([2, 5])
+    painted = paint(bars, np.array([0, 5])).transpose(0, 2, 3, 1)  # red, magenta
+    np.testing.assert_array_equal(grey(painted), np.rint(bars[:, 0] * 255).astype(np.uint8))
+    mass = ink_mass(painted)
+    assert mass[1] > mass[0]
+    assert mass[0] == pytest.approx(24 * 2 + 24 * 0.3, abs=0.1)
+
+
+def test_the_judges_refuse_what_is_not_an_rgb_image() -> None:
+    with pytest.raises(ValueError, match=r"uint8 RGB images \(N, H, W, 3\)"):
+        grey(np.zeros((2, 3, 32, 32), np.uint8))
+    with pytest.raises(ValueError, match="uint8 RGB"):
+        ink_colours(np.zeros((2, 32, 32, 3), np.float32))
+
+
+def test_prompts_pair_thick_and_thin_twins_on_one_noise() -> None:
+    prompts = Prompts.make()
+    assert len(prompts.text) == 10 * 7 * 2
+    assert prompts.text[:2] == ("a thick red zero", "a thin red zero")
+    assert prompts.text[-1] == "a thin white nine"
+    noise = prompts.noise((4, 8, 8), seed=3)
+    np.testing.assert_array_equal(noise[0::2], noise[1::2])
+    assert not np.array_equal(noise[0], noise[2])
+    np.testing.assert_array_equal(noise, prompts.noise((4, 8, 8), seed=3))
+
+
+def test_verdicts_pair_runs_in_the_direction_a_metric_improves() -> None:
+    assert paired_verdict([0.9, 0.8, 0.95], [0.7, 0.75, 0.9], "a", "b",
+                          lower_is_better=False, digits=3).startswith(
+        "a is better, higher in all 3 runs (per run +0.100")
+    assert paired_verdict([0.9, 0.8, 0.95], [0.7, 0.75, 0.9], "a", "b").startswith(
+        "b is better, lower in all 3 runs")
+    assert paired_verdict([1.0, 2.0, 3.0], [2.0, 1.0, 3.0], "a", "b") == (
+        "no consistent difference, a lower in 1 of 3 runs (per run +0.00 +/- 1.00)")
