@@ -370,15 +370,21 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
                         "the same images as in-process for the same arguments")
     p.add_argument("--token-file", type=Path, default=None,
                    help="with --router: a file holding the router's bearer token")
-    p.add_argument("--strategy", default="top1",
+    p.add_argument("--strategy", default=None,
                    help="how each step picks experts: oracle (by label; label-partitioned "
                         "DDMs only), top1, top2, topk:K, threshold:P, ensemble, or random "
                         "(the evaluation's baseline, in-process only); default top1")
     p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9",
                    help="comma-separated class labels to draw (default: every digit)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="a text DDM (--checkpoints of stage checkpoints, e.g. "
+                        "checkpoints/text2img): one image per prompt; repeatable")
+    p.add_argument("--guidance", type=float, default=None,
+                   help="with --prompt: the classifier-free guidance scale (default: the "
+                        "DDM's)")
     p.add_argument("--n-per-label", type=int, default=1, help="images per label (default 1)")
-    p.add_argument("--steps", type=int, default=40,
-                   help="solver steps from noise to image (default 40)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="solver steps from noise to image (default 40; --prompt: the DDM's)")
     p.add_argument("--solver", default="euler",
                    help="euler (one velocity per step) or heun (two; default euler)")
     p.add_argument("--seed", type=int, default=0,
@@ -402,6 +408,8 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
 
 
 def _sample(args: argparse.Namespace) -> int:
+    if args.prompt:
+        return _sample_text(args)
     if args.router is not None:
         return _sample_router(args)
     if args.token_file is not None:
@@ -409,11 +417,26 @@ def _sample(args: argparse.Namespace) -> int:
     from ddm.sampling.commands import sample_command
 
     summary = sample_command(
-        checkpoints=args.checkpoints, strategy=args.strategy, labels=_parse_labels(args.labels),
-        n_per_label=args.n_per_label, steps=args.steps, solver=args.solver, seed=args.seed,
+        checkpoints=args.checkpoints, strategy=args.strategy or "top1",
+        labels=_parse_labels(args.labels), n_per_label=args.n_per_label,
+        steps=args.steps or 40, solver=args.solver, seed=args.seed,
         backend=args.backend, device=args.device,
         batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
         png=args.png, quiet=args.quiet)
+    print(json.dumps(summary))
+    return 0
+
+
+def _sample_text(args: argparse.Namespace) -> int:
+    if args.router is not None or args.checkpoints is None:
+        raise UserError("--prompt samples a text DDM in this process: give its --checkpoints "
+                        "(e.g. checkpoints/text2img), not --router")
+    from ddm.sampling.commands import sample_text_command
+
+    summary = sample_text_command(
+        args.checkpoints, args.prompt, steps=args.steps, seed=args.seed,
+        strategy=args.strategy, guidance=args.guidance, backend=args.backend, out=args.out,
+        png=args.png)
     print(json.dumps(summary))
     return 0
 
@@ -429,8 +452,8 @@ def _sample_router(args: argparse.Namespace) -> int:
     from ddm.serving.router.client import sample_router_command
 
     summary = sample_router_command(
-        url=args.router, strategy=args.strategy, labels=_parse_labels(args.labels),
-        n_per_label=args.n_per_label, steps=args.steps, solver=args.solver, seed=args.seed,
+        url=args.router, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=args.steps or 40, solver=args.solver, seed=args.seed,
         batch_size=args.batch_size, token_file=args.token_file, out=args.out, png=args.png,
         quiet=args.quiet)
     print(json.dumps(summary))
@@ -540,12 +563,13 @@ def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) 
     from ddm.evaluation.text2img_report import mnist_directory, write_text2img_report
     from ddm.models.text2img import DEFAULT_STEPS
 
-    if args.compare or args.cache or args.solver != "euler":
-        raise UserError("--compare, --cache and --solver are for label DDMs' reports")
+    if args.compare or args.solver != "euler":
+        raise UserError("--compare and --solver are for label DDMs' reports")
     classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
     return write_text2img_report(args.checkpoints, args.out, classifier,
                                  mnist_directory(classifier, args.data),
-                                 steps=args.steps or DEFAULT_STEPS, progress=progress)
+                                 steps=args.steps or DEFAULT_STEPS, cache=args.cache,
+                                 progress=progress)
 
 
 # -- expert -------------------------------------------------------------------------------------

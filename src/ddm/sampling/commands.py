@@ -63,6 +63,34 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
             "mean_expert_calls": float(calls.mean())}
 
 
+def sample_text_command(checkpoints: Path, prompts: Sequence[str], steps: int | None,
+                        seed: int, strategy: str | None, guidance: float | None,
+                        backend: str, out: Path, png: Path | None = None) -> dict[str, Any]:
+    """One image per prompt from the text DDM of stage checkpoints at ``checkpoints``
+    (``ddm import``), its experts on ``backend`` (``native``: PyTorch, as trained); steps,
+    strategy and guidance default to the DDM's. Writes ``out`` (``images`` (N, H, W, 3)
+    uint8, ``prompts``, ``expert_calls``) and ``png``, atomically."""
+    from ddm.models.stages import load_text_ddm
+    from ddm.sampling.pipeline import generate_text
+
+    check_output(out, ".npz", "--out")
+    if png is not None:
+        check_output(png, ".png", "--png")
+    ddm = load_text_ddm(checkpoints, backends=("torch",) if backend == "native" else (backend,))
+    result = generate_text(ddm, prompts, steps=steps, seed=seed, strategy=strategy,
+                           guidance_scale=guidance)
+    with atomic_path(out) as tmp:
+        with open(tmp, "wb") as f:
+            np.savez(f, images=result.images, prompts=np.asarray(list(prompts)),
+                     expert_calls=result.expert_calls)
+    if png is not None:
+        write_png_grid(png, result.images, columns=len(prompts))
+    return {"out": str(out), "n": len(prompts), "steps": steps or ddm.steps,
+            "strategy": strategy or ddm.strategy,
+            "guidance_scale": ddm.guidance_scale if guidance is None else guidance,
+            "mean_expert_calls": float(result.expert_calls.mean())}
+
+
 def write_png_grid(path: Path, images: np.ndarray, columns: int) -> None:
     from ddm.imaging import grid, png_bytes
 
