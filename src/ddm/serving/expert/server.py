@@ -47,10 +47,11 @@ from typing import Any, Awaitable, Callable, Hashable
 import numpy as np
 from starlette.types import ASGIApp
 
+from ddm.checkpoints.declared import read_declaration
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
                                     read_meta)
-from ddm.deploy.limits import (MAX_STEPS, SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS,
-                               SERVER_MAX_PENDING)
+from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_STEPS, SERVER_MAX_BATCH,
+                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
 from ddm.experts.check import behaviour_data, check_network, require_passing
 from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
@@ -59,8 +60,6 @@ from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher
 from ddm.serving.expert.routes import Handling, answer_or_error, model_app
-from ddm.serving.expert.stage_server import (DEFAULT_CONTEXT_CACHE_BYTES, create_stage_app,
-                                             is_stage_checkpoint)
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
                                   decode_request, encode_response)
@@ -162,7 +161,10 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     ``auth_token_file``, ``/v1/*`` needs ``Authorization: Bearer <its token>`` (the router's
     per-DDM token; :mod:`ddm.serving.auth`), so that only the router reaches the model.
     """
-    if is_stage_checkpoint(checkpoint_dir):
+    if read_declaration(Path(checkpoint_dir)) is not None:
+        # imported here: a label expert's server needs none of the text stages' libraries
+        from ddm.serving.expert.stage_server import create_stage_app
+
         return create_stage_app(
             checkpoint_dir, "expert", backend, device, max_batch, max_delay_ms,
             max_steps=max_steps, max_pending=max_pending, on_failure=on_failure,

@@ -42,7 +42,7 @@ from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYT
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
                                SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
 from ddm.models.paris_loading import read_component_config
-from ddm.models.stages import DDM_KEY, Stage, StageDeclaration, load_stage
+from ddm.models.stages import Stage, StageDeclaration, load_stage
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
 from ddm.serving.auth import TokenFile
@@ -60,7 +60,7 @@ from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeReq
 from ddm.serving.termination import fail_start
 
 __all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "STAGE_ROLES", "create_stage_app",
-           "is_stage_checkpoint", "serve_stage"]
+           "serve_stage"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,15 +79,6 @@ INTEGRATE_SLICE_STEPS = 16
 _WARM_TOKENS = 8
 
 StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
-
-
-def is_stage_checkpoint(directory: str | os.PathLike) -> bool:
-    """Whether ``directory``'s config.json declares a stage (``_ddm``), rather than being one
-    of our label checkpoints."""
-    try:
-        return DDM_KEY in read_component_config(Path(directory))
-    except CheckpointError:
-        return False
 
 
 @dataclass(frozen=True)
