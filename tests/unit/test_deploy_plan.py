@@ -21,6 +21,7 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import ROUTER_CONFIG_FILE, build_children
+from ddm.operator.names import STAGE_LABEL
 from ddm.operator.policy import AllowLists
 from ddm.runtime.local import LocalRunError, plan_local
 
@@ -99,6 +100,9 @@ def _without_places(config: RouterConfigFile) -> dict[str, Any]:
         del expert["discovery"]
     out.pop("auth", None)
     out["router_checkpoint"] = out["router_checkpoint"] is not None
+    for stage in ("text_encoder", "decoder", "router_network"):  # remote, or loaded in-router
+        if out.get(stage) is not None:
+            out[stage] = "checkpoint" if "checkpoint" in out[stage] else "remote"
     return out
 
 
@@ -106,7 +110,7 @@ def _operator(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, se
                                                list[str], RouterConfigFile]:
     meta = {"name": manifest.name, "namespace": "ml", "uid": "1"}
     children = build_children(manifest.spec, meta, CONFIG)
-    commands, env = {}, {}
+    commands, env, stages = {}, {}, {}
     router_command: list[str] = []
     config = None
     for child in children:
@@ -116,6 +120,8 @@ def _operator(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, se
                 continue
             if container["name"] == "router":
                 router_command = container["command"]
+            elif STAGE_LABEL in child["metadata"]["labels"]:  # a stage's own server
+                stages[child["metadata"]["labels"][STAGE_LABEL]] = container["command"]
             else:
                 name = child["metadata"]["labels"]["ddm.dev/expert"]
                 commands[name] = container["command"]
@@ -123,7 +129,15 @@ def _operator(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, se
         elif child["kind"] == "ConfigMap":
             config = RouterConfigFile.from_yaml(child["data"][ROUTER_CONFIG_FILE])
     assert config is not None
+    assert sorted(stages) == sorted(_local_stages(manifest))  # separate stages: the same
     return commands, env, router_command, config
+
+
+def _local_stages(manifest: DDMManifest) -> list[str]:
+    plan = plan_local(manifest, lambda: 20000, 8080, locate=lambda s: Path("/fetched"),
+                      token_file=Path("/run/ddm-up/router-token"),
+                      expert_token_file=Path("/run/ddm-up/expert-token"))
+    return [process.name.split("/")[0] for process in plan.stages]
 
 
 def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[str]],

@@ -27,8 +27,9 @@ IMAGE_SIZE, LATENT_CHANNELS, LATENT_SIZE = 32, 4, 8
 DDM_CONFIG_KEY = "_ddm"
 #: The experts' (and the monolith's) diffusers class.
 EXPERT_CLASS_NAME = "PixArtTransformer2DModel"
-#: The sampler settings the model ships with: guidance that makes the prompt's digit, colour
-#: and stroke reliable (docs/quality-text2img.md's sweep), 30 Euler steps, top-2 routing.
+#: The sampler settings the model ships with: guidance 4 (colour and stroke follow the prompt
+#: from there; digit accuracy still rises with it: docs/quality-text2img.md's sweep), 30
+#: Euler steps, top-2 routing.
 DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY = 4.0, 30, "top2"
 
 
