@@ -24,11 +24,13 @@ def png_bytes(image: np.ndarray, scale: int = 1) -> bytes:
 
 
 def grid(images: np.ndarray, columns: int, pad: int = 1) -> np.ndarray:
-    """Tile ``(N, H, W)`` uint8 images row by row into one image with ``pad`` pixel gutters."""
-    n, h, w = images.shape
+    """Tile ``(N, H, W)`` grayscale or ``(N, H, W, 3)`` RGB uint8 images row by row into one
+    image with ``pad`` pixel (black) gutters."""
+    n, h, w = images.shape[:3]
     columns = max(1, min(columns, n))
     rows = -(-n // columns)
-    out = np.zeros((rows * (h + pad) + pad, columns * (w + pad) + pad), np.uint8)
+    out = np.zeros((rows * (h + pad) + pad, columns * (w + pad) + pad, *images.shape[3:]),
+                   np.uint8)
     for i, image in enumerate(images):
         r, c = divmod(i, columns)
         top, left = pad + r * (h + pad), pad + c * (w + pad)
