@@ -389,18 +389,18 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
                         "digit, 0,1,...,9)")
     p.add_argument("--n-per-label", type=int, default=1,
                    help="a label DDM: images per label (default 1)")
-    p.add_argument("--prompt", action="append", default=[], dest="prompts",
+    p.add_argument("--prompt", action="append", default=[], dest="prompts", metavar="PROMPT",
                    help="a text DDM: a prompt; one image per --prompt, in order (repeat it)")
-    p.add_argument("--negative-prompt", default=None,
+    p.add_argument("--negative-prompt", default=None, metavar="PROMPT",
                    help="a text DDM: what guidance steers away from (default: the empty "
                         "prompt)")
     p.add_argument("--guidance-scale", type=_bounded("--guidance-scale", 0.0,
                                                      MAX_GUIDANCE_SCALE),
-                   default=None,
+                   default=None, metavar="SCALE",
                    help=f"a text DDM: classifier-free guidance, 0 to {MAX_GUIDANCE_SCALE:g} "
                         "(1: none; default: the release's, e.g. 7.5)")
     p.add_argument("--guidance-cutoff", type=_bounded("--guidance-cutoff", 0.0, 1.0),
-                   default=1.0,
+                   default=1.0, metavar="FRACTION",
                    help="a text DDM: guide only the first fraction of the steps, 0 to 1 "
                         "(default 1: every step)")
     p.add_argument("--steps", type=int, default=None,
@@ -460,6 +460,11 @@ def _sample(args: argparse.Namespace) -> int:
     root = None if source is None else ddm_root(source)
     if root is not None and is_text_ddm(root):
         return _sample_text(args, root)
+    if text_given and args.router is not None:
+        raise UserError(f"{', '.join(text_given)} cannot go with --router: --router samples a "
+                        "label DDM; ask a text DDM's router with POST /v1/images/generations, "
+                        "or run `ddm sample DIR --prompt ...` on its checkpoints (the same "
+                        "pixels)")
     if text_given:
         raise UserError(f"{source or DEFAULT_DDM} is a label DDM (conditioned on class labels): "
                         f"it takes --labels, not {', '.join(text_given)}")

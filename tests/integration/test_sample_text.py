@@ -100,6 +100,8 @@ def test_prompts_to_a_samples_file_are_the_routers_images_in_any_batch(served, t
     ("label", ("--prompt", "a red seven"),
      "is a label DDM (conditioned on class labels): it takes --labels, not --prompt"),
     ("label", ("--guidance-cutoff", "0.5"), "it takes --labels, not --guidance-cutoff"),
+    ("router", ("--prompt", "a red seven", "--router", "http://127.0.0.1:9"),
+     "--prompt cannot go with --router: --router samples a label DDM"),
     ("text", ("--labels", "7"), "is a text DDM (conditioned on prompts): it takes --prompt, "
                                 "not --labels"),
     ("text", (), "is a text DDM: give --prompt"),
@@ -108,10 +110,10 @@ def test_prompts_to_a_samples_file_are_the_routers_images_in_any_batch(served, t
 ])
 def test_bad_input_is_refused_by_name_before_anything_is_written(served, tmp_path, capsys,
                                                                  ddm, extra, problem):
-    source = LABEL_DDM if ddm == "label" else served[1]
+    source = {"label": (LABEL_DDM,), "text": (served[1],), "router": ()}[ddm]
     out = tmp_path / "s.npz"
     try:
-        code, err = _sample(capsys, source, *extra, "--out", out)
+        code, err = _sample(capsys, *source, *extra, "--out", out)
     except SystemExit as exit_:  # argparse's own refusals
         code, err = exit_.code, capsys.readouterr().err
     assert code == 2 and problem in err, err
