@@ -376,7 +376,7 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
                         f"(default: the shipped {DEFAULT_DDM} DDM, the one make demo serves)")
     p.add_argument("--router", default=None, metavar="URL",
                    help="ask the router serving at URL (`ddm up`, a cluster Service) instead: "
-                        "the same images as in-process for the same arguments (label DDMs)")
+                        "the same images as in-process for the same arguments")
     p.add_argument("--token-file", type=Path, default=None,
                    help="with --router: a file holding the router's bearer token")
     p.add_argument("--strategy", default=None,
@@ -454,56 +454,27 @@ def _sample(args: argparse.Namespace) -> int:
 
     if args.ddm is not None and args.checkpoints is not None:
         raise UserError("give the DDM once: DIR_OR_DDM.yaml or --checkpoints")
-    source = args.ddm if args.ddm is not None else args.checkpoints
-    text_given = [flag for flag, dest in _TEXT_FLAGS
-                  if getattr(args, dest) not in (None, [], 1.0)]
-    root = None if source is None else ddm_root(source)
-    if root is not None and is_text_ddm(root):
-        return _sample_text(args, root)
-    if text_given and args.router is not None:
-        raise UserError(f"{', '.join(text_given)} cannot go with --router: --router samples a "
-                        "label DDM; ask a text DDM's router with POST /v1/images/generations, "
-                        "or run `ddm sample DIR --prompt ...` on its checkpoints (the same "
-                        "pixels)")
-    if text_given:
-        raise UserError(f"{source or DEFAULT_DDM} is a label DDM (conditioned on class labels): "
-                        f"it takes --labels, not {', '.join(text_given)}")
     if args.router is not None:
         return _sample_router(args)
     if args.token_file is not None:
         raise UserError("--token-file goes with --router")
+    source = args.ddm if args.ddm is not None else args.checkpoints
+    root = None if source is None else ddm_root(source)
+    if root is not None and is_text_ddm(root):
+        _refuse_label_flags(args, str(root))
+        from ddm.sampling.commands import sample_text_command
+
+        return _print(sample_text_command(root, args.prompts, **_text_settings(args),
+                                          backend=args.backend, device=args.device))
+    _refuse_text_flags(args, str(source or DEFAULT_DDM))
     from ddm.sampling.commands import sample_command
 
-    summary = sample_command(
+    return _print(sample_command(
         checkpoints=root, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
         n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
         solver=args.solver, seed=args.seed, backend=args.backend, device=args.device,
         batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
-        png=args.png, quiet=args.quiet)
-    print(json.dumps(summary))
-    return 0
-
-
-def _sample_text(args: argparse.Namespace, root: Path) -> int:
-    label_only = [flag for flag, given in (("--labels", args.labels is not None),
-                                           ("--n-per-label", args.n_per_label != 1),
-                                           ("--router", args.router is not None),
-                                           ("--token-file", args.token_file is not None))
-                  if given]
-    if label_only:
-        raise UserError(f"{root} is a text DDM (conditioned on prompts): it takes --prompt, "
-                        f"not {', '.join(label_only)}")
-    from ddm.sampling.commands import sample_text_command
-
-    summary = sample_text_command(
-        root, args.prompts, steps=args.steps, strategy=args.strategy,
-        guidance_scale=args.guidance_scale, negative_prompt=args.negative_prompt,
-        guidance_cutoff=args.guidance_cutoff, seed=args.seed, solver=args.solver,
-        backend=args.backend, device=args.device,
-        batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
-        png=args.png, quiet=args.quiet)
-    print(json.dumps(summary))
-    return 0
+        png=args.png, quiet=args.quiet))
 
 
 def _sample_router(args: argparse.Namespace) -> int:
@@ -515,14 +486,49 @@ def _sample_router(args: argparse.Namespace) -> int:
     if local_only:
         raise UserError(f"{', '.join(local_only)} run models in-process and cannot go with "
                         "--router (the router's experts run where they are served)")
-    from ddm.serving.router.client import sample_router_command
+    from ddm.serving.router.client import (read_token, router_info, sample_router_command,
+                                           sample_router_text_command)
 
-    summary = sample_router_command(
+    token = read_token(args.token_file)
+    info = router_info(args.router, token)
+    what = f"the DDM at {args.router}"
+    if info.get("conditioning") == "text":
+        _refuse_label_flags(args, what)
+        return _print(sample_router_text_command(info, args.router, args.prompts,
+                                                 **_text_settings(args), token=token))
+    _refuse_text_flags(args, what)
+    return _print(sample_router_command(
         url=args.router, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
         n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
-        solver=args.solver, seed=args.seed,
-        batch_size=args.batch_size, token_file=args.token_file, out=args.out, png=args.png,
-        quiet=args.quiet)
+        solver=args.solver, seed=args.seed, batch_size=args.batch_size,
+        token_file=args.token_file, out=args.out, png=args.png, quiet=args.quiet))
+
+
+def _refuse_text_flags(args: argparse.Namespace, ddm: str) -> None:
+    given = [flag for flag, dest in _TEXT_FLAGS if getattr(args, dest) not in (None, [], 1.0)]
+    if given:
+        raise UserError(f"{ddm} is a label DDM (conditioned on class labels): it takes "
+                        f"--labels, not {', '.join(given)}")
+
+
+def _refuse_label_flags(args: argparse.Namespace, ddm: str) -> None:
+    given = [flag for flag, value in (("--labels", args.labels is not None),
+                                      ("--n-per-label", args.n_per_label != 1)) if value]
+    if given:
+        raise UserError(f"{ddm} is a text DDM (conditioned on prompts): it takes --prompt, "
+                        f"not {', '.join(given)}")
+
+
+def _text_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``ddm sample``'s settings of a text DDM's request and output, in-process or served."""
+    return {"steps": args.steps, "strategy": args.strategy,
+            "guidance_scale": args.guidance_scale, "negative_prompt": args.negative_prompt,
+            "guidance_cutoff": args.guidance_cutoff, "seed": args.seed, "solver": args.solver,
+            "batch_size": args.batch_size, "out": args.out, "png": args.png,
+            "quiet": args.quiet}
+
+
+def _print(summary: dict[str, Any]) -> int:
     print(json.dumps(summary))
     return 0
 

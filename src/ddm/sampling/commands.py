@@ -93,8 +93,8 @@ def is_text_ddm(root: Path) -> bool:
 def sample_text_command(root: Path, prompts: Sequence[str], *, steps: int | None,
                         strategy: str | None, guidance_scale: float | None,
                         negative_prompt: str | None, guidance_cutoff: float, seed: int,
-                        solver: str, backend: str, device: str | None, batch_size: int,
-                        out: Path, png: Path | None = None,
+                        solver: str, backend: str, device: str | None,
+                        batch_size: int | None, out: Path, png: Path | None = None,
                         quiet: bool = False) -> dict[str, Any]:
     """One image per prompt from the text DDM at ``root`` (steps, strategy and guidance
     default to the DDM's); write ``out`` (.npz: the samples, with the prompts; .png: the
@@ -104,13 +104,10 @@ def sample_text_command(root: Path, prompts: Sequence[str], *, steps: int | None
 
     if not prompts:
         raise ValueError(f"{root} is a text DDM: give --prompt (one image per --prompt)")
+    batch_size = 256 if batch_size is None else batch_size
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
-    if out.suffix not in (".npz", ".png"):
-        raise ValueError(f"--out must end with .npz (samples) or .png (images), got {out}")
-    check_output(out, out.suffix, "--out")
-    if png is not None:
-        check_output(png, ".png", "--png")
+    check_text_outputs(out, png)
     ddm = load_text_ddm(root, device=device or "cpu",
                         backends=("torch",) if backend == "native" else (backend,))
     if ddm.decode is None:
@@ -132,18 +129,35 @@ def sample_text_command(root: Path, prompts: Sequence[str], *, steps: int | None
                 prompts[start:start + batch_size])), advance)
             images.append(chunk.images)
             calls.append(chunk.expert_calls)
-    images, calls = np.concatenate(images), np.concatenate(calls)
-    settings = {"strategy": request.strategy.name, "steps": request.steps, "solver": solver,
-                "seed": seed, "source": str(root), "guidance_scale": request.guidance_scale,
-                "guidance_cutoff": guidance_cutoff,
-                **({} if negative_prompt is None else {"negative_prompt": negative_prompt})}
+    return write_text_samples(
+        out, png, np.concatenate(images), prompts, np.concatenate(calls),
+        {"strategy": request.strategy.name, "steps": request.steps, "solver": solver,
+         "seed": seed, "source": str(root), "guidance_scale": request.guidance_scale,
+         "guidance_cutoff": guidance_cutoff, "negative_prompt": negative_prompt})
+
+
+def check_text_outputs(out: Path, png: Path | None) -> None:
+    """A text DDM's ``--out`` (.npz or .png) and ``--png``, checked before anything runs."""
+    if out.suffix not in (".npz", ".png"):
+        raise ValueError(f"--out must end with .npz (samples) or .png (images), got {out}")
+    check_output(out, out.suffix, "--out")
+    if png is not None:
+        check_output(png, ".png", "--png")
+
+
+def write_text_samples(out: Path, png: Path | None, images: np.ndarray,
+                       prompts: Sequence[str], calls: np.ndarray,
+                       settings: dict[str, Any]) -> dict[str, Any]:
+    """Write a text DDM's images: ``out`` (.npz samples or .png) and ``png``; ``ddm sample``'s
+    summary. A ``negative_prompt`` of None is left out of the file."""
     for path in (out, png):
         if path is not None and path.suffix == ".png":
             write_images_png(path, images)
     if out.suffix == ".npz":
-        save_text_samples_npz(out, images, prompts, calls, settings)
-    return {"out": str(out), "n": len(prompts), "strategy": request.strategy.name,
-            "steps": request.steps, "guidance_scale": request.guidance_scale,
+        save_text_samples_npz(out, images, prompts, calls,
+                              {k: v for k, v in settings.items() if v is not None})
+    return {"out": str(out), "n": len(prompts), "strategy": settings["strategy"],
+            "steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
             "mean_expert_calls": float(calls.mean())}
 
 
