@@ -25,8 +25,9 @@ $(STAMP): $(DEMO_STAMP) tools/devcluster/pyproject.toml
 
 install: $(STAMP)
 
+# The shipped text-to-image DDM (examples/text2img.yaml); `ddm up` alone serves the MNIST one.
 demo: $(DEMO_STAMP)
-	$(BIN)/ddm up
+	$(BIN)/ddm up examples/text2img.yaml
 
 # What the dev cluster's real node and the image build need from Debian (the Kubernetes source
 # build installs its own), and the browser the web page's test drives (chromium, through

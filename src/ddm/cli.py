@@ -636,12 +636,13 @@ def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) 
     from ddm.evaluation.text2img_report import mnist_directory, write_text2img_report
     from ddm.models.text2img import DEFAULT_STEPS
 
-    if args.compare or args.cache or args.solver != "euler":
-        raise UserError("--compare, --cache and --solver are for label DDMs' reports")
+    if args.compare or args.solver != "euler":
+        raise UserError("--compare and --solver are for label DDMs' reports")
     classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
     return write_text2img_report(args.checkpoints, args.out, classifier,
                                  mnist_directory(classifier, args.data),
-                                 steps=args.steps or DEFAULT_STEPS, progress=progress)
+                                 steps=args.steps or DEFAULT_STEPS, cache=args.cache,
+                                 progress=progress)
 
 
 # -- expert -------------------------------------------------------------------------------------

@@ -24,8 +24,8 @@ def png_bytes(image: np.ndarray, scale: int = 1) -> bytes:
 
 
 def grid(images: np.ndarray, columns: int, pad: int = 1) -> np.ndarray:
-    """Tile ``(N, H, W)`` grayscale or ``(N, H, W, 3)`` RGB uint8 images row by row into one
-    image with ``pad`` pixel (black) gutters."""
+    """Tile ``(N, H, W)`` or RGB ``(N, H, W, 3)`` uint8 images row by row into one image with
+    ``pad`` pixel gutters."""
     n, h, w = images.shape[:3]
     columns = max(1, min(columns, n))
     rows = -(-n // columns)

@@ -182,3 +182,18 @@ def test_a_monolith_snapshot_is_its_training_state_declared_as_such(trained: Pat
                      for d in (snapshot, trained / "monolith"))
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_ddm_sample_draws_one_rgb_image_per_prompt(imported: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from ddm.cli import main
+
+    out, png = tmp_path / "samples.npz", tmp_path / "samples.png"
+    assert main(["sample", "--checkpoints", str(imported), "--prompt", "a thick red 3",
+                 "--prompt", "a thin blue seven", "--steps", "2", "--guidance-scale", "2",
+                 "--backend", "jax", "--out", str(out), "--png", str(png)]) == 0
+    with np.load(out) as samples:
+        assert samples["images"].shape == (2, 32, 32, 3)
+        assert samples["prompts"].tolist() == ["a thick red 3", "a thin blue seven"]
+    assert Image.open(png).mode == "RGB"

@@ -4,13 +4,15 @@ paired run by run, in the direction each metric improves."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from ddm.data.colored_mnist import COLOUR_NAMES, paint
 from ddm.evaluation.report import paired_verdict
 from ddm.evaluation.text2img_judges import grey, ink_colours, ink_mass
-from ddm.evaluation.text2img_report import Prompts
+from ddm.evaluation.text2img_report import Prompts, RunStore
 
 
 def _strokes(widths: list[int], level: float = 1.0) -> np.ndarray:
@@ -64,3 +66,23 @@ def test_verdicts_pair_runs_in_the_direction_a_metric_improves() -> None:
         "b is better, lower in all 3 runs")
     assert paired_verdict([1.0, 2.0, 3.0], [2.0, 1.0, 3.0], "a", "b") == (
         "no consistent difference, a lower in 1 of 3 runs (per run +0.00 +/- 1.00)")
+
+
+def test_reports_on_one_cache_share_runs_each_computed_once(tmp_path: Path) -> None:
+    computed: list[str] = []
+
+    def compute(name: str) -> dict[str, object]:
+        computed.append(name)
+        return {"fd": 1.5, "by": name}
+
+    first, second = RunStore(tmp_path), RunStore(tmp_path)
+    first.run("run-a", lambda: compute("first"))
+    second.run("run-a", lambda: compute("second"))  # claimed: skipped
+    second.run("run-b", lambda: compute("second"))
+    assert computed == ["first", "second"]
+    assert second.result("run-a") == {"fd": 1.5, "by": "first"}
+    assert first.result("run-b")["by"] == "second"
+    assert RunStore(tmp_path).result("run-a")["by"] == "first"  # a rerun resumes
+    alone = RunStore(None)
+    alone.run("run-a", lambda: compute("alone"))
+    assert alone.result("run-a")["by"] == "alone"

@@ -10,7 +10,10 @@ ceiling and the FD floor at this size.
 
 from __future__ import annotations
 
+import json
+import os
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +38,8 @@ from ddm.sampling.pipeline import generate_text
 SWEEP = (1.0, 2.0, 4.0, 7.5)
 ROUTINGS = ("top1", "top2", "ensemble", "random")
 STROKES = ("thick", "thin")
+#: The monolith's routing column: one network, nothing to route.
+SINGLE_MODEL = "single model"
 COLUMNS = ("digit", "colour", "stroke", "fd", "clip_match", "clip_score")
 HEADINGS = ("digit acc.", "colour acc.", "thick > thin", "FD", "CLIP match", "CLIP score")
 
@@ -119,50 +124,116 @@ def real_row(judges: Judges, prompts: Prompts) -> Row:
     return row
 
 
-def sampled_row(ddm: TextDDM, model: str, routing: str, guidance: float, judges: Judges,
-                prompts: Prompts, steps: int,
-                progress: Callable[[str], None] | None = None) -> Row:
-    row = Row(model, routing, guidance)
-    usage, calls, cpu = [], [], []
-    for seed in SEEDS:
-        started = time.process_time()
-        out = generate_text(ddm, prompts.text, steps=steps, seed=seed, strategy=routing,
-                            guidance_scale=guidance,
-                            latents=prompts.noise(ddm.latent_shape, seed))
-        cpu.append(time.process_time() - started)
-        masks = out.usage.step_masks(steps)  # (N, steps) bit k: expert k ran
-        bits = np.left_shift(1, np.arange(len(ddm.expert_names)))
-        usage.append(((masks[:, :, None] & bits) > 0).mean(axis=0))
-        calls.append(float(out.expert_calls.mean()))
-        for metric, value in score(judges, out.images, prompts, seed).items():
-            row.values.setdefault(metric, []).append(value)
-        if progress is not None:
-            progress(f"{model} {routing} guidance {guidance:g} seed {seed}")
-    row.usage, row.expert_calls = np.mean(usage, axis=0), float(np.mean(calls))
-    row.cpu_seconds = float(np.mean(cpu))
-    return row
+@dataclass(frozen=True)
+class Config:
+    """One sampled row: the DDM, its name, routing and guidance."""
+
+    ddm: TextDDM
+    model: str
+    routing: str
+    guidance: float
+
+
+class RunStore:
+    """Where each sampled run's scores are kept (``--cache DIR``; None: nowhere): a stopped
+    report resumes, and reports started together on one DIR share the work, each run claimed
+    by the first to reach it (an exclusive create), the others reading its result."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+        self.kept: dict[str, dict[str, Any]] = {}
+
+    def run(self, key: str, compute: Callable[[], dict[str, Any]]) -> None:
+        """Compute ``key`` unless it is kept, or claimed by another report."""
+        if self.directory is None:
+            self.kept[key] = compute()
+            return
+        path = self.directory / f"{key}.json"
+        if path.is_file():
+            return
+        try:
+            os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        result = compute()
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps(result))
+
+    def result(self, key: str, wait_s: float = 3600.0) -> dict[str, Any]:
+        """``key``'s result, waiting up to ``wait_s`` for another report computing it."""
+        if key in self.kept:
+            return self.kept[key]
+        assert self.directory is not None, "without a directory every run is kept"
+        path, deadline = self.directory / f"{key}.json", time.monotonic() + wait_s
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not appear: remove its .claim and rerun")
+            time.sleep(2.0)
+        return json.loads(path.read_text())
+
+
+def run_key(config: Config, seed: int, steps: int) -> str:
+    return re.sub(r"[^a-zA-Z0-9._-]+", "_", f"{config.model}-{config.routing}-"
+                                           f"g{config.guidance:g}-s{seed}-{steps}steps")
+
+
+def sample_run(config: Config, judges: Judges, prompts: Prompts, steps: int,
+               seed: int) -> dict[str, Any]:
+    """One run of ``config``: its scores, expert usage per step, calls and CPU seconds."""
+    ddm = config.ddm
+    routing = "top1" if config.routing == SINGLE_MODEL else config.routing
+    started = time.process_time()
+    out = generate_text(ddm, prompts.text, steps=steps, seed=seed, strategy=routing,
+                        guidance_scale=config.guidance,
+                        latents=prompts.noise(ddm.latent_shape, seed))
+    cpu = time.process_time() - started
+    masks = out.usage.step_masks(steps)  # (N, steps) bit k: expert k ran
+    bits = np.left_shift(1, np.arange(len(ddm.expert_names)))
+    return {"values": score(judges, out.images, prompts, seed),
+            "usage": ((masks[:, :, None] & bits) > 0).mean(axis=0).tolist(),
+            "calls": float(out.expert_calls.mean()), "cpu": cpu}
+
+
+def sampled_rows(configs: Sequence[Config], judges: Judges, prompts: Prompts, steps: int,
+                 store: RunStore, progress: Callable[[str], None] | None = None) -> list[Row]:
+    """Every run of every config (those not kept or claimed elsewhere), then the rows."""
+    for config in configs:
+        for seed in SEEDS:
+            store.run(run_key(config, seed, steps),
+                      lambda: sample_run(config, judges, prompts, steps, seed))
+            if progress is not None:
+                progress(f"{config.model} {config.routing} guidance {config.guidance:g} "
+                         f"seed {seed}")
+    rows = []
+    for config in configs:
+        runs = [store.result(run_key(config, seed, steps)) for seed in SEEDS]
+        row = Row(config.model, config.routing, config.guidance,
+                  values={m: [r["values"][m] for r in runs] for m in runs[0]["values"]},
+                  expert_calls=float(np.mean([r["calls"] for r in runs])),
+                  cpu_seconds=float(np.mean([r["cpu"] for r in runs])),
+                  usage=np.mean([r["usage"] for r in runs], axis=0))
+        rows.append(row)
+    return rows
 
 
 def quality_rows(root: Path, judges: Judges, steps: int, backends: Sequence[str],
-                 progress: Callable[[str], None] | None = None) -> list[Row]:
+                 store: RunStore, progress: Callable[[str], None] | None = None) -> list[Row]:
     """The floor, the guidance sweep at the default routing, each routing at the default
     guidance, then the monolith (where ``root/monolith`` exists) at the default guidance."""
     prompts = Prompts.make()
     ddm = load_text_ddm(root, backends=backends)
     name = f"DDM ({len(ddm.expert_names)} experts)"
-    rows = [real_row(judges, prompts)]
-    for guidance in SWEEP:
-        rows.append(sampled_row(ddm, name, DEFAULT_STRATEGY, guidance, judges, prompts, steps,
-                                progress))
-    for routing in ROUTINGS:
-        if routing != DEFAULT_STRATEGY:
-            rows.append(sampled_row(ddm, name, routing, DEFAULT_GUIDANCE, judges, prompts,
-                                    steps, progress))
+    configs = [Config(ddm, name, DEFAULT_STRATEGY, g) for g in SWEEP]
+    configs += [Config(ddm, name, r, DEFAULT_GUIDANCE) for r in ROUTINGS
+                if r != DEFAULT_STRATEGY]
     if (root / "monolith").is_dir():
-        monolith = load_text_ddm(root, experts=("monolith",))
-        rows.append(sampled_row(monolith, monolith_name(root / "monolith"), "single model",
-                                DEFAULT_GUIDANCE, judges, prompts, steps, progress))
-    return rows
+        configs.append(Config(load_text_ddm(root, experts=("monolith",)),
+                              monolith_name(root / "monolith"), SINGLE_MODEL,
+                              DEFAULT_GUIDANCE))
+    return [real_row(judges, prompts), *sampled_rows(configs, judges, prompts, steps, store,
+                                                     progress)]
 
 
 def monolith_name(directory: Path) -> str:
@@ -263,11 +334,12 @@ def mnist_directory(classifier: Path, data: str | None) -> Path:
 def write_text2img_report(root: Path, out: Path, classifier: Path, mnist: Path,
                           clip: Path | None = None, steps: int = 30,
                           backends: Sequence[str] = ("torch", "jax"),
+                          cache: Path | None = None,
                           progress: Callable[[str], None] | None = None) -> Path:
     """Sample every row, score it, and write the Markdown table to ``out``."""
     check_output(out, ".md", "--out")  # before the sampling, not after
     judges = load_judges(classifier, mnist, clip or root / "clip", root / "text_encoder")
-    rows = quality_rows(root, judges, steps, backends, progress)
+    rows = quality_rows(root, judges, steps, backends, RunStore(cache), progress)
     settings = {"checkpoints": shown_path(root), "backends": " / ".join(
                     f"expert_{k}: {backends[k % len(backends)]}" for k in range(4)),
                 "n": len(Prompts.make().text), "steps": steps,

@@ -250,7 +250,13 @@ class Reconciler:
         if known.get(key) == _fingerprint(live):
             in_sync[key] = _fingerprint(live)  # untouched since it was last written or checked
             return None
-        if _differs(live, self._kube.apply(desired, dry_run=True)):
+        preview = self._kube.apply(desired, dry_run=True)
+        if _version(preview) != _version(live):
+            # Changed since it was listed (a controller wrote its status, say): the comparison
+            # would be meaningless, and that change's own event runs this again. Nothing is
+            # remembered as in sync meanwhile, or an edit made before it would stay for good.
+            return None
+        if _differs(live, preview):
             in_sync[key] = _fingerprint(self._kube.apply(desired))
             return "Restored", f"Restored {what} (it was changed outside the operator)"
         in_sync[key] = _fingerprint(live)
@@ -334,13 +340,8 @@ def _uses_secrets(manifest: Mapping[str, Any], secret_names: list[str]) -> bool:
 
 
 def _differs(live: Mapping[str, Any], preview: Mapping[str, Any]) -> bool:
-    """Whether applying would change what the server stores (``preview``: a dry-run apply).
-
-    When the object changed since ``live`` was listed (a controller wrote to it, say), the
-    comparison would be meaningless: False, as that change's own event triggers a new run.
-    """
-    if live["metadata"].get("resourceVersion") != preview["metadata"].get("resourceVersion"):
-        return False
+    """Whether applying would change what the server stores (``preview``: a dry-run apply of
+    the same version of the object as ``live``)."""
 
     def essence(obj: Mapping[str, Any]) -> tuple[Any, ...]:
         meta = obj["metadata"]

@@ -181,9 +181,11 @@ def request_models(config: RouterConfigFile
                                      description="this request's first image's index in a "
                                                  "larger run: a run split into requests gives "
                                                  "the images one request would")
-        # Parsed here, once: the field holds the Strategy, the schema says what is sent.
-        strategy: Annotated[Strategy, WithJsonSchema({"type": "string",
-                                                      "maxLength": MAX_STRATEGY_CHARS})] = (
+        # Parsed here, once: the field holds the Strategy, the schema says what is sent (in
+        # the type's schema, which a query parameter's document shows too).
+        strategy: Annotated[Strategy, WithJsonSchema({  # type: ignore[valid-type]
+            "type": "string", "maxLength": MAX_STRATEGY_CHARS, "pattern": pattern,
+            "default": defaults.strategy})] = (
             Field(parse_strategy(defaults.strategy),
                   json_schema_extra={"pattern": pattern, "default": defaults.strategy},
                   description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or ensemble; "
@@ -245,7 +247,8 @@ def request_models(config: RouterConfigFile
             return in_classes(value) if value else value
 
     class StreamQuery(Sampling):
-        label: int | None = Field(
+        # A label DDM's label is an integer, never null (what a query could not send anyway).
+        label: int | None if text else int = Field(  # type: ignore[valid-type]
             None if text else ..., json_schema_extra=_NONE if text else {
                 k: v for k, v in label_schema.items() if k != "type"},
             description="a label DDM: the image's label")
