@@ -355,13 +355,22 @@ def _parse_channels(text: str) -> tuple[int, ...]:
 # -- sample, eval, report -----------------------------------------------------------------------
 
 def _add_sample(commands: argparse._SubParsersAction) -> None:
+    from ddm.deploy.limits import MAX_GUIDANCE_SCALE
+
     p = commands.add_parser(
-        "sample", help="generate digits in-process from checkpoints, or from a running router "
-                       "(--router)",
-        description="Generate N_PER_LABEL images of each label and write them as a samples "
-                    ".npz file (for ddm eval) and, with --png, a grid. By default the models "
-                    "run in this process from the DDM make demo serves (checkpoints/mnist, "
-                    "32x32); --router asks a running router for the same images instead.")
+        "sample", help="generate digits of labels, or images of prompts (a text DDM), "
+                       "in-process from checkpoints, or from a running router (--router)",
+        description="A label DDM: generate N_PER_LABEL images of each label and write them as "
+                    "a samples .npz file (for ddm eval) and, with --png, a grid. By default "
+                    "the models run in this process from the DDM make demo serves "
+                    "(checkpoints/mnist, 32x32); --router asks a running router for the same "
+                    "images instead. A text DDM (ddm import paris|text2img): one RGB image per "
+                    "--prompt, written as a PNG (the image, or a row of them) or a samples "
+                    ".npz with the prompts; the same pixels its router gives for the same "
+                    "request.")
+    p.add_argument("ddm", nargs="?", type=Path, default=None, metavar="DIR_OR_DDM.yaml",
+                   help="the DDM to sample: its directory, or the ddm.yaml ddm import wrote "
+                        "beside its stages (same as --checkpoints)")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory (experts + router) or one model's checkpoint "
                         f"(default: the shipped {DEFAULT_DDM} DDM, the one make demo serves)")
@@ -373,18 +382,30 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default=None,
                    help="how each step picks experts: oracle (by label; label-partitioned "
                         "DDMs only), top1, top2, topk:K, threshold:P, ensemble, or random "
-                        "(the evaluation's baseline, in-process only); default top1")
-    p.add_argument("--labels", default="0,1,2,3,4,5,6,7,8,9",
-                   help="comma-separated class labels to draw (default: every digit)")
-    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
-                   help="a text DDM (--checkpoints of stage checkpoints, e.g. "
-                        "checkpoints/text2img): one image per prompt; repeatable")
-    p.add_argument("--guidance", type=float, default=None,
-                   help="with --prompt: the classifier-free guidance scale (default: the "
-                        "DDM's)")
-    p.add_argument("--n-per-label", type=int, default=1, help="images per label (default 1)")
+                        "(the evaluation's baseline, in-process only); default top1 (a text "
+                        "DDM: the release's, e.g. Paris's top2)")
+    p.add_argument("--labels", default=None,
+                   help="a label DDM: comma-separated class labels to draw (default: every "
+                        "digit, 0,1,...,9)")
+    p.add_argument("--n-per-label", type=int, default=1,
+                   help="a label DDM: images per label (default 1)")
+    p.add_argument("--prompt", action="append", default=[], dest="prompts", metavar="PROMPT",
+                   help="a text DDM: a prompt; one image per --prompt, in order (repeat it)")
+    p.add_argument("--negative-prompt", default=None, metavar="PROMPT",
+                   help="a text DDM: what guidance steers away from (default: the empty "
+                        "prompt)")
+    p.add_argument("--guidance-scale", type=_bounded("--guidance-scale", 0.0,
+                                                     MAX_GUIDANCE_SCALE),
+                   default=None, metavar="SCALE",
+                   help=f"a text DDM: classifier-free guidance, 0 to {MAX_GUIDANCE_SCALE:g} "
+                        "(1: none; default: the release's, e.g. 7.5)")
+    p.add_argument("--guidance-cutoff", type=_bounded("--guidance-cutoff", 0.0, 1.0),
+                   default=1.0, metavar="FRACTION",
+                   help="a text DDM: guide only the first fraction of the steps, 0 to 1 "
+                        "(default 1: every step)")
     p.add_argument("--steps", type=int, default=None,
-                   help="solver steps from noise to image (default 40; --prompt: the DDM's)")
+                   help="solver steps from noise to image (default 40; a text DDM: the "
+                        "release's)")
     p.add_argument("--solver", default="euler",
                    help="euler (one velocity per step) or heun (two; default euler)")
     p.add_argument("--seed", type=int, default=0,
@@ -394,68 +415,120 @@ def _add_sample(commands: argparse._SubParsersAction) -> None:
                         "torch or jax: every expert on that one (weights convert losslessly)")
     p.add_argument("--device", default=None,
                    help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: the "
-                        "framework's best)")
+                        "framework's best; a text DDM: cpu)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="images generated at once (default: 256; with --router, the router's "
                         "batch limit)")
     p.add_argument("--out", required=True, type=Path,
-                   help="samples .npz to write (its directory must exist)")
+                   help="samples .npz to write (its directory must exist); a text DDM: .npz "
+                        "or .png")
     p.add_argument("--png", type=Path, default=None,
-                   help="also write the images as a PNG grid, one row per label")
+                   help="also write the images as a PNG grid, one row per label (a text DDM: "
+                        "one row)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (there is none anyway when stderr is not a terminal)")
     p.set_defaults(handler=_sample)
 
 
+#: ``ddm sample``'s flags that only a text DDM takes (flag, argparse destination).
+_TEXT_FLAGS = (("--prompt", "prompts"), ("--negative-prompt", "negative_prompt"),
+               ("--guidance-scale", "guidance_scale"), ("--guidance-cutoff", "guidance_cutoff"))
+
+
+def _bounded(flag: str, low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number in [low, high], or an error naming ``flag`` and the range."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number in [{low:g}, {high:g}], "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
 def _sample(args: argparse.Namespace) -> int:
-    if args.prompt:
-        return _sample_text(args)
+    from ddm.sampling.commands import ddm_root, is_text_ddm
+
+    if args.ddm is not None and args.checkpoints is not None:
+        raise UserError("give the DDM once: DIR_OR_DDM.yaml or --checkpoints")
     if args.router is not None:
         return _sample_router(args)
     if args.token_file is not None:
         raise UserError("--token-file goes with --router")
+    source = args.ddm if args.ddm is not None else args.checkpoints
+    root = None if source is None else ddm_root(source)
+    if root is not None and is_text_ddm(root):
+        _refuse_label_flags(args, str(root))
+        from ddm.sampling.commands import sample_text_command
+
+        return _print(sample_text_command(root, args.prompts, **_text_settings(args),
+                                          backend=args.backend, device=args.device))
+    _refuse_text_flags(args, str(source or DEFAULT_DDM))
     from ddm.sampling.commands import sample_command
 
-    summary = sample_command(
-        checkpoints=args.checkpoints, strategy=args.strategy or "top1",
-        labels=_parse_labels(args.labels), n_per_label=args.n_per_label,
-        steps=args.steps or 40, solver=args.solver, seed=args.seed,
-        backend=args.backend, device=args.device,
+    return _print(sample_command(
+        checkpoints=root, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
+        solver=args.solver, seed=args.seed, backend=args.backend, device=args.device,
         batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
-        png=args.png, quiet=args.quiet)
-    print(json.dumps(summary))
-    return 0
-
-
-def _sample_text(args: argparse.Namespace) -> int:
-    if args.router is not None or args.checkpoints is None:
-        raise UserError("--prompt samples a text DDM in this process: give its --checkpoints "
-                        "(e.g. checkpoints/text2img), not --router")
-    from ddm.sampling.commands import sample_text_command
-
-    summary = sample_text_command(
-        args.checkpoints, args.prompt, steps=args.steps, seed=args.seed,
-        strategy=args.strategy, guidance=args.guidance, backend=args.backend, out=args.out,
-        png=args.png)
-    print(json.dumps(summary))
-    return 0
+        png=args.png, quiet=args.quiet))
 
 
 def _sample_router(args: argparse.Namespace) -> int:
     local_only = [flag for flag, value in (("--checkpoints", args.checkpoints),
+                                           ("DIR_OR_DDM.yaml", args.ddm),
                                            ("--device", args.device)) if value is not None]
     if args.backend != "native":
         local_only.append("--backend")
     if local_only:
         raise UserError(f"{', '.join(local_only)} run models in-process and cannot go with "
                         "--router (the router's experts run where they are served)")
-    from ddm.serving.router.client import sample_router_command
+    from ddm.serving.router.client import (read_token, router_info, sample_router_command,
+                                           sample_router_text_command)
 
-    summary = sample_router_command(
+    token = read_token(args.token_file)
+    info = router_info(args.router, token)
+    what = f"the DDM at {args.router}"
+    if info.get("conditioning") == "text":
+        _refuse_label_flags(args, what)
+        return _print(sample_router_text_command(info, args.router, args.prompts,
+                                                 **_text_settings(args), token=token))
+    _refuse_text_flags(args, what)
+    return _print(sample_router_command(
         url=args.router, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
-        n_per_label=args.n_per_label, steps=args.steps or 40, solver=args.solver, seed=args.seed,
-        batch_size=args.batch_size, token_file=args.token_file, out=args.out, png=args.png,
-        quiet=args.quiet)
+        n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
+        solver=args.solver, seed=args.seed, batch_size=args.batch_size,
+        token_file=args.token_file, out=args.out, png=args.png, quiet=args.quiet))
+
+
+def _refuse_text_flags(args: argparse.Namespace, ddm: str) -> None:
+    given = [flag for flag, dest in _TEXT_FLAGS if getattr(args, dest) not in (None, [], 1.0)]
+    if given:
+        raise UserError(f"{ddm} is a label DDM (conditioned on class labels): it takes "
+                        f"--labels, not {', '.join(given)}")
+
+
+def _refuse_label_flags(args: argparse.Namespace, ddm: str) -> None:
+    given = [flag for flag, value in (("--labels", args.labels is not None),
+                                      ("--n-per-label", args.n_per_label != 1)) if value]
+    if given:
+        raise UserError(f"{ddm} is a text DDM (conditioned on prompts): it takes --prompt, "
+                        f"not {', '.join(given)}")
+
+
+def _text_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``ddm sample``'s settings of a text DDM's request and output, in-process or served."""
+    return {"steps": args.steps, "strategy": args.strategy,
+            "guidance_scale": args.guidance_scale, "negative_prompt": args.negative_prompt,
+            "guidance_cutoff": args.guidance_cutoff, "seed": args.seed, "solver": args.solver,
+            "batch_size": args.batch_size, "out": args.out, "png": args.png,
+            "quiet": args.quiet}
+
+
+def _print(summary: dict[str, Any]) -> int:
     print(json.dumps(summary))
     return 0
 
@@ -791,7 +864,9 @@ def _serve_checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
-def _parse_labels(text: str) -> list[int]:
+def _parse_labels(text: str | None) -> list[int]:
+    if text is None:
+        return list(range(10))
     try:
         labels = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:

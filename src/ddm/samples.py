@@ -4,6 +4,10 @@ An ``.npz`` with ``images`` uint8 ``(N, H, W)`` (0 background, 255 ink), ``label
 ``(N,)`` (the class each sample was conditioned on), optionally ``expert_calls`` int ``(N,)``
 (expert forward passes per sample), and scalar settings (strategy, steps, solver, seed,
 source) recorded for provenance. One module reads and writes it, so the two cannot drift.
+
+A text DDM's samples file (``ddm sample --prompt``) holds ``prompts`` (N,) str in place of
+``labels``, RGB ``images`` ``(N, H, W, 3)``, and its guidance settings too; ``ddm eval``, which
+scores digits against their labels, refuses it by name.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import os
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -22,6 +26,8 @@ _REQUIRED_KEYS = ("images", "labels")
 _OPTIONAL_KEYS = ("expert_calls",)
 #: Scalar provenance written by ``ddm sample``; read back as plain Python values.
 SETTINGS_KEYS = ("strategy", "steps", "solver", "seed", "source")
+#: A text DDM's settings besides those (the negative prompt only where one was given).
+TEXT_SETTINGS_KEYS = ("guidance_scale", "guidance_cutoff", "negative_prompt")
 
 
 class SamplesFileError(ValueError):
@@ -51,6 +57,9 @@ def load_samples_npz(path: str | os.PathLike) -> SampleSet:
         raise SamplesFileError(f"samples file {path} is a single .npy array, not an .npz")
     with archive:
         keys = set(archive.files)
+        if "prompts" in keys:
+            raise SamplesFileError(f"samples file {path} holds a text DDM's images (prompts, "
+                                   "RGB); only a label DDM's digits can be scored")
         try:
             arrays = {k: archive[k] for k in keys & {*_REQUIRED_KEYS, *_OPTIONAL_KEYS}}
         except unreadable as exc:
@@ -85,11 +94,29 @@ def save_samples_npz(path: str | os.PathLike, images: np.ndarray, labels: np.nda
                      expert_calls: np.ndarray | None = None,
                      settings: dict[str, Any] | None = None) -> Path:
     """Write a samples file atomically; ``settings`` keys must be in ``SETTINGS_KEYS``."""
-    unknown = sorted(set(settings or {}) - set(SETTINGS_KEYS))
+    return _save(path, {"images": np.asarray(images, np.uint8),
+                        "labels": np.asarray(labels, np.int64)},
+                 expert_calls, settings, SETTINGS_KEYS)
+
+
+def save_text_samples_npz(path: str | os.PathLike, images: np.ndarray, prompts: Sequence[str],
+                          expert_calls: np.ndarray, settings: dict[str, Any]) -> Path:
+    """Write a text DDM's samples file atomically: RGB ``images`` (N, H, W, 3) uint8, one
+    prompt per image; ``settings`` keys in ``SETTINGS_KEYS`` or ``TEXT_SETTINGS_KEYS``."""
+    images = np.asarray(images, np.uint8)
+    if images.ndim != 4 or images.shape[3] != 3 or len(prompts) != len(images):
+        raise ValueError(f"expected (N, H, W, 3) images and N prompts, got {images.shape} "
+                         f"and {len(prompts)} prompts")
+    return _save(path, {"images": images, "prompts": np.asarray(list(prompts), np.str_)},
+                 expert_calls, settings, SETTINGS_KEYS + TEXT_SETTINGS_KEYS)
+
+
+def _save(path: str | os.PathLike, arrays: dict[str, np.ndarray],
+          expert_calls: np.ndarray | None, settings: dict[str, Any] | None,
+          known: tuple[str, ...]) -> Path:
+    unknown = sorted(set(settings or {}) - set(known))
     if unknown:
-        raise ValueError(f"unknown samples settings {unknown}; known: {', '.join(SETTINGS_KEYS)}")
-    arrays: dict[str, np.ndarray] = {"images": np.asarray(images, np.uint8),
-                                     "labels": np.asarray(labels, np.int64)}
+        raise ValueError(f"unknown samples settings {unknown}; known: {', '.join(known)}")
     if expert_calls is not None:
         arrays["expert_calls"] = np.asarray(expert_calls, np.int64)
     arrays |= {k: np.array(v) for k, v in (settings or {}).items()}

@@ -191,7 +191,7 @@ def test_ddm_sample_draws_one_rgb_image_per_prompt(imported: Path, tmp_path: Pat
 
     out, png = tmp_path / "samples.npz", tmp_path / "samples.png"
     assert main(["sample", "--checkpoints", str(imported), "--prompt", "a thick red 3",
-                 "--prompt", "a thin blue seven", "--steps", "2", "--guidance", "2",
+                 "--prompt", "a thin blue seven", "--steps", "2", "--guidance-scale", "2",
                  "--backend", "jax", "--out", str(out), "--png", str(png)]) == 0
     with np.load(out) as samples:
         assert samples["images"].shape == (2, 32, 32, 3)

@@ -1,19 +1,24 @@
-"""``ddm sample``: generate labelled digits in-process and write them as a samples file."""
+"""``ddm sample``: generate in-process and write a samples file: labelled digits from a label
+DDM, RGB images of prompts from a text DDM (its stages, ``ddm.models.stages``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
 from ddm.checkpoints.discovery import default_checkpoints
+from ddm.checkpoints.importers import MANIFEST_FILE
+from ddm.deploy.imported import TEXT_ENCODER_DIR
 from ddm.fileio import atomic_path, check_output
 from ddm.models.loading import load_ddm
 from ddm.progress import progress_bar
 from ddm.sampling.loop import StepEvent, check_request
-from ddm.sampling.pipeline import generate, mixture_of, sampling_request
-from ddm.samples import save_samples_npz
+from ddm.sampling.pipeline import (generate, mixture_of, sampling_request, text_generation,
+                                   text_request)
+from ddm.samples import save_samples_npz, save_text_samples_npz
 
 
 def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int],
@@ -63,32 +68,107 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
             "mean_expert_calls": float(calls.mean())}
 
 
-def sample_text_command(checkpoints: Path, prompts: Sequence[str], steps: int | None,
-                        seed: int, strategy: str | None, guidance: float | None,
-                        backend: str, out: Path, png: Path | None = None) -> dict[str, Any]:
-    """One image per prompt from the text DDM of stage checkpoints at ``checkpoints``
-    (``ddm import``), its experts on ``backend`` (``native``: PyTorch, as trained); steps,
-    strategy and guidance default to the DDM's. Writes ``out`` (``images`` (N, H, W, 3)
-    uint8, ``prompts``, ``expert_calls``) and ``png``, atomically."""
-    from ddm.models.stages import load_text_ddm
-    from ddm.sampling.pipeline import generate_text
+def ddm_root(source: Path) -> Path:
+    """The DDM directory ``source`` names: itself, or the directory of an import's
+    ``ddm.yaml`` (``ddm import`` writes the manifest beside its stage checkpoints)."""
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist")
+    if source.is_file() and source.suffix in (".yaml", ".yml"):
+        if not (source.parent / TEXT_ENCODER_DIR).is_dir():
+            raise ValueError(f"{source}: no imported DDM beside it (ddm import writes "
+                             f"DIR/{MANIFEST_FILE} next to DIR/{TEXT_ENCODER_DIR}/ and the "
+                             "experts); give the DDM's directory instead")
+        return source.parent
+    if not source.is_dir():
+        raise ValueError(f"{source} is neither a DDM directory nor an imported DDM's "
+                         f"{MANIFEST_FILE}")
+    return source
 
-    check_output(out, ".npz", "--out")
+
+def is_text_ddm(root: Path) -> bool:
+    """Whether the DDM at ``root`` is conditioned on text: it has a text encoder stage."""
+    return (root / TEXT_ENCODER_DIR).is_dir()
+
+
+def sample_text_command(root: Path, prompts: Sequence[str], *, steps: int | None,
+                        strategy: str | None, guidance_scale: float | None,
+                        negative_prompt: str | None, guidance_cutoff: float, seed: int,
+                        solver: str, backend: str, device: str | None,
+                        batch_size: int | None, out: Path, png: Path | None = None,
+                        quiet: bool = False) -> dict[str, Any]:
+    """One image per prompt from the text DDM at ``root`` (steps, strategy and guidance
+    default to the DDM's); write ``out`` (.npz: the samples, with the prompts; .png: the
+    image, or a grid of them) and ``png`` atomically. Image ``i``'s noise comes from
+    ``(seed, i)``, as the router's: the same request gives the router's pixels."""
+    from ddm.models.stages import load_text_ddm
+
+    if not prompts:
+        raise ValueError(f"{root} is a text DDM: give --prompt (one image per --prompt)")
+    batch_size = 256 if batch_size is None else batch_size
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+    check_text_outputs(out, png)
+    ddm = load_text_ddm(root, device=device or "cpu",
+                        backends=("torch",) if backend == "native" else (backend,))
+    if ddm.decode is None:
+        raise ValueError(f"{root} has no decoder (decoder/ or vae/): its latents are no "
+                         "images to write")
+    request = text_request(ddm, prompts, steps=steps, seed=seed, strategy=strategy,
+                           guidance_scale=guidance_scale, negative_prompt=negative_prompt,
+                           guidance_cutoff=guidance_cutoff, solver=solver)
+    check_request(mixture_of(ddm), request)  # the whole request, before any chunk runs
+    images, calls = [], []
+    starts = range(0, len(prompts), batch_size)
+    with progress_bar(len(starts) * request.steps, f"sampling {len(prompts)} images", "step",
+                      quiet) as bar:
+        for chunk_index, start in enumerate(starts):
+            def advance(event: StepEvent, done: int = chunk_index * request.steps) -> None:
+                bar.update(done + event.step - bar.n)
+
+            chunk = text_generation(ddm, replace(request, first_index=start, prompts=tuple(
+                prompts[start:start + batch_size])), advance)
+            images.append(chunk.images)
+            calls.append(chunk.expert_calls)
+    return write_text_samples(
+        out, png, np.concatenate(images), prompts, np.concatenate(calls),
+        {"strategy": request.strategy.name, "steps": request.steps, "solver": solver,
+         "seed": seed, "source": str(root), "guidance_scale": request.guidance_scale,
+         "guidance_cutoff": guidance_cutoff, "negative_prompt": negative_prompt})
+
+
+def check_text_outputs(out: Path, png: Path | None) -> None:
+    """A text DDM's ``--out`` (.npz or .png) and ``--png``, checked before anything runs."""
+    if out.suffix not in (".npz", ".png"):
+        raise ValueError(f"--out must end with .npz (samples) or .png (images), got {out}")
+    check_output(out, out.suffix, "--out")
     if png is not None:
         check_output(png, ".png", "--png")
-    ddm = load_text_ddm(checkpoints, backends=("torch",) if backend == "native" else (backend,))
-    result = generate_text(ddm, prompts, steps=steps, seed=seed, strategy=strategy,
-                           guidance_scale=guidance)
-    with atomic_path(out) as tmp:
-        with open(tmp, "wb") as f:
-            np.savez(f, images=result.images, prompts=np.asarray(list(prompts)),
-                     expert_calls=result.expert_calls)
-    if png is not None:
-        write_png_grid(png, result.images, columns=len(prompts))
-    return {"out": str(out), "n": len(prompts), "steps": steps or ddm.steps,
-            "strategy": strategy or ddm.strategy,
-            "guidance_scale": ddm.guidance_scale if guidance is None else guidance,
-            "mean_expert_calls": float(result.expert_calls.mean())}
+
+
+def write_text_samples(out: Path, png: Path | None, images: np.ndarray,
+                       prompts: Sequence[str], calls: np.ndarray,
+                       settings: dict[str, Any]) -> dict[str, Any]:
+    """Write a text DDM's images: ``out`` (.npz samples or .png) and ``png``; ``ddm sample``'s
+    summary. A ``negative_prompt`` of None is left out of the file."""
+    for path in (out, png):
+        if path is not None and path.suffix == ".png":
+            write_images_png(path, images)
+    if out.suffix == ".npz":
+        save_text_samples_npz(out, images, prompts, calls,
+                              {k: v for k, v in settings.items() if v is not None})
+    return {"out": str(out), "n": len(prompts), "strategy": settings["strategy"],
+            "steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
+            "mean_expert_calls": float(calls.mean())}
+
+
+def write_images_png(path: Path, images: np.ndarray) -> None:
+    """RGB ``images`` (N, H, W, 3) as one PNG at their own size (the router's pixels): the
+    image itself when N is 1, else a row of them."""
+    from ddm.imaging import grid, png_bytes
+
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(png_bytes(images[0] if len(images) == 1
+                                  else grid(images, columns=len(images))))
 
 
 def write_png_grid(path: Path, images: np.ndarray, columns: int) -> None:

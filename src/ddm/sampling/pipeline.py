@@ -72,26 +72,42 @@ def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
     return tally.result()
 
 
-def generate_text(ddm: TextDDM, prompts: Sequence[str] = (), *, steps: int | None = None,
-                  seed: int = 0, strategy: Strategy | str | None = None,
-                  guidance_scale: float | None = None, negative_prompt: str | None = None,
-                  guidance_cutoff: float = 1.0, latents: np.ndarray | None = None,
-                  conditioning: Conditioning | None = None, output: str = "image",
-                  solver: str = "euler") -> Generation:
-    """One image per prompt (or per row of precomputed ``conditioning``) from a text DDM;
-    steps, strategy and guidance default to the release's. ``latents`` (N, C, S, S) float32
-    replace the seed's initial noise; ``output="latent"`` skips the decoder (images None)."""
+def generate_text(ddm: TextDDM, prompts: Sequence[str] = (), *,
+                  on_step: Callable[[StepEvent], None] | None = None,
+                  **settings: Any) -> Generation:
+    """One image per prompt (or per row of precomputed ``conditioning``) from a text DDM, the
+    request's ``settings`` as :func:`text_request` takes them. ``on_step`` sees each
+    :class:`StepEvent` as it comes (a progress bar)."""
+    return text_generation(ddm, text_request(ddm, prompts, **settings), on_step)
+
+
+def text_request(ddm: TextDDM, prompts: Sequence[str] = (), *, steps: int | None = None,
+                 seed: int = 0, strategy: Strategy | str | None = None,
+                 guidance_scale: float | None = None, negative_prompt: str | None = None,
+                 guidance_cutoff: float = 1.0, latents: np.ndarray | None = None,
+                 conditioning: Conditioning | None = None, output: str = "image",
+                 solver: str = "euler", first_index: int = 0) -> SamplingRequest:
+    """A text DDM's :class:`SamplingRequest`; steps, strategy and guidance default to the
+    release's. Image ``i``'s noise comes from ``(seed, first_index + i)`` unless ``latents``
+    (N, C, S, S) float32 give it; ``output="latent"`` skips the decoder (images None)."""
     chosen = ddm.strategy if strategy is None else strategy
-    request = SamplingRequest(
+    return SamplingRequest(
         labels=(), steps=ddm.steps if steps is None else steps, seed=seed,
         strategy=parse_strategy(chosen, evaluation=True) if isinstance(chosen, str) else chosen,
         solver=solver, prompts=tuple(prompts), conditioning=conditioning,
         guidance_scale=ddm.guidance_scale if guidance_scale is None else guidance_scale,
         negative_prompt=negative_prompt, guidance_cutoff=guidance_cutoff, latents=latents,
-        output=output)
+        output=output, first_index=first_index)
+
+
+def text_generation(ddm: TextDDM, request: SamplingRequest,
+                    on_step: Callable[[StepEvent], None] | None = None) -> Generation:
+    """Run ``request`` on the text DDM in this process (validated first)."""
     tally = Tally(ddm.expert_names, (), state_is_image=False)
     for event in steps_of(ddm, request):
         tally.add(event)
+        if on_step is not None and isinstance(event, StepEvent):
+            on_step(event)
     return tally.result()
 
 

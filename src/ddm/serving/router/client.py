@@ -5,6 +5,9 @@ run is split into requests that each pass ``first_index``: image ``i`` of the ru
 noise ``(seed, i)`` whichever request carries it, and the images equal those of the
 in-process driver (``ddm sample``) for the same arguments. ``ddm eval`` then scores what users
 are actually served (``ddm up`` or a cluster's router Service), not a local re-run.
+
+A text DDM's router (``/v1/info`` says ``conditioning: text``) takes ``prompts`` and guidance
+instead, and answers RGB images: the pixels ``ddm sample DIR --prompt`` makes in-process.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import numpy as np
 
 from ddm.fileio import check_output
 from ddm.progress import progress_bar
-from ddm.sampling.commands import write_png_grid
+from ddm.sampling.commands import check_text_outputs, write_png_grid, write_text_samples
 from ddm.samples import save_samples_npz
 
 #: Per request; a CPU router makes 64 images of 40 steps in a few seconds.
@@ -35,7 +38,8 @@ class RouterCallError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServedSamples:
-    """``images`` uint8 ``(N, H, W)``; ``expert_calls`` and ``routing`` per image."""
+    """``images`` uint8 ``(N, H, W)`` (a text DDM's: ``(N, H, W, 3)`` RGB); ``expert_calls``
+    and ``routing`` per image."""
 
     images: np.ndarray
     expert_calls: np.ndarray
@@ -56,12 +60,20 @@ def served_samples(url: str, labels: Sequence[int], steps: int, seed: int, strat
     how many images each answer brought (a progress bar)."""
     if batch_size is None:
         batch_size = int(router_info(url, token)["limits"]["max_batch"])
+    return _served(url, "labels", [int(v) for v in labels],
+                   {"steps": steps, "seed": seed, "strategy": strategy, "solver": solver},
+                   batch_size, token, on_images)
+
+
+def _served(url: str, key: str, rows: list[Any], fields: dict[str, Any], batch_size: int,
+            token: str | None, on_images: Callable[[int], None] | None) -> ServedSamples:
+    """``rows`` (labels or prompts, under ``key``) in requests of ``batch_size``, each with
+    ``fields`` and its ``first_index``: image ``i`` gets the noise ``(seed, i)``."""
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     images, calls, routing = [], [], []
-    for start in range(0, len(labels), batch_size):
-        body = {"labels": [int(v) for v in labels[start:start + batch_size]], "steps": steps,
-                "seed": seed, "strategy": strategy, "solver": solver, "first_index": start}
+    for start in range(0, len(rows), batch_size):
+        body = {key: rows[start:start + batch_size], **fields, "first_index": start}
         answer = _call(f"{url.rstrip('/')}/v1/generate", body, token)
         images += [_decode_png(text) for text in answer["images"]]
         calls += answer["expert_calls"]
@@ -82,12 +94,7 @@ def sample_router_command(url: str, strategy: str, labels: Sequence[int], n_per_
     check_output(out, ".npz", "--out")
     if png is not None:
         check_output(png, ".png", "--png")
-    token = None
-    if token_file is not None:
-        try:
-            token = token_file.read_text().strip()
-        except OSError as exc:
-            raise ValueError(f"--token-file {token_file} cannot be read: {exc.strerror}") from None
+    token = read_token(token_file)
     all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
     with progress_bar(len(all_labels), f"sampling {len(all_labels)} images from {url}",
                       "image", quiet) as bar:
@@ -101,6 +108,45 @@ def sample_router_command(url: str, strategy: str, labels: Sequence[int], n_per_
                        columns=n_per_label if n_per_label > 1 else len(all_labels))
     return {"out": str(out), "n": int(len(all_labels)), "strategy": strategy, "steps": steps,
             "mean_expert_calls": float(served.expert_calls.mean())}
+
+
+def sample_router_text_command(info: dict[str, Any], url: str, prompts: Sequence[str], *,
+                               steps: int | None, strategy: str | None,
+                               guidance_scale: float | None, negative_prompt: str | None,
+                               guidance_cutoff: float, seed: int, solver: str,
+                               batch_size: int | None, token: str | None, out: Path,
+                               png: Path | None = None, quiet: bool = False
+                               ) -> dict[str, Any]:
+    """``ddm sample --router URL --prompt ...``: one RGB image per prompt from a text DDM's
+    router (``info``: its ``/v1/info``; steps, strategy and guidance default to its own),
+    written as ``ddm sample DIR --prompt`` writes them."""
+    if not prompts:
+        raise ValueError(f"the router at {url} serves a text DDM: give --prompt (one image "
+                         "per --prompt)")
+    check_text_outputs(out, png)
+    defaults = info["defaults"]
+    fields = {"steps": defaults["steps"] if steps is None else steps, "seed": seed,
+              "strategy": defaults["strategy"] if strategy is None else strategy,
+              "solver": solver, "guidance_cutoff": guidance_cutoff,
+              "guidance_scale": (defaults["guidance_scale"] if guidance_scale is None
+                                 else guidance_scale), "negative_prompt": negative_prompt}
+    with progress_bar(len(prompts), f"sampling {len(prompts)} images from {url}", "image",
+                      quiet) as bar:
+        served = _served(url, "prompts", list(prompts), fields,
+                         int(info["limits"]["max_batch"]) if batch_size is None
+                         else batch_size, token, bar.update)
+    return write_text_samples(out, png, served.images, prompts, served.expert_calls,
+                              {**fields, "source": url})
+
+
+def read_token(token_file: Path | None) -> str | None:
+    """The bearer token in ``token_file`` (``--token-file``), or None without one."""
+    if token_file is None:
+        return None
+    try:
+        return token_file.read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"--token-file {token_file} cannot be read: {exc.strerror}") from None
 
 
 def _call(url: str, body: dict[str, Any] | None, token: str | None) -> dict[str, Any]:
@@ -130,4 +176,5 @@ def _decode_png(text: str) -> np.ndarray:
     from PIL import Image
 
     with Image.open(io.BytesIO(base64.b64decode(text))) as image:
-        return np.asarray(image.convert("L"), dtype=np.uint8)
+        # a text DDM's images are RGB; a label DDM's digits grayscale
+        return np.asarray(image.convert("RGB" if image.mode == "RGB" else "L"), np.uint8)
