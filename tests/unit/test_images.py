@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
+from ddm.checkpoints.declared import declared_files, read_declaration
 from ddm.cli import build_parser
 from ddm.operator.config import OperatorConfig
 from ddm.operator.manifests import USER_ID, build_children
@@ -497,7 +498,8 @@ def test_the_paths_the_operator_and_the_examples_name_exist_in_the_image(family)
     needed: dict[str, str] = {OPERATOR_MAIN: "the operator image's entry point"}
     for example in sorted((ROOT / "examples").glob("*.yaml")):
         spec = load_manifest(example).spec
-        checkpoints = [e.checkpoint for e in spec.experts] + [spec.router.checkpoint]
+        checkpoints = ([e.checkpoint for e in spec.experts] + [spec.router.checkpoint]
+                       + [stage.checkpoint for stage in spec.stages.values()])
         for checkpoint in checkpoints:
             if checkpoint is not None and checkpoint.scheme == "image":
                 needed[checkpoint.path] = f"a checkpoint in examples/{example.name}"
@@ -514,15 +516,23 @@ def test_the_paths_the_operator_and_the_examples_name_exist_in_the_image(family)
             problems.append(f"{image_path} ({why}) comes from {source}, not {expected}")
         elif not source.exists():
             problems.append(f"{image_path} ({why}): {source.relative_to(ROOT)} does not exist")
-        elif source.is_dir() and not all((source / f).is_file()
-                                         for f in ("config.json", "weights.safetensors")):
+        elif source.is_dir() and not _is_checkpoint(source):
             problems.append(f"{image_path} ({why}): {source.relative_to(ROOT)} is not a "
-                            "checkpoint (config.json and weights.safetensors)")
+                            "checkpoint (config.json and weights.safetensors, or a stage's "
+                            "config.json declaring its files, each present)")
         elif any(is_ignored(str(p.relative_to(ROOT)), IGNORED) for p in [source, *(
                 source.rglob("*") if source.is_dir() else [])]):
             problems.append(f"{image_path} ({why}): .dockerignore keeps part of "
                             f"{source.relative_to(ROOT)} out of the build")
     assert not problems, f"{DOCKERFILES[family]}:\n" + "\n".join(problems)
+
+
+def _is_checkpoint(directory: Path) -> bool:
+    """A label checkpoint, or a stage checkpoint whose every declared file is there."""
+    declared = read_declaration(directory)
+    if declared is None:
+        return all((directory / f).is_file() for f in ("config.json", "weights.safetensors"))
+    return all((directory / name).is_file() for name in declared_files(directory, declared))
 
 
 @FAMILIES
