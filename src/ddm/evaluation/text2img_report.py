@@ -267,7 +267,7 @@ def render(rows: Sequence[Row], settings: dict[str, Any]) -> str:
         f"of a pair from the same noise; {len(SEEDS)} runs (seeds "
         f"{', '.join(map(str, SEEDS))}), {settings['steps']} Euler steps, "
         f"{settings['machine']}. Values are mean +/- standard deviation over the runs.", "",
-        "Digit acc.: our MNIST classifier (`" + settings["classifier"] + "`) reads the grey "
+        f"Digit acc.: our MNIST classifier (`{settings['classifier']}`) reads the grey "
         "image (each pixel's brightest channel) as the asked digit. Colour acc.: the named "
         "colour nearest the mean chromaticity of the ink (pixels at half brightness or more) "
         "is the asked one. Thick > thin: the fraction of pairs whose thick image has more ink "
