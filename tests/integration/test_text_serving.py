@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from ddm.conditioning import Conditioning
+from ddm.deploy.limits import MAX_CONTEXT_ROWS
 from ddm.models.stages import load_stage
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.expert.stage_server import STAGE_ROLES, create_stage_app
@@ -188,6 +189,24 @@ def test_a_context_evicted_by_another_is_sent_again_transparently(root, cond, en
                                                        other), atol=1e-5)
     # Each context evicted the other, so the third call's was sent again after a miss.
     assert context_sent == 2 * context_size(cond) + context_size(other)
+
+
+def test_contexts_stop_growing_at_the_rows_an_expert_takes(expert, cond):
+    # A long-lived router: every request shares one prompt (a page's default) with the last,
+    # so each call's context is the last one plus a row. Past MAX_CONTEXT_ROWS rows an expert
+    # refuses a context (422): the pool must start a new one rather than fail the request.
+    width = cond.embeddings.shape[2]
+    rows = np.random.default_rng(1).standard_normal((MAX_CONTEXT_ROWS + 2, 1, width))
+    shared = rows[0]
+
+    async def requests(pool: ExpertPool):
+        answered = 0
+        for distinct in rows[1:]:
+            step = Conditioning(embeddings=np.stack([shared, distinct]).astype(np.float32))
+            answered += len(await pool.velocity("e", X[:2], T[:2], step))
+        return answered
+
+    assert with_pool(endpoint_of(expert), requests) == 2 * (MAX_CONTEXT_ROWS + 1)
 
 
 def test_a_restarted_replicas_miss_is_recovered_transparently(root, cond):
