@@ -33,7 +33,7 @@ from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, Rout
                                   decode_response, encode_request, encode_text_request)
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.router.replicas import ExpertInfo, static_endpoints
-from ddm.serving.router.stage_clients import LocalStages, RemoteStages, StagePool
+from ddm.serving.router.stage_clients import LocalStages, StagePool
 from tests.integration.servers import running, wait_ready
 from tests.support.text_stages import LATENT_SHAPE, write_text_ddm
 
@@ -334,9 +334,7 @@ def test_stages_answer_over_the_wire_what_they_answer_in_process(root, stages):
     async def calls():
         async with StagePool({role: static_endpoints([e]) for role, e in stages.items()},
                              FAST) as pool:
-            remote = RemoteStages(pool)
-            return (await remote.encode(prompts), await remote.decode(X),
-                    await remote.route(X, T))
+            return await pool.encode(prompts), await pool.decode(X), await pool.route(X, T)
 
     encoded, images, probabilities = asyncio.run(calls())
     encoder = load_stage(root / "text_encoder")

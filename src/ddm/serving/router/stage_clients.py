@@ -2,9 +2,9 @@
 the wire (``ddm serve stage``) or run in the router's process, behind one interface.
 
 :class:`StageCaller` is what the router's driver asks: ``encode`` once per request, ``decode``
-once at the end, ``route`` at every step. :class:`RemoteStages` answers it with a
-:class:`StagePool`, the expert pool's replica, discovery, probing, retry and failover
-machinery pointed at stage servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
+once at the end, ``route`` at every step. A :class:`StagePool` answers it over the wire:
+the expert pool's replica, discovery, probing, retry and failover machinery pointed at stage
+servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
 :class:`LocalStages` with stages loaded in this process
 (:func:`ddm.models.stages.load_stage`), off the event loop.
 """
@@ -28,7 +28,7 @@ from ddm.serving.protocol import (DecodeRequest, EncodeRequest, Limits, RouteReq
 from ddm.serving.router.pool import ExpertPool, gather_all
 from ddm.serving.router.replicas import InvalidReport, Replica
 
-__all__ = ["LocalStages", "RemoteStages", "StageCaller", "StageInfo", "StagePool"]
+__all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
 _T = TypeVar("_T")
 #: The stage roles a router calls.
@@ -86,8 +86,9 @@ class StageInfo:
 
 class StagePool(ExpertPool):
     """Stage servers by role (sources named :data:`TEXT_ENCODER`, :data:`DECODER`,
-    :data:`ROUTER`): the expert pool's replicas, probes and retries, their reports read as
-    :class:`StageInfo`. Stage calls are not coalesced: each runs once per request."""
+    :data:`ROUTER`), a :class:`StageCaller`: the expert pool's replicas, probes and retries,
+    their reports read as :class:`StageInfo`. Stage calls are not coalesced: each runs once
+    per request."""
 
     _parse_info = staticmethod(StageInfo.from_json)
 
@@ -175,22 +176,6 @@ class StagePool(ExpertPool):
 
         return await self._send(stage, stage, attempt,
                                 time.monotonic() + self._settings.deadline_s)
-
-
-class RemoteStages:
-    """:class:`StageCaller` over a :class:`StagePool`."""
-
-    def __init__(self, pool: StagePool) -> None:
-        self.pool = pool
-
-    async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
-        return await self.pool.encode(prompts)
-
-    async def decode(self, latents: np.ndarray) -> np.ndarray:
-        return await self.pool.decode(latents)
-
-    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
-        return await self.pool.route(x, t)
 
 
 class LocalStages:

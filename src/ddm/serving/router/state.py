@@ -49,7 +49,7 @@ from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
     from ddm.models.stages import Stage
-    from ddm.serving.router.stage_clients import StageCaller
+    from ddm.serving.router.stage_clients import StageCaller, StagePool
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class RouterState:
         self.stages: dict[str, StageCaller] = {}
         self.stage_convention: str | None = None
         self.null: NullConditioning | None = None
-        self._stage_pool: ExpertPool | None = None  # the stages served on their own
+        self._stage_pool: StagePool | None = None  # the stages served on their own
         self._settings = pool_settings(config, deadline_s)
         self._preview: asyncio.Task[LatentPreview] | None = None
         self.loaded = config.router_checkpoint is None and not self._stage_entries()
@@ -162,7 +162,7 @@ class RouterState:
     async def _load_stages(self) -> None:
         """A text DDM's stages: those placed in the router loaded here (off the event loop),
         those served on their own reached through one stage pool."""
-        from ddm.serving.router.stage_clients import LocalStages, RemoteStages, StagePool
+        from ddm.serving.router.stage_clients import LocalStages, StagePool
 
         entries = self._stage_entries()
         loaded = {}
@@ -182,7 +182,7 @@ class RouterState:
                                           for name, discovery in remote.items()},
                                          self._settings, token=token)
             await self._stage_pool.start()
-        self.stages = {name: local if name in loaded else RemoteStages(self._stage_pool)
+        self.stages = {name: local if name in loaded else self._stage_pool
                        for name in entries}
         if "router_network" in loaded:
             self.stage_convention = loaded["router_network"].declaration.convention
