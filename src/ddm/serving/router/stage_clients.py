@@ -19,14 +19,14 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVa
 import numpy as np
 
 from ddm.conditioning import Conditioning
-from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
-                               MAX_TEXT_TOKENS, MAX_TEXT_WIDTH, PRECISIONS)
+from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
+                               PRECISIONS)
 from ddm.models.stages import EncodedPrompts, Stage
 from ddm.serving.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                   decode_encoded, decode_probabilities, decode_response,
                                   encode_text_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.router.pool import ExpertPool, gather_all
-from ddm.serving.router.replicas import InvalidReport, Replica
+from ddm.serving.router.replicas import Replica, report_shape, require
 
 __all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
@@ -62,23 +62,23 @@ class StageInfo:
 
     @classmethod
     def from_json(cls, raw: Any) -> StageInfo:
-        _require(isinstance(raw, Mapping), "/v1/info is not a JSON object")
+        require(isinstance(raw, Mapping), "/v1/info is not a JSON object")
         role = raw.get("role")
-        _require(role in (TEXT_ENCODER, DECODER, ROUTER),
-                 f"role must be {TEXT_ENCODER}, {DECODER} or {ROUTER}, got {str(role)[:64]!r}")
+        require(role in (TEXT_ENCODER, DECODER, ROUTER),
+                f"role must be {TEXT_ENCODER}, {DECODER} or {ROUTER}, got {str(role)[:64]!r}")
         max_batch = raw.get("max_batch")
-        _require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
-                 f"max_batch must be an integer in 1..{MAX_BATCH}")
+        require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
+                f"max_batch must be an integer in 1..{MAX_BATCH}")
         wire_dtype = raw.get("wire_dtype")
-        _require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}")
+        require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}")
         width = raw.get("text_width")
-        _require(role != TEXT_ENCODER or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
-                 f"a text encoder's text_width must be an integer in 1..{MAX_TEXT_WIDTH}")
+        require(role != TEXT_ENCODER or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
+                f"a text encoder's text_width must be an integer in 1..{MAX_TEXT_WIDTH}")
         clusters = raw.get("clusters")
-        _require(role != ROUTER or (type(clusters) is int and 1 <= clusters <= MAX_EXPERTS),
-                 f"a router's clusters must be an integer in 1..{MAX_EXPERTS}")
-        latent = _shape(raw, "latent_shape") if role != TEXT_ENCODER else None
-        image = _shape(raw, "image_shape") if role == DECODER else None
+        require(role != ROUTER or (type(clusters) is int and 1 <= clusters <= MAX_EXPERTS),
+                f"a router's clusters must be an integer in 1..{MAX_EXPERTS}")
+        latent = report_shape(raw, "latent_shape") if role != TEXT_ENCODER else None
+        image = report_shape(raw, "image_shape") if role == DECODER else None
         return cls(role, max_batch, wire_dtype, latent, image,
                    width if role == TEXT_ENCODER else None,
                    clusters if role == ROUTER else None)
@@ -217,18 +217,3 @@ def _max_encoded_bytes(prompts: int, width: int) -> int:
     """The largest encode reply for ``prompts`` prompts of the declared ``width``: float32
     embeddings and a mask of at most MAX_TEXT_TOKENS tokens, the cuts, headers."""
     return prompts * MAX_TEXT_TOKENS * (4 * width + 1) + 8 * prompts + max_error_reply_bytes()
-
-
-def _require(ok: bool, problem: str) -> None:
-    if not ok:
-        raise InvalidReport(problem)
-
-
-def _shape(raw: Mapping[str, Any], field: str) -> tuple[int, int, int]:
-    value = raw.get(field)
-    _require(isinstance(value, list) and len(value) == 3 and all(type(v) is int for v in value)
-             and 1 <= value[0] <= MAX_IMAGE_CHANNELS
-             and all(1 <= v <= MAX_IMAGE_SIDE for v in value[1:]),
-             f"{field} must be (C, H, W) with C in 1..{MAX_IMAGE_CHANNELS}, H and W in "
-             f"1..{MAX_IMAGE_SIDE}")
-    return value[0], value[1], value[2]
