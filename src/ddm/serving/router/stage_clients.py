@@ -50,7 +50,8 @@ class StageInfo:
     """What a stage server says of itself in ``/v1/info``, checked as strictly as an expert's
     (:class:`~ddm.serving.router.replicas.ExpertInfo`): a peer's report sizes the router's
     allocations. ``latent_shape`` is what it takes (decoder, router), ``image_shape`` what a
-    decoder makes, ``text_width`` what an encoder makes, ``clusters`` a router's outputs."""
+    decoder makes (RGB, its sides whole multiples of the latent's), ``text_width`` what an
+    encoder makes, ``clusters`` a router's outputs."""
 
     role: str
     max_batch: int
@@ -79,6 +80,10 @@ class StageInfo:
                 f"a router's clusters must be an integer in 1..{MAX_EXPERTS}")
         latent = report_shape(raw, "latent_shape") if role != TEXT_ENCODER else None
         image = report_shape(raw, "image_shape") if role == DECODER else None
+        require(image is None or latent is None or (
+            image[0] == 3 and image[1] % latent[1] == 0 and image[2] % latent[2] == 0),
+            "a decoder's image_shape must be RGB (3, H, W) at a whole multiple of its "
+            "latent_shape's sides (the router's PNGs and latent previews assume both)")
         return cls(role, max_batch, wire_dtype, latent, image,
                    width if role == TEXT_ENCODER else None,
                    clusters if role == ROUTER else None)
