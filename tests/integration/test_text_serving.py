@@ -8,6 +8,7 @@ encoder, decoder and router network answer over the wire what they answer in pro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import socket
@@ -391,3 +392,41 @@ def test_stages_in_the_routers_process_answer_the_same_calls(root):
     np.testing.assert_array_equal(probabilities, router.forward(X, T))
     with pytest.raises(ValueError, match="this router has no decoder stage"):
         asyncio.run(LocalStages(encoder).decode(X))
+
+
+def test_a_cancelled_call_keeps_its_stage_until_its_thread_is_done(root):
+    # A client that leaves cancels its generation, not the model call running in a worker
+    # thread: the next call must not run the same stage beside it.
+    encoder = load_stage(root / "text_encoder")
+    first_inside, release, second_inside = (threading.Event() for _ in range(3))
+    inside, most = [0], [0]
+
+    def forward(prompts):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            if prompts == ["first"]:
+                first_inside.set()
+                release.wait(timeout=30)
+            else:
+                second_inside.set()
+            return encoder.forward(prompts)
+        finally:
+            inside[0] -= 1
+
+    local = LocalStages(dataclasses.replace(encoder, forward=forward))
+
+    async def cancel_then_call():
+        first = asyncio.ensure_future(local.encode(["first"]))
+        await asyncio.to_thread(first_inside.wait, 30)
+        first.cancel()
+        second = asyncio.ensure_future(local.encode(["second"]))
+        # The second call's thread enters the stage at once unless it waits for the first.
+        entered_early = await asyncio.to_thread(second_inside.wait, 1.0)
+        release.set()
+        return entered_early, await second
+
+    entered_early, encoded = asyncio.run(cancel_then_call())
+    assert not entered_early and most[0] == 1
+    np.testing.assert_array_equal(encoded.cond.embeddings,
+                                  encoder.forward(["second"]).embeddings)

@@ -12,6 +12,7 @@ servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
@@ -185,12 +186,16 @@ class StagePool(ExpertPool):
 
 class LocalStages:
     """:class:`StageCaller` with stages loaded in the router's process; each call runs in a
-    worker thread, one at a time per stage (a model is not called concurrently)."""
+    worker thread, one at a time per stage (a model is not called concurrently: a tokenizer,
+    for one, fails when it is). A call cancelled meanwhile (its client left) leaves its thread
+    running, so the thread holds the stage's lock, not the cancelled coroutine; the asyncio
+    lock only keeps waiting calls off the worker threads."""
 
     def __init__(self, text_encoder: Stage | None = None, decoder: Stage | None = None,
                  router: Stage | None = None) -> None:
         self._stages = {TEXT_ENCODER: text_encoder, DECODER: decoder, ROUTER: router}
         self._locks = {role: asyncio.Lock() for role in self._stages}
+        self._running = {role: threading.Lock() for role in self._stages}
 
     async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
         stage = self._stage(TEXT_ENCODER)
@@ -214,8 +219,14 @@ class LocalStages:
         return stage
 
     async def _run(self, role: str, work: Callable[[], _T]) -> _T:
+        running = self._running[role]
+
+        def alone() -> _T:
+            with running:
+                return work()
+
         async with self._locks[role]:
-            return await asyncio.to_thread(work)
+            return await asyncio.to_thread(alone)
 
 
 def _max_encoded_bytes(prompts: int, width: int) -> int:
