@@ -45,7 +45,7 @@ from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
 from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme, source_for
-from ddm.deploy.router_config import RouterConfigFile, StageEntry
+from ddm.deploy.router_config import STAGE_FIELDS, RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
     from ddm.models.stages import Stage
@@ -435,7 +435,7 @@ def _scheme(scheme: Any) -> str:
 
 
 #: ``router.yaml``'s stages placed in the router -> the role their checkpoints declare.
-STAGES = {"text_encoder": "text_encoder", "decoder": "decoder", "router_network": "router"}
+STAGES = dict(zip(STAGE_FIELDS, ("text_encoder", "decoder", "router")))
 
 
 def _load_stage(name: str, entry: StageEntry) -> Stage:
