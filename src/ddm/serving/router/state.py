@@ -153,7 +153,7 @@ class RouterState:
             await self._load_stages()
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
             logger.exception("%s failed to load", what)
-            self.failure = f"{type(error).__name__}: {error}"
+            self.failure = f"{what} failed to load: {type(error).__name__}: {error}"
             if self.on_failure is not None:
                 self.on_failure(f"{what}: {error}")
             return
@@ -232,7 +232,7 @@ class RouterState:
                      *(p.public for p in view.refused)]
                     if len(missing) == len(self.names) else [])
         if self.failure is not None:
-            problems.append(f"router network failed to load: {self.failure}")
+            problems.append(self.failure)
         elif not self.loaded:
             problems.append("router network is loading")
         problems += [p.public for p in view.mismatches]
@@ -340,7 +340,7 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
     shape = None if disagreement else next(iter(shapes.values()), None)
     mixture, not_ready = None, ""
     if not loaded:
-        not_ready = (f"router network failed to load: {failure}" if failure
+        not_ready = (failure if failure
                      else "router network is still loading; retry when /readyz is 200")
     elif mismatches:
         not_ready = "; ".join(p.public for p in mismatches)
