@@ -82,6 +82,10 @@ class ClipTextEncoder:
         from transformers import AutoTokenizer, CLIPTextModel
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        length = self.tokenizer.model_max_length  # transformers' 1e30 where none is recorded
+        if not 1 <= length <= limits.MAX_TEXT_TOKENS:
+            raise ValueError(f"its tokenizer's model_max_length is {length:.4g}; prompts are "
+                             f"padded to it, so it must be 1..{limits.MAX_TEXT_TOKENS}")
         self.model = CLIPTextModel.from_pretrained(
             text_encoder, use_safetensors=True,
             dtype=dtype or stored_dtype(text_encoder)).to(device).eval()
