@@ -31,7 +31,7 @@ import numpy as np
 from benchmarks.fleet import HOST, BenchError, say
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.router.replicas import static_endpoints
-from ddm.serving.router.stage_clients import RemoteStages, StagePool
+from ddm.serving.router.stage_clients import StagePool
 from tests.support.text_stages import PARIS_SHAPES, write_text_ddm
 
 #: Target: a step's request with the context cache over the latent's own bytes.
@@ -60,8 +60,7 @@ async def _measure(endpoints: dict[str, str], steps: int, rounds: int,
     stages = {role: static_endpoints([endpoints[role]]) for role in ("text_encoder",
                                                                      "decoder")}
     async with ExpertPool({"e": static_endpoints([endpoints["expert"]])}, SETTINGS) as pool, \
-            StagePool(stages, SETTINGS) as stage_pool:
-        remote = RemoteStages(stage_pool)
+            StagePool(stages, SETTINGS) as remote:
         started = time.perf_counter()
         prompt, empty = await remote.encode([PROMPT]), await remote.encode([""])
         encode_s = time.perf_counter() - started

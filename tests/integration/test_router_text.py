@@ -75,6 +75,22 @@ def test_the_image_api_refuses_bad_input_naming_it(router, body, problem):
     assert reply.json()["detail"].startswith(problem), reply.json()["detail"]
 
 
+def test_a_stage_that_cannot_load_is_named_by_the_probes(tmp_path):
+    # No stage checkpoint under tmp_path: the router's text encoder fails to load, and the
+    # probes say that a stage failed (naming it), not the router network.
+    config = text_config(tmp_path, {f"expert_{k}": NOBODY for k in range(EXPERTS)})
+    with running(create_router_app(config)) as base:
+        deadline = time.monotonic() + 60
+        while (health := httpx.get(f"{base}/healthz")).status_code != 500:
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.05)
+        ready = httpx.get(f"{base}/readyz").json()
+    assert health.json()["error"].startswith("a stage failed to load: ")
+    assert "text_encoder stage" in health.json()["error"]
+    assert health.json()["error"] in ready["problems"]
+    assert not any("router network" in problem for problem in ready["problems"])
+
+
 def test_generate_and_its_stream_take_prompts_and_guidance(router):
     reply = httpx.post(f"{router}/v1/generate", json={"prompts": ["a"], "guidance_scale": 99})
     assert reply.status_code == 422

@@ -8,6 +8,7 @@ encoder, decoder and router network answer over the wire what they answer in pro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import socket
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 
 from ddm.conditioning import Conditioning
+from ddm.deploy.limits import MAX_CONTEXT_ROWS
 from ddm.models.stages import load_stage
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.expert.stage_server import STAGE_ROLES, create_stage_app
@@ -32,7 +34,7 @@ from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, Rout
                                   decode_response, encode_request, encode_text_request)
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.router.replicas import ExpertInfo, static_endpoints
-from ddm.serving.router.stage_clients import LocalStages, RemoteStages, StagePool
+from ddm.serving.router.stage_clients import LocalStages, StagePool
 from tests.integration.servers import running, wait_ready
 from tests.support.text_stages import LATENT_SHAPE, write_text_ddm
 
@@ -190,6 +192,24 @@ def test_a_context_evicted_by_another_is_sent_again_transparently(root, cond, en
     assert context_sent == 2 * context_size(cond) + context_size(other)
 
 
+def test_contexts_stop_growing_at_the_rows_an_expert_takes(expert, cond):
+    # A long-lived router: every request shares one prompt (a page's default) with the last,
+    # so each call's context is the last one plus a row. Past MAX_CONTEXT_ROWS rows an expert
+    # refuses a context (422): the pool must start a new one rather than fail the request.
+    width = cond.embeddings.shape[2]
+    rows = np.random.default_rng(1).standard_normal((MAX_CONTEXT_ROWS + 2, 1, width))
+    shared = rows[0]
+
+    async def requests(pool: ExpertPool):
+        answered = 0
+        for distinct in rows[1:]:
+            step = Conditioning(embeddings=np.stack([shared, distinct]).astype(np.float32))
+            answered += len(await pool.velocity("e", X[:2], T[:2], step))
+        return answered
+
+    assert with_pool(endpoint_of(expert), requests) == 2 * (MAX_CONTEXT_ROWS + 1)
+
+
 def test_a_restarted_replicas_miss_is_recovered_transparently(root, cond):
     replica = Restartable(root / "expert_0")
     replica.start()
@@ -315,9 +335,7 @@ def test_stages_answer_over_the_wire_what_they_answer_in_process(root, stages):
     async def calls():
         async with StagePool({role: static_endpoints([e]) for role, e in stages.items()},
                              FAST) as pool:
-            remote = RemoteStages(pool)
-            return (await remote.encode(prompts), await remote.decode(X),
-                    await remote.route(X, T))
+            return await pool.encode(prompts), await pool.decode(X), await pool.route(X, T)
 
     encoded, images, probabilities = asyncio.run(calls())
     encoder = load_stage(root / "text_encoder")
@@ -374,3 +392,41 @@ def test_stages_in_the_routers_process_answer_the_same_calls(root):
     np.testing.assert_array_equal(probabilities, router.forward(X, T))
     with pytest.raises(ValueError, match="this router has no decoder stage"):
         asyncio.run(LocalStages(encoder).decode(X))
+
+
+def test_a_cancelled_call_keeps_its_stage_until_its_thread_is_done(root):
+    # A client that leaves cancels its generation, not the model call running in a worker
+    # thread: the next call must not run the same stage beside it.
+    encoder = load_stage(root / "text_encoder")
+    first_inside, release, second_inside = (threading.Event() for _ in range(3))
+    inside, most = [0], [0]
+
+    def forward(prompts):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        try:
+            if prompts == ["first"]:
+                first_inside.set()
+                release.wait(timeout=30)
+            else:
+                second_inside.set()
+            return encoder.forward(prompts)
+        finally:
+            inside[0] -= 1
+
+    local = LocalStages(dataclasses.replace(encoder, forward=forward))
+
+    async def cancel_then_call():
+        first = asyncio.ensure_future(local.encode(["first"]))
+        await asyncio.to_thread(first_inside.wait, 30)
+        first.cancel()
+        second = asyncio.ensure_future(local.encode(["second"]))
+        # The second call's thread enters the stage at once unless it waits for the first.
+        entered_early = await asyncio.to_thread(second_inside.wait, 1.0)
+        release.set()
+        return entered_early, await second
+
+    entered_early, encoded = asyncio.run(cancel_then_call())
+    assert not entered_early and most[0] == 1
+    np.testing.assert_array_equal(encoded.cond.embeddings,
+                                  encoder.forward(["second"]).embeddings)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from ddm.serving.expert.backends import Backend, BackendInfo
-from ddm.serving.batching import (Batcher, BatcherClosed, Dispatch, Pending, Wait, batch_buckets,
-                                  bucket_for, pad_rows, plan_batch)
+from ddm.serving.batching import (INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed, Dispatch,
+                                  Pending, Wait, batch_buckets, bucket_for, grid_slices,
+                                  pad_rows, plan_batch)
 
 V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
 
@@ -276,3 +277,12 @@ def test_a_request_cancelled_while_queued_is_dropped_unrun():
     sizes, results, cancelled = asyncio.run(scenario())
     assert cancelled and sizes == [1, 1]
     assert [r.item() for r in results] == [2, 6]
+
+
+def test_an_integration_grid_is_sliced_into_pieces_that_chain_end_to_start():
+    grid = np.linspace(0.0, 1.0, 2 * INTEGRATE_SLICE_STEPS + 6, dtype=np.float32)
+    pieces = list(grid_slices(grid))
+    assert [len(p) - 1 for p in pieces] == [INTEGRATE_SLICE_STEPS, INTEGRATE_SLICE_STEPS, 5]
+    assert all(a[-1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    np.testing.assert_array_equal(np.concatenate([pieces[0], *(p[1:] for p in pieces[1:])]),
+                                  grid)

@@ -110,3 +110,30 @@ def test_what_an_expert_sent_is_quoted_cut_short():
     with pytest.raises(InvalidReport) as refused:
         ExpertInfo.from_json({**VALID, "convention": "x" * 1_000_000})
     assert len(str(refused.value)) < 200
+
+
+@pytest.mark.parametrize("field, shape", [
+    ("image_shape", [3, 0, 64]), ("image_shape", [MAX_IMAGE_CHANNELS + 1, 64, 64]),
+    ("latent_shape", [4, 8]), ("latent_shape", [4, 8.0, 8]),
+])
+def test_a_stage_servers_shapes_are_held_to_the_experts_limits(field, shape):
+    from ddm.serving.router.stage_clients import StageInfo
+
+    report = {"role": "decoder", "max_batch": 4, "wire_dtype": "float32",
+              "latent_shape": [4, 8, 8], "image_shape": [3, 64, 64]} | {field: shape}
+    with pytest.raises(InvalidReport, match=field):
+        StageInfo.from_json(report)
+    assert StageInfo.from_json(report | {field: [3 if field == "image_shape" else 4, 8, 8]})
+
+
+@pytest.mark.parametrize("image_shape", [[1, 64, 64], [3, 60, 64]])
+def test_a_decoder_that_makes_no_rgb_image_at_a_multiple_of_its_latents_is_refused(
+        image_shape):
+    # The router sends RGB PNGs and fits latent previews by pooling the decoded image onto
+    # the latent grid: another decoder made every stream fail with a 500.
+    from ddm.serving.router.stage_clients import StageInfo
+
+    report = {"role": "decoder", "max_batch": 4, "wire_dtype": "float32",
+              "latent_shape": [4, 8, 8], "image_shape": image_shape}
+    with pytest.raises(InvalidReport, match="RGB"):
+        StageInfo.from_json(report)

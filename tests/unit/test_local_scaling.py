@@ -21,6 +21,8 @@ def _entry(rows: object = 0.0, waiting: object = 0, idle: object = None) -> dict
     (_entry(), Demand(0.0, 0, False)),                     # never had demand
     (_entry(waiting="1"), None),                           # not what the router writes
     (_entry(rows=-1.0), None),
+    (_entry(rows=float("nan")), None),                     # Python's json reads NaN
+    (_entry(waiting=float("inf")), None),                  # and Infinity
     ({"idle_s": 1.0}, None),
     (None, None),
 ])

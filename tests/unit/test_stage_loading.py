@@ -14,6 +14,7 @@ import torch
 
 from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import Conditioning
+from ddm.deploy.limits import MAX_TEXT_TOKENS
 from ddm.models.stages import load_stage, load_text_ddm
 from ddm.sampling.pipeline import generate_text
 from tests.support.paris_release import TinyParis, write_paris_release
@@ -136,6 +137,22 @@ def test_bad_declarations_are_refused_by_name(tmp_path, text_ddm, changes, messa
     directory = shutil.copytree(text_ddm / "expert_0", tmp_path / "expert_0")
     _edit(directory, **changes)
     with pytest.raises(CheckpointError, match=message):
+        load_stage(directory)
+
+
+@pytest.mark.parametrize("length", [None, MAX_TEXT_TOKENS + 1])
+def test_a_tokenizer_that_pads_past_the_text_limit_is_refused(tmp_path, text_ddm, length):
+    # Prompts are padded to model_max_length: without one, transformers pads to 1e30.
+    import shutil
+
+    directory = shutil.copytree(text_ddm / "text_encoder", tmp_path / "text_encoder")
+    path = directory / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config.pop("model_max_length", None)
+    if length is not None:
+        config["model_max_length"] = length
+    path.write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="model_max_length is .* must be 1..512"):
         load_stage(directory)
 
 

@@ -15,8 +15,8 @@ from typing import Any
 #: The key of a component's config.json under which we declare what the stage is;
 #: diffusers and transformers ignore (or keep) keys that start with ``_``.
 DDM_KEY = "_ddm"
-#: A stage's config.json is a few kilobytes; a larger one is not read here.
-MAX_DECLARATION_BYTES = 1 << 20
+#: A component's config.json is a few kilobytes; a larger one is refused unread.
+MAX_CONFIG_BYTES = 1 << 20
 #: ``_ddm.files``: name -> SHA-256 of every file of the stage besides config.json (what a
 #: fetch of its directory downloads and verifies); names are plain file names, at most this
 #: many (a tokenizer has six files).
@@ -26,16 +26,31 @@ FILE_NAME_PATTERN = re.compile(r"[A-Za-z0-9_][-A-Za-z0-9_.]{0,127}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
+def load_config_json(path: Path) -> Any:
+    """The JSON in ``path`` (a component's config.json, which a checkpoint store sent), read
+    only when at most :data:`MAX_CONFIG_BYTES`; ``ValueError`` saying why it is unreadable
+    (too large, not UTF-8, not JSON, nested past the parser's recursion limit)."""
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{path} is {size} bytes, larger than {MAX_CONFIG_BYTES}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path} nests its JSON too deeply to read") from None
+
+
 def read_declaration(directory: Path) -> dict[str, Any] | None:
     """The ``_ddm`` block of ``directory``'s config.json; None where it declares none (a
-    label checkpoint) or config.json is missing, too large or not JSON (whoever loads the
-    checkpoint refuses it then, saying why)."""
+    label checkpoint) or config.json is missing or unreadable (:func:`load_config_json`;
+    whoever loads the checkpoint refuses it then, saying why)."""
     path = directory / "config.json"
-    if not path.is_file() or path.stat().st_size > MAX_DECLARATION_BYTES:
+    if not path.is_file():
         return None
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        config = load_config_json(path)
+    except ValueError:
         return None
     block = config.get(DDM_KEY) if isinstance(config, dict) else None
     return block if isinstance(block, dict) else None

@@ -320,6 +320,11 @@ class Auth:
         return self.expert_token_file or self.token_file
 
 
+#: ``router.yaml``'s stages besides the experts (fields of :class:`RouterConfigFile`): a text
+#: DDM's, each a :class:`StageEntry`.
+STAGE_FIELDS = ("text_encoder", "decoder", "router_network")
+
+
 @dataclass(frozen=True)
 class RouterConfigFile:
     """The whole of ``router.yaml``. ``router_checkpoint`` is None only for the oracle.
@@ -394,7 +399,7 @@ class RouterConfigFile:
             args["trusted_proxies"] = tuple(args["trusted_proxies"])
         args["experts"] = tuple(ExpertEntry.from_dict(e, f"experts[{i}]")
                                 for i, e in enumerate(args["experts"]))
-        for key in ("text_encoder", "decoder", "router_network"):
+        for key in STAGE_FIELDS:
             if args.get(key) is not None:
                 args[key] = StageEntry.from_dict(args[key], key)
         for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),
@@ -408,7 +413,7 @@ class RouterConfigFile:
     def to_dict(self) -> dict[str, Any]:
         out = _plain(dataclasses.asdict(self))
         out["experts"] = [e.to_dict() for e in self.experts]
-        for key in ("text_encoder", "decoder", "router_network"):
+        for key in STAGE_FIELDS:
             stage = getattr(self, key)
             if stage is None:
                 del out[key]

@@ -12,7 +12,6 @@ missing, unexpected or misshapen tensor, naming it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
@@ -21,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from ddm.checkpoints.declared import load_config_json
 from ddm.checkpoints.format import CheckpointError, check_weight_shapes
 from ddm.models.config import ConfigError
 from ddm.models.paris import ParisExpert, ParisExpertConfig, ParisRouter, ParisRouterConfig
@@ -29,8 +29,6 @@ from ddm.models.paris import ParisExpert, ParisExpertConfig, ParisRouter, ParisR
 #: release's router the second); exactly one must be present.
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "pytorch_model.safetensors")
 CONFIG_FILE = "config.json"
-#: A component's config.json is a few hundred bytes; anything far larger is refused unread.
-MAX_CONFIG_BYTES = 1 << 20
 
 Shapes = Mapping[str, tuple[int, ...]]
 ConfigT = TypeVar("ConfigT", ParisExpertConfig, ParisRouterConfig)
@@ -108,12 +106,10 @@ def read_component_config(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_FILE
     if not path.is_file():
         return {}
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise CheckpointError(f"{path} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+        config = load_config_json(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
     return config

@@ -32,6 +32,7 @@ from ddm.checkpoints.declared import DDM_KEY
 from ddm.checkpoints.format import CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
 from ddm.deploy import limits
+from ddm.deploy.imported import expert_dir
 from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
 from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
                             network_convention)
@@ -82,6 +83,10 @@ class ClipTextEncoder:
         from transformers import AutoTokenizer, CLIPTextModel
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        length = self.tokenizer.model_max_length  # transformers' 1e30 where none is recorded
+        if not 1 <= length <= limits.MAX_TEXT_TOKENS:
+            raise ValueError(f"its tokenizer's model_max_length is {length:.4g}; prompts are "
+                             f"padded to it, so it must be 1..{limits.MAX_TEXT_TOKENS}")
         self.model = CLIPTextModel.from_pretrained(
             text_encoder, use_safetensors=True,
             dtype=dtype or stored_dtype(text_encoder)).to(device).eval()
@@ -343,14 +348,14 @@ def expert_directories(root: Path) -> list[str]:
     if indices != list(range(len(indices))) or not indices:
         raise CheckpointError(f"{root} must hold expert_0 .. expert_N-1, found experts "
                               f"{indices}")
-    return [f"expert_{k}" for k in indices]
+    return [expert_dir(k) for k in indices]
 
 
 def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | None,
                        encoder: Stage | None, decoder: Stage | None) -> tuple[int, int, int]:
     """The state's (C, S, S), the same for every expert, the router and the decoder (its
     channels; its side where declared), and the text width the experts and encoder share."""
-    shapes = {f"expert_{k}": e.declaration.latent_shape for k, e in enumerate(experts)}
+    shapes = {expert_dir(k): e.declaration.latent_shape for k, e in enumerate(experts)}
     if router is not None:
         shapes["router"] = router.declaration.latent_shape
         if router.clusters != len(experts):

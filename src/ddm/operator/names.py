@@ -5,7 +5,8 @@ Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (
 (Deployment, headless Service) per stage placed ``separate`` (``text-encoder``, ``decoder``,
 ``router-network``), with fetched checkpoints
 ``<name>-stager`` (the Deployment and Service that fetch them and hand them out), and
-NetworkPolicies on ``<name>-experts``, ``<name>-router`` and ``<name>-stager``. The CRD bounds
+NetworkPolicies on ``<name>-experts``, ``<name>-stages`` (where stages are placed
+``separate``), ``<name>-router`` and ``<name>-stager``. The CRD bounds
 both names so that every Service name stays a DNS-1035 label of at most 63 characters.
 
 The operator's Secrets are immutable and never read back, so their names say what they hold:

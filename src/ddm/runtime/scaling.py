@@ -13,6 +13,7 @@ peer: a deadline, a capped body, and an answer it cannot read means "no change".
 from __future__ import annotations
 
 import json
+import math
 import time
 import urllib.error
 import urllib.request
@@ -107,7 +108,9 @@ class Scaler:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A finite JSON number (Python's ``json`` reads ``NaN`` and ``Infinity`` too)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
 
 
 class DemandPoller:

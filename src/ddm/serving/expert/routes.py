@@ -151,8 +151,11 @@ def model_routes(app: FastAPI, state: ModelState, answer: Answer, *, api_docs: b
 _TENSORS = {CONTENT_TYPE: {"schema": {"type": "string", "format": "binary"}}}
 #: Why the expert answers each status of ``POST /v1/velocity`` (``docs/protocol.md``).
 _VELOCITY_STATUSES = {
-    "200": "a response message: the velocity, or the state at the grid's end",
+    "200": "a response message: the velocity, or the state at the grid's end (a stage: the "
+           "context's id, the prompts' embeddings, the images or the routing probabilities)",
     "400": "an error message: the body cannot be decoded",
+    "412": "an error message: a text call names a context this expert does not hold "
+           "(evicted, or the server restarted); send the context, then retry",
     "413": "an error message: the body is over max_body_bytes (see /v1/info)",
     "422": "an error message: a decodable request the expert refuses (batch, steps, labels, "
            "values)",
@@ -162,12 +165,15 @@ _VELOCITY_STATUSES = {
 _VELOCITY_OPERATION = {
     "summary": "Velocity or integration",
     "operationId": "velocity_v1_velocity_post",
-    "description": "A velocity or integrate request in the binary protocol of docs/protocol.md "
-                   "(application/x-ddm-tensor, version 1); the kind is in the body. Every answer "
+    "description": "A request in the binary protocol of docs/protocol.md "
+                   "(application/x-ddm-tensor): version 1's velocity or integrate request to a "
+                   "label expert, version 2's context, text velocity or integrate, encode, "
+                   "decode or route request to a text DDM's servers; the kind is in the body "
+                   "(a server refuses the kinds it does not serve, 422). Every answer "
                    "is a message of that protocol: a response (200) or an error message whose "
                    "code is the HTTP status and which echoes the request id.",
     "requestBody": {"required": True, "content": _TENSORS,
-                    "description": "a velocity or integrate request message"},
+                    "description": "a request message of a kind this server serves"},
     "responses": {status: {"description": why, "content": _TENSORS}
                   for status, why in _VELOCITY_STATUSES.items()},
 }

@@ -58,7 +58,7 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.auth import TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
-from ddm.serving.batching import Batcher
+from ddm.serving.batching import Batcher, grid_slices
 from ddm.serving.expert.routes import Handling, answer_or_error, model_app
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
@@ -66,12 +66,6 @@ from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, Veloc
 from ddm.serving.termination import fail_start
 
 logger = logging.getLogger(__name__)
-
-#: Solver steps of an integration that run as one model-thread job: a velocity call arriving
-#: meanwhile waits for at most this many (Heun: twice as many model calls), not the whole grid.
-#: Each slice costs one batcher job (a thread hop); on the shared test VM, 1000 steps of the
-#: smoke model took 4.2-5.9 s whole and 4.2-7.7 s in slices, within its noise.
-INTEGRATE_SLICE_STEPS = 16
 
 #: ``(checkpoint, backend, device, max_batch, compile_cache) -> Backend``; replaceable to serve
 #: a custom backend.
@@ -248,15 +242,12 @@ async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
 
 
 async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
-    """A velocity request as one batcher job; an integration as one job per
-    :data:`INTEGRATE_SLICE_STEPS` steps of its grid, so that velocity calls queued meanwhile run
-    between slices (one job of 1000 steps held the model for all of them). The solvers are
-    one-step methods, so slicing the grid changes no value."""
+    """A velocity request as one batcher job; an integration as one job per slice of its
+    grid (:func:`~ddm.serving.batching.grid_slices`)."""
     if isinstance(message, VelocityRequest):
         return await expert.batcher.submit(_VELOCITY, (message.x, message.t, message.y))
-    solver, grid, x = message.solver.name.lower(), message.grid, message.x
-    for start in range(0, len(grid) - 1, INTEGRATE_SLICE_STEPS):
-        piece = grid[start:start + INTEGRATE_SLICE_STEPS + 1]
+    solver, x = message.solver.name.lower(), message.x
+    for piece in grid_slices(message.grid):
         x = await expert.batcher.submit(_Integrate(solver, piece.tobytes()), (x, message.y))
     return x
 

@@ -46,7 +46,7 @@ from ddm.models.stages import Stage, StageDeclaration, load_stage
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
 from ddm.serving.auth import TokenFile
-from ddm.serving.batching import Batcher
+from ddm.serving.batching import Batcher, grid_slices
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import cpu_model
 from ddm.serving.expert.contexts import ContextCache
@@ -73,8 +73,6 @@ _SERVES = {"expert": "velocity", "text_encoder": "encode", "decoder": "decode",
 _TAKES: dict[str, tuple[type, ...]] = {
     "expert": (Context, TextVelocityRequest, TextIntegrateRequest),
     "text_encoder": (EncodeRequest,), "decoder": (DecodeRequest,), "router": (RouteRequest,)}
-#: Integration steps per batcher job (as the label server's), so velocity calls interleave.
-INTEGRATE_SLICE_STEPS = 16
 #: Tokens per row of the expert's warm-up call (any length runs; the context decides).
 _WARM_TOKENS = 8
 
@@ -264,9 +262,8 @@ async def _run(server: _StageServer, message: Request) -> bytes:
         out = await batcher.submit(_Velocity(tokens), (message.x, message.t, embeddings,
                                                        negative, message.guidance), cost)
         return encode_response(request_id, _wire(server, out))
-    solver, grid, x = message.solver.name.lower(), message.grid, message.x
-    for start in range(0, len(grid) - 1, INTEGRATE_SLICE_STEPS):
-        piece = grid[start:start + INTEGRATE_SLICE_STEPS + 1]
+    solver, x = message.solver.name.lower(), message.x
+    for piece in grid_slices(message.grid):
         x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens),
                                  (x, embeddings, negative, message.guidance), cost)
     return encode_response(request_id, x)

@@ -51,8 +51,8 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ddm.conditioning import Conditioning
-from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_EXPERT_INFO_BYTES,
-                               MAX_EXPERT_PROBE_BYTES)
+from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
+                               MAX_CONTEXT_ROWS, MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES)
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.http_client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
@@ -139,7 +139,9 @@ class _Contexts:
     one; a call uses a context holding all its rows, else a new one made of the most recent
     context that shares a row with it plus its other rows, so that the steps of a generation,
     whatever rows routing sends an expert and whether or not guidance is cut off, soon name
-    one context that every replica keeps."""
+    one context that every replica keeps. A context never grows past what an expert takes
+    (:data:`MAX_CONTEXT_ROWS` rows, a body of :data:`MAX_CONTEXT_BODY_BYTES`): a call that
+    would grow it so starts a context of its own rows."""
 
     def __init__(self, max_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> None:
         self.max_bytes = max_bytes
@@ -156,44 +158,47 @@ class _Contexts:
                 return made, np.array([made.rows[k] for k in keys], np.int32)
         base = next((m for m in reversed(self._made.values()) if any(k in m.rows for k in keys)),
                     None)
-        made = self._make(cond, keys, base)
-        return made, np.array([made.rows[k] for k in keys], np.int32)
-
-    def _make(self, cond: Conditioning, keys: list[bytes],
-              base: _MadeContext | None) -> _MadeContext:
-        assert cond.embeddings is not None
-        new = [i for i, k in enumerate(keys)
-               if (base is None or k not in base.rows) and k not in keys[:i]]
-        embeddings = np.ascontiguousarray(cond.embeddings[new], np.float32)
-        mask = (np.ones(embeddings.shape[:2], np.uint8) if cond.mask is None
-                else np.asarray(cond.mask[new], np.uint8))
-        negative = (np.ascontiguousarray(cond.negative.embeddings[new], np.float32)
-                    if cond.negative is not None else None)
-        if base is not None:
-            if negative is None and base.negative.shape[0]:
-                negative = np.zeros_like(embeddings)  # placeholders: no guided key names them
-            elif negative is not None and not base.negative.shape[0]:
-                base = _with_placeholder_negative(base)
-            embeddings = np.concatenate([base.embeddings, embeddings])
-            mask = np.concatenate([base.mask, mask])
-            if negative is not None:
-                negative = np.concatenate([base.negative, negative])
-        if negative is None:
-            negative = np.zeros((0, *embeddings.shape[1:]), np.float32)
-        rows = dict(base.rows) if base is not None else {}
-        offset = 0 if base is None else base.embeddings.shape[0]
-        for position, i in enumerate(new):
-            rows[_row_digest(cond, i, False)] = offset + position
-            if cond.negative is not None:
-                rows[_row_digest(cond, i, True)] = offset + position
-        body = encode_text_request(Context(0, embeddings, mask, negative))
-        made = _MadeContext(context_id(body), body, embeddings, mask, negative, rows)
+        made = _made_of(cond, keys, base)
+        if base is not None and (made.embeddings.shape[0] > MAX_CONTEXT_ROWS
+                                 or len(made.body) > MAX_CONTEXT_BODY_BYTES):
+            made = _made_of(cond, keys, None)
         self._made[made.id] = made
-        self._bytes += len(body)
+        self._bytes += len(made.body)
         while self._bytes > self.max_bytes and len(self._made) > 1:
             _, dropped = self._made.popitem(last=False)
             self._bytes -= len(dropped.body)
-        return made
+        return made, np.array([made.rows[k] for k in keys], np.int32)
+
+
+def _made_of(cond: Conditioning, keys: list[bytes], base: _MadeContext | None) -> _MadeContext:
+    """A context of ``base``'s rows (if any) and the rows of ``cond`` it lacks."""
+    assert cond.embeddings is not None
+    new = [i for i, k in enumerate(keys)
+           if (base is None or k not in base.rows) and k not in keys[:i]]
+    embeddings = np.ascontiguousarray(cond.embeddings[new], np.float32)
+    mask = (np.ones(embeddings.shape[:2], np.uint8) if cond.mask is None
+            else np.asarray(cond.mask[new], np.uint8))
+    negative = (np.ascontiguousarray(cond.negative.embeddings[new], np.float32)
+                if cond.negative is not None else None)
+    if base is not None:
+        if negative is None and base.negative.shape[0]:
+            negative = np.zeros_like(embeddings)  # placeholders: no guided key names them
+        elif negative is not None and not base.negative.shape[0]:
+            base = _with_placeholder_negative(base)
+        embeddings = np.concatenate([base.embeddings, embeddings])
+        mask = np.concatenate([base.mask, mask])
+        if negative is not None:
+            negative = np.concatenate([base.negative, negative])
+    if negative is None:
+        negative = np.zeros((0, *embeddings.shape[1:]), np.float32)
+    rows = dict(base.rows) if base is not None else {}
+    offset = 0 if base is None else base.embeddings.shape[0]
+    for position, i in enumerate(new):
+        rows[_row_digest(cond, i, False)] = offset + position
+        if cond.negative is not None:
+            rows[_row_digest(cond, i, True)] = offset + position
+    body = encode_text_request(Context(0, embeddings, mask, negative))
+    return _MadeContext(context_id(body), body, embeddings, mask, negative, rows)
 
 
 def _with_placeholder_negative(made: _MadeContext) -> _MadeContext:

@@ -8,7 +8,7 @@ least squares of decoded images (average-pooled to the latent grid) on a few ran
 rather than taken from the decoder's config: diffusers' ``AutoencoderKL`` config records no
 such matrix, and the published ones hold for Stable Diffusion's own VAE only, not for any other
 decoder (our tiny test decoders included). The fit works for every decoder, in the router or
-on its own server, through the same :class:`~ddm.serving.router.remote.StageCaller`.
+on its own server, through the same :class:`~ddm.serving.router.stage_clients.StageCaller`.
 """
 
 from __future__ import annotations

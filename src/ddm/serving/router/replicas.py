@@ -157,44 +157,40 @@ class ExpertInfo:
         deployment's limits (``ddm.deploy.limits``): strict types, bounded sizes. An expert is
         a peer: its report sizes the router's allocations and splits its batches, so anything
         else is :class:`InvalidReport` naming the field."""
-        _require(isinstance(raw, Mapping), f"/v1/info is not a JSON object: {_shown(raw)}")
-        shape = _ints(raw, "image_shape", 3, 3)
-        _require(1 <= shape[0] <= MAX_IMAGE_CHANNELS
-                 and all(1 <= side <= MAX_IMAGE_SIDE for side in shape[1:]),
-                 f"image_shape must be (C, H, W) with C in 1..{MAX_IMAGE_CHANNELS} and H, W in "
-                 f"1..{MAX_IMAGE_SIDE}, got {_shown(raw['image_shape'])}")
+        require(isinstance(raw, Mapping), f"/v1/info is not a JSON object: {_shown(raw)}")
+        shape = report_shape(raw, "image_shape")
         classes = _ints(raw, "classes", 0, MAX_NUM_CLASSES)
-        _require(all(0 <= c <= MAX_CLASS for c in classes) and len(set(classes)) == len(classes),
-                 f"classes must be distinct integers in 0..{MAX_CLASS}, got "
-                 f"{_shown(raw['classes'])}")
+        require(all(0 <= c <= MAX_CLASS for c in classes) and len(set(classes)) == len(classes),
+                f"classes must be distinct integers in 0..{MAX_CLASS}, got "
+                f"{_shown(raw['classes'])}")
         max_batch = raw.get("max_batch")
-        _require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
-                 f"max_batch must be an integer in 1..{MAX_BATCH}, got {_shown(max_batch)}")
+        require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
+                f"max_batch must be an integer in 1..{MAX_BATCH}, got {_shown(max_batch)}")
         partition = raw.get("partition")
-        _require(partition is None or isinstance(partition, Mapping),
-                 f"partition must be an object or null, got {_shown(partition)}")
-        _require(not _nested_deeper(partition, MAX_EXPERT_INFO_DEPTH),
-                 f"partition nests objects and lists more than {MAX_EXPERT_INFO_DEPTH} deep")
+        require(partition is None or isinstance(partition, Mapping),
+                f"partition must be an object or null, got {_shown(partition)}")
+        require(not _nested_deeper(partition, MAX_EXPERT_INFO_DEPTH),
+                f"partition nests objects and lists more than {MAX_EXPERT_INFO_DEPTH} deep")
         index = (partition or {}).get("index")
-        _require(index is None or (type(index) is int and 0 <= index < MAX_EXPERTS),
-                 f"partition.index must be an integer in 0..{MAX_EXPERTS - 1}, got "
-                 f"{_shown(index)}")
+        require(index is None or (type(index) is int and 0 <= index < MAX_EXPERTS),
+                f"partition.index must be an integer in 0..{MAX_EXPERTS - 1}, got "
+                f"{_shown(index)}")
         conditioning = raw.get("conditioning", LABELS)
-        _require(conditioning in (LABELS, TEXT), f"conditioning must be {LABELS!r} or "
-                                                 f"{TEXT!r}, got {_shown(conditioning)}")
+        require(conditioning in (LABELS, TEXT), f"conditioning must be {LABELS!r} or "
+                                                f"{TEXT!r}, got {_shown(conditioning)}")
         text_width = raw.get("text_width")
-        _require(text_width is None if conditioning == LABELS else (
+        require(text_width is None if conditioning == LABELS else (
             type(text_width) is int and 1 <= text_width <= MAX_TEXT_WIDTH),
             f"text_width must be an integer in 1..{MAX_TEXT_WIDTH} for a text expert (null "
             f"for labels), got {_shown(text_width)}")
         wire_dtype = raw.get("wire_dtype", "float32")
-        _require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)},"
-                                           f" got {_shown(wire_dtype)}")
+        require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)},"
+                                          f" got {_shown(wire_dtype)}")
         cluster = raw.get("cluster")
-        _require(cluster is None or (type(cluster) is int and 0 <= cluster < MAX_EXPERTS),
-                 f"cluster must be an integer in 0..{MAX_EXPERTS - 1} or null, got "
-                 f"{_shown(cluster)}")
-        return cls((shape[0], shape[1], shape[2]), classes, max_batch,
+        require(cluster is None or (type(cluster) is int and 0 <= cluster < MAX_EXPERTS),
+                f"cluster must be an integer in 0..{MAX_EXPERTS - 1} or null, got "
+                f"{_shown(cluster)}")
+        return cls(shape, classes, max_batch,
                    convention=_text(raw, "convention"), partition=partition,
                    serves=_text(raw, "serves"), about=ExpertAbout.from_json(raw),
                    conditioning=conditioning, text_width=text_width, wire_dtype=wire_dtype,
@@ -211,7 +207,19 @@ def hash_scheme(scheme: Any) -> str | None:
         return None
 
 
-def _require(ok: bool, problem: str) -> None:
+def report_shape(raw: Mapping[str, Any], field: str) -> tuple[int, int, int]:
+    """A report's ``(C, H, W)`` ``field`` within the deployment's image limits, else
+    :class:`InvalidReport` naming it."""
+    shape = _ints(raw, field, 3, 3)
+    require(1 <= shape[0] <= MAX_IMAGE_CHANNELS
+            and all(1 <= side <= MAX_IMAGE_SIDE for side in shape[1:]),
+            f"{field} must be (C, H, W) with C in 1..{MAX_IMAGE_CHANNELS} and H, W in "
+            f"1..{MAX_IMAGE_SIDE}, got {_shown(raw[field])}")
+    return shape[0], shape[1], shape[2]
+
+
+def require(ok: bool, problem: str) -> None:
+    """:class:`InvalidReport` of ``problem`` unless ``ok``: a peer's report is refused."""
     if not ok:
         raise InvalidReport(problem)
 
@@ -234,17 +242,17 @@ def _nested_deeper(value: Any, levels: int) -> bool:
 
 def _ints(raw: Mapping[str, Any], field: str, least: int, most: int) -> tuple[int, ...]:
     values = raw.get(field)
-    _require(isinstance(values, list) and least <= len(values) <= most
-             and all(type(v) is int for v in values),
-             f"{field} must be a list of {least}..{most} integers, got {_shown(values)}")
+    require(isinstance(values, list) and least <= len(values) <= most
+            and all(type(v) is int for v in values),
+            f"{field} must be a list of {least}..{most} integers, got {_shown(values)}")
     return tuple(values)
 
 
 def _text(raw: Mapping[str, Any], field: str) -> str | None:
     value = raw.get(field)
-    _require(value is None or (isinstance(value, str) and len(value) <= MAX_EXPERT_TEXT),
-             f"{field} must be a string of at most {MAX_EXPERT_TEXT} characters or null, got "
-             f"{_shown(value)}")
+    require(value is None or (isinstance(value, str) and len(value) <= MAX_EXPERT_TEXT),
+            f"{field} must be a string of at most {MAX_EXPERT_TEXT} characters or null, got "
+            f"{_shown(value)}")
     return value
 
 

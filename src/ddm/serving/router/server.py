@@ -258,7 +258,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         second; and now: generations waiting for it, seconds since its last demand."""
         return {**router.demand.as_json(), "missing_expert": router.config.missing_expert.policy}
 
-    @app.get("/healthz", responses=probe_responses(500, "the router network cannot load"))
+    @app.get("/healthz", responses=probe_responses(
+        500, "the router network or a stage in the router cannot load"))
     async def healthz() -> JSONResponse:
         if router.failure is not None:
             return JSONResponse({"status": "failed", "error": router.failure}, 500)

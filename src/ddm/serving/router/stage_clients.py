@@ -2,9 +2,9 @@
 the wire (``ddm serve stage``) or run in the router's process, behind one interface.
 
 :class:`StageCaller` is what the router's driver asks: ``encode`` once per request, ``decode``
-once at the end, ``route`` at every step. :class:`RemoteStages` answers it with a
-:class:`StagePool`, the expert pool's replica, discovery, probing, retry and failover
-machinery pointed at stage servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
+once at the end, ``route`` at every step. A :class:`StagePool` answers it over the wire:
+the expert pool's replica, discovery, probing, retry and failover machinery pointed at stage
+servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
 :class:`LocalStages` with stages loaded in this process
 (:func:`ddm.models.stages.load_stage`), off the event loop.
 """
@@ -12,6 +12,7 @@ machinery pointed at stage servers (``docs/protocol.md`` version 2: ENCODE, DECO
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
@@ -19,16 +20,16 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVa
 import numpy as np
 
 from ddm.conditioning import Conditioning
-from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
-                               MAX_TEXT_TOKENS, MAX_TEXT_WIDTH, PRECISIONS)
+from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
+                               PRECISIONS)
 from ddm.models.stages import EncodedPrompts, Stage
 from ddm.serving.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                   decode_encoded, decode_probabilities, decode_response,
                                   encode_text_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.router.pool import ExpertPool, gather_all
-from ddm.serving.router.replicas import InvalidReport, Replica
+from ddm.serving.router.replicas import Replica, report_shape, require
 
-__all__ = ["LocalStages", "RemoteStages", "StageCaller", "StageInfo", "StagePool"]
+__all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
 _T = TypeVar("_T")
 #: The stage roles a router calls.
@@ -50,7 +51,8 @@ class StageInfo:
     """What a stage server says of itself in ``/v1/info``, checked as strictly as an expert's
     (:class:`~ddm.serving.router.replicas.ExpertInfo`): a peer's report sizes the router's
     allocations. ``latent_shape`` is what it takes (decoder, router), ``image_shape`` what a
-    decoder makes, ``text_width`` what an encoder makes, ``clusters`` a router's outputs."""
+    decoder makes (RGB, its sides whole multiples of the latent's), ``text_width`` what an
+    encoder makes, ``clusters`` a router's outputs."""
 
     role: str
     max_batch: int
@@ -62,23 +64,27 @@ class StageInfo:
 
     @classmethod
     def from_json(cls, raw: Any) -> StageInfo:
-        _require(isinstance(raw, Mapping), "/v1/info is not a JSON object")
+        require(isinstance(raw, Mapping), "/v1/info is not a JSON object")
         role = raw.get("role")
-        _require(role in (TEXT_ENCODER, DECODER, ROUTER),
-                 f"role must be {TEXT_ENCODER}, {DECODER} or {ROUTER}, got {str(role)[:64]!r}")
+        require(role in (TEXT_ENCODER, DECODER, ROUTER),
+                f"role must be {TEXT_ENCODER}, {DECODER} or {ROUTER}, got {str(role)[:64]!r}")
         max_batch = raw.get("max_batch")
-        _require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
-                 f"max_batch must be an integer in 1..{MAX_BATCH}")
+        require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
+                f"max_batch must be an integer in 1..{MAX_BATCH}")
         wire_dtype = raw.get("wire_dtype")
-        _require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}")
+        require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}")
         width = raw.get("text_width")
-        _require(role != TEXT_ENCODER or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
-                 f"a text encoder's text_width must be an integer in 1..{MAX_TEXT_WIDTH}")
+        require(role != TEXT_ENCODER or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
+                f"a text encoder's text_width must be an integer in 1..{MAX_TEXT_WIDTH}")
         clusters = raw.get("clusters")
-        _require(role != ROUTER or (type(clusters) is int and 1 <= clusters <= MAX_EXPERTS),
-                 f"a router's clusters must be an integer in 1..{MAX_EXPERTS}")
-        latent = _shape(raw, "latent_shape") if role != TEXT_ENCODER else None
-        image = _shape(raw, "image_shape") if role == DECODER else None
+        require(role != ROUTER or (type(clusters) is int and 1 <= clusters <= MAX_EXPERTS),
+                f"a router's clusters must be an integer in 1..{MAX_EXPERTS}")
+        latent = report_shape(raw, "latent_shape") if role != TEXT_ENCODER else None
+        image = report_shape(raw, "image_shape") if role == DECODER else None
+        require(image is None or latent is None or (
+            image[0] == 3 and image[1] % latent[1] == 0 and image[2] % latent[2] == 0),
+            "a decoder's image_shape must be RGB (3, H, W) at a whole multiple of its "
+            "latent_shape's sides (the router's PNGs and latent previews assume both)")
         return cls(role, max_batch, wire_dtype, latent, image,
                    width if role == TEXT_ENCODER else None,
                    clusters if role == ROUTER else None)
@@ -86,8 +92,9 @@ class StageInfo:
 
 class StagePool(ExpertPool):
     """Stage servers by role (sources named :data:`TEXT_ENCODER`, :data:`DECODER`,
-    :data:`ROUTER`): the expert pool's replicas, probes and retries, their reports read as
-    :class:`StageInfo`. Stage calls are not coalesced: each runs once per request."""
+    :data:`ROUTER`), a :class:`StageCaller`: the expert pool's replicas, probes and retries,
+    their reports read as :class:`StageInfo`. Stage calls are not coalesced: each runs once
+    per request."""
 
     _parse_info = staticmethod(StageInfo.from_json)
 
@@ -177,30 +184,18 @@ class StagePool(ExpertPool):
                                 time.monotonic() + self._settings.deadline_s)
 
 
-class RemoteStages:
-    """:class:`StageCaller` over a :class:`StagePool`."""
-
-    def __init__(self, pool: StagePool) -> None:
-        self.pool = pool
-
-    async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
-        return await self.pool.encode(prompts)
-
-    async def decode(self, latents: np.ndarray) -> np.ndarray:
-        return await self.pool.decode(latents)
-
-    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
-        return await self.pool.route(x, t)
-
-
 class LocalStages:
     """:class:`StageCaller` with stages loaded in the router's process; each call runs in a
-    worker thread, one at a time per stage (a model is not called concurrently)."""
+    worker thread, one at a time per stage (a model is not called concurrently: a tokenizer,
+    for one, fails when it is). A call cancelled meanwhile (its client left) leaves its thread
+    running, so the thread holds the stage's lock, not the cancelled coroutine; the asyncio
+    lock only keeps waiting calls off the worker threads."""
 
     def __init__(self, text_encoder: Stage | None = None, decoder: Stage | None = None,
                  router: Stage | None = None) -> None:
         self._stages = {TEXT_ENCODER: text_encoder, DECODER: decoder, ROUTER: router}
         self._locks = {role: asyncio.Lock() for role in self._stages}
+        self._running = {role: threading.Lock() for role in self._stages}
 
     async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
         stage = self._stage(TEXT_ENCODER)
@@ -224,26 +219,17 @@ class LocalStages:
         return stage
 
     async def _run(self, role: str, work: Callable[[], _T]) -> _T:
+        running = self._running[role]
+
+        def alone() -> _T:
+            with running:
+                return work()
+
         async with self._locks[role]:
-            return await asyncio.to_thread(work)
+            return await asyncio.to_thread(alone)
 
 
 def _max_encoded_bytes(prompts: int, width: int) -> int:
     """The largest encode reply for ``prompts`` prompts of the declared ``width``: float32
     embeddings and a mask of at most MAX_TEXT_TOKENS tokens, the cuts, headers."""
     return prompts * MAX_TEXT_TOKENS * (4 * width + 1) + 8 * prompts + max_error_reply_bytes()
-
-
-def _require(ok: bool, problem: str) -> None:
-    if not ok:
-        raise InvalidReport(problem)
-
-
-def _shape(raw: Mapping[str, Any], field: str) -> tuple[int, int, int]:
-    value = raw.get(field)
-    _require(isinstance(value, list) and len(value) == 3 and all(type(v) is int for v in value)
-             and 1 <= value[0] <= MAX_IMAGE_CHANNELS
-             and all(1 <= v <= MAX_IMAGE_SIDE for v in value[1:]),
-             f"{field} must be (C, H, W) with C in 1..{MAX_IMAGE_CHANNELS}, H and W in "
-             f"1..{MAX_IMAGE_SIDE}")
-    return value[0], value[1], value[2]

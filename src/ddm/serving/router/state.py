@@ -45,11 +45,11 @@ from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
 from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme, source_for
-from ddm.deploy.router_config import RouterConfigFile, StageEntry
+from ddm.deploy.router_config import STAGE_FIELDS, RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
     from ddm.models.stages import Stage
-    from ddm.serving.router.stage_clients import StageCaller
+    from ddm.serving.router.stage_clients import StageCaller, StagePool
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class RouterState:
         self.stages: dict[str, StageCaller] = {}
         self.stage_convention: str | None = None
         self.null: NullConditioning | None = None
-        self._stage_pool: ExpertPool | None = None  # the stages served on their own
+        self._stage_pool: StagePool | None = None  # the stages served on their own
         self._settings = pool_settings(config, deadline_s)
         self._preview: asyncio.Task[LatentPreview] | None = None
         self.loaded = config.router_checkpoint is None and not self._stage_entries()
@@ -153,7 +153,7 @@ class RouterState:
             await self._load_stages()
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
             logger.exception("%s failed to load", what)
-            self.failure = f"{type(error).__name__}: {error}"
+            self.failure = f"{what} failed to load: {type(error).__name__}: {error}"
             if self.on_failure is not None:
                 self.on_failure(f"{what}: {error}")
             return
@@ -162,7 +162,7 @@ class RouterState:
     async def _load_stages(self) -> None:
         """A text DDM's stages: those placed in the router loaded here (off the event loop),
         those served on their own reached through one stage pool."""
-        from ddm.serving.router.stage_clients import LocalStages, RemoteStages, StagePool
+        from ddm.serving.router.stage_clients import LocalStages, StagePool
 
         entries = self._stage_entries()
         loaded = {}
@@ -182,7 +182,7 @@ class RouterState:
                                           for name, discovery in remote.items()},
                                          self._settings, token=token)
             await self._stage_pool.start()
-        self.stages = {name: local if name in loaded else RemoteStages(self._stage_pool)
+        self.stages = {name: local if name in loaded else self._stage_pool
                        for name in entries}
         if "router_network" in loaded:
             self.stage_convention = loaded["router_network"].declaration.convention
@@ -232,7 +232,7 @@ class RouterState:
                      *(p.public for p in view.refused)]
                     if len(missing) == len(self.names) else [])
         if self.failure is not None:
-            problems.append(f"router network failed to load: {self.failure}")
+            problems.append(self.failure)
         elif not self.loaded:
             problems.append("router network is loading")
         problems += [p.public for p in view.mismatches]
@@ -340,7 +340,7 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
     shape = None if disagreement else next(iter(shapes.values()), None)
     mixture, not_ready = None, ""
     if not loaded:
-        not_ready = (f"router network failed to load: {failure}" if failure
+        not_ready = (failure if failure
                      else "router network is still loading; retry when /readyz is 200")
     elif mismatches:
         not_ready = "; ".join(p.public for p in mismatches)
@@ -435,7 +435,7 @@ def _scheme(scheme: Any) -> str:
 
 
 #: ``router.yaml``'s stages placed in the router -> the role their checkpoints declare.
-STAGES = {"text_encoder": "text_encoder", "decoder": "decoder", "router_network": "router"}
+STAGES = dict(zip(STAGE_FIELDS, ("text_encoder", "decoder", "router")))
 
 
 def _load_stage(name: str, entry: StageEntry) -> Stage:

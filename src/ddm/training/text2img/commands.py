@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddm.data.colored_mnist import ColoredDigits, load_colored_mnist
+from ddm.deploy.imported import expert_dir
 from ddm.models.text2img import expert_convention, expert_kwargs, router_convention, sizes
 from ddm.training.config import TrainConfig
 from ddm.training.resume import Resumable, state_directory
@@ -175,7 +176,7 @@ def expert_stage(run: StageRun) -> Path:
     data, sha = _latent_set(run.root)
     if run.index is None or not 0 <= run.index < CLUSTERS:
         raise ValueError(f"an expert needs --index between 0 and {CLUSTERS - 1}")
-    name = layout.expert_name(run.index)
+    name = expert_dir(run.index)
     resumable = run.resumable(name, partition_sha256=sha, index=run.index)
     model = train_flow(data, np.flatnonzero(data.clusters == run.index), sizes(run.size),
                        run.train, resumable, run.progress)

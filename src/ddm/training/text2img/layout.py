@@ -29,10 +29,6 @@ CLASSES = {TOKENIZER: ("transformers", "PreTrainedTokenizerFast"),
 EXPERT_CLASS = ("diffusers", "PixArtTransformer2DModel")
 
 
-def expert_name(index: int) -> str:
-    return f"expert_{index}"
-
-
 def finished(path: Path) -> bool:
     """A component is finished once its config is written (weights are saved before it)."""
     return (path / "config.json").is_file() or (path / "tokenizer.json").is_file()
