@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -104,6 +105,35 @@ def test_scrape_reads_a_router_over_http(router_url: str) -> None:
 def test_an_answer_past_the_cap_is_not_read(router_url: str) -> None:
     _Answer.body = b"# " + b"x" * MAX_METRICS_BYTES + b"\n"
     assert scrape(router_url, EXPERTS) is None
+
+
+class _Trickle(http.server.BaseHTTPRequestHandler):
+    """A valid exposition, one byte at a time: each read is quick, the whole is not."""
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self.send_response(200)
+        self.end_headers()
+        try:
+            for byte in _exposition([7, 1], {}).encode():
+                self.wfile.write(bytes([byte]))
+                self.wfile.flush()
+                time.sleep(0.02)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the operator gave up
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_a_router_trickling_its_answer_past_the_deadline_is_no_reading() -> None:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        assert scrape(url, EXPERTS, timeout_s=0.3) is None
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_nobody_listening_is_no_reading() -> None:

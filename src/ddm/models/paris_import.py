@@ -114,7 +114,7 @@ def _check_library_weights(directory: Path, model_class: Any) -> None:
     """The library's own loading report (``model_class.from_pretrained``'s) must be empty: a
     missing tensor would start from random values with only a warning."""
     _, info = model_class.from_pretrained(directory, use_safetensors=True,
-                                          output_loading_info=True)
+                                          local_files_only=True, output_loading_info=True)
     problems = {kind: found for kind in ("missing_keys", "unexpected_keys", "mismatched_keys",
                                           "error_msgs") if (found := info.get(kind))}
     if problems:

@@ -82,13 +82,13 @@ class ClipTextEncoder:
                  dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer, CLIPTextModel
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         length = self.tokenizer.model_max_length  # transformers' 1e30 where none is recorded
         if not 1 <= length <= limits.MAX_TEXT_TOKENS:
             raise ValueError(f"its tokenizer's model_max_length is {length:.4g}; prompts are "
                              f"padded to it, so it must be 1..{limits.MAX_TEXT_TOKENS}")
         self.model = CLIPTextModel.from_pretrained(
-            text_encoder, use_safetensors=True,
+            text_encoder, use_safetensors=True, local_files_only=True,
             dtype=dtype or stored_dtype(text_encoder)).to(device).eval()
         self.device = device
 
@@ -126,8 +126,8 @@ class VaeDecoder:
         from diffusers import AutoencoderKL
 
         self.model = AutoencoderKL.from_pretrained(
-            directory, use_safetensors=True, torch_dtype=dtype or stored_dtype(directory)
-        ).to(device).eval()
+            directory, use_safetensors=True, local_files_only=True,
+            torch_dtype=dtype or stored_dtype(directory)).to(device).eval()
         self.device = device
 
     @property
@@ -475,7 +475,8 @@ def _pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | None, d
     if backend == "jax":
         return _flax_pixart(path, declared, dtype)
     model = PixArtTransformer2DModel.from_pretrained(
-        path, use_safetensors=True, torch_dtype=dtype or stored_dtype(path)).to(device).eval()
+        path, use_safetensors=True, local_files_only=True,
+        torch_dtype=dtype or stored_dtype(path)).to(device).eval()
     config = model.config
     _check_outputs(path, config.in_channels, config.out_channels)
 
@@ -518,7 +519,7 @@ def _latent_router(path: Path, declared: StageDeclaration, dtype: torch.dtype | 
     if not isinstance(_convention(declared), ScaledTimeNetwork):
         raise CheckpointError(f"{path}: a latent-router sees our time t (it scales it "
                               "itself): its convention must be 'ours'")
-    model = LatentRouter.from_pretrained(path, use_safetensors=True,
+    model = LatentRouter.from_pretrained(path, use_safetensors=True, local_files_only=True,
                                          torch_dtype=dtype or stored_dtype(path))
     model = model.to(device).eval()
     stage = _stage(declared, model, network_probabilities(

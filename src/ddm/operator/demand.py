@@ -18,6 +18,7 @@ restarted: its whole value is new), the first reading of a pod only a baseline.
 from __future__ import annotations
 
 import math
+import time
 import urllib.error
 import urllib.request
 from collections import deque
@@ -66,14 +67,25 @@ def parse_metrics(text: str, experts: Collection[str]) -> RouterReading | None:
     return RouterReading(rows, waiting)
 
 
-def scrape(url: str, experts: Collection[str]) -> RouterReading | None:
-    """:func:`parse_metrics` of what ``url`` answers within the deadline and the cap; None
-    when it does not answer usably."""
+def scrape(url: str, experts: Collection[str],
+           timeout_s: float = SCRAPE_TIMEOUT_S) -> RouterReading | None:
+    """:func:`parse_metrics` of what ``url`` answers within ``timeout_s`` in all and the cap;
+    None when it does not answer usably. The deadline is the whole answer's, not each read's:
+    a router trickling bytes would otherwise hold the operator's one scaler thread, which
+    scrapes every router in turn, for as long as it likes."""
+    deadline = time.monotonic() + timeout_s
     try:
-        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as answer:
+        with urllib.request.urlopen(url, timeout=timeout_s) as answer:
             if answer.status != 200:
                 return None
-            body = answer.read(MAX_METRICS_BYTES + 1)
+            body = b""
+            while len(body) <= MAX_METRICS_BYTES:
+                if time.monotonic() > deadline:
+                    return None
+                chunk = answer.read1(MAX_METRICS_BYTES + 1 - len(body))
+                if not chunk:
+                    break
+                body += chunk
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
         return None
     if len(body) > MAX_METRICS_BYTES:
