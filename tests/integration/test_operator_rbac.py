@@ -42,6 +42,12 @@ from tests.support.operator_process import (OperatorProcess, cpu_spec,
 #:   admission plugin (on in OpenShift and some distributions) requires it to set
 #:   ``blockOwnerDeletion`` in a child's ownerReference.
 IMPLIED = {("ddm.dev", "ddmdeployments/finalizers", "update")}
+#: Reads of one child by name: the reconcile makes them only when a child's dry run says its
+#: name is taken by an object outside the DDM's labelled children (reconcile.py's clash
+#: check), which this scenario does not stage; every other read is a list.
+CLASH_READS = {(group, resource, "get") for group, resource in (
+    ("", "configmaps"), ("", "services"), ("apps", "deployments"),
+    ("networking.k8s.io", "networkpolicies"))}
 Use = tuple[str, str, str]  # (API group, resource[/subresource], verb)
 
 
@@ -109,7 +115,7 @@ def test_the_operator_uses_exactly_the_verbs_the_chart_grants(
     assert refused == [], refused
     granted = _granted(role)
     assert not used - granted, f"used but not granted: {sorted(used - granted)}"
-    unused = sorted(granted - IMPLIED - used)
+    unused = sorted(granted - IMPLIED - CLASH_READS - used)
     assert not unused, f"granted but never used: {unused}"
     assert {verb for group, resource, verb in used if (group, resource) == ("", "secrets")} \
         == {verb for group, resource, verb in granted if (group, resource) == ("", "secrets")} \
