@@ -26,6 +26,9 @@ import numpy as np
 Output = np.ndarray | tuple[np.ndarray, ...]
 RunFn = Callable[[Hashable, tuple[np.ndarray, ...]], Output]
 
+#: How long closing a batcher waits for the batch its model thread runs to end.
+MODEL_STOP_WAIT_S = 10.0
+
 
 #: Solver steps of an integration that run as one model-thread job (:func:`grid_slices`): a
 #: velocity call arriving meanwhile waits for at most this many (Heun: twice as many model
@@ -191,12 +194,14 @@ class Batcher:
         self._running: list[_Job] = []  # the batch the model thread runs now
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         """Start the model thread, delivering to the running event loop (idempotent)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            threading.Thread(target=self._work, name="ddm-model", daemon=True).start()
+            self._thread = threading.Thread(target=self._work, name="ddm-model", daemon=True)
+            self._thread.start()
 
     async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...],
                      cost: int | None = None) -> Output:
@@ -215,12 +220,17 @@ class Batcher:
 
     async def close(self) -> None:
         """Fail queued and running requests with :class:`BatcherClosed` and let the model
-        thread end after the batch it runs (it is not waited for: a model may hang)."""
+        thread end after the batch it runs, waiting for that up to ``MODEL_STOP_WAIT_S`` (a
+        model may hang): a model thread still inside the framework's C++ code when the
+        interpreter exits aborts the process ("terminate called without an active
+        exception")."""
         with self._changed:
             self._closed = True
             jobs, self._queue = self._queue + self._running, []
             self._changed.notify()
         _fail(jobs, BatcherClosed("the server is shutting down"))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, MODEL_STOP_WAIT_S)
 
     def _work(self) -> None:
         """The model thread: take a batch, run it, hand the results to the event loop."""
