@@ -19,7 +19,6 @@ Every wait polls the API or the router with a deadline; nothing sleeps a fixed t
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,10 +32,9 @@ from podwatch import new_namespace
 from waiting import wait_for
 
 from ddm.operator.config import Images, OperatorConfig
-from ddm.operator.runner import run_operator
 from ddm_devcluster import ClusterInfo
 from ddm_devcluster.images import VERSION
-from tests.support.operator_process import install_crd
+from tests.support.operator_process import install_crd, operator_in_thread
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE, NAME, SCALED = "autoscaling", "mnist", "mnist-cluster-2"
@@ -71,20 +69,12 @@ def api(dev_cluster: ClusterInfo, kube_client: Any) -> Iterator[dict[str, Any]]:
     install_crd(kube_client)
     core = client.CoreV1Api(kube_client)
     new_namespace(core, NAMESPACE)
-    stop, ready = threading.Event(), threading.Event()
     config = OperatorConfig(images=Images.defaults(VERSION), image_pull_policy="Never")
-    thread = threading.Thread(target=run_operator, name="ddm-operator", daemon=True, kwargs={
-        "namespaces": (), "liveness_port": None, "operator_config": config,
-        "configure_logging": False, "stop_flag": stop, "ready_flag": ready,
-        "kubeconfig": dev_cluster.kubeconfig})
-    thread.start()
-    assert ready.wait(60), "the operator did not start"
     try:
-        yield {"core": core, "apps": client.AppsV1Api(kube_client),
-               "custom": client.CustomObjectsApi(kube_client)}
+        with operator_in_thread(dev_cluster.kubeconfig, config, (NAMESPACE,)):
+            yield {"core": core, "apps": client.AppsV1Api(kube_client),
+                   "custom": client.CustomObjectsApi(kube_client)}
     finally:
-        stop.set()
-        thread.join(30)
         core.delete_namespace(NAMESPACE, grace_period_seconds=0)
 
 

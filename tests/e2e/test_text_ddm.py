@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,11 +41,10 @@ from ddm.cli import main
 from ddm.models.stages import load_text_ddm
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.policy import AllowLists
-from ddm.operator.runner import run_operator
 from ddm.sampling.pipeline import generate_text
 from ddm_devcluster import ClusterInfo
 from ddm_devcluster import images as dev_images
-from tests.support.operator_process import install_crd
+from tests.support.operator_process import install_crd, operator_in_thread
 from tests.support.paris_reference import ParisReference
 from tests.support.paris_release import write_paris_release
 
@@ -104,22 +102,14 @@ def api(dev_cluster: ClusterInfo, kube_client: Any, imported: tuple[Path, Path]
     install_crd(kube_client)
     core = client.CoreV1Api(kube_client)
     new_namespace(core, NAMESPACE)
-    stop, ready = threading.Event(), threading.Event()
     config = OperatorConfig(images=Images.defaults(dev_images.VERSION),
                             image_pull_policy="Never",
                             allowed=AllowLists(host_paths=(f"{imported[1].parent}/",)))
-    thread = threading.Thread(target=run_operator, name="ddm-operator", daemon=True, kwargs={
-        "namespaces": (), "liveness_port": None, "operator_config": config,
-        "configure_logging": False, "stop_flag": stop, "ready_flag": ready,
-        "kubeconfig": dev_cluster.kubeconfig})
-    thread.start()
-    assert ready.wait(60), "the operator did not start"
     try:
-        yield {"core": core, "apps": client.AppsV1Api(kube_client),
-               "custom": client.CustomObjectsApi(kube_client), "cluster": dev_cluster}
+        with operator_in_thread(dev_cluster.kubeconfig, config, (NAMESPACE,)):
+            yield {"core": core, "apps": client.AppsV1Api(kube_client),
+                   "custom": client.CustomObjectsApi(kube_client), "cluster": dev_cluster}
     finally:
-        stop.set()
-        thread.join(30)
         core.delete_namespace(NAMESPACE, grace_period_seconds=0)
 
 

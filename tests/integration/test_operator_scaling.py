@@ -23,10 +23,9 @@ from waiting import wait_for
 
 from ddm.operator import names
 from ddm.operator.config import OperatorConfig
-from ddm.operator.runner import run_operator
 from ddm.operator.scaler import FIELD_MANAGER
 from ddm.serving.router.demand import DemandMeter
-from tests.support.operator_process import install_crd
+from tests.support.operator_process import install_crd, operator_in_thread
 
 GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
 ROUTER_IP = "127.0.0.7"  # a loopback address of its own: the "pod" the scaler scrapes
@@ -62,21 +61,11 @@ def meter() -> Iterator[DemandMeter]:
         server.server_close()
 
 
-@pytest.fixture(scope="module")
-def operator(dev_cluster: Any, kube_client: Any) -> Iterator[None]:
+@pytest.fixture
+def operator(dev_cluster: Any, kube_client: Any, kube_namespace: str) -> Iterator[None]:
     install_crd(kube_client)
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(target=run_operator, daemon=True, kwargs={
-        "namespaces": (), "kubeconfig": dev_cluster.kubeconfig, "liveness_port": None,
-        "operator_config": OperatorConfig(), "configure_logging": False,
-        "stop_flag": stop, "ready_flag": ready})
-    thread.start()
-    assert ready.wait(60), "the operator did not start"
-    try:
+    with operator_in_thread(dev_cluster.kubeconfig, OperatorConfig(), (kube_namespace,)):
         yield
-    finally:
-        stop.set()
-        thread.join(30)
 
 
 def _spec(max_batch: int | None = None) -> dict[str, Any]:

@@ -11,14 +11,16 @@ pytest).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +31,8 @@ from kubernetes.client.exceptions import ApiException
 from ddm_devcluster.components import build_kubeconfig
 from ddm_devcluster.processes import free_ports, log_tail
 from ddm.operator import names
+from ddm.operator.config import OperatorConfig
+from ddm.operator.runner import run_operator
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "ddmdeployments.ddm.dev.yaml"
 _POLL_S = 0.5
@@ -144,6 +148,27 @@ def service_account_kubeconfig(api_client: client.ApiClient, namespace: str, nam
         configuration.host, ca_pem, f"system:serviceaccount:{namespace}:{name}", token)))
     path.chmod(0o600)
     return path
+
+
+@contextlib.contextmanager
+def operator_in_thread(kubeconfig: Path, config: OperatorConfig,
+                       namespaces: tuple[str, ...]) -> Iterator[None]:
+    """The operator in a thread of this process, serving ``namespaces`` only: a test's operator
+    that served the whole session's cluster would also work through the DDMs earlier tests
+    left there (failing ones, retried), and reach the test's own late on a loaded machine."""
+    stop, ready = threading.Event(), threading.Event()
+    thread = threading.Thread(target=run_operator, name="ddm-operator", daemon=True, kwargs={
+        "namespaces": namespaces, "kubeconfig": kubeconfig, "liveness_port": None,
+        "operator_config": config, "configure_logging": False,
+        "stop_flag": stop, "ready_flag": ready})
+    thread.start()
+    if not ready.wait(60):
+        raise RuntimeError("the operator did not start in 60 s")
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(30)
 
 
 def install_crd(api_client: client.ApiClient, timeout_s: float = 30.0) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ddm.deploy.spec import parse_spec
 from ddm.operator.config import OperatorConfig
 from ddm.operator.manifests import build_expert_deployment
-from ddm.operator.status import ready_status
+from ddm.operator.status import ready_status, reconciled_part
 
 META = {"name": "digits", "namespace": "ml", "uid": "u-1", "generation": 2}
 SPEC = parse_spec({
@@ -48,12 +48,14 @@ def test_an_expert_scaling_up_is_waited_for() -> None:
     assert conditions["ExpertsReady"]["message"] == "waiting for rare (0/1 ready)"
 
 
-def test_the_scalers_demand_survives_the_reconciles_status() -> None:
+def test_the_reconciles_status_leaves_the_scalers_demand_to_the_scaler() -> None:
+    """The reconcile's merge patch has no ``demand``, so the scaler's newest stays; and a
+    status that differs only in the scaler's part is not rewritten."""
     demand = {"observedAt": "T0", "routers": "1/1",
               "experts": [{"name": "rare", "rowsPerSecond": 0.0, "waiting": 0}]}
-    status = ready_status(SPEC, META, deployments=_deployments(0, 0),
-                          previous={"demand": demand}, now="T")
-    assert status["demand"] == demand
+    status = ready_status(SPEC, META, deployments=_deployments(0, 0), previous={}, now="T")
+    assert "demand" not in status
+    assert reconciled_part({**status, "demand": demand}) == status
 
 
 def test_the_routers_metrics_port_admits_the_operator_the_chart_names() -> None:

@@ -51,7 +51,7 @@ from ddm.operator.children import checked_spec, desired_children
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
 from ddm.deploy.spec import SpecError
-from ddm.operator.status import invalid_status, now_rfc3339, ready_status
+from ddm.operator.status import invalid_status, now_rfc3339, ready_status, reconciled_part
 
 log = logging.getLogger("ddm.operator")
 
@@ -279,7 +279,7 @@ class Reconciler:
         return "Deleted", f"Deleted {kind} {name} (no longer wanted by the spec or settings)"
 
     def _report(self, body: Mapping[str, Any], status: dict[str, Any]) -> None:
-        if status != body.get("status"):
+        if status != reconciled_part(body.get("status")):
             meta = body["metadata"]
             self._kube.write_status(meta["namespace"], meta["name"], status)
 

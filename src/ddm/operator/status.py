@@ -163,6 +163,17 @@ def now_rfc3339() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+#: The status fields the scaler writes (``ddm.operator.scaler``). The reconcile's status leaves
+#: them out, so its merge patch keeps what the scaler wrote last: a reconcile that copied them from
+#: the body it was handed wrote back a stale demand over a newer one.
+SCALER_FIELDS = frozenset({"demand"})
+
+
+def reconciled_part(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``status`` without the scaler's fields: what a reconcile compares its own status with."""
+    return {k: v for k, v in (status or {}).items() if k not in SCALER_FIELDS}
+
+
 def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                  deployments: Mapping[str, Mapping[str, Any]], previous: Mapping[str, Any],
                  now: str, failure: str | None = None, pods: Sequence[Mapping[str, Any]] = (),
@@ -252,8 +263,6 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                         **_why(troubles.get(stage_key(role)))}
                        for role, stage in separate.items()]} if stages else {}),
         "conditions": [ready, spec_valid, experts_ready, router_ready, *stage_conditions],
-        # the scaler's own part (ddm.operator.scaler), kept as it wrote it
-        **({"demand": previous["demand"]} if "demand" in previous else {}),
     }
 
 
