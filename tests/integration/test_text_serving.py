@@ -30,8 +30,9 @@ from ddm.serving.expert.stage_server import STAGE_ROLES, create_stage_app
 from ddm.serving import termination
 from ddm.serving.http import build_server
 from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
-                                  TextVelocityRequest, VelocityRequest, context_id,
-                                  decode_response, encode_request, encode_text_request)
+                                  Solver, TextIntegrateRequest, TextVelocityRequest,
+                                  VelocityRequest, context_id, decode_response, encode_request,
+                                  encode_text_request)
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.router.replicas import ExpertInfo, static_endpoints
 from ddm.serving.router.stage_clients import LocalStages, StagePool
@@ -45,6 +46,7 @@ GUIDANCE = np.array([7.5, 1.0, 3.0], np.float32)
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((3, *LATENT_SHAPE)).astype(np.float32)
 T = np.array([0.1, 0.5, 0.9], np.float32)
+GRID = np.linspace(0.0, 0.5, 4, dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +105,18 @@ def test_a_served_text_expert_answers_guided_velocities_equal_to_its_network(roo
     np.testing.assert_allclose(v[1], plain[1], atol=1e-5)
 
 
-def test_integrate_runs_the_guided_velocity_over_the_grid(root, expert, cond):
-    grid = np.linspace(0.0, 0.5, 4, dtype=np.float32)
-    out = with_pool(endpoint_of(expert),
-                    lambda pool: pool.integrate("e", X, cond, grid, "euler"))
-    stage, x = load_stage(root / "expert_0"), X.copy()
+def integrated_guided(stage, x, cond: Conditioning, grid: np.ndarray) -> np.ndarray:
+    """Euler over ``grid`` with the guided velocity written out."""
     for a, b in zip(grid, grid[1:]):
-        x = x + (b - a) * expected_guided(stage, x, np.full(3, a, np.float32), cond)
-    np.testing.assert_allclose(out, x, atol=1e-4)
+        x = x + (b - a) * expected_guided(stage, x, np.full(len(x), a, np.float32), cond)
+    return x
+
+
+def test_integrate_runs_the_guided_velocity_over_the_grid(root, expert, cond):
+    out = with_pool(endpoint_of(expert),
+                    lambda pool: pool.integrate("e", X, cond, GRID, "euler"))
+    stage = load_stage(root / "expert_0")
+    np.testing.assert_allclose(out, integrated_guided(stage, X.copy(), cond, GRID), atol=1e-4)
 
 
 def test_the_context_crosses_once_per_generation_and_steps_carry_only_the_latent(expert,
@@ -243,12 +249,20 @@ def test_replies_travel_in_the_dtype_the_expert_runs_in(root, cond, precision, c
         assert post(base, context).status_code == 200
         reply = post(base, encode_text_request(TextVelocityRequest(
             2, X, T, context_id(context), np.arange(3, dtype=np.int32), GUIDANCE)))
+        integrated = post(base, encode_text_request(TextIntegrateRequest(
+            3, X, context_id(context), np.arange(3, dtype=np.int32), GUIDANCE, GRID,
+            Solver.EULER)))
+        end = with_pool(endpoint_of(base),
+                        lambda pool: pool.integrate("e", X, cond, GRID, "euler"))
     assert (info["wire_dtype"], info["precision"]) == (precision, precision)
-    assert reply.status_code == 200 and reply.content[18 + 1] == code  # out's dtype code
-    assert len(reply.content) == 40 + X.size * 2  # half a float32 reply
+    for answer in (reply, integrated):  # a velocity and an integrated state alike
+        assert answer.status_code == 200 and answer.content[18 + 1] == code  # out's dtype
+        assert len(answer.content) == 40 + X.size * 2  # half a float32 reply
     expected = expected_guided(stage, X, T, cond)
-    assert v.dtype == np.float32
+    assert v.dtype == np.float32 and end.dtype == np.float32
     assert np.abs(v - expected).max() <= tolerance * np.abs(expected).max()
+    state = integrated_guided(stage, X, cond, GRID)
+    assert np.abs(end - state).max() <= tolerance * np.abs(state).max()
 
 
 def post(base: str, body: bytes) -> httpx.Response:

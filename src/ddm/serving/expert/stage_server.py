@@ -12,8 +12,9 @@ version 2):
   context's negative row: the empty prompt's embeddings unless a negative prompt replaced
   them; the router sends them with the context, so an expert needs no text encoder) go through
   the network in one batch with the other requests' rows; rows with scale 1 run once. Batches
-  count forward rows, so a guided row costs two. Replies travel in the weights' dtype
-  (``wire_dtype``: float32, float16 or bfloat16).
+  count forward rows, so a guided row costs two. Replies, velocities and an integrate
+  request's final state alike, travel in the weights' dtype (``wire_dtype``: float32, float16
+  or bfloat16); the chunk's own steps stay float32.
 * text_encoder: ENCODE -> embeddings, mask and the tokens truncation cut.
 * decoder: DECODE -> images (B, 3, H, W) in [-1, 1].
 * router: ROUTE -> probabilities (B, K).
@@ -266,7 +267,7 @@ async def _run(server: _StageServer, message: Request) -> bytes:
     for piece in grid_slices(message.grid):
         x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens),
                                  (x, embeddings, negative, message.guidance), cost)
-    return encode_response(request_id, x)
+    return encode_response(request_id, _wire(server, x))
 
 
 def _context_rows(server: _StageServer, message: TextVelocityRequest | TextIntegrateRequest
