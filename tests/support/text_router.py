@@ -13,7 +13,7 @@ from ddm.serving.expert.server import create_expert_app
 from ddm.serving.expert.stage_server import create_stage_app
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
-from tests.support.paris_release import write_paris_release
+from tests.support.paris_release import TinyParis, write_paris_release
 from tests.support.text_stages import write_paris_stages
 
 #: The tiny release's experts.
@@ -38,17 +38,20 @@ def text_config(stages: Path, experts: Mapping[str, str],
            else {"checkpoint": str(stages / directory)} for name, directory in STAGES.items()}})
 
 
-def paris_stages(root: Path) -> Path:
-    """A tiny Paris release under ``root``, and its components as stage checkpoints."""
-    return write_paris_stages(write_paris_release(root / "release"), root / "stages")
+def paris_stages(root: Path, sizes: TinyParis = TinyParis()) -> Path:
+    """A tiny Paris release of ``sizes`` under ``root``, and its components as stage
+    checkpoints."""
+    return write_paris_stages(write_paris_release(root / "release", sizes), root / "stages")
 
 
 @contextmanager
-def served_text_ddm(root: Path, stages_apart: bool = False) -> Iterator[tuple[str, Path]]:
-    """Serve a tiny Paris DDM made under ``root`` (``stages_apart``: its text encoder, decoder
-    and router network each on a stage server); yields the router's base URL (ready) and the
-    stage checkpoints' root."""
-    stages = paris_stages(root)
+def served_text_ddm(root: Path, stages_apart: bool = False, sizes: TinyParis = TinyParis(),
+                    max_batch: int = 8) -> Iterator[tuple[str, Path]]:
+    """Serve a tiny Paris DDM of ``sizes`` made under ``root`` (``stages_apart``: its text
+    encoder, decoder and router network each on a stage server; each expert server takes
+    ``max_batch`` forward rows); yields the router's base URL (ready) and the stage
+    checkpoints' root."""
+    stages = paris_stages(root, sizes)
     with ExitStack() as stack:
         def serve(app) -> str:
             base = stack.enter_context(running(app))
@@ -56,7 +59,7 @@ def served_text_ddm(root: Path, stages_apart: bool = False) -> Iterator[tuple[st
             return base.removeprefix("http://")
 
         experts = {f"expert_{k}": serve(create_expert_app(stages / f"expert_{k}", "torch",
-                                                          max_batch=8))
+                                                          max_batch=max_batch))
                    for k in range(EXPERTS)}
         apart = {name: serve(create_stage_app(stages / directory, directory))
                  for name, directory in STAGES.items()} if stages_apart else {}

@@ -57,7 +57,10 @@ ROUTER_MAX_CONCURRENT = 16
 #: Of those, what one client may run at once (``ddm.serving.router.clients`` says who a
 #: client is): a quarter, so that one client cannot take the router from the others.
 ROUTER_MAX_CONCURRENT_PER_CLIENT = 4
-ROUTER_MAX_BODY_BYTES = 65536
+#: The router's JSON body limit where the DDM's largest valid request is smaller (room for a
+#: label DDM's spacing and fields); a larger request raises it (``ddm.serving.router.requests.
+#: max_body_bytes``).
+ROUTER_MIN_BODY_BYTES = 65536
 
 #: A DDMDeployment's sizes.
 MAX_EXPERTS = 16

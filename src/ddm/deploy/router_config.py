@@ -35,7 +35,6 @@ from ddm.deploy.limits import (
     MAX_STEPS,
     PRECISIONS,
     ROUTER_MAX_BATCH,
-    ROUTER_MAX_BODY_BYTES,
     ROUTER_MAX_CONCURRENT,
     ROUTER_MAX_CONCURRENT_PER_CLIENT,
     ROUTER_MAX_STEPS,
@@ -254,20 +253,24 @@ class RouterLimits:
     """What one request may ask for, and how many generations run at once, in all and per
     client (more get 429; who a client is: ``RouterConfigFile.trusted_proxies``).
 
-    ``max_body_bytes`` bounds a JSON body (413 beyond it): 64 labels and every field fit in a
-    few hundred bytes, so the default leaves room without letting a client make us buffer much.
+    ``max_body_bytes`` bounds a JSON body (413 beyond it); None (the default): the DDM's
+    largest valid request, which follows from ``max_batch``, the prompts' cap and the state's
+    shape (``ddm.serving.router.requests.max_body_bytes``: 64 Paris latents, 1.4 MB), so that
+    every request the router would serve is read and no larger one is buffered.
     """
 
     max_batch: int = ROUTER_MAX_BATCH
     max_steps: int = ROUTER_MAX_STEPS
     max_concurrent: int = ROUTER_MAX_CONCURRENT
-    max_body_bytes: int = ROUTER_MAX_BODY_BYTES
+    max_body_bytes: int | None = None
     max_concurrent_per_client: int = ROUTER_MAX_CONCURRENT_PER_CLIENT
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes",
                      "max_concurrent_per_client"):
             value = getattr(self, name)
+            if name == "max_body_bytes" and value is None:
+                continue
             _check(_is_int(value) and value >= 1,
                    f"limits.{name} must be an integer >= 1, got {value!r}")
         _check(self.max_steps <= MAX_STEPS,

@@ -23,7 +23,8 @@ config, ``"degraded"`` (still 200, naming them) while some experts have no ready
 status 1 and leaves the reason in the termination-message file (:mod:`ddm.serving.termination`).
 
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
-``limits.max_body_bytes`` gets 413; a request the DDM cannot serve (too many labels or steps,
+``limits.max_body_bytes`` (by default the DDM's largest valid request: its labels, or its
+prompts and latents at the state's shape, ``requests.max_body_bytes``) gets 413 naming it; a request the DDM cannot serve (too many labels or steps,
 labels outside the classes, unknown fields or strategies) a 422 naming the problem; malformed
 JSON a 400 with its line and column (or saying it is not UTF-8); a body not sent as JSON
 (``Content-Type``) a 415 saying how to send it; more generations than ``limits.max_concurrent``
@@ -83,8 +84,8 @@ from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
                                        denoise, generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
-                                         ImagesResponse, echo, invalid_request, parse_latents,
-                                         request_models, sampling_request)
+                                         ImagesResponse, echo, invalid_request, max_body_bytes,
+                                         parse_latents, request_models, sampling_request)
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.serving.termination import fail_start
@@ -100,7 +101,8 @@ _ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/images/generations",
 #: Why the router answers each error status (the body is always :class:`ErrorDetail`).
 _ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8",
            401: "no valid bearer token (auth is on)",
-           413: "the body is over limits.max_body_bytes",
+           413: "the body is over limits.max_body_bytes (/v1/info; by default the DDM's "
+                "largest valid request)",
            415: "the body is not sent as JSON (Content-Type: application/json)",
            422: "a request the router cannot serve; detail names the problem",
            429: "limits.max_concurrent generations are running, or this client's "
@@ -144,7 +146,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     auth = router.tokens is not None
     if auth:
         _document_bearer_auth(app)
-    app.add_middleware(BodyLimit, limit=config.limits.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=lambda: max_body_bytes(
+        config.limits, config.conditioning, router.image_shape()[0]))
     if router.tokens is not None:
         app.add_middleware(BearerAuth, tokens=router.tokens)
     app.add_middleware(_Metered, metrics=router.metrics)  # outermost: counts 401s and 413s
@@ -247,7 +250,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             "num_classes": config.num_classes, "image_shape": list(shape) if shape else None,
             "router_network": has_router_network(config),
             "defaults": dataclasses.asdict(config.sampling),
-            "limits": dataclasses.asdict(config.limits),
+            "limits": {**dataclasses.asdict(config.limits), "max_body_bytes": max_body_bytes(
+                config.limits, config.conditioning, shape)},
             "auth": config.auth is not None,
             "strategies": strategies(config)}
 
