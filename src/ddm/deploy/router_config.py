@@ -255,7 +255,7 @@ class RouterLimits:
 
     ``max_body_bytes`` bounds a JSON body (413 beyond it); None (the default): the DDM's
     largest valid request, which follows from ``max_batch``, the prompts' cap and the state's
-    shape (``ddm.serving.router.requests.max_body_bytes``: 64 Paris latents, 1.4 MB), so that
+    shape (``ddm.serving.router.requests.max_body_bytes``; 1.6 MB for Paris at 64), so that
     every request the router would serve is read and no larger one is buffered.
     """
 
