@@ -198,6 +198,28 @@ def test_a_context_evicted_by_another_is_sent_again_transparently(root, cond, en
     assert context_sent == 2 * context_size(cond) + context_size(other)
 
 
+def test_the_routers_context_store_keeps_its_configured_bytes(expert, cond, encoder):
+    other = encoder.forward(["a green bird", "a red bird", "a cat at sunset"]).with_guidance(
+        GUIDANCE, cond.negative)
+    one_context = context_size(cond)
+    assert context_size(other) == one_context
+
+    async def two_generations(pool: ExpertPool):
+        held = []
+        for c in (cond, other):
+            await pool.velocity("e", X, T, c)
+            held.append(pool.context_bytes)
+        return held
+
+    async def scenario(settings: PoolSettings):
+        async with ExpertPool({"e": static_endpoints([endpoint_of(expert)])}, settings) as pool:
+            return await two_generations(pool)
+
+    small = dataclasses.replace(FAST, context_cache_bytes=one_context)
+    assert asyncio.run(scenario(small)) == [one_context, one_context]  # the first dropped
+    assert asyncio.run(scenario(FAST)) == [one_context, 2 * one_context]  # 256 MiB: both
+
+
 def test_contexts_stop_growing_at_the_rows_an_expert_takes(expert, cond):
     # A long-lived router: every request shares one prompt (a page's default) with the last,
     # so each call's context is the last one plus a row. Past MAX_CONTEXT_ROWS rows an expert

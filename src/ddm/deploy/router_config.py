@@ -24,6 +24,7 @@ import yaml
 from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.deploy.limits import (
     CONDITIONINGS,
+    DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
@@ -31,6 +32,7 @@ from ddm.deploy.limits import (
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
     DEFAULT_STRATEGY,
+    MAX_CONTEXT_CACHE_BYTES,
     MAX_GUIDANCE_SCALE,
     MAX_STEPS,
     PRECISIONS,
@@ -257,6 +259,10 @@ class RouterLimits:
     largest valid request, which follows from ``max_batch``, the prompts' cap and the state's
     shape (``ddm.serving.router.requests.max_body_bytes``; 1.6 MB for Paris at 64), so that
     every request the router would serve is read and no larger one is buffered.
+
+    ``context_cache_bytes`` bounds the text contexts (generations' embeddings) the router keeps
+    to name in its calls to experts, least recently used dropped first (dropping one costs
+    only making it again): 1 .. ``MAX_CONTEXT_CACHE_BYTES``.
     """
 
     max_batch: int = ROUTER_MAX_BATCH
@@ -264,6 +270,7 @@ class RouterLimits:
     max_concurrent: int = ROUTER_MAX_CONCURRENT
     max_body_bytes: int | None = None
     max_concurrent_per_client: int = ROUTER_MAX_CONCURRENT_PER_CLIENT
+    context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes",
@@ -275,6 +282,10 @@ class RouterLimits:
                    f"limits.{name} must be an integer >= 1, got {value!r}")
         _check(self.max_steps <= MAX_STEPS,
                f"limits.max_steps must be at most {MAX_STEPS}, got {self.max_steps}")
+        _check(_is_int(self.context_cache_bytes)
+               and 1 <= self.context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES,
+               f"limits.context_cache_bytes must be an integer in 1..{MAX_CONTEXT_CACHE_BYTES}, "
+               f"got {self.context_cache_bytes!r}")
 
 
 @dataclass(frozen=True)

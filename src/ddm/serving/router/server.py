@@ -24,19 +24,19 @@ status 1 and leaves the reason in the termination-message file (:mod:`ddm.servin
 
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
 ``limits.max_body_bytes`` (by default the DDM's largest valid request: its labels, or its
-prompts and latents at the state's shape, ``requests.max_body_bytes``) gets 413 naming it; a request the DDM cannot serve (too many labels or steps,
-labels outside the classes, unknown fields or strategies) a 422 naming the problem; malformed
-JSON a 400 with its line and column (or saying it is not UTF-8); a body not sent as JSON
-(``Content-Type``) a 415 saying how to send it; more generations than ``limits.max_concurrent``
-at once, or than ``limits.max_concurrent_per_client`` from one client
-(:mod:`ddm.serving.router.clients`), a 429 with ``Retry-After`` naming the limit; with ``auth``
-configured, a ``/v1/*`` request without the bearer token a 401 (:mod:`ddm.serving.auth`). An
-expert none of whose replicas answers within the call deadline, or whose every replica sent a
-report the router refuses (:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an
-expert refusing what the router sent a 502. None of them touches the process's health:
-``/healthz`` fails only when the router network cannot load. ``/readyz`` and the bodies of 502
-and 503 are the router's own words naming the expert by its ``router.yaml`` name; what the
-expert said goes to the log.
+prompts and latents at the state's shape, ``requests.max_body_bytes``) gets 413 naming it; a
+request the DDM cannot serve (too many labels or steps, labels outside the classes, unknown
+fields or strategies) a 422 naming the problem; malformed JSON a 400 with its line and column
+(or saying it is not UTF-8); a body not sent as JSON (``Content-Type``) a 415 saying how to
+send it; more generations than ``limits.max_concurrent`` at once, or than
+``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.clients`), a 429
+with ``Retry-After`` naming the limit; with ``auth`` configured, a ``/v1/*`` request without
+the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas answers
+within the call deadline, or whose every replica sent a report the router refuses
+(:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an expert refusing what the router
+sent a 502. None of them touches the process's health: ``/healthz`` fails only when the router
+network cannot load. ``/readyz`` and the bodies of 502 and 503 are the router's own words
+naming the expert by its ``router.yaml`` name; what the expert said goes to the log.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
@@ -298,7 +298,8 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
                  drain_s: float = 0.0, api_docs: bool = False,
                  metrics_port: int | None = None,
                  max_concurrent_per_client: int | None = None,
-                 trusted_proxies: Sequence[str] | None = None) -> None:
+                 trusted_proxies: Sequence[str] | None = None,
+                 context_cache_bytes: int | None = None) -> None:
     """Serve the router until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
     draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
     given); what ``ddm serve router`` runs.
@@ -311,7 +312,8 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
     overrides = {name: value for name, value in (
         ("max_batch", max_batch), ("max_steps", max_steps), ("max_concurrent", max_concurrent),
         ("max_body_bytes", max_body_bytes),
-        ("max_concurrent_per_client", max_concurrent_per_client)) if value is not None}
+        ("max_concurrent_per_client", max_concurrent_per_client),
+        ("context_cache_bytes", context_cache_bytes)) if value is not None}
 
     def make_app(control: ServerControl) -> ASGIApp:
         try:
