@@ -61,16 +61,6 @@ _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent
 PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 
 
-@dataclass(frozen=True)
-class EncodedPrompts:
-    """A text encoder's answer: the prompts' :class:`Conditioning` and ``tokens_cut`` (B,)
-    int64, the tokens truncation dropped from each (0: the prompt fit), so that the API can
-    say a prompt was too long."""
-
-    cond: Conditioning
-    tokens_cut: np.ndarray
-
-
 class ClipTextEncoder:
     """``prompts`` -> text :class:`Conditioning`: CLIP's last hidden state (B, L, D) and the
     tokens' attention mask, each prompt padded and truncated to the tokenizer's length (77 for

@@ -37,7 +37,7 @@ import numpy as np
 from starlette.types import ASGIApp
 
 from ddm.checkpoints.format import CheckpointError
-from ddm.conditioning import TEXT, Conditioning
+from ddm.conditioning import TEXT, Conditioning, EncodedPrompts
 from ddm.convention import CONVENTION_NAME
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
@@ -53,11 +53,10 @@ from ddm.serving.expert.backends import cpu_model
 from ddm.serving.expert.contexts import ContextCache
 from ddm.serving.expert.routes import Handling, answer_or_error, model_app
 from ddm.serving.http import ServerControl, run_server
-from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Encoded,
-                                  Limits, ProtocolError, Request, RouteRequest,
-                                  TextIntegrateRequest, TextVelocityRequest, decode_request,
-                                  encode_context_ack, encode_encoded, encode_probabilities,
-                                  encode_response)
+from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Limits,
+                                  ProtocolError, Request, RouteRequest, TextIntegrateRequest,
+                                  TextVelocityRequest, decode_request, encode_context_ack,
+                                  encode_encoded, encode_probabilities, encode_response)
 from ddm.serving.termination import fail_start
 
 __all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "STAGE_ROLES", "create_stage_app",
@@ -249,7 +248,8 @@ async def _run(server: _StageServer, message: Request) -> bytes:
                                 f"max_batch of {server.limits.max_batch}", 422)
         embeddings, mask, cut = await batcher.submit(
             "encode", (np.array(message.prompts, dtype=object),))
-        return encode_encoded(request_id, Encoded(_wire(server, embeddings), mask, cut))
+        return encode_encoded(request_id, EncodedPrompts(
+            Conditioning(embeddings=_wire(server, embeddings), mask=mask), cut))
     if isinstance(message, DecodeRequest):
         return encode_response(request_id,
                                _wire(server, await batcher.submit("decode", (message.x,))))

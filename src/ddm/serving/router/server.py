@@ -57,7 +57,7 @@ import time
 from dataclasses import dataclass, field
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import (TYPE_CHECKING, Annotated, Any, AsyncGenerator, AsyncIterator, Callable,
+from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Callable,
                     Sequence)
 
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -68,7 +68,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ddm.conditioning import TEXT
+from ddm.conditioning import TEXT, EncodedPrompts
 from ddm.convention import to_uint8
 from ddm.deploy.limits import MAX_GUIDANCE_SCALE
 from ddm.imaging import png_bytes
@@ -89,9 +89,6 @@ from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, Gener
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.serving.termination import fail_start
-
-if TYPE_CHECKING:  # imports torch, which a label DDM's router never needs
-    from ddm.models.stages import EncodedPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +343,7 @@ class _Encoding:
 
     truncated: list[int] = field(default_factory=list)
 
-    def add(self, encoded: "EncodedPrompts") -> None:
+    def add(self, encoded: EncodedPrompts) -> None:
         self.truncated = encoded.tokens_cut.tolist()
 
 
