@@ -26,7 +26,8 @@ from ddm.conditioning import Conditioning
 from ddm.deploy.limits import MAX_CONTEXT_ROWS
 from ddm.models.stages import load_stage
 from ddm.serving.expert.server import create_expert_app
-from ddm.serving.expert.stage_server import STAGE_ROLES, create_stage_app
+from ddm.checkpoints.declared import STAGE_ROLES
+from ddm.serving.expert.stage_server import create_stage_app
 from ddm.serving import termination
 from ddm.serving.http import build_server
 from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,

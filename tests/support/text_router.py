@@ -8,6 +8,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from ddm.checkpoints.declared import CONFIG_KEYS, DECODER, ROUTER, TEXT_ENCODER
+from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.expert.stage_server import create_stage_app
@@ -20,8 +22,8 @@ from tests.support.text_stages import write_paris_stages
 EXPERTS = 2
 
 
-#: router.yaml's stages besides the experts -> their directories (and roles) in the stages.
-STAGES = {"text_encoder": "text_encoder", "decoder": "decoder", "router_network": "router"}
+#: The stages besides the experts -> their directories in the imported DDM.
+STAGES = {TEXT_ENCODER: TEXT_ENCODER_DIR, DECODER: DECODER_DIR, ROUTER: ROUTER_DIR}
 
 
 def text_config(stages: Path, experts: Mapping[str, str],
@@ -34,8 +36,9 @@ def text_config(stages: Path, experts: Mapping[str, str],
                     for name, endpoint in experts.items()],
         "conditioning": "text", "sampling": {"steps": 4, "strategy": "top2",
                                              "guidance_scale": 7.5},
-        **{name: {"endpoints": [apart[name]]} if name in apart
-           else {"checkpoint": str(stages / directory)} for name, directory in STAGES.items()}})
+        **{CONFIG_KEYS[role]: {"endpoints": [apart[CONFIG_KEYS[role]]]}
+           if CONFIG_KEYS[role] in apart else {"checkpoint": str(stages / directory)}
+           for role, directory in STAGES.items()}})
 
 
 def paris_stages(root: Path, sizes: TinyParis = TinyParis()) -> Path:
@@ -61,8 +64,8 @@ def served_text_ddm(root: Path, stages_apart: bool = False, sizes: TinyParis = T
         experts = {f"expert_{k}": serve(create_expert_app(stages / f"expert_{k}", "torch",
                                                           max_batch=max_batch))
                    for k in range(EXPERTS)}
-        apart = {name: serve(create_stage_app(stages / directory, directory))
-                 for name, directory in STAGES.items()} if stages_apart else {}
+        apart = {CONFIG_KEYS[role]: serve(create_stage_app(stages / directory, role))
+                 for role, directory in STAGES.items()} if stages_apart else {}
         router = stack.enter_context(running(create_router_app(
             text_config(stages, experts, apart))))
         wait_ready(router)

@@ -21,6 +21,7 @@ from typing import Any, Mapping, Union
 
 import yaml
 
+from ddm.checkpoints.declared import CONFIG_KEYS, STAGE_ROLES
 from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.deploy.limits import (
     CONDITIONINGS,
@@ -336,7 +337,7 @@ class Auth:
 
 #: ``router.yaml``'s stages besides the experts (fields of :class:`RouterConfigFile`): a text
 #: DDM's, each a :class:`StageEntry`.
-STAGE_FIELDS = ("text_encoder", "decoder", "router_network")
+STAGE_FIELDS = tuple(CONFIG_KEYS[role] for role in STAGE_ROLES)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.uri import (
     REMOTE_SCHEMES,
     CheckpointSource,
@@ -198,8 +199,8 @@ class DDMSpec:
         network's only when it has one)."""
         network = self.router.network or (StageSpec(self.router.checkpoint)
                                           if self.router.checkpoint else None)
-        found = {"text-encoder": self.text_encoder, "decoder": self.decoder,
-                 "router-network": network}
+        found = {PLAN_NAMES[TEXT_ENCODER]: self.text_encoder, PLAN_NAMES[DECODER]: self.decoder,
+                 PLAN_NAMES[ROUTER]: network}
         return {role: stage for role, stage in found.items() if stage is not None}
 
 

@@ -144,7 +144,8 @@ def _serve_expert(args: argparse.Namespace) -> int:
 
 
 def _serve_stage(args: argparse.Namespace) -> int:
-    from ddm.serving.expert.stage_server import STAGE_ROLES, serve_stage
+    from ddm.checkpoints.declared import STAGE_ROLES
+    from ddm.serving.expert.stage_server import serve_stage
 
     serve_stage(args.checkpoint, STAGE_ROLES, host=args.host, port=args.port,
                 backend=args.backend, device=args.device, log_level=args.log_level,

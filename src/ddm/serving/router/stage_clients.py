@@ -19,6 +19,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVa
 
 import numpy as np
 
+from ddm.checkpoints.declared import DECODER, ROUTER, TEXT_ENCODER
 from ddm.conditioning import EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
                                PRECISIONS)
@@ -32,8 +33,6 @@ from ddm.serving.router.replicas import Replica, report_shape, require
 __all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
 _T = TypeVar("_T")
-#: The stage roles a router calls.
-TEXT_ENCODER, DECODER, ROUTER = "text_encoder", "decoder", "router"
 
 
 class StageCaller(Protocol):
