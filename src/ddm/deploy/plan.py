@@ -194,7 +194,8 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
         sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy,
                                   sampling.guidance_scale, sampling.guidance_cutoff),
         # A request may ask for as many steps as the DDM's own default.
-        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)),
+        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps),
+                            context_cache_bytes=spec.router.context_cache_bytes),
         auth=spec.router.auth is not None, missing_expert=spec.router.missing_expert,
         conditioning=spec.conditioning)
     return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router,

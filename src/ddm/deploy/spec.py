@@ -29,6 +29,7 @@ from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
     CONDITIONINGS,
+    DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
@@ -37,6 +38,7 @@ from ddm.deploy.limits import (
     MAX_ACCELERATOR_COUNT,
     MAX_BATCH,
     MAX_CLASS,
+    MAX_CONTEXT_CACHE_BYTES,
     MAX_DELAY_MS,
     MAX_GUIDANCE_SCALE,
     MAX_EXPERTS,
@@ -150,7 +152,9 @@ class RouterSpec:
     """``checkpoint`` is None only with the oracle strategy (it routes by label); ``auth``
     None: the spec does not ask for authentication (the operator may still require it).
     ``missing_expert``: what a step routed to an expert without a ready replica gets
-    (``missingExpert: {policy, waitSeconds}``; router.yaml's ``missing_expert``)."""
+    (``missingExpert: {policy, waitSeconds}``; router.yaml's ``missing_expert``);
+    ``context_cache_bytes``: the text contexts it keeps (``contextCacheBytes``; router.yaml's
+    ``limits.context_cache_bytes``)."""
 
     replicas: int = 1
     checkpoint: CheckpointSource | None = None
@@ -159,6 +163,7 @@ class RouterSpec:
     fetch: FetchOptions = FetchOptions()
     missing_expert: MissingExpert = MissingExpert()
     network: StageSpec | None = None
+    context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
 
 
 @dataclass(frozen=True)
@@ -355,7 +360,10 @@ def _router(reader: FieldReader, allow_host_paths: bool) -> RouterSpec:
     router = RouterSpec(replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
                         checkpoint=checkpoint, pod=parse_pod_options(reader), auth=auth,
                         fetch=fetch, missing_expert=_missing_expert(reader.child("missingExpert")),
-                        network=network)
+                        network=network,
+                        context_cache_bytes=reader.integer(
+                            "contextCacheBytes", DEFAULT_CONTEXT_CACHE_BYTES, 1,
+                            MAX_CONTEXT_CACHE_BYTES) or DEFAULT_CONTEXT_CACHE_BYTES)
     reader.done()
     return router
 
