@@ -239,6 +239,27 @@ def test_contexts_stop_growing_at_the_rows_an_expert_takes(expert, cond):
     assert with_pool(endpoint_of(expert), requests) == 2 * (MAX_CONTEXT_ROWS + 1)
 
 
+def test_a_call_of_more_rows_than_a_context_holds_goes_as_several(root, expert, cond):
+    # A router whose max_batch of prompts is past what one context holds (MAX_CONTEXT_ROWS
+    # rows here; 141 guided rows of Paris's 77 x 768 by bytes): one context would be refused,
+    # so the rows go in contexts that fit, and the answer is the rows' in order.
+    rows = MAX_CONTEXT_ROWS + 3
+    index = np.arange(rows) % len(PROMPTS)
+    many = Conditioning(embeddings=RNG.standard_normal(
+        (rows, *cond.embeddings.shape[1:])).astype(np.float32)).with_guidance(
+        GUIDANCE[index], cond.negative.take(index))
+    x = np.repeat(X, -(-rows // len(X)), axis=0)[:rows]
+    t = np.repeat(T, -(-rows // len(T)), axis=0)[:rows]
+
+    async def call(pool: ExpertPool):
+        return await pool.velocity("e", x, t, many), pool.replicas("e")[0].contexts
+
+    v, held = with_pool(endpoint_of(expert), call)
+    assert len(held) == 2  # MAX_CONTEXT_ROWS rows, then 3
+    expected = expected_guided(load_stage(root / "expert_0"), x, t, many)
+    np.testing.assert_allclose(v, expected, atol=1e-5)
+
+
 def test_a_restarted_replicas_miss_is_recovered_transparently(root, cond):
     replica = Restartable(root / "expert_0")
     replica.start()

@@ -140,5 +140,5 @@ MAX_CONTEXT_CACHE_BYTES = 64 * 1024 * 1024 * 1024
 #: The largest context body an expert reads: 64 prompts of Paris's CLIP (77 x 768) with their
 #: negative rows in float32 are 30 MB (a router's max_batch of guided prompts; at 77 x 768 this
 #: cap, not ``MAX_CONTEXT_ROWS``, binds past 141 guided rows: a larger context gets 413 naming
-#: it; the router merges no context past it).
+#: it; the router makes none, sending a call of more rows in several contexts).
 MAX_CONTEXT_BODY_BYTES = 64 * 1024 * 1024

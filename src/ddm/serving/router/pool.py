@@ -45,7 +45,8 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine, Hashable, Mapping, TypeVar, Union
+from typing import (Any, Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping, TypeVar,
+                    Union)
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -222,6 +223,27 @@ def _row_digest(cond: Conditioning, row: int, with_negative: bool) -> bytes:
         digest.update(b"negative")
         digest.update(np.ascontiguousarray(cond.negative.embeddings[row], np.float32).tobytes())
     return digest.digest()
+
+
+def context_rows(cond: Conditioning) -> int:
+    """How many of ``cond``'s text rows one context an expert takes holds: at most
+    :data:`MAX_CONTEXT_ROWS`, and a body within :data:`MAX_CONTEXT_BODY_BYTES` (each row's
+    embeddings, its negative row and its mask; 141 rows of Paris's 77 x 768), so that a call
+    of more rows than that (a router's ``max_batch`` above them) is sent as several."""
+    assert cond.embeddings is not None
+    _, tokens, width = cond.embeddings.shape
+    row = tokens * (2 * 4 * width + 1)
+    return max(1, min(MAX_CONTEXT_ROWS, (MAX_CONTEXT_BODY_BYTES - _CONTEXT_HEADER_BYTES) // row))
+
+
+#: A context body's bytes besides its rows: the header and padding (a few dozen bytes).
+_CONTEXT_HEADER_BYTES = 4096
+
+
+async def _joined(calls: Iterable[Awaitable[np.ndarray]]) -> np.ndarray:
+    """The calls' rows, concatenated in order (one call: its answer as it is)."""
+    outs = await gather_all(*calls)
+    return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
 
 def _guidance(cond: Conditioning) -> np.ndarray:
@@ -460,9 +482,9 @@ class ExpertPool:
         if cond.labels is not None:
             return await self._rows(expert, _VELOCITY, (x, t, cond.labels))
         guidance = _guidance(cond)
-        made, rows = self._contexts.rows_of(cond, guidance != 1.0)
-        return await self._rows(expert, _TextKey(made.id, body=made.body),
-                                (x, t, rows, guidance))
+        return await _joined(self._rows(expert, _TextKey(made.id, body=made.body),
+                                        (x[part], t[part], rows, guidance[part]))
+                             for part, made, rows in self._in_contexts(cond, guidance))
 
     async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
                         grid: np.ndarray, solver: str) -> np.ndarray:
@@ -476,8 +498,20 @@ class ExpertPool:
         if cond.labels is not None:
             return await self._rows(expert, key, (x, cond.labels))
         guidance = _guidance(cond)
-        made, rows = self._contexts.rows_of(cond, guidance != 1.0)
-        return await self._rows(expert, _TextKey(made.id, key, made.body), (x, rows, guidance))
+        return await _joined(self._rows(expert, _TextKey(made.id, key, made.body),
+                                        (x[part], rows, guidance[part]))
+                             for part, made, rows in self._in_contexts(cond, guidance))
+
+    def _in_contexts(self, cond: Conditioning, guidance: np.ndarray
+                     ) -> list[tuple[slice, _MadeContext, np.ndarray]]:
+        """A text call's rows in runs of what one context holds (:func:`context_rows`), each
+        with its context and its rows' indices in it."""
+        per = context_rows(cond)
+        if len(cond) <= per:  # every step of a DDM within its limits: no copy of the rows
+            return [(slice(None), *self._contexts.rows_of(cond, guidance != 1.0))]
+        parts = [slice(start, start + per) for start in range(0, len(cond), per)]
+        return [(part, *self._contexts.rows_of(cond.take(np.arange(len(cond))[part]),
+                                               guidance[part] != 1.0)) for part in parts]
 
     async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
