@@ -33,8 +33,16 @@ class FakeNode:
     taints: tuple[dict[str, str], ...] = ()
 
 
+#: Pods a fake node takes. A test session's namespaces are never deleted (pods bound to a fake
+#: node are never finalised), so bound pods only add up: with the kubelet's default of 110, the
+#: CPU node was full two thirds into the integration tests and later routers stayed Pending
+#: ("Too many pods"). Fake nodes run nothing, so the count costs nothing.
+FAKE_NODE_PODS = 4096
+
+
 def _capacity(cpu: str, memory: str, **extended: str) -> dict[str, str]:
-    return {"cpu": cpu, "memory": memory, "pods": "110", "ephemeral-storage": "500Gi", **extended}
+    return {"cpu": cpu, "memory": memory, "pods": str(FAKE_NODE_PODS),
+            "ephemeral-storage": "500Gi", **extended}
 
 
 def _no_schedule(key: str) -> dict[str, str]:
@@ -44,8 +52,9 @@ def _no_schedule(key: str) -> dict[str, str]:
 DEFAULT_NODES: tuple[FakeNode, ...] = (
     FakeNode(
         name="ddm-cpu-0",
-        capacity=_capacity("16", "64Gi"),
-        labels={"node.kubernetes.io/instance-type": "m6i.4xlarge"},
+        # the largest of its family: the session's leftover pods hold their CPU requests
+        capacity=_capacity("192", "768Gi"),
+        labels={"node.kubernetes.io/instance-type": "m6i.48xlarge"},
     ),
     FakeNode(
         name="ddm-gpu-0",
