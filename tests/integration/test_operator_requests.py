@@ -15,12 +15,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kubernetes import client
 from test_operator import Cluster
 from waiting import wait_for
 
 from ddm_devcluster import ClusterInfo
 from ddm_devcluster.components import Layout
+from ddm.operator.kube import Kube, KubeError
 from tests.support.operator_process import (OperatorProcess, cpu_spec, install_crd,
                                             service_account_kubeconfig)
 
@@ -115,3 +117,28 @@ def test_a_converged_ddm_costs_only_the_requests_a_change_calls_for(
     assert since_check == [check, ("create", "configmaps", "", False), event], since_check
     assert cluster.get("Service", ns, service)["metadata"]["annotations"][
         "example.com/note"] == "not the operator's"
+
+
+def test_a_created_child_is_taken_as_applied_so_a_later_apply_removes_what_it_drops(
+        kube_client: Any, kube_namespace: str) -> None:
+    """``Kube.create`` records the fields as its creator's ``Update``; ``own_as_applied``
+    makes them the operator's applied ones, so an apply that no longer sets one removes it
+    (left as created, the creator's entry would keep it for good). A copy that is behind is
+    refused (HTTP 409), never written over."""
+    kube = Kube(kube_client)
+
+    def config_map(data: dict[str, str], **meta: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "ConfigMap", "data": data,
+                "metadata": {"name": "made", "namespace": kube_namespace, **meta}}
+    created = kube.create(config_map({"kept": "1", "dropped": "2"}))
+    with pytest.raises(KubeError) as taken:
+        kube.create(config_map({"other": "3"}))
+    assert taken.value.status == 409
+    owned = kube.own_as_applied(created)
+    assert kube.own_as_applied(owned) == owned  # nothing left to take: no request
+    version = owned["metadata"]["resourceVersion"]
+    assert kube.apply(config_map({"kept": "1"}, resourceVersion=version))["data"] == {"kept": "1"}
+    with pytest.raises(KubeError) as stale:
+        kube.apply(config_map({"kept": "stale"}, resourceVersion=version))
+    assert stale.value.status == 409
+    assert kube.get("ConfigMap", kube_namespace, "made")["data"] == {"kept": "1"}
