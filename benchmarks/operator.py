@@ -9,9 +9,9 @@ is the number of requests the operator made (watches, which are long-running, ex
 
 Measured: seconds until every child exists (Deployments, Services, ConfigMaps), seconds until
 every status is written with the current ``observedGeneration``, the operator's peak RSS
-(``VmHWM`` in ``/proc``), and its API requests, per DDMDeployment and per reconcile run (every
-run starts by reading its DDMDeployment by name, which nothing else here does: the runs are
-counted from ``apiserver_request_total``), then per second while idle.
+(``VmHWM`` in ``/proc``), and its API requests, per DDMDeployment and per child, then per
+second while idle (its runs read from its watches, so there is no request per run to count
+runs by).
 
 The operator process, its identity, the CRD and the spec come from the cluster tests' harness
 (``tests/support/operator_process.py``), so the benchmark measures the operator as those tests
@@ -45,7 +45,6 @@ OPERATOR_ACCOUNT = "ddm-operator"
 FLOW_SCHEMA = "ddm-bench-operator"
 _FLOWCONTROL = "flowcontrol.apiserver.k8s.io"
 _DISPATCHED = "apiserver_flowcontrol_dispatched_requests_total"
-_REQUESTS = "apiserver_request_total"
 _POLL_S = 0.5
 #: How long the operator may take to exit after SIGTERM (a pod's default grace period is 30 s).
 _STOP_TIMEOUT_S = 60.0
@@ -63,28 +62,21 @@ class OperatorBenchSettings:
 
 
 class _Metrics:
-    """Counters from the API server's /metrics (read as its admin)."""
+    """The API server's count of the operator's requests (its /metrics, read as its admin)."""
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self._api_client = api_client
 
-    def read(self) -> dict[str, float]:
-        """{'operator': requests dispatched for FLOW_SCHEMA, 'owner_reads': reads of one
-        DDMDeployment by name, by anyone (Kubernetes 1.20 files such a read of a custom object
-        as a namespaced LIST, later versions as a GET of scope resource)}."""
-        counts = {"operator": 0.0, "owner_reads": 0.0}
+    def read(self) -> float:
+        """Requests dispatched for ``FLOW_SCHEMA``: the operator's."""
+        total = 0.0
         for line in _get(self._api_client, "/metrics").decode().splitlines():
-            if not line.startswith((_DISPATCHED + "{", _REQUESTS + "{")):
+            if not line.startswith(_DISPATCHED + "{"):
                 continue
             series, value = line.rsplit(" ", 1)
-            labels = dict(re.findall(r'(\w+)="([^"]*)"', series))
-            if series.startswith(_DISPATCHED) and labels.get("flow_schema") == FLOW_SCHEMA:
-                counts["operator"] += float(value)
-            elif (series.startswith(_REQUESTS) and labels.get("resource") == names.PLURAL
-                  and labels.get("subresource") == "" and labels.get("verb") in ("GET", "LIST")
-                  and labels.get("scope") in ("namespace", "resource")):
-                counts["owner_reads"] += float(value)
-        return counts
+            if dict(re.findall(r'(\w+)="([^"]*)"', series)).get("flow_schema") == FLOW_SCHEMA:
+                total += float(value)
+        return total
 
 
 def _identify_operator(api_client: client.ApiClient, namespace: str) -> None:
@@ -161,7 +153,6 @@ def _get(api_client: client.ApiClient, path: str, query: list[tuple[str, str]] |
 
 
 def _statuses_written(custom: client.CustomObjectsApi, namespace: str, count: int) -> bool:
-    # Listed cluster-wide: the only namespaced reads of DDMDeployments are then the operator's.
     items = [item for item in custom.list_cluster_custom_object(
         names.GROUP, names.VERSION, names.PLURAL)["items"]
         if item["metadata"]["namespace"] == namespace]
@@ -246,8 +237,7 @@ def _bring_up(settings: OperatorBenchSettings, admin: client.ApiClient, namespac
         stopped_s = _seconds_to_exit(operator)
     finally:
         operator.kill()  # only if it is still running: something above failed
-    requests = settled["operator"] - before["operator"]
-    runs = settled["owner_reads"] - before["owner_reads"]
+    requests = settled - before
     return {
         "settings": asdict(settings),
         "machine": {
@@ -268,9 +258,8 @@ def _bring_up(settings: OperatorBenchSettings, admin: client.ApiClient, namespac
         "api_requests": {
             "until_statuses": int(requests),
             "per_ddm": round(requests / settings.ddms, 1),
-            "reconcile_runs": int(runs),
-            "per_reconcile_run": round(requests / runs, 1) if runs else None,
-            "idle_per_s": round((idle["operator"] - settled["operator"]) / settings.idle_s, 1),
+            "per_child": round(requests / expected, 2),
+            "idle_per_s": round((idle - settled) / settings.idle_s, 1),
         },
     }
 

@@ -26,6 +26,7 @@ from waiting import wait_for
 from ddm_devcluster import ClusterInfo, start_component, stop_component
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
+from ddm.operator.observed import Observed
 from ddm.operator.reconcile import Outcome, Reconciler
 from tests.support.operator_process import OperatorProcess, cpu_spec, install_crd
 
@@ -242,10 +243,18 @@ class _ServerStopsAfterWrites(Kube):
     def apply(self, manifest: Any, *, dry_run: bool = False) -> dict[str, Any]:
         applied = super().apply(manifest, dry_run=dry_run)
         if not dry_run:
-            self._writes_left -= 1
-            if self._writes_left == 0:
-                stop_component(self._state_dir, "kube-apiserver")
+            self._wrote()
         return applied
+
+    def create(self, manifest: Any) -> dict[str, Any]:
+        created = super().create(manifest)
+        self._wrote()
+        return created
+
+    def _wrote(self) -> None:
+        self._writes_left -= 1
+        if self._writes_left == 0:
+            stop_component(self._state_dir, "kube-apiserver")
 
 
 def test_the_api_server_stopped_mid_reconcile_ends_the_run_in_kube_errors_then_it_converges(
@@ -263,8 +272,10 @@ def test_the_api_server_stopped_mid_reconcile_ends_the_run_in_kube_errors_then_i
     def post_event(body: Any, *, reason: str, message: str) -> None:
         events.append(message)
 
+    observed = Observed()  # what the watches would show: here only the DDM, then its writes
+    observed.seen(cluster.ddm(ns, name))
     broken = Reconciler(_ServerStopsAfterWrites(kube_client, dev_cluster.state_dir, 3), config,
-                        post_event)
+                        observed, post_event)
     try:
         with pytest.raises(KubeError) as caught:  # the status could not be written either
             broken.reconcile(ns, name)
@@ -275,7 +286,7 @@ def test_the_api_server_stopped_mid_reconcile_ends_the_run_in_kube_errors_then_i
     partial = cluster.children(ns, name)
     assert len(partial) == 3, sorted(partial)
 
-    outcome = Reconciler(Kube(kube_client), config, post_event).reconcile(ns, name)
+    outcome = Reconciler(Kube(kube_client), config, observed, post_event).reconcile(ns, name)
     assert outcome == Outcome(), outcome
     children = cluster.children(ns, name)
     assert set(children) == expected

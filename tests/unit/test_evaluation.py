@@ -14,17 +14,10 @@ import torch
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import Dataset, load_dataset
-from ddm.evaluation import (
-    Classifier,
-    ClassifierConfig,
-    ClassifierNet,
-    evaluate_samples,
-    frechet_distance,
-    frechet_distance_from_stats,
-    load_classifier,
-    save_classifier,
-    train_classifier,
-)
+from ddm.evaluation.classifier import (Classifier, ClassifierConfig, ClassifierNet,
+                                       load_classifier, save_classifier, train_classifier)
+from ddm.evaluation.evaluate import evaluate_samples
+from ddm.evaluation.frechet import frechet_distance, frechet_distance_from_stats
 from ddm.samples import SamplesFileError, load_samples_npz
 
 #: The small 16x16 DDM: the report's tests name it (the default is the MNIST DDM).

@@ -34,13 +34,13 @@ import numpy as np
 
 from ddm.checkpoints.declared import load_config_json
 from ddm.convention import CONVENTION_NAME
+from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 from ddm.objectives import NATIVE, Objective, ObjectiveError
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
 KINDS = ("expert", "monolith", "router", "classifier")
-FRAMEWORKS = ("torch", "jax")
 #: ``unet``: ours (``architecture`` is a ``UNetConfig``); ``import``: a factory the serving
 #: image can import, called with ``architecture``; ``exported``: a program of its framework.
 MODEL_KINDS = ("unet", "import", "exported")

@@ -8,6 +8,8 @@ Plain constants only: no NumPy, no ML framework (the operator and the CLI import
 
 from __future__ import annotations
 
+from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
+
 #: Sampling steps one request (or a DDM's default) may ask for; an expert's integrate grid too.
 MAX_STEPS = 1000
 #: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
@@ -104,12 +106,12 @@ MAX_EXPERT_INFO_DEPTH = 8
 MAX_EXPERT_INFO_BYTES = 1024 * 1024
 MAX_EXPERT_PROBE_BYTES = 16 * 1024
 
-#: Accelerator types, the frameworks an expert is trained in (a stage's, an exported program's),
-#: and the expert server's ``--backend`` choices. (In-process loading adds ``native``, the
-#: checkpoint's own framework: ``ddm.models.loading.LOAD_BACKENDS``.)
+#: Accelerator types and the expert server's ``--backend`` choices (the frameworks an expert is
+#: trained in, ``FRAMEWORKS``, are the checkpoint format's too: declared in
+#: ``ddm.objective_names``). (In-process loading adds ``native``, the checkpoint's own
+#: framework: ``ddm.models.loading.LOAD_BACKENDS``.)
 ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
 NEURON_UNITS = ("device", "core")
-FRAMEWORKS = ("torch", "jax")
 EXPERT_BACKENDS = ("torch", "jax", "neuron")
 #: (accelerator type, framework) -> the expert server's ``--backend`` and ``--device`` (None:
 #: the backend picks its device); a missing pair is not supported.

@@ -11,10 +11,17 @@ The work is in ``reconcile``; these are the triggers:
   follows the Deployments' readiness and the pods' failures (a crash loop, an image that
   cannot be pulled, a pod no node takes) as they change.
 
+Every watched object (the DDMDeployments, the children, the pods) also feeds the operator's
+cache (``observed``, in ``memo.observed``) through an index handler: kopf runs index handlers
+first for every event, and at start-up lists every indexed kind before any other handler runs,
+so a run never finds the cache missing what the API server had when the operator started.
+Deletions reach it through the event handlers (kopf calls no index handler for them).
+
 The autoscaler (``scaler``) is one thread that the start-up handler starts in ``memo.scaler``;
-a run with a valid spec hands it the DDMDeployment. There is no resync timer: kopf lists
-everything again on start-up and after a watch fails, and a timer would make kopf put a
-finalizer on every DDMDeployment, so that deleting one would hang whenever no operator runs.
+a run whose spec has experts for it to scale hands it the DDMDeployment. There is no resync
+timer: kopf lists everything again on start-up and after a watch fails, and a timer would make
+kopf put a finalizer on every DDMDeployment, so that deleting one would hang whenever no
+operator runs.
 No deletion handler either: children carry ownerReferences, so the garbage collector removes
 them, and kopf adds no finalizer. ``register`` puts the handlers
 into a registry the caller makes (``kopf.OperatorRegistry``) and passes to ``kopf.run``:
@@ -57,14 +64,14 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 def reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     try:
         outcome = memo.reconciler.reconcile(namespace, name)
-    except KubeError as error:  # reading the resource or writing its status failed
+    except KubeError as error:  # writing its status failed
         raise kopf.TemporaryError(str(error), delay=UNREACHABLE_RETRY_DELAY_S if error.status == 0
                                   else RETRY_DELAY_S) from None
     if outcome is None:
         return
-    if outcome.spec_error is None:
-        memo.scaler.watch(namespace, name)  # its autoscaled experts, if it has any
-    else:
+    if outcome.autoscaled:
+        memo.scaler.watch(namespace, name)  # its scaler reads it afresh each pass
+    if outcome.spec_error is not None:
         message = "; ".join(outcome.spec_error.problems)
         kopf.warn(body, reason="InvalidSpec", message=message)
         raise kopf.PermanentError(f"invalid spec, children left unchanged: {message}")
@@ -73,10 +80,24 @@ def reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: 
         raise kopf.TemporaryError(outcome.failure, delay=RETRY_DELAY_S)
 
 
-def _child_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
-                   ) -> None:
+def _observe(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Index handler: the cache keeps the object as this event shows it (nothing goes into
+    kopf's own index)."""
+    memo.observed.seen(body)
+
+
+def _ddm_changed(body: kopf.Body, type: str | None, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted DDMDeployment leaves the cache (its children go with the garbage collector)."""
+    if type == "DELETED":
+        memo.observed.gone(body)
+
+
+def _child_changed(namespace: str | None, labels: kopf.Labels, body: kopf.Body,
+                   type: str | None, memo: kopf.Memo, **_: Any) -> None:
     """Reconcile the DDMDeployment whose child (or child's pod) changed or was deleted: the
     one its ``ddm.dev/deployment`` label names (pods are owned by ReplicaSets, not by it)."""
+    if type == "DELETED":
+        memo.observed.gone(body)
     owner = labels.get(names.DEPLOYMENT_LABEL)
     if owner and namespace is not None:
         try:
@@ -100,7 +121,8 @@ def _pod_changed(namespace: str | None, labels: kopf.Labels, body: kopf.Body, ty
         if uid in memo.pod_troubles and memo.pod_troubles[uid] == trouble:
             return
         memo.pod_troubles[uid] = trouble
-    _child_changed(namespace=namespace, labels=labels, memo=memo, **kwargs)
+    _child_changed(namespace=namespace, labels=labels, body=body, type=type, memo=memo,
+                   **kwargs)
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
@@ -108,8 +130,11 @@ def register(registry: kopf.OperatorRegistry) -> None:
     kopf.on.login(registry=registry)(login)
     kopf.on.startup(registry=registry)(start_scaler)
     kopf.on.cleanup(registry=registry)(stop_scaler)
+    kopf.index(*_CRD, id="observe", registry=registry)(_observe)
+    kopf.on.event(*_CRD, id="ddm-changed", registry=registry)(_ddm_changed)
     for cause in (kopf.on.resume, kopf.on.create, kopf.on.update):
         cause(*_CRD, id="reconcile", registry=registry)(reconcile)
     for resource in names.CHILD_RESOURCES:
+        kopf.index(*resource, labels=_OURS, id="observe", registry=registry)(_observe)
         handler = _pod_changed if resource == names.POD_RESOURCE else _child_changed
         kopf.on.event(*resource, labels=_OURS, id="child-changed", registry=registry)(handler)

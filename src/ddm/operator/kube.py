@@ -3,7 +3,10 @@
 Children are written with server-side apply (field manager ``ddm-operator``, forced): fields
 the operator stops setting are removed, fields others own (the Deployment controller's
 annotations, a Service's allocated clusterIP, ``kubectl rollout restart``) are kept, and fields
-it owns but someone edited are taken back.
+it owns but someone edited are taken back. A child is created with a plain create when the
+reconcile needs no dry run of it first (``create`` answers 409 when its name is taken, which
+an apply would not), and its fields are then recorded as applied (``own_as_applied``) before
+the first apply to it.
 
 Secrets: the operator creates its own (the tokens, the fetched checkpoints' URIs), immutable,
 and nothing else: RBAC grants ``create`` on Secrets and no other verb, so it never reads,
@@ -35,6 +38,7 @@ CHILD_KINDS = {
 }
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
+_JSON_PATCH = "application/json-patch+json"
 #: Seconds to connect to the API server, and to wait for its answer to one call.
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 #: What the client raises when no answer came: urllib3's errors (MaxRetryError after its own
@@ -97,27 +101,20 @@ class Kube:
                 return None
             raise
 
-    def write_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+    def write_status(self, namespace: str, name: str, status: Mapping[str, Any]
+                     ) -> dict[str, Any] | None:
+        """Merge ``status`` into the DDMDeployment's; the stored object, None when it is
+        gone."""
         try:
-            _call(f"writing the status of {namespace}/{name}",
-                  self._custom.patch_namespaced_custom_object_status, names.GROUP,
-                  names.VERSION, namespace, names.PLURAL, name, {"status": dict(status)},
-                  _content_type=_MERGE, _preload_content=False)
+            return _json(_call(f"writing the status of {namespace}/{name}",
+                               self._custom.patch_namespaced_custom_object_status, names.GROUP,
+                               names.VERSION, namespace, names.PLURAL, name,
+                               {"status": dict(status)}, _content_type=_MERGE,
+                               _preload_content=False))
         except KubeError as error:
             if error.status != 404:  # deleted meanwhile: nothing left to report on
                 raise
-
-    def list_children(self, namespace: str, owner: str) -> dict[tuple[str, str], dict[str, Any]]:
-        """Every Deployment, Service, ConfigMap and NetworkPolicy labelled as ``owner``'s, by
-        (kind, name)."""
-        found: dict[tuple[str, str], dict[str, Any]] = {}
-        selector = f"{names.DEPLOYMENT_LABEL}={owner}"
-        for kind in CHILD_KINDS:
-            listing = self._child_call(kind, "list", f"listing {kind}s of {owner}", namespace,
-                                       label_selector=selector)
-            for item in listing.get("items", []):
-                found[(kind, item["metadata"]["name"])] = item
-        return found
+            return None
 
     def list_pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
         """The pods of ``owner``'s Deployments (they carry its labels)."""
@@ -140,6 +137,34 @@ class Kube:
             raise
         return True
 
+    def create(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Create a child (a ``KubeError`` 409 when its name is taken: nothing is changed).
+        The fields are recorded as the operator's with operation ``Update``:
+        :meth:`own_as_applied` makes them its applied ones before it applies to the child."""
+        kind, meta = manifest["kind"], manifest["metadata"]
+        return self._child_call(kind, "create", f"creating {kind} {meta['name']}",
+                                meta["namespace"], dict(manifest),
+                                field_manager=names.MANAGED_BY)
+
+    def own_as_applied(self, live: Mapping[str, Any]) -> dict[str, Any]:
+        """``live`` (a child the operator created with :meth:`create`) with the fields it
+        created recorded as applied by it, as though server-side apply had created it: its
+        later applies then remove what they no longer set (created fields would otherwise stay
+        with their creator for good). Sent only if needed, with ``live``'s resourceVersion as a
+        precondition (a ``KubeError`` 409 if it changed since)."""
+        meta = live["metadata"]
+        fields = meta.get("managedFields") or []
+        if not any(_created_by_operator(entry) for entry in fields):
+            return dict(live)
+        upgraded = [{**entry, "operation": "Apply"} if _created_by_operator(entry) else entry
+                    for entry in fields]
+        patch = [{"op": "test", "path": "/metadata/resourceVersion",
+                  "value": meta["resourceVersion"]},
+                 {"op": "replace", "path": "/metadata/managedFields", "value": upgraded}]
+        return self._child_call(live["kind"], "patch", f"taking {live['kind']} {meta['name']} "
+                                "as applied", meta["name"], meta["namespace"], patch,
+                                _content_type=_JSON_PATCH)
+
     def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         """One child by name, or None when there is none."""
         try:
@@ -151,7 +176,8 @@ class Kube:
 
     def apply(self, manifest: Mapping[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
         """Server-side apply ``manifest``; with ``dry_run`` the server only says what it would
-        store."""
+        store. A ``metadata.resourceVersion`` in it is a precondition: a ``KubeError`` 409 if
+        the child changed since."""
         kind, meta = manifest["kind"], manifest["metadata"]
         extra = {"dry_run": "All"} if dry_run else {}
         return self._child_call(
@@ -171,13 +197,21 @@ class Kube:
                                 namespace, body, field_manager=manager, force=True,
                                 _content_type=_APPLY)
 
-    def delete(self, kind: str, namespace: str, name: str) -> None:
+    def delete(self, kind: str, namespace: str, name: str, uid: str) -> None:
+        """Delete the child of that name if it is still the object ``uid`` (another of the
+        same name, made since, is left alone); nothing when it is gone."""
         try:
             self._child_call(kind, "delete", f"deleting {kind} {name}", name, namespace,
+                             body={"preconditions": {"uid": uid}},
                              propagation_policy="Background")
         except KubeError as error:
-            if error.status != 404:
+            if error.status not in (404, 409):  # gone, or another object by now
                 raise
+
+
+def _created_by_operator(entry: Mapping[str, Any]) -> bool:
+    """Whether a ``managedFields`` entry holds the fields :meth:`Kube.create` set."""
+    return entry.get("manager") == names.MANAGED_BY and entry.get("operation") == "Update"
 
 
 def _json(response: Any) -> dict[str, Any]:

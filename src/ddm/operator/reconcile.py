@@ -1,24 +1,39 @@
 """Level-triggered reconciliation of one DDMDeployment: read it, converge its children, report.
 
 Every trigger (the resource created, updated or resumed, a child or one of its pods changed
-or deleted) runs the same ``reconcile(namespace, name)``, which reads the *current*
-resource, so a late trigger never applies a stale spec. Runs for one resource are serialised,
-and a trigger that finds a run already queued is dropped (that run will see its change).
+or deleted) runs the same ``reconcile(namespace, name)``. Runs for one resource are
+serialised, and a trigger that finds a run already queued is dropped (that run will see its
+change). A run reads nothing from the API server: the resource, its children and their pods
+come from the watches' cache (``observed.Observed``), which kopf fills before any handler
+runs, every event updates before its handler runs, and every write of the operator updates
+with the server's answer. So a run sends only the writes that something differs calls for,
+and a run that finds everything in sync (the common case: a Deployment's status or a pod
+changed) sends nothing but a status that changed.
 
-Per child: absent -> apply (create); there but not controlled by this resource -> an error,
-never overwritten; spec hash differs -> apply (update); hash equal -> a dry-run apply shows
-whether someone edited it, and only then apply (restore). (Applying unconditionally would be
-simpler, but on Kubernetes 1.20 even a no-op apply bumps the resourceVersion, so every apply
-would trigger another run.) The dry run is skipped for a child whose resourceVersion is the one
-this operator last wrote or checked: nothing changed it since, so a run triggered by a pod event
-costs a handful of reads instead of a dry run per child. Children no longer wanted (a removed
-expert, NetworkPolicies once the setting is off) are deleted. An invalid spec leaves every child
-as it is.
+A cached copy can be behind the API server, never ahead of what it says, and nothing is
+written on its word alone: an update, a restore and the deletion of a child carry the copy's
+resourceVersion (or uid) as a precondition, so a stale copy makes the write fail (a conflict,
+not an error: the change that made it stale has its own event, which runs this again), never
+overwrite or delete something newer.
 
-Before writing anything, every child to create or update is applied as a dry run: a value the
-API server refuses (one the spec's checks do not model, such as a malformed ``affinity``)
-makes the spec invalid, reported like the spec's own problems, and no child is written, so a
-DDM is never left half-created.
+Per child: absent -> create; there but not controlled by this resource -> an error, never
+overwritten; spec hash differs -> apply (update); hash equal -> a dry-run apply shows whether
+someone edited it, and only then apply (restore). (Applying unconditionally would be simpler,
+but on Kubernetes 1.20 even a no-op apply bumps the resourceVersion, so every apply would
+trigger another run.) The dry run is skipped for a child whose generation (or resourceVersion)
+and metadata are those this operator last wrote or checked (``_fingerprint``). Children no
+longer wanted (a removed expert, NetworkPolicies once the setting is off) are deleted. An
+invalid spec leaves every child as it is.
+
+Before writing anything, every Deployment to create or update is applied as a dry run: a value
+the API server refuses (one the spec's checks do not model, such as a malformed ``affinity``:
+the Deployments carry the spec's free-form values; the Services, ConfigMaps and
+NetworkPolicies only what the operator makes) makes the spec invalid, reported like the spec's
+own problems, and no child is written, so a DDM is never left half-created. A child absent
+from the cache may still be there without the operator's labels: the Deployment's dry run says
+so (it answers a resourceVersion), the others are created with a plain create, which answers
+409 when the name is taken (never overwriting); either way the child is then read by name and
+refused unless it is this resource's.
 
 The operator's Secrets (the tokens, the URIs of fetched checkpoints) are immutable and named
 after what they hold (``names``), so the operator only ever creates them: ``create``
@@ -49,7 +64,9 @@ from ddm.operator import names
 from ddm.operator.access import TOKEN_COMPONENT, router_token
 from ddm.operator.children import checked_spec, desired_children
 from ddm.operator.config import OperatorConfig
-from ddm.operator.kube import Kube, KubeError
+from ddm.operator.kube import CHILD_KINDS, Kube, KubeError
+from ddm.operator.observed import Observed
+from ddm.operator.scaler import operator_scaled
 from ddm.deploy.spec import SpecError
 from ddm.operator.status import invalid_status, now_rfc3339, ready_status, reconciled_part
 
@@ -63,24 +80,28 @@ class _Stopped(Exception):
 @dataclass(frozen=True)
 class Outcome:
     """How a run ended: the spec's problems, or why some child could not be applied (the
-    first such API error; the other children were still converged)."""
+    first such API error; the other children were still converged); ``autoscaled``: whether
+    the operator's scaler has experts of it to scale."""
 
     spec_error: SpecError | None = None
     failure: str | None = None
+    autoscaled: bool = False
 
 
 class Reconciler:
-    """Converges DDMDeployments; safe to call from many threads at once. ``post_event(body,
+    """Converges DDMDeployments; safe to call from many threads at once. ``observed``: what
+    the watches show (the resources, their children and pods); ``post_event(body,
     reason=..., message=...)`` reports what it changed: kopf's ``kopf.info`` (which needs a
     running operator) by default.
 
     Every API failure is a ``KubeError`` (``kube``): one while converging a child is recorded
-    and the other children go on; one reading the resource, listing its children or writing
-    its status ends the run with that ``KubeError`` (the handler retries)."""
+    and the other children go on; one writing the status ends the run with that ``KubeError``
+    (the handler retries)."""
 
-    def __init__(self, kube: Kube, config: OperatorConfig,
+    def __init__(self, kube: Kube, config: OperatorConfig, observed: Observed,
                  post_event: Callable[..., None] = kopf.info) -> None:
         self._kube, self._config, self._post_event = kube, config, post_event
+        self._observed = observed
         self._guard = threading.Lock()
         # One lock per resource, alive while some thread holds it: no entry outlives its use.
         self._locks: weakref.WeakValueDictionary[tuple[str, str], threading.Lock] = (
@@ -125,7 +146,7 @@ class Reconciler:
 
     def _run(self, namespace: str, name: str) -> Outcome | None:
         self._between_requests()
-        body = self._kube.get_owner(namespace, name)
+        body = self._observed.get(names.KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             self._in_sync.pop((namespace, name), None)
             return None  # the garbage collector removes the children
@@ -138,8 +159,7 @@ class Reconciler:
         desired = desired_children(spec, body, self._config, _new_token)
         secrets_wanted = [m for m in desired if m["kind"] == "Secret"]
         desired = [m for m in desired if m["kind"] != "Secret"]
-        self._between_requests()
-        live = self._kube.list_children(namespace, name)
+        live = self._observed.owned(namespace, name, CHILD_KINDS)
         refused, previews = self._refused(desired, live)
         if refused:
             error = SpecError(refused)
@@ -166,35 +186,32 @@ class Reconciler:
         wanted = {_key(m) for m in desired}
         for (kind, child), obj in live.items():
             if (kind, child) not in wanted and _controlled_by(obj, meta["uid"]):
-                self._attempt(errors, actions, self._delete, kind, namespace, child)
+                self._attempt(errors, actions, self._delete, obj)
         for reason, message in actions:
             log.info("%s/%s: %s", namespace, name, message)
         for reason, message in _summaries(actions):  # one Event per reason and run
             self._post_event(body, reason=reason, message=message)
-        pods: list[dict[str, Any]] = []
-        try:
-            pods = self._kube.list_pods(namespace, name)
-        except KubeError as error:
-            errors.append(str(error))
         for error in errors:
             log.warning("%s/%s: %s", namespace, name, error)
         failure = errors[0] if errors else None
         deployments = {n: obj for (kind, n), obj in live.items() if kind == "Deployment"}
+        pods = list(self._observed.owned(namespace, name, ("Pod",)).values())
         self._report(body, ready_status(
             spec, meta, deployments=deployments, previous=previous, now=now_rfc3339(),
             failure=failure, pods=pods, token_secret=token.secret_name if token else None,
             token_secrets=made))
-        return Outcome(failure=failure)
+        return Outcome(failure=failure, autoscaled=bool(operator_scaled(spec)))
 
     def _refused(self, desired: list[dict[str, Any]],
                  live: Mapping[tuple[str, str], Mapping[str, Any]]
                  ) -> tuple[list[str], dict[tuple[str, str], dict[str, Any]]]:
-        """What the API server would refuse (HTTP 422) among the children to write, and what
+        """What the API server would refuse (HTTP 422) among the Deployments to write, and what
         it would store for each of the others (its dry-run answer, by child)."""
         refused, previews = [], {}
         for manifest in desired:
             current = live.get(_key(manifest))
-            if current is not None and _spec_hash(current) == _spec_hash(manifest):
+            if manifest["kind"] != "Deployment" or (
+                    current is not None and _spec_hash(current) == _spec_hash(manifest)):
                 continue
             self._between_requests()
             try:
@@ -234,33 +251,73 @@ class Reconciler:
         children the previous run left in sync; ``in_sync`` collects this run's."""
         kind, meta = desired["kind"], desired["metadata"]
         what, key = f"{kind} {meta['name']}", _key(desired)
-        if live is None and (preview is None or _version(preview)):
-            # Not among the labelled children, yet maybe there without our labels: a dry run
-            # that would create it answers no resourceVersion, so only then is it surely absent.
-            live = self._kube.get(kind, meta["namespace"], meta["name"])
         if live is None:
-            in_sync[key] = _fingerprint(self._kube.apply(desired))
-            return "Created", f"Created {what}"
+            live = self._create(desired, preview, in_sync)
+            if live is None:
+                return "Created", f"Created {what}"
         if not _controlled_by(live, owner_uid):
             raise KubeError(409, f"{what} already exists and belongs to something else; "
                                  "delete or rename it")
         if _spec_hash(live) != _spec_hash(desired):
-            in_sync[key] = _fingerprint(self._kube.apply(desired))
-            return "Updated", f"Updated {what}"
-        if known.get(key) == _fingerprint(live):
-            in_sync[key] = _fingerprint(live)  # untouched since it was last written or checked
+            return self._write(desired, live, in_sync, ("Updated", f"Updated {what}"))
+        if known.get(key) == _fingerprint(live, desired):
+            in_sync[key] = _fingerprint(live, desired)  # untouched since last written or checked
             return None
-        preview = self._kube.apply(desired, dry_run=True)
-        if _version(preview) != _version(live):
-            # Changed since it was listed (a controller wrote its status, say): the comparison
-            # would be meaningless, and that change's own event runs this again. Nothing is
-            # remembered as in sync meanwhile, or an edit made before it would stay for good.
-            return None
+        try:
+            preview = self._kube.apply(_at_version(desired, live), dry_run=True)
+        except KubeError as error:
+            if error.status == 409:  # changed since it was cached: its own event runs this
+                return None
+            raise
         if _differs(live, preview):
-            in_sync[key] = _fingerprint(self._kube.apply(desired))
-            return "Restored", f"Restored {what} (it was changed outside the operator)"
-        in_sync[key] = _fingerprint(live)
+            return self._write(desired, live, in_sync, (
+                "Restored", f"Restored {what} (it was changed outside the operator)"))
+        in_sync[key] = _fingerprint(live, desired)
         return None
+
+    def _create(self, desired: dict[str, Any], preview: Mapping[str, Any] | None,
+                in_sync: dict[tuple[str, str], _Fingerprint]) -> dict[str, Any] | None:
+        """Create a child absent from the cache; None once created, else the object of that
+        name that is there (to be checked and converged as a live child)."""
+        kind, meta = desired["kind"], desired["metadata"]
+        if kind != "Deployment":
+            try:
+                return self._wrote(desired, self._kube.create(desired), in_sync)
+            except KubeError as error:
+                if error.status != 409:
+                    raise
+        elif preview is not None and not _version(preview):
+            # The dry run would create it: nothing of that name is there.
+            return self._wrote(desired, self._kube.apply(desired), in_sync)
+        # There, yet not among the cached children: without our labels, or not cached yet.
+        live = self._kube.get(kind, meta["namespace"], meta["name"])
+        if live is not None:
+            self._observed.seen(live)
+            return live
+        if kind != "Deployment":
+            raise KubeError(409, f"{kind} {meta['name']} was deleted while it was being "
+                                 "created; it is created on the next run")
+        return self._wrote(desired, self._kube.apply(desired), in_sync)
+
+    def _write(self, desired: dict[str, Any], live: Mapping[str, Any],
+               in_sync: dict[tuple[str, str], _Fingerprint], action: tuple[str, str]
+               ) -> tuple[str, str] | None:
+        """Apply ``desired`` over ``live`` (as cached: a precondition); None if the child
+        changed since it was cached (its own event runs this again)."""
+        try:
+            current = self._kube.own_as_applied(live)
+            self._wrote(desired, self._kube.apply(_at_version(desired, current)), in_sync)
+        except KubeError as error:
+            if error.status == 409:
+                return None
+            raise
+        return action
+
+    def _wrote(self, desired: Mapping[str, Any], stored: dict[str, Any],
+               in_sync: dict[tuple[str, str], _Fingerprint]) -> None:
+        """Remember what the API server stored for a child the operator wrote."""
+        self._observed.seen(stored)
+        in_sync[_key(desired)] = _fingerprint(stored, desired)
 
     @staticmethod
     def _attempt(errors: list[str], actions: list[tuple[str, str]],
@@ -274,34 +331,47 @@ class Reconciler:
         if action:
             actions.append(action)
 
-    def _delete(self, kind: str, namespace: str, name: str) -> tuple[str, str]:
-        self._kube.delete(kind, namespace, name)
-        return "Deleted", f"Deleted {kind} {name} (no longer wanted by the spec or settings)"
+    def _delete(self, child: Mapping[str, Any]) -> tuple[str, str]:
+        kind, meta = child["kind"], child["metadata"]
+        self._kube.delete(kind, meta["namespace"], meta["name"], meta["uid"])
+        self._observed.gone(child)
+        return "Deleted", (f"Deleted {kind} {meta['name']} (no longer wanted by the spec or "
+                           "settings)")
 
     def _report(self, body: Mapping[str, Any], status: dict[str, Any]) -> None:
         if status != reconciled_part(body.get("status")):
             meta = body["metadata"]
-            self._kube.write_status(meta["namespace"], meta["name"], status)
+            stored = self._kube.write_status(meta["namespace"], meta["name"], status)
+            if stored is not None:
+                self._observed.seen(stored)
 
 
 def _version(obj: Mapping[str, Any]) -> str:
     return obj["metadata"].get("resourceVersion", "")
 
 
+def _at_version(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str, Any]:
+    """``desired`` to apply only over ``live`` as it is: its resourceVersion a precondition."""
+    return {**desired, "metadata": {**desired["metadata"], "resourceVersion": _version(live)}}
+
+
 #: What says a child is as the operator last wrote or checked it (:func:`_fingerprint`).
 _Fingerprint = tuple[str, str]
 
 
-def _fingerprint(obj: Mapping[str, Any]) -> _Fingerprint:
-    """A child's ``metadata.generation`` (moved only by a change to its spec) and a digest of
-    its labels, annotations and ownerReferences; its resourceVersion where it has no
-    generation (ConfigMaps, Services). A Deployment whose status alone the controller wrote
+def _fingerprint(obj: Mapping[str, Any], desired: Mapping[str, Any]) -> _Fingerprint:
+    """A child's ``metadata.generation`` (moved only by a change to its spec), or its
+    resourceVersion where it has no generation (ConfigMaps, Services), with a digest of the
+    values of the labels and annotations the operator sets (``desired``'s) and of its
+    ownerReferences. A Deployment whose status alone the controller wrote, or that got an
+    annotation of someone else's (the controller's ``deployment.kubernetes.io/revision``),
     keeps its fingerprint, so that the run its change triggers costs no dry run for it."""
-    meta = obj["metadata"]
+    meta, ours = obj["metadata"], desired["metadata"]
     generation = meta.get("generation")
+    owned = [{key: (meta.get(field) or {}).get(key) for key in ours.get(field) or {}}
+             for field in ("labels", "annotations")]
     return (f"generation {generation}" if generation is not None else _version(obj),
-            json.dumps([meta.get("labels"), meta.get("annotations"),
-                        meta.get("ownerReferences")], sort_keys=True))
+            json.dumps([*owned, meta.get("ownerReferences")], sort_keys=True))
 
 
 def _summaries(actions: list[tuple[str, str]]) -> list[tuple[str, str]]:

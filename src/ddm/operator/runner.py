@@ -27,6 +27,7 @@ from ddm.operator.client import load_client
 from ddm.operator.config import OperatorConfig
 from ddm.operator.handlers import register
 from ddm.operator.kube import Kube
+from ddm.operator.observed import Observed
 from ddm.operator.reconcile import Reconciler
 
 #: How often the waiting thread looks at ``stop_flag`` (signals wake it at once).
@@ -146,8 +147,9 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
     api_client = load_client(kubeconfig)
     registry = kopf.OperatorRegistry()
     register(registry)
+    observed = Observed()
     reconciler = Reconciler(Kube(api_client),
-                            operator_config or OperatorConfig.from_env(os.environ))
+                            operator_config or OperatorConfig.from_env(os.environ), observed)
     stopping = threading.Event()  # kopf's stop flag, set by stop() alone
 
     def stop(*_: object) -> None:
@@ -163,7 +165,8 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
         namespaces=list(served),
         liveness_endpoint=(None if liveness_port is None
                            else f"http://0.0.0.0:{liveness_port}/healthz"),
-        memo=kopf.Memo(api_client=api_client, reconciler=reconciler, pod_troubles={}),
+        memo=kopf.Memo(api_client=api_client, reconciler=reconciler, observed=observed,
+                       pod_troubles={}),
         stop_flag=stopping,
         ready_flag=ready_flag,
     ))

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Mapping
 
 from ddm.deploy.autoscaling import Autoscaling
-from ddm.deploy.spec import SpecError, parse_spec
+from ddm.deploy.spec import DDMSpec, SpecError, parse_spec
 from ddm.operator import names
 from ddm.deploy.autoscaler import Demand, History, decide
 from ddm.operator.demand import DemandRates, RouterReading, scrape
@@ -53,6 +53,12 @@ class _Tracked:
     claimed: set[str] = field(default_factory=set)  # Deployment uids whose replicas we own
     status_key: tuple[Any, ...] = ()
     status_at: float = float("-inf")
+
+
+def operator_scaled(spec: DDMSpec) -> dict[str, Autoscaling]:
+    """The experts of ``spec`` this scaler scales (by name), with their settings."""
+    return {e.name: e.autoscaling for e in spec.experts
+            if e.autoscaling is not None and e.autoscaling.scaler == "operator"}
 
 
 class Scaler:
@@ -117,8 +123,7 @@ class Scaler:
             spec = parse_spec(body.get("spec"), allow_host_paths=True)
         except SpecError:
             return True  # the reconcile reports it; a fixed spec is scaled again
-        scaled = {e.name: e.autoscaling for e in spec.experts
-                  if e.autoscaling is not None and e.autoscaling.scaler == "operator"}
+        scaled = operator_scaled(spec)
         if not scaled:
             return False
         routers = [pod for pod in self._kube.list_pods(namespace, name) if _ready_router(pod)]

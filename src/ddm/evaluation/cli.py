@@ -1,0 +1,130 @@
+"""``ddm eval`` and ``ddm report``: their arguments, next to the evaluation they run.
+
+``ddm.cli`` adds them with :func:`add_eval_command` and :func:`add_report_command`. Importing
+this module is cheap (no framework, no NumPy): the evaluation is imported only when a command
+runs. A bad argument is a ``ValueError`` (``ddm.cli`` reports it, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ddm.checkpoints.shipped import DEFAULT_DDM
+
+
+def add_eval_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``eval`` to the ``ddm`` command's subcommands."""
+    p = commands.add_parser("eval", help="score samples .npz files (one per seed): accuracy, "
+                                         "Frechet distance, precision/recall, density/coverage "
+                                         "and the real-vs-real floor")
+    p.add_argument("samples", type=Path, nargs="+", help="samples files, one per seed")
+    p.add_argument("--classifier", type=Path, default=None,
+                   help="classifier checkpoint (default: the shipped one for the samples' "
+                        f"size: the {DEFAULT_DDM} DDM's for 32x32, digits' for 16x16)")
+    p.add_argument("--data", default=None,
+                   help="where the reference (held-out) images are, e.g. mnist:DIR "
+                        "(default: the source the classifier recorded)")
+    p.add_argument("--json", action="store_true", help="print JSON only")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_eval)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from ddm.evaluation.commands import eval_command
+
+    result = eval_command(args.samples, args.classifier, args.data, quiet=args.quiet)
+    for warning in result["warnings"]:
+        print(f"ddm eval: warning: {warning}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(f"n {result['n']} per run, {result['runs']} run(s), judged by {result['classifier']}, "
+          f"cpu {result['cpu_seconds']} s")
+    for metric in ("accuracy", "fd", "precision", "recall", "density", "coverage"):
+        floor = result["floor"].get(metric)
+        real = f"   real-vs-real {_spread(floor, 3)}" if floor else ""
+        print(f"{metric:<10} {_spread(result[metric], result['runs'])}{real}")
+    return 0
+
+
+def _spread(summary: dict[str, Any], runs: int) -> str:
+    """``mean +/- std`` over runs; the mean alone for one run, which has no spread."""
+    mean = f"{summary['mean']:.4f}"
+    return f"{mean} +/- {summary['std']:.4f}" if runs > 1 else mean
+
+
+def add_report_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``report`` to the ``ddm`` command's subcommands."""
+    p = commands.add_parser("report", help="write a quality table (docs/quality.md): monolith "
+                                           "vs DDM strategies, three seeds each, with the "
+                                           "real-vs-real floor")
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="a DDM directory with its monolith(s) and classifier "
+                        f"(default: the shipped {DEFAULT_DDM} DDM), or an imported text2img "
+                        "DDM (checkpoints/text2img: docs/quality-text2img.md)")
+    p.add_argument("--data", default=None,
+                   help="where the reference images are, e.g. mnist:DIR (default: the source "
+                        "the classifier recorded)")
+    p.add_argument("--n-per-label", type=int, default=20)
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampling steps (default 40; a text2img DDM: its default, 30)")
+    p.add_argument("--solver", default="euler", help="euler or heun")
+    p.add_argument("--compare", type=Path, action="append", default=[], metavar="DIR",
+                   help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
+                        "at top-1 beside the DDM's own top-1; repeatable")
+    p.add_argument("--out", type=Path, required=True,
+                   help="the Markdown file to write, e.g. docs/quality.md (MNIST) or "
+                        "docs/quality-digits.md (digits)")
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help="keep every sampled run in DIR and reuse those already there: a "
+                        "stopped report resumes, and a new monolith samples only its own rows "
+                        "(keyed by the checkpoints and settings, not the code: use a fresh DIR "
+                        "after changing the sampler)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (with stderr not a terminal: a line per run instead)")
+    p.set_defaults(handler=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from ddm.evaluation.report import write_report
+    from ddm.evaluation.text2img_report import is_text2img
+    from ddm.progress import progress_bar
+
+    with progress_bar(None, "report runs", "run", args.quiet) as bar:
+        def progress(line: str) -> None:
+            if bar.disable:  # a log, not a terminal: one line per run
+                print(f"ddm report: {line}", file=sys.stderr)
+            else:
+                bar.update(1)
+                bar.set_postfix_str(line)
+
+        if args.checkpoints is not None and is_text2img(args.checkpoints):
+            path = _report_text2img(args, progress)
+            print(f"wrote {path}")
+            return 0
+        path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
+                            steps=args.steps or 40, out=args.out, solver=args.solver,
+                            data=args.data, compare=args.compare, cache=args.cache,
+                            progress=progress)
+    print(f"wrote {path}")
+    return 0
+
+
+def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) -> Path:
+    """``ddm report --checkpoints DIR`` of an imported text2img DDM (docs/quality-text2img.md),
+    judged by the shipped MNIST classifier and the import's small CLIP."""
+    from ddm.checkpoints.discovery import shipped_checkpoints
+    from ddm.evaluation.text2img_report import mnist_directory, write_text2img_report
+    from ddm.models.text2img import DEFAULT_STEPS
+
+    if args.compare or args.solver != "euler":
+        raise ValueError("--compare and --solver are for label DDMs' reports")
+    classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
+    return write_text2img_report(args.checkpoints, args.out, classifier,
+                                 mnist_directory(classifier, args.data),
+                                 steps=args.steps or DEFAULT_STEPS, cache=args.cache,
+                                 progress=progress)

@@ -1,0 +1,209 @@
+"""``ddm sample``: its arguments, and the choice between sampling in this process
+(``ddm.sampling.commands``) and asking a running router (``ddm.serving.router.client``).
+
+It lives in ``serving``, the lowest area that may import both. ``ddm.cli`` adds it with
+:func:`add_sample_command`. Importing this module is cheap (no framework, no NumPy): the
+models or the router's client are imported only when the command runs. A bad argument is a
+``ValueError`` (``ddm.cli`` reports it, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+from ddm.checkpoints.shipped import DEFAULT_DDM
+
+
+def add_sample_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``sample`` to the ``ddm`` command's subcommands."""
+    from ddm.deploy.limits import MAX_GUIDANCE_SCALE
+
+    p = commands.add_parser(
+        "sample", help="generate digits of labels, or images of prompts (a text DDM), "
+                       "in-process from checkpoints, or from a running router (--router)",
+        description="A label DDM: generate N_PER_LABEL images of each label and write them as "
+                    "a samples .npz file (for ddm eval) and, with --png, a grid. By default "
+                    "the models run in this process from the DDM make demo serves "
+                    "(checkpoints/mnist, 32x32); --router asks a running router for the same "
+                    "images instead. A text DDM (ddm import paris|text2img): one RGB image per "
+                    "--prompt, written as a PNG (the image, or a row of them) or a samples "
+                    ".npz with the prompts; the same pixels its router gives for the same "
+                    "request.")
+    p.add_argument("ddm", nargs="?", type=Path, default=None, metavar="DIR_OR_DDM.yaml",
+                   help="the DDM to sample: its directory, or the ddm.yaml ddm import wrote "
+                        "beside its stages (same as --checkpoints)")
+    p.add_argument("--checkpoints", type=Path, default=None,
+                   help="a DDM directory (experts + router) or one model's checkpoint "
+                        f"(default: the shipped {DEFAULT_DDM} DDM, the one make demo serves)")
+    p.add_argument("--router", default=None, metavar="URL",
+                   help="ask the router serving at URL (`ddm up`, a cluster Service) instead: "
+                        "the same images as in-process for the same arguments")
+    p.add_argument("--token-file", type=Path, default=None,
+                   help="with --router: a file holding the router's bearer token")
+    p.add_argument("--strategy", default=None,
+                   help="how each step picks experts: oracle (by label; label-partitioned "
+                        "DDMs only), top1, top2, topk:K, threshold:P, ensemble, or random "
+                        "(the evaluation's baseline, in-process only); default top1 (a text "
+                        "DDM: the release's, e.g. Paris's top2)")
+    p.add_argument("--labels", default=None,
+                   help="a label DDM: comma-separated class labels to draw (default: every "
+                        "digit, 0,1,...,9)")
+    p.add_argument("--n-per-label", type=int, default=1,
+                   help="a label DDM: images per label (default 1)")
+    p.add_argument("--prompt", action="append", default=[], dest="prompts", metavar="PROMPT",
+                   help="a text DDM: a prompt; one image per --prompt, in order (repeat it)")
+    p.add_argument("--negative-prompt", default=None, metavar="PROMPT",
+                   help="a text DDM: what guidance steers away from (default: the empty "
+                        "prompt)")
+    p.add_argument("--guidance-scale", type=_bounded("--guidance-scale", 0.0,
+                                                     MAX_GUIDANCE_SCALE),
+                   default=None, metavar="SCALE",
+                   help=f"a text DDM: classifier-free guidance, 0 to {MAX_GUIDANCE_SCALE:g} "
+                        "(1: none; default: the release's, e.g. 7.5)")
+    p.add_argument("--guidance-cutoff", type=_bounded("--guidance-cutoff", 0.0, 1.0),
+                   default=1.0, metavar="FRACTION",
+                   help="a text DDM: guide only the first fraction of the steps, 0 to 1 "
+                        "(default 1: every step)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="solver steps from noise to image (default 40; a text DDM: the "
+                        "release's)")
+    p.add_argument("--solver", default="euler",
+                   help="euler (one velocity per step) or heun (two; default euler)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="noise seed: image i of a run gets the noise (seed, i) (default 0)")
+    p.add_argument("--backend", default="native",
+                   help="native: each expert on the framework it was trained with (default); "
+                        "torch or jax: every expert on that one (weights convert losslessly)")
+    p.add_argument("--device", default=None,
+                   help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: the "
+                        "framework's best; a text DDM: cpu)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="images generated at once (default: 256; with --router, the router's "
+                        "batch limit)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="samples .npz to write (its directory must exist); a text DDM: .npz "
+                        "or .png")
+    p.add_argument("--png", type=Path, default=None,
+                   help="also write the images as a PNG grid, one row per label (a text DDM: "
+                        "one row)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (there is none anyway when stderr is not a terminal)")
+    p.set_defaults(handler=_sample)
+
+
+#: ``ddm sample``'s flags that only a text DDM takes (flag, argparse destination).
+_TEXT_FLAGS = (("--prompt", "prompts"), ("--negative-prompt", "negative_prompt"),
+               ("--guidance-scale", "guidance_scale"), ("--guidance-cutoff", "guidance_cutoff"))
+
+
+def _bounded(flag: str, low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a number in [low, high], or an error naming ``flag`` and the range."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number in [{low:g}, {high:g}], "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from ddm.sampling.commands import ddm_root, is_text_ddm
+
+    if args.ddm is not None and args.checkpoints is not None:
+        raise ValueError("give the DDM once: DIR_OR_DDM.yaml or --checkpoints")
+    if args.router is not None:
+        return _sample_router(args)
+    if args.token_file is not None:
+        raise ValueError("--token-file goes with --router")
+    source = args.ddm if args.ddm is not None else args.checkpoints
+    root = None if source is None else ddm_root(source)
+    if root is not None and is_text_ddm(root):
+        _refuse_label_flags(args, str(root))
+        from ddm.sampling.commands import sample_text_command
+
+        return _print(sample_text_command(root, args.prompts, **_text_settings(args),
+                                          backend=args.backend, device=args.device))
+    _refuse_text_flags(args, str(source or DEFAULT_DDM))
+    from ddm.sampling.commands import sample_command
+
+    return _print(sample_command(
+        checkpoints=root, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
+        solver=args.solver, seed=args.seed, backend=args.backend, device=args.device,
+        batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
+        png=args.png, quiet=args.quiet))
+
+
+def _sample_router(args: argparse.Namespace) -> int:
+    local_only = [flag for flag, value in (("--checkpoints", args.checkpoints),
+                                           ("DIR_OR_DDM.yaml", args.ddm),
+                                           ("--device", args.device)) if value is not None]
+    if args.backend != "native":
+        local_only.append("--backend")
+    if local_only:
+        raise ValueError(f"{', '.join(local_only)} run models in-process and cannot go with "
+                        "--router (the router's experts run where they are served)")
+    from ddm.serving.router.client import (read_token, router_info, sample_router_command,
+                                           sample_router_text_command)
+
+    token = read_token(args.token_file)
+    info = router_info(args.router, token)
+    what = f"the DDM at {args.router}"
+    if info.get("conditioning") == "text":
+        _refuse_label_flags(args, what)
+        return _print(sample_router_text_command(info, args.router, args.prompts,
+                                                 **_text_settings(args), token=token))
+    _refuse_text_flags(args, what)
+    return _print(sample_router_command(
+        url=args.router, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
+        solver=args.solver, seed=args.seed, batch_size=args.batch_size,
+        token_file=args.token_file, out=args.out, png=args.png, quiet=args.quiet))
+
+
+def _refuse_text_flags(args: argparse.Namespace, ddm: str) -> None:
+    given = [flag for flag, dest in _TEXT_FLAGS if getattr(args, dest) not in (None, [], 1.0)]
+    if given:
+        raise ValueError(f"{ddm} is a label DDM (conditioned on class labels): it takes "
+                        f"--labels, not {', '.join(given)}")
+
+
+def _refuse_label_flags(args: argparse.Namespace, ddm: str) -> None:
+    given = [flag for flag, value in (("--labels", args.labels is not None),
+                                      ("--n-per-label", args.n_per_label != 1)) if value]
+    if given:
+        raise ValueError(f"{ddm} is a text DDM (conditioned on prompts): it takes --prompt, "
+                        f"not {', '.join(given)}")
+
+
+def _text_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``ddm sample``'s settings of a text DDM's request and output, in-process or served."""
+    return {"steps": args.steps, "strategy": args.strategy,
+            "guidance_scale": args.guidance_scale, "negative_prompt": args.negative_prompt,
+            "guidance_cutoff": args.guidance_cutoff, "seed": args.seed, "solver": args.solver,
+            "batch_size": args.batch_size, "out": args.out, "png": args.png,
+            "quiet": args.quiet}
+
+
+def _print(summary: dict[str, Any]) -> int:
+    print(json.dumps(summary))
+    return 0
+
+
+def _parse_labels(text: str | None) -> list[int]:
+    if text is None:
+        return list(range(10))
+    try:
+        labels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--labels must be comma-separated integers, got {text!r}") from None
+    if not labels:
+        raise ValueError("--labels is empty")
+    return labels

@@ -1,0 +1,191 @@
+"""``ddm train``: its arguments, next to the trainers they drive.
+
+``ddm.cli`` adds it with :func:`add_train_command`. Importing this module is cheap (no
+framework, no NumPy): the trainers are imported only when the command runs. A bad argument is
+a ``ValueError`` (``ddm.cli`` reports it, exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ddm.objective_names import PREDICTIONS, SCHEDULES
+from ddm.training.resume import SAVE_EVERY
+
+
+def add_train_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``train`` (and its kinds) to the ``ddm`` command's subcommands."""
+    train = commands.add_parser("train", help="train an expert, the monolith, the router or the "
+                                              "evaluation classifier")
+    kinds = train.add_subparsers(dest="kind", required=True, metavar="KIND")
+
+    def common(p: argparse.ArgumentParser, steps: int) -> None:
+        p.add_argument("--data", default="digits",
+                       help="'digits' (embedded) or 'mnist:DIR' with the four IDX files")
+        p.add_argument("--steps", type=int, default=steps)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--out", required=True, type=Path, help="checkpoint directory to write")
+        p.add_argument("--quiet", action="store_true",
+                       help="no progress bar (none either when stderr is not a terminal)")
+
+    def optimisation(p: argparse.ArgumentParser, steps: int, batch: int, lr: float) -> None:
+        common(p, steps)
+        p.add_argument("--batch-size", type=int, default=batch)
+        p.add_argument("--lr", type=float, default=lr, help="peak learning rate")
+        p.add_argument("--save-every", type=int, default=SAVE_EVERY, metavar="STEPS",
+                       help="save the training state (weights, EMA, optimiser, step) to "
+                            "OUT.training/ every STEPS steps")
+        p.add_argument("--resume", action="store_true",
+                       help="continue from the state saved in OUT.training/")
+
+    for kind, about in (("expert", "a UNet on one partition of the data"),
+                        ("monolith", "one UNet on all the data (the baseline)")):
+        p = kinds.add_parser(kind, help=f"train {about}")
+        p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+        p.add_argument("--config", default="digits-small", help="named UNet config")
+        p.add_argument("--device", default=None,
+                       help="torch: cpu, cuda[:N] or xla; jax: cpu, gpu or tpu (default: best)")
+        p.add_argument("--name", default=None, help="checkpoint name (default: directory name)")
+        p.add_argument("--objective", choices=PREDICTIONS, default="velocity",
+                       help="what the UNet predicts (default: our velocity x1 - x0)")
+        p.add_argument("--schedule", choices=SCHEDULES, default="linear",
+                       help="noise schedule of its inputs (default: our linear path)")
+        p.add_argument("--time", choices=("continuous", "discrete"), default="continuous",
+                       help="discrete: DDPM's steps k = 0..T-1, drawn uniformly")
+        p.add_argument("--timesteps", type=int, default=1000, help="T, with --time discrete")
+        if kind == "expert":
+            p.add_argument("--partition", required=True,
+                           help="'file:PATH' (from `ddm partition fit`: experts of any seed "
+                                "share it), 'labels:0-4,5-9' (label groups) or 'kmeans:K' "
+                                "(legacy: refitted per run)")
+            p.add_argument("--index", type=int, required=True, help="which part this expert owns")
+        optimisation(p, steps=1500, batch=128, lr=2e-3)
+        p.set_defaults(handler=_train_unet)
+
+    p = kinds.add_parser("router", help="train the learned router over existing experts")
+    p.add_argument("--experts", required=True, type=Path,
+                   help="directory holding the expert checkpoints (one subdirectory each)")
+    p.add_argument("--no-labels", action="store_true", help="route on (x_t, t) alone")
+    p.add_argument("--partition", default=None,
+                   help="'file:PATH': refuse experts whose partition's sha256 differs from it")
+    p.add_argument("--device", default=None)
+    optimisation(p, steps=1500, batch=256, lr=2e-3)
+    p.set_defaults(handler=_train_router)
+
+    p = kinds.add_parser("classifier", help="train the evaluation classifier")
+    p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--split", choices=("train", "heldout"), default="train",
+                   help="the split it learns (MNIST: train, so the test split stays unseen)")
+    p.add_argument("--channels", default="32,64", help="the two conv stages' widths")
+    common(p, steps=1500)
+    p.set_defaults(handler=_train_classifier)
+    _add_train_text2img(kinds)
+
+
+def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
+    from ddm.training.text2img import STAGES
+
+    p = kinds.add_parser("text2img", help="train one stage of the text-to-image DDM (coloured "
+                                          "MNIST) into a diffusers-style directory")
+    p.add_argument("stage", choices=STAGES, help="what to train; each reads the stages before "
+                                                 "it from --root (see scripts/train_text2img.sh)")
+    p.add_argument("--mnist", required=True, type=Path,
+                   help="directory with MNIST's four IDX files (coloured and captioned here)")
+    p.add_argument("--root", required=True, type=Path, help="the DDM's directory")
+    p.add_argument("--size", default="small", help="network sizes: small, or smoke (tests)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of colours and captions")
+    p.add_argument("--index", type=int, default=None, help="expert: which cluster it learns")
+    p.add_argument("--steps", type=int, default=None, help="default: the stage's own")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--save-every", type=int, default=250, metavar="STEPS",
+                   help="save the training state to ROOT/COMPONENT.training/ every STEPS steps")
+    p.add_argument("--resume", action="store_true", help="continue a saved training state")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_train_text2img)
+
+
+def _train_text2img(args: argparse.Namespace) -> int:
+    from ddm.training.text2img.commands import StageRun, default_train, run_stage
+
+    train = default_train(args.stage, {"steps": args.steps, "batch_size": args.batch_size,
+                                       "learning_rate": args.lr, "seed": args.seed})
+    run = StageRun(root=args.root, mnist=args.mnist, size=args.size, train=train,
+                   data_seed=args.data_seed, index=args.index, save_every=args.save_every,
+                   resume=args.resume,
+                   progress=None if args.stage == "tokenizer" else _progress(
+                       args, train.steps, f"text2img {args.stage}"))
+    print(f"wrote {run_stage(args.stage, run)}")
+    return 0
+
+
+def _progress(args: argparse.Namespace, total: int, what: str):
+    """A training step callback driving a progress bar (none with --quiet, or when stderr is
+    not a terminal)."""
+    from ddm.progress import progress_bar
+
+    bar = progress_bar(total, what, "step", args.quiet)
+    if bar.disable:
+        return None
+
+    def update(step: int, loss: float) -> None:
+        bar.update(step - bar.n)
+        bar.set_postfix(loss=f"{loss:.4f}")
+        if step >= total:
+            bar.close()
+
+    return update
+
+
+def _train_config(args: argparse.Namespace):
+    from ddm.training.config import TrainConfig
+
+    optimiser = {"batch_size": args.batch_size, "learning_rate": args.lr} if hasattr(
+        args, "lr") else {}
+    return TrainConfig(steps=args.steps, seed=args.seed, **optimiser)
+
+
+def _train_unet(args: argparse.Namespace) -> int:
+    from ddm.training.commands import train_unet, unet_objective
+
+    objective = unet_objective(args.objective, args.schedule, args.time, args.timesteps)
+    path = train_unet(
+        kind=args.kind, framework=args.framework, data=args.data, model_config=args.config,
+        train=_train_config(args), out=args.out, name=args.name, device=args.device,
+        partition=getattr(args, "partition", None), index=getattr(args, "index", None),
+        progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"),
+        objective=objective, save_every=args.save_every, resume=args.resume)
+    print(f"wrote {path}")
+    return 0
+
+
+def _train_router(args: argparse.Namespace) -> int:
+    from ddm.training.commands import train_router_command
+
+    path = train_router_command(
+        experts=args.experts, data=args.data, train=_train_config(args), out=args.out,
+        use_labels=not args.no_labels, device=args.device,
+        progress=_progress(args, args.steps, "router"), partition=args.partition,
+        save_every=args.save_every, resume=args.resume)
+    print(f"wrote {path}")
+    return 0
+
+
+def _train_classifier(args: argparse.Namespace) -> int:
+    from ddm.evaluation.commands import train_classifier_command
+
+    path = train_classifier_command(
+        data=args.data, image_size=args.image_size, steps=args.steps, seed=args.seed,
+        out=args.out, split=args.split, channels=_parse_channels(args.channels),
+        progress=_progress(args, args.steps, "classifier"))
+    print(f"wrote {path}")
+    return 0
+
+
+def _parse_channels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--channels must be two comma-separated integers, got {text!r}") from None
