@@ -136,6 +136,8 @@ def test_an_expert_at_min_replicas_0_starts_on_demand_and_stops_after_the_delay(
         assert answer["experts"] == [["digits-0-4"]] and answer["waited_s"] > 0, answer
         assert listening_pid(expert.port) is not None
         assert "scaling digits-0-4 up from zero" in log.getvalue()
+        _until(lambda: "digits-0-4 is ready (" in log.getvalue(),
+               "ddm up saying the cold start is over", log)
         print(f"\nscale to zero: cold start answered after {answer['seconds']:.1f} s "
               f"(waited {answer['waited_s']:.1f} s)")
 
