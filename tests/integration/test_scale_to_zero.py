@@ -25,6 +25,8 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from benchmarks.scaling import (HOT_EXPERTS, RARE_EXPERTS, TraceShape,
+                                bench_scale_to_zero)
 from ddm.evaluation.classifier import load_classifier
 from ddm.runtime.local import Backoff
 from tests.support.local_runtime import Log, ddm_up
@@ -144,3 +146,25 @@ def test_an_expert_at_min_replicas_0_starts_on_demand_and_stops_after_the_delay(
         _until(lambda: listening_pid(expert.port) is None, "scaling digits-0-4 to zero", log)
         assert "scaling digits-0-4 to zero: no demand for 3 s" in log.getvalue()
         assert f"{expert.name} exited" not in log.getvalue()  # stopped, not crashed
+
+
+def test_the_scale_to_zero_benchmark_replays_its_trace_fixed_and_autoscaled() -> None:
+    """A smoke run of ``python -m benchmarks scale-to-zero`` on a short trace: no request
+    fails, fixed provisioning holds every expert for the whole window, and the autoscaled run
+    holds the rare experts only after their cold starts (they are at zero before the first
+    rare burst), so less."""
+    shape = TraceShape(bursts=2, burst_s=3.0, gap_s=8.0, hot_per_burst=3, rare_every=2,
+                       rare_per_burst=1)
+    result = bench_scale_to_zero(shape, delay_s=3, steps=4, policies=("wait",))
+    fixed, scaled = result["runs"]
+    assert result["failed_requests"] == 0 and result["trace"]["requests"] == 7
+    assert fixed["process_deaths"] == scaled["process_deaths"] == 0
+    assert set(fixed["replica_seconds"]) == {*HOT_EXPERTS, *RARE_EXPERTS}
+    assert all(abs(held - fixed["window_s"]) <= 0.1 for held in fixed["replica_seconds"].values())
+    assert fixed["cold_starts"] == {}
+    assert sum(scaled["cold_starts"].values()) >= 1
+    assert set(scaled["cold_starts"]) <= set(RARE_EXPERTS)
+    assert scaled["cold_start_s"]["max"] > 0
+    assert scaled["replica_seconds_vs_fixed"] < 1
+    assert all(abs(scaled["replica_seconds"][hot] - scaled["window_s"]) <= 0.1
+               for hot in HOT_EXPERTS)
