@@ -168,3 +168,25 @@ def test_the_scale_to_zero_benchmark_replays_its_trace_fixed_and_autoscaled() ->
     assert scaled["replica_seconds_vs_fixed"] < 1
     assert all(abs(scaled["replica_seconds"][hot] - scaled["window_s"]) <= 0.1
                for hot in HOT_EXPERTS)
+
+
+def test_an_expert_started_for_rerouted_steps_is_not_stopped_before_it_is_ready(
+        tmp_path: Path) -> None:
+    """With ``reroute`` the rows of an expert at zero go elsewhere, and count as its demand, so
+    it starts; a scale-down delay shorter than its cold start must not stop it before it ever
+    serves (it was stopped, unready, one delay after the rerouted generation): the delay runs
+    from when it is ready."""
+    manifest = _manifest(MNIST, tmp_path, {"policy": "reroute"}, {"mnist-cluster-3": {
+        "minReplicas": 0, "maxReplicas": 1, "scaleDownDelaySeconds": 1}})
+    with ddm_up(manifest) as (plan, log, _):
+        answer = _generate(plan.url, [8, 8, 8, 8], 10, log)  # 8s: mostly mnist-cluster-3's
+        assert any(answer["rerouted"]), answer
+        _until(lambda: "scaling mnist-cluster-3 up from zero" in log.getvalue(),
+               "the rerouted rows starting mnist-cluster-3", log)
+        _until(lambda: "mnist-cluster-3 is ready (" in log.getvalue(),
+               "mnist-cluster-3 becoming ready", log)
+        _until(lambda: "scaling mnist-cluster-3 to zero" in log.getvalue(),
+               "mnist-cluster-3 scaling to zero after the delay", log)
+        text = log.getvalue()
+        assert text.index("mnist-cluster-3 is ready (") < text.index(
+            "scaling mnist-cluster-3 to zero")

@@ -451,7 +451,7 @@ def _scaler(plan: LocalPlan, supervisor: Supervisor, host: str, out: TextIO) -> 
                   start=lambda name: supervisor.start(specs[name]), stop=supervisor.stop_one,
                   running=supervisor.running,
                   ready=lambda name: supervisor.running(name) and answers_ready(
-                      host, specs[name].port), out=out)
+                      host, specs[name].port), out=out, start_timeout_s=READY_TIMEOUT_S)
 
 
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,

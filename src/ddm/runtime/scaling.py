@@ -5,7 +5,8 @@ Such an expert's processes are not started with the others. The supervisor polls
 decides with the operator's rule (:func:`ddm.deploy.autoscaler.decide`, on at most its one
 local process): its process starts when a generation waits for it or it had demand within its
 scale-down delay (the router counts demand before rerouting, so with ``reroute`` a missing
-expert's demand starts it too), and stops once it has had none for the delay.
+expert's demand starts it too), and stops once it has had none for the delay (a process
+still starting counts as in demand: the delay runs from when it can serve).
 :func:`demand_of` reads one expert's entry; :class:`DemandPoller` only reads the router, as a
 peer: a deadline, a capped body, and an answer it cannot read means "no change".
 """
@@ -57,16 +58,18 @@ class Scaler:
     """Starts and stops the on-demand experts' processes as their demand says, at most every
     ``POLL_INTERVAL_S`` (:meth:`tick` is called from the supervisor's loop); ``start``,
     ``stop``, ``running`` and ``ready`` act on one process by name. Counts ``cold_starts`` and
-    says when a started expert is ready, so that its cold start shows in the log."""
+    says when a started expert is ready, so that its cold start shows in the log. An expert
+    still starting counts as in demand, for at most ``start_timeout_s``."""
 
     def __init__(self, experts: tuple[OnDemand, ...], poller: DemandPoller,
                  start: Callable[[str], None], stop: Callable[[str], None],
                  running: Callable[[str], bool], ready: Callable[[str], bool],
-                 out: TextIO) -> None:
+                 out: TextIO, start_timeout_s: float) -> None:
         self._experts = experts
         self._poller = poller
         self._start, self._stop, self._running, self._ready = start, stop, running, ready
         self._out = out
+        self._start_timeout_s = start_timeout_s
         self._next_poll = 0.0
         self._last_read = float("-inf")  # the first reading counts any demand as recent
         self._histories: dict[str, History] = {}
@@ -92,6 +95,10 @@ class Scaler:
             seen = demand_of(demand.get(expert.expert), since)
             if seen is None:
                 continue
+            if now - self._warming.get(expert.expert, float("-inf")) < self._start_timeout_s:
+                # still starting: its delay counts once it can serve, or a cold start longer
+                # than the delay (a rerouted step's demand) would stop it before it ever did
+                seen = replace(seen, active=True)
             running = any(self._running(name) for name in expert.processes)
             # locally all of its processes or none (one for minReplicas 0)
             rules = replace(expert.rules, max_replicas=len(expert.processes))
@@ -111,7 +118,6 @@ class Scaler:
                       f"{expert.rules.scale_down_delay_s:g} s", file=self._out, flush=True)
                 for name in expert.processes:
                     self._stop(name)
-
 
     def _report_ready(self, now: float) -> None:
         """Say which experts scaled up from zero have every process ready, and after how
