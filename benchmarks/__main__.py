@@ -61,25 +61,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use this cluster as its admin (default: start a fresh dev cluster)")
     p.set_defaults(handler=_bench_operator)
 
-    p = kinds.add_parser("scale-to-zero", help="a skewed, bursty trace against ddm up with one "
-                                               "expert at minReplicas 0: process-seconds vs "
-                                               "fixed, latency, failures, cold starts")
+    p = kinds.add_parser("scale-to-zero", help="a skewed, bursty trace against ddm up, fixed "
+                                               "provisioning vs rare experts at minReplicas 0: "
+                                               "replica-seconds, latency, failures, cold starts")
     p.add_argument("--json", action="store_true",
                    help="print every figure as JSON (progress goes to stderr)")
-    p.add_argument("--duration", type=float, default=150.0, help="seconds of trace")
-    p.add_argument("--delay", type=float, default=15.0,
-                   help="the scaled expert's scale-down delay, seconds")
+    p.add_argument("--quick", action="store_true", help="a shorter trace: a smoke run")
+    p.add_argument("--delay", type=int, default=None,
+                   help="the rare experts' scale-down delay, seconds (default: longer "
+                        "than a cold start; shorter with --quick)")
     p.add_argument("--steps", type=int, default=10, help="denoising steps per generation")
     p.add_argument("--seed", type=int, default=0, help="the trace's seed")
+    p.add_argument("--policies", default="wait",
+                   help="autoscaled runs, one per missing-expert policy: wait, reroute or "
+                        "wait,reroute")
     p.set_defaults(handler=_bench_scale_to_zero)
     return parser
 
 
 def _bench_scale_to_zero(args: argparse.Namespace) -> int:
-    from benchmarks.scaling import bench_scale_to_zero_command
+    from benchmarks.scaling import POLICIES, bench_scale_to_zero_command
 
-    return bench_scale_to_zero_command(args.json, duration_s=args.duration, delay_s=args.delay,
-                                       steps=args.steps, seed=args.seed)
+    policies = tuple(args.policies.split(","))
+    if not set(policies) <= set(POLICIES):
+        print(f"benchmarks: error: --policies {args.policies!r}: use wait, reroute or both, "
+              "comma-separated", file=sys.stderr)
+        return 2
+    return bench_scale_to_zero_command(args.json, args.quick, delay_s=args.delay,
+                                       steps=args.steps, seed=args.seed, policies=policies)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ measured, so that they are unit-tested without running a server."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Sequence
 
@@ -132,3 +133,15 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                ("accuracy gap, per-step vs delegated (points)", result["quality"], "")]
     return [f"{'met ' if f['met'] else 'MISS'}  {name}: {f['value']}{unit} "
             f"(target {f['comparison']} {f['target']}{unit})" for name, f, unit in figures]
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """p50, p90, p99 (nearest rank) and max, in seconds."""
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "max": None}
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 4)
+
+    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": round(ordered[-1], 4)}

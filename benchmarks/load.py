@@ -22,7 +22,6 @@ import asyncio
 import dataclasses
 import itertools
 import json
-import math
 import os
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from typing import Any, Iterator, TextIO
 from urllib.parse import urlsplit
 
 import aiohttp
+
+from benchmarks.figures import percentiles
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import (READY_TIMEOUT_S, REPOSITORY_ROOT, Supervisor, free_port,
@@ -221,7 +222,7 @@ async def _measure(settings: LoadSettings, url: str, log: TextIO) -> dict[str, A
             "error_examples": tally.error_examples, "elapsed_s": round(elapsed, 3),
             "images_per_s": round(tally.images / elapsed, 3),
             "requests_per_s": round(requests / elapsed, 3),
-            "latency_s": _percentiles(tally.latencies),
+            "latency_s": percentiles(tally.latencies),
             "peak_rss_mib": {name: {"pid": pid, "lifetime_peak": _memory_mib(pid, "VmHWM")
                                     if pid else None,
                                     "sampled_peak": peaks.get(name)}
@@ -255,15 +256,3 @@ async def _sample(servers: dict[str, int | None], peaks: dict[str, float]) -> No
             if rss is not None:
                 peaks[name] = max(peaks.get(name, 0.0), rss)
         await asyncio.sleep(SAMPLE_S)
-
-
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50, p90, p99 (nearest rank) and max, in seconds."""
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "max": None}
-    ordered = sorted(values)
-
-    def rank(q: float) -> float:
-        return round(ordered[max(0, math.ceil(q * len(ordered)) - 1)], 4)
-
-    return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": round(ordered[-1], 4)}

@@ -25,6 +25,8 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from benchmarks.scaling import (HOT_EXPERTS, RARE_EXPERTS, TraceShape,
+                                bench_scale_to_zero)
 from ddm.evaluation.classifier import load_classifier
 from ddm.runtime.local import Backoff
 from tests.support.local_runtime import Log, ddm_up
@@ -136,9 +138,55 @@ def test_an_expert_at_min_replicas_0_starts_on_demand_and_stops_after_the_delay(
         assert answer["experts"] == [["digits-0-4"]] and answer["waited_s"] > 0, answer
         assert listening_pid(expert.port) is not None
         assert "scaling digits-0-4 up from zero" in log.getvalue()
+        _until(lambda: "digits-0-4 is ready (" in log.getvalue(),
+               "ddm up saying the cold start is over", log)
         print(f"\nscale to zero: cold start answered after {answer['seconds']:.1f} s "
               f"(waited {answer['waited_s']:.1f} s)")
 
         _until(lambda: listening_pid(expert.port) is None, "scaling digits-0-4 to zero", log)
         assert "scaling digits-0-4 to zero: no demand for 3 s" in log.getvalue()
         assert f"{expert.name} exited" not in log.getvalue()  # stopped, not crashed
+
+
+def test_the_scale_to_zero_benchmark_replays_its_trace_fixed_and_autoscaled() -> None:
+    """A smoke run of ``python -m benchmarks scale-to-zero`` on a short trace: no request
+    fails, fixed provisioning holds every expert for the whole window, and the autoscaled run
+    holds the rare experts only after their cold starts (they are at zero before the first
+    rare burst), so less."""
+    shape = TraceShape(bursts=2, burst_s=3.0, gap_s=8.0, hot_per_burst=3, rare_every=2,
+                       rare_per_burst=1)
+    result = bench_scale_to_zero(shape, delay_s=3, steps=4, policies=("wait",))
+    fixed, scaled = result["runs"]
+    assert result["failed_requests"] == 0 and result["trace"]["requests"] == 7
+    assert fixed["process_deaths"] == scaled["process_deaths"] == 0
+    assert set(fixed["replica_seconds"]) == {*HOT_EXPERTS, *RARE_EXPERTS}
+    assert all(abs(held - fixed["window_s"]) <= 0.1 for held in fixed["replica_seconds"].values())
+    assert fixed["cold_starts"] == {}
+    assert sum(scaled["cold_starts"].values()) >= 1
+    assert set(scaled["cold_starts"]) <= set(RARE_EXPERTS)
+    assert scaled["cold_start_s"]["max"] > 0
+    assert scaled["replica_seconds_vs_fixed"] < 1
+    assert all(abs(scaled["replica_seconds"][hot] - scaled["window_s"]) <= 0.1
+               for hot in HOT_EXPERTS)
+
+
+def test_an_expert_started_for_rerouted_steps_is_not_stopped_before_it_is_ready(
+        tmp_path: Path) -> None:
+    """With ``reroute`` the rows of an expert at zero go elsewhere, and count as its demand, so
+    it starts; a scale-down delay shorter than its cold start must not stop it before it ever
+    serves (it was stopped, unready, one delay after the rerouted generation): the delay runs
+    from when it is ready."""
+    manifest = _manifest(MNIST, tmp_path, {"policy": "reroute"}, {"mnist-cluster-3": {
+        "minReplicas": 0, "maxReplicas": 1, "scaleDownDelaySeconds": 1}})
+    with ddm_up(manifest) as (plan, log, _):
+        answer = _generate(plan.url, [8, 8, 8, 8], 10, log)  # 8s: mostly mnist-cluster-3's
+        assert any(answer["rerouted"]), answer
+        _until(lambda: "scaling mnist-cluster-3 up from zero" in log.getvalue(),
+               "the rerouted rows starting mnist-cluster-3", log)
+        _until(lambda: "mnist-cluster-3 is ready (" in log.getvalue(),
+               "mnist-cluster-3 becoming ready", log)
+        _until(lambda: "scaling mnist-cluster-3 to zero" in log.getvalue(),
+               "mnist-cluster-3 scaling to zero after the delay", log)
+        text = log.getvalue()
+        assert text.index("mnist-cluster-3 is ready (") < text.index(
+            "scaling mnist-cluster-3 to zero")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -13,7 +14,21 @@ from ddm.runtime.local import LocalPlan, free_port, run_local
 
 
 class Log(io.StringIO):
-    """Collects the processes' output so a failure can show it."""
+    """Collects the processes' output so a failure can show it; ``lines`` holds each whole
+    line with when it was written (``time.monotonic()``), for those who time events."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[float, str]] = []
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            now = time.monotonic()
+            *whole, self._partial = (self._partial + text).split("\n")
+            self.lines.extend((now, line) for line in whole)
+            return super().write(text)
 
 
 @contextmanager

@@ -302,11 +302,7 @@ class Supervisor:
         if code is not None:
             raise LocalRunError(f"{spec.name} exited with status {code} before it was ready: "
                                 f"{self.exit_reason(spec.name)}")
-        try:
-            with urllib.request.urlopen(f"http://{host}:{spec.port}/readyz", timeout=2) as answer:
-                return answer.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
+        return answers_ready(host, spec.port)
 
     def exit_reason(self, name: str) -> str:
         """The line process ``name`` left in its termination-message file, or a pointer to its
@@ -390,7 +386,7 @@ def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
-            scaler = _scaler(plan, supervisor, out)
+            scaler = _scaler(plan, supervisor, host, out)
             supervisor.start_ready([*(p for p in plan.experts if p.name not in scaler.names),
                                     *plan.stages], host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
@@ -439,12 +435,23 @@ def metrics_line(plan: LocalPlan, host: str) -> str:
     return f"Metrics: {where}."
 
 
-def _scaler(plan: LocalPlan, supervisor: Supervisor, out: TextIO) -> Scaler:
+def answers_ready(host: str, port: int) -> bool:
+    """Whether the process on ``port`` answers ``/readyz`` with 200 now."""
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/readyz", timeout=2) as answer:
+            return answer.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _scaler(plan: LocalPlan, supervisor: Supervisor, host: str, out: TextIO) -> Scaler:
     """Starts and stops the plan's on-demand experts as the router's demand says."""
     specs = {p.name: p for p in plan.experts}
     return Scaler(plan.on_demand, DemandPoller(plan.url, plan.token_file),
                   start=lambda name: supervisor.start(specs[name]), stop=supervisor.stop_one,
-                  running=supervisor.running, out=out)
+                  running=supervisor.running,
+                  ready=lambda name: supervisor.running(name) and answers_ready(
+                      host, specs[name].port), out=out, start_timeout_s=READY_TIMEOUT_S)
 
 
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,

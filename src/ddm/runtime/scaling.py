@@ -5,7 +5,8 @@ Such an expert's processes are not started with the others. The supervisor polls
 decides with the operator's rule (:func:`ddm.deploy.autoscaler.decide`, on at most its one
 local process): its process starts when a generation waits for it or it had demand within its
 scale-down delay (the router counts demand before rerouting, so with ``reroute`` a missing
-expert's demand starts it too), and stops once it has had none for the delay.
+expert's demand starts it too), and stops once it has had none for the delay (a process
+still starting counts as in demand: the delay runs from when it can serve).
 :func:`demand_of` reads one expert's entry; :class:`DemandPoller` only reads the router, as a
 peer: a deadline, a capped body, and an answer it cannot read means "no change".
 """
@@ -56,18 +57,23 @@ def demand_of(entry: Any, since_s: float) -> Demand | None:
 class Scaler:
     """Starts and stops the on-demand experts' processes as their demand says, at most every
     ``POLL_INTERVAL_S`` (:meth:`tick` is called from the supervisor's loop); ``start``,
-    ``stop`` and ``running`` act on one process by name. Counts ``cold_starts``."""
+    ``stop``, ``running`` and ``ready`` act on one process by name. Counts ``cold_starts`` and
+    says when a started expert is ready, so that its cold start shows in the log. An expert
+    still starting counts as in demand, for at most ``start_timeout_s``."""
 
     def __init__(self, experts: tuple[OnDemand, ...], poller: DemandPoller,
                  start: Callable[[str], None], stop: Callable[[str], None],
-                 running: Callable[[str], bool], out: TextIO) -> None:
+                 running: Callable[[str], bool], ready: Callable[[str], bool],
+                 out: TextIO, start_timeout_s: float) -> None:
         self._experts = experts
         self._poller = poller
-        self._start, self._stop, self._running = start, stop, running
+        self._start, self._stop, self._running, self._ready = start, stop, running, ready
         self._out = out
+        self._start_timeout_s = start_timeout_s
         self._next_poll = 0.0
         self._last_read = float("-inf")  # the first reading counts any demand as recent
         self._histories: dict[str, History] = {}
+        self._warming: dict[str, float] = {}  # expert -> when it was scaled up, until ready
         self.cold_starts = 0
 
     @property
@@ -80,6 +86,7 @@ class Scaler:
         if now < self._next_poll:
             return
         self._next_poll = now + POLL_INTERVAL_S
+        self._report_ready(now)
         demand = self._poller.experts()
         if demand is None:
             return
@@ -88,6 +95,10 @@ class Scaler:
             seen = demand_of(demand.get(expert.expert), since)
             if seen is None:
                 continue
+            if now - self._warming.get(expert.expert, float("-inf")) < self._start_timeout_s:
+                # still starting: its delay counts once it can serve, or a cold start longer
+                # than the delay (a rerouted step's demand) would stop it before it ever did
+                seen = replace(seen, active=True)
             running = any(self._running(name) for name in expert.processes)
             # locally all of its processes or none (one for minReplicas 0)
             rules = replace(expert.rules, max_replicas=len(expert.processes))
@@ -98,13 +109,25 @@ class Scaler:
                 self.cold_starts += 1
                 print(f"scaling {expert.expert} up from zero: a generation needs it",
                       file=self._out, flush=True)
+                self._warming[expert.expert] = now
                 for name in expert.processes:
                     self._start(name)
             elif wanted < current:
+                self._warming.pop(expert.expert, None)
                 print(f"scaling {expert.expert} to zero: no demand for "
                       f"{expert.rules.scale_down_delay_s:g} s", file=self._out, flush=True)
                 for name in expert.processes:
                     self._stop(name)
+
+    def _report_ready(self, now: float) -> None:
+        """Say which experts scaled up from zero have every process ready, and after how
+        long (the cold start, as this runtime sees it)."""
+        for expert in self._experts:
+            since = self._warming.get(expert.expert)
+            if since is not None and all(self._ready(name) for name in expert.processes):
+                del self._warming[expert.expert]
+                print(f"{expert.expert} is ready ({now - since:.1f} s after scaling up from "
+                      "zero)", file=self._out, flush=True)
 
 
 def _is_number(value: Any) -> bool:
