@@ -233,10 +233,27 @@ class Backoff:
         return min(self.max_s, self.first_s * 2.0 ** min(restarts, 32))
 
 
+#: Where :func:`free_port` looks: below Linux's default ephemeral range (32768-60999), from which
+#: the kernel picks the local port of every outgoing connection and of every bind to port 0.
+#: A port taken from that range and released until its server starts could meanwhile become a
+#: connection's (the experts' probes make many): the router then failed with "Address already
+#: in use". Here only a process that names its port can take it.
+PORT_RANGE = range(20000, 32768)
+_PORT_TRIES = 100
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port of ``host`` free a moment ago, outside the kernel's ephemeral range."""
+    for _ in range(_PORT_TRIES):
+        port = PORT_RANGE.start + secrets.randbelow(len(PORT_RANGE))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise LocalRunError(f"no free port of {host} in {PORT_RANGE.start}..{PORT_RANGE.stop - 1} "
+                        f"after {_PORT_TRIES} tries")
 
 
 class Supervisor:

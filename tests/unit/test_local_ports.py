@@ -1,0 +1,40 @@
+"""The ports ``ddm up`` gives its servers never come from the kernel's ephemeral range, whose
+ports outgoing connections take: one chosen there, free a moment ago, could be a probe's local
+port by the time its server binds it (the router then failed with "Address already in use")."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from ddm.runtime.local import free_port
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    return int(low), int(high)
+
+
+def test_free_ports_are_bindable_and_outside_the_ephemeral_range() -> None:
+    low, high = _ephemeral_range()
+    ports = {free_port() for _ in range(50)}
+    assert all(not low <= port <= high for port in ports), (sorted(ports), (low, high))
+    assert len(ports) > 40  # spread out: two servers of one `ddm up` rarely draw the same
+    for port in list(ports)[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_taken_port_is_not_handed_out() -> None:
+    taken = []
+    try:
+        for _ in range(200):  # hold many ports; none of them is handed out again
+            s = socket.socket()
+            s.bind(("127.0.0.1", free_port()))
+            taken.append(s)
+        held = {s.getsockname()[1] for s in taken}
+        assert len(held) == len(taken)
+        assert all(free_port() not in held for _ in range(50))
+    finally:
+        for s in taken:
+            s.close()
