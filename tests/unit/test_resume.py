@@ -30,7 +30,7 @@ def _train(out, *extra, framework="torch", kind="expert"):
 
 def _interrupt_at(step: int, monkeypatch) -> None:
     """Interrupt from inside the trainer's progress callback once it reports ``step``."""
-    import ddm.cli
+    import ddm.training.cli
 
     def progress(args, total, what):
         def update(done, loss):
@@ -38,7 +38,7 @@ def _interrupt_at(step: int, monkeypatch) -> None:
                 raise KeyboardInterrupt  # what Ctrl-C raises in the middle of training
         return update
 
-    monkeypatch.setattr(ddm.cli, "_progress", progress)
+    monkeypatch.setattr(ddm.training.cli, "_progress", progress)
 
 
 @pytest.mark.parametrize("framework,kind", [("torch", "expert"), ("jax", "expert"),
