@@ -15,7 +15,8 @@ def train_smoke_text2img(base: Path) -> tuple[Path, Path]:
     write_bars_mnist(base / "mnist", per_class=4)
     root = base / "ddm"
     stages = [["tokenizer"], ["clip"], ["vae"], ["partition"], ["latents"]] + [
-        ["expert", "--index", str(i)] for i in range(4)] + [["router"], ["text-prior"], ["monolith"]]
+        ["expert", "--index", str(i)] for i in range(4)] + [
+        ["router"], ["text-prior"], ["monolith"]]
     for stage in stages:
         assert main(["train", "text2img", *stage, "--mnist", str(base / "mnist"), "--root",
                      str(root), "--size", "smoke", "--steps", "1", "--batch-size", "4",
