@@ -83,11 +83,11 @@ def write_text_ddm(root: Path, experts: int = 2, seed: int = 0,
     return root
 
 
-def hand_prior() -> dict[str, Any]:
-    """A text prior (``_ddm.text_prior``) for a two-expert DDM at the smoke text width. Two
+def hand_prior(width: int = SMOKE.text_width) -> dict[str, Any]:
+    """A text prior (``_ddm.text_prior``) for a two-expert DDM of text ``width``. Two
     clusters, a 2-d joint space reading text dimensions 0 and 1: a pooled vector along
     dimension 0 has p(k | c) = (3/4, 1/4) (logits ln 3, 0); p(k) = (1/4, 3/4)."""
-    projection = np.zeros((2, SMOKE.text_width))
+    projection = np.zeros((2, width))
     projection[0, 0] = projection[1, 1] = 1.0
     return {"projection": projection.tolist(), "weights": [[math.log(3.0), 0.0], [0.0, 0.0]],
             "bias": [0.0, 0.0], "log_frequencies": [math.log(0.25), math.log(0.75)]}
