@@ -15,7 +15,8 @@ from typing import Any
 #: The key of a component's config.json under which we declare what the stage is;
 #: diffusers and transformers ignore (or keep) keys that start with ``_``.
 DDM_KEY = "_ddm"
-#: A component's config.json is a few kilobytes; a larger one is refused unread.
+#: A component's config.json is a few kilobytes (a router's text prior, ~270 KB for the text2img
+#: DDM's 64 x 128 projection); a larger one is refused unread.
 MAX_CONFIG_BYTES = 1 << 20
 #: ``_ddm.files``: name -> SHA-256 of every file of the stage besides config.json (what a
 #: fetch of its directory downloads and verifies); names are plain file names, at most this
