@@ -141,6 +141,28 @@ def concat(parts: Sequence[Conditioning]) -> Conditioning:
     return Conditioning(**joined, negative=negative)
 
 
+@dataclass(frozen=True, eq=False)
+class EncodedPrompts:
+    """A text encoder's answer for ``P`` prompts, in process or over the wire
+    (``docs/protocol.md``'s encode reply): their text :class:`Conditioning` (embeddings
+    (P, L, D), mask (P, L)) and ``tokens_cut`` (P,) int64, the tokens truncation dropped from
+    each (0: the prompt fit), so that the API can say a prompt was too long."""
+
+    cond: Conditioning
+    tokens_cut: np.ndarray
+
+    def __post_init__(self) -> None:
+        _check(self.cond.kind == TEXT and self.tokens_cut.shape == (len(self.cond),),
+               f"an encoder's answer is text conditioning and a cut per prompt, got "
+               f"{self.cond.kind} of {len(self.cond)} rows and cuts {self.tokens_cut.shape}")
+
+    @classmethod
+    def concat(cls, parts: Sequence[EncodedPrompts]) -> EncodedPrompts:
+        """The prompts of ``parts`` one after the other (an encode split into calls)."""
+        return cls(concat([p.cond for p in parts]),
+                   np.concatenate([p.tokens_cut for p in parts]))
+
+
 def _field_or_neutral(part: Conditioning, name: str) -> np.ndarray:
     value = getattr(part, name)
     if value is not None:

@@ -42,6 +42,7 @@ from ddm.models.stages import load_text_ddm
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.policy import AllowLists
 from ddm.sampling.pipeline import generate_text
+from ddm.checkpoints.declared import PLAN_NAMES
 from ddm_devcluster import ClusterInfo
 from ddm_devcluster import images as dev_images
 from tests.support.operator_process import install_crd, operator_in_thread
@@ -51,7 +52,7 @@ from tests.support.paris_release import write_paris_release
 NAMESPACE, NAME = "text-demo", "paris"
 GROUP, VERSION_API, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
 SEPARATE = ("textEncoder", "decoder")
-STAGES = {"text-encoder", "decoder", "router-network"}
+STAGES = set(PLAN_NAMES.values())  # every stage a text DDM has
 PROMPT = "a photo of a red car on the beach"
 STEPS, SEED, GUIDANCE = 4, 2, 7.5
 READY_TIMEOUT_S = 600

@@ -27,12 +27,14 @@ from ddm.deploy.limits import MAX_CONTEXT_ROWS
 from ddm.models.stages import load_stage, load_text_ddm
 from ddm.models.text_prior import pooled_text
 from ddm.serving.expert.server import create_expert_app
-from ddm.serving.expert.stage_server import STAGE_ROLES, create_stage_app
+from ddm.checkpoints.declared import STAGE_ROLES
+from ddm.serving.expert.stage_server import create_stage_app
 from ddm.serving import termination
 from ddm.serving.http import build_server
 from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
-                                  TextVelocityRequest, VelocityRequest, context_id,
-                                  decode_response, encode_request, encode_text_request)
+                                  Solver, TextIntegrateRequest, TextVelocityRequest,
+                                  VelocityRequest, context_id, decode_response, encode_request,
+                                  encode_text_request)
 from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.router.replicas import ExpertInfo, static_endpoints
 from ddm.serving.router.stage_clients import LocalStages, StagePool
@@ -46,6 +48,7 @@ GUIDANCE = np.array([7.5, 1.0, 3.0], np.float32)
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((3, *LATENT_SHAPE)).astype(np.float32)
 T = np.array([0.1, 0.5, 0.9], np.float32)
+GRID = np.linspace(0.0, 0.5, 4, dtype=np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +107,18 @@ def test_a_served_text_expert_answers_guided_velocities_equal_to_its_network(roo
     np.testing.assert_allclose(v[1], plain[1], atol=1e-5)
 
 
-def test_integrate_runs_the_guided_velocity_over_the_grid(root, expert, cond):
-    grid = np.linspace(0.0, 0.5, 4, dtype=np.float32)
-    out = with_pool(endpoint_of(expert),
-                    lambda pool: pool.integrate("e", X, cond, grid, "euler"))
-    stage, x = load_stage(root / "expert_0"), X.copy()
+def integrated_guided(stage, x, cond: Conditioning, grid: np.ndarray) -> np.ndarray:
+    """Euler over ``grid`` with the guided velocity written out."""
     for a, b in zip(grid, grid[1:]):
-        x = x + (b - a) * expected_guided(stage, x, np.full(3, a, np.float32), cond)
-    np.testing.assert_allclose(out, x, atol=1e-4)
+        x = x + (b - a) * expected_guided(stage, x, np.full(len(x), a, np.float32), cond)
+    return x
+
+
+def test_integrate_runs_the_guided_velocity_over_the_grid(root, expert, cond):
+    out = with_pool(endpoint_of(expert),
+                    lambda pool: pool.integrate("e", X, cond, GRID, "euler"))
+    stage = load_stage(root / "expert_0")
+    np.testing.assert_allclose(out, integrated_guided(stage, X.copy(), cond, GRID), atol=1e-4)
 
 
 def test_the_context_crosses_once_per_generation_and_steps_carry_only_the_latent(expert,
@@ -193,6 +200,28 @@ def test_a_context_evicted_by_another_is_sent_again_transparently(root, cond, en
     assert context_sent == 2 * context_size(cond) + context_size(other)
 
 
+def test_the_routers_context_store_keeps_its_configured_bytes(expert, cond, encoder):
+    other = encoder.forward(["a green bird", "a red bird", "a cat at sunset"]).with_guidance(
+        GUIDANCE, cond.negative)
+    one_context = context_size(cond)
+    assert context_size(other) == one_context
+
+    async def two_generations(pool: ExpertPool):
+        held = []
+        for c in (cond, other):
+            await pool.velocity("e", X, T, c)
+            held.append(pool.context_bytes)
+        return held
+
+    async def scenario(settings: PoolSettings):
+        async with ExpertPool({"e": static_endpoints([endpoint_of(expert)])}, settings) as pool:
+            return await two_generations(pool)
+
+    small = dataclasses.replace(FAST, context_cache_bytes=one_context)
+    assert asyncio.run(scenario(small)) == [one_context, one_context]  # the first dropped
+    assert asyncio.run(scenario(FAST)) == [one_context, 2 * one_context]  # 256 MiB: both
+
+
 def test_contexts_stop_growing_at_the_rows_an_expert_takes(expert, cond):
     # A long-lived router: every request shares one prompt (a page's default) with the last,
     # so each call's context is the last one plus a row. Past MAX_CONTEXT_ROWS rows an expert
@@ -209,6 +238,27 @@ def test_contexts_stop_growing_at_the_rows_an_expert_takes(expert, cond):
         return answered
 
     assert with_pool(endpoint_of(expert), requests) == 2 * (MAX_CONTEXT_ROWS + 1)
+
+
+def test_a_call_of_more_rows_than_a_context_holds_goes_as_several(root, expert, cond):
+    # A router whose max_batch of prompts is past what one context holds (MAX_CONTEXT_ROWS
+    # rows here; 141 guided rows of Paris's 77 x 768 by bytes): one context would be refused,
+    # so the rows go in contexts that fit, and the answer is the rows' in order.
+    rows = MAX_CONTEXT_ROWS + 3
+    index = np.arange(rows) % len(PROMPTS)
+    many = Conditioning(embeddings=RNG.standard_normal(
+        (rows, *cond.embeddings.shape[1:])).astype(np.float32)).with_guidance(
+        GUIDANCE[index], cond.negative.take(index))
+    x = np.repeat(X, -(-rows // len(X)), axis=0)[:rows]
+    t = np.repeat(T, -(-rows // len(T)), axis=0)[:rows]
+
+    async def call(pool: ExpertPool):
+        return await pool.velocity("e", x, t, many), pool.replicas("e")[0].contexts
+
+    v, held = with_pool(endpoint_of(expert), call)
+    assert len(held) == 2  # MAX_CONTEXT_ROWS rows, then 3
+    expected = expected_guided(load_stage(root / "expert_0"), x, t, many)
+    np.testing.assert_allclose(v, expected, atol=1e-5)
 
 
 def test_a_restarted_replicas_miss_is_recovered_transparently(root, cond):
@@ -244,12 +294,20 @@ def test_replies_travel_in_the_dtype_the_expert_runs_in(root, cond, precision, c
         assert post(base, context).status_code == 200
         reply = post(base, encode_text_request(TextVelocityRequest(
             2, X, T, context_id(context), np.arange(3, dtype=np.int32), GUIDANCE)))
+        integrated = post(base, encode_text_request(TextIntegrateRequest(
+            3, X, context_id(context), np.arange(3, dtype=np.int32), GUIDANCE, GRID,
+            Solver.EULER)))
+        end = with_pool(endpoint_of(base),
+                        lambda pool: pool.integrate("e", X, cond, GRID, "euler"))
     assert (info["wire_dtype"], info["precision"]) == (precision, precision)
-    assert reply.status_code == 200 and reply.content[18 + 1] == code  # out's dtype code
-    assert len(reply.content) == 40 + X.size * 2  # half a float32 reply
+    for answer in (reply, integrated):  # a velocity and an integrated state alike
+        assert answer.status_code == 200 and answer.content[18 + 1] == code  # out's dtype
+        assert len(answer.content) == 40 + X.size * 2  # half a float32 reply
     expected = expected_guided(stage, X, T, cond)
-    assert v.dtype == np.float32
+    assert v.dtype == np.float32 and end.dtype == np.float32
     assert np.abs(v - expected).max() <= tolerance * np.abs(expected).max()
+    state = integrated_guided(stage, X, cond, GRID)
+    assert np.abs(end - state).max() <= tolerance * np.abs(state).max()
 
 
 def post(base: str, body: bytes) -> httpx.Response:

@@ -9,20 +9,22 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
 
+from ddm.checkpoints.declared import CONFIG_KEYS, DECODER, ROUTER, TEXT_ENCODER
+from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.expert.stage_server import create_stage_app
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
-from tests.support.paris_release import write_paris_release
+from tests.support.paris_release import TinyParis, write_paris_release
 from tests.support.text_stages import hand_prior, with_prior, write_paris_stages
 
 #: The tiny release's experts.
 EXPERTS = 2
 
 
-#: router.yaml's stages besides the experts -> their directories (and roles) in the stages.
-STAGES = {"text_encoder": "text_encoder", "decoder": "decoder", "router_network": "router"}
+#: The stages besides the experts -> their directories in the imported DDM.
+STAGES = {TEXT_ENCODER: TEXT_ENCODER_DIR, DECODER: DECODER_DIR, ROUTER: ROUTER_DIR}
 
 
 def text_config(stages: Path, experts: Mapping[str, str],
@@ -35,23 +37,27 @@ def text_config(stages: Path, experts: Mapping[str, str],
                     for name, endpoint in experts.items()],
         "conditioning": "text", "sampling": {"steps": 4, "strategy": "top2",
                                              "guidance_scale": 7.5},
-        **{name: {"endpoints": [apart[name]]} if name in apart
-           else {"checkpoint": str(stages / directory)} for name, directory in STAGES.items()}})
+        **{CONFIG_KEYS[role]: {"endpoints": [apart[CONFIG_KEYS[role]]]}
+           if CONFIG_KEYS[role] in apart else {"checkpoint": str(stages / directory)}
+           for role, directory in STAGES.items()}})
 
 
-def paris_stages(root: Path) -> Path:
-    """A tiny Paris release under ``root``, and its components as stage checkpoints."""
-    return write_paris_stages(write_paris_release(root / "release"), root / "stages")
+def paris_stages(root: Path, sizes: TinyParis = TinyParis()) -> Path:
+    """A tiny Paris release of ``sizes`` under ``root``, and its components as stage
+    checkpoints."""
+    return write_paris_stages(write_paris_release(root / "release", sizes), root / "stages")
 
 
 @contextmanager
-def served_text_ddm(root: Path, stages_apart: bool = False,
-                    text_prior: bool = False) -> Iterator[tuple[str, Path]]:
-    """Serve a tiny Paris DDM made under ``root`` (``stages_apart``: its text encoder, decoder
-    and router network each on a stage server; ``text_prior``: its router declares
+def served_text_ddm(root: Path, stages_apart: bool = False, sizes: TinyParis = TinyParis(),
+                    max_batch: int = 8, text_prior: bool = False
+                    ) -> Iterator[tuple[str, Path]]:
+    """Serve a tiny Paris DDM of ``sizes`` made under ``root`` (``stages_apart``: its text
+    encoder, decoder and router network each on a stage server; each expert server takes
+    ``max_batch`` forward rows; ``text_prior``: its router declares
     :func:`~tests.support.text_stages.hand_prior`); yields the router's base URL (ready) and
     the stage checkpoints' root."""
-    stages = paris_stages(root)
+    stages = paris_stages(root, sizes)
     if text_prior:
         width = json.loads((stages / "text_encoder" / "config.json").read_text())["hidden_size"]
         with_prior(stages, hand_prior(width))
@@ -62,10 +68,10 @@ def served_text_ddm(root: Path, stages_apart: bool = False,
             return base.removeprefix("http://")
 
         experts = {f"expert_{k}": serve(create_expert_app(stages / f"expert_{k}", "torch",
-                                                          max_batch=8))
+                                                          max_batch=max_batch))
                    for k in range(EXPERTS)}
-        apart = {name: serve(create_stage_app(stages / directory, directory))
-                 for name, directory in STAGES.items()} if stages_apart else {}
+        apart = {CONFIG_KEYS[role]: serve(create_stage_app(stages / directory, role))
+                 for role, directory in STAGES.items()} if stages_apart else {}
         router = stack.enter_context(running(create_router_app(
             text_config(stages, experts, apart))))
         wait_ready(router)

@@ -5,9 +5,11 @@ import json
 import pytest
 import torch
 
+from ddm.checkpoints.declared import MAX_CONFIG_BYTES
 from ddm.checkpoints.format import (EXPORTED_PROGRAMS, FRAMEWORKS, CheckpointError,
                                     CheckpointMeta, ModelSpec, load_checkpoint, read_meta,
                                     save_checkpoint)
+from ddm.checkpoints.verify import verify_checkpoint
 from ddm.models.config import UNET_CONFIGS, ConfigError, UNetConfig, unet_config
 from ddm.models.torch_io import canonical_weights, unet_from_checkpoint
 from ddm.models.torch_unet import UNet, count_parameters
@@ -60,6 +62,17 @@ def test_corrupt_config_is_detected(smoke_checkpoint):
     (path / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_checkpoint(path)
+
+
+def test_an_oversized_config_is_refused_unread(smoke_checkpoint):
+    # A hostile checkpoint store's config.json: valid JSON, padded past the cap every
+    # config.json is read within (a stage's and a label expert's alike).
+    path, _ = smoke_checkpoint
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config) + " " * MAX_CONFIG_BYTES)
+    for read in (read_meta, load_checkpoint, verify_checkpoint):
+        with pytest.raises(CheckpointError, match=f"larger than {MAX_CONFIG_BYTES}"):
+            read(path)
 
 
 def test_foreign_convention_is_refused(smoke_checkpoint):

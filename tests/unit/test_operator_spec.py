@@ -88,6 +88,9 @@ def test_limits_and_patterns_equal_the_crds() -> None:
                                                  limits.DEFAULT_STRATEGY)
     assert SPEC["numClasses"]["maximum"] == limits.MAX_NUM_CLASSES
     assert SPEC["router"]["properties"]["replicas"]["maximum"] == limits.MAX_REPLICAS
+    cache = SPEC["router"]["properties"]["contextCacheBytes"]
+    assert (cache["maximum"], cache["default"]) == (limits.MAX_CONTEXT_CACHE_BYTES,
+                                                    limits.DEFAULT_CONTEXT_CACHE_BYTES)
     assert EXPERT["classes"]["items"]["maximum"] == limits.MAX_CLASS
     assert EXPERT["replicas"]["maximum"] == limits.MAX_REPLICAS
     assert EXPERT["replicas"]["minimum"] == 0

@@ -11,8 +11,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ddm.conditioning import Conditioning, EncodedPrompts
 from ddm.serving.protocol import (UNKNOWN_CONTEXT, Context, DecodeRequest, EncodeRequest,
-                                  Encoded, Limits, ProtocolError, RemoteExpertError,
+                                  Limits, ProtocolError, RemoteExpertError,
                                   RouteRequest, Solver, TextIntegrateRequest,
                                   TextVelocityRequest, context_id, decode_context_ack,
                                   decode_encoded, decode_probabilities, decode_request,
@@ -92,10 +93,15 @@ def test_text_velocity_integrate_encode_decode_and_route_round_trip():
 def test_replies_round_trip_and_bfloat16_travels_as_its_raw_bits():
     ident = bytes(range(32))
     assert decode_context_ack(encode_context_ack(9, ident), 9) == ident
-    encoded = decode_encoded(encode_encoded(9, Encoded(EMBEDDINGS, MASK, np.array([0, 4],
-                                                                                  np.int32))),
-                             9, prompts=2, limits=LIMITS)
-    assert encoded.cut.tolist() == [0, 4]
+    # The encoder's answer crosses as the one type the in-process encoder answers too.
+    sent = EncodedPrompts(Conditioning(embeddings=EMBEDDINGS.astype(ml_dtypes.bfloat16),
+                                       mask=MASK.astype(np.int64)), np.array([0, 4], np.int64))
+    encoded = decode_encoded(encode_encoded(9, sent), 9, prompts=2, limits=LIMITS)
+    assert isinstance(encoded, EncodedPrompts) and encoded.tokens_cut.tolist() == [0, 4]
+    assert (encoded.cond.embeddings.dtype, encoded.cond.mask.dtype) == (np.float32, np.int64)
+    np.testing.assert_array_equal(encoded.cond.embeddings,
+                                  EMBEDDINGS.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(encoded.cond.mask, MASK)
     probs = np.array([[0.25, 0.75], [1.0, 0.0]], np.float32)
     np.testing.assert_array_equal(decode_probabilities(encode_probabilities(9, probs), 9, 2, 2),
                                   probs)
@@ -168,5 +174,6 @@ def test_replies_that_do_not_fit_the_request_are_refused():
         decode_probabilities(encode_probabilities(1, np.array([[0.5, 0.5]], np.float32)), 1,
                              1, 3)
     with pytest.raises(ProtocolError, match="an encode reply for 3 prompts"):
-        decode_encoded(encode_encoded(1, Encoded(EMBEDDINGS, MASK, np.zeros(2, np.int32))), 1,
-                       prompts=3, limits=LIMITS)
+        decode_encoded(encode_encoded(1, EncodedPrompts(
+            Conditioning(embeddings=EMBEDDINGS, mask=MASK), np.zeros(2, np.int64))), 1,
+            prompts=3, limits=LIMITS)

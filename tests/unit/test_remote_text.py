@@ -10,12 +10,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from ddm.conditioning import TEXT
+from ddm.conditioning import TEXT, EncodedPrompts
 from ddm.convention import TimeGrid
 from ddm.models.paris_ddm import load_paris_ddm
 from ddm.sampling.pipeline import generate_text
 from ddm.sampling.routing import parse_strategy
-from ddm.models.stages import EncodedPrompts, load_stage
+from ddm.models.stages import load_stage
 from ddm.serving.router.remote import (RemoteMixture, SamplingRequest, check_request, denoise,
                                        generate_remote)
 from ddm.serving.router.stage_clients import LocalStages

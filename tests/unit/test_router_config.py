@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddm.deploy.limits import ROUTER_MAX_CONCURRENT_PER_CLIENT
+from ddm.deploy.limits import MAX_CONTEXT_CACHE_BYTES, ROUTER_MAX_CONCURRENT_PER_CLIENT
 from ddm.deploy.router_config import (
     Auth,
     Coalescing,
@@ -24,6 +24,7 @@ from ddm.deploy.router_config import (
     StaticDiscovery,
     Timeouts,
 )
+from ddm.serving.router.pool import pool_settings
 
 TEXT = """\
 num_classes: 10
@@ -98,6 +99,19 @@ def test_limits_and_auth_round_trip() -> None:
     assert config.auth.expert_token == config.auth.token_file  # written before the split
     assert "expert_token_file" not in config.to_yaml()
     assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
+def test_the_routers_context_store_is_a_setting_within_its_bounds() -> None:
+    config = RouterConfigFile.from_yaml(TEXT + "limits: {context_cache_bytes: 1048576}\n")
+    assert config.limits.context_cache_bytes == 1048576
+    assert pool_settings(config).context_cache_bytes == 1048576  # what the pool keeps
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+    assert RouterConfigFile.from_yaml(TEXT).limits.context_cache_bytes == 256 * 1024 * 1024
+    for bad in (0, MAX_CONTEXT_CACHE_BYTES + 1, "1GB"):
+        with pytest.raises(RouterConfigError, match=(
+                rf"limits.context_cache_bytes must be an integer in 1..{MAX_CONTEXT_CACHE_BYTES}"
+                rf", got {bad!r}")):
+            RouterConfigFile.from_yaml(TEXT + f"limits: {{context_cache_bytes: {bad}}}\n")
 
 
 def test_the_router_presents_its_expert_token_not_the_public_one() -> None:

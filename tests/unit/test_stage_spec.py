@@ -136,3 +136,15 @@ def test_the_crd_schema_lists_the_same_choices_and_ranges() -> None:
     guidance = SPEC["sampling"]["properties"]["guidanceScale"]
     assert (guidance["minimum"], guidance["maximum"]) == (0, limits.MAX_GUIDANCE_SCALE)
 
+
+
+def test_the_routers_context_store_is_set_in_the_spec_and_reaches_router_yaml() -> None:
+    from ddm.deploy.plan import plan_deployment
+
+    raw = _text()
+    assert plan_deployment(parse_spec(raw)).router.limits.context_cache_bytes == 256 << 20
+    raw["router"]["contextCacheBytes"] = 64 << 20
+    assert plan_deployment(parse_spec(raw)).router.limits.context_cache_bytes == 64 << 20
+    raw["router"]["contextCacheBytes"] = 0
+    assert _problems(raw) == ("spec.router.contextCacheBytes: must be an integer in "
+                              "1..68719476736, got 0")

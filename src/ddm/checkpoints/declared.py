@@ -15,6 +15,15 @@ from typing import Any
 #: The key of a component's config.json under which we declare what the stage is;
 #: diffusers and transformers ignore (or keep) keys that start with ``_``.
 DDM_KEY = "_ddm"
+#: The roles a stage checkpoint declares (``_ddm.role``): what its network computes.
+EXPERT, ROUTER, TEXT_ENCODER, DECODER = "expert", "router", "text_encoder", "decoder"
+ROLES = (EXPERT, ROUTER, TEXT_ENCODER, DECODER)
+#: A DDM's stages besides its experts (what ``ddm serve stage`` serves), by role.
+STAGE_ROLES = (TEXT_ENCODER, DECODER, ROUTER)
+#: Their names in a deployment plan (``DDMSpec.stages``) and the objects it makes (DNS labels:
+#: no ``_``), and their keys in router.yaml.
+PLAN_NAMES = {TEXT_ENCODER: "text-encoder", DECODER: "decoder", ROUTER: "router-network"}
+CONFIG_KEYS = {role: name.replace("-", "_") for role, name in PLAN_NAMES.items()}
 #: A component's config.json is a few kilobytes (a router's text prior, ~270 KB for the text2img
 #: DDM's 64 x 128 projection); a larger one is refused unread.
 MAX_CONFIG_BYTES = 1 << 20

@@ -32,6 +32,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ddm.checkpoints.declared import load_config_json
 from ddm.convention import CONVENTION_NAME
 from ddm.objectives import NATIVE, Objective, ObjectiveError
 
@@ -201,6 +202,19 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
     return target
 
 
+def read_config(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a checkpoint's or a component's config.json, which a
+    checkpoint store sent), read within :data:`~ddm.checkpoints.declared.MAX_CONFIG_BYTES`;
+    a ``CheckpointError`` saying why it is unreadable or not an object."""
+    try:
+        config = load_config_json(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
 def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
     """Read and validate ``config.json`` alone (cheap: no weights are loaded)."""
     path = Path(directory)
@@ -209,13 +223,7 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
         raise CheckpointError(f"checkpoint directory {path} does not exist")
     if not config_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {CONFIG_FILE}")
-    try:
-        config = json.loads(config_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(
-            f"checkpoint {path}: {CONFIG_FILE} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"checkpoint {path}: {CONFIG_FILE} must hold a JSON object")
+    config = read_config(config_path)
     version = config.get("format_version")
     if version != FORMAT_VERSION:
         raise CheckpointError(
@@ -259,7 +267,7 @@ def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
     path = Path(directory)
     meta = read_meta(path)
     weights_path = path / WEIGHTS_FILE
-    config = json.loads((path / CONFIG_FILE).read_text())
+    config = read_config(path / CONFIG_FILE)
     check_sha256(path, WEIGHTS_FILE, config.get("weights_sha256"))
     if meta.model.kind == "exported":
         check_sha256(path, program_file_name(meta), config.get("program_sha256"))

@@ -19,7 +19,6 @@ The server loads the weights later, in its own pod, under its own memory limit.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from ddm.checkpoints.format import (
     CheckpointMeta,
     check_sha256,
     program_file_name,
+    read_config,
     read_meta,
 )
 
@@ -45,7 +45,7 @@ def verify_checkpoint(directory: str | os.PathLike) -> CheckpointMeta | None:
         _verify_stage(path, declared)
         return None
     meta = read_meta(path)
-    config = json.loads((path / CONFIG_FILE).read_text())
+    config = read_config(path / CONFIG_FILE)
     check_sha256(path, WEIGHTS_FILE, config.get("weights_sha256"))
     if meta.model.kind == "exported":
         check_sha256(path, program_file_name(meta), config.get("program_sha256"))

@@ -57,7 +57,10 @@ ROUTER_MAX_CONCURRENT = 16
 #: Of those, what one client may run at once (``ddm.serving.router.clients`` says who a
 #: client is): a quarter, so that one client cannot take the router from the others.
 ROUTER_MAX_CONCURRENT_PER_CLIENT = 4
-ROUTER_MAX_BODY_BYTES = 65536
+#: The router's JSON body limit where the DDM's largest valid request is smaller (room for a
+#: label DDM's spacing and fields); a larger request raises it (``ddm.serving.router.requests.
+#: max_body_bytes``).
+ROUTER_MIN_BODY_BYTES = 65536
 
 #: A DDMDeployment's sizes.
 MAX_EXPERTS = 16
@@ -135,5 +138,7 @@ MAX_PROMPT_BYTES = 4096
 DEFAULT_CONTEXT_CACHE_BYTES = 256 * 1024 * 1024
 MAX_CONTEXT_CACHE_BYTES = 64 * 1024 * 1024 * 1024
 #: The largest context body an expert reads: 64 prompts of Paris's CLIP (77 x 768) with their
-#: negative rows in float32 are 30 MB.
+#: negative rows in float32 are 30 MB (a router's max_batch of guided prompts; at 77 x 768 this
+#: cap, not ``MAX_CONTEXT_ROWS``, binds past 141 guided rows: a larger context gets 413 naming
+#: it; the router makes none, sending a call of more rows in several contexts).
 MAX_CONTEXT_BODY_BYTES = 64 * 1024 * 1024

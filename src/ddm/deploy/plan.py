@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from ddm.checkpoints.declared import CONFIG_KEYS, PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.limits import BACKEND_BY_ACCELERATOR, ROUTER_MAX_STEPS
 from ddm.deploy.router_config import (
@@ -65,8 +66,8 @@ class ExpertPlan:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """A stage besides the experts. ``role``: ``text-encoder``, ``decoder`` or
-    ``router-network`` (its router.yaml key with ``_``); ``separate``: served by ``replicas``
+    """A stage besides the experts. ``role``: its name in the plan (a value of
+    :data:`~ddm.checkpoints.declared.PLAN_NAMES`); ``separate``: served by ``replicas``
     servers of its own on ``accelerator`` (``args``: backend, device, precision), else loaded
     by the router from its checkpoint, cast to ``precision``."""
 
@@ -83,7 +84,7 @@ class StagePlan:
     @property
     def config_key(self) -> str:
         """Its key in router.yaml."""
-        return self.role.replace("-", "_")
+        return next(CONFIG_KEYS[role] for role, name in PLAN_NAMES.items() if name == self.role)
 
     def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -168,8 +169,8 @@ class DeploymentPlan:
         router = self.router
         places = {**(stage_places or {})}
         if checkpoint_dir is not None:
-            places.setdefault("router-network", checkpoint_dir)
-        network = next((s for s in self.stages if s.role == "router-network"), None)
+            places.setdefault(PLAN_NAMES[ROUTER], checkpoint_dir)
+        network = next((s for s in self.stages if s.role == PLAN_NAMES[ROUTER]), None)
         as_checkpoint = (router.conditioning == "labels" and network is not None
                          and not network.separate and network.precision is None)
         entries = {s.config_key: s.entry(places[s.role])
@@ -178,7 +179,7 @@ class DeploymentPlan:
             experts=tuple(ExpertEntry(name=e.name, classes=e.classes, discovery=discovery[e.name])
                           for e in self.experts),
             num_classes=router.num_classes, sampling=router.sampling,
-            router_checkpoint=places["router-network"] if as_checkpoint else None,
+            router_checkpoint=places[PLAN_NAMES[ROUTER]] if as_checkpoint else None,
             limits=router.limits,
             auth=auth, trusted_proxies=trusted_proxies, missing_expert=router.missing_expert,
             conditioning=router.conditioning, **entries)
@@ -193,7 +194,8 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
         sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy,
                                   sampling.guidance_scale, sampling.guidance_cutoff),
         # A request may ask for as many steps as the DDM's own default.
-        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps)),
+        limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps),
+                            context_cache_bytes=spec.router.context_cache_bytes),
         auth=spec.router.auth is not None, missing_expert=spec.router.missing_expert,
         conditioning=spec.conditioning)
     return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router,

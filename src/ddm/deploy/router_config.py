@@ -21,9 +21,11 @@ from typing import Any, Mapping, Union
 
 import yaml
 
+from ddm.checkpoints.declared import CONFIG_KEYS, STAGE_ROLES
 from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.deploy.limits import (
     CONDITIONINGS,
+    DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
@@ -31,11 +33,11 @@ from ddm.deploy.limits import (
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
     DEFAULT_STRATEGY,
+    MAX_CONTEXT_CACHE_BYTES,
     MAX_GUIDANCE_SCALE,
     MAX_STEPS,
     PRECISIONS,
     ROUTER_MAX_BATCH,
-    ROUTER_MAX_BODY_BYTES,
     ROUTER_MAX_CONCURRENT,
     ROUTER_MAX_CONCURRENT_PER_CLIENT,
     ROUTER_MAX_STEPS,
@@ -254,24 +256,37 @@ class RouterLimits:
     """What one request may ask for, and how many generations run at once, in all and per
     client (more get 429; who a client is: ``RouterConfigFile.trusted_proxies``).
 
-    ``max_body_bytes`` bounds a JSON body (413 beyond it): 64 labels and every field fit in a
-    few hundred bytes, so the default leaves room without letting a client make us buffer much.
+    ``max_body_bytes`` bounds a JSON body (413 beyond it); None (the default): the DDM's
+    largest valid request, which follows from ``max_batch``, the prompts' cap and the state's
+    shape (``ddm.serving.router.requests.max_body_bytes``; 1.6 MB for Paris at 64), so that
+    every request the router would serve is read and no larger one is buffered.
+
+    ``context_cache_bytes`` bounds the text contexts (generations' embeddings) the router keeps
+    to name in its calls to experts, least recently used dropped first (dropping one costs
+    only making it again): 1 .. ``MAX_CONTEXT_CACHE_BYTES``.
     """
 
     max_batch: int = ROUTER_MAX_BATCH
     max_steps: int = ROUTER_MAX_STEPS
     max_concurrent: int = ROUTER_MAX_CONCURRENT
-    max_body_bytes: int = ROUTER_MAX_BODY_BYTES
+    max_body_bytes: int | None = None
     max_concurrent_per_client: int = ROUTER_MAX_CONCURRENT_PER_CLIENT
+    context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes",
                      "max_concurrent_per_client"):
             value = getattr(self, name)
+            if name == "max_body_bytes" and value is None:
+                continue
             _check(_is_int(value) and value >= 1,
                    f"limits.{name} must be an integer >= 1, got {value!r}")
         _check(self.max_steps <= MAX_STEPS,
                f"limits.max_steps must be at most {MAX_STEPS}, got {self.max_steps}")
+        _check(_is_int(self.context_cache_bytes)
+               and 1 <= self.context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES,
+               f"limits.context_cache_bytes must be an integer in 1..{MAX_CONTEXT_CACHE_BYTES}, "
+               f"got {self.context_cache_bytes!r}")
 
 
 @dataclass(frozen=True)
@@ -322,7 +337,7 @@ class Auth:
 
 #: ``router.yaml``'s stages besides the experts (fields of :class:`RouterConfigFile`): a text
 #: DDM's, each a :class:`StageEntry`.
-STAGE_FIELDS = ("text_encoder", "decoder", "router_network")
+STAGE_FIELDS = tuple(CONFIG_KEYS[role] for role in STAGE_ROLES)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.uri import (
     REMOTE_SCHEMES,
     CheckpointSource,
@@ -28,6 +29,7 @@ from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
     CONDITIONINGS,
+    DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
     DEFAULT_SOLVER,
     DEFAULT_STEPS,
@@ -36,6 +38,7 @@ from ddm.deploy.limits import (
     MAX_ACCELERATOR_COUNT,
     MAX_BATCH,
     MAX_CLASS,
+    MAX_CONTEXT_CACHE_BYTES,
     MAX_DELAY_MS,
     MAX_GUIDANCE_SCALE,
     MAX_EXPERTS,
@@ -149,7 +152,9 @@ class RouterSpec:
     """``checkpoint`` is None only with the oracle strategy (it routes by label); ``auth``
     None: the spec does not ask for authentication (the operator may still require it).
     ``missing_expert``: what a step routed to an expert without a ready replica gets
-    (``missingExpert: {policy, waitSeconds}``; router.yaml's ``missing_expert``)."""
+    (``missingExpert: {policy, waitSeconds}``; router.yaml's ``missing_expert``);
+    ``context_cache_bytes``: the text contexts it keeps (``contextCacheBytes``; router.yaml's
+    ``limits.context_cache_bytes``)."""
 
     replicas: int = 1
     checkpoint: CheckpointSource | None = None
@@ -158,6 +163,7 @@ class RouterSpec:
     fetch: FetchOptions = FetchOptions()
     missing_expert: MissingExpert = MissingExpert()
     network: StageSpec | None = None
+    context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
 
 
 @dataclass(frozen=True)
@@ -198,8 +204,8 @@ class DDMSpec:
         network's only when it has one)."""
         network = self.router.network or (StageSpec(self.router.checkpoint)
                                           if self.router.checkpoint else None)
-        found = {"text-encoder": self.text_encoder, "decoder": self.decoder,
-                 "router-network": network}
+        found = {PLAN_NAMES[TEXT_ENCODER]: self.text_encoder, PLAN_NAMES[DECODER]: self.decoder,
+                 PLAN_NAMES[ROUTER]: network}
         return {role: stage for role, stage in found.items() if stage is not None}
 
 
@@ -354,7 +360,10 @@ def _router(reader: FieldReader, allow_host_paths: bool) -> RouterSpec:
     router = RouterSpec(replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
                         checkpoint=checkpoint, pod=parse_pod_options(reader), auth=auth,
                         fetch=fetch, missing_expert=_missing_expert(reader.child("missingExpert")),
-                        network=network)
+                        network=network,
+                        context_cache_bytes=reader.integer(
+                            "contextCacheBytes", DEFAULT_CONTEXT_CACHE_BYTES, 1,
+                            MAX_CONTEXT_CACHE_BYTES) or DEFAULT_CONTEXT_CACHE_BYTES)
     reader.done()
     return router
 

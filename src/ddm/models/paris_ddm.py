@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
 from ddm.models.stages import (ClipTextEncoder, Stage, StageDeclaration, TextDDM,
                                assemble_text_ddm, expert_directories, load_declared,
@@ -48,15 +49,15 @@ def load_release_stages(root: Path, device: str = "cpu"
     for role in RELEASE_COMPONENTS:
         if not (root / role).is_dir():
             raise CheckpointError(f"{root} has no {role}/ component")
-    expert = StageDeclaration(role="expert", family="paris-dit", convention=PARIS_CONVENTION)
+    expert = StageDeclaration(role=EXPERT, family="paris-dit", convention=PARIS_CONVENTION)
     experts = [load_declared(root / name, expert, device=device) for name in names]
     router = load_declared(root / "router", StageDeclaration(
-        role="router", family="paris-router", convention=PARIS_CONVENTION), device=device)
+        role=ROUTER, family="paris-router", convention=PARIS_CONVENTION), device=device)
     clip = ClipTextEncoder(root / "tokenizer", root / "text_encoder", device)
-    encoder = Stage(StageDeclaration(role="text_encoder", family="clip-text",
+    encoder = Stage(StageDeclaration(role=TEXT_ENCODER, family="clip-text",
                                      text_width=clip.width),
                     precision_name(clip.model.dtype), clip, tokens_cut=clip.tokens_cut)
-    decoder = load_declared(root / "vae", StageDeclaration(role="decoder",
+    decoder = load_declared(root / "vae", StageDeclaration(role=DECODER,
                                                            family="autoencoder-kl"),
                             device=device)
     return names, experts, router, encoder, decoder

@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError, one_safetensors
 from ddm.checkpoints.importers import Component, write_import
 from ddm.deploy.imported import (
@@ -78,21 +79,21 @@ def read_paris_release(root: Path) -> tuple[ImportedDDM, tuple[Component, ...]]:
     common = {"convention": PARIS_CONVENTION, "latent_shape": latent_shape}
     components = [
         Component(name, _port_config(root / name, infer_expert_config),
-                  {"role": "expert", "family": "paris-dit", **common, "text_width": text_width,
+                  {"role": EXPERT, "family": "paris-dit", **common, "text_width": text_width,
                    "cluster": k}, weight_file(root / name))
         for k, name in enumerate(names)]
     components.append(Component(ROUTER_DIR, _port_config(root / "router", infer_router_config),
-                                {"role": "router", "family": "paris-router", **common},
+                                {"role": ROUTER, "family": "paris-router", **common},
                                 weight_file(root / "router")))
     tokenizer = root / "tokenizer"
     components.append(Component(
         TEXT_ENCODER_DIR, read_component_config(root / "text_encoder"),
-        {"role": "text_encoder", "family": "clip-text", "text_width": text_width},
+        {"role": TEXT_ENCODER, "family": "clip-text", "text_width": text_width},
         one_safetensors(root / "text_encoder"),
         tuple(tokenizer / f for f in TOKENIZER_FILES if (tokenizer / f).is_file())))
     components.append(Component(
         DECODER_DIR, read_component_config(root / "vae"),
-        {"role": "decoder", "family": "autoencoder-kl", "latent_shape": latent_shape},
+        {"role": DECODER, "family": "autoencoder-kl", "latent_shape": latent_shape},
         one_safetensors(root / "vae")))
     settings = read_component_config(root)
     ddm = ImportedDDM(

@@ -20,8 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ddm.checkpoints.declared import load_config_json
-from ddm.checkpoints.format import CheckpointError, check_weight_shapes
+from ddm.checkpoints.format import CheckpointError, check_weight_shapes, read_config
 from ddm.models.config import ConfigError
 from ddm.models.paris import ParisExpert, ParisExpertConfig, ParisRouter, ParisRouterConfig
 
@@ -104,15 +103,7 @@ def resolve_config(infer: Callable[..., ConfigT], shapes: Shapes,
 def read_component_config(directory: Path) -> dict[str, Any]:
     """A component's config.json as a dict, or ``{}`` when it has none."""
     path = directory / CONFIG_FILE
-    if not path.is_file():
-        return {}
-    try:
-        config = load_config_json(path)
-    except ValueError as exc:
-        raise CheckpointError(str(exc)) from None
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
-    return config
+    return read_config(path) if path.is_file() else {}
 
 
 def _load(directory: Path, infer: Callable[..., ConfigT], network: type[torch.nn.Module],

@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
-from ddm.checkpoints.declared import DDM_KEY
+from ddm.checkpoints.declared import DDM_KEY, DECODER, EXPERT, ROLES, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
 from ddm.deploy import limits
-from ddm.deploy.imported import expert_dir
+from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR, expert_dir
 from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
 from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
                             network_convention)
@@ -50,27 +50,15 @@ ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: any, weighs in the prompts' pooled text vectors (None: no evidence).
 RouterProbabilities = Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray]
 
-ROLES = ("expert", "router", "text_encoder", "decoder")
 #: family -> the role its networks play.
-FAMILIES = {"paris-dit": "expert", "paris-router": "router", "pixart": "expert",
-            "latent-router": "router", "clip-text": "text_encoder",
-            "autoencoder-kl": "decoder"}
+FAMILIES = {"paris-dit": EXPERT, "paris-router": ROUTER, "pixart": EXPERT,
+            "latent-router": ROUTER, "clip-text": TEXT_ENCODER, "autoencoder-kl": DECODER}
 #: A family's library class name (config.json's ``_class_name`` or ``architectures``), which
 #: names the family where ``_ddm`` does not (the text2img training's components).
 _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent-router",
                    "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
 #: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
 PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
-
-
-@dataclass(frozen=True)
-class EncodedPrompts:
-    """A text encoder's answer: the prompts' :class:`Conditioning` and ``tokens_cut`` (B,)
-    int64, the tokens truncation dropped from each (0: the prompt fit), so that the API can
-    say a prompt was too long."""
-
-    cond: Conditioning
-    tokens_cut: np.ndarray
 
 
 class ClipTextEncoder:
@@ -204,7 +192,7 @@ class StageDeclaration:
             raise CheckpointError(f"{directory}: a {family} network plays the role "
                                   f"{FAMILIES[family]}, not {role}")
         convention = block.get("convention")
-        if role in ("expert", "router"):
+        if role in (EXPERT, ROUTER):
             if not isinstance(convention, str):
                 raise CheckpointError(f"{directory}: an {role} must declare {DDM_KEY}."
                                       "convention ('ours' or 'flow-match-1000')")
@@ -232,7 +220,7 @@ class StageDeclaration:
             raise CheckpointError(f"{directory}: {DDM_KEY}.weights_sha256 must be 64 "
                                   "lower-case hex digits")
         prior = block.get(TEXT_PRIOR_KEY)
-        if prior is not None and role != "router":
+        if prior is not None and role != ROUTER:
             raise CheckpointError(f"{directory}: only a router declares {DDM_KEY}."
                                   f"{TEXT_PRIOR_KEY}, not a {role}")
         return cls(role=role, family=family, convention=convention,
@@ -319,9 +307,9 @@ def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu
     names = expert_directories(path) if experts is None else list(experts)
     stages = [load_stage(path / name, dtype, device, backends[k % len(backends)])
               for k, name in enumerate(names)]
-    router = load_stage(path / "router", dtype, device) if len(names) > 1 else None
-    encoder = load_stage(path / "text_encoder", dtype, device)
-    decoder_dir = next((path / d for d in ("decoder", "vae") if (path / d).is_dir()), None)
+    router = load_stage(path / ROUTER_DIR, dtype, device) if len(names) > 1 else None
+    encoder = load_stage(path / TEXT_ENCODER_DIR, dtype, device)
+    decoder_dir = next((path / d for d in (DECODER_DIR, "vae") if (path / d).is_dir()), None)
     decoder = None if decoder_dir is None else load_stage(decoder_dir, dtype, device)
     return assemble_text_ddm(path, names, stages, router, encoder, decoder, text_prior)
 
@@ -371,7 +359,7 @@ def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | Non
     channels; its side where declared), and the text width the experts and encoder share."""
     shapes = {expert_dir(k): e.declaration.latent_shape for k, e in enumerate(experts)}
     if router is not None:
-        shapes["router"] = router.declaration.latent_shape
+        shapes[ROUTER_DIR] = router.declaration.latent_shape
         if router.clusters != len(experts):
             raise CheckpointError(f"{root}: the router network has {router.clusters} clusters "
                                   f"for {len(experts)} experts")

@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
+from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError, one_safetensors
 from ddm.checkpoints.importers import Component, write_import
 from ddm.deploy.imported import (TEXT_ENCODER_DIR, ImportedDDM, imported_manifest,
@@ -47,17 +48,17 @@ def declarations(src: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
     monolith = next((src / m for m in MONOLITHS if (src / m / "config.json").is_file()), None)
     out: dict[str, tuple[Path, dict[str, Any]]] = {}
     for name, source in {**experts, **({"monolith": monolith} if monolith else {})}.items():
-        out[name] = (source, {**_config(source).get(DDM_KEY, {}), "role": "expert",
+        out[name] = (source, {**_config(source).get(DDM_KEY, {}), "role": EXPERT,
                               "family": "pixart", "convention": "ours", "latent_shape": latent,
                               "text_width": text_width})
     router = _config(src / "router").get(DDM_KEY, {})
     out["router"] = (src / "router", {**router, **_text_prior(src, router),
-                                      "role": "router", "family": "latent-router",
+                                      "role": ROUTER, "family": "latent-router",
                                       "convention": "ours", "latent_shape": latent})
-    out["text_encoder"] = (src / "text_encoder", {"role": "text_encoder",
+    out["text_encoder"] = (src / "text_encoder", {"role": TEXT_ENCODER,
                                                   "family": "clip-text",
                                                   "text_width": text_width})
-    out["decoder"] = (src / "vae", {"role": "decoder", "family": "autoencoder-kl",
+    out["decoder"] = (src / "vae", {"role": DECODER, "family": "autoencoder-kl",
                                     "latent_shape": latent})
     return out
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 from typing import Any, Mapping
 
+from ddm.checkpoints.declared import PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import (
     ARCHIVE_SUFFIXES,
     FETCH_COMMAND,
@@ -73,7 +74,7 @@ def fetched(spec: DDMSpec) -> list[tuple[str, CheckpointSource, FetchOptions]]:
         found.append((ROUTER_KEY, router, spec.router.fetch))
     found += [(stage_key(role), stage.checkpoint, stage.fetch)
               for role, stage in spec.stages.items()
-              if role != "router-network" and stage.checkpoint.scheme in FETCHED_SCHEMES]
+              if role != PLAN_NAMES[ROUTER] and stage.checkpoint.scheme in FETCHED_SCHEMES]
     return found
 
 

@@ -30,6 +30,7 @@ from ddm.operator.access import (
     expert_token,
     router_token,
 )
+from ddm.checkpoints.declared import PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import (
     FETCHED_SCHEMES,
     STAGER_PORT,
@@ -157,7 +158,7 @@ def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
         names.stage_name(owner, role), "stage", meta, config, stage.replicas,
         names.labels(owner, "stage", stage=role), names.selector(owner, "stage", stage=role),
         accelerator=stage.accelerator, pod=stage.pod, checkpoint=stage.checkpoint,
-        fetch=stage.fetch, key=ROUTER_KEY if role == "router-network" else stage_key(role),
+        fetch=stage.fetch, key=ROUTER_KEY if role == PLAN_NAMES[ROUTER] else stage_key(role),
         mount_path=STAGE_CHECKPOINT_DIR,
         command=lambda path, token_file: planned.command(
             path, "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
@@ -254,7 +255,7 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
 
 def _router_stages(spec: DDMSpec) -> dict[str, tuple[StageSpec, str]]:
     """Role -> (stage, its mount path) of every stage the router's pods load themselves."""
-    return {role: (stage, ROUTER_CHECKPOINT_DIR if role == "router-network"
+    return {role: (stage, ROUTER_CHECKPOINT_DIR if role == PLAN_NAMES[ROUTER]
                    else f"/models/{role}")
             for role, stage in spec.stages.items() if not stage.separate}
 
@@ -284,8 +285,8 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     image = router.pod.image or config.images.cpu
     checkpoints = [
         _checkpoint(stage.checkpoint, stage.fetch, path, image, config, meta,
-                    ROUTER_KEY if role == "router-network" else stage_key(role),
-                    volume="checkpoint" if role == "router-network" else f"checkpoint-{role}")
+                    ROUTER_KEY if role == PLAN_NAMES[ROUTER] else stage_key(role),
+                    volume="checkpoint" if role == PLAN_NAMES[ROUTER] else f"checkpoint-{role}")
         for role, (stage, path) in _router_stages(spec).items()]
     env, volumes, mounts = _scratch()
     volumes.append({"name": "config", "configMap": {"name": names.router_config_name(owner)}})

@@ -58,7 +58,12 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                    help="a proxy in front of the router (repeatable; replaces router.yaml's "
                         "trusted_proxies): its requests count against the client its "
                         "X-Forwarded-For names")
-    p.add_argument("--max-body-bytes", type=int, help="request body size; more get 413")
+    p.add_argument("--max-body-bytes", type=int,
+                   help="request body size; more get 413 (default: the DDM's largest valid "
+                        "request)")
+    p.add_argument("--context-cache-bytes", type=int, default=None,
+                   help="text DDMs: bytes of generation contexts the router keeps for its "
+                        "experts (least recently used dropped first)")
     p.add_argument("--deadline-s", type=float, default=None,
                    help="time budget for one expert call, retries included")
     p.add_argument("--auth-token-file", type=Path, default=None,
@@ -139,7 +144,8 @@ def _serve_expert(args: argparse.Namespace) -> int:
 
 
 def _serve_stage(args: argparse.Namespace) -> int:
-    from ddm.serving.expert.stage_server import STAGE_ROLES, serve_stage
+    from ddm.checkpoints.declared import STAGE_ROLES
+    from ddm.serving.expert.stage_server import serve_stage
 
     serve_stage(args.checkpoint, STAGE_ROLES, host=args.host, port=args.port,
                 backend=args.backend, device=args.device, log_level=args.log_level,
@@ -162,6 +168,7 @@ def _serve_router(args: argparse.Namespace) -> int:
                  max_concurrent=args.max_concurrent, max_body_bytes=args.max_body_bytes,
                  max_concurrent_per_client=args.max_concurrent_per_client,
                  trusted_proxies=args.trusted_proxy,
+                 context_cache_bytes=args.context_cache_bytes,
                  deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
                  drain_s=args.drain_s, api_docs=args.api_docs, metrics_port=args.metrics_port)
     return 0

@@ -284,10 +284,11 @@ def retry_after() -> tuple[bytes, bytes]:
 
 
 class BodyLimit:
-    """ASGI middleware answering 413 for a body over ``limit`` bytes, declared or streamed,
-    before the app buffers it; the app then reads the body as usual."""
+    """ASGI middleware answering 413 for a body over ``limit()`` bytes (asked per request: it
+    may follow what the app learns, e.g. the state's shape), declared or streamed, before the
+    app buffers it; the app then reads the body as usual."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: Callable[[], int]) -> None:
         self.app = app
         self.limit = limit
 
@@ -296,7 +297,7 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         try:
-            body = await read_body(scope, receive, self.limit)
+            body = await read_body(scope, receive, self.limit())
         except BodyTooLarge as error:
             await send_json(send, 413, {"detail": str(error)})
             return

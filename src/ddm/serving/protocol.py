@@ -24,6 +24,7 @@ from enum import IntEnum
 import ml_dtypes
 import numpy as np
 
+from ddm.conditioning import Conditioning, EncodedPrompts
 from ddm.deploy.limits import (MAX_CONTEXT_ROWS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
                                MAX_PROMPTS, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH)
 
@@ -254,16 +255,6 @@ class RouteRequest:
     pooled: np.ndarray
 
 
-@dataclass(frozen=True, eq=False)
-class Encoded:
-    """A text encoder's reply: ``embeddings`` (P, L, D), ``mask`` (P, L) uint8 and ``cut``
-    (P,) int32, the tokens truncation dropped from each prompt."""
-
-    embeddings: np.ndarray
-    mask: np.ndarray
-    cut: np.ndarray
-
-
 Request = (VelocityRequest | IntegrateRequest | Context | TextVelocityRequest
            | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest)
 
@@ -374,10 +365,14 @@ def encode_context_ack(request_id: int, context: bytes) -> bytes:
     return _encode(_Kind.CONTEXT_ACK, request_id, 0, (_id_tensor(context),))
 
 
-def encode_encoded(request_id: int, encoded: Encoded) -> bytes:
-    """The reply to an encode request."""
-    return _encode(_Kind.ENCODED, request_id, 0,
-                   (encoded.embeddings, encoded.mask, encoded.cut))
+def encode_encoded(request_id: int, encoded: EncodedPrompts) -> bytes:
+    """The reply to an encode request: the embeddings in their own float dtype, the mask as
+    uint8 (every token counts where there is none) and the cuts as int32."""
+    cond = encoded.cond
+    assert cond.embeddings is not None, "EncodedPrompts holds text conditioning"
+    mask = np.ones(cond.embeddings.shape[:2], _U8) if cond.mask is None else cond.mask
+    return _encode(_Kind.ENCODED, request_id, 0, (cond.embeddings, np.asarray(mask, _U8),
+                                                  np.asarray(encoded.tokens_cut, _I32)))
 
 
 def encode_probabilities(request_id: int, probs: np.ndarray) -> bytes:
@@ -500,9 +495,10 @@ def decode_context_ack(body: bytes | bytearray | memoryview, expected_request_id
 
 
 def decode_encoded(body: bytes | bytearray | memoryview, expected_request_id: int,
-                   prompts: int, limits: Limits) -> Encoded:
+                   prompts: int, limits: Limits) -> EncodedPrompts:
     """A text encoder's reply for ``prompts`` prompts: (P, L, D) embeddings with L and D
-    within ``limits`` (``text_width`` when set), a 0/1 mask, cuts >= 0, finite values."""
+    within ``limits`` (``text_width`` when set), a 0/1 mask, cuts >= 0, finite values; read
+    into float32 embeddings and int64 mask and cuts (copies, not views of ``body``)."""
     embeddings, mask, cut = _read_reply(body, expected_request_id, _Kind.ENCODED)
     rows, tokens, width = embeddings.shape
     if rows != prompts or mask.shape != (rows, tokens) or cut.shape != (rows,):
@@ -512,7 +508,8 @@ def decode_encoded(body: bytes | bytearray | memoryview, expected_request_id: in
     if not ((mask <= 1).all() and (cut >= 0).all() and np.isfinite(embeddings).all()):
         raise ProtocolError("an encode reply's mask must be 0/1, its cut >= 0, its "
                             "embeddings finite", 422)
-    return Encoded(embeddings, mask, cut)
+    return EncodedPrompts(Conditioning(embeddings=embeddings.astype(np.float32),
+                                       mask=mask.astype(np.int64)), cut.astype(np.int64))
 
 
 def decode_probabilities(body: bytes | bytearray | memoryview, expected_request_id: int,

@@ -12,8 +12,9 @@ version 2):
   context's negative row: the empty prompt's embeddings unless a negative prompt replaced
   them; the router sends them with the context, so an expert needs no text encoder) go through
   the network in one batch with the other requests' rows; rows with scale 1 run once. Batches
-  count forward rows, so a guided row costs two. Replies travel in the weights' dtype
-  (``wire_dtype``: float32, float16 or bfloat16).
+  count forward rows, so a guided row costs two. Replies, velocities and an integrate
+  request's final state alike, travel in the weights' dtype (``wire_dtype``: float32, float16
+  or bfloat16); the chunk's own steps stay float32.
 * text_encoder: ENCODE -> embeddings, mask and the tokens truncation cut.
 * decoder: DECODE -> images (B, 3, H, W) in [-1, 1].
 * router: ROUTE (x, t and the prompts' pooled text vectors, for a router's text prior) ->
@@ -36,8 +37,9 @@ from typing import Any, Awaitable, Callable, Hashable
 import numpy as np
 from starlette.types import ASGIApp
 
+from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
-from ddm.conditioning import TEXT, Conditioning
+from ddm.conditioning import TEXT, Conditioning, EncodedPrompts
 from ddm.convention import CONVENTION_NAME
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
@@ -53,27 +55,24 @@ from ddm.serving.expert.backends import cpu_model
 from ddm.serving.expert.contexts import ContextCache
 from ddm.serving.expert.routes import Handling, answer_or_error, model_app
 from ddm.serving.http import ServerControl, run_server
-from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Encoded,
-                                  Limits, ProtocolError, Request, RouteRequest,
-                                  TextIntegrateRequest, TextVelocityRequest, decode_request,
-                                  encode_context_ack, encode_encoded, encode_probabilities,
-                                  encode_response)
+from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Limits,
+                                  ProtocolError, Request, RouteRequest, TextIntegrateRequest,
+                                  TextVelocityRequest, decode_request, encode_context_ack,
+                                  encode_encoded, encode_probabilities, encode_response)
 from ddm.serving.termination import fail_start
 
-__all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "STAGE_ROLES", "create_stage_app",
+__all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "create_stage_app",
            "serve_stage"]
 
 logger = logging.getLogger(__name__)
 
-#: The roles ``ddm serve stage`` serves (experts are ``ddm serve expert``'s).
-STAGE_ROLES = ("text_encoder", "decoder", "router")
-#: What each role's ``/v1/velocity`` answers (``/v1/info`` ``serves``).
-_SERVES = {"expert": "velocity", "text_encoder": "encode", "decoder": "decode",
-           "router": "route"}
+#: What each role's ``/v1/velocity`` answers (``/v1/info`` ``serves``); ``ddm serve stage``
+#: serves :data:`~ddm.checkpoints.declared.STAGE_ROLES`, ``ddm serve expert`` the experts.
+_SERVES = {EXPERT: "velocity", TEXT_ENCODER: "encode", DECODER: "decode", ROUTER: "route"}
 #: The request kinds each role takes.
 _TAKES: dict[str, tuple[type, ...]] = {
-    "expert": (Context, TextVelocityRequest, TextIntegrateRequest),
-    "text_encoder": (EncodeRequest,), "decoder": (DecodeRequest,), "router": (RouteRequest,)}
+    EXPERT: (Context, TextVelocityRequest, TextIntegrateRequest),
+    TEXT_ENCODER: (EncodeRequest,), DECODER: (DecodeRequest,), ROUTER: (RouteRequest,)}
 #: Tokens per row of the expert's warm-up call (any length runs; the context decides).
 _WARM_TOKENS = 8
 
@@ -136,7 +135,7 @@ class _StageServer:
                  else latent)
         return {"name": self.directory.name, "kind": declared.role, "role": declared.role,
                 "family": declared.family,
-                "conditioning": TEXT if declared.role == "expert" else None,
+                "conditioning": TEXT if declared.role == EXPERT else None,
                 "classes": [], "partition": None, "cluster": declared.cluster,
                 "clusters": None if stage is None else stage.clusters,
                 "latent_shape": latent, "image_shape": image,
@@ -149,7 +148,7 @@ class _StageServer:
                 "max_batch": self.limits.max_batch, "max_steps": self.limits.max_steps,
                 "max_body_bytes": self.limits.max_body_bytes, "max_pending": self.max_pending,
                 "max_delay_ms": self.max_delay_ms,
-                "context_cache_bytes": self.contexts.max_bytes if declared.role == "expert"
+                "context_cache_bytes": self.contexts.max_bytes if declared.role == EXPERT
                 else None,
                 "ready": self.ready}
 
@@ -249,7 +248,8 @@ async def _run(server: _StageServer, message: Request) -> bytes:
                                 f"max_batch of {server.limits.max_batch}", 422)
         embeddings, mask, cut = await batcher.submit(
             "encode", (np.array(message.prompts, dtype=object),))
-        return encode_encoded(request_id, Encoded(_wire(server, embeddings), mask, cut))
+        return encode_encoded(request_id, EncodedPrompts(
+            Conditioning(embeddings=_wire(server, embeddings), mask=mask), cut))
     if isinstance(message, DecodeRequest):
         return encode_response(request_id,
                                _wire(server, await batcher.submit("decode", (message.x,))))
@@ -267,7 +267,7 @@ async def _run(server: _StageServer, message: Request) -> bytes:
     for piece in grid_slices(message.grid):
         x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens),
                                  (x, embeddings, negative, message.guidance), cost)
-    return encode_response(request_id, x)
+    return encode_response(request_id, _wire(server, x))
 
 
 def _context_rows(server: _StageServer, message: TextVelocityRequest | TextIntegrateRequest
@@ -377,17 +377,17 @@ async def _load(server: _StageServer, on_failure: Callable[[str], None] | None,
 def _warm_up(stage: Stage) -> None:
     """One call at batch 1, so that the first request pays no lazy initialisation."""
     declared = stage.declaration
-    if declared.role == "text_encoder":
+    if declared.role == TEXT_ENCODER:
         stage.forward([""])
         return
     assert declared.latent_shape is not None
     x = np.zeros((1, *declared.latent_shape), np.float32)
     t = np.full((1,), 0.5, np.float32)
-    if declared.role == "expert":
+    if declared.role == EXPERT:
         assert declared.text_width is not None
         stage.forward(x, t, Conditioning(
             embeddings=np.zeros((1, _WARM_TOKENS, declared.text_width), np.float32)))
-    elif declared.role == "router":
+    elif declared.role == ROUTER:
         stage.forward(x, t)
     else:
         stage.forward(x)
@@ -403,11 +403,11 @@ def _max_body_bytes(role: str, limits: Limits) -> int:
     """Twice the largest valid request of the role (a context for an expert, whose cap is
     :data:`~ddm.deploy.limits.MAX_CONTEXT_BODY_BYTES`), so that a batch just over
     ``max_batch`` is refused with a message about the batch."""
-    if role == "text_encoder":
+    if role == TEXT_ENCODER:
         return 2 * limits.max_prompts * (limits.max_prompt_bytes + 4) + 4096
     shape = limits.image_shape
     if shape is None:  # not declared: until the network says, a context's cap
         return MAX_CONTEXT_BODY_BYTES
     per_row = 4 * math.prod(shape) + 4 + 4 + 4  # x, t, rows, guidance
     calls = 2 * (limits.max_batch * per_row + (limits.max_steps + 1) * 4) + 4096
-    return max(calls, MAX_CONTEXT_BODY_BYTES) if role == "expert" else calls
+    return max(calls, MAX_CONTEXT_BODY_BYTES) if role == EXPERT else calls

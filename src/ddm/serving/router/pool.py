@@ -45,7 +45,8 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine, Hashable, Mapping, TypeVar, Union
+from typing import (Any, Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping, TypeVar,
+                    Union)
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -143,9 +144,9 @@ class _Contexts:
     (:data:`MAX_CONTEXT_ROWS` rows, a body of :data:`MAX_CONTEXT_BODY_BYTES`): a call that
     would grow it so starts a context of its own rows."""
 
-    def __init__(self, max_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._bytes = 0
+        self.bytes = 0
         self._made: OrderedDict[bytes, _MadeContext] = OrderedDict()
 
     def rows_of(self, cond: Conditioning, guided: np.ndarray) -> tuple[_MadeContext, np.ndarray]:
@@ -163,10 +164,10 @@ class _Contexts:
                                  or len(made.body) > MAX_CONTEXT_BODY_BYTES):
             made = _made_of(cond, keys, None)
         self._made[made.id] = made
-        self._bytes += len(made.body)
-        while self._bytes > self.max_bytes and len(self._made) > 1:
+        self.bytes += len(made.body)
+        while self.bytes > self.max_bytes and len(self._made) > 1:
             _, dropped = self._made.popitem(last=False)
-            self._bytes -= len(dropped.body)
+            self.bytes -= len(dropped.body)
         return made, np.array([made.rows[k] for k in keys], np.int32)
 
 
@@ -222,6 +223,27 @@ def _row_digest(cond: Conditioning, row: int, with_negative: bool) -> bytes:
         digest.update(b"negative")
         digest.update(np.ascontiguousarray(cond.negative.embeddings[row], np.float32).tobytes())
     return digest.digest()
+
+
+def context_rows(cond: Conditioning) -> int:
+    """How many of ``cond``'s text rows one context an expert takes holds: at most
+    :data:`MAX_CONTEXT_ROWS`, and a body within :data:`MAX_CONTEXT_BODY_BYTES` (each row's
+    embeddings, its negative row and its mask; 141 rows of Paris's 77 x 768), so that a call
+    of more rows than that (a router's ``max_batch`` above them) is sent as several."""
+    assert cond.embeddings is not None
+    _, tokens, width = cond.embeddings.shape
+    row = tokens * (2 * 4 * width + 1)
+    return max(1, min(MAX_CONTEXT_ROWS, (MAX_CONTEXT_BODY_BYTES - _CONTEXT_HEADER_BYTES) // row))
+
+
+#: A context body's bytes besides its rows: the header and padding (a few dozen bytes).
+_CONTEXT_HEADER_BYTES = 4096
+
+
+async def _joined(calls: Iterable[Awaitable[np.ndarray]]) -> np.ndarray:
+    """The calls' rows, concatenated in order (one call: its answer as it is)."""
+    outs = await gather_all(*calls)
+    return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
 
 def _guidance(cond: Conditioning) -> np.ndarray:
@@ -286,7 +308,8 @@ class PoolSettings:
     before a failed replica is probed again, doubling up to ``max_backoff_s``.
     ``in_flight_per_replica`` requests per ready replica of an expert may be outstanding before
     further calls to it wait and merge (:mod:`ddm.serving.router.coalescing`); 0 sends every call on
-    its own."""
+    its own. ``context_cache_bytes`` bounds the text contexts the pool keeps (router.yaml's
+    ``limits.context_cache_bytes``)."""
 
     connect_s: float = 2.0
     attempt_s: float = 30.0
@@ -297,15 +320,17 @@ class PoolSettings:
     health_interval_s: float = 5.0
     refresh_s: float = 5.0
     in_flight_per_replica: int = 2
+    context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
 
     def __post_init__(self) -> None:
         for name in ("connect_s", "attempt_s", "deadline_s", "max_backoff_s",
                      "health_interval_s", "refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PoolSettings.{name} must be > 0, got {getattr(self, name)!r}")
-        if self.attempts < 1 or self.backoff_s < 0 or self.in_flight_per_replica < 0:
-            raise ValueError("PoolSettings needs attempts >= 1, backoff_s >= 0 and "
-                             "in_flight_per_replica >= 0")
+        if (self.attempts < 1 or self.backoff_s < 0 or self.in_flight_per_replica < 0
+                or self.context_cache_bytes < 1):
+            raise ValueError("PoolSettings needs attempts >= 1, backoff_s >= 0, "
+                             "in_flight_per_replica >= 0 and context_cache_bytes >= 1")
 
 
 def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> PoolSettings:
@@ -315,7 +340,8 @@ def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> 
         deadline_s=deadline_s or config.retries.attempts * config.timeouts.request_s,
         attempts=config.retries.attempts, backoff_s=config.retries.backoff_s,
         refresh_s=config.dns_refresh_s,
-        in_flight_per_replica=config.coalescing.in_flight_per_replica)
+        in_flight_per_replica=config.coalescing.in_flight_per_replica,
+        context_cache_bytes=config.limits.context_cache_bytes)
 
 
 class PoolMetrics:
@@ -363,11 +389,17 @@ class ExpertPool:
                                        settings.health_interval_s) for name in sources}
         self._ids = itertools.count(1)
         self._coalescers = {name: self._coalescer(name) for name in sources}
-        self._contexts = _Contexts()
+        self._contexts = _Contexts(settings.context_cache_bytes)
         #: Bytes sent to experts, by message: what the context cache saves (benchmarks).
         self.bytes_sent = {"context": 0, "call": 0}
         self._client: HttpClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def context_bytes(self) -> int:
+        """Bytes of the text contexts the pool holds (at most ``context_cache_bytes``, or one
+        context larger than that)."""
+        return self._contexts.bytes
 
     @classmethod
     def from_config(cls, config: RouterConfigFile, settings: PoolSettings,
@@ -450,9 +482,9 @@ class ExpertPool:
         if cond.labels is not None:
             return await self._rows(expert, _VELOCITY, (x, t, cond.labels))
         guidance = _guidance(cond)
-        made, rows = self._contexts.rows_of(cond, guidance != 1.0)
-        return await self._rows(expert, _TextKey(made.id, body=made.body),
-                                (x, t, rows, guidance))
+        return await _joined(self._rows(expert, _TextKey(made.id, body=made.body),
+                                        (x[part], t[part], rows, guidance[part]))
+                             for part, made, rows in self._in_contexts(cond, guidance))
 
     async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
                         grid: np.ndarray, solver: str) -> np.ndarray:
@@ -466,8 +498,20 @@ class ExpertPool:
         if cond.labels is not None:
             return await self._rows(expert, key, (x, cond.labels))
         guidance = _guidance(cond)
-        made, rows = self._contexts.rows_of(cond, guidance != 1.0)
-        return await self._rows(expert, _TextKey(made.id, key, made.body), (x, rows, guidance))
+        return await _joined(self._rows(expert, _TextKey(made.id, key, made.body),
+                                        (x[part], rows, guidance[part]))
+                             for part, made, rows in self._in_contexts(cond, guidance))
+
+    def _in_contexts(self, cond: Conditioning, guidance: np.ndarray
+                     ) -> list[tuple[slice, _MadeContext, np.ndarray]]:
+        """A text call's rows in runs of what one context holds (:func:`context_rows`), each
+        with its context and its rows' indices in it."""
+        per = context_rows(cond)
+        if len(cond) <= per:  # every step of a DDM within its limits: no copy of the rows
+            return [(slice(None), *self._contexts.rows_of(cond, guidance != 1.0))]
+        parts = [slice(start, start + per) for start in range(0, len(cond), per)]
+        return [(part, *self._contexts.rows_of(cond.take(np.arange(len(cond))[part]),
+                                               guidance[part] != 1.0)) for part in parts]
 
     async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently

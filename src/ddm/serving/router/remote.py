@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Gener
 
 import numpy as np
 
-from ddm.conditioning import LABELS, TEXT, Conditioning
+from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts
 from ddm.convention import TimeGrid
 from ddm.models.text_prior import pooled_text
 from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Decoded, Encode,
@@ -39,7 +39,6 @@ from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import gather_all
 
 if TYPE_CHECKING:  # the stages' modules import torch, which a label DDM's router never needs
-    from ddm.models.stages import EncodedPrompts
     from ddm.serving.router.stage_clients import StageCaller
 
     #: What :func:`denoise` yields: the text encoder's answer first where the loop encodes

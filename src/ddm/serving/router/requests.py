@@ -17,6 +17,7 @@ Not ``from __future__ import annotations``: pydantic reads the models' annotatio
 import base64
 import binascii
 import io
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -25,8 +26,9 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       WithJsonSchema, field_validator)
 
 from ddm.conditioning import TEXT
-from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, SOLVERS, STRATEGY_PATTERN
-from ddm.deploy.router_config import RouterConfigFile
+from ddm.deploy.limits import (MAX_CLASS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
+                               ROUTER_MIN_BODY_BYTES, SOLVERS, STRATEGY_PATTERN)
+from ddm.deploy.router_config import RouterConfigFile, RouterLimits
 from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.serving.router.info import has_router_network
@@ -289,6 +291,33 @@ def request_models(config: RouterConfigFile
             return value
 
     return GenerateRequest, StreamQuery, ImagesRequest
+
+
+#: A body's bytes besides its labels, prompts and latents' data: every other field at its
+#: longest (``strategy``, ``size``, ``model``, ``user``, ...), a .npy header, and JSON's spacing.
+OTHER_FIELDS_BYTES = 4096
+#: The most bytes JSON writes for one byte of a prompt: ``\\u00XX`` for a control character.
+JSON_BYTES_PER_PROMPT_BYTE = 6
+
+
+def max_body_bytes(limits: RouterLimits, conditioning: str,
+                   state_shape: tuple[int, ...] | None) -> int:
+    """The JSON body limit: ``limits.max_body_bytes`` when set, else the DDM's largest valid
+    request (at least :data:`ROUTER_MIN_BODY_BYTES`). A label DDM's: ``max_batch`` labels; a
+    text DDM's: ``max_batch`` prompts and a negative prompt of ``MAX_PROMPT_BYTES`` each
+    (``/v1/generate``), or one prompt, its negative and ``max_batch`` latents of
+    ``state_shape`` (C, H, W) as base64 float32 (``/v1/images/generations``; None: the
+    experts have not reported it yet, and latents count once they have)."""
+    if limits.max_body_bytes is not None:
+        return limits.max_body_bytes
+    if conditioning == TEXT:
+        prompt = JSON_BYTES_PER_PROMPT_BYTE * MAX_PROMPT_BYTES + len('"", ')
+        latents = (0 if state_shape is None
+                   else 4 * math.ceil(4 * limits.max_batch * math.prod(state_shape) / 3))
+        largest = max((limits.max_batch + 1) * prompt, 2 * prompt + latents)
+    else:
+        largest = limits.max_batch * len(f"{MAX_CLASS}.0, ")
+    return max(ROUTER_MIN_BODY_BYTES, OTHER_FIELDS_BYTES + largest)
 
 
 def sampling_request(body: Any, labels: tuple[int, ...] = (), prompts: tuple[str, ...] = (),

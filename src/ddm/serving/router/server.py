@@ -23,19 +23,20 @@ config, ``"degraded"`` (still 200, naming them) while some experts have no ready
 status 1 and leaves the reason in the termination-message file (:mod:`ddm.serving.termination`).
 
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
-``limits.max_body_bytes`` gets 413; a request the DDM cannot serve (too many labels or steps,
-labels outside the classes, unknown fields or strategies) a 422 naming the problem; malformed
-JSON a 400 with its line and column (or saying it is not UTF-8); a body not sent as JSON
-(``Content-Type``) a 415 saying how to send it; more generations than ``limits.max_concurrent``
-at once, or than ``limits.max_concurrent_per_client`` from one client
-(:mod:`ddm.serving.router.clients`), a 429 with ``Retry-After`` naming the limit; with ``auth``
-configured, a ``/v1/*`` request without the bearer token a 401 (:mod:`ddm.serving.auth`). An
-expert none of whose replicas answers within the call deadline, or whose every replica sent a
-report the router refuses (:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an
-expert refusing what the router sent a 502. None of them touches the process's health:
-``/healthz`` fails only when the router network cannot load. ``/readyz`` and the bodies of 502
-and 503 are the router's own words naming the expert by its ``router.yaml`` name; what the
-expert said goes to the log.
+``limits.max_body_bytes`` (by default the DDM's largest valid request: its labels, or its
+prompts and latents at the state's shape, ``requests.max_body_bytes``) gets 413 naming it; a
+request the DDM cannot serve (too many labels or steps, labels outside the classes, unknown
+fields or strategies) a 422 naming the problem; malformed JSON a 400 with its line and column
+(or saying it is not UTF-8); a body not sent as JSON (``Content-Type``) a 415 saying how to
+send it; more generations than ``limits.max_concurrent`` at once, or than
+``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.clients`), a 429
+with ``Retry-After`` naming the limit; with ``auth`` configured, a ``/v1/*`` request without
+the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas answers
+within the call deadline, or whose every replica sent a report the router refuses
+(:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an expert refusing what the router
+sent a 502. None of them touches the process's health: ``/healthz`` fails only when the router
+network cannot load. ``/readyz`` and the bodies of 502 and 503 are the router's own words
+naming the expert by its ``router.yaml`` name; what the expert said goes to the log.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
@@ -56,7 +57,7 @@ import time
 from dataclasses import dataclass, field
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import (TYPE_CHECKING, Annotated, Any, AsyncGenerator, AsyncIterator, Callable,
+from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Callable,
                     Sequence)
 
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -67,7 +68,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ddm.conditioning import TEXT
+from ddm.conditioning import TEXT, EncodedPrompts
 from ddm.convention import to_uint8
 from ddm.deploy.limits import MAX_GUIDANCE_SCALE
 from ddm.imaging import png_bytes
@@ -83,14 +84,11 @@ from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
                                        denoise, generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
-                                         ImagesResponse, echo, invalid_request, parse_latents,
-                                         request_models, sampling_request)
+                                         ImagesResponse, echo, invalid_request, max_body_bytes,
+                                         parse_latents, request_models, sampling_request)
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.serving.termination import fail_start
-
-if TYPE_CHECKING:  # imports torch, which a label DDM's router never needs
-    from ddm.models.stages import EncodedPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +98,8 @@ _ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/images/generations",
 #: Why the router answers each error status (the body is always :class:`ErrorDetail`).
 _ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8",
            401: "no valid bearer token (auth is on)",
-           413: "the body is over limits.max_body_bytes",
+           413: "the body is over limits.max_body_bytes (/v1/info; by default the DDM's "
+                "largest valid request)",
            415: "the body is not sent as JSON (Content-Type: application/json)",
            422: "a request the router cannot serve; detail names the problem",
            429: "limits.max_concurrent generations are running, or this client's "
@@ -144,7 +143,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     auth = router.tokens is not None
     if auth:
         _document_bearer_auth(app)
-    app.add_middleware(BodyLimit, limit=config.limits.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=lambda: max_body_bytes(
+        config.limits, config.conditioning, router.image_shape()[0]))
     if router.tokens is not None:
         app.add_middleware(BearerAuth, tokens=router.tokens)
     app.add_middleware(_Metered, metrics=router.metrics)  # outermost: counts 401s and 413s
@@ -247,7 +247,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             "num_classes": config.num_classes, "image_shape": list(shape) if shape else None,
             "router_network": has_router_network(config),
             "defaults": dataclasses.asdict(config.sampling),
-            "limits": dataclasses.asdict(config.limits),
+            "limits": {**dataclasses.asdict(config.limits), "max_body_bytes": max_body_bytes(
+                config.limits, config.conditioning, shape)},
             "auth": config.auth is not None,
             "strategies": strategies(config)}
 
@@ -294,7 +295,8 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
                  drain_s: float = 0.0, api_docs: bool = False,
                  metrics_port: int | None = None,
                  max_concurrent_per_client: int | None = None,
-                 trusted_proxies: Sequence[str] | None = None) -> None:
+                 trusted_proxies: Sequence[str] | None = None,
+                 context_cache_bytes: int | None = None) -> None:
     """Serve the router until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
     draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
     given); what ``ddm serve router`` runs.
@@ -307,7 +309,8 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", p
     overrides = {name: value for name, value in (
         ("max_batch", max_batch), ("max_steps", max_steps), ("max_concurrent", max_concurrent),
         ("max_body_bytes", max_body_bytes),
-        ("max_concurrent_per_client", max_concurrent_per_client)) if value is not None}
+        ("max_concurrent_per_client", max_concurrent_per_client),
+        ("context_cache_bytes", context_cache_bytes)) if value is not None}
 
     def make_app(control: ServerControl) -> ASGIApp:
         try:
@@ -340,7 +343,7 @@ class _Encoding:
 
     truncated: list[int] = field(default_factory=list)
 
-    def add(self, encoded: "EncodedPrompts") -> None:
+    def add(self, encoded: EncodedPrompts) -> None:
         self.truncated = encoded.tokens_cut.tolist()
 
 

@@ -19,10 +19,11 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVa
 
 import numpy as np
 
-from ddm.conditioning import Conditioning
+from ddm.checkpoints.declared import DECODER, ROUTER, TEXT_ENCODER
+from ddm.conditioning import EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
                                PRECISIONS)
-from ddm.models.stages import EncodedPrompts, Stage
+from ddm.models.stages import Stage
 from ddm.serving.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                   decode_encoded, decode_probabilities, decode_response,
                                   encode_text_request, max_error_reply_bytes, max_reply_bytes)
@@ -32,8 +33,6 @@ from ddm.serving.router.replicas import Replica, report_shape, require
 __all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
 _T = TypeVar("_T")
-#: The stage roles a router calls.
-TEXT_ENCODER, DECODER, ROUTER = "text_encoder", "decoder", "router"
 
 
 class StageCaller(Protocol):
@@ -110,21 +109,12 @@ class StagePool(ExpertPool):
                 return (encode_text_request(EncodeRequest(request_id, part)),
                         _max_encoded_bytes(len(part), info.text_width or MAX_TEXT_WIDTH))
 
-            encoded = await self._stage_call(
+            return await self._stage_call(
                 TEXT_ENCODER, request,
                 lambda body, rid: decode_encoded(body, rid, len(part), limits))
-            return EncodedPrompts(
-                Conditioning(embeddings=encoded.embeddings.astype(np.float32),
-                             mask=encoded.mask.astype(np.int64)),
-                encoded.cut.astype(np.int64))
 
         encoded = await gather_all(*(one(part) for part in parts))
-        if len(encoded) == 1:
-            return encoded[0]
-        return EncodedPrompts(
-            Conditioning(embeddings=np.concatenate([e.cond.embeddings for e in encoded]),
-                         mask=np.concatenate([e.cond.mask for e in encoded])),
-            np.concatenate([e.tokens_cut for e in encoded]))
+        return encoded[0] if len(encoded) == 1 else EncodedPrompts.concat(encoded)
 
     async def decode(self, latents: np.ndarray) -> np.ndarray:
         info = await self._described(DECODER)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from ddm.checkpoints.declared import CONFIG_KEYS, DECODER, ROUTER, STAGE_ROLES, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta
 from ddm.conditioning import TEXT
 from ddm.convention import CONVENTION_NAME, FLOW_MATCH_PREFIX, TimeGrid
@@ -45,7 +46,7 @@ from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
 from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme, source_for
-from ddm.deploy.router_config import STAGE_FIELDS, RouterConfigFile, StageEntry
+from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
     from ddm.models.stages import Stage
@@ -184,10 +185,10 @@ class RouterState:
             await self._stage_pool.start()
         self.stages = {name: local if name in loaded else self._stage_pool
                        for name in entries}
-        if "router_network" in loaded:
-            self.stage_convention = loaded["router_network"].declaration.convention
-        if "text_encoder" in self.stages:
-            self.null = NullConditioning(self.stages["text_encoder"])
+        if CONFIG_KEYS[ROUTER] in loaded:
+            self.stage_convention = loaded[CONFIG_KEYS[ROUTER]].declaration.convention
+        if CONFIG_KEYS[TEXT_ENCODER] in self.stages:
+            self.null = NullConditioning(self.stages[CONFIG_KEYS[TEXT_ENCODER]])
 
     async def close(self) -> None:
         """Stop what runs in the router process (the router is stopping)."""
@@ -206,7 +207,7 @@ class RouterState:
     async def preview(self, latent_shape: tuple[int, int, int]) -> LatentPreview | None:
         """The decoder's latent -> RGB projection (None without a decoder), fitted once
         (:mod:`ddm.serving.router.previews`) by the first generation that wants it."""
-        decoder = self.stages.get("decoder")
+        decoder = self.stages.get(CONFIG_KEYS[DECODER])
         if decoder is None:
             return None
         if self._preview is None or (self._preview.done() and (
@@ -350,9 +351,9 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
     elif config.conditioning == TEXT:
         mixture = RemoteMixture(
             tuple(e.name for e in config.experts), ((),) * len(config.experts), None, shape, 0,
-            conditioning=TEXT, encoder=stages.get("text_encoder"), decoder=stages.get("decoder"),
-            router_stage=stages.get("router_network"), grid=_grid(infos, stage_convention),
-            null=null)
+            conditioning=TEXT, encoder=stages.get(CONFIG_KEYS[TEXT_ENCODER]),
+            decoder=stages.get(CONFIG_KEYS[DECODER]), router_stage=stages.get(CONFIG_KEYS[ROUTER]),
+            grid=_grid(infos, stage_convention), null=null)
     else:
         mixture = RemoteMixture(tuple(e.name for e in config.experts),
                                 tuple(e.classes for e in config.experts),
@@ -434,8 +435,8 @@ def _scheme(scheme: Any) -> str:
     return f"{scheme.get('method', 'unknown')} partition into {len(parts)}"
 
 
-#: ``router.yaml``'s stages placed in the router -> the role their checkpoints declare.
-STAGES = dict(zip(STAGE_FIELDS, ("text_encoder", "decoder", "router")))
+#: ``router.yaml``'s stages -> the role their checkpoints declare.
+STAGES = {CONFIG_KEYS[role]: role for role in STAGE_ROLES}
 
 
 def _load_stage(name: str, entry: StageEntry) -> Stage:
