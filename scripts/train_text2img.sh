@@ -10,6 +10,9 @@
 #              encoded (text encoder): latents.safetensors, a training aid (not shipped)
 #   experts    one PixArtTransformer2DModel per cluster, each alone on its cluster: expert_K/
 #   router     p(cluster | x_t, t), a small transformer classifier: router/
+#   prior      the router's text prior p(cluster | caption): a softmax regression of each
+#              training image's cluster on its caption's CLIP text embedding (seconds):
+#              text_prior.json, which `ddm import text2img` declares in router/config.json
 #   monolith   the experts' architecture on all the data for their total steps: monolith/
 # Each stage reads the ones before it from OUT and refreshes OUT/model_index.json. The data,
 # coloured MNIST with captions (ddm.data.colored_mnist), is rebuilt from the IDX files by each
@@ -32,6 +35,7 @@
 #   latents     60k images through the VAE and CLIP encoders        ~  4 CPU-min
 #   experts     4 x 3000 steps x 0.32 (batch 128)                  ~ 64 CPU-min
 #   router      1500 steps x ~0.3 (batch 256)                      ~  8 CPU-min
+#   prior       1481 distinct captions through CLIP, L-BFGS          ~  1 CPU-min
 #   monolith    12000 steps x 0.32 (batch 128)                     ~ 64 CPU-min
 #   total                                                          ~  3.1 CPU-hours
 set -euo pipefail
@@ -82,9 +86,10 @@ experts() {
     done
 }
 router() { stage router router --steps "$ROUTER_STEPS" "${LONG[@]}"; }
+prior() { stage text-prior text_prior.json; }
 monolith() { stage monolith monolith --steps $((K * EXPERT_STEPS)) "${LONG[@]}"; }
 
-known=(tokenizer clip vae partition latents experts router monolith)
+known=(tokenizer clip vae partition latents experts router prior monolith)
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || stages=("${known[@]}")
 for name in "${stages[@]}"; do

@@ -166,6 +166,25 @@ def test_stages_served_on_their_own_give_the_same_image(served, tmp_path_factory
     assert remote.json()["routing"] == local.json()["routing"]
 
 
+def test_a_router_with_a_text_prior_routes_served_as_in_process(tmp_path):
+    """The router network on a stage server, its text prior weighing in each prompt's pooled
+    vector sent with ROUTE: the images and routing ``ddm sample`` makes in-process, which
+    differ from the network's alone."""
+    prompts = ["a photo of a red car", ""]
+    body = {"prompts": prompts, "steps": 3, "seed": 2, "strategy": "top2"}
+    with served_text_ddm(tmp_path, stages_apart=True, text_prior=True) as (apart, stages):
+        remote = httpx.post(f"{apart}/v1/generate", json=body, timeout=GENERATION_S)
+    assert remote.status_code == 200, remote.text
+    settings = {"steps": 3, "seed": 2, "strategy": "top2"}
+    local = generate_text(load_text_ddm(stages), prompts, **settings)
+    alone = generate_text(load_text_ddm(stages, text_prior=False), prompts, **settings)
+    images = np.stack([_png(image) for image in remote.json()["images"]])
+    assert np.abs(images.astype(int) - local.images).max() <= 1
+    assert remote.json()["routing"] == local.usage.step_masks(3).tolist()
+    assert np.abs(local.state[0] - alone.state[0]).max() > 1e-4  # the prompt moved it
+    np.testing.assert_allclose(local.state[1], alone.state[1], atol=1e-5)  # "": no evidence
+
+
 def test_the_openai_image_api_answers_its_schema(served):
     router, _ = served
     long = " ".join(["photo"] * 100)  # 100 tokens and the start and end ones: 25 past 77

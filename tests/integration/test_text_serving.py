@@ -24,7 +24,8 @@ import pytest
 
 from ddm.conditioning import Conditioning
 from ddm.deploy.limits import MAX_CONTEXT_ROWS
-from ddm.models.stages import load_stage
+from ddm.models.stages import load_stage, load_text_ddm
+from ddm.models.text_prior import pooled_text
 from ddm.serving.expert.server import create_expert_app
 from ddm.checkpoints.declared import STAGE_ROLES
 from ddm.serving.expert.stage_server import create_stage_app
@@ -38,7 +39,7 @@ from ddm.serving.router.pool import ExpertPool, PoolSettings
 from ddm.serving.router.replicas import ExpertInfo, static_endpoints
 from ddm.serving.router.stage_clients import LocalStages, StagePool
 from tests.integration.servers import running, wait_ready
-from tests.support.text_stages import LATENT_SHAPE, write_text_ddm
+from tests.support.text_stages import LATENT_SHAPE, hand_prior, with_prior, write_text_ddm
 
 FAST = PoolSettings(connect_s=1.0, attempt_s=10.0, deadline_s=20.0, attempts=2, backoff_s=0.05,
                     max_backoff_s=0.2, health_interval_s=0.5, refresh_s=0.1)
@@ -393,7 +394,7 @@ def test_stages_answer_over_the_wire_what_they_answer_in_process(root, stages):
     async def calls():
         async with StagePool({role: static_endpoints([e]) for role, e in stages.items()},
                              FAST) as pool:
-            return await pool.encode(prompts), await pool.decode(X), await pool.route(X, T)
+            return await pool.encode(prompts), await pool.decode(X), await pool.route(X, T, None)
 
     encoded, images, probabilities = asyncio.run(calls())
     encoder = load_stage(root / "text_encoder")
@@ -409,7 +410,8 @@ def test_stages_answer_over_the_wire_what_they_answer_in_process(root, stages):
 
 def test_a_stage_refuses_what_another_role_serves(stages):
     reply = post(f"http://{stages['decoder']}",
-                 encode_text_request(RouteRequest(3, X[:2], T[:2])))
+                 encode_text_request(RouteRequest(3, X[:2], T[:2],
+                                                     np.zeros((2, 0), np.float32))))
     assert reply.status_code == 422
     assert "this decoder stage takes DecodeRequest, not RouteRequest" in error_of(reply)
     info = httpx.get(f"http://{stages['decoder']}/v1/info").json()
@@ -440,7 +442,7 @@ def test_stages_in_the_routers_process_answer_the_same_calls(root):
 
     async def calls():
         return await asyncio.gather(local.encode(["a red car " * 6]), local.decode(X[:1]),
-                                    local.route(X, T))
+                                    local.route(X, T, None))
 
     encoded, images, probabilities = asyncio.run(calls())
     assert encoded.tokens_cut.tolist() == [8]
@@ -488,3 +490,31 @@ def test_a_cancelled_call_keeps_its_stage_until_its_thread_is_done(root):
     assert not entered_early and most[0] == 1
     np.testing.assert_array_equal(encoded.cond.embeddings,
                                   encoder.forward(["second"]).embeddings)
+
+
+def test_a_served_router_weighs_in_its_text_prior_as_the_ddm_does_in_process(tmp_path):
+    root = with_prior(write_text_ddm(tmp_path / "ddm"), hand_prior())
+    ddm = load_text_ddm(root)
+    cond = ddm.encode(["a red car", "", "a photo"])
+    in_process = ddm.router(X, T, cond)
+    router = load_stage(root / "router")
+    with running(create_stage_app(root / "router", STAGE_ROLES, max_batch=2)) as base:
+        wait_ready(base)
+
+        async def served():
+            async with StagePool({"router": static_endpoints([endpoint_of(base)])},
+                                 FAST) as pool:
+                return (await pool.route(X, T, pooled_text(cond)),
+                        await pool.route(X, T, None))
+
+        with_text, without = asyncio.run(served())
+        wrong = post(base, encode_text_request(RouteRequest(
+            4, X[:1], T[:1], np.ones((1, 3), np.float32))))
+    local = asyncio.run(LocalStages(router=router).route(X, T, pooled_text(cond)))
+    np.testing.assert_allclose(with_text, in_process, atol=1e-6)  # two route calls of <= 2
+    np.testing.assert_array_equal(local, in_process)
+    np.testing.assert_allclose(without, router.forward(X, T), atol=1e-6)
+    assert not np.allclose(in_process, router.forward(X, T))  # the prompts moved it
+    np.testing.assert_allclose(in_process[1], router.forward(X, T)[1], atol=1e-6)  # ""
+    assert wrong.status_code == 422
+    assert "'pooled' is 3 wide; this router's text prior takes 16" in error_of(wrong)

@@ -4,6 +4,7 @@ on a stage server of its own, all on loopback in this process."""
 
 from __future__ import annotations
 
+import json
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Mapping
@@ -16,7 +17,7 @@ from ddm.serving.expert.stage_server import create_stage_app
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.paris_release import TinyParis, write_paris_release
-from tests.support.text_stages import write_paris_stages
+from tests.support.text_stages import hand_prior, with_prior, write_paris_stages
 
 #: The tiny release's experts.
 EXPERTS = 2
@@ -49,12 +50,17 @@ def paris_stages(root: Path, sizes: TinyParis = TinyParis()) -> Path:
 
 @contextmanager
 def served_text_ddm(root: Path, stages_apart: bool = False, sizes: TinyParis = TinyParis(),
-                    max_batch: int = 8) -> Iterator[tuple[str, Path]]:
+                    max_batch: int = 8, text_prior: bool = False
+                    ) -> Iterator[tuple[str, Path]]:
     """Serve a tiny Paris DDM of ``sizes`` made under ``root`` (``stages_apart``: its text
     encoder, decoder and router network each on a stage server; each expert server takes
-    ``max_batch`` forward rows); yields the router's base URL (ready) and the stage
-    checkpoints' root."""
+    ``max_batch`` forward rows; ``text_prior``: its router declares
+    :func:`~tests.support.text_stages.hand_prior`); yields the router's base URL (ready) and
+    the stage checkpoints' root."""
     stages = paris_stages(root, sizes)
+    if text_prior:
+        width = json.loads((stages / "text_encoder" / "config.json").read_text())["hidden_size"]
+        with_prior(stages, hand_prior(width))
     with ExitStack() as stack:
         def serve(app) -> str:
             base = stack.enter_context(running(app))

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddm.models.text2img import LATENT_CHANNELS, LATENT_SIZE, SIZES, expert_kwargs
@@ -78,6 +80,25 @@ def write_text_ddm(root: Path, experts: int = 2, seed: int = 0,
         tokenizer.save_pretrained(root / "text_encoder")
         save_stage(_vae(shapes).to(dtype), root / "decoder", role="decoder",
                    family="autoencoder-kl", latent_shape=latent_shape)
+    return root
+
+
+def hand_prior(width: int = SMOKE.text_width) -> dict[str, Any]:
+    """A text prior (``_ddm.text_prior``) for a two-expert DDM of text ``width``. Two
+    clusters, a 2-d joint space reading text dimensions 0 and 1: a pooled vector along
+    dimension 0 has p(k | c) = (3/4, 1/4) (logits ln 3, 0); p(k) = (1/4, 3/4)."""
+    projection = np.zeros((2, width))
+    projection[0, 0] = projection[1, 1] = 1.0
+    return {"projection": projection.tolist(), "weights": [[math.log(3.0), 0.0], [0.0, 0.0]],
+            "bias": [0.0, 0.0], "log_frequencies": [math.log(0.25), math.log(0.75)]}
+
+
+def with_prior(root: Path, prior: object) -> Path:
+    """``root`` with its router declaring ``prior`` as its text prior."""
+    path = root / "router" / "config.json"
+    config = json.loads(path.read_text())
+    config["_ddm"]["text_prior"] = prior
+    path.write_text(json.dumps(config))
     return root
 
 

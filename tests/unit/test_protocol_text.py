@@ -81,8 +81,13 @@ def test_text_velocity_integrate_encode_decode_and_route_round_trip():
     assert isinstance(encode, EncodeRequest) and encode.prompts == ("a cat", "", "café")
     decode = decode_request(encode_text_request(DecodeRequest(6, X)), LIMITS)
     assert isinstance(decode, DecodeRequest) and decode.x.shape == X.shape
-    route = decode_request(encode_text_request(RouteRequest(7, X, t)), LIMITS)
+    pooled = np.array([[0.5, -1.0, 2.0], [0.0, 0.0, 0.0]], np.float32)
+    route = decode_request(encode_text_request(RouteRequest(7, X, t, pooled)), LIMITS)
     assert isinstance(route, RouteRequest) and route.t.tolist() == [0.25, 0.5]
+    np.testing.assert_array_equal(route.pooled, pooled)
+    unpooled = decode_request(encode_text_request(
+        RouteRequest(8, X, t, np.zeros((2, 0), np.float32))), LIMITS)
+    assert isinstance(unpooled, RouteRequest) and unpooled.pooled.shape == (2, 0)
 
 
 def test_replies_round_trip_and_bfloat16_travels_as_its_raw_bits():

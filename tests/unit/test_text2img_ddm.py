@@ -122,6 +122,10 @@ def test_the_import_writes_declared_stages_and_a_deployment(trained: Path,
     assert expert["cluster"] == 2 and expert["convention"] == "ours"
     assert expert["latent_shape"] == [4, 8, 8] and expert["text_width"] == width
     assert expert["train"]["steps"] == 1  # the training's provenance is kept
+    fitted = json.loads((trained / "text_prior.json").read_text())
+    router = json.loads((imported / "router" / "config.json").read_text())["_ddm"]
+    assert router["text_prior"] == fitted["text_prior"]  # the text-prior stage's, declared
+    assert load_stage(imported / "router").declaration.text_prior.clusters == 4
     assert {"tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in (imported / "text_encoder").iterdir()}
     parsed = load_manifest(imported / "ddm.yaml").spec  # the spec's own parser accepts it

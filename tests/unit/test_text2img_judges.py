@@ -1,6 +1,7 @@
 """The text2img report's judges read a coloured digit's colour, grey digit and ink mass as the
 data painted them; its prompts pair thick and thin twins on the same noise; its verdicts are
-paired run by run, in the direction each metric improves."""
+paired run by run, in the direction each metric improves; it names each routing (the router
+network alone or with its text prior)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 from ddm.data.colored_mnist import COLOUR_NAMES, paint
 from ddm.evaluation.report import paired_verdict
 from ddm.evaluation.text2img_judges import grey, ink_colours, ink_mass
-from ddm.evaluation.text2img_report import Prompts, RunStore
+from ddm.evaluation.text2img_report import (SINGLE_MODEL, WITH_PRIOR, Prompts, Row, RunStore,
+                                            render)
 
 
 def _strokes(widths: list[int], level: float = 1.0) -> np.ndarray:
@@ -86,3 +88,28 @@ def test_reports_on_one_cache_share_runs_each_computed_once(tmp_path: Path) -> N
     alone = RunStore(None)
     alone.run("run-a", lambda: compute("alone"))
     assert alone.result("run-a")["by"] == "alone"
+
+
+def _row(model: str, routing: str, guidance: float, digit: list[float]) -> Row:
+    values = {m: [0.5, 0.5, 0.5] for m in ("colour", "stroke", "fd", "clip_match",
+                                            "clip_score")}
+    return Row(model, routing, guidance, values={**values, "digit": digit},
+               usage=np.full((30, 4), 0.5))
+
+
+def test_the_report_names_each_routing_and_judges_the_prior_against_the_network_alone():
+    ddm = "DDM (4 experts)"
+    rows = [_row(ddm, f"top2{suffix}", g, digit)
+            for suffix, digits in (("", (0.3, 0.4)), (WITH_PRIOR, (0.5, 0.9)))
+            for g, digit in zip((1.0, 4.0), ([d, d, d] for d in digits))]
+    rows += [_row(ddm, f"{s}{suffix}", 4.0, [d, d + 0.01, d])
+             for s in ("top1", "ensemble") for suffix, d in (("", 0.3), (WITH_PRIOR, 0.8))]
+    rows.append(_row("monolith (12000 steps)", SINGLE_MODEL, 4.0, [1.0, 1.0, 1.0]))
+    text = render(rows, {"checkpoints": "ckpt", "backends": "torch", "n": 140, "steps": 30,
+                         "classifier": "clf", "machine": "cpu"})
+    assert "| DDM (4 experts) | top2 + text prior | 4 | 0.900 +/- 0.000 |" in text
+    assert "- Guidance (top2 + text prior): digit accuracy 0.500 at guidance 1 -> 0.900" in text
+    assert ("- The text prior (top2 + text prior vs top2): digit accuracy 0.400 -> 0.900, with "
+            "the prior is better, higher in all 3 runs") in text
+    assert "- DDM top1 + text prior vs the monolith (12000 steps):" in text
+    assert "- DDM top2 vs the monolith (12000 steps):" in text  # the network alone, too

@@ -24,7 +24,8 @@ STAGE_ROLES = (TEXT_ENCODER, DECODER, ROUTER)
 #: no ``_``), and their keys in router.yaml.
 PLAN_NAMES = {TEXT_ENCODER: "text-encoder", DECODER: "decoder", ROUTER: "router-network"}
 CONFIG_KEYS = {role: name.replace("-", "_") for role, name in PLAN_NAMES.items()}
-#: A component's config.json is a few kilobytes; a larger one is refused unread.
+#: A component's config.json is a few kilobytes (a router's text prior, ~270 KB for the text2img
+#: DDM's 64 x 128 projection); a larger one is refused unread.
 MAX_CONFIG_BYTES = 1 << 20
 #: ``_ddm.files``: name -> SHA-256 of every file of the stage besides config.json (what a
 #: fetch of its directory downloads and verifies); names are plain file names, at most this

@@ -2,7 +2,8 @@
 
 Every run asks for the same prompts: "a {thick|thin} {colour} {digit}" for each digit and
 named colour, the thick and the thin prompt of a pair from the same noise, so a pair differs
-only in its stroke word. Rows differ only in the model, the routing and the guidance scale;
+only in its stroke word. Rows differ only in the model, the routing (the router network alone,
+``p(k | x_t, t)``, or with its text prior, ``p(k | x_t, t, c)``) and the guidance scale;
 each is run for every seed of ``SEEDS`` (noise and, for FD, the real subset), and compared
 run by run (paired verdicts). The first row is the real coloured test digits: the judges'
 ceiling and the FD floor at this size.
@@ -30,13 +31,18 @@ from ddm.evaluation.text2img_judges import ClipJudge, grey, ink_colours, ink_mas
 from ddm.fileio import atomic_path, check_output
 from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import DDM_KEY, TextDDM, load_text_ddm
+from ddm.models.text_prior import TEXT_PRIOR_KEY
 from ddm.models.text2img import DEFAULT_GUIDANCE, DEFAULT_STRATEGY
 from ddm.sampling.pipeline import generate_text
 
 #: Guidance scales of the sweep, and the routings compared at the default scale (``random``:
-#: an expert per sample and step, drawn uniformly: the DDM paper's disaster baseline).
+#: an expert per sample and step, drawn uniformly: the DDM paper's disaster baseline; it uses
+#: no router, so it has no text-prior row).
 SWEEP = (1.0, 2.0, 4.0, 7.5)
 ROUTINGS = ("top1", "top2", "ensemble", "random")
+#: How a routing's name says it weighs in the router's text prior (Bayes' rule,
+#: ``ddm.models.text_prior``); without it the router network alone routes.
+WITH_PRIOR = " + text prior"
 STROKES = ("thick", "thin")
 #: The monolith's routing column: one network, nothing to route.
 SINGLE_MODEL = "single model"
@@ -126,12 +132,18 @@ def real_row(judges: Judges, prompts: Prompts) -> Row:
 
 @dataclass(frozen=True)
 class Config:
-    """One sampled row: the DDM, its name, routing and guidance."""
+    """One sampled row: the DDM, its name, strategy and guidance; ``prior``: whether its router
+    weighs in its text prior (the routing's name says so)."""
 
     ddm: TextDDM
     model: str
-    routing: str
+    strategy: str
     guidance: float
+    prior: bool = False
+
+    @property
+    def routing(self) -> str:
+        return self.strategy + (WITH_PRIOR if self.prior else "")
 
 
 class RunStore:
@@ -183,7 +195,7 @@ def sample_run(config: Config, judges: Judges, prompts: Prompts, steps: int,
                seed: int) -> dict[str, Any]:
     """One run of ``config``: its scores, expert usage per step, calls and CPU seconds."""
     ddm = config.ddm
-    routing = "top1" if config.routing == SINGLE_MODEL else config.routing
+    routing = "top1" if config.strategy == SINGLE_MODEL else config.strategy
     started = time.process_time()
     out = generate_text(ddm, prompts.text, steps=steps, seed=seed, strategy=routing,
                         guidance_scale=config.guidance,
@@ -220,14 +232,21 @@ def sampled_rows(configs: Sequence[Config], judges: Judges, prompts: Prompts, st
 
 def quality_rows(root: Path, judges: Judges, steps: int, backends: Sequence[str],
                  store: RunStore, progress: Callable[[str], None] | None = None) -> list[Row]:
-    """The floor, the guidance sweep at the default routing, each routing at the default
-    guidance, then the monolith (where ``root/monolith`` exists) at the default guidance."""
+    """The floor; the guidance sweep at the default routing and each routing at the default
+    guidance, with the router network alone and (where the router declares one) with its text
+    prior; then the monolith (where ``root/monolith`` exists) at the default guidance."""
     prompts = Prompts.make()
-    ddm = load_text_ddm(root, backends=backends)
-    name = f"DDM ({len(ddm.expert_names)} experts)"
-    configs = [Config(ddm, name, DEFAULT_STRATEGY, g) for g in SWEEP]
-    configs += [Config(ddm, name, r, DEFAULT_GUIDANCE) for r in ROUTINGS
-                if r != DEFAULT_STRATEGY]
+    alone = load_text_ddm(root, backends=backends, text_prior=False)
+    name = f"DDM ({len(alone.expert_names)} experts)"
+    variants = [(alone, False)]
+    if (root / "router").is_dir() and read_component_config(root / "router").get(
+            DDM_KEY, {}).get(TEXT_PRIOR_KEY) is not None:
+        variants.append((load_text_ddm(root, backends=backends), True))
+    configs = []
+    for ddm, prior in variants:
+        configs += [Config(ddm, name, DEFAULT_STRATEGY, g, prior) for g in SWEEP]
+        configs += [Config(ddm, name, r, DEFAULT_GUIDANCE, prior) for r in ROUTINGS
+                    if r != DEFAULT_STRATEGY and not (prior and r == "random")]
     if (root / "monolith").is_dir():
         configs.append(Config(load_text_ddm(root, experts=("monolith",)),
                               monolith_name(root / "monolith"), SINGLE_MODEL,
@@ -277,20 +296,37 @@ def render(rows: Sequence[Row], settings: dict[str, Any]) -> str:
         "match: the fraction of images whose nearest of the 70 prompts \"a {colour} {digit}\" "
         "(the small CLIP's two towers) is the asked pair; CLIP score: the mean cosine of "
         "image and prompt.", "",
+        "Routing: `top2` etc. weigh the experts by the router network alone, p(k | x_t, t), "
+        f"which sees no prompt; `top2{WITH_PRIOR}` etc. by p(k | x_t, t, c), the network's "
+        "probabilities times the router's text prior p(k | c) / p(k) (Bayes' rule; "
+        "docs/text2img.md), as the DDM is served.", "",
         header, "|---|---|---:|" + "---:|" * (len(COLUMNS) + 2)]
     lines += [_table_row(r) for r in rows]
     ddm_rows = [r for r in rows if r.model.startswith("DDM")]
-    default = next(r for r in ddm_rows if r.routing == DEFAULT_STRATEGY
-                   and r.guidance == DEFAULT_GUIDANCE)
-    unguided = next(r for r in ddm_rows if r.guidance == 1.0)
+    prior = WITH_PRIOR if any(r.routing.endswith(WITH_PRIOR) for r in ddm_rows) else ""
+
+    def ddm_row(strategy: str, suffix: str, guidance: float = DEFAULT_GUIDANCE) -> Row:
+        return next(r for r in ddm_rows if r.routing == strategy + suffix
+                    and r.guidance == guidance)
+
+    default = ddm_row(DEFAULT_STRATEGY, prior)
+    unguided = ddm_row(DEFAULT_STRATEGY, prior, 1.0)
     lines += ["", "## Verdicts (paired: each run's rows share prompts and noise)", "",
-              f"- Guidance: digit accuracy {unguided.mean('digit'):.3f} at guidance 1 -> "
+              f"- Guidance ({default.routing}): digit accuracy {unguided.mean('digit'):.3f} at "
+              "guidance 1 -> "
               f"{default.mean('digit'):.3f} at the default {DEFAULT_GUIDANCE:g}, "
               f"{_verdict(default, unguided, 'digit', 'guided', 'unguided')}; colour "
               f"accuracy {unguided.mean('colour'):.3f} -> {default.mean('colour'):.3f}, "
               f"{_verdict(default, unguided, 'colour', 'guided', 'unguided')}."]
+    if prior:
+        lines += [f"- The text prior ({strategy}{prior} vs {strategy}): digit accuracy "
+                  f"{ddm_row(strategy, '').mean('digit'):.3f} -> "
+                  f"{ddm_row(strategy, prior).mean('digit'):.3f}, " + _verdict(
+                      ddm_row(strategy, prior), ddm_row(strategy, ""), "digit",
+                      "with the prior", "the network alone") + "."
+                  for strategy in ("top2", "top1", "ensemble")]
     monolith = next((r for r in rows if r.model.startswith("monolith")), None)
-    for routing in ("top2", "top1"):
+    for routing in [s + suffix for suffix in dict.fromkeys((prior, "")) for s in ("top2", "top1")]:
         ddm = next(r for r in ddm_rows if r.routing == routing
                    and r.guidance == DEFAULT_GUIDANCE)
         if monolith is None:
@@ -306,7 +342,7 @@ def render(rows: Sequence[Row], settings: dict[str, Any]) -> str:
               "The fraction of images each expert ran for at a step (mean of the runs), at "
               f"guidance {DEFAULT_GUIDANCE:g}:", ""]
     for row in (r for r in ddm_rows if r.guidance == DEFAULT_GUIDANCE and r.usage is not None
-                and r.routing in ("top1", "top2")):
+                and r.routing.split(" ")[0] in ("top1", "top2")):
         shown = agreement_steps(len(row.usage))
         lines += [f"{row.routing}:", "", "| step | " + " | ".join(map(str, shown)) + " |",
                   "|---|" + "---:|" * len(shown)]

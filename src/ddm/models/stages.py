@@ -38,15 +38,17 @@ from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwo
                             network_convention)
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
                                       read_component_config, weight_file)
+from ddm.models.text_prior import TEXT_PRIOR_KEY, TextPrior, pooled_text
 
 #: ``forward(x (B, C, H, W) f32, t (B,) f32 ours, cond) -> v (B, C, H, W) f32``: an expert's
 #: unguided velocity in our convention (guidance wraps it: :mod:`ddm.sampling.guidance`).
 ConditionedVelocity = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: ``router(x (B, C, H, W), t (B,) ours, cond) -> probabilities (B, K)``.
 ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
-#: ``router(x (B, C, H, W), t (B,) ours) -> probabilities (B, K)``: a router network sees no
-#: prompt.
-RouterProbabilities = Callable[[np.ndarray, np.ndarray], np.ndarray]
+#: ``router(x (B, C, H, W), t (B,) ours, pooled (B, D) | None) -> probabilities (B, K)``: a
+#: router network sees no prompt; its declared text prior (:mod:`ddm.models.text_prior`), if
+#: any, weighs in the prompts' pooled text vectors (None: no evidence).
+RouterProbabilities = Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray]
 
 #: family -> the role its networks play.
 FAMILIES = {"paris-dit": EXPERT, "paris-router": ROUTER, "pixart": EXPERT,
@@ -167,6 +169,8 @@ class StageDeclaration:
     text_width: int | None = None
     cluster: int | None = None
     weights_sha256: str | None = None
+    #: A router's text prior (``_ddm.text_prior``), None where it declares none.
+    text_prior: TextPrior | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, directory: Path, config: Mapping[str, Any]) -> StageDeclaration:
@@ -215,9 +219,15 @@ class StageDeclaration:
                                        and re.fullmatch(r"[0-9a-f]{64}", digest)):
             raise CheckpointError(f"{directory}: {DDM_KEY}.weights_sha256 must be 64 "
                                   "lower-case hex digits")
+        prior = block.get(TEXT_PRIOR_KEY)
+        if prior is not None and role != ROUTER:
+            raise CheckpointError(f"{directory}: only a router declares {DDM_KEY}."
+                                  f"{TEXT_PRIOR_KEY}, not a {role}")
         return cls(role=role, family=family, convention=convention,
                    latent_shape=None if shape is None else (shape[0], shape[1], shape[2]),
-                   text_width=width, cluster=cluster, weights_sha256=digest)
+                   text_width=width, cluster=cluster, weights_sha256=digest,
+                   text_prior=None if prior is None else TextPrior.from_declaration(
+                       str(directory), prior))
 
 
 @dataclass(frozen=True)
@@ -226,7 +236,7 @@ class Stage:
     (a :data:`PRECISIONS` name) and its NumPy callable, by role:
 
     * expert: ``(x, t, cond) -> v`` (:data:`ConditionedVelocity`, unguided);
-    * router: ``(x, t) -> probabilities (B, K)``;
+    * router: ``(x, t, pooled) -> probabilities (B, K)`` (:data:`RouterProbabilities`);
     * text_encoder: ``(prompts) -> Conditioning``, with ``tokens_cut(prompts) -> (B,)``;
     * decoder: ``(latents) -> images (B, 3, H, W)`` in ``[-1, 1]``; ``image_shape`` (3, H, W).
     """
@@ -282,13 +292,15 @@ def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = No
 
 def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
                   backends: Sequence[str] = ("torch",),
-                  experts: Sequence[str] | None = None) -> TextDDM:
+                  experts: Sequence[str] | None = None, text_prior: bool = True) -> TextDDM:
     """A directory of stage checkpoints (``expert_0 .. expert_N-1/``, ``router/`` unless one
     expert, ``text_encoder/``, ``decoder/`` or ``vae/``) -> a :class:`TextDDM` in this process.
     The state shape and text width are checked across stages; experts must declare one
     convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match).
     Expert ``k`` runs on ``backends[k % len(backends)]`` (``("torch", "jax")`` alternates);
-    ``experts`` names other subdirectories to load as the experts (``("monolith",)``)."""
+    ``experts`` names other subdirectories to load as the experts (``("monolith",)``);
+    ``text_prior=False`` routes with the router network alone, ``p(k | x_t, t)``, ignoring the
+    text prior it declares (the report's comparison)."""
     path = Path(root)
     if not backends:
         raise CheckpointError("backends must name at least one of " + ", ".join(limits.FRAMEWORKS))
@@ -299,11 +311,12 @@ def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu
     encoder = load_stage(path / TEXT_ENCODER_DIR, dtype, device)
     decoder_dir = next((path / d for d in (DECODER_DIR, "vae") if (path / d).is_dir()), None)
     decoder = None if decoder_dir is None else load_stage(decoder_dir, dtype, device)
-    return assemble_text_ddm(path, names, stages, router, encoder, decoder)
+    return assemble_text_ddm(path, names, stages, router, encoder, decoder, text_prior)
 
 
 def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],
-                      router: Stage | None, encoder: Stage, decoder: Stage | None) -> TextDDM:
+                      router: Stage | None, encoder: Stage, decoder: Stage | None,
+                      text_prior: bool = True) -> TextDDM:
     """Loaded stages -> a :class:`TextDDM`, their shapes checked; the defaults come from
     ``root``'s config.json where it has Paris's keys."""
     latent_shape = check_stage_shapes(root, experts, router, encoder, decoder)
@@ -314,7 +327,8 @@ def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage]
     return TextDDM(
         expert_names=tuple(names), experts=tuple(e.forward for e in experts),
         router=(None if router is None or len(experts) == 1 else
-                (lambda x, t, _cond, network=router.forward: network(x, t))),
+                (lambda x, t, cond, network=router.forward: network(
+                    x, t, pooled_text(cond) if text_prior else None))),
         encode=encoder.forward, decode=None if decoder is None else decoder.forward,
         null=encoder.forward([""]), latent_shape=latent_shape,
         grid=TimeGrid("flow-match" if isinstance(conventions.pop(), FlowMatchNetwork)
@@ -349,6 +363,12 @@ def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | Non
         if router.clusters != len(experts):
             raise CheckpointError(f"{root}: the router network has {router.clusters} clusters "
                                   f"for {len(experts)} experts")
+        prior = router.declaration.text_prior
+        if prior is not None and encoder is not None and (
+                prior.text_width != encoder.declaration.text_width):
+            raise CheckpointError(f"{root}: the router's {DDM_KEY}.{TEXT_PRIOR_KEY} takes "
+                                  f"text of width {prior.text_width}, the text encoder makes "
+                                  f"{encoder.declaration.text_width}")
     if len(set(shapes.values())) != 1:
         raise CheckpointError(f"{root}: the stages disagree on the latent shape (C, S, S): "
                               f"{shapes}")
@@ -407,14 +427,22 @@ def network_velocity(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], t
 
 
 def network_probabilities(run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                          like: torch.Tensor, timestep: Callable[[np.ndarray], np.ndarray]
-                          ) -> RouterProbabilities:
-    """A router network ``run(x, timestep) -> logits`` as ``(x, t) -> softmax (B, K)``."""
+                          like: torch.Tensor, timestep: Callable[[np.ndarray], np.ndarray],
+                          prior: TextPrior | None = None) -> RouterProbabilities:
+    """A router network ``run(x, timestep) -> logits`` as ``(x, t, pooled) -> softmax (B,
+    K)``; with a text ``prior``, of the logits plus its log odds of the pooled rows (Bayes'
+    rule, :mod:`ddm.models.text_prior`); without one, or for ``pooled`` None, the network's."""
 
     @torch.no_grad()
-    def probabilities(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    def probabilities(x: np.ndarray, t: np.ndarray,
+                      pooled: np.ndarray | None = None) -> np.ndarray:
         logits = run(_tensor(x, like), _tensor(timestep(t), like, torch.float32))
-        return torch.softmax(logits.float(), dim=-1).cpu().numpy()
+        logits = logits.double().cpu()
+        if prior is not None and pooled is not None:
+            if len(pooled) != len(logits):
+                raise ValueError(f"{len(pooled)} pooled text rows for {len(logits)} latents")
+            logits = logits + torch.from_numpy(prior.log_odds(pooled))
+        return torch.softmax(logits, dim=-1).float().numpy()
 
     return probabilities
 
@@ -439,9 +467,10 @@ def _paris_router(path: Path, declared: StageDeclaration, dtype: torch.dtype | N
                   device: str, backend: str) -> Stage:
     network = load_paris_router(path, dtype).to(device)
     stage = _stage(declared, network,
-                   paris_router_probabilities(network, _convention(declared)),
+                   paris_router_probabilities(network, _convention(declared),
+                                              declared.text_prior),
                    latent=(network.config.in_channels, network.config.input_size))
-    return _with_clusters(stage, network.config.num_clusters)
+    return _with_clusters(path, stage, network.config.num_clusters)
 
 
 def paris_expert_velocity(network: torch.nn.Module, convention: NetworkConvention
@@ -450,10 +479,11 @@ def paris_expert_velocity(network: torch.nn.Module, convention: NetworkConventio
     return network_velocity(network, next(network.parameters()), convention)
 
 
-def paris_router_probabilities(network: torch.nn.Module, convention: NetworkConvention
-                               ) -> RouterProbabilities:
+def paris_router_probabilities(network: torch.nn.Module, convention: NetworkConvention,
+                               prior: TextPrior | None = None) -> RouterProbabilities:
     """A Paris router network ``(x, timestep)`` as our cluster probabilities."""
-    return network_probabilities(network, next(network.parameters()), convention.timestep)
+    return network_probabilities(network, next(network.parameters()), convention.timestep,
+                                 prior)
 
 
 def _pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | None, device: str,
@@ -511,9 +541,9 @@ def _latent_router(path: Path, declared: StageDeclaration, dtype: torch.dtype | 
                                          torch_dtype=dtype or stored_dtype(path))
     model = model.to(device).eval()
     stage = _stage(declared, model, network_probabilities(
-        model, next(model.parameters()), lambda t: np.asarray(t, np.float32)),
-        latent=(model.config.in_channels, model.config.input_size))
-    return _with_clusters(stage, model.config.num_clusters)
+        model, next(model.parameters()), lambda t: np.asarray(t, np.float32),
+        declared.text_prior), latent=(model.config.in_channels, model.config.input_size))
+    return _with_clusters(path, stage, model.config.num_clusters)
 
 
 def _clip_text(path: Path, declared: StageDeclaration, dtype: torch.dtype | None, device: str,
@@ -552,7 +582,11 @@ def _stage(declared: StageDeclaration, network: torch.nn.Module, forward: Callab
     return Stage(_filled(declared, latent, text_width), precision_name(dtype), forward)
 
 
-def _with_clusters(stage: Stage, clusters: int) -> Stage:
+def _with_clusters(path: Path, stage: Stage, clusters: int) -> Stage:
+    prior = stage.declaration.text_prior
+    if prior is not None and prior.clusters != clusters:
+        raise CheckpointError(f"{path}: {DDM_KEY}.{TEXT_PRIOR_KEY} weighs {prior.clusters} "
+                              f"clusters, the router network has {clusters}")
     return Stage(stage.declaration, stage.dtype, stage.forward, clusters=int(clusters))
 
 

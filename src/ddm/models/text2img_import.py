@@ -25,6 +25,7 @@ from ddm.checkpoints.importers import Component, write_import
 from ddm.deploy.imported import (TEXT_ENCODER_DIR, ImportedDDM, imported_manifest,
                                  manifest_text)
 from ddm.models.stages import DDM_KEY, expert_directories, load_text_ddm
+from ddm.models.text_prior import TEXT_PRIOR_FILE, TEXT_PRIOR_KEY
 from ddm.models.text2img import (DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY,
                                  LATENT_CHANNELS, LATENT_SIZE)
 
@@ -50,7 +51,8 @@ def declarations(src: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
         out[name] = (source, {**_config(source).get(DDM_KEY, {}), "role": EXPERT,
                               "family": "pixart", "convention": "ours", "latent_shape": latent,
                               "text_width": text_width})
-    out["router"] = (src / "router", {**_config(src / "router").get(DDM_KEY, {}),
+    router = _config(src / "router").get(DDM_KEY, {})
+    out["router"] = (src / "router", {**router, **_text_prior(src, router),
                                       "role": ROUTER, "family": "latent-router",
                                       "convention": "ours", "latent_shape": latent})
     out["text_encoder"] = (src / "text_encoder", {"role": TEXT_ENCODER,
@@ -104,6 +106,29 @@ def import_text2img(src: str | Path, out: str | Path, *, name: str = "text2img",
         shutil.rmtree(target, ignore_errors=True)
         raise
     return target
+
+
+def _text_prior(src: Path, router: dict[str, Any]) -> dict[str, Any]:
+    """The router's ``text_prior`` and its fit's provenance from ``src/text_prior.json`` (``ddm
+    train text2img text-prior``), which must be of the router's partition; none without it."""
+    path = src / TEXT_PRIOR_FILE
+    if not path.is_file():
+        return {}
+    from ddm.checkpoints.declared import load_config_json
+
+    try:
+        record = load_config_json(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    if not isinstance(record, dict) or TEXT_PRIOR_KEY not in record:
+        raise CheckpointError(f"{path} holds no {TEXT_PRIOR_KEY!r}: rerun `ddm train text2img "
+                              "text-prior`")
+    if record.get("partition_sha256") != router.get("partition_sha256"):
+        raise CheckpointError(f"{path} was fitted on partition "
+                              f"{record.get('partition_sha256')}, the router on "
+                              f"{router.get('partition_sha256')}: rerun the text-prior stage")
+    return {TEXT_PRIOR_KEY: record[TEXT_PRIOR_KEY],
+            "text_prior_fit": {k: record.get(k) for k in ("fit", "clip_sha256")}}
 
 
 def _library_config(directory: Path) -> dict[str, Any]:

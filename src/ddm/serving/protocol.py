@@ -123,7 +123,7 @@ _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 WIRE_DTYPES = {"float32": _F32, "float16": _F16, "bfloat16": _BF16}
 _NAMES = {1: "x", 2: "t", 3: "y", 4: "grid", 5: "out", 6: "message", 7: "embeddings",
           8: "mask", 9: "negative", 10: "context", 11: "rows", 12: "guidance", 13: "text",
-          14: "lengths", 15: "cut", 16: "probs"}
+          14: "lengths", 15: "cut", 16: "probs", 17: "pooled"}
 _NAME_CODES = {name: code for code, name in _NAMES.items()}
 
 
@@ -154,7 +154,7 @@ _SCHEMAS: dict[_Kind, tuple[_Spec, ...]] = {
     _Kind.ENCODE: (_Spec("text", 1, (_U8,)), _Spec("lengths", 1, (_I32,))),
     _Kind.ENCODED: (_EMBEDDINGS, _MASK, _Spec("cut", 1, (_I32,))),
     _Kind.DECODE: (_X,),
-    _Kind.ROUTE: (_X, _T),
+    _Kind.ROUTE: (_X, _T, _Spec("pooled", 2, (_F32,))),
     _Kind.PROBABILITIES: (_Spec("probs", 2, (_F32,)),),
 }
 
@@ -245,11 +245,14 @@ class DecodeRequest:
 
 @dataclass(frozen=True, eq=False)
 class RouteRequest:
-    """Ask a router network for ``p(k | x, t)``: ``x`` (B, C, S, S), ``t`` (B,) float32."""
+    """Ask a router for ``p(k | x, t, c)``: ``x`` (B, C, S, S), ``t`` (B,) float32 and the
+    prompts' ``pooled`` text vectors (B, D) float32 for a router's text prior
+    (:mod:`ddm.models.text_prior`; a zero row: no prompt); (B, 0): none sent."""
 
     request_id: int
     x: np.ndarray
     t: np.ndarray
+    pooled: np.ndarray
 
 
 Request = (VelocityRequest | IntegrateRequest | Context | TextVelocityRequest
@@ -346,7 +349,8 @@ def encode_text_request(request: Context | TextVelocityRequest | TextIntegrateRe
     if isinstance(request, DecodeRequest):
         return _encode(_Kind.DECODE, request.request_id, 0, (request.x,))
     if isinstance(request, RouteRequest):
-        return _encode(_Kind.ROUTE, request.request_id, 0, (request.x, request.t))
+        return _encode(_Kind.ROUTE, request.request_id, 0,
+                       (request.x, request.t, request.pooled))
     raise TypeError(f"not a version 2 request: {type(request).__name__}")
 
 
@@ -783,12 +787,15 @@ def _check_decode(request_id: int, param: int, tensors: list[np.ndarray],
 
 def _check_route(request_id: int, param: int, tensors: list[np.ndarray],
                  limits: Limits) -> RouteRequest:
-    x, t = tensors
+    x, t, pooled = tensors
     _check_param_zero(param, _Kind.ROUTE)
-    _check_batch(x, {"t": t}, limits)
+    _check_batch(x, {"t": t, "pooled": pooled}, limits)
     _check_times("t", t)
     _check_image(x, limits)
-    return RouteRequest(request_id, x, t)
+    if pooled.shape[1] > MAX_TEXT_WIDTH or not np.isfinite(pooled).all():
+        raise ProtocolError(f"'pooled' must be finite and at most {MAX_TEXT_WIDTH} wide, got "
+                            f"width {pooled.shape[1]}", 422)
+    return RouteRequest(request_id, x, t, pooled)
 
 
 def _check_param_zero(param: int, kind: _Kind) -> None:

@@ -17,7 +17,8 @@ version 2):
   or bfloat16); the chunk's own steps stay float32.
 * text_encoder: ENCODE -> embeddings, mask and the tokens truncation cut.
 * decoder: DECODE -> images (B, 3, H, W) in [-1, 1].
-* router: ROUTE -> probabilities (B, K).
+* router: ROUTE (x, t and the prompts' pooled text vectors, for a router's text prior) ->
+  probabilities (B, K).
 """
 
 from __future__ import annotations
@@ -253,8 +254,8 @@ async def _run(server: _StageServer, message: Request) -> bytes:
         return encode_response(request_id,
                                _wire(server, await batcher.submit("decode", (message.x,))))
     if isinstance(message, RouteRequest):
-        return encode_probabilities(request_id, await batcher.submit("route",
-                                                                     (message.x, message.t)))
+        return encode_probabilities(request_id, await batcher.submit(
+            "route", (message.x, message.t, _pooled(server, message))))
     assert isinstance(message, (TextVelocityRequest, TextIntegrateRequest))
     embeddings, negative, cost = _context_rows(server, message)
     tokens = embeddings.shape[1]
@@ -314,6 +315,21 @@ def _execute(server: _StageServer, key: Hashable, inputs: tuple[np.ndarray, ...]
                         np.frombuffer(key.grid, np.float32), key.solver):
         pass
     return x
+
+
+def _pooled(server: _StageServer, message: RouteRequest) -> np.ndarray:
+    """The request's pooled text rows as the router takes them: (B, D) for a router with a
+    text prior (none sent: zeros, no evidence), else (B, 0), unused."""
+    assert server.stage is not None, "requests are answered once the stage is loaded"
+    prior, pooled = server.stage.declaration.text_prior, message.pooled
+    if prior is None:
+        return np.zeros((len(pooled), 0), np.float32)
+    if pooled.shape[1] == 0:
+        return np.zeros((len(pooled), prior.text_width), np.float32)
+    if pooled.shape[1] != prior.text_width:
+        raise ProtocolError(f"'pooled' is {pooled.shape[1]} wide; this router's text prior "
+                            f"takes {prior.text_width}", 422)
+    return pooled
 
 
 def _guided(embeddings: np.ndarray, negative: np.ndarray,

@@ -29,6 +29,7 @@ import numpy as np
 
 from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts
 from ddm.convention import TimeGrid
+from ddm.models.text_prior import pooled_text
 from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Decoded, Encode,
                                Generation, Integrate, Loop, Missing, Mixture, Query, Route,
                                SamplingRequest, StepEvent, Tally, Velocity, checked)
@@ -218,7 +219,8 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
     if isinstance(query, Route):
         if mixture.conditioning == TEXT:
             assert mixture.router_stage is not None, "check_request: learned needs a network"
-            return await mixture.router_stage.route(query.x, query.t)
+            return await mixture.router_stage.route(query.x, query.t,
+                                                    pooled_text(query.cond))
         assert mixture.router is not None, "check_request refuses learned strategies without one"
         return await mixture.router(query.x, query.t, _labels(query.cond))
     if isinstance(query, Calls):

@@ -42,7 +42,8 @@ class StageCaller(Protocol):
 
     async def decode(self, latents: np.ndarray) -> np.ndarray: ...
 
-    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray: ...
+    async def route(self, x: np.ndarray, t: np.ndarray,
+                    pooled: np.ndarray | None) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -132,14 +133,17 @@ class StagePool(ExpertPool):
 
         return await self._split(latents, info.max_batch, one)
 
-    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    async def route(self, x: np.ndarray, t: np.ndarray,
+                    pooled: np.ndarray | None) -> np.ndarray:
         info = await self._described(ROUTER)
+        text = np.zeros((len(x), 0), np.float32) if pooled is None else pooled
 
         async def one(rows: np.ndarray) -> np.ndarray:
             part, times = x[rows], t[rows]
 
             def request(request_id: int) -> tuple[bytes, int]:
-                return (encode_text_request(RouteRequest(request_id, part, times)),
+                return (encode_text_request(RouteRequest(request_id, part, times,
+                                                         text[rows])),
                         max_reply_bytes((part.shape[0], info.clusters or 1, 1, 1)) + 64)
 
             return await self._stage_call(
@@ -198,9 +202,10 @@ class LocalStages:
         stage = self._stage(DECODER)
         return await self._run(DECODER, lambda: stage.forward(latents))
 
-    async def route(self, x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    async def route(self, x: np.ndarray, t: np.ndarray,
+                    pooled: np.ndarray | None) -> np.ndarray:
         stage = self._stage(ROUTER)
-        return await self._run(ROUTER, lambda: stage.forward(x, t))
+        return await self._run(ROUTER, lambda: stage.forward(x, t, pooled))
 
     def _stage(self, role: str) -> Stage:
         stage = self._stages[role]

@@ -2,5 +2,5 @@
 
 #: The stages, in the order each reads the ones before it (light: the CLI's parser reads it,
 #: and the operator's image, which has no numpy, builds that parser).
-STAGES = ("tokenizer", "clip", "vae", "partition", "latents", "expert", "router", "monolith",
-          "monolith-snapshot")
+STAGES = ("tokenizer", "clip", "vae", "partition", "latents", "expert", "router", "text-prior",
+          "monolith", "monolith-snapshot")

@@ -67,7 +67,7 @@ def run_stage(stage: str, run: StageRun) -> Path:
     stages: dict[str, Callable[[StageRun], Path]] = {
         "tokenizer": tokenizer_stage, "clip": clip_stage, "vae": vae_stage,
         "partition": partition_stage, "latents": latents_stage, "expert": expert_stage,
-        "router": router_stage, "monolith": monolith_stage,
+        "router": router_stage, "text-prior": text_prior_stage, "monolith": monolith_stage,
         "monolith-snapshot": monolith_snapshot_stage}
     if stage not in stages:
         raise ValueError(f"unknown text2img stage {stage!r}; known: {', '.join(stages)}")
@@ -144,6 +144,7 @@ def latents_stage(run: StageRun) -> Path:
     from ddm.training.text2img.clip import image_embeddings
     from ddm.training.text2img.flow import LatentSet
     from ddm.training.text2img.partition import assign, read_embedding_partition
+    from ddm.training.text2img.prior import distinct_captions
     from ddm.training.text2img.tokenizer import tokenize
     from ddm.training.text2img.vae import encode_means
 
@@ -153,18 +154,18 @@ def latents_stage(run: StageRun) -> Path:
                       image_embeddings(load_clip(run.root), data.images))
     vae = load_vae(run.root)
     latents = encode_means(vae, data.images) * vae.config.scaling_factor
-    captions, caption_index = np.unique(np.asarray(("",) + data.captions), return_inverse=True)
+    captions, caption_index = distinct_captions(data.captions)
     encoder = CLIPTextModel.from_pretrained(_component(run.root, layout.TEXT_ENCODER)).eval()
     ids = torch.from_numpy(tokenize(load_tokenizer(run.root), list(captions)))
     with torch.no_grad():
         embeddings = torch.cat([encoder(input_ids=ids[i:i + 256]).last_hidden_state
                                 for i in range(0, len(ids), 256)]).numpy()
     out = run.root / layout.LATENTS
-    LatentSet(latents.astype(np.float32), clusters, caption_index[1:].astype(np.int64),
+    LatentSet(latents.astype(np.float32), clusters, caption_index,
               embeddings.astype(np.float32)).save(out, {
                   "partition_sha256": record["sha256"],
                   "scaling_factor": str(vae.config.scaling_factor),
-                  "empty_caption_index": str(int(caption_index[0]))})
+                  "empty_caption_index": str(int(np.flatnonzero(captions == "")[0]))})
     return out
 
 
@@ -236,6 +237,44 @@ def router_stage(run: StageRun) -> Path:
     return layout.save_component(router, run.root, layout.ROUTER, _declared(
         run, resumable, router_convention(), role="router", partition_sha256=sha,
         accuracy_by_time=accuracy))
+
+
+def text_prior_stage(run: StageRun) -> Path:
+    """``text_prior.json``: the router's text prior p(cluster | caption), fitted on the training
+    captions and their images' clusters (:mod:`ddm.training.text2img.prior`), with its
+    provenance; ``ddm import text2img`` declares it in the router's config.json."""
+    import json
+
+    import numpy as np
+
+    from ddm.fileio import atomic_path
+    from ddm.models.stages import ClipTextEncoder
+    from ddm.models.text_prior import TEXT_PRIOR_FILE, pooled_text
+    from ddm.training.text2img.partition import file_sha256
+    from ddm.training.text2img.prior import L2, distinct_captions, fit_text_prior
+
+    data, sha = _latent_set(run.root)
+    captions, index = distinct_captions(run.data().captions)
+    if not np.array_equal(index, data.caption_index):
+        raise ValueError(f"{run.root / layout.LATENTS} numbers other captions than the data's: "
+                         "rerun the latents stage")
+    encoder = ClipTextEncoder(_component(run.root, layout.TOKENIZER),
+                              _component(run.root, layout.TEXT_ENCODER))
+    pooled = np.concatenate([pooled_text(encoder(list(captions[i:i + 256])))
+                             for i in range(0, len(captions), 256)])
+    projection = load_clip(run.root).text_projection.weight.numpy()
+    prior, nll = fit_text_prior(projection, pooled, index, data.clusters, CLUSTERS)
+    out = run.root / TEXT_PRIOR_FILE
+    with atomic_path(out) as tmp:
+        tmp.write_text(json.dumps({
+            "partition_sha256": sha,
+            "clip_sha256": file_sha256(_component(run.root, layout.CLIP) / "model.safetensors"),
+            "fit": {"method": "softmax regression of the image's cluster on the caption's "
+                              "unit CLIP text embedding, L-BFGS", "l2": L2,
+                    "captions": int(np.any(pooled != 0, axis=1).sum()),
+                    "nll_nats": round(nll, 4)},
+            "text_prior": prior.declaration()}))
+    return out
 
 
 def _latent_set(root: Path) -> tuple[Any, str]:
