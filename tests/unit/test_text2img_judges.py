@@ -99,17 +99,17 @@ def _row(model: str, routing: str, guidance: float, digit: list[float]) -> Row:
 
 def test_the_report_names_each_routing_and_judges_the_prior_against_the_network_alone():
     ddm = "DDM (4 experts)"
-    rows = [_row(ddm, f"top2{suffix}", g, digit)
+    rows = [_row(ddm, f"top1{suffix}", g, digit)  # the sweep: at the default, top-1
             for suffix, digits in (("", (0.3, 0.4)), (WITH_PRIOR, (0.5, 0.9)))
             for g, digit in zip((1.0, 4.0), ([d, d, d] for d in digits))]
     rows += [_row(ddm, f"{s}{suffix}", 4.0, [d, d + 0.01, d])
-             for s in ("top1", "ensemble") for suffix, d in (("", 0.3), (WITH_PRIOR, 0.8))]
+             for s in ("top2", "ensemble") for suffix, d in (("", 0.3), (WITH_PRIOR, 0.8))]
     rows.append(_row("monolith (12000 steps)", SINGLE_MODEL, 4.0, [1.0, 1.0, 1.0]))
     text = render(rows, {"checkpoints": "ckpt", "backends": "torch", "n": 140, "steps": 30,
                          "classifier": "clf", "machine": "cpu"})
-    assert "| DDM (4 experts) | top2 + text prior | 4 | 0.900 +/- 0.000 |" in text
-    assert "- Guidance (top2 + text prior): digit accuracy 0.500 at guidance 1 -> 0.900" in text
-    assert ("- The text prior (top2 + text prior vs top2): digit accuracy 0.400 -> 0.900, with "
+    assert "| DDM (4 experts) | top1 + text prior | 4 | 0.900 +/- 0.000 |" in text
+    assert "- Guidance (top1 + text prior): digit accuracy 0.500 at guidance 1 -> 0.900" in text
+    assert ("- The text prior (top1 + text prior vs top1): digit accuracy 0.400 -> 0.900, with "
             "the prior is better, higher in all 3 runs") in text
-    assert "- DDM top1 + text prior vs the monolith (12000 steps):" in text
+    assert "- DDM top2 + text prior vs the monolith (12000 steps):" in text
     assert "- DDM top2 vs the monolith (12000 steps):" in text  # the network alone, too

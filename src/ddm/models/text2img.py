@@ -29,8 +29,9 @@ DDM_CONFIG_KEY = "_ddm"
 EXPERT_CLASS_NAME = "PixArtTransformer2DModel"
 #: The sampler settings the model ships with: guidance 4 (colour and stroke follow the prompt
 #: from there; digit accuracy still rises with it: docs/quality-text2img.md's sweep), 30
-#: Euler steps, top-2 routing.
-DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY = 4.0, 30, "top2"
+#: Euler steps, top-1 routing: with the router's text prior, top-1 drew the asked digit more
+#: often than top-2 (0.955 vs 0.938 over 3 x 140 prompts) at half the expert calls.
+DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY = 4.0, 30, "top1"
 
 
 @dataclass(frozen=True)
