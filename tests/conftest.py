@@ -84,6 +84,7 @@ SLOW_MODULES = {
     "integration/test_scale_to_zero.py": "ddm up starting and stopping experts on demand",
     "integration/test_untrusted_programs.py": "torch.export programs loaded in subprocesses",
     "integration/test_shipped_mnist.py": "the full-size MNIST experts in both frameworks",
+    "integration/test_text2img_served.py": "ddm up of the shipped text2img, 20 generations",
     "unit/test_flax_pixart.py": "compiles Flax PixArt transformers against diffusers'",
     "unit/test_text2img_stages.py": "trains the text-to-image stages",
     "unit/test_paris_in_process.py": "the Paris pipeline in-process, many guided steps",

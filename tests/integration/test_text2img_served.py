@@ -10,14 +10,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import pytest
 
 from tests.support.local_runtime import ddm_up
 from tests.support.text2img_served import ACCURACY_BAR, Ask, judge, png_rgb
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text2img.yaml"
-
-pytestmark = pytest.mark.slow
 
 
 def test_prompts_get_their_digit_colour_and_stroke_from_ddm_up() -> None:
