@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer repetitions: a smoke run")
     p.add_argument("--steps", type=int, default=40, help="denoising steps per generation")
     p.add_argument("--text-only", action="store_true",
-                   help="only the text DDM's figures (context bytes, guidance, decode share)")
+                   help="only the text DDMs' figures (context bytes, guidance, decode share, the "
+                        "shipped text2img's one-prompt latency)")
     p.set_defaults(handler=_bench_serve)
 
     p = kinds.add_parser("calls", help="one batch-1 expert call's cost beyond the model and "

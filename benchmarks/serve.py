@@ -18,7 +18,9 @@ with one CPU thread, then ``ddm serve router``), it measures the figures of the 
    of per-step routing against delegation; target: within 1 point;
 7. a text DDM's bytes per step with and without the context cache (target: a step within 5%
    of the latent's bytes), guided vs unguided time per step, and the decode stage's share of a
-   generation (:mod:`benchmarks.text_serving`).
+   generation (:mod:`benchmarks.text_serving`);
+8. the shipped text2img's one prompt, 30 steps, top-2 with guidance, served by ``ddm up`` vs
+   in-process; target: under one second (:mod:`benchmarks.text2img_latency`).
 
 Every process (both deployments and the reference servers) starts at once and idles while the
 others are measured, so that ratios compare numbers taken under the same conditions. In-process
@@ -60,6 +62,7 @@ from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
 from ddm.serving.router.pool import KEEP_ALIVE_S
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
+from benchmarks.text2img_latency import text2img_latency, text2img_summary_lines
 from benchmarks.text_serving import text_figures, text_summary_lines
 
 MANIFEST = REPOSITORY_ROOT / "examples" / "digits.yaml"
@@ -481,14 +484,17 @@ def bench_serve_command(steps: int = 40, quick: bool = False, as_json: bool = Fa
     settings = BenchSettings(steps=steps, quick=quick)
     text_steps = min(steps, 30)
     if text_only:
-        result = {"machine": machine(), **text_figures(text_steps, settings.rounds, log)}
-        print(json.dumps(result, indent=2) if as_json else "\n".join(text_summary_lines(result)),
-              file=out)
+        result = {"machine": machine(), **text_figures(text_steps, settings.rounds, log),
+                  **text2img_latency(settings.rounds, log)}
+        print(json.dumps(result, indent=2) if as_json else "\n".join(
+            text_summary_lines(result) + text2img_summary_lines(result)), file=out)
         return 0
     result = run_bench(settings, log)
     result.update(text_figures(text_steps, settings.rounds, log))
+    result.update(text2img_latency(settings.rounds, log))
     if as_json:
         print(json.dumps(result, indent=2), file=out)
     else:
-        print("\n".join(summary_lines(result) + text_summary_lines(result)), file=out)
+        print("\n".join(summary_lines(result) + text_summary_lines(result)
+                        + text2img_summary_lines(result)), file=out)
     return 0
