@@ -31,3 +31,19 @@ def test_prompts_get_their_digit_colour_and_stroke_from_ddm_up() -> None:
     assert verdict.digit >= ACCURACY_BAR, verdict.explain()
     assert verdict.colour >= ACCURACY_BAR, verdict.explain()
     assert verdict.thick_over_thin >= ACCURACY_BAR, verdict.explain()
+
+
+def test_the_latency_benchmark_times_the_served_and_the_in_process_generation() -> None:
+    """``python -m benchmarks serve``'s text2img figure, one round: both sides timed and
+    compared, the verdict following the figure."""
+    import io
+
+    from benchmarks.text2img_latency import TARGET_S, text2img_latency, text2img_summary_lines
+
+    figure = text2img_latency(1, io.StringIO())["text2img_latency"]
+    served, local = figure["served_s"]["median"], figure["in_process_s"]["median"]
+    assert served > 0 and local > 0
+    assert abs(figure["ratio_served_to_in_process"] - served / local) < 0.02  # rounded figures
+    assert figure["target"] == TARGET_S and figure["met"] == (figure["value"] <= TARGET_S)
+    assert "text2img one prompt served" in text2img_summary_lines(
+        {"text2img_latency": figure})[0]
