@@ -27,7 +27,7 @@ from ddm.operator.config import Images, OperatorConfig
 from ddm_devcluster import ClusterInfo
 from ddm_devcluster import images as dev_images
 from tests.support.operator_process import install_crd, operator_in_thread
-from tests.support.text2img_served import ACCURACY_BAR, Ask, judge, png_rgb
+from tests.support.text2img_served import Ask, judge, png_rgb
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text2img.yaml"
 NAMESPACE = "text2img-demo"
@@ -90,8 +90,4 @@ def test_prompts_get_their_digit_colour_and_stroke_on_the_real_node(router_url: 
         return png_rgb(answer.json()["data"][0]["b64_json"])
 
     verdict = judge(draw)
-    print(f"\nreal node: digit {verdict.digit:.2f}, colour {verdict.colour:.2f}, "
-          f"thick > thin {verdict.thick_over_thin:.2f}")
-    assert verdict.digit >= ACCURACY_BAR, verdict.explain()
-    assert verdict.colour >= ACCURACY_BAR, verdict.explain()
-    assert verdict.thick_over_thin >= ACCURACY_BAR, verdict.explain()
+    verdict.assert_meets_the_bar("real node")

@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 
 from tests.support.local_runtime import ddm_up
-from tests.support.text2img_served import ACCURACY_BAR, Ask, judge, png_rgb
+from tests.support.text2img_served import Ask, judge, png_rgb
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "text2img.yaml"
 
@@ -26,11 +26,7 @@ def test_prompts_get_their_digit_colour_and_stroke_from_ddm_up() -> None:
             return png_rgb(answer.json()["data"][0]["b64_json"])
 
         verdict = judge(draw)
-    print(f"\nddm up: digit {verdict.digit:.2f}, colour {verdict.colour:.2f}, "
-          f"thick > thin {verdict.thick_over_thin:.2f}")
-    assert verdict.digit >= ACCURACY_BAR, verdict.explain()
-    assert verdict.colour >= ACCURACY_BAR, verdict.explain()
-    assert verdict.thick_over_thin >= ACCURACY_BAR, verdict.explain()
+    verdict.assert_meets_the_bar("ddm up")
 
 
 def test_the_latency_benchmark_times_the_served_and_the_in_process_generation() -> None:

@@ -65,6 +65,15 @@ class Verdict:
         return "\n".join(f"{prompt!r}: read {digit}, {colour}" for prompt, digit, colour
                          in self.read_as)
 
+    def assert_meets_the_bar(self, where: str) -> None:
+        """Issue 23's must-show: digit and colour at least ``ACCURACY_BAR``, and thick over
+        thin as often."""
+        print(f"\n{where}: digit {self.digit:.2f}, colour {self.colour:.2f}, "
+              f"thick > thin {self.thick_over_thin:.2f}")
+        assert self.digit >= ACCURACY_BAR, self.explain()
+        assert self.colour >= ACCURACY_BAR, self.explain()
+        assert self.thick_over_thin >= ACCURACY_BAR, self.explain()
+
 
 def judge(draw: Callable[[Ask], np.ndarray]) -> Verdict:
     """Draw every ask (``draw`` returns its RGB image) and judge the images."""
