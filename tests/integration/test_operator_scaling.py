@@ -4,11 +4,13 @@ The operator runs in this process. There is no kubelet, so the test plays it for
 pod: ready, at a loopback address (127.0.0.7) where a real metrics endpoint listens on the
 metrics port, serving the router's own ``DemandMeter`` series, which the test drives as a
 router would (rows routed, generations waiting). The scaler reads them there and sets the
-autoscaled expert's replicas; a reconcile that rewrites the Deployment keeps them.
+autoscaled expert's replicas; a reconcile that rewrites the Deployment keeps them. The test
+marks the expert's pod ready too, once it has seen that a replica still starting is kept.
 """
 
 from __future__ import annotations
 
+import calendar
 import http.server
 import threading
 import time
@@ -29,7 +31,9 @@ from tests.support.operator_process import install_crd, operator_in_thread
 
 GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"
 ROUTER_IP = "127.0.0.7"  # a loopback address of its own: the "pod" the scaler scrapes
+EXPERT_IP = "127.0.0.8"  # the expert's "pod" (the scaler never calls it)
 NAME, SCALED = "scaled", "a"
+DELAY_S = 3
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):
@@ -71,13 +75,19 @@ def operator(dev_cluster: Any, kube_client: Any, kube_namespace: str) -> Iterato
 def _spec(max_batch: int | None = None) -> dict[str, Any]:
     scaled = {"name": SCALED, "checkpoint": {"uri": "image:///models/a"}, "classes": [0, 1, 2],
               "autoscaling": {"minReplicas": 0, "maxReplicas": 3, "target": {"rowsPerSecond": 10},
-                              "scaleDownDelaySeconds": 3,
+                              "scaleDownDelaySeconds": DELAY_S,
                               "behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}}
     if max_batch is not None:
         scaled["maxBatch"] = max_batch
     return {"sampling": {"strategy": "oracle"}, "router": {"missingExpert": {"policy": "wait"}},
             "experts": [scaled, {"name": "b", "checkpoint": {"uri": "image:///models/b"},
                                  "classes": list(range(3, 10))}]}
+
+
+def _observed_at(status: dict[str, Any]) -> float:
+    """``status.demand.observedAt`` in seconds since the epoch (0 before the first)."""
+    text = status.get("demand", {}).get("observedAt")
+    return calendar.timegm(time.strptime(text, "%Y-%m-%dT%H:%M:%SZ")) if text else 0.0
 
 
 def _mark_ready(core: client.CoreV1Api, pod: client.V1Pod, ip: str) -> None:
@@ -130,13 +140,29 @@ def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replica
     wait_for(lambda: replicas() == 1, 30, "one replica for the waiting generation")
     meter.wait_ended(SCALED, 1.0)
 
+    # no demand since, but its replica still starting (not ready): kept past the delay, which
+    # counts from when it can serve; status.demand, rewritten at least every 15 s, times a
+    # scaler pass well past the delay
+    ended = time.time()
+    wait_for(lambda: _observed_at(status()) > ended + DELAY_S + 2, 60,
+             "a scaler pass past the scale-down delay")
+    assert replicas() == 1, "a replica still starting was scaled away"
+    selector = (f"ddm.dev/deployment={NAME},app.kubernetes.io/component=expert,"
+                f"ddm.dev/expert={SCALED}")
+    expert_pod = wait_for(lambda: [p for p in core.list_namespaced_pod(
+        ns, label_selector=selector).items if p.spec.node_name
+        and p.metadata.deletion_timestamp is None], 60, "the expert's pod")[0]
+    _mark_ready(core, expert_pod, EXPERT_IP)
+    wait_for(lambda: apps.read_namespaced_deployment(deployment, ns).status.ready_replicas
+             == 1, 60, "the expert's replica ready")
+
     meter.routed(np.array([10_000, 0]), np.array([10_000.0, 0.0]))  # far above 3 x 10 rows/s
     wait_for(lambda: replicas() == 3, 30, "maxReplicas under heavy demand")
     demand = wait_for(lambda: {e["name"]: e for e in status().get("demand", {}).get(
         "experts", [])}.get(SCALED, {}).get("desiredReplicas") == 3 and status()["demand"],
         30, "status.demand to show the decision")
     assert demand["routers"] == "1/1" and demand["experts"][0]["rowsPerSecond"] > 30
-    wait_for(lambda: f"{SCALED} 0/3" in status().get("expertReplicas", ""), 30,
+    wait_for(lambda: f"{SCALED} 1/3" in status().get("expertReplicas", ""), 30,  # 1 marked ready
              "the Replicas column to show the scaler's count")
 
     # a spec change rewrites the Deployment; the replicas stay the scaler's

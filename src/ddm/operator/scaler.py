@@ -14,6 +14,11 @@ The Deployment builder leaves ``replicas`` out of an autoscaled expert's Deploym
 reconcile never resets what it set. A new Deployment starts at Kubernetes' default of one
 replica until the scaler's first pass, woken by the reconcile that created it. Without a
 readable router the scaler changes nothing (no demand known is not zero demand).
+
+An expert the scaler started from zero counts as in demand until one of its replicas is ready
+(for at most ``COLD_START_LIMIT_S``), as ``ddm up``'s scaler does: its scale-down delay runs
+from when it can serve. Otherwise, under ``reroute``, a cold start longer than the delay was
+ended, unready, one delay after the rerouted steps that had started it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Mapping
 
@@ -40,6 +45,10 @@ FIELD_MANAGER = "ddm-autoscaler"
 #: ``status.demand`` is rewritten at most this often unless a replica count or a waiting
 #: count changed (each write is an API call and a watch event).
 STATUS_INTERVAL_S = 15.0
+#: How long an expert started from zero counts as in demand while none of its replicas is
+#: ready: image pulls and weight downloads included, but a replica that never gets ready is
+#: not kept forever.
+COLD_START_LIMIT_S = 600.0
 
 Scrape = Callable[[str, Collection[str]], "RouterReading | None"]
 
@@ -51,6 +60,7 @@ class _Tracked:
     rates: DemandRates = field(default_factory=DemandRates)
     histories: dict[str, History] = field(default_factory=dict)
     claimed: set[str] = field(default_factory=set)  # Deployment uids whose replicas we own
+    starting: dict[str, float] = field(default_factory=dict)  # expert -> started from zero at
     status_key: tuple[Any, ...] = ()
     status_at: float = float("-inf")
 
@@ -153,11 +163,17 @@ class Scaler:
         if deployment is None:
             return None  # the reconcile creates it
         current = int(deployment["spec"].get("replicas", 1))
+        ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
         history = tracked.histories.get(expert)
         if history is None:  # serving replicas keep a whole delay after the operator starts
-            ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
             history = History.start(now) if ready > 0 else History()
+        if ready > 0 or current == 0:
+            tracked.starting.pop(expert, None)
+        elif now - tracked.starting.get(expert, float("-inf")) < COLD_START_LIMIT_S:
+            demand = replace(demand, active=True)  # still starting: its delay waits for it
         wanted, tracked.histories[expert] = decide(rules, current, demand, history, now)
+        if current == 0 and wanted > 0:
+            tracked.starting[expert] = now
         uid = deployment["metadata"]["uid"]
         if wanted != current or uid not in tracked.claimed:
             self._kube.apply_replicas(namespace, deployment["metadata"]["name"], wanted,
