@@ -59,7 +59,8 @@ def text2img_latency(rounds: int, log: TextIO = sys.stderr) -> dict[str, Any]:
             return elapsed
 
         say(log, "text2img: ddm up is ready; warming up")
-        served(0), in_process(0)
+        served(0)
+        in_process(0)
         for i in range(1, rounds + 1):
             served_s.append(served(i))
             local_s.append(in_process(i))
