@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from ddm.serving.expert.backends import Backend, BackendInfo
-from ddm.serving.batching import (INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed, Dispatch,
-                                  Pending, Wait, batch_buckets, bucket_for, grid_slices,
-                                  pad_rows, plan_batch)
+from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
+                                  Dispatch, Pending, Wait, batch_buckets, bucket_for,
+                                  grid_slices, pad_rows, plan_batch)
 
 V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
 
@@ -221,24 +222,79 @@ def test_submit_refuses_a_request_over_max_batch():
         asyncio.run(scenario())
 
 
-def test_every_batch_runs_on_one_long_lived_model_thread_whatever_its_size():
-    threads: list[str] = []
+class ThreadRecorder:
+    """A model that records the thread of every batch and sleeps ``seconds[key]`` (a GIL-free
+    wait, as a model's kernels are), returning its input."""
 
-    def run(key, inputs):
-        threads.append(threading.current_thread().name)
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+        self.threads: list[tuple[str, int, str]] = []
+
+    def __call__(self, key, inputs):
+        self.threads.append((key, inputs[0].shape[0], threading.current_thread().name))
+        time.sleep(self.seconds.get(key, 0.0))
         return inputs[0]
 
+
+def test_a_short_batch_of_a_known_key_runs_on_the_idle_event_loop():
+    model = ThreadRecorder({})
+
     async def scenario():
-        batcher = Batcher(run, max_batch=8, max_delay_ms=0)
+        batcher = Batcher(model, max_batch=8, max_delay_ms=0)
         batcher.start()
-        await batcher.submit(V, rows([1]))
-        await batcher.submit(A, rows([2]))
-        await batcher.submit(V, rows([1, 2, 3]))
-        await asyncio.gather(*(batcher.submit(V, rows([i])) for i in range(3)))
+        first = await batcher.submit(V, rows([1]))  # V unknown: the model thread
+        second = await batcher.submit(V, rows([2, 3]))  # V took ~0 s: on the loop
+        third = await batcher.submit(A, rows([4]))  # A unknown: the model thread
+        await batcher.close()
+        return first, second, third
+
+    first, second, third = asyncio.run(scenario())  # the loop runs on this, the main, thread
+    assert model.threads == [(V, 1, "ddm-model"), (V, 2, "MainThread"), (A, 1, "ddm-model")]
+    assert [r.ravel().tolist() for r in (first, second, third)] == [[1], [2, 3], [4]]
+
+
+def test_a_batch_expected_over_the_inline_bound_runs_on_the_model_thread():
+    """A's first batch took over INLINE_MAX_S; V's batch of 1 took a fifth of it, so a batch of
+    6 (expected 1.2 times the bound) goes to the thread, and a batch of 1 (expected what the
+    batch of 6 took: never scaled down) to the loop."""
+    model = ThreadRecorder({A: INLINE_MAX_S * 1.2, V: INLINE_MAX_S * 0.2})
+
+    async def scenario():
+        batcher = Batcher(model, max_batch=8, max_delay_ms=0)
+        batcher.start()
+        for key, values in ((A, [1]), (A, [2]), (V, [3]), (V, [4, 5, 6, 7, 8, 9]), (V, [6])):
+            await batcher.submit(key, rows(values))
         await batcher.close()
 
-    asyncio.run(scenario())  # the event loop runs on this (the main) thread
-    assert len(threads) >= 4 and set(threads) == {"ddm-model"}
+    asyncio.run(scenario())
+    assert [thread for _, _, thread in model.threads] == [
+        "ddm-model", "ddm-model", "ddm-model", "ddm-model", "MainThread"]
+
+
+def test_while_a_batch_runs_new_requests_queue_for_the_model_thread_and_the_loop_stays_free():
+    """A busy batcher hands arrivals to the thread, so the event loop keeps answering (here:
+    a coroutine that only sleeps) while they wait; they form one batch."""
+    model = GatedModel()
+
+    async def scenario():
+        batcher = Batcher(model, max_batch=8, max_delay_ms=0)
+        batcher.start()
+        await asyncio.to_thread(model.release.set)
+        await batcher.submit(V, rows([0]))  # V is known and fast from here on
+        model.release.clear()
+        model.started.clear()
+        running = asyncio.create_task(batcher.submit(A, rows([1])))  # unknown: the thread
+        await asyncio.to_thread(model.started.wait, 10)
+        queued = [asyncio.create_task(batcher.submit(V, rows([i]))) for i in (2, 3)]
+        await asyncio.sleep(0.01)  # the loop is free while the model thread is held
+        model.release.set()
+        results = await asyncio.gather(running, *queued)
+        await batcher.close()
+        return results
+
+    results = asyncio.run(scenario())
+    assert model.sizes == [1, 1, 2]
+    assert [r.item() for r in results] == [102, 4, 6]
 
 
 def test_with_a_delay_requests_wait_for_each_other_until_the_batch_is_full():

@@ -30,6 +30,14 @@ RunFn = Callable[[Hashable, tuple[np.ndarray, ...]], Output]
 MODEL_STOP_WAIT_S = 10.0
 
 
+#: The longest a batch may be expected to run on the event loop (:class:`Batcher`): the loop
+#: answers nothing else meanwhile, so this bounds how late a probe, a scrape or a signal is
+#: handled; expected from the last batch of the same key, scaled up to the batch's rows.
+INLINE_MAX_S = 0.05
+#: Keys whose last batch time the batcher remembers (a client may send any grid, and each
+#: grid is a key: the oldest is forgotten past this many).
+KNOWN_KEYS = 64
+
 #: Solver steps of an integration that run as one model-thread job (:func:`grid_slices`): a
 #: velocity call arriving meanwhile waits for at most this many (Heun: twice as many model
 #: calls), not the whole grid. Each slice costs one batcher job (a thread hop); on the shared
@@ -164,19 +172,32 @@ class _Job:
 
 
 class Batcher:
-    """Queue requests, run them in batches on one model thread, hand each its own rows.
+    """Queue requests, run them in batches, one at a time, and hand each its own rows.
 
-    One long-lived thread keeps the model single-threaded (frameworks and accelerators run one
-    call at a time best) and keeps the event loop free to accept the next requests, which
-    queue up meanwhile and form the next batch. Use it from one event loop:
-    ``start()``, then ``await submit(...)`` from many tasks, then ``await close()``.
+    Use it from one event loop: ``start()``, then ``await submit(...)`` from many tasks, then
+    ``await close()``. Frameworks and accelerators run one call at a time best, so one batch
+    runs at a time, in one of two places, chosen per batch by what it is expected to cost the
+    event loop, never by the model's speed against a budget for speed:
 
-    Every request takes the same path whatever the model's size: the event loop appends it to
-    the queue and wakes the thread (a condition variable); the thread forms the batch
-    (:func:`plan_batch`), runs it, and completes the requests' futures with one
-    ``call_soon_threadsafe``. That is two thread wake-ups per batch and little else, where an
-    executor plus a dispatching task on the loop cost several loop turns more (and made
-    running small models on the loop, behind a measured time budget, worth its cliff).
+    - **On the event loop**, when no batch runs and the batch the queue forms is expected to
+      take at most :data:`INLINE_MAX_S`: the last batch with its key took that long, scaled up
+      to its rows. That is the common case of a router stepping a few images through an idle
+      expert: the call pays no thread wake-up at all. A wake-up costs 0.1-0.3 ms on a virtual machine
+      whose other vCPU sat idle while the model ran, and a core that ran the HTTP parsing runs
+      the model warmer (``docs/benchmarks.md``). The loop answers nothing else meanwhile, so
+      the bound keeps probes, ``/metrics``, other requests' parsing and SIGTERM waiting at most
+      that long (a probe's timeout is seconds).
+    - **On one long-lived model thread** otherwise: requests that arrive while a batch runs,
+      batches over the bound (a big model, or a key not seen yet), and timed waits for more
+      requests (``max_delay_ms``). The event loop appends the request under a condition
+      variable and wakes the thread, which forms the batch (:func:`plan_batch`), runs it and
+      completes the requests' futures with one ``call_soon_threadsafe``, while the loop keeps
+      accepting, parsing and queueing the next requests. Models release the GIL in their
+      kernels, so the loop stays responsive however long the batch.
+
+    The bound is set by what the loop may be kept from, not by the model: a model at 10 ms
+    and one at 40 ms take the same path at the same cost, and past the bound the two wake-ups
+    are under 1% of the batch's own time.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
@@ -191,8 +212,11 @@ class Batcher:
         self._on_batch = on_batch
         self._changed = threading.Condition()  # guards the three fields below
         self._queue: list[_Job] = []
-        self._running: list[_Job] = []  # the batch the model thread runs now
+        self._running: list[_Job] = []  # the batch that runs now, on the loop or the thread
         self._closed = False
+        #: key -> (model seconds, rows) of its last batch; read and written on the loop only.
+        self._took: dict[Hashable, tuple[float, int]] = {}
+        self._dispatch_due = False  # a _dispatch is scheduled on the loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -215,7 +239,12 @@ class Batcher:
         future: asyncio.Future[Output] = self._loop.create_future()
         with self._changed:
             self._queue.append(_Job(key, inputs, time.perf_counter(), future, size))
-            self._changed.notify()
+            if self._running:  # the thread takes it after this batch; the loop is not idle
+                self._changed.notify()
+            elif not self._dispatch_due:
+                # Decide after this loop turn, so that requests read in the same turn join.
+                self._dispatch_due = True
+                self._loop.call_soon(self._dispatch)
         return await future
 
     async def close(self) -> None:
@@ -232,53 +261,92 @@ class Batcher:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, MODEL_STOP_WAIT_S)
 
+    def _dispatch(self) -> None:
+        """On the loop, while no batch runs: run the next batch here if it is expected to be
+        short (:class:`Batcher`), else hand the queue to the model thread."""
+        self._dispatch_due = False
+        with self._changed:
+            if self._running or self._closed:
+                return  # the thread found the queue first, or nobody waits any more
+            decision = self._plan()
+            if not isinstance(decision, Dispatch) or not self._short(decision):
+                self._changed.notify()  # a timed wait, an empty queue or a long batch
+                return
+            jobs = self._take(decision)
+        self._deliver(jobs, *_timed(self._run, jobs))
+        with self._changed:
+            self._running = []
+            if self._queue:  # requests a full batch left behind
+                self._changed.notify()
+
+    def _short(self, decision: Dispatch) -> bool:
+        """Whether the batch is expected within INLINE_MAX_S: its key's last batch time, scaled
+        up (never down) to its rows; unknown keys are not."""
+        head = self._queue[decision.indices[0]]
+        took = self._took.get(head.key)
+        if took is None:
+            return False
+        seconds, rows = took
+        batch = sum(self._queue[i].cost for i in decision.indices)
+        return seconds * max(1.0, batch / rows) <= INLINE_MAX_S
+
+    def _plan(self) -> Dispatch | Wait | None:
+        """plan_batch over the queue, once requests whose clients went away (their futures
+        cancelled) are dropped unrun; None for an empty queue. Holds ``_changed``."""
+        self._queue = [job for job in self._queue if not job.future.done()]
+        if not self._queue:
+            return None
+        pending = [Pending(job.key, job.cost, job.arrived) for job in self._queue]
+        return plan_batch(pending, self._max_batch, self._max_delay, time.perf_counter())
+
+    def _take(self, decision: Dispatch) -> list[_Job]:
+        """Move the dispatched jobs from the queue to ``_running``. Holds ``_changed``."""
+        chosen = set(decision.indices)
+        self._running = [self._queue[i] for i in decision.indices]
+        self._queue = [job for i, job in enumerate(self._queue) if i not in chosen]
+        return self._running
+
     def _work(self) -> None:
         """The model thread: take a batch, run it, hand the results to the event loop."""
         assert self._loop is not None
         while (jobs := self._next_batch()) is not None:
-            started = time.perf_counter()
+            result = _timed(self._run, jobs)
             try:
-                outputs: list[Output] | Exception = _run_batch(self._run, jobs)
-            except Exception as error:  # noqa: BLE001 - the model's failure goes to its callers
-                outputs = error
-            report = BatchReport(images=sum(job.cost for job in jobs),
-                                 queue_delays=tuple(started - job.arrived for job in jobs),
-                                 model_seconds=time.perf_counter() - started)
-            try:
-                self._loop.call_soon_threadsafe(self._deliver, jobs, outputs, report)
+                self._loop.call_soon_threadsafe(self._deliver, jobs, *result)
             except RuntimeError:  # the event loop is closed: nobody is waiting any more
                 return
 
     def _next_batch(self) -> list[_Job] | None:
-        """Wait until :func:`plan_batch` dispatches, then take those jobs off the queue;
-        None once closed."""
+        """Wait until :func:`plan_batch` dispatches while no batch runs, then take those jobs
+        off the queue; None once closed."""
         with self._changed:
-            self._running = []
+            self._running = []  # this thread's last batch: one batch runs at a time
             while not self._closed:
-                # A request whose client went away (its future cancelled) is dropped unrun.
-                self._queue = [job for job in self._queue if not job.future.done()]
-                if not self._queue:
+                if self._running:  # a batch runs on the event loop
                     self._changed.wait()
                     continue
-                pending = [Pending(job.key, job.cost, job.arrived) for job in self._queue]
-                decision = plan_batch(pending, self._max_batch, self._max_delay,
-                                      time.perf_counter())
+                decision = self._plan()
+                if decision is None:
+                    self._changed.wait()
+                    continue
                 if isinstance(decision, Wait):
                     self._changed.wait(decision.seconds)
                     continue
-                chosen = set(decision.indices)
-                self._running = [self._queue[i] for i in decision.indices]
-                self._queue = [job for i, job in enumerate(self._queue) if i not in chosen]
-                return self._running
+                return self._take(decision)
             return None
 
     def _deliver(self, jobs: list[_Job], outputs: list[Output] | Exception,
                  report: BatchReport) -> None:
         """On the event loop: each request gets its rows, or the model's error (a failed
-        batch is not reported)."""
+        batch is not reported, nor remembered as its key's time)."""
         if isinstance(outputs, Exception):
             _fail(jobs, outputs)
             return
+        key = jobs[0].key
+        self._took.pop(key, None)
+        self._took[key] = (report.model_seconds, report.images)
+        if len(self._took) > KNOWN_KEYS:
+            del self._took[next(iter(self._took))]
         for job, output in zip(jobs, outputs):
             if not job.future.done():  # the client may have gone away
                 job.future.set_result(output)
@@ -286,8 +354,23 @@ class Batcher:
             self._on_batch(report)
 
 
+def _timed(run: RunFn, jobs: list[_Job]) -> tuple[list[Output] | Exception, BatchReport]:
+    """Run one batch: its rows per request (or the model's error) and its report."""
+    started = time.perf_counter()
+    try:
+        outputs: list[Output] | Exception = _run_batch(run, jobs)
+    except Exception as error:  # noqa: BLE001 - the model's failure goes to its callers
+        outputs = error
+    return outputs, BatchReport(images=sum(job.cost for job in jobs),
+                                queue_delays=tuple(started - job.arrived for job in jobs),
+                                model_seconds=time.perf_counter() - started)
+
+
 def _run_batch(run: RunFn, jobs: list[_Job]) -> list[Output]:
-    """Model-thread side: concatenate the requests, run the model once, split the rows."""
+    """Concatenate the requests, run the model once, split the rows (a lone request's arrays
+    go as they are: no copy)."""
+    if len(jobs) == 1:
+        return [run(jobs[0].key, jobs[0].inputs)]
     inputs = tuple(np.concatenate(column) for column in zip(*(job.inputs for job in jobs)))
     output = run(jobs[0].key, inputs)
     bounds = np.cumsum([job.size for job in jobs])[:-1]
