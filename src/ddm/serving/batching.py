@@ -176,28 +176,24 @@ class Batcher:
 
     Use it from one event loop: ``start()``, then ``await submit(...)`` from many tasks, then
     ``await close()``. Frameworks and accelerators run one call at a time best, so one batch
-    runs at a time, in one of two places, chosen per batch by what it is expected to cost the
-    event loop, never by the model's speed against a budget for speed:
+    runs at a time, in one of two places, chosen per batch by how long it would keep the event
+    loop from everything else:
 
     - **On the event loop**, when no batch runs and the batch the queue forms is expected to
-      take at most :data:`INLINE_MAX_S`: the last batch with its key took that long, scaled up
-      to its rows. That is the common case of a router stepping a few images through an idle
-      expert: the call pays no thread wake-up at all. A wake-up costs 0.1-0.3 ms on a virtual machine
-      whose other vCPU sat idle while the model ran, and a core that ran the HTTP parsing runs
-      the model warmer (``docs/benchmarks.md``). The loop answers nothing else meanwhile, so
-      the bound keeps probes, ``/metrics``, other requests' parsing and SIGTERM waiting at most
-      that long (a probe's timeout is seconds).
+      take at most :data:`INLINE_MAX_S` (its key's last batch time, scaled up to its rows):
+      the common case of a router stepping a few images through an idle expert. The call pays
+      no thread wake-up: each costs 0.1-0.3 ms on a virtual machine whose other vCPU sat idle
+      while the model ran (``docs/benchmarks.md``). Meanwhile the loop answers nothing else,
+      which the bound keeps short next to a probe's timeout (seconds).
     - **On one long-lived model thread** otherwise: requests that arrive while a batch runs,
-      batches over the bound (a big model, or a key not seen yet), and timed waits for more
-      requests (``max_delay_ms``). The event loop appends the request under a condition
+      batches expected over the bound (a big model, or a key not seen yet), and timed waits
+      for more requests (``max_delay_ms``). The loop appends the request under a condition
       variable and wakes the thread, which forms the batch (:func:`plan_batch`), runs it and
-      completes the requests' futures with one ``call_soon_threadsafe``, while the loop keeps
-      accepting, parsing and queueing the next requests. Models release the GIL in their
-      kernels, so the loop stays responsive however long the batch.
+      completes the requests' futures with one ``call_soon_threadsafe``; the loop goes on
+      accepting, parsing and queueing requests, since models release the GIL in their kernels.
 
-    The bound is set by what the loop may be kept from, not by the model: a model at 10 ms
-    and one at 40 ms take the same path at the same cost, and past the bound the two wake-ups
-    are under 1% of the batch's own time.
+    The bound is a limit on the loop's unavailability, not on the model's speed: the two paths
+    differ by the two wake-ups, under 1% of any batch past the bound.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
