@@ -199,8 +199,10 @@ def test_close_fails_queued_and_running_requests():
         await asyncio.to_thread(model.started.wait, 10)
         queued = asyncio.create_task(batcher.submit(V, rows([2])))
         await asyncio.sleep(0)
-        await batcher.close()
+        closing = asyncio.create_task(batcher.close())
+        await asyncio.sleep(0)  # close() failed both requests and now waits for the thread
         model.release.set()
+        await closing
         outcomes = await asyncio.gather(running, queued, return_exceptions=True)
         with pytest.raises(BatcherClosed):
             await batcher.submit(V, rows([3]))
@@ -342,3 +344,24 @@ def test_an_integration_grid_is_sliced_into_pieces_that_chain_end_to_start():
     assert all(a[-1] == b[0] for a, b in zip(pieces, pieces[1:]))
     np.testing.assert_array_equal(np.concatenate([pieces[0], *(p[1:] for p in pieces[1:])]),
                                   grid)
+
+
+def test_a_request_cancelled_before_its_batch_is_decided_is_dropped_and_the_rest_still_run():
+    """The first request of an idle batcher decides the batch one loop turn later; cancelled
+    in that turn, it is dropped unrun and the request queued behind it still runs."""
+    model = ThreadRecorder({})
+
+    async def scenario():
+        batcher = Batcher(model, max_batch=1, max_delay_ms=0)
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(V, rows([1])))
+        second = asyncio.create_task(batcher.submit(V, rows([2])))
+        await asyncio.sleep(0)  # both queued; the first waits out its turn
+        first.cancel()
+        result = await asyncio.wait_for(second, 10)  # not left queued for ever
+        await batcher.close()
+        return result, first.cancelled()
+
+    result, cancelled = asyncio.run(scenario())
+    assert cancelled and result.item() == 2
+    assert [size for _, size, _ in model.threads] == [1]

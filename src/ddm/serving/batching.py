@@ -235,12 +235,20 @@ class Batcher:
         future: asyncio.Future[Output] = self._loop.create_future()
         with self._changed:
             self._queue.append(_Job(key, inputs, time.perf_counter(), future, size))
+            dispatch = not self._running and not self._dispatch_due
             if self._running:  # the thread takes it after this batch; the loop is not idle
                 self._changed.notify()
-            elif not self._dispatch_due:
-                # Decide after this loop turn, so that requests read in the same turn join.
-                self._dispatch_due = True
-                self._loop.call_soon(self._dispatch)
+            self._dispatch_due |= dispatch
+        if dispatch:
+            # Decide after one loop turn, so that requests read in the same turn join; this
+            # task decides, so that a batch run here returns without another turn.
+            try:
+                await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                future.cancel()  # dropped unrun, as when cancelled while queued
+                self._loop.call_soon(self._dispatch)  # for the others queued meanwhile
+                raise
+            self._dispatch()
         return await future
 
     async def close(self) -> None:

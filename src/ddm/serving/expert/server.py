@@ -253,7 +253,8 @@ async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> 
 
 
 def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Run one batch in the model thread: a velocity, or a whole integration on one grid."""
+    """Run one batch (the batcher runs it on the event loop or its model thread): a velocity,
+    or a whole integration on one grid."""
     backend = expert.backend
     assert backend is not None, "the batcher starts only once the backend is loaded"
     if not isinstance(key, _Integrate):

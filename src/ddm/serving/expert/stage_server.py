@@ -294,7 +294,7 @@ def _context_rows(server: _StageServer, message: TextVelocityRequest | TextInteg
 
 
 def _execute(server: _StageServer, key: Hashable, inputs: tuple[np.ndarray, ...]) -> Any:
-    """One batch in the model thread."""
+    """One batch, run by the batcher (on the event loop or its model thread)."""
     stage = server.stage
     assert stage is not None, "the batcher starts once the stage is loaded"
     if key == "encode":
