@@ -255,6 +255,24 @@ def test_a_short_batch_of_a_known_key_runs_on_the_idle_event_loop():
     assert [r.ravel().tolist() for r in (first, second, third)] == [[1], [2, 3], [4]]
 
 
+def test_concurrent_requests_batch_on_the_model_thread_even_for_a_fast_key():
+    """Requests read in the same loop turn form one batch, and several requests mean others
+    are waiting: the thread runs it while the loop goes on parsing."""
+    model = ThreadRecorder({})
+
+    async def scenario():
+        batcher = Batcher(model, max_batch=8, max_delay_ms=0)
+        batcher.start()
+        await batcher.submit(V, rows([0]))  # V known and fast from here on
+        results = await asyncio.gather(*(batcher.submit(V, rows([i])) for i in (1, 2, 3)))
+        await batcher.close()
+        return results
+
+    results = asyncio.run(scenario())
+    assert model.threads == [(V, 1, "ddm-model"), (V, 3, "ddm-model")]
+    assert [r.item() for r in results] == [1, 2, 3]
+
+
 def test_a_batch_expected_over_the_inline_bound_runs_on_the_model_thread():
     """A's first batch took over INLINE_MAX_S; V's batch of 1 took a fifth of it, so a batch of
     6 (expected 1.2 times the bound) goes to the thread, and a batch of 1 (expected what the

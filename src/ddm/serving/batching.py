@@ -179,18 +179,19 @@ class Batcher:
     runs at a time, in one of two places, chosen per batch by how long it would keep the event
     loop from everything else:
 
-    - **On the event loop**, when no batch runs and the batch the queue forms is expected to
-      take at most :data:`INLINE_MAX_S` (its key's last batch time, scaled up to its rows):
-      the common case of a router stepping a few images through an idle expert. The call pays
-      no thread wake-up: each costs 0.1-0.3 ms on a virtual machine whose other vCPU sat idle
-      while the model ran (``docs/benchmarks.md``). Meanwhile the loop answers nothing else,
-      which the bound keeps short next to a probe's timeout (seconds).
-    - **On one long-lived model thread** otherwise: requests that arrive while a batch runs,
-      batches expected over the bound (a big model, or a key not seen yet), and timed waits
-      for more requests (``max_delay_ms``). The loop appends the request under a condition
-      variable and wakes the thread, which forms the batch (:func:`plan_batch`), runs it and
-      completes the requests' futures with one ``call_soon_threadsafe``; the loop goes on
-      accepting, parsing and queueing requests, since models release the GIL in their kernels.
+    - **On the event loop**, for a lone request on an idle batcher (no batch runs, nothing
+      else queued) expected to take at most :data:`INLINE_MAX_S` (its key's last batch time,
+      scaled up to its rows): a router stepping its images through an expert nobody else
+      calls. The call pays no thread wake-up: each costs 0.1-0.3 ms on a virtual machine whose
+      other vCPU sat idle while the model ran (``docs/benchmarks.md``). Meanwhile the loop
+      answers nothing else, which the bound keeps short next to a probe's timeout (seconds).
+    - **On one long-lived model thread** otherwise: concurrent requests (which it batches
+      while the loop parses the next ones), requests expected over the bound (a big model, or
+      a key not seen yet), and timed waits for more requests (``max_delay_ms``). The loop
+      appends the request under a condition variable and wakes the thread, which forms the
+      batch (:func:`plan_batch`), runs it and completes the requests' futures with one
+      ``call_soon_threadsafe``; the loop goes on accepting, parsing and queueing requests,
+      since models release the GIL in their kernels.
 
     The bound is a limit on the loop's unavailability, not on the model's speed: the two paths
     differ by the two wake-ups, under 1% of any batch past the bound.
@@ -273,8 +274,9 @@ class Batcher:
             if self._running or self._closed:
                 return  # the thread found the queue first, or nobody waits any more
             decision = self._plan()
-            if not isinstance(decision, Dispatch) or not self._short(decision):
-                self._changed.notify()  # a timed wait, an empty queue or a long batch
+            if not (isinstance(decision, Dispatch) and len(self._queue) == 1
+                    and self._short(self._queue[0])):
+                self._changed.notify()  # a timed wait, concurrent requests or a long batch
                 return
             jobs = self._take(decision)
         self._deliver(jobs, *_timed(self._run, jobs))
@@ -283,16 +285,14 @@ class Batcher:
             if self._queue:  # requests a full batch left behind
                 self._changed.notify()
 
-    def _short(self, decision: Dispatch) -> bool:
-        """Whether the batch is expected within INLINE_MAX_S: its key's last batch time, scaled
+    def _short(self, job: _Job) -> bool:
+        """Whether ``job`` is expected within INLINE_MAX_S: its key's last batch time, scaled
         up (never down) to its rows; unknown keys are not."""
-        head = self._queue[decision.indices[0]]
-        took = self._took.get(head.key)
+        took = self._took.get(job.key)
         if took is None:
             return False
         seconds, rows = took
-        batch = sum(self._queue[i].cost for i in decision.indices)
-        return seconds * max(1.0, batch / rows) <= INLINE_MAX_S
+        return seconds * max(1.0, job.cost / rows) <= INLINE_MAX_S
 
     def _plan(self) -> Dispatch | Wait | None:
         """plan_batch over the queue, once requests whose clients went away (their futures
