@@ -280,10 +280,8 @@ class Batcher:
                 return
             jobs = self._take(decision)
         self._deliver(jobs, *_timed(self._run, jobs))
-        with self._changed:
+        with self._changed:  # nothing queued meanwhile: only this loop submits
             self._running = []
-            if self._queue:  # requests a full batch left behind
-                self._changed.notify()
 
     def _short(self, job: _Job) -> bool:
         """Whether ``job`` is expected within INLINE_MAX_S: its key's last batch time, scaled
