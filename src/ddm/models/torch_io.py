@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -106,13 +105,6 @@ def router_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None)
         raise CheckpointError(f"checkpoint {ckpt.path} is a {ckpt.meta.kind}, not a router")
     model = RouterNet(_config(ckpt, RouterNetworkConfig))
     return load_canonical(model, ckpt).to(device or torch.device("cpu"))
-
-
-# The serving protocol decodes requests into read-only views of the body (no copy). The model
-# reads its inputs under inference_mode and never writes them, so torch's warning that such an
-# array is not writable says nothing useful: users saw it on every server's first request.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
-                        category=UserWarning)
 
 
 def velocity_fn(model: nn.Module, device: torch.device
