@@ -163,22 +163,23 @@ async def measure(trees: list[Path]) -> dict[str, Any]:
     torch.set_num_threads(1)
     local = {name: _local_model(REPOSITORY_ROOT / checkpoint, sleep)
              for name, (checkpoint, _, _, sleep) in MODELS.items()}
-    servers: dict[tuple[str, str], tuple[subprocess.Popen[bytes], str, Path]] = {}
-    runs: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+    servers: dict[tuple[str, str], tuple[str, Path]] = {}
     models: dict[str, list[float]] = {name: [] for name in MODELS}
-    with tempfile.TemporaryDirectory(prefix="ddm-calls-") as scratch, ExitStack() as stack:
-        for name, (checkpoint, _, _, sleep) in MODELS.items():
-            for index, tree in enumerate(trees):
-                times_file = Path(scratch) / f"{name}-{index}.json"
-                process, endpoint = _start(tree, REPOSITORY_ROOT / checkpoint, sleep,
-                                           times_file)
-                stack.callback(_stop, process)
-                servers[name, str(tree)] = (process, endpoint, times_file)
-        client = HttpClient(keep_alive_s=_TIMEOUT_S)
-        try:
-            for _, endpoint, _ in servers.values():
+    with tempfile.TemporaryDirectory(prefix="ddm-calls-") as scratch:
+        with ExitStack() as stack:  # stops every server, so that each writes its times
+            for name, (checkpoint, _, _, sleep) in MODELS.items():
+                for index, tree in enumerate(trees):
+                    times_file = Path(scratch) / f"{name}-{index}.json"
+                    process, endpoint = _start(tree, REPOSITORY_ROOT / checkpoint, sleep,
+                                               times_file)
+                    stack.callback(_stop, process)
+                    servers[name, str(tree)] = (endpoint, times_file)
+            runs: dict[tuple[str, str], tuple[list[float], list[float]]] = {
+                key: ([], []) for key in servers}
+            client = HttpClient(keep_alive_s=_TIMEOUT_S)
+            stack.callback(client.close)
+            for endpoint, _ in servers.values():
                 await _wait_ready(client, endpoint)
-            runs = {key: ([], []) for key in servers}
             for round_index in range(ROUNDS + 1):  # round 0 warms up and is dropped
                 for name, (_, shape, label, _) in MODELS.items():
                     x = np.random.default_rng(0).standard_normal((1, *shape), np.float32)
@@ -186,7 +187,7 @@ async def measure(trees: list[Path]) -> dict[str, Any]:
                     body = encode_request(VelocityRequest(1, x, t, y))
                     for tree in trees:
                         key = (name, str(tree))
-                        calls, floors = await _round(client, servers[key][1], body,
+                        calls, floors = await _round(client, servers[key][0], body,
                                                      (1, *shape))
                         if round_index > 0:
                             runs[key][0].extend(calls)
@@ -196,12 +197,8 @@ async def measure(trees: list[Path]) -> dict[str, Any]:
                         local[name](x, t, y)
                         if round_index > 0:
                             models[name].append(time.perf_counter() - started)
-        finally:
-            client.close()
-        for process, _, _ in servers.values():
-            _stop(process)
         served = {key: json.loads(times_file.read_text())[-len(runs[key][0]):]
-                  for key, (_, _, times_file) in servers.items()}
+                  for key, (_, times_file) in servers.items()}
     figures: dict[str, Any] = {}
     for (name, tree), (calls, floors) in runs.items():
         for statistic, pick in (("median", statistics.median), ("p10", _p10)):

@@ -213,7 +213,7 @@ class Batcher:
         self._closed = False
         #: key -> (model seconds, rows) of its last batch; read and written on the loop only.
         self._took: dict[Hashable, tuple[float, int]] = {}
-        self._dispatch_due = False  # a _dispatch is scheduled on the loop
+        self._dispatch_due = False  # a submitting task will run _dispatch after its turn
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
