@@ -169,13 +169,22 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if cycle is None or cycle is previous:  # an upgrade, which these servers refuse
             return
         send = cycle.send
+        writer = cycle.transport = _HeadWithBody(cycle.transport)
 
         async def send_closing(message: Any) -> None:
-            if message["type"] == "http.response.start" and self.phase is Phase.BODY:
+            if message["type"] != "http.response.start":
+                await send(message)
+                writer.flush()  # a body-less reply (HEAD, 304) sends its head now
+                return
+            if self.phase is Phase.BODY:
                 # Answered before its body was in (413, 401, 404...): the rest is not worth
                 # reading, so the reply says "connection: close" and uvicorn closes after it.
                 cycle.keep_alive = False
-            await send(message)
+            writer.holding = True
+            try:
+                await send(message)
+            finally:
+                writer.holding = False
 
         cycle.send = send_closing  # type: ignore[method-assign]  # looked up when the app runs
 
@@ -244,3 +253,36 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             b"content-length: %d\r\nconnection: close\r\n\r\n%s"
             % (status, http.HTTPStatus(status).phrase.encode(), len(body), body))
         self.transport.close()
+
+
+class _HeadWithBody:
+    """A request cycle's transport that holds the reply's head (status line and headers,
+    which uvicorn writes as soon as the app starts its reply) until the first body bytes, so
+    that both leave in one ``writelines`` (one writev, one segment, one wake-up of the client)
+    rather than two writes; everything else goes to ``transport`` as it is."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.holding = False  # the next write is the head
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        if self.holding:
+            self.head = data
+        elif self.head is not None:
+            head, self.head = self.head, None
+            self.transport.writelines((head, data))
+        else:
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        if self.head is not None:
+            head, self.head = self.head, None
+            self.transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)

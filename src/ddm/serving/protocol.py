@@ -15,6 +15,7 @@ bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import struct
@@ -112,6 +113,7 @@ _KIND_NAMES = {_Kind.VELOCITY: "a velocity request", _Kind.INTEGRATE: "an integr
 _REQUESTS = (_Kind.VELOCITY, _Kind.INTEGRATE, _Kind.CONTEXT, _Kind.TEXT_VELOCITY,
              _Kind.TEXT_INTEGRATE, _Kind.ENCODE, _Kind.DECODE, _Kind.ROUTE)
 _REPLIES = (_Kind.RESPONSE, _Kind.ERROR)
+_KIND_CODES = {kind.value: kind for kind in _Kind}
 #: The version each kind is sent with: the label kinds and the replies keep version 1.
 _VERSIONS = {kind: VERSION if kind <= _Kind.ERROR else VERSION_TEXT for kind in _Kind}
 
@@ -412,18 +414,30 @@ def _encode(kind: _Kind, request_id: int, param: int, values: tuple[np.ndarray, 
     if not 0 <= request_id <= _MAX_U64:
         raise ProtocolError(f"request id {request_id} does not fit in u64")
     arrays = [_to_wire(value, spec) for value, spec in zip(values, _SCHEMAS[kind])]
-    header = [_FIXED.pack(MAGIC, _VERSIONS[kind], kind, 0, len(arrays), request_id, param)]
-    for spec, array in zip(_SCHEMAS[kind], arrays):
-        header.append(_DESCRIPTOR.pack(_NAME_CODES[spec.name], _DTYPE_CODES[array.dtype],
-                                       array.ndim))
-        header.append(struct.pack(f"<{array.ndim}I", *array.shape))
-    parts: list[bytes | np.ndarray] = [b"".join(header)]
-    offset = len(parts[0])
-    for array in arrays:
-        start = _aligned(offset)
-        parts += [bytes(start - offset), array]
-        offset = start + array.nbytes
+    gaps = _header_gaps(kind, tuple((array.dtype, array.shape) for array in arrays))
+    parts: list[bytes | np.ndarray] = [
+        _FIXED.pack(MAGIC, _VERSIONS[kind], kind, 0, len(arrays), request_id, param)]
+    for gap, array in zip(gaps, arrays):
+        parts += [gap, array]
     return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _header_gaps(kind: _Kind, tensors: tuple[tuple[np.dtype, tuple[int, ...]], ...]
+                 ) -> tuple[bytes, ...]:
+    """What goes before each tensor's data: the descriptors and their padding before the
+    first, padding before the others. Cached, since a caller sends the same shapes at every
+    step."""
+    header = b"".join(_DESCRIPTOR.pack(_NAME_CODES[spec.name], _DTYPE_CODES[dtype], len(shape))
+                      + struct.pack(f"<{len(shape)}I", *shape)
+                      for spec, (dtype, shape) in zip(_SCHEMAS[kind], tensors))
+    offset = _FIXED.size + len(header)
+    gaps = []
+    for dtype, shape in tensors:
+        start = _aligned(offset)
+        gaps.append(bytes(start - offset))
+        offset = start + math.prod(shape) * dtype.itemsize
+    return (header + gaps[0], *gaps[1:])
 
 
 def _to_wire(value: np.ndarray, spec: _Spec) -> np.ndarray:
@@ -571,10 +585,9 @@ def _version(view: memoryview) -> int:
 
 def _check_kind(code: int, flags: int, count: int, kinds: tuple[_Kind, ...],
                 version: int) -> _Kind:
-    try:
-        kind = _Kind(code)
-    except ValueError:
-        raise ProtocolError(f"unknown message kind {code}") from None
+    kind = _KIND_CODES.get(code)
+    if kind is None:
+        raise ProtocolError(f"unknown message kind {code}")
     if _VERSIONS[kind] != version:
         raise ProtocolError(f"{_KIND_NAMES[kind]} is a version {_VERSIONS[kind]} message, "
                             f"sent as version {version}")
@@ -589,8 +602,52 @@ def _check_kind(code: int, flags: int, count: int, kinds: tuple[_Kind, ...],
     return kind
 
 
+@dataclass(frozen=True)
+class _Placed:
+    """Where one tensor of a well-formed body lies."""
+
+    dtype: np.dtype
+    dims: tuple[int, ...]
+    start: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A well-formed body's tensors and the padding before each (which must be zero)."""
+
+    tensors: tuple[_Placed, ...]
+    padding: tuple[tuple[int, int], ...]
+
+
+#: Bytes from a kind's first descriptor to its last dims, when every rank is the schema's.
+_DESCRIPTORS_END = {kind: _FIXED.size + sum(_DESCRIPTOR.size + 4 * spec.ndim for spec in specs)
+                    for kind, specs in _SCHEMAS.items()}
+#: Layouts of bodies decoded before, by (kind, descriptor bytes, body size): a sampling loop
+#: sends the same shapes at every step, so a request is laid out once and then only its
+#: padding is checked. Bounded, since a client may send any dims.
+_KNOWN_LAYOUTS: dict[tuple[_Kind, bytes, int], _Layout] = {}
+_MAX_KNOWN_LAYOUTS = 64
+
+
 def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
-    """Descriptors, then data: every size is checked against the body before any view."""
+    """The tensors as views of the body: its layout as read before, when its header and size
+    are a known body's and its padding is zero; else read and checked by :func:`_read_layout`.
+    """
+    key = (kind, bytes(view[_FIXED.size:_DESCRIPTORS_END[kind]]), view.nbytes)
+    layout = _KNOWN_LAYOUTS.get(key)
+    if layout is None or any(any(view[start:end]) for start, end in layout.padding):
+        layout = _read_layout(view, kind)
+        if len(_KNOWN_LAYOUTS) >= _MAX_KNOWN_LAYOUTS:
+            del _KNOWN_LAYOUTS[next(iter(_KNOWN_LAYOUTS))]
+        _KNOWN_LAYOUTS[key] = layout
+    return [np.ndarray(placed.dims, placed.dtype, view, placed.start)
+            for placed in layout.tensors]
+
+
+def _read_layout(view: memoryview, kind: _Kind) -> _Layout:
+    """Descriptors, then data: every size is checked against the body before any view; a
+    body that is not well formed raises :class:`ProtocolError` (400, or 422 for a dtype or
+    rank we decode but do not accept)."""
     size = view.nbytes
     offset = _FIXED.size
     layouts: list[tuple[_Spec, np.dtype, tuple[int, ...]]] = []
@@ -619,7 +676,7 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
         layouts.append((spec, dtype, struct.unpack_from(f"<{ndim}I", view, offset)))
         offset += 4 * ndim
 
-    tensors = []
+    placed, padding = [], []
     for spec, dtype, dims in layouts:
         start = _aligned(offset)
         if start > size:
@@ -632,18 +689,20 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
             raise ProtocolError(f"truncated tensor data: '{spec.name}' {dims} needs {nbytes} "
                                 f"bytes at offset {start}, the body has {size - start} left")
         try:
-            tensor = np.frombuffer(view, dtype, nbytes // dtype.itemsize, start).reshape(dims)
+            np.ndarray(dims, dtype, view, start)
         except ValueError:  # e.g. (2**32 - 1, 2**32 - 1, 0, 0): no bytes, yet too big for NumPy
             raise ProtocolError(f"'{spec.name}' dims {dims} describe no array NumPy can hold "
                                 "(more than 64 dimensions, or sizes overflowing its index)"
                                 ) from None
-        tensors.append(tensor)
+        placed.append(_Placed(dtype, dims, start))
+        if start > offset:
+            padding.append((offset, start))
         offset = start + nbytes
     if offset != size:
         raise ProtocolError(f"{size - offset} trailing bytes after the last tensor")
     if refused is not None:
         raise ProtocolError(refused, 422)
-    return tensors
+    return _Layout(tuple(placed), tuple(padding))
 
 
 def _check_velocity(request_id: int, param: int, tensors: list[np.ndarray],
