@@ -143,6 +143,41 @@ def test_request_bytes_match_the_documented_example() -> None:
     assert body == documented == velocity(x, np.array([0.25], np.float32), np.array([3]))
 
 
+def test_encoders_lay_out_each_shape_alike_whatever_came_before() -> None:
+    """Headers are reused per shape: interleaved shapes, dtypes and ids still give the
+    documented bytes (the independent writer's)."""
+    shapes = [X, X[:1], X.astype(np.float16), X, np.zeros((3, 2, 1, 5), np.float32), X[:1]]
+    for request_id, out in enumerate(shapes * 2, start=5):
+        assert encode_response(request_id, out) == raw_body(
+            RESPONSE, [tensor("out", out)], request_id=request_id)
+    for request_id, (x, y) in enumerate([(X, Y), (X[:1], Y[:1].astype(np.int32)), (X, Y)]):
+        assert encode_request(VelocityRequest(request_id, x, T[:len(x)], y)) == velocity(
+            x, T[:len(x)], y, request_id=request_id)
+
+
+def test_a_body_laid_out_like_one_decoded_before_is_still_checked_whole() -> None:
+    decode_request(velocity(), LIMITS)  # its layout is now known
+    with pytest.raises(ProtocolError, match="padding before 'x' is not zero"):
+        decode_request(with_byte(velocity(), 52, 1), LIMITS)
+    with pytest.raises(ProtocolError, match="'x' has non-finite"):
+        decode_request(velocity(x=np.where(X > 0.9, np.inf, X)), LIMITS)
+    sent = decode_request(velocity(x=-X, request_id=9), LIMITS)
+    assert sent.request_id == 9 and np.array_equal(sent.x, -X)
+
+
+def test_bodies_of_many_shapes_keep_a_bounded_memo_and_decode_right() -> None:
+    """A client may send any dims: the known layouts stay bounded, and every body decodes to
+    its own arrays, the first shapes again after many others."""
+    from ddm.serving import protocol
+
+    shapes = [(1, 1, side, side + 1) for side in range(1, 150)]
+    for shape in shapes + shapes[:3]:
+        x = np.full(shape, 0.5, np.float32)
+        sent = decode_request(velocity(x, T[:1], Y[:1]), LIMITS)
+        assert sent.x.shape == shape and np.array_equal(sent.x, x)
+    assert len(protocol._KNOWN_LAYOUTS) <= 64
+
+
 def wire_sizes(batch: int, shape: tuple[int, int, int]) -> tuple[int, int, int, int]:
     """(request bytes, raw x + t + y bytes, response bytes, raw out bytes)."""
     x = np.zeros((batch, *shape), np.float32)

@@ -33,6 +33,10 @@ their share of that cap. Requests are not pipelined: bytes of a next request tha
 the reply is sent are dropped and the connection closes after the reply, which RFC 9112 (9.3.2)
 tells a pipelining client to expect.
 
+A reply leaves in one write: uvicorn writes the head as soon as the app starts its reply and
+the body when the app sends it, two segments that wake the client twice; each request's cycle
+writes through :class:`_HeadWithBody`, which holds the head until the body (one writev).
+
 Per client address there is no quota: behind an ingress or a Service every client may share one
 address, and the routers are the experts' only legitimate clients.
 """

@@ -1,0 +1,101 @@
+"""A server's reply leaves in one write: its head (status line and headers) and its body in one
+writev, so that the client wakes once (``ddm.serving.connections``). Counted with the kernel's
+own tally of this process's write calls (``syscw`` in ``/proc/self/io``: write and writev,
+not the raw client's send and recv), against a real expert server on a thread."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse, StreamingResponse
+from starlette.routing import Route
+
+from ddm.serving.expert.server import create_expert_app
+from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from servers import running, wait_ready
+
+READYZ = Route("/readyz", lambda request: PlainTextResponse("ready"))
+
+
+def _write_calls() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("syscw:"):
+            return int(line.split()[1])
+    raise AssertionError("no syscw in /proc/self/io")
+
+
+def _exchange(sock: socket.socket, request: bytes, *, has_body: bool = True) -> bytes:
+    """Send ``request`` and read one whole reply with a Content-Length (or none, for HEAD)."""
+    sock.sendall(request)
+    reply = b""
+    while b"\r\n\r\n" not in reply:
+        reply += sock.recv(65536)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while has_body and len(body) < length:
+        body += sock.recv(65536)
+    return reply if not has_body else head + b"\r\n\r\n" + body
+
+
+@pytest.fixture
+def expert(smoke_expert_checkpoint: Path):
+    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8)) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            yield sock
+
+
+def test_binary_and_json_replies_leave_in_one_write_each(expert: socket.socket):
+    x = np.random.default_rng(0).standard_normal((1, 1, 8, 8), np.float32)
+    body = encode_request(VelocityRequest(3, x, np.array([0.5], np.float32), np.array([1])))
+    velocity = (f"POST /v1/velocity HTTP/1.1\r\nHost: e\r\nContent-Type: {CONTENT_TYPE}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    healthz = b"GET /healthz HTTP/1.1\r\nHost: e\r\n\r\n"
+    for request in (velocity, healthz):  # the first of each warms up (the model's first batch)
+        _exchange(expert, request)
+    for request in (velocity, healthz, velocity, velocity, healthz):
+        before = _write_calls()
+        reply = _exchange(expert, request)
+        assert _write_calls() - before == 1, reply[:200]
+        assert reply.startswith(b"HTTP/1.1 200 ")
+        if request is velocity:
+            out = decode_response(reply[reply.index(b"\r\n\r\n") + 4:], 3, (1, 1, 8, 8))
+            assert np.isfinite(out).all()
+
+
+def test_a_body_less_reply_sends_its_head_and_the_connection_serves_on():
+    app = Starlette(routes=[Route("/ping", lambda request: PlainTextResponse("pong")), READYZ])
+    with running(app) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            head = _exchange(sock, b"HEAD /ping HTTP/1.1\r\nHost: p\r\n\r\n", has_body=False)
+            assert head.startswith(b"HTTP/1.1 200 ") and head.endswith(b"\r\n\r\n")
+            assert _exchange(sock, b"GET /ping HTTP/1.1\r\nHost: p\r\n\r\n").endswith(
+                b"\r\n\r\npong")
+
+
+def test_a_streamed_reply_arrives_whole_in_order():
+    async def chunks():
+        for word in (b"one ", b"two ", b"three"):
+            yield word
+
+    app = Starlette(routes=[Route("/stream", lambda request: StreamingResponse(chunks())),
+                            READYZ])
+    with running(app) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(b"GET /stream HTTP/1.1\r\nHost: s\r\nConnection: close\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 ") and b"transfer-encoding: chunked" in head
+    assert body == b"4\r\none \r\n4\r\ntwo \r\n5\r\nthree\r\n0\r\n\r\n"
