@@ -50,6 +50,7 @@ from ddm.serving.expert.backends import load_backend
 from ddm.serving.http_client import HttpClient
 from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
                                   encode_request, max_error_reply_bytes, max_reply_bytes)
+from benchmarks.figures import CALL_ABOVE_FLOOR_MS, verdict
 from benchmarks.fleet import HOST, READY_S
 
 CALLS = 5
@@ -157,8 +158,9 @@ async def _round(client: HttpClient, endpoint: str, body: bytes,
     return calls, floors
 
 
-async def measure(trees: list[Path]) -> dict[str, Any]:
-    """Every tree's call overhead per model, rounds alternated between the trees."""
+async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
+    """Every tree's call overhead per model, ``rounds`` alternated between the trees; each
+    median ``server_above_floor_ms`` against :data:`~benchmarks.figures.CALL_ABOVE_FLOOR_MS`."""
     load = list(os.getloadavg())
     torch.set_num_threads(1)
     local = {name: _local_model(REPOSITORY_ROOT / checkpoint, sleep)
@@ -180,7 +182,7 @@ async def measure(trees: list[Path]) -> dict[str, Any]:
             stack.callback(client.close)
             for endpoint, _ in servers.values():
                 await _wait_ready(client, endpoint)
-            for round_index in range(ROUNDS + 1):  # round 0 warms up and is dropped
+            for round_index in range(rounds + 1):  # round 0 warms up and is dropped
                 for name, (_, shape, label, _) in MODELS.items():
                     x = np.random.default_rng(0).standard_normal((1, *shape), np.float32)
                     t, y = np.full(1, 0.5, np.float32), np.full(1, label, np.int64)
@@ -210,7 +212,9 @@ async def measure(trees: list[Path]) -> dict[str, Any]:
                 "overhead_ms": round(call - model, 3),
                 "above_floor_ms": round(call - model - floor, 3),
                 "server_above_floor_ms": round(call - in_server - floor, 3)}
-    return {"calls_per_round": CALLS, "rounds": ROUNDS, "inline_max_s": INLINE_MAX_S,
+        figures[name][tree].update(verdict(figures[name][tree]["median"][
+            "server_above_floor_ms"], CALL_ABOVE_FLOOR_MS, at_least=False))
+    return {"calls_per_round": CALLS, "rounds": rounds, "inline_max_s": INLINE_MAX_S,
             "load_average_before": load, "load_average_after": list(os.getloadavg()),
             "models": figures}
 

@@ -22,6 +22,8 @@ SPEEDUP_VS_REFERENCE = 5.0
 BATCHING_SPEEDUP = 4.0
 WIRE_RATIO = 1.02
 ACCURACY_GAP_POINTS = 1.0
+#: A batch-1 expert call's cost beyond its model and the HTTP floor, any model size (issue 25).
+CALL_ABOVE_FLOOR_MS = 0.5
 
 
 def cpu_per_step(cpu_seconds: dict[str, float], step_count: int) -> dict[str, float | None]:
@@ -129,6 +131,9 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                 "x"),
                *((f"dynamic batching, 64 concurrent calls to {name}", figure, "x")
                  for name, figure in result["concurrency"]["expert"].items()),
+               *((f"batch-1 call to {name} beyond its model and the HTTP floor, median",
+                  next(iter(trees.values())), " ms")
+                 for name, trees in result["expert_call"]["models"].items()),
                ("body bytes / raw tensor bytes", result["wire"], ""),
                ("accuracy gap, per-step vs delegated (points)", result["quality"], "")]
     return [f"{'met ' if f['met'] else 'MISS'}  {name}: {f['value']}{unit} "

@@ -21,6 +21,9 @@ with one CPU thread, then ``ddm serve router``), it measures the figures of the 
    generation (:mod:`benchmarks.text_serving`);
 8. the shipped text2img's one prompt, 30 steps, top-2 with guidance, served by ``ddm up`` vs
    in-process; target: under one second (:mod:`benchmarks.text2img_latency`).
+9. a batch-1 velocity call's cost beyond its model (as timed inside the server) and the HTTP
+   floor, for a fast and a slow expert on both sides of the event loop's bound
+   (:mod:`benchmarks.calls`); target: <= 0.5 ms for every model.
 
 Every process (both deployments and the reference servers) starts at once and idles while the
 others are measured, so that ratios compare numbers taken under the same conditions. In-process
@@ -62,6 +65,7 @@ from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
 from ddm.serving.router.pool import KEEP_ALIVE_S
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
+from benchmarks.calls import measure as measure_calls
 from benchmarks.text2img_latency import text2img_latency, text2img_summary_lines
 from benchmarks.text_serving import text_figures, text_summary_lines
 
@@ -103,6 +107,11 @@ class BenchSettings:
         return 2 if self.quick else 10
 
     @property
+    def call_rounds(self) -> int:
+        """Rounds of :mod:`benchmarks.calls` (5 calls per model each)."""
+        return 2 if self.quick else 40
+
+    @property
     def per_digit(self) -> int:
         """Images per digit for the quality comparison."""
         return 1 if self.quick else 10
@@ -114,6 +123,7 @@ class BenchSettings:
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "repeats": self.repeats,
                 "big_repeats": self.big_repeats, "rounds": self.rounds,
+                "call_rounds": self.call_rounds,
                 "per_digit": self.per_digit, "delegations": list(self.delegations),
                 "strategy": STRATEGY, "solver": "euler", "big_batch": BIG_BATCH,
                 "concurrent": CONCURRENT, "manifest": str(MANIFEST), "host": HOST,
@@ -186,6 +196,8 @@ async def _measure(settings: BenchSettings, ddm: LoadedDDM, fleet: Fleet,
                                       settings.steps)
         figures["reference_baseline"]["call_latency"] = await _call_latency(
             ddm, session, fleet, settings.repeats * 20)
+        say(log, "one expert call beyond its model and the HTTP floor, fast and slow models")
+        figures["expert_call"] = await measure_calls([REPOSITORY_ROOT], settings.call_rounds)
         say(log, "64 concurrent requests, with and without dynamic batching")
         concurrency = await _concurrency(settings, ddm, session, fleet)
         say(log, "bytes on the wire")

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from benchmarks.serve import BenchSettings, run_bench
+from ddm.runtime.local import REPOSITORY_ROOT
 from benchmarks.figures import cpu_per_step, summary_lines, wire_bytes
 from benchmarks.fleet import cpu_seconds
 from benchmarks.reference_protocol import decode_npz, encode_npz
@@ -100,7 +101,9 @@ def test_quick_run_reports_every_figure_and_stops_every_server():
     assert {"platform", "cpu_count", "versions"} <= set(result["machine"])
     assert result["settings"]["steps"] == 4 and result["settings"]["quick"] is True
     figures = [result["throughput"]["batch_64"], *(result[k] for k in FIGURES_WITH_TARGETS),
-               result["concurrency"]["router"], *result["concurrency"]["expert"].values()]
+               result["concurrency"]["router"], *result["concurrency"]["expert"].values(),
+               *(models[str(REPOSITORY_ROOT)]
+                 for models in result["expert_call"]["models"].values())]
     for figure in figures:
         assert {"value", "target", "comparison", "met"} <= set(figure)
         assert isinstance(figure["met"], bool)
