@@ -16,6 +16,8 @@ from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
 
 READY_DEADLINE_S = 60.0
+#: The name of the thread serving port P is this prefix and P.
+SERVER_THREAD = "test-server-"
 
 
 @contextmanager
@@ -26,7 +28,8 @@ def running(app, limits: ConnectionLimits = ConnectionLimits()) -> Iterator[str]
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = build_server(app, "127.0.0.1", port, log_level="warning", limits=limits)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
+                              name=f"{SERVER_THREAD}{port}")
     thread.start()
     try:
         yield f"http://127.0.0.1:{port}"

@@ -1,31 +1,34 @@
 """A server's reply leaves in one write: its head (status line and headers) and its body in one
 writev, so that the client wakes once (``ddm.serving.connections``). Counted with the kernel's
-own tally of this process's write calls (``syscw`` in ``/proc/self/io``: write and writev,
-not the raw client's send and recv), against a real expert server on a thread."""
+own tally of the server thread's write calls (``syscw`` in ``/proc/self/task/TID/io``: write
+and writev), against a real expert server on a thread."""
 
 from __future__ import annotations
 
 import socket
+import threading
 from pathlib import Path
 
 import numpy as np
-import pytest
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
-from servers import running, wait_ready
+from servers import SERVER_THREAD, running, wait_ready
 
 READYZ = Route("/readyz", lambda request: PlainTextResponse("ready"))
 
 
-def _write_calls() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
+def _write_calls(port: int) -> int:
+    """Write calls so far of the thread serving ``port`` (its event loop: the model thread's
+    own wake-ups of the loop are not counted)."""
+    (thread,) = [t for t in threading.enumerate() if t.name == f"{SERVER_THREAD}{port}"]
+    for line in Path(f"/proc/self/task/{thread.native_id}/io").read_text().splitlines():
         if line.startswith("syscw:"):
             return int(line.split()[1])
-    raise AssertionError("no syscw in /proc/self/io")
+    raise AssertionError("no syscw in /proc/self/task/*/io")
 
 
 def _exchange(sock: socket.socket, request: bytes, *, has_body: bool = True) -> bytes:
@@ -42,31 +45,27 @@ def _exchange(sock: socket.socket, request: bytes, *, has_body: bool = True) -> 
     return reply if not has_body else head + b"\r\n\r\n" + body
 
 
-@pytest.fixture
-def expert(smoke_expert_checkpoint: Path):
-    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8)) as base:
-        wait_ready(base)
-        port = int(base.rsplit(":", 1)[1])
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            yield sock
-
-
-def test_binary_and_json_replies_leave_in_one_write_each(expert: socket.socket):
+def test_binary_and_json_replies_leave_in_one_write_each(smoke_expert_checkpoint: Path):
     x = np.random.default_rng(0).standard_normal((1, 1, 8, 8), np.float32)
     body = encode_request(VelocityRequest(3, x, np.array([0.5], np.float32), np.array([1])))
     velocity = (f"POST /v1/velocity HTTP/1.1\r\nHost: e\r\nContent-Type: {CONTENT_TYPE}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     healthz = b"GET /healthz HTTP/1.1\r\nHost: e\r\n\r\n"
-    for request in (velocity, healthz):  # the first of each warms up (the model's first batch)
-        _exchange(expert, request)
-    for request in (velocity, healthz, velocity, velocity, healthz):
-        before = _write_calls()
-        reply = _exchange(expert, request)
-        assert _write_calls() - before == 1, reply[:200]
-        assert reply.startswith(b"HTTP/1.1 200 ")
-        if request is velocity:
-            out = decode_response(reply[reply.index(b"\r\n\r\n") + 4:], 3, (1, 1, 8, 8))
-            assert np.isfinite(out).all()
+    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8)) as base:
+        wait_ready(base)
+        port = int(base.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            for request in (velocity, healthz):  # the first of each warms up
+                _exchange(sock, request)
+            for request in (velocity, healthz, velocity, velocity, healthz):
+                before = _write_calls(port)
+                reply = _exchange(sock, request)
+                assert _write_calls(port) - before == 1, reply[:200]
+                assert reply.startswith(b"HTTP/1.1 200 ")
+                if request is velocity:
+                    out = decode_response(reply[reply.index(b"\r\n\r\n") + 4:], 3,
+                                          (1, 1, 8, 8))
+                    assert np.isfinite(out).all()
 
 
 def test_a_body_less_reply_sends_its_head_and_the_connection_serves_on():

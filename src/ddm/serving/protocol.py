@@ -638,7 +638,7 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
     if layout is None or any(any(view[start:end]) for start, end in layout.padding):
         layout = _read_layout(view, kind)
         if len(_KNOWN_LAYOUTS) >= _MAX_KNOWN_LAYOUTS:
-            del _KNOWN_LAYOUTS[next(iter(_KNOWN_LAYOUTS))]
+            _KNOWN_LAYOUTS.pop(next(iter(_KNOWN_LAYOUTS), None), None)  # the oldest
         _KNOWN_LAYOUTS[key] = layout
     return [np.ndarray(placed.dims, placed.dtype, view, placed.start)
             for placed in layout.tensors]
