@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +19,26 @@ from ddm.serving.expert.server import create_expert_app
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from servers import SERVER_THREAD, running, wait_ready
 
+#: How long the server thread may stay runnable once its client has its reply.
+SETTLE_S = 30.0
 READYZ = Route("/readyz", lambda request: PlainTextResponse("ready"))
 
 
 def _write_calls(port: int) -> int:
     """Write calls so far of the thread serving ``port`` (its event loop: the model thread's
-    own wake-ups of the loop are not counted)."""
+    own wake-ups of the loop are not counted), read once the thread sleeps: the kernel counts
+    a write after its bytes are sent, so a thread still running may not have counted the
+    reply its client already read."""
     (thread,) = [t for t in threading.enumerate() if t.name == f"{SERVER_THREAD}{port}"]
-    for line in Path(f"/proc/self/task/{thread.native_id}/io").read_text().splitlines():
+    task = Path(f"/proc/self/task/{thread.native_id}")
+    deadline = time.monotonic() + SETTLE_S
+    while (task / "stat").read_text().rpartition(")")[2].split()[0] == "R":
+        assert time.monotonic() < deadline, f"the server thread ran for {SETTLE_S} s"
+        time.sleep(0.001)
+    for line in (task / "io").read_text().splitlines():
         if line.startswith("syscw:"):
             return int(line.split()[1])
-    raise AssertionError("no syscw in /proc/self/task/*/io")
+    raise AssertionError(f"no syscw in {task}/io")
 
 
 def _exchange(sock: socket.socket, request: bytes, *, has_body: bool = True) -> bytes:
