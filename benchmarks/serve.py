@@ -65,7 +65,7 @@ from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
 from ddm.serving.router.pool import KEEP_ALIVE_S
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
-from benchmarks.calls import measure as measure_calls
+from benchmarks.calls import ROUNDS as CALL_ROUNDS, measure as measure_calls
 from benchmarks.text2img_latency import text2img_latency, text2img_summary_lines
 from benchmarks.text_serving import text_figures, text_summary_lines
 
@@ -109,7 +109,7 @@ class BenchSettings:
     @property
     def call_rounds(self) -> int:
         """Rounds of :mod:`benchmarks.calls` (5 calls per model each)."""
-        return 2 if self.quick else 40
+        return 2 if self.quick else CALL_ROUNDS
 
     @property
     def per_digit(self) -> int:

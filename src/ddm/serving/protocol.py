@@ -49,6 +49,9 @@ _FIXED = struct.Struct("<4sBBBBQH")
 # name code, dtype code, ndim; then ndim u32 dims.
 _DESCRIPTOR = struct.Struct("<BBB")
 _MAX_U64 = 2**64 - 1
+#: Shapes whose layouts are kept, for decoding and for encoding alike: a caller sends the same
+#: shapes at every step; bounded, since a client may send any dims.
+_SHAPES_REMEMBERED = 64
 _MAX_U16 = 2**16 - 1
 
 
@@ -422,7 +425,7 @@ def _encode(kind: _Kind, request_id: int, param: int, values: tuple[np.ndarray, 
     return b"".join(parts)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=_SHAPES_REMEMBERED)
 def _header_gaps(kind: _Kind, tensors: tuple[tuple[np.dtype, tuple[int, ...]], ...]
                  ) -> tuple[bytes, ...]:
     """What goes before each tensor's data: the descriptors and their padding before the
@@ -624,9 +627,8 @@ _DESCRIPTORS_END = {kind: _FIXED.size + sum(_DESCRIPTOR.size + 4 * spec.ndim for
                     for kind, specs in _SCHEMAS.items()}
 #: Layouts of bodies decoded before, by (kind, descriptor bytes, body size): a sampling loop
 #: sends the same shapes at every step, so a request is laid out once and then only its
-#: padding is checked. Bounded, since a client may send any dims.
+#: padding is checked.
 _KNOWN_LAYOUTS: dict[tuple[_Kind, bytes, int], _Layout] = {}
-_MAX_KNOWN_LAYOUTS = 64
 
 
 def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
@@ -637,7 +639,7 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
     layout = _KNOWN_LAYOUTS.get(key)
     if layout is None or any(any(view[start:end]) for start, end in layout.padding):
         layout = _read_layout(view, kind)
-        if len(_KNOWN_LAYOUTS) >= _MAX_KNOWN_LAYOUTS:
+        if len(_KNOWN_LAYOUTS) >= _SHAPES_REMEMBERED:
             _KNOWN_LAYOUTS.pop(next(iter(_KNOWN_LAYOUTS), None), None)  # the oldest
         _KNOWN_LAYOUTS[key] = layout
     return [np.ndarray(placed.dims, placed.dtype, view, placed.start)
