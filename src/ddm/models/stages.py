@@ -60,7 +60,7 @@ _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent
 #: How a diffusers model of a stage is read: its own safetensors, nothing fetched, and
 #: initialised before its weights load, as diffusers does without ``accelerate`` (which our
 #: images do not ship): left to its default, it says so at every load.
-DIFFUSERS_LOADING = {"use_safetensors": True, "local_files_only": True,
+_DIFFUSERS_LOADING = {"use_safetensors": True, "local_files_only": True,
                      "low_cpu_mem_usage": False}
 #: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
 PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
@@ -121,7 +121,7 @@ class VaeDecoder:
         from diffusers import AutoencoderKL
 
         self.model = AutoencoderKL.from_pretrained(
-            directory, **DIFFUSERS_LOADING,
+            directory, **_DIFFUSERS_LOADING,
             torch_dtype=dtype or stored_dtype(directory)).to(device).eval()
         self.device = device
 
@@ -498,7 +498,7 @@ def _pixart(path: Path, declared: StageDeclaration, dtype: torch.dtype | None, d
     if backend == "jax":
         return _flax_pixart(path, declared, dtype)
     model = PixArtTransformer2DModel.from_pretrained(
-        path, **DIFFUSERS_LOADING, torch_dtype=dtype or stored_dtype(path)).to(device).eval()
+        path, **_DIFFUSERS_LOADING, torch_dtype=dtype or stored_dtype(path)).to(device).eval()
     config = model.config
     _check_outputs(path, config.in_channels, config.out_channels)
 
@@ -541,7 +541,7 @@ def _latent_router(path: Path, declared: StageDeclaration, dtype: torch.dtype | 
     if not isinstance(_convention(declared), ScaledTimeNetwork):
         raise CheckpointError(f"{path}: a latent-router sees our time t (it scales it "
                               "itself): its convention must be 'ours'")
-    model = LatentRouter.from_pretrained(path, **DIFFUSERS_LOADING,
+    model = LatentRouter.from_pretrained(path, **_DIFFUSERS_LOADING,
                                          torch_dtype=dtype or stored_dtype(path))
     model = model.to(device).eval()
     stage = _stage(declared, model, network_probabilities(
