@@ -32,7 +32,7 @@ from ddm.serving.expert.backends import Backend, BackendUnavailable, check_backe
 from ddm.serving.expert.server import create_expert_app
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
                                   VelocityRequest, decode_response, encode_request)
-from ddm.serving.termination import write_termination_message
+from ddm.termination import write_termination_message
 from servers import READY_DEADLINE_S, ready_server, running, wait_ready
 
 SHAPE = (1, 8, 8)  # the smoke config's images

@@ -29,7 +29,7 @@ from ddm.models.text_prior import pooled_text
 from ddm.serving.expert.server import create_expert_app
 from ddm.checkpoints.declared import STAGE_ROLES
 from ddm.serving.expert.stage_server import create_stage_app
-from ddm.serving import termination
+from ddm import termination
 from ddm.serving.http import build_server
 from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
                                   Solver, TextIntegrateRequest, TextVelocityRequest,

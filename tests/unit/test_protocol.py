@@ -103,6 +103,12 @@ def test_integrate_request_round_trips(solver: Solver) -> None:
     np.testing.assert_array_equal(got.grid, GRID)
 
 
+@pytest.mark.parametrize("name, code", [("euler", 1), ("heun", 2)])
+def test_a_solver_travels_as_its_documented_code(name: str, code: int) -> None:
+    body = encode_request(IntegrateRequest(5, X, Y, GRID, Solver[name.upper()]))
+    assert struct.unpack_from("<H", body, 16) == (code,)  # the header's param field
+
+
 def test_encoders_cast_to_the_wire_dtypes_and_layout() -> None:
     x64 = X.astype(np.float64)[:, :, :, ::-1]  # float64 and not contiguous
     got = decode_request(encode_request(VelocityRequest(1, x64, T.tolist(), [1, 2])), LIMITS)

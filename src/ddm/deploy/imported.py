@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from ddm.deploy.limits import ACCELERATOR_TYPES, PRECISIONS
+from ddm.deploy.limits import ACCELERATOR_TYPES, DEFAULT_SOLVER, PRECISIONS
 from ddm.deploy.spec import API_VERSION, KIND, parse_manifest
 
 #: Stage directories of an import (``ddm.checkpoints.importers``), in DST.
@@ -74,7 +74,7 @@ def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
         return {"placement": "separate", "accelerator": {"type": accelerators[0]},
                 "replicas": 1, **with_precision}
 
-    sampling = {"steps": ddm.steps, "solver": "euler", "strategy": ddm.strategy,
+    sampling = {"steps": ddm.steps, "solver": DEFAULT_SOLVER, "strategy": ddm.strategy,
                 **({"guidanceScale": ddm.guidance_scale}
                    if ddm.conditioning == "text" else {})}
     spec: dict[str, Any] = {"conditioning": ddm.conditioning, "sampling": sampling}

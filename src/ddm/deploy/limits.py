@@ -10,6 +10,13 @@ from __future__ import annotations
 
 from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 
+#: The ports the servers listen on in a pod, and the servers' own defaults (``ddm up`` picks
+#: free loopback ports instead): the API of an expert or stage and of the router, and
+#: ``/metrics`` (either server's, alone on it).
+EXPERT_PORT = 8000
+ROUTER_PORT = 8080
+METRICS_PORT = 9090
+
 #: Sampling steps one request (or a DDM's default) may ask for; an expert's integrate grid too.
 MAX_STEPS = 1000
 #: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
@@ -23,7 +30,8 @@ CONDITIONINGS = ("labels", "text")
 STAGE_PLACEMENTS = ("router", "separate")
 #: The dtypes a server may cast a model's weights to (``--precision``; default: as stored).
 PRECISIONS = ("float32", "bfloat16", "float16")
-#: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps).
+#: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps). A
+#: solver's place in this tuple, from 1, is its wire code (``docs/protocol.md``): append only.
 SOLVERS = ("euler", "heun")
 #: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and
 #: ``threshold:P`` with 0 < P <= 1. ``ddm.sampling.routing.parse_strategy`` reads its fields.

@@ -24,6 +24,7 @@ from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.evaluation.commands import load_judge, score_runs
 from ddm.evaluation.runcache import RunCache, SampledRun
 from ddm.data.partition import Partition, partition_from_dict
+from ddm.deploy.limits import DEFAULT_SOLVER
 from ddm.evaluation.scoring import METRICS, SEEDS, Judge, cluster_agreement, summarise
 from ddm.fileio import atomic_path, check_output
 from ddm.checkpoints.discovery import default_checkpoints, discover
@@ -250,7 +251,7 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
 
 
 def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Path,
-                 solver: str = "euler", data: str | None = None,
+                 solver: str = DEFAULT_SOLVER, data: str | None = None,
                  compare: Sequence[Path] = (), cache: Path | None = None,
                  progress: Callable[[str], None] | None = None) -> Path:
     """Sample every row ``len(SEEDS)`` times, score, and write the table to ``out``.

@@ -24,6 +24,7 @@ from ddm.checkpoints.format import CheckpointError, one_safetensors
 from ddm.checkpoints.importers import Component, write_import
 from ddm.deploy.imported import (TEXT_ENCODER_DIR, ImportedDDM, imported_manifest,
                                  manifest_text)
+from ddm.deploy.limits import FRAMEWORKS
 from ddm.models.stages import DDM_KEY, expert_directories, load_text_ddm
 from ddm.models.text_prior import TEXT_PRIOR_FILE, TEXT_PRIOR_KEY
 from ddm.models.text2img import (DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY,
@@ -35,8 +36,6 @@ NEEDED = ("router", "text_encoder", "vae", "tokenizer")
 #: (``ddm train text2img monolith-snapshot``); imported as ``monolith/``.
 MONOLITHS = ("monolith", "monolith-snapshot")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-#: Expert k's framework in ddm.yaml: PyTorch and JAX in turn.
-FRAMEWORKS = ("torch", "jax")
 
 
 def declarations(src: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
@@ -93,7 +92,7 @@ def import_text2img(src: str | Path, out: str | Path, *, name: str = "text2img",
     experts = sum(n.startswith("expert_") for n in declared)
     imported = ImportedDDM(experts=experts, conditioning="text", steps=DEFAULT_STEPS,
                            strategy=DEFAULT_STRATEGY, guidance_scale=DEFAULT_GUIDANCE,
-                           frameworks=FRAMEWORKS)
+                           frameworks=FRAMEWORKS)  # expert k's: PyTorch and JAX in turn
     document = imported_manifest(imported, name, checkpoint_base or f"file://{target}/",
                                  accelerators, precision, separate_stages=True)
     header = ("The coloured-MNIST text-to-image DDM (docs/text2img.md), imported by `ddm "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ddm.deploy.limits import ROUTER_PORT
 from ddm.deploy.spec import DDMSpec, ExpertSpec, StageSpec, load_manifest
 
 HARDWARE = {"neuron": "AWS Neuron", "nvidia": "NVIDIA GPU", "tpu": "Google TPU", "cpu": "CPU"}
@@ -22,7 +23,7 @@ def render_mermaid(spec: DDMSpec, name: str = "ddm") -> str:
               if not stage.separate and spec.conditioning == "text"]
     lines = [
         "flowchart LR",
-        '    clients(["clients"]) -->|"HTTP :8080"| router',
+        f'    clients(["clients"]) -->|"HTTP :{ROUTER_PORT}"| router',
         f'    router["{name} router<br/>strategy {sampling.strategy}, {sampling.steps} '
         f'{sampling.solver} steps<br/>{_replicas(router.replicas)} on CPU'
         f'{"<br/>with its " + ", ".join(inside) if inside else ""}"]',

@@ -22,7 +22,11 @@ from __future__ import annotations
 
 import hashlib
 
-# The resource's identity is the spec's (``ddm.deploy.spec``); re-exported for the operator.
+# The servers' ports (``ddm.deploy.limits``) and the resource's identity (``ddm.deploy.spec``),
+# re-exported for the operator.
+from ddm.deploy.limits import EXPERT_PORT as EXPERT_PORT
+from ddm.deploy.limits import METRICS_PORT as METRICS_PORT
+from ddm.deploy.limits import ROUTER_PORT as ROUTER_PORT
 from ddm.deploy.spec import API_VERSION as API_VERSION
 from ddm.deploy.spec import GROUP as GROUP
 from ddm.deploy.spec import KIND as KIND
@@ -51,11 +55,6 @@ POD_RESOURCE = ("v1", "pods")
 CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps"),
                    ("networking.k8s.io", "v1", "networkpolicies"), POD_RESOURCE)
 
-#: The ports the servers listen on in a pod (``ddm up`` picks free loopback ports instead):
-#: the API of an expert and of the router, and ``/metrics`` (either server's, alone on it).
-EXPERT_PORT = 8000
-ROUTER_PORT = 8080
-METRICS_PORT = 9090
 #: Annotations that point annotation-based Prometheus discovery at ``METRICS_PORT``.
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
                       "prometheus.io/path": "/metrics"}

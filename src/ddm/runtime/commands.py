@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
+from ddm.deploy.limits import ROUTER_PORT
 
 
 def add_up_command(commands: argparse._SubParsersAction) -> None:
@@ -26,8 +27,9 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("manifest", nargs="?", type=Path, default=None,
                    help=f"a DDMDeployment YAML file (default: examples/{DEFAULT_DDM}.yaml, the "
                         f"shipped {DEFAULT_DDM} DDM over checkpoints/{DEFAULT_DDM})")
-    p.add_argument("--port", type=int, default=8080,
-                   help="the router's port: its web page and API (default 8080); the experts "
+    p.add_argument("--port", type=int, default=ROUTER_PORT,
+                   help=f"the router's port: its web page and API (default {ROUTER_PORT}); "
+                        "the experts "
                         "and every /metrics get free ports, printed once all is up")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address every process binds (default 127.0.0.1, this machine "

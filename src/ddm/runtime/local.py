@@ -48,11 +48,12 @@ from typing import Callable, Sequence, TextIO
 from ddm.checkpoints.declared import declared_latent_shape
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.limits import ROUTER_PORT
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import DDMManifest
 from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
-from ddm.serving.termination import ENV as TERMINATION_LOG_ENV
+from ddm.termination import ENV as TERMINATION_LOG_ENV
 
 #: Where the images keep files that ``image://`` URIs name; locally, the repository root.
 IMAGE_PREFIX = "/opt/ddm/"
@@ -369,7 +370,7 @@ class Supervisor:
                 process.wait()
 
 
-def run_local(manifest: DDMManifest, router_port: int = 8080, host: str = "127.0.0.1",
+def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str = "127.0.0.1",
               image_root: Path = REPOSITORY_ROOT, pvc_root: Path | None = None,
               threads: int = 1, out: TextIO = sys.stdout,
               on_ready: Callable[[LocalPlan], None] | None = None,

@@ -56,7 +56,7 @@ import numpy as np
 
 from ddm.conditioning import LABELS, TEXT, Conditioning
 from ddm.convention import TimeGrid, to_uint8
-from ddm.deploy.limits import MAX_GUIDANCE_SCALE, MAX_STEPS
+from ddm.deploy.limits import DEFAULT_SOLVER, MAX_GUIDANCE_SCALE, MAX_STEPS
 from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
                                   random_weights, routing_weights, servable_labels)
 from ddm.sampling.solvers import initial_noise, solver_named, stepper
@@ -104,7 +104,7 @@ class SamplingRequest:
     steps: int
     seed: int
     strategy: Strategy
-    solver: str = "euler"
+    solver: str = DEFAULT_SOLVER
     delegate_steps: int = 0
     first_index: int = 0
     prompts: tuple[str, ...] = ()

@@ -14,6 +14,7 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 import numpy as np
 
 from ddm.conditioning import TEXT, Conditioning
+from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STRATEGY
 from ddm.models.loading import LoadedDDM
 from ddm.models.stages import ConditionedVelocity, TextDDM
 from ddm.sampling.guidance import guided
@@ -42,7 +43,7 @@ def mixture_of(ddm: DDM) -> Mixture:
 
 
 def sampling_request(labels: Sequence[int], steps: int, seed: int,
-                     strategy: Strategy | str = "top1", solver: str = "euler",
+                     strategy: Strategy | str = DEFAULT_STRATEGY, solver: str = DEFAULT_SOLVER,
                      first_index: int = 0, delegate_steps: int = 0) -> SamplingRequest:
     """A :class:`SamplingRequest`, the strategy parsed from its name if need be (in-process
     sampling also runs the evaluation's baselines, e.g. ``random``)."""
@@ -54,7 +55,7 @@ def sampling_request(labels: Sequence[int], steps: int, seed: int,
 
 
 def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
-             strategy: Strategy | str = "top1", solver: str = "euler",
+             strategy: Strategy | str = DEFAULT_STRATEGY, solver: str = DEFAULT_SOLVER,
              first_index: int = 0, delegate_steps: int = 0,
              on_step: Callable[[StepEvent], None] | None = None) -> Generation:
     """Sample one image per label; image ``i``'s noise comes from ``(seed, first_index + i)``.
@@ -86,7 +87,7 @@ def text_request(ddm: TextDDM, prompts: Sequence[str] = (), *, steps: int | None
                  guidance_scale: float | None = None, negative_prompt: str | None = None,
                  guidance_cutoff: float = 1.0, latents: np.ndarray | None = None,
                  conditioning: Conditioning | None = None, output: str = "image",
-                 solver: str = "euler", first_index: int = 0) -> SamplingRequest:
+                 solver: str = DEFAULT_SOLVER, first_index: int = 0) -> SamplingRequest:
     """A text DDM's :class:`SamplingRequest`; steps, strategy and guidance default to the
     release's. Image ``i``'s noise comes from ``(seed, first_index + i)`` unless ``latents``
     (N, C, S, S) float32 give it; ``output="latent"`` skips the decoder (images None)."""

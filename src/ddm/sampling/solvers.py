@@ -16,6 +16,8 @@ from typing import Any, Callable, Generator, Iterator, Protocol
 import numpy as np
 
 from ddm.convention import time_grid
+from ddm.deploy import limits
+from ddm.deploy.limits import DEFAULT_SOLVER
 
 
 class VelocityFn(Protocol):
@@ -72,9 +74,10 @@ class Solver:
     evaluations: int
 
 
-#: The solvers ``ddm.deploy.limits.SOLVERS`` names (the one list of their names, for the layers
-#: that import no NumPy and for the CRD), by name.
-SOLVERS: dict[str, Solver] = {"euler": Solver(euler, 1), "heun": Solver(heun, 2)}
+#: The solvers by the names ``ddm.deploy.limits.SOLVERS`` gives them, in its order (the one list
+#: of their names, for the layers that import no NumPy, the wire protocol and the CRD).
+SOLVERS: dict[str, Solver] = dict(zip(limits.SOLVERS, (Solver(euler, 1), Solver(heun, 2)),
+                                      strict=True))
 
 
 def solver_named(name: str) -> Solver:
@@ -105,7 +108,7 @@ def initial_noise(batch: int, image_shape: tuple[int, int, int], seed: int,
 
 
 def iterate(velocity: VelocityFn, x0: np.ndarray, y: Any, grid: np.ndarray,
-            solver: str = "euler") -> Iterator[tuple[int, np.ndarray]]:
+            solver: str = DEFAULT_SOLVER) -> Iterator[tuple[int, np.ndarray]]:
     """Drive ``solver`` with one velocity callable over ``grid``; yield ``(i, x at grid[i+1])``.
 
     What an expert runs for a delegated chunk, and what the in-process driver runs for one.
@@ -126,7 +129,7 @@ def iterate(velocity: VelocityFn, x0: np.ndarray, y: Any, grid: np.ndarray,
 
 
 def integrate(velocity: VelocityFn, x0: np.ndarray, y: Any, steps: int,
-              solver: str = "euler") -> np.ndarray:
+              solver: str = DEFAULT_SOLVER) -> np.ndarray:
     """Integrate ``dx/dt = v`` from noise ``x0`` at t=0 to data at t=1 in ``steps`` steps."""
     x = x0
     for _, x in iterate(velocity, x0, y, time_grid(steps), solver):

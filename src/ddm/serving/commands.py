@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddm.deploy.limits import EXPERT_BACKENDS, PRECISIONS
+from ddm.deploy.limits import EXPERT_BACKENDS, EXPERT_PORT, PRECISIONS, ROUTER_PORT
 
 
 def add_serve_commands(commands: argparse._SubParsersAction) -> None:
@@ -42,11 +42,10 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     _add_common(p)
     p.set_defaults(handler=_serve_stage)
 
-
     p = roles.add_parser("router", help="serve /v1/generate: the step loop over remote experts")
     p.add_argument("--config", required=True, type=Path, help="router.yaml")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=ROUTER_PORT)
     # Unset limits come from router.yaml's limits: (defaults in ddm.deploy.router_config).
     p.add_argument("--max-batch", type=int, help="labels per request; more get 422")
     p.add_argument("--max-steps", type=int, help="steps per request; more get 422")
@@ -79,7 +78,7 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     """Where the model runs and how many rows a call takes: every model server's flags."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in a pod)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=EXPERT_PORT)
     p.add_argument("--backend", choices=EXPERT_BACKENDS, default="torch")
     p.add_argument("--device", default=None,
                    help="torch: cpu, cuda[:N]; jax: cpu, gpu, tpu[:N]; neuron: none")

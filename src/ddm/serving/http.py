@@ -50,7 +50,7 @@ from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ddm.serving.connections import ConnectionLimits, protocol_factory
-from ddm.serving.termination import fail_start
+from ddm.termination import fail_start
 
 #: Seconds a client told 429 or 503 should wait before trying again.
 RETRY_AFTER_S = 1
@@ -193,7 +193,7 @@ def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: in
     """Serve ``make_app(control)`` until interrupted, draining for ``drain_s`` seconds on
     SIGTERM; when the app's background start-up fails (``control.stop(reason)``), end the
     server and exit with status 1 after writing ``reason`` where Kubernetes shows it
-    (:mod:`ddm.serving.termination`); when stopped while the app's start-up work still runs,
+    (:mod:`ddm.termination`); when stopped while the app's start-up work still runs,
     exit 0 at once without waiting for it. With ``metrics_port``, ``/metrics`` moves there
     (:class:`MetricsPort`): one server, one event loop, two listening sockets."""
     control = ServerControl()

@@ -19,6 +19,7 @@ import functools
 import hashlib
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -26,8 +27,10 @@ import ml_dtypes
 import numpy as np
 
 from ddm.conditioning import Conditioning, EncodedPrompts
-from ddm.deploy.limits import (MAX_CONTEXT_ROWS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
-                               MAX_PROMPTS, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH)
+from ddm.deploy.limits import (MAX_BATCH, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS,
+                               MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
+                               MAX_PROMPTS, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
+                               SOLVERS)
 
 #: HTTP ``Content-Type`` of every body in this format.
 CONTENT_TYPE = "application/x-ddm-tensor"
@@ -81,11 +84,9 @@ class RemoteExpertError(RuntimeError):
         self.request_id = request_id
 
 
-class Solver(IntEnum):
-    """ODE solvers an expert runs for multi-step delegation; the values are the wire codes."""
-
-    EULER = 1
-    HEUN = 2
+#: ODE solvers an expert runs for multi-step delegation, named as ``ddm.deploy.limits.SOLVERS``
+#: names them (upper-case); the values are the wire codes, each name's place in that tuple from 1.
+Solver = IntEnum("Solver", [name.upper() for name in SOLVERS])
 
 
 class _Kind(IntEnum):
@@ -273,11 +274,13 @@ class Limits:
     latent DDM's stages) and ``allowed_labels`` the classes this expert serves (any iterable of
     ints); ``None`` accepts any. ``text_width`` is the width ``D`` a context's embeddings must
     have; contexts have at most ``max_context_rows`` rows of ``max_text_tokens`` tokens, an
-    encode request ``max_prompts`` prompts of ``max_prompt_bytes`` UTF-8 bytes each.
+    encode request ``max_prompts`` prompts of ``max_prompt_bytes`` UTF-8 bytes each. Left out,
+    each is the most any of our servers may be set to take (a client decoding a reply accepts
+    whatever a valid server sends); a server passes its own.
     """
 
-    max_batch: int = 256
-    max_body_bytes: int = 64 << 20
+    max_batch: int = MAX_BATCH
+    max_body_bytes: int = MAX_CONTEXT_BODY_BYTES
     max_steps: int = MAX_STEPS
     image_shape: tuple[int, int, int] | None = None
     allowed_labels: frozenset[int] | None = None
@@ -629,6 +632,8 @@ _DESCRIPTORS_END = {kind: _FIXED.size + sum(_DESCRIPTOR.size + 4 * spec.ndim for
 #: sends the same shapes at every step, so a request is laid out once and then only its
 #: padding is checked.
 _KNOWN_LAYOUTS: dict[tuple[_Kind, bytes, int], _Layout] = {}
+#: Held to change :data:`_KNOWN_LAYOUTS` (reads need no lock: a dict lookup is atomic).
+_LAYOUTS_WRITE = threading.Lock()
 
 
 def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
@@ -639,9 +644,10 @@ def _read_tensors(view: memoryview, kind: _Kind) -> list[np.ndarray]:
     layout = _KNOWN_LAYOUTS.get(key)
     if layout is None or any(any(view[start:end]) for start, end in layout.padding):
         layout = _read_layout(view, kind)
-        if len(_KNOWN_LAYOUTS) >= _SHAPES_REMEMBERED:
-            _KNOWN_LAYOUTS.pop(next(iter(_KNOWN_LAYOUTS), None), None)  # the oldest
-        _KNOWN_LAYOUTS[key] = layout
+        with _LAYOUTS_WRITE:  # servers may decode on several threads
+            if len(_KNOWN_LAYOUTS) >= _SHAPES_REMEMBERED:
+                del _KNOWN_LAYOUTS[next(iter(_KNOWN_LAYOUTS))]  # the oldest
+            _KNOWN_LAYOUTS[key] = layout
     return [np.ndarray(placed.dims, placed.dtype, view, placed.start)
             for placed in layout.tensors]
 

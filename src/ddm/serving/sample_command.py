@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
+from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STEPS
 
 
 def add_sample_command(commands: argparse._SubParsersAction) -> None:
@@ -68,10 +69,11 @@ def add_sample_command(commands: argparse._SubParsersAction) -> None:
                    help="a text DDM: guide only the first fraction of the steps, 0 to 1 "
                         "(default 1: every step)")
     p.add_argument("--steps", type=int, default=None,
-                   help="solver steps from noise to image (default 40; a text DDM: the "
-                        "release's)")
-    p.add_argument("--solver", default="euler",
-                   help="euler (one velocity per step) or heun (two; default euler)")
+                   help=f"solver steps from noise to image (default {DEFAULT_STEPS}; a text "
+                        "DDM: the release's)")
+    p.add_argument("--solver", default=DEFAULT_SOLVER,
+                   help=f"euler (one velocity per step) or heun (two; default "
+                        f"{DEFAULT_SOLVER})")
     p.add_argument("--seed", type=int, default=0,
                    help="noise seed: image i of a run gets the noise (seed, i) (default 0)")
     p.add_argument("--backend", default="native",
@@ -135,7 +137,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     return _print(sample_command(
         checkpoints=root, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
-        n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
+        n_per_label=args.n_per_label, steps=DEFAULT_STEPS if args.steps is None else args.steps,
         solver=args.solver, seed=args.seed, backend=args.backend, device=args.device,
         batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
         png=args.png, quiet=args.quiet))
@@ -163,7 +165,7 @@ def _sample_router(args: argparse.Namespace) -> int:
     _refuse_text_flags(args, what)
     return _print(sample_router_command(
         url=args.router, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
-        n_per_label=args.n_per_label, steps=40 if args.steps is None else args.steps,
+        n_per_label=args.n_per_label, steps=DEFAULT_STEPS if args.steps is None else args.steps,
         solver=args.solver, seed=args.seed, batch_size=args.batch_size,
         token_file=args.token_file, out=args.out, png=args.png, quiet=args.quiet))
 

@@ -17,7 +17,7 @@ predicts what its config.json declares); a failure is a failure to load.
 
 Run as a process (:func:`serve_expert`), a server whose checkpoint fails to load, pass its
 check or warm up exits with status 1 and leaves the reason in the termination-message file
-(:mod:`ddm.serving.termination`), instead of staying alive and never ready.
+(:mod:`ddm.termination`), instead of staying alive and never ready.
 
 The data plane is priced per denoising step, so it avoids JSON and extra copies: the body is
 read raw and decoded as views, and replies are built by the protocol module. ``/v1/velocity``
@@ -50,8 +50,8 @@ from starlette.types import ASGIApp
 from ddm.checkpoints.declared import read_declaration
 from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint,
                                     read_meta)
-from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_STEPS, SERVER_MAX_BATCH,
-                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
+from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_PORT, MAX_STEPS,
+                               SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
 from ddm.experts.check import behaviour_data, check_network, require_passing
 from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
@@ -63,7 +63,7 @@ from ddm.serving.expert.routes import Handling, answer_or_error, model_app
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
                                   decode_request, encode_response)
-from ddm.serving.termination import fail_start
+from ddm.termination import fail_start
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                      api_docs=api_docs, draining=draining, auth_token_file=auth_token_file)
 
 
-def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1", port: int = 8000,
+def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1",
+                 port: int = EXPERT_PORT,
                  backend: str = "torch", device: str | None = None,
                  max_batch: int = SERVER_MAX_BATCH, max_delay_ms: float = SERVER_MAX_DELAY_MS,
                  log_level: str = "info", compile_cache: Path | None = None, *,

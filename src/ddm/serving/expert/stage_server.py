@@ -41,7 +41,7 @@ from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import TEXT, Conditioning, EncodedPrompts
 from ddm.convention import CONVENTION_NAME
-from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
+from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_PORT, MAX_CONTEXT_BODY_BYTES,
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
                                SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
 from ddm.models.paris_loading import read_component_config
@@ -59,7 +59,7 @@ from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeReq
                                   ProtocolError, Request, RouteRequest, TextIntegrateRequest,
                                   TextVelocityRequest, decode_request, encode_context_ack,
                                   encode_encoded, encode_probabilities, encode_response)
-from ddm.serving.termination import fail_start
+from ddm.termination import fail_start
 
 __all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "create_stage_app",
            "serve_stage"]
@@ -196,7 +196,7 @@ def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
 
 
 def serve_stage(directory: str | os.PathLike, role: str | tuple[str, ...],
-                host: str = "127.0.0.1", port: int = 8000, backend: str = "torch",
+                host: str = "127.0.0.1", port: int = EXPERT_PORT, backend: str = "torch",
                 device: str | None = None, log_level: str = "info", *,
                 drain_s: float = 0.0, metrics_port: int | None = None,
                 **options: Any) -> None:

@@ -20,7 +20,7 @@ answered at once: ``/readyz`` is 200 once the network is loaded and the experts 
 config, ``"degraded"`` (still 200, naming them) while some experts have no ready replica, and
 503 naming what is wrong otherwise (no expert ready at all included). Run as a process
 (:func:`serve_router`), a router whose config, token file or network cannot load exits with
-status 1 and leaves the reason in the termination-message file (:mod:`ddm.serving.termination`).
+status 1 and leaves the reason in the termination-message file (:mod:`ddm.termination`).
 
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
 ``limits.max_body_bytes`` (by default the DDM's largest valid request: its labels, or its
@@ -70,7 +70,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ddm.conditioning import TEXT, EncodedPrompts
 from ddm.convention import to_uint8
-from ddm.deploy.limits import MAX_GUIDANCE_SCALE
+from ddm.deploy.limits import MAX_GUIDANCE_SCALE, ROUTER_PORT
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
 from ddm.serving.router.clients import FORWARDED_FOR
@@ -88,7 +88,7 @@ from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, Gener
                                          parse_latents, request_models, sampling_request)
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
-from ddm.serving.termination import fail_start
+from ddm.termination import fail_start
 
 logger = logging.getLogger(__name__)
 
@@ -287,7 +287,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     return app
 
 
-def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1", port: int = 8080,
+def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1",
+                 port: int = ROUTER_PORT,
                  log_level: str = "info", *, max_batch: int | None = None,
                  max_steps: int | None = None, max_concurrent: int | None = None,
                  max_body_bytes: int | None = None, deadline_s: float | None = None,
