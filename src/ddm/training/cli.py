@@ -1,13 +1,14 @@
-"""``ddm train``: its arguments, next to the trainers they drive.
+"""``ddm train`` and ``ddm partition``: their arguments, next to the trainers they drive.
 
-``ddm.cli`` adds it with :func:`add_train_command`. Importing this module is cheap (no
-framework, no NumPy): the trainers are imported only when the command runs. A bad argument is
-a ``ValueError`` (``ddm.cli`` reports it, exit status 2).
+``ddm.cli`` adds them with :func:`add_train_command` and :func:`add_partition_command`.
+Importing this module is cheap (no framework, no NumPy): the trainers are imported only when a
+command runs. A bad argument is a ``ValueError`` (``ddm.cli`` reports it, exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from ddm.objective_names import PREDICTIONS, SCHEDULES
@@ -189,3 +190,46 @@ def _parse_channels(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise ValueError(f"--channels must be two comma-separated integers, got {text!r}") from None
+
+
+def add_partition_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``partition`` (``fit``, ``show``) to the ``ddm`` command's subcommands: the data
+    partition every expert of a DDM trains on, and its router learns."""
+    partition = commands.add_parser("partition", help="fit the data partition that experts and "
+                                                      "router share, or show one")
+    actions = partition.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("fit", help="k-means on the training split, written as one file "
+                                       "that trainers take as --partition file:PATH")
+    p.add_argument("--data", required=True,
+                   help="'digits' (embedded) or 'mnist:DIR' with the four IDX files")
+    p.add_argument("--kmeans", type=int, required=True, metavar="K", help="number of clusters")
+    p.add_argument("--features", default="hog",
+                   help="what k-means clusters: hog, stroke directions (default), or pixels")
+    p.add_argument("--image-size", type=int, required=True,
+                   help="image side the experts train at (MNIST 32: padded 28x28)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, type=Path, help="partition JSON file to write")
+    p.set_defaults(handler=_partition_fit)
+    p = actions.add_parser("show", help="check a partition file's hash and print its summary")
+    p.add_argument("file", type=Path)
+    p.set_defaults(handler=_partition_show)
+
+
+def _partition_fit(args: argparse.Namespace) -> int:
+    from ddm.data.features import features_spec
+    from ddm.data.partition_file import fit_partition_command
+
+    summary = fit_partition_command(
+        data=args.data, k=args.kmeans, features=features_spec(args.features),
+        image_size=args.image_size, seed=args.seed, out=args.out)
+    print(json.dumps(summary))
+    return 0
+
+
+def _partition_show(args: argparse.Namespace) -> int:
+    from ddm.data.partition_file import read_partition_file
+
+    content = read_partition_file(args.file)
+    partition = {k: v for k, v in content["partition"].items() if k != "centroids"}
+    print(json.dumps({"partition": partition, "fit": content.get("fit", {})}, indent=1))
+    return 0
