@@ -24,6 +24,11 @@ times in this process (one torch thread). Two model times are subtracted:
 uses ``served_model_ms`` instead: what the server adds to the model and the floor. Rounds are
 short, so that a loaded machine's swings hit every tree alike; the tenth percentiles
 (``p10``) approach what each costs when it keeps its core.
+
+``handoff`` is what a batch past the bound pays for the model thread on this machine, with
+this process's own :class:`~ddm.serving.batching.Batcher` on uvloop (as the servers run it)
+and a sleep of :data:`BEYOND_BOUND_S` as the model: from a lone request's submission to its
+batch starting on the thread, and from the batch's end to the submitting task running again.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import uvloop
 
 from ddm.checkpoints.format import load_checkpoint
 from ddm.runtime.local import REPOSITORY_ROOT, free_port
-from ddm.serving.batching import INLINE_MAX_S
+from ddm.serving.batching import INLINE_MAX_S, Batcher
 from ddm.serving.expert.backends import load_backend
 from ddm.serving.http_client import HttpClient
 from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
@@ -216,7 +222,43 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
             "server_above_floor_ms"], CALL_ABOVE_FLOOR_MS, at_least=False))
     return {"calls_per_round": CALLS, "rounds": rounds, "inline_max_s": INLINE_MAX_S,
             "load_average_before": load, "load_average_after": list(os.getloadavg()),
-            "models": figures}
+            "models": figures, "handoff": await asyncio.to_thread(_handoff, rounds)}
+
+
+def _handoff(rounds: int) -> dict[str, dict[str, float]]:
+    """The model thread's two hand-offs (the module's ``handoff``), medians and tenth
+    percentiles in ms, on an event loop of this thread's own."""
+    marks: dict[str, float] = {}
+
+    def model(key: object, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+        marks["started"] = time.perf_counter()
+        time.sleep(BEYOND_BOUND_S)
+        marks["ended"] = time.perf_counter()
+        return inputs[0]
+
+    async def lone_requests() -> tuple[list[float], list[float]]:
+        batcher = Batcher(model, max_batch=1, max_delay_ms=0.0)
+        batcher.start()
+        to_thread, to_loop = [], []
+        try:
+            for index in range(rounds + 1):  # the first is a key not seen yet: dropped
+                await asyncio.sleep(0.02)  # idle, as between a router's steps
+                submitted = time.perf_counter()
+                await batcher.submit("velocity", (np.zeros((1, 1), np.float32),))
+                resumed = time.perf_counter()
+                if index:
+                    to_thread.append(marks["started"] - submitted)
+                    to_loop.append(resumed - marks["ended"])
+        finally:
+            await batcher.close()
+        return to_thread, to_loop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        to_thread, to_loop = runner.run(lone_requests())
+    return {name: {"median": round(statistics.median(values) * 1e3, 3),
+                   "p10": round(_p10(values) * 1e3, 3)}
+            for name, values in (("to_model_thread_ms", to_thread),
+                                 ("back_to_loop_ms", to_loop))}
 
 
 def _p10(values: list[float]) -> float:

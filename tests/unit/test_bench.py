@@ -108,6 +108,9 @@ def test_quick_run_reports_every_figure_and_stops_every_server():
         assert {"value", "target", "comparison", "met"} <= set(figure)
         assert isinstance(figure["met"], bool)
     assert result["reference_baseline"]["same_images_as_in_process"] is True
+    handoff = result["expert_call"]["handoff"]  # the model thread's wake-ups, both ways
+    assert set(handoff) == {"to_model_thread_ms", "back_to_loop_ms"}
+    assert all(0 < times["p10"] <= times["median"] for times in handoff.values())
     cpu = result["step_overhead"]["cpu_ms_per_step"]
     assert cpu["in_process"] > 0 and cpu["router_and_experts"] > 0
     assert [run["round_trips_per_image"] for run in result["delegation"]["runs"]] == [4, 1]

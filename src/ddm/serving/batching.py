@@ -188,13 +188,15 @@ class Batcher:
     - **On one long-lived model thread** otherwise: concurrent requests (which it batches
       while the loop parses the next ones), requests expected over the bound (a big model, or
       a key not seen yet), and timed waits for more requests (``max_delay_ms``). The loop
-      appends the request under a condition variable and wakes the thread, which forms the
-      batch (:func:`plan_batch`), runs it and completes the requests' futures with one
+      appends the request under a condition variable and wakes the thread at once, which forms
+      the batch (:func:`plan_batch`), runs it and completes the requests' futures with one
       ``call_soon_threadsafe``; the loop goes on accepting, parsing and queueing requests,
       since models release the GIL in their kernels.
 
     The bound is a limit on the loop's unavailability, not on the model's speed: the two paths
-    differ by the two wake-ups, under 1% of any batch past the bound.
+    differ by the two wake-ups, under 1% of any batch past the bound. On either path a batch's
+    report (``on_batch``: the metrics) is made after its requests resume, off the path of
+    their replies.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
@@ -234,10 +236,15 @@ class Batcher:
         if not 1 <= size <= self._max_batch:
             raise ValueError(f"a request must have 1..{self._max_batch} rows, got {size}")
         future: asyncio.Future[Output] = self._loop.create_future()
+        job = _Job(key, inputs, time.perf_counter(), future, size)
         with self._changed:
-            self._queue.append(_Job(key, inputs, time.perf_counter(), future, size))
-            dispatch = not self._running and not self._dispatch_due
-            if self._running:  # the thread takes it after this batch; the loop is not idle
+            self._queue.append(job)
+            # A lone request on an idle batcher that may run here decides after a loop turn
+            # (below); anything else is the model thread's now, which batches what is queued
+            # when it looks, unless a decision is already due (it sees this request too).
+            dispatch = (not self._running and not self._dispatch_due
+                        and len(self._queue) == 1 and self._short(job))
+            if not dispatch and not self._dispatch_due:
                 self._changed.notify()
             self._dispatch_due |= dispatch
         if dispatch:
@@ -312,9 +319,9 @@ class Batcher:
         """The model thread: take a batch, run it, hand the results to the event loop."""
         assert self._loop is not None
         while (jobs := self._next_batch()) is not None:
-            result = _timed(self._run, jobs)
+            outputs, started, ended = _timed(self._run, jobs)
             try:
-                self._loop.call_soon_threadsafe(self._deliver, jobs, *result)
+                self._loop.call_soon_threadsafe(self._deliver, jobs, outputs, started, ended)
             except RuntimeError:  # the event loop is closed: nobody is waiting any more
                 return
 
@@ -337,35 +344,42 @@ class Batcher:
                 return self._take(decision)
             return None
 
-    def _deliver(self, jobs: list[_Job], outputs: list[Output] | Exception,
-                 report: BatchReport) -> None:
-        """On the event loop: each request gets its rows, or the model's error (a failed
-        batch is not reported, nor remembered as its key's time)."""
+    def _deliver(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
+                 ended: float) -> None:
+        """On the event loop: each request gets its rows, or the model's error; a batch that
+        ran is remembered as its key's time, and reported once its requests have resumed (a
+        failed one is neither)."""
         if isinstance(outputs, Exception):
             _fail(jobs, outputs)
             return
         key = jobs[0].key
         self._took.pop(key, None)
-        self._took[key] = (report.model_seconds, report.images)
+        self._took[key] = (ended - started, sum(job.cost for job in jobs))
         if len(self._took) > KNOWN_KEYS:
             del self._took[next(iter(self._took))]
         for job, output in zip(jobs, outputs):
             if not job.future.done():  # the client may have gone away
                 job.future.set_result(output)
         if self._on_batch is not None:
-            self._on_batch(report)
+            assert self._loop is not None
+            self._loop.call_soon(self._report, jobs, started, ended)
+
+    def _report(self, jobs: list[_Job], started: float, ended: float) -> None:
+        assert self._on_batch is not None
+        self._on_batch(BatchReport(images=sum(job.cost for job in jobs),
+                                   queue_delays=tuple(started - job.arrived for job in jobs),
+                                   model_seconds=ended - started))
 
 
-def _timed(run: RunFn, jobs: list[_Job]) -> tuple[list[Output] | Exception, BatchReport]:
-    """Run one batch: its rows per request (or the model's error) and its report."""
+def _timed(run: RunFn, jobs: list[_Job]) -> tuple[list[Output] | Exception, float, float]:
+    """Run one batch: its rows per request (or the model's error), when it started and
+    ended."""
     started = time.perf_counter()
     try:
         outputs: list[Output] | Exception = _run_batch(run, jobs)
     except Exception as error:  # noqa: BLE001 - the model's failure goes to its callers
         outputs = error
-    return outputs, BatchReport(images=sum(job.cost for job in jobs),
-                                queue_delays=tuple(started - job.arrived for job in jobs),
-                                model_seconds=time.perf_counter() - started)
+    return outputs, started, time.perf_counter()
 
 
 def _run_batch(run: RunFn, jobs: list[_Job]) -> list[Output]:
