@@ -23,12 +23,12 @@ def add_import_command(commands: argparse._SubParsersAction) -> None:
     paris = sources.add_parser("paris", help="a Paris release directory (expert_0..N-1, router, "
                                              "vae, text_encoder, tokenizer): docs/paris.md")
     paris.add_argument("release", type=Path, help="the release's directory")
-    paris.set_defaults(handler=_import_paris, name="paris")
+    paris.set_defaults(handler=_import, name="paris")
     text2img = sources.add_parser("text2img", help="the text2img training's directory "
                                                    "(scripts/train_text2img.sh): "
                                                    "docs/text2img.md")
     text2img.add_argument("training", type=Path, help="the training's directory (its OUT)")
-    text2img.set_defaults(handler=_import_text2img, name="text2img")
+    text2img.set_defaults(handler=_import, name="text2img")
     for source in (paris, text2img):
         source.add_argument("--out", type=Path, required=True,
                             help="the new directory to write (refused if it exists)")
@@ -53,27 +53,18 @@ def _accelerators(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(","))
 
 
-def _import_paris(args: argparse.Namespace) -> int:
-    from ddm.models.paris_import import import_paris
-
+def _import(args: argparse.Namespace) -> int:
+    """Run the importer of ``args.source`` (the subcommand) on its directory."""
+    if args.source == "paris":
+        from ddm.models.paris_import import import_paris as importer
+        source = args.release
+    else:
+        from ddm.models.text2img_import import import_text2img as importer
+        source = args.training
     try:
-        out = import_paris(args.release, args.out, name=args.name,
-                           accelerators=args.accelerator, precision=args.precision,
-                           checkpoint_base=args.checkpoint_base)
+        out = importer(source, args.out, name=args.name, accelerators=args.accelerator,
+                       precision=args.precision, checkpoint_base=args.checkpoint_base)
     except FileExistsError as exc:  # the user's --out: a usage error, not a failure
         raise ValueError(str(exc)) from None
-    print(f"imported {args.release} into {out}; serve it with: ddm up {out}/ddm.yaml")
-    return 0
-
-
-def _import_text2img(args: argparse.Namespace) -> int:
-    from ddm.models.text2img_import import import_text2img
-
-    try:
-        out = import_text2img(args.training, args.out, name=args.name,
-                              accelerators=args.accelerator, precision=args.precision,
-                              checkpoint_base=args.checkpoint_base)
-    except FileExistsError as exc:  # the user's --out: a usage error, not a failure
-        raise ValueError(str(exc)) from None
-    print(f"imported {args.training} into {out}; serve it with: ddm up {out}/ddm.yaml")
+    print(f"imported {source} into {out}; serve it with: ddm up {out}/ddm.yaml")
     return 0
