@@ -28,9 +28,8 @@ import numpy as np
 
 from ddm.conditioning import Conditioning, EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS,
-                               MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
-                               MAX_PROMPTS, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
-                               SOLVERS)
+                               MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS, MAX_STEPS,
+                               MAX_TEXT_TOKENS, MAX_TEXT_WIDTH, SOLVERS)
 
 #: HTTP ``Content-Type`` of every body in this format.
 CONTENT_TYPE = "application/x-ddm-tensor"
