@@ -72,8 +72,8 @@ def add_report_command(commands: argparse._SubParsersAction) -> None:
                         "the classifier recorded)")
     p.add_argument("--n-per-label", type=int, default=20)
     p.add_argument("--steps", type=int, default=None,
-                   help=f"sampling steps (default {DEFAULT_STEPS}; a text2img DDM: its "
-                        "default, 30)")
+                   help=f"sampling steps (default {DEFAULT_STEPS}; a text2img DDM: its own "
+                        "default)")
     p.add_argument("--solver", default=DEFAULT_SOLVER, help=" or ".join(SOLVERS))
     p.add_argument("--compare", type=Path, action="append", default=[], metavar="DIR",
                    help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
@@ -121,12 +121,12 @@ def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) 
     judged by the shipped MNIST classifier and the import's small CLIP."""
     from ddm.checkpoints.discovery import shipped_checkpoints
     from ddm.evaluation.text2img_report import mnist_directory, write_text2img_report
-    from ddm.models.text2img import DEFAULT_STEPS
+    from ddm.models.text2img import DEFAULT_STEPS as TEXT2IMG_STEPS
 
     if args.compare or args.solver != DEFAULT_SOLVER:
         raise ValueError("--compare and --solver are for label DDMs' reports")
     classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
     return write_text2img_report(args.checkpoints, args.out, classifier,
                                  mnist_directory(classifier, args.data),
-                                 steps=args.steps or DEFAULT_STEPS, cache=args.cache,
+                                 steps=args.steps or TEXT2IMG_STEPS, cache=args.cache,
                                  progress=progress)

@@ -29,8 +29,7 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                         f"shipped {DEFAULT_DDM} DDM over checkpoints/{DEFAULT_DDM})")
     p.add_argument("--port", type=int, default=ROUTER_PORT,
                    help=f"the router's port: its web page and API (default {ROUTER_PORT}); "
-                        "the experts "
-                        "and every /metrics get free ports, printed once all is up")
+                        "the experts and every /metrics get free ports, printed once all is up")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address every process binds (default 127.0.0.1, this machine "
                         "only; 0.0.0.0 exposes them to the network)")
