@@ -134,7 +134,8 @@ def _operator(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, se
 
 
 def _local_stages(manifest: DDMManifest) -> list[str]:
-    plan = plan_local(manifest, lambda: 20000, 8080, locate=lambda s: Path("/fetched"),
+    plan = plan_local(manifest, itertools.count(20000).__next__, 8080,
+                      locate=lambda s: Path("/fetched"),
                       token_file=Path("/run/ddm-up/router-token"),
                       expert_token_file=Path("/run/ddm-up/expert-token"))
     return [process.name.split("/")[0] for process in plan.stages]

@@ -7,7 +7,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from ddm.runtime.local import free_port
+from ddm.deploy.spec import load_manifest
+from ddm.runtime.local import DEFAULT_MANIFEST, free_port, plan_local
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -38,3 +39,16 @@ def test_a_taken_port_is_not_handed_out() -> None:
     finally:
         for s in taken:
             s.close()
+
+
+def test_a_plan_hands_no_port_out_twice_nor_the_routers() -> None:
+    """Ports are drawn long before their servers bind them (the router's after every expert is
+    ready), so a source may repeat itself: the router's port and repeats are drawn again."""
+    router_port = 20000
+    draws = iter([router_port, 20001, 20001, router_port, *range(20002, 20100)])
+    plan = plan_local(load_manifest(DEFAULT_MANIFEST), draws.__next__, router_port,
+                      locate=lambda source: Path("/fetched"))
+    servers = [*plan.experts, *plan.stages, plan.router]
+    ports = [port for server in servers for port in (server.port, server.metrics_port)]
+    assert len(ports) == len(set(ports)) and ports.count(router_port) == 1
+    assert plan.router.port == router_port

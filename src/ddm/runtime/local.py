@@ -132,8 +132,10 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                cache_dir: Path = Path(tempfile.gettempdir()) / "ddm-cache",
                token_file: Path | None = None, expert_token_file: Path | None = None,
                require_auth: bool = False) -> LocalPlan:
-    """The manifest's plan placed here: ``ports()`` hands out free expert ports, ``locate``
-    finds each checkpoint's directory, ``cache_dir`` holds compile caches (Neuron).
+    """The manifest's plan placed here: ``ports()`` hands out free ports (each server's and its
+    metrics', no two alike, none the router's: a port is bound only when its server starts, so
+    a free one can be drawn twice), ``locate`` finds each checkpoint's directory,
+    ``cache_dir`` holds compile caches (Neuron).
     When the spec asks for authentication (``router.auth``) or ``require_auth``, the router
     reads its public bearer token from ``token_file``, and presents the one in
     ``expert_token_file`` to the experts, which answer nobody else: as the operator mounts
@@ -144,6 +146,17 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     0 gets its process(es) on demand (:mod:`ddm.runtime.scaling`); with autoscaling, locally
     ``max(1, minReplicas)`` processes."""
     plan = plan_deployment(manifest.spec)
+    handed_out = {router_port}
+
+    def new_port() -> int:
+        for _ in range(_PORT_TRIES):
+            port = ports()
+            if port not in handed_out:
+                handed_out.add(port)
+                return port
+        raise LocalRunError(f"no port for {manifest.name}'s servers but the {len(handed_out)} "
+                            f"handed out already, after {_PORT_TRIES} draws")
+
     token = expert_token = None
     if plan.router.auth or require_auth:
         if token_file is None or expert_token_file is None:
@@ -164,7 +177,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
             on_demand.append(OnDemand(expert.name, tuple(f"{expert.name}/{replica}" for replica
                                                          in range(processes)), scaling))
         for replica in range(processes):
-            port, metrics_port = ports(), ports()
+            port, metrics_port = new_port(), new_port()
             argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port,
                                              expert_token),
                     "--log-level", "warning")
@@ -183,7 +196,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
             continue
         endpoints = []
         for replica in range(stage.replicas):
-            port, metrics_port = ports(), ports()
+            port, metrics_port = new_port(), new_port()
             argv = (*_ddm(), *stage.command(str(checkpoint), host, port, metrics_port,
                                             expert_token),
                     "--log-level", "warning")
@@ -192,7 +205,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
             endpoints.append(f"{host}:{port}")
         stage_places[stage.role] = StaticDiscovery(tuple(endpoints))
     check_state_shapes(local_dirs)
-    metrics_port = ports()
+    metrics_port = new_port()
     router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
                                                                 router_port, metrics_port),
                                     "--log-level", "warning"), router_port, env, metrics_port)
