@@ -74,7 +74,7 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
             raise ValueError(f"give the checkpoint URI as an argument or in ${ENV_URI}")
         if args.deadline is not None and not args.deadline > 0:
             raise ValueError(f"--deadline must be a positive number of seconds, "
-                            f"got {args.deadline:g}")
+                             f"got {args.deadline:g}")
         networks = (args.allow_network if args.allow_network is not None
                     else os.environ.get(ENV_ALLOW_NETWORKS, "").split(","))
         try:
@@ -87,7 +87,7 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
         if max_bytes is not None:
             if not str(max_bytes).isdigit() or int(max_bytes) <= 0:
                 raise ValueError(f"--max-bytes must be a positive number of bytes, "
-                                f"got {max_bytes}")
+                                 f"got {max_bytes}")
             policy = dataclasses.replace(policy, max_bytes=int(max_bytes))
         if args.deadline is not None:
             policy = dataclasses.replace(policy, deadline_s=args.deadline)
