@@ -29,6 +29,12 @@ short, so that a loaded machine's swings hit every tree alike; the tenth percent
 this process's own :class:`~ddm.serving.batching.Batcher` on uvloop (as the servers run it)
 and a sleep of :data:`BEYOND_BOUND_S` as the model: from a lone request's submission to its
 batch starting on the thread, and from the batch's end to the submitting task running again.
+
+``cold_code`` is why a wake-up costs more than its primitive: one small fixed piece of Python
+(a 20-item list comprehension), timed right after this thread slept :data:`COLD_GAPS_S`. On a
+virtual machine whose vCPU sat idle, the same code runs tens of times slower than warm, so every
+step a request takes after an idle gap (a model's run on the other thread, a router's step) is
+priced by how little Python it runs.
 """
 
 from __future__ import annotations
@@ -70,6 +76,8 @@ MODELS = {"digits-0-4": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, 0.0),
           "digits-0-4+10ms": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, SLOW_SLEEP_S),
           f"digits-0-4+{BEYOND_BOUND_S * 1e3:.0f}ms": ("checkpoints/digits/expert-0-4",
                                                        (1, 16, 16), 0, BEYOND_BOUND_S)}
+#: Idle gaps, in seconds, before each timing of ``cold_code``.
+COLD_GAPS_S = (0.0, 0.001, 0.005, 0.02, 0.06)
 _TIMEOUT_S = 30.0
 _STOP_S = 30.0
 
@@ -222,7 +230,8 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
             "server_above_floor_ms"], CALL_ABOVE_FLOOR_MS, at_least=False))
     return {"calls_per_round": CALLS, "rounds": rounds, "inline_max_s": INLINE_MAX_S,
             "load_average_before": load, "load_average_after": list(os.getloadavg()),
-            "models": figures, "handoff": await asyncio.to_thread(_handoff, rounds)}
+            "models": figures, "handoff": await asyncio.to_thread(_handoff, rounds),
+            "cold_code": _cold_code(rounds)}
 
 
 def _handoff(rounds: int) -> dict[str, dict[str, float]]:
@@ -259,6 +268,22 @@ def _handoff(rounds: int) -> dict[str, dict[str, float]]:
                    "p10": round(_p10(values) * 1e3, 3)}
             for name, values in (("to_model_thread_ms", to_thread),
                                  ("back_to_loop_ms", to_loop))}
+
+
+def _cold_code(rounds: int) -> dict[str, float]:
+    """``cold_code``: per idle gap, the median microseconds of one small piece of Python run
+    right after it."""
+    figures = {}
+    for gap in COLD_GAPS_S:
+        times = []
+        for _ in range(rounds):
+            if gap:
+                time.sleep(gap)
+            started = time.perf_counter()
+            _ = [index for index in range(20)]
+            times.append(time.perf_counter() - started)
+        figures[f"after_{gap * 1e3:g}_ms_idle_us"] = round(statistics.median(times) * 1e6, 2)
+    return figures
 
 
 def _p10(values: list[float]) -> float:

@@ -111,6 +111,10 @@ def test_quick_run_reports_every_figure_and_stops_every_server():
     handoff = result["expert_call"]["handoff"]  # the model thread's wake-ups, both ways
     assert set(handoff) == {"to_model_thread_ms", "back_to_loop_ms"}
     assert all(0 < times["p10"] <= times["median"] for times in handoff.values())
+    cold = result["expert_call"]["cold_code"]  # the same Python after each idle gap
+    assert list(cold) == ["after_0_ms_idle_us", "after_1_ms_idle_us", "after_5_ms_idle_us",
+                          "after_20_ms_idle_us", "after_60_ms_idle_us"]
+    assert all(microseconds > 0 for microseconds in cold.values())
     cpu = result["step_overhead"]["cpu_ms_per_step"]
     assert cpu["in_process"] > 0 and cpu["router_and_experts"] > 0
     assert [run["round_trips_per_image"] for run in result["delegation"]["runs"]] == [4, 1]

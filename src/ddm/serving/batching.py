@@ -17,7 +17,8 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterator, Sequence
+from queue import Empty, SimpleQueue
+from typing import Callable, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -49,12 +50,24 @@ class BatcherClosed(RuntimeError):
     """The batcher stopped (server shutdown) before the request ran."""
 
 
+class Queued(Protocol):
+    """What :func:`plan_batch` needs to know about a queued request: its key, the rows the
+    model runs for it, and when it arrived."""
+
+    @property
+    def key(self) -> Hashable: ...
+    @property
+    def cost(self) -> int: ...
+    @property
+    def arrived(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class Pending:
-    """What :func:`plan_batch` needs to know about a queued request."""
+    """A queued request as :func:`plan_batch` sees it (:class:`Queued`)."""
 
     key: Hashable
-    size: int
+    cost: int
     arrived: float
 
 
@@ -81,7 +94,7 @@ class BatchReport:
     model_seconds: float
 
 
-def plan_batch(queue: Sequence[Pending], max_batch: int, max_delay: float,
+def plan_batch(queue: Sequence[Queued], max_batch: int, max_delay: float,
                now: float) -> Dispatch | Wait:
     """The next batch: the oldest request plus later ones with its key that fit ``max_batch``.
 
@@ -92,16 +105,16 @@ def plan_batch(queue: Sequence[Pending], max_batch: int, max_delay: float,
     if not queue:
         raise ValueError("plan_batch needs a non-empty queue")
     head = queue[0]
-    chosen, images, overflow = [0], head.size, False
+    chosen, images, overflow = [0], head.cost, False
     for index in range(1, len(queue)):
         item = queue[index]
         if item.key != head.key:
             continue
-        if images + item.size > max_batch:
+        if images + item.cost > max_batch:
             overflow = True
             continue
         chosen.append(index)
-        images += item.size
+        images += item.cost
     remaining = head.arrived + max_delay - now
     if images >= max_batch or overflow or remaining <= 0:
         return Dispatch(tuple(chosen))
@@ -188,15 +201,21 @@ class Batcher:
     - **On one long-lived model thread** otherwise: concurrent requests (which it batches
       while the loop parses the next ones), requests expected over the bound (a big model, or
       a key not seen yet), and timed waits for more requests (``max_delay_ms``). The loop
-      appends the request under a condition variable and wakes the thread at once, which forms
-      the batch (:func:`plan_batch`), runs it and completes the requests' futures with one
-      ``call_soon_threadsafe``; the loop goes on accepting, parsing and queueing requests,
-      since models release the GIL in their kernels.
+      appends the request under a lock and, if the thread waits, rings its doorbell at once;
+      the thread forms the batch (:func:`plan_batch`), runs it and completes the requests'
+      futures with one ``call_soon_threadsafe``; the loop goes on accepting, parsing and
+      queueing requests, since models release the GIL in their kernels.
 
     The bound is a limit on the loop's unavailability, not on the model's speed: the two paths
     differ by the two wake-ups, under 1% of any batch past the bound. On either path a batch's
     report (``on_batch``: the metrics) is made after its requests resume, off the path of
     their replies.
+
+    Each wake-up's cost is mostly the Python that runs right after it: on a virtual machine,
+    code that runs after its vCPU sat idle for milliseconds runs tens of times slower than warm
+    (``docs/benchmarks.md``). So the hand-off runs little Python: a plain lock and a C-level
+    queue as the doorbell (a ``threading.Condition`` runs a dozen Python lines per wait and
+    notify), the queued jobs planned as they are (no copies), and a lone job taken whole.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
@@ -209,12 +228,15 @@ class Batcher:
         self._max_batch = max_batch
         self._max_delay = max_delay_ms / 1000.0
         self._on_batch = on_batch
-        self._changed = threading.Condition()  # guards the three fields below
+        self._lock = threading.Lock()  # guards the five fields below
         self._queue: list[_Job] = []
         self._running: list[_Job] = []  # the batch that runs now, on the loop or the thread
         self._closed = False
-        #: key -> (model seconds, rows) of its last batch; read and written on the loop only.
+        self._thread_waits = False  # the model thread waits for its doorbell
+        #: key -> (model seconds, rows) of its last batch, written by whoever ran it.
         self._took: dict[Hashable, tuple[float, int]] = {}
+        #: A token put here wakes the model thread to look at the queue again (:meth:`_ring`).
+        self._doorbell: SimpleQueue[None] = SimpleQueue()
         self._dispatch_due = False  # a submitting task will run _dispatch after its turn
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -237,7 +259,7 @@ class Batcher:
             raise ValueError(f"a request must have 1..{self._max_batch} rows, got {size}")
         future: asyncio.Future[Output] = self._loop.create_future()
         job = _Job(key, inputs, time.perf_counter(), future, size)
-        with self._changed:
+        with self._lock:
             self._queue.append(job)
             # A lone request on an idle batcher that may run here decides after a loop turn
             # (below); anything else is the model thread's now, which batches what is queued
@@ -245,7 +267,7 @@ class Batcher:
             dispatch = (not self._running and not self._dispatch_due
                         and len(self._queue) == 1 and self._short(job))
             if not dispatch and not self._dispatch_due:
-                self._changed.notify()
+                self._ring()
             self._dispatch_due |= dispatch
         if dispatch:
             # Decide after one loop turn, so that requests read in the same turn join; this
@@ -265,10 +287,10 @@ class Batcher:
         model may hang): a model thread still inside the framework's C++ code when the
         interpreter exits aborts the process ("terminate called without an active
         exception")."""
-        with self._changed:
+        with self._lock:
             self._closed = True
             jobs, self._queue = self._queue + self._running, []
-            self._changed.notify()
+            self._ring()
         _fail(jobs, BatcherClosed("the server is shutting down"))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, MODEL_STOP_WAIT_S)
@@ -277,86 +299,106 @@ class Batcher:
         """On the loop, while no batch runs: run the next batch here if it is expected to be
         short (:class:`Batcher`), else hand the queue to the model thread."""
         self._dispatch_due = False
-        with self._changed:
+        with self._lock:
             if self._running or self._closed:
                 return  # the thread found the queue first, or nobody waits any more
             decision = self._plan()
             if not (isinstance(decision, Dispatch) and len(self._queue) == 1
                     and self._short(self._queue[0])):
-                self._changed.notify()  # a timed wait, concurrent requests or a long batch
+                self._ring()  # a timed wait, concurrent requests or a long batch
                 return
             jobs = self._take(decision)
-        self._deliver(jobs, *_timed(self._run, jobs))
-        with self._changed:  # nothing queued meanwhile: only this loop submits
-            self._running = []
+        ran = _timed(self._run, jobs)
+        with self._lock:
+            self._finish(jobs, *ran)
+        self._deliver(jobs, *ran)
 
     def _short(self, job: _Job) -> bool:
         """Whether ``job`` is expected within INLINE_MAX_S: its key's last batch time, scaled
-        up (never down) to its rows; unknown keys are not."""
+        up (never down) to its rows; unknown keys are not. Holds ``_lock``."""
         took = self._took.get(job.key)
         if took is None:
             return False
         seconds, rows = took
         return seconds * max(1.0, job.cost / rows) <= INLINE_MAX_S
 
+    def _ring(self) -> None:
+        """Wake the model thread if it waits (one token per wait). Holds ``_lock``."""
+        if self._thread_waits:
+            self._thread_waits = False
+            self._doorbell.put(None)
+
     def _plan(self) -> Dispatch | Wait | None:
         """plan_batch over the queue, once requests whose clients went away (their futures
-        cancelled) are dropped unrun; None for an empty queue. Holds ``_changed``."""
+        cancelled) are dropped unrun; None for an empty queue. Holds ``_lock``."""
         self._queue = [job for job in self._queue if not job.future.done()]
         if not self._queue:
             return None
-        pending = [Pending(job.key, job.cost, job.arrived) for job in self._queue]
-        return plan_batch(pending, self._max_batch, self._max_delay, time.perf_counter())
+        return plan_batch(self._queue, self._max_batch, self._max_delay, time.perf_counter())
 
     def _take(self, decision: Dispatch) -> list[_Job]:
-        """Move the dispatched jobs from the queue to ``_running``. Holds ``_changed``."""
+        """Move the dispatched jobs from the queue to ``_running``. Holds ``_lock``."""
+        if len(decision.indices) == len(self._queue):  # all of it: a lone request, say
+            self._running, self._queue = self._queue, []
+            return self._running
         chosen = set(decision.indices)
         self._running = [self._queue[i] for i in decision.indices]
         self._queue = [job for i, job in enumerate(self._queue) if i not in chosen]
         return self._running
 
     def _work(self) -> None:
-        """The model thread: take a batch, run it, hand the results to the event loop."""
+        """The model thread: take a batch, run it, hand the results to the event loop, and
+        finish the batch's bookkeeping while the loop wakes up."""
         assert self._loop is not None
         while (jobs := self._next_batch()) is not None:
-            outputs, started, ended = _timed(self._run, jobs)
+            ran = _timed(self._run, jobs)
             try:
-                self._loop.call_soon_threadsafe(self._deliver, jobs, outputs, started, ended)
+                self._loop.call_soon_threadsafe(self._deliver, jobs, *ran)
             except RuntimeError:  # the event loop is closed: nobody is waiting any more
                 return
+            with self._lock:
+                self._finish(jobs, *ran)
 
-    def _next_batch(self) -> list[_Job] | None:
-        """Wait until :func:`plan_batch` dispatches while no batch runs, then take those jobs
-        off the queue; None once closed."""
-        with self._changed:
-            self._running = []  # this thread's last batch: one batch runs at a time
-            while not self._closed:
-                if self._running:  # a batch runs on the event loop
-                    self._changed.wait()
-                    continue
-                decision = self._plan()
-                if decision is None:
-                    self._changed.wait()
-                    continue
-                if isinstance(decision, Wait):
-                    self._changed.wait(decision.seconds)
-                    continue
-                return self._take(decision)
-            return None
-
-    def _deliver(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
-                 ended: float) -> None:
-        """On the event loop: each request gets its rows, or the model's error; a batch that
-        ran is remembered as its key's time, and reported once its requests have resumed (a
-        failed one is neither)."""
+    def _finish(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
+                ended: float) -> None:
+        """A batch ended: the next may run, and one that ran is remembered as its key's time
+        (a failed one is not). Holds ``_lock``."""
+        self._running = []
         if isinstance(outputs, Exception):
-            _fail(jobs, outputs)
             return
         key = jobs[0].key
         self._took.pop(key, None)
         self._took[key] = (ended - started, sum(job.cost for job in jobs))
         if len(self._took) > KNOWN_KEYS:
             del self._took[next(iter(self._took))]
+
+    def _next_batch(self) -> list[_Job] | None:
+        """Wait until :func:`plan_batch` dispatches while no batch runs (on the event loop),
+        then take those jobs off the queue; None once closed."""
+        with self._lock:
+            while not self._closed:
+                decision = None if self._running else self._plan()
+                if isinstance(decision, Dispatch):
+                    return self._take(decision)
+                self._thread_waits = True
+                self._lock.release()
+                try:
+                    self._doorbell.get(timeout=decision.seconds
+                                       if isinstance(decision, Wait) else None)
+                except Empty:
+                    pass  # the oldest request is due
+                finally:
+                    self._lock.acquire()
+                    self._thread_waits = False
+            return None
+
+    def _deliver(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
+                 ended: float) -> None:
+        """On the event loop: each request gets its rows, or the model's error; a batch that
+        ran is reported once its requests have resumed (a failed one is not)."""
+        if isinstance(outputs, Exception):
+            _fail(jobs, outputs)
+            return
         for job, output in zip(jobs, outputs):
             if not job.future.done():  # the client may have gone away
                 job.future.set_result(output)
