@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from ddm.serving.expert.backends import Backend, BackendInfo
-from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
-                                  Dispatch, Pending, Wait, batch_buckets, bucket_for,
-                                  grid_slices, pad_rows, plan_batch)
+from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, WARM_AFTER, WARM_TICK_S,
+                                  Batcher, BatcherClosed, Dispatch, Pending, Wait,
+                                  batch_buckets, bucket_for, grid_slices, pad_rows, plan_batch)
 
 V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
 
@@ -289,6 +289,48 @@ def test_a_batch_expected_over_the_inline_bound_runs_on_the_model_thread():
     asyncio.run(scenario())
     assert [thread for _, _, thread in model.threads] == [
         "ddm-model", "ddm-model", "ddm-model", "ddm-model", "MainThread"]
+
+
+def test_the_loop_ticks_from_near_a_thread_batch_s_expected_end_until_it_is_delivered():
+    """Hybrid polling: while the model thread runs a batch whose time is known, the loop
+    wakes every WARM_TICK_S from WARM_AFTER of that time on (never before), and stops once
+    nothing runs; a key not seen yet, or a batch run on the loop, schedules no tick."""
+    first_s = INLINE_MAX_S * 1.2
+    model = ThreadRecorder({A: first_s})
+    ticks: list[float] = []
+
+    class Recording(Batcher):
+        def _tick(self) -> None:
+            ticks.append(asyncio.get_running_loop().time())
+            super()._tick()
+
+    async def idle(batcher: Batcher) -> None:
+        while batcher._warm is not None:  # the chain ends at its first tick after the batch
+            await asyncio.sleep(WARM_TICK_S)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        batcher = Recording(model, max_batch=8, max_delay_ms=0)
+        batcher.start()
+        await batcher.submit(A, rows([1]))  # A not seen yet: the thread, no estimate, no tick
+        after_unknown = len(ticks)
+        model.seconds[A] = 10 * first_s  # longer than expected: ticks until it ends
+        submitted = loop.time()
+        await batcher.submit(A, rows([2]))  # expected past the bound: the thread, ticks
+        delivered = loop.time()
+        await asyncio.wait_for(idle(batcher), 10)
+        on_thread = list(ticks)
+        await batcher.submit(V, rows([3]))  # V not seen yet: the thread, no tick
+        await batcher.submit(V, rows([4]))  # V fast: the loop, no tick
+        await batcher.close()
+        return after_unknown, submitted, delivered, on_thread
+
+    after_unknown, submitted, delivered, on_thread = asyncio.run(scenario())
+    assert after_unknown == 0
+    assert on_thread[0] >= submitted + WARM_AFTER * first_s - 0.002  # the loop's clock: ms
+    assert sum(tick < delivered for tick in on_thread) >= 2  # while the batch ran
+    assert ticks == on_thread  # they stopped (idle() returned), and none came for V
+    assert [thread for _, _, thread in model.threads][-2:] == ["ddm-model", "MainThread"]
 
 
 def test_while_a_batch_runs_new_requests_queue_for_the_model_thread_and_the_loop_stays_free():

@@ -35,6 +35,13 @@ MODEL_STOP_WAIT_S = 10.0
 #: answers nothing else meanwhile, so this bounds how late a probe, a scrape or a signal is
 #: handled; expected from the last batch of the same key, scaled up to the batch's rows.
 INLINE_MAX_S = 0.05
+#: While the model thread runs a batch, the event loop wakes every WARM_TICK_S from WARM_AFTER
+#: of the batch's expected time on, until the batch ends (hybrid polling, as Linux polls NVMe
+#: completions): a loop whose vCPU sat idle through the whole batch runs the reply's Python
+#: many times slower than warm (``docs/benchmarks.md``). It costs a few microseconds per tick
+#: over the batch's last fifth, about 0.3% of a core while batches run on the thread.
+WARM_AFTER = 0.8
+WARM_TICK_S = 0.001
 #: Keys whose last batch time the batcher remembers (a client may send any grid, and each
 #: grid is a key: the oldest is forgotten past this many).
 KNOWN_KEYS = 64
@@ -212,10 +219,12 @@ class Batcher:
     their replies.
 
     Each wake-up's cost is mostly the Python that runs right after it: on a virtual machine,
-    code that runs after its vCPU sat idle for milliseconds runs tens of times slower than warm
-    (``docs/benchmarks.md``). So the hand-off runs little Python: a plain lock and a C-level
-    queue as the doorbell (a ``threading.Condition`` runs a dozen Python lines per wait and
-    notify), the queued jobs planned as they are (no copies), and a lone job taken whole.
+    code that runs after its vCPU sat idle for milliseconds runs up to a hundred times slower
+    than warm (``docs/benchmarks.md``). So the hand-off runs little Python (a plain lock and a
+    C-level queue as the doorbell: a ``threading.Condition`` runs a dozen Python lines per wait
+    and notify; the queued jobs planned as they are; a lone job taken whole), and the loop
+    does not sit idle through a batch on the thread whose time it knows: it ticks over the
+    batch's last fifth (:data:`WARM_AFTER`), so that the reply's Python runs warm.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
@@ -228,16 +237,20 @@ class Batcher:
         self._max_batch = max_batch
         self._max_delay = max_delay_ms / 1000.0
         self._on_batch = on_batch
-        self._lock = threading.Lock()  # guards the five fields below
+        self._lock = threading.Lock()  # guards the six fields below
         self._queue: list[_Job] = []
         self._running: list[_Job] = []  # the batch that runs now, on the loop or the thread
         self._closed = False
         self._thread_waits = False  # the model thread waits for its doorbell
         #: key -> (model seconds, rows) of its last batch, written by whoever ran it.
         self._took: dict[Hashable, tuple[float, int]] = {}
+        #: From when (``perf_counter``) the thread's batch is near its expected end; None for
+        #: a batch of a key not seen yet.
+        self._warm_from: float | None = None
         #: A token put here wakes the model thread to look at the queue again (:meth:`_ring`).
         self._doorbell: SimpleQueue[None] = SimpleQueue()
         self._dispatch_due = False  # a submitting task will run _dispatch after its turn
+        self._warm: asyncio.TimerHandle | None = None  # the next tick (:meth:`_warm_near`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -264,12 +277,15 @@ class Batcher:
             # A lone request on an idle batcher that may run here decides after a loop turn
             # (below); anything else is the model thread's now, which batches what is queued
             # when it looks, unless a decision is already due (it sees this request too).
+            expected = self._expected_s(key, job.cost)
             dispatch = (not self._running and not self._dispatch_due
-                        and len(self._queue) == 1 and self._short(job))
+                        and len(self._queue) == 1 and _short(expected))
             if not dispatch and not self._dispatch_due:
                 self._ring()
             self._dispatch_due |= dispatch
-        if dispatch:
+        if not dispatch:
+            self._warm_near(expected)
+        else:
             # Decide after one loop turn, so that requests read in the same turn join; this
             # task decides, so that a batch run here returns without another turn.
             try:
@@ -291,6 +307,9 @@ class Batcher:
             self._closed = True
             jobs, self._queue = self._queue + self._running, []
             self._ring()
+        if self._warm is not None:
+            self._warm.cancel()
+            self._warm = None
         _fail(jobs, BatcherClosed("the server is shutting down"))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, MODEL_STOP_WAIT_S)
@@ -303,8 +322,9 @@ class Batcher:
             if self._running or self._closed:
                 return  # the thread found the queue first, or nobody waits any more
             decision = self._plan()
-            if not (isinstance(decision, Dispatch) and len(self._queue) == 1
-                    and self._short(self._queue[0])):
+            lone = self._queue[0] if len(self._queue) == 1 else None
+            if not (isinstance(decision, Dispatch) and lone is not None
+                    and _short(self._expected_s(lone.key, lone.cost))):
                 self._ring()  # a timed wait, concurrent requests or a long batch
                 return
             jobs = self._take(decision)
@@ -313,14 +333,41 @@ class Batcher:
             self._finish(jobs, *ran)
         self._deliver(jobs, *ran)
 
-    def _short(self, job: _Job) -> bool:
-        """Whether ``job`` is expected within INLINE_MAX_S: its key's last batch time, scaled
-        up (never down) to its rows; unknown keys are not. Holds ``_lock``."""
-        took = self._took.get(job.key)
+    def _expected_s(self, key: Hashable, cost: int) -> float | None:
+        """How long a batch of ``cost`` rows of ``key`` is expected to run: the key's last
+        batch time, scaled up (never down) to the rows; None for a key not seen yet. Holds
+        ``_lock``."""
+        took = self._took.get(key)
         if took is None:
-            return False
+            return None
         seconds, rows = took
-        return seconds * max(1.0, job.cost / rows) <= INLINE_MAX_S
+        return seconds * max(1.0, cost / rows)
+
+    def _warm_near(self, expected_s: float | None) -> None:
+        """On the loop, once a request is the model thread's: the first tick at WARM_AFTER of
+        its expected time, unless ticks are due already or nothing is expected (a key not
+        seen yet)."""
+        if expected_s is not None and self._warm is None and self._loop is not None:
+            self._warm = self._loop.call_later(WARM_AFTER * expected_s, self._tick)
+
+    def _tick(self) -> None:
+        """Keep the loop's vCPU from idling through the end of a batch on the model thread:
+        the next tick in WARM_TICK_S, or at the running batch's ``_warm_from`` if that is
+        later; none once nothing runs or waits, or while a batch of unknown time runs."""
+        with self._lock:
+            running, waiting, warm_from = bool(self._running), bool(self._queue), self._warm_from
+        assert self._loop is not None
+        if running:
+            if warm_from is None:
+                self._warm = None
+                return
+            delay = max(WARM_TICK_S, warm_from - time.perf_counter())
+        elif waiting:
+            delay = WARM_TICK_S  # the thread takes it now, or waits for companions
+        else:
+            self._warm = None
+            return
+        self._warm = self._loop.call_later(delay, self._tick)
 
     def _ring(self) -> None:
         """Wake the model thread if it waits (one token per wait). Holds ``_lock``."""
@@ -347,17 +394,17 @@ class Batcher:
         return self._running
 
     def _work(self) -> None:
-        """The model thread: take a batch, run it, hand the results to the event loop, and
-        finish the batch's bookkeeping while the loop wakes up."""
+        """The model thread: take a batch, run it, and hand the results to the event loop
+        (the batch's end is recorded first, so that a request its results lead to sees it)."""
         assert self._loop is not None
         while (jobs := self._next_batch()) is not None:
             ran = _timed(self._run, jobs)
+            with self._lock:
+                self._finish(jobs, *ran)
             try:
                 self._loop.call_soon_threadsafe(self._deliver, jobs, *ran)
             except RuntimeError:  # the event loop is closed: nobody is waiting any more
                 return
-            with self._lock:
-                self._finish(jobs, *ran)
 
     def _finish(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
                 ended: float) -> None:
@@ -379,7 +426,11 @@ class Batcher:
             while not self._closed:
                 decision = None if self._running else self._plan()
                 if isinstance(decision, Dispatch):
-                    return self._take(decision)
+                    jobs = self._take(decision)
+                    expected = self._expected_s(jobs[0].key, sum(job.cost for job in jobs))
+                    self._warm_from = (None if expected is None else
+                                       time.perf_counter() + WARM_AFTER * expected)
+                    return jobs
                 self._thread_waits = True
                 self._lock.release()
                 try:
@@ -411,6 +462,11 @@ class Batcher:
         self._on_batch(BatchReport(images=sum(job.cost for job in jobs),
                                    queue_delays=tuple(started - job.arrived for job in jobs),
                                    model_seconds=ended - started))
+
+
+def _short(expected_s: float | None) -> bool:
+    """Whether a batch expected to take ``expected_s`` may run on the event loop."""
+    return expected_s is not None and expected_s <= INLINE_MAX_S
 
 
 def _timed(run: RunFn, jobs: list[_Job]) -> tuple[list[Output] | Exception, float, float]:
