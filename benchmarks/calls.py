@@ -25,10 +25,11 @@ uses ``served_model_ms`` instead: what the server adds to the model and the floo
 short, so that a loaded machine's swings hit every tree alike; the tenth percentiles
 (``p10``) approach what each costs when it keeps its core.
 
-``handoff`` is what a batch past the bound pays for the model thread on this machine, with
-this process's own :class:`~ddm.serving.batching.Batcher` on uvloop (as the servers run it)
-and a sleep of :data:`BEYOND_BOUND_S` as the model: from a lone request's submission to its
-batch starting on the thread, and from the batch's end to the submitting task running again.
+``handoff`` is what a batch past the bound pays for the model thread on this machine, per
+tree, with the tree's own :class:`~ddm.serving.batching.Batcher` on uvloop (as the servers run
+it) and a sleep of :data:`BEYOND_BOUND_S` as the model, in processes alternated between the
+trees: from a lone request's submission to its batch starting on the thread, and from the
+batch's end to the submitting task running again.
 
 ``cold_code`` is why a wake-up costs more than its primitive: one small fixed piece of Python
 (a 20-item list comprehension), timed right after this thread slept :data:`COLD_GAPS_S`. On a
@@ -53,11 +54,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import uvloop
 
 from ddm.checkpoints.format import load_checkpoint
 from ddm.runtime.local import REPOSITORY_ROOT, free_port
-from ddm.serving.batching import INLINE_MAX_S, Batcher
+from ddm.serving.batching import INLINE_MAX_S
 from ddm.serving.expert.backends import load_backend
 from ddm.serving.http_client import HttpClient
 from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
@@ -76,6 +76,8 @@ MODELS = {"digits-0-4": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, 0.0),
           "digits-0-4+10ms": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, SLOW_SLEEP_S),
           f"digits-0-4+{BEYOND_BOUND_S * 1e3:.0f}ms": ("checkpoints/digits/expert-0-4",
                                                        (1, 16, 16), 0, BEYOND_BOUND_S)}
+#: Processes per tree that time ``handoff``, alternated between the trees.
+HANDOFF_RUNS = 3
 #: Idle gaps, in seconds, before each timing of ``cold_code``.
 COLD_GAPS_S = (0.0, 0.001, 0.005, 0.02, 0.06)
 _TIMEOUT_S = 30.0
@@ -111,6 +113,43 @@ run_server(lambda control: create_expert_app(checkpoint, loader=loader,
            "127.0.0.1", port, "warning")
 with open(times_file, "w") as out:
     json.dump(times, out)
+"""
+
+
+#: One process timing ``handoff`` with the tree's own Batcher on uvloop: a lone request every
+#: 20 ms (idle, as between a router's steps), a sleep of argv[2] as the model; it prints the
+#: seconds from each submission to its batch starting on the thread, and from the batch's end
+#: to the submitting task running again (the first request, of a key not seen yet, dropped).
+_HANDOFF = """
+import asyncio, json, sys, time
+import numpy as np, uvloop
+from ddm.serving.batching import Batcher
+rounds, model_s = int(sys.argv[1]), float(sys.argv[2])
+marks = {}
+
+def model(key, inputs):
+    marks["started"] = time.perf_counter()
+    time.sleep(model_s)
+    marks["ended"] = time.perf_counter()
+    return inputs[0]
+
+async def lone_requests():
+    batcher = Batcher(model, max_batch=1, max_delay_ms=0.0)
+    batcher.start()
+    to_thread, to_loop = [], []
+    for index in range(rounds + 1):
+        await asyncio.sleep(0.02)
+        submitted = time.perf_counter()
+        await batcher.submit("velocity", (np.zeros((1, 1), np.float32),))
+        resumed = time.perf_counter()
+        if index:
+            to_thread.append(marks["started"] - submitted)
+            to_loop.append(resumed - marks["ended"])
+    await batcher.close()
+    return to_thread, to_loop
+
+with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+    print(json.dumps(runner.run(lone_requests())))
 """
 
 
@@ -230,44 +269,28 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
             "server_above_floor_ms"], CALL_ABOVE_FLOOR_MS, at_least=False))
     return {"calls_per_round": CALLS, "rounds": rounds, "inline_max_s": INLINE_MAX_S,
             "load_average_before": load, "load_average_after": list(os.getloadavg()),
-            "models": figures, "handoff": await asyncio.to_thread(_handoff, rounds),
+            "models": figures, "handoff": await asyncio.to_thread(_handoff, trees, rounds),
             "cold_code": _cold_code(rounds)}
 
 
-def _handoff(rounds: int) -> dict[str, dict[str, float]]:
-    """The model thread's two hand-offs (the module's ``handoff``), medians and tenth
-    percentiles in ms, on an event loop of this thread's own."""
-    marks: dict[str, float] = {}
-
-    def model(key: object, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
-        marks["started"] = time.perf_counter()
-        time.sleep(BEYOND_BOUND_S)
-        marks["ended"] = time.perf_counter()
-        return inputs[0]
-
-    async def lone_requests() -> tuple[list[float], list[float]]:
-        batcher = Batcher(model, max_batch=1, max_delay_ms=0.0)
-        batcher.start()
-        to_thread, to_loop = [], []
-        try:
-            for index in range(rounds + 1):  # the first is a key not seen yet: dropped
-                await asyncio.sleep(0.02)  # idle, as between a router's steps
-                submitted = time.perf_counter()
-                await batcher.submit("velocity", (np.zeros((1, 1), np.float32),))
-                resumed = time.perf_counter()
-                if index:
-                    to_thread.append(marks["started"] - submitted)
-                    to_loop.append(resumed - marks["ended"])
-        finally:
-            await batcher.close()
-        return to_thread, to_loop
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        to_thread, to_loop = runner.run(lone_requests())
-    return {name: {"median": round(statistics.median(values) * 1e3, 3),
-                   "p10": round(_p10(values) * 1e3, 3)}
-            for name, values in (("to_model_thread_ms", to_thread),
-                                 ("back_to_loop_ms", to_loop))}
+def _handoff(trees: list[Path], rounds: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Per tree, the model thread's two hand-offs (the module's ``handoff``), medians and
+    tenth percentiles in ms over :data:`HANDOFF_RUNS` processes alternated between the trees."""
+    times: dict[str, tuple[list[float], list[float]]] = {str(tree): ([], []) for tree in trees}
+    for _ in range(HANDOFF_RUNS):
+        for tree in trees:
+            env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}", "OMP_NUM_THREADS": "1"}
+            done = subprocess.run([sys.executable, "-c", _HANDOFF, str(rounds),
+                                   str(BEYOND_BOUND_S)], env=env, check=True,
+                                  capture_output=True, timeout=_STOP_S + rounds)
+            to_thread, to_loop = json.loads(done.stdout)
+            times[str(tree)][0].extend(to_thread)
+            times[str(tree)][1].extend(to_loop)
+    return {tree: {name: {"median": round(statistics.median(values) * 1e3, 3),
+                          "p10": round(_p10(values) * 1e3, 3)}
+                   for name, values in (("to_model_thread_ms", to_thread),
+                                        ("back_to_loop_ms", to_loop))}
+            for tree, (to_thread, to_loop) in times.items()}
 
 
 def _cold_code(rounds: int) -> dict[str, float]:

@@ -108,7 +108,8 @@ def test_quick_run_reports_every_figure_and_stops_every_server():
         assert {"value", "target", "comparison", "met"} <= set(figure)
         assert isinstance(figure["met"], bool)
     assert result["reference_baseline"]["same_images_as_in_process"] is True
-    handoff = result["expert_call"]["handoff"]  # the model thread's wake-ups, both ways
+    # The model thread's wake-ups, both ways, with this tree's Batcher.
+    handoff = result["expert_call"]["handoff"][str(REPOSITORY_ROOT)]
     assert set(handoff) == {"to_model_thread_ms", "back_to_loop_ms"}
     assert all(0 < times["p10"] <= times["median"] for times in handoff.values())
     cold = result["expert_call"]["cold_code"]  # the same Python after each idle gap
