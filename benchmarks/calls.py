@@ -33,9 +33,9 @@ batch's end to the submitting task running again.
 
 ``cold_code`` is why a wake-up costs more than its primitive: one small fixed piece of Python
 (a 20-item list comprehension), timed right after this thread slept :data:`COLD_GAPS_S`. On a
-virtual machine whose vCPU sat idle, the same code runs tens of times slower than warm, so every
-step a request takes after an idle gap (a model's run on the other thread, a router's step) is
-priced by how little Python it runs.
+virtual machine whose vCPU sat idle, the same code runs up to a hundred times slower than
+warm, so every step a request takes after an idle gap (a model's run on the other thread, a
+router's step) is priced by how little Python it runs.
 """
 
 from __future__ import annotations
