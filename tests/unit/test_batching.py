@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from ddm.serving.expert.backends import Backend, BackendInfo
-from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, WARM_AFTER, WARM_TICK_S,
-                                  Batcher, BatcherClosed, Dispatch, Pending, Wait,
-                                  batch_buckets, bucket_for, grid_slices, pad_rows, plan_batch)
+from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
+                                  Dispatch, Pending, Wait, batch_buckets, bucket_for,
+                                  grid_slices, pad_rows, plan_batch)
+from ddm.serving.polling import WARM_AFTER, WARM_TICK_S
 
 V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
 
@@ -300,12 +301,12 @@ def test_the_loop_ticks_from_near_a_thread_batch_s_expected_end_until_it_is_deli
     ticks: list[float] = []
 
     class Recording(Batcher):
-        def _tick(self) -> None:
+        def _next_tick_s(self) -> float | None:  # asked at each tick
             ticks.append(asyncio.get_running_loop().time())
-            super()._tick()
+            return super()._next_tick_s()
 
     async def idle(batcher: Batcher) -> None:
-        while batcher._warm is not None:  # the chain ends at its first tick after the batch
+        while batcher._ticks.ticking:  # the chain ends at its first tick after the batch
             await asyncio.sleep(WARM_TICK_S)
 
     async def scenario():

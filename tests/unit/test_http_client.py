@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from ddm.serving.http import build_server
 from ddm.serving.http_client import HttpClient, HttpClientError, ReplyTooLarge
+from ddm.serving.polling import WARM_AFTER
 
 CT = "application/octet-stream"
 #: Reply caps for the ordinary cases: far above what they answer.
@@ -292,6 +293,55 @@ def test_informational_replies_are_skipped():
 
     reply = run(scenario)
     assert (reply.status, reply.body) == (200, b"final")
+
+
+def test_a_call_whose_time_is_known_ticks_the_loop_from_near_its_end_until_its_reply():
+    """Hybrid polling: a call to an endpoint and path whose last successful call took T ticks
+    the client's loop from WARM_AFTER * T on (never before) while it waits, and stops after
+    the reply; a first call, and a call after one that failed, tick not at all."""
+    first_s = 0.06
+    replies = [("/slow", first_s, 200), ("/slow", 5 * first_s, 200),  # longer than expected
+               ("/fail", first_s, 500), ("/fail", first_s, 500)]
+    ticks: list[float] = []
+
+    class Recording(HttpClient):
+        def _next_tick_s(self) -> float | None:  # asked at each tick
+            ticks.append(asyncio.get_running_loop().time())
+            return super()._next_tick_s()
+
+    async def handler(reader, writer):
+        for path, seconds, status in replies:
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.split(b" ")[1] == path.encode()
+            await asyncio.sleep(seconds)
+            writer.write(answer(status, b"v"))
+            await writer.drain()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        client = Recording(keep_alive_s=60.0)
+        async with raw_server(handler) as endpoint:
+            called = loop.time()
+            await client.get(endpoint, "/slow", 5.0, 1.0, max_reply_bytes=64)
+            first = loop.time() - called
+            after_first = len(ticks)
+            called = loop.time()
+            await client.get(endpoint, "/slow", 5.0, 1.0, max_reply_bytes=64)
+            replied = loop.time()
+            while client._ticks.ticking:  # the chain ends at its first tick after the reply
+                await asyncio.sleep(0.001)
+            on_call = list(ticks)
+            for _ in range(2):
+                assert (await client.get(endpoint, "/fail", 5.0, 1.0,
+                                         max_reply_bytes=64)).status == 500
+        client.close()
+        return after_first, first, called, replied, on_call
+
+    after_first, first, called, replied, on_call = asyncio.run(scenario())
+    assert after_first == 0
+    assert on_call[0] >= called + WARM_AFTER * first - 0.002  # the loop's clock: ms
+    assert sum(tick < replied for tick in on_call) >= 2  # while the call ran
+    assert ticks == on_call  # they stopped, and none came for the failed path
 
 
 def test_bytes_after_a_reply_close_the_connection_and_are_never_the_next_reply():

@@ -22,6 +22,8 @@ from typing import Callable, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from ddm.serving.polling import WARM_TICK_S, LastTimes, WarmTicks, first_tick_s
+
 #: Runs one batch in the model thread: ``(key, inputs) -> output``; every input and the
 #: output (an array, or a tuple of arrays) have the batch on axis 0.
 Output = np.ndarray | tuple[np.ndarray, ...]
@@ -35,13 +37,6 @@ MODEL_STOP_WAIT_S = 10.0
 #: answers nothing else meanwhile, so this bounds how late a probe, a scrape or a signal is
 #: handled; expected from the last batch of the same key, scaled up to the batch's rows.
 INLINE_MAX_S = 0.05
-#: While the model thread runs a batch, the event loop wakes every WARM_TICK_S from WARM_AFTER
-#: of the batch's expected time on, until the batch ends (hybrid polling, as Linux polls NVMe
-#: completions): a loop whose vCPU sat idle through the whole batch runs the reply's Python
-#: many times slower than warm (``docs/benchmarks.md``). It costs a few microseconds per tick
-#: over the batch's last fifth, about 0.3% of a core while batches run on the thread.
-WARM_AFTER = 0.8
-WARM_TICK_S = 0.001
 #: Keys whose last batch time the batcher remembers (a client may send any grid, and each
 #: grid is a key: the oldest is forgotten past this many).
 KNOWN_KEYS = 64
@@ -223,8 +218,8 @@ class Batcher:
     than warm (``docs/benchmarks.md``). So the hand-off runs little Python (a plain lock and a
     C-level queue as the doorbell: a ``threading.Condition`` runs a dozen Python lines per wait
     and notify; the queued jobs planned as they are; a lone job taken whole), and the loop
-    does not sit idle through a batch on the thread whose time it knows: it ticks over the
-    batch's last fifth (:data:`WARM_AFTER`), so that the reply's Python runs warm.
+    does not sit idle through a long batch on the thread whose time it knows: it ticks over
+    the batch's last fifth (:mod:`ddm.serving.polling`), so that the reply's Python runs warm.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
@@ -242,15 +237,15 @@ class Batcher:
         self._running: list[_Job] = []  # the batch that runs now, on the loop or the thread
         self._closed = False
         self._thread_waits = False  # the model thread waits for its doorbell
-        #: key -> (model seconds, rows) of its last batch, written by whoever ran it.
-        self._took: dict[Hashable, tuple[float, int]] = {}
+        #: Each key's last batch (model seconds, rows), written by whoever ran it.
+        self._took: LastTimes[Hashable] = LastTimes(KNOWN_KEYS)
         #: From when (``perf_counter``) the thread's batch is near its expected end; None for
-        #: a batch of a key not seen yet.
+        #: a batch that does not tick (:func:`~ddm.serving.polling.first_tick_s`).
         self._warm_from: float | None = None
         #: A token put here wakes the model thread to look at the queue again (:meth:`_ring`).
         self._doorbell: SimpleQueue[None] = SimpleQueue()
         self._dispatch_due = False  # a submitting task will run _dispatch after its turn
-        self._warm: asyncio.TimerHandle | None = None  # the next tick (:meth:`_warm_near`)
+        self._ticks = WarmTicks(self._next_tick_s)  # hybrid polling (:mod:`~ddm.serving.polling`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -277,14 +272,15 @@ class Batcher:
             # A lone request on an idle batcher that may run here decides after a loop turn
             # (below); anything else is the model thread's now, which batches what is queued
             # when it looks, unless a decision is already due (it sees this request too).
-            expected = self._expected_s(key, job.cost)
+            expected = self._took.expected(key, job.cost)
             dispatch = (not self._running and not self._dispatch_due
                         and len(self._queue) == 1 and _short(expected))
             if not dispatch and not self._dispatch_due:
                 self._ring()
             self._dispatch_due |= dispatch
-        if not dispatch:
-            self._warm_near(expected)
+        if not dispatch:  # the thread's: tick near its end, if it is long and known
+            if (first_tick := first_tick_s(expected)) is not None:
+                self._ticks.due_in(first_tick)
         else:
             # Decide after one loop turn, so that requests read in the same turn join; this
             # task decides, so that a batch run here returns without another turn.
@@ -307,9 +303,7 @@ class Batcher:
             self._closed = True
             jobs, self._queue = self._queue + self._running, []
             self._ring()
-        if self._warm is not None:
-            self._warm.cancel()
-            self._warm = None
+        self._ticks.stop()
         _fail(jobs, BatcherClosed("the server is shutting down"))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, MODEL_STOP_WAIT_S)
@@ -324,7 +318,7 @@ class Batcher:
             decision = self._plan()
             lone = self._queue[0] if len(self._queue) == 1 else None
             if not (isinstance(decision, Dispatch) and lone is not None
-                    and _short(self._expected_s(lone.key, lone.cost))):
+                    and _short(self._took.expected(lone.key, lone.cost))):
                 self._ring()  # a timed wait, concurrent requests or a long batch
                 return
             jobs = self._take(decision)
@@ -333,41 +327,16 @@ class Batcher:
             self._finish(jobs, *ran)
         self._deliver(jobs, *ran)
 
-    def _expected_s(self, key: Hashable, cost: int) -> float | None:
-        """How long a batch of ``cost`` rows of ``key`` is expected to run: the key's last
-        batch time, scaled up (never down) to the rows; None for a key not seen yet. Holds
-        ``_lock``."""
-        took = self._took.get(key)
-        if took is None:
-            return None
-        seconds, rows = took
-        return seconds * max(1.0, cost / rows)
-
-    def _warm_near(self, expected_s: float | None) -> None:
-        """On the loop, once a request is the model thread's: the first tick at WARM_AFTER of
-        its expected time, unless ticks are due already or nothing is expected (a key not
-        seen yet)."""
-        if expected_s is not None and self._warm is None and self._loop is not None:
-            self._warm = self._loop.call_later(WARM_AFTER * expected_s, self._tick)
-
-    def _tick(self) -> None:
-        """Keep the loop's vCPU from idling through the end of a batch on the model thread:
-        the next tick in WARM_TICK_S, or at the running batch's ``_warm_from`` if that is
-        later; none once nothing runs or waits, or while a batch of unknown time runs."""
+    def _next_tick_s(self) -> float | None:
+        """When the loop ticks next (:class:`~ddm.serving.polling.WarmTicks`): while the
+        thread runs a batch of known time, from its ``_warm_from`` on; while requests wait
+        for the thread, soon (it takes them now, or waits for companions); never once nothing
+        runs or waits, or while a batch of unknown time runs."""
         with self._lock:
             running, waiting, warm_from = bool(self._running), bool(self._queue), self._warm_from
-        assert self._loop is not None
         if running:
-            if warm_from is None:
-                self._warm = None
-                return
-            delay = max(WARM_TICK_S, warm_from - time.perf_counter())
-        elif waiting:
-            delay = WARM_TICK_S  # the thread takes it now, or waits for companions
-        else:
-            self._warm = None
-            return
-        self._warm = self._loop.call_later(delay, self._tick)
+            return None if warm_from is None else warm_from - time.perf_counter()
+        return WARM_TICK_S if waiting else None
 
     def _ring(self) -> None:
         """Wake the model thread if it waits (one token per wait). Holds ``_lock``."""
@@ -413,11 +382,7 @@ class Batcher:
         self._running = []
         if isinstance(outputs, Exception):
             return
-        key = jobs[0].key
-        self._took.pop(key, None)
-        self._took[key] = (ended - started, sum(job.cost for job in jobs))
-        if len(self._took) > KNOWN_KEYS:
-            del self._took[next(iter(self._took))]
+        self._took.record(jobs[0].key, ended - started, sum(job.cost for job in jobs))
 
     def _next_batch(self) -> list[_Job] | None:
         """Wait until :func:`plan_batch` dispatches while no batch runs (on the event loop),
@@ -427,9 +392,10 @@ class Batcher:
                 decision = None if self._running else self._plan()
                 if isinstance(decision, Dispatch):
                     jobs = self._take(decision)
-                    expected = self._expected_s(jobs[0].key, sum(job.cost for job in jobs))
-                    self._warm_from = (None if expected is None else
-                                       time.perf_counter() + WARM_AFTER * expected)
+                    expected = self._took.expected(jobs[0].key, sum(job.cost for job in jobs))
+                    first_tick = first_tick_s(expected)
+                    self._warm_from = (None if first_tick is None else
+                                       time.perf_counter() + first_tick)
                     return jobs
                 self._thread_waits = True
                 self._lock.release()

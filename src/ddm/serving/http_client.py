@@ -27,6 +27,11 @@ cancelled call) is never reused. Idle connections are closed after ``keep_alive_
 than the expert's own keep-alive, so that the client, not the server, closes an idle
 connection and a request never goes out on one the server is closing.
 
+The client does not sleep through a long call whose time it can expect: from four fifths of
+the same endpoint and path's last successful call on, it ticks every millisecond until the
+reply comes (:mod:`ddm.serving.polling`), so that reading, parsing and decoding the reply run
+warm.
+
 Errors: :class:`HttpClientError` for anything the transport or the response framing did wrong
 (the caller treats it as the replica's failure); ``TimeoutError`` when no answer came in time.
 """
@@ -34,15 +39,20 @@ Errors: :class:`HttpClientError` for anything the transport or the response fram
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass
 from typing import cast
 
 import httptools
 
+from ddm.serving.polling import LastTimes, WarmTicks, first_tick_s
 
 #: Status line and headers of a reply: an expert's are a few dozen bytes.
 MAX_REPLY_HEAD_BYTES = 8 * 1024
+#: ``(endpoint, path)`` pairs whose last call time a client remembers, to tick near the next
+#: call's reply: a router calls each replica of each expert on a few paths.
+KNOWN_CALLS = 1024
 
 
 class HttpClientError(ConnectionError):
@@ -216,6 +226,11 @@ class HttpClient:
         self._keep_alive_s = keep_alive_s
         self._max_idle = max_idle_per_endpoint
         self._idle: dict[str, list[_Connection]] = {}
+        self._took: LastTimes[tuple[str, str]] = LastTimes(KNOWN_CALLS)
+        #: Calls in flight whose time is expected -> from when (``perf_counter``) to tick.
+        self._near: dict[int, float] = {}
+        self._call_ids = itertools.count()
+        self._ticks = WarmTicks(self._next_tick_s)
 
     async def post(self, endpoint: str, path: str, body: bytes, content_type: str,
                    timeout_s: float, connect_timeout_s: float, *, max_reply_bytes: int,
@@ -228,7 +243,7 @@ class HttpClient:
         ``authorization`` is sent as the ``Authorization`` header."""
         head = (f"POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: {content_type}\r\n"
                 f"Content-Length: {len(body)}\r\n").encode("latin-1")
-        return await self._send(endpoint, head, body, authorization, timeout_s,
+        return await self._send(endpoint, path, head, body, authorization, timeout_s,
                                 connect_timeout_s, _Caps(max_reply_bytes, max_error_bytes))
 
     async def get(self, endpoint: str, path: str, timeout_s: float, connect_timeout_s: float,
@@ -236,31 +251,44 @@ class HttpClient:
         """``GET http://{endpoint}{path}`` (the router's probes), as :meth:`post`: any body
         over ``max_reply_bytes``, whatever its status, is :class:`ReplyTooLarge`."""
         head = f"GET {path} HTTP/1.1\r\nHost: {endpoint}\r\n".encode("latin-1")
-        return await self._send(endpoint, head, b"", authorization, timeout_s,
+        return await self._send(endpoint, path, head, b"", authorization, timeout_s,
                                 connect_timeout_s, _Caps(max_reply_bytes, max_reply_bytes))
 
-    async def _send(self, endpoint: str, head: bytes, body: bytes, authorization: bytes | None,
-                    timeout_s: float, connect_timeout_s: float, caps: _Caps) -> HttpReply:
+    async def _send(self, endpoint: str, path: str, head: bytes, body: bytes,
+                    authorization: bytes | None, timeout_s: float, connect_timeout_s: float,
+                    caps: _Caps) -> HttpReply:
         if authorization is not None:
             head += b"Authorization: " + authorization + b"\r\n"
         request = head + b"\r\n" + body
-        async with asyncio.timeout(timeout_s):
-            connection = self._take(endpoint)
-            if connection is not None:
-                try:
+        started, call = time.perf_counter(), (endpoint, path)
+        first_tick = first_tick_s(self._took.expected(call, len(request)))
+        call_id = next(self._call_ids)
+        if first_tick is not None:
+            self._near[call_id] = started + first_tick
+            self._ticks.due_in(first_tick)
+        try:
+            async with asyncio.timeout(timeout_s):
+                connection = self._take(endpoint)
+                if connection is not None:
+                    try:
+                        reply = await connection.exchange(request, caps)
+                    except _ClosedBeforeReply:
+                        # The server closed this idle connection as the request went out:
+                        # that says nothing of the replica, and the request is pure (an
+                        # expert call, a probe), so send it once more.
+                        connection = None
+                if connection is None:
+                    connection = await self._open(endpoint, connect_timeout_s)
                     reply = await connection.exchange(request, caps)
-                except _ClosedBeforeReply:
-                    # The server closed this idle connection as the request went out: that
-                    # says nothing of the replica, and the request is pure (an expert call, a
-                    # probe), so send it once more.
-                    connection = None
-            if connection is None:
-                connection = await self._open(endpoint, connect_timeout_s)
-                reply = await connection.exchange(request, caps)
+        finally:
+            self._near.pop(call_id, None)
+        if 200 <= reply.status < 300:
+            self._took.record(call, time.perf_counter() - started, len(request))
         self._give_back(endpoint, connection)
         return reply
 
     def close(self) -> None:
+        self._ticks.stop()
         for connections in self._idle.values():
             for connection in connections:
                 connection.close()
@@ -278,6 +306,13 @@ class HttpClient:
                 self._idle[endpoint] = fresh
             else:
                 del self._idle[endpoint]
+
+    def _next_tick_s(self) -> float | None:
+        """When the loop ticks next: from the earliest expected reply's tick time on; never
+        once no call of known time is in flight."""
+        if not self._near:
+            return None
+        return min(self._near.values()) - time.perf_counter()
 
     def _take(self, endpoint: str) -> _Connection | None:
         idle, now = self._idle.get(endpoint, []), time.monotonic()
