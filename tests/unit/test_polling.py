@@ -6,10 +6,17 @@ owners: the batcher's model thread (test_batching) and the HTTP client's calls
 from __future__ import annotations
 
 import asyncio
+from typing import Callable
 
 import pytest
+import uvloop
 
 from ddm.serving.polling import WARM_MIN_S, WARM_TICK_S, LastTimes, WarmTicks, first_tick_s
+
+
+#: The servers run uvloop; asyncio's own loop is the fallback.
+LOOPS = pytest.mark.parametrize("new_loop", [asyncio.new_event_loop, uvloop.new_event_loop],
+                                ids=["asyncio", "uvloop"])
 
 
 def test_only_a_wait_of_known_time_long_enough_to_go_cold_ticks_over_its_last_fifth():
@@ -44,7 +51,9 @@ def test_past_capacity_the_key_recorded_longest_ago_is_forgotten():
         LastTimes(capacity=0)
 
 
-def test_ticks_come_from_the_due_time_at_least_a_tick_apart_until_told_to_stop():
+@LOOPS
+def test_ticks_come_from_the_due_time_at_least_a_tick_apart_until_told_to_stop(
+        new_loop: Callable[[], asyncio.AbstractEventLoop]):
     async def scenario() -> tuple[list[float], bool]:
         loop = asyncio.get_running_loop()
         asked: list[float] = []
@@ -61,30 +70,36 @@ def test_ticks_come_from_the_due_time_at_least_a_tick_apart_until_told_to_stop()
         await asyncio.sleep(0.01)
         return [t - started for t in asked], ticks.ticking
 
-    asked, ticking = asyncio.run(scenario())
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        asked, ticking = runner.run(scenario())
     assert len(asked) == 5 and not ticking  # the chain ended when next_delay said None
     assert asked[0] >= 0.02 - 0.002  # the loop's clock has millisecond granularity
     assert all(b - a >= WARM_TICK_S - 0.0005 for a, b in zip(asked, asked[1:]))
 
 
-def test_an_earlier_due_time_brings_the_chain_forward_and_a_later_one_never_delays_it():
-    async def scenario() -> tuple[list[float], list[float]]:
+@LOOPS
+def test_an_earlier_due_time_brings_the_chain_forward_and_a_later_one_never_delays_it(
+        new_loop: Callable[[], asyncio.AbstractEventLoop]):
+    async def scenario() -> dict[str, list[float]]:
         loop = asyncio.get_running_loop()
-        first: list[float] = []
-        second: list[float] = []
-        ticks = WarmTicks(lambda: first.append(loop.time()))  # one tick per chain
+        ticked: dict[str, list[float]] = {"moved": [], "stopped": [], "at_once": []}
+        chains = {name: WarmTicks(lambda name=name: ticked[name].append(loop.time()))
+                  for name in ticked}  # one tick each: None ends a chain
         started = loop.time()
-        ticks.due_in(10.0)
-        ticks.due_in(0.01)  # earlier: replaces the tick due in 10 s
-        ticks.due_in(5.0)  # later: changes nothing
-        while ticks.ticking:
+        chains["moved"].due_in(10.0)
+        chains["moved"].due_in(0.01)  # earlier: replaces the tick due in 10 s
+        chains["moved"].due_in(5.0)  # later: changes nothing
+        chains["stopped"].due_in(0.01)
+        chains["stopped"].stop()
+        chains["at_once"].due_in(0.0)  # due now (uvloop makes it a plain callback)
+        chains["at_once"].due_in(0.0)
+        while any(chain.ticking for chain in chains.values()):
             await asyncio.sleep(0.001)
-        stopped = WarmTicks(lambda: second.append(loop.time()))
-        stopped.due_in(0.01)
-        stopped.stop()
-        await asyncio.sleep(0.05)
-        return [t - started for t in first], second
+        await asyncio.sleep(0.02)
+        return {name: [t - started for t in times] for name, times in ticked.items()}
 
-    first, second = asyncio.run(scenario())
-    assert len(first) == 1 and first[0] < 1.0
-    assert second == []  # stopped before its tick
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        ticked = runner.run(scenario())
+    assert len(ticked["moved"]) == 1 and ticked["moved"][0] < 1.0
+    assert ticked["stopped"] == []  # stopped before its tick
+    assert len(ticked["at_once"]) == 1

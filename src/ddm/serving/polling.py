@@ -76,6 +76,7 @@ class WarmTicks:
     def __init__(self, next_delay: Callable[[], float | None]) -> None:
         self._next_delay = next_delay
         self._handle: asyncio.TimerHandle | None = None
+        self._due = 0.0  # the loop's time of the next tick (uvloop's handles do not say)
 
     @property
     def ticking(self) -> bool:
@@ -86,12 +87,12 @@ class WarmTicks:
         """A tick at most ``seconds`` from now: starts the chain, or brings its next tick
         forward (a later wait never delays an earlier one's ticks)."""
         loop = asyncio.get_running_loop()
-        when = loop.time() + seconds
+        due = loop.time() + seconds
         if self._handle is not None:
-            if self._handle.when() <= when:
+            if self._due <= due:
                 return
             self._handle.cancel()
-        self._handle = loop.call_at(when, self._tick)
+        self._handle, self._due = loop.call_at(due, self._tick), due
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -104,4 +105,5 @@ class WarmTicks:
             self._handle = None
             return
         loop = asyncio.get_running_loop()
-        self._handle = loop.call_at(loop.time() + max(WARM_TICK_S, delay), self._tick)
+        self._due = loop.time() + max(WARM_TICK_S, delay)
+        self._handle = loop.call_at(self._due, self._tick)
