@@ -31,6 +31,12 @@ it) and a sleep of :data:`BEYOND_BOUND_S` as the model, in processes alternated 
 trees: from a lone request's submission to its batch starting on the thread, and from the
 batch's end to the submitting task running again.
 
+``reply_wait`` is the client's side of a call past the bound, per tree, with the tree's own
+:class:`~ddm.serving.http_client.HttpClient` on uvloop (as the router runs it), in processes
+alternated between the trees, against one small server process that answers every request
+after a sleep of :data:`BEYOND_BOUND_S`: from the server writing the reply (its timestamp is in
+the reply, on the clock every process shares) to ``post`` returning it.
+
 ``cold_code`` is why a wake-up costs more than its primitive: one small fixed piece of Python
 (a 20-item list comprehension), timed right after this thread slept :data:`COLD_GAPS_S`. On a
 virtual machine whose vCPU sat idle, the same code runs up to a hundred times slower than
@@ -152,6 +158,59 @@ with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
     print(json.dumps(runner.run(lone_requests())))
 """
 
+#: The server ``reply_wait`` calls: it answers each request after a sleep of argv[2] seconds,
+#: with the ``perf_counter`` of its write (CLOCK_MONOTONIC: one clock for every process) as the
+#: reply's first 8 bytes; "ready" on stdout once it listens on port argv[1].
+_SLOW_SERVER = """
+import asyncio, struct, sys, time, uvloop
+port, sleep_s = int(sys.argv[1]), float(sys.argv[2])
+
+async def answer(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\\r\\n\\r\\n")
+            length = next(int(line.split(b":")[1]) for line in head.lower().split(b"\\r\\n")
+                          if line.startswith(b"content-length"))
+            await reader.readexactly(length)
+            await asyncio.sleep(sleep_s)
+            body = struct.pack("d", time.perf_counter()) + bytes(1024)
+            writer.write(b"HTTP/1.1 200 OK\\r\\nContent-Length: %d\\r\\n\\r\\n" % len(body)
+                         + body)
+    except (asyncio.IncompleteReadError, ConnectionError):  # the client closed
+        writer.close()
+
+async def main():
+    server = await asyncio.start_server(answer, "127.0.0.1", port)
+    print("ready", flush=True)
+    await server.serve_forever()
+
+uvloop.run(main())
+"""
+
+#: One process timing ``reply_wait`` with the tree's own HttpClient on uvloop: argv[1] calls
+#: (after two that make the call's time known) to the server at argv[2]; it prints the seconds
+#: from each reply's write to ``post`` returning it.
+_REPLY_WAIT = """
+import asyncio, json, struct, sys, time
+import uvloop
+from ddm.serving.http_client import HttpClient
+calls, endpoint = int(sys.argv[1]), sys.argv[2]
+
+async def main():
+    client, waits = HttpClient(60.0), []
+    for index in range(calls + 2):
+        reply = await client.post(endpoint, "/v1/velocity", bytes(600), "application/x", 30.0,
+                                  30.0, max_reply_bytes=1 << 16, max_error_bytes=4096)
+        returned = time.perf_counter()
+        if index >= 2:
+            waits.append(returned - struct.unpack("d", reply.body[:8])[0])
+    client.close()
+    return waits
+
+with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+    print(json.dumps(runner.run(main())))
+"""
+
 
 def _start(tree: Path, checkpoint: Path, sleep: float, times_file: Path
            ) -> tuple[subprocess.Popen[bytes], str]:
@@ -270,6 +329,7 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
     return {"calls_per_round": CALLS, "rounds": rounds, "inline_max_s": INLINE_MAX_S,
             "load_average_before": load, "load_average_after": list(os.getloadavg()),
             "models": figures, "handoff": await asyncio.to_thread(_handoff, trees, rounds),
+            "reply_wait": await asyncio.to_thread(_reply_wait, trees, rounds),
             "cold_code": _cold_code(rounds)}
 
 
@@ -291,6 +351,29 @@ def _handoff(trees: list[Path], rounds: int) -> dict[str, dict[str, dict[str, fl
                    for name, values in (("to_model_thread_ms", to_thread),
                                         ("back_to_loop_ms", to_loop))}
             for tree, (to_thread, to_loop) in times.items()}
+
+
+def _reply_wait(trees: list[Path], rounds: int) -> dict[str, dict[str, float]]:
+    """Per tree, ``reply_wait`` (the module's docstring), median and tenth percentile in ms
+    over :data:`HANDOFF_RUNS` processes alternated between the trees."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", _SLOW_SERVER, str(port),
+                               str(BEYOND_BOUND_S)], stdout=subprocess.PIPE)
+    try:
+        if server.stdout is None or server.stdout.readline() != b"ready\n":
+            raise RuntimeError("the reply_wait server did not start")
+        waits: dict[str, list[float]] = {str(tree): [] for tree in trees}
+        for _ in range(HANDOFF_RUNS):
+            for tree in trees:
+                env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}"}
+                done = subprocess.run([sys.executable, "-c", _REPLY_WAIT, str(rounds),
+                                       f"{HOST}:{port}"], env=env, check=True,
+                                      capture_output=True, timeout=_STOP_S + rounds)
+                waits[str(tree)].extend(json.loads(done.stdout))
+    finally:
+        _stop(server)
+    return {tree: {"median": round(statistics.median(values) * 1e3, 3),
+                   "p10": round(_p10(values) * 1e3, 3)} for tree, values in waits.items()}
 
 
 def _cold_code(rounds: int) -> dict[str, float]:

@@ -112,6 +112,9 @@ def test_quick_run_reports_every_figure_and_stops_every_server():
     handoff = result["expert_call"]["handoff"][str(REPOSITORY_ROOT)]
     assert set(handoff) == {"to_model_thread_ms", "back_to_loop_ms"}
     assert all(0 < times["p10"] <= times["median"] for times in handoff.values())
+    # The client's side of a call past the bound, with this tree's HttpClient.
+    reply_wait = result["expert_call"]["reply_wait"][str(REPOSITORY_ROOT)]
+    assert 0 < reply_wait["p10"] <= reply_wait["median"]
     cold = result["expert_call"]["cold_code"]  # the same Python after each idle gap
     assert list(cold) == ["after_0_ms_idle_us", "after_1_ms_idle_us", "after_5_ms_idle_us",
                           "after_20_ms_idle_us", "after_60_ms_idle_us"]

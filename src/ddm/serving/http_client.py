@@ -27,10 +27,10 @@ cancelled call) is never reused. Idle connections are closed after ``keep_alive_
 than the expert's own keep-alive, so that the client, not the server, closes an idle
 connection and a request never goes out on one the server is closing.
 
-The client does not sleep through a long call whose time it can expect: from four fifths of
-the same endpoint and path's last successful call on, it ticks every millisecond until the
-reply comes (:mod:`ddm.serving.polling`), so that reading, parsing and decoding the reply run
-warm.
+The client does not sleep through a long call whose time it can expect (the same endpoint
+and path's last successful call took 20 ms or more): from four fifths of that time on, it
+ticks every millisecond until the reply comes (:mod:`ddm.serving.polling`), so that reading,
+parsing and decoding the reply run warm.
 
 Errors: :class:`HttpClientError` for anything the transport or the response framing did wrong
 (the caller treats it as the replica's failure); ``TimeoutError`` when no answer came in time.
