@@ -25,9 +25,10 @@ from typing import Callable, Generic, Hashable, TypeVar
 WARM_AFTER = 0.8
 WARM_TICK_S = 0.001
 #: Waits expected to be shorter do not tick: a vCPU idle for a few milliseconds comes back
-#: nearly warm (``cold_code``: 3-17 us after 1-5 ms idle, 30-55 us after 20-60 ms), and a tick
-#: can take the core from the very work awaited when both share a machine (the client's ticks
-#: on calls of 2-4 ms slowed the expert's model on the same VM by 0.1-0.3 ms).
+#: nearly warm (``cold_code``: 2-17 us after 1-5 ms idle, 32-67 us after 20-60 ms), and a tick
+#: can take the core from the very work awaited when both share a machine (in two of three
+#: alternated pairs, the client's ticks on calls of 2-4 ms slowed the expert's model on the
+#: same VM by 0.13-0.30 ms; ``docs/benchmarks.md``).
 WARM_MIN_S = 0.02
 
 Key = TypeVar("Key", bound=Hashable)
