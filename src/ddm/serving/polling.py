@@ -44,7 +44,8 @@ def first_tick_s(expected_s: float | None) -> float | None:
 
 class LastTimes(Generic[Key]):
     """How long the next job of a key is expected to take: the key's last time, scaled up
-    (never down) to the job's size, so a bigger job is not polled for early; None for a key not
+    (never down) to the job's size, so that a bigger job is never expected to be quicker (a
+    batcher must not run it on its event loop, nor tick for it early); None for a key not
     seen yet. Remembers the ``capacity`` keys recorded last: a peer may make any number of keys
     (every grid a client sends is one), so the oldest is forgotten."""
 
