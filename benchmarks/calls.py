@@ -125,7 +125,8 @@ with open(times_file, "w") as out:
 #: One process timing ``handoff`` with the tree's own Batcher on uvloop: a lone request every
 #: 20 ms (idle, as between a router's steps), a sleep of argv[2] as the model; it prints the
 #: seconds from each submission to its batch starting on the thread, and from the batch's end
-#: to the submitting task running again (the first request, of a key not seen yet, dropped).
+#: to the submitting task running again (the first request, of a key not seen yet, dropped),
+#: as a JSON object of lists (:func:`_alternated`).
 _HANDOFF = """
 import asyncio, json, sys, time
 import numpy as np, uvloop
@@ -152,7 +153,7 @@ async def lone_requests():
             to_thread.append(marks["started"] - submitted)
             to_loop.append(resumed - marks["ended"])
     await batcher.close()
-    return to_thread, to_loop
+    return {"to_model_thread_ms": to_thread, "back_to_loop_ms": to_loop}
 
 with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
     print(json.dumps(runner.run(lone_requests())))
@@ -189,7 +190,7 @@ uvloop.run(main())
 
 #: One process timing ``reply_wait`` with the tree's own HttpClient on uvloop: argv[1] calls
 #: (after two that make the call's time known) to the server at argv[2]; it prints the seconds
-#: from each reply's write to ``post`` returning it.
+#: from each reply's write to ``post`` returning it, as :data:`_HANDOFF` does.
 _REPLY_WAIT = """
 import asyncio, json, struct, sys, time
 import uvloop
@@ -205,7 +206,7 @@ async def main():
         if index >= 2:
             waits.append(returned - struct.unpack("d", reply.body[:8])[0])
     client.close()
-    return waits
+    return {"reply_wait": waits}
 
 with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
     print(json.dumps(runner.run(main())))
@@ -333,47 +334,47 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
             "cold_code": _cold_code(rounds)}
 
 
-def _handoff(trees: list[Path], rounds: int) -> dict[str, dict[str, dict[str, float]]]:
-    """Per tree, the model thread's two hand-offs (the module's ``handoff``), medians and
-    tenth percentiles in ms over :data:`HANDOFF_RUNS` processes alternated between the trees."""
-    times: dict[str, tuple[list[float], list[float]]] = {str(tree): ([], []) for tree in trees}
+def _alternated(trees: list[Path], rounds: int, script: str, *args: str
+                ) -> dict[str, dict[str, list[float]]]:
+    """Per tree, what ``script`` measured (a JSON object of lists of seconds) with the tree's
+    code, over :data:`HANDOFF_RUNS` processes alternated between the trees, so that a shared
+    machine's load hits every tree alike."""
+    runs: dict[str, dict[str, list[float]]] = {str(tree): {} for tree in trees}
     for _ in range(HANDOFF_RUNS):
         for tree in trees:
             env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}", "OMP_NUM_THREADS": "1"}
-            done = subprocess.run([sys.executable, "-c", _HANDOFF, str(rounds),
-                                   str(BEYOND_BOUND_S)], env=env, check=True,
-                                  capture_output=True, timeout=_STOP_S + rounds)
-            to_thread, to_loop = json.loads(done.stdout)
-            times[str(tree)][0].extend(to_thread)
-            times[str(tree)][1].extend(to_loop)
-    return {tree: {name: {"median": round(statistics.median(values) * 1e3, 3),
-                          "p10": round(_p10(values) * 1e3, 3)}
-                   for name, values in (("to_model_thread_ms", to_thread),
-                                        ("back_to_loop_ms", to_loop))}
-            for tree, (to_thread, to_loop) in times.items()}
+            done = subprocess.run([sys.executable, "-c", script, str(rounds), *args], env=env,
+                                  check=True, capture_output=True, timeout=_STOP_S + rounds)
+            for name, seconds in json.loads(done.stdout).items():
+                runs[str(tree)].setdefault(name, []).extend(seconds)
+    return runs
+
+
+def _ms(seconds: list[float]) -> dict[str, float]:
+    """The median and tenth percentile of ``seconds``, in ms."""
+    return {"median": round(statistics.median(seconds) * 1e3, 3),
+            "p10": round(_p10(seconds) * 1e3, 3)}
+
+
+def _handoff(trees: list[Path], rounds: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Per tree, the model thread's two hand-offs (the module's ``handoff``)."""
+    runs = _alternated(trees, rounds, _HANDOFF, str(BEYOND_BOUND_S))
+    return {tree: {name: _ms(seconds) for name, seconds in times.items()}
+            for tree, times in runs.items()}
 
 
 def _reply_wait(trees: list[Path], rounds: int) -> dict[str, dict[str, float]]:
-    """Per tree, ``reply_wait`` (the module's docstring), median and tenth percentile in ms
-    over :data:`HANDOFF_RUNS` processes alternated between the trees."""
+    """Per tree, ``reply_wait`` (the module's docstring), against one server for all."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-c", _SLOW_SERVER, str(port),
                                str(BEYOND_BOUND_S)], stdout=subprocess.PIPE)
     try:
         if server.stdout is None or server.stdout.readline() != b"ready\n":
             raise RuntimeError("the reply_wait server did not start")
-        waits: dict[str, list[float]] = {str(tree): [] for tree in trees}
-        for _ in range(HANDOFF_RUNS):
-            for tree in trees:
-                env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}"}
-                done = subprocess.run([sys.executable, "-c", _REPLY_WAIT, str(rounds),
-                                       f"{HOST}:{port}"], env=env, check=True,
-                                      capture_output=True, timeout=_STOP_S + rounds)
-                waits[str(tree)].extend(json.loads(done.stdout))
+        runs = _alternated(trees, rounds, _REPLY_WAIT, f"{HOST}:{port}")
     finally:
         _stop(server)
-    return {tree: {"median": round(statistics.median(values) * 1e3, 3),
-                   "p10": round(_p10(values) * 1e3, 3)} for tree, values in waits.items()}
+    return {tree: _ms(times["reply_wait"]) for tree, times in runs.items()}
 
 
 def _cold_code(rounds: int) -> dict[str, float]:
