@@ -215,6 +215,34 @@ def test_ddm_up_reports_progress_and_ends_terminated_143_on_sigterm(tmp_path: Pa
             f"/proc/{pid}/status").read_text().lower(), f"process {pid} survived"
 
 
+def test_ddm_up_piped_to_a_reader_that_ctrl_c_ended_first_still_stops_every_server() -> None:
+    """Ctrl-C on `ddm up | tee log` ends tee too, so `ddm up` shuts down with nobody reading
+    its output: saying so must not keep it from stopping its servers (they run in their own
+    sessions, out of the terminal's reach, and would be left holding their ports)."""
+    import subprocess
+    import sys
+
+    command = subprocess.Popen([sys.executable, "-m", "ddm", "up", "--port", str(free_port())],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in command.stdout:  # the command says when it is up; no sleeping
+        lines.append(line)
+        if "is up" in line:
+            break
+    children = subprocess.run(["pgrep", "-P", str(command.pid)], capture_output=True,
+                              text=True).stdout.split()
+    assert len(children) == 5, "".join(lines)
+    command.stdout.close()  # the reader is gone
+    command.send_signal(signal.SIGINT)
+    command.wait(timeout=60)
+    survivors = [pid for pid in children if Path(f"/proc/{pid}").exists()
+                 and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    for pid in survivors:  # not left running for the tests after this one
+        os.killpg(int(pid), signal.SIGKILL)
+    assert survivors == []
+
+
 def test_ddm_up_says_why_an_expert_could_not_start(tmp_path: Path) -> None:
     """A corrupt checkpoint: the expert exits 1, and ddm up reports its termination message."""
     import shutil

@@ -438,7 +438,11 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
         except KeyboardInterrupt:
             return 0
         finally:  # Ctrl-C, SIGTERM (the caller's exception), an error or a death: stop all
-            print(f"stopping {len(supervisor.processes)} process(es)...", file=out, flush=True)
+            try:
+                print(f"stopping {len(supervisor.processes)} process(es)...", file=out,
+                      flush=True)
+            except OSError:  # nobody reads any more (Ctrl-C ends `ddm up | tee` too)
+                pass
             supervisor.stop()
 
 
