@@ -14,6 +14,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -179,20 +181,13 @@ def test_the_router_answers_1000_malformed_requests_with_4xx_and_keeps_serving(
     assert good.status_code == 200, good.text
 
 
-def test_ddm_up_reports_progress_and_ends_terminated_143_on_sigterm(tmp_path: Path) -> None:
-    """`kill` of the command, not only Ctrl-C, must leave no server behind, and say it was
-    terminated with the status a shell expects of it (143, not Ctrl-C's), so that `make demo`
-    stopped by a service manager is not reported as interrupted. On its way up it names each
-    process as it starts and as it becomes ready."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    port = free_port()
-    command = subprocess.Popen([sys.executable, "-m", "ddm", "up", "--port", str(port)],
+def _ddm_up_process() -> tuple[subprocess.Popen[str], str, list[str]]:
+    """`ddm up` (the MNIST DDM) as a user runs it, its output piped here, once it says it is
+    up: the process, what it said, and its five children (four experts and the router)."""
+    command = subprocess.Popen([sys.executable, "-m", "ddm", "up", "--port", str(free_port())],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=os.environ | {"OMP_NUM_THREADS": "1"})
+    assert command.stdout is not None
     lines = []
     for line in command.stdout:  # the command says when it is up; no sleeping
         lines.append(line)
@@ -201,43 +196,42 @@ def test_ddm_up_reports_progress_and_ends_terminated_143_on_sigterm(tmp_path: Pa
     assert command.poll() is None, "".join(lines)
     children = subprocess.run(["pgrep", "-P", str(command.pid)], capture_output=True,
                               text=True).stdout.split()
-    assert len(children) == 5, "".join(lines)  # the MNIST DDM's four experts and the router
-    up = "".join(lines)
+    assert len(children) == 5, "".join(lines)
+    return command, "".join(lines), children
+
+
+def _running(pids: list[str]) -> list[str]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()
+            and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+
+
+def test_ddm_up_reports_progress_and_ends_terminated_143_on_sigterm() -> None:
+    """`kill` of the command, not only Ctrl-C, must leave no server behind, and say it was
+    terminated with the status a shell expects of it (143, not Ctrl-C's), so that `make demo`
+    stopped by a service manager is not reported as interrupted. On its way up it names each
+    process as it starts and as it becomes ready."""
+    command, up, children = _ddm_up_process()
     names = [f"mnist-cluster-{k}/0" for k in range(4)] + ["router"]
     for name in names:
         assert f"started {name} (pid " in up and f"{name} is ready (" in up, up
     command.send_signal(signal.SIGTERM)
+    assert command.stdout is not None
     rest = command.stdout.read()
     assert command.wait(timeout=60) == 143, up + rest
     assert "stopping 5 process(es)..." in rest and "ddm: terminated (SIGTERM)" in rest, rest
-    for pid in children:
-        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
-            f"/proc/{pid}/status").read_text().lower(), f"process {pid} survived"
+    assert _running(children) == []
 
 
 def test_ddm_up_piped_to_a_reader_that_ctrl_c_ended_first_still_stops_every_server() -> None:
     """Ctrl-C on `ddm up | tee log` ends tee too, so `ddm up` shuts down with nobody reading
     its output: saying so must not keep it from stopping its servers (they run in their own
     sessions, out of the terminal's reach, and would be left holding their ports)."""
-    import subprocess
-    import sys
-
-    command = subprocess.Popen([sys.executable, "-m", "ddm", "up", "--port", str(free_port())],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=os.environ | {"OMP_NUM_THREADS": "1"})
-    lines = []
-    for line in command.stdout:  # the command says when it is up; no sleeping
-        lines.append(line)
-        if "is up" in line:
-            break
-    children = subprocess.run(["pgrep", "-P", str(command.pid)], capture_output=True,
-                              text=True).stdout.split()
-    assert len(children) == 5, "".join(lines)
+    command, _, children = _ddm_up_process()
+    assert command.stdout is not None
     command.stdout.close()  # the reader is gone
     command.send_signal(signal.SIGINT)
     command.wait(timeout=60)
-    survivors = [pid for pid in children if Path(f"/proc/{pid}").exists()
-                 and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    survivors = _running(children)
     for pid in survivors:  # not left running for the tests after this one
         os.killpg(int(pid), signal.SIGKILL)
     assert survivors == []
