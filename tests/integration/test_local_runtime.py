@@ -182,11 +182,13 @@ def test_the_router_answers_1000_malformed_requests_with_4xx_and_keeps_serving(
 
 
 def _ddm_up_process() -> tuple[subprocess.Popen[str], str, list[str]]:
-    """`ddm up` (the MNIST DDM) as a user runs it, its output piped here, once it says it is
-    up: the process, what it said, and its five children (four experts and the router)."""
+    """`ddm up` (the MNIST DDM) as a user runs it from a terminal (Ctrl-C's SIGINT not
+    ignored, as it is for a job CI starts in the background), its output piped here, once it
+    says it is up: the process, what it said, and its five children (four experts, router)."""
     command = subprocess.Popen([sys.executable, "-m", "ddm", "up", "--port", str(free_port())],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=os.environ | {"OMP_NUM_THREADS": "1"})
+                               env=os.environ | {"OMP_NUM_THREADS": "1"},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert command.stdout is not None
     lines = []
     for line in command.stdout:  # the command says when it is up; no sleeping
