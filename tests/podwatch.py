@@ -13,13 +13,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 from waiting import wait_for
 
 from ddm_devcluster import ClusterInfo
-from ddm_devcluster.cluster import cluster_slot
+from ddm_devcluster.cluster import cluster_slot, node_layout
 from ddm_devcluster.realnode import NodeNetwork
 
 
@@ -57,25 +58,45 @@ def catches_sigterm(pid: int) -> bool:
     return False
 
 
-class LogFollower:
-    """A container's log from now until the container exits (``kubectl logs -f``), in a thread."""
+class ContainerLog:
+    """A container's log as the node's containerd writes it (the CRI log file under the node's
+    ``/var/log/pods``), held open from now on.
 
-    def __init__(self, core: client.CoreV1Api, pod: client.V1Pod) -> None:
-        self.lines: list[str] = []
-        self._response = core.read_namespaced_pod_log(
-            pod.metadata.name, pod.metadata.namespace, container=pod.spec.containers[0].name,
-            follow=True, since_seconds=1, _preload_content=False)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
+    Not read through the kubelet (``kubectl logs -f``): kubelet 1.20 ends a follow with
+    "container not found" when it removes a deleted pod's exited container before reading the
+    last lines, and a container's last words (``ddm: terminated (SIGTERM)``) were lost that
+    way in CI. An open file outlives its removal, so :meth:`text` reads every line written.
+    """
 
-    def _read(self) -> None:
-        for line in self._response.stream(decode_content=False):
-            self.lines.extend(line.decode(errors="replace").splitlines())
+    def __init__(self, cluster: ClusterInfo, pod: client.V1Pod) -> None:
+        meta = pod.metadata
+        container = pod.spec.containers[0].name
+        pods_dir = node_layout(cluster.state_dir).private_dir("/var/log") / "pods"
+        path = pods_dir / f"{meta.namespace}_{meta.name}_{meta.uid}" / container / "0.log"
+        self._file = wait_for(lambda: _open_or_none(path), 30, f"the container's log {path}")
 
-    def text(self, timeout_s: float) -> str:
-        """The log so far; waits up to ``timeout_s`` for its end (the container's exit)."""
-        self._thread.join(timeout_s)
-        return "\n".join(self.lines)
+    def text(self) -> str:
+        """Every line the container wrote to stdout and stderr so far, in order."""
+        self._file.seek(0)
+        data = self._file.read()
+        lines: list[str] = []
+        partial = ""
+        # up to the last newline: a record after it is still being written
+        for record in data[:data.rfind(b"\n") + 1].decode(errors="replace").splitlines():
+            # "<time> <stream> <P|F> <text>": P is part of a long line, F ends a line
+            _, _, tag, *text = record.split(" ", 3)
+            partial += text[0] if text else ""
+            if tag == "F":
+                lines.append(partial)
+                partial = ""
+        return "\n".join(lines)
+
+
+def _open_or_none(path: Path) -> BinaryIO | None:
+    try:
+        return path.open("rb")
+    except FileNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)

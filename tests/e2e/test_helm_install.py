@@ -36,7 +36,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from PIL import Image
 from podsecurity import violations
-from podwatch import LogFollower, TaskExits, container_pids, delete_and_watch
+from podwatch import ContainerLog, TaskExits, container_pids, delete_and_watch
 from waiting import wait_for
 
 from ddm_devcluster import ClusterInfo
@@ -474,13 +474,13 @@ def test_servers_exit_promptly_on_sigterm_as_pid_1(dev_cluster: ClusterInfo,
     victim = wait_for(lambda: (ready_pods(core, "digits-0-4", replicas) or [None])[0], 300,
                       "a ready, settled replica of expert digits-0-4")
     name, grace = victim.metadata.name, victim.spec.termination_grace_period_seconds
-    server_log = LogFollower(core, victim)
+    server_log = ContainerLog(dev_cluster, victim)
     exits = TaskExits(node_layout(dev_cluster.state_dir).ctr())
     try:
         ending = delete_and_watch(core, victim, timeout_s=grace + 60, exits=exits)
     finally:
         exits.close()
-    shutdown = server_log.text(timeout_s=10)
+    shutdown = server_log.text()
     print(f"\nSIGTERM to PID 1: container exited {ending.exit_code} after "
           f"{ending.exited_after_s} s (drain {DRAIN_S} s, grace {grace} s); pod gone "
           f"{ending.gone_after_s} s after deletion")

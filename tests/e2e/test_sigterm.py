@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from kubernetes import client
-from podwatch import (Ending, LogFollower, TaskExits, catches_sigterm, container_pids,
+from podwatch import (ContainerLog, Ending, TaskExits, catches_sigterm, container_pids,
                       delete_and_watch, new_namespace)
 from waiting import wait_for
 
@@ -126,9 +126,9 @@ def test_a_pod_deleted_while_ddm_still_imports_ends_at_once(dev_cluster: Cluster
                    lambda: str(core.read_namespaced_pod("importing", NAMESPACE).status))
     (pid,) = wait_for(lambda: container_pids(dev_cluster, pod), 30, "the container's process")
     wait_for(lambda: catches_sigterm(pid), 60, "ddm to handle SIGTERM")
-    log = LogFollower(core, pod)
+    log = ContainerLog(dev_cluster, pod)
     ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60, exits=exits)
-    text = log.text(timeout_s=10)
+    text = log.text()
     print(f"\ndeleted while importing: {ending} (grace {GRACE_S} s)")
     explain = f"{ending}; its log:\n{text}"
     assert "Started server process" not in text, f"no longer importing; {explain}"
@@ -148,17 +148,18 @@ def loading(pod: client.V1Pod) -> bool:
     return answer.status_code == 503 and answer.json().get("status") == "loading"
 
 
-def test_a_pod_deleted_while_its_server_starts_is_gone_at_once(core: client.CoreV1Api,
+def test_a_pod_deleted_while_its_server_starts_is_gone_at_once(dev_cluster: ClusterInfo,
+                                                              core: client.CoreV1Api,
                                                               exits: TaskExits) -> None:
     core.create_namespaced_pod(NAMESPACE, expert_pod("starting", cpu_limit=STARTING_CPU))
     pod = wait_for(lambda: container_state(core, "starting", "running"), 300,
                    "the container to run",
                    lambda: str(core.read_namespaced_pod("starting", NAMESPACE).status))
-    log = LogFollower(core, pod)
+    log = ContainerLog(dev_cluster, pod)
     wait_for(lambda: loading(pod), 120, "the expert to answer that it is loading",
-             lambda: log.text(timeout_s=0))
+             log.text)
     ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60, exits=exits)
-    text = log.text(timeout_s=10)
+    text = log.text()
     print(f"\ndeleted while starting: {ending} (drain {DRAIN_S} s, grace {GRACE_S} s)")
     explain = f"{ending}; its log:\n{text}"
     assert "stopped while still starting" in text, explain
@@ -169,15 +170,16 @@ def test_a_pod_deleted_while_its_server_starts_is_gone_at_once(core: client.Core
     assert_gone_promptly(ending, explain)
 
 
-def test_a_serving_pod_deleted_drains_then_exits_0(core: client.CoreV1Api,
+def test_a_serving_pod_deleted_drains_then_exits_0(dev_cluster: ClusterInfo,
+                                                   core: client.CoreV1Api,
                                                    exits: TaskExits) -> None:
     core.create_namespaced_pod(NAMESPACE, expert_pod("serving"))
     pod = wait_for(lambda: container_state(core, "serving", "ready"), 300,
                    "the expert to be ready",
                    lambda: core.read_namespaced_pod_log("serving", NAMESPACE))
-    log = LogFollower(core, pod)
+    log = ContainerLog(dev_cluster, pod)
     ending = delete_and_watch(core, pod, timeout_s=GRACE_S + 60, exits=exits)
-    text = log.text(timeout_s=10)
+    text = log.text()
     print(f"\ndeleted while serving: {ending} (drain {DRAIN_S} s, grace {GRACE_S} s)")
     explain = f"{ending}; its log:\n{text}"
     assert "SIGTERM: draining" in text, explain
