@@ -1,6 +1,8 @@
 """The checkpoint format: atomic writes, integrity checks, and errors that name the problem."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -98,6 +100,25 @@ def test_failed_save_leaves_the_old_checkpoint(smoke_checkpoint):
         save_checkpoint(path, _meta(), {"bad": object()})
     assert (path / "weights.safetensors").read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["e0"]
+
+
+@pytest.mark.parametrize("umask, directory_mode", [(0o022, 0o755), (0o027, 0o750)],
+                         ids=["umask-022", "umask-027"])
+def test_a_saved_checkpoint_gets_the_modes_the_umask_gives_anything_new(tmp_path, umask,
+                                                                        directory_mode):
+    # Servers run as another user (the images' uid 10001) than whoever trained or exported
+    # the checkpoint: a private directory or weights file (a temporary's 0700 and 0600) would
+    # be unreadable to them. A replaced checkpoint gets the same modes as a new one.
+    previous = os.umask(umask)
+    try:
+        for _ in range(2):  # new, then replaced
+            path = save_checkpoint(tmp_path / "e0", _meta(), canonical_weights(UNet(SMOKE)))
+            assert stat.S_IMODE(path.stat().st_mode) == directory_mode
+            for name in ("config.json", "weights.safetensors"):
+                assert stat.S_IMODE((path / name).stat().st_mode) == directory_mode & 0o666, name
+    finally:
+        os.umask(previous)
+    assert [p.name for p in tmp_path.iterdir()] == ["e0"]  # no staging or backup left
 
 
 def test_meta_rejects_unknown_kind_and_framework():

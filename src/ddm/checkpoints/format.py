@@ -24,8 +24,9 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
-import tempfile
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -177,10 +178,15 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
 
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    # Made by mkdir, not mkdtemp: a server running as another user must read the checkpoint,
+    # so it gets the mode the umask gives any new directory, not a temporary's 0700.
+    staging = target.parent / f".{target.name}.{secrets.token_hex(6)}"
+    staging.mkdir()
     try:
         arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
         save_file(arrays, str(staging / WEIGHTS_FILE))
+        # safetensors writes through a private (0600) temporary: give it a new file's mode
+        os.chmod(staging / WEIGHTS_FILE, stat.S_IMODE(staging.stat().st_mode) & 0o666)
         config = meta.to_dict()
         config["weights_sha256"] = _sha256(staging / WEIGHTS_FILE)
         if program is not None:
