@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from ddm.checkpoints.destinations import parse_networks
-from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
+from ddm.checkpoints.fetch import (MAX_ARCHIVE_HEADER_BYTES, FetchError, FetchPolicy,
+                                   fetch_checkpoint, resolve_url)
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ddm.checkpoints.uri import FETCH_COMMAND
 from ddm.cli import main
@@ -386,6 +387,42 @@ def test_hostile_archive_members_are_rejected(origin, tmp_path, member, build, p
     assert [p.name for p in tmp_path.iterdir()] == ["work"]  # nothing escaped either
 
 
+@pytest.mark.parametrize("archive_format", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT],
+                         ids=["gnu", "pax"])
+def test_long_member_names_are_read_from_their_extended_headers(
+        origin, smoke_expert_checkpoint, tmp_path, archive_format):
+    top = "checkpoint-" + "x" * 200 + "/"  # past ustar's 100 characters: an extended header
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", format=archive_format) as tar:
+        for file in (CONFIG_FILE, WEIGHTS_FILE):
+            tar.add(smoke_expert_checkpoint / file, arcname=top + file)
+    origin.files["/long.tar.gz"] = buffer.getvalue()
+    dest = fetch_checkpoint(f"{origin.url}/long.tar.gz", tmp_path / "expert", FAST)
+    _assert_same_checkpoint(dest, smoke_expert_checkpoint)
+
+
+def _extended_header(kind: bytes, claimed: int) -> bytes:
+    """An archive of one extended header (a GNU long name or a pax header) that claims
+    ``claimed`` bytes of data and holds none: 512 bytes."""
+    info = tarfile.TarInfo("././@LongLink")
+    info.type, info.size = kind, claimed
+    return info.tobuf(format=tarfile.GNU_FORMAT)  # sizes past 8 GiB: base-256
+
+
+@pytest.mark.parametrize("kind", [tarfile.GNUTYPE_LONGNAME, tarfile.XHDTYPE],
+                         ids=["gnu-long-name", "pax"])
+@pytest.mark.parametrize("claimed", [1 << 40, 1 << 70], ids=["1TiB", "2**70"])
+def test_an_extended_header_claiming_more_than_one_may_hold_is_refused_unread(
+        origin, tmp_path, kind, claimed):
+    # tarfile reads such a header whole, in one read its claimed size asks for: the claim
+    # alone, in 512 bytes, made it allocate that much (MemoryError) or fail (OverflowError)
+    origin.files["/claims.tar"] = _extended_header(kind, claimed)
+    with pytest.raises(FetchError, match=rf"an extended header of {claimed} bytes; at most "
+                                         rf"{MAX_ARCHIVE_HEADER_BYTES}"):
+        fetch_checkpoint(f"{origin.url}/claims.tar", tmp_path / "expert", FAST)
+    _assert_nothing_left(tmp_path)
+
+
 def test_an_archive_without_a_checkpoint_is_rejected(origin, tmp_path):
     origin.files["/empty.tar"] = _archive(lambda t: _add_bytes(t, "a/b/readme", b"hi"), "w")
     with pytest.raises(FetchError, match=r"the archive holds no checkpoint"):
@@ -439,12 +476,23 @@ def _zero_weights_bomb(smoke: Path) -> bytes:
     config = json.loads((smoke / CONFIG_FILE).read_text())
     config["weights_sha256"] = digest.hexdigest()
 
-    class Weights(io.RawIOBase):
-        """The file, streamed into the archive without ever being whole in memory."""
+    def build(tar: tarfile.TarFile) -> None:
+        _add_bytes(tar, CONFIG_FILE, json.dumps(config).encode())
+        info = tarfile.TarInfo(WEIGHTS_FILE)
+        info.size = len(prefix) + BOMB_WEIGHTS
+        tar.addfile(info, _streamed(prefix, BOMB_WEIGHTS))
 
+    return _archive(build)
+
+
+def _streamed(prefix: bytes, zeros: int) -> io.BufferedReader:
+    """``prefix`` then ``zeros`` zero bytes, streamed into an archive without ever being
+    whole in memory."""
+
+    class Stream(io.RawIOBase):
         def __init__(self) -> None:
             self.left = memoryview(prefix)
-            self.zeros = BOMB_WEIGHTS
+            self.zeros = zeros
 
         def readable(self) -> bool:
             return True
@@ -459,13 +507,7 @@ def _zero_weights_bomb(smoke: Path) -> bytes:
             self.zeros -= n
             return n
 
-    def build(tar: tarfile.TarFile) -> None:
-        _add_bytes(tar, CONFIG_FILE, json.dumps(config).encode())
-        info = tarfile.TarInfo(WEIGHTS_FILE)
-        info.size = len(prefix) + BOMB_WEIGHTS
-        tar.addfile(info, io.BufferedReader(Weights(), 1 << 20))
-
-    return _archive(build)
+    return io.BufferedReader(Stream(), 1 << 20)
 
 
 #: ``ddm fetch-checkpoint`` that writes its peak RSS (``VmHWM``, its own address space's: a
@@ -509,6 +551,21 @@ def test_the_admins_lower_cap_refuses_the_bomb_and_leaves_nothing(
                                   "--max-bytes", str(cap))
     assert status == 1
     assert "archive member weights.safetensors: more than the" in termination_log.read_text()
+    _assert_nothing_left(tmp_path)
+
+
+def test_a_small_archive_of_a_large_extended_header_is_refused_in_constant_memory(
+        origin, tmp_path, termination_log):
+    # a long name of BOMB_WEIGHTS zeros, a few hundred kB gzipped: tarfile reads it whole
+    info = tarfile.TarInfo("././@LongLink")
+    info.type, info.size = tarfile.GNUTYPE_LONGNAME, BOMB_WEIGHTS
+    origin.files["/name.tar.gz"] = _archive(
+        lambda tar: tar.addfile(info, _streamed(b"", BOMB_WEIGHTS)))
+    assert len(origin.files["/name.tar.gz"]) < BOMB_WEIGHTS // 256  # a small download
+    status, peak = _fetch_in_a_child(f"{origin.url}/name.tar.gz", tmp_path / "expert")
+    assert status == 1
+    assert peak < FETCH_RSS_BOUND, f"peak RSS {peak >> 20} MiB"
+    assert f"an extended header of {BOMB_WEIGHTS} bytes" in termination_log.read_text()
     _assert_nothing_left(tmp_path)
 
 

@@ -38,7 +38,8 @@ The URI is a tenant's input and the fetcher runs inside the cluster, so (``downl
 Each file is streamed to disk with a timeout per wait, bounded retries with exponential
 back-off on 5xx, 429 and connection errors, one deadline for the whole fetch, and a size limit
 on everything downloaded or extracted. Archives are extracted member by member, at most
-``max_entries``: only regular files and directories, no absolute paths, no ``..``. The result
+``max_entries``: only regular files and directories, no absolute paths, no ``..``, no
+extended header (pax, GNU long name) over ``MAX_ARCHIVE_HEADER_BYTES``. The result
 is checked in constant memory (``verify.verify_checkpoint``: config, SHA-256s streamed, the
 safetensors header; no weight is loaded) before it is moved into place: DEST holds the
 complete checkpoint or nothing new. DEST may be absent (created by one rename) or an existing
@@ -92,6 +93,11 @@ ENV_MAX_BYTES = "DDM_FETCH_MAX_BYTES"
 #: Staging directories start with this; a later run removes those an interrupted run left.
 STAGING_PREFIX = ".ddm-fetch-"
 _CHUNK = 1 << 20
+#: The most an archive's extended header (a pax header, a GNU long name or link) may hold:
+#: tarfile reads one whole, so its claimed size is memory; a checkpoint's need a few names.
+MAX_ARCHIVE_HEADER_BYTES = 1 << 20
+_EXTENDED_HEADERS = frozenset({tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                               tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK})
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 #: Headers the fetcher sets itself; a headers file may not replace them.
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
@@ -341,7 +347,7 @@ def _extract(archive: Path, root: Path, limit: int, max_entries: int) -> None:
     """Extract regular files and directories only, each strictly inside ``root``."""
     root.mkdir()
     try:
-        with tarfile.open(archive, mode="r:*") as tar:
+        with tarfile.open(archive, mode="r:*", tarinfo=_BoundedHeader) as tar:
             for count, member in enumerate(tar, 1):
                 if count > max_entries:
                     raise FetchError(f"the archive holds more than {max_entries} entries")
@@ -359,6 +365,19 @@ def _extract(archive: Path, root: Path, limit: int, max_entries: int) -> None:
         raise FetchError(f"not a readable tar archive ({exc})") from None
     except FileExistsError:
         raise FetchError("the archive holds a file twice") from None
+
+
+class _BoundedHeader(tarfile.TarInfo):
+    """A member's header, refused before its extended header is read when that claims more
+    than :data:`MAX_ARCHIVE_HEADER_BYTES` (in 512 bytes, it may claim up to 2**88)."""
+
+    @classmethod
+    def frombuf(cls, buf: bytes, encoding: str, errors: str) -> tarfile.TarInfo:
+        header = super().frombuf(buf, encoding, errors)
+        if header.type in _EXTENDED_HEADERS and header.size > MAX_ARCHIVE_HEADER_BYTES:
+            raise FetchError(f"the archive has an extended header of {header.size} bytes; at "
+                             f"most {MAX_ARCHIVE_HEADER_BYTES} are read")
+        return header
 
 
 def _member_path(member: tarfile.TarInfo) -> PurePosixPath:
