@@ -892,6 +892,32 @@ def test_a_stream_whose_client_disconnects_is_closed_and_frees_its_slot(ddms, ex
         assert ok.status_code == 200, ok.text
 
 
+def test_a_json_generation_whose_client_disconnects_stops_and_frees_its_slot(ddms, experts):
+    """A client that leaves before its answer (curl interrupted, a proxy's timeout) ends its
+    generation: its slot is freed and its expert gets no more calls, rather than the router
+    running every step for nobody while the client's retries get 429."""
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], None, strategy="oracle")
+    config = dataclasses.replace(config, limits=RouterLimits(max_concurrent=1, max_steps=1000))
+    with _servers({"router": create_router_app(config)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, "router ready")
+        before = _velocity_calls(experts["e0"])
+        body = json.dumps({"labels": [1], "steps": 1000}).encode()
+        with socket.create_connection(_split(endpoints["router"])) as sock:
+            sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            _wait(lambda: _velocity_calls(experts["e0"]) > before, "the generation started")
+        _wait(lambda: _metric(_metrics(base), "ddm_router_generations_in_flight") == 0,
+              "the slot freed")
+        assert _velocity_calls(experts["e0"]) - before < 1000  # it stopped before its end
+        assert _metric(_metrics(base), 'ddm_router_requests_total{route="/v1/generate",'
+                                       'status="499"}') == 1
+        ok = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 3}, timeout=30)
+        assert ok.status_code == 200, ok.text
+
+
 def test_a_stream_whose_client_stopped_reading_is_closed_when_it_disconnects(tmp_path):
     """A client that stops reading fills the socket buffers until the router's writes block,
     the stream's generator suspended at a ``yield`` until its frame is written. When the client

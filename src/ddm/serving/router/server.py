@@ -36,7 +36,9 @@ within the call deadline, or whose every replica sent a report the router refuse
 (:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an expert refusing what the router
 sent a 502. None of them touches the process's health: ``/healthz`` fails only when the router
 network cannot load. ``/readyz`` and the bodies of 502 and 503 are the router's own words
-naming the expert by its ``router.yaml`` name; what the expert said goes to the log.
+naming the expert by its ``router.yaml`` name; what the expert said goes to the log. A
+client that disconnects before its JSON answer stops its generation (counted as status 499),
+as a streamed one's does.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
@@ -57,8 +59,8 @@ import time
 from dataclasses import dataclass, field
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Callable,
-                    Sequence)
+from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable,
+                    Sequence, TypeVar)
 
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -91,6 +93,7 @@ from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState
 from ddm.termination import fail_start
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 _ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/images/generations", "/v1/info",
@@ -160,7 +163,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         guard = router.guard()
         encoded = _Encoding()
         with router.slot(_client(router, http)):
-            result = await generate_remote(mixture, router.pool, checked, guard, encoded.add)
+            result = await _while_connected(http, generate_remote(
+                mixture, router.pool, checked, guard, encoded.add))
         return {"images": [_png(image) for image in result.images],
                 "labels": result.labels.tolist(), "prompts": list(request.prompts),
                 "truncated": encoded.truncated, "experts": result.experts_used(),
@@ -218,8 +222,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                                          f"{own} images only")
         encoded = _Encoding()
         with router.slot(_client(router, http)):
-            result = await generate_remote(mixture, router.pool, checked, router.guard(),
-                                           encoded.add)
+            result = await _while_connected(http, generate_remote(
+                mixture, router.pool, checked, router.guard(), encoded.add))
         return {"created": int(time.time()),
                 "data": [{"b64_json": _png(image)} for image in result.images],
                 "truncated": encoded.truncated, "expert_names": list(mixture.expert_names),
@@ -336,6 +340,38 @@ def _client(router: RouterState, http: Request) -> str:
     return router.client(http.client.host if http.client else None,
                          [value for name, value in http.scope["headers"]
                           if name == FORWARDED_FOR])
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its answer, and its generation was stopped."""
+
+
+#: The status counted (``/metrics``) for a generation whose client left before its answer, as
+#: nginx's "client closed request": nobody receives it.
+CLIENT_CLOSED = 499
+
+
+async def _while_connected(http: Request, generation: Awaitable[T]) -> T:
+    """``generation``'s result, or :class:`_ClientGone` once the client disconnects: the
+    server does not cancel a JSON route whose client went, and a generation nobody will read
+    would hold its slot and call experts to its last step."""
+    work = asyncio.ensure_future(generation)
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()  # nothing if it ended
+        await asyncio.wait((work, gone))  # stopped before its slot is freed
+    if not work.cancelled():
+        return work.result()
+    raise _ClientGone()
+
+
+async def _disconnected(http: Request) -> None:
+    """Return when the client disconnects (the body was read: nothing else comes)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 @dataclass
@@ -488,6 +524,10 @@ def _add_error_handlers(app: FastAPI, fields_at: str) -> None:
     async def expert_failed(_: Request, error: ExpertError) -> JSONResponse:
         logger.warning("generation failed: %s", error)  # what the expert said: the log only
         return JSONResponse({"detail": error.public, "expert": error.expert}, error.status)
+
+    @app.exception_handler(_ClientGone)
+    async def client_gone(_: Request, __: _ClientGone) -> Response:
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Busy)
     async def busy(_: Request, error: Busy) -> JSONResponse:
