@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from ddm.deploy.limits import MAX_PROMPT_BYTES
 from ddm.models.stages import load_text_ddm
 from ddm.sampling.pipeline import generate_text
 from ddm.serving.router.requests import STREAM_EVENT_SCHEMA
@@ -98,6 +99,18 @@ def test_generate_and_its_stream_take_prompts_and_guidance(router):
     stream = httpx.get(f"{router}/v1/generate/stream",
                        params={"prompt": "a", "guidance_cutoff": 0})
     assert stream.status_code == 422
+    assert stream.json()["detail"] == "guidance_cutoff: Input should be greater than 0"
+
+
+def test_a_stream_query_with_the_longest_prompts_is_read_not_refused_for_its_size(router):
+    """The stream takes its prompt and negative prompt in the query, each up to
+    ``MAX_PROMPT_BYTES`` of UTF-8, percent-encoded at three characters per byte outside ASCII:
+    the router reads that request line (here, to refuse another field) rather than answer 431
+    to a request its own schema takes."""
+    longest = "\u00e9" * (MAX_PROMPT_BYTES // 2)
+    stream = httpx.get(f"{router}/v1/generate/stream", params={
+        "prompt": longest, "negative_prompt": longest, "guidance_cutoff": 0})
+    assert stream.status_code == 422, stream.text
     assert stream.json()["detail"] == "guidance_cutoff: Input should be greater than 0"
 
 

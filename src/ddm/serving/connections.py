@@ -53,6 +53,14 @@ from typing import Any, Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from ddm.deploy.limits import MAX_PROMPT_BYTES
+
+#: The router's stream (``GET /v1/generate/stream``) takes its prompt and negative prompt in
+#: the query, each up to ``MAX_PROMPT_BYTES`` of UTF-8, percent-encoded at three characters
+#: per byte outside ASCII: a request line its own schema accepts must not be refused as too
+#: long (431).
+STREAM_QUERY_BYTES = 2 * 3 * MAX_PROMPT_BYTES
+
 
 @dataclass(frozen=True)
 class ConnectionLimits:
@@ -70,10 +78,11 @@ class ConnectionLimits:
     #: idle timeout (60 s), so that a keep-alive connection is not closed just as a router
     #: reuses it (the router's own client gives up idle connections sooner).
     keep_alive_s: float = 75.0
-    #: Request line and headers: nginx's and Node's default too; a bearer token and cookies
-    #: fit many times over.
-    max_head_bytes: int = 16 * 1024
-    #: Open connections; with 16 KiB heads and an expert's bodies, well under a pod's memory.
+    #: Request line and headers: the router's longest stream query (:data:`STREAM_QUERY_BYTES`)
+    #: and 16 KiB of headers (nginx's and Node's whole default), where a bearer token and
+    #: cookies fit many times over.
+    max_head_bytes: int = STREAM_QUERY_BYTES + 16 * 1024
+    #: Open connections; with 40 KiB heads and an expert's bodies, well under a pod's memory.
     max_connections: int = 1024
 
     def __post_init__(self) -> None:
