@@ -121,6 +121,24 @@ def test_a_saved_checkpoint_gets_the_modes_the_umask_gives_anything_new(tmp_path
     assert [p.name for p in tmp_path.iterdir()] == ["e0"]  # no staging or backup left
 
 
+def test_a_save_replaces_a_checkpoint_or_an_empty_directory_and_nothing_else(smoke_checkpoint):
+    path, model = smoke_checkpoint
+    weights = canonical_weights(model)
+    assert save_checkpoint(path, _meta(name="again"), weights) == path  # a checkpoint: replaced
+    assert read_meta(path).name == "again"
+    (path.parent / "empty").mkdir()
+    save_checkpoint(path.parent / "empty", _meta(), weights)
+    (path.parent / "empty" / "notes.txt").write_text("mine")  # no longer only a checkpoint
+    (path.parent / "file").write_text("mine")
+    for target, kind in ((path.parent / "empty", "a directory"), (path.parent / "file", "a file"),
+                         (path.parent, "a directory")):
+        with pytest.raises(CheckpointError, match=f"output {target} is {kind}, not a checkpoint"):
+            save_checkpoint(target, _meta(), weights)
+    assert (path.parent / "empty" / "notes.txt").read_text() == "mine"
+    assert (path.parent / "file").read_text() == "mine"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["e0", "empty", "file"]
+
+
 def test_meta_rejects_unknown_kind_and_framework():
     with pytest.raises(CheckpointError, match="unknown checkpoint kind"):
         _meta(kind="painting")

@@ -111,3 +111,30 @@ def test_expert_training_rejects_bad_input(tmp_path, capsys, argv, message):
     code = _train("expert", "--config", "smoke", *argv, "--out", tmp_path / "e")
     assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
+
+
+def test_training_refuses_an_out_that_is_not_a_checkpoint_before_training(tmp_path, capsys):
+    """Saving replaces ``--out`` whole: a directory of other files (the experts' own directory,
+    a typo) would be deleted. It is refused before any training, and nothing is touched."""
+    for index in (0, 1):
+        assert _train("expert", "--config", "smoke", "--partition", "labels:0-4,5-9",
+                      "--index", index, "--out", tmp_path / "experts" / f"e{index}") == 0
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    notes = tmp_path / "notes.txt"
+    for argv, out in (
+            (("router", "--experts", tmp_path / "experts"), tmp_path / "experts"),
+            (("monolith", "--config", "smoke"), tmp_path),
+            (("expert", "--config", "smoke", "--partition", "labels:0-4,5-9", "--index", 0),
+             notes)):
+        notes.write_text("mine")
+        assert _train(*argv, "--out", out) == 2
+        kind = "a file" if out == notes else "a directory"
+        assert capsys.readouterr().err.strip() == (
+            f"ddm: error: --out {out} is {kind}, not a checkpoint: saving would replace it "
+            "whole (name a new directory, or an existing checkpoint to replace)")
+        assert notes.read_text() == "mine"
+        notes.unlink()
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert main(["train", "classifier", "--steps", "1", "--quiet", "--out", str(tmp_path)]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

@@ -50,6 +50,8 @@ MODEL_KINDS = ("unet", "import", "exported")
 #: (``ddm.models.jax_export.export_program``), each read by a strict reader
 #: (``ddm.models.torch_program``, ``jax_export.check_custom_calls``) that runs none of it.
 EXPORTED_PROGRAMS = {"torch": "program.pt2", "jax": "program.jaxexport"}
+#: Every file a checkpoint directory holds: saving replaces only a directory of these.
+CHECKPOINT_FILES = frozenset({CONFIG_FILE, WEIGHTS_FILE, *EXPORTED_PROGRAMS.values()})
 _FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -177,6 +179,7 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
     from safetensors.numpy import save_file
 
     target = Path(directory)
+    check_checkpoint_output(target, "output")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Made by mkdir, not mkdtemp: a server running as another user must read the checkpoint,
     # so it gets the mode the umask gives any new directory, not a temporary's 0700.
@@ -206,6 +209,20 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def check_checkpoint_output(directory: str | os.PathLike, flag: str = "--out") -> None:
+    """Fail unless ``directory`` (given as ``flag``) is new, empty or a checkpoint, before the
+    training that fills it: :func:`save_checkpoint` replaces it whole, so a directory of other
+    files (the experts a router is trained for, a typo) would be deleted."""
+    target = Path(directory)
+    if not target.exists() or (target.is_dir() and all(
+            entry.name in CHECKPOINT_FILES for entry in target.iterdir())):
+        return
+    kind = "a directory" if target.is_dir() else "a file"
+    raise CheckpointError(f"{flag} {target} is {kind}, not a checkpoint: saving would replace "
+                          "it whole (name a new directory, or an existing checkpoint to "
+                          "replace)")
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ddm.checkpoints.discovery import default_checkpoints, shipped_ddms
-from ddm.checkpoints.format import read_meta
+from ddm.checkpoints.format import check_checkpoint_output, read_meta
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import load_dataset
 from ddm.data.datasets import SPLITS
@@ -35,6 +35,7 @@ def train_classifier_command(data: str, image_size: int, steps: int, seed: int, 
     """
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; known: {', '.join(SPLITS)}")
+    check_checkpoint_output(out)
     learned = load_dataset(data, image_size, split)
     other_split = SPLITS[1 - SPLITS.index(split)]
     other = load_dataset(data, image_size, other_split)

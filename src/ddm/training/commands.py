@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from ddm.checkpoints.discovery import discover
-from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
+from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, check_checkpoint_output,
+                                   load_checkpoint, save_checkpoint)
 from ddm.convention import to_model_space
 from ddm.data import (Dataset, check_partition_hash, classes_of, load_dataset, load_partition,
                       partition_from_dict, partition_from_spec, partition_sha256)
@@ -34,6 +35,7 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
     """
     if kind not in ("expert", "monolith"):
         raise ValueError(f"unknown UNet kind {kind!r}")
+    check_checkpoint_output(out)
     config = unet_config(model_config)
     dataset = load_dataset(data, config.image_size, "train")
     if kind == "expert":
@@ -105,6 +107,7 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
     from ddm.models.torch_io import select_torch_device
     from ddm.training.router import train_router
 
+    check_checkpoint_output(out)
     metas = [load_checkpoint(p).meta for p in discover(experts).get("expert", [])]
     if not metas:
         raise CheckpointError(f"{experts} holds no expert checkpoints")
