@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from ddm.cli import main
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import DEFAULT_MANIFEST, free_port, plan_local
 
@@ -52,3 +53,21 @@ def test_a_plan_hands_no_port_out_twice_nor_the_routers() -> None:
     ports = [port for server in servers for port in (server.port, server.metrics_port)]
     assert len(ports) == len(set(ports)) and ports.count(router_port) == 1
     assert plan.router.port == router_port
+
+
+def test_a_router_port_it_cannot_listen_on_fails_before_any_server_starts(capsys) -> None:
+    """The router starts last, once every expert has loaded (minutes for a large DDM): a
+    taken ``--port`` failed only then, and ``--port 0`` (a port the kernel picks) was never
+    seen ready, failing after the 300 s readiness timeout. Both are refused at once."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", free_port()))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        for port, problem in (
+                (taken, f"cannot listen on 127.0.0.1:{taken} (Address already in use)"),
+                (0, "--port must be in 1..65535, got 0"),
+                (65536, "--port must be in 1..65535, got 65536")):
+            assert main(["up", "--port", str(port)]) in (1, 2)
+            out, err = capsys.readouterr()
+            assert "started" not in out, out  # no server was started
+            assert err.startswith("ddm: error: ") and problem in err, err

@@ -16,6 +16,9 @@ from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 EXPERT_PORT = 8000
 ROUTER_PORT = 8080
 METRICS_PORT = 9090
+#: The TCP ports a server may be told to listen on (0 would be the kernel's choice, unknown to
+#: whoever then connects).
+PORTS = range(1, 65536)
 
 #: Sampling steps one request (or a DDM's default) may ask for; an expert's integrate grid too.
 MAX_STEPS = 1000

@@ -36,6 +36,7 @@ from ddm.deploy.limits import (
     MAX_CONTEXT_CACHE_BYTES,
     MAX_GUIDANCE_SCALE,
     MAX_STEPS,
+    PORTS,
     PRECISIONS,
     ROUTER_MAX_BATCH,
     ROUTER_MAX_CONCURRENT,
@@ -113,8 +114,8 @@ class DnsDiscovery:
     def __post_init__(self) -> None:
         _check(isinstance(self.dns, str) and bool(self.dns.strip()),
                f"discovery.dns must be a host name, got {self.dns!r}")
-        _check(_is_int(self.port) and 1 <= self.port <= 65535,
-               f"discovery.port must be in 1..65535, got {self.port!r}")
+        _check(_is_int(self.port) and self.port in PORTS,
+               f"discovery.port must be in {PORTS.start}..{PORTS.stop - 1}, got {self.port!r}")
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ class StaticDiscovery:
         _check(len(self.endpoints) > 0, "discovery.endpoints must list at least one host:port")
         for endpoint in self.endpoints:
             host, _, port = str(endpoint).rpartition(":")
-            _check(bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+            _check(bool(host) and port.isdigit() and int(port) in PORTS,
                    f"discovery.endpoints: {endpoint!r} is not host:port")
 
 

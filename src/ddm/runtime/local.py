@@ -48,7 +48,7 @@ from typing import Callable, Sequence, TextIO
 from ddm.checkpoints.declared import declared_latent_shape
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
-from ddm.deploy.limits import ROUTER_PORT
+from ddm.deploy.limits import PORTS, ROUTER_PORT
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import DDMManifest
@@ -398,6 +398,7 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
     caller's token); the experts require another random token, in another private file,
     which only the router presents. ``api_docs``: the router serves Swagger UI
     at ``/docs``."""
+    check_router_port(host, router_port)
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(manifest, lambda: free_port(host), router_port, host,
@@ -444,6 +445,22 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
             except OSError:  # nobody reads any more (Ctrl-C ends `ddm up | tee` too)
                 pass
             supervisor.stop()
+
+
+def check_router_port(host: str, port: int) -> None:
+    """Fail unless the router can listen on ``host:port``, before any server starts: the router
+    starts last, once every expert has loaded (minutes for a large DDM), and a port the kernel
+    picks (0) would never be seen ready there."""
+    if port not in PORTS:
+        raise ValueError(f"--port must be in {PORTS.start}..{PORTS.stop - 1}, got {port}")
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's (uvicorn)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise LocalRunError(f"the router cannot listen on {host}:{port} "
+                                f"({exc.strerror or exc}): stop what holds the port, or choose "
+                                "another --port") from None
 
 
 def with_router_options(plan: LocalPlan, deadline_s: float | None = None,
