@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -38,10 +39,24 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise FileNotFoundError(f"cannot write {target}: directory {target.parent} does not "
                                 "exist (create it first)")
     tmp = target.parent / f".{target.name}.{secrets.token_hex(6)}{target.suffix}"
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, OUTPUT_MODE))  # umask applies
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, OUTPUT_MODE)  # umask applies
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)
+    os.close(fd)
     try:
         yield tmp
+        os.chmod(tmp, mode)  # a writer may have replaced it by a private file: see share_as_new
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def share_as_new(directory: Path) -> None:
+    """Give every file under ``directory`` (made by ``mkdir``, so the umask applied) the mode
+    the umask gives a new file. Some writers go through a private temporary (safetensors'
+    ``save_file`` leaves its file 0600, even over an existing one): a server running as another
+    user (the images' uid 10001) could not read those weights."""
+    mode = stat.S_IMODE(directory.stat().st_mode) & OUTPUT_MODE
+    for path in directory.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 
 from ddm.cli import main
 from ddm.training.text2img.clip import contrastive_loss
+from ddm.training.text2img.layout import LATENTS
 from ddm.training.text2img.tokenizer import build_tokenizer, tokenize
 from tests.support.bars_mnist import write_bars_mnist
 from tests.support.text2img_smoke import train_smoke_text2img
@@ -43,9 +46,17 @@ def test_contrastive_loss_counts_repeated_captions_as_positives() -> None:
     assert contrastive_loss(40.0 * same, ids).item() == pytest.approx(2 / 3 * math.log(2))
 
 
+#: The umask the smoke DDM is trained under: not the usual 022, so modes come from it.
+UMASK = 0o027
+
+
 @pytest.fixture(scope="module")
 def smoke_root(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return train_smoke_text2img(tmp_path_factory.mktemp("text2img"))
+    previous = os.umask(UMASK)
+    try:
+        return train_smoke_text2img(tmp_path_factory.mktemp("text2img"))
+    finally:
+        os.umask(previous)
 
 
 def test_stages_write_diffusers_layout_and_index(smoke_root: tuple[Path, Path]) -> None:
@@ -62,6 +73,18 @@ def test_stages_write_diffusers_layout_and_index(smoke_root: tuple[Path, Path]) 
     assert (root / "text_encoder" / "model.safetensors").is_file()
     assert (root / "vae" / "diffusion_pytorch_model.safetensors").is_file()
     assert not list(root.glob(".*.partial"))
+
+
+def test_every_file_a_stage_writes_gets_the_mode_the_umask_gives_anything_new(
+        smoke_root: tuple[Path, Path]) -> None:
+    # Servers run as another user (the images' uid 10001) than whoever trained the DDM: a
+    # private file (safetensors writes its weights 0600) would be unreadable to them.
+    _, root = smoke_root
+    modes = {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*")}
+    assert "expert_0/diffusion_pytorch_model.safetensors" in modes and LATENTS in modes
+    wrong = {name: oct(mode) for name, mode in modes.items()
+             if mode != (0o777 if (root / name).is_dir() else 0o666) & ~UMASK}
+    assert wrong == {}
 
 
 def test_text_encoder_is_the_clip_text_tower(smoke_root: tuple[Path, Path]) -> None:

@@ -26,7 +26,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -35,6 +34,7 @@ import numpy as np
 
 from ddm.checkpoints.declared import load_config_json
 from ddm.convention import CONVENTION_NAME
+from ddm.fileio import share_as_new
 from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 from ddm.objectives import NATIVE, Objective, ObjectiveError
 
@@ -188,8 +188,7 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
     try:
         arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
         save_file(arrays, str(staging / WEIGHTS_FILE))
-        # safetensors writes through a private (0600) temporary: give it a new file's mode
-        os.chmod(staging / WEIGHTS_FILE, stat.S_IMODE(staging.stat().st_mode) & 0o666)
+        share_as_new(staging)
         config = meta.to_dict()
         config["weights_sha256"] = _sha256(staging / WEIGHTS_FILE)
         if program is not None:

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ddm.fileio import atomic_path
+from ddm.fileio import atomic_path, share_as_new
 from ddm.models.text2img import DDM_CONFIG_KEY
 
 TOKENIZER, CLIP, TEXT_ENCODER, VAE = "tokenizer", "clip", "text_encoder", "vae"
@@ -54,10 +54,13 @@ def save_component(component: Any, root: Path, name: str,
                    declared: dict[str, Any] | None = None) -> Path:
     """``component.save_pretrained`` into ``root/name`` atomically: written beside it, then
     renamed, so a killed run never leaves a config without its weights. ``declared`` (our
-    conventions and provenance) goes into its config.json under ``DDM_CONFIG_KEY``."""
+    conventions and provenance) goes into its config.json under ``DDM_CONFIG_KEY``. Its files
+    get the mode the umask gives anything new, so a server running as another user reads them."""
     partial = root / f".{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     component.save_pretrained(partial)
+    share_as_new(partial)
     if declared is not None:
         config = json.loads((partial / "config.json").read_text())
         config[DDM_CONFIG_KEY] = declared
