@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from ddm.checkpoints import uri as checkpoints
 from ddm.deploy import accelerators, limits, pod_options, spec
 from ddm.operator.diagram import diagram_file, render_mermaid
+from ddm.operator.render import render_file
 from ddm.deploy.spec import SpecError, load_manifest, parse_manifest, parse_spec
 from ddm.sampling.routing import parse_strategy
 
@@ -391,6 +392,38 @@ def test_manifest_documents_are_checked_whole() -> None:
 def test_the_examples_are_valid(example: str) -> None:
     manifest = load_manifest(ROOT / "examples" / example)
     assert manifest.spec.experts
+
+
+#: Every command that reads a user's DDMDeployment file: ddm up (and ddm diagram), ddm render.
+FILE_READERS = [pytest.param(load_manifest, id="up"), pytest.param(diagram_file, id="diagram"),
+                pytest.param(lambda path: render_file(path, {}), id="render")]
+
+
+@pytest.mark.parametrize("read", FILE_READERS)
+def test_a_key_given_twice_is_refused_naming_the_file_the_key_and_both_lines(
+        tmp_path: Path, read) -> None:
+    # YAML parsers keep the last of two equal keys: the second replicas would silently win.
+    lines = (ROOT / "examples" / "digits.yaml").read_text().splitlines(keepends=True)
+    first = lines.index("      replicas: 1\n") + 1
+    lines.insert(first, "      replicas: 3\n")
+    path = tmp_path / "digits.yaml"
+    path.write_text("".join(lines))
+    with pytest.raises(SpecError) as caught:
+        read(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: not valid YAML")
+    assert f"found duplicate key 'replicas' (first on line {first})" in message
+    assert f'in "{path}", line {first + 1}' in message
+
+
+@pytest.mark.parametrize("read", FILE_READERS)
+def test_a_file_that_is_not_text_is_refused_naming_it(tmp_path: Path, read) -> None:
+    path = tmp_path / "ddm.yaml"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    with pytest.raises(SpecError) as caught:
+        read(path)
+    assert str(caught.value).startswith(f"{path}: not valid YAML")
+    assert f'in "{path}", position 0' in str(caught.value)
 
 
 def test_the_digits_example_is_the_shipped_ddm() -> None:

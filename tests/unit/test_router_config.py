@@ -25,6 +25,7 @@ from ddm.deploy.router_config import (
     Timeouts,
 )
 from ddm.serving.router.pool import pool_settings
+from ddm.serving.router.state import load_router_config
 
 TEXT = """\
 num_classes: 10
@@ -76,11 +77,21 @@ def test_defaults() -> None:
     (lambda t: t.replace("dns: d-expert-low.ns.svc.cluster.local, port: 8000",
                          "dns: d-expert-low.ns.svc.cluster.local"), "discovery needs port"),
     (lambda t: t.replace("num_classes: 10", "num_classes: [10"), "not valid YAML"),
+    (lambda t: t + "dns_refresh_s: 5\n",
+     "found duplicate key 'dns_refresh_s' (first on line 13)"),
 ])
 def test_bad_files_are_rejected_with_the_key(change, message: str) -> None:
     with pytest.raises(RouterConfigError) as caught:
         RouterConfigFile.from_yaml(change(TEXT))
     assert message in str(caught.value)
+
+
+def test_a_file_that_is_not_text_is_refused_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "router.yaml"
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    with pytest.raises(RouterConfigError) as caught:
+        load_router_config(path)
+    assert f'in "{path}", position 0' in str(caught.value)
 
 
 def test_the_oracle_needs_no_router_checkpoint() -> None:

@@ -46,6 +46,7 @@ from ddm.deploy.limits import (
     STRATEGY_HINT,
     STRATEGY_PATTERN,
 )
+from ddm.deploy.strict_yaml import load_yaml
 
 
 class RouterConfigError(ValueError):
@@ -442,9 +443,10 @@ class RouterConfigFile:
         return out
 
     @classmethod
-    def from_yaml(cls, text: str) -> RouterConfigFile:
+    def from_yaml(cls, text: str | bytes, name: str = "router.yaml") -> RouterConfigFile:
+        """Parse ``text`` (of the file ``name``, which errors cite), strictly."""
         try:
-            raw = yaml.safe_load(text)
+            raw = load_yaml(text, name)
         except yaml.YAMLError as error:
             raise RouterConfigError(f"router config is not valid YAML: {error}") from None
         return cls.from_dict(raw)

@@ -57,6 +57,7 @@ from ddm.deploy.limits import (
 )
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
 from ddm.deploy.router_config import MissingExpert
+from ddm.deploy.strict_yaml import load_yaml
 
 #: The resource this module describes.
 GROUP = "ddm.dev"
@@ -576,9 +577,13 @@ def parse_manifest(document: Any, *, allow_host_paths: bool = False) -> DDMManif
 
 def load_manifest(path: str | Path, *, allow_host_paths: bool = True) -> DDMManifest:
     """Read one DDMDeployment from a YAML file (a local file: host paths are fine)."""
-    text = Path(path).read_text()
+    return parse_manifest(read_manifest_document(path), allow_host_paths=allow_host_paths)
+
+
+def read_manifest_document(path: str | Path) -> Any:
+    """The YAML document in the file ``path``, unchecked; ``SpecError`` naming the file when it
+    is not YAML text, or gives a key twice (``ddm.deploy.strict_yaml``)."""
     try:
-        document = yaml.safe_load(text)
+        return load_yaml(Path(path).read_bytes(), str(path))
     except yaml.YAMLError as error:
         raise SpecError([f"{path}: not valid YAML: {error}"]) from None
-    return parse_manifest(document, allow_host_paths=allow_host_paths)

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.deploy.spec import SpecError, parse_manifest
+from ddm.deploy.spec import parse_manifest, read_manifest_document
 from ddm.operator import names
 from ddm.operator.children import checked_spec, desired_children
 from ddm.operator.config import OperatorConfig
@@ -46,10 +46,7 @@ def render_objects(document: Any, config: OperatorConfig, *, namespace: str | No
 
 def render_file(path: Path, env: Mapping[str, str], namespace: str | None = None) -> str:
     """``ddm render PATH``: a multi-document YAML stream, one document per object."""
-    try:
-        document = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise SpecError([f"{path}: not valid YAML: {error}"]) from None
+    document = read_manifest_document(path)
     config = OperatorConfig.from_env({**CHART_DEFAULTS, **env})
     objects = render_objects(document, config, namespace=namespace)
     header = (f"# The objects the operator creates for {path}.\n# Made when it is created: "

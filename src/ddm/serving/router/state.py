@@ -60,10 +60,10 @@ def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
     to the file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_bytes()
     except OSError as error:
         raise FileNotFoundError(f"cannot read router config {path}: {error.strerror}") from None
-    config = RouterConfigFile.from_yaml(text)
+    config = RouterConfigFile.from_yaml(text, str(path))
     if config.router_checkpoint and not Path(config.router_checkpoint).is_absolute():
         config = dataclasses.replace(
             config, router_checkpoint=str(path.parent / config.router_checkpoint))
