@@ -4,12 +4,15 @@ port by the time its server binds it (the router then failed with "Address alrea
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 
+import pytest
+
 from ddm.cli import main
 from ddm.deploy.spec import load_manifest
-from ddm.runtime.local import DEFAULT_MANIFEST, free_port, plan_local
+from ddm.runtime.local import DEFAULT_MANIFEST, LocalRunError, free_port, plan_local
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -71,3 +74,21 @@ def test_a_router_port_it_cannot_listen_on_fails_before_any_server_starts(capsys
             out, err = capsys.readouterr()
             assert "started" not in out, out  # no server was started
             assert err.startswith("ddm: error: ") and problem in err, err
+
+
+@pytest.mark.parametrize("host, reason", [
+    ("300.1.1.1", "Name or service not known"),  # not an address: looked up as a name
+    ("192.0.2.1", "Cannot assign requested address"),  # TEST-NET-1: nobody's address
+    ("::1", "Address family for hostname not supported"),  # servers' addresses are IPv4
+])
+def test_a_host_it_cannot_listen_on_is_named_as_such_before_any_server_starts(
+        capsys, host: str, reason: str) -> None:
+    """An unusable ``--host`` was blamed on the port ("cannot listen on 300.1.1.1:8080 ...:
+    choose another --port"), or reported as "no free port ... after 100 tries"."""
+    assert main(["up", "--host", host, "--port", str(free_port())]) in (1, 2)
+    out, err = capsys.readouterr()
+    assert "started" not in out, out
+    assert err.startswith(f"ddm: error: --host {host}: ") and reason in err, err
+    assert "--port" not in err, err
+    with pytest.raises(LocalRunError, match=f"--host {re.escape(host)}: "):
+        free_port(host)

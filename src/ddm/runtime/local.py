@@ -29,6 +29,7 @@ A server that cannot start leaves a one-line reason in its own termination-messa
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import os
 import secrets
@@ -263,8 +264,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket() as s:
             try:
                 s.bind((host, port))
-            except OSError:
-                continue
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    continue
+                raise _unusable_host(host, exc) from None
             return port
     raise LocalRunError(f"no free port of {host} in {PORT_RANGE.start}..{PORT_RANGE.stop - 1} "
                         f"after {_PORT_TRIES} tries")
@@ -450,7 +453,9 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
 def check_router_port(host: str, port: int) -> None:
     """Fail unless the router can listen on ``host:port``, before any server starts: the router
     starts last, once every expert has loaded (minutes for a large DDM), and a port the kernel
-    picks (0) would never be seen ready there."""
+    picks (0) would never be seen ready there. The host is checked first, so that a port is
+    never blamed for it."""
+    check_host(host)
     if port not in PORTS:
         raise ValueError(f"--port must be in {PORTS.start}..{PORTS.stop - 1}, got {port}")
     with socket.socket() as probe:
@@ -461,6 +466,22 @@ def check_router_port(host: str, port: int) -> None:
             raise LocalRunError(f"the router cannot listen on {host}:{port} "
                                 f"({exc.strerror or exc}): stop what holds the port, or choose "
                                 "another --port") from None
+
+
+def check_host(host: str) -> None:
+    """Fail unless every server can listen on ``host`` (``ddm up --host``): an IPv4 address of
+    this machine, or a name of one (the plan writes endpoints as ``host:port``)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError as exc:
+            raise _unusable_host(host, exc) from None
+
+
+def _unusable_host(host: str, exc: OSError) -> LocalRunError:
+    return LocalRunError(f"--host {host}: no server can listen there ({exc.strerror or exc}); "
+                         "give an IPv4 address of this machine (127.0.0.1: this machine only, "
+                         "0.0.0.0: every interface)")
 
 
 def with_router_options(plan: LocalPlan, deadline_s: float | None = None,
