@@ -5,6 +5,11 @@ Bit-identical, not merely close: every batch, time and noise draw is a function 
 so the resumed run repeats the very same floating-point operations on the same machine.
 """
 
+import os
+import signal
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -20,12 +25,16 @@ STEPS = 30
 
 
 
-def _train(out, *extra, framework="torch", kind="expert"):
+def _argv(out, *extra, framework="torch", kind="expert"):
     argv = ["train", kind, "--config", "smoke", "--framework", framework, "--steps", STEPS,
             "--batch-size", 8, "--save-every", 7, "--seed", 3, "--out", out, "--quiet", *extra]
     if kind == "expert":
         argv += ["--partition", "labels:0-4,5-9", "--index", 1]
-    return main([str(a) for a in argv])
+    return [str(a) for a in argv]
+
+
+def _train(out, *extra, framework="torch", kind="expert"):
+    return main(_argv(out, *extra, framework=framework, kind=kind))
 
 
 def _interrupt_at(step: int, monkeypatch) -> None:
@@ -54,6 +63,38 @@ def test_an_interrupted_run_resumed_ends_bit_identical(tmp_path, monkeypatch, fr
     whole, cut = (load_checkpoint(tmp_path / n).weights for n in ("whole", "cut"))
     assert whole.keys() == cut.keys()
     assert all(np.array_equal(whole[k], cut[k]) for k in whole)
+
+
+#: ``ddm ARGV...`` killed (SIGKILL: nothing of it runs on) just before its second rename in
+#: DIRECTORY, that is, in the middle of its first save of the training state.
+_KILLED_IN_THE_FIRST_SAVE = """
+import os, signal, sys
+from ddm.cli import main
+
+directory, renames = sys.argv[1], []
+
+def kill_before_the_second_rename(event, args):
+    if event == "os.rename" and os.path.dirname(args[1]) == directory:
+        renames.append(args[1])
+        if len(renames) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+sys.addaudithook(kill_before_the_second_rename)
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("again", [[], ["--resume"]], ids=["afresh", "resume"])
+def test_a_run_killed_in_its_first_save_can_be_run_again(tmp_path, again):
+    """The state was renamed into place before its identity.json: a kill between the two left
+    a state no run could read ("No such file or directory: ...identity.json")."""
+    out = tmp_path / "e"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_IN_THE_FIRST_SAVE,
+                             str(state_directory(out)), *_argv(out)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert killed.returncode == -signal.SIGKILL
+    assert _train(out, *again) == 0
+    assert load_checkpoint(out).meta.training["steps"] == STEPS
 
 
 def test_a_resumed_run_records_the_training_time_of_every_session(tmp_path, monkeypatch):

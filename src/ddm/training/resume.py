@@ -82,12 +82,14 @@ class Resumable:
         return done % self.every == 0 or done == total
 
     def save(self, name: str, step: int, write: Callable[[Path], None]) -> None:
-        """Write the state with ``write(path)``, atomically: a kill leaves the old one whole."""
+        """Write the state with ``write(path)``, atomically: a kill leaves the old one whole.
+        The identity goes into place first, as a state is read through it: a kill between the
+        two renames leaves the old state (none, on the first save) beside the new identity."""
         self.directory.mkdir(parents=True, exist_ok=True)
         partial = self.directory / f".{name}.partial"
         write(partial)
         identity = self.directory / f".{IDENTITY_FILE}.partial"
         identity.write_text(json.dumps({**self.identity, "step": step,
                                         "seconds": round(self.elapsed(), 1)}, indent=1))
-        os.replace(partial, self.directory / name)
         os.replace(identity, self.directory / IDENTITY_FILE)
+        os.replace(partial, self.directory / name)
