@@ -4,7 +4,8 @@ DDMs (`examples/digits.yaml`: two label groups; `examples/mnist.yaml`: four k-me
 planned as `ddm up` plans them, and a tiny Paris text DDM (its prompt box, guidance, latent
 previews and the decoded image). The page must run under its own Content-Security-Policy with
 no violation and no console error, play a generation live to its end, ask for a token only when
-the router wants one, and offer only the strategies the DDM can serve.
+the router wants one, offer only the strategies the DDM can serve, and show what an ingress in
+front of the router said when it refused a stream (its HTML or plain-text page, not JSON).
 
 With ``DDM_SCREENSHOTS=DIR`` the browser saves the page idle, mid-generation and done in DIR
 (``page-idle.png``, ``page-generating.png``, ``page-done.png``: the README's pictures, made
@@ -20,7 +21,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.router_config import Auth, RouterConfigFile, StaticDiscovery
@@ -146,6 +152,36 @@ def test_the_page_plays_a_generation_live_to_the_end(browser, digits):
     _assert_no_errors(browser)
 
 
+#: What an ingress answers itself when the router behind it fails: nginx's 502 page, Envoy's
+#: plain-text 504.
+NGINX_502 = ("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+             "<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx</center>\r\n"
+             "</body>\r\n</html>\r\n")
+ENVOY_504 = "upstream request timeout"
+
+
+@pytest.mark.parametrize("status, content_type, body, shown", [
+    (502, "text/html", NGINX_502, "502 Bad Gateway: 502 Bad Gateway nginx"),
+    (504, "text/plain", ENVOY_504, "504 Gateway Timeout: upstream request timeout")],
+    ids=["html", "plain-text"])
+def test_a_stream_refused_by_an_ingress_shows_its_status_and_words(browser, digits, status,
+                                                                     content_type, body, shown):
+    with _ingress(digits, "/v1/generate/stream", Response(body, status,
+                                                           media_type=content_type)) as page:
+        _open(browser, page)
+        browser.find_element(By.XPATH, "//button[text()='none']").click()
+        browser.find_element(By.XPATH, "//div[@id='labels']//span[text()='3']").click()
+        browser.find_element(By.ID, "go").click()
+        _wait(browser, lambda b: b.find_element(By.ID, "status").text
+              == "1 of 1 images done, 1 failed")
+    caption = browser.find_element(By.ID, "caption")
+    assert caption.text == f"label 3, seed 0 · waiting… · {shown}"
+    assert caption.get_attribute("class") == "error"
+    tile = browser.find_element(By.CSS_SELECTOR, "#gallery .tile")
+    assert tile.get_attribute("title") == shown and "failed" in tile.get_attribute("class")
+    _assert_no_errors(browser, allowed=f"status of {status}")
+
+
 def test_the_token_form_shows_only_when_the_router_wants_a_token(browser, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
@@ -225,6 +261,25 @@ def test_a_text_ddm_gets_a_prompt_box_and_latent_previews_then_its_decoded_image
 
 
 # ------------------------------------------------------------------------------ helpers
+
+
+@contextmanager
+def _ingress(router: str, path: str, answer: Response) -> Iterator[str]:
+    """A stand-in for an ingress in front of ``router``: passes every GET through but ``path``,
+    which it answers with ``answer`` itself, as an ingress does when the router behind it
+    fails; yields its base URL."""
+
+    async def forward(request: Request) -> Response:
+        if request.url.path == path:
+            return answer
+        async with httpx.AsyncClient() as client:
+            reply = await client.get(f"{router}{request.url.path}", params=request.query_params)
+        headers = {name: value for name, value in reply.headers.items()
+                   if name not in ("content-length", "content-encoding", "transfer-encoding")}
+        return Response(reply.content, reply.status_code, headers=headers)
+
+    with running(Starlette(routes=[Route("/{path:path}", forward)])) as base:
+        yield base
 
 
 def _open(browser, base: str) -> None:
