@@ -182,6 +182,24 @@ def test_a_stream_refused_by_an_ingress_shows_its_status_and_words(browser, digi
     _assert_no_errors(browser, allowed=f"status of {status}")
 
 
+def test_restart_mid_generation_waits_for_the_slots_the_old_streams_held(browser, digits):
+    # As many streams as the router lets one client run (four, as many as images): a
+    # restart's new streams ask for slots the aborted ones still hold until the router sees
+    # them go, and are told 429 with Retry-After.
+    _open(browser, digits)
+    assert browser.execute_script("return info.limits.max_concurrent_per_client") == 4
+    _set(browser, "steps", "40")
+    browser.find_element(By.ID, "go").click()
+    _wait(browser, lambda b: len(b.find_elements(By.CSS_SELECTOR, "#filmstrip img")) >= 2)
+    browser.find_element(By.ID, "go").click()  # Restart
+
+    _wait(browser, lambda b: b.find_element(By.ID, "go").text == "Generate")
+    assert browser.find_element(By.ID, "status").text == "4 images done"
+    assert [t.get_attribute("title") for t in
+            browser.find_elements(By.CSS_SELECTOR, "#gallery .tile")] == ["done"] * 4
+    _assert_no_errors(browser, allowed="status of 429")
+
+
 def test_the_token_form_shows_only_when_the_router_wants_a_token(browser, tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
