@@ -47,12 +47,20 @@ async def echo_app(scope, receive, send) -> None:
 async def uvicorn_echo() -> AsyncIterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = build_server(echo_app, "127.0.0.1", sock.getsockname()[1], log_level="warning")
+    async with uvicorn_serving(echo_app, sock):
+        yield f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+@asynccontextmanager
+async def uvicorn_serving(app, sock: socket.socket) -> AsyncIterator[None]:
+    """``app`` served on the bound ``sock`` as the experts serve, until the block ends."""
+    host, port = sock.getsockname()[:2]
+    server = build_server(app, host, port, log_level="warning")
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
     try:
-        yield f"127.0.0.1:{sock.getsockname()[1]}"
+        yield
     finally:
         server.should_exit = True
         await task
@@ -253,6 +261,35 @@ def test_silence_times_out_and_a_closed_port_is_refused():
             await client.post(endpoint, "/", b"x", CT, 1.0, 1.0, **CAPS)
 
     run(scenario)
+
+
+async def host_app(scope, receive, send) -> None:
+    """Answers a GET with the Host header it was sent."""
+    if scope["type"] != "http":
+        return
+    host = dict(scope["headers"])[b"host"]
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(host)).encode())]})
+    await send({"type": "http.response.body", "body": host})
+
+
+def test_an_ipv6_endpoint_is_reached_and_named_in_brackets_in_the_host_header():
+    # router.yaml writes an IPv6 replica as a URL does: [::1]:8000 (RFC 3986), and so must the
+    # Host header (RFC 9110): ::1:8000 is an address of its own.
+    try:
+        sock = socket.socket(socket.AF_INET6)
+        sock.bind(("::1", 0))
+    except OSError as error:
+        pytest.skip(f"no IPv6 loopback here: {error}")
+    endpoint = f"[::1]:{sock.getsockname()[1]}"
+
+    async def scenario(client: HttpClient):
+        async with uvicorn_serving(host_app, sock):
+            reply = await client.get(endpoint, "/", 5.0, 5.0, max_reply_bytes=1024)
+        assert (reply.status, reply.body) == (200, endpoint.encode())
+
+    with sock:
+        run(scenario)
 
 
 def test_connections_disable_nagle_and_stale_ones_are_closed():

@@ -69,6 +69,8 @@ def test_defaults() -> None:
     (lambda t: t.replace("port: 8000", "port: 0"), "discovery.port must be in 1..65535"),
     (lambda t: t.replace("port: 8000", "prt: 8000"), "unknown keys ['prt']"),
     (lambda t: t.replace('"127.0.0.1:8001"', '"127.0.0.1"'), "'127.0.0.1' is not host:port"),
+    (lambda t: t.replace('"[::1]:8002"', '"::1:8002"'),
+     "'::1:8002': an IPv6 address needs brackets, as in [::1]:8000"),
     (lambda t: t.replace("name: high", "name: low"), "expert names must be unique"),
     (lambda t: t.replace("[5, 6, 7, 8, 9]", "[5, 10]"), "classes [10] are outside 0..9"),
     (lambda t: t.replace("router_checkpoint: /models/router\n", ""),

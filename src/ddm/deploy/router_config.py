@@ -119,18 +119,37 @@ class DnsDiscovery:
                f"discovery.port must be in {PORTS.start}..{PORTS.stop - 1}, got {self.port!r}")
 
 
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` -> ``(host, port)``. An IPv6 address is written in brackets, as in a URL
+    (``[::1]:8000``, RFC 3986: the form a ``Host`` header needs too), and comes out without
+    them; without brackets it is refused, since ``::1:8000`` is an IPv6 address of its own.
+    ValueError naming the endpoint when it is not ``host:port``."""
+    host, _, port = endpoint.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise ValueError(f"{endpoint!r}: an IPv6 address needs brackets, as in [::1]:8000")
+    if not host or not port.isdigit():
+        raise ValueError(f"{endpoint!r} is not host:port")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class StaticDiscovery:
-    """A fixed list of ``host:port`` replicas (the local runtime's processes)."""
+    """A fixed list of ``host:port`` replicas (the local runtime's processes); an IPv6 address
+    in brackets (:func:`split_endpoint`)."""
 
     endpoints: tuple[str, ...]
 
     def __post_init__(self) -> None:
         _check(len(self.endpoints) > 0, "discovery.endpoints must list at least one host:port")
         for endpoint in self.endpoints:
-            host, _, port = str(endpoint).rpartition(":")
-            _check(bool(host) and port.isdigit() and int(port) in PORTS,
-                   f"discovery.endpoints: {endpoint!r} is not host:port")
+            try:
+                _, port = split_endpoint(str(endpoint))
+            except ValueError as error:
+                raise RouterConfigError(f"discovery.endpoints: {error}") from None
+            _check(port in PORTS, f"discovery.endpoints: {endpoint!r} is not host:port "
+                                  f"(its port is not in {PORTS.start}..{PORTS.stop - 1})")
 
 
 Discovery = Union[DnsDiscovery, StaticDiscovery]

@@ -19,9 +19,11 @@ after a reply close the connection, so they are never read as the next request's
 the whole exchange has one deadline, so a reply trickled a byte at a time ends in
 ``TimeoutError``.
 
-Connections are kept per ``host:port`` and used by one request at a time (no pipelining): a
-request takes an idle connection or opens one (``TCP_NODELAY``, which asyncio and uvloop set on
-every TCP connection, so a small request is not held back by Nagle's algorithm). A connection
+Connections are kept per ``host:port`` (an IPv6 address in brackets, as the ``Host`` header
+names it: :func:`~ddm.deploy.router_config.split_endpoint`) and used by one request at a time
+(no pipelining): a request takes an idle connection or opens one (``TCP_NODELAY``, which
+asyncio and uvloop set on every TCP connection, so a small request is not held back by Nagle's
+algorithm). A connection
 the server closed, answered with ``Connection: close``, or left mid-request (a timeout, a
 cancelled call) is never reused. Idle connections are closed after ``keep_alive_s``, shorter
 than the expert's own keep-alive, so that the client, not the server, closes an idle
@@ -46,6 +48,7 @@ from typing import cast
 
 import httptools
 
+from ddm.deploy.router_config import split_endpoint
 from ddm.serving.polling import LastTimes, WarmTicks, first_tick_s
 
 #: Status line and headers of a reply: an expert's are a few dozen bytes.
@@ -335,11 +338,11 @@ class HttpClient:
             idle.append(connection)
 
     async def _open(self, endpoint: str, connect_timeout_s: float) -> _Connection:
-        host, _, port = endpoint.rpartition(":")
         try:
+            host, port = split_endpoint(endpoint)
             async with asyncio.timeout(connect_timeout_s):
                 _, connection = await asyncio.get_running_loop().create_connection(
-                    _Connection, host, int(port))
-        except OSError as error:
+                    _Connection, host, port)
+        except (OSError, ValueError) as error:
             raise HttpClientError(f"cannot connect to {endpoint}: {error}") from None
         return connection
