@@ -665,17 +665,23 @@ def test_a_router_that_cannot_start_exits_1_and_says_why(ddms, experts, tmp_path
              "proxy": (oracle.to_yaml(), ["--trusted-proxy", "10.0.0.0/8",
                                           "--trusted-proxy", "10.0.0.1/8"],
                        "trusted_proxies: network '10.0.0.1/8' is not an address or a CIDR")}
-    for name, (text, flags, reason) in cases.items():
-        (tmp_path / f"{name}.yaml").write_text(text)
-        log = tmp_path / f"{name}.termination-log"
-        router = subprocess.Popen(
-            [sys.executable, "-c", SERVE, "serve", "router", "--config",
-             str(tmp_path / f"{name}.yaml"), "--port", str(_free_port()), "--log-level", "error",
-             *flags],
-            env={**os.environ, "OMP_NUM_THREADS": "1", "DDM_TERMINATION_LOG": str(log)})
-        assert router.wait(timeout=WAIT_S) == 1, name
-        message = log.read_text()
-        assert reason in message and message.count("\n") == 1, (name, message)
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # another server's port
+        held = taken.getsockname()[1]
+        cases |= {"port": (oracle.to_yaml(), ["--port", str(held)],
+                           f"cannot listen on 127.0.0.1:{held}: Address already in use"),
+                  "metrics port": (oracle.to_yaml(), ["--metrics-port", str(held)],
+                                   f"cannot listen on 127.0.0.1:{held}: Address already in use")}
+        for name, (text, flags, reason) in cases.items():
+            (tmp_path / f"{name}.yaml").write_text(text)
+            log = tmp_path / f"{name}.termination-log"
+            router = subprocess.Popen(
+                [sys.executable, "-c", SERVE, "serve", "router", "--config",
+                 str(tmp_path / f"{name}.yaml"), "--port", str(_free_port()),
+                 "--log-level", "error", *flags],
+                env={**os.environ, "OMP_NUM_THREADS": "1", "DDM_TERMINATION_LOG": str(log)})
+            assert router.wait(timeout=WAIT_S) == 1, name
+            message = log.read_text()
+            assert reason in message and message.count("\n") == 1, (name, message)
 
 
 #: ``ddm serve ...`` through the serving commands' own parser.

@@ -193,19 +193,21 @@ def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: in
     """Serve ``make_app(control)`` until interrupted, draining for ``drain_s`` seconds on
     SIGTERM; when the app's background start-up fails (``control.stop(reason)``), end the
     server and exit with status 1 after writing ``reason`` where Kubernetes shows it
-    (:mod:`ddm.termination`); when stopped while the app's start-up work still runs,
-    exit 0 at once without waiting for it. With ``metrics_port``, ``/metrics`` moves there
-    (:class:`MetricsPort`): one server, one event loop, two listening sockets."""
+    (:mod:`ddm.termination`), as when a port cannot be bound (:func:`_bound`); when stopped
+    while the app's start-up work still runs, exit 0 at once without waiting for it. With
+    ``metrics_port``, ``/metrics`` moves there (:class:`MetricsPort`): one server, one event
+    loop, two listening sockets."""
     control = ServerControl()
-    app = make_app(control)
-    sockets = None
-    if metrics_port is not None:
-        app = MetricsPort(app, metrics_port)
-        sockets = [socket.create_server((host, p)) for p in (port, metrics_port)]
+    sockets: list[socket.socket] = []
     try:
+        for bound in (port,) if metrics_port is None else (port, metrics_port):
+            sockets.append(_bound(host, bound))
+        app = make_app(control)
+        if metrics_port is not None:
+            app = MetricsPort(app, metrics_port)
         build_server(app, host, port, log_level, drain_s, control).run(sockets=sockets)
     finally:
-        for sock in sockets or ():
+        for sock in sockets:
             sock.close()
     if control.failures:
         raise fail_start(control.failures[0])
@@ -215,6 +217,21 @@ def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: in
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)  # a daemon thread at interpreter shutdown may take C++ code down with it
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, as uvicorn binds one (listening once the server
+    starts), before the app starts; or, when the port cannot be had, the start's failure
+    naming it (uvicorn would only log it and exit 3, leaving no reason where Kubernetes and
+    ``ddm up`` look)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise fail_start(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
 
 
 class MetricsPort:

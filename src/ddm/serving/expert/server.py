@@ -204,7 +204,7 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1",
     given); what ``ddm serve expert`` runs.
 
     Exits with status 1, the reason in the termination-message file, when the checkpoint or
-    the backend cannot be loaded, warmed up or compiled."""
+    the backend cannot be loaded, warmed up or compiled, or a port cannot be bound."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
 
     def make_app(control: ServerControl) -> ASGIApp:

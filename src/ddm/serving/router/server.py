@@ -19,8 +19,9 @@ lifespan starts the pool and loads the router network in the background, so that
 answered at once: ``/readyz`` is 200 once the network is loaded and the experts agree with the
 config, ``"degraded"`` (still 200, naming them) while some experts have no ready replica, and
 503 naming what is wrong otherwise (no expert ready at all included). Run as a process
-(:func:`serve_router`), a router whose config, token file or network cannot load exits with
-status 1 and leaves the reason in the termination-message file (:mod:`ddm.termination`).
+(:func:`serve_router`), a router whose config, token file or network cannot load, or whose
+port is taken, exits with status 1 and leaves the reason in the termination-message file
+(:mod:`ddm.termination`).
 
 Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
 ``limits.max_body_bytes`` (by default the DDM's largest valid request: its labels, or its
@@ -309,7 +310,7 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1",
     Limits, the token file and the trusted proxies given here override ``router.yaml``'s.
     Exits with status 1,
     the reason in the termination-message file, when the config, the token file or the
-    router network cannot be loaded."""
+    router network cannot be loaded, or a port cannot be bound."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     overrides = {name: value for name, value in (
         ("max_batch", max_batch), ("max_steps", max_steps), ("max_concurrent", max_concurrent),
