@@ -877,14 +877,22 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_a_stream_whose_client_disconnects_is_closed_and_frees_its_slot(ddms, experts):
+@contextmanager
+def _router_of_one_slot(experts: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """A ready router over e0 and e1 (oracle) that runs one generation at a time, of up to
+    1000 steps: its endpoint and base URL."""
     config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
                      [LOW, HIGH], None, strategy="oracle")
     config = dataclasses.replace(config, limits=RouterLimits(max_concurrent=1, max_steps=1000))
     with _servers({"router": create_router_app(config)}) as endpoints:
         base = f"http://{endpoints['router']}"
         _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, "router ready")
-        with socket.create_connection(tuple(_split(endpoints["router"]))) as sock:
+        yield endpoints["router"], base
+
+
+def test_a_stream_whose_client_disconnects_is_closed_and_frees_its_slot(ddms, experts):
+    with _router_of_one_slot(experts) as (router, base):
+        with socket.create_connection(tuple(_split(router))) as sock:
             sock.sendall(b"GET /v1/generate/stream?label=1&steps=1000 HTTP/1.1\r\nHost: x\r\n\r\n")
             received = b""
             while b"event: step" not in received:
@@ -902,15 +910,10 @@ def test_a_json_generation_whose_client_disconnects_stops_and_frees_its_slot(ddm
     """A client that leaves before its answer (curl interrupted, a proxy's timeout) ends its
     generation: its slot is freed and its expert gets no more calls, rather than the router
     running every step for nobody while the client's retries get 429."""
-    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
-                     [LOW, HIGH], None, strategy="oracle")
-    config = dataclasses.replace(config, limits=RouterLimits(max_concurrent=1, max_steps=1000))
-    with _servers({"router": create_router_app(config)}) as endpoints:
-        base = f"http://{endpoints['router']}"
-        _wait(lambda: httpx.get(f"{base}/readyz").status_code == 200, "router ready")
+    with _router_of_one_slot(experts) as (router, base):
         before = _velocity_calls(experts["e0"])
         body = json.dumps({"labels": [1], "steps": 1000}).encode()
-        with socket.create_connection(_split(endpoints["router"])) as sock:
+        with socket.create_connection(_split(router)) as sock:
             sock.sendall(b"POST /v1/generate HTTP/1.1\r\nHost: x\r\n"
                          b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                          % (len(body), body))
