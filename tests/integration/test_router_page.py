@@ -5,7 +5,8 @@ planned as `ddm up` plans them, and a tiny Paris text DDM (its prompt box, guida
 previews and the decoded image). The page must run under its own Content-Security-Policy with
 no violation and no console error, play a generation live to its end, ask for a token only when
 the router wants one, offer only the strategies the DDM can serve, and show what an ingress in
-front of the router said when it refused a stream (its HTML or plain-text page, not JSON).
+front of the router said when it refused a stream, the router's description or its readiness
+probe, or asked for a token (its HTML or plain-text page, not JSON).
 
 With ``DDM_SCREENSHOTS=DIR`` the browser saves the page idle, mid-generation and done in DIR
 (``page-idle.png``, ``page-generating.png``, ``page-done.png``: the README's pictures, made
@@ -182,6 +183,50 @@ def test_a_stream_refused_by_an_ingress_shows_its_status_and_words(browser, digi
     _assert_no_errors(browser, allowed=f"status of {status}")
 
 
+#: ingress-nginx's answer while no replica of the router behind it is ready, and its
+#: basic-auth refusal.
+NGINX_503 = NGINX_502.replace("502 Bad Gateway", "503 Service Temporarily Unavailable")
+NGINX_401 = NGINX_502.replace("502 Bad Gateway", "401 Authorization Required")
+
+
+def test_the_routers_description_refused_by_an_ingress_shows_its_status_and_words(browser,
+                                                                                  digits):
+    with _ingress(digits, "/v1/info", Response(NGINX_502, 502, media_type="text/html")) as page:
+        browser.get(f"{page}/")
+        status = browser.find_element(By.ID, "status")
+        _wait(browser, lambda _: status.text)
+        assert status.text == "502 Bad Gateway: 502 Bad Gateway nginx"
+        assert status.get_attribute("class") == "error"
+        assert not browser.find_element(By.ID, "login").is_displayed()
+        _assert_no_errors(browser, allowed="status of 502")
+
+
+def test_a_readiness_probe_refused_by_an_ingress_shows_not_ready_and_its_words(browser,
+                                                                              digits):
+    with _ingress(digits, "/readyz", Response(NGINX_503, 503, media_type="text/html")) as page:
+        browser.get(f"{page}/")
+        readiness, status = (browser.find_element(By.ID, i) for i in ("readiness", "status"))
+        _wait(browser, lambda _: "error" in readiness.get_attribute("class") or status.text)
+        assert status.text == ""
+        assert readiness.text == ("not ready: 503 Service Unavailable: "
+                                  "503 Service Temporarily Unavailable nginx")
+        assert _options(browser, "strategy")  # the rest of the page came from /v1/info
+        _assert_no_errors(browser, allowed="status of 503")
+
+
+def test_a_401_that_is_not_the_routers_json_asks_for_a_token_and_shows_its_words(browser,
+                                                                                 digits):
+    with _ingress(digits, "/v1/info", Response(NGINX_401, 401, media_type="text/html")) as page:
+        browser.get(f"{page}/")
+        status = browser.find_element(By.ID, "status")
+        _wait(browser, lambda _: status.text)
+        assert browser.find_element(By.ID, "login").is_displayed()
+        assert status.text == ("the router needs an API token "
+                               "(401 Unauthorized: 401 Authorization Required nginx)")
+        assert status.get_attribute("class") == "error"
+        _assert_no_errors(browser, allowed="status of 401")
+
+
 def test_restart_mid_generation_waits_for_the_slots_the_old_streams_held(browser, digits):
     # As many streams as the router lets one client run (four, as many as images): a
     # restart's new streams ask for slots the aborted ones still hold until the router sees
@@ -207,6 +252,9 @@ def test_the_token_form_shows_only_when_the_router_wants_a_token(browser, tmp_pa
         browser.get(f"{router}/")
         login = browser.find_element(By.ID, "login")
         _wait(browser, lambda _: login.is_displayed())
+        assert browser.find_element(By.ID, "status").text == (
+            "the router needs an API token (401: missing Authorization header; "
+            "send Authorization: Bearer <token>)")
         browser.find_element(By.ID, "token").send_keys(TOKEN)
         login.find_element(By.TAG_NAME, "button").click()
         _wait(browser, lambda b: _options(b, "strategy") and not login.is_displayed())
