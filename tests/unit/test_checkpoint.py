@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -84,6 +85,28 @@ def test_foreign_convention_is_refused(smoke_checkpoint):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="convention"):
         load_checkpoint(path)
+
+
+@pytest.mark.parametrize("field, value, found", [
+    ("classes", "0123", "'0123'"),
+    ("classes", [1.5], "1.5"),
+    ("classes", [True], "True"),
+    ("classes", ["1"], "'1'"),
+    ("classes", {"0": 1}, r"\{'0': 1\}"),
+    ("format_version", True, "True"),
+    ("format_version", 1.0, "1.0"),
+])
+def test_a_config_of_the_wrong_json_types_is_refused_naming_the_field(smoke_checkpoint, field,
+                                                                       value, found):
+    # config.json comes from a checkpoint store: "0123" is no (0, 1, 2, 3), and JSON's true
+    # or 1.5 no class 1, though Python's int() and == would read them so
+    path, _ = smoke_checkpoint
+    config = json.loads((path / "config.json").read_text())
+    config[field] = value
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError,
+                       match=f"checkpoint {re.escape(str(path))}: {field} .*{found}"):
+        read_meta(path)
 
 
 def test_architecture_mismatch_names_the_tensor(tmp_path):

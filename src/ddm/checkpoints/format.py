@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import reprlib
 import secrets
 import shutil
 from dataclasses import dataclass, field
@@ -88,8 +89,7 @@ class ModelSpec:
                                       "drop model.image_shape")
             return
         shape = tuple(self.image_shape or ())
-        if len(shape) != 3 or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0
-                                      for n in shape):
+        if len(shape) != 3 or not all(_is_int(n) and n > 0 for n in shape):
             raise CheckpointError(f"a model of kind {self.kind!r} needs image_shape "
                                   f"[C, H, W] of positive integers, got {self.image_shape!r}")
         object.__setattr__(self, "image_shape", shape)
@@ -247,7 +247,7 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
         raise CheckpointError(f"checkpoint {path} has no {CONFIG_FILE}")
     config = read_config(config_path)
     version = config.get("format_version")
-    if version != FORMAT_VERSION:
+    if not _is_int(version) or version != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path}: format_version {version!r} is not supported "
             f"(expected {FORMAT_VERSION})")
@@ -272,12 +272,31 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
     try:
         return CheckpointMeta(
             kind=config["kind"], name=config["name"], architecture=config["architecture"],
-            framework=config["framework"], classes=config["classes"],
+            framework=config["framework"], classes=_integers("classes", config["classes"]),
             partition=config.get("partition"), data=config.get("data", {}),
             training=config.get("training", {}), convention=config["convention"],
             objective=objective, model=model)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
+
+
+def _is_int(value: Any) -> bool:
+    """A JSON integer. Python's ``==`` and ``int()`` would take ``true`` or ``1.0`` for 1 (and
+    ``int()`` 1.5 too), reading an untrusted config.json as something it never said."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integers(name: str, value: Any) -> tuple[int, ...]:
+    """config.json's list ``name`` of integers, or a ``CheckpointError`` naming what was found
+    (``tuple(int(c) for c in "0123")`` would be four classes)."""
+    if isinstance(value, list):
+        wrong = [item for item in value if not _is_int(item)]
+        if not wrong:
+            return tuple(value)
+        found = f"{reprlib.repr(wrong[0])} in it"
+    else:
+        found = reprlib.repr(value)
+    raise CheckpointError(f"{name} must be a list of integers, got {found}")
 
 
 def load_checkpoint(directory: str | os.PathLike) -> Checkpoint:
