@@ -187,6 +187,22 @@ def test_partition_file_errors(fitted: Path, tmp_path: Path,
     assert "does not match its content" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("out, problem", [
+    ("missing/digits.json", "--out {out}: directory {parent} does not exist (create it first)"),
+    ("digits.txt", "--out must name a .json file, got {out}"),
+])
+def test_fit_checks_its_output_before_loading_the_data(tmp_path: Path, out: str, problem: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    # the data is absent too: checked first, it would be named instead (after minutes of
+    # loading and fitting MNIST, had it been there)
+    out_path = tmp_path / out
+    assert main(["partition", "fit", "--data", f"mnist:{tmp_path / 'absent'}", "--kmeans",
+                 "4", "--image-size", "32", "--out", str(out_path)]) == 2
+    expected = problem.format(out=out_path, parent=out_path.parent)
+    assert capsys.readouterr().err.strip() == f"ddm: error: {expected}"
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("spec, problem", [
     ("colour:3", "unknown partition 'colour:3'; use 'file:PATH'"),
     ("file:", "unknown partition 'file:'"),

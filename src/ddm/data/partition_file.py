@@ -35,7 +35,7 @@ import numpy as np
 from ddm.data.datasets import Dataset, load_dataset
 from ddm.data.partition import (KMEANS_RESTARTS, KMeansPartition, LabelPartition,
                                 fit_kmeans, parse_label_groups, partition_from_dict)
-from ddm.fileio import atomic_path
+from ddm.fileio import atomic_path, check_output
 from ddm.models.config import ConfigError
 
 FORMAT = "ddm-partition/1"
@@ -122,6 +122,7 @@ def partition_from_spec(spec: str, dataset: Dataset,
 def fit_partition_command(data: str, k: int, features: str | dict[str, Any], image_size: int,
                           seed: int, out: Path) -> dict[str, Any]:
     """``ddm partition fit``: fit on ``data``'s train split, write ``out``, return a summary."""
+    check_output(out, ".json", "--out")  # before minutes of loading and fitting, not after
     dataset = load_dataset(data, image_size, "train")
     content = fit_partition(dataset, k, features, seed, data)
     save_partition_file(out, content)
