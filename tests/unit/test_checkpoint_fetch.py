@@ -387,6 +387,47 @@ def test_hostile_archive_members_are_rejected(origin, tmp_path, member, build, p
     assert [p.name for p in tmp_path.iterdir()] == ["work"]  # nothing escaped either
 
 
+def _file_then_directory(tar: tarfile.TarFile) -> None:
+    _add_bytes(tar, "a", b"x")
+    _add_bytes(tar, "a/b", b"y")
+
+
+def _directory_then_file(tar: tarfile.TarFile) -> None:
+    _add_bytes(tar, "a/b", b"y")
+    _add_bytes(tar, "a", b"x")
+
+
+def _file_then_deeper_file(tar: tarfile.TarFile) -> None:
+    _add_bytes(tar, "a", b"x")
+    _add_bytes(tar, "a/b/c", b"y")
+
+
+def _file_then_directory_member(tar: tarfile.TarFile) -> None:
+    _add_bytes(tar, "ckpt/a", b"x")
+    _add_bytes(tar, "ckpt/a", b"", tarfile.DIRTYPE)
+
+
+def _file_twice(tar: tarfile.TarFile) -> None:
+    _add_bytes(tar, "ckpt/config.json", b"{}")
+    _add_bytes(tar, "ckpt/config.json", b"{}")
+
+
+@pytest.mark.parametrize("build, problem", [
+    (_file_then_directory, "the archive holds 'a' both as a file and as a directory"),
+    (_directory_then_file, "the archive holds 'a' both as a file and as a directory"),
+    (_file_then_deeper_file, "the archive holds 'a' both as a file and as a directory"),
+    (_file_then_directory_member,
+     "the archive holds 'ckpt/a' both as a file and as a directory"),
+    (_file_twice, "the archive holds the file 'ckpt/config.json' twice"),
+])
+def test_an_archive_whose_paths_clash_is_refused_naming_the_path(origin, tmp_path, build,
+                                                                 problem):
+    origin.files["/clash.tar"] = _archive(build, "w")
+    with pytest.raises(FetchError, match=f"{problem}$"):
+        fetch_checkpoint(f"{origin.url}/clash.tar", tmp_path / "expert", FAST)
+    _assert_nothing_left(tmp_path)
+
+
 @pytest.mark.parametrize("archive_format", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT],
                          ids=["gnu", "pax"])
 def test_long_member_names_are_read_from_their_extended_headers(

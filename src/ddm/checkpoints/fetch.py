@@ -353,18 +353,32 @@ def _extract(archive: Path, root: Path, limit: int, max_entries: int) -> None:
                     raise FetchError(f"the archive holds more than {max_entries} entries")
                 relative = _member_path(member)
                 path = root.joinpath(*relative.parts)
-                if member.isdir():
-                    path.mkdir(parents=True, exist_ok=True)
-                    continue
-                path.parent.mkdir(parents=True, exist_ok=True)
-                source = tar.extractfile(member)
-                assert source is not None, member.name  # a regular file always has data
-                with source, open(path, "xb") as out:
-                    limit -= _copy(source, out, limit, f"archive member {member.name}")
+                try:
+                    if member.isdir():
+                        path.mkdir(parents=True, exist_ok=True)
+                        continue
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    source = tar.extractfile(member)
+                    assert source is not None, member.name  # a regular file always has data
+                    with source, open(path, "xb") as out:
+                        limit -= _copy(source, out, limit, f"archive member {member.name}")
+                except (FileExistsError, NotADirectoryError):
+                    raise FetchError(_clash(root, relative, member.isdir())) from None
     except (tarfile.TarError, EOFError) as exc:
         raise FetchError(f"not a readable tar archive ({exc})") from None
-    except FileExistsError:
-        raise FetchError("the archive holds a file twice") from None
+
+
+def _clash(root: Path, relative: PurePosixPath, is_dir: bool) -> str:
+    """Why the member at ``relative`` (a directory if ``is_dir``) could not be written under
+    ``root``: a path the archive holds as a file and also needs as a directory (``a``, then
+    ``a/b``; or the other way round), or one file twice."""
+    for depth in range(1, len(relative.parts)):
+        above = "/".join(relative.parts[:depth])
+        if root.joinpath(above).is_file():
+            return f"the archive holds {above!r} both as a file and as a directory"
+    if not is_dir and root.joinpath(relative).is_file():
+        return f"the archive holds the file {str(relative)!r} twice"
+    return f"the archive holds {str(relative)!r} both as a file and as a directory"
 
 
 class _BoundedHeader(tarfile.TarInfo):
