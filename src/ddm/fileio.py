@@ -1,8 +1,8 @@
 """Output files: checked before the work that fills them, written atomically (a reader sees
 the old file or the complete new one, never half of it), with the mode any new file gets.
 
-Nothing here creates directories: an output's directory must exist, so that a typo in
-``--out`` (or one run as root) fails at once instead of leaving a directory tree behind."""
+Nothing here creates an output's directory: it must exist, so that a typo in ``--out`` (or
+one run as root) fails at once instead of leaving a directory tree behind."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def staging_directory(target: Path) -> Path:
+    """A new empty directory beside ``target``, renamed to it once complete. Made by ``mkdir``,
+    not ``mkdtemp``: a server running as another user must read what it holds, so it gets the
+    mode the umask gives any new directory, not a temporary's 0700 (nor a fixed 0755)."""
+    staging = target.parent / f".{target.name}.{secrets.token_hex(6)}"
+    staging.mkdir()
+    return staging
 
 
 def share_as_new(directory: Path) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +185,24 @@ def test_a_write_that_fails_midway_leaves_nothing(release: Path, tmp_path: Path)
     with pytest.raises(FileNotFoundError):
         write_import(out_dir / "dst", (good, gone), "kind: DDMDeployment\n")
     assert list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("umask, directory_mode", [(0o022, 0o755), (0o027, 0o750)],
+                         ids=["umask-022", "umask-027"])
+def test_an_import_gets_the_modes_the_umask_gives_anything_new(release: Path, tmp_path: Path,
+                                                               umask: int,
+                                                               directory_mode: int) -> None:
+    # Servers run as another user (the images' uid 10001) and must read the DDM; a stricter
+    # umask keeps it from everyone else, DST itself included.
+    previous = os.umask(umask)
+    try:
+        out = import_paris(release, tmp_path / "dst")
+    finally:
+        os.umask(previous)
+    modes = {path: stat.S_IMODE(path.stat().st_mode) for path in [out, *out.rglob("*")]}
+    assert {path: mode for path, mode in modes.items()
+            if mode != (directory_mode if path.is_dir() else directory_mode & 0o666)} == {}
+    assert [p.name for p in tmp_path.iterdir()] == ["dst"]  # no staging left
 
 
 def test_the_command_refuses_an_existing_destination(release: Path, tmp_path: Path,

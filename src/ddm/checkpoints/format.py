@@ -25,7 +25,6 @@ import json
 import os
 import re
 import reprlib
-import secrets
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ import numpy as np
 
 from ddm.checkpoints.declared import load_config_json
 from ddm.convention import CONVENTION_NAME
-from ddm.fileio import share_as_new
+from ddm.fileio import share_as_new, staging_directory
 from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 from ddm.objectives import NATIVE, Objective, ObjectiveError
 
@@ -181,10 +180,7 @@ def save_checkpoint(directory: str | os.PathLike, meta: CheckpointMeta,
     target = Path(directory)
     check_checkpoint_output(target, "output")
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Made by mkdir, not mkdtemp: a server running as another user must read the checkpoint,
-    # so it gets the mode the umask gives any new directory, not a temporary's 0700.
-    staging = target.parent / f".{target.name}.{secrets.token_hex(6)}"
-    staging.mkdir()
+    staging = staging_directory(target)
     try:
         arrays = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in weights.items()}
         save_file(arrays, str(staging / WEIGHTS_FILE))

@@ -19,13 +19,13 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from ddm.checkpoints.declared import DDM_KEY, FILES_KEY
 from ddm.checkpoints.format import CONFIG_FILE, CheckpointError
+from ddm.fileio import staging_directory
 
 #: The deployment an import writes beside its components.
 MANIFEST_FILE = "ddm.yaml"
@@ -69,12 +69,11 @@ def write_import(out: str | Path, components: tuple[Component, ...], manifest: s
     names = [c.name for c in components]
     if len(set(names)) != len(names) or MANIFEST_FILE in names:
         raise CheckpointError(f"component names {names} must be unique and not {MANIFEST_FILE}")
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    staging = staging_directory(target)
     try:
         for component in components:
             _write_component(staging / component.name, component)
         (staging / MANIFEST_FILE).write_text(manifest, encoding="utf-8")
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the DDM from its servers' users
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
