@@ -39,6 +39,7 @@ from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwo
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
                                       read_component_config, weight_file)
 from ddm.models.text_prior import TEXT_PRIOR_KEY, TextPrior, pooled_text
+from ddm.models.torch_io import model_input
 
 #: ``forward(x (B, C, H, W) f32, t (B,) f32 ours, cond) -> v (B, C, H, W) f32``: an expert's
 #: unguided velocity in our convention (guidance wraps it: :mod:`ddm.sampling.guidance`).
@@ -136,7 +137,7 @@ class VaeDecoder:
 
     @torch.no_grad()
     def __call__(self, latents: np.ndarray) -> np.ndarray:
-        z = torch.from_numpy(np.asarray(latents, np.float32)).to(self.device, self.model.dtype)
+        z = model_input(np.asarray(latents, np.float32)).to(self.device, self.model.dtype)
         images = self.model.decode(z / self.model.config.scaling_factor).sample
         return images.float().cpu().numpy()
 
@@ -454,7 +455,7 @@ def network_probabilities(run: Callable[[torch.Tensor, torch.Tensor], torch.Tens
 
 def _tensor(array: np.ndarray, like: torch.Tensor,
             dtype: torch.dtype | None = None) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(array)).to(like.device, dtype or like.dtype)
+    return model_input(np.ascontiguousarray(array)).to(like.device, dtype or like.dtype)
 
 
 # One loader per family ---------------------------------------------------------------------

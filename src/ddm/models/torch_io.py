@@ -107,14 +107,25 @@ def router_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None)
     return load_canonical(model, ckpt).to(device or torch.device("cpu"))
 
 
+def model_input(array: np.ndarray, device: torch.device | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``array`` as a tensor that a network may write to. A request's arrays are read-only
+    views of its body (``ddm.serving.protocol.decode_request``), and PyTorch does not keep a
+    network that works in place on its input (``x.mul_(...)``) from writing into that body (it
+    only warns, once); so a read-only array is copied (microseconds next to a model call) and
+    a writable one shared."""
+    if not array.flags.writeable:
+        array = array.copy()
+    return torch.as_tensor(array, device=device, dtype=dtype)
+
+
 def velocity_fn(model: nn.Module, device: torch.device
                 ) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """NumPy ``(x, t, y) -> out`` over a PyTorch expert network, without autograd."""
 
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            v = model(torch.as_tensor(x, device=device), torch.as_tensor(t, device=device),
-                      torch.as_tensor(y, device=device))
+            v = model(model_input(x, device), model_input(t, device), model_input(y, device))
         return v.float().cpu().numpy()
 
     return velocity
@@ -126,8 +137,8 @@ def router_probs_fn(model: RouterNet, device: torch.device
 
     def probs(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         with torch.inference_mode():
-            logits = model(torch.as_tensor(x, device=device), torch.as_tensor(t, device=device),
-                           torch.as_tensor(y, device=device))
+            logits = model(model_input(x, device), model_input(t, device),
+                           model_input(y, device))
         return torch.softmax(logits.float(), dim=-1).cpu().numpy()
 
     return probs

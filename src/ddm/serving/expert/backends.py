@@ -188,7 +188,7 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
     import torch
     import torch_neuronx
 
-    from ddm.models.torch_io import expert_module
+    from ddm.models.torch_io import expert_module, model_input
 
     cache = compile_cache or Path(os.environ.get("DDM_NEURON_CACHE",
                                                  Path.home() / ".cache" / "ddm" / "neuron"))
@@ -214,8 +214,8 @@ def _neuron_backend(ckpt: Checkpoint, max_batch: int, image_shape: tuple[int, in
 
     def run(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         with torch.inference_mode():  # the trace was made with int64 labels
-            v = traced[x.shape[0]](torch.as_tensor(x), torch.as_tensor(t),
-                                   torch.as_tensor(y, dtype=torch.int64))
+            v = traced[x.shape[0]](model_input(x), model_input(t),
+                                   model_input(y, dtype=torch.int64))
         return v.numpy()
 
     cores = os.environ.get("NEURON_RT_VISIBLE_CORES", "all")
