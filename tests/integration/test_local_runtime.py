@@ -181,14 +181,21 @@ def test_the_router_answers_1000_malformed_requests_with_4xx_and_keeps_serving(
     assert good.status_code == 200, good.text
 
 
+#: Runs the Python command line it is given with SIGINT back at its default: exec keeps a
+#: signal ignored if it was, as it is in a job CI starts in the background (a ``preexec_fn``
+#: would do it between fork and exec, which Python warns against in a threaded process).
+_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 def _ddm_up_process() -> tuple[subprocess.Popen[str], str, list[str]]:
     """`ddm up` (the MNIST DDM) as a user runs it from a terminal (Ctrl-C's SIGINT not
     ignored, as it is for a job CI starts in the background), its output piped here, once it
     says it is up: the process, what it said, and its five children (four experts, router)."""
-    command = subprocess.Popen([sys.executable, "-m", "ddm", "up", "--port", str(free_port())],
+    command = subprocess.Popen([sys.executable, "-c", _FROM_A_TERMINAL, "-m", "ddm", "up",
+                                "--port", str(free_port())],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env=os.environ | {"OMP_NUM_THREADS": "1"},
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               env=os.environ | {"OMP_NUM_THREADS": "1"})
     assert command.stdout is not None
     lines = []
     for line in command.stdout:  # the command says when it is up; no sleeping
