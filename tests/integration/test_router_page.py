@@ -189,16 +189,23 @@ NGINX_503 = NGINX_502.replace("502 Bad Gateway", "503 Service Temporarily Unavai
 NGINX_401 = NGINX_502.replace("502 Bad Gateway", "401 Authorization Required")
 
 
-def test_the_routers_description_refused_by_an_ingress_shows_its_status_and_words(browser,
-                                                                                  digits):
-    with _ingress(digits, "/v1/info", Response(NGINX_502, 502, media_type="text/html")) as page:
+@pytest.mark.parametrize("code, body, shown, asks_for_token", [
+    (502, NGINX_502, "502 Bad Gateway: 502 Bad Gateway nginx", False),
+    (401, NGINX_401, "the router needs an API token "
+                     "(401 Unauthorized: 401 Authorization Required nginx)", True)],
+    ids=["502", "401"])
+def test_the_routers_description_refused_by_an_ingress_shows_its_status_and_words(
+        browser, digits, code, body, shown, asks_for_token):
+    """An ingress's own 401 (its basic-auth page, not the router's JSON) still asks for a
+    token."""
+    with _ingress(digits, "/v1/info", Response(body, code, media_type="text/html")) as page:
         browser.get(f"{page}/")
         status = browser.find_element(By.ID, "status")
         _wait(browser, lambda _: status.text)
-        assert status.text == "502 Bad Gateway: 502 Bad Gateway nginx"
+        assert status.text == shown
         assert status.get_attribute("class") == "error"
-        assert not browser.find_element(By.ID, "login").is_displayed()
-        _assert_no_errors(browser, allowed="status of 502")
+        assert browser.find_element(By.ID, "login").is_displayed() == asks_for_token
+        _assert_no_errors(browser, allowed=f"status of {code}")
 
 
 def test_a_readiness_probe_refused_by_an_ingress_shows_not_ready_and_its_words(browser,
@@ -212,19 +219,6 @@ def test_a_readiness_probe_refused_by_an_ingress_shows_not_ready_and_its_words(b
                                   "503 Service Temporarily Unavailable nginx")
         assert _options(browser, "strategy")  # the rest of the page came from /v1/info
         _assert_no_errors(browser, allowed="status of 503")
-
-
-def test_a_401_that_is_not_the_routers_json_asks_for_a_token_and_shows_its_words(browser,
-                                                                                 digits):
-    with _ingress(digits, "/v1/info", Response(NGINX_401, 401, media_type="text/html")) as page:
-        browser.get(f"{page}/")
-        status = browser.find_element(By.ID, "status")
-        _wait(browser, lambda _: status.text)
-        assert browser.find_element(By.ID, "login").is_displayed()
-        assert status.text == ("the router needs an API token "
-                               "(401 Unauthorized: 401 Authorization Required nginx)")
-        assert status.get_attribute("class") == "error"
-        _assert_no_errors(browser, allowed="status of 401")
 
 
 def test_restart_mid_generation_waits_for_the_slots_the_old_streams_held(browser, digits):
