@@ -453,9 +453,8 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
 def check_router_port(host: str, port: int) -> None:
     """Fail unless the router can listen on ``host:port``, before any server starts: the router
     starts last, once every expert has loaded (minutes for a large DDM), and a port the kernel
-    picks (0) would never be seen ready there. The host is checked first, so that a port is
-    never blamed for it."""
-    check_host(host)
+    picks (0) would never be seen ready there. A port taken or not ours is the port's fault;
+    anything else, the host's (as in :func:`free_port`)."""
     if port not in PORTS:
         raise ValueError(f"--port must be in {PORTS.start}..{PORTS.stop - 1}, got {port}")
     with socket.socket() as probe:
@@ -463,19 +462,11 @@ def check_router_port(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise _unusable_host(host, exc) from None
             raise LocalRunError(f"the router cannot listen on {host}:{port} "
                                 f"({exc.strerror or exc}): stop what holds the port, or choose "
                                 "another --port") from None
-
-
-def check_host(host: str) -> None:
-    """Fail unless every server can listen on ``host`` (``ddm up --host``): an IPv4 address of
-    this machine, or a name of one (the plan writes endpoints as ``host:port``)."""
-    with socket.socket() as probe:
-        try:
-            probe.bind((host, 0))
-        except OSError as exc:
-            raise _unusable_host(host, exc) from None
 
 
 def _unusable_host(host: str, exc: OSError) -> LocalRunError:
