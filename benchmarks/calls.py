@@ -4,10 +4,14 @@ with the expert servers of several source trees side by side (e.g. main's checko
 branch's), calls alternated between them so that a shared machine's load hits every tree alike.
 
 Per tree and model, one expert process (``OMP_NUM_THREADS=1``, as ``ddm up`` runs a CPU expert)
-serves: the digits expert (fast), an MNIST expert (32x32, slower), the digits expert made
-slower on purpose by 10 ms (within the bound: it runs on the idle event loop) and by
-:data:`BEYOND_BOUND_S` (over it: the model thread). The extra time is a sleep per batch,
-which releases the GIL as a model's kernels do.
+serves, as ``ddm serve expert`` serves it (the tree's event loops and batcher): the digits
+expert (fast), an MNIST expert (32x32, slower), the digits expert made slower on purpose by
+10 ms (within the bound) and by :data:`BEYOND_BOUND_S` (over it: on a server with one event loop,
+the model thread; on one with a second loop serving, still the loop the request came on). The
+extra time is a sleep per batch (the GIL released and the core idle, as a model waiting for
+an accelerator may leave it), or, for the model marked ``busy``, a loop of small matrix
+products (the core busy and the GIL released in each product, as a bigger CPU model's kernels
+do).
 
 Per round, each server gets :data:`CALLS` velocity calls, each followed by a ``GET /healthz``
 (the HTTP floor: uvicorn and FastAPI with no model), both through the router's own HTTP client
@@ -76,12 +80,29 @@ ROUNDS = 40
 SLOW_SLEEP_S = 0.010
 #: A model this much slower than the digits expert runs on the model thread.
 BEYOND_BOUND_S = 1.2 * INLINE_MAX_S
-#: name -> (checkpoint under the repository, image shape, label, extra seconds per batch)
-MODELS = {"digits-0-4": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, 0.0),
-          "mnist-cluster-0": ("checkpoints/mnist/expert-0", (1, 32, 32), 0, 0.0),
-          "digits-0-4+10ms": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, SLOW_SLEEP_S),
+#: name -> (checkpoint under the repository, image shape, label, extra seconds per batch, how
+#: they are spent: ``sleep`` or ``busy``, :data:`_EXTRA`)
+MODELS = {"digits-0-4": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, 0.0, "sleep"),
+          "mnist-cluster-0": ("checkpoints/mnist/expert-0", (1, 32, 32), 0, 0.0, "sleep"),
+          "digits-0-4+10ms": ("checkpoints/digits/expert-0-4", (1, 16, 16), 0, SLOW_SLEEP_S,
+                              "sleep"),
           f"digits-0-4+{BEYOND_BOUND_S * 1e3:.0f}ms": ("checkpoints/digits/expert-0-4",
-                                                       (1, 16, 16), 0, BEYOND_BOUND_S)}
+                                                       (1, 16, 16), 0, BEYOND_BOUND_S, "sleep"),
+          f"digits-0-4+{BEYOND_BOUND_S * 1e3:.0f}ms busy": (
+              "checkpoints/digits/expert-0-4", (1, 16, 16), 0, BEYOND_BOUND_S, "busy")}
+#: ``extra(seconds, how)``: the time a model is made slower by, as the servers and this
+#: process spend it (one source for both: the servers run it from their own script).
+_EXTRA = """
+def extra(seconds, how):
+    import time
+    import numpy as np
+    if how == "sleep":
+        time.sleep(seconds)
+        return
+    product, end = np.ones((96, 96), np.float32), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        product @ product
+"""
 #: Processes per tree that time ``handoff``, alternated between the trees.
 HANDOFF_RUNS = 3
 #: Idle gaps, in seconds, before each timing of ``cold_code``.
@@ -89,15 +110,19 @@ COLD_GAPS_S = (0.0, 0.001, 0.005, 0.02, 0.06)
 _TIMEOUT_S = 30.0
 _STOP_S = 30.0
 
-#: The server process: the tree's own create_expert_app, with a loader that sleeps on top of
-#: the real model when asked to (a bigger model, as the server sees it) and times every batch
-#: of the model; the times go to the file named by argv[4] when the server stops.
-_SERVER = """
+#: The server process: the tree's own create_expert_app on as many event loops as its ``ddm
+#: serve expert`` runs (one before EXPERT_LOOPS existed), with a loader that adds argv[3]
+#: seconds spent as argv[5] says on top of the real model (a bigger model, as the server sees
+#: it) and times every batch of the model; the times go to the file named by argv[4] when the
+#: server stops.
+_SERVER = _EXTRA + """
 import json, sys, time
 from ddm.serving.expert.backends import load_backend
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.expert import server
 from ddm.serving.http import run_server
-checkpoint, port, sleep, times_file = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+checkpoint, port, seconds, times_file, how = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]),
+                                              sys.argv[4], sys.argv[5])
+loops = getattr(server, "EXPERT_LOOPS", 1)
 times = []
 
 def loader(ckpt, backend, device, max_batch, cache):
@@ -105,8 +130,8 @@ def loader(ckpt, backend, device, max_batch, cache):
 
     def velocity(x, t, y, _velocity=real.velocity):
         started = time.perf_counter()
-        if sleep:
-            time.sleep(sleep)
+        if seconds:
+            extra(seconds, how)
         out = _velocity(x, t, y)
         times.append(time.perf_counter() - started)
         return out
@@ -114,9 +139,11 @@ def loader(ckpt, backend, device, max_batch, cache):
     real.velocity = velocity
     return real
 
-run_server(lambda control: create_expert_app(checkpoint, loader=loader,
-                                              start_up=control.start_up),
-           "127.0.0.1", port, "warning")
+app_loops = {"serving_loops": loops} if loops > 1 else {}
+server_loops = {"loops": loops} if loops > 1 else {}
+run_server(lambda control: server.create_expert_app(checkpoint, loader=loader,
+                                                     start_up=control.start_up, **app_loops),
+           "127.0.0.1", port, "warning", **server_loops)
 with open(times_file, "w") as out:
     json.dump(times, out)
 """
@@ -213,13 +240,13 @@ with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
 """
 
 
-def _start(tree: Path, checkpoint: Path, sleep: float, times_file: Path
+def _start(tree: Path, checkpoint: Path, seconds: float, how: str, times_file: Path
            ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}", "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-c", _SERVER, str(checkpoint), str(port),
-                                str(sleep), str(times_file)], env=env)
+                                str(seconds), str(times_file), how], env=env)
     return process, f"{HOST}:{port}"
 
 
@@ -242,13 +269,16 @@ async def _wait_ready(client: HttpClient, endpoint: str) -> None:
     raise RuntimeError(f"{endpoint} did not become ready in {READY_S} s")
 
 
-def _local_model(checkpoint: Path, sleep: float) -> Callable[..., np.ndarray]:
-    """The same model in this process, sleeping as its server does."""
+def _local_model(checkpoint: Path, seconds: float, how: str) -> Callable[..., np.ndarray]:
+    """The same model in this process, made slower as its server makes it."""
     backend = load_backend(load_checkpoint(checkpoint), "torch", None, 1, None)
+    namespace: dict[str, Any] = {}
+    exec(_EXTRA, namespace)  # noqa: S102 - this module's own source text
+    extra = namespace["extra"]
 
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        if sleep:
-            time.sleep(sleep)
+        if seconds:
+            extra(seconds, how)
         return backend.velocity(x, t, y)
 
     return velocity
@@ -276,16 +306,16 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
     median ``server_above_floor_ms`` against :data:`~benchmarks.figures.CALL_ABOVE_FLOOR_MS`."""
     load = list(os.getloadavg())
     torch.set_num_threads(1)
-    local = {name: _local_model(REPOSITORY_ROOT / checkpoint, sleep)
-             for name, (checkpoint, _, _, sleep) in MODELS.items()}
+    local = {name: _local_model(REPOSITORY_ROOT / checkpoint, seconds, how)
+             for name, (checkpoint, _, _, seconds, how) in MODELS.items()}
     servers: dict[tuple[str, str], tuple[str, Path]] = {}
     models: dict[str, list[float]] = {name: [] for name in MODELS}
     with tempfile.TemporaryDirectory(prefix="ddm-calls-") as scratch:
         with ExitStack() as stack:  # stops every server, so that each writes its times
-            for name, (checkpoint, _, _, sleep) in MODELS.items():
+            for name, (checkpoint, _, _, seconds, how) in MODELS.items():
                 for index, tree in enumerate(trees):
                     times_file = Path(scratch) / f"{name}-{index}.json"
-                    process, endpoint = _start(tree, REPOSITORY_ROOT / checkpoint, sleep,
+                    process, endpoint = _start(tree, REPOSITORY_ROOT / checkpoint, seconds, how,
                                                times_file)
                     stack.callback(_stop, process)
                     servers[name, str(tree)] = (endpoint, times_file)
@@ -296,7 +326,7 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
             for endpoint, _ in servers.values():
                 await _wait_ready(client, endpoint)
             for round_index in range(rounds + 1):  # round 0 warms up and is dropped
-                for name, (_, shape, label, _) in MODELS.items():
+                for name, (_, shape, label, _, _) in MODELS.items():
                     x = np.random.default_rng(0).standard_normal((1, *shape), np.float32)
                     t, y = np.full(1, 0.5, np.float32), np.full(1, label, np.int64)
                     body = encode_request(VelocityRequest(1, x, t, y))

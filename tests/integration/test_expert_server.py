@@ -7,6 +7,7 @@ for readiness by polling ``/readyz`` against a deadline.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import re
 import shutil
@@ -34,6 +35,7 @@ from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertEr
                                   VelocityRequest, decode_response, encode_request)
 from ddm.termination import write_termination_message
 from servers import READY_DEADLINE_S, ready_server, running, wait_ready
+from waiting import wait_for
 
 SHAPE = (1, 8, 8)  # the smoke config's images
 HEADERS = {"Content-Type": CONTENT_TYPE}
@@ -302,6 +304,75 @@ def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
         expert.wait(timeout=20)
         assert time.monotonic() - signalled >= 2.0
         assert expert.returncode == 0  # stopping on SIGTERM is a server's normal end
+    finally:
+        expert.kill()
+        expert.wait()
+
+
+#: An expert process as ``ddm serve expert`` runs it (its event loops, its batcher), whose model
+#: holds a request with t = GATED_T until the file argv[3]/go exists, after writing the name of
+#: the thread it runs on to argv[3]/thread.
+_GATED_EXPERT = """
+import pathlib, sys, time, threading
+from ddm.serving.expert.backends import load_backend
+from ddm.serving.expert.server import EXPERT_LOOPS, create_expert_app
+from ddm.serving.http import run_server
+checkpoint, port, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
+
+def loader(ckpt, backend, device, max_batch, cache):
+    real = load_backend(ckpt, backend, device, max_batch, cache)
+
+    def velocity(x, t, y, _velocity=real.velocity):
+        if float(t[0]) == %r:
+            (gate / "thread").write_text(threading.current_thread().name)
+            while not (gate / "go").exists():
+                time.sleep(0.01)
+        return _velocity(x, t, y)
+
+    real.velocity = velocity
+    return real
+
+run_server(lambda control: create_expert_app(checkpoint, loader=loader, start_up=control.start_up,
+                                              serving_loops=EXPERT_LOOPS),
+           "127.0.0.1", port, "warning", loops=EXPERT_LOOPS)
+"""
+GATED_T = 0.375  # exact in float32
+
+
+def test_a_long_lone_batch_runs_on_its_event_loop_while_another_answers(
+        smoke_expert_checkpoint, tmp_path):
+    """An expert serves on two event loops: a lone request runs on the loop it came on
+    however long its model takes (no hand-off to the model thread and back), and meanwhile
+    the other loop answers probes and queues other clients' requests; SIGTERM stops both."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    expert = subprocess.Popen(
+        [sys.executable, "-c", _GATED_EXPERT % GATED_T, str(smoke_expert_checkpoint), str(port),
+         str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_ready(base)
+        held = velocity_request(1, seed=0)
+        held = VelocityRequest(1, held.x, np.full(1, GATED_T, np.float32), held.y)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = pool.submit(post, base, encode_request(held))
+            wait_for(lambda: (tmp_path / "thread").exists(), READY_DEADLINE_S,
+                     "the held request to reach the model", interval_s=0.05)
+            ran_on = (tmp_path / "thread").read_text()
+            assert ran_on == "MainThread" or ran_on.startswith("ddm-loop-"), ran_on
+            assert httpx.get(f"{base}/readyz", timeout=10).status_code == 200
+            other = encode_request(velocity_request(2, seed=1, request_id=2))
+            second = pool.submit(post, base, other)
+            assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
+            assert not first.done() and not second.done()
+            (tmp_path / "go").touch()
+            replies = [first.result(30), second.result(30)]
+        assert [reply.status_code for reply in replies] == [200, 200]
+        assert decode_response(replies[0].content, 1).shape == (1, *SHAPE)
+        assert decode_response(replies[1].content, 2).shape == (2, *SHAPE)
+        expert.send_signal(signal.SIGTERM)
+        assert expert.wait(timeout=30) == 0
     finally:
         expert.kill()
         expert.wait()

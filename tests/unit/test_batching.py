@@ -306,7 +306,8 @@ def test_the_loop_ticks_from_near_a_thread_batch_s_expected_end_until_it_is_deli
             return super()._next_tick_s()
 
     async def idle(batcher: Batcher) -> None:
-        while batcher._ticks.ticking:  # the chain ends at its first tick after the batch
+        ticks_here = batcher._ticks[asyncio.get_running_loop()]
+        while ticks_here.ticking:  # the chain ends at its first tick after the batch
             await asyncio.sleep(WARM_TICK_S)
 
     async def scenario():
@@ -332,6 +333,121 @@ def test_the_loop_ticks_from_near_a_thread_batch_s_expected_end_until_it_is_deli
     assert sum(tick < delivered for tick in on_thread) >= 2  # while the batch ran
     assert ticks == on_thread  # they stopped (idle() returned), and none came for V
     assert [thread for _, _, thread in model.threads][-2:] == ["ddm-model", "MainThread"]
+
+
+# -- Batcher on several event loops (an expert server's loops: ddm.serving.http) ---------------
+
+class LoopThread:
+    """An event loop running in a thread of its own, as each of a server's loops does."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine):
+        """Start ``coroutine`` on this loop; its concurrent future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def turn(self) -> None:
+        """Return once everything scheduled on this loop so far has taken its first step."""
+        async def nothing() -> None:
+            pass
+        self.run(nothing()).result(10)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def loop_threads():
+    made: list[LoopThread] = []
+
+    def make(*names: str) -> list[LoopThread]:
+        made.extend(LoopThread(name) for name in names)
+        return made[-len(names):]
+
+    yield make
+    for loop in made:
+        loop.close()
+
+
+class GatedRecorder(GatedModel):
+    """A GatedModel that also records each batch's size and thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[tuple[int, str]] = []
+
+    def __call__(self, key, inputs):
+        self.threads.append((inputs[0].shape[0], threading.current_thread().name))
+        return super().__call__(key, inputs)
+
+
+def test_with_another_loop_serving_a_lone_batch_of_any_time_runs_on_the_loop_it_came_on():
+    """With ``serving_loops=2`` another loop answers meanwhile, so the bound no longer
+    applies: a key not seen yet and one known to take over INLINE_MAX_S both run on the
+    submitting loop, with no thread hop (the same requests go to the thread with one loop:
+    test_a_batch_expected_over_the_inline_bound_runs_on_the_model_thread)."""
+    model = ThreadRecorder({A: INLINE_MAX_S * 1.2})
+
+    async def scenario():
+        batcher = Batcher(model, max_batch=8, max_delay_ms=0, serving_loops=2)
+        batcher.start()
+        results = [await batcher.submit(A, rows([value])) for value in (1, 2)]
+        await batcher.close()
+        return results
+
+    results = asyncio.run(scenario())
+    assert model.threads == [(A, 1, "MainThread"), (A, 1, "MainThread")]
+    assert [r.item() for r in results] == [1, 2]
+
+
+def test_requests_from_several_loops_batch_together_and_each_loop_gets_its_own_rows(
+        loop_threads):
+    """A lone request runs on loop B (held there); requests that loops C and D queue
+    meanwhile wait for it, then run as one batch on the model thread, and each comes back on
+    the loop it came on; the batch is reported once."""
+    model, reports = GatedRecorder(), []
+    batcher = Batcher(model, max_batch=64, max_delay_ms=0, on_batch=reports.append,
+                      serving_loops=2)
+    batcher.start()
+    b, c, d = loop_threads("loop-b", "loop-c", "loop-d")
+    first = b.run(batcher.submit(V, rows([-1])))
+    assert model.started.wait(10)  # running on loop B, which answers nothing until released
+    on_c = c.run(batcher.submit(V, rows([1])))
+    on_d = d.run(batcher.submit(V, rows([2, 3])))
+    c.turn()
+    d.turn()  # both are queued behind B's batch
+    model.release.set()
+    results = [future.result(10) for future in (first, on_c, on_d)]
+    c.run(batcher.close()).result(20)
+    assert model.threads == [(1, "loop-b"), (3, "ddm-model")]
+    assert [r.ravel().tolist() for r in results] == [[-2], [2], [4, 6]]
+    assert [report.images for report in reports] == [1, 3]
+
+
+def test_close_on_one_loop_fails_the_requests_queued_on_another(loop_threads):
+    """close() on loop D fails loop C's queued request on loop C at once; the batch loop B
+    runs meanwhile ends there with its rows (B answers nothing until then, so it is
+    delivered before the failure close() sent it)."""
+    model = GatedRecorder()
+    batcher = Batcher(model, max_batch=64, max_delay_ms=0, serving_loops=2)
+    batcher.start()
+    b, c, d = loop_threads("loop-b", "loop-c", "loop-d")
+    running = b.run(batcher.submit(V, rows([1])))
+    assert model.started.wait(10)
+    queued = c.run(batcher.submit(V, rows([2])))
+    c.turn()
+    closing = d.run(batcher.close())
+    with pytest.raises(BatcherClosed):
+        queued.result(10)  # failed on loop C while loop B still runs its batch
+    model.release.set()
+    closing.result(20)
+    assert running.result(10).ravel().tolist() == [2]
+    assert model.threads == [(1, "loop-b")]
 
 
 def test_while_a_batch_runs_new_requests_queue_for_the_model_thread_and_the_loop_stays_free():

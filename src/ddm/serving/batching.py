@@ -14,6 +14,7 @@ requests that step through the same times together are merged.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -33,9 +34,10 @@ RunFn = Callable[[Hashable, tuple[np.ndarray, ...]], Output]
 MODEL_STOP_WAIT_S = 10.0
 
 
-#: The longest a batch may be expected to run on the event loop (:class:`Batcher`): the loop
-#: answers nothing else meanwhile, so this bounds how late a probe, a scrape or a signal is
-#: handled; expected from the last batch of the same key, scaled up to the batch's rows.
+#: The longest a batch may be expected to run on the event loop of a server that has only one
+#: (:class:`Batcher`): that loop answers nothing else meanwhile, so this bounds how late a
+#: probe, a scrape or a signal is handled; expected from the last batch of the same key,
+#: scaled up to the batch's rows. A server with another loop serving has no such bound.
 INLINE_MAX_S = 0.05
 #: Keys whose last batch time the batcher remembers (a client may send any grid, and each
 #: grid is a key: the oldest is forgotten past this many).
@@ -178,6 +180,8 @@ class _Job:
     inputs: tuple[np.ndarray, ...]
     arrived: float
     future: asyncio.Future[Output]
+    #: The event loop the request came on: only it may complete ``future``.
+    loop: asyncio.AbstractEventLoop
     #: Rows the model runs for it (a guided row runs twice): what counts against max_batch.
     cost: int
 
@@ -189,29 +193,33 @@ class _Job:
 class Batcher:
     """Queue requests, run them in batches, one at a time, and hand each its own rows.
 
-    Use it from one event loop: ``start()``, then ``await submit(...)`` from many tasks, then
-    ``await close()``. Frameworks and accelerators run one call at a time best, so one batch
-    runs at a time, in one of two places, chosen per batch by how long it would keep the event
-    loop from everything else:
+    ``start()``, then ``await submit(...)`` from many tasks on one or more event loops (a
+    server's ``serving_loops``, each serving the same clients), then ``await close()`` on one
+    of them. Frameworks and accelerators run one call at a time best, so one batch runs at a
+    time, in one of two places, chosen per batch:
 
-    - **On the event loop**, for a lone request on an idle batcher (no batch runs, nothing
-      else queued) expected to take at most :data:`INLINE_MAX_S` (its key's last batch time,
-      scaled up to its rows): a router stepping its images through an expert nobody else
-      calls. The call pays no thread wake-up: each costs 0.1-0.3 ms on a virtual machine whose
-      other vCPU sat idle while the model ran (``docs/benchmarks.md``). Meanwhile the loop
-      answers nothing else, which the bound keeps short next to a probe's timeout (seconds).
+    - **On the event loop the request came on**, for a lone request on an idle batcher (no
+      batch runs, nothing else queued): a router stepping its images through an expert nobody
+      else calls. The call pays no thread wake-up: each costs 0.1-0.3 ms on a virtual machine
+      whose other vCPU sat idle while the model ran (``docs/benchmarks.md``). Meanwhile that
+      loop answers nothing else. With another loop serving (``serving_loops`` > 1), the other
+      answers probes, scrapes and other clients, so any lone batch runs here whatever its
+      time; with one loop, only a batch expected to take at most :data:`INLINE_MAX_S` (its
+      key's last batch time, scaled up to its rows) does, which keeps the loop's absence short
+      next to a probe's timeout (seconds).
     - **On one long-lived model thread** otherwise: concurrent requests (which it batches
-      while the loop parses the next ones), requests expected over the bound (a big model, or
-      a key not seen yet), and timed waits for more requests (``max_delay_ms``). The loop
-      appends the request under a lock and, if the thread waits, rings its doorbell at once;
-      the thread forms the batch (:func:`plan_batch`), runs it and completes the requests'
-      futures with one ``call_soon_threadsafe``; the loop goes on accepting, parsing and
-      queueing requests, since models release the GIL in their kernels.
+      while the loops parse the next ones), with one loop requests expected over the bound (a
+      big model, or a key not seen yet), and timed waits for more requests (``max_delay_ms``).
+      A loop appends the request under a lock and, if the thread waits, rings its doorbell at
+      once; the thread forms the batch (:func:`plan_batch`), runs it and completes the
+      requests' futures with one ``call_soon_threadsafe`` per loop they came on; the loops go
+      on accepting, parsing and queueing requests, since models release the GIL in their
+      kernels.
 
-    The bound is a limit on the loop's unavailability, not on the model's speed: the two paths
-    differ by the two wake-ups, under 1% of any batch past the bound. On either path a batch's
-    report (``on_batch``: the metrics) is made after its requests resume, off the path of
-    their replies.
+    With one loop, the bound is a limit on the loop's unavailability, not on the model's
+    speed: the two paths differ by the two wake-ups, under 1% of any batch past the bound. On
+    either path a batch's report (``on_batch``: the metrics) is made after its requests
+    resume, off the path of their replies.
 
     Each wake-up's cost is mostly the Python that runs right after it: on a virtual machine,
     code that runs after its vCPU sat idle for milliseconds runs up to a hundred times slower
@@ -223,12 +231,16 @@ class Batcher:
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
-                 on_batch: Callable[[BatchReport], None] | None = None) -> None:
+                 on_batch: Callable[[BatchReport], None] | None = None, *,
+                 serving_loops: int = 1) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         if max_delay_ms < 0:
             raise ValueError(f"max_delay_ms must be >= 0, got {max_delay_ms}")
+        if serving_loops < 1:
+            raise ValueError(f"serving_loops must be >= 1, got {serving_loops}")
         self._run = run
+        self._any_time_inline = serving_loops > 1
         self._max_batch = max_batch
         self._max_delay = max_delay_ms / 1000.0
         self._on_batch = on_batch
@@ -239,20 +251,19 @@ class Batcher:
         self._thread_waits = False  # the model thread waits for its doorbell
         #: Each key's last batch (model seconds, rows), written by whoever ran it.
         self._took: LastTimes[Hashable] = LastTimes(KNOWN_KEYS)
-        #: From when (``perf_counter``) the thread's batch is near its expected end; None for
+        #: From when (``perf_counter``) the running batch is near its expected end; None for
         #: a batch that does not tick (:func:`~ddm.serving.polling.first_tick_s`).
         self._warm_from: float | None = None
         #: A token put here wakes the model thread to look at the queue again (:meth:`_ring`).
         self._doorbell: SimpleQueue[None] = SimpleQueue()
         self._dispatch_due = False  # a submitting task will run _dispatch after its turn
-        self._ticks = WarmTicks(self._next_tick_s)  # hybrid polling (:mod:`~ddm.serving.polling`)
-        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Hybrid polling (:mod:`~ddm.serving.polling`), one chain per event loop that submits.
+        self._ticks: dict[asyncio.AbstractEventLoop, WarmTicks] = {}
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Start the model thread, delivering to the running event loop (idempotent)."""
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        """Start the model thread (idempotent)."""
+        if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="ddm-model", daemon=True)
             self._thread.start()
 
@@ -260,13 +271,14 @@ class Batcher:
                      cost: int | None = None) -> Output:
         """Queue one request (arrays with its rows on axis 0) and await its rows of output;
         ``cost`` is the rows the model runs for it (default: its rows), which batches count."""
-        if self._loop is None or self._closed:
+        if self._thread is None or self._closed:
             raise BatcherClosed("the batcher is not running")
         size = inputs[0].shape[0] if cost is None else cost
         if not 1 <= size <= self._max_batch:
             raise ValueError(f"a request must have 1..{self._max_batch} rows, got {size}")
-        future: asyncio.Future[Output] = self._loop.create_future()
-        job = _Job(key, inputs, time.perf_counter(), future, size)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Output] = loop.create_future()
+        job = _Job(key, inputs, time.perf_counter(), future, loop, size)
         with self._lock:
             self._queue.append(job)
             # A lone request on an idle batcher that may run here decides after a loop turn
@@ -274,13 +286,13 @@ class Batcher:
             # when it looks, unless a decision is already due (it sees this request too).
             expected = self._took.expected(key, job.cost)
             dispatch = (not self._running and not self._dispatch_due
-                        and len(self._queue) == 1 and _short(expected))
+                        and len(self._queue) == 1 and self._inline(expected))
             if not dispatch and not self._dispatch_due:
                 self._ring()
             self._dispatch_due |= dispatch
         if not dispatch:  # the thread's: tick near its end, if it is long and known
             if (first_tick := first_tick_s(expected)) is not None:
-                self._ticks.due_in(first_tick)
+                self._ticks_of(loop).due_in(first_tick)
         else:
             # Decide after one loop turn, so that requests read in the same turn join; this
             # task decides, so that a batch run here returns without another turn.
@@ -288,14 +300,16 @@ class Batcher:
                 await asyncio.sleep(0)
             except asyncio.CancelledError:
                 future.cancel()  # dropped unrun, as when cancelled while queued
-                self._loop.call_soon(self._dispatch)  # for the others queued meanwhile
+                loop.call_soon(self._dispatch)  # for the others queued meanwhile
                 raise
             self._dispatch()
         return await future
 
     async def close(self) -> None:
-        """Fail queued and running requests with :class:`BatcherClosed` and let the model
-        thread end after the batch it runs, waiting for that up to ``MODEL_STOP_WAIT_S`` (a
+        """Fail queued requests and those of the model thread's batch with
+        :class:`BatcherClosed` (a batch running on an event loop ends there with its rows:
+        that loop answers nothing until it has them) and let the model thread end after the
+        batch it runs, waiting for that up to ``MODEL_STOP_WAIT_S`` (a
         model may hang): a model thread still inside the framework's C++ code when the
         interpreter exits aborts the process ("terminate called without an active
         exception")."""
@@ -303,33 +317,52 @@ class Batcher:
             self._closed = True
             jobs, self._queue = self._queue + self._running, []
             self._ring()
-        self._ticks.stop()
-        _fail(jobs, BatcherClosed("the server is shutting down"))
+            chains = list(self._ticks.items())
+        for loop, ticks in chains:
+            _on_loop(loop, ticks.stop)
+        error = BatcherClosed("the server is shutting down")
+        for loop, rows in _by_loop(jobs).items():
+            _on_loop(loop, functools.partial(_fail, [jobs[row] for row in rows], error))
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, MODEL_STOP_WAIT_S)
 
     def _dispatch(self) -> None:
-        """On the loop, while no batch runs: run the next batch here if it is expected to be
-        short (:class:`Batcher`), else hand the queue to the model thread."""
-        self._dispatch_due = False
+        """On a loop, while no batch runs: run the next batch here if it is a lone request of
+        this loop that may run on it (:class:`Batcher`), else hand the queue to the model
+        thread."""
         with self._lock:
+            self._dispatch_due = False
             if self._running or self._closed:
                 return  # the thread found the queue first, or nobody waits any more
             decision = self._plan()
             lone = self._queue[0] if len(self._queue) == 1 else None
             if not (isinstance(decision, Dispatch) and lone is not None
-                    and _short(self._took.expected(lone.key, lone.cost))):
+                    and lone.loop is asyncio.get_running_loop()
+                    and self._inline(self._took.expected(lone.key, lone.cost))):
                 self._ring()  # a timed wait, concurrent requests or a long batch
                 return
             jobs = self._take(decision)
         ran = _timed(self._run, jobs)
         with self._lock:
             self._finish(jobs, *ran)
-        self._deliver(jobs, *ran)
+        self._deliver(jobs, *ran, jobs)
+
+    def _inline(self, expected_s: float | None) -> bool:
+        """Whether a lone batch expected to take ``expected_s`` may run on its event loop."""
+        return self._any_time_inline or (expected_s is not None and expected_s <= INLINE_MAX_S)
+
+    def _ticks_of(self, loop: asyncio.AbstractEventLoop) -> WarmTicks:
+        """The chain of ticks on ``loop`` (the running one)."""
+        ticks = self._ticks.get(loop)
+        if ticks is None:
+            with self._lock:
+                ticks = self._ticks.setdefault(loop, WarmTicks(self._next_tick_s))
+        return ticks
 
     def _next_tick_s(self) -> float | None:
-        """When the loop ticks next (:class:`~ddm.serving.polling.WarmTicks`): while the
-        thread runs a batch of known time, from its ``_warm_from`` on; while requests wait
+        """When a loop ticks next (:class:`~ddm.serving.polling.WarmTicks`): while a batch
+        of known time runs (on the thread, or on another loop), from its ``_warm_from`` on;
+        while requests wait
         for the thread, soon (it takes them now, or waits for companions); never once nothing
         runs or waits, or while a batch of unknown time runs."""
         with self._lock:
@@ -353,33 +386,50 @@ class Batcher:
         return plan_batch(self._queue, self._max_batch, self._max_delay, time.perf_counter())
 
     def _take(self, decision: Dispatch) -> list[_Job]:
-        """Move the dispatched jobs from the queue to ``_running``. Holds ``_lock``."""
+        """Move the dispatched jobs from the queue to ``_running``, and note from when the
+        batch is near its expected end (``_warm_from``: the loops' ticks). Holds ``_lock``."""
         if len(decision.indices) == len(self._queue):  # all of it: a lone request, say
             self._running, self._queue = self._queue, []
-            return self._running
-        chosen = set(decision.indices)
-        self._running = [self._queue[i] for i in decision.indices]
-        self._queue = [job for i, job in enumerate(self._queue) if i not in chosen]
-        return self._running
+        else:
+            chosen = set(decision.indices)
+            self._running = [self._queue[i] for i in decision.indices]
+            self._queue = [job for i, job in enumerate(self._queue) if i not in chosen]
+        jobs = self._running
+        first_tick = first_tick_s(self._took.expected(jobs[0].key, sum(job.cost for job in jobs)))
+        self._warm_from = None if first_tick is None else time.perf_counter() + first_tick
+        return jobs
 
     def _work(self) -> None:
-        """The model thread: take a batch, run it, and hand the results to the event loop
-        (the batch's end is recorded first, so that a request its results lead to sees it)."""
-        assert self._loop is not None
+        """The model thread: take a batch, run it, and hand the results to the event loops
+        its requests came on (the batch's end is recorded first, so that a request its results
+        lead to sees it)."""
         while (jobs := self._next_batch()) is not None:
             ran = _timed(self._run, jobs)
             with self._lock:
                 self._finish(jobs, *ran)
-            try:
-                self._loop.call_soon_threadsafe(self._deliver, jobs, *ran)
-            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            outputs, started, ended = ran
+            report: list[_Job] | None = jobs  # made once, by the first loop delivered to
+            delivered = False
+            for loop, rows in _by_loop(jobs).items():
+                part = (outputs if isinstance(outputs, Exception) or len(rows) == len(jobs)
+                        else [outputs[row] for row in rows])
+                try:
+                    loop.call_soon_threadsafe(self._deliver, [jobs[row] for row in rows],
+                                              part, started, ended, report)
+                except RuntimeError:  # that loop is closed: nobody there waits any more
+                    continue
+                delivered, report = True, None
+            if not delivered:  # every loop it served is gone
                 return
 
     def _finish(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
                 ended: float) -> None:
-        """A batch ended: the next may run, and one that ran is remembered as its key's time
-        (a failed one is not). Holds ``_lock``."""
+        """A batch ended: the next may run (the model thread is woken for requests another
+        loop queued meanwhile), and one that ran is remembered as its key's time (a failed one
+        is not). Holds ``_lock``."""
         self._running = []
+        if self._queue:
+            self._ring()
         if isinstance(outputs, Exception):
             return
         self._took.record(jobs[0].key, ended - started, sum(job.cost for job in jobs))
@@ -391,12 +441,7 @@ class Batcher:
             while not self._closed:
                 decision = None if self._running else self._plan()
                 if isinstance(decision, Dispatch):
-                    jobs = self._take(decision)
-                    expected = self._took.expected(jobs[0].key, sum(job.cost for job in jobs))
-                    first_tick = first_tick_s(expected)
-                    self._warm_from = (None if first_tick is None else
-                                       time.perf_counter() + first_tick)
-                    return jobs
+                    return self._take(decision)
                 self._thread_waits = True
                 self._lock.release()
                 try:
@@ -410,29 +455,24 @@ class Batcher:
             return None
 
     def _deliver(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
-                 ended: float) -> None:
-        """On the event loop: each request gets its rows, or the model's error; a batch that
-        ran is reported once its requests have resumed (a failed one is not)."""
+                 ended: float, report: list[_Job] | None) -> None:
+        """On the event loop ``jobs`` came on: each request gets its rows, or the model's
+        error; with ``report`` (the whole batch, given to one loop), a batch that ran is
+        reported once its requests here have resumed (a failed one is not)."""
         if isinstance(outputs, Exception):
             _fail(jobs, outputs)
             return
         for job, output in zip(jobs, outputs):
             if not job.future.done():  # the client may have gone away
                 job.future.set_result(output)
-        if self._on_batch is not None:
-            assert self._loop is not None
-            self._loop.call_soon(self._report, jobs, started, ended)
+        if self._on_batch is not None and report is not None:
+            asyncio.get_running_loop().call_soon(self._report, report, started, ended)
 
     def _report(self, jobs: list[_Job], started: float, ended: float) -> None:
         assert self._on_batch is not None
         self._on_batch(BatchReport(images=sum(job.cost for job in jobs),
                                    queue_delays=tuple(started - job.arrived for job in jobs),
                                    model_seconds=ended - started))
-
-
-def _short(expected_s: float | None) -> bool:
-    """Whether a batch expected to take ``expected_s`` may run on the event loop."""
-    return expected_s is not None and expected_s <= INLINE_MAX_S
 
 
 def _timed(run: RunFn, jobs: list[_Job]) -> tuple[list[Output] | Exception, float, float]:
@@ -457,6 +497,30 @@ def _run_batch(run: RunFn, jobs: list[_Job]) -> list[Output]:
     if isinstance(output, tuple):
         return list(zip(*(np.split(part, bounds) for part in output)))
     return np.split(output, bounds)
+
+
+def _by_loop(jobs: list[_Job]) -> dict[asyncio.AbstractEventLoop, list[int]]:
+    """The indices of ``jobs`` by the event loop each came on."""
+    rows: dict[asyncio.AbstractEventLoop, list[int]] = {}
+    for index, job in enumerate(jobs):
+        rows.setdefault(job.loop, []).append(index)
+    return rows
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    """Run ``callback`` on ``loop``: now if it is the running loop, else soon from it; not
+    at all once ``loop`` is closed (nothing there waits any more)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is running:
+        callback()
+        return
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass
 
 
 def _fail(jobs: list[_Job], error: Exception) -> None:

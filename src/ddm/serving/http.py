@@ -15,6 +15,15 @@ in :meth:`ServerControl.start_up`) has never been ready, so no Service sends it 
 stops it at once, and the process exits without waiting for that work (minutes for a compile),
 so that a pod deleted while it starts is gone long before its grace period ends.
 
+Event loops: a server may serve on more than one (``loops``; an expert does, so that a long
+batch can run on the loop its request came on while another answers probes and other clients:
+:class:`ddm.serving.batching.Batcher`). The first loop, in the main thread, is uvicorn's server
+as usual (signals, the app's lifespan, draining); each other one is a uvicorn server of its own
+in a thread of its own, serving the same app on duplicates of the same listening sockets (the
+kernel hands each new connection to whichever loop accepts it first), started once the app has
+started and stopping when the first does; the app's lifespan ends only after they have stopped.
+The connection cap is shared out among the loops.
+
 The data plane pays for every byte and every layer at each denoising step, so its hot routes
 are bare ASGI (no FastAPI dependency resolution) and the server sends no ``date`` or
 ``server`` header and writes no access log. uvloop and asyncio set ``TCP_NODELAY`` on every
@@ -26,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib.util
@@ -48,6 +58,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import LOGGING_CONFIG
 
 from ddm.serving.connections import ConnectionLimits, protocol_factory
 from ddm.termination import fail_start
@@ -82,24 +93,40 @@ class BodyTooLarge(Exception):
 
 def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
                  drain_s: float = 0.0, control: ServerControl | None = None,
-                 limits: ConnectionLimits = ConnectionLimits()) -> uvicorn.Server:
+                 limits: ConnectionLimits = ConnectionLimits(), loops: int = 1) -> uvicorn.Server:
     """A uvicorn server for ``app``: uvloop when installed, httptools behind the connection
     ``limits`` of :mod:`ddm.serving.connections`, no access log (one line per denoising step
     would cost more than the step; it would also be one more place a credential could leak),
     no ``date`` or ``server`` header; draining for ``drain_s`` seconds on SIGTERM, telling
-    ``control``."""
-    config = uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
-                            http=protocol_factory(limits), ws="none", lifespan="on",
-                            log_level=log_level, access_log=False,
-                            timeout_keep_alive=limits.keep_alive_s,
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            server_header=False, date_header=False,
-                            # The peer stays the peer: uvicorn would otherwise take a loopback
-                            # peer's X-Forwarded-For as the client, which any local process
-                            # can write (the router reads it itself, from trusted proxies
-                            # only: ddm.serving.router.clients).
-                            proxy_headers=False)
-    return _DrainingServer(config, control or ServerControl(), drain_s)
+    ``control``; serving on ``loops`` event loops (more than one only when run on listening
+    sockets: ``server.run(sockets=...)``, as :func:`run_server` does)."""
+    if loops < 1:
+        raise ValueError(f"loops must be >= 1, got {loops}")
+    # ceil: the loops' caps add up to at least the server's
+    per_loop = dataclasses.replace(limits, max_connections=-(-limits.max_connections // loops))
+    others = _OtherLoops([_config(app, host, port, log_level, per_loop, lifespan="off")
+                          for _ in range(loops - 1)])
+    main = _config(others.after_them(app) if loops > 1 else app, host, port, log_level,
+                   per_loop, lifespan="on")
+    return _DrainingServer(main, control or ServerControl(), drain_s, others)
+
+
+def _config(app: ASGIApp, host: str, port: int, log_level: str, limits: ConnectionLimits,
+            lifespan: str) -> uvicorn.Config:
+    """One event loop's uvicorn configuration (:func:`build_server`); only the main loop's
+    runs the app's lifespan and configures logging."""
+    return uvicorn.Config(app, host=host, port=port, loop=_installed_or("uvloop", "asyncio"),
+                          http=protocol_factory(limits), ws="none", lifespan=lifespan,
+                          log_level=log_level, access_log=False,
+                          log_config=LOGGING_CONFIG if lifespan == "on" else None,
+                          timeout_keep_alive=limits.keep_alive_s,
+                          timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                          server_header=False, date_header=False,
+                          # The peer stays the peer: uvicorn would otherwise take a loopback
+                          # peer's X-Forwarded-For as the client, which any local process
+                          # can write (the router reads it itself, from trusted proxies
+                          # only: ddm.serving.router.clients).
+                          proxy_headers=False)
 
 
 @dataclass
@@ -151,9 +178,11 @@ class ServerControl:
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, holding the first SIGTERM for ``drain_s`` seconds of draining."""
+    """uvicorn's server, holding the first SIGTERM for ``drain_s`` seconds of draining, and
+    starting the server's other event loops (``others``) once the app has started."""
 
-    def __init__(self, config: uvicorn.Config, control: ServerControl, drain_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, control: ServerControl, drain_s: float,
+                 others: _OtherLoops) -> None:
         if drain_s < 0:
             raise ValueError(f"drain_s must be >= 0, got {drain_s}")
         super().__init__(config)
@@ -161,6 +190,12 @@ class _DrainingServer(uvicorn.Server):
         self._control = control
         self._drain_s = drain_s
         self._drain_until: float | None = None
+        self._others = others
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            self._others.start(self, self._control, sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if (sig == signal.SIGTERM and self._drain_s > 0 and self._drain_until is None
@@ -188,15 +223,103 @@ class _DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+class _OtherLoops:
+    """A server's event loops besides the main one (:func:`build_server`): each a uvicorn
+    server (:class:`_FollowingServer`) in a daemon thread of its own."""
+
+    def __init__(self, configs: list[uvicorn.Config]) -> None:
+        self._configs = configs
+        self._threads: list[threading.Thread] = []
+
+    def start(self, main: uvicorn.Server, control: ServerControl,
+              sockets: list[socket.socket] | None) -> None:
+        """Serve ``sockets`` (duplicated: each loop closes its own) on every other loop."""
+        if self._configs and sockets is None:
+            raise ValueError("a server on several event loops runs on listening sockets")
+        for number, config in enumerate(self._configs, start=1):
+            server = _FollowingServer(config, main)
+            thread = threading.Thread(target=self._serve, name=f"ddm-loop-{number}", daemon=True,
+                                      args=(server, control, [s.dup() for s in sockets or ()]))
+            self._threads.append(thread)
+            thread.start()
+
+    @staticmethod
+    def _serve(server: uvicorn.Server, control: ServerControl,
+               sockets: list[socket.socket]) -> None:
+        """One loop's life; a loop that fails stops the whole server with the reason (never
+        half of it serving on)."""
+        try:
+            server.run(sockets=sockets)
+        except BaseException as error:  # noqa: BLE001 - reported as the server's failure
+            logger.exception("event loop %s failed", threading.current_thread().name)
+            control.stop(f"event loop {threading.current_thread().name} failed: {error!r}")
+        finally:
+            for sock in sockets:
+                sock.close()
+
+    async def stopped(self) -> None:
+        """Return once every other loop has stopped (each within its graceful shutdown)."""
+        for thread in self._threads:
+            await asyncio.to_thread(thread.join)
+
+    def after_them(self, app: ASGIApp) -> ASGIApp:
+        """``app``, whose lifespan shutdown (closing what requests use: an expert's batcher)
+        waits until the other loops have stopped serving."""
+
+        async def lifespan_last(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "lifespan":
+                await app(scope, receive, send)
+                return
+
+            async def receive_after_them() -> Message:
+                message = await receive()
+                if message["type"] == "lifespan.shutdown":
+                    await self.stopped()
+                return message
+
+            await app(scope, receive_after_them, send)
+
+        return lifespan_last
+
+
+class _FollowingServer(uvicorn.Server):
+    """One more event loop of a server: it stops when the main one does (its ``should_exit``
+    and ``force_exit`` are the main server's) and takes no signals (uvicorn handles them in the
+    main thread only); one that stops of itself stops the main one too."""
+
+    def __init__(self, config: uvicorn.Config, main: uvicorn.Server) -> None:
+        self._main = main
+        super().__init__(config)
+
+    @property  # type: ignore[override]
+    def should_exit(self) -> bool:
+        return self._main.should_exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._main.should_exit = True
+
+    @property  # type: ignore[override]
+    def force_exit(self) -> bool:
+        return self._main.force_exit
+
+    @force_exit.setter
+    def force_exit(self, value: bool) -> None:
+        if value:
+            self._main.force_exit = True
+
+
 def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: int,
-               log_level: str, drain_s: float = 0.0, metrics_port: int | None = None) -> None:
+               log_level: str, drain_s: float = 0.0, metrics_port: int | None = None,
+               loops: int = 1) -> None:
     """Serve ``make_app(control)`` until interrupted, draining for ``drain_s`` seconds on
     SIGTERM; when the app's background start-up fails (``control.stop(reason)``), end the
     server and exit with status 1 after writing ``reason`` where Kubernetes shows it
     (:mod:`ddm.termination`), as when a port cannot be bound (:func:`_bound`); when stopped
     while the app's start-up work still runs, exit 0 at once without waiting for it. With
-    ``metrics_port``, ``/metrics`` moves there (:class:`MetricsPort`): one server, one event
-    loop, two listening sockets."""
+    ``metrics_port``, ``/metrics`` moves there (:class:`MetricsPort`): one server, two
+    listening sockets, served on ``loops`` event loops alike."""
     control = ServerControl()
     sockets: list[socket.socket] = []
     try:
@@ -205,7 +328,8 @@ def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: in
         app = make_app(control)
         if metrics_port is not None:
             app = MetricsPort(app, metrics_port)
-        build_server(app, host, port, log_level, drain_s, control).run(sockets=sockets)
+        build_server(app, host, port, log_level, drain_s, control,
+                     loops=loops).run(sockets=sockets)
     finally:
         for sock in sockets:
             sock.close()

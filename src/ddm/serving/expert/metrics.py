@@ -1,11 +1,12 @@
 """Prometheus metrics of one expert server, counted in plain Python and exposed at a scrape.
 
-Every request is counted on the event loop, on the request's critical path. prometheus_client's
+Every request is counted on an event loop, on the request's critical path. prometheus_client's
 ``labels(...).inc()`` and ``Histogram.observe`` take a lock and walk objects per call: 0.12 ms
 per batch-1 velocity call here, with the caches cold after the model ran (a fifth of the
 call's whole cost beyond the model and the HTTP floor). The counts are therefore kept in dicts
-and lists, touched only on the loop, and turned into metric families when ``/metrics`` is
-scraped (:class:`_Collector`); the exposition is prometheus_client's.
+and lists under one plain lock (an expert serves on two event loops: :mod:`ddm.serving.http`)
+and turned into metric families when ``/metrics`` is scraped (:class:`_Collector`); the
+exposition is prometheus_client's.
 
 A registry per app (not the process-global one) lets tests and ``ddm up`` run several experts
 in one process without their series colliding.
@@ -13,6 +14,7 @@ in one process without their series colliding.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_left
 from typing import Iterator
 
@@ -58,6 +60,7 @@ class ExpertMetrics:
     """Requests by kind and status, batch sizes, queue delay, model time and images served."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()  # guards every count below: the event loops write them
         self.requests: dict[tuple[str, str], int] = {}  # (kind, status) -> requests
         self.images: dict[str, int] = {}  # kind -> images answered with 200
         self.batch_images = _Histogram(
@@ -73,16 +76,18 @@ class ExpertMetrics:
         self.registry.register(_Collector(self))
 
     def observe_batch(self, report: BatchReport) -> None:
-        self.batch_images.observe(report.images)
-        self.model_seconds.observe(report.model_seconds)
-        for delay in report.queue_delays:
-            self.queue_delay.observe(delay)
+        with self.lock:
+            self.batch_images.observe(report.images)
+            self.model_seconds.observe(report.model_seconds)
+            for delay in report.queue_delays:
+                self.queue_delay.observe(delay)
 
     def observe_request(self, kind: str, status: int, images: int) -> None:
         key = (kind, str(status))
-        self.requests[key] = self.requests.get(key, 0) + 1
-        if status == 200:
-            self.images[kind] = self.images.get(kind, 0) + images
+        with self.lock:
+            self.requests[key] = self.requests.get(key, 0) + 1
+            if status == 200:
+                self.images[kind] = self.images.get(kind, 0) + images
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""
@@ -96,6 +101,11 @@ class _Collector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        with self.metrics.lock:
+            families = self._families()
+        yield from families
+
+    def _families(self) -> list[Metric]:
         metrics = self.metrics
         requests = CounterMetricFamily(
             "ddm_expert_requests", "Requests answered, by message kind and HTTP status.",
@@ -107,10 +117,9 @@ class _Collector(Collector):
             labels=["kind"])
         for kind, count in sorted(metrics.images.items()):
             images.add_metric([kind], count)
-        yield requests
-        yield images
-        for histogram in (metrics.batch_images, metrics.queue_delay, metrics.model_seconds):
-            yield histogram.family()
+        return [requests, images, *(histogram.family() for histogram in
+                                    (metrics.batch_images, metrics.queue_delay,
+                                     metrics.model_seconds))]
 
 
 def _bound_label(bound: float) -> str:

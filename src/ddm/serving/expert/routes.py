@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
@@ -201,6 +202,8 @@ class _BinaryRoute:
         self.app = app
         self.expert = state
         self.answer = answer
+        #: Guards ``state.pending``: an expert's event loops count on it alike.
+        self._admission = threading.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] != VELOCITY_PATH:
@@ -220,16 +223,20 @@ class _BinaryRoute:
             return
         # Pending from here: a body still on its way costs the expert nothing but its
         # connection (bounded by ddm.serving.connections), so slow senders cannot fill the queue.
-        if expert.pending >= expert.max_pending:
-            message = (f"{expert.pending} requests are pending, the limit is "
+        with self._admission:
+            pending = expert.pending
+            if pending < expert.max_pending:
+                expert.pending += 1
+        if pending >= expert.max_pending:
+            message = (f"{pending} requests are pending, the limit is "
                        f"{expert.max_pending}; retry shortly")
             expert.metrics.observe_request("invalid", 429, 0)
             await send_bytes(send, 429, encode_error(0, 429, message), _CONTENT_TYPE,
                              [retry_after()])
             return
-        expert.pending += 1
         try:
             status, reply = await self.answer(body)
         finally:
-            expert.pending -= 1
+            with self._admission:
+                expert.pending -= 1
         await send_bytes(send, status, reply, _CONTENT_TYPE)

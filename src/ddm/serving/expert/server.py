@@ -75,6 +75,12 @@ StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 _VELOCITY = "velocity"
 
+#: Event loops an expert process serves on (:mod:`ddm.serving.http`): with a second one
+#: answering probes and other clients, a lone request's batch runs on the loop it came on
+#: whatever the model's time, with no hand-off to the model thread and back
+#: (:class:`~ddm.serving.batching.Batcher`).
+EXPERT_LOOPS = 2
+
 
 @dataclass(frozen=True)
 class _Integrate:
@@ -88,7 +94,7 @@ class _Expert:
     """What the routes share: facts from the checkpoint's config, and the state of loading."""
 
     def __init__(self, meta: CheckpointMeta, limits: Limits, backend: str, device: str | None,
-                 max_delay_ms: float, max_pending: int) -> None:
+                 max_delay_ms: float, max_pending: int, serving_loops: int) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.meta = meta
@@ -100,7 +106,7 @@ class _Expert:
         self.max_delay_ms = max_delay_ms
         self.metrics = expert_metrics.ExpertMetrics()
         self.batcher = Batcher(functools.partial(_execute, self), limits.max_batch, max_delay_ms,
-                               self.metrics.observe_batch)
+                               self.metrics.observe_batch, serving_loops=serving_loops)
         self.backend: Backend | None = None  # set, and the batcher started, once warm
         self.failure: str | None = None
 
@@ -138,7 +144,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
                       api_docs: bool = False,
                       auth_token_file: str | os.PathLike[str] | None = None,
                       precision: str | None = None,
-                      context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> ASGIApp:
+                      context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
+                      serving_loops: int = 1) -> ASGIApp:
     """An ASGI app serving the UNet checkpoint in ``checkpoint_dir`` on ``backend``, or the
     stage checkpoint of role expert there (:func:`~ddm.serving.expert.stage_server.
     create_stage_app`, with ``precision`` and its context cache's bytes).
@@ -154,6 +161,9 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     serves Swagger UI at ``/docs`` (:func:`~ddm.serving.http.add_api_docs`). With
     ``auth_token_file``, ``/v1/*`` needs ``Authorization: Bearer <its token>`` (the router's
     per-DDM token; :mod:`ddm.serving.auth`), so that only the router reaches the model.
+    ``serving_loops`` is how many event loops the server runs the app on (a label expert's
+    batcher runs a lone batch on its request's loop whatever its time when there are more than
+    one); a stage checkpoint's server runs on one.
     """
     if read_declaration(Path(checkpoint_dir)) is not None:
         # imported here: a label expert's server needs none of the text stages' libraries
@@ -178,7 +188,7 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     limits = Limits(max_batch=max_batch, max_steps=max_steps, image_shape=image_shape,
                     allowed_labels=meta.classes)
     limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(limits))
-    expert = _Expert(meta, limits, backend, device, max_delay_ms, max_pending)
+    expert = _Expert(meta, limits, backend, device, max_delay_ms, max_pending, serving_loops)
     load = functools.partial(_load, expert, Path(checkpoint_dir), loader, compile_cache,
                              on_failure, start_up)
     return model_app(expert, functools.partial(_answer, expert), load,
@@ -206,6 +216,7 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1",
     Exits with status 1, the reason in the termination-message file, when the checkpoint or
     the backend cannot be loaded, warmed up or compiled, or a port cannot be bound."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    loops = _serving_loops(Path(checkpoint))
 
     def make_app(control: ServerControl) -> ASGIApp:
         try:
@@ -215,11 +226,22 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1",
                                      draining=lambda: control.draining,
                                      start_up=control.start_up, api_docs=api_docs,
                                      auth_token_file=auth_token_file, precision=precision,
-                                     context_cache_bytes=context_cache_bytes)
+                                     context_cache_bytes=context_cache_bytes,
+                                     serving_loops=loops)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
-    run_server(make_app, host, port, log_level, drain_s, metrics_port)
+    run_server(make_app, host, port, log_level, drain_s, metrics_port, loops=loops)
+
+
+def _serving_loops(checkpoint: Path) -> int:
+    """:data:`EXPERT_LOOPS` for a label checkpoint; one for a stage checkpoint (its server's
+    state, a context cache among it, is kept by one loop) and for one that cannot be read
+    (``create_expert_app`` reports why)."""
+    try:
+        return 1 if read_declaration(checkpoint) is not None else EXPERT_LOOPS
+    except Exception:  # noqa: BLE001 - the app's creation names the problem
+        return 1
 
 
 async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:
@@ -254,7 +276,7 @@ async def _run(expert: _Expert, message: VelocityRequest | IntegrateRequest) -> 
 
 
 def _execute(expert: _Expert, key: Hashable, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
-    """Run one batch (the batcher runs it on the event loop or its model thread): a velocity,
+    """Run one batch (the batcher runs it on an event loop or its model thread): a velocity,
     or a whole integration on one grid."""
     backend = expert.backend
     assert backend is not None, "the batcher starts only once the backend is loaded"
