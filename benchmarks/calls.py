@@ -111,18 +111,18 @@ _TIMEOUT_S = 30.0
 _STOP_S = 30.0
 
 #: The server process: the tree's own create_expert_app on as many event loops as its ``ddm
-#: serve expert`` runs (one before EXPERT_LOOPS existed), with a loader that adds argv[3]
+#: serve expert`` runs (one before SERVING_LOOPS existed), with a loader that adds argv[3]
 #: seconds spent as argv[5] says on top of the real model (a bigger model, as the server sees
 #: it) and times every batch of the model; the times go to the file named by argv[4] when the
 #: server stops.
 _SERVER = _EXTRA + """
 import json, sys, time
 from ddm.serving.expert.backends import load_backend
-from ddm.serving.expert import server
+from ddm.serving.expert import routes, server
 from ddm.serving.http import run_server
 checkpoint, port, seconds, times_file, how = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]),
                                               sys.argv[4], sys.argv[5])
-loops = getattr(server, "EXPERT_LOOPS", 1)
+loops = getattr(routes, "SERVING_LOOPS", 1)
 times = []
 
 def loader(ckpt, backend, device, max_batch, cache):

@@ -315,7 +315,8 @@ def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
 _GATED_EXPERT = """
 import pathlib, sys, time, threading
 from ddm.serving.expert.backends import load_backend
-from ddm.serving.expert.server import EXPERT_LOOPS, create_expert_app
+from ddm.serving.expert.routes import SERVING_LOOPS
+from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import run_server
 checkpoint, port, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
 
@@ -333,8 +334,8 @@ def loader(ckpt, backend, device, max_batch, cache):
     return real
 
 run_server(lambda control: create_expert_app(checkpoint, loader=loader, start_up=control.start_up,
-                                              serving_loops=EXPERT_LOOPS),
-           "127.0.0.1", port, "warning", loops=EXPERT_LOOPS)
+                                              serving_loops=SERVING_LOOPS),
+           "127.0.0.1", port, "warning", loops=SERVING_LOOPS)
 """
 GATED_T = 0.375  # exact in float32
 

@@ -4,11 +4,13 @@ A context (``docs/protocol.md``, version 2) is a generation's text embeddings; t
 it once per replica and names it by id at every step. The id is the SHA-256 of its bytes, which
 the expert computes itself, so a context is content-addressed: storing the same one twice is a
 no-op, and a call naming an id not held (evicted, or the replica restarted) is answered
-``UNKNOWN_CONTEXT`` so that the caller re-sends it. Pure: no I/O, no clock.
+``UNKNOWN_CONTEXT`` so that the caller re-sends it. No I/O, no clock; a plain lock, as the
+server's event loops share it (:data:`~ddm.serving.expert.routes.SERVING_LOOPS`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,6 +42,7 @@ class ContextCache:
         self.bytes = 0
         self.evictions = 0
         self._held: OrderedDict[bytes, StoredContext] = OrderedDict()
+        self._lock = threading.Lock()  # guards the three fields above
 
     def __len__(self) -> int:
         return len(self._held)
@@ -47,26 +50,33 @@ class ContextCache:
     def put(self, identity: bytes, embeddings: np.ndarray, negative: np.ndarray) -> None:
         """Hold the context ``identity`` names (copies the arrays), evicting as needed; a
         context larger than the whole cache is refused (422)."""
-        if identity in self._held:
-            self._held.move_to_end(identity)
-            return
-        stored = StoredContext(np.array(embeddings), np.array(negative))
+        with self._lock:
+            if identity in self._held:
+                self._held.move_to_end(identity)
+                return
+        stored = StoredContext(np.array(embeddings), np.array(negative))  # copied unlocked
         if stored.nbytes > self.max_bytes:
             raise ProtocolError(f"a context of {stored.nbytes} bytes exceeds this expert's "
                                 f"context cache of {self.max_bytes} bytes", 422)
-        while self.bytes + stored.nbytes > self.max_bytes:
-            _, evicted = self._held.popitem(last=False)
-            self.bytes -= evicted.nbytes
-            self.evictions += 1
-        self._held[identity] = stored
-        self.bytes += stored.nbytes
+        with self._lock:
+            if identity in self._held:  # another loop stored it meanwhile
+                self._held.move_to_end(identity)
+                return
+            while self.bytes + stored.nbytes > self.max_bytes:
+                _, evicted = self._held.popitem(last=False)
+                self.bytes -= evicted.nbytes
+                self.evictions += 1
+            self._held[identity] = stored
+            self.bytes += stored.nbytes
 
     def get(self, identity: bytes) -> StoredContext:
         """The context ``identity`` names, now the most recently used; ``ProtocolError``
         with status :data:`UNKNOWN_CONTEXT` when it is not held."""
-        stored = self._held.get(identity)
+        with self._lock:
+            stored = self._held.get(identity)
+            if stored is not None:
+                self._held.move_to_end(identity)
         if stored is None:
             raise ProtocolError(f"unknown context {identity.hex()[:16]}: send it, then retry",
                                 UNKNOWN_CONTEXT)
-        self._held.move_to_end(identity)
         return stored

@@ -36,6 +36,13 @@ logger = logging.getLogger(__name__)
 Answer = Callable[[bytes], Awaitable[tuple[int, bytes]]]
 
 VELOCITY_PATH = "/v1/velocity"
+
+#: Event loops a model server (an expert's or a stage's) serves on (:mod:`ddm.serving.http`):
+#: with a second one answering probes and other clients, a lone request's batch runs on the
+#: loop it came on whatever the model's time, with no hand-off to the model thread and back
+#: (:class:`~ddm.serving.batching.Batcher`). So everything the routes share is thread-safe:
+#: the pending count and the metrics take a lock, and so does a stage's context cache.
+SERVING_LOOPS = 2
 _CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
@@ -202,7 +209,7 @@ class _BinaryRoute:
         self.app = app
         self.expert = state
         self.answer = answer
-        #: Guards ``state.pending``: an expert's event loops count on it alike.
+        #: Guards ``state.pending``: the server's event loops count on it alike.
         self._admission = threading.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -59,7 +59,7 @@ from ddm.serving.auth import TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, grid_slices
-from ddm.serving.expert.routes import Handling, answer_or_error, model_app
+from ddm.serving.expert.routes import SERVING_LOOPS, Handling, answer_or_error, model_app
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
                                   decode_request, encode_response)
@@ -74,12 +74,6 @@ BackendLoader = Callable[[Checkpoint, str, str | None, int, Path | None], Backen
 StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
 
 _VELOCITY = "velocity"
-
-#: Event loops an expert process serves on (:mod:`ddm.serving.http`): with a second one
-#: answering probes and other clients, a lone request's batch runs on the loop it came on
-#: whatever the model's time, with no hand-off to the model thread and back
-#: (:class:`~ddm.serving.batching.Batcher`).
-EXPERT_LOOPS = 2
 
 
 @dataclass(frozen=True)
@@ -161,9 +155,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     serves Swagger UI at ``/docs`` (:func:`~ddm.serving.http.add_api_docs`). With
     ``auth_token_file``, ``/v1/*`` needs ``Authorization: Bearer <its token>`` (the router's
     per-DDM token; :mod:`ddm.serving.auth`), so that only the router reaches the model.
-    ``serving_loops`` is how many event loops the server runs the app on (a label expert's
-    batcher runs a lone batch on its request's loop whatever its time when there are more than
-    one); a stage checkpoint's server runs on one.
+    ``serving_loops`` is how many event loops the server runs the app on (with more than one,
+    the batcher runs a lone batch on its request's loop whatever its time).
     """
     if read_declaration(Path(checkpoint_dir)) is not None:
         # imported here: a label expert's server needs none of the text stages' libraries
@@ -174,7 +167,7 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
             max_steps=max_steps, max_pending=max_pending, on_failure=on_failure,
             draining=draining, start_up=start_up, api_docs=api_docs,
             auth_token_file=auth_token_file, precision=precision,
-            context_cache_bytes=context_cache_bytes)
+            context_cache_bytes=context_cache_bytes, serving_loops=serving_loops)
     if precision is not None:
         raise CheckpointError(f"{checkpoint_dir} is a label checkpoint, served in float32: "
                               "--precision is for stage checkpoints")
@@ -216,7 +209,6 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1",
     Exits with status 1, the reason in the termination-message file, when the checkpoint or
     the backend cannot be loaded, warmed up or compiled, or a port cannot be bound."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    loops = _serving_loops(Path(checkpoint))
 
     def make_app(control: ServerControl) -> ASGIApp:
         try:
@@ -227,21 +219,11 @@ def serve_expert(checkpoint: str | os.PathLike, host: str = "127.0.0.1",
                                      start_up=control.start_up, api_docs=api_docs,
                                      auth_token_file=auth_token_file, precision=precision,
                                      context_cache_bytes=context_cache_bytes,
-                                     serving_loops=loops)
+                                     serving_loops=SERVING_LOOPS)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"expert {checkpoint}: {error}") from error
 
-    run_server(make_app, host, port, log_level, drain_s, metrics_port, loops=loops)
-
-
-def _serving_loops(checkpoint: Path) -> int:
-    """:data:`EXPERT_LOOPS` for a label checkpoint; one for a stage checkpoint (its server's
-    state, a context cache among it, is kept by one loop) and for one that cannot be read
-    (``create_expert_app`` reports why)."""
-    try:
-        return 1 if read_declaration(checkpoint) is not None else EXPERT_LOOPS
-    except Exception:  # noqa: BLE001 - the app's creation names the problem
-        return 1
+    run_server(make_app, host, port, log_level, drain_s, metrics_port, loops=SERVING_LOOPS)
 
 
 async def _answer(expert: _Expert, body: bytes) -> tuple[int, bytes]:

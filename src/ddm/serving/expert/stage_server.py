@@ -53,7 +53,7 @@ from ddm.serving.batching import Batcher, grid_slices
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import cpu_model
 from ddm.serving.expert.contexts import ContextCache
-from ddm.serving.expert.routes import Handling, answer_or_error, model_app
+from ddm.serving.expert.routes import SERVING_LOOPS, Handling, answer_or_error, model_app
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Limits,
                                   ProtocolError, Request, RouteRequest, TextIntegrateRequest,
@@ -98,7 +98,7 @@ class _StageServer:
 
     def __init__(self, directory: Path, declared: StageDeclaration, limits: Limits,
                  backend: str, device: str | None, precision: str | None, max_delay_ms: float,
-                 max_pending: int, context_cache_bytes: int) -> None:
+                 max_pending: int, context_cache_bytes: int, serving_loops: int) -> None:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.directory = directory
@@ -113,7 +113,8 @@ class _StageServer:
         self.metrics = expert_metrics.ExpertMetrics()
         self.contexts = ContextCache(context_cache_bytes)
         self.batcher = Batcher(functools.partial(_execute, self), limits.max_batch,
-                               max_delay_ms, self.metrics.observe_batch)
+                               max_delay_ms, self.metrics.observe_batch,
+                               serving_loops=serving_loops)
         self.stage: Stage | None = None
         self.failure: str | None = None
         self.hardware: str | None = None
@@ -163,10 +164,13 @@ def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
                      start_up: StartUp = asyncio.to_thread, api_docs: bool = False,
                      auth_token_file: str | os.PathLike[str] | None = None,
                      precision: str | None = None,
-                     context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES) -> ASGIApp:
+                     context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
+                     serving_loops: int = 1) -> ASGIApp:
     """An ASGI app serving the stage checkpoint in ``directory``, whose declared role must be
-    ``role`` (or one of them). The declaration, precision and limits are checked here, so that
-    a wrong flag fails before the server starts; the weights load in the lifespan."""
+    ``role`` (or one of them), on ``serving_loops`` event loops (the batcher's rule:
+    :class:`~ddm.serving.batching.Batcher`). The declaration, precision and limits are checked
+    here, so that a wrong flag fails before the server starts; the weights load in the
+    lifespan."""
     path = Path(directory)
     declared = StageDeclaration.from_config(path, read_component_config(path))
     roles = (role,) if isinstance(role, str) else role
@@ -185,7 +189,7 @@ def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
                     image_shape=declared.latent_shape, text_width=declared.text_width)
     limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(declared.role, limits))
     server = _StageServer(path, declared, limits, backend, device, precision, max_delay_ms,
-                          max_pending, context_cache_bytes)
+                          max_pending, context_cache_bytes, serving_loops)
 
     return model_app(server, functools.partial(_answer, server),
                      functools.partial(_load, server, on_failure, start_up),
@@ -209,11 +213,12 @@ def serve_stage(directory: str | os.PathLike, role: str | tuple[str, ...],
             return create_stage_app(directory, role, backend, device,
                                     on_failure=control.stop,
                                     draining=lambda: control.draining,
-                                    start_up=control.start_up, **options)
+                                    start_up=control.start_up,
+                                    serving_loops=SERVING_LOOPS, **options)
         except Exception as error:  # noqa: BLE001 - every start-up failure is reported alike
             raise fail_start(f"stage {directory}: {error}") from error
 
-    run_server(make_app, host, port, log_level, drain_s, metrics_port)
+    run_server(make_app, host, port, log_level, drain_s, metrics_port, loops=SERVING_LOOPS)
 
 
 async def _answer(server: _StageServer, body: bytes) -> tuple[int, bytes]:
