@@ -21,13 +21,14 @@ SERVER_THREAD = "test-server-"
 
 
 @contextmanager
-def running(app, limits: ConnectionLimits = ConnectionLimits()) -> Iterator[str]:
-    """Serve ``app`` on a free loopback port within ``limits``; yields the base URL, stops the
-    server after."""
+def running(app, limits: ConnectionLimits = ConnectionLimits(), loops: int = 1) -> Iterator[str]:
+    """Serve ``app`` on a free loopback port within ``limits`` on ``loops`` event loops; yields
+    the base URL, stops the server after."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = build_server(app, "127.0.0.1", port, log_level="warning", limits=limits)
+    server = build_server(app, "127.0.0.1", port, log_level="warning", limits=limits,
+                          loops=loops)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True,
                               name=f"{SERVER_THREAD}{port}")
     thread.start()
