@@ -50,25 +50,29 @@ class TokenFile:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._stamp: tuple[int, int, int] | None = None
-        self._token = self._read()
+        #: The file's (mtime, size, inode) and the token read from it, replaced as one: an
+        #: expert's event loops (:mod:`ddm.serving.http`) call :meth:`token` from two threads,
+        #: and a stamp kept apart from its token could pair a newer file's stamp with an older
+        #: read's token, which would then never be re-read.
+        self._state: tuple[tuple[int, int, int], bytes] = self._read()
         self._warned = False
 
     def token(self) -> bytes:
         """The current token, re-read if the file changed since the last call."""
+        state = self._state
         try:
             stat = os.stat(self.path)
-            stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-            if stamp != self._stamp:
-                self._token = self._read()
+            if (stat.st_mtime_ns, stat.st_size, stat.st_ino) != state[0]:
+                self._state = state = self._read()
                 self._warned = False
         except (OSError, TokenFileError) as error:
             if not self._warned:
                 logger.warning("keeping the previous API token: %s", error)
                 self._warned = True
-        return self._token
+        return state[1]
 
-    def _read(self) -> bytes:
+    def _read(self) -> tuple[tuple[int, int, int], bytes]:
+        """The file's stamp and its token."""
         try:
             stat = os.stat(self.path)
             token = self.path.read_bytes().strip()
@@ -79,8 +83,7 @@ class TokenFile:
         if not _TOKEN.fullmatch(token):  # it goes into headers sent to the experts
             raise TokenFileError(f"auth.token_file {self.path} is not a bearer token (letters, "
                                  f"digits and -._~+/, then any '=')")
-        self._stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-        return token
+        return (stat.st_mtime_ns, stat.st_size, stat.st_ino), token
 
 
 def check_authorization(header: bytes | None, token: bytes) -> str | None:

@@ -1,0 +1,46 @@
+"""What an expert served on two event loops (ddm.serving.http's ``loops``) shares between
+them: state touched from both loops' threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from ddm.serving.auth import TokenFile
+
+
+def _replace(path: Path, content: bytes) -> None:
+    """Rewrite ``path`` as the kubelet updates a Secret: a new file renamed over the old."""
+    fresh = path.with_name(path.name + ".new")
+    fresh.write_bytes(content)
+    os.replace(fresh, path)
+
+
+def test_a_token_read_on_one_loop_during_a_rotation_read_on_another_never_sticks(tmp_path):
+    """Two loops re-read a rotated token at once; the one whose read finishes last read the
+    older file. The token kept afterwards is the file's, not the older one for good (which
+    would refuse the router's new token until the Secret changes again)."""
+    path = tmp_path / "token"
+    path.write_bytes(b"zero")
+    held, reached, go = [], threading.Event(), threading.Event()
+
+    class HeldTokenFile(TokenFile):
+        def _read(self):  # type: ignore[no-untyped-def]
+            result = super()._read()
+            if threading.current_thread() in held:  # preempted just after reading
+                reached.set()
+                assert go.wait(10)
+            return result
+
+    tokens = HeldTokenFile(path)
+    _replace(path, b"one11")
+    first = threading.Thread(target=tokens.token, name="loop-a")
+    held.append(first)
+    first.start()
+    assert reached.wait(10)  # loop A read "one11" and is about to keep it
+    _replace(path, b"two222")
+    assert tokens.token() == b"two222"  # loop B reads the newest
+    go.set()
+    first.join(10)
+    assert tokens.token() == b"two222"
