@@ -44,3 +44,38 @@ def test_a_token_read_on_one_loop_during_a_rotation_read_on_another_never_sticks
     go.set()
     first.join(10)
     assert tokens.token() == b"two222"
+
+
+def test_the_backend_is_published_only_once_the_batcher_runs():
+    """The routes on the other loop take ``expert.backend`` set as "ready" and submit at once:
+    it must not be seen before the batcher has started (that request would get a 503 "the
+    batcher is not running" from a server about to say it is ready)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ddm.serving.batching import Batcher
+    from ddm.serving.expert.server import _load
+
+    seen_at_start = []
+
+    class Recording(Batcher):
+        def start(self) -> None:
+            seen_at_start.append(expert.backend)
+            super().start()
+
+    backend = SimpleNamespace(info=lambda: SimpleNamespace(backend="fake", framework="fake",
+                                                           device="cpu"))
+    expert = SimpleNamespace(meta=SimpleNamespace(name="e"), backend=None, failure=None,
+                             batcher=Recording(lambda key, inputs: inputs[0], 4, 0.0,
+                                               serving_loops=2))
+
+    async def start_up(work):  # the loaded backend, without loading anything
+        return backend
+
+    async def scenario() -> None:
+        await _load(expert, Path("unused"), None, None, None, start_up)  # type: ignore[arg-type]
+        await expert.batcher.close()
+
+    asyncio.run(scenario())
+    assert expert.backend is backend
+    assert seen_at_start == [None]

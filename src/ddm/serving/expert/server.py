@@ -296,8 +296,9 @@ async def _load(expert: _Expert, directory: Path, loader: BackendLoader,
             on_failure(f"expert {expert.meta.name}: cannot load, check or warm up {directory}: "
                        f"{error}")
         return
-    expert.backend = backend
+    # The batcher first: a route on another event loop submits as soon as it sees a backend.
     expert.batcher.start()
+    expert.backend = backend
     info = backend.info()
     logger.info("expert %s ready on %s (%s, %s) after %.1f s", expert.meta.name, info.backend,
                 info.framework, info.device, time.perf_counter() - started)
