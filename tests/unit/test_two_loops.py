@@ -79,3 +79,47 @@ def test_the_backend_is_published_only_once_the_batcher_runs():
     asyncio.run(scenario())
     assert expert.backend is backend
     assert seen_at_start == [None]
+
+
+def test_a_request_submitted_on_one_loop_as_another_closes_the_batcher_is_failed():
+    """close() on one loop while another loop's submit() has passed its "closed?" check but
+    not yet queued: that request must fail with BatcherClosed, not wait for ever (the model
+    thread is gone and close() has already failed the queue it saw)."""
+    import asyncio
+
+    import numpy as np
+    import pytest
+
+    from ddm.serving.batching import Batcher, BatcherClosed
+
+    reached, go = threading.Event(), threading.Event()
+
+    class HeldRows:
+        """An input whose row count is read by submit() between its check and its queueing."""
+
+        def __init__(self) -> None:
+            self.array = np.ones((1, 1), np.float32)
+
+        @property
+        def shape(self):  # type: ignore[no-untyped-def]
+            reached.set()
+            assert go.wait(10)
+            return self.array.shape
+
+    batcher = Batcher(lambda key, inputs: inputs[0], 4, 0.0, serving_loops=2)
+    batcher.start()
+    other = asyncio.new_event_loop()
+    runner = threading.Thread(target=other.run_forever, name="loop-b", daemon=True)
+    runner.start()
+    try:
+        late = asyncio.run_coroutine_threadsafe(batcher.submit("v", (HeldRows(),)), other)
+        assert reached.wait(10)
+        asyncio.run(batcher.close())  # on this thread's loop, meanwhile
+        go.set()
+        with pytest.raises(BatcherClosed):
+            late.result(10)
+    finally:
+        go.set()
+        other.call_soon_threadsafe(other.stop)
+        runner.join(10)
+        other.close()

@@ -280,6 +280,8 @@ class Batcher:
         future: asyncio.Future[Output] = loop.create_future()
         job = _Job(key, inputs, time.perf_counter(), future, loop, size)
         with self._lock:
+            if self._closed:  # by another loop since the check above: nobody would fail it
+                raise BatcherClosed("the batcher is not running")
             self._queue.append(job)
             # A lone request on an idle batcher that may run here decides after a loop turn
             # (below); anything else is the model thread's now, which batches what is queued
