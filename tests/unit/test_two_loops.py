@@ -3,11 +3,18 @@ them: state touched from both loops' threads."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
 
 from ddm.serving.auth import TokenFile
+from ddm.serving.batching import Batcher, BatcherClosed
+from ddm.serving.expert.server import _load
 
 
 def _replace(path: Path, content: bytes) -> None:
@@ -50,12 +57,6 @@ def test_the_backend_is_published_only_once_the_batcher_runs():
     """The routes on the other loop take ``expert.backend`` set as "ready" and submit at once:
     it must not be seen before the batcher has started (that request would get a 503 "the
     batcher is not running" from a server about to say it is ready)."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from ddm.serving.batching import Batcher
-    from ddm.serving.expert.server import _load
-
     seen_at_start = []
 
     class Recording(Batcher):
@@ -85,13 +86,6 @@ def test_a_request_submitted_on_one_loop_as_another_closes_the_batcher_is_failed
     """close() on one loop while another loop's submit() has passed its "closed?" check but
     not yet queued: that request must fail with BatcherClosed, not wait for ever (the model
     thread is gone and close() has already failed the queue it saw)."""
-    import asyncio
-
-    import numpy as np
-    import pytest
-
-    from ddm.serving.batching import Batcher, BatcherClosed
-
     reached, go = threading.Event(), threading.Event()
 
     class HeldRows:

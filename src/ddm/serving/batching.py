@@ -411,18 +411,15 @@ class Batcher:
                 self._finish(jobs, *ran)
             outputs, started, ended = ran
             report: list[_Job] | None = jobs  # made once, by the first loop delivered to
-            delivered = False
             for loop, rows in _by_loop(jobs).items():
                 part = (outputs if isinstance(outputs, Exception) or len(rows) == len(jobs)
                         else [outputs[row] for row in rows])
                 try:
                     loop.call_soon_threadsafe(self._deliver, [jobs[row] for row in rows],
                                               part, started, ended, report)
-                except RuntimeError:  # that loop is closed: nobody there waits any more
-                    continue
-                delivered, report = True, None
-            if not delivered:  # every loop it served is gone
-                return
+                except RuntimeError:  # that loop is closed (its server stopped): nobody there
+                    continue  # waits any more; the other loops' requests still run
+                report = None
 
     def _finish(self, jobs: list[_Job], outputs: list[Output] | Exception, started: float,
                 ended: float) -> None:

@@ -258,9 +258,14 @@ class _OtherLoops:
                 sock.close()
 
     async def stopped(self) -> None:
-        """Return once every other loop has stopped (each within its graceful shutdown)."""
+        """Return once every other loop has stopped (each within its graceful shutdown), or
+        after :data:`GRACEFUL_SHUTDOWN_S` more for one that has not: a loop stuck in a model
+        call that never returns must not keep the process from ending."""
         for thread in self._threads:
-            await asyncio.to_thread(thread.join)
+            await asyncio.to_thread(thread.join, GRACEFUL_SHUTDOWN_S)
+            if thread.is_alive():
+                logger.error("event loop %s did not stop within %g s (a request stuck in its "
+                             "model?); stopping without it", thread.name, GRACEFUL_SHUTDOWN_S)
 
     def after_them(self, app: ASGIApp) -> ASGIApp:
         """``app``, whose lifespan shutdown (closing what requests use: an expert's batcher)

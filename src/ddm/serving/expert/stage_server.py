@@ -373,8 +373,9 @@ async def _load(server: _StageServer, on_failure: Callable[[str], None] | None,
     server.limits = dataclasses.replace(
         limits, max_body_bytes=_max_body_bytes(declared.role, limits))
     server.hardware = cpu_model() if (server.device or "cpu") == "cpu" else server.device
-    server.stage = stage
+    # The batcher first: a route on another event loop submits as soon as it sees a stage.
     server.batcher.start()
+    server.stage = stage
     logger.info("%s stage %s ready (%s, %s) after %.1f s", declared.role, server.directory.name,
                 declared.family, stage.dtype, time.perf_counter() - started)
 
