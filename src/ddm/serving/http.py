@@ -287,32 +287,32 @@ class _OtherLoops:
         return lifespan_last
 
 
+class _MainServersFlag:
+    """A flag of :class:`_FollowingServer` that is its main server's: read from it, and set
+    on it when set (uvicorn's own ``= False`` at construction changes nothing)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, server: _FollowingServer, owner: type | None = None) -> bool:
+        return bool(getattr(server._main, self._name))
+
+    def __set__(self, server: _FollowingServer, value: bool) -> None:
+        if value:
+            setattr(server._main, self._name, True)
+
+
 class _FollowingServer(uvicorn.Server):
     """One more event loop of a server: it stops when the main one does (its ``should_exit``
     and ``force_exit`` are the main server's) and takes no signals (uvicorn handles them in the
     main thread only); one that stops of itself stops the main one too."""
 
+    should_exit = _MainServersFlag()
+    force_exit = _MainServersFlag()
+
     def __init__(self, config: uvicorn.Config, main: uvicorn.Server) -> None:
         self._main = main
         super().__init__(config)
-
-    @property  # type: ignore[override]
-    def should_exit(self) -> bool:
-        return self._main.should_exit
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        if value:
-            self._main.should_exit = True
-
-    @property  # type: ignore[override]
-    def force_exit(self) -> bool:
-        return self._main.force_exit
-
-    @force_exit.setter
-    def force_exit(self, value: bool) -> None:
-        if value:
-            self._main.force_exit = True
 
 
 def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: int,
