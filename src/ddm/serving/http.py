@@ -15,7 +15,7 @@ in :meth:`ServerControl.start_up`) has never been ready, so no Service sends it 
 stops it at once, and the process exits without waiting for that work (minutes for a compile),
 so that a pod deleted while it starts is gone long before its grace period ends.
 
-Event loops: a server may serve on more than one (``loops``; an expert does, so that a long
+Event loops: a server may serve on more than one (``loops``; a model server does, so that a long
 batch can run on the loop its request came on while another answers probes and other clients:
 :class:`ddm.serving.batching.Batcher`). The first loop, in the main thread, is uvicorn's server
 as usual (signals, the app's lifespan, draining); each other one is a uvicorn server of its own
