@@ -109,6 +109,24 @@ def test_a_config_of_the_wrong_json_types_is_refused_naming_the_field(smoke_chec
         read_meta(path)
 
 
+@pytest.mark.parametrize("classes, message", [
+    ([0, -1], "classes must be labels from 0, got -1"),
+    ([0, 1, 1], "classes list 1 more than once"),
+    ([0, SMOKE.num_classes], f"class {SMOKE.num_classes} is beyond the architecture's "
+                             f"num_classes of {SMOKE.num_classes}"),
+])
+def test_classes_the_network_cannot_embed_are_refused_naming_the_class(smoke_checkpoint,
+                                                                       classes, message):
+    # else the server starts, and the first request naming the class fails in the model
+    path, _ = smoke_checkpoint
+    config = json.loads((path / "config.json").read_text())
+    config["classes"] = classes
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError,
+                       match=f"checkpoint {re.escape(str(path))}: {re.escape(message)}"):
+        read_meta(path)
+
+
 def test_architecture_mismatch_names_the_tensor(tmp_path):
     wider = UNetConfig(**(SMOKE.to_dict() | {"base_channels": 16, "channel_mults": (1, 2)}))
     path = save_checkpoint(tmp_path / "e0", _meta(), canonical_weights(UNet(wider)))

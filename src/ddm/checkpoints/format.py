@@ -140,7 +140,10 @@ class CheckpointMeta:
         if self.framework not in FRAMEWORKS:
             raise CheckpointError(
                 f"unknown framework {self.framework!r}; known: {', '.join(FRAMEWORKS)}")
-        object.__setattr__(self, "classes", tuple(int(c) for c in self.classes))
+        classes = tuple(int(c) for c in self.classes)
+        object.__setattr__(self, "classes", classes)
+        _check_classes(classes, self.architecture.get("num_classes")
+                       if isinstance(self.architecture, dict) else None)
         if self.model != UNET and self.kind not in ("expert", "monolith"):
             raise CheckpointError(f"a {self.kind} checkpoint is always our own network; "
                                   f"model {self.model.kind!r} is for experts and monoliths")
@@ -274,6 +277,20 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
             objective=objective, model=model)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path}: {exc}") from None
+
+
+def _check_classes(classes: tuple[int, ...], num_classes: Any) -> None:
+    """Classes are labels the network embeds: distinct, from 0, and under the architecture's
+    ``num_classes`` where it records one (a label past it fails deep in the model, as an
+    index error, at the first request that names it)."""
+    if len(set(classes)) != len(classes):
+        duplicated = sorted({c for c in classes if classes.count(c) > 1})
+        raise CheckpointError(f"classes list {duplicated[0]} more than once")
+    if any(c < 0 for c in classes):
+        raise CheckpointError(f"classes must be labels from 0, got {min(classes)}")
+    if _is_int(num_classes) and classes and max(classes) >= num_classes:
+        raise CheckpointError(f"class {max(classes)} is beyond the architecture's "
+                              f"num_classes of {num_classes} (labels 0..{num_classes - 1})")
 
 
 def _is_int(value: Any) -> bool:
