@@ -57,8 +57,12 @@ class Terminated(SystemExit):
 
 def main(argv: Sequence[str] | None = None) -> int:
     with _sigterm_terminates():
-        parser = build_parser()
-        return run(parser.parse_args(argv))
+        try:
+            parser = build_parser()
+            return run(parser.parse_args(argv))
+        except Terminated:  # while the commands' modules import, too, not only in a command
+            print("ddm: terminated (SIGTERM)", file=sys.stderr)
+            return EXIT_TERMINATED
 
 
 @contextlib.contextmanager
@@ -88,9 +92,6 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("ddm: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except Terminated:
-        print("ddm: terminated (SIGTERM)", file=sys.stderr)
-        return EXIT_TERMINATED
     except (ValueError, FileNotFoundError) as exc:  # the user's input: a flag, a file, a value
         return _fail(args, f"ddm: error: {exc}", EXIT_USAGE)
     except (RuntimeError, OSError) as exc:

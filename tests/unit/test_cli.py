@@ -198,6 +198,25 @@ def test_sigterm_ends_a_command_with_143_and_main_restores_the_handler(monkeypat
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+def test_sigterm_while_the_commands_import_says_so_and_exits_143(monkeypatch, capsys):
+    """SIGTERM before any command runs (the parser's areas import their modules: seconds for
+    a pod's throttled container) ends ``ddm`` with 143 and says why, as in a command (it
+    exited 143 in silence: the e2e test of a pod deleted while importing found no line)."""
+    import os
+    import signal
+    import time
+
+    import ddm.cli
+
+    def importing(commands):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler's exception ends the sleep at once
+
+    monkeypatch.setattr(ddm.cli, "add_partition_command", importing)
+    assert main(["diagram", "x.yaml"]) == 143
+    assert capsys.readouterr().err.strip() == "ddm: terminated (SIGTERM)"
+
+
 # -- outputs and progress ------------------------------------------------------------------------
 
 def test_an_output_in_a_missing_directory_fails_before_sampling_and_creates_nothing(
