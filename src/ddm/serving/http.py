@@ -230,12 +230,14 @@ class _OtherLoops:
     def __init__(self, configs: list[uvicorn.Config]) -> None:
         self._configs = configs
         self._threads: list[threading.Thread] = []
+        self._control: ServerControl | None = None
 
     def start(self, main: uvicorn.Server, control: ServerControl,
               sockets: list[socket.socket] | None) -> None:
         """Serve ``sockets`` (duplicated: each loop closes its own) on every other loop."""
         if self._configs and sockets is None:
             raise ValueError("a server on several event loops runs on listening sockets")
+        self._control = control
         for number, config in enumerate(self._configs, start=1):
             server = _FollowingServer(config, main)
             thread = threading.Thread(target=self._serve, name=f"ddm-loop-{number}", daemon=True,
@@ -260,7 +262,11 @@ class _OtherLoops:
     async def stopped(self) -> None:
         """Return once every other loop has stopped (each within its graceful shutdown), or
         after :data:`GRACEFUL_SHUTDOWN_S` more for one that has not: a loop stuck in a model
-        call that never returns must not keep the process from ending."""
+        call that never returns must not keep the process from ending. Not at all while the
+        app still starts: it has run no request, and the process exits without waiting for
+        anything (:func:`run_server`; seconds for a throttled pod)."""
+        if self._control is not None and self._control.starting:
+            return
         for thread in self._threads:
             await asyncio.to_thread(thread.join, GRACEFUL_SHUTDOWN_S)
             if thread.is_alive():
