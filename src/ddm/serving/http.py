@@ -104,11 +104,12 @@ def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
         raise ValueError(f"loops must be >= 1, got {loops}")
     # ceil: the loops' caps add up to at least the server's
     per_loop = dataclasses.replace(limits, max_connections=-(-limits.max_connections // loops))
+    control = control or ServerControl()
     others = _OtherLoops([_config(app, host, port, log_level, per_loop, lifespan="off")
-                          for _ in range(loops - 1)])
+                          for _ in range(loops - 1)], control)
     main = _config(others.after_them(app) if loops > 1 else app, host, port, log_level,
                    per_loop, lifespan="on")
-    return _DrainingServer(main, control or ServerControl(), drain_s, others)
+    return _DrainingServer(main, control, drain_s, others)
 
 
 def _config(app: ASGIApp, host: str, port: int, log_level: str, limits: ConnectionLimits,
@@ -195,7 +196,7 @@ class _DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if self.started and not self.should_exit:
-            self._others.start(self, self._control, sockets)
+            self._others.start(self, sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if (sig == signal.SIGTERM and self._drain_s > 0 and self._drain_until is None
@@ -225,23 +226,23 @@ class _DrainingServer(uvicorn.Server):
 
 class _OtherLoops:
     """A server's event loops besides the main one (:func:`build_server`): each a uvicorn
-    server (:class:`_FollowingServer`) in a daemon thread of its own."""
+    server (:class:`_FollowingServer`) in a daemon thread of its own, sharing the main
+    server's ``control``."""
 
-    def __init__(self, configs: list[uvicorn.Config]) -> None:
+    def __init__(self, configs: list[uvicorn.Config], control: ServerControl) -> None:
         self._configs = configs
+        self._control = control
         self._threads: list[threading.Thread] = []
-        self._control: ServerControl | None = None
 
-    def start(self, main: uvicorn.Server, control: ServerControl,
-              sockets: list[socket.socket] | None) -> None:
+    def start(self, main: uvicorn.Server, sockets: list[socket.socket] | None) -> None:
         """Serve ``sockets`` (duplicated: each loop closes its own) on every other loop."""
         if self._configs and sockets is None:
             raise ValueError("a server on several event loops runs on listening sockets")
-        self._control = control
         for number, config in enumerate(self._configs, start=1):
             server = _FollowingServer(config, main)
             thread = threading.Thread(target=self._serve, name=f"ddm-loop-{number}", daemon=True,
-                                      args=(server, control, [s.dup() for s in sockets or ()]))
+                                      args=(server, self._control,
+                                            [s.dup() for s in sockets or ()]))
             self._threads.append(thread)
             thread.start()
 
@@ -265,7 +266,7 @@ class _OtherLoops:
         call that never returns must not keep the process from ending. Not at all while the
         app still starts: it has run no request, and the process exits without waiting for
         anything (:func:`run_server`; seconds for a throttled pod)."""
-        if self._control is not None and self._control.starting:
+        if self._control.starting:
             return
         for thread in self._threads:
             await asyncio.to_thread(thread.join, GRACEFUL_SHUTDOWN_S)
