@@ -283,26 +283,26 @@ def test_an_expert_that_cannot_load_exits_1_and_says_why(smoke_expert_checkpoint
 
 def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
     """Not ready but still serving (new connections included) for --drain-s, then gone."""
+    drain_s = 5.0  # long enough that a loaded machine still answers within it
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     expert = subprocess.Popen(
         [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint",
-         str(smoke_expert_checkpoint), "--port", str(port), "--drain-s", "2",
+         str(smoke_expert_checkpoint), "--port", str(port), "--drain-s", str(drain_s),
          "--log-level", "warning"], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_ready(base)
         expert.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
-        deadline = signalled + 1.0
         while (readyz := httpx.get(f"{base}/readyz")).status_code == 200:
-            assert time.monotonic() < deadline, "still ready 1 s after SIGTERM"
+            assert time.monotonic() < signalled + drain_s, "still ready after the drain"
         assert readyz.status_code == 503 and readyz.json() == {"status": "draining"}
         served = post(base, encode_request(velocity_request(2, seed=0)))  # a new connection
-        assert served.status_code == 200 and time.monotonic() - signalled < 2.0
-        expert.wait(timeout=20)
-        assert time.monotonic() - signalled >= 2.0
+        assert served.status_code == 200 and time.monotonic() - signalled < drain_s
+        expert.wait(timeout=30)
+        assert time.monotonic() - signalled >= drain_s
         assert expert.returncode == 0  # stopping on SIGTERM is a server's normal end
     finally:
         expert.kill()

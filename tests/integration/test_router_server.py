@@ -519,7 +519,7 @@ def test_every_replica_down_is_a_503_naming_the_expert_until_it_comes_back(repli
     reply = httpx.post(f"{base}/v1/generate", json={"labels": [2], "steps": 4}, timeout=30)
     assert reply.status_code == 503 and reply.json()["expert"] == "e0", reply.text
     assert "expert e0: unavailable" in reply.json()["detail"]
-    assert time.monotonic() - started < 3.0 + 1.0
+    assert time.monotonic() - started < 3.0 + 5.0  # the router's deadline, not the client's
     assert httpx.get(f"{base}/healthz").status_code == 200
     readyz = httpx.get(f"{base}/readyz")
     assert readyz.status_code == 200 and readyz.json()["status"] == "degraded", readyz.text

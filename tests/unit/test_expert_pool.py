@@ -260,7 +260,9 @@ def test_a_dead_or_hanging_replica_fails_over_to_a_live_one(expert_a, local_velo
 
 
 def test_no_answering_replica_raises_unavailable_within_the_deadline():
-    settings = PoolSettings(connect_s=0.3, attempt_s=0.3, deadline_s=1.0, attempts=10,
+    # 100 attempts would take 15 s or more against the hanging replica: only the deadline
+    # can end it within a few seconds
+    settings = PoolSettings(connect_s=0.3, attempt_s=0.3, deadline_s=1.0, attempts=100,
                             backoff_s=0.05, max_backoff_s=0.1)
     with _hanging() as hanging:
         async def scenario():
@@ -273,7 +275,7 @@ def test_no_answering_replica_raises_unavailable_within_the_deadline():
         error, elapsed = asyncio.run(scenario())
     assert error.expert == "e0" and error.status == 503
     assert re.search(r"expert e0: unavailable: .*(within 1 s|attempt)", str(error)), str(error)
-    assert elapsed < 1.0 + 0.5
+    assert elapsed < 1.0 + 3.0
 
 
 def test_a_4xx_is_the_callers_fault_and_is_not_retried(expert_a, expert_b):
