@@ -224,6 +224,23 @@ class _DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+#: The threads of a server's other event loops are named this and their number.
+_OTHER_LOOP_THREAD = "ddm-loop-"
+
+
+class _OneServersLifeLines(logging.Filter):
+    """Drops uvicorn's lines about a server's life (started, shutting down, finished) when an
+    other loop's server logs them: to its reader a process is one server, which logs each
+    once; a warning or an error from any loop still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno > logging.INFO
+                or not (record.threadName or "").startswith(_OTHER_LOOP_THREAD))
+
+
+_ONE_SERVERS_LIFE_LINES = _OneServersLifeLines()
+
+
 class _OtherLoops:
     """A server's event loops besides the main one (:func:`build_server`): each a uvicorn
     server (:class:`_FollowingServer`) in a daemon thread of its own, sharing the main
@@ -238,9 +255,12 @@ class _OtherLoops:
         """Serve ``sockets`` (duplicated: each loop closes its own) on every other loop."""
         if self._configs and sockets is None:
             raise ValueError("a server on several event loops runs on listening sockets")
+        if self._configs:
+            logging.getLogger("uvicorn.error").addFilter(_ONE_SERVERS_LIFE_LINES)  # once
         for number, config in enumerate(self._configs, start=1):
             server = _FollowingServer(config, main)
-            thread = threading.Thread(target=self._serve, name=f"ddm-loop-{number}", daemon=True,
+            thread = threading.Thread(target=self._serve, name=f"{_OTHER_LOOP_THREAD}{number}",
+                                      daemon=True,
                                       args=(server, self._control,
                                             [s.dup() for s in sockets or ()]))
             self._threads.append(thread)
