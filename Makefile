@@ -45,10 +45,11 @@ test: lint
 
 # Everything that needs no cluster and no image build, and not the slow tests (full-size Paris,
 # load tests, JAX exports, long fuzzing): the quick lane for a change that does not touch the
-# cluster, the chart's rendering on a real node or the images. `make test` stays what CI runs.
+# cluster, the chart's rendering on a real node or the images, a test file per worker process
+# on every core (pytest-xdist). `make test` stays what CI runs, in one process.
 FAST := not cluster and not e2e and not image and not slow
 test-fast: lint
-	$(BIN)/python -m pytest -m "$(FAST)"
+	$(BIN)/python -m pytest -m "$(FAST)" -n auto --dist loadfile
 
 # The CPU image (images/cpu/Dockerfile) built with buildah and imported into the running dev
 # cluster's real node (if any); `ddm-dev-cluster images --help`.

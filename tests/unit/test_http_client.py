@@ -530,7 +530,9 @@ def test_a_hostile_expert_never_gets_a_wrong_answer_taken_or_a_call_held_past_it
 
     run(scenario)
     for request, outcome, seconds in outcomes:
-        assert seconds < FUZZ_TIMEOUT_S + 0.25, (request, outcome, seconds)
+        # a silent expert would hold the call for ever but for the deadline; the margin is
+        # a loaded machine's
+        assert seconds < FUZZ_TIMEOUT_S + 1.0, (request, outcome, seconds)
         if isinstance(outcome, tuple):
             assert outcome in {(200, b"reply-to-" + request), (500, b"error-for-" + request)}, (
                 request, outcome, plans)
