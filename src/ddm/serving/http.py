@@ -261,21 +261,18 @@ class _OtherLoops:
             server = _FollowingServer(config, main)
             thread = threading.Thread(target=self._serve, name=f"{_OTHER_LOOP_THREAD}{number}",
                                       daemon=True,
-                                      args=(server, self._control,
-                                            [s.dup() for s in sockets or ()]))
+                                      args=(server, [s.dup() for s in sockets or ()]))
             self._threads.append(thread)
             thread.start()
 
-    @staticmethod
-    def _serve(server: uvicorn.Server, control: ServerControl,
-               sockets: list[socket.socket]) -> None:
+    def _serve(self, server: uvicorn.Server, sockets: list[socket.socket]) -> None:
         """One loop's life; a loop that fails stops the whole server with the reason (never
         half of it serving on)."""
         try:
             server.run(sockets=sockets)
         except BaseException as error:  # noqa: BLE001 - reported as the server's failure
             logger.exception("event loop %s failed", threading.current_thread().name)
-            control.stop(f"event loop {threading.current_thread().name} failed: {error!r}")
+            self._control.stop(f"event loop {threading.current_thread().name} failed: {error!r}")
         finally:
             for sock in sockets:
                 sock.close()
