@@ -77,7 +77,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autoscaled runs, one per missing-expert policy: wait, reroute or "
                         "wait,reroute")
     p.set_defaults(handler=_bench_scale_to_zero)
+
+    p = kinds.add_parser("threads", help="in-process sampling of the shipped text DDM against "
+                                         "its CPU thread policy, idle and under a load of "
+                                         "busy processes (JSON)")
+    p.add_argument("--prompts", type=int, default=32, help="prompts per timed generation")
+    p.add_argument("--load", type=int, default=4, help="busy processes in the loaded runs")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one configuration may take")
+    p.set_defaults(handler=_bench_threads)
     return parser
+
+
+def _bench_threads(args: argparse.Namespace) -> int:
+    from benchmarks.threads import main
+
+    return main(args.prompts, args.load, args.timeout)
 
 
 def _bench_scale_to_zero(args: argparse.Namespace) -> int:

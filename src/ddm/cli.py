@@ -8,6 +8,9 @@ API call failed) or an internal error (a bug: its type is named, ``ddm --debug``
 traceback); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM) before the command was done. A
 server (``ddm serve``) that drains and stops on SIGTERM is done: it exits 0.
 
+A command that computes in this process (``set_defaults(computes_in_process=True)``: sample,
+eval, report) first picks its CPU threads (:mod:`ddm.threads`).
+
 SIGTERM ends every command from the first line of :func:`main` on, before any heavy import.
 In a container ``ddm`` is PID 1, and the kernel gives PID 1 no default action for a signal it
 has no handler for: without one, a pod deleted while its server still imports PyTorch or JAX
@@ -38,6 +41,7 @@ from ddm.operator.commands import add_operator_commands
 from ddm.runtime.commands import add_up_command
 from ddm.serving.commands import add_serve_commands
 from ddm.serving.sample_command import add_sample_command
+from ddm.threads import apply_cpu_thread_policy
 from ddm.training.cli import add_partition_command, add_train_command
 
 EXIT_FAILURE = 1
@@ -88,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the parsed command's handler; its errors become a message and an exit status."""
     handler: Callable[[argparse.Namespace], int | None] = args.handler
     try:
+        if getattr(args, "computes_in_process", False):
+            apply_cpu_thread_policy()
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("ddm: interrupted", file=sys.stderr)

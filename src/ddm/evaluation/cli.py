@@ -31,7 +31,7 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
                         "(default: the source the classifier recorded)")
     p.add_argument("--json", action="store_true", help="print JSON only")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(handler=_eval)
+    p.set_defaults(handler=_eval, computes_in_process=True)
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -88,7 +88,7 @@ def add_report_command(commands: argparse._SubParsersAction) -> None:
                         "after changing the sampler)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (with stderr not a terminal: a line per run instead)")
-    p.set_defaults(handler=_report)
+    p.set_defaults(handler=_report, computes_in_process=True)
 
 
 def _report(args: argparse.Namespace) -> int:

@@ -93,7 +93,7 @@ def add_sample_command(commands: argparse._SubParsersAction) -> None:
                         "one row)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (there is none anyway when stderr is not a terminal)")
-    p.set_defaults(handler=_sample)
+    p.set_defaults(handler=_sample, computes_in_process=True)
 
 
 #: ``ddm sample``'s flags that only a text DDM takes (flag, argparse destination).

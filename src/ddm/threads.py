@@ -1,0 +1,77 @@
+"""How many CPU threads a command that computes in this process (``ddm sample``, ``ddm eval``,
+``ddm report``) gives PyTorch, OpenMP and XLA.
+
+The frameworks' default, a spinning thread per core, collapses on a shared machine: an OpenMP
+barrier waits for its slowest thread, and a thread the kernel gave to another process leaves the
+others spinning on the cores that remain (docs/benchmarks.md, "In-process sampling and CPU
+threads"). So a command takes the cores it may use (its CPU affinity and its cgroup's quota)
+less those the machine's other work keeps busy (the one-minute load average), at least one, and
+lets waiting threads sleep. ``DDM_CPU_THREADS`` overrides: a count, or ``framework`` for the
+frameworks' own defaults; an ``OMP_NUM_THREADS`` the user set is respected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
+from pathlib import Path
+
+#: The variable that overrides the policy: a positive count, or ``framework``.
+THREADS_ENV = "DDM_CPU_THREADS"
+LEAVE_TO_FRAMEWORKS = "framework"
+_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus(affinity: int | None = None, cpu_max: str | None = None) -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 quota
+    (``cpu.max``: ``QUOTA PERIOD`` or ``max PERIOD``), rounded up; at least 1."""
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0))
+    if cpu_max is None:
+        try:
+            cpu_max = _CGROUP_CPU_MAX.read_text()
+        except OSError:
+            cpu_max = "max"
+    quota, _, period = cpu_max.strip().partition(" ")
+    if quota.isdigit() and period.isdigit() and int(period) > 0:
+        affinity = min(affinity, math.ceil(int(quota) / int(period)))
+    return max(1, affinity)
+
+
+def cpu_threads(env: Mapping[str, str], usable: int, load: float) -> int | None:
+    """The intra-op thread count for ``usable`` CPUs at a one-minute ``load`` average, or None
+    to leave the frameworks to their defaults (``framework``, or ``OMP_NUM_THREADS`` set)."""
+    raw = env.get(THREADS_ENV, "").strip()
+    if raw == LEAVE_TO_FRAMEWORKS or (not raw and env.get("OMP_NUM_THREADS")):
+        return None
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"{THREADS_ENV}={raw!r}: give a positive thread count, or "
+                             f"{LEAVE_TO_FRAMEWORKS!r} for the frameworks' defaults")
+        return int(raw)
+    return max(1, min(usable, usable - round(load)))
+
+
+def apply_cpu_thread_policy(env: MutableMapping[str, str] | None = None,
+                            set_torch_threads: Callable[[int], None] | None = None
+                            ) -> int | None:
+    """Choose the thread count (:func:`cpu_threads`) and set it where the frameworks read it:
+    OpenMP's and MKL's variables (with ``OMP_WAIT_POLICY=PASSIVE``: waiting threads sleep) and
+    XLA's flags before they load, and PyTorch's pool if it already has. Returns the count, or
+    None where the frameworks keep their defaults."""
+    env = os.environ if env is None else env
+    threads = cpu_threads(env, usable_cpus(), os.getloadavg()[0])
+    if threads is None:
+        return None
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads == 1 and "--xla_cpu_multi_thread_eigen" not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "")
+                            + " --xla_cpu_multi_thread_eigen=false").strip()
+    if set_torch_threads is None and "torch" in sys.modules:
+        set_torch_threads = sys.modules["torch"].set_num_threads
+    if set_torch_threads is not None:
+        set_torch_threads(threads)
+    return threads
