@@ -82,6 +82,7 @@ def bench_threads_command(prompts: int, load: int, timeout_s: float) -> dict:
             run.update(policy=name, machine=label,
                        wall_s=round(time.perf_counter() - started, 1))
             results["runs"].append(run)
+            print(f"[bench threads] {json.dumps(run)}", file=sys.stderr, flush=True)
     return results
 
 
