@@ -51,10 +51,18 @@ FAST := not cluster and not e2e and not image and not slow
 test-fast: lint
 	$(BIN)/python -m pytest -m "$(FAST)" -n auto --dist loadfile
 
-# The CPU image (images/cpu/Dockerfile) built with buildah and imported into the running dev
-# cluster's real node (if any); `ddm-dev-cluster images --help`.
+# `make images`: the chart's images (operator, CPU) built with buildah and imported into the
+# running dev cluster's real node (if any); `ddm-dev-cluster images --help`.
+# `make images REGISTRY=registry.example.com/me [PUSH=1]`: the four published images (operator,
+# CPU, CUDA, Neuron) built with buildah as REGISTRY/NAME:VERSION (the chart's appVersion) and,
+# with PUSH=1, pushed (`buildah login` first): what the release workflow runs;
+# `python scripts/release_images.py --help`.
 images: $(STAMP)
+ifdef REGISTRY
+	$(BIN)/python scripts/release_images.py --registry $(REGISTRY)$(if $(filter 1,$(PUSH)), --push)
+else
 	$(BIN)/ddm-dev-cluster images
+endif
 
 # The CUDA image (Dockerfile.cuda, several GB) and one expert of it served on the real node:
 # not part of `make test` (CI builds and uses the CPU image only). Results: docs/images.md.

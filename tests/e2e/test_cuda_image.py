@@ -42,7 +42,7 @@ def expert_pod() -> dict[str, Any]:
             "automountServiceAccountToken": False,  # as the operator's server pods
             "terminationGracePeriodSeconds": 10,
             "containers": [{
-                "name": "expert", "image": dev_images.CUDA.short_name,
+                "name": "expert", "image": dev_images.CUDA.name,
                 "imagePullPolicy": "Never",
                 "command": ["ddm", "serve", "expert", "--checkpoint",
                             "/opt/ddm/checkpoints/digits/expert-0-4", "--host", "0.0.0.0",

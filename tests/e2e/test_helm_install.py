@@ -179,7 +179,7 @@ def test_helm_install_runs_the_operator_under_its_own_account(
     # In a container of the slim operator image (images/operator/Dockerfile: no ML framework),
     # on the real node (the fake nodes run nothing).
     (container,) = pod.spec.containers
-    assert container.image == dev_images.OPERATOR.short_name
+    assert container.image == dev_images.OPERATOR.name
     assert pod.spec.node_name == "ddm-real-0"
 
 
@@ -308,7 +308,7 @@ def test_every_pod_meets_the_restricted_profile(core: client.CoreV1Api, kube_cli
 def test_every_pod_runs_on_the_real_node_from_our_images(core: client.CoreV1Api,
                                                          digits: dict[str, Any]) -> None:
     """The operator from the slim operator image, everything it creates from the CPU image."""
-    image = {SYSTEM: dev_images.OPERATOR.short_name, USERS: dev_images.CPU.short_name}
+    image = {SYSTEM: dev_images.OPERATOR.name, USERS: dev_images.CPU.name}
     pods = [*core.list_namespaced_pod(SYSTEM).items, *core.list_namespaced_pod(USERS).items]
     for pod in pods:
         assert pod.spec.node_name == "ddm-real-0", pod.metadata.name

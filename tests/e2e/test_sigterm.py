@@ -54,7 +54,7 @@ def expert_pod(name: str, cpu_limit: str | None = None) -> dict[str, Any]:
             "automountServiceAccountToken": False,  # as the operator's server pods
             "terminationGracePeriodSeconds": GRACE_S,
             "containers": [{
-                "name": "expert", "image": dev_images.CPU.short_name,
+                "name": "expert", "image": dev_images.CPU.name,
                 "imagePullPolicy": "Never",
                 "command": ["ddm", "serve", "expert", "--checkpoint",
                             "/opt/ddm/checkpoints/digits/expert-0-4", "--host", "0.0.0.0",

@@ -164,7 +164,7 @@ def test_each_separate_stage_runs_in_its_own_deployment_from_our_image(
     for pod in api["core"].list_namespaced_pod(
             NAMESPACE, label_selector=f"ddm.dev/deployment={NAME}").items:
         (container,) = pod.spec.containers
-        assert container.image == dev_images.CPU.short_name, pod.metadata.name
+        assert container.image == dev_images.CPU.name, pod.metadata.name
         assert pod.spec.node_name == "ddm-real-0", pod.metadata.name
 
 

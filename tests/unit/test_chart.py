@@ -94,22 +94,24 @@ def test_images_get_the_app_version_unless_they_carry_a_tag_or_digest(helm: Path
     env = env_of(render(helm, "images.cuda=registry.example:5000/ddm-cuda",
                         "images.neuron=ecr.example/ddm-neuron:7",
                         "images.tpu=gcr.example/ddm-tpu@sha256:" + "0" * 64))
-    assert env["DDM_IMAGE_CPU"] == f"ddm:{version}"
+    assert env["DDM_IMAGE_CPU"] == f"ghcr.io/ddm-operator/ddm:{version}"
     assert env["DDM_IMAGE_CUDA"] == f"registry.example:5000/ddm-cuda:{version}"
     assert env["DDM_IMAGE_NEURON"] == "ecr.example/ddm-neuron:7"
     assert env["DDM_IMAGE_TPU"] == "gcr.example/ddm-tpu@sha256:" + "0" * 64
-    assert env_of(render(helm, "images.tag=1.2.3"))["DDM_IMAGE_CPU"] == "ddm:1.2.3"
+    assert env_of(render(helm, "images.tag=1.2.3"))["DDM_IMAGE_CPU"] == \
+        "ghcr.io/ddm-operator/ddm:1.2.3"
 
 
 def test_the_operator_runs_its_own_image_not_the_workloads(helm: Path) -> None:
     """The operator's pod runs the slim operator image (no ML framework); the images it hands
-    to its children are the workload images."""
+    to its children are the workload images: by default the published ones, which the release
+    workflow pushes (tests/unit/test_release.py)."""
     version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     objects = render(helm)
     (deployment,) = by_kind(objects, "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["image"] == f"ddm-operator:{version}"
-    assert env_of(objects)["DDM_IMAGE_CPU"] == f"ddm:{version}"
+    assert container["image"] == f"ghcr.io/ddm-operator/ddm-operator:{version}"
+    assert env_of(objects)["DDM_IMAGE_CPU"] == f"ghcr.io/ddm-operator/ddm:{version}"
     (moved,) = by_kind(render(helm, "images.operator=reg.example/ops/ddm-operator"), "Deployment")
     assert moved["spec"]["template"]["spec"]["containers"][0]["image"] == \
         f"reg.example/ops/ddm-operator:{version}"

@@ -36,6 +36,9 @@ OPERATOR_FROM_ENV = "DDM_OPERATOR_FROM"
 #: The operator's variable listing the proxies in front of every router (comma-separated
 #: CIDRs, router.yaml's ``trusted_proxies``).
 TRUSTED_PROXIES_ENV = "DDM_ROUTER_TRUSTED_PROXIES"
+#: Where the release workflow (.github/workflows/release.yml) publishes the images: the
+#: chart's defaults too, pinned equal by tests/unit/test_release.py.
+REGISTRY = "ghcr.io/ddm-operator"
 _PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
 _SELECTOR_KEYS = ("matchLabels", "matchExpressions")
 
@@ -135,8 +138,9 @@ class Images:
 
     @classmethod
     def defaults(cls, tag: str) -> Images:
-        return cls(cpu=f"ddm:{tag}", cuda=f"ddm-cuda:{tag}", neuron=f"ddm-neuron:{tag}",
-                   tpu=f"ddm-tpu:{tag}")
+        """The published images (the chart's defaults) of version ``tag``."""
+        return cls(cpu=f"{REGISTRY}/ddm:{tag}", cuda=f"{REGISTRY}/ddm-cuda:{tag}",
+                   neuron=f"{REGISTRY}/ddm-neuron:{tag}", tpu=f"{REGISTRY}/ddm-tpu:{tag}")
 
     def for_family(self, family: str) -> str:
         return {"cpu": self.cpu, "cuda": self.cuda, "neuron": self.neuron, "tpu": self.tpu}[family]

@@ -16,8 +16,8 @@ default ``~/.cache/ddm/images``), so that a second build reuses every unchanged 
   read-only, so the build installs what the host's pip would.
 
 The node's containerd gets them through an OCI archive (``ctr images import``), named as the
-chart and the operator name them (``ddm:0.1.0`` is ``docker.io/library/ddm:0.1.0``), so pods
-find them present and never pull.
+chart and the operator name them by default (``ghcr.io/ddm-operator/ddm:0.1.0``, the published
+names), so pods find them present and never pull.
 """
 
 from __future__ import annotations
@@ -38,6 +38,9 @@ from pathlib import Path
 from ddm_devcluster.apt import Log, debian_mirror, ensure_apt_packages
 
 VERSION = "0.1.0"  # the chart's appVersion: the tag the chart's images default to
+#: The chart's default registry (``ddm.operator.config.REGISTRY``; tests/unit/test_release.py
+#: pins them equal): built under the published names, the images need no chart setting.
+REGISTRY = "ghcr.io/ddm-operator"
 BASE_IMAGE = "localhost/ddm-dev/bookworm-python:3.11"
 PAUSE_IMAGE = "localhost/ddm-dev/pause:1"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -55,22 +58,18 @@ class ProjectImage:
 
     family: str
     dockerfile: str
-    name: str  # the fully qualified name the chart's default resolves to
+    name: str  # the chart's default, fully qualified
     # Whether pip may use the host's wheelhouse (``find-links``). The host's holds the CPU
     # build of torch, which satisfies the pin ``torch==2.13.0`` too: the CUDA image must not
     # see it.
     wheelhouse: bool = True
 
-    @property
-    def short_name(self) -> str:
-        return self.name.removeprefix("docker.io/library/")
 
-
-CPU = ProjectImage("cpu", "images/cpu/Dockerfile", f"docker.io/library/ddm:{VERSION}")
+CPU = ProjectImage("cpu", "images/cpu/Dockerfile", f"{REGISTRY}/ddm:{VERSION}")
 #: The operator alone, no ML framework: what the chart's operator Deployment runs.
 OPERATOR = ProjectImage("operator", "images/operator/Dockerfile",
-                        f"docker.io/library/ddm-operator:{VERSION}")
-CUDA = ProjectImage("cuda", "Dockerfile.cuda", f"docker.io/library/ddm-cuda:{VERSION}",
+                        f"{REGISTRY}/ddm-operator:{VERSION}")
+CUDA = ProjectImage("cuda", "Dockerfile.cuda", f"{REGISTRY}/ddm-cuda:{VERSION}",
                     wheelhouse=False)
 PROJECT_IMAGES = {image.family: image for image in (CPU, OPERATOR, CUDA)}
 #: What the chart runs on a CPU-only cluster (``ddm-dev-cluster images`` builds these).
@@ -247,7 +246,7 @@ def build_project_image(image: ProjectImage, *, repo: Path | None = None,
     volumes = [f"{CA_BUNDLE}:{CA_BUNDLE}:ro", f"{pip_conf}:/etc/pip.conf:ro",
                *(f"{d}:{d}:ro" for d in local_dirs)]
     started = time.monotonic()
-    log(f"building {image.short_name} from {image.dockerfile} (cold: 8 to 10 minutes; "
+    log(f"building {image.name} from {image.dockerfile} (cold: 8 to 10 minutes; "
         "a change under src/: 2 to 3)")
     with tempfile.TemporaryDirectory(dir=cache / "tmp") as work:
         iidfile = Path(work) / "iid"
@@ -257,7 +256,7 @@ def build_project_image(image: ProjectImage, *, repo: Path | None = None,
               *(a for v in volumes for a in ("-v", v)), "-t", image.name,
               "--iidfile", str(iidfile), str(repo)], log, env=env)
         built = iidfile.read_text().strip().removeprefix("sha256:")
-    log(f"built {image.short_name} ({built[:12]}) in {time.monotonic() - started:.0f} s")
+    log(f"built {image.name} ({built[:12]}) in {time.monotonic() - started:.0f} s")
     prune_superseded(cache, log)
     return built
 
