@@ -201,7 +201,7 @@ class Batcher:
     - **On the event loop the request came on**, for a lone request on an idle batcher (no
       batch runs, nothing else queued): a router stepping its images through an expert nobody
       else calls. The call pays no thread wake-up: each costs 0.1-0.3 ms on a virtual machine
-      whose other vCPU sat idle while the model ran (``docs/benchmarks.md``). Meanwhile that
+      whose other vCPU sat idle while the model ran (``docs/bench/history.md``). Meanwhile that
       loop answers nothing else. With another loop serving (``serving_loops`` > 1), the other
       answers probes, scrapes and other clients, so any lone batch runs here whatever its
       time; with one loop, only a batch expected to take at most :data:`INLINE_MAX_S` (its
@@ -223,7 +223,7 @@ class Batcher:
 
     Each wake-up's cost is mostly the Python that runs right after it: on a virtual machine,
     code that runs after its vCPU sat idle for milliseconds runs up to a hundred times slower
-    than warm (``docs/benchmarks.md``). So the hand-off runs little Python (a plain lock and a
+    than warm (``docs/bench/history.md``). So the hand-off runs little Python (a plain lock and a
     C-level queue as the doorbell: a ``threading.Condition`` runs a dozen Python lines per wait
     and notify; the queued jobs planned as they are; a lone job taken whole), and the loop
     does not sit idle through a long batch on the thread whose time it knows: it ticks over

@@ -28,7 +28,7 @@ WARM_TICK_S = 0.001
 #: nearly warm (``cold_code``: 2-17 us after 1-5 ms idle, 32-67 us after 20-60 ms), and a tick
 #: can take the core from the very work awaited when both share a machine (in two of three
 #: alternated pairs, the client's ticks on calls of 2-4 ms slowed the expert's model on the
-#: same VM by 0.13-0.30 ms; ``docs/benchmarks.md``).
+#: same VM by 0.13-0.30 ms; ``docs/bench/history.md``).
 WARM_MIN_S = 0.02
 
 Key = TypeVar("Key", bound=Hashable)
