@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -125,3 +126,18 @@ def test_make_images_builds_for_the_dev_cluster_or_a_registry(variables: tuple[s
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == last_line
+
+
+def test_the_docs_pull_published_images_of_this_release() -> None:
+    """Every ``ghcr.io/ddm-operator/NAME:TAG`` a document names with a literal tag is an image
+    the workflow publishes, at the chart's appVersion (a stale tag fails here on a bump)."""
+    script = release_images()
+    version = script.chart_version()
+    published = {image.rpartition("/")[2] for image in script.chart_images().values()}
+    pattern = re.compile(re.escape(REGISTRY) + r"/([a-z0-9-]+):([0-9][A-Za-z0-9.-]*)")
+    found = [(path.relative_to(ROOT), *match.groups())
+             for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+             for match in pattern.finditer(path.read_text())]
+    assert found
+    for path, name, tag in found:
+        assert name in published and tag == version, (str(path), name, tag)
