@@ -55,9 +55,6 @@ MAX_LABELS, MAX_STEPS = 4, 4
 RSS_GROWTH_MIB = 64
 ENV = (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"), ("PYTHONUNBUFFERED", "1"))
 GROUPS = ((0, 1, 2, 3, 4), (5, 6, 7, 8, 9))
-#: States a sampler never produces (noise is N(0, 1), data in [-1, 1]): the only inputs for
-#: which an expert may answer a non-finite velocity (a finding reported with these tests).
-ABSURD_STATE = 1e6
 
 
 @dataclass(frozen=True)
@@ -280,7 +277,7 @@ def test_an_expert_answers_10000_hostile_bodies_as_its_decoder_decides(
     url = f"{expert.url}/v1/velocity"
     headers = {"content-type": CONTENT_TYPE}
     baseline = expert.memory_kib("VmRSS")
-    statuses: dict[int | str, int] = {}
+    statuses: dict[int, int] = {}
 
     @FUZZ
     @given(request_bodies(target))
@@ -293,13 +290,8 @@ def test_an_expert_answers_10000_hostile_bodies_as_its_decoder_decides(
         answer = client.post(url, content=body, headers=headers)
         assert answer.status_code == expected, (answer.status_code, expected, body[:80])
         assert answer.headers["content-type"] == CONTENT_TYPE
-        if expected == 200:
-            try:
-                decode_response(answer.content, request_id, request.x.shape)
-            except ProtocolError as error:  # finite but absurd states overflow the model
-                assert "non-finite" in str(error) and np.abs(request.x).max() > ABSURD_STATE, (
-                    error, body[:80])
-                statuses["non-finite velocity"] = statuses.get("non-finite velocity", 0) + 1
+        if expected == 200:  # states beyond MAX_STATE_MAGNITUDE, which overflowed, are 422s
+            decode_response(answer.content, request_id, request.x.shape)
         else:
             with pytest.raises(RemoteExpertError) as refused:
                 decode_response(answer.content, request_id)
@@ -308,7 +300,7 @@ def test_an_expert_answers_10000_hostile_bodies_as_its_decoder_decides(
         statuses[expected] = statuses.get(expected, 0) + 1
 
     hostile()
-    assert sum(n for status, n in statuses.items() if isinstance(status, int)) >= CASES
+    assert sum(statuses.values()) >= CASES
     assert statuses.get(200, 0) >= CASES // 50 and statuses.get(422, 0) >= CASES // 50, statuses
     _assert_healthy_and_bounded(expert, client, baseline)
 

@@ -4,12 +4,18 @@ call still succeeds while they are open, and each of them is closed by its deadl
 
 The deadlines are shortened to 4 s so that the tests take seconds; the defaults only change how
 long an attacker lasts, not what it can do meanwhile.
+
+Then requests whose values would make sound replicas look broken (issue 35): each is that
+request's 4xx, and the router's ``/readyz`` stays 200 throughout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,14 +24,18 @@ import httpx
 import numpy as np
 import pytest
 
+from ddm.deploy.limits import MAX_STATE_MAGNITUDE
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.connections import ConnectionLimits
 from ddm.serving.expert.routes import SERVING_LOOPS
 from ddm.serving.expert.server import create_expert_app
-from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.protocol import (CONTENT_TYPE, RemoteExpertError, TextVelocityRequest,
+                                  VelocityRequest, decode_response, encode_request,
+                                  encode_text_request)
 from ddm.serving.router.server import create_router_app
 from hostile import Attacker, check_closed_in_time, swarm
 from servers import running, wait_ready
+from tests.support.text_router import served_text_ddm
 
 LIMITS = ConnectionLimits(head_timeout_s=4.0, body_timeout_s=4.0, send_timeout_s=4.0,
                           keep_alive_s=4.0)
@@ -238,3 +248,105 @@ def test_a_reply_before_the_body_is_in_says_close_and_closes(smoke_expert_checkp
 
         answered = asyncio.run(scenario())
         assert answered.startswith(b"HTTP/1.1 413") and b"connection: close" in answered
+
+
+# ------------------------------------------------- requests that would make replicas look broken
+
+#: What a model server answers a state of 3e38, whoever sends it.
+HUGE_X = "'x' has values beyond +-10000 (MAX_STATE_MAGNITUDE): magnitude 3e+38"
+#: Attack requests sent in a row (issue 35 sent one a second for 30 s; the outcome of each is
+#: what matters, not their rate).
+ATTACKS = 12
+
+
+def _npy(array: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+class _ReadinessPoller:
+    """``GET /readyz`` again and again on a thread until stopped; every status seen, in order."""
+
+    def __init__(self, base: str) -> None:
+        self.base, self.statuses = base, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=10) as client:
+            while not self._stop.is_set():
+                self.statuses.append(client.get(f"{self.base}/readyz").status_code)
+
+    def __enter__(self) -> _ReadinessPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_huge_latents_are_the_requests_4xx_and_never_take_the_router_out(tmp_path: Path):
+    """Issue 35, item 1: latents of 3e38 made every expert answer infinities, the router mark
+    its replicas down and answer 503, and ``/readyz`` go 503 for every client. Now the router
+    refuses them (422 naming the field and the bound); latents at the bound pass it, grow past
+    it in the first step and the expert refuses them, which is that request's 422 too; neither
+    touches a replica's health: ``/readyz`` stays 200 throughout and a normal generation right
+    after succeeds. An expert called directly refuses such a state itself."""
+    huge = {"prompt": "a", "steps": 2, "latents": _npy(np.full((1, 4, 8, 8), 3e38, np.float32))}
+    at_bound = {"prompt": "a", "steps": 2, "guidance_scale": 50.0,
+                "latents": _npy(np.full((1, 4, 8, 8), -MAX_STATE_MAGNITUDE, np.float32))}
+    with served_text_ddm(tmp_path) as (router, _):
+        with _ReadinessPoller(router) as poller, httpx.Client(timeout=120) as client:
+            answers = [client.post(f"{router}/v1/images/generations",
+                                   json=huge if i % 2 == 0 else at_bound)
+                       for i in range(ATTACKS)]
+            normal = client.post(f"{router}/v1/images/generations",
+                                 json={"prompt": "a", "steps": 2})
+        assert [a.status_code for a in answers] == [422] * ATTACKS, [a.text for a in answers]
+        for answer in answers[::2]:  # the router's own check
+            assert answer.json() == {"detail": "latents must lie within +-10000 "
+                                               "(MAX_STATE_MAGNITUDE), got a value of magnitude "
+                                               "3e+38"}
+        for answer in answers[1::2]:  # an expert's 422, in the router's words
+            assert "refused this request's values (422" in answer.json()["detail"], answer.text
+        assert normal.status_code == 200, normal.text
+        assert poller.statuses and set(poller.statuses) == {200}, poller.statuses
+        experts = httpx.get(f"{router}/v1/info").json()["experts"]
+        assert all(set(e["replicas"].values()) == {"ready"} for e in experts), experts
+        print(f"\n{ATTACKS} attacks ({ATTACKS // 2} refused by the router, {ATTACKS // 2} by "
+              f"an expert), all 422; /readyz polled {len(poller.statuses)} times meanwhile, "
+              "every answer 200; a normal generation after them 200")
+
+        expert = f"http://{next(iter(experts[0]['replicas']))}"
+        status, message = _direct_call(expert, encode_text_request(TextVelocityRequest(
+            7, np.full((1, 4, 8, 8), 3e38, np.float32), np.asarray([0.5], np.float32),
+            bytes(32), np.zeros(1, np.int32), np.ones(1, np.float32))))
+        assert (status, message) == (422, HUGE_X)
+
+
+def _direct_call(base: str, body: bytes) -> tuple[int, str]:
+    """POST ``body`` to a model server's ``/v1/velocity``; its status and error message."""
+    reply = httpx.post(f"{base}/v1/velocity", content=body,
+                       headers={"content-type": CONTENT_TYPE}, timeout=30)
+    try:
+        decode_response(reply.content, 7)
+    except RemoteExpertError as error:
+        return reply.status_code, error.message
+    return reply.status_code, ""
+
+
+def test_an_expert_refuses_a_huge_state_from_anyone_with_a_422_naming_the_bound(
+        smoke_expert_checkpoint: Path):
+    """A client talking to an expert directly is bounded as the router is (the wire's check of
+    ``x``), and the expert serves on."""
+    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8), LIMITS) as base:
+        wait_ready(base)
+        x = np.full((1, 1, 8, 8), 3e38, np.float32)
+        status, message = _direct_call(base, encode_request(VelocityRequest(
+            7, x, np.asarray([0.5], np.float32), np.asarray([1]))))
+        assert (status, message) == (422, HUGE_X)
+        assert httpx.get(f"{base}/readyz").status_code == 200
+        assert _direct_call(base, _velocity_body()) == (200, "")

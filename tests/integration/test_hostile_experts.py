@@ -3,7 +3,8 @@ small real HTTP servers in this process, report ``max_batch: 0`` or ``-1``, a hu
 stream a 400 MB ``/readyz`` body, refuse a request with their own text, or answer far more
 than was asked. The router stays
 within a memory bound (its peak resident memory, ``VmHWM``), answers generations needing such an
-expert with a 503 naming it (never a 500), keeps serving the others, repeats none of the
+expert with a 503 naming it (never a 500; a refusal of the request's values, the expert's 422,
+is the client's 422), keeps serving the others, repeats none of the
 experts' text to its callers (the log has it), and recovers once an expert reports valid info.
 """
 
@@ -44,6 +45,10 @@ HUGE_BODY_BYTES = 400 * 1024 * 1024
 CHUNK = b" " * 65536  # sent again and again: the 400 MB are never held anywhere
 #: Text an expert chooses, which the router's callers must never see.
 MARKER = "<expert-chosen text 7f3a>"
+#: What the client hears of an expert's 422 (it refused the request's values): the router's
+#: own words, a 422 of its own.
+REFUSED = ("expert rude: refused this request's values (422: beyond what it computes, or its "
+           "output would not be finite) (details in the router's log)")
 DEADLINE_S = 30.0
 #: A router network trained on a label partition of two experts (0-4, 5-9), 16x16 images.
 DIGITS_ROUTER = Path(__file__).resolve().parents[2] / "checkpoints" / "digits" / "router"
@@ -198,9 +203,7 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
         for name in ("zero-batch", "negative-batch", "huge-shape", "huge-readyz"):
             _refused(router, name)
         rude = router.generate(5)
-        assert rude.status_code == 502 and rude.json() == {
-            "expert": "rude", "detail": "expert rude: refused the request (422) (details in "
-                                        "the router's log)"}
+        assert rude.status_code == 422 and rude.json() == {"expert": "rude", "detail": REFUSED}
         # before the bloated call: its replica is down from its unusable answer until the next
         # probe revives it, so afterwards the list would depend on the probe's timing
         readyz = httpx.get(f"{router.url}/readyz")
@@ -214,8 +217,9 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
         streamed = httpx.get(f"{router.url}/v1/generate/stream", params={"label": 5},
                              timeout=DEADLINE_S + 10)
         assert streamed.status_code == 200 and streamed.text.endswith(
-            'event: failure\ndata: {"status":502,"detail":"expert rude: refused the request '
-            '(422) (details in the router\'s log)","expert":"rude"}\n\n'), streamed.text
+            'event: failure\ndata: ' + json.dumps({"status": 422, "detail": REFUSED,
+                                                  "expert": "rude"}, separators=(",", ":"))
+            + "\n\n"), streamed.text
         assert router.generate(0).status_code == 200  # the valid expert still serves
 
         growth_mib = (router.memory_kib("VmHWM") - baseline_kib) / 1024

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import httpx
 import numpy as np
 import pytest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import load_checkpoint
@@ -27,7 +28,8 @@ from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailab
 from ddm.serving.router.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
                                   static_endpoints)
 from ddm.serving.expert.server import create_expert_app
-from ddm.serving.http import build_server
+from ddm.serving.http import build_server, send_bytes
+from ddm.serving.protocol import CONTENT_TYPE, encode_error
 
 SHAPE = (1, 8, 8)
 FAST = PoolSettings(connect_s=1.0, attempt_s=2.0, deadline_s=3.0, attempts=2, backoff_s=0.05,
@@ -287,9 +289,54 @@ def test_a_4xx_is_the_callers_fault_and_is_not_retried(expert_a, expert_b):
             return caught.value, pool.metrics
 
     error, metrics = asyncio.run(scenario())
-    assert (error.code, error.status, error.expert) == (422, 502, "e")
+    assert (error.code, error.status, error.expert) == (422, 422, "e")
     assert "labels [7] are not served by this expert" in str(error)
     assert metrics.retries.labels("e")._value.get() == 0
+
+
+def _answering(status: int, body: bytes | None = None) -> Callable[[ASGIApp], ASGIApp]:
+    """The expert, except that every call (``POST /v1/velocity``) gets ``status`` with
+    ``body`` (None: an error reply of that code); its probes are answered as they are."""
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope["type"] != "http" or scope["path"] != "/v1/velocity":
+                return await app(scope, receive, send)
+            while (await receive()).get("more_body"):
+                pass
+            await send_bytes(send, status, encode_error(0, status, "no") if body is None
+                             else body, CONTENT_TYPE.encode())
+
+        return answer
+
+    return wrap
+
+
+@pytest.mark.parametrize("status,body,down", [
+    (500, None, False), (200, b"DDMT garbage", False), (429, None, False), (503, None, True)],
+    ids=["500", "malformed", "429", "503"])
+def test_only_a_replica_saying_it_is_unwell_is_marked_down(
+        smoke_expert_checkpoint, expert_a, local_velocity, status, body, down):
+    """An answer a request may provoke (a 500, a malformed reply: issue 35's non-finite
+    'out' was one) is retried on another replica and leaves the replica's health to the probes,
+    so that no request can take replicas down; a 503 (loading, closing) marks it down. No
+    probe runs in between (a minute's backoff and interval): the state is the calls' doing."""
+    settings = PoolSettings(connect_s=1.0, attempt_s=2.0, deadline_s=5.0, attempts=2,
+                            backoff_s=60.0, max_backoff_s=60.0, health_interval_s=60.0)
+    x, t, y = _inputs(1, seed=5)
+    with _expert(smoke_expert_checkpoint, wrap=_answering(status, body)) as failing:
+        async def scenario():
+            async with ExpertPool({"e": static_endpoints([failing, expert_a])}, settings) as pool:
+                await _until(lambda: pool.ready_count("e") == 2)
+                outs = [await pool.velocity("e", x, t, y) for _ in range(4)]
+                failed = pool.metrics.attempts.labels("e", "velocity", "failed")._value.get()
+                return outs, pool.replicas("e")[0].state, failed
+
+        outs, state, failed = asyncio.run(scenario())
+    for v in outs:
+        np.testing.assert_allclose(v, local_velocity(x, t, y), atol=1e-5)
+    assert failed >= 1
+    assert state is (ReplicaState.DOWN if down else ReplicaState.READY)
 
 
 def test_a_replica_that_comes_back_is_used_again(smoke_expert_checkpoint):
@@ -359,13 +406,15 @@ def test_calls_queued_behind_a_dead_expert_fail_within_one_deadline(smoke_expert
 
 
 @contextmanager
-def _expert(checkpoint: Path, port: int = 0, max_batch: int = 8) -> Iterator[str]:
-    """An expert server on loopback (``port`` 0: any free one); yields ``host:port``."""
+def _expert(checkpoint: Path, port: int = 0, max_batch: int = 8,
+            wrap: Callable[[ASGIApp], ASGIApp] = lambda app: app) -> Iterator[str]:
+    """An expert server on loopback (``port`` 0: any free one), its app seen through ``wrap``;
+    yields ``host:port``."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
-    server = build_server(create_expert_app(checkpoint, max_batch=max_batch), "127.0.0.1",
+    server = build_server(wrap(create_expert_app(checkpoint, max_batch=max_batch)), "127.0.0.1",
                           sock.getsockname()[1], log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -118,6 +118,9 @@ def test_guidance_cut_off_after_half_the_steps_lands_between(paris, reference):
     ({"guidance_scale": 51.0}, "guidance_scale"),
     ({"guidance_cutoff": 1.5}, "guidance_cutoff"),
     ({"latents": np.zeros((1, 4, 4, 4), np.float32)}, "latents must be float32 of shape"),
+    ({"latents": np.full((1, 4, 8, 8), 3e38, np.float32)},
+     r"latents must lie within \+-10000 \(MAX_STATE_MAGNITUDE\), got a value of magnitude "
+     r"3e\+38"),
     ({"output": "pixels"}, "output must be one of"),
 ])
 def test_bad_requests_are_refused_by_name_before_any_model_runs(paris, options, message):

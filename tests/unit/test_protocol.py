@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddm.deploy.limits import MAX_STATE_MAGNITUDE
 from ddm.serving.protocol import (
     MAX_ERROR_MESSAGE_BYTES,
     IntegrateRequest,
@@ -280,6 +281,10 @@ REQUEST_ERRORS: list[tuple[str, Callable[[], bytes], Limits, int, str]] = [
     ("t nan", lambda: velocity(t=np.array([np.nan, 0.5], np.float32)), LIMITS, 422, "'t' must"),
     ("x inf", lambda: velocity(x=np.where(X > 0.9, np.inf, X)), LIMITS, 422, "'x' has non-finite"),
     ("x nan", lambda: velocity(x=np.where(X > 0.9, np.nan, X)), LIMITS, 422, "'x' has non-finite"),
+    ("x huge", lambda: velocity(x=np.full_like(X, 3e38)), LIMITS, 422,
+     r"'x' has values beyond \+-10000 \(MAX_STATE_MAGNITUDE\): magnitude 3e\+38"),
+    ("x past the bound", lambda: velocity(x=np.where(X > 0.9, -10001.0, X).astype(np.float32)),
+     LIMITS, 422, "'x' has values beyond"),
     ("labels", velocity, Limits(allowed_labels={0, 1}), 422,
      r"labels \[2\] are not served by this expert \(serves \[0, 1\]\)"),
     ("solver", lambda: integrate(solver=7), LIMITS, 422, "unknown solver code 7"),
@@ -331,7 +336,8 @@ RESPONSE_ERRORS: list[tuple[str, Callable[[], bytes], str]] = [
     ("other error id", lambda: encode_error(2, 500, "boom"), "error reply is for request 2"),
     ("request", lambda: velocity(), "a velocity request is not expected here"),
     ("shape", lambda: encode_response(1, X[:1]), r"'out' has shape \(1, 1, 4, 4\)"),
-    ("non-finite", lambda: encode_response(1, X / 0.0), "'out' has non-finite values"),
+    ("non-finite", lambda: raw_body(RESPONSE, [tensor("out", X / 0.0)]),
+     "'out' has non-finite values"),
     ("param", lambda: raw_body(RESPONSE, [tensor("out", X)], param=3), "parameter field"),
     ("trailing", lambda: encode_response(1, X) + b"x", "1 trailing bytes"),
 ]
@@ -343,6 +349,24 @@ def test_decode_response_rejects(make_body: Callable[[], bytes], message: str) -
     with np.errstate(divide="ignore", invalid="ignore"), pytest.raises(ProtocolError,
                                                                        match=message):
         decode_response(make_body(), 1, expected_shape=X.shape)
+
+
+def test_states_up_to_the_bound_are_accepted() -> None:
+    x = np.where(X > 0.9, -MAX_STATE_MAGNITUDE, X).astype(np.float32)
+    assert np.array_equal(decode_request(velocity(x=x), LIMITS).x, x)
+
+
+@pytest.mark.parametrize("out", [lambda: X / 0.0, lambda: (X * 1e5).astype(np.float16)],
+                         ids=["inf", "float16 overflow"])
+def test_a_non_finite_output_is_refused_as_the_requests_422(out: Callable[[], np.ndarray]
+                                                            ) -> None:
+    """A server never sends what a caller would take for a broken replica: a request whose
+    values overflow the model (or the wire dtype) is that request's own 422."""
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"), \
+            pytest.raises(ProtocolError, match="the model's 'out' for this request is not "
+                                               "finite") as refused:
+        encode_response(1, out())
+    assert refused.value.status == 422
 
 
 @pytest.mark.parametrize("encode, message", [

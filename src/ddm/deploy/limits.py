@@ -47,6 +47,13 @@ STRATEGY_HINT = "use oracle, ensemble, topK (K 1..99), topk:K or threshold:P wit
 #: ``STRATEGY_PATTERN`` so that no DDMDeployment, ``router.yaml`` or request can pick them:
 #: ``random`` (an expert drawn uniformly per sample and step, the paper's FID-157 baseline).
 EVALUATION_STRATEGIES = ("random",)
+#: The largest magnitude a state's value may have where a client gives it: a request's
+#: ``latents`` at the router (422 naming the field) and ``x`` on the wire at every model
+#: server (``docs/protocol.md``, 422). Real states stay within a few tens (unit Gaussian noise,
+#: data in [-1, 1], a VAE's scaled latents), so this is far above any, and far enough below
+#: float32's 3.4e38 that a network's sums and squares of it stay finite: a state of 3e38
+#: made every expert answer infinities (issue 35).
+MAX_STATE_MAGNITUDE = 1e4
 #: What a DDM samples with when its spec (or a request) names nothing.
 DEFAULT_STEPS = 40
 DEFAULT_SOLVER = "euler"

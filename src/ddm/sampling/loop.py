@@ -56,7 +56,8 @@ import numpy as np
 
 from ddm.conditioning import LABELS, TEXT, Conditioning
 from ddm.convention import TimeGrid, to_uint8
-from ddm.deploy.limits import DEFAULT_SOLVER, MAX_GUIDANCE_SCALE, MAX_STEPS
+from ddm.deploy.limits import (DEFAULT_SOLVER, MAX_GUIDANCE_SCALE, MAX_STATE_MAGNITUDE,
+                               MAX_STEPS)
 from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
                                   random_weights, routing_weights, servable_labels)
 from ddm.sampling.solvers import initial_noise, solver_named, stepper
@@ -352,6 +353,10 @@ def _check_latents(mixture: Mixture, latents: np.ndarray | None, rows: int) -> N
         raise ValueError(f"latents must be float32 of shape {expected}, got {got}")
     if not np.isfinite(latents).all():
         raise ValueError("latents hold NaN or infinity")
+    largest = float(np.abs(latents).max(initial=0.0))
+    if largest > MAX_STATE_MAGNITUDE:
+        raise ValueError(f"latents must lie within +-{MAX_STATE_MAGNITUDE:g} "
+                         f"(MAX_STATE_MAGNITUDE), got a value of magnitude {largest:.3g}")
 
 
 # ------------------------------------------------------------------------------- the loop

@@ -28,8 +28,9 @@ import numpy as np
 
 from ddm.conditioning import Conditioning, EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS,
-                               MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS, MAX_STEPS,
-                               MAX_TEXT_TOKENS, MAX_TEXT_WIDTH, SOLVERS)
+                               MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS,
+                               MAX_STATE_MAGNITUDE, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
+                               SOLVERS)
 
 #: HTTP ``Content-Type`` of every body in this format.
 CONTENT_TYPE = "application/x-ddm-tensor"
@@ -378,12 +379,14 @@ def encode_encoded(request_id: int, encoded: EncodedPrompts) -> bytes:
     cond = encoded.cond
     assert cond.embeddings is not None, "EncodedPrompts holds text conditioning"
     mask = np.ones(cond.embeddings.shape[:2], _U8) if cond.mask is None else cond.mask
+    _check_output("embeddings", cond.embeddings)
     return _encode(_Kind.ENCODED, request_id, 0, (cond.embeddings, np.asarray(mask, _U8),
                                                   np.asarray(encoded.tokens_cut, _I32)))
 
 
 def encode_probabilities(request_id: int, probs: np.ndarray) -> bytes:
     """The reply to a route request: ``probs`` (B, K) float32."""
+    _check_output("probs", probs)
     return _encode(_Kind.PROBABILITIES, request_id, 0, (probs,))
 
 
@@ -391,7 +394,19 @@ def encode_response(request_id: int, out: np.ndarray) -> bytes:
     """The reply to a request: ``out`` (B, C, H, W) is the velocity for a velocity request,
     the state at ``grid[-1]`` for an integrate request, the images for a decode request;
     float16 and bfloat16 are sent as they are, to halve it."""
+    _check_output("out", out)
     return _encode(_Kind.RESPONSE, request_id, 0, (out,))
+
+
+def _check_output(name: str, values: np.ndarray) -> None:
+    """A model's output is sent only if finite (a caller refuses anything else as a malformed
+    reply, the replica's fault): a request whose own values make it overflow, in the model
+    or in the wire dtype, is refused instead, that request's 422, so that no request can make
+    a sound replica look broken."""
+    if not np.isfinite(values).all():
+        raise ProtocolError(f"the model's '{name}' for this request is not finite (in "
+                            f"{np.asarray(values).dtype}): its inputs are beyond what the "
+                            "model computes", 422)
 
 
 def max_reply_bytes(shape: tuple[int, ...]) -> int:
@@ -887,8 +902,11 @@ def _check_image(x: np.ndarray, limits: Limits) -> None:
                             422)
     if min(image) == 0:
         raise ProtocolError(f"'x' images {image} are empty", 422)
-    if not np.isfinite(x).all():
-        raise ProtocolError("'x' has non-finite values", 422)
+    largest = float(np.abs(x).max())  # NaN if any is NaN, and NaN fails the comparison
+    if not largest <= MAX_STATE_MAGNITUDE:
+        raise ProtocolError("'x' has non-finite values" if not math.isfinite(largest) else
+                            f"'x' has values beyond +-{MAX_STATE_MAGNITUDE:g} "
+                            f"(MAX_STATE_MAGNITUDE): magnitude {largest:.3g}", 422)
 
 
 def _check_times(name: str, times: np.ndarray) -> list[float]:

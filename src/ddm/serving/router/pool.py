@@ -4,12 +4,18 @@ The router calls an expert at every denoising step, so a call must cost one roun
 connection and survive a replica dying mid-generation. Per expert the pool keeps the replicas
 its endpoint source lists (:mod:`ddm.serving.router.replicas`: a static list, a DNS name re-resolved
 every ``refresh_s``, or any async callable) and sends each call to the usable replica with the
-fewest requests in flight, round-robin among ties. A replica that fails an attempt is marked
-down and only re-probed (``GET /readyz``), with a doubling backoff, until it answers again;
-ready replicas are re-probed every ``health_interval_s`` so that readiness reflects replicas
-that died while idle. A failed attempt is retried on another replica within the call's deadline;
-expert calls are pure functions of their inputs, so a retry is always safe. An expert's 4xx is
-the router's own fault and is never retried.
+fewest requests in flight, round-robin among ties. A failed attempt is retried on another
+replica within the call's deadline; expert calls are pure functions of their inputs, so a retry
+is always safe. Only what says the replica itself is unwell changes its health: a transport
+failure (no connection, no answer in time), a 503 (loading or closing) or a 401 marks it down,
+and it is then only re-probed (``GET /readyz``), with a doubling backoff, until it answers
+again; ready replicas are re-probed every ``health_interval_s`` so that readiness reflects
+replicas that died while idle. An answer a request may provoke (a 500, a malformed or
+non-finite reply, a 408 or 429) is retried elsewhere but leaves the replica's state to the
+probes, and an expert's other 4xx is that request's fault, never retried: a 422 (values the
+expert refuses, or whose output is not finite, ``docs/protocol.md``) is the client's 422, any
+other the router's 502. So no request, however hostile, can take replicas down or the
+router's ``/readyz`` with them (issue 35).
 
 Expert calls and probes (``/readyz``, ``/v1/info``) go through one
 :class:`~ddm.serving.http_client.HttpClient`, a lean keep-alive HTTP/1.1 client (its cost is
@@ -285,16 +291,29 @@ class ExpertUnavailable(ExpertError):
 
 
 class _ReplicaFailed(Exception):
-    """One attempt failed in a way another replica may not: retried elsewhere."""
+    """One attempt failed in a way another replica may not: retried elsewhere. ``down``: the
+    failure says the replica itself is unwell (no connection or answer, a 503, a 401), so it
+    is marked down until a probe finds it ready; otherwise (an answer the request may have
+    provoked) its state is left to the probes."""
+
+    def __init__(self, reason: str, down: bool) -> None:
+        super().__init__(reason)
+        self.down = down
 
 
 class ExpertRejected(ExpertError):
-    """The expert refused the request with a 4xx (``code``): the router sent something the
-    expert does not serve (a misconfiguration, not a replica failure), so it is not retried."""
+    """The expert refused the request with a 4xx (``code``), not a replica failure, so it is
+    not retried: a 422 refuses the request's values (a state beyond the wire's bound, an output
+    that is not finite: the client's values, answered 422), any other 4xx something the router
+    should not have sent (a misconfiguration, answered 502)."""
 
     def __init__(self, expert: str, code: int, message: str) -> None:
+        values = code == 422
         super().__init__(expert, f"refused the request ({code}): {message}",
-                         f"refused the request ({code})")
+                         "refused this request's values (422: beyond what it computes, or "
+                         "its output would not be finite)" if values
+                         else f"refused the request ({code})")
+        self.status = 422 if values else 502
         self.code = code
 
 
@@ -578,7 +597,7 @@ class ExpertPool:
         reason = ("no replica is listed" if not replicas.replicas else
                   "the call waited its whole deadline behind earlier requests to this expert")
         while (remaining := deadline - time.monotonic()) > 0:
-            replica = replicas.choose()
+            replica = replicas.choose(avoid=failed)
             if replica is None:
                 reason = _last_errors(replicas) or reason
                 await replicas.wait_usable(remaining)
@@ -599,7 +618,8 @@ class ExpertPool:
                 reason = f"{replica.endpoint}: {failure}"
                 self.metrics.attempts.labels(expert, kind, "failed").inc()
                 logger.warning("expert %s: attempt %d failed: %s", expert, attempts, reason)
-                replicas.mark_down(replica, str(failure), time.monotonic())
+                if failure.down:
+                    replicas.mark_down(replica, str(failure), time.monotonic())
                 failed = replica
                 if attempts >= self._settings.attempts:
                     raise self._give_up(expert, f"{attempts} attempt(s) failed, the last: "
@@ -653,9 +673,9 @@ class ExpertPool:
         except RemoteExpertError as error:
             raise _rejected_or_failed(expert, error) from None
         except ProtocolError as error:
-            raise _ReplicaFailed(f"malformed reply: {error}") from None
+            raise _ReplicaFailed(f"malformed reply: {error}", down=False) from None
         except (HttpClientError, TimeoutError) as error:
-            raise _ReplicaFailed(_describe(error)) from None
+            raise _ReplicaFailed(_describe(error), down=True) from None
         finally:
             replica.outstanding -= 1
 
@@ -691,7 +711,7 @@ class ExpertPool:
             max_error_bytes=_MAX_ERROR_BYTES, authorization=self._authorization())
         if reply.status == 401:
             raise _ReplicaFailed("answered 401: it does not accept the router's token "
-                                 "(both must read the same auth token file)")
+                                 "(both must read the same auth token file)", down=True)
         return reply.body
 
     #: Reads a replica's ``/v1/info``; a pool of stages parses a stage's report.
@@ -795,11 +815,11 @@ def _json(body: bytes) -> Any:
 
 
 def _rejected_or_failed(expert: str, error: RemoteExpertError) -> Exception:
-    """An expert's error reply: its 4xx is the router's fault (not retried), the rest the
-    replica's."""
+    """An expert's error reply: its 4xx is the request's fault (not retried), the rest retried
+    elsewhere; only a 503 (loading, closing: what its ``/readyz`` would say) marks it down."""
     if 400 <= error.code < 500 and error.code not in _RETRIABLE_4XX:
         return ExpertRejected(expert, error.code, error.message)
-    return _ReplicaFailed(f"answered {error.code}: {error.message}")
+    return _ReplicaFailed(f"answered {error.code}: {error.message}", down=error.code == 503)
 
 
 def _describe(error: BaseException) -> str:

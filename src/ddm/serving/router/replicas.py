@@ -308,10 +308,12 @@ class ReplicaSet:
         self._replicas = [known.get(e) or Replica(e) for e in dict.fromkeys(endpoints)]
         self._sync()
 
-    def choose(self) -> Replica | None:
+    def choose(self, avoid: Replica | None = None) -> Replica | None:
         """The usable replica with the fewest requests in flight, ready ones first; ties go
-        round-robin. None when every replica is down."""
+        round-robin; ``avoid`` (the one a call's last attempt failed on, which may still be
+        ready) only when it is the only one usable. None when every replica is down."""
         usable = [r for r in self._replicas if r.state is not ReplicaState.DOWN]
+        usable = [r for r in usable if r is not avoid] or usable
         if not usable:
             return None
         self._turn += 1

@@ -34,9 +34,12 @@ send it; more generations than ``limits.max_concurrent`` at once, or than
 with ``Retry-After`` naming the limit; with ``auth`` configured, a ``/v1/*`` request without
 the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas answers
 within the call deadline, or whose every replica sent a report the router refuses
-(:mod:`ddm.serving.router.pool`), gives a 503 naming it, and an expert refusing what the router
-sent a 502. None of them touches the process's health: ``/healthz`` fails only when the router
-network cannot load. ``/readyz`` and the bodies of 502 and 503 are the router's own words
+(:mod:`ddm.serving.router.pool`), gives a 503 naming it; an expert refusing the request's
+values (its 422: a state beyond ``MAX_STATE_MAGNITUDE``, an output that would not be finite) a
+422, and refusing anything else the router sent a 502. None of them touches the process's
+health: ``/healthz`` fails only when the router network cannot load; nor does any request's
+outcome make a replica look down (only probes and transport failures do), so ``/readyz`` says
+what the router can serve, not how the last request fared. ``/readyz`` and the bodies of 502 and 503 are the router's own words
 naming the expert by its ``router.yaml`` name; what the expert said goes to the log. A
 client that disconnects before its JSON answer stops its generation (counted as status 499),
 as a streamed one's does.
@@ -105,7 +108,8 @@ _ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8
            413: "the body is over limits.max_body_bytes (/v1/info; by default the DDM's "
                 "largest valid request)",
            415: "the body is not sent as JSON (Content-Type: application/json)",
-           422: "a request the router cannot serve; detail names the problem",
+           422: "a request the router cannot serve, or whose values an expert refused; detail "
+                "names the problem",
            429: "limits.max_concurrent generations are running, or this client's "
                 "limits.max_concurrent_per_client; detail names which; retry after Retry-After",
            502: "an expert refused or garbled what the router sent",
