@@ -356,6 +356,54 @@ def test_generations_beyond_the_limit_get_429_and_a_hung_expert_503(ddms, expert
             assert _metric(metrics, 'ddm_router_expert_unavailable_total{expert="e1"}') == 1
 
 
+#: A client's budget in the budget test: two generations of 2 labels x 3 steps.
+BUDGET = 12
+
+
+@pytest.mark.parametrize("per_s", [1e-6, 1e9], ids=["refilled-never", "refilled-at-once"])
+def test_a_clients_budget_of_rows_x_steps_is_charged_before_it_runs(ddms, experts, per_s):
+    """Issue 35, item 8: each client's generations are charged their rows x steps (labels x
+    steps) from a bucket of ``limits.client_row_steps``, refilled at
+    ``limits.client_row_steps_per_s``. A refill far too slow to matter during the test: two
+    generations of 6 empty the bucket of 12, the third gets 429 whose Retry-After is when the
+    bucket will hold 6 (6 / 1e-6 s), another client is served meanwhile; a refill far too fast
+    to notice: every one is served. A generation costing more than the whole bucket is a 422
+    naming the limit either way."""
+    config = _config({"e0": {"endpoints": [experts["e0"]]}, "e1": {"endpoints": [experts["e1"]]}},
+                     [LOW, HIGH], None, strategy="oracle")
+    config = dataclasses.replace(config, limits=RouterLimits(client_row_steps=BUDGET,
+                                                             client_row_steps_per_s=per_s))
+    with _servers({"router": create_router_app(config)}) as endpoints:
+        base = f"http://{endpoints['router']}"
+        _wait(lambda: httpx.get(f"{base}/v1/info").json()["image_shape"], "experts seen")
+        a, b = (httpx.Client(base_url=base, timeout=60, transport=httpx.HTTPTransport(
+            local_address=address)) for address in ("127.0.0.2", "127.0.0.3"))
+        with a, b:
+            def generate(client: httpx.Client, labels: list[int]) -> httpx.Response:
+                return client.post("/v1/generate", json={"labels": labels, "steps": 3})
+
+            answers = [generate(a, [1, 7]) for _ in range(3)]
+            other = generate(b, [1, 7])
+            too_big = generate(a, [1, 2, 3, 7, 8])  # 15 rows x steps
+            metrics = a.get("/metrics").text
+    assert too_big.status_code == 422 and too_big.json()["detail"] == (
+        "this generation costs 15 rows x steps (images x steps, guided steps twice), more than "
+        "a client's whole budget of 12 (limits.client_row_steps); ask for fewer images or "
+        "steps"), too_big.text
+    assert other.status_code == 200, other.text
+    if per_s > 1:
+        assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+        return
+    assert [r.status_code for r in answers] == [200, 200, 429], [r.text for r in answers]
+    refused = answers[2]
+    assert 6e6 - 600 < int(refused.headers["Retry-After"]) <= 6e6, refused.headers
+    assert refused.json()["detail"].startswith(
+        "client 127.0.0.2 has 0 of the 6 rows x steps this generation costs left in its "
+        "budget (limits.client_row_steps 12, refilled at limits.client_row_steps_per_s 1e-06); "
+        "retry in "), refused.text
+    assert _metric(metrics, "ddm_router_client_limited_total") == 1
+
+
 #: How long a generation that needs the hung expert stays in flight (the router's deadline).
 HOLD_S = 10.0
 

@@ -14,7 +14,7 @@ from ddm.conditioning import LABELS, TEXT, Conditioning, concat
 from ddm.convention import TimeGrid, flow_match_sigma_grid
 from ddm.sampling.guidance import guided
 from ddm.sampling.loop import (Calls, Decode, Decoded, Encode, Mixture, Route, SamplingRequest,
-                               StepEvent, Velocity, check_request, denoise)
+                               StepEvent, Velocity, check_request, denoise, row_steps)
 from ddm.sampling.routing import parse_strategy
 
 
@@ -223,6 +223,15 @@ def test_the_guidance_cut_off_unguides_the_later_steps():
     assert scales == [[7.5, 7.5]] * 2 + [[1.0, 1.0]] * 2
 
 
+def test_a_request_costs_a_row_per_image_and_step_and_a_second_at_each_guided_step():
+    """What a client's budget is charged: guided rows run twice, for the guided steps only."""
+    assert row_steps(text_request(steps=4, guidance_scale=1.0)) == 2 * 4
+    assert row_steps(text_request(steps=4)) == 2 * (4 + 4)  # 7.5, every step guided
+    assert row_steps(text_request(steps=4, guidance_cutoff=0.5)) == 2 * (4 + 2)
+    assert row_steps(SamplingRequest(labels=(1, 2, 3), steps=5, seed=0,
+                                     strategy=parse_strategy("oracle"))) == 3 * 5
+
+
 def test_given_latents_are_the_initial_state():
     latents = np.full((2, 1, 2, 2), 0.5, np.float32)
     seen = drive(TEXT_DDM, text_request(latents=latents, output="latent"), velocity=0.0)
@@ -246,6 +255,9 @@ def test_label_only_routing_refuses_a_text_ddm_by_name(strategy):
     ({"output": "png"}, "output must be one of image, latent"),
     ({"latents": np.zeros((2, 1, 2, 2), np.float64)}, "latents must be float32"),
     ({"latents": np.full((2, 1, 2, 2), np.nan, np.float32)}, "NaN"),
+    ({"latents": np.full((2, 1, 2, 2), -10000.5, np.float32)},
+     r"latents must lie within \+-10000 \(MAX_STATE_MAGNITUDE\), got a value of magnitude "
+     r"1e\+04"),
 ])
 def test_bad_text_requests_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ddm.deploy.limits import MAX_CONTEXT_CACHE_BYTES, ROUTER_MAX_CONCURRENT_PER_CLIENT
+from ddm.deploy.limits import (MAX_CONTEXT_CACHE_BYTES, ROUTER_CLIENT_ROW_STEPS,
+                               ROUTER_CLIENT_ROW_STEPS_PER_S, ROUTER_MAX_CONCURRENT_PER_CLIENT)
 from ddm.deploy.router_config import (
     Auth,
     Coalescing,
@@ -155,6 +156,18 @@ def test_the_per_client_limit_and_trusted_proxies_round_trip_with_safe_defaults(
     assert RouterConfigFile.from_yaml(config.to_yaml()) == config
 
 
+def test_a_clients_budget_defaults_to_four_of_the_largest_generations_and_round_trips() -> None:
+    limits = RouterConfigFile.from_yaml(TEXT).limits
+    assert (limits.client_row_steps, limits.client_row_steps_per_s) == (
+        ROUTER_CLIENT_ROW_STEPS, ROUTER_CLIENT_ROW_STEPS_PER_S)
+    largest = limits.max_batch * limits.max_steps * 2  # guided rows count twice
+    assert limits.client_row_steps == limits.max_concurrent_per_client * largest
+    config = RouterConfigFile.from_yaml(
+        TEXT + "limits: {client_row_steps: 500, client_row_steps_per_s: 0.5}\n")
+    assert (config.limits.client_row_steps, config.limits.client_row_steps_per_s) == (500, 0.5)
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+
+
 def test_coalescing_defaults_to_two_requests_per_replica_and_zero_turns_it_off() -> None:
     assert RouterConfigFile.from_yaml(TEXT).coalescing == Coalescing(in_flight_per_replica=2)
     config = RouterConfigFile.from_yaml(TEXT + "coalescing: {in_flight_per_replica: 0}\n")
@@ -184,6 +197,12 @@ def test_a_missing_expert_fails_by_default_and_the_policy_round_trips() -> None:
     ("coalescing: {in_flight: 2}\n", "coalescing has unknown keys ['in_flight']"),
     ("limits: {max_concurrent_per_client: 0}\n",
      "limits.max_concurrent_per_client must be an integer >= 1, got 0"),
+    ("limits: {client_row_steps: 0}\n",
+     "limits.client_row_steps must be an integer >= 1, got 0"),
+    ("limits: {client_row_steps_per_s: 0}\n",
+     "limits.client_row_steps_per_s must be a number > 0, got 0"),
+    ("limits: {client_row_steps_per_s: .inf}\n",
+     "limits.client_row_steps_per_s must be a number > 0, got inf"),
     ("missing_expert: {policy: hope}\n",
      "missing_expert.policy must be one of ['fail', 'wait', 'reroute'], got 'hope'"),
     ("missing_expert: {wait_s: 0}\n", "missing_expert.wait_s must be in (0, 3600], got 0"),

@@ -77,6 +77,13 @@ ROUTER_MAX_CONCURRENT = 16
 #: Of those, what one client may run at once (``ddm.serving.router.clients`` says who a
 #: client is): a quarter, so that one client cannot take the router from the others.
 ROUTER_MAX_CONCURRENT_PER_CLIENT = 4
+#: What one client may ask of the experts over time (``ddm.serving.router.clients.
+#: ClientBudget``, a token bucket of rows x steps, ``ddm.sampling.loop.row_steps``): it holds
+#: at most this many (four of the largest guided generations the router's default limits
+#: allow, 64 images x 200 steps x 2 rows, as many as run at once) and refills this many per
+#: second (a guided 40-step image takes 80: some 25 such images a second, per client).
+ROUTER_CLIENT_ROW_STEPS = 4 * ROUTER_MAX_BATCH * ROUTER_MAX_STEPS * 2
+ROUTER_CLIENT_ROW_STEPS_PER_S = 2048.0
 #: The router's JSON body limit where the DDM's largest valid request is smaller (room for a
 #: label DDM's spacing and fields); a larger request raises it (``ddm.serving.router.requests.
 #: max_body_bytes``).

@@ -38,6 +38,8 @@ from ddm.deploy.limits import (
     MAX_STEPS,
     PORTS,
     PRECISIONS,
+    ROUTER_CLIENT_ROW_STEPS,
+    ROUTER_CLIENT_ROW_STEPS_PER_S,
     ROUTER_MAX_BATCH,
     ROUTER_MAX_CONCURRENT,
     ROUTER_MAX_CONCURRENT_PER_CLIENT,
@@ -282,6 +284,11 @@ class RouterLimits:
     shape (``ddm.serving.router.requests.max_body_bytes``; 1.6 MB for Paris at 64), so that
     every request the router would serve is read and no larger one is buffered.
 
+    ``client_row_steps`` and ``client_row_steps_per_s`` are each client's budget of rows x
+    steps (``ddm.sampling.loop.row_steps``), a token bucket of that capacity refilled at that
+    rate: a generation is charged before it runs, 429 with ``Retry-After`` while the bucket
+    holds too little, 422 for one larger than the whole bucket.
+
     ``context_cache_bytes`` bounds the text contexts (generations' embeddings) the router keeps
     to name in its calls to experts, least recently used dropped first (dropping one costs
     only making it again): 1 .. ``MAX_CONTEXT_CACHE_BYTES``.
@@ -292,16 +299,22 @@ class RouterLimits:
     max_concurrent: int = ROUTER_MAX_CONCURRENT
     max_body_bytes: int | None = None
     max_concurrent_per_client: int = ROUTER_MAX_CONCURRENT_PER_CLIENT
+    client_row_steps: int = ROUTER_CLIENT_ROW_STEPS
+    client_row_steps_per_s: float = ROUTER_CLIENT_ROW_STEPS_PER_S
     context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_steps", "max_concurrent", "max_body_bytes",
-                     "max_concurrent_per_client"):
+                     "max_concurrent_per_client", "client_row_steps"):
             value = getattr(self, name)
             if name == "max_body_bytes" and value is None:
                 continue
             _check(_is_int(value) and value >= 1,
                    f"limits.{name} must be an integer >= 1, got {value!r}")
+        _check(_is_number(self.client_row_steps_per_s) and self.client_row_steps_per_s > 0
+               and self.client_row_steps_per_s != float("inf"),
+               f"limits.client_row_steps_per_s must be a number > 0, got "
+               f"{self.client_row_steps_per_s!r}")
         _check(self.max_steps <= MAX_STEPS,
                f"limits.max_steps must be at most {MAX_STEPS}, got {self.max_steps}")
         _check(_is_int(self.context_cache_bytes)

@@ -362,6 +362,24 @@ def _check_latents(mixture: Mixture, latents: np.ndarray | None, rows: int) -> N
 # ------------------------------------------------------------------------------- the loop
 
 
+def guided_steps(request: SamplingRequest) -> int:
+    """How many of ``request``'s first steps run guided rows guided: its ``guidance_cutoff``
+    fraction of the steps (later ones run them unguided)."""
+    return int(request.guidance_cutoff * request.steps)
+
+
+def row_steps(request: SamplingRequest) -> int:
+    """What ``request`` asks of the experts, in rows x steps: one row per image at every step,
+    and a guided image's second (unconditional) row at each guided step, as the experts count
+    forward rows against their batch limits. Neither the solver's evaluations per step nor the
+    experts routing picks are counted: they are the router's choices, not the client's. What a
+    client's budget is charged (``ddm.serving.router.clients``)."""
+    images = (len(request.labels) + len(request.prompts)
+              + (len(request.conditioning) if request.conditioning is not None else 0))
+    guided = guided_steps(request) if request.guidance_scale != 1.0 else 0
+    return images * (request.steps + guided)
+
+
 @dataclass(frozen=True)
 class CheckedRequest:
     """A request :func:`check_request` accepted for ``mixture``, and the labels it returned: a
@@ -395,11 +413,11 @@ def denoise(mixture: Mixture, request: SamplingRequest | CheckedRequest) -> Loop
     # (seed, image index) per sample: what the random baseline's draws are keyed on.
     keys = np.stack([np.full(n, request.seed, np.int64),
                      request.first_index + np.arange(n, dtype=np.int64)], axis=1)
-    guided_steps = int(request.guidance_cutoff * request.steps)
+    guided = guided_steps(request)
     chunk = max(1, request.delegate_steps)
     for start in range(0, request.steps, chunk):
         end = min(start + chunk, request.steps)
-        step_cond = (cond if cond.guidance is None or start < guided_steps
+        step_cond = (cond if cond.guidance is None or start < guided
                      else cond.with_guidance(1.0))
         event = yield from _chunk(mixture, request, x, step_cond, keys, grid[start:end + 1],
                                   end)

@@ -75,7 +75,9 @@ T = TypeVar("T")
 Headers = Iterable[tuple[bytes, bytes]]
 
 #: OpenAPI: the ``Retry-After`` header of a 429 or 503.
-RETRY_AFTER_HEADER = {"Retry-After": {"description": f"seconds to wait ({RETRY_AFTER_S})",
+RETRY_AFTER_HEADER = {"Retry-After": {"description": f"seconds to wait ({RETRY_AFTER_S}; for a "
+                                                     "router client's budget, until it holds "
+                                                     "enough)",
                                       "schema": {"type": "integer"}}}
 _PROBE = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 

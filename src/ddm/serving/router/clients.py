@@ -1,8 +1,11 @@
-"""Who a request comes from, and how many generations each client may run at once.
+"""Who a request comes from, how many generations each client may run at once, and how much
+it may ask of the experts over time.
 
 The router's capacity (``limits.max_concurrent`` generations) is shared by its clients; a
 client may hold at most ``limits.max_concurrent_per_client`` of them, so one client cannot
-take all of it (more get 429 naming the limit). A client is its address:
+take all of it (more get 429 naming the limit), and may ask for at most its budget of rows x
+steps (:class:`ClientBudget`), so that a few huge generations cannot hold the router's slots
+for minutes either. A client is its address:
 
 - the TCP peer's address, unless the peer is inside router.yaml's ``trusted_proxies``
   (CIDRs, ``RouterConfigFile.trusted_networks``);
@@ -22,7 +25,9 @@ uvicorn's own proxy-header rewriting off, which would trust a loopback peer's he
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from ddm.checkpoints.destinations import Address, Network
 
@@ -32,7 +37,16 @@ FORWARDED_FOR = b"x-forwarded-for"
 
 
 class ClientBusy(RuntimeError):
-    """The client already runs as many generations as one client may."""
+    """The client already runs as many generations as one client may, or its budget holds too
+    little for this one now: ``retry_after_s`` says when it will (None: when one ends)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class OverBudget(ValueError):
+    """A generation costs more than a client's whole budget: it can never run (422)."""
 
 
 def client_key(peer: str | None, forwarded_for: Iterable[bytes],
@@ -109,3 +123,66 @@ class ClientSlots:
             self._running[client] = running
         else:
             del self._running[client]  # the table holds only clients with work in flight
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float  # time.monotonic() when ``tokens`` was counted
+
+
+class ClientBudget:
+    """Per client, a token bucket of rows x steps (``ddm.sampling.loop.row_steps``): it holds
+    at most ``capacity`` and refills at ``per_s`` a second; a generation is charged its cost
+    before it runs. Time is passed in (``now``, monotonic seconds): no I/O, no clock here.
+    Only clients whose bucket is not full are kept (a full one is the same as none), so the
+    table stays as small as the clients active in the last ``capacity / per_s`` seconds."""
+
+    def __init__(self, capacity: int, per_s: float) -> None:
+        if capacity < 1 or not per_s > 0:
+            raise ValueError(f"a budget needs capacity >= 1 and per_s > 0, got {capacity}, "
+                             f"{per_s}")
+        self.capacity, self.per_s = capacity, per_s
+        self._buckets: dict[str, _Bucket] = {}
+        self._sweep_at = _SWEEP_FIRST
+
+    def held(self, client: str, now: float) -> float:
+        """What ``client``'s bucket holds at ``now``."""
+        bucket = self._buckets.get(client)
+        if bucket is None:
+            return float(self.capacity)
+        return min(float(self.capacity), bucket.tokens + (now - bucket.at) * self.per_s)
+
+    def charge(self, client: str, cost: int, now: float) -> None:
+        """Take ``cost`` from ``client``'s bucket, or refuse naming the limit:
+        :class:`OverBudget` if it exceeds the capacity, :class:`ClientBusy` with the seconds
+        until the bucket holds it otherwise."""
+        if cost > self.capacity:
+            raise OverBudget(
+                f"this generation costs {cost} rows x steps (images x steps, guided steps "
+                f"twice), more than a client's whole budget of {self.capacity} "
+                "(limits.client_row_steps); ask for fewer images or steps")
+        held = self.held(client, now)
+        if held < cost:
+            wait = max(1, math.ceil((cost - held) / self.per_s))
+            raise ClientBusy(
+                f"client {client} has {held:.0f} of the {cost} rows x steps this generation "
+                f"costs left in its budget (limits.client_row_steps {self.capacity}, refilled "
+                f"at limits.client_row_steps_per_s {self.per_s:g}); retry in {wait} s", wait)
+        self._buckets[client] = _Bucket(held - cost, now)
+        if len(self._buckets) >= self._sweep_at:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Forget the clients whose buckets are full again; sweep next at twice what is
+        left (amortised O(1) per charge)."""
+        for client in [c for c in self._buckets if self.held(c, now) >= self.capacity]:
+            del self._buckets[client]
+        self._sweep_at = max(_SWEEP_FIRST, 2 * len(self._buckets))
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+#: Clients kept before the first sweep of full buckets.
+_SWEEP_FIRST = 1024

@@ -31,18 +31,21 @@ fields or strategies) a 422 naming the problem; malformed JSON a 400 with its li
 (or saying it is not UTF-8); a body not sent as JSON (``Content-Type``) a 415 saying how to
 send it; more generations than ``limits.max_concurrent`` at once, or than
 ``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.clients`), a 429
-with ``Retry-After`` naming the limit; with ``auth`` configured, a ``/v1/*`` request without
-the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas answers
-within the call deadline, or whose every replica sent a report the router refuses
+with ``Retry-After`` naming the limit; a generation costing more rows x steps than the
+client's budget holds now (``limits.client_row_steps``, refilled at
+``limits.client_row_steps_per_s``) a 429 whose ``Retry-After`` says when it will, and one
+costing more than the whole budget a 422; with ``auth`` configured, a ``/v1/*`` request
+without the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas
+answers within the call deadline, or whose every replica sent a report the router refuses
 (:mod:`ddm.serving.router.pool`), gives a 503 naming it; an expert refusing the request's
 values (its 422: a state beyond ``MAX_STATE_MAGNITUDE``, an output that would not be finite) a
 422, and refusing anything else the router sent a 502. None of them touches the process's
 health: ``/healthz`` fails only when the router network cannot load; nor does any request's
 outcome make a replica look down (only probes and transport failures do), so ``/readyz`` says
-what the router can serve, not how the last request fared. ``/readyz`` and the bodies of 502 and 503 are the router's own words
-naming the expert by its ``router.yaml`` name; what the expert said goes to the log. A
-client that disconnects before its JSON answer stops its generation (counted as status 499),
-as a streamed one's does.
+what the router can serve, not how the last request fared. ``/readyz`` and the bodies of 502
+and 503 are the router's own words naming the expert by its ``router.yaml`` name; what the
+expert said goes to the log. A client that disconnects before its JSON answer stops its
+generation (counted as status 499), as a streamed one's does.
 
 Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
 the digit, not a prediction of the end: with delegation the router never sees the velocity
@@ -79,7 +82,8 @@ from ddm.convention import to_uint8
 from ddm.deploy.limits import MAX_GUIDANCE_SCALE, ROUTER_PORT
 from ddm.imaging import png_bytes
 from ddm.serving.auth import BearerAuth
-from ddm.serving.router.clients import FORWARDED_FOR
+from ddm.sampling.loop import row_steps
+from ddm.serving.router.clients import FORWARDED_FOR, OverBudget
 from ddm.serving.router.info import expert_card, has_router_network, strategies
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
@@ -111,7 +115,9 @@ _ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8
            422: "a request the router cannot serve, or whose values an expert refused; detail "
                 "names the problem",
            429: "limits.max_concurrent generations are running, or this client's "
-                "limits.max_concurrent_per_client; detail names which; retry after Retry-After",
+                "limits.max_concurrent_per_client, or its budget of rows x steps "
+                "(limits.client_row_steps) holds too little now; detail names which; retry "
+                "after Retry-After",
            502: "an expert refused or garbled what the router sent",
            503: "the router is not ready, or no replica of an expert answered"}
 
@@ -167,7 +173,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         started = time.perf_counter()
         guard = router.guard()
         encoded = _Encoding()
-        with router.slot(_client(router, http)):
+        with router.slot(_client(router, http), row_steps(request)):
             result = await _while_connected(http, generate_remote(
                 mixture, router.pool, checked, guard, encoded.add))
         return {"images": [_png(image) for image in result.images],
@@ -193,7 +199,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         mixture, checked = _checked(router, request)
         preview = await router.preview(mixture.image_shape)
         client = _client(router, http)
-        router.take_slot(client)
+        router.take_slot(client, row_steps(request))
         events = _events(router, mixture, checked, client, preview)
         first = await anext(events)  # started, so that closing it always frees the slot
         body = _prepend(first, events)
@@ -226,7 +232,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                 raise HTTPException(422, f"size {body.size} is not this DDM's; it makes "
                                          f"{own} images only")
         encoded = _Encoding()
-        with router.slot(_client(router, http)):
+        with router.slot(_client(router, http), row_steps(request)):
             result = await _while_connected(http, generate_remote(
                 mixture, router.pool, checked, router.guard(), encoded.add))
         return {"created": int(time.time()),
@@ -536,7 +542,12 @@ def _add_error_handlers(app: FastAPI, fields_at: str) -> None:
 
     @app.exception_handler(Busy)
     async def busy(_: Request, error: Busy) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, 429, headers=_RETRY)
+        return JSONResponse({"detail": str(error)}, 429, headers=_RETRY if error.retry_after_s
+                            is None else {"Retry-After": str(error.retry_after_s)})
+
+    @app.exception_handler(OverBudget)
+    async def over_budget(_: Request, error: OverBudget) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, 422)
 
     @app.exception_handler(NotReady)
     async def not_ready(_: Request, error: NotReady) -> JSONResponse:

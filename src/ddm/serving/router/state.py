@@ -6,7 +6,8 @@ The network, and a text DDM's stages placed in the router (``router.yaml``'s
 (``RouterState.load``) so that probes are answered at once;
 ``problems`` says what keeps the router from being ready (some experts down is only degraded);
 ``slot`` counts generations in and out against ``limits.max_concurrent`` and, per client
-(:mod:`ddm.serving.router.clients`), ``limits.max_concurrent_per_client``.
+(:mod:`ddm.serving.router.clients`), ``limits.max_concurrent_per_client``, and charges the
+client's budget of rows x steps (``limits.client_row_steps``) before a generation runs.
 
 The router checks what it is given (:func:`expert_mismatches`): each expert's ``/v1/info``
 (convention, partition, classes, image shape) against the router network's checkpoint (its
@@ -26,6 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
@@ -39,7 +41,7 @@ from ddm.convention import CONVENTION_NAME, FLOW_MATCH_PREFIX, TimeGrid
 from ddm.data.partition import PartitionMismatchError, check_partition_hash
 from ddm.models.loading import RouterFn
 from ddm.serving.auth import TokenFile
-from ddm.serving.router.clients import ClientBusy, ClientSlots, client_key
+from ddm.serving.router.clients import ClientBudget, ClientBusy, ClientSlots, client_key
 from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
@@ -77,7 +79,13 @@ def load_router_config(path: str | os.PathLike[str]) -> RouterConfigFile:
 
 
 class Busy(RuntimeError):
-    """More generations in flight than the router allows, in all or to this client."""
+    """More generations in flight than the router allows, in all or to this client, or more
+    rows x steps than the client's budget holds now; ``retry_after_s`` says when to retry
+    (None: the router's default, a generation ending any time)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class NotReady(RuntimeError):
@@ -98,7 +106,8 @@ class RouterMetrics:
                                "Generations running now (JSON and streamed).", registry=registry)
         self.client_busy = Counter(
             "ddm_router_client_limited", "Generations refused because their client already "
-            "ran limits.max_concurrent_per_client.", registry=registry)
+            "ran limits.max_concurrent_per_client, or its budget of rows x steps "
+            "(limits.client_row_steps) held too little.", registry=registry)
 
 
 class RouterState:
@@ -135,6 +144,8 @@ class RouterState:
         self.trusted_proxies = config.trusted_networks()
         self._in_flight = 0
         self._clients = ClientSlots(config.limits.max_concurrent_per_client)
+        self._budget = ClientBudget(config.limits.client_row_steps,
+                                    config.limits.client_row_steps_per_s)
         #: The experts' reports, invalid reports and the network's state last seen, and
         #: what the router made of them (:meth:`_view`).
         self._viewed: tuple[Any, _View] | None = None
@@ -285,18 +296,30 @@ class RouterState:
         """Who a request from ``peer`` counts against (:func:`clients.client_key`)."""
         return client_key(peer, forwarded_for, self.trusted_proxies)
 
-    def take_slot(self, client: str) -> None:
-        """Count a generation of ``client`` in, or refuse it (:class:`Busy` naming the limit
-        reached: the client's own first); :meth:`release_slot` counts it out."""
+    def take_slot(self, client: str, row_steps: int) -> None:
+        """Count a generation of ``client`` costing ``row_steps`` (``ddm.sampling.loop.
+        row_steps``) in, charging the client's budget, or refuse it (:class:`Busy` naming the
+        limit reached: the client's own first; ``clients.OverBudget``, a 422, for a cost no
+        budget holds); :meth:`release_slot` counts it out. Only a generation that runs is
+        charged."""
         try:
             self._clients.take(client)
         except ClientBusy as error:
             self.metrics.client_busy.inc()
             raise Busy(str(error)) from None
-        if self._in_flight >= self.limits.max_concurrent:
+        try:
+            if self._in_flight >= self.limits.max_concurrent:
+                raise Busy(f"{self._in_flight} generations are in flight, the limit is "
+                           f"{self.limits.max_concurrent} (limits.max_concurrent); retry "
+                           "shortly")
+            try:
+                self._budget.charge(client, row_steps, time.monotonic())
+            except ClientBusy as error:
+                self.metrics.client_busy.inc()
+                raise Busy(str(error), error.retry_after_s) from None
+        except BaseException:
             self._clients.release(client)
-            raise Busy(f"{self._in_flight} generations are in flight, the limit is "
-                       f"{self.limits.max_concurrent} (limits.max_concurrent); retry shortly")
+            raise
         self._in_flight += 1
         self.metrics.in_flight.inc()
 
@@ -306,8 +329,8 @@ class RouterState:
         self.metrics.in_flight.dec()
 
     @contextmanager
-    def slot(self, client: str) -> Iterator[None]:
-        self.take_slot(client)
+    def slot(self, client: str, row_steps: int) -> Iterator[None]:
+        self.take_slot(client, row_steps)
         try:
             yield
         finally:
