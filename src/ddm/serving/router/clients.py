@@ -166,9 +166,10 @@ class ClientBudget:
         if held < cost:
             wait = max(1, math.ceil((cost - held) / self.per_s))
             raise ClientBusy(
-                f"client {client} has {held:.0f} of the {cost} rows x steps this generation "
-                f"costs left in its budget (limits.client_row_steps {self.capacity}, refilled "
-                f"at limits.client_row_steps_per_s {self.per_s:g}); retry in {wait} s", wait)
+                f"client {client} has {math.floor(held)} of the {cost} rows x steps this "
+                f"generation costs left in its budget (limits.client_row_steps "
+                f"{self.capacity}, refilled at limits.client_row_steps_per_s {self.per_s:g}); "
+                f"retry in {wait} s", wait)
         self._buckets[client] = _Bucket(held - cost, now)
         if len(self._buckets) >= self._sweep_at:
             self._sweep(now)

@@ -27,7 +27,8 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 
 from ddm.conditioning import TEXT
 from ddm.deploy.limits import (MAX_CLASS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
-                               ROUTER_MIN_BODY_BYTES, SOLVERS, STRATEGY_PATTERN)
+                               MAX_STATE_MAGNITUDE, ROUTER_MIN_BODY_BYTES, SOLVERS,
+                               STRATEGY_PATTERN)
 from ddm.deploy.router_config import RouterConfigFile, RouterLimits
 from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
@@ -280,7 +281,8 @@ def request_models(config: RouterConfigFile
         user: str | None = Field(None, max_length=256, description="accepted and ignored")
         latents: str | None = Field(None, description="the initial noise, as diffusers' "
                                     "latents: base64 of a .npy float32 array (n, C, H, W) of "
-                                    "the DDM's state shape")
+                                    "the DDM's state shape, every value within "
+                                    f"+-{MAX_STATE_MAGNITUDE:g}")
 
         @field_validator("response_format")
         @classmethod
