@@ -20,6 +20,7 @@ from ddm.deploy.plan import plan_expert
 from ddm.runtime.local import (LocalPlan, ProcessSpec, Supervisor, free_port, plan_local,
                                resolve_checkpoint)
 from benchmarks.figures import BIG_BATCH
+from benchmarks.loopback import one_client_router
 
 HOST = "127.0.0.1"
 #: Concurrent generations (and one-row velocity calls) in the batching figure.
@@ -112,14 +113,11 @@ def _plan(manifest: DDMManifest, max_batch: int, workdir: Path, tag: str,
     manifest = dataclasses.replace(manifest, spec=dataclasses.replace(spec, experts=experts))
     config_path = workdir / f"router-{tag}.yaml"
     plan = plan_local(manifest, ports, ports(), HOST, config_path=config_path)
-    config_path.write_text(plan.router_config.to_yaml())
 
     def named(process: ProcessSpec) -> ProcessSpec:
         return dataclasses.replace(process, name=f"{tag}/{process.name}")
 
-    router = dataclasses.replace(named(plan.router), argv=(
-        *plan.router.argv, "--max-concurrent", str(CONCURRENT),
-            "--max-concurrent-per-client", str(CONCURRENT)))  # every client is on loopback
+    router = named(one_client_router(plan, CONCURRENT, config_path))
     return dataclasses.replace(plan, experts=tuple(map(named, plan.experts)), router=router)
 
 

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from benchmarks.figures import percentiles
+from benchmarks.loopback import one_client_router
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import (READY_TIMEOUT_S, REPOSITORY_ROOT, Supervisor, free_port,
@@ -137,10 +138,7 @@ def _local_ddm(manifest: Path, clients: int, log: TextIO) -> Iterator[str]:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
                           HOST, config_path=config_path)
-        config_path.write_text(plan.router_config.to_yaml())
-        router = dataclasses.replace(plan.router, argv=(
-            *plan.router.argv, "--max-concurrent", str(clients),
-            "--max-concurrent-per-client", str(clients)))  # every client is on loopback
+        router = one_client_router(plan, clients, config_path)
         supervisor = Supervisor(log)
         try:
             print(f"load: starting {len(plan.experts)} experts and the router", file=log,
