@@ -58,11 +58,12 @@ FAMILIES = {"paris-dit": EXPERT, "paris-router": ROUTER, "pixart": EXPERT,
 #: names the family where ``_ddm`` does not (the text2img training's components).
 _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent-router",
                    "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
-#: How a diffusers model of a stage is read: its own safetensors, nothing fetched, and
-#: initialised before its weights load, as diffusers does without ``accelerate`` (which our
-#: images do not ship): left to its default, it says so at every load.
+#: How a diffusers model of a stage is read: its own safetensors, nothing fetched, no code of
+#: the checkpoint's run (a concrete model class runs none; said so that no later diffusers
+#: may), and initialised before its weights load, as diffusers does without ``accelerate``
+#: (which our images do not ship): left to its default, it says so at every load.
 _DIFFUSERS_LOADING = {"use_safetensors": True, "local_files_only": True,
-                     "low_cpu_mem_usage": False}
+                     "trust_remote_code": False, "low_cpu_mem_usage": False}
 #: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
 PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 
@@ -78,13 +79,14 @@ class ClipTextEncoder:
                  dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer, CLIPTextModel
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True,
+                                                       trust_remote_code=False)
         length = self.tokenizer.model_max_length  # transformers' 1e30 where none is recorded
         if not 1 <= length <= limits.MAX_TEXT_TOKENS:
             raise ValueError(f"its tokenizer's model_max_length is {length:.4g}; prompts are "
                              f"padded to it, so it must be 1..{limits.MAX_TEXT_TOKENS}")
         self.model = CLIPTextModel.from_pretrained(
-            text_encoder, use_safetensors=True, local_files_only=True,
+            text_encoder, use_safetensors=True, local_files_only=True, trust_remote_code=False,
             dtype=dtype or stored_dtype(text_encoder)).to(device).eval()
         self.device = device
 
