@@ -341,14 +341,21 @@ def program_file_name(meta: CheckpointMeta) -> str:
 def check_weight_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[int, ...]],
                         actual: Mapping[str, np.ndarray]) -> None:
     """Raise a ``CheckpointError`` naming every missing, unexpected or misshapen tensor."""
+    check_shapes(path, expected, {name: tuple(array.shape) for name, array in actual.items()})
+
+
+def check_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[int, ...]],
+                 actual: Mapping[str, tuple[int, ...]]) -> None:
+    """:func:`check_weight_shapes` of the shapes ``actual`` (a safetensors header's,
+    :func:`safetensors_header`): before any tensor is read."""
     problems = []
     for name in sorted(set(expected) - set(actual)):
         problems.append(f"missing {name}")
     for name in sorted(set(actual) - set(expected)):
         problems.append(f"unexpected {name}")
     for name in sorted(set(expected) & set(actual)):
-        if tuple(actual[name].shape) != tuple(expected[name]):
-            problems.append(f"{name} has shape {tuple(actual[name].shape)}, "
+        if tuple(actual[name]) != tuple(expected[name]):
+            problems.append(f"{name} has shape {tuple(actual[name])}, "
                             f"the architecture needs {tuple(expected[name])}")
     if problems:
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
