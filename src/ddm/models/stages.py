@@ -292,10 +292,31 @@ def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = No
                   device: str = "cpu", backend: str = "torch") -> Stage:
     """Load ``path`` as ``declared`` says (a release's component that declares nothing
     itself, e.g. Paris's); what it states must match the network."""
+    check_library_depth(path, declared.family)
     torch_dtype = None if dtype is None else PRECISIONS[dtype]
     stage = _LOADERS[declared.family](path, declared, torch_dtype, device, backend)
     _check_declared(path, declared, stage.declaration)
     return stage
+
+
+def check_library_depth(path: Path, family: str) -> None:
+    """The depth a library builds a ``family`` network from (:data:`_DEPTH_FIELDS` of its
+    config.json) is at most ``MAX_NETWORK_BLOCKS``, before the library builds anything: it
+    allocates every block's weights before it reads one (Paris's networks take their depth
+    from the weights: ``paris_loading``)."""
+    config = read_component_config(path)
+    for name in _DEPTH_FIELDS.get(family, ()):
+        value = config.get(name)
+        depth = len(value) if isinstance(value, list) else value
+        if _ints([depth]) and depth > limits.MAX_NETWORK_BLOCKS:
+            raise CheckpointError(f"{path}/config.json: {name} gives {depth} blocks; a network "
+                                  f"has at most {limits.MAX_NETWORK_BLOCKS}")
+
+
+#: The config.json fields each library family's depth comes from (a list: its length).
+_DEPTH_FIELDS = {"pixart": ("num_layers",), "latent-router": ("depth",),
+                 "clip-text": ("num_hidden_layers",),
+                 "autoencoder-kl": ("layers_per_block", "block_out_channels")}
 
 
 def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
