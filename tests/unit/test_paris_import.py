@@ -108,6 +108,7 @@ def test_ddm_yaml_is_a_text_ddm_that_plans(imported: Path) -> None:
     assert spec.text_encoder.checkpoint.path == str(imported / "text_encoder")
     assert spec.decoder.checkpoint.path == str(imported / "decoder")
     assert spec.router.checkpoint.path == str(imported / "router")
+    assert spec.router.auth is not None  # the API asks for a token: a random one
     # On cpu (the default) the stages run inside the router.
     assert {s.placement for s in spec.stages.values()} == {"router"}
     plan = plan_deployment(spec)
