@@ -1,17 +1,19 @@
 """Output files: checked before the work that fills them, written atomically (a reader sees
 the old file or the complete new one, never half of it), with the mode any new file gets.
+Input files someone else made (a release, a checkpoint): opened without following a link.
 
 Nothing here creates an output's directory: it must exist, so that a typo in ``--out`` (or
 one run as root) fails at once instead of leaving a directory tree behind."""
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Iterator
 
 #: A new output's mode before the umask: 0644 under the usual 022, as ``open()`` would make it.
 OUTPUT_MODE = 0o666
@@ -69,3 +71,20 @@ def share_as_new(directory: Path) -> None:
     for path in directory.rglob("*"):
         if path.is_file() and not path.is_symlink():
             os.chmod(path, mode)
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file itself: not a symbolic link (which
+    could name any file this process may read: ``/proc/self/environ``), nor a FIFO or device
+    (which would block or never end). ``O_NONBLOCK`` so that opening a FIFO does not wait for
+    a writer; it changes nothing for a regular file. Raises ``ValueError`` naming the path."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symbolic link; only regular files are read") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a regular file")
+    return os.fdopen(fd, "rb")

@@ -95,7 +95,10 @@ def _npy(array: np.ndarray) -> str:
 
 
 def _generate(plan: LocalPlan, **fields) -> np.ndarray:
-    reply = httpx.post(f"{plan.url}{IMAGES}", timeout=GENERATION_S, json={
+    assert plan.token_file is not None  # the import asks for a token: ddm up wrote one
+    token = Path(plan.token_file).read_text().strip()
+    reply = httpx.post(f"{plan.url}{IMAGES}", timeout=GENERATION_S,
+                       headers={"Authorization": f"Bearer {token}"}, json={
         "prompt": PROMPT, "steps": STEPS, "strategy": "top2", "response_format": "b64_json",
         **fields})
     assert reply.status_code == 200, reply.text

@@ -217,6 +217,10 @@ def test_configs_reject_bad_values():
         UNetConfig.from_dict(SMOKE.to_dict() | {"depth": 3})
     with pytest.raises(ConfigError, match="not divisible"):
         UNetConfig(image_size=10, channel_mults=(1, 2, 4))
+    # a config.json's depth is built before the weights can disagree: bounded
+    with pytest.raises(ConfigError, match="2 levels of 20000 residual blocks; a network has "
+                                          "at most 256"):
+        UNetConfig.from_dict(SMOKE.to_dict() | {"num_res_blocks": 20000})
 
 
 def test_a_ddm_is_its_experts_and_router_only(tmp_path, smoke_checkpoint):

@@ -16,6 +16,7 @@ import sys
 import tarfile
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -24,8 +25,8 @@ import numpy as np
 import pytest
 
 from ddm.checkpoints.destinations import parse_networks
-from ddm.checkpoints.fetch import (MAX_ARCHIVE_HEADER_BYTES, FetchError, FetchPolicy,
-                                   fetch_checkpoint, resolve_url)
+from ddm.checkpoints.archive import MAX_ARCHIVE_HEADER_BYTES
+from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint, resolve_url
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 from ddm.checkpoints.uri import FETCH_COMMAND
 from ddm.cli import main
@@ -359,8 +360,23 @@ def test_an_archive_that_inflates_past_the_limit_is_refused(origin, tmp_path):
     size = len(origin.files["/bomb.tar.gz"])
     policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size + 4096,
                          allowed_networks=LOOPBACK)
-    with pytest.raises(FetchError, match=r"archive member weights.safetensors: more than"):
+    with pytest.raises(FetchError, match=r"archive member weights.safetensors: the archive "
+                                         r"inflates to more than"):
         fetch_checkpoint(f"{origin.url}/bomb.tar.gz", tmp_path / "expert", policy)
+    _assert_nothing_left(tmp_path)
+
+
+def test_headers_count_against_the_limit_before_any_member_is_read(origin, tmp_path):
+    # a pax header of 900 kB of records for one empty file: tarfile reads it whole first
+    info = tarfile.TarInfo("config.json")
+    info.pax_headers = {"comment": "x" * (900 << 10)}
+    origin.files["/headers.tar.gz"] = _archive(lambda tar: tar.addfile(info, io.BytesIO()))
+    size = len(origin.files["/headers.tar.gz"])
+    policy = FetchPolicy(timeout_s=5.0, attempts=1, max_bytes=size + (64 << 10),
+                         allowed_networks=LOOPBACK)
+    with pytest.raises(FetchError, match=r"the archive inflates to more than the \d+-byte "
+                                         r"limit left for this checkpoint$"):
+        fetch_checkpoint(f"{origin.url}/headers.tar.gz", tmp_path / "expert", policy)
     _assert_nothing_left(tmp_path)
 
 
@@ -376,6 +392,10 @@ def test_an_archive_that_inflates_past_the_limit_is_refused(origin, tmp_path):
      "is a link"),
     ("tty", lambda t: _add_bytes(t, "tty", b"", tarfile.CHRTYPE), "is a special file"),
     ("pipe", lambda t: _add_bytes(t, "pipe", b"", tarfile.FIFOTYPE), "is a special file"),
+    ("sparse", lambda t: _add_bytes(t, "sparse", b"", tarfile.GNUTYPE_SPARSE),
+     "is a GNU sparse file"),
+    ("contiguous", lambda t: _add_bytes(t, "contiguous", b"", tarfile.CONTTYPE),
+     "is a special file"),
 ])
 def test_hostile_archive_members_are_rejected(origin, tmp_path, member, build, problem):
     origin.files["/hostile.tar.gz"] = _archive(build)
@@ -552,46 +572,59 @@ def _streamed(prefix: bytes, zeros: int) -> io.BufferedReader:
 
 
 #: ``ddm fetch-checkpoint`` that writes its peak RSS (``VmHWM``, its own address space's: a
-#: child's ``ru_maxrss`` starts at its parent's, from the fork) to the file named first.
+#: child's ``ru_maxrss`` starts at its parent's, from the fork) and the CPU seconds of the
+#: command itself (imports excluded) to the file named first.
 _MEASURED_CLI = """
-import atexit, sys
+import atexit, sys, time
 from ddm.cli import main
 report = sys.argv.pop(1)
+started = time.process_time()
 atexit.register(lambda: open(report, "w").write(next(
-    line for line in open("/proc/self/status") if line.startswith("VmHWM:"))))
+    line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    + f"cpu: {time.process_time() - started}\\n"))
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def _fetch_in_a_child(url: str, dest: Path, *extra: str) -> tuple[int, int]:
-    """Run ``ddm fetch-checkpoint`` as its own process: (exit status, peak RSS in bytes)."""
-    report = dest.parent / "vmhwm"
+@dataclass(frozen=True)
+class Measured:
+    """A child ``ddm fetch-checkpoint``: its exit status, peak RSS (bytes) and CPU seconds."""
+
+    status: int
+    peak: int
+    cpu_s: float
+
+
+def _fetch_in_a_child(url: str, dest: Path, *extra: str) -> Measured:
+    """Run ``ddm fetch-checkpoint`` as its own process, measured."""
+    report = dest.parent / "measured"
     status = subprocess.run([sys.executable, "-c", _MEASURED_CLI, str(report),
                              "fetch-checkpoint", url, str(dest), *ALLOW_LOOPBACK, *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-    peak_kib = int(report.read_text().split()[1])
+    peak, cpu = report.read_text().splitlines()
     report.unlink()
-    return status, peak_kib << 10
+    return Measured(status, int(peak.split()[1]) << 10, float(cpu.split()[1]))
 
 
 def test_an_archive_of_zero_weights_is_checked_without_loading_them(
         origin, smoke_expert_checkpoint, tmp_path):
     origin.files["/bomb.tar.gz"] = _zero_weights_bomb(smoke_expert_checkpoint)
     assert len(origin.files["/bomb.tar.gz"]) < BOMB_WEIGHTS // 256  # a small download
-    status, peak = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert")
-    assert status == 0
+    run = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert")
+    assert run.status == 0
     assert (tmp_path / "expert" / WEIGHTS_FILE).stat().st_size > BOMB_WEIGHTS
-    assert peak < FETCH_RSS_BOUND, f"peak RSS {peak >> 20} MiB"
+    assert run.peak < FETCH_RSS_BOUND, f"peak RSS {run.peak >> 20} MiB"
 
 
 def test_the_admins_lower_cap_refuses_the_bomb_and_leaves_nothing(
         origin, smoke_expert_checkpoint, tmp_path, termination_log):
     origin.files["/bomb.tar.gz"] = _zero_weights_bomb(smoke_expert_checkpoint)
     cap = 32 << 20
-    status, _ = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert",
-                                  "--max-bytes", str(cap))
-    assert status == 1
-    assert "archive member weights.safetensors: more than the" in termination_log.read_text()
+    run = _fetch_in_a_child(f"{origin.url}/bomb.tar.gz", tmp_path / "expert",
+                            "--max-bytes", str(cap))
+    assert run.status == 1
+    assert ("archive member weights.safetensors: the archive inflates to more than the"
+            in termination_log.read_text())
     _assert_nothing_left(tmp_path)
 
 
@@ -603,10 +636,45 @@ def test_a_small_archive_of_a_large_extended_header_is_refused_in_constant_memor
     origin.files["/name.tar.gz"] = _archive(
         lambda tar: tar.addfile(info, _streamed(b"", BOMB_WEIGHTS)))
     assert len(origin.files["/name.tar.gz"]) < BOMB_WEIGHTS // 256  # a small download
-    status, peak = _fetch_in_a_child(f"{origin.url}/name.tar.gz", tmp_path / "expert")
-    assert status == 1
-    assert peak < FETCH_RSS_BOUND, f"peak RSS {peak >> 20} MiB"
+    run = _fetch_in_a_child(f"{origin.url}/name.tar.gz", tmp_path / "expert")
+    assert run.status == 1
+    assert run.peak < FETCH_RSS_BOUND, f"peak RSS {run.peak >> 20} MiB"
     assert f"an extended header of {BOMB_WEIGHTS} bytes" in termination_log.read_text()
+    _assert_nothing_left(tmp_path)
+
+
+def _sparse_map_bomb(entries: int) -> bytes:
+    """A .tar.gz of one GNU sparse file (format 1.0: pax records announce it, and its data
+    starts with the map, ``entries`` (offset, size) pairs, one number a line): 47 kB for 12
+    million entries, which tarfile reads into lists while it parses the header."""
+    sparse_map = b"%d\n" % entries + b"0\n" * (2 * entries)
+    info = tarfile.TarInfo("GNUSparseFile.0/weights.safetensors")
+    info.size = len(sparse_map)
+    info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0",
+                        "GNU.sparse.name": WEIGHTS_FILE, "GNU.sparse.realsize": "1024"}
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(sparse_map))
+    return buffer.getvalue()
+
+
+#: What refusing an archive may cost the fetcher: the interpreter and its imports take about
+#: 40 MiB, and the refusal a few milliseconds of CPU. Parsing the 12-million-entry map took
+#: 2.2 GiB and 22 s of CPU (docs/reliability.md).
+REFUSAL_RSS_BOUND, REFUSAL_CPU_S = 100 << 20, 1.0
+
+
+def test_a_sparse_map_bomb_is_refused_before_tarfile_reads_the_map(origin, tmp_path,
+                                                                  termination_log):
+    origin.files["/sparse.tar.gz"] = _sparse_map_bomb(12_000_000)
+    assert len(origin.files["/sparse.tar.gz"]) < 64 << 10  # a small download
+    run = _fetch_in_a_child(f"{origin.url}/sparse.tar.gz", tmp_path / "expert")
+    assert run.status == 1
+    assert termination_log.read_text().endswith(
+        ": the archive has a GNU sparse file (pax record GNU.sparse.major); only regular "
+        "files and directories are extracted\n")
+    assert run.peak < REFUSAL_RSS_BOUND, f"peak RSS {run.peak >> 20} MiB"
+    assert run.cpu_s < REFUSAL_CPU_S, f"{run.cpu_s:.1f} s of CPU"
     _assert_nothing_left(tmp_path)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.cli import main
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import DEFAULT_MANIFEST, LocalRunError, free_port, plan_local
@@ -82,13 +83,25 @@ def test_a_router_port_it_cannot_listen_on_fails_before_any_server_starts(capsys
     ("::1", "Address family for hostname not supported"),  # servers' addresses are IPv4
 ])
 def test_a_host_it_cannot_listen_on_is_named_as_such_before_any_server_starts(
-        capsys, host: str, reason: str) -> None:
+        capsys, tmp_path: Path, host: str, reason: str) -> None:
     """An unusable ``--host`` was blamed on the port ("cannot listen on 300.1.1.1:8080 ...:
     choose another --port"), or reported as "no free port ... after 100 tries"."""
-    assert main(["up", "--host", host, "--port", str(free_port())]) in (1, 2)
+    assert main(["up", "--host", host, "--port", str(free_port()),
+                 "--auth-token-file", str(tmp_path / "token")]) in (1, 2)
     out, err = capsys.readouterr()
     assert "started" not in out, out
     assert err.startswith(f"ddm: error: --host {host}: ") and reason in err, err
     assert "--port" not in err, err
     with pytest.raises(LocalRunError, match=f"--host {re.escape(host)}: "):
         free_port(host)
+
+
+def test_a_host_beyond_this_machine_needs_a_token_before_anything_starts(capsys) -> None:
+    """The shipped manifest asks for no token: served on every interface, anyone who reaches
+    the machine would use it. ``ddm up`` refuses, saying how to turn authentication on."""
+    assert main(["up", "--host", "0.0.0.0", "--port", str(free_port())]) == 1
+    out, err = capsys.readouterr()
+    assert "started" not in out, out
+    assert err.startswith(f"ddm: error: --host 0.0.0.0 exposes {DEFAULT_DDM}'s API beyond this "
+                          "machine, and its spec asks for no token: turn authentication on "
+                          "(add auth: {} under spec.router in the manifest"), err

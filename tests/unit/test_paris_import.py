@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +108,7 @@ def test_ddm_yaml_is_a_text_ddm_that_plans(imported: Path) -> None:
     assert spec.text_encoder.checkpoint.path == str(imported / "text_encoder")
     assert spec.decoder.checkpoint.path == str(imported / "decoder")
     assert spec.router.checkpoint.path == str(imported / "router")
+    assert spec.router.auth is not None  # the API asks for a token: a random one
     # On cpu (the default) the stages run inside the router.
     assert {s.placement for s in spec.stages.values()} == {"router"}
     plan = plan_deployment(spec)
@@ -162,8 +165,21 @@ def _config_disagrees(release: Path) -> str:
     return "num_clusters: config.json says 3, the weights have 2"
 
 
+def _corrupt_weights(release: Path) -> str:
+    path = release / "expert_0" / "diffusion_pytorch_model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    return f"{path} is not a valid safetensors file"
+
+
+def _bad_json(release: Path) -> str:
+    path = release / "tokenizer" / "tokenizer_config.json"
+    path.write_text("{")
+    return f"{path} is not valid JSON"
+
+
 @pytest.mark.parametrize("breakage", [_rename_tensor, _gap_in_experts, _pickled_text_encoder,
-                                      _vae_of_other_latents, _no_router, _config_disagrees])
+                                      _vae_of_other_latents, _no_router, _config_disagrees,
+                                      _corrupt_weights, _bad_json])
 def test_a_broken_release_is_refused_by_name_and_leaves_nothing(
         release: Path, tmp_path: Path, breakage) -> None:
     broken = tmp_path / "release"
@@ -255,3 +271,91 @@ def test_every_stage_lists_its_files_so_a_fetch_verifies_them(imported: Path) ->
         verify_checkpoint(directory)  # what the fetcher runs on a fetched stage
     assert {"tokenizer.json", "model.safetensors"} <= set(
         _config(imported / "text_encoder")["_ddm"]["files"])
+
+
+@pytest.mark.parametrize("breakage", [_corrupt_weights, _bad_json])
+def test_the_command_names_a_corrupt_file(release: Path, tmp_path: Path, breakage,
+                                          capsys: pytest.CaptureFixture) -> None:
+    broken = tmp_path / "release"
+    shutil.copytree(release, broken)
+    problem = breakage(broken)
+    assert main(["import", "paris", str(broken), "--out", str(tmp_path / "dst")]) == 2
+    assert capsys.readouterr().err.startswith(f"ddm: error: {problem}")
+    assert not (tmp_path / "dst").exists()
+
+
+# -- a release is someone else's: what it may hold --------------------------------------------
+
+def _symlinked_vocabulary(release: Path, outside: Path) -> str:
+    (release / "tokenizer" / "vocab.json").symlink_to(outside)
+    return "tokenizer/vocab.json is a symbolic link: a release may hold only regular files"
+
+
+def _symlinked_component(release: Path, outside: Path) -> str:
+    shutil.move(release / "tokenizer", outside.parent / "tokenizer")
+    (release / "tokenizer").symlink_to(outside.parent / "tokenizer")
+    return "/tokenizer is a symbolic link"
+
+
+def _hard_linked_merges(release: Path, outside: Path) -> str:
+    os.link(outside, release / "tokenizer" / "merges.txt")
+    return "tokenizer/merges.txt is a hard link to a file outside"
+
+
+def _fifo_config(release: Path, outside: Path) -> str:
+    (release / "vae" / "config.json").unlink()
+    os.mkfifo(release / "vae" / "config.json")  # a reader would wait for a writer forever
+    return "vae/config.json is a FIFO"
+
+
+@pytest.mark.parametrize("breakage", [_symlinked_vocabulary, _symlinked_component,
+                                      _hard_linked_merges, _fifo_config])
+def test_a_release_holding_links_or_special_files_is_refused_by_path(
+        release: Path, tmp_path: Path, breakage) -> None:
+    hostile = tmp_path / "release"
+    shutil.copytree(release, hostile)
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    (secrets / "environ").write_text('{"TOKEN": "hunter2"}')
+    problem = breakage(hostile, secrets / "environ")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with pytest.raises(CheckpointError, match=problem):
+        import_paris(hostile, out_dir / "dst")
+    assert list(out_dir.iterdir()) == []
+
+
+def test_only_the_files_the_tokenizer_is_built_from_are_carried(release: Path,
+                                                                tmp_path: Path) -> None:
+    # the tokenizer is built from tokenizer.json alone: a vocab.json beside it is never read
+    extra = tmp_path / "release"
+    shutil.copytree(release, extra)
+    (extra / "tokenizer" / "vocab.json").write_text('{"not": "read"}')
+    (extra / "tokenizer" / "notes.txt").write_text("private")
+    out = import_paris(extra, tmp_path / "dst")
+    assert sorted(_config(out / "text_encoder")["_ddm"]["files"]) == [
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_a_release_asking_to_run_its_code_is_refused_before_anything_loads(
+        release: Path, tmp_path: Path) -> None:
+    """``echo y | ddm import paris``: transformers would ask whether to run the release's
+    tokenizer module (auto_map), and a ``y`` on stdin would answer it."""
+    hostile = tmp_path / "release"
+    shutil.copytree(release, hostile)
+    marker = tmp_path / "ran"
+    (hostile / "tokenizer" / "tokenization_evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import CLIPTokenizer as EvilTokenizer\n")
+    path = hostile / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}
+    path.write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, "-m", "ddm", "import", "paris", str(hostile),
+                             "--out", str(tmp_path / "dst")], input="y\ny\n", text=True,
+                            capture_output=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"ddm: error: {path} declares auto_map: it asks the "
+                                    "library to run the release's own Python code")
+    assert not marker.exists()
+    assert not (tmp_path / "dst").exists()

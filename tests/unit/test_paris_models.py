@@ -131,6 +131,35 @@ def test_a_missing_extra_or_misshapen_tensor_is_refused_by_name(expert_dir, chan
         load_paris_expert(expert_dir)
 
 
+@pytest.mark.parametrize("block, named", [
+    (20000, r"the weights name transformer block 20000 \(layers.20000.\*\); a network has at "
+            r"most 256 blocks"),
+    (3, r"the weights' transformer blocks are not layers.0 .. layers.3: layers.2.\* is "
+        r"missing"),
+], ids=["depth-bomb", "gap"])
+def test_a_depth_read_from_the_weights_is_bounded_before_the_network_is_built(
+        expert_dir, monkeypatch, block, named):
+    # a 72-byte zero-element tensor named block 20000 once had 20001 blocks built (1.1 GB,
+    # 27 s) before the strict key check refused it; no config.json states the depth
+    (expert_dir / "config.json").unlink()
+    rewrite_weights(expert_dir, EXPERT_WEIGHTS,
+                    lambda w: w.update({f"layers.{block}.attn.in_proj_bias": torch.zeros(0)}))
+    built = []
+    monkeypatch.setattr(ParisExpert, "__init__", lambda *args, **kwargs: built.append(args))
+    with pytest.raises(CheckpointError, match=named):
+        load_paris_expert(expert_dir)
+    assert built == []
+
+
+def test_every_name_and_shape_is_checked_before_a_tensor_is_read(expert_dir, monkeypatch):
+    rewrite_weights(expert_dir, EXPERT_WEIGHTS,
+                    lambda w: w.update({"layers.0.attn.bias_k": torch.zeros(1, 1, 32)}))
+    monkeypatch.setattr("ddm.models.paris_loading.load_file", lambda *args: pytest.fail(
+        "the weights were read before their names were checked"))
+    with pytest.raises(CheckpointError, match="unexpected layers.0.attn.bias_k"):
+        load_paris_expert(expert_dir)
+
+
 def test_weights_missing_what_the_architecture_is_read_from_are_refused_by_name(expert_dir):
     rewrite_weights(expert_dir, EXPERT_WEIGHTS, lambda w: w.pop("text_proj.weight"))
     with pytest.raises(CheckpointError, match="no text_proj.weight"):

@@ -140,6 +140,28 @@ def test_bad_declarations_are_refused_by_name(tmp_path, text_ddm, changes, messa
         load_stage(directory)
 
 
+def _library_config(directory, **changes):
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.parametrize("stage, field", [("expert_0", "num_layers"), ("router", "depth"),
+                                          ("text_encoder", "num_hidden_layers"),
+                                          ("decoder", "layers_per_block")])
+def test_a_library_networks_depth_is_bounded_before_the_library_builds_it(
+        tmp_path, text_ddm, monkeypatch, stage, field):
+    # the libraries allocate every block's weights before reading one: 20000 blocks of a
+    # 1 kB config.json would be built before the weights could disagree
+    import shutil
+
+    directory = shutil.copytree(text_ddm / stage, tmp_path / stage)
+    _library_config(directory, **{field: 20000})
+    monkeypatch.setattr("ddm.models.stages._LOADERS", {})  # no loader may run
+    with pytest.raises(CheckpointError, match=f"config.json: {field} gives 20000 blocks; a "
+                                              "network has at most 256"):
+        load_stage(directory)
+
+
 @pytest.mark.parametrize("length", [None, MAX_TEXT_TOKENS + 1])
 def test_a_tokenizer_that_pads_past_the_text_limit_is_refused(tmp_path, text_ddm, length):
     # Prompts are padded to model_max_length: without one, transformers pads to 1e30.

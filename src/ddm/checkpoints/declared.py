@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ddm.fileio import open_regular
+
 #: The key of a component's config.json under which we declare what the stage is;
 #: diffusers and transformers ignore (or keep) keys that start with ``_``.
 DDM_KEY = "_ddm"
@@ -36,15 +38,17 @@ FILE_NAME_PATTERN = re.compile(r"[A-Za-z0-9_][-A-Za-z0-9_.]{0,127}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
-def load_config_json(path: Path) -> Any:
+def load_config_json(path: Path, limit: int = MAX_CONFIG_BYTES) -> Any:
     """The JSON in ``path`` (a component's config.json, which a checkpoint store sent), read
-    only when at most :data:`MAX_CONFIG_BYTES`; ``ValueError`` saying why it is unreadable
-    (too large, not UTF-8, not JSON, nested past the parser's recursion limit)."""
-    size = path.stat().st_size
-    if size > MAX_CONFIG_BYTES:
-        raise ValueError(f"{path} is {size} bytes, larger than {MAX_CONFIG_BYTES}")
+    only when a regular file (:func:`ddm.fileio.open_regular`: no link followed) of at most
+    ``limit`` bytes; ``ValueError`` naming the file and saying why it is unreadable (a link,
+    too large, not UTF-8, not JSON, nested past the parser's recursion limit)."""
+    with open_regular(path) as file:
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
     except RecursionError:

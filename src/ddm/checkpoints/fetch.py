@@ -38,13 +38,13 @@ The URI is a tenant's input and the fetcher runs inside the cluster, so (``downl
 Each file is streamed to disk with a timeout per wait, bounded retries with exponential
 back-off on 5xx, 429 and connection errors, one deadline for the whole fetch, and a size limit
 on everything downloaded or extracted. Archives are extracted member by member, at most
-``max_entries``: only regular files and directories, no absolute paths, no ``..``, no
-extended header (pax, GNU long name) over ``MAX_ARCHIVE_HEADER_BYTES``. The result
-is checked in constant memory (``verify.verify_checkpoint``: config, SHA-256s streamed, the
-safetensors header; no weight is loaded) before it is moved into place: DEST holds the
-complete checkpoint or nothing new. DEST may be absent (created by one rename) or an existing
-directory (an emptyDir mount point, which cannot be renamed): the checkpoint is staged inside
-it, and its ``config.json`` is moved in last.
+``max_entries`` (``ddm.checkpoints.archive``): only regular files and directories, no absolute
+paths, no ``..``, each header checked before ``tarfile`` processes it, every decompressed byte
+counted. The result is checked in constant memory (``verify.verify_checkpoint``: config,
+SHA-256s streamed, the safetensors header; no weight is loaded) before it is moved into
+place: DEST holds the complete checkpoint or nothing new. DEST may be absent (created by one
+rename) or an existing directory (an emptyDir mount point, which cannot be renamed): the
+checkpoint is staged inside it, and its ``config.json`` is moved in last.
 """
 
 from __future__ import annotations
@@ -52,15 +52,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tarfile
 import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
+from ddm.checkpoints.archive import extract_archive
 from ddm.checkpoints.destinations import Network
 from ddm.checkpoints.download import FetchError, Received, Retryable, get, shown
 from ddm.checkpoints.destinations import normal_host
@@ -92,12 +91,6 @@ ENV_ALLOW_NETWORKS = "DDM_FETCH_ALLOW_NETWORKS"
 ENV_MAX_BYTES = "DDM_FETCH_MAX_BYTES"
 #: Staging directories start with this; a later run removes those an interrupted run left.
 STAGING_PREFIX = ".ddm-fetch-"
-_CHUNK = 1 << 20
-#: The most an archive's extended header (a pax header, a GNU long name or link) may hold:
-#: tarfile reads one whole, so its claimed size is memory; a checkpoint's need a few names.
-MAX_ARCHIVE_HEADER_BYTES = 1 << 20
-_EXTENDED_HEADERS = frozenset({tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
-                               tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK})
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 #: Headers the fetcher sets itself; a headers file may not replace them.
 _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
@@ -268,7 +261,7 @@ def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: st
     if parts.path.endswith(ARCHIVE_SUFFIXES):
         archive = staging / "archive"
         budget -= _download(base_url, archive, budget, fetch, sha256).size
-        _extract(archive, root, budget, fetch.policy.max_entries)
+        extract_archive(archive, root, budget, fetch.policy.max_entries)
         archive.unlink()
         return _checkpoint_root(root)
     root.mkdir()
@@ -331,80 +324,6 @@ def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | N
         raise FetchError(f"{problem} (gave up after {policy.attempts} attempts)")
     raise FetchError(f"{problem} (gave up: the {policy.deadline_s:g} s deadline of the whole "
                      "download leaves no time for another attempt)")
-
-
-def _copy(source: BinaryIO, out: BinaryIO, limit: int, what: str) -> int:
-    written = 0
-    while chunk := source.read(_CHUNK):
-        written += len(chunk)
-        if written > limit:
-            raise FetchError(f"{what}: more than the {limit}-byte limit left for this checkpoint")
-        out.write(chunk)
-    return written
-
-
-def _extract(archive: Path, root: Path, limit: int, max_entries: int) -> None:
-    """Extract regular files and directories only, each strictly inside ``root``."""
-    root.mkdir()
-    try:
-        with tarfile.open(archive, mode="r:*", tarinfo=_BoundedHeader) as tar:
-            for count, member in enumerate(tar, 1):
-                if count > max_entries:
-                    raise FetchError(f"the archive holds more than {max_entries} entries")
-                relative = _member_path(member)
-                path = root.joinpath(*relative.parts)
-                try:
-                    if member.isdir():
-                        path.mkdir(parents=True, exist_ok=True)
-                        continue
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    source = tar.extractfile(member)
-                    assert source is not None, member.name  # a regular file always has data
-                    with source, open(path, "xb") as out:
-                        limit -= _copy(source, out, limit, f"archive member {member.name}")
-                except (FileExistsError, NotADirectoryError):
-                    raise FetchError(_clash(root, relative, member.isdir())) from None
-    except (tarfile.TarError, EOFError) as exc:
-        raise FetchError(f"not a readable tar archive ({exc})") from None
-
-
-def _clash(root: Path, relative: PurePosixPath, is_dir: bool) -> str:
-    """Why the member at ``relative`` (a directory if ``is_dir``) could not be written under
-    ``root``: a path the archive holds as a file and also needs as a directory (``a``, then
-    ``a/b``; or the other way round), or one file twice."""
-    for depth in range(1, len(relative.parts)):
-        above = "/".join(relative.parts[:depth])
-        if root.joinpath(above).is_file():
-            return f"the archive holds {above!r} both as a file and as a directory"
-    if not is_dir and root.joinpath(relative).is_file():
-        return f"the archive holds the file {str(relative)!r} twice"
-    return f"the archive holds {str(relative)!r} both as a file and as a directory"
-
-
-class _BoundedHeader(tarfile.TarInfo):
-    """A member's header, refused before its extended header is read when that claims more
-    than :data:`MAX_ARCHIVE_HEADER_BYTES` (in 512 bytes, it may claim up to 2**88)."""
-
-    @classmethod
-    def frombuf(cls, buf: bytes, encoding: str, errors: str) -> tarfile.TarInfo:
-        header = super().frombuf(buf, encoding, errors)
-        if header.type in _EXTENDED_HEADERS and header.size > MAX_ARCHIVE_HEADER_BYTES:
-            raise FetchError(f"the archive has an extended header of {header.size} bytes; at "
-                             f"most {MAX_ARCHIVE_HEADER_BYTES} are read")
-        return header
-
-
-def _member_path(member: tarfile.TarInfo) -> PurePosixPath:
-    """The member's relative path, or a ``FetchError`` if it is a link, a device or escapes."""
-    if not (member.isfile() or member.isdir()):
-        kind = "link" if member.issym() or member.islnk() else "special file"
-        raise FetchError(f"archive member {member.name!r} is a {kind}; only regular "
-                         "files and directories are extracted")
-    path = PurePosixPath(member.name)
-    if path.is_absolute() or ".." in path.parts:
-        raise FetchError(f"archive member {member.name!r} would be written outside the "
-                         "checkpoint directory")
-    return path
 
 
 def _checkpoint_root(root: Path) -> Path:

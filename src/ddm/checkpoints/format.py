@@ -34,7 +34,7 @@ import numpy as np
 
 from ddm.checkpoints.declared import load_config_json
 from ddm.convention import CONVENTION_NAME
-from ddm.fileio import share_as_new, staging_directory
+from ddm.fileio import open_regular, share_as_new, staging_directory
 from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 from ddm.objectives import NATIVE, Objective, ObjectiveError
 
@@ -341,14 +341,21 @@ def program_file_name(meta: CheckpointMeta) -> str:
 def check_weight_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[int, ...]],
                         actual: Mapping[str, np.ndarray]) -> None:
     """Raise a ``CheckpointError`` naming every missing, unexpected or misshapen tensor."""
+    check_shapes(path, expected, {name: tuple(array.shape) for name, array in actual.items()})
+
+
+def check_shapes(path: str | os.PathLike, expected: Mapping[str, tuple[int, ...]],
+                 actual: Mapping[str, tuple[int, ...]]) -> None:
+    """:func:`check_weight_shapes` of the shapes ``actual`` (a safetensors header's,
+    :func:`safetensors_header`): before any tensor is read."""
     problems = []
     for name in sorted(set(expected) - set(actual)):
         problems.append(f"missing {name}")
     for name in sorted(set(actual) - set(expected)):
         problems.append(f"unexpected {name}")
     for name in sorted(set(expected) & set(actual)):
-        if tuple(actual[name].shape) != tuple(expected[name]):
-            problems.append(f"{name} has shape {tuple(actual[name].shape)}, "
+        if tuple(actual[name]) != tuple(expected[name]):
+            problems.append(f"{name} has shape {tuple(actual[name])}, "
                             f"the architecture needs {tuple(expected[name])}")
     if problems:
         more = f"; and {len(problems) - 5} more" if len(problems) > 5 else ""
@@ -361,7 +368,10 @@ def check_sha256(path: Path, name: str, expected: Any) -> None:
     """``path/name`` exists and its SHA-256 (streamed) is ``expected`` (config.json's)."""
     if not (path / name).is_file():
         raise CheckpointError(f"checkpoint {path} has no {name}")
-    actual = _sha256(path / name)
+    try:
+        actual = _sha256(path / name)
+    except ValueError as exc:  # a link or a FIFO in its place
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
     if expected != actual:
         raise CheckpointError(
             f"checkpoint {path}: {name} is corrupt (sha256 {actual[:12]}..., "
@@ -370,10 +380,25 @@ def check_sha256(path: Path, name: str, expected: Any) -> None:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (dtype, shape) from ``path``'s header, parsed by safetensors itself over
+    a memory map (no tensor is read: dtypes known, byte ranges matching shapes and tiling the
+    file); a ``CheckpointError`` naming the file when it is not a valid safetensors file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as weights:
+            return {name: (weights.get_slice(name).get_dtype(),
+                           tuple(weights.get_slice(name).get_shape()))
+                    for name in weights.keys()}
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not a valid safetensors file ({exc})") from None
 
 
 def one_safetensors(directory: Path) -> Path:

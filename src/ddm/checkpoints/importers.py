@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from ddm.checkpoints.declared import DDM_KEY, FILES_KEY
 from ddm.checkpoints.format import CONFIG_FILE, CheckpointError
-from ddm.fileio import staging_directory
+from ddm.fileio import open_regular, staging_directory
 
 #: The deployment an import writes beside its components.
 MANIFEST_FILE = "ddm.yaml"
@@ -93,9 +93,14 @@ def _write_component(directory: Path, component: Component) -> None:
 
 
 def copy_with_sha256(source: Path, destination: Path) -> str:
-    """Copy ``source`` to ``destination`` byte for byte in one pass; its SHA-256 (hex)."""
+    """Copy ``source`` (a regular file itself, no link followed: ``fileio.open_regular``) to
+    ``destination`` byte for byte in one pass; its SHA-256 (hex)."""
     digest = hashlib.sha256()
-    with open(source, "rb") as reader, open(destination, "xb") as writer:
+    try:
+        reader = open_regular(source)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    with reader, open(destination, "xb") as writer:
         for chunk in iter(lambda: reader.read(_COPY_CHUNK), b""):
             digest.update(chunk)
             writer.write(chunk)

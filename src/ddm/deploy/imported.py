@@ -4,9 +4,11 @@ Any import source (``ddm import paris``, ``ddm import text2img``) describes what
 :class:`ImportedDDM`; :func:`imported_manifest` places it on the accelerators the user chose:
 experts cycle through ``accelerators`` (``--accelerator nvidia,neuron`` alternates them),
 the text encoder, decoder and router network go on the first one in a pod of their own
-(``placement: separate``), or, on CPU, inside the router pod. The document is checked with
-the spec's own parser before it is returned, so an import never writes a ddm.yaml that
-``ddm up`` or the operator would refuse.
+(``placement: separate``), or, on CPU, inside the router pod. Its API asks for a bearer
+token (``router.auth``: the operator makes a Secret with a random one, ``ddm up`` a private
+file, each saying where), as a DDM reached from beyond its machine must. The document is
+checked with the spec's own parser before it is returned, so an import never writes a
+ddm.yaml that ``ddm up`` or the operator would refuse.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
                                **stage_place(separate_stages)}
     if ddm.decoder:
         spec["decoder"] = {"checkpoint": checkpoint(DECODER_DIR), **stage_place(separate_stages)}
-    spec["router"] = {"replicas": 1}
+    spec["router"] = {"replicas": 1, "auth": {}}  # a token: a random one unless named
     if ddm.router:
         spec["router"].update(checkpoint=checkpoint(ROUTER_DIR),
                               network=stage_place())

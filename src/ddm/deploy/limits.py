@@ -117,6 +117,12 @@ MAX_ACCELERATOR_COUNT = 32
 MAX_PROGRAM_TENSOR_INPUT_MULTIPLE = 1024
 MIN_PROGRAM_TENSOR_BYTES = 64 * 1024 * 1024
 
+#: The most blocks (transformer layers, residual blocks) a network that a checkpoint describes
+#: may have (Paris's DiT-XL has 28): a depth read from weights or a config is checked against
+#: it before anything is built, for even an empty module costs memory per block (a
+#: zero-element tensor named block 20000 once had 20000 built: 1.1 GB).
+MAX_NETWORK_BLOCKS = 256
+
 #: What the router believes of an expert's own report (``/v1/info``, ``ddm.serving.router.
 #: replicas.ExpertInfo``): an image is at most this many channels and this side in pixels (the
 #: router allocates ``(B, C, H, W)`` states from it), a string field at most this long.

@@ -71,8 +71,10 @@ class ClipJudge:
     def load(cls, clip: Path, tokenizer: Path) -> ClipJudge:
         from transformers import AutoTokenizer, CLIPModel
 
-        model = CLIPModel.from_pretrained(clip, use_safetensors=True).eval()
-        return cls(model.requires_grad_(False), AutoTokenizer.from_pretrained(tokenizer))
+        model = CLIPModel.from_pretrained(clip, use_safetensors=True,
+                                          trust_remote_code=False).eval()
+        return cls(model.requires_grad_(False), AutoTokenizer.from_pretrained(
+            tokenizer, trust_remote_code=False))
 
     @torch.no_grad()
     def image_features(self, images: np.ndarray) -> np.ndarray:

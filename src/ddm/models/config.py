@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ddm.deploy.limits import MAX_NETWORK_BLOCKS
+
 
 class ConfigError(ValueError):
     """An architecture config is malformed: unknown keys, wrong types or impossible sizes."""
@@ -39,6 +41,9 @@ class UNetConfig:
         if not mults or any(not isinstance(m, int) or m < 1 for m in mults):
             raise ConfigError(f"UNetConfig.channel_mults must be positive integers, got {mults!r}")
         object.__setattr__(self, "channel_mults", mults)
+        if len(mults) * self.num_res_blocks > MAX_NETWORK_BLOCKS:
+            raise ConfigError(f"UNetConfig: {len(mults)} levels of {self.num_res_blocks} "
+                              f"residual blocks; a network has at most {MAX_NETWORK_BLOCKS}")
         if self.image_size % (2 ** (len(mults) - 1)):
             raise ConfigError(
                 f"image_size {self.image_size} is not divisible by 2**{len(mults) - 1} "
@@ -92,6 +97,9 @@ class RouterNetworkConfig:
         if not chans or any(not isinstance(c, int) or c < 1 for c in chans):
             raise ConfigError(
                 f"RouterNetworkConfig.channels must be positive integers, got {chans!r}")
+        if len(chans) > MAX_NETWORK_BLOCKS:
+            raise ConfigError(f"RouterNetworkConfig: {len(chans)} levels; a network has at "
+                              f"most {MAX_NETWORK_BLOCKS} blocks")
         object.__setattr__(self, "channels", chans)
         if self.time_features % 2:
             raise ConfigError(f"time_features must be even, got {self.time_features}")

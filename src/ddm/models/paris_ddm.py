@@ -18,8 +18,8 @@ from pathlib import Path
 from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
 from ddm.models.stages import (ClipTextEncoder, Stage, StageDeclaration, TextDDM,
-                               assemble_text_ddm, expert_directories, load_declared,
-                               precision_name)
+                               assemble_text_ddm, check_library_depth, expert_directories,
+                               load_declared, precision_name)
 
 #: Paris's networks' convention (diffusers' ``FlowMatchEulerDiscreteScheduler(1000)``), as a
 #: stage checkpoint's ``_ddm.convention`` names it.
@@ -53,6 +53,7 @@ def load_release_stages(root: Path, device: str = "cpu"
     experts = [load_declared(root / name, expert, device=device) for name in names]
     router = load_declared(root / "router", StageDeclaration(
         role=ROUTER, family="paris-router", convention=PARIS_CONVENTION), device=device)
+    check_library_depth(root / "text_encoder", "clip-text")
     clip = ClipTextEncoder(root / "tokenizer", root / "text_encoder", device)
     encoder = Stage(StageDeclaration(role=TEXT_ENCODER, family="clip-text",
                                      text_width=clip.width),

@@ -5,8 +5,10 @@ published, so a ``config.json`` is optional: its fields with the port's names
 (``ParisExpertConfig`` / ``ParisRouterConfig``) are taken, others are ignored, and everything
 the weights determine (sizes, depth, patch, channels, text width, clusters) is read from their
 shapes and must agree with it. Only ``num_heads`` is invisible in the weights; without a
-config it is the release's (16 for an expert, 12 for the router). Loading then refuses any
-missing, unexpected or misshapen tensor, naming it.
+config it is the release's (16 for an expert, 12 for the router). The depth must be blocks
+``layers.0 .. layers.N-1``, N at most ``MAX_NETWORK_BLOCKS``, before the network is built (on
+the ``meta`` device); then any missing, unexpected or misshapen tensor is refused by name from
+the safetensors header, before a tensor is read.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ddm.checkpoints.format import CheckpointError, check_weight_shapes, read_config
+from ddm.checkpoints.format import CheckpointError, check_shapes, read_config, safetensors_header
+from ddm.deploy.limits import MAX_NETWORK_BLOCKS
 from ddm.models.config import ConfigError
 from ddm.models.paris import ParisExpert, ParisExpertConfig, ParisRouter, ParisRouterConfig
 
@@ -56,8 +58,7 @@ def weight_file(directory: Path) -> Path:
 
 def weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, read from the safetensors header without loading the tensors."""
-    with safe_open(str(path), framework="pt") as weights:
-        return {name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()}
+    return {name: shape for name, (_, shape) in safetensors_header(path).items()}
 
 
 def infer_expert_config(shapes: Shapes, num_heads: int = 16) -> ParisExpertConfig:
@@ -109,13 +110,13 @@ def read_component_config(directory: Path) -> dict[str, Any]:
 def _load(directory: Path, infer: Callable[..., ConfigT], network: type[torch.nn.Module],
           dtype: torch.dtype | None) -> Any:
     path = weight_file(directory)
-    config = resolve_config(infer, weight_shapes(path), read_component_config(directory))
+    shapes = weight_shapes(path)
+    config = resolve_config(infer, shapes, read_component_config(directory))  # depth bounded
     with torch.device("meta"):
         model = network(**config.to_dict())
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    weights = load_file(str(path))
-    check_weight_shapes(directory, expected, weights)
-    model.load_state_dict(weights, strict=True, assign=True)
+    check_shapes(directory, {name: tuple(t.shape) for name, t in model.state_dict().items()},
+                 shapes)  # every name and shape, before any tensor is read
+    model.load_state_dict(load_file(str(path)), strict=True, assign=True)
     return (model if dtype is None else model.to(dtype)).eval()
 
 
@@ -152,10 +153,21 @@ def _input_size(shapes: Shapes, patch: int) -> int:
 
 
 def _depth(shapes: Shapes) -> int:
-    blocks = {int(m.group(1)) for name in shapes if (m := re.match(r"layers\.(\d+)\.", name))}
+    """The number of transformer blocks, ``layers.0 .. layers.N-1``: contiguous, and at most
+    :data:`~ddm.deploy.limits.MAX_NETWORK_BLOCKS` (the network is built from it)."""
+    blocks = sorted({int(m.group(1)) for name in shapes
+                     if (m := re.match(r"layers\.(\d+)\.", name))})
     if not blocks:
         raise CheckpointError("the weights have no transformer blocks (layers.N.*)")
-    return max(blocks) + 1
+    if blocks[-1] >= MAX_NETWORK_BLOCKS:
+        raise CheckpointError(f"the weights name transformer block {blocks[-1]} "
+                              f"(layers.{blocks[-1]}.*); a network has at most "
+                              f"{MAX_NETWORK_BLOCKS} blocks")
+    missing = sorted(set(range(blocks[-1])) - set(blocks))
+    if missing:
+        raise CheckpointError(f"the weights' transformer blocks are not layers.0 .. "
+                              f"layers.{blocks[-1]}: layers.{missing[0]}.* is missing")
+    return len(blocks)
 
 
 def _mlp_ratio(shapes: Shapes, hidden: int) -> float:

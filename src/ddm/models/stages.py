@@ -58,11 +58,12 @@ FAMILIES = {"paris-dit": EXPERT, "paris-router": ROUTER, "pixart": EXPERT,
 #: names the family where ``_ddm`` does not (the text2img training's components).
 _CLASS_FAMILIES = {"PixArtTransformer2DModel": "pixart", "LatentRouter": "latent-router",
                    "CLIPTextModel": "clip-text", "AutoencoderKL": "autoencoder-kl"}
-#: How a diffusers model of a stage is read: its own safetensors, nothing fetched, and
-#: initialised before its weights load, as diffusers does without ``accelerate`` (which our
-#: images do not ship): left to its default, it says so at every load.
+#: How a diffusers model of a stage is read: its own safetensors, nothing fetched, no code of
+#: the checkpoint's run (a concrete model class runs none; said so that no later diffusers
+#: may), and initialised before its weights load, as diffusers does without ``accelerate``
+#: (which our images do not ship): left to its default, it says so at every load.
 _DIFFUSERS_LOADING = {"use_safetensors": True, "local_files_only": True,
-                     "low_cpu_mem_usage": False}
+                     "trust_remote_code": False, "low_cpu_mem_usage": False}
 #: Precision names (:data:`ddm.deploy.limits.PRECISIONS`) -> torch dtypes.
 PRECISIONS = dict(zip(limits.PRECISIONS, (torch.float32, torch.bfloat16, torch.float16)))
 
@@ -78,13 +79,14 @@ class ClipTextEncoder:
                  dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer, CLIPTextModel
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True,
+                                                       trust_remote_code=False)
         length = self.tokenizer.model_max_length  # transformers' 1e30 where none is recorded
         if not 1 <= length <= limits.MAX_TEXT_TOKENS:
             raise ValueError(f"its tokenizer's model_max_length is {length:.4g}; prompts are "
                              f"padded to it, so it must be 1..{limits.MAX_TEXT_TOKENS}")
         self.model = CLIPTextModel.from_pretrained(
-            text_encoder, use_safetensors=True, local_files_only=True,
+            text_encoder, use_safetensors=True, local_files_only=True, trust_remote_code=False,
             dtype=dtype or stored_dtype(text_encoder)).to(device).eval()
         self.device = device
 
@@ -290,10 +292,31 @@ def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = No
                   device: str = "cpu", backend: str = "torch") -> Stage:
     """Load ``path`` as ``declared`` says (a release's component that declares nothing
     itself, e.g. Paris's); what it states must match the network."""
+    check_library_depth(path, declared.family)
     torch_dtype = None if dtype is None else PRECISIONS[dtype]
     stage = _LOADERS[declared.family](path, declared, torch_dtype, device, backend)
     _check_declared(path, declared, stage.declaration)
     return stage
+
+
+def check_library_depth(path: Path, family: str) -> None:
+    """The depth a library builds a ``family`` network from (:data:`_DEPTH_FIELDS` of its
+    config.json) is at most ``MAX_NETWORK_BLOCKS``, before the library builds anything: it
+    allocates every block's weights before it reads one (Paris's networks take their depth
+    from the weights: ``paris_loading``)."""
+    config = read_component_config(path)
+    for name in _DEPTH_FIELDS.get(family, ()):
+        value = config.get(name)
+        depth = len(value) if isinstance(value, list) else value
+        if _ints([depth]) and depth > limits.MAX_NETWORK_BLOCKS:
+            raise CheckpointError(f"{path}/config.json: {name} gives {depth} blocks; a network "
+                                  f"has at most {limits.MAX_NETWORK_BLOCKS}")
+
+
+#: The config.json fields each library family's depth comes from (a list: its length).
+_DEPTH_FIELDS = {"pixart": ("num_layers",), "latent-router": ("depth",),
+                 "clip-text": ("num_hidden_layers",),
+                 "autoencoder-kl": ("layers_per_block", "block_out_channels")}
 
 
 def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError, one_safetensors
 from ddm.checkpoints.importers import Component, write_import
+from ddm.checkpoints.release import check_release
 from ddm.deploy.imported import (TEXT_ENCODER_DIR, ImportedDDM, imported_manifest,
                                  manifest_text)
 from ddm.deploy.limits import FRAMEWORKS
@@ -78,6 +79,9 @@ def import_text2img(src: str | Path, out: str | Path, *, name: str = "text2img",
             raise CheckpointError(f"{source} has no {needed}/: train it first "
                                   "(scripts/train_text2img.sh)")
     declared = declarations(source)
+    copied = {trained for trained, _ in declared.values()} | {source / "tokenizer"}
+    for directory in sorted(copied | ({source / "clip"} if (source / "clip").is_dir() else set())):
+        check_release(directory)  # what is copied: regular files, no code asked for
     components = tuple(
         Component(name=imported, config=_library_config(trained), ddm=block,
                   weights=one_safetensors(trained),

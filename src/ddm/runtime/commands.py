@@ -32,7 +32,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                         "the experts and every /metrics get free ports, printed once all is up")
     p.add_argument("--host", default="127.0.0.1",
                    help="the address every process binds (default 127.0.0.1, this machine "
-                        "only; 0.0.0.0 exposes them to the network)")
+                        "only; 0.0.0.0 exposes them to the network, and is refused unless "
+                        "the manifest's router.auth or --auth-token-file asks for a token)")
     p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
                    help="stands in for the cluster's PersistentVolumeClaims: a checkpoint "
                         "pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
+import ipaddress
 import os
 import secrets
 import signal
@@ -401,6 +402,7 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
     caller's token); the experts require another random token, in another private file,
     which only the router presents. ``api_docs``: the router serves Swagger UI
     at ``/docs``."""
+    check_exposure(manifest, host, auth_token_file is not None)
     check_router_port(host, router_port)
     with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
         config_path = Path(workdir) / "router.yaml"
@@ -448,6 +450,28 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
             except OSError:  # nobody reads any more (Ctrl-C ends `ddm up | tee` too)
                 pass
             supervisor.stop()
+
+
+def check_exposure(manifest: DDMManifest, host: str, token_given: bool) -> None:
+    """Fail, before anything starts, when the servers would listen beyond this machine
+    (``host`` not loopback) and nobody would need a token: the spec asks for none
+    (``router.auth``) and none was given (``token_given``)."""
+    if manifest.spec.router.auth is not None or token_given or _loopback(host):
+        return
+    raise LocalRunError(f"--host {host} exposes {manifest.name}'s API beyond this machine, and "
+                        "its spec asks for no token: turn authentication on (add auth: {} "
+                        "under spec.router in the manifest, and ddm up writes a random token "
+                        "and says where; or give --auth-token-file FILE), or keep the default "
+                        "--host 127.0.0.1")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to anything
+        return False
 
 
 def check_router_port(host: str, port: int) -> None:

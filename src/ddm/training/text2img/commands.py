@@ -87,20 +87,22 @@ def tokenizer_stage(run: StageRun) -> Path:
 def load_tokenizer(root: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_component(root, layout.TOKENIZER))
+    return AutoTokenizer.from_pretrained(_component(root, layout.TOKENIZER),
+                                         trust_remote_code=False)
 
 
 def load_clip(root: Path) -> Any:
     from transformers import CLIPModel
 
-    return CLIPModel.from_pretrained(_component(root, layout.CLIP)).eval().requires_grad_(False)
+    return CLIPModel.from_pretrained(_component(root, layout.CLIP),
+                                     trust_remote_code=False).eval().requires_grad_(False)
 
 
 def load_vae(root: Path) -> Any:
     from diffusers import AutoencoderKL
 
-    return AutoencoderKL.from_pretrained(_component(root, layout.VAE)).eval().requires_grad_(
-        False)
+    return AutoencoderKL.from_pretrained(_component(root, layout.VAE),
+                                         trust_remote_code=False).eval().requires_grad_(False)
 
 
 def clip_stage(run: StageRun) -> Path:
@@ -155,7 +157,8 @@ def latents_stage(run: StageRun) -> Path:
     vae = load_vae(run.root)
     latents = encode_means(vae, data.images) * vae.config.scaling_factor
     captions, caption_index = distinct_captions(data.captions)
-    encoder = CLIPTextModel.from_pretrained(_component(run.root, layout.TEXT_ENCODER)).eval()
+    encoder = CLIPTextModel.from_pretrained(_component(run.root, layout.TEXT_ENCODER),
+                                            trust_remote_code=False).eval()
     ids = torch.from_numpy(tokenize(load_tokenizer(run.root), list(captions)))
     with torch.no_grad():
         embeddings = torch.cat([encoder(input_ids=ids[i:i + 256]).last_hidden_state
