@@ -18,6 +18,10 @@ Predicting zero scores 1; the shipped experts score below 0.1 on their own predi
 above 1.5 on any other (an epsilon network read as velocity scores 2.2). So a network fails
 when its declared prediction scores above :data:`MAX_RELATIVE_ERROR`, or another prediction
 explains its outputs at least twice as well.
+
+A text expert (a stage checkpoint, ``_ddm`` in its config.json) is checked the same way by
+:mod:`ddm.experts.text_check`, on conditioning of its own kind: :func:`check_checkpoint` checks
+either.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Callable
 
 import numpy as np
 
+from ddm.checkpoints.declared import read_declaration
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, read_meta
 from ddm.convention import to_model_space
 from ddm.data import Dataset, load_dataset, subset_by_classes
@@ -78,6 +83,26 @@ def require_passing(verdicts: list[Verdict], who: str) -> None:
         raise ExpertCheckFailed(f"{who} failed ddm expert check: {'; '.join(failed)}")
 
 
+@dataclass(frozen=True)
+class Examples:
+    """What an expert learned to generate, for the behaviour check: ``x1`` (N, C, H, W)
+    float32 in its model space, ``y`` (N,) int64 the conditioning each goes with (a label, or
+    a row of the text embeddings the network is given), and a name for the report."""
+
+    x1: np.ndarray
+    y: np.ndarray
+    name: str
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What config.json declares the network predicts, as a failed behaviour check names it:
+    ``says`` (``velocity on linear (continuous time)``) and ``field`` (what to correct)."""
+
+    says: str
+    field: str
+
+
 def check_network(meta: CheckpointMeta, network: ModelFn, image_shape: tuple[int, int, int],
                   data: Dataset | str, max_batch: int = BEHAVIOUR_IMAGES) -> list[Verdict]:
     """Shapes and dtypes, finiteness, determinism and the declared objective's behaviour of
@@ -85,20 +110,32 @@ def check_network(meta: CheckpointMeta, network: ModelFn, image_shape: tuple[int
     ``max_batch`` rows at a time. ``data``: images ``(N, 1, H, W)`` in ``[0, 1]`` of the
     expert's classes (:func:`behaviour_data`), or why there are none (the behaviour check is
     then skipped)."""
+    examples = data if isinstance(data, str) else Examples(to_model_space(data.images),
+                                                           data.labels, data.name)
+    return check_outputs(network, meta.objective, image_shape,
+                         np.int64(meta.classes[0] if meta.classes else 0), examples,
+                         Declared(meta.objective.describe(), "objective"), max_batch)
+
+
+def check_outputs(network: ModelFn, objective: Objective, image_shape: tuple[int, int, int],
+                  y: np.int64, examples: Examples | str, declared: Declared,
+                  max_batch: int = BEHAVIOUR_IMAGES) -> list[Verdict]:
+    """:func:`check_network`'s checks of any expert: ``network(x, t, y)`` in its own time and
+    prediction (``objective``), ``y`` the conditioning of the rows the shapes, finiteness and
+    determinism checks send; ``examples`` its data, or why there is none."""
     network = _in_batches(network, max_batch)
     rng = np.random.default_rng(SEED)
-    label = np.int64(meta.classes[0] if meta.classes else 0)
-    velocity = as_velocity(meta.objective, network)
-    verdicts = [_run("shapes", lambda: _shapes(velocity, image_shape, label, rng))]
-    verdicts.append(_run("finite", lambda: _finite(velocity, image_shape, label, rng)))
-    verdicts.append(_run("determinism", lambda: _determinism(velocity, image_shape, label, rng)))
+    velocity = as_velocity(objective, network)
+    verdicts = [run_check("shapes", lambda: _shapes(velocity, image_shape, y, rng))]
+    verdicts.append(run_check("finite", lambda: _finite(velocity, image_shape, y, rng)))
+    verdicts.append(run_check("determinism", lambda: _determinism(velocity, image_shape, y, rng)))
     if any(v.failed for v in verdicts):
         verdicts.append(Verdict("behaviour", "SKIP", "the network's outputs are not usable"))
-    elif isinstance(data, str):
-        verdicts.append(Verdict("behaviour", "SKIP", data))
+    elif isinstance(examples, str):
+        verdicts.append(Verdict("behaviour", "SKIP", examples))
     else:
-        verdicts.append(_run("behaviour", lambda: _behaviour(meta.objective, network, data,
-                                                              rng)))
+        verdicts.append(run_check("behaviour", lambda: _behaviour(objective, network, examples,
+                                                              declared, rng)))
     return verdicts
 
 
@@ -106,7 +143,13 @@ def check_checkpoint(directory: str | Path, backend: str = "native", device: str
                      data_source: str | None = None) -> list[Verdict]:
     """Everything :func:`check_network` checks, on ``backend``, plus that the declaration is
     readable and its objective one we convert, that the weights load, and torch/JAX parity
-    where both frameworks can run the architecture."""
+    where both frameworks can run the architecture. A stage checkpoint of role expert (a text
+    expert) is checked by :func:`ddm.experts.text_check.check_text_expert`."""
+    if read_declaration(Path(directory)) is not None:
+        # imported here: a label expert's check needs none of the text stages' libraries
+        from ddm.experts.text_check import check_text_expert
+
+        return check_text_expert(directory, backend, device, data_source)
     try:
         meta = read_meta(directory)
     except CheckpointError as error:
@@ -123,7 +166,7 @@ def check_checkpoint(directory: str | Path, backend: str = "native", device: str
     verdicts.append(Verdict("load", "PASS", f"{meta.kind} {meta.name} on {backend}, images "
                                             f"{'x'.join(map(str, image_shape))}"))
     verdicts += check_network(meta, network, image_shape, behaviour_data(meta, data_source))
-    verdicts.append(_run("parity", lambda: _parity(ckpt.meta, lambda b: expert_network(
+    verdicts.append(run_check("parity", lambda: _parity(ckpt.meta, lambda b: expert_network(
         ckpt, b, device), image_shape)))
     return verdicts
 
@@ -155,8 +198,9 @@ def _in_batches(network: ModelFn, max_batch: int) -> ModelFn:
     return run
 
 
-def _run(name: str, check: Callable[[], Verdict | str]) -> Verdict:
-    """A check's verdict: its detail string means PASS; an exception means FAIL."""
+def run_check(name: str, check: Callable[[], Verdict | str]) -> Verdict:
+    """The verdict of ``check`` called: its detail string means PASS; an exception means
+    FAIL."""
     try:
         outcome = check()
     except Exception as error:  # noqa: BLE001 - any failure of user code is the verdict
@@ -164,17 +208,17 @@ def _run(name: str, check: Callable[[], Verdict | str]) -> Verdict:
     return outcome if isinstance(outcome, Verdict) else Verdict(name, "PASS", outcome)
 
 
-def _inputs(image_shape: tuple[int, int, int], label: np.int64, rng: np.random.Generator,
+def _inputs(image_shape: tuple[int, int, int], y: np.int64, rng: np.random.Generator,
             t: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rows = len(t)
     return (rng.standard_normal((rows, *image_shape)).astype(np.float32),
-            np.asarray(t, np.float32), np.full((rows,), label, np.int64))
+            np.asarray(t, np.float32), np.full((rows,), y, np.int64))
 
 
-def _shapes(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int64,
+def _shapes(velocity: ModelFn, image_shape: tuple[int, int, int], y: np.int64,
             rng: np.random.Generator) -> Verdict | str:
     for t in ((0.5,), (0.1, 0.5, 0.9)):
-        x, tt, y = _inputs(image_shape, label, rng, t)
+        x, tt, y = _inputs(image_shape, y, rng, t)
         out = np.asarray(velocity(x, tt, y))
         if out.shape != x.shape or out.dtype != np.float32:
             return Verdict("shapes", "FAIL", f"input {x.shape} float32 gave output "
@@ -182,10 +226,10 @@ def _shapes(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int6
     return f"output shape == input shape (B, {', '.join(map(str, image_shape))}), float32"
 
 
-def _finite(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int64,
+def _finite(velocity: ModelFn, image_shape: tuple[int, int, int], y: np.int64,
             rng: np.random.Generator) -> Verdict | str:
     times = (0.0, 0.01, 0.99, 1.0)  # both ends, where conversions divide by small numbers
-    out = np.asarray(velocity(*_inputs(image_shape, label, rng, times)))
+    out = np.asarray(velocity(*_inputs(image_shape, y, rng, times)))
     bad = [f"{t:g}" for t, row in zip(times, out) if not np.all(np.isfinite(row))]
     if bad:
         return Verdict("finite", "FAIL", f"the velocity has NaN or inf values at t = "
@@ -193,9 +237,9 @@ def _finite(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int6
     return f"finite velocities at t = {', '.join(map(str, times))}"
 
 
-def _determinism(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int64,
+def _determinism(velocity: ModelFn, image_shape: tuple[int, int, int], y: np.int64,
                  rng: np.random.Generator) -> Verdict | str:
-    inputs = _inputs(image_shape, label, rng, (0.1, 0.5, 0.9))
+    inputs = _inputs(image_shape, y, rng, (0.1, 0.5, 0.9))
     first = np.array(velocity(*inputs), copy=True)
     second = np.asarray(velocity(*inputs))
     if not np.array_equal(first, second, equal_nan=True):
@@ -206,8 +250,8 @@ def _determinism(velocity: ModelFn, image_shape: tuple[int, int, int], label: np
     return "the same input twice gives identical outputs"
 
 
-def _behaviour(objective: Objective, network: ModelFn, data: Dataset,
-               rng: np.random.Generator) -> Verdict | str:
+def _behaviour(objective: Objective, network: ModelFn, examples: Examples,
+               declared: Declared, rng: np.random.Generator) -> Verdict | str:
     """The declared prediction against the others, on the declared schedule (module doc)."""
     candidates = {objective.prediction: objective}
     for prediction in PREDICTIONS:
@@ -220,14 +264,14 @@ def _behaviour(objective: Objective, network: ModelFn, data: Dataset,
     energy = dict.fromkeys(candidates, 0.0)
     fit = np.zeros(2)
     for t in BEHAVIOUR_TIMES:
-        rows = rng.choice(len(data), BEHAVIOUR_IMAGES)
-        x1 = to_model_space(data.images[rows]).astype(np.float64)
+        rows = rng.choice(len(examples.y), BEHAVIOUR_IMAGES)
+        x1 = examples.x1[rows].astype(np.float64)
         x0 = rng.standard_normal(x1.shape)
         tt = np.full((BEHAVIOUR_IMAGES,), t)
         point = expert_point(objective, tt)
         z = point.alpha[:, None, None, None] * x1 + point.sigma[:, None, None, None] * x0
         out = np.asarray(network(z.astype(np.float32), point.expert_time.astype(np.float32),
-                                 data.labels[rows]), np.float64)
+                                 examples.y[rows]), np.float64)
         for prediction, candidate in candidates.items():
             a, b = prediction_coefficients(candidate, expert_point(candidate, tt))
             target = a[:, None, None, None] * x1 + b[:, None, None, None] * x0
@@ -239,16 +283,16 @@ def _behaviour(objective: Objective, network: ModelFn, data: Dataset,
     relative = {p: errors[p] / energy[p] for p in candidates}
     declared = relative[objective.prediction]
     best = min((p for p in relative if p != objective.prediction), key=relative.__getitem__)
-    seen = (f"on {len(BEHAVIOUR_TIMES) * BEHAVIOUR_IMAGES} {data.name} images noised to "
+    seen = (f"on {len(BEHAVIOUR_TIMES) * BEHAVIOUR_IMAGES} {examples.name} images noised to "
             f"t = {', '.join(map(str, BEHAVIOUR_TIMES))}")
     if declared > MAX_RELATIVE_ERROR or relative[best] * BETTER_FIT_FACTOR < declared:
         return Verdict("behaviour", "FAIL", (
-            f"config.json declares {objective.describe()}, but {seen} the network's outputs "
+            f"config.json declares {declared.says}, but {seen} the network's outputs "
             f"miss that prediction's target by a relative squared error of {declared:.2f} "
             f"(a trained expert scores below {MAX_RELATIVE_ERROR}; predicting zero scores 1), "
             f"while {best} explains them with {relative[best]:.2f}; at t = 0.5 the outputs "
             f"are ~ {fit[0]:.2f} x1 {fit[1]:+.2f} x0 (x1 data, x0 noise). Declare the "
-            "objective the network was trained with"))
+            f"{declared.field} the network was trained with"))
     return (f"{objective.prediction} explains the outputs {seen} (relative squared error "
             f"{declared:.3f}; next best {best} {relative[best]:.2f})")
 
@@ -258,13 +302,25 @@ def _parity(meta: CheckpointMeta, network_on: Callable[[str], ModelFn],
     if meta.model.kind != "unet":
         return Verdict("parity", "SKIP", f"a {meta.framework} network ({meta.model.kind}) runs "
                                          f"on {meta.framework} only")
-    missing = [m for m in ("torch", "jax", "flax") if importlib.util.find_spec(m) is None]
+    missing = missing_frameworks()
     if missing:
         return Verdict("parity", "SKIP", f"{', '.join(missing)} not installed here")
+    return agreement(network_on("torch"), network_on("jax"), image_shape,
+                     np.int64(meta.classes[0] if meta.classes else 0))
+
+
+def missing_frameworks() -> list[str]:
+    """The frameworks the parity check needs that are not installed here."""
+    return [m for m in ("torch", "jax", "flax") if importlib.util.find_spec(m) is None]
+
+
+def agreement(torch_network: ModelFn, jax_network: ModelFn, image_shape: tuple[int, int, int],
+              y: np.int64) -> Verdict | str:
+    """The parity verdict of one network on both frameworks, on the same inputs (conditioned
+    on ``y``): their largest difference against :data:`PARITY_TOLERANCE`."""
     rng = np.random.default_rng(SEED)
-    label = np.int64(meta.classes[0] if meta.classes else 0)
-    inputs = _inputs(image_shape, label, rng, (0.05, 0.3, 0.7, 0.95))
-    diff = float(np.max(np.abs(network_on("torch")(*inputs) - network_on("jax")(*inputs))))
+    inputs = _inputs(image_shape, y, rng, (0.05, 0.3, 0.7, 0.95))
+    diff = float(np.max(np.abs(torch_network(*inputs) - jax_network(*inputs))))
     if not diff <= PARITY_TOLERANCE:
         return Verdict("parity", "FAIL", f"torch and JAX outputs differ by up to {diff:.3g} "
                                          f"(tolerance {PARITY_TOLERANCE:g})")
