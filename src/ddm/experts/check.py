@@ -95,7 +95,7 @@ class Examples:
 
 
 @dataclass(frozen=True)
-class Declared:
+class Claim:
     """What config.json declares the network predicts, as a failed behaviour check names it:
     ``says`` (``velocity on linear (continuous time)``) and ``field`` (what to correct)."""
 
@@ -114,11 +114,11 @@ def check_network(meta: CheckpointMeta, network: ModelFn, image_shape: tuple[int
                                                            data.labels, data.name)
     return check_outputs(network, meta.objective, image_shape,
                          np.int64(meta.classes[0] if meta.classes else 0), examples,
-                         Declared(meta.objective.describe(), "objective"), max_batch)
+                         Claim(meta.objective.describe(), "objective"), max_batch)
 
 
 def check_outputs(network: ModelFn, objective: Objective, image_shape: tuple[int, int, int],
-                  y: np.int64, examples: Examples | str, declared: Declared,
+                  y: np.int64, examples: Examples | str, claim: Claim,
                   max_batch: int = BEHAVIOUR_IMAGES) -> list[Verdict]:
     """:func:`check_network`'s checks of any expert: ``network(x, t, y)`` in its own time and
     prediction (``objective``), ``y`` the conditioning of the rows the shapes, finiteness and
@@ -135,7 +135,7 @@ def check_outputs(network: ModelFn, objective: Objective, image_shape: tuple[int
         verdicts.append(Verdict("behaviour", "SKIP", examples))
     else:
         verdicts.append(run_check("behaviour", lambda: _behaviour(objective, network, examples,
-                                                              declared, rng)))
+                                                              claim, rng)))
     return verdicts
 
 
@@ -251,7 +251,7 @@ def _determinism(velocity: ModelFn, image_shape: tuple[int, int, int], y: np.int
 
 
 def _behaviour(objective: Objective, network: ModelFn, examples: Examples,
-               declared: Declared, rng: np.random.Generator) -> Verdict | str:
+               claim: Claim, rng: np.random.Generator) -> Verdict | str:
     """The declared prediction against the others, on the declared schedule (module doc)."""
     candidates = {objective.prediction: objective}
     for prediction in PREDICTIONS:
@@ -287,12 +287,12 @@ def _behaviour(objective: Objective, network: ModelFn, examples: Examples,
             f"t = {', '.join(map(str, BEHAVIOUR_TIMES))}")
     if declared > MAX_RELATIVE_ERROR or relative[best] * BETTER_FIT_FACTOR < declared:
         return Verdict("behaviour", "FAIL", (
-            f"config.json declares {declared.says}, but {seen} the network's outputs "
+            f"config.json declares {claim.says}, but {seen} the network's outputs "
             f"miss that prediction's target by a relative squared error of {declared:.2f} "
             f"(a trained expert scores below {MAX_RELATIVE_ERROR}; predicting zero scores 1), "
             f"while {best} explains them with {relative[best]:.2f}; at t = 0.5 the outputs "
             f"are ~ {fit[0]:.2f} x1 {fit[1]:+.2f} x0 (x1 data, x0 noise). Declare the "
-            f"{declared.field} the network was trained with"))
+            f"{claim.field} the network was trained with"))
     return (f"{objective.prediction} explains the outputs {seen} (relative squared error "
             f"{declared:.3f}; next best {best} {relative[best]:.2f})")
 

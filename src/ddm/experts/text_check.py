@@ -32,7 +32,7 @@ from ddm.conditioning import Conditioning
 from ddm.convention import FlowMatchNetwork, network_convention
 from ddm.data.colored_mnist import IMAGE_SIZE, load_colored_mnist
 from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR
-from ddm.experts.check import (BEHAVIOUR_IMAGES, SEED, Declared, Examples, Verdict, agreement,
+from ddm.experts.check import (BEHAVIOUR_IMAGES, SEED, Claim, Examples, Verdict, agreement,
                                check_outputs, missing_frameworks, run_check)
 from ddm.models.loading import ModelFn
 from ddm.models.paris_loading import read_component_config
@@ -97,7 +97,7 @@ def check_text_expert(directory: str | Path, backend: str = "native", device: st
         table = np.concatenate([table, data.embeddings])
     verdicts += check_outputs(_on_rows(loaded.expert.forward, table), NATIVE,
                               filled.latent_shape, np.int64(0), examples,
-                              Declared(_convention(declared), "_ddm.convention"))
+                              Claim(_convention(declared), "_ddm.convention"))
     verdicts.append(run_check("parity", lambda: _parity(path, filled, framework, device or "cpu",
                                                    loaded.expert.forward, table)))
     return verdicts
