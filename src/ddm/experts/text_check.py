@@ -32,8 +32,9 @@ from ddm.conditioning import Conditioning
 from ddm.convention import FlowMatchNetwork, network_convention
 from ddm.data.colored_mnist import IMAGE_SIZE, load_colored_mnist
 from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR
-from ddm.experts.check import (BEHAVIOUR_IMAGES, SEED, Claim, Examples, Verdict, agreement,
-                               check_outputs, missing_frameworks, run_check)
+from ddm.experts.network_checks import (BEHAVIOUR_IMAGES, SEED, Claim, Examples, Verdict,
+                                        agreement, check_outputs, missing_frameworks,
+                                        run_check)
 from ddm.models.loading import ModelFn
 from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import (ConditionedVelocity, Stage, StageDeclaration, VaeDecoder,
