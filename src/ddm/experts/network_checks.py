@@ -94,9 +94,11 @@ class Claim:
 def check_outputs(network: ModelFn, objective: Objective, image_shape: tuple[int, int, int],
                   y: np.int64, examples: Examples | str, claim: Claim,
                   max_batch: int = BEHAVIOUR_IMAGES) -> list[Verdict]:
-    """:func:`check_network`'s checks of any expert: ``network(x, t, y)`` in its own time and
-    prediction (``objective``), ``y`` the conditioning of the rows the shapes, finiteness and
-    determinism checks send; ``examples`` its data, or why there is none."""
+    """Shapes and dtypes, finiteness, determinism and behaviour of any expert's ``network(x,
+    t, y)``, in its own time and prediction (``objective``), called with at most ``max_batch``
+    rows at a time: ``y`` the conditioning of the rows the first three send (a label, or a row
+    of the embeddings the network is given), ``examples`` its data, or why there is none (the
+    behaviour check is then skipped), ``claim`` what config.json declares."""
     network = _in_batches(network, max_batch)
     rng = np.random.default_rng(SEED)
     velocity = as_velocity(objective, network)

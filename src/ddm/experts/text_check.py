@@ -91,21 +91,22 @@ def check_text_expert(directory: str | Path, backend: str = "native", device: st
         f"expert {path.name} ({filled.family}) on {framework}, latents "
         f"{'x'.join(map(str, filled.latent_shape))}, text width {filled.text_width}, weights "
         f"{loaded.expert.dtype}; conditioned on {given}")))
-    data = text_examples(path, loaded, data_source, device or "cpu")
-    examples: Examples | str = data if isinstance(data, str) else Examples(
-        data.x1, np.arange(len(table), len(table) + len(data.x1), dtype=np.int64), data.name)
-    if not isinstance(data, str):
+    data = _text_examples(path, loaded, data_source, device or "cpu")
+    examples: Examples | str = data
+    if not isinstance(data, str):  # its rows follow the generic checks' in the table
+        examples = Examples(data.x1, len(table) + np.arange(len(data.x1), dtype=np.int64),
+                            data.name)
         table = np.concatenate([table, data.embeddings])
     verdicts += check_outputs(_on_rows(loaded.expert.forward, table), NATIVE,
                               filled.latent_shape, np.int64(0), examples,
                               Claim(_convention(declared), "_ddm.convention"))
-    verdicts.append(run_check("parity", lambda: _parity(path, filled, framework, device or "cpu",
-                                                   loaded.expert.forward, table)))
+    verdicts.append(run_check("parity", lambda: _parity(
+        path, filled, framework, device or "cpu", loaded.expert.forward, table)))
     return verdicts
 
 
 @dataclass(frozen=True)
-class TextExamples:
+class _TextExamples:
     """Data of a text expert: ``x1`` latents (N, C, S, S) and the ``embeddings`` (N, L, D) of
     each one's caption."""
 
@@ -114,8 +115,8 @@ class TextExamples:
     name: str
 
 
-def text_examples(path: Path, loaded: _Loaded, source: str | None,
-                  device: str) -> TextExamples | str:
+def _text_examples(path: Path, loaded: _Loaded, source: str | None,
+                  device: str) -> _TextExamples | str:
     """Latents of coloured test digits of the expert's cluster, with their captions'
     embeddings (module doc); or why there are none here (the behaviour check is skipped)."""
     if not source:
@@ -144,7 +145,10 @@ def text_examples(path: Path, loaded: _Loaded, source: str | None,
     name = f"coloured-mnist-{IMAGE_SIZE}x{IMAGE_SIZE}/t10k"
     cluster = loaded.expert.declaration.cluster
     if cluster is not None and (path.parent / ROUTER_DIR).is_dir():
-        router = load_stage(path.parent / ROUTER_DIR, device=device)
+        try:
+            router = load_stage(path.parent / ROUTER_DIR, device=device)
+        except (CheckpointError, OSError, ValueError) as error:
+            return f"cannot load its DDM's router to find its cluster's digits: {error}"
         own = router.forward(latents, np.ones(len(latents), np.float32), None).argmax(1)
         rows, latents = rows[own == cluster], latents[own == cluster]
         name += f"/cluster={cluster}"
@@ -153,10 +157,10 @@ def text_examples(path: Path, loaded: _Loaded, source: str | None,
                     f"digits to cluster {cluster}")
     rows, latents = rows[:MAX_EXAMPLES], latents[:MAX_EXAMPLES]
     captions = [data.captions[i] for i in rows]
-    embeddings = np.concatenate([loaded.encoder.forward(captions[i:i + BEHAVIOUR_IMAGES])
-                                 .embeddings for i in range(0, len(captions),
-                                                            BEHAVIOUR_IMAGES)])
-    return TextExamples(latents, embeddings, name)
+    encode = loaded.encoder.forward
+    embeddings = np.concatenate([encode(captions[i:i + BEHAVIOUR_IMAGES]).embeddings
+                                 for i in range(0, len(captions), BEHAVIOUR_IMAGES)])
+    return _TextExamples(latents, embeddings, name)
 
 
 def _load(path: Path, framework: str, device: str) -> _Loaded:
