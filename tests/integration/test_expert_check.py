@@ -51,14 +51,69 @@ def declared_as_velocity(tmp_path: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("expert", ["digits/expert-0-4", "digits/expert-5-9",
-                                    "digits-heterogeneous/expert-0-4-epsilon"])
+def shipped_experts() -> list[str]:
+    """Every expert checkpoint under checkpoints/ (label experts and monoliths, stage
+    checkpoints of role expert), each once (a symlinked directory is its target)."""
+    found: dict[Path, str] = {}
+    for config in sorted(SHIPPED.rglob("config.json")):
+        declared = json.loads(config.read_text())
+        block = declared.get("_ddm")
+        if (block.get("role") == "expert" if isinstance(block, dict)
+                else declared.get("kind") in ("expert", "monolith")):
+            found.setdefault(config.parent.resolve(), config.parent.relative_to(SHIPPED)
+                             .as_posix())
+    return sorted(found.values())
+
+
+#: The shipped experts whose data this repository embeds: every check runs, and passes.
+ALL_PASS = ["digits/expert-0-4", "digits/expert-5-9", "digits-heterogeneous/expert-0-4-epsilon"]
+CHECKS = ["objective", "load", "shapes", "finite", "determinism", "behaviour", "parity"]
+
+
+@pytest.mark.parametrize("expert", ALL_PASS)
 def test_the_shipped_experts_pass_every_check(expert, capsys):
     status, verdicts = check(SHIPPED / expert, capsys)
     assert status == 0, verdicts
     assert set(verdicts) == {"objective", "load", "shapes", "finite", "determinism",
                              "behaviour", "parity"}
     assert all(line.startswith("PASS") for line in verdicts.values()), verdicts
+
+
+def test_the_shipped_experts_are_label_and_text_experts_of_both_frameworks():
+    experts = shipped_experts()
+    assert {"digits/expert-0-4", "digits/expert-5-9", "mnist/expert-1", "text2img/expert_0",
+            "text2img/expert_1", "text2img/monolith"} <= set(experts), experts
+    assert len(experts) == 14, experts
+
+
+@pytest.mark.parametrize("expert", sorted(set(shipped_experts()) - set(ALL_PASS)))
+def test_every_other_shipped_expert_passes_ddm_expert_check(expert, capsys):
+    """Label and text experts alike; behaviour is skipped where their data is not here
+    (MNIST's files; coloured MNIST for the text experts: test_text_expert_check.py)."""
+    status, verdicts = check(SHIPPED / expert, capsys)
+    assert status == 0, verdicts
+    assert list(verdicts) == CHECKS
+    assert not any(line.startswith("FAIL") for line in verdicts.values()), verdicts
+    assert [name for name, line in verdicts.items() if line.startswith("SKIP")] in (
+        [], ["behaviour"]), verdicts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["torch", "jax"])
+def test_an_exported_program_of_a_shipped_expert_passes_every_check_but_parity(
+        framework, tmp_path, capsys):
+    """``ddm expert export`` (torch.export, jax.export), then the check of what it wrote."""
+    out = tmp_path / f"expert-0-4-{framework}"
+    assert main(["expert", "export", str(SHIPPED / "digits" / "expert-0-4"), "--out",
+                 str(out), "--format", framework]) == 0
+    capsys.readouterr()
+    status, verdicts = check(out, capsys)
+    assert status == 0, verdicts
+    assert list(verdicts) == CHECKS
+    assert verdicts["load"] == "PASS load: expert expert-0-4 on native, images 1x16x16"
+    assert verdicts["behaviour"].startswith("PASS behaviour: velocity explains the outputs")
+    assert verdicts["parity"] == (f"SKIP parity: a {framework} network (exported) runs on "
+                                  f"{framework} only")
 
 
 def test_an_epsilon_expert_declared_as_velocity_fails_the_behaviour_check(tmp_path, capsys):

@@ -1,81 +1,34 @@
 """``ddm expert check``: does a checkpoint's network behave as its config.json says?
 
 An expert trained elsewhere arrives with a declaration (objective, architecture, classes) that
-nothing else verifies: a wrong one serves garbage at full speed. Each check here returns a
-:class:`Verdict`; the expert server runs :func:`check_network` on the backend it is about to
-serve and refuses to become ready on a failure, and the command adds the declaration itself
-and torch/JAX parity (:func:`check_checkpoint`). Both load the network through the one
-function the server uses (``ddm.models.loading.expert_network``), so an exported program the
-server's strict readers refuse fails the ``load`` check with the same reason.
+nothing else verifies: a wrong one serves garbage at full speed. The checks themselves are
+in :mod:`ddm.experts.network_checks`; the expert server runs :func:`check_network` on the
+backend it is about to serve and refuses to become ready on a failure, and the command adds
+the declaration itself and torch/JAX parity (:func:`check_checkpoint`). Both load the network
+through the one function the server uses (``ddm.models.loading.expert_network``), so an
+exported program the server's strict readers refuse fails the ``load`` check with the same
+reason. A label expert's behaviour check noises held-out images of its own classes.
 
-The behaviour check tests the declared objective against the network's outputs on known
-inputs: images ``x1`` of its own classes and Gaussian noise ``x0``, mixed as its declared
-schedule mixes them (``z = alpha x1 + sigma x0`` at our ``t`` = 0.2, 0.5, 0.8). Every
-prediction is linear in ``(x1, x0)`` (``ddm.objectives.prediction_coefficients``), so each
-candidate prediction has a known target, and the network's relative squared error against
-it, ``sum |out - target|^2 / sum |target|^2``, says how much of the target it explains.
-Predicting zero scores 1; the shipped experts score below 0.1 on their own prediction and
-above 1.5 on any other (an epsilon network read as velocity scores 2.2). So a network fails
-when its declared prediction scores above :data:`MAX_RELATIVE_ERROR`, or another prediction
-explains its outputs at least twice as well.
+A text expert (a stage checkpoint: ``_ddm`` in its config.json) is checked the same way by
+:mod:`ddm.experts.text_check`, on conditioning of its own kind; :func:`check_checkpoint`
+checks either.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
+from ddm.checkpoints.declared import read_declaration
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, read_meta
 from ddm.convention import to_model_space
 from ddm.data import Dataset, load_dataset, subset_by_classes
+from ddm.experts.network_checks import (BEHAVIOUR_IMAGES, Claim, Examples, Verdict, agreement,
+                                        check_outputs, missing_frameworks, run_check)
 from ddm.models.loading import ModelFn, expert_image_shape, expert_network
-from ddm.objectives import PREDICTIONS, Objective, ObjectiveError, as_velocity, expert_point
-from ddm.objectives import prediction_coefficients
-
-#: The relative squared error above which a network does not predict what it declares.
-MAX_RELATIVE_ERROR = 0.5
-#: Another prediction explaining the outputs this many times better fails the declaration.
-BETTER_FIT_FACTOR = 2.0
-#: Our times at which the behaviour check noises its images (away from both ends, where
-#: some predictions say little about the data or the noise).
-BEHAVIOUR_TIMES = (0.2, 0.5, 0.8)
-#: Images per time in the behaviour check.
-BEHAVIOUR_IMAGES = 64
-#: The largest torch/JAX difference tolerated, in output units.
-PARITY_TOLERANCE = 1e-4
-SEED = 0
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One check's outcome: ``status`` is PASS, FAIL or SKIP (could not be run here)."""
-
-    name: str
-    status: str
-    detail: str
-
-    @property
-    def failed(self) -> bool:
-        return self.status == "FAIL"
-
-    def line(self) -> str:
-        return f"{self.status} {self.name}: {self.detail}"
-
-
-class ExpertCheckFailed(RuntimeError):
-    """A network failed ``ddm expert check``; the message lists each failed check."""
-
-
-def require_passing(verdicts: list[Verdict], who: str) -> None:
-    """Raise :class:`ExpertCheckFailed` naming every failed check of ``who``."""
-    failed = [v.line() for v in verdicts if v.failed]
-    if failed:
-        raise ExpertCheckFailed(f"{who} failed ddm expert check: {'; '.join(failed)}")
+from ddm.objectives import ObjectiveError
 
 
 def check_network(meta: CheckpointMeta, network: ModelFn, image_shape: tuple[int, int, int],
@@ -85,28 +38,24 @@ def check_network(meta: CheckpointMeta, network: ModelFn, image_shape: tuple[int
     ``max_batch`` rows at a time. ``data``: images ``(N, 1, H, W)`` in ``[0, 1]`` of the
     expert's classes (:func:`behaviour_data`), or why there are none (the behaviour check is
     then skipped)."""
-    network = _in_batches(network, max_batch)
-    rng = np.random.default_rng(SEED)
-    label = np.int64(meta.classes[0] if meta.classes else 0)
-    velocity = as_velocity(meta.objective, network)
-    verdicts = [_run("shapes", lambda: _shapes(velocity, image_shape, label, rng))]
-    verdicts.append(_run("finite", lambda: _finite(velocity, image_shape, label, rng)))
-    verdicts.append(_run("determinism", lambda: _determinism(velocity, image_shape, label, rng)))
-    if any(v.failed for v in verdicts):
-        verdicts.append(Verdict("behaviour", "SKIP", "the network's outputs are not usable"))
-    elif isinstance(data, str):
-        verdicts.append(Verdict("behaviour", "SKIP", data))
-    else:
-        verdicts.append(_run("behaviour", lambda: _behaviour(meta.objective, network, data,
-                                                              rng)))
-    return verdicts
+    examples = data if isinstance(data, str) else Examples(to_model_space(data.images),
+                                                           data.labels, data.name)
+    return check_outputs(network, meta.objective, image_shape,
+                         np.int64(meta.classes[0] if meta.classes else 0), examples,
+                         Claim(meta.objective.describe(), "objective"), max_batch)
 
 
 def check_checkpoint(directory: str | Path, backend: str = "native", device: str | None = None,
                      data_source: str | None = None) -> list[Verdict]:
     """Everything :func:`check_network` checks, on ``backend``, plus that the declaration is
     readable and its objective one we convert, that the weights load, and torch/JAX parity
-    where both frameworks can run the architecture."""
+    where both frameworks can run the architecture. A stage checkpoint of role expert (a text
+    expert) is checked by :func:`ddm.experts.text_check.check_text_expert`."""
+    if read_declaration(Path(directory)) is not None:
+        # imported here: a label expert's check needs none of the text stages' libraries
+        from ddm.experts.text_check import check_text_expert
+
+        return check_text_expert(directory, backend, device, data_source)
     try:
         meta = read_meta(directory)
     except CheckpointError as error:
@@ -123,7 +72,7 @@ def check_checkpoint(directory: str | Path, backend: str = "native", device: str
     verdicts.append(Verdict("load", "PASS", f"{meta.kind} {meta.name} on {backend}, images "
                                             f"{'x'.join(map(str, image_shape))}"))
     verdicts += check_network(meta, network, image_shape, behaviour_data(meta, data_source))
-    verdicts.append(_run("parity", lambda: _parity(ckpt.meta, lambda b: expert_network(
+    verdicts.append(run_check("parity", lambda: _parity(ckpt.meta, lambda b: expert_network(
         ckpt, b, device), image_shape)))
     return verdicts
 
@@ -144,128 +93,13 @@ def behaviour_data(meta: CheckpointMeta, source: str | None = None) -> Dataset |
         return f"cannot load data source {source!r} here ({type(error).__name__}: {error})"
 
 
-def _in_batches(network: ModelFn, max_batch: int) -> ModelFn:
-    def run(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        if x.shape[0] <= max_batch:
-            return network(x, t, y)
-        return np.concatenate([network(x[i:i + max_batch], t[i:i + max_batch],
-                                       y[i:i + max_batch])
-                               for i in range(0, x.shape[0], max_batch)])
-
-    return run
-
-
-def _run(name: str, check: Callable[[], Verdict | str]) -> Verdict:
-    """A check's verdict: its detail string means PASS; an exception means FAIL."""
-    try:
-        outcome = check()
-    except Exception as error:  # noqa: BLE001 - any failure of user code is the verdict
-        return Verdict(name, "FAIL", f"{type(error).__name__}: {error}")
-    return outcome if isinstance(outcome, Verdict) else Verdict(name, "PASS", outcome)
-
-
-def _inputs(image_shape: tuple[int, int, int], label: np.int64, rng: np.random.Generator,
-            t: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    rows = len(t)
-    return (rng.standard_normal((rows, *image_shape)).astype(np.float32),
-            np.asarray(t, np.float32), np.full((rows,), label, np.int64))
-
-
-def _shapes(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int64,
-            rng: np.random.Generator) -> Verdict | str:
-    for t in ((0.5,), (0.1, 0.5, 0.9)):
-        x, tt, y = _inputs(image_shape, label, rng, t)
-        out = np.asarray(velocity(x, tt, y))
-        if out.shape != x.shape or out.dtype != np.float32:
-            return Verdict("shapes", "FAIL", f"input {x.shape} float32 gave output "
-                                             f"{out.shape} {out.dtype}; it must be the same")
-    return f"output shape == input shape (B, {', '.join(map(str, image_shape))}), float32"
-
-
-def _finite(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int64,
-            rng: np.random.Generator) -> Verdict | str:
-    times = (0.0, 0.01, 0.99, 1.0)  # both ends, where conversions divide by small numbers
-    out = np.asarray(velocity(*_inputs(image_shape, label, rng, times)))
-    bad = [f"{t:g}" for t, row in zip(times, out) if not np.all(np.isfinite(row))]
-    if bad:
-        return Verdict("finite", "FAIL", f"the velocity has NaN or inf values at t = "
-                                         f"{', '.join(bad)} (of {', '.join(map(str, times))})")
-    return f"finite velocities at t = {', '.join(map(str, times))}"
-
-
-def _determinism(velocity: ModelFn, image_shape: tuple[int, int, int], label: np.int64,
-                 rng: np.random.Generator) -> Verdict | str:
-    inputs = _inputs(image_shape, label, rng, (0.1, 0.5, 0.9))
-    first = np.array(velocity(*inputs), copy=True)
-    second = np.asarray(velocity(*inputs))
-    if not np.array_equal(first, second, equal_nan=True):
-        diff = float(np.nanmax(np.abs(first - second)))
-        return Verdict("determinism", "FAIL", f"the same input gave different outputs (max "
-                                              f"difference {diff:.3g}); a router mixing "
-                                              "experts needs a function of (x, t, y)")
-    return "the same input twice gives identical outputs"
-
-
-def _behaviour(objective: Objective, network: ModelFn, data: Dataset,
-               rng: np.random.Generator) -> Verdict | str:
-    """The declared prediction against the others, on the declared schedule (module doc)."""
-    candidates = {objective.prediction: objective}
-    for prediction in PREDICTIONS:
-        try:
-            candidates.setdefault(prediction, dataclasses.replace(objective,
-                                                                  prediction=prediction))
-        except ObjectiveError:
-            continue  # velocity is defined on flow schedules only
-    errors = dict.fromkeys(candidates, 0.0)
-    energy = dict.fromkeys(candidates, 0.0)
-    fit = np.zeros(2)
-    for t in BEHAVIOUR_TIMES:
-        rows = rng.choice(len(data), BEHAVIOUR_IMAGES)
-        x1 = to_model_space(data.images[rows]).astype(np.float64)
-        x0 = rng.standard_normal(x1.shape)
-        tt = np.full((BEHAVIOUR_IMAGES,), t)
-        point = expert_point(objective, tt)
-        z = point.alpha[:, None, None, None] * x1 + point.sigma[:, None, None, None] * x0
-        out = np.asarray(network(z.astype(np.float32), point.expert_time.astype(np.float32),
-                                 data.labels[rows]), np.float64)
-        for prediction, candidate in candidates.items():
-            a, b = prediction_coefficients(candidate, expert_point(candidate, tt))
-            target = a[:, None, None, None] * x1 + b[:, None, None, None] * x0
-            errors[prediction] += float(np.sum((out - target) ** 2))
-            energy[prediction] += float(np.sum(target ** 2))
-        if t == 0.5:
-            basis = np.stack([x1.ravel(), x0.ravel()], axis=1)
-            fit = np.linalg.lstsq(basis, out.ravel(), rcond=None)[0]
-    relative = {p: errors[p] / energy[p] for p in candidates}
-    declared = relative[objective.prediction]
-    best = min((p for p in relative if p != objective.prediction), key=relative.__getitem__)
-    seen = (f"on {len(BEHAVIOUR_TIMES) * BEHAVIOUR_IMAGES} {data.name} images noised to "
-            f"t = {', '.join(map(str, BEHAVIOUR_TIMES))}")
-    if declared > MAX_RELATIVE_ERROR or relative[best] * BETTER_FIT_FACTOR < declared:
-        return Verdict("behaviour", "FAIL", (
-            f"config.json declares {objective.describe()}, but {seen} the network's outputs "
-            f"miss that prediction's target by a relative squared error of {declared:.2f} "
-            f"(a trained expert scores below {MAX_RELATIVE_ERROR}; predicting zero scores 1), "
-            f"while {best} explains them with {relative[best]:.2f}; at t = 0.5 the outputs "
-            f"are ~ {fit[0]:.2f} x1 {fit[1]:+.2f} x0 (x1 data, x0 noise). Declare the "
-            "objective the network was trained with"))
-    return (f"{objective.prediction} explains the outputs {seen} (relative squared error "
-            f"{declared:.3f}; next best {best} {relative[best]:.2f})")
-
-
 def _parity(meta: CheckpointMeta, network_on: Callable[[str], ModelFn],
             image_shape: tuple[int, int, int]) -> Verdict | str:
     if meta.model.kind != "unet":
         return Verdict("parity", "SKIP", f"a {meta.framework} network ({meta.model.kind}) runs "
                                          f"on {meta.framework} only")
-    missing = [m for m in ("torch", "jax", "flax") if importlib.util.find_spec(m) is None]
+    missing = missing_frameworks()
     if missing:
         return Verdict("parity", "SKIP", f"{', '.join(missing)} not installed here")
-    rng = np.random.default_rng(SEED)
-    label = np.int64(meta.classes[0] if meta.classes else 0)
-    inputs = _inputs(image_shape, label, rng, (0.05, 0.3, 0.7, 0.95))
-    diff = float(np.max(np.abs(network_on("torch")(*inputs) - network_on("jax")(*inputs))))
-    if not diff <= PARITY_TOLERANCE:
-        return Verdict("parity", "FAIL", f"torch and JAX outputs differ by up to {diff:.3g} "
-                                         f"(tolerance {PARITY_TOLERANCE:g})")
-    return f"torch and JAX outputs agree within {diff:.2g} (tolerance {PARITY_TOLERANCE:g})"
+    return agreement(network_on("torch"), network_on("jax"), image_shape,
+                     np.int64(meta.classes[0] if meta.classes else 0))

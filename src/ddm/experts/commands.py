@@ -18,16 +18,19 @@ def add_expert_command(commands: argparse._SubParsersAction) -> None:
     """Add ``expert`` (``check``, ``export``) to the ``ddm`` command's subcommands."""
     expert = commands.add_parser("expert", help="work with one expert checkpoint")
     actions = expert.add_subparsers(dest="action", required=True, metavar="ACTION")
-    p = actions.add_parser("check", help="check that an expert behaves as its config.json "
-                                         "declares: shapes, dtypes, finiteness, determinism, "
-                                         "objective, torch/JAX parity (docs/experts.md)")
+    p = actions.add_parser("check", help="check that an expert (label or text) behaves as "
+                                         "its config.json declares: shapes, dtypes, "
+                                         "finiteness, determinism, objective, torch/JAX parity "
+                                         "(docs/experts.md)")
     p.add_argument("checkpoint", type=Path, help="the expert's checkpoint directory")
     p.add_argument("--backend", default="native",
-                   help="run it on its own framework (native), torch or jax")
+                   help="run it on its own framework (native; torch for a text expert), torch "
+                        "or jax")
     p.add_argument("--device", default=None)
     p.add_argument("--data", default=None,
-                   help="images of its classes for the objective check: digits or mnist:DIR "
-                        "(default: the source its config.json records)")
+                   help="data for the objective check: digits or mnist:DIR, images of a label "
+                        "expert's classes (default: the source its config.json records); "
+                        "mnist:DIR, coloured digits of a text expert's cluster")
     p.set_defaults(handler=_expert_check)
     p = actions.add_parser("export", help="write an expert as a self-contained exported "
                                           "program (torch.export .pt2 or jax.export StableHLO) "

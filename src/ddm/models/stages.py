@@ -143,6 +143,15 @@ class VaeDecoder:
         images = self.model.decode(z / self.model.config.scaling_factor).sample
         return images.float().cpu().numpy()
 
+    @torch.no_grad()
+    def encode(self, images: np.ndarray) -> np.ndarray:
+        """Images (B, 3, H, W) in ``[-1, 1]`` -> latents (B, C, S, S) float32: the posterior
+        mean times ``scaling_factor``, what the experts were trained on (``ddm expert check``
+        noises real latents so)."""
+        x = model_input(np.asarray(images, np.float32)).to(self.device, self.model.dtype)
+        mean = self.model.encode(x).latent_dist.mean
+        return (mean * self.model.config.scaling_factor).float().cpu().numpy()
+
 
 @dataclass(frozen=True)
 class TextDDM:

@@ -52,7 +52,8 @@ from ddm.checkpoints.format import (Checkpoint, CheckpointError, CheckpointMeta,
                                     read_meta)
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_PORT, MAX_STEPS,
                                SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
-from ddm.experts.check import behaviour_data, check_network, require_passing
+from ddm.experts.check import behaviour_data, check_network
+from ddm.experts.network_checks import require_passing
 from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
 from ddm.serving.auth import TokenFile
