@@ -122,8 +122,9 @@ def test_a_build_arg_without_a_value_is_refused_by_name() -> None:
 def test_make_images_builds_for_the_dev_cluster_or_a_registry(variables: tuple[str, ...],
                                                               last_line: str) -> None:
     """`make -n` prints what `make images` would run, running nothing."""
-    result = subprocess.run(["make", "-n", "images", *variables], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    # --no-print-directory: under `make test` the inner make would say which directory it is in.
+    result = subprocess.run(["make", "--no-print-directory", "-n", "images", *variables],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == last_line
 
