@@ -73,7 +73,7 @@ from ddm.serving.http_client import HttpClient
 from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
                                   encode_request, max_error_reply_bytes, max_reply_bytes)
 from benchmarks.figures import CALL_ABOVE_FLOOR_MS, verdict
-from benchmarks.fleet import HOST, READY_S
+from benchmarks.fleet import HOST, READY_S, checkouts
 
 CALLS = 5
 ROUNDS = 40
@@ -318,7 +318,7 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
                     process, endpoint = _start(tree, REPOSITORY_ROOT / checkpoint, seconds, how,
                                                times_file)
                     stack.callback(_stop, process)
-                    servers[name, str(tree)] = (endpoint, times_file)
+                    servers[name, tree.name] = (endpoint, times_file)
             runs: dict[tuple[str, str], tuple[list[float], list[float]]] = {
                 key: ([], []) for key in servers}
             client = HttpClient(keep_alive_s=_TIMEOUT_S)
@@ -331,7 +331,7 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
                     t, y = np.full(1, 0.5, np.float32), np.full(1, label, np.int64)
                     body = encode_request(VelocityRequest(1, x, t, y))
                     for tree in trees:
-                        key = (name, str(tree))
+                        key = (name, tree.name)
                         calls, floors = await _round(client, servers[key][0], body,
                                                      (1, *shape))
                         if round_index > 0:
@@ -369,14 +369,14 @@ def _alternated(trees: list[Path], rounds: int, script: str, *args: str
     """Per tree, what ``script`` measured (a JSON object of lists of seconds) with the tree's
     code, over :data:`HANDOFF_RUNS` processes alternated between the trees, so that a shared
     machine's load hits every tree alike."""
-    runs: dict[str, dict[str, list[float]]] = {str(tree): {} for tree in trees}
+    runs: dict[str, dict[str, list[float]]] = {tree.name: {} for tree in trees}
     for _ in range(HANDOFF_RUNS):
         for tree in trees:
             env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}", "OMP_NUM_THREADS": "1"}
             done = subprocess.run([sys.executable, "-c", script, str(rounds), *args], env=env,
                                   check=True, capture_output=True, timeout=_STOP_S + rounds)
             for name, seconds in json.loads(done.stdout).items():
-                runs[str(tree)].setdefault(name, []).extend(seconds)
+                runs[tree.name].setdefault(name, []).extend(seconds)
     return runs
 
 
@@ -429,9 +429,5 @@ def _p10(values: list[float]) -> float:
 
 def bench_calls_command(trees: list[str]) -> int:
     """Print the figures as JSON; every tree must be a checkout of this project."""
-    paths = [Path(tree).resolve() for tree in trees]
-    for path in paths:
-        if not (path / "src" / "ddm").is_dir():
-            raise SystemExit(f"{path} is not a checkout of this project (no src/ddm)")
-    print(json.dumps(asyncio.run(measure(paths)), indent=2))
+    print(json.dumps(asyncio.run(measure(checkouts(trees))), indent=2))
     return 0

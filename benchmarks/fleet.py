@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterator, TextIO
 
 from ddm.deploy.spec import DDMManifest
 from ddm.deploy.plan import plan_expert
-from ddm.runtime.local import (LocalPlan, ProcessSpec, Supervisor, free_port, plan_local,
-                               resolve_checkpoint)
+from ddm.runtime.local import (REPOSITORY_ROOT, LocalPlan, ProcessSpec, Supervisor, free_port,
+                               plan_local, resolve_checkpoint)
 from benchmarks.figures import BIG_BATCH
 from benchmarks.loopback import one_client_router
 
@@ -135,6 +135,29 @@ def _reference_specs(manifest: DDMManifest, env: tuple[tuple[str, str], ...],
         specs.append(ProcessSpec(f"reference/{expert.name}", argv, port, env))
         endpoints.append(f"{HOST}:{port}")
     return specs, tuple(endpoints)
+
+
+def checkouts(trees: list[str]) -> list[Path]:
+    """The checkouts a comparison runs, each of this project and with a directory name of its
+    own: the figures are keyed by that name, never by a path of this machine."""
+    paths = [Path(tree).resolve() for tree in trees]
+    for path in paths:
+        if not (path / "src" / "ddm").is_dir():
+            raise SystemExit(f"{path} is not a checkout of this project (no src/ddm)")
+    names = [path.name for path in paths]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"the checkouts' directory names key the figures, so they must "
+                         f"differ: {names}")
+    return paths
+
+
+def recorded_path(path: Path) -> str:
+    """``path`` as figures record it: relative to this checkout when inside it, else its
+    name (figures are shared: a path of this machine means nothing elsewhere)."""
+    resolved = path.resolve()
+    if resolved.is_relative_to(REPOSITORY_ROOT):
+        return str(resolved.relative_to(REPOSITORY_ROOT))
+    return resolved.name
 
 
 def port_source() -> Callable[[], int]:

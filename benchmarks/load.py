@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from benchmarks.figures import percentiles
+from benchmarks.fleet import recorded_path
 from benchmarks.loopback import one_client_router
 
 from ddm.deploy.spec import load_manifest
@@ -94,7 +95,7 @@ def run_load(settings: LoadSettings, router: str | None = None, manifest: Path =
     else:
         with _local_ddm(manifest, settings.clients, log) as url:
             result["router_url"] = url
-            result["manifest"] = str(manifest)
+            result["manifest"] = recorded_path(manifest)
             result.update(asyncio.run(_measure(settings, url, log)))
     result["load_average_after"] = list(os.getloadavg())
     result["cpu_count"] = os.cpu_count()

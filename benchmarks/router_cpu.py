@@ -30,7 +30,7 @@ import httpx
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT, Supervisor, plan_local
-from benchmarks.fleet import HOST, READY_S, port_source, cpu_seconds, say
+from benchmarks.fleet import HOST, READY_S, checkouts, port_source, cpu_seconds, say
 
 MANIFEST = REPOSITORY_ROOT / "examples" / "mnist.yaml"
 REQUESTS = 10
@@ -57,7 +57,7 @@ def measure(trees: list[Path], log: Any = sys.stderr) -> dict[str, Any]:
             argv = [*plan.router.argv]
             argv[argv.index("--port") + 1] = str(port)
             argv[argv.index("--metrics-port") + 1] = str(ports())
-            routers[str(tree)] = dataclasses.replace(
+            routers[tree.name] = dataclasses.replace(
                 plan.router, name=f"router-{index}", argv=tuple(argv), port=port,
                 env=(*plan.router.env, ("PYTHONPATH", str(tree / "src"))))
         supervisor = Supervisor(log)
@@ -104,9 +104,5 @@ def _rounds(routers: dict[str, tuple[int, int]], log: Any) -> dict[str, Any]:
 
 def bench_router_command(trees: list[str]) -> int:
     """Print the figures as JSON; every tree must be a checkout of this project."""
-    paths = [Path(tree).resolve() for tree in trees]
-    for path in paths:
-        if not (path / "src" / "ddm").is_dir():
-            raise SystemExit(f"{path} is not a checkout of this project (no src/ddm)")
-    print(json.dumps(measure(paths), indent=2))
+    print(json.dumps(measure(checkouts(trees)), indent=2))
     return 0

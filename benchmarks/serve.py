@@ -61,7 +61,7 @@ from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH
                                        WIRE_RATIO, images_per_s, rate, speedup, summary_lines,
                                        throughput_figures, verdict, wire_bytes)
 from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
-                                     machine, running_fleet, say)
+                                     machine, recorded_path, running_fleet, say)
 from ddm.serving.router.pool import KEEP_ALIVE_S
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
@@ -126,7 +126,7 @@ class BenchSettings:
                 "call_rounds": self.call_rounds,
                 "per_digit": self.per_digit, "delegations": list(self.delegations),
                 "strategy": STRATEGY, "solver": "euler", "big_batch": BIG_BATCH,
-                "concurrent": CONCURRENT, "manifest": str(MANIFEST), "host": HOST,
+                "concurrent": CONCURRENT, "manifest": recorded_path(MANIFEST), "host": HOST,
                 "in_process_torch_threads": 1, "server_threads": 1}
 
 

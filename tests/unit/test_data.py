@@ -25,6 +25,8 @@ from ddm.data import (
     split_holdout,
     subset_by_classes,
 )
+from ddm.data.datasets import recorded_source
+from ddm.data.partition_file import fit_partition_command
 from ddm.models.config import ConfigError
 
 
@@ -95,6 +97,8 @@ def test_load_dataset_digits_splits_match_split_holdout(digits: Dataset) -> None
 @pytest.mark.parametrize("source, split, problem", [
     ("cifar", "train", "unknown data source 'cifar'"),
     ("mnist:", "train", "unknown data source 'mnist:'"),
+    ("mnist", "train", "does not say where MNIST's IDX files are on this machine: pass "
+                       "mnist:DIR"),
     ("digits", "test", "unknown split 'test'"),
 ])
 def test_load_dataset_rejects_unknown_sources_and_splits(source: str, split: str,
@@ -156,6 +160,16 @@ def test_mnist_heldout_is_the_t10k_part_and_32px_pads(tmp_path: Path) -> None:
     border = np.ones((32, 32), bool)
     border[2:30, 2:30] = False
     assert not ds.images[:, 0][:, border].any()  # the 2-pixel margin is background
+
+
+def test_a_partition_file_records_mnist_without_this_machines_path(tmp_path: Path) -> None:
+    """A file that is shared or shipped says which data it came from, not where it lay."""
+    _write_mnist(tmp_path / "idx", n=20)
+    fit_partition_command(f"mnist:{tmp_path / 'idx'}", 2, "pixels", 16, 0,
+                          tmp_path / "partition.json")
+    content = (tmp_path / "partition.json").read_text()
+    assert json.loads(content)["fit"]["source"] == "mnist" and str(tmp_path) not in content
+    assert recorded_source("digits") == "digits"
 
 
 def test_mnist_gzip_is_detected_by_content_not_name(tmp_path: Path) -> None:

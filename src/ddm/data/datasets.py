@@ -26,6 +26,8 @@ from ddm.data.mnist import load_mnist
 from ddm.data.resize import resize_images
 
 SPLITS = ("train", "heldout")
+#: The MNIST source's name: ``mnist:DIR`` reads the IDX files in DIR.
+MNIST = "mnist"
 #: The digits set has no official split: this stratified fraction of it is held out.
 HELDOUT_FRACTION = 0.25
 SPLIT_SEED = 0
@@ -78,12 +80,22 @@ def load_dataset(source: str, image_size: int, split: str = "train") -> Dataset:
     if source == "digits":
         train, heldout = split_holdout(load_digits_dataset(image_size))
         return train if split == "train" else heldout
-    if source.startswith("mnist:") and source[len("mnist:"):]:
+    if source == MNIST:
+        raise ValueError("data source 'mnist' does not say where MNIST's IDX files are on this "
+                         "machine: pass mnist:DIR, a directory holding the four IDX files")
+    if source.startswith(f"{MNIST}:") and source[len(f"{MNIST}:"):]:
         part = "train" if split == "train" else "t10k"
         images, labels = load_mnist(source[len("mnist:"):], image_size, part)
         return Dataset(images, labels, f"mnist-{image_size}x{image_size}/{split}")
     raise ValueError(f"unknown data source {source!r}; use 'digits' or 'mnist:PATH' "
                      "(PATH a directory holding the MNIST IDX files)")
+
+
+def recorded_source(source: str) -> str:
+    """``source`` as a file we ship or share records it: ``digits`` as it is, ``mnist:PATH``
+    as ``mnist``. Where the IDX files lay is the writer's machine's business: a path recorded
+    names a directory nobody else has (a reader passes ``--data mnist:DIR``)."""
+    return MNIST if source.startswith(f"{MNIST}:") else source
 
 
 def load_digits_dataset(image_size: int = 16) -> Dataset:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ddm.data.datasets import Dataset, load_dataset
+from ddm.data.datasets import Dataset, load_dataset, recorded_source
 from ddm.data.partition import (KMEANS_RESTARTS, KMeansPartition, LabelPartition,
                                 fit_kmeans, parse_label_groups, partition_from_dict)
 from ddm.fileio import atomic_path, check_output
@@ -49,8 +49,8 @@ def fit_partition(dataset: Dataset, k: int, features: str | dict[str, Any], seed
     classes = int(dataset.labels.max()) + 1
     counts = np.zeros((k, classes), dtype=np.int64)
     np.add.at(counts, (ids, dataset.labels), 1)
-    fit = {"source": source, "split": "train", "name": dataset.name, "images": len(dataset),
-           "k": k, "seed": seed, "restarts": KMEANS_RESTARTS,
+    fit = {"source": recorded_source(source), "split": "train", "name": dataset.name,
+           "images": len(dataset), "k": k, "seed": seed, "restarts": KMEANS_RESTARTS,
            "cluster_sizes": counts.sum(axis=1).tolist(),
            "classes_per_cluster": counts.tolist(),
            "label_to_cluster_entropy_bits": round(conditional_entropy_bits(counts), 4)}

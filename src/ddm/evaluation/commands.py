@@ -14,7 +14,7 @@ from ddm.checkpoints.discovery import default_checkpoints, shipped_ddms
 from ddm.checkpoints.format import check_checkpoint_output, read_meta
 from ddm.convention import to_model_space, to_uint8
 from ddm.data import load_dataset
-from ddm.data.datasets import SPLITS
+from ddm.data.datasets import SPLITS, recorded_source
 from ddm.data.mnist import IDXError
 from ddm.evaluation.classifier import (BATCH_SIZE, LEARNING_RATE, Classifier, ClassifierConfig,
                                        load_classifier, save_classifier, train_classifier)
@@ -47,7 +47,8 @@ def train_classifier_command(data: str, image_size: int, steps: int, seed: int, 
     judged = Classifier.from_weights(config, weights)
     accuracy = float((judged.predict(to_uint8(to_model_space(other.images))[:, 0])
                       == other.labels).mean())
-    record = {"source": data, "split": split, "name": learned.name, "images": len(learned),
+    record = {"source": recorded_source(data), "split": split, "name": learned.name,
+              "images": len(learned),
               "image_size": image_size, f"{other_split}_accuracy": round(accuracy, 5)}
     training = {"steps": steps, "seed": seed, "batch_size": BATCH_SIZE,
                 "learning_rate": LEARNING_RATE, "device": "cpu", "seconds": seconds,
@@ -95,14 +96,14 @@ def reference_set(classifier_dir: Path, data: str | None = None) -> tuple[np.nda
     """The real reference digits as uint8 ``(N, H, W)`` and their labels: the ``heldout``
     split (MNIST: the test set) of ``data``, by default the source the classifier learned.
 
-    The classifier records where its data came from; ``data`` points elsewhere when that
-    path does not exist here (``mnist:DIR`` on another machine).
+    The classifier records which data it learned (``digits``, or ``mnist`` without a path:
+    :func:`~ddm.data.datasets.recorded_source`); ``data`` says where MNIST's files are here.
     """
     recorded = read_meta(classifier_dir).data
     source, size = data or recorded.get("source", "digits"), int(recorded.get("image_size", 16))
     try:
         heldout = load_dataset(source, size, "heldout")
-    except (IDXError, FileNotFoundError) as exc:
+    except (IDXError, FileNotFoundError, ValueError) as exc:
         if data is not None:
             raise
         raise ValueError(f"{classifier_dir} compares samples with the held-out images of "

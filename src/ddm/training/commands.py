@@ -14,6 +14,7 @@ from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, check_check
 from ddm.convention import to_model_space
 from ddm.data import (Dataset, check_partition_hash, classes_of, load_dataset, load_partition,
                       partition_from_dict, partition_from_spec, partition_sha256)
+from ddm.data.datasets import recorded_source
 from ddm.models.config import RouterNetworkConfig, unet_config
 from ddm.objectives import NATIVE, Objective
 from ddm.training.config import TrainConfig
@@ -151,7 +152,8 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
 
 
 def _data_record(source: str, dataset: Dataset) -> dict[str, Any]:
-    return {"source": source, "split": "train", "name": dataset.name, "images": len(dataset),
+    return {"source": recorded_source(source), "split": "train", "name": dataset.name,
+            "images": len(dataset),
             "image_size": dataset.image_size}
 
 
