@@ -230,7 +230,8 @@ def test_the_page_and_the_api_docs_forbid_framing_and_run_only_their_own_code(dd
 
 #: Every operation the router documents; the web page at / is served but not documented.
 DOCUMENTED = {("POST", "/v1/generate"), ("GET", "/v1/generate/stream"), ("GET", "/v1/info"),
-              ("GET", "/v1/demand"), ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
+              ("GET", "/v1/demand"), ("GET", "/v1/models"),
+              ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
 ERROR = {"$ref": "#/components/schemas/ErrorDetail"}
 
 
@@ -301,7 +302,8 @@ def test_the_openai_image_api_refuses_a_label_ddm_naming_why(routers):
     reply = httpx.post(f"{routers['split']}/v1/images/generations",
                        json={"prompt": "a red car", "n": 2})
     assert reply.status_code == 422, reply.text
-    assert reply.json()["detail"] == "this DDM is conditioned on labels; it takes no prompts"
+    assert reply.json()["error"]["message"] == ("this DDM is conditioned on labels; it takes "
+                                                "no prompts")
 
 
 def test_bad_stream_queries_get_a_4xx_before_streaming(routers):

@@ -73,7 +73,9 @@ def _npy(array: np.ndarray) -> str:
 def test_the_image_api_refuses_bad_input_naming_it(router, body, problem):
     reply = httpx.post(f"{router}{IMAGES}", json=body)
     assert reply.status_code == 422, reply.text
-    assert reply.json()["detail"].startswith(problem), reply.json()["detail"]
+    error = reply.json()["error"]  # OpenAI's shape, for its clients
+    assert error["message"].startswith(problem), error
+    assert error["type"] == "invalid_request_error" and problem.startswith(error["param"])
 
 
 def test_a_stage_that_cannot_load_is_named_by_the_probes(tmp_path):
@@ -258,7 +260,8 @@ def test_given_latents_are_the_initial_noise(served, in_process):
 def test_what_the_text_ddm_cannot_do_is_a_422_naming_it(served, route, body, problem):
     reply = httpx.post(f"{served[0]}{route}", json=body, timeout=GENERATION_S)
     assert reply.status_code == 422, reply.text
-    assert reply.json()["detail"].startswith(problem), reply.json()["detail"]
+    reason = reply.json()["error"]["message"] if route == IMAGES else reply.json()["detail"]
+    assert reason.startswith(problem), reason
 
 
 def test_the_stream_previews_latents_in_rgb_then_sends_the_decoded_image(served):

@@ -73,6 +73,8 @@ class ErrorDetail(BaseModel):
     """Every error answer of the router: what is wrong, in one line."""
 
     detail: str = Field(description="what is wrong with the request, or which expert failed")
+    param: str | None = Field(None, description="the request field at fault (422), where one "
+                                                "is")
     expert: str | None = Field(None, description="the expert that failed (502 and 503 only)")
 
 
@@ -279,6 +281,16 @@ def request_models(config: RouterConfigFile
         model: str | None = Field(None, max_length=256, description="accepted for "
                                   "compatibility and ignored: a router serves one DDM")
         user: str | None = Field(None, max_length=256, description="accepted and ignored")
+        quality: Literal["auto", "standard", "hd", "low", "medium", "high"] | None = Field(
+            None, description="accepted and ignored: the steps and guidance are the DDM's "
+                              "(steps, guidance_scale)")
+        style: Literal["vivid", "natural"] | None = Field(None,
+                                                          description="accepted and ignored")
+        output_format: Literal["png"] = Field("png", description="png only (b64_json)")
+        background: Literal["auto", "opaque"] = Field(
+            "auto", description="the images are opaque: transparent cannot be made")
+        moderation: Literal["auto", "low"] | None = Field(
+            None, description="accepted and ignored: the router moderates nothing")
         latents: str | None = Field(None, description="the initial noise, as diffusers' "
                                     "latents: base64 of a .npy float32 array (n, C, H, W) of "
                                     "the DDM's state shape, every value within "
@@ -373,12 +385,18 @@ def readable(errors: Any, fields_at: str = "/openapi.json") -> str:
     line points to ``fields_at``, where the fields are listed (an endpoint that is served)."""
     lines = []
     for error in errors:
-        where = ".".join(str(p) for p in error["loc"] if p not in ("body", "query")) or "body"
+        where = field_name(error) or "body"
         if error["type"] == "extra_forbidden":
             lines.append(f"unknown field {where!r} (the fields: {fields_at})")
         else:
             lines.append(f"{where}: {str(error['msg']).removeprefix('Value error, ')}")
     return "; ".join(lines)
+
+
+def field_name(error: Any) -> str | None:
+    """The request field a pydantic error is about (``steps``, ``labels.3``), or None for the
+    body as a whole."""
+    return ".".join(str(p) for p in error["loc"] if p not in ("body", "query")) or None
 
 
 def is_json(content_type: str | None) -> bool:

@@ -4,7 +4,8 @@ Routes: ``POST /v1/generate`` (JSON in, labels or prompts; base64 PNGs out),
 ``POST /v1/images/generations`` (OpenAI's image API, for text DDMs, with this router's
 extensions), ``GET /v1/generate/stream`` (Server-Sent Events, one ``step`` event per chunk of
 the grid, then ``done``), ``GET /`` (a web page that streams the denoising live),
-``GET /v1/info``, ``/healthz``, ``/readyz``, ``/metrics`` and the OpenAPI document at
+``GET /v1/info``, ``GET /v1/models`` (OpenAI's list: the one DDM), ``/healthz``, ``/readyz``,
+``/metrics`` and the OpenAPI document at
 ``/openapi.json`` (browsable at ``/docs`` with ``api_docs``), which says what the router
 enforces: :mod:`ddm.serving.router.requests` builds the request schemas from the config.
 
@@ -23,7 +24,10 @@ config, ``"degraded"`` (still 200, naming them) while some experts have no ready
 port is taken, exits with status 1 and leaves the reason in the termination-message file
 (:mod:`ddm.termination`).
 
-Errors, each answered as ``{"detail": "what is wrong"}`` (:class:`ErrorDetail`): a body over
+Errors, each answered as ``{"detail": "what is wrong", "param": field}`` (:class:`ErrorDetail`;
+on ``/v1/images/*`` and ``/v1/models`` in OpenAI's shape, ``{"error": {"message", "type",
+"param", "code"}}``, which OpenAI's SDKs show: :mod:`ddm.serving.router.openai_compat`): a
+body over
 ``limits.max_body_bytes`` (by default the DDM's largest valid request: its labels, or its
 prompts and latents at the state's shape, ``requests.max_body_bytes``) gets 413 naming it; a
 request the DDM cannot serve (too many labels or steps, labels outside the classes, unknown
@@ -93,9 +97,11 @@ from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
                                        SamplingRequest, StepEvent, Tally, check_request,
                                        denoise, generate_remote)
 from ddm.deploy.router_config import Auth, RouterConfigFile
+from ddm.serving.router.openai_compat import OpenAIErrors, models_list
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
-                                         ImagesResponse, echo, invalid_request, max_body_bytes,
-                                         parse_latents, request_models, sampling_request)
+                                         ImagesResponse, echo, field_name, invalid_request,
+                                         max_body_bytes, parse_latents, request_models,
+                                         sampling_request)
 from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
                                       load_router_config)
 from ddm.termination import fail_start
@@ -105,7 +111,7 @@ T = TypeVar("T")
 
 PAGE = Path(__file__).parent / "static" / "index.html"
 _ROUTES = ("/", "/v1/generate", "/v1/generate/stream", "/v1/images/generations", "/v1/info",
-           "/v1/demand", "/healthz", "/readyz", "/metrics")
+           "/v1/demand", "/v1/models", "/healthz", "/readyz", "/metrics")
 #: Why the router answers each error status (the body is always :class:`ErrorDetail`).
 _ERRORS = {400: "the body is not JSON (detail: the line and column) or not UTF-8",
            401: "no valid bearer token (auth is on)",
@@ -138,6 +144,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     page_html = PAGE.read_text()
     page_security = page_headers(page_html)
     generate_body, stream_query, images_body = request_models(config)
+    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -161,6 +168,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         config.limits, config.conditioning, router.image_shape()[0]))
     if router.tokens is not None:
         app.add_middleware(BearerAuth, tokens=router.tokens)
+    app.add_middleware(OpenAIErrors)  # outside the body limit and the token check
     app.add_middleware(_Metered, metrics=router.metrics)  # outermost: counts 401s and 413s
     _add_error_handlers(app, "/docs" if api_docs else "/openapi.json")
 
@@ -222,15 +230,15 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         try:
             latents = None if body.latents is None else parse_latents(body.latents)
         except ValueError as error:
-            raise HTTPException(422, str(error)) from None
+            raise _FieldRefused("latents", str(error)) from None
         request = sampling_request(body, prompts=(body.prompt,) * body.n, latents=latents)
         mixture, checked = _checked(router, request)
         if body.size is not None:
             preview = await router.preview(mixture.image_shape)
             own = _image_size(mixture, preview)
             if own is not None and body.size != own:
-                raise HTTPException(422, f"size {body.size} is not this DDM's; it makes "
-                                         f"{own} images only")
+                raise _FieldRefused("size", f"size {body.size} is not this DDM's; it makes "
+                                            f"{own} images only")
         encoded = _Encoding()
         with router.slot(_client(router, http), row_steps(request)):
             result = await _while_connected(http, generate_remote(
@@ -241,6 +249,11 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                 "routing": result.usage.step_masks(request.steps).tolist(),
                 "seed": request.seed, "steps": request.steps,
                 "strategy": request.strategy.name, "guidance_scale": request.guidance_scale}
+
+    @app.get("/v1/models", responses=_errors(auth=auth))
+    async def models() -> dict[str, Any]:
+        """OpenAI's model list: the one DDM this router serves (``model`` is ``ddm``)."""
+        return models_list(config.conditioning, list(router.names), started)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def page() -> HTMLResponse:
@@ -351,6 +364,14 @@ def _client(router: RouterState, http: Request) -> str:
     return router.client(http.client.host if http.client else None,
                          [value for name, value in http.scope["headers"]
                           if name == FORWARDED_FOR])
+
+
+class _FieldRefused(ValueError):
+    """A request the router cannot serve because of one field: a 422 naming it (``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class _ClientGone(Exception):
@@ -529,7 +550,12 @@ def _add_error_handlers(app: FastAPI, fields_at: str) -> None:
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         status, detail = invalid_request(error.errors(), error.body,
                                          request.headers.get("content-type"), fields_at)
-        return JSONResponse({"detail": detail}, status)
+        param = field_name(error.errors()[0]) if status == 422 and error.errors() else None
+        return JSONResponse({"detail": detail, "param": param}, status)
+
+    @app.exception_handler(_FieldRefused)
+    async def field_refused(_: Request, error: _FieldRefused) -> JSONResponse:
+        return JSONResponse({"detail": str(error), "param": error.param}, 422)
 
     @app.exception_handler(ExpertError)
     async def expert_failed(_: Request, error: ExpertError) -> JSONResponse:
