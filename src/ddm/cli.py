@@ -98,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("ddm: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (ValueError, FileNotFoundError) as exc:  # the user's input: a flag, a file, a value
+    except FileNotFoundError as exc:  # the user's input: a file; its name, not an errno
+        return _fail(args, f"ddm: error: {exc.filename}: not found" if exc.filename
+                     else f"ddm: error: {exc}", EXIT_USAGE)
+    except ValueError as exc:  # the user's input: a flag or a value
         return _fail(args, f"ddm: error: {exc}", EXIT_USAGE)
     except (RuntimeError, OSError) as exc:
         return _fail(args, f"ddm: error: {exc}", EXIT_FAILURE)
@@ -116,12 +119,27 @@ def _fail(args: argparse.Namespace, message: str, status: int) -> int:
     return status
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser (and its subcommands'): an unknown argument is refused with this
+    command's usage, which lists what it takes, not the top-level one (argparse leaves
+    unknown arguments to the top-level parser)."""
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, unknown = super().parse_known_args(args, namespace)
+        if unknown:
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+        return parsed, unknown
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddm", description="Decentralized Diffusion Models: train, sample, evaluate, serve.")
     parser.add_argument("--debug", action="store_true",
                         help="print the traceback of an error (before the subcommand)")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                     parser_class=_CommandParser)
     add_partition_command(commands)
     add_train_command(commands)
     add_sample_command(commands)

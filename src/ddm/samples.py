@@ -48,13 +48,16 @@ def load_samples_npz(path: str | os.PathLike) -> SampleSet:
     path = Path(path)
     if not path.is_file():
         raise SamplesFileError(f"samples file {path} does not exist")
+    if not zipfile.is_zipfile(path):  # else NumPy reads it as a pickle, and refuses that
+        with open(path, "rb") as file:
+            what = "a single .npy array" if file.read(6) == b"\x93NUMPY" else "not a .npz file"
+        raise SamplesFileError(f"samples file {path} is {what}: expected a .npz with images "
+                               "and labels, as `ddm sample --out` writes")
     unreadable = (OSError, ValueError, EOFError, zipfile.BadZipFile)
     try:
         archive = np.load(path, allow_pickle=False)
     except unreadable as exc:
         raise SamplesFileError(f"samples file {path} is not a readable .npz ({exc})") from None
-    if not isinstance(archive, np.lib.npyio.NpzFile):
-        raise SamplesFileError(f"samples file {path} is a single .npy array, not an .npz")
     with archive:
         keys = set(archive.files)
         if "prompts" in keys:

@@ -228,6 +228,9 @@ def test_ddm_up_reports_progress_and_ends_terminated_143_on_sigterm() -> None:
     rest = command.stdout.read()
     assert command.wait(timeout=60) == 143, up + rest
     assert "stopping 5 process(es)..." in rest and "ddm: terminated (SIGTERM)" in rest, rest
+    # the last line before the exit's confirms that nothing is left running
+    assert rest.rstrip().splitlines()[-2:] == ["all 5 process(es) stopped",
+                                               "ddm: terminated (SIGTERM)"], rest
     assert _running(children) == []
 
 

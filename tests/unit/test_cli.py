@@ -4,15 +4,19 @@ Uses a tiny random-weight DDM (two smoke experts and a router) written by the fi
 checks here are about validation, not quality.
 """
 
+import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
-from ddm.cli import main
+from ddm.cli import main, run
 from ddm.models.config import UNET_CONFIGS, RouterNetworkConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
@@ -117,7 +121,49 @@ def test_eval_rejects_a_bad_samples_file(tmp_path, capsys):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
     code, captured = _run(capsys, "eval", bad, "--json")
-    assert code == 2 and "not a readable .npz" in captured.err
+    assert code == 2 and "not a .npz file: expected a .npz with images and labels" in captured.err
+
+
+def test_eval_of_an_image_says_what_it_expects_not_numpys_pickle_message(tmp_path, capsys):
+    image = tmp_path / "x.png"
+    Image.new("RGB", (4, 4)).save(image)
+    code, captured = _run(capsys, "eval", image)
+    assert code == 2 and "x.png is not a .npz file: expected a .npz with images and labels, " \
+        "as `ddm sample --out` writes" in captured.err and "pickle" not in captured.err
+
+
+def test_a_missing_input_is_named_with_the_commands_usage_before_any_import(tmp_path):
+    """Seconds of imports are not spent on a typo: the arguments are checked first."""
+    for argv, usage in ((["eval", str(tmp_path / "s.npz")], "usage: ddm eval"),
+                        (["render", "/nonexistent.yaml"], "usage: ddm render"),
+                        (["up", str(tmp_path / "d.yaml")], "usage: ddm up"),
+                        (["sample", str(tmp_path / "d.yaml"), "--out", "o.npz"],
+                         "usage: ddm sample")):
+        code = ("import sys\nfrom ddm.cli import main\ncode = main(sys.argv[1:])\n"
+                "heavy = {'numpy', 'torch', 'jax', 'transformers'} & set(sys.modules)\n"
+                "assert not heavy, heavy\nsys.exit(code)")
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 2 and usage in done.stderr, done.stderr
+        assert f"{argv[1]}: not found" in done.stderr and "Errno" not in done.stderr
+
+
+def test_an_unknown_flag_gets_the_commands_usage_not_the_top_level_one(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["sample", "--promt=eight", "--out", "o.npz"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "ddm sample: error: unrecognized arguments: --promt" in err
+    assert "usage: ddm sample" in err and "COMMAND ..." not in err
+
+
+def test_a_missing_file_met_while_running_is_named_without_an_errno(tmp_path, capsys):
+    def handler(_: object) -> int:
+        open(tmp_path / "gone.yaml")
+        return 0
+
+    code = run(argparse.Namespace(handler=handler, debug=False))
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"ddm: error: {tmp_path / 'gone.yaml'}: not found\n", err
 
 
 def test_eval_reads_what_sample_writes(tiny_ddm, tmp_path, capsys):
@@ -162,11 +208,6 @@ def test_debug_prints_the_traceback_of_an_internal_error(capsys):
     err = capsys.readouterr().err
     assert err.startswith("Traceback (most recent call last):"), err
     assert err.rstrip().endswith("ddm: internal error: KeyError: 'images'"), err
-
-
-def test_a_manifest_that_does_not_exist_is_a_usage_error(tmp_path, capsys):
-    code, captured = _run(capsys, "up", tmp_path / "missing.yaml")
-    assert code == 2 and "does not exist" in captured.err
 
 
 def test_sigterm_ends_a_command_with_143_and_main_restores_the_handler(monkeypatch, capsys):

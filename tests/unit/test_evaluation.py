@@ -202,14 +202,14 @@ def test_load_samples_npz_rejects_missing_and_corrupt_files(tmp_path: Path) -> N
     with pytest.raises(SamplesFileError, match="does not exist"):
         load_samples_npz(tmp_path / "absent.npz")
     (tmp_path / "junk.npz").write_bytes(b"definitely not numpy")
-    with pytest.raises(SamplesFileError, match="not a readable .npz"):
+    with pytest.raises(SamplesFileError, match="junk.npz is not a .npz file"):
         load_samples_npz(tmp_path / "junk.npz")
     np.savez(tmp_path / "whole.npz", **_arrays())
     (tmp_path / "cut.npz").write_bytes((tmp_path / "whole.npz").read_bytes()[:200])
     with pytest.raises(SamplesFileError, match="cut.npz"):
         load_samples_npz(tmp_path / "cut.npz")
     np.save(tmp_path / "single.npy", np.zeros(3))
-    with pytest.raises(SamplesFileError, match="single .npy array"):
+    with pytest.raises(SamplesFileError, match="single .npy array: expected a .npz"):
         load_samples_npz(tmp_path / "single.npy")
     with zipfile.ZipFile(tmp_path / "objects.npz", "w") as archive:
         with archive.open("images.npy", "w") as member:

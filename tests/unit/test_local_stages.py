@@ -49,6 +49,9 @@ def test_separate_stages_are_processes_and_the_router_loads_the_others(tmp_path:
     assert (served.command, served.role, served.checkpoint, served.port, served.precision) == (
         "serve", "stage", tmp_path / "decoder", plan.stages[0].port, "bfloat16")
     assert plan.stages[0].argv[-4:] == ("--precision", "bfloat16", "--log-level", "warning")
+    # weights load without progress bars in the log every process shares
+    assert all(("HF_HUB_DISABLE_PROGRESS_BARS", "1") in p.env
+               for p in (*plan.stages, *plan.experts, plan.router))
     config = plan.router_config
     assert config.decoder.discovery.endpoints == tuple(f"127.0.0.1:{p.port}"
                                                       for p in plan.stages)

@@ -7,6 +7,7 @@ are refused by name."""
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -93,6 +94,15 @@ def test_text_encoder_pads_to_its_length_and_counts_what_truncation_cut(text_ddm
     assert cond.mask[0].sum() == 5  # start, three words, end
     # 15 words + start + end = 17 tokens, 12 kept.
     assert stage.tokens_cut(["a red car", "a red car " * 5]).tolist() == [0, 5]
+
+
+def test_counting_a_long_prompts_cut_leaves_the_log_alone(text_ddm, caplog):
+    """The answer says a prompt was cut; transformers' "longer than the specified maximum"
+    warning would say it again in every server's log."""
+    stage = load_stage(text_ddm / "text_encoder")
+    with caplog.at_level(logging.WARNING):
+        assert stage.tokens_cut(["a red car " * 5]).tolist() == [5]
+    assert caplog.records == []
 
 
 def test_decoder_maps_latents_to_rgb_images(text_ddm):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STEPS, SOLVERS
+from ddm.fileio import existing_path
 
 
 def add_eval_command(commands: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def add_eval_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("eval", help="score samples .npz files (one per seed): accuracy, "
                                          "Frechet distance, precision/recall, density/coverage "
                                          "and the real-vs-real floor")
-    p.add_argument("samples", type=Path, nargs="+", help="samples files, one per seed")
+    p.add_argument("samples", type=existing_path, nargs="+", help="samples files, one per seed")
     p.add_argument("--classifier", type=Path, default=None,
                    help="classifier checkpoint (default: the shipped one for the samples' "
                         f"size: the {DEFAULT_DDM} DDM's for 32x32, digits' for 16x16)")

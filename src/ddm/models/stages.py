@@ -111,7 +111,10 @@ class ClipTextEncoder:
     def tokens_cut(self, prompts: Sequence[str]) -> np.ndarray:
         """(B,) int64: how many tokens truncation drops from each prompt (CLIP keeps the
         first ``L``, special tokens included)."""
-        ids = self.tokenizer(list(prompts), truncation=False).input_ids
+        # verbose=False: a prompt past the length is what is being counted, and the answer
+        # says so; transformers' "longer than the specified maximum" warning would only
+        # clutter the server's log.
+        ids = self.tokenizer(list(prompts), truncation=False, verbose=False).input_ids
         return np.array([max(0, len(row) - self.length) for row in ids], np.int64)
 
 

@@ -12,6 +12,8 @@ import argparse
 import os
 from pathlib import Path
 
+from ddm.fileio import existing_path
+
 
 def add_operator_commands(commands: argparse._SubParsersAction) -> None:
     """Add ``operator``, ``diagram`` and ``render`` to the ``ddm`` command's subcommands."""
@@ -35,7 +37,7 @@ def add_operator_commands(commands: argparse._SubParsersAction) -> None:
                        "DDMDeployment (its pods, Secrets, Services and NetworkPolicies)",
         description="Under the operator's settings from the same DDM_* variables, with router "
                     "authentication and NetworkPolicies on unless set (the chart's defaults).")
-    p.add_argument("file", type=Path, help="a DDMDeployment manifest (YAML)")
+    p.add_argument("file", type=existing_path, help="a DDMDeployment manifest (YAML)")
     p.add_argument("--namespace", default=None,
                    help="the namespace it would live in (default: its own, else default)")
     p.set_defaults(handler=_render)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.deploy.limits import ROUTER_PORT
+from ddm.fileio import existing_path
 
 
 def add_up_command(commands: argparse._SubParsersAction) -> None:
@@ -24,7 +25,7 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     "and becomes ready. Runs until Ctrl-C (exit 0) or SIGTERM (exit 143), "
                     "which stop every process it started; a process that dies is restarted "
                     "after a back-off.")
-    p.add_argument("manifest", nargs="?", type=Path, default=None,
+    p.add_argument("manifest", nargs="?", type=existing_path, default=None,
                    help=f"a DDMDeployment YAML file (default: examples/{DEFAULT_DDM}.yaml, the "
                         f"shipped {DEFAULT_DDM} DDM over checkpoints/{DEFAULT_DDM})")
     p.add_argument("--port", type=int, default=ROUTER_PORT,

@@ -165,8 +165,10 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
             raise LocalRunError(f"{manifest.name} asks for a bearer token (spec.router.auth): "
                                 "give a token file and the experts' (ddm up writes its own)")
         token, expert_token = str(token_file), str(expert_token_file)
+    # No progress bars: a process loading its weights draws one per component into the log
+    # every process shares (transformers' and huggingface_hub's, both off by this variable).
     env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
-           ("PYTHONUNBUFFERED", "1"))
+           ("PYTHONUNBUFFERED", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
     experts: list[ProcessSpec] = []
     discovery: dict[str, Discovery] = {}
     on_demand: list[OnDemand] = []
@@ -374,17 +376,21 @@ class Supervisor:
                 return name, process.returncode
         return None
 
-    def stop(self) -> None:
-        """SIGTERM every process group, then SIGKILL whatever is left after the timeout."""
+    def stop(self) -> int:
+        """SIGTERM every process group, then SIGKILL whatever is left after the timeout;
+        returns how many had to be killed. Every process has ended when it returns."""
         for process in self.processes.values():
             _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
+        killed = 0
         for process in self.processes.values():
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 _signal_group(process, signal.SIGKILL)
                 process.wait()
+                killed += 1
+        return killed
 
 
 def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str = "127.0.0.1",
@@ -444,12 +450,19 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
         except KeyboardInterrupt:
             return 0
         finally:  # Ctrl-C, SIGTERM (the caller's exception), an error or a death: stop all
-            try:
-                print(f"stopping {len(supervisor.processes)} process(es)...", file=out,
-                      flush=True)
-            except OSError:  # nobody reads any more (Ctrl-C ends `ddm up | tee` too)
-                pass
-            supervisor.stop()
+            count = len(supervisor.processes)
+            _tell(out, f"stopping {count} process(es)...")
+            killed = supervisor.stop()
+            _tell(out, f"all {count} process(es) stopped" + (
+                f" ({killed} killed after {STOP_TIMEOUT_S:g} s)" if killed else ""))
+
+
+def _tell(out: TextIO, line: str) -> None:
+    """Print ``line`` to ``out`` if anyone still reads it (Ctrl-C ends `ddm up | tee` too)."""
+    try:
+        print(line, file=out, flush=True)
+    except OSError:
+        pass
 
 
 def check_exposure(manifest: DDMManifest, host: str, token_given: bool) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STEPS
+from ddm.fileio import existing_path
 
 
 def add_sample_command(commands: argparse._SubParsersAction) -> None:
@@ -33,7 +34,7 @@ def add_sample_command(commands: argparse._SubParsersAction) -> None:
                     "--prompt, written as a PNG (the image, or a row of them) or a samples "
                     ".npz with the prompts; the same pixels its router gives for the same "
                     "request.")
-    p.add_argument("ddm", nargs="?", type=Path, default=None, metavar="DIR_OR_DDM.yaml",
+    p.add_argument("ddm", nargs="?", type=existing_path, default=None, metavar="DIR_OR_DDM.yaml",
                    help="the DDM to sample: its directory, or the ddm.yaml ddm import wrote "
                         "beside its stages (same as --checkpoints)")
     p.add_argument("--checkpoints", type=Path, default=None,
