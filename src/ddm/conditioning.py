@@ -13,7 +13,7 @@ Pure NumPy: the sampling loop, the servers and every model family share it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -146,21 +146,45 @@ class EncodedPrompts:
     """A text encoder's answer for ``P`` prompts, in process or over the wire
     (``docs/protocol.md``'s encode reply): their text :class:`Conditioning` (embeddings
     (P, L, D), mask (P, L)) and ``tokens_cut`` (P,) int64, the tokens truncation dropped from
-    each (0: the prompt fit), so that the API can say a prompt was too long."""
+    each (0: the prompt fit), so that the API can say a prompt was too long; ``unknown``
+    (N, 3) int64, a row per word the encoder cannot represent (its tokenizer's unknown token:
+    a word-level vocabulary's missing words): the prompt's index and the word's characters
+    ``[start, end)`` in it, so that the API can say which words were ignored."""
 
     cond: Conditioning
     tokens_cut: np.ndarray
+    unknown: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
 
     def __post_init__(self) -> None:
         _check(self.cond.kind == TEXT and self.tokens_cut.shape == (len(self.cond),),
                f"an encoder's answer is text conditioning and a cut per prompt, got "
                f"{self.cond.kind} of {len(self.cond)} rows and cuts {self.tokens_cut.shape}")
+        _check(self.unknown.ndim == 2 and self.unknown.shape[1] == 3,
+               f"unknown words are (N, 3) spans, got {self.unknown.shape}")
 
     @classmethod
     def concat(cls, parts: Sequence[EncodedPrompts]) -> EncodedPrompts:
         """The prompts of ``parts`` one after the other (an encode split into calls)."""
+        firsts = np.cumsum([0, *(len(p.cond) for p in parts[:-1])])
         return cls(concat([p.cond for p in parts]),
-                   np.concatenate([p.tokens_cut for p in parts]))
+                   np.concatenate([p.tokens_cut for p in parts]),
+                   np.concatenate([p.unknown + [first, 0, 0]
+                                   for p, first in zip(parts, firsts)]).astype(np.int64))
+
+    def warnings(self, prompts: Sequence[str]) -> list[str]:
+        """What the encoder ignored of ``prompts`` (the texts of its rows, in order): a line
+        per distinct prompt that lost words or tokens, naming them."""
+        lines = []
+        for row, prompt in enumerate(prompts):
+            words = [prompt[start:end] for _, start, end in self.unknown[
+                self.unknown[:, 0] == row]]
+            if words:
+                lines.append(f"{prompt!r}: the text encoder does not know "
+                             f"{', '.join(dict.fromkeys(words))}; ignored")
+            if self.tokens_cut[row]:
+                lines.append(f"{prompt!r}: longer than the text encoder takes; its last "
+                             f"{int(self.tokens_cut[row])} token(s) ignored")
+        return list(dict.fromkeys(lines))
 
 
 def _field_or_neutral(part: Conditioning, name: str) -> np.ndarray:

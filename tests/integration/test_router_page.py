@@ -291,6 +291,8 @@ def test_a_text_ddm_gets_a_prompt_box_and_latent_previews_then_its_decoded_image
                                                                                  paris):
     _open(browser, paris)
     assert browser.find_elements(By.ID, "labels") == []  # no label chips: prompts
+    # this DDM's text encoder declares no example prompt: the box starts empty
+    assert browser.find_element(By.ID, "prompts").get_property("value") == ""
     assert "oracle" not in _options(browser, "strategy")
     assert browser.find_element(By.ID, "guidance").get_property("value") == "7.5"
     prompts = browser.find_element(By.ID, "prompts")
@@ -315,8 +317,8 @@ def test_a_text_ddm_gets_a_prompt_box_and_latent_previews_then_its_decoded_image
     caption = browser.find_element(By.ID, "caption").text
     assert caption.startswith("“a photo of a red car”, seed 0 · step 3/3") and "done in" in caption
     browser.find_elements(By.CSS_SELECTOR, "#gallery .tile")[1].click()
-    assert "the prompt was cut to the text encoder's length (25 tokens dropped)" in (
-        browser.find_element(By.ID, "caption").text)
+    assert "longer than the text encoder takes; its last 25 token(s) ignored" in (
+        browser.find_element(By.ID, "caption").text)  # the answer's warning
     _assert_no_errors(browser)
 
 

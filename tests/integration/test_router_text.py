@@ -208,13 +208,15 @@ def test_the_openai_image_api_answers_its_schema(served):
         "steps": 3, "model": "dall-e-2"})
     assert reply.status_code == 200, reply.text
     body = reply.json()
-    assert set(body) == {"created", "data", "truncated", "expert_names", "routing", "seed",
-                         "steps", "strategy", "guidance_scale"}
+    assert set(body) == {"created", "data", "truncated", "warnings", "expert_names", "routing",
+                         "seed", "steps", "strategy", "guidance_scale"}
     assert abs(body["created"] - time.time()) < GENERATION_S
     assert [set(item) for item in body["data"]] == [{"b64_json"}] * 2
     first, second = (_png(item["b64_json"]) for item in body["data"])
     assert first.shape == (16, 16, 3) and np.abs(first.astype(int) - second).max() > 0
     assert body["truncated"] == [25, 25] and body["guidance_scale"] == 7.5  # the default
+    assert body["warnings"] == [f"{long!r}: longer than the text encoder takes; its last 25 "
+                                "token(s) ignored"]  # once: the n images share the prompt
     assert len(body["routing"]) == 2 and len(body["routing"][0]) == 3
 
 
@@ -271,7 +273,7 @@ def test_the_stream_previews_latents_in_rgb_then_sends_the_decoded_image(served)
         assert response.status_code == 200
         events = list(_events(response))
     assert [name for name, _ in events] == ["encoded", "step", "step", "step", "done"]
-    assert events[0][1] == {"truncated": [0]}
+    assert events[0][1] == {"truncated": [0], "warnings": []}
     assert all(_png(data["image"]).shape == (8, 8, 3) for _, data in events[1:4])
     for name, data in events:  # as the OpenAPI document says (schemathesis reads it so)
         (schema,) = [e["properties"]["data"]["contentSchema"] for e in STREAM_EVENT_SCHEMA["oneOf"]

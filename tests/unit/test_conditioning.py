@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddm.conditioning import LABELS, TEXT, Conditioning, concat
+from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts, concat
 from ddm.convention import TimeGrid, flow_match_sigma_grid
 from ddm.sampling.guidance import guided
 from ddm.sampling.loop import (Calls, Decode, Decoded, Encode, Mixture, Route, SamplingRequest,
@@ -302,3 +302,23 @@ def test_the_loop_walks_the_ddms_declared_grid_flow_match_with_shift_as_diffuser
                                atol=1e-7)
     routed_times = [float(q.t[0]) for q in seen if isinstance(q, Route)]
     np.testing.assert_allclose(routed_times, 1.0 - scheduler.sigmas.numpy()[:-1], atol=1e-7)
+
+
+def test_an_encoders_answer_names_the_words_it_ignored_once_per_prompt():
+    def answer(rows: int, cut: list[int], unknown: list[list[int]]) -> EncodedPrompts:
+        return EncodedPrompts(Conditioning(embeddings=np.zeros((rows, 2, 3), np.float32),
+                                           mask=np.ones((rows, 2), np.int64)),
+                              np.array(cut, np.int64), np.array(unknown, np.int64).reshape(-1, 3))
+
+    # split into two calls: the second part's rows follow the first's
+    joined = EncodedPrompts.concat([answer(1, [0], [[0, 2, 8]]),
+                                    answer(3, [0, 0, 2], [[0, 2, 5], [1, 2, 5]])])
+    assert joined.unknown.tolist() == [[0, 2, 8], [1, 2, 5], [2, 2, 5]]
+    prompts = ["a purple eight", "a cat", "a cat", "a red eight eight eight"]
+    assert joined.warnings(prompts) == [
+        "'a purple eight': the text encoder does not know purple; ignored",
+        "'a cat': the text encoder does not know cat; ignored",
+        "'a red eight eight eight': longer than the text encoder takes; its last 2 token(s) "
+        "ignored"]
+    with pytest.raises(ValueError, match=r"unknown words are \(N, 3\) spans, got \(2,\)"):
+        EncodedPrompts(joined.cond, joined.tokens_cut, np.zeros(2, np.int64))

@@ -95,9 +95,11 @@ def test_replies_round_trip_and_bfloat16_travels_as_its_raw_bits():
     assert decode_context_ack(encode_context_ack(9, ident), 9) == ident
     # The encoder's answer crosses as the one type the in-process encoder answers too.
     sent = EncodedPrompts(Conditioning(embeddings=EMBEDDINGS.astype(ml_dtypes.bfloat16),
-                                       mask=MASK.astype(np.int64)), np.array([0, 4], np.int64))
+                                       mask=MASK.astype(np.int64)), np.array([0, 4], np.int64),
+                          np.array([[1, 2, 8]], np.int64))
     encoded = decode_encoded(encode_encoded(9, sent), 9, prompts=2, limits=LIMITS)
     assert isinstance(encoded, EncodedPrompts) and encoded.tokens_cut.tolist() == [0, 4]
+    assert encoded.unknown.tolist() == [[1, 2, 8]] and encoded.unknown.dtype == np.int64
     assert (encoded.cond.embeddings.dtype, encoded.cond.mask.dtype) == (np.float32, np.int64)
     np.testing.assert_array_equal(encoded.cond.embeddings,
                                   EMBEDDINGS.astype(ml_dtypes.bfloat16).astype(np.float32))
@@ -173,6 +175,11 @@ def test_replies_that_do_not_fit_the_request_are_refused():
     with pytest.raises(ProtocolError, match=r"'probs' has shape \(1, 2\), expected \(1, 3\)"):
         decode_probabilities(encode_probabilities(1, np.array([[0.5, 0.5]], np.float32)), 1,
                              1, 3)
+    for spans in ([[2, 0, 1]], [[0, 3, 3]], [[0, -1, 2]], [[0, 0, 4097]]):
+        with pytest.raises(ProtocolError, match="unknown words must be"):
+            decode_encoded(encode_encoded(1, EncodedPrompts(
+                Conditioning(embeddings=EMBEDDINGS, mask=MASK), np.zeros(2, np.int64),
+                np.array(spans, np.int64))), 1, prompts=2, limits=LIMITS)
     with pytest.raises(ProtocolError, match="an encode reply for 3 prompts"):
         decode_encoded(encode_encoded(1, EncodedPrompts(
             Conditioning(embeddings=EMBEDDINGS, mask=MASK), np.zeros(2, np.int64))), 1,

@@ -19,6 +19,7 @@ from ddm.checkpoints.format import CheckpointError
 from ddm.deploy.spec import load_manifest
 from ddm.models.flax_pixart import load_flax_expert
 from ddm.models.stages import load_stage, load_text_ddm
+from ddm.data.colored_mnist import EXAMPLE_PROMPT
 from ddm.models.text2img_import import import_text2img
 from ddm.sampling.pipeline import generate_text
 from tests.support.text2img_smoke import train_smoke_text2img
@@ -128,6 +129,8 @@ def test_the_import_writes_declared_stages_and_a_deployment(trained: Path,
     assert load_stage(imported / "router").declaration.text_prior.clusters == 4
     assert {"tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in (imported / "text_encoder").iterdir()}
+    # the training's example prompt (the caption generator's), declared for the page
+    assert load_stage(imported / "text_encoder").declaration.example_prompt == EXAMPLE_PROMPT
     parsed = load_manifest(imported / "ddm.yaml").spec  # the spec's own parser accepts it
     assert [e.framework for e in parsed.experts] == ["torch", "jax", "torch", "jax"]
     spec = yaml.safe_load((imported / "ddm.yaml").read_text())["spec"]

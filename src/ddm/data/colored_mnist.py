@@ -120,6 +120,12 @@ def captions_for(labels: np.ndarray, colours: np.ndarray, strokes: np.ndarray,
     return tuple(out)
 
 
+#: The prompt a text2img DDM trained on these captions declares as its example (its text
+#: encoder's ``_ddm.example_prompt``, which the page starts with): a caption of the first
+#: template, in words every such DDM knows.
+EXAMPLE_PROMPT = caption(TEMPLATES[0], 8, COLOUR_NAMES.index("red"), THICK, numeral=False)
+
+
 def colorize(grey: np.ndarray, labels: np.ndarray, seed: int) -> ColoredDigits:
     """Colour and caption grey digits ``(N, 1, S, S)`` in [0, 1]; deterministic in ``seed``."""
     labels = np.asarray(labels, dtype=np.int64)

@@ -57,7 +57,8 @@ def load_release_stages(root: Path, device: str = "cpu"
     clip = ClipTextEncoder(root / "tokenizer", root / "text_encoder", device)
     encoder = Stage(StageDeclaration(role=TEXT_ENCODER, family="clip-text",
                                      text_width=clip.width),
-                    precision_name(clip.model.dtype), clip, tokens_cut=clip.tokens_cut)
+                    precision_name(clip.model.dtype), clip, tokens_cut=clip.tokens_cut,
+                    unknown_spans=clip.unknown_spans)
     decoder = load_declared(root / "vae", StageDeclaration(role=DECODER,
                                                            family="autoencoder-kl"),
                             device=device)

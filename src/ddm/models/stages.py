@@ -117,6 +117,21 @@ class ClipTextEncoder:
         ids = self.tokenizer(list(prompts), truncation=False, verbose=False).input_ids
         return np.array([max(0, len(row) - self.length) for row in ids], np.int64)
 
+    def unknown_spans(self, prompts: Sequence[str]) -> np.ndarray:
+        """(N, 3) int64: per word the tokenizer maps to its unknown token (a word-level
+        vocabulary's missing word; never for CLIP's byte-level BPE) among the ``L`` it reads
+        (what is cut is counted by :meth:`tokens_cut`), its prompt's index and its characters
+        ``[start, end)`` (:class:`~ddm.conditioning.EncodedPrompts`)."""
+        unk = self.tokenizer.unk_token_id
+        spans = []
+        if unk is not None:
+            tokens = self.tokenizer(list(prompts), add_special_tokens=False, truncation=True,
+                                    max_length=self.length, return_offsets_mapping=True)
+            spans = [(row, start, end) for row, (ids, offsets) in enumerate(zip(
+                tokens.input_ids, tokens.offset_mapping))
+                for token, (start, end) in zip(ids, offsets) if token == unk]
+        return np.array(spans, np.int64).reshape(-1, 3)
+
 
 class VaeDecoder:
     """Latents (B, C, S, S) -> images (B, 3, H, W) float32 in ``[-1, 1]``: diffusers'
@@ -191,6 +206,9 @@ class StageDeclaration:
     weights_sha256: str | None = None
     #: A router's text prior (``_ddm.text_prior``), None where it declares none.
     text_prior: TextPrior | None = field(default=None, compare=False, repr=False)
+    #: A text encoder's example prompt (``_ddm.example_prompt``): one its DDM draws well, in
+    #: words it knows; the page starts with it.
+    example_prompt: str | None = field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, directory: Path, config: Mapping[str, Any]) -> StageDeclaration:
@@ -220,6 +238,12 @@ class StageDeclaration:
                 network_convention(convention)
             except ValueError as exc:
                 raise CheckpointError(f"{directory}: {exc}") from None
+        example = block.get("example_prompt")
+        if example is not None and not (role == TEXT_ENCODER and isinstance(example, str)
+                                        and len(example) <= limits.MAX_PROMPT_BYTES):
+            raise CheckpointError(f"{directory}: {DDM_KEY}.example_prompt must be a text "
+                                  f"encoder's prompt of at most {limits.MAX_PROMPT_BYTES} "
+                                  f"characters, got {str(example)[:64]!r} for a {role}")
         shape = block.get("latent_shape")
         if shape is not None and not (
                 isinstance(shape, list) and len(shape) == 3 and _ints(shape)
@@ -247,7 +271,7 @@ class StageDeclaration:
                    latent_shape=None if shape is None else (shape[0], shape[1], shape[2]),
                    text_width=width, cluster=cluster, weights_sha256=digest,
                    text_prior=None if prior is None else TextPrior.from_declaration(
-                       str(directory), prior))
+                       str(directory), prior), example_prompt=example)
 
 
 @dataclass(frozen=True)
@@ -266,6 +290,9 @@ class Stage:
     forward: Callable[..., Any]
     image_shape: tuple[int, int, int] | None = None
     tokens_cut: Callable[[Sequence[str]], np.ndarray] | None = field(default=None, repr=False)
+    #: A text encoder's ``unknown_spans(prompts) -> (N, 3)`` (:class:`ClipTextEncoder`).
+    unknown_spans: Callable[[Sequence[str]], np.ndarray] | None = field(default=None,
+                                                                         repr=False)
     #: The router network's number of clusters (router stages).
     clusters: int | None = None
 
@@ -595,7 +622,7 @@ def _clip_text(path: Path, declared: StageDeclaration, dtype: torch.dtype | None
                               f"tokenizer files: {exc}") from None
     filled = _filled(declared, text_width=encoder.width)
     return Stage(filled, precision_name(encoder.model.dtype), encoder,
-                 tokens_cut=encoder.tokens_cut)
+                 tokens_cut=encoder.tokens_cut, unknown_spans=encoder.unknown_spans)
 
 
 def _autoencoder_kl(path: Path, declared: StageDeclaration, dtype: torch.dtype | None,

@@ -55,9 +55,9 @@ def declarations(src: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
     out["router"] = (src / "router", {**router, **_text_prior(src, router),
                                       "role": ROUTER, "family": "latent-router",
                                       "convention": "ours", "latent_shape": latent})
-    out["text_encoder"] = (src / "text_encoder", {"role": TEXT_ENCODER,
-                                                  "family": "clip-text",
-                                                  "text_width": text_width})
+    out["text_encoder"] = (src / "text_encoder", {
+        **_config(src / "text_encoder").get(DDM_KEY, {}),  # its example prompt
+        "role": TEXT_ENCODER, "family": "clip-text", "text_width": text_width})
     out["decoder"] = (src / "vae", {"role": DECODER, "family": "autoencoder-kl",
                                     "latent_shape": latent})
     return out

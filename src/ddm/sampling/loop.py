@@ -438,17 +438,23 @@ def _conditioning(mixture: Mixture, request: SamplingRequest, y: np.ndarray
     if request.conditioning is not None:
         given = request.conditioning
         return given.with_guidance(request.guidance_scale, given.negative)
-    prompts = request.prompts
-    negative = () if request.negative_prompt is None else (request.negative_prompt,)
-    encoded = yield Encode(prompts + negative)
+    prompts, texts = request.prompts, encoded_texts(request)
+    encoded = yield Encode(texts)
     if not isinstance(encoded, Conditioning) or encoded.kind != TEXT or (
-            len(encoded) != len(prompts) + len(negative)):
-        raise ValueError(f"the text encoder answered {encoded!r} for "
-                         f"{len(prompts) + len(negative)} prompts")
+            len(encoded) != len(texts)):
+        raise ValueError(f"the text encoder answered {encoded!r} for {len(texts)} prompts")
     rows = np.arange(len(prompts))
     return encoded.take(rows).with_guidance(
         request.guidance_scale,
-        encoded.take(np.full(len(prompts), len(prompts))) if negative else None)
+        encoded.take(np.full(len(prompts), len(prompts))) if len(texts) > len(prompts)
+        else None)
+
+
+def encoded_texts(request: SamplingRequest) -> tuple[str, ...]:
+    """What the text encoder is asked to encode for ``request``: its prompts, then its
+    negative prompt if it has one (the rows of the encoder's answer)."""
+    negative = () if request.negative_prompt is None else (request.negative_prompt,)
+    return request.prompts + negative
 
 
 def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, cond: Conditioning,

@@ -129,7 +129,7 @@ _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 WIRE_DTYPES = {"float32": _F32, "float16": _F16, "bfloat16": _BF16}
 _NAMES = {1: "x", 2: "t", 3: "y", 4: "grid", 5: "out", 6: "message", 7: "embeddings",
           8: "mask", 9: "negative", 10: "context", 11: "rows", 12: "guidance", 13: "text",
-          14: "lengths", 15: "cut", 16: "probs", 17: "pooled"}
+          14: "lengths", 15: "cut", 16: "probs", 17: "pooled", 18: "unknown"}
 _NAME_CODES = {name: code for code, name in _NAMES.items()}
 
 
@@ -158,7 +158,8 @@ _SCHEMAS: dict[_Kind, tuple[_Spec, ...]] = {
     _Kind.TEXT_VELOCITY: (_X, _T, *_TEXT_ROWS),
     _Kind.TEXT_INTEGRATE: (_X, *_TEXT_ROWS, _GRID),
     _Kind.ENCODE: (_Spec("text", 1, (_U8,)), _Spec("lengths", 1, (_I32,))),
-    _Kind.ENCODED: (_EMBEDDINGS, _MASK, _Spec("cut", 1, (_I32,))),
+    _Kind.ENCODED: (_EMBEDDINGS, _MASK, _Spec("cut", 1, (_I32,)),
+                    _Spec("unknown", 2, (_I32,))),
     _Kind.DECODE: (_X,),
     _Kind.ROUTE: (_X, _T, _Spec("pooled", 2, (_F32,))),
     _Kind.PROBABILITIES: (_Spec("probs", 2, (_F32,)),),
@@ -381,7 +382,8 @@ def encode_encoded(request_id: int, encoded: EncodedPrompts) -> bytes:
     mask = np.ones(cond.embeddings.shape[:2], _U8) if cond.mask is None else cond.mask
     _check_output("embeddings", cond.embeddings)
     return _encode(_Kind.ENCODED, request_id, 0, (cond.embeddings, np.asarray(mask, _U8),
-                                                  np.asarray(encoded.tokens_cut, _I32)))
+                                                  np.asarray(encoded.tokens_cut, _I32),
+                                                  np.asarray(encoded.unknown, _I32)))
 
 
 def encode_probabilities(request_id: int, probs: np.ndarray) -> bytes:
@@ -533,17 +535,25 @@ def decode_encoded(body: bytes | bytearray | memoryview, expected_request_id: in
     """A text encoder's reply for ``prompts`` prompts: (P, L, D) embeddings with L and D
     within ``limits`` (``text_width`` when set), a 0/1 mask, cuts >= 0, finite values; read
     into float32 embeddings and int64 mask and cuts (copies, not views of ``body``)."""
-    embeddings, mask, cut = _read_reply(body, expected_request_id, _Kind.ENCODED)
+    embeddings, mask, cut, unknown = _read_reply(body, expected_request_id, _Kind.ENCODED)
     rows, tokens, width = embeddings.shape
-    if rows != prompts or mask.shape != (rows, tokens) or cut.shape != (rows,):
+    if rows != prompts or mask.shape != (rows, tokens) or cut.shape != (rows,) or (
+            unknown.shape[1:] != (3,)):
         raise ProtocolError(f"an encode reply for {prompts} prompts has embeddings "
-                            f"{embeddings.shape}, mask {mask.shape}, cut {cut.shape}", 422)
+                            f"{embeddings.shape}, mask {mask.shape}, cut {cut.shape}, "
+                            f"unknown {unknown.shape}", 422)
     _check_text_shape("embeddings", tokens, width, limits)
     if not ((mask <= 1).all() and (cut >= 0).all() and np.isfinite(embeddings).all()):
         raise ProtocolError("an encode reply's mask must be 0/1, its cut >= 0, its "
                             "embeddings finite", 422)
+    if not ((unknown[:, 0] >= 0).all() and (unknown[:, 0] < rows).all()
+            and (unknown[:, 1] >= 0).all() and (unknown[:, 1] < unknown[:, 2]).all()
+            and (unknown[:, 2] <= MAX_PROMPT_BYTES).all()):
+        raise ProtocolError(f"an encode reply's unknown words must be (prompt < {rows}, "
+                            f"start, end) with 0 <= start < end <= {MAX_PROMPT_BYTES}", 422)
     return EncodedPrompts(Conditioning(embeddings=embeddings.astype(np.float32),
-                                       mask=mask.astype(np.int64)), cut.astype(np.int64))
+                                       mask=mask.astype(np.int64)), cut.astype(np.int64),
+                          unknown.astype(np.int64))
 
 
 def decode_probabilities(body: bytes | bytearray | memoryview, expected_request_id: int,

@@ -140,7 +140,8 @@ class _StageServer:
                 "classes": [], "partition": None, "cluster": declared.cluster,
                 "clusters": None if stage is None else stage.clusters,
                 "latent_shape": latent, "image_shape": image,
-                "text_width": declared.text_width, "wire_dtype": self.wire_dtype,
+                "text_width": declared.text_width, "example_prompt": declared.example_prompt,
+                "wire_dtype": self.wire_dtype,
                 "precision": self.wire_dtype, "convention": CONVENTION_NAME,
                 "network_convention": declared.convention, "serves": _SERVES[declared.role],
                 "framework": self.backend_name, "backend": self.backend_name,
@@ -251,10 +252,12 @@ async def _run(server: _StageServer, message: Request) -> bytes:
         if len(message.prompts) > server.limits.max_batch:
             raise ProtocolError(f"{len(message.prompts)} prompts exceed this encoder's "
                                 f"max_batch of {server.limits.max_batch}", 422)
-        embeddings, mask, cut = await batcher.submit(
+        embeddings, mask, cut, unknown = await batcher.submit(
             "encode", (np.array(message.prompts, dtype=object),))
+        spans = np.array([(row, start, end) for row, words in enumerate(unknown)
+                          for start, end in words], np.int64).reshape(-1, 3)
         return encode_encoded(request_id, EncodedPrompts(
-            Conditioning(embeddings=_wire(server, embeddings), mask=mask), cut))
+            Conditioning(embeddings=_wire(server, embeddings), mask=mask), cut, spans))
     if isinstance(message, DecodeRequest):
         return encode_response(request_id,
                                _wire(server, await batcher.submit("decode", (message.x,))))
@@ -305,9 +308,14 @@ def _execute(server: _StageServer, key: Hashable, inputs: tuple[np.ndarray, ...]
     if key == "encode":
         (prompts,) = inputs
         cond = stage.forward(list(prompts))
-        assert stage.tokens_cut is not None and cond.mask is not None
+        assert stage.tokens_cut is not None and stage.unknown_spans is not None
+        assert cond.mask is not None
+        spans = stage.unknown_spans(list(prompts))
+        words = np.empty(len(prompts), object)  # per row, as the batcher splits rows
+        for row in range(len(prompts)):
+            words[row] = [(start, end) for _, start, end in spans[spans[:, 0] == row]]
         return (cond.embeddings, cond.mask.astype(np.uint8),
-                stage.tokens_cut(list(prompts)).astype(np.int32))
+                stage.tokens_cut(list(prompts)).astype(np.int32), words)
     if key in ("decode", "route"):
         return np.asarray(stage.forward(*inputs), np.float32)
     velocity = guided(stage.forward, None)

@@ -67,6 +67,10 @@ TRUNCATED = ("per prompt (then the negative prompt, if one was given), the token
              "encoder cut because the prompt is longer than its tokenizer takes (CLIP: 77 "
              "tokens, the start and end tokens included), as CLIP truncates; 0: the whole "
              "prompt was used. Empty for a label DDM")
+#: The answer's lines saying what the text encoder ignored.
+WARNINGS = ("what the text encoder ignored, a line per prompt that lost something: the words "
+            "it does not know (a word-level vocabulary's; docs/text2img.md lists ours) and "
+            "the tokens a prompt too long lost. Empty: every word was read")
 
 
 class ErrorDetail(BaseModel):
@@ -87,6 +91,7 @@ class GenerateResponse(BaseModel):
     labels: list[int] = Field(description="the labels asked for (empty for a text DDM)")
     prompts: list[str] = Field(description="the prompts asked for (empty for a label DDM)")
     truncated: list[int] = Field(description=TRUNCATED)
+    warnings: list[str] = Field(description=WARNINGS)
     experts: list[list[str]] = Field(description="the experts each image used, in any step")
     expert_names: list[str] = Field(description="the DDM's experts; bit k of routing is the "
                                                 "k-th of them")
@@ -125,7 +130,8 @@ _INT, _STR, _NAMES = {"type": "integer"}, {"type": "string"}, {"type": "array", 
 #: ``done`` or ``failure``. A label DDM's ``done`` has no ``prompt``, a text DDM's no ``label``.
 STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
     _event("encoded", {"truncated": {"type": "array", "items": _INT,
-                                     "description": TRUNCATED}}),
+                                     "description": TRUNCATED},
+                       "warnings": {"type": "array", "items": _STR, "description": WARNINGS}}),
     _event("step", {"step": _INT, "steps": _INT, "t": {"type": "number"}, "image": _STR,
                     "experts": _NAMES, "delegated": {"type": "boolean"}, "round_trips": _INT,
                     "rerouted": {"type": "boolean"},
@@ -155,6 +161,7 @@ class ImagesResponse(BaseModel):
     created: int = Field(description="Unix time the images were made")
     data: list[ImageData] = Field(description="n images, in order")
     truncated: list[int] = Field(description=TRUNCATED)
+    warnings: list[str] = Field(description=WARNINGS)
     expert_names: list[str] = Field(description="the DDM's experts; bit k of routing is the "
                                                 "k-th of them")
     routing: list[list[int]] = Field(description="per image, per step, the experts that ran "

@@ -96,6 +96,7 @@ from ddm.serving.router.previews import LatentPreview
 from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
                                        SamplingRequest, StepEvent, Tally, check_request,
                                        denoise, generate_remote)
+from ddm.sampling.loop import encoded_texts
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.openai_compat import OpenAIErrors, models_list
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
@@ -180,13 +181,14 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         mixture, checked = _checked(router, request)
         started = time.perf_counter()
         guard = router.guard()
-        encoded = _Encoding()
+        encoded = _Encoding(request)
         with router.slot(_client(router, http), row_steps(request)):
             result = await _while_connected(http, generate_remote(
                 mixture, router.pool, checked, guard, encoded.add))
         return {"images": [_png(image) for image in result.images],
                 "labels": result.labels.tolist(), "prompts": list(request.prompts),
-                "truncated": encoded.truncated, "experts": result.experts_used(),
+                "truncated": encoded.truncated, "warnings": encoded.warnings,
+                "experts": result.experts_used(),
                 "expert_names": list(mixture.expert_names),
                 "routing": result.usage.step_masks(request.steps).tolist(),
                 "expert_calls": result.expert_calls.tolist(),
@@ -239,13 +241,14 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             if own is not None and body.size != own:
                 raise _FieldRefused("size", f"size {body.size} is not this DDM's; it makes "
                                             f"{own} images only")
-        encoded = _Encoding()
+        encoded = _Encoding(request)
         with router.slot(_client(router, http), row_steps(request)):
             result = await _while_connected(http, generate_remote(
                 mixture, router.pool, checked, router.guard(), encoded.add))
         return {"created": int(time.time()),
                 "data": [{"b64_json": _png(image)} for image in result.images],
-                "truncated": encoded.truncated, "expert_names": list(mixture.expert_names),
+                "truncated": encoded.truncated, "warnings": encoded.warnings,
+                "expert_names": list(mixture.expert_names),
                 "routing": result.usage.step_masks(request.steps).tolist(),
                 "seed": request.seed, "steps": request.steps,
                 "strategy": request.strategy.name, "guidance_scale": request.guidance_scale}
@@ -274,6 +277,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             "max_guidance_scale": MAX_GUIDANCE_SCALE,
             "num_classes": config.num_classes, "image_shape": list(shape) if shape else None,
             "router_network": has_router_network(config),
+            "example_prompt": router.example_prompt(),
             "defaults": dataclasses.asdict(config.sampling),
             "limits": {**dataclasses.asdict(config.limits), "max_body_bytes": max_body_bytes(
                 config.limits, config.conditioning, shape)},
@@ -408,12 +412,16 @@ async def _disconnected(http: Request) -> None:
 
 @dataclass
 class _Encoding:
-    """What the text encoder cut of each prompt of one generation (empty: no prompts)."""
+    """What the text encoder cut of each prompt of one generation (empty: no prompts), and
+    what it ignored, in words (:meth:`EncodedPrompts.warnings`)."""
 
+    request: SamplingRequest
     truncated: list[int] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
 
     def add(self, encoded: EncodedPrompts) -> None:
         self.truncated = encoded.tokens_cut.tolist()
+        self.warnings = encoded.warnings(encoded_texts(self.request))
 
 
 def _image_size(mixture: RemoteMixture, preview: LatentPreview | None) -> str | None:
@@ -454,7 +462,8 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
         guard = router.guard()
         async for event in denoise(mixture, router.pool, checked, guard):
             if not isinstance(event, (StepEvent, Decoded)):  # the encoder's answer
-                yield _sse("encoded", {"truncated": event.tokens_cut.tolist()})
+                yield _sse("encoded", {"truncated": event.tokens_cut.tolist(),
+                                       "warnings": event.warnings(encoded_texts(request))})
                 continue
             tally.add(event)
             if isinstance(event, StepEvent):

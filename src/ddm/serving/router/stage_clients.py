@@ -21,8 +21,8 @@ import numpy as np
 
 from ddm.checkpoints.declared import DECODER, ROUTER, TEXT_ENCODER
 from ddm.conditioning import EncodedPrompts
-from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
-                               PRECISIONS)
+from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_PROMPT_BYTES, MAX_TEXT_TOKENS,
+                               MAX_TEXT_WIDTH, PRECISIONS)
 from ddm.models.stages import Stage
 from ddm.serving.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                   decode_encoded, decode_probabilities, decode_response,
@@ -61,6 +61,8 @@ class StageInfo:
     image_shape: tuple[int, int, int] | None = None
     text_width: int | None = None
     clusters: int | None = None
+    #: A text encoder's example prompt, if its checkpoint declares one.
+    example_prompt: str | None = None
 
     @classmethod
     def from_json(cls, raw: Any) -> StageInfo:
@@ -85,9 +87,14 @@ class StageInfo:
             image[0] == 3 and image[1] % latent[1] == 0 and image[2] % latent[2] == 0),
             "a decoder's image_shape must be RGB (3, H, W) at a whole multiple of its "
             "latent_shape's sides (the router's PNGs and latent previews assume both)")
+        example = raw.get("example_prompt")
+        require(example is None or (isinstance(example, str)
+                                    and len(example) <= MAX_PROMPT_BYTES),
+                f"example_prompt must be a prompt of at most {MAX_PROMPT_BYTES} characters")
         return cls(role, max_batch, wire_dtype, latent, image,
                    width if role == TEXT_ENCODER else None,
-                   clusters if role == ROUTER else None)
+                   clusters if role == ROUTER else None,
+                   example if role == TEXT_ENCODER else None)
 
 
 class StagePool(ExpertPool):
@@ -193,10 +200,11 @@ class LocalStages:
 
     async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
         stage = self._stage(TEXT_ENCODER)
-        assert stage.tokens_cut is not None, "a text encoder stage counts truncation"
-        cut = stage.tokens_cut
+        assert stage.tokens_cut is not None and stage.unknown_spans is not None, (
+            "a text encoder stage counts truncation and unknown words")
+        cut, unknown = stage.tokens_cut, stage.unknown_spans
         return await self._run(TEXT_ENCODER, lambda: EncodedPrompts(
-            stage.forward(list(prompts)), cut(list(prompts))))
+            stage.forward(list(prompts)), cut(list(prompts)), unknown(list(prompts))))
 
     async def decode(self, latents: np.ndarray) -> np.ndarray:
         stage = self._stage(DECODER)
@@ -226,5 +234,7 @@ class LocalStages:
 
 def _max_encoded_bytes(prompts: int, width: int) -> int:
     """The largest encode reply for ``prompts`` prompts of the declared ``width``: float32
-    embeddings and a mask of at most MAX_TEXT_TOKENS tokens, the cuts, headers."""
-    return prompts * MAX_TEXT_TOKENS * (4 * width + 1) + 8 * prompts + max_error_reply_bytes()
+    embeddings and a mask of at most MAX_TEXT_TOKENS tokens, the cuts, an unknown word's
+    span (3 int32) per token at most, headers."""
+    return (prompts * MAX_TEXT_TOKENS * (4 * width + 1 + 12) + 8 * prompts
+            + max_error_reply_bytes())

@@ -139,6 +139,7 @@ class RouterState:
         self._stage_pool: StagePool | None = None  # the stages served on their own
         self._settings = pool_settings(config, deadline_s)
         self._preview: asyncio.Task[LatentPreview] | None = None
+        self._example_prompt: str | None = None  # a text encoder loaded here declares it
         self.loaded = config.router_checkpoint is None and not self._stage_entries()
         self.failure: str | None = None
         self.trusted_proxies = config.trusted_networks()
@@ -196,10 +197,20 @@ class RouterState:
             await self._stage_pool.start()
         self.stages = {name: local if name in loaded else self._stage_pool
                        for name in entries}
+        if CONFIG_KEYS[TEXT_ENCODER] in loaded:
+            self._example_prompt = loaded[CONFIG_KEYS[TEXT_ENCODER]].declaration.example_prompt
         if CONFIG_KEYS[ROUTER] in loaded:
             self.stage_convention = loaded[CONFIG_KEYS[ROUTER]].declaration.convention
         if CONFIG_KEYS[TEXT_ENCODER] in self.stages:
             self.null = NullConditioning(self.stages[CONFIG_KEYS[TEXT_ENCODER]])
+
+    def example_prompt(self) -> str | None:
+        """The prompt the text encoder's checkpoint declares as its example (None: none, or
+        the encoder has not loaded or reported yet)."""
+        if self._example_prompt is not None or self._stage_pool is None:
+            return self._example_prompt
+        info = self._stage_pool.info(TEXT_ENCODER)
+        return None if info is None else info.example_prompt
 
     async def close(self) -> None:
         """Stop what runs in the router process (the router is stopping)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ddm.data.colored_mnist import ColoredDigits, load_colored_mnist
+from ddm.data.colored_mnist import EXAMPLE_PROMPT, ColoredDigits, load_colored_mnist
 from ddm.deploy.imported import expert_dir
 from ddm.models.text2img import expert_convention, expert_kwargs, router_convention, sizes
 from ddm.training.config import TrainConfig
@@ -111,7 +111,8 @@ def clip_stage(run: StageRun) -> Path:
     tokenizer = load_tokenizer(run.root)
     clip = train_clip(run.data(), tokenizer, sizes(run.size), run.train,
                       run.resumable(layout.CLIP), run.progress)
-    layout.save_component(text_encoder_of(clip), run.root, layout.TEXT_ENCODER)
+    layout.save_component(text_encoder_of(clip), run.root, layout.TEXT_ENCODER,
+                          {"example_prompt": EXAMPLE_PROMPT})
     return layout.save_component(clip, run.root, layout.CLIP)
 
 
