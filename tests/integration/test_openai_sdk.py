@@ -64,6 +64,12 @@ def test_the_model_list_names_the_ddm(client):
     assert models.data[0].experts == ["expert_0", "expert_1"]
 
 
+def test_an_image_edit_is_refused_saying_why(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.images.edit(image=("x.png", b"not read", "image/png"), prompt="a red eight")
+    assert refused.value.param == "image" and "has no image encoder" in refused.value.message
+
+
 def test_errors_of_other_routes_keep_the_routers_shape(client):
     router = str(client.base_url).removesuffix("/v1/")
     reply = httpx.post(f"{router}/v1/generate", json={"prompts": ["a"], "steps": 0})

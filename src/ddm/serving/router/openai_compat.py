@@ -23,6 +23,10 @@ MAX_ERROR_BYTES = 64 * 1024
 #: The id ``GET /v1/models`` lists: a router serves one DDM, whatever ``model`` a request
 #: names.
 MODEL_ID = "ddm"
+#: Why ``/v1/images/edits`` and ``/variations`` answer 400: editing needs an image encoder.
+NO_IMAGE_EDITS = ("this router edits no images: its DDM has no image encoder (a VAE's "
+                  "encoder) to start from one; POST /v1/images/generations makes images "
+                  "from a prompt")
 
 
 def error_type(status: int) -> str:

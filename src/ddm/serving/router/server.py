@@ -4,7 +4,8 @@ Routes: ``POST /v1/generate`` (JSON in, labels or prompts; base64 PNGs out),
 ``POST /v1/images/generations`` (OpenAI's image API, for text DDMs, with this router's
 extensions), ``GET /v1/generate/stream`` (Server-Sent Events, one ``step`` event per chunk of
 the grid, then ``done``), ``GET /`` (a web page that streams the denoising live),
-``GET /v1/info``, ``GET /v1/models`` (OpenAI's list: the one DDM), ``/healthz``, ``/readyz``,
+``GET /v1/info``, ``GET /v1/models`` (OpenAI's list: the one DDM; its image edits and
+variations are refused with 400 saying why), ``/healthz``, ``/readyz``,
 ``/metrics`` and the OpenAPI document at
 ``/openapi.json`` (browsable at ``/docs`` with ``api_docs``), which says what the router
 enforces: :mod:`ddm.serving.router.requests` builds the request schemas from the config.
@@ -98,7 +99,7 @@ from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
                                        denoise, generate_remote)
 from ddm.sampling.loop import encoded_texts
 from ddm.deploy.router_config import Auth, RouterConfigFile
-from ddm.serving.router.openai_compat import OpenAIErrors, models_list
+from ddm.serving.router.openai_compat import NO_IMAGE_EDITS, OpenAIErrors, models_list
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
                                          ImagesResponse, echo, field_name, invalid_request,
                                          max_body_bytes, parse_latents, request_models,
@@ -252,6 +253,12 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
                 "routing": result.usage.step_masks(request.steps).tolist(),
                 "seed": request.seed, "steps": request.steps,
                 "strategy": request.strategy.name, "guidance_scale": request.guidance_scale}
+
+    # Not served: said plainly (OpenAI's SDKs show it) rather than a bare 404.
+    @app.post("/v1/images/edits", include_in_schema=False)
+    @app.post("/v1/images/variations", include_in_schema=False)
+    async def edits() -> JSONResponse:
+        return JSONResponse({"detail": NO_IMAGE_EDITS, "param": "image"}, 400)
 
     @app.get("/v1/models", responses=_errors(auth=auth))
     async def models() -> dict[str, Any]:
