@@ -70,6 +70,17 @@ def test_an_image_edit_is_refused_saying_why(client):
     assert refused.value.param == "image" and "has no image encoder" in refused.value.message
 
 
+def test_the_openapi_document_gives_openais_error_shape_for_its_paths(client):
+    router = str(client.base_url).removesuffix("/v1/")
+    document = httpx.get(f"{router}/openapi.json").json()
+    refused = document["paths"]["/v1/images/generations"]["post"]["responses"]["422"]
+    assert refused["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/OpenAIError"}
+    generate = document["paths"]["/v1/generate"]["post"]["responses"]["422"]
+    assert generate["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ErrorDetail"}
+
+
 def test_errors_of_other_routes_keep_the_routers_shape(client):
     router = str(client.base_url).removesuffix("/v1/")
     reply = httpx.post(f"{router}/v1/generate", json={"prompts": ["a"], "steps": 0})

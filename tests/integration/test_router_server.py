@@ -233,6 +233,8 @@ DOCUMENTED = {("POST", "/v1/generate"), ("GET", "/v1/generate/stream"), ("GET", 
               ("GET", "/v1/demand"), ("GET", "/v1/models"),
               ("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/metrics")}
 ERROR = {"$ref": "#/components/schemas/ErrorDetail"}
+#: The errors of OpenAI's paths (/v1/models, /v1/images/*), in its shape.
+OPENAI_ERROR = {"$ref": "#/components/schemas/OpenAIError"}
 
 
 def _document(base: str, **kwargs) -> dict:
@@ -247,7 +249,8 @@ def _document(base: str, **kwargs) -> dict:
 
 def _error_statuses(operation: dict) -> set[str]:
     return {status for status, response in operation["responses"].items()
-            if response.get("content", {}).get("application/json", {}).get("schema") == ERROR}
+            if response.get("content", {}).get("application/json", {}).get("schema") in (
+                ERROR, OPENAI_ERROR)}
 
 
 def test_the_openapi_document_says_what_the_router_enforces(routers):
@@ -647,6 +650,9 @@ def test_the_openapi_document_declares_the_bearer_token(guarded):
     document = _document(guarded["base"], headers=good)
     assert document["components"]["securitySchemes"] == {
         "bearer": {"type": "http", "scheme": "bearer"}}
+    refused = httpx.get(f"{guarded['base']}/v1/models")  # OpenAI's path: OpenAI's shape
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == (
+        "authentication_error"), refused.text
     for path, operations in document["paths"].items():
         for operation in operations.values():
             secured = path.startswith("/v1/")

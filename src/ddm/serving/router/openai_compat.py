@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import BaseModel, Field
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 #: The paths whose errors OpenAI's clients read.
@@ -27,6 +28,23 @@ MODEL_ID = "ddm"
 NO_IMAGE_EDITS = ("this router edits no images: its DDM has no image encoder (a VAE's "
                   "encoder) to start from one; POST /v1/images/generations makes images "
                   "from a prompt")
+
+
+class OpenAIErrorDetail(BaseModel):
+    """What went wrong, as OpenAI words it."""
+
+    message: str = Field(description="what is wrong with the request, or which expert failed")
+    type: str = Field(description="invalid_request_error, authentication_error, "
+                                  "rate_limit_error or server_error")
+    param: str | None = Field(description="the request field at fault, where one is")
+    code: str | None = Field(description="the expert that failed (502 and 503 only)")
+
+
+class OpenAIError(BaseModel):
+    """Every error answer of ``/v1/images/*`` and ``/v1/models``: the router's
+    (:class:`~ddm.serving.router.requests.ErrorDetail`) in OpenAI's shape."""
+
+    error: OpenAIErrorDetail
 
 
 def error_type(status: int) -> str:

@@ -79,6 +79,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, Response,
                                StreamingResponse)
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -99,7 +100,8 @@ from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
                                        denoise, generate_remote)
 from ddm.sampling.loop import encoded_texts
 from ddm.deploy.router_config import Auth, RouterConfigFile
-from ddm.serving.router.openai_compat import NO_IMAGE_EDITS, OpenAIErrors, models_list
+from ddm.serving.router.openai_compat import (NO_IMAGE_EDITS, OpenAIError, OpenAIErrors,
+                                              models_list)
 from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
                                          ImagesResponse, echo, field_name, invalid_request,
                                          max_body_bytes, parse_latents, request_models,
@@ -226,7 +228,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     # Documented for a text DDM only: a label DDM refuses every prompt (a 422 saying so).
     @app.post("/v1/images/generations", response_model=ImagesResponse,
               include_in_schema=config.conditioning == TEXT,
-              responses=_errors(400, 413, 415, 422, 429, 502, 503, auth=auth))
+              responses=_errors(400, 413, 415, 422, 429, 502, 503, auth=auth,
+                                model=OpenAIError))
     async def images(body: images_body,  # type: ignore[valid-type]
                      http: Request) -> dict[str, Any]:
         """OpenAI's image generation for a text DDM: ``n`` images of ``prompt``."""
@@ -260,7 +263,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     async def edits() -> JSONResponse:
         return JSONResponse({"detail": NO_IMAGE_EDITS, "param": "image"}, 400)
 
-    @app.get("/v1/models", responses=_errors(auth=auth))
+    @app.get("/v1/models", responses=_errors(auth=auth, model=OpenAIError))
     async def models() -> dict[str, Any]:
         """OpenAI's model list: the one DDM this router serves (``model`` is ``ddm``)."""
         return models_list(config.conditioning, list(router.names), started)
@@ -526,12 +529,14 @@ def _png(image: Any) -> str:
 # ---------------------------------------------------------------------------------- errors
 
 
-def _errors(*statuses: int, auth: bool) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for these error statuses (and 401 when ``auth``), each an
-    :class:`ErrorDetail`; 422 replaces FastAPI's default ``HTTPValidationError``."""
+def _errors(*statuses: int, auth: bool, model: type[BaseModel] = ErrorDetail
+            ) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses (and 401 when ``auth``), each a
+    ``model`` (:class:`ErrorDetail`; OpenAI's paths: :class:`OpenAIError`); 422 replaces
+    FastAPI's default ``HTTPValidationError``."""
     documented: dict[int | str, dict[str, Any]] = {}
     for status in sorted({*statuses, *((401,) if auth else ())}):
-        documented[status] = {"model": ErrorDetail, "description": _ERRORS[status]}
+        documented[status] = {"model": model, "description": _ERRORS[status]}
         if status in (429, 503):
             documented[status]["headers"] = RETRY_AFTER_HEADER
         if status == 401:
