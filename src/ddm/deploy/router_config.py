@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from decimal import Decimal
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
@@ -79,6 +80,25 @@ def _strict(cls: type, raw: Any, where: str) -> dict[str, Any]:
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     _check(not missing, f"{where} needs {' and '.join(missing)}")
     return dict(raw)
+
+
+def canonical_strategy(strategy: str) -> str:
+    """A strategy of ``STRATEGY_PATTERN``'s grammar as ``Strategy.name`` spells it: ``topk:2``
+    is ``top2``, ``threshold:.50`` is ``threshold:0.5``, ``threshold:1.0`` is ``threshold:1``."""
+    name = strategy.strip().lower()
+    if name.startswith("topk:"):
+        return f"top{name.removeprefix('topk:')}"
+    if name.startswith("threshold:"):
+        return f"threshold:{Decimal(name.partition(':')[2]).normalize():f}"
+    return name
+
+
+def strategy_allowed(strategy: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``strategy`` is one of ``allowed`` (empty: any), compared as
+    :func:`canonical_strategy` spells them (the router's requests, the operator's
+    ``DDM_ALLOWED_STRATEGIES``)."""
+    return not allowed or canonical_strategy(strategy) in {canonical_strategy(s)
+                                                           for s in allowed}
 
 
 @dataclass(frozen=True)
