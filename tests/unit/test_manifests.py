@@ -438,6 +438,13 @@ def _router_yaml(children: dict) -> RouterConfigFile:
         children[("ConfigMap", "digits-router-config")]["data"]["router.yaml"])
 
 
+def test_the_routers_strategies_are_the_operators() -> None:
+    assert _router_yaml(_children(_spec(_expert("a")))).sampling.strategies == ()
+    config = dataclasses.replace(CONFIG, allowed=AllowLists(strategies=("top1", "topk:2")))
+    sampling = _router_yaml(_children(_spec(_expert("a")), config)).sampling
+    assert (sampling.strategy, sampling.strategies) == ("top1", ("top1", "topk:2"))
+
+
 def test_without_authentication_the_router_mounts_no_token() -> None:
     children = _children(_spec(_expert("a")))
     assert _router_yaml(children).auth is None
