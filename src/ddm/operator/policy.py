@@ -46,6 +46,7 @@ A spec outside them is invalid (``SpecValid`` False, an ``InvalidSpec`` event), 
 naming the field, the value (a URI redacted) and the setting that would allow it. The operator
 and ``ddm render`` both call :func:`policy_problems` (through ``children.checked_spec``).
 """
+
 from __future__ import annotations
 
 import posixpath
