@@ -39,7 +39,7 @@ HOSTILE = {
         "tolerates the control-plane taint (DDM_ALLOW_CONTROL_PLANE=true would allow it)",
         {"DDM_ALLOW_CONTROL_PLANE": "true"}),
     "a control-plane nodeSelector": (
-        {"experts.0.nodeSelector": {"node-role.kubernetes.io/master": ""}},
+        {"experts.0.nodeSelector": {"node-role.kubernetes.io/master": "true"}},
         "spec.experts[0].nodeSelector: key 'node-role.kubernetes.io/master' selects "
         "control-plane nodes (DDM_ALLOW_CONTROL_PLANE=true would allow it)",
         {"DDM_ALLOW_CONTROL_PLANE": "true"}),
