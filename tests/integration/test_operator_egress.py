@@ -38,7 +38,7 @@ CONFIG = OperatorConfig(images=DEFAULT_CONFIG.images, network_policy=True,
 #: Two experts, one fetched from a bucket and one in its image; the router network's URI in
 #: the user's Secret (a pre-signed URL).
 SPEC = {"sampling": {"strategy": "top1"},
-        "router": {"checkpoint": {"uriFrom": {"secretKeyRef": {"name": "signed-urls",
+        "router": {"checkpoint": {"uriFrom": {"secretKeyRef": {"name": "egress-signed-urls",
                                                                "key": "router"}}}},
         "experts": [{"name": "a", "checkpoint": {"uri": "s3://ddm-models/a"}, "classes": [0, 1]},
                     {"name": "b", "checkpoint": {"uri": "image:///models/b"},
@@ -132,4 +132,4 @@ def test_the_stager_reaches_stores_but_no_private_or_metadata_range(
         "name": names.checkpoint_secret_name("egress", uid, "expert-a", "s3://ddm-models/a"),
         "key": "uri"}}} in fetch["env"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
-        "name": "signed-urls", "key": "router"}}} in held["env"]  # the user's, never read
+        "name": "egress-signed-urls", "key": "router"}}} in held["env"]  # the user's, never read

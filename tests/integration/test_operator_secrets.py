@@ -1,6 +1,8 @@
 """Tenants on the real API server: a fetched URI's secret query stays in the operator's own
 immutable Secret (a new URI is a new Secret), a token Secret planted under one of its names is
-never adopted, and the operator-wide allow-lists refuse a DDM outside them."""
+never adopted, the operator's defaults refuse each hostile DDM of issue 35 (a namespace
+Secret, any image, another application's claim, every taint, the control plane, a node by
+name), and its settings refuse a DDM outside its allow-lists."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from test_operator import (  # the shared helpers of the operator's cluster test
 )
 
 from ddm.operator import names
-from ddm.operator.policy import AllowLists
+from ddm.operator.policy import AllowLists, repository
+from tests.support.hostile_tenants import HOSTILE, hostile_spec
 
 SIGNATURE = "5f3c9e1d0b7a4c2e8f6d1a3b5c7e9f0a2b4d6f8e1c3a5b7d9f0e2c4a6b8d0f1e"
 SIGNED = (f"https://store.example/ddm/a.tar.gz?X-Amz-Algorithm=AWS4-HMAC-SHA256"
@@ -155,43 +158,79 @@ def test_a_planted_token_secret_is_not_adopted(cluster: Cluster, kube_namespace:
     assert token in cluster.ddm(ns, "planted")["status"]["tokenSecrets"]
 
 
+def _condition(cluster: Cluster, ns: str, name: str, kind: str) -> dict | None:
+    status = cluster.ddm(ns, name).get("status") or {}
+    found = [c for c in status.get("conditions", []) if c["type"] == kind]
+    return found[0] if found else None
+
+
+@pytest.mark.usefixtures("operator")
+def test_the_defaults_refuse_each_hostile_ddm_naming_the_setting(cluster: Cluster,
+                                                                 kube_namespace: str) -> None:
+    """Issue 35: each rendered before (a Secret of the namespace in the router's pod, any
+    image, any claim, every taint tolerated, control-plane nodes, a node by name); now each is
+    refused by the operator's defaults, in its status and in an InvalidSpec event, and nothing
+    of it runs. A DDM beside them, within the defaults, runs."""
+    ns = kube_namespace
+    own = ", ".join(sorted({repository(i) for i in vars(DEFAULT_CONFIG.images).values()}))
+    made = {}
+    for index, attack in enumerate(HOSTILE):
+        name = f"hostile-{index}"
+        made[name] = HOSTILE[attack][1].format(name=name, own=own)
+        cluster.create_ddm(ns, name, hostile_spec(CPU_SPEC, HOSTILE[attack][0]))
+    inside = copy.deepcopy(CPU_SPEC)
+    inside["experts"][0]["image"] = DEFAULT_CONFIG.images.cpu.partition(":")[0] + ":other-tag"
+    cluster.create_ddm(ns, "contained", inside)
+    for name, refusal in made.items():
+        valid = wait_for(lambda: _condition(cluster, ns, name, "SpecValid"), 60,
+                         f"{name}'s refusal")
+        assert (valid["status"], valid["reason"], valid["message"]) == ("False", "Invalid",
+                                                                        refusal)
+        events = wait_for(lambda: [e for e in cluster.events(ns, name)
+                                   if e["reason"] == "InvalidSpec"], 60, f"{name}'s event")
+        assert events[0]["type"] == "Warning" and refusal in events[0]["message"]
+        assert cluster.children(ns, name) == {}
+    assert wait_for(lambda: _condition(cluster, ns, "contained", "SpecValid"), 60,
+                    "the contained DDM's status")["status"] == "True"
+
+
 def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespace: str,
                                                   request: pytest.FixtureRequest) -> None:
     ns = kube_namespace
     running: OperatorThread = request.getfixturevalue("operator")
     running.restart(dataclasses.replace(DEFAULT_CONFIG, allowed=AllowLists(
         images=("registry.acme.example/ddm/",), checkpoint_sources=("image:///models/",),
-        secrets=("team-*",), toleration_keys=("team-a/dedicated",))))
+        secrets=("team-*",), toleration_keys=("team-a/dedicated",), tolerate_all_taints=True)))
     try:
         spec = copy.deepcopy(CPU_SPEC)
         spec["experts"][1]["image"] = "evil.example/miner:1"
         spec["experts"][2]["checkpoint"] = {"uri": "s3://elsewhere/c?X-Amz-Signature=abc"}
-        spec["experts"][0]["tolerations"] = [{"operator": "Exists"}]
+        spec["experts"][0]["tolerations"] = [{"key": "team-b/dedicated", "operator": "Exists"},
+                                             {"operator": "Exists"}]
         spec["router"] = {"auth": {"secretName": "cluster-admin-token"}}
         cluster.create_ddm(ns, "outside", spec)
         allowed = copy.deepcopy(CPU_SPEC)
         allowed["experts"][0]["image"] = "registry.acme.example/ddm/cpu:1"
+        allowed["router"] = {"auth": {"secretName": "team-token"}}
         cluster.create_ddm(ns, "inside", allowed)
-
-        def condition(name: str, kind: str) -> dict | None:
-            status = cluster.ddm(ns, name).get("status") or {}
-            found = [c for c in status.get("conditions", []) if c["type"] == kind]
-            return found[0] if found else None
-        valid = wait_for(lambda: condition("outside", "SpecValid"), 60, "the refusal")
+        own = ", ".join(sorted({repository(i) for i in vars(DEFAULT_CONFIG.images).values()}))
+        valid = wait_for(lambda: _condition(cluster, ns, "outside", "SpecValid"), 60,
+                         "the refusal")
         assert valid["status"] == "False"
         assert valid["message"] == (
-            "spec.experts[0].tolerations[0]: key none (it would tolerate every taint) is not "
-            "among the keys this operator allows (DDM_ALLOWED_TOLERATION_KEYS: "
-            "team-a/dedicated); "
-            "spec.experts[1].image: 'evil.example/miner:1' is not among the images this "
-            "operator allows (DDM_ALLOWED_IMAGES: registry.acme.example/ddm/); "
+            "spec.experts[0].tolerations[0]: key 'team-b/dedicated' is not among the keys "
+            "this operator allows (DDM_ALLOWED_TOLERATION_KEYS: team-a/dedicated); "
+            "spec.experts[1].image: 'evil.example/miner:1' is neither of the operator's own "
+            f"repositories ({own}) nor among the images it allows (DDM_ALLOWED_IMAGES: "
+            "registry.acme.example/ddm/); "
             "spec.experts[2].checkpoint.uri: 's3://elsewhere/c' is not among the checkpoint "
             "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image:///models/); "
-            "spec.router.auth.secretName: Secret 'cluster-admin-token' is not among the "
+            "spec.router.auth.secretName: Secret 'cluster-admin-token' is neither the DDM's "
+            "own (outside-*, but the operator's tokens and checkpoint URIs) nor among the "
             "Secrets this operator lets a spec name (DDM_ALLOWED_SECRETS: team-*)")
         assert cluster.children(ns, "outside") == {}
-        assert wait_for(lambda: condition("inside", "SpecValid"), 60, "the other DDM's status"
-                        )["status"] == "True"
+        assert wait_for(lambda: _condition(cluster, ns, "inside", "SpecValid"), 60,
+                        "the other DDM's status")["status"] == "True"
     finally:
         running.restart(DEFAULT_CONFIG)
 
@@ -201,15 +240,15 @@ def test_a_uri_in_the_users_secret_is_read_by_the_stager_alone(cluster: Cluster,
                                                                kube_namespace: str) -> None:
     ns = kube_namespace
     spec = copy.deepcopy(CPU_SPEC)
-    spec["experts"][0]["checkpoint"] = {"uriFrom": {"secretKeyRef": {"name": "signed-urls",
+    spec["experts"][0]["checkpoint"] = {"uriFrom": {"secretKeyRef": {"name": "held-signed-urls",
                                                                       "key": "a"}}}
     cluster.create_ddm(ns, "held", spec)
     stager = wait_for(lambda: cluster.get("Deployment", ns, "held-stager"), 60, "the stager")
     (fetch,) = stager["spec"]["template"]["spec"]["initContainers"]
     assert {"name": "DDM_CHECKPOINT_URI", "valueFrom": {"secretKeyRef": {
-        "name": "signed-urls", "key": "a"}}} in fetch["env"]
+        "name": "held-signed-urls", "key": "a"}}} in fetch["env"]
     expert = wait_for(lambda: cluster.get("Deployment", ns, "held-expert-a"), 60, "the expert")
-    assert "signed-urls" not in json.dumps(expert)
+    assert "held-signed-urls" not in json.dumps(expert)
     wait_for(lambda: (cluster.ddm(ns, "held").get("status") or {}).get("phase"), 60,
              "the status")
     assert cluster.list("Secret", ns, "ddm.dev/deployment=held,"

@@ -8,6 +8,9 @@
   waited.
 * ``minReplicas: 0``: no process of that expert while idle; a request needing it starts one
   (a cold start) and succeeds; after the scale-down delay without demand it is stopped.
+* A client's strategy wakes nothing (issue 35): an ``ensemble`` request, which would call
+  every expert at every step, is served by the experts that are up and leaves no demand on
+  those at zero; the DDM's own strategy still starts them.
 """
 
 from __future__ import annotations
@@ -190,3 +193,35 @@ def test_an_expert_started_for_rerouted_steps_is_not_stopped_before_it_is_ready(
         text = log.getvalue()
         assert text.index("mnist-cluster-3 is ready (") < text.index(
             "scaling mnist-cluster-3 to zero")
+
+
+def test_a_clients_ensemble_is_served_by_the_experts_up_and_wakes_none(tmp_path: Path) -> None:
+    """Issue 35: one ``{"n": 1, "steps": 1, "strategy": "ensemble"}`` per scale-down delay
+    kept every expert from scaling to zero and woke those at zero (under ``wait`` it waited
+    for both cold starts). Only the DDM's strategy (top1) may start an expert."""
+    asleep = ("mnist-cluster-2", "mnist-cluster-3")
+    manifest = _manifest(MNIST, tmp_path, {"policy": "wait", "waitSeconds": 120}, {
+        name: {"minReplicas": 0, "maxReplicas": 1, "scaleDownDelaySeconds": 600}
+        for name in asleep})
+    with ddm_up(manifest) as (plan, log, _):
+        ports = {name: next(p for p in plan.experts if p.name == f"{name}/0").port
+                 for name in asleep}
+        answer = httpx.post(f"{plan.url}/v1/generate", timeout=300, json={
+            "labels": [1], "steps": 1, "seed": 0, "strategy": "ensemble"})
+        assert answer.status_code == 200, f"{answer.text}\n{log.getvalue()[-3000:]}"
+        body = answer.json()
+        assert body["waited_s"] == 0.0 and body["rerouted"] == [[1]], body
+        assert not set(asleep) & set(body["experts"][0]), body
+        demand = httpx.get(f"{plan.url}/v1/demand", timeout=30).json()["experts"]
+        for name in asleep:
+            assert (demand[name]["rows_per_s"], demand[name]["idle_s"]) == (0, None), demand
+            assert listening_pid(ports[name]) is None
+        up = [name for name in demand if name not in asleep]
+        assert all(demand[name]["rows_per_s"] > 0 for name in up), demand
+
+        # The DDM's own strategy, on a digit the sleeping experts draw, still wakes them.
+        answer = _generate(plan.url, [8, 8, 8, 8, 0, 0, 0, 0], 10, log)
+        woken = {name for image in answer["experts"] for name in image} & set(asleep)
+        assert woken, answer
+        _until(lambda: all(f"{name} is ready (" in log.getvalue() for name in woken),
+               "the DDM's own strategy waking the experts it needs", log)

@@ -214,19 +214,31 @@ def test_the_routers_trusted_proxies_reach_the_operator(helm: Path) -> None:
 
 def test_tenant_allow_lists_reach_the_operator(helm: Path) -> None:
     from ddm.operator.config import OperatorConfig
+    from ddm.operator.policy import AllowLists
 
     env = env_of(render(helm, "tenants.allowedImages={reg.example/ddm/,ddm:}",
                         "tenants.allowedCheckpointSources={pvc://,s3://models/}",
                         "tenants.allowedSecrets={ddm-*,store-login}",
+                        "tenants.allowedClaims={shared-models,*}",
                         "tenants.allowedTolerationKeys={team-a/dedicated}",
-                        "tenants.allowedNodeSelectorKeys={topology.kubernetes.io/zone}"))
+                        "tenants.allowedNodeSelectorKeys={topology.kubernetes.io/zone}",
+                        "tenants.allowedStrategies={oracle,top1}",
+                        "tenants.allowControlPlane=true"))
     allowed = OperatorConfig.from_env(env).allowed
     assert allowed.images == ("reg.example/ddm/", "ddm:")
     assert allowed.checkpoint_sources == ("pvc://", "s3://models/")
     assert allowed.secrets == ("ddm-*", "store-login")
+    assert allowed.claims == ("shared-models", "*")
     assert allowed.toleration_keys == ("team-a/dedicated",)
     assert allowed.node_selector_keys == ("topology.kubernetes.io/zone",)
-    for bad in ("tenants.allowedSecrets={Team_Token}", "tenants.allowedTolerationKeys={a b}"):
+    assert allowed.strategies == ("oracle", "top1")
+    assert (allowed.control_plane, allowed.tolerate_all_taints, allowed.node_names) == (
+        True, False, False)
+    # the chart's defaults are the operator's: containing
+    assert OperatorConfig.from_env(env_of(render(helm))).allowed == AllowLists()
+    for bad in ("tenants.allowedSecrets={Team_Token}", "tenants.allowedTolerationKeys={a b}",
+                "tenants.allowedClaims={Data_1}", "tenants.allowedStrategies={all}",
+                "tenants.allowNodeNames=yes"):
         result = helm_run(helm, "template", "ddm", str(CHART), "--set", bad)
         assert result.returncode != 0 and bad.split("=")[0].split(".")[1] in result.stderr
     result = helm_run(helm, "template", "ddm", str(CHART), "--set",

@@ -438,6 +438,13 @@ def _router_yaml(children: dict) -> RouterConfigFile:
         children[("ConfigMap", "digits-router-config")]["data"]["router.yaml"])
 
 
+def test_the_routers_strategies_are_the_operators() -> None:
+    assert _router_yaml(_children(_spec(_expert("a")))).sampling.strategies == ()
+    config = dataclasses.replace(CONFIG, allowed=AllowLists(strategies=("top1", "topk:2")))
+    sampling = _router_yaml(_children(_spec(_expert("a")), config)).sampling
+    assert (sampling.strategy, sampling.strategies) == ("top1", ("top1", "topk:2"))
+
+
 def test_without_authentication_the_router_mounts_no_token() -> None:
     children = _children(_spec(_expert("a")))
     assert _router_yaml(children).auth is None
@@ -897,12 +904,13 @@ def test_a_checkpoint_names_one_uri_or_one_secret_key(checkpoint: dict, problem:
 
 def test_an_allow_list_admits_secret_held_uris_only_by_their_own_entry() -> None:
     spec = parse_spec(_spec(_expert("a", checkpoint={
-        "uriFrom": {"secretKeyRef": {"name": "signed-urls", "key": "a"}}})))
+        "uriFrom": {"secretKeyRef": {"name": "digits-urls", "key": "a"}}})))
     sources = ("image://", "s3://models/")
-    assert policy_problems(spec, AllowLists(checkpoint_sources=sources)) == [
-        "spec.experts[0].checkpoint.uri: 'secret://signed-urls/a' is not among the checkpoint "
+    assert policy_problems(spec, "digits", AllowLists(checkpoint_sources=sources), ()) == [
+        "spec.experts[0].checkpoint.uri: 'secret://digits-urls/a' is not among the checkpoint "
         "sources this operator allows (DDM_ALLOWED_CHECKPOINT_SOURCES: image://, s3://models/)"]
-    assert policy_problems(spec, AllowLists(checkpoint_sources=(*sources, "secret://"))) == []
-    (problem,) = policy_problems(spec, AllowLists(secrets=("ddm-*",)))
+    assert policy_problems(spec, "digits", AllowLists(
+        checkpoint_sources=(*sources, "secret://")), ()) == []
+    (problem,) = policy_problems(spec, "mnist", AllowLists(secrets=("ddm-*",)), ())
     assert problem.startswith("spec.experts[0].checkpoint.uriFrom.secretKeyRef.name: Secret "
-                              "'signed-urls' is not among the Secrets")
+                              "'digits-urls' is neither the DDM's own (mnist-*")

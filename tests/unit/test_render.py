@@ -12,10 +12,15 @@ import yaml
 
 from ddm.cli import main
 from ddm.operator import names
+from ddm.operator.config import OperatorConfig
+from ddm.operator.policy import repository
 from ddm.operator.render import CHART_DEFAULTS, PLACEHOLDER_TOKEN, PLACEHOLDER_UID
+from tests.support.hostile_tenants import HOSTILE, hostile_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 MNIST = ROOT / "examples" / "mnist.yaml"
+#: The repositories of the operator's default images, which a spec's images may be of.
+OWN = ", ".join(sorted({repository(image) for image in vars(OperatorConfig().images).values()}))
 
 
 def _render(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
@@ -74,13 +79,30 @@ def test_render_refuses_what_the_operator_refuses(capsys: pytest.CaptureFixture[
     status, _, err = _render(capsys, monkeypatch, str(manifest),
                              env={"DDM_ALLOWED_IMAGES": "registry.acme.example/"})
     assert (status, err) == (2, "ddm: error: spec.experts[0].image: 'evil.example/miner:1' is "
-                                "not among the images this operator allows "
-                                "(DDM_ALLOWED_IMAGES: registry.acme.example/)\n")
+                                f"neither of the operator's own repositories ({OWN}) nor among "
+                                "the images it allows (DDM_ALLOWED_IMAGES: "
+                                "registry.acme.example/)\n")
     document["spec"]["experts"][0]["checkpoint"] = {"uri": "file:///etc/kubernetes"}
     manifest.write_text(yaml.safe_dump(document))
     for env in ({}, {"DDM_ALLOW_HOST_PATHS": "/srv/ddm/"}):
         status, _, err = _render(capsys, monkeypatch, str(manifest), env=env)
         assert status == 2 and "'file:///etc/kubernetes'" in err, err
+
+
+@pytest.mark.parametrize("attack", list(HOSTILE))
+def test_render_refuses_each_hostile_spec_under_the_defaults_naming_the_setting(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        attack: str) -> None:
+    """As the operator does (``children.checked_spec``), and renders it once allowed."""
+    change, refusal, allowance = HOSTILE[attack]
+    document = yaml.safe_load(MNIST.read_text())
+    document["spec"] = hostile_spec(document["spec"], change)
+    manifest = tmp_path / "hostile.yaml"
+    manifest.write_text(yaml.safe_dump(document))
+    status, _, err = _render(capsys, monkeypatch, str(manifest))
+    assert (status, err) == (2, f"ddm: error: {refusal.format(name='mnist', own=OWN)}\n")
+    status, objects, err = _render(capsys, monkeypatch, str(manifest), env=allowance)
+    assert status == 0 and objects, err
 
 
 def test_the_render_defaults_are_the_charts() -> None:

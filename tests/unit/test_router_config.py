@@ -182,6 +182,26 @@ def test_a_missing_expert_fails_by_default_and_the_policy_round_trips() -> None:
     assert RouterConfigFile.from_yaml(config.to_yaml()) == config
 
 
+def test_the_allowed_strategies_round_trip_and_hold_the_default() -> None:
+    config = RouterConfigFile.from_yaml(TEXT.replace(
+        "strategy: top1}", "strategy: top1, strategies: [topk:1, top2, 'threshold:.50']}"))
+    assert config.sampling.strategies == ("topk:1", "top2", "threshold:.50")
+    assert RouterConfigFile.from_yaml(config.to_yaml()) == config
+    assert RouterConfigFile.from_yaml(TEXT).sampling.strategies == ()  # any
+
+
+@pytest.mark.parametrize("strategies, message", [
+    ("[top2, ensemble]", "sampling.strategy top1 is not among sampling.strategies "
+                         "['top2', 'ensemble']"),
+    ("[top1, all]", "sampling.strategies must be a list of strategies"),
+    ("top1", "sampling.strategies must be a list of strategies"),
+])
+def test_bad_strategies_are_refused_naming_the_key(strategies: str, message: str) -> None:
+    with pytest.raises(RouterConfigError, match=re.escape(message)):
+        RouterConfigFile.from_yaml(TEXT.replace("strategy: top1}",
+                                                f"strategy: top1, strategies: {strategies}}}"))
+
+
 @pytest.mark.parametrize("extra, message", [
     ("auth: {}\n", "auth needs token_file"),
     ("auth: {token_file: ''}\n", "auth.token_file must be a file path"),

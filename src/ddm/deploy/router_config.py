@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from decimal import Decimal
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
@@ -81,17 +82,44 @@ def _strict(cls: type, raw: Any, where: str) -> dict[str, Any]:
     return dict(raw)
 
 
+def canonical_strategy(strategy: str) -> str:
+    """A strategy of ``STRATEGY_PATTERN``'s grammar as ``Strategy.name`` spells it: ``topk:2``
+    is ``top2``, ``threshold:.50`` is ``threshold:0.5``, ``threshold:1.0`` is ``threshold:1``."""
+    name = strategy.strip().lower()
+    if name.startswith("topk:"):
+        return f"top{name.removeprefix('topk:')}"
+    if name.startswith("threshold:"):
+        return f"threshold:{Decimal(name.partition(':')[2]).normalize():f}"
+    return name
+
+
+def strategy_allowed(strategy: str, allowed: tuple[str, ...]) -> bool:
+    """Whether ``strategy`` is one of ``allowed`` (empty: any), compared as
+    :func:`canonical_strategy` spells them (the router's requests, the operator's
+    ``DDM_ALLOWED_STRATEGIES``)."""
+    return not allowed or canonical_strategy(strategy) in {canonical_strategy(s)
+                                                           for s in allowed}
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
-    """What a request that names no steps, solver or strategy gets."""
+    """What a request that names no steps, solver or strategy gets; ``strategies``: the
+    routing strategies a request may name (empty: any; the operator's
+    ``DDM_ALLOWED_STRATEGIES``), ``strategy`` among them."""
 
     steps: int = DEFAULT_STEPS
     solver: str = DEFAULT_SOLVER
     strategy: str = DEFAULT_STRATEGY
     guidance_scale: float = 1.0
     guidance_cutoff: float = 1.0
+    strategies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.strategies, tuple)
+               and all(isinstance(s, str) and re.match(STRATEGY_PATTERN, s)
+                       for s in self.strategies),
+               f"sampling.strategies must be a list of strategies ({STRATEGY_HINT}), got "
+               f"{self.strategies!r}")
         _check(_is_number(self.guidance_cutoff) and 0 < self.guidance_cutoff <= 1,
                "sampling.guidance_cutoff must be a fraction of the steps in (0, 1], got "
                f"{self.guidance_cutoff!r}")
@@ -105,6 +133,9 @@ class SamplingDefaults:
                f"sampling.solver must be one of {list(SOLVERS)}, got {self.solver!r}")
         _check(isinstance(self.strategy, str) and re.match(STRATEGY_PATTERN, self.strategy),
                f"sampling.strategy {self.strategy!r} is not valid: {STRATEGY_HINT}")
+        _check(strategy_allowed(self.strategy, self.strategies),
+               f"sampling.strategy {self.strategy} is not among sampling.strategies "
+               f"{list(self.strategies)}")
 
 
 @dataclass(frozen=True)
@@ -451,6 +482,9 @@ class RouterConfigFile:
         for key in STAGE_FIELDS:
             if args.get(key) is not None:
                 args[key] = StageEntry.from_dict(args[key], key)
+        sampling = args.get("sampling")
+        if isinstance(sampling, Mapping) and isinstance(sampling.get("strategies"), list):
+            args["sampling"] = {**sampling, "strategies": tuple(sampling["strategies"])}
         for key, kind in (("sampling", SamplingDefaults), ("timeouts", Timeouts),
                           ("retries", Retries), ("limits", RouterLimits),
                           ("coalescing", Coalescing), ("missing_expert", MissingExpert),

@@ -1,7 +1,7 @@
 """Everything the operator makes for one DDMDeployment, as it sends it (pure).
 
 The same two functions serve the reconcile and ``ddm render``: ``checked_spec`` (the spec
-and the operator's allow-lists) and ``desired_children``: the Secrets
+and the operator's tenancy policy) and ``desired_children``: the Secrets
 first (created once, immutable, never read back: ``access.build_token_secrets``,
 ``fetcher.build_checkpoint_secrets``), then the children applied with server-side apply
 (``manifests.build_children``) annotated with their spec hash, each owned by the
@@ -20,11 +20,11 @@ from ddm.operator.manifests import build_children, with_spec_hash
 from ddm.operator.policy import policy_problems
 
 
-def checked_spec(raw: Any, config: OperatorConfig) -> DDMSpec:
-    """A DDMDeployment's ``spec`` parsed and checked against the operator's allow-lists;
-    ``SpecError`` naming every problem."""
+def checked_spec(raw: Any, name: str, config: OperatorConfig) -> DDMSpec:
+    """The ``spec`` of the DDMDeployment ``name`` parsed and checked against the operator's
+    settings (``ddm.operator.policy``); ``SpecError`` naming every problem."""
     spec = parse_spec(raw, allow_host_paths=bool(config.allowed.host_paths))
-    outside = policy_problems(spec, config.allowed)
+    outside = policy_problems(spec, name, config.allowed, vars(config.images).values())
     if outside:
         raise SpecError(outside)
     return spec

@@ -148,12 +148,14 @@ class Images:
 
 @dataclass(frozen=True)
 class OperatorConfig:
-    """``allowed``: the admin's allow-lists (``policy.AllowLists``: images, checkpoint
-    sources, Secrets, toleration and nodeSelector keys, and the host paths file://
-    checkpoints may mount, none by default); ``router_auth`` puts every router behind a
-    bearer token, even when its spec asks for none; ``network_policy`` gives each
-    DDMDeployment NetworkPolicies that let only its router reach its experts (and removes
-    them when turned off); ``fetch_allow_networks``: the non-public
+    """``allowed``: what a DDMDeployment may use beyond the containing defaults
+    (``policy.AllowLists``: images, checkpoint sources, Secrets, claims, toleration and
+    nodeSelector keys, the host paths file:// checkpoints may mount, routing strategies, and
+    switches for keyless tolerations, control-plane nodes and named nodes); ``router_auth``
+    puts every router behind a bearer token, even when its spec asks for none;
+    ``network_policy`` gives each DDMDeployment NetworkPolicies that let only its router
+    reach its experts (and removes them when turned off); ``fetch_allow_networks``: the
+    non-public
     networks (CIDRs) checkpoint fetchers may reach (the cluster's private stores; the
     fetcher's ``--allow-network``): an admin's choice, never a tenant's, so not in the CRD;
     ``router_trusted_proxies``: CIDRs of the proxies in front of every router (the
@@ -207,9 +209,11 @@ class OperatorConfig:
         ``DDM_CLUSTER_DOMAIN``, the true/false switches ``DDM_ROUTER_AUTH`` and
         ``DDM_NETWORK_POLICY`` (false when unset), and the comma-separated lists
         ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``,
-        ``DDM_ALLOWED_CHECKPOINT_SOURCES``, ``DDM_ALLOWED_SECRETS``,
-        ``DDM_ALLOWED_TOLERATION_KEYS``, ``DDM_ALLOWED_NODE_SELECTOR_KEYS`` and
-        ``DDM_ALLOW_HOST_PATHS`` (see ``policy``), empty when unset,
+        ``DDM_ALLOWED_CHECKPOINT_SOURCES``, ``DDM_ALLOWED_SECRETS``, ``DDM_ALLOWED_CLAIMS``,
+        ``DDM_ALLOWED_TOLERATION_KEYS``, ``DDM_ALLOWED_NODE_SELECTOR_KEYS``,
+        ``DDM_ALLOW_HOST_PATHS`` and ``DDM_ALLOWED_STRATEGIES`` (see ``policy``), empty when
+        unset, the switches ``DDM_ALLOW_TOLERATE_ALL_TAINTS``, ``DDM_ALLOW_CONTROL_PLANE`` and
+        ``DDM_ALLOW_NODE_NAMES`` (false when unset),
         ``DDM_ROUTER_TRUSTED_PROXIES`` (CIDRs), ``DDM_METRICS_FROM`` and ``DDM_OPERATOR_FROM``
         (JSON lists of NetworkPolicyPeers; unset: none), ``DDM_FETCH_MAX_BYTES`` (unset: 16 GiB) and
         ``DDM_DNS_NAMESPACE_SELECTOR``/``DDM_DNS_POD_SELECTOR`` (JSON label selectors; unset:
@@ -227,9 +231,14 @@ class OperatorConfig:
                        images=_list(env, policy.IMAGES_ENV),
                        checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV),
                        secrets=_list(env, policy.SECRETS_ENV),
+                       claims=_list(env, policy.CLAIMS_ENV),
                        toleration_keys=_list(env, policy.TOLERATION_KEYS_ENV),
                        node_selector_keys=_list(env, policy.NODE_SELECTOR_KEYS_ENV),
-                       host_paths=_list(env, policy.HOST_PATHS_ENV)),
+                       host_paths=_list(env, policy.HOST_PATHS_ENV),
+                       strategies=_list(env, policy.STRATEGIES_ENV),
+                       tolerate_all_taints=_flag(env, policy.TOLERATE_ALL_TAINTS_ENV, False),
+                       control_plane=_flag(env, policy.CONTROL_PLANE_ENV, False),
+                       node_names=_flag(env, policy.NODE_NAMES_ENV, False)),
                    metrics_from=_peers(env),
                    operator_from=_peers(env, OPERATOR_FROM_ENV),
                    router_trusted_proxies=_list(env, TRUSTED_PROXIES_ENV),

@@ -17,6 +17,7 @@ could not, Kubernetes takes the end of its log), which the status reports.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any, Callable, Mapping
 
@@ -235,7 +236,8 @@ def build_expert_service(expert: ExpertSpec, meta: Mapping[str, Any]) -> dict[st
 def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfig
                         ) -> RouterConfigFile:
     """router.yaml (the plan's): the experts behind their headless Services, the operator's
-    trusted proxies (the cluster's ingress) naming the clients of its per-client limit."""
+    trusted proxies (the cluster's ingress) naming the clients of its per-client limit, and
+    its strategies (``DDM_ALLOWED_STRATEGIES``: the only ones the router serves)."""
     owner, namespace = meta["name"], meta["namespace"]
     discovery: dict[str, Discovery] = {
         e.name: DnsDiscovery(dns=names.expert_dns(owner, e.name, namespace,
@@ -247,10 +249,13 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
                            port=names.EXPERT_PORT)
         for role, stage in spec.stages.items() if stage.separate}
     places.update({role: _pod_dir(*place) for role, place in _router_stages(spec).items()})
-    return plan_deployment(spec).router_config(
+    made = plan_deployment(spec).router_config(
         discovery, None, Auth(token_file=ROUTER_TOKEN_FILE, expert_token_file=EXPERT_TOKEN_FILE)
         if router_token(spec, meta, config) else None,
         config.router_trusted_proxies, places)
+    # The operator's strategies (ddm.operator.policy has checked the spec's own is one).
+    return dataclasses.replace(made, sampling=dataclasses.replace(
+        made.sampling, strategies=config.allowed.strategies))
 
 
 def _router_stages(spec: DDMSpec) -> dict[str, tuple[StageSpec, str]]:

@@ -21,6 +21,7 @@ ReplicaSets (a rollback) until the garbage collector removes it with the DDMDepl
 from __future__ import annotations
 
 import hashlib
+import re
 
 # The servers' ports (``ddm.deploy.limits``) and the resource's identity (``ddm.deploy.spec``),
 # re-exported for the operator.
@@ -99,6 +100,17 @@ def expert_token_name(owner: str, uid: str) -> str:
 def checkpoint_secret_name(owner: str, uid: str, key: str, uri: str) -> str:
     """The Secret holding the URI of one fetched checkpoint (``key``: whose, router or expert)."""
     return f"{owner}-checkpoint-{digest(f'{uid}/{key}/{uri}')}"
+
+
+#: What the operator's own Secrets' names end with (the functions above): a spec never names one.
+_OPERATOR_SECRET = re.compile(
+    r"-(router-token|expert-token)-[0-9a-f]{8}$|-checkpoint-[0-9a-f]{16}$")
+
+
+def is_operator_secret(name: str) -> bool:
+    """Whether ``name`` is shaped as one of the operator's own Secrets (a token, a
+    checkpoint's URI) of some DDMDeployment: ``ddm.operator.policy`` lets no spec name one."""
+    return _OPERATOR_SECRET.search(name) is not None
 
 
 def digest(text: str) -> str:

@@ -152,7 +152,7 @@ class Reconciler:
             return None  # the garbage collector removes the children
         meta, previous = body["metadata"], body.get("status") or {}
         try:
-            spec = checked_spec(body.get("spec"), self._config)
+            spec = checked_spec(body.get("spec"), name, self._config)
         except SpecError as error:
             self._report(body, invalid_status(error, meta, previous=previous, now=now_rfc3339()))
             return Outcome(spec_error=error)

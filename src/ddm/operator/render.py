@@ -37,7 +37,7 @@ def render_objects(document: Any, config: OperatorConfig, *, namespace: str | No
     operator creates them; ``namespace``: where it would live (default: its own, else
     ``default``). ``SpecError`` when the operator would refuse it."""
     manifest = parse_manifest(document, allow_host_paths=True)  # the settings decide below
-    spec = checked_spec(document["spec"], config)
+    spec = checked_spec(document["spec"], manifest.name, config)
     owner = {"apiVersion": names.API_VERSION, "kind": names.KIND,
              "metadata": {"name": manifest.name, "uid": uid,
                           "namespace": namespace or manifest.namespace or DEFAULT_NAMESPACE}}

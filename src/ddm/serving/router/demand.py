@@ -131,7 +131,7 @@ class DemandMeter:
     def __init__(self, experts: Sequence[str], registry: CollectorRegistry,
                  window_s: float = DEMAND_WINDOW_S) -> None:
         self.window = DemandWindow(experts, window_s)
-        self._experts = tuple(experts)
+        self.experts = tuple(experts)
         self._rows = Counter(ROWS_METRIC, "Rows the routing strategy sent to "
                              "each expert, per velocity evaluation (before rerouting).",
                              ["expert"], registry=registry)
@@ -153,7 +153,7 @@ class DemandMeter:
 
     def routed(self, rows: np.ndarray, weight: np.ndarray) -> None:
         self.window.routed(time.monotonic(), rows, weight)
-        for name, count, mass in zip(self._experts, rows, weight):
+        for name, count, mass in zip(self.experts, rows, weight):
             if count:
                 self._rows.labels(name).inc(float(count))
                 self._weight.labels(name).inc(float(mass))

@@ -15,18 +15,21 @@ from ddm.sampling.routing import routes_by_label
 from ddm.serving.router.replicas import ExpertAbout, ExpertInfo, short_text
 
 #: The strategies the web page offers, those this DDM can serve (:func:`strategies`); any
-#: that ``parse_strategy`` accepts may be requested.
+#: that ``parse_strategy`` accepts may be requested, unless ``sampling.strategies`` lists
+#: them.
 SUGGESTED_STRATEGIES = ("oracle", "top1", "top2", "threshold:0.2", "ensemble")
 
 
 def strategies(config: RouterConfigFile) -> list[str]:
-    """:data:`SUGGESTED_STRATEGIES` this DDM can serve: ``oracle`` only where every label
+    """The strategies this DDM allows (``sampling.strategies``; none listed:
+    :data:`SUGGESTED_STRATEGIES`) that it can serve: ``oracle`` only where every label
     belongs to exactly one expert (a partition by label; in a k-means DDM every expert draws
     every label, so the label cannot pick one), the learned ones only with a router network."""
     by_label = (config.conditioning == LABELS
                 and routes_by_label([e.classes for e in config.experts], config.num_classes))
     learned = has_router_network(config)
-    return [s for s in SUGGESTED_STRATEGIES if (by_label if s == "oracle" else learned)]
+    return [s for s in config.sampling.strategies or SUGGESTED_STRATEGIES
+            if (by_label if s == "oracle" else learned)]
 
 
 def has_router_network(config: RouterConfigFile) -> bool:

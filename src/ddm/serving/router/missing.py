@@ -9,6 +9,14 @@ so while the call is pending (a replica killed mid-step); the loop then reroutes
 usable replica, then calls; a call that fails because the expert went missing meanwhile waits
 again within the same ``wait_s``. What the generation waited is kept in its :class:`Held` and
 the demand window (:mod:`ddm.serving.router.demand`) counts the waiting generations.
+
+Only a generation with the DDM's own strategy (``sampling.strategy``) may wake an expert: a
+client choosing another (``ensemble`` calls every expert at every step) is served by the
+experts that are up, whatever the policy. Its velocity calls to a missing expert are rerouted
+as with ``reroute``, a call that cannot be (no expert up serves the row's label, a delegated
+chunk) is a 503 naming the rule, and it leaves no demand on a missing expert, so neither the
+operator nor ``ddm up`` starts one for it (issue 35: one ``ensemble`` request per scale-down
+delay kept every expert up).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from ddm.deploy.router_config import MissingExpert
+from ddm.deploy.router_config import MissingExpert, canonical_strategy
 from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.pool import ExpertPool, ExpertUnavailable
 
@@ -39,15 +47,32 @@ class Held:
 class MissingExperts:
     """Applies the policy to calls to ``pool``'s experts; ``demand`` counts waits."""
 
-    def __init__(self, config: MissingExpert, pool: ExpertPool, demand: DemandMeter) -> None:
+    def __init__(self, config: MissingExpert, pool: ExpertPool, demand: DemandMeter,
+                 strategy: str) -> None:
         self.config = config
         self._pool = pool
         self.demand = demand
+        self._strategy = canonical_strategy(strategy)
+
+    def wakes(self, strategy: str) -> bool:
+        """Whether a generation with ``strategy`` may wake experts: the DDM's own only."""
+        return canonical_strategy(strategy) == self._strategy
+
+    def routed(self, rows: np.ndarray, weight: np.ndarray, wakes: bool) -> None:
+        """Count one step's rows ``(K,)`` and weight ``(K,)`` per expert as demand; a
+        generation that may not wake experts leaves none on a missing one."""
+        if not wakes:
+            up = np.array([self._pool.usable(name) for name in self.demand.experts])
+            rows, weight = np.where(up, rows, 0), np.where(up, weight, 0)
+        self.demand.routed(rows, weight)
 
     async def call(self, expert: str, send: Callable[[], Awaitable[np.ndarray]],
-                   fallback: bool, held: Held, rows: int) -> np.ndarray | None:
+                   fallback: bool, held: Held, rows: int, wakes: bool) -> np.ndarray | None:
         """``send()``'s answer, or None when the call (of ``rows`` rows) may be rerouted and
-        the expert is missing (policy ``reroute``)."""
+        the expert is missing (policy ``reroute``, or a generation that may not ``wakes``
+        experts)."""
+        if not wakes:
+            return await self._without_waking(expert, send, fallback)
         policy = self.config.policy
         if policy == "fail":
             return await send()
@@ -69,6 +94,18 @@ class MissingExperts:
                 deadline = deadline or time.monotonic() + self.config.wait_s
                 if time.monotonic() >= deadline:
                     raise
+
+    async def _without_waking(self, expert: str, send: Callable[[], Awaitable[np.ndarray]],
+                              fallback: bool) -> np.ndarray | None:
+        out = await self._unless_missing(expert, send) if fallback else (
+            await send() if self._pool.usable(expert) else None)
+        if out is None and not fallback:
+            raise ExpertUnavailable(
+                expert, f"it has no ready replica, and only the DDM's own strategy "
+                        f"({self._strategy}) starts one; the experts that are up cannot take "
+                        f"these rows", f"no ready replica; only strategy {self._strategy} "
+                                       f"starts one")
+        return out
 
     async def _unless_missing(self, expert: str,
                               send: Callable[[], Awaitable[np.ndarray]]) -> np.ndarray | None:

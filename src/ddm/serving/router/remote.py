@@ -148,10 +148,13 @@ class RemoteMixture:
 @dataclass(frozen=True)
 class Guard:
     """One generation under the router's ``missing_expert`` policy: ``held`` collects the
-    time it waited for missing experts; the policy's demand meter sees every step."""
+    time it waited for missing experts; the policy's demand meter sees every step; ``wakes``:
+    whether it may wake missing experts (its strategy is the DDM's own:
+    :meth:`MissingExperts.wakes`)."""
 
     missing: MissingExperts
     held: Held
+    wakes: bool
 
 
 def check_request(mixture: RemoteMixture, request: SamplingRequest) -> CheckedRequest:
@@ -180,7 +183,7 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
             if isinstance(item, (StepEvent, Decoded)):
                 answer = None
                 if guard is not None and isinstance(item, StepEvent):
-                    guard.missing.demand.routed(item.wanted_rows, item.wanted_weight)
+                    guard.missing.routed(item.wanted_rows, item.wanted_weight, guard.wakes)
                     guard.missing.demand.rerouted_steps.inc(int(item.rerouted.sum()))
                 yield item
             elif isinstance(item, Encode):
@@ -244,7 +247,8 @@ async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | I
     if guard is None:
         return await send()
     fallback = isinstance(call, Velocity) and call.fallback
-    out = await guard.missing.call(name, send, fallback, guard.held, call.x.shape[0])
+    out = await guard.missing.call(name, send, fallback, guard.held, call.x.shape[0],
+                                   guard.wakes)
     return Missing(call.expert) if out is None else out
 
 

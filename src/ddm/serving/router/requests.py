@@ -29,7 +29,7 @@ from ddm.conditioning import TEXT
 from ddm.deploy.limits import (MAX_CLASS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
                                MAX_STATE_MAGNITUDE, ROUTER_MIN_BODY_BYTES, SOLVERS,
                                STRATEGY_PATTERN)
-from ddm.deploy.router_config import RouterConfigFile, RouterLimits
+from ddm.deploy.router_config import RouterConfigFile, RouterLimits, strategy_allowed
 from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.serving.router.info import has_router_network
@@ -201,7 +201,9 @@ def request_models(config: RouterConfigFile
             Field(parse_strategy(defaults.strategy),
                   json_schema_extra={"pattern": pattern, "default": defaults.strategy},
                   description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or ensemble; "
-                              "only oracle without a router network"))
+                              "only oracle without a router network"
+                              + (f"; on this DDM only {', '.join(defaults.strategies)}"
+                                 if defaults.strategies else "")))
         solver: Literal[SOLVERS] = defaults.solver  # type: ignore[assignment]
         delegate_steps: Integer = Field(0, ge=0, le=limits.max_steps,
                                         description="steps per integrate request to an expert "
@@ -232,6 +234,9 @@ def request_models(config: RouterConfigFile
             if not re.fullmatch(pattern, value):
                 raise ValueError(f"strategy {value} needs the router network, and this router "
                                  "has none; use the oracle strategy")
+            if not strategy_allowed(value, defaults.strategies):
+                raise ValueError(f"strategy {value} is not allowed on this DDM; use "
+                                 f"{', '.join(defaults.strategies)}")
             return parse_strategy(value)
 
     def in_classes(labels: list[int]) -> list[int]:

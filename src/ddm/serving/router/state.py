@@ -48,6 +48,7 @@ from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
 from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme, source_for
+from ddm.sampling.routing import Strategy
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
@@ -127,7 +128,8 @@ class RouterState:
                                            PoolMetrics(self.registry))
         self.names = tuple(e.name for e in config.experts)
         self.demand = DemandMeter(self.names, self.registry)
-        self.missing = MissingExperts(config.missing_expert, self.pool, self.demand)
+        self.missing = MissingExperts(config.missing_expert, self.pool, self.demand,
+                                      config.sampling.strategy)
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None
@@ -299,9 +301,10 @@ class RouterState:
         return tuple(ExpertProblem(name, "sent the router a report it refuses", detail)
                      for name in self.names if (detail := self.pool.invalid_report(name)))
 
-    def guard(self) -> Guard:
-        """A new generation's guard: the missing-expert policy, its own waiting time."""
-        return Guard(self.missing, Held())
+    def guard(self, strategy: Strategy) -> Guard:
+        """A new generation's guard: the missing-expert policy, its own waiting time, and
+        whether its ``strategy`` may wake missing experts."""
+        return Guard(self.missing, Held(), self.missing.wakes(strategy.name))
 
     def client(self, peer: str | None, forwarded_for: Iterable[bytes]) -> str:
         """Who a request from ``peer`` counts against (:func:`clients.client_key`)."""
