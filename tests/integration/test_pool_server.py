@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
-import json
 import os
 import re
 import subprocess

@@ -1,5 +1,5 @@
-"""``ddm serve expert``, ``ddm serve stage``, ``ddm serve pool`` and ``ddm serve router``: their arguments, next to
-the servers they set.
+"""``ddm serve expert``, ``ddm serve stage``, ``ddm serve pool`` and ``ddm serve router``: their
+arguments, next to the servers they set.
 
 ``ddm.cli`` adds these with :func:`add_serve_commands`. Importing this module is cheap (no
 web framework, no NumPy): the servers are imported only when a command runs. Limits left out
@@ -16,8 +16,8 @@ from ddm.deploy.limits import EXPERT_BACKENDS, EXPERT_PORT, PRECISIONS, ROUTER_P
 
 
 def add_serve_commands(commands: argparse._SubParsersAction) -> None:
-    """Add ``serve expert``, ``serve stage``, ``serve pool`` and ``serve router`` to the ``ddm`` command's
-    subcommands."""
+    """Add ``serve expert``, ``serve stage``, ``serve pool`` and ``serve router`` to the
+    ``ddm`` command's subcommands."""
     serve = commands.add_parser("serve", help="run an expert or router server")
     roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
     p = roles.add_parser("expert", help="serve one expert's velocity over the binary protocol")
