@@ -25,12 +25,16 @@ import numpy as np
 import pytest
 
 from ddm.checkpoints.declared import EXPERT, PLAN_NAMES
-from ddm.deploy.router_config import RouterConfigFile
+from ddm.conditioning import Conditioning
+from ddm.deploy.router_config import RouterConfigFile, StaticDiscovery
+from ddm.serving.auth import TokenFile
 from ddm.serving.expert.pool_server import create_pool_app
 from ddm.serving.expert.stage_server import create_stage_app
 from ddm.serving.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
                                   RouteRequest, TextVelocityRequest, context_id,
                                   decode_response, encode_text_request)
+from ddm.serving.router.pool import ExpertPool, PoolSettings
+from ddm.serving.router.replicas import ExpertInfo
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.text_router import EXPERTS, STAGES, paris_stages, text_config
@@ -189,6 +193,36 @@ def test_rows_batch_per_member_and_never_across_members(stages):
             own = post(alone, f"/v1/members/{name}/velocity", body).content
             np.testing.assert_allclose(decode_response(reply.content, 10 + i, (1, *latent)),
                                        decode_response(own, 10 + i, (1, *latent)), atol=1e-5)
+
+
+def test_the_router_reaches_a_member_behind_the_pool_s_token(stages, tmp_path):
+    # A member's readyz is under /v1, which the token guards: the router probes it with its
+    # token, then calls the member's velocity.
+    (tmp_path / "token").write_text("pool-token-0123456789abcdef\n")
+    token = TokenFile(tmp_path / "token")
+    app = create_pool_app({"expert-1": stages / MEMBERS["expert-1"]}, max_batch=8,
+                          auth_token_file=tmp_path / "token")
+    with running(app) as base:
+        wait_ready(base)
+        assert httpx.get(f"{base}/v1/members/expert-1/readyz").status_code == 401
+        settings = PoolSettings(connect_s=2.0, attempt_s=30.0, deadline_s=READY_S,
+                                health_interval_s=0.2)
+        discovery = StaticDiscovery((base.removeprefix("http://"),), "expert-1")
+
+        async def scenario() -> tuple[ExpertInfo, np.ndarray]:
+            async with ExpertPool.discovered({"e": discovery}, settings, token=token) as pool:
+                deadline = time.monotonic() + READY_S
+                while pool.info("e") is None:
+                    assert time.monotonic() < deadline, "the member was never probed ready"
+                    await asyncio.sleep(0.02)
+                info = pool.info("e")
+                width, latent = info.text_width, info.image_shape
+                cond = Conditioning(embeddings=np.ones((2, 5, width), np.float32))
+                x = RNG.standard_normal((2, *latent)).astype(np.float32)
+                return info, await pool.velocity("e", x, np.full(2, 0.5, np.float32), cond)
+
+        info, velocity = asyncio.run(scenario())
+    assert info.cluster == 1 and velocity.shape == (2, *info.image_shape)
 
 
 def pooled_config(stages: Path, endpoint: str) -> RouterConfigFile:
