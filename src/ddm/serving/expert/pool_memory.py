@@ -9,13 +9,15 @@ Each member costs its weights plus the activations of ``max_batch`` forward rows
   warm-up at ``max_batch`` would need the weights). Inference keeps no autograd graph, so a
   network's live activations at any moment are a few tensors of the row's positions by the
   layer's width: :data:`LIVE_TENSORS` x positions x widest x the activations' bytes per value,
-  per forward row. ``widest`` is the largest input width of any weight in the header (a
-  linear layer's ``in`` features, a convolution's input channels: an MLP's hidden width
-  counts, an embedding table's vocabulary does not); positions are the latent's H x W for
-  an expert or router network, the image's for a decoder (the latent's sides times
-  ``2 ** (len(block_out_channels) - 1)``, the diffusers VAE's upsamplings), and
-  ``max_position_embeddings`` tokens for a text encoder. Attention scores are left out:
-  PyTorch's fused attention on CUDA does not hold them.
+  per forward row (checked once against measured figures: docs/stages.md). ``widest`` is the
+  largest input width of any weight in the header (a linear layer's ``in`` features, a
+  convolution's input channels: an MLP's hidden width counts, an embedding table's
+  vocabulary does not). Positions: a router network's latent tokens (H x W over
+  ``patch_size`` squared where its config patches the latent); an expert's the same plus
+  the :data:`MAX_TEXT_TOKENS` a context may hold (its cross-attention's keys); a decoder's
+  image pixels (the latent's sides times ``2 ** (len(block_out_channels) - 1)``, the
+  diffusers VAE's upsamplings); a text encoder's ``max_position_embeddings`` tokens.
+  Attention scores are left out: PyTorch's fused attention on CUDA does not hold them.
 
 The limit: ``--memory-limit-bytes`` if given, else CUDA's free memory on a CUDA device, else
 the container's memory limit (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), else
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddm.checkpoints.declared import DECODER, TEXT_ENCODER
+from ddm.checkpoints.declared import DECODER, EXPERT, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
 from ddm.deploy.limits import MAX_TEXT_TOKENS
 from ddm.models.paris_loading import read_component_config
@@ -41,8 +43,11 @@ __all__ = ["LIVE_TENSORS", "MemberBytes", "MemoryLimit", "PoolMemory", "containe
            "member_bytes", "memory_limit"]
 
 #: Activation tensors of one row's width alive at once in a forward without autograd: a
-#: block's input, its output, the residual stream and one intermediate.
-LIVE_TENSORS = 4
+#: block's input, its output, the residual stream and an intermediate, and the copies the
+#: stage makes of its input and output (float32 NumPy in and out). Checked once against the
+#: RSS growth of a batch of 32 rows (docs/stages.md): a CLIP text encoder at 77 x 768 grew
+#: 65.6 MiB, 1.1x the bound at 4 (57.8 MiB); at 6 none of the measured members exceeds it.
+LIVE_TENSORS = 6
 #: Bytes per value of each safetensors dtype (its header's names).
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
                 "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1,
@@ -178,7 +183,10 @@ def _positions(declared: StageDeclaration, config: Mapping[str, Any]) -> int:
         blocks = config.get("block_out_channels")
         scale = 2 ** (len(blocks) - 1) if isinstance(blocks, list) and blocks else 1
         return height * width * scale * scale
-    return height * width
+    patch = config.get("patch_size")
+    patch = patch if isinstance(patch, int) and patch > 0 else 1
+    tokens = max(1, (height // patch) * (width // patch))
+    return tokens + MAX_TEXT_TOKENS if declared.role == EXPERT else tokens
 
 
 def _header(path: Path) -> list[tuple[str, str, tuple[int, ...]]]:
