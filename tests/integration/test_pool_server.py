@@ -101,7 +101,12 @@ def requests_for(name: str, info: dict) -> list[bytes]:
 def test_each_member_answers_the_bytes_of_its_own_stage_server(stages, pool):
     info = httpx.get(f"{pool}/v1/info").json()
     assert list(info["members"]) == list(MEMBERS)
-    assert set(info["pool"]["members"]) == set(MEMBERS) and info["pool"]["ready"]
+    figures = info["pool"]
+    assert set(figures["members"]) == set(MEMBERS) and figures["ready"]
+    assert figures["device"] == "cpu"
+    # No flag: the limit is this machine's cgroup's, where it sets one.
+    assert (figures["limit_bytes"] is None) == (figures["limit_source"] is None)
+    assert figures["total_bytes"] == sum(m["bytes"] for m in figures["members"].values())
     for name, directory in members_of(stages).items():
         member = httpx.get(f"{pool}/v1/members/{name}/info").json()
         assert info["members"][name] == member

@@ -58,9 +58,11 @@ _ROLES = (EXPERT, *STAGE_ROLES)
 class _Pool:
     """What the pool's own routes read: its members (name -> stage) and their memory."""
 
-    def __init__(self, members: Mapping[str, StageServer], memory: PoolMemory) -> None:
+    def __init__(self, members: Mapping[str, StageServer], memory: PoolMemory,
+                 device: str | None) -> None:
         self.members = dict(members)
         self.memory = memory
+        self.device = device or "cpu"
         self.metrics = MemberMetrics({name: m.metrics for name, m in self.members.items()})
 
     @property
@@ -73,7 +75,7 @@ class _Pool:
                      if member.failure is not None), None)
 
     def describe(self) -> dict[str, Any]:
-        return {"pool": {**self.memory.describe(), "ready": self.ready},
+        return {"pool": {**self.memory.describe(), "device": self.device, "ready": self.ready},
                 "members": {name: member.describe() for name, member in self.members.items()}}
 
     async def close(self) -> None:
@@ -141,7 +143,7 @@ def create_pool_app(members: Mapping[str, str | os.PathLike[str]], backend: str 
                         memory_limit(memory_limit_bytes, device, cgroup_root))
     if not memory.fits:
         raise ValueError(memory.refusal())
-    pool = _Pool(stages, memory)
+    pool = _Pool(stages, memory, device)
 
     async def load() -> None:
         for stage in pool.members.values():
