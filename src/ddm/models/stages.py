@@ -321,10 +321,13 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str = "c
         raise CheckpointError(f"{path}: the jax backend serves pixart experts only, not "
                               f"{declared.family}")
     if declared.weights_sha256 is not None:
-        weights = (weight_file(path) if declared.family.startswith("paris-")
-                   else one_safetensors(path))
-        check_sha256(path, weights.name, declared.weights_sha256)
+        check_sha256(path, stage_weights(path, declared).name, declared.weights_sha256)
     return load_declared(path, declared, dtype, device, backend)
+
+
+def stage_weights(path: Path, declared: StageDeclaration) -> Path:
+    """The one safetensors file of the stage checkpoint at ``path``."""
+    return weight_file(path) if declared.family.startswith("paris-") else one_safetensors(path)
 
 
 def load_declared(path: Path, declared: StageDeclaration, dtype: str | None = None,

@@ -1,5 +1,5 @@
-"""``ddm serve expert``, ``ddm serve stage`` and ``ddm serve router``: their arguments, next to
-the servers they set.
+"""``ddm serve expert``, ``ddm serve stage``, ``ddm serve pool`` and ``ddm serve router``: their
+arguments, next to the servers they set.
 
 ``ddm.cli`` adds these with :func:`add_serve_commands`. Importing this module is cheap (no
 web framework, no NumPy): the servers are imported only when a command runs. Limits left out
@@ -16,8 +16,8 @@ from ddm.deploy.limits import EXPERT_BACKENDS, EXPERT_PORT, PRECISIONS, ROUTER_P
 
 
 def add_serve_commands(commands: argparse._SubParsersAction) -> None:
-    """Add ``serve expert``, ``serve stage`` and ``serve router`` to the ``ddm`` command's
-    subcommands."""
+    """Add ``serve expert``, ``serve stage``, ``serve pool`` and ``serve router`` to the
+    ``ddm`` command's subcommands."""
     serve = commands.add_parser("serve", help="run an expert or router server")
     roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
     p = roles.add_parser("expert", help="serve one expert's velocity over the binary protocol")
@@ -41,6 +41,19 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     _add_model_flags(p)
     _add_common(p)
     p.set_defaults(handler=_serve_stage)
+
+    p = roles.add_parser("pool", help="serve several stage checkpoints of a text DDM on one "
+                                      "device, each under /v1/members/NAME")
+    p.add_argument("--member", action="append", required=True, metavar="NAME=DIR",
+                   help="a member: its name in the plan (an expert's, text-encoder, decoder, "
+                        "router-network) and its stage checkpoint directory (repeatable)")
+    _add_model_flags(p)
+    p.add_argument("--memory-limit-bytes", type=int, default=None,
+                   help="refuse to start unless the members' weights and the activations of "
+                        "--max-batch rows each fit in this many bytes (default: the CUDA "
+                        "device's free memory, else the container's memory limit)")
+    _add_common(p)
+    p.set_defaults(handler=_serve_pool)
 
     p = roles.add_parser("router", help="serve /v1/generate: the step loop over remote experts")
     p.add_argument("--config", required=True, type=Path, help="router.yaml")
@@ -151,6 +164,22 @@ def _serve_stage(args: argparse.Namespace) -> int:
                 drain_s=args.drain_s, metrics_port=args.metrics_port, api_docs=args.api_docs,
                 auth_token_file=args.auth_token_file, precision=args.precision,
                 **_given(args, "max_batch", "max_delay_ms", "max_pending"))
+    return 0
+
+
+def _serve_pool(args: argparse.Namespace) -> int:
+    from ddm.serving.expert.pool_server import parse_members, serve_pool
+    from ddm.termination import fail_start
+
+    try:
+        members = parse_members(args.member)
+    except ValueError as error:
+        raise fail_start(f"ddm serve pool: {error}") from None
+    serve_pool(members, host=args.host, port=args.port, backend=args.backend,
+               device=args.device, log_level=args.log_level, drain_s=args.drain_s,
+               metrics_port=args.metrics_port, api_docs=args.api_docs,
+               auth_token_file=args.auth_token_file, precision=args.precision,
+               **_given(args, "max_batch", "max_delay_ms", "max_pending", "memory_limit_bytes"))
     return 0
 
 

@@ -9,14 +9,16 @@ and turned into metric families when ``/metrics`` is scraped (:class:`_Collector
 exposition is prometheus_client's.
 
 A registry per app (not the process-global one) lets tests and ``ddm up`` run several experts
-in one process without their series colliding.
+in one process without their series colliding. A pool server keeps one :class:`ExpertMetrics`
+per member and exposes them together (:class:`MemberMetrics`), each series labelled
+``member="NAME"``.
 """
 
 from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from typing import Iterator
+from typing import Iterator, Mapping, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -47,13 +49,12 @@ class _Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def family(self) -> HistogramMetricFamily:
+    def add_to(self, family: HistogramMetricFamily, labels: Sequence[str]) -> None:
         cumulative, buckets = 0, []
         for bound, count in zip((*map(float, self.bounds), float("inf")), self.counts):
             cumulative += count
             buckets.append((_bound_label(bound), cumulative))
-        return HistogramMetricFamily(self.name, self.documentation, buckets=buckets,
-                                     sum_value=self.sum)
+        family.add_metric(list(labels), buckets, self.sum)
 
 
 class ExpertMetrics:
@@ -73,7 +74,7 @@ class ExpertMetrics:
             "ddm_expert_model_seconds", "Time of one batch in the model (a whole integration "
             "for integrate requests).", _SECONDS_BUCKETS)
         self.registry = CollectorRegistry()
-        self.registry.register(_Collector(self))
+        self.registry.register(_Collector({(): self}, ()))
 
     def observe_batch(self, report: BatchReport) -> None:
         with self.lock:
@@ -94,32 +95,50 @@ class ExpertMetrics:
         return generate_latest(self.registry)
 
 
-class _Collector(Collector):
-    """The counts of one :class:`ExpertMetrics` as metric families, made at each scrape."""
+class MemberMetrics:
+    """A pool's members' metrics on one exposition: each series labelled ``member``."""
 
-    def __init__(self, metrics: ExpertMetrics) -> None:
-        self.metrics = metrics
+    def __init__(self, members: Mapping[str, ExpertMetrics]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector({(name,): m for name, m in members.items()},
+                                          ("member",)))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every member's series."""
+        return generate_latest(self.registry)
+
+
+class _Collector(Collector):
+    """The counts of :class:`ExpertMetrics` as metric families, made at each scrape: one
+    family per metric, a series per (``labels`` values, the metric's own labels)."""
+
+    def __init__(self, sources: Mapping[tuple[str, ...], ExpertMetrics],
+                 labels: tuple[str, ...]) -> None:
+        self.sources = sources
+        self.labels = labels
 
     def collect(self) -> Iterator[Metric]:
-        with self.metrics.lock:
-            families = self._families()
-        yield from families
-
-    def _families(self) -> list[Metric]:
-        metrics = self.metrics
+        labels = list(self.labels)
         requests = CounterMetricFamily(
             "ddm_expert_requests", "Requests answered, by message kind and HTTP status.",
-            labels=["kind", "status"])
-        for (kind, status), count in sorted(metrics.requests.items()):
-            requests.add_metric([kind, status], count)
+            labels=[*labels, "kind", "status"])
         images = CounterMetricFamily(
             "ddm_expert_images", "Images answered successfully, by message kind.",
-            labels=["kind"])
-        for kind, count in sorted(metrics.images.items()):
-            images.add_metric([kind], count)
-        return [requests, images, *(histogram.family() for histogram in
-                                    (metrics.batch_images, metrics.queue_delay,
-                                     metrics.model_seconds))]
+            labels=[*labels, "kind"])
+        first = next(iter(self.sources.values()))
+        histograms = [HistogramMetricFamily(h.name, h.documentation, labels=labels)
+                      for h in (first.batch_images, first.queue_delay, first.model_seconds)]
+        for values, metrics in self.sources.items():
+            with metrics.lock:
+                for (kind, status), count in sorted(metrics.requests.items()):
+                    requests.add_metric([*values, kind, status], count)
+                for kind, count in sorted(metrics.images.items()):
+                    images.add_metric([*values, kind], count)
+                for family, histogram in zip(histograms, (metrics.batch_images,
+                                                          metrics.queue_delay,
+                                                          metrics.model_seconds)):
+                    histogram.add_to(family, values)
+        yield from (requests, images, *histograms)
 
 
 def _bound_label(bound: float) -> str:

@@ -3,8 +3,10 @@ checkpoint of any role): ``POST /v1/velocity`` (the binary protocol of ``docs/pr
 every message kind on one route), ``GET /v1/info``, ``/healthz``, ``/readyz`` and ``/metrics``,
 and the OpenAPI document that lists the binary route beside the JSON ones.
 
-A server supplies a :class:`ModelState` (what it reports, whether it is ready, its limits and
-metrics) and an ``answer(body) -> (status, reply)`` coroutine; :func:`model_routes` wraps its
+A server supplies a :class:`ModelState` (what it reports, whether it is ready, its metrics)
+and, for each binary route, a :class:`Binary` (the model's limits and admission count, and an
+``answer(body) -> (status, reply)`` coroutine): one at ``/v1/velocity`` for a server of one
+model, one per member for a pool (:mod:`ddm.serving.paths`). :func:`model_routes` wraps its
 FastAPI app in the bare ASGI route, so that the hot path skips FastAPI's routing.
 """
 
@@ -16,7 +18,7 @@ import os
 import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Protocol
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -27,7 +29,8 @@ from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected,
                               add_api_docs, probe_responses, read_body, retry_after, send_bytes,
                               send_json)
-from ddm.serving.batching import Batcher, BatcherClosed
+from ddm.serving.batching import BatcherClosed
+from ddm.serving.paths import model_paths
 from ddm.serving.protocol import CONTENT_TYPE, Limits, ProtocolError, encode_error
 
 logger = logging.getLogger(__name__)
@@ -35,7 +38,7 @@ logger = logging.getLogger(__name__)
 #: ``body -> (HTTP status, reply body)``: every failure is an error reply, never an exception.
 Answer = Callable[[bytes], Awaitable[tuple[int, bytes]]]
 
-VELOCITY_PATH = "/v1/velocity"
+VELOCITY_PATH = model_paths().velocity
 
 #: Event loops a model server (an expert's or a stage's) serves on (:mod:`ddm.serving.http`):
 #: with a second one answering probes and other clients, a lone request's batch runs on the
@@ -46,20 +49,40 @@ SERVING_LOOPS = 2
 _CONTENT_TYPE = CONTENT_TYPE.encode()
 
 
-class ModelState(Protocol):
-    """What the shared routes read of a model server."""
+class Rendered(Protocol):
+    def render(self) -> bytes: ...
 
-    limits: Limits
-    pending: int
-    max_pending: int
-    failure: str | None
-    metrics: expert_metrics.ExpertMetrics
-    batcher: Batcher
+
+class ModelState(Protocol):
+    """What the shared JSON routes read of a model server (of one model, or of a pool)."""
+
+    metrics: Rendered
+
+    @property
+    def failure(self) -> str | None: ...
 
     @property
     def ready(self) -> bool: ...
 
     def describe(self) -> dict[str, Any]: ...
+
+
+class Admitted(Protocol):
+    """What a binary route reads of the one model it serves: its body cap, its admission
+    count and limit, and the metrics that count what it refuses."""
+
+    limits: Limits
+    pending: int
+    max_pending: int
+    metrics: expert_metrics.ExpertMetrics
+
+
+@dataclass(frozen=True)
+class Binary:
+    """One binary route's model and how it answers a body."""
+
+    model: Admitted
+    answer: Answer
 
 
 @dataclass
@@ -72,7 +95,7 @@ class Handling:
     rows: int = 0
 
 
-async def answer_or_error(state: ModelState,
+async def answer_or_error(state: Admitted,
                           handle: Callable[[Handling], Awaitable[bytes]]) -> tuple[int, bytes]:
     """``handle``'s reply (200), or the error reply every failure becomes: a
     ``ProtocolError``'s status, 503 once the batcher closed, 500 for the model's own failure
@@ -93,12 +116,15 @@ async def answer_or_error(state: ModelState,
     return status, reply
 
 
-def model_app(state: ModelState, answer: Answer, load: Callable[[], Awaitable[None]], *,
+def model_app(state: ModelState, binary: Mapping[str, Binary],
+              load: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]], *,
               title: str, description: str, api_docs: bool,
               draining: Callable[[], bool] | None,
-              auth_token_file: str | os.PathLike[str] | None) -> ASGIApp:
+              auth_token_file: str | os.PathLike[str] | None,
+              routes: Callable[[FastAPI], None] | None = None) -> ASGIApp:
     """A model server's app: ``load()`` starts in its lifespan (the probes answer meanwhile)
-    and the batcher closes at its end; the routes of :func:`model_routes`."""
+    and ``close()`` (the batchers') runs at its end; the routes of :func:`model_routes`, and
+    those ``routes(app)`` adds (a pool's members')."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -107,22 +133,36 @@ def model_app(state: ModelState, answer: Answer, load: Callable[[], Awaitable[No
             yield
         finally:
             loading.cancel()
-            await state.batcher.close()
+            await close()
 
     app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description=description)
-    return model_routes(app, state, answer, api_docs=api_docs, draining=draining,
+    if routes is not None:
+        routes(app)
+    return model_routes(app, state, binary, api_docs=api_docs, draining=draining,
                         auth_token_file=auth_token_file)
 
 
-def model_routes(app: FastAPI, state: ModelState, answer: Answer, *, api_docs: bool,
-                 draining: Callable[[], bool] | None,
+def readiness(ready: bool, failure: str | None,
+              draining: Callable[[], bool] | None) -> JSONResponse:
+    """A ``/readyz`` answer: 200 once loaded; 503 while draining, loading or failed."""
+    if draining is not None and draining():
+        return JSONResponse({"status": "draining"}, 503)
+    if ready:
+        return JSONResponse({"status": "ready"})
+    if failure is not None:
+        return JSONResponse({"status": "failed", "error": failure}, 503)
+    return JSONResponse({"status": "loading"}, 503)
+
+
+def model_routes(app: FastAPI, state: ModelState, binary: Mapping[str, Binary], *,
+                 api_docs: bool, draining: Callable[[], bool] | None,
                  auth_token_file: str | os.PathLike[str] | None) -> ASGIApp:
-    """Add the JSON routes to ``app`` and put the binary route in front of it (behind bearer
-    auth on ``/v1/*`` with ``auth_token_file``)."""
+    """Add the JSON routes to ``app`` and put the binary routes (path -> :class:`Binary`) in
+    front of it (behind bearer auth on ``/v1/*`` with ``auth_token_file``)."""
     if api_docs:
         add_api_docs(app)
-    _document(app)
+    _document(app, tuple(binary))
 
     @app.get("/v1/info")
     async def info() -> dict[str, Any]:
@@ -137,20 +177,14 @@ def model_routes(app: FastAPI, state: ModelState, answer: Answer, *, api_docs: b
     @app.get("/readyz", responses=probe_responses(
         503, "the model is loading or failed to load, or the server is draining"))
     async def readyz() -> JSONResponse:
-        if draining is not None and draining():
-            return JSONResponse({"status": "draining"}, 503)
-        if state.ready:
-            return JSONResponse({"status": "ready"})
-        if state.failure is not None:
-            return JSONResponse({"status": "failed", "error": state.failure}, 503)
-        return JSONResponse({"status": "loading"}, 503)
+        return readiness(state.ready, state.failure, draining)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"description": "Prometheus text exposition format"}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=expert_metrics.CONTENT_TYPE)
 
-    route = _BinaryRoute(app, state, answer)
+    route = _BinaryRoute(app, binary)
     if auth_token_file is None:
         return route
     return BearerAuth(route, TokenFile(auth_token_file))
@@ -188,38 +222,45 @@ _VELOCITY_OPERATION = {
 _VELOCITY_OPERATION["responses"]["429"]["headers"] = RETRY_AFTER_HEADER
 
 
-def _document(app: FastAPI) -> None:
-    """Merge ``POST /v1/velocity``, served by :class:`_BinaryRoute` outside FastAPI's
-    routes, into the OpenAPI document FastAPI generates for the others."""
+def _document(app: FastAPI, paths: tuple[str, ...]) -> None:
+    """Merge the binary routes (``POST /v1/velocity``, or each member's), served by
+    :class:`_BinaryRoute` outside FastAPI's routes, into the OpenAPI document FastAPI
+    generates for the others."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
         document = generate()  # cached by FastAPI: this runs once on the same dict
-        document["paths"][VELOCITY_PATH] = {"post": _VELOCITY_OPERATION}
+        for path in paths:
+            operation = {**_VELOCITY_OPERATION,
+                         "operationId": "velocity" + path.replace("/", "_").replace("-", "_")
+                         + "_post"}
+            document["paths"][path] = {"post": operation}
         return document
 
     app.openapi = openapi  # type: ignore[method-assign]
 
 
 class _BinaryRoute:
-    """``POST /v1/velocity`` as bare ASGI in front of ``app``, which serves everything else:
-    the hot path skips FastAPI's routing, dependency resolution and response classes."""
+    """The binary routes (``POST /v1/velocity``, or each pool member's) as bare ASGI in front
+    of ``app``, which serves everything else: the hot path skips FastAPI's routing,
+    dependency resolution and response classes. Each route admits and caps bodies by its own
+    model's limits."""
 
-    def __init__(self, app: ASGIApp, state: ModelState, answer: Answer) -> None:
+    def __init__(self, app: ASGIApp, binary: Mapping[str, Binary]) -> None:
         self.app = app
-        self.expert = state
-        self.answer = answer
-        #: Guards ``state.pending``: the server's event loops count on it alike.
+        self.binary = dict(binary)
+        #: Guards each model's ``pending``: the server's event loops count on it alike.
         self._admission = threading.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != VELOCITY_PATH:
+        target = self.binary.get(scope["path"]) if scope["type"] == "http" else None
+        if target is None:
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":
             await send_json(send, 405, {"detail": "use POST"}, [(b"allow", b"POST")])
             return
-        expert = self.expert
+        expert = target.model
         try:
             body = await read_body(scope, receive, expert.limits.max_body_bytes)
         except ClientDisconnected:
@@ -242,7 +283,7 @@ class _BinaryRoute:
                              [retry_after()])
             return
         try:
-            status, reply = await self.answer(body)
+            status, reply = await target.answer(body)
         finally:
             with self._admission:
                 expert.pending -= 1

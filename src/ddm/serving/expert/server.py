@@ -60,7 +60,8 @@ from ddm.serving.auth import TokenFile
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import Backend, check_backend, load_backend
 from ddm.serving.batching import Batcher, grid_slices
-from ddm.serving.expert.routes import SERVING_LOOPS, Handling, answer_or_error, model_app
+from ddm.serving.expert.routes import (SERVING_LOOPS, VELOCITY_PATH, Binary, Handling,
+                                      answer_or_error, model_app)
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
                                   decode_request, encode_response)
@@ -185,8 +186,8 @@ def create_expert_app(checkpoint_dir: str | os.PathLike, backend: str = "torch",
     expert = _Expert(meta, limits, backend, device, max_delay_ms, max_pending, serving_loops)
     load = functools.partial(_load, expert, Path(checkpoint_dir), loader, compile_cache,
                              on_failure, start_up)
-    return model_app(expert, functools.partial(_answer, expert), load,
-                     title=f"ddm expert {meta.name}",
+    return model_app(expert, {VELOCITY_PATH: Binary(expert, functools.partial(_answer, expert))},
+                     load, expert.batcher.close, title=f"ddm expert {meta.name}",
                      description="One diffusion expert behind the binary protocol of "
                                  "docs/protocol.md.",
                      api_docs=api_docs, draining=draining, auth_token_file=auth_token_file)

@@ -53,7 +53,8 @@ from ddm.serving.batching import Batcher, grid_slices
 from ddm.serving.expert import metrics as expert_metrics
 from ddm.serving.expert.backends import cpu_model
 from ddm.serving.expert.contexts import ContextCache
-from ddm.serving.expert.routes import SERVING_LOOPS, Handling, answer_or_error, model_app
+from ddm.serving.expert.routes import (SERVING_LOOPS, VELOCITY_PATH, Binary, Handling,
+                                      answer_or_error, model_app)
 from ddm.serving.http import ServerControl, run_server
 from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Limits,
                                   ProtocolError, Request, RouteRequest, TextIntegrateRequest,
@@ -61,8 +62,8 @@ from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeReq
                                   encode_encoded, encode_probabilities, encode_response)
 from ddm.termination import fail_start
 
-__all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "create_stage_app",
-           "serve_stage"]
+__all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "StageServer", "answer_stage", "create_stage_app",
+           "load_member", "serve_stage", "stage_member"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,10 @@ class _Integrate:
     tokens: int
 
 
-class _StageServer:
-    """What the routes share: the declaration, limits, the context cache, the loaded stage."""
+class StageServer:
+    """One stage checkpoint as a server holds it: the declaration, limits, its batcher and
+    metrics, the context cache, the loaded stage. ``ddm serve stage`` serves one; a pool
+    server (:mod:`ddm.serving.expert.pool_server`) one per member."""
 
     def __init__(self, directory: Path, declared: StageDeclaration, limits: Limits,
                  backend: str, device: str | None, precision: str | None, max_delay_ms: float,
@@ -155,23 +158,16 @@ class _StageServer:
                 "ready": self.ready}
 
 
-def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
-                     backend: str = "torch", device: str | None = None,
-                     max_batch: int = SERVER_MAX_BATCH,
-                     max_delay_ms: float = SERVER_MAX_DELAY_MS, *, max_steps: int = MAX_STEPS,
-                     max_pending: int = SERVER_MAX_PENDING,
-                     on_failure: Callable[[str], None] | None = None,
-                     draining: Callable[[], bool] | None = None,
-                     start_up: StartUp = asyncio.to_thread, api_docs: bool = False,
-                     auth_token_file: str | os.PathLike[str] | None = None,
-                     precision: str | None = None,
-                     context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
-                     serving_loops: int = 1) -> ASGIApp:
-    """An ASGI app serving the stage checkpoint in ``directory``, whose declared role must be
-    ``role`` (or one of them), on ``serving_loops`` event loops (the batcher's rule:
-    :class:`~ddm.serving.batching.Batcher`). The declaration, precision and limits are checked
-    here, so that a wrong flag fails before the server starts; the weights load in the
-    lifespan."""
+def stage_member(directory: str | os.PathLike, role: str | tuple[str, ...],
+                 backend: str = "torch", device: str | None = None,
+                 max_batch: int = SERVER_MAX_BATCH,
+                 max_delay_ms: float = SERVER_MAX_DELAY_MS, *, max_steps: int = MAX_STEPS,
+                 max_pending: int = SERVER_MAX_PENDING, precision: str | None = None,
+                 context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
+                 serving_loops: int = 1) -> StageServer:
+    """The stage checkpoint in ``directory``, whose declared role must be ``role`` (or one of
+    them), not loaded yet. The declaration, precision and limits are checked here, so that a
+    wrong flag fails before the server starts."""
     path = Path(directory)
     declared = StageDeclaration.from_config(path, read_component_config(path))
     roles = (role,) if isinstance(role, str) else role
@@ -184,17 +180,38 @@ def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
     if not 1 <= context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES:
         raise ValueError(f"the context cache takes 1..{MAX_CONTEXT_CACHE_BYTES} bytes, got "
                          f"{context_cache_bytes}")
-    if auth_token_file is not None:
-        TokenFile(auth_token_file)
     limits = Limits(max_batch=max_batch, max_steps=max_steps,
                     image_shape=declared.latent_shape, text_width=declared.text_width)
     limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(declared.role, limits))
-    server = _StageServer(path, declared, limits, backend, device, precision, max_delay_ms,
-                          max_pending, context_cache_bytes, serving_loops)
+    return StageServer(path, declared, limits, backend, device, precision, max_delay_ms,
+                       max_pending, context_cache_bytes, serving_loops)
 
-    return model_app(server, functools.partial(_answer, server),
-                     functools.partial(_load, server, on_failure, start_up),
-                     title=f"ddm {declared.role} {path.name}",
+
+def create_stage_app(directory: str | os.PathLike, role: str | tuple[str, ...],
+                     backend: str = "torch", device: str | None = None,
+                     max_batch: int = SERVER_MAX_BATCH,
+                     max_delay_ms: float = SERVER_MAX_DELAY_MS, *, max_steps: int = MAX_STEPS,
+                     max_pending: int = SERVER_MAX_PENDING,
+                     on_failure: Callable[[str], None] | None = None,
+                     draining: Callable[[], bool] | None = None,
+                     start_up: StartUp = asyncio.to_thread, api_docs: bool = False,
+                     auth_token_file: str | os.PathLike[str] | None = None,
+                     precision: str | None = None,
+                     context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES,
+                     serving_loops: int = 1) -> ASGIApp:
+    """An ASGI app serving the stage checkpoint in ``directory`` (:func:`stage_member`) on
+    ``serving_loops`` event loops (the batcher's rule: :class:`~ddm.serving.batching.Batcher`);
+    the weights load in the lifespan."""
+    if auth_token_file is not None:
+        TokenFile(auth_token_file)
+    server = stage_member(directory, role, backend, device, max_batch, max_delay_ms,
+                          max_steps=max_steps, max_pending=max_pending, precision=precision,
+                          context_cache_bytes=context_cache_bytes, serving_loops=serving_loops)
+    declared, path = server.declared, server.directory
+    return model_app(server, {VELOCITY_PATH: Binary(server, functools.partial(answer_stage,
+                                                                               server))},
+                     functools.partial(load_member, server, on_failure, start_up),
+                     server.batcher.close, title=f"ddm {declared.role} {path.name}",
                      description=f"A text DDM's {declared.role} stage behind the binary "
                                  "protocol of docs/protocol.md.",
                      api_docs=api_docs, draining=draining, auth_token_file=auth_token_file)
@@ -222,8 +239,8 @@ def serve_stage(directory: str | os.PathLike, role: str | tuple[str, ...],
     run_server(make_app, host, port, log_level, drain_s, metrics_port, loops=SERVING_LOOPS)
 
 
-async def _answer(server: _StageServer, body: bytes) -> tuple[int, bytes]:
-    """One request body -> (HTTP status, protocol reply)."""
+async def answer_stage(server: StageServer, body: bytes) -> tuple[int, bytes]:
+    """One request body to ``server`` -> (HTTP status, protocol reply)."""
 
     async def handle(handling: Handling) -> bytes:
         message = decode_request(body, server.limits)
@@ -242,7 +259,7 @@ async def _answer(server: _StageServer, body: bytes) -> tuple[int, bytes]:
     return await answer_or_error(server, handle)
 
 
-async def _run(server: _StageServer, message: Request) -> bytes:
+async def _run(server: StageServer, message: Request) -> bytes:
     """The reply body to a decoded, accepted request."""
     request_id, batcher = message.request_id, server.batcher
     if isinstance(message, Context):
@@ -278,7 +295,7 @@ async def _run(server: _StageServer, message: Request) -> bytes:
     return encode_response(request_id, _wire(server, x))
 
 
-def _context_rows(server: _StageServer, message: TextVelocityRequest | TextIntegrateRequest
+def _context_rows(server: StageServer, message: TextVelocityRequest | TextIntegrateRequest
                   ) -> tuple[np.ndarray, np.ndarray, int]:
     """The rows' embeddings and negative rows (float32; a row without guidance gets its own
     embeddings as a placeholder that is never run), and the forward rows the call costs."""
@@ -301,7 +318,7 @@ def _context_rows(server: _StageServer, message: TextVelocityRequest | TextInteg
     return embeddings, negative, cost
 
 
-def _execute(server: _StageServer, key: Hashable, inputs: tuple[np.ndarray, ...]) -> Any:
+def _execute(server: StageServer, key: Hashable, inputs: tuple[np.ndarray, ...]) -> Any:
     """One batch, run by the batcher (on the event loop or its model thread)."""
     stage = server.stage
     assert stage is not None, "the batcher starts once the stage is loaded"
@@ -330,7 +347,7 @@ def _execute(server: _StageServer, key: Hashable, inputs: tuple[np.ndarray, ...]
     return x
 
 
-def _pooled(server: _StageServer, message: RouteRequest) -> np.ndarray:
+def _pooled(server: StageServer, message: RouteRequest) -> np.ndarray:
     """The request's pooled text rows as the router takes them: (B, D) for a router with a
     text prior (none sent: zeros, no evidence), else (B, 0), unused."""
     assert server.stage is not None, "requests are answered once the stage is loaded"
@@ -351,14 +368,15 @@ def _guided(embeddings: np.ndarray, negative: np.ndarray,
         guidance, Conditioning(embeddings=negative))
 
 
-def _wire(server: _StageServer, out: np.ndarray) -> np.ndarray:
+def _wire(server: StageServer, out: np.ndarray) -> np.ndarray:
     """``out`` (float32) in the dtype the stage declares for its replies."""
     return np.asarray(out).astype(WIRE_DTYPES[server.wire_dtype or "float32"])
 
 
-async def _load(server: _StageServer, on_failure: Callable[[str], None] | None,
-                start_up: StartUp) -> None:
-    """Load and warm up the stage off the event loop, then start batching."""
+async def load_member(server: StageServer, on_failure: Callable[[str], None] | None,
+                      start_up: StartUp) -> None:
+    """Load and warm up the stage off the event loop, then start batching; a failure is
+    kept in ``server.failure`` and told to ``on_failure``."""
     started = time.perf_counter()
 
     def load_and_warm() -> Stage:
@@ -407,7 +425,7 @@ def _warm_up(stage: Stage) -> None:
         stage.forward(x)
 
 
-def _not_ready(server: _StageServer) -> str:
+def _not_ready(server: StageServer) -> str:
     if server.failure is not None:
         return f"stage {server.directory.name} failed to load: {server.failure}"
     return f"stage {server.directory.name} is still loading; retry when /readyz answers 200"

@@ -70,7 +70,8 @@ from ddm.serving.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, Integr
                                   encode_text_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, InvalidReport, Replica,
                                          ReplicaSet, ReplicaState, source_for)
-from ddm.deploy.router_config import RouterConfigFile
+from ddm.deploy.router_config import Discovery, RouterConfigFile
+from ddm.serving.paths import model_paths
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ _MAX_ERROR_BYTES = max_error_reply_bytes()
 # Statuses that say "this replica, now" rather than "your request": retried elsewhere.
 _RETRIABLE_4XX = (408, 429)
 _T = TypeVar("_T")
+_Pool = TypeVar("_Pool", bound="ExpertPool")
 
 
 @dataclass(frozen=True)
@@ -399,13 +401,19 @@ class ExpertPool:
     request of a router (it holds replicas and connections, never a request's state)."""
 
     def __init__(self, sources: Mapping[str, EndpointSource], settings: PoolSettings,
-                 metrics: PoolMetrics | None = None, token: TokenFile | None = None) -> None:
+                 metrics: PoolMetrics | None = None, token: TokenFile | None = None,
+                 members: Mapping[str, str] | None = None) -> None:
+        """``members``: expert name -> its member name on pool servers (``router.yaml``'s
+        ``discovery.member``), for those served in a pool."""
         self._sources = dict(sources)
         self._token = token  # sent to the experts as a bearer token (their --auth-token-file)
         self._settings = settings
         self.metrics = metrics or PoolMetrics(CollectorRegistry())
+        members = members or {}
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
-                                       settings.health_interval_s) for name in sources}
+                                       settings.health_interval_s,
+                                       model_paths(members.get(name)))
+                      for name in sources}
         self._ids = itertools.count(1)
         self._coalescers = {name: self._coalescer(name) for name in sources}
         self._contexts = _Contexts(settings.context_cache_bytes)
@@ -427,8 +435,18 @@ class ExpertPool:
         expert token (``auth.expert_token_file``) to them (``ddm serve expert
         --auth-token-file``)."""
         token = TokenFile(config.auth.expert_token) if config.auth is not None else None
-        return cls({e.name: source_for(e.discovery) for e in config.experts}, settings, metrics,
-                   token)
+        return cls.discovered({e.name: e.discovery for e in config.experts}, settings, metrics,
+                              token)
+
+    @classmethod
+    def discovered(cls: type[_Pool], discoveries: Mapping[str, Discovery],
+                   settings: PoolSettings, metrics: PoolMetrics | None = None,
+                   token: TokenFile | None = None) -> _Pool:
+        """Models by name, each where its ``router.yaml`` discovery says (its endpoints,
+        and its routes: a pool member's where it names one)."""
+        return cls({name: source_for(d) for name, d in discoveries.items()}, settings, metrics,
+                   token, {name: d.member for name, d in discoveries.items()
+                           if d.member is not None})
 
     async def __aenter__(self) -> ExpertPool:
         await self.start()
@@ -706,7 +724,7 @@ class ExpertPool:
         if remaining <= 0:
             raise TimeoutError
         reply = await self._client.post(
-            replica.endpoint, "/v1/velocity", body, CONTENT_TYPE, remaining,
+            replica.endpoint, replica.paths.velocity, body, CONTENT_TYPE, remaining,
             self._settings.connect_s, max_reply_bytes=max_reply,
             max_error_bytes=_MAX_ERROR_BYTES, authorization=self._authorization())
         if reply.status == 401:
@@ -758,14 +776,17 @@ class ExpertPool:
         learns image shape and batch limit from it; a restarted replica may have new ones)."""
         replicas = self._sets[name]
         try:
-            ready = await self._get(replica, "/readyz", MAX_EXPERT_PROBE_BYTES)
+            paths = replica.paths
+            # With the token: a pool member's readyz is under /v1, which auth guards.
+            ready = await self._get(replica, paths.readyz, MAX_EXPERT_PROBE_BYTES,
+                                    self._authorization())
             if ready.status != 200:
-                raise ValueError(f"/readyz answered {ready.status}")
+                raise ValueError(f"{paths.readyz} answered {ready.status}")
             if replica.state is not ReplicaState.READY or replica.info is None:
-                info = await self._get(replica, "/v1/info", MAX_EXPERT_INFO_BYTES,
+                info = await self._get(replica, paths.info, MAX_EXPERT_INFO_BYTES,
                                        self._authorization())
                 if info.status != 200:
-                    raise ValueError(f"/v1/info answered {info.status}")
+                    raise ValueError(f"{paths.info} answered {info.status}")
                 replica.info = self._parse_info(_json(info.body))
         except InvalidReport as error:
             if replica.invalid != str(error):  # once per change: probes repeat every few s

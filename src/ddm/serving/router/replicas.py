@@ -24,6 +24,7 @@ from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH, MAX_
                                MAX_NUM_CLASSES, MAX_TEXT_WIDTH, PRECISIONS)
 from ddm.data.partition import partition_sha256
 from ddm.deploy.router_config import Discovery, DnsDiscovery
+from ddm.serving.paths import ModelPaths, model_paths
 
 #: ``() -> ["host:port", ...]``: where an expert's replicas are now.
 EndpointSource = Callable[[], Awaitable[Sequence[str]]]
@@ -262,9 +263,15 @@ class ReplicaState(enum.Enum):
     DOWN = "down"        # failed; only the prober tries it again
 
 
+#: Where a server of one model answers (no pool member named).
+_ROOT_PATHS = model_paths()
+
+
 @dataclass(eq=False)
 class Replica:
     endpoint: str
+    #: Where on it the model answers: the root, or a pool member's routes.
+    paths: ModelPaths = _ROOT_PATHS
     state: ReplicaState = ReplicaState.UNKNOWN
     outstanding: int = 0
     failures: int = 0
@@ -283,9 +290,13 @@ class Replica:
 
 
 class ReplicaSet:
-    """The replicas of one expert and what is known of each. No I/O: the pool does that."""
+    """The replicas of one expert and what is known of each. No I/O: the pool does that.
+    ``paths``: where on each replica the expert answers (a pool member's routes, or the
+    root's)."""
 
-    def __init__(self, backoff_s: float, max_backoff_s: float, health_interval_s: float) -> None:
+    def __init__(self, backoff_s: float, max_backoff_s: float, health_interval_s: float,
+                 paths: ModelPaths = _ROOT_PATHS) -> None:
+        self._paths = paths
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
         self._health_interval_s = health_interval_s
@@ -305,7 +316,8 @@ class ReplicaSet:
     def update(self, endpoints: Sequence[str]) -> None:
         """Take the endpoints a source listed; known ones keep their state."""
         known = {r.endpoint: r for r in self._replicas}
-        self._replicas = [known.get(e) or Replica(e) for e in dict.fromkeys(endpoints)]
+        self._replicas = [known.get(e) or Replica(e, self._paths)
+                          for e in dict.fromkeys(endpoints)]
         self._sync()
 
     def choose(self, avoid: Replica | None = None) -> Replica | None:

@@ -47,7 +47,7 @@ from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
 from ddm.serving.router.previews import LatentPreview, decoder_preview
 from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
-from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme, source_for
+from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
 from ddm.sampling.routing import Strategy
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
@@ -193,9 +193,9 @@ class RouterState:
         if remote:
             token = (TokenFile(self.config.auth.expert_token) if self.config.auth is not None
                      else None)
-            self._stage_pool = StagePool({STAGES[name]: source_for(discovery)
-                                          for name, discovery in remote.items()},
-                                         self._settings, token=token)
+            self._stage_pool = StagePool.discovered({STAGES[name]: discovery
+                                                     for name, discovery in remote.items()},
+                                                    self._settings, token=token)
             await self._stage_pool.start()
         self.stages = {name: local if name in loaded else self._stage_pool
                        for name in entries}

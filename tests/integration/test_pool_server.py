@@ -1,0 +1,282 @@
+"""A pool server (``ddm serve pool``) over real HTTP on loopback, holding every stage of a
+tiny Paris DDM (two experts, text encoder, decoder, router network) on one device: each
+member answers the same bytes as its own stage server; ``/v1/info`` lists the members and
+their memory; ``/readyz`` is 200 once every member is loaded; rows batch per member, never
+across members; a router whose router.yaml points every expert and stage at the pool
+(``member:``) gives the unpooled deployment's image; a pool over its memory limit exits 1
+before loading anything, naming each member's bytes, the sum and the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from ddm.checkpoints.declared import EXPERT, PLAN_NAMES
+from ddm.conditioning import Conditioning
+from ddm.deploy.router_config import RouterConfigFile, StaticDiscovery
+from ddm.serving.auth import TokenFile
+from ddm.serving.expert.pool_server import create_pool_app
+from ddm.serving.expert.stage_server import create_stage_app
+from ddm.serving.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
+                                  RouteRequest, TextVelocityRequest, context_id,
+                                  decode_response, encode_text_request)
+from ddm.serving.router.pool import ExpertPool, PoolSettings
+from ddm.serving.router.replicas import ExpertInfo
+from ddm.serving.router.server import create_router_app
+from tests.integration.servers import running, wait_ready
+from tests.support.text_router import EXPERTS, STAGES, paris_stages, text_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: Pool member name -> its directory in the tiny Paris DDM's stages.
+MEMBERS = {**{f"expert-{k}": f"expert_{k}" for k in range(EXPERTS)},
+           **{PLAN_NAMES[role]: directory for role, directory in STAGES.items()}}
+RNG = np.random.default_rng(0)
+READY_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory) -> Path:
+    return paris_stages(tmp_path_factory.mktemp("paris"))
+
+
+def members_of(stages: Path) -> dict[str, Path]:
+    return {name: stages / directory for name, directory in MEMBERS.items()}
+
+
+@pytest.fixture(scope="module")
+def pool(stages) -> Iterator[str]:
+    with running(create_pool_app(members_of(stages), max_batch=8)) as base:
+        wait_ready(base)
+        yield base
+
+
+def until(check, what: str) -> None:
+    """Poll ``check()`` until it is true (an event on a server), failing after READY_S."""
+    deadline = time.monotonic() + READY_S
+    while not check():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def post(base: str, path: str, body: bytes) -> httpx.Response:
+    return httpx.post(f"{base}{path}", content=body, headers={"content-type": CONTENT_TYPE},
+                      timeout=READY_S)
+
+
+def requests_for(name: str, info: dict) -> list[bytes]:
+    """Bodies of every kind ``name``'s role serves, sized from its ``/v1/info``: a context
+    then guided and unguided velocities (an expert), prompts, latents, routing inputs."""
+    latent = tuple(info["latent_shape"])
+    x = RNG.standard_normal((3, *latent)).astype(np.float32)
+    t = np.array([0.2, 0.5, 0.9], np.float32)
+    if info["role"] == EXPERT:
+        width = info["text_width"]
+        embeddings = RNG.standard_normal((3, 5, width)).astype(np.float32)
+        context = encode_text_request(Context(1, embeddings, np.ones((3, 5), np.uint8),
+                                              np.zeros_like(embeddings)))
+        return [context, encode_text_request(TextVelocityRequest(
+            2, x, t, context_id(context), np.array([2, 0, 1], np.int32),
+            np.array([7.5, 1.0, 3.0], np.float32)))]
+    if info["role"] == "text_encoder":
+        return [encode_text_request(EncodeRequest(3, ("a red car", "a photo", "")))]
+    if info["role"] == "decoder":
+        return [encode_text_request(DecodeRequest(4, x))]
+    return [encode_text_request(RouteRequest(5, x, t, np.zeros((3, 0), np.float32)))]
+
+
+def test_each_member_answers_the_bytes_of_its_own_stage_server(stages, pool):
+    info = httpx.get(f"{pool}/v1/info").json()
+    assert list(info["members"]) == list(MEMBERS)
+    figures = info["pool"]
+    assert set(figures["members"]) == set(MEMBERS) and figures["ready"]
+    assert figures["device"] == "cpu"
+    # No flag: the limit is this machine's cgroup's, where it sets one.
+    assert (figures["limit_bytes"] is None) == (figures["limit_source"] is None)
+    assert figures["total_bytes"] == sum(m["bytes"] for m in figures["members"].values())
+    for name, directory in members_of(stages).items():
+        member = httpx.get(f"{pool}/v1/members/{name}/info").json()
+        assert info["members"][name] == member
+        assert httpx.get(f"{pool}/v1/members/{name}/readyz").json() == {"status": "ready"}
+        with running(create_stage_app(directory, member["role"], max_batch=8)) as alone:
+            wait_ready(alone)
+            assert httpx.get(f"{alone}/v1/info").json() == member
+            for body in requests_for(name, member):
+                pooled = post(pool, f"/v1/members/{name}/velocity", body)
+                own = post(alone, "/v1/velocity", body)
+                assert pooled.status_code == own.status_code == 200, (name, pooled.content)
+                assert pooled.content == own.content, name
+    # No member is served at the root: a pool's velocity is always a member's.
+    assert post(pool, "/v1/velocity", b"").status_code == 404
+
+
+def test_readyz_turns_200_once_every_member_is_loaded(stages):
+    gate, calls = threading.Event(), itertools.count()
+    last = len(MEMBERS) - 1
+
+    async def start_up(work):
+        if next(calls) == last:  # the last member waits for the test's word
+            await asyncio.to_thread(gate.wait, READY_S)
+        return await asyncio.to_thread(work)
+
+    names = list(MEMBERS)
+    with running(create_pool_app(members_of(stages), start_up=start_up)) as base:
+        def ready(name: str) -> bool:
+            return httpx.get(f"{base}/v1/members/{name}/readyz").status_code == 200
+
+        until(lambda: all(ready(name) for name in names[:last]), "the first members load")
+        assert httpx.get(f"{base}/readyz").json() == {"status": "loading"}
+        assert httpx.get(f"{base}/v1/members/{names[last]}/readyz").json() == {
+            "status": "loading"}
+        assert not httpx.get(f"{base}/v1/info").json()["pool"]["ready"]
+        gate.set()
+        wait_ready(base)
+        assert all(ready(name) for name in names)
+
+
+def batches(metrics: str, member: str) -> tuple[int, float]:
+    """(batches, rows) the member ran, from its ``ddm_expert_batch_images`` histogram."""
+    def value(series: str) -> float:
+        match = re.search(rf'^{series}{{member="{member}"}} (\S+)$', metrics, re.M)
+        assert match, f"{series} of {member} not in the metrics"
+        return float(match.group(1))
+
+    return int(value("ddm_expert_batch_images_count")), value("ddm_expert_batch_images_sum")
+
+
+def test_rows_batch_per_member_and_never_across_members(stages):
+    # Batches dispatch when full (2 rows) and would otherwise wait a minute: two requests
+    # to each expert, all four at once, run as one batch per expert.
+    experts = {name: stages / MEMBERS[name] for name in ("expert-0", "expert-1")}
+    with running(create_pool_app(experts, max_batch=2, max_delay_ms=60_000.0),
+                 loops=2) as base:
+        wait_ready(base)
+        width = httpx.get(f"{base}/v1/members/expert-0/info").json()["text_width"]
+        latent = tuple(httpx.get(f"{base}/v1/members/expert-0/info").json()["latent_shape"])
+        embeddings = RNG.standard_normal((1, 5, width)).astype(np.float32)
+        context = encode_text_request(Context(1, embeddings, np.ones((1, 5), np.uint8),
+                                              np.zeros((0, 5, width), np.float32)))
+        for name in experts:
+            assert post(base, f"/v1/members/{name}/velocity", context).status_code == 200
+        calls = [(name, encode_text_request(TextVelocityRequest(
+            10 + i, RNG.standard_normal((1, *latent)).astype(np.float32),
+            np.array([0.5], np.float32), context_id(context), np.zeros(1, np.int32),
+            np.ones(1, np.float32))))
+            for i, name in enumerate(["expert-0", "expert-1", "expert-0", "expert-1"])]
+
+        async def all_at_once() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=READY_S) as client:
+                return await asyncio.gather(*(client.post(
+                    f"{base}/v1/members/{name}/velocity", content=body,
+                    headers={"content-type": CONTENT_TYPE}) for name, body in calls))
+
+        replies = asyncio.run(all_at_once())
+        metrics = httpx.get(f"{base}/metrics").text
+        assert [r.status_code for r in replies] == [200] * 4
+    for name in experts:
+        assert batches(metrics, name) == (1, 2.0)
+    # Each row went through its own member's network: the same call alone gives its
+    # velocity (to float32's rounding: a batch of 2 sums in another order than one of 1).
+    with running(create_pool_app(experts, max_batch=2, max_delay_ms=0.0)) as alone:
+        wait_ready(alone)
+        for name in experts:
+            post(alone, f"/v1/members/{name}/velocity", context)
+        for i, ((name, body), reply) in enumerate(zip(calls, replies)):
+            own = post(alone, f"/v1/members/{name}/velocity", body).content
+            np.testing.assert_allclose(decode_response(reply.content, 10 + i, (1, *latent)),
+                                       decode_response(own, 10 + i, (1, *latent)), atol=1e-5)
+
+
+def test_the_router_reaches_a_member_behind_the_pool_s_token(stages, tmp_path):
+    # A member's readyz is under /v1, which the token guards: the router probes it with its
+    # token, then calls the member's velocity.
+    (tmp_path / "token").write_text("pool-token-0123456789abcdef\n")
+    token = TokenFile(tmp_path / "token")
+    app = create_pool_app({"expert-1": stages / MEMBERS["expert-1"]}, max_batch=8,
+                          auth_token_file=tmp_path / "token")
+    with running(app) as base:
+        wait_ready(base)
+        assert httpx.get(f"{base}/v1/members/expert-1/readyz").status_code == 401
+        settings = PoolSettings(connect_s=2.0, attempt_s=30.0, deadline_s=READY_S,
+                                health_interval_s=0.2)
+        discovery = StaticDiscovery((base.removeprefix("http://"),), "expert-1")
+
+        async def scenario() -> tuple[ExpertInfo, np.ndarray]:
+            async with ExpertPool.discovered({"e": discovery}, settings, token=token) as pool:
+                deadline = time.monotonic() + READY_S
+                while pool.info("e") is None:
+                    assert time.monotonic() < deadline, "the member was never probed ready"
+                    await asyncio.sleep(0.02)
+                info = pool.info("e")
+                width, latent = info.text_width, info.image_shape
+                cond = Conditioning(embeddings=np.ones((2, 5, width), np.float32))
+                x = RNG.standard_normal((2, *latent)).astype(np.float32)
+                return info, await pool.velocity("e", x, np.full(2, 0.5, np.float32), cond)
+
+        info, velocity = asyncio.run(scenario())
+    assert info.cluster == 1 and velocity.shape == (2, *info.image_shape)
+
+
+def pooled_config(stages: Path, endpoint: str) -> RouterConfigFile:
+    """router.yaml with every expert and stage a member of the pool at ``endpoint``."""
+    raw = text_config(stages, {f"expert_{k}": endpoint for k in range(EXPERTS)},
+                      {key: endpoint for key in ("text_encoder", "decoder",
+                                                 "router_network")}).to_dict()
+    for k, expert in enumerate(raw["experts"]):
+        expert["discovery"]["member"] = f"expert-{k}"
+    for role, name in PLAN_NAMES.items():
+        raw[name.replace("-", "_")]["member"] = name
+    return RouterConfigFile.from_dict(raw)
+
+
+def test_a_router_over_one_pool_gives_the_unpooled_image(stages, pool):
+    request = {"prompt": "a red car", "seed": 7, "response_format": "b64_json"}
+
+    def image(config: RouterConfigFile) -> bytes:
+        with running(create_router_app(config)) as router:
+            wait_ready(router)
+            reply = httpx.post(f"{router}/v1/images/generations", json=request,
+                               timeout=READY_S)
+            assert reply.status_code == 200, reply.text
+            return base64.b64decode(reply.json()["data"][0]["b64_json"])
+
+    pooled = image(pooled_config(stages, pool.removeprefix("http://")))
+    with running(create_stage_app(stages / "expert_0", EXPERT, max_batch=8)) as e0, \
+            running(create_stage_app(stages / "expert_1", EXPERT, max_batch=8)) as e1:
+        for base in (e0, e1):
+            wait_ready(base)
+        unpooled = image(text_config(stages, {"expert_0": e0.removeprefix("http://"),
+                                              "expert_1": e1.removeprefix("http://")}))
+    assert pooled == unpooled
+
+
+def test_a_pool_over_its_memory_limit_exits_1_before_loading_naming_each_member(stages,
+                                                                              tmp_path):
+    log = tmp_path / "termination-log"
+    members = [f"--member={name}={path}" for name, path in members_of(stages).items()]
+    done = subprocess.run(
+        [sys.executable, "-m", "ddm", "serve", "pool", *members, "--port", "0",
+         "--memory-limit-bytes", "1000"],
+        env={**os.environ, "DDM_TERMINATION_LOG": str(log)}, capture_output=True, text=True,
+        timeout=READY_S)
+    assert done.returncode == 1, done.stderr
+    message = log.read_text()
+    sizes = {name: int(re.search(rf"{name} ([\d,]+) bytes", message).group(1).replace(",", ""))
+             for name in MEMBERS}
+    total = int(re.search(r"sum ([\d,]+) bytes", message).group(1).replace(",", ""))
+    assert total == sum(sizes.values()) > 1000
+    assert "limit 1,000 bytes (--memory-limit-bytes)" in message
+    assert "ready" not in done.stderr  # no member was loaded
