@@ -107,18 +107,34 @@ class SamplingDefaults:
                f"sampling.strategy {self.strategy!r} is not valid: {STRATEGY_HINT}")
 
 
+#: A pool member's name (``member`` in a discovery, ``ddm serve pool --member NAME=DIR``): an
+#: expert's name or a stage's plan name (``text-encoder``, ``decoder``, ``router-network``);
+#: it is a path segment of the member's routes (``/v1/members/NAME/...``).
+MEMBER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def _check_member(member: Any) -> None:
+    _check(member is None or (isinstance(member, str) and
+                              re.match(MEMBER_NAME_PATTERN, member) is not None),
+           f"discovery.member must be a pool member's name matching {MEMBER_NAME_PATTERN}, got "
+           f"{member!r}")
+
+
 @dataclass(frozen=True)
 class DnsDiscovery:
-    """A name resolving to every ready replica (a headless Service); all listen on ``port``."""
+    """A name resolving to every ready replica (a headless Service); all listen on ``port``.
+    With ``member``, the replicas are pool servers and this is their member of that name."""
 
     dns: str
     port: int
+    member: str | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.dns, str) and bool(self.dns.strip()),
                f"discovery.dns must be a host name, got {self.dns!r}")
         _check(_is_int(self.port) and self.port in PORTS,
                f"discovery.port must be in {PORTS.start}..{PORTS.stop - 1}, got {self.port!r}")
+        _check_member(self.member)
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -139,11 +155,14 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 @dataclass(frozen=True)
 class StaticDiscovery:
     """A fixed list of ``host:port`` replicas (the local runtime's processes); an IPv6 address
-    in brackets (:func:`split_endpoint`)."""
+    in brackets (:func:`split_endpoint`). With ``member``, the replicas are pool servers and
+    this is their member of that name."""
 
     endpoints: tuple[str, ...]
+    member: str | None = None
 
     def __post_init__(self) -> None:
+        _check_member(self.member)
         _check(len(self.endpoints) > 0, "discovery.endpoints must list at least one host:port")
         for endpoint in self.endpoints:
             try:
@@ -157,13 +176,21 @@ class StaticDiscovery:
 Discovery = Union[DnsDiscovery, StaticDiscovery]
 
 
+def discovery_dict(discovery: Discovery) -> dict[str, Any]:
+    """``discovery`` as router.yaml writes it (``member`` only where there is one)."""
+    out = _plain(dataclasses.asdict(discovery))
+    if out["member"] is None:
+        del out["member"]
+    return out
+
+
 def _discovery(raw: Any, where: str) -> Discovery:
     _check(isinstance(raw, Mapping), f"{where} must be a mapping, got {raw!r}")
     if "endpoints" in raw:
         args = _strict(StaticDiscovery, raw, where)
         _check(isinstance(args["endpoints"], (list, tuple)),
                f"{where}.endpoints must be a list of host:port")
-        return StaticDiscovery(tuple(str(e) for e in args["endpoints"]))
+        return StaticDiscovery(tuple(str(e) for e in args["endpoints"]), args.get("member"))
     _check("dns" in raw, f"{where} needs either dns (with port) or endpoints")
     args = _strict(DnsDiscovery, raw, where)
     return DnsDiscovery(**args)
@@ -200,7 +227,7 @@ class StageEntry:
 
     def to_dict(self) -> dict[str, Any]:
         if self.discovery is not None:
-            return _plain(dataclasses.asdict(self.discovery))
+            return discovery_dict(self.discovery)
         return {"checkpoint": self.checkpoint,
                 **({"precision": self.precision} if self.precision else {})}
 
@@ -230,7 +257,7 @@ class ExpertEntry:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "classes": list(self.classes),
-                "discovery": _plain(dataclasses.asdict(self.discovery))}
+                "discovery": discovery_dict(self.discovery)}
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from ddm.deploy.autoscaling import Autoscaling, fleet_problems, parse_autoscalin
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
+    BACKEND_BY_ACCELERATOR,
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
@@ -133,7 +134,9 @@ class StageSpec:
     ``checkpoint`` is ``spec.router.checkpoint``). ``placement``: ``router`` loads it inside
     the router's process (its pods' CPU: no accelerator, replicas or pod options of its own);
     ``separate`` serves it from pods (processes) of its own, ``replicas`` of them, each on
-    ``accelerator``. ``precision``: the dtype its weights are cast to (None: as stored)."""
+    ``accelerator``; ``pool`` (set by ``pool: NAME``, never written as a placement): served by
+    the pool named ``pool`` (``spec.pools``). ``precision``: the dtype its weights are cast to
+    (None: as stored)."""
 
     checkpoint: CheckpointSource
     placement: str = "router"
@@ -142,10 +145,16 @@ class StageSpec:
     precision: str | None = None
     pod: PodOptions = PodOptions()
     fetch: FetchOptions = FetchOptions()
+    pool: str | None = None
 
     @property
     def separate(self) -> bool:
         return self.placement == "separate"
+
+    @property
+    def in_router(self) -> bool:
+        """Loaded by the router itself (placement ``router``)."""
+        return self.placement == "router"
 
 
 @dataclass(frozen=True)
@@ -168,8 +177,24 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class PoolSpec:
+    """A pool (``spec.pools[]``): ``replicas`` model server processes (pods), each holding every
+    member's weights on one ``accelerator``; its members are the components that name it
+    (``pool: NAME``) and carry no placement of their own. ``max_batch``/``max_delay_ms``
+    apply to each member's batcher (None: the server's own defaults)."""
+
+    name: str
+    accelerator: Accelerator
+    replicas: int = 1
+    max_batch: int | None = None
+    max_delay_ms: int | None = None
+    pod: PodOptions = PodOptions()
+
+
+@dataclass(frozen=True)
 class ExpertSpec:
-    """One expert. ``max_batch``/``max_delay_ms`` None: the server's own defaults."""
+    """One expert. ``max_batch``/``max_delay_ms`` None: the server's own defaults; ``pool``:
+    the pool that serves it (None: servers of its own)."""
 
     name: str
     framework: str
@@ -183,6 +208,7 @@ class ExpertSpec:
     fetch: FetchOptions = FetchOptions()
     autoscaling: Autoscaling | None = None
     precision: str | None = None
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +224,15 @@ class DDMSpec:
     conditioning: str = "labels"
     text_encoder: StageSpec | None = None
     decoder: StageSpec | None = None
+    pools: tuple[PoolSpec, ...] = ()
+
+    def members(self, pool: str) -> dict[str, ExpertSpec | StageSpec]:
+        """The components pool ``pool`` serves, by their names in the plan (an expert's name,
+        or a stage's role: ``text-encoder``, ``decoder``, ``router-network``): experts first,
+        in order."""
+        experts = {e.name: e for e in self.experts if e.pool == pool}
+        return {**experts, **{role: stage for role, stage in self.stages.items()
+                              if stage.pool == pool}}
 
     @property
     def stages(self) -> dict[str, StageSpec]:
@@ -242,10 +277,12 @@ def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
         e for i, item in enumerate(raw_experts)
         if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), allow_host_paths))
     )
+    pools = tuple(p for i, item in enumerate(reader.items("pools"))
+                  if (p := _pool(FieldReader(item, f"spec.pools[{i}]", problems))))
     reader.done()
     spec = DDMSpec(experts=experts, num_classes=num_classes or 10, sampling=sampling,
                    router=router, conditioning=conditioning, text_encoder=text_encoder,
-                   decoder=decoder)
+                   decoder=decoder, pools=pools)
     if not problems:
         problems.extend(_semantic_problems(spec))
     if problems:
@@ -381,7 +418,10 @@ def _stage(reader: FieldReader, allow_host_paths: bool,
         else:
             reader.problem("checkpoint", "is required")
     placement = reader.string("placement", "router", choices=STAGE_PLACEMENTS) or "router"
-    if placement == "router":
+    pool = _pool_name(reader)
+    if pool is not None:
+        placement = "pool"
+    elif placement == "router":
         for key in ("accelerator", "replicas", "resources", "image", "nodeSelector",
                     "tolerations", "affinity"):
             if reader.has(key):
@@ -393,7 +433,7 @@ def _stage(reader: FieldReader, allow_host_paths: bool,
         placement=placement, accelerator=accelerator,
         replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
         precision=reader.string("precision", None, choices=PRECISIONS),
-        pod=parse_pod_options(reader), fetch=fetch)
+        pod=parse_pod_options(reader), fetch=fetch, pool=pool)
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, stage.pod)
     reader.done()
@@ -445,6 +485,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
     if not reader.has("name"):
         reader.problem("name", "is required")
     framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
+    pool = _pool_name(reader)
     accelerator, accelerator_ok = _placed_accelerator(reader, framework)
     checkpoint, fetch = None, FetchOptions()
     if reader.has("checkpoint"):
@@ -464,18 +505,73 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         checkpoint=checkpoint,  # type: ignore[arg-type]  # dropped below when None
         classes=tuple(classes),
         replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
-        max_batch=reader.integer("maxBatch", None, 1, MAX_BATCH),
-        max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
+        max_batch=_max_batch(reader),
+        max_delay_ms=_max_delay_ms(reader),
         pod=parse_pod_options(reader),
         fetch=fetch,
-        autoscaling=parse_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling")
-        else None,
+        autoscaling=_autoscaling(reader),
         precision=reader.string("precision", None, choices=PRECISIONS),
+        pool=pool,
     )
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, expert.pod)
     reader.done()
     return expert if name and checkpoint else None
+
+
+#: What a pool decides for its members: a component that names a pool gives none of these.
+POOL_PLACED_FIELDS = ("placement", "accelerator", "replicas", "resources", "image",
+                      "nodeSelector", "tolerations", "affinity", "maxBatch", "maxDelayMs",
+                      "autoscaling")
+#: Where each stage that may join a pool is in the spec, by its role's plan name.
+STAGE_FIELDS = {PLAN_NAMES[TEXT_ENCODER]: "spec.textEncoder", PLAN_NAMES[DECODER]: "spec.decoder",
+                PLAN_NAMES[ROUTER]: "spec.router.network"}
+
+
+def _pool_name(reader: FieldReader) -> str | None:
+    """A component's ``pool``, refusing every field its pool decides instead."""
+    pool = reader.string("pool", None, pattern=EXPERT_NAME_PATTERN,
+                         max_length=MAX_EXPERT_NAME_LENGTH, hint="the name of one of spec.pools")
+    if pool is not None:
+        for key in POOL_PLACED_FIELDS:
+            if reader.has(key):
+                reader.problem(key, f"the component is in pool {pool!r}, which places it "
+                                    f"(spec.pools): give {key} there, not here")
+    return pool
+
+
+def _max_batch(reader: FieldReader) -> int | None:
+    return reader.integer("maxBatch", None, 1, MAX_BATCH)
+
+
+def _max_delay_ms(reader: FieldReader) -> int | None:
+    return reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS)
+
+
+def _autoscaling(reader: FieldReader) -> Autoscaling | None:
+    return parse_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling") else None
+
+
+def _pool(reader: FieldReader) -> PoolSpec | None:
+    name = reader.string("name", None, pattern=EXPERT_NAME_PATTERN,
+                         max_length=MAX_EXPERT_NAME_LENGTH,
+                         hint="a DNS-1123 label: lower-case letters, digits and '-'")
+    if not reader.has("name"):
+        reader.problem("name", "is required")
+    # Which frameworks the accelerator must run is the members' question (_pool_problems).
+    accelerator, accelerator_ok = _placed_accelerator(reader, "torch")
+    pool = PoolSpec(name=name or "", accelerator=accelerator,
+                    replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
+                    max_batch=_max_batch(reader), max_delay_ms=_max_delay_ms(reader),
+                    pod=parse_pod_options(reader))
+    if _autoscaling(reader) is not None:
+        reader.problem("autoscaling", "pools do not autoscale yet (from the sum of their "
+                                      "members' demand, scale to zero included: issue 37); "
+                                      "set replicas")
+    if accelerator_ok:
+        _node_label_conflicts(reader, accelerator, pool.pod)
+    reader.done()
+    return pool if name else None
 
 
 def _semantic_problems(spec: DDMSpec) -> list[str]:
@@ -492,6 +588,7 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
             found.append(f"spec.experts[{i}].classes: {outside} are outside 0..{last} "
                          f"(spec.numClasses is {spec.num_classes})")
     found.extend(_conditioning_problems(spec))
+    found.extend(_pool_problems(spec))
     strategy = spec.sampling.strategy
     if strategy == "oracle":
         found.extend(_oracle_problems(spec))
@@ -526,6 +623,67 @@ def _conditioning_problems(spec: DDMSpec) -> list[str]:
     if spec.sampling.strategy == "oracle":
         found.append("spec.sampling.strategy: oracle routes by label; a text DDM needs the "
                      "router network (e.g. top1, top2)")
+    return found
+
+
+def _pool_problems(spec: DDMSpec) -> list[str]:
+    """Pools and their members: every named pool exists and has members, which a pool server
+    can hold together (stage checkpoints, one backend, one precision)."""
+    found: list[str] = []
+    pools = {p.name: p for p in spec.pools}
+    names = [p.name for p in spec.pools]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        found.append(f"spec.pools: the name {name!r} is used more than once")
+    members = [(f"spec.experts[{i}]", e.name, e.pool, e.framework, e.precision)
+               for i, e in enumerate(spec.experts)]
+    members += [(STAGE_FIELDS[role], role, stage.pool, "torch", stage.precision)
+                for role, stage in spec.stages.items()]
+    held: dict[str, list[tuple[str, str, str]]] = {}  # pool -> (path, backend, precision)
+    for path, name, pool_name, framework, precision in members:
+        if pool_name is None:
+            continue
+        pool = pools.get(pool_name)
+        if pool is None:
+            found.append(f"{path}.pool: no pool named {pool_name!r} in spec.pools "
+                         f"(there are: {', '.join(map(repr, pools)) or 'none'})")
+            continue
+        if spec.conditioning == "labels":
+            found.append(f"{path}.pool: pools hold stage checkpoints (text DDMs) until the "
+                         "model stacks are one (issue 36); a label DDM's experts and router "
+                         "run on servers of their own")
+            continue
+        pair = (pool.accelerator.type, framework)
+        if pair not in BACKEND_BY_ACCELERATOR:
+            found.append(f"{path}.framework: pool {pool_name!r} runs on "
+                         f"{pool.accelerator.type}, which cannot run framework {framework}")
+            continue
+        backend = BACKEND_BY_ACCELERATOR[pair][0]
+        if path.startswith("spec.experts") and backend not in FRAMEWORKS:
+            found.append(f"{path}.pool: pool {pool_name!r} would serve it with the {backend} "
+                         f"backend; a pool serves stage checkpoints with "
+                         f"{' or '.join(FRAMEWORKS)} only")
+            continue
+        first = next(iter(held.get(pool_name, ())), None)
+        if first is not None and first[1] != backend:
+            what = ("a text encoder, decoder or router network runs on torch only"
+                    if not path.startswith("spec.experts") or not first[0].startswith(
+                        "spec.experts") else "give every member the same framework")
+            found.append(f"{path}.pool: pool {pool_name!r} cannot hold it: its members run "
+                         f"on one backend, {first[1]} for {first[0]} but {backend} here ({what})")
+        elif first is not None and first[2] != (precision or ""):
+            found.append(f"{path}.precision: pool {pool_name!r} casts every member to one "
+                         f"precision: {first[2] or 'as stored'} for {first[0]} but "
+                         f"{precision or 'as stored'} here")
+        held.setdefault(pool_name, []).append((path, backend, precision or ""))
+    for i, pool in enumerate(spec.pools):
+        if pool.name not in {m[2] for m in members}:
+            found.append(f"spec.pools[{i}]: pool {pool.name!r} has no members (name it in an "
+                         "expert's, spec.textEncoder's, spec.decoder's or spec.router.network's "
+                         "pool)")
+        named = [m[1] for m in members if m[2] == pool.name]
+        for name in sorted({n for n in named if named.count(n) > 1}):
+            found.append(f"spec.pools[{i}]: pool {pool.name!r} has two members named {name!r} "
+                         "(an expert named like a stage's role); rename the expert")
     return found
 
 
