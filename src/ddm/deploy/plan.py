@@ -88,6 +88,11 @@ class StagePlan:
     pool: str | None = None
 
     @property
+    def in_router(self) -> bool:
+        """Loaded by the router itself (neither separate nor pooled)."""
+        return not self.separate and self.pool is None
+
+    @property
     def config_key(self) -> str:
         """Its key in router.yaml."""
         return next(CONFIG_KEYS[role] for role, name in PLAN_NAMES.items() if name == self.role)
@@ -220,8 +225,7 @@ class DeploymentPlan:
             places.setdefault(PLAN_NAMES[ROUTER], checkpoint_dir)
         network = next((s for s in self.stages if s.role == PLAN_NAMES[ROUTER]), None)
         as_checkpoint = (router.conditioning == "labels" and network is not None
-                         and not network.separate and network.pool is None
-                         and network.precision is None)
+                         and network.in_router and network.precision is None)
         entries = {s.config_key: s.entry(places[s.role])
                    for s in self.stages if not (as_checkpoint and s is network)}
         return RouterConfigFile(

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, STAGE_ROLES, TEXT_ENCODER
 from ddm.checkpoints.uri import (
     REMOTE_SCHEMES,
     CheckpointSource,
@@ -76,6 +76,8 @@ SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 MAX_SECRET_NAME_LENGTH = 253
 SECRET_KEY_PATTERN = r"^[-_A-Za-z0-9][-._A-Za-z0-9]*$"
 DEFAULT_TOKEN_KEY = "token"
+#: The most pools a spec lists: each holds one component at least.
+MAX_POOLS = MAX_EXPERTS + len(STAGE_ROLES)
 #: A pinned SHA-256 (``checkpoint.sha256``): 64 hex digits, optionally ``sha256:`` first.
 SHA256_PATTERN = r"^(sha256:)?[0-9a-fA-F]{64}$"
 
@@ -277,7 +279,11 @@ def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
         e for i, item in enumerate(raw_experts)
         if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), allow_host_paths))
     )
-    pools = tuple(p for i, item in enumerate(reader.items("pools"))
+    raw_pools = reader.items("pools")
+    if len(raw_pools) > MAX_POOLS:
+        reader.problem("pools", f"must list at most {MAX_POOLS} pools (one per component), got "
+                                f"{len(raw_pools)}")
+    pools = tuple(p for i, item in enumerate(raw_pools)
                   if (p := _pool(FieldReader(item, f"spec.pools[{i}]", problems))))
     reader.done()
     spec = DDMSpec(experts=experts, num_classes=num_classes or 10, sampling=sampling,
