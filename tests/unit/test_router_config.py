@@ -238,7 +238,7 @@ def _key_paths(cls: type, prefix: str = "") -> set[str]:
             paths |= _key_paths(kind, inner)
         if f.type == "StageEntry | None":  # {checkpoint, precision} or a discovery, inline
             paths |= {f"{path}.{key}" for key in ("checkpoint", "precision", "endpoints",
-                                                   "dns", "port")}
+                                                   "dns", "port", "member")}
     return paths
 
 
@@ -253,3 +253,32 @@ def test_the_documentation_lists_exactly_the_keys_and_its_example_parses() -> No
     config = RouterConfigFile.from_yaml(example)
     assert config.coalescing.in_flight_per_replica == 2 and config.auth is not None
     assert isinstance(config.experts[1].discovery, DnsDiscovery)
+
+
+# ------------------------------------------------------------------ pool members
+
+def _with_members(expert: dict, stage: dict) -> dict:
+    return {"experts": [{"name": "e0", "discovery": expert}], "conditioning": "text",
+            "text_encoder": stage, "sampling": {"strategy": "oracle"}}
+
+
+def test_a_discovery_names_a_pool_member_and_writes_it_back_only_when_given() -> None:
+    config = RouterConfigFile.from_dict(_with_members(
+        {"endpoints": ["127.0.0.1:9000"], "member": "e0"},
+        {"dns": "pool.ml.svc", "port": 8000, "member": "text-encoder"}))
+    assert config.experts[0].discovery == StaticDiscovery(("127.0.0.1:9000",), "e0")
+    assert config.text_encoder.discovery == DnsDiscovery("pool.ml.svc", 8000, "text-encoder")
+    again = RouterConfigFile.from_yaml(config.to_yaml())
+    assert again == config
+    plain = RouterConfigFile.from_dict(_with_members({"endpoints": ["127.0.0.1:9000"]},
+                                                     {"endpoints": ["127.0.0.1:9001"]}))
+    assert "member" not in plain.to_dict()["experts"][0]["discovery"]
+    assert "member" not in plain.to_dict()["text_encoder"]
+
+
+@pytest.mark.parametrize("member", ["", "Expert_0", "a/b", 3])
+def test_a_member_that_is_not_a_name_is_refused_naming_the_field(member) -> None:
+    with pytest.raises(RouterConfigError, match="discovery.member must be a pool member's name"):
+        RouterConfigFile.from_dict(_with_members(
+            {"endpoints": ["127.0.0.1:9000"], "member": member},
+            {"endpoints": ["127.0.0.1:9001"]}))
