@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from ddm.checkpoints.declared import PLAN_NAMES
-from ddm.deploy import limits, spec
+from ddm.deploy import limits, pools, spec
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.router_config import DnsDiscovery, StaticDiscovery
 from ddm.deploy.spec import SpecError, load_manifest, parse_spec
@@ -274,7 +274,7 @@ def test_the_pool_fields_limits_equal_the_crds() -> None:
     for field in spec.POOL_PLACED_FIELDS:
         for where in (EXPERT, SPEC["textEncoder"]["properties"]):
             assert "default" not in where.get(field, {}), field
-    assert set(spec.STAGE_FIELDS) == set(PLAN_NAMES.values())
+    assert set(pools.STAGE_FIELDS) == set(PLAN_NAMES.values())
 
 
 def test_the_operator_gives_a_pools_pods_a_networkpolicy_the_router_reaches(

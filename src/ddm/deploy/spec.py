@@ -28,7 +28,6 @@ from ddm.deploy.autoscaling import Autoscaling, fleet_problems, parse_autoscalin
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     ACCELERATOR_TYPES,
-    BACKEND_BY_ACCELERATOR,
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
@@ -57,6 +56,7 @@ from ddm.deploy.limits import (
     STRATEGY_PATTERN,
 )
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
+from ddm.deploy.pools import STAGE_FIELDS, Component, PoolSpec, pool_problems
 from ddm.deploy.router_config import MissingExpert
 from ddm.deploy.strict_yaml import load_yaml
 
@@ -176,21 +176,6 @@ class RouterSpec:
     missing_expert: MissingExpert = MissingExpert()
     network: StageSpec | None = None
     context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
-
-
-@dataclass(frozen=True)
-class PoolSpec:
-    """A pool (``spec.pools[]``): ``replicas`` model server processes (pods), each holding every
-    member's weights on one ``accelerator``; its members are the components that name it
-    (``pool: NAME``) and carry no placement of their own. ``max_batch``/``max_delay_ms``
-    apply to each member's batcher (None: the server's own defaults)."""
-
-    name: str
-    accelerator: Accelerator
-    replicas: int = 1
-    max_batch: int | None = None
-    max_delay_ms: int | None = None
-    pod: PodOptions = PodOptions()
 
 
 @dataclass(frozen=True)
@@ -529,9 +514,6 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
 POOL_PLACED_FIELDS = ("placement", "accelerator", "replicas", "resources", "image",
                       "nodeSelector", "tolerations", "affinity", "maxBatch", "maxDelayMs",
                       "autoscaling")
-#: Where each stage that may join a pool is in the spec, by its role's plan name.
-STAGE_FIELDS = {PLAN_NAMES[TEXT_ENCODER]: "spec.textEncoder", PLAN_NAMES[DECODER]: "spec.decoder",
-                PLAN_NAMES[ROUTER]: "spec.router.network"}
 
 
 def _pool_name(reader: FieldReader) -> str | None:
@@ -564,7 +546,7 @@ def _pool(reader: FieldReader) -> PoolSpec | None:
                          hint="a DNS-1123 label: lower-case letters, digits and '-'")
     if not reader.has("name"):
         reader.problem("name", "is required")
-    # Which frameworks the accelerator must run is the members' question (_pool_problems).
+    # Which frameworks the accelerator must run is the members' question (pool_problems).
     accelerator, accelerator_ok = _placed_accelerator(reader, "torch")
     pool = PoolSpec(name=name or "", accelerator=accelerator,
                     replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
@@ -594,7 +576,12 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
             found.append(f"spec.experts[{i}].classes: {outside} are outside 0..{last} "
                          f"(spec.numClasses is {spec.num_classes})")
     found.extend(_conditioning_problems(spec))
-    found.extend(_pool_problems(spec))
+    found.extend(pool_problems(spec.pools, [
+        *(Component(f"spec.experts[{i}]", e.name, e.pool, e.framework, e.precision)
+          for i, e in enumerate(spec.experts)),
+        *(Component(STAGE_FIELDS[role], role, stage.pool, "torch", stage.precision,
+                    stage=True)
+          for role, stage in spec.stages.items())], spec.conditioning))
     strategy = spec.sampling.strategy
     if strategy == "oracle":
         found.extend(_oracle_problems(spec))
@@ -629,67 +616,6 @@ def _conditioning_problems(spec: DDMSpec) -> list[str]:
     if spec.sampling.strategy == "oracle":
         found.append("spec.sampling.strategy: oracle routes by label; a text DDM needs the "
                      "router network (e.g. top1, top2)")
-    return found
-
-
-def _pool_problems(spec: DDMSpec) -> list[str]:
-    """Pools and their members: every named pool exists and has members, which a pool server
-    can hold together (stage checkpoints, one backend, one precision)."""
-    found: list[str] = []
-    pools = {p.name: p for p in spec.pools}
-    names = [p.name for p in spec.pools]
-    for name in sorted({n for n in names if names.count(n) > 1}):
-        found.append(f"spec.pools: the name {name!r} is used more than once")
-    members = [(f"spec.experts[{i}]", e.name, e.pool, e.framework, e.precision)
-               for i, e in enumerate(spec.experts)]
-    members += [(STAGE_FIELDS[role], role, stage.pool, "torch", stage.precision)
-                for role, stage in spec.stages.items()]
-    held: dict[str, list[tuple[str, str, str]]] = {}  # pool -> (path, backend, precision)
-    for path, name, pool_name, framework, precision in members:
-        if pool_name is None:
-            continue
-        pool = pools.get(pool_name)
-        if pool is None:
-            found.append(f"{path}.pool: no pool named {pool_name!r} in spec.pools "
-                         f"(there are: {', '.join(map(repr, pools)) or 'none'})")
-            continue
-        if spec.conditioning == "labels":
-            found.append(f"{path}.pool: pools hold stage checkpoints (text DDMs) until the "
-                         "model stacks are one (issue 36); a label DDM's experts and router "
-                         "run on servers of their own")
-            continue
-        pair = (pool.accelerator.type, framework)
-        if pair not in BACKEND_BY_ACCELERATOR:
-            found.append(f"{path}.framework: pool {pool_name!r} runs on "
-                         f"{pool.accelerator.type}, which cannot run framework {framework}")
-            continue
-        backend = BACKEND_BY_ACCELERATOR[pair][0]
-        if path.startswith("spec.experts") and backend not in FRAMEWORKS:
-            found.append(f"{path}.pool: pool {pool_name!r} would serve it with the {backend} "
-                         f"backend; a pool serves stage checkpoints with "
-                         f"{' or '.join(FRAMEWORKS)} only")
-            continue
-        first = next(iter(held.get(pool_name, ())), None)
-        if first is not None and first[1] != backend:
-            what = ("a text encoder, decoder or router network runs on torch only"
-                    if not path.startswith("spec.experts") or not first[0].startswith(
-                        "spec.experts") else "give every member the same framework")
-            found.append(f"{path}.pool: pool {pool_name!r} cannot hold it: its members run "
-                         f"on one backend, {first[1]} for {first[0]} but {backend} here ({what})")
-        elif first is not None and first[2] != (precision or ""):
-            found.append(f"{path}.precision: pool {pool_name!r} casts every member to one "
-                         f"precision: {first[2] or 'as stored'} for {first[0]} but "
-                         f"{precision or 'as stored'} here")
-        held.setdefault(pool_name, []).append((path, backend, precision or ""))
-    for i, pool in enumerate(spec.pools):
-        if pool.name not in {m[2] for m in members}:
-            found.append(f"spec.pools[{i}]: pool {pool.name!r} has no members (name it in an "
-                         "expert's, spec.textEncoder's, spec.decoder's or spec.router.network's "
-                         "pool)")
-        named = [m[1] for m in members if m[2] == pool.name]
-        for name in sorted({n for n in named if named.count(n) > 1}):
-            found.append(f"spec.pools[{i}]: pool {pool.name!r} has two members named {name!r} "
-                         "(an expert named like a stage's role); rename the expert")
     return found
 
 
