@@ -298,3 +298,14 @@ def test_dns_discovery_of_a_member_round_trips_through_router_yaml() -> None:
     again = type(config).from_yaml(config.to_yaml())
     assert again.experts[2].discovery == DnsDiscovery("pool.example", 8000, "expert-2")
     assert again == config
+
+
+def test_ddm_up_runs_a_process_per_pool_replica_behind_one_discovery() -> None:
+    document = yaml.safe_load(POOLED_EXAMPLE.read_text())
+    document["spec"]["pools"][0]["replicas"] = 2
+    plan = plan_local(spec.parse_manifest(document, allow_host_paths=True),
+                      itertools.count(20000).__next__, 8080,
+                      locate=lambda source: Path("/fetched") / source.path.strip("/"))
+    assert [p.name for p in plan.servers] == ["pool-models/0", "pool-models/1"]
+    endpoints = tuple(f"127.0.0.1:{p.port}" for p in plan.servers)
+    assert plan.router_config.experts[0].discovery == StaticDiscovery(endpoints, "expert-0")

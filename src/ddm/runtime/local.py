@@ -450,10 +450,11 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
             supervisor.start_ready([*(p for p in plan.servers if p.name not in scaler.names)],
                                    host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
-            print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
-                  f"{f'{len(plan.stages)} stage process(es), ' if plan.stages else ''}"
-                  f"{f'{len(plan.pools)} pool process(es), ' if plan.pools else ''}"
-                  f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate"
+            counts = ", ".join(f"{len(processes)} {kind} process(es)" for kind, processes in
+                               (("expert", plan.experts), ("stage", plan.stages),
+                                ("pool", plan.pools)) if processes)
+            print(f"DDM {manifest.name} is up: {counts} and the router at {plan.url} (web page "
+                  f"{plan.url}/, API POST {plan.url}/v1/generate"
                   f"{f', API docs {plan.url}/docs' if api_docs else ''}). Ctrl-C stops "
                   "everything.", file=out, flush=True)
             print(metrics_line(plan, host), file=out, flush=True)
