@@ -21,7 +21,7 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.manifests import ROUTER_CONFIG_FILE, build_children
-from ddm.operator.names import STAGE_LABEL
+from ddm.operator.names import POOL_LABEL, STAGE_LABEL
 from ddm.operator.policy import AllowLists
 from ddm.runtime.local import LocalRunError, plan_local
 
@@ -88,8 +88,8 @@ def _spec_args(argv: tuple[str, ...] | list[str]) -> list[str]:
             skip = False
         elif arg in PLACE_OPTIONS:
             skip = True
-        else:
-            kept.append(arg)
+        else:  # a pool's --member NAME=DIR: the name is the spec's, the directory the place's
+            kept.append(arg.partition("=")[0])
     return kept
 
 
@@ -123,7 +123,9 @@ def _operator(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, se
             elif STAGE_LABEL in child["metadata"]["labels"]:  # a stage's own server
                 stages[child["metadata"]["labels"][STAGE_LABEL]] = container["command"]
             else:
-                name = child["metadata"]["labels"]["ddm.dev/expert"]
+                labels = child["metadata"]["labels"]
+                name = (f"pool-{labels[POOL_LABEL]}" if POOL_LABEL in labels
+                        else labels["ddm.dev/expert"])
                 commands[name] = container["command"]
                 env[name] = {e["name"] for e in container["env"]} - {"HOME", "XDG_CACHE_HOME"}
         elif child["kind"] == "ConfigMap":
@@ -152,7 +154,7 @@ def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[s
                       token_file=Path("/run/ddm-up/router-token"),
                       expert_token_file=Path("/run/ddm-up/expert-token"))
     commands, env = {}, {}
-    for process in plan.experts:
+    for process in (*plan.experts, *plan.pools):
         name = process.name.split("/")[0]
         commands[name] = list(process.argv)
         env[name] = {k for k, _ in process.env} - {"OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -166,7 +168,8 @@ def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[s
 def test_the_operator_and_ddm_up_run_the_same_plan(manifest: DDMManifest) -> None:
     op_commands, op_env, op_router, op_config = _operator(manifest)
     local_commands, local_env, local_router, local_config = _local(manifest)
-    names = [e.name for e in manifest.spec.experts]
+    names = [*(e.name for e in manifest.spec.experts if e.pool is None),
+             *(f"pool-{p.name}" for p in manifest.spec.pools)]
     assert sorted(op_commands) == sorted(local_commands) == sorted(names)
     for name in names:
         assert _spec_args(op_commands[name]) == _spec_args(local_commands[name]), name
@@ -177,7 +180,7 @@ def test_the_operator_and_ddm_up_run_the_same_plan(manifest: DDMManifest) -> Non
         assert argv.count("--metrics-port") == 1 and argv[argv.index("--metrics-port") + 1] \
             != argv[argv.index("--port") + 1]
     assert _without_places(op_config) == _without_places(local_config)
-    assert [e.name for e in op_config.experts] == names
+    assert [e.name for e in op_config.experts] == [e.name for e in manifest.spec.experts]
     # Every request at the DDM's own default step count is allowed, on both.
     steps = manifest.spec.sampling.steps
     assert op_config.limits.max_steps == local_config.limits.max_steps == max(

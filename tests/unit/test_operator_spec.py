@@ -67,7 +67,9 @@ def test_defaults_equal_the_crds() -> None:
     assert parsed.router.replicas == SPEC["router"]["properties"]["replicas"]["default"]
     expert = parsed.experts[0]
     assert expert.framework == EXPERT["framework"]["default"]
-    assert expert.replicas == EXPERT["replicas"]["default"]
+    # No default for what a pooled expert must leave unset (the API server would fill it in).
+    assert "default" not in EXPERT["replicas"] and "default" not in EXPERT["accelerator"]
+    assert expert.replicas == 1
     assert expert.accelerator.type == EXPERT["accelerator"]["properties"]["type"]["default"]
 
 

@@ -242,3 +242,31 @@ def test_a_failing_stager_is_why_the_pods_that_copy_from_it_wait() -> None:
         "checkpoint stager: init container fetch-expert-low restarted 1 time; last exit 1: "
         "s3://models/low: HTTP 403 Forbidden")
     assert "reason" not in experts["high"]  # its checkpoint is in its image
+
+
+def test_a_pooled_expert_is_as_ready_as_its_pools_deployment_and_says_why_not() -> None:
+    spec = parse_spec({
+        "conditioning": "text", "sampling": {"strategy": "top1"},
+        "router": {"checkpoint": {"uri": "image:///r"}},
+        "textEncoder": {"checkpoint": {"uri": "image:///t"}, "pool": "gpu"},
+        "pools": [{"name": "gpu", "accelerator": {"type": "nvidia"}, "replicas": 2}],
+        "experts": [{"name": "a", "checkpoint": {"uri": "image:///a"}, "pool": "gpu"},
+                    {"name": "b", "checkpoint": {"uri": "image:///b"}}]})
+    pending = {"metadata": {"name": "p", "labels": {
+        "ddm.dev/deployment": "digits", "app.kubernetes.io/component": "pool",
+        "ddm.dev/pool": "gpu"}}, "status": {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}]}}
+    status = ready_status(spec, META, deployments={
+        "digits-pool-gpu": {"status": {"readyReplicas": 1}},
+        "digits-expert-b": {"status": {"readyReplicas": 1}},
+        "digits-router": {"status": {"readyReplicas": 1}}}, previous={}, now="T1",
+        pods=[pending])
+    assert status["expertReplicas"] == "a 1/2, b 1/1"
+    assert status["experts"][0]["accelerator"] == "nvidia x1"
+    assert "Insufficient nvidia.com/gpu" in status["experts"][0]["message"]
+    ready = ready_status(spec, META, deployments={
+        "digits-pool-gpu": {"status": {"readyReplicas": 2}},
+        "digits-expert-b": {"status": {"readyReplicas": 1}},
+        "digits-router": {"status": {"readyReplicas": 1}}}, previous={}, now="T1")
+    assert ready["phase"] == "Ready"

@@ -130,9 +130,10 @@ def test_the_crd_schema_lists_the_same_choices_and_ranges() -> None:
     assert stage["replicas"]["maximum"] == limits.MAX_REPLICAS
     expert = SPEC["experts"]["items"]["properties"]
     assert expert["precision"] == stage["precision"]
-    # an expert's accelerator defaults to {} (cpu), which the API server stores; a stage's has no
-    # default, since one placed in the router takes none
-    assert expert["accelerator"] == {**stage["accelerator"], "default": {}}
+    # no default for an accelerator: a component in a router or a pool takes none (spec.py
+    # defaults an expert's to cpu)
+    assert expert["accelerator"] == stage["accelerator"]
+    assert expert["pool"] == stage["pool"]
     guidance = SPEC["sampling"]["properties"]["guidanceScale"]
     assert (guidance["minimum"], guidance["maximum"]) == (0, limits.MAX_GUIDANCE_SCALE)
 

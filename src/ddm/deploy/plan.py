@@ -9,11 +9,14 @@ the router's configuration and limits) is decided here, once, so the two cannot 
 The stages besides the experts (text encoder, decoder, router network) are planned the same
 way: one placed ``separate`` is a server of its own (``ddm serve stage``) that the router
 reaches as it reaches an expert; one placed ``router`` is loaded by the router from its
-checkpoint directory.
+checkpoint directory. A pool (``spec.pools``) is one server (``ddm serve pool``) per replica
+for all its members, experts and stages alike; a pooled component gets no server of its own,
+and the router reaches it through its pool's discovery with ``member`` set to its name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -30,7 +33,7 @@ from ddm.deploy.router_config import (
     SamplingDefaults,
     StageEntry,
 )
-from ddm.deploy.spec import Autoscaling, DDMSpec, ExpertSpec, StageSpec
+from ddm.deploy.spec import Autoscaling, DDMSpec, ExpertSpec, PoolSpec, StageSpec
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class ExpertPlan:
     device: str | None
     args: tuple[str, ...]
     autoscaling: Autoscaling | None = None
+    pool: str | None = None
 
     def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -69,7 +73,8 @@ class StagePlan:
     """A stage besides the experts. ``role``: its name in the plan (a value of
     :data:`~ddm.checkpoints.declared.PLAN_NAMES`); ``separate``: served by ``replicas``
     servers of its own on ``accelerator`` (``args``: backend, device, precision), else loaded
-    by the router from its checkpoint, cast to ``precision``."""
+    by the router from its checkpoint, cast to ``precision``; ``pool``: served by that pool
+    instead (not ``separate``)."""
 
     role: str
     checkpoint: CheckpointSource
@@ -80,6 +85,12 @@ class StagePlan:
     device: str | None
     precision: str | None
     args: tuple[str, ...]
+    pool: str | None = None
+
+    @property
+    def in_router(self) -> bool:
+        """Loaded by the router itself (neither separate nor pooled)."""
+        return not self.separate and self.pool is None
 
     @property
     def config_key(self) -> str:
@@ -105,6 +116,35 @@ class StagePlan:
         if isinstance(place, str):
             return StageEntry(checkpoint=place, precision=self.precision)
         return StageEntry(discovery=place)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """One pool's server (``ddm serve pool``), ``replicas`` of them on ``accelerator``:
+    ``members`` (name in the plan -> checkpoint) all loaded by one process; ``args``: backend,
+    device, precision and batching, after the ones its place decides (``command``)."""
+
+    name: str
+    members: tuple[tuple[str, CheckpointSource], ...]
+    replicas: int
+    accelerator: str
+    backend: str
+    device: str | None
+    args: tuple[str, ...]
+
+    def command(self, member_dirs: Mapping[str, str], host: str, port: int, metrics_port: int,
+                token_file: str | None = None) -> tuple[str, ...]:
+        """``ddm``'s arguments that serve every member from ``member_dirs[name]`` on host:port
+        (as :meth:`ExpertPlan.command`: ``/metrics`` alone on ``metrics_port``; with the
+        router's expert ``token_file``, only the router may call it)."""
+        auth = ("--auth-token-file", token_file) if token_file is not None else ()
+        members = (arg for name, _ in self.members
+                   for arg in ("--member", f"{name}={member_dirs[name]}"))
+        return ("serve", "pool", *members, "--host", host, "--port", str(port),
+                "--metrics-port", str(metrics_port), *auth, *self.args)
+
+    def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
+        return backend_env(self.backend, cache_dir)
 
 
 def backend_env(backend: str, cache_dir: str) -> tuple[tuple[str, str], ...]:
@@ -142,22 +182,31 @@ class RouterPlan:
 
 @dataclass(frozen=True)
 class DeploymentPlan:
-    """What runs for one spec: the experts (in the router network's output order), the router
-    and the other stages (``separate`` ones run beside the experts)."""
+    """What runs for one spec: the experts (in the router network's output order), the router,
+    the other stages (``separate`` ones run beside the experts) and the pools (which serve
+    the experts and stages that name them)."""
 
     experts: tuple[ExpertPlan, ...]
     router: RouterPlan
     stages: tuple[StagePlan, ...] = ()
+    pools: tuple[PoolPlan, ...] = ()
 
     @property
     def separate_stages(self) -> tuple[StagePlan, ...]:
         return tuple(s for s in self.stages if s.separate)
 
+    @property
+    def unpooled_experts(self) -> tuple[ExpertPlan, ...]:
+        """The experts with servers of their own."""
+        return tuple(e for e in self.experts if e.pool is None)
+
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
                       auth: Auth | None = None, trusted_proxies: tuple[str, ...] = (),
-                      stage_places: Mapping[str, str | Discovery] | None = None
+                      stage_places: Mapping[str, str | Discovery] | None = None,
+                      pool_discovery: Mapping[str, Discovery] | None = None
                       ) -> RouterConfigFile:
-        """router.yaml, with each expert reached through ``discovery[name]``, the router
+        """router.yaml, with each expert reached through ``discovery[name]`` (a pooled one
+        through its pool's ``pool_discovery[pool]``, as that pool's ``member``), the router
         network read from ``checkpoint_dir`` (None without one, or when it runs on its own)
         and every other stage from ``stage_places[role]``: a directory the router loads it
         from, or the discovery of its servers (placed ``separate``); with ``auth``, the token
@@ -167,12 +216,16 @@ class DeploymentPlan:
         label DDM's router network in the router stays ``router_checkpoint``; a text DDM's is
         ``router_network``."""
         router = self.router
-        places = {**(stage_places or {})}
+        members = {name: dataclasses.replace((pool_discovery or {})[pool.name], member=name)
+                   for pool in self.pools for name, _ in pool.members}
+        discovery = {**discovery, **{e.name: members[e.name] for e in self.experts if e.pool}}
+        places = {**(stage_places or {}),
+                  **{s.role: members[s.role] for s in self.stages if s.pool}}
         if checkpoint_dir is not None:
             places.setdefault(PLAN_NAMES[ROUTER], checkpoint_dir)
         network = next((s for s in self.stages if s.role == PLAN_NAMES[ROUTER]), None)
         as_checkpoint = (router.conditioning == "labels" and network is not None
-                         and not network.separate and network.precision is None)
+                         and network.in_router and network.precision is None)
         entries = {s.config_key: s.entry(places[s.role])
                    for s in self.stages if not (as_checkpoint and s is network)}
         return RouterConfigFile(
@@ -200,7 +253,23 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
         conditioning=spec.conditioning)
     return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router,
                           stages=tuple(plan_stage(role, stage)
-                                       for role, stage in spec.stages.items()))
+                                       for role, stage in spec.stages.items()),
+                          pools=tuple(plan_pool(spec, pool) for pool in spec.pools))
+
+
+def plan_pool(spec: DDMSpec, pool: PoolSpec) -> PoolPlan:
+    """What runs for one pool of a validated ``spec``: its backend is its members' (the spec
+    checks that they share one, and one precision)."""
+    members = spec.members(pool.name)
+    framework = next((m.framework for m in members.values() if isinstance(m, ExpertSpec)),
+                     "torch")
+    precision = next((m.precision for m in members.values()), None)
+    backend, device = BACKEND_BY_ACCELERATOR[(pool.accelerator.type, framework)]
+    args = _server_args(backend, device, precision) + _batching_args(pool)
+    return PoolPlan(name=pool.name,
+                    members=tuple((name, m.checkpoint) for name, m in members.items()),
+                    replicas=pool.replicas, accelerator=pool.accelerator.type, backend=backend,
+                    device=device, args=tuple(args))
 
 
 def plan_stage(role: str, stage: StageSpec) -> StagePlan:
@@ -209,7 +278,8 @@ def plan_stage(role: str, stage: StageSpec) -> StagePlan:
     return StagePlan(role=role, checkpoint=stage.checkpoint, separate=stage.separate,
                      replicas=stage.replicas, accelerator=stage.accelerator.type,
                      backend=backend, device=device, precision=stage.precision,
-                     args=tuple(_server_args(backend, device, stage.precision)))
+                     args=tuple(_server_args(backend, device, stage.precision)),
+                     pool=stage.pool)
 
 
 def _server_args(backend: str, device: str | None, precision: str | None) -> list[str]:
@@ -220,12 +290,15 @@ def _server_args(backend: str, device: str | None, precision: str | None) -> lis
 def plan_expert(expert: ExpertSpec) -> ExpertPlan:
     """What runs for one validated expert of a spec."""
     backend, device = BACKEND_BY_ACCELERATOR[(expert.accelerator.type, expert.framework)]
-    args = _server_args(backend, device, expert.precision)
-    if expert.max_batch is not None:
-        args += ["--max-batch", str(expert.max_batch)]
-    if expert.max_delay_ms is not None:
-        args += ["--max-delay-ms", str(expert.max_delay_ms)]
+    args = _server_args(backend, device, expert.precision) + _batching_args(expert)
     return ExpertPlan(name=expert.name, classes=expert.classes, replicas=expert.replicas,
                       checkpoint=expert.checkpoint, accelerator=expert.accelerator.type,
                       backend=backend, device=device, args=tuple(args),
-                      autoscaling=expert.autoscaling)
+                      autoscaling=expert.autoscaling, pool=expert.pool)
+
+
+def _batching_args(server: ExpertSpec | PoolSpec) -> list[str]:
+    """A server's batcher flags (an expert's, or a pool's for each of its members)."""
+    return [*(("--max-batch", str(server.max_batch)) if server.max_batch is not None else ()),
+            *(("--max-delay-ms", str(server.max_delay_ms))
+              if server.max_delay_ms is not None else ())]

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, STAGE_ROLES, TEXT_ENCODER
 from ddm.checkpoints.uri import (
     REMOTE_SCHEMES,
     CheckpointSource,
@@ -56,6 +56,7 @@ from ddm.deploy.limits import (
     STRATEGY_PATTERN,
 )
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
+from ddm.deploy.pools import STAGE_FIELDS, Component, PoolSpec, pool_problems
 from ddm.deploy.router_config import MissingExpert
 from ddm.deploy.strict_yaml import load_yaml
 
@@ -75,6 +76,8 @@ SECRET_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 MAX_SECRET_NAME_LENGTH = 253
 SECRET_KEY_PATTERN = r"^[-_A-Za-z0-9][-._A-Za-z0-9]*$"
 DEFAULT_TOKEN_KEY = "token"
+#: The most pools a spec lists: each holds one component at least.
+MAX_POOLS = MAX_EXPERTS + len(STAGE_ROLES)
 #: A pinned SHA-256 (``checkpoint.sha256``): 64 hex digits, optionally ``sha256:`` first.
 SHA256_PATTERN = r"^(sha256:)?[0-9a-fA-F]{64}$"
 
@@ -133,7 +136,9 @@ class StageSpec:
     ``checkpoint`` is ``spec.router.checkpoint``). ``placement``: ``router`` loads it inside
     the router's process (its pods' CPU: no accelerator, replicas or pod options of its own);
     ``separate`` serves it from pods (processes) of its own, ``replicas`` of them, each on
-    ``accelerator``. ``precision``: the dtype its weights are cast to (None: as stored)."""
+    ``accelerator``; ``pool`` (set by ``pool: NAME``, never written as a placement): served by
+    the pool named ``pool`` (``spec.pools``). ``precision``: the dtype its weights are cast to
+    (None: as stored)."""
 
     checkpoint: CheckpointSource
     placement: str = "router"
@@ -142,10 +147,16 @@ class StageSpec:
     precision: str | None = None
     pod: PodOptions = PodOptions()
     fetch: FetchOptions = FetchOptions()
+    pool: str | None = None
 
     @property
     def separate(self) -> bool:
         return self.placement == "separate"
+
+    @property
+    def in_router(self) -> bool:
+        """Loaded by the router itself (placement ``router``)."""
+        return self.placement == "router"
 
 
 @dataclass(frozen=True)
@@ -169,7 +180,8 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class ExpertSpec:
-    """One expert. ``max_batch``/``max_delay_ms`` None: the server's own defaults."""
+    """One expert. ``max_batch``/``max_delay_ms`` None: the server's own defaults; ``pool``:
+    the pool that serves it (None: servers of its own)."""
 
     name: str
     framework: str
@@ -183,6 +195,7 @@ class ExpertSpec:
     fetch: FetchOptions = FetchOptions()
     autoscaling: Autoscaling | None = None
     precision: str | None = None
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +211,15 @@ class DDMSpec:
     conditioning: str = "labels"
     text_encoder: StageSpec | None = None
     decoder: StageSpec | None = None
+    pools: tuple[PoolSpec, ...] = ()
+
+    def members(self, pool: str) -> dict[str, ExpertSpec | StageSpec]:
+        """The components pool ``pool`` serves, by their names in the plan (an expert's name,
+        or a stage's role: ``text-encoder``, ``decoder``, ``router-network``): experts first,
+        in order."""
+        experts = {e.name: e for e in self.experts if e.pool == pool}
+        return {**experts, **{role: stage for role, stage in self.stages.items()
+                              if stage.pool == pool}}
 
     @property
     def stages(self) -> dict[str, StageSpec]:
@@ -242,10 +264,16 @@ def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
         e for i, item in enumerate(raw_experts)
         if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), allow_host_paths))
     )
+    raw_pools = reader.items("pools")
+    if len(raw_pools) > MAX_POOLS:
+        reader.problem("pools", f"must list at most {MAX_POOLS} pools (one per component), got "
+                                f"{len(raw_pools)}")
+    pools = tuple(p for i, item in enumerate(raw_pools)
+                  if (p := _pool(FieldReader(item, f"spec.pools[{i}]", problems))))
     reader.done()
     spec = DDMSpec(experts=experts, num_classes=num_classes or 10, sampling=sampling,
                    router=router, conditioning=conditioning, text_encoder=text_encoder,
-                   decoder=decoder)
+                   decoder=decoder, pools=pools)
     if not problems:
         problems.extend(_semantic_problems(spec))
     if problems:
@@ -381,7 +409,10 @@ def _stage(reader: FieldReader, allow_host_paths: bool,
         else:
             reader.problem("checkpoint", "is required")
     placement = reader.string("placement", "router", choices=STAGE_PLACEMENTS) or "router"
-    if placement == "router":
+    pool = _pool_name(reader)
+    if pool is not None:
+        placement = "pool"
+    elif placement == "router":
         for key in ("accelerator", "replicas", "resources", "image", "nodeSelector",
                     "tolerations", "affinity"):
             if reader.has(key):
@@ -393,7 +424,7 @@ def _stage(reader: FieldReader, allow_host_paths: bool,
         placement=placement, accelerator=accelerator,
         replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
         precision=reader.string("precision", None, choices=PRECISIONS),
-        pod=parse_pod_options(reader), fetch=fetch)
+        pod=parse_pod_options(reader), fetch=fetch, pool=pool)
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, stage.pod)
     reader.done()
@@ -445,6 +476,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
     if not reader.has("name"):
         reader.problem("name", "is required")
     framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
+    pool = _pool_name(reader)
     accelerator, accelerator_ok = _placed_accelerator(reader, framework)
     checkpoint, fetch = None, FetchOptions()
     if reader.has("checkpoint"):
@@ -464,18 +496,70 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         checkpoint=checkpoint,  # type: ignore[arg-type]  # dropped below when None
         classes=tuple(classes),
         replicas=reader.integer("replicas", 1, 0, MAX_REPLICAS) or 0,
-        max_batch=reader.integer("maxBatch", None, 1, MAX_BATCH),
-        max_delay_ms=reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS),
+        max_batch=_max_batch(reader),
+        max_delay_ms=_max_delay_ms(reader),
         pod=parse_pod_options(reader),
         fetch=fetch,
-        autoscaling=parse_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling")
-        else None,
+        autoscaling=_autoscaling(reader),
         precision=reader.string("precision", None, choices=PRECISIONS),
+        pool=pool,
     )
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, expert.pod)
     reader.done()
     return expert if name and checkpoint else None
+
+
+#: What a pool decides for its members: a component that names a pool gives none of these.
+POOL_PLACED_FIELDS = ("placement", "accelerator", "replicas", "resources", "image",
+                      "nodeSelector", "tolerations", "affinity", "maxBatch", "maxDelayMs",
+                      "autoscaling")
+
+
+def _pool_name(reader: FieldReader) -> str | None:
+    """A component's ``pool``, refusing every field its pool decides instead."""
+    pool = reader.string("pool", None, pattern=EXPERT_NAME_PATTERN,
+                         max_length=MAX_EXPERT_NAME_LENGTH, hint="the name of one of spec.pools")
+    if pool is not None:
+        for key in POOL_PLACED_FIELDS:
+            if reader.has(key):
+                reader.problem(key, f"the component is in pool {pool!r}, which places it "
+                                    f"(spec.pools): give {key} there, not here")
+    return pool
+
+
+def _max_batch(reader: FieldReader) -> int | None:
+    return reader.integer("maxBatch", None, 1, MAX_BATCH)
+
+
+def _max_delay_ms(reader: FieldReader) -> int | None:
+    return reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS)
+
+
+def _autoscaling(reader: FieldReader) -> Autoscaling | None:
+    return parse_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling") else None
+
+
+def _pool(reader: FieldReader) -> PoolSpec | None:
+    name = reader.string("name", None, pattern=EXPERT_NAME_PATTERN,
+                         max_length=MAX_EXPERT_NAME_LENGTH,
+                         hint="a DNS-1123 label: lower-case letters, digits and '-'")
+    if not reader.has("name"):
+        reader.problem("name", "is required")
+    # Which frameworks the accelerator must run is the members' question (pool_problems).
+    accelerator, accelerator_ok = _placed_accelerator(reader, "torch")
+    pool = PoolSpec(name=name or "", accelerator=accelerator,
+                    replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
+                    max_batch=_max_batch(reader), max_delay_ms=_max_delay_ms(reader),
+                    pod=parse_pod_options(reader))
+    if _autoscaling(reader) is not None:
+        reader.problem("autoscaling", "pools do not autoscale yet (from the sum of their "
+                                      "members' demand, scale to zero included: issue 37); "
+                                      "set replicas")
+    if accelerator_ok:
+        _node_label_conflicts(reader, accelerator, pool.pod)
+    reader.done()
+    return pool if name else None
 
 
 def _semantic_problems(spec: DDMSpec) -> list[str]:
@@ -492,6 +576,12 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
             found.append(f"spec.experts[{i}].classes: {outside} are outside 0..{last} "
                          f"(spec.numClasses is {spec.num_classes})")
     found.extend(_conditioning_problems(spec))
+    found.extend(pool_problems(spec.pools, [
+        *(Component(f"spec.experts[{i}]", e.name, e.pool, e.framework, e.precision)
+          for i, e in enumerate(spec.experts)),
+        *(Component(STAGE_FIELDS[role], role, stage.pool, "torch", stage.precision,
+                    stage=True)
+          for role, stage in spec.stages.items())], spec.conditioning))
     strategy = spec.sampling.strategy
     if strategy == "oracle":
         found.extend(_oracle_problems(spec))

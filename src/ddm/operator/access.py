@@ -101,19 +101,22 @@ def build_token_secrets(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
 
 
 def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
-                           fetches: bool, stages: bool = False) -> list[dict[str, Any]]:
+                           fetches: bool, stages: bool = False, pools: bool = False
+                           ) -> list[dict[str, Any]]:
     """The DDM's NetworkPolicies (see the module's docstring); ``fetches``: the DDM fetches a
     checkpoint, so it has a stager; ``stages``: it has stages in pods of their own (text
-    encoder, decoder, router network), which admit the router as experts do. The metrics
-    port admits ``config.metrics_from`` (NetworkPolicyPeers: the scrapers), and nobody when
-    it is empty (a rule with no peers would admit everyone); the routers' admits the
-    operator too (``config.operator_from``), whose autoscaler reads their demand there."""
+    encoder, decoder, router network), which admit the router as experts do; ``pools``: it
+    has pools, whose pods do the same. The metrics port admits ``config.metrics_from``
+    (NetworkPolicyPeers: the scrapers), and nobody when it is empty (a rule with no peers
+    would admit everyone); the routers' admits the operator too (``config.operator_from``),
+    whose autoscaler reads their demand there."""
     owner = meta["name"]
     scrape = ([{"from": [dict(peer) for peer in config.metrics_from],
                 "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]}]
               if config.metrics_from else [])
     copies = [_to_pods(owner, "stager", STAGER_PORT), dns_egress(config)] if fetches else []
-    kinds = [("experts", "expert"), *([("stages", "stage")] if stages else [])]
+    kinds = [("experts", "expert"), *([("stages", "stage")] if stages else []),
+             *([("pools", "pool")] if pools else [])]
     servers = [_network_policy(
         names.network_policy_name(owner, plural), meta, names.selector(owner, component),
         ingress=[{"from": [{"podSelector": {"matchLabels": names.selector(owner, "router")}}],
@@ -129,8 +132,7 @@ def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
         names.network_policy_name(owner, "router"), meta, names.selector(owner, "router"),
         ingress=[{"ports": [{"protocol": "TCP", "port": names.ROUTER_PORT}]},
                  *copy.deepcopy(scrape), *autoscaler],
-        egress=[_to_pods(owner, "expert", names.EXPERT_PORT),
-                *([_to_pods(owner, "stage", names.EXPERT_PORT)] if stages else []),
+        egress=[*(_to_pods(owner, component, names.EXPERT_PORT) for _, component in kinds),
                 dns_egress(config), *copies[:1]])
     if not fetches:
         return [*servers, router]

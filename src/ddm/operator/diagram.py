@@ -3,7 +3,8 @@
 Clients reach the router; the router calls every expert and every stage placed on its own (a
 text DDM's text encoder, decoder, router network); experts and stages are grouped by the
 hardware they run on, each showing its replicas and devices per replica (an expert also its
-framework and classes); the stages the router loads itself are named in the router's box.
+framework and classes); the stages the router loads itself are named in the router's box. A
+pool is one box naming its members, which have no box of their own.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddm.deploy.limits import ROUTER_PORT
-from ddm.deploy.spec import DDMSpec, ExpertSpec, StageSpec, load_manifest
+from ddm.deploy.spec import DDMSpec, ExpertSpec, PoolSpec, StageSpec, load_manifest
 
 HARDWARE = {"neuron": "AWS Neuron", "nvidia": "NVIDIA GPU", "tpu": "Google TPU", "cpu": "CPU"}
 
@@ -20,7 +21,7 @@ def render_mermaid(spec: DDMSpec, name: str = "ddm") -> str:
     """Mermaid ``flowchart LR`` source for ``spec`` (``name``: the DDMDeployment's name)."""
     sampling, router = spec.sampling, spec.router
     inside = [role.replace("-", " ") for role, stage in spec.stages.items()
-              if not stage.separate and spec.conditioning == "text"]
+              if stage.in_router and spec.conditioning == "text"]
     lines = [
         "flowchart LR",
         f'    clients(["clients"]) -->|"HTTP :{ROUTER_PORT}"| router',
@@ -29,10 +30,13 @@ def render_mermaid(spec: DDMSpec, name: str = "ddm") -> str:
         f'{"<br/>with its " + ", ".join(inside) if inside else ""}"]',
     ]
     nodes = {f"expert{i}": (e.accelerator.type, _expert_label(e))
-             for i, e in enumerate(spec.experts)}
+             for i, e in enumerate(spec.experts) if e.pool is None}
     nodes.update({f"stage_{role.replace('-', '_')}": (stage.accelerator.type,
                                                       _stage_label(role, stage))
                   for role, stage in spec.stages.items() if stage.separate})
+    nodes.update({f"pool_{pool.name.replace('-', '_')}": (pool.accelerator.type,
+                                                          _pool_label(spec, pool))
+                  for pool in spec.pools})
     for kind, title in HARDWARE.items():
         here = [(node, label) for node, (hardware, label) in nodes.items() if hardware == kind]
         if not here:
@@ -64,6 +68,13 @@ def _stage_label(role: str, stage: StageSpec) -> str:
     devices = stage.accelerator.describe()
     where = "on CPU" if devices == "cpu" else f"with {devices} each"
     return f"{role.replace('-', ' ')}<br/>{_replicas(stage.replicas)} {where}"
+
+
+def _pool_label(spec: DDMSpec, pool: PoolSpec) -> str:
+    devices = pool.accelerator.describe()
+    where = "on CPU" if devices == "cpu" else f"with {devices} each"
+    members = ", ".join(name.replace("-", " ") for name in spec.members(pool.name))
+    return f"pool {pool.name}<br/>{members}<br/>{_replicas(pool.replicas)} {where}"
 
 
 def _replicas(count: int) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from ddm.operator import names
@@ -40,10 +41,10 @@ from ddm.checkpoints.uri import (
     checkpoint_mount,
 )
 from ddm.deploy.accelerators import Accelerator
-from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert, plan_stage
+from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert, plan_pool, plan_stage
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, Discovery, DnsDiscovery, RouterConfigFile
-from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, RouterAuth, StageSpec
+from ddm.deploy.spec import DDMSpec, ExpertSpec, FetchOptions, PoolSpec, RouterAuth, StageSpec
 from ddm.operator.config import OperatorConfig
 from ddm.operator.fetcher import (
     ROUTER_KEY,
@@ -106,20 +107,26 @@ def build_children(spec: DDMSpec, meta: Mapping[str, Any], config: OperatorConfi
     fetches = bool(fetched(spec))
     children: list[dict[str, Any]] = (
         build_network_policies(meta, config, fetches=fetches,
-                               stages=any(s.separate for s in spec.stages.values()))
+                               stages=any(s.separate for s in spec.stages.values()),
+                               pools=bool(spec.pools))
         if config.network_policy else [])
     if fetches:
         children.append(build_stager_service(meta))
         children.append(build_stager_deployment(spec, meta, config))
     for expert in spec.experts:
-        children.append(build_expert_service(expert, meta))
-        children.append(build_expert_deployment(expert, meta, config,
-                                                expert_token(spec, meta, config)))
+        if expert.pool is None:
+            children.append(build_expert_service(expert, meta))
+            children.append(build_expert_deployment(expert, meta, config,
+                                                    expert_token(spec, meta, config)))
     for role, stage in spec.stages.items():
         if stage.separate:
             children.append(build_stage_service(role, meta))
             children.append(build_stage_deployment(role, stage, meta, config,
                                                    expert_token(spec, meta, config)))
+    for pool in spec.pools:
+        children.append(build_pool_service(pool, meta))
+        children.append(build_pool_deployment(spec, pool, meta, config,
+                                              expert_token(spec, meta, config)))
     children.append(build_router_configmap(spec, meta, config))
     children.append(build_router_service(meta))
     children.append(build_router_deployment(spec, meta, config))
@@ -141,10 +148,11 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     return _model_server(
         names.expert_name(owner, expert.name), "expert", meta, config, replicas,
         names.labels(owner, "expert", expert.name), names.selector(owner, "expert", expert.name),
-        accelerator=expert.accelerator, pod=expert.pod, checkpoint=expert.checkpoint,
-        fetch=expert.fetch, key=expert_key(expert.name), mount_path=EXPERT_CHECKPOINT_DIR,
-        command=lambda path, token_file: planned.command(
-            path, "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
+        accelerator=expert.accelerator, pod=expert.pod,
+        checkpoints=[_Checkpoint(expert.checkpoint, expert.fetch, expert_key(expert.name),
+                                 EXPERT_CHECKPOINT_DIR)],
+        command=lambda paths, token_file: planned.command(
+            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
         env=planned.env(NEURON_CACHE_DIR), token=token)
 
 
@@ -158,12 +166,50 @@ def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
     return _model_server(
         names.stage_name(owner, role), "stage", meta, config, stage.replicas,
         names.labels(owner, "stage", stage=role), names.selector(owner, "stage", stage=role),
-        accelerator=stage.accelerator, pod=stage.pod, checkpoint=stage.checkpoint,
-        fetch=stage.fetch, key=ROUTER_KEY if role == PLAN_NAMES[ROUTER] else stage_key(role),
-        mount_path=STAGE_CHECKPOINT_DIR,
-        command=lambda path, token_file: planned.command(
-            path, "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
+        accelerator=stage.accelerator, pod=stage.pod,
+        checkpoints=[_Checkpoint(stage.checkpoint, stage.fetch, _stage_key(role),
+                                 STAGE_CHECKPOINT_DIR)],
+        command=lambda paths, token_file: planned.command(
+            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
         env=planned.env(NEURON_CACHE_DIR), token=token)
+
+
+def build_pool_deployment(spec: DDMSpec, pool: PoolSpec, meta: Mapping[str, Any],
+                          config: OperatorConfig, token: RouterAuth | None = None
+                          ) -> dict[str, Any]:
+    """A pool's Deployment (``ddm serve pool``): one pod per replica on the pool's
+    accelerator (requested once per pod, whatever its members), each member's checkpoint
+    under ``/models/<member>``; it answers only the router (``token``), as an expert does."""
+    owner = meta["name"]
+    planned = plan_pool(spec, pool)
+    members = spec.members(pool.name)
+    checkpoints = [_Checkpoint(member.checkpoint, member.fetch,
+                               expert_key(name) if isinstance(member, ExpertSpec)
+                               else _stage_key(name), f"/models/{name}", f"checkpoint-{name}")
+                   for name, member in members.items()]
+    return _model_server(
+        names.pool_name(owner, pool.name), "pool", meta, config, pool.replicas,
+        names.labels(owner, "pool", pool=pool.name),
+        names.selector(owner, "pool", pool=pool.name),
+        accelerator=pool.accelerator, pod=pool.pod, checkpoints=checkpoints,
+        command=lambda paths, token_file: planned.command(
+            dict(zip(members, paths)), "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT,
+            token_file),
+        env=planned.env(NEURON_CACHE_DIR), token=token)
+
+
+def build_pool_service(pool: PoolSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """A headless Service: its DNS name resolves to every ready replica of the pool."""
+    owner = meta["name"]
+    return _service(names.pool_name(owner, pool.name), meta,
+                    names.labels(owner, "pool", pool=pool.name),
+                    names.selector(owner, "pool", pool=pool.name), names.EXPERT_PORT,
+                    headless=True)
+
+
+def _stage_key(role: str) -> str:
+    """The fetch key of a stage's checkpoint (the router network's is the router's)."""
+    return ROUTER_KEY if role == PLAN_NAMES[ROUTER] else stage_key(role)
 
 
 def build_stage_service(role: str, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,20 +219,35 @@ def build_stage_service(role: str, meta: Mapping[str, Any]) -> dict[str, Any]:
                     names.selector(owner, "stage", stage=role), names.EXPERT_PORT, headless=True)
 
 
+@dataclass(frozen=True)
+class _Checkpoint:
+    """One checkpoint a model server's pod gets: its fetch ``key`` (``fetcher``), where it is
+    mounted and under which volume name."""
+
+    source: CheckpointSource
+    fetch: FetchOptions
+    key: str
+    mount_path: str
+    volume: str = "checkpoint"
+
+
 def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
                   config: OperatorConfig, replicas: int | None, labels: dict[str, str],
                   selector: dict[str, str], *, accelerator: Accelerator, pod: PodOptions,
-                  checkpoint: CheckpointSource, fetch: FetchOptions, key: str, mount_path: str,
-                  command: Callable[[str, str | None], tuple[str, ...]],
+                  checkpoints: list[_Checkpoint],
+                  command: Callable[[list[str], str | None], tuple[str, ...]],
                   env: tuple[tuple[str, str], ...], token: RouterAuth | None
                   ) -> dict[str, Any]:
-    """The Deployment of a model server (an expert or a stage): one pod per replica on its
-    accelerator, ready once loaded (``replicas`` None: left to the scaler);
-    ``command(checkpoint_dir, token_file)``: its arguments."""
+    """The Deployment of a model server (an expert, a stage or a pool): one pod per replica on
+    its accelerator, ready once loaded (``replicas`` None: left to the scaler);
+    ``command(checkpoint_dirs, token_file)``: its arguments, given where each of
+    ``checkpoints`` is in the pod."""
     place = placement(accelerator)
     image = pod.image or config.images.for_family(place.image_family)
-    mount = _checkpoint(checkpoint, fetch, mount_path, image, config, meta, key)
-    arguments = ["ddm", *command(mount.path, EXPERT_TOKEN_FILE if token is not None else None),
+    models = [_checkpoint(c.source, c.fetch, c.mount_path, image, config, meta, c.key,
+                           volume=c.volume) for c in checkpoints]
+    arguments = ["ddm", *command([m.path for m in models],
+                                 EXPERT_TOKEN_FILE if token is not None else None),
                  "--drain-s", str(DRAIN_S)]
     scratch_env, volumes, mounts = _scratch()
     if token is not None:
@@ -204,15 +265,18 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
         "ports": _ports(names.EXPERT_PORT),
         "env": scratch_env,
         **({"resources": resources} if resources else {}),
-        "volumeMounts": mounts + mount.mounts,
+        "volumeMounts": mounts + [m for mount in models for m in mount.mounts],
         **_probes(STARTUP_BUDGET_S.get(accelerator.type, STARTUP_BUDGET_S["default"])),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    pod_spec = _pod_spec(container, pod, volumes + mount.volumes, mount.init_containers,
+    pod_spec = _pod_spec(container, pod,
+                         volumes + [v for mount in models for v in mount.volumes],
+                         [c for mount in models for c in mount.init_containers],
                          node_selector=place.node_selector, tolerations=place.tolerations)
     return _deployment(name, meta, replicas, labels, selector, pod_spec,
-                       {**names.SCRAPE_ANNOTATIONS, **_checkpoint_annotation(checkpoint)})
+                       {**names.SCRAPE_ANNOTATIONS,
+                        **_checkpoint_annotation(*(c.source for c in checkpoints))})
 
 
 def _mount_token(token: RouterAuth, volume: str, directory: str,
@@ -243,16 +307,20 @@ def build_router_config(spec: DDMSpec, meta: Mapping[str, Any], config: Operator
         e.name: DnsDiscovery(dns=names.expert_dns(owner, e.name, namespace,
                                                   config.cluster_domain),
                              port=names.EXPERT_PORT)
-        for e in spec.experts}
+        for e in spec.experts if e.pool is None}
     places: dict[str, str | Discovery] = {
         role: DnsDiscovery(dns=names.stage_dns(owner, role, namespace, config.cluster_domain),
                            port=names.EXPERT_PORT)
         for role, stage in spec.stages.items() if stage.separate}
     places.update({role: _pod_dir(*place) for role, place in _router_stages(spec).items()})
+    pools: dict[str, Discovery] = {
+        p.name: DnsDiscovery(dns=names.pool_dns(owner, p.name, namespace,
+                                                config.cluster_domain), port=names.EXPERT_PORT)
+        for p in spec.pools}
     made = plan_deployment(spec).router_config(
         discovery, None, Auth(token_file=ROUTER_TOKEN_FILE, expert_token_file=EXPERT_TOKEN_FILE)
         if router_token(spec, meta, config) else None,
-        config.router_trusted_proxies, places)
+        config.router_trusted_proxies, places, pools)
     # The operator's strategies (ddm.operator.policy has checked the spec's own is one).
     return dataclasses.replace(made, sampling=dataclasses.replace(
         made.sampling, strategies=config.allowed.strategies))
@@ -262,7 +330,7 @@ def _router_stages(spec: DDMSpec) -> dict[str, tuple[StageSpec, str]]:
     """Role -> (stage, its mount path) of every stage the router's pods load themselves."""
     return {role: (stage, ROUTER_CHECKPOINT_DIR if role == PLAN_NAMES[ROUTER]
                    else f"/models/{role}")
-            for role, stage in spec.stages.items() if not stage.separate}
+            for role, stage in spec.stages.items() if stage.in_router}
 
 
 def _pod_dir(stage: StageSpec, mount_path: str) -> str:
@@ -289,8 +357,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     router = spec.router
     image = router.pod.image or config.images.cpu
     checkpoints = [
-        _checkpoint(stage.checkpoint, stage.fetch, path, image, config, meta,
-                    ROUTER_KEY if role == PLAN_NAMES[ROUTER] else stage_key(role),
+        _checkpoint(stage.checkpoint, stage.fetch, path, image, config, meta, _stage_key(role),
                     volume="checkpoint" if role == PLAN_NAMES[ROUTER] else f"checkpoint-{role}")
         for role, (stage, path) in _router_stages(spec).items()]
     env, volumes, mounts = _scratch()

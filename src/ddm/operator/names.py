@@ -3,11 +3,13 @@
 Children are ``<name>-router`` (Deployment, Service), ``<name>-router-config`` (ConfigMap),
 ``<name>-expert-<expert>`` (Deployment, headless Service), ``<name>-stage-<role>``
 (Deployment, headless Service) per stage placed ``separate`` (``text-encoder``, ``decoder``,
-``router-network``), with fetched checkpoints
+``router-network``), ``<name>-pool-<pool>`` (Deployment, headless Service) per pool, with
+fetched checkpoints
 ``<name>-stager`` (the Deployment and Service that fetch them and hand them out), and
 NetworkPolicies on ``<name>-experts``, ``<name>-stages`` (where stages are placed
-``separate``), ``<name>-router`` and ``<name>-stager``. The CRD bounds
-both names so that every Service name stays a DNS-1035 label of at most 63 characters.
+``separate``), ``<name>-pools`` (where there are pools), ``<name>-router`` and
+``<name>-stager``. The CRD bounds both names so that every Service name stays a DNS-1035
+label of at most 63 characters.
 
 The operator's Secrets are immutable and never read back, so their names say what they hold:
 with router authentication ``<name>-router-token-<u>`` (the public API token, when the spec
@@ -39,6 +41,7 @@ MANAGED_BY = "ddm-operator"
 DEPLOYMENT_LABEL = "ddm.dev/deployment"
 EXPERT_LABEL = "ddm.dev/expert"
 STAGE_LABEL = "ddm.dev/stage"
+POOL_LABEL = "ddm.dev/pool"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 #: Hash of a child's desired manifest: a spec change rewrites only the children it alters.
@@ -75,6 +78,16 @@ def stage_name(owner: str, role: str) -> str:
 def stage_dns(owner: str, role: str, namespace: str, cluster_domain: str) -> str:
     """The stage's headless Service's name: resolves to the IPs of every ready replica."""
     return f"{stage_name(owner, role)}.{namespace}.svc.{cluster_domain}"
+
+
+def pool_name(owner: str, pool: str) -> str:
+    """A pool's Deployment and headless Service."""
+    return f"{owner}-pool-{pool}"
+
+
+def pool_dns(owner: str, pool: str, namespace: str, cluster_domain: str) -> str:
+    """The pool's headless Service's name: resolves to the IPs of every ready replica."""
+    return f"{pool_name(owner, pool)}.{namespace}.svc.{cluster_domain}"
 
 
 def router_name(owner: str) -> str:
@@ -134,9 +147,9 @@ def network_policy_name(owner: str, component: str) -> str:
 
 
 def labels(owner: str, component: str, expert: str | None = None,
-           stage: str | None = None) -> dict[str, str]:
+           stage: str | None = None, pool: str | None = None) -> dict[str, str]:
     """The recommended ``app.kubernetes.io/*`` labels plus ours; ``component`` is
-    expert|stage|router|stager."""
+    expert|stage|pool|router|stager."""
     out = {
         "app.kubernetes.io/name": "ddm",
         "app.kubernetes.io/instance": owner,
@@ -145,18 +158,19 @@ def labels(owner: str, component: str, expert: str | None = None,
         MANAGED_BY_LABEL: MANAGED_BY,
         DEPLOYMENT_LABEL: owner,
     }
-    return {**out, **_member(expert, stage)}
+    return {**out, **_member(expert, stage, pool)}
 
 
 def selector(owner: str, component: str, expert: str | None = None,
-             stage: str | None = None) -> dict[str, str]:
+             stage: str | None = None, pool: str | None = None) -> dict[str, str]:
     """The immutable pod selector of a child Deployment (and its Service)."""
-    return {DEPLOYMENT_LABEL: owner, COMPONENT_LABEL: component, **_member(expert, stage)}
+    return {DEPLOYMENT_LABEL: owner, COMPONENT_LABEL: component, **_member(expert, stage, pool)}
 
 
-def _member(expert: str | None, stage: str | None) -> dict[str, str]:
+def _member(expert: str | None, stage: str | None, pool: str | None) -> dict[str, str]:
     return {**({EXPERT_LABEL: expert} if expert is not None else {}),
-            **({STAGE_LABEL: stage} if stage is not None else {})}
+            **({STAGE_LABEL: stage} if stage is not None else {}),
+            **({POOL_LABEL: pool} if pool is not None else {})}
 
 
 def expert_dns(owner: str, expert: str, namespace: str, cluster_domain: str) -> str:

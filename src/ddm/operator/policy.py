@@ -190,6 +190,7 @@ def policy_problems(spec: DDMSpec, name: str, allowed: AllowLists,
     pods = [("spec.router", spec.router.pod, spec.router.checkpoint)]
     pods += [(f"spec.experts[{i}]", e.pod, e.checkpoint) for i, e in enumerate(spec.experts)]
     pods += [(path, stage.pod, stage.checkpoint) for path, stage in _stages(spec)]
+    pods += [(f"spec.pools[{i}]", pool.pod, None) for i, pool in enumerate(spec.pools)]
     if spec.router.network is not None:
         pods.append(("spec.router.network", spec.router.network.pod, None))
     for path, pod, checkpoint in pods:

@@ -96,7 +96,7 @@ def _detail(text: str) -> str:
 def pods_by_owner(owner: str, pods: Sequence[Mapping[str, Any]]
                   ) -> dict[str | None, list[Mapping[str, Any]]]:
     """The pods of ``owner``'s Deployments by expert name (None: the router's; a stage's
-    under :func:`stage_key`)."""
+    under :func:`stage_key`, a pool's under :func:`pool_key`)."""
     grouped: dict[str | None, list[Mapping[str, Any]]] = {}
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -107,9 +107,16 @@ def pods_by_owner(owner: str, pods: Sequence[Mapping[str, Any]]
             grouped.setdefault(labels[names.EXPERT_LABEL], []).append(pod)
         elif component == "stage" and labels.get(names.STAGE_LABEL):
             grouped.setdefault(stage_key(labels[names.STAGE_LABEL]), []).append(pod)
+        elif component == "pool" and labels.get(names.POOL_LABEL):
+            grouped.setdefault(pool_key(labels[names.POOL_LABEL]), []).append(pod)
         elif component == "router":
             grouped.setdefault(None, []).append(pod)
     return grouped
+
+
+def pool_key(pool: str) -> str:
+    """A pool's key among the experts' names (which cannot hold a ``/``)."""
+    return f"pool/{pool}"
 
 
 def stage_key(role: str) -> str:
@@ -185,7 +192,11 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     holding the router's token (its name only), when the router requires one;
     ``token_secrets``: the token Secrets the operator has created for this resource."""
     owner, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    pools = {p.name: p for p in spec.pools}
+    # A pooled expert is as ready as its pool's Deployment, and has its pool's pods.
     experts = {e.name: expert_replicas(e, deployments.get(names.expert_name(owner, e.name)))
+               if e.pool is None else Replicas(pools[e.pool].replicas, ready_replicas(
+                   deployments.get(names.pool_name(owner, e.pool))))
                for e in spec.experts}
     separate = {role: stage for role, stage in spec.stages.items() if stage.separate}
     stages = {stage_key(role): Replicas(stage.replicas, ready_replicas(
@@ -193,6 +204,7 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     router = Replicas(spec.router.replicas,
                       ready_replicas(deployments.get(names.router_name(owner))))
     grouped = pods_by_owner(owner, pods)
+    grouped.update({e.name: grouped.get(pool_key(e.pool), []) for e in spec.experts if e.pool})
     troubles = {name: pod_trouble(grouped.get(name, [])) for name, r in
                 [*experts.items(), *stages.items(), (None, router)] if not r.complete}
     stager = stager_trouble(owner, pods)
@@ -252,7 +264,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         **({"tokenSecrets": list(token_secrets)} if token_secrets else {}),
         "router": {"replicas": router.desired, "readyReplicas": router.ready,
                    **_why(router_trouble)},
-        "experts": [{"name": e.name, "accelerator": e.accelerator.describe(),
+        "experts": [{"name": e.name, "accelerator": (
+                        pools[e.pool].accelerator if e.pool else e.accelerator).describe(),
                      "replicas": experts[e.name].desired,
                      "readyReplicas": experts[e.name].ready, **_why(troubles.get(e.name))}
                     for e in spec.experts],

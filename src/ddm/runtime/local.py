@@ -7,7 +7,8 @@ supervised (:func:`run_local`): every expert replica becomes a ``ddm serve exper
 a free loopback port, the router a ``ddm serve router`` process whose config lists those
 endpoints. A stage placed ``separate`` (a text encoder, decoder or router network) becomes
 ``ddm serve stage`` processes the router reaches the same way; one placed ``router`` is loaded
-by the router from its local directory. Before anything starts, the state shape the local
+by the router from its local directory. A pool (``spec.pools``) becomes one ``ddm serve pool``
+process per replica holding all its members. Before anything starts, the state shape the local
 stage checkpoints declare (``_ddm.latent_shape``) must agree across experts, router network
 and decoder. Ctrl-C or SIGTERM stops everything started.
 
@@ -90,7 +91,7 @@ class LocalPlan:
     is off); ``expert_token_file``: the one the router presents to its experts, which require
     it (another token, so that an expert never holds the public one); ``on_demand``: experts
     with ``minReplicas: 0``, whose processes run only while there is demand for them;
-    ``stages``: the servers of the stages placed ``separate``."""
+    ``stages``: the servers of the stages placed ``separate``; ``pools``: the pools' servers."""
 
     experts: tuple[ProcessSpec, ...]
     router: ProcessSpec
@@ -100,6 +101,12 @@ class LocalPlan:
     expert_token_file: Path | None = None
     on_demand: tuple[OnDemand, ...] = ()
     stages: tuple[ProcessSpec, ...] = ()
+    pools: tuple[ProcessSpec, ...] = ()
+
+    @property
+    def servers(self) -> tuple[ProcessSpec, ...]:
+        """Every model server process: experts, separate stages and pools."""
+        return (*self.experts, *self.stages, *self.pools)
 
 
 def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
@@ -172,7 +179,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     experts: list[ProcessSpec] = []
     discovery: dict[str, Discovery] = {}
     on_demand: list[OnDemand] = []
-    for expert in plan.experts:
+    for expert in plan.unpooled_experts:
         checkpoint = str(locate(expert.checkpoint))
         endpoints = []
         scaling = expert.autoscaling
@@ -195,8 +202,10 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     for stage in plan.stages:
         checkpoint = locate(stage.checkpoint)
         local_dirs[stage.role] = checkpoint
-        if not stage.separate:
+        if stage.in_router:
             stage_places[stage.role] = str(checkpoint)
+            continue
+        if not stage.separate:  # pooled
             continue
         endpoints = []
         for replica in range(stage.replicas):
@@ -208,6 +217,19 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                                       env + stage.env(str(cache_dir)), metrics_port))
             endpoints.append(f"{host}:{port}")
         stage_places[stage.role] = StaticDiscovery(tuple(endpoints))
+    pools: list[ProcessSpec] = []
+    pool_discovery: dict[str, Discovery] = {}
+    for pool in plan.pools:
+        member_dirs = {name: str(locate(checkpoint)) for name, checkpoint in pool.members}
+        endpoints = []
+        for replica in range(pool.replicas):
+            port, metrics_port = new_port(), new_port()
+            argv = (*_ddm(), *pool.command(member_dirs, host, port, metrics_port, expert_token),
+                    "--log-level", "warning")
+            pools.append(ProcessSpec(f"pool-{pool.name}/{replica}", argv, port,
+                                     env + pool.env(str(cache_dir)), metrics_port))
+            endpoints.append(f"{host}:{port}")
+        pool_discovery[pool.name] = StaticDiscovery(tuple(endpoints))
     check_state_shapes(local_dirs)
     metrics_port = new_port()
     router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
@@ -216,11 +238,12 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     auth = (Auth(token_file=token, expert_token_file=expert_token)
             if token is not None and expert_token is not None else None)
     return LocalPlan(tuple(experts), router,
-                     plan.router_config(discovery, None, auth, stage_places=stage_places),
+                     plan.router_config(discovery, None, auth, stage_places=stage_places,
+                                        pool_discovery=pool_discovery),
                      f"http://{host}:{router_port}",
                      Path(token) if token is not None else None,
                      Path(expert_token) if expert_token is not None else None,
-                     tuple(on_demand), tuple(stages))
+                     tuple(on_demand), tuple(stages), tuple(pools))
 
 
 def check_state_shapes(directories: dict[str, Path]) -> None:
@@ -430,12 +453,14 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
         try:
             deadline = time.monotonic() + READY_TIMEOUT_S
             scaler = _scaler(plan, supervisor, host, out)
-            supervisor.start_ready([*(p for p in plan.experts if p.name not in scaler.names),
-                                    *plan.stages], host, deadline)
+            supervisor.start_ready([*(p for p in plan.servers if p.name not in scaler.names)],
+                                   host, deadline)
             supervisor.start_ready([plan.router], host, deadline)
-            print(f"DDM {manifest.name} is up: {len(plan.experts)} expert process(es) and the "
-                  f"{f'{len(plan.stages)} stage process(es), ' if plan.stages else ''}"
-                  f"router at {plan.url} (web page {plan.url}/, API POST {plan.url}/v1/generate"
+            counts = ", ".join(f"{len(processes)} {kind} process(es)" for kind, processes in
+                               (("expert", plan.experts), ("stage", plan.stages),
+                                ("pool", plan.pools)) if processes)
+            print(f"DDM {manifest.name} is up: {counts} and the router at {plan.url} (web page "
+                  f"{plan.url}/, API POST {plan.url}/v1/generate"
                   f"{f', API docs {plan.url}/docs' if api_docs else ''}). Ctrl-C stops "
                   "everything.", file=out, flush=True)
             print(metrics_line(plan, host), file=out, flush=True)
@@ -531,7 +556,7 @@ def write_token(path: Path) -> None:
 def metrics_line(plan: LocalPlan, host: str) -> str:
     """Where each process serves ``/metrics`` (its own port, apart from the API, as in a pod)."""
     where = ", ".join(f"{p.name} http://{host}:{p.metrics_port}/metrics"
-                      for p in (plan.router, *plan.experts, *plan.stages)
+                      for p in (plan.router, *plan.servers)
                       if p.metrics_port is not None)
     return f"Metrics: {where}."
 

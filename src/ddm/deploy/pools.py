@@ -1,0 +1,116 @@
+"""The rules a spec's pools and their members keep (``spec.pools``, ``pool: NAME``): what one
+``ddm serve pool`` process can hold together. ``ddm.deploy.spec`` reads the fields and reports
+these with its other rules; the plan (``ddm.deploy.plan``) relies on them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
+from ddm.deploy.accelerators import Accelerator
+from ddm.deploy.limits import BACKEND_BY_ACCELERATOR, FRAMEWORKS
+from ddm.deploy.pod_options import PodOptions
+
+#: Where each stage that may join a pool is in the spec, by its role's plan name.
+STAGE_FIELDS = {PLAN_NAMES[TEXT_ENCODER]: "spec.textEncoder", PLAN_NAMES[DECODER]: "spec.decoder",
+                PLAN_NAMES[ROUTER]: "spec.router.network"}
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool (``spec.pools[]``): ``replicas`` model server processes (pods), each holding every
+    member's weights on one ``accelerator``; its members are the components that name it
+    (``pool: NAME``) and carry no placement of their own. ``max_batch``/``max_delay_ms``
+    apply to each member's batcher (None: the server's own defaults)."""
+
+    name: str
+    accelerator: Accelerator
+    replicas: int = 1
+    max_batch: int | None = None
+    max_delay_ms: int | None = None
+    pod: PodOptions = PodOptions()
+
+
+@dataclass(frozen=True)
+class Component:
+    """What the rules need of an expert or a stage: ``path`` in the spec, ``name`` in the
+    plan, the ``pool`` it names (None: none), its ``framework`` (a stage's: torch) and
+    ``precision``; ``stage``: a text encoder, decoder or router network."""
+
+    path: str
+    name: str
+    pool: str | None
+    framework: str
+    precision: str | None
+    stage: bool = False
+
+
+def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component],
+                  conditioning: str) -> list[str]:
+    """Pools and their members: every named pool exists and has members, which a pool server
+    can hold together (stage checkpoints, one backend, one precision)."""
+    found: list[str] = []
+    names = [p.name for p in pools]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        found.append(f"spec.pools: the name {name!r} is used more than once")
+    by_name = {p.name: p for p in pools}
+    first: dict[str, tuple[Component, str]] = {}  # pool -> its first member and backend
+    for component in components:
+        if component.pool is None:
+            continue
+        pool = by_name.get(component.pool)
+        problem, backend = ((f"pool: no pool named {component.pool!r} in spec.pools (there are: "
+                             f"{', '.join(map(repr, by_name)) or 'none'})", None)
+                            if pool is None else _member_problem(component, pool, conditioning))
+        if problem is None and backend is not None:
+            problem = _agreement_problem(component, backend, first.setdefault(
+                component.pool, (component, backend)))
+        if problem is not None:
+            found.append(f"{component.path}.{problem}")
+    for i, pool in enumerate(pools):
+        named = [c.name for c in components if c.pool == pool.name]
+        if not named:
+            found.append(f"spec.pools[{i}]: pool {pool.name!r} has no members (name it in an "
+                         "expert's, spec.textEncoder's, spec.decoder's or spec.router.network's "
+                         "pool)")
+        for name in sorted({n for n in named if named.count(n) > 1}):
+            found.append(f"spec.pools[{i}]: pool {pool.name!r} has two members named {name!r} "
+                         "(an expert named like a stage's role); rename the expert")
+    return found
+
+
+def _member_problem(component: Component, pool: PoolSpec, conditioning: str
+                    ) -> tuple[str | None, str | None]:
+    """(what keeps ``component`` out of ``pool``: ``field: message``, or None; the backend
+    the pool would serve it with)."""
+    if conditioning == "labels":
+        return ("pool: pools hold stage checkpoints (text DDMs) until the model stacks are one "
+                "(issue 36); a label DDM's experts and router run on servers of their own",
+                None)
+    pair = (pool.accelerator.type, component.framework)
+    if pair not in BACKEND_BY_ACCELERATOR:
+        return (f"framework: pool {pool.name!r} runs on {pool.accelerator.type}, which cannot "
+                f"run framework {component.framework}", None)
+    backend = BACKEND_BY_ACCELERATOR[pair][0]
+    if backend not in FRAMEWORKS:
+        return (f"pool: pool {pool.name!r} would serve it with the {backend} backend; a pool "
+                f"serves stage checkpoints with {' or '.join(FRAMEWORKS)} only", None)
+    return None, backend
+
+
+def _agreement_problem(component: Component, backend: str, first: tuple[Component, str]
+                       ) -> str | None:
+    """What keeps ``component`` (served with ``backend``) from sharing one process with its
+    pool's ``first`` member: one backend and one precision per pool server."""
+    other, other_backend = first
+    if other_backend != backend:
+        why = ("a text encoder, decoder or router network runs on torch only"
+               if component.stage or other.stage else "give every member the same framework")
+        return (f"pool: pool {component.pool!r} cannot hold it: its members run on one "
+                f"backend, {other_backend} for {other.path} but {backend} here ({why})")
+    if other.precision != component.precision:
+        return (f"precision: pool {component.pool!r} casts every member to one precision: "
+                f"{other.precision or 'as stored'} for {other.path} but "
+                f"{component.precision or 'as stored'} here")
+    return None
