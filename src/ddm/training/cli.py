@@ -158,7 +158,7 @@ def _train_unet(args: argparse.Namespace) -> int:
         partition=getattr(args, "partition", None), index=getattr(args, "index", None),
         progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"),
         objective=objective, save_every=args.save_every, resume=args.resume)
-    print(f"wrote {path}")
+    _report(path)
     return 0
 
 
@@ -170,8 +170,14 @@ def _train_router(args: argparse.Namespace) -> int:
         use_labels=not args.no_labels, device=args.device,
         progress=_progress(args, args.steps, "router"), partition=args.partition,
         save_every=args.save_every, resume=args.resume)
-    print(f"wrote {path}")
+    _report(path)
     return 0
+
+
+def _report(path: Path | None) -> None:
+    """Data-parallel ranks other than 0 write nothing (None), so they say nothing."""
+    if path is not None:
+        print(f"wrote {path}")
 
 
 def _train_classifier(args: argparse.Namespace) -> int:

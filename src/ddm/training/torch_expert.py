@@ -9,6 +9,7 @@ from ddm.models.config import UNetConfig
 from ddm.models.torch_unet import UNet
 from ddm.objectives import NATIVE, Objective
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import SINGLE, World
 from ddm.training.resume import Resumable
 from ddm.training.torch_loop import ProgressFn, expert_batch, optimise, prepare
 
@@ -16,21 +17,23 @@ from ddm.training.torch_loop import ProgressFn, expert_batch, optimise, prepare
 def train_torch_unet(model_config: UNetConfig, train: TrainConfig, images: np.ndarray,
                      labels: np.ndarray, device: torch.device | None = None,
                      progress: ProgressFn | None = None, objective: Objective = NATIVE,
-                     resumable: Resumable | None = None) -> dict[str, np.ndarray]:
+                     resumable: Resumable | None = None, world: World = SINGLE
+                     ) -> dict[str, np.ndarray]:
     """Fit ``objective``'s target (our ``v(x_t, t, y) ~ x1 - x0`` by default); EMA weights.
 
     ``images`` are ``(N, C, H, W)`` float32 in model space, ``labels`` ``(N,)`` int.
     Each step draws its batch (with replacement), times and noise from ``(seed, step)``;
     ``ddm.objectives.training_example`` turns them into the network's input, time and target.
-    ``resumable`` saves the training state as it goes and continues a saved one.
+    ``resumable`` saves the training state as it goes and continues a saved one. Each of
+    ``world``'s processes takes its slice of every batch (``ddm.training.distributed``).
     """
     torch.manual_seed(train.seed)
-    model, ema, device = prepare(UNet(model_config), train, device)
+    model, ema, device = prepare(UNet(model_config), train, device, world)
     images = np.asarray(images, dtype=np.float32)
     labels = np.asarray(labels, dtype=np.int64)
 
     def loss_at(step: int) -> torch.Tensor:
-        rows, example = expert_batch(images, train, objective, step)
+        rows, example = expert_batch(images, train, objective, step, world)
         pred = model(torch.from_numpy(example.expert_input).to(device),
                      torch.from_numpy(example.expert_time).to(device),
                      torch.from_numpy(labels[rows]).to(device))
