@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from ddm.models.config import UNetConfig
 from ddm.models.torch_unet import UNet
@@ -33,11 +34,21 @@ def train_torch_unet(model_config: UNetConfig, train: TrainConfig, images: np.nd
     labels = np.asarray(labels, dtype=np.int64)
 
     def loss_at(step: int) -> torch.Tensor:
-        rows, example = expert_batch(images, train, objective, step, world)
-        pred = model(torch.from_numpy(example.expert_input).to(device),
-                     torch.from_numpy(example.expert_time).to(device),
-                     torch.from_numpy(labels[rows]).to(device))
-        return torch.mean((pred - torch.from_numpy(example.target).to(device)) ** 2)
+        return unet_loss(model, images, labels, train, objective, step, device, world)
 
     optimise(model, train, loss_at, progress, ema, resumable)
     return ema.weights()
+
+
+def unet_loss(model: nn.Module, images: np.ndarray, labels: np.ndarray, train: TrainConfig,
+              objective: Objective, step: int, device: torch.device,
+              world: World = SINGLE) -> torch.Tensor:
+    """Step ``step``'s mean squared error to ``objective``'s target on this rank's slice of
+    the global batch: under ``DistributedDataParallel`` its backward leaves every rank the
+    gradient of the global batch's mean. ``images`` ``(N, C, H, W)`` float32, ``labels``
+    ``(N,)`` int64; ``model`` as :func:`ddm.training.torch_loop.prepare` returns it."""
+    rows, example = expert_batch(images, train, objective, step, world)
+    pred = model(torch.from_numpy(example.expert_input).to(device),
+                 torch.from_numpy(example.expert_time).to(device),
+                 torch.from_numpy(labels[rows]).to(device))
+    return torch.mean((pred - torch.from_numpy(example.target).to(device)) ** 2)
