@@ -22,6 +22,7 @@ import pytest
 from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.cli import EXIT_INTERRUPTED, main
 from tests.support import distributed_gradients
+from tests.support.bars_mnist import write_bars_mnist
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADIENTS = ROOT / "tests" / "support" / "distributed_gradients.py"
@@ -174,3 +175,22 @@ def test_one_process_under_torchrun_or_jax_variables_trains_as_one_process_alone
     world = load_checkpoint(tmp_path / "world")
     assert world.meta.training["world_size"] == alone.meta.training["world_size"] == 1
     assert all(np.array_equal(world.weights[k], v) for k, v in alone.weights.items())
+
+
+def test_torchrun_trains_a_text2img_expert_on_two_processes(tmp_path):
+    """The text-to-image stages before the experts run alone (tiny, one step each); an expert
+    then trains on two processes, and only rank 0 writes it and the model index."""
+    from ddm.training.text2img.layout import DDM_CONFIG_KEY
+
+    write_bars_mnist(tmp_path / "mnist", per_class=4)
+    common = ["--mnist", str(tmp_path / "mnist"), "--root", str(tmp_path / "ddm"), "--size",
+              "smoke", "--batch-size", "4", "--quiet"]
+    for stage in ("tokenizer", "clip", "vae", "partition", "latents"):
+        assert main(["train", "text2img", stage, *common, "--steps", "1"]) == 0
+    done = torchrun("-m", "ddm", "train", "text2img", "expert", "--index", "0", *common,
+                    "--steps", "3")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.count("wrote ") == 1
+    declared = json.loads((tmp_path / "ddm" / "expert_0" / "config.json").read_text())
+    assert declared[DDM_CONFIG_KEY]["world_size"] == 2
+    assert "expert_0" in json.loads((tmp_path / "ddm" / "model_index.json").read_text())

@@ -109,16 +109,18 @@ def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
 
 
 def _train_text2img(args: argparse.Namespace) -> int:
+    from ddm.training.distributed import torch_world
     from ddm.training.text2img.commands import StageRun, default_train, run_stage
 
     train = default_train(args.stage, {"steps": args.steps, "batch_size": args.batch_size,
                                        "learning_rate": args.lr, "seed": args.seed})
-    run = StageRun(root=args.root, mnist=args.mnist, size=args.size, train=train,
-                   data_seed=args.data_seed, index=args.index, save_every=args.save_every,
-                   resume=args.resume,
-                   progress=None if args.stage == "tokenizer" else _progress(
-                       args, train.steps, f"text2img {args.stage}"))
-    print(f"wrote {run_stage(args.stage, run)}")
+    with torch_world("cpu") as (world, _):  # the stages train on the CPU
+        run = StageRun(root=args.root, mnist=args.mnist, size=args.size, train=train,
+                       data_seed=args.data_seed, index=args.index, save_every=args.save_every,
+                       resume=args.resume, world=world,
+                       progress=None if args.stage == "tokenizer" or not world.writer else
+                       _progress(args, train.steps, f"text2img {args.stage}"))
+        _report(run_stage(args.stage, run))
     return 0
 
 

@@ -67,13 +67,18 @@ def prepare(model: nn.Module, train: TrainConfig, device: torch.device | None,
     """
     device = device or torch.device("cpu")
     model = model.to(device)
-    ema = EMA(model, train)
-    if world.size > 1:
-        from torch.nn.parallel import DistributedDataParallel
+    return data_parallel(model, device, world), EMA(model, train), device
 
-        model = DistributedDataParallel(model, device_ids=None if device.type == "cpu" else
-                                        [device.index])
-    return model, ema, device
+
+def data_parallel(model: nn.Module, device: torch.device, world: World) -> nn.Module:
+    """``model`` (on ``device``) wrapped in ``DistributedDataParallel`` when ``world`` has
+    several processes, else itself: :func:`prepare`'s wrapping, for models without an EMA."""
+    if world.size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else
+                                   [device.index])
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
