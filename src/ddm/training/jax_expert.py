@@ -39,9 +39,9 @@ import optax
 from ddm.models.config import UNetConfig
 from ddm.models.flax_unet import (FlaxUNet, Params, canonical_from_params, init_params,
                                   select_jax_device)
-from ddm.training.distributed import DATA_AXIS, data_mesh
 from ddm.objectives import NATIVE, Objective, training_example
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import DATA_AXIS, data_mesh
 from ddm.training.resume import Resumable
 
 #: As ``ddm.training.torch_loop.PROGRESS_EVERY`` (not imported: this module must not need torch).

@@ -70,7 +70,7 @@ def default_train(stage: str, overrides: dict[str, Any]) -> TrainConfig:
 def run_stage(stage: str, run: StageRun) -> Path | None:
     """Run one stage; returns the component directory it wrote and refreshes model_index.json
     (on data-parallel ranks other than 0, which write nothing: None)."""
-    stages: dict[str, Callable[[StageRun], Path]] = {
+    stages: dict[str, Callable[[StageRun], Path | None]] = {
         "tokenizer": tokenizer_stage, "clip": clip_stage, "vae": vae_stage,
         "partition": partition_stage, "latents": latents_stage, "expert": expert_stage,
         "router": router_stage, "text-prior": text_prior_stage, "monolith": monolith_stage,
@@ -185,7 +185,7 @@ def latents_stage(run: StageRun) -> Path:
     return out
 
 
-def expert_stage(run: StageRun) -> Path:
+def expert_stage(run: StageRun) -> Path | None:
     import numpy as np
 
     from ddm.training.text2img.flow import train_flow
@@ -204,7 +204,7 @@ def expert_stage(run: StageRun) -> Path:
         partition_sha256=sha))
 
 
-def monolith_stage(run: StageRun) -> Path:
+def monolith_stage(run: StageRun) -> Path | None:
     import numpy as np
 
     from ddm.training.text2img.flow import train_flow
@@ -246,7 +246,7 @@ def monolith_snapshot_stage(run: StageRun) -> Path:
         "train": identity["train"], "trained_steps": int(state["step"])})
 
 
-def router_stage(run: StageRun) -> Path:
+def router_stage(run: StageRun) -> Path | None:
     from ddm.training.text2img.flow import router_accuracy, train_latent_router
 
     data, sha = _latent_set(run.root)
