@@ -14,6 +14,7 @@ from ddm.models.config import UNET_CONFIGS, UNetConfig
 from ddm.models.flax_unet import (canonical_from_params, canonical_shapes, init_params,
                                   make_velocity_fn, params_from_canonical, select_jax_device)
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import data_mesh
 from ddm.training.jax_expert import learning_rate_schedule, train_flax_unet
 
 PARITY_TOL = 1e-4
@@ -112,7 +113,7 @@ def test_train_flax_unet_is_finite_and_deterministic() -> None:
     seen: list[tuple[int, float]] = []
 
     first = train_flax_unet(config, train, images, labels, lambda s, loss: seen.append((s, loss)),
-                            device=select_jax_device("cpu"))
+                            mesh=data_mesh([select_jax_device("cpu")]))
     second = train_flax_unet(config, train, images, labels)
     other_seed = train_flax_unet(config, dataclasses.replace(train, seed=4), images, labels)
 

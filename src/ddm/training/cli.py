@@ -109,16 +109,18 @@ def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
 
 
 def _train_text2img(args: argparse.Namespace) -> int:
+    from ddm.training.distributed import torch_world
     from ddm.training.text2img.commands import StageRun, default_train, run_stage
 
     train = default_train(args.stage, {"steps": args.steps, "batch_size": args.batch_size,
                                        "learning_rate": args.lr, "seed": args.seed})
-    run = StageRun(root=args.root, mnist=args.mnist, size=args.size, train=train,
-                   data_seed=args.data_seed, index=args.index, save_every=args.save_every,
-                   resume=args.resume,
-                   progress=None if args.stage == "tokenizer" else _progress(
-                       args, train.steps, f"text2img {args.stage}"))
-    print(f"wrote {run_stage(args.stage, run)}")
+    with torch_world("cpu") as (world, _):  # the stages train on the CPU
+        run = StageRun(root=args.root, mnist=args.mnist, size=args.size, train=train,
+                       data_seed=args.data_seed, index=args.index, save_every=args.save_every,
+                       resume=args.resume, world=world,
+                       progress=None if args.stage == "tokenizer" or not world.writer else
+                       _progress(args, train.steps, f"text2img {args.stage}"))
+        _report(run_stage(args.stage, run))
     return 0
 
 
@@ -158,7 +160,7 @@ def _train_unet(args: argparse.Namespace) -> int:
         partition=getattr(args, "partition", None), index=getattr(args, "index", None),
         progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"),
         objective=objective, save_every=args.save_every, resume=args.resume)
-    print(f"wrote {path}")
+    _report(path)
     return 0
 
 
@@ -170,8 +172,14 @@ def _train_router(args: argparse.Namespace) -> int:
         use_labels=not args.no_labels, device=args.device,
         progress=_progress(args, args.steps, "router"), partition=args.partition,
         save_every=args.save_every, resume=args.resume)
-    print(f"wrote {path}")
+    _report(path)
     return 0
+
+
+def _report(path: Path | None) -> None:
+    """Data-parallel ranks other than 0 write nothing (None), so they say nothing."""
+    if path is not None:
+        print(f"wrote {path}")
 
 
 def _train_classifier(args: argparse.Namespace) -> int:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -18,6 +19,7 @@ from ddm.data.datasets import recorded_source
 from ddm.models.config import RouterNetworkConfig, unet_config
 from ddm.objectives import NATIVE, Objective
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import World
 from ddm.training.resume import SAVE_EVERY, Resumable, state_directory
 from ddm.training.torch_loop import ProgressFn
 
@@ -26,13 +28,17 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
                out: Path, name: str | None = None, device: str | None = None,
                partition: str | None = None, index: int | None = None,
                progress: ProgressFn | None = None, objective: Objective = NATIVE,
-               save_every: int = SAVE_EVERY, resume: bool = False) -> Path:
+               save_every: int = SAVE_EVERY, resume: bool = False) -> Path | None:
     """Train an expert (one part of ``partition``) or the monolith (all data) and save it.
 
     ``objective`` (see :func:`unet_objective`) is what the UNet learns to predict; the
     checkpoint declares it so that loaders convert its outputs to our velocity. The training
     state is saved every ``save_every`` steps beside ``out`` (``ddm.training.resume``);
     ``resume`` continues it.
+
+    Started by torchrun, or with the JAX job's variables, it is one of several data-parallel
+    processes (``ddm.training.distributed``); only rank 0 writes and reports progress, and
+    returns the checkpoint's path (the others return None).
     """
     if kind not in ("expert", "monolith"):
         raise ValueError(f"unknown UNet kind {kind!r}")
@@ -58,32 +64,51 @@ def train_unet(kind: str, framework: str, data: str, model_config: str, train: T
         classes = tuple(int(c) for c in np.unique(dataset.labels))
 
     images, labels = to_model_space(subset.images), subset.labels
-    resumable = Resumable(state_directory(out), every=save_every, resume=resume, identity={
-        "kind": kind, "framework": framework, "config": model_config, "data": data,
-        "partition": partition_meta and [partition_meta["scheme"]["sha256"], index],
-        "objective": objective.to_dict(), "train": train.to_dict()})
-    if framework == "torch":
-        from ddm.models.torch_io import select_torch_device
-        from ddm.training.torch_expert import train_torch_unet
+    with _processes(framework, device, train) as (world, target, resolved):
+        resumable = Resumable(state_directory(out), every=save_every, resume=resume,
+                              writer=world.writer, identity={
+            "kind": kind, "framework": framework, "config": model_config, "data": data,
+            "partition": partition_meta and [partition_meta["scheme"]["sha256"], index],
+            "objective": objective.to_dict(), "train": train.to_dict()})
+        progress = progress if world.writer else None
+        if framework == "torch":
+            from ddm.training.torch_expert import train_torch_unet
 
-        resolved = select_torch_device(device)
-        weights = train_torch_unet(config, train, images, labels, resolved, progress,
-                                   objective=objective, resumable=resumable)
-    elif framework == "jax":
-        from ddm.models.flax_unet import select_jax_device
-        from ddm.training.jax_expert import train_flax_unet
+            weights = train_torch_unet(config, train, images, labels, target, progress,
+                                       objective=objective, resumable=resumable, world=world)
+        else:
+            from ddm.training.jax_expert import train_flax_unet
 
-        resolved = select_jax_device(device)
-        weights = train_flax_unet(config, train, images, labels, progress, device=resolved,
-                                  objective=objective, resumable=resumable)
-    else:
-        raise ValueError(f"unknown framework {framework!r}; use torch or jax")
+            weights = train_flax_unet(config, train, images, labels, progress, mesh=target,
+                                      objective=objective, resumable=resumable)
+    if not world.writer:
+        return None
     meta = CheckpointMeta(
         kind=kind, name=name or out.name, architecture=config.to_dict(), framework=framework,
         classes=classes, partition=partition_meta, data=_data_record(data, subset),
-        training=_training_record(train, model_config, str(resolved), resumable.elapsed()),
+        training=_training_record(train, model_config, resolved, resumable.elapsed(), world),
         objective=objective)
     return save_checkpoint(out, meta, weights)
+
+
+@contextlib.contextmanager
+def _processes(framework: str, device: str | None, train: TrainConfig
+               ) -> Iterator[tuple[World, Any, str]]:
+    """This process's data-parallel world, what its trainer runs on (a ``torch.device``, or a
+    JAX mesh) and its device's name for the record; refuses a global batch the processes
+    cannot share equally before anything trains."""
+    from ddm.training import distributed
+
+    if framework == "torch":
+        with distributed.torch_world(device) as (world, resolved):
+            world.shard(train.batch_size)
+            yield world, resolved, str(resolved)
+    elif framework == "jax":
+        world, mesh = distributed.jax_world(device)
+        world.shard(train.batch_size)
+        yield world, mesh, str(mesh.local_devices[0])
+    else:
+        raise ValueError(f"unknown framework {framework!r}; use torch or jax")
 
 
 def unet_objective(prediction: str = "velocity", schedule: str = "linear",
@@ -102,10 +127,12 @@ def unet_objective(prediction: str = "velocity", schedule: str = "linear",
 def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path,
                          use_labels: bool = True, device: str | None = None,
                          progress: ProgressFn | None = None, partition: str | None = None,
-                         save_every: int = SAVE_EVERY, resume: bool = False) -> Path:
+                         save_every: int = SAVE_EVERY, resume: bool = False) -> Path | None:
     """Train a router for the experts in ``experts``, which must share one partition (the
-    sha256 of its content); ``partition`` (``file:PATH``) must then be that one too."""
-    from ddm.models.torch_io import select_torch_device
+    sha256 of its content); ``partition`` (``file:PATH``) must then be that one too.
+
+    Data-parallel under torchrun as :func:`train_unet` is: rank 0 alone writes and returns
+    the path."""
     from ddm.training.router import train_router
 
     check_checkpoint_output(out)
@@ -137,17 +164,21 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
                           num_experts=scheme.num_partitions, num_classes=arch["num_classes"],
                           use_labels=use_labels)
     ids = scheme.assign(dataset.images, dataset.labels)
-    resolved = select_torch_device(device)
-    resumable = Resumable(state_directory(out), every=save_every, resume=resume, identity={
-        "kind": "router", "experts": str(experts), "data": data, "partition": scheme.sha256,
-        "network": config.to_dict(), "train": train.to_dict()})
-    weights = train_router(config, train, to_model_space(dataset.images), dataset.labels, ids,
-                           resolved, progress, resumable)
+    with _processes("torch", device, train) as (world, target, resolved):
+        resumable = Resumable(state_directory(out), every=save_every, resume=resume,
+                              writer=world.writer, identity={
+            "kind": "router", "experts": str(experts), "data": data,
+            "partition": scheme.sha256, "network": config.to_dict(), "train": train.to_dict()})
+        weights = train_router(config, train, to_model_space(dataset.images), dataset.labels,
+                               ids, target, progress if world.writer else None, resumable,
+                               world)
+    if not world.writer:
+        return None
     meta = CheckpointMeta(
         kind="router", name=out.name, architecture=config.to_dict(), framework="torch",
         classes=tuple(int(c) for c in np.unique(dataset.labels)),
         partition={"scheme": scheme.to_dict()}, data=_data_record(data, dataset),
-        training=_training_record(train, "router", str(resolved), resumable.elapsed()))
+        training=_training_record(train, "router", resolved, resumable.elapsed(), world))
     return save_checkpoint(out, meta, weights)
 
 
@@ -157,8 +188,11 @@ def _data_record(source: str, dataset: Dataset) -> dict[str, Any]:
             "image_size": dataset.image_size}
 
 
-def _training_record(train: TrainConfig, config_name: str, device: str,
-                     seconds: float) -> dict[str, Any]:
-    """``seconds``: the whole run's training time, every session of a resumed one."""
+def _training_record(train: TrainConfig, config_name: str, device: str, seconds: float,
+                     world: World) -> dict[str, Any]:
+    """``seconds``: the whole run's training time, every session of a resumed one;
+    ``world_size``: the processes of the last session, ``batch_size`` being their global
+    batch (``device`` is rank 0's)."""
     return {**train.to_dict(), "config": config_name, "device": device,
-            "seconds": round(seconds, 1), "host": platform.machine()}
+            "seconds": round(seconds, 1), "host": platform.machine(),
+            "world_size": world.size}

@@ -10,6 +10,12 @@ the ``rng`` handed to :func:`train_step`. The batch is ``batch_size`` indices dr
 epoch bookkeeping and resumes anywhere. The initial weights are ``init_params(config, seed)``
 (PyTorch's initialisation scheme, drawn by NumPy).
 
+Data parallelism (``ddm.training.distributed``) is a mesh of one device per process, a single
+device by default: the state is replicated over it and each step's global batch is sharded
+along its one axis, so every device draws and computes its own rows, and the gradient of the
+global mean loss is averaged by the collectives XLA inserts. One compiled function serves one
+process and many.
+
 ``progress(steps_done, loss)`` follows the PyTorch trainer's contract: called every
 ``PROGRESS_EVERY`` steps and after the last, with the 1-based count of finished updates and the
 latest loss. Only then is a loss fetched from the device; a fetch every step would stall JAX's
@@ -35,6 +41,7 @@ from ddm.models.flax_unet import (FlaxUNet, Params, canonical_from_params, init_
                                   select_jax_device)
 from ddm.objectives import NATIVE, Objective, training_example
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import DATA_AXIS, data_mesh
 from ddm.training.resume import Resumable
 
 #: As ``ddm.training.torch_loop.PROGRESS_EVERY`` (not imported: this module must not need torch).
@@ -105,26 +112,39 @@ def train_step(state: TrainState, batch: tuple[jax.Array, jax.Array], rng: jax.A
     return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
-@functools.partial(jax.jit, static_argnames=("model_config", "train", "objective"),
+def step_batch(step: jax.Array, images: jax.Array, labels: jax.Array, root_key: jax.Array,
+               batch_size: int, mesh: jax.sharding.Mesh
+               ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """Step ``step``'s global batch ``(x1 (B, C, H, W), y (B,))``, sharded over ``mesh``'s
+    data axis, and the key of its times and noise: functions of ``(root_key, step)`` alone,
+    whatever the mesh."""
+    batch_key, rng = jax.random.split(jax.random.fold_in(root_key, step))
+    idx = jax.random.randint(batch_key, (batch_size,), 0, images.shape[0])
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(DATA_AXIS))
+    batch = (jax.lax.with_sharding_constraint(images[idx], rows),
+             jax.lax.with_sharding_constraint(labels[idx], rows))
+    return batch, rng
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "train", "objective", "mesh"),
                    donate_argnums=0)
 def _iteration(state: TrainState, images: jax.Array, labels: jax.Array, root_key: jax.Array, *,
-               model_config: UNetConfig, train: TrainConfig, objective: Objective
-               ) -> tuple[TrainState, dict[str, jax.Array]]:
+               model_config: UNetConfig, train: TrainConfig, objective: Objective,
+               mesh: jax.sharding.Mesh) -> tuple[TrainState, dict[str, jax.Array]]:
     """The one compiled function: draw step ``state.step``'s batch from its key, then update.
 
-    Compiled once per ``(model_config, train, objective)``; callers pass ``train`` with seed 0
-    so that experts differing only in seed share the compilation.
+    Compiled once per ``(model_config, train, objective, mesh)``; callers pass ``train`` with
+    seed 0 so that experts differing only in seed share the compilation.
     """
-    batch_key, rng = jax.random.split(jax.random.fold_in(root_key, state.step))
-    idx = jax.random.randint(batch_key, (train.batch_size,), 0, images.shape[0])
-    return train_step(state, (images[idx], labels[idx]), rng, model=FlaxUNet(model_config),
+    batch, rng = step_batch(state.step, images, labels, root_key, train.batch_size, mesh)
+    return train_step(state, batch, rng, model=FlaxUNet(model_config),
                       optimizer=make_optimizer(train), train=train,
                       objective=objective)
 
 
 def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.ndarray,
                     labels: np.ndarray, progress: Callable[[int, float], None] | None = None,
-                    *, device: jax.Device | None = None, objective: Objective = NATIVE,
+                    *, mesh: jax.sharding.Mesh | None = None, objective: Objective = NATIVE,
                     resumable: Resumable | None = None) -> dict[str, np.ndarray]:
     """Train for ``train.steps`` updates; return the EMA parameters as canonical weights.
 
@@ -132,26 +152,30 @@ def train_flax_unet(model_config: UNetConfig, train: TrainConfig, images: np.nda
     in the state; every key derives from it).
 
     ``images`` are ``(N, C, H, W)`` float32 in model space ``[-1, 1]``, ``labels`` ``(N,)`` ints
-    in ``[0, num_classes)``; ``device`` (see :func:`select_jax_device`) defaults to JAX's.
+    in ``[0, num_classes)``, the same in every process; ``mesh`` (see
+    :func:`ddm.training.distributed.jax_world`) defaults to JAX's default device alone.
     """
     _check_data(model_config, images, labels)
+    mesh = data_mesh([select_jax_device(None)]) if mesh is None else mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     # Always an explicit device: the default device is part of jit's cache key, so None here
     # and the same device named would otherwise compile the step twice.
-    with jax.default_device(select_jax_device(None) if device is None else device):
+    with jax.default_device(mesh.local_devices[0]):
         params = init_params(model_config, train.seed)
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                            ema_params=jax.tree.map(jnp.copy, params),
                            opt_state=make_optimizer(train).init(params))
-        root_key = jax.random.PRNGKey(train.seed)
-        data = jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32)
-        compiled_train = dataclasses.replace(train, seed=0)
         saved = resumable.saved(JAX_STATE) if resumable is not None else None
         if saved is not None:
-            state = jax.tree.map(jnp.asarray,
-                                 flax.serialization.from_bytes(state, saved.read_bytes()))
+            state = flax.serialization.from_bytes(state, saved.read_bytes())
+        # every process holds the same values: each places its copy on its mesh devices
+        state, root_key, data = jax.device_put(
+            (state, jax.random.PRNGKey(train.seed),
+             (np.asarray(images, np.float32), np.asarray(labels, np.int32))), replicated)
+        compiled_train = dataclasses.replace(train, seed=0)
         for step in range(int(state.step), train.steps):
             state, metrics = _iteration(state, *data, root_key, model_config=model_config,
-                                        train=compiled_train, objective=objective)
+                                        train=compiled_train, objective=objective, mesh=mesh)
             done = step + 1
             if resumable is not None and resumable.due(done, train.steps):
                 content = flax.serialization.to_bytes(state)

@@ -7,6 +7,11 @@ functions of ``(seed, step)`` (``torch_loop._draws``, ``jax_expert._iteration``)
 run makes the same updates as an uninterrupted one: on the same machine and thread count the
 result is bit-identical.
 
+With several training processes (``ddm.training.distributed``) every one reads the saved state
+and only the writer, rank 0, saves it. The state holds no trace of the world's size: progress is
+the step count of updates on the global batch (``TrainConfig.batch_size``), the same whatever
+the number of processes sharing each batch, so a run resumes with more or fewer processes.
+
 The state is refused when what it was made for (``identity``: the kind, data, partition, model
 and training config) differs from the run resuming it: continuing another run's optimiser would
 silently train a hybrid.
@@ -40,6 +45,7 @@ class Resumable:
     identity: dict[str, Any] = field(default_factory=dict)
     every: int = SAVE_EVERY
     resume: bool = False
+    writer: bool = True  # False on data-parallel ranks other than 0: they never save
     _started: float = field(default_factory=time.perf_counter, init=False, repr=False)
     _before: float = field(default=0.0, init=False, repr=False)  # the resumed state's seconds
 
@@ -85,6 +91,8 @@ class Resumable:
         """Write the state with ``write(path)``, atomically: a kill leaves the old one whole.
         The identity goes into place first, as a state is read through it: a kill between the
         two renames leaves the old state (none, on the first save) beside the new identity."""
+        if not self.writer:
+            return
         self.directory.mkdir(parents=True, exist_ok=True)
         partial = self.directory / f".{name}.partial"
         write(partial)

@@ -1,4 +1,5 @@
-"""Pieces every PyTorch trainer here shares: batches from (seed, step), optimiser, EMA."""
+"""Pieces every PyTorch trainer here shares: batches from (seed, step), optimiser, EMA, and
+data parallelism (``ddm.training.distributed``: each rank's slice of the global batch, DDP)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 from ddm.convention import PathSample, sample_path
 from ddm.objectives import Objective, TrainingExample, training_example
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import SINGLE, World
 from ddm.training.resume import Resumable
 
 #: The PyTorch trainers' state file in ``Resumable.directory``.
@@ -21,41 +23,69 @@ ProgressFn = Callable[[int, float], None]
 PROGRESS_EVERY = 10
 
 
-def noisy_batch(images: np.ndarray, train: TrainConfig, step: int) -> tuple[np.ndarray, PathSample]:
+def noisy_batch(images: np.ndarray, train: TrainConfig, step: int, world: World = SINGLE
+                ) -> tuple[np.ndarray, PathSample]:
     """Step ``step``'s batch: row indices and their point on the path, from (seed, step) alone.
 
     Rows are drawn with replacement, ``t ~ U(0, 1)``, noise ``x0 ~ N(0, I)``; ``images`` are
-    ``(N, C, H, W)`` in model space. Experts and the router see the same distribution.
+    ``(N, C, H, W)`` in model space. Experts and the router see the same distribution. The
+    global batch has ``train.batch_size`` rows; ``world``'s rank gets its slice of it.
     """
-    rows, u, x0 = _draws(images, train, step)
+    rows, u, x0 = _draws(images, train, step, world)
     return rows, sample_path(x0, images[rows], u)
 
 
-def expert_batch(images: np.ndarray, train: TrainConfig, objective: Objective, step: int
-                 ) -> tuple[np.ndarray, TrainingExample]:
+def expert_batch(images: np.ndarray, train: TrainConfig, objective: Objective, step: int,
+                 world: World = SINGLE) -> tuple[np.ndarray, TrainingExample]:
     """As :func:`noisy_batch`, in ``objective``'s terms (the same draws, so our own velocity
     objective reproduces :func:`noisy_batch` exactly); arrays are float32."""
-    rows, u, x0 = _draws(images, train, step)
+    rows, u, x0 = _draws(images, train, step, world)
     example = training_example(objective, x0, images[rows], u)
     return rows, TrainingExample(*(np.asarray(a, dtype=np.float32) for a in (
         example.t, example.expert_input, example.expert_time, example.target)))
 
 
-def _draws(images: np.ndarray, train: TrainConfig, step: int
+def _draws(images: np.ndarray, train: TrainConfig, step: int, world: World
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The whole global batch is drawn on every rank (its draws follow one another in one
+    stream), then cut: a world of one keeps all of it, as before there were worlds."""
     rng = np.random.default_rng([train.seed, step])
     rows = rng.integers(0, len(images), train.batch_size)
     u = rng.random(train.batch_size, dtype=np.float32)
     x0 = rng.standard_normal((train.batch_size, *images.shape[1:]), dtype=np.float32)
-    return rows, u, x0
+    part = world.shard(train.batch_size)
+    return rows[part], u[part], x0[part]
 
 
-def prepare(model: nn.Module, train: TrainConfig, device: torch.device | None
-            ) -> tuple[nn.Module, EMA, torch.device]:
-    """Seeded initialisation happens before this; moves ``model`` and starts its EMA."""
+def prepare(model: nn.Module, train: TrainConfig, device: torch.device | None,
+            world: World = SINGLE) -> tuple[nn.Module, EMA, torch.device]:
+    """Seeded initialisation happens before this; moves ``model`` and starts its EMA.
+
+    With several processes the model returned is wrapped in ``DistributedDataParallel``
+    (call it for the forward pass: its backward averages the gradients over the world; every
+    rank starts from rank 0's weights); :func:`unwrapped` is the model itself.
+    """
     device = device or torch.device("cpu")
     model = model.to(device)
-    return model, EMA(model, train), device
+    return data_parallel(model, device, world), EMA(model, train), device
+
+
+def data_parallel(model: nn.Module, device: torch.device, world: World) -> nn.Module:
+    """``model`` (on ``device``) wrapped in ``DistributedDataParallel`` when ``world`` has
+    several processes, else itself: :func:`prepare`'s wrapping, for models without an EMA."""
+    if world.size == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=None if device.type == "cpu" else
+                                   [device.index])
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside a ``DistributedDataParallel`` wrapper (or ``model`` itself)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
 
 
 def make_optimizer(model: nn.Module, train: TrainConfig
@@ -94,7 +124,11 @@ def optimise(model: nn.Module, train: TrainConfig, loss_at: Callable[[int], torc
              progress: ProgressFn | None = None, ema: EMA | None = None,
              resumable: Resumable | None = None) -> None:
     """Run ``train.steps`` updates of ``loss_at(step)`` with clipping, schedule and EMA,
-    continuing ``resumable``'s saved state when there is one and saving it as it goes."""
+    continuing ``resumable``'s saved state when there is one and saving it as it goes.
+
+    ``model`` is :func:`prepare`'s (wrapped for data parallelism when there are several
+    processes, whose ``loss_at`` are means over their equal slices of the global batch).
+    """
     opt, sched = make_optimizer(model, train)
     start = _restore(resumable, model, opt, sched, ema) if resumable is not None else 0
     model.train()
@@ -106,10 +140,10 @@ def optimise(model: nn.Module, train: TrainConfig, loss_at: Callable[[int], torc
         opt.step()
         sched.step()
         if ema is not None:
-            ema.update(model, step)
+            ema.update(unwrapped(model), step)
         done = step + 1
         if resumable is not None and resumable.due(done, train.steps):
-            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            state = {"model": unwrapped(model).state_dict(), "optimizer": opt.state_dict(),
                      "scheduler": sched.state_dict(), "step": done,
                      "torch_rng": torch.get_rng_state(),
                      "ema": ema.shadow if ema is not None else {}}
@@ -127,7 +161,7 @@ def _restore(resumable: Resumable, model: nn.Module, opt: torch.optim.Optimizer,
         return 0
     device = next(model.parameters()).device
     state = torch.load(path, map_location=device, weights_only=True)
-    model.load_state_dict(state["model"])
+    unwrapped(model).load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"].cpu())

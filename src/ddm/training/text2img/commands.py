@@ -12,6 +12,7 @@ from ddm.data.colored_mnist import EXAMPLE_PROMPT, ColoredDigits, load_colored_m
 from ddm.deploy.imported import expert_dir
 from ddm.models.text2img import expert_convention, expert_kwargs, router_convention, sizes
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import SINGLE, World
 from ddm.training.resume import Resumable, state_directory
 from ddm.training.text2img import layout
 
@@ -26,6 +27,8 @@ DEFAULTS = {
     "monolith": TrainConfig(steps=4 * 3000, batch_size=128, learning_rate=5e-4),
     "router": TrainConfig(steps=1500, batch_size=256, learning_rate=1e-3),
 }
+#: The stages that train data-parallel when started by torchrun; the others run alone.
+DATA_PARALLEL_STAGES = ("expert", "router", "monolith")
 #: Clusters of the partition (experts), and the times the router's accuracy is reported at.
 CLUSTERS = 4
 ROUTER_REPORT_TIMES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -34,7 +37,8 @@ ROUTER_REPORT_TIMES = (0.0, 0.25, 0.5, 0.75, 1.0)
 @dataclass(frozen=True)
 class StageRun:
     """What every stage is given: the DDM root, the MNIST IDX directory, the network size,
-    the colouring seed of the data, and how to train and save."""
+    the colouring seed of the data, how to train and save, and this process's world
+    (``ddm.training.distributed``: rank 0 alone saves)."""
 
     root: Path
     mnist: Path
@@ -45,13 +49,14 @@ class StageRun:
     save_every: int = 250
     resume: bool = False
     progress: ProgressFn | None = None
+    world: World = SINGLE
 
     def data(self) -> ColoredDigits:
         return load_colored_mnist(self.mnist, "train", self.data_seed)
 
     def resumable(self, component: str, **identity: Any) -> Resumable:
         return Resumable(state_directory(self.root / component), every=self.save_every,
-                         resume=self.resume, identity={
+                         resume=self.resume, writer=self.world.writer, identity={
                              "stage": component, "size": self.size, "data_seed": self.data_seed,
                              "train": self.train.to_dict(), **identity})
 
@@ -62,9 +67,10 @@ def default_train(stage: str, overrides: dict[str, Any]) -> TrainConfig:
     return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def run_stage(stage: str, run: StageRun) -> Path:
-    """Run one stage; returns the component directory it wrote and refreshes model_index.json."""
-    stages: dict[str, Callable[[StageRun], Path]] = {
+def run_stage(stage: str, run: StageRun) -> Path | None:
+    """Run one stage; returns the component directory it wrote and refreshes model_index.json
+    (on data-parallel ranks other than 0, which write nothing: None)."""
+    stages: dict[str, Callable[[StageRun], Path | None]] = {
         "tokenizer": tokenizer_stage, "clip": clip_stage, "vae": vae_stage,
         "partition": partition_stage, "latents": latents_stage, "expert": expert_stage,
         "router": router_stage, "text-prior": text_prior_stage, "monolith": monolith_stage,
@@ -72,7 +78,13 @@ def run_stage(stage: str, run: StageRun) -> Path:
     if stage not in stages:
         raise ValueError(f"unknown text2img stage {stage!r}; known: {', '.join(stages)}")
     sizes(run.size)  # reject an unknown size before any work
+    if run.world.size > 1 and stage not in DATA_PARALLEL_STAGES:
+        raise ValueError(f"the {stage} stage runs as one process; only "
+                         f"{', '.join(DATA_PARALLEL_STAGES)} train on several")
+    run.world.shard(run.train.batch_size)  # a batch the processes cannot share: refused now
     out = stages[stage](run)
+    if not run.world.writer:
+        return None
     layout.write_model_index(run.root)
     return out
 
@@ -173,7 +185,7 @@ def latents_stage(run: StageRun) -> Path:
     return out
 
 
-def expert_stage(run: StageRun) -> Path:
+def expert_stage(run: StageRun) -> Path | None:
     import numpy as np
 
     from ddm.training.text2img.flow import train_flow
@@ -184,13 +196,15 @@ def expert_stage(run: StageRun) -> Path:
     name = expert_dir(run.index)
     resumable = run.resumable(name, partition_sha256=sha, index=run.index)
     model = train_flow(data, np.flatnonzero(data.clusters == run.index), sizes(run.size),
-                       run.train, resumable, run.progress)
+                       run.train, resumable, run.progress, run.world)
+    if not run.world.writer:
+        return None
     return layout.save_component(model, run.root, name, _declared(
         run, resumable, expert_convention(), role="expert", cluster=run.index,
         partition_sha256=sha))
 
 
-def monolith_stage(run: StageRun) -> Path:
+def monolith_stage(run: StageRun) -> Path | None:
     import numpy as np
 
     from ddm.training.text2img.flow import train_flow
@@ -198,7 +212,9 @@ def monolith_stage(run: StageRun) -> Path:
     data, _ = _latent_set(run.root)
     resumable = run.resumable(layout.MONOLITH)
     model = train_flow(data, np.arange(len(data.latents)), sizes(run.size), run.train,
-                       resumable, run.progress)
+                       resumable, run.progress, run.world)
+    if not run.world.writer:
+        return None
     return layout.save_component(model, run.root, layout.MONOLITH, _declared(
         run, resumable, expert_convention(), role="monolith"))
 
@@ -230,13 +246,15 @@ def monolith_snapshot_stage(run: StageRun) -> Path:
         "train": identity["train"], "trained_steps": int(state["step"])})
 
 
-def router_stage(run: StageRun) -> Path:
+def router_stage(run: StageRun) -> Path | None:
     from ddm.training.text2img.flow import router_accuracy, train_latent_router
 
     data, sha = _latent_set(run.root)
     resumable = run.resumable(layout.ROUTER, partition_sha256=sha)
     router = train_latent_router(data, CLUSTERS, sizes(run.size), run.train, resumable,
-                                 run.progress)
+                                 run.progress, run.world)
+    if not run.world.writer:
+        return None
     accuracy = router_accuracy(router, data, ROUTER_REPORT_TIMES, 2000, run.train.seed)
     return layout.save_component(router, run.root, layout.ROUTER, _declared(
         run, resumable, router_convention(), role="router", partition_sha256=sha,
@@ -297,9 +315,10 @@ def _latent_set(root: Path) -> tuple[Any, str]:
 def _declared(run: StageRun, resumable: Resumable, convention: dict[str, Any],
               **fields: Any) -> dict[str, Any]:
     """What a trained component's config.json declares under ``DDM_CONFIG_KEY``: its
-    conventions, role and provenance (wall-clock training seconds, resumed sessions included)."""
+    conventions, role and provenance (wall-clock training seconds, resumed sessions included;
+    the processes that shared each global batch)."""
     return {**convention, **fields, "size": run.size, "train": run.train.to_dict(),
-            "training_seconds": round(resumable.elapsed(), 1)}
+            "training_seconds": round(resumable.elapsed(), 1), "world_size": run.world.size}
 
 
 def _component(root: Path, name: str) -> Path:

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from ddm.convention import TIME_EMBEDDING_SCALE, sample_path
 from ddm.models.text2img import Text2ImgSizes, expert_kwargs
 from ddm.training.config import TrainConfig
+from ddm.training.distributed import SINGLE, World
 from ddm.training.resume import Resumable
-from ddm.training.torch_loop import ProgressFn, optimise, prepare
+from ddm.training.torch_loop import ProgressFn, data_parallel, optimise, prepare, unwrapped
 
 
 @dataclass(frozen=True)
@@ -54,42 +55,48 @@ class LatentSet:
         return cls(**load_file(str(path)))
 
 
-def _batch(data: LatentSet, rows: np.ndarray, train: TrainConfig, step: int):
+def _batch(data: LatentSet, rows: np.ndarray, train: TrainConfig, step: int, world: World):
+    """Step ``step``'s global batch from ``(seed, step)``; ``world``'s rank keeps its slice."""
     rng = np.random.default_rng([train.seed, step])
     picked = rows[rng.integers(0, len(rows), train.batch_size)]
     t = rng.random(train.batch_size, dtype=np.float32)
     x0 = rng.standard_normal((train.batch_size, *data.latents.shape[1:]), dtype=np.float32)
-    return picked, sample_path(x0, data.latents[picked], t)
+    part = world.shard(train.batch_size)
+    return picked[part], sample_path(x0[part], data.latents[picked[part]], t[part])
 
 
 def train_flow(data: LatentSet, rows: np.ndarray, size: Text2ImgSizes, train: TrainConfig,
-               resumable: Resumable | None = None, progress: ProgressFn | None = None) -> Any:
-    """A ``PixArtTransformer2DModel`` trained on ``rows`` of ``data``; returns its EMA."""
+               resumable: Resumable | None = None, progress: ProgressFn | None = None,
+               world: World = SINGLE) -> Any:
+    """A ``PixArtTransformer2DModel`` trained on ``rows`` of ``data``; returns its EMA. Each
+    of ``world``'s processes takes its slice of every batch (``ddm.training.distributed``)."""
     from diffusers import PixArtTransformer2DModel
 
     if rows.size == 0:
         raise ValueError("no training rows: the cluster is empty")
     torch.manual_seed(train.seed)
     model, ema, _ = prepare(PixArtTransformer2DModel(
-        **expert_kwargs(size, data.text_embeddings.shape[-1])), train, None)
+        **expert_kwargs(size, data.text_embeddings.shape[-1])), train, None, world)
     embeddings = torch.from_numpy(data.text_embeddings)
 
     def loss_at(step: int) -> torch.Tensor:
-        picked, path = _batch(data, rows, train, step)
+        picked, path = _batch(data, rows, train, step, world)
         velocity = model(torch.from_numpy(path.x_t),
                          encoder_hidden_states=embeddings[data.caption_index[picked]],
                          timestep=torch.from_numpy(path.t) * TIME_EMBEDDING_SCALE).sample
         return F.mse_loss(velocity, torch.from_numpy(path.velocity))
 
     optimise(model, train, loss_at, progress=progress, ema=ema, resumable=resumable)
+    model = unwrapped(model)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in ema.weights().items()})
     return model.eval().requires_grad_(False)
 
 
 def train_latent_router(data: LatentSet, k: int, size: Text2ImgSizes, train: TrainConfig,
                         resumable: Resumable | None = None,
-                        progress: ProgressFn | None = None) -> Any:
-    """A :class:`LatentRouter` trained by cross-entropy to each latent's cluster."""
+                        progress: ProgressFn | None = None, world: World = SINGLE) -> Any:
+    """A :class:`LatentRouter` trained by cross-entropy to each latent's cluster; data-parallel
+    over ``world`` as :func:`train_flow` is."""
     from ddm.models.latent_router import LatentRouter
 
     torch.manual_seed(train.seed)
@@ -98,13 +105,14 @@ def train_latent_router(data: LatentSet, k: int, size: Text2ImgSizes, train: Tra
                           depth=size.router_depth, num_heads=size.router_heads, num_clusters=k)
     rows = np.arange(len(data.latents))
     clusters = torch.from_numpy(data.clusters)
+    network = data_parallel(router, torch.device("cpu"), world)
 
     def loss_at(step: int) -> torch.Tensor:
-        picked, path = _batch(data, rows, train, step)
-        logits = router(torch.from_numpy(path.x_t), torch.from_numpy(path.t))
+        picked, path = _batch(data, rows, train, step, world)
+        logits = network(torch.from_numpy(path.x_t), torch.from_numpy(path.t))
         return F.cross_entropy(logits, clusters[picked])
 
-    optimise(router, train, loss_at, progress=progress, resumable=resumable)
+    optimise(network, train, loss_at, progress=progress, resumable=resumable)
     return router.eval().requires_grad_(False)
 
 
