@@ -151,19 +151,6 @@ def _check_member(member: Any) -> None:
            f"{member!r}")
 
 
-#: A pool member's name (``member`` in a discovery, ``ddm serve pool --member NAME=DIR``): an
-#: expert's name or a stage's plan name (``text-encoder``, ``decoder``, ``router-network``);
-#: it is a path segment of the member's routes (``/v1/members/NAME/...``).
-MEMBER_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-
-
-def _check_member(member: Any) -> None:
-    _check(member is None or (isinstance(member, str) and
-                              re.match(MEMBER_NAME_PATTERN, member) is not None),
-           f"discovery.member must be a pool member's name matching {MEMBER_NAME_PATTERN}, got "
-           f"{member!r}")
-
-
 @dataclass(frozen=True)
 class DnsDiscovery:
     """A name resolving to every ready replica (a headless Service); all listen on ``port``.

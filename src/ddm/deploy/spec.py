@@ -57,7 +57,7 @@ from ddm.deploy.limits import (
 )
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
 from ddm.deploy.pools import STAGE_FIELDS, Component, PoolSpec, pool_problems
-from ddm.deploy.router_config import MissingExpert
+from ddm.deploy.router_config import MEMBER_NAME_PATTERN, MissingExpert
 from ddm.deploy.strict_yaml import load_yaml
 
 #: The resource this module describes.
@@ -67,7 +67,8 @@ KIND = "DDMDeployment"
 API_VERSION = f"{GROUP}/{VERSION}"
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 24
-EXPERT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: An expert's (and a pool's) name: a pool member's name, a path segment of its routes.
+EXPERT_NAME_PATTERN = MEMBER_NAME_PATTERN
 MAX_EXPERT_NAME_LENGTH = 30
 PRODUCT_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
 TOPOLOGY_PATTERN = r"^[1-9][0-9]?(x[1-9][0-9]?){1,2}$"
