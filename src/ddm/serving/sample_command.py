@@ -23,21 +23,24 @@ def add_sample_command(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "sample", help="generate digits of labels, or images of prompts (a text DDM), "
                        "in-process from checkpoints, or from a running router (--router)",
-        description="A label DDM: generate N_PER_LABEL images of each label and write them as "
-                    "a samples .npz file (for ddm eval) and, with --png, a grid. By default "
-                    "the models run in this process from the DDM make demo serves "
-                    "(checkpoints/mnist, 32x32); --router asks a running router for the same "
-                    "images instead. A text DDM (ddm import paris|text2img): one RGB image per "
-                    "--prompt, written as a PNG (the image, or a row of them) or a samples "
-                    ".npz with the prompts; the same pixels its router gives for the same "
-                    "request.")
+        description="Sample a DDM named by a DDMDeployment YAML (any ddm up takes: "
+                    "examples/text2img.yaml, which make demo serves, examples/mnist.yaml, or "
+                    "the ddm.yaml ddm import writes) or by its directory; with neither, the "
+                    f"shipped {DEFAULT_DDM} DDM (checkpoints/{DEFAULT_DDM}, 32x32 digits). "
+                    "Steps, solver, strategy and guidance not given are the DDM's own (its "
+                    "YAML's spec.sampling), so the images are the pixels ddm up answers for "
+                    "the same request. A label DDM: N_PER_LABEL images of each label, written "
+                    "as a samples .npz file (for ddm eval) and, with --png, a grid. A text "
+                    "DDM: one RGB image per --prompt, written as a PNG (the image, or a row "
+                    "of them) or a samples .npz with the prompts. --router asks a running "
+                    "router for the same images instead.")
     p.add_argument("ddm", nargs="?", type=Path, default=None, metavar="DIR_OR_DDM.yaml",
                    help="the DDM to sample: a DDMDeployment YAML (any ddm up takes, e.g. "
                         "examples/text2img.yaml, or the ddm.yaml ddm import wrote), or its "
                         "directory (same as --checkpoints); its sampling defaults apply")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory (experts + router) or one model's checkpoint "
-                        f"(default: the shipped {DEFAULT_DDM} DDM, the one make demo serves)")
+                        f"(default: the shipped {DEFAULT_DDM} DDM)")
     p.add_argument("--router", default=None, metavar="URL",
                    help="ask the router serving at URL (`ddm up`, a cluster Service) instead: "
                         "the same images as in-process for the same arguments")
