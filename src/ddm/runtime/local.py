@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from ddm.checkpoints.declared import declared_latent_shape
+from ddm.checkpoints.local import IMAGE_PREFIX as IMAGE_PREFIX
 from ddm.checkpoints.local import REPOSITORY_ROOT as REPOSITORY_ROOT
 from ddm.checkpoints.local import resolve_checkpoint as resolve_checkpoint
 from ddm.checkpoints.shipped import DEFAULT_DDM
