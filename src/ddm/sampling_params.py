@@ -190,13 +190,6 @@ class SamplingParams:
             if param.kind is float:  # frozen: set as dataclasses' own __init__ does
                 object.__setattr__(self, param.name, float(getattr(self, param.name)))
 
-    def overridden(self, values: Mapping[str, Any]) -> SamplingParams:
-        """These defaults with the ``values`` that are not None in their place (a command's
-        flags), checked."""
-        return dataclasses.replace(self, **{name: value for name, value in values.items()
-                                            if value is not None})
-
-
 
 def add_sampling_flags(parser: argparse.ArgumentParser, params: Sequence[Param] = PARAMS, *,
                        default: str = "the DDM's own", evaluation: bool = False) -> None:

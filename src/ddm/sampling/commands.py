@@ -148,11 +148,11 @@ def load_text_source(source: SampleSource, backend: str, device: str) -> TextDDM
 def sample_text_command(source: SampleSource, prompts: Sequence[str], *, steps: int | None,
                         strategy: str | None, guidance_scale: float | None,
                         negative_prompt: str | None, guidance_cutoff: float | None, seed: int,
-                        solver: str, backend: str, device: str | None,
+                        solver: str | None, backend: str, device: str | None,
                         batch_size: int | None, out: Path, png: Path | None = None,
                         quiet: bool = False) -> dict[str, Any]:
-    """One image per prompt from the text DDM ``source`` (steps, strategy and guidance: None
-    for the DDM's own); write ``out`` (.npz: the samples, with the prompts; .png: the
+    """One image per prompt from the text DDM ``source`` (a sampling parameter None: the
+    DDM's own); write ``out`` (.npz: the samples, with the prompts; .png: the
     image, or a grid of them) and ``png`` atomically. Image ``i``'s noise comes from
     ``(seed, i)``, as the router's: the same request gives the router's pixels."""
     root = source.name
@@ -184,7 +184,7 @@ def sample_text_command(source: SampleSource, prompts: Sequence[str], *, steps: 
             calls.append(chunk.expert_calls)
     return write_text_samples(
         out, png, np.concatenate(images), prompts, np.concatenate(calls),
-        {"strategy": request.strategy.name, "steps": request.steps, "solver": solver,
+        {"strategy": request.strategy.name, "steps": request.steps, "solver": request.solver,
          "seed": seed, "source": str(root), "guidance_scale": request.guidance_scale,
          "guidance_cutoff": request.guidance_cutoff, "negative_prompt": negative_prompt})
 
