@@ -18,7 +18,7 @@ import yaml
 from ddm.cli import build_parser
 from ddm.deploy.router_config import RouterConfigError, RouterConfigFile
 from ddm.deploy.spec import SpecError, parse_spec
-from ddm.sampling_params import (GUIDANCE_CUTOFF, MAX_STEPS, PARAMS, SamplingError,
+from ddm.sampling_params import (GUIDANCE_CUTOFF, MAX_STEPS, PARAMS, SOLVER, SamplingError,
                                  SamplingParams, check_sampling)
 from ddm.serving.router.requests import request_models
 
@@ -149,3 +149,13 @@ def test_one_message_names_the_field_and_its_range_everywhere() -> None:
 def test_an_integral_guidance_scale_is_kept_as_a_float() -> None:
     assert SamplingParams(guidance_scale=4).guidance_scale == 4.0
     assert isinstance(SamplingParams(guidance_scale=4).guidance_scale, float)
+
+
+def test_every_declared_solver_and_strategy_is_one_the_loop_runs() -> None:
+    from ddm.sampling.routing import parse_strategy
+    from ddm.sampling.solvers import stepper
+
+    for solver in SOLVER.choices:
+        stepper(solver)
+    for strategy in CASES["strategy"][0]:
+        parse_strategy(strategy)

@@ -256,6 +256,7 @@ def check_request(mixture: Mixture, request: SamplingRequest,
     ``ddm sample`` and the router (after its schema, which carries the same limits) both call
     it. The parameters' bounds are their declarations' (``ddm.sampling_params``); a server may
     allow fewer steps (``max_steps``)."""
+    stepper(request.solver)  # one the loop implements: every declared solver (a test checks)
     problems = sampling_problems({name: _plain(getattr(request, name)) for name in
                                   ("steps", "solver", "guidance_scale", "guidance_cutoff")})
     if problems:
