@@ -38,7 +38,9 @@ def _constraints(schema: dict[str, Any]) -> str:
     parts = []
     if "enum" in schema:
         parts.append("one of " + ", ".join(f"`{v}`" for v in schema["enum"]))
-    if "minimum" in schema or "maximum" in schema:
+    if schema.get("exclusiveMinimum"):
+        parts.append(f"above {schema['minimum']}, at most {schema.get('maximum', '')}")
+    elif "minimum" in schema or "maximum" in schema:
         parts.append(f"{schema.get('minimum', '')}..{schema.get('maximum', '')}")
     for key, words in (("minLength", "at least {} characters"),
                        ("maxLength", "at most {} characters"),

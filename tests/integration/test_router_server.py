@@ -49,8 +49,8 @@ from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
 from ddm.serving.router.remote import RemoteMixture, SamplingRequest, generate_remote
 from ddm.serving.router.replicas import static_endpoints
-from ddm.deploy.router_config import (STRATEGY_PATTERN, Auth, RouterConfigFile,
-                                       RouterLimits)
+from ddm.deploy.router_config import Auth, RouterConfigFile, RouterLimits
+from ddm.sampling_params import STRATEGY_PATTERN
 from ddm.serving.router.server import create_router_app
 
 # the models run on two cores shared with everything else

@@ -106,8 +106,8 @@ def test_prompts_to_a_samples_file_are_the_routers_images_in_any_batch(served, t
     ("label", ("--guidance-cutoff", "0.5"), "it takes --labels, not --guidance-cutoff"),
     ("router", ("--labels", "7"), "is a text DDM (conditioned on prompts): it takes --prompt, "
                                   "not --labels"),
-    ("router", ("--prompt", "a", "--guidance-scale", "0.5", "--steps", "0"),
-     "steps: Input should be greater than or equal to 1"),
+    ("router", ("--prompt", "a", "--guidance-scale", "0.5", "--steps", "999"),
+     "steps: Input should be less than or equal to 200"),  # declared 1..1000; its limit 200
     ("text", ("--labels", "7"), "is a text DDM (conditioned on prompts): it takes --prompt, "
                                 "not --labels"),
     ("text", (), "is a text DDM: give --prompt"),
@@ -129,14 +129,15 @@ def test_bad_input_is_refused_by_name_before_anything_is_written(served, tmp_pat
 @pytest.mark.parametrize("flag,value", [("--guidance-scale", str(MAX_GUIDANCE_SCALE + 1)),
                                         ("--guidance-scale", "-1"),
                                         ("--guidance-scale", "nan"),
-                                        ("--guidance-cutoff", "1.5")])
+                                        ("--guidance-cutoff", "1.5"),
+                                        ("--guidance-cutoff", "0")])
 def test_guidance_out_of_range_is_refused_naming_the_flag_and_its_range(served, tmp_path,
                                                                         capsys, flag, value):
-    high = f"{MAX_GUIDANCE_SCALE:g}" if flag == "--guidance-scale" else "1"
+    bounds = f"[0, {MAX_GUIDANCE_SCALE:g}]" if flag == "--guidance-scale" else "(0, 1]"
     with pytest.raises(SystemExit) as exit_:
         _sample(capsys, served[1], "--prompt", "a", flag, value, "--out", tmp_path / "s.png")
     assert exit_.value.code == 2
-    assert f"{flag} must be a number in [0, {high}], got '{value}'" in capsys.readouterr().err
+    assert f"{flag} must be a number in {bounds}, got '{value}'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

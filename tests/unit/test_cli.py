@@ -74,11 +74,8 @@ def test_sample_is_deterministic_and_batch_independent(tiny_ddm, tmp_path, capsy
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--strategy", "randomly"), "unknown routing strategy 'randomly'"),
     (("--strategy", "oracle", "--labels", "3,12"), r"labels \[12\] are outside"),
-    (("--steps", "0"), "steps must be an integer in"),
     (("--labels", "1,x"), "--labels must be comma-separated integers"),
-    (("--solver", "rk45"), "unknown solver 'rk45'"),
     (("--backend", "tensorflow"), "unknown backend 'tensorflow'"),
 ])
 def test_sample_rejects_bad_input(tiny_ddm, tmp_path, capsys, extra, message):
@@ -87,6 +84,24 @@ def test_sample_rejects_bad_input(tiny_ddm, tmp_path, capsys, extra, message):
     assert code == 2
     assert captured.err.startswith("ddm: error: ")
     assert re.search(message, captured.err), captured.err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("extra,message", [
+    (("--strategy", "randomly"), "--strategy 'randomly' is not valid: use oracle"),
+    (("--steps", "0"), r"--steps must be an integer in \[1, 1000\], got '0'"),
+    (("--solver", "rk45"), "--solver must be one of euler, heun, got 'rk45'"),
+])
+def test_sample_flags_outside_their_declarations_are_refused_as_parsed(tiny_ddm, tmp_path,
+                                                                       capsys, extra, message):
+    """The sampling flags are built from ``ddm.sampling_params``: argparse refuses a value
+    outside the declaration, naming the flag, before any model loads."""
+    out = tmp_path / "s.npz"
+    with pytest.raises(SystemExit) as exit_:
+        _run(capsys, "sample", "--checkpoints", tiny_ddm, "--out", out, *extra)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert re.search(f"argument {extra[0]}: {message}", err), err
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

@@ -157,8 +157,10 @@ def _local(manifest: DDMManifest) -> tuple[dict[str, list[str]], dict[str, set[s
     for process in (*plan.experts, *plan.pools):
         name = process.name.split("/")[0]
         commands[name] = list(process.argv)
+        # What ddm up's place decides: threads on a shared machine, one log for every process.
         env[name] = {k for k, _ in process.env} - {"OMP_NUM_THREADS", "MKL_NUM_THREADS",
-                                                     "PYTHONUNBUFFERED"}
+                                                     "PYTHONUNBUFFERED",
+                                                     "HF_HUB_DISABLE_PROGRESS_BARS"}
     # What ddm up gives the router is what it reads back from the file it writes.
     config = RouterConfigFile.from_yaml(plan.router_config.to_yaml())
     return commands, env, list(plan.router.argv), config

@@ -168,7 +168,7 @@ INVALID = {
         "spec.sampling.strategy: 'random' is not valid: use oracle, ensemble"),
     "steps out of range": (
         lambda s: s["sampling"].update(steps=5000),
-        "spec.sampling.steps: must be an integer in 1..1000, got 5000"),
+        "spec.sampling.steps: must be an integer in [1, 1000], got 5000"),
     "bad checkpoint URI": (
         lambda s: s["experts"][0]["checkpoint"].update(uri="ftp://models/low"),
         "spec.experts[0].checkpoint.uri: 'ftp://models/low' is not a checkpoint URI"),

@@ -109,8 +109,11 @@ def test_guidance_cut_off_after_half_the_steps_lands_between(paris, reference):
     half = ours(paris, reference, 6, steps=4, output="latent", guidance_cutoff=0.5)
     assert np.abs(half.state - full.state).max() > 1e-3
     assert np.abs(half.state - none.state).max() > 1e-3
-    zero = ours(paris, reference, 6, steps=4, output="latent", guidance_cutoff=0.0)
-    np.testing.assert_array_equal(zero.state, none.state)
+    # Under one step of 4 guided: none is (0 itself is outside the one range, (0, 1]).
+    under_one = ours(paris, reference, 6, steps=4, output="latent", guidance_cutoff=0.1)
+    np.testing.assert_array_equal(under_one.state, none.state)
+    with pytest.raises(ValueError, match=r"guidance_cutoff must be a number in \(0, 1\]"):
+        ours(paris, reference, 6, steps=4, output="latent", guidance_cutoff=0.0)
 
 
 @pytest.mark.parametrize("options, message", [

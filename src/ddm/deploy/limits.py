@@ -9,6 +9,16 @@ Plain constants only: no NumPy, no ML framework (the operator and the CLI import
 from __future__ import annotations
 
 from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
+# The sampling parameters' bounds and defaults are declared in ddm.sampling_params.
+from ddm.sampling_params import DEFAULT_SOLVER as DEFAULT_SOLVER
+from ddm.sampling_params import DEFAULT_STEPS as DEFAULT_STEPS
+from ddm.sampling_params import DEFAULT_STRATEGY as DEFAULT_STRATEGY
+from ddm.sampling_params import EVALUATION_STRATEGIES as EVALUATION_STRATEGIES
+from ddm.sampling_params import MAX_GUIDANCE_SCALE as MAX_GUIDANCE_SCALE
+from ddm.sampling_params import MAX_STEPS as MAX_STEPS
+from ddm.sampling_params import SOLVERS as SOLVERS
+from ddm.sampling_params import STRATEGY_HINT as STRATEGY_HINT
+from ddm.sampling_params import STRATEGY_PATTERN as STRATEGY_PATTERN
 
 #: The ports the servers listen on in a pod, and the servers' own defaults (``ddm up`` picks
 #: free loopback ports instead): the API of an expert or stage and of the router, and
@@ -20,11 +30,6 @@ METRICS_PORT = 9090
 #: whoever then connects).
 PORTS = range(1, 65536)
 
-#: Sampling steps one request (or a DDM's default) may ask for; an expert's integrate grid too.
-MAX_STEPS = 1000
-#: Classifier-free guidance scales a request may ask for: 0 (unconditional) .. this; 1 is
-#: unguided. diffusers' pipelines default to 4.5-7.5.
-MAX_GUIDANCE_SCALE = 50.0
 #: What a DDM is conditioned on: class labels (one integer per image) or text prompts (encoded
 #: by its text encoder stage).
 CONDITIONINGS = ("labels", "text")
@@ -33,20 +38,6 @@ CONDITIONINGS = ("labels", "text")
 STAGE_PLACEMENTS = ("router", "separate")
 #: The dtypes a server may cast a model's weights to (``--precision``; default: as stored).
 PRECISIONS = ("float32", "bfloat16", "float16")
-#: The solvers every driver implements (``ddm.sampling.solvers``, the router's async steps). A
-#: solver's place in this tuple, from 1, is its wire code (``docs/protocol.md``): append only.
-SOLVERS = ("euler", "heun")
-#: The routing strategy grammar: ``oracle``, ``ensemble``, ``topK``/``topk:K`` (K 1..99) and
-#: ``threshold:P`` with 0 < P <= 1. ``ddm.sampling.routing.parse_strategy`` reads its fields.
-STRATEGY_PATTERN = (
-    r"^(oracle|ensemble|top[1-9][0-9]?|topk:[1-9][0-9]?"
-    r"|threshold:(0?\.[0-9]*[1-9][0-9]*|1(\.0+)?))$"
-)
-STRATEGY_HINT = "use oracle, ensemble, topK (K 1..99), topk:K or threshold:P with 0 < P <= 1"
-#: Strategies only the evaluation (``ddm eval``/``ddm report``, ``ddm sample``) runs, outside
-#: ``STRATEGY_PATTERN`` so that no DDMDeployment, ``router.yaml`` or request can pick them:
-#: ``random`` (an expert drawn uniformly per sample and step, the paper's FID-157 baseline).
-EVALUATION_STRATEGIES = ("random",)
 #: The largest magnitude a state's value may have where a client gives it: a request's
 #: ``latents`` at the router (422 naming the field) and ``x`` on the wire at every model
 #: server (``docs/protocol.md``, 422). Real states stay within a few tens (unit Gaussian noise,
@@ -54,11 +45,6 @@ EVALUATION_STRATEGIES = ("random",)
 #: float32's 3.4e38 that a network's sums and squares of it stay finite: a state of 3e38
 #: made every expert answer infinities (issue 35).
 MAX_STATE_MAGNITUDE = 1e4
-#: What a DDM samples with when its spec (or a request) names nothing.
-DEFAULT_STEPS = 40
-DEFAULT_SOLVER = "euler"
-DEFAULT_STRATEGY = "top1"
-
 #: The router's per-request defaults (``router.yaml`` ``limits:``); a DDM's own default step
 #: count raises ``ROUTER_MAX_STEPS`` for its router (``ddm.deploy.plan``).
 #: What the router does with a step routed to an expert that has no ready replica

@@ -244,8 +244,8 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
     router = RouterPlan(
         replicas=spec.router.replicas, checkpoint=spec.router.checkpoint,
         num_classes=spec.num_classes,
-        sampling=SamplingDefaults(sampling.steps, sampling.solver, sampling.strategy,
-                                  sampling.guidance_scale, sampling.guidance_cutoff),
+        # The spec's parameters, the same declarations; the operator adds its strategies.
+        sampling=SamplingDefaults(**dataclasses.asdict(sampling)),
         # A request may ask for as many steps as the DDM's own default.
         limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps),
                             context_cache_bytes=spec.router.context_cache_bytes),

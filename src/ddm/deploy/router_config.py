@@ -28,14 +28,10 @@ from ddm.deploy.limits import (
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
-    DEFAULT_SOLVER,
-    DEFAULT_STEPS,
     MAX_MISSING_EXPERT_WAIT_S,
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
-    DEFAULT_STRATEGY,
     MAX_CONTEXT_CACHE_BYTES,
-    MAX_GUIDANCE_SCALE,
     MAX_STEPS,
     PORTS,
     PRECISIONS,
@@ -45,10 +41,10 @@ from ddm.deploy.limits import (
     ROUTER_MAX_CONCURRENT,
     ROUTER_MAX_CONCURRENT_PER_CLIENT,
     ROUTER_MAX_STEPS,
-    SOLVERS,
     STRATEGY_HINT,
     STRATEGY_PATTERN,
 )
+from ddm.sampling_params import SamplingError, SamplingParams
 from ddm.deploy.strict_yaml import load_yaml
 
 
@@ -102,37 +98,20 @@ def strategy_allowed(strategy: str, allowed: tuple[str, ...]) -> bool:
 
 
 @dataclass(frozen=True)
-class SamplingDefaults:
-    """What a request that names no steps, solver or strategy gets; ``strategies``: the
-    routing strategies a request may name (empty: any; the operator's
-    ``DDM_ALLOWED_STRATEGIES``), ``strategy`` among them."""
+class SamplingDefaults(SamplingParams):
+    """What a request that leaves a parameter out gets: the DDM's defaults, declared once in
+    ``ddm.sampling_params``; ``strategies``: the routing strategies a request may name (empty:
+    any; the operator's ``DDM_ALLOWED_STRATEGIES``), ``strategy`` among them."""
 
-    steps: int = DEFAULT_STEPS
-    solver: str = DEFAULT_SOLVER
-    strategy: str = DEFAULT_STRATEGY
-    guidance_scale: float = 1.0
-    guidance_cutoff: float = 1.0
     strategies: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check(isinstance(self.strategies, tuple)
                and all(isinstance(s, str) and re.match(STRATEGY_PATTERN, s)
                        for s in self.strategies),
                f"sampling.strategies must be a list of strategies ({STRATEGY_HINT}), got "
                f"{self.strategies!r}")
-        _check(_is_number(self.guidance_cutoff) and 0 < self.guidance_cutoff <= 1,
-               "sampling.guidance_cutoff must be a fraction of the steps in (0, 1], got "
-               f"{self.guidance_cutoff!r}")
-        _check(_is_number(self.guidance_scale)
-               and 0 <= self.guidance_scale <= MAX_GUIDANCE_SCALE,
-               f"sampling.guidance_scale must be a number in 0..{MAX_GUIDANCE_SCALE:g}, got "
-               f"{self.guidance_scale!r}")
-        _check(_is_int(self.steps) and 1 <= self.steps <= MAX_STEPS,
-               f"sampling.steps must be an integer in 1..{MAX_STEPS}, got {self.steps!r}")
-        _check(self.solver in SOLVERS,
-               f"sampling.solver must be one of {list(SOLVERS)}, got {self.solver!r}")
-        _check(isinstance(self.strategy, str) and re.match(STRATEGY_PATTERN, self.strategy),
-               f"sampling.strategy {self.strategy!r} is not valid: {STRATEGY_HINT}")
         _check(strategy_allowed(self.strategy, self.strategies),
                f"sampling.strategy {self.strategy} is not among sampling.strategies "
                f"{list(self.strategies)}")
@@ -517,7 +496,11 @@ class RouterConfigFile:
                           ("coalescing", Coalescing), ("missing_expert", MissingExpert),
                           ("auth", Auth)):
             if key in args and not (key == "auth" and args[key] is None):
-                args[key] = kind(**_strict(kind, args[key], key))
+                try:
+                    args[key] = kind(**_strict(kind, args[key], key))
+                except SamplingError as error:
+                    raise RouterConfigError("; ".join(f"sampling.{name} {message}" for
+                                                      name, message in error.problems)) from None
         return cls(**args)
 
     def to_dict(self) -> dict[str, Any]:

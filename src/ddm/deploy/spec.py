@@ -31,34 +31,27 @@ from ddm.deploy.limits import (
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
-    DEFAULT_SOLVER,
-    DEFAULT_STEPS,
-    DEFAULT_STRATEGY,
     FRAMEWORKS,
     MAX_ACCELERATOR_COUNT,
     MAX_BATCH,
     MAX_CLASS,
     MAX_CONTEXT_CACHE_BYTES,
     MAX_DELAY_MS,
-    MAX_GUIDANCE_SCALE,
     MAX_EXPERTS,
     MAX_NUM_CLASSES,
     MAX_MISSING_EXPERT_WAIT_S,
     MAX_REPLICAS,
-    MAX_STEPS,
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
     NEURON_UNITS,
     PRECISIONS,
-    SOLVERS,
     STAGE_PLACEMENTS,
-    STRATEGY_HINT,
-    STRATEGY_PATTERN,
 )
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
 from ddm.deploy.pools import STAGE_FIELDS, Component, PoolSpec, pool_problems
 from ddm.deploy.router_config import MEMBER_NAME_PATTERN, MissingExpert
 from ddm.deploy.strict_yaml import load_yaml
+from ddm.sampling_params import PARAMS, SamplingParams, sampling_problems
 
 #: The resource this module describes.
 GROUP = "ddm.dev"
@@ -91,17 +84,8 @@ class SpecError(ValueError):
         self.problems = tuple(problems)
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """A request's defaults. ``guidance_scale``: classifier-free guidance (1: unguided, the
-    only value for labels); ``guidance_cutoff``: the fraction of the steps guided, after which
-    the experts run unguided (1: every step)."""
-
-    steps: int = DEFAULT_STEPS
-    solver: str = DEFAULT_SOLVER
-    strategy: str = DEFAULT_STRATEGY
-    guidance_scale: float = 1.0
-    guidance_cutoff: float = 1.0
+#: A request's defaults (``spec.sampling``): declared in ``ddm.sampling_params``.
+Sampling = SamplingParams
 
 
 @dataclass(frozen=True)
@@ -283,19 +267,15 @@ def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:
 
 
 def _sampling(reader: FieldReader) -> Sampling:
-    sampling = Sampling(
-        steps=reader.integer("steps", DEFAULT_STEPS, 1, MAX_STEPS),
-        solver=reader.string("solver", DEFAULT_SOLVER, choices=SOLVERS),
-        strategy=reader.string("strategy", DEFAULT_STRATEGY, pattern=STRATEGY_PATTERN,
-                               hint=STRATEGY_HINT),
-        guidance_scale=reader.number("guidanceScale", 1.0, 0.0, MAX_GUIDANCE_SCALE) or 0.0,
-        guidance_cutoff=reader.number("guidanceCutoff", 1.0, 0.0, 1.0) or 0.0,
-    )
-    if reader.has("guidanceCutoff") and sampling.guidance_cutoff == 0.0:
-        reader.problem("guidanceCutoff", "must be above 0 (the fraction of the steps guided); "
-                                         "for no guidance set guidanceScale: 1")
+    """``spec.sampling``, each field checked against its declaration (a bad one recorded and
+    replaced by its default)."""
+    given = {param.name: reader.value(param.key) for param in PARAMS if reader.has(param.key)}
+    bad = dict(sampling_problems(given))
+    for param in PARAMS:
+        if param.name in bad:
+            reader.problem(param.key, bad[param.name])
     reader.done()
-    return sampling
+    return Sampling(**{name: value for name, value in given.items() if name not in bad})
 
 
 def _checkpoint(reader: FieldReader, allow_host_paths: bool

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
-from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STEPS, SOLVERS
 from ddm.fileio import existing_path
+from ddm.sampling_params import (DEFAULT_SOLVER, DEFAULT_STEPS, SOLVER, STEPS,
+                                 add_sampling_flags)
 
 
 def add_eval_command(commands: argparse._SubParsersAction) -> None:
@@ -72,10 +73,8 @@ def add_report_command(commands: argparse._SubParsersAction) -> None:
                    help="where the reference images are, e.g. mnist:DIR (default: the source "
                         "the classifier recorded)")
     p.add_argument("--n-per-label", type=int, default=20)
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"sampling steps (default {DEFAULT_STEPS}; a text2img DDM: its own "
-                        "default)")
-    p.add_argument("--solver", default=DEFAULT_SOLVER, help=" or ".join(SOLVERS))
+    add_sampling_flags(p, (STEPS, SOLVER), default=f"{DEFAULT_STEPS} steps, "
+                       f"{DEFAULT_SOLVER}; a text2img DDM: its own steps")
     p.add_argument("--compare", type=Path, action="append", default=[], metavar="DIR",
                    help="another DDM directory (e.g. checkpoints/digits-heterogeneous) judged "
                         "at top-1 beside the DDM's own top-1; repeatable")
@@ -110,7 +109,8 @@ def _report(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
             return 0
         path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
-                            steps=args.steps or DEFAULT_STEPS, out=args.out, solver=args.solver,
+                            steps=args.steps or DEFAULT_STEPS, out=args.out,
+                            solver=args.solver or DEFAULT_SOLVER,
                             data=args.data, compare=args.compare, cache=args.cache,
                             progress=progress)
     print(f"wrote {path}")
@@ -124,7 +124,7 @@ def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) 
     from ddm.evaluation.text2img_report import mnist_directory, write_text2img_report
     from ddm.models.text2img import DEFAULT_STEPS as TEXT2IMG_STEPS
 
-    if args.compare or args.solver != DEFAULT_SOLVER:
+    if args.compare or args.solver not in (None, DEFAULT_SOLVER):
         raise ValueError("--compare and --solver are for label DDMs' reports")
     classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
     return write_text2img_report(args.checkpoints, args.out, classifier,

@@ -162,9 +162,19 @@ def load_ddm(directory: str | os.PathLike, backend: str = "native",
         if ckpt.meta.kind not in ("expert", "monolith"):
             raise CheckpointError(f"{root} is a {ckpt.meta.kind} checkpoint; it cannot generate")
         return _assemble([ckpt], None, backend, device, root, is_mixture=False)
-    experts = sorted((load_checkpoint(p) for p in members), key=_partition_index)
-    router = load_checkpoint(router_path) if router_path else None
-    return _assemble(experts, router, backend, device, root, is_mixture=True)
+    return load_ddm_members(members, router_path, backend, device, root)
+
+
+def load_ddm_members(experts: Sequence[str | os.PathLike], router: str | os.PathLike | None,
+                     backend: str = "native", device: str | None = None,
+                     source: str | os.PathLike | None = None) -> LoadedDDM:
+    """A DDM of the expert checkpoints ``experts`` (any order: they are put in their
+    partition's) and ``router`` (None: without one), wherever each lies (a DDMDeployment's
+    checkpoints); ``source`` names the DDM in messages (default: the first expert's parent)."""
+    loaded = sorted((load_checkpoint(p) for p in experts), key=_partition_index)
+    network = load_checkpoint(router) if router is not None else None
+    where = Path(source) if source is not None else Path(experts[0]).parent
+    return _assemble(loaded, network, backend, device, where, is_mixture=True)
 
 
 def ddm_members(directory: str | os.PathLike) -> tuple[list[Path], Path | None]:

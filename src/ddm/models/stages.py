@@ -373,16 +373,31 @@ def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu
     ``text_prior=False`` routes with the router network alone, ``p(k | x_t, t)``, ignoring the
     text prior it declares (the report's comparison)."""
     path = Path(root)
+    names = expert_directories(path) if experts is None else list(experts)
+    decoder_dir = next((path / d for d in (DECODER_DIR, "vae") if (path / d).is_dir()), None)
+    return load_text_stages(path, names, [path / name for name in names],
+                            path / ROUTER_DIR if len(names) > 1 else None,
+                            path / TEXT_ENCODER_DIR, decoder_dir, dtype, device, backends,
+                            text_prior)
+
+
+def load_text_stages(root: Path, names: Sequence[str], experts: Sequence[Path],
+                     router: Path | None, encoder: Path, decoder: Path | None,
+                     dtype: str | None = None, device: str = "cpu",
+                     backends: Sequence[str] = ("torch",), text_prior: bool = True) -> TextDDM:
+    """A :class:`TextDDM` of stage checkpoints wherever each lies (a DDMDeployment's):
+    ``experts`` (named ``names``, in the router network's output order), ``router`` (None:
+    one expert), ``encoder`` and ``decoder`` (None: latents out). Expert ``k`` runs on
+    ``backends[k % len(backends)]``; ``root`` is the DDM's directory, whose config.json may
+    hold a release's defaults (:func:`assemble_text_ddm`)."""
     if not backends:
         raise CheckpointError("backends must name at least one of " + ", ".join(limits.FRAMEWORKS))
-    names = expert_directories(path) if experts is None else list(experts)
-    stages = [load_stage(path / name, dtype, device, backends[k % len(backends)])
-              for k, name in enumerate(names)]
-    router = load_stage(path / ROUTER_DIR, dtype, device) if len(names) > 1 else None
-    encoder = load_stage(path / TEXT_ENCODER_DIR, dtype, device)
-    decoder_dir = next((path / d for d in (DECODER_DIR, "vae") if (path / d).is_dir()), None)
-    decoder = None if decoder_dir is None else load_stage(decoder_dir, dtype, device)
-    return assemble_text_ddm(path, names, stages, router, encoder, decoder, text_prior)
+    stages = [load_stage(path, dtype, device, backends[k % len(backends)])
+              for k, path in enumerate(experts)]
+    return assemble_text_ddm(
+        root, names, stages, None if router is None else load_stage(router, dtype, device),
+        load_stage(encoder, dtype, device),
+        None if decoder is None else load_stage(decoder, dtype, device), text_prior)
 
 
 def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],

@@ -49,6 +49,9 @@ from pathlib import Path
 from typing import Callable, Sequence, TextIO
 
 from ddm.checkpoints.declared import declared_latent_shape
+from ddm.checkpoints.local import IMAGE_PREFIX as IMAGE_PREFIX
+from ddm.checkpoints.local import REPOSITORY_ROOT as REPOSITORY_ROOT
+from ddm.checkpoints.local import resolve_checkpoint as resolve_checkpoint
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.limits import PORTS, ROUTER_PORT
@@ -58,9 +61,6 @@ from ddm.deploy.spec import DDMManifest
 from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
 from ddm.termination import ENV as TERMINATION_LOG_ENV
 
-#: Where the images keep files that ``image://`` URIs name; locally, the repository root.
-IMAGE_PREFIX = "/opt/ddm/"
-REPOSITORY_ROOT = Path(__file__).resolve().parents[3]
 #: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.
 DEFAULT_MANIFEST = REPOSITORY_ROOT / "examples" / f"{DEFAULT_DDM}.yaml"
 READY_TIMEOUT_S = 300.0
@@ -107,31 +107,6 @@ class LocalPlan:
     def servers(self) -> tuple[ProcessSpec, ...]:
         """Every model server process: experts, separate stages and pools."""
         return (*self.experts, *self.stages, *self.pools)
-
-
-def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITORY_ROOT,
-                       pvc_root: Path | None = None) -> Path:
-    """Map a checkpoint URI to a local directory, or say why it cannot be."""
-    if checkpoint.scheme in ("image", "file"):
-        path = Path(checkpoint.path)
-        if path.exists():
-            return path
-        if checkpoint.scheme == "image" and checkpoint.path.startswith(IMAGE_PREFIX):
-            local = image_root / checkpoint.path[len(IMAGE_PREFIX):]
-            if local.exists():
-                return local
-        raise LocalRunError(f"checkpoint {checkpoint.uri}: {path} does not exist here "
-                            f"(image paths under {IMAGE_PREFIX} are looked up in {image_root})")
-    if checkpoint.scheme == "pvc":
-        if pvc_root is None:
-            raise LocalRunError(f"checkpoint {checkpoint.uri} is on a PersistentVolumeClaim; "
-                                "pass --pvc-root DIR holding one directory per claim")
-        local = pvc_root / checkpoint.location / checkpoint.path.strip("/")
-        if not local.exists():
-            raise LocalRunError(f"checkpoint {checkpoint.uri}: {local} does not exist")
-        return local
-    raise LocalRunError(f"checkpoint {checkpoint.uri}: fetch it first (ddm fetch-checkpoint "
-                        f"{checkpoint.uri} DIR) and point the manifest at file://DIR")
 
 
 def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int,

@@ -3,25 +3,33 @@ DDM, RGB images of prompts from a text DDM (its stages, ``ddm.models.stages``)."
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.discovery import default_checkpoints
 from ddm.checkpoints.importers import MANIFEST_FILE
+from ddm.checkpoints.local import resolve_checkpoint
+from ddm.conditioning import TEXT
 from ddm.deploy.imported import TEXT_ENCODER_DIR
+from ddm.deploy.spec import DDMManifest, load_manifest
 from ddm.fileio import atomic_path, check_output
-from ddm.models.loading import load_ddm
+from ddm.models.loading import LoadedDDM, load_ddm, load_ddm_members
 from ddm.progress import progress_bar
 from ddm.sampling.loop import StepEvent, check_request
 from ddm.sampling.pipeline import (generate, mixture_of, sampling_request, text_generation,
                                    text_request)
 from ddm.samples import save_samples_npz, save_text_samples_npz
+from ddm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ddm.models.stages import TextDDM
 
 
-def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int],
+def sample_command(source: SampleSource, strategy: str, labels: Sequence[int],
                    n_per_label: int, steps: int, solver: str, seed: int, backend: str,
                    device: str | None, batch_size: int, out: Path,
                    png: Path | None = None, quiet: bool = False) -> dict[str, Any]:
@@ -40,8 +48,7 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
         check_output(png, ".png", "--png")
     all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
     request = sampling_request(all_labels, steps, seed, strategy, solver)
-    source = checkpoints or default_checkpoints()
-    ddm = load_ddm(source, backend=backend, device=device)
+    ddm = load_label_ddm(source, backend, device)
     check_request(mixture_of(ddm), request)  # the whole request, before any chunk runs
     parsed = request.strategy
 
@@ -61,55 +68,101 @@ def sample_command(checkpoints: Path | None, strategy: str, labels: Sequence[int
     routing = parsed.name if ddm.is_mixture else "single"
     save_samples_npz(out, images, all_labels, calls,
                      {"strategy": routing, "steps": steps, "solver": solver, "seed": seed,
-                      "source": str(source)})
+                      "source": source.name})
     if png is not None:
         write_png_grid(png, images, columns=n_per_label if n_per_label > 1 else len(all_labels))
     return {"out": str(out), "n": int(len(all_labels)), "strategy": routing, "steps": steps,
             "mean_expert_calls": float(calls.mean())}
 
 
-def ddm_root(source: Path) -> Path:
-    """The DDM directory ``source`` names: itself, or the directory of an import's
-    ``ddm.yaml`` (``ddm import`` writes the manifest beside its stage checkpoints)."""
+@dataclass(frozen=True)
+class SampleSource:
+    """The DDM ``ddm sample`` was pointed at: ``name`` (as the samples file records it),
+    whether it is conditioned on text, and its sampling defaults (None: the checkpoints'
+    own); ``manifest``: a DDMDeployment naming its checkpoints, else ``root``: a DDM directory
+    (None: the shipped default)."""
+
+    name: str
+    text: bool
+    defaults: SamplingParams | None
+    manifest: DDMManifest | None = None
+    root: Path | None = None
+
+
+def sample_source(source: Path | None) -> SampleSource:
+    """What ``source`` names: a DDMDeployment YAML (any ``ddm up`` takes; its
+    ``spec.sampling`` are the defaults), a DDM directory (with an import's ``ddm.yaml``: that
+    manifest), or None (the shipped default DDM, with the declared defaults)."""
+    if source is None:
+        return SampleSource(str(default_checkpoints()), False, SamplingParams())
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist")
     if source.is_file() and source.suffix in (".yaml", ".yml"):
-        if not (source.parent / TEXT_ENCODER_DIR).is_dir():
-            raise ValueError(f"{source}: no imported DDM beside it (ddm import writes "
-                             f"DIR/{MANIFEST_FILE} next to DIR/{TEXT_ENCODER_DIR}/ and the "
-                             "experts); give the DDM's directory instead")
-        return source.parent
+        manifest = load_manifest(source)
+        return SampleSource(str(source), manifest.spec.conditioning == TEXT,
+                            manifest.spec.sampling, manifest=manifest)
     if not source.is_dir():
-        raise ValueError(f"{source} is neither a DDM directory nor an imported DDM's "
-                         f"{MANIFEST_FILE}")
-    return source
+        raise ValueError(f"{source} is neither a DDM directory nor a DDMDeployment YAML "
+                         f"(e.g. an import's {MANIFEST_FILE})")
+    if (source / MANIFEST_FILE).is_file():
+        manifest = load_manifest(source / MANIFEST_FILE)
+        return SampleSource(str(source), manifest.spec.conditioning == TEXT,
+                            manifest.spec.sampling, manifest=manifest)
+    text = (source / TEXT_ENCODER_DIR).is_dir()
+    return SampleSource(str(source), text, None if text else SamplingParams(), root=source)
 
 
-def is_text_ddm(root: Path) -> bool:
-    """Whether the DDM at ``root`` is conditioned on text: it has a text encoder stage."""
-    return (root / TEXT_ENCODER_DIR).is_dir()
+def load_label_ddm(source: SampleSource, backend: str, device: str | None) -> LoadedDDM:
+    """A label DDM in this process: a manifest's experts and router, or a directory's."""
+    if source.manifest is None:
+        return load_ddm(source.root or default_checkpoints(), backend=backend, device=device)
+    spec = source.manifest.spec
+    router = spec.router.checkpoint
+    return load_ddm_members([resolve_checkpoint(e.checkpoint) for e in spec.experts],
+                            None if router is None else resolve_checkpoint(router),
+                            backend, device, source.name)
 
 
-def sample_text_command(root: Path, prompts: Sequence[str], *, steps: int | None,
+def load_text_source(source: SampleSource, backend: str, device: str) -> TextDDM:
+    """A text DDM in this process: a manifest's stages (``native``: each expert on its
+    ``framework``, as served), or a directory's (``native``: PyTorch)."""
+    from ddm.models.stages import load_text_ddm, load_text_stages
+
+    if source.manifest is None:
+        assert source.root is not None  # a text DDM is found only in a directory
+        return load_text_ddm(source.root, device=device,
+                             backends=("torch",) if backend == "native" else (backend,))
+    spec = source.manifest.spec
+    experts = [resolve_checkpoint(e.checkpoint) for e in spec.experts]
+    stages = {role: resolve_checkpoint(stage.checkpoint) for role, stage in spec.stages.items()}
+    if PLAN_NAMES[TEXT_ENCODER] not in stages:
+        raise ValueError(f"{source.name}: a text DDM without a text encoder takes embeddings, "
+                         "not prompts")
+    return load_text_stages(
+        experts[0].parent, [e.name for e in spec.experts], experts,
+        stages.get(PLAN_NAMES[ROUTER]) if len(experts) > 1 else None,
+        stages[PLAN_NAMES[TEXT_ENCODER]], stages.get(PLAN_NAMES[DECODER]), device=device,
+        backends=([e.framework for e in spec.experts] if backend == "native" else [backend]))
+
+
+def sample_text_command(source: SampleSource, prompts: Sequence[str], *, steps: int | None,
                         strategy: str | None, guidance_scale: float | None,
-                        negative_prompt: str | None, guidance_cutoff: float, seed: int,
-                        solver: str, backend: str, device: str | None,
+                        negative_prompt: str | None, guidance_cutoff: float | None, seed: int,
+                        solver: str | None, backend: str, device: str | None,
                         batch_size: int | None, out: Path, png: Path | None = None,
                         quiet: bool = False) -> dict[str, Any]:
-    """One image per prompt from the text DDM at ``root`` (steps, strategy and guidance
-    default to the DDM's); write ``out`` (.npz: the samples, with the prompts; .png: the
+    """One image per prompt from the text DDM ``source`` (a sampling parameter None: the
+    DDM's own); write ``out`` (.npz: the samples, with the prompts; .png: the
     image, or a grid of them) and ``png`` atomically. Image ``i``'s noise comes from
     ``(seed, i)``, as the router's: the same request gives the router's pixels."""
-    from ddm.models.stages import load_text_ddm
-
+    root = source.name
     if not prompts:
         raise ValueError(f"{root} is a text DDM: give --prompt (one image per --prompt)")
     batch_size = 256 if batch_size is None else batch_size
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     check_text_outputs(out, png)
-    ddm = load_text_ddm(root, device=device or "cpu",
-                        backends=("torch",) if backend == "native" else (backend,))
+    ddm = load_text_source(source, backend, device or "cpu")
     if ddm.decode is None:
         raise ValueError(f"{root} has no decoder (decoder/ or vae/): its latents are no "
                          "images to write")
@@ -131,9 +184,9 @@ def sample_text_command(root: Path, prompts: Sequence[str], *, steps: int | None
             calls.append(chunk.expert_calls)
     return write_text_samples(
         out, png, np.concatenate(images), prompts, np.concatenate(calls),
-        {"strategy": request.strategy.name, "steps": request.steps, "solver": solver,
+        {"strategy": request.strategy.name, "steps": request.steps, "solver": request.solver,
          "seed": seed, "source": str(root), "guidance_scale": request.guidance_scale,
-         "guidance_cutoff": guidance_cutoff, "negative_prompt": negative_prompt})
+         "guidance_cutoff": request.guidance_cutoff, "negative_prompt": negative_prompt})
 
 
 def check_text_outputs(out: Path, png: Path | None) -> None:

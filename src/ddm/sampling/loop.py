@@ -56,8 +56,9 @@ import numpy as np
 
 from ddm.conditioning import LABELS, TEXT, Conditioning
 from ddm.convention import TimeGrid, to_uint8
-from ddm.deploy.limits import (DEFAULT_SOLVER, MAX_GUIDANCE_SCALE, MAX_STATE_MAGNITUDE,
-                               MAX_STEPS)
+from ddm.deploy.limits import MAX_STATE_MAGNITUDE
+from ddm.sampling_params import (GUIDANCE_CUTOFF, GUIDANCE_SCALE, MAX_STEPS, SOLVER, STEPS,
+                                 sampling_problems)
 from ddm.sampling.routing import (Strategy, available_weights, mixture_weights, oracle_probs,
                                   random_weights, routing_weights, servable_labels)
 from ddm.sampling.solvers import initial_noise, solver_named, stepper
@@ -105,14 +106,14 @@ class SamplingRequest:
     steps: int
     seed: int
     strategy: Strategy
-    solver: str = DEFAULT_SOLVER
+    solver: str = SOLVER.default
     delegate_steps: int = 0
     first_index: int = 0
     prompts: tuple[str, ...] = ()
     conditioning: Conditioning | None = field(default=None, compare=False)
-    guidance_scale: float = 1.0
+    guidance_scale: float = GUIDANCE_SCALE.default
     negative_prompt: str | None = None
-    guidance_cutoff: float = 1.0
+    guidance_cutoff: float = GUIDANCE_CUTOFF.default
     latents: np.ndarray | None = field(default=None, compare=False)
     output: str = "image"
 
@@ -253,10 +254,16 @@ def check_request(mixture: Mixture, request: SamplingRequest,
     """Raise a ``ValueError`` naming what ``mixture`` cannot do for ``request``, before any
     model runs; the labels as ``(N,)`` int64 (none for a text DDM). The one request validator:
     ``ddm sample`` and the router (after its schema, which carries the same limits) both call
-    it."""
-    stepper(request.solver)
-    if not _is_int(request.steps) or not 1 <= request.steps <= max_steps:
-        raise ValueError(f"steps must be an integer in [1, {max_steps}], got {request.steps!r}")
+    it. The parameters' bounds are their declarations' (``ddm.sampling_params``); a server may
+    allow fewer steps (``max_steps``)."""
+    stepper(request.solver)  # one the loop implements: every declared solver (a test checks)
+    problems = sampling_problems({name: _plain(getattr(request, name)) for name in
+                                  ("steps", "solver", "guidance_scale", "guidance_cutoff")})
+    if problems:
+        raise ValueError("; ".join(f"{name} {message}" for name, message in problems))
+    if request.steps > max_steps:
+        raise ValueError(f"steps must be an integer in [{STEPS.minimum:g}, {max_steps}], got "
+                         f"{request.steps!r}")
     if not _is_int(request.delegate_steps) or request.delegate_steps < 0:
         raise ValueError(f"delegate_steps must be an integer >= 0, got "
                          f"{request.delegate_steps!r}")
@@ -323,15 +330,6 @@ def _check_text(mixture: Mixture, request: SamplingRequest) -> int:
         rows = len(request.conditioning)
     if rows < 1:
         raise ValueError("no prompts given")
-    scale = request.guidance_scale
-    if (not isinstance(scale, (int, float, np.floating)) or isinstance(scale, bool)
-            or not 0.0 <= scale <= MAX_GUIDANCE_SCALE):
-        raise ValueError(f"guidance_scale must be a number in [0, {MAX_GUIDANCE_SCALE:g}], "
-                         f"got {scale!r}")
-    cutoff = request.guidance_cutoff
-    if not isinstance(cutoff, (int, float)) or isinstance(cutoff, bool) or not 0 <= cutoff <= 1:
-        raise ValueError(f"guidance_cutoff must be a fraction of the steps in [0, 1], "
-                         f"got {cutoff!r}")
     _check_routable(mixture, request.strategy)
     return rows
 
@@ -731,6 +729,11 @@ class Tally:
 
 def _times(n: int, t: float) -> np.ndarray:
     return np.full((n,), t, dtype=np.float32)
+
+
+def _plain(value: Any) -> Any:
+    """A NumPy scalar as the Python number it holds (the declarations check Python types)."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def _is_int(value: Any) -> bool:

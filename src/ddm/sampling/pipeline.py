@@ -15,6 +15,7 @@ import numpy as np
 
 from ddm.conditioning import TEXT, Conditioning
 from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STRATEGY
+from ddm.sampling_params import GUIDANCE_CUTOFF, SOLVER
 from ddm.models.loading import LoadedDDM
 from ddm.models.stages import ConditionedVelocity, TextDDM
 from ddm.sampling.guidance import guided
@@ -85,19 +86,23 @@ def generate_text(ddm: TextDDM, prompts: Sequence[str] = (), *,
 def text_request(ddm: TextDDM, prompts: Sequence[str] = (), *, steps: int | None = None,
                  seed: int = 0, strategy: Strategy | str | None = None,
                  guidance_scale: float | None = None, negative_prompt: str | None = None,
-                 guidance_cutoff: float = 1.0, latents: np.ndarray | None = None,
+                 guidance_cutoff: float | None = None, latents: np.ndarray | None = None,
                  conditioning: Conditioning | None = None, output: str = "image",
-                 solver: str = DEFAULT_SOLVER, first_index: int = 0) -> SamplingRequest:
-    """A text DDM's :class:`SamplingRequest`; steps, strategy and guidance default to the
-    release's. Image ``i``'s noise comes from ``(seed, first_index + i)`` unless ``latents``
+                 solver: str | None = None, first_index: int = 0) -> SamplingRequest:
+    """A text DDM's :class:`SamplingRequest`; steps, strategy and guidance scale default
+    (None) to the release's, the cutoff and solver to their declared defaults. Image ``i``'s
+    noise comes from ``(seed, first_index + i)`` unless ``latents``
     (N, C, S, S) float32 give it; ``output="latent"`` skips the decoder (images None)."""
     chosen = ddm.strategy if strategy is None else strategy
     return SamplingRequest(
         labels=(), steps=ddm.steps if steps is None else steps, seed=seed,
         strategy=parse_strategy(chosen, evaluation=True) if isinstance(chosen, str) else chosen,
-        solver=solver, prompts=tuple(prompts), conditioning=conditioning,
+        solver=SOLVER.default if solver is None else solver, prompts=tuple(prompts),
+        conditioning=conditioning,
         guidance_scale=ddm.guidance_scale if guidance_scale is None else guidance_scale,
-        negative_prompt=negative_prompt, guidance_cutoff=guidance_cutoff, latents=latents,
+        negative_prompt=negative_prompt,
+        guidance_cutoff=GUIDANCE_CUTOFF.default if guidance_cutoff is None else guidance_cutoff,
+        latents=latents,
         output=output, first_index=first_index)
 
 

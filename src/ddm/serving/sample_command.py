@@ -12,44 +12,41 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
-from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STEPS
 from ddm.fileio import existing_path
+from ddm.sampling_params import PARAMS, SamplingParams, add_sampling_flags
 
 
 def add_sample_command(commands: argparse._SubParsersAction) -> None:
     """Add ``sample`` to the ``ddm`` command's subcommands."""
-    from ddm.deploy.limits import MAX_GUIDANCE_SCALE
-
     p = commands.add_parser(
         "sample", help="generate digits of labels, or images of prompts (a text DDM), "
                        "in-process from checkpoints, or from a running router (--router)",
-        description="A label DDM: generate N_PER_LABEL images of each label and write them as "
-                    "a samples .npz file (for ddm eval) and, with --png, a grid. By default "
-                    "the models run in this process from the DDM make demo serves "
-                    "(checkpoints/mnist, 32x32); --router asks a running router for the same "
-                    "images instead. A text DDM (ddm import paris|text2img): one RGB image per "
-                    "--prompt, written as a PNG (the image, or a row of them) or a samples "
-                    ".npz with the prompts; the same pixels its router gives for the same "
-                    "request.")
+        description="Sample a DDM named by a DDMDeployment YAML (any ddm up takes: "
+                    "examples/text2img.yaml, which make demo serves, examples/mnist.yaml, or "
+                    "the ddm.yaml ddm import writes) or by its directory; with neither, the "
+                    f"shipped {DEFAULT_DDM} DDM (checkpoints/{DEFAULT_DDM}, 32x32 digits). "
+                    "Steps, solver, strategy and guidance not given are the DDM's own (its "
+                    "YAML's spec.sampling), so the images are the pixels ddm up answers for "
+                    "the same request. A label DDM: N_PER_LABEL images of each label, written "
+                    "as a samples .npz file (for ddm eval) and, with --png, a grid. A text "
+                    "DDM: one RGB image per --prompt, written as a PNG (the image, or a row "
+                    "of them) or a samples .npz with the prompts. --router asks a running "
+                    "router for the same images instead.")
     p.add_argument("ddm", nargs="?", type=existing_path, default=None, metavar="DIR_OR_DDM.yaml",
-                   help="the DDM to sample: its directory, or the ddm.yaml ddm import wrote "
-                        "beside its stages (same as --checkpoints)")
+                   help="the DDM to sample: a DDMDeployment YAML (any ddm up takes, e.g. "
+                        "examples/text2img.yaml, or the ddm.yaml ddm import wrote), or its "
+                        "directory (same as --checkpoints); its sampling defaults apply")
     p.add_argument("--checkpoints", type=Path, default=None,
                    help="a DDM directory (experts + router) or one model's checkpoint "
-                        f"(default: the shipped {DEFAULT_DDM} DDM, the one make demo serves)")
+                        f"(default: the shipped {DEFAULT_DDM} DDM)")
     p.add_argument("--router", default=None, metavar="URL",
                    help="ask the router serving at URL (`ddm up`, a cluster Service) instead: "
                         "the same images as in-process for the same arguments")
     p.add_argument("--token-file", type=Path, default=None,
                    help="with --router: a file holding the router's bearer token")
-    p.add_argument("--strategy", default=None,
-                   help="how each step picks experts: oracle (by label; label-partitioned "
-                        "DDMs only), top1, top2, topk:K, threshold:P, ensemble, or random "
-                        "(the evaluation's baseline, in-process only); default top1 (a text "
-                        "DDM: the release's, e.g. Paris's top2)")
     p.add_argument("--labels", default=None,
                    help="a label DDM: comma-separated class labels to draw (default: every "
                         "digit, 0,1,...,9)")
@@ -60,21 +57,8 @@ def add_sample_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--negative-prompt", default=None, metavar="PROMPT",
                    help="a text DDM: what guidance steers away from (default: the empty "
                         "prompt)")
-    p.add_argument("--guidance-scale", type=_bounded("--guidance-scale", 0.0,
-                                                     MAX_GUIDANCE_SCALE),
-                   default=None, metavar="SCALE",
-                   help=f"a text DDM: classifier-free guidance, 0 to {MAX_GUIDANCE_SCALE:g} "
-                        "(1: none; default: the release's, e.g. 7.5)")
-    p.add_argument("--guidance-cutoff", type=_bounded("--guidance-cutoff", 0.0, 1.0),
-                   default=1.0, metavar="FRACTION",
-                   help="a text DDM: guide only the first fraction of the steps, 0 to 1 "
-                        "(default 1: every step)")
-    p.add_argument("--steps", type=int, default=None,
-                   help=f"solver steps from noise to image (default {DEFAULT_STEPS}; a text "
-                        "DDM: the release's)")
-    p.add_argument("--solver", default=DEFAULT_SOLVER,
-                   help=f"euler (one velocity per step) or heun (two; default "
-                        f"{DEFAULT_SOLVER})")
+    add_sampling_flags(p, default="the DDM's own: its YAML's spec.sampling, the router's "
+                                  "with --router, else the declared default", evaluation=True)
     p.add_argument("--seed", type=int, default=0,
                    help="noise seed: image i of a run gets the noise (seed, i) (default 0)")
     p.add_argument("--backend", default="native",
@@ -102,22 +86,8 @@ _TEXT_FLAGS = (("--prompt", "prompts"), ("--negative-prompt", "negative_prompt")
                ("--guidance-scale", "guidance_scale"), ("--guidance-cutoff", "guidance_cutoff"))
 
 
-def _bounded(flag: str, low: float, high: float) -> Callable[[str], float]:
-    """An argparse type: a number in [low, high], or an error naming ``flag`` and the range."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number in [{low:g}, {high:g}], "
-                                             f"got {text!r}")
-        return value
-    return parse
-
-
 def _sample(args: argparse.Namespace) -> int:
-    from ddm.sampling.commands import ddm_root, is_text_ddm
+    from ddm.sampling.commands import sample_source
 
     if args.ddm is not None and args.checkpoints is not None:
         raise ValueError("give the DDM once: DIR_OR_DDM.yaml or --checkpoints")
@@ -125,21 +95,22 @@ def _sample(args: argparse.Namespace) -> int:
         return _sample_router(args)
     if args.token_file is not None:
         raise ValueError("--token-file goes with --router")
-    source = args.ddm if args.ddm is not None else args.checkpoints
-    root = None if source is None else ddm_root(source)
-    if root is not None and is_text_ddm(root):
-        _refuse_label_flags(args, str(root))
+    source = sample_source(args.ddm if args.ddm is not None else args.checkpoints)
+    if source.text:
+        _refuse_label_flags(args, source.name)
         from ddm.sampling.commands import sample_text_command
 
-        return _print(sample_text_command(root, args.prompts, **_text_settings(args),
+        return _print(sample_text_command(source, args.prompts,
+                                          **_text_settings(args, source.defaults),
                                           backend=args.backend, device=args.device))
-    _refuse_text_flags(args, str(source or DEFAULT_DDM))
+    _refuse_text_flags(args, source.name)
     from ddm.sampling.commands import sample_command
 
+    chosen = _chosen(args, source.defaults or SamplingParams())
     return _print(sample_command(
-        checkpoints=root, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
-        n_per_label=args.n_per_label, steps=DEFAULT_STEPS if args.steps is None else args.steps,
-        solver=args.solver, seed=args.seed, backend=args.backend, device=args.device,
+        source, strategy=chosen["strategy"], labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=chosen["steps"], solver=chosen["solver"],
+        seed=args.seed, backend=args.backend, device=args.device,
         batch_size=256 if args.batch_size is None else args.batch_size, out=args.out,
         png=args.png, quiet=args.quiet))
 
@@ -158,17 +129,28 @@ def _sample_router(args: argparse.Namespace) -> int:
 
     token = read_token(args.token_file)
     info = router_info(args.router, token)
+    served = info.get("defaults", {})
+    defaults = SamplingParams(**{p.name: served[p.name] for p in PARAMS if p.name in served})
     what = f"the DDM at {args.router}"
     if info.get("conditioning") == "text":
         _refuse_label_flags(args, what)
         return _print(sample_router_text_command(info, args.router, args.prompts,
-                                                 **_text_settings(args), token=token))
+                                                 **_text_settings(args, defaults),
+                                                 token=token))
     _refuse_text_flags(args, what)
+    chosen = _chosen(args, defaults)
     return _print(sample_router_command(
-        url=args.router, strategy=args.strategy or "top1", labels=_parse_labels(args.labels),
-        n_per_label=args.n_per_label, steps=DEFAULT_STEPS if args.steps is None else args.steps,
-        solver=args.solver, seed=args.seed, batch_size=args.batch_size,
-        token_file=args.token_file, out=args.out, png=args.png, quiet=args.quiet))
+        url=args.router, strategy=chosen["strategy"], labels=_parse_labels(args.labels),
+        n_per_label=args.n_per_label, steps=chosen["steps"], solver=chosen["solver"],
+        seed=args.seed, batch_size=args.batch_size, token_file=args.token_file, out=args.out,
+        png=args.png, quiet=args.quiet))
+
+
+def _chosen(args: argparse.Namespace, defaults: SamplingParams | None) -> dict[str, Any]:
+    """Each sampling parameter: its flag's value, else the DDM's default (None: the
+    checkpoints' own, which the in-process loader reads)."""
+    return {p.name: getattr(defaults, p.name) if getattr(args, p.name) is None and defaults
+            else getattr(args, p.name) for p in PARAMS}
 
 
 def _refuse_text_flags(args: argparse.Namespace, ddm: str) -> None:
@@ -186,12 +168,11 @@ def _refuse_label_flags(args: argparse.Namespace, ddm: str) -> None:
                         f"not {', '.join(given)}")
 
 
-def _text_settings(args: argparse.Namespace) -> dict[str, Any]:
+def _text_settings(args: argparse.Namespace, defaults: SamplingParams | None
+                   ) -> dict[str, Any]:
     """``ddm sample``'s settings of a text DDM's request and output, in-process or served."""
-    return {"steps": args.steps, "strategy": args.strategy,
-            "guidance_scale": args.guidance_scale, "negative_prompt": args.negative_prompt,
-            "guidance_cutoff": args.guidance_cutoff, "seed": args.seed, "solver": args.solver,
-            "batch_size": args.batch_size, "out": args.out, "png": args.png,
+    return {**_chosen(args, defaults), "negative_prompt": args.negative_prompt,
+            "seed": args.seed, "batch_size": args.batch_size, "out": args.out, "png": args.png,
             "quiet": args.quiet}
 
 

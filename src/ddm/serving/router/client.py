@@ -111,25 +111,23 @@ def sample_router_command(url: str, strategy: str, labels: Sequence[int], n_per_
 
 
 def sample_router_text_command(info: dict[str, Any], url: str, prompts: Sequence[str], *,
-                               steps: int | None, strategy: str | None,
-                               guidance_scale: float | None, negative_prompt: str | None,
-                               guidance_cutoff: float, seed: int, solver: str,
+                               steps: int, strategy: str, guidance_scale: float,
+                               negative_prompt: str | None, guidance_cutoff: float, seed: int,
+                               solver: str,
                                batch_size: int | None, token: str | None, out: Path,
                                png: Path | None = None, quiet: bool = False
                                ) -> dict[str, Any]:
     """``ddm sample --router URL --prompt ...``: one RGB image per prompt from a text DDM's
-    router (``info``: its ``/v1/info``; steps, strategy and guidance default to its own),
-    written as ``ddm sample DIR --prompt`` writes them."""
+    router (``info``: its ``/v1/info``; the parameters as ``ddm sample`` chose them, from
+    the router's defaults where no flag names them), written as ``ddm sample DIR --prompt``
+    writes them."""
     if not prompts:
         raise ValueError(f"the router at {url} serves a text DDM: give --prompt (one image "
                          "per --prompt)")
     check_text_outputs(out, png)
-    defaults = info["defaults"]
-    fields = {"steps": defaults["steps"] if steps is None else steps, "seed": seed,
-              "strategy": defaults["strategy"] if strategy is None else strategy,
-              "solver": solver, "guidance_cutoff": guidance_cutoff,
-              "guidance_scale": (defaults["guidance_scale"] if guidance_scale is None
-                                 else guidance_scale), "negative_prompt": negative_prompt}
+    fields = {"steps": steps, "seed": seed, "strategy": strategy, "solver": solver,
+              "guidance_cutoff": guidance_cutoff, "guidance_scale": guidance_scale,
+              "negative_prompt": negative_prompt}
     with progress_bar(len(prompts), f"sampling {len(prompts)} images from {url}", "image",
                       quiet) as bar:
         served = _served(url, "prompts", list(prompts), fields,

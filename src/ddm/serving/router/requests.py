@@ -26,12 +26,13 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       WithJsonSchema, field_validator)
 
 from ddm.conditioning import TEXT
-from ddm.deploy.limits import (MAX_CLASS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES,
-                               MAX_STATE_MAGNITUDE, ROUTER_MIN_BODY_BYTES, SOLVERS,
-                               STRATEGY_PATTERN)
+from ddm.deploy.limits import (MAX_CLASS, MAX_PROMPT_BYTES, MAX_STATE_MAGNITUDE,
+                               ROUTER_MIN_BODY_BYTES)
 from ddm.deploy.router_config import RouterConfigFile, RouterLimits, strategy_allowed
 from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
+from ddm.sampling_params import (GUIDANCE_CUTOFF, GUIDANCE_SCALE, SOLVER, SOLVERS, STEPS,
+                                 STRATEGY, STRATEGY_PATTERN)
 from ddm.serving.router.info import has_router_network
 
 #: The schema of a field this DDM takes none of (a label DDM's prompts, a text DDM's labels):
@@ -185,8 +186,8 @@ def request_models(config: RouterConfigFile
     class Sampling(BaseModel):
         model_config = ConfigDict(extra="forbid")
 
-        steps: Integer = Field(defaults.steps, ge=1, le=limits.max_steps,
-                               description="denoising steps")
+        steps: Integer = Field(defaults.steps, **{**STEPS.bounds(), "le": limits.max_steps},
+                               description=STEPS.description)
         seed: Integer = Field(0, ge=0, lt=2**63,
                               description="image i's noise comes from (seed, first_index + i)")
         first_index: Integer = Field(0, ge=0, lt=2**62,
@@ -200,22 +201,21 @@ def request_models(config: RouterConfigFile
             "default": defaults.strategy})] = (
             Field(parse_strategy(defaults.strategy),
                   json_schema_extra={"pattern": pattern, "default": defaults.strategy},
-                  description="oracle, topK, topk:K, threshold:P (0 < P <= 1) or ensemble; "
-                              "only oracle without a router network"
+                  description=f"{STRATEGY.description}; only oracle without a router "
+                              "network"
                               + (f"; on this DDM only {', '.join(defaults.strategies)}"
                                  if defaults.strategies else "")))
-        solver: Literal[SOLVERS] = defaults.solver  # type: ignore[assignment]
+        solver: Literal[SOLVERS] = Field(  # type: ignore[valid-type]
+            defaults.solver, description=SOLVER.description)
         delegate_steps: Integer = Field(0, ge=0, le=limits.max_steps,
                                         description="steps per integrate request to an expert "
                                                     "when one expert is selected; 0 or 1: off")
         guidance_scale: float = Field(
-            defaults.guidance_scale, **({"ge": 0, "le": MAX_GUIDANCE_SCALE} if text else {}),
+            defaults.guidance_scale, **(GUIDANCE_SCALE.bounds() if text else {}),
             json_schema_extra=None if text else {"minimum": 1, "maximum": 1},
-            description="classifier-free guidance scale (text DDMs; 1: unguided, the only "
-                        "value for labels), applied inside each expert")
-        guidance_cutoff: float = Field(defaults.guidance_cutoff, gt=0, le=1,
-                                       description="the fraction of the steps guided (text "
-                                                   "DDMs); later steps run unguided")
+            description=GUIDANCE_SCALE.description)
+        guidance_cutoff: float = Field(defaults.guidance_cutoff, **GUIDANCE_CUTOFF.bounds(),
+                                       description=GUIDANCE_CUTOFF.description)
         negative_prompt: Prompt | None = Field(
             None, json_schema_extra=None if text else _NONE,
             description="text DDMs: its embedding replaces the empty prompt's as the "
