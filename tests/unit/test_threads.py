@@ -58,9 +58,10 @@ def test_applying_leaves_the_frameworks_alone_when_told():
 
 
 @pytest.mark.parametrize("command", [["sample", "--labels", "1", "--out", "s.npz"],
-                                     ["eval", "missing.npz"]])
+                                     ["eval", "samples.npz"]])
 def test_in_process_commands_apply_the_policy_before_they_compute(command, tmp_path):
     """A bad DDM_CPU_THREADS stops the command with its name: the policy ran first."""
+    (tmp_path / "samples.npz").write_bytes(b"")  # an input that exists, as parsing checks
     result = subprocess.run([sys.executable, "-m", "ddm", *command], cwd=tmp_path,
                             env={"PATH": "/usr/bin:/bin", THREADS_ENV: "lots"},
                             capture_output=True, text=True, timeout=120)
