@@ -7,7 +7,7 @@ and the page's inputs in ``/v1/info``. Then, with each expert on an expert serve
 (guidance inside): a generation equals ``generate_text`` in-process for the same request (RGB
 PNGs within 1/255), guidance 1 and 7.5 differ, the same seed gives the same image, given
 latents are the initial noise, a prompt past CLIP's 77 tokens is cut and the answer says by
-how much, and the stream previews the latents in RGB before the decoded image."""
+how much, and the stream previews each step's predicted latent, decoded, before the image."""
 
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ def test_what_the_text_ddm_cannot_do_is_a_422_naming_it(served, route, body, pro
     assert reason.startswith(problem), reason
 
 
-def test_the_stream_previews_latents_in_rgb_then_sends_the_decoded_image(served):
+def test_the_stream_previews_decoded_predictions_then_sends_the_decoded_image(served):
     router, _ = served
     with httpx.stream("GET", f"{router}/v1/generate/stream", timeout=GENERATION_S,
                       params={"prompt": "a red car", "steps": 3}) as response:
@@ -274,7 +274,8 @@ def test_the_stream_previews_latents_in_rgb_then_sends_the_decoded_image(served)
         events = list(_events(response))
     assert [name for name, _ in events] == ["encoded", "step", "step", "step", "done"]
     assert events[0][1] == {"truncated": [0], "warnings": []}
-    assert all(_png(data["image"]).shape == (8, 8, 3) for _, data in events[1:4])
+    # each step's frame is the decoder's image of the latent the step predicts
+    assert all(_png(data["image"]).shape == (16, 16, 3) for _, data in events[1:4])
     for name, data in events:  # as the OpenAPI document says (schemathesis reads it so)
         (schema,) = [e["properties"]["data"]["contentSchema"] for e in STREAM_EVENT_SCHEMA["oneOf"]
                      if e["properties"]["event"]["const"] == name]
@@ -282,6 +283,8 @@ def test_the_stream_previews_latents_in_rgb_then_sends_the_decoded_image(served)
     done = events[-1][1]
     assert done["prompt"] == "a red car" and "label" not in done
     assert _png(done["image"]).shape == (16, 16, 3)
+    # at t = 1 the prediction is the state itself: the last frame is the image
+    np.testing.assert_array_equal(_png(events[3][1]["image"]), _png(done["image"]))
 
 
 def _events(response: httpx.Response) -> Iterator[tuple[str, dict]]:

@@ -127,7 +127,7 @@ _INT, _STR, _NAMES = {"type": "integer"}, {"type": "string"}, {"type": "array", 
     "type": "string"}}
 #: One Server-Sent Event of ``GET /v1/generate/stream`` (the OpenAPI 3.1 reading of an event
 #: stream's ``schema``): ``encoded`` first for a prompt, ``step`` after each chunk of the grid
-#: (its ``image`` the state itself: grayscale pixels, or a latent's linear RGB preview), then
+#: (its ``image`` the state itself in grayscale, or the decoded predicted latent), then
 #: ``done`` or ``failure``. A label DDM's ``done`` has no ``prompt``, a text DDM's no ``label``.
 STREAM_EVENT_SCHEMA: dict[str, Any] = {"oneOf": [
     _event("encoded", {"truncated": {"type": "array", "items": _INT,

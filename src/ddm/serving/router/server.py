@@ -52,10 +52,9 @@ and 503 are the router's own words naming the expert by its ``router.yaml`` name
 expert said goes to the log. A client that disconnects before its JSON answer stops its
 generation (counted as status 499), as a streamed one's does.
 
-Streamed frames show the state ``x_t`` itself (``ddm.convention.to_uint8``), noise fading into
-the digit, not a prediction of the end: with delegation the router never sees the velocity
-between chunks, while ``x_t`` is always at hand. A latent state is shown through its decoder's
-linear latent -> RGB projection (:mod:`ddm.serving.router.previews`), at the latents' size.
+Streamed frames of a pixel DDM show the state ``x_t`` itself (``ddm.convention.to_uint8``),
+noise fading into the digit. A latent DDM's frames show its decoder's image of the clean latent
+each step predicts (:mod:`ddm.serving.router.previews`).
 
 Not ``from __future__ import annotations``: FastAPI reads the routes' annotations at runtime, and
 the request models are built per app (they carry its limits).
@@ -74,6 +73,7 @@ from pathlib import Path
 from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable,
                     Sequence, TypeVar)
 
+import numpy as np
 from fastapi import FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import (HTMLResponse, JSONResponse, PlainTextResponse, Response,
@@ -94,7 +94,7 @@ from ddm.serving.router.info import expert_card, has_router_network, strategies
 from ddm.serving.router.pool import ExpertError
 from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                               add_api_docs, page_headers, probe_responses, run_server)
-from ddm.serving.router.previews import LatentPreview
+from ddm.serving.router.previews import StatePoint, latent_preview
 from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
                                        SamplingRequest, StepEvent, Tally, check_request,
                                        denoise, generate_remote)
@@ -210,10 +210,9 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         request = sampling_request(query, () if query.label is None else (query.label,),
                                    () if query.prompt is None else (query.prompt,))
         mixture, checked = _checked(router, request)
-        preview = await router.preview(mixture.image_shape)
         client = _client(router, http)
         router.take_slot(client, row_steps(request))
-        events = _events(router, mixture, checked, client, preview)
+        events = _events(router, mixture, checked, client)
         first = await anext(events)  # started, so that closing it always frees the slot
         body = _prepend(first, events)
         # Closed when the response ends, however it ends, not left to where the stream's
@@ -240,8 +239,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         request = sampling_request(body, prompts=(body.prompt,) * body.n, latents=latents)
         mixture, checked = _checked(router, request)
         if body.size is not None:
-            preview = await router.preview(mixture.image_shape)
-            own = _image_size(mixture, preview)
+            own = _image_size(mixture, await router.decoded_size(mixture.image_shape))
             if own is not None and body.size != own:
                 raise _FieldRefused("size", f"size {body.size} is not this DDM's; it makes "
                                             f"{own} images only")
@@ -434,14 +432,14 @@ class _Encoding:
         self.warnings = encoded.warnings(encoded_texts(self.request))
 
 
-def _image_size(mixture: RemoteMixture, preview: LatentPreview | None) -> str | None:
-    """The DDM's images' ``WxH``: the state's, or its decoder's (known once its preview
-    projection was fitted)."""
+def _image_size(mixture: RemoteMixture, decoded: tuple[int, int] | None) -> str | None:
+    """The DDM's images' ``WxH``: the state's, or its decoder's (``decoded``: (H, W), None
+    when unknown)."""
     if mixture.decoder is None:
         return f"{mixture.image_shape[2]}x{mixture.image_shape[1]}"
-    if preview is None or preview.image_size is None:
+    if decoded is None:
         return None
-    return f"{preview.image_size[1]}x{preview.image_size[0]}"
+    return f"{decoded[1]}x{decoded[0]}"
 
 
 def _checked(router: RouterState, request: SamplingRequest
@@ -460,7 +458,7 @@ def _checked(router: RouterState, request: SamplingRequest
 
 
 async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedRequest,
-                  client: str, preview: LatentPreview | None) -> AsyncGenerator[bytes, None]:
+                  client: str) -> AsyncGenerator[bytes, None]:
     """The SSE body: ``encoded`` (a prompt), ``step`` events, then ``done``, or ``failure``
     if an expert fails. Frees ``client``'s generation slot when it ends, however it ends."""
     request = checked.request
@@ -470,6 +468,7 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
         tally = Tally(mixture.expert_names, request.labels,
                       state_is_image=mixture.decoder is None)
         guard = router.guard(request.strategy)
+        before: StatePoint | None = None
         async for event in denoise(mixture, router.pool, checked, guard):
             if not isinstance(event, (StepEvent, Decoded)):  # the encoder's answer
                 yield _sse("encoded", {"truncated": event.tokens_cut.tolist(),
@@ -477,7 +476,10 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
                 continue
             tally.add(event)
             if isinstance(event, StepEvent):
-                yield _sse("step", _step_data(event, mixture, request, preview))
+                now = StatePoint(event.t, event.x[:1])
+                yield _sse("step", _step_data(event, mixture, request,
+                                              await _frame(mixture, before, now)))
+                before = now
         result = tally.result()
         subject = ({"prompt": request.prompts[0]} if request.prompts
                    else {"label": int(result.labels[0])})
@@ -499,15 +501,23 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
 
 
 def _step_data(event: StepEvent, mixture: RemoteMixture, request: SamplingRequest,
-               preview: LatentPreview | None) -> dict[str, Any]:
+               frame: np.ndarray) -> dict[str, Any]:
     used = event.experts_used()[0]
-    frame = preview.rgb(event.x[0]) if preview is not None else to_uint8(event.x[0, 0])
     return {"step": event.step, "steps": request.steps, "t": round(event.t, 6),
             "image": _png(frame),
             "experts": [name for name, on in zip(mixture.expert_names, used) if on],
             "delegated": bool(event.delegated[0]), "round_trips": int(event.round_trips[0]),
             "rerouted": bool(event.rerouted[0]),
             "probs": [round(float(p), 4) for p in event.probs[0]]}
+
+
+async def _frame(mixture: RemoteMixture, before: StatePoint | None, now: StatePoint
+                 ) -> np.ndarray:
+    """A step's picture (H, W) or (H, W, 3) uint8: a pixel state as it is, a latent one as the
+    decoder's image of what the step predicts (``before``: the previous step's state)."""
+    if mixture.decoder is None:
+        return to_uint8(now.x[0, 0])
+    return await latent_preview(mixture.decoder, before, now)
 
 
 async def _prepend(first: bytes, rest: AsyncGenerator[bytes, None]

@@ -45,7 +45,7 @@ from ddm.serving.router.clients import ClientBudget, ClientBusy, ClientSlots, cl
 from ddm.serving.router.demand import DemandMeter
 from ddm.serving.router.missing import Held, MissingExperts
 from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
-from ddm.serving.router.previews import LatentPreview, decoder_preview
+from ddm.serving.router.previews import decoded_size
 from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
 from ddm.sampling.routing import Strategy
@@ -140,7 +140,7 @@ class RouterState:
         self.null: NullConditioning | None = None
         self._stage_pool: StagePool | None = None  # the stages served on their own
         self._settings = pool_settings(config, deadline_s)
-        self._preview: asyncio.Task[LatentPreview] | None = None
+        self._decoded_size: asyncio.Task[tuple[int, int]] | None = None
         self._example_prompt: str | None = None  # a text encoder loaded here declares it
         self.loaded = config.router_checkpoint is None and not self._stage_entries()
         self.failure: str | None = None
@@ -218,8 +218,8 @@ class RouterState:
         """Stop what runs in the router process (the router is stopping)."""
         if self.network is not None:
             await self.network.close()
-        if self._preview is not None:
-            self._preview.cancel()
+        if self._decoded_size is not None:
+            self._decoded_size.cancel()
         if self._stage_pool is not None:
             await self._stage_pool.close()
 
@@ -228,16 +228,16 @@ class RouterState:
         return {name: entry for name in STAGES
                 if (entry := getattr(self.config, name)) is not None}
 
-    async def preview(self, latent_shape: tuple[int, int, int]) -> LatentPreview | None:
-        """The decoder's latent -> RGB projection (None without a decoder), fitted once
-        (:mod:`ddm.serving.router.previews`) by the first generation that wants it."""
+    async def decoded_size(self, latent_shape: tuple[int, int, int]) -> tuple[int, int] | None:
+        """The (H, W) of the decoder's images (None without a decoder), asked once
+        (:func:`ddm.serving.router.previews.decoded_size`) by the first request that wants it."""
         decoder = self.stages.get(CONFIG_KEYS[DECODER])
         if decoder is None:
             return None
-        if self._preview is None or (self._preview.done() and (
-                self._preview.cancelled() or self._preview.exception() is not None)):
-            self._preview = asyncio.create_task(decoder_preview(decoder, latent_shape))
-        return await asyncio.shield(self._preview)
+        task = self._decoded_size
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._decoded_size = asyncio.create_task(decoded_size(decoder, latent_shape))
+        return await asyncio.shield(task)
 
     def image_shape(self) -> tuple[tuple[int, int, int] | None, list[str]]:
         """The experts' image shape as they report it, and any disagreement."""
