@@ -345,6 +345,12 @@ def text2img() -> Iterator[str]:
 
 def test_the_shipped_text_ddm_shows_its_digit_forming_by_half_the_steps(browser, text2img):
     _open(browser, text2img)
+    cards = browser.find_elements(By.CSS_SELECTOR, "#cards .card")
+    digits, images = ["0, 5, 8, 9", "4, 6", "1", "2, 3, 7"], ["23,251", "11,762", "6,744",
+                                                              "18,243"]
+    for k, card in enumerate(cards):  # what each declares it was trained on
+        assert (f"k-means cluster {k} of 4 (CLIP IMAGE features): digits {digits[k]}; "
+                f"{images[k]} images of coloured MNIST") in card.text.replace("\n", " ")
     prompts = browser.find_element(By.ID, "prompts")
     prompts.clear()
     browser.find_element(By.ID, "go").click()  # nothing to draw: refused until fixed

@@ -21,6 +21,7 @@ from ddm.models.flax_pixart import load_flax_expert
 from ddm.models.stages import load_stage, load_text_ddm
 from ddm.data.colored_mnist import EXAMPLE_PROMPT
 from ddm.models.text2img_import import import_text2img
+from ddm.models.trained_on import TrainedOn
 from ddm.sampling.pipeline import generate_text
 from tests.support.text2img_smoke import train_smoke_text2img
 
@@ -123,6 +124,11 @@ def test_the_import_writes_declared_stages_and_a_deployment(trained: Path,
     assert expert["cluster"] == 2 and expert["convention"] == "ours"
     assert expert["latent_shape"] == [4, 8, 8] and expert["text_width"] == width
     assert expert["train"]["steps"] == 1  # the training's provenance is kept
+    # what its cluster holds, summarised from the partition's fit, for the page's card
+    fit = json.loads((trained / "partition.json").read_text())["fit"]
+    assert expert["trained_on"] == TrainedOn.from_fit(fit, 2).declaration()
+    assert expert["trained_on"]["images"] == fit["cluster_sizes"][2]
+    assert load_stage(imported / "expert_2").declaration.trained_on == TrainedOn.from_fit(fit, 2)
     fitted = json.loads((trained / "text_prior.json").read_text())
     router = json.loads((imported / "router" / "config.json").read_text())["_ddm"]
     assert router["text_prior"] == fitted["text_prior"]  # the text-prior stage's, declared

@@ -38,6 +38,7 @@ from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwo
                             network_convention)
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
                                       read_component_config, weight_file)
+from ddm.models.trained_on import TRAINED_ON_KEY, TrainedOn
 from ddm.models.text_prior import TEXT_PRIOR_KEY, TextPrior, pooled_text
 from ddm.models.torch_io import model_input
 
@@ -209,6 +210,8 @@ class StageDeclaration:
     #: A text encoder's example prompt (``_ddm.example_prompt``): one its DDM draws well, in
     #: words it knows; the page starts with it.
     example_prompt: str | None = field(default=None, compare=False)
+    #: An expert's summary of its cluster (``_ddm.trained_on``), None where it declares none.
+    trained_on: TrainedOn | None = field(default=None, compare=False)
 
     @classmethod
     def from_config(cls, directory: Path, config: Mapping[str, Any]) -> StageDeclaration:
@@ -263,6 +266,10 @@ class StageDeclaration:
                                        and re.fullmatch(r"[0-9a-f]{64}", digest)):
             raise CheckpointError(f"{directory}: {DDM_KEY}.weights_sha256 must be 64 "
                                   "lower-case hex digits")
+        trained = block.get(TRAINED_ON_KEY)
+        if trained is not None and role != EXPERT:
+            raise CheckpointError(f"{directory}: only an expert declares {DDM_KEY}."
+                                  f"{TRAINED_ON_KEY}, not a {role}")
         prior = block.get(TEXT_PRIOR_KEY)
         if prior is not None and role != ROUTER:
             raise CheckpointError(f"{directory}: only a router declares {DDM_KEY}."
@@ -271,7 +278,9 @@ class StageDeclaration:
                    latent_shape=None if shape is None else (shape[0], shape[1], shape[2]),
                    text_width=width, cluster=cluster, weights_sha256=digest,
                    text_prior=None if prior is None else TextPrior.from_declaration(
-                       str(directory), prior), example_prompt=example)
+                       str(directory), prior), example_prompt=example,
+                   trained_on=None if trained is None else TrainedOn.from_declaration(
+                       str(directory), trained))
 
 
 @dataclass(frozen=True)

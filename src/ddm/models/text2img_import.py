@@ -5,7 +5,8 @@ up`` and the operator read.
 
 Each component keeps its library's config.json and its one safetensors file byte for byte
 (weights stay float32 as trained); the import adds our declarations under ``"_ddm"`` (role,
-family, convention, state shape, text width, cluster, ``weights_sha256``) beside the
+family, convention, state shape, text width, cluster, what the cluster holds (``trained_on``,
+from the partition's fit), ``weights_sha256``) beside the
 training's provenance. The report's aids travel too, outside the deployment: ``monolith/``
 (the equal-compute baseline, or a snapshot of its unfinished training, declared as an expert
 so the same loader runs it) and ``clip/`` (both towers of the small CLIP, the report's
@@ -15,6 +16,7 @@ text-image judge). The experts alternate PyTorch and JAX in ddm.yaml. The shared
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,6 +30,7 @@ from ddm.deploy.imported import (TEXT_ENCODER_DIR, ImportedDDM, imported_manifes
 from ddm.deploy.limits import FRAMEWORKS
 from ddm.models.stages import DDM_KEY, expert_directories, load_text_ddm
 from ddm.models.text_prior import TEXT_PRIOR_FILE, TEXT_PRIOR_KEY
+from ddm.models.trained_on import PARTITION_FILE, TRAINED_ON_KEY, TrainedOn
 from ddm.models.text2img import (DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY,
                                  LATENT_CHANNELS, LATENT_SIZE)
 
@@ -47,10 +50,15 @@ def declarations(src: Path) -> dict[str, tuple[Path, dict[str, Any]]]:
     experts = {name: src / name for name in expert_directories(src)}
     monolith = next((src / m for m in MONOLITHS if (src / m / "config.json").is_file()), None)
     out: dict[str, tuple[Path, dict[str, Any]]] = {}
+    fit = _partition_fit(src)
     for name, source in {**experts, **({"monolith": monolith} if monolith else {})}.items():
-        out[name] = (source, {**_config(source).get(DDM_KEY, {}), "role": EXPERT,
-                              "family": "pixart", "convention": "ours", "latent_shape": latent,
-                              "text_width": text_width})
+        trained = _config(source).get(DDM_KEY, {})
+        cluster = trained.get("cluster")
+        out[name] = (source, {**trained, "role": EXPERT, "family": "pixart",
+                              "convention": "ours", "latent_shape": latent,
+                              "text_width": text_width,
+                              **({TRAINED_ON_KEY: TrainedOn.from_fit(fit, cluster).declaration()}
+                                 if fit is not None and isinstance(cluster, int) else {})})
     router = _config(src / "router").get(DDM_KEY, {})
     out["router"] = (src / "router", {**router, **_text_prior(src, router),
                                       "role": ROUTER, "family": "latent-router",
@@ -132,6 +140,18 @@ def _text_prior(src: Path, router: dict[str, Any]) -> dict[str, Any]:
                               f"{router.get('partition_sha256')}: rerun the text-prior stage")
     return {TEXT_PRIOR_KEY: record[TEXT_PRIOR_KEY],
             "text_prior_fit": {k: record.get(k) for k in ("fit", "clip_sha256")}}
+
+
+def _partition_fit(src: Path) -> dict[str, Any] | None:
+    """The ``fit`` record of the training's partition file (cluster sizes, digits per
+    cluster), None where the training wrote none."""
+    path = src / PARTITION_FILE
+    if not path.is_file():
+        return None
+    fit = json.loads(path.read_text()).get("fit")
+    if not isinstance(fit, dict):
+        raise CheckpointError(f"{path} records no fit (cluster sizes): refit the partition")
+    return fit
 
 
 def _library_config(directory: Path) -> dict[str, Any]:

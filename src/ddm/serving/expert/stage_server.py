@@ -140,7 +140,10 @@ class StageServer:
         return {"name": self.directory.name, "kind": declared.role, "role": declared.role,
                 "family": declared.family,
                 "conditioning": TEXT if declared.role == EXPERT else None,
-                "classes": [], "partition": None, "cluster": declared.cluster,
+                "classes": [], "partition": None, "data": None, "summary": None,
+                **(declared.trained_on.info(declared.cluster)
+                   if declared.trained_on is not None else {}),
+                "cluster": declared.cluster,
                 "clusters": None if stage is None else stage.clusters,
                 "latent_shape": latent, "image_shape": image,
                 "text_width": declared.text_width, "example_prompt": declared.example_prompt,

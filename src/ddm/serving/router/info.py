@@ -53,17 +53,19 @@ def trained_on(entry: ExpertEntry, info: ExpertInfo | None) -> dict[str, Any]:
     """What the expert learned from: ``partition`` (``labels`` or ``kmeans``; None where it
     records none), its ``part`` (the cluster or label group, 0-based) of ``parts``, the
     ``features`` a k-means partition clustered, the ``labels`` it draws (None: every label),
-    and the training set's name (``data``) and size (``images``)."""
+    the training set's name (``data``) and size (``images``), and a ``summary`` of what its
+    images show (a text expert's digits)."""
     partition = info.partition if info is not None else None
     scheme = partition.get("scheme") if partition is not None else None
     scheme = scheme if isinstance(scheme, Mapping) else {}
-    parts = scheme.get("groups", scheme.get("centroids"))
+    parts = scheme.get("groups", scheme.get("centroids", scheme.get("clusters")))
     features = scheme.get("features")
     index = partition.get("index") if partition is not None else None
     about = info.about if info is not None else ExpertAbout()
     return {"partition": short_text(scheme.get("method")),
             "part": index if isinstance(index, int) and not isinstance(index, bool) else None,
-            "parts": len(parts) if isinstance(parts, list) else None,
+            "parts": len(parts) if isinstance(parts, list) else
+            parts if type(parts) is int and parts > 0 else None,
             "features": short_text(features.get("name")) if isinstance(features, Mapping) else None,
             "labels": list(entry.classes) or None,
-            "data": about.data, "images": about.images}
+            "data": about.data, "images": about.images, "summary": about.summary}

@@ -93,6 +93,8 @@ class ExpertAbout:
     hardware: str | None = None
     data: str | None = None
     images: int | None = None
+    #: What its images show, in words (a text expert's digits), where it says.
+    summary: str | None = None
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ExpertAbout:
@@ -102,7 +104,7 @@ class ExpertAbout:
                                                       "hardware")),
                    data=short_text(data.get("name")),
                    images=images if isinstance(images, int) and not isinstance(images, bool)
-                   and images >= 0 else None)
+                   and images >= 0 else None, summary=short_text(raw.get("summary")))
 
 
 def short_text(value: Any) -> str | None:

@@ -15,11 +15,12 @@ from typing import Any
 
 from ddm.fileio import atomic_path, share_as_new
 from ddm.models.text2img import DDM_CONFIG_KEY
+from ddm.models.trained_on import PARTITION_FILE
 
 TOKENIZER, CLIP, TEXT_ENCODER, VAE = "tokenizer", "clip", "text_encoder", "vae"
 ROUTER, MONOLITH, MONOLITH_SNAPSHOT = "router", "monolith", "monolith-snapshot"
 LATENTS = "latents.safetensors"
-PARTITION = "partition.json"
+PARTITION = PARTITION_FILE
 MODEL_INDEX = "model_index.json"
 #: (library, class) of each role, as diffusers' model_index.json records them.
 CLASSES = {TOKENIZER: ("transformers", "PreTrainedTokenizerFast"),
