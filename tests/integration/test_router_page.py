@@ -3,16 +3,18 @@ chromium-driver by selenium, against real routers and experts on loopback servin
 DDMs (`examples/digits.yaml`: two label groups; `examples/mnist.yaml`: four k-means clusters),
 planned as `ddm up` plans them, a tiny Paris text DDM (its prompt box, guidance, previews and
 the decoded image), and the shipped text DDM (`checkpoints/text2img`: its digit visible in the
-preview at half the steps, its experts' cards saying what each was trained on). The page must run under its own Content-Security-Policy with
-no violation and no console error, play a generation live to its end, ask for a token only when
-the router wants one, offer only the strategies the DDM can serve, and show what an ingress in
-front of the router said when it refused a stream, the router's description or its readiness
-probe, or asked for a token (its HTML or plain-text page, not JSON).
+preview at half the steps, its experts' cards saying what each was trained on). The page must
+run under its own Content-Security-Policy with no violation and no console error, play a
+generation live to its end, ask for a token only when the router wants one, offer only the
+strategies the DDM can serve, and show what an ingress in front of the router said when it
+refused a stream, the router's description or its readiness probe, or asked for a token (its
+HTML or plain-text page, not JSON).
 
 With ``DDM_SCREENSHOTS=DIR`` the browser saves the page idle, mid-generation and done in DIR
 (``page-idle.png``, ``page-generating.png``, ``page-done.png``: the README's pictures, made
 with ``DDM_SCREENSHOTS=docs``), and the shipped text DDM mid-way and scrubbed to half its
-steps (``page-text2img-generating.png``, ``page-text2img-half.png``). ``make test`` installs ``chromium`` and ``chromium-driver``.
+steps (``page-text2img-generating.png``, ``page-text2img-half.png``). ``make test`` installs
+``chromium`` and ``chromium-driver``.
 """
 
 from __future__ import annotations
