@@ -129,8 +129,8 @@ def test_a_stage_servers_shapes_are_held_to_the_experts_limits(field, shape):
 @pytest.mark.parametrize("image_shape", [[1, 64, 64], [3, 60, 64]])
 def test_a_decoder_that_makes_no_rgb_image_at_a_multiple_of_its_latents_is_refused(
         image_shape):
-    # The router sends RGB PNGs and fits latent previews by pooling the decoded image onto
-    # the latent grid: another decoder made every stream fail with a 500.
+    # The router sends RGB PNGs of what the decoder makes: another decoder made every
+    # stream fail with a 500.
     from ddm.serving.router.stage_clients import StageInfo
 
     report = {"role": "decoder", "max_batch": 4, "wire_dtype": "float32",

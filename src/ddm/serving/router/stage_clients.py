@@ -86,7 +86,7 @@ class StageInfo:
         require(image is None or latent is None or (
             image[0] == 3 and image[1] % latent[1] == 0 and image[2] % latent[2] == 0),
             "a decoder's image_shape must be RGB (3, H, W) at a whole multiple of its "
-            "latent_shape's sides (the router's PNGs and latent previews assume both)")
+            "latent_shape's sides (the router sends RGB PNGs; VAEs up-sample by whole factors)")
         example = raw.get("example_prompt")
         require(example is None or (isinstance(example, str)
                                     and len(example) <= MAX_PROMPT_BYTES),
