@@ -12,7 +12,8 @@ the demand window (:mod:`ddm.serving.router.demand`) counts the waiting generati
 
 Only a generation with the DDM's own strategy (``sampling.strategy``) may wake an expert: a
 client choosing another (``ensemble`` calls every expert at every step) is served by the
-experts that are up, whatever the policy. Its velocity calls to a missing expert are rerouted
+experts that are up under ``wait`` and ``reroute`` (under ``fail`` its call fails as any
+other, with the pool's reason). Its velocity calls to a missing expert are rerouted
 as with ``reroute``, a call that cannot be (no expert up serves the row's label, a delegated
 chunk) is a 503 naming the rule, and it leaves no demand on a missing expert, so neither the
 operator nor ``ddm up`` starts one for it (issue 35: one ``ensemble`` request per scale-down
@@ -71,11 +72,11 @@ class MissingExperts:
         """``send()``'s answer, or None when the call (of ``rows`` rows) may be rerouted and
         the expert is missing (policy ``reroute``, or a generation that may not ``wakes``
         experts)."""
+        policy = self.config.policy
+        if policy == "fail":  # nothing waits or reroutes: the pool's own answer, its reason
+            return await send()
         if not wakes:
             return await self._without_waking(expert, send, fallback)
-        policy = self.config.policy
-        if policy == "fail":
-            return await send()
         if policy == "reroute" and fallback:
             out = await self._unless_missing(expert, send)
             if out is None:
