@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
