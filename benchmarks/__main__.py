@@ -99,11 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _bench_pools(args: argparse.Namespace) -> int:
-    from benchmarks.pools import PoolBenchSettings, bench_pools_command
+    from benchmarks.pools import QUICK, PoolBenchSettings, bench_pools_command
 
     try:
-        settings = (PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2) if args.quick
-                    else PoolBenchSettings(rounds=args.rounds))
+        settings = QUICK if args.quick else PoolBenchSettings(rounds=args.rounds)
     except ValueError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2

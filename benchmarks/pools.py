@@ -71,6 +71,10 @@ class PoolBenchSettings:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
+
+#: ``--quick``: a smoke run (2 steps, 1 and 2 prompts, one round).
+QUICK = PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2)
+
 def bench_pools(settings: PoolBenchSettings, log: TextIO = sys.stderr) -> dict[str, Any]:
     """Every deployment and in-process sampling at every level; the figures as a JSON-ready
     dict, with the targets judged."""
@@ -222,7 +226,11 @@ def _in_process(settings: PoolBenchSettings, sampling: dict[str, Any]) -> dict[s
     if done.returncode != 0:
         raise BenchError(f"in-process sampling failed ({done.returncode}): "
                          f"{done.stderr[-2000:]}")
-    figures = json.loads(done.stdout.splitlines()[-1])
+    try:
+        figures = json.loads(done.stdout.splitlines()[-1])
+    except (IndexError, ValueError) as error:
+        raise BenchError(f"in-process sampling printed no figures ({error}): "
+                         f"{done.stdout[-1000:]!r} {done.stderr[-2000:]}") from None
     levels = {}
     for concurrency, seconds in figures["levels"].items():
         latencies = [s for s in seconds for _ in range(int(concurrency))]
