@@ -86,7 +86,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds one configuration may take")
     p.set_defaults(handler=_bench_threads)
+
+    p = kinds.add_parser("pools", help="the shipped text DDM with every component alone, in "
+                                       "one pool, and in-process: total RSS and images/s at "
+                                       "1, 8 and 32 concurrent prompts (JSON)")
+    p.add_argument("--quick", action="store_true",
+                   help="2 steps, 1 and 2 prompts, one round: a smoke run")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="requests per client (batches in-process) at each level")
+    p.set_defaults(handler=_bench_pools)
     return parser
+
+
+def _bench_pools(args: argparse.Namespace) -> int:
+    from benchmarks.pools import QUICK, PoolBenchSettings, bench_pools_command
+
+    try:
+        settings = QUICK if args.quick else PoolBenchSettings(rounds=args.rounds)
+    except ValueError as error:
+        print(f"benchmarks: error: {error}", file=sys.stderr)
+        return 2
+    return bench_pools_command(settings)
 
 
 def _bench_threads(args: argparse.Namespace) -> int:

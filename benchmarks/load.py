@@ -93,7 +93,7 @@ def run_load(settings: LoadSettings, router: str | None = None, manifest: Path =
         result["router_url"] = _loopback(router)
         result.update(asyncio.run(_measure(settings, result["router_url"], log)))
     else:
-        with _local_ddm(manifest, settings.clients, log) as url:
+        with local_ddm(manifest, settings.clients, log) as (url, _):
             result["router_url"] = url
             result["manifest"] = recorded_path(manifest)
             result.update(asyncio.run(_measure(settings, url, log)))
@@ -132,9 +132,11 @@ def _loopback(url: str) -> str:
 
 
 @contextmanager
-def _local_ddm(manifest: Path, clients: int, log: TextIO) -> Iterator[str]:
-    """``ddm up``'s processes for ``manifest``, the router allowing ``clients`` generations at
-    once; yields the router's URL and stops every process after."""
+def local_ddm(manifest: Path, clients: int, log: TextIO
+              ) -> Iterator[tuple[str, dict[str, int]]]:
+    """``ddm up``'s processes for ``manifest`` (every model server: experts, separate stages,
+    pools), the router allowing ``clients`` generations at once; yields the router's URL and
+    the PID of every process it started by name, and stops them all after."""
     with tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
@@ -142,12 +144,13 @@ def _local_ddm(manifest: Path, clients: int, log: TextIO) -> Iterator[str]:
         router = one_client_router(plan, clients, config_path)
         supervisor = Supervisor(log)
         try:
-            print(f"load: starting {len(plan.experts)} experts and the router", file=log,
+            print(f"load: starting {len(plan.servers)} model servers and the router", file=log,
                   flush=True)
             deadline = time.monotonic() + READY_TIMEOUT_S
-            supervisor.start_ready(plan.experts, HOST, deadline)
+            supervisor.start_ready(plan.servers, HOST, deadline)
             supervisor.start_ready([router], HOST, deadline)
-            yield plan.url
+            yield plan.url, {name: process.pid
+                             for name, process in supervisor.processes.items()}
             exited = supervisor.first_exit()
             if exited is not None:
                 raise LoadTestError(f"{exited[0]} exited with status {exited[1]} during the run")
@@ -155,7 +158,8 @@ def _local_ddm(manifest: Path, clients: int, log: TextIO) -> Iterator[str]:
             supervisor.stop()
 
 
-def _memory_mib(pid: int, field: str) -> float | None:
+def memory_mib(pid: int, field: str) -> float | None:
+    """``field`` (``VmRSS``, ``VmHWM``) of ``/proc/PID/status`` in MiB; None once it ended."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(f"{field}:"):
@@ -208,7 +212,7 @@ async def _measure(settings: LoadSettings, url: str, log: TextIO) -> dict[str, A
         budget = iter(range(settings.request_budget))
         started = time.perf_counter()
         end = started + settings.duration_s
-        sampler = asyncio.create_task(_sample(servers, peaks))
+        sampler = asyncio.create_task(sample_rss(servers, peaks))
         try:
             await asyncio.gather(*(_client(session, url, end, budget, labels, num_classes,
                                            tally)
@@ -222,7 +226,7 @@ async def _measure(settings: LoadSettings, url: str, log: TextIO) -> dict[str, A
             "images_per_s": round(tally.images / elapsed, 3),
             "requests_per_s": round(requests / elapsed, 3),
             "latency_s": percentiles(tally.latencies),
-            "peak_rss_mib": {name: {"pid": pid, "lifetime_peak": _memory_mib(pid, "VmHWM")
+            "peak_rss_mib": {name: {"pid": pid, "lifetime_peak": memory_mib(pid, "VmHWM")
                                     if pid else None,
                                     "sampled_peak": peaks.get(name)}
                              for name, pid in servers.items()}}
@@ -248,10 +252,12 @@ async def _client(session: aiohttp.ClientSession, url: str, end: float, budget: 
         tally.last_done = time.perf_counter()
 
 
-async def _sample(servers: dict[str, int | None], peaks: dict[str, float]) -> None:
+async def sample_rss(servers: dict[str, int | None], peaks: dict[str, float]) -> None:
+    """Keep each server's highest ``VmRSS`` in ``peaks`` by name, every ``SAMPLE_S``, until
+    cancelled."""
     while True:
         for name, pid in servers.items():
-            rss = _memory_mib(pid, "VmRSS") if pid else None
+            rss = memory_mib(pid, "VmRSS") if pid else None
             if rss is not None:
                 peaks[name] = max(peaks.get(name, 0.0), rss)
         await asyncio.sleep(SAMPLE_S)

@@ -1,0 +1,246 @@
+"""``python -m benchmarks pools``: what a pool saves (issue 37), for the shipped text-to-image
+DDM (checkpoints/text2img) served three ways:
+
+- ``alone``: every component a process of its own (``examples/text2img.yaml`` as ``ddm up``
+  runs it: four experts, the text encoder and the decoder, then the router);
+- ``pooled``: one pool of everything (``examples/text2img-pooled.yaml``: one ``ddm serve pool``
+  process beside the router);
+- ``in_process``: ``load_text_ddm`` + ``generate_text`` in one fresh process, each level's
+  prompts as one batch.
+
+At each concurrency (1, 8 and 32 prompts) the served deployments get that many clients, each
+sending ``rounds`` one-image requests in turn, and in-process sampling ``rounds`` batches of
+that many prompts; images/s is images over the level's wall time, after one warm-up request.
+Memory: every process's ``VmHWM`` (its lifetime peak) and sampled ``VmRSS`` peak, summed over
+the processes a deployment starts (:mod:`benchmarks.load`'s readers). The sampling settings are
+the manifests' (30 Euler steps, top-1, guidance 4), the same as the release's. The targets:
+the pool within 1.3x of in-process memory and at least 0.9x of its throughput at the highest
+concurrency. The machine's load average is recorded, since on a shared machine it moves every
+figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, TextIO
+
+import aiohttp
+
+from benchmarks.figures import percentiles
+from benchmarks.fleet import BenchError, machine, recorded_path, say
+from benchmarks.load import local_ddm, memory_mib, sample_rss
+from ddm.deploy.spec import load_manifest
+from ddm.runtime.local import REPOSITORY_ROOT
+
+EXAMPLES = REPOSITORY_ROOT / "examples"
+CHECKPOINTS = REPOSITORY_ROOT / "checkpoints" / "text2img"
+#: The deployments served, by the name the figures use.
+DEPLOYMENTS = {"alone": EXAMPLES / "text2img.yaml", "pooled": EXAMPLES / "text2img-pooled.yaml"}
+#: The issue's targets: the pool's memory at most this multiple of in-process sampling's ...
+MEMORY_RATIO = 1.3
+#: ... and its images/s at least this fraction of in-process sampling's, at most concurrency.
+THROUGHPUT_RATIO = 0.9
+PROMPTS = ("a thick red seven", "the number 3 in blue", "a thin green two", "a yellow five",
+           "a thick white nine", "an orange eight")
+
+
+@dataclass(frozen=True)
+class PoolBenchSettings:
+    """Concurrent prompts per level, requests per client per level, and denoising steps
+    (None: the manifests'); ``timeout_s`` bounds one request and the in-process run."""
+
+    concurrency: tuple[int, ...] = (1, 8, 32)
+    rounds: int = 2
+    steps: int | None = None
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if not self.concurrency or any(not 1 <= c <= 256 for c in self.concurrency):
+            raise ValueError(f"concurrency: give levels in 1..256, got {self.concurrency!r}")
+        if not 1 <= self.rounds <= 100:
+            raise ValueError(f"rounds must be in 1..100, got {self.rounds}")
+        if self.steps is not None and not 1 <= self.steps <= 1000:
+            raise ValueError(f"steps must be in 1..1000, got {self.steps}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+
+#: ``--quick``: a smoke run (2 steps, 1 and 2 prompts, one round).
+QUICK = PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2)
+
+def bench_pools(settings: PoolBenchSettings, log: TextIO = sys.stderr) -> dict[str, Any]:
+    """Every deployment and in-process sampling at every level; the figures as a JSON-ready
+    dict, with the targets judged."""
+    started = time.perf_counter()
+    sampling = load_manifest(DEPLOYMENTS["pooled"]).spec.sampling
+    result: dict[str, Any] = {
+        "machine": machine(), "settings": asdict(settings),
+        "sampling": {"steps": settings.steps or sampling.steps, "strategy": sampling.strategy,
+                     "guidance_scale": sampling.guidance_scale},
+        "deployments": {}}
+    for name, manifest in DEPLOYMENTS.items():
+        say(log, f"pools: {name} ({recorded_path(manifest)})")
+        with local_ddm(manifest, max(settings.concurrency), log) as (url, pids):
+            figures = asyncio.run(_served(url, pids, settings, log))
+        result["deployments"][name] = {"manifest": recorded_path(manifest), **figures}
+    say(log, "pools: in-process generate_text")
+    result["in_process"] = _in_process(settings, result["sampling"])
+    result["targets"] = targets(result)
+    result["load_average_after"] = list(os.getloadavg())
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    """The pool against in-process sampling: memory (summed lifetime peaks) and images/s at
+    the highest concurrency, each with its target and whether it is met."""
+    pooled, local = result["deployments"]["pooled"], result["in_process"]
+    level = str(max(result["settings"]["concurrency"]))
+    memory = pooled["total_mib"]["lifetime_peak"] / local["peak_rss_mib"]
+    throughput = pooled["levels"][level]["images_per_s"] / local["levels"][level]["images_per_s"]
+    return {"memory_pooled_to_in_process": {"value": round(memory, 2), "target": MEMORY_RATIO,
+                                            "comparison": "<=", "met": memory <= MEMORY_RATIO},
+            "images_per_s_pooled_to_in_process": {
+                "concurrency": int(level), "value": round(throughput, 2),
+                "target": THROUGHPUT_RATIO, "comparison": ">=",
+                "met": throughput >= THROUGHPUT_RATIO}}
+
+
+# ------------------------------------------------------------------------------- served
+
+
+async def _served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
+                  log: TextIO) -> dict[str, Any]:
+    """Every level against the router at ``url``, then each process's memory."""
+    peaks: dict[str, float] = {}
+    sampler = asyncio.create_task(sample_rss(dict(pids), peaks))
+    timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
+    connector = aiohttp.TCPConnector(limit=max(settings.concurrency))
+    levels: dict[str, Any] = {}
+    try:
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            await _generate(session, url, 0, settings.steps)  # warm-up: first allocations
+            for concurrency in settings.concurrency:
+                say(log, f"pools: {concurrency} concurrent prompts")
+                started = time.perf_counter()
+                latencies = await asyncio.gather(*(
+                    _client(session, url, client, concurrency, settings)
+                    for client in range(concurrency)))
+                levels[str(concurrency)] = _level(
+                    time.perf_counter() - started, [s for one in latencies for s in one])
+    finally:
+        sampler.cancel()
+    processes = {name: {"pid": pid, "lifetime_peak_mib": memory_mib(pid, "VmHWM"),
+                        "sampled_peak_mib": peaks.get(name)} for name, pid in pids.items()}
+    return {"processes": processes,
+            "total_mib": {"lifetime_peak": _sum(p["lifetime_peak_mib"]
+                                                for p in processes.values()),
+                          "sampled_peak": _sum(p["sampled_peak_mib"]
+                                               for p in processes.values())},
+            "levels": levels}
+
+
+async def _client(session: aiohttp.ClientSession, url: str, client: int, concurrency: int,
+                  settings: PoolBenchSettings) -> list[float]:
+    """One client's ``rounds`` requests, one after another; their latencies in seconds."""
+    latencies = []
+    for round_ in range(settings.rounds):
+        sent = time.perf_counter()
+        await _generate(session, url, 1 + round_ * concurrency + client, settings.steps)
+        latencies.append(time.perf_counter() - sent)
+    return latencies
+
+
+async def _generate(session: aiohttp.ClientSession, url: str, seed: int,
+                    steps: int | None) -> None:
+    body: dict[str, Any] = {"prompt": PROMPTS[seed % len(PROMPTS)], "n": 1, "seed": seed}
+    if steps is not None:
+        body["steps"] = steps
+    async with session.post(f"{url}/v1/images/generations", json=body) as answer:
+        reply = await answer.read()
+        if answer.status != 200:
+            raise BenchError(f"{url} answered {answer.status}: "
+                             f"{reply.decode('utf-8', 'replace')[:500]}")
+
+
+def _level(elapsed_s: float, latencies: list[float]) -> dict[str, Any]:
+    return {"images": len(latencies), "elapsed_s": round(elapsed_s, 3),
+            "images_per_s": round(len(latencies) / elapsed_s, 3),
+            "latency_s": percentiles(latencies)}
+
+
+def _sum(values: Any) -> float | None:
+    """The sum in MiB, None when any process's figure is missing (it ended early)."""
+    values = list(values)
+    return None if None in values else round(sum(values), 1)
+
+
+# --------------------------------------------------------------------------- in-process
+
+
+#: What the fresh process runs: the release loaded as the pool loads it (PyTorch), one warm-up
+#: prompt, then ``rounds`` batches of each level's prompts; it prints each level's seconds per
+#: batch and its peak RSS (``ru_maxrss``, KiB: ``VmHWM``). Only ddm is imported, so that the
+#: peak is sampling's own.
+_CHILD = """
+import json, resource, sys, time
+from ddm.threads import apply_cpu_thread_policy
+apply_cpu_thread_policy()
+from ddm.models.stages import load_text_ddm
+from ddm.sampling.pipeline import generate_text
+asked = json.loads(sys.argv[1])
+ddm = load_text_ddm(asked["checkpoints"])
+options = {k: asked[k] for k in ("steps", "strategy", "guidance_scale")}
+generate_text(ddm, [asked["prompts"][0]], seed=0, **options)
+levels = {}
+for concurrency in asked["concurrency"]:
+    prompts = [asked["prompts"][i % len(asked["prompts"])] for i in range(concurrency)]
+    levels[concurrency] = seconds = []
+    for round_ in range(asked["rounds"]):
+        sent = time.perf_counter()
+        generate_text(ddm, prompts, seed=1 + round_, **options)
+        seconds.append(time.perf_counter() - sent)
+print(json.dumps({"levels": levels,
+                  "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def _in_process(settings: PoolBenchSettings, sampling: dict[str, Any]) -> dict[str, Any]:
+    """In-process sampling in a fresh process (its own peak memory, nothing of this one's):
+    each level's images/s, every image's latency being its batch's."""
+    asked = {"checkpoints": str(CHECKPOINTS), "prompts": PROMPTS, "rounds": settings.rounds,
+             "concurrency": list(settings.concurrency), **sampling}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(asked)],
+                              cwd=REPOSITORY_ROOT, capture_output=True, text=True,
+                              timeout=settings.timeout_s)
+    except subprocess.TimeoutExpired as error:
+        raise BenchError(f"in-process sampling took over {settings.timeout_s} s") from error
+    if done.returncode != 0:
+        raise BenchError(f"in-process sampling failed ({done.returncode}): "
+                         f"{done.stderr[-2000:]}")
+    try:
+        figures = json.loads(done.stdout.splitlines()[-1])
+    except (IndexError, ValueError) as error:
+        raise BenchError(f"in-process sampling printed no figures ({error}): "
+                         f"{done.stdout[-1000:]!r} {done.stderr[-2000:]}") from None
+    levels = {}
+    for concurrency, seconds in figures["levels"].items():
+        latencies = [s for s in seconds for _ in range(int(concurrency))]
+        levels[concurrency] = _level(sum(seconds), latencies)
+    return {"levels": levels, "peak_rss_mib": round(figures["peak_kib"] / 1024, 1)}
+
+
+def bench_pools_command(settings: PoolBenchSettings, out: TextIO = sys.stdout,
+                        log: TextIO = sys.stderr) -> int:
+    """``python -m benchmarks pools``: the figures as JSON on ``out``, progress on ``log``."""
+    print(json.dumps(bench_pools(settings, log), indent=2), file=out)
+    return 0
+
