@@ -192,7 +192,7 @@ def test_the_info_offers_only_what_the_ddm_can_do_and_says_what_each_expert_is(r
     assert shared["strategies"] == ["top1", "top2", "threshold:0.2", "ensemble"]
     assert [e["trained_on"] for e in split["experts"]] == [
         {"partition": "labels", "part": k, "parts": 2, "features": None, "labels": labels,
-         "data": None, "images": None} for k, labels in enumerate([LOW, HIGH])]
+         "data": None, "images": None, "summary": None} for k, labels in enumerate([LOW, HIGH])]
     assert [(e["trained_on"]["partition"], e["trained_on"]["part"]) for e in shared["experts"]
             ] == [("kmeans", 0), ("kmeans", 1)]
     for card in split["experts"] + shared["experts"]:
