@@ -102,18 +102,18 @@ def test_quick_run_reports_every_figure_and_stops_every_server():
     assert result["settings"]["steps"] == 4 and result["settings"]["quick"] is True
     figures = [result["throughput"]["batch_64"], *(result[k] for k in FIGURES_WITH_TARGETS),
                result["concurrency"]["router"], *result["concurrency"]["expert"].values(),
-               *(models[str(REPOSITORY_ROOT)]
+               *(models[REPOSITORY_ROOT.name]  # trees are keyed by their directory's name
                  for models in result["expert_call"]["models"].values())]
     for figure in figures:
         assert {"value", "target", "comparison", "met"} <= set(figure)
         assert isinstance(figure["met"], bool)
     assert result["reference_baseline"]["same_images_as_in_process"] is True
     # The model thread's wake-ups, both ways, with this tree's Batcher.
-    handoff = result["expert_call"]["handoff"][str(REPOSITORY_ROOT)]
+    handoff = result["expert_call"]["handoff"][REPOSITORY_ROOT.name]
     assert set(handoff) == {"to_model_thread_ms", "back_to_loop_ms"}
     assert all(0 < times["p10"] <= times["median"] for times in handoff.values())
     # The client's side of a call past the bound, with this tree's HttpClient.
-    reply_wait = result["expert_call"]["reply_wait"][str(REPOSITORY_ROOT)]
+    reply_wait = result["expert_call"]["reply_wait"][REPOSITORY_ROOT.name]
     assert 0 < reply_wait["p10"] <= reply_wait["median"]
     cold = result["expert_call"]["cold_code"]  # the same Python after each idle gap
     assert list(cold) == ["after_0_ms_idle_us", "after_1_ms_idle_us", "after_5_ms_idle_us",
