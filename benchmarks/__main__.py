@@ -95,7 +95,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2,
                    help="requests per client (batches in-process) at each level")
     p.set_defaults(handler=_bench_pools)
+
+    p = kinds.add_parser("paris-pools", help="a Paris-shaped DDM (random weights, imported as "
+                                             "a release) alone, in one pool and in-process: "
+                                             "RSS, GPU memory and images/s (JSON)")
+    p.add_argument("--size", choices=("small", "full"), default="small",
+                   help="small: Paris's shapes in tiny networks (CPU); full: the published "
+                        "sizes (a GPU machine)")
+    p.add_argument("--accelerator", choices=("cpu", "nvidia"), default="cpu")
+    p.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default=None)
+    p.add_argument("--deployments", default="alone,pooled,in_process",
+                   help="which of alone, pooled, in_process to measure (comma-separated)")
+    p.add_argument("--concurrency", default="1,8,32", help="concurrent prompts per level")
+    p.add_argument("--rounds", type=int, default=1, help="requests per client per level")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 50)")
+    p.add_argument("--quick", action="store_true",
+                   help="small release, 2 steps, 1 and 2 prompts: a smoke run")
+    p.set_defaults(handler=_bench_paris_pools)
     return parser
+
+
+def _bench_paris_pools(args: argparse.Namespace) -> int:
+    from benchmarks.paris_pools import QUICK, ParisPoolSettings, bench_paris_pools_command
+    from benchmarks.pools import PoolBenchSettings
+
+    try:
+        settings = QUICK if args.quick else ParisPoolSettings(
+            size=args.size, accelerator=args.accelerator, precision=args.precision,
+            deployments=tuple(d.strip() for d in args.deployments.split(",") if d.strip()),
+            load=PoolBenchSettings(concurrency=_levels(args.concurrency), rounds=args.rounds,
+                                   steps=args.steps))
+    except ValueError as error:
+        print(f"benchmarks: error: {error}", file=sys.stderr)
+        return 2
+    return bench_paris_pools_command(settings)
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"concurrency: give comma-separated integers, got {text!r}") from None
 
 
 def _bench_pools(args: argparse.Namespace) -> int:

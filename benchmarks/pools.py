@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
@@ -59,6 +60,7 @@ class PoolBenchSettings:
     rounds: int = 2
     steps: int | None = None
     timeout_s: float = 900.0
+    prompts: tuple[str, ...] = PROMPTS
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not 1 <= c <= 256 for c in self.concurrency):
@@ -69,6 +71,8 @@ class PoolBenchSettings:
             raise ValueError(f"steps must be in 1..1000, got {self.steps}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not self.prompts:
+            raise ValueError("prompts: give at least one")
 
 
 
@@ -88,10 +92,10 @@ def bench_pools(settings: PoolBenchSettings, log: TextIO = sys.stderr) -> dict[s
     for name, manifest in DEPLOYMENTS.items():
         say(log, f"pools: {name} ({recorded_path(manifest)})")
         with local_ddm(manifest, max(settings.concurrency), log) as (url, pids):
-            figures = asyncio.run(_served(url, pids, settings, log))
+            figures = asyncio.run(served(url, pids, settings, log))
         result["deployments"][name] = {"manifest": recorded_path(manifest), **figures}
     say(log, "pools: in-process generate_text")
-    result["in_process"] = _in_process(settings, result["sampling"])
+    result["in_process"] = in_process(settings, result["sampling"], CHECKPOINTS)
     result["targets"] = targets(result)
     result["load_average_after"] = list(os.getloadavg())
     result["seconds"] = round(time.perf_counter() - started, 1)
@@ -116,8 +120,8 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
 # ------------------------------------------------------------------------------- served
 
 
-async def _served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
-                  log: TextIO) -> dict[str, Any]:
+async def served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
+                 log: TextIO) -> dict[str, Any]:
     """Every level against the router at ``url``, then each process's memory."""
     peaks: dict[str, float] = {}
     sampler = asyncio.create_task(sample_rss(dict(pids), peaks))
@@ -126,7 +130,7 @@ async def _served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
     levels: dict[str, Any] = {}
     try:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            await _generate(session, url, 0, settings.steps)  # warm-up: first allocations
+            await _generate(session, url, 0, settings)  # warm-up: first allocations
             for concurrency in settings.concurrency:
                 say(log, f"pools: {concurrency} concurrent prompts")
                 started = time.perf_counter()
@@ -153,16 +157,17 @@ async def _client(session: aiohttp.ClientSession, url: str, client: int, concurr
     latencies = []
     for round_ in range(settings.rounds):
         sent = time.perf_counter()
-        await _generate(session, url, 1 + round_ * concurrency + client, settings.steps)
+        await _generate(session, url, 1 + round_ * concurrency + client, settings)
         latencies.append(time.perf_counter() - sent)
     return latencies
 
 
 async def _generate(session: aiohttp.ClientSession, url: str, seed: int,
-                    steps: int | None) -> None:
-    body: dict[str, Any] = {"prompt": PROMPTS[seed % len(PROMPTS)], "n": 1, "seed": seed}
-    if steps is not None:
-        body["steps"] = steps
+                    settings: PoolBenchSettings) -> None:
+    body: dict[str, Any] = {"prompt": settings.prompts[seed % len(settings.prompts)], "n": 1,
+                            "seed": seed}
+    if settings.steps is not None:
+        body["steps"] = settings.steps
     async with session.post(f"{url}/v1/images/generations", json=body) as answer:
         reply = await answer.read()
         if answer.status != 200:
@@ -185,10 +190,10 @@ def _sum(values: Any) -> float | None:
 # --------------------------------------------------------------------------- in-process
 
 
-#: What the fresh process runs: the release loaded as the pool loads it (PyTorch), one warm-up
-#: prompt, then ``rounds`` batches of each level's prompts; it prints each level's seconds per
-#: batch and its peak RSS (``ru_maxrss``, KiB: ``VmHWM``). Only ddm is imported, so that the
-#: peak is sampling's own.
+#: What the fresh process runs: the release loaded as the pool loads it (PyTorch, on the asked
+#: device and dtype), one warm-up prompt, then ``rounds`` batches of each level's prompts; it
+#: prints each level's seconds per batch, its peak RSS (``ru_maxrss``, KiB: ``VmHWM``) and on
+#: CUDA the peak of torch's allocator. Only ddm is imported, so that the peak is sampling's own.
 _CHILD = """
 import json, resource, sys, time
 from ddm.threads import apply_cpu_thread_policy
@@ -196,7 +201,7 @@ apply_cpu_thread_policy()
 from ddm.models.stages import load_text_ddm
 from ddm.sampling.pipeline import generate_text
 asked = json.loads(sys.argv[1])
-ddm = load_text_ddm(asked["checkpoints"])
+ddm = load_text_ddm(asked["checkpoints"], dtype=asked["dtype"], device=asked["device"])
 options = {k: asked[k] for k in ("steps", "strategy", "guidance_scale")}
 generate_text(ddm, [asked["prompts"][0]], seed=0, **options)
 levels = {}
@@ -207,16 +212,23 @@ for concurrency in asked["concurrency"]:
         sent = time.perf_counter()
         generate_text(ddm, prompts, seed=1 + round_, **options)
         seconds.append(time.perf_counter() - sent)
-print(json.dumps({"levels": levels,
+cuda = None
+if asked["device"] == "cuda":
+    import torch
+    cuda = torch.cuda.max_memory_allocated() / 2**20
+print(json.dumps({"levels": levels, "cuda_peak_mib": cuda,
                   "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
 
-def _in_process(settings: PoolBenchSettings, sampling: dict[str, Any]) -> dict[str, Any]:
-    """In-process sampling in a fresh process (its own peak memory, nothing of this one's):
-    each level's images/s, every image's latency being its batch's."""
-    asked = {"checkpoints": str(CHECKPOINTS), "prompts": PROMPTS, "rounds": settings.rounds,
-             "concurrency": list(settings.concurrency), **sampling}
+def in_process(settings: PoolBenchSettings, sampling: dict[str, Any], checkpoints: Path,
+               device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
+    """In-process sampling of the DDM at ``checkpoints`` in a fresh process (its own peak
+    memory, nothing of this one's): each level's images/s, every image's latency being its
+    batch's."""
+    asked = {"checkpoints": str(checkpoints), "prompts": settings.prompts,
+             "rounds": settings.rounds, "concurrency": list(settings.concurrency),
+             "device": device, "dtype": dtype, **sampling}
     try:
         done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(asked)],
                               cwd=REPOSITORY_ROOT, capture_output=True, text=True,
@@ -235,7 +247,9 @@ def _in_process(settings: PoolBenchSettings, sampling: dict[str, Any]) -> dict[s
     for concurrency, seconds in figures["levels"].items():
         latencies = [s for s in seconds for _ in range(int(concurrency))]
         levels[concurrency] = _level(sum(seconds), latencies)
-    return {"levels": levels, "peak_rss_mib": round(figures["peak_kib"] / 1024, 1)}
+    cuda = figures["cuda_peak_mib"]
+    return {"levels": levels, "peak_rss_mib": round(figures["peak_kib"] / 1024, 1),
+            **({"cuda_peak_mib": round(cuda, 1)} if cuda is not None else {})}
 
 
 def bench_pools_command(settings: PoolBenchSettings, out: TextIO = sys.stdout,

@@ -1,0 +1,219 @@
+"""``python -m benchmarks paris-pools``: issue 37's figures for a Paris-shaped DDM, served with
+every component alone, as one pool, and sampled in-process.
+
+The DDM is a Paris release with random weights (``tests.support.paris_release``), imported with
+``ddm import paris`` exactly as a user imports the published one, so the served path is the
+product's: eight experts, the router network, the text encoder and the decoder.
+
+- ``--size small`` (any machine): eight small DiT experts with Paris's shapes (4x32x32
+  latents, CLIP's 77 x 768 text, 256 px images) at tiny widths, on the CPU;
+- ``--size full --accelerator nvidia --precision bfloat16`` (a GPU machine): the published
+  sizes (eight DiT-XL/2 experts, a DiT-B router network, CLIP ViT-L/14's text encoder, SD's
+  VAE; 9.7 GiB in bf16) in one pool on one GPU: the issue's GPU check, whose target on an
+  H200 is at least 8 images/s at 32 concurrent prompts and a p50 under 250 ms at 1.
+
+``alone`` is the imported ddm.yaml as ``ddm up`` runs it; ``pooled`` the same DDM with every
+component in one pool (:func:`pooled_manifest`); ``in_process`` ``load_text_ddm`` +
+``generate_text`` in a fresh process (``benchmarks.pools``' child). The sampling settings are the
+release's (50 Euler steps, top-2, guidance 7.5) unless ``--steps`` says otherwise. Memory is
+every process's lifetime peak RSS and, on NVIDIA, each process's GPU memory from nvidia-smi,
+read while the deployment is still up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, TextIO
+
+import yaml
+
+from benchmarks.fleet import BenchError, machine, say
+from benchmarks.load import local_ddm
+from benchmarks.pools import PoolBenchSettings, in_process, served
+from ddm.models.paris import ParisExpertConfig, ParisRouterConfig
+from tests.support.paris_release import FULL_PARIS, TinyParis, write_paris_release
+
+#: Paris's shapes (4x32x32 latents, 77 x 768 text, 256 px) in small networks: what the CPU runs.
+SMALL_PARIS = TinyParis(
+    experts=8, text_width=768,
+    expert=ParisExpertConfig(input_size=32, hidden_size=64, depth=2, num_heads=4),
+    router=ParisRouterConfig(input_size=32, hidden_size=64, depth=2, num_heads=4),
+    vae_channels=(8, 16, 16, 16))
+SIZES = {"small": SMALL_PARIS, "full": FULL_PARIS}
+DEPLOYMENTS = ("alone", "pooled", "in_process")
+#: The pool every component joins in the pooled variant.
+POOL = "all"
+#: Fields a pooled component may not carry: its pool places it (deploy/pools.py refuses them).
+PLACEMENT_FIELDS = ("accelerator", "replicas", "resources", "nodeSelector", "tolerations",
+                    "affinity", "image", "maxBatch", "maxDelayMs", "autoscaling", "placement")
+#: The issue's targets for a full-size pool on one H200.
+H200_IMAGES_PER_S, H200_P50_S = 8.0, 0.25
+PROMPTS = ("a photo of a red car on the beach", "a cat on the beach at sunset",
+           "a photo of the sunset", "a red cat")
+
+
+@dataclass(frozen=True)
+class ParisPoolSettings:
+    """Which release, where it runs and what is measured. ``accelerator`` is the
+    DDMDeployment's type (``cpu``, ``nvidia``); ``precision`` what every server casts to."""
+
+    size: str = "small"
+    accelerator: str = "cpu"
+    precision: str | None = None
+    deployments: tuple[str, ...] = DEPLOYMENTS
+    max_batch: int = 64
+    load: PoolBenchSettings = PoolBenchSettings(concurrency=(1, 8, 32), rounds=1)
+
+    def __post_init__(self) -> None:
+        if self.size not in SIZES:
+            raise ValueError(f"size must be one of {', '.join(SIZES)}, got {self.size!r}")
+        if self.accelerator not in ("cpu", "nvidia"):
+            raise ValueError(f"accelerator must be cpu or nvidia, got {self.accelerator!r}")
+        unknown = sorted(set(self.deployments) - set(DEPLOYMENTS))
+        if unknown or not self.deployments:
+            raise ValueError(f"deployments: give some of {', '.join(DEPLOYMENTS)}, "
+                             f"got {', '.join(self.deployments) or 'none'}")
+        if not 1 <= self.max_batch <= 1024:
+            raise ValueError(f"max_batch must be in 1..1024, got {self.max_batch}")
+
+
+#: ``--quick``: the small release, 2 steps, 1 and 2 prompts, one round.
+QUICK = ParisPoolSettings(load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2))
+
+
+def pooled_manifest(document: dict[str, Any], accelerator: str, max_batch: int
+                    ) -> dict[str, Any]:
+    """The imported DDMDeployment ``document`` with every expert, the text encoder, the
+    decoder and the router network in one pool on ``accelerator`` (pure: a new document)."""
+    pooled = copy.deepcopy(document)
+    spec = pooled["spec"]
+    members = [*spec["experts"], spec["textEncoder"], spec["decoder"], spec["router"]["network"]]
+    for member in members:
+        for name in PLACEMENT_FIELDS:
+            member.pop(name, None)
+        member["pool"] = POOL
+    spec["pools"] = [{"name": POOL, "accelerator": {"type": accelerator}, "replicas": 1,
+                      "maxBatch": max_batch}]
+    return pooled
+
+
+def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr) -> dict[str, Any]:
+    """Write and import the release, then measure each asked deployment; the figures as a
+    JSON-ready dict."""
+    started = time.perf_counter()
+    sizes = SIZES[settings.size]
+    workdir = Path(tempfile.mkdtemp(prefix="ddm-bench-paris-"))
+    try:
+        say(log, f"paris-pools: writing a {settings.size} release with random weights")
+        dtype = "bfloat16" if settings.precision == "bfloat16" else "float32"
+        release = _write_release(workdir / "release", sizes, dtype)
+        imported = workdir / "imported"
+        done = subprocess.run(
+            [sys.executable, "-m", "ddm", "import", "paris", str(release), "--out",
+             str(imported), "--accelerator", settings.accelerator,
+             *(("--precision", settings.precision) if settings.precision else ())],
+            capture_output=True, text=True)
+        say(log, f"paris-pools: {done.stdout.strip()}")
+        if done.returncode != 0:
+            raise BenchError(f"ddm import paris failed ({done.returncode}): "
+                             f"{done.stderr[-2000:]}")
+        shutil.rmtree(release)  # the import copied it: keep one copy on disk
+        document = yaml.safe_load((imported / "ddm.yaml").read_text())
+        # On loopback without the import's bearer token, as examples/text2img.yaml runs.
+        document["spec"]["router"].pop("auth", None)
+        manifests = {"alone": imported / "ddm-alone.yaml",
+                     "pooled": imported / "ddm-pooled.yaml"}
+        manifests["alone"].write_text(yaml.safe_dump(document))
+        manifests["pooled"].write_text(yaml.safe_dump(
+            pooled_manifest(document, settings.accelerator, settings.max_batch)))
+        sampling = {"steps": settings.load.steps or document["spec"]["sampling"]["steps"],
+                    "strategy": document["spec"]["sampling"]["strategy"],
+                    "guidance_scale": document["spec"]["sampling"]["guidanceScale"]}
+        result: dict[str, Any] = {
+            "machine": machine(), "settings": {**asdict(settings), "sizes": asdict(sizes)},
+            "sampling": sampling, "deployments": {}}
+        load = replace(settings.load, prompts=PROMPTS)
+        for name in ("alone", "pooled"):
+            if name not in settings.deployments:
+                continue
+            say(log, f"paris-pools: {name}")
+            with local_ddm(manifests[name], max(load.concurrency), log) as (url, pids):
+                figures = asyncio.run(served(url, pids, load, log))
+                figures["gpu_memory_mib"] = gpu_memory_mib(pids)
+            result["deployments"][name] = figures
+        if "in_process" in settings.deployments:
+            say(log, "paris-pools: in-process generate_text")
+            device = "cuda" if settings.accelerator == "nvidia" else "cpu"
+            result["in_process"] = in_process(load, sampling, imported, device,
+                                              settings.precision)
+        result["targets"] = targets(result)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    result["load_average_after"] = list(os.getloadavg())
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def _write_release(root: Path, sizes: TinyParis, dtype: str) -> Path:
+    import torch
+
+    return write_paris_release(root, sizes, seed=0, dtype=getattr(torch, dtype))
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets that this run can judge: the pool against in-process sampling
+    (memory within 1.3x, images/s at least 0.9x at the highest concurrency) and, for a
+    full-size pool on a GPU, the H200 figures (images/s at 32 prompts, p50 at 1)."""
+    judged: dict[str, Any] = {}
+    pooled = result["deployments"].get("pooled")
+    local = result.get("in_process")
+    if pooled and local:
+        from benchmarks.pools import targets as pool_targets
+
+        judged.update(pool_targets({**result, "settings": result["settings"]["load"]}))
+    if pooled and result["settings"]["size"] == "full" and "32" in pooled["levels"]:
+        images = pooled["levels"]["32"]["images_per_s"]
+        judged["h200_images_per_s_at_32"] = {"value": images, "target": H200_IMAGES_PER_S,
+                                             "comparison": ">=",
+                                             "met": images >= H200_IMAGES_PER_S}
+    if pooled and result["settings"]["size"] == "full" and "1" in pooled["levels"]:
+        p50 = pooled["levels"]["1"]["latency_s"]["p50"]
+        judged["h200_p50_s_at_1"] = {"value": p50, "target": H200_P50_S, "comparison": "<",
+                                     "met": p50 < H200_P50_S}
+    return judged
+
+
+def gpu_memory_mib(pids: dict[str, int]) -> dict[str, float] | None:
+    """Each of ``pids``' GPU memory in MiB (nvidia-smi's compute apps); None without
+    nvidia-smi (no NVIDIA GPU here)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                           "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise BenchError(f"nvidia-smi failed ({done.returncode}): {done.stderr[-500:]}")
+    used = {}
+    for line in done.stdout.splitlines():
+        pid, _, mib = line.partition(",")
+        if pid.strip().isdigit() and mib.strip().isdigit():
+            used[int(pid)] = float(mib)
+    return {name: used[pid] for name, pid in pids.items() if pid in used}
+
+
+def bench_paris_pools_command(settings: ParisPoolSettings, out: TextIO = sys.stdout,
+                              log: TextIO = sys.stderr) -> int:
+    """``python -m benchmarks paris-pools``: the figures as JSON on ``out``, progress on
+    ``log``."""
+    print(json.dumps(bench_paris_pools(settings, log), indent=2), file=out)
+    return 0

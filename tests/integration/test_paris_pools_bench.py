@@ -1,0 +1,94 @@
+"""``python -m benchmarks paris-pools`` (issue 37): the pooled manifest it derives from an
+imported Paris release, its settings, and one quick run end to end.
+
+The quick run writes a Paris-shaped release (eight experts, the router network, the text
+encoder and the decoder; random weights), imports it with ``ddm import paris``, serves it as
+one pool and samples it in-process at 2 steps and 1 and 2 prompts; it checks the JSON's shape,
+that one pool process served every member, and that every process it started is gone after,
+not the figures themselves, which depend on the machine.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.paris_pools import (PLACEMENT_FIELDS, POOL, ParisPoolSettings,
+                                    bench_paris_pools_command, pooled_manifest)
+from benchmarks.pools import PoolBenchSettings
+from ddm.deploy.plan import plan_deployment
+from ddm.deploy.spec import load_manifest
+from tests.support.paris_release import TinyParis, write_paris_release
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ddm.cli import main
+
+    root = tmp_path_factory.mktemp("paris")
+    release = write_paris_release(root / "release", TinyParis(experts=2))
+    assert main(["import", "paris", str(release), "--out", str(root / "out"),
+                 "--accelerator", "nvidia", "--precision", "bfloat16"]) == 0
+    return root / "out"
+
+
+def test_the_pooled_manifest_puts_every_component_in_one_pool(imported: Path,
+                                                              tmp_path: Path) -> None:
+    document = yaml.safe_load((imported / "ddm.yaml").read_text())
+    pooled = pooled_manifest(document, "nvidia", max_batch=16)
+    assert "pool" not in document["spec"]["experts"][0]  # the input is left as it was
+    path = tmp_path / "pooled.yaml"
+    path.write_text(yaml.safe_dump(pooled))
+    plan = plan_deployment(load_manifest(path).spec)  # validation accepts every member
+    assert [pool.name for pool in plan.pools] == [POOL]
+    assert plan.unpooled_experts == ()
+    assert sorted(name for name, _ in plan.pools[0].members) == [
+        "decoder", "expert-0", "expert-1", "router-network", "text-encoder"]
+    spec = pooled["spec"]
+    for member in (*spec["experts"], spec["textEncoder"], spec["decoder"],
+                   spec["router"]["network"]):
+        assert member["pool"] == POOL
+        assert not set(member) & set(PLACEMENT_FIELDS), member
+        assert member["precision"] == "bfloat16"
+    assert spec["pools"] == [{"name": POOL, "accelerator": {"type": "nvidia"}, "replicas": 1,
+                              "maxBatch": 16}]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("size", "huge", "size"), ("accelerator", "neuron", "accelerator"),
+    ("deployments", ("pooled", "remote"), "deployments"), ("deployments", (), "deployments"),
+    ("max_batch", 0, "max_batch")])
+def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
+                                                   message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParisPoolSettings(**{field: value})
+
+
+@pytest.mark.slow
+def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None:
+    settings = ParisPoolSettings(deployments=("pooled", "in_process"), load=PoolBenchSettings(
+        concurrency=(1, 2), rounds=1, steps=2))
+    out, log = io.StringIO(), io.StringIO()
+    assert bench_paris_pools_command(settings, out=out, log=log) == 0
+    result = json.loads(out.getvalue())
+    assert "imported" in log.getvalue()
+    assert result["sampling"] == {"steps": 2, "strategy": "top2", "guidance_scale": 7.5}
+    assert result["settings"]["sizes"]["experts"] == 8
+    pooled = result["deployments"]["pooled"]
+    assert set(pooled["processes"]) == {f"pool-{POOL}/0", "router"}
+    assert pooled["gpu_memory_mib"] is None  # no NVIDIA GPU on this machine
+    for process in pooled["processes"].values():
+        assert 20 < process["lifetime_peak_mib"] < 4096
+        with pytest.raises(ProcessLookupError):  # stopped
+            os.kill(process["pid"], 0)
+    for figures in (pooled, result["in_process"]):
+        assert {concurrency: level["images"] for concurrency, level in
+                figures["levels"].items()} == {"1": 1, "2": 2}
+    assert set(result["targets"]) == {"memory_pooled_to_in_process",
+                                      "images_per_s_pooled_to_in_process"}
+    assert all(isinstance(t["met"], bool) for t in result["targets"].values())
