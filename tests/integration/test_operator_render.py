@@ -38,7 +38,7 @@ def cluster(kube_client: Any) -> Cluster:
 def chart_operator(operator: OperatorThread) -> Iterator[OperatorConfig]:  # noqa: F811
     """The operator as the chart runs it by default (its images the tests' own)."""
     env = {**CHART_DEFAULTS, **{f"DDM_IMAGE_{family.upper()}": image
-                                for family, image in vars(DEFAULT_CONFIG.images).items()}}
+                                for family, image in DEFAULT_CONFIG.images.by_family.items()}}
     config = OperatorConfig.from_env(env)
     operator.restart(config)
     try:

@@ -172,7 +172,7 @@ def test_the_defaults_refuse_each_hostile_ddm_naming_the_setting(cluster: Cluste
     refused by the operator's defaults, in its status and in an InvalidSpec event, and nothing
     of it runs. A DDM beside them, within the defaults, runs."""
     ns = kube_namespace
-    own = ", ".join(sorted({repository(i) for i in vars(DEFAULT_CONFIG.images).values()}))
+    own = ", ".join(sorted({repository(i) for i in DEFAULT_CONFIG.images.by_family.values()}))
     made = {}
     for index, attack in enumerate(HOSTILE):
         name = f"hostile-{index}"
@@ -213,7 +213,7 @@ def test_a_ddm_outside_the_allow_lists_is_invalid(cluster: Cluster, kube_namespa
         allowed["experts"][0]["image"] = "registry.acme.example/ddm/cpu:1"
         allowed["router"] = {"auth": {"secretName": "team-token"}}
         cluster.create_ddm(ns, "inside", allowed)
-        own = ", ".join(sorted({repository(i) for i in vars(DEFAULT_CONFIG.images).values()}))
+        own = ", ".join(sorted({repository(i) for i in DEFAULT_CONFIG.images.by_family.values()}))
         valid = wait_for(lambda: _condition(cluster, ns, "outside", "SpecValid"), 60,
                          "the refusal")
         assert valid["status"] == "False"

@@ -16,6 +16,7 @@ import yaml
 
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy import limits
+from ddm.deploy.accelerators import ACCELERATORS
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
@@ -27,8 +28,8 @@ from ddm.runtime.local import LocalRunError, plan_local
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
-CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
-                                      neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"),
+CONFIG = OperatorConfig(images=Images({"cpu": "reg/ddm:1", "cuda": "reg/ddm-cuda:1",
+                                       "neuron": "reg/ddm-neuron:1", "tpu": "reg/ddm-tpu:1"}),
                         allowed=AllowLists(host_paths=("/",)))
 #: Options each consumer sets for its place, not from the spec (each takes a value).
 PLACE_OPTIONS = ("--checkpoint", "--host", "--port", "--metrics-port", "--config", "--drain-s",
@@ -38,12 +39,15 @@ STEPS = (1, 2, limits.DEFAULT_STEPS, limits.ROUTER_MAX_STEPS, limits.ROUTER_MAX_
 URIS = ("image:///opt/ddm/checkpoints/{name}", "pvc://models/{name}",
         "s3://bucket/{name}", "https://models.example.com/{name}.tar.gz", "file:///srv/{name}")
 COUNTS = {"neuron": 2, "nvidia": 1, "tpu": 4, "cpu": 0}
+#: Every (accelerator type, framework) the registry can run.
+BACKEND_PAIRS = {(name, framework) for name, declared in ACCELERATORS.items()
+                 for framework in declared.backends}
 
 
 def _generated(seed: int) -> dict[str, Any]:
     """A valid DDMDeployment document drawn from ``seed``."""
     rng = random.Random(seed)
-    pairs = sorted(limits.BACKEND_BY_ACCELERATOR)
+    pairs = sorted(BACKEND_PAIRS)
     num_experts = rng.randint(1, 4)
     num_classes = rng.choice((num_experts, 10))
     strategy = rng.choice(("oracle", "top1", f"top{num_experts}", f"topk:{num_experts}",
@@ -217,7 +221,7 @@ def _flag_value(argv: list[str], flag: str) -> str | None:
 def test_each_expert_runs_the_backend_of_its_accelerator_and_framework(
         manifest: DDMManifest) -> None:
     for spec, planned in zip(manifest.spec.experts, plan_deployment(manifest.spec).experts):
-        backend, device = limits.BACKEND_BY_ACCELERATOR[(spec.accelerator.type, spec.framework)]
+        backend, device = ACCELERATORS[spec.accelerator.type].backends[spec.framework]
         expected = ["--backend", backend, *(["--device", device] if device else [])]
         assert list(planned.args[:len(expected)]) == expected
         assert "--device" not in planned.args[len(expected):]
@@ -227,7 +231,7 @@ def test_each_expert_runs_the_backend_of_its_accelerator_and_framework(
 def test_the_generated_specs_cover_every_backend_and_the_step_limits() -> None:
     manifests = [p.values[0] for p in MANIFESTS]
     pairs = {(e.accelerator.type, e.framework) for m in manifests for e in m.spec.experts}
-    assert pairs == set(limits.BACKEND_BY_ACCELERATOR)
+    assert pairs == BACKEND_PAIRS
     steps = {m.spec.sampling.steps for m in manifests}
     assert {limits.ROUTER_MAX_STEPS + 1, limits.MAX_STEPS} <= steps
 

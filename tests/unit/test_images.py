@@ -293,7 +293,7 @@ def _operator_pods() -> dict[str, list[dict]]:
              "checkpoint": {"uri": f"s3://bucket/e{i}"}, "classes": [i]}
             for i, kind in enumerate(("cpu", "nvidia", "neuron"))], "numClasses": 3}}
     config = OperatorConfig()
-    family_of = {image: family for family, image in vars(config.images).items()}
+    family_of = {image: family for family, image in config.images.by_family.items()}
     pods: dict[str, list[dict]] = {}
     for child in build_children(parse_manifest(document).spec,
                                 {"name": "x", "namespace": "ns", "uid": "1"}, config):
@@ -323,7 +323,7 @@ def test_every_dockerfile_in_the_repository_is_checked():
     found = {str(p.relative_to(ROOT)) for p in [*ROOT.glob("Dockerfile*"),
                                                *ROOT.glob("images/*/Dockerfile*")]}
     assert found == set(ALL_DOCKERFILES.values())
-    assert set(DOCKERFILES) <= set(vars(OperatorConfig().images))
+    assert set(DOCKERFILES) <= set(OperatorConfig().images.by_family)
 
 
 def test_the_parser_reads_continuations_comments_forms_and_stages():

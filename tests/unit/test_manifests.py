@@ -34,8 +34,8 @@ from ddm.deploy.spec import parse_spec
 from ddm.deploy.router_config import DnsDiscovery, RouterConfigFile
 
 META = {"name": "digits", "namespace": "ml", "uid": "1234", "generation": 1}
-CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
-                                      neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"))
+CONFIG = OperatorConfig(images=Images({"cpu": "reg/ddm:1", "cuda": "reg/ddm-cuda:1",
+                                       "neuron": "reg/ddm-neuron:1", "tpu": "reg/ddm-tpu:1"}))
 
 
 def _spec(*experts: dict, **extra) -> dict:

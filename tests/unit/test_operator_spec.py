@@ -100,8 +100,8 @@ def test_limits_and_patterns_equal_the_crds() -> None:
     assert EXPERT["maxBatch"]["maximum"] == limits.MAX_BATCH
     assert EXPERT["maxDelayMs"]["maximum"] == limits.MAX_DELAY_MS
     assert EXPERT["framework"]["enum"] == list(limits.FRAMEWORKS)
-    assert accel["type"]["enum"] == list(limits.ACCELERATOR_TYPES)
-    assert accel["unit"]["enum"] == list(limits.NEURON_UNITS)
+    assert accel["type"]["enum"] == list(accelerators.ACCELERATORS)
+    assert accel["unit"]["enum"] == list(accelerators.unit_names())
     assert accel["count"]["maximum"] == limits.MAX_ACCELERATOR_COUNT
     assert accel["product"]["pattern"] == spec.PRODUCT_PATTERN
     assert accel["topology"]["pattern"] == spec.TOPOLOGY_PATTERN

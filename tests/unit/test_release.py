@@ -18,6 +18,7 @@ from types import ModuleType
 import pytest
 import yaml
 
+from ddm.deploy.accelerators import image_families
 from ddm.operator.config import REGISTRY, Images
 from ddm_devcluster import images as dev_images
 
@@ -70,8 +71,8 @@ def test_one_registry_and_tag_name_the_published_images() -> None:
     assert dev_images.REGISTRY == REGISTRY and dev_images.VERSION == version
     values = yaml.safe_load((CHART / "values.yaml").read_text())["images"]
     defaults = Images.defaults(version)
-    for family in ("cpu", "cuda", "neuron", "tpu"):
-        assert getattr(defaults, family) == f"{values[family]}:{version}", family
+    for family in image_families():
+        assert defaults.for_family(family) == f"{values[family]}:{version}", family
     for image in dev_images.PROJECT_IMAGES.values():
         assert image.name == f"{values[image.family]}:{version}", image.family
         assert image.dockerfile == script.DOCKERFILES[image.family]

@@ -20,7 +20,7 @@ from tests.support.hostile_tenants import HOSTILE, hostile_spec
 ROOT = Path(__file__).resolve().parents[2]
 MNIST = ROOT / "examples" / "mnist.yaml"
 #: The repositories of the operator's default images, which a spec's images may be of.
-OWN = ", ".join(sorted({repository(image) for image in vars(OperatorConfig().images).values()}))
+OWN = ", ".join(sorted({repository(image) for image in OperatorConfig().images.by_family.values()}))
 
 
 def _render(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,

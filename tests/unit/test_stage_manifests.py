@@ -18,8 +18,8 @@ from ddm.operator.fetcher import fetched
 from ddm.operator.manifests import build_children
 
 META = {"name": "paris", "namespace": "ml", "uid": "1234", "generation": 1}
-CONFIG = OperatorConfig(images=Images(cpu="reg/ddm:1", cuda="reg/ddm-cuda:1",
-                                      neuron="reg/ddm-neuron:1", tpu="reg/ddm-tpu:1"))
+CONFIG = OperatorConfig(images=Images({"cpu": "reg/ddm:1", "cuda": "reg/ddm-cuda:1",
+                                       "neuron": "reg/ddm-neuron:1", "tpu": "reg/ddm-tpu:1"}))
 
 
 def _text_spec(**changes) -> dict:

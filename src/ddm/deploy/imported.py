@@ -18,7 +18,8 @@ from typing import Any, Sequence
 
 import yaml
 
-from ddm.deploy.limits import ACCELERATOR_TYPES, DEFAULT_SOLVER, PRECISIONS
+from ddm.deploy.accelerators import ACCELERATORS, HOST
+from ddm.deploy.limits import DEFAULT_SOLVER, PRECISIONS
 from ddm.deploy.spec import API_VERSION, KIND, parse_manifest
 
 #: Stage directories of an import (``ddm.checkpoints.importers``), in DST.
@@ -49,15 +50,15 @@ class ImportedDDM:
 
 
 def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
-                      accelerators: Sequence[str] = ("cpu",), precision: str | None = None,
+                      accelerators: Sequence[str] = (HOST,), precision: str | None = None,
                       separate_stages: bool = False) -> dict[str, Any]:
     """The DDMDeployment ``name`` serving ``ddm`` from the checkpoints under
     ``checkpoint_base`` (a URI ending with ``/``: ``file:///abs/DST/``, ``pvc://claim/paris/``);
     ``separate_stages``: the text encoder and decoder in pods of their own on CPU too.
     Raises ``ValueError`` naming a bad argument, ``SpecError`` for a document we would
     refuse."""
-    if not accelerators or any(a not in ACCELERATOR_TYPES for a in accelerators):
-        raise ValueError(f"accelerators must be among {', '.join(ACCELERATOR_TYPES)}, got "
+    if not accelerators or any(a not in ACCELERATORS for a in accelerators):
+        raise ValueError(f"accelerators must be among {', '.join(ACCELERATORS)}, got "
                          f"{list(accelerators)}")
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -71,7 +72,7 @@ def imported_manifest(ddm: ImportedDDM, name: str, checkpoint_base: str,
 
     def stage_place(separate: bool = False) -> dict[str, Any]:
         """Fresh for each stage (shared dicts would be written as YAML aliases)."""
-        if accelerators[0] == "cpu" and not separate:
+        if accelerators[0] == HOST and not separate:
             return {"placement": "router", **with_precision}
         return {"placement": "separate", "accelerator": {"type": accelerators[0]},
                 "replicas": 1, **with_precision}

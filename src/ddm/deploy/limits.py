@@ -123,24 +123,12 @@ MAX_EXPERT_INFO_DEPTH = 8
 MAX_EXPERT_INFO_BYTES = 1024 * 1024
 MAX_EXPERT_PROBE_BYTES = 16 * 1024
 
-#: Accelerator types and the expert server's ``--backend`` choices (the frameworks an expert is
-#: trained in, ``FRAMEWORKS``, are the checkpoint format's too: declared in
-#: ``ddm.objective_names``). (In-process loading adds ``native``, the checkpoint's own
+#: The expert server's ``--backend`` choices (the frameworks an expert is trained in,
+#: ``FRAMEWORKS``, are the checkpoint format's too: declared in ``ddm.objective_names``; which
+#: backend and device run a framework on each accelerator type is its declaration's, in
+#: ``ddm.deploy.accelerators``). (In-process loading adds ``native``, the checkpoint's own
 #: framework: ``ddm.models.loading.LOAD_BACKENDS``.)
-ACCELERATOR_TYPES = ("neuron", "nvidia", "tpu", "cpu")
-NEURON_UNITS = ("device", "core")
 EXPERT_BACKENDS = ("torch", "jax", "neuron")
-#: (accelerator type, framework) -> the expert server's ``--backend`` and ``--device`` (None:
-#: the backend picks its device); a missing pair is not supported.
-BACKEND_BY_ACCELERATOR: dict[tuple[str, str], tuple[str, str | None]] = {
-    ("cpu", "torch"): ("torch", "cpu"),
-    ("cpu", "jax"): ("jax", "cpu"),
-    ("nvidia", "torch"): ("torch", "cuda"),
-    ("nvidia", "jax"): ("jax", "gpu"),
-    ("neuron", "torch"): ("neuron", None),
-    ("tpu", "torch"): ("torch", "xla"),
-    ("tpu", "jax"): ("jax", "tpu"),
-}
 
 #: A text DDM's conditioning on the wire (``docs/protocol.md``, version 2): a context (one
 #: generation's embeddings) holds at most this many rows (prompts) of at most this many tokens

@@ -22,7 +22,8 @@ from typing import Mapping
 
 from ddm.checkpoints.declared import CONFIG_KEYS, PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import CheckpointSource
-from ddm.deploy.limits import BACKEND_BY_ACCELERATOR, ROUTER_MAX_STEPS
+from ddm.deploy.accelerators import accelerator_type
+from ddm.deploy.limits import ROUTER_MAX_STEPS
 from ddm.deploy.router_config import (
     Auth,
     Discovery,
@@ -64,8 +65,9 @@ class ExpertPlan:
                 "--port", str(port), "--metrics-port", str(metrics_port), *auth, *self.args)
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
-        """Environment the server needs; on Neuron, its compile caches under ``cache_dir``."""
-        return backend_env(self.backend, cache_dir)
+        """Environment the server needs: where its accelerator's compile cache is, if it
+        declares one (Neuron's), under ``cache_dir``."""
+        return accelerator_env(self.accelerator, cache_dir)
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class StagePlan:
                 "--metrics-port", str(metrics_port), *auth, *self.args)
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
-        return backend_env(self.backend, cache_dir)
+        return accelerator_env(self.accelerator, cache_dir)
 
     def entry(self, place: str | Discovery) -> StageEntry:
         """router.yaml's entry: the router loads the stage from ``place`` (a directory), or
@@ -144,16 +146,14 @@ class PoolPlan:
                 "--metrics-port", str(metrics_port), *auth, *self.args)
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
-        return backend_env(self.backend, cache_dir)
+        return accelerator_env(self.accelerator, cache_dir)
 
 
-def backend_env(backend: str, cache_dir: str) -> tuple[tuple[str, str], ...]:
-    """Environment a server of ``backend`` needs; on Neuron, its compile caches under
-    ``cache_dir``."""
-    if backend != "neuron":
-        return ()
-    return (("DDM_NEURON_CACHE", f"{cache_dir}/traced"),
-            ("NEURON_CC_FLAGS", f"--cache_dir={cache_dir}/compiler"))
+def accelerator_env(accelerator: str, cache_dir: str) -> tuple[tuple[str, str], ...]:
+    """Environment a server on ``accelerator`` needs: its compile cache under ``cache_dir``
+    when the accelerator declares one."""
+    cache = accelerator_type(accelerator).cache
+    return cache.environment(cache_dir) if cache is not None else ()
 
 
 @dataclass(frozen=True)
@@ -264,7 +264,7 @@ def plan_pool(spec: DDMSpec, pool: PoolSpec) -> PoolPlan:
     framework = next((m.framework for m in members.values() if isinstance(m, ExpertSpec)),
                      "torch")
     precision = next((m.precision for m in members.values()), None)
-    backend, device = BACKEND_BY_ACCELERATOR[(pool.accelerator.type, framework)]
+    backend, device = pool.accelerator.declared.backends[framework]
     args = _server_args(backend, device, precision) + _batching_args(pool)
     return PoolPlan(name=pool.name,
                     members=tuple((name, m.checkpoint) for name, m in members.items()),
@@ -274,7 +274,7 @@ def plan_pool(spec: DDMSpec, pool: PoolSpec) -> PoolPlan:
 
 def plan_stage(role: str, stage: StageSpec) -> StagePlan:
     """What runs for one validated stage (``role``: its key in ``DDMSpec.stages``)."""
-    backend, device = BACKEND_BY_ACCELERATOR[(stage.accelerator.type, "torch")]
+    backend, device = stage.accelerator.declared.backends["torch"]
     return StagePlan(role=role, checkpoint=stage.checkpoint, separate=stage.separate,
                      replicas=stage.replicas, accelerator=stage.accelerator.type,
                      backend=backend, device=device, precision=stage.precision,
@@ -289,7 +289,7 @@ def _server_args(backend: str, device: str | None, precision: str | None) -> lis
 
 def plan_expert(expert: ExpertSpec) -> ExpertPlan:
     """What runs for one validated expert of a spec."""
-    backend, device = BACKEND_BY_ACCELERATOR[(expert.accelerator.type, expert.framework)]
+    backend, device = expert.accelerator.declared.backends[expert.framework]
     args = _server_args(backend, device, expert.precision) + _batching_args(expert)
     return ExpertPlan(name=expert.name, classes=expert.classes, replicas=expert.replicas,
                       checkpoint=expert.checkpoint, accelerator=expert.accelerator.type,

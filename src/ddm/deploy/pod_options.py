@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Mapping
 
-from ddm.deploy.accelerators import ACCELERATOR_RESOURCES
+from ddm.deploy.accelerators import accelerator_resources
 from ddm.deploy.fields import FieldReader
 
 #: A container image reference: registry/path:tag@digest, with no space, quote or shell syntax.
@@ -142,7 +142,7 @@ def _check_resources(reader: FieldReader, resources: Mapping[str, Any]) -> None:
             reader.problem(where, "only limits and requests (objects) are allowed")
             continue
         for name, raw in values.items():
-            if name in ACCELERATOR_RESOURCES:
+            if name in accelerator_resources():
                 reader.problem(where, f"{name} is set from accelerator; use accelerator.type "
                                       "and accelerator.count")
                 continue

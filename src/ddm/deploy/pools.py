@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
 from ddm.deploy.accelerators import Accelerator
-from ddm.deploy.limits import BACKEND_BY_ACCELERATOR, FRAMEWORKS
+from ddm.deploy.limits import FRAMEWORKS
 from ddm.deploy.pod_options import PodOptions
 
 #: Where each stage that may join a pool is in the spec, by its role's plan name.
@@ -88,11 +88,11 @@ def _member_problem(component: Component, pool: PoolSpec, conditioning: str
         return ("pool: pools hold stage checkpoints (text DDMs) until the model stacks are one "
                 "(issue 36); a label DDM's experts and router run on servers of their own",
                 None)
-    pair = (pool.accelerator.type, component.framework)
-    if pair not in BACKEND_BY_ACCELERATOR:
+    backends = pool.accelerator.declared.backends
+    if component.framework not in backends:
         return (f"framework: pool {pool.name!r} runs on {pool.accelerator.type}, which cannot "
                 f"run framework {component.framework}", None)
-    backend = BACKEND_BY_ACCELERATOR[pair][0]
+    backend = backends[component.framework][0]
     if backend not in FRAMEWORKS:
         return (f"pool: pool {pool.name!r} would serve it with the {backend} backend; a pool "
                 f"serves stage checkpoints with {' or '.join(FRAMEWORKS)} only", None)

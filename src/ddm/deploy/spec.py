@@ -23,11 +23,17 @@ from ddm.checkpoints.uri import (
     redact_uri,
     secret_checkpoint,
 )
-from ddm.deploy.accelerators import Accelerator, node_label_conflicts, with_defaults
+from ddm.deploy.accelerators import (
+    ACCELERATORS,
+    HOST,
+    Accelerator,
+    node_label_conflicts,
+    unit_names,
+    with_defaults,
+)
 from ddm.deploy.autoscaling import Autoscaling, fleet_problems, parse_autoscaling
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
-    ACCELERATOR_TYPES,
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
@@ -43,7 +49,6 @@ from ddm.deploy.limits import (
     MAX_REPLICAS,
     MISSING_EXPERT_POLICIES,
     MISSING_EXPERT_WAIT_S,
-    NEURON_UNITS,
     PRECISIONS,
     STAGE_PLACEMENTS,
 )
@@ -438,9 +443,9 @@ def _missing_expert(reader: FieldReader) -> MissingExpert:
 
 def _accelerator(reader: FieldReader) -> Accelerator:
     accelerator = Accelerator(
-        type=reader.string("type", "cpu", choices=ACCELERATOR_TYPES) or "cpu",
+        type=reader.string("type", HOST, choices=tuple(ACCELERATORS)) or HOST,
         count=reader.integer("count", 0, 1, MAX_ACCELERATOR_COUNT) or 0,
-        unit=reader.string("unit", None, choices=NEURON_UNITS),
+        unit=reader.string("unit", None, choices=unit_names()),
         product=reader.string("product", None, pattern=PRODUCT_PATTERN, max_length=63,
                               hint="a node label value"),
         topology=reader.string("topology", None, pattern=TOPOLOGY_PATTERN,

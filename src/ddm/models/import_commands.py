@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ddm.deploy.limits import ACCELERATOR_TYPES, PRECISIONS
+from ddm.deploy.accelerators import ACCELERATORS, HOST
+from ddm.deploy.limits import PRECISIONS
 
 
 def add_import_command(commands: argparse._SubParsersAction) -> None:
@@ -34,9 +35,9 @@ def add_import_command(commands: argparse._SubParsersAction) -> None:
                             help="the new directory to write (refused if it exists)")
         source.add_argument("--name", help="the DDMDeployment's name in ddm.yaml (default: "
                                            "the source's)")
-        source.add_argument("--accelerator", default="cpu", type=_accelerators,
+        source.add_argument("--accelerator", default=HOST, type=_accelerators,
                             metavar="TYPE[,TYPE...]",
-                            help=f"where the stages run ({', '.join(ACCELERATOR_TYPES)}): "
+                            help=f"where the stages run ({', '.join(ACCELERATORS)}): "
                                  "experts cycle through the list (nvidia,neuron alternates "
                                  "them); the text encoder, decoder and router network run on "
                                  "the first, in pods of their own (in the router on cpu)")

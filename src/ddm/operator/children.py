@@ -24,7 +24,7 @@ def checked_spec(raw: Any, name: str, config: OperatorConfig) -> DDMSpec:
     """The ``spec`` of the DDMDeployment ``name`` parsed and checked against the operator's
     settings (``ddm.operator.policy``); ``SpecError`` naming every problem."""
     spec = parse_spec(raw, allow_host_paths=bool(config.allowed.host_paths))
-    outside = policy_problems(spec, name, config.allowed, vars(config.images).values())
+    outside = policy_problems(spec, name, config.allowed, config.images.by_family.values())
     if outside:
         raise SpecError(outside)
     return spec

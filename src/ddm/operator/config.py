@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from ddm.checkpoints.destinations import parse_networks
 from ddm.checkpoints.uri import FETCH_MAX_BYTES
+from ddm.deploy.accelerators import ACCELERATORS, HOST
 from ddm.operator import policy
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -129,21 +130,40 @@ def _peers(env: Mapping[str, str], name: str = METRICS_FROM_ENV) -> tuple[dict[s
 
 @dataclass(frozen=True)
 class Images:
-    """The image of each family: ``cpu`` also runs the router and the checkpoint fetcher."""
+    """The image of each family (one per accelerator type, its declaration's
+    ``image_family``): ``by_family["cpu"]`` also runs the router and the checkpoint fetcher."""
 
-    cpu: str
-    cuda: str
-    neuron: str
-    tpu: str
+    by_family: Mapping[str, str]
 
     @classmethod
     def defaults(cls, tag: str) -> Images:
         """The published images (the chart's defaults) of version ``tag``."""
-        return cls(cpu=f"{REGISTRY}/ddm:{tag}", cuda=f"{REGISTRY}/ddm-cuda:{tag}",
-                   neuron=f"{REGISTRY}/ddm-neuron:{tag}", tpu=f"{REGISTRY}/ddm-tpu:{tag}")
+        return cls({a.image_family: f"{REGISTRY}/{a.image}:{tag}" for a in ACCELERATORS.values()})
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], tag: str) -> Images:
+        """``DDM_IMAGE_<FAMILY>`` for each family, else its published image of ``tag``."""
+        defaults = cls.defaults(tag).by_family
+        return cls({family: env.get(image_env(family)) or image
+                    for family, image in defaults.items()})
+
+    @property
+    def cpu(self) -> str:
+        """The host's image: the router's, the fetcher's and CPU experts'."""
+        return self.for_family(ACCELERATORS[HOST].image_family)
 
     def for_family(self, family: str) -> str:
-        return {"cpu": self.cpu, "cuda": self.cuda, "neuron": self.neuron, "tpu": self.tpu}[family]
+        """The image of ``family``; a ValueError naming the setting when there is none."""
+        try:
+            return self.by_family[family]
+        except KeyError:
+            raise ValueError(f"no image for the {family} family: the operator's "
+                             f"{image_env(family)} is not set") from None
+
+
+def image_env(family: str) -> str:
+    """The operator's variable naming the image of ``family``: ``DDM_IMAGE_CUDA``."""
+    return f"DDM_IMAGE_{family.upper()}"
 
 
 @dataclass(frozen=True)
@@ -205,7 +225,8 @@ class OperatorConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
-        """From ``DDM_IMAGE_{CPU,CUDA,NEURON,TPU}``, ``DDM_IMAGE_PULL_POLICY``,
+        """From ``DDM_IMAGE_<FAMILY>`` (one per accelerator type's image family: ``CPU``,
+        ``CUDA``, ``NEURON``, ``TPU``), ``DDM_IMAGE_PULL_POLICY``,
         ``DDM_CLUSTER_DOMAIN``, the true/false switches ``DDM_ROUTER_AUTH`` and
         ``DDM_NETWORK_POLICY`` (false when unset), and the comma-separated lists
         ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``,
@@ -219,9 +240,7 @@ class OperatorConfig:
         ``DDM_DNS_NAMESPACE_SELECTOR``/``DDM_DNS_POD_SELECTOR`` (JSON label selectors; unset:
         kube-system's ``k8s-app: kube-dns``)."""
         base = cls()
-        images = Images(**{family: env.get(f"DDM_IMAGE_{family.upper()}") or default
-                           for family, default in vars(base.images).items()})
-        return cls(images=images,
+        return cls(images=Images.from_env(env, _default_tag()),
                    image_pull_policy=env.get("DDM_IMAGE_PULL_POLICY") or base.image_pull_policy,
                    cluster_domain=env.get("DDM_CLUSTER_DOMAIN") or base.cluster_domain,
                    router_auth=_flag(env, "DDM_ROUTER_AUTH", base.router_auth),

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ddm.deploy.accelerators import ACCELERATORS
 from ddm.deploy.limits import ROUTER_PORT
 from ddm.deploy.spec import DDMSpec, ExpertSpec, PoolSpec, StageSpec, load_manifest
-
-HARDWARE = {"neuron": "AWS Neuron", "nvidia": "NVIDIA GPU", "tpu": "Google TPU", "cpu": "CPU"}
 
 
 def render_mermaid(spec: DDMSpec, name: str = "ddm") -> str:
@@ -37,11 +36,11 @@ def render_mermaid(spec: DDMSpec, name: str = "ddm") -> str:
     nodes.update({f"pool_{pool.name.replace('-', '_')}": (pool.accelerator.type,
                                                           _pool_label(spec, pool))
                   for pool in spec.pools})
-    for kind, title in HARDWARE.items():
+    for kind, declared in ACCELERATORS.items():
         here = [(node, label) for node, (hardware, label) in nodes.items() if hardware == kind]
         if not here:
             continue
-        lines.append(f'    subgraph {kind}["{title}"]')
+        lines.append(f'    subgraph {kind}["{declared.title}"]')
         lines.extend(f'        {node}["{label}"]' for node, label in here)
         lines.append("    end")
     lines.extend(f"    router --> {node}" for node in nodes)

@@ -40,7 +40,7 @@ from ddm.checkpoints.uri import (
     CheckpointSource,
     checkpoint_mount,
 )
-from ddm.deploy.accelerators import Accelerator
+from ddm.deploy.accelerators import DEFAULT_STARTUP_BUDGET_S, Accelerator
 from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert, plan_pool, plan_stage
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, Discovery, DnsDiscovery, RouterConfigFile
@@ -56,7 +56,7 @@ from ddm.operator.fetcher import (
     stage_key,
     staged_key,
 )
-from ddm.operator.placement import NEURON_CACHE_DIR, placement
+from ddm.operator.placement import placement
 
 USER_ID = 10001
 POD_SECURITY_CONTEXT = {
@@ -88,8 +88,6 @@ TERMINATION_MESSAGE = {"terminationMessagePath": "/dev/termination-log",
 #: generations and their bodies, and bounds what a flood of requests can take from the node.
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "384Mi"},
                     "limits": {"cpu": "2", "memory": "1Gi"}}
-#: How long a server may take to load (and compile) its model before it is restarted.
-STARTUP_BUDGET_S = {"neuron": 1800, "default": 600}
 #: Seconds a terminating expert or router keeps serving (``--drain-s``) while Services and the
 #: routers' DNS caches stop sending it traffic; with the servers' 20 s for requests in flight,
 #: within the pods' default 30 s termination grace period.
@@ -152,8 +150,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
         checkpoints=[_Checkpoint(expert.checkpoint, expert.fetch, expert_key(expert.name),
                                  EXPERT_CHECKPOINT_DIR)],
         command=lambda paths, token_file: planned.command(
-            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
-        env=planned.env(NEURON_CACHE_DIR), token=token)
+            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file), token=token)
 
 
 def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
@@ -170,8 +167,7 @@ def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
         checkpoints=[_Checkpoint(stage.checkpoint, stage.fetch, _stage_key(role),
                                  STAGE_CHECKPOINT_DIR)],
         command=lambda paths, token_file: planned.command(
-            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file),
-        env=planned.env(NEURON_CACHE_DIR), token=token)
+            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file), token=token)
 
 
 def build_pool_deployment(spec: DDMSpec, pool: PoolSpec, meta: Mapping[str, Any],
@@ -194,8 +190,7 @@ def build_pool_deployment(spec: DDMSpec, pool: PoolSpec, meta: Mapping[str, Any]
         accelerator=pool.accelerator, pod=pool.pod, checkpoints=checkpoints,
         command=lambda paths, token_file: planned.command(
             dict(zip(members, paths)), "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT,
-            token_file),
-        env=planned.env(NEURON_CACHE_DIR), token=token)
+            token_file), token=token)
 
 
 def build_pool_service(pool: PoolSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -236,7 +231,7 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
                   selector: dict[str, str], *, accelerator: Accelerator, pod: PodOptions,
                   checkpoints: list[_Checkpoint],
                   command: Callable[[list[str], str | None], tuple[str, ...]],
-                  env: tuple[tuple[str, str], ...], token: RouterAuth | None
+                  token: RouterAuth | None
                   ) -> dict[str, Any]:
     """The Deployment of a model server (an expert, a stage or a pool): one pod per replica on
     its accelerator, ready once loaded (``replicas`` None: left to the scaler);
@@ -252,10 +247,12 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
     scratch_env, volumes, mounts = _scratch()
     if token is not None:
         _mount_token(token, "expert-token", EXPERT_TOKEN_DIR, volumes, mounts)
-    scratch_env += [{"name": n, "value": value} for n, value in env]
-    if env:  # the Neuron backend's compile caches
-        volumes.append({"name": "neuron-cache", "emptyDir": {}})
-        mounts.append({"name": "neuron-cache", "mountPath": NEURON_CACHE_DIR})
+    cache = accelerator.declared.cache
+    if cache is not None:  # e.g. the Neuron backend's compile caches
+        scratch_env += [{"name": n, "value": value}
+                        for n, value in cache.environment(cache.directory)]
+        volumes.append({"name": cache.volume, "emptyDir": {}})
+        mounts.append({"name": cache.volume, "mountPath": cache.directory})
     resources = _resources(pod, place.limits)
     container = {
         "name": container_name,
@@ -266,7 +263,7 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
         "env": scratch_env,
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + [m for mount in models for m in mount.mounts],
-        **_probes(STARTUP_BUDGET_S.get(accelerator.type, STARTUP_BUDGET_S["default"])),
+        **_probes(accelerator.declared.startup_budget_s),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
@@ -381,7 +378,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         "env": env,
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + [m for mount in checkpoints for m in mount.mounts],
-        **_probes(STARTUP_BUDGET_S["default"]),
+        **_probes(DEFAULT_STARTUP_BUDGET_S),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
