@@ -113,6 +113,20 @@ class Conditioning:
         return replace(self, guidance=None, negative=None)
 
 
+def guided_rows(guidance: np.ndarray | None, rows: int, has_negative: bool,
+                holder: str) -> np.ndarray:
+    """Which of ``rows`` rows ``guidance`` (B,) guides (scale not 1; None: none), as a bool
+    mask (B,). A guided row's unconditional half is a negative row (the embeddings of the
+    empty or a negative prompt); where there are none (``has_negative`` False: ``holder``,
+    e.g. ``the context``, brought none) a guided row is a ValueError. The one home of that
+    rule, for the router, the in-process guidance and the expert servers alike."""
+    mask = np.zeros(rows, bool) if guidance is None else np.asarray(guidance) != 1.0
+    if mask.any() and not has_negative:
+        raise ValueError(f"guided rows need {holder}'s negative rows, and it has none (the "
+                         "text encoder's embeddings of the empty or a negative prompt)")
+    return mask
+
+
 def concat(parts: Sequence[Conditioning]) -> Conditioning:
     """The rows of ``parts`` one after the other; all must be of one kind and carry the same
     fields (texts of one length and width). A missing mask or guidance means its neutral value

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts, concat
+from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts, concat, guided_rows
 from ddm.convention import TimeGrid, flow_match_sigma_grid
 from ddm.sampling.guidance import guided
 from ddm.sampling.loop import (Calls, Decode, Decoded, Encode, Mixture, Route, SamplingRequest,
@@ -322,3 +322,21 @@ def test_an_encoders_answer_names_the_words_it_ignored_once_per_prompt():
         "ignored"]
     with pytest.raises(ValueError, match=r"unknown words are \(N, 3\) spans, got \(2,\)"):
         EncodedPrompts(joined.cond, joined.tokens_cut, np.zeros(2, np.int64))
+
+
+def test_guided_rows_need_negative_rows_one_rule_for_every_driver() -> None:
+    """Which rows are guided, and the refusal of guided rows without negative rows, is one
+    function: the in-process guidance (here), the router's pools and the expert servers
+    (tests/integration/test_text_serving.py) call it."""
+    scales = np.array([1.0, 4.0, 1.0], np.float32)
+    np.testing.assert_array_equal(guided_rows(scales, 3, True, "the context"),
+                                  [False, True, False])
+    assert not guided_rows(None, 3, False, "the context").any()
+    assert not guided_rows(np.ones(3, np.float32), 3, False, "the context").any()
+    with pytest.raises(ValueError, match="guided rows need the context's negative rows, and "
+                                         "it has none"):
+        guided_rows(scales, 3, False, "the context")
+    unguidable = dataclasses.replace(text([1.0, 2.0, 3.0]), guidance=scales)
+    with pytest.raises(ValueError, match="guided rows need the conditioning's negative rows"):
+        guided(lambda x, t, cond: x, None)(np.zeros((3, 1, 2, 2), np.float32),
+                                          np.zeros(3, np.float32), unguidable)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ddm.conditioning import TEXT, Conditioning, concat
+from ddm.conditioning import TEXT, Conditioning, concat, guided_rows
 from ddm.models.stages import ConditionedVelocity
 
 
@@ -29,16 +29,13 @@ def guided(forward: ConditionedVelocity, null: Conditioning | None) -> Condition
         plain = cond.unguided()
         if cond.guidance is None:
             return forward(x, t, plain)
-        rows = np.flatnonzero(cond.guidance != 1.0)
+        rows = np.flatnonzero(guided_rows(cond.guidance, len(cond),
+                                          cond.negative is not None or null is not None,
+                                          "the conditioning"))
         if not rows.size:
             return forward(x, t, plain)
-        if cond.negative is not None:
-            unconditional = cond.negative.take(rows)
-        elif null is not None:
-            unconditional = null.take(np.zeros(rows.size, np.int64))
-        else:
-            raise ValueError("guided rows need negative conditioning (this expert has no "
-                             "null conditioning of its own)")
+        unconditional = (cond.negative.take(rows) if cond.negative is not None
+                         else null.take(np.zeros(rows.size, np.int64)))
         both = forward(np.concatenate([x, x[rows]]), np.concatenate([t, t[rows]]),
                        concat([plain, unconditional]))
         v = np.array(both[:len(x)], dtype=np.float32)

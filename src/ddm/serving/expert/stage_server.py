@@ -39,7 +39,7 @@ from starlette.types import ASGIApp
 
 from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
-from ddm.conditioning import TEXT, Conditioning, EncodedPrompts
+from ddm.conditioning import TEXT, Conditioning, EncodedPrompts, guided_rows
 from ddm.convention import CONVENTION_NAME
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_PORT, MAX_CONTEXT_BODY_BYTES,
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
@@ -307,12 +307,14 @@ def _context_rows(server: StageServer, message: TextVelocityRequest | TextIntegr
     if message.rows.max() >= held:
         raise ProtocolError(f"'rows' name row {int(message.rows.max())} of a context of {held}",
                             422)
-    guided_rows = message.guidance != 1.0
-    if guided_rows.any() and context.negative.shape[0] == 0:
-        raise ProtocolError("guided rows need the context's negative rows, and it has none", 422)
-    cost = message.x.shape[0] + int(guided_rows.sum())
+    try:
+        guided_mask = guided_rows(message.guidance, len(message.rows),
+                                  context.negative.shape[0] > 0, "the context")
+    except ValueError as error:
+        raise ProtocolError(str(error), 422) from None
+    cost = message.x.shape[0] + int(guided_mask.sum())
     if cost > server.limits.max_batch:
-        raise ProtocolError(f"{message.x.shape[0]} rows, {int(guided_rows.sum())} of them "
+        raise ProtocolError(f"{message.x.shape[0]} rows, {int(guided_mask.sum())} of them "
                             f"guided, run {cost} forward rows; the limit is "
                             f"{server.limits.max_batch}", 422)
     embeddings = np.asarray(context.embeddings[message.rows], np.float32)

@@ -57,7 +57,7 @@ from typing import (Any, Awaitable, Callable, Coroutine, Hashable, Iterable, Map
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ddm.conditioning import Conditioning
+from ddm.conditioning import Conditioning, guided_rows
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
                                MAX_CONTEXT_ROWS, MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES)
 from ddm.serving.auth import TokenFile
@@ -258,12 +258,9 @@ def _guidance(cond: Conditioning) -> np.ndarray:
     """The rows' guidance scales (float32, 1: unguided); a guided row needs its negative row
     (the router's empty-prompt or negative-prompt embeddings: an expert has no text
     encoder)."""
-    guidance = (np.ones(len(cond), np.float32) if cond.guidance is None
-                else np.asarray(cond.guidance, np.float32))
-    if (guidance != 1.0).any() and cond.negative is None:
-        raise ValueError("guided text rows need their negative conditioning (the text "
-                         "encoder's embeddings of the empty or negative prompt)")
-    return guidance
+    guided_rows(cond.guidance, len(cond), cond.negative is not None, "the conditioning")
+    return (np.ones(len(cond), np.float32) if cond.guidance is None
+            else np.asarray(cond.guidance, np.float32))
 
 
 class ExpertError(RuntimeError):
