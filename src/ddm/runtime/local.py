@@ -42,8 +42,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence, TextIO
@@ -54,16 +52,19 @@ from ddm.checkpoints.local import REPOSITORY_ROOT as REPOSITORY_ROOT
 from ddm.checkpoints.local import resolve_checkpoint as resolve_checkpoint
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
-from ddm.deploy.limits import PORTS, ROUTER_PORT
+from ddm.deploy.limits import MAX_EXPERT_PROBE_BYTES, PORTS, ROUTER_PORT
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import DDMManifest
 from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
+from ddm.serving.fetch import FetchError, fetch_json
 from ddm.termination import ENV as TERMINATION_LOG_ENV
 
 #: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.
 DEFAULT_MANIFEST = REPOSITORY_ROOT / "examples" / f"{DEFAULT_DDM}.yaml"
 READY_TIMEOUT_S = 300.0
+#: Each readiness poll's deadline.
+READY_POLL_S = 2.0
 STOP_TIMEOUT_S = 10.0
 #: How often the supervisor looks for processes that died or are due to restart.
 SUPERVISE_INTERVAL_S = 0.2
@@ -539,10 +540,11 @@ def metrics_line(plan: LocalPlan, host: str) -> str:
 def answers_ready(host: str, port: int) -> bool:
     """Whether the process on ``port`` answers ``/readyz`` with 200 now."""
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/readyz", timeout=2) as answer:
-            return answer.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        fetch_json(f"http://{host}:{port}/readyz", deadline=READY_POLL_S,
+                   cap=MAX_EXPERT_PROBE_BYTES)
+    except FetchError:
         return False
+    return True
 
 
 def _scaler(plan: LocalPlan, supervisor: Supervisor, host: str, out: TextIO) -> Scaler:

@@ -13,17 +13,15 @@ peer: a deadline, a capped body, and an answer it cannot read means "no change".
 
 from __future__ import annotations
 
-import json
 import math
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
 from ddm.deploy.autoscaler import Demand, History, decide
 from ddm.deploy.autoscaling import Autoscaling
+from ddm.serving.fetch import FetchError, fetch_json
 
 #: How often ``ddm up`` asks the router for its demand.
 POLL_INTERVAL_S = 0.5
@@ -146,19 +144,11 @@ class DemandPoller:
 
     def experts(self) -> Mapping[str, Any] | None:
         """Demand per expert, or None when the router did not answer usably."""
-        request = urllib.request.Request(self._url)
-        if self._token_file is not None:
-            token = self._token_file.read_text().strip()
-            request.add_header("Authorization", f"Bearer {token}")
+        token = (self._token_file.read_text().strip() if self._token_file is not None
+                 else None)
         try:
-            with urllib.request.urlopen(request, timeout=POLL_TIMEOUT_S) as answer:
-                body = answer.read(MAX_DEMAND_BYTES + 1)
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return None
-        if len(body) > MAX_DEMAND_BYTES:
-            return None
-        try:
-            experts = json.loads(body)["experts"]
-        except (ValueError, KeyError, TypeError, RecursionError):
+            experts = fetch_json(self._url, deadline=POLL_TIMEOUT_S, cap=MAX_DEMAND_BYTES,
+                                 token=token)["experts"]
+        except (FetchError, KeyError, TypeError):
             return None
         return experts if isinstance(experts, Mapping) else None

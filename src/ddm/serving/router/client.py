@@ -8,15 +8,17 @@ are actually served (``ddm up`` or a cluster's router Service), not a local re-r
 
 A text DDM's router (``/v1/info`` says ``conditioning: text``) takes ``prompts`` and guidance
 instead, and answers RGB images: the pixels ``ddm sample DIR --prompt`` makes in-process.
+
+The router is a peer like any other: each reply is read by :func:`ddm.serving.fetch.fetch_json`
+within a deadline and a cap (``/v1/info``: :data:`MAX_INFO_BYTES`; a generation: what its
+images can take, :data:`MAX_IMAGE_REPLY_BYTES` each); a failure is a
+:class:`~ddm.serving.fetch.FetchError` naming the URL and why.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -26,14 +28,21 @@ import numpy as np
 from ddm.fileio import check_output
 from ddm.progress import progress_bar
 from ddm.sampling.commands import check_text_outputs, write_png_grid, write_text_samples
+from ddm.deploy.limits import MAX_IMAGE_SIDE
 from ddm.samples import save_samples_npz
+from ddm.serving.fetch import fetch_json
 
 #: Per request; a CPU router makes 64 images of 40 steps in a few seconds.
 TIMEOUT_S = 600.0
-
-
-class RouterCallError(RuntimeError):
-    """The router refused a request or could not be reached; the message says which and why."""
+#: The router's ``/v1/info``: its limits, defaults and experts (each with its partition, cut
+#: to the router's own bounds); the digits router's is 3 KB.
+MAX_INFO_BYTES = 4 * 1024 * 1024
+#: A generation's reply per image: a base64 PNG of at most MAX_IMAGE_SIDE squared RGB pixels
+#: stored uncompressed (a filter byte per row), 4/3 of its bytes in base64, with its routing
+#: and expert calls (4.2 MB at 1024 x 1024).
+MAX_IMAGE_REPLY_BYTES = 4 * MAX_IMAGE_SIDE * (3 * MAX_IMAGE_SIDE + 1) // 3 + 64 * 1024
+#: A generation's reply beyond its images.
+MAX_REPLY_OVERHEAD_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,7 +57,8 @@ class ServedSamples:
 
 def router_info(url: str, token: str | None = None) -> dict[str, Any]:
     """``GET /v1/info``: the router's classes, limits and experts."""
-    return _call(f"{url.rstrip('/')}/v1/info", None, token)
+    return fetch_json(f"{url.rstrip('/')}/v1/info", deadline=TIMEOUT_S, cap=MAX_INFO_BYTES,
+                      token=token)
 
 
 def served_samples(url: str, labels: Sequence[int], steps: int, seed: int, strategy: str,
@@ -74,7 +84,9 @@ def _served(url: str, key: str, rows: list[Any], fields: dict[str, Any], batch_s
     images, calls, routing = [], [], []
     for start in range(0, len(rows), batch_size):
         body = {key: rows[start:start + batch_size], **fields, "first_index": start}
-        answer = _call(f"{url.rstrip('/')}/v1/generate", body, token)
+        answer = fetch_json(f"{url.rstrip('/')}/v1/generate", deadline=TIMEOUT_S,
+                            cap=MAX_REPLY_OVERHEAD_BYTES + len(body[key]) * MAX_IMAGE_REPLY_BYTES,
+                            token=token, body=body)
         images += [_decode_png(text) for text in answer["images"]]
         calls += answer["expert_calls"]
         routing += answer["routing"]
@@ -145,29 +157,6 @@ def read_token(token_file: Path | None) -> str | None:
         return token_file.read_text().strip()
     except OSError as exc:
         raise ValueError(f"--token-file {token_file} cannot be read: {exc.strerror}") from None
-
-
-def _call(url: str, body: dict[str, Any] | None, token: str | None) -> dict[str, Any]:
-    headers = {"accept": "application/json"}
-    if body is not None:
-        headers["content-type"] = "application/json"
-    if token:
-        headers["authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as reply:
-            return json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read(4096).decode(errors="replace")
-        try:
-            detail = json.loads(detail).get("detail", detail)
-        except (ValueError, AttributeError):
-            pass
-        raise RouterCallError(f"router at {url} answered {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise RouterCallError(f"router at {url} could not be reached: {reason}") from None
 
 
 def _decode_png(text: str) -> np.ndarray:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -62,6 +61,7 @@ from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYT
                                MAX_CONTEXT_ROWS, MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES)
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
+from ddm.serving.fetch import FetchError, decode_json
 from ddm.serving.http_client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
 from ddm.serving.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
                                   ProtocolError, RemoteExpertError, Solver, TextIntegrateRequest,
@@ -784,7 +784,7 @@ class ExpertPool:
                                        self._authorization())
                 if info.status != 200:
                     raise ValueError(f"{paths.info} answered {info.status}")
-                replica.info = self._parse_info(_json(info.body))
+                replica.info = self._parse_info(_report(paths.info, info.body))
         except InvalidReport as error:
             if replica.invalid != str(error):  # once per change: probes repeat every few s
                 logger.warning("expert %s: replica %s is not ready, its report is refused: %s",
@@ -825,11 +825,13 @@ async def gather_all(*calls: Awaitable[_T]) -> list[_T]:
         raise
 
 
-def _json(body: bytes) -> Any:
+def _report(path: str, body: bytes) -> Any:
+    """A replica's ``/v1/info`` body as JSON (judged as every small JSON read is), or
+    :class:`InvalidReport`."""
     try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
-        raise InvalidReport(f"/v1/info is not JSON: {_describe(error)}") from None
+        return decode_json(path, body)
+    except FetchError as error:
+        raise InvalidReport(str(error)) from None
 
 
 def _rejected_or_failed(expert: str, error: RemoteExpertError) -> Exception:
