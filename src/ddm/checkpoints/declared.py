@@ -12,20 +12,26 @@ import re
 from pathlib import Path
 from typing import Any
 
+# The role names, re-exported where the declaration is read; their home is the registry.
+from ddm.checkpoints.roles import DECODER as DECODER
+from ddm.checkpoints.roles import EXPERT as EXPERT
+from ddm.checkpoints.roles import ROLE_REGISTRY, stage_roles
+from ddm.checkpoints.roles import ROUTER as ROUTER
+from ddm.checkpoints.roles import TEXT_ENCODER as TEXT_ENCODER
 from ddm.fileio import open_regular
 
 #: The key of a component's config.json under which we declare what the stage is;
 #: diffusers and transformers ignore (or keep) keys that start with ``_``.
 DDM_KEY = "_ddm"
-#: The roles a stage checkpoint declares (``_ddm.role``): what its network computes.
-EXPERT, ROUTER, TEXT_ENCODER, DECODER = "expert", "router", "text_encoder", "decoder"
-ROLES = (EXPERT, ROUTER, TEXT_ENCODER, DECODER)
+#: The roles a stage checkpoint declares (``_ddm.role``), as the role registry
+#: (:mod:`ddm.checkpoints.roles`) declares them.
+ROLES = tuple(ROLE_REGISTRY)
 #: A DDM's stages besides its experts (what ``ddm serve stage`` serves), by role.
-STAGE_ROLES = (TEXT_ENCODER, DECODER, ROUTER)
+STAGE_ROLES = tuple(role.name for role in stage_roles())
 #: Their names in a deployment plan (``DDMSpec.stages``) and the objects it makes (DNS labels:
 #: no ``_``), and their keys in router.yaml.
-PLAN_NAMES = {TEXT_ENCODER: "text-encoder", DECODER: "decoder", ROUTER: "router-network"}
-CONFIG_KEYS = {role: name.replace("-", "_") for role, name in PLAN_NAMES.items()}
+PLAN_NAMES = {role.name: role.plan_name for role in stage_roles()}
+CONFIG_KEYS = {role.name: role.config_key for role in stage_roles()}
 #: A component's config.json is a few kilobytes (a router's text prior, ~270 KB for the text2img
 #: DDM's 64 x 128 projection); a larger one is refused unread.
 MAX_CONFIG_BYTES = 1 << 20

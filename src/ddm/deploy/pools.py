@@ -7,14 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.roles import stage_roles
 from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.limits import FRAMEWORKS
 from ddm.deploy.pod_options import PodOptions
 
 #: Where each stage that may join a pool is in the spec, by its role's plan name.
-STAGE_FIELDS = {PLAN_NAMES[TEXT_ENCODER]: "spec.textEncoder", PLAN_NAMES[DECODER]: "spec.decoder",
-                PLAN_NAMES[ROUTER]: "spec.router.network"}
+STAGE_FIELDS = {role.plan_name: role.spec_field for role in stage_roles()}
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVa
 import numpy as np
 
 from ddm.checkpoints.declared import DECODER, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.roles import stage_roles
 from ddm.conditioning import EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_PROMPT_BYTES, MAX_TEXT_TOKENS,
                                MAX_TEXT_WIDTH, PRECISIONS)
@@ -67,22 +68,26 @@ class StageInfo:
     @classmethod
     def from_json(cls, raw: Any) -> StageInfo:
         require(isinstance(raw, Mapping), "/v1/info is not a JSON object")
+        roles = {declared.name: declared for declared in stage_roles()}
         role = raw.get("role")
-        require(role in (TEXT_ENCODER, DECODER, ROUTER),
-                f"role must be {TEXT_ENCODER}, {DECODER} or {ROUTER}, got {str(role)[:64]!r}")
+        require(role in roles,
+                f"role must be one of {', '.join(roles)}, got {str(role)[:64]!r}")
+        reports = roles[role].reports  # what this role's report must carry (its registry's)
         max_batch = raw.get("max_batch")
         require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
                 f"max_batch must be an integer in 1..{MAX_BATCH}")
         wire_dtype = raw.get("wire_dtype")
         require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}")
         width = raw.get("text_width")
-        require(role != TEXT_ENCODER or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
-                f"a text encoder's text_width must be an integer in 1..{MAX_TEXT_WIDTH}")
+        require("text_width" not in reports
+                or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
+                f"a {role}'s text_width must be an integer in 1..{MAX_TEXT_WIDTH}")
         clusters = raw.get("clusters")
-        require(role != ROUTER or (type(clusters) is int and 1 <= clusters <= MAX_EXPERTS),
-                f"a router's clusters must be an integer in 1..{MAX_EXPERTS}")
-        latent = report_shape(raw, "latent_shape") if role != TEXT_ENCODER else None
-        image = report_shape(raw, "image_shape") if role == DECODER else None
+        require("clusters" not in reports
+                or (type(clusters) is int and 1 <= clusters <= MAX_EXPERTS),
+                f"a {role}'s clusters must be an integer in 1..{MAX_EXPERTS}")
+        latent = report_shape(raw, "latent_shape") if "latent_shape" in reports else None
+        image = report_shape(raw, "image_shape") if "image_shape" in reports else None
         require(image is None or latent is None or (
             image[0] == 3 and image[1] % latent[1] == 0 and image[2] % latent[2] == 0),
             "a decoder's image_shape must be RGB (3, H, W) at a whole multiple of its "
@@ -92,8 +97,8 @@ class StageInfo:
                                     and len(example) <= MAX_PROMPT_BYTES),
                 f"example_prompt must be a prompt of at most {MAX_PROMPT_BYTES} characters")
         return cls(role, max_batch, wire_dtype, latent, image,
-                   width if role == TEXT_ENCODER else None,
-                   clusters if role == ROUTER else None,
+                   width if "text_width" in reports else None,
+                   clusters if "clusters" in reports else None,
                    example if role == TEXT_ENCODER else None)
 
 
