@@ -58,21 +58,7 @@ ROLE_REGISTRY: dict[str, StageRole] = {
 }
 
 
-def stage_role(name: str) -> StageRole:
-    """The declaration of role ``name``; a ValueError naming the known roles if none."""
-    try:
-        return ROLE_REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown stage role {name!r}; known: "
-                         f"{', '.join(ROLE_REGISTRY)}") from None
-
-
 def stage_roles() -> tuple[StageRole, ...]:
     """The roles of the stages besides the experts (what ``ddm serve stage`` serves): those
     with a place of their own in the spec."""
     return tuple(role for role in ROLE_REGISTRY.values() if role.plan_name is not None)
-
-
-def by_plan_name(plan_name: str) -> StageRole:
-    """The stage role named ``plan_name`` in the plan (``text-encoder``)."""
-    return next(role for role in stage_roles() if role.plan_name == plan_name)

@@ -162,7 +162,7 @@ def image_families() -> tuple[str, ...]:
     return tuple(dict.fromkeys(a.image_family for a in ACCELERATORS.values()))
 
 
-def label_owners() -> dict[str, str]:
+def _label_owners() -> dict[str, str]:
     """Node label -> the accelerator type it picks: a node selector naming one for another
     type (or with a value the accelerator contradicts) matches no node the pod could run on."""
     return {label: a.name for a in ACCELERATORS.values() if a.labels is not None
@@ -269,7 +269,7 @@ def node_label_conflicts(accelerator: Accelerator,
     """(node selector key, message) for each label the user's selector sets against the
     accelerator (valid: ``problems()`` empty); such a pod could never be scheduled."""
     implied = node_selector(accelerator)
-    owners = label_owners()
+    owners = _label_owners()
     found: list[tuple[str, str]] = []
     for key, value in selector.items():
         family = owners.get(key)
