@@ -106,3 +106,11 @@ def test_the_charts_images_are_one_per_image_family() -> None:
     images = schema["properties"]["images"]
     assert set(images["properties"]) - own == set(image_families())
     assert set(images["required"]) - own == set(image_families())
+
+
+def test_a_unit_on_a_type_without_units_is_a_problem_not_a_crash(tmp_path: Path) -> None:
+    """It once raised KeyError ('tpu', 'device') out of the checks: an internal error."""
+    path = _manifest(tmp_path, {"type": "tpu", "count": 4, "unit": "device"}, "jax")
+    with pytest.raises(SpecError, match=r"spec.experts\[0\].accelerator.unit: applies to neuron "
+                                        "only"):
+        parse_manifest(yaml.safe_load(path.read_text()))
