@@ -114,3 +114,12 @@ def test_a_unit_on_a_type_without_units_is_a_problem_not_a_crash(tmp_path: Path)
     with pytest.raises(SpecError, match=r"spec.experts\[0\].accelerator.unit: applies to neuron "
                                         "only"):
         parse_manifest(yaml.safe_load(path.read_text()))
+
+
+def test_every_declared_count_is_within_the_specs_bound() -> None:
+    """The spec reader bounds ``accelerator.count`` (and the CRD with it) before the registry
+    checks it: a declared size above the bound could never be asked for."""
+    from ddm.deploy.limits import MAX_ACCELERATOR_COUNT
+
+    counts = [c for a in ACCELERATORS.values() for u in a.units.values() for c in u.counts]
+    assert max(counts) == MAX_ACCELERATOR_COUNT
