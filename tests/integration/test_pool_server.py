@@ -3,7 +3,7 @@ tiny Paris DDM (two experts, text encoder, decoder, router network) on one devic
 member answers the same bytes as its own stage server; ``/v1/info`` lists the members and
 their memory; ``/readyz`` is 200 once every member is loaded; rows batch per member, never
 across members; a router whose router.yaml points every expert and stage at the pool
-(``member:``) gives the unpooled deployment's image; a pool over its memory limit exits 1
+(``member:``) gives the unpooled deployment's image, with one pool request per step; a pool over its memory limit exits 1
 before loading anything, naming each member's bytes, the sum and the limit."""
 
 from __future__ import annotations
@@ -242,7 +242,22 @@ def pooled_config(stages: Path, endpoint: str) -> RouterConfigFile:
     return RouterConfigFile.from_dict(raw)
 
 
+def counts(base: str) -> dict[tuple[str, ...], float]:
+    """The pool's request counters: ``ddm_pool_requests`` by (route, kind, status) and each
+    member's ``ddm_expert_requests`` by (member, kind, status)."""
+    metrics = httpx.get(f"{base}/metrics").text
+    found: dict[tuple[str, ...], float] = {}
+    for name, labels, value in re.findall(r'^(ddm_pool_requests_total|ddm_expert_requests_total)'
+                                          r'{([^}]*)} (\S+)$', metrics, re.M):
+        label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        found[(name, label.get("route") or label["member"], label["kind"],
+               label["status"])] = float(value)
+    return found
+
+
 def test_a_router_over_one_pool_gives_the_unpooled_image(stages, pool):
+    """With one request per step: a top-2 step's calls to both experts go to the pool as one
+    request (the router network's calls, a stage's, go to its own route, one per step)."""
     request = {"prompt": "a red car", "seed": 7, "response_format": "b64_json"}
 
     def image(config: RouterConfigFile) -> bytes:
@@ -253,7 +268,21 @@ def test_a_router_over_one_pool_gives_the_unpooled_image(stages, pool):
             assert reply.status_code == 200, reply.text
             return base64.b64decode(reply.json()["data"][0]["b64_json"])
 
+    before = counts(pool)
     pooled = image(pooled_config(stages, pool.removeprefix("http://")))
+    after = counts(pool)
+    added = {key: after[key] - before.get(key, 0.0) for key in after
+             if after[key] != before.get(key, 0.0)}
+    steps = 4  # text_config's sampling: 4 steps, top2, so both experts at every step
+    assert added[("ddm_pool_requests_total", "/v1/pool/velocity", "PoolVelocityRequest",
+                  "200")] == steps
+    for k in range(EXPERTS):
+        assert added[("ddm_expert_requests_total", f"expert-{k}", "PoolVelocityRequest",
+                      "200")] == steps
+        # A member's own route took only its context: no velocity call of its own.
+        assert ("ddm_expert_requests_total", f"expert-{k}", "TextVelocityRequest",
+                "200") not in added
+    assert added[("ddm_expert_requests_total", "router-network", "RouteRequest", "200")] == steps
     with running(create_stage_app(stages / "expert_0", EXPERT, max_batch=8)) as e0, \
             running(create_stage_app(stages / "expert_1", EXPERT, max_batch=8)) as e1:
         for base in (e0, e1):

@@ -10,7 +10,9 @@ Version 1 carries label experts' calls; version 2 adds the kinds a text-conditio
 needs, in the same framing: a generation's CONTEXT (its text embeddings, sent once per expert
 replica and named by the SHA-256 of its bytes), TEXT_VELOCITY / TEXT_INTEGRATE (rows of a
 context, a guidance scale per row), and the stages' ENCODE, DECODE and ROUTE. Replies may carry
-bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire).
+bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire). Version 3 adds a pool's
+POOL_VELOCITY: the text velocity calls of a step to several members of one pool server in one
+body, answered by one POOL_RESPONSE holding each member's output or error.
 """
 
 from __future__ import annotations
@@ -22,21 +24,23 @@ import struct
 import threading
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np
 
 from ddm.conditioning import Conditioning, EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS,
-                               MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS,
+                               MAX_EXPERTS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS,
                                MAX_STATE_MAGNITUDE, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
                                SOLVERS)
 
 #: HTTP ``Content-Type`` of every body in this format.
 CONTENT_TYPE = "application/x-ddm-tensor"
 MAGIC = b"DDMT"
-#: Label messages are version 1 (unchanged); the text DDM's kinds are version 2.
-VERSION, VERSION_TEXT = 1, 2
+#: Label messages are version 1 (unchanged); the text DDM's kinds are version 2, a pool's
+#: version 3.
+VERSION, VERSION_TEXT, VERSION_POOL = 1, 2, 3
 #: The error code (and HTTP status) of a text call naming a context the expert does not hold
 #: (never sent, or evicted, or the replica restarted): the caller sends the context, retries.
 UNKNOWN_CONTEXT = 412
@@ -46,6 +50,8 @@ CONTEXT_ID_BYTES = 32
 ALIGNMENT = 8
 #: Error texts are cut to this many UTF-8 bytes so that an error reply stays small.
 MAX_ERROR_MESSAGE_BYTES = 4096
+#: The longest member name a pool request carries: a DNS label's 63 (the names are the plan's).
+MAX_MEMBER_NAME_BYTES = 63
 
 # magic, version, kind, flags, tensor count, request id, kind-specific parameter.
 _FIXED = struct.Struct("<4sBBBBQH")
@@ -103,6 +109,8 @@ class _Kind(IntEnum):
     DECODE = 11
     ROUTE = 12
     PROBABILITIES = 13
+    POOL_VELOCITY = 14
+    POOL_RESPONSE = 15
 
 
 # For error messages.
@@ -113,13 +121,17 @@ _KIND_NAMES = {_Kind.VELOCITY: "a velocity request", _Kind.INTEGRATE: "an integr
                _Kind.TEXT_INTEGRATE: "a text integrate request",
                _Kind.ENCODE: "an encode request", _Kind.ENCODED: "an encode reply",
                _Kind.DECODE: "a decode request", _Kind.ROUTE: "a route request",
-               _Kind.PROBABILITIES: "a route reply"}
+               _Kind.PROBABILITIES: "a route reply",
+               _Kind.POOL_VELOCITY: "a pool velocity request",
+               _Kind.POOL_RESPONSE: "a pool response"}
 _REQUESTS = (_Kind.VELOCITY, _Kind.INTEGRATE, _Kind.CONTEXT, _Kind.TEXT_VELOCITY,
-             _Kind.TEXT_INTEGRATE, _Kind.ENCODE, _Kind.DECODE, _Kind.ROUTE)
+             _Kind.TEXT_INTEGRATE, _Kind.ENCODE, _Kind.DECODE, _Kind.ROUTE,
+             _Kind.POOL_VELOCITY)
 _REPLIES = (_Kind.RESPONSE, _Kind.ERROR)
 _KIND_CODES = {kind.value: kind for kind in _Kind}
 #: The version each kind is sent with: the label kinds and the replies keep version 1.
-_VERSIONS = {kind: VERSION if kind <= _Kind.ERROR else VERSION_TEXT for kind in _Kind}
+_VERSIONS = {kind: VERSION if kind <= _Kind.ERROR else
+             VERSION_TEXT if kind <= _Kind.PROBABILITIES else VERSION_POOL for kind in _Kind}
 
 _F32, _F16, _BF16 = np.dtype("<f4"), np.dtype("<f2"), np.dtype(ml_dtypes.bfloat16)
 _I32, _I64, _U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1")
@@ -129,7 +141,8 @@ _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 WIRE_DTYPES = {"float32": _F32, "float16": _F16, "bfloat16": _BF16}
 _NAMES = {1: "x", 2: "t", 3: "y", 4: "grid", 5: "out", 6: "message", 7: "embeddings",
           8: "mask", 9: "negative", 10: "context", 11: "rows", 12: "guidance", 13: "text",
-          14: "lengths", 15: "cut", 16: "probs", 17: "pooled", 18: "unknown"}
+          14: "lengths", 15: "cut", 16: "probs", 17: "pooled", 18: "unknown", 19: "members",
+          20: "counts", 21: "codes"}
 _NAME_CODES = {name: code for code, name in _NAMES.items()}
 
 
@@ -163,6 +176,11 @@ _SCHEMAS: dict[_Kind, tuple[_Spec, ...]] = {
     _Kind.DECODE: (_X,),
     _Kind.ROUTE: (_X, _T, _Spec("pooled", 2, (_F32,))),
     _Kind.PROBABILITIES: (_Spec("probs", 2, (_F32,)),),
+    _Kind.POOL_VELOCITY: (_X, _T, _Spec("rows", 1, (_I32,)), _Spec("guidance", 1, (_F32,)),
+                          _Spec("context", 2, (_U8,)), _Spec("members", 1, (_U8,)),
+                          _Spec("lengths", 1, (_I32,)), _Spec("counts", 1, (_I32,))),
+    _Kind.POOL_RESPONSE: (_Spec("out", 4, _FLOATS), _Spec("codes", 1, (_I32,)),
+                          _Spec("message", 1, (_U8,)), _Spec("lengths", 1, (_I32,))),
 }
 
 
@@ -262,8 +280,29 @@ class RouteRequest:
     pooled: np.ndarray
 
 
+@dataclass(frozen=True, eq=False)
+class PoolVelocityRequest:
+    """The text velocity calls of one step to several members of one pool server, in one
+    body (version 3): ``calls`` pairs each member's name (at most once) with its rows, a
+    :class:`TextVelocityRequest` carrying this request's id. Decoded, each call's arrays are
+    read-only views of the body's; members' rows follow one another in ``calls``' order."""
+
+    request_id: int
+    calls: tuple[tuple[str, TextVelocityRequest], ...]
+
+
+@dataclass(frozen=True)
+class MemberError:
+    """One member's part of a pool request failed: ``code`` the HTTP status its own route
+    would have answered (412 for an unknown context, 422, 503...), ``message`` why."""
+
+    code: int
+    message: str
+
+
 Request = (VelocityRequest | IntegrateRequest | Context | TextVelocityRequest
-           | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest)
+           | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest
+           | PoolVelocityRequest)
 
 
 @dataclass(frozen=True)
@@ -275,7 +314,8 @@ class Limits:
     latent DDM's stages) and ``allowed_labels`` the classes this expert serves (any iterable of
     ints); ``None`` accepts any. ``text_width`` is the width ``D`` a context's embeddings must
     have; contexts have at most ``max_context_rows`` rows of ``max_text_tokens`` tokens, an
-    encode request ``max_prompts`` prompts of ``max_prompt_bytes`` UTF-8 bytes each. Left out,
+    encode request ``max_prompts`` prompts of ``max_prompt_bytes`` UTF-8 bytes each, a pool
+    velocity request ``max_members`` members (``max_batch`` rows in all). Left out,
     each is the most any of our servers may be set to take (a client decoding a reply accepts
     whatever a valid server sends); a server passes its own.
     """
@@ -290,10 +330,11 @@ class Limits:
     max_text_tokens: int = MAX_TEXT_TOKENS
     max_prompts: int = MAX_PROMPTS
     max_prompt_bytes: int = MAX_PROMPT_BYTES
+    max_members: int = MAX_EXPERTS
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_body_bytes", "max_steps", "max_context_rows",
-                     "max_text_tokens", "max_prompts", "max_prompt_bytes"):
+                     "max_text_tokens", "max_prompts", "max_prompt_bytes", "max_members"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
@@ -363,6 +404,23 @@ def encode_text_request(request: Context | TextVelocityRequest | TextIntegrateRe
     raise TypeError(f"not a version 2 request: {type(request).__name__}")
 
 
+def encode_pool_request(request: PoolVelocityRequest) -> bytes:
+    """The body of a pool velocity request (version 3): the members' rows one after the
+    other, with each member's name, row count and context id."""
+    if not request.calls:
+        raise ProtocolError("a pool velocity request names at least one member")
+    names = [name.encode("utf-8") for name, _ in request.calls]
+    calls = [call for _, call in request.calls]
+    return _encode(_Kind.POOL_VELOCITY, request.request_id, 0, (
+        np.concatenate([np.asarray(c.x, _F32) for c in calls]),
+        np.concatenate([np.asarray(c.t, _F32) for c in calls]),
+        np.concatenate([np.asarray(c.rows, _I32) for c in calls]),
+        np.concatenate([np.asarray(c.guidance, _F32) for c in calls]),
+        np.stack([_id_tensor(c.context) for c in calls]),
+        np.frombuffer(b"".join(names), _U8), np.array([len(n) for n in names], _I32),
+        np.array([c.x.shape[0] for c in calls], _I32)))
+
+
 def context_id(body: bytes | bytearray | memoryview) -> bytes:
     """The id of an encoded :class:`Context`: SHA-256 of its bytes after the fixed header
     (descriptors and tensors; the request id is left out)."""
@@ -392,6 +450,34 @@ def encode_probabilities(request_id: int, probs: np.ndarray) -> bytes:
     return _encode(_Kind.PROBABILITIES, request_id, 0, (probs,))
 
 
+def encode_pool_response(request: PoolVelocityRequest,
+                         results: Sequence[np.ndarray | MemberError]) -> bytes:
+    """The reply to a pool velocity request: each member's output rows, in ``request.calls``'
+    order, or its error. An output that is not finite becomes that member's 422, as
+    :func:`encode_response` refuses it; outputs travel in their own dtype where every member's
+    is the same, else as float32; a failed member's rows are zeros."""
+    assert len(results) == len(request.calls), "one result per member"
+    checked: list[np.ndarray | MemberError] = []
+    for (name, call), result in zip(request.calls, results):
+        if not isinstance(result, MemberError):
+            assert result.shape == call.x.shape, f"member {name}'s output is {result.shape}"
+            try:
+                _check_output("out", result)
+            except ProtocolError as error:
+                result = MemberError(error.status, f"member {name}: {error}")
+        checked.append(result)
+    dtypes = {r.dtype for r in checked if not isinstance(r, MemberError)}
+    dtype = dtypes.pop() if len(dtypes) == 1 else _F32
+    messages = [_message_bytes(r.message) if isinstance(r, MemberError) else b""
+                for r in checked]
+    return _encode(_Kind.POOL_RESPONSE, request.request_id, 0, (
+        np.concatenate([np.zeros(call.x.shape, dtype) if isinstance(r, MemberError)
+                        else np.asarray(r, dtype) for (_, call), r in zip(request.calls,
+                                                                          checked)]),
+        np.array([r.code if isinstance(r, MemberError) else 200 for r in checked], _I32),
+        np.frombuffer(b"".join(messages), _U8), np.array([len(m) for m in messages], _I32)))
+
+
 def encode_response(request_id: int, out: np.ndarray) -> bytes:
     """The reply to a request: ``out`` (B, C, H, W) is the velocity for a velocity request,
     the state at ``grid[-1]`` for an integrate request, the images for a decode request;
@@ -417,6 +503,14 @@ def max_reply_bytes(shape: tuple[int, ...]) -> int:
     return _aligned(_FIXED.size + _DESCRIPTOR.size + 4 * len(shape)) + 4 * math.prod(shape)
 
 
+def max_pool_reply_bytes(shape: tuple[int, ...], members: int) -> int:
+    """The size of the largest valid reply to a pool request of ``members`` members whose
+    ``x`` has ``shape`` (B, C, H, W): float32 rows, and an error message per member."""
+    header = _FIXED.size + len(_SCHEMAS[_Kind.POOL_RESPONSE]) * _DESCRIPTOR.size + 4 * (4 + 3)
+    return (_aligned(header) + _aligned(4 * math.prod(shape)) + 2 * _aligned(4 * members)
+            + _aligned(members * MAX_ERROR_MESSAGE_BYTES))
+
+
 def max_error_reply_bytes() -> int:
     """The size of the largest error reply: its header and a message cut to
     :data:`MAX_ERROR_MESSAGE_BYTES`."""
@@ -427,9 +521,14 @@ def encode_error(request_id: int, code: int, message: str) -> bytes:
     """An error reply; ``code`` is an HTTP status (e.g. ``ProtocolError.status``, 500, 503)."""
     if not 0 <= code <= _MAX_U16:
         raise ProtocolError(f"error code {code} does not fit in u16")
-    # Cutting may split the last character; "ignore" drops the piece.
+    return _encode(_Kind.ERROR, request_id, code, (np.frombuffer(_message_bytes(message), _U8),))
+
+
+def _message_bytes(message: str) -> bytes:
+    """An error text's UTF-8, cut to :data:`MAX_ERROR_MESSAGE_BYTES` (cutting may split the
+    last character; "ignore" drops the piece)."""
     text = message.encode("utf-8")[:MAX_ERROR_MESSAGE_BYTES].decode("utf-8", "ignore")
-    return _encode(_Kind.ERROR, request_id, code, (np.frombuffer(text.encode("utf-8"), _U8),))
+    return text.encode("utf-8")
 
 
 def _encode(kind: _Kind, request_id: int, param: int, values: tuple[np.ndarray, ...]) -> bytes:
@@ -521,6 +620,41 @@ def decode_response(body: bytes | bytearray | memoryview, expected_request_id: i
     return tensor
 
 
+def decode_pool_response(body: bytes | bytearray | memoryview, request: PoolVelocityRequest
+                         ) -> list[np.ndarray | RemoteExpertError]:
+    """A pool server's reply to ``request``: per member, in ``request.calls``' order, its
+    output rows (read-only views, float32, float16 or bfloat16 as sent) or the
+    :class:`RemoteExpertError` its own route would have raised. An error reply for the whole
+    request raises :class:`RemoteExpertError`; a malformed reply (shapes other than the
+    request's, a non-finite output, codes that are not 200 or an HTTP error status)
+    :class:`ProtocolError`, as :func:`decode_response`."""
+    out, codes, message, lengths = _read_reply(body, request.request_id, _Kind.POOL_RESPONSE)
+    calls = [call for _, call in request.calls]
+    shape = (sum(c.x.shape[0] for c in calls), *calls[0].x.shape[1:])
+    if out.shape != shape or codes.shape != (len(calls),) or lengths.shape != (len(calls),):
+        raise ProtocolError(f"a pool response for {len(calls)} members of {shape} has 'out' "
+                            f"{out.shape}, 'codes' {codes.shape}, 'lengths' {lengths.shape}",
+                            422)
+    if (lengths < 0).any() or int(lengths.astype(np.int64).sum()) != message.shape[0]:
+        raise ProtocolError(f"'lengths' must be non-negative and sum to the "
+                            f"{message.shape[0]} bytes of 'message'", 422)
+    results: list[np.ndarray | RemoteExpertError] = []
+    start = at = 0
+    for (name, call), code, length in zip(request.calls, codes.tolist(), lengths.tolist()):
+        rows, text = out[start:start + call.x.shape[0]], message[at:at + length]
+        start, at = start + call.x.shape[0], at + length
+        if code == 200 and not length and np.isfinite(rows).all():
+            results.append(rows)
+        elif 400 <= code <= 599:
+            results.append(RemoteExpertError(code, text.tobytes().decode("utf-8", "replace"),
+                                             request.request_id))
+        else:
+            raise ProtocolError(f"member {name}'s answer is code {code} with a {length}-byte "
+                                "message: neither finite rows with 200 nor an error status",
+                                422)
+    return results
+
+
 def decode_context_ack(body: bytes | bytearray | memoryview, expected_request_id: int) -> bytes:
     """The context id an expert acknowledged; errors as :func:`decode_response`."""
     (context,) = _read_reply(body, expected_request_id, _Kind.CONTEXT_ACK)
@@ -603,9 +737,9 @@ def _read_fixed(view: memoryview) -> tuple[int, int, int, int, int]:
     magic, version, kind, flags, count, request_id, param = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version not in (VERSION, VERSION_TEXT):
+    if version not in (VERSION, VERSION_TEXT, VERSION_POOL):
         raise ProtocolError(f"unsupported protocol version {version}; this build speaks "
-                            f"{VERSION} and {VERSION_TEXT}")
+                            f"{VERSION}, {VERSION_TEXT} and {VERSION_POOL}")
     return kind, flags, count, request_id, param
 
 
@@ -816,11 +950,15 @@ def _check_text_rows(context: np.ndarray, rows: np.ndarray, guidance: np.ndarray
     if context.shape != (CONTEXT_ID_BYTES,):
         raise ProtocolError(f"'context' must be a {CONTEXT_ID_BYTES}-byte id, got "
                             f"{context.shape[0]} bytes", 422)
+    _check_rows_guidance(rows, guidance)
+    return context.tobytes()
+
+
+def _check_rows_guidance(rows: np.ndarray, guidance: np.ndarray) -> None:
     if rows.size and rows.min() < 0:
         raise ProtocolError("'rows' must be non-negative", 422)
     if not all(0.0 <= g <= MAX_GUIDANCE_SCALE for g in guidance.tolist()):
         raise ProtocolError(f"'guidance' must be finite and in [0, {MAX_GUIDANCE_SCALE}]", 422)
-    return context.tobytes()
 
 
 def _check_text_velocity(request_id: int, param: int, tensors: list[np.ndarray],
@@ -889,6 +1027,51 @@ def _check_route(request_id: int, param: int, tensors: list[np.ndarray],
     return RouteRequest(request_id, x, t, pooled)
 
 
+def _check_pool_velocity(request_id: int, param: int, tensors: list[np.ndarray],
+                         limits: Limits) -> PoolVelocityRequest:
+    x, t, rows, guidance, contexts, members, lengths, counts = tensors
+    _check_param_zero(param, _Kind.POOL_VELOCITY)
+    count = lengths.shape[0]
+    if counts.shape != (count,) or contexts.shape != (count, CONTEXT_ID_BYTES):
+        raise ProtocolError(f"{count} members need {count} 'counts' and ({count}, "
+                            f"{CONTEXT_ID_BYTES}) 'context', got {counts.shape[0]} and "
+                            f"{contexts.shape}")
+    if int(lengths.astype(np.int64).sum()) != members.shape[0] or (lengths < 1).any():
+        raise ProtocolError(f"'lengths' must be positive and sum to the {members.shape[0]} "
+                            "bytes of 'members'")
+    if int(counts.astype(np.int64).sum()) != x.shape[0] or (counts < 0).any():
+        raise ProtocolError(f"'counts' must be non-negative and sum to the {x.shape[0]} rows "
+                            "of 'x'")
+    if not 1 <= count <= limits.max_members:
+        raise ProtocolError(f"a pool velocity request names 1 to {limits.max_members} members, "
+                            f"got {count}", 422)
+    _check_batch(x, {"t": t, "rows": rows, "guidance": guidance}, limits)
+    _check_times("t", t)
+    _check_rows_guidance(rows, guidance)
+    _check_image(x, limits)
+    names: list[str] = []
+    ends = np.cumsum(lengths.astype(np.int64)).tolist()
+    for start, end in zip([0, *ends], ends):
+        try:
+            name = members[start:end].tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"member {len(names)}'s name is not valid UTF-8", 422) from None
+        if end - start > MAX_MEMBER_NAME_BYTES or name in names:
+            raise ProtocolError(f"member {name[:MAX_MEMBER_NAME_BYTES]!r} is named twice or "
+                                f"is longer than {MAX_MEMBER_NAME_BYTES} bytes", 422)
+        names.append(name)
+    calls, start = [], 0
+    for index, (name, size) in enumerate(zip(names, counts.tolist())):
+        if size == 0:
+            raise ProtocolError(f"member {name!r} has no rows", 422)
+        part = slice(start, start + size)
+        start += size
+        calls.append((name, TextVelocityRequest(request_id, x[part], t[part],
+                                                contexts[index].tobytes(), rows[part],
+                                                guidance[part])))
+    return PoolVelocityRequest(request_id, tuple(calls))
+
+
 def _check_param_zero(param: int, kind: _Kind) -> None:
     if param:
         raise ProtocolError(f"the parameter field of {_KIND_NAMES[kind]} must be 0, got {param}")
@@ -939,7 +1122,7 @@ def _check_labels(y: np.ndarray, limits: Limits) -> None:
 _CHECKS = {_Kind.VELOCITY: _check_velocity, _Kind.INTEGRATE: _check_integrate,
            _Kind.TEXT_VELOCITY: _check_text_velocity,
            _Kind.TEXT_INTEGRATE: _check_text_integrate, _Kind.DECODE: _check_decode,
-           _Kind.ROUTE: _check_route}
+           _Kind.ROUTE: _check_route, _Kind.POOL_VELOCITY: _check_pool_velocity}
 
 
 def _aligned(offset: int) -> int:

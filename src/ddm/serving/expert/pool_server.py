@@ -5,7 +5,8 @@ Each member (an expert, the text encoder, the decoder or the router network; nam
 plan names it) is a :class:`~ddm.serving.expert.stage_server.StageServer` of its own: its
 batcher (rows batch per member, across requests, never with another member's), context cache,
 limits, admission count and metrics. The routes are a stage server's, per member, under
-``/v1/members/NAME`` (:mod:`ddm.serving.paths`), with the same answers; the pool's own
+``/v1/members/NAME`` (:mod:`ddm.serving.paths`), with the same answers, and a step's calls to
+several experts come as one request (:mod:`ddm.serving.expert.pool_step`); the pool's own
 ``/v1/info`` lists the members and the memory figures, its ``/readyz`` is 200 once every
 member is loaded, its ``/metrics`` labels each member's series ``member="NAME"``.
 
@@ -40,6 +41,7 @@ from ddm.deploy.router_config import MEMBER_NAME_PATTERN
 from ddm.serving.auth import TokenFile
 from ddm.serving.expert.metrics import MemberMetrics
 from ddm.serving.expert.pool_memory import PoolMemory, member_bytes, memory_limit
+from ddm.serving.expert.pool_step import pool_step_routes
 from ddm.serving.expert.routes import SERVING_LOOPS, Binary, model_app, readiness
 from ddm.serving.expert.stage_server import (StageServer, StartUp, answer_stage, load_member,
                                              stage_member)
@@ -153,6 +155,7 @@ def create_pool_app(members: Mapping[str, str | os.PathLike[str]], backend: str 
 
     binary = {model_paths(name).velocity: Binary(stage, functools.partial(answer_stage, stage))
               for name, stage in stages.items()}
+    binary.update(pool_step_routes(stages, pool.metrics.registry))
     app = model_app(pool, binary, load, pool.close, title=f"ddm pool of {len(stages)}",
                     description="A DDM's stage checkpoints on one device, each behind the "
                                 "binary protocol of docs/protocol.md under "

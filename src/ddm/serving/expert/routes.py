@@ -67,6 +67,13 @@ class ModelState(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
+class Observed(Protocol):
+    """Counts a route's requests: :class:`~ddm.serving.expert.metrics.ExpertMetrics`, or a
+    pool's step route's own."""
+
+    def observe_request(self, kind: str, status: int, images: int) -> None: ...
+
+
 class Admitted(Protocol):
     """What a binary route reads of the one model it serves: its body cap, its admission
     count and limit, and the metrics that count what it refuses."""
@@ -74,7 +81,7 @@ class Admitted(Protocol):
     limits: Limits
     pending: int
     max_pending: int
-    metrics: expert_metrics.ExpertMetrics
+    metrics: Observed
 
 
 @dataclass(frozen=True)
@@ -103,17 +110,25 @@ async def answer_or_error(state: Admitted,
     handling = Handling()
     try:
         status, reply = 200, await handle(handling)
-    except ProtocolError as error:
-        echoed = handling.request_id if error.request_id is None else error.request_id
-        status, reply = error.status, encode_error(echoed, error.status, str(error))
-    except BatcherClosed as error:
-        status, reply = 503, encode_error(handling.request_id, 503, str(error))
     except Exception as error:  # noqa: BLE001 - see the docstring
-        logger.exception("request %d failed", handling.request_id)
-        status, reply = 500, encode_error(handling.request_id, 500,
-                                          f"internal error: {type(error).__name__}: {error}")
+        status, message = refusal(error, handling.request_id)
+        echoed = (error.request_id if isinstance(error, ProtocolError)
+                  and error.request_id is not None else handling.request_id)
+        reply = encode_error(echoed, status, message)
     state.metrics.observe_request(handling.kind, status, handling.rows)
     return status, reply
+
+
+def refusal(error: Exception, request_id: int) -> tuple[int, str]:
+    """The status and message a request's failure is answered with: a ``ProtocolError``'s
+    own, 503 once the batcher closed, 500 for anything else (the model's own failure, logged
+    with ``request_id``)."""
+    if isinstance(error, ProtocolError):
+        return error.status, str(error)
+    if isinstance(error, BatcherClosed):
+        return 503, str(error)
+    logger.error("request %d failed", request_id, exc_info=error)
+    return 500, f"internal error: {type(error).__name__}: {error}"
 
 
 def model_app(state: ModelState, binary: Mapping[str, Binary],

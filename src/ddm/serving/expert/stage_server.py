@@ -63,7 +63,7 @@ from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeReq
 from ddm.termination import fail_start
 
 __all__ = ["DEFAULT_CONTEXT_CACHE_BYTES", "StageServer", "answer_stage", "create_stage_app",
-           "load_member", "serve_stage", "stage_member"]
+           "load_member", "serve_stage", "stage_member", "text_velocity"]
 
 logger = logging.getLogger(__name__)
 
@@ -284,18 +284,26 @@ async def _run(server: StageServer, message: Request) -> bytes:
     if isinstance(message, RouteRequest):
         return encode_probabilities(request_id, await batcher.submit(
             "route", (message.x, message.t, _pooled(server, message))))
-    assert isinstance(message, (TextVelocityRequest, TextIntegrateRequest))
+    if isinstance(message, TextVelocityRequest):
+        return encode_response(request_id, await text_velocity(server, message))
+    assert isinstance(message, TextIntegrateRequest)
     embeddings, negative, cost = _context_rows(server, message)
     tokens = embeddings.shape[1]
-    if isinstance(message, TextVelocityRequest):
-        out = await batcher.submit(_Velocity(tokens), (message.x, message.t, embeddings,
-                                                       negative, message.guidance), cost)
-        return encode_response(request_id, _wire(server, out))
     solver, x = message.solver.name.lower(), message.x
     for piece in grid_slices(message.grid):
         x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens),
                                  (x, embeddings, negative, message.guidance), cost)
     return encode_response(request_id, _wire(server, x))
+
+
+async def text_velocity(server: StageServer, message: TextVelocityRequest) -> np.ndarray:
+    """The guided velocity of ``message``'s rows (B, C, H, W) in the stage's wire dtype, run in
+    the expert's batcher with other requests' rows: for its own route and a pool's
+    (:mod:`ddm.serving.expert.pool_step`) alike."""
+    embeddings, negative, cost = _context_rows(server, message)
+    out = await server.batcher.submit(_Velocity(embeddings.shape[1]), (
+        message.x, message.t, embeddings, negative, message.guidance), cost)
+    return _wire(server, out)
 
 
 def _context_rows(server: StageServer, message: TextVelocityRequest | TextIntegrateRequest

@@ -62,6 +62,7 @@ from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYT
 from ddm.serving.auth import TokenFile
 from ddm.serving.router.coalescing import Coalescer
 from ddm.serving.fetch import FetchError, decode_json
+from ddm.serving.router.pool_calls import PoolCalls
 from ddm.serving.http_client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
 from ddm.serving.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
                                   ProtocolError, RemoteExpertError, Solver, TextIntegrateRequest,
@@ -406,12 +407,15 @@ class ExpertPool:
         self._token = token  # sent to the experts as a bearer token (their --auth-token-file)
         self._settings = settings
         self.metrics = metrics or PoolMetrics(CollectorRegistry())
-        members = members or {}
+        #: Expert -> its member name, for those served by pool servers: their text velocity
+        #: calls go to the pool in one request per step (:mod:`ddm.serving.router.pool_calls`).
+        self._members = dict(members or {})
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
                                        settings.health_interval_s,
-                                       model_paths(members.get(name)))
+                                       model_paths(self._members.get(name)))
                       for name in sources}
         self._ids = itertools.count(1)
+        self._pooled = PoolCalls(self._post_call, self._send_context, self._ids)
         self._coalescers = {name: self._coalescer(name) for name in sources}
         self._contexts = _Contexts(settings.context_cache_bytes)
         #: Bytes sent to experts, by message: what the context cache saves (benchmarks).
@@ -462,6 +466,7 @@ class ExpertPool:
     async def close(self) -> None:
         for coalescer in self._coalescers.values():
             await coalescer.close()
+        await self._pooled.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -595,6 +600,15 @@ class ExpertPool:
         """One expert request, on the replicas :meth:`_send` picks."""
         kind = ("velocity" if isinstance(request, (VelocityRequest, TextVelocityRequest))
                 else "integrate")
+        member = self._members.get(expert)
+        if member is not None and context is not None and isinstance(request,
+                                                                     TextVelocityRequest):
+            def pooled(replica: Replica, timeout: float) -> Awaitable[np.ndarray]:
+                return self._pooled_attempt(expert, member, replica, request, timeout,
+                                            context)
+
+            return await self._send(expert, kind, pooled, deadline,
+                                    lambda replica: self._pooled.joins(replica, member))
         body = (encode_request(request) if context is None
                 else encode_text_request(request))  # type: ignore[arg-type]
 
@@ -604,15 +618,17 @@ class ExpertPool:
         return await self._send(expert, kind, attempt, deadline)
 
     async def _send(self, expert: str, kind: str,
-                    attempt: Callable[[Replica, float], Awaitable[_T]], deadline: float) -> _T:
-        """Attempts on the replicas ``choose`` picks until one answers, the attempts run out
-        or the deadline passes; while none is usable, wait for a probe."""
+                    attempt: Callable[[Replica, float], Awaitable[_T]], deadline: float,
+                    prefer: Callable[[Replica], bool] | None = None) -> _T:
+        """Attempts on the replicas ``choose`` picks (``prefer`` breaking its ties) until one
+        answers, the attempts run out or the deadline passes; while none is usable, wait for
+        a probe."""
         replicas = self._replica_set(expert)
         attempts, failed = 0, None
         reason = ("no replica is listed" if not replicas.replicas else
                   "the call waited its whole deadline behind earlier requests to this expert")
         while (remaining := deadline - time.monotonic()) > 0:
-            replica = replicas.choose(avoid=failed)
+            replica = replicas.choose(avoid=failed, prefer=prefer)
             if replica is None:
                 reason = _last_errors(replicas) or reason
                 await replicas.wait_usable(remaining)
@@ -653,7 +669,8 @@ class ExpertPool:
         """One POST to one replica, its reply decoded (:meth:`_guarded`)."""
 
         async def exchange(ends: float) -> _T:
-            return decode(await self._post(replica, body, max_reply, ends))
+            return decode(await self._post(replica, replica.paths.velocity, body, max_reply,
+                                           ends))
 
         return await self._guarded(expert, replica, timeout, exchange)
 
@@ -664,18 +681,30 @@ class ExpertPool:
 
         async def exchange(ends: float) -> np.ndarray:
             if context is not None and context.context not in replica.contexts:
-                await self._send_context(replica, context, ends)
+                await self._send_context(replica, context.context, context.body, ends)
             try:
                 return await self._exchange(replica, body, request, ends)
             except RemoteExpertError as error:
                 if context is None or error.code != UNKNOWN_CONTEXT:
                     raise
                 replica.contexts.pop(context.context, None)  # evicted, or a restart
-                await self._send_context(replica, context, ends)
+                await self._send_context(replica, context.context, context.body, ends)
                 return await self._exchange(replica, body, request, ends)
 
         out = await self._guarded(expert, replica, timeout, exchange)
         return out.astype(np.float32, copy=False)  # an expert may answer in (b)float16
+
+    async def _pooled_attempt(self, expert: str, member: str, replica: Replica,
+                              request: TextVelocityRequest, timeout: float,
+                              context: _TextKey) -> np.ndarray:
+        """:meth:`_attempt` for a pool member: its rows go in its pool's request of this turn
+        (:class:`~ddm.serving.router.pool_calls.PoolCalls`)."""
+
+        def exchange(ends: float) -> Awaitable[np.ndarray]:
+            return self._pooled.velocity(replica, member, request, context.body, ends)
+
+        out = await self._guarded(expert, replica, timeout, exchange)
+        return out.astype(np.float32, copy=False)
 
     async def _guarded(self, expert: str, replica: Replica, timeout: float,
                        exchange: Callable[[float], Awaitable[_T]]) -> _T:
@@ -697,31 +726,43 @@ class ExpertPool:
     async def _exchange(self, replica: Replica, body: bytes, request: _Request,
                         ends: float) -> np.ndarray:
         """POST one call, decode its reply (:class:`RemoteExpertError` for an error reply)."""
-        reply = await self._post(replica, body, max_reply_bytes(request.x.shape), ends)
-        self.bytes_sent["call"] += len(body)
+        reply = await self._post_call(replica, replica.paths.velocity, body,
+                                      max_reply_bytes(request.x.shape), ends)
         return decode_response(reply, request.request_id, request.x.shape)
 
-    async def _send_context(self, replica: Replica, context: _TextKey, ends: float) -> None:
-        """Send ``context`` to ``replica``, check the id it acknowledges, remember it."""
+    async def _post_call(self, replica: Replica, path: str, body: bytes, max_reply: int,
+                         ends: float) -> bytes:
+        """:meth:`_post` of an expert call (a member's, or a pool's), counted in
+        :attr:`bytes_sent`."""
+        reply = await self._post(replica, path, body, max_reply, ends)
+        self.bytes_sent["call"] += len(body)
+        return reply
+
+    async def _send_context(self, replica: Replica, context: bytes, body: bytes,
+                                 ends: float) -> None:
+        """Send the context ``context`` (its id) encoded as ``body`` to ``replica``, check
+        the id it acknowledges, remember it."""
         request_id = next(self._ids)
-        body = context.body[:8] + request_id.to_bytes(8, "little") + context.body[16:]
-        reply = await self._post(replica, body, _MAX_ERROR_BYTES, ends)
+        body = body[:8] + request_id.to_bytes(8, "little") + body[16:]
+        reply = await self._post(replica, replica.paths.velocity, body, _MAX_ERROR_BYTES, ends)
         self.bytes_sent["context"] += len(body)
         acknowledged = decode_context_ack(reply, request_id)
-        if acknowledged != context.context:
+        if acknowledged != context:
             raise ProtocolError(f"the expert acknowledged context {acknowledged.hex()[:16]} "
-                                f"for {context.context.hex()[:16]}")
-        replica.contexts[context.context] = None
+                                f"for {context.hex()[:16]}")
+        replica.contexts[context] = None
         while len(replica.contexts) > MAX_KNOWN_CONTEXTS:
             replica.contexts.popitem(last=False)
 
-    async def _post(self, replica: Replica, body: bytes, max_reply: int, ends: float) -> bytes:
+    async def _post(self, replica: Replica, path: str, body: bytes, max_reply: int,
+                    ends: float) -> bytes:
+        """POST ``body`` to ``path`` on ``replica`` within ``ends``."""
         assert self._client is not None, "start() the pool first"
         remaining = ends - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
         reply = await self._client.post(
-            replica.endpoint, replica.paths.velocity, body, CONTENT_TYPE, remaining,
+            replica.endpoint, path, body, CONTENT_TYPE, remaining,
             self._settings.connect_s, max_reply_bytes=max_reply,
             max_error_bytes=_MAX_ERROR_BYTES, authorization=self._authorization())
         if reply.status == 401:

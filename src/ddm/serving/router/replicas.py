@@ -322,10 +322,12 @@ class ReplicaSet:
                           for e in dict.fromkeys(endpoints)]
         self._sync()
 
-    def choose(self, avoid: Replica | None = None) -> Replica | None:
+    def choose(self, avoid: Replica | None = None,
+               prefer: Callable[[Replica], bool] | None = None) -> Replica | None:
         """The usable replica with the fewest requests in flight, ready ones first; ties go
-        round-robin; ``avoid`` (the one a call's last attempt failed on, which may still be
-        ready) only when it is the only one usable. None when every replica is down."""
+        to one ``prefer`` likes (a pool member's: one whose request of this step it can join),
+        then round-robin; ``avoid`` (the one a call's last attempt failed on, which may still
+        be ready) only when it is the only one usable. None when every replica is down."""
         usable = [r for r in self._replicas if r.state is not ReplicaState.DOWN]
         usable = [r for r in usable if r is not avoid] or usable
         if not usable:
@@ -333,7 +335,8 @@ class ReplicaSet:
         self._turn += 1
         start = self._turn % len(usable)
         rotated = usable[start:] + usable[:start]
-        return min(rotated, key=lambda r: (r.state is not ReplicaState.READY, r.outstanding))
+        return min(rotated, key=lambda r: (r.state is not ReplicaState.READY, r.outstanding,
+                                           prefer is not None and not prefer(r)))
 
     def mark_ready(self, replica: Replica, now: float) -> None:
         """It answered: the next health probe is due ``health_interval_s`` from now."""
