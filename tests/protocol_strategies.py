@@ -3,7 +3,8 @@
 Shared by the decoder's fuzz test (``tests/unit/test_protocol_fuzz.py``) and the expert's HTTP
 fuzz test (``tests/integration/test_api_fuzz.py``). A hostile body is one of:
 
-- a *valid* velocity or integrate request built with the real encoder, sized for the expert
+- a *valid* velocity or integrate request (or, for a pool, a pool velocity request naming one
+  to three members) built with the real encoder, sized for the expert
   under test (its image shape, labels, batch and step limits) or deliberately not (batches over
   the limit or mismatched between tensors, other image shapes, labels it does not serve, times
   outside [0, 1], grids that are not increasing, int32 labels);
@@ -27,7 +28,9 @@ from typing import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from ddm.serving.protocol import IntegrateRequest, Solver, VelocityRequest, encode_request
+from ddm.serving.protocol import (IntegrateRequest, PoolVelocityRequest, Solver,
+                                  TextVelocityRequest, VelocityRequest, encode_pool_request,
+                                  encode_request)
 
 MAGIC_AND_VERSION = b"DDMT\x01"
 HEADER_BYTES = 18
@@ -161,6 +164,52 @@ def valid_requests(target: Target) -> st.SearchStrategy[Valid]:
     return _PLANS.map(lambda plan: _valid(plan[0], plan[1] > 0, plan[2], target))
 
 
+#: Member names a pool request draws from; the last is longer than any the wire takes.
+_MEMBERS = ("e0", "expert-1", "router-network", "x" * 64)
+
+
+def _valid_pool(seed: int, coherent: bool, target: Target) -> Valid:
+    """A pool velocity request: one to three members' text velocity rows."""
+    rng = np.random.default_rng(seed)
+    flip = lambda: bool(rng.integers(2))  # noqa: E731 - a coin, local to this generator
+    count = int(rng.integers(1, 4))
+    names = [_MEMBERS[i] for i in (rng.permutation(3)[:count] if coherent
+                                   else rng.integers(0, len(_MEMBERS), count))]
+    sizes = [int(rng.integers(1, max(2, target.max_batch // count + 1))) if coherent
+             else int(rng.integers(0, target.max_batch + 2)) for _ in names]
+    shape = target.image_shape if coherent or flip() else tuple(
+        int(d) for d in rng.integers(0, 4, 3))
+    calls = []
+    for name, size in zip(names, sizes):
+        x = rng.standard_normal((size, *shape)).astype(np.float32)
+        if not coherent and x.size and flip():
+            x.flat[rng.integers(x.size)] = np.nan
+        guidance = rng.uniform(0.0, 10.0, size).astype(np.float32)
+        if not coherent and size and flip():
+            guidance[0] = _SPECIAL_FLOATS[rng.integers(len(_SPECIAL_FLOATS))]
+        rows = rng.integers(-1 if not coherent and flip() else 0, 4, size).astype(np.int32)
+        calls.append((name, TextVelocityRequest(0, x, _times(rng, size, coherent or flip()),
+                                                rng.bytes(32), rows, guidance)))
+    request = PoolVelocityRequest(int(rng.integers(2**63)), tuple(calls))
+    body = encode_pool_request(request)
+    encoded = [name.encode() for name in names]
+    arrays = (np.concatenate([c.x for _, c in calls]), np.concatenate([c.t for _, c in calls]),
+              np.concatenate([c.rows for _, c in calls]),
+              np.concatenate([c.guidance for _, c in calls]),
+              np.zeros((count, 32), np.uint8), np.frombuffer(b"".join(encoded), np.uint8),
+              np.array([len(n) for n in encoded], np.int32), np.array(sizes, np.int32))
+    fields, regions = layout(arrays)
+    assert regions[-1].offset + regions[-1].size == len(body), "layout out of step with encoder"
+    return Valid(body, tuple(fields), tuple(regions))
+
+
+def valid_pool_requests(target: Target) -> st.SearchStrategy[Valid]:
+    """A pool velocity request. Mostly what ``target`` accepts (a pool of its image shape and
+    ``max_batch`` rows in all); one time in four well formed but off (a member twice or with a
+    name too long, no rows, rows over the limit, bad times, rows or guidance)."""
+    return _PLANS.map(lambda plan: _valid_pool(plan[0], plan[1] > 0, target))
+
+
 # ---------------------------------------------------------------------------------- mutations
 
 def _edge_value(rng: np.random.Generator, size: int) -> int:
@@ -230,18 +279,16 @@ def _mutate(valid: Valid, seed: int) -> bytes:
     return bytes(body)
 
 
-def mutated_requests(target: Target) -> st.SearchStrategy[bytes]:
-    """A valid request with one to three structure-aware mutations."""
-    return st.tuples(valid_requests(target), _SEEDS).map(lambda drawn: _mutate(*drawn))
-
-
-def request_bodies(target: Target) -> st.SearchStrategy[bytes]:
-    """Hostile request bodies: mostly mutated requests, some valid ones, some random bytes."""
+def request_bodies(target: Target, pool: bool = False) -> st.SearchStrategy[bytes]:
+    """Hostile request bodies: mostly mutated requests, some valid ones, some random bytes;
+    ``pool``: built from pool velocity requests."""
+    valid = valid_pool_requests(target) if pool else valid_requests(target)
+    mutated = st.tuples(valid, _SEEDS).map(lambda drawn: _mutate(*drawn))  # 1 to 3 mutations
     return st.one_of(
-        mutated_requests(target),
-        mutated_requests(target),
-        mutated_requests(target),
-        valid_requests(target).map(lambda valid: valid.body),
+        mutated,
+        mutated,
+        mutated,
+        valid.map(lambda valid: valid.body),
         st.binary(max_size=512),
         st.binary(max_size=256).map(lambda tail: MAGIC_AND_VERSION + tail),
     )

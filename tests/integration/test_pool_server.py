@@ -3,8 +3,9 @@ tiny Paris DDM (two experts, text encoder, decoder, router network) on one devic
 member answers the same bytes as its own stage server; ``/v1/info`` lists the members and
 their memory; ``/readyz`` is 200 once every member is loaded; rows batch per member, never
 across members; a router whose router.yaml points every expert and stage at the pool
-(``member:``) gives the unpooled deployment's image, with one pool request per step; a pool over its memory limit exits 1
-before loading anything, naming each member's bytes, the sum and the limit."""
+(``member:``) gives the unpooled deployment's image, with one pool request per step; a pool
+over its memory limit exits 1 before loading anything, naming each member's bytes, the sum and
+the limit."""
 
 from __future__ import annotations
 

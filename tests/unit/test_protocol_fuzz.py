@@ -26,8 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from protocol_strategies import HUGE_DIMS, Target, huge_header, request_bodies
-from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
-                                  decode_request, encode_request)
+from ddm.serving.protocol import (IntegrateRequest, Limits, PoolVelocityRequest, ProtocolError,
+                                  VelocityRequest, decode_request, encode_pool_request,
+                                  encode_request)
 
 TARGET = Target(image_shape=(1, 4, 4), labels=(0, 1, 2, 3, 4), max_batch=4, max_steps=8)
 #: Small enough that the strategies' 4 KiB appends go over it (413).
@@ -49,7 +50,9 @@ def memory_bound(body_size: int) -> int:
     return FIXED_ALLOWANCE + PER_BODY_BYTE * body_size
 
 
-def decode_traced(body: bytes) -> tuple[VelocityRequest | IntegrateRequest | ProtocolError, int]:
+def decode_traced(body: bytes, limits: Limits = LIMITS
+                  ) -> tuple[VelocityRequest | IntegrateRequest | PoolVelocityRequest
+                             | ProtocolError, int]:
     """The decoder's outcome and the peak bytes it allocated (tracemalloc counts NumPy's
     buffers too). A first, untraced decode warms process-wide caches (``struct``'s compiled
     formats, NumPy's dispatch caches), and the smaller of two traced decodes is kept, so that a
@@ -61,7 +64,7 @@ def decode_traced(body: bytes) -> tuple[VelocityRequest | IntegrateRequest | Pro
         if attempt:
             tracemalloc.start()
         try:
-            outcome = decode_request(body, LIMITS)
+            outcome = decode_request(body, limits)
         except ProtocolError as error:
             outcome = error
         finally:
@@ -122,6 +125,54 @@ def test_10000_hostile_bodies_get_a_request_or_a_protocol_error_in_bounded_memor
     assert outcomes[413] >= 20 and outcomes[200] >= CASES // 20, outcomes
     assert len(reasons) >= 30, sorted(reasons)
     assert worst[0] <= 1.0, worst
+
+
+#: A pool of three members of ``TARGET``'s image shape, at most ``max_batch`` rows in all.
+POOL_LIMITS = Limits(max_batch=TARGET.max_batch, max_body_bytes=MAX_BODY_BYTES,
+                     image_shape=TARGET.image_shape, max_members=3)
+POOL_CASES = CASES // 4
+
+
+def assert_pool_within_limits(request: PoolVelocityRequest) -> None:
+    names = [name for name, _ in request.calls]
+    assert 1 <= len(names) <= POOL_LIMITS.max_members and len(set(names)) == len(names)
+    assert all(1 <= len(name.encode()) <= 63 for name in names)
+    rows = [call.x.shape[0] for _, call in request.calls]
+    assert min(rows) >= 1 and sum(rows) <= POOL_LIMITS.max_batch
+    for _, call in request.calls:
+        assert call.x.shape[1:] == POOL_LIMITS.image_shape and np.isfinite(call.x).all()
+        assert ((call.t >= 0) & (call.t <= 1)).all() and (call.rows >= 0).all()
+        assert ((call.guidance >= 0) & (call.guidance <= 50)).all()
+        assert len(call.context) == 32
+
+
+@pytest.mark.slow
+def test_hostile_pool_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
+    """The same for bodies made from pool velocity requests (version 3)."""
+    outcomes: Counter[int] = Counter()
+    reasons: set[str] = set()
+
+    @settings(FUZZ, max_examples=POOL_CASES)
+    @given(request_bodies(TARGET, pool=True))
+    def decode(body: bytes) -> None:
+        outcome, peak = decode_traced(body, POOL_LIMITS)
+        assert peak <= memory_bound(len(body)), (peak, len(body), body[:64])
+        if isinstance(outcome, ProtocolError):
+            assert outcome.status in (400, 413, 422), (outcome.status, outcome)
+            assert str(outcome).strip(), body[:64]
+            outcomes[outcome.status] += 1
+            reasons.add(reason(outcome))
+        else:
+            assert isinstance(outcome, PoolVelocityRequest), outcome
+            assert_pool_within_limits(outcome)
+            assert encode_pool_request(outcome) == body
+            outcomes[200] += 1
+
+    decode()
+    assert sum(outcomes.values()) >= POOL_CASES
+    assert outcomes[400] >= POOL_CASES // 3 and outcomes[422] >= POOL_CASES // 20, outcomes
+    assert outcomes[413] >= 5 and outcomes[200] >= POOL_CASES // 20, outcomes
+    assert len(reasons) >= 30, sorted(reasons)
 
 
 @pytest.mark.parametrize("dims", [(d,) * 4 for d in HUGE_DIMS] + [(2**32 - 1, 1, 1, 1),

@@ -81,22 +81,22 @@ class PoolStep:
     @property
     def limits(self) -> Limits:
         """The experts' current limits summed up (they change once a member loads)."""
-        return _limits(tuple(s.limits for s in self.experts))
+        return _limits(tuple(s.limits for s in self.experts), len(self.members))
 
 
 @functools.lru_cache(maxsize=8)
-def _limits(members: tuple[Limits, ...]) -> Limits:
-    """A pool request's limits: every expert once, at most each one's ``max_batch`` rows
-    (each member checks its own part again), the latent shape they share (None where they do
-    not: each member checks its rows'), and a body of twice the largest such request."""
-    shapes = {m.image_shape for m in members}
+def _limits(experts: tuple[Limits, ...], members: int) -> Limits:
+    """A pool request's limits: each of the pool's ``members`` at most once (a member that is
+    not an expert answers its own 422), at most each expert's ``max_batch`` rows (each checks
+    its own part again), the latent shape they share (None where they do not: each member
+    checks its rows'), and a body of twice the largest such request."""
+    shapes = {m.image_shape for m in experts}
     shape = shapes.pop() if len(shapes) == 1 else None
-    rows = sum(m.max_batch for m in members)
+    rows = sum(m.max_batch for m in experts)
     per_member = CONTEXT_ID_BYTES + 4 + 4 + MAX_MEMBER_NAME_BYTES
     body = (MAX_CONTEXT_BODY_BYTES if shape is None else
-            2 * (rows * (4 * math.prod(shape) + 4 + 4 + 4) + len(members) * per_member) + 4096)
-    return Limits(max_batch=rows, max_body_bytes=body, image_shape=shape,
-                  max_members=len(members))
+            2 * (rows * (4 * math.prod(shape) + 4 + 4 + 4) + members * per_member) + 4096)
+    return Limits(max_batch=rows, max_body_bytes=body, image_shape=shape, max_members=members)
 
 
 def pool_step_routes(members: Mapping[str, StageServer],

@@ -1,0 +1,222 @@
+"""One request per pool per step (issue 37) over real HTTP on loopback, on a pool of a tiny
+Paris DDM's two experts and its decoder: ``POST /v1/pool/velocity`` answers each member's rows
+as its own route does, a member's failure stays that member's (412, 422, a decoder named as an
+expert) while the others answer, an unknown member refuses the request naming it; the router's
+:class:`ExpertPool` sends the experts' calls of one turn as one request, re-sends a context a
+member evicted within the same call, and sees a dead pool as every member missing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from ddm.conditioning import Conditioning
+from ddm.deploy.router_config import StaticDiscovery
+from ddm.serving.expert.pool_server import create_pool_app
+from ddm.serving.protocol import (CONTENT_TYPE, Context, PoolVelocityRequest,
+                                  RemoteExpertError, TextVelocityRequest, context_id,
+                                  decode_pool_response, decode_response, encode_pool_request,
+                                  encode_text_request)
+from ddm.serving.router.pool import ExpertPool, ExpertUnavailable, PoolSettings
+from tests.integration.servers import running, wait_ready
+from tests.support.paris_release import TinyParis
+from tests.support.text_router import paris_stages
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+RNG = np.random.default_rng(0)
+READY_S = 120.0
+WIDTH, LATENT, TOKENS = TinyParis().text_width, (4, 8, 8), 5
+ROUTE = "/v1/pool/velocity"
+
+
+@pytest.fixture(scope="module")
+def stages(tmp_path_factory) -> Path:
+    return paris_stages(tmp_path_factory.mktemp("paris"))
+
+
+def members(stages: Path) -> dict[str, Path]:
+    return {"expert-0": stages / "expert_0", "expert-1": stages / "expert_1",
+            "decoder": stages / "decoder"}
+
+
+@pytest.fixture(scope="module")
+def pool(stages) -> Iterator[str]:
+    with running(create_pool_app(members(stages), max_batch=8)) as base:
+        wait_ready(base)
+        yield base
+
+
+def post(base: str, path: str, body: bytes) -> httpx.Response:
+    return httpx.post(f"{base}{path}", content=body, headers={"content-type": CONTENT_TYPE},
+                      timeout=READY_S)
+
+
+def context(rows: int) -> bytes:
+    embeddings = RNG.standard_normal((rows, TOKENS, WIDTH)).astype(np.float32)
+    return encode_text_request(Context(1, embeddings, np.ones((rows, TOKENS), np.uint8),
+                                       np.zeros_like(embeddings)))
+
+
+def call(body: bytes, rows: int, guidance: float = 7.5) -> TextVelocityRequest:
+    return TextVelocityRequest(9, RNG.standard_normal((rows, *LATENT)).astype(np.float32),
+                               RNG.uniform(0, 1, rows).astype(np.float32), context_id(body),
+                               np.arange(rows, dtype=np.int32) % 2,
+                               np.full(rows, guidance, np.float32))
+
+
+def pool_requests(base: str) -> dict[str, float]:
+    """``ddm_pool_requests`` by status."""
+    return {status: float(value) for status, value in re.findall(
+        r'^ddm_pool_requests_total{kind="[^"]*",route="/v1/pool/velocity",status="(\d+)"} (\S+)$',
+        httpx.get(f"{base}/metrics").text, re.M)}
+
+
+def test_a_pool_request_answers_each_member_s_rows_as_its_own_route(pool):
+    shared = context(2)
+    for name in ("expert-0", "expert-1"):
+        assert post(pool, f"/v1/members/{name}/velocity", shared).status_code == 200
+    calls = (("expert-1", call(shared, 3)), ("expert-0", call(shared, 1, guidance=1.0)))
+    request = PoolVelocityRequest(21, calls)
+    reply = post(pool, ROUTE, encode_pool_request(request))
+    assert reply.status_code == 200, reply.content
+    outs = decode_pool_response(reply.content, request)
+    for (name, part), out in zip(calls, outs):
+        own = post(pool, f"/v1/members/{name}/velocity", encode_text_request(part))
+        np.testing.assert_array_equal(out, decode_response(own.content, 9, part.x.shape))
+
+
+def test_a_member_s_failure_is_its_own_and_the_others_answer(pool):
+    held = context(1)  # sent to expert-0 only: expert-1 does not hold it
+    assert post(pool, "/v1/members/expert-0/velocity", held).status_code == 200
+    before = pool_requests(pool)
+    request = PoolVelocityRequest(22, (("expert-0", call(held, 1)), ("expert-1", call(held, 1)),
+                                       ("decoder", call(held, 1))))
+    reply = post(pool, ROUTE, encode_pool_request(request))
+    assert reply.status_code == 200
+    rows, unknown, decoder = decode_pool_response(reply.content, request)
+    assert rows.shape == (1, *LATENT) and np.isfinite(rows).all()
+    assert isinstance(unknown, RemoteExpertError) and unknown.code == 412
+    assert "member expert-1: unknown context" in unknown.message
+    assert isinstance(decoder, RemoteExpertError) and decoder.code == 422
+    assert "member decoder is a decoder" in decoder.message
+    # Five guided rows run ten forward rows, over expert-0's max_batch of 8: its own 422.
+    held_2 = context(2)
+    post(pool, "/v1/members/expert-0/velocity", held_2)
+    post(pool, "/v1/members/expert-1/velocity", held_2)
+    request = PoolVelocityRequest(23, (("expert-0", call(held_2, 5)),
+                                       ("expert-1", call(held_2, 2))))
+    over, fine = decode_pool_response(post(pool, ROUTE, encode_pool_request(request)).content,
+                                      request)
+    assert isinstance(over, RemoteExpertError) and over.code == 422
+    assert "run 10 forward rows; the limit is 8" in over.message
+    assert fine.shape == (2, *LATENT)
+    assert pool_requests(pool)["200"] == before.get("200", 0.0) + 2
+
+
+def test_an_unknown_member_refuses_the_request_naming_it(pool):
+    before = pool_requests(pool)
+    body = encode_pool_request(PoolVelocityRequest(
+        24, (("expert-0", call(context(1), 1)), ("expert-7", call(context(1), 1)))))
+    reply = post(pool, ROUTE, body)
+    assert reply.status_code == 404
+    with pytest.raises(RemoteExpertError, match="unknown member 'expert-7'; this pool holds "
+                                                "expert-0, expert-1, decoder"):
+        decode_response(reply.content, 24)
+    assert pool_requests(pool)["404"] == before.get("404", 0.0) + 1
+    # A member's own kind sent to the pool's route: refused, naming where it goes.
+    reply = post(pool, ROUTE, encode_text_request(call(context(1), 1)))
+    assert reply.status_code == 422
+    assert b"/v1/members/NAME/velocity" in reply.content
+
+
+def settings() -> PoolSettings:
+    return PoolSettings(connect_s=2.0, attempt_s=30.0, deadline_s=READY_S, attempts=2,
+                        health_interval_s=0.2)
+
+
+async def probed(pool: ExpertPool, *experts: str) -> None:
+    deadline = time.monotonic() + READY_S
+    while any(pool.info(e) is None for e in experts):
+        assert time.monotonic() < deadline, "the members were never probed ready"
+        await asyncio.sleep(0.02)
+
+
+def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
+    # Each member's cache holds one context of one unguided row: a second evicts the first.
+    one = TOKENS * WIDTH * 4
+    with running(create_pool_app({k: v for k, v in members(stages).items() if k != "decoder"},
+                                 max_batch=8, context_cache_bytes=one)) as base:
+        wait_ready(base)
+        discoveries = {e: StaticDiscovery((base.removeprefix("http://"),), f"expert-{k}")
+                       for k, e in enumerate("ab")}
+        x = RNG.standard_normal((1, *LATENT)).astype(np.float32)
+        t = np.full(1, 0.5, np.float32)
+        first, second = (Conditioning(embeddings=RNG.standard_normal(
+            (1, TOKENS, WIDTH)).astype(np.float32)) for _ in range(2))
+
+        async def scenario() -> list[list[np.ndarray]]:
+            async with ExpertPool.discovered(discoveries, settings()) as router:
+                await probed(router, "a", "b")
+                outs = []
+                for cond in (first, second, first):  # the third: both members evicted it
+                    outs.append(await asyncio.gather(router.velocity("a", x, t, cond),
+                                                     router.velocity("b", x, t, cond)))
+                return outs
+
+        outs = asyncio.run(scenario())
+        metrics = httpx.get(f"{base}/metrics").text
+    for before, again in zip(outs[0], outs[2]):
+        np.testing.assert_array_equal(before, again)
+    assert not np.array_equal(outs[0][0], outs[0][1])  # two experts, two answers
+
+    def count(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", metrics, re.M))
+
+    # Three steps, one request each, and one more for the third's re-sent contexts.
+    assert count(r'ddm_pool_requests_total{kind="PoolVelocityRequest",route="[^"]+",'
+                 r'status="200"}') == 4
+    for member in ("expert-0", "expert-1"):
+        assert count(rf'ddm_expert_requests_total{{kind="PoolVelocityRequest",'
+                     rf'member="{member}",status="412"}}') == 1
+        assert count(rf'ddm_expert_requests_total{{kind="Context",member="{member}",'
+                     rf'status="200"}}') == 3
+
+
+def test_a_dead_pool_is_every_member_missing(stages):
+    app = create_pool_app({"expert-0": stages / "expert_0", "expert-1": stages / "expert_1"},
+                          max_batch=8)
+    cond = Conditioning(embeddings=np.ones((1, TOKENS, WIDTH), np.float32))
+    x, t = np.zeros((1, *LATENT), np.float32), np.full(1, 0.5, np.float32)
+
+    async def scenario(base: str, stop: Callable[[], None]
+                       ) -> tuple[list[BaseException], list[bool]]:
+        discoveries = {e: StaticDiscovery((base.removeprefix("http://"),), f"expert-{k}")
+                       for k, e in enumerate("ab")}
+        quick = PoolSettings(connect_s=2.0, attempt_s=5.0, deadline_s=1.0, attempts=2,
+                             health_interval_s=0.2)
+        async with ExpertPool.discovered(discoveries, quick) as router:
+            await probed(router, "a", "b")
+            await asyncio.gather(router.velocity("a", x, t, cond),
+                                 router.velocity("b", x, t, cond))
+            await asyncio.to_thread(stop)
+            failures = await asyncio.gather(router.velocity("a", x, t, cond),
+                                            router.velocity("b", x, t, cond),
+                                            return_exceptions=True)
+            return failures, [router.usable(e) for e in "ab"]
+
+    with contextlib.ExitStack() as server:
+        base = server.enter_context(running(app))
+        wait_ready(base)
+        failures, usable = asyncio.run(scenario(base, server.close))
+    assert usable == [False, False]
+    for expert, failure in zip("ab", failures):
+        assert isinstance(failure, ExpertUnavailable) and failure.expert == expert, failure
