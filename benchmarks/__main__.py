@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="small release, 2 steps, 1 and 2 prompts: a smoke run")
     p.set_defaults(handler=_bench_paris_pools)
+
+    p = kinds.add_parser("grouped", help="the shipped text2img experts as one grouped forward "
+                                         "(stacked parameters, torch.vmap) against member by "
+                                         "member at 1, 8 and 32 rows each (JSON)")
+    p.add_argument("--repeats", type=int, default=30, help="timed calls per way and level")
+    p.set_defaults(handler=_bench_grouped)
     return parser
 
 
@@ -147,6 +153,17 @@ def _bench_pools(args: argparse.Namespace) -> int:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2
     return bench_pools_command(settings)
+
+
+def _bench_grouped(args: argparse.Namespace) -> int:
+    from benchmarks.grouped import GroupedSettings, bench_grouped_command
+
+    try:
+        settings = GroupedSettings(repeats=args.repeats)
+    except ValueError as error:
+        print(f"benchmarks: error: {error}", file=sys.stderr)
+        return 2
+    return bench_grouped_command(settings)
 
 
 def _bench_threads(args: argparse.Namespace) -> int:
