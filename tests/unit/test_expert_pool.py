@@ -53,6 +53,20 @@ def test_least_outstanding_replica_wins_and_ties_go_round_robin():
     assert replicas.choose() is c
 
 
+def test_a_preferred_replica_breaks_ties_but_never_the_load_balance():
+    """A pool member's call joins its step's request on a replica where it ties: ``prefer``
+    (pool_calls) names the endpoints with a request of this turn."""
+    replicas = ReplicaSet(0.1, 1.0, 5.0)
+    replicas.update(["a:1", "b:1", "c:1"])
+    for r in replicas.replicas:
+        replicas.mark_ready(r, now=0.0)
+    a, b, c = replicas.replicas
+    assert all(replicas.choose(prefer=lambda r: r is c) is c for _ in range(4))
+    c.outstanding = 1  # busier: the least loaded wins, round-robin between a and b
+    assert {replicas.choose(prefer=lambda r: r is c).endpoint for _ in range(4)} == {"a:1",
+                                                                                   "b:1"}
+
+
 def test_ready_replicas_go_before_unprobed_ones_and_down_ones_never():
     replicas = ReplicaSet(0.1, 1.0, 5.0)
     replicas.update(["new:1", "ok:1", "dead:1"])

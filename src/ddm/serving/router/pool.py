@@ -739,7 +739,7 @@ class ExpertPool:
         return reply
 
     async def _send_context(self, replica: Replica, context: bytes, body: bytes,
-                                 ends: float) -> None:
+                            ends: float) -> None:
         """Send the context ``context`` (its id) encoded as ``body`` to ``replica``, check
         the id it acknowledges, remember it."""
         request_id = next(self._ids)

@@ -96,7 +96,8 @@ class PoolCalls:
         every part's future gets its member's answer or the request's failure."""
         for resent in (False, True):
             try:
-                results = await self._request(parts)
+                parts = await self._with_contexts(parts)
+                results = await self._request(parts) if parts else []
             except Exception as error:  # noqa: BLE001 - every part of the request fails alike
                 for part in parts:
                     if not part.future.done():
@@ -122,13 +123,27 @@ class PoolCalls:
                 return
             parts = again
 
+    async def _with_contexts(self, parts: list[_Part]) -> list[_Part]:
+        """Send each member's replica the context it lacks (to the member's own route, all at
+        once); the parts whose member now holds it. A part whose context could not be sent
+        fails with that failure, as its own call would."""
+        lacking: dict[tuple[int, bytes], list[_Part]] = {}
+        for part in parts:
+            if part.request.context not in part.replica.contexts:
+                lacking.setdefault((id(part.replica), part.request.context), []).append(part)
+        sent = await asyncio.gather(*(self._send_context(p[0].replica, p[0].request.context,
+                                                         p[0].context, p[0].ends)
+                                      for p in lacking.values()), return_exceptions=True)
+        for failed, outcome in zip(lacking.values(), sent):
+            if isinstance(outcome, Exception):
+                for part in failed:
+                    if not part.future.done():
+                        part.future.set_exception(outcome)
+        return [p for p in parts if not p.future.done()]
+
     async def _request(self, parts: list[_Part]) -> list[np.ndarray | RemoteExpertError]:
-        """Send the contexts the members lack, then the pool request; its decoded reply."""
+        """The pool request of ``parts``: its decoded reply."""
         ends = max(p.ends for p in parts)
-        lacking = {(id(p.replica), p.request.context): p for p in parts
-                   if p.request.context not in p.replica.contexts}
-        await asyncio.gather(*(self._send_context(p.replica, p.request.context, p.context,
-                                                  p.ends) for p in lacking.values()))
         request = PoolVelocityRequest(next(self._ids), tuple((p.member, p.request)
                                                              for p in parts))
         rows = sum(p.request.x.shape[0] for p in parts)
