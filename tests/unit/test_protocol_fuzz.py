@@ -20,10 +20,12 @@ from __future__ import annotations
 import re
 import tracemalloc
 from collections import Counter
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis.strategies import SearchStrategy
 
 from protocol_strategies import HUGE_DIMS, Target, huge_header, request_bodies
 from ddm.serving.protocol import (IntegrateRequest, Limits, PoolVelocityRequest, ProtocolError,
@@ -95,30 +97,43 @@ def reason(error: ProtocolError) -> str:
     return re.sub(r"'[^']*'|b'.*'|0x[0-9a-f]+|-?\d[\d.e+-]*|\(.*?\)|\[.*?\]", "_", str(error))
 
 
-@pytest.mark.slow
-def test_10000_hostile_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
+def fuzzed(bodies: SearchStrategy[bytes], limits: Limits, cases: int,
+           accepted: Callable[[Any, bytes], None]
+           ) -> tuple[Counter[int], set[str], tuple[float, bytes]]:
+    """Decode ``cases`` of ``bodies``: each gives a request, which ``accepted(request, body)``
+    checks, or a ``ProtocolError`` with a message and a 400, 413 or 422 (anything else escapes
+    and fails), in bounded memory. The outcomes by status, the kinds of refusal, and the worst
+    body (its peak as a share of the bound)."""
     outcomes: Counter[int] = Counter()  # HTTP status, 200 for an accepted body
     reasons: set[str] = set()
-    worst = (0.0, b"")
+    worst = [(0.0, b"")]
 
-    @FUZZ
-    @given(request_bodies(TARGET))
+    @settings(FUZZ, max_examples=cases)
+    @given(bodies)
     def decode(body: bytes) -> None:
-        nonlocal worst
-        outcome, peak = decode_traced(body)  # anything but ProtocolError escapes and fails
+        outcome, peak = decode_traced(body, limits)
         assert peak <= memory_bound(len(body)), (peak, len(body), body[:64])
-        worst = max(worst, (peak / memory_bound(len(body)), body))
+        worst[0] = max(worst[0], (peak / memory_bound(len(body)), body))
         if isinstance(outcome, ProtocolError):
             assert outcome.status in (400, 413, 422), (outcome.status, outcome)
             assert str(outcome).strip(), body[:64]
             outcomes[outcome.status] += 1
             reasons.add(reason(outcome))
         else:
-            assert_within_limits(outcome)
-            assert encode_request(outcome) == body
+            accepted(outcome, body)
             outcomes[200] += 1
 
     decode()
+    return outcomes, reasons, worst[0]
+
+
+@pytest.mark.slow
+def test_10000_hostile_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
+    def accepted(request: VelocityRequest | IntegrateRequest, body: bytes) -> None:
+        assert_within_limits(request)
+        assert encode_request(request) == body
+
+    outcomes, reasons, worst = fuzzed(request_bodies(TARGET), LIMITS, CASES, accepted)
     assert sum(outcomes.values()) >= CASES
     # Every class of answer is reached, often enough to mean something.
     assert outcomes[400] >= CASES // 3 and outcomes[422] >= CASES // 20, outcomes
@@ -149,30 +164,19 @@ def assert_pool_within_limits(request: PoolVelocityRequest) -> None:
 @pytest.mark.slow
 def test_hostile_pool_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
     """The same for bodies made from pool velocity requests (version 3)."""
-    outcomes: Counter[int] = Counter()
-    reasons: set[str] = set()
 
-    @settings(FUZZ, max_examples=POOL_CASES)
-    @given(request_bodies(TARGET, pool=True))
-    def decode(body: bytes) -> None:
-        outcome, peak = decode_traced(body, POOL_LIMITS)
-        assert peak <= memory_bound(len(body)), (peak, len(body), body[:64])
-        if isinstance(outcome, ProtocolError):
-            assert outcome.status in (400, 413, 422), (outcome.status, outcome)
-            assert str(outcome).strip(), body[:64]
-            outcomes[outcome.status] += 1
-            reasons.add(reason(outcome))
-        else:
-            assert isinstance(outcome, PoolVelocityRequest), outcome
-            assert_pool_within_limits(outcome)
-            assert encode_pool_request(outcome) == body
-            outcomes[200] += 1
+    def accepted(request: PoolVelocityRequest, body: bytes) -> None:
+        assert isinstance(request, PoolVelocityRequest), request
+        assert_pool_within_limits(request)
+        assert encode_pool_request(request) == body
 
-    decode()
+    outcomes, reasons, worst = fuzzed(request_bodies(TARGET, pool=True), POOL_LIMITS,
+                                      POOL_CASES, accepted)
     assert sum(outcomes.values()) >= POOL_CASES
     assert outcomes[400] >= POOL_CASES // 3 and outcomes[422] >= POOL_CASES // 20, outcomes
     assert outcomes[413] >= 5 and outcomes[200] >= POOL_CASES // 20, outcomes
     assert len(reasons) >= 30, sorted(reasons)
+    assert worst[0] <= 1.0, worst
 
 
 @pytest.mark.parametrize("dims", [(d,) * 4 for d in HUGE_DIMS] + [(2**32 - 1, 1, 1, 1),
