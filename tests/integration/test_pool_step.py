@@ -3,7 +3,8 @@ Paris DDM's two experts and its decoder: ``POST /v1/pool/velocity`` answers each
 as its own route does, a member's failure stays that member's (412, 422, a decoder named as an
 expert) while the others answer, an unknown member refuses the request naming it; the router's
 :class:`ExpertPool` sends the experts' calls of one turn as one request, re-sends a context a
-member evicted within the same call, and sees a dead pool as every member missing."""
+member evicted within the same call, and sees a dead pool as every member missing; hostile
+bodies get a 4xx or a reply, never a 5xx."""
 
 from __future__ import annotations
 
@@ -11,21 +12,24 @@ import asyncio
 import contextlib
 import re
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Iterator
 
 import httpx
+import hypothesis
 import numpy as np
 import pytest
 
 from ddm.conditioning import Conditioning
 from ddm.deploy.router_config import StaticDiscovery
 from ddm.serving.expert.pool_server import create_pool_app
-from ddm.serving.protocol import (CONTENT_TYPE, Context, PoolVelocityRequest,
+from ddm.serving.protocol import (CONTENT_TYPE, Context, Limits, PoolVelocityRequest,
                                   RemoteExpertError, TextVelocityRequest, context_id,
-                                  decode_pool_response, decode_response, encode_pool_request,
-                                  encode_text_request)
+                                  decode_pool_response, decode_request, decode_response,
+                                  encode_pool_request, encode_text_request)
 from ddm.serving.router.pool import ExpertPool, ExpertUnavailable, PoolSettings
+from protocol_strategies import Target, request_bodies
 from tests.integration.servers import running, wait_ready
 from tests.support.paris_release import TinyParis
 from tests.support.text_router import paris_stages
@@ -36,6 +40,8 @@ RNG = np.random.default_rng(0)
 READY_S = 120.0
 WIDTH, LATENT, TOKENS = TinyParis().text_width, (4, 8, 8), 5
 ROUTE = "/v1/pool/velocity"
+#: Hostile bodies sent to the pool's route.
+HOSTILE = 1000
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +142,40 @@ def test_an_unknown_member_refuses_the_request_naming_it(pool):
     reply = post(pool, ROUTE, encode_text_request(call(context(1), 1)))
     assert reply.status_code == 422
     assert b"/v1/members/NAME/velocity" in reply.content
+
+
+@pytest.mark.slow
+def test_hostile_pool_bodies_get_a_4xx_or_a_reply_and_leave_the_pool_serving(pool):
+    """Bodies built from pool requests sized for this pool, then mutated (the decoder's fuzz
+    strategies): each is answered 200 with a pool response, or a 4xx error reply echoing its
+    id; never a 5xx, and the pool still answers its members afterwards."""
+    target = Target(image_shape=LATENT, labels=(), max_batch=16, max_steps=1)
+    statuses: Counter[int] = Counter()
+
+    with httpx.Client(timeout=READY_S) as client:
+        @hypothesis.settings(max_examples=HOSTILE, deadline=None, derandomize=True,
+                             database=None, suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.given(request_bodies(target, pool=True))
+        def hostile(body: bytes) -> None:
+            answer = client.post(f"{pool}{ROUTE}", content=body,
+                                 headers={"content-type": CONTENT_TYPE})
+            assert answer.status_code in (200, 400, 404, 413, 422), (answer.status_code,
+                                                                     body[:80])
+            assert answer.headers["content-type"] == CONTENT_TYPE
+            if answer.status_code == 200:
+                request = decode_request(body, Limits(image_shape=LATENT))
+                assert isinstance(request, PoolVelocityRequest)
+                decode_pool_response(answer.content, request)
+            else:
+                with pytest.raises(RemoteExpertError) as refused:
+                    decode_response(answer.content, int.from_bytes(body[8:16], "little")
+                                    if len(body) >= 16 else 0)
+                assert refused.value.code == answer.status_code
+            statuses[answer.status_code] += 1
+
+        hostile()
+    assert statuses[200] and statuses[404] and statuses[400] and statuses[422], statuses
+    assert httpx.get(f"{pool}/readyz").status_code == 200
 
 
 def settings() -> PoolSettings:
