@@ -135,8 +135,22 @@ class StsStand:
         self.url = ""
 
 
+class _Answering(BaseHTTPRequestHandler):
+    """A loopback stand's handler: whole answers, no log."""
+
+    def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
 def _sts_handler(stand: StsStand) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(_Answering):
         def do_POST(self) -> None:
             form = self.rfile.read(int(self.headers["Content-Length"])).decode()
             stand.asked.append(urllib.parse.parse_qs(form))
@@ -147,14 +161,7 @@ def _sts_handler(stand: StsStand) -> type[BaseHTTPRequestHandler]:
                     f"<Expiration>{expires}</Expiration></Credentials>"
                     "</AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>"
                     ).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/xml")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
+            self._answer(200, body, "text/xml")
 
     return Handler
 
@@ -250,13 +257,13 @@ class GoogleStand:
 
 
 def _google_handler(stand: GoogleStand) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(_Answering):
         def do_POST(self) -> None:
             form = self.rfile.read(int(self.headers["Content-Length"])).decode()
             stand.grants.append(form)
             self._answer(200, json.dumps({"access_token": GoogleStand.TOKEN,
                                           "expires_in": 3600,
-                                          "token_type": "Bearer"}).encode())
+                                          "token_type": "Bearer"}).encode(), "application/json")
 
         def do_GET(self) -> None:
             if self.headers.get("Authorization") != f"Bearer {GoogleStand.TOKEN}":
@@ -265,15 +272,6 @@ def _google_handler(stand: GoogleStand) -> type[BaseHTTPRequestHandler]:
                 self._answer(200, stand.files[self.path])
             else:
                 self._answer(404, b"")
-
-        def _answer(self, status: int, body: bytes) -> None:
-            self.send_response(status)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
 
     return Handler
 
@@ -287,28 +285,18 @@ def google(smoke_expert_checkpoint, no_cloud_credentials, monkeypatch, tmp_path
 
     stand = GoogleStand({f"/{BUCKET}/smoke/{name}": (smoke_expert_checkpoint / name).read_bytes()
                          for name in (CONFIG_FILE, WEIGHTS_FILE)})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _google_handler(stand))
-    server.daemon_threads = True
-    stand.url = f"http://127.0.0.1:{server.server_address[1]}"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
     pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption()).decode()
-    key_file = tmp_path / "key.json"
-    key_file.write_text(json.dumps({
-        "type": "service_account", "project_id": "ddm", "private_key_id": "1",
-        "private_key": pem, "client_email": "fetcher@ddm.iam.gserviceaccount.com",
-        "client_id": "1", "token_uri": f"{stand.url}/token"}))
-    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", stand.url)
-    try:
+    with _serving(_google_handler(stand)) as stand.url:
+        key_file = tmp_path / "key.json"
+        key_file.write_text(json.dumps({
+            "type": "service_account", "project_id": "ddm", "private_key_id": "1",
+            "private_key": pem, "client_email": "fetcher@ddm.iam.gserviceaccount.com",
+            "client_id": "1", "token_uri": f"{stand.url}/token"}))
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", stand.url)
         yield stand
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
 
 
 def test_a_private_gcs_bucket_is_read_with_googles_default_credentials(
