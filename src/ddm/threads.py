@@ -8,6 +8,9 @@ threads"). So a command takes the cores it may use (its CPU affinity and its cgr
 less those the machine's other work keeps busy (the one-minute load average), at least one, and
 lets waiting threads sleep. ``DDM_CPU_THREADS`` overrides: a count, or ``framework`` for the
 frameworks' own defaults; an ``OMP_NUM_THREADS`` the user set is respected.
+
+``DDM_EXPERT_WORKERS`` (:func:`expert_parallelism`) runs a sampling step's experts in that many
+threads sharing the same budget; off by default, as it was not measured faster.
 """
 
 from __future__ import annotations
