@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=int, default=4, help="busy processes in the loaded runs")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds one configuration may take")
+    p.add_argument("--policy", action="append", default=None, metavar="NAME",
+                   help="run only this policy (repeatable; default: every one: "
+                        "benchmarks/threads.py POLICIES)")
     p.set_defaults(handler=_bench_threads)
 
     p = kinds.add_parser("pools", help="the shipped text DDM with every component alone, in "
@@ -167,9 +170,13 @@ def _bench_grouped(args: argparse.Namespace) -> int:
 
 
 def _bench_threads(args: argparse.Namespace) -> int:
-    from benchmarks.threads import main
+    from benchmarks.threads import POLICIES, main
 
-    return main(args.prompts, args.load, args.timeout)
+    try:
+        return main(args.prompts, args.load, args.timeout, tuple(args.policy or POLICIES))
+    except ValueError as error:
+        print(f"benchmarks: error: {error}", file=sys.stderr)
+        return 2
 
 
 def _bench_scale_to_zero(args: argparse.Namespace) -> int:

@@ -27,6 +27,11 @@ POLICIES: dict[str, dict[str, str]] = {
     # the default count, but waiting threads sleep.
     "framework-passive": {"DDM_CPU_THREADS": "framework", "OMP_WAIT_POLICY": "PASSIVE"},
     "one-thread": {"DDM_CPU_THREADS": "1"},
+    # two intra-op threads, the experts of a step one after the other...
+    "two-threads": {"DDM_CPU_THREADS": "2"},
+    # ...or two experts at once, one intra-op thread each (inter-op parallelism across
+    # experts: ddm.threads.expert_parallelism); the same threads in all.
+    "two-expert-workers": {"DDM_CPU_THREADS": "2", "DDM_EXPERT_WORKERS": "2"},
 }
 _CHILD = """
 import sys, time
@@ -52,7 +57,8 @@ def _spinners(count: int, seconds: float) -> list[subprocess.Popen]:
 
 def _run(policy: dict[str, str], prompts: int, load: int, timeout_s: float) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DDM_CPU_THREADS")}
+           if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "DDM_CPU_THREADS",
+                        "DDM_EXPERT_WORKERS")}
     env.update(policy)
     spinners = _spinners(load, timeout_s) if load else []
     try:
@@ -70,22 +76,29 @@ def _run(policy: dict[str, str], prompts: int, load: int, timeout_s: float) -> d
             "torch_threads": int(torch_threads)}
 
 
-def bench_threads_command(prompts: int, load: int, timeout_s: float) -> dict:
-    """Every policy idle and under ``load`` spinning processes; the figures as a dict."""
+def bench_threads_command(prompts: int, load: int, timeout_s: float,
+                          policies: tuple[str, ...] = tuple(POLICIES)) -> dict:
+    """Each of ``policies`` idle and under ``load`` spinning processes; the figures as a
+    dict (with the one-minute load average before each run: other work counts too)."""
+    unknown = sorted(set(policies) - set(POLICIES))
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
     results: dict = {"prompts": prompts, "load_processes": load, "cpus": os.cpu_count(),
                      "loadavg_before": os.getloadavg()[0], "runs": []}
     for label, spinning in (("idle", 0), ("loaded", load)):
-        for name, policy in POLICIES.items():
+        for name in policies:
+            policy = POLICIES[name]
             print(f"[bench threads] {name}, {label}", file=sys.stderr, flush=True)
             started = time.perf_counter()
             run = _run(policy, prompts, spinning, timeout_s)
-            run.update(policy=name, machine=label,
+            run.update(policy=name, machine=label, loadavg_1m=os.getloadavg()[0],
                        wall_s=round(time.perf_counter() - started, 1))
             results["runs"].append(run)
             print(f"[bench threads] {json.dumps(run)}", file=sys.stderr, flush=True)
     return results
 
 
-def main(prompts: int, load: int, timeout_s: float) -> int:
-    print(json.dumps(bench_threads_command(prompts, load, timeout_s), indent=2))
+def main(prompts: int, load: int, timeout_s: float, policies: tuple[str, ...] = tuple(POLICIES)
+         ) -> int:
+    print(json.dumps(bench_threads_command(prompts, load, timeout_s, policies), indent=2))
     return 0

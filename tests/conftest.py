@@ -53,6 +53,29 @@ def _smoke_expert(directory: Path, framework: str) -> Path:
     return save_checkpoint(directory, meta, canonical_weights(UNet(config)))
 
 
+#: What botocore's credential chain reads from the environment (ddm.checkpoints.credentials).
+_AWS_CREDENTIAL_VARIABLES = (
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_ROLE_SESSION_NAME",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL_STS",
+    "GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")
+
+
+@pytest.fixture
+def no_cloud_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
+    """Clouds' credential chains that find nothing and ask no metadata server: no keys in the
+    environment, config files that do not exist, the instance metadata service off."""
+    for name in _AWS_CREDENTIAL_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    nowhere = tmp_path_factory.mktemp("no-cloud-config")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(nowhere / "aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(nowhere / "aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(nowhere / "gcloud"))
+
+
 @pytest.fixture(scope="session")
 def smoke_expert_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-init ``smoke`` expert recorded as trained with PyTorch (classes 0-4)."""

@@ -8,6 +8,9 @@ threads"). So a command takes the cores it may use (its CPU affinity and its cgr
 less those the machine's other work keeps busy (the one-minute load average), at least one, and
 lets waiting threads sleep. ``DDM_CPU_THREADS`` overrides: a count, or ``framework`` for the
 frameworks' own defaults; an ``OMP_NUM_THREADS`` the user set is respected.
+
+``DDM_EXPERT_WORKERS`` (:func:`expert_parallelism`) runs a sampling step's experts in that many
+threads sharing the same budget; off by default, as it was not measured faster.
 """
 
 from __future__ import annotations
@@ -75,3 +78,33 @@ def apply_cpu_thread_policy(env: MutableMapping[str, str] | None = None,
     if set_torch_threads is not None:
         set_torch_threads(threads)
     return threads
+
+
+#: Inter-op parallelism: how many experts of one step an in-process sampler runs at once
+#: (a positive count; 1: one after the other).
+EXPERT_WORKERS_ENV = "DDM_EXPERT_WORKERS"
+#: Off unless asked for: on the 2-core machines measured it was not faster (docs/benchmarks.md,
+#: "threads"), and each worker holds its own activations.
+DEFAULT_EXPERT_WORKERS = 1
+
+
+def expert_parallelism(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(workers, intra-op threads of each) for the experts one sampling step calls: the
+    workers share the intra-op budget (``OMP_NUM_THREADS`` as the policy set it, else the
+    usable CPUs), so that the total stays within it; never more workers than threads."""
+    env = os.environ if env is None else env
+    raw = env.get(EXPERT_WORKERS_ENV, "").strip()
+    if raw and (not raw.isdigit() or int(raw) < 1):
+        raise ValueError(f"{EXPERT_WORKERS_ENV}={raw!r}: give a positive number of experts "
+                         "run at once (1: one after the other)")
+    budget = env.get("OMP_NUM_THREADS", "")
+    threads = int(budget) if budget.isdigit() and int(budget) > 0 else usable_cpus()
+    workers = min(int(raw) if raw else DEFAULT_EXPERT_WORKERS, threads)
+    return workers, max(1, threads // workers)
+
+
+def set_torch_threads_here(threads: int) -> None:
+    """Give the calling thread's PyTorch ops ``threads`` intra-op threads (OpenMP's count is
+    per calling thread), if PyTorch is loaded."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)

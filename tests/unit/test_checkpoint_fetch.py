@@ -292,7 +292,8 @@ def test_not_found_names_the_uri_and_leaves_no_destination(origin, tmp_path):
     assert len(origin.requests) == 1  # a 404 is not retried
 
 
-def test_a_private_object_says_how_to_reach_it(origin, smoke_expert_checkpoint, tmp_path):
+def test_a_private_object_says_how_to_reach_it(origin, smoke_expert_checkpoint, tmp_path,
+                                               no_cloud_credentials):
     _serve_directory(origin, "/private/smoke", smoke_expert_checkpoint)
     origin.failures["/private/smoke/weights.safetensors"] = [403]
     with pytest.raises(FetchError, match=r"s3://private/smoke: .*HTTP 403.*--headers-file.*"

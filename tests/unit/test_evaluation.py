@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import zipfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from ddm.evaluation.classifier import (Classifier, ClassifierConfig, ClassifierN
                                        load_classifier, save_classifier, train_classifier)
 from ddm.evaluation.evaluate import evaluate_samples
 from ddm.evaluation.frechet import frechet_distance, frechet_distance_from_stats
+from ddm.progress import JobProgress, progress_bar
 from ddm.samples import SamplesFileError, load_samples_npz
 
 #: The small 16x16 DDM: the report's tests name it (the default is the MNIST DDM).
@@ -222,6 +223,37 @@ def test_load_samples_npz_rejects_missing_and_corrupt_files(tmp_path: Path) -> N
 
 # --- the report --------------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def cache_home(tmp_path_factory, monkeypatch) -> Path:
+    """``ddm report`` caches by default under the user's cache directory: a fresh one."""
+    home = tmp_path_factory.mktemp("cache-home")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    return home
+
+
+def _job(log: Callable[[str], None], clock: Callable[[], float] | None = None) -> JobProgress:
+    """A report's progress as a log sees it (no terminal: a line per run to ``log``)."""
+    bar = progress_bar(None, "report", "sample", quiet=True)
+    return JobProgress(bar, "sample", log=log, **({"clock": clock} if clock else {}))
+
+
+def test_the_whole_reports_progress_counts_samples_and_the_time_left() -> None:
+    """Reused runs leave the plan (they take no time), so the time left is reckoned from
+    runs actually sampled."""
+    now = [0.0]
+    heard: list[str] = []
+    job = _job(heard.append, clock=lambda: now[0])
+    job.plan(3 * 100)
+    job.done(100, "a: reused", reused=True)
+    assert heard[-1] == "a: reused (0/200 samples, time left unknown)"
+    now[0] = 40.0
+    job.done(100, "b: sampled")
+    assert heard[-1] == "b: sampled (100/200 samples, about 40 s left)"
+    job.plan(900)  # a later part of the job, known now
+    now[0] = 120.0
+    job.done(100, "c: sampled")  # 0.6 s a sample so far, 900 to go
+    assert heard[-1] == "c: sampled (200/1100 samples, about 9 min left)"
+
 def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path) -> None:
     from ddm.cli import main
 
@@ -308,20 +340,23 @@ def test_a_stopped_report_resumes_from_its_cache(tmp_path: Path) -> None:
 
     settings = dict(checkpoints=DIGITS, n_per_label=2, steps=2, cache=cache)
     with pytest.raises(Stopped):
-        write_report(out=tmp_path / "stopped.md", progress=stop_after_four, **settings)
+        write_report(out=tmp_path / "stopped.md", progress=_job(stop_after_four), **settings)
     assert not (tmp_path / "stopped.md").exists()
     assert len(list(cache.glob("*.npz"))) == 4
-    assert all(line.endswith("CPU-s") for line in heard)
+    assert all(" CPU-s (" in line for line in heard)
+    assert heard[-1].split(" CPU-s ")[1].startswith("(80/360 samples, about ")  # 18 runs of 20
 
     heard.clear()
-    resumed = write_report(out=tmp_path / "resumed.md", progress=heard.append, **settings)
+    resumed = write_report(out=tmp_path / "resumed.md", progress=_job(heard.append), **settings)
     reused = [line for line in heard if ": reused " in line]
     assert len(reused) == 4 and len(heard) == 3 * 6  # 6 sampled rows, 3 seeds each
+    assert heard[-1].endswith("(280/280 samples, about 0 s left)")  # the 4 reused left the plan
     assert "4 of the 18 runs were reused from an earlier" in resumed.read_text()
 
     heard.clear()
-    (cache / reused[0].split(": reused ")[1]).write_bytes(b"PK\x03\x04 cut short")
-    again = write_report(out=tmp_path / "again.md", progress=heard.append, **settings)
+    damaged = reused[0].split(": reused ")[1].split(" (")[0]
+    (cache / damaged).write_bytes(b"PK\x03\x04 cut short")
+    again = write_report(out=tmp_path / "again.md", progress=_job(heard.append), **settings)
     assert sum(": reused " in line for line in heard) == 17  # the damaged run is sampled anew
 
     def table(path: Path) -> list[str]:
@@ -333,8 +368,36 @@ def test_a_stopped_report_resumes_from_its_cache(tmp_path: Path) -> None:
     assert "runs were reused" not in fresh.read_text()
 
     heard.clear()
-    write_report(out=tmp_path / "other.md", progress=heard.append, **{**settings, "steps": 3})
+    write_report(out=tmp_path / "other.md", progress=_job(heard.append),
+                 **{**settings, "steps": 3})
     assert not any(": reused " in line for line in heard)  # other settings: other runs
+
+
+def test_report_caches_by_default_says_where_and_not_with_no_cache(tmp_path: Path, capsys,
+                                                                  cache_home: Path) -> None:
+    from ddm.cli import main
+
+    args = ["report", "--checkpoints", str(DIGITS), "--n-per-label", "1", "--steps", "1",
+            "--out", str(tmp_path / "q.md")]
+    assert main(args) == 0
+    kept = cache_home / "ddm" / "report"
+    err = capsys.readouterr().err
+    assert f"ddm report: keeping sampled runs in {kept} (--no-cache: none)" in err
+    assert len(list(kept.glob("*.npz"))) == 18
+    assert err.count(" CPU-s (") == 18 and "(180/180 samples, about 0 s left)" in err
+
+    assert main(args) == 0  # the second report samples nothing
+    err = capsys.readouterr().err
+    assert err.count(": reused ") == 18 and "(0/0 samples, time left unknown)" in err
+
+    assert main([*args, "--no-cache"]) == 0
+    err = capsys.readouterr().err
+    assert "keeping no sampled runs (--no-cache)" in err and ": reused " not in err
+    elsewhere = tmp_path / "elsewhere"
+    assert main([*args, "--cache", str(elsewhere)]) == 0
+    assert len(list(elsewhere.glob("*.npz"))) == 18
+    with pytest.raises(SystemExit):  # one or the other
+        main([*args, "--cache", str(elsewhere), "--no-cache"])
 
 
 def test_models_are_compared_run_by_run() -> None:

@@ -5,6 +5,10 @@ network alone or with its text prior)."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +92,30 @@ def test_reports_on_one_cache_share_runs_each_computed_once(tmp_path: Path) -> N
     alone = RunStore(None)
     alone.run("run-a", lambda: compute("alone"))
     assert alone.result("run-a")["by"] == "alone"
+
+
+def test_a_stopped_reports_claim_is_taken_over_and_a_live_ones_kept(tmp_path: Path) -> None:
+    """Runs are cached by default, so a report stopped mid-run must not leave its run
+    claimed for ever (the next report would wait an hour for it)."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    (tmp_path / "stopped.claim").write_text(f"{host} {gone.pid}")
+    (tmp_path / "running.claim").write_text(f"{host} {os.getppid()}")
+    store = RunStore(tmp_path)
+    assert store.run("stopped", lambda: {"by": "this report"})
+    assert store.result("stopped") == {"by": "this report"}
+    assert not store.run("running", lambda: {"by": "this report"})
+
+    class Stopped(Exception):
+        pass
+
+    def interrupted() -> dict[str, object]:
+        raise Stopped()
+
+    with pytest.raises(Stopped):
+        store.run("failed", interrupted)
+    assert not (tmp_path / "failed.claim").exists()  # free for the next report
 
 
 def _row(model: str, routing: str, guidance: float, digit: list[float]) -> Row:

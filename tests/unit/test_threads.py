@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from ddm.threads import THREADS_ENV, apply_cpu_thread_policy, cpu_threads, usable_cpus
@@ -67,3 +68,70 @@ def test_in_process_commands_apply_the_policy_before_they_compute(command, tmp_p
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert f"{THREADS_ENV}='lots'" in result.stderr
+
+
+# -- several experts of one step at once (inter-op) -------------------------------------------
+
+def test_expert_workers_share_the_intra_op_budget():
+    from ddm.threads import EXPERT_WORKERS_ENV, expert_parallelism
+
+    assert expert_parallelism({"OMP_NUM_THREADS": "4"}) == (1, 4)  # off by default
+    assert expert_parallelism({EXPERT_WORKERS_ENV: "2", "OMP_NUM_THREADS": "4"}) == (2, 2)
+    assert expert_parallelism({EXPERT_WORKERS_ENV: "3", "OMP_NUM_THREADS": "4"}) == (3, 1)
+    assert expert_parallelism({EXPERT_WORKERS_ENV: "4", "OMP_NUM_THREADS": "2"}) == (2, 1)
+    with pytest.raises(ValueError, match=f"{EXPERT_WORKERS_ENV}='0'"):
+        expert_parallelism({EXPERT_WORKERS_ENV: "0"})
+
+
+def _sample_both_ways(monkeypatch, generate):
+    """``generate()`` one after the other and with two expert workers (two threads in all,
+    one intra-op thread each); the images, and the threads that ran the expert calls."""
+    import threading
+
+    import torch
+
+    from ddm.sampling import pipeline
+    from ddm.threads import EXPERT_WORKERS_ENV
+
+    ran_in: list[str] = []
+    call = pipeline._Stages._call
+
+    def recorded(self, query):
+        ran_in.append(threading.current_thread().name)
+        return call(self, query)
+
+    monkeypatch.setattr(pipeline._Stages, "_call", recorded)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    torch.set_num_threads(1)
+    monkeypatch.setenv(EXPERT_WORKERS_ENV, "1")
+    alone = generate()
+    one_after_the_other, ran_in[:] = set(ran_in), []
+    monkeypatch.setenv(EXPERT_WORKERS_ENV, "2")
+    together = generate()
+    return alone, together, one_after_the_other, set(ran_in)
+
+
+def test_experts_run_at_once_give_the_same_pixels(monkeypatch):
+    from ddm.checkpoints.discovery import shipped_checkpoints
+    from ddm.models.loading import load_ddm
+    from ddm.sampling.pipeline import generate
+
+    ddm = load_ddm(shipped_checkpoints("digits"))
+    alone, together, before, after = _sample_both_ways(
+        monkeypatch, lambda: generate(ddm, list(range(10)) * 2, 6, 0, "top2", "euler").images)
+    assert before == {"MainThread"} and {n.split("_")[0] for n in after} == {"ddm-expert"}
+    assert np.array_equal(alone, together)
+
+
+def test_text_experts_run_at_once_give_the_same_pixels(monkeypatch):
+    from ddm.checkpoints.discovery import shipped_checkpoints
+    from ddm.models.stages import load_text_ddm
+    from ddm.sampling.pipeline import generate_text
+
+    ddm = load_text_ddm(shipped_checkpoints("text2img"), backends=("torch",))
+    prompts = ["a thick red seven", "a thin blue three", "a green five", "an orange eight"]
+    alone, together, before, after = _sample_both_ways(
+        monkeypatch, lambda: generate_text(ddm, prompts, steps=4, seed=0,
+                                           strategy="top2").images)
+    assert before == {"MainThread"} and {n.split("_")[0] for n in after} == {"ddm-expert"}
+    assert np.array_equal(alone, together)

@@ -26,8 +26,10 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
                                  "container runs this)")
     p.add_argument("uri", nargs="?",
                    help="http(s)://... (a checkpoint directory or a .tar.gz of it), "
-                        "s3://BUCKET/KEY or gs://BUCKET/KEY; default $DDM_CHECKPOINT_URI (from a "
-                        "Secret: a pre-signed URL's signature stays off the command line)")
+                        "s3://BUCKET/KEY or gs://BUCKET/KEY (read anonymously, or signed with "
+                        "the cloud's credential chain when the bucket refuses); default "
+                        "$DDM_CHECKPOINT_URI (from a Secret: a pre-signed URL's signature stays "
+                        "off the command line)")
     p.add_argument("dest", type=Path,
                    help="directory to create, or an empty one (a volume's mount point)")
     p.add_argument("--sha256", metavar="HEX",

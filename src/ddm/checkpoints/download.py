@@ -53,6 +53,14 @@ class Retryable(FetchError):
     """A transient failure (5xx, 429, a refused, dropped or timed-out connection)."""
 
 
+class Refused(FetchError):
+    """The store answered 401 or 403: ``refusal`` is the status line without a hint."""
+
+    def __init__(self, message: str, refusal: str) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
 @dataclass(frozen=True)
 class Received:
     """What a GET wrote: ``size`` bytes whose SHA-256 is ``sha256`` (hex)."""
@@ -205,8 +213,9 @@ def _status_error(url: str, status: int) -> FetchError:
     text = f"{shown(url)}: HTTP {status} {phrase}".rstrip()
     if status >= 500 or status == 429:
         return Retryable(text)
-    hint = {404: NOT_FOUND_HINT, 401: PRIVATE_HINT, 403: PRIVATE_HINT}.get(status)
-    return FetchError(text + (f" ({hint})" if hint else ""))
+    if status in (401, 403):
+        return Refused(f"{text} ({PRIVATE_HINT})", text)
+    return FetchError(text + (f" ({NOT_FOUND_HINT})" if status == 404 else ""))
 
 
 def _port(parts: SplitResult) -> int:

@@ -12,6 +12,8 @@ Where a checkpoint can come from:
   ``AWS_REGION`` is set), or ``$AWS_ENDPOINT_URL_S3``/``$AWS_ENDPOINT_URL``/BUCKET/KEY.
 - ``gs://BUCKET/KEY`` through ``https://storage.googleapis.com/BUCKET/KEY``, or
   ``$STORAGE_EMULATOR_HOST``/BUCKET/KEY.
+- Both anonymously first; a private bucket (401/403) through the cloud's standard credential
+  chain, signed (``ddm.checkpoints.credentials``), unless a headers file gives credentials.
 
 The URI is a tenant's input and the fetcher runs inside the cluster, so (``download`` and
 ``destinations`` carry this out):
@@ -61,7 +63,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 from ddm.checkpoints.archive import extract_archive
 from ddm.checkpoints.destinations import Network
-from ddm.checkpoints.download import FetchError, Received, Retryable, get, shown
+from ddm.checkpoints.credentials import StoreCredentials, s3_region
+from ddm.checkpoints.download import FetchError, Received, Refused, Retryable, get, shown
 from ddm.checkpoints.destinations import normal_host
 from ddm.checkpoints.format import (
     CONFIG_FILE,
@@ -121,12 +124,14 @@ class FetchPolicy:
 
 @dataclass(frozen=True)
 class _Fetch:
-    """One fetch's settings, as the download of each file needs them."""
+    """One fetch's settings, as the download of each file needs them. ``credentials``: a
+    bucket's chain, consulted if the store refuses an anonymous read (None: no chain)."""
 
     policy: FetchPolicy
     deadline: float
     pinned: bool
     headers: Mapping[str, str]
+    credentials: StoreCredentials | None = None
 
 
 def fetch_checkpoint(uri: str, dest: str | os.PathLike, policy: FetchPolicy = FetchPolicy(),
@@ -192,7 +197,10 @@ def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
         raise FetchError(f"fetch-checkpoint downloads {', '.join(REMOTE_SCHEMES)} URIs; "
                          f"a {checkpoint.scheme}:// checkpoint is mounted, not fetched")
     base_url = resolve_url(uri, env)
-    fetch = _Fetch(policy, time.monotonic() + policy.deadline_s, sha256 is not None, headers)
+    chain = (StoreCredentials(checkpoint.scheme, env, policy.timeout_s)
+             if checkpoint.scheme in ("s3", "gs") and not headers else None)
+    fetch = _Fetch(policy, time.monotonic() + policy.deadline_s, sha256 is not None, headers,
+                   chain)
     try:
         staging = _staging_dir(target)
         try:
@@ -220,7 +228,7 @@ def resolve_url(uri: str, env: Mapping[str, str]) -> str:
         endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         if endpoint:
             return f"{endpoint.rstrip('/')}/{bucket}/{key}"
-        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        region = s3_region(env)
         host = f"{bucket}.s3.{region}.amazonaws.com" if region else f"{bucket}.s3.amazonaws.com"
         return f"https://{host}/{key}"
     if parts.scheme == "gs":
@@ -298,9 +306,13 @@ def _program_file(root: Path) -> list[str]:
 
 def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | None
               ) -> Received:
-    """GET ``url`` into ``target`` with retries, within the fetch's deadline; check the pin."""
-    policy, problem = fetch.policy, ""
-    for attempt in range(policy.attempts):
+    """GET ``url`` into ``target`` with retries, within the fetch's deadline; check the pin.
+
+    A refusal of an anonymous read from a bucket is answered once, at once, by signing with
+    the fetch's credentials; every later request of the fetch is signed from the start.
+    """
+    policy, problem, attempt = fetch.policy, "", 0
+    while attempt < policy.attempts:
         if attempt:
             pause = policy.backoff_s * 2 ** (attempt - 1)
             if time.monotonic() + pause >= fetch.deadline:
@@ -311,19 +323,43 @@ def _download(url: str, target: Path, limit: int, fetch: _Fetch, sha256: str | N
                 received = get(url, out, limit=limit, deadline=fetch.deadline,
                                timeout_s=policy.timeout_s, networks=policy.allowed_networks,
                                pinned=fetch.pinned, max_redirects=policy.max_redirects,
-                               headers=fetch.headers,
+                               headers=_headers(url, fetch),
                                hosts=frozenset(map(normal_host, policy.allowed_hosts)))
         except Retryable as exc:
-            problem = str(exc)
+            problem, attempt = str(exc), attempt + 1
             continue
+        except Refused as exc:
+            _answer_refusal(exc, fetch.credentials)
+            continue  # now signed; not an attempt: the store has not failed
         if sha256 is not None and received.sha256 != sha256:
             raise FetchError(f"{shown(url)}: sha256 {received.sha256} does not match the pinned "
                              f"{sha256}")
         return received
-    else:
+    if attempt == policy.attempts:
         raise FetchError(f"{problem} (gave up after {policy.attempts} attempts)")
     raise FetchError(f"{problem} (gave up: the {policy.deadline_s:g} s deadline of the whole "
                      "download leaves no time for another attempt)")
+
+
+def _headers(url: str, fetch: _Fetch) -> Mapping[str, str]:
+    """The headers of one request: the headers file's, or a signature once one is needed."""
+    credentials = fetch.credentials
+    return credentials.sign(url) if credentials is not None and credentials.in_use \
+        else fetch.headers
+
+
+def _answer_refusal(refused: Refused, credentials: StoreCredentials | None) -> None:
+    """Start signing after a bucket refused an anonymous read; otherwise say why it failed."""
+    if credentials is None:
+        raise refused
+    if credentials.in_use:
+        raise FetchError(f"{refused.refusal} (the store refused the signed request: "
+                         f"{credentials.source}; check the key, the identity's access to "
+                         "this object and the region)") from None
+    try:
+        credentials.look_up()
+    except FetchError as exc:
+        raise FetchError(f"{refused.refusal} ({exc})") from None
 
 
 def _checkpoint_root(root: Path) -> Path:

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
-from ddm.fileio import existing_path
+from ddm.fileio import check_output, existing_path
+from ddm.progress import JobProgress, progress_bar
 from ddm.sampling_params import (DEFAULT_SOLVER, DEFAULT_STEPS, SOLVER, STEPS,
                                  add_sampling_flags)
 
@@ -81,43 +84,58 @@ def add_report_command(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True,
                    help="the Markdown file to write, e.g. docs/quality.md (MNIST) or "
                         "docs/quality-digits.md (digits)")
-    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
-                   help="keep every sampled run in DIR and reuse those already there: a "
-                        "stopped report resumes, and a new monolith samples only its own rows "
-                        "(keyed by the checkpoints and settings, not the code: use a fresh DIR "
-                        "after changing the sampler)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                       help="where every sampled run is kept and those already there reused: "
+                            "a stopped report resumes, and a new monolith samples only its own "
+                            "rows (keyed by the checkpoints and settings, not the code: use "
+                            "--no-cache or a fresh DIR after changing the sampler; default: "
+                            "$XDG_CACHE_HOME/ddm/report, else ~/.cache/ddm/report)")
+    cache.add_argument("--no-cache", action="store_true",
+                       help="sample every run, keep none")
     p.add_argument("--quiet", action="store_true",
-                   help="no progress bar (with stderr not a terminal: a line per run instead)")
+                   help="no progress bar (with stderr not a terminal: a line per run, with "
+                        "the samples done and the time left, instead)")
     p.set_defaults(handler=_report, computes_in_process=True)
+
+
+def report_cache(args: argparse.Namespace, env: Mapping[str, str] = os.environ
+                 ) -> Path | None:
+    """Where ``ddm report`` keeps its runs: ``--cache DIR``, none with ``--no-cache``, else
+    the user's cache directory (XDG's, as pip and Hugging Face use)."""
+    if args.no_cache:
+        return None
+    if args.cache is not None:
+        return args.cache
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ddm" / "report"
 
 
 def _report(args: argparse.Namespace) -> int:
     from ddm.evaluation.report import write_report
     from ddm.evaluation.text2img_report import is_text2img
-    from ddm.progress import progress_bar
 
-    with progress_bar(None, "report runs", "run", args.quiet) as bar:
-        def progress(line: str) -> None:
-            if bar.disable:  # a log, not a terminal: one line per run
-                print(f"ddm report: {line}", file=sys.stderr)
-            else:
-                bar.update(1)
-                bar.set_postfix_str(line)
-
+    check_output(args.out, ".md", "--out")  # a typo fails now, before the cache line
+    cache = report_cache(args)
+    print("ddm report: " + (f"keeping sampled runs in {cache} (--no-cache: none)" if cache
+                            else "keeping no sampled runs (--no-cache)"), file=sys.stderr)
+    with progress_bar(None, "report", "sample", args.quiet) as bar:
+        progress = JobProgress(bar, "sample",
+                               log=lambda line: print(f"ddm report: {line}", file=sys.stderr))
         if args.checkpoints is not None and is_text2img(args.checkpoints):
-            path = _report_text2img(args, progress)
+            path = _report_text2img(args, cache, progress)
             print(f"wrote {path}")
             return 0
         path = write_report(checkpoints=args.checkpoints, n_per_label=args.n_per_label,
                             steps=args.steps or DEFAULT_STEPS, out=args.out,
                             solver=args.solver or DEFAULT_SOLVER,
-                            data=args.data, compare=args.compare, cache=args.cache,
+                            data=args.data, compare=args.compare, cache=cache,
                             progress=progress)
     print(f"wrote {path}")
     return 0
 
 
-def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) -> Path:
+def _report_text2img(args: argparse.Namespace, cache: Path | None,
+                     progress: JobProgress) -> Path:
     """``ddm report --checkpoints DIR`` of an imported text2img DDM (docs/quality-text2img.md),
     judged by the shipped MNIST classifier and the import's small CLIP."""
     from ddm.checkpoints.discovery import shipped_checkpoints
@@ -129,5 +147,5 @@ def _report_text2img(args: argparse.Namespace, progress: Callable[[str], None]) 
     classifier = shipped_checkpoints(DEFAULT_DDM) / "classifier"
     return write_text2img_report(args.checkpoints, args.out, classifier,
                                  mnist_directory(classifier, args.data),
-                                 steps=args.steps or TEXT2IMG_STEPS, cache=args.cache,
+                                 steps=args.steps or TEXT2IMG_STEPS, cache=cache,
                                  progress=progress)

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from ddm.evaluation.scoring import METRICS, SEEDS, Judge, cluster_agreement, sum
 from ddm.fileio import atomic_path, check_output
 from ddm.checkpoints.discovery import default_checkpoints, discover
 from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
+from ddm.progress import JobProgress
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import routes_by_label
 
@@ -69,16 +70,19 @@ def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
     floor["accuracy"] = _accuracy_summary(judge, labels)
     rows = [Row("real test digits (disjoint subsets)", "-", floor, 0.0, 0.0,
                 time.process_time() - started)]
+    ddm = load_ddm(checkpoints)
+    strategies = strategies_for(ddm)
+    cache.expect(len(SEEDS) * (len(found.get("monolith", [])) + len(strategies) + len(compare)),
+                 len(labels))
     for path in sorted(found.get("monolith", []),
                        key=lambda p: -int(read_meta(p).training.get("steps", 0))):
         trained = read_meta(path).training.get("steps", "?")
         rows.append(_sampled_row(load_ddm(path), f"monolith ({trained} steps)", "single model",
                                  judge, labels, steps, solver, cache))
-    ddm = load_ddm(checkpoints)
     trained = sorted({read_meta(p).training.get("steps", "?") for p in found["expert"]})
     model = f"DDM ({len(found['expert'])} experts, {'/'.join(map(str, trained))} steps each)"
     partition = shared_partition(found["expert"]) if ddm.router is not None else None
-    for strategy in strategies_for(ddm):
+    for strategy in strategies:
         rows.append(_sampled_row(ddm, model, strategy, judge, labels, steps, solver, cache,
                                  partition if strategy == "top1" else None))
     for path, other in compare:
@@ -253,11 +257,11 @@ def render(rows: Sequence[Row], parity: dict[str, float], settings: dict[str, An
 def write_report(checkpoints: Path | None, n_per_label: int, steps: int, out: Path,
                  solver: str = DEFAULT_SOLVER, data: str | None = None,
                  compare: Sequence[Path] = (), cache: Path | None = None,
-                 progress: Callable[[str], None] | None = None) -> Path:
+                 progress: JobProgress | None = None) -> Path:
     """Sample every row ``len(SEEDS)`` times, score, and write the table to ``out``.
     ``compare``: other DDM directories judged by the same classifier, at top-1. ``cache``:
     a directory keeping each sampled run, so a stopped report resumes (``RunCache``);
-    ``progress`` hears one line per run."""
+    ``progress`` hears the whole report's samples, then each run."""
     if n_per_label < 1:
         raise ValueError(f"--n-per-label must be >= 1, got {n_per_label}")
     check_output(out, ".md", "--out")  # before an hour of sampling, not after

@@ -22,6 +22,7 @@ import numpy as np
 
 from ddm.fileio import atomic_path
 from ddm.models.loading import LoadedDDM, ddm_members
+from ddm.progress import JobProgress
 
 log = logging.getLogger(__name__)
 
@@ -40,24 +41,34 @@ class SampledRun:
 def model_fingerprint(ddm: LoadedDDM) -> str:
     """sha256 over the configs of the checkpoints ``ddm`` was assembled from."""
     experts, router = ddm_members(ddm.source)
+    return configs_fingerprint([*experts, *([router] if router else [])])
+
+
+def configs_fingerprint(checkpoints: list[Path]) -> str:
+    """sha256 over the ``config.json`` of each checkpoint directory (they record their
+    weights' sha256, so a retrained checkpoint changes it)."""
     digest = hashlib.sha256()
-    for path in sorted([*experts, *([router] if router else [])]):
+    for path in sorted(checkpoints):
         digest.update(hashlib.sha256((path / "config.json").read_bytes()).digest())
     return digest.hexdigest()
 
 
 class RunCache:
     """Runs on disk under ``directory`` (None: nothing is kept, every run is sampled);
-    ``progress`` hears one line per run (a full table takes an hour)."""
+    ``progress`` hears each run, in samples (a full table takes an hour)."""
 
-    def __init__(self, directory: Path | None,
-                 progress: Callable[[str], None] | None = None) -> None:
+    def __init__(self, directory: Path | None, progress: JobProgress | None = None) -> None:
         self.directory = directory
         if directory is not None:  # a cache, unlike an output, is made where it is asked for
             directory.mkdir(parents=True, exist_ok=True)
         self.reused = 0
         self.sampled = 0
-        self._progress = progress or (lambda line: None)
+        self._progress = progress
+
+    def expect(self, runs: int, samples: int) -> None:
+        """The report will ask for ``runs`` runs of ``samples`` images each."""
+        if self._progress is not None:
+            self._progress.plan(runs * samples)
 
     def run(self, ddm: LoadedDDM, strategy: str, solver: str, steps: int, seed: int,
             labels: np.ndarray, sample: Callable[[], SampledRun]) -> SampledRun:
@@ -68,13 +79,15 @@ class RunCache:
         stored = _load(path) if path is not None else None
         if stored is not None:
             self.reused += 1
-            self._progress(f"{what}: reused {path}")
+            if self._progress is not None:
+                self._progress.done(len(labels), f"{what}: reused {path}", reused=True)
             return stored
         fresh = sample()
         if path is not None:
             _save(path, fresh)
         self.sampled += 1
-        self._progress(f"{what}: sampled in {fresh.cpu_seconds:.0f} CPU-s")
+        if self._progress is not None:
+            self._progress.done(len(labels), f"{what}: sampled in {fresh.cpu_seconds:.0f} CPU-s")
         return fresh
 
     @staticmethod

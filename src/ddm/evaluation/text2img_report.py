@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from ddm.data.colored_mnist import COLOUR_NAMES, DIGIT_WORDS, ColoredDigits, loa
 from ddm.checkpoints.format import read_meta
 from ddm.evaluation.classifier import Classifier, load_classifier
 from ddm.evaluation.report import agreement_steps, paired_verdict, shown_path
+from ddm.evaluation.runcache import configs_fingerprint
 from ddm.evaluation.scoring import SEEDS, Judge, matched_subsets
 from ddm.evaluation.text2img_judges import ClipJudge, grey, ink_colours, ink_mass
 from ddm.fileio import atomic_path, check_output
@@ -33,6 +35,7 @@ from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import DDM_KEY, TextDDM, load_text_ddm
 from ddm.models.text_prior import TEXT_PRIOR_KEY
 from ddm.models.text2img import DEFAULT_GUIDANCE, DEFAULT_STRATEGY
+from ddm.progress import JobProgress
 from ddm.sampling.pipeline import generate_text
 
 #: Guidance scales of the sweep, and the routings compared at the default scale (``random``:
@@ -149,7 +152,9 @@ class Config:
 class RunStore:
     """Where each sampled run's scores are kept (``--cache DIR``; None: nowhere): a stopped
     report resumes, and reports started together on one DIR share the work, each run claimed
-    by the first to reach it (an exclusive create), the others reading its result."""
+    by the first to reach it (an exclusive create of a file naming its host and process),
+    the others reading its result. A claim whose process is gone (a stopped report) is taken
+    over; one from another host is trusted."""
 
     def __init__(self, directory: Path | None) -> None:
         self.directory = directory
@@ -157,21 +162,24 @@ class RunStore:
             directory.mkdir(parents=True, exist_ok=True)
         self.kept: dict[str, dict[str, Any]] = {}
 
-    def run(self, key: str, compute: Callable[[], dict[str, Any]]) -> None:
-        """Compute ``key`` unless it is kept, or claimed by another report."""
+    def run(self, key: str, compute: Callable[[], dict[str, Any]]) -> bool:
+        """Compute ``key`` unless it is kept, or claimed by another report; whether it was
+        computed here."""
         if self.directory is None:
             self.kept[key] = compute()
-            return
+            return True
         path = self.directory / f"{key}.json"
-        if path.is_file():
-            return
+        claim = path.with_suffix(".claim")
+        if path.is_file() or not _claim(claim):
+            return False
         try:
-            os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        result = compute()
+            result = compute()
+        except BaseException:  # stopped or failed: the run is free for the next report
+            claim.unlink(missing_ok=True)
+            raise
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps(result))
+        return True
 
     def result(self, key: str, wait_s: float = 3600.0) -> dict[str, Any]:
         """``key``'s result, waiting up to ``wait_s`` for another report computing it."""
@@ -184,6 +192,40 @@ class RunStore:
                 raise TimeoutError(f"{path} did not appear: remove its .claim and rerun")
             time.sleep(2.0)
         return json.loads(path.read_text())
+
+
+def _claim(path: Path) -> bool:
+    """Claim a run for this process; False when a live report holds it."""
+    for _ in range(2):
+        try:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if _held(path):
+                return False
+            path.unlink(missing_ok=True)  # its report was stopped: take the run over
+            continue
+        with os.fdopen(descriptor, "w") as claim:
+            claim.write(f"{socket.gethostname()} {os.getpid()}")
+        return True
+    return False
+
+
+def _held(path: Path) -> bool:
+    """Whether the claim's process still runs (a claim being written, or another host's,
+    counts as held)."""
+    try:
+        host, _, pid = path.read_text().partition(" ")
+    except FileNotFoundError:
+        return False
+    if host != socket.gethostname() or not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run_key(config: Config, seed: int, steps: int) -> str:
@@ -209,15 +251,20 @@ def sample_run(config: Config, judges: Judges, prompts: Prompts, steps: int,
 
 
 def sampled_rows(configs: Sequence[Config], judges: Judges, prompts: Prompts, steps: int,
-                 store: RunStore, progress: Callable[[str], None] | None = None) -> list[Row]:
+                 store: RunStore, progress: JobProgress | None = None) -> list[Row]:
     """Every run of every config (those not kept or claimed elsewhere), then the rows."""
+    samples = len(prompts.text)
+    if progress is not None:
+        progress.plan(len(configs) * len(SEEDS) * samples)
     for config in configs:
         for seed in SEEDS:
-            store.run(run_key(config, seed, steps),
-                      lambda: sample_run(config, judges, prompts, steps, seed))
+            sampled = store.run(run_key(config, seed, steps),
+                                lambda: sample_run(config, judges, prompts, steps, seed))
             if progress is not None:
-                progress(f"{config.model} {config.routing} guidance {config.guidance:g} "
-                         f"seed {seed}")
+                progress.done(samples, f"{config.model} {config.routing} guidance "
+                                       f"{config.guidance:g} seed {seed}: "
+                                       f"{'sampled' if sampled else 'reused'}",
+                              reused=not sampled)
     rows = []
     for config in configs:
         runs = [store.result(run_key(config, seed, steps)) for seed in SEEDS]
@@ -231,7 +278,7 @@ def sampled_rows(configs: Sequence[Config], judges: Judges, prompts: Prompts, st
 
 
 def quality_rows(root: Path, judges: Judges, steps: int, backends: Sequence[str],
-                 store: RunStore, progress: Callable[[str], None] | None = None) -> list[Row]:
+                 store: RunStore, progress: JobProgress | None = None) -> list[Row]:
     """The floor; the guidance sweep at the default routing and each routing at the default
     guidance, with the router network alone and (where the router declares one) with its text
     prior; then the monolith (where ``root/monolith`` exists) at the default guidance."""
@@ -371,11 +418,15 @@ def write_text2img_report(root: Path, out: Path, classifier: Path, mnist: Path,
                           clip: Path | None = None, steps: int = 30,
                           backends: Sequence[str] = ("torch", "jax"),
                           cache: Path | None = None,
-                          progress: Callable[[str], None] | None = None) -> Path:
-    """Sample every row, score it, and write the Markdown table to ``out``."""
+                          progress: JobProgress | None = None) -> Path:
+    """Sample every row, score it, and write the Markdown table to ``out``. ``cache``: runs
+    are kept under a directory of it named after the DDM's checkpoints (their configs record
+    their weights' sha256: a retrained DDM never reuses another's runs)."""
     check_output(out, ".md", "--out")  # before the sampling, not after
     judges = load_judges(classifier, mnist, clip or root / "clip", root / "text_encoder")
-    rows = quality_rows(root, judges, steps, backends, RunStore(cache), progress)
+    store = RunStore(None if cache is None else cache / "text2img" / configs_fingerprint(
+        [p.parent for p in root.rglob("config.json")])[:16])
+    rows = quality_rows(root, judges, steps, backends, store, progress)
     settings = {"checkpoints": shown_path(root), "backends": " / ".join(
                     f"expert_{k}: {backends[k % len(backends)]}" for k in range(4)),
                 "n": len(Prompts.make().text), "steps": steps,

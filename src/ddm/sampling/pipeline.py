@@ -2,13 +2,17 @@
 evaluation and benchmarks generate with it, from a label DDM loaded by
 :mod:`ddm.models.loading` or a text DDM's stages (:mod:`ddm.models.paris_ddm`).
 
-It answers the loop's queries by calling the models in this process, one after the other; an
-:class:`~ddm.sampling.loop.Integrate` (delegation) runs the same solver over the expert alone,
-as an expert server does.
+It answers the loop's queries by calling the models in this process: the experts of one step
+one after the other, or ``DDM_EXPERT_WORKERS`` of them at once (:func:`ddm.threads.
+expert_parallelism`: threads that share the intra-op budget; frameworks release the GIL in
+their ops); an :class:`~ddm.sampling.loop.Integrate` (delegation) runs the same solver over
+the expert alone, as an expert server does.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
@@ -19,11 +23,12 @@ from ddm.sampling_params import GUIDANCE_CUTOFF, SOLVER
 from ddm.models.loading import LoadedDDM
 from ddm.models.stages import ConditionedVelocity, TextDDM
 from ddm.sampling.guidance import guided
-from ddm.sampling.loop import (Calls, Concurrently, Decode, Decoded, Encode, Generation, Loop,
-                               Mixture, Query, Route, SamplingRequest, StepEvent, Tally,
-                               Velocity, denoise)
+from ddm.sampling.loop import (Calls, Concurrently, Decode, Decoded, Encode, Generation,
+                               Integrate, Loop, Mixture, Query, Route, SamplingRequest,
+                               StepEvent, Tally, Velocity, denoise)
 from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.sampling.solvers import iterate
+from ddm.threads import expert_parallelism, set_torch_threads_here
 
 DDM = LoadedDDM | TextDDM
 
@@ -121,26 +126,34 @@ def steps_of(ddm: DDM, request: SamplingRequest) -> Iterator[StepEvent | Decoded
     """Run the loop in this process, yielding its :class:`StepEvent` after each chunk (and
     the :class:`Decoded` images at the end, where the DDM decodes)."""
     loop: Loop = denoise(mixture_of(ddm), request)  # validates the request first
-    stages = _Stages(ddm)
-    answer: Any = None
-    while True:
-        try:
-            item = loop.send(answer)
-        except StopIteration:
-            return
-        if isinstance(item, (StepEvent, Decoded)):
-            answer = None
-            yield item
-        else:
-            answer = stages.answer(item)
+    workers, each = expert_parallelism()
+    with ExitStack() as closing:
+        pool = (closing.enter_context(ThreadPoolExecutor(
+                    workers, thread_name_prefix="ddm-expert",
+                    initializer=set_torch_threads_here, initargs=(each,)))
+                if workers > 1 and len(ddm.experts) > 1 else None)
+        stages = _Stages(ddm, pool)
+        answer: Any = None
+        while True:
+            try:
+                item = loop.send(answer)
+            except StopIteration:
+                return
+            if isinstance(item, (StepEvent, Decoded)):
+                answer = None
+                yield item
+            else:
+                answer = stages.answer(item)
 
 
 class _Stages:
     """Answers the loop's queries with ``ddm``'s models, in this process: label experts
-    take the labels, a text DDM's experts are guided against its null conditioning."""
+    take the labels, a text DDM's experts are guided against its null conditioning. ``pool``:
+    where a step's expert calls run at once (None: one after the other)."""
 
-    def __init__(self, ddm: DDM) -> None:
+    def __init__(self, ddm: DDM, pool: ThreadPoolExecutor | None = None) -> None:
         self.ddm = ddm
+        self.pool = pool
         self.velocities: tuple[ConditionedVelocity, ...] = (
             tuple(guided(e, ddm.null) for e in ddm.experts) if isinstance(ddm, TextDDM)
             else tuple(_labelled(e.velocity) for e in ddm.experts))
@@ -159,11 +172,17 @@ class _Stages:
                 return ddm.router(query.x, query.t, query.cond)
             return ddm.router(query.x, query.t, _labels(query.cond))
         if isinstance(query, Calls):
-            return [self.velocities[c.expert](c.x, c.t, c.cond) if isinstance(c, Velocity)
-                    else self._integrate(c.expert, c.x, c.cond, c.grid, c.solver)
-                    for c in query.calls]
+            if self.pool is not None and len(query.calls) > 1:
+                return list(self.pool.map(self._call, query.calls))
+            return [self._call(c) for c in query.calls]
         assert isinstance(query, Concurrently), f"unknown query {query!r}"
         return [self._finish(part) for part in query.parts]
+
+    def _call(self, call: Velocity | Integrate) -> np.ndarray:
+        """One expert call of a step: a velocity, or a delegated integration."""
+        if isinstance(call, Velocity):
+            return self.velocities[call.expert](call.x, call.t, call.cond)
+        return self._integrate(call.expert, call.x, call.cond, call.grid, call.solver)
 
     def _finish(self, part: Generator[Query, Any, Any]) -> Any:
         """Run a sub-loop to its end; its return value."""

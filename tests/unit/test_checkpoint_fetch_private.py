@@ -1,0 +1,317 @@
+"""Private buckets: ``ddm fetch-checkpoint`` signs with the clouds' standard credential chains.
+
+S3 is moto's server on loopback, with its IAM checks on: an anonymous read is refused, a
+SigV4 signature is verified against the access key's secret, and the identity's policy must
+allow the read. GCS is a loopback server playing Google's token endpoint and the XML API,
+reached through a service-account key file as Workload Identity's tokens would be.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from ddm.checkpoints.destinations import parse_networks
+from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint
+from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+
+pytest.importorskip("moto", reason="moto[server] is in the dev extra")
+
+POLICY = FetchPolicy(timeout_s=10.0, attempts=2, backoff_s=0.01,
+                     allowed_networks=parse_networks(["127.0.0.1/32"]))
+BUCKET = "private-checkpoints"
+ACCOUNT = "123456789012"
+READ_POLICY = json.dumps({"Version": "2012-10-17", "Statement": [{
+    "Effect": "Allow", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{BUCKET}/*"}]})
+
+
+@dataclass(frozen=True)
+class S3Store:
+    """moto's server at ``url`` with one bucket; ``key_id``/``secret`` may read it, and so may
+    ``role_arn``, whose temporary credentials (as STS issues them) are ``role_credentials``."""
+
+    url: str
+    key_id: str
+    secret: str
+    role_arn: str
+    role_credentials: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def s3_store(smoke_expert_checkpoint: Path) -> Iterator[S3Store]:
+    """A private bucket holding the smoke checkpoint, an IAM user and a role that may read
+    it; authentication is enforced once they exist (moto's ``reset-auth``)."""
+    import botocore.session
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    url = f"http://{host}:{port}"
+    session = botocore.session.Session()
+
+    def client(name: str):
+        return session.create_client(name, endpoint_url=url, region_name="us-east-1",
+                                     aws_access_key_id="admin", aws_secret_access_key="admin")
+
+    iam, s3 = client("iam"), client("s3")
+    iam.create_user(UserName="fetcher")
+    key = iam.create_access_key(UserName="fetcher")["AccessKey"]
+    iam.put_user_policy(UserName="fetcher", PolicyName="read", PolicyDocument=READ_POLICY)
+    role = iam.create_role(RoleName="ddm-fetcher", AssumeRolePolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [{
+            "Effect": "Allow", "Principal": {"Federated": f"arn:aws:iam::{ACCOUNT}:oidc-provider/"
+                                                          "oidc.eks.example"},
+            "Action": "sts:AssumeRoleWithWebIdentity"}]}))["Role"]
+    iam.put_role_policy(RoleName="ddm-fetcher", PolicyName="read", PolicyDocument=READ_POLICY)
+    issued = client("sts").assume_role(RoleArn=role["Arn"], RoleSessionName="irsa")
+    role_credentials = {name: issued["Credentials"][name]
+                        for name in ("AccessKeyId", "SecretAccessKey", "SessionToken")}
+    s3.create_bucket(Bucket=BUCKET)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        s3.put_object(Bucket=BUCKET, Key=f"smoke/{name}",
+                      Body=(smoke_expert_checkpoint / name).read_bytes())
+    _moto_auth(url, "0")
+    try:
+        yield S3Store(url, key["AccessKeyId"], key["SecretAccessKey"], role["Arn"],
+                      role_credentials)
+    finally:
+        _moto_auth(url, "inf")
+        server.stop()
+
+
+def _moto_auth(url: str, unauthenticated_requests: str) -> None:
+    """moto checks signatures and IAM after this many more requests (``inf``: never)."""
+    request = urllib.request.Request(f"{url}/moto-api/reset-auth", method="POST",
+                                     data=unauthenticated_requests.encode(),
+                                     headers={"Content-Type": "text/plain"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        assert answer.status == 200
+
+
+def _assert_smoke(dest: Path, source: Path) -> None:
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        assert (dest / name).read_bytes() == (source / name).read_bytes(), name
+    assert load_checkpoint(dest).meta.name == "smoke-torch"
+
+
+@pytest.fixture
+def aws_env(s3_store: S3Store, no_cloud_credentials, monkeypatch) -> S3Store:
+    """The store as a pod sees it: its endpoint in the environment, no credentials yet."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_store.url)
+    return s3_store
+
+
+def test_a_private_bucket_is_read_with_keys_from_the_environment(
+        aws_env, smoke_expert_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret)
+    dest = fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+    _assert_smoke(dest, smoke_expert_checkpoint)
+
+
+class StsStand:
+    """AWS STS: answers AssumeRoleWithWebIdentity with ``credentials`` and keeps what was
+    asked. (moto's STS fails this unsigned call while it checks auth, so the role's
+    credentials were issued by moto before, and this stand hands them out.)"""
+
+    def __init__(self, credentials: dict[str, str]) -> None:
+        self.credentials = credentials
+        self.asked: list[dict[str, list[str]]] = []
+        self.url = ""
+
+
+class _Answering(BaseHTTPRequestHandler):
+    """A loopback stand's handler: whole answers, no log."""
+
+    def _answer(self, status: int, body: bytes, content_type: str = "text/plain") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def _sts_handler(stand: StsStand) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Answering):
+        def do_POST(self) -> None:
+            form = self.rfile.read(int(self.headers["Content-Length"])).decode()
+            stand.asked.append(urllib.parse.parse_qs(form))
+            expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 3600))
+            fields = "".join(f"<{k}>{v}</{k}>" for k, v in stand.credentials.items())
+            body = (f'<AssumeRoleWithWebIdentityResponse xmlns="https://sts.amazonaws.com/doc/'
+                    f'2011-06-15/"><AssumeRoleWithWebIdentityResult><Credentials>{fields}'
+                    f"<Expiration>{expires}</Expiration></Credentials>"
+                    "</AssumeRoleWithWebIdentityResult></AssumeRoleWithWebIdentityResponse>"
+                    ).encode()
+            self._answer(200, body, "text/xml")
+
+    return Handler
+
+
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A loopback HTTP server with ``handler`` for the ``with`` block; yields its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_irsa_web_identity_is_exchanged_for_the_roles_credentials(
+        aws_env, smoke_expert_checkpoint, tmp_path, monkeypatch):
+    """What EKS's pod identity webhook sets: a projected token file and the role's ARN. The
+    chain trades the token at STS for temporary credentials (with a session token), which
+    sign the reads."""
+    stand = StsStand(aws_env.role_credentials)
+    token = tmp_path / "token"
+    token.write_text("eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJzeXN0ZW06c2VydmljZWFjY291bnQifQ.c2ln")
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(token))
+    monkeypatch.setenv("AWS_ROLE_ARN", aws_env.role_arn)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    with _serving(_sts_handler(stand)) as sts:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_STS", sts)
+        dest = fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "dest" / "expert", POLICY)
+    _assert_smoke(dest, smoke_expert_checkpoint)
+    [asked] = stand.asked
+    assert asked["Action"] == ["AssumeRoleWithWebIdentity"]
+    assert asked["RoleArn"] == [aws_env.role_arn]
+    assert asked["WebIdentityToken"] == [token.read_text()]
+
+
+def test_a_wrong_secret_is_the_stores_403_naming_where_the_keys_came_from(
+        aws_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(FetchError, match=rf"^s3://{BUCKET}/smoke: .*HTTP 403 Forbidden \(the "
+                                         r"store refused the signed request: AWS credentials "
+                                         r"from env, signed for us-east-1"):
+        fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_credentials_anywhere_says_what_the_chain_looked_at(aws_env, tmp_path):
+    with pytest.raises(FetchError, match=r"HTTP 403 Forbidden \(a private bucket: AWS's default "
+                                         r"credential chain .*found no credentials; or give "
+                                         r"--headers-file"):
+        fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+
+
+def test_the_byte_cap_holds_for_signed_reads(aws_env, smoke_expert_checkpoint, tmp_path,
+                                             monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret)
+    cap = (smoke_expert_checkpoint / CONFIG_FILE).stat().st_size + 1000
+    small = FetchPolicy(**{**POLICY.__dict__, "max_bytes": cap})
+    with pytest.raises(FetchError, match=r"weights.safetensors is \d+ bytes, over the \d+-byte "
+                                         r"limit left for this checkpoint"):
+        fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", small)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_the_sdk_a_refusal_names_the_extra(aws_env, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", aws_env.key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret)
+    monkeypatch.setitem(sys.modules, "botocore", None)  # import botocore fails
+    with pytest.raises(FetchError, match=r"HTTP 403 Forbidden \(a private bucket: signed s3:// "
+                                         r"reads need botocore: pip install "
+                                         r"'ddm-operator\[s3\]'"):
+        fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+
+
+# -- GCS: a token from a service-account key, as a bearer of the XML API ----------------------
+
+class GoogleStand:
+    """Token endpoint (``POST /token``) and bucket (``GET /BUCKET/KEY``) in one server."""
+
+    TOKEN = "ya29.loopback-token"
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+        self.grants: list[str] = []
+        self.url = ""
+
+
+def _google_handler(stand: GoogleStand) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Answering):
+        def do_POST(self) -> None:
+            form = self.rfile.read(int(self.headers["Content-Length"])).decode()
+            stand.grants.append(form)
+            self._answer(200, json.dumps({"access_token": GoogleStand.TOKEN,
+                                          "expires_in": 3600,
+                                          "token_type": "Bearer"}).encode(), "application/json")
+
+        def do_GET(self) -> None:
+            if self.headers.get("Authorization") != f"Bearer {GoogleStand.TOKEN}":
+                self._answer(401, b"")
+            elif self.path in stand.files:
+                self._answer(200, stand.files[self.path])
+            else:
+                self._answer(404, b"")
+
+    return Handler
+
+
+@pytest.fixture
+def google(smoke_expert_checkpoint, no_cloud_credentials, monkeypatch, tmp_path
+           ) -> Iterator[GoogleStand]:
+    pytest.importorskip("google.auth", reason="google-auth is in the gcs extra")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    stand = GoogleStand({f"/{BUCKET}/smoke/{name}": (smoke_expert_checkpoint / name).read_bytes()
+                         for name in (CONFIG_FILE, WEIGHTS_FILE)})
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()).decode()
+    with _serving(_google_handler(stand)) as stand.url:
+        key_file = tmp_path / "key.json"
+        key_file.write_text(json.dumps({
+            "type": "service_account", "project_id": "ddm", "private_key_id": "1",
+            "private_key": pem, "client_email": "fetcher@ddm.iam.gserviceaccount.com",
+            "client_id": "1", "token_uri": f"{stand.url}/token"}))
+        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", stand.url)
+        yield stand
+
+
+def test_a_private_gcs_bucket_is_read_with_googles_default_credentials(
+        google, smoke_expert_checkpoint, tmp_path):
+    dest = fetch_checkpoint(f"gs://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+    _assert_smoke(dest, smoke_expert_checkpoint)
+    assert len(google.grants) == 1  # one token for the whole fetch, asked for reading only
+    assertion = urllib.parse.parse_qs(google.grants[0])["assertion"][0]
+    claims = json.loads(base64.urlsafe_b64decode(assertion.split(".")[1] + "=="))
+    assert claims["scope"] == "https://www.googleapis.com/auth/devstorage.read_only"
+
+
+def test_without_google_auth_a_refusal_names_the_extra(google, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "google.auth", None)
+    with pytest.raises(FetchError, match=r"HTTP 401 Unauthorized \(a private bucket: signed gs:// "
+                                         r"reads need google-auth: pip install "
+                                         r"'ddm-operator\[gcs\]'"):
+        fetch_checkpoint(f"gs://{BUCKET}/smoke", tmp_path / "expert", POLICY)
