@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install clean chart-sync images test-images
+.PHONY: demo test test-fast lint install clean chart-sync generate images test-images
 
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -72,11 +72,21 @@ test-images: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests scripts benchmarks tools
 	PYTHONPATH=src:tools/devcluster/src $(BIN)/lint-imports
+	$(BIN)/python scripts/generate_crds.py --check
+	$(BIN)/python scripts/crd_docs.py --check
 
 clean:
 	rm -rf $(VENV) out
 
-# The chart can only read files inside it: refresh its copies of the CRD and the example.
+# The chart can only read files inside it: refresh its copy of the example (`make generate`
+# writes its CRDs).
 chart-sync:
-	cp crds/ddmdeployments.ddm.dev.yaml charts/ddm-operator/crds/
 	cp examples/digits.yaml charts/ddm-operator/examples/
+
+# Files generated from the declarations in src/ (never edited by hand; `make lint` fails while
+# one differs): the CRDs under crds/ and their copies in the chart, the parts of the chart's
+# values.schema.json that mirror the operator's settings (scripts/generate_crds.py), and
+# docs/crd.md, the field reference (scripts/crd_docs.py).
+generate: $(DEMO_STAMP)
+	$(BIN)/python scripts/generate_crds.py
+	$(BIN)/python scripts/crd_docs.py

@@ -1,7 +1,8 @@
 """Write docs/crd.md, the DDMDeployment field reference, from the CRD's openAPIV3Schema.
 
-The CRD (crds/ddmdeployments.ddm.dev.yaml) is the one source of truth; this page is derived
-from it, and tests/unit/test_crd_docs.py regenerates it and compares, so it cannot drift.
+The CRD (crds/ddmdeployments.ddm.dev.yaml, itself generated from ddm.deploy.crd by
+scripts/generate_crds.py) is read back; tests/unit/test_crd_docs.py and `make lint` regenerate
+this page and compare, so it cannot drift. `make generate` runs both scripts.
 
     python scripts/crd_docs.py            # rewrite docs/crd.md
     python scripts/crd_docs.py --check    # exit 1 if docs/crd.md is out of date

@@ -30,6 +30,11 @@ LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z
 #: A resource quantity as Kubernetes writes it (no sign: nothing here may be negative).
 QUANTITY_PATTERN = (r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]"
                     r"|([eE][-+]?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+#: The most labels a nodeSelector, and tolerations a component, may list (far more than any
+#: placement needs); a toleration's key is a label key (a 253-character prefix, '/', a name).
+MAX_NODE_SELECTOR_LABELS = 32
+MAX_TOLERATIONS = 32
+MAX_TOLERATION_KEY_LENGTH = 316
 TOLERATION_OPERATORS = ("Exists", "Equal")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 #: The most one pod may ask for: beyond any machine a cloud rents (a typo like 1000Gi for

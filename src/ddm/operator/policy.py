@@ -80,7 +80,10 @@ HOSTNAME_KEY = "kubernetes.io/hostname"
 _SELECTING = ("In", "Exists")
 ANY = "*"
 _CHECKPOINT_ENTRY = re.compile(r"^[a-z0-9]+://([^/\s]*/\S*)?$")
-_NAME_ENTRY = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$|^([a-z0-9][-a-z0-9.]*)?\*$")
+#: An entry of DDM_ALLOWED_SECRETS or DDM_ALLOWED_CLAIMS: a whole name, or a prefix ending
+#: with ``*`` (the chart's values schema checks the same, generated: scripts/generate_crds.py).
+NAME_ENTRY_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?|([a-z0-9][-a-z0-9.]*)?\*)$"
+_NAME_ENTRY = re.compile(NAME_ENTRY_PATTERN)
 _KEY_ENTRY = re.compile(r"^\S+$")
 
 

@@ -23,9 +23,9 @@ from typing import Any, Mapping, Sequence
 
 from ddm.checkpoints.uri import FETCHED_SCHEMES
 from ddm.operator import names
+from ddm.deploy.crd import PHASES as PHASES
 from ddm.deploy.spec import DDMSpec, ExpertSpec, SpecError
 
-PHASES = ("Pending", "Progressing", "Ready", "Failed", "Invalid")
 #: A container waiting for one of these will not start by itself.
 FAILING_WAITING_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
