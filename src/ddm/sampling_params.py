@@ -1,7 +1,7 @@
 """The sampling parameters a DDM takes, declared once: types, bounds, defaults, descriptions.
 
 Everything that reads or checks them is built from :data:`PARAMS`: the spec's ``sampling``
-(``ddm.deploy.spec``; the CRD's fields carry the same bounds, a test keeps them equal),
+(``ddm.deploy.spec``; the CRD's fields are generated from these, ``ddm.deploy.crd``),
 ``router.yaml``'s ``sampling`` (``ddm.deploy.router_config``), the router's request schema
 (``ddm.serving.router.requests``: pydantic bounds from :meth:`Param.bounds`), ``ddm sample``'s
 and the evaluation's flags (:meth:`Param.parse`) and the loop's request check

@@ -1,5 +1,5 @@
 """The DDMDeployment spec: parsing, defaults, every rule with its message, and agreement with
-the CRD (the one source of truth for the schema) and with the router's strategy parser."""
+the router's strategy parser (the CRD's agreement: tests/unit/test_generated_crds.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddm.checkpoints import uri as checkpoints
 from ddm.deploy import accelerators, limits, pod_options, spec
 from ddm.operator.diagram import diagram_file, render_mermaid
 from ddm.operator.render import render_file
@@ -22,10 +20,6 @@ from ddm.deploy.spec import SpecError, load_manifest, parse_manifest, parse_spec
 from ddm.sampling.routing import parse_strategy
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD = yaml.safe_load((ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())
-SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-SPEC = SCHEMA["properties"]["spec"]["properties"]
-EXPERT = SPEC["experts"]["items"]["properties"]
 
 
 def _valid() -> dict:
@@ -53,85 +47,6 @@ def test_a_valid_spec_parses_with_platform_defaults() -> None:
     assert (high.accelerator.type, high.accelerator.count) == ("nvidia", 1)
     assert low.checkpoint.location == "models" and low.checkpoint.path == "/low"
     assert parsed.router.checkpoint is None and parsed.router.replicas == 1
-
-
-def test_defaults_equal_the_crds() -> None:
-    parsed = parse_spec({"router": {"checkpoint": {"uri": "image:///r"}},
-                         "experts": [{"name": "e", "checkpoint": {"uri": "image:///e"}}]})
-    sampling = SPEC["sampling"]["properties"]
-    # The CRD defaults no numClasses (a text DDM must have none); a label DDM's is 10.
-    assert "default" not in SPEC["numClasses"] and parsed.num_classes == 10
-    assert parsed.sampling.steps == sampling["steps"]["default"]
-    assert parsed.sampling.solver == sampling["solver"]["default"]
-    assert parsed.sampling.strategy == sampling["strategy"]["default"]
-    assert parsed.router.replicas == SPEC["router"]["properties"]["replicas"]["default"]
-    expert = parsed.experts[0]
-    assert expert.framework == EXPERT["framework"]["default"]
-    # No default for what a pooled expert must leave unset (the API server would fill it in).
-    assert "default" not in EXPERT["replicas"] and "default" not in EXPERT["accelerator"]
-    assert expert.replicas == 1
-    assert expert.accelerator.type == EXPERT["accelerator"]["properties"]["type"]["default"]
-
-
-def test_limits_and_patterns_equal_the_crds() -> None:
-    accel = EXPERT["accelerator"]["properties"]
-    name_schema = SCHEMA["properties"]["metadata"]["properties"]["name"]
-    assert (name_schema["pattern"], name_schema["maxLength"]) == (spec.NAME_PATTERN,
-                                                                   spec.MAX_NAME_LENGTH)
-    assert (EXPERT["name"]["pattern"], EXPERT["name"]["maxLength"]) == (
-        spec.EXPERT_NAME_PATTERN, spec.MAX_EXPERT_NAME_LENGTH)
-    assert SPEC["experts"]["maxItems"] == limits.MAX_EXPERTS
-    assert SPEC["experts"]["x-kubernetes-list-map-keys"] == ["name"]
-    sampling = SPEC["sampling"]["properties"]
-    assert sampling["strategy"]["pattern"] == limits.STRATEGY_PATTERN
-    assert sampling["solver"]["enum"] == list(limits.SOLVERS)
-    assert sampling["steps"]["maximum"] == limits.MAX_STEPS
-    assert (sampling["steps"]["default"], sampling["solver"]["default"],
-            sampling["strategy"]["default"]) == (limits.DEFAULT_STEPS, limits.DEFAULT_SOLVER,
-                                                 limits.DEFAULT_STRATEGY)
-    assert SPEC["numClasses"]["maximum"] == limits.MAX_NUM_CLASSES
-    assert SPEC["router"]["properties"]["replicas"]["maximum"] == limits.MAX_REPLICAS
-    cache = SPEC["router"]["properties"]["contextCacheBytes"]
-    assert (cache["maximum"], cache["default"]) == (limits.MAX_CONTEXT_CACHE_BYTES,
-                                                    limits.DEFAULT_CONTEXT_CACHE_BYTES)
-    assert EXPERT["classes"]["items"]["maximum"] == limits.MAX_CLASS
-    assert EXPERT["replicas"]["maximum"] == limits.MAX_REPLICAS
-    assert EXPERT["replicas"]["minimum"] == 0
-    assert EXPERT["maxBatch"]["maximum"] == limits.MAX_BATCH
-    assert EXPERT["maxDelayMs"]["maximum"] == limits.MAX_DELAY_MS
-    assert EXPERT["framework"]["enum"] == list(limits.FRAMEWORKS)
-    assert accel["type"]["enum"] == list(accelerators.ACCELERATORS)
-    assert accel["unit"]["enum"] == list(accelerators.unit_names())
-    assert accel["count"]["maximum"] == limits.MAX_ACCELERATOR_COUNT
-    assert accel["product"]["pattern"] == spec.PRODUCT_PATTERN
-    assert accel["topology"]["pattern"] == spec.TOPOLOGY_PATTERN
-    assert EXPERT["checkpoint"]["properties"]["uri"]["pattern"] == checkpoints.URI_PATTERN
-    assert EXPERT["checkpoint"]["properties"]["uri"]["maxLength"] == checkpoints.MAX_URI_LENGTH
-    for pod in (EXPERT, SPEC["router"]["properties"]):
-        assert (pod["image"]["pattern"], pod["image"]["maxLength"]) == (
-            pod_options.IMAGE_PATTERN, pod_options.MAX_IMAGE_LENGTH)
-        for kind in ("limits", "requests"):
-            quantity = pod["resources"]["properties"][kind]["additionalProperties"]
-            assert quantity["pattern"] == pod_options.QUANTITY_PATTERN
-        selector_value = pod["nodeSelector"]["additionalProperties"]
-        toleration = pod["tolerations"]["items"]["properties"]
-        for value in (selector_value, toleration["value"]):
-            assert (value["pattern"], value["maxLength"]) == (
-                pod_options.LABEL_VALUE_PATTERN, pod_options.MAX_LABEL_VALUE_LENGTH)
-        assert toleration["operator"]["enum"] == list(pod_options.TOLERATION_OPERATORS)
-        assert toleration["effect"]["enum"] == list(pod_options.TAINT_EFFECTS)
-    for checkpoint in (EXPERT["checkpoint"], SPEC["router"]["properties"]["checkpoint"]):
-        fields = checkpoint["properties"]
-        assert fields["sha256"]["pattern"] == spec.SHA256_PATTERN
-        secret = fields["credentialsSecret"]["properties"]
-        assert (secret["name"]["pattern"], secret["name"]["maxLength"], secret["key"]["pattern"]
-                ) == (spec.SECRET_NAME_PATTERN, spec.MAX_SECRET_NAME_LENGTH,
-                      spec.SECRET_KEY_PATTERN)
-    auth = SPEC["router"]["properties"]["auth"]["properties"]
-    assert (auth["secretName"]["pattern"], auth["secretName"]["maxLength"]) == (
-        spec.SECRET_NAME_PATTERN, spec.MAX_SECRET_NAME_LENGTH)
-    assert (auth["key"]["pattern"], auth["key"]["default"]) == (spec.SECRET_KEY_PATTERN,
-                                                                spec.DEFAULT_TOKEN_KEY)
 
 
 @settings(max_examples=200, deadline=None)
@@ -454,13 +369,6 @@ def test_the_diagram_of_a_file(tmp_path: Path) -> None:
     bad.write_text("kind: DDMDeployment\nspec: {experts: []}\n")
     with pytest.raises(SpecError, match="must list 1..16 experts"):
         diagram_file(bad)
-
-
-def test_the_charts_crd_is_the_crd() -> None:
-    chart_copy = ROOT / "charts" / "ddm-operator" / "crds" / "ddmdeployments.ddm.dev.yaml"
-    if not chart_copy.exists():
-        pytest.skip("the Helm chart is not written yet")
-    assert chart_copy.read_text() == (ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text()
 
 
 def test_importing_the_handlers_registers_nothing_and_imports_no_runner() -> None:

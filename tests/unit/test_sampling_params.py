@@ -123,11 +123,8 @@ def test_every_reader_takes_and_refuses_the_same_values(name: str) -> None:
     assert not wrong, wrong
 
 
-def test_every_parameter_has_cases_and_a_crd_field_with_its_default() -> None:
+def test_every_parameter_has_cases() -> None:
     assert list(CASES) == [p.name for p in PARAMS]
-    assert set(SAMPLING_SCHEMA) == {p.key for p in PARAMS}
-    for param in PARAMS:
-        assert SAMPLING_SCHEMA[param.key].get("default", param.default) == param.default
     assert [f.name for f in dataclasses.fields(SamplingParams)] == [p.name for p in PARAMS]
 
 

@@ -3,16 +3,10 @@ placement, precision and guidance; and the clear errors for what does not fit to
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
-import yaml
 
 from ddm.deploy.spec import SpecError, parse_spec
-
-CRD = yaml.safe_load(
-    (Path(__file__).resolve().parents[2] / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())
-SPEC = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
 
 
 def _text() -> dict:
@@ -114,29 +108,6 @@ def test_a_label_ddm_takes_no_text_encoder_and_no_guidance() -> None:
     assert "spec.textEncoder: only for conditioning: text" in problems
     assert "spec.sampling.guidanceScale: classifier-free guidance needs conditioning: text" \
         in problems
-
-
-def test_the_crd_schema_lists_the_same_choices_and_ranges() -> None:
-    from ddm.deploy import limits
-
-    assert SPEC["conditioning"]["enum"] == list(limits.CONDITIONINGS)
-    assert SPEC["conditioning"]["default"] == "labels"
-    stage = SPEC["textEncoder"]["properties"]
-    assert SPEC["decoder"]["properties"] == stage
-    network = SPEC["router"]["properties"]["network"]["properties"]
-    assert {k: v for k, v in stage.items() if k != "checkpoint"} == network
-    assert stage["placement"]["enum"] == list(limits.STAGE_PLACEMENTS)
-    assert stage["precision"]["enum"] == list(limits.PRECISIONS)
-    assert stage["replicas"]["maximum"] == limits.MAX_REPLICAS
-    expert = SPEC["experts"]["items"]["properties"]
-    assert expert["precision"] == stage["precision"]
-    # no default for an accelerator: a component in a router or a pool takes none (spec.py
-    # defaults an expert's to cpu)
-    assert expert["accelerator"] == stage["accelerator"]
-    assert expert["pool"] == stage["pool"]
-    guidance = SPEC["sampling"]["properties"]["guidanceScale"]
-    assert (guidance["minimum"], guidance["maximum"]) == (0, limits.MAX_GUIDANCE_SCALE)
-
 
 
 def test_the_routers_context_store_is_set_in_the_spec_and_reaches_router_yaml() -> None:

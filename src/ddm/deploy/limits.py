@@ -1,8 +1,8 @@
 """Every limit and name list of a deployment, declared once; everything else imports them.
 
 The spec parser, ``router.yaml``, the servers, the sampler and the operator all read these.
-The CRD (``crds/ddmdeployments.ddm.dev.yaml``, YAML that cannot import Python) repeats the
-enums, maxima and patterns; ``tests/unit/test_operator_spec.py`` checks them equal to these.
+The CRD (``crds/ddmdeployments.ddm.dev.yaml``) is generated from them (``ddm.deploy.crd``,
+``make generate``).
 Plain constants only: no NumPy, no ML framework (the operator and the CLI import this).
 """
 

@@ -3,8 +3,8 @@ affinity), checked so that a value Kubernetes would refuse never reaches a child
 
 Each rule here is one the API server applies to a pod template: caught at the DDMDeployment,
 the spec is reported invalid (with its field path) before any child exists, instead of
-leaving a half-created DDM whose Deployment was refused. The CRD repeats the patterns (a unit
-test keeps them equal); ``affinity`` is checked by the API server alone (the operator's
+leaving a half-created DDM whose Deployment was refused. The CRD is generated from these
+patterns (``ddm.deploy.crd``); ``affinity`` is checked by the API server alone (the operator's
 dry-run of every child before it creates any; see ``reconcile``).
 """
 

@@ -1,9 +1,11 @@
 """The DDMDeployment spec as frozen dataclasses, and the checks a CRD schema cannot make.
 
-``parse_spec`` also repeats the schema's checks (types, ranges, patterns, unknown keys):
-specs come from files no API server has seen too (``ddm diagram``, ``ddm up``). A unit test
-keeps the limits here equal to the CRD's. Every problem is reported at once, each with its
-field path, e.g. ``spec.experts[1].accelerator.count: 3 is not a size tpu offers per pod``.
+``parse_spec`` also makes the schema's checks (types, ranges, patterns, unknown keys): specs
+come from files no API server has seen too (``ddm diagram``, ``ddm up``). The CRD is generated
+from ``ddm.deploy.crd``, declared with the limits here; tests/unit/test_generated_crds.py
+checks that this parser refuses whatever the CRD refuses and defaults as it does. Every
+problem is reported at once, each with its field path, e.g.
+``spec.experts[1].accelerator.count: 3 is not a size tpu offers per pod``.
 """
 
 from __future__ import annotations

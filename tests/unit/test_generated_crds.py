@@ -1,0 +1,185 @@
+"""The CRDs and the chart's derived values schema are generated from the declarations
+(``ddm.deploy.schema``, ``ddm.deploy.crd``, ``scripts/generate_crds.py``): the committed files
+are what the script writes, and the spec parser refuses every value the generated schema
+refuses (types, bounds, enums, patterns, lengths), so a spec no API server has seen (``ddm
+up``, ``ddm render``, ``ddm diagram``) is held to the API server's rules."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterator
+
+import jsonschema
+import pytest
+import yaml
+
+from ddm.deploy import crd
+from ddm.deploy.schema import (Column, CustomResource, Integer, Number, Object, String,
+                               crd_yaml, openapi)
+from ddm.deploy.spec import SpecError, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+#: A spec the parser takes, to which each case sets one field.
+BASE = {"router": {"checkpoint": {"uri": "image:///r"}},
+        "experts": [{"name": "e", "checkpoint": {"uri": "image:///e"}}]}
+ITEM, ENTRY = "[0]", "['cpu']"
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("generate_crds",
+                                                  ROOT / "scripts" / "generate_crds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_committed_files_are_the_generated_ones() -> None:
+    stale = [str(path.relative_to(ROOT)) for path, text in _script().generated().items()
+             if not path.is_file() or path.read_text() != text]
+    assert not stale, f"{stale} differ from their declarations: run `make generate`"
+
+
+def test_the_check_names_each_stale_file_and_the_command_that_fixes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    script = _script()
+    (tmp_path / "crds").mkdir()
+    (tmp_path / "crds" / "a.yaml").write_text("old\n")
+    monkeypatch.setattr(script, "ROOT", tmp_path)
+    monkeypatch.setattr(script, "generated", lambda: {tmp_path / "crds" / "a.yaml": "new\n"})
+    assert script.main(["--check"]) == 1
+    assert "crds/a.yaml is not what its declarations generate: run `make generate`" in (
+        capsys.readouterr().err)
+    assert script.main([]) == 0 and script.main(["--check"]) == 0
+
+
+def test_a_values_schema_part_must_exist_where_it_is_declared() -> None:
+    with pytest.raises(KeyError, match="no object at properties.tenants.properties"):
+        _script().values_schema({"properties": {}})
+
+
+def test_a_shared_declaration_is_one_anchor_named_after_its_field() -> None:
+    size = Integer(description="Images per call.", minimum=1, maximum=64, default=8)
+    resource = CustomResource(
+        group="example.dev", version="v1", kind="Thing", plural="things",
+        root=Object(properties={"spec": Object(required=("a",), properties={
+            "a": size, "b": size, "share": Number(minimum=0, maximum=1, exclusive_minimum=True),
+            "mode": String(choices=("x", "y"))})}),
+        columns=(Column("A", ".spec.a", type="integer"),),
+        scale=(".spec.a", ".status.a", None))
+    text = crd_yaml(resource)
+    assert "a: &a\n" in text and "b: *a\n" in text and "enum: [x, y]" in text
+    document = yaml.safe_load(text)
+    assert document["metadata"]["name"] == "things.example.dev"
+    version = document["spec"]["versions"][0]
+    assert version["subresources"] == {"status": {}, "scale": {
+        "specReplicasPath": ".spec.a", "statusReplicasPath": ".status.a"}}
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["b"] == {"description": "Images per call.", "type": "integer",
+                                       "minimum": 1, "maximum": 64, "default": 8}
+    assert spec["properties"]["share"] == {"type": "number", "minimum": 0,
+                                           "exclusiveMinimum": True, "maximum": 1}
+
+
+def _leaves(schema: dict[str, Any], path: tuple[str, ...]
+            ) -> Iterator[tuple[tuple[str, ...], dict[str, Any]]]:
+    """Every field under ``schema`` with its path: keys, ITEM for a list's first item, ENTRY
+    for a map's value under a key."""
+    for key, child in schema.get("properties", {}).items():
+        yield from _leaves(child, (*path, key))
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _leaves(schema["additionalProperties"], (*path, ENTRY))
+    if "items" in schema:
+        yield from _leaves(schema["items"], (*path, ITEM))
+    yield path, schema
+
+
+def _refused(schema: dict[str, Any]) -> list[Any]:
+    """Values ``schema`` refuses, one per rule it declares."""
+    kind, found = schema.get("type"), []
+    if kind in ("integer", "number"):
+        found.append("seven")
+        if "maximum" in schema:
+            found.append(schema["maximum"] + 1)
+        if "minimum" in schema:
+            found.append(schema["minimum"] - (0 if schema.get("exclusiveMinimum") else 1))
+    elif kind == "string":
+        found.append(7)
+        if "enum" in schema:
+            found.append("bogus")
+        if "pattern" in schema:
+            found.append("not valid!")
+        if "maxLength" in schema:
+            found.append("a" * (schema["maxLength"] + 1))
+        if schema.get("minLength"):
+            found.append("")
+    elif schema.get("x-kubernetes-int-or-string"):
+        found.append("lots")
+    return found
+
+
+def _set(document: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """``document`` with ``value`` at ``path``, making the objects and lists on the way."""
+    parent: Any = document
+    for key, then in zip(path, (*path[1:], None)):
+        made = [] if then == ITEM else {}
+        if key == ITEM:
+            if not parent:
+                parent.append(made)
+            parent, slot = parent, 0
+        else:
+            slot = "cpu" if key == ENTRY else key
+            if then is not None:
+                parent.setdefault(slot, made)
+        if then is None:
+            parent[slot] = value
+        else:
+            parent = parent[slot]
+
+
+CASES = [(path, value) for path, schema in _leaves(openapi(crd.SPEC), ())
+         for value in _refused(schema)]
+
+
+@pytest.mark.parametrize("path, value", CASES,
+                         ids=[f"{'.'.join(p)}={v!r}"[:80] for p, v in CASES])
+def test_the_parser_refuses_what_the_crd_refuses(path: tuple[str, ...], value: Any) -> None:
+    document = copy.deepcopy(BASE)
+    _set(document, path, value)
+    assert not jsonschema.Draft4Validator(openapi(crd.SPEC)).is_valid(document)
+    # Reported at the field, naming the value (a list of numbers as a whole: ``classes``).
+    where = "spec" + "".join(k if k in (ITEM, ENTRY) else f".{k}" for k in path)
+    where = where.removesuffix(ITEM)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(document)
+    assert any(p.startswith(where) and (repr(value) in p or str(value) in p)
+               for p in caught.value.problems), caught.value.problems
+
+
+def _defaulted(schema: dict[str, Any], value: Any) -> Any:
+    """``value`` as the API server stores it: each absent field with a default filled in."""
+    if isinstance(value, dict) and "properties" in schema:
+        value = {**{key: copy.deepcopy(child["default"])
+                    for key, child in schema["properties"].items() if "default" in child},
+                 **value}
+        return {key: _defaulted(schema["properties"].get(key, {}), child)
+                for key, child in value.items()}
+    if isinstance(value, list) and "items" in schema:
+        return [_defaulted(schema["items"], item) for item in value]
+    return value
+
+
+SPECS = {"minimal": BASE, **{path.name: yaml.safe_load(path.read_text())["spec"]
+                             for path in sorted((ROOT / "examples").glob("*.yaml"))}}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_the_parser_defaults_what_the_crd_defaults(name: str) -> None:
+    """A spec read from a file (``ddm up``) and the one the API server stores (its defaults
+    filled in) are the same DDM."""
+    raw = SPECS[name]
+    stored = _defaulted(openapi(crd.SPEC), raw)
+    assert stored != raw
+    assert parse_spec(stored, allow_host_paths=True) == parse_spec(raw, allow_host_paths=True)
