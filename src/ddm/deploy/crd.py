@@ -19,27 +19,7 @@ from __future__ import annotations
 
 from ddm.checkpoints.uri import MAX_URI_LENGTH, URI_PATTERN
 from ddm.deploy import autoscaling as scaling
-from ddm.deploy.limits import (
-    ACCELERATOR_TYPES,
-    CONDITIONINGS,
-    DEFAULT_CONTEXT_CACHE_BYTES,
-    DEFAULT_MISSING_EXPERT_POLICY,
-    FRAMEWORKS,
-    MAX_ACCELERATOR_COUNT,
-    MAX_BATCH,
-    MAX_CLASS,
-    MAX_CONTEXT_CACHE_BYTES,
-    MAX_DELAY_MS,
-    MAX_EXPERTS,
-    MAX_MISSING_EXPERT_WAIT_S,
-    MAX_NUM_CLASSES,
-    MAX_REPLICAS,
-    MISSING_EXPERT_POLICIES,
-    MISSING_EXPERT_WAIT_S,
-    NEURON_UNITS,
-    PRECISIONS,
-    STAGE_PLACEMENTS,
-)
+from ddm.deploy import limits
 from ddm.deploy.pod_options import (
     IMAGE_PATTERN,
     LABEL_VALUE_PATTERN,
@@ -147,13 +127,13 @@ CHECKPOINT = Object(one_of=(("uri",), ("uriFrom",)), properties={
 
 # -- Where a component runs: its accelerator and the pod fields passed through -----------------
 ACCELERATOR = Object(properties={
-    "type": String(choices=ACCELERATOR_TYPES, default="cpu"),
+    "type": String(choices=limits.ACCELERATOR_TYPES, default="cpu"),
     "count": Integer(
         description="Devices per replica (neuron: 1-16 devices or 1-32 cores, nvidia: 1-8, "
                     "tpu: 1, 4 or 8 chips); not for cpu. Defaults to 1.",
-        minimum=1, maximum=MAX_ACCELERATOR_COUNT),
+        minimum=1, maximum=limits.MAX_ACCELERATOR_COUNT),
     "unit": String(description="neuron only: request whole devices (default) or NeuronCores.",
-                   choices=NEURON_UNITS),
+                   choices=limits.NEURON_UNITS),
     "product": String(
         description="nvidia: the nvidia.com/gpu.product node label to require; tpu: the "
                     "cloud.google.com/gke-tpu-accelerator (default tpu-v5-lite-podslice).",
@@ -209,9 +189,9 @@ POOL = MEMBER_NAME.described(
     "(text DDMs only).")
 MAX_BATCH_FIELD = Integer(
     description="Largest batch the server runs at once (per pool member).",
-    minimum=1, maximum=MAX_BATCH)
+    minimum=1, maximum=limits.MAX_BATCH)
 MAX_DELAY_FIELD = Integer(description="How long the server waits to fill a batch.",
-                          minimum=0, maximum=MAX_DELAY_MS)
+                          minimum=0, maximum=limits.MAX_DELAY_MS)
 
 # -- An expert's autoscaling (``ddm.deploy.autoscaling``) ---------------------------------------
 
@@ -246,8 +226,8 @@ AUTOSCALING = Object(
                 "to wait or reroute. One expert of the DDM at least must keep a replica (the "
                 "router needs a ready expert to serve at all). docs/autoscaling.md.",
     required=("minReplicas", "maxReplicas"), properties={
-        "minReplicas": Integer(minimum=0, maximum=MAX_REPLICAS),
-        "maxReplicas": Integer(minimum=1, maximum=MAX_REPLICAS),
+        "minReplicas": Integer(minimum=0, maximum=limits.MAX_REPLICAS),
+        "maxReplicas": Integer(minimum=1, maximum=limits.MAX_REPLICAS),
         "target": Object(
             description="What one replica is sized for: rowsPerSecond, the rows per second the "
                         "router sends it (one forward pass each, batched), before any "
@@ -284,14 +264,14 @@ STAGE_PLACEMENT: dict[str, Field] = {
         description="router: loaded inside the router's pods, on their CPU (no accelerator, "
                     "replicas or pod fields of its own); separate: served by a Deployment of "
                     "its own (ddm serve stage). Default router; none with pool.",
-        choices=STAGE_PLACEMENTS),
+        choices=limits.STAGE_PLACEMENTS),
     "accelerator": ACCELERATOR,
     "replicas": Integer(description="placement separate only (default 1).",
-                        minimum=1, maximum=MAX_REPLICAS),
+                        minimum=1, maximum=limits.MAX_REPLICAS),
     "precision": String(
         description="The dtype the server casts the weights to (float32, bfloat16, float16); "
                     "unset: the dtype they are stored in.",
-        choices=PRECISIONS),
+        choices=limits.PRECISIONS),
     **POD_FIELDS,
     "pool": POOL,
 }
@@ -299,7 +279,7 @@ STAGE_FIELDS: dict[str, Field] = {"checkpoint": CHECKPOINT, **STAGE_PLACEMENT}
 
 # -- The router -----------------------------------------------------------------------------------
 ROUTER = Object(default={}, properties={
-    "replicas": Integer(minimum=0, maximum=MAX_REPLICAS, default=1),
+    "replicas": Integer(minimum=0, maximum=limits.MAX_REPLICAS, default=1),
     "checkpoint": CHECKPOINT.described(
         "The router network; only the oracle strategy routes without one."),
     **POD_FIELDS,
@@ -316,11 +296,11 @@ ROUTER = Object(default={}, properties={
                     "rerouted lists each image's rerouted steps). Use wait or reroute with an "
                     "expert at autoscaling.minReplicas 0.",
         properties={
-            "policy": String(choices=MISSING_EXPERT_POLICIES,
-                             default=DEFAULT_MISSING_EXPERT_POLICY),
+            "policy": String(choices=limits.MISSING_EXPERT_POLICIES,
+                             default=limits.DEFAULT_MISSING_EXPERT_POLICY),
             "waitSeconds": Integer(description="The longest a generation waits (policy wait).",
-                                   minimum=1, maximum=int(MAX_MISSING_EXPERT_WAIT_S),
-                                   default=int(MISSING_EXPERT_WAIT_S)),
+                                   minimum=1, maximum=int(limits.MAX_MISSING_EXPERT_WAIT_S),
+                                   default=int(limits.MISSING_EXPERT_WAIT_S)),
         }),
     "contextCacheBytes": Integer(
         description="A text DDM's generation contexts (the prompts' embeddings and negative "
@@ -328,8 +308,8 @@ ROUTER = Object(default={}, properties={
                     "first past this many bytes (a dropped one costs only making it again; one "
                     "Paris context of 8 guided prompts is 3.8 MB): router.yaml's "
                     "limits.context_cache_bytes. Count it in the router's memory.",
-        format="int64", minimum=1, maximum=MAX_CONTEXT_CACHE_BYTES,
-        default=DEFAULT_CONTEXT_CACHE_BYTES),
+        format="int64", minimum=1, maximum=limits.MAX_CONTEXT_CACHE_BYTES,
+        default=limits.DEFAULT_CONTEXT_CACHE_BYTES),
     "auth": Object(
         description="Require a bearer token on the router's API. The token is key (default "
                     f"{DEFAULT_TOKEN_KEY}) of Secret secretName (the DDM's own, <name>-*, "
@@ -353,15 +333,15 @@ ROUTER = Object(default={}, properties={
 # -- The experts and the pools ------------------------------------------------------------------
 EXPERT = Object(required=("name", "checkpoint"), properties={
     "name": MEMBER_NAME,
-    "framework": String(choices=FRAMEWORKS, default="torch"),
+    "framework": String(choices=limits.FRAMEWORKS, default="torch"),
     "accelerator": ACCELERATOR,
     "checkpoint": CHECKPOINT,
     "precision": STAGE_PLACEMENT["precision"],
     "classes": Array(
-        Integer(minimum=0, maximum=MAX_CLASS),
+        Integer(minimum=0, maximum=limits.MAX_CLASS),
         description="conditioning labels only; the class labels this expert was trained on.",
-        max_items=MAX_NUM_CLASSES, unique=True),
-    "replicas": Integer(description="Default 1.", minimum=0, maximum=MAX_REPLICAS),
+        max_items=limits.MAX_NUM_CLASSES, unique=True),
+    "replicas": Integer(description="Default 1.", minimum=0, maximum=limits.MAX_REPLICAS),
     "maxBatch": MAX_BATCH_FIELD,
     "maxDelayMs": MAX_DELAY_FIELD,
     **POD_FIELDS,
@@ -371,7 +351,7 @@ EXPERT = Object(required=("name", "checkpoint"), properties={
 POOL_ITEM = Object(required=("name",), properties={
     "name": MEMBER_NAME,
     "accelerator": ACCELERATOR,
-    "replicas": Integer(description="Default 1.", minimum=1, maximum=MAX_REPLICAS),
+    "replicas": Integer(description="Default 1.", minimum=1, maximum=limits.MAX_REPLICAS),
     "maxBatch": MAX_BATCH_FIELD,
     "maxDelayMs": MAX_DELAY_FIELD,
     **POD_FIELDS,
@@ -382,11 +362,11 @@ SPEC = Object(required=("experts",), properties={
     "conditioning": String(
         description="What the DDM is conditioned on: class labels (numClasses, the experts' "
                     "classes) or text prompts (encoded by textEncoder).",
-        choices=CONDITIONINGS, default=CONDITIONINGS[0]),
+        choices=limits.CONDITIONINGS, default=limits.CONDITIONINGS[0]),
     "numClasses": Integer(
         description="conditioning labels only: the number of class labels the models condition "
                     "on (labels 0..numClasses-1). Default 10.",
-        minimum=1, maximum=MAX_NUM_CLASSES),
+        minimum=1, maximum=limits.MAX_NUM_CLASSES),
     "sampling": Object(description="Defaults for requests that do not choose their own.",
                        default={}, properties={p.key: param_field(p) for p in PARAMS}),
     "router": ROUTER,
@@ -400,7 +380,7 @@ SPEC = Object(required=("experts",), properties={
         required=("checkpoint",), properties=STAGE_FIELDS),
     "experts": Array(EXPERT, description="The experts, in the order of the router network's "
                                          "outputs.",
-                     min_items=1, max_items=MAX_EXPERTS, map_keys=("name",)),
+                     min_items=1, max_items=limits.MAX_EXPERTS, map_keys=("name",)),
     "pools": Array(
         POOL_ITEM,
         description="Model servers that each hold several of the DDM's components on one "
