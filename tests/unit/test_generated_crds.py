@@ -158,6 +158,21 @@ def test_the_parser_refuses_what_the_crd_refuses(path: tuple[str, ...], value: A
                for p in caught.value.problems), caught.value.problems
 
 
+@pytest.mark.parametrize("field", ["nodeSelector", "tolerations"])
+def test_the_parser_refuses_a_pod_field_longer_than_the_crd_takes(field: str) -> None:
+    declared = openapi(crd.POD_FIELDS[field])
+    size = declared.get("maxProperties", declared.get("maxItems")) + 1
+    document = copy.deepcopy(BASE)
+    document["experts"][0][field] = (
+        {f"example.com/k{i}": "v" for i in range(size)} if field == "nodeSelector"
+        else [{"key": f"k{i}", "operator": "Exists"} for i in range(size)])
+    assert not jsonschema.Draft4Validator(openapi(crd.SPEC)).is_valid(document)
+    with pytest.raises(SpecError) as caught:
+        parse_spec(document)
+    assert any(p.startswith(f"spec.experts[0].{field}: must ") and f"got {size}" in p
+               for p in caught.value.problems), caught.value.problems
+
+
 def _defaulted(schema: dict[str, Any], value: Any) -> Any:
     """``value`` as the API server stores it: each absent field with a default filled in."""
     if isinstance(value, dict) and "properties" in schema:

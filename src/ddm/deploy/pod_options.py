@@ -98,11 +98,17 @@ def label_value_problem(value: Any) -> str | None:
 def parse_pod_options(reader: FieldReader) -> PodOptions:
     """The pod fields of ``reader`` (an expert or the router), every problem recorded."""
     node_selector = reader.mapping("nodeSelector")
+    if node_selector is not None and len(node_selector) > MAX_NODE_SELECTOR_LABELS:
+        reader.problem("nodeSelector", f"must hold at most {MAX_NODE_SELECTOR_LABELS} labels, "
+                                       f"got {len(node_selector)}")
     for key, value in (node_selector or {}).items():
         problem = label_key_problem(key) or label_value_problem(value)
         if problem:
             reader.problem(f"nodeSelector[{key!r}]", problem)
     tolerations = reader.items("tolerations")
+    if len(tolerations) > MAX_TOLERATIONS:
+        reader.problem("tolerations", f"must list at most {MAX_TOLERATIONS} tolerations, got "
+                                      f"{len(tolerations)}")
     for i, toleration in enumerate(tolerations):
         _check_toleration(FieldReader(toleration, f"{reader.path}.tolerations[{i}]",
                                       reader.problems))
@@ -125,6 +131,9 @@ def _check_toleration(reader: FieldReader) -> None:
     effect = reader.string("effect", None, choices=TAINT_EFFECTS)
     seconds = reader.integer("tolerationSeconds", None, -(2**63), 2**63 - 1)
     reader.done()
+    if isinstance(key, str) and len(key) > MAX_TOLERATION_KEY_LENGTH:
+        reader.problem("key", f"must be at most {MAX_TOLERATION_KEY_LENGTH} characters, got "
+                              f"{len(key)}")
     for field, problem in (("key", key and label_key_problem(key)),
                            ("value", value is not None and label_value_problem(value))):
         if problem:
