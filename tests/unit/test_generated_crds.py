@@ -1,8 +1,9 @@
 """The CRDs and the chart's derived values schema are generated from the declarations
 (``ddm.deploy.schema``, ``ddm.deploy.crd``, ``scripts/generate_crds.py``): the committed files
-are what the script writes, and the spec parser refuses every value the generated schema
-refuses (types, bounds, enums, patterns, lengths), so a spec no API server has seen (``ddm
-up``, ``ddm render``, ``ddm diagram``) is held to the API server's rules."""
+are what the script writes; the spec parser refuses every value the generated schema refuses
+(types, bounds, enums, patterns, lengths) and takes the values at its edges and each of its
+choices, so a spec no API server has seen (``ddm up``, ``ddm render``, ``ddm diagram``) is held
+to the API server's rules; and it defaults as the API server does."""
 
 from __future__ import annotations
 
@@ -198,3 +199,35 @@ def test_the_parser_defaults_what_the_crd_defaults(name: str) -> None:
     stored = _defaulted(openapi(crd.SPEC), raw)
     assert stored != raw
     assert parse_spec(stored, allow_host_paths=True) == parse_spec(raw, allow_host_paths=True)
+
+
+
+def _taken(schema: dict[str, Any]) -> list[Any]:
+    """Values at the edges of what ``schema`` takes: its bounds and each of its choices."""
+    if schema.get("type") in ("integer", "number"):
+        low = schema.get("minimum")
+        if low is not None and schema.get("exclusiveMinimum"):
+            low = (low + schema["maximum"]) / 2
+        return [v for v in (low, schema.get("maximum")) if v is not None]
+    return list(schema.get("enum", []))
+
+
+TAKEN = [(path, schema, value) for path, schema in _leaves(openapi(crd.SPEC), ())
+         for value in _taken(schema)]
+
+
+@pytest.mark.parametrize("path, schema, value", TAKEN,
+                         ids=[f"{'.'.join(p)}={v!r}"[:80] for p, _, v in TAKEN])
+def test_the_parser_takes_what_the_crd_takes(path: tuple[str, ...], schema: dict[str, Any],
+                                             value: Any) -> None:
+    """At the edges of the CRD's bounds and at each of its choices the parser refuses no value
+    as out of range (a rule across fields may refuse it, with a message of its own)."""
+    assert jsonschema.Draft4Validator(schema).is_valid(value)
+    document = copy.deepcopy(BASE)
+    _set(document, path, value)
+    where = "spec" + "".join(k if k in (ITEM, ENTRY) else f".{k}" for k in path)
+    try:
+        parse_spec(document)
+    except SpecError as error:
+        assert not [p for p in error.problems
+                    if p.startswith(f"{where.removesuffix(ITEM)}:") and f"got {value!r}" in p]
