@@ -20,7 +20,7 @@ from typing import Any
 
 from ddm.deploy.crd import DDM_DEPLOYMENT
 from ddm.deploy.schema import CustomResource, Field, String, crd_yaml, openapi
-from ddm.operator.policy import NAME_ENTRY_PATTERN
+from ddm.operator.policy import CHECKPOINT_ENTRY_PATTERN, NAME_ENTRY_PATTERN, WORD_ENTRY_PATTERN
 from ddm.sampling_params import STRATEGY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,13 +31,16 @@ RESOURCES: tuple[CustomResource, ...] = (DDM_DEPLOYMENT,)
 #: The chart values that take what a declaration takes, by their path in values.schema.json:
 #: the operator's policy settings (``ddm.operator.policy``), each entry checked as the operator
 #: checks it.
+TENANTS = ("properties", "tenants", "properties")
 VALUES_PARTS: dict[tuple[str, ...], Field] = {
-    ("properties", "tenants", "properties", "allowedStrategies", "items"):
-        String(pattern=STRATEGY.pattern),
-    ("properties", "tenants", "properties", "allowedSecrets", "items"):
-        String(pattern=NAME_ENTRY_PATTERN),
-    ("properties", "tenants", "properties", "allowedClaims", "items"):
-        String(pattern=NAME_ENTRY_PATTERN),
+    (*TENANTS, "allowedImages", "items"): String(min_length=1, pattern=WORD_ENTRY_PATTERN),
+    (*TENANTS, "allowedCheckpointSources", "items"): String(pattern=CHECKPOINT_ENTRY_PATTERN),
+    (*TENANTS, "allowedSecrets", "items"): String(pattern=NAME_ENTRY_PATTERN),
+    (*TENANTS, "allowedClaims", "items"): String(pattern=NAME_ENTRY_PATTERN),
+    (*TENANTS, "allowedTolerationKeys", "items"): String(min_length=1, pattern=WORD_ENTRY_PATTERN),
+    (*TENANTS, "allowedNodeSelectorKeys", "items"):
+        String(min_length=1, pattern=WORD_ENTRY_PATTERN),
+    (*TENANTS, "allowedStrategies", "items"): String(pattern=STRATEGY.pattern),
 }
 #: The widest line of values.schema.json: a container that fits stays on one line.
 JSON_WIDTH = 100

@@ -236,7 +236,7 @@ def crd_yaml(resource: CustomResource) -> str:
 
 
 def _dumper(names: dict[int, str]) -> type[yaml.SafeDumper]:
-    """A YAML dumper that names each anchor after its field (``image``, ``image2``, ...)."""
+    """A YAML dumper that names each anchor after its field (``name``, then ``name1``, ...)."""
     given: set[str] = set()
 
     class Dumper(yaml.SafeDumper):

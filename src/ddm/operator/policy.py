@@ -79,12 +79,17 @@ HOSTNAME_KEY = "kubernetes.io/hostname"
 #: nodeAffinity operators that select nodes having the key (NotIn, DoesNotExist keep pods off).
 _SELECTING = ("In", "Exists")
 ANY = "*"
-_CHECKPOINT_ENTRY = re.compile(r"^[a-z0-9]+://([^/\s]*/\S*)?$")
-#: An entry of DDM_ALLOWED_SECRETS or DDM_ALLOWED_CLAIMS: a whole name, or a prefix ending
-#: with ``*`` (the chart's values schema checks the same, generated: scripts/generate_crds.py).
+#: What an entry of each list may be; the chart's values schema checks the same (generated:
+#: scripts/generate_crds.py). No entry holds a comma: the lists are comma-separated.
+#: DDM_ALLOWED_CHECKPOINT_SOURCES: a scheme, or a scheme, a host or bucket and a '/'.
+CHECKPOINT_ENTRY_PATTERN = r"^[a-z0-9]+://([^/\s,]*/[^\s,]*)?$"
+#: DDM_ALLOWED_SECRETS, DDM_ALLOWED_CLAIMS: a whole name, or a prefix ending with ``*``.
 NAME_ENTRY_PATTERN = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?|([a-z0-9][-a-z0-9.]*)?\*)$"
+#: DDM_ALLOWED_IMAGES, DDM_ALLOWED_TOLERATION_KEYS, DDM_ALLOWED_NODE_SELECTOR_KEYS: any word.
+WORD_ENTRY_PATTERN = r"^[^\s,]+$"
+_CHECKPOINT_ENTRY = re.compile(CHECKPOINT_ENTRY_PATTERN)
 _NAME_ENTRY = re.compile(NAME_ENTRY_PATTERN)
-_KEY_ENTRY = re.compile(r"^\S+$")
+_KEY_ENTRY = re.compile(WORD_ENTRY_PATTERN)
 
 
 def _is_directory_prefix(entry: str) -> bool:
@@ -133,7 +138,7 @@ class AllowLists:
 def check_image_entries(entries: tuple[str, ...]) -> None:
     """A ``ValueError`` naming the first entry that is not a bounded image prefix."""
     for entry in entries:
-        if not entry or any(c.isspace() for c in entry):
+        if not _KEY_ENTRY.match(entry):
             raise ValueError(f"{IMAGES_ENV}: {entry!r} is not an image or image prefix")
 
 
