@@ -20,6 +20,7 @@ from __future__ import annotations
 from ddm.checkpoints.uri import MAX_URI_LENGTH, URI_PATTERN
 from ddm.deploy import autoscaling as scaling
 from ddm.deploy import limits
+from ddm.deploy.accelerators import ACCELERATORS, HOST, unit_names
 from ddm.deploy.pod_options import (
     IMAGE_PATTERN,
     LABEL_VALUE_PATTERN,
@@ -127,13 +128,13 @@ CHECKPOINT = Object(one_of=(("uri",), ("uriFrom",)), properties={
 
 # -- Where a component runs: its accelerator and the pod fields passed through -----------------
 ACCELERATOR = Object(properties={
-    "type": String(choices=limits.ACCELERATOR_TYPES, default="cpu"),
+    "type": String(choices=tuple(ACCELERATORS), default=HOST),
     "count": Integer(
         description="Devices per replica (neuron: 1-16 devices or 1-32 cores, nvidia: 1-8, "
                     "tpu: 1, 4 or 8 chips); not for cpu. Defaults to 1.",
         minimum=1, maximum=limits.MAX_ACCELERATOR_COUNT),
     "unit": String(description="neuron only: request whole devices (default) or NeuronCores.",
-                   choices=limits.NEURON_UNITS),
+                   choices=unit_names()),
     "product": String(
         description="nvidia: the nvidia.com/gpu.product node label to require; tpu: the "
                     "cloud.google.com/gke-tpu-accelerator (default tpu-v5-lite-podslice).",
