@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ddm.deploy.accelerators import image_families
 from ddm.deploy.crd import DDM_DEPLOYMENT
 from ddm.deploy.schema import CustomResource, Field, String, crd_yaml, openapi
 from ddm.operator.policy import CHECKPOINT_ENTRY_PATTERN, NAME_ENTRY_PATTERN, WORD_ENTRY_PATTERN
@@ -28,11 +29,16 @@ CHART = ROOT / "charts" / "ddm-operator"
 VALUES_SCHEMA = CHART / "values.schema.json"
 #: The custom resources this repository defines: one file each under crds/ and the chart's crds/.
 RESOURCES: tuple[CustomResource, ...] = (DDM_DEPLOYMENT,)
-#: The chart values that take what a declaration takes, by their path in values.schema.json:
-#: the operator's policy settings (``ddm.operator.policy``), each entry checked as the operator
-#: checks it.
+#: The chart values that take what a declaration takes, by their path in values.schema.json: a
+#: field declared (its schema), or the JSON written there. An image per image family of the
+#: accelerator registry (``ddm.deploy.accelerators``) and the operator's own; the operator's
+#: policy settings (``ddm.operator.policy``), each entry checked as the operator checks it.
+IMAGES = ("properties", "images")
 TENANTS = ("properties", "tenants", "properties")
-VALUES_PARTS: dict[tuple[str, ...], Field] = {
+VALUES_PARTS: dict[tuple[str, ...], Field | Any] = {
+    (*IMAGES, "required"): ["operator", *sorted(image_families())],
+    **{(*IMAGES, "properties", name): {"$ref": "#/definitions/image"}
+       for name in ("operator", *sorted(image_families()))},
     (*TENANTS, "allowedImages", "items"): String(min_length=1, pattern=WORD_ENTRY_PATTERN),
     (*TENANTS, "allowedCheckpointSources", "items"): String(pattern=CHECKPOINT_ENTRY_PATTERN),
     (*TENANTS, "allowedSecrets", "items"): String(pattern=NAME_ENTRY_PATTERN),
@@ -48,14 +54,15 @@ JSON_WIDTH = 100
 
 def values_schema(hand_written: dict[str, Any]) -> str:
     """``hand_written`` (the chart's values schema) with every part of ``VALUES_PARTS`` set from
-    its declaration, as the JSON text committed; a path that is not there is an error."""
+    its declaration, as the JSON text committed; a path whose parent is not there is an
+    error."""
     for path, declared in VALUES_PARTS.items():
         parent = hand_written
         for key in path[:-1]:
             if not isinstance(parent.get(key), dict):
                 raise KeyError(f"{VALUES_SCHEMA.name}: no object at {'.'.join(path[:-1])}")
             parent = parent[key]
-        parent[path[-1]] = openapi(declared)
+        parent[path[-1]] = openapi(declared) if isinstance(declared, Field) else declared
     return _json(hand_written, 0) + "\n"
 
 

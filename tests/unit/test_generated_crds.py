@@ -57,7 +57,7 @@ def test_the_check_names_each_stale_file_and_the_command_that_fixes_it(
 
 
 def test_a_values_schema_part_must_exist_where_it_is_declared() -> None:
-    with pytest.raises(KeyError, match="no object at properties.tenants.properties"):
+    with pytest.raises(KeyError, match="values.schema.json: no object at properties.images"):
         _script().values_schema({"properties": {}})
 
 
