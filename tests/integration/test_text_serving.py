@@ -26,11 +26,10 @@ from ddm.conditioning import Conditioning
 from ddm.deploy.limits import MAX_CONTEXT_ROWS
 from ddm.models.stages import load_stage, load_text_ddm
 from ddm.models.text_prior import pooled_text
-from ddm.serving.expert.server import create_expert_app
-from ddm.checkpoints.declared import STAGE_ROLES
-from ddm.serving.expert.stage_server import create_stage_app
 from ddm import termination
 from ddm.serving.http import build_server
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
                                   Solver, TextIntegrateRequest, TextVelocityRequest,
                                   VelocityRequest, context_id, decode_response, encode_request,
@@ -70,7 +69,7 @@ def cond(encoder) -> Conditioning:
 
 @pytest.fixture(scope="module")
 def expert(root) -> Iterator[str]:
-    with running(create_expert_app(root / "expert_0", max_batch=8)) as base:
+    with running(create_model_app(root / "expert_0", ServingOptions(max_batch=8))) as base:
         wait_ready(base)
         yield base
 
@@ -157,8 +156,8 @@ class Restartable:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
-        self.server = build_server(create_expert_app(self.directory, max_batch=8,
-                                                     **self.options),
+        self.server = build_server(create_model_app(self.directory,
+                                                    ServingOptions(max_batch=8, **self.options)),
                                    "127.0.0.1", self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)
@@ -284,8 +283,8 @@ def test_a_restarted_replicas_miss_is_recovered_transparently(root, cond):
 def test_replies_travel_in_the_dtype_the_expert_runs_in(root, cond, precision, code,
                                                        tolerance):
     stage = load_stage(root / "expert_0", dtype=precision)
-    with running(create_expert_app(root / "expert_0", max_batch=8,
-                                   precision=precision)) as base:
+    with running(create_model_app(root / "expert_0",
+                                  ServingOptions(max_batch=8, precision=precision))) as base:
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()
         v = with_pool(endpoint_of(base), lambda pool: pool.velocity("e", X, T, cond))
@@ -379,9 +378,9 @@ def test_a_text_experts_info_is_what_the_router_reads(expert):
 
 @pytest.fixture(scope="module")
 def stages(root) -> Iterator[dict[str, str]]:
-    with running(create_stage_app(root / "text_encoder", STAGE_ROLES, max_batch=4)) as encoder, \
-            running(create_stage_app(root / "decoder", STAGE_ROLES, max_batch=2)) as decoder, \
-            running(create_stage_app(root / "router", STAGE_ROLES, max_batch=8)) as router:
+    with running(create_model_app(root / "text_encoder", ServingOptions(max_batch=4))) as encoder, \
+            running(create_model_app(root / "decoder", ServingOptions(max_batch=2))) as decoder, \
+            running(create_model_app(root / "router", ServingOptions(max_batch=8))) as router:
         for base in (encoder, decoder, router):
             wait_ready(base)
         yield {"text_encoder": endpoint_of(encoder), "decoder": endpoint_of(decoder),
@@ -498,7 +497,7 @@ def test_a_served_router_weighs_in_its_text_prior_as_the_ddm_does_in_process(tmp
     cond = ddm.encode(["a red car", "", "a photo"])
     in_process = ddm.router(X, T, cond)
     router = load_stage(root / "router")
-    with running(create_stage_app(root / "router", STAGE_ROLES, max_batch=2)) as base:
+    with running(create_model_app(root / "router", ServingOptions(max_batch=2))) as base:
         wait_ready(base)
 
         async def served():

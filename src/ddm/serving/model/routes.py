@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddm.serving.auth import BearerAuth, TokenFile
-from ddm.serving.expert import metrics as expert_metrics
+from ddm.serving.model import metrics as expert_metrics
 from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected,
                               add_api_docs, probe_responses, read_body, retry_after, send_bytes,
                               send_json)
@@ -68,7 +68,7 @@ class ModelState(Protocol):
 
 
 class Observed(Protocol):
-    """Counts a route's requests: :class:`~ddm.serving.expert.metrics.ExpertMetrics`, or a
+    """Counts a route's requests: :class:`~ddm.serving.model.metrics.ExpertMetrics`, or a
     pool's step route's own."""
 
     def observe_request(self, kind: str, status: int, images: int) -> None: ...
