@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -432,6 +435,31 @@ def test_serving_a_stage_under_the_wrong_command_exits_1_naming_it(root, tmp_pat
     assert done.returncode == 1, done.stderr
     assert message in done.stderr
     assert message in (tmp_path / "termination").read_text()
+
+
+def test_a_text_expert_failing_a_structural_check_exits_1_naming_it(root, tmp_path):
+    """As a label expert's server does: ``ddm expert check``'s structural checks (here, its
+    velocities are NaN) run before the expert warms up, and the reason is the termination
+    message."""
+    from safetensors.numpy import load_file, save_file
+
+    broken = tmp_path / "expert_0"
+    shutil.copytree(root / "expert_0", broken)
+    (weights,) = broken.glob("*.safetensors")
+    tensors = {name: np.full_like(value, np.nan) if value.dtype.kind == "f" else value
+               for name, value in load_file(weights).items()}
+    save_file(tensors, weights)
+    config = json.loads((broken / "config.json").read_text())
+    if "weights_sha256" in config["_ddm"]:
+        config["_ddm"]["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+        (broken / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "ddm", "serve", "expert", "--checkpoint", str(broken),
+         "--port", "0"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, termination.ENV: str(tmp_path / "termination")})
+    assert done.returncode == 1, done.stderr
+    message = (tmp_path / "termination").read_text()
+    assert "expert stage expert_0 failed ddm expert check: FAIL finite: " in message, message
 
 
 def test_stages_in_the_routers_process_answer_the_same_calls(root):
