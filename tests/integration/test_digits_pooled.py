@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from ddm.runtime.local import LocalPlan
-from tests.support.local_runtime import Log, ddm_up
+from tests.support.local_runtime import Log, ddm_up, one_pool_beside_the_router
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 POOLED = REPOSITORY / "examples" / "digits-pooled.yaml"
@@ -49,12 +49,7 @@ def pooled() -> Iterator[tuple[LocalPlan, Log]]:
 
 
 def test_one_model_process_beside_the_router(pooled: tuple[LocalPlan, Log]) -> None:
-    plan, log = pooled
-    (server,) = plan.servers
-    assert server.argv[server.argv.index("serve") + 1] == "pool"
-    started = [line.split(" (")[0] for _, line in log.lines if line.startswith("started ")]
-    assert started == ["started pool-models/0", "started router"], started
-    info = httpx.get(f"http://127.0.0.1:{server.port}/v1/info", timeout=30).json()
+    info = one_pool_beside_the_router(*pooled)
     assert {name: member["classes"] for name, member in info["members"].items()} == {
         "digits-0-4": [0, 1, 2, 3, 4], "digits-5-9": [5, 6, 7, 8, 9]}
 

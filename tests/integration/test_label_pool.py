@@ -6,7 +6,6 @@ in the pool (``discovery.member``) draws the same pixels as over the experts ser
 
 from __future__ import annotations
 
-import base64
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Iterator

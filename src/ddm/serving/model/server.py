@@ -35,7 +35,6 @@ Slow, idle and oversized connections are cut off by the limits of
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -56,7 +55,8 @@ from ddm.serving.model.memory import PoolMemory, member_bytes, memory_limit
 from ddm.serving.model.metrics import MemberMetrics
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.pool_step import pool_step_routes
-from ddm.serving.model.routes import SERVING_LOOPS, Binary, model_app, readiness
+from ddm.serving.model.routes import (SERVING_LOOPS, Binary, ModelState, lifespan_app,
+                                     model_routes, readiness)
 from ddm.serving.model.stage import StageMember, read_stage
 from ddm.serving.paths import model_paths
 from ddm.termination import fail_start
@@ -171,24 +171,22 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
         for member in members.values():
             await member.close()
 
-    common = {"api_docs": options.api_docs, "draining": hooks.draining,
-              "auth_token_file": options.auth_token_file}
-    if not pooled:
-        (member,) = members.values()
-        return model_app(member, {model_paths().velocity: Binary(member, member.answer)}, load,
-                         close, title=f"ddm {member.who}",
-                         description="One model behind the binary protocol of "
-                                     "docs/protocol.md.", **common)
-    pool = _Pool(members, memory, options.device)
-    binary = {model_paths(name).velocity: Binary(member, member.answer)
+    binary = {model_paths(name if pooled else None).velocity: Binary(member, member.answer)
               for name, member in members.items()}
-    binary.update(pool_step_routes(members, pool.metrics.registry))
-    return model_app(pool, binary, load, close,
-                     title=f"ddm pool of {len(members)}",
-                     description="A DDM's models on one device, each behind the binary "
-                                 "protocol of docs/protocol.md under /v1/members/NAME.",
-                     routes=functools.partial(_member_routes, members, hooks.draining),
-                     **common)
+    if pooled:
+        pool = _Pool(members, memory, options.device)
+        binary.update(pool_step_routes(members, pool.metrics.registry))
+        state: ModelState = pool
+        app = lifespan_app(f"ddm pool of {len(members)}", "A DDM's models on one device, each "
+                           "behind the binary protocol of docs/protocol.md under "
+                           "/v1/members/NAME.", load, close)
+        _member_routes(members, hooks.draining, app)
+    else:
+        (state,) = members.values()
+        app = lifespan_app(f"ddm {state.who}", "One model behind the binary protocol of "
+                           "docs/protocol.md.", load, close)
+    return model_routes(app, state, binary, api_docs=options.api_docs, draining=hooks.draining,
+                        auth_token_file=options.auth_token_file)
 
 
 def _member_routes(members: Mapping[str, Member], draining: Callable[[], bool] | None,
