@@ -68,7 +68,7 @@ import torch
 from ddm.checkpoints.format import load_checkpoint
 from ddm.runtime.local import REPOSITORY_ROOT, free_port
 from ddm.serving.batching import INLINE_MAX_S
-from ddm.serving.expert.backends import load_backend
+from ddm.serving.model.backends import load_backend
 from ddm.serving.http_client import HttpClient
 from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
                                   encode_request, max_error_reply_bytes, max_reply_bytes)
@@ -110,16 +110,24 @@ COLD_GAPS_S = (0.0, 0.001, 0.005, 0.02, 0.06)
 _TIMEOUT_S = 30.0
 _STOP_S = 30.0
 
-#: The server process: the tree's own create_expert_app on as many event loops as its ``ddm
-#: serve expert`` runs (one before SERVING_LOOPS existed), with a loader that adds argv[3]
+#: The server process: the tree's own model server (create_model_app, or create_expert_app
+#: before it) on as many event loops as its ``ddm serve expert`` runs (one before
+#: SERVING_LOOPS existed), with a loader that adds argv[3]
 #: seconds spent as argv[5] says on top of the real model (a bigger model, as the server sees
 #: it) and times every batch of the model; the times go to the file named by argv[4] when the
 #: server stops.
 _SERVER = _EXTRA + """
 import json, sys, time
-from ddm.serving.expert.backends import load_backend
-from ddm.serving.expert import routes, server
 from ddm.serving.http import run_server
+try:
+    from ddm.serving.model import routes
+    from ddm.serving.model.backends import load_backend
+    from ddm.serving.model.options import Hooks
+    from ddm.serving.model.server import create_model_app
+except ImportError:  # a tree from before the one model server (ddm.serving.model)
+    from ddm.serving.expert import routes, server
+    from ddm.serving.expert.backends import load_backend
+    create_model_app = None
 checkpoint, port, seconds, times_file, how = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]),
                                               sys.argv[4], sys.argv[5])
 loops = getattr(routes, "SERVING_LOOPS", 1)
@@ -139,11 +147,16 @@ def loader(ckpt, backend, device, max_batch, cache):
     real.velocity = velocity
     return real
 
-app_loops = {"serving_loops": loops} if loops > 1 else {}
+def make_app(control):
+    if create_model_app is not None:
+        return create_model_app(checkpoint, hooks=Hooks(loader=loader, start_up=control.start_up,
+                                                        serving_loops=loops))
+    app_loops = {"serving_loops": loops} if loops > 1 else {}
+    return server.create_expert_app(checkpoint, loader=loader, start_up=control.start_up,
+                                    **app_loops)
+
 server_loops = {"loops": loops} if loops > 1 else {}
-run_server(lambda control: server.create_expert_app(checkpoint, loader=loader,
-                                                     start_up=control.start_up, **app_loops),
-           "127.0.0.1", port, "warning", **server_loops)
+run_server(make_app, "127.0.0.1", port, "warning", **server_loops)
 with open(times_file, "w") as out:
     json.dump(times, out)
 """

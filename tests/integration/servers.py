@@ -12,8 +12,9 @@ from typing import Iterator
 import httpx
 
 from ddm.serving.connections import ConnectionLimits
-from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 
 READY_DEADLINE_S = 60.0
 #: The name of the thread serving port P is this prefix and P.
@@ -56,6 +57,8 @@ def wait_ready(base: str) -> None:
 @contextmanager
 def ready_server(checkpoint: Path, backend: str = "torch", device: str | None = None,
                  max_batch: int = 8, max_delay_ms: float = 0.0) -> Iterator[str]:
-    with running(create_expert_app(checkpoint, backend, device, max_batch, max_delay_ms)) as base:
+    options = ServingOptions(backend=backend, device=device, max_batch=max_batch,
+                             max_delay_ms=max_delay_ms)
+    with running(create_model_app(checkpoint, options)) as base:
         wait_ready(base)
         yield base

@@ -110,13 +110,14 @@ def test_a_network_of_one_framework_is_not_offered_to_the_other(dit, tmp_path, m
 @pytest.mark.parametrize("kind", ["import", "exported"])
 def test_the_expert_server_serves_them_through_its_backend(kind, dit, tmp_path, monkeypatch):
     """Batching, buckets and limits as for our UNet: the server cannot tell them apart."""
-    from ddm.serving.expert.server import create_expert_app
+    from ddm.serving.model.options import ServingOptions
+    from ddm.serving.model.server import create_model_app
 
     monkeypatch.setenv(ENV_ALLOW_IMPORT, "tests.support")
     program = export_program(dit, SHAPE) if kind == "exported" else None
     path = save_checkpoint(tmp_path / kind, dit_meta(kind), canonical_weights(dit)
                            if kind == "import" else {}, program=program)
-    with running(create_expert_app(path, max_batch=4)) as base:
+    with running(create_model_app(path, ServingOptions(max_batch=4))) as base:
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()
         assert info["image_shape"] == list(SHAPE) and info["classes"] == [5, 6, 7, 8, 9]

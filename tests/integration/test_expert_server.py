@@ -29,8 +29,9 @@ import pytest
 from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
 from ddm.sampling.solvers import iterate
-from ddm.serving.expert.backends import Backend, BackendUnavailable, check_backend, load_backend
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import Hooks, ServingOptions
+from ddm.serving.model.backends import Backend, BackendUnavailable, check_backend, load_backend
 from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
                                   VelocityRequest, decode_response, encode_request)
 from ddm.termination import write_termination_message
@@ -173,7 +174,8 @@ def test_readyz_is_503_until_warm_up_completes(smoke_expert_checkpoint):
         release.wait(timeout=30)  # hold loading here until the test has looked
         return load_backend(ckpt, backend, device, max_batch, compile_cache)
 
-    app = create_expert_app(smoke_expert_checkpoint, max_batch=2, loader=slow_loader)
+    app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=2),
+                           Hooks(loader=slow_loader))
     with running(app) as base:
         deadline = time.monotonic() + READY_DEADLINE_S
         while not _listening(base) and time.monotonic() < deadline:
@@ -194,7 +196,7 @@ def test_a_failed_load_is_reported_by_the_probes(smoke_expert_checkpoint):
     def broken_loader(ckpt, backend, device, max_batch, compile_cache):
         raise RuntimeError("no such accelerator")
 
-    app = create_expert_app(smoke_expert_checkpoint, loader=broken_loader)
+    app = create_model_app(smoke_expert_checkpoint, hooks=Hooks(loader=broken_loader))
     with running(app) as base:
         deadline = time.monotonic() + READY_DEADLINE_S
         while time.monotonic() < deadline:
@@ -224,8 +226,8 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
 
         return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
 
-    app = create_expert_app(smoke_expert_checkpoint, max_batch=8, max_pending=1,
-                            loader=gated_loader)
+    app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8, max_pending=1),
+                           Hooks(loader=gated_loader))
     with running(app) as base:
         wait_ready(base)
         limit = httpx.get(f"{base}/v1/info").json()["max_body_bytes"]
@@ -318,9 +320,10 @@ def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
 #: the thread it runs on to argv[3]/thread.
 _GATED_EXPERT = """
 import pathlib, sys, time, threading
-from ddm.serving.expert.backends import load_backend
-from ddm.serving.expert.routes import SERVING_LOOPS
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.model.backends import load_backend
+from ddm.serving.model.options import Hooks
+from ddm.serving.model.routes import SERVING_LOOPS
+from ddm.serving.model.server import create_model_app
 from ddm.serving.http import run_server
 checkpoint, port, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
 
@@ -337,8 +340,8 @@ def loader(ckpt, backend, device, max_batch, cache):
     real.velocity = velocity
     return real
 
-run_server(lambda control: create_expert_app(checkpoint, loader=loader, start_up=control.start_up,
-                                              serving_loops=SERVING_LOOPS),
+run_server(lambda control: create_model_app(checkpoint, hooks=Hooks(
+               loader=loader, start_up=control.start_up, serving_loops=SERVING_LOOPS)),
            "127.0.0.1", port, "warning", loops=SERVING_LOOPS)
 """
 GATED_T = 0.375  # exact in float32
@@ -394,7 +397,7 @@ def test_the_termination_message_is_one_line_kubernetes_keeps_or_nothing(tmp_pat
 
 def test_neuron_backend_without_torch_neuronx_fails_clearly(smoke_expert_checkpoint):
     with pytest.raises(BackendUnavailable, match="backend 'neuron' needs torch_neuronx"):
-        create_expert_app(smoke_expert_checkpoint, backend="neuron")
+        create_model_app(smoke_expert_checkpoint, ServingOptions(backend="neuron"))
     with pytest.raises(BackendUnavailable, match="pip.repos.neuron.amazonaws.com"):
         load_backend(load_checkpoint(smoke_expert_checkpoint), "neuron", None, 4)
     with pytest.raises(ValueError, match="unknown backend 'tensorflow'"):
@@ -494,7 +497,8 @@ def test_a_batch_of_one_holding_the_model_does_not_hold_the_probes(smoke_expert_
 
         return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
 
-    with running(create_expert_app(smoke_expert_checkpoint, loader=gated_loader)) as base:
+    with running(create_model_app(smoke_expert_checkpoint,
+                                  hooks=Hooks(loader=gated_loader))) as base:
         wait_ready(base)
         serving.set()
 
@@ -540,7 +544,8 @@ def test_a_jax_expert_with_a_small_batch_limit_starts_and_serves_it(
         smoke_jax_expert_checkpoint, max_batch):
     """JAX compiles only the batch sizes up to ``--max-batch``: start-up must not ask for a
     bigger one (it once made ``--max-batch 1`` fail to start)."""
-    app = create_expert_app(smoke_jax_expert_checkpoint, backend="jax", max_batch=max_batch)
+    app = create_model_app(smoke_jax_expert_checkpoint,
+                           ServingOptions(backend="jax", max_batch=max_batch))
     with running(app) as base:
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()

@@ -27,8 +27,9 @@ import pytest
 from ddm.deploy.limits import MAX_STATE_MAGNITUDE
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.connections import ConnectionLimits
-from ddm.serving.expert.routes import SERVING_LOOPS
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import Hooks, ServingOptions
+from ddm.serving.model.routes import SERVING_LOOPS
 from ddm.serving.protocol import (CONTENT_TYPE, RemoteExpertError, TextVelocityRequest,
                                   VelocityRequest, decode_response, encode_request,
                                   encode_text_request)
@@ -92,7 +93,7 @@ def _report(what: str, attackers: list[Attacker], baseline: list[float], attacke
 def test_an_expert_serves_through_300_hostile_connections_and_closes_them(
         smoke_expert_checkpoint: Path):
     # max_pending below the number of slow bodies: they must not count as pending.
-    app = create_expert_app(smoke_expert_checkpoint, max_batch=8, max_pending=16)
+    app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8, max_pending=16))
     with running(app, LIMITS) as base:
         wait_ready(base)
         body = _velocity_body()
@@ -117,7 +118,7 @@ def test_an_expert_serves_through_300_hostile_connections_and_closes_them(
 
 def test_a_router_generates_through_300_hostile_connections_on_it_and_its_expert(
         smoke_expert_checkpoint: Path):
-    expert_app = create_expert_app(smoke_expert_checkpoint, max_batch=8)
+    expert_app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8))
     with running(expert_app, LIMITS) as expert:
         wait_ready(expert)
         expert_port = int(expert.rsplit(":", 1)[1])
@@ -149,7 +150,8 @@ def test_connections_over_the_cap_evict_the_longest_waiting_and_normal_calls_get
     """The cap holds for the whole server: on several event loops, each loop holds its share
     and evicts its own longest waiting (so the oldest go first within a loop)."""
     limits = ConnectionLimits(max_connections=cap)  # the default deadlines: 10 s and more
-    app = create_expert_app(smoke_expert_checkpoint, max_batch=8, serving_loops=loops)
+    app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8),
+                           Hooks(serving_loops=loops))
     with running(app, limits, loops) as base:
         wait_ready(base)
         port = int(base.rsplit(":", 1)[1])
@@ -219,7 +221,8 @@ def test_a_client_that_stops_reading_is_cut_off_after_the_send_deadline():
 
 def test_a_pipelined_request_is_not_read_and_the_connection_closes_after_the_reply(
         smoke_expert_checkpoint: Path):
-    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8), LIMITS) as base:
+    with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8)),
+                 LIMITS) as base:
         wait_ready(base)
         port = int(base.rsplit(":", 1)[1])
 
@@ -236,7 +239,8 @@ def test_a_pipelined_request_is_not_read_and_the_connection_closes_after_the_rep
 def test_a_reply_before_the_body_is_in_says_close_and_closes(smoke_expert_checkpoint: Path):
     """A body declared over the limit gets its 413 at once, marked ``connection: close``, so
     that a client does not send its next request on a connection about to close."""
-    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8), LIMITS) as base:
+    with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8)),
+                 LIMITS) as base:
         wait_ready(base)
         port = int(base.rsplit(":", 1)[1])
 
@@ -343,7 +347,8 @@ def test_an_expert_refuses_a_huge_state_from_anyone_with_a_422_naming_the_bound(
         smoke_expert_checkpoint: Path):
     """A client talking to an expert directly is bounded as the router is (the wire's check of
     ``x``), and the expert serves on."""
-    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8), LIMITS) as base:
+    with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8)),
+                 LIMITS) as base:
         wait_ready(base)
         x = np.full((1, 1, 8, 8), 3e38, np.float32)
         status, message = _direct_call(base, encode_request(VelocityRequest(

@@ -215,9 +215,11 @@ def test_ddm_expert_check_passes_an_exported_trained_expert(exported_unet, unet,
 @pytest.mark.slow
 def test_the_expert_server_serves_an_exported_program_over_http(exported_unet, unet):
     """Its own checks, JAX's batch buckets and the server's limits, as for our UNet."""
-    from ddm.serving.expert.server import create_expert_app
+    from ddm.serving.model.options import ServingOptions
+    from ddm.serving.model.server import create_model_app
 
-    with running(create_expert_app(exported_unet, backend="jax", max_batch=4)) as base:
+    with running(create_model_app(exported_unet,
+                                  ServingOptions(backend="jax", max_batch=4))) as base:
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()
         assert info["image_shape"] == list(SHAPE) and info["classes"] == [0, 1, 2, 3, 4]

@@ -29,8 +29,8 @@ from ddm.checkpoints.declared import EXPERT, PLAN_NAMES
 from ddm.conditioning import Conditioning
 from ddm.deploy.router_config import RouterConfigFile, StaticDiscovery
 from ddm.serving.auth import TokenFile
-from ddm.serving.expert.pool_server import create_pool_app
-from ddm.serving.expert.stage_server import create_stage_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
                                   RouteRequest, TextVelocityRequest, context_id,
                                   decode_response, encode_text_request)
@@ -60,7 +60,7 @@ def members_of(stages: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def pool(stages) -> Iterator[str]:
-    with running(create_pool_app(members_of(stages), max_batch=8)) as base:
+    with running(create_model_app(members_of(stages), ServingOptions(max_batch=8))) as base:
         wait_ready(base)
         yield base
 
@@ -112,7 +112,7 @@ def test_each_member_answers_the_bytes_of_its_own_stage_server(stages, pool):
         member = httpx.get(f"{pool}/v1/members/{name}/info").json()
         assert info["members"][name] == member
         assert httpx.get(f"{pool}/v1/members/{name}/readyz").json() == {"status": "ready"}
-        with running(create_stage_app(directory, member["role"], max_batch=8)) as alone:
+        with running(create_model_app(directory, ServingOptions(max_batch=8))) as alone:
             wait_ready(alone)
             assert httpx.get(f"{alone}/v1/info").json() == member
             for body in requests_for(name, member):
@@ -134,7 +134,7 @@ def test_readyz_turns_200_once_every_member_is_loaded(stages):
         return await asyncio.to_thread(work)
 
     names = list(MEMBERS)
-    with running(create_pool_app(members_of(stages), start_up=start_up)) as base:
+    with running(create_model_app(members_of(stages), hooks=Hooks(start_up=start_up))) as base:
         def ready(name: str) -> bool:
             return httpx.get(f"{base}/v1/members/{name}/readyz").status_code == 200
 
@@ -162,7 +162,7 @@ def test_rows_batch_per_member_and_never_across_members(stages):
     # Batches dispatch when full (2 rows) and would otherwise wait a minute: two requests
     # to each expert, all four at once, run as one batch per expert.
     experts = {name: stages / MEMBERS[name] for name in ("expert-0", "expert-1")}
-    with running(create_pool_app(experts, max_batch=2, max_delay_ms=60_000.0),
+    with running(create_model_app(experts, ServingOptions(max_batch=2, max_delay_ms=60_000.0)),
                  loops=2) as base:
         wait_ready(base)
         width = httpx.get(f"{base}/v1/members/expert-0/info").json()["text_width"]
@@ -191,7 +191,7 @@ def test_rows_batch_per_member_and_never_across_members(stages):
         assert batches(metrics, name) == (1, 2.0)
     # Each row went through its own member's network: the same call alone gives its
     # velocity (to float32's rounding: a batch of 2 sums in another order than one of 1).
-    with running(create_pool_app(experts, max_batch=2, max_delay_ms=0.0)) as alone:
+    with running(create_model_app(experts, ServingOptions(max_batch=2, max_delay_ms=0.0))) as alone:
         wait_ready(alone)
         for name in experts:
             post(alone, f"/v1/members/{name}/velocity", context)
@@ -206,8 +206,8 @@ def test_the_router_reaches_a_member_behind_the_pool_s_token(stages, tmp_path):
     # token, then calls the member's velocity.
     (tmp_path / "token").write_text("pool-token-0123456789abcdef\n")
     token = TokenFile(tmp_path / "token")
-    app = create_pool_app({"expert-1": stages / MEMBERS["expert-1"]}, max_batch=8,
-                          auth_token_file=tmp_path / "token")
+    app = create_model_app({"expert-1": stages / MEMBERS["expert-1"]},
+                           ServingOptions(max_batch=8, auth_token_file=tmp_path / "token"))
     with running(app) as base:
         wait_ready(base)
         assert httpx.get(f"{base}/v1/members/expert-1/readyz").status_code == 401
@@ -284,8 +284,8 @@ def test_a_router_over_one_pool_gives_the_unpooled_image(stages, pool):
         assert ("ddm_expert_requests_total", f"expert-{k}", "TextVelocityRequest",
                 "200") not in added
     assert added[("ddm_expert_requests_total", "router-network", "RouteRequest", "200")] == steps
-    with running(create_stage_app(stages / "expert_0", EXPERT, max_batch=8)) as e0, \
-            running(create_stage_app(stages / "expert_1", EXPERT, max_batch=8)) as e1:
+    with running(create_model_app(stages / "expert_0", ServingOptions(max_batch=8))) as e0, \
+            running(create_model_app(stages / "expert_1", ServingOptions(max_batch=8))) as e1:
         for base in (e0, e1):
             wait_ready(base)
         unpooled = image(text_config(stages, {"expert_0": e0.removeprefix("http://"),

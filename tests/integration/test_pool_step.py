@@ -23,7 +23,8 @@ import pytest
 
 from ddm.conditioning import Conditioning
 from ddm.deploy.router_config import StaticDiscovery
-from ddm.serving.expert.pool_server import create_pool_app
+from ddm.serving.model.options import ServingOptions
+from ddm.serving.model.server import create_model_app
 from ddm.serving.protocol import (CONTENT_TYPE, Context, Limits, PoolVelocityRequest,
                                   RemoteExpertError, TextVelocityRequest, context_id,
                                   decode_pool_response, decode_request, decode_response,
@@ -56,7 +57,7 @@ def members(stages: Path) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def pool(stages) -> Iterator[str]:
-    with running(create_pool_app(members(stages), max_batch=8)) as base:
+    with running(create_model_app(members(stages), ServingOptions(max_batch=8))) as base:
         wait_ready(base)
         yield base
 
@@ -193,8 +194,8 @@ async def probed(pool: ExpertPool, *experts: str) -> None:
 def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
     # Each member's cache holds one context of one unguided row: a second evicts the first.
     one = TOKENS * WIDTH * 4
-    with running(create_pool_app({k: v for k, v in members(stages).items() if k != "decoder"},
-                                 max_batch=8, context_cache_bytes=one)) as base:
+    with running(create_model_app({k: v for k, v in members(stages).items() if k != "decoder"},
+                                  ServingOptions(max_batch=8, context_cache_bytes=one))) as base:
         wait_ready(base)
         discoveries = {e: StaticDiscovery((base.removeprefix("http://"),), f"expert-{k}")
                        for k, e in enumerate("ab")}
@@ -232,8 +233,8 @@ def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
 
 
 def test_a_dead_pool_is_every_member_missing(stages):
-    app = create_pool_app({"expert-0": stages / "expert_0", "expert-1": stages / "expert_1"},
-                          max_batch=8)
+    app = create_model_app({"expert-0": stages / "expert_0", "expert-1": stages / "expert_1"},
+                           ServingOptions(max_batch=8))
     cond = Conditioning(embeddings=np.ones((1, TOKENS, WIDTH), np.float32))
     x, t = np.zeros((1, *LATENT), np.float32), np.full(1, 0.5, np.float32)
 

@@ -14,8 +14,8 @@ import pytest
 
 from ddm.checkpoints.declared import CONFIG_KEYS, TEXT_ENCODER
 from ddm.data.colored_mnist import EXAMPLE_PROMPT
-from ddm.serving.expert.server import create_expert_app
-from ddm.serving.expert.stage_server import create_stage_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.text_router import text_config
@@ -34,9 +34,10 @@ def router() -> Iterator[str]:
             wait_ready(base)
             return base.removeprefix("http://")
 
-        experts = {f"expert_{k}": serve(create_expert_app(TEXT2IMG / f"expert_{k}", "torch"))
+        experts = {f"expert_{k}": serve(create_model_app(TEXT2IMG / f"expert_{k}",
+                                                         ServingOptions(backend="torch")))
                    for k in range(4)}
-        encoder = serve(create_stage_app(TEXT2IMG / "text_encoder", TEXT_ENCODER))
+        encoder = serve(create_model_app(TEXT2IMG / "text_encoder"))
         base = stack.enter_context(running(create_router_app(text_config(
             TEXT2IMG, experts, {CONFIG_KEYS[TEXT_ENCODER]: encoder}))))
         wait_ready(base)

@@ -15,8 +15,9 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from ddm.serving.expert.server import create_expert_app
 from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from servers import SERVER_THREAD, running, wait_ready
 
 #: How long the server thread may stay runnable once its client has its reply.
@@ -61,7 +62,7 @@ def test_binary_and_json_replies_leave_in_one_write_each(smoke_expert_checkpoint
     velocity = (f"POST /v1/velocity HTTP/1.1\r\nHost: e\r\nContent-Type: {CONTENT_TYPE}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     healthz = b"GET /healthz HTTP/1.1\r\nHost: e\r\n\r\n"
-    with running(create_expert_app(smoke_expert_checkpoint, max_batch=8)) as base:
+    with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8))) as base:
         wait_ready(base)
         port = int(base.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as sock:

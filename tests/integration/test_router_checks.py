@@ -18,7 +18,8 @@ from ddm.checkpoints.format import load_checkpoint, save_checkpoint
 from ddm.convention import CONVENTION_NAME
 from ddm.data import partition_sha256
 from ddm.deploy.router_config import RouterConfigFile
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.replicas import ExpertInfo, ExpertProblem
 from ddm.serving.router.server import create_router_app
 from ddm.serving.router.state import expert_mismatches
@@ -47,7 +48,8 @@ def experts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     with ExitStack() as stack:
         bases = {}
         for name, path in paths.items():
-            bases[name] = stack.enter_context(running(create_expert_app(path, max_batch=8)))
+            bases[name] = stack.enter_context(running(create_model_app(
+                path, ServingOptions(max_batch=8))))
             wait_ready(bases[name])
         yield {name: base.removeprefix("http://") for name, base in bases.items()}
 

@@ -40,7 +40,8 @@ from ddm.deploy.plan import plan_deployment
 from ddm.deploy.router_config import Auth, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT, resolve_checkpoint
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.text_router import served_text_ddm, text_config
@@ -79,8 +80,9 @@ def _ddm(manifest: str, auth: Auth | None = None) -> Iterator[str]:
     with ExitStack() as stack:
         discovery = {}
         for expert in plan.experts:
-            base = stack.enter_context(running(create_expert_app(
-                resolve_checkpoint(expert.checkpoint), "torch", max_batch=8)))
+            base = stack.enter_context(running(create_model_app(
+                resolve_checkpoint(expert.checkpoint), ServingOptions(backend="torch",
+                                                                      max_batch=8))))
             wait_ready(base)
             discovery[expert.name] = StaticDiscovery((base.removeprefix("http://"),))
         config: RouterConfigFile = plan.router_config(
@@ -338,8 +340,8 @@ def text2img() -> Iterator[str]:
     with ExitStack() as stack:
         experts = {}
         for k in range(4):
-            base = stack.enter_context(running(create_expert_app(root / f"expert_{k}", "torch",
-                                                                 max_batch=8)))
+            base = stack.enter_context(running(create_model_app(
+                root / f"expert_{k}", ServingOptions(backend="torch", max_batch=8))))
             wait_ready(base)
             experts[f"expert-{k}"] = base.removeprefix("http://")
         router = stack.enter_context(running(create_router_app(text_config(root, experts))))

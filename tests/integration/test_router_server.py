@@ -45,12 +45,13 @@ from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import initial_noise
 from ddm.serving.router.pool import ExpertPool, PoolSettings
-from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server
 from ddm.serving.router.remote import RemoteMixture, SamplingRequest, generate_remote
 from ddm.serving.router.replicas import static_endpoints
 from ddm.deploy.router_config import Auth, RouterConfigFile, RouterLimits
 from ddm.sampling_params import STRATEGY_PATTERN
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.server import create_router_app
 
 # the models run on two cores shared with everything else
@@ -76,7 +77,8 @@ def experts(ddms: dict[str, Path]) -> Iterator[dict[str, str]]:
     """``host:port`` of one in-process server per expert: e0, e1 (split), f0, f1 (shared)."""
     names = {"e0": ddms["split"] / "e0", "e1": ddms["split"] / "e1",
              "f0": ddms["shared"] / "e0", "f1": ddms["shared"] / "e1"}
-    with _servers({name: create_expert_app(path, max_batch=8) for name, path in names.items()}
+    with _servers({name: create_model_app(path, ServingOptions(max_batch=8))
+                   for name, path in names.items()}
                   ) as endpoints:
         yield endpoints
 
@@ -997,7 +999,7 @@ def test_a_stream_whose_client_stopped_reading_is_closed_when_it_disconnects(tmp
     """
     wide = _write_ddm(tmp_path, [LOW, HIGH], "labels", seed=0,
                       architecture=dataclasses.replace(SMOKE, image_size=64))
-    with _servers({name: create_expert_app(wide / name, max_batch=8)
+    with _servers({name: create_model_app(wide / name, ServingOptions(max_batch=8))
                    for name in ("e0", "e1")}) as experts:
         config = _config({name: {"endpoints": [experts[name]]} for name in ("e0", "e1")},
                          [LOW, HIGH], None, strategy="oracle")
@@ -1071,8 +1073,8 @@ def test_a_stopped_router_closes_its_router_networks_coalescer(ddms, experts):
 def test_experts_with_a_token_answer_only_the_router_that_sends_it(ddms, tmp_path):
     (tmp_path / "token").write_text(TOKEN + "\n")
     (tmp_path / "other").write_text("another-ddms-token")
-    apps = {name: create_expert_app(ddms["split"] / name, max_batch=8,
-                                    auth_token_file=tmp_path / "token") for name in ("e0", "e1")}
+    apps = {name: create_model_app(ddms["split"] / name, ServingOptions(
+                max_batch=8, auth_token_file=tmp_path / "token")) for name in ("e0", "e1")}
     with _servers(apps) as experts:
         expert = f"http://{experts['e0']}"
         assert httpx.post(f"{expert}/v1/velocity", content=b"x").status_code == 401

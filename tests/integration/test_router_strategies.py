@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from ddm.deploy.router_config import RouterConfigFile
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 
@@ -64,7 +65,8 @@ def routers() -> Iterator[dict[str, str]]:
     with ExitStack() as stack:
         experts = {}
         for name in ("expert-0-4", "expert-5-9"):
-            base = stack.enter_context(running(create_expert_app(DIGITS / name, "torch")))
+            base = stack.enter_context(running(create_model_app(
+                DIGITS / name, ServingOptions(backend="torch"))))
             wait_ready(base)
             experts[name] = base.removeprefix("http://")
         closed = socket.socket()

@@ -30,7 +30,8 @@ from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
 from ddm.sampling.pipeline import generate
-from ddm.serving.expert.server import create_expert_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 
@@ -61,7 +62,8 @@ def routers(ddm_dirs: dict[str, Path]) -> Iterator[dict[str, str]]:
                              key=lambda p: read_meta(p).partition["index"])
             entries = []
             for path in experts:
-                base = stack.enter_context(running(create_expert_app(path, max_batch=8)))
+                base = stack.enter_context(running(create_model_app(
+                    path, ServingOptions(max_batch=8))))
                 wait_ready(base)
                 entries.append({"name": read_meta(path).name,
                                 "classes": list(read_meta(path).classes),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ddm.runtime.local import LocalPlan
-from tests.support.local_runtime import Log, ddm_up
+from tests.support.local_runtime import Log, ddm_up, one_pool_beside_the_router
 from tests.support.text2img_served import png_rgb
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -45,14 +45,7 @@ def pooled() -> Iterator[tuple[LocalPlan, Log]]:
 
 
 def test_one_model_process_beside_the_router(pooled: tuple[LocalPlan, Log]) -> None:
-    plan, log = pooled
-    (server,) = plan.servers
-    assert server.name == "pool-models/0" and "serve" in server.argv
-    assert server.argv[server.argv.index("serve") + 1] == "pool"
-    started = [line for _, line in log.lines if line.startswith("started ")]
-    assert [line.split(" (")[0] for line in started] == ["started pool-models/0",
-                                                          "started router"], started
-    info = httpx.get(f"http://127.0.0.1:{server.port}/v1/info", timeout=30).json()
+    info = one_pool_beside_the_router(*pooled)
     assert sorted(info["members"]) == ["decoder", "expert-0", "expert-1", "expert-2",
                                        "expert-3", "text-encoder"]
 

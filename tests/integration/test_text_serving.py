@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -26,11 +29,10 @@ from ddm.conditioning import Conditioning
 from ddm.deploy.limits import MAX_CONTEXT_ROWS
 from ddm.models.stages import load_stage, load_text_ddm
 from ddm.models.text_prior import pooled_text
-from ddm.serving.expert.server import create_expert_app
-from ddm.checkpoints.declared import STAGE_ROLES
-from ddm.serving.expert.stage_server import create_stage_app
 from ddm import termination
 from ddm.serving.http import build_server
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
                                   Solver, TextIntegrateRequest, TextVelocityRequest,
                                   VelocityRequest, context_id, decode_response, encode_request,
@@ -70,7 +72,7 @@ def cond(encoder) -> Conditioning:
 
 @pytest.fixture(scope="module")
 def expert(root) -> Iterator[str]:
-    with running(create_expert_app(root / "expert_0", max_batch=8)) as base:
+    with running(create_model_app(root / "expert_0", ServingOptions(max_batch=8))) as base:
         wait_ready(base)
         yield base
 
@@ -157,8 +159,8 @@ class Restartable:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))
-        self.server = build_server(create_expert_app(self.directory, max_batch=8,
-                                                     **self.options),
+        self.server = build_server(create_model_app(self.directory,
+                                                    ServingOptions(max_batch=8, **self.options)),
                                    "127.0.0.1", self.port, log_level="warning")
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True)
@@ -284,8 +286,8 @@ def test_a_restarted_replicas_miss_is_recovered_transparently(root, cond):
 def test_replies_travel_in_the_dtype_the_expert_runs_in(root, cond, precision, code,
                                                        tolerance):
     stage = load_stage(root / "expert_0", dtype=precision)
-    with running(create_expert_app(root / "expert_0", max_batch=8,
-                                   precision=precision)) as base:
+    with running(create_model_app(root / "expert_0",
+                                  ServingOptions(max_batch=8, precision=precision))) as base:
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()
         v = with_pool(endpoint_of(base), lambda pool: pool.velocity("e", X, T, cond))
@@ -379,9 +381,9 @@ def test_a_text_experts_info_is_what_the_router_reads(expert):
 
 @pytest.fixture(scope="module")
 def stages(root) -> Iterator[dict[str, str]]:
-    with running(create_stage_app(root / "text_encoder", STAGE_ROLES, max_batch=4)) as encoder, \
-            running(create_stage_app(root / "decoder", STAGE_ROLES, max_batch=2)) as decoder, \
-            running(create_stage_app(root / "router", STAGE_ROLES, max_batch=8)) as router:
+    with running(create_model_app(root / "text_encoder", ServingOptions(max_batch=4))) as encoder, \
+            running(create_model_app(root / "decoder", ServingOptions(max_batch=2))) as decoder, \
+            running(create_model_app(root / "router", ServingOptions(max_batch=8))) as router:
         for base in (encoder, decoder, router):
             wait_ready(base)
         yield {"text_encoder": endpoint_of(encoder), "decoder": endpoint_of(decoder),
@@ -433,6 +435,31 @@ def test_serving_a_stage_under_the_wrong_command_exits_1_naming_it(root, tmp_pat
     assert done.returncode == 1, done.stderr
     assert message in done.stderr
     assert message in (tmp_path / "termination").read_text()
+
+
+def test_a_text_expert_failing_a_structural_check_exits_1_naming_it(root, tmp_path):
+    """As a label expert's server does: ``ddm expert check``'s structural checks (here, its
+    velocities are NaN) run before the expert warms up, and the reason is the termination
+    message."""
+    from safetensors.numpy import load_file, save_file
+
+    broken = tmp_path / "expert_0"
+    shutil.copytree(root / "expert_0", broken)
+    (weights,) = broken.glob("*.safetensors")
+    tensors = {name: np.full_like(value, np.nan) if value.dtype.kind == "f" else value
+               for name, value in load_file(weights).items()}
+    save_file(tensors, weights)
+    config = json.loads((broken / "config.json").read_text())
+    if "weights_sha256" in config["_ddm"]:
+        config["_ddm"]["weights_sha256"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+        (broken / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "ddm", "serve", "expert", "--checkpoint", str(broken),
+         "--port", "0"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, termination.ENV: str(tmp_path / "termination")})
+    assert done.returncode == 1, done.stderr
+    message = (tmp_path / "termination").read_text()
+    assert "expert stage expert_0 failed ddm expert check: FAIL finite: " in message, message
 
 
 def test_stages_in_the_routers_process_answer_the_same_calls(root):
@@ -498,7 +525,7 @@ def test_a_served_router_weighs_in_its_text_prior_as_the_ddm_does_in_process(tmp
     cond = ddm.encode(["a red car", "", "a photo"])
     in_process = ddm.router(X, T, cond)
     router = load_stage(root / "router")
-    with running(create_stage_app(root / "router", STAGE_ROLES, max_batch=2)) as base:
+    with running(create_model_app(root / "router", ServingOptions(max_batch=2))) as base:
         wait_ready(base)
 
         async def served():

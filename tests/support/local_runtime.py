@@ -9,6 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import httpx
+
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
 
@@ -54,3 +56,16 @@ def ddm_up(manifest: Path, **options: Any) -> Iterator[tuple[LocalPlan, Log, lis
     finally:
         stop.set()
         thread.join(timeout=60)
+
+
+def one_pool_beside_the_router(plan: LocalPlan, log: Log) -> dict[str, Any]:
+    """The ``/v1/info`` of the one model process ``ddm up`` started for a DDM in one pool
+    (``pool-models/0``, running ``ddm serve pool``), after checking that it and the router are
+    all it started."""
+    (server,) = plan.servers
+    assert server.name == "pool-models/0" and "serve" in server.argv
+    assert server.argv[server.argv.index("serve") + 1] == "pool"
+    started = [line for _, line in log.lines if line.startswith("started ")]
+    assert [line.split(" (")[0] for line in started] == ["started pool-models/0",
+                                                          "started router"], started
+    return httpx.get(f"http://127.0.0.1:{server.port}/v1/info", timeout=30).json()

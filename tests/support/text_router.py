@@ -12,8 +12,8 @@ from typing import Iterator, Mapping
 from ddm.checkpoints.declared import CONFIG_KEYS, DECODER, ROUTER, TEXT_ENCODER
 from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR
 from ddm.deploy.router_config import RouterConfigFile
-from ddm.serving.expert.server import create_expert_app
-from ddm.serving.expert.stage_server import create_stage_app
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.paris_release import TinyParis, write_paris_release
@@ -67,10 +67,10 @@ def served_text_ddm(root: Path, stages_apart: bool = False, sizes: TinyParis = T
             wait_ready(base)
             return base.removeprefix("http://")
 
-        experts = {f"expert_{k}": serve(create_expert_app(stages / f"expert_{k}", "torch",
-                                                          max_batch=max_batch))
+        options = ServingOptions(backend="torch", max_batch=max_batch)
+        experts = {f"expert_{k}": serve(create_model_app(stages / f"expert_{k}", options))
                    for k in range(EXPERTS)}
-        apart = {CONFIG_KEYS[role]: serve(create_stage_app(stages / directory, role))
+        apart = {CONFIG_KEYS[role]: serve(create_model_app(stages / directory))
                  for role, directory in STAGES.items()} if stages_apart else {}
         router = stack.enter_context(running(create_router_app(
             text_config(stages, experts, apart))))

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from ddm.serving.expert.backends import Backend, BackendInfo
+from ddm.serving.model.backends import Backend, BackendInfo
 from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
                                   Dispatch, Pending, Wait, batch_buckets, bucket_for,
                                   grid_slices, pad_rows, plan_batch)

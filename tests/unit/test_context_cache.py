@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ddm.serving.expert.contexts import ContextCache
+from ddm.serving.model.contexts import ContextCache
 from ddm.serving.protocol import UNKNOWN_CONTEXT, ProtocolError
 
 ROW = np.zeros((1, 4, 8), np.float32)  # 128 bytes

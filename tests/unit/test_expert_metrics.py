@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddm.serving.batching import BatchReport
-from ddm.serving.expert.metrics import ExpertMetrics
+from ddm.serving.model.metrics import ExpertMetrics
 
 
 def samples(metrics: ExpertMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -27,8 +27,9 @@ from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailab
                                      PoolSettings)
 from ddm.serving.router.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
                                   static_endpoints)
-from ddm.serving.expert.server import create_expert_app
 from ddm.serving.http import build_server, send_bytes
+from ddm.serving.model.server import create_model_app
+from ddm.serving.model.options import ServingOptions
 from ddm.serving.protocol import CONTENT_TYPE, encode_error
 
 SHAPE = (1, 8, 8)
@@ -428,7 +429,8 @@ def _expert(checkpoint: Path, port: int = 0, max_batch: int = 8,
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
-    server = build_server(wrap(create_expert_app(checkpoint, max_batch=max_batch)), "127.0.0.1",
+    server = build_server(wrap(create_model_app(checkpoint, ServingOptions(max_batch=max_batch))),
+                          "127.0.0.1",
                           sock.getsockname()[1], log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

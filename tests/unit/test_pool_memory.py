@@ -1,4 +1,4 @@
-"""The pool server's memory check (ddm.serving.expert.pool_memory), before anything loads:
+"""The pool server's memory check (ddm.serving.model.memory), before anything loads:
 each member's weights read exactly from its safetensors header (cast to --precision), the
 activations of max_batch rows, the limit from the flag, or the container's cgroup; and what a
 pool refuses before loading: a label checkpoint, a bad --member."""
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from ddm.checkpoints.format import CheckpointError
-from ddm.serving.expert.pool_memory import (MemberBytes, MemoryLimit, PoolMemory,
+from ddm.serving.model.server import create_model_app, parse_members
+from ddm.serving.model.options import Hooks
+from ddm.serving.model.memory import (MemberBytes, MemoryLimit, PoolMemory,
                                             container_limit, member_bytes, memory_limit)
-from ddm.serving.expert.pool_server import create_pool_app, parse_members
 from tests.support.text_stages import write_text_ddm
 
 
@@ -75,15 +76,16 @@ def test_the_container_limit_is_cgroup_v2_s_or_v1_s(tmp_path, files, limit):
 def test_a_pool_over_the_container_limit_is_refused_before_loading(ddm, tmp_path):
     (tmp_path / "memory.max").write_text("4096\n")
     with pytest.raises(ValueError, match=r"sum [\d,]+ bytes > limit 4,096 bytes \(cgroup "):
-        create_pool_app({"expert-0": ddm / "expert_0", "decoder": ddm / "decoder"},
-                        cgroup_root=tmp_path)
+        create_model_app({"expert-0": ddm / "expert_0", "decoder": ddm / "decoder"},
+                         hooks=Hooks(cgroup_root=tmp_path))
 
 
-def test_a_label_checkpoint_is_refused_saying_pools_hold_stage_checkpoints(ddm, tmp_path):
+def test_a_broken_label_checkpoint_is_refused_naming_its_member(ddm, tmp_path):
+    """Pools hold label checkpoints too (issue 36): one whose config.json is incomplete is
+    refused before anything loads, naming the member."""
     (tmp_path / "config.json").write_text(json.dumps({"format_version": 1}))
-    with pytest.raises(CheckpointError, match="member e1: .* pools hold stage checkpoints "
-                                              r"\(text DDMs\) until the model stacks are one"):
-        create_pool_app({"e0": ddm / "expert_0", "e1": tmp_path})
+    with pytest.raises(CheckpointError, match="member e1: "):
+        create_model_app({"e0": ddm / "expert_0", "e1": tmp_path})
 
 
 @pytest.mark.parametrize("specs,problem", [

@@ -228,14 +228,14 @@ def test_two_members_of_one_name_are_refused() -> None:
                for p in _problems(raw))
 
 
-def test_a_label_ddms_experts_stay_out_of_pools() -> None:
+def test_a_label_ddms_experts_join_a_pool() -> None:
+    """The one model server holds label checkpoints too (issue 36)."""
     raw = {"sampling": {"strategy": "oracle"},
            "pools": [{"name": "gpu", "accelerator": {"type": "nvidia"}}],
            "experts": [{"name": "a", "checkpoint": {"uri": "image:///a"}, "classes": [0],
                         "pool": "gpu"}], "numClasses": 1}
-    assert any(p.startswith("spec.experts[0].pool: pools hold stage checkpoints (text DDMs) "
-                            "until the model stacks are one (issue 36)")
-               for p in _problems(raw)), _problems(raw)
+    (pool,) = plan_deployment(parse_spec(raw)).pools
+    assert [name for name, _ in pool.members] == ["a"]
 
 
 def test_pools_do_not_autoscale_yet() -> None:

@@ -14,7 +14,8 @@ import pytest
 
 from ddm.serving.auth import TokenFile
 from ddm.serving.batching import Batcher, BatcherClosed
-from ddm.serving.expert.server import _load
+from ddm.serving.model.member import Member
+from ddm.serving.model.options import Hooks
 
 
 def _replace(path: Path, content: bytes) -> None:
@@ -66,15 +67,17 @@ def test_the_backend_is_published_only_once_the_batcher_runs():
 
     backend = SimpleNamespace(info=lambda: SimpleNamespace(backend="fake", framework="fake",
                                                            device="cpu"))
-    expert = SimpleNamespace(meta=SimpleNamespace(name="e"), backend=None, failure=None,
+    expert = SimpleNamespace(who="expert e", backend=None, failure=None,
                              batcher=Recording(lambda key, inputs: inputs[0], 4, 0.0,
-                                               serving_loops=2))
+                                               serving_loops=2),
+                             load_and_warm=lambda: None)
+    expert.publish = lambda loaded: setattr(expert, "backend", loaded)
 
     async def start_up(work):  # the loaded backend, without loading anything
         return backend
 
     async def scenario() -> None:
-        await _load(expert, Path("unused"), None, None, None, start_up)  # type: ignore[arg-type]
+        await Member.load(expert, Hooks(start_up=start_up))  # type: ignore[arg-type]
         await expert.batcher.close()
 
     asyncio.run(scenario())

@@ -45,10 +45,9 @@ class Component:
     stage: bool = False
 
 
-def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component],
-                  conditioning: str) -> list[str]:
+def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component]) -> list[str]:
     """Pools and their members: every named pool exists and has members, which a pool server
-    can hold together (stage checkpoints, one backend, one precision)."""
+    can hold together (label or stage checkpoints, one backend, one precision)."""
     found: list[str] = []
     names = [p.name for p in pools]
     for name in sorted({n for n in names if names.count(n) > 1}):
@@ -61,7 +60,7 @@ def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component],
         pool = by_name.get(component.pool)
         problem, backend = ((f"pool: no pool named {component.pool!r} in spec.pools (there are: "
                              f"{', '.join(map(repr, by_name)) or 'none'})", None)
-                            if pool is None else _member_problem(component, pool, conditioning))
+                            if pool is None else _member_problem(component, pool))
         if problem is None and backend is not None:
             problem = _agreement_problem(component, backend, first.setdefault(
                 component.pool, (component, backend)))
@@ -79,14 +78,9 @@ def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component],
     return found
 
 
-def _member_problem(component: Component, pool: PoolSpec, conditioning: str
-                    ) -> tuple[str | None, str | None]:
+def _member_problem(component: Component, pool: PoolSpec) -> tuple[str | None, str | None]:
     """(what keeps ``component`` out of ``pool``: ``field: message``, or None; the backend
     the pool would serve it with)."""
-    if conditioning == "labels":
-        return ("pool: pools hold stage checkpoints (text DDMs) until the model stacks are one "
-                "(issue 36); a label DDM's experts and router run on servers of their own",
-                None)
     backends = pool.accelerator.declared.backends
     if component.framework not in backends:
         return (f"framework: pool {pool.name!r} runs on {pool.accelerator.type}, which cannot "
@@ -94,7 +88,7 @@ def _member_problem(component: Component, pool: PoolSpec, conditioning: str
     backend = backends[component.framework][0]
     if backend not in FRAMEWORKS:
         return (f"pool: pool {pool.name!r} would serve it with the {backend} backend; a pool "
-                f"serves stage checkpoints with {' or '.join(FRAMEWORKS)} only", None)
+                f"serves its members with {' or '.join(FRAMEWORKS)} only", None)
     return None, backend
 
 

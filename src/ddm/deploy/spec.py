@@ -569,7 +569,7 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
           for i, e in enumerate(spec.experts)),
         *(Component(STAGE_FIELDS[role], role, stage.pool, "torch", stage.precision,
                     stage=True)
-          for role, stage in spec.stages.items())], spec.conditioning))
+          for role, stage in spec.stages.items())]))
     strategy = spec.sampling.strategy
     if strategy == "oracle":
         found.extend(_oracle_problems(spec))

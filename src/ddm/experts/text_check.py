@@ -105,6 +105,21 @@ def check_text_expert(directory: str | Path, backend: str = "native", device: st
     return verdicts
 
 
+def check_loaded_expert(expert: Stage, max_batch: int) -> list[Verdict]:
+    """The structural checks of this command (shapes and dtypes, finiteness, determinism) of a
+    loaded text ``expert``, on Gaussian embeddings of its text width, called with at most
+    ``max_batch`` rows at a time: what the model server runs before it serves one. The
+    behaviour check needs data and a text encoder, and is skipped."""
+    declared = expert.declaration
+    assert declared.latent_shape is not None and declared.text_width is not None, \
+        "loaders fill them"
+    table, _ = _check_rows(None, declared.text_width)
+    return check_outputs(_on_rows(expert.forward, table), NATIVE, declared.latent_shape,
+                         np.int64(0), "the model server runs the structural checks only "
+                         "(ddm expert check --data runs this one)",
+                         Claim(_convention(declared), "_ddm.convention"), max_batch)
+
+
 @dataclass(frozen=True)
 class _TextExamples:
     """Data of a text expert: ``x1`` latents (N, C, S, S) and the ``embeddings`` (N, L, D) of

@@ -1,5 +1,7 @@
 """``ddm serve expert``, ``ddm serve stage``, ``ddm serve pool`` and ``ddm serve router``: their
-arguments, next to the servers they set.
+arguments, next to the servers they set. The first three run the one model server
+(:mod:`ddm.serving.model.server`) with :class:`~ddm.serving.model.options.ServingOptions`
+built once from their flags.
 
 ``ddm.cli`` adds these with :func:`add_serve_commands`. Importing this module is cheap (no
 web framework, no NumPy): the servers are imported only when a command runs. Limits left out
@@ -11,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddm.deploy.limits import EXPERT_BACKENDS, EXPERT_PORT, PRECISIONS, ROUTER_PORT
+
+if TYPE_CHECKING:
+    from ddm.serving.model.options import ServingOptions
 
 
 def add_serve_commands(commands: argparse._SubParsersAction) -> None:
@@ -42,16 +48,13 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
     _add_common(p)
     p.set_defaults(handler=_serve_stage)
 
-    p = roles.add_parser("pool", help="serve several stage checkpoints of a text DDM on one "
-                                      "device, each under /v1/members/NAME")
+    p = roles.add_parser("pool", help="serve several checkpoints of a DDM on one device, each "
+                                      "under /v1/members/NAME")
     p.add_argument("--member", action="append", required=True, metavar="NAME=DIR",
                    help="a member: its name in the plan (an expert's, text-encoder, decoder, "
-                        "router-network) and its stage checkpoint directory (repeatable)")
+                        "router-network) and its checkpoint directory: a label checkpoint or "
+                        "a stage checkpoint (repeatable)")
     _add_model_flags(p)
-    p.add_argument("--memory-limit-bytes", type=int, default=None,
-                   help="refuse to start unless the members' weights and the activations of "
-                        "--max-batch rows each fit in this many bytes (default: the CUDA "
-                        "device's free memory, else the container's memory limit)")
     _add_common(p)
     p.set_defaults(handler=_serve_pool)
 
@@ -105,6 +108,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="wait this long for more requests before a model call")
     p.add_argument("--max-pending", type=int,
                    help="requests admitted at once, queued or running; more get 429")
+    p.add_argument("--memory-limit-bytes", type=int, default=None,
+                   help="refuse to start unless the weights and the activations of "
+                        "--max-batch rows of every model fit in this many bytes (default: the "
+                        "CUDA device's free memory, else the container's memory limit)")
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -143,49 +150,49 @@ def _seconds(text: str) -> float:
 
 
 def _serve_expert(args: argparse.Namespace) -> int:
-    from ddm.serving.expert.server import serve_expert
+    from ddm.checkpoints.declared import EXPERT
+    from ddm.serving.model.server import serve_model
 
-    options = _given(args, "max_batch", "max_delay_ms", "max_steps", "max_pending",
-                     "context_cache_bytes")
-    serve_expert(args.checkpoint, host=args.host, port=args.port, backend=args.backend,
-                 device=args.device, log_level=args.log_level, compile_cache=args.compile_cache,
-                 drain_s=args.drain_s, api_docs=args.api_docs,
-                 auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
-                 precision=args.precision, **options)
+    serve_model(args.checkpoint, _options(args, "context_cache_bytes", "max_steps",
+                                          "compile_cache"), (EXPERT,))
     return 0
 
 
 def _serve_stage(args: argparse.Namespace) -> int:
     from ddm.checkpoints.declared import STAGE_ROLES
-    from ddm.serving.expert.stage_server import serve_stage
+    from ddm.serving.model.server import serve_model
 
-    serve_stage(args.checkpoint, STAGE_ROLES, host=args.host, port=args.port,
-                backend=args.backend, device=args.device, log_level=args.log_level,
-                drain_s=args.drain_s, metrics_port=args.metrics_port, api_docs=args.api_docs,
-                auth_token_file=args.auth_token_file, precision=args.precision,
-                **_given(args, "max_batch", "max_delay_ms", "max_pending"))
+    serve_model(args.checkpoint, _options(args), STAGE_ROLES)
     return 0
 
 
 def _serve_pool(args: argparse.Namespace) -> int:
-    from ddm.serving.expert.pool_server import parse_members, serve_pool
+    from ddm.serving.model.server import parse_members, serve_model
     from ddm.termination import fail_start
 
     try:
         members = parse_members(args.member)
     except ValueError as error:
         raise fail_start(f"ddm serve pool: {error}") from None
-    serve_pool(members, host=args.host, port=args.port, backend=args.backend,
-               device=args.device, log_level=args.log_level, drain_s=args.drain_s,
-               metrics_port=args.metrics_port, api_docs=args.api_docs,
-               auth_token_file=args.auth_token_file, precision=args.precision,
-               **_given(args, "max_batch", "max_delay_ms", "max_pending", "memory_limit_bytes"))
+    serve_model(members, _options(args))
     return 0
 
 
-def _given(args: argparse.Namespace, *names: str) -> dict[str, object]:
-    """The flags among ``names`` given on the command line (the servers keep the defaults)."""
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+def _options(args: argparse.Namespace, *own: str) -> ServingOptions:
+    """The serving options of a model server's command line: the flags every model server
+    takes, and those among ``own`` its command adds; the flags not given keep the options'
+    defaults (one place). A bad value exits 1 naming it."""
+    from ddm.serving.model.options import ServingOptions
+    from ddm.termination import fail_start
+
+    names = ("host", "port", "log_level", "drain_s", "metrics_port", "api_docs",
+             "auth_token_file", "backend", "device", "precision", "max_batch", "max_delay_ms",
+             "max_pending", "memory_limit_bytes", *own)
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    try:
+        return ServingOptions(**given)
+    except ValueError as error:
+        raise fail_start(f"ddm serve {args.role}: {error}") from None
 
 
 def _serve_router(args: argparse.Namespace) -> int:

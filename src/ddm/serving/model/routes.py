@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ddm.serving.auth import BearerAuth, TokenFile
-from ddm.serving.expert import metrics as expert_metrics
+from ddm.serving.model import metrics as expert_metrics
 from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected,
                               add_api_docs, probe_responses, read_body, retry_after, send_bytes,
                               send_json)
@@ -68,7 +68,7 @@ class ModelState(Protocol):
 
 
 class Observed(Protocol):
-    """Counts a route's requests: :class:`~ddm.serving.expert.metrics.ExpertMetrics`, or a
+    """Counts a route's requests: :class:`~ddm.serving.model.metrics.ExpertMetrics`, or a
     pool's step route's own."""
 
     def observe_request(self, kind: str, status: int, images: int) -> None: ...
@@ -131,15 +131,10 @@ def refusal(error: Exception, request_id: int) -> tuple[int, str]:
     return 500, f"internal error: {type(error).__name__}: {error}"
 
 
-def model_app(state: ModelState, binary: Mapping[str, Binary],
-              load: Callable[[], Awaitable[None]], close: Callable[[], Awaitable[None]], *,
-              title: str, description: str, api_docs: bool,
-              draining: Callable[[], bool] | None,
-              auth_token_file: str | os.PathLike[str] | None,
-              routes: Callable[[FastAPI], None] | None = None) -> ASGIApp:
-    """A model server's app: ``load()`` starts in its lifespan (the probes answer meanwhile)
-    and ``close()`` (the batchers') runs at its end; the routes of :func:`model_routes`, and
-    those ``routes(app)`` adds (a pool's members')."""
+def lifespan_app(title: str, description: str, load: Callable[[], Awaitable[None]],
+                 close: Callable[[], Awaitable[None]]) -> FastAPI:
+    """A model server's FastAPI app, without routes yet: ``load()`` starts in its lifespan
+    (the probes answer meanwhile) and ``close()`` (the batchers') runs at its end."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -150,12 +145,8 @@ def model_app(state: ModelState, binary: Mapping[str, Binary],
             loading.cancel()
             await close()
 
-    app = FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description=description)
-    if routes is not None:
-        routes(app)
-    return model_routes(app, state, binary, api_docs=api_docs, draining=draining,
-                        auth_token_file=auth_token_file)
+    return FastAPI(title=title, lifespan=lifespan, docs_url=None, redoc_url=None,
+                   description=description)
 
 
 def readiness(ready: bool, failure: str | None,

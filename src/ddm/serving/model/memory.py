@@ -1,10 +1,12 @@
-"""Whether a pool's members fit its device, checked before any weight loads.
+"""Whether a model server's members fit its device, checked before any weight loads (one
+member or many alike).
 
 Each member costs its weights plus the activations of ``max_batch`` forward rows:
 
 * weights: exact, from the safetensors header of the member's one weights file (dtype x
   shape of every tensor; floating tensors at ``--precision``'s width when it is given, as
-  :func:`ddm.models.stages.load_stage` casts them). No tensor is read.
+  :func:`ddm.models.stages.load_stage` casts them; a label checkpoint's as stored, as it is
+  served). No tensor is read.
 * activations: a bound, not a measurement (nothing may load before the check, and a
   warm-up at ``max_batch`` would need the weights). Inference keeps no autograd graph, so a
   network's live activations at any moment are a few tensors of the row's positions by the
@@ -12,11 +14,12 @@ Each member costs its weights plus the activations of ``max_batch`` forward rows
   per forward row (checked once against measured figures: docs/stages.md). ``widest`` is the
   largest input width of any weight in the header (a linear layer's ``in`` features, a
   convolution's input channels: an MLP's hidden width counts, an embedding table's
-  vocabulary does not). Positions: a router network's latent tokens (H x W over
-  ``patch_size`` squared where its config patches the latent); an expert's the same plus
-  the :data:`MAX_TEXT_TOKENS` a context may hold (its cross-attention's keys); a decoder's
-  image pixels (the latent's sides times ``2 ** (len(block_out_channels) - 1)``, the
-  diffusers VAE's upsamplings); a text encoder's ``max_position_embeddings`` tokens.
+  vocabulary does not). Positions: a label UNet's image pixels (H x W); a router network's
+  latent tokens (H x W over ``patch_size`` squared where its config patches the latent); a
+  text expert's the same plus the :data:`MAX_TEXT_TOKENS` a context may hold (its
+  cross-attention's keys); a decoder's image pixels (the latent's sides times
+  ``2 ** (len(block_out_channels) - 1)``, the diffusers VAE's upsamplings); a text
+  encoder's ``max_position_embeddings`` tokens.
   Attention scores are left out: PyTorch's fused attention on CUDA does not hold them.
 
 The limit: ``--memory-limit-bytes`` if given, else CUDA's free memory on a CUDA device, else
@@ -33,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from ddm.checkpoints.declared import DECODER, EXPERT, TEXT_ENCODER
-from ddm.checkpoints.format import CheckpointError
+from ddm.checkpoints.declared import DECODER, EXPERT, TEXT_ENCODER, read_declaration
+from ddm.checkpoints.format import WEIGHTS_FILE, CheckpointError, read_meta
 from ddm.deploy.limits import MAX_TEXT_TOKENS
+from ddm.models.loading import expert_image_shape
 from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import StageDeclaration, stage_weights
 
@@ -116,11 +120,21 @@ class PoolMemory:
 
 
 def member_bytes(directory: Path, precision: str | None, rows: int) -> MemberBytes:
-    """What the stage checkpoint at ``directory`` will cost loaded at ``precision`` (None: as
-    stored) with ``rows`` forward rows in flight (see the module's docstring)."""
+    """What the checkpoint at ``directory`` (a stage checkpoint, or a label checkpoint) will
+    cost loaded at ``precision`` (None: as stored) with ``rows`` forward rows in flight (see
+    the module's docstring)."""
+    if read_declaration(directory) is None:
+        _, height, width = expert_image_shape(read_meta(directory))
+        return _cost(directory / WEIGHTS_FILE, None, height * width, rows)
     config = read_component_config(directory)
     declared = StageDeclaration.from_config(directory, config)
-    weights_file = stage_weights(directory, declared)
+    return _cost(stage_weights(directory, declared), precision, _positions(declared, config),
+                 rows)
+
+
+def _cost(weights_file: Path, precision: str | None, positions: int, rows: int) -> MemberBytes:
+    """The weights in ``weights_file`` at ``precision`` and the activations of ``rows`` rows
+    of ``positions`` positions each."""
     tensors = _header(weights_file)
     weights, widest, float_bytes = 0, 0, 0
     for name, dtype, shape in tensors:
@@ -134,7 +148,7 @@ def member_bytes(directory: Path, precision: str | None, rows: int) -> MemberByt
             if len(shape) >= 2:
                 widest = max(widest, shape[1])
         weights += math.prod(shape) * size
-    per_row = LIVE_TENSORS * _positions(declared, config) * widest * (float_bytes or 4)
+    per_row = LIVE_TENSORS * positions * widest * (float_bytes or 4)
     return MemberBytes(weights, rows * per_row, rows)
 
 

@@ -30,6 +30,7 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -114,6 +115,11 @@ class Backend:
             self.velocity(np.zeros((size, *self._image_shape), np.float32),
                           np.full((size,), 0.5, np.float32),
                           np.full((size,), self._warm_label, np.int64))
+
+
+#: ``(checkpoint, backend, device, max_batch, compile_cache) -> Backend``: :func:`load_backend`,
+#: or a replacement that serves a custom backend.
+BackendLoader = Callable[[Checkpoint, str, str | None, int, Path | None], Backend]
 
 
 def check_backend(name: str, device: str | None = None) -> None:

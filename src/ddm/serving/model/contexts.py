@@ -5,7 +5,7 @@ it once per replica and names it by id at every step. The id is the SHA-256 of i
 the expert computes itself, so a context is content-addressed: storing the same one twice is a
 no-op, and a call naming an id not held (evicted, or the replica restarted) is answered
 ``UNKNOWN_CONTEXT`` so that the caller re-sends it. No I/O, no clock; a plain lock, as the
-server's event loops share it (:data:`~ddm.serving.expert.routes.SERVING_LOOPS`).
+server's event loops share it (:data:`~ddm.serving.model.routes.SERVING_LOOPS`).
 """
 
 from __future__ import annotations

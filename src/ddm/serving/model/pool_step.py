@@ -3,7 +3,7 @@
 A router whose step needs several experts held by one pool replica sends their rows in one
 pool velocity request (``docs/protocol.md``, version 3) instead of one request per member. The
 route hands each member's part to that member's own batcher
-(:func:`~ddm.serving.expert.stage_server.text_velocity`), so the rows still batch per member
+(:meth:`~ddm.serving.model.stage.StageMember.text_velocity`), so the rows still batch per member
 across requests, never across members, and answers one reply holding each member's output or
 error: a member that does not hold the context answers its 412 in the reply while the others'
 rows come back, as their own routes would have answered. An unknown member name refuses the
@@ -29,8 +29,9 @@ from prometheus_client.registry import Collector
 
 from ddm.checkpoints.declared import EXPERT
 from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES
-from ddm.serving.expert.routes import Binary, Handling, answer_or_error, refusal
-from ddm.serving.expert.stage_server import StageServer, text_velocity
+from ddm.serving.model.member import Member
+from ddm.serving.model.routes import Binary, Handling, answer_or_error, refusal
+from ddm.serving.model.stage import StageMember
 from ddm.serving.paths import POOL_VELOCITY_PATH, model_paths
 from ddm.serving.protocol import (MAX_MEMBER_NAME_BYTES, CONTEXT_ID_BYTES, Limits,
                                   MemberError, PoolVelocityRequest, ProtocolError,
@@ -43,7 +44,7 @@ _KIND = PoolVelocityRequest.__name__
 
 class StepMetrics(Collector):
     """``ddm_pool_requests``: the pool route's requests by kind and HTTP status, counted on the
-    event loops under one lock (as :class:`~ddm.serving.expert.metrics.ExpertMetrics`)."""
+    event loops under one lock (as :class:`~ddm.serving.model.metrics.ExpertMetrics`)."""
 
     def __init__(self, route: str) -> None:
         self.route = route
@@ -70,9 +71,9 @@ class PoolStep:
     """What the pool route admits and answers with: the pool's expert members, limits over
     them (:func:`_limits`), its own admission count and metrics."""
 
-    def __init__(self, members: Mapping[str, StageServer]) -> None:
+    def __init__(self, members: Mapping[str, Member]) -> None:
         self.members = dict(members)
-        self.experts = tuple(s for s in self.members.values() if s.declared.role == EXPERT)
+        self.experts = tuple(s for s in self.members.values() if _text_expert(s))
         assert self.experts, "a pool route only where the pool holds experts"
         self.pending = 0
         self.max_pending = max(s.max_pending for s in self.experts)
@@ -99,11 +100,11 @@ def _limits(experts: tuple[Limits, ...], members: int) -> Limits:
     return Limits(max_batch=rows, max_body_bytes=body, image_shape=shape, max_members=members)
 
 
-def pool_step_routes(members: Mapping[str, StageServer],
+def pool_step_routes(members: Mapping[str, Member],
                      registry: CollectorRegistry) -> dict[str, Binary]:
-    """The pool route, for a pool holding experts (none otherwise), its metrics registered
-    in the pool's ``registry``."""
-    if not any(s.declared.role == EXPERT for s in members.values()):
+    """The pool route, for a pool holding text experts (none otherwise), its metrics
+    registered in the pool's ``registry``."""
+    if not any(_text_expert(s) for s in members.values()):
         return {}
     step = PoolStep(members)
     registry.register(step.metrics)
@@ -133,11 +134,19 @@ async def answer_pool_step(step: PoolStep, body: bytes) -> tuple[int, bytes]:
     return await answer_or_error(step, handle)
 
 
-async def _member(server: StageServer, name: str,
+def _text_expert(member: Member) -> bool:
+    """Whether ``member`` takes text velocity calls (a stage checkpoint of role expert)."""
+    return isinstance(member, StageMember) and member.declared.role == EXPERT
+
+
+async def _member(server: Member, name: str,
                   call: TextVelocityRequest) -> np.ndarray | MemberError:
     """One member's part: its velocity, or the error its own route would have answered."""
     result: np.ndarray | MemberError
-    if server.declared.role != EXPERT:
+    if not isinstance(server, StageMember):
+        result = MemberError(422, f"member {name} is a label expert; a pool velocity request "
+                                  "names text experts")
+    elif server.declared.role != EXPERT:
         result = MemberError(422, f"member {name} is a {server.declared.role}; a pool "
                                   "velocity request names experts")
     elif not server.ready:
@@ -148,7 +157,7 @@ async def _member(server: StageServer, name: str,
                                   f"serves {server.limits.image_shape}")
     else:
         try:
-            result = await text_velocity(server, call)
+            result = await server.text_velocity(call)
         except Exception as error:  # noqa: BLE001 - each member's failure is its own answer
             code, message = refusal(error, call.request_id)
             result = MemberError(code, f"member {name}: {message}")

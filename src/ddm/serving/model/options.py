@@ -1,0 +1,109 @@
+"""How a model server serves, as two small frozen objects instead of long keyword lists.
+
+:class:`ServingOptions` is what an operator chooses (``ddm serve expert|stage|pool``'s flags,
+built once from the command line): where the server listens, who may call it, where and how
+precisely the models run, and the limits and batching every member applies. :class:`Hooks` is
+what the running process lends its app (:class:`~ddm.serving.http.ServerControl`'s start-up
+thread, failure report and draining flag) and what tests replace (a backend loader, the
+cgroup root the memory check reads). Both are checked once, when they are made, so that a
+wrong flag fails before anything loads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXPERT_PORT,
+                               MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
+                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
+from ddm.serving.auth import TokenFile
+from ddm.serving.http import ServerControl
+from ddm.serving.model.backends import BackendLoader, load_backend
+
+__all__ = ["Hooks", "ServingOptions", "StartUp"]
+
+#: Runs the loading off the event loop: ``await start_up(work)`` is ``work()``'s result.
+StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class ServingOptions:
+    """Every model server's settings, for each of its members alike.
+
+    ``host``/``port``: where it listens; ``log_level``, ``drain_s`` (serving on after
+    SIGTERM), ``metrics_port`` (``/metrics`` there only), ``api_docs`` (Swagger UI at
+    ``/docs``) and ``auth_token_file`` (``/v1/*`` needs its bearer token): the process's.
+    ``backend``/``device``/``precision``: where the models run and in which dtype
+    (``precision`` casts stage checkpoints; label checkpoints serve float32).
+    ``max_batch`` forward rows per model call, ``max_delay_ms`` of waiting for more,
+    ``max_steps`` grid intervals per integrate request, ``max_pending`` requests admitted per
+    member, ``context_cache_bytes`` of a text expert's contexts, ``compile_cache`` (Neuron's
+    traced models) and ``memory_limit_bytes`` (the memory check's limit; None: the device's
+    or the container's)."""
+
+    host: str = "127.0.0.1"
+    port: int = EXPERT_PORT
+    log_level: str = "info"
+    drain_s: float = 0.0
+    metrics_port: int | None = None
+    api_docs: bool = False
+    auth_token_file: str | os.PathLike[str] | None = None
+    backend: str = "torch"
+    device: str | None = None
+    precision: str | None = None
+    max_batch: int = SERVER_MAX_BATCH
+    max_delay_ms: float = SERVER_MAX_DELAY_MS
+    max_steps: int = MAX_STEPS
+    max_pending: int = SERVER_MAX_PENDING
+    context_cache_bytes: int = DEFAULT_CONTEXT_CACHE_BYTES
+    compile_cache: Path | None = None
+    memory_limit_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in EXPERT_BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; known: "
+                             f"{', '.join(EXPERT_BACKENDS)}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; expected one of "
+                             f"{', '.join(PRECISIONS)}")
+        for name in ("max_batch", "max_steps", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_delay_ms >= 0:
+            raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
+        if not 1 <= self.context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES:
+            raise ValueError(f"the context cache takes 1..{MAX_CONTEXT_CACHE_BYTES} bytes, got "
+                             f"{self.context_cache_bytes}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
+            raise ValueError(f"--memory-limit-bytes must be >= 1, got "
+                             f"{self.memory_limit_bytes}")
+        if self.auth_token_file is not None:
+            TokenFile(self.auth_token_file)  # unreadable, empty or malformed: fail now
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """What runs the app: ``start_up(work)`` loads off the event loop (a process's
+    :meth:`~ddm.serving.http.ServerControl.start_up`), ``on_failure(reason)`` is told when a
+    member cannot load, ``draining()`` is true after SIGTERM (``/readyz`` answers 503), and
+    ``serving_loops`` event loops serve the app (the batcher's rule:
+    :class:`~ddm.serving.batching.Batcher`). ``loader`` builds a label expert's backend
+    (replaceable to serve a custom one); ``cgroup_root`` is where the memory check reads the
+    container's limit."""
+
+    start_up: StartUp = asyncio.to_thread
+    on_failure: Callable[[str], None] | None = None
+    draining: Callable[[], bool] | None = None
+    serving_loops: int = 1
+    loader: BackendLoader = load_backend
+    cgroup_root: Path = Path("/sys/fs/cgroup")
+
+    @classmethod
+    def of(cls, control: ServerControl, serving_loops: int) -> Hooks:
+        """The hooks of a server process run by :func:`~ddm.serving.http.run_server`."""
+        return cls(start_up=control.start_up, on_failure=control.stop,
+                   draining=lambda: control.draining, serving_loops=serving_loops)

@@ -1,0 +1,328 @@
+"""A stage checkpoint as a model server's member (DESIGN-22 section 1): a text DDM's expert,
+text encoder, decoder or router network, loaded by :func:`ddm.models.stages.load_stage`
+(``--precision`` casts the weights) behind the same routes, batcher and protocol as a label
+expert (:mod:`ddm.serving.model.routes`, ``docs/protocol.md`` version 2):
+
+* expert: CONTEXT (stored in a :class:`~ddm.serving.model.contexts.ContextCache`, acknowledged
+  with its id), TEXT_VELOCITY and TEXT_INTEGRATE. Classifier-free guidance runs here
+  (:func:`ddm.sampling.guidance.guided`): each guided row and its unconditional twin (the
+  context's negative row: the empty prompt's embeddings unless a negative prompt replaced
+  them; the router sends them with the context, so an expert needs no text encoder) go through
+  the network in one batch with the other requests' rows; rows with scale 1 run once. Batches
+  count forward rows, so a guided row costs two. Replies, velocities and an integrate
+  request's final state alike, travel in the weights' dtype (``wire_dtype``: float32, float16
+  or bfloat16); the chunk's own steps stay float32. Before it warms up, an expert runs the
+  structural checks of ``ddm expert check`` (:func:`ddm.experts.text_check.
+  check_loaded_expert`: shapes, finiteness, determinism); a failure is a failure to load,
+  which names the failed check.
+* text_encoder: ENCODE -> embeddings, mask and the tokens truncation cut.
+* decoder: DECODE -> images (B, 3, H, W) in [-1, 1].
+* router: ROUTE (x, t and the prompts' pooled text vectors, for a router's text prior) ->
+  probabilities (B, K).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Hashable
+
+import numpy as np
+
+from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
+from ddm.conditioning import TEXT, Conditioning, EncodedPrompts, guided_rows
+from ddm.convention import CONVENTION_NAME
+from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES
+from ddm.experts.network_checks import require_passing
+from ddm.experts.text_check import check_loaded_expert
+from ddm.models.paris_loading import read_component_config
+from ddm.models.stages import Stage, StageDeclaration, load_stage
+from ddm.sampling.guidance import guided
+from ddm.sampling.solvers import iterate
+from ddm.serving.batching import grid_slices
+from ddm.serving.model.backends import cpu_model
+from ddm.serving.model.contexts import ContextCache
+from ddm.serving.model.member import Member
+from ddm.serving.model.options import ServingOptions
+from ddm.serving.model.routes import Handling, answer_or_error
+from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Limits,
+                                  ProtocolError, Request, RouteRequest, TextIntegrateRequest,
+                                  TextVelocityRequest, decode_request, encode_context_ack,
+                                  encode_encoded, encode_probabilities, encode_response)
+
+__all__ = ["StageMember", "read_stage"]
+
+#: What each role's ``/v1/velocity`` answers (``/v1/info`` ``serves``).
+_SERVES = {EXPERT: "velocity", TEXT_ENCODER: "encode", DECODER: "decode", ROUTER: "route"}
+#: The request kinds each role takes.
+_TAKES: dict[str, tuple[type, ...]] = {
+    EXPERT: (Context, TextVelocityRequest, TextIntegrateRequest),
+    TEXT_ENCODER: (EncodeRequest,), DECODER: (DecodeRequest,), ROUTER: (RouteRequest,)}
+#: Tokens per row of the expert's warm-up call (any length runs; the context decides).
+_WARM_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class _Velocity:
+    """Batch key of text velocity calls: rows merge when their contexts' token length does."""
+
+    tokens: int
+
+
+@dataclass(frozen=True)
+class _Integrate:
+    solver: str
+    grid: bytes
+    tokens: int
+
+
+def read_stage(directory: Path) -> StageDeclaration:
+    """The declaration of the stage checkpoint in ``directory`` (its config.json's ``_ddm``)."""
+    return StageDeclaration.from_config(directory, read_component_config(directory))
+
+
+class StageMember(Member):
+    """One stage checkpoint as a server holds it: the declaration, limits, its batcher and
+    metrics, the context cache (an expert's), the loaded stage. The declaration and limits
+    are checked here, so that a wrong flag fails before the server starts."""
+
+    def __init__(self, directory: Path, declared: StageDeclaration, options: ServingOptions,
+                 serving_loops: int) -> None:
+        limits = Limits(max_batch=options.max_batch, max_steps=options.max_steps,
+                        image_shape=declared.latent_shape, text_width=declared.text_width)
+        limits = dataclasses.replace(limits,
+                                     max_body_bytes=_max_body_bytes(declared.role, limits))
+        super().__init__(directory, limits, options, serving_loops)
+        self.declared = declared
+        self.contexts = ContextCache(options.context_cache_bytes)
+        self.stage: Stage | None = None
+        self.hardware: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.stage is not None
+
+    @property
+    def who(self) -> str:
+        return f"{self.declared.role} stage {self.directory.name}"
+
+    @property
+    def wire_dtype(self) -> str | None:
+        return None if self.stage is None else self.stage.dtype
+
+    def facts(self) -> dict[str, Any]:
+        stage, declared, backend = self.stage, self.declared, self.options.backend
+        if stage is not None:
+            declared = stage.declaration
+        latent = list(declared.latent_shape or ())
+        image = (list(stage.image_shape) if stage is not None and stage.image_shape is not None
+                 else latent)
+        return {"name": self.directory.name, "kind": declared.role, "role": declared.role,
+                "family": declared.family, "model": declared.family,
+                "conditioning": TEXT if declared.role == EXPERT else None,
+                "classes": [],
+                **(declared.trained_on.info(declared.cluster)
+                   if declared.trained_on is not None else {}),
+                "cluster": declared.cluster,
+                "clusters": None if stage is None else stage.clusters,
+                "latent_shape": latent, "image_shape": image,
+                "text_width": declared.text_width, "example_prompt": declared.example_prompt,
+                "wire_dtype": self.wire_dtype,
+                "precision": self.wire_dtype, "convention": CONVENTION_NAME,
+                "network_convention": declared.convention, "serves": _SERVES[declared.role],
+                "framework": backend, "backend": backend, "runtime": backend,
+                "device": self.options.device or "cpu", "hardware": self.hardware,
+                "context_cache_bytes": self.contexts.max_bytes if declared.role == EXPERT
+                else None}
+
+    async def answer(self, body: bytes) -> tuple[int, bytes]:
+        async def handle(handling: Handling) -> bytes:
+            message = decode_request(body, self.limits)
+            handling.request_id, handling.kind = message.request_id, type(message).__name__
+            takes = _TAKES[self.declared.role]
+            if not isinstance(message, takes):
+                raise ProtocolError(f"this {self.declared.role} stage takes "
+                                    f"{', '.join(t.__name__ for t in takes)}, not "
+                                    f"{handling.kind}", 422, message.request_id)
+            if self.stage is None:
+                raise ProtocolError(self.not_ready(), 503, message.request_id)
+            reply = await self._run(message)
+            handling.rows = (0 if isinstance(message, (Context, EncodeRequest))
+                             else message.x.shape[0])
+            return reply
+
+        return await answer_or_error(self, handle)
+
+    async def _run(self, message: Request) -> bytes:
+        """The reply body to a decoded, accepted request."""
+        request_id, batcher = message.request_id, self.batcher
+        if isinstance(message, Context):
+            self.contexts.put(message.id, message.embeddings, message.negative)
+            return encode_context_ack(request_id, message.id)
+        if isinstance(message, EncodeRequest):
+            if len(message.prompts) > self.limits.max_batch:
+                raise ProtocolError(f"{len(message.prompts)} prompts exceed this encoder's "
+                                    f"max_batch of {self.limits.max_batch}", 422)
+            embeddings, mask, cut, unknown = await batcher.submit(
+                "encode", (np.array(message.prompts, dtype=object),))
+            spans = np.array([(row, start, end) for row, words in enumerate(unknown)
+                              for start, end in words], np.int64).reshape(-1, 3)
+            return encode_encoded(request_id, EncodedPrompts(
+                Conditioning(embeddings=self._wire(embeddings), mask=mask), cut, spans))
+        if isinstance(message, DecodeRequest):
+            return encode_response(request_id,
+                                   self._wire(await batcher.submit("decode", (message.x,))))
+        if isinstance(message, RouteRequest):
+            return encode_probabilities(request_id, await batcher.submit(
+                "route", (message.x, message.t, self._pooled(message))))
+        if isinstance(message, TextVelocityRequest):
+            return encode_response(request_id, await self.text_velocity(message))
+        assert isinstance(message, TextIntegrateRequest)
+        embeddings, negative, cost = self._context_rows(message)
+        tokens = embeddings.shape[1]
+        solver, x = message.solver.name.lower(), message.x
+        for piece in grid_slices(message.grid):
+            x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens),
+                                     (x, embeddings, negative, message.guidance), cost)
+        return encode_response(request_id, self._wire(x))
+
+    async def text_velocity(self, message: TextVelocityRequest) -> np.ndarray:
+        """The guided velocity of ``message``'s rows (B, C, H, W) in the stage's wire dtype,
+        run in the expert's batcher with other requests' rows: for its own route and a
+        pool's (:mod:`ddm.serving.model.pool_step`) alike."""
+        embeddings, negative, cost = self._context_rows(message)
+        out = await self.batcher.submit(_Velocity(embeddings.shape[1]), (
+            message.x, message.t, embeddings, negative, message.guidance), cost)
+        return self._wire(out)
+
+    def _context_rows(self, message: TextVelocityRequest | TextIntegrateRequest
+                      ) -> tuple[np.ndarray, np.ndarray, int]:
+        """The rows' embeddings and negative rows (float32; a row without guidance gets its
+        own embeddings as a placeholder that is never run), and the forward rows the call
+        costs."""
+        context = self.contexts.get(message.context)
+        held = context.embeddings.shape[0]
+        if message.rows.max() >= held:
+            raise ProtocolError(f"'rows' name row {int(message.rows.max())} of a context of "
+                                f"{held}", 422)
+        try:
+            guided_mask = guided_rows(message.guidance, len(message.rows),
+                                      context.negative.shape[0] > 0, "the context")
+        except ValueError as error:
+            raise ProtocolError(str(error), 422) from None
+        cost = message.x.shape[0] + int(guided_mask.sum())
+        if cost > self.limits.max_batch:
+            raise ProtocolError(f"{message.x.shape[0]} rows, {int(guided_mask.sum())} of them "
+                                f"guided, run {cost} forward rows; the limit is "
+                                f"{self.limits.max_batch}", 422)
+        embeddings = np.asarray(context.embeddings[message.rows], np.float32)
+        negative = (np.asarray(context.negative[message.rows], np.float32)
+                    if context.negative.shape[0] else embeddings)
+        return embeddings, negative, cost
+
+    def _pooled(self, message: RouteRequest) -> np.ndarray:
+        """The request's pooled text rows as the router takes them: (B, D) for a router with
+        a text prior (none sent: zeros, no evidence), else (B, 0), unused."""
+        assert self.stage is not None, "requests are answered once the stage is loaded"
+        prior, pooled = self.stage.declaration.text_prior, message.pooled
+        if prior is None:
+            return np.zeros((len(pooled), 0), np.float32)
+        if pooled.shape[1] == 0:
+            return np.zeros((len(pooled), prior.text_width), np.float32)
+        if pooled.shape[1] != prior.text_width:
+            raise ProtocolError(f"'pooled' is {pooled.shape[1]} wide; this router's text "
+                                f"prior takes {prior.text_width}", 422)
+        return pooled
+
+    def _wire(self, out: np.ndarray) -> np.ndarray:
+        """``out`` (float32) in the dtype the stage declares for its replies."""
+        return np.asarray(out).astype(WIRE_DTYPES[self.wire_dtype or "float32"])
+
+    def execute(self, key: Hashable, inputs: tuple[Any, ...]) -> Any:
+        stage = self.stage
+        assert stage is not None, "the batcher starts once the stage is loaded"
+        if key == "encode":
+            (prompts,) = inputs
+            cond = stage.forward(list(prompts))
+            assert stage.tokens_cut is not None and stage.unknown_spans is not None
+            assert cond.mask is not None
+            spans = stage.unknown_spans(list(prompts))
+            words = np.empty(len(prompts), object)  # per row, as the batcher splits rows
+            for row in range(len(prompts)):
+                words[row] = [(start, end) for _, start, end in spans[spans[:, 0] == row]]
+            return (cond.embeddings, cond.mask.astype(np.uint8),
+                    stage.tokens_cut(list(prompts)).astype(np.int32), words)
+        if key in ("decode", "route"):
+            return np.asarray(stage.forward(*inputs), np.float32)
+        velocity = guided(stage.forward, None)
+        if isinstance(key, _Velocity):
+            x, t, embeddings, negative, guidance = inputs
+            return velocity(x, t, _guided(embeddings, negative, guidance))
+        assert isinstance(key, _Integrate), f"unknown batch key {key!r}"
+        x, embeddings, negative, guidance = inputs
+        for _, x in iterate(velocity, x, _guided(embeddings, negative, guidance),
+                            np.frombuffer(key.grid, np.float32), key.solver):
+            pass
+        return x
+
+    def load_and_warm(self) -> Stage:
+        """The stage at ``--precision``, an expert checked by ``ddm expert check``'s
+        structural checks, warmed up."""
+        options = self.options
+        stage = load_stage(self.directory, options.precision, options.device or "cpu",
+                           options.backend)
+        if stage.declaration.role == EXPERT:
+            require_passing(check_loaded_expert(stage, self.limits.max_batch), self.who)
+        _warm_up(stage)
+        return stage
+
+    def publish(self, loaded: Stage) -> None:
+        declared = loaded.declaration
+        limits = dataclasses.replace(self.limits, image_shape=declared.latent_shape,
+                                     text_width=declared.text_width)
+        self.limits = dataclasses.replace(
+            limits, max_body_bytes=_max_body_bytes(declared.role, limits))
+        device = self.options.device or "cpu"
+        self.hardware = cpu_model() if device == "cpu" else device
+        self.stage = loaded
+
+
+def _guided(embeddings: np.ndarray, negative: np.ndarray,
+            guidance: np.ndarray) -> Conditioning:
+    return Conditioning(embeddings=embeddings).with_guidance(
+        guidance, Conditioning(embeddings=negative))
+
+
+def _warm_up(stage: Stage) -> None:
+    """One call at batch 1, so that the first request pays no lazy initialisation."""
+    declared = stage.declaration
+    if declared.role == TEXT_ENCODER:
+        stage.forward([""])
+        return
+    assert declared.latent_shape is not None
+    x = np.zeros((1, *declared.latent_shape), np.float32)
+    t = np.full((1,), 0.5, np.float32)
+    if declared.role == EXPERT:
+        assert declared.text_width is not None
+        stage.forward(x, t, Conditioning(
+            embeddings=np.zeros((1, _WARM_TOKENS, declared.text_width), np.float32)))
+    elif declared.role == ROUTER:
+        stage.forward(x, t)
+    else:
+        stage.forward(x)
+
+
+def _max_body_bytes(role: str, limits: Limits) -> int:
+    """Twice the largest valid request of the role (a context for an expert, whose cap is
+    :data:`~ddm.deploy.limits.MAX_CONTEXT_BODY_BYTES`), so that a batch just over
+    ``max_batch`` is refused with a message about the batch."""
+    if role == TEXT_ENCODER:
+        return 2 * limits.max_prompts * (limits.max_prompt_bytes + 4) + 4096
+    shape = limits.image_shape
+    if shape is None:  # not declared: until the network says, a context's cap
+        return MAX_CONTEXT_BODY_BYTES
+    per_row = 4 * math.prod(shape) + 4 + 4 + 4  # x, t, rows, guidance
+    calls = 2 * (limits.max_batch * per_row + (limits.max_steps + 1) * 4) + 4096
+    return max(calls, MAX_CONTEXT_BODY_BYTES) if role == EXPERT else calls
