@@ -1,0 +1,242 @@
+"""One training plan: a DDMTraining spec -> its jobs (pure, no I/O, no ML imports).
+
+A DDMTraining is a plan of jobs whose outputs become a DDMDeployment's checkpoints:
+
+- ``partition`` (k-means partitions only): ``ddm partition fit`` writes ``partition.json``;
+- ``expert-NAME``, one per expert, in parallel after the partition: ``ddm train expert`` on
+  its part, writing ``experts/NAME`` (its training state in ``experts/NAME.training``);
+- ``router``: ``ddm train router`` over ``experts/``, writing ``router``. It runs after the
+  experts: ``ddm train router`` reads the partition and the image shape from the experts'
+  checkpoints (it checks they share one partition).
+
+Every path is relative to the output root (``spec.output``); each job's arguments name the
+root and the data through :class:`Paths`, which the place that runs it decides (mount paths in
+a pod, directories here). Every expert and router job passes ``--resume``: a rerun continues
+the state a killed job saved (none saved: it starts afresh). The engines are renderers of
+these jobs: ``ddm.operator.training_manifests`` (Jobs, TrainJobs) and ``ddm.runtime.training``
+(local processes, ``ddm train-all``); how processes start on one node is decided here once
+(:meth:`JobPlan.node_processes`): torchrun ``--standalone`` for PyTorch, the JAX job's
+variables for JAX, a plain process for a world of one.
+
+Interface (stable; the operator's reconcile builds on it): ``plan_training(spec) ->
+TrainingPlan``; ``TrainingPlan.jobs`` (``JobPlan``: ``name``, ``kind``, ``framework``,
+``after``, ``output``, ``state``, ``steps``, ``workers``, ``expert``, ``args(paths)``,
+``node_processes(...)``), ``TrainingPlan.ready(done)``; ``deployment_document(spec)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ddm.deploy.spec import API_VERSION as DEPLOYMENT_API_VERSION
+from ddm.deploy.spec import KIND as DEPLOYMENT_KIND
+from ddm.deploy.spec import SpecError, parse_manifest
+from ddm.deploy.training_spec import ExpertTraining, TrainingSpec, Workers
+
+PARTITION_FILE = "partition.json"
+EXPERTS_DIR = "experts"
+ROUTER_DIR = "router"
+#: Where a trainer writing OUT keeps its training state (``ddm.training.resume``).
+STATE_SUFFIX = ".training"
+PARTITION_JOB = "partition"
+ROUTER_JOB = "router"
+#: (accelerator type, framework) -> the trainer's ``--device`` (each torch process takes the
+#: GPU of its LOCAL_RANK; a JAX process the devices its container or host gives it).
+TRAIN_DEVICES = {("cpu", "torch"): "cpu", ("cpu", "jax"): "cpu", ("nvidia", "torch"): "cuda",
+                 ("nvidia", "jax"): "gpu", ("neuron", "torch"): "xla", ("tpu", "torch"): "xla",
+                 ("tpu", "jax"): "tpu"}
+#: The JAX job's variables (Kubeflow Trainer's jax-distributed runtime sets them; read by
+#: ``ddm.training.distributed.jax_world``).
+JAX_COORDINATOR, JAX_NUM_PROCESSES, JAX_PROCESS_ID = (
+    "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+_OUTPUT, _DATA = "{output}", "{data}"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where a job's processes find the output root and the MNIST directory (None: digits)."""
+
+    output: str
+    data: str | None = None
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process to start: ``argv`` and the variables to add to its environment."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """One job. ``kind``: partition, expert or router; ``after``: the jobs that must have
+    finished first; ``output``, ``state``: its checkpoint (or partition file) and its training
+    state, relative to the output root (``state`` None: it saves none); ``steps``: the steps it
+    trains (None: not a training); ``expert``: the expert's name (expert jobs)."""
+
+    name: str
+    kind: str
+    framework: str
+    after: tuple[str, ...]
+    output: str
+    steps: int | None
+    workers: Workers
+    template: tuple[str, ...]
+    expert: str | None = None
+
+    @property
+    def state(self) -> str | None:
+        return self.output + STATE_SUFFIX if self.steps is not None else None
+
+    @property
+    def distributed(self) -> bool:
+        """Whether several processes train together (torchrun or the JAX variables)."""
+        return self.workers.world_size > 1
+
+    def args(self, paths: Paths) -> tuple[str, ...]:
+        """``ddm``'s arguments for one process of this job."""
+        return tuple(a.replace(_OUTPUT, paths.output.rstrip("/") or "/")
+                     .replace(_DATA, paths.data or "") for a in self.template)
+
+    def node_processes(self, paths: Paths, *, ddm: Sequence[str] = ("ddm",),
+                       torchrun: Sequence[str] = ("torchrun",),
+                       coordinator: str = "127.0.0.1:29500") -> tuple[Process, ...]:
+        """The processes of this job on one node alone (a Job's pod, ``ddm train-all``):
+        ``torchrun --standalone`` for a PyTorch world, one process per rank with the JAX
+        variables (process 0 runs the coordinator at ``coordinator``) for JAX, else one."""
+        args = self.args(paths)
+        count = self.workers.processes_per_node
+        if count == 1:
+            return (Process((*ddm, *args)),)
+        if self.framework == "jax":
+            return tuple(Process((*ddm, *args), ((JAX_COORDINATOR, coordinator),
+                                                 (JAX_NUM_PROCESSES, str(count)),
+                                                 (JAX_PROCESS_ID, str(rank))))
+                         for rank in range(count))
+        return (Process((*torchrun, "--standalone", "--nproc-per-node", str(count), "-m",
+                         "ddm", *args)),)
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """Every job of a DDMTraining, in an order that respects ``after``."""
+
+    jobs: tuple[JobPlan, ...]
+
+    def job(self, name: str) -> JobPlan:
+        return next(job for job in self.jobs if job.name == name)
+
+    def ready(self, done: set[str] | frozenset[str]) -> tuple[JobPlan, ...]:
+        """The jobs not in ``done`` whose every predecessor is."""
+        return tuple(job for job in self.jobs
+                     if job.name not in done and set(job.after) <= set(done))
+
+
+def plan_training(spec: TrainingSpec) -> TrainingPlan:
+    """The jobs of ``spec`` (validated by ``parse_training_spec``)."""
+    data = _DATA if spec.data.dataset == "mnist" else "digits"
+    data_arg = f"mnist:{data}" if spec.data.dataset == "mnist" else data
+    jobs: list[JobPlan] = []
+    partition = spec.partition
+    if partition.fitted:
+        jobs.append(JobPlan(
+            name=PARTITION_JOB, kind="partition", framework="numpy", after=(),
+            output=PARTITION_FILE, steps=None, workers=Workers(pod=spec.router.workers.pod),
+            template=("partition", "fit", "--data", data_arg, "--kmeans", str(partition.kmeans),
+                      "--features", partition.features, "--image-size",
+                      str(partition.image_size), "--seed", str(partition.seed),
+                      "--out", f"{_OUTPUT}/{PARTITION_FILE}")))
+        part_arg = f"file:{_OUTPUT}/{PARTITION_FILE}"
+    else:
+        part_arg = "labels:" + ";".join(",".join(map(str, g)) for g in partition.label_groups)
+    after = (PARTITION_JOB,) if partition.fitted else ()
+    experts = [_expert_job(e, data_arg, part_arg, after) for e in spec.experts]
+    jobs.extend(experts)
+    router = spec.router
+    jobs.append(JobPlan(
+        name=ROUTER_JOB, kind="router", framework="torch",
+        after=tuple(job.name for job in experts), output=ROUTER_DIR, steps=router.train.steps,
+        workers=router.workers,
+        template=("train", "router", "--experts", f"{_OUTPUT}/{EXPERTS_DIR}", "--data",
+                  data_arg, *(("--partition", part_arg) if partition.fitted else ()),
+                  *(() if router.use_labels else ("--no-labels",)),
+                  *_train_args(router.train),
+                  "--device", TRAIN_DEVICES[(router.workers.accelerator.type, "torch")],
+                  "--out", f"{_OUTPUT}/{ROUTER_DIR}")))
+    return TrainingPlan(tuple(jobs))
+
+
+def _expert_job(expert: ExpertTraining, data_arg: str, part_arg: str, after: tuple[str, ...]
+                ) -> JobPlan:
+    output = f"{EXPERTS_DIR}/{expert.name}"
+    device = TRAIN_DEVICES[(expert.workers.accelerator.type, expert.framework)]
+    return JobPlan(
+        name=f"expert-{expert.name}", kind="expert", framework=expert.framework, after=after,
+        output=output, steps=expert.train.steps, workers=expert.workers, expert=expert.name,
+        template=("train", "expert", "--framework", expert.framework, "--config", expert.model,
+                  "--data", data_arg, "--partition", part_arg, "--index", str(expert.index),
+                  "--name", expert.name, *_train_args(expert.train), "--device", device,
+                  "--out", f"{_OUTPUT}/{output}"))
+
+
+def _train_args(train: Any) -> tuple[str, ...]:
+    return ("--steps", str(train.steps), "--batch-size", str(train.batch_size),
+            "--lr", repr(train.learning_rate), "--seed", str(train.seed),
+            "--save-every", str(train.save_every), "--resume", "--quiet")
+
+
+#: What the outputs decide in the DDMDeployment: an expert entry in spec.deployment.spec may
+#: not give these.
+DECIDED_EXPERT_FIELDS = ("checkpoint", "framework", "classes")
+
+
+def deployment_document(spec: TrainingSpec, output_uri: str | None = None) -> dict[str, Any]:
+    """The DDMDeployment to create once every job has finished: ``spec.deployment.spec`` with
+    each expert's checkpoint, framework and classes (label groups), and the router network's
+    checkpoint, under the output root (``output_uri``: another name for it, default
+    ``spec.output``'s URI)."""
+    root = (output_uri or spec.output.uri).rstrip("/")
+    template = copy.deepcopy(dict(spec.deployment.spec))
+    given = {e.get("name"): e for e in template.get("experts") or []
+             if isinstance(e, Mapping)}
+    experts = []
+    for expert in spec.experts:
+        entry = {"name": expert.name, **dict(given.get(expert.name, {})),
+                 "framework": expert.framework,
+                 "checkpoint": {"uri": f"{root}/{EXPERTS_DIR}/{expert.name}"}}
+        if spec.partition.label_groups:
+            entry["classes"] = list(spec.partition.label_groups[expert.index])
+        experts.append(entry)
+    router = dict(template.get("router") or {})
+    router["checkpoint"] = {"uri": f"{root}/{ROUTER_DIR}"}
+    return {"apiVersion": DEPLOYMENT_API_VERSION, "kind": DEPLOYMENT_KIND,
+            "metadata": {"name": spec.deployment.name},
+            "spec": {**template, "experts": experts, "router": router}}
+
+
+def deployment_problems(spec: TrainingSpec) -> list[str]:
+    """Why the DDMDeployment the outputs make would be refused, with paths under
+    ``spec.deployment.spec``."""
+    found = []
+    names = {e.name for e in spec.experts}
+    for i, entry in enumerate(spec.deployment.spec.get("experts") or []):
+        path = f"spec.deployment.spec.experts[{i}]"
+        if not isinstance(entry, Mapping) or entry.get("name") not in names:
+            found.append(f"{path}.name: must name one of spec.experts ({', '.join(sorted(names))})")
+            continue
+        found.extend(f"{path}.{key}: decided by the training (its output)"
+                     for key in DECIDED_EXPERT_FIELDS if key in entry)
+    if "checkpoint" in (spec.deployment.spec.get("router") or {}):
+        found.append("spec.deployment.spec.router.checkpoint: decided by the training (its "
+                     "output)")
+    if found:
+        return found
+    try:
+        parse_manifest(deployment_document(spec), allow_host_paths=True)
+    except SpecError as error:
+        found.extend(p.replace("spec.", "spec.deployment.spec.", 1) if p.startswith("spec.")
+                     else f"spec.deployment: {p}" for p in error.problems)
+    return found

@@ -1,0 +1,422 @@
+"""The DDMTraining spec as frozen dataclasses: how a DDM is trained, read and checked once.
+
+A DDMTraining names the data, where the checkpoints go, how the data are partitioned, one
+entry per expert (each on its own accelerator, nodes and processes), the router network's
+training, and the DDMDeployment to create from the outputs. ``ddm.deploy.training_plan``
+turns it into jobs; the operator and ``ddm train-all`` carry them out. As for a DDMDeployment
+(``ddm.deploy.spec``), every problem is reported at once with its field path, and the
+accelerator rules are the serving ones (``ddm.deploy.accelerators``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from ddm.checkpoints.uri import CheckpointSource, parse_checkpoint
+from ddm.deploy.accelerators import Accelerator
+from ddm.deploy.fields import FieldReader
+from ddm.deploy.limits import FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
+from ddm.deploy.pod_options import PodOptions, parse_pod_options
+from ddm.deploy.spec import (
+    EXPERT_NAME_PATTERN,
+    GROUP,
+    MAX_EXPERT_NAME_LENGTH,
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    VERSION,
+    SpecError,
+    _node_label_conflicts,
+    _placed_accelerator,
+)
+from ddm.deploy.strict_yaml import load_yaml
+
+KIND = "DDMTraining"
+PLURAL = "ddmtrainings"
+API_VERSION = f"{GROUP}/{VERSION}"
+#: ``job``: a batch/v1 Job per job (one node; torchrun --standalone inside), which every cluster
+#: has; ``kubeflow-trainer``: a Kubeflow Trainer v2 TrainJob (many nodes; Kueue may queue it).
+ENGINES = ("job", "kubeflow-trainer")
+#: ``digits``: embedded in the package; ``mnist``: the four IDX files on a volume.
+DATASETS = ("digits", "mnist")
+#: What ``ddm partition fit`` clusters (``ddm.data.features``).
+FEATURES = ("hog", "pixels")
+#: Where the data and the outputs may live: a claim, or a host path (local runs, dev clusters).
+VOLUME_SCHEMES = ("pvc", "file")
+#: A named UNet config (``ddm.models.config.UNET_CONFIGS``, checked by the trainer).
+MODEL_CONFIG_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_NODES = 64
+MAX_PROCESSES_PER_NODE = 64
+MAX_STEPS = 10_000_000
+MAX_BATCH_SIZE = 1 << 16
+MAX_SEED = 2**31 - 1
+MAX_KMEANS = MAX_EXPERTS
+MAX_IMAGE_SIZE = 1024
+#: ``ddm train``'s defaults (``ddm.training.cli``); a spec that leaves a setting out gets these.
+EXPERT_DEFAULTS = {"steps": 1500, "batchSize": 128, "learningRate": 2e-3}
+ROUTER_DEFAULTS = {"steps": 1500, "batchSize": 256, "learningRate": 2e-3}
+SAVE_EVERY = 500
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """The images every job reads: ``digits`` (in the image) or ``mnist`` on ``volume``."""
+
+    dataset: str = "digits"
+    volume: CheckpointSource | None = None
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """``label_groups``: expert ``i`` learns the labels of group ``i``; else ``kmeans``
+    clusters of ``features`` fitted once (``ddm partition fit``) at ``image_size``."""
+
+    label_groups: tuple[tuple[int, ...], ...] = ()
+    kmeans: int = 0
+    features: str = "hog"
+    image_size: int = 0
+    seed: int = 0
+
+    @property
+    def fitted(self) -> bool:
+        """Whether a job fits it (k-means) before the experts start."""
+        return self.kmeans > 0
+
+    @property
+    def parts(self) -> int:
+        return self.kmeans or len(self.label_groups)
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """One job's optimisation: ``batch_size`` is the global batch (every process shares it)."""
+
+    steps: int
+    batch_size: int
+    learning_rate: float
+    seed: int = 0
+    save_every: int = SAVE_EVERY
+
+
+@dataclass(frozen=True)
+class Workers:
+    """Where one job runs: ``nodes`` pods (or hosts), ``processes_per_node`` training processes
+    in each, every pod with ``accelerator`` and the pod settings ``pod``."""
+
+    accelerator: Accelerator = Accelerator()
+    nodes: int = 1
+    processes_per_node: int = 1
+    pod: PodOptions = PodOptions()
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
+@dataclass(frozen=True)
+class ExpertTraining:
+    """One expert: it learns part ``index`` of the partition (its place in ``spec.experts``)."""
+
+    name: str
+    framework: str
+    model: str
+    index: int
+    train: TrainSettings
+    workers: Workers
+
+
+@dataclass(frozen=True)
+class RouterTraining:
+    """The router network: p(part | x_t, t[, label]) over the experts' parts."""
+
+    train: TrainSettings
+    workers: Workers = Workers()
+    use_labels: bool = True
+
+
+@dataclass(frozen=True)
+class DeploymentTemplate:
+    """The DDMDeployment to create once every job has finished: ``name``, and ``spec`` as a
+    DDMDeployment's, less what the outputs decide (each expert's checkpoint, framework and
+    classes, the router's checkpoint); an expert entry there (by name) adds serving settings."""
+
+    name: str
+    spec: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """A validated DDMTraining spec; ``experts`` in partition order."""
+
+    engine: str
+    data: DataSource
+    output: CheckpointSource
+    partition: PartitionSpec
+    experts: tuple[ExpertTraining, ...]
+    router: RouterTraining
+    deployment: DeploymentTemplate
+    image: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainingManifest:
+    """A DDMTraining read from a file: its name, namespace (None: unset) and spec."""
+
+    name: str
+    namespace: str | None
+    spec: TrainingSpec
+
+
+def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> TrainingSpec:
+    """A checked ``TrainingSpec`` from a DDMTraining's ``spec``; raises ``SpecError``.
+    ``allow_host_paths`` accepts file:// data and outputs (local runs, development clusters)."""
+    problems: list[str] = []
+    reader = FieldReader(raw, "spec", problems)
+    engine = reader.string("engine", "job", choices=ENGINES) or "job"
+    image = parse_pod_options(FieldReader({"image": reader.value("image")}, "spec",
+                                          problems)).image if reader.has("image") else None
+    data = _data(reader.child("data"), allow_host_paths)
+    output = _volume(reader.child("output"), "uri", allow_host_paths, required=True)
+    partition = _partition(reader.child("partition"))
+    raw_experts = reader.items("experts")
+    if not 1 <= len(raw_experts) <= MAX_EXPERTS:
+        reader.problem("experts", f"must list 1..{MAX_EXPERTS} experts, got {len(raw_experts)}")
+    experts = tuple(e for i, item in enumerate(raw_experts)
+                    if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), i)))
+    router = _router(reader.child("router"))
+    deployment = _deployment(reader.child("deployment"))
+    reader.done()
+    spec = TrainingSpec(engine=engine, data=data, output=output,  # type: ignore[arg-type]
+                        partition=partition, experts=experts, router=router,
+                        deployment=deployment, image=image)
+    if not problems:
+        problems.extend(_semantic_problems(spec, len(raw_experts)))
+    if problems:
+        raise SpecError(problems)
+    return spec
+
+
+def _volume(reader: FieldReader, key: str, allow_host_paths: bool, *, required: bool
+            ) -> CheckpointSource | None:
+    """``pvc://CLAIM/PATH`` (or, allowed, ``file:///PATH``) at ``key``."""
+    uri = reader.value(key)
+    reader.done()
+    if uri is None:
+        if required:
+            reader.problem(key, "is required: pvc://CLAIM/PATH")
+        return None
+    try:
+        source = parse_checkpoint(uri)
+    except ValueError as error:
+        reader.problem(key, str(error))
+        return None
+    schemes = VOLUME_SCHEMES if allow_host_paths else ("pvc",)
+    if source.scheme not in schemes:
+        reader.problem(key, f"{uri!r}: must be pvc://CLAIM/PATH"
+                            + (" or file:///PATH" if allow_host_paths else
+                               " (file:// is a host path, which this operator does not allow)")
+                            + "; the jobs write and share it (an object store needs an upload "
+                              "step, not yet)")
+        return None
+    return source
+
+
+def _data(reader: FieldReader, allow_host_paths: bool) -> DataSource:
+    dataset = reader.string("dataset", "digits", choices=DATASETS) or "digits"
+    volume = None
+    if dataset == "mnist":
+        volume = _volume(FieldReader({"uri": reader.value("uri")}, reader.path, reader.problems),
+                         "uri", allow_host_paths, required=True)
+    elif reader.has("uri"):
+        reader.problem("uri", "only for dataset: mnist (the digits are in the image)")
+    reader.done()
+    return DataSource(dataset, volume)
+
+
+def _partition(reader: FieldReader) -> PartitionSpec:
+    groups = reader.items("labelGroups")
+    kmeans = reader.child("kmeans") if reader.has("kmeans") else None
+    reader.done()
+    if bool(groups) == (kmeans is not None):
+        reader.problem("labelGroups", "give labelGroups or kmeans (one of them)")
+        return PartitionSpec()
+    if kmeans is None:
+        if not all(isinstance(g, list) and g and all(
+                isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= MAX_CLASS
+                for c in g) for g in groups):
+            reader.problem("labelGroups", f"must be non-empty lists of labels in 0..{MAX_CLASS}, "
+                                          f"got {groups}")
+            return PartitionSpec()
+        labels = [c for g in groups for c in g]
+        if len(set(labels)) != len(labels):
+            reader.problem("labelGroups", f"a label is in two groups: {groups}")
+        return PartitionSpec(label_groups=tuple(tuple(g) for g in groups))
+    partition = PartitionSpec(
+        kmeans=kmeans.integer("clusters", 0, 1, MAX_KMEANS) or 0,
+        features=kmeans.string("features", "hog", choices=FEATURES) or "hog",
+        image_size=kmeans.integer("imageSize", 0, 4, MAX_IMAGE_SIZE) or 0,
+        seed=kmeans.integer("seed", 0, 0, MAX_SEED) or 0)
+    for key in ("clusters", "imageSize"):
+        if not kmeans.has(key):
+            kmeans.problem(key, "is required" + (" (the experts' image side)"
+                                                 if key == "imageSize" else ""))
+    kmeans.done()
+    return partition
+
+
+def _train(reader: FieldReader, defaults: Mapping[str, Any]) -> TrainSettings:
+    return TrainSettings(
+        steps=reader.integer("steps", defaults["steps"], 1, MAX_STEPS) or 1,
+        batch_size=reader.integer("batchSize", defaults["batchSize"], 1, MAX_BATCH_SIZE) or 1,
+        learning_rate=reader.number("learningRate", defaults["learningRate"], 1e-8, 10.0)
+        or defaults["learningRate"],
+        seed=reader.integer("seed", 0, 0, MAX_SEED) or 0,
+        save_every=reader.integer("saveEvery", SAVE_EVERY, 1, MAX_STEPS) or SAVE_EVERY)
+
+
+def _workers(reader: FieldReader, framework: str) -> Workers:
+    """``accelerator`` (as a DDMDeployment's), ``nodes``, ``processesPerNode`` and the pod
+    settings; processes default to one per device."""
+    accelerator, accelerator_ok = _placed_accelerator(reader, framework)
+    pod = parse_pod_options(reader)
+    if accelerator_ok:
+        _node_label_conflicts(reader, accelerator, pod)
+    return Workers(accelerator=accelerator,
+                   nodes=reader.integer("nodes", 1, 1, MAX_NODES) or 1,
+                   processes_per_node=reader.integer(
+                       "processesPerNode", max(accelerator.count, 1), 1,
+                       MAX_PROCESSES_PER_NODE) or 1,
+                   pod=pod)
+
+
+def _expert(reader: FieldReader, index: int) -> ExpertTraining | None:
+    name = reader.string("name", None, pattern=EXPERT_NAME_PATTERN,
+                         max_length=MAX_EXPERT_NAME_LENGTH,
+                         hint="a DNS-1123 label: lower-case letters, digits and '-'")
+    if not reader.has("name"):
+        reader.problem("name", "is required")
+    framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
+    expert = ExpertTraining(
+        name=name or "", framework=framework,
+        model=reader.string("model", "digits-small", pattern=MODEL_CONFIG_PATTERN,
+                            max_length=63, hint="a named UNet config, e.g. digits-small")
+        or "digits-small",
+        index=index, train=_train(reader, EXPERT_DEFAULTS), workers=_workers(reader, framework))
+    reader.done()
+    return expert if name else None
+
+
+def _router(reader: FieldReader) -> RouterTraining:
+    router = RouterTraining(train=_train(reader, ROUTER_DEFAULTS),
+                            workers=_workers(reader, "torch"),
+                            use_labels=_boolean(reader, "useLabels", True))
+    reader.done()
+    return router
+
+
+def _boolean(reader: FieldReader, key: str, default: bool) -> bool:
+    value = reader.value(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        reader.problem(key, f"must be true or false, got {value!r}")
+        return default
+    return value
+
+
+def _deployment(reader: FieldReader) -> DeploymentTemplate:
+    name = reader.string("name", None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
+                         hint="a DNS-1035 label: a lower-case letter, then letters, digits "
+                              "and '-'")
+    if not reader.has("name"):
+        reader.problem("name", "is required: the DDMDeployment to create")
+    spec = reader.mapping("spec") or {}
+    reader.done()
+    return DeploymentTemplate(name or "", spec)
+
+
+def _semantic_problems(spec: TrainingSpec, listed: int) -> list[str]:
+    """Rules across fields: experts against parts, engines against nodes and processes, and
+    the DDMDeployment the outputs make (checked as the operator would check it)."""
+    from ddm.deploy.training_plan import deployment_problems  # the plan builds that document
+
+    found: list[str] = []
+    names = [e.name for e in spec.experts]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        found.append(f"spec.experts: the name {name!r} is used more than once")
+    if spec.partition.parts != listed:
+        found.append(f"spec.experts: lists {listed} experts but spec.partition has "
+                     f"{spec.partition.parts} parts (expert i learns part i)")
+    jobs = [(f"spec.experts[{e.index}]", e.framework, e.train, e.workers)
+            for e in spec.experts]
+    for path, framework, train, workers in [
+            *jobs, ("spec.router", "torch", spec.router.train, spec.router.workers)]:
+        found.extend(_placement_problems(spec.engine, path, framework, workers))
+        if train.batch_size % workers.world_size:
+            found.append(f"{path}.batchSize: {train.batch_size} is not a multiple of the "
+                         f"{workers.world_size} processes that share each batch")
+    if not found:
+        found.extend(deployment_problems(spec))
+    return found
+
+
+def _placement_problems(engine: str, path: str, framework: str, workers: Workers) -> list[str]:
+    """What an engine cannot run: a Job is one pod; Trainer's JAX runtime one process a node;
+    devices shared equally between a node's processes."""
+    found = []
+    if engine == "job" and workers.nodes > 1:
+        found.append(f"{path}.nodes: a Job runs on one node; use engine: kubeflow-trainer for "
+                     f"{workers.nodes} nodes")
+    if engine == "kubeflow-trainer" and framework == "jax" and workers.processes_per_node > 1:
+        found.append(f"{path}.processesPerNode: Trainer's jax-distributed runtime runs one "
+                     "process per node, which drives all its devices; set nodes instead")
+    count = workers.accelerator.count
+    if count and count % workers.processes_per_node:
+        found.append(f"{path}.processesPerNode: {workers.processes_per_node} processes cannot "
+                     f"share {count} devices equally")
+    if workers.accelerator.type in ("neuron", "tpu") and workers.world_size > 1:
+        found.append(f"{path}: training on {workers.accelerator.type} is one process for now "
+                     "(--device xla is not data-parallel yet)")
+    return found
+
+
+def parse_training_manifest(document: Any, *, allow_host_paths: bool = False
+                            ) -> TrainingManifest:
+    """A whole ``kind: DDMTraining`` document (as read from YAML); raises ``SpecError``."""
+    problems: list[str] = []
+    reader = FieldReader(document, "document", problems)
+    if reader.value("apiVersion") != API_VERSION or reader.value("kind") != KIND:
+        problems.append(f"apiVersion/kind: must be {API_VERSION} {KIND}")
+    metadata = reader.child("metadata")
+    name = metadata.string("name", None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
+                           hint="a DNS-1035 label: a lower-case letter, then letters, digits "
+                                "and '-'")
+    if not metadata.has("name"):
+        metadata.problem("name", "is required")
+    namespace = metadata.string("namespace", None)
+    reader.value("spec")
+    reader.value("status")
+    reader.done()
+    spec = None
+    try:
+        spec = parse_training_spec(document.get("spec") if isinstance(document, Mapping)
+                                   else None, allow_host_paths=allow_host_paths)
+    except SpecError as error:
+        problems.extend(error.problems)
+    if problems or spec is None:
+        raise SpecError([p.removeprefix("document.") for p in problems])
+    return TrainingManifest(name=name or "", namespace=namespace, spec=spec)
+
+
+def load_training_manifest(path: str | Path, *, allow_host_paths: bool = True
+                           ) -> TrainingManifest:
+    """Read one DDMTraining from a YAML file (strict: a key given twice is an error naming
+    its line and column)."""
+    try:
+        document = load_yaml(Path(path).read_bytes(), str(path))
+    except yaml.YAMLError as error:
+        raise SpecError([f"{path}: not valid YAML: {error}"]) from None
+    return parse_training_manifest(document, allow_host_paths=allow_host_paths)

@@ -1,0 +1,155 @@
+"""The DDMTraining spec and its plan: pure functions, checked without a cluster or a trainer."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddm.deploy.spec import SpecError, parse_manifest
+from ddm.deploy.training_plan import (
+    JAX_COORDINATOR,
+    JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID,
+    Paths,
+    deployment_document,
+    plan_training,
+)
+from ddm.deploy.training_spec import (
+    load_training_manifest,
+    parse_training_manifest,
+    parse_training_spec,
+)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "training.yaml"
+
+
+def _document() -> dict:
+    return yaml.safe_load(EXAMPLE.read_text())
+
+
+def _problems(spec: dict, **options) -> str:
+    with pytest.raises(SpecError) as caught:
+        parse_training_spec(spec, **options)
+    return "\n".join(caught.value.problems)
+
+
+def test_the_example_plans_two_experts_in_parallel_then_the_router():
+    manifest = load_training_manifest(EXAMPLE)
+    plan = plan_training(manifest.spec)
+    assert [job.name for job in plan.jobs] == ["expert-digits-0-4", "expert-digits-5-9",
+                                               "router"]
+    assert [job.name for job in plan.ready(set())] == ["expert-digits-0-4", "expert-digits-5-9"]
+    assert [job.name for job in plan.ready({"expert-digits-0-4"})] == ["expert-digits-5-9"]
+    assert [job.name for job in plan.ready({"expert-digits-0-4", "expert-digits-5-9"})] == [
+        "router"]
+    torch_job = plan.job("expert-digits-0-4")
+    assert torch_job.state == "experts/digits-0-4.training"
+    (process,) = torch_job.node_processes(Paths("/out"))
+    assert process.argv[:6] == ("torchrun", "--standalone", "--nproc-per-node", "2", "-m", "ddm")
+    args = process.argv[6:]
+    assert args[:2] == ("train", "expert")
+    assert args[args.index("--partition") + 1] == "labels:0,1,2,3,4;5,6,7,8,9"
+    assert args[args.index("--out") + 1] == "/out/experts/digits-0-4"
+    assert "--resume" in args and args[args.index("--index") + 1] == "0"
+
+
+def test_a_jax_expert_on_one_node_is_one_process_per_rank_with_the_jax_variables():
+    job = plan_training(load_training_manifest(EXAMPLE).spec).job("expert-digits-5-9")
+    processes = job.node_processes(Paths("/out"), ddm=("python", "-m", "ddm"),
+                                   coordinator="127.0.0.1:4000")
+    assert [dict(p.env) for p in processes] == [
+        {JAX_COORDINATOR: "127.0.0.1:4000", JAX_NUM_PROCESSES: "2", JAX_PROCESS_ID: str(rank)}
+        for rank in (0, 1)]
+    assert all(p.argv[:5] == ("python", "-m", "ddm", "train", "expert") for p in processes)
+
+
+def test_kmeans_is_fitted_once_by_a_job_the_experts_and_router_wait_for():
+    document = _document()
+    document["spec"]["partition"] = {"kmeans": {"clusters": 2, "imageSize": 16}}
+    document["spec"]["data"] = {"dataset": "mnist", "uri": "pvc://datasets/mnist"}
+    plan = plan_training(parse_training_manifest(document).spec)
+    assert [job.name for job in plan.ready(set())] == ["partition"]
+    partition = plan.job("partition")
+    assert partition.args(Paths("/out", "/data")) == (
+        "partition", "fit", "--data", "mnist:/data", "--kmeans", "2", "--features", "hog",
+        "--image-size", "16", "--seed", "0", "--out", "/out/partition.json")
+    assert partition.state is None
+    expert = plan.job("expert-digits-0-4").args(Paths("/out", "/data"))
+    assert expert[expert.index("--partition") + 1] == "file:/out/partition.json"
+    router = plan.job("router").args(Paths("/out", "/data"))
+    assert router[router.index("--partition") + 1] == "file:/out/partition.json"
+    assert plan.job("expert-digits-0-4").after == ("partition",)
+
+
+def test_the_deployment_points_at_the_outputs_and_keeps_the_serving_settings():
+    document = _document()
+    document["spec"]["deployment"]["spec"]["experts"] = [
+        {"name": "digits-5-9", "replicas": 2}]
+    spec = parse_training_manifest(document).spec
+    made = deployment_document(spec)
+    deployment = parse_manifest(made).spec
+    assert [(e.name, e.framework, e.checkpoint.uri, e.classes, e.replicas)
+            for e in deployment.experts] == [
+        ("digits-0-4", "torch", "pvc://ddm-training/digits/experts/digits-0-4",
+         (0, 1, 2, 3, 4), 1),
+        ("digits-5-9", "jax", "pvc://ddm-training/digits/experts/digits-5-9",
+         (5, 6, 7, 8, 9), 2)]
+    assert deployment.router.checkpoint.uri == "pvc://ddm-training/digits/router"
+    assert made["metadata"]["name"] == "digits-trained"
+    local = deployment_document(spec, "file:///tmp/out/")
+    assert local["spec"]["router"]["checkpoint"] == {"uri": "file:///tmp/out/router"}
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda s: s.update(engine="slurm"), "spec.engine: must be one of job, kubeflow-trainer"),
+    (lambda s: s["experts"][0].update(nodes=2),
+     "spec.experts[0].nodes: a Job runs on one node; use engine: kubeflow-trainer"),
+    (lambda s: s.update(engine="kubeflow-trainer") or s["experts"][1].update(nodes=2),
+     "spec.experts[1].processesPerNode: Trainer's jax-distributed runtime runs one process per "
+     "node"),
+    (lambda s: s["experts"][0].update(batchSize=127),
+     "spec.experts[0].batchSize: 127 is not a multiple of the 2 processes"),
+    (lambda s: s["experts"].pop(), "spec.experts: lists 1 experts but spec.partition has 2"),
+    (lambda s: s["experts"][0].update(accelerator={"type": "nvidia", "count": 3}),
+     "spec.experts[0].processesPerNode: 2 processes cannot share 3 devices equally"),
+    (lambda s: s["experts"][1].update(accelerator={"type": "neuron"}),
+     "spec.experts[1].accelerator.type: neuron cannot run framework jax"),
+    (lambda s: s["experts"][0].update(epochs=3), "spec.experts[0]: unknown fields ['epochs']"),
+    (lambda s: s.update(partition={"labelGroups": [[0, 1], [1, 2]]}),
+     "spec.partition.labelGroups: a label is in two groups"),
+    (lambda s: s.update(partition={"kmeans": {"clusters": 2}}),
+     "spec.partition.kmeans.imageSize: is required"),
+    (lambda s: s.update(output={"uri": "s3://bucket/ddm"}),
+     "spec.output.uri: 's3://bucket/ddm': must be pvc://CLAIM/PATH"),
+    (lambda s: s.update(output={"uri": "file:///srv/ddm"}),
+     "file:// is a host path, which this operator does not allow"),
+    (lambda s: s.update(data={"dataset": "mnist"}), "spec.data.uri: is required"),
+    (lambda s: s["deployment"]["spec"].update(experts=[{"name": "other"}]),
+     "spec.deployment.spec.experts[0].name: must name one of spec.experts"),
+    (lambda s: s["deployment"]["spec"].update(
+        experts=[{"name": "digits-0-4", "checkpoint": {"uri": "pvc://x/y"}}]),
+     "spec.deployment.spec.experts[0].checkpoint: decided by the training"),
+    (lambda s: s["deployment"]["spec"].update(numClasses=5),
+     "spec.deployment.spec.experts[1].classes: [5, 6, 7, 8, 9] are outside 0..4"),
+])
+def test_a_bad_spec_is_refused_naming_the_field(change, expected):
+    spec = copy.deepcopy(_document()["spec"])
+    change(spec)
+    assert expected in _problems(spec)
+
+
+def test_host_paths_are_accepted_where_allowed():
+    spec = _document()["spec"]
+    spec["output"] = {"uri": "file:///srv/ddm"}
+    assert parse_training_spec(spec, allow_host_paths=True).output.path == "/srv/ddm"
+
+
+def test_a_key_given_twice_names_its_line(tmp_path):
+    text = EXAMPLE.read_text().replace("  engine: job\n", "  engine: job\n  engine: job\n")
+    path = tmp_path / "training.yaml"
+    path.write_text(text)
+    with pytest.raises(SpecError, match=r"duplicate key 'engine' \(first on line \d+\)"):
+        load_training_manifest(path)
