@@ -107,9 +107,8 @@ def test_the_deployment_points_at_the_outputs_and_keeps_the_serving_settings():
     (lambda s: s.update(engine="slurm"), "spec.engine: must be one of job, kubeflow-trainer"),
     (lambda s: s["experts"][0].update(nodes=2),
      "spec.experts[0].nodes: a Job runs on one node; use engine: kubeflow-trainer"),
-    (lambda s: s.update(engine="kubeflow-trainer") or s["experts"][1].update(nodes=2),
-     "spec.experts[1].processesPerNode: Trainer's jax-distributed runtime runs one process per "
-     "node"),
+    (lambda s: s["experts"][0].update(accelerator={"type": "neuron"}, processesPerNode=2),
+     "spec.experts[0]: PyTorch on neuron trains as one process for now"),
     (lambda s: s["experts"][0].update(batchSize=127),
      "spec.experts[0].batchSize: 127 is not a multiple of the 2 processes"),
     (lambda s: s["experts"].pop(), "spec.experts: lists 1 experts but spec.partition has 2"),

@@ -26,20 +26,20 @@ TrainingPlan``; ``TrainingPlan.jobs`` (``JobPlan``: ``name``, ``kind``, ``framew
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from ddm.deploy.spec import API_VERSION as DEPLOYMENT_API_VERSION
-from ddm.deploy.spec import KIND as DEPLOYMENT_KIND
-from ddm.deploy.spec import SpecError, parse_manifest
-from ddm.deploy.training_spec import ExpertTraining, TrainingSpec, Workers
+from ddm.deploy.training_spec import (
+    EXPERTS_DIR,
+    PARTITION_FILE,
+    ROUTER_DIR,
+    STATE_SUFFIX,
+    ExpertTraining,
+    TrainingSpec,
+    Workers,
+)
+from ddm.deploy.training_spec import deployment_document as deployment_document
 
-PARTITION_FILE = "partition.json"
-EXPERTS_DIR = "experts"
-ROUTER_DIR = "router"
-#: Where a trainer writing OUT keeps its training state (``ddm.training.resume``).
-STATE_SUFFIX = ".training"
 PARTITION_JOB = "partition"
 ROUTER_JOB = "router"
 #: (accelerator type, framework) -> the trainer's ``--device`` (each torch process takes the
@@ -186,57 +186,3 @@ def _train_args(train: Any) -> tuple[str, ...]:
     return ("--steps", str(train.steps), "--batch-size", str(train.batch_size),
             "--lr", repr(train.learning_rate), "--seed", str(train.seed),
             "--save-every", str(train.save_every), "--resume", "--quiet")
-
-
-#: What the outputs decide in the DDMDeployment: an expert entry in spec.deployment.spec may
-#: not give these.
-DECIDED_EXPERT_FIELDS = ("checkpoint", "framework", "classes")
-
-
-def deployment_document(spec: TrainingSpec, output_uri: str | None = None) -> dict[str, Any]:
-    """The DDMDeployment to create once every job has finished: ``spec.deployment.spec`` with
-    each expert's checkpoint, framework and classes (label groups), and the router network's
-    checkpoint, under the output root (``output_uri``: another name for it, default
-    ``spec.output``'s URI)."""
-    root = (output_uri or spec.output.uri).rstrip("/")
-    template = copy.deepcopy(dict(spec.deployment.spec))
-    given = {e.get("name"): e for e in template.get("experts") or []
-             if isinstance(e, Mapping)}
-    experts = []
-    for expert in spec.experts:
-        entry = {"name": expert.name, **dict(given.get(expert.name, {})),
-                 "framework": expert.framework,
-                 "checkpoint": {"uri": f"{root}/{EXPERTS_DIR}/{expert.name}"}}
-        if spec.partition.label_groups:
-            entry["classes"] = list(spec.partition.label_groups[expert.index])
-        experts.append(entry)
-    router = dict(template.get("router") or {})
-    router["checkpoint"] = {"uri": f"{root}/{ROUTER_DIR}"}
-    return {"apiVersion": DEPLOYMENT_API_VERSION, "kind": DEPLOYMENT_KIND,
-            "metadata": {"name": spec.deployment.name},
-            "spec": {**template, "experts": experts, "router": router}}
-
-
-def deployment_problems(spec: TrainingSpec) -> list[str]:
-    """Why the DDMDeployment the outputs make would be refused, with paths under
-    ``spec.deployment.spec``."""
-    found = []
-    names = {e.name for e in spec.experts}
-    for i, entry in enumerate(spec.deployment.spec.get("experts") or []):
-        path = f"spec.deployment.spec.experts[{i}]"
-        if not isinstance(entry, Mapping) or entry.get("name") not in names:
-            found.append(f"{path}.name: must name one of spec.experts ({', '.join(sorted(names))})")
-            continue
-        found.extend(f"{path}.{key}: decided by the training (its output)"
-                     for key in DECIDED_EXPERT_FIELDS if key in entry)
-    if "checkpoint" in (spec.deployment.spec.get("router") or {}):
-        found.append("spec.deployment.spec.router.checkpoint: decided by the training (its "
-                     "output)")
-    if found:
-        return found
-    try:
-        parse_manifest(deployment_document(spec), allow_host_paths=True)
-    except SpecError as error:
-        found.extend(p.replace("spec.", "spec.deployment.spec.", 1) if p.startswith("spec.")
-                     else f"spec.deployment: {p}" for p in error.problems)
-    return found

@@ -5,11 +5,14 @@ entry per expert (each on its own accelerator, nodes and processes), the router 
 training, and the DDMDeployment to create from the outputs. ``ddm.deploy.training_plan``
 turns it into jobs; the operator and ``ddm train-all`` carry them out. As for a DDMDeployment
 (``ddm.deploy.spec``), every problem is reported at once with its field path, and the
-accelerator rules are the serving ones (``ddm.deploy.accelerators``).
+accelerator rules are the serving ones (``ddm.deploy.accelerators``). The output root's layout
+and the DDMDeployment its outputs make (:func:`deployment_document`) live here too: that
+DDMDeployment is checked, as the operator would check it, when the spec is read.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,6 +24,8 @@ from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
+from ddm.deploy.spec import API_VERSION as DEPLOYMENT_API_VERSION
+from ddm.deploy.spec import KIND as DEPLOYMENT_KIND
 from ddm.deploy.spec import (
     EXPERT_NAME_PATTERN,
     GROUP,
@@ -31,6 +36,7 @@ from ddm.deploy.spec import (
     SpecError,
     _node_label_conflicts,
     _placed_accelerator,
+    parse_manifest,
 )
 from ddm.deploy.strict_yaml import load_yaml
 
@@ -59,6 +65,13 @@ MAX_IMAGE_SIZE = 1024
 EXPERT_DEFAULTS = {"steps": 1500, "batchSize": 128, "learningRate": 2e-3}
 ROUTER_DEFAULTS = {"steps": 1500, "batchSize": 256, "learningRate": 2e-3}
 SAVE_EVERY = 500
+#: The output root's layout: what each job writes there (the plan's jobs, the operator and
+#: ``ddm train-all`` share it).
+PARTITION_FILE = "partition.json"
+EXPERTS_DIR = "experts"
+ROUTER_DIR = "router"
+#: Where a trainer writing OUT keeps its training state (``ddm.training.resume``).
+STATE_SUFFIX = ".training"
 
 
 @dataclass(frozen=True)
@@ -149,7 +162,8 @@ class DeploymentTemplate:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    """A validated DDMTraining spec; ``experts`` in partition order."""
+    """A validated DDMTraining spec; ``experts`` in partition order. ``queue``: the Kueue
+    LocalQueue its jobs are submitted to (None: not queued)."""
 
     engine: str
     data: DataSource
@@ -159,6 +173,7 @@ class TrainingSpec:
     router: RouterTraining
     deployment: DeploymentTemplate
     image: str | None = None
+    queue: str | None = None
 
 
 @dataclass(frozen=True)
@@ -188,10 +203,12 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
                     if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), i)))
     router = _router(reader.child("router"))
     deployment = _deployment(reader.child("deployment"))
+    queue = reader.string("queue", None, pattern=EXPERT_NAME_PATTERN, max_length=63,
+                          hint="a Kueue LocalQueue's name")
     reader.done()
     spec = TrainingSpec(engine=engine, data=data, output=output,  # type: ignore[arg-type]
                         partition=partition, experts=experts, router=router,
-                        deployment=deployment, image=image)
+                        deployment=deployment, image=image, queue=queue)
     if not problems:
         problems.extend(_semantic_problems(spec, len(raw_experts)))
     if problems:
@@ -279,15 +296,17 @@ def _train(reader: FieldReader, defaults: Mapping[str, Any]) -> TrainSettings:
 
 def _workers(reader: FieldReader, framework: str) -> Workers:
     """``accelerator`` (as a DDMDeployment's), ``nodes``, ``processesPerNode`` and the pod
-    settings; processes default to one per device."""
+    settings; PyTorch on GPUs defaults to a process per GPU, anything else to one."""
     accelerator, accelerator_ok = _placed_accelerator(reader, framework)
     pod = parse_pod_options(reader)
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, pod)
+    # torchrun: one process per GPU; a JAX process drives all its node's devices.
+    per_device = framework == "torch" and accelerator.type == "nvidia"
     return Workers(accelerator=accelerator,
                    nodes=reader.integer("nodes", 1, 1, MAX_NODES) or 1,
                    processes_per_node=reader.integer(
-                       "processesPerNode", max(accelerator.count, 1), 1,
+                       "processesPerNode", accelerator.count if per_device else 1, 1,
                        MAX_PROCESSES_PER_NODE) or 1,
                    pod=pod)
 
@@ -341,8 +360,6 @@ def _deployment(reader: FieldReader) -> DeploymentTemplate:
 def _semantic_problems(spec: TrainingSpec, listed: int) -> list[str]:
     """Rules across fields: experts against parts, engines against nodes and processes, and
     the DDMDeployment the outputs make (checked as the operator would check it)."""
-    from ddm.deploy.training_plan import deployment_problems  # the plan builds that document
-
     found: list[str] = []
     names = [e.name for e in spec.experts]
     for name in sorted({n for n in names if names.count(n) > 1}):
@@ -363,23 +380,77 @@ def _semantic_problems(spec: TrainingSpec, listed: int) -> list[str]:
     return found
 
 
-def _placement_problems(engine: str, path: str, framework: str, workers: Workers) -> list[str]:
-    """What an engine cannot run: a Job is one pod; Trainer's JAX runtime one process a node;
-    devices shared equally between a node's processes."""
+def _placement_problems(engine: str, path: str, framework: str, workers: Workers
+                        ) -> list[str]:
+    """What an engine cannot run: a Job is one pod; devices are shared equally between a
+    node's processes."""
     found = []
     if engine == "job" and workers.nodes > 1:
         found.append(f"{path}.nodes: a Job runs on one node; use engine: kubeflow-trainer for "
                      f"{workers.nodes} nodes")
-    if engine == "kubeflow-trainer" and framework == "jax" and workers.processes_per_node > 1:
-        found.append(f"{path}.processesPerNode: Trainer's jax-distributed runtime runs one "
-                     "process per node, which drives all its devices; set nodes instead")
     count = workers.accelerator.count
     if count and count % workers.processes_per_node:
         found.append(f"{path}.processesPerNode: {workers.processes_per_node} processes cannot "
                      f"share {count} devices equally")
-    if workers.accelerator.type in ("neuron", "tpu") and workers.world_size > 1:
-        found.append(f"{path}: training on {workers.accelerator.type} is one process for now "
-                     "(--device xla is not data-parallel yet)")
+    if (framework == "torch" and workers.accelerator.type in ("neuron", "tpu")
+            and workers.world_size > 1):
+        found.append(f"{path}: PyTorch on {workers.accelerator.type} trains as one process for "
+                     "now (--device xla is not data-parallel yet): set nodes and "
+                     "processesPerNode to 1")
+    return found
+
+
+#: What the outputs decide in the DDMDeployment: an expert entry in spec.deployment.spec may
+#: not give these.
+DECIDED_EXPERT_FIELDS = ("checkpoint", "framework", "classes")
+
+
+def deployment_document(spec: TrainingSpec, output_uri: str | None = None) -> dict[str, Any]:
+    """The DDMDeployment to create once every job has finished: ``spec.deployment.spec`` with
+    each expert's checkpoint, framework and classes (label groups), and the router network's
+    checkpoint, under the output root (``output_uri``: another name for it, default
+    ``spec.output``'s URI)."""
+    root = (output_uri or spec.output.uri).rstrip("/")
+    template = copy.deepcopy(dict(spec.deployment.spec))
+    given = {e.get("name"): e for e in template.get("experts") or []
+             if isinstance(e, Mapping)}
+    experts = []
+    for expert in spec.experts:
+        entry = {"name": expert.name, **dict(given.get(expert.name, {})),
+                 "framework": expert.framework,
+                 "checkpoint": {"uri": f"{root}/{EXPERTS_DIR}/{expert.name}"}}
+        if spec.partition.label_groups:
+            entry["classes"] = list(spec.partition.label_groups[expert.index])
+        experts.append(entry)
+    router = dict(template.get("router") or {})
+    router["checkpoint"] = {"uri": f"{root}/{ROUTER_DIR}"}
+    return {"apiVersion": DEPLOYMENT_API_VERSION, "kind": DEPLOYMENT_KIND,
+            "metadata": {"name": spec.deployment.name},
+            "spec": {**template, "experts": experts, "router": router}}
+
+
+def deployment_problems(spec: TrainingSpec) -> list[str]:
+    """Why the DDMDeployment the outputs make would be refused, with paths under
+    ``spec.deployment.spec``."""
+    found = []
+    names = {e.name for e in spec.experts}
+    for i, entry in enumerate(spec.deployment.spec.get("experts") or []):
+        path = f"spec.deployment.spec.experts[{i}]"
+        if not isinstance(entry, Mapping) or entry.get("name") not in names:
+            found.append(f"{path}.name: must name one of spec.experts ({', '.join(sorted(names))})")
+            continue
+        found.extend(f"{path}.{key}: decided by the training (its output)"
+                     for key in DECIDED_EXPERT_FIELDS if key in entry)
+    if "checkpoint" in (spec.deployment.spec.get("router") or {}):
+        found.append("spec.deployment.spec.router.checkpoint: decided by the training (its "
+                     "output)")
+    if found:
+        return found
+    try:
+        parse_manifest(deployment_document(spec), allow_host_paths=True)
+    except SpecError as error:
+        found.extend(p.replace("spec.", "spec.deployment.spec.", 1) if p.startswith("spec.")
+                     else f"spec.deployment: {p}" for p in error.problems)
     return found
 
 

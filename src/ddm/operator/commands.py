@@ -34,10 +34,12 @@ def add_operator_commands(commands: argparse._SubParsersAction) -> None:
 
     p = commands.add_parser(
         "render", help="print, as YAML, every object the operator would create for a "
-                       "DDMDeployment (its pods, Secrets, Services and NetworkPolicies)",
+                       "DDMDeployment (its pods, Secrets, Services and NetworkPolicies), or "
+                       "the jobs of a DDMTraining (Jobs or TrainJobs) and its DDMDeployment",
         description="Under the operator's settings from the same DDM_* variables, with router "
                     "authentication and NetworkPolicies on unless set (the chart's defaults).")
-    p.add_argument("file", type=existing_path, help="a DDMDeployment manifest (YAML)")
+    p.add_argument("file", type=existing_path,
+                   help="a DDMDeployment or DDMTraining manifest (YAML)")
     p.add_argument("--namespace", default=None,
                    help="the namespace it would live in (default: its own, else default)")
     p.set_defaults(handler=_render)

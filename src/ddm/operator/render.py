@@ -1,4 +1,5 @@
-"""``ddm render``: every object the operator would create for a DDMDeployment, as YAML.
+"""``ddm render``: every object the operator would create for a DDMDeployment (or the jobs
+and the DDMDeployment of a DDMTraining), as YAML.
 
 As ``helm template`` does for a chart: users and reviewers read the pods, the Secrets and
 the NetworkPolicies before applying. The objects come from the operator's own functions
@@ -19,9 +20,13 @@ from typing import Any, Mapping
 import yaml
 
 from ddm.deploy.spec import parse_manifest, read_manifest_document
+from ddm.deploy.training_plan import plan_training
+from ddm.deploy.training_spec import KIND as TRAINING_KIND
+from ddm.deploy.training_spec import parse_training_manifest
 from ddm.operator import names
 from ddm.operator.children import checked_spec, desired_children
 from ddm.operator.config import OperatorConfig
+from ddm.operator.training_manifests import build_deployment, build_training_jobs
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 PLACEHOLDER_TOKEN = "random-when-the-operator-creates-it"
@@ -44,10 +49,29 @@ def render_objects(document: Any, config: OperatorConfig, *, namespace: str | No
     return desired_children(spec, owner, config, lambda: PLACEHOLDER_TOKEN)
 
 
+def render_training(document: Any, config: OperatorConfig, *, namespace: str | None = None
+                    ) -> list[dict[str, Any]]:
+    """The jobs of one DDMTraining ``document`` in plan order (Jobs, or TrainJobs under
+    kubeflow-trainer), then the DDMDeployment created once they have all finished.
+    ``SpecError`` when the spec is invalid."""
+    manifest = parse_training_manifest(document, allow_host_paths=True)
+    meta = {"name": manifest.name,
+            "namespace": namespace or manifest.namespace or DEFAULT_NAMESPACE}
+    return [*build_training_jobs(manifest.spec, plan_training(manifest.spec), meta, config),
+            build_deployment(manifest.spec, meta)]
+
+
 def render_file(path: Path, env: Mapping[str, str], namespace: str | None = None) -> str:
     """``ddm render PATH``: a multi-document YAML stream, one document per object."""
     document = read_manifest_document(path)
     config = OperatorConfig.from_env({**CHART_DEFAULTS, **env})
+    if isinstance(document, Mapping) and document.get("kind") == TRAINING_KIND:
+        header = (f"# The jobs the operator runs for {path}, in order (each after those its "
+                  "job waits for),\n# then the DDMDeployment it creates when they have all "
+                  "finished.\n")
+        return header + yaml.safe_dump_all(render_training(document, config,
+                                                           namespace=namespace),
+                                           sort_keys=False)
     objects = render_objects(document, config, namespace=namespace)
     header = (f"# The objects the operator creates for {path}.\n# Made when it is created: "
               f"the DDMDeployment's uid (here {PLACEHOLDER_UID}),\n# and so the names "

@@ -1,0 +1,226 @@
+"""Pure builders: a DDMTraining's plan -> its jobs, as batch/v1 Jobs or Kubeflow Trainer v2
+TrainJobs (the two engines are two renderers of one plan, ``ddm.deploy.training_plan``).
+
+- ``engine: job``: one Job per job, its pod on one node. PyTorch: one container running
+  ``torchrun --standalone --nproc-per-node N``; JAX: one container per process (they share the
+  pod's network, process 0 runs the coordinator on localhost), each with the JAX job's
+  variables and an equal share of the node's devices.
+- ``engine: kubeflow-trainer``: one TrainJob per expert and for the router, on the
+  ``torch-distributed`` (``torchrun`` reads the runtime's ``PET_*`` variables) or
+  ``jax-distributed`` runtime (which sets ``JAX_COORDINATOR_ADDRESS`` and the others, one
+  process per pod: a JAX job's processes are pods, each with its share of the devices), with
+  ``trainer.numNodes``, ``numProcPerNode`` (torch) and ``resourcesPerNode``; the node
+  selector, tolerations, volumes and security settings go in a runtime patch of the runtime's
+  ``node`` job and container. The partition, one CPU process, is a Job under either engine.
+
+Every pod is placed as serving places it (``ddm.operator.placement``: the accelerator's
+resource, taint toleration and node selector), runs as the restricted Pod Security profile
+asks, mounts the output root read-write at ``/output`` and the data read-only at ``/data``.
+A failed pod is retried (``backoffLimit``); the job's ``--resume`` continues its saved state.
+``meta`` needs ``name`` and ``namespace``; the handlers add ownerReferences.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.training_plan import (
+    PARTITION_JOB,
+    JobPlan,
+    Paths,
+    TrainingPlan,
+    deployment_document,
+)
+from ddm.deploy.training_spec import TrainingSpec, Workers
+from ddm.operator import names
+from ddm.operator.config import OperatorConfig
+from ddm.operator.manifests import (
+    CONTAINER_SECURITY_CONTEXT,
+    TERMINATION_MESSAGE,
+    _literal_command,
+    _pod_spec,
+    _resources,
+)
+from ddm.operator.placement import placement
+
+OUTPUT_DIR = "/output"
+DATA_DIR = "/data"
+TRAINER_API_VERSION = "trainer.kubeflow.org/v1alpha1"
+TRAINJOB_KIND = "TrainJob"
+#: Trainer's runtimes by framework (the ClusterTrainingRuntimes its chart installs).
+RUNTIMES = {"torch": "torch-distributed", "jax": "jax-distributed"}
+#: The replicated job and container of those runtimes that run the training processes.
+RUNTIME_NODE = "node"
+RUNTIME_PATCH_MANAGER = "ddm.dev/operator"
+TRAINING_LABEL = "ddm.dev/training"
+JOB_LABEL = "ddm.dev/job"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: Pod failures a job survives; each retry resumes the state the failed pod saved.
+BACKOFF_LIMIT = 6
+JAX_COORDINATOR = "127.0.0.1:29500"
+#: What a TrainJob's runtime patch sets on the runtime's pods (the fields Trainer lets a
+#: patch set, of those the operator's pods carry).
+PATCHED_POD_FIELDS = ("securityContext", "nodeSelector", "tolerations", "affinity", "volumes")
+
+
+def job_name(training: str, job: JobPlan) -> str:
+    """``<training>-<job>``: at most 24 + 1 + 7 + 30 = 62 characters, a DNS-1123 label."""
+    return f"{training}-{job.name}"
+
+
+def build_training_jobs(spec: TrainingSpec, plan: TrainingPlan, meta: Mapping[str, Any],
+                        config: OperatorConfig) -> list[dict[str, Any]]:
+    """Every job of ``plan`` in plan order: a Job, or a TrainJob under kubeflow-trainer
+    (the partition is always a Job)."""
+    return [build_trainjob(spec, job, meta, config)
+            if spec.engine == "kubeflow-trainer" and job.name != PARTITION_JOB
+            else build_job(spec, job, meta, config) for job in plan.jobs]
+
+
+def build_deployment(spec: TrainingSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The DDMDeployment created once every job has finished (it outlives the DDMTraining:
+    no ownerReference)."""
+    document = deployment_document(spec)
+    document["metadata"] = {**document["metadata"], "namespace": meta["namespace"],
+                            "labels": {TRAINING_LABEL: meta["name"]}}
+    return document
+
+
+def build_job(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
+              config: OperatorConfig) -> dict[str, Any]:
+    """``job`` as a batch/v1 Job: one pod on one node, its processes started as
+    :meth:`JobPlan.node_processes` says."""
+    workers = job.workers
+    place = placement(workers.accelerator)
+    processes = job.node_processes(Paths(OUTPUT_DIR, DATA_DIR), coordinator=JAX_COORDINATOR)
+    volumes, mounts = _volumes(spec)
+    containers = [{
+        "name": "train" if len(processes) == 1 else f"rank-{rank}",
+        "image": _image(spec, workers, config),
+        "imagePullPolicy": config.image_pull_policy,
+        "command": list(process.argv),
+        "env": _env(dict(process.env)),
+        "resources": _resources(workers.pod, _shares(place.limits, len(processes))),
+        "volumeMounts": copy.deepcopy(mounts),
+        **TERMINATION_MESSAGE,
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
+    } for rank, process in enumerate(processes)]
+    pod = _pod_spec(containers[0], workers.pod, volumes, [],
+                    node_selector=place.node_selector, tolerations=place.tolerations)
+    pod.update(restartPolicy="Never", containers=[_literal_command(c) for c in containers])
+    labels = _labels(spec, meta, job)
+    return {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": job_name(meta["name"], job), "namespace": meta["namespace"],
+                     "labels": labels},
+        "spec": {"backoffLimit": BACKOFF_LIMIT,
+                 "template": {"metadata": {"labels": dict(labels)}, "spec": pod}},
+    }
+
+
+def build_trainjob(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
+                   config: OperatorConfig) -> dict[str, Any]:
+    """``job`` as a Kubeflow Trainer v2 TrainJob on ``nodes`` nodes of its accelerator."""
+    workers = job.workers
+    place = placement(workers.accelerator)
+    args = job.args(Paths(OUTPUT_DIR, DATA_DIR))
+    torch = job.framework == "torch"
+    volumes, mounts = _volumes(spec)
+    # Trainer's jax-distributed runtime runs one process per pod: P processes a node are P pods
+    # with a P-th of its devices each (as the Job engine gives P containers).
+    per_pod = 1 if torch else workers.processes_per_node
+    trainer: dict[str, Any] = {
+        "image": _image(spec, workers, config),
+        "command": (["torchrun", "-m", "ddm", *args] if torch else ["ddm", *args]),
+        "env": _env({}),
+        "numNodes": workers.nodes * per_pod,
+        **({"numProcPerNode": workers.processes_per_node} if torch else {}),
+    }
+    resources = _resources(workers.pod, _shares(place.limits, per_pod))
+    if resources:
+        trainer["resourcesPerNode"] = resources
+    trainer = _literal_command(trainer)
+    pod = _pod_spec(trainer, workers.pod, volumes, [], node_selector=place.node_selector,
+                    tolerations=place.tolerations)
+    pod_patch = {
+        **{key: pod[key] for key in PATCHED_POD_FIELDS if key in pod},
+        "containers": [{"name": RUNTIME_NODE, "volumeMounts": copy.deepcopy(mounts),
+                        "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT)}],
+    }
+    labels = _labels(spec, meta, job)
+    return {
+        "apiVersion": TRAINER_API_VERSION, "kind": TRAINJOB_KIND,
+        "metadata": {"name": job_name(meta["name"], job), "namespace": meta["namespace"],
+                     "labels": labels},
+        "spec": {
+            "runtimeRef": {"name": RUNTIMES[job.framework]},
+            "trainer": trainer,
+            "runtimePatches": [{
+                "manager": RUNTIME_PATCH_MANAGER,
+                "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{
+                    "name": RUNTIME_NODE,
+                    "template": {"spec": {"template": {
+                        "metadata": {"labels": dict(labels)}, "spec": pod_patch}}},
+                }]}}},
+            }],
+        },
+    }
+
+
+def _shares(limits: Mapping[str, str], processes: int) -> dict[str, str]:
+    """Each of ``processes`` processes' equal share of a node's devices (the spec's checks
+    make it whole)."""
+    return {resource: str(int(count) // processes) for resource, count in limits.items()}
+
+
+def _labels(spec: TrainingSpec, meta: Mapping[str, Any], job: JobPlan) -> dict[str, str]:
+    labels = {names.MANAGED_BY_LABEL: names.MANAGED_BY, TRAINING_LABEL: meta["name"],
+              JOB_LABEL: job.name, names.COMPONENT_LABEL: f"training-{job.kind}"}
+    if spec.queue:
+        labels[QUEUE_LABEL] = spec.queue
+    return labels
+
+
+def _image(spec: TrainingSpec, workers: Workers, config: OperatorConfig) -> str:
+    return (workers.pod.image or spec.image
+            or config.images.for_family(placement(workers.accelerator).image_family))
+
+
+def _env(extra: Mapping[str, str]) -> list[dict[str, str]]:
+    """HOME on the writable /tmp (the root file system is read-only), then ``extra``."""
+    return [{"name": "HOME", "value": "/tmp"},
+            *({"name": key, "value": value} for key, value in extra.items())]
+
+
+def _volumes(spec: TrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The output root (read-write), the data (read-only) and a writable /tmp."""
+    volumes = [{"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    for name, source, path, read_only in (("output", spec.output, OUTPUT_DIR, False),
+                                          ("data", spec.data.volume, DATA_DIR, True)):
+        if source is None:
+            continue
+        volume, mount = _volume(name, source, path, read_only)
+        volumes.append(volume)
+        mounts.append(mount)
+    return volumes, mounts
+
+
+def _volume(name: str, source: CheckpointSource, path: str, read_only: bool
+            ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A claim (its sub-path mounted) or, where allowed, a host directory."""
+    mount: dict[str, Any] = {"name": name, "mountPath": path, **(
+        {"readOnly": True} if read_only else {})}
+    if source.scheme == "pvc":
+        sub_path = source.path.strip("/")
+        if sub_path:
+            mount["subPath"] = sub_path
+        return ({"name": name, "persistentVolumeClaim": {"claimName": source.location,
+                                                         **({"readOnly": True} if read_only
+                                                            else {})}}, mount)
+    return ({"name": name, "hostPath": {"path": source.path,
+                                        "type": "Directory" if read_only
+                                        else "DirectoryOrCreate"}}, mount)
+
