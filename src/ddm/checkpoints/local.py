@@ -35,14 +35,19 @@ def resolve_checkpoint(checkpoint: CheckpointSource, image_root: Path = REPOSITO
                                 f"(image paths under {IMAGE_PREFIX} are looked up in "
                                 f"{image_root})")
     if checkpoint.scheme == "pvc":
-        if pvc_root is None:
-            raise CheckpointNotHere(f"checkpoint {checkpoint.uri} is on a "
-                                    "PersistentVolumeClaim; pass --pvc-root DIR holding one "
-                                    "directory per claim")
-        local = pvc_root / checkpoint.location / checkpoint.path.strip("/")
+        local = claim_path(checkpoint, pvc_root)
         if not local.exists():
             raise CheckpointNotHere(f"checkpoint {checkpoint.uri}: {local} does not exist")
         return local
     raise CheckpointNotHere(f"checkpoint {checkpoint.uri}: fetch it first (ddm "
                             f"fetch-checkpoint {checkpoint.uri} DIR) and point the manifest at "
                             "file://DIR")
+
+
+def claim_path(source: CheckpointSource, pvc_root: Path | None) -> Path:
+    """Where ``pvc://CLAIM/PATH`` is here: ``pvc_root/CLAIM/PATH`` (``--pvc-root`` stands in
+    for the cluster's claims, one directory per claim), whether it exists yet or not."""
+    if pvc_root is None:
+        raise CheckpointNotHere(f"{source.uri} is on a PersistentVolumeClaim; pass --pvc-root "
+                                "DIR holding one directory per claim")
+    return pvc_root / source.location / source.path.strip("/")

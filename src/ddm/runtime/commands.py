@@ -1,4 +1,4 @@
-"""``ddm up``: its arguments, next to the local runtime it runs.
+"""``ddm up`` and ``ddm train-all``: their arguments, next to the local runtime they run.
 
 ``ddm.cli`` adds it with :func:`add_up_command`, as each area adds its own. Importing this
 module is cheap: the runtime is imported only when the command runs.
@@ -7,6 +7,7 @@ module is cheap: the runtime is imported only when the command runs.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from ddm.checkpoints.shipped import DEFAULT_DDM
@@ -15,7 +16,7 @@ from ddm.fileio import existing_path
 
 
 def add_up_command(commands: argparse._SubParsersAction) -> None:
-    """Add ``up`` to the ``ddm`` command's subcommands."""
+    """Add ``up`` and ``train-all`` to the ``ddm`` command's subcommands."""
     p = commands.add_parser(
         "up", help="run a DDMDeployment's experts and router as local processes (default: the "
                    "shipped MNIST example, what make demo runs)",
@@ -57,6 +58,25 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                         "off by default; /openapi.json is always served)")
     p.set_defaults(handler=_up)
 
+    p = commands.add_parser(
+        "train-all", help="run a DDMTraining's jobs (partition, experts, router) as local "
+                          "processes, then write its DDMDeployment",
+        description="Plan a DDMTraining as the operator would and run it here: the partition "
+                    "first (k-means only), every expert at once (torchrun --standalone, or one "
+                    "process per rank with the JAX variables, when processesPerNode > 1), then "
+                    "the router network; finally the DDMDeployment over the outputs is "
+                    "written to OUTPUT/deployment.yaml, for ddm up. Rerun to resume: finished "
+                    "jobs are skipped, unfinished ones continue from their saved state. "
+                    "Ctrl-C (exit 130) or SIGTERM (exit 143) stops every process.")
+    p.add_argument("manifest", type=existing_path, help="a DDMTraining YAML file")
+    p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
+                   help="stands in for the cluster's PersistentVolumeClaims: pvc://CLAIM/PATH "
+                        "(the output, the data) is DIR/CLAIM/PATH")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
+                        "share the machine)")
+    p.set_defaults(handler=_train_all)
+
 
 def _up(args: argparse.Namespace) -> int:
     from ddm.deploy.spec import load_manifest
@@ -72,3 +92,17 @@ def _up(args: argparse.Namespace) -> int:
                      pvc_root=args.pvc_root, threads=args.threads, fail_fast=args.fail_fast,
                      deadline_s=args.deadline_s, auth_token_file=args.auth_token_file,
                      api_docs=args.api_docs)
+
+
+def _train_all(args: argparse.Namespace) -> int:
+    from ddm.deploy.training_spec import load_training_manifest
+    from ddm.runtime.training import run_training
+
+    manifest = load_training_manifest(args.manifest)
+    try:
+        path = run_training(manifest, args.pvc_root, threads=args.threads)
+    except KeyboardInterrupt:
+        print("interrupted; rerun to resume every unfinished job", file=sys.stderr)
+        return 130
+    print(f"serve it: ddm up{f' --pvc-root {args.pvc_root}' if args.pvc_root else ''} {path}")
+    return 0

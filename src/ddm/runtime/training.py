@@ -1,0 +1,170 @@
+"""``ddm train-all``: run a DDMTraining's plan as local processes, no cluster needed.
+
+The same YAML the operator reconciles is planned by the one training plan
+(``ddm.deploy.training_plan``) and carried out here as ``ddm up`` carries out a DDMDeployment:
+the partition first (k-means only), then every expert at once, each with its processes
+(``torchrun --standalone`` for PyTorch, one process per rank with the JAX variables for JAX,
+as :meth:`JobPlan.node_processes` decides), then the router network; finally the
+DDMDeployment pointing at the outputs is written beside them, for ``ddm up``.
+
+``pvc://CLAIM/PATH`` (the output, MNIST) is ``PVC_ROOT/CLAIM/PATH`` here (``--pvc-root``, as
+``ddm up`` reads it). A job whose output exists is skipped (finished before); every other job
+passes ``--resume``, so a rerun after Ctrl-C, SIGTERM or a failure continues each unfinished
+job from its last saved state. Progress is each job's step, read from its saved state when it
+changes. Ctrl-C, SIGTERM or a job that fails stops every process started.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import yaml
+
+from ddm.checkpoints.local import claim_path, resolve_checkpoint
+from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.training_plan import JobPlan, Paths, TrainingPlan, plan_training
+from ddm.deploy.training_spec import TrainingManifest, deployment_document
+from ddm.runtime.local import ProcessSpec, Supervisor, free_port
+
+#: The file, in the output root, that holds the DDMDeployment made from the outputs.
+DEPLOYMENT_FILE = "deployment.yaml"
+#: How often the runner looks for processes that ended and steps that were saved.
+POLL_S = 0.5
+#: The training state's record of its step (``ddm.training.resume.IDENTITY_FILE``).
+_IDENTITY = "identity.json"
+
+
+class TrainingRunError(RuntimeError):
+    """A job failed, or the training cannot run here; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """The plan placed here: where the output root and the data are."""
+
+    plan: TrainingPlan
+    paths: Paths
+
+    def finished(self, job: JobPlan) -> bool:
+        """Whether ``job``'s output exists: a checkpoint's config.json (written last), or the
+        partition file."""
+        output = Path(self.paths.output) / job.output
+        return (output / "config.json").is_file() if job.state else output.is_file()
+
+    def step(self, job: JobPlan) -> int | None:
+        """The step of ``job``'s last saved training state (None: none saved yet)."""
+        if job.state is None:
+            return None
+        try:
+            identity = json.loads((Path(self.paths.output) / job.state / _IDENTITY).read_text())
+        except (OSError, ValueError):
+            return None
+        step = identity.get("step") if isinstance(identity, dict) else None
+        return step if isinstance(step, int) else None
+
+
+def place_training(manifest: TrainingManifest, pvc_root: Path | None) -> LocalTraining:
+    """The output root (made if absent) and the data directory on this machine."""
+    spec = manifest.spec
+    output = _local(spec.output, pvc_root)
+    output.mkdir(parents=True, exist_ok=True)
+    data = resolve_checkpoint(spec.data.volume, pvc_root=pvc_root) if spec.data.volume else None
+    return LocalTraining(plan_training(spec), Paths(str(output), data and str(data)))
+
+
+def _local(source: CheckpointSource, pvc_root: Path | None) -> Path:
+    return Path(source.path) if source.scheme == "file" else claim_path(source, pvc_root)
+
+
+def run_training(manifest: TrainingManifest, pvc_root: Path | None = None, *,
+                 threads: int = 1, out: TextIO | None = None,
+                 stop: threading.Event | None = None) -> Path:
+    """Run every unfinished job, each as soon as those it waits for have finished; return the
+    DDMDeployment file written in the output root. Raises ``TrainingRunError`` when a job
+    fails (the others are stopped; a rerun resumes), ``KeyboardInterrupt`` on Ctrl-C (after
+    stopping everything); ``stop`` set: stop everything and raise ``TrainingRunError``.
+    Progress and the processes' output go to ``out`` (default: stdout)."""
+    local = place_training(manifest, pvc_root)
+    stop, out = stop or threading.Event(), out or sys.stdout  # the caller's stdout, now
+    plan, started_at = local.plan, time.monotonic()
+    done = {job.name for job in plan.jobs if local.finished(job)}
+    for name in sorted(done):
+        _tell(out, f"{name}: finished before ({plan.job(name).output}), skipped")
+    env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
+           ("PYTHONUNBUFFERED", "1"))
+    supervisor = Supervisor(out)
+    running: dict[str, tuple[str, ...]] = {}  # job -> its processes' names
+    steps: dict[str, int | None] = {}
+    try:
+        while len(done) < len(plan.jobs):
+            for job in plan.ready(done):
+                if job.name not in running:
+                    steps[job.name] = local.step(job)
+                    running[job.name] = _start(job, local.paths, supervisor, env, out,
+                                               steps[job.name])
+            if stop.wait(POLL_S):  # external processes: polling them is the only signal
+                raise TrainingRunError("stopped; rerun to resume every unfinished job")
+            for name, processes in list(running.items()):
+                job = plan.job(name)
+                step = local.step(job)
+                if step != steps[name] and step is not None:
+                    steps[name] = step
+                    _tell(out, f"{name}: step {step}/{job.steps} saved")
+                codes = [supervisor.processes[p].poll() for p in processes]
+                failed = [(p, c) for p, c in zip(processes, codes) if c not in (None, 0)]
+                if failed:
+                    process, code = failed[0]
+                    raise TrainingRunError(
+                        f"{name} failed: {process} exited with status {code} (its log lines "
+                        "above say why); rerun to resume it from its last saved state")
+                if all(c == 0 for c in codes):
+                    del running[name]
+                    if not local.finished(job):
+                        raise TrainingRunError(f"{name} exited without writing {job.output}")
+                    done.add(name)
+                    _tell(out, f"{name}: finished ({job.output}, "
+                               f"{time.monotonic() - supervisor.started_at[processes[0]]:.0f} s)")
+    finally:
+        if any(p.poll() is None for p in supervisor.processes.values()):
+            _tell(out, f"stopping {len(supervisor.processes)} process(es)...")
+        supervisor.stop()
+    path = Path(local.paths.output) / DEPLOYMENT_FILE
+    path.write_text(yaml.safe_dump(deployment_document(manifest.spec), sort_keys=False))
+    _tell(out, f"all {len(plan.jobs)} jobs finished ({time.monotonic() - started_at:.0f} s); "
+               f"wrote the DDMDeployment {manifest.spec.deployment.name} to {path}")
+    return path
+
+
+def _start(job: JobPlan, paths: Paths, supervisor: Supervisor,
+           env: tuple[tuple[str, str], ...], out: TextIO, saved: int | None
+           ) -> tuple[str, ...]:
+    """Start ``job``'s processes on this machine (resuming its state saved at step ``saved``);
+    their names (log prefixes)."""
+    processes = job.node_processes(
+        paths, ddm=(sys.executable, "-m", "ddm"),
+        torchrun=(sys.executable, "-m", "torch.distributed.run"),
+        coordinator=f"127.0.0.1:{free_port()}")
+    names = tuple(job.name if len(processes) == 1 else f"{job.name}/{rank}"
+                  for rank in range(len(processes)))
+    for name, process in zip(names, processes):
+        # Training processes listen on no port of ours (torchrun and JAX pick their own).
+        supervisor.start(ProcessSpec(name, process.argv, 0, (*env, *process.env)))
+    what = (f"{job.workers.processes_per_node} processes" if job.distributed else "1 process")
+    _tell(out, f"{job.name}: started ({what}" + (f", {job.steps} steps" if job.steps else "")
+               + (f", resuming from step {saved}" if saved is not None else "")
+               + (f", after {', '.join(job.after)}" if job.after else "") + ")")
+    return names
+
+
+def _tell(out: TextIO, line: str) -> None:
+    try:
+        print(line, file=out, flush=True)
+    except OSError:  # Ctrl-C ends `ddm train-all | tee` too
+        pass
+

@@ -1,0 +1,95 @@
+"""``ddm train-all``: a DDMTraining's plan run as local processes (torchrun, the JAX job's
+variables), its experts checked by ``ddm expert check``, its DDMDeployment loaded; a rerun
+after a stop resumes each unfinished job and skips finished ones."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ddm.checkpoints.format import read_meta
+from ddm.cli import main
+from ddm.deploy.spec import load_manifest
+from ddm.deploy.training_spec import parse_training_manifest
+from ddm.runtime.training import TrainingRunError, run_training
+
+pytestmark = [pytest.mark.slow]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "training.yaml"
+
+
+@pytest.fixture(autouse=True)
+def loopback_gloo(monkeypatch):
+    """gloo's collectives on the loopback interface (the processes inherit it)."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+
+
+def _test_sized(tmp_path: Path, **expert) -> Path:
+    """examples/training.yaml at the smoke UNet's size (150 steps of 32 pass ``ddm expert
+    check``'s behaviour check), written to a file."""
+    document = yaml.safe_load(EXAMPLE.read_text())
+    document["spec"]["output"]["uri"] = f"file://{tmp_path}/out"
+    for entry in document["spec"]["experts"]:
+        entry.update(model="smoke", steps=150, batchSize=32, seed=3, **expert)
+        entry.pop("resources")
+    document["spec"]["router"] = {"steps": 20, "batchSize": 32, "processesPerNode": 2}
+    path = tmp_path / "training.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_train_all_runs_the_plan_then_its_experts_pass_the_check(tmp_path, capsys):
+    path = _test_sized(tmp_path)
+    assert main(["train-all", str(path)]) == 0
+    said = capsys.readouterr().out
+    assert "expert-digits-0-4: started (2 processes, 150 steps)" in said
+    assert "router: started (2 processes, 20 steps, after expert-digits-0-4, " \
+           "expert-digits-5-9)" in said
+    deployment = load_manifest(tmp_path / "out" / "deployment.yaml")
+    assert deployment.name == "digits-trained"
+    for expert in deployment.spec.experts:
+        directory = Path(expert.checkpoint.path)
+        assert read_meta(directory).training["world_size"] == 2
+        assert main(["expert", "check", str(directory)]) == 0, capsys.readouterr().out
+    assert deployment.spec.router.checkpoint.uri == f"file://{tmp_path}/out/router"
+    assert read_meta(tmp_path / "out" / "router").kind == "router"
+
+
+class _StopAtFirstSave(io.StringIO):
+    """The run's output, which sets ``stop`` once a job reports a saved step."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        super().__init__()
+        self.stop = stop
+
+    def write(self, text: str) -> int:
+        if " saved" in text:
+            self.stop.set()
+        return super().write(text)
+
+
+def test_a_stopped_run_resumes_where_it_was_saved_and_skips_what_finished(tmp_path):
+    path = _test_sized(tmp_path, framework="torch", processesPerNode=1)
+    document = yaml.safe_load(path.read_text())
+    for entry in document["spec"]["experts"]:
+        entry.update(steps=600, saveEvery=5)
+    manifest = parse_training_manifest(document, allow_host_paths=True)
+    stop = threading.Event()
+    first = _StopAtFirstSave(stop)
+    with pytest.raises(TrainingRunError, match="stopped; rerun to resume"):
+        run_training(manifest, stop=stop, out=first)
+    assert not (tmp_path / "out" / "experts" / "digits-0-4" / "config.json").exists()
+
+    second = io.StringIO()
+    run_training(manifest, out=second)
+    assert "resuming from step" in second.getvalue(), first.getvalue() + second.getvalue()
+    assert read_meta(tmp_path / "out" / "experts" / "digits-0-4").training["steps"] == 600
+
+    third = io.StringIO()
+    run_training(manifest, out=third)
+    assert third.getvalue().count("finished before") == 3
+    assert "started" not in third.getvalue()
