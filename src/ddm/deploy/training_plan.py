@@ -2,7 +2,8 @@
 
 A DDMTraining is a plan of jobs whose outputs become a DDMDeployment's checkpoints:
 
-- ``partition`` (k-means partitions only): ``ddm partition fit`` writes ``partition.json``;
+- ``partition`` (k-means partitions only): ``ddm partition fit`` writes ``partition.json``
+  (one CPU process, with no placement of its own);
 - ``expert-NAME``, one per expert, in parallel after the partition: ``ddm train expert`` on
   its part, writing ``experts/NAME`` (its training state in ``experts/NAME.training``);
 - ``router``: ``ddm train router`` over ``experts/``, writing ``router``. It runs after the
@@ -38,7 +39,9 @@ from ddm.deploy.training_spec import (
     TrainingSpec,
     Workers,
 )
+# Re-exported: part of this module's interface since it was first committed.
 from ddm.deploy.training_spec import deployment_document as deployment_document
+from ddm.deploy.training_spec import deployment_problems as deployment_problems
 
 PARTITION_JOB = "partition"
 ROUTER_JOB = "router"
@@ -144,7 +147,7 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
     if partition.fitted:
         jobs.append(JobPlan(
             name=PARTITION_JOB, kind="partition", framework="numpy", after=(),
-            output=PARTITION_FILE, steps=None, workers=Workers(pod=spec.router.workers.pod),
+            output=PARTITION_FILE, steps=None, workers=Workers(),
             template=("partition", "fit", "--data", data_arg, "--kmeans", str(partition.kmeans),
                       "--features", partition.features, "--image-size",
                       str(partition.image_size), "--seed", str(partition.seed),

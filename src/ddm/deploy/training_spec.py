@@ -23,7 +23,12 @@ from ddm.checkpoints.uri import CheckpointSource, parse_checkpoint
 from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
-from ddm.deploy.pod_options import PodOptions, parse_pod_options
+from ddm.deploy.pod_options import (
+    IMAGE_PATTERN,
+    MAX_IMAGE_LENGTH,
+    PodOptions,
+    parse_pod_options,
+)
 from ddm.deploy.spec import API_VERSION as DEPLOYMENT_API_VERSION
 from ddm.deploy.spec import KIND as DEPLOYMENT_KIND
 from ddm.deploy.spec import (
@@ -191,10 +196,12 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
     problems: list[str] = []
     reader = FieldReader(raw, "spec", problems)
     engine = reader.string("engine", "job", choices=ENGINES) or "job"
-    image = parse_pod_options(FieldReader({"image": reader.value("image")}, "spec",
-                                          problems)).image if reader.has("image") else None
+    image = reader.string("image", None, pattern=IMAGE_PATTERN, max_length=MAX_IMAGE_LENGTH,
+                          hint="an image reference such as registry.example.com/ddm:1.0")
     data = _data(reader.child("data"), allow_host_paths)
-    output = _volume(reader.child("output"), "uri", allow_host_paths, required=True)
+    output_reader = reader.child("output")
+    output = _volume(output_reader, "uri", allow_host_paths)
+    output_reader.done()
     partition = _partition(reader.child("partition"))
     raw_experts = reader.items("experts")
     if not 1 <= len(raw_experts) <= MAX_EXPERTS:
@@ -216,14 +223,11 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
     return spec
 
 
-def _volume(reader: FieldReader, key: str, allow_host_paths: bool, *, required: bool
-            ) -> CheckpointSource | None:
-    """``pvc://CLAIM/PATH`` (or, allowed, ``file:///PATH``) at ``key``."""
+def _volume(reader: FieldReader, key: str, allow_host_paths: bool) -> CheckpointSource | None:
+    """``pvc://CLAIM/PATH`` (or, allowed, ``file:///PATH``) at ``key``, which is required."""
     uri = reader.value(key)
-    reader.done()
     if uri is None:
-        if required:
-            reader.problem(key, "is required: pvc://CLAIM/PATH")
+        reader.problem(key, "is required: pvc://CLAIM/PATH")
         return None
     try:
         source = parse_checkpoint(uri)
@@ -245,8 +249,7 @@ def _data(reader: FieldReader, allow_host_paths: bool) -> DataSource:
     dataset = reader.string("dataset", "digits", choices=DATASETS) or "digits"
     volume = None
     if dataset == "mnist":
-        volume = _volume(FieldReader({"uri": reader.value("uri")}, reader.path, reader.problems),
-                         "uri", allow_host_paths, required=True)
+        volume = _volume(reader, "uri", allow_host_paths)
     elif reader.has("uri"):
         reader.problem("uri", "only for dataset: mnist (the digits are in the image)")
     reader.done()
