@@ -5,6 +5,7 @@ which the API server would drop, is an error here)."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,9 @@ def test_trainjobs_validate_against_trainers_crd_with_nodes_and_devices(trainjob
     kinds = [o["kind"] for o in objects]
     assert kinds == ["Job", *["TrainJob"] * 11, "DDMDeployment"]
     trainjobs = {o["metadata"]["name"]: o for o in objects if o["kind"] == "TrainJob"}
-    for trainjob in trainjobs.values():
+    for name, trainjob in trainjobs.items():
+        # The CEL rule of Trainer's schema that applies on creation (jsonschema runs no CEL).
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63
         errors = sorted(trainjob_schema.iter_errors(trainjob), key=str)
         assert not errors, f"{trainjob['metadata']['name']}: {errors[0].message} at " \
                            f"{list(errors[0].absolute_path)}"
