@@ -9,7 +9,8 @@ import jsonschema
 import yaml
 
 from ddm.deploy import training_spec as ts
-from ddm.deploy.limits import ACCELERATOR_TYPES, FRAMEWORKS
+from ddm.deploy.accelerators import ACCELERATORS
+from ddm.deploy.limits import FRAMEWORKS
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "ddmtrainings.ddm.dev.yaml").read_text())
@@ -36,7 +37,7 @@ def test_enums_and_limits_equal_the_parsers():
     assert (kmeans["clusters"]["maximum"], kmeans["imageSize"]["maximum"],
             kmeans["seed"]["maximum"]) == (ts.MAX_KMEANS, ts.MAX_IMAGE_SIZE, ts.MAX_SEED)
     assert tuple(EXPERT["framework"]["enum"]) == FRAMEWORKS
-    assert tuple(EXPERT["accelerator"]["properties"]["type"]["enum"]) == ACCELERATOR_TYPES
+    assert tuple(EXPERT["accelerator"]["properties"]["type"]["enum"]) == tuple(ACCELERATORS)
     assert (EXPERT["nodes"]["maximum"], EXPERT["processesPerNode"]["maximum"],
             EXPERT["steps"]["maximum"], EXPERT["batchSize"]["maximum"]) == (
         ts.MAX_NODES, ts.MAX_PROCESSES_PER_NODE, ts.MAX_STEPS, ts.MAX_BATCH_SIZE)

@@ -173,7 +173,7 @@ def test_a_jax_job_shares_the_nodes_devices_between_its_processes():
                     {"name": "digits", "namespace": "ml"}, CONFIG)
     containers = job["spec"]["template"]["spec"]["containers"]
     assert [c["resources"]["limits"]["nvidia.com/gpu"] for c in containers] == ["2", "2"]
-    assert containers[0]["image"] == CONFIG.images.cuda
+    assert containers[0]["image"] == CONFIG.images.by_family["cuda"]
 
 
 def test_ddm_render_dispatches_on_the_kind(tmp_path):

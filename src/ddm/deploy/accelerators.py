@@ -76,7 +76,8 @@ class AcceleratorType:
     on it (``DDM_IMAGE_<FAMILY>``, the chart's ``images.<family>``), published as ``image``;
     ``backends``: framework -> the model server's ``--backend`` and ``--device`` (None: the
     backend picks); ``backend_note``: why a framework it lacks cannot run (the default lists
-    the ones it has); ``title``: its name in ``ddm diagram``."""
+    the ones it has); ``title``: its name in ``ddm diagram``; ``train_devices``: framework ->
+    ``ddm train``'s ``--device`` where it is not the server's (``backends``)."""
 
     name: str
     title: str
@@ -89,11 +90,16 @@ class AcceleratorType:
     startup_budget_s: int = DEFAULT_STARTUP_BUDGET_S
     cache: CompileCache | None = None
     backend_note: str | None = None
+    train_devices: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def default_unit(self) -> str | None:
         """The unit a spec gets when it names none."""
         return next(iter(self.units), None)
+
+    def train_device(self, framework: str) -> str:
+        """``ddm train``'s ``--device`` for ``framework`` here (one it runs)."""
+        return self.train_devices.get(framework) or self.backends[framework][1] or framework
 
     def framework_problem(self, framework: str) -> str | None:
         """Why ``framework`` cannot run here, or None."""
@@ -113,6 +119,7 @@ ACCELERATORS: dict[str, AcceleratorType] = {
                                 "core": DeviceUnit("aws.amazon.com/neuroncore",
                                                    tuple(range(1, 33)))}),
         taint="aws.amazon.com/neuron", startup_budget_s=1800,
+        train_devices=MappingProxyType({"torch": "xla"}),  # torch-xla trains; neuronx serves
         cache=CompileCache("/var/cache/neuron", "neuron-cache",
                            (("DDM_NEURON_CACHE", "{dir}/traced"),
                             ("NEURON_CC_FLAGS", "--cache_dir={dir}/compiler"))),

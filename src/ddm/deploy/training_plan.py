@@ -45,11 +45,6 @@ from ddm.deploy.training_spec import deployment_problems as deployment_problems
 
 PARTITION_JOB = "partition"
 ROUTER_JOB = "router"
-#: (accelerator type, framework) -> the trainer's ``--device`` (each torch process takes the
-#: GPU of its LOCAL_RANK; a JAX process the devices its container or host gives it).
-TRAIN_DEVICES = {("cpu", "torch"): "cpu", ("cpu", "jax"): "cpu", ("nvidia", "torch"): "cuda",
-                 ("nvidia", "jax"): "gpu", ("neuron", "torch"): "xla", ("tpu", "torch"): "xla",
-                 ("tpu", "jax"): "tpu"}
 #: The JAX job's variables (Kubeflow Trainer's jax-distributed runtime sets them; read by
 #: ``ddm.training.distributed.jax_world``).
 JAX_COORDINATOR, JAX_NUM_PROCESSES, JAX_PROCESS_ID = (
@@ -167,7 +162,7 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
                   data_arg, *(("--partition", part_arg) if partition.fitted else ()),
                   *(() if router.use_labels else ("--no-labels",)),
                   *_train_args(router.train),
-                  "--device", TRAIN_DEVICES[(router.workers.accelerator.type, "torch")],
+                  "--device", router.workers.accelerator.declared.train_device("torch"),
                   "--out", f"{_OUTPUT}/{ROUTER_DIR}")))
     return TrainingPlan(tuple(jobs))
 
@@ -175,7 +170,7 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
 def _expert_job(expert: ExpertTraining, data_arg: str, part_arg: str, after: tuple[str, ...]
                 ) -> JobPlan:
     output = f"{EXPERTS_DIR}/{expert.name}"
-    device = TRAIN_DEVICES[(expert.workers.accelerator.type, expert.framework)]
+    device = expert.workers.accelerator.declared.train_device(expert.framework)
     return JobPlan(
         name=f"expert-{expert.name}", kind="expert", framework=expert.framework, after=after,
         output=output, steps=expert.train.steps, workers=expert.workers, expert=expert.name,

@@ -395,8 +395,7 @@ def _placement_problems(engine: str, path: str, framework: str, workers: Workers
     if count and count % workers.processes_per_node:
         found.append(f"{path}.processesPerNode: {workers.processes_per_node} processes cannot "
                      f"share {count} devices equally")
-    if (framework == "torch" and workers.accelerator.type in ("neuron", "tpu")
-            and workers.world_size > 1):
+    if workers.accelerator.declared.train_device(framework) == "xla" and workers.world_size > 1:
         found.append(f"{path}: PyTorch on {workers.accelerator.type} trains as one process for "
                      "now (--device xla is not data-parallel yet): set nodes and "
                      "processesPerNode to 1")
