@@ -27,6 +27,7 @@ from ddm.deploy.spec import load_manifest
 from ddm.operator import names
 from ddm.operator.children import desired_children
 from ddm.operator.config import OperatorConfig
+from tests.support.examples import deployment_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reliability.md"
@@ -69,7 +70,7 @@ def _write_objects(directory: Path) -> None:
         done = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         (directory / f"chart-{index}.yaml").write_text(done.stdout)
-    for example in sorted((ROOT / "examples").glob("*.yaml")):
+    for example in deployment_examples():
         manifest = load_manifest(example, allow_host_paths=False)
         owner = {"apiVersion": names.API_VERSION, "kind": names.KIND,
                  "metadata": {"name": manifest.name, "namespace": NAMESPACE, "uid": "0"}}

@@ -25,9 +25,10 @@ from ddm.operator.manifests import ROUTER_CONFIG_FILE, build_children
 from ddm.operator.names import POOL_LABEL, STAGE_LABEL
 from ddm.operator.policy import AllowLists
 from ddm.runtime.local import LocalRunError, plan_local
+from tests.support.examples import deployment_examples
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+EXAMPLES = deployment_examples()
 CONFIG = OperatorConfig(images=Images({"cpu": "reg/ddm:1", "cuda": "reg/ddm-cuda:1",
                                        "neuron": "reg/ddm-neuron:1", "tpu": "reg/ddm-tpu:1"}),
                         allowed=AllowLists(host_paths=("/",)))

@@ -31,6 +31,7 @@ from ddm.operator.config import OperatorConfig
 from ddm.operator.manifests import USER_ID, build_children
 from ddm.deploy.spec import load_manifest, parse_manifest
 from ddm.runtime.local import IMAGE_PREFIX
+from tests.support.examples import deployment_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Image family (``OperatorConfig.images``) -> its Dockerfile. The tpu family has none yet.
@@ -500,7 +501,7 @@ def test_the_operator_image_holds_the_entry_point_and_exposes_the_liveness_port(
 def test_the_paths_the_operator_and_the_examples_name_exist_in_the_image(family):
     stages = _load(family)
     needed: dict[str, str] = {OPERATOR_MAIN: "the operator image's entry point"}
-    for example in sorted((ROOT / "examples").glob("*.yaml")):
+    for example in deployment_examples():
         spec = load_manifest(example).spec
         checkpoints = ([e.checkpoint for e in spec.experts] + [spec.router.checkpoint]
                        + [stage.checkpoint for stage in spec.stages.values()])
