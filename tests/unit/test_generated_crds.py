@@ -21,6 +21,7 @@ from ddm.deploy import crd
 from ddm.deploy.schema import (Column, CustomResource, Integer, Number, Object, String,
                                crd_yaml, openapi)
 from ddm.deploy.spec import SpecError, parse_spec
+from tests.support.examples import deployment_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A spec the parser takes, to which each case sets one field.
@@ -188,7 +189,7 @@ def _defaulted(schema: dict[str, Any], value: Any) -> Any:
 
 
 SPECS = {"minimal": BASE, **{path.name: yaml.safe_load(path.read_text())["spec"]
-                             for path in sorted((ROOT / "examples").glob("*.yaml"))}}
+                             for path in deployment_examples()}}
 
 
 @pytest.mark.parametrize("name", list(SPECS))

@@ -627,12 +627,13 @@ def _oracle_problems(spec: DDMSpec) -> list[str]:
     return found
 
 
-def parse_manifest(document: Any, *, allow_host_paths: bool = False) -> DDMManifest:
-    """A whole ``kind: DDMDeployment`` document (as read from YAML); raises ``SpecError``."""
-    problems: list[str] = []
+def read_identity(document: Any, kind: str, problems: list[str]
+                  ) -> tuple[str | None, str | None]:
+    """A ``ddm.dev`` resource document's name and namespace (None: unset), checked against
+    ``kind``; each problem recorded in ``problems``. Its ``spec`` is the caller's to read."""
     reader = FieldReader(document, "document", problems)
-    if reader.value("apiVersion") != API_VERSION or reader.value("kind") != KIND:
-        problems.append(f"apiVersion/kind: must be {API_VERSION} {KIND}")
+    if reader.value("apiVersion") != API_VERSION or reader.value("kind") != kind:
+        problems.append(f"apiVersion/kind: must be {API_VERSION} {kind}")
     metadata = reader.child("metadata")
     name = metadata.string("name", None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
                            hint="a DNS-1035 label: a lower-case letter, then letters, digits "
@@ -643,6 +644,13 @@ def parse_manifest(document: Any, *, allow_host_paths: bool = False) -> DDMManif
     reader.value("spec")
     reader.value("status")  # a document saved from the cluster carries one; it is ignored
     reader.done()  # metadata may hold anything (labels, annotations): not checked
+    return name, namespace
+
+
+def parse_manifest(document: Any, *, allow_host_paths: bool = False) -> DDMManifest:
+    """A whole ``kind: DDMDeployment`` document (as read from YAML); raises ``SpecError``."""
+    problems: list[str] = []
+    name, namespace = read_identity(document, KIND, problems)
     try:
         spec = parse_spec(document.get("spec") if isinstance(document, Mapping) else None,
                           allow_host_paths=allow_host_paths)

@@ -42,6 +42,7 @@ from ddm.deploy.spec import (
     _node_label_conflicts,
     _placed_accelerator,
     parse_manifest,
+    read_identity,
 )
 from ddm.deploy.strict_yaml import load_yaml
 
@@ -460,19 +461,7 @@ def parse_training_manifest(document: Any, *, allow_host_paths: bool = False
                             ) -> TrainingManifest:
     """A whole ``kind: DDMTraining`` document (as read from YAML); raises ``SpecError``."""
     problems: list[str] = []
-    reader = FieldReader(document, "document", problems)
-    if reader.value("apiVersion") != API_VERSION or reader.value("kind") != KIND:
-        problems.append(f"apiVersion/kind: must be {API_VERSION} {KIND}")
-    metadata = reader.child("metadata")
-    name = metadata.string("name", None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
-                           hint="a DNS-1035 label: a lower-case letter, then letters, digits "
-                                "and '-'")
-    if not metadata.has("name"):
-        metadata.problem("name", "is required")
-    namespace = metadata.string("namespace", None)
-    reader.value("spec")
-    reader.value("status")
-    reader.done()
+    name, namespace = read_identity(document, KIND, problems)
     spec = None
     try:
         spec = parse_training_spec(document.get("spec") if isinstance(document, Mapping)

@@ -36,12 +36,7 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                    help="the address every process binds (default 127.0.0.1, this machine "
                         "only; 0.0.0.0 exposes them to the network, and is refused unless "
                         "the manifest's router.auth or --auth-token-file asks for a token)")
-    p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
-                   help="stands in for the cluster's PersistentVolumeClaims: a checkpoint "
-                        "pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
-                        "share the machine)")
+    _local_options(p, "a checkpoint pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")
     p.add_argument("--fail-fast", action="store_true",
                    help="stop everything when one process dies (default: restart it with a "
                         "back-off from 1 s doubling to 5 min, as the kubelet does)")
@@ -69,13 +64,18 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                     "jobs are skipped, unfinished ones continue from their saved state. "
                     "Ctrl-C (exit 130) or SIGTERM (exit 143) stops every process.")
     p.add_argument("manifest", type=existing_path, help="a DDMTraining YAML file")
+    _local_options(p, "pvc://CLAIM/PATH (the output, the data) is DIR/CLAIM/PATH")
+    p.set_defaults(handler=_train_all)
+
+
+def _local_options(p: argparse.ArgumentParser, claims: str) -> None:
+    """``--pvc-root`` (``claims``: what it maps) and ``--threads``, as both local runtimes
+    take them."""
     p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
-                   help="stands in for the cluster's PersistentVolumeClaims: pvc://CLAIM/PATH "
-                        "(the output, the data) is DIR/CLAIM/PATH")
+                   help=f"stands in for the cluster's PersistentVolumeClaims: {claims}")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
                         "share the machine)")
-    p.set_defaults(handler=_train_all)
 
 
 def _up(args: argparse.Namespace) -> int:
