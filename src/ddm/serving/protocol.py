@@ -304,6 +304,12 @@ Request = (VelocityRequest | IntegrateRequest | Context | TextVelocityRequest
            | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest
            | PoolVelocityRequest)
 
+#: The request each query name stands for (a role's ``queries`` in ddm.checkpoints.roles).
+QUERIES: dict[str, type] = {
+    "velocity": VelocityRequest, "integrate": IntegrateRequest, "context": Context,
+    "text_velocity": TextVelocityRequest, "text_integrate": TextIntegrateRequest,
+    "encode": EncodeRequest, "decode": DecodeRequest, "route": RouteRequest}
+
 
 @dataclass(frozen=True)
 class Limits:

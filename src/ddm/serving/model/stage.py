@@ -31,7 +31,8 @@ from typing import Any, Hashable
 
 import numpy as np
 
-from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.declared import EXPERT, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.roles import ROLE_REGISTRY
 from ddm.conditioning import TEXT, Conditioning, EncodedPrompts, guided_rows
 from ddm.convention import CONVENTION_NAME
 from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES
@@ -47,19 +48,29 @@ from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.routes import Handling, answer_or_error
-from ddm.serving.protocol import (WIRE_DTYPES, Context, DecodeRequest, EncodeRequest, Limits,
-                                  ProtocolError, Request, RouteRequest, TextIntegrateRequest,
-                                  TextVelocityRequest, decode_request, encode_context_ack,
-                                  encode_encoded, encode_probabilities, encode_response)
+from ddm.serving.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequest, EncodeRequest,
+                                  IntegrateRequest, Limits, ProtocolError, Request, RouteRequest,
+                                  TextIntegrateRequest, TextVelocityRequest, VelocityRequest,
+                                  decode_request, encode_context_ack, encode_encoded,
+                                  encode_probabilities, encode_response)
 
 __all__ = ["StageMember", "read_stage"]
 
-#: What each role's ``/v1/velocity`` answers (``/v1/info`` ``serves``).
-_SERVES = {EXPERT: "velocity", TEXT_ENCODER: "encode", DECODER: "decode", ROUTER: "route"}
-#: The request kinds each role takes.
-_TAKES: dict[str, tuple[type, ...]] = {
-    EXPERT: (Context, TextVelocityRequest, TextIntegrateRequest),
-    TEXT_ENCODER: (EncodeRequest,), DECODER: (DecodeRequest,), ROUTER: (RouteRequest,)}
+#: Requests that carry label rows: a label expert's (serving/model/label.py); a stage member's
+#: conditioning comes by context id.
+_LABEL_REQUESTS = (VelocityRequest, IntegrateRequest)
+
+
+def _serves(role: str) -> str:
+    """What a ``role`` stage's ``/v1/velocity`` answers (``/v1/info`` ``serves``): its first
+    declared query."""
+    return ROLE_REGISTRY[role].queries[0]
+
+
+def _takes(role: str) -> tuple[type, ...]:
+    """The requests a ``role`` stage answers: its declared queries, label rows aside."""
+    return tuple(kind for kind in (QUERIES[query] for query in ROLE_REGISTRY[role].queries)
+                 if kind not in _LABEL_REQUESTS)
 #: Tokens per row of the expert's warm-up call (any length runs; the context decides).
 _WARM_TOKENS = 8
 
@@ -131,7 +142,7 @@ class StageMember(Member):
                 "text_width": declared.text_width, "example_prompt": declared.example_prompt,
                 "wire_dtype": self.wire_dtype,
                 "precision": self.wire_dtype, "convention": CONVENTION_NAME,
-                "network_convention": declared.convention, "serves": _SERVES[declared.role],
+                "network_convention": declared.convention, "serves": _serves(declared.role),
                 "framework": backend, "backend": backend, "runtime": backend,
                 "device": self.options.device or "cpu", "hardware": self.hardware,
                 "context_cache_bytes": self.contexts.max_bytes if declared.role == EXPERT
@@ -141,7 +152,7 @@ class StageMember(Member):
         async def handle(handling: Handling) -> bytes:
             message = decode_request(body, self.limits)
             handling.request_id, handling.kind = message.request_id, type(message).__name__
-            takes = _TAKES[self.declared.role]
+            takes = _takes(self.declared.role)
             if not isinstance(message, takes):
                 raise ProtocolError(f"this {self.declared.role} stage takes "
                                     f"{', '.join(t.__name__ for t in takes)}, not "
