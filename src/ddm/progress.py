@@ -77,3 +77,23 @@ def _duration(seconds: float) -> str:
     if seconds < 90 * 60:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+#: A supervisor's progress line (``ddm train --progress-log``), read back from the logs by the
+#: operator (``ddm.operator.training_status``): ``ddm-progress step DONE/TOTAL``.
+PROGRESS_PREFIX = "ddm-progress step "
+
+
+def progress_line(done: int, total: int) -> str:
+    """The line saying ``done`` of ``total`` steps are done."""
+    return f"{PROGRESS_PREFIX}{done}/{total}"
+
+
+def last_progress(log: str) -> tuple[int, int] | None:
+    """(done, total) of the last well-formed progress line in ``log``; None if it has none."""
+    for line in reversed(log.splitlines()):
+        if line.startswith(PROGRESS_PREFIX):
+            done, _, total = line[len(PROGRESS_PREFIX):].strip().partition("/")
+            if done.isdigit() and total.isdigit():
+                return int(done), int(total)
+    return None

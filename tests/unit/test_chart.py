@@ -164,6 +164,20 @@ def test_cluster_wide_install_binds_one_cluster_role(helm: Path) -> None:
                                     "namespace": "ddm-system"}]
 
 
+def test_trainings_may_create_jobs_and_trainjobs_only_where_trainer_is_installed(
+        helm: Path) -> None:
+    for sets in ([], ["watchNamespaces={a}"]):
+        (role,) = by_kind(render(helm, *sets), "ClusterRole" if not sets else "Role")
+        rules = rules_of(role)
+        assert ("batch", "jobs", ("list", "watch", "create")) in rules
+        assert ("", "pods/log", ("get",)) in rules  # the progress the jobs log
+        assert ("ddm.dev", "ddmtrainings/status", ("patch",)) in rules
+        assert ("ddm.dev", "ddmdeployments", ("create",)) in rules  # from the outputs
+        assert not [r for r in rules if r[0] == "trainer.kubeflow.org"]
+    (role,) = by_kind(render(helm, "kubeflowTrainer=true"), "ClusterRole")
+    assert ("trainer.kubeflow.org", "trainjobs", ("list", "create")) in rules_of(role)
+
+
 def test_watched_namespaces_get_a_role_each_and_nothing_cluster_scoped(helm: Path) -> None:
     objects = render(helm, "watchNamespaces={team-a,team-b}")
     roles = by_kind(objects, "Role")

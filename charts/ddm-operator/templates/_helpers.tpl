@@ -75,6 +75,35 @@ written by server-side apply (patch; create when the apply creates), never by up
 - apiGroups: [""]
   resources: [pods]
   verbs: [list, watch]
+# DDMTrainings: watched, their status written; the DDMDeployment of their outputs is created
+# (above: create is not needed there otherwise).
+- apiGroups: [ddm.dev]
+  resources: [ddmtrainings]
+  verbs: [get, list, watch, patch]
+- apiGroups: [ddm.dev]
+  resources: [ddmtrainings/status]
+  verbs: [patch]
+- apiGroups: [ddm.dev]
+  resources: [ddmtrainings/finalizers]
+  verbs: [update]
+- apiGroups: [ddm.dev]
+  resources: [ddmdeployments]
+  verbs: [create]
+# A training's jobs (engine: job; the partition under either engine): created, never changed;
+# deleted only by the garbage collector with their DDMTraining.
+- apiGroups: [batch]
+  resources: [jobs]
+  verbs: [list, watch, create]
+# The training pods' logs: the steps their rank-0 process last printed (the status's progress).
+- apiGroups: [""]
+  resources: [pods/log]
+  verbs: [get]
+{{- if .Values.kubeflowTrainer }}
+# engine: kubeflow-trainer: one TrainJob per expert and for the router network.
+- apiGroups: [trainer.kubeflow.org]
+  resources: [trainjobs]
+  verbs: [list, create]
+{{- end }}
 # The operator's own Secrets (the tokens, the URIs of fetched checkpoints): immutable, named
 # after what they hold, created once and never read, changed or deleted by the operator (the
 # garbage collector removes them with their DDMDeployment). No get, list, watch or patch.

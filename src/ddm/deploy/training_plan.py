@@ -50,6 +50,8 @@ ROUTER_JOB = "router"
 JAX_COORDINATOR, JAX_NUM_PROCESSES, JAX_PROCESS_ID = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _OUTPUT, _DATA = "{output}", "{data}"
+#: Seconds between the progress lines a training job logs (the operator's status reads them).
+PROGRESS_LOG_S = 15
 
 
 @dataclass(frozen=True)
@@ -183,4 +185,5 @@ def _expert_job(expert: ExpertTraining, data_arg: str, part_arg: str, after: tup
 def _train_args(train: Any) -> tuple[str, ...]:
     return ("--steps", str(train.steps), "--batch-size", str(train.batch_size),
             "--lr", repr(train.learning_rate), "--seed", str(train.seed),
-            "--save-every", str(train.save_every), "--resume", "--quiet")
+            "--save-every", str(train.save_every), "--resume", "--quiet",
+            "--progress-log", str(PROGRESS_LOG_S))

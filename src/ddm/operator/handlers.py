@@ -9,7 +9,9 @@ The work is in ``reconcile``; these are the triggers:
   Deployments, all labelled ``managed-by: ddm-operator`` and watched with that server-side
   label selector: deleted or edited children come back within about a second, and the status
   follows the Deployments' readiness and the pods' failures (a crash loop, an image that
-  cannot be pulled, a pod no node takes) as they change.
+  cannot be pulled, a pod no node takes) as they change;
+- a DDMTraining created, updated or resumed, or one of its Jobs changed (labelled as the
+  children are): ``training_reconcile``, whose ticker also re-reads active trainings' progress.
 
 Every watched object (the DDMDeployments, the children, the pods) also feeds the operator's
 cache (``observed``, in ``memo.observed``) through an index handler: kopf runs index handlers
@@ -42,17 +44,22 @@ from typing import Any
 
 import kopf
 
+from ddm.deploy.training_spec import PLURAL as TRAINING_PLURAL
 from ddm.operator import names
 from ddm.operator.client import connection_info
 from ddm.operator.kube import KubeError
 from ddm.operator.scaler import start_scaler, stop_scaler
 from ddm.operator.status import pod_trouble
+from ddm.operator.training_manifests import TRAINING_LABEL
+from ddm.operator.training_reconcile import TrainingTicker
 
 log = logging.getLogger("ddm.operator")
 RETRY_DELAY_S = 30
 #: After an API call failed without an answer (status 0: the server unreachable), retry soon.
 UNREACHABLE_RETRY_DELAY_S = 5
 _CRD = (names.GROUP, names.VERSION, names.PLURAL)
+_TRAINING_CRD = (names.GROUP, names.VERSION, TRAINING_PLURAL)
+_JOBS = ("batch", "v1", "jobs")
 _OURS = {names.MANAGED_BY_LABEL: names.MANAGED_BY}
 
 
@@ -125,11 +132,65 @@ def _pod_changed(namespace: str | None, labels: kopf.Labels, body: kopf.Body, ty
                    **kwargs)
 
 
+def reconcile_training(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo,
+                       **_: Any) -> None:
+    """A DDMTraining created, updated or found at start-up: as for a DDMDeployment, an invalid
+    spec ends in ``PermanentError``, a failed API call in a ``TemporaryError``."""
+    try:
+        outcome = memo.training_reconciler.reconcile(namespace, name)
+    except KubeError as error:
+        raise kopf.TemporaryError(str(error), delay=UNREACHABLE_RETRY_DELAY_S if error.status == 0
+                                  else RETRY_DELAY_S) from None
+    if outcome is None:
+        return
+    memo.training_ticker.track(namespace, name, outcome.active)
+    if outcome.spec_error is not None:
+        message = "; ".join(outcome.spec_error.problems)
+        kopf.warn(body, reason="InvalidSpec", message=message)
+        raise kopf.PermanentError(f"invalid spec, no job created: {message}")
+    if outcome.failure is not None:
+        kopf.warn(body, reason="CreateFailed", message=outcome.failure)
+        raise kopf.TemporaryError(outcome.failure, delay=RETRY_DELAY_S)
+
+
+def _job_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+                 ) -> None:
+    """Reconcile the DDMTraining whose Job changed (it succeeded, failed, retried a pod, or
+    was deleted): the one its ``ddm.dev/training`` label names."""
+    owner = labels.get(TRAINING_LABEL)
+    if not owner or namespace is None:
+        return
+    try:
+        outcome = memo.training_reconciler.reconcile(namespace, owner)
+    except KubeError as error:
+        log.warning("%s/%s: %s (retried by the progress ticker)", namespace, owner, error)
+        return
+    memo.training_ticker.track(namespace, owner, outcome is not None and outcome.active)
+
+
+def start_training_ticker(memo: kopf.Memo, **_: Any) -> None:
+    """kopf's start-up: the thread that re-reads active trainings' progress."""
+    memo.training_ticker = TrainingTicker(memo.training_reconciler)
+    memo.training_ticker.start()
+
+
+def stop_training_ticker(memo: kopf.Memo, **_: Any) -> None:
+    """kopf's clean-up: the ticker's thread ends."""
+    ticker = getattr(memo, "training_ticker", None)
+    if ticker is not None:
+        ticker.stop()
+
+
 def register(registry: kopf.OperatorRegistry) -> None:
     """Register every handler of the operator in ``registry`` (pass it to ``kopf.run``)."""
     kopf.on.login(registry=registry)(login)
     kopf.on.startup(registry=registry)(start_scaler)
     kopf.on.cleanup(registry=registry)(stop_scaler)
+    kopf.on.startup(registry=registry)(start_training_ticker)
+    kopf.on.cleanup(registry=registry)(stop_training_ticker)
+    for cause in (kopf.on.resume, kopf.on.create, kopf.on.update):
+        cause(*_TRAINING_CRD, id="reconcile-training", registry=registry)(reconcile_training)
+    kopf.on.event(*_JOBS, labels=_OURS, id="job-changed", registry=registry)(_job_changed)
     kopf.index(*_CRD, id="observe", registry=registry)(_observe)
     kopf.on.event(*_CRD, id="ddm-changed", registry=registry)(_ddm_changed)
     for cause in (kopf.on.resume, kopf.on.create, kopf.on.update):

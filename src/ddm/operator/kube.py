@@ -20,6 +20,7 @@ never stopping half way on an exception nobody expected. Every call has a deadli
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Callable, Mapping
 
@@ -28,6 +29,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from ddm.operator import names
+from ddm.operator.training_manifests import TRAINER_API_VERSION
 
 #: kind -> (API class, the method suffix in ``{verb}_namespaced_{suffix}``).
 CHILD_KINDS = {
@@ -36,6 +38,9 @@ CHILD_KINDS = {
     "ConfigMap": (client.CoreV1Api, "config_map"),
     "NetworkPolicy": (client.NetworkingV1Api, "network_policy"),
 }
+TRAINJOB_PLURAL = "trainjobs"
+#: A log read takes at most this many bytes (a peer is never trusted to be small).
+LOG_LIMIT_BYTES = 64 * 1024
 _APPLY = "application/apply-patch+yaml"
 _MERGE = "application/merge-patch+json"
 _JSON_PATCH = "application/json-patch+json"
@@ -84,31 +89,34 @@ class Kube:
         self._custom = client.CustomObjectsApi(api_client)
         self._core = client.CoreV1Api(api_client)
         self._apis = {kind: cls(api_client) for kind, (cls, _) in CHILD_KINDS.items()}
+        self._batch = client.BatchV1Api(api_client)
 
     def _child_call(self, kind: str, verb: str, what: str, *args: Any, **kwargs: Any) -> Any:
         method = getattr(self._apis[kind], f"{verb}_namespaced_{CHILD_KINDS[kind][1]}")
         return _json(_call(what, method, *args, _preload_content=False, **kwargs))
 
-    def get_owner(self, namespace: str, name: str) -> dict[str, Any] | None:
-        """The DDMDeployment, or None when it is gone."""
+    def get_owner(self, namespace: str, name: str, plural: str = names.PLURAL
+                  ) -> dict[str, Any] | None:
+        """The DDMDeployment (or the ``plural`` resource of ddm.dev), or None when it is
+        gone."""
         try:
-            return _json(_call(f"reading DDMDeployment {namespace}/{name}",
+            return _json(_call(f"reading {plural} {namespace}/{name}",
                                self._custom.get_namespaced_custom_object, names.GROUP,
-                               names.VERSION, namespace, names.PLURAL, name,
+                               names.VERSION, namespace, plural, name,
                                _preload_content=False))
         except KubeError as error:
             if error.status == 404:
                 return None
             raise
 
-    def write_status(self, namespace: str, name: str, status: Mapping[str, Any]
-                     ) -> dict[str, Any] | None:
-        """Merge ``status`` into the DDMDeployment's; the stored object, None when it is
-        gone."""
+    def write_status(self, namespace: str, name: str, status: Mapping[str, Any],
+                     plural: str = names.PLURAL) -> dict[str, Any] | None:
+        """Merge ``status`` into the DDMDeployment's (or the ``plural`` resource's); the stored
+        object, None when it is gone."""
         try:
             return _json(_call(f"writing the status of {namespace}/{name}",
                                self._custom.patch_namespaced_custom_object_status, names.GROUP,
-                               names.VERSION, namespace, names.PLURAL, name,
+                               names.VERSION, namespace, plural, name,
                                {"status": dict(status)}, _content_type=_MERGE,
                                _preload_content=False))
         except KubeError as error:
@@ -123,6 +131,54 @@ class Kube:
         return _json(_call(f"listing the pods of {owner}", self._core.list_namespaced_pod,
                            namespace, label_selector=selector, _preload_content=False)
                      ).get("items", [])
+
+    def list_labelled(self, kind: str, namespace: str, selector: str) -> list[dict[str, Any]]:
+        """The Jobs, TrainJobs or Pods (``kind``) of ``namespace`` matching ``selector``; no
+        TrainJobs (an empty list) where Kubeflow Trainer is not installed."""
+        what = f"listing the {kind}s labelled {selector}"
+        if kind == "Job":
+            method: Callable[..., Any] = self._batch.list_namespaced_job
+        elif kind == "Pod":
+            method = self._core.list_namespaced_pod
+        else:
+            group, version = _group_version(TRAINER_API_VERSION)
+            method = functools.partial(self._custom.list_namespaced_custom_object, group,
+                                       version, plural=TRAINJOB_PLURAL)
+        try:
+            return _json(_call(what, method, namespace, label_selector=selector,
+                               _preload_content=False)).get("items", [])
+        except KubeError as error:
+            if kind == "TrainJob" and error.status == 404:  # the CRD is not installed
+                return []
+            raise
+
+    def create_object(self, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Create a Job, a TrainJob or a DDMDeployment (a ``KubeError`` 409 when its name is
+        taken: nothing is changed)."""
+        kind, meta = manifest["kind"], manifest["metadata"]
+        what = f"creating {kind} {meta['name']}"
+        if kind == "Job":
+            return _json(_call(what, self._batch.create_namespaced_job, meta["namespace"],
+                               dict(manifest), field_manager=names.MANAGED_BY,
+                               _preload_content=False))
+        group, version = _group_version(manifest["apiVersion"])
+        plural = names.PLURAL if kind == names.KIND else TRAINJOB_PLURAL
+        return _json(_call(what, self._custom.create_namespaced_custom_object, group, version,
+                           meta["namespace"], plural, dict(manifest),
+                           field_manager=names.MANAGED_BY, _preload_content=False))
+
+    def log_tail(self, namespace: str, pod: str, container: str, lines: int) -> str:
+        """The last ``lines`` lines of a container's log ('' when it has none yet)."""
+        try:
+            response = _call(f"reading the log of {pod}/{container}",
+                             self._core.read_namespaced_pod_log, pod, namespace,
+                             container=container, tail_lines=lines, limit_bytes=LOG_LIMIT_BYTES,
+                             _preload_content=False)
+            return (response.data or b"").decode("utf-8", "replace")
+        except KubeError as error:
+            if error.status in (400, 404):  # not started yet, or gone
+                return ""
+            raise
 
     def create_secret(self, manifest: Mapping[str, Any]) -> bool:
         """Create a Secret unless one of that name exists (never read, never updated);
@@ -207,6 +263,11 @@ class Kube:
         except KubeError as error:
             if error.status not in (404, 409):  # gone, or another object by now
                 raise
+
+
+def _group_version(api_version: str) -> tuple[str, str]:
+    group, _, version = api_version.partition("/")
+    return group, version
 
 
 def _created_by_operator(entry: Mapping[str, Any]) -> bool:

@@ -29,6 +29,7 @@ from ddm.operator.handlers import register
 from ddm.operator.kube import Kube
 from ddm.operator.observed import Observed
 from ddm.operator.reconcile import Reconciler
+from ddm.operator.training_reconcile import TrainingReconciler
 
 #: How often the waiting thread looks at ``stop_flag`` (signals wake it at once).
 STOP_POLL_S = 0.2
@@ -148,8 +149,8 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
     registry = kopf.OperatorRegistry()
     register(registry)
     observed = Observed()
-    reconciler = Reconciler(Kube(api_client),
-                            operator_config or OperatorConfig.from_env(os.environ), observed)
+    config = operator_config or OperatorConfig.from_env(os.environ)
+    reconciler = Reconciler(Kube(api_client), config, observed)
     stopping = threading.Event()  # kopf's stop flag, set by stop() alone
 
     def stop(*_: object) -> None:
@@ -166,7 +167,8 @@ def run_operator(namespaces: Sequence[str] | None = None, *, standalone: bool = 
         liveness_endpoint=(None if liveness_port is None
                            else f"http://0.0.0.0:{liveness_port}/healthz"),
         memo=kopf.Memo(api_client=api_client, reconciler=reconciler, observed=observed,
-                       pod_troubles={}),
+                       pod_troubles={},
+                       training_reconciler=TrainingReconciler(Kube(api_client), config)),
         stop_flag=stopping,
         ready_flag=ready_flag,
     ))

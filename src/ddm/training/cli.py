@@ -39,6 +39,9 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
                             "OUT.training/ every STEPS steps")
         p.add_argument("--resume", action="store_true",
                        help="continue from the state saved in OUT.training/")
+        p.add_argument("--progress-log", type=float, default=None, metavar="SECONDS",
+                       help="print 'ddm-progress step DONE/TOTAL' on stderr at most every "
+                            "SECONDS and at the end (a supervisor reads it from the logs)")
 
     for kind, about in (("expert", "a UNet on one partition of the data"),
                         ("monolith", "one UNet on all the data (the baseline)")):
@@ -126,18 +129,28 @@ def _train_text2img(args: argparse.Namespace) -> int:
 
 def _progress(args: argparse.Namespace, total: int, what: str):
     """A training step callback driving a progress bar (none with --quiet, or when stderr is
-    not a terminal)."""
-    from ddm.progress import progress_bar
+    not a terminal) and, with ``--progress-log SECONDS``, printing a progress line on stderr
+    at most every SECONDS (and at the last step) for a supervisor to read from the logs."""
+    import sys
+    import time
+
+    from ddm.progress import progress_bar, progress_line
 
     bar = progress_bar(total, what, "step", args.quiet)
-    if bar.disable:
+    every = getattr(args, "progress_log", None)
+    if bar.disable and every is None:
         return None
+    logged = [-float("inf")]  # when the last line was printed (monotonic seconds)
 
     def update(step: int, loss: float) -> None:
-        bar.update(step - bar.n)
-        bar.set_postfix(loss=f"{loss:.4f}")
-        if step >= total:
-            bar.close()
+        if not bar.disable:
+            bar.update(step - bar.n)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if step >= total:
+                bar.close()
+        if every is not None and (step >= total or time.monotonic() - logged[0] >= every):
+            logged[0] = time.monotonic()
+            print(progress_line(step, total), file=sys.stderr, flush=True)
 
     return update
 
