@@ -32,7 +32,7 @@ from waiting import wait_for
 from ddm_devcluster import ClusterInfo
 from ddm.operator import names
 from ddm_devcluster.components import Layout
-from tests.support.operator_process import (OperatorProcess, cpu_spec,
+from tests.support.operator_process import (TRAINING_CRD_FILE, OperatorProcess, cpu_spec,
                                             install_crd, service_account_kubeconfig)
 
 #: Granted but never a request of its own: the API server checks them inside another one.
@@ -41,7 +41,8 @@ from tests.support.operator_process import (OperatorProcess, cpu_spec,
 #: - ``update`` on ``ddmdeployments/finalizers``: the OwnerReferencesPermissionEnforcement
 #:   admission plugin (on in OpenShift and some distributions) requires it to set
 #:   ``blockOwnerDeletion`` in a child's ownerReference.
-IMPLIED = {("ddm.dev", "ddmdeployments/finalizers", "update")}
+IMPLIED = {("ddm.dev", "ddmdeployments/finalizers", "update"),
+           ("ddm.dev", "ddmtrainings/finalizers", "update")}
 #: Reads of one child by name: the reconcile makes them only when a child's dry run says its
 #: name is taken by an object outside the DDM's labelled children (reconcile.py's clash
 #: check), which this scenario does not stage; every other read is a list.
@@ -82,6 +83,7 @@ def _used(audit_log: Path, user: str) -> tuple[set[Use], list[dict[str, Any]]]:
 def test_the_operator_uses_exactly_the_verbs_the_chart_grants(
         dev_cluster: ClusterInfo, kube_client: Any, tmp_path: Path) -> None:
     install_crd(kube_client)
+    install_crd(kube_client, crd_file=TRAINING_CRD_FILE)
     cluster, suffix = Cluster(kube_client), uuid.uuid4().hex[:6]
     home, ns = f"ops-{suffix}", f"audited-{suffix}"
     for namespace in (home, ns):
@@ -181,3 +183,36 @@ def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     assert _status(cluster, ns, "invalid", 1, operator)["phase"] == "Invalid"
     wait_for(lambda: {"Created", "Deleted", "Restored"} <= {
         e["reason"] for e in cluster.events(ns, "audited")}, 60, "the events")
+    _train(cluster, ns, operator)
+
+
+def _train(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+    """A DDMTraining taken to its DDMDeployment, playing the kubelet for its jobs' pods (no
+    node takes them: the claim does not exist): its Jobs created, a running pod's log read
+    for its progress, the DDMDeployment of its outputs created."""
+    document = yaml.safe_load((ROOT / "examples" / "training.yaml").read_text())
+    cluster.custom.create_namespaced_custom_object("ddm.dev", "v1alpha1", ns, "ddmtrainings",
+                                                   document)
+    batch = client.BatchV1Api(cluster.core.api_client)
+
+    def pods(job: str) -> list[dict[str, Any]]:
+        return cluster.list("Pod", ns, f"ddm.dev/training=digits,ddm.dev/job={job}")
+
+    def kubelet(job: str, phase: str) -> None:
+        (pod,) = wait_for(lambda: pods(job), 60, f"the pod of {job}\n{operator.log_tail()}")
+        cluster.core.patch_namespaced_pod_status(pod["metadata"]["name"], ns,
+                                                 {"status": {"phase": phase}})
+
+    def complete(job: str) -> None:
+        kubelet(job, "Succeeded")
+        wait_for(lambda: (batch.read_namespaced_job_status(f"digits-{job}", ns).status
+                          .succeeded), 60, f"{job} to succeed")
+
+    # one expert running, the other finishing: the run that sees it reads the first's log
+    kubelet("expert-digits-0-4", "Running")
+    complete("expert-digits-5-9")
+    complete("expert-digits-0-4")
+    complete("router")
+    wait_for(lambda: cluster.custom.list_namespaced_custom_object(
+        "ddm.dev", "v1alpha1", ns, "ddmdeployments", label_selector="ddm.dev/training=digits"
+    )["items"], 60, f"the DDMDeployment of the outputs\n{operator.log_tail()}")

@@ -35,6 +35,7 @@ from ddm.operator.config import OperatorConfig
 from ddm.operator.runner import run_operator
 
 CRD_FILE = Path(__file__).resolve().parents[2] / "crds" / "ddmdeployments.ddm.dev.yaml"
+TRAINING_CRD_FILE = CRD_FILE.with_name("ddmtrainings.ddm.dev.yaml")
 _POLL_S = 0.5
 T = TypeVar("T")
 
@@ -171,11 +172,14 @@ def operator_in_thread(kubeconfig: Path, config: OperatorConfig,
         thread.join(30)
 
 
-def install_crd(api_client: client.ApiClient, timeout_s: float = 30.0) -> None:
-    """Create the DDMDeployment CRD from ``crds/`` (kept if there) and wait until it serves."""
-    if not CRD_FILE.is_file():
-        raise FileNotFoundError(f"{CRD_FILE} not found: run from a checkout of the repository")
-    body = yaml.safe_load(CRD_FILE.read_text())
+def install_crd(api_client: client.ApiClient, timeout_s: float = 30.0,
+                crd_file: Path = CRD_FILE) -> None:
+    """Create the DDMDeployment CRD (or ``crd_file``'s) from ``crds/`` (kept if there) and wait
+    until it serves."""
+    if not crd_file.is_file():
+        raise FileNotFoundError(f"{crd_file} not found: run from a checkout of the repository")
+    body = yaml.safe_load(crd_file.read_text())
+    plural = body["spec"]["names"]["plural"]
     api = client.ApiextensionsV1Api(api_client)
     try:
         api.create_custom_resource_definition(body)
@@ -186,13 +190,13 @@ def install_crd(api_client: client.ApiClient, timeout_s: float = 30.0) -> None:
     def served() -> bool:
         try:
             client.CustomObjectsApi(api_client).list_cluster_custom_object(
-                names.GROUP, names.VERSION, names.PLURAL, limit=1)
+                names.GROUP, names.VERSION, plural, limit=1)
         except ApiException as error:
             if error.status == 404:
                 return False
             raise
         return True
-    _poll(served, timeout_s, "the DDMDeployment CRD to be served")
+    _poll(served, timeout_s, f"the {body['spec']['names']['kind']} CRD to be served")
 
 
 def _poll(check: Callable[[], T], timeout_s: float, what: str, interval_s: float = _POLL_S) -> T:

@@ -162,8 +162,13 @@ class TrainingReconciler:
         if pod is None:
             return None
         container = pod["spec"]["containers"][0]["name"]
-        found = last_progress(self._kube.log_tail(namespace, pod["metadata"]["name"],
-                                                  container, LOG_LINES))
+        try:
+            text = self._kube.log_tail(namespace, pod["metadata"]["name"], container,
+                                       LOG_LINES)
+        except KubeError as error:  # its node cannot serve logs now: the count stays
+            log.warning("%s/%s: %s", namespace, name, error)
+            return None
+        found = last_progress(text)
         return found[0] if found else None
 
     def _create_deployment(self, spec: TrainingSpec, body: Mapping[str, Any],
