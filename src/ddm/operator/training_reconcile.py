@@ -69,8 +69,10 @@ class TrainingReconciler:
     """Converges DDMTrainings; safe to call from many threads (runs are serialised)."""
 
     def __init__(self, kube: Kube, config: OperatorConfig,
-                 post_event: Callable[..., None] = kopf.info) -> None:
-        self._kube, self._config, self._post_event = kube, config, post_event
+                 post_event: Callable[..., None] = kopf.info,
+                 post_warning: Callable[..., None] = kopf.warn) -> None:
+        self._kube, self._config = kube, config
+        self._post_event, self._post_warning = post_event, post_warning
         self._lock = threading.Lock()
 
     def reconcile(self, namespace: str, name: str) -> TrainingOutcome | None:
@@ -199,8 +201,10 @@ class TrainingReconciler:
             self._kube.write_status(namespace, name, status, PLURAL)
 
     def _event(self, body: Mapping[str, Any], reason: str, message: str) -> None:
+        """An event on the DDMTraining: a Warning for a failure, else Normal."""
         log.info("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], message)
-        self._post_event(body, reason=reason, message=message)
+        post = self._post_warning if reason == "Failed" else self._post_event
+        post(body, reason=reason, message=message)
 
 
 def rank_zero_pod(pods: list[dict[str, Any]]) -> dict[str, Any] | None:
