@@ -44,6 +44,7 @@ from typing import Any
 
 import kopf
 
+from ddm.deploy.spec import SpecError
 from ddm.deploy.training_spec import PLURAL as TRAINING_PLURAL
 from ddm.operator import names
 from ddm.operator.client import connection_info
@@ -72,19 +73,33 @@ def reconcile(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: 
     try:
         outcome = memo.reconciler.reconcile(namespace, name)
     except KubeError as error:  # writing its status failed
-        raise kopf.TemporaryError(str(error), delay=UNREACHABLE_RETRY_DELAY_S if error.status == 0
-                                  else RETRY_DELAY_S) from None
+        raise _retry(error) from None
     if outcome is None:
         return
     if outcome.autoscaled:
         memo.scaler.watch(namespace, name)  # its scaler reads it afresh each pass
-    if outcome.spec_error is not None:
-        message = "; ".join(outcome.spec_error.problems)
+    _raise_for(body, outcome.spec_error, outcome.failure, "children left unchanged",
+               "ApplyFailed")
+
+
+def _retry(error: KubeError) -> kopf.TemporaryError:
+    """A failed API call: retried soon when the server did not answer, later otherwise."""
+    return kopf.TemporaryError(str(error), delay=UNREACHABLE_RETRY_DELAY_S if error.status == 0
+                               else RETRY_DELAY_S)
+
+
+def _raise_for(body: kopf.Body, spec_error: SpecError | None, failure: str | None, kept: str,
+               failed: str) -> None:
+    """What a run's outcome means to kopf: an invalid spec posts a Warning and ends in
+    ``PermanentError`` (``kept``: what it left as it was); a failed write (reason ``failed``)
+    in a ``TemporaryError``."""
+    if spec_error is not None:
+        message = "; ".join(spec_error.problems)
         kopf.warn(body, reason="InvalidSpec", message=message)
-        raise kopf.PermanentError(f"invalid spec, children left unchanged: {message}")
-    if outcome.failure is not None:
-        kopf.warn(body, reason="ApplyFailed", message=outcome.failure)
-        raise kopf.TemporaryError(outcome.failure, delay=RETRY_DELAY_S)
+        raise kopf.PermanentError(f"invalid spec, {kept}: {message}")
+    if failure is not None:
+        kopf.warn(body, reason=failed, message=failure)
+        raise kopf.TemporaryError(failure, delay=RETRY_DELAY_S)
 
 
 def _observe(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -139,18 +154,11 @@ def reconcile_training(namespace: str, name: str, body: kopf.Body, memo: kopf.Me
     try:
         outcome = memo.training_reconciler.reconcile(namespace, name)
     except KubeError as error:
-        raise kopf.TemporaryError(str(error), delay=UNREACHABLE_RETRY_DELAY_S if error.status == 0
-                                  else RETRY_DELAY_S) from None
+        raise _retry(error) from None
     if outcome is None:
         return
     memo.training_ticker.track(namespace, name, outcome.active)
-    if outcome.spec_error is not None:
-        message = "; ".join(outcome.spec_error.problems)
-        kopf.warn(body, reason="InvalidSpec", message=message)
-        raise kopf.PermanentError(f"invalid spec, no job created: {message}")
-    if outcome.failure is not None:
-        kopf.warn(body, reason="CreateFailed", message=outcome.failure)
-        raise kopf.TemporaryError(outcome.failure, delay=RETRY_DELAY_S)
+    _raise_for(body, outcome.spec_error, outcome.failure, "no job created", "CreateFailed")
 
 
 def _job_changed(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
