@@ -21,6 +21,7 @@ training every ``PROGRESS_POLL_S``, so the status follows within a minute.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from dataclasses import dataclass
@@ -231,10 +232,13 @@ class TrainingTicker:
         self._active: set[tuple[str, str]] = set()
         self._guard = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(name="training-ticker", target=self._loop, daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the thread in a copy of the caller's context: kopf's start-up handler holds
+        the event queue that ``kopf.info`` posts to."""
+        context = contextvars.copy_context()
+        threading.Thread(name="training-ticker", target=context.run, args=(self._loop,),
+                         daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
