@@ -25,7 +25,7 @@ def test_identity_columns_and_status_subresource():
     assert CRD["metadata"]["name"] == f"{ts.PLURAL}.{ts.GROUP}"
     assert VERSION["subresources"] == {"status": {}}
     assert [c["name"] for c in VERSION["additionalPrinterColumns"]] == [
-        "Engine", "Phase", "Experts", "Age"]
+        "Engine", "Phase", "Experts", "Steps", "Age"]
 
 
 def test_enums_and_limits_equal_the_parsers():
