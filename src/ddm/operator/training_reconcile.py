@@ -11,8 +11,9 @@ The jobs are owned by the DDMTraining (controller ownerReferences): deleting it 
 The checkpoints stay on the output volume, and the DDMDeployment, created without an owner
 reference (``training_manifests.build_deployment``), outlives it: it serves what was trained.
 Its readiness is its own (``kubectl get ddmdeployment``); the training names it in
-``status.deployment``. A job is created, never changed: a spec changed while it runs applies to
-jobs not yet created.
+``status.deployment``; once it is there the training is over, and later runs change nothing
+(jobs deleted afterwards are not run again). A job is created, never changed: a spec changed
+while it runs applies to jobs not yet created.
 
 Steps are read from the logs because that works on every cluster (1.20 included) without
 giving the training pods any API access: the ticker (``TrainingTicker``) re-runs every active
@@ -86,6 +87,8 @@ class TrainingReconciler:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return None
         meta, previous = body["metadata"], body.get("status") or {}
+        if previous.get("deployment"):  # done: its jobs are never run again, its status stays
+            return TrainingOutcome()
         try:
             spec = self._checked_spec(body.get("spec"))
         except SpecError as error:
@@ -107,15 +110,15 @@ class TrainingReconciler:
                 continue
             self._event(body, "Created", f"created {manifest['kind']} "
                                          f"{manifest['metadata']['name']}")
-        deployment = previous.get("deployment")
-        if deployment is None and finished(plan, jobs):
-            deployment = self._create_deployment(spec, body, errors)
+        deployment = (self._create_deployment(spec, body, errors) if finished(plan, jobs)
+                      else None)
         status = training_status(plan, jobs, self._logged(namespace, name, plan, jobs), meta,
                                  previous=previous, now=now_rfc3339(), deployment=deployment)
-        if status["phase"] != previous.get("phase") and status["phase"] in ("Succeeded",
-                                                                             "Failed"):
-            self._event(body, status["phase"], status["message"] or
-                        f"every job succeeded; DDMDeployment {deployment} created")
+        if status["phase"] == "Failed" and previous.get("phase") != "Failed":
+            self._event(body, "Failed", status["message"])
+        elif deployment is not None:
+            self._event(body, "Succeeded", f"every job succeeded; DDMDeployment {deployment} "
+                                           "created from the outputs")
         self._write(namespace, name, previous, status)
         for error in errors:
             log.warning("%s/%s: %s", namespace, name, error)
@@ -193,7 +196,6 @@ class TrainingReconciler:
                               "training: left as it is")
                 return None
             return deployment  # made by an earlier run whose status write failed
-        self._event(body, "Created", f"created DDMDeployment {deployment} from the outputs")
         return deployment
 
     def _write(self, namespace: str, name: str, previous: Mapping[str, Any],
