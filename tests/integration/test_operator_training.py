@@ -75,8 +75,9 @@ class Trainings:
                 return None
             raise
 
-    def wait(self, name: str, check: Any, what: str) -> Any:
-        return wait_for(lambda: check(self.status(name)), DEADLINE_S, what,
+    def wait(self, name: str, check: Any, what: str) -> dict[str, Any]:
+        """The status of ``name`` once ``check(status)`` holds."""
+        return wait_for(lambda: s if check(s := self.status(name)) else None, DEADLINE_S, what,
                         lambda: f"status: {self.status(name)}; jobs: {sorted(self.jobs(name))}")
 
 
