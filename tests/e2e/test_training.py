@@ -123,11 +123,15 @@ def trained(api: dict[str, Any], output: Path) -> dict[str, Any]:
     # the status follows the steps the jobs log
     wait_for(lambda: (_status(api).get("jobs") or {}).get(TORCH_JOB, {}).get("stepsDone", 0)
              > 0, TRAINING_TIMEOUT_S, "steps in the status", lambda: _explain(api))
+    print(f"\n{NAME}: steps in the status after {time.monotonic() - started:.0f} s: "
+          f"{_status(api).get('steps')}")
     # the PyTorch expert's pod deleted once it has saved its state
     (first,) = _pods(api, TORCH_JOB)
     wait_for(lambda: (p := last_progress(_log(api, first))) and p[0] > save_every,
              TRAINING_TIMEOUT_S, f"{TORCH_JOB} past step {save_every}", lambda: _explain(api))
     api["core"].delete_namespaced_pod(first.metadata.name, NAMESPACE, grace_period_seconds=0)
+    print(f"{NAME}: {TORCH_JOB}'s pod deleted after {time.monotonic() - started:.0f} s: "
+          f"{_status(api).get('steps')}")
     second = wait_for(lambda: [p for p in _pods(api, TORCH_JOB)
                                if p.metadata.uid != first.metadata.uid], TRAINING_TIMEOUT_S,
                       "the Job's new pod")[0]
@@ -135,6 +139,7 @@ def trained(api: dict[str, Any], output: Path) -> dict[str, Any]:
                                      if line.startswith(PROGRESS_PREFIX)), None),
                        TRAINING_TIMEOUT_S, "the new pod's first progress line",
                        lambda: _explain(api))
+    print(f"{NAME}: the new pod resumed at {resumed}")
     status = wait_for(lambda: (s if (s := _status(api)).get("phase") in ("Succeeded", "Failed")
                                else None), TRAINING_TIMEOUT_S, "the training to finish",
                       lambda: _explain(api))
