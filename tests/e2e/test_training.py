@@ -113,7 +113,10 @@ def trained(api: dict[str, Any], output: Path) -> dict[str, Any]:
     Succeeded; what the test saw on the way and how long it took."""
     document = yaml.safe_load((ROOT / "examples" / "training.yaml").read_text())
     spec = document["spec"]
-    spec["output"]["uri"] = f"file://{output}/{NAME}"
+    root = output / NAME  # made here: a hostPath the kubelet makes is root's, mode 0755
+    root.mkdir()
+    os.chmod(root, 0o777)
+    spec["output"]["uri"] = f"file://{root}"
     for job in (*spec["experts"], spec["router"]):
         job["resources"] = RESOURCES
     save_every = spec["experts"][0].get("saveEvery", 500)
