@@ -140,7 +140,12 @@ def jax_world(device: str | None, environ: Mapping[str, str] = os.environ
         if JAX_COORDINATOR not in environ:
             raise ValueError(f"{JAX_NUM_PROCESSES} and {JAX_PROCESS_ID} set but "
                              f"{JAX_COORDINATOR} missing: the processes need a coordinator")
-        jax.distributed.initialize(num_processes=found[0], process_id=found[1])
+        # Every parameter is given, so JAX's cluster detection is off: inside a pod it would
+        # take the Kubernetes environment for one to query (with the API client installed it
+        # loads the in-cluster config, which a pod without a ServiceAccount token lacks).
+        jax.distributed.initialize(coordinator_address=environ[JAX_COORDINATOR],
+                                   num_processes=found[0], process_id=found[1],
+                                   cluster_detection_method="deactivate")
     world = World(rank=jax.process_index(), size=jax.process_count())
     if world.size == 1:
         return world, data_mesh([select_jax_device(device)])
