@@ -20,7 +20,7 @@ import json
 import subprocess
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 from helm_tool import ensure_helm
@@ -99,6 +99,9 @@ def test_the_operator_uses_exactly_the_verbs_the_chart_grants(
     operator.start()
     try:
         _exercise(cluster, ns, operator)
+        _train(cluster, ns, operator, lambda: _used(
+            Layout(dev_cluster.state_dir).audit_log,
+            f"system:serviceaccount:{home}:{account}")[0])
     finally:
         operator.stop()
     # NetworkPolicies turned off: the operator deletes them
@@ -183,10 +186,10 @@ def _exercise(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     assert _status(cluster, ns, "invalid", 1, operator)["phase"] == "Invalid"
     wait_for(lambda: {"Created", "Deleted", "Restored"} <= {
         e["reason"] for e in cluster.events(ns, "audited")}, 60, "the events")
-    _train(cluster, ns, operator)
 
 
-def _train(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
+def _train(cluster: Cluster, ns: str, operator: OperatorProcess,
+           used: Callable[[], set[Use]]) -> None:
     """A DDMTraining taken to its DDMDeployment, playing the kubelet for its jobs' pods (no
     node takes them: the claim does not exist): its Jobs created, a running pod's log read
     for its progress, the DDMDeployment of its outputs created."""
@@ -211,6 +214,9 @@ def _train(cluster: Cluster, ns: str, operator: OperatorProcess) -> None:
     # one expert running, the other finishing: the run that sees it reads the first's log
     kubelet("expert-digits-0-4", "Running")
     complete("expert-digits-5-9")
+    # the run that saw it (or the progress ticker, within 30 s) read the running pod's log
+    wait_for(lambda: ("", "pods/log", "get") in used(), 60,
+             f"a read of the running pod's log\n{operator.log_tail()}")
     complete("expert-digits-0-4")
     complete("router")
     wait_for(lambda: cluster.custom.list_namespaced_custom_object(
