@@ -50,6 +50,12 @@ TORCH_JOB = "expert-digits-0-4"
 TRAINING_TIMEOUT_S = 3600
 READY_TIMEOUT_S = 600
 RESOURCES = {"requests": {"cpu": "100m", "memory": "512Mi"}}
+#: The whole training takes 20-30 minutes on CI's two cores, more than CI's budget leaves:
+#: the test runs where this variable is set (docs/development.md), and is skipped elsewhere.
+OPT_IN = "DDM_E2E_TRAINING"
+
+pytestmark = pytest.mark.skipif(not os.environ.get(OPT_IN),
+                                reason=f"trains a DDM for 20-30 min: set {OPT_IN}=1 to run it")
 
 
 @pytest.fixture(scope="module")
