@@ -25,9 +25,9 @@ from ddm.runtime.local import plan_local
 META = {"name": "t2i", "namespace": "ml", "uid": "u-1", "generation": 2}
 SCALING = {"minReplicas": 0, "maxReplicas": 2, "scaleDownDelaySeconds": 30}
 #: What a pool's pod says when its members do not fit (pool_memory's refusal, cut).
-REFUSAL = ("pool of expert-2, expert-3: the pool's members do not fit: expert-2 420,000,000 "
-           "bytes; expert-3 420,000,000 bytes; sum 840,000,000 bytes > limit 536,870,912 bytes "
-           "(--memory-limit-bytes)")
+REFUSAL = ("pool of expert-2, expert-3: the pool's members do not fit: sum 840,000,000 bytes > "
+           "limit 536,870,912 bytes (--memory-limit-bytes); expert-2 420,000,000 bytes; "
+           "expert-3 420,000,000 bytes")
 
 
 def _raw(pool: dict[str, Any] | None = None) -> dict[str, Any]:
