@@ -17,6 +17,7 @@ from ddm.deploy.plan import plan_deployment
 from ddm.deploy.pools import MemberDeclaration, member_disagreements
 from ddm.deploy.spec import DDMManifest, SpecError, parse_spec
 from ddm.operator.config import OperatorConfig
+from ddm.operator.diagram import render_mermaid
 from ddm.operator.manifests import build_pool_deployment
 from ddm.operator.scaler import operator_scaled
 from ddm.operator.status import ready_status
@@ -219,3 +220,8 @@ def test_an_autoscaled_pool_at_zero_is_ready() -> None:
     waiting = ready_status(spec, META, deployments=scaling_up, previous={}, now="T")
     assert waiting["phase"] == "Progressing"
     assert waiting["pools"][0]["replicas"] == 1
+
+
+def test_the_diagram_shows_an_autoscaled_pools_range() -> None:
+    text = render_mermaid(parse_spec(_raw({"autoscaling": SCALING})), "t2i")
+    assert "pool rare<br/>expert 2, expert 3<br/>0 to 2 replicas (autoscaled) on CPU" in text

@@ -156,12 +156,12 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
            ("PYTHONUNBUFFERED", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
     experts: list[ProcessSpec] = []
     discovery: dict[str, Discovery] = {}
-    scaled = {unit.key: unit for unit in plan.autoscaled}
+    scaled = {(unit.pool, unit.name): unit for unit in plan.autoscaled}
     on_demand: list[OnDemand] = []
     for expert in plan.unpooled_experts:
         checkpoint = str(locate(expert.checkpoint))
         endpoints = []
-        processes = _on_demand(scaled.get(expert.name), expert.name, expert.replicas,
+        processes = _on_demand(scaled.get((False, expert.name)), expert.name, expert.replicas,
                                on_demand)
         for replica in range(processes):
             port, metrics_port = new_port(), new_port()
@@ -198,7 +198,7 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     for pool in plan.pools:
         member_dirs = {name: str(locate(checkpoint)) for name, checkpoint in pool.members}
         endpoints = []
-        processes = _on_demand(scaled.get(f"pool/{pool.name}"), f"pool-{pool.name}",
+        processes = _on_demand(scaled.get((True, pool.name)), f"pool-{pool.name}",
                                pool.replicas, on_demand)
         for replica in range(processes):
             port, metrics_port = new_port(), new_port()
