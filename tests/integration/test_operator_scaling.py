@@ -16,7 +16,7 @@ import calendar
 import http.server
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -105,16 +105,15 @@ def _mark_ready(core: client.CoreV1Api, pod: client.V1Pod, ip: str) -> None:
                               for c in pod.spec.containers]}})
 
 
-@pytest.mark.usefixtures("operator")
-def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replicas(
-        kube_client: Any, kube_namespace: str, meter: DemandMeter) -> None:
-    ns = kube_namespace
+def _applied(kube_client: Any, ns: str, name: str, spec: dict[str, Any], deployment: str
+             ) -> tuple[Callable[[], int | None], client.V1Pod]:
+    """``spec`` applied as DDMDeployment ``name``: a reader of the replicas of its Deployment
+    ``deployment`` (None while absent), and its router's pod once bound."""
     core, apps = client.CoreV1Api(kube_client), client.AppsV1Api(kube_client)
-    custom = client.CustomObjectsApi(kube_client)
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "DDMDeployment",
-        "metadata": {"name": NAME}, "spec": _spec()})
-    deployment = f"{NAME}-expert-{SCALED}"
+    client.CustomObjectsApi(kube_client).create_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, {"apiVersion": f"{GROUP}/{VERSION}",
+                                     "kind": "DDMDeployment", "metadata": {"name": name},
+                                     "spec": spec})
 
     def replicas() -> int | None:
         try:
@@ -122,13 +121,25 @@ def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replica
         except client.ApiException:
             return None
 
+    router = wait_for(lambda: [p for p in core.list_namespaced_pod(
+        ns, label_selector=f"ddm.dev/deployment={name},app.kubernetes.io/component=router"
+    ).items if p.spec.node_name], 60, "the router's pod to be bound")[0]
+    return replicas, router
+
+
+@pytest.mark.usefixtures("operator")
+def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replicas(
+        kube_client: Any, kube_namespace: str, meter: DemandMeter) -> None:
+    ns = kube_namespace
+    core, apps = client.CoreV1Api(kube_client), client.AppsV1Api(kube_client)
+    custom = client.CustomObjectsApi(kube_client)
+    deployment = f"{NAME}-expert-{SCALED}"
+    replicas, router = _applied(kube_client, ns, NAME, _spec(), deployment)
+
     def status() -> dict[str, Any]:
         return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, NAME).get(
             "status") or {}
 
-    router = wait_for(lambda: [p for p in core.list_namespaced_pod(
-        ns, label_selector=f"ddm.dev/deployment={NAME},app.kubernetes.io/component=router"
-    ).items if p.spec.node_name], 60, "the router's pod to be bound")[0]
     assert replicas() == 1  # Kubernetes' default: no router read yet, nothing decided
     _mark_ready(core, router, ROUTER_IP)
 
@@ -198,27 +209,14 @@ def _pooled_spec() -> dict[str, Any]:
 def test_a_pool_scales_from_its_experts_demand_and_wakes_for_any_member(
         kube_client: Any, kube_namespace: str, meter: DemandMeter) -> None:
     ns, name = kube_namespace, "pooled"
-    core, apps = client.CoreV1Api(kube_client), client.AppsV1Api(kube_client)
-    custom = client.CustomObjectsApi(kube_client)
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "DDMDeployment",
-        "metadata": {"name": name}, "spec": _pooled_spec()})
-    deployment = f"{name}-pool-p"
-
-    def replicas() -> int | None:
-        try:
-            return apps.read_namespaced_deployment(deployment, ns).spec.replicas
-        except client.ApiException:
-            return None
+    core, custom = client.CoreV1Api(kube_client), client.CustomObjectsApi(kube_client)
+    replicas, router = _applied(kube_client, ns, name, _pooled_spec(), f"{name}-pool-p")
 
     def demand() -> dict[str, Any]:
         status = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get(
             "status") or {}
         return {p["name"]: p for p in status.get("demand", {}).get("pools", [])}.get("p", {})
 
-    router = wait_for(lambda: [p for p in core.list_namespaced_pod(
-        ns, label_selector=f"ddm.dev/deployment={name},app.kubernetes.io/component=router"
-    ).items if p.spec.node_name], 60, "the router's pod to be bound")[0]
     _mark_ready(core, router, ROUTER_IP)
     wait_for(lambda: replicas() == 0, 60, "the idle pool at zero")
     assert demand()["experts"] == ["a", "b"]
