@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ddm.serving.expert.pool_server import create_pool_app
+from ddm.serving.model.server import create_model_app
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints" / "text2img"
 
@@ -33,7 +33,7 @@ def test_members_whose_shapes_or_conventions_disagree_are_refused_by_name(
                                  convention="flow-match-1000"),
                "decoder": CHECKPOINTS / "decoder"}
     with pytest.raises(ValueError) as caught:
-        create_pool_app(members)
+        create_model_app(members)
     assert str(caught.value) == (
         "members expert-0 and expert-3 disagree on latent_shape: [4, 8, 8] for expert-0, "
         "[4, 16, 16] for expert-3; members expert-0 and text-encoder disagree on text_width: "
@@ -42,5 +42,5 @@ def test_members_whose_shapes_or_conventions_disagree_are_refused_by_name(
 
 
 def test_the_shipped_members_agree() -> None:
-    create_pool_app({name: CHECKPOINTS / name for name in
+    create_model_app({name: CHECKPOINTS / name for name in
                      ("expert_0", "expert_3", "text_encoder", "decoder")})
