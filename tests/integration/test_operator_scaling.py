@@ -6,6 +6,8 @@ metrics port, serving the router's own ``DemandMeter`` series, which the test dr
 router would (rows routed, generations waiting). The scaler reads them there and sets the
 autoscaled expert's replicas; a reconcile that rewrites the Deployment keeps them. The test
 marks the expert's pod ready too, once it has seen that a replica still starting is kept.
+A pool (issue 37) is scaled the same way from the sum of its experts' demand: a generation
+waiting for one member starts it from zero.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import calendar
 import http.server
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -59,7 +61,7 @@ def meter() -> Iterator[DemandMeter]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield DemandMeter((SCALED, "b"), registry)
+        yield DemandMeter((SCALED, "b", "c"), registry)
     finally:
         server.shutdown()
         server.server_close()
@@ -103,16 +105,15 @@ def _mark_ready(core: client.CoreV1Api, pod: client.V1Pod, ip: str) -> None:
                               for c in pod.spec.containers]}})
 
 
-@pytest.mark.usefixtures("operator")
-def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replicas(
-        kube_client: Any, kube_namespace: str, meter: DemandMeter) -> None:
-    ns = kube_namespace
+def _applied(kube_client: Any, ns: str, name: str, spec: dict[str, Any], deployment: str
+             ) -> tuple[Callable[[], int | None], client.V1Pod]:
+    """``spec`` applied as DDMDeployment ``name``: a reader of the replicas of its Deployment
+    ``deployment`` (None while absent), and its router's pod once bound."""
     core, apps = client.CoreV1Api(kube_client), client.AppsV1Api(kube_client)
-    custom = client.CustomObjectsApi(kube_client)
-    custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, {
-        "apiVersion": f"{GROUP}/{VERSION}", "kind": "DDMDeployment",
-        "metadata": {"name": NAME}, "spec": _spec()})
-    deployment = f"{NAME}-expert-{SCALED}"
+    client.CustomObjectsApi(kube_client).create_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, {"apiVersion": f"{GROUP}/{VERSION}",
+                                     "kind": "DDMDeployment", "metadata": {"name": name},
+                                     "spec": spec})
 
     def replicas() -> int | None:
         try:
@@ -120,13 +121,25 @@ def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replica
         except client.ApiException:
             return None
 
+    router = wait_for(lambda: [p for p in core.list_namespaced_pod(
+        ns, label_selector=f"ddm.dev/deployment={name},app.kubernetes.io/component=router"
+    ).items if p.spec.node_name], 60, "the router's pod to be bound")[0]
+    return replicas, router
+
+
+@pytest.mark.usefixtures("operator")
+def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replicas(
+        kube_client: Any, kube_namespace: str, meter: DemandMeter) -> None:
+    ns = kube_namespace
+    core, apps = client.CoreV1Api(kube_client), client.AppsV1Api(kube_client)
+    custom = client.CustomObjectsApi(kube_client)
+    deployment = f"{NAME}-expert-{SCALED}"
+    replicas, router = _applied(kube_client, ns, NAME, _spec(), deployment)
+
     def status() -> dict[str, Any]:
         return custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, NAME).get(
             "status") or {}
 
-    router = wait_for(lambda: [p for p in core.list_namespaced_pod(
-        ns, label_selector=f"ddm.dev/deployment={NAME},app.kubernetes.io/component=router"
-    ).items if p.spec.node_name], 60, "the router's pod to be bound")[0]
     assert replicas() == 1  # Kubernetes' default: no router read yet, nothing decided
     _mark_ready(core, router, ROUTER_IP)
 
@@ -156,7 +169,7 @@ def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replica
     wait_for(lambda: apps.read_namespaced_deployment(deployment, ns).status.ready_replicas
              == 1, 60, "the expert's replica ready")
 
-    meter.routed(np.array([10_000, 0]), np.array([10_000.0, 0.0]))  # far above 3 x 10 rows/s
+    meter.routed(np.array([10_000, 0, 0]), np.array([10_000.0, 0, 0]))  # far above 3 x 10/s
     wait_for(lambda: replicas() == 3, 30, "maxReplicas under heavy demand")
     demand = wait_for(lambda: {e["name"]: e for e in status().get("demand", {}).get(
         "experts", [])}.get(SCALED, {}).get("desiredReplicas") == 3 and status()["demand"],
@@ -174,3 +187,51 @@ def test_the_scaler_follows_the_routers_demand_and_a_reconcile_keeps_its_replica
 
     # no new rows: back at zero once the delay has passed (the 30 s rate window notwithstanding)
     wait_for(lambda: replicas() == 0, 30, "zero replicas after the scale-down delay")
+
+
+def _pooled_spec() -> dict[str, Any]:
+    """A text DDM: experts a and b in pool ``p`` (scaled to zero), c alone."""
+    def checkpoint(name: str) -> dict[str, str]:
+        return {"uri": f"image:///models/{name}"}
+
+    return {"conditioning": "text", "sampling": {"strategy": "top1"},
+            "router": {"checkpoint": checkpoint("router"), "missingExpert": {"policy": "wait"}},
+            "textEncoder": {"checkpoint": checkpoint("text-encoder")},
+            "pools": [{"name": "p", "autoscaling": {
+                "minReplicas": 0, "maxReplicas": 2, "target": {"rowsPerSecond": 10},
+                "scaleDownDelaySeconds": DELAY_S,
+                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 0}}}}],
+            "experts": [{"name": name, "checkpoint": checkpoint(name),
+                         **({"pool": "p"} if name != "c" else {})} for name in ("a", "b", "c")]}
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_pool_scales_from_its_experts_demand_and_wakes_for_any_member(
+        kube_client: Any, kube_namespace: str, meter: DemandMeter) -> None:
+    ns, name = kube_namespace, "pooled"
+    core, custom = client.CoreV1Api(kube_client), client.CustomObjectsApi(kube_client)
+    replicas, router = _applied(kube_client, ns, name, _pooled_spec(), f"{name}-pool-p")
+
+    def demand() -> dict[str, Any]:
+        status = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name).get(
+            "status") or {}
+        return {p["name"]: p for p in status.get("demand", {}).get("pools", [])}.get("p", {})
+
+    _mark_ready(core, router, ROUTER_IP)
+    wait_for(lambda: replicas() == 0, 60, "the idle pool at zero")
+    assert demand()["experts"] == ["a", "b"]
+
+    meter.wait_started("b")  # a generation waits for one member: the pool starts
+    wait_for(lambda: replicas() == 1, 30, "one pool replica for the waiting generation")
+    meter.wait_ended("b", 1.0)
+    pool_pod = wait_for(lambda: [p for p in core.list_namespaced_pod(
+        ns, label_selector=f"ddm.dev/deployment={name},ddm.dev/pool=p").items
+        if p.spec.node_name and p.metadata.deletion_timestamp is None], 60, "the pool's pod")[0]
+    _mark_ready(core, pool_pod, EXPERT_IP)
+
+    meter.routed(np.array([5_000, 5_000, 0]), np.array([5_000.0, 5_000.0, 0]))  # both members
+    wait_for(lambda: replicas() == 2, 30, "maxReplicas under the members' demand")
+    wait_for(lambda: demand().get("desiredReplicas") == 2, 30, "status.demand.pools")
+    assert demand()["rowsPerSecond"] > 20
+
+    wait_for(lambda: replicas() == 0, 60, "the pool back at zero after the delay")

@@ -50,9 +50,9 @@ def test_the_refusal_names_each_member_the_sum_and_the_limit():
                         MemoryLimit(1500, "--memory-limit-bytes"))
     assert not memory.fits and memory.total == 2000
     assert memory.refusal() == (
-        "the pool's members do not fit: expert-0 1,200 bytes (1,000 of weights + 200 of "
-        "activations for 8 rows); decoder 800 bytes (500 of weights + 300 of activations for "
-        "8 rows); sum 2,000 bytes > limit 1,500 bytes (--memory-limit-bytes)")
+        "the pool's members do not fit: sum 2,000 bytes > limit 1,500 bytes "
+        "(--memory-limit-bytes); expert-0 1,200 bytes (1,000 of weights + 200 of activations "
+        "for 8 rows); decoder 800 bytes (500 of weights + 300 of activations for 8 rows)")
     assert PoolMemory(memory.members, None).fits
 
 

@@ -238,13 +238,6 @@ def test_a_label_ddms_experts_join_a_pool() -> None:
     assert [name for name, _ in pool.members] == ["a"]
 
 
-def test_pools_do_not_autoscale_yet() -> None:
-    raw = _paris(experts=2)
-    raw["pools"][0]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
-    assert any(p.startswith("spec.pools[0].autoscaling: pools do not autoscale yet")
-               for p in _problems(raw))
-
-
 def test_too_many_pools_are_refused() -> None:
     raw = _paris(experts=2)
     raw["pools"] = [{"name": f"p{i}"} for i in range(spec.MAX_POOLS + 1)]

@@ -110,7 +110,7 @@ def test_one_expert_must_keep_a_replica() -> None:
     with pytest.raises(SpecError) as caught:
         parse_spec(raw)
     assert caught.value.problems == (
-        "spec.experts: every expert has autoscaling.minReplicas 0; keep at least one replica "
-        "of one expert (the router needs a ready expert to serve at all)",)
+        "spec.experts: every expert has autoscaling.minReplicas 0 (its own or its pool's); keep "
+        "at least one replica of one expert (the router needs a ready expert to serve at all)",)
     raw["experts"][1]["autoscaling"]["minReplicas"] = 1
     assert parse_spec(raw).experts[1].autoscaling.min_replicas == 1

@@ -15,13 +15,16 @@
 5. the policies limit the change per period, counted from the replicas at the period's start.
 
 State between calls is a :class:`History` the caller keeps per expert and passes back; time is
-the caller's (monotonic seconds), so tests drive it with known answers.
+the caller's (monotonic seconds), so tests drive it with known answers. What is scaled is a
+:class:`Scaled`: an expert with servers of its own, or a pool, whose demand is the sum of its
+member experts' (:meth:`Scaled.demand`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Mapping
 
 from ddm.deploy.autoscaling import Autoscaling, ScalingRules
 
@@ -43,6 +46,31 @@ class Demand:
     def now(self) -> bool:
         """Whether the expert is in demand at this moment (the delay counts from the last)."""
         return self.active or self.waiting > 0
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """What one scaler decision sets the replicas of: an expert's servers (``experts`` is its
+    own name) or, ``pool``, a pool's, which serve every member expert in ``experts`` in one
+    process each. Its ``rules`` are the expert's or the pool's ``autoscaling``."""
+
+    name: str
+    experts: tuple[str, ...]
+    rules: Autoscaling
+    pool: bool = False
+
+    @property
+    def key(self) -> str:
+        """Its name among the others (a pool may be named like an expert)."""
+        return f"pool/{self.name}" if self.pool else self.name
+
+    def demand(self, experts: Mapping[str, Demand]) -> Demand:
+        """Its demand from each expert's: rows per second and waiting generations summed
+        (a pool replica does every member's rows), active when any member's is. A pool at zero
+        is every member missing: one generation waiting for any member wakes it."""
+        members = [experts[name] for name in self.experts]
+        return Demand(sum(d.rows_per_s for d in members), sum(d.waiting for d in members),
+                      any(d.active for d in members))
 
 
 @dataclass(frozen=True)

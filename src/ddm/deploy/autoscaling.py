@@ -116,12 +116,14 @@ def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
 
 
 def fleet_problems(experts: list[Autoscaling | None]) -> list[str]:
-    """Rules across a DDM's experts: one must keep a replica. The router learns the image
+    """Rules across a DDM's experts (each with its own ``autoscaling``, or its pool's): one
+    must keep a replica. The router learns the image
     shape from its experts and is not ready while none has a ready replica, so with every
     expert at zero it would never be in its Service, see demand, nor let anything start."""
     if experts and all(e is not None and e.min_replicas == 0 for e in experts):
-        return ["spec.experts: every expert has autoscaling.minReplicas 0; keep at least one "
-                "replica of one expert (the router needs a ready expert to serve at all)"]
+        return ["spec.experts: every expert has autoscaling.minReplicas 0 (its own or its "
+                "pool's); keep at least one replica of one expert (the router needs a ready "
+                "expert to serve at all)"]
     return []
 
 

@@ -388,8 +388,9 @@ SPEC = Object(required=("experts",), properties={
                     "accelerator: one Deployment per pool, one process per replica (ddm serve "
                     "pool), which the experts, textEncoder, decoder and router.network that "
                     "name it in their pool field join (text DDMs only; their stage "
-                    "checkpoints). A pool's members share one backend and one precision. Pools "
-                    "do not autoscale yet.",
+                    "checkpoints). A pool's members share one backend and one precision. An "
+                    "autoscaled pool follows the sum of its member experts' demand "
+                    "(docs/autoscaling.md).",
         max_items=MAX_POOLS, map_keys=("name",)),
 })
 
@@ -420,12 +421,17 @@ STATUS = Object(properties={
             **REPLICAS_STATUS}),
         description="The stages placed on their own (text encoder, decoder, router network).",
         map_keys=("name",)),
+    "pools": Array(
+        Object(required=("name",), properties={
+            "name": String(), "accelerator": String(), "members": Array(String()),
+            **REPLICAS_STATUS}),
+        description="The pools (spec.pools) and their members.", map_keys=("name",)),
     "expertReplicas": String(
         description='Ready/desired replicas of each expert, e.g. "a 1/1, b 0/0" (an autoscaled '
                     "expert's desired count is the operator's last decision)."),
     "demand": Object(
-        description="The routers' demand on each autoscaled expert, as the operator last read "
-                    "it from their metrics (docs/autoscaling.md).",
+        description="The routers' demand on each autoscaled expert and pool, as the operator "
+                    "last read it from their metrics (docs/autoscaling.md).",
         properties={
             "observedAt": String(format="date-time"),
             "routers": String(
@@ -440,6 +446,19 @@ STATUS = Object(properties={
                 "idleSeconds": Integer(
                     description="Seconds since the expert last had any demand."),
             }), map_keys=("name",)),
+            "pools": Array(Object(required=("name",), properties={
+                "name": String(),
+                "experts": Array(String(),
+                                 description="The member experts whose demand is summed."),
+                "rowsPerSecond": Number(
+                    description="Routed rows per second to its experts, summed."),
+                "waiting": Integer(
+                    description="Generations waiting now for one of its experts."),
+                "desiredReplicas": Integer(),
+                "idleSeconds": Integer(
+                    description="Seconds since any of its experts last had demand."),
+            }), description="Autoscaled pools; a pool's demand is the sum of its experts'.",
+                map_keys=("name",)),
         }),
     "conditions": Array(Object(required=("type", "status"), properties={
         "type": String(),

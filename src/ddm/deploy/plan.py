@@ -22,8 +22,10 @@ from typing import Mapping
 
 from ddm.checkpoints.declared import CONFIG_KEYS, PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import CheckpointSource
-from ddm.deploy.accelerators import accelerator_type
+from ddm.deploy.accelerators import HOST, accelerator_type
+from ddm.deploy.autoscaler import Scaled
 from ddm.deploy.limits import ROUTER_MAX_STEPS
+from ddm.deploy.pod_options import parse_quantity
 from ddm.deploy.router_config import (
     Auth,
     Discovery,
@@ -124,7 +126,8 @@ class StagePlan:
 class PoolPlan:
     """One pool's server (``ddm serve pool``), ``replicas`` of them on ``accelerator``:
     ``members`` (name in the plan -> checkpoint) all loaded by one process; ``args``: backend,
-    device, precision and batching, after the ones its place decides (``command``)."""
+    device, precision, batching and memory limit, after the ones its place decides
+    (``command``); ``autoscaling``: replicas follow its experts' demand (None: fixed)."""
 
     name: str
     members: tuple[tuple[str, CheckpointSource], ...]
@@ -133,6 +136,7 @@ class PoolPlan:
     backend: str
     device: str | None
     args: tuple[str, ...]
+    autoscaling: Autoscaling | None = None
 
     def command(self, member_dirs: Mapping[str, str], host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -200,6 +204,16 @@ class DeploymentPlan:
         """The experts with servers of their own."""
         return tuple(e for e in self.experts if e.pool is None)
 
+    @property
+    def autoscaled(self) -> tuple[Scaled, ...]:
+        """What follows the routers' demand: each expert with servers of its own and
+        ``autoscaling``, then each pool with it (by the sum of its experts' demand)."""
+        return (*(Scaled(e.name, (e.name,), e.autoscaling) for e in self.unpooled_experts
+                  if e.autoscaling is not None),
+                *(Scaled(p.name, tuple(e.name for e in self.experts if e.pool == p.name),
+                         p.autoscaling, pool=True)
+                  for p in self.pools if p.autoscaling is not None))
+
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,
                       auth: Auth | None = None, trusted_proxies: tuple[str, ...] = (),
                       stage_places: Mapping[str, str | Discovery] | None = None,
@@ -265,11 +279,22 @@ def plan_pool(spec: DDMSpec, pool: PoolSpec) -> PoolPlan:
                      "torch")
     precision = next((m.precision for m in members.values()), None)
     backend, device = pool.accelerator.declared.backends[framework]
-    args = _server_args(backend, device, precision) + _batching_args(pool)
+    args = _server_args(backend, device, precision) + _batching_args(pool) + _memory_args(pool)
     return PoolPlan(name=pool.name,
                     members=tuple((name, m.checkpoint) for name, m in members.items()),
                     replicas=pool.replicas, accelerator=pool.accelerator.type, backend=backend,
-                    device=device, args=tuple(args))
+                    device=device, args=tuple(args), autoscaling=pool.autoscaling)
+
+
+def _memory_args(pool: PoolSpec) -> list[str]:
+    """A CPU pool's memory limit (``resources.limits.memory``) as the bytes its members must fit
+    in: in a pod that is the container's limit, which the server would read itself, and under
+    ``ddm up`` it holds the processes to the spec as well. A device's pool is checked against
+    the device's own free memory instead."""
+    memory = parse_quantity(((pool.pod.resources or {}).get("limits") or {}).get("memory"))
+    if pool.accelerator.type != HOST or memory is None or memory < 1:
+        return []
+    return ["--memory-limit-bytes", str(int(memory))]
 
 
 def plan_stage(role: str, stage: StageSpec) -> StagePlan:

@@ -5,10 +5,11 @@ these with its other rules; the plan (``ddm.deploy.plan``) relies on them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
-from ddm.checkpoints.roles import stage_roles
+from ddm.checkpoints.roles import EXPERT, stage_roles
 from ddm.deploy.accelerators import Accelerator
+from ddm.deploy.autoscaling import Autoscaling
 from ddm.deploy.limits import FRAMEWORKS
 from ddm.deploy.pod_options import PodOptions
 
@@ -21,7 +22,8 @@ class PoolSpec:
     """A pool (``spec.pools[]``): ``replicas`` model server processes (pods), each holding every
     member's weights on one ``accelerator``; its members are the components that name it
     (``pool: NAME``) and carry no placement of their own. ``max_batch``/``max_delay_ms``
-    apply to each member's batcher (None: the server's own defaults)."""
+    apply to each member's batcher (None: the server's own defaults); ``autoscaling``: its
+    replicas follow the sum of its member experts' demand (None: ``replicas`` fixed)."""
 
     name: str
     accelerator: Accelerator
@@ -29,6 +31,7 @@ class PoolSpec:
     max_batch: int | None = None
     max_delay_ms: int | None = None
     pod: PodOptions = PodOptions()
+    autoscaling: Autoscaling | None = None
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,66 @@ def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component]) ->
             found.append(f"spec.pools[{i}]: pool {pool.name!r} has no members (name it in an "
                          "expert's, spec.textEncoder's, spec.decoder's or spec.router.network's "
                          "pool)")
+        elif pool.autoscaling is not None:
+            found.extend(f"spec.pools[{i}].autoscaling: {problem}" for problem in
+                         _scaling_problems(pool, [c for c in components if c.pool == pool.name]))
         for name in sorted({n for n in named if named.count(n) > 1}):
             found.append(f"spec.pools[{i}]: pool {pool.name!r} has two members named {name!r} "
                          "(an expert named like a stage's role); rename the expert")
     return found
+
+
+def _scaling_problems(pool: PoolSpec, members: Sequence[Component]) -> list[str]:
+    """Why ``pool`` cannot scale as its ``autoscaling`` says: the routers count demand per
+    expert (a pool's is the sum of its experts'), and a stage serves every generation, which
+    no missing-expert policy waits for or reroutes."""
+    assert pool.autoscaling is not None
+    if all(m.stage for m in members):
+        return [f"pool {pool.name!r} holds no expert, so no demand to scale by (the routers "
+                "count rows per expert); set replicas"]
+    stages = [m.path for m in members if m.stage]
+    if pool.autoscaling.min_replicas == 0 and stages:
+        return [f"minReplicas 0 would leave {', '.join(stages)} (in pool {pool.name!r}) without "
+                "a server, and every generation needs it; keep minReplicas at 1 or more, or "
+                "give the stage a pool (or placement) of its own"]
+    return []
+
+
+@dataclass(frozen=True)
+class MemberDeclaration:
+    """What a pool member's checkpoint declares (``_ddm``) that its fellow members must agree
+    on, where it declares it: the ``latent_shape`` (C, H, W) it takes or makes, the width of
+    the text contexts it takes or makes (``text_width``), and an expert's ``convention``."""
+
+    role: str
+    latent_shape: tuple[int, ...] | None = None
+    text_width: int | None = None
+    convention: str | None = None
+
+
+def member_disagreements(members: Mapping[str, MemberDeclaration]) -> list[str]:
+    """Pairs of a pool's members (name -> declaration) that cannot serve one DDM together:
+    each names both members and their values. Latent shapes and text widths must agree across
+    every member that declares one, the conventions across its experts (the sampler treats
+    every expert's output alike)."""
+    found = []
+    for field in ("latent_shape", "text_width", "convention"):
+        first: tuple[str, Any] | None = None
+        for name, declared in members.items():
+            seen = getattr(declared, field)
+            if seen is None or (field == "convention" and declared.role != EXPERT):
+                continue
+            if first is None:
+                first = (name, seen)
+            elif seen != first[1]:
+                found.append(f"members {first[0]} and {name} disagree on "
+                             f"{field}: {_shown(first[1])} for {first[0]}, {_shown(seen)} for "
+                             f"{name}")
+    return found
+
+
+def _shown(value: Any) -> str:
+    return str(list(value)) if isinstance(value, tuple) else str(value)
 
 
 def _member_problem(component: Component, pool: PoolSpec) -> tuple[str | None, str | None]:

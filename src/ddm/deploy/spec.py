@@ -539,11 +539,7 @@ def _pool(reader: FieldReader) -> PoolSpec | None:
     pool = PoolSpec(name=name or "", accelerator=accelerator,
                     replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
                     max_batch=_max_batch(reader), max_delay_ms=_max_delay_ms(reader),
-                    pod=parse_pod_options(reader))
-    if _autoscaling(reader) is not None:
-        reader.problem("autoscaling", "pools do not autoscale yet (from the sum of their "
-                                      "members' demand, scale to zero included: issue 37); "
-                                      "set replicas")
+                    pod=parse_pod_options(reader), autoscaling=_autoscaling(reader))
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, pool.pod)
     reader.done()
@@ -553,7 +549,11 @@ def _pool(reader: FieldReader) -> PoolSpec | None:
 def _semantic_problems(spec: DDMSpec) -> list[str]:
     """Rules across fields: class ranges, the oracle's partition, the router checkpoint."""
     found: list[str] = []
-    found.extend(fleet_problems([e.autoscaling for e in spec.experts]))
+    pools = {p.name: p for p in spec.pools}
+    # A pooled expert scales with its pool (an unknown pool is pool_problems' to name).
+    found.extend(fleet_problems([e.autoscaling if e.pool is None else
+                                 pools[e.pool].autoscaling if e.pool in pools else None
+                                 for e in spec.experts]))
     names = [e.name for e in spec.experts]
     for name in sorted({n for n in names if names.count(n) > 1}):
         found.append(f"spec.experts: the name {name!r} is used more than once")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ddm.deploy.accelerators import ACCELERATORS
 from ddm.deploy.limits import ROUTER_PORT
+from ddm.deploy.autoscaling import Autoscaling
 from ddm.deploy.spec import DDMSpec, ExpertSpec, PoolSpec, StageSpec, load_manifest
 
 
@@ -57,9 +58,7 @@ def _expert_label(expert: ExpertSpec) -> str:
     classes = f", classes {_classes(expert.classes)}" if expert.classes else ""
     devices = expert.accelerator.describe()
     where = "on CPU" if devices == "cpu" else f"with {devices} each"
-    scaling = expert.autoscaling
-    count = (_replicas(expert.replicas) if scaling is None else
-             f"{scaling.min_replicas} to {scaling.max_replicas} replicas (autoscaled)")
+    count = _count(expert.replicas, expert.autoscaling)
     return f"{expert.name}<br/>{expert.framework}{classes}<br/>{count} {where}"
 
 
@@ -73,7 +72,14 @@ def _pool_label(spec: DDMSpec, pool: PoolSpec) -> str:
     devices = pool.accelerator.describe()
     where = "on CPU" if devices == "cpu" else f"with {devices} each"
     members = ", ".join(name.replace("-", " ") for name in spec.members(pool.name))
-    return f"pool {pool.name}<br/>{members}<br/>{_replicas(pool.replicas)} {where}"
+    count = _count(pool.replicas, pool.autoscaling)
+    return f"pool {pool.name}<br/>{members}<br/>{count} {where}"
+
+
+def _count(replicas: int, scaling: Autoscaling | None) -> str:
+    """An expert's or pool's replicas: fixed, or the range its autoscaling keeps to."""
+    return (_replicas(replicas) if scaling is None else
+            f"{scaling.min_replicas} to {scaling.max_replicas} replicas (autoscaled)")
 
 
 def _replicas(count: int) -> str:

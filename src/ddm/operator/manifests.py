@@ -184,7 +184,8 @@ def build_pool_deployment(spec: DDMSpec, pool: PoolSpec, meta: Mapping[str, Any]
                                else _stage_key(name), f"/models/{name}", f"checkpoint-{name}")
                    for name, member in members.items()]
     return _model_server(
-        names.pool_name(owner, pool.name), "pool", meta, config, pool.replicas,
+        names.pool_name(owner, pool.name), "pool", meta, config,
+        None if pool.autoscaling is not None else pool.replicas,  # autoscaled: the scaler's
         names.labels(owner, "pool", pool=pool.name),
         names.selector(owner, "pool", pool=pool.name),
         accelerator=pool.accelerator, pod=pool.pod, checkpoints=checkpoints,

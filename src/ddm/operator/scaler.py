@@ -1,21 +1,23 @@
-"""The operator's autoscaler: reads the routers' demand and sets autoscaled experts' replicas.
+"""The operator's autoscaler: reads the routers' demand and sets autoscaled experts' and pools'
+replicas.
 
 One thread for the whole operator (not a kopf timer per DDMDeployment: kopf puts a finalizer
 on every resource a timer or daemon serves, and deleting one would then hang whenever no
 operator runs). A successful reconcile :meth:`Scaler.watch`\\ es its DDMDeployment; every
 ``SCALE_INTERVAL_S`` (and at once when woken) the thread, for each one watched: reads it (gone,
-or no expert with ``autoscaling``: no longer watched), scrapes its ready router pods'
-``/metrics`` (:mod:`ddm.operator.demand`), decides each autoscaled expert's replicas
-(:func:`ddm.deploy.autoscaler.decide`, pure) and applies ``spec.replicas`` of its Deployment
-as field manager ``FIELD_MANAGER``, and writes ``status.demand``.
+or nothing with ``autoscaling``: no longer watched), scrapes its ready router pods'
+``/metrics`` (:mod:`ddm.operator.demand`), decides the replicas of each autoscaled expert and
+pool (:func:`ddm.deploy.autoscaler.decide`, pure; a pool's demand is the sum of its member
+experts', :meth:`~ddm.deploy.autoscaler.Scaled.demand`) and applies ``spec.replicas`` of its
+Deployment as field manager ``FIELD_MANAGER``, and writes ``status.demand``.
 
-The Deployment builder leaves ``replicas`` out of an autoscaled expert's Deployment
+The Deployment builder leaves ``replicas`` out of an autoscaled expert's or pool's Deployment
 (``ddm.operator.manifests``), and this scaler owns the field by server-side apply, so a
 reconcile never resets what it set. A new Deployment starts at Kubernetes' default of one
 replica until the scaler's first pass, woken by the reconcile that created it. Without a
 readable router the scaler changes nothing (no demand known is not zero demand).
 
-An expert the scaler started from zero counts as in demand until one of its replicas is ready
+What the scaler started from zero counts as in demand until one of its replicas is ready
 (for at most ``COLD_START_LIMIT_S``), as ``ddm up``'s scaler does: its scale-down delay runs
 from when it can serve. Otherwise, under ``reroute``, a cold start longer than the delay was
 ended, unready, one delay after the rerouted steps that had started it.
@@ -30,10 +32,10 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any, Callable, Collection, Mapping
 
-from ddm.deploy.autoscaling import Autoscaling
+from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import DDMSpec, SpecError, parse_spec
 from ddm.operator import names
-from ddm.deploy.autoscaler import Demand, History, decide
+from ddm.deploy.autoscaler import Demand, History, Scaled, decide
 from ddm.operator.demand import DemandRates, RouterReading, scrape
 from ddm.operator.kube import Kube, KubeError
 
@@ -45,7 +47,7 @@ FIELD_MANAGER = "ddm-autoscaler"
 #: ``status.demand`` is rewritten at most this often unless a replica count or a waiting
 #: count changed (each write is an API call and a watch event).
 STATUS_INTERVAL_S = 15.0
-#: How long an expert started from zero counts as in demand while none of its replicas is
+#: How long an expert or pool started from zero counts as in demand while none of its replicas is
 #: ready: image pulls and weight downloads included, but a replica that never gets ready is
 #: not kept forever.
 COLD_START_LIMIT_S = 600.0
@@ -58,21 +60,21 @@ class _Tracked:
     """What the scaler keeps per DDMDeployment between passes."""
 
     rates: DemandRates = field(default_factory=DemandRates)
-    histories: dict[str, History] = field(default_factory=dict)
+    histories: dict[str, History] = field(default_factory=dict)  # by Scaled.key
     claimed: set[str] = field(default_factory=set)  # Deployment uids whose replicas we own
-    starting: dict[str, float] = field(default_factory=dict)  # expert -> started from zero at
+    starting: dict[str, float] = field(default_factory=dict)  # Scaled.key -> from zero at
     status_key: tuple[Any, ...] = ()
     status_at: float = float("-inf")
 
 
-def operator_scaled(spec: DDMSpec) -> dict[str, Autoscaling]:
-    """The experts of ``spec`` this scaler scales (by name), with their settings."""
-    return {e.name: e.autoscaling for e in spec.experts
-            if e.autoscaling is not None and e.autoscaling.scaler == "operator"}
+def operator_scaled(spec: DDMSpec) -> tuple[Scaled, ...]:
+    """The experts and pools of ``spec`` this scaler scales, with their settings."""
+    return tuple(s for s in plan_deployment(spec).autoscaled if s.rules.scaler == "operator")
 
 
 class Scaler:
-    """Scales the autoscaled experts of the DDMDeployments it watches (see the module)."""
+    """Scales the autoscaled experts and pools of the DDMDeployments it watches (see the
+    module)."""
 
     def __init__(self, kube: Kube, *, scrape_metrics: Scrape = scrape,
                  clock: Callable[[], float] = time.monotonic,
@@ -86,7 +88,8 @@ class Scaler:
         self._thread: threading.Thread | None = None
 
     def watch(self, namespace: str, name: str) -> None:
-        """Scale ``namespace/name``'s experts from now on (a no-op when it has none)."""
+        """Scale ``namespace/name``'s experts and pools from now on (a no-op when it has
+        none)."""
         with self._guard:
             self._tracked.setdefault((namespace, name), _Tracked())
         self._wake.set()
@@ -136,11 +139,12 @@ class Scaler:
         scaled = operator_scaled(spec)
         if not scaled:
             return False
+        experts = [expert for unit in scaled for expert in unit.experts]
         routers = [pod for pod in self._kube.list_pods(namespace, name) if _ready_router(pod)]
         readings = {}
         for pod in routers:
             url = f"http://{pod['status']['podIP']}:{names.METRICS_PORT}/metrics"
-            reading = self._scrape(url, scaled)
+            reading = self._scrape(url, experts)
             if reading is not None:
                 readings[pod["metadata"]["uid"]] = reading
         tracked.rates.forget_except([pod["metadata"]["uid"] for pod in routers])
@@ -149,57 +153,68 @@ class Scaler:
                       namespace, name)
             return True
         now = self._clock()
-        demand = tracked.rates.observe(now, readings, scaled)
-        decided = {expert: self._scale_expert(namespace, name, expert, rules, demand[expert],
-                                              tracked, now)
-                   for expert, rules in scaled.items()}
-        self._report(body, tracked, demand, decided, f"{len(readings)}/{len(routers)}", now)
+        by_expert = tracked.rates.observe(now, readings, experts)
+        demand = {unit.key: unit.demand(by_expert) for unit in scaled}
+        decided = {unit.key: self._scale(namespace, name, unit, demand[unit.key], tracked, now)
+                   for unit in scaled}
+        self._report(body, tracked, scaled, demand, decided, f"{len(readings)}/{len(routers)}",
+                     now)
         return True
 
-    def _scale_expert(self, namespace: str, owner: str, expert: str, rules: Autoscaling,
-                      demand: Demand, tracked: _Tracked, now: float) -> int | None:
-        """Decide and apply one expert's replicas; None when its Deployment is not there."""
-        deployment = self._kube.get("Deployment", namespace, names.expert_name(owner, expert))
+    def _scale(self, namespace: str, owner: str, unit: Scaled, demand: Demand,
+               tracked: _Tracked, now: float) -> int | None:
+        """Decide and apply one expert's or pool's replicas; None when its Deployment is not
+        there."""
+        deployment = self._kube.get("Deployment", namespace, (
+            names.pool_name(owner, unit.name) if unit.pool else names.expert_name(owner,
+                                                                                  unit.name)))
         if deployment is None:
             return None  # the reconcile creates it
+        key = unit.key
         current = int(deployment["spec"].get("replicas", 1))
         ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
-        history = tracked.histories.get(expert)
+        history = tracked.histories.get(key)
         if history is None:  # serving replicas keep a whole delay after the operator starts
             history = History.start(now) if ready > 0 else History()
         if ready > 0 or current == 0:
-            tracked.starting.pop(expert, None)
-        elif now - tracked.starting.get(expert, float("-inf")) < COLD_START_LIMIT_S:
+            tracked.starting.pop(key, None)
+        elif now - tracked.starting.get(key, float("-inf")) < COLD_START_LIMIT_S:
             demand = replace(demand, active=True)  # still starting: its delay waits for it
-        wanted, tracked.histories[expert] = decide(rules, current, demand, history, now)
+        wanted, tracked.histories[key] = decide(unit.rules, current, demand, history, now)
         if current == 0 and wanted > 0:
-            tracked.starting[expert] = now
+            tracked.starting[key] = now
         uid = deployment["metadata"]["uid"]
         if wanted != current or uid not in tracked.claimed:
             self._kube.apply_replicas(namespace, deployment["metadata"]["name"], wanted,
                                       FIELD_MANAGER)
             tracked.claimed.add(uid)
             if wanted != current:
-                log.info("%s/%s: expert %s scaled %d -> %d (%.3g rows/s, %d waiting)",
-                         namespace, owner, expert, current, wanted, demand.rows_per_s,
-                         demand.waiting)
+                log.info("%s/%s: %s %s scaled %d -> %d (%.3g rows/s, %d waiting)",
+                         namespace, owner, "pool" if unit.pool else "expert", unit.name,
+                         current, wanted, demand.rows_per_s, demand.waiting)
         return wanted
 
-    def _report(self, body: Mapping[str, Any], tracked: _Tracked, demand: Mapping[str, Demand],
-                decided: Mapping[str, int | None], routers: str, now: float) -> None:
-        """``status.demand``, written when a count changed or ``STATUS_INTERVAL_S`` passed."""
-        key = (routers, tuple((e, decided[e], demand[e].waiting) for e in decided))
+    def _report(self, body: Mapping[str, Any], tracked: _Tracked, scaled: tuple[Scaled, ...],
+                demand: Mapping[str, Demand], decided: Mapping[str, int | None], routers: str,
+                now: float) -> None:
+        """``status.demand``, written when a count changed or ``STATUS_INTERVAL_S`` passed:
+        the experts under ``experts``, the pools (with their member experts) under ``pools``."""
+        key = (routers, tuple((k, decided[k], demand[k].waiting) for k in decided))
         if key == tracked.status_key and now - tracked.status_at < STATUS_INTERVAL_S:
             return
-        experts = []
-        for expert, replicas in decided.items():
-            last = tracked.histories[expert].last_demand if expert in tracked.histories else None
-            experts.append({"name": expert, "rowsPerSecond": round(demand[expert].rows_per_s, 3),
-                            "waiting": demand[expert].waiting,
-                            **({"desiredReplicas": replicas} if replicas is not None else {}),
-                            **({"idleSeconds": int(now - last)} if last is not None else {})})
+        entries: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        for unit in scaled:
+            replicas, seen = decided[unit.key], demand[unit.key]
+            history = tracked.histories.get(unit.key)
+            last = history.last_demand if history is not None else None
+            entries[unit.pool].append({
+                "name": unit.name, **({"experts": list(unit.experts)} if unit.pool else {}),
+                "rowsPerSecond": round(seen.rows_per_s, 3), "waiting": seen.waiting,
+                **({"desiredReplicas": replicas} if replicas is not None else {}),
+                **({"idleSeconds": int(now - last)} if last is not None else {})})
         status = {"observedAt": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                  "routers": routers, "experts": experts}
+                  "routers": routers, "experts": entries[False],
+                  **({"pools": entries[True]} if entries[True] else {})}
         meta = body["metadata"]
         self._kube.write_status(meta["namespace"], meta["name"], {"demand": status})
         tracked.status_key, tracked.status_at = key, now

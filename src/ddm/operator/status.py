@@ -5,14 +5,17 @@ Conditions follow the Kubernetes convention: ``lastTransitionTime`` changes only
 condition's status does, so recomputing an unchanged state yields an equal status and the
 operator writes nothing. ``Ready`` is ``SpecValid`` and ``ExpertsReady`` and ``RouterReady``,
 and ``StagesReady`` for a DDM with stages in pods of their own (text encoder, decoder, router
-network placed ``separate``), each reported under ``stages`` as experts are.
-An expert is ready when every replica it asks for (at least one) is ready; an autoscaled
-expert asks for what the scaler last set on its Deployment (``ddm.operator.scaler``), and is
-ready at zero too. When one is not,
+network placed ``separate``), each reported under ``stages`` as experts are, and
+``PoolsReady`` for a DDM with pools (``spec.pools``), each reported under ``pools``; a pooled
+expert is as ready as its pool.
+An expert (or pool) is ready when every replica it asks for (at least one) is ready; an
+autoscaled one asks for what the scaler last set on its Deployment (``ddm.operator.scaler``),
+and is ready at zero too. When one is not,
 its pods say why (``pod_trouble``): a container that keeps failing (with its exit status and
-termination message: an expert that cannot load its checkpoint writes the reason there), an
-image that cannot be pulled, a pod no node can take; the status repeats it per expert and in
-the ExpertsReady (or RouterReady) message.
+termination message: an expert that cannot load its checkpoint writes the reason there, a pool
+whose members do not fit its memory says so), an image that cannot be pulled, a pod no node can
+take; the status repeats it per expert (per pool) and in the ExpertsReady (or RouterReady,
+StagesReady, PoolsReady) message.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, Mapping, Sequence
 from ddm.checkpoints.uri import FETCHED_SCHEMES
 from ddm.operator import names
 from ddm.deploy.crd import PHASES as PHASES
-from ddm.deploy.spec import DDMSpec, ExpertSpec, SpecError
+from ddm.deploy.spec import DDMSpec, ExpertSpec, PoolSpec, SpecError
 
 #: A container waiting for one of these will not start by itself.
 FAILING_WAITING_REASONS = frozenset({
@@ -148,13 +151,14 @@ class Replicas:
         return (self.scaled or self.desired >= 1) and self.ready >= self.desired
 
 
-def expert_replicas(expert: ExpertSpec, deployment: Mapping[str, Any] | None) -> Replicas:
-    """An expert's replicas: fixed by its spec, or, autoscaled, as its Deployment has them
-    (its ``minReplicas`` until the Deployment exists)."""
+def server_replicas(server: ExpertSpec | PoolSpec, deployment: Mapping[str, Any] | None
+                    ) -> Replicas:
+    """An expert's or a pool's replicas: fixed by its spec, or, autoscaled, as its Deployment
+    has them (its ``minReplicas`` until the Deployment exists)."""
     ready = ready_replicas(deployment)
-    if expert.autoscaling is None:
-        return Replicas(expert.replicas, ready)
-    desired = (expert.autoscaling.min_replicas if deployment is None
+    if server.autoscaling is None:
+        return Replicas(server.replicas, ready)
+    desired = (server.autoscaling.min_replicas if deployment is None
                else int(deployment["spec"].get("replicas", 1)))
     return Replicas(desired, ready, scaled=True)
 
@@ -193,11 +197,11 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     ``token_secrets``: the token Secrets the operator has created for this resource."""
     owner, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     pools = {p.name: p for p in spec.pools}
+    pooled = {pool_key(p.name): server_replicas(p, deployments.get(names.pool_name(owner, p.name)))
+              for p in spec.pools}
     # A pooled expert is as ready as its pool's Deployment, and has its pool's pods.
-    experts = {e.name: expert_replicas(e, deployments.get(names.expert_name(owner, e.name)))
-               if e.pool is None else Replicas(pools[e.pool].replicas, ready_replicas(
-                   deployments.get(names.pool_name(owner, e.pool))))
-               for e in spec.experts}
+    experts = {e.name: server_replicas(e, deployments.get(names.expert_name(owner, e.name)))
+               if e.pool is None else pooled[pool_key(e.pool)] for e in spec.experts}
     separate = {role: stage for role, stage in spec.stages.items() if stage.separate}
     stages = {stage_key(role): Replicas(stage.replicas, ready_replicas(
         deployments.get(names.stage_name(owner, role)))) for role, stage in separate.items()}
@@ -206,17 +210,26 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     grouped = pods_by_owner(owner, pods)
     grouped.update({e.name: grouped.get(pool_key(e.pool), []) for e in spec.experts if e.pool})
     troubles = {name: pod_trouble(grouped.get(name, [])) for name, r in
-                [*experts.items(), *stages.items(), (None, router)] if not r.complete}
+                [*experts.items(), *stages.items(), *pooled.items(), (None, router)]
+                if not r.complete}
     stager = stager_trouble(owner, pods)
-    checkpoints = {None: spec.router.checkpoint, **{e.name: e.checkpoint for e in spec.experts},
-                   **{stage_key(role): stage.checkpoint for role, stage in separate.items()}}
+    checkpoints = {None: [spec.router.checkpoint], **{e.name: [e.checkpoint] for e in spec.experts},
+                   **{stage_key(role): [stage.checkpoint] for role, stage in separate.items()},
+                   **{pool_key(p): [m.checkpoint for m in spec.members(p).values()]
+                      for p in pools}}
     for name in troubles:  # the pods that copy from the stager wait on it: its reason is theirs
-        checkpoint = checkpoints[name]
-        if stager is not None and checkpoint is not None and (
-                checkpoint.scheme in FETCHED_SCHEMES):
+        if stager is not None and any(checkpoint is not None and (
+                checkpoint.scheme in FETCHED_SCHEMES) for checkpoint in checkpoints[name]):
             troubles[name] = stager
-    failing = [f"expert {name}: {r.ready}/{r.desired} ready: {troubles[name].message}"
-               for name, r in experts.items() if troubles.get(name)]
+    # A pool's trouble is told once, naming the pool and its experts, not once per member.
+    failing = [f"expert {e.name}: {experts[e.name].ready}/{experts[e.name].desired} ready: "
+               f"{troubles[e.name].message}" for e in spec.experts
+               if e.pool is None and troubles.get(e.name)]
+    for name in pools:
+        held = [e.name for e in spec.experts if e.pool == name]
+        if held and troubles.get(pool_key(name)):
+            line = _replicas_line(pooled[pool_key(name)], troubles[pool_key(name)])
+            failing.append(f"pool {name} (experts {', '.join(held)}): {line}")
     waiting = [f"{name} ({r.ready}/{r.desired} ready)" for name, r in experts.items()
                if not r.complete and not troubles.get(name)]
     ready_count = sum(r.complete for r in experts.values())
@@ -233,24 +246,24 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         ("RouterReady" if router.complete else "RouterNotReady",
          f"{router.ready}/{router.desired} router replicas ready"
          + (f": {router_trouble.message}" if router_trouble else "")))
-    stage_conditions = [_condition(
-        old, "StagesReady", all(r.complete for r in stages.values()), generation, now,
-        ("AllStagesReady", f"{len(stages)} stage(s) ready")
-        if all(r.complete for r in stages.values()) else
-        ("StagesNotReady", "; ".join(
-            f"{key.removeprefix('stage/')}: {r.ready}/{r.desired} ready"
-            + (f": {troubles[key].message}" if troubles.get(key) else "")
-            for key, r in stages.items() if not r.complete)))] if stages else []
+    stage_conditions = [_servers_condition(old, "Stages", "stage(s)", {
+        key.removeprefix("stage/"): (r, troubles.get(key)) for key, r in stages.items()},
+        generation, now)] if stages else []
+    pool_conditions = [_servers_condition(old, "Pools", "pool(s)", {
+        f"pool {name}": (pooled[pool_key(name)], troubles.get(pool_key(name))) for name in pools},
+        generation, now)] if pools else []
     spec_valid = _condition(old, "SpecValid", True, generation, now, ("Valid", "spec is valid"))
     if failure:
         ready = _condition(old, "Ready", False, generation, now, ("ApplyFailed", failure))
     else:
         ready = _condition(old, "Ready", router.complete and ready_count == len(experts)
-                           and all(r.complete for r in stages.values()), generation, now,
+                           and all(r.complete for r in [*stages.values(), *pooled.values()]),
+                           generation, now,
                            _ready_reason(experts_ready, router_ready, len(experts),
-                                         *stage_conditions))
+                                         *stage_conditions, *pool_conditions))
     any_ready = router.ready > 0 or any(r.ready > 0 for r in [*experts.values(),
-                                                              *stages.values()])
+                                                              *stages.values(),
+                                                              *pooled.values()])
     phase = ("Failed" if failure else "Ready" if ready["status"] == "True" else
              "Progressing" if any_ready else "Pending")
     return {
@@ -275,8 +288,35 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                         "readyReplicas": stages[stage_key(role)].ready,
                         **_why(troubles.get(stage_key(role)))}
                        for role, stage in separate.items()]} if stages else {}),
-        "conditions": [ready, spec_valid, experts_ready, router_ready, *stage_conditions],
+        **({"pools": [{"name": name, "accelerator": pool.accelerator.describe(),
+                       "members": list(spec.members(name)),
+                       "replicas": pooled[pool_key(name)].desired,
+                       "readyReplicas": pooled[pool_key(name)].ready,
+                       **_why(troubles.get(pool_key(name)))}
+                      for name, pool in pools.items()]} if pools else {}),
+        "conditions": [ready, spec_valid, experts_ready, router_ready, *stage_conditions,
+                       *pool_conditions],
     }
+
+
+def _replicas_line(replicas: Replicas, trouble: Trouble | None) -> str:
+    """``ready/desired ready``, and why not where the pods say."""
+    return (f"{replicas.ready}/{replicas.desired} ready"
+            + (f": {trouble.message}" if trouble else ""))
+
+
+def _servers_condition(old: Mapping[str, Mapping[str, Any]], kind: str, what: str,
+                       servers: Mapping[str, tuple[Replicas, Trouble | None]],
+                       generation: int | None, now: str) -> dict[str, Any]:
+    """``StagesReady`` or ``PoolsReady`` (``kind``): all of ``servers`` (by the name the
+    message gives them: their replicas and their pods' trouble) ready, or which are not and
+    why."""
+    if all(r.complete for r, _ in servers.values()):
+        return _condition(old, f"{kind}Ready", True, generation, now,
+                          (f"All{kind}Ready", f"{len(servers)} {what} ready"))
+    return _condition(old, f"{kind}Ready", False, generation, now, (f"{kind}NotReady", "; ".join(
+        f"{name}: {_replicas_line(r, trouble)}" for name, (r, trouble) in servers.items()
+        if not r.complete)))
 
 
 def _why(trouble: Trouble | None) -> dict[str, str]:
@@ -289,10 +329,11 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
     generation = meta.get("generation")
     old = _by_type(previous)
     message = "; ".join(error.problems)
-    kept = [old[t] for t in ("ExpertsReady", "RouterReady", "StagesReady") if t in old]
+    kept = [old[t] for t in ("ExpertsReady", "RouterReady", "StagesReady", "PoolsReady")
+            if t in old]
     return {
         **{k: v for k, v in previous.items() if k in ("expertsReady", "routerURL", "router",
-                                                        "experts", "stages",
+                                                        "experts", "stages", "pools",
                                                         "routerTokenSecret", "tokenSecrets")},
         "observedGeneration": generation,
         "phase": "Invalid",

@@ -19,10 +19,11 @@ resets once the process has run 10 minutes (:class:`Backoff`). The kubelet's fir
 waits for it. Meanwhile the router answers requests that need the dead expert with a 503
 naming it (once its call deadline, ``--deadline-s``, has passed), and serves the others.
 ``fail_fast`` (``ddm up --fail-fast``) instead stops everything when one process dies.
-An expert with ``autoscaling.minReplicas: 0`` runs on demand (:mod:`ddm.runtime.scaling`): its
-process starts when the router's ``/v1/demand`` shows a generation needing it and stops after
-its scale-down delay without demand; what a request meanwhile gets is the router's
-``missingExpert`` policy (wait for it, or reroute to the best available experts).
+An expert or pool with ``autoscaling.minReplicas: 0`` runs on demand
+(:mod:`ddm.runtime.scaling`): its process starts when the router's ``/v1/demand`` shows a
+generation needing it (any of a pool's experts) and stops after its scale-down delay without
+demand; what a request meanwhile gets is the router's ``missingExpert`` policy (wait for it,
+or reroute to the best available experts): a pool at zero is all its experts missing.
 A server that cannot start leaves a one-line reason in its own termination-message file
 (``DDM_TERMINATION_LOG``, as Kubernetes would show it), and ``ddm up`` reports that line.
 """
@@ -52,6 +53,7 @@ from ddm.checkpoints.local import REPOSITORY_ROOT as REPOSITORY_ROOT
 from ddm.checkpoints.local import resolve_checkpoint as resolve_checkpoint
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.autoscaler import Scaled
 from ddm.deploy.limits import MAX_EXPERT_PROBE_BYTES, PORTS, ROUTER_PORT
 from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
@@ -91,7 +93,7 @@ class LocalPlan:
     """The processes to run; ``token_file``: the bearer token the router requires (None: auth
     is off); ``expert_token_file``: the one the router presents to its experts, which require
     it (another token, so that an expert never holds the public one); ``on_demand``: experts
-    with ``minReplicas: 0``, whose processes run only while there is demand for them;
+    and pools with ``minReplicas: 0``, whose processes run only while there is demand for them;
     ``stages``: the servers of the stages placed ``separate``; ``pools``: the pools' servers."""
 
     experts: tuple[ProcessSpec, ...]
@@ -127,9 +129,9 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     the public token's Secret into the router alone and the experts' into both.
 
     An expert with 0 replicas still gets one process: locally there is nothing to save, and
-    the router needs an address for each of its experts. One with ``autoscaling.minReplicas``
-    0 gets its process(es) on demand (:mod:`ddm.runtime.scaling`); with autoscaling, locally
-    ``max(1, minReplicas)`` processes."""
+    the router needs an address for each of its experts. One (or a pool) with
+    ``autoscaling.minReplicas`` 0 gets its process(es) on demand (:mod:`ddm.runtime.scaling`);
+    with autoscaling, locally ``max(1, minReplicas)`` processes."""
     plan = plan_deployment(manifest.spec)
     handed_out = {router_port}
 
@@ -154,15 +156,13 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
            ("PYTHONUNBUFFERED", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
     experts: list[ProcessSpec] = []
     discovery: dict[str, Discovery] = {}
+    scaled = {(unit.pool, unit.name): unit for unit in plan.autoscaled}
     on_demand: list[OnDemand] = []
     for expert in plan.unpooled_experts:
         checkpoint = str(locate(expert.checkpoint))
         endpoints = []
-        scaling = expert.autoscaling
-        processes = max(1, expert.replicas if scaling is None else scaling.min_replicas)
-        if scaling is not None and scaling.min_replicas == 0:
-            on_demand.append(OnDemand(expert.name, tuple(f"{expert.name}/{replica}" for replica
-                                                         in range(processes)), scaling))
+        processes = _on_demand(scaled.get((False, expert.name)), expert.name, expert.replicas,
+                               on_demand)
         for replica in range(processes):
             port, metrics_port = new_port(), new_port()
             argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port,
@@ -198,7 +198,9 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     for pool in plan.pools:
         member_dirs = {name: str(locate(checkpoint)) for name, checkpoint in pool.members}
         endpoints = []
-        for replica in range(pool.replicas):
+        processes = _on_demand(scaled.get((True, pool.name)), f"pool-{pool.name}",
+                               pool.replicas, on_demand)
+        for replica in range(processes):
             port, metrics_port = new_port(), new_port()
             argv = (*_ddm(), *pool.command(member_dirs, host, port, metrics_port, expert_token),
                     "--log-level", "warning")
@@ -220,6 +222,18 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                      Path(token) if token is not None else None,
                      Path(expert_token) if expert_token is not None else None,
                      tuple(on_demand), tuple(stages), tuple(pools))
+
+
+def _on_demand(unit: Scaled | None, name: str, replicas: int, on_demand: list[OnDemand]) -> int:
+    """How many processes server ``name`` (an expert, or ``pool-NAME``) runs here, named
+    ``name/0``, ``name/1``...: its ``replicas``, or, autoscaled (``unit``), its
+    ``minReplicas``; at least one. With ``minReplicas`` 0 they run on demand (added to
+    ``on_demand``)."""
+    processes = max(1, replicas if unit is None else unit.rules.min_replicas)
+    if unit is not None and unit.rules.min_replicas == 0:
+        on_demand.append(OnDemand(unit, tuple(f"{name}/{replica}"
+                                              for replica in range(processes))))
+    return processes
 
 
 def check_state_shapes(directories: dict[str, Path]) -> None:
@@ -548,8 +562,9 @@ def answers_ready(host: str, port: int) -> bool:
 
 
 def _scaler(plan: LocalPlan, supervisor: Supervisor, host: str, out: TextIO) -> Scaler:
-    """Starts and stops the plan's on-demand experts as the router's demand says."""
-    specs = {p.name: p for p in plan.experts}
+    """Starts and stops the plan's on-demand experts and pools as the router's demand
+    says."""
+    specs = {p.name: p for p in plan.servers}
     return Scaler(plan.on_demand, DemandPoller(plan.url, plan.token_file),
                   start=lambda name: supervisor.start(specs[name]), stop=supervisor.stop_one,
                   running=supervisor.running,

@@ -1,12 +1,15 @@
-"""Scale to zero in ``ddm up``: experts with ``autoscaling.minReplicas: 0`` run on demand.
+"""Scale to zero in ``ddm up``: experts and pools with ``autoscaling.minReplicas: 0`` run on
+demand.
 
-Such an expert's processes are not started with the others. The supervisor polls the router's
-``GET /v1/demand`` (:mod:`ddm.serving.router.demand`) every ``POLL_INTERVAL_S`` and, per expert,
-decides with the operator's rule (:func:`ddm.deploy.autoscaler.decide`, on at most its one
-local process): its process starts when a generation waits for it or it had demand within its
-scale-down delay (the router counts demand before rerouting, so with ``reroute`` a missing
-expert's demand starts it too), and stops once it has had none for the delay (a process
-still starting counts as in demand: the delay runs from when it can serve).
+Such an expert's (or pool's) processes are not started with the others. The supervisor polls
+the router's ``GET /v1/demand`` (:mod:`ddm.serving.router.demand`) every ``POLL_INTERVAL_S``
+and, per expert or pool, decides with the operator's rule (:func:`ddm.deploy.autoscaler.decide`
+on the demand :meth:`~ddm.deploy.autoscaler.Scaled.demand` sums over a pool's experts, on at
+most its one local process): its process starts when a generation waits for it (for any of a
+pool's experts) or it had demand within its scale-down delay (the router counts demand before
+rerouting, so with ``reroute`` a missing expert's demand starts it too), and stops once it has
+had none for the delay (a process still starting counts as in demand: the delay runs from when
+it can serve).
 :func:`demand_of` reads one expert's entry; :class:`DemandPoller` only reads the router, as a
 peer: a deadline, a capped body, and an answer it cannot read means "no change".
 """
@@ -19,8 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
-from ddm.deploy.autoscaler import Demand, History, decide
-from ddm.deploy.autoscaling import Autoscaling
+from ddm.deploy.autoscaler import Demand, History, Scaled, decide
 from ddm.serving.fetch import FetchError, fetch_json
 
 #: How often ``ddm up`` asks the router for its demand.
@@ -31,11 +33,16 @@ MAX_DEMAND_BYTES = 1024 * 1024
 
 @dataclass(frozen=True)
 class OnDemand:
-    """An expert run on demand: its processes (supervisor names) and its ``autoscaling``."""
+    """An expert or pool run on demand (``scaled``: its experts and ``autoscaling``) and its
+    processes (supervisor names)."""
 
-    expert: str
+    scaled: Scaled
     processes: tuple[str, ...]
-    rules: Autoscaling
+
+    @property
+    def label(self) -> str:
+        """How the log names it."""
+        return f"pool {self.scaled.name}" if self.scaled.pool else self.scaled.name
 
 
 def demand_of(entry: Any, since_s: float) -> Demand | None:
@@ -53,7 +60,8 @@ def demand_of(entry: Any, since_s: float) -> Demand | None:
 
 
 class Scaler:
-    """Starts and stops the on-demand experts' processes as their demand says, at most every
+    """Starts and stops the on-demand experts' and pools' processes as their demand says, at
+    most every
     ``POLL_INTERVAL_S`` (:meth:`tick` is called from the supervisor's loop); ``start``,
     ``stop``, ``running`` and ``ready`` act on one process by name. Counts ``cold_starts`` and
     says when a started expert is ready, so that its cold start shows in the log. An expert
@@ -70,8 +78,8 @@ class Scaler:
         self._start_timeout_s = start_timeout_s
         self._next_poll = 0.0
         self._last_read = float("-inf")  # the first reading counts any demand as recent
-        self._histories: dict[str, History] = {}
-        self._warming: dict[str, float] = {}  # expert -> when it was scaled up, until ready
+        self._histories: dict[str, History] = {}  # by Scaled.key
+        self._warming: dict[str, float] = {}  # Scaled.key -> when scaled up, until ready
         self.cold_starts = 0
 
     @property
@@ -90,30 +98,33 @@ class Scaler:
             return
         since, self._last_read = now - self._last_read, now
         for expert in self._experts:
-            seen = demand_of(demand.get(expert.expert), since)
-            if seen is None:
+            key = expert.scaled.key
+            read = {name: demand_of(demand.get(name), since) for name in expert.scaled.experts}
+            members = {name: seen for name, seen in read.items() if seen is not None}
+            if len(members) < len(read):
                 continue
-            if now - self._warming.get(expert.expert, float("-inf")) < self._start_timeout_s:
+            seen = expert.scaled.demand(members)
+            if now - self._warming.get(key, float("-inf")) < self._start_timeout_s:
                 # still starting: its delay counts once it can serve, or a cold start longer
                 # than the delay (a rerouted step's demand) would stop it before it ever did
                 seen = replace(seen, active=True)
             running = any(self._running(name) for name in expert.processes)
             # locally all of its processes or none (one for minReplicas 0)
-            rules = replace(expert.rules, max_replicas=len(expert.processes))
+            rules = replace(expert.scaled.rules, max_replicas=len(expert.processes))
             current = len(expert.processes) if running else 0
-            history = self._histories.get(expert.expert, History())
-            wanted, self._histories[expert.expert] = decide(rules, current, seen, history, now)
+            history = self._histories.get(key, History())
+            wanted, self._histories[key] = decide(rules, current, seen, history, now)
             if wanted > current:
                 self.cold_starts += 1
-                print(f"scaling {expert.expert} up from zero: a generation needs it",
+                print(f"scaling {expert.label} up from zero: a generation needs it",
                       file=self._out, flush=True)
-                self._warming[expert.expert] = now
+                self._warming[key] = now
                 for name in expert.processes:
                     self._start(name)
             elif wanted < current:
-                self._warming.pop(expert.expert, None)
-                print(f"scaling {expert.expert} to zero: no demand for "
-                      f"{expert.rules.scale_down_delay_s:g} s", file=self._out, flush=True)
+                self._warming.pop(key, None)
+                print(f"scaling {expert.label} to zero: no demand for "
+                      f"{rules.scale_down_delay_s:g} s", file=self._out, flush=True)
                 for name in expert.processes:
                     self._stop(name)
 
@@ -121,10 +132,10 @@ class Scaler:
         """Say which experts scaled up from zero have every process ready, and after how
         long (the cold start, as this runtime sees it)."""
         for expert in self._experts:
-            since = self._warming.get(expert.expert)
+            since = self._warming.get(expert.scaled.key)
             if since is not None and all(self._ready(name) for name in expert.processes):
-                del self._warming[expert.expert]
-                print(f"{expert.expert} is ready ({now - since:.1f} s after scaling up from "
+                del self._warming[expert.scaled.key]
+                print(f"{expert.label} is ready ({now - since:.1f} s after scaling up from "
                       "zero)", file=self._out, flush=True)
 
 

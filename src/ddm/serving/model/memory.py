@@ -111,12 +111,13 @@ class PoolMemory:
                 "limit_source": None if self.limit is None else self.limit.source}
 
     def refusal(self) -> str:
-        """Why the pool does not fit: each member's bytes, the sum and the limit."""
+        """Why the pool does not fit: the sum and the limit first (a pod's status keeps the
+        start of a long line), then each member's bytes."""
         assert self.limit is not None, "a pool without a limit always fits"
         each = "; ".join(f"{name} {m.total:,} bytes ({m.weights:,} of weights + {m.activations:,} "
                          f"of activations for {m.rows} rows)" for name, m in self.members.items())
-        return (f"the pool's members do not fit: {each}; sum {self.total:,} bytes > limit "
-                f"{self.limit.bytes:,} bytes ({self.limit.source})")
+        return (f"the pool's members do not fit: sum {self.total:,} bytes > limit "
+                f"{self.limit.bytes:,} bytes ({self.limit.source}); {each}")
 
 
 def member_bytes(directory: Path, precision: str | None, rows: int) -> MemberBytes:

@@ -47,6 +47,7 @@ from starlette.types import ASGIApp
 
 from ddm.checkpoints.declared import EXPERT, STAGE_ROLES, read_declaration
 from ddm.checkpoints.format import CheckpointError
+from ddm.deploy.pools import MemberDeclaration, member_disagreements
 from ddm.deploy.router_config import MEMBER_NAME_PATTERN
 from ddm.serving.http import ServerControl, probe_responses, run_server
 from ddm.serving.model.label import LabelExpert
@@ -154,6 +155,12 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
                 raise
             kind = CheckpointError if isinstance(error, CheckpointError) else ValueError
             raise kind(f"member {name}: {error}") from error
+    disagreements = member_disagreements({
+        name: MemberDeclaration(m.declared.role, m.declared.latent_shape, m.declared.text_width,
+                                m.declared.convention)
+        for name, m in members.items() if isinstance(m, StageMember)})
+    if disagreements:
+        raise ValueError("; ".join(disagreements))
     memory = PoolMemory({name: member_bytes(m.directory, options.precision, m.limits.max_batch)
                          for name, m in members.items()},
                         memory_limit(options.memory_limit_bytes, options.device,
