@@ -16,8 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+#: A claim's URI (pvc://CLAIM[/SUB/PATH]) and the absolute path after image:// or file://: the
+#: parts of ``URI_PATTERN`` that a DDMTraining's volumes (a claim or a host path) take too.
+CLAIM_URI = r"pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/\s]+)*/?"
+ABSOLUTE_PATH = r"(/[^/\s]+)+/?"
 URI_PATTERN = (
-    r"^(pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/\s]+)*/?|(image|file)://(/[^/\s]+)+/?"
+    rf"^({CLAIM_URI}|(image|file)://{ABSOLUTE_PATH}"
     r"|https?://[^/\s]+(/\S*)?|(s3|gs)://[a-z0-9][-a-z0-9._]*[a-z0-9](/\S*)?)$"
 )
 MAX_URI_LENGTH = 1024

@@ -65,6 +65,8 @@ from ddm.deploy.spec import (
 from ddm.sampling_params import GUIDANCE_CUTOFF, GUIDANCE_SCALE, PARAMS, Param
 
 PLURAL = "ddmdeployments"
+#: The labels of every CRD of this operator.
+LABELS = {"app.kubernetes.io/name": "ddm-operator", "app.kubernetes.io/part-of": "ddm"}
 #: What ``status.phase`` says (``ddm.operator.status`` decides it).
 PHASES = ("Pending", "Progressing", "Ready", "Failed", "Invalid")
 #: Sampling parameters the API server writes no default for (text DDMs only).
@@ -127,22 +129,31 @@ CHECKPOINT = Object(one_of=(("uri",), ("uriFrom",)), properties={
 })
 
 # -- Where a component runs: its accelerator and the pod fields passed through -----------------
-ACCELERATOR = Object(properties={
-    "type": String(choices=tuple(ACCELERATORS), default=HOST),
-    "count": Integer(
-        description="Devices per replica (neuron: 1-16 devices or 1-32 cores, nvidia: 1-8, "
-                    "tpu: 1, 4 or 8 chips); not for cpu. Defaults to 1.",
-        minimum=1, maximum=limits.MAX_ACCELERATOR_COUNT),
-    "unit": String(description="neuron only: request whole devices (default) or NeuronCores.",
-                   choices=unit_names()),
-    "product": String(
-        description="nvidia: the nvidia.com/gpu.product node label to require; tpu: the "
-                    "cloud.google.com/gke-tpu-accelerator (default tpu-v5-lite-podslice).",
-        max_length=MAX_LABEL_VALUE_LENGTH, pattern=PRODUCT_PATTERN),
-    "topology": String(
-        description="tpu only: the slice topology (default from count: 1x1, 2x2, 2x4).",
-        pattern=TOPOLOGY_PATTERN),
-})
+
+
+def accelerator_field(each: str) -> Object:
+    """An ``accelerator`` (``ddm.deploy.accelerators``), its count being devices per ``each``
+    (a serving replica, a training node)."""
+    return Object(properties={
+        "type": String(choices=tuple(ACCELERATORS), default=HOST),
+        "count": Integer(
+            description=f"Devices per {each} (neuron: 1-16 devices or 1-32 cores, nvidia: 1-8, "
+                        "tpu: 1, 4 or 8 chips); not for cpu. Defaults to 1.",
+            minimum=1, maximum=limits.MAX_ACCELERATOR_COUNT),
+        "unit": String(
+            description="neuron only: request whole devices (default) or NeuronCores.",
+            choices=unit_names()),
+        "product": String(
+            description="nvidia: the nvidia.com/gpu.product node label to require; tpu: the "
+                        "cloud.google.com/gke-tpu-accelerator (default tpu-v5-lite-podslice).",
+            max_length=MAX_LABEL_VALUE_LENGTH, pattern=PRODUCT_PATTERN),
+        "topology": String(
+            description="tpu only: the slice topology (default from count: 1x1, 2x2, 2x4).",
+            pattern=TOPOLOGY_PATTERN),
+    })
+
+
+ACCELERATOR = accelerator_field("replica")
 QUANTITIES = Object(values=Quantity(pattern=QUANTITY_PATTERN))
 RESOURCES = Object(
     description="Requests and limits as for a container (quantities such as 500m, 2, 512Mi); "
@@ -150,6 +161,7 @@ RESOURCES = Object(
     properties={"limits": QUANTITIES, "requests": QUANTITIES})
 LABEL_VALUE = String(max_length=MAX_LABEL_VALUE_LENGTH, pattern=LABEL_VALUE_PATTERN)
 #: The pod fields every placed component passes through (``ddm.deploy.pod_options``).
+FRAMEWORK = String(choices=limits.FRAMEWORKS, default=limits.FRAMEWORKS[0])
 POD_FIELDS: dict[str, Field] = {
     "image": String(
         description="Overrides the operator's default image (a plain image reference): one of "
@@ -334,7 +346,7 @@ ROUTER = Object(default={}, properties={
 # -- The experts and the pools ------------------------------------------------------------------
 EXPERT = Object(required=("name", "checkpoint"), properties={
     "name": MEMBER_NAME,
-    "framework": String(choices=limits.FRAMEWORKS, default="torch"),
+    "framework": FRAMEWORK,
     "accelerator": ACCELERATOR,
     "checkpoint": CHECKPOINT,
     "precision": STAGE_PLACEMENT["precision"],
@@ -472,7 +484,7 @@ STATUS = Object(properties={
 
 DDM_DEPLOYMENT = CustomResource(
     group=GROUP, version=VERSION, kind=KIND, plural=PLURAL, short_names=("ddm",),
-    labels={"app.kubernetes.io/name": "ddm-operator", "app.kubernetes.io/part-of": "ddm"},
+    labels=LABELS,
     root=Object(required=("spec",), properties={
         "apiVersion": String(),
         "kind": String(),

@@ -69,6 +69,14 @@ class Number(Field):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Boolean(Field):
+    """true or false."""
+
+    def schema(self) -> dict[str, Any]:
+        return {"type": "boolean"}
+
+
+@dataclass(frozen=True, kw_only=True)
 class String(Field):
     """A string: one of ``choices``, or matching ``pattern``, of ``min_length`` ..
     ``max_length`` characters; ``format`` (``date-time``) as OpenAPI spells it."""

@@ -19,13 +19,14 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.checkpoints.uri import CheckpointSource, parse_checkpoint
+from ddm.checkpoints.uri import ABSOLUTE_PATH, CLAIM_URI, CheckpointSource, parse_checkpoint
 from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
 from ddm.deploy.pod_options import (
     IMAGE_PATTERN,
     MAX_IMAGE_LENGTH,
+    MAX_LABEL_VALUE_LENGTH,
     PodOptions,
     parse_pod_options,
 )
@@ -51,22 +52,33 @@ PLURAL = "ddmtrainings"
 API_VERSION = f"{GROUP}/{VERSION}"
 #: ``job``: a batch/v1 Job per job (one node; torchrun --standalone inside), which every cluster
 #: has; ``kubeflow-trainer``: a Kubeflow Trainer v2 TrainJob (many nodes; Kueue may queue it).
+#: The first of these choices (and of the two below) is the default.
 ENGINES = ("job", "kubeflow-trainer")
 #: ``digits``: embedded in the package; ``mnist``: the four IDX files on a volume.
 DATASETS = ("digits", "mnist")
 #: What ``ddm partition fit`` clusters (``ddm.data.features``).
 FEATURES = ("hog", "pixels")
-#: Where the data and the outputs may live: a claim, or a host path (local runs, dev clusters).
+#: Where the data and the outputs may live: a claim, or a host path (local runs, dev clusters);
+#: the URIs of those schemes (``parse_checkpoint`` reads them).
 VOLUME_SCHEMES = ("pvc", "file")
+VOLUME_URI_PATTERN = rf"^({CLAIM_URI}|file://{ABSOLUTE_PATH})$"
 #: A named UNet config (``ddm.models.config.UNET_CONFIGS``, checked by the trainer).
 MODEL_CONFIG_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+MAX_MODEL_CONFIG_LENGTH = 63
+DEFAULT_MODEL_CONFIG = "digits-small"
+#: A Kueue LocalQueue's name, which its jobs carry as a label value.
+QUEUE_PATTERN = EXPERT_NAME_PATTERN
+MAX_QUEUE_LENGTH = MAX_LABEL_VALUE_LENGTH
 MAX_NODES = 64
 MAX_PROCESSES_PER_NODE = 64
 MAX_STEPS = 10_000_000
 MAX_BATCH_SIZE = 1 << 16
 MAX_SEED = 2**31 - 1
 MAX_KMEANS = MAX_EXPERTS
+MIN_IMAGE_SIZE = 4
 MAX_IMAGE_SIZE = 1024
+MIN_LEARNING_RATE = 1e-8
+MAX_LEARNING_RATE = 10.0
 #: ``ddm train``'s defaults (``ddm.training.cli``); a spec that leaves a setting out gets these.
 EXPERT_DEFAULTS = {"steps": 1500, "batchSize": 128, "learningRate": 2e-3}
 ROUTER_DEFAULTS = {"steps": 1500, "batchSize": 256, "learningRate": 2e-3}
@@ -196,7 +208,7 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
     ``allow_host_paths`` accepts file:// data and outputs (local runs, development clusters)."""
     problems: list[str] = []
     reader = FieldReader(raw, "spec", problems)
-    engine = reader.string("engine", "job", choices=ENGINES) or "job"
+    engine = reader.string("engine", ENGINES[0], choices=ENGINES) or ENGINES[0]
     image = reader.string("image", None, pattern=IMAGE_PATTERN, max_length=MAX_IMAGE_LENGTH,
                           hint="an image reference such as registry.example.com/ddm:1.0")
     data = _data(reader.child("data"), allow_host_paths)
@@ -211,7 +223,7 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
                     if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), i)))
     router = _router(reader.child("router"))
     deployment = _deployment(reader.child("deployment"))
-    queue = reader.string("queue", None, pattern=EXPERT_NAME_PATTERN, max_length=63,
+    queue = reader.string("queue", None, pattern=QUEUE_PATTERN, max_length=MAX_QUEUE_LENGTH,
                           hint="a Kueue LocalQueue's name")
     reader.done()
     spec = TrainingSpec(engine=engine, data=data, output=output,  # type: ignore[arg-type]
@@ -247,7 +259,7 @@ def _volume(reader: FieldReader, key: str, allow_host_paths: bool) -> Checkpoint
 
 
 def _data(reader: FieldReader, allow_host_paths: bool) -> DataSource:
-    dataset = reader.string("dataset", "digits", choices=DATASETS) or "digits"
+    dataset = reader.string("dataset", DATASETS[0], choices=DATASETS) or DATASETS[0]
     volume = None
     if dataset == "mnist":
         volume = _volume(reader, "uri", allow_host_paths)
@@ -277,8 +289,8 @@ def _partition(reader: FieldReader) -> PartitionSpec:
         return PartitionSpec(label_groups=tuple(tuple(g) for g in groups))
     partition = PartitionSpec(
         kmeans=kmeans.integer("clusters", 0, 1, MAX_KMEANS) or 0,
-        features=kmeans.string("features", "hog", choices=FEATURES) or "hog",
-        image_size=kmeans.integer("imageSize", 0, 4, MAX_IMAGE_SIZE) or 0,
+        features=kmeans.string("features", FEATURES[0], choices=FEATURES) or FEATURES[0],
+        image_size=kmeans.integer("imageSize", 0, MIN_IMAGE_SIZE, MAX_IMAGE_SIZE) or 0,
         seed=kmeans.integer("seed", 0, 0, MAX_SEED) or 0)
     for key in ("clusters", "imageSize"):
         if not kmeans.has(key):
@@ -292,7 +304,8 @@ def _train(reader: FieldReader, defaults: Mapping[str, Any]) -> TrainSettings:
     return TrainSettings(
         steps=reader.integer("steps", defaults["steps"], 1, MAX_STEPS) or 1,
         batch_size=reader.integer("batchSize", defaults["batchSize"], 1, MAX_BATCH_SIZE) or 1,
-        learning_rate=reader.number("learningRate", defaults["learningRate"], 1e-8, 10.0)
+        learning_rate=reader.number("learningRate", defaults["learningRate"],
+                                    MIN_LEARNING_RATE, MAX_LEARNING_RATE)
         or defaults["learningRate"],
         seed=reader.integer("seed", 0, 0, MAX_SEED) or 0,
         save_every=reader.integer("saveEvery", SAVE_EVERY, 1, MAX_STEPS) or SAVE_EVERY)
@@ -321,12 +334,13 @@ def _expert(reader: FieldReader, index: int) -> ExpertTraining | None:
                          hint="a DNS-1123 label: lower-case letters, digits and '-'")
     if not reader.has("name"):
         reader.problem("name", "is required")
-    framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
+    framework = reader.string("framework", FRAMEWORKS[0], choices=FRAMEWORKS) or FRAMEWORKS[0]
     expert = ExpertTraining(
         name=name or "", framework=framework,
-        model=reader.string("model", "digits-small", pattern=MODEL_CONFIG_PATTERN,
-                            max_length=63, hint="a named UNet config, e.g. digits-small")
-        or "digits-small",
+        model=reader.string("model", DEFAULT_MODEL_CONFIG, pattern=MODEL_CONFIG_PATTERN,
+                            max_length=MAX_MODEL_CONFIG_LENGTH,
+                            hint="a named UNet config, e.g. digits-small")
+        or DEFAULT_MODEL_CONFIG,
         index=index, train=_train(reader, EXPERT_DEFAULTS), workers=_workers(reader, framework))
     reader.done()
     return expert if name else None
