@@ -1,10 +1,11 @@
 """Write the CRDs, the chart's copies and the chart's derived values schema from the declarations.
 
 Each custom resource's fields are declared once in Python (``ddm.deploy.crd`` for the
-DDMDeployment; ``ddm.deploy.schema`` holds the types and the generator); this script writes
-``crds/<plural>.<group>.yaml`` and the chart's copy of each, and, in the chart's hand-written
-``values.schema.json``, the settings that mirror a declaration (``VALUES_PARTS``). ``make lint``
-and tests/unit/test_generated_files.py fail while a committed file differs from what this writes.
+DDMDeployment, ``ddm.deploy.training_crd`` for the DDMTraining; ``ddm.deploy.schema`` holds the
+types and the generator); this script writes ``crds/<plural>.<group>.yaml`` and the chart's copy
+of each, and, in the chart's hand-written ``values.schema.json``, the settings that mirror a
+declaration (``VALUES_PARTS``). ``make lint`` and tests/unit/test_generated_crds.py fail while a
+committed file differs from what this writes.
 
     python scripts/generate_crds.py            # rewrite them (make generate)
     python scripts/generate_crds.py --check    # exit 1 naming each file out of date
@@ -21,6 +22,7 @@ from typing import Any
 from ddm.deploy.accelerators import image_families
 from ddm.deploy.crd import DDM_DEPLOYMENT
 from ddm.deploy.schema import CustomResource, Field, String, crd_yaml, openapi
+from ddm.deploy.training_crd import DDM_TRAINING
 from ddm.operator.policy import CHECKPOINT_ENTRY_PATTERN, NAME_ENTRY_PATTERN, WORD_ENTRY_PATTERN
 from ddm.sampling_params import STRATEGY
 
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "ddm-operator"
 VALUES_SCHEMA = CHART / "values.schema.json"
 #: The custom resources this repository defines: one file each under crds/ and the chart's crds/.
-RESOURCES: tuple[CustomResource, ...] = (DDM_DEPLOYMENT,)
+RESOURCES: tuple[CustomResource, ...] = (DDM_DEPLOYMENT, DDM_TRAINING)
 #: The chart values that take what a declaration takes, by their path in values.schema.json: a
 #: field declared (its schema), or the JSON written there. An image per image family of the
 #: accelerator registry (``ddm.deploy.accelerators``) and the operator's own; the operator's
