@@ -78,10 +78,9 @@ lint: $(STAMP)
 clean:
 	rm -rf $(VENV) out
 
-# The chart can only read files inside it: refresh its copies of the example and of the
-# DDMTraining CRD, still written by hand (`make generate` writes the DDMDeployment's).
+# The chart can only read files inside it: refresh its copy of the example (`make generate`
+# writes its CRDs).
 chart-sync:
-	cp crds/ddmtrainings.ddm.dev.yaml charts/ddm-operator/crds/
 	cp examples/digits.yaml charts/ddm-operator/examples/
 
 # Files generated from the declarations in src/ (never edited by hand; `make lint` fails while

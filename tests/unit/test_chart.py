@@ -277,14 +277,6 @@ def test_the_charts_example_is_the_example() -> None:
         "`make chart-sync`")
 
 
-def test_the_charts_training_crd_is_the_crd() -> None:
-    """The DDMTraining CRD is still written by hand (not yet a declaration of
-    scripts/generate_crds.py): the chart holds a copy."""
-    name = "crds/ddmtrainings.ddm.dev.yaml"
-    assert (CHART / name).read_text() == (ROOT / name).read_text(), (
-        f"charts/ddm-operator/{name} differs from {name}: run `make chart-sync`")
-
-
 def test_the_fetch_cap_and_the_cluster_dns_reach_the_operator(helm: Path) -> None:
     from ddm.operator.config import OperatorConfig
 

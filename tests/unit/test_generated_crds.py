@@ -1,33 +1,69 @@
 """The CRDs and the chart's derived values schema are generated from the declarations
-(``ddm.deploy.schema``, ``ddm.deploy.crd``, ``scripts/generate_crds.py``): the committed files
-are what the script writes; the spec parser refuses every value the generated schema refuses
+(``ddm.deploy.schema``, ``ddm.deploy.crd``, ``ddm.deploy.training_crd``,
+``scripts/generate_crds.py``): the committed files are what the script writes; each resource's
+spec parser (DDMDeployment, DDMTraining) refuses every value the generated schema refuses
 (types, bounds, enums, patterns, lengths) and takes the values at its edges and each of its
-choices, so a spec no API server has seen (``ddm up``, ``ddm render``, ``ddm diagram``) is held
-to the API server's rules; and it defaults as the API server does."""
+choices, so a spec no API server has seen (``ddm up``, ``ddm train-all``, ``ddm render``,
+``ddm diagram``) is held to the API server's rules; and it defaults as the API server does."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jsonschema
 import pytest
 import yaml
 
-from ddm.deploy import crd
+from ddm.deploy import crd, training_crd
 from ddm.deploy.schema import (Column, CustomResource, Integer, Number, Object, String,
                                crd_yaml, openapi)
 from ddm.deploy.spec import SpecError, parse_spec
-from tests.support.examples import deployment_examples
+from ddm.deploy.training_spec import parse_training_spec
+from tests.support.examples import examples_of
 
 ROOT = Path(__file__).resolve().parents[2]
-#: A spec the parser takes, to which each case sets one field.
-BASE = {"router": {"checkpoint": {"uri": "image:///r"}},
-        "experts": [{"name": "e", "checkpoint": {"uri": "image:///e"}}]}
 ITEM, ENTRY = "[0]", "['cpu']"
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A custom resource's declared ``spec``, the parser of its spec (``parse(raw,
+    allow_host_paths=...)``), and a spec the parser takes to which each case sets one field:
+    ``minimal``, with ``readers``: what a field under a path needs beside it to be read (a
+    DDMTraining reads data.uri for mnist only, and kmeans only without labelGroups)."""
+
+    spec: Object
+    parse: Callable[..., Any]
+    minimal: dict[str, Any]
+    readers: dict[tuple[str, ...], dict[str, Any]]
+
+    def base(self, path: tuple[str, ...]) -> dict[str, Any]:
+        """A copy of ``minimal`` that reads the field at ``path``."""
+        document = copy.deepcopy(self.minimal)
+        for prefix, needed in self.readers.items():
+            if path[:len(prefix)] == prefix:
+                document.update(copy.deepcopy(needed))
+        return document
+
+
+RESOURCES = {
+    "DDMDeployment": Resource(
+        crd.SPEC, parse_spec, readers={},
+        minimal={"router": {"checkpoint": {"uri": "image:///r"}},
+                 "experts": [{"name": "e", "checkpoint": {"uri": "image:///e"}}]}),
+    "DDMTraining": Resource(
+        training_crd.SPEC, parse_training_spec,
+        minimal={"output": {"uri": "pvc://out"}, "partition": {"labelGroups": [[0]]},
+                 "experts": [{"name": "e"}], "deployment": {"name": "d"}},
+        readers={("data", "uri"): {"data": {"dataset": "mnist"}},
+                 ("partition", "kmeans"): {"partition": {"kmeans": {"clusters": 1,
+                                                                    "imageSize": 8}}}}),
+}
 
 
 def _script() -> ModuleType:
@@ -117,6 +153,8 @@ def _refused(schema: dict[str, Any]) -> list[Any]:
             found.append("a" * (schema["maxLength"] + 1))
         if schema.get("minLength"):
             found.append("")
+    elif kind == "boolean":
+        found.append("seven")
     elif schema.get("x-kubernetes-int-or-string"):
         found.append("lots")
     return found
@@ -141,36 +179,49 @@ def _set(document: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
             parent = parent[slot]
 
 
-CASES = [(path, value) for path, schema in _leaves(openapi(crd.SPEC), ())
+def _where(path: tuple[str, ...]) -> str:
+    """The path the parser names a field by; a list of numbers is named as a whole
+    (``classes``, ``labelGroups``)."""
+    where = "spec" + "".join(k if k in (ITEM, ENTRY) else f".{k}" for k in path)
+    while where.endswith(ITEM):
+        where = where.removesuffix(ITEM)
+    return where
+
+
+CASES = [(kind, path, value) for kind, resource in RESOURCES.items()
+         for path, schema in _leaves(openapi(resource.spec), ())
          for value in _refused(schema)]
 
 
-@pytest.mark.parametrize("path, value", CASES,
-                         ids=[f"{'.'.join(p)}={v!r}"[:80] for p, v in CASES])
-def test_the_parser_refuses_what_the_crd_refuses(path: tuple[str, ...], value: Any) -> None:
-    document = copy.deepcopy(BASE)
+@pytest.mark.parametrize("kind, path, value", CASES,
+                         ids=[f"{k}:{'.'.join(p)}={v!r}"[:90] for k, p, v in CASES])
+def test_the_parser_refuses_what_the_crd_refuses(kind: str, path: tuple[str, ...],
+                                                 value: Any) -> None:
+    resource = RESOURCES[kind]
+    document = resource.base(path)
     _set(document, path, value)
-    assert not jsonschema.Draft4Validator(openapi(crd.SPEC)).is_valid(document)
-    # Reported at the field, naming the value (a list of numbers as a whole: ``classes``).
-    where = "spec" + "".join(k if k in (ITEM, ENTRY) else f".{k}" for k in path)
-    where = where.removesuffix(ITEM)
+    assert not jsonschema.Draft4Validator(openapi(resource.spec)).is_valid(document)
+    # Reported at the field, naming the value.
     with pytest.raises(SpecError) as caught:
-        parse_spec(document)
-    assert any(p.startswith(where) and (repr(value) in p or str(value) in p)
+        resource.parse(document)
+    assert any(p.startswith(_where(path)) and (repr(value) in p or str(value) in p)
                for p in caught.value.problems), caught.value.problems
 
 
+@pytest.mark.parametrize("kind", list(RESOURCES))
 @pytest.mark.parametrize("field", ["nodeSelector", "tolerations"])
-def test_the_parser_refuses_a_pod_field_longer_than_the_crd_takes(field: str) -> None:
-    declared = openapi(crd.POD_FIELDS[field])
+def test_the_parser_refuses_a_pod_field_longer_than_the_crd_takes(kind: str,
+                                                                  field: str) -> None:
+    resource = RESOURCES[kind]
+    declared = openapi(resource.spec)["properties"]["experts"]["items"]["properties"][field]
     size = declared.get("maxProperties", declared.get("maxItems")) + 1
-    document = copy.deepcopy(BASE)
+    document = resource.base(("experts",))
     document["experts"][0][field] = (
         {f"example.com/k{i}": "v" for i in range(size)} if field == "nodeSelector"
         else [{"key": f"k{i}", "operator": "Exists"} for i in range(size)])
-    assert not jsonschema.Draft4Validator(openapi(crd.SPEC)).is_valid(document)
+    assert not jsonschema.Draft4Validator(openapi(resource.spec)).is_valid(document)
     with pytest.raises(SpecError) as caught:
-        parse_spec(document)
+        resource.parse(document)
     assert any(p.startswith(f"spec.experts[0].{field}: must ") and f"got {size}" in p
                for p in caught.value.problems), caught.value.problems
 
@@ -188,18 +239,28 @@ def _defaulted(schema: dict[str, Any], value: Any) -> Any:
     return value
 
 
-SPECS = {"minimal": BASE, **{path.name: yaml.safe_load(path.read_text())["spec"]
-                             for path in deployment_examples()}}
+SPECS = [(kind, "minimal", resource.minimal) for kind, resource in RESOURCES.items()] + [
+    (kind, path.name, yaml.safe_load(path.read_text())["spec"])
+    for kind in RESOURCES for path in examples_of(kind)]
+SPEC_IDS = [f"{kind}:{name}" for kind, name, _ in SPECS]
 
 
-@pytest.mark.parametrize("name", list(SPECS))
-def test_the_parser_defaults_what_the_crd_defaults(name: str) -> None:
-    """A spec read from a file (``ddm up``) and the one the API server stores (its defaults
-    filled in) are the same DDM."""
-    raw = SPECS[name]
-    stored = _defaulted(openapi(crd.SPEC), raw)
-    assert stored != raw
-    assert parse_spec(stored, allow_host_paths=True) == parse_spec(raw, allow_host_paths=True)
+@pytest.mark.parametrize("kind, name, raw", SPECS, ids=SPEC_IDS)
+def test_the_parser_defaults_what_the_crd_defaults(kind: str, name: str,
+                                                   raw: dict[str, Any]) -> None:
+    """A spec read from a file (``ddm up``, ``ddm train-all``) and the one the API server
+    stores (its defaults filled in) are the same resource."""
+    resource = RESOURCES[kind]
+    stored = _defaulted(openapi(resource.spec), raw)
+    assert (resource.parse(stored, allow_host_paths=True)
+            == resource.parse(raw, allow_host_paths=True))
+
+
+@pytest.mark.parametrize("kind", list(RESOURCES))
+def test_the_api_server_fills_defaults_into_a_minimal_spec(kind: str) -> None:
+    """What the test above compares differs: the CRD's defaults reach a minimal spec."""
+    minimal = RESOURCES[kind].minimal
+    assert _defaulted(openapi(RESOURCES[kind].spec), minimal) != minimal
 
 
 
@@ -213,25 +274,26 @@ def _taken(schema: dict[str, Any]) -> list[Any]:
     return list(schema.get("enum", []))
 
 
-TAKEN = [(path, schema, value) for path, schema in _leaves(openapi(crd.SPEC), ())
+TAKEN = [(kind, path, schema, value) for kind, resource in RESOURCES.items()
+         for path, schema in _leaves(openapi(resource.spec), ())
          for value in _taken(schema)]
 
 
-@pytest.mark.parametrize("path, schema, value", TAKEN,
-                         ids=[f"{'.'.join(p)}={v!r}"[:80] for p, _, v in TAKEN])
-def test_the_parser_takes_what_the_crd_takes(path: tuple[str, ...], schema: dict[str, Any],
-                                             value: Any) -> None:
+@pytest.mark.parametrize("kind, path, schema, value", TAKEN,
+                         ids=[f"{k}:{'.'.join(p)}={v!r}"[:90] for k, p, _, v in TAKEN])
+def test_the_parser_takes_what_the_crd_takes(kind: str, path: tuple[str, ...],
+                                             schema: dict[str, Any], value: Any) -> None:
     """At the edges of the CRD's bounds and at each of its choices the parser refuses no value
     as out of range (a rule across fields may refuse it, with a message of its own)."""
     assert jsonschema.Draft4Validator(schema).is_valid(value)
-    document = copy.deepcopy(BASE)
+    resource = RESOURCES[kind]
+    document = resource.base(path)
     _set(document, path, value)
-    where = "spec" + "".join(k if k in (ITEM, ENTRY) else f".{k}" for k in path)
     try:
-        parse_spec(document)
+        resource.parse(document)
     except SpecError as error:
         assert not [p for p in error.problems if "unknown fields" in p
-                    or p.startswith(f"{where.removesuffix(ITEM)}:") and f"got {value!r}" in p]
+                    or p.startswith(f"{_where(path)}:") and f"got {value!r}" in p]
 
 
 def _undeclared(schema: dict[str, Any], value: Any, path: str) -> Iterator[str]:
@@ -248,8 +310,9 @@ def _undeclared(schema: dict[str, Any], value: Any, path: str) -> Iterator[str]:
             yield from _undeclared(schema.get("items", {}), item, f"{path}[{i}]")
 
 
-@pytest.mark.parametrize("name", list(SPECS))
-def test_every_field_the_parser_reads_in_an_example_is_declared(name: str) -> None:
+@pytest.mark.parametrize("kind, name, raw", SPECS, ids=SPEC_IDS)
+def test_every_field_the_parser_reads_in_an_example_is_declared(kind: str, name: str,
+                                                                raw: dict[str, Any]) -> None:
     """The API server would drop a field the CRD does not declare: the examples, which the
     parser reads, use none."""
-    assert list(_undeclared(openapi(crd.SPEC), SPECS[name], "spec")) == []
+    assert list(_undeclared(openapi(RESOURCES[kind].spec), raw, "spec")) == []
