@@ -127,14 +127,6 @@ def test_a_private_bucket_is_read_with_keys_from_the_environment(
     _assert_smoke(dest, smoke_expert_checkpoint)
 
 
-@pytest.fixture
-def termination_log(tmp_path_factory, monkeypatch) -> Path:
-    """Where the CLI leaves its termination message (never the host's /dev)."""
-    path = tmp_path_factory.mktemp("termination") / "message"
-    monkeypatch.setenv("DDM_TERMINATION_LOG", str(path))
-    return path
-
-
 def _aws_credentials_file(path: Path, key_id: str, secret: str, token: str | None = None
                           ) -> Path:
     """An AWS shared credentials file, as ``aws configure`` writes it."""
