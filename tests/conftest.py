@@ -64,6 +64,15 @@ _AWS_CREDENTIAL_VARIABLES = (
 
 
 @pytest.fixture
+def termination_log(tmp_path_factory: pytest.TempPathFactory,
+                    monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Where the CLI leaves its termination message (never the host's /dev)."""
+    path = tmp_path_factory.mktemp("termination") / "message"
+    monkeypatch.setenv("DDM_TERMINATION_LOG", str(path))
+    return path
+
+
+@pytest.fixture
 def no_cloud_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path_factory) -> None:
     """Clouds' credential chains that find nothing and ask no metadata server: no keys in the
     environment, config files that do not exist, the instance metadata service off."""

@@ -36,6 +36,8 @@ LOOPBACK = parse_networks(["127.0.0.1/32"])
 #: Short waits so failures are quick; three attempts per file.
 FAST = FetchPolicy(timeout_s=5.0, attempts=3, backoff_s=0.01, allowed_networks=LOOPBACK)
 ALLOW_LOOPBACK = ["--allow-network", "127.0.0.1/32"]
+#: The CLI runs here: its termination message goes to a temporary file, never the host's /dev.
+pytestmark = pytest.mark.usefixtures("termination_log")
 DROP = "drop"    # send the headers and half the body, then close the connection
 STALL = "stall"  # answer nothing until the test ends
 
@@ -77,14 +79,6 @@ def _handler(origin: Origin) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
-
-
-@pytest.fixture(autouse=True)
-def termination_log(tmp_path_factory, monkeypatch) -> Path:
-    """Where the CLI leaves its termination message (never the host's /dev)."""
-    path = tmp_path_factory.mktemp("termination") / "message"
-    monkeypatch.setenv("DDM_TERMINATION_LOG", str(path))
-    return path
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from ddm.checkpoints.destinations import parse_networks
+from ddm.cli import main
 from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
 
@@ -32,6 +34,7 @@ pytest.importorskip("moto", reason="moto[server] is in the dev extra")
 
 POLICY = FetchPolicy(timeout_s=10.0, attempts=2, backoff_s=0.01,
                      allowed_networks=parse_networks(["127.0.0.1/32"]))
+ALLOW_LOOPBACK = ["--allow-network", "127.0.0.1/32"]
 BUCKET = "private-checkpoints"
 ACCOUNT = "123456789012"
 READ_POLICY = json.dumps({"Version": "2012-10-17", "Statement": [{
@@ -122,6 +125,94 @@ def test_a_private_bucket_is_read_with_keys_from_the_environment(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", aws_env.secret)
     dest = fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY)
     _assert_smoke(dest, smoke_expert_checkpoint)
+
+
+def _aws_credentials_file(path: Path, key_id: str, secret: str, token: str | None = None
+                          ) -> Path:
+    """An AWS shared credentials file, as ``aws configure`` writes it."""
+    lines = ["[default]", f"aws_access_key_id = {key_id}", f"aws_secret_access_key = {secret}"]
+    path.write_text("\n".join(lines + ([f"aws_session_token = {token}"] if token else [])) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("keys", ["user", "role"])
+def test_a_private_bucket_is_read_with_keys_from_a_credentials_file(
+        s3_store, no_cloud_credentials, smoke_expert_checkpoint, tmp_path, keys, monkeypatch,
+        termination_log):
+    """``storeCredentialsSecret`` on a cluster outside AWS: the shared credentials file the
+    Secret mounts, named on the command line; no AWS_* credential variable, and the default
+    shared file points nowhere. An IAM user's keys, or temporary ones with a session token."""
+    role = s3_store.role_credentials
+    key_id, secret, token = ((s3_store.key_id, s3_store.secret, None) if keys == "user" else
+                             (role["AccessKeyId"], role["SecretAccessKey"], role["SessionToken"]))
+    credentials = _aws_credentials_file(tmp_path / "credentials", key_id, secret, token)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_store.url)  # where moto is, not a credential
+    assert not any(name.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_SESSION", "AWS_ROLE",
+                                    "AWS_WEB", "AWS_PROFILE")) for name in os.environ)
+    assert main(["fetch-checkpoint", f"s3://{BUCKET}/smoke", str(tmp_path / "expert"),
+                 "--store-credentials-file", str(credentials), *ALLOW_LOOPBACK]) == 0
+    _assert_smoke(tmp_path / "expert", smoke_expert_checkpoint)
+
+
+def test_a_wrong_key_in_the_file_names_the_file_as_the_keys_origin(aws_env, tmp_path):
+    credentials = _aws_credentials_file(tmp_path / "credentials", aws_env.key_id, "wrong")
+    with pytest.raises(FetchError, match=rf"HTTP 403 Forbidden \(the store refused the signed "
+                                         rf"request: AWS credentials from the file "
+                                         rf"{credentials}, signed for us-east-1"):
+        fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY,
+                         credentials_file=credentials)
+
+
+SECRET_WORDS = "do-not-show-this-secret"
+
+
+@pytest.mark.parametrize("scheme, content, expected", [
+    ("s3", json.dumps({"type": "service_account", "private_key": SECRET_WORDS}),
+     "an AWS shared credentials file: a [default] section with aws_access_key_id"),
+    ("s3", f"[default]\naws_access_key_id = {SECRET_WORDS}\n",
+     "an AWS shared credentials file"),
+    ("s3", f"[prod]\naws_access_key_id = a\naws_secret_access_key = {SECRET_WORDS}\n",
+     "an AWS shared credentials file"),
+    ("gs", f"[default]\naws_secret_access_key = {SECRET_WORDS}\n",
+     "a Google service-account key: JSON with type 'service_account'"),
+    ("gs", json.dumps({"type": "external_account", "credential_source": {
+        "url": f"http://169.254.169.254/{SECRET_WORDS}"}}), "a Google service-account key"),
+    ("gs", json.dumps({"type": "service_account", "client_email": "a@b", "token_uri":
+                       "https://oauth2.googleapis.com/token", "private_key": SECRET_WORDS}),
+     "a Google service-account key"),
+])
+def test_a_file_that_is_not_the_stores_credentials_file_is_refused_before_any_read(
+        scheme, content, expected, tmp_path, no_cloud_credentials):
+    """Named with what it should be, never quoted; nothing is downloaded (the URI's host does
+    not even resolve: the file is checked first)."""
+    pytest.importorskip("google.auth", reason="google-auth is in the gcs extra")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(content)
+    with pytest.raises(FetchError) as refused:
+        fetch_checkpoint(f"{scheme}://{BUCKET}/smoke", tmp_path / "expert", POLICY,
+                         credentials_file=credentials)
+    message = str(refused.value)
+    assert message.startswith(f"{scheme}://{BUCKET}/smoke: the store credentials file "
+                              f"{credentials} is not {expected}")
+    assert SECRET_WORDS not in message
+    assert not (tmp_path / "expert").exists()
+
+
+def test_a_missing_file_and_a_uri_that_is_not_a_bucket_are_refused_naming_why(tmp_path):
+    with pytest.raises(FetchError, match=rf"cannot read the store credentials file "
+                                         rf"{tmp_path}/absent: No such file"):
+        fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY,
+                         credentials_file=tmp_path / "absent")
+    with pytest.raises(FetchError, match=r"^https://store.example/m.tar.gz: "
+                                         r"--store-credentials-file is for s3:// and gs:// "
+                                         r"URIs, not https://"):
+        fetch_checkpoint("https://store.example/m.tar.gz", tmp_path / "expert", POLICY,
+                         credentials_file=tmp_path / "absent")
+    with pytest.raises(FetchError, match=r"give --headers-file or --store-credentials-file, "
+                                         r"not both"):
+        fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY,
+                         headers={"Authorization": "Bearer x"},
+                         credentials_file=tmp_path / "absent")
 
 
 class StsStand:
@@ -254,6 +345,7 @@ class GoogleStand:
         self.files = files
         self.grants: list[str] = []
         self.url = ""
+        self.key_file = Path()
 
 
 def _google_handler(stand: GoogleStand) -> type[BaseHTTPRequestHandler]:
@@ -289,24 +381,48 @@ def google(smoke_expert_checkpoint, no_cloud_credentials, monkeypatch, tmp_path
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption()).decode()
     with _serving(_google_handler(stand)) as stand.url:
-        key_file = tmp_path / "key.json"
-        key_file.write_text(json.dumps({
+        stand.key_file = tmp_path / "key.json"
+        stand.key_file.write_text(json.dumps({
             "type": "service_account", "project_id": "ddm", "private_key_id": "1",
             "private_key": pem, "client_email": "fetcher@ddm.iam.gserviceaccount.com",
             "client_id": "1", "token_uri": f"{stand.url}/token"}))
-        monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", stand.url)
         yield stand
 
 
-def test_a_private_gcs_bucket_is_read_with_googles_default_credentials(
-        google, smoke_expert_checkpoint, tmp_path):
-    dest = fetch_checkpoint(f"gs://{BUCKET}/smoke", tmp_path / "expert", POLICY)
-    _assert_smoke(dest, smoke_expert_checkpoint)
-    assert len(google.grants) == 1  # one token for the whole fetch, asked for reading only
-    assertion = urllib.parse.parse_qs(google.grants[0])["assertion"][0]
+def _assert_one_read_only_grant(stand: GoogleStand) -> None:
+    assert len(stand.grants) == 1  # one token for the whole fetch, asked for reading only
+    assertion = urllib.parse.parse_qs(stand.grants[0])["assertion"][0]
     claims = json.loads(base64.urlsafe_b64decode(assertion.split(".")[1] + "=="))
     assert claims["scope"] == "https://www.googleapis.com/auth/devstorage.read_only"
+
+
+def test_a_private_gcs_bucket_is_read_with_googles_default_credentials(
+        google, smoke_expert_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(google.key_file))
+    dest = fetch_checkpoint(f"gs://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+    _assert_smoke(dest, smoke_expert_checkpoint)
+    _assert_one_read_only_grant(google)
+
+
+def test_a_private_gcs_bucket_is_read_with_a_service_account_key_file(
+        google, smoke_expert_checkpoint, tmp_path, termination_log):
+    """``storeCredentialsSecret`` on a cluster outside GCP: the key file, named on the command
+    line, signs from the first read; no GOOGLE_APPLICATION_CREDENTIALS."""
+    assert main(["fetch-checkpoint", f"gs://{BUCKET}/smoke", str(tmp_path / "expert"),
+                 "--store-credentials-file", str(google.key_file), *ALLOW_LOOPBACK]) == 0
+    _assert_smoke(tmp_path / "expert", smoke_expert_checkpoint)
+    _assert_one_read_only_grant(google)
+
+
+def test_a_key_files_token_endpoint_is_held_to_the_destination_rules(google, tmp_path):
+    """A tenant's key names its token endpoint: outside the networks the fetch may reach
+    (here: loopback, not allowed), the stager never posts to it."""
+    with pytest.raises(FetchError, match=r"its token_uri is not a destination the fetcher may "
+                                         r"reach"):
+        fetch_checkpoint(f"gs://{BUCKET}/smoke", tmp_path / "expert",
+                         FetchPolicy(timeout_s=10.0), credentials_file=google.key_file)
+    assert google.grants == []
 
 
 def test_without_google_auth_a_refusal_names_the_extra(google, tmp_path, monkeypatch):

@@ -36,6 +36,8 @@ from ddm.cli import main
 
 STORE = parse_networks(["127.0.0.1/32"])
 FAST = FetchPolicy(timeout_s=5.0, attempts=2, backoff_s=0.01, allowed_networks=STORE)
+#: The CLI runs here: its termination message goes to a temporary file, never the host's /dev.
+pytestmark = pytest.mark.usefixtures("termination_log")
 SECRET = "SIGd41d8cd98f00b204e9800998ecf8427e"
 PRESIGNED = f"?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA&X-Amz-Signature={SECRET}"
 EVERYTHING = parse_networks(["0.0.0.0/0", "::/0"])
@@ -308,13 +310,6 @@ def archive(smoke_expert_checkpoint) -> bytes:
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             tar.add(smoke_expert_checkpoint / name, arcname=name)
     return buffer.getvalue()
-
-
-@pytest.fixture(autouse=True)
-def termination_log(tmp_path_factory, monkeypatch) -> Path:
-    path = tmp_path_factory.mktemp("termination") / "message"
-    monkeypatch.setenv("DDM_TERMINATION_LOG", str(path))
-    return path
 
 
 def _sha(data: bytes) -> str:

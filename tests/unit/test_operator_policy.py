@@ -167,6 +167,21 @@ def test_the_lists_come_from_the_environment_and_a_stretchable_entry_is_refused(
         OperatorConfig.from_env({"DDM_ALLOW_CONTROL_PLANE": "yes please"})
 
 
+def test_a_stores_credentials_file_is_held_to_the_same_secret_rule() -> None:
+    """``storeCredentialsSecret`` names a Secret as ``credentialsSecret`` does: the DDM's own
+    (``team-*``), never another DDM's token or one of another tenant's Secrets."""
+    raw = _spec("s3://acme-models/a")
+    raw["experts"][0]["checkpoint"]["storeCredentialsSecret"] = {"name": "team-aws", "key": "c"}
+    raw["router"]["checkpoint"] = {"uri": "gs://acme-models/r", "storeCredentialsSecret": {
+        "name": "other-gcp-key", "key": "key.json"}}
+    assert _problems(raw) == [
+        "spec.router.checkpoint.storeCredentialsSecret.name: Secret 'other-gcp-key' is neither "
+        "the DDM's own (team-*, but the operator's tokens and checkpoint URIs) nor among the "
+        "Secrets this operator lets a spec name (DDM_ALLOWED_SECRETS: none)"]
+    raw["router"]["checkpoint"]["storeCredentialsSecret"]["name"] = "team-expert-token-0123abcd"
+    assert len(_problems(raw)) == 1
+
+
 def _fetched(credentials: str) -> dict:
     return {"uri": "s3://acme-models/a", "credentialsSecret": {"name": credentials, "key": "h"}}
 

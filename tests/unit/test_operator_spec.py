@@ -219,6 +219,22 @@ INVALID = {
         lambda s: s["experts"][0]["checkpoint"].update(uri="s3://b/m",
                                                        credentialsSecret={"name": "login"}),
         "spec.experts[0].checkpoint.credentialsSecret.key: is required"),
+    "a store's credentials file for a store that is not a bucket": (
+        lambda s: s["experts"][0]["checkpoint"].update(
+            uri="https://s.example/m.tar.gz?sig=x",
+            storeCredentialsSecret={"name": "k", "key": "c"}),
+        "spec.experts[0].checkpoint.storeCredentialsSecret: only for a bucket (s3://, gs:// or "
+        "uriFrom); 'https://s.example/m.tar.gz' is not one"),
+    "a store's credentials file on a mounted checkpoint": (
+        lambda s: s["experts"][0]["checkpoint"].update(
+            storeCredentialsSecret={"name": "k", "key": "c"}),
+        "spec.experts[0].checkpoint.storeCredentialsSecret: only for a bucket"),
+    "headers and a store's credentials file": (
+        lambda s: s["experts"][0]["checkpoint"].update(
+            uri="s3://b/m", credentialsSecret={"name": "login", "key": "headers"},
+            storeCredentialsSecret={"name": "k", "key": "c"}),
+        "spec.experts[0].checkpoint.storeCredentialsSecret: give credentialsSecret (HTTP "
+        "headers) or storeCredentialsSecret, not both"),
 }
 
 
@@ -255,6 +271,19 @@ def test_a_pinned_fetch_and_its_credentials_are_read() -> None:
     fetch = spec.parse_spec(raw).experts[0].fetch
     assert fetch == spec.FetchOptions(sha256="ab" * 32,
                                       credentials=spec.SecretKey("login", "headers"))
+
+
+@pytest.mark.parametrize("checkpoint", [{"uri": "gs://models/m"},
+                                        {"uriFrom": {"secretKeyRef": {"name": "u", "key": "u"}}}])
+def test_a_buckets_own_credentials_file_is_read(checkpoint: dict) -> None:
+    """Allowed where the scheme is a bucket's, or cannot be told (the URI in a Secret: the
+    fetch step refuses it at run time)."""
+    raw = _valid()
+    raw["experts"][0]["checkpoint"] = {**checkpoint,
+                                       "storeCredentialsSecret": {"name": "k", "key": "key.json"}}
+    fetch = spec.parse_spec(raw).experts[0].fetch
+    assert fetch == spec.FetchOptions(store_credentials=spec.SecretKey("k", "key.json"))
+    assert fetch.secrets() == [("storeCredentialsSecret", spec.SecretKey("k", "key.json"))]
 
 
 def test_a_uri_in_an_error_is_redacted() -> None:

@@ -66,6 +66,35 @@ def test_render_follows_the_operators_settings_and_namespace(
     assert {o["metadata"]["namespace"] for o in objects} == {"team-a"}
 
 
+def test_a_stores_credentials_file_is_mounted_into_the_stagers_fetch_step_alone(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    document = yaml.safe_load(MNIST.read_text())
+    document["spec"]["experts"][0]["checkpoint"] = {
+        "uri": "s3://acme-models/mnist/0", "storeCredentialsSecret": {
+            "name": "mnist-aws-keys", "key": "credentials"}}
+    manifest = tmp_path / "keys.yaml"
+    manifest.write_text(yaml.safe_dump(document))
+    status, objects, _ = _render(capsys, monkeypatch, str(manifest))
+    assert status == 0
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects
+            if o["kind"] == "Deployment"}
+    stager = pods.pop("mnist-stager")
+    (fetch,) = stager["initContainers"]
+    command = fetch["command"]
+    file = "/var/run/secrets/ddm/store-credentials/credentials"
+    assert command[command.index("--store-credentials-file") + 1] == file
+    assert "--headers-file" not in command
+    mount = {"name": "store-credentials-expert-mnist-cluster-0", "readOnly": True,
+             "mountPath": "/var/run/secrets/ddm/store-credentials"}
+    assert mount in fetch["volumeMounts"]
+    assert {"name": mount["name"], "secret": {
+        "secretName": "mnist-aws-keys", "defaultMode": 0o400,
+        "items": [{"key": "credentials", "path": "credentials"}]}} in stager["volumes"]
+    assert all(mount not in c.get("volumeMounts", []) for c in stager["containers"])
+    assert pods and all("mnist-aws-keys" not in yaml.safe_dump(pod) for pod in pods.values())
+
+
 def test_render_refuses_what_the_operator_refuses(capsys: pytest.CaptureFixture[str],
                                                   monkeypatch: pytest.MonkeyPatch,
                                                   tmp_path: Path) -> None:

@@ -39,6 +39,11 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
                    help="HTTP headers sent to the store ('Name: value' lines, e.g. "
                         "'Authorization: Bearer ...'; a mounted Secret; default "
                         "$DDM_FETCH_HEADERS_FILE)")
+    p.add_argument("--store-credentials-file", type=Path, metavar="PATH",
+                   help="the bucket's own credentials, signing every read: an AWS shared "
+                        "credentials file ([default] aws_access_key_id, aws_secret_access_key) "
+                        "for s3://, a Google service-account key (JSON) for gs:// (a mounted "
+                        "Secret; not with --headers-file)")
     p.add_argument("--allow-network", action="append", metavar="CIDR",
                    help="a non-public network the store is in (repeatable; e.g. 10.0.3.7/32 "
                         "for an on-prem store; default $DDM_FETCH_ALLOW_NETWORKS, "
@@ -96,7 +101,8 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
         headers_file = args.headers_file or os.environ.get(ENV_HEADERS_FILE)
         dest = fetch_checkpoint(uri, args.dest, policy,
                                 sha256=args.sha256 or os.environ.get(ENV_SHA256) or None,
-                                headers=read_headers_file(headers_file) if headers_file else None)
+                                headers=read_headers_file(headers_file) if headers_file else None,
+                                credentials_file=args.store_credentials_file)
     except (ValueError, FetchError) as exc:
         write_termination_message(str(exc))  # the pod's status shows it; redacted already
         raise

@@ -17,15 +17,33 @@ SHA-256.
   bearer token to the XML API. The extra ``ddm-operator[gcs]``.
 
 The SDKs read their settings from the process's environment and files, as they do anywhere.
+
+A store credentials file (``--store-credentials-file``, the spec's ``storeCredentialsSecret``)
+replaces the chain: the cluster outside AWS or GCP has no identity to give the stager, so the
+tenant's Secret holds the cloud's own file, read with the SDK's own reader and nothing else
+(no environment, no other file, no metadata server):
+
+- ``s3://``: an AWS shared credentials file, its ``[default]`` profile
+  (``aws_access_key_id``, ``aws_secret_access_key``, optionally ``aws_session_token``), read
+  by botocore's ``SharedCredentialProvider``;
+- ``gs://``: a service-account key (JSON), read by google-auth's service-account loader (not
+  the generic one: an external-account file could make the stager run a program or call any
+  URL); its ``token_uri`` is held to the fetcher's destination rules, as the store is.
+
+Requests are signed from the first one: whoever gives keys says the bucket is private, and a
+file that is not a credentials file is refused before anything is downloaded.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
-from ddm.checkpoints.download import FetchError
+from ddm.checkpoints.destinations import Network
+from ddm.checkpoints.download import FetchError, check_hop
 
 __all__ = ["StoreCredentials", "s3_region"]
 
@@ -36,7 +54,12 @@ _CHAINS = {"s3": ("AWS's default credential chain (AWS_ACCESS_KEY_ID, AWS_PROFIL
                   "AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, the instance profile)"),
            "gs": ("Google's application default credentials (GOOGLE_APPLICATION_CREDENTIALS, "
                   "Workload Identity)")}
-_OTHER_WAYS = "or give --headers-file or a pre-signed https:// URL"
+_OTHER_WAYS = "or give --headers-file, --store-credentials-file or a pre-signed https:// URL"
+#: What a store credentials file must be, per scheme (for messages).
+_FILES = {"s3": ("an AWS shared credentials file: a [default] section with aws_access_key_id "
+                 "and aws_secret_access_key (and aws_session_token for temporary keys)"),
+          "gs": ("a Google service-account key: JSON with type 'service_account', client_email, "
+                 "private_key and token_uri")}
 
 
 def s3_region(env: Mapping[str, str]) -> str | None:
@@ -49,15 +72,20 @@ class StoreCredentials:
 
     ``look_up()`` consults the chain; ``sign(url)`` then returns the headers that authenticate
     a GET of ``url`` (computed per request: a SigV4 signature covers the path and the time).
-    ``source`` names where they came from, for messages.
+    ``source`` names where they came from, for messages. ``file``: the store's own
+    credentials file instead of the chain; ``networks``: the non-public networks the fetch may
+    reach (a service-account key's token endpoint is held to them).
     """
 
-    def __init__(self, scheme: str, env: Mapping[str, str], timeout_s: float) -> None:
+    def __init__(self, scheme: str, env: Mapping[str, str], timeout_s: float,
+                 file: Path | None = None, networks: Sequence[Network] = ()) -> None:
         if scheme not in _EXTRAS:
             raise ValueError(f"no credential chain for {scheme}://")
         self.scheme = scheme
         self._env = env
         self._timeout_s = timeout_s
+        self._file = file
+        self._networks = networks
         self._signer: Callable[[str], dict[str, str]] | None = None
         self.source = ""
 
@@ -70,8 +98,9 @@ class StoreCredentials:
         """Find the credentials. Raises ``FetchError`` saying what to do: the extra to install
         when the SDK is absent, the chain's sources when it finds nothing."""
         try:
-            self._signer, self.source = (_s3_signer(self._env) if self.scheme == "s3"
-                                         else _gcs_signer(self._timeout_s))
+            self._signer, self.source = (
+                _s3_signer(self._env, self._file) if self.scheme == "s3"
+                else _gcs_signer(self._timeout_s, self._file, self._networks))
         except _NoCredentials:
             raise FetchError(f"a private bucket: {_CHAINS[self.scheme]} found no credentials; "
                              f"{_OTHER_WAYS}") from None
@@ -100,19 +129,49 @@ class _NoCredentials(Exception):
     """The chain found nothing."""
 
 
-def _s3_signer(env: Mapping[str, str]) -> tuple[Callable[[str], dict[str, str]], str]:
+def _not_a_credentials_file(scheme: str, file: Path) -> FetchError:
+    """A store credentials file the SDK cannot read: its path and what it should be, never
+    its content (nor the SDK's words, which may quote it)."""
+    return FetchError(f"the store credentials file {file} is not {_FILES[scheme]}")
+
+
+def _readable(file: Path) -> None:
+    """Refuse a file that cannot be opened, saying why (the SDKs would say "not found")."""
+    try:
+        with open(file, "rb"):
+            pass
+    except OSError as exc:
+        raise FetchError(f"cannot read the store credentials file {file}: "
+                         f"{exc.strerror or type(exc).__name__}") from None
+
+
+def _s3_signer(env: Mapping[str, str], file: Path | None
+               ) -> tuple[Callable[[str], dict[str, str]], str]:
     try:
         import botocore.session
         from botocore.auth import S3SigV4Auth
         from botocore.awsrequest import AWSRequest
+        from botocore.credentials import SharedCredentialProvider
+        from botocore.exceptions import BotoCoreError
     except ImportError:
         raise _missing_sdk("s3", "botocore") from None
-    try:
-        credentials = botocore.session.Session().get_credentials()
-    except Exception as exc:  # a missing profile, an unreadable token, STS refusing the role
-        raise _chain_failed("AWS's credential chain", exc) from None
-    if credentials is None:
-        raise _NoCredentials("no AWS credentials")
+    if file is not None:
+        _readable(file)
+        try:
+            credentials = SharedCredentialProvider(str(file), "default").load()
+        except BotoCoreError:  # not INI, or a key without its secret
+            credentials = None
+        if credentials is None:
+            raise _not_a_credentials_file("s3", file)
+        origin = f"the file {file}"
+    else:
+        try:
+            credentials = botocore.session.Session().get_credentials()
+        except Exception as exc:  # a missing profile, an unreadable token, STS refusing the role
+            raise _chain_failed("AWS's credential chain", exc) from None
+        if credentials is None:
+            raise _NoCredentials("no AWS credentials")
+        origin = credentials.method
     region = s3_region(env) or "us-east-1"
 
     def sign(url: str) -> dict[str, str]:
@@ -123,22 +182,29 @@ def _s3_signer(env: Mapping[str, str]) -> tuple[Callable[[str], dict[str, str]],
             raise _chain_failed("AWS's credential chain", exc) from None
         return dict(request.headers.items())
 
-    return sign, f"AWS credentials from {credentials.method}, signed for {region}"
+    return sign, f"AWS credentials from {origin}, signed for {region}"
 
 
-def _gcs_signer(timeout_s: float) -> tuple[Callable[[str], dict[str, str]], str]:
+def _gcs_signer(timeout_s: float, file: Path | None, networks: Sequence[Network]
+                ) -> tuple[Callable[[str], dict[str, str]], str]:
     try:
         import google.auth
         import google.auth.exceptions
         from google.auth.transport.requests import Request
+        from google.oauth2 import service_account
     except ImportError:
         raise _missing_sdk("gs", "google-auth") from None
-    try:
-        credentials, _ = google.auth.default(scopes=[GCS_READ_SCOPE])
-    except google.auth.exceptions.DefaultCredentialsError as exc:
-        if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):  # named, but unusable
-            raise _chain_failed("Google's credentials", exc) from None
-        raise _NoCredentials("no Google credentials") from None
+    if file is not None:
+        credentials = _service_account(file, service_account.Credentials, networks)
+        failed = _key_refused(file)
+    else:
+        try:
+            credentials, _ = google.auth.default(scopes=[GCS_READ_SCOPE])
+        except google.auth.exceptions.DefaultCredentialsError as exc:
+            if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):  # named, but unusable
+                raise _chain_failed("Google's credentials", exc) from None
+            raise _NoCredentials("no Google credentials") from None
+        failed = functools.partial(_chain_failed, "Google's credentials")
     # the token endpoint is the SDK's peer: it gets the fetch's wait, not requests' 120 s
     request = functools.partial(Request(), timeout=timeout_s)
 
@@ -147,7 +213,37 @@ def _gcs_signer(timeout_s: float) -> tuple[Callable[[str], dict[str, str]], str]
             try:
                 credentials.refresh(request)
             except Exception as exc:
-                raise _chain_failed("Google's credentials", exc) from None
+                raise failed(exc) from None
         return {"Authorization": f"Bearer {credentials.token}"}
 
-    return sign, f"Google credentials ({type(credentials).__name__})"
+    origin = f"the file {file}" if file is not None else f"({type(credentials).__name__})"
+    return sign, f"Google credentials {origin}"
+
+
+def _service_account(file: Path, loader: type, networks: Sequence[Network]) -> object:
+    """The service-account key in ``file``, scoped for reading; its token endpoint must be
+    a destination the fetcher may reach (a tenant's key must not aim the stager elsewhere)."""
+    _readable(file)
+    try:
+        info = json.loads(Path(file).read_text(encoding="utf-8"))
+        if not isinstance(info, dict) or info.get("type") != "service_account":
+            raise ValueError("not a service-account key")
+        credentials = loader.from_service_account_info(info, scopes=[GCS_READ_SCOPE])
+    except (ValueError, UnicodeError):  # JSONDecodeError, a missing field, a bad private key
+        raise _not_a_credentials_file("gs", file) from None
+    try:
+        check_hop(str(info["token_uri"]), networks, pinned=False)
+    except FetchError:
+        raise FetchError(f"the store credentials file {file}: its token_uri is not a "
+                         "destination the fetcher may reach (https, and a public address or "
+                         "an allowed network)") from None
+    return credentials
+
+
+def _key_refused(file: Path) -> Callable[[Exception], FetchError]:
+    """The token endpoint's refusal of a tenant's key: its type only, never its words (the
+    endpoint is named by the file, so its answer is not shown)."""
+    def failed(exc: Exception) -> FetchError:
+        return FetchError(f"the token endpoint refused the service-account key in {file} "
+                          f"({type(exc).__name__})")
+    return failed

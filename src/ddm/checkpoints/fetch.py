@@ -13,7 +13,9 @@ Where a checkpoint can come from:
 - ``gs://BUCKET/KEY`` through ``https://storage.googleapis.com/BUCKET/KEY``, or
   ``$STORAGE_EMULATOR_HOST``/BUCKET/KEY.
 - Both anonymously first; a private bucket (401/403) through the cloud's standard credential
-  chain, signed (``ddm.checkpoints.credentials``), unless a headers file gives credentials.
+  chain, signed (``ddm.checkpoints.credentials``), unless a headers file gives credentials;
+  or signed from the start with the store's own credentials file (``credentials_file``,
+  ``--store-credentials-file``: an AWS shared credentials file, a Google service-account key).
 
 The URI is a tenant's input and the fetcher runs inside the cluster, so (``download`` and
 ``destinations`` carry this out):
@@ -75,6 +77,7 @@ from ddm.checkpoints.format import (
 )
 from ddm.checkpoints.uri import (
     ARCHIVE_SUFFIXES,
+    BUCKET_SCHEMES,
     FETCH_MAX_BYTES,
     REMOTE_SCHEMES,
     parse_checkpoint,
@@ -136,18 +139,23 @@ class _Fetch:
 
 def fetch_checkpoint(uri: str, dest: str | os.PathLike, policy: FetchPolicy = FetchPolicy(),
                      env: Mapping[str, str] | None = None, *, sha256: str | None = None,
-                     headers: Mapping[str, str] | None = None) -> Path:
+                     headers: Mapping[str, str] | None = None,
+                     credentials_file: str | os.PathLike | None = None) -> Path:
     """Fetch the checkpoint at ``uri`` into ``dest`` and return ``dest``.
 
     ``sha256`` pins the bytes (``parse_sha256``): of the archive for an archive URI, of
     ``config.json`` for a directory URI. ``headers`` (credentials, ``read_headers_file``) go to
-    the store's origin only. ``env`` supplies the endpoint overrides (default ``os.environ``).
+    the store's origin only. ``credentials_file``: an ``s3://`` or ``gs://`` store's own
+    credentials file, which signs every read (``ddm.checkpoints.credentials``); not with
+    ``headers``. ``env`` supplies the endpoint overrides and the region (default
+    ``os.environ``).
     Raises ``FetchError`` whose message starts with the redacted URI; on any failure ``dest``
     is left as it was (absent, or without a new checkpoint).
     """
     try:
         return _fetch(uri, Path(dest), policy, os.environ if env is None else env,
-                      None if sha256 is None else parse_sha256(sha256), headers or {})
+                      None if sha256 is None else parse_sha256(sha256), headers or {},
+                      None if credentials_file is None else Path(credentials_file))
     except FetchError as exc:
         raise FetchError(f"{redact_uri(uri)}: {exc}") from None
 
@@ -186,7 +194,8 @@ def read_headers_file(path: str | os.PathLike) -> dict[str, str]:
 
 
 def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
-           sha256: str | None, headers: Mapping[str, str]) -> Path:
+           sha256: str | None, headers: Mapping[str, str], credentials_file: Path | None
+           ) -> Path:
     try:
         checkpoint = parse_checkpoint(uri)
     except ValueError as exc:  # its message quotes the URI whole: the prefix shows it redacted
@@ -197,8 +206,17 @@ def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
         raise FetchError(f"fetch-checkpoint downloads {', '.join(REMOTE_SCHEMES)} URIs; "
                          f"a {checkpoint.scheme}:// checkpoint is mounted, not fetched")
     base_url = resolve_url(uri, env)
-    chain = (StoreCredentials(checkpoint.scheme, env, policy.timeout_s)
-             if checkpoint.scheme in ("s3", "gs") and not headers else None)
+    chain = (StoreCredentials(checkpoint.scheme, env, policy.timeout_s, credentials_file,
+                              policy.allowed_networks)
+             if checkpoint.scheme in BUCKET_SCHEMES and not headers else None)
+    if credentials_file is not None:
+        if headers:
+            raise FetchError("give --headers-file or --store-credentials-file, not both")
+        if chain is None:
+            raise FetchError(f"--store-credentials-file is for "
+                             f"{' and '.join(f'{s}://' for s in BUCKET_SCHEMES)} URIs, not "
+                             f"{checkpoint.scheme}://")
+        chain.look_up()  # sign from the first request; a bad file is refused before any read
     fetch = _Fetch(policy, time.monotonic() + policy.deadline_s, sha256 is not None, headers,
                    chain)
     try:

@@ -26,6 +26,8 @@ URI_PATTERN = (
 )
 MAX_URI_LENGTH = 1024
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
+#: Object stores whose own credentials file a fetch may sign with (``storeCredentialsSecret``).
+BUCKET_SCHEMES = ("s3", "gs")
 #: A fetched URI ending so names an archive of the checkpoint; any other, its directory.
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
 #: A checkpoint whose URI is in a key of the user's Secret (the spec's

@@ -126,6 +126,17 @@ CHECKPOINT = Object(one_of=(("uri",), ("uriFrom",)), properties={
                     "the URI. A spec names only the DDM's own Secrets, <name>-*, unless the "
                     "operator allows others (DDM_ALLOWED_SECRETS).",
         required=("name", "key"), properties={"name": SECRET_NAME, "key": SECRET_KEY}),
+    "storeCredentialsSecret": Object(
+        description="s3:// and gs:// checkpoints (or uriFrom) only, instead of "
+                    "credentialsSecret: the key of a Secret (in this namespace) holding the "
+                    "store's own credentials file: an AWS shared credentials file ([default] "
+                    "with aws_access_key_id, aws_secret_access_key and optionally "
+                    "aws_session_token) for s3://, a Google service-account key (JSON) for "
+                    "gs://. Every read is signed with it. Mounted read-only into the stager's "
+                    "fetch step alone. For clusters whose pods have no cloud identity (IRSA, "
+                    "Workload Identity). A spec names only the DDM's own Secrets, <name>-*, "
+                    "unless the operator allows others (DDM_ALLOWED_SECRETS).",
+        required=("name", "key"), properties={"name": SECRET_NAME, "key": SECRET_KEY}),
 })
 
 # -- Where a component runs: its accelerator and the pod fields passed through -----------------

@@ -19,6 +19,7 @@ import yaml
 
 from ddm.checkpoints.declared import DECODER, PLAN_NAMES, ROUTER, STAGE_ROLES, TEXT_ENCODER
 from ddm.checkpoints.uri import (
+    BUCKET_SCHEMES,
     REMOTE_SCHEMES,
     CheckpointSource,
     parse_checkpoint,
@@ -107,10 +108,18 @@ class SecretKey:
 class FetchOptions:
     """How a fetched (http(s), s3, gs) checkpoint is checked and authorised: ``sha256`` pins
     the bytes (lower-case hex: of the archive, or of ``config.json`` for a directory, which
-    records the weights' hash); ``credentials`` holds ``Name: value`` HTTP header lines."""
+    records the weights' hash); ``credentials`` holds ``Name: value`` HTTP header lines;
+    ``store_credentials`` an ``s3://``/``gs://`` store's own credentials file."""
 
     sha256: str | None = None
     credentials: SecretKey | None = None
+    store_credentials: SecretKey | None = None
+
+    def secrets(self) -> list[tuple[str, SecretKey]]:
+        """(spec field, Secret key) of each Secret these options name."""
+        named = (("credentialsSecret", self.credentials),
+                 ("storeCredentialsSecret", self.store_credentials))
+        return [(field, secret) for field, secret in named if secret is not None]
 
 
 @dataclass(frozen=True)
@@ -293,10 +302,14 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
     uri_from = reader.child("uriFrom") if reader.has("uriFrom") else None
     sha256 = reader.string("sha256", None, pattern=SHA256_PATTERN,
                            hint="64 hexadecimal digits, optionally 'sha256:' first")
-    credentials = (_secret_key(reader.child("credentialsSecret"))
-                   if reader.has("credentialsSecret") else None)
+    credentials, store_credentials = (
+        _secret_key(reader.child(field)) if reader.has(field) else None
+        for field in ("credentialsSecret", "storeCredentialsSecret"))
     fetch = FetchOptions(sha256=sha256.lower().removeprefix("sha256:") if sha256 else None,
-                         credentials=credentials)
+                         credentials=credentials, store_credentials=store_credentials)
+    if reader.has("credentialsSecret") and reader.has("storeCredentialsSecret"):
+        reader.problem("storeCredentialsSecret", "give credentialsSecret (HTTP headers) or "
+                                                 "storeCredentialsSecret, not both")
     if uri_from is not None:
         if uri is not None:
             reader.problem("uriFrom", "give uri or uriFrom, not both")
@@ -326,6 +339,11 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
             if reader.has(key):
                 reader.problem(key, f"only for a fetched checkpoint ({', '.join(REMOTE_SCHEMES)}"
                                     f" or uriFrom); {shown!r} is not fetched")
+    if checkpoint.scheme not in BUCKET_SCHEMES and reader.has("storeCredentialsSecret"):
+        reader.problem("storeCredentialsSecret",
+                       f"only for a bucket ({', '.join(f'{s}://' for s in BUCKET_SCHEMES)} or "
+                       f"uriFrom); {shown!r} is not one: give HTTP headers (credentialsSecret) "
+                       "or a pre-signed URL")
     if "@" in checkpoint.location:
         reader.problem("uri", f"{shown!r}: credentials in the URI are refused; put them in a "
                               "Secret and name it in credentialsSecret")

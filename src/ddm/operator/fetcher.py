@@ -7,8 +7,9 @@ digest, immutable, created once and never read back, owned by the DDMDeployment)
 names the user's own Secret (``checkpoint.uriFrom.secretKeyRef``, which the operator never
 reads); the fetch step reads it from ``$DDM_CHECKPOINT_URI`` (``ddm fetch-checkpoint DEST``).
 Its command carries only what is not secret: the pinned ``--sha256``, the ``--headers-file``
-of the spec's ``credentialsSecret`` (that one key, mounted read-only with mode 0400 into that
-step alone), the operator-wide ``--allow-network`` CIDRs and ``--max-bytes`` cap. A new URI is
+of the spec's ``credentialsSecret`` or the ``--store-credentials-file`` of its
+``storeCredentialsSecret`` (that one key, mounted read-only with mode 0400 into that step
+alone), the operator-wide ``--allow-network`` CIDRs and ``--max-bytes`` cap. A new URI is
 a new Secret name and a new staged name, so it rolls the stager and the pods that copy from
 it; the pod templates also carry the URI's digest (``names.CHECKPOINT_HASH_ANNOTATION``).
 
@@ -49,6 +50,9 @@ FETCH_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"},
 #: Where the fetcher reads the store's HTTP headers (the credentials Secret's one key).
 CREDENTIALS_DIR = "/var/run/secrets/ddm/checkpoint-credentials"
 CREDENTIALS_FILE = f"{CREDENTIALS_DIR}/headers"
+#: Where it reads the store's own credentials file (the storeCredentialsSecret's one key).
+STORE_CREDENTIALS_DIR = "/var/run/secrets/ddm/store-credentials"
+STORE_CREDENTIALS_FILE = f"{STORE_CREDENTIALS_DIR}/credentials"
 #: The key of the URI in its Secret.
 URI_KEY = "uri"
 ROUTER_KEY = "router"
@@ -130,14 +134,18 @@ def fetch_step(checkpoint: CheckpointSource, options: FetchOptions, *,
     if options.sha256:
         command += ["--sha256", options.sha256]
     volumes, mounts = [], list(base.get("volumeMounts", []))
-    credentials = options.credentials
-    if credentials is not None:
-        volume = f"credentials-{key}"
-        command += ["--headers-file", CREDENTIALS_FILE]
+    mounted = ((options.credentials, "credentials", "--headers-file", CREDENTIALS_FILE),
+               (options.store_credentials, "store-credentials", "--store-credentials-file",
+                STORE_CREDENTIALS_FILE))
+    for secret, volume_prefix, flag, file in mounted:
+        if secret is None:
+            continue
+        volume, (directory, _, name) = f"{volume_prefix}-{key}", file.rpartition("/")
+        command += [flag, file]
         volumes.append({"name": volume, "secret": {
-            "secretName": credentials.name, "defaultMode": 0o400,
-            "items": [{"key": credentials.key, "path": "headers"}]}})
-        mounts.append({"name": volume, "mountPath": CREDENTIALS_DIR, "readOnly": True})
+            "secretName": secret.name, "defaultMode": 0o400,
+            "items": [{"key": secret.key, "path": name}]}})
+        mounts.append({"name": volume, "mountPath": directory, "readOnly": True})
     for network in allow_networks:
         command += ["--allow-network", network]
     command += ["--max-bytes", str(max_bytes)]

@@ -11,9 +11,10 @@ an admin widens them in the operator's settings (``OperatorConfig``, from the ch
   the prefixes in ``DDM_ALLOWED_IMAGES``: each ends with ``/`` (a registry or repository path),
   ``:`` or ``@`` (any tag or digest of one repository), or is one whole image reference;
   ``*`` allows any image;
-- Secrets a spec may name (``credentialsSecret``, ``uriFrom.secretKeyRef``,
-  ``router.auth.secretName``): the DDM's own, ``<name>-*``, but those named as the operator
-  names its own (``<name>-router-token-<u>``, ``-expert-token-<u>``, ``-checkpoint-<d>``:
+- Secrets a spec may name (``credentialsSecret``, ``storeCredentialsSecret``,
+  ``uriFrom.secretKeyRef``, ``router.auth.secretName``, as ``_secret_references`` lists them):
+  the DDM's own, ``<name>-*``, but those named as the operator names its own
+  (``<name>-router-token-<u>``, ``-expert-token-<u>``, ``-checkpoint-<d>``:
   ``ddm.operator.names``), and those in ``DDM_ALLOWED_SECRETS``: a whole name, or a prefix
   ending with ``*`` (``team-*``; ``*``: any). A DDM named ``a`` may name ``a-b-login``, meant
   for a DDM ``a-b``: give tenants names that are not prefixes of each other;
@@ -58,7 +59,7 @@ from ddm.checkpoints.uri import SECRET_SCHEME, CheckpointSource, redact_uri
 from ddm.deploy.limits import STRATEGY_PATTERN
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import strategy_allowed
-from ddm.deploy.spec import DDMSpec, SecretKey, StageSpec
+from ddm.deploy.spec import DDMSpec, StageSpec
 from ddm.operator.names import is_operator_secret
 
 IMAGES_ENV = "DDM_ALLOWED_IMAGES"
@@ -305,18 +306,13 @@ def _secret_references(spec: DDMSpec) -> Iterator[tuple[str, str]]:
     """(field, Secret name) of every Secret the spec names."""
     if spec.router.auth is not None and spec.router.auth.secret_name is not None:
         yield "spec.router.auth.secretName", spec.router.auth.secret_name
-    fetches: list[tuple[str, SecretKey | None]] = [
-        ("spec.router.checkpoint.credentialsSecret", spec.router.fetch.credentials)]
-    fetches += [(f"spec.experts[{i}].checkpoint.credentialsSecret", e.fetch.credentials)
-                for i, e in enumerate(spec.experts)]
-    fetches += [(f"{path}.checkpoint.credentialsSecret", stage.fetch.credentials)
-                for path, stage in _stages(spec)]
-    for path, credentials in fetches:
-        if credentials is not None:
-            yield f"{path}.name", credentials.name
-    held = [("spec.router.checkpoint", spec.router.checkpoint)]
-    held += [(f"spec.experts[{i}].checkpoint", e.checkpoint) for i, e in enumerate(spec.experts)]
-    held += [(f"{path}.checkpoint", stage.checkpoint) for path, stage in _stages(spec)]
-    for path, checkpoint in held:
+    checkpoints = [("spec.router.checkpoint", spec.router.checkpoint, spec.router.fetch)]
+    checkpoints += [(f"spec.experts[{i}].checkpoint", e.checkpoint, e.fetch)
+                    for i, e in enumerate(spec.experts)]
+    checkpoints += [(f"{path}.checkpoint", stage.checkpoint, stage.fetch)
+                    for path, stage in _stages(spec)]
+    for path, checkpoint, fetch in checkpoints:
+        for field, secret in fetch.secrets():
+            yield f"{path}.{field}.name", secret.name
         if checkpoint is not None and checkpoint.scheme == SECRET_SCHEME:
             yield f"{path}.uriFrom.secretKeyRef.name", checkpoint.location
