@@ -198,6 +198,17 @@ def test_fetch_networks_reach_the_operator_and_bad_ones_fail_the_install(helm: P
     assert result.returncode != 0 and "allowNetworks" in result.stderr
 
 
+def test_cloud_identity_is_off_unless_the_value_turns_it_on(helm: Path) -> None:
+    from ddm.operator.config import OperatorConfig
+
+    assert OperatorConfig.from_env(env_of(render(helm))).fetch_cloud_identity is False
+    env = env_of(render(helm, "checkpointFetch.cloudIdentity=true"))
+    assert OperatorConfig.from_env(env).fetch_cloud_identity is True
+    result = helm_run(helm, "template", "ddm", str(CHART), "--set-string",
+                      "checkpointFetch.cloudIdentity=yes please")
+    assert result.returncode != 0 and "cloudIdentity" in result.stderr
+
+
 def test_metrics_scrapers_reach_the_operator_and_malformed_ones_fail_the_install(
         helm: Path) -> None:
     from ddm.operator.config import OperatorConfig

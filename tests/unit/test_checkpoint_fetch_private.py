@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -271,6 +272,95 @@ def _serving(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+class RegionalStand:
+    """S3 as a bucket in ``region`` answers (moto signs-checks but accepts any region, so it
+    never names one): anonymous reads 403; a request signed for another region ``status``
+    with ``x-amz-bucket-region`` (S3's 400 AuthorizationHeaderMalformed, its 301
+    PermanentRedirect, a 403), and a ``Location`` at ``elsewhere`` that must never be
+    followed; signed for ``region``, the object. ``named``: the region each answer names
+    (None: ``region``, else a function of the region signed for). ``signed``: the region each
+    request was signed for (None: anonymous)."""
+
+    def __init__(self, files: dict[str, bytes], status: int, elsewhere: str = "",
+                 region: str = "eu-west-1") -> None:
+        self.files, self.status, self.elsewhere, self.region = files, status, elsewhere, region
+        self.named = lambda signed_for: region
+        self.signed: list[str | None] = []
+
+
+_SCOPE = re.compile(r"Credential=[^/]+/\d{8}/([^/]+)/s3/aws4_request")
+
+
+def _regional_handler(stand: RegionalStand) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Answering):
+        def do_GET(self) -> None:
+            scope = _SCOPE.search(self.headers.get("Authorization", ""))
+            region = scope.group(1) if scope else None
+            stand.signed.append(region)
+            if region is None:
+                self._answer(403, b"")
+            elif region != stand.region:
+                self.send_response(stand.status)
+                self.send_header("x-amz-bucket-region", stand.named(region))
+                self.send_header("Location", f"{stand.elsewhere}{self.path}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+            else:
+                self._answer(200, stand.files[self.path])
+
+    return Handler
+
+
+@pytest.fixture
+def elsewhere() -> Iterator[tuple[str, list[str]]]:
+    """A loopback server that must never be asked: its URL, and the paths it was asked for."""
+    asked: list[str] = []
+
+    class Handler(_Answering):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            self._answer(500, b"")
+
+    with _serving(Handler) as url:
+        yield url, asked
+
+
+@pytest.mark.parametrize("status", [400, 301, 403])
+def test_a_bucket_in_another_region_is_re_signed_for_the_region_s3_names(
+        status, elsewhere, no_cloud_credentials, smoke_expert_checkpoint, tmp_path,
+        monkeypatch):
+    """A stager off AWS with keys and no AWS_REGION signs for us-east-1; the bucket in
+    eu-west-1 names its region and the fetch signs for it, at the same URL: the answer's
+    Location (another host) is never followed."""
+    other, asked_elsewhere = elsewhere
+    stand = RegionalStand({f"/{BUCKET}/smoke/{name}": (smoke_expert_checkpoint / name).read_bytes()
+                           for name in (CONFIG_FILE, WEIGHTS_FILE)}, status, other)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    with _serving(_regional_handler(stand)) as url:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        dest = fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+    _assert_smoke(dest, smoke_expert_checkpoint)
+    assert stand.signed == [None, "us-east-1", "eu-west-1", "eu-west-1"]
+    assert asked_elsewhere == []
+
+
+def test_a_store_that_keeps_naming_other_regions_is_re_signed_for_once(
+        no_cloud_credentials, tmp_path, monkeypatch):
+    stand = RegionalStand({}, 400)
+    stand.named = lambda signed_for: "eu-west-1" if signed_for == "us-east-1" else "ap-south-1"
+    stand.region = "eu-central-1"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    with _serving(_regional_handler(stand)) as url:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", url)
+        with pytest.raises(FetchError, match=r"HTTP 400 Bad Request \(the store refused the "
+                                             r"signed request: AWS credentials from env, "
+                                             r"signed for eu-west-1"):
+            fetch_checkpoint(f"s3://{BUCKET}/smoke", tmp_path / "expert", POLICY)
+    assert stand.signed == [None, "us-east-1", "eu-west-1"]
 
 
 def test_irsa_web_identity_is_exchanged_for_the_roles_credentials(

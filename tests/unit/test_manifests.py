@@ -17,10 +17,10 @@ import netpolicy
 import pytest
 from podsecurity import violations
 
-from ddm.checkpoints.fetch import ENV_URI, FetchPolicy
+from ddm.checkpoints.fetch import ENV_URI, FetchError, FetchPolicy, fetch_checkpoint
 from ddm.operator import fetcher, names
 from ddm.operator.fetcher import build_checkpoint_secrets
-from ddm.checkpoints.destinations import METADATA_ADDRESSES
+from ddm.checkpoints.destinations import METADATA_ADDRESSES, REFUSED, parse_networks
 from ddm.operator.access import build_token_secrets
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.policy import AllowLists, policy_problems
@@ -660,6 +660,50 @@ def test_the_stager_reaches_public_stores_never_private_or_metadata_ranges(allow
     ingress = children[("NetworkPolicy", "digits-stager")]["spec"]["ingress"]
     assert ingress == [{"from": [{"podSelector": {"matchLabels": {
         names.DEPLOYMENT_LABEL: "digits"}}}], "ports": [{"protocol": "TCP", "port": 8070}]}]
+
+
+IDENTITY = ("169.254.169.254", "fd00:ec2::254", "169.254.170.23", "fd00:ec2::23")
+
+
+def test_cloud_identity_opens_the_identity_endpoints_to_the_stager_alone_on_port_80(
+        tmp_path) -> None:
+    """GKE Workload Identity, EC2 instance profiles and EKS Pod Identity answer on these
+    addresses; the other metadata endpoints and the rest of link-local stay closed, the serving
+    pods' policies and the fetch step do not change, and the fetcher still refuses a
+    checkpoint URL naming an identity endpoint."""
+    raw = _spec(_expert("a", checkpoint={"uri": "s3://models/a"}))
+    off = _children(raw, OperatorConfig(images=CONFIG.images, network_policy=True))
+    on = _children(raw, OperatorConfig(images=CONFIG.images, network_policy=True,
+                                       fetch_cloud_identity=True))
+    stager = _pod_labels(on, "digits-stager")
+    rules = netpolicy.egress_rules(_policies(on), stager)
+    closed = netpolicy.egress_rules(_policies(off), stager)
+    for address in map(ipaddress.ip_address, IDENTITY):
+        assert not netpolicy.admits_address(closed, address)
+        (rule,) = [r for r in rules if netpolicy.admits_address([r], address)]
+        assert rule["ports"] == [{"protocol": "TCP", "port": 80}]
+    for other in ({str(a) for a in METADATA_ADDRESSES} - set(IDENTITY)) | {"169.254.1.1",
+                                                                          "10.0.0.1"}:
+        assert not netpolicy.admits_address(rules, ipaddress.ip_address(other)), other
+    for name, child in on.items():
+        if name != ("NetworkPolicy", "digits-stager"):
+            assert child == off[name], name  # serving pods and the fetch step alike
+    (fetch,) = _stager_pod(on)["initContainers"]
+    networks = [fetch["command"][i + 1] for i, arg in enumerate(fetch["command"])
+                if arg == "--allow-network"]
+    for url in ("http://169.254.169.254/latest/meta-data/iam/security-credentials/m.tar.gz",
+                "http://[fd00:ec2::254]/m.tar.gz", "http://169.254.170.23/v1/m.tar.gz"):
+        with pytest.raises(FetchError, match=REFUSED):
+            fetch_checkpoint(url, tmp_path / "m", FetchPolicy(
+                allowed_networks=parse_networks([*networks, "169.254.0.0/16", "fd00::/8"])),
+                sha256="0" * 64)
+
+
+def test_cloud_identity_is_read_as_a_switch() -> None:
+    assert OperatorConfig.from_env({}).fetch_cloud_identity is False
+    assert OperatorConfig.from_env({"DDM_FETCH_CLOUD_IDENTITY": "true"}).fetch_cloud_identity
+    with pytest.raises(ValueError, match="DDM_FETCH_CLOUD_IDENTITY must be true or false"):
+        OperatorConfig.from_env({"DDM_FETCH_CLOUD_IDENTITY": "on"})
 
 
 def test_without_fetches_experts_send_nothing() -> None:

@@ -11,7 +11,11 @@ SHA-256.
   ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the shared files, IRSA's
   ``AWS_WEB_IDENTITY_TOKEN_FILE`` + ``AWS_ROLE_ARN``, the ECS/EKS Pod Identity container
   endpoint, the instance profile); Signature V4 for the region of the URL
-  (``AWS_REGION``/``AWS_DEFAULT_REGION``, else us-east-1). The extra ``ddm-operator[s3]``.
+  (``AWS_REGION``/``AWS_DEFAULT_REGION``, else us-east-1). A bucket elsewhere answers a
+  request signed for the wrong region by naming its own (``x-amz-bucket-region``): the fetch
+  re-signs for that region once (``resign_for``), at the same URL, as boto3's
+  ``S3RegionRedirector`` does, so a stager off AWS needs no ``AWS_REGION``. The extra
+  ``ddm-operator[s3]``.
 - ``gs://``: google-auth's application default credentials (``GOOGLE_APPLICATION_CREDENTIALS``,
   gcloud's, Workload Identity's metadata server) with the read-only storage scope, sent as a
   bearer token to the XML API. The extra ``ddm-operator[gcs]``.
@@ -87,23 +91,44 @@ class StoreCredentials:
         self._file = file
         self._networks = networks
         self._signer: Callable[[str], dict[str, str]] | None = None
-        self.source = ""
+        self._origin = ""
+        self._region = ""  # s3:// only: the region requests are signed for
+        self._resigned = False
 
     @property
     def in_use(self) -> bool:
         """Whether the store refused an anonymous read and requests are now signed."""
         return self._signer is not None
 
-    def look_up(self) -> None:
+    @property
+    def source(self) -> str:
+        """Where the credentials came from (and, for S3, the region they sign for)."""
+        return f"{self._origin}, signed for {self._region}" if self._region else self._origin
+
+    def look_up(self, region: str | None = None) -> None:
         """Find the credentials. Raises ``FetchError`` saying what to do: the extra to install
-        when the SDK is absent, the chain's sources when it finds nothing."""
+        when the SDK is absent, the chain's sources when it finds nothing. ``region``: the
+        bucket's region, when S3 named it in its refusal of the anonymous read."""
         try:
-            self._signer, self.source = (
-                _s3_signer(self._env, self._file) if self.scheme == "s3"
-                else _gcs_signer(self._timeout_s, self._file, self._networks))
+            if self.scheme == "s3":
+                sign, self._origin = _s3_signer(self._file)
+                self._region = region or s3_region(self._env) or "us-east-1"
+                self._signer = lambda url: sign(url, self._region)
+            else:
+                self._signer, self._origin = _gcs_signer(self._timeout_s, self._file,
+                                                         self._networks)
         except _NoCredentials:
             raise FetchError(f"a private bucket: {_CHAINS[self.scheme]} found no credentials; "
                              f"{_OTHER_WAYS}") from None
+
+    def resign_for(self, region: str) -> bool:
+        """Sign for ``region`` from now on: S3 named it as the bucket's after a signed request
+        was refused. Once per fetch (a store that keeps naming regions is not followed round);
+        False when not S3, already done, or ``region`` is the one signed for."""
+        if self.scheme != "s3" or self._resigned or region == self._region:
+            return False
+        self._region, self._resigned = region, True
+        return True
 
     def sign(self, url: str) -> dict[str, str]:
         """Headers authenticating ``GET url``, after ``look_up``."""
@@ -145,8 +170,8 @@ def _readable(file: Path) -> None:
                          f"{exc.strerror or type(exc).__name__}") from None
 
 
-def _s3_signer(env: Mapping[str, str], file: Path | None
-               ) -> tuple[Callable[[str], dict[str, str]], str]:
+def _s3_signer(file: Path | None) -> tuple[Callable[[str, str], dict[str, str]], str]:
+    """``sign(url, region)`` with the file's keys or the default chain's, and their origin."""
     try:
         import botocore.session
         from botocore.auth import S3SigV4Auth
@@ -172,9 +197,8 @@ def _s3_signer(env: Mapping[str, str], file: Path | None
         if credentials is None:
             raise _NoCredentials("no AWS credentials")
         origin = credentials.method
-    region = s3_region(env) or "us-east-1"
 
-    def sign(url: str) -> dict[str, str]:
+    def sign(url: str, region: str) -> dict[str, str]:
         request = AWSRequest(method="GET", url=url)
         try:  # refreshable credentials (IRSA, instance profile) renew themselves here
             S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
@@ -182,7 +206,7 @@ def _s3_signer(env: Mapping[str, str], file: Path | None
             raise _chain_failed("AWS's credential chain", exc) from None
         return dict(request.headers.items())
 
-    return sign, f"AWS credentials from {origin}, signed for {region}"
+    return sign, f"AWS credentials from {origin}"
 
 
 def _gcs_signer(timeout_s: float, file: Path | None, networks: Sequence[Network]

@@ -14,13 +14,18 @@ the fetcher speaks ``http.client`` over sockets it connects itself:
   each wait for bytes;
 - the body is streamed to ``out`` with a byte ``limit`` and its SHA-256 computed on the way;
 - messages show URLs through ``redact_uri`` and never the server's own words (reason phrases,
-  bodies): a status is shown with its standard phrase.
+  bodies): a status is shown with its standard phrase;
+- S3's answer to a request signed for the wrong region (a 301, 400 or 403 naming the bucket's
+  region in ``x-amz-bucket-region``, as boto3's ``S3RegionRedirector`` reads it) is a
+  ``Refused`` carrying that region, never a redirect followed to another host: the caller
+  re-signs for it (``ddm.checkpoints.fetch``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import http.client
+import re
 import socket
 import ssl
 import threading
@@ -35,6 +40,12 @@ from ddm.checkpoints.destinations import Destination, DestinationRefused, Networ
 from ddm.checkpoints.uri import redact_uri
 
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
+#: S3's header naming a bucket's region, and the answers that carry it to a request signed for
+#: another region (301 PermanentRedirect, 400 AuthorizationHeaderMalformed, 403).
+BUCKET_REGION_HEADER = "x-amz-bucket-region"
+WRONG_REGION_STATUSES = frozenset({301, 400, 403})
+#: What a region looks like (``eu-west-1``, ``us-gov-west-1``): anything else is ignored.
+_REGION = re.compile(r"^[a-z]{2}(-[a-z0-9]+){1,3}$")
 USER_AGENT = "ddm-fetch-checkpoint"
 NOT_FOUND_HINT = ("nothing at this URL: the URI names a checkpoint directory (with config.json "
                   "and weights.safetensors) or a .tar.gz of one")
@@ -54,11 +65,13 @@ class Retryable(FetchError):
 
 
 class Refused(FetchError):
-    """The store answered 401 or 403: ``refusal`` is the status line without a hint."""
+    """The store answered 401 or 403, or S3 named the bucket's region: ``refusal`` is the
+    status line without a hint; ``region``: the bucket's region S3 named, else None."""
 
-    def __init__(self, message: str, refusal: str) -> None:
+    def __init__(self, message: str, refusal: str, region: str | None = None) -> None:
         super().__init__(message)
         self.refusal = refusal
+        self.region = region
 
 
 @dataclass(frozen=True)
@@ -133,6 +146,10 @@ def _exchange(url: str, parts: SplitResult, destination: Destination, out: Binar
             "Host": parts.netloc, "User-Agent": USER_AGENT, "Accept-Encoding": "identity",
             **headers})
         response = connection.getresponse()
+        region = bucket_region(response.status, response.getheader(BUCKET_REGION_HEADER))
+        if region is not None:
+            line = _status_line(url, response.status)
+            raise Refused(f"{line} (the bucket is in {region})", line, region)
         if response.status in REDIRECTS:
             location = response.getheader("Location")
             if not location:
@@ -208,9 +225,21 @@ def _stream(url: str, response: http.client.HTTPResponse, out: BinaryIO, limit: 
     return Received(size, digest.hexdigest())
 
 
-def _status_error(url: str, status: int) -> FetchError:
+def bucket_region(status: int, header: str | None) -> str | None:
+    """The bucket's region an S3 answer names (``x-amz-bucket-region`` on a 301, 400 or 403),
+    or None: no such answer, or a value that is not a region (a peer's words, never shown)."""
+    value = (header or "").strip()
+    return value if status in WRONG_REGION_STATUSES and _REGION.match(value) else None
+
+
+def _status_line(url: str, status: int) -> str:
+    """``URL: HTTP 403 Forbidden``: the standard phrase, never the server's."""
     phrase = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else ""
-    text = f"{shown(url)}: HTTP {status} {phrase}".rstrip()
+    return f"{shown(url)}: HTTP {status} {phrase}".rstrip()
+
+
+def _status_error(url: str, status: int) -> FetchError:
+    text = _status_line(url, status)
     if status >= 500 or status == 429:
         return Retryable(text)
     if status in (401, 403):

@@ -13,7 +13,8 @@ Where a checkpoint can come from:
 - ``gs://BUCKET/KEY`` through ``https://storage.googleapis.com/BUCKET/KEY``, or
   ``$STORAGE_EMULATOR_HOST``/BUCKET/KEY.
 - Both anonymously first; a private bucket (401/403) through the cloud's standard credential
-  chain, signed (``ddm.checkpoints.credentials``), unless a headers file gives credentials;
+  chain, signed (``ddm.checkpoints.credentials``; for the bucket's region once S3 names it),
+  unless a headers file gives credentials;
   or signed from the start with the store's own credentials file (``credentials_file``,
   ``--store-credentials-file``: an AWS shared credentials file, a Google service-account key).
 
@@ -371,11 +372,13 @@ def _answer_refusal(refused: Refused, credentials: StoreCredentials | None) -> N
     if credentials is None:
         raise refused
     if credentials.in_use:
+        if refused.region is not None and credentials.resign_for(refused.region):
+            return  # S3 named the bucket's region: signed for it from now on, same URL
         raise FetchError(f"{refused.refusal} (the store refused the signed request: "
                          f"{credentials.source}; check the key, the identity's access to "
                          "this object and the region)") from None
     try:
-        credentials.look_up()
+        credentials.look_up(refused.region)
     except FetchError as exc:
         raise FetchError(f"{refused.refusal} ({exc})") from None
 

@@ -23,8 +23,11 @@ cluster DNS (the operator-wide DNS selectors, port 53): nothing else, for the li
 The stager alone reaches the stores: any address except private, loopback, link-local,
 CGNAT, unique-local and cloud metadata ones (``CLOSED_NETWORKS``; the operator-wide
 ``fetch_allow_networks`` re-admit some, metadata never), and it accepts only the DDM's own
-pods. A NetworkPolicy selects pods, not containers, which is why the fetch runs in a pod of
-its own (``fetcher``). The fetcher checks the same destinations itself
+pods. With the operator-wide ``fetch_cloud_identity`` it may also reach the clouds' identity
+endpoints on port 80 (``IDENTITY_ENDPOINTS``), where the SDKs' credential chains ask for the
+pod's or the node's identity; the fetcher still refuses any URL naming them. A
+NetworkPolicy selects pods, not containers, which is why the fetch runs in a pod of its own
+(``fetcher``). The fetcher checks the same destinations itself
 (``ddm.checkpoints.destinations``); the policies are the second line, enforced by the CNI.
 The selectors are ``names.selector``'s, the labels every pod of these Deployments carries.
 """
@@ -140,7 +143,8 @@ def build_network_policies(meta: Mapping[str, Any], config: OperatorConfig, *,
         names.network_policy_name(owner, "stager"), meta, names.selector(owner, "stager"),
         ingress=[{"from": [{"podSelector": {"matchLabels": {names.DEPLOYMENT_LABEL: owner}}}],
                   "ports": [{"protocol": "TCP", "port": STAGER_PORT}]}],
-        egress=[dns_egress(config), store_egress(config.fetch_allow_networks)])
+        egress=[dns_egress(config), store_egress(config.fetch_allow_networks),
+                *([identity_egress()] if config.fetch_cloud_identity else [])])
     return [*servers, router, stager]
 
 
@@ -179,6 +183,22 @@ def store_egress(allow_networks: tuple[str, ...]) -> dict[str, Any]:
         if inside != [network]:  # a network that is one metadata address stays closed
             blocks.append(_block(network, inside))
     return {"to": blocks}
+
+
+#: Where the clouds' credential chains ask for an identity, all on port 80: the instance
+#: metadata service (EC2 instance profiles; GKE Workload Identity's metadata server) on its
+#: IPv4 and IPv6 addresses, and EKS Pod Identity's node agent (botocore's container provider,
+#: ``AWS_CONTAINER_CREDENTIALS_FULL_URI``) on its two. Metadata addresses all
+#: (``destinations.METADATA_ADDRESSES``): only the SDKs reach them, never a fetched URL.
+IDENTITY_ENDPOINTS = tuple(ipaddress.ip_address(a) for a in (
+    "169.254.169.254", "fd00:ec2::254", "169.254.170.23", "fd00:ec2::23"))
+IDENTITY_PORT = 80
+
+
+def identity_egress() -> dict[str, Any]:
+    """Egress to the clouds' identity endpoints, port 80 only (``fetch_cloud_identity``)."""
+    return {"to": [{"ipBlock": {"cidr": f"{a}/{a.max_prefixlen}"}} for a in IDENTITY_ENDPOINTS],
+            "ports": [{"protocol": "TCP", "port": IDENTITY_PORT}]}
 
 
 def _block(cidr: ipaddress.IPv4Network | ipaddress.IPv6Network,

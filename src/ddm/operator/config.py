@@ -20,6 +20,9 @@ from ddm.operator import policy
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 #: The operator's variable listing the networks fetchers may reach (comma-separated CIDRs).
 FETCH_ALLOW_NETWORKS_ENV = "DDM_FETCH_ALLOW_NETWORKS"
+#: The operator's switch letting checkpoint stagers reach the clouds' identity endpoints (the
+#: node's metadata service, EKS Pod Identity's agent), for the SDKs' credential chains.
+FETCH_CLOUD_IDENTITY_ENV = "DDM_FETCH_CLOUD_IDENTITY"
 #: The operator's variable capping each fetched checkpoint, in bytes (downloaded and extracted).
 FETCH_MAX_BYTES_ENV = "DDM_FETCH_MAX_BYTES"
 #: The operator's variables selecting the cluster DNS's pods (JSON label selectors): the one
@@ -178,6 +181,10 @@ class OperatorConfig:
     non-public
     networks (CIDRs) checkpoint fetchers may reach (the cluster's private stores; the
     fetcher's ``--allow-network``): an admin's choice, never a tenant's, so not in the CRD;
+    ``fetch_cloud_identity``: the stagers' NetworkPolicy admits the clouds' identity endpoints
+    (``access.IDENTITY_ENDPOINTS``) for GKE Workload Identity, EC2 instance profiles and EKS
+    Pod Identity (off: those pods' node credentials stay out of a tenant's reach; IRSA and
+    store credentials Secrets need no endpoint);
     ``router_trusted_proxies``: CIDRs of the proxies in front of every router (the
     cluster's ingress controllers: an admin's knowledge), whose
     ``X-Forwarded-For`` names the client a request counts against; ``metrics_from``: the
@@ -197,6 +204,7 @@ class OperatorConfig:
     router_auth: bool = False
     network_policy: bool = False
     fetch_allow_networks: tuple[str, ...] = ()
+    fetch_cloud_identity: bool = False
     metrics_from: tuple[dict[str, Any], ...] = ()
     operator_from: tuple[dict[str, Any], ...] = ()
     router_trusted_proxies: tuple[str, ...] = ()
@@ -227,9 +235,9 @@ class OperatorConfig:
     def from_env(cls, env: Mapping[str, str]) -> OperatorConfig:
         """From ``DDM_IMAGE_<FAMILY>`` (one per accelerator type's image family: ``CPU``,
         ``CUDA``, ``NEURON``, ``TPU``), ``DDM_IMAGE_PULL_POLICY``,
-        ``DDM_CLUSTER_DOMAIN``, the true/false switches ``DDM_ROUTER_AUTH`` and
-        ``DDM_NETWORK_POLICY`` (false when unset), and the comma-separated lists
-        ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``,
+        ``DDM_CLUSTER_DOMAIN``, the true/false switches ``DDM_ROUTER_AUTH``,
+        ``DDM_NETWORK_POLICY`` and ``DDM_FETCH_CLOUD_IDENTITY`` (false when unset), and the
+        comma-separated lists ``DDM_FETCH_ALLOW_NETWORKS`` (CIDRs), ``DDM_ALLOWED_IMAGES``,
         ``DDM_ALLOWED_CHECKPOINT_SOURCES``, ``DDM_ALLOWED_SECRETS``, ``DDM_ALLOWED_CLAIMS``,
         ``DDM_ALLOWED_TOLERATION_KEYS``, ``DDM_ALLOWED_NODE_SELECTOR_KEYS``,
         ``DDM_ALLOW_HOST_PATHS`` and ``DDM_ALLOWED_STRATEGIES`` (see ``policy``), empty when
@@ -246,6 +254,8 @@ class OperatorConfig:
                    router_auth=_flag(env, "DDM_ROUTER_AUTH", base.router_auth),
                    network_policy=_flag(env, "DDM_NETWORK_POLICY", base.network_policy),
                    fetch_allow_networks=_list(env, FETCH_ALLOW_NETWORKS_ENV),
+                   fetch_cloud_identity=_flag(env, FETCH_CLOUD_IDENTITY_ENV,
+                                              base.fetch_cloud_identity),
                    allowed=policy.AllowLists(
                        images=_list(env, policy.IMAGES_ENV),
                        checkpoint_sources=_list(env, policy.CHECKPOINTS_ENV),
