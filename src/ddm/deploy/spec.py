@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Generic, Mapping, TypeVar
 
 import yaml
 
@@ -233,13 +233,20 @@ class DDMSpec:
         return {role: stage for role, stage in found.items() if stage is not None}
 
 
+SpecT = TypeVar("SpecT")
+
+
 @dataclass(frozen=True)
-class DDMManifest:
-    """A DDMDeployment read from a file: its name, namespace (None: unset) and spec."""
+class Manifest(Generic[SpecT]):
+    """A ddm.dev document read from a file: its name, namespace (None: unset) and spec."""
 
     name: str
     namespace: str | None
-    spec: DDMSpec
+    spec: SpecT
+
+
+#: A DDMDeployment read from a file.
+DDMManifest = Manifest[DDMSpec]
 
 
 def parse_spec(raw: Any, *, allow_host_paths: bool = False) -> DDMSpec:

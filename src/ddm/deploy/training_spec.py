@@ -39,6 +39,7 @@ from ddm.deploy.spec import (
     MAX_NAME_LENGTH,
     NAME_PATTERN,
     VERSION,
+    Manifest,
     SpecError,
     _node_label_conflicts,
     _placed_accelerator,
@@ -194,13 +195,8 @@ class TrainingSpec:
     queue: str | None = None
 
 
-@dataclass(frozen=True)
-class TrainingManifest:
-    """A DDMTraining read from a file: its name, namespace (None: unset) and spec."""
-
-    name: str
-    namespace: str | None
-    spec: TrainingSpec
+#: A DDMTraining read from a file.
+TrainingManifest = Manifest[TrainingSpec]
 
 
 def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> TrainingSpec:
