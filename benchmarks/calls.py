@@ -15,7 +15,7 @@ do).
 
 Per round, each server gets :data:`CALLS` velocity calls, each followed by a ``GET /healthz``
 (the HTTP floor: uvicorn and FastAPI with no model), both through the router's own HTTP client
-(``ddm.serving.http_client``) on a kept-alive connection, and the same model runs as many
+(``ddm.serving.http.client``) on a kept-alive connection, and the same model runs as many
 times in this process (one torch thread). Two model times are subtracted:
 
 - ``model_ms``: the model alone in this process, called back to back (its caches warm);
@@ -36,7 +36,7 @@ trees: from a lone request's submission to its batch starting on the thread, and
 batch's end to the submitting task running again.
 
 ``reply_wait`` is the client's side of a call past the bound, per tree, with the tree's own
-:class:`~ddm.serving.http_client.HttpClient` on uvloop (as the router runs it), in processes
+:class:`~ddm.serving.http.client.HttpClient` on uvloop (as the router runs it), in processes
 alternated between the trees, against one small server process that answers every request
 after a sleep of :data:`BEYOND_BOUND_S`: from the server writing the reply (its timestamp is in
 the reply, on the clock every process shares) to ``post`` returning it.
@@ -69,9 +69,9 @@ from ddm.checkpoints.format import load_checkpoint
 from ddm.runtime.local import REPOSITORY_ROOT, free_port
 from ddm.serving.batching import INLINE_MAX_S
 from ddm.serving.model.backends import load_backend
-from ddm.serving.http_client import HttpClient
-from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                  encode_request, max_error_reply_bytes, max_reply_bytes)
+from ddm.serving.http.client import HttpClient
+from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
+                                       encode_request, max_error_reply_bytes, max_reply_bytes)
 from benchmarks.figures import CALL_ABOVE_FLOOR_MS, verdict
 from benchmarks.fleet import HOST, READY_S, checkouts
 
@@ -118,7 +118,7 @@ _STOP_S = 30.0
 #: server stops.
 _SERVER = _EXTRA + """
 import json, sys, time
-from ddm.serving.http import run_server
+from ddm.serving.http.server import run_server
 try:
     from ddm.serving.model import routes
     from ddm.serving.model.backends import load_backend
@@ -234,7 +234,7 @@ uvloop.run(main())
 _REPLY_WAIT = """
 import asyncio, json, struct, sys, time
 import uvloop
-from ddm.serving.http_client import HttpClient
+from ddm.serving.http.client import HttpClient
 calls, endpoint = int(sys.argv[1]), sys.argv[2]
 
 async def main():

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ddm.serving.protocol import VelocityRequest, encode_request, encode_response
+from ddm.serving.wire.protocol import VelocityRequest, encode_request, encode_response
 from benchmarks.reference_protocol import encode_npz
 
 BIG_BATCH = 64

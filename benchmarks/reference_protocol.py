@@ -17,7 +17,7 @@ models:
 
 The router loop is ``ddm.sampling.pipeline.generate`` itself, with each expert's velocity replaced
 by :func:`npz_velocity` (:func:`reference_ddm`): the same noise, routing and solver steps as
-in-process sampling. Not for production; the real wire format is ``ddm.serving.protocol``.
+in-process sampling. Not for production; the real wire format is ``ddm.serving.wire.protocol``.
 Run one server with ``python -m benchmarks.reference_protocol --checkpoint DIR --port N``.
 """
 
@@ -130,7 +130,7 @@ def reference_ddm(ddm: LoadedDDM, endpoints: Sequence[str]) -> LoadedDDM:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve one expert over the reference protocol until interrupted."""
-    from ddm.serving.http import build_server
+    from ddm.serving.http.server import build_server
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.reference_protocol",
                                      description=__doc__.splitlines()[0])

@@ -62,8 +62,8 @@ from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH
                                        throughput_figures, verdict, wire_bytes)
 from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
                                      machine, recorded_path, running_fleet, say)
-from ddm.serving.router.pool import KEEP_ALIVE_S
-from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.router.fleet.pool import KEEP_ALIVE_S
+from ddm.serving.wire.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
 from benchmarks.calls import ROUNDS as CALL_ROUNDS, measure as measure_calls
 from benchmarks.text2img_latency import text2img_latency, text2img_summary_lines

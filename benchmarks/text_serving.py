@@ -29,9 +29,9 @@ import httpx
 import numpy as np
 
 from benchmarks.fleet import HOST, BenchError, say
-from ddm.serving.router.pool import ExpertPool, PoolSettings
-from ddm.serving.router.replicas import static_endpoints
-from ddm.serving.router.stage_clients import StagePool
+from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.router.fleet.replicas import static_endpoints
+from ddm.serving.router.fleet.stage_clients import StagePool
 from tests.support.text_stages import PARIS_SHAPES, write_text_ddm
 
 #: Target: a step's request with the context cache over the latent's own bytes.

@@ -15,7 +15,7 @@ fuzz test (``tests/integration/test_api_fuzz.py``). A hostile body is one of:
 - random bytes, bare or behind a valid magic and version.
 
 The layout below is recomputed here from the tensors' shapes rather than taken from
-``ddm.serving.protocol``, so that the mutations aim at the documented byte offsets and the
+``ddm.serving.wire.protocol``, so that the mutations aim at the documented byte offsets and the
 test does not trust the code it checks.
 """
 
@@ -28,9 +28,9 @@ from typing import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from ddm.serving.protocol import (IntegrateRequest, PoolVelocityRequest, Solver,
-                                  TextVelocityRequest, VelocityRequest, encode_pool_request,
-                                  encode_request)
+from ddm.serving.wire.protocol import (IntegrateRequest, PoolVelocityRequest, Solver,
+                                       TextVelocityRequest, VelocityRequest, encode_pool_request,
+                                       encode_request)
 
 MAGIC_AND_VERSION = b"DDMT\x01"
 HEADER_BYTES = 18

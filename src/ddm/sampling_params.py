@@ -3,7 +3,7 @@
 Everything that reads or checks them is built from :data:`PARAMS`: the spec's ``sampling``
 (``ddm.deploy.spec``; the CRD's fields are generated from these, ``ddm.deploy.crd``),
 ``router.yaml``'s ``sampling`` (``ddm.deploy.router_config``), the router's request schema
-(``ddm.serving.router.requests``: pydantic bounds from :meth:`Param.bounds`), ``ddm sample``'s
+(``ddm.serving.router.api.requests``: pydantic bounds from :meth:`Param.bounds`), ``ddm sample``'s
 and the evaluation's flags (:meth:`Param.parse`) and the loop's request check
 (``ddm.sampling.loop.check_request``). Every check goes through :func:`sampling_problems`, so a
 value one of them takes, all of them take.

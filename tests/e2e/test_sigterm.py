@@ -5,7 +5,7 @@ imports, before uvicorn installs its handlers, the kernel gives a PID namespace'
 default action for a signal it has no handler for (``ddm`` handles SIGTERM from its first
 line: ddm.cli; exit 143); while it loads, checks and warms up its model (importing PyTorch in
 its start-up thread), a server never ready has no traffic to drain, and its process does not
-wait for a start-up nobody will use (ddm.serving.http; exit 0). A serving pod still drains,
+wait for a start-up nobody will use (ddm.serving.http.server; exit 0). A serving pod still drains,
 then exits 0.
 The pods are the operator's expert pods in miniature: the CPU image, restricted, read-only
 root file system.

@@ -1,6 +1,6 @@
 """Hostile clients on raw loopback sockets: connections that stay idle, trickle a request, send
 part of a body, or send a header block too large, each recording when and how the server ended
-it (``ddm.serving.connections`` says what each may cost)."""
+it (``ddm.serving.http.connections`` says what each may cost)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from ddm.serving.connections import ConnectionLimits
+from ddm.serving.http.connections import ConnectionLimits
 
 #: What each kind of attacker does, and the deadline (a ConnectionLimits field) that ends it.
 KINDS = {

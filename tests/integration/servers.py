@@ -11,8 +11,8 @@ from typing import Iterator
 
 import httpx
 
-from ddm.serving.connections import ConnectionLimits
-from ddm.serving.http import build_server
+from ddm.serving.http.connections import ConnectionLimits
+from ddm.serving.http.server import build_server
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
 

@@ -38,9 +38,9 @@ from hypothesis import strategies as st
 
 from protocol_strategies import Target, request_bodies
 from ddm.runtime.local import ProcessSpec, Supervisor, free_port
-from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
-                                  RemoteExpertError, Solver, VelocityRequest, decode_request,
-                                  decode_response, encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
+                                       RemoteExpertError, Solver, VelocityRequest, decode_request,
+                                       decode_response, encode_request)
 from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                        StaticDiscovery)
 

@@ -16,8 +16,8 @@ from ddm.checkpoints.format import load_checkpoint
 from ddm.models.imports import ENV_ALLOW_IMPORT
 from ddm.models.loading import expert_network
 from ddm.models.torch_io import canonical_weights, export_program
-from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                  encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
+                                       encode_request)
 from tests.integration.servers import running, wait_ready
 from tests.support.tiny_dit import SMALL, build
 

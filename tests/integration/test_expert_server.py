@@ -32,8 +32,8 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.backends import Backend, BackendUnavailable, check_backend, load_backend
-from ddm.serving.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
-                                  VelocityRequest, decode_response, encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
+                                       VelocityRequest, decode_response, encode_request)
 from ddm.termination import write_termination_message
 from servers import READY_DEADLINE_S, ready_server, running, wait_ready
 from waiting import wait_for
@@ -324,7 +324,7 @@ from ddm.serving.model.backends import load_backend
 from ddm.serving.model.options import Hooks
 from ddm.serving.model.routes import SERVING_LOOPS
 from ddm.serving.model.server import create_model_app
-from ddm.serving.http import run_server
+from ddm.serving.http.server import run_server
 checkpoint, port, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
 
 def loader(ckpt, backend, device, max_batch, cache):

@@ -1,6 +1,6 @@
 """Slow, idle and oversized connections against real servers on loopback (raw sockets): a normal
 call still succeeds while they are open, and each of them is closed by its deadline
-(``ddm.serving.connections``; figures in docs/reliability.md, "Hostile clients").
+(``ddm.serving.http.connections``; figures in docs/reliability.md, "Hostile clients").
 
 The deadlines are shortened to 4 s so that the tests take seconds; the defaults only change how
 long an attacker lasts, not what it can do meanwhile.
@@ -26,14 +26,14 @@ import pytest
 
 from ddm.deploy.limits import MAX_STATE_MAGNITUDE
 from ddm.deploy.router_config import RouterConfigFile
-from ddm.serving.connections import ConnectionLimits
+from ddm.serving.http.connections import ConnectionLimits
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.routes import SERVING_LOOPS
-from ddm.serving.protocol import (CONTENT_TYPE, RemoteExpertError, TextVelocityRequest,
-                                  VelocityRequest, decode_response, encode_request,
-                                  encode_text_request)
-from ddm.serving.router.server import create_router_app
+from ddm.serving.wire.protocol import (CONTENT_TYPE, RemoteExpertError, TextVelocityRequest,
+                                       VelocityRequest, decode_response, encode_request,
+                                       encode_text_request)
+from ddm.serving.router.api.server import create_router_app
 from hostile import Attacker, check_closed_in_time, swarm
 from servers import running, wait_ready
 from tests.support.text_router import served_text_ddm

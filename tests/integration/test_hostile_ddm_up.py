@@ -17,7 +17,7 @@ import httpx
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
-from ddm.serving.connections import ConnectionLimits
+from ddm.serving.http.connections import ConnectionLimits
 from hostile import check_closed_in_time, swarm
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"

@@ -32,8 +32,8 @@ from ddm.deploy.limits import MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES
 from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                       StaticDiscovery)
 from ddm.runtime.local import free_port
-from ddm.serving.protocol import (CONTENT_TYPE, Limits, decode_request, encode_error,
-                                  encode_response)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Limits, decode_request, encode_error,
+                                       encode_response)
 from tests.integration.servers import running
 
 HOST = "127.0.0.1"

@@ -25,8 +25,8 @@ from ddm.models.config import UNetConfig
 from ddm.models.imports import ENV_ALLOW_IMPORT
 from ddm.models.jax_export import EXPORT_PLATFORMS, export_program
 from ddm.models.loading import expert_network
-from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                  encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
+                                       encode_request)
 from tests.integration.servers import running, wait_ready
 from tests.support.tiny_flax import build as build_mlp
 

@@ -16,7 +16,7 @@ import pytest
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -35,8 +35,8 @@ from tests.support.processes import listening_pid
 from ddm.evaluation.commands import evaluate_images
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
-from ddm.serving.protocol import (CONTENT_TYPE, Limits, ProtocolError, VelocityRequest,
-                                  decode_request, encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Limits, ProtocolError, VelocityRequest,
+                                       decode_request, encode_request)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 STARTUP_TIMEOUT_S = 300

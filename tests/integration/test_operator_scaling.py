@@ -28,7 +28,7 @@ from waiting import wait_for
 from ddm.operator import names
 from ddm.operator.config import OperatorConfig
 from ddm.operator.scaler import FIELD_MANAGER
-from ddm.serving.router.demand import DemandMeter
+from ddm.serving.router.fleet.demand import DemandMeter
 from tests.support.operator_process import install_crd, operator_in_thread
 
 GROUP, VERSION, PLURAL = "ddm.dev", "v1alpha1", "ddmdeployments"

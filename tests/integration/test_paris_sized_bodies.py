@@ -19,8 +19,9 @@ import pytest
 
 from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES, MAX_PROMPT_BYTES, SERVER_MAX_BATCH
 from ddm.models.paris import ParisExpertConfig, ParisRouterConfig
-from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, TextVelocityRequest,
-                                  context_id, decode_response, encode_text_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RemoteExpertError,
+                                       TextVelocityRequest, context_id, decode_response,
+                                       encode_text_request)
 from tests.support.paris_release import TinyParis
 from tests.support.text_router import served_text_ddm
 

@@ -28,15 +28,15 @@ import pytest
 from ddm.checkpoints.declared import EXPERT, PLAN_NAMES
 from ddm.conditioning import Conditioning
 from ddm.deploy.router_config import RouterConfigFile, StaticDiscovery
-from ddm.serving.auth import TokenFile
+from ddm.serving.http.auth import TokenFile
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
-from ddm.serving.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
-                                  RouteRequest, TextVelocityRequest, context_id,
-                                  decode_response, encode_text_request)
-from ddm.serving.router.pool import ExpertPool, PoolSettings
-from ddm.serving.router.replicas import ExpertInfo
-from ddm.serving.router.server import create_router_app
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
+                                       RouteRequest, TextVelocityRequest, context_id,
+                                       decode_response, encode_text_request)
+from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.router.fleet.replicas import ExpertInfo
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.text_router import EXPERTS, STAGES, paris_stages, text_config
 

@@ -25,11 +25,11 @@ from ddm.conditioning import Conditioning
 from ddm.deploy.router_config import StaticDiscovery
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
-from ddm.serving.protocol import (CONTENT_TYPE, Context, Limits, PoolVelocityRequest,
-                                  RemoteExpertError, TextVelocityRequest, context_id,
-                                  decode_pool_response, decode_request, decode_response,
-                                  encode_pool_request, encode_text_request)
-from ddm.serving.router.pool import ExpertPool, ExpertUnavailable, PoolSettings
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, Limits, PoolVelocityRequest,
+                                       RemoteExpertError, TextVelocityRequest, context_id,
+                                       decode_pool_response, decode_request, decode_response,
+                                       encode_pool_request, encode_text_request)
+from ddm.serving.router.fleet.pool import ExpertPool, ExpertUnavailable, PoolSettings
 from protocol_strategies import Target, request_bodies
 from tests.integration.servers import running, wait_ready
 from tests.support.paris_release import TinyParis

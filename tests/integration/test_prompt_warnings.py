@@ -16,7 +16,7 @@ from ddm.checkpoints.declared import CONFIG_KEYS, TEXT_ENCODER
 from ddm.data.colored_mnist import EXAMPLE_PROMPT
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.text_router import text_config
 

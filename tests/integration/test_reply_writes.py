@@ -1,5 +1,5 @@
 """A server's reply leaves in one write: its head (status line and headers) and its body in one
-writev, so that the client wakes once (``ddm.serving.connections``). Counted with the kernel's
+writev, so that the client wakes once (``ddm.serving.http.connections``). Counted with the kernel's
 own tally of the server thread's write calls (``syscw`` in ``/proc/self/task/TID/io``: write
 and writev), against a real expert server on a thread."""
 
@@ -15,7 +15,7 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from ddm.serving.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.wire.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
 from servers import SERVER_THREAD, running, wait_ready

@@ -20,9 +20,9 @@ from ddm.data import partition_sha256
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.router.replicas import ExpertInfo, ExpertProblem
-from ddm.serving.router.server import create_router_app
-from ddm.serving.router.state import expert_mismatches
+from ddm.serving.router.fleet.replicas import ExpertInfo, ExpertProblem
+from ddm.serving.router.api.server import create_router_app
+from ddm.serving.router.api.state import expert_mismatches
 from tests.integration.servers import running, wait_ready
 
 # the models run on two cores shared with everything else

@@ -42,7 +42,7 @@ from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT, resolve_checkpoint
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.text_router import served_text_ddm, text_config
 

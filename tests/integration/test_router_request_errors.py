@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from ddm.deploy.router_config import RouterConfigFile
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running
 
 NOBODY = "127.0.0.1:9"  # the discard port: no expert is needed to refuse a malformed body

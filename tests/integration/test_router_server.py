@@ -44,15 +44,15 @@ from ddm.models.loading import load_ddm
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import initial_noise
-from ddm.serving.router.pool import ExpertPool, PoolSettings
-from ddm.serving.http import build_server
-from ddm.serving.router.remote import RemoteMixture, SamplingRequest, generate_remote
-from ddm.serving.router.replicas import static_endpoints
+from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.http.server import build_server
+from ddm.serving.router.fleet.remote import RemoteMixture, SamplingRequest, generate_remote
+from ddm.serving.router.fleet.replicas import static_endpoints
 from ddm.deploy.router_config import Auth, RouterConfigFile, RouterLimits
 from ddm.sampling_params import STRATEGY_PATTERN
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 
 # the models run on two cores shared with everything else
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -533,7 +533,7 @@ def replicated(ddms, experts, tmp_path_factory) -> Iterator[dict]:
     (directory / "router").symlink_to(ddms["split"] / "router")  # relative to the config
     (directory / "router.yaml").write_text(config.to_yaml())
     replicas = {port: _start_expert(ddms["split"] / "e0", port) for port in ports[:2]}
-    router = _spawn(["-c", "from ddm.serving.router.server import serve_router; "
+    router = _spawn(["-c", "from ddm.serving.router.api.server import serve_router; "
                            f"serve_router({str(directory / 'router.yaml')!r}, port={ports[2]}, "
                            "log_level='warning', deadline_s=3.0)"])
     state = {"base": f"http://127.0.0.1:{ports[2]}", "replicas": replicas,

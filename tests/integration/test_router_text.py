@@ -27,9 +27,9 @@ from PIL import Image
 from ddm.deploy.limits import MAX_PROMPT_BYTES
 from ddm.models.stages import load_text_ddm
 from ddm.sampling.pipeline import generate_text
-from ddm.serving.router.requests import STREAM_EVENT_SCHEMA
+from ddm.serving.router.api.requests import STREAM_EVENT_SCHEMA
 
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running
 from tests.support.text_router import EXPERTS, paris_stages, served_text_ddm, text_config
 

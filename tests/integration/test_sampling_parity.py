@@ -32,7 +32,7 @@ from ddm.models.torch_unet import UNet
 from ddm.sampling.pipeline import generate
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running, wait_ready
 
 # the models run on two cores shared with everything else

@@ -30,16 +30,16 @@ from ddm.deploy.limits import MAX_CONTEXT_ROWS
 from ddm.models.stages import load_stage, load_text_ddm
 from ddm.models.text_prior import pooled_text
 from ddm import termination
-from ddm.serving.http import build_server
+from ddm.serving.http.server import build_server
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
-                                  Solver, TextIntegrateRequest, TextVelocityRequest,
-                                  VelocityRequest, context_id, decode_response, encode_request,
-                                  encode_text_request)
-from ddm.serving.router.pool import ExpertPool, PoolSettings
-from ddm.serving.router.replicas import ExpertInfo, static_endpoints
-from ddm.serving.router.stage_clients import LocalStages, StagePool
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
+                                       Solver, TextIntegrateRequest, TextVelocityRequest,
+                                       VelocityRequest, context_id, decode_response, encode_request,
+                                       encode_text_request)
+from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.router.fleet.replicas import ExpertInfo, static_endpoints
+from ddm.serving.router.fleet.stage_clients import LocalStages, StagePool
 from tests.integration.servers import running, wait_ready
 from tests.support.text_stages import LATENT_SHAPE, hand_prior, with_prior, write_text_ddm
 

@@ -251,8 +251,8 @@ def test_the_untampered_export_serves_the_velocity_of_the_network_it_came_from(e
     expected = expert_network(load_checkpoint(SHIPPED_EXPERT), "torch")(x, t, y)
     np.testing.assert_allclose(expert_network(load_checkpoint(exported))(x, t, y), expected,
                                atol=1e-5)
-    from ddm.serving.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                      encode_request)
+    from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
+                                           encode_request)
 
     with ready_server(exported, max_batch=4) as base:
         reply = httpx.post(f"{base}/v1/velocity", headers={"Content-Type": CONTENT_TYPE},

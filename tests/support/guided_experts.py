@@ -1,4 +1,4 @@
-"""A real in-process :class:`~ddm.serving.router.remote.ExpertCaller`: a text DDM's experts
+"""A real in-process :class:`~ddm.serving.router.fleet.remote.ExpertCaller`: a text DDM's experts
 guided against CLIP of the empty prompt, as an expert server guides them, so that the router's
 driver runs against real models without HTTP."""
 

@@ -14,7 +14,7 @@ from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.router.server import create_router_app
+from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running, wait_ready
 from tests.support.paris_release import TinyParis, write_paris_release
 from tests.support.text_stages import hand_prior, with_prior, write_paris_stages

@@ -14,7 +14,7 @@ from ddm.serving.model.backends import Backend, BackendInfo
 from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
                                   Dispatch, Pending, Wait, batch_buckets, bucket_for,
                                   grid_slices, pad_rows, plan_batch)
-from ddm.serving.polling import WARM_AFTER, WARM_TICK_S
+from ddm.serving.http.polling import WARM_AFTER, WARM_TICK_S
 
 V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
 
@@ -335,7 +335,7 @@ def test_the_loop_ticks_from_near_a_thread_batch_s_expected_end_until_it_is_deli
     assert [thread for _, _, thread in model.threads][-2:] == ["ddm-model", "MainThread"]
 
 
-# -- Batcher on several event loops (an expert server's loops: ddm.serving.http) ---------------
+# -- Batcher on several event loops (an expert server's loops: ddm.serving.http.server) ------------
 
 class LoopThread:
     """An event loop running in a thread of its own, as each of a server's loops does."""

@@ -14,7 +14,7 @@ from typing import Hashable
 import numpy as np
 import pytest
 
-from ddm.serving.router.coalescing import Coalescer
+from ddm.serving.router.fleet.coalescing import Coalescer
 
 
 class Expert:

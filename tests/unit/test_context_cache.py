@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ddm.serving.model.contexts import ContextCache
-from ddm.serving.protocol import UNKNOWN_CONTEXT, ProtocolError
+from ddm.serving.wire.protocol import UNKNOWN_CONTEXT, ProtocolError
 
 ROW = np.zeros((1, 4, 8), np.float32)  # 128 bytes
 NONE = np.zeros((0, 4, 8), np.float32)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddm.serving.router.demand import DemandWindow
+from ddm.serving.router.fleet.demand import DemandWindow
 
 
 def test_rates_are_the_windows_sums_over_the_window() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_TEXT, MAX_IMAGE_CHANNELS,
                                MAX_IMAGE_SIDE)
-from ddm.serving.router.replicas import ExpertInfo, InvalidReport
+from ddm.serving.router.fleet.replicas import ExpertInfo, InvalidReport
 
 VALID = {"image_shape": [1, 16, 16], "classes": [0, 1, 2], "max_batch": 8,
          "convention": "linear-fm/x0-to-x1/v=x1-x0", "serves": "velocity",
@@ -117,7 +117,7 @@ def test_what_an_expert_sent_is_quoted_cut_short():
     ("latent_shape", [4, 8]), ("latent_shape", [4, 8.0, 8]),
 ])
 def test_a_stage_servers_shapes_are_held_to_the_experts_limits(field, shape):
-    from ddm.serving.router.stage_clients import StageInfo
+    from ddm.serving.router.fleet.stage_clients import StageInfo
 
     report = {"role": "decoder", "max_batch": 4, "wire_dtype": "float32",
               "latent_shape": [4, 8, 8], "image_shape": [3, 64, 64]} | {field: shape}
@@ -131,7 +131,7 @@ def test_a_decoder_that_makes_no_rgb_image_at_a_multiple_of_its_latents_is_refus
         image_shape):
     # The router sends RGB PNGs of what the decoder makes: another decoder made every
     # stream fail with a 500.
-    from ddm.serving.router.stage_clients import StageInfo
+    from ddm.serving.router.fleet.stage_clients import StageInfo
 
     report = {"role": "decoder", "max_batch": 4, "wire_dtype": "float32",
               "latent_shape": [4, 8, 8], "image_shape": image_shape}

@@ -23,14 +23,14 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
-from ddm.serving.router.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
-                                     PoolSettings)
-from ddm.serving.router.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
-                                  static_endpoints)
-from ddm.serving.http import build_server, send_bytes
+from ddm.serving.router.fleet.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
+                                           PoolSettings)
+from ddm.serving.router.fleet.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
+                                               static_endpoints)
+from ddm.serving.http.server import build_server, send_bytes
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.protocol import CONTENT_TYPE, encode_error
+from ddm.serving.wire.protocol import CONTENT_TYPE, encode_error
 
 SHAPE = (1, 8, 8)
 FAST = PoolSettings(connect_s=1.0, attempt_s=2.0, deadline_s=3.0, attempts=2, backoff_s=0.05,

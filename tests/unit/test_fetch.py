@@ -11,8 +11,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from ddm.serving.fetch import FetchError, fetch_json
-from ddm.serving.router.client import MAX_INFO_BYTES, router_info
+from ddm.serving.http.fetch import FetchError, fetch_json
+from ddm.serving.router.api.client import MAX_INFO_BYTES, router_info
 
 #: What the hostile peer offers: far over any cap.
 HUGE_BYTES = 100 * 1024 * 1024

@@ -18,9 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ddm.serving.http import build_server
-from ddm.serving.http_client import HttpClient, HttpClientError, ReplyTooLarge
-from ddm.serving.polling import WARM_AFTER
+from ddm.serving.http.server import build_server
+from ddm.serving.http.client import HttpClient, HttpClientError, ReplyTooLarge
+from ddm.serving.http.polling import WARM_AFTER
 
 CT = "application/octet-stream"
 #: Reply caps for the ordinary cases: far above what they answer.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ddm.convention import interpolate
-from ddm.serving.router.previews import StatePoint, predicted_latents
+from ddm.serving.router.api.previews import StatePoint, predicted_latents
 
 
 def test_two_states_on_a_straight_path_predict_its_data_end():

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from ddm.deploy.autoscaler import Demand
 from ddm.operator.demand import MAX_METRICS_BYTES, DemandRates, RouterReading, parse_metrics, scrape
-from ddm.serving.router.demand import DemandMeter
+from ddm.serving.router.fleet.demand import DemandMeter
 
 EXPERTS = ("a", "b")
 

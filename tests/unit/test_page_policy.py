@@ -1,4 +1,4 @@
-"""The web pages' Content-Security-Policy (ddm.serving.http.page_headers) admits exactly the
+"""The web pages' Content-Security-Policy (ddm.serving.http.server.page_headers) admits exactly the
 page's own inline script and style elements, by the SHA-256 of the text a browser hashes, however
 the page's comments and strings mention tags: known answers, written out by hand."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 
-from ddm.serving.http import page_headers
+from ddm.serving.http.server import page_headers
 
 SCRIPT = '\nconst end = "</div>"; // <style> in a string\n'
 STYLE = "\n  [hidden] { display: none !important; }\n"

@@ -1,5 +1,5 @@
 """Hybrid polling's two parts: the expected time of a key's next job, and the chain of ticks
-on an event loop (ddm.serving.polling). The waits that use them are tested with their
+on an event loop (ddm.serving.http.polling). The waits that use them are tested with their
 owners: the batcher's model thread (test_batching) and the HTTP client's calls
 (test_http_client)."""
 
@@ -11,7 +11,7 @@ from typing import Callable
 import pytest
 import uvloop
 
-from ddm.serving.polling import WARM_MIN_S, WARM_TICK_S, LastTimes, WarmTicks, first_tick_s
+from ddm.serving.http.polling import WARM_MIN_S, WARM_TICK_S, LastTimes, WarmTicks, first_tick_s
 
 
 #: The servers run uvloop; asyncio's own loop is the fallback.

@@ -12,20 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddm.deploy.limits import MAX_STATE_MAGNITUDE
-from ddm.serving.protocol import (
-    MAX_ERROR_MESSAGE_BYTES,
-    IntegrateRequest,
-    Limits,
-    ProtocolError,
-    RemoteExpertError,
-    Solver,
-    VelocityRequest,
-    decode_request,
-    decode_response,
-    encode_error,
-    encode_request,
-    encode_response,
-)
+from ddm.serving.wire.protocol import (MAX_ERROR_MESSAGE_BYTES, IntegrateRequest, Limits,
+                                       ProtocolError, RemoteExpertError, Solver, VelocityRequest,
+                                       decode_request, decode_response, encode_error,
+                                       encode_request, encode_response)
 
 # The codes of docs/protocol.md, restated so that a change to the module shows up here.
 NAME = {"x": 1, "t": 2, "y": 3, "grid": 4, "out": 5, "message": 6}
@@ -175,7 +165,7 @@ def test_a_body_laid_out_like_one_decoded_before_is_still_checked_whole() -> Non
 def test_bodies_of_many_shapes_keep_a_bounded_memo_and_decode_right() -> None:
     """A client may send any dims: the known layouts stay bounded, and every body decodes to
     its own arrays, the first shapes again after many others."""
-    from ddm.serving import protocol
+    from ddm.serving.wire import protocol
 
     shapes = [(1, 1, side, side + 1) for side in range(1, 150)]
     for shape in shapes + shapes[:3]:

@@ -28,9 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.strategies import SearchStrategy
 
 from protocol_strategies import HUGE_DIMS, Target, huge_header, request_bodies
-from ddm.serving.protocol import (IntegrateRequest, Limits, PoolVelocityRequest, ProtocolError,
-                                  VelocityRequest, decode_request, encode_pool_request,
-                                  encode_request)
+from ddm.serving.wire.protocol import (IntegrateRequest, Limits, PoolVelocityRequest, ProtocolError,
+                                       VelocityRequest, decode_request, encode_pool_request,
+                                       encode_request)
 
 TARGET = Target(image_shape=(1, 4, 4), labels=(0, 1, 2, 3, 4), max_batch=4, max_steps=8)
 #: Small enough that the strategies' 4 KiB appends go over it (413).

@@ -9,10 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ddm.serving.protocol import (MemberError, Limits, PoolVelocityRequest, ProtocolError,
-                                  RemoteExpertError, TextVelocityRequest, decode_pool_response,
-                                  decode_request, encode_error, encode_pool_request,
-                                  encode_pool_response, max_pool_reply_bytes)
+from ddm.serving.wire.protocol import (MemberError, Limits, PoolVelocityRequest, ProtocolError,
+                                       RemoteExpertError, TextVelocityRequest, decode_pool_response,
+                                       decode_request, encode_error, encode_pool_request,
+                                       encode_pool_response, max_pool_reply_bytes)
 
 RNG = np.random.default_rng(0)
 SHAPE = (4, 2, 2)

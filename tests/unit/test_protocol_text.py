@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 
 from ddm.conditioning import Conditioning, EncodedPrompts
-from ddm.serving.protocol import (UNKNOWN_CONTEXT, Context, DecodeRequest, EncodeRequest,
-                                  Limits, ProtocolError, RemoteExpertError,
-                                  RouteRequest, Solver, TextIntegrateRequest,
-                                  TextVelocityRequest, context_id, decode_context_ack,
-                                  decode_encoded, decode_probabilities, decode_request,
-                                  decode_response, encode_context_ack, encode_encoded,
-                                  encode_error, encode_probabilities, encode_response,
-                                  encode_text_request)
+from ddm.serving.wire.protocol import (UNKNOWN_CONTEXT, Context, DecodeRequest, EncodeRequest,
+                                       Limits, ProtocolError, RemoteExpertError, RouteRequest,
+                                       Solver, TextIntegrateRequest, TextVelocityRequest,
+                                       context_id, decode_context_ack, decode_encoded,
+                                       decode_probabilities, decode_request, decode_response,
+                                       encode_context_ack, encode_encoded, encode_error,
+                                       encode_probabilities, encode_response, encode_text_request)
 
 RNG = np.random.default_rng(0)
 EMBEDDINGS = RNG.standard_normal((2, 3, 4)).astype(np.float32)

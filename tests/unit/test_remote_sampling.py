@@ -19,8 +19,8 @@ from ddm.models.loading import LoadedDDM, LoadedExpert
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import VelocityFn, iterate
-from ddm.serving.router.remote import (RemoteMixture, RouterNetwork, SamplingRequest,
-                                       check_request, denoise, generate_remote)
+from ddm.serving.router.fleet.remote import (RemoteMixture, RouterNetwork, SamplingRequest,
+                                             check_request, denoise, generate_remote)
 
 SHAPE = (1, 4, 4)
 LOW, HIGH = tuple(range(5)), tuple(range(5, 10))

@@ -16,9 +16,9 @@ from ddm.models.paris_ddm import load_paris_ddm
 from ddm.sampling.pipeline import generate_text
 from ddm.sampling.routing import parse_strategy
 from ddm.models.stages import load_stage
-from ddm.serving.router.remote import (RemoteMixture, SamplingRequest, check_request, denoise,
-                                       generate_remote)
-from ddm.serving.router.stage_clients import LocalStages
+from ddm.serving.router.fleet.remote import (RemoteMixture, SamplingRequest, check_request, denoise,
+                                             generate_remote)
+from ddm.serving.router.fleet.stage_clients import LocalStages
 from tests.support.guided_experts import GuidedExperts
 from tests.support.paris_release import write_paris_release
 from tests.support.text_stages import write_paris_stages

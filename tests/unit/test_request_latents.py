@@ -9,7 +9,7 @@ import io
 import numpy as np
 import pytest
 
-from ddm.serving.router.requests import parse_latents
+from ddm.serving.router.api.requests import parse_latents
 
 
 def _npy(array: np.ndarray, allow_pickle: bool = False) -> bytes:

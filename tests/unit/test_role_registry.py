@@ -14,8 +14,8 @@ import yaml
 from ddm.checkpoints.roles import ROLE_REGISTRY, StageRole, stage_roles
 from ddm.deploy.pools import STAGE_FIELDS
 from ddm.deploy.router_config import RouterConfigFile
-from ddm.serving.router.replicas import InvalidReport
-from ddm.serving.router.stage_clients import StageInfo
+from ddm.serving.router.fleet.replicas import InvalidReport
+from ddm.serving.router.fleet.stage_clients import StageInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 #: A whole report of every field a stage may report, each valid for any role.

@@ -11,8 +11,8 @@ import ipaddress
 
 import pytest
 
-from ddm.serving.router.clients import (ClientBudget, ClientBusy, ClientSlots, OverBudget,
-                                       client_key)
+from ddm.serving.router.api.clients import (ClientBudget, ClientBusy, ClientSlots, OverBudget,
+                                            client_key)
 
 INGRESS = (ipaddress.ip_network("10.0.0.0/24"), ipaddress.ip_network("fd00::/64"))
 

@@ -25,8 +25,8 @@ from ddm.deploy.router_config import (
     StaticDiscovery,
     Timeouts,
 )
-from ddm.serving.router.pool import pool_settings
-from ddm.serving.router.state import load_router_config
+from ddm.serving.router.fleet.pool import pool_settings
+from ddm.serving.router.api.state import load_router_config
 
 TEXT = """\
 num_classes: 10

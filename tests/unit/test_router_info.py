@@ -1,4 +1,4 @@
-"""What the router's /v1/info says of its DDM (ddm.serving.router.info): the strategies the DDM
+"""What the router's /v1/info says of its DDM (ddm.serving.router.api.info): the strategies the DDM
 can serve, and each expert's card from router.yaml and the expert's own word, which is a
 peer's and so is cut to size and typed, never trusted."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                       StaticDiscovery)
-from ddm.serving.router.info import expert_card, strategies, trained_on
+from ddm.serving.router.api.info import expert_card, strategies, trained_on
 from ddm.deploy.limits import MAX_EXPERT_TEXT
-from ddm.serving.router.replicas import ExpertInfo
+from ddm.serving.router.fleet.replicas import ExpertInfo
 
 HERE = StaticDiscovery(("127.0.0.1:1",))
 

@@ -20,7 +20,7 @@ from ddm.deploy.router_config import RouterConfigError, RouterConfigFile
 from ddm.deploy.spec import SpecError, parse_spec
 from ddm.sampling_params import (GUIDANCE_CUTOFF, MAX_STEPS, PARAMS, SOLVER, SamplingError,
                                  SamplingParams, check_sampling)
-from ddm.serving.router.requests import request_models
+from ddm.serving.router.api.requests import request_models
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())

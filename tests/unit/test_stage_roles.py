@@ -14,7 +14,7 @@ from ddm.deploy.plan import plan_deployment
 from ddm.deploy.router_config import STAGE_FIELDS, DnsDiscovery
 from ddm.deploy.spec import parse_spec
 from ddm.models.stages import FAMILIES
-from ddm.serving.router.state import STAGES
+from ddm.serving.router.api.state import STAGES
 from tests.unit.test_stage_spec import _text
 
 

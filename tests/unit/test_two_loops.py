@@ -1,4 +1,4 @@
-"""What an expert served on two event loops (ddm.serving.http's ``loops``) shares between
+"""What an expert served on two event loops (ddm.serving.http.server's ``loops``) shares between
 them: state touched from both loops' threads."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ddm.serving.auth import TokenFile
+from ddm.serving.http.auth import TokenFile
 from ddm.serving.batching import Batcher, BatcherClosed
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import Hooks

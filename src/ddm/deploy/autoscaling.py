@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import DEFAULT_SCALE_DOWN_DELAY_S, MAX_REPLICAS, MAX_SCALE_DOWN_DELAY_S
 
-#: The router's Prometheus series the operator scales by (``ddm.serving.router.demand`` exports
-#: them, labelled by ``expert``; a counter's samples end in ``_total``): routed rows, and
+#: The router's Prometheus series the operator scales by (``ddm.serving.router.fleet.demand``
+#: exports them, labelled by ``expert``; a counter's samples end in ``_total``): routed rows, and
 #: generations waiting now for the expert to have a replica.
 ROWS_METRIC = "ddm_router_expert_rows"
 WAITING_METRIC = "ddm_router_expert_generations_waiting"

@@ -48,7 +48,7 @@ MAX_STATE_MAGNITUDE = 1e4
 #: The router's per-request defaults (``router.yaml`` ``limits:``); a DDM's own default step
 #: count raises ``ROUTER_MAX_STEPS`` for its router (``ddm.deploy.plan``).
 #: What the router does with a step routed to an expert that has no ready replica
-#: (``ddm.serving.router.missing``): 503 (``fail``), hold the generation until one is ready,
+#: (``ddm.serving.router.fleet.missing``): 503 (``fail``), hold the generation until one is ready,
 #: within ``MISSING_EXPERT_WAIT_S`` (``wait``), or use the best available experts (``reroute``).
 MISSING_EXPERT_POLICIES = ("fail", "wait", "reroute")
 DEFAULT_MISSING_EXPERT_POLICY = "fail"
@@ -60,10 +60,10 @@ MAX_SCALE_DOWN_DELAY_S = 86400
 ROUTER_MAX_BATCH = 64
 ROUTER_MAX_STEPS = 200
 ROUTER_MAX_CONCURRENT = 16
-#: Of those, what one client may run at once (``ddm.serving.router.clients`` says who a
+#: Of those, what one client may run at once (``ddm.serving.router.api.clients`` says who a
 #: client is): a quarter, so that one client cannot take the router from the others.
 ROUTER_MAX_CONCURRENT_PER_CLIENT = 4
-#: What one client may ask of the experts over time (``ddm.serving.router.clients.
+#: What one client may ask of the experts over time (``ddm.serving.router.api.clients.
 #: ClientBudget``, a token bucket of rows x steps, ``ddm.sampling.loop.row_steps``): it holds
 #: at most this many (four of the largest guided generations the router's default limits
 #: allow, 64 images x 200 steps x 2 rows, as many as run at once) and refills this many per
@@ -71,7 +71,7 @@ ROUTER_MAX_CONCURRENT_PER_CLIENT = 4
 ROUTER_CLIENT_ROW_STEPS = 4 * ROUTER_MAX_BATCH * ROUTER_MAX_STEPS * 2
 ROUTER_CLIENT_ROW_STEPS_PER_S = 2048.0
 #: The router's JSON body limit where the DDM's largest valid request is smaller (room for a
-#: label DDM's spacing and fields); a larger request raises it (``ddm.serving.router.requests.
+#: label DDM's spacing and fields); a larger request raises it (``ddm.serving.router.api.requests.
 #: max_body_bytes``).
 ROUTER_MIN_BODY_BYTES = 65536
 

@@ -300,7 +300,7 @@ class Retries:
 @dataclass(frozen=True)
 class Coalescing:
     """Merging the calls concurrent generations make to an expert
-    (``ddm.serving.router.coalescing``): up to ``in_flight_per_replica`` requests per ready
+    (``ddm.serving.router.fleet.coalescing``): up to ``in_flight_per_replica`` requests per ready
     replica go out at once, later calls wait and go together. 0 sends every call on its own."""
 
     in_flight_per_replica: int = 2
@@ -318,7 +318,7 @@ class RouterLimits:
 
     ``max_body_bytes`` bounds a JSON body (413 beyond it); None (the default): the DDM's
     largest valid request, which follows from ``max_batch``, the prompts' cap and the state's
-    shape (``ddm.serving.router.requests.max_body_bytes``; 1.6 MB for Paris at 64), so that
+    shape (``ddm.serving.router.api.requests.max_body_bytes``; 1.6 MB for Paris at 64), so that
     every request the router would serve is read and no larger one is buffered.
 
     ``client_row_steps`` and ``client_row_steps_per_s`` are each client's budget of rows x
@@ -418,7 +418,7 @@ class RouterConfigFile:
     ``trusted_proxies``: CIDRs of the proxies in front of the router (an ingress controller's
     pods). A request from one of them counts against the client its ``X-Forwarded-For``
     names (the right-most address that is not a trusted proxy), any other against its peer
-    address (``ddm.serving.router.clients``); empty: every client is its peer address."""
+    address (``ddm.serving.router.api.clients``); empty: every client is its peer address."""
 
     experts: tuple[ExpertEntry, ...]
     num_classes: int = 10

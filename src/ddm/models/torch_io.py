@@ -110,7 +110,7 @@ def router_from_checkpoint(ckpt: Checkpoint, device: torch.device | None = None)
 def model_input(array: np.ndarray, device: torch.device | None = None,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """``array`` as a tensor that a network may write to. A request's arrays are read-only
-    views of its body (``ddm.serving.protocol.decode_request``), and PyTorch does not keep a
+    views of its body (``ddm.serving.wire.protocol.decode_request``), and PyTorch does not keep a
     network that works in place on its input (``x.mul_(...)``) from writing into that body (it
     only warns, once); so a read-only array is copied (microseconds next to a model call) and
     a writable one shared."""

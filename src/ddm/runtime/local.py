@@ -59,7 +59,7 @@ from ddm.deploy.plan import RouterPlan, plan_deployment
 from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDiscovery
 from ddm.deploy.spec import DDMManifest
 from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
-from ddm.serving.fetch import FetchError, fetch_json
+from ddm.serving.http.fetch import FetchError, fetch_json
 from ddm.termination import ENV as TERMINATION_LOG_ENV
 
 #: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.

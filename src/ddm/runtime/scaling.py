@@ -2,7 +2,7 @@
 demand.
 
 Such an expert's (or pool's) processes are not started with the others. The supervisor polls
-the router's ``GET /v1/demand`` (:mod:`ddm.serving.router.demand`) every ``POLL_INTERVAL_S``
+the router's ``GET /v1/demand`` (:mod:`ddm.serving.router.fleet.demand`) every ``POLL_INTERVAL_S``
 and, per expert or pool, decides with the operator's rule (:func:`ddm.deploy.autoscaler.decide`
 on the demand :meth:`~ddm.deploy.autoscaler.Scaled.demand` sums over a pool's experts, on at
 most its one local process): its process starts when a generation waits for it (for any of a
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TextIO
 
 from ddm.deploy.autoscaler import Demand, History, Scaled, decide
-from ddm.serving.fetch import FetchError, fetch_json
+from ddm.serving.http.fetch import FetchError, fetch_json
 
 #: How often ``ddm up`` asks the router for its demand.
 POLL_INTERVAL_S = 0.5

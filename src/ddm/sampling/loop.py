@@ -17,7 +17,7 @@ the answer (after h11 and diffusers' ``scheduler.step``):
 
 and it yields a :class:`StepEvent` (answered with None) after each chunk of the grid. Two
 drivers run it: :func:`ddm.sampling.pipeline.generate` in-process, and the router's
-:func:`ddm.serving.router.remote.denoise` over HTTP. What an image becomes therefore depends
+:func:`ddm.serving.router.fleet.remote.denoise` over HTTP. What an image becomes therefore depends
 only on the request and the models, not on the driver: ``ddm sample`` and ``POST
 /v1/generate`` give the same pixels.
 
@@ -371,7 +371,7 @@ def row_steps(request: SamplingRequest) -> int:
     and a guided image's second (unconditional) row at each guided step, as the experts count
     forward rows against their batch limits. Neither the solver's evaluations per step nor the
     experts routing picks are counted: they are the router's choices, not the client's. What a
-    client's budget is charged (``ddm.serving.router.clients``)."""
+    client's budget is charged (``ddm.serving.router.api.clients``)."""
     images = (len(request.labels) + len(request.prompts)
               + (len(request.conditioning) if request.conditioning is not None else 0))
     guided = guided_steps(request) if request.guidance_scale != 1.0 else 0

@@ -23,7 +23,7 @@ from typing import Callable, Hashable, Iterator, Protocol, Sequence
 
 import numpy as np
 
-from ddm.serving.polling import WARM_TICK_S, LastTimes, WarmTicks, first_tick_s
+from ddm.serving.http.polling import WARM_TICK_S, LastTimes, WarmTicks, first_tick_s
 
 #: Runs one batch in the model thread: ``(key, inputs) -> output``; every input and the
 #: output (an array, or a tuple of arrays) have the batch on axis 0.
@@ -227,7 +227,7 @@ class Batcher:
     C-level queue as the doorbell: a ``threading.Condition`` runs a dozen Python lines per wait
     and notify; the queued jobs planned as they are; a lone job taken whole), and the loop
     does not sit idle through a long batch on the thread whose time it knows: it ticks over
-    the batch's last fifth (:mod:`ddm.serving.polling`), so that the reply's Python runs warm.
+    the batch's last fifth (:mod:`ddm.serving.http.polling`), so that the reply's Python runs warm.
     """
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
@@ -252,12 +252,12 @@ class Batcher:
         #: Each key's last batch (model seconds, rows), written by whoever ran it.
         self._took: LastTimes[Hashable] = LastTimes(KNOWN_KEYS)
         #: From when (``perf_counter``) the running batch is near its expected end; None for
-        #: a batch that does not tick (:func:`~ddm.serving.polling.first_tick_s`).
+        #: a batch that does not tick (:func:`~ddm.serving.http.polling.first_tick_s`).
         self._warm_from: float | None = None
         #: A token put here wakes the model thread to look at the queue again (:meth:`_ring`).
         self._doorbell: SimpleQueue[None] = SimpleQueue()
         self._dispatch_due = False  # a submitting task will run _dispatch after its turn
-        #: Hybrid polling (:mod:`~ddm.serving.polling`), one chain per event loop that submits.
+        #: Hybrid polling (:mod:`~ddm.serving.http.polling`), one chain per event loop that submits.
         self._ticks: dict[asyncio.AbstractEventLoop, WarmTicks] = {}
         self._thread: threading.Thread | None = None
 
@@ -362,7 +362,7 @@ class Batcher:
         return ticks
 
     def _next_tick_s(self) -> float | None:
-        """When a loop ticks next (:class:`~ddm.serving.polling.WarmTicks`): while a batch
+        """When a loop ticks next (:class:`~ddm.serving.http.polling.WarmTicks`): while a batch
         of known time runs (on the thread, or on another loop), from its ``_warm_from`` on;
         while requests wait
         for the thread, soon (it takes them now, or waits for companions); never once nothing

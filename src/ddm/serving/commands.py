@@ -196,7 +196,7 @@ def _options(args: argparse.Namespace, *own: str) -> ServingOptions:
 
 
 def _serve_router(args: argparse.Namespace) -> int:
-    from ddm.serving.router.server import serve_router
+    from ddm.serving.router.api.server import serve_router
 
     serve_router(args.config, host=args.host, port=args.port, log_level=args.log_level,
                  max_batch=args.max_batch, max_steps=args.max_steps,

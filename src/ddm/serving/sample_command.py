@@ -1,5 +1,5 @@
 """``ddm sample``: its arguments, and the choice between sampling in this process
-(``ddm.sampling.commands``) and asking a running router (``ddm.serving.router.client``).
+(``ddm.sampling.commands``) and asking a running router (``ddm.serving.router.api.client``).
 
 It lives in ``serving``, the lowest area that may import both. ``ddm.cli`` adds it with
 :func:`add_sample_command`. Importing this module is cheap (no framework, no NumPy): the
@@ -124,8 +124,8 @@ def _sample_router(args: argparse.Namespace) -> int:
     if local_only:
         raise ValueError(f"{', '.join(local_only)} run models in-process and cannot go with "
                         "--router (the router's experts run where they are served)")
-    from ddm.serving.router.client import (read_token, router_info, sample_router_command,
-                                           sample_router_text_command)
+    from ddm.serving.router.api.client import (read_token, router_info, sample_router_command,
+                                               sample_router_text_command)
 
     token = read_token(args.token_file)
     info = router_info(args.router, token)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ddm.serving.protocol import UNKNOWN_CONTEXT, ProtocolError
+from ddm.serving.wire.protocol import UNKNOWN_CONTEXT, ProtocolError
 
 
 @dataclass(frozen=True, eq=False)

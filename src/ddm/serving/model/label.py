@@ -33,8 +33,8 @@ from ddm.serving.model.backends import Backend, BackendLoader, check_backend
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.routes import Handling, answer_or_error
-from ddm.serving.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
-                                  decode_request, encode_response)
+from ddm.serving.wire.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
+                                       decode_request, encode_response)
 
 __all__ = ["LabelExpert"]
 

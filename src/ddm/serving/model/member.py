@@ -24,7 +24,7 @@ from typing import Any, Hashable
 from ddm.serving.batching import Batcher
 from ddm.serving.model import metrics as expert_metrics
 from ddm.serving.model.options import Hooks, ServingOptions
-from ddm.serving.protocol import Limits
+from ddm.serving.wire.protocol import Limits
 
 __all__ = ["INFO_FIELDS", "Member"]
 

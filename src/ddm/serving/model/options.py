@@ -3,7 +3,7 @@
 :class:`ServingOptions` is what an operator chooses (``ddm serve expert|stage|pool``'s flags,
 built once from the command line): where the server listens, who may call it, where and how
 precisely the models run, and the limits and batching every member applies. :class:`Hooks` is
-what the running process lends its app (:class:`~ddm.serving.http.ServerControl`'s start-up
+what the running process lends its app (:class:`~ddm.serving.http.server.ServerControl`'s start-up
 thread, failure report and draining flag) and what tests replace (a backend loader, the
 cgroup root the memory check reads). Both are checked once, when they are made, so that a
 wrong flag fails before anything loads.
@@ -20,8 +20,8 @@ from typing import Any, Awaitable, Callable
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXPERT_PORT,
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
                                SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
-from ddm.serving.auth import TokenFile
-from ddm.serving.http import ServerControl
+from ddm.serving.http.auth import TokenFile
+from ddm.serving.http.server import ServerControl
 from ddm.serving.model.backends import BackendLoader, load_backend
 
 __all__ = ["Hooks", "ServingOptions", "StartUp"]
@@ -88,7 +88,7 @@ class ServingOptions:
 @dataclass(frozen=True)
 class Hooks:
     """What runs the app: ``start_up(work)`` loads off the event loop (a process's
-    :meth:`~ddm.serving.http.ServerControl.start_up`), ``on_failure(reason)`` is told when a
+    :meth:`~ddm.serving.http.server.ServerControl.start_up`), ``on_failure(reason)`` is told when a
     member cannot load, ``draining()`` is true after SIGTERM (``/readyz`` answers 503), and
     ``serving_loops`` event loops serve the app (the batcher's rule:
     :class:`~ddm.serving.batching.Batcher`). ``loader`` builds a label expert's backend
@@ -104,6 +104,6 @@ class Hooks:
 
     @classmethod
     def of(cls, control: ServerControl, serving_loops: int) -> Hooks:
-        """The hooks of a server process run by :func:`~ddm.serving.http.run_server`."""
+        """The hooks of a server process run by :func:`~ddm.serving.http.server.run_server`."""
         return cls(start_up=control.start_up, on_failure=control.stop,
                    draining=lambda: control.draining, serving_loops=serving_loops)

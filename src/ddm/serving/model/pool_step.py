@@ -32,10 +32,10 @@ from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES
 from ddm.serving.model.member import Member
 from ddm.serving.model.routes import Binary, Handling, answer_or_error, refusal
 from ddm.serving.model.stage import StageMember
-from ddm.serving.paths import POOL_VELOCITY_PATH, model_paths
-from ddm.serving.protocol import (MAX_MEMBER_NAME_BYTES, CONTEXT_ID_BYTES, Limits,
-                                  MemberError, PoolVelocityRequest, ProtocolError,
-                                  TextVelocityRequest, decode_request, encode_pool_response)
+from ddm.serving.wire.paths import POOL_VELOCITY_PATH, model_paths
+from ddm.serving.wire.protocol import (MAX_MEMBER_NAME_BYTES, CONTEXT_ID_BYTES, Limits, MemberError,
+                                       PoolVelocityRequest, ProtocolError, TextVelocityRequest,
+                                       decode_request, encode_pool_response)
 
 __all__ = ["PoolStep", "pool_step_routes"]
 

@@ -6,7 +6,7 @@ and the OpenAPI document that lists the binary route beside the JSON ones.
 A server supplies a :class:`ModelState` (what it reports, whether it is ready, its metrics)
 and, for each binary route, a :class:`Binary` (the model's limits and admission count, and an
 ``answer(body) -> (status, reply)`` coroutine): one at ``/v1/velocity`` for a server of one
-model, one per member for a pool (:mod:`ddm.serving.paths`). :func:`model_routes` wraps its
+model, one per member for a pool (:mod:`ddm.serving.wire.paths`). :func:`model_routes` wraps its
 FastAPI app in the bare ASGI route, so that the hot path skips FastAPI's routing.
 """
 
@@ -24,14 +24,14 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ddm.serving.auth import BearerAuth, TokenFile
+from ddm.serving.http.auth import BearerAuth, TokenFile
 from ddm.serving.model import metrics as expert_metrics
-from ddm.serving.http import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected,
-                              add_api_docs, probe_responses, read_body, retry_after, send_bytes,
-                              send_json)
+from ddm.serving.http.server import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDisconnected,
+                                     add_api_docs, probe_responses, read_body, retry_after,
+                                     send_bytes, send_json)
 from ddm.serving.batching import BatcherClosed
-from ddm.serving.paths import model_paths
-from ddm.serving.protocol import CONTENT_TYPE, Limits, ProtocolError, encode_error
+from ddm.serving.wire.paths import model_paths
+from ddm.serving.wire.protocol import CONTENT_TYPE, Limits, ProtocolError, encode_error
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ Answer = Callable[[bytes], Awaitable[tuple[int, bytes]]]
 
 VELOCITY_PATH = model_paths().velocity
 
-#: Event loops a model server (an expert's or a stage's) serves on (:mod:`ddm.serving.http`):
+#: Event loops a model server (an expert's or a stage's) serves on (:mod:`ddm.serving.http.server`):
 #: with a second one answering probes and other clients, a lone request's batch runs on the
 #: loop it came on whatever the model's time, with no hand-off to the model thread and back
 #: (:class:`~ddm.serving.batching.Batcher`). So everything the routes share is thread-safe:
@@ -276,7 +276,8 @@ class _BinaryRoute:
             await send_bytes(send, 413, encode_error(0, 413, str(error)), _CONTENT_TYPE)
             return
         # Pending from here: a body still on its way costs the expert nothing but its
-        # connection (bounded by ddm.serving.connections), so slow senders cannot fill the queue.
+        # connection (bounded by ddm.serving.http.connections), so slow senders cannot fill the
+        # queue.
         with self._admission:
             pending = expert.pending
             if pending < expert.max_pending:

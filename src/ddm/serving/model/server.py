@@ -7,7 +7,7 @@ across requests, never with another member's), context cache, limits, admission 
 metrics. A server of one checkpoint (:func:`create_model_app` given a directory) answers at
 the root (``/v1/velocity``, ``/v1/info``, ``/readyz``), as routers and router.yaml files
 expect of ``ddm serve expert`` and ``ddm serve stage``; a pool (given name -> directory)
-answers for each member under ``/v1/members/NAME`` (:mod:`ddm.serving.paths`), with the same
+answers for each member under ``/v1/members/NAME`` (:mod:`ddm.serving.wire.paths`), with the same
 answers, and a step's calls to several of its text experts come as one request
 (:mod:`ddm.serving.model.pool_step`); its own ``/v1/info`` lists the members and the memory
 figures, its ``/readyz`` is 200 once every member is loaded, its ``/metrics`` labels each
@@ -30,7 +30,7 @@ Limits: a body over a member's ``max_body_bytes`` is refused with 413 before it 
 than ``max_pending`` requests admitted at once to a member (queued or running, counted once
 their body is in) get 429 with ``Retry-After``, which a router retries on another replica.
 Slow, idle and oversized connections are cut off by the limits of
-:mod:`ddm.serving.connections` before they reach this app.
+:mod:`ddm.serving.http.connections` before they reach this app.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from ddm.checkpoints.declared import EXPERT, STAGE_ROLES, read_declaration
 from ddm.checkpoints.format import CheckpointError
 from ddm.deploy.pools import MemberDeclaration, member_disagreements
 from ddm.deploy.router_config import MEMBER_NAME_PATTERN
-from ddm.serving.http import ServerControl, probe_responses, run_server
+from ddm.serving.http.server import ServerControl, probe_responses, run_server
 from ddm.serving.model.label import LabelExpert
 from ddm.serving.model.member import Member
 from ddm.serving.model.memory import PoolMemory, member_bytes, memory_limit
@@ -59,7 +59,7 @@ from ddm.serving.model.pool_step import pool_step_routes
 from ddm.serving.model.routes import (SERVING_LOOPS, Binary, ModelState, lifespan_app,
                                      model_routes, readiness)
 from ddm.serving.model.stage import StageMember, read_stage
-from ddm.serving.paths import model_paths
+from ddm.serving.wire.paths import model_paths
 from ddm.termination import fail_start
 
 __all__ = ["ROLES", "create_model_app", "load_member", "parse_members", "serve_model"]
@@ -222,7 +222,7 @@ def _add_member_routes(app: FastAPI, name: str, member: Member,
 def serve_model(checkpoints: Checkpoints, options: ServingOptions,
                 roles: tuple[str, ...] = ROLES) -> None:
     """Serve ``checkpoints`` (:func:`create_model_app`) until interrupted (SIGINT/SIGTERM,
-    after ``options.drain_s`` seconds of draining on SIGTERM: :mod:`ddm.serving.http`;
+    after ``options.drain_s`` seconds of draining on SIGTERM: :mod:`ddm.serving.http.server`;
     ``/metrics`` on ``options.metrics_port`` only, if given): what ``ddm serve expert``,
     ``stage`` and ``pool`` run. Exits with status 1, the reason in the termination-message
     file, when a member cannot be loaded, checked, warmed up or fit, or a port cannot be

@@ -48,11 +48,11 @@ from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.routes import Handling, answer_or_error
-from ddm.serving.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequest, EncodeRequest,
-                                  IntegrateRequest, Limits, ProtocolError, Request, RouteRequest,
-                                  TextIntegrateRequest, TextVelocityRequest, VelocityRequest,
-                                  decode_request, encode_context_ack, encode_encoded,
-                                  encode_probabilities, encode_response)
+from ddm.serving.wire.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequest, EncodeRequest,
+                                       IntegrateRequest, Limits, ProtocolError, Request,
+                                       RouteRequest, TextIntegrateRequest, TextVelocityRequest,
+                                       VelocityRequest, decode_request, encode_context_ack,
+                                       encode_encoded, encode_probabilities, encode_response)
 
 __all__ = ["StageMember", "read_stage"]
 

@@ -6,16 +6,16 @@ steps, delegation); this driver only answers its queries: :class:`~ddm.sampling.
 through the text encoder's :class:`StageCaller`, :class:`~ddm.sampling.loop.Route` through a
 label DDM's shared :class:`RouterNetwork` or a text DDM's router-network stage, expert calls
 with each call's :class:`~ddm.conditioning.Conditioning` through an :class:`ExpertCaller` (the
-:class:`~ddm.serving.router.pool.ExpertPool`), the calls of one query concurrently and the
+:class:`~ddm.serving.router.fleet.pool.ExpertPool`), the calls of one query concurrently and the
 sub-loops of a :class:`~ddm.sampling.loop.Concurrently` side by side, and
 :class:`~ddm.sampling.loop.Decode` through the decoder's :class:`StageCaller`. A stage loaded in
 the router and one served on its own implement the same
-:class:`~ddm.serving.router.stage_clients.StageCaller`. So a generation here gives the pixels
+:class:`~ddm.serving.router.fleet.stage_clients.StageCaller`. So a generation here gives the pixels
 ``ddm sample`` gives for the same request.
 
 Everything a generation accumulates lives in the generation's own coroutine and loop: concurrent
 generations share only the caller and the :class:`RouterNetwork`, which both merge the calls
-that concurrent generations make at the same time (:mod:`ddm.serving.router.coalescing`).
+that concurrent generations make at the same time (:mod:`ddm.serving.router.fleet.coalescing`).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Deco
                                Generation, Integrate, Loop, Missing, Mixture, Query, Route,
                                SamplingRequest, StepEvent, Tally, Velocity, checked)
 from ddm.sampling.loop import denoise as loop_denoise
-from ddm.serving.router.coalescing import Coalescer
-from ddm.serving.router.missing import Held, MissingExperts
-from ddm.serving.router.pool import gather_all
+from ddm.serving.router.fleet.coalescing import Coalescer
+from ddm.serving.router.fleet.missing import Held, MissingExperts
+from ddm.serving.router.fleet.pool import gather_all
 
 if TYPE_CHECKING:  # the stages' modules import torch, which a label DDM's router never needs
-    from ddm.serving.router.stage_clients import StageCaller
+    from ddm.serving.router.fleet.stage_clients import StageCaller
 
     #: What :func:`denoise` yields: the text encoder's answer first where the loop encodes
     #: prompts, a :class:`StepEvent` per chunk, the :class:`Decoded` images last.
@@ -58,7 +58,7 @@ ROUTER_MAX_ROWS = 256
 
 
 class ExpertCaller(Protocol):
-    """Remote experts by name; :class:`~ddm.serving.router.pool.ExpertPool` is one. ``cond``
+    """Remote experts by name; :class:`~ddm.serving.router.fleet.pool.ExpertPool` is one. ``cond``
     holds the rows' labels, or their text embeddings with each row's guidance scale (guidance
     runs inside the expert)."""
 
@@ -137,7 +137,7 @@ class RemoteMixture:
     @functools.cached_property
     def mixture(self) -> Mixture:
         """What the sampling loop knows of it: made once, as the router makes this object once
-        per change of its experts' reports (``ddm.serving.router.state``)."""
+        per change of its experts' reports (``ddm.serving.router.api.state``)."""
         return Mixture(self.expert_names, self.expert_classes, self.image_shape,
                        self.num_classes,
                        routed=self.router is not None or self.router_stage is not None,

@@ -1,5 +1,5 @@
 """What one HTTP connection may cost a server: deadlines, byte caps and a connection cap that a
-slow, idle or oversized client cannot get around (both servers; :mod:`ddm.serving.http`).
+slow, idle or oversized client cannot get around (both servers; :mod:`ddm.serving.http.server`).
 
 uvicorn times out only a kept-alive connection between two requests: a connection that never
 sends, a request line or header block trickled a byte at a time and a body that never ends

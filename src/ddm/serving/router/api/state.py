@@ -2,11 +2,11 @@
 
 The network, and a text DDM's stages placed in the router (``router.yaml``'s
 ``text_encoder``, ``decoder``, ``router_network`` with a ``checkpoint``, answered by
-:class:`~ddm.serving.router.stage_clients.LocalStages`), load in the background
+:class:`~ddm.serving.router.fleet.stage_clients.LocalStages`), load in the background
 (``RouterState.load``) so that probes are answered at once;
 ``problems`` says what keeps the router from being ready (some experts down is only degraded);
 ``slot`` counts generations in and out against ``limits.max_concurrent`` and, per client
-(:mod:`ddm.serving.router.clients`), ``limits.max_concurrent_per_client``, and charges the
+(:mod:`ddm.serving.router.api.clients`), ``limits.max_concurrent_per_client``, and charges the
 client's budget of rows x steps (``limits.client_row_steps``) before a generation runs.
 
 The router checks what it is given (:func:`expert_mismatches`): each expert's ``/v1/info``
@@ -40,20 +40,20 @@ from ddm.conditioning import TEXT
 from ddm.convention import CONVENTION_NAME, FLOW_MATCH_PREFIX, TimeGrid
 from ddm.data.partition import PartitionMismatchError, check_partition_hash
 from ddm.models.loading import RouterFn
-from ddm.serving.auth import TokenFile
-from ddm.serving.router.clients import ClientBudget, ClientBusy, ClientSlots, client_key
-from ddm.serving.router.demand import DemandMeter
-from ddm.serving.router.missing import Held, MissingExperts
-from ddm.serving.router.pool import ExpertPool, PoolMetrics, pool_settings
-from ddm.serving.router.previews import decoded_size
-from ddm.serving.router.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
-from ddm.serving.router.replicas import ExpertInfo, ExpertProblem, hash_scheme
+from ddm.serving.http.auth import TokenFile
+from ddm.serving.router.api.clients import ClientBudget, ClientBusy, ClientSlots, client_key
+from ddm.serving.router.fleet.demand import DemandMeter
+from ddm.serving.router.fleet.missing import Held, MissingExperts
+from ddm.serving.router.fleet.pool import ExpertPool, PoolMetrics, pool_settings
+from ddm.serving.router.api.previews import decoded_size
+from ddm.serving.router.fleet.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
+from ddm.serving.router.fleet.replicas import ExpertInfo, ExpertProblem, hash_scheme
 from ddm.sampling.routing import Strategy
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
     from ddm.models.stages import Stage
-    from ddm.serving.router.stage_clients import StageCaller, StagePool
+    from ddm.serving.router.fleet.stage_clients import StageCaller, StagePool
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class RouterState:
     async def _load_stages(self) -> None:
         """A text DDM's stages: those placed in the router loaded here (off the event loop),
         those served on their own reached through one stage pool."""
-        from ddm.serving.router.stage_clients import LocalStages, StagePool
+        from ddm.serving.router.fleet.stage_clients import LocalStages, StagePool
 
         entries = self._stage_entries()
         loaded = {}
@@ -230,7 +230,8 @@ class RouterState:
 
     async def decoded_size(self, latent_shape: tuple[int, int, int]) -> tuple[int, int] | None:
         """The (H, W) of the decoder's images (None without a decoder), asked once
-        (:func:`ddm.serving.router.previews.decoded_size`) by the first request that wants it."""
+        (:func:`ddm.serving.router.api.previews.decoded_size`) by the first request that wants
+        it."""
         decoder = self.stages.get(CONFIG_KEYS[DECODER])
         if decoder is None:
             return None

@@ -18,7 +18,7 @@ for minutes either. A client is its address:
   An entry that is not an address ends the walk at the address to its right (nothing vouches
   for it); a chain of trusted proxies only is keyed by its left-most address.
 
-The peer address is uvicorn's ``scope["client"]`` as accepted (``ddm.serving.http`` turns
+The peer address is uvicorn's ``scope["client"]`` as accepted (``ddm.serving.http.server`` turns
 uvicorn's own proxy-header rewriting off, which would trust a loopback peer's header).
 """
 

@@ -21,7 +21,7 @@ import numpy as np
 from ddm.convention import data_from_velocity, to_uint8
 
 if TYPE_CHECKING:
-    from ddm.serving.router.stage_clients import StageCaller
+    from ddm.serving.router.fleet.stage_clients import StageCaller
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ lines that deliver its result. Linux polls NVMe completions the same way: sleep 
 the expected time, then poll. Two waits use it, each with :func:`first_tick_s`,
 :class:`WarmTicks` and :class:`LastTimes`: an expert's loop awaiting a batch on its model
 thread (:class:`ddm.serving.batching.Batcher`), and the router's loop awaiting an expert's
-reply (:class:`ddm.serving.http_client.HttpClient`).
+reply (:class:`ddm.serving.http.client.HttpClient`).
 
 A tick is a timer callback that does nothing but decide the next one; on this 2-vCPU VM it costs
 58-74 us of CPU, wake-up included: ticking every millisecond over a wait's last fifth costs

@@ -9,10 +9,10 @@ are actually served (``ddm up`` or a cluster's router Service), not a local re-r
 A text DDM's router (``/v1/info`` says ``conditioning: text``) takes ``prompts`` and guidance
 instead, and answers RGB images: the pixels ``ddm sample DIR --prompt`` makes in-process.
 
-The router is a peer like any other: each reply is read by :func:`ddm.serving.fetch.fetch_json`
+The router is a peer like any other: each reply is read by :func:`ddm.serving.http.fetch.fetch_json`
 within a deadline and a cap (``/v1/info``: :data:`MAX_INFO_BYTES`; a generation: what its
 images can take, :data:`MAX_IMAGE_REPLY_BYTES` each); a failure is a
-:class:`~ddm.serving.fetch.FetchError` naming the URL and why.
+:class:`~ddm.serving.http.fetch.FetchError` naming the URL and why.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ddm.progress import progress_bar
 from ddm.sampling.commands import check_text_outputs, write_png_grid, write_text_samples
 from ddm.deploy.limits import MAX_IMAGE_SIDE
 from ddm.samples import save_samples_npz
-from ddm.serving.fetch import fetch_json
+from ddm.serving.http.fetch import fetch_json
 
 #: Per request; a CPU router makes 64 images of 40 steps in a few seconds.
 TIMEOUT_S = 600.0

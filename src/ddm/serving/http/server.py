@@ -1,7 +1,8 @@
 """HTTP plumbing the expert and the router share: the uvicorn server, bare ASGI answers, body
 limits, running a server that exits with a reason when its start-up fails or drains on SIGTERM,
 and the OpenAPI descriptions of what both answer alike (probes, ``Retry-After``). What one
-connection may cost (deadlines, header and connection caps) is in :mod:`ddm.serving.connections`.
+connection may cost (deadlines, header and connection caps) is in
+:mod:`ddm.serving.http.connections`.
 
 Draining: Kubernetes sends SIGTERM to a pod while Services, kube-proxy and the routers' DNS
 caches still send it traffic for a few seconds. With ``drain_s`` > 0, the first SIGTERM makes
@@ -60,7 +61,7 @@ from fastapi.responses import HTMLResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import LOGGING_CONFIG
 
-from ddm.serving.connections import ConnectionLimits, protocol_factory
+from ddm.serving.http.connections import ConnectionLimits, protocol_factory
 from ddm.termination import fail_start
 
 #: Seconds a client told 429 or 503 should wait before trying again.
@@ -97,7 +98,7 @@ def build_server(app: ASGIApp, host: str, port: int, log_level: str = "info",
                  drain_s: float = 0.0, control: ServerControl | None = None,
                  limits: ConnectionLimits = ConnectionLimits(), loops: int = 1) -> uvicorn.Server:
     """A uvicorn server for ``app``: uvloop when installed, httptools behind the connection
-    ``limits`` of :mod:`ddm.serving.connections`, no access log (one line per denoising step
+    ``limits`` of :mod:`ddm.serving.http.connections`, no access log (one line per denoising step
     would cost more than the step; it would also be one more place a credential could leak),
     no ``date`` or ``server`` header; draining for ``drain_s`` seconds on SIGTERM, telling
     ``control``; serving on ``loops`` event loops (more than one only when run on listening
@@ -128,7 +129,7 @@ def _config(app: ASGIApp, host: str, port: int, log_level: str, limits: Connecti
                           # The peer stays the peer: uvicorn would otherwise take a loopback
                           # peer's X-Forwarded-For as the client, which any local process
                           # can write (the router reads it itself, from trusted proxies
-                          # only: ddm.serving.router.clients).
+                          # only: ddm.serving.router.api.clients).
                           proxy_headers=False)
 
 

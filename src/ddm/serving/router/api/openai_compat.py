@@ -1,7 +1,7 @@
 """What OpenAI's clients expect of the router besides the images route itself: errors of
 ``/v1/images/*`` in OpenAI's shape, and ``GET /v1/models``.
 
-The router answers every error as :class:`~ddm.serving.router.requests.ErrorDetail`
+The router answers every error as :class:`~ddm.serving.router.api.requests.ErrorDetail`
 (``{"detail", "param"?, "expert"?}``); OpenAI's SDKs read ``{"error": {"message", "type",
 "param", "code"}}`` and show nothing else (``str(error)`` was just "Error code: 422"). So one
 middleware rewrites the error bodies of OpenAI's paths, whichever layer answered (the body
@@ -42,7 +42,7 @@ class OpenAIErrorDetail(BaseModel):
 
 class OpenAIError(BaseModel):
     """Every error answer of ``/v1/images/*`` and ``/v1/models``: the router's
-    (:class:`~ddm.serving.router.requests.ErrorDetail`) in OpenAI's shape."""
+    (:class:`~ddm.serving.router.api.requests.ErrorDetail`) in OpenAI's shape."""
 
     error: OpenAIErrorDetail
 

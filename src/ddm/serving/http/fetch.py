@@ -4,7 +4,7 @@ Every small JSON read outside the router's event loop goes through it: ``ddm sam
 (the router's ``/v1/info`` and ``/v1/generate``), ``ddm up``'s readiness polls and its
 scale-to-zero demand polls. The router's own probes of its experts (``/readyz``,
 ``/v1/info``) run on its event loop through the keep-alive client
-(:class:`ddm.serving.http_client.HttpClient`), whose ``get`` applies the same kind of deadline
+(:class:`ddm.serving.http.client.HttpClient`), whose ``get`` applies the same kind of deadline
 and cap, and whose JSON is judged by :func:`decode_json` as here.
 
 A peer is never trusted to be quick, small or well-formed: ``deadline`` bounds the whole

@@ -4,7 +4,7 @@ Endpoint sources list ``host:port`` replicas: a fixed list (the local runtime), 
 resolving to every ready pod (a headless Service), or any async callable. A
 :class:`ReplicaSet` keeps each replica's state (unknown, ready, down), requests in flight and
 probe schedule, and picks the replica for the next call; the
-:class:`~ddm.serving.router.pool.ExpertPool` does the I/O and tells it what happened.
+:class:`~ddm.serving.router.fleet.pool.ExpertPool` does the I/O and tells it what happened.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH, MAX_
                                MAX_NUM_CLASSES, MAX_TEXT_WIDTH, PRECISIONS)
 from ddm.data.partition import partition_sha256
 from ddm.deploy.router_config import Discovery, DnsDiscovery
-from ddm.serving.paths import ModelPaths, model_paths
+from ddm.serving.wire.paths import ModelPaths, model_paths
 
 #: ``() -> ["host:port", ...]``: where an expert's replicas are now.
 EndpointSource = Callable[[], Awaitable[Sequence[str]]]
@@ -115,7 +115,7 @@ def short_text(value: Any) -> str | None:
 @dataclass(frozen=True)
 class ExpertInfo:
     """What an expert replica says of itself in ``/v1/info`` (``convention`` and ``partition``
-    as its checkpoint records them; the router checks them, ``ddm.serving.router.state``)."""
+    as its checkpoint records them; the router checks them, ``ddm.serving.router.api.state``)."""
 
     image_shape: tuple[int, int, int]
     classes: tuple[int, ...]
@@ -385,7 +385,7 @@ class ReplicaSet:
         request may go to any of them (during a rolling update old and new ones differ).
         With every replica down, what they said last; None before any was probed ready.
         The same object until a replica's report or state changes, so that what the router
-        makes of it is worked out once per change (``ddm.serving.router.state``)."""
+        makes of it is worked out once per change (``ddm.serving.router.api.state``)."""
         key = tuple((r.info, r.state) for r in self._replicas)
         if key != self._described_by:
             self._described_by, self._description = key, self._describe()

@@ -1,24 +1,23 @@
 """The router's client for its experts: load balancing, failover, probing and refreshing.
 
 The router calls an expert at every denoising step, so a call must cost one round trip on a warm
-connection and survive a replica dying mid-generation. Per expert the pool keeps the replicas
-its endpoint source lists (:mod:`ddm.serving.router.replicas`: a static list, a DNS name re-resolved
-every ``refresh_s``, or any async callable) and sends each call to the usable replica with the
-fewest requests in flight, round-robin among ties. A failed attempt is retried on another
-replica within the call's deadline; expert calls are pure functions of their inputs, so a retry
-is always safe. Only what says the replica itself is unwell changes its health: a transport
-failure (no connection, no answer in time), a 503 (loading or closing) or a 401 marks it down,
-and it is then only re-probed (``GET /readyz``), with a doubling backoff, until it answers
-again; ready replicas are re-probed every ``health_interval_s`` so that readiness reflects
-replicas that died while idle. An answer a request may provoke (a 500, a malformed or
-non-finite reply, a 408 or 429) is retried elsewhere but leaves the replica's state to the
-probes, and an expert's other 4xx is that request's fault, never retried: a 422 (values the
-expert refuses, or whose output is not finite, ``docs/protocol.md``) is the client's 422, any
-other the router's 502. So no request, however hostile, can take replicas down or the
-router's ``/readyz`` with them (issue 35).
+connection and survive a replica dying mid-generation. Per expert the pool keeps the replicas its
+endpoint source lists (:mod:`ddm.serving.router.fleet.replicas`: a static list, a DNS name
+re-resolved every ``refresh_s``, or any async callable) and sends each call to the usable replica
+with the fewest requests in flight, round-robin among ties. A failed attempt is retried on another
+replica within the call's deadline; expert calls are pure functions of their inputs, so a retry is
+always safe. Only what says the replica itself is unwell changes its health: a transport failure
+(no connection, no answer in time), a 503 (loading or closing) or a 401 marks it down, and it is
+then only re-probed (``GET /readyz``), with a doubling backoff, until it answers again; ready
+replicas are re-probed every ``health_interval_s`` so that readiness reflects replicas that died
+while idle. An answer a request may provoke (a 500, a malformed or non-finite reply, a 408 or 429)
+is retried elsewhere but leaves the replica's state to the probes, and an expert's other 4xx is
+that request's fault, never retried: a 422 (values the expert refuses, or whose output is not
+finite, ``docs/protocol.md``) is the client's 422, any other the router's 502. So no request,
+however hostile, can take replicas down or the router's ``/readyz`` with them (issue 35).
 
 Expert calls and probes (``/readyz``, ``/v1/info``) go through one
-:class:`~ddm.serving.http_client.HttpClient`, a lean keep-alive HTTP/1.1 client (its cost is
+:class:`~ddm.serving.http.client.HttpClient`, a lean keep-alive HTTP/1.1 client (its cost is
 paid at every step). It keeps ``TCP_NODELAY`` on (asyncio and uvloop set it on every TCP
 connection), so a small request is not held back by Nagle's algorithm;
 ``tests/unit/test_expert_pool.py`` checks it.
@@ -35,7 +34,7 @@ on the same context merge into one request.
 An expert is a peer, not a part of the router: every body read from it is capped (a velocity
 reply at what the request implies, ``/readyz`` at ``MAX_EXPERT_PROBE_BYTES``, ``/v1/info`` at
 ``MAX_EXPERT_INFO_BYTES``) and its ``/v1/info`` is validated
-(:meth:`~ddm.serving.router.replicas.ExpertInfo.from_json`). A replica whose answer is refused
+(:meth:`~ddm.serving.router.fleet.replicas.ExpertInfo.from_json`). A replica whose answer is refused
 is not ready, and an expert all of whose replicas are refused is unavailable at once (503)
 rather than waited for. What an expert says goes to the log, never to the router's callers:
 :attr:`ExpertError.public` is the router's own words.
@@ -59,20 +58,21 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from ddm.conditioning import Conditioning, guided_rows
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYTES,
                                MAX_CONTEXT_ROWS, MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES)
-from ddm.serving.auth import TokenFile
-from ddm.serving.router.coalescing import Coalescer
-from ddm.serving.fetch import FetchError, decode_json
-from ddm.serving.router.pool_calls import PoolCalls
-from ddm.serving.http_client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
-from ddm.serving.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
-                                  ProtocolError, RemoteExpertError, Solver, TextIntegrateRequest,
-                                  TextVelocityRequest, VelocityRequest, context_id,
-                                  decode_context_ack, decode_response, encode_request,
-                                  encode_text_request, max_error_reply_bytes, max_reply_bytes)
-from ddm.serving.router.replicas import (EndpointSource, ExpertInfo, InvalidReport, Replica,
-                                         ReplicaSet, ReplicaState, source_for)
+from ddm.serving.http.auth import TokenFile
+from ddm.serving.router.fleet.coalescing import Coalescer
+from ddm.serving.http.fetch import FetchError, decode_json
+from ddm.serving.router.fleet.pool_calls import PoolCalls
+from ddm.serving.http.client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
+from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
+                                       ProtocolError, RemoteExpertError, Solver,
+                                       TextIntegrateRequest, TextVelocityRequest, VelocityRequest,
+                                       context_id, decode_context_ack, decode_response,
+                                       encode_request, encode_text_request, max_error_reply_bytes,
+                                       max_reply_bytes)
+from ddm.serving.router.fleet.replicas import (EndpointSource, ExpertInfo, InvalidReport, Replica,
+                                               ReplicaSet, ReplicaState, source_for)
 from ddm.deploy.router_config import Discovery, RouterConfigFile
-from ddm.serving.paths import model_paths
+from ddm.serving.wire.paths import model_paths
 
 logger = logging.getLogger(__name__)
 
@@ -326,8 +326,8 @@ class PoolSettings:
     (every attempt, and waiting for a replica to come back); ``backoff_s`` is the first pause
     before a failed replica is probed again, doubling up to ``max_backoff_s``.
     ``in_flight_per_replica`` requests per ready replica of an expert may be outstanding before
-    further calls to it wait and merge (:mod:`ddm.serving.router.coalescing`); 0 sends every call on
-    its own. ``context_cache_bytes`` bounds the text contexts the pool keeps (router.yaml's
+    further calls to it wait and merge (:mod:`ddm.serving.router.fleet.coalescing`); 0 sends every
+    call on its own. ``context_cache_bytes`` bounds the text contexts the pool keeps (router.yaml's
     ``limits.context_cache_bytes``)."""
 
     connect_s: float = 2.0
@@ -408,7 +408,8 @@ class ExpertPool:
         self._settings = settings
         self.metrics = metrics or PoolMetrics(CollectorRegistry())
         #: Expert -> its member name, for those served by pool servers: their text velocity
-        #: calls go to the pool in one request per step (:mod:`ddm.serving.router.pool_calls`).
+        #: calls go to the pool in one request per step
+        #: (:mod:`ddm.serving.router.fleet.pool_calls`).
         self._members = dict(members or {})
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
                                        settings.health_interval_s,
@@ -698,7 +699,7 @@ class ExpertPool:
                               request: TextVelocityRequest, timeout: float,
                               context: _TextKey) -> np.ndarray:
         """:meth:`_attempt` for a pool member: its rows go in its pool's request of this turn
-        (:class:`~ddm.serving.router.pool_calls.PoolCalls`)."""
+        (:class:`~ddm.serving.router.fleet.pool_calls.PoolCalls`)."""
 
         def exchange(ends: float) -> Awaitable[np.ndarray]:
             return self._pooled.velocity(replica, member, request, context.body, ends)

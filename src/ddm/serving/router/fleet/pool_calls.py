@@ -3,7 +3,7 @@
 
 Experts served by one pool server (``router.yaml`` discoveries naming a ``member`` at the same
 endpoints) each keep their replica set, coalescer, retries and missing-expert policy in
-:class:`~ddm.serving.router.pool.ExpertPool`; only the last hop changes. An attempt of a text
+:class:`~ddm.serving.router.fleet.pool.ExpertPool`; only the last hop changes. An attempt of a text
 velocity call to a member hands its rows to :class:`PoolCalls`, which gathers the attempts made
 to one endpoint in the same turn of the event loop (the calls of one step, which the sampling
 loop makes together, and those of concurrent generations) and sends them as one pool request
@@ -11,7 +11,7 @@ after that turn; no timer, so a lone call never waits. The contexts a member lac
 replica are sent to the member's own route first (once per generation, as before), and a
 member that answers ``UNKNOWN_CONTEXT`` in the reply is sent its context again and its rows
 once more, in a request of those that did. Each attempt then gets its own member's answer:
-its rows, its error (a :class:`~ddm.serving.protocol.RemoteExpertError`, judged by the pool as
+its rows, its error (a :class:`~ddm.serving.wire.protocol.RemoteExpertError`, judged by the pool as
 it judges a member's own reply), or the whole request's failure, so a dead pool is a transport
 failure for every member, each marked down and retried as before.
 """
@@ -25,11 +25,11 @@ from typing import Awaitable, Callable, Iterator
 
 import numpy as np
 
-from ddm.serving.paths import POOL_VELOCITY_PATH
-from ddm.serving.protocol import (UNKNOWN_CONTEXT, PoolVelocityRequest, RemoteExpertError,
-                                  TextVelocityRequest, decode_pool_response,
-                                  encode_pool_request, max_pool_reply_bytes)
-from ddm.serving.router.replicas import Replica
+from ddm.serving.wire.paths import POOL_VELOCITY_PATH
+from ddm.serving.wire.protocol import (UNKNOWN_CONTEXT, PoolVelocityRequest, RemoteExpertError,
+                                       TextVelocityRequest, decode_pool_response,
+                                       encode_pool_request, max_pool_reply_bytes)
+from ddm.serving.router.fleet.replicas import Replica
 
 __all__ = ["PoolCalls", "Post", "SendContext"]
 

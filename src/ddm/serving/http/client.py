@@ -31,7 +31,7 @@ connection and a request never goes out on one the server is closing.
 
 The client does not sleep through a long call whose time it can expect (the same endpoint
 and path's last successful call took 20 ms or more): from four fifths of that time on, it
-ticks every millisecond until the reply comes (:mod:`ddm.serving.polling`), so that reading,
+ticks every millisecond until the reply comes (:mod:`ddm.serving.http.polling`), so that reading,
 parsing and decoding the reply run warm.
 
 Errors: :class:`HttpClientError` for anything the transport or the response framing did wrong
@@ -49,7 +49,7 @@ from typing import cast
 import httptools
 
 from ddm.deploy.router_config import split_endpoint
-from ddm.serving.polling import LastTimes, WarmTicks, first_tick_s
+from ddm.serving.http.polling import LastTimes, WarmTicks, first_tick_s
 
 #: Status line and headers of a reply: an expert's are a few dozen bytes.
 MAX_REPLY_HEAD_BYTES = 8 * 1024

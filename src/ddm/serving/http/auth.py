@@ -23,7 +23,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ddm.serving.http import header, send_json
+from ddm.serving.http.server import header, send_json
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +51,9 @@ class TokenFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         #: The file's (mtime, size, inode) and the token read from it, replaced as one: an
-        #: expert's event loops (:mod:`ddm.serving.http`) call :meth:`token` from two threads,
-        #: and a stamp kept apart from its token could pair a newer file's stamp with an older
-        #: read's token, which would then never be re-read.
+        #: expert's event loops (:mod:`ddm.serving.http.server`) call :meth:`token` from two
+        #: threads, and a stamp kept apart from its token could pair a newer file's stamp with an
+        #: older read's token, which would then never be re-read.
         self._state: tuple[tuple[int, int, int], bytes] = self._read()
         self._warned = False
 

@@ -8,26 +8,26 @@ the grid, then ``done``), ``GET /`` (a web page that streams the denoising live)
 variations are refused with 400 saying why), ``/healthz``, ``/readyz``,
 ``/metrics`` and the OpenAPI document at
 ``/openapi.json`` (browsable at ``/docs`` with ``api_docs``), which says what the router
-enforces: :mod:`ddm.serving.router.requests` builds the request schemas from the config.
+enforces: :mod:`ddm.serving.router.api.requests` builds the request schemas from the config.
 
 A text DDM's stages (text encoder, decoder, router network) run in the router process or on
-their own servers (:mod:`ddm.serving.router.remote`); its images are RGB. A prompt longer
+their own servers (:mod:`ddm.serving.router.fleet.remote`); its images are RGB. A prompt longer
 than the tokenizer takes is cut as CLIP cuts it, and the answer says how many tokens each
 prompt lost (``truncated``).
 
 The router network is small and runs here; experts are reached through one
-:class:`~ddm.serving.router.pool.ExpertPool` (:mod:`ddm.serving.router.state` holds both). The
-lifespan starts the pool and loads the router network in the background, so that probes are
-answered at once: ``/readyz`` is 200 once the network is loaded and the experts agree with the
-config, ``"degraded"`` (still 200, naming them) while some experts have no ready replica, and
-503 naming what is wrong otherwise (no expert ready at all included). Run as a process
-(:func:`serve_router`), a router whose config, token file or network cannot load, or whose
-port is taken, exits with status 1 and leaves the reason in the termination-message file
+:class:`~ddm.serving.router.fleet.pool.ExpertPool` (:mod:`ddm.serving.router.api.state` holds
+both). The lifespan starts the pool and loads the router network in the background, so that probes
+are answered at once: ``/readyz`` is 200 once the network is loaded and the experts agree with the
+config, ``"degraded"`` (still 200, naming them) while some experts have no ready replica, and 503
+naming what is wrong otherwise (no expert ready at all included). Run as a process
+(:func:`serve_router`), a router whose config, token file or network cannot load, or whose port is
+taken, exits with status 1 and leaves the reason in the termination-message file
 (:mod:`ddm.termination`).
 
 Errors, each answered as ``{"detail": "what is wrong", "param": field}`` (:class:`ErrorDetail`;
 on ``/v1/images/*`` and ``/v1/models`` in OpenAI's shape, ``{"error": {"message", "type",
-"param", "code"}}``, which OpenAI's SDKs show: :mod:`ddm.serving.router.openai_compat`): a
+"param", "code"}}``, which OpenAI's SDKs show: :mod:`ddm.serving.router.api.openai_compat`): a
 body over
 ``limits.max_body_bytes`` (by default the DDM's largest valid request: its labels, or its
 prompts and latents at the state's shape, ``requests.max_body_bytes``) gets 413 naming it; a
@@ -35,14 +35,14 @@ request the DDM cannot serve (too many labels or steps, labels outside the class
 fields or strategies) a 422 naming the problem; malformed JSON a 400 with its line and column
 (or saying it is not UTF-8); a body not sent as JSON (``Content-Type``) a 415 saying how to
 send it; more generations than ``limits.max_concurrent`` at once, or than
-``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.clients`), a 429
+``limits.max_concurrent_per_client`` from one client (:mod:`ddm.serving.router.api.clients`), a 429
 with ``Retry-After`` naming the limit; a generation costing more rows x steps than the
 client's budget holds now (``limits.client_row_steps``, refilled at
 ``limits.client_row_steps_per_s``) a 429 whose ``Retry-After`` says when it will, and one
 costing more than the whole budget a 422; with ``auth`` configured, a ``/v1/*`` request
-without the bearer token a 401 (:mod:`ddm.serving.auth`). An expert none of whose replicas
+without the bearer token a 401 (:mod:`ddm.serving.http.auth`). An expert none of whose replicas
 answers within the call deadline, or whose every replica sent a report the router refuses
-(:mod:`ddm.serving.router.pool`), gives a 503 naming it; an expert refusing the request's
+(:mod:`ddm.serving.router.fleet.pool`), gives a 503 naming it; an expert refusing the request's
 values (its 422: a state beyond ``MAX_STATE_MAGNITUDE``, an output that would not be finite) a
 422, and refusing anything else the router sent a 502. None of them touches the process's
 health: ``/healthz`` fails only when the router network cannot load; nor does any request's
@@ -54,7 +54,7 @@ generation (counted as status 499), as a streamed one's does.
 
 Streamed frames of a pixel DDM show the state ``x_t`` itself (``ddm.convention.to_uint8``),
 noise fading into the digit. A latent DDM's frames show its decoder's image of the clean latent
-each step predicts (:mod:`ddm.serving.router.previews`).
+each step predicts (:mod:`ddm.serving.router.api.previews`).
 
 Not ``from __future__ import annotations``: FastAPI reads the routes' annotations at runtime, and
 the request models are built per app (they carry its limits).
@@ -87,27 +87,27 @@ from ddm.conditioning import TEXT, EncodedPrompts
 from ddm.convention import to_uint8
 from ddm.deploy.limits import MAX_GUIDANCE_SCALE, ROUTER_PORT
 from ddm.imaging import png_bytes
-from ddm.serving.auth import BearerAuth
+from ddm.serving.http.auth import BearerAuth
 from ddm.sampling.loop import row_steps
-from ddm.serving.router.clients import FORWARDED_FOR, OverBudget
-from ddm.serving.router.info import expert_card, has_router_network, strategies
-from ddm.serving.router.pool import ExpertError
-from ddm.serving.http import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
-                              add_api_docs, page_headers, probe_responses, run_server)
-from ddm.serving.router.previews import StatePoint, latent_preview
-from ddm.serving.router.remote import (CheckedRequest, Decoded, RemoteMixture,
-                                       SamplingRequest, StepEvent, Tally, check_request,
-                                       denoise, generate_remote)
+from ddm.serving.router.api.clients import FORWARDED_FOR, OverBudget
+from ddm.serving.router.api.info import expert_card, has_router_network, strategies
+from ddm.serving.router.fleet.pool import ExpertError
+from ddm.serving.http.server import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
+                                     add_api_docs, page_headers, probe_responses, run_server)
+from ddm.serving.router.api.previews import StatePoint, latent_preview
+from ddm.serving.router.fleet.remote import (CheckedRequest, Decoded, RemoteMixture,
+                                             SamplingRequest, StepEvent, Tally, check_request,
+                                             denoise, generate_remote)
 from ddm.sampling.loop import encoded_texts
 from ddm.deploy.router_config import Auth, RouterConfigFile
-from ddm.serving.router.openai_compat import (NO_IMAGE_EDITS, OpenAIError, OpenAIErrors,
-                                              models_list)
-from ddm.serving.router.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
-                                         ImagesResponse, echo, field_name, invalid_request,
-                                         max_body_bytes, parse_latents, request_models,
-                                         sampling_request)
-from ddm.serving.router.state import (Busy, NotReady, RouterMetrics, RouterState,
-                                      load_router_config)
+from ddm.serving.router.api.openai_compat import (NO_IMAGE_EDITS, OpenAIError, OpenAIErrors,
+                                                  models_list)
+from ddm.serving.router.api.requests import (STREAM_EVENT_SCHEMA, ErrorDetail, GenerateResponse,
+                                             ImagesResponse, echo, field_name, invalid_request,
+                                             max_body_bytes, parse_latents, request_models,
+                                             sampling_request)
+from ddm.serving.router.api.state import (Busy, NotReady, RouterMetrics, RouterState,
+                                          load_router_config)
 from ddm.termination import fail_start
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,8 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
     use its whole timeout). ``on_failure(reason)`` is called if the router network cannot
     load (besides ``/healthz`` answering 500). While ``draining()`` is true (the server got
     SIGTERM), ``/readyz`` answers 503. ``api_docs`` serves Swagger UI at ``/docs``
-    (:func:`~ddm.serving.http.add_api_docs`); the web page at ``/`` is sent with a
-    Content-Security-Policy and frame protection (:func:`~ddm.serving.http.page_headers`)."""
+    (:func:`~ddm.serving.http.server.add_api_docs`); the web page at ``/`` is sent with a
+    Content-Security-Policy and frame protection (:func:`~ddm.serving.http.server.page_headers`)."""
     router = RouterState(config, deadline_s, on_failure)
     page_html = PAGE.read_text()
     page_security = page_headers(page_html)
@@ -339,7 +339,7 @@ def serve_router(config_path: str | os.PathLike[str], host: str = "127.0.0.1",
                  trusted_proxies: Sequence[str] | None = None,
                  context_cache_bytes: int | None = None) -> None:
     """Serve the router until interrupted (SIGINT/SIGTERM, after ``drain_s`` seconds of
-    draining on SIGTERM: :mod:`ddm.serving.http`; ``/metrics`` on ``metrics_port`` only, if
+    draining on SIGTERM: :mod:`ddm.serving.http.server`; ``/metrics`` on ``metrics_port`` only, if
     given); what ``ddm serve router`` runs.
 
     Limits, the token file and the trusted proxies given here override ``router.yaml``'s.

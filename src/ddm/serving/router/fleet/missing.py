@@ -8,7 +8,7 @@ so while the call is pending (a replica killed mid-step); the loop then reroutes
 ``wait``, and for calls ``reroute`` cannot move, the generation waits up to ``wait_s`` for a
 usable replica, then calls; a call that fails because the expert went missing meanwhile waits
 again within the same ``wait_s``. What the generation waited is kept in its :class:`Held` and
-the demand window (:mod:`ddm.serving.router.demand`) counts the waiting generations.
+the demand window (:mod:`ddm.serving.router.fleet.demand`) counts the waiting generations.
 
 Only a generation with the DDM's own strategy (``sampling.strategy``) may wake an expert: a
 client choosing another (``ensemble`` calls every expert at every step) is served by the
@@ -30,8 +30,8 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from ddm.deploy.router_config import MissingExpert, canonical_strategy
-from ddm.serving.router.demand import DemandMeter
-from ddm.serving.router.pool import ExpertPool, ExpertUnavailable
+from ddm.serving.router.fleet.demand import DemandMeter
+from ddm.serving.router.fleet.pool import ExpertPool, ExpertUnavailable
 
 
 @dataclass

@@ -25,11 +25,11 @@ from ddm.conditioning import EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_PROMPT_BYTES, MAX_TEXT_TOKENS,
                                MAX_TEXT_WIDTH, PRECISIONS)
 from ddm.models.stages import Stage
-from ddm.serving.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
-                                  decode_encoded, decode_probabilities, decode_response,
-                                  encode_text_request, max_error_reply_bytes, max_reply_bytes)
-from ddm.serving.router.pool import ExpertPool, gather_all
-from ddm.serving.router.replicas import Replica, report_shape, require
+from ddm.serving.wire.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
+                                       decode_encoded, decode_probabilities, decode_response,
+                                       encode_text_request, max_error_reply_bytes, max_reply_bytes)
+from ddm.serving.router.fleet.pool import ExpertPool, gather_all
+from ddm.serving.router.fleet.replicas import Replica, report_shape, require
 
 __all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
@@ -50,7 +50,7 @@ class StageCaller(Protocol):
 @dataclass(frozen=True)
 class StageInfo:
     """What a stage server says of itself in ``/v1/info``, checked as strictly as an expert's
-    (:class:`~ddm.serving.router.replicas.ExpertInfo`): a peer's report sizes the router's
+    (:class:`~ddm.serving.router.fleet.replicas.ExpertInfo`): a peer's report sizes the router's
     allocations. ``latent_shape`` is what it takes (decoder, router), ``image_shape`` what a
     decoder makes (RGB, its sides whole multiples of the latent's), ``text_width`` what an
     encoder makes, ``clusters`` a router's outputs."""

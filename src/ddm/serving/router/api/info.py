@@ -1,7 +1,7 @@
 """What the router says of its DDM in ``GET /v1/info``, and so on its web page: the strategies
 this DDM can serve, and a card per expert (what runs it and where, its replicas, what it was
 trained on). Pure: built from ``router.yaml`` and what each expert said of itself in its own
-``/v1/info`` (:class:`~ddm.serving.router.replicas.ExpertInfo`, a peer's word, already cut to
+``/v1/info`` (:class:`~ddm.serving.router.fleet.replicas.ExpertInfo`, a peer's word, already cut to
 size there), so that a test can build any card without servers.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Mapping
 from ddm.conditioning import LABELS
 from ddm.deploy.router_config import ExpertEntry, RouterConfigFile
 from ddm.sampling.routing import routes_by_label
-from ddm.serving.router.replicas import ExpertAbout, ExpertInfo, short_text
+from ddm.serving.router.fleet.replicas import ExpertAbout, ExpertInfo, short_text
 
 #: The strategies the web page offers, those this DDM can serve (:func:`strategies`); any
 #: that ``parse_strategy`` accepts may be requested, unless ``sampling.strategies`` lists

@@ -33,7 +33,7 @@ from ddm.sampling.loop import SamplingRequest, check_labels
 from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.sampling_params import (GUIDANCE_CUTOFF, GUIDANCE_SCALE, SOLVER, SOLVERS, STEPS,
                                  STRATEGY, STRATEGY_PATTERN)
-from ddm.serving.router.info import has_router_network
+from ddm.serving.router.api.info import has_router_network
 
 #: The schema of a field this DDM takes none of (a label DDM's prompts, a text DDM's labels):
 #: nothing matches it. The field stays, so that a request sending it is told why it is refused
