@@ -39,6 +39,8 @@ from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 from ddm.objectives import NATIVE, Objective, ObjectiveError
 
 FORMAT_VERSION = 1
+#: The config.json key that marks this format (a stage's config.json has ``_ddm`` instead).
+FORMAT_KEY = "format_version"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "weights.safetensors"
 KINDS = ("expert", "monolith", "router", "classifier")
@@ -150,7 +152,7 @@ class CheckpointMeta:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format_version": FORMAT_VERSION,
+            FORMAT_KEY: FORMAT_VERSION,
             "kind": self.kind,
             "name": self.name,
             "convention": self.convention,
@@ -245,7 +247,7 @@ def read_meta(directory: str | os.PathLike) -> CheckpointMeta:
     if not config_path.is_file():
         raise CheckpointError(f"checkpoint {path} has no {CONFIG_FILE}")
     config = read_config(config_path)
-    version = config.get("format_version")
+    version = config.get(FORMAT_KEY)
     if not _is_int(version) or version != FORMAT_VERSION:
         raise CheckpointError(
             f"checkpoint {path}: format_version {version!r} is not supported "

@@ -196,7 +196,7 @@ def ddm_members(directory: str | os.PathLike) -> tuple[list[Path], Path | None]:
 
 def _assemble(unets: list[Checkpoint], router: Checkpoint | None, backend: str,
               device: str | None, source: Path, is_mixture: bool) -> LoadedDDM:
-    archs = {(expert_image_shape(c.meta), _num_classes(c.meta)) for c in unets}
+    archs = {(expert_image_shape(c.meta), num_classes_of(c.meta)) for c in unets}
     if len(archs) != 1:
         raise CheckpointError(f"experts in {source} disagree on image shape or number of "
                               f"classes: {archs}")
@@ -215,7 +215,7 @@ def _assemble(unets: list[Checkpoint], router: Checkpoint | None, backend: str,
                      is_mixture=is_mixture, source=source)
 
 
-def _num_classes(meta: CheckpointMeta) -> int:
+def num_classes_of(meta: CheckpointMeta) -> int:
     """The size of the label space an expert was conditioned on: its architecture's
     ``num_classes`` (our UNet always records one), else one past its largest class."""
     recorded = meta.architecture.get("num_classes")

@@ -29,13 +29,14 @@ import torch
 from safetensors import safe_open
 
 from ddm.checkpoints.declared import DDM_KEY, DECODER, EXPERT, ROLES, ROUTER, TEXT_ENCODER
-from ddm.checkpoints.format import CheckpointError, check_sha256, one_safetensors
+from ddm.checkpoints.format import FORMAT_KEY, CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
 from ddm.deploy import limits
 from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR, expert_dir
 from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
 from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
                             network_convention)
+from ddm.models.label_stages import LabelNetwork, load_label_network
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
                                       read_component_config, weight_file)
 from ddm.models.trained_on import TRAINED_ON_KEY, TrainedOn
@@ -52,7 +53,9 @@ ConditionedRouter = Callable[[np.ndarray, np.ndarray, Conditioning], np.ndarray]
 #: any, weighs in the prompts' pooled text vectors (None: no evidence).
 RouterProbabilities = Callable[[np.ndarray, np.ndarray, np.ndarray | None], np.ndarray]
 
-#: family -> the role its networks play.
+#: family -> the role its networks play. The label families (format-1 checkpoints: our
+#: UNet, a user's network or exported program, the label router) are read from the
+#: checkpoint's own fields, never from a ``_ddm`` block (:mod:`ddm.models.label_stages`).
 FAMILIES = {"paris-dit": EXPERT, "paris-router": ROUTER, "pixart": EXPERT,
             "latent-router": ROUTER, "clip-text": TEXT_ENCODER, "autoencoder-kl": DECODER}
 #: A family's library class name (config.json's ``_class_name`` or ``architectures``), which
@@ -212,6 +215,10 @@ class StageDeclaration:
     example_prompt: str | None = field(default=None, compare=False)
     #: An expert's summary of its cluster (``_ddm.trained_on``), None where it declares none.
     trained_on: TrainedOn | None = field(default=None, compare=False)
+    #: A label stage's labels (an expert's; every label for a router) and the size of its
+    #: label space (:mod:`ddm.models.label_stages`); ``()`` and None for text stages.
+    classes: tuple[int, ...] = ()
+    num_classes: int | None = None
 
     @classmethod
     def from_config(cls, directory: Path, config: Mapping[str, Any]) -> StageDeclaration:
@@ -288,8 +295,10 @@ class Stage:
     """One loaded stage: its declaration (sizes filled in), the dtype its weights run in
     (a :data:`PRECISIONS` name) and its NumPy callable, by role:
 
-    * expert: ``(x, t, cond) -> v`` (:data:`ConditionedVelocity`, unguided);
-    * router: ``(x, t, pooled) -> probabilities (B, K)`` (:data:`RouterProbabilities`);
+    * expert: ``(x, t, cond) -> v`` (:data:`ConditionedVelocity`, unguided; a label
+      expert's reads ``cond.labels``, a text expert's ``cond.embeddings``);
+    * router: ``(x, t, pooled) -> probabilities (B, K)`` (:data:`RouterProbabilities`); the
+      label router network's ``(x, t, labels (B,) int64)``;
     * text_encoder: ``(prompts) -> Conditioning``, with ``tokens_cut(prompts) -> (B,)``;
     * decoder: ``(latents) -> images (B, 3, H, W)`` in ``[-1, 1]``; ``image_shape`` (3, H, W).
     """
@@ -311,14 +320,19 @@ class Stage:
 
 
 def load_stage(directory: str | Path, dtype: str | None = None, device: str = "cpu",
-               backend: str = "torch") -> Stage:
+               backend: str | None = None) -> Stage:
     """Load the stage checkpoint at ``directory`` by its declared role and family, its weights
-    cast to ``dtype`` (a :data:`PRECISIONS` name; None: as stored), on ``device``. Raises a
-    ``CheckpointError`` naming what is missing, undeclared or inconsistent."""
+    cast to ``dtype`` (a :data:`PRECISIONS` name; None: as stored), on ``device``, on
+    ``backend`` (None: the checkpoint's own framework). A format-1 label checkpoint declares
+    its role by its ``kind`` (:mod:`ddm.models.label_stages`). Raises a ``CheckpointError``
+    naming what is missing, undeclared or inconsistent."""
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
     config = read_component_config(path)
+    if DDM_KEY not in config and FORMAT_KEY in config:  # a format-1 label checkpoint
+        return _label_stage(load_label_network(path, dtype, device, backend))
+    backend = backend or "torch"
     declared = StageDeclaration.from_config(path, config)
     if dtype is not None and dtype not in PRECISIONS:
         raise CheckpointError(f"unknown precision {dtype!r}; expected one of "
@@ -332,6 +346,15 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str = "c
     if declared.weights_sha256 is not None:
         check_sha256(path, stage_weights(path, declared).name, declared.weights_sha256)
     return load_declared(path, declared, dtype, device, backend)
+
+
+def _label_stage(network: LabelNetwork) -> Stage:
+    """A format-1 checkpoint's network as a :class:`Stage` (convention ours: its loader
+    converts the objective)."""
+    declared = StageDeclaration(role=network.role, family=network.family, convention="ours",
+                                latent_shape=network.latent_shape, cluster=network.cluster,
+                                classes=network.classes, num_classes=network.num_classes)
+    return Stage(declared, network.dtype, network.forward, clusters=network.clusters)
 
 
 def stage_weights(path: Path, declared: StageDeclaration) -> Path:
