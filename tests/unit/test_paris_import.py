@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from ddm.checkpoints.format import CheckpointError
 from ddm.checkpoints.importers import Component, write_import
+from ddm.checkpoints.index import read_index
 from ddm.cli import main
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import load_manifest
@@ -47,11 +48,16 @@ def _config(path: Path) -> dict:
 
 def test_the_import_lays_out_one_directory_per_stage(imported: Path) -> None:
     assert sorted(p.name for p in imported.iterdir()) == [
-        "ddm.yaml", "decoder", "expert_0", "expert_1", "router", "text_encoder"]
+        "ddm.yaml", "ddm_index.json", "decoder", "expert_0", "expert_1", "router",
+        "text_encoder"]
     roles = {d: _config(imported / d)["_ddm"]["role"]
              for d in ("expert_0", "expert_1", "router", "text_encoder", "decoder")}
     assert roles == {"expert_0": "expert", "expert_1": "expert", "router": "router",
                      "text_encoder": "text_encoder", "decoder": "decoder"}
+    index = read_index(imported)  # the root index names each by the role it declares
+    assert index is not None and index.experts == ("expert_0", "expert_1")
+    assert dict(index.stages) == {"router": "router", "text_encoder": "text_encoder",
+                                  "decoder": "decoder"}
 
 
 def test_weights_are_copied_byte_for_byte_with_their_sha256(release: Path,
@@ -199,7 +205,7 @@ def test_a_write_that_fails_midway_leaves_nothing(release: Path, tmp_path: Path)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with pytest.raises(FileNotFoundError):
-        write_import(out_dir / "dst", (good, gone), "kind: DDMDeployment\n")
+        write_import(out_dir / "dst", (good, gone), "kind: DDMDeployment\n", ["expert_0"])
     assert list(out_dir.iterdir()) == []
 
 

@@ -106,8 +106,11 @@ def test_the_flax_loader_refuses_other_networks_and_other_weights(imported: Path
 def test_the_import_writes_declared_stages_and_a_deployment(trained: Path,
                                                             imported: Path) -> None:
     assert sorted(p.name for p in imported.iterdir()) == [
-        "clip", "ddm.yaml", "decoder", "expert_0", "expert_1", "expert_2", "expert_3",
-        "monolith", "router", "text_encoder"]
+        "clip", "ddm.yaml", "ddm_index.json", "decoder", "expert_0", "expert_1", "expert_2",
+        "expert_3", "monolith", "router", "text_encoder"]
+    assert json.loads((imported / "ddm_index.json").read_text()) == {  # no monolith, no aid
+        "ddm_index": 1, "expert": [f"expert_{k}" for k in range(4)], "router": "router",
+        "text_encoder": "text_encoder", "decoder": "decoder"}
     width = json.loads((trained / "text_encoder" / "config.json").read_text())["hidden_size"]
     for name, role, family in (("expert_2", "expert", "pixart"),
                                ("monolith", "expert", "pixart"),

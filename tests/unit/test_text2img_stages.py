@@ -70,6 +70,9 @@ def test_stages_write_diffusers_layout_and_index(smoke_root: tuple[Path, Path]) 
     assert all(index[f"expert_{i}"] == ["diffusers", "PixArtTransformer2DModel"]
                for i in range(4))
     assert "monolith" not in index and "clip" not in index  # training aids, not the DDM
+    ours = json.loads((root / "ddm_index.json").read_text())  # by role, the decoder in vae/
+    assert ours == {"ddm_index": 1, "expert": [f"expert_{i}" for i in range(4)],
+                    "router": "router", "text_encoder": "text_encoder", "decoder": "vae"}
     assert (root / "text_encoder" / "model.safetensors").is_file()
     assert (root / "vae" / "diffusion_pytorch_model.safetensors").is_file()
     assert not list(root.glob(".*.partial"))

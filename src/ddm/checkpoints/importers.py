@@ -3,15 +3,16 @@
 An import source (Paris's release: ``ddm.models.paris_import``) checks its components and
 describes each as a :class:`Component`; :func:`write_import` then lays them out as
 
-    DST/expert_0 .. expert_{N-1}/  router/  text_encoder/  decoder/  ddm.yaml
+    DST/expert_0 .. expert_{N-1}/  router/  text_encoder/  decoder/  ddm_index.json  ddm.yaml
 
 each directory its library's ``config.json`` (with our declarations under ``"_ddm"``: role,
 family, convention, shapes, ``weights_sha256``, and ``files``: the SHA-256 of every other file,
 which a fetch of the directory downloads and verifies) beside the one safetensors file, copied
 byte for byte (weights keep their dtype), and any other files the component needs (a
-tokenizer's).
-The write is atomic: everything goes to a hidden directory beside DST, renamed into place only
-once complete, so a failed import leaves nothing behind. An existing DST is never replaced.
+tokenizer's); ``ddm_index.json`` maps each role to its directory (:mod:`ddm.checkpoints.index`,
+the experts in the router network's order). The write is atomic: everything goes to a hidden
+directory beside DST, renamed into place only once complete, so a failed import leaves nothing
+behind. An existing DST is never replaced.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ddm.checkpoints.declared import DDM_KEY, FILES_KEY
 from ddm.checkpoints.format import CONFIG_FILE, CheckpointError
+from ddm.checkpoints.index import INDEX_FILE, write_index
+from ddm.checkpoints.roles import EXPERT, ROLE_REGISTRY
 from ddm.fileio import open_regular, staging_directory
 
 #: The deployment an import writes beside its components.
@@ -57,9 +60,12 @@ class Component:
                                   f"or with the {CONFIG_FILE} the import writes")
 
 
-def write_import(out: str | Path, components: tuple[Component, ...], manifest: str) -> Path:
-    """Write ``components`` and ``manifest`` (ddm.yaml's text) to the new directory ``out``,
-    atomically; refuses an existing ``out`` (nothing is replaced) and a missing parent."""
+def write_import(out: str | Path, components: tuple[Component, ...], manifest: str,
+                 experts: Sequence[str]) -> Path:
+    """Write ``components``, their index (``experts``: the expert components in the router
+    network's order; a component of another role is that role's) and ``manifest`` (ddm.yaml's
+    text) to the new directory ``out``, atomically; refuses an existing ``out`` (nothing is
+    replaced) and a missing parent."""
     target = Path(out).absolute()
     if target.exists():
         raise FileExistsError(f"{target} exists; an import writes a new directory")
@@ -67,12 +73,16 @@ def write_import(out: str | Path, components: tuple[Component, ...], manifest: s
         raise FileNotFoundError(f"cannot write {target}: directory {target.parent} does not "
                                 "exist (create it first)")
     names = [c.name for c in components]
-    if len(set(names)) != len(names) or MANIFEST_FILE in names:
-        raise CheckpointError(f"component names {names} must be unique and not {MANIFEST_FILE}")
+    if len(set(names)) != len(names) or {MANIFEST_FILE, INDEX_FILE} & set(names):
+        raise CheckpointError(f"component names {names} must be unique and not "
+                              f"{MANIFEST_FILE} or {INDEX_FILE}")
     staging = staging_directory(target)
     try:
         for component in components:
             _write_component(staging / component.name, component)
+        write_index(staging, experts, {c.ddm["role"]: c.name for c in components
+                                       if c.ddm.get("role") in ROLE_REGISTRY
+                                       and c.ddm["role"] != EXPERT})
         (staging / MANIFEST_FILE).write_text(manifest, encoding="utf-8")
         staging.rename(target)
     except BaseException:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ddm.checkpoints.roles import ROUTER
 from ddm.deploy.training_spec import (
     EXPERTS_DIR,
     PARTITION_FILE,
@@ -133,6 +134,12 @@ class TrainingPlan:
         """The jobs not in ``done`` whose every predecessor is."""
         return tuple(job for job in self.jobs
                      if job.name not in done and set(job.after) <= set(done))
+
+    def members(self) -> tuple[list[str], dict[str, str]]:
+        """The DDM its outputs make, as its root index (``ddm.checkpoints.index``) names it:
+        the experts' output subfolders in partition order, and the router network's."""
+        return ([job.output for job in self.jobs if job.kind == "expert"],
+                {ROUTER: job.output for job in self.jobs if job.kind == "router"})
 
 
 def plan_training(spec: TrainingSpec) -> TrainingPlan:

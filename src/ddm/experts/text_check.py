@@ -26,19 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
-from ddm.checkpoints.declared import EXPERT
+from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import Conditioning
 from ddm.convention import FlowMatchNetwork, network_convention
 from ddm.data.colored_mnist import IMAGE_SIZE, load_colored_mnist
-from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR
+from ddm.deploy.imported import DECODER_DIR, TEXT_ENCODER_DIR
 from ddm.experts.network_checks import (BEHAVIOUR_IMAGES, SEED, Claim, Examples, Verdict,
                                         agreement, check_outputs, missing_frameworks,
                                         run_check)
 from ddm.models.loading import ModelFn
 from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import (ConditionedVelocity, Stage, StageDeclaration, VaeDecoder,
-                               check_stage_shapes, load_stage)
+                               check_stage_shapes, load_stage, stage_directory)
 from ddm.objectives import NATIVE
 
 #: The prompts of the rows the shapes, finiteness, determinism and parity checks send: a
@@ -159,9 +159,10 @@ def _text_examples(path: Path, loaded: _Loaded, source: str | None,
                               for i in range(0, len(rows), BEHAVIOUR_IMAGES)])
     name = f"coloured-mnist-{IMAGE_SIZE}x{IMAGE_SIZE}/t10k"
     cluster = loaded.expert.declaration.cluster
-    if cluster is not None and (path.parent / ROUTER_DIR).is_dir():
+    router_dir = stage_directory(path.parent, ROUTER)
+    if cluster is not None and router_dir is not None:
         try:
-            router = load_stage(path.parent / ROUTER_DIR, device=device)
+            router = load_stage(router_dir, device=device)
         except (CheckpointError, OSError, ValueError) as error:
             return f"cannot load its DDM's router to find its cluster's digits: {error}"
         own = router.forward(latents, np.ones(len(latents), np.float32), None).argmax(1)
@@ -179,12 +180,13 @@ def _text_examples(path: Path, loaded: _Loaded, source: str | None,
 
 
 def _load(path: Path, framework: str, device: str) -> _Loaded:
-    """The expert on ``framework`` and its DDM's text encoder and decoder, where beside it,
-    their shapes checked against each other."""
+    """The expert on ``framework`` and its DDM's text encoder and decoder, where beside it
+    (by its DDM's root index, else by their usual names), their shapes checked against each
+    other."""
     expert = load_stage(path, device=device, backend=framework)
-    beside = {name: load_stage(path.parent / name, device=device)
-              for name in (TEXT_ENCODER_DIR, DECODER_DIR) if (path.parent / name).is_dir()}
-    encoder, decoder = beside.get(TEXT_ENCODER_DIR), beside.get(DECODER_DIR)
+    encoder, decoder = (None if where is None else load_stage(where, device=device)
+                        for where in (stage_directory(path.parent, role)
+                                      for role in (TEXT_ENCODER, DECODER)))
     check_stage_shapes(path.parent, [expert], None, encoder, decoder)
     return _Loaded(expert, encoder, decoder)
 

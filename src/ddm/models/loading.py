@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from ddm.checkpoints.discovery import discover
+from ddm.checkpoints.index import read_index
+from ddm.checkpoints.roles import ROUTER
 from ddm.checkpoints.format import Checkpoint, CheckpointError, CheckpointMeta, load_checkpoint
 from ddm.deploy.limits import MAX_BATCH, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
@@ -179,11 +181,16 @@ def load_ddm_members(experts: Sequence[str | os.PathLike], router: str | os.Path
 
 def ddm_members(directory: str | os.PathLike) -> tuple[list[Path], Path | None]:
     """The checkpoints :func:`load_ddm` assembles from ``directory``: ``([directory], None)``
-    for one model, else its experts and its router (None without one); a classifier or a
-    monolith beside the experts is not part of the DDM."""
+    for one model, else its experts and its router (None without one), as its root index
+    (:mod:`ddm.checkpoints.index`) names them, or, without one, every expert and router
+    checkpoint in it by kind; a classifier or a monolith beside the experts is not part of
+    the DDM."""
     root = Path(directory)
     if (root / "config.json").exists():
         return [root], None
+    index = read_index(root)
+    if index is not None:
+        return index.expert_paths(), index.stage_path(ROUTER)
     found = discover(root)
     experts = found.get("expert", [])
     if not experts:

@@ -69,7 +69,8 @@ def import_paris(release: str | Path, out: str | Path, *, name: str = "paris",
                                  accelerators, precision)
     header = (f"Imported by `ddm import paris` from {root.absolute()}.\n"
               f"Run it here with: ddm up {target}/ddm.yaml")
-    return write_import(target, components, manifest_text(document, header))
+    experts = [c.name for c in components if c.ddm.get("role") == EXPERT]
+    return write_import(target, components, manifest_text(document, header), experts)
 
 
 def read_paris_release(root: Path) -> tuple[ImportedDDM, tuple[Component, ...]]:

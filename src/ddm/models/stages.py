@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ddm.checkpoints.declared import DDM_KEY, DECODER, EXPERT, ROLES, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.index import read_index
 from ddm.checkpoints.format import FORMAT_KEY, CheckpointError, check_sha256, one_safetensors
 from ddm.conditioning import Conditioning
 from ddm.deploy import limits
@@ -396,8 +397,9 @@ _DEPTH_FIELDS = {"pixart": ("num_layers",), "latent-router": ("depth",),
 def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
                   backends: Sequence[str] = ("torch",),
                   experts: Sequence[str] | None = None, text_prior: bool = True) -> TextDDM:
-    """A directory of stage checkpoints (``expert_0 .. expert_N-1/``, ``router/`` unless one
-    expert, ``text_encoder/``, ``decoder/`` or ``vae/``) -> a :class:`TextDDM` in this process.
+    """A directory of stage checkpoints -> a :class:`TextDDM` in this process: the subfolders
+    its root index names by role (:mod:`ddm.checkpoints.index`), else ``expert_0 ..
+    expert_N-1/``, ``router/`` unless one expert, ``text_encoder/``, ``decoder/`` or ``vae/``.
     The state shape and text width are checked across stages; experts must declare one
     convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match).
     Expert ``k`` runs on ``backends[k % len(backends)]`` (``("torch", "jax")`` alternates);
@@ -406,11 +408,29 @@ def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu
     text prior it declares (the report's comparison)."""
     path = Path(root)
     names = expert_directories(path) if experts is None else list(experts)
-    decoder_dir = next((path / d for d in (DECODER_DIR, "vae") if (path / d).is_dir()), None)
+    router, encoder, decoder = (stage_directory(path, role)
+                                for role in (ROUTER, TEXT_ENCODER, DECODER))
+    if router is None and len(names) > 1:
+        raise CheckpointError(f"{path} names no {ROUTER} for its {len(names)} experts")
     return load_text_stages(path, names, [path / name for name in names],
-                            path / ROUTER_DIR if len(names) > 1 else None,
-                            path / TEXT_ENCODER_DIR, decoder_dir, dtype, device, backends,
-                            text_prior)
+                            router if len(names) > 1 else None,
+                            encoder or path / TEXT_ENCODER_DIR, decoder, dtype, device,
+                            backends, text_prior)
+
+
+#: Where each stage lies in a DDM directory without a root index (a decoder also in vae/).
+_STAGE_DIRS = {ROUTER: (ROUTER_DIR,), TEXT_ENCODER: (TEXT_ENCODER_DIR,),
+               DECODER: (DECODER_DIR, "vae")}
+
+
+def stage_directory(root: Path, role: str) -> Path | None:
+    """The subfolder of ``root`` (a DDM directory) that holds ``role`` (not the experts:
+    :func:`expert_directories`): as its root index (:mod:`ddm.checkpoints.index`) names it,
+    else by today's name where that subfolder exists; None where the DDM has none."""
+    index = read_index(root)
+    if index is not None:
+        return index.stage_path(role)
+    return next((root / name for name in _STAGE_DIRS[role] if (root / name).is_dir()), None)
 
 
 def load_text_stages(root: Path, names: Sequence[str], experts: Sequence[Path],
@@ -462,7 +482,11 @@ _EXPERT_DIR = re.compile(r"expert_(\d+)")
 
 
 def expert_directories(root: Path) -> list[str]:
-    """``expert_0 .. expert_N-1``, the names of ``root``'s expert subdirectories in order."""
+    """``root``'s expert subfolders in the router network's order: as its root index
+    (:mod:`ddm.checkpoints.index`) lists them, else ``expert_0 .. expert_N-1``."""
+    index = read_index(root)
+    if index is not None:
+        return list(index.experts)
     indices = sorted(int(m.group(1)) for p in root.iterdir()
                      if p.is_dir() and (m := _EXPERT_DIR.fullmatch(p.name)))
     if indices != list(range(len(indices))) or not indices:

@@ -110,7 +110,8 @@ def import_text2img(src: str | Path, out: str | Path, *, name: str = "text2img",
     header = ("The coloured-MNIST text-to-image DDM (docs/text2img.md), imported by `ddm "
               "import text2img`:\nexperts alternate PyTorch and JAX; the text encoder and "
               "decoder are stages of their own.")
-    write_import(target, components, manifest_text(document, header))
+    write_import(target, components, manifest_text(document, header),
+                 expert_directories(source))
     try:
         load_text_ddm(target, backends=FRAMEWORKS)  # every stage loads, shapes agree
     except BaseException:

@@ -4,8 +4,9 @@ The same YAML the operator reconciles is planned by the one training plan
 (``ddm.deploy.training_plan``) and carried out here as ``ddm up`` carries out a DDMDeployment:
 the partition first (k-means only), then every expert at once, each with its processes
 (``torchrun --standalone`` for PyTorch, one process per rank with the JAX variables for JAX,
-as :meth:`JobPlan.node_processes` decides), then the router network; finally the
-DDMDeployment pointing at the outputs is written beside them, for ``ddm up``.
+as :meth:`JobPlan.node_processes` decides), then the router network; finally the root index
+(``ddm_index.json``: the experts and router by role) and the DDMDeployment pointing at the
+outputs are written beside them, for ``ddm up``.
 
 ``pvc://CLAIM/PATH`` (the output, MNIST) is ``PVC_ROOT/CLAIM/PATH`` here (``--pvc-root``, as
 ``ddm up`` reads it). A job whose output exists is skipped (finished before); every other job
@@ -26,6 +27,7 @@ from typing import TextIO
 
 import yaml
 
+from ddm.checkpoints.index import write_index
 from ddm.checkpoints.local import claim_path, resolve_checkpoint
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.training_plan import JobPlan, Paths, TrainingPlan, plan_training
@@ -134,6 +136,7 @@ def run_training(manifest: TrainingManifest, pvc_root: Path | None = None, *,
         if any(p.poll() is None for p in supervisor.processes.values()):
             _tell(out, f"stopping {len(supervisor.processes)} process(es)...")
         supervisor.stop()
+    write_index(local.paths.output, *plan.members())
     path = Path(local.paths.output) / DEPLOYMENT_FILE
     path.write_text(yaml.safe_dump(deployment_document(manifest.spec), sort_keys=False))
     _tell(out, f"all {len(plan.jobs)} jobs finished ({time.monotonic() - started_at:.0f} s); "

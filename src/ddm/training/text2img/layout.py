@@ -2,7 +2,8 @@
 
 The root holds one subfolder per role (config.json + safetensors, written by the library's own
 ``save_pretrained``), as a diffusers pipeline does, and ``model_index.json`` mapping each role
-to its (library, class). ``clip/`` (both towers) and the latents are training aids: the index
+to its (library, class), beside ``ddm_index.json`` mapping each role to its subfolder (what
+our loaders read). ``clip/`` (both towers) and the latents are training aids: the index
 names only what serving loads.
 """
 
@@ -13,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ddm.checkpoints import roles
+from ddm.checkpoints.index import write_index
 from ddm.fileio import atomic_path, share_as_new
 from ddm.models.text2img import DDM_CONFIG_KEY
 from ddm.models.trained_on import PARTITION_FILE
@@ -36,7 +39,8 @@ def finished(path: Path) -> bool:
 
 
 def write_model_index(root: Path) -> Path:
-    """(Re)write ``root/model_index.json`` listing the finished components; experts in order."""
+    """(Re)write ``root/model_index.json`` listing the finished components, experts in order,
+    and our root index (``ddm.checkpoints.index``) naming their subfolders by role."""
     index: dict[str, object] = {"_class_name": "DDMText2ImagePipeline",
                                 "_ddm_format": "ddm-text2img/1"}
     for role, library_class in CLASSES.items():
@@ -48,6 +52,12 @@ def write_model_index(root: Path) -> Path:
         index[path.name] = list(EXPERT_CLASS)
     with atomic_path(root / MODEL_INDEX) as tmp:
         tmp.write_text(json.dumps(index, indent=1) + "\n")
+    if experts:  # and ours, naming the subfolder of each role (the decoder is vae/)
+        write_index(root, [path.name for path in experts],
+                    {role: name for role, name in ((roles.ROUTER, ROUTER),
+                                                   (roles.TEXT_ENCODER, TEXT_ENCODER),
+                                                   (roles.DECODER, VAE))
+                     if finished(root / name)})
     return root / MODEL_INDEX
 
 

@@ -1,0 +1,120 @@
+"""A DDM directory's root index (``ddm_index.json``): the loaders read members by role from it
+instead of guessing directory names; a bad entry is refused naming the file and the entry;
+imports, ``ddm train-all``'s plan and the shipped DDMs carry one."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddm.checkpoints.format import CheckpointError
+from ddm.checkpoints.importers import Component, write_import
+from ddm.checkpoints.index import INDEX_FILE, index_document, read_index, write_index
+from ddm.deploy.training_plan import plan_training
+from ddm.deploy.training_spec import load_training_manifest
+from ddm.models.loading import ddm_members, load_ddm
+from ddm.models.stages import expert_directories, stage_directory
+
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = ROOT / "checkpoints" / "digits"
+
+
+def test_the_shipped_ddms_name_their_members_by_role():
+    assert read_index(DIGITS).experts == ("expert-0-4", "expert-5-9")
+    assert read_index(ROOT / "checkpoints" / "mnist").experts == tuple(
+        f"expert-{k}" for k in range(4))
+    text = read_index(ROOT / "checkpoints" / "text2img")
+    assert text.experts == tuple(f"expert_{k}" for k in range(4))
+    assert dict(text.stages) == {"router": "router", "text_encoder": "text_encoder",
+                                 "decoder": "decoder"}
+
+
+def test_a_label_ddm_loads_the_members_its_index_names(tmp_path):
+    # A spare expert beside the members: guessed by kind, it would be a third expert for a
+    # router trained for two; the index says which two are the DDM's.
+    root = tmp_path / "ddm"
+    root.mkdir()
+    for name, copied in (("a", "expert-0-4"), ("b", "expert-5-9"), ("spare", "expert-0-4"),
+                         ("net", "router")):
+        shutil.copytree(DIGITS / copied, root / name)
+    with pytest.raises(CheckpointError, match="trained for 2 experts"):
+        load_ddm(root)
+    write_index(root, ["a", "b"], {"router": "net"})
+    assert ddm_members(root) == ([root / "a", root / "b"], root / "net")
+    loaded = load_ddm(root)
+    assert [e.classes for e in loaded.experts] == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
+    x = np.zeros((1, 1, 16, 16), np.float32)
+    np.testing.assert_array_equal(
+        loaded.experts[1].velocity(x, np.full(1, .5, np.float32), np.array([7])),
+        load_ddm(DIGITS).experts[1].velocity(x, np.full(1, .5, np.float32), np.array([7])))
+
+
+def test_text_experts_are_read_from_the_index_else_by_todays_names(tmp_path):
+    for name in ("expert_0", "expert_1", "fine-tuned", "base"):
+        (tmp_path / name).mkdir()
+    assert expert_directories(tmp_path) == ["expert_0", "expert_1"]  # no index: the names
+    write_index(tmp_path, ["fine-tuned", "base"], {"router": "expert_0"})
+    assert expert_directories(tmp_path) == ["fine-tuned", "base"]
+
+
+def test_each_stage_is_found_by_role_from_the_index_else_by_its_usual_name(tmp_path):
+    for name in ("expert_0", "router", "vae", "clip-l", "latent-decoder"):
+        (tmp_path / name).mkdir()
+    assert [stage_directory(tmp_path, role) for role in ("router", "text_encoder", "decoder")
+            ] == [tmp_path / "router", None, tmp_path / "vae"]
+    write_index(tmp_path, ["expert_0"], {"text_encoder": "clip-l", "decoder": "latent-decoder"})
+    assert [stage_directory(tmp_path, role) for role in ("router", "text_encoder", "decoder")
+            ] == [None, tmp_path / "clip-l", tmp_path / "latent-decoder"]
+
+
+@pytest.mark.parametrize("entry, problem", [
+    ({"expert": ["a", "missing"]}, "entry 'expert[1]' names 'missing', which is not a "
+                                   "subfolder"),
+    ({"expert": ["a"], "router": "../outside"}, "entry 'router' is '../outside'; it must be "
+                                                "a relative path inside"),
+    ({"expert": ["/etc"]}, "entry 'expert[0]' is '/etc'; it must be a relative path"),
+    ({"expert": ["a", "link"]}, "entry 'expert[1]' ('link') is a symbolic link"),
+    ({"expert": ["a"], "vae": "a"}, "unknown entries ['vae']; the roles are expert, "),
+    ({"expert": []}, "entry 'expert' must list 1..1024 expert subfolders"),
+    ({"expert": ["a", "a"]}, "entry 'expert' names a subfolder twice"),
+])
+def test_an_index_naming_a_missing_or_escaping_subfolder_is_refused(tmp_path, entry, problem):
+    root = tmp_path / "ddm"
+    (root / "a").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "link").symlink_to(tmp_path / "outside")
+    (root / INDEX_FILE).write_text(json.dumps({"ddm_index": 1, **entry}))
+    with pytest.raises(CheckpointError, match=re.escape(f"{root / INDEX_FILE}: {problem}")):
+        read_index(root)
+
+
+def test_a_file_that_is_no_index_of_ours_is_refused(tmp_path):
+    (tmp_path / INDEX_FILE).write_text(json.dumps({"expert": ["a"]}))
+    with pytest.raises(CheckpointError, match='not a DDM index .expected an object with '
+                                              '"ddm_index": 1'):
+        read_index(tmp_path)
+
+
+def test_an_import_writes_the_index_of_its_components(tmp_path):
+    weights = tmp_path / "w.safetensors"
+    weights.write_bytes(b"{}")
+    components = tuple(Component(name, {}, {"role": role}, weights) for name, role in (
+        ("expert_1", "expert"), ("expert_0", "expert"), ("monolith", "expert"),
+        ("router", "router"), ("text_encoder", "text_encoder"), ("decoder", "decoder"),
+        ("clip", "aid")))
+    out = write_import(tmp_path / "dst", components, "kind: DDMDeployment\n",
+                       ["expert_0", "expert_1"])
+    assert json.loads((out / INDEX_FILE).read_text()) == index_document(
+        ["expert_0", "expert_1"], {"router": "router", "text_encoder": "text_encoder",
+                                   "decoder": "decoder"})
+
+
+def test_train_all_plans_the_index_of_its_outputs():
+    plan = plan_training(load_training_manifest(ROOT / "examples" / "training.yaml").spec)
+    assert plan.members() == (["experts/digits-0-4", "experts/digits-5-9"],
+                              {"router": "router"})
