@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ddm.checkpoints.format import read_meta
+from ddm.checkpoints.index import read_index
 from ddm.cli import main
 from ddm.models.config import UNET_CONFIGS
 from ddm.training.config import TrainConfig
@@ -47,6 +48,8 @@ def test_experts_and_router_record_their_partition(tmp_path):
     assert expert.partition["index"] == 1 and expert.partition["scheme"]["method"] == "kmeans"
     assert router.partition["scheme"] == expert.partition["scheme"]
     assert router.architecture["num_experts"] == 2
+    index = read_index(tmp_path)  # saved among its experts, the router completes the DDM
+    assert index.experts == ("e0", "e1") and dict(index.stages) == {"router": "router"}
     recorded = json.loads((tmp_path / "e1" / "config.json").read_text())
     assert recorded["training"]["steps"] == 3 and recorded["data"]["source"] == "digits"
 

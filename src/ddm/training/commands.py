@@ -10,6 +10,8 @@ from typing import Any, Iterator
 import numpy as np
 
 from ddm.checkpoints.discovery import discover
+from ddm.checkpoints.index import write_index
+from ddm.checkpoints.roles import ROUTER
 from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, check_checkpoint_output,
                                    load_checkpoint, save_checkpoint)
 from ddm.convention import to_model_space
@@ -129,14 +131,17 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
                          progress: ProgressFn | None = None, partition: str | None = None,
                          save_every: int = SAVE_EVERY, resume: bool = False) -> Path | None:
     """Train a router for the experts in ``experts``, which must share one partition (the
-    sha256 of its content); ``partition`` (``file:PATH``) must then be that one too.
+    sha256 of its content); ``partition`` (``file:PATH``) must then be that one too. Saved
+    into ``experts`` (``--out EXPERTS/router``), it completes that DDM: its root index
+    (``ddm.checkpoints.index``) is written, naming the experts in partition order.
 
     Data-parallel under torchrun as :func:`train_unet` is: rank 0 alone writes and returns
     the path."""
     from ddm.training.router import train_router
 
     check_checkpoint_output(out)
-    metas = [load_checkpoint(p).meta for p in discover(experts).get("expert", [])]
+    paths = discover(experts).get("expert", [])
+    metas = [load_checkpoint(p).meta for p in paths]
     if not metas:
         raise CheckpointError(f"{experts} holds no expert checkpoints")
     if any(not m.partition for m in metas):
@@ -179,7 +184,11 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
         classes=tuple(int(c) for c in np.unique(dataset.labels)),
         partition={"scheme": scheme.to_dict()}, data=_data_record(data, dataset),
         training=_training_record(train, "router", resolved, resumable.elapsed(), world))
-    return save_checkpoint(out, meta, weights)
+    saved = save_checkpoint(out, meta, weights)
+    if out.absolute().parent == experts.absolute():  # the router completes that DDM
+        order = sorted(zip(metas, paths), key=lambda pair: int(pair[0].partition["index"]))
+        write_index(experts, [path.name for _, path in order], {ROUTER: out.name})
+    return saved
 
 
 def _data_record(source: str, dataset: Dataset) -> dict[str, Any]:
