@@ -30,6 +30,7 @@ from ddm.checkpoints.destinations import parse_networks
 from ddm.cli import main
 from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from tests.support.s3_store import moto_auth
 
 pytest.importorskip("moto", reason="moto[server] is in the dev extra")
 
@@ -89,22 +90,13 @@ def s3_store(smoke_expert_checkpoint: Path) -> Iterator[S3Store]:
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         s3.put_object(Bucket=BUCKET, Key=f"smoke/{name}",
                       Body=(smoke_expert_checkpoint / name).read_bytes())
-    _moto_auth(url, "0")
+    moto_auth(url, "0")
     try:
         yield S3Store(url, key["AccessKeyId"], key["SecretAccessKey"], role["Arn"],
                       role_credentials)
     finally:
-        _moto_auth(url, "inf")
+        moto_auth(url, "inf")
         server.stop()
-
-
-def _moto_auth(url: str, unauthenticated_requests: str) -> None:
-    """moto checks signatures and IAM after this many more requests (``inf``: never)."""
-    request = urllib.request.Request(f"{url}/moto-api/reset-auth", method="POST",
-                                     data=unauthenticated_requests.encode(),
-                                     headers={"Content-Type": "text/plain"})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
 
 
 def _assert_smoke(dest: Path, source: Path) -> None:
