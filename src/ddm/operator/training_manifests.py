@@ -11,7 +11,8 @@ TrainJobs (the two engines are two renderers of one plan, ``ddm.deploy.training_
   process per pod: a JAX job's processes are pods, each with its share of the devices), with
   ``trainer.numNodes``, ``numProcPerNode`` (torch) and ``resourcesPerNode``; the node
   selector, tolerations, volumes and security settings go in a runtime patch of the runtime's
-  ``node`` job and container. The partition, one CPU process, is a Job under either engine.
+  ``node`` job and container. The partition and the data fetch, one CPU process each, are
+  Jobs under either engine.
 
 Every pod is placed as serving places it (``ddm.operator.placement``: the accelerator's
 resource, taint toleration and node selector), runs as the restricted Pod Security profile
@@ -31,7 +32,6 @@ from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.training_plan import (
     DATA_CREDENTIALS_FILE,
     OUTPUT_CREDENTIALS_FILE,
-    PARTITION_JOB,
     JobPlan,
     Paths,
     TrainingPlan,
@@ -80,9 +80,9 @@ def job_name(training: str, job: JobPlan) -> str:
 def build_training_jobs(spec: TrainingSpec, plan: TrainingPlan, meta: Mapping[str, Any],
                         config: OperatorConfig) -> list[dict[str, Any]]:
     """Every job of ``plan`` in plan order: a Job, or a TrainJob under kubeflow-trainer
-    (the partition is always a Job)."""
+    (the partition and the data fetch, one CPU process each, are always Jobs)."""
     return [build_trainjob(spec, job, meta, config)
-            if spec.engine == "kubeflow-trainer" and job.name != PARTITION_JOB
+            if spec.engine == "kubeflow-trainer" and job.steps is not None
             else build_job(spec, job, meta, config) for job in plan.jobs]
 
 
