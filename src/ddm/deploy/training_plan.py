@@ -27,7 +27,7 @@ variables for JAX, a plain process for a world of one.
 
 Interface (stable; the operator's reconcile builds on it): ``plan_training(spec) ->
 TrainingPlan``; ``TrainingPlan.jobs`` (``JobPlan``: ``name``, ``kind``, ``framework``,
-``after``, ``output``, ``state``, ``steps``, ``workers``, ``expert``, ``args(paths)``,
+``after``, ``output``, ``state``, ``steps``, ``workers``, ``expert``, ``upload``, ``args(paths)``,
 ``node_processes(...)``), ``TrainingPlan.ready(done)``; ``deployment_document(spec)``.
 """
 
