@@ -7,9 +7,10 @@ import contextlib
 import json
 import logging
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,9 @@ def _policy(bucket: str, actions: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def moto_bucket(name: str, objects: dict[str, bytes] | None = None) -> Iterator[Bucket]:
-    """A private bucket ``name`` holding ``objects`` (key -> bytes); signatures and IAM are
-    checked from the moment it is yielded."""
+def moto_server() -> Iterator[tuple[str, Callable[[str], Any]]]:
+    """moto's server on loopback: its URL, and a client of a service with its admin keys (for
+    setting up, before ``moto_auth`` turns the checks on); the checks are off again after."""
     import botocore.session
     from moto.server import ThreadedMotoServer
 
@@ -49,27 +50,36 @@ def moto_bucket(name: str, objects: dict[str, bytes] | None = None) -> Iterator[
     url = f"http://{host}:{port}"
     session = botocore.session.Session()
 
-    def client(service: str):
+    def client(service: str) -> Any:
         return session.create_client(service, endpoint_url=url, region_name="us-east-1",
                                      aws_access_key_id="admin", aws_secret_access_key="admin")
 
-    iam, s3 = client("iam"), client("s3")
-    keys = {}
-    for user, actions in (("writer", ["s3:*"]), ("reader", ["s3:GetObject"])):
-        iam.create_user(UserName=user)
-        key = iam.create_access_key(UserName=user)["AccessKey"]
-        iam.put_user_policy(UserName=user, PolicyName=user,
-                            PolicyDocument=_policy(name, actions))
-        keys[user] = (key["AccessKeyId"], key["SecretAccessKey"])
-    s3.create_bucket(Bucket=name)
-    for key, data in (objects or {}).items():
-        s3.put_object(Bucket=name, Key=key, Body=data)
-    moto_auth(url, "0")
     try:
-        yield Bucket(url, name, keys["writer"], keys["reader"])
+        yield url, client
     finally:
         moto_auth(url, "inf")
         server.stop()
+
+
+@contextlib.contextmanager
+def moto_bucket(name: str, objects: dict[str, bytes] | None = None) -> Iterator[Bucket]:
+    """A private bucket ``name`` holding ``objects`` (key -> bytes); signatures and IAM are
+    checked from the moment it is yielded. One name per test process."""
+    with moto_server() as (url, client):
+        iam, s3 = client("iam"), client("s3")
+        keys = {}
+        for role, actions in (("writer", ["s3:*"]), ("reader", ["s3:GetObject"])):
+            user = f"{name}-{role}"  # moto's servers in one process share their accounts
+            iam.create_user(UserName=user)
+            key = iam.create_access_key(UserName=user)["AccessKey"]
+            iam.put_user_policy(UserName=user, PolicyName=role,
+                                PolicyDocument=_policy(name, actions))
+            keys[role] = (key["AccessKeyId"], key["SecretAccessKey"])
+        s3.create_bucket(Bucket=name)
+        for key_name, data in (objects or {}).items():
+            s3.put_object(Bucket=name, Key=key_name, Body=data)
+        moto_auth(url, "0")
+        yield Bucket(url, name, keys["writer"], keys["reader"])
 
 
 def moto_auth(url: str, unauthenticated_requests: str) -> None:
