@@ -86,7 +86,7 @@ chart-sync:
 # Files generated from the declarations in src/ (never edited by hand; `make lint` fails while
 # one differs): the CRDs under crds/ and their copies in the chart, the parts of the chart's
 # values.schema.json that mirror the operator's settings (scripts/generate_crds.py), and
-# docs/crd.md, the field reference (scripts/crd_docs.py).
+# docs/crd.md and docs/training-crd.md, the field references (scripts/crd_docs.py).
 generate: $(DEMO_STAMP)
 	$(BIN)/python scripts/generate_crds.py
 	$(BIN)/python scripts/crd_docs.py

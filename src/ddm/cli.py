@@ -42,7 +42,7 @@ from ddm.runtime.commands import add_up_command
 from ddm.serving.commands import add_serve_commands
 from ddm.serving.sample_command import add_sample_command
 from ddm.threads import apply_cpu_thread_policy
-from ddm.training.cli import add_partition_command, add_train_command
+from ddm.training.cli import add_fetch_data_command, add_partition_command, add_train_command
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -141,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                      parser_class=_CommandParser)
     add_partition_command(commands)
+    add_fetch_data_command(commands)
     add_train_command(commands)
     add_sample_command(commands)
     add_eval_command(commands)

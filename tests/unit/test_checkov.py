@@ -1,5 +1,6 @@
 """checkov (PyPI, offline: ``--skip-download``) on the rendered chart and on the manifests the
-operator builds for the shipped examples.
+operator builds for the shipped examples: a DDMDeployment's children, a DDMTraining's jobs (as
+``ddm render`` prints them, under the engine the example names).
 
 Every failure must be accepted in docs/reliability.md's "checkov" table (check, resources as a
 glob over checkov's ``Kind.namespace.name``, reason), and every accepted row must still match a
@@ -27,7 +28,9 @@ from ddm.deploy.spec import load_manifest
 from ddm.operator import names
 from ddm.operator.children import desired_children
 from ddm.operator.config import OperatorConfig
-from tests.support.examples import deployment_examples
+from ddm.operator.render import render_training
+from ddm.deploy.training_spec import KIND as TRAINING_KIND
+from tests.support.examples import deployment_examples, examples_of
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "reliability.md"
@@ -76,6 +79,10 @@ def _write_objects(directory: Path) -> None:
                  "metadata": {"name": manifest.name, "namespace": NAMESPACE, "uid": "0"}}
         objects = desired_children(manifest.spec, owner, CONFIG, lambda: "not-a-real-token")
         (directory / f"operator-{example.stem}.yaml").write_text(yaml.safe_dump_all(objects))
+    for example in examples_of(TRAINING_KIND):
+        jobs = render_training(yaml.safe_load(example.read_text()), CONFIG, namespace=NAMESPACE)
+        (directory / f"training-{example.stem}.yaml").write_text(yaml.safe_dump_all(
+            [job for job in jobs if job["kind"] == "Job"]))
 
 
 def test_checkov_finds_nothing_but_the_accepted_failures(tmp_path: Path) -> None:

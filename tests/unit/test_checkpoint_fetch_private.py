@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import logging
 import os
 import re
 import sys
@@ -30,6 +29,7 @@ from ddm.checkpoints.destinations import parse_networks
 from ddm.cli import main
 from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE, load_checkpoint
+from tests.support.s3_store import moto_auth, moto_server
 
 pytest.importorskip("moto", reason="moto[server] is in the dev extra")
 
@@ -58,53 +58,28 @@ class S3Store:
 def s3_store(smoke_expert_checkpoint: Path) -> Iterator[S3Store]:
     """A private bucket holding the smoke checkpoint, an IAM user and a role that may read
     it; authentication is enforced once they exist (moto's ``reset-auth``)."""
-    import botocore.session
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    url = f"http://{host}:{port}"
-    session = botocore.session.Session()
-
-    def client(name: str):
-        return session.create_client(name, endpoint_url=url, region_name="us-east-1",
-                                     aws_access_key_id="admin", aws_secret_access_key="admin")
-
-    iam, s3 = client("iam"), client("s3")
-    iam.create_user(UserName="fetcher")
-    key = iam.create_access_key(UserName="fetcher")["AccessKey"]
-    iam.put_user_policy(UserName="fetcher", PolicyName="read", PolicyDocument=READ_POLICY)
-    role = iam.create_role(RoleName="ddm-fetcher", AssumeRolePolicyDocument=json.dumps({
-        "Version": "2012-10-17", "Statement": [{
-            "Effect": "Allow", "Principal": {"Federated": f"arn:aws:iam::{ACCOUNT}:oidc-provider/"
-                                                          "oidc.eks.example"},
-            "Action": "sts:AssumeRoleWithWebIdentity"}]}))["Role"]
-    iam.put_role_policy(RoleName="ddm-fetcher", PolicyName="read", PolicyDocument=READ_POLICY)
-    issued = client("sts").assume_role(RoleArn=role["Arn"], RoleSessionName="irsa")
-    role_credentials = {name: issued["Credentials"][name]
-                        for name in ("AccessKeyId", "SecretAccessKey", "SessionToken")}
-    s3.create_bucket(Bucket=BUCKET)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        s3.put_object(Bucket=BUCKET, Key=f"smoke/{name}",
-                      Body=(smoke_expert_checkpoint / name).read_bytes())
-    _moto_auth(url, "0")
-    try:
+    with moto_server() as (url, client):
+        iam, s3 = client("iam"), client("s3")
+        iam.create_user(UserName="fetcher")
+        key = iam.create_access_key(UserName="fetcher")["AccessKey"]
+        iam.put_user_policy(UserName="fetcher", PolicyName="read", PolicyDocument=READ_POLICY)
+        role = iam.create_role(RoleName="ddm-fetcher", AssumeRolePolicyDocument=json.dumps({
+            "Version": "2012-10-17", "Statement": [{
+                "Effect": "Allow",
+                "Principal": {"Federated": f"arn:aws:iam::{ACCOUNT}:oidc-provider/"
+                                           "oidc.eks.example"},
+                "Action": "sts:AssumeRoleWithWebIdentity"}]}))["Role"]
+        iam.put_role_policy(RoleName="ddm-fetcher", PolicyName="read", PolicyDocument=READ_POLICY)
+        issued = client("sts").assume_role(RoleArn=role["Arn"], RoleSessionName="irsa")
+        role_credentials = {name: issued["Credentials"][name]
+                            for name in ("AccessKeyId", "SecretAccessKey", "SessionToken")}
+        s3.create_bucket(Bucket=BUCKET)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            s3.put_object(Bucket=BUCKET, Key=f"smoke/{name}",
+                          Body=(smoke_expert_checkpoint / name).read_bytes())
+        moto_auth(url, "0")
         yield S3Store(url, key["AccessKeyId"], key["SecretAccessKey"], role["Arn"],
                       role_credentials)
-    finally:
-        _moto_auth(url, "inf")
-        server.stop()
-
-
-def _moto_auth(url: str, unauthenticated_requests: str) -> None:
-    """moto checks signatures and IAM after this many more requests (``inf``: never)."""
-    request = urllib.request.Request(f"{url}/moto-api/reset-auth", method="POST",
-                                     data=unauthenticated_requests.encode(),
-                                     headers={"Content-Type": "text/plain"})
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        assert answer.status == 200
 
 
 def _assert_smoke(dest: Path, source: Path) -> None:

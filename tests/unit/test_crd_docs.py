@@ -1,4 +1,5 @@
-"""docs/crd.md is generated from the CRD and must equal a fresh generation."""
+"""docs/crd.md and docs/training-crd.md are generated from the CRDs and must equal a fresh
+generation."""
 
 from __future__ import annotations
 
@@ -17,11 +18,25 @@ def _script():
     return module
 
 
-def test_the_field_reference_is_the_crds() -> None:
-    crd = yaml.safe_load((ROOT / "crds" / "ddmdeployments.ddm.dev.yaml").read_text())
-    expected = _script().render(crd)
-    assert (ROOT / "docs" / "crd.md").read_text() == expected, (
-        "docs/crd.md is out of date: run python scripts/crd_docs.py")
+def test_the_field_references_are_the_crds() -> None:
+    script = _script()
+    assert [page.crd for page in script.PAGES] == sorted(
+        f"crds/{path.name}" for path in (ROOT / "crds").glob("*.yaml")), "a CRD without a page"
+    for page in script.PAGES:
+        expected = script.render(yaml.safe_load((ROOT / page.crd).read_text()), page)
+        assert (ROOT / page.doc).read_text() == expected, (
+            f"{page.doc} is out of date: run python scripts/crd_docs.py")
+
+
+def test_the_training_reference_has_every_kind_of_field() -> None:
+    script = _script()
+    page = script.PAGES[1]
+    text = script.render(yaml.safe_load((ROOT / page.crd).read_text()), page)
+    assert text.startswith("# DDMTraining field reference\n")
+    for path in ("spec.output.uri", "spec.experts[].accelerator.count",
+                 "spec.partition.kmeans.clusters", "spec.router.useLabels",
+                 "spec.deployment.spec", "status.phase"):
+        assert f"| `{path}` |" in text, path
 
 
 def test_every_field_of_the_schema_has_a_row() -> None:

@@ -189,3 +189,55 @@ def test_ddm_render_dispatches_on_the_kind(tmp_path):
     assert command[-1] == "/output/experts/digits-0-4"  # the sub-path is in the mount
     assert objects[0]["spec"]["template"]["spec"]["containers"][0]["volumeMounts"][1][
         "subPath"] == "a$(HOME)b"
+
+
+def _stores(engine: str) -> dict:
+    """MNIST in S3, the output to S3 with the store's keys in the training's Secret."""
+    document = _document(engine)
+    keys = {"name": "digits-aws", "key": "credentials"}
+    document["spec"]["data"] = {"dataset": "mnist", "uri": "s3://datasets/mnist",
+                                "storeCredentialsSecret": keys}
+    document["spec"]["output"] = {"uri": "s3://models/digits", "volume": "pvc://work/digits",
+                                  "storeCredentialsSecret": keys}
+    return document
+
+
+@pytest.mark.parametrize("engine", ["job", "kubeflow-trainer"])
+def test_with_stores_the_pods_work_on_the_volume_and_read_the_keys_as_files(
+        engine, trainjob_schema):
+    objects = render_training(_stores(engine), CONFIG)
+    data = objects[0]
+    assert (data["kind"], data["metadata"]["name"]) == ("Job", "digits-data")
+    (fetch,) = data["spec"]["template"]["spec"]["containers"]
+    assert fetch["command"] == ["ddm", "fetch-data", "s3://datasets/mnist", "/output/data",
+                                "--store-credentials-file", "/credentials/data"]
+    for job in objects[1:-1]:
+        if job["kind"] == "TrainJob":
+            assert not sorted(trainjob_schema.iter_errors(job), key=str)
+            (patch,) = job["spec"]["runtimePatches"]
+            (node,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+            pod = node["template"]["spec"]["template"]["spec"]
+            command = job["spec"]["trainer"]["command"]
+        else:
+            pod = job["spec"]["template"]["spec"]
+            command = pod["containers"][0]["command"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["output"]["persistentVolumeClaim"] == {"claimName": "work"}
+        assert volumes["store-credentials"]["projected"] == {"defaultMode": 0o400, "sources": [
+            {"secret": {"name": "digits-aws", "items": [{"key": "credentials",
+                                                          "path": name}]}}
+            for name in ("data", "output")]}
+        mounts = pod["containers"][0]["volumeMounts"]
+        assert {"name": "store-credentials", "mountPath": "/credentials",
+                "readOnly": True} in mounts
+        assert {"name": "output", "mountPath": "/output", "subPath": "digits"} in mounts
+        name = job["metadata"]["name"].removeprefix("digits-expert-")
+        where = "router" if name == "digits-router" else f"experts/{name}"
+        assert command[command.index("--upload"):] == [
+            "--upload", f"s3://models/digits/{where}", "--store-credentials-file",
+            "/credentials/output"]
+        assert command[command.index("--data") + 1] == "mnist:/output/data"
+    checkpoint = objects[-1]["spec"]["router"]["checkpoint"]
+    assert checkpoint == {"uri": "s3://models/digits/router.tar.gz",
+                          "storeCredentialsSecret": {"name": "digits-aws",
+                                                     "key": "credentials"}}

@@ -122,7 +122,27 @@ def test_the_deployment_points_at_the_outputs_and_keeps_the_serving_settings():
     (lambda s: s.update(partition={"kmeans": {"clusters": 2}}),
      "spec.partition.kmeans.imageSize: is required"),
     (lambda s: s.update(output={"uri": "s3://bucket/ddm"}),
-     "spec.output.uri: 's3://bucket/ddm': must be pvc://CLAIM/PATH"),
+     "spec.output.volume: is required when spec.output.uri is a store: pvc://CLAIM/PATH, the "
+     "volume where the jobs keep their training state"),
+    (lambda s: s.update(output={"uri": "pvc://claim/ddm", "volume": "pvc://claim/work"}),
+     "spec.output.volume: only with a store in spec.output.uri"),
+    (lambda s: s.update(output={"uri": "gs://bucket/ddm", "volume": "s3://bucket/state"}),
+     "spec.output.volume: 's3://bucket/state': must be pvc://CLAIM/PATH"),
+    (lambda s: s.update(output={"uri": "https://example.com/ddm"}),
+     "spec.output.uri: 'https://example.com/ddm': must be pvc://CLAIM/PATH or "
+     "s3://BUCKET/PREFIX, gs://BUCKET/PREFIX"),
+    (lambda s: s.update(output={"uri": "pvc://claim/ddm",
+                                "storeCredentialsSecret": {"name": "keys", "key": "aws"}}),
+     "spec.output.storeCredentialsSecret: only for a store: spec.output.uri is not s3:// or "
+     "gs://"),
+    (lambda s: s.update(data={"dataset": "mnist", "uri": "pvc://datasets/mnist",
+                              "storeCredentialsSecret": {"name": "keys"}}),
+     "spec.data.storeCredentialsSecret: only for a store"),
+    (lambda s: s.update(data={"dataset": "mnist", "uri": "s3://data/mnist",
+                              "storeCredentialsSecret": {"name": "keys"}}),
+     "spec.data.storeCredentialsSecret.key: is required"),
+    (lambda s: s.update(data={"dataset": "digits", "uri": "s3://data/mnist"}),
+     "spec.data.uri: only for dataset: mnist"),
     (lambda s: s.update(output={"uri": "file:///srv/ddm"}),
      "file:// is a host path, which this operator does not allow"),
     (lambda s: s.update(data={"dataset": "mnist"}), "spec.data.uri: is required"),
@@ -152,3 +172,48 @@ def test_a_key_given_twice_names_its_line(tmp_path):
     path.write_text(text)
     with pytest.raises(SpecError, match=r"duplicate key 'engine' \(first on line \d+\)"):
         load_training_manifest(path)
+
+
+def _store_spec(**output):
+    document = _document()
+    document["spec"]["data"] = {"dataset": "mnist", "uri": "s3://data/mnist.tar.gz",
+                                "storeCredentialsSecret": {"name": "keys", "key": "aws"}}
+    document["spec"]["output"] = {"uri": "s3://models/digits/", "volume": "pvc://work/digits",
+                                  **output}
+    return parse_training_manifest(document).spec
+
+
+def test_data_in_a_store_is_fetched_once_by_a_first_job_into_the_output_volume():
+    spec = _store_spec()
+    assert spec.work.uri == "pvc://work/digits" and spec.data.volume is None
+    plan = plan_training(spec)
+    assert [job.name for job in plan.ready(set())] == ["data"]
+    data = plan.job("data")
+    assert data.args(Paths("/out", credentials="/credentials")) == (
+        "fetch-data", "s3://data/mnist.tar.gz", "/out/data",
+        "--store-credentials-file", "/credentials/data")
+    # no Secret mounted (ddm train-all): the cloud's chain of the environment signs
+    assert data.args(Paths("/out")) == ("fetch-data", "s3://data/mnist.tar.gz", "/out/data")
+    expert = plan.job("expert-digits-0-4")
+    assert expert.after == ("data",)
+    args = expert.args(Paths("/out"))
+    assert args[args.index("--data") + 1] == "mnist:/out/data"
+
+
+def test_an_output_in_a_store_is_uploaded_by_each_job_and_the_deployment_reads_archives():
+    spec = _store_spec(storeCredentialsSecret={"name": "keys", "key": "aws"})
+    plan = plan_training(spec)
+    expert, router = plan.job("expert-digits-0-4"), plan.job("router")
+    assert expert.upload == "s3://models/digits/experts/digits-0-4"
+    assert router.upload == "s3://models/digits/router"
+    args = expert.args(Paths("/out", credentials="/credentials"))
+    assert args[args.index("--out") + 1:] == (
+        "/out/experts/digits-0-4", "--upload", "s3://models/digits/experts/digits-0-4",
+        "--store-credentials-file", "/credentials/output")
+    assert router.args(Paths("/out"))[-2:] == ("--upload", "s3://models/digits/router")
+    document = deployment_document(spec, sha256s={"router": "ab" * 32})
+    assert document["spec"]["experts"][0]["checkpoint"] == {
+        "uri": "s3://models/digits/experts/digits-0-4.tar.gz",
+        "storeCredentialsSecret": {"name": "keys", "key": "aws"}}
+    assert document["spec"]["router"]["checkpoint"]["sha256"] == "ab" * 32
+    parse_manifest(document)  # a DDMDeployment the operator takes

@@ -66,6 +66,20 @@ def test_a_fitted_partition_runs_first_and_alone() -> None:
         "expert-a", "expert-b"]
 
 
+def test_data_in_a_store_is_fetched_first_with_no_condition_of_its_own() -> None:
+    raw = {"data": {"dataset": "mnist", "uri": "gs://datasets/mnist.tar.gz"},
+           "output": {"uri": "gs://models/run", "volume": "pvc://work/run"},
+           "partition": {"labelGroups": [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]},
+           "experts": [{"name": "a"}, {"name": "b"}], "deployment": {"name": "d", "spec": {}}}
+    plan = plan_training(parse_training_spec(raw))
+    assert [j.name for j in to_create(plan, {})] == ["data"]
+    status = _status({"data": _job()}, plan=plan)
+    assert status["phase"] == "Fetching" and "stepsDone" not in status["jobs"]["data"]
+    assert [c["type"] for c in status["conditions"]] == ["Expert-a", "Expert-b", "Router"]
+    assert [j.name for j in to_create(plan, {"data": _job("Complete")})] == [
+        "expert-a", "expert-b"]
+
+
 def test_a_failed_job_fails_the_training_naming_it_and_nothing_more_starts() -> None:
     jobs = {"expert-digits-0-4": _job("Failed", failed=7),
             "expert-digits-5-9": _job("Complete")}

@@ -13,9 +13,13 @@ import argparse
 import dataclasses
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ddm.checkpoints.uri import STAGER_PORT
 from ddm.termination import write_termination_message
+
+if TYPE_CHECKING:
+    from ddm.checkpoints.fetch import Contents
 
 
 def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
@@ -32,6 +36,21 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
                         "off the command line)")
     p.add_argument("dest", type=Path,
                    help="directory to create, or an empty one (a volume's mount point)")
+    add_fetch_options(p)
+    p.set_defaults(handler=_fetch_checkpoint)
+
+    p = commands.add_parser("serve-checkpoints",
+                            help="serve fetched checkpoints read-only to the DDM's pods (the "
+                                 "operator's checkpoint stager runs this)")
+    p.add_argument("root", type=Path, help="the directory holding one checkpoint per key")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=STAGER_PORT, help="port to listen on")
+    p.set_defaults(handler=_serve_checkpoints)
+
+
+def add_fetch_options(p: argparse.ArgumentParser) -> None:
+    """The fetcher's options (pin, credentials, networks, caps) on a command that fetches
+    (``fetch-checkpoint``, ``fetch-data``); :func:`fetch_from_args` reads them."""
     p.add_argument("--sha256", metavar="HEX",
                    help="pin the download: the SHA-256 of the archive, or of config.json for a "
                         "directory (default $DDM_CHECKPOINT_SHA256); needed for plain http")
@@ -57,18 +76,15 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--deadline", type=float, metavar="SECONDS",
                    help="time for the whole download, every file and retry included "
                         "(default: an hour)")
-    p.set_defaults(handler=_fetch_checkpoint)
-
-    p = commands.add_parser("serve-checkpoints",
-                            help="serve fetched checkpoints read-only to the DDM's pods (the "
-                                 "operator's checkpoint stager runs this)")
-    p.add_argument("root", type=Path, help="the directory holding one checkpoint per key")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=int, default=STAGER_PORT, help="port to listen on")
-    p.set_defaults(handler=_serve_checkpoints)
 
 
 def _fetch_checkpoint(args: argparse.Namespace) -> int:
+    return fetch_from_args(args, None)
+
+
+def fetch_from_args(args: argparse.Namespace, contents: Contents | None) -> int:
+    """Run a fetch of ``contents`` (None: a checkpoint) as :func:`add_fetch_options`'s
+    options say, from ``args.uri`` to ``args.dest``."""
     from ddm.checkpoints.destinations import parse_networks
     from ddm.checkpoints.fetch import (ENV_ALLOW_NETWORKS, ENV_HEADERS_FILE, ENV_MAX_BYTES,
                                        ENV_SHA256, ENV_URI, FetchError, FetchPolicy,
@@ -102,7 +118,8 @@ def _fetch_checkpoint(args: argparse.Namespace) -> int:
         dest = fetch_checkpoint(uri, args.dest, policy,
                                 sha256=args.sha256 or os.environ.get(ENV_SHA256) or None,
                                 headers=read_headers_file(headers_file) if headers_file else None,
-                                credentials_file=args.store_credentials_file)
+                                credentials_file=args.store_credentials_file,
+                                contents=contents)
     except (ValueError, FetchError) as exc:
         write_termination_message(str(exc))  # the pod's status shows it; redacted already
         raise

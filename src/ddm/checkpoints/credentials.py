@@ -45,16 +45,18 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ddm.checkpoints.destinations import Network
 from ddm.checkpoints.download import FetchError, check_hop
 
-__all__ = ["StoreCredentials", "s3_region"]
+__all__ = ["CHAINS", "NoCredentials", "StoreCredentials", "gcs_credentials", "s3_credentials",
+           "s3_region"]
 
 #: The scope a fetch needs: reading objects.
 GCS_READ_SCOPE = "https://www.googleapis.com/auth/devstorage.read_only"
 _EXTRAS = {"s3": "s3", "gs": "gcs"}
-_CHAINS = {"s3": ("AWS's default credential chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, "
+CHAINS = {"s3": ("AWS's default credential chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, "
                   "AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, the instance profile)"),
            "gs": ("Google's application default credentials (GOOGLE_APPLICATION_CREDENTIALS, "
                   "Workload Identity)")}
@@ -117,8 +119,8 @@ class StoreCredentials:
             else:
                 self._signer, self._origin = _gcs_signer(self._timeout_s, self._file,
                                                          self._networks)
-        except _NoCredentials:
-            raise FetchError(f"a private bucket: {_CHAINS[self.scheme]} found no credentials; "
+        except NoCredentials:
+            raise FetchError(f"a private bucket: {CHAINS[self.scheme]} found no credentials; "
                              f"{_OTHER_WAYS}") from None
 
     def resign_for(self, region: str) -> bool:
@@ -150,8 +152,8 @@ def _chain_failed(chain: str, exc: Exception) -> FetchError:
                       + (f": {words[:300]}" if words else ""))
 
 
-class _NoCredentials(Exception):
-    """The chain found nothing."""
+class NoCredentials(FetchError):
+    """The chain found nothing; the message names what it looked at."""
 
 
 def _not_a_credentials_file(scheme: str, file: Path) -> FetchError:
@@ -170,12 +172,12 @@ def _readable(file: Path) -> None:
                          f"{exc.strerror or type(exc).__name__}") from None
 
 
-def _s3_signer(file: Path | None) -> tuple[Callable[[str, str], dict[str, str]], str]:
-    """``sign(url, region)`` with the file's keys or the default chain's, and their origin."""
+def s3_credentials(file: Path | None) -> tuple[Any, str]:
+    """S3 credentials (botocore's, refreshable where the chain gives such) from the store's
+    credentials ``file`` or, None, the default chain, and where they came from. Raises
+    ``FetchError`` (no SDK, an unreadable file, a chain that failed) or ``NoCredentials``."""
     try:
         import botocore.session
-        from botocore.auth import S3SigV4Auth
-        from botocore.awsrequest import AWSRequest
         from botocore.credentials import SharedCredentialProvider
         from botocore.exceptions import BotoCoreError
     except ImportError:
@@ -188,15 +190,22 @@ def _s3_signer(file: Path | None) -> tuple[Callable[[str, str], dict[str, str]],
             credentials = None
         if credentials is None:
             raise _not_a_credentials_file("s3", file)
-        origin = f"the file {file}"
-    else:
-        try:
-            credentials = botocore.session.Session().get_credentials()
-        except Exception as exc:  # a missing profile, an unreadable token, STS refusing the role
-            raise _chain_failed("AWS's credential chain", exc) from None
-        if credentials is None:
-            raise _NoCredentials("no AWS credentials")
-        origin = credentials.method
+        return credentials, f"AWS credentials from the file {file}"
+    try:
+        credentials = botocore.session.Session().get_credentials()
+    except Exception as exc:  # a missing profile, an unreadable token, STS refusing the role
+        raise _chain_failed("AWS's credential chain", exc) from None
+    if credentials is None:
+        raise NoCredentials(f"{CHAINS['s3']} found no credentials")
+    return credentials, f"AWS credentials from {credentials.method}"
+
+
+def _s3_signer(file: Path | None) -> tuple[Callable[[str, str], dict[str, str]], str]:
+    """``sign(url, region)`` with the file's keys or the default chain's, and their origin."""
+    from botocore.auth import S3SigV4Auth
+    from botocore.awsrequest import AWSRequest
+
+    credentials, origin = s3_credentials(file)
 
     def sign(url: str, region: str) -> dict[str, str]:
         request = AWSRequest(method="GET", url=url)
@@ -206,11 +215,15 @@ def _s3_signer(file: Path | None) -> tuple[Callable[[str, str], dict[str, str]],
             raise _chain_failed("AWS's credential chain", exc) from None
         return dict(request.headers.items())
 
-    return sign, f"AWS credentials from {origin}"
+    return sign, origin
 
 
-def _gcs_signer(timeout_s: float, file: Path | None, networks: Sequence[Network]
-                ) -> tuple[Callable[[str], dict[str, str]], str]:
+def gcs_credentials(timeout_s: float, file: Path | None, networks: Sequence[Network],
+                    scope: str = GCS_READ_SCOPE
+                    ) -> tuple[Callable[[], str], str]:
+    """``token()``: a valid bearer token for ``scope`` from the service-account key ``file``
+    or, None, Google's application default credentials; and where they came from. Raises
+    ``FetchError`` or ``NoCredentials``."""
     try:
         import google.auth
         import google.auth.exceptions
@@ -219,32 +232,39 @@ def _gcs_signer(timeout_s: float, file: Path | None, networks: Sequence[Network]
     except ImportError:
         raise _missing_sdk("gs", "google-auth") from None
     if file is not None:
-        credentials = _service_account(file, service_account.Credentials, networks)
+        credentials = _service_account(file, service_account.Credentials, networks, scope)
         failed = _key_refused(file)
     else:
         try:
-            credentials, _ = google.auth.default(scopes=[GCS_READ_SCOPE])
+            credentials, _ = google.auth.default(scopes=[scope])
         except google.auth.exceptions.DefaultCredentialsError as exc:
             if os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):  # named, but unusable
                 raise _chain_failed("Google's credentials", exc) from None
-            raise _NoCredentials("no Google credentials") from None
+            raise NoCredentials(f"{CHAINS['gs']} found no credentials") from None
         failed = functools.partial(_chain_failed, "Google's credentials")
     # the token endpoint is the SDK's peer: it gets the fetch's wait, not requests' 120 s
     request = functools.partial(Request(), timeout=timeout_s)
 
-    def sign(url: str) -> dict[str, str]:
+    def token() -> str:
         if not credentials.valid:
             try:
                 credentials.refresh(request)
             except Exception as exc:
                 raise failed(exc) from None
-        return {"Authorization": f"Bearer {credentials.token}"}
+        return str(credentials.token)
 
     origin = f"the file {file}" if file is not None else f"({type(credentials).__name__})"
-    return sign, f"Google credentials {origin}"
+    return token, f"Google credentials {origin}"
 
 
-def _service_account(file: Path, loader: type, networks: Sequence[Network]) -> object:
+def _gcs_signer(timeout_s: float, file: Path | None, networks: Sequence[Network]
+                ) -> tuple[Callable[[str], dict[str, str]], str]:
+    token, origin = gcs_credentials(timeout_s, file, networks)
+    return (lambda url: {"Authorization": f"Bearer {token()}"}), origin
+
+
+def _service_account(file: Path, loader: type, networks: Sequence[Network], scope: str
+                     ) -> Any:
     """The service-account key in ``file``, scoped for reading; its token endpoint must be
     a destination the fetcher may reach (a tenant's key must not aim the stager elsewhere)."""
     _readable(file)
@@ -252,7 +272,7 @@ def _service_account(file: Path, loader: type, networks: Sequence[Network]) -> o
         info = json.loads(Path(file).read_text(encoding="utf-8"))
         if not isinstance(info, dict) or info.get("type") != "service_account":
             raise ValueError("not a service-account key")
-        credentials = loader.from_service_account_info(info, scopes=[GCS_READ_SCOPE])
+        credentials = loader.from_service_account_info(info, scopes=[scope])
     except (ValueError, UnicodeError):  # JSONDecodeError, a missing field, a bad private key
         raise _not_a_credentials_file("gs", file) from None
     try:

@@ -50,6 +50,10 @@ SHA-256s streamed, the safetensors header; no weight is loaded) before it is mov
 place: DEST holds the complete checkpoint or nothing new. DEST may be absent (created by one
 rename) or an existing directory (an emptyDir mount point, which cannot be renamed): the
 checkpoint is staged inside it, and its ``config.json`` is moved in last.
+
+The same fetcher brings other files (a DDMTraining's MNIST): ``Contents`` says which file a
+directory URI starts from (the one a pin covers), which follow, and how the whole is checked;
+``CHECKPOINT``, the default, is the above.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -87,8 +91,8 @@ from ddm.checkpoints.uri import (
 from ddm.checkpoints.declared import declared_files, read_declaration
 from ddm.checkpoints.verify import verify_checkpoint
 
-__all__ = ["FetchError", "FetchPolicy", "fetch_checkpoint", "parse_sha256", "read_headers_file",
-           "resolve_url"]
+__all__ = ["CHECKPOINT", "Contents", "FetchError", "FetchPolicy", "fetch_checkpoint",
+           "parse_sha256", "read_headers_file", "resolve_url"]
 
 #: Environment the init container may be given instead of arguments (from a Secret).
 ENV_URI = "DDM_CHECKPOINT_URI"
@@ -127,6 +131,20 @@ class FetchPolicy:
 
 
 @dataclass(frozen=True)
+class Contents:
+    """What a fetch brings: ``what`` (for messages); ``first``, the file a directory URI
+    starts from (the pin covers it; an archive holds it at its root or in its one top-level
+    directory; an install moves it last); ``files(root)``, the others, once ``first`` is in
+    ``root``; ``verify(root)``, the check of the whole before it is installed (raising
+    ``CheckpointError`` or ``ValueError`` saying why)."""
+
+    what: str
+    first: str
+    files: Callable[[Path], list[str]]
+    verify: Callable[[Path], object]
+
+
+@dataclass(frozen=True)
 class _Fetch:
     """One fetch's settings, as the download of each file needs them. ``credentials``: a
     bucket's chain, consulted if the store refuses an anonymous read (None: no chain)."""
@@ -141,7 +159,8 @@ class _Fetch:
 def fetch_checkpoint(uri: str, dest: str | os.PathLike, policy: FetchPolicy = FetchPolicy(),
                      env: Mapping[str, str] | None = None, *, sha256: str | None = None,
                      headers: Mapping[str, str] | None = None,
-                     credentials_file: str | os.PathLike | None = None) -> Path:
+                     credentials_file: str | os.PathLike | None = None,
+                     contents: Contents | None = None) -> Path:
     """Fetch the checkpoint at ``uri`` into ``dest`` and return ``dest``.
 
     ``sha256`` pins the bytes (``parse_sha256``): of the archive for an archive URI, of
@@ -149,14 +168,15 @@ def fetch_checkpoint(uri: str, dest: str | os.PathLike, policy: FetchPolicy = Fe
     the store's origin only. ``credentials_file``: an ``s3://`` or ``gs://`` store's own
     credentials file, which signs every read (``ddm.checkpoints.credentials``); not with
     ``headers``. ``env`` supplies the endpoint overrides and the region (default
-    ``os.environ``).
+    ``os.environ``). ``contents``: what is fetched (default a checkpoint, ``CHECKPOINT``).
     Raises ``FetchError`` whose message starts with the redacted URI; on any failure ``dest``
     is left as it was (absent, or without a new checkpoint).
     """
     try:
         return _fetch(uri, Path(dest), policy, os.environ if env is None else env,
                       None if sha256 is None else parse_sha256(sha256), headers or {},
-                      None if credentials_file is None else Path(credentials_file))
+                      None if credentials_file is None else Path(credentials_file),
+                      contents or CHECKPOINT)
     except FetchError as exc:
         raise FetchError(f"{redact_uri(uri)}: {exc}") from None
 
@@ -195,8 +215,8 @@ def read_headers_file(path: str | os.PathLike) -> dict[str, str]:
 
 
 def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
-           sha256: str | None, headers: Mapping[str, str], credentials_file: Path | None
-           ) -> Path:
+           sha256: str | None, headers: Mapping[str, str], credentials_file: Path | None,
+           contents: Contents) -> Path:
     try:
         checkpoint = parse_checkpoint(uri)
     except ValueError as exc:  # its message quotes the URI whole: the prefix shows it redacted
@@ -221,15 +241,15 @@ def _fetch(uri: str, target: Path, policy: FetchPolicy, env: Mapping[str, str],
     fetch = _Fetch(policy, time.monotonic() + policy.deadline_s, sha256 is not None, headers,
                    chain)
     try:
-        staging = _staging_dir(target)
+        staging = _staging_dir(target, contents)
         try:
-            ready = _download_checkpoint(base_url, staging, fetch, sha256)
+            ready = _download_checkpoint(base_url, staging, fetch, sha256, contents)
             try:
-                verify_checkpoint(ready)
-            except CheckpointError as exc:
-                raise FetchError(f"the downloaded checkpoint failed verification: {exc}"
+                contents.verify(ready)
+            except (CheckpointError, ValueError) as exc:
+                raise FetchError(f"the downloaded {contents.what} failed verification: {exc}"
                                  ) from None
-            _install(ready, target, staging)
+            _install(ready, target, staging, contents.first)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:  # the destination's disk: full, read-only, no permission
@@ -259,7 +279,7 @@ def resolve_url(uri: str, env: Mapping[str, str]) -> str:
     raise FetchError(f"scheme {parts.scheme!r} cannot be fetched")
 
 
-def _staging_dir(target: Path) -> Path:
+def _staging_dir(target: Path, contents: Contents) -> Path:
     """A fresh directory on DEST's file system: beside DEST, or inside it if it exists."""
     if target.exists() and not target.is_dir():
         raise FetchError(f"destination {target} exists and is not a directory")
@@ -269,14 +289,14 @@ def _staging_dir(target: Path) -> Path:
     for leftover in target.glob(f"{STAGING_PREFIX}*"):
         shutil.rmtree(leftover, ignore_errors=True)
     others = sorted(p.name for p in target.iterdir())
-    if others and not (target / CONFIG_FILE).is_file():
-        raise FetchError(f"destination {target} is not empty and holds no checkpoint "
+    if others and not (target / contents.first).is_file():
+        raise FetchError(f"destination {target} is not empty and holds no {contents.what} "
                          f"({', '.join(others[:5])}); refusing to overwrite it")
     return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target))
 
 
-def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: str | None
-                         ) -> Path:
+def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: str | None,
+                         contents: Contents) -> Path:
     """Download (and extract) into ``staging``; return the directory holding the checkpoint.
 
     The pin covers the archive, or a directory's ``config.json``, fetched first: it records
@@ -290,14 +310,15 @@ def _download_checkpoint(base_url: str, staging: Path, fetch: _Fetch, sha256: st
         budget -= _download(base_url, archive, budget, fetch, sha256).size
         extract_archive(archive, root, budget, fetch.policy.max_entries)
         archive.unlink()
-        return _checkpoint_root(root)
+        return _checkpoint_root(root, contents)
     root.mkdir()
 
     def file_url(name: str) -> str:
         return urlunsplit(parts._replace(path=f"{parts.path.rstrip('/')}/{name}"))
 
-    budget -= _download(file_url(CONFIG_FILE), root / CONFIG_FILE, budget, fetch, sha256).size
-    for name in _directory_files(root):
+    budget -= _download(file_url(contents.first), root / contents.first, budget, fetch,
+                        sha256).size
+    for name in contents.files(root):
         budget -= _download(file_url(name), root / name, budget, fetch, None).size
     return root
 
@@ -383,28 +404,28 @@ def _answer_refusal(refused: Refused, credentials: StoreCredentials | None) -> N
         raise FetchError(f"{refused.refusal} ({exc})") from None
 
 
-def _checkpoint_root(root: Path) -> Path:
+def _checkpoint_root(root: Path, contents: Contents) -> Path:
     """The extracted checkpoint: the archive's root, or its one top-level directory."""
-    if (root / CONFIG_FILE).is_file():
+    if (root / contents.first).is_file():
         return root
     entries = list(root.iterdir())
-    if len(entries) == 1 and (entries[0] / CONFIG_FILE).is_file():
+    if len(entries) == 1 and (entries[0] / contents.first).is_file():
         return entries[0]
-    raise FetchError(f"the archive holds no checkpoint ({CONFIG_FILE} at its root or in "
-                     "its one top-level directory)")
+    raise FetchError(f"the archive holds no {contents.what} ({contents.first} at its root or "
+                     "in its one top-level directory)")
 
 
-def _install(ready: Path, target: Path, staging: Path) -> None:
+def _install(ready: Path, target: Path, staging: Path, last: str) -> None:
     """Move the verified checkpoint in ``ready`` to ``target``.
 
     A missing ``target`` appears in one rename. An existing one (a mount point, ``staging``
-    inside it) loses its old ``config.json`` first and gets the new one last, so a checkpoint
-    is never half there with a config that claims it whole.
+    inside it) loses its old ``last`` (``config.json``) first and gets the new one last, so a
+    checkpoint is never half there with a config that claims it whole.
     """
     if not target.exists():
         ready.rename(target)
         return
-    (target / CONFIG_FILE).unlink(missing_ok=True)
+    (target / last).unlink(missing_ok=True)
     for old in target.iterdir():
         if old == staging:
             continue
@@ -412,5 +433,9 @@ def _install(ready: Path, target: Path, staging: Path) -> None:
             shutil.rmtree(old)
         else:
             old.unlink()
-    for new in sorted(ready.iterdir(), key=lambda p: p.name == CONFIG_FILE):
+    for new in sorted(ready.iterdir(), key=lambda p: p.name == last):
         new.rename(target / new.name)
+
+
+#: A checkpoint directory: ``config.json``, then what it names; checked in constant memory.
+CHECKPOINT = Contents("checkpoint", CONFIG_FILE, _directory_files, verify_checkpoint)

@@ -20,9 +20,11 @@ from urllib.parse import unquote, urlsplit
 #: parts of ``URI_PATTERN`` that a DDMTraining's volumes (a claim or a host path) take too.
 CLAIM_URI = r"pvc://[a-z0-9]([-a-z0-9.]*[a-z0-9])?(/[^/\s]+)*/?"
 ABSOLUTE_PATH = r"(/[^/\s]+)+/?"
+#: An object store's URI (s3://BUCKET[/KEY], gs://BUCKET[/KEY]).
+BUCKET_URI = r"(s3|gs)://[a-z0-9][-a-z0-9._]*[a-z0-9](/\S*)?"
 URI_PATTERN = (
     rf"^({CLAIM_URI}|(image|file)://{ABSOLUTE_PATH}"
-    r"|https?://[^/\s]+(/\S*)?|(s3|gs)://[a-z0-9][-a-z0-9._]*[a-z0-9](/\S*)?)$"
+    rf"|https?://[^/\s]+(/\S*)?|{BUCKET_URI})$"
 )
 MAX_URI_LENGTH = 1024
 REMOTE_SCHEMES = ("http", "https", "s3", "gs")
@@ -30,6 +32,9 @@ REMOTE_SCHEMES = ("http", "https", "s3", "gs")
 BUCKET_SCHEMES = ("s3", "gs")
 #: A fetched URI ending so names an archive of the checkpoint; any other, its directory.
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+#: What ``ddm.checkpoints.upload`` writes: a checkpoint uploaded to URI is read from
+#: ``archive_uri(URI)``.
+UPLOAD_SUFFIX = ARCHIVE_SUFFIXES[0]
 #: A checkpoint whose URI is in a key of the user's Secret (the spec's
 #: ``uriFrom.secretKeyRef``): fetched like the remote ones, by a fetch step that reads the
 #: Secret itself; the operator never sees the URI. Shown as ``secret://NAME/KEY``.
@@ -111,6 +116,11 @@ def checkpoint_mount(checkpoint: CheckpointSource, *, volume: str, mount_path: s
         path=mount_path,
         volumes=[{"name": volume, "hostPath": {"path": checkpoint.path, "type": "Directory"}}],
         mounts=[read_only])
+
+
+def archive_uri(uri: str) -> str:
+    """Where a checkpoint uploaded to ``uri`` is read from: its archive."""
+    return uri.rstrip("/") + UPLOAD_SUFFIX
 
 
 def redact_uri(uri: str) -> str:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddm.checkpoints.fetch import Contents
 from ddm.data.resize import resize_images
 
 IMAGES_MAGIC = 0x00000803
@@ -29,6 +30,12 @@ LABELS_MAGIC = 0x00000801
 PARTS = ("train", "t10k")
 NUM_CLASSES = 10
 _GZIP_MAGIC = b"\x1f\x8b"
+
+
+#: The four files as LeCun distributes them (gzip): what MNIST in an object store holds
+#: (``ddm fetch-data``), the training images first.
+DISTRIBUTED_FILES = tuple(f"{part}-{kind}-idx{rank}-ubyte.gz" for part in PARTS
+                          for kind, rank in (("images", 3), ("labels", 1)))
 
 
 class IDXError(ValueError):
@@ -62,6 +69,20 @@ def load_mnist(directory: str | os.PathLike, image_size: int,
                        f"digit 0-{NUM_CLASSES - 1}")
     pixels = fit_to_size(images.astype(np.float32) / 255.0, image_size)
     return pixels[:, None], labels.astype(np.int64)
+
+
+def check_mnist(directory: str | os.PathLike) -> None:
+    """Both parts in ``directory`` read as :func:`load_mnist` reads them; ``IDXError`` says
+    what is wrong (a fetched copy is checked so before it is installed)."""
+    for part in PARTS:
+        load_mnist(directory, 28, part)
+
+
+#: MNIST as the checkpoint fetcher brings it (``ddm fetch-data``): a directory of
+#: ``DISTRIBUTED_FILES``, the training images first (a pin covers them), or an archive of them;
+#: checked by :func:`check_mnist` before the copy is put in place.
+FETCHED = Contents("MNIST data", DISTRIBUTED_FILES[0], lambda root: list(DISTRIBUTED_FILES[1:]),
+                   check_mnist)
 
 
 def fit_to_size(images: np.ndarray, size: int) -> np.ndarray:

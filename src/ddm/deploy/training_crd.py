@@ -18,6 +18,8 @@ from ddm.deploy.crd import (
     MEMBER_NAME,
     POD_FIELDS,
     RESOURCES,
+    SECRET_KEY,
+    SECRET_NAME,
     accelerator_field,
 )
 from ddm.deploy.limits import MAX_CLASS, MAX_EXPERTS
@@ -56,6 +58,7 @@ from ddm.deploy.training_spec import (
     PLURAL,
     QUEUE_PATTERN,
     SAVE_EVERY,
+    STORE_URI_PATTERN,
     VOLUME_URI_PATTERN,
 )
 
@@ -64,6 +67,20 @@ IMAGE = POD_FIELDS["image"].described(
     "the accelerator.")
 VOLUME_URI = String(description="pvc://CLAIM/PATH (file:///PATH where host paths are allowed).",
                     min_length=1, max_length=MAX_URI_LENGTH, pattern=VOLUME_URI_PATTERN)
+STORE_URI = String(min_length=1, max_length=MAX_URI_LENGTH, pattern=STORE_URI_PATTERN)
+
+
+def store_credentials(uri: str) -> Object:
+    """``storeCredentialsSecret`` beside the store URI at ``uri``."""
+    return Object(
+        description=f"Only when {uri} is s3:// or gs://: the key of a Secret (in this "
+                    "namespace) holding the store's own credentials file (an AWS shared "
+                    "credentials file for s3://, a Google service-account key for gs://), "
+                    "mounted read-only into the jobs that reach the store; unset: the cloud's "
+                    "credential chain (IRSA, Workload Identity).",
+        required=("name", "key"), properties={"name": SECRET_NAME, "key": SECRET_KEY})
+
+
 SEED = Integer(minimum=0, maximum=MAX_SEED)
 
 # -- One job's optimisation and where it runs (``TrainSettings``, ``Workers``) -----------------
@@ -116,12 +133,29 @@ SPEC = Object(required=("output", "partition", "experts", "deployment"), propert
         "dataset": String(
             description="digits (embedded in the image) or mnist (the four IDX files at uri).",
             choices=DATASETS, default=DATASETS[0]),
-        "uri": VOLUME_URI,
+        "uri": STORE_URI.described(
+            "pvc://CLAIM/PATH (file:///PATH where host paths are allowed), or s3://BUCKET/KEY, "
+            "gs://BUCKET/KEY: LeCun's four .gz files there, or a .tar.gz of them, fetched once "
+            "by a first job (ddm fetch-data) into the output volume."),
+        "storeCredentialsSecret": store_credentials("uri"),
     }),
     "output": Object(
         description="Where the jobs write partition.json, experts/NAME and router (and their "
                     "training states, NAME.training, from which a rerun resumes).",
-        required=("uri",), properties={"uri": VOLUME_URI}),
+        required=("uri",), properties={
+            "uri": STORE_URI.described(
+                "pvc://CLAIM/PATH (file:///PATH where host paths are allowed), or "
+                "s3://BUCKET/PREFIX, gs://BUCKET/PREFIX: each expert and router job uploads "
+                "its checkpoint as PREFIX/experts/NAME.tar.gz, PREFIX/router.tar.gz, then a "
+                "marker (.tar.gz.json) with its sha256, and the DDMDeployment reads the "
+                "archives."),
+            "volume": VOLUME_URI.described(
+                "With a store in uri, and only then (required): the volume the jobs work on: "
+                "their training states (a retried job resumes from them; an emptyDir would "
+                "lose them with the pod), the partition, the fetched data, and each "
+                "checkpoint before its upload."),
+            "storeCredentialsSecret": store_credentials("uri"),
+        }),
     "partition": Object(
         description="labelGroups: expert i learns the labels of group i; or kmeans: clusters of "
                     "image features fitted once (ddm partition fit) before the experts start.",

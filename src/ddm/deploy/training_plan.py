@@ -2,6 +2,8 @@
 
 A DDMTraining is a plan of jobs whose outputs become a DDMDeployment's checkpoints:
 
+- ``data`` (MNIST in an object store only): ``ddm fetch-data`` copies it once to ``data/``
+  in the output volume, which every later job reads;
 - ``partition`` (k-means partitions only): ``ddm partition fit`` writes ``partition.json``
   (one CPU process, with no placement of its own);
 - ``expert-NAME``, one per expert, in parallel after the partition: ``ddm train expert`` on
@@ -9,6 +11,10 @@ A DDMTraining is a plan of jobs whose outputs become a DDMDeployment's checkpoin
 - ``router``: ``ddm train router`` over ``experts/``, writing ``router``. It runs after the
   experts: ``ddm train router`` reads the partition and the image shape from the experts'
   checkpoints (it checks they share one partition).
+
+With a store as the output (``spec.output.uri`` s3:// or gs://), the jobs work on
+``spec.output.volume`` exactly as above, and each expert and router job uploads its finished
+checkpoint (``ddm train ... --upload``, ``ddm.checkpoints.upload``).
 
 Every path is relative to the output root (``spec.output``); each job's arguments name the
 root and the data through :class:`Paths`, which the place that runs it decides (mount paths in
@@ -21,17 +27,18 @@ variables for JAX, a plain process for a world of one.
 
 Interface (stable; the operator's reconcile builds on it): ``plan_training(spec) ->
 TrainingPlan``; ``TrainingPlan.jobs`` (``JobPlan``: ``name``, ``kind``, ``framework``,
-``after``, ``output``, ``state``, ``steps``, ``workers``, ``expert``, ``args(paths)``,
+``after``, ``output``, ``state``, ``steps``, ``workers``, ``expert``, ``upload``, ``args(paths)``,
 ``node_processes(...)``), ``TrainingPlan.ready(done)``; ``deployment_document(spec)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ddm.checkpoints.roles import ROUTER
 from ddm.deploy.training_spec import (
+    DATA_DIR,
     EXPERTS_DIR,
     PARTITION_FILE,
     ROUTER_DIR,
@@ -45,22 +52,32 @@ from ddm.deploy.training_spec import deployment_document as deployment_document
 from ddm.deploy.training_spec import deployment_problems as deployment_problems
 
 PARTITION_JOB = "partition"
+DATA_JOB = "data"
 ROUTER_JOB = "router"
 #: The JAX job's variables (Kubeflow Trainer's jax-distributed runtime sets them; read by
 #: ``ddm.training.distributed.jax_world``).
 JAX_COORDINATOR, JAX_NUM_PROCESSES, JAX_PROCESS_ID = (
     "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 _OUTPUT, _DATA = "{output}", "{data}"
+#: Stand for the store credentials files of the data and of the output (``Paths.credentials``).
+_DATA_CREDENTIALS, _OUTPUT_CREDENTIALS = "{data-credentials}", "{output-credentials}"
+#: The files' names there.
+DATA_CREDENTIALS_FILE, OUTPUT_CREDENTIALS_FILE = "data", "output"
+_CREDENTIALS_FLAG = "--store-credentials-file"
 #: Seconds between the progress lines a training job logs (the operator's status reads them).
 PROGRESS_LOG_S = 15
 
 
 @dataclass(frozen=True)
 class Paths:
-    """Where a job's processes find the output root and the MNIST directory (None: digits)."""
+    """Where a job's processes find the output root, the MNIST directory (None: digits or
+    fetched into the output root) and the directory of the stores' credentials files
+    (``DATA_CREDENTIALS_FILE``, ``OUTPUT_CREDENTIALS_FILE``, as the spec's
+    ``storeCredentialsSecret``s give them; None: none mounted, the cloud's chain signs)."""
 
     output: str
     data: str | None = None
+    credentials: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,7 +93,8 @@ class JobPlan:
     """One job. ``kind``: partition, expert or router; ``after``: the jobs that must have
     finished first; ``output``, ``state``: its checkpoint (or partition file) and its training
     state, relative to the output root (``state`` None: it saves none); ``steps``: the steps it
-    trains (None: not a training); ``expert``: the expert's name (expert jobs)."""
+    trains (None: not a training); ``expert``: the expert's name (expert jobs); ``upload``:
+    the store its checkpoint is uploaded to once trained (None: it stays on the volume)."""
 
     name: str
     kind: str
@@ -87,6 +105,7 @@ class JobPlan:
     workers: Workers
     template: tuple[str, ...]
     expert: str | None = None
+    upload: str | None = None
 
     @property
     def state(self) -> str | None:
@@ -99,8 +118,19 @@ class JobPlan:
 
     def args(self, paths: Paths) -> tuple[str, ...]:
         """``ddm``'s arguments for one process of this job."""
-        return tuple(a.replace(_OUTPUT, paths.output.rstrip("/") or "/")
-                     .replace(_DATA, paths.data or "") for a in self.template)
+        args: list[str] = []
+        for arg in self.template:
+            if arg in (_DATA_CREDENTIALS, _OUTPUT_CREDENTIALS):
+                if paths.credentials is None:  # nothing mounted: drop the flag too
+                    assert args.pop() == _CREDENTIALS_FLAG, self.template
+                    continue
+                name = DATA_CREDENTIALS_FILE if arg == _DATA_CREDENTIALS \
+                    else OUTPUT_CREDENTIALS_FILE
+                args.append(f"{paths.credentials.rstrip('/')}/{name}")
+                continue
+            args.append(arg.replace(_OUTPUT, paths.output.rstrip("/") or "/")
+                        .replace(_DATA, paths.data or ""))
+        return tuple(args)
 
     def node_processes(self, paths: Paths, *, ddm: Sequence[str] = ("ddm",),
                        torchrun: Sequence[str] = ("torchrun",),
@@ -147,10 +177,22 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
     data = _DATA if spec.data.dataset == "mnist" else "digits"
     data_arg = f"mnist:{data}" if spec.data.dataset == "mnist" else data
     jobs: list[JobPlan] = []
+    first: tuple[str, ...] = ()
+    store = spec.data.store
+    if store is not None:
+        data_arg = f"mnist:{_OUTPUT}/{DATA_DIR}"
+        jobs.append(JobPlan(
+            name=DATA_JOB, kind="data", framework="numpy", after=(), output=DATA_DIR,
+            steps=None, workers=Workers(),
+            template=("fetch-data", store.uri, f"{_OUTPUT}/{DATA_DIR}",
+                      *((_CREDENTIALS_FLAG, _DATA_CREDENTIALS)
+                        if spec.data.store_credentials else ()))))
+        first = (DATA_JOB,)
+    upload = _upload_args(spec)
     partition = spec.partition
     if partition.fitted:
         jobs.append(JobPlan(
-            name=PARTITION_JOB, kind="partition", framework="numpy", after=(),
+            name=PARTITION_JOB, kind="partition", framework="numpy", after=first,
             output=PARTITION_FILE, steps=None, workers=Workers(),
             template=("partition", "fit", "--data", data_arg, "--kmeans", str(partition.kmeans),
                       "--features", partition.features, "--image-size",
@@ -159,34 +201,46 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
         part_arg = f"file:{_OUTPUT}/{PARTITION_FILE}"
     else:
         part_arg = "labels:" + ";".join(",".join(map(str, g)) for g in partition.label_groups)
-    after = (PARTITION_JOB,) if partition.fitted else ()
-    experts = [_expert_job(e, data_arg, part_arg, after) for e in spec.experts]
+    after = (PARTITION_JOB,) if partition.fitted else first
+    experts = [_expert_job(e, data_arg, part_arg, after, upload) for e in spec.experts]
     jobs.extend(experts)
     router = spec.router
     jobs.append(JobPlan(
         name=ROUTER_JOB, kind="router", framework="torch",
         after=tuple(job.name for job in experts), output=ROUTER_DIR, steps=router.train.steps,
-        workers=router.workers,
+        workers=router.workers, upload=upload(ROUTER_DIR)[1] if spec.uploads else None,
         template=("train", "router", "--experts", f"{_OUTPUT}/{EXPERTS_DIR}", "--data",
                   data_arg, *(("--partition", part_arg) if partition.fitted else ()),
                   *(() if router.use_labels else ("--no-labels",)),
                   *_train_args(router.train),
                   "--device", router.workers.accelerator.declared.train_device("torch"),
-                  "--out", f"{_OUTPUT}/{ROUTER_DIR}")))
+                  "--out", f"{_OUTPUT}/{ROUTER_DIR}", *upload(ROUTER_DIR))))
     return TrainingPlan(tuple(jobs))
 
 
-def _expert_job(expert: ExpertTraining, data_arg: str, part_arg: str, after: tuple[str, ...]
-                ) -> JobPlan:
+def _upload_args(spec: TrainingSpec) -> Callable[[str], tuple[str, ...]]:
+    """The arguments that upload the output ``relative`` to the store (none: a volume)."""
+    def upload(relative: str) -> tuple[str, ...]:
+        if not spec.uploads:
+            return ()
+        return ("--upload", f"{spec.output.uri.rstrip('/')}/{relative}",
+                *((_CREDENTIALS_FLAG, _OUTPUT_CREDENTIALS) if spec.output_credentials else ()))
+    return upload
+
+
+def _expert_job(expert: ExpertTraining, data_arg: str, part_arg: str, after: tuple[str, ...],
+                upload: Callable[[str], tuple[str, ...]]) -> JobPlan:
     output = f"{EXPERTS_DIR}/{expert.name}"
     device = expert.workers.accelerator.declared.train_device(expert.framework)
+    uploaded = upload(output)
     return JobPlan(
         name=f"expert-{expert.name}", kind="expert", framework=expert.framework, after=after,
         output=output, steps=expert.train.steps, workers=expert.workers, expert=expert.name,
+        upload=uploaded[1] if uploaded else None,
         template=("train", "expert", "--framework", expert.framework, "--config", expert.model,
                   "--data", data_arg, "--partition", part_arg, "--index", str(expert.index),
                   "--name", expert.name, *_train_args(expert.train), "--device", device,
-                  "--out", f"{_OUTPUT}/{output}"))
+                  "--out", f"{_OUTPUT}/{output}", *uploaded))
 
 
 def _train_args(train: Any) -> tuple[str, ...]:

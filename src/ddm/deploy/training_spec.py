@@ -19,7 +19,16 @@ from typing import Any, Mapping
 
 import yaml
 
-from ddm.checkpoints.uri import ABSOLUTE_PATH, CLAIM_URI, CheckpointSource, parse_checkpoint
+from ddm.checkpoints.uri import (
+    ABSOLUTE_PATH,
+    BUCKET_SCHEMES,
+    BUCKET_URI,
+    CLAIM_URI,
+    CheckpointSource,
+    archive_uri,
+    parse_checkpoint,
+    redact_uri,
+)
 from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
@@ -40,9 +49,11 @@ from ddm.deploy.spec import (
     NAME_PATTERN,
     VERSION,
     Manifest,
+    SecretKey,
     SpecError,
     _node_label_conflicts,
     _placed_accelerator,
+    _secret_key,
     parse_manifest,
     read_identity,
 )
@@ -55,7 +66,7 @@ API_VERSION = f"{GROUP}/{VERSION}"
 #: has; ``kubeflow-trainer``: a Kubeflow Trainer v2 TrainJob (many nodes; Kueue may queue it).
 #: The first of these choices (and of the two below) is the default.
 ENGINES = ("job", "kubeflow-trainer")
-#: ``digits``: embedded in the package; ``mnist``: the four IDX files on a volume.
+#: ``digits``: embedded in the package; ``mnist``: the four IDX files on a volume or in a store.
 DATASETS = ("digits", "mnist")
 #: What ``ddm partition fit`` clusters (``ddm.data.features``).
 FEATURES = ("hog", "pixels")
@@ -63,6 +74,9 @@ FEATURES = ("hog", "pixels")
 #: the URIs of those schemes (``parse_checkpoint`` reads them).
 VOLUME_SCHEMES = ("pvc", "file")
 VOLUME_URI_PATTERN = rf"^({CLAIM_URI}|file://{ABSOLUTE_PATH})$"
+#: The data and the output may also be in an object store: the data fetched once by a first
+#: job (``ddm fetch-data``), each checkpoint uploaded by its job (``--upload``).
+STORE_URI_PATTERN = rf"^({CLAIM_URI}|file://{ABSOLUTE_PATH}|{BUCKET_URI})$"
 #: A named UNet config (``ddm.models.config.UNET_CONFIGS``, checked by the trainer).
 MODEL_CONFIG_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 MAX_MODEL_CONFIG_LENGTH = 63
@@ -89,16 +103,22 @@ SAVE_EVERY = 500
 PARTITION_FILE = "partition.json"
 EXPERTS_DIR = "experts"
 ROUTER_DIR = "router"
+#: Where the data job puts MNIST fetched from a store (``spec.data.uri`` s3:// or gs://).
+DATA_DIR = "data"
 #: Where a trainer writing OUT keeps its training state (``ddm.training.resume``).
 STATE_SUFFIX = ".training"
 
 
 @dataclass(frozen=True)
 class DataSource:
-    """The images every job reads: ``digits`` (in the image) or ``mnist`` on ``volume``."""
+    """The images every job reads: ``digits`` (in the image), or ``mnist`` on ``volume`` or
+    in ``store`` (fetched once into the output volume, signed with ``store_credentials``
+    or the cloud's chain)."""
 
     dataset: str = "digits"
     volume: CheckpointSource | None = None
+    store: CheckpointSource | None = None
+    store_credentials: SecretKey | None = None
 
 
 @dataclass(frozen=True)
@@ -182,7 +202,10 @@ class DeploymentTemplate:
 @dataclass(frozen=True)
 class TrainingSpec:
     """A validated DDMTraining spec; ``experts`` in partition order. ``queue``: the Kueue
-    LocalQueue its jobs are submitted to (None: not queued)."""
+    LocalQueue its jobs are submitted to (None: not queued). ``output``: where the
+    checkpoints end up, a volume or a store; with a store, ``state`` is the volume the jobs
+    work on (training states, the partition, fetched data, checkpoints before upload) and
+    ``output_credentials`` the store's credentials file (None: the cloud's chain)."""
 
     engine: str
     data: DataSource
@@ -193,6 +216,18 @@ class TrainingSpec:
     deployment: DeploymentTemplate
     image: str | None = None
     queue: str | None = None
+    state: CheckpointSource | None = None
+    output_credentials: SecretKey | None = None
+
+    @property
+    def work(self) -> CheckpointSource:
+        """The volume every job reads and writes under (the output root's layout)."""
+        return self.state or self.output
+
+    @property
+    def uploads(self) -> bool:
+        """Whether each checkpoint is uploaded to a store once trained."""
+        return self.output.scheme in BUCKET_SCHEMES
 
 
 #: A DDMTraining read from a file.
@@ -208,9 +243,7 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
     image = reader.string("image", None, pattern=IMAGE_PATTERN, max_length=MAX_IMAGE_LENGTH,
                           hint="an image reference such as registry.example.com/ddm:1.0")
     data = _data(reader.child("data"), allow_host_paths)
-    output_reader = reader.child("output")
-    output = _volume(output_reader, "uri", allow_host_paths)
-    output_reader.done()
+    output, state, output_credentials = _output(reader.child("output"), allow_host_paths)
     partition = _partition(reader.child("partition"))
     raw_experts = reader.items("experts")
     if not 1 <= len(raw_experts) <= MAX_EXPERTS:
@@ -224,7 +257,8 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
     reader.done()
     spec = TrainingSpec(engine=engine, data=data, output=output,  # type: ignore[arg-type]
                         partition=partition, experts=experts, router=router,
-                        deployment=deployment, image=image, queue=queue)
+                        deployment=deployment, image=image, queue=queue, state=state,
+                        output_credentials=output_credentials)
     if not problems:
         problems.extend(_semantic_problems(spec, len(raw_experts)))
     if problems:
@@ -232,37 +266,75 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
     return spec
 
 
-def _volume(reader: FieldReader, key: str, allow_host_paths: bool) -> CheckpointSource | None:
-    """``pvc://CLAIM/PATH`` (or, allowed, ``file:///PATH``) at ``key``, which is required."""
+def _volume(reader: FieldReader, key: str, allow_host_paths: bool, *, stores: bool = False
+            ) -> CheckpointSource | None:
+    """``pvc://CLAIM/PATH`` (or, allowed, ``file:///PATH``; with ``stores``, also
+    ``s3://BUCKET/PREFIX`` or ``gs://BUCKET/PREFIX``) at ``key``, which is required."""
     uri = reader.value(key)
+    store_hint = " or s3://BUCKET/PREFIX, gs://BUCKET/PREFIX" if stores else ""
     if uri is None:
-        reader.problem(key, "is required: pvc://CLAIM/PATH")
+        reader.problem(key, f"is required: pvc://CLAIM/PATH{store_hint}")
         return None
     try:
         source = parse_checkpoint(uri)
     except ValueError as error:
         reader.problem(key, str(error))
         return None
-    schemes = VOLUME_SCHEMES if allow_host_paths else ("pvc",)
+    schemes = (*(VOLUME_SCHEMES if allow_host_paths else ("pvc",)),
+               *(BUCKET_SCHEMES if stores else ()))
     if source.scheme not in schemes:
-        reader.problem(key, f"{uri!r}: must be pvc://CLAIM/PATH"
+        reader.problem(key, f"{redact_uri(uri)!r}: must be pvc://CLAIM/PATH{store_hint}"
                             + (" or file:///PATH" if allow_host_paths else
-                               " (file:// is a host path, which this operator does not allow)")
-                            + "; the jobs write and share it (an object store needs an upload "
-                              "step, not yet)")
+                               " (file:// is a host path, which this operator does not allow)"))
         return None
     return source
 
 
+def _store_credentials(reader: FieldReader, source: CheckpointSource | None, where: str
+                       ) -> SecretKey | None:
+    """``storeCredentialsSecret``, only beside a store's URI in ``where``."""
+    if not reader.has("storeCredentialsSecret"):
+        return None
+    if source is not None and source.scheme not in BUCKET_SCHEMES:
+        reader.problem("storeCredentialsSecret", f"only for a store: {where} is not s3:// "
+                                                 "or gs://")
+    return _secret_key(reader.child("storeCredentialsSecret"))
+
+
+def _output(reader: FieldReader, allow_host_paths: bool
+            ) -> tuple[CheckpointSource | None, CheckpointSource | None, SecretKey | None]:
+    """``uri`` (a volume or a store), ``volume`` (the jobs' working volume, required with a
+    store and only then) and the store's ``storeCredentialsSecret``."""
+    output = _volume(reader, "uri", allow_host_paths, stores=True)
+    store = output is not None and output.scheme in BUCKET_SCHEMES
+    state = _volume(reader, "volume", allow_host_paths) if reader.has("volume") else None
+    if reader.has("volume"):
+        if output is not None and not store:
+            reader.problem("volume", "only with a store in spec.output.uri: the jobs work and "
+                                     "keep their training state in spec.output.uri itself")
+            state = None
+    elif store:
+        reader.problem("volume", "is required when spec.output.uri is a store: "
+                                 "pvc://CLAIM/PATH, the volume where the jobs keep their "
+                                 "training state (a retried job resumes from it) and write "
+                                 "each checkpoint before uploading it")
+    credentials = _store_credentials(reader, output, "spec.output.uri")
+    reader.done()
+    return output, state, credentials
+
+
 def _data(reader: FieldReader, allow_host_paths: bool) -> DataSource:
     dataset = reader.string("dataset", DATASETS[0], choices=DATASETS) or DATASETS[0]
-    volume = None
+    source = None
     if dataset == "mnist":
-        volume = _volume(reader, "uri", allow_host_paths)
+        source = _volume(reader, "uri", allow_host_paths, stores=True)
     elif reader.has("uri"):
         reader.problem("uri", "only for dataset: mnist (the digits are in the image)")
+    credentials = _store_credentials(reader, source, "spec.data.uri")
     reader.done()
-    return DataSource(dataset, volume)
+    store = source is not None and source.scheme in BUCKET_SCHEMES
+    return DataSource(dataset, None if store else source, source if store else None,
+                      credentials)
 
 
 def _partition(reader: FieldReader) -> PartitionSpec:
@@ -418,12 +490,32 @@ def _placement_problems(engine: str, path: str, framework: str, workers: Workers
 DECIDED_EXPERT_FIELDS = ("checkpoint", "framework", "classes")
 
 
-def deployment_document(spec: TrainingSpec, output_uri: str | None = None) -> dict[str, Any]:
+def output_checkpoint(spec: TrainingSpec, relative: str, output_uri: str | None = None,
+                      sha256: str | None = None) -> dict[str, Any]:
+    """The DDMDeployment's ``checkpoint`` of the job output ``relative`` (``experts/NAME``,
+    ``router``) under the output root (``output_uri``: another name for it, default
+    ``spec.output``'s URI): in a store, the archive its job uploaded, pinned by ``sha256``
+    when known and read with the training's store credentials."""
+    uri = f"{(output_uri or spec.output.uri).rstrip('/')}/{relative}"
+    if not spec.uploads:
+        return {"uri": uri}
+    credentials = spec.output_credentials
+    return {"uri": archive_uri(uri), **({"sha256": sha256} if sha256 else {}),
+            **({"storeCredentialsSecret": {"name": credentials.name, "key": credentials.key}}
+               if credentials else {})}
+
+
+def deployment_document(spec: TrainingSpec, output_uri: str | None = None,
+                        sha256s: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The DDMDeployment to create once every job has finished: ``spec.deployment.spec`` with
     each expert's checkpoint, framework and classes (label groups), and the router network's
-    checkpoint, under the output root (``output_uri``: another name for it, default
-    ``spec.output``'s URI)."""
-    root = (output_uri or spec.output.uri).rstrip("/")
+    checkpoint (:func:`output_checkpoint`; ``sha256s``: the uploaded archives' by output,
+    ``experts/NAME`` and ``router``)."""
+    sha256s = sha256s or {}
+
+    def checkpoint(relative: str) -> dict[str, Any]:
+        return output_checkpoint(spec, relative, output_uri, sha256s.get(relative))
+
     template = copy.deepcopy(dict(spec.deployment.spec))
     given = {e.get("name"): e for e in template.get("experts") or []
              if isinstance(e, Mapping)}
@@ -431,12 +523,12 @@ def deployment_document(spec: TrainingSpec, output_uri: str | None = None) -> di
     for expert in spec.experts:
         entry = {"name": expert.name, **dict(given.get(expert.name, {})),
                  "framework": expert.framework,
-                 "checkpoint": {"uri": f"{root}/{EXPERTS_DIR}/{expert.name}"}}
+                 "checkpoint": checkpoint(f"{EXPERTS_DIR}/{expert.name}")}
         if spec.partition.label_groups:
             entry["classes"] = list(spec.partition.label_groups[expert.index])
         experts.append(entry)
     router = dict(template.get("router") or {})
-    router["checkpoint"] = {"uri": f"{root}/{ROUTER_DIR}"}
+    router["checkpoint"] = checkpoint(ROUTER_DIR)
     return {"apiVersion": DEPLOYMENT_API_VERSION, "kind": DEPLOYMENT_KIND,
             "metadata": {"name": spec.deployment.name},
             "spec": {**template, "experts": experts, "router": router}}

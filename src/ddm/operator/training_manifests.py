@@ -11,11 +11,14 @@ TrainJobs (the two engines are two renderers of one plan, ``ddm.deploy.training_
   process per pod: a JAX job's processes are pods, each with its share of the devices), with
   ``trainer.numNodes``, ``numProcPerNode`` (torch) and ``resourcesPerNode``; the node
   selector, tolerations, volumes and security settings go in a runtime patch of the runtime's
-  ``node`` job and container. The partition, one CPU process, is a Job under either engine.
+  ``node`` job and container. The partition and the data fetch, one CPU process each, are
+  Jobs under either engine.
 
 Every pod is placed as serving places it (``ddm.operator.placement``: the accelerator's
 resource, taint toleration and node selector), runs as the restricted Pod Security profile
-asks, mounts the output root read-write at ``/output`` and the data read-only at ``/data``.
+asks, mounts the output root read-write at ``/output`` (with a store as the output, the
+working volume ``spec.output.volume``) and the data read-only at ``/data``, and the stores'
+credentials files (``storeCredentialsSecret``s) read-only at ``/credentials``.
 A failed pod is retried (``backoffLimit``); the job's ``--resume`` continues its saved state.
 ``meta`` needs ``name`` and ``namespace``; the handlers add ownerReferences.
 """
@@ -27,7 +30,8 @@ from typing import Any, Mapping
 
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.training_plan import (
-    PARTITION_JOB,
+    DATA_CREDENTIALS_FILE,
+    OUTPUT_CREDENTIALS_FILE,
     JobPlan,
     Paths,
     TrainingPlan,
@@ -47,6 +51,9 @@ from ddm.operator.placement import placement
 
 OUTPUT_DIR = "/output"
 DATA_DIR = "/data"
+CREDENTIALS_DIR = "/credentials"
+#: Where every job's processes find the volumes and files above.
+PATHS = Paths(OUTPUT_DIR, DATA_DIR, CREDENTIALS_DIR)
 TRAINER_API_VERSION = "trainer.kubeflow.org/v1alpha1"
 TRAINJOB_KIND = "TrainJob"
 #: Trainer's runtimes by framework (the ClusterTrainingRuntimes its chart installs).
@@ -73,9 +80,9 @@ def job_name(training: str, job: JobPlan) -> str:
 def build_training_jobs(spec: TrainingSpec, plan: TrainingPlan, meta: Mapping[str, Any],
                         config: OperatorConfig) -> list[dict[str, Any]]:
     """Every job of ``plan`` in plan order: a Job, or a TrainJob under kubeflow-trainer
-    (the partition is always a Job)."""
+    (the partition and the data fetch, one CPU process each, are always Jobs)."""
     return [build_trainjob(spec, job, meta, config)
-            if spec.engine == "kubeflow-trainer" and job.name != PARTITION_JOB
+            if spec.engine == "kubeflow-trainer" and job.steps is not None
             else build_job(spec, job, meta, config) for job in plan.jobs]
 
 
@@ -94,7 +101,7 @@ def build_job(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
     :meth:`JobPlan.node_processes` says."""
     workers = job.workers
     place = placement(workers.accelerator)
-    processes = job.node_processes(Paths(OUTPUT_DIR, DATA_DIR), coordinator=JAX_COORDINATOR)
+    processes = job.node_processes(PATHS, coordinator=JAX_COORDINATOR)
     volumes, mounts = _volumes(spec)
     containers = [{
         "name": "train" if len(processes) == 1 else f"rank-{rank}",
@@ -125,7 +132,7 @@ def build_trainjob(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
     """``job`` as a Kubeflow Trainer v2 TrainJob on ``nodes`` nodes of its accelerator."""
     workers = job.workers
     place = placement(workers.accelerator)
-    args = job.args(Paths(OUTPUT_DIR, DATA_DIR))
+    args = job.args(PATHS)
     torch = job.framework == "torch"
     volumes, mounts = _volumes(spec)
     # Trainer's jax-distributed runtime runs one process per pod: P processes a node are P pods
@@ -195,16 +202,26 @@ def _env(extra: Mapping[str, str]) -> list[dict[str, str]]:
 
 
 def _volumes(spec: TrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The output root (read-write), the data (read-only) and a writable /tmp."""
+    """The output root (read-write), the data (read-only), the stores' credentials files
+    (read-only, owner-only) and a writable /tmp."""
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
-    for name, source, path, read_only in (("output", spec.output, OUTPUT_DIR, False),
+    for name, source, path, read_only in (("output", spec.work, OUTPUT_DIR, False),
                                           ("data", spec.data.volume, DATA_DIR, True)):
         if source is None:
             continue
         volume, mount = _volume(name, source, path, read_only)
         volumes.append(volume)
         mounts.append(mount)
+    secrets = [{"secret": {"name": secret.name, "items": [{"key": secret.key, "path": file}]}}
+               for secret, file in ((spec.data.store_credentials, DATA_CREDENTIALS_FILE),
+                                    (spec.output_credentials, OUTPUT_CREDENTIALS_FILE))
+               if secret is not None]
+    if secrets:
+        volumes.append({"name": "store-credentials",
+                        "projected": {"sources": secrets, "defaultMode": 0o400}})
+        mounts.append({"name": "store-credentials", "mountPath": CREDENTIALS_DIR,
+                       "readOnly": True})
     return volumes, mounts
 
 

@@ -37,7 +37,7 @@ from ddm.operator import names
 from ddm.operator.children import _owned
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
-from ddm.operator.policy import host_path_allowed
+from ddm.operator.policy import host_path_allowed, name_allowed
 from ddm.operator.status import now_rfc3339
 from ddm.operator.training_manifests import (
     JOB_LABEL,
@@ -90,7 +90,7 @@ class TrainingReconciler:
         if previous.get("deployment"):  # done: its jobs are never run again, its status stays
             return TrainingOutcome()
         try:
-            spec = self._checked_spec(body.get("spec"))
+            spec = self._checked_spec(body.get("spec"), name)
         except SpecError as error:
             self._write(namespace, name, previous, {
                 "phase": "Failed", "observedGeneration": meta.get("generation"),
@@ -125,15 +125,25 @@ class TrainingReconciler:
         return TrainingOutcome(failure=errors[0] if errors else None,
                                active=status["phase"] != "Failed" and deployment is None)
 
-    def _checked_spec(self, raw: Any) -> TrainingSpec:
-        """The spec, with file:// volumes only where the operator's settings allow them."""
+    def _checked_spec(self, raw: Any, name: str) -> TrainingSpec:
+        """The spec, with file:// volumes only where the operator's settings allow them, and
+        store credentials only in the training's own Secrets (``<name>-*``) or allowed ones,
+        as for a DDMDeployment (``ddm.operator.policy``)."""
         allowed = self._config.allowed.host_paths
         spec = parse_training_spec(raw, allow_host_paths=bool(allowed))
         outside = [f"{field}: {source.uri!r} is outside the host paths this operator allows"
                    for field, source in (("spec.output.uri", spec.output),
+                                         ("spec.output.volume", spec.state),
                                          ("spec.data.uri", spec.data.volume))
                    if source is not None and source.scheme == "file"
                    and not host_path_allowed(source.path, allowed)]
+        outside += [f"{field}.name: {secret.name!r} is not this training's Secret ({name}-*) "
+                    "nor one this operator allows (DDM_ALLOWED_SECRETS)"
+                    for field, secret in (
+                        ("spec.data.storeCredentialsSecret", spec.data.store_credentials),
+                        ("spec.output.storeCredentialsSecret", spec.output_credentials))
+                    if secret is not None
+                    and not name_allowed(secret.name, self._config.allowed.secrets, name)]
         if outside:
             raise SpecError(outside)
         return spec

@@ -10,8 +10,9 @@ their logs last said.
   (``ddm train --progress-log``, ``ddm.progress.last_progress``), read from its pod's log by
   the reconcile; a finished job has done every step asked; a job whose pod has printed
   nothing yet keeps the count the status had (a resumed pod continues from its saved step).
-- The phase: Failed (a job failed), Succeeded (every job did), Partitioning (the partition job
-  runs), Training (an expert or the router job runs), else Pending.
+- The phase: Failed (a job failed), Succeeded (every job did), Fetching (the data job copies
+  MNIST from its store), Partitioning (the partition job runs), Training (an expert or the
+  router job runs), else Pending.
 
 Conditions keep their ``lastTransitionTime`` while their status is unchanged (``status``), so an
 unchanged state gives an equal status and the operator writes nothing.
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ddm.deploy.training_plan import PARTITION_JOB, JobPlan, TrainingPlan
+from ddm.deploy.training_plan import DATA_JOB, PARTITION_JOB, JobPlan, TrainingPlan
 from ddm.operator.status import _by_type, _condition
 
-TRAINING_PHASES = ("Pending", "Partitioning", "Training", "Succeeded", "Failed")
+TRAINING_PHASES = ("Pending", "Fetching", "Partitioning", "Training", "Succeeded", "Failed")
 ABSENT, RUNNING, SUCCEEDED, FAILED = "Absent", "Running", "Succeeded", "Failed"
 #: The job conditions Job and TrainJob share (a JobSet's too): ``Complete`` and ``Failed``.
 _FINISHED = {"Complete": SUCCEEDED, "Failed": FAILED}
@@ -84,7 +85,7 @@ def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | N
                     logged.get(job.name, (earlier.get(job.name) or {}).get("stepsDone", 0)))
             entry.update(stepsDone=min(int(done), job.steps), stepsAsked=job.steps)
         report[job.name] = entry
-        if job.kind != "partition":
+        if job.steps is not None:  # a condition per training: the experts and the router
             kind = f"Expert-{job.expert}" if job.kind == "expert" else "Router"
             conditions.append(_condition(before, kind, state == SUCCEEDED, generation, now,
                                          (state, _progress_message(entry))))
@@ -117,6 +118,8 @@ def _phase(plan: TrainingPlan, states: Mapping[str, str]) -> str:
         return "Failed"
     if all(state == SUCCEEDED for state in states.values()):
         return "Succeeded"
+    if states.get(DATA_JOB) == RUNNING:
+        return "Fetching"
     if states.get(PARTITION_JOB) == RUNNING:
         return "Partitioning"
     if any(state != ABSENT for state in states.values()):

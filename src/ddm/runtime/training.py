@@ -9,7 +9,11 @@ as :meth:`JobPlan.node_processes` decides), then the router network; finally the
 outputs are written beside them, for ``ddm up``.
 
 ``pvc://CLAIM/PATH`` (the output, MNIST) is ``PVC_ROOT/CLAIM/PATH`` here (``--pvc-root``, as
-``ddm up`` reads it). A job whose output exists is skipped (finished before); every other job
+``ddm up`` reads it). Object stores are reached as in a pod: MNIST in a store is fetched by
+the plan's data job, and each checkpoint is uploaded by its job, with the cloud's credential
+chain of this machine's environment (no Secret is mounted here); the DDMDeployment then pins
+each uploaded archive's sha256. A job whose output exists (and, with a store, whose upload is
+recorded) is skipped (finished before); every other job
 passes ``--resume``, so a rerun after Ctrl-C, SIGTERM or a failure continues each unfinished
 job from its last saved state. Progress is each job's step, read from its saved state when it
 changes. Ctrl-C, SIGTERM or a job that fails stops every process started.
@@ -29,6 +33,7 @@ import yaml
 
 from ddm.checkpoints.index import write_index
 from ddm.checkpoints.local import claim_path, resolve_checkpoint
+from ddm.checkpoints.upload import read_uploaded
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.training_plan import JobPlan, Paths, TrainingPlan, plan_training
 from ddm.deploy.training_spec import TrainingManifest, deployment_document
@@ -54,10 +59,19 @@ class LocalTraining:
     paths: Paths
 
     def finished(self, job: JobPlan) -> bool:
-        """Whether ``job``'s output exists: a checkpoint's config.json (written last), or the
-        partition file."""
+        """Whether ``job``'s output exists: a checkpoint's config.json (written last) and,
+        with ``upload``, the record of its complete upload; the partition file; the fetched
+        data's directory (installed in one rename)."""
         output = Path(self.paths.output) / job.output
-        return (output / "config.json").is_file() if job.state else output.is_file()
+        if job.state is None:
+            return output.is_dir() if job.kind == "data" else output.is_file()
+        return (output / "config.json").is_file() and (
+            job.upload is None or read_uploaded(output) is not None)
+
+    def sha256s(self) -> dict[str, str]:
+        """The uploaded archives' SHA-256 by job output (``experts/NAME``, ``router``)."""
+        return {job.output: uploaded.sha256 for job in self.plan.jobs if job.upload
+                and (uploaded := read_uploaded(Path(self.paths.output) / job.output))}
 
     def step(self, job: JobPlan) -> int | None:
         """The step of ``job``'s last saved training state (None: none saved yet)."""
@@ -74,7 +88,7 @@ class LocalTraining:
 def place_training(manifest: TrainingManifest, pvc_root: Path | None) -> LocalTraining:
     """The output root (made if absent) and the data directory on this machine."""
     spec = manifest.spec
-    output = _local(spec.output, pvc_root)
+    output = _local(spec.work, pvc_root)
     output.mkdir(parents=True, exist_ok=True)
     data = resolve_checkpoint(spec.data.volume, pvc_root=pvc_root) if spec.data.volume else None
     return LocalTraining(plan_training(spec), Paths(str(output), data and str(data)))
@@ -138,7 +152,9 @@ def run_training(manifest: TrainingManifest, pvc_root: Path | None = None, *,
         supervisor.stop()
     write_index(local.paths.output, *plan.members())
     path = Path(local.paths.output) / DEPLOYMENT_FILE
-    path.write_text(yaml.safe_dump(deployment_document(manifest.spec), sort_keys=False))
+    path.write_text(yaml.safe_dump(deployment_document(manifest.spec,
+                                                       sha256s=local.sha256s()),
+                                   sort_keys=False))
     _tell(out, f"all {len(plan.jobs)} jobs finished ({time.monotonic() - started_at:.0f} s); "
                f"wrote the DDMDeployment {manifest.spec.deployment.name} to {path}")
     return path

@@ -42,6 +42,14 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--progress-log", type=float, default=None, metavar="SECONDS",
                        help="print 'ddm-progress step DONE/TOTAL' on stderr at most every "
                             "SECONDS and at the end (a supervisor reads it from the logs)")
+        p.add_argument("--upload", metavar="URI",
+                       help="s3://BUCKET/KEY or gs://BUCKET/KEY: once trained, upload the "
+                            "checkpoint there as KEY.tar.gz, then its marker KEY.tar.gz.json "
+                            "(rank 0; ddm.checkpoints.upload)")
+        p.add_argument("--store-credentials-file", type=Path, metavar="PATH",
+                       help="the store's own credentials for --upload (an AWS shared "
+                            "credentials file, a Google service-account key); default: the "
+                            "cloud's credential chain")
 
     for kind, about in (("expert", "a UNet on one partition of the data"),
                         ("monolith", "one UNet on all the data (the baseline)")):
@@ -123,7 +131,7 @@ def _train_text2img(args: argparse.Namespace) -> int:
                        resume=args.resume, world=world,
                        progress=None if args.stage == "tokenizer" or not world.writer else
                        _progress(args, train.steps, f"text2img {args.stage}"))
-        _report(run_stage(args.stage, run))
+        _report(run_stage(args.stage, run), args)
     return 0
 
 
@@ -173,7 +181,7 @@ def _train_unet(args: argparse.Namespace) -> int:
         partition=getattr(args, "partition", None), index=getattr(args, "index", None),
         progress=_progress(args, args.steps, f"{args.kind} ({args.framework})"),
         objective=objective, save_every=args.save_every, resume=args.resume)
-    _report(path)
+    _report(path, args)
     return 0
 
 
@@ -185,14 +193,22 @@ def _train_router(args: argparse.Namespace) -> int:
         use_labels=not args.no_labels, device=args.device,
         progress=_progress(args, args.steps, "router"), partition=args.partition,
         save_every=args.save_every, resume=args.resume)
-    _report(path)
+    _report(path, args)
     return 0
 
 
-def _report(path: Path | None) -> None:
-    """Data-parallel ranks other than 0 write nothing (None), so they say nothing."""
-    if path is not None:
-        print(f"wrote {path}")
+def _report(path: Path | None, args: argparse.Namespace) -> None:
+    """Say what was written and upload it (``--upload``); data-parallel ranks other than 0
+    write nothing (None), so they say and upload nothing."""
+    if path is None:
+        return
+    print(f"wrote {path}")
+    if getattr(args, "upload", None):  # the text-to-image stages take no --upload
+        from ddm.checkpoints.upload import upload_checkpoint
+
+        uploaded = upload_checkpoint(path, args.upload,
+                                     credentials_file=args.store_credentials_file)
+        print(f"uploaded {path} to {uploaded.uri} (sha256 {uploaded.sha256})")
 
 
 def _train_classifier(args: argparse.Namespace) -> int:
@@ -254,3 +270,28 @@ def _partition_show(args: argparse.Namespace) -> int:
     partition = {k: v for k, v in content["partition"].items() if k != "centroids"}
     print(json.dumps({"partition": partition, "fit": content.get("fit", {})}, indent=1))
     return 0
+
+
+def add_fetch_data_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``fetch-data``: MNIST from an object store or a web server through the checkpoint
+    fetcher (its destination rules, credential chains, caps, pin and atomic install); a
+    DDMTraining whose data is in a store has its data job run it once into the output
+    volume, and the experts read the copy."""
+    from ddm.checkpoints.commands import add_fetch_options
+
+    p = commands.add_parser("fetch-data", help="download and check MNIST's four IDX files "
+                                               "(a DDMTraining's data job runs this)")
+    p.add_argument("uri", help="s3://BUCKET/KEY, gs://BUCKET/KEY or https://...: a directory "
+                               "holding LeCun's four files (train-images-idx3-ubyte.gz, "
+                               "train-labels-idx1-ubyte.gz, t10k-...), or a .tar.gz of them")
+    p.add_argument("dest", type=Path,
+                   help="directory to create, or an empty one (a volume's mount point)")
+    add_fetch_options(p)
+    p.set_defaults(handler=_fetch_data)
+
+
+def _fetch_data(args: argparse.Namespace) -> int:
+    from ddm.checkpoints.commands import fetch_from_args
+    from ddm.data.mnist import FETCHED
+
+    return fetch_from_args(args, FETCHED)
