@@ -133,8 +133,8 @@ checkpoint, port, seconds, times_file, how = (sys.argv[1], int(sys.argv[2]), flo
 loops = getattr(routes, "SERVING_LOOPS", 1)
 times = []
 
-def loader(ckpt, backend, device, max_batch, cache):
-    real = load_backend(ckpt, backend, device, max_batch, cache)
+def loader(ckpt, backend, device, max_batch, cache, *compile_mode):  # none before --compile
+    real = load_backend(ckpt, backend, device, max_batch, cache, *compile_mode)
 
     def velocity(x, t, y, _velocity=real.velocity):
         started = time.perf_counter()

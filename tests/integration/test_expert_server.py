@@ -170,9 +170,9 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(torch_
 def test_readyz_is_503_until_warm_up_completes(smoke_expert_checkpoint):
     release = threading.Event()
 
-    def slow_loader(ckpt, backend, device, max_batch, compile_cache):
+    def slow_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
         release.wait(timeout=30)  # hold loading here until the test has looked
-        return load_backend(ckpt, backend, device, max_batch, compile_cache)
+        return load_backend(ckpt, backend, device, max_batch, compile_cache, compile_mode)
 
     app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=2),
                            Hooks(loader=slow_loader))
@@ -193,7 +193,7 @@ def test_readyz_is_503_until_warm_up_completes(smoke_expert_checkpoint):
 
 
 def test_a_failed_load_is_reported_by_the_probes(smoke_expert_checkpoint):
-    def broken_loader(ckpt, backend, device, max_batch, compile_cache):
+    def broken_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
         raise RuntimeError("no such accelerator")
 
     app = create_model_app(smoke_expert_checkpoint, hooks=Hooks(loader=broken_loader))
@@ -215,8 +215,8 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
     """One request holds the model; with max_pending 1 the next is refused at once."""
     entered, gate = threading.Event(), threading.Event()
 
-    def gated_loader(ckpt, backend, device, max_batch, compile_cache):
-        real = load_backend(ckpt, backend, device, max_batch, compile_cache)
+    def gated_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
+        real = load_backend(ckpt, backend, device, max_batch, compile_cache, compile_mode)
 
         def velocity(x, t, y):
             if x.shape[0] == 5:
@@ -327,8 +327,8 @@ from ddm.serving.model.server import create_model_app
 from ddm.serving.http.server import run_server
 checkpoint, port, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
 
-def loader(ckpt, backend, device, max_batch, cache):
-    real = load_backend(ckpt, backend, device, max_batch, cache)
+def loader(ckpt, backend, device, max_batch, cache, compile_mode):
+    real = load_backend(ckpt, backend, device, max_batch, cache, compile_mode)
 
     def velocity(x, t, y, _velocity=real.velocity):
         if float(t[0]) == %r:
@@ -486,8 +486,8 @@ def test_a_batch_of_one_holding_the_model_does_not_hold_the_probes(smoke_expert_
     loop answers probes while a batch-1 call is held (it once ran small batches on the loop)."""
     serving, entered, gate = threading.Event(), threading.Event(), threading.Event()
 
-    def gated_loader(ckpt, backend, device, max_batch, compile_cache):
-        real = load_backend(ckpt, backend, device, max_batch, compile_cache)
+    def gated_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
+        real = load_backend(ckpt, backend, device, max_batch, compile_cache, compile_mode)
 
         def velocity(x, t, y):
             if serving.is_set():

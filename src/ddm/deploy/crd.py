@@ -216,6 +216,13 @@ MAX_BATCH_FIELD = Integer(
     minimum=1, maximum=limits.MAX_BATCH)
 MAX_DELAY_FIELD = Integer(description="How long the server waits to fill a batch.",
                           minimum=0, maximum=limits.MAX_DELAY_MS)
+COMPILE_FIELD = String(
+    description="torch backend only: run the torch networks (experts, router network) under "
+                "torch.compile in this mode (reduce-overhead adds CUDA graphs on a GPU; "
+                "max-autotune searches kernels, long compiles); each batch is padded to a "
+                "power of two up to maxBatch and every size compiles before the server is "
+                "ready, so allow for it in the start-up time. Unset: none (eager).",
+    choices=limits.COMPILE_MODES)
 
 # -- An expert's autoscaling (``ddm.deploy.autoscaling``) ---------------------------------------
 
@@ -368,6 +375,7 @@ EXPERT = Object(required=("name", "checkpoint"), properties={
     "replicas": Integer(description="Default 1.", minimum=0, maximum=limits.MAX_REPLICAS),
     "maxBatch": MAX_BATCH_FIELD,
     "maxDelayMs": MAX_DELAY_FIELD,
+    "compile": COMPILE_FIELD,
     **POD_FIELDS,
     "pool": POOL,
     "autoscaling": AUTOSCALING,
@@ -378,6 +386,7 @@ POOL_ITEM = Object(required=("name",), properties={
     "replicas": Integer(description="Default 1.", minimum=1, maximum=limits.MAX_REPLICAS),
     "maxBatch": MAX_BATCH_FIELD,
     "maxDelayMs": MAX_DELAY_FIELD,
+    "compile": COMPILE_FIELD,
     **POD_FIELDS,
     "autoscaling": AUTOSCALING,
 })

@@ -129,6 +129,26 @@ MAX_EXPERT_PROBE_BYTES = 16 * 1024
 #: ``ddm.deploy.accelerators``). (In-process loading adds ``native``, the checkpoint's own
 #: framework: ``ddm.models.loading.LOAD_BACKENDS``.)
 EXPERT_BACKENDS = ("torch", "jax", "neuron")
+#: ``torch.compile``'s modes a model server may run its torch networks in (``--compile``, the
+#: spec's ``compile``); ``none`` runs them eagerly. ``reduce-overhead`` adds CUDA graphs (on a
+#: GPU), ``max-autotune`` searches kernels as well (long compiles). Compiled, a server pads
+#: each batch to a bucket (``ddm.serving.batching.batch_buckets``) and warms every bucket
+#: before it is ready.
+COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+#: The only backend ``torch.compile`` applies to; the others compile their own way, always.
+COMPILING_BACKEND = "torch"
+_OWN_COMPILERS = {"jax": "XLA compiles every batch bucket at start",
+                  "neuron": "torch-neuronx traces every batch bucket at start"}
+
+
+def compile_refusal(mode: str, backend: str) -> str | None:
+    """Why a server on ``backend`` cannot run its networks in compile ``mode``, or None."""
+    if mode not in COMPILE_MODES:
+        return f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}"
+    if mode != "none" and backend != COMPILING_BACKEND:
+        return (f"compile {mode} is torch.compile's, for the torch backend; on the {backend} "
+                f"backend {_OWN_COMPILERS.get(backend, 'nothing compiles')}: give compile none")
+    return None
 
 #: A text DDM's conditioning on the wire (``docs/protocol.md``, version 2): a context (one
 #: generation's embeddings) holds at most this many rows (prompts) of at most this many tokens

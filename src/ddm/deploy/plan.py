@@ -323,7 +323,9 @@ def plan_expert(expert: ExpertSpec) -> ExpertPlan:
 
 
 def _batching_args(server: ExpertSpec | PoolSpec) -> list[str]:
-    """A server's batcher flags (an expert's, or a pool's for each of its members)."""
+    """A server's batcher and compile flags (an expert's, or a pool's for each of its
+    members): compiled, a server pads each batch to a bucket of its ``--max-batch``."""
     return [*(("--max-batch", str(server.max_batch)) if server.max_batch is not None else ()),
             *(("--max-delay-ms", str(server.max_delay_ms))
-              if server.max_delay_ms is not None else ())]
+              if server.max_delay_ms is not None else ()),
+            *(("--compile", server.compile) if server.compile is not None else ())]

@@ -22,8 +22,9 @@ class PoolSpec:
     """A pool (``spec.pools[]``): ``replicas`` model server processes (pods), each holding every
     member's weights on one ``accelerator``; its members are the components that name it
     (``pool: NAME``) and carry no placement of their own. ``max_batch``/``max_delay_ms``
-    apply to each member's batcher (None: the server's own defaults); ``autoscaling``: its
-    replicas follow the sum of its member experts' demand (None: ``replicas`` fixed)."""
+    apply to each member's batcher, ``compile`` (``torch.compile``'s mode) to each member's
+    torch network (None: the server's own defaults); ``autoscaling``: its replicas follow
+    the sum of its member experts' demand (None: ``replicas`` fixed)."""
 
     name: str
     accelerator: Accelerator
@@ -32,6 +33,7 @@ class PoolSpec:
     max_delay_ms: int | None = None
     pod: PodOptions = PodOptions()
     autoscaling: Autoscaling | None = None
+    compile: str | None = None
 
 
 @dataclass(frozen=True)

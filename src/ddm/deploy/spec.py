@@ -37,6 +37,7 @@ from ddm.deploy.accelerators import (
 from ddm.deploy.autoscaling import Autoscaling, fleet_problems, parse_autoscaling
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
+    COMPILE_MODES,
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
@@ -54,6 +55,7 @@ from ddm.deploy.limits import (
     MISSING_EXPERT_WAIT_S,
     PRECISIONS,
     STAGE_PLACEMENTS,
+    compile_refusal,
 )
 from ddm.deploy.pod_options import PodOptions, parse_pod_options
 from ddm.deploy.pools import STAGE_FIELDS, Component, PoolSpec, pool_problems
@@ -181,8 +183,9 @@ class RouterSpec:
 
 @dataclass(frozen=True)
 class ExpertSpec:
-    """One expert. ``max_batch``/``max_delay_ms`` None: the server's own defaults; ``pool``:
-    the pool that serves it (None: servers of its own)."""
+    """One expert. ``max_batch``/``max_delay_ms``/``compile`` None: the server's own defaults
+    (``compile``: ``torch.compile``'s mode, ``ddm serve --compile``); ``pool``: the pool that
+    serves it (None: servers of its own)."""
 
     name: str
     framework: str
@@ -197,6 +200,7 @@ class ExpertSpec:
     autoscaling: Autoscaling | None = None
     precision: str | None = None
     pool: str | None = None
+    compile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -516,6 +520,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         autoscaling=_autoscaling(reader),
         precision=reader.string("precision", None, choices=PRECISIONS),
         pool=pool,
+        compile=_compile(reader),
     )
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, expert.pod)
@@ -526,7 +531,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
 #: What a pool decides for its members: a component that names a pool gives none of these.
 POOL_PLACED_FIELDS = ("placement", "accelerator", "replicas", "resources", "image",
                       "nodeSelector", "tolerations", "affinity", "maxBatch", "maxDelayMs",
-                      "autoscaling")
+                      "autoscaling", "compile")
 
 
 def _pool_name(reader: FieldReader) -> str | None:
@@ -549,6 +554,10 @@ def _max_delay_ms(reader: FieldReader) -> int | None:
     return reader.integer("maxDelayMs", None, 0, MAX_DELAY_MS)
 
 
+def _compile(reader: FieldReader) -> str | None:
+    return reader.string("compile", None, choices=COMPILE_MODES)
+
+
 def _autoscaling(reader: FieldReader) -> Autoscaling | None:
     return parse_autoscaling(reader.child("autoscaling")) if reader.has("autoscaling") else None
 
@@ -564,7 +573,8 @@ def _pool(reader: FieldReader) -> PoolSpec | None:
     pool = PoolSpec(name=name or "", accelerator=accelerator,
                     replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
                     max_batch=_max_batch(reader), max_delay_ms=_max_delay_ms(reader),
-                    pod=parse_pod_options(reader), autoscaling=_autoscaling(reader))
+                    pod=parse_pod_options(reader), autoscaling=_autoscaling(reader),
+                    compile=_compile(reader))
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, pool.pod)
     reader.done()
@@ -589,6 +599,7 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
             found.append(f"spec.experts[{i}].classes: {outside} are outside 0..{last} "
                          f"(spec.numClasses is {spec.num_classes})")
     found.extend(_conditioning_problems(spec))
+    found.extend(_compile_problems(spec))
     found.extend(pool_problems(spec.pools, [
         *(Component(f"spec.experts[{i}]", e.name, e.pool, e.framework, e.precision)
           for i, e in enumerate(spec.experts)),
@@ -605,6 +616,25 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
     if match and int(match.group(1)) > len(spec.experts):
         found.append(f"spec.sampling.strategy: {strategy} combines {match.group(1)} experts but "
                      f"only {len(spec.experts)} are defined")
+    return found
+
+
+def _compile_problems(spec: DDMSpec) -> list[str]:
+    """A ``compile`` mode where the server's backend is not torch (JAX, Neuron): an
+    expert's own, or a pool's for its members' framework."""
+    placed = [(f"spec.experts[{i}]", e.compile, e.accelerator, e.framework)
+              for i, e in enumerate(spec.experts) if e.pool is None]
+    for j, pool in enumerate(spec.pools):
+        framework = next((m.framework for m in spec.members(pool.name).values()
+                          if isinstance(m, ExpertSpec)), "torch")
+        placed.append((f"spec.pools[{j}]", pool.compile, pool.accelerator, framework))
+    found = []
+    for path, mode, accelerator, framework in placed:
+        backend = accelerator.declared.backends.get(framework)
+        refusal = (None if mode is None or backend is None  # no backend: named elsewhere
+                   else compile_refusal(mode, backend[0]))
+        if refusal is not None:
+            found.append(f"{path}.compile: {refusal}")
     return found
 
 

@@ -77,12 +77,15 @@ def expert_velocity(ckpt: Checkpoint, backend: str = "native",
 
 
 def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None = None,
-                   batch_sizes: Sequence[int] = (1, MAX_BATCH)) -> ModelFn:
+                   batch_sizes: Sequence[int] = (1, MAX_BATCH),
+                   compile_mode: str = "none") -> ModelFn:
     """The checkpoint's network as trained: its own inputs, its own prediction (what
     ``ddm expert check`` tests against the declared objective). Our UNet runs on either
     framework; a user's network (``ckpt.meta.model``) on its own only. An exported torch
     program is refused if one of ``batch_sizes`` (default: one row and the most any server
-    takes) would make it compute an oversized tensor; call it with those sizes only."""
+    takes) would make it compute an oversized tensor; call it with those sizes only. A torch
+    network is compiled in ``compile_mode`` unless ``none`` (:func:`~ddm.models.torch_io.
+    compile_network`), for ``batch_sizes``."""
     framework = ckpt.meta.framework if backend == "native" else backend
     model = ckpt.meta.model
     if model.image_shape is not None:
@@ -102,8 +105,10 @@ def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None
         from ddm.models import torch_io
 
         torch_device = torch_io.select_torch_device(device)
-        return torch_io.velocity_fn(torch_io.expert_module(ckpt, torch_device, batch_sizes),
-                                    torch_device)
+        module = torch_io.expert_module(ckpt, torch_device, batch_sizes)
+        if compile_mode != "none":
+            torch_io.compile_network(module, compile_mode, len(batch_sizes))
+        return torch_io.velocity_fn(module, torch_device)
     if framework == "jax" and model.kind == "import":
         from ddm.models import flax_unet
         from ddm.models.imports import flax_network

@@ -314,6 +314,10 @@ class Stage:
                                                                          repr=False)
     #: The router network's number of clusters (router stages).
     clusters: int | None = None
+    #: The torch network ``forward`` calls (an expert's or router network's), which a server
+    #: may compile in place (``--compile``); None where there is none to compile (JAX) or
+    #: the stage is not compiled (text encoder, decoder: run once per generation).
+    network: torch.nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
     def role(self) -> str:
@@ -720,7 +724,8 @@ _LOADERS: dict[str, Callable[[Path, StageDeclaration, torch.dtype | None, str, s
 def _stage(declared: StageDeclaration, network: torch.nn.Module, forward: Callable[..., Any],
            latent: tuple[int, int], text_width: int | None = None) -> Stage:
     dtype = next(network.parameters()).dtype
-    return Stage(_filled(declared, latent, text_width), precision_name(dtype), forward)
+    return Stage(_filled(declared, latent, text_width), precision_name(dtype), forward,
+                 network=network)
 
 
 def _with_clusters(path: Path, stage: Stage, clusters: int) -> Stage:
@@ -728,7 +733,8 @@ def _with_clusters(path: Path, stage: Stage, clusters: int) -> Stage:
     if prior is not None and prior.clusters != clusters:
         raise CheckpointError(f"{path}: {DDM_KEY}.{TEXT_PRIOR_KEY} weighs {prior.clusters} "
                               f"clusters, the router network has {clusters}")
-    return Stage(stage.declaration, stage.dtype, stage.forward, clusters=int(clusters))
+    return Stage(stage.declaration, stage.dtype, stage.forward, clusters=int(clusters),
+                 network=stage.network)
 
 
 def _filled(declared: StageDeclaration, latent: tuple[int, int] | None = None,

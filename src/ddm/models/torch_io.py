@@ -87,6 +87,18 @@ def expert_module(ckpt: Checkpoint, device: torch.device | None = None,
         raise type(error)(f"checkpoint {ckpt.path}: {error}") from None
 
 
+def compile_network(module: nn.Module, mode: str, shapes: int) -> None:
+    """Compile ``module`` in place with ``torch.compile(mode=mode)`` (every later call of it
+    runs compiled), for ``shapes`` distinct input shapes. Compilation happens at the first
+    call of each shape. Dynamo keeps a bounded number of compiled versions per code object
+    (``recompile_limit``, 8 by default) and runs past it eagerly, so the bound is raised to
+    twice ``shapes`` (room for a second text length): same-architecture networks share their
+    versions (their weights are inputs), so one bound serves a pool of them."""
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, 2 * shapes)
+    module.compile(mode=mode)
+
+
 def export_program(module: nn.Module, image_shape: tuple[int, int, int]) -> bytes:
     """``module`` (``(x, t, y) -> (B, C, H, W)``) as a ``torch.export`` program whose batch
     size is free: what an ``exported`` checkpoint holds in ``program.pt2``."""

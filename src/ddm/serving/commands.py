@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddm.deploy.limits import EXPERT_BACKENDS, EXPERT_PORT, PRECISIONS, ROUTER_PORT
+from ddm.deploy.limits import COMPILE_MODES, EXPERT_BACKENDS, EXPERT_PORT, PRECISIONS, ROUTER_PORT
 
 if TYPE_CHECKING:
     from ddm.serving.model.options import ServingOptions
@@ -101,6 +101,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="stage checkpoints: cast the weights to this dtype, which replies "
                         "travel in too (default: the weights' own)")
+    p.add_argument("--compile", choices=COMPILE_MODES, default=None,
+                   help="torch backend: run the experts' and router network's torch networks "
+                        "under torch.compile in this mode (reduce-overhead: with CUDA graphs), "
+                        "each batch padded to a power of two up to --max-batch, every size "
+                        "compiled before /readyz is 200 (default none: eager)")
     # Defaults left to the servers (one place), and shown by their /v1/info.
     p.add_argument("--max-batch", type=int,
                    help="rows per model call (a guided row counts twice); more get 422")
@@ -186,7 +191,8 @@ def _options(args: argparse.Namespace, *own: str) -> ServingOptions:
     from ddm.termination import fail_start
 
     names = ("host", "port", "log_level", "drain_s", "metrics_port", "api_docs",
-             "auth_token_file", "backend", "device", "precision", "max_batch", "max_delay_ms",
+             "auth_token_file", "backend", "device", "precision", "compile", "max_batch",
+             "max_delay_ms",
              "max_pending", "memory_limit_bytes", *own)
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     try:

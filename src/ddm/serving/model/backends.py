@@ -8,7 +8,9 @@ compiles one program per batch size and a Neuron trace is fixed to one, so those
 each batch up to a bucket of :func:`batch_buckets` and compile every bucket during
 :meth:`Backend.warm_up`, before the server reports ready. PyTorch runs any size eagerly and is
 warmed at 1 and ``max_batch`` rows, except an exported program, padded to the buckets too: its
-tensors' sizes are checked at those batch sizes only (``ddm.models.torch_program``).
+tensors' sizes are checked at those batch sizes only (``ddm.models.torch_program``), and a
+network under ``torch.compile`` (``compile_mode``), padded and warmed at every bucket and run
+on the compiled-model thread (:mod:`ddm.serving.model.compiled`).
 
 Frameworks are imported only when their backend is selected, so a JAX image needs no torch and
 the CPU image needs no torch-neuronx.
@@ -35,10 +37,11 @@ from typing import Callable
 import numpy as np
 
 from ddm.checkpoints.format import CONFIG_FILE, Checkpoint
-from ddm.deploy.limits import EXPERT_BACKENDS
+from ddm.deploy.limits import EXPERT_BACKENDS, compile_refusal
 from ddm.models.loading import ModelFn, expert_image_shape, expert_network
 from ddm.objectives import NATIVE, Objective, as_velocity
 from ddm.serving.batching import batch_buckets, bucket_for, pad_rows
+from ddm.serving.model.compiled import on_compiled_thread
 
 #: The modules each backend imports, checked (without importing) before anything loads.
 _REQUIRES = {"torch": ("torch",), "jax": ("jax", "flax"), "neuron": ("torch", "torch_neuronx")}
@@ -117,9 +120,9 @@ class Backend:
                           np.full((size,), self._warm_label, np.int64))
 
 
-#: ``(checkpoint, backend, device, max_batch, compile_cache) -> Backend``: :func:`load_backend`,
-#: or a replacement that serves a custom backend.
-BackendLoader = Callable[[Checkpoint, str, str | None, int, Path | None], Backend]
+#: ``(checkpoint, backend, device, max_batch, compile_cache, compile_mode) -> Backend``:
+#: :func:`load_backend`, or a replacement that serves a custom backend.
+BackendLoader = Callable[[Checkpoint, str, str | None, int, Path | None, str], Backend]
 
 
 def check_backend(name: str, device: str | None = None) -> None:
@@ -138,26 +141,30 @@ def check_backend(name: str, device: str | None = None) -> None:
 
 
 def load_backend(ckpt: Checkpoint, backend: str, device: str | None, max_batch: int,
-                 compile_cache: Path | None = None) -> Backend:
+                 compile_cache: Path | None = None, compile_mode: str = "none") -> Backend:
     """Build ``backend`` for an expert checkpoint (not yet warmed up): our UNet on any
     backend, a user's network (``ckpt.meta.model``) on its own framework (torch networks on
     Neuron too).
 
     ``device``: torch ``cpu``/``cuda[:N]``/``xla``; JAX ``cpu``/``gpu``/``tpu`` with an optional
     ``:N``; None for the framework's default. Neuron takes no device (see the module doc).
+    ``compile_mode``: ``torch.compile``'s mode for the torch backend (``none``: eager).
     """
     check_backend(backend, device)
+    refusal = compile_refusal(compile_mode, backend)
+    if refusal is not None:
+        raise ValueError(refusal)
     image_shape = expert_image_shape(ckpt.meta)
     label = min(ckpt.meta.classes, default=0)
     if backend == "torch":
-        return _torch_backend(ckpt, device, max_batch, image_shape, label)
+        return _torch_backend(ckpt, device, max_batch, image_shape, label, compile_mode)
     if backend == "jax":
         return _jax_backend(ckpt, device, max_batch, image_shape, label)
     return _neuron_backend(ckpt, max_batch, image_shape, label, compile_cache)
 
 
 def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
-                   image_shape: tuple[int, int, int], label: int) -> Backend:
+                   image_shape: tuple[int, int, int], label: int, compile_mode: str) -> Backend:
     import torch
 
     from ddm.models.torch_io import select_torch_device
@@ -165,10 +172,14 @@ def _torch_backend(ckpt: Checkpoint, device: str | None, max_batch: int,
     target = select_torch_device(device)
     hardware = torch.cuda.get_device_name(target) if target.type == "cuda" else cpu_model()
     info = BackendInfo(f"torch {torch.__version__}", "torch", str(target), hardware)
-    exported = ckpt.meta.model.kind == "exported"  # checked at, so run at, these sizes only
-    sizes = batch_buckets(max_batch) if exported else tuple(sorted({1, max_batch}))
-    return Backend(expert_network(ckpt, "torch", device, sizes), info, image_shape,
-                   sizes, pads_to_warm_sizes=exported, warm_label=label,
+    # An exported program is checked at, so run at, these sizes only; a compiled network
+    # compiles (and records a CUDA graph) for each size it meets, so it meets these only.
+    padded = ckpt.meta.model.kind == "exported" or compile_mode != "none"
+    sizes = batch_buckets(max_batch) if padded else tuple(sorted({1, max_batch}))
+    run = expert_network(ckpt, "torch", device, sizes, compile_mode)
+    if compile_mode != "none":
+        run = on_compiled_thread(compile_mode, run)
+    return Backend(run, info, image_shape, sizes, pads_to_warm_sizes=padded, warm_label=label,
                    objective=ckpt.meta.objective)
 
 

@@ -94,7 +94,8 @@ class LabelExpert(Member):
                 "objective": meta.objective.to_dict(), "convention": meta.convention,
                 "latent_shape": shape, "image_shape": shape, "wire_dtype": "float32",
                 "precision": "float32", "framework": meta.framework, "backend": backend,
-                "runtime": runtime, "device": device, "hardware": hardware}
+                "runtime": runtime, "device": device, "hardware": hardware,
+                "compile": self.options.compile}
 
     async def answer(self, body: bytes) -> tuple[int, bytes]:
         async def handle(handling: Handling) -> bytes:
@@ -139,7 +140,7 @@ class LabelExpert(Member):
         """The backend, checked by ``ddm expert check``'s checks and warmed up."""
         options = self.options
         backend = self.loader(load_checkpoint(self.directory), options.backend, options.device,
-                              self.limits.max_batch, options.compile_cache)
+                              self.limits.max_batch, options.compile_cache, options.compile)
         assert self.limits.image_shape is not None
         require_passing(check_network(self.meta, backend.network, self.limits.image_shape,
                                       behaviour_data(self.meta), self.limits.max_batch),

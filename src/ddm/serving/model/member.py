@@ -37,7 +37,7 @@ INFO_FIELDS = (
     "partition", "data", "summary", "cluster", "clusters", "objective", "convention",
     "network_convention", "latent_shape", "image_shape", "text_width", "example_prompt",
     "wire_dtype", "precision", "framework", "backend", "runtime", "device", "hardware",
-    "max_batch", "max_steps", "max_body_bytes", "max_pending", "max_delay_ms",
+    "compile", "max_batch", "max_steps", "max_body_bytes", "max_pending", "max_delay_ms",
     "context_cache_bytes", "ready")
 
 

@@ -19,7 +19,7 @@ from typing import Any, Awaitable, Callable
 
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXPERT_PORT,
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
-                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING)
+                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING, compile_refusal)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.http.server import ServerControl
 from ddm.serving.model.backends import BackendLoader, load_backend
@@ -38,7 +38,9 @@ class ServingOptions:
     SIGTERM), ``metrics_port`` (``/metrics`` there only), ``api_docs`` (Swagger UI at
     ``/docs``) and ``auth_token_file`` (``/v1/*`` needs its bearer token): the process's.
     ``backend``/``device``/``precision``: where the models run and in which dtype
-    (``precision`` casts stage checkpoints; label checkpoints serve float32).
+    (``precision`` casts stage checkpoints; label checkpoints serve float32); ``compile``:
+    ``torch.compile``'s mode for the torch networks (experts, router network; ``none``:
+    eager; :mod:`ddm.serving.model.compiled`), refused on another backend.
     ``max_batch`` forward rows per model call, ``max_delay_ms`` of waiting for more,
     ``max_steps`` grid intervals per integrate request, ``max_pending`` requests admitted per
     member, ``context_cache_bytes`` of a text expert's contexts, ``compile_cache`` (Neuron's
@@ -55,6 +57,7 @@ class ServingOptions:
     backend: str = "torch"
     device: str | None = None
     precision: str | None = None
+    compile: str = "none"
     max_batch: int = SERVER_MAX_BATCH
     max_delay_ms: float = SERVER_MAX_DELAY_MS
     max_steps: int = MAX_STEPS
@@ -70,6 +73,9 @@ class ServingOptions:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of "
                              f"{', '.join(PRECISIONS)}")
+        refusal = compile_refusal(self.compile, self.backend)
+        if refusal is not None:
+            raise ValueError(f"--{refusal}")
         for name in ("max_batch", "max_steps", "max_pending"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -42,8 +42,10 @@ from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import Stage, StageDeclaration, load_stage
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
-from ddm.serving.batching import grid_slices
+from ddm.models.torch_io import compile_network
+from ddm.serving.batching import batch_buckets, grid_slices
 from ddm.serving.model.backends import cpu_model
+from ddm.serving.model.compiled import WARM_TEXT_TOKENS, bucketed, on_compiled_thread
 from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions
@@ -145,6 +147,8 @@ class StageMember(Member):
                 "network_convention": declared.convention, "serves": _serves(declared.role),
                 "framework": backend, "backend": backend, "runtime": backend,
                 "device": self.options.device or "cpu", "hardware": self.hardware,
+                "compile": None if stage is None else
+                self.options.compile if stage.network is not None else "none",
                 "context_cache_bytes": self.contexts.max_bytes if declared.role == EXPERT
                 else None}
 
@@ -280,14 +284,22 @@ class StageMember(Member):
 
     def load_and_warm(self) -> Stage:
         """The stage at ``--precision``, an expert checked by ``ddm expert check``'s
-        structural checks, warmed up."""
+        structural checks (eagerly), compiled where ``--compile`` asks and it has a torch
+        network, warmed up: at one row, or compiled at every bucket."""
         options = self.options
         stage = load_stage(self.directory, options.precision, options.device or "cpu",
                            options.backend)
         if stage.declaration.role == EXPERT:
             require_passing(check_loaded_expert(stage, self.limits.max_batch), self.who)
-        _warm_up(stage)
-        return stage
+        if options.compile == "none" or stage.network is None:
+            _warm_up(stage, (1,), _WARM_TOKENS)
+            return stage
+        buckets = batch_buckets(self.limits.max_batch)
+        compile_network(stage.network, options.compile, len(buckets))
+        compiled = dataclasses.replace(stage, forward=bucketed(
+            on_compiled_thread(options.compile, stage.forward), buckets))
+        _warm_up(compiled, buckets, WARM_TEXT_TOKENS)
+        return compiled
 
     def publish(self, loaded: Stage) -> None:
         declared = loaded.declaration
@@ -306,23 +318,25 @@ def _guided(embeddings: np.ndarray, negative: np.ndarray,
         guidance, Conditioning(embeddings=negative))
 
 
-def _warm_up(stage: Stage) -> None:
-    """One call at batch 1, so that the first request pays no lazy initialisation."""
+def _warm_up(stage: Stage, sizes: tuple[int, ...], tokens: int) -> None:
+    """One call at each of ``sizes`` rows (an expert's text ``tokens`` long), so that the
+    first request pays no lazy initialisation or compilation."""
     declared = stage.declaration
     if declared.role == TEXT_ENCODER:
         stage.forward([""])
         return
     assert declared.latent_shape is not None
-    x = np.zeros((1, *declared.latent_shape), np.float32)
-    t = np.full((1,), 0.5, np.float32)
-    if declared.role == EXPERT:
-        assert declared.text_width is not None
-        stage.forward(x, t, Conditioning(
-            embeddings=np.zeros((1, _WARM_TOKENS, declared.text_width), np.float32)))
-    elif declared.role == ROUTER:
-        stage.forward(x, t)
-    else:
-        stage.forward(x)
+    for size in sizes:
+        x = np.zeros((size, *declared.latent_shape), np.float32)
+        t = np.full((size,), 0.5, np.float32)
+        if declared.role == EXPERT:
+            assert declared.text_width is not None
+            stage.forward(x, t, Conditioning(
+                embeddings=np.zeros((size, tokens, declared.text_width), np.float32)))
+        elif declared.role == ROUTER:
+            stage.forward(x, t)
+        else:
+            stage.forward(x)
 
 
 def _max_body_bytes(role: str, limits: Limits) -> int:
