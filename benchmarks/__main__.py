@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -112,9 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="1,8,32", help="concurrent prompts per level")
     p.add_argument("--rounds", type=int, default=1, help="requests per client per level")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: 50)")
+    p.add_argument("--compile", default="none",
+                   help="torch.compile modes to serve in, each measured (comma-separated: "
+                        "none, default, reduce-overhead, max-autotune)")
     p.add_argument("--quick", action="store_true",
                    help="small release, 2 steps, 1 and 2 prompts: a smoke run")
     p.set_defaults(handler=_bench_paris_pools)
+
+    p = kinds.add_parser("gpu-check", help="issue 37's GPU check in one command: nvidia-smi, "
+                                           "a full-size Paris release in one pool on the GPU, "
+                                           "eager and CUDA graphs, against in-process, at 1 "
+                                           "and 32 prompts (JSON under $OUT)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="where gpu-check.json and nvidia-smi.txt go (default: $OUT, else "
+                        "out/gpu-check)")
+    p.add_argument("--quick", action="store_true",
+                   help="check the command on the CPU: the small release, 2 steps, 1 and 2 "
+                        "prompts")
+    p.set_defaults(handler=_gpu_check)
 
     p = kinds.add_parser("grouped", help="the shipped text2img experts as one grouped forward "
                                          "(stacked parameters, torch.vmap) against member by "
@@ -124,14 +140,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _gpu_check(args: argparse.Namespace) -> int:
+    from benchmarks.fleet import BenchError
+    from benchmarks.gpu_check import default_out, gpu_check
+
+    try:
+        return gpu_check(args.out or default_out(), quick=args.quick)
+    except BenchError as error:
+        print(f"benchmarks: error: {error}", file=sys.stderr)
+        return 1
+
+
 def _bench_paris_pools(args: argparse.Namespace) -> int:
     from benchmarks.paris_pools import QUICK, ParisPoolSettings, bench_paris_pools_command
     from benchmarks.pools import PoolBenchSettings
 
     try:
-        settings = QUICK if args.quick else ParisPoolSettings(
+        modes = tuple(m.strip() for m in args.compile.split(",") if m.strip())
+        settings = replace(QUICK, compile=modes) if args.quick else ParisPoolSettings(
             size=args.size, accelerator=args.accelerator, precision=args.precision,
             deployments=tuple(d.strip() for d in args.deployments.split(",") if d.strip()),
+            compile=modes,
             load=PoolBenchSettings(concurrency=_levels(args.concurrency), rounds=args.rounds,
                                    steps=args.steps))
     except ValueError as error:

@@ -132,11 +132,13 @@ def _loopback(url: str) -> str:
 
 
 @contextmanager
-def local_ddm(manifest: Path, clients: int, log: TextIO
+def local_ddm(manifest: Path, clients: int, log: TextIO, ready_s: float = READY_TIMEOUT_S
               ) -> Iterator[tuple[str, dict[str, int]]]:
     """``ddm up``'s processes for ``manifest`` (every model server: experts, separate stages,
-    pools), the router allowing ``clients`` generations at once; yields the router's URL and
-    the PID of every process it started by name, and stops them all after."""
+    pools), the router allowing ``clients`` generations at once, every one ready within
+    ``ready_s`` (``ddm up``'s deadline unless a compiling server needs longer); yields the
+    router's URL and the PID of every process it started by name, and stops them all
+    after."""
     with tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
@@ -146,7 +148,7 @@ def local_ddm(manifest: Path, clients: int, log: TextIO
         try:
             print(f"load: starting {len(plan.servers)} model servers and the router", file=log,
                   flush=True)
-            deadline = time.monotonic() + READY_TIMEOUT_S
+            deadline = time.monotonic() + ready_s
             supervisor.start_ready(plan.servers, HOST, deadline)
             supervisor.start_ready([router], HOST, deadline)
             yield plan.url, {name: process.pid

@@ -14,7 +14,10 @@ product's: eight experts, the router network, the text encoder and the decoder.
 
 ``alone`` is the imported ddm.yaml as ``ddm up`` runs it; ``pooled`` the same DDM with every
 component in one pool (:func:`pooled_manifest`); ``in_process`` ``load_text_ddm`` +
-``generate_text`` in a fresh process (``benchmarks.pools``' child). The sampling settings are the
+``generate_text`` in a fresh process (``benchmarks.pools``' child), eager. ``--compile
+none,reduce-overhead`` measures each served deployment once per ``torch.compile`` mode (the
+spec's ``compile``: the pool's, or every expert's when alone), keyed ``pooled`` for ``none``
+and ``pooled-MODE`` for the others (:func:`deployment_key`). The sampling settings are the
 release's (50 Euler steps, top-2, guidance 7.5) unless ``--steps`` says otherwise. Memory is
 every process's lifetime peak RSS and, on NVIDIA, each process's GPU memory from nvidia-smi,
 read while the deployment is still up.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import itertools
 import json
 import os
 import shutil
@@ -38,8 +42,9 @@ from typing import Any, TextIO
 import yaml
 
 from benchmarks.fleet import BenchError, machine, say
-from benchmarks.load import local_ddm
+from benchmarks.load import READY_TIMEOUT_S, local_ddm
 from benchmarks.pools import PoolBenchSettings, in_process, served
+from ddm.deploy.limits import COMPILE_MODES
 from ddm.models.paris import ParisExpertConfig, ParisRouterConfig
 from tests.support.paris_release import FULL_PARIS, TinyParis, write_paris_release
 
@@ -58,6 +63,9 @@ PLACEMENT_FIELDS = ("accelerator", "replicas", "resources", "nodeSelector", "tol
                     "affinity", "image", "maxBatch", "maxDelayMs", "autoscaling", "placement")
 #: The issue's targets for a full-size pool on one H200.
 H200_IMAGES_PER_S, H200_P50_S = 8.0, 0.25
+#: How long a compiled deployment's servers may take to be ready: every batch bucket compiles
+#: first (the nvidia accelerator's start-up budget in a pod is 600 s).
+COMPILED_READY_S = 1200.0
 PROMPTS = ("a photo of a red car on the beach", "a cat on the beach at sunset",
            "a photo of the sunset", "a red cat")
 
@@ -72,6 +80,7 @@ class ParisPoolSettings:
     precision: str | None = None
     deployments: tuple[str, ...] = DEPLOYMENTS
     max_batch: int = 64
+    compile: tuple[str, ...] = ("none",)
     load: PoolBenchSettings = PoolBenchSettings(concurrency=(1, 8, 32), rounds=1)
 
     def __post_init__(self) -> None:
@@ -85,10 +94,31 @@ class ParisPoolSettings:
                              f"got {', '.join(self.deployments) or 'none'}")
         if not 1 <= self.max_batch <= 1024:
             raise ValueError(f"max_batch must be in 1..1024, got {self.max_batch}")
+        unknown = sorted(set(self.compile) - set(COMPILE_MODES))
+        if unknown or not self.compile or len(set(self.compile)) != len(self.compile):
+            raise ValueError(f"compile: give some of {', '.join(COMPILE_MODES)}, each once, "
+                             f"got {', '.join(self.compile) or 'none'}")
 
 
 #: ``--quick``: the small release, 2 steps, 1 and 2 prompts, one round.
 QUICK = ParisPoolSettings(load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2))
+
+
+def deployment_key(name: str, mode: str) -> str:
+    """A served deployment's key in the JSON: ``name`` eager, ``name-MODE`` compiled."""
+    return name if mode == "none" else f"{name}-{mode}"
+
+
+def compiled_manifest(document: dict[str, Any], mode: str) -> dict[str, Any]:
+    """``document`` (alone or pooled) with its model servers in compile ``mode``: each pool's
+    and each unpooled expert's ``compile`` (pure: a new document)."""
+    compiled = copy.deepcopy(document)
+    if mode == "none":
+        return compiled
+    spec = compiled["spec"]
+    for server in (*spec.get("pools", ()), *(e for e in spec["experts"] if "pool" not in e)):
+        server["compile"] = mode
+    return compiled
 
 
 def pooled_manifest(document: dict[str, Any], accelerator: str, max_batch: int
@@ -131,11 +161,9 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr) -> 
         document = yaml.safe_load((imported / "ddm.yaml").read_text())
         # On loopback without the import's bearer token, as examples/text2img.yaml runs.
         document["spec"]["router"].pop("auth", None)
-        manifests = {"alone": imported / "ddm-alone.yaml",
-                     "pooled": imported / "ddm-pooled.yaml"}
-        manifests["alone"].write_text(yaml.safe_dump(document))
-        manifests["pooled"].write_text(yaml.safe_dump(
-            pooled_manifest(document, settings.accelerator, settings.max_batch)))
+        documents = {"alone": document,
+                     "pooled": pooled_manifest(document, settings.accelerator,
+                                               settings.max_batch)}
         sampling = {"steps": settings.load.steps or document["spec"]["sampling"]["steps"],
                     "strategy": document["spec"]["sampling"]["strategy"],
                     "guidance_scale": document["spec"]["sampling"]["guidanceScale"]}
@@ -143,14 +171,18 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr) -> 
             "machine": machine(), "settings": {**asdict(settings), "sizes": asdict(sizes)},
             "sampling": sampling, "deployments": {}}
         load = replace(settings.load, prompts=PROMPTS)
-        for name in ("alone", "pooled"):
+        for name, mode in itertools.product(("alone", "pooled"), settings.compile):
             if name not in settings.deployments:
                 continue
-            say(log, f"paris-pools: {name}")
-            with local_ddm(manifests[name], max(load.concurrency), log) as (url, pids):
+            key = deployment_key(name, mode)
+            say(log, f"paris-pools: {key}")
+            manifest = imported / f"ddm-{key}.yaml"
+            manifest.write_text(yaml.safe_dump(compiled_manifest(documents[name], mode)))
+            ready_s = READY_TIMEOUT_S if mode == "none" else COMPILED_READY_S
+            with local_ddm(manifest, max(load.concurrency), log, ready_s) as (url, pids):
                 figures = asyncio.run(served(url, pids, load, log))
                 figures["gpu_memory_mib"] = gpu_memory_mib(pids)
-            result["deployments"][name] = figures
+            result["deployments"][key] = {"compile": mode, **figures}
         if "in_process" in settings.deployments:
             say(log, "paris-pools: in-process generate_text")
             device = "cuda" if settings.accelerator == "nvidia" else "cpu"
@@ -171,25 +203,33 @@ def _write_release(root: Path, sizes: TinyParis, dtype: str) -> Path:
 
 
 def targets(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets that this run can judge: the pool against in-process sampling
-    (memory within 1.3x, images/s at least 0.9x at the highest concurrency) and, for a
-    full-size pool on a GPU, the H200 figures (images/s at 32 prompts, p50 at 1)."""
-    judged: dict[str, Any] = {}
-    pooled = result["deployments"].get("pooled")
-    local = result.get("in_process")
-    if pooled and local:
-        from benchmarks.pools import targets as pool_targets
+    """The issue's targets that this run can judge, for each measured pool (eager, and each
+    compile mode: the target's name then ends in ``-MODE``): the pool against in-process
+    sampling (memory within 1.3x, images/s at least 0.9x at the highest concurrency) and, for
+    a full-size pool on a GPU, the H200 figures (images/s at 32 prompts, p50 at 1)."""
+    from benchmarks.pools import targets as pool_targets
 
-        judged.update(pool_targets({**result, "settings": result["settings"]["load"]}))
-    if pooled and result["settings"]["size"] == "full" and "32" in pooled["levels"]:
-        images = pooled["levels"]["32"]["images_per_s"]
-        judged["h200_images_per_s_at_32"] = {"value": images, "target": H200_IMAGES_PER_S,
-                                             "comparison": ">=",
-                                             "met": images >= H200_IMAGES_PER_S}
-    if pooled and result["settings"]["size"] == "full" and "1" in pooled["levels"]:
-        p50 = pooled["levels"]["1"]["latency_s"]["p50"]
-        judged["h200_p50_s_at_1"] = {"value": p50, "target": H200_P50_S, "comparison": "<",
-                                     "met": p50 < H200_P50_S}
+    judged: dict[str, Any] = {}
+    local = result.get("in_process")
+    full = result["settings"]["size"] == "full"
+    for mode in result["settings"]["compile"]:
+        pooled = result["deployments"].get(deployment_key("pooled", mode))
+        if pooled is None:
+            continue
+        found: dict[str, Any] = {}
+        if local:
+            found.update(pool_targets({**result, "deployments": {"pooled": pooled},
+                                       "settings": result["settings"]["load"]}))
+        if full and "32" in pooled["levels"]:
+            images = pooled["levels"]["32"]["images_per_s"]
+            found["h200_images_per_s_at_32"] = {"value": images, "target": H200_IMAGES_PER_S,
+                                                "comparison": ">=",
+                                                "met": images >= H200_IMAGES_PER_S}
+        if full and "1" in pooled["levels"]:
+            p50 = pooled["levels"]["1"]["latency_s"]["p50"]
+            found["h200_p50_s_at_1"] = {"value": p50, "target": H200_P50_S, "comparison": "<",
+                                        "met": p50 < H200_P50_S}
+        judged.update({deployment_key(name, mode): figure for name, figure in found.items()})
     return judged
 
 

@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from benchmarks.paris_pools import (PLACEMENT_FIELDS, POOL, ParisPoolSettings,
-                                    bench_paris_pools_command, pooled_manifest)
+                                    bench_paris_pools_command, compiled_manifest,
+                                    pooled_manifest)
 from benchmarks.pools import PoolBenchSettings
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import load_manifest
@@ -59,10 +60,27 @@ def test_the_pooled_manifest_puts_every_component_in_one_pool(imported: Path,
                               "maxBatch": 16}]
 
 
+def test_a_compiled_manifest_compiles_each_server_once(imported: Path, tmp_path: Path) -> None:
+    document = yaml.safe_load((imported / "ddm.yaml").read_text())
+    alone = compiled_manifest(document, "reduce-overhead")
+    assert [e["compile"] for e in alone["spec"]["experts"]] == ["reduce-overhead"] * 2
+    pooled = compiled_manifest(pooled_manifest(document, "nvidia", 16), "reduce-overhead")
+    assert pooled["spec"]["pools"][0]["compile"] == "reduce-overhead"
+    assert not any("compile" in e for e in pooled["spec"]["experts"])  # the pool's, not theirs
+    assert compiled_manifest(document, "none") == document
+    for name, manifest in (("alone", alone), ("pooled", pooled)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(manifest))
+        plan = plan_deployment(load_manifest(path).spec)
+        servers = plan.pools or plan.experts
+        assert all(s.args[s.args.index("--compile") + 1] == "reduce-overhead" for s in servers)
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("size", "huge", "size"), ("accelerator", "neuron", "accelerator"),
     ("deployments", ("pooled", "remote"), "deployments"), ("deployments", (), "deployments"),
-    ("max_batch", 0, "max_batch")])
+    ("max_batch", 0, "max_batch"), ("compile", ("fast",), "compile"), ("compile", (), "compile"),
+    ("compile", ("none", "none"), "compile")])
 def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
                                                    message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -1,0 +1,96 @@
+"""``python -m benchmarks gpu-check``: issue 37's GPU check as one command, for a session that
+is lent an NVIDIA device (it should finish within 10 minutes on an H200).
+
+It prints ``nvidia-smi``, then runs ``paris-pools`` (:mod:`benchmarks.paris_pools`) on a
+full-size Paris release with random weights (``tests/support/paris_release.py``'s ``full``:
+eight DiT-XL/2 experts, a DiT-B router network, CLIP ViT-L/14, SD's VAE), imported with
+``ddm import paris`` in bf16: every component in one pool on the GPU, eager and with
+``torch.compile``'s CUDA graphs (``reduce-overhead``), against in-process sampling, top-2,
+50 steps, guidance 7.5, at 1 and 32 concurrent prompts. The figures (images/s, latency
+percentiles, GPU memory per process, the H200 targets judged) go to
+``$OUT/gpu-check.json`` and ``nvidia-smi``'s report to ``$OUT/nvidia-smi.txt`` (``--out``
+overrides ``$OUT``); a summary line per deployment goes to stdout.
+
+``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
+at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
+CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from benchmarks.fleet import BenchError, say
+from benchmarks.paris_pools import ParisPoolSettings, bench_paris_pools
+from benchmarks.pools import PoolBenchSettings
+
+#: The check on the device: full size, one pool, eager and CUDA graphs, 1 and 32 prompts.
+GPU_CHECK = ParisPoolSettings(
+    size="full", accelerator="nvidia", precision="bfloat16",
+    deployments=("pooled", "in_process"), compile=("none", "reduce-overhead"),
+    load=PoolBenchSettings(concurrency=(1, 32), rounds=1))
+#: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts.
+QUICK_CHECK = ParisPoolSettings(
+    size="small", accelerator="cpu", deployments=("pooled", "in_process"),
+    compile=("none", "reduce-overhead"), max_batch=8,
+    load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2))
+
+
+def nvidia_smi(required: bool) -> str:
+    """``nvidia-smi``'s report; without the tool, a line saying so, or an error where the
+    check needs a GPU (``required``)."""
+    if shutil.which("nvidia-smi") is None:
+        if required:
+            raise BenchError("nvidia-smi is not here: the GPU check needs an NVIDIA device "
+                             "(--quick checks the command on the CPU)")
+        return "nvidia-smi: not installed (no NVIDIA GPU here)\n"
+    done = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise BenchError(f"nvidia-smi failed ({done.returncode}): {done.stderr[-500:]}")
+    return done.stdout
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    """One line per measured deployment: images/s and p50 latency at each level, GPU MiB."""
+    lines = []
+    measured = {**result["deployments"], **({"in_process": result["in_process"]}
+                                            if "in_process" in result else {})}
+    for name, figures in measured.items():
+        levels = ", ".join(f"{level} prompts {f['images_per_s']:.2f} images/s "
+                           f"p50 {f['latency_s']['p50']:.3f} s"
+                           for level, f in figures["levels"].items())
+        gpu = figures.get("gpu_memory_mib") or figures.get("cuda_peak_mib")
+        lines.append(f"{name}: {levels}" + (f"; GPU MiB {gpu}" if gpu else ""))
+    for name, target in result.get("targets", {}).items():
+        lines.append(f"target {name}: {target['value']} {target['comparison']} "
+                     f"{target['target']}: {'met' if target['met'] else 'not met'}")
+    return lines
+
+
+def gpu_check(out: Path, quick: bool = False, log: TextIO = sys.stderr,
+              report: TextIO = sys.stdout) -> int:
+    """Run the check, write ``out``/gpu-check.json and ``out``/nvidia-smi.txt, print the
+    summary; 0 once the figures are written (targets met or not: the JSON says)."""
+    settings = QUICK_CHECK if quick else GPU_CHECK
+    out.mkdir(parents=True, exist_ok=True)
+    smi = nvidia_smi(required=settings.accelerator == "nvidia")
+    (out / "nvidia-smi.txt").write_text(smi)
+    print(smi, file=report, flush=True)
+    say(log, f"gpu-check: {settings.size} release on {settings.accelerator}, compile "
+             f"{', '.join(settings.compile)}; figures to {out / 'gpu-check.json'}")
+    result = bench_paris_pools(settings, log)
+    (out / "gpu-check.json").write_text(json.dumps(result, indent=2))
+    for line in summary(result):
+        print(line, file=report, flush=True)
+    return 0
+
+
+def default_out() -> Path:
+    """``$OUT`` (the device machine's folder that comes back), else ``./out/gpu-check``."""
+    return Path(os.environ.get("OUT") or Path("out") / "gpu-check")

@@ -1,0 +1,125 @@
+"""``--compile`` on the CPU (inductor; issue 37's GPU path, tested where there is no GPU): a
+pool of a tiny text DDM's pixart expert, latent-router network and text encoder compiled in
+``default`` mode answers, over real HTTP on loopback, the velocities and routing
+probabilities of the same pool run eagerly within 1e-4 (float32; compiled kernels reorder
+sums), for a batch padded to its bucket; its ``/v1/info`` says which members run compiled
+(the text encoder stays eager). Our label UNet, compiled, gives its eager velocities too.
+
+Compiling is slow on a shared CPU (about a minute per network and batch-size family), so
+the servers take ``max_batch`` 4: buckets 1, 2 and 4, two compiles per network (one row, then
+the batch made dynamic)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import numpy as np
+import pytest
+
+from ddm.checkpoints.declared import PLAN_NAMES, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.format import load_checkpoint
+from ddm.models.loading import expert_image_shape
+from ddm.serving.model.backends import load_backend
+from ddm.serving.model.compiled import WARM_TEXT_TOKENS
+from ddm.serving.model.options import ServingOptions
+from ddm.serving.model.server import create_model_app
+from ddm.serving.protocol import (CONTENT_TYPE, Context, RouteRequest, TextVelocityRequest,
+                                  context_id, decode_probabilities, decode_response,
+                                  encode_text_request)
+from tests.integration.servers import running, wait_ready
+from tests.support.text_stages import write_text_ddm
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+MAX_BATCH = 4
+#: How long a compiled pool may take to become ready on a shared, loaded CPU.
+COMPILE_DEADLINE_S = 1800.0
+#: Compiled against eager, float32: the largest difference allowed.
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def members(tmp_path_factory) -> dict[str, Path]:
+    root = write_text_ddm(tmp_path_factory.mktemp("text2img"), experts=1)
+    return {"expert-0": root / "expert_0", PLAN_NAMES[ROUTER]: root / "router",
+            PLAN_NAMES[TEXT_ENCODER]: root / "text_encoder"}
+
+
+@pytest.fixture(scope="module")
+def pools(members) -> Iterator[dict[str, str]]:
+    """``none`` and ``default``: the base URL of the pool run in that mode, ready."""
+    with running(create_model_app(members, ServingOptions(max_batch=MAX_BATCH))) as eager, \
+            running(create_model_app(members, ServingOptions(max_batch=MAX_BATCH,
+                                                              compile="default"))) as compiled:
+        wait_ready(eager)
+        _compiled_ready(compiled)
+        yield {"none": eager, "default": compiled}
+
+
+def _compiled_ready(base: str) -> None:
+    """Wait until ``base``'s ``/readyz`` is 200 (it compiles every bucket first: minutes on
+    a loaded CPU), failing at once when ``/healthz`` says loading failed."""
+    deadline = time.monotonic() + COMPILE_DEADLINE_S
+    while httpx.get(f"{base}/readyz").status_code != 200:
+        health = httpx.get(f"{base}/healthz")
+        assert health.status_code == 200, health.text
+        assert time.monotonic() < deadline, "still compiling after COMPILE_DEADLINE_S"
+        time.sleep(0.5)
+
+
+def _post(base: str, member: str, body: bytes) -> bytes:
+    reply = httpx.post(f"{base}/v1/members/{member}/velocity", content=body,
+                       headers={"content-type": CONTENT_TYPE}, timeout=600.0)
+    assert reply.status_code == 200, reply.content
+    return reply.content
+
+
+def test_info_says_which_members_run_compiled(pools) -> None:
+    for mode, base in pools.items():
+        members = httpx.get(f"{base}/v1/info").json()["members"]
+        assert {name: m["compile"] for name, m in members.items()} == {
+            "expert-0": mode, PLAN_NAMES[ROUTER]: mode, PLAN_NAMES[TEXT_ENCODER]: "none"}
+
+
+def test_a_compiled_pool_answers_the_eager_pool_s_velocities_and_routes(pools) -> None:
+    info = httpx.get(f"{pools['none']}/v1/members/expert-0/info").json()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, *info["latent_shape"])).astype(np.float32)
+    t = np.array([0.3, 0.8], np.float32)
+    embeddings = rng.standard_normal((2, WARM_TEXT_TOKENS, info["text_width"]))
+    context = encode_text_request(Context(
+        1, embeddings.astype(np.float32), np.ones((2, WARM_TEXT_TOKENS), np.uint8),
+        np.zeros((2, WARM_TEXT_TOKENS, info["text_width"]), np.float32)))
+    # One guided row and one not: three forward rows, padded to the bucket of four.
+    velocity = encode_text_request(TextVelocityRequest(
+        2, x, t, context_id(context), np.array([1, 0], np.int32),
+        np.array([7.5, 1.0], np.float32)))
+    route = encode_text_request(RouteRequest(3, np.concatenate([x, x[:1]]),
+                                             np.array([0.3, 0.8, 0.5], np.float32),
+                                             np.zeros((3, 0), np.float32)))
+    answers = {}
+    for mode, base in pools.items():
+        _post(base, "expert-0", context)
+        answers[mode] = (
+            decode_response(_post(base, "expert-0", velocity), 2),
+            decode_probabilities(_post(base, PLAN_NAMES[ROUTER], route), 3))
+    for eager, compiled in zip(answers["none"], answers["default"]):
+        assert compiled.shape == eager.shape
+        np.testing.assert_allclose(compiled, eager, rtol=0, atol=TOLERANCE)
+        assert not np.array_equal(eager, np.zeros_like(eager))
+
+
+def test_our_label_unet_compiled_gives_its_eager_velocities(smoke_expert_checkpoint) -> None:
+    checkpoint = load_checkpoint(smoke_expert_checkpoint)
+    eager = load_backend(checkpoint, "torch", None, MAX_BATCH)
+    compiled = load_backend(checkpoint, "torch", None, MAX_BATCH, compile_mode="default")
+    compiled.warm_up()
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, *expert_image_shape(checkpoint.meta))).astype(np.float32)
+    t = np.array([0.1, 0.5, 0.9], np.float32)
+    y = np.array([0, 2, 4], np.int64)
+    np.testing.assert_allclose(compiled.velocity(x, t, y), eager.velocity(x, t, y), rtol=0,
+                               atol=TOLERANCE)
