@@ -5,14 +5,19 @@ bucket and cut back."""
 
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import yaml
 
 from ddm.conditioning import Conditioning
 from ddm.deploy.plan import plan_deployment
+from ddm.deploy import spec
 from ddm.deploy.spec import SpecError, parse_spec
+from ddm.runtime.local import plan_local
 from ddm.serving.model.compiled import bucketed
 from ddm.serving.model.options import ServingOptions
 
@@ -50,6 +55,17 @@ def test_a_pool_and_an_expert_pass_their_compile_mode_to_their_servers() -> None
     assert alone.args[alone.args.index("--compile") + 1] == "default"
     # Unset: no flag, the server's default (eager).
     assert "--compile" not in plan_deployment(parse_spec(_text_ddm())).pools[0].args
+
+
+def test_ddm_up_starts_a_compiled_pool_with_its_mode() -> None:
+    example = Path(__file__).resolve().parents[2] / "examples" / "text2img-pooled.yaml"
+    document = yaml.safe_load(example.read_text())
+    document["spec"]["pools"][0]["compile"] = "reduce-overhead"
+    plan = plan_local(spec.parse_manifest(document, allow_host_paths=True),
+                      itertools.count(20000).__next__, 8080,
+                      locate=lambda source: Path("/fetched") / source.path.strip("/"))
+    (server,) = plan.servers
+    assert server.argv[server.argv.index("--compile") + 1] == "reduce-overhead"
 
 
 def test_an_unknown_mode_is_refused_naming_the_field_and_the_choices() -> None:
