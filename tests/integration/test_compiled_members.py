@@ -43,7 +43,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def members(tmp_path_factory) -> dict[str, Path]:
-    root = write_text_ddm(tmp_path_factory.mktemp("text2img"), experts=1)
+    root = write_text_ddm(tmp_path_factory.mktemp("text2img"), experts=2)
     return {"expert-0": root / "expert_0", PLAN_NAMES[ROUTER]: root / "router",
             PLAN_NAMES[TEXT_ENCODER]: root / "text_encoder"}
 
@@ -86,6 +86,8 @@ def test_info_says_which_members_run_compiled(pools) -> None:
 
 def test_a_compiled_pool_answers_the_eager_pool_s_velocities_and_routes(pools) -> None:
     info = httpx.get(f"{pools['none']}/v1/members/expert-0/info").json()
+    clusters = httpx.get(f"{pools['none']}/v1/members/{PLAN_NAMES[ROUTER]}/info").json()[
+        "clusters"]
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, *info["latent_shape"])).astype(np.float32)
     t = np.array([0.3, 0.8], np.float32)
@@ -105,7 +107,7 @@ def test_a_compiled_pool_answers_the_eager_pool_s_velocities_and_routes(pools) -
         _post(base, "expert-0", context)
         answers[mode] = (
             decode_response(_post(base, "expert-0", velocity), 2),
-            decode_probabilities(_post(base, PLAN_NAMES[ROUTER], route), 3))
+            decode_probabilities(_post(base, PLAN_NAMES[ROUTER], route), 3, 3, clusters))
     for eager, compiled in zip(answers["none"], answers["default"]):
         assert compiled.shape == eager.shape
         np.testing.assert_allclose(compiled, eager, rtol=0, atol=TOLERANCE)
