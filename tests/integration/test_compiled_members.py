@@ -26,9 +26,9 @@ from ddm.serving.model.backends import load_backend
 from ddm.serving.model.compiled import WARM_TEXT_TOKENS
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
-from ddm.serving.protocol import (CONTENT_TYPE, Context, RouteRequest, TextVelocityRequest,
-                                  context_id, decode_probabilities, decode_response,
-                                  encode_text_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RouteRequest,
+                                       TextVelocityRequest, context_id, decode_probabilities,
+                                       decode_response, encode_text_request)
 from tests.integration.servers import running, wait_ready
 from tests.support.text_stages import write_text_ddm
 
