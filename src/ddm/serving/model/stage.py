@@ -40,9 +40,9 @@ from ddm.experts.network_checks import require_passing
 from ddm.experts.text_check import check_loaded_expert
 from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import Stage, StageDeclaration, load_stage
+from ddm.models.torch_io import compile_network
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
-from ddm.models.torch_io import compile_network
 from ddm.serving.batching import batch_buckets, grid_slices
 from ddm.serving.model.backends import cpu_model
 from ddm.serving.model.compiled import WARM_TEXT_TOKENS, bucketed, on_compiled_thread
