@@ -32,6 +32,11 @@ from ddm_devcluster.components import Layout
 from ddm_devcluster.processes import log_tail
 from ddm.models.config import UNET_CONFIGS
 
+# torch.compile's kernels (tests/integration/test_compiled_members.py) are built once per
+# machine, not once per run: inductor's cache under ~/.cache, as CI keeps it.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(Path.home() / ".cache" / "ddm" / "torchinductor"))
+
 #: The classes the smoke experts serve (of the smoke config's 10).
 SMOKE_CLASSES = (0, 1, 2, 3, 4)
 
