@@ -28,9 +28,9 @@ from typing import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from ddm.serving.wire.protocol import (IntegrateRequest, PoolVelocityRequest, Solver,
+from ddm.serving.wire.protocol import (IntegrateRequest, LabelContext, PoolVelocityRequest, Solver,
                                        TextVelocityRequest, VelocityRequest, encode_pool_request,
-                                       encode_request)
+                                       encode_request, encode_text_request)
 
 MAGIC_AND_VERSION = b"DDMT\x01"
 HEADER_BYTES = 18
@@ -210,6 +210,28 @@ def valid_pool_requests(target: Target) -> st.SearchStrategy[Valid]:
     return _PLANS.map(lambda plan: _valid_pool(plan[0], plan[1] > 0, target))
 
 
+#: Labels no expert serves: negative, past MAX_CLASS (999), past int32.
+_BAD_LABELS = (-1, 1000, 2**40)
+
+
+def _valid_label_context(seed: int, coherent: bool, target: Target) -> Valid:
+    """A label context: a few of ``target``'s labels, or (incoherent) no rows, more than a
+    context holds, or labels no expert serves."""
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 9) if coherent else rng.choice((0, 1, 300)))
+    labels = rng.choice(target.labels if coherent or rng.integers(2) else _BAD_LABELS, rows)
+    body = encode_text_request(LabelContext(int(rng.integers(2**63)), labels.astype(np.int64)))
+    fields, regions = layout((labels,))
+    assert regions[-1].offset + regions[-1].size == len(body), "layout out of step with encoder"
+    return Valid(body, tuple(fields), tuple(regions))
+
+
+def valid_label_contexts(target: Target) -> st.SearchStrategy[Valid]:
+    """A label context (version 4). Mostly what ``target`` accepts; one time in four well
+    formed but off (empty, over the rows or body limit, labels out of range)."""
+    return _PLANS.map(lambda plan: _valid_label_context(plan[0], plan[1] > 0, target))
+
+
 # ---------------------------------------------------------------------------------- mutations
 
 def _edge_value(rng: np.random.Generator, size: int) -> int:
@@ -279,10 +301,12 @@ def _mutate(valid: Valid, seed: int) -> bytes:
     return bytes(body)
 
 
-def request_bodies(target: Target, pool: bool = False) -> st.SearchStrategy[bytes]:
+def request_bodies(target: Target, pool: bool = False,
+                   label_contexts: bool = False) -> st.SearchStrategy[bytes]:
     """Hostile request bodies: mostly mutated requests, some valid ones, some random bytes;
-    ``pool``: built from pool velocity requests."""
-    valid = valid_pool_requests(target) if pool else valid_requests(target)
+    ``pool``: built from pool velocity requests; ``label_contexts``: from label contexts."""
+    valid = (valid_pool_requests(target) if pool else
+             valid_label_contexts(target) if label_contexts else valid_requests(target))
     mutated = st.tuples(valid, _SEEDS).map(lambda drawn: _mutate(*drawn))  # 1 to 3 mutations
     return st.one_of(
         mutated,

@@ -225,7 +225,7 @@ def test_decoded_response_is_a_view_of_the_body() -> None:
 REQUEST_ERRORS: list[tuple[str, Callable[[], bytes], Limits, int, str]] = [
     ("short", lambda: velocity()[:10], LIMITS, 400, "truncated header: 10 bytes"),
     ("magic", lambda: velocity(magic=b"DDMX"), LIMITS, 400, "bad magic b'DDMX'"),
-    ("version", lambda: velocity(version=4), LIMITS, 400, "unsupported protocol version 4"),
+    ("version", lambda: velocity(version=5), LIMITS, 400, "unsupported protocol version 5"),
     ("v1 kind as v2", lambda: velocity(version=2), LIMITS, 400,
      "a velocity request is a version 1 message, sent as version 2"),
     ("kind", lambda: with_byte(velocity(), 5, 99), LIMITS, 400, "unknown message kind 99"),

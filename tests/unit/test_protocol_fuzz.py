@@ -17,6 +17,7 @@ The outcomes are tallied, so that a strategy that stops reaching the deep checks
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tracemalloc
 from collections import Counter
@@ -28,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.strategies import SearchStrategy
 
 from protocol_strategies import HUGE_DIMS, Target, huge_header, request_bodies
-from ddm.serving.wire.protocol import (IntegrateRequest, Limits, PoolVelocityRequest, ProtocolError,
-                                       VelocityRequest, decode_request, encode_pool_request,
-                                       encode_request)
+from ddm.serving.wire.protocol import (IntegrateRequest, LabelContext, Limits, PoolVelocityRequest,
+                                       ProtocolError, VelocityRequest, decode_request,
+                                       encode_pool_request, encode_request, encode_text_request)
 
 TARGET = Target(image_shape=(1, 4, 4), labels=(0, 1, 2, 3, 4), max_batch=4, max_steps=8)
 #: Small enough that the strategies' 4 KiB appends go over it (413).
@@ -176,6 +177,31 @@ def test_hostile_pool_bodies_get_a_request_or_a_protocol_error_in_bounded_memory
     assert outcomes[400] >= POOL_CASES // 3 and outcomes[422] >= POOL_CASES // 20, outcomes
     assert outcomes[413] >= 5 and outcomes[200] >= POOL_CASES // 20, outcomes
     assert len(reasons) >= 30, sorted(reasons)
+    assert worst[0] <= 1.0, worst
+
+
+LABEL_CONTEXT_CASES = CASES // 4
+
+
+@pytest.mark.slow
+def test_hostile_label_contexts_get_a_context_or_a_protocol_error_in_bounded_memory() -> None:
+    """The same for bodies made from label contexts (version 4): an accepted one holds 1 to
+    max_context_rows labels in 0..999, round-trips, and is named by its content."""
+
+    def accepted(request: LabelContext, body: bytes) -> None:
+        assert isinstance(request, LabelContext), request
+        assert 1 <= request.labels.shape[0] <= LIMITS.max_context_rows
+        assert ((request.labels >= 0) & (request.labels <= 999)).all()
+        assert encode_text_request(request) == body
+        assert request.id == hashlib.sha256(body[18:]).digest()
+
+    outcomes, reasons, worst = fuzzed(request_bodies(TARGET, label_contexts=True), LIMITS,
+                                      LABEL_CONTEXT_CASES, accepted)
+    assert sum(outcomes.values()) >= LABEL_CONTEXT_CASES
+    assert (outcomes[400] >= LABEL_CONTEXT_CASES // 3
+            and outcomes[422] >= LABEL_CONTEXT_CASES // 50), outcomes
+    assert outcomes[413] >= 5 and outcomes[200] >= LABEL_CONTEXT_CASES // 20, outcomes
+    assert len(reasons) >= 20, sorted(reasons)
     assert worst[0] <= 1.0, worst
 
 

@@ -1,14 +1,19 @@
 """A label expert as a model server's member: one UNet checkpoint (``checkpoints/format.py``,
-served from :class:`~ddm.serving.model.backends.Backend`) behind version 1 of the binary
-protocol (``docs/protocol.md``): VELOCITY and INTEGRATE requests, conditioned on labels.
+served from :class:`~ddm.serving.model.backends.Backend`) behind the binary protocol
+(``docs/protocol.md``), conditioned on labels: a generation's LABEL_CONTEXT (version 4, held
+in the member's :class:`~ddm.serving.model.contexts.ContextCache` and acknowledged with its
+id), then TEXT_VELOCITY and TEXT_INTEGRATE calls (and a pool's POOL_VELOCITY) naming its rows,
+as a text expert takes them; version 1's VELOCITY and INTEGRATE carry the labels themselves.
+Our UNets have no null label, so classifier-free guidance has nothing to guide against: a row
+with a guidance scale other than 1 is refused (422).
 
 Before it warms up, the member runs ``ddm expert check``'s checks of the network it serves
 (:func:`ddm.experts.check.check_network`: shapes, dtypes, finiteness, determinism and that it
 predicts what its config.json declares); a failure is a failure to load, which names the
 failed check.
 
-Limits: a batch over ``max_batch``, a grid over ``max_steps`` or a label outside the
-checkpoint's classes gets 422; a body over twice the largest valid request 413
+Limits: a batch over ``max_batch``, a grid over ``max_steps``, a label outside the
+checkpoint's classes or a context of text gets 422; a body over twice the largest valid request 413
 (:mod:`ddm.serving.model.routes`).
 """
 
@@ -30,15 +35,23 @@ from ddm.models.loading import expert_image_shape
 from ddm.sampling.solvers import iterate
 from ddm.serving.batching import grid_slices
 from ddm.serving.model.backends import Backend, BackendLoader, check_backend
+from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.routes import Handling, answer_or_error
-from ddm.serving.wire.protocol import (IntegrateRequest, Limits, ProtocolError, VelocityRequest,
-                                       decode_request, encode_response)
+from ddm.serving.wire.protocol import (IntegrateRequest, LabelContext, Limits, ProtocolError,
+                                       TextIntegrateRequest, TextVelocityRequest, VelocityRequest,
+                                       check_labels, decode_request, encode_context_ack,
+                                       encode_response)
 
 __all__ = ["LabelExpert"]
 
 _VELOCITY = "velocity"
+#: Calls on rows: their labels sent along (version 1), or named in a label context.
+_Calls = VelocityRequest | IntegrateRequest | TextVelocityRequest | TextIntegrateRequest
+#: What a label expert answers.
+_TAKES = (LabelContext, VelocityRequest, IntegrateRequest, TextVelocityRequest,
+          TextIntegrateRequest)
 
 
 @dataclass(frozen=True)
@@ -69,6 +82,7 @@ class LabelExpert(Member):
         super().__init__(directory, limits, options, serving_loops)
         self.meta = meta
         self.loader = loader
+        self.contexts = ContextCache(options.context_cache_bytes)
         self.backend: Backend | None = None  # set, and the batcher started, once warm
 
     @property
@@ -95,32 +109,68 @@ class LabelExpert(Member):
                 "latent_shape": shape, "image_shape": shape, "wire_dtype": "float32",
                 "precision": "float32", "framework": meta.framework, "backend": backend,
                 "runtime": runtime, "device": device, "hardware": hardware,
-                "compile": self.options.compile}
+                "compile": self.options.compile,
+                "context_cache_bytes": self.contexts.max_bytes}
+
+    @property
+    def takes_velocity(self) -> bool:
+        return True
 
     async def answer(self, body: bytes) -> tuple[int, bytes]:
         async def handle(handling: Handling) -> bytes:
             message = decode_request(body, self.limits)
             handling.request_id = message.request_id
-            if not isinstance(message, (VelocityRequest, IntegrateRequest)):
+            if not isinstance(message, _TAKES):
                 raise ProtocolError(f"expert {self.meta.name} is conditioned on labels: send "
-                                    "velocity or integrate requests (protocol version 1)", 422,
-                                    message.request_id)
-            kind = "velocity" if isinstance(message, VelocityRequest) else "integrate"
-            handling.kind, handling.rows = kind, message.x.shape[0]
+                                    "a label context, then velocity or integrate requests "
+                                    "naming its rows", 422, message.request_id)
+            if isinstance(message, LabelContext):
+                handling.kind = "context"
+            else:
+                handling.kind = ("velocity" if isinstance(message, (VelocityRequest,
+                                                                    TextVelocityRequest))
+                                 else "integrate")
+                handling.rows = message.x.shape[0]
             if self.backend is None:
                 raise ProtocolError(self.not_ready(), 503, message.request_id)
+            if isinstance(message, LabelContext):
+                self.contexts.put(message.id, message)
+                return encode_context_ack(message.request_id, message.id)
             return encode_response(message.request_id, await self._run(message))
 
         return await answer_or_error(self, handle)
 
-    async def _run(self, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
+    async def velocity(self, message: TextVelocityRequest) -> np.ndarray:
+        """The velocity of ``message``'s rows of a label context (B, C, H, W) float32, run in
+        the batcher with other requests' rows: for its own route and a pool's alike."""
+        return await self.batcher.submit(_VELOCITY, (message.x, message.t,
+                                                     self._labels(message)))
+
+    def _labels(self, message: TextVelocityRequest | TextIntegrateRequest) -> np.ndarray:
+        """The labels of ``message``'s rows: rows of a label context this expert holds
+        (412 otherwise), unguided, of classes it serves (422 otherwise)."""
+        context = self.contexts.get(message.context, LABELS)
+        context.check_rows(message.rows)
+        assert context.labels is not None
+        if (message.guidance != 1.0).any():
+            raise ProtocolError(f"expert {self.meta.name} is conditioned on labels and has no "
+                                "null label to guide against: send its rows with guidance 1",
+                                422)
+        labels = context.labels[message.rows]
+        check_labels(labels, self.limits)
+        return labels
+
+    async def _run(self, message: _Calls) -> np.ndarray:
         """A velocity request as one batcher job; an integration as one job per slice of its
         grid (:func:`~ddm.serving.batching.grid_slices`)."""
+        if isinstance(message, TextVelocityRequest):
+            return await self.velocity(message)
         if isinstance(message, VelocityRequest):
             return await self.batcher.submit(_VELOCITY, (message.x, message.t, message.y))
+        labels = message.y if isinstance(message, IntegrateRequest) else self._labels(message)
         solver, x = message.solver.name.lower(), message.x
         for piece in grid_slices(message.grid):
-            x = await self.batcher.submit(_Integrate(solver, piece.tobytes()), (x, message.y))
+            x = await self.batcher.submit(_Integrate(solver, piece.tobytes()), (x, labels))
         return x
 
     def execute(self, key: Hashable, inputs: tuple[Any, ...]) -> np.ndarray:

@@ -24,7 +24,7 @@ from typing import Any, Hashable
 from ddm.serving.batching import Batcher
 from ddm.serving.model import metrics as expert_metrics
 from ddm.serving.model.options import Hooks, ServingOptions
-from ddm.serving.wire.protocol import Limits
+from ddm.serving.wire.protocol import Limits, ProtocolError, TextVelocityRequest
 
 __all__ = ["INFO_FIELDS", "Member"]
 
@@ -88,6 +88,19 @@ class Member(ABC):
     @abstractmethod
     def publish(self, loaded: Any) -> None:
         """Hold ``loaded``: from here :attr:`ready` is true."""
+
+    @property
+    def takes_velocity(self) -> bool:
+        """Whether this member is an expert: it answers :meth:`velocity` (a pool's step route
+        sends it its rows)."""
+        return False
+
+    async def velocity(self, message: TextVelocityRequest) -> Any:
+        """The velocity (B, C, H, W) of ``message``'s rows of a context, run in this member's
+        batcher with other requests' rows, for its own route and a pool's alike; a member
+        that is not an expert refuses it (422)."""
+        raise ProtocolError(f"{self.who} is not an expert: it takes no velocity calls", 422,
+                            message.request_id)
 
     def describe(self) -> dict[str, Any]:
         """``/v1/info``: every field of :data:`INFO_FIELDS`, in its order."""

@@ -3,7 +3,7 @@
 A router whose step needs several experts held by one pool replica sends their rows in one
 pool velocity request (``docs/protocol.md``, version 3) instead of one request per member. The
 route hands each member's part to that member's own batcher
-(:meth:`~ddm.serving.model.stage.StageMember.text_velocity`), so the rows still batch per member
+(:meth:`~ddm.serving.model.member.Member.velocity`), so the rows still batch per member
 across requests, never across members, and answers one reply holding each member's output or
 error: a member that does not hold the context answers its 412 in the reply while the others'
 rows come back, as their own routes would have answered. An unknown member name refuses the
@@ -27,15 +27,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ddm.checkpoints.declared import EXPERT
 from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES
 from ddm.serving.model.member import Member
 from ddm.serving.model.routes import Binary, Handling, answer_or_error, refusal
-from ddm.serving.model.stage import StageMember
 from ddm.serving.wire.paths import POOL_VELOCITY_PATH, model_paths
-from ddm.serving.wire.protocol import (MAX_MEMBER_NAME_BYTES, CONTEXT_ID_BYTES, Limits, MemberError,
-                                       PoolVelocityRequest, ProtocolError, TextVelocityRequest,
-                                       decode_request, encode_pool_response)
+from ddm.serving.wire.protocol import (MAX_MEMBER_NAME_BYTES, CONTEXT_ID_BYTES, Limits,
+                                       MemberError, PoolVelocityRequest, ProtocolError,
+                                       TextVelocityRequest, decode_request, encode_pool_response)
 
 __all__ = ["PoolStep", "pool_step_routes"]
 
@@ -73,7 +71,7 @@ class PoolStep:
 
     def __init__(self, members: Mapping[str, Member]) -> None:
         self.members = dict(members)
-        self.experts = tuple(s for s in self.members.values() if _text_expert(s))
+        self.experts = tuple(s for s in self.members.values() if s.takes_velocity)
         assert self.experts, "a pool route only where the pool holds experts"
         self.pending = 0
         self.max_pending = max(s.max_pending for s in self.experts)
@@ -102,9 +100,9 @@ def _limits(experts: tuple[Limits, ...], members: int) -> Limits:
 
 def pool_step_routes(members: Mapping[str, Member],
                      registry: CollectorRegistry) -> dict[str, Binary]:
-    """The pool route, for a pool holding text experts (none otherwise), its metrics
+    """The pool route, for a pool holding experts (none otherwise), its metrics
     registered in the pool's ``registry``."""
-    if not any(_text_expert(s) for s in members.values()):
+    if not any(s.takes_velocity for s in members.values()):
         return {}
     step = PoolStep(members)
     registry.register(step.metrics)
@@ -134,20 +132,12 @@ async def answer_pool_step(step: PoolStep, body: bytes) -> tuple[int, bytes]:
     return await answer_or_error(step, handle)
 
 
-def _text_expert(member: Member) -> bool:
-    """Whether ``member`` takes text velocity calls (a stage checkpoint of role expert)."""
-    return isinstance(member, StageMember) and member.declared.role == EXPERT
-
-
 async def _member(server: Member, name: str,
                   call: TextVelocityRequest) -> np.ndarray | MemberError:
     """One member's part: its velocity, or the error its own route would have answered."""
     result: np.ndarray | MemberError
-    if not isinstance(server, StageMember):
-        result = MemberError(422, f"member {name} is a label expert; a pool velocity request "
-                                  "names text experts")
-    elif server.declared.role != EXPERT:
-        result = MemberError(422, f"member {name} is a {server.declared.role}; a pool "
+    if not server.takes_velocity:
+        result = MemberError(422, f"member {name} is a {server.facts()['role']}; a pool "
                                   "velocity request names experts")
     elif not server.ready:
         result = MemberError(503, f"member {name} is not ready; "
@@ -157,7 +147,7 @@ async def _member(server: Member, name: str,
                                   f"serves {server.limits.image_shape}")
     else:
         try:
-            result = await server.text_velocity(call)
+            result = await server.velocity(call)
         except Exception as error:  # noqa: BLE001 - each member's failure is its own answer
             code, message = refusal(error, call.request_id)
             result = MemberError(code, f"member {name}: {message}")

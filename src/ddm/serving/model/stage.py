@@ -174,7 +174,7 @@ class StageMember(Member):
         """The reply body to a decoded, accepted request."""
         request_id, batcher = message.request_id, self.batcher
         if isinstance(message, Context):
-            self.contexts.put(message.id, message.embeddings, message.negative)
+            self.contexts.put(message.id, message)
             return encode_context_ack(request_id, message.id)
         if isinstance(message, EncodeRequest):
             if len(message.prompts) > self.limits.max_batch:
@@ -193,7 +193,7 @@ class StageMember(Member):
             return encode_probabilities(request_id, await batcher.submit(
                 "route", (message.x, message.t, self._pooled(message))))
         if isinstance(message, TextVelocityRequest):
-            return encode_response(request_id, await self.text_velocity(message))
+            return encode_response(request_id, await self.velocity(message))
         assert isinstance(message, TextIntegrateRequest)
         embeddings, negative, cost = self._context_rows(message)
         tokens = embeddings.shape[1]
@@ -203,7 +203,11 @@ class StageMember(Member):
                                      (x, embeddings, negative, message.guidance), cost)
         return encode_response(request_id, self._wire(x))
 
-    async def text_velocity(self, message: TextVelocityRequest) -> np.ndarray:
+    @property
+    def takes_velocity(self) -> bool:
+        return self.declared.role == EXPERT
+
+    async def velocity(self, message: TextVelocityRequest) -> np.ndarray:
         """The guided velocity of ``message``'s rows (B, C, H, W) in the stage's wire dtype,
         run in the expert's batcher with other requests' rows: for its own route and a
         pool's (:mod:`ddm.serving.model.pool_step`) alike."""
@@ -217,11 +221,9 @@ class StageMember(Member):
         """The rows' embeddings and negative rows (float32; a row without guidance gets its
         own embeddings as a placeholder that is never run), and the forward rows the call
         costs."""
-        context = self.contexts.get(message.context)
-        held = context.embeddings.shape[0]
-        if message.rows.max() >= held:
-            raise ProtocolError(f"'rows' name row {int(message.rows.max())} of a context of "
-                                f"{held}", 422)
+        context = self.contexts.get(message.context, TEXT)
+        context.check_rows(message.rows)
+        assert context.embeddings is not None and context.negative is not None
         try:
             guided_mask = guided_rows(message.guidance, len(message.rows),
                                       context.negative.shape[0] > 0, "the context")

@@ -12,7 +12,9 @@ replica and named by the SHA-256 of its bytes), TEXT_VELOCITY / TEXT_INTEGRATE (
 context, a guidance scale per row), and the stages' ENCODE, DECODE and ROUTE. Replies may carry
 bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire). Version 3 adds a pool's
 POOL_VELOCITY: the text velocity calls of a step to several members of one pool server in one
-body, answered by one POOL_RESPONSE holding each member's output or error.
+body, answered by one POOL_RESPONSE holding each member's output or error. Version 4 adds
+LABEL_CONTEXT: a generation's class labels as a context, named by id like a text one, so that a
+label expert answers the same TEXT_VELOCITY / TEXT_INTEGRATE / POOL_VELOCITY calls.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from ddm.conditioning import Conditioning, EncodedPrompts
-from ddm.deploy.limits import (MAX_BATCH, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS,
+from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS,
                                MAX_EXPERTS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS,
                                MAX_STATE_MAGNITUDE, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
                                SOLVERS)
@@ -39,8 +41,8 @@ from ddm.deploy.limits import (MAX_BATCH, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_RO
 CONTENT_TYPE = "application/x-ddm-tensor"
 MAGIC = b"DDMT"
 #: Label messages are version 1 (unchanged); the text DDM's kinds are version 2, a pool's
-#: version 3.
-VERSION, VERSION_TEXT, VERSION_POOL = 1, 2, 3
+#: version 3, a label context version 4.
+VERSION, VERSION_TEXT, VERSION_POOL, VERSION_LABELS = 1, 2, 3, 4
 #: The error code (and HTTP status) of a text call naming a context the expert does not hold
 #: (never sent, or evicted, or the replica restarted): the caller sends the context, retries.
 UNKNOWN_CONTEXT = 412
@@ -111,6 +113,7 @@ class _Kind(IntEnum):
     PROBABILITIES = 13
     POOL_VELOCITY = 14
     POOL_RESPONSE = 15
+    LABEL_CONTEXT = 16
 
 
 # For error messages.
@@ -123,15 +126,17 @@ _KIND_NAMES = {_Kind.VELOCITY: "a velocity request", _Kind.INTEGRATE: "an integr
                _Kind.DECODE: "a decode request", _Kind.ROUTE: "a route request",
                _Kind.PROBABILITIES: "a route reply",
                _Kind.POOL_VELOCITY: "a pool velocity request",
-               _Kind.POOL_RESPONSE: "a pool response"}
+               _Kind.POOL_RESPONSE: "a pool response",
+               _Kind.LABEL_CONTEXT: "a label context"}
 _REQUESTS = (_Kind.VELOCITY, _Kind.INTEGRATE, _Kind.CONTEXT, _Kind.TEXT_VELOCITY,
              _Kind.TEXT_INTEGRATE, _Kind.ENCODE, _Kind.DECODE, _Kind.ROUTE,
-             _Kind.POOL_VELOCITY)
+             _Kind.POOL_VELOCITY, _Kind.LABEL_CONTEXT)
 _REPLIES = (_Kind.RESPONSE, _Kind.ERROR)
 _KIND_CODES = {kind.value: kind for kind in _Kind}
 #: The version each kind is sent with: the label kinds and the replies keep version 1.
 _VERSIONS = {kind: VERSION if kind <= _Kind.ERROR else
-             VERSION_TEXT if kind <= _Kind.PROBABILITIES else VERSION_POOL for kind in _Kind}
+             VERSION_TEXT if kind <= _Kind.PROBABILITIES else
+             VERSION_POOL if kind <= _Kind.POOL_RESPONSE else VERSION_LABELS for kind in _Kind}
 
 _F32, _F16, _BF16 = np.dtype("<f4"), np.dtype("<f2"), np.dtype(ml_dtypes.bfloat16)
 _I32, _I64, _U8 = np.dtype("<i4"), np.dtype("<i8"), np.dtype("u1")
@@ -142,7 +147,7 @@ WIRE_DTYPES = {"float32": _F32, "float16": _F16, "bfloat16": _BF16}
 _NAMES = {1: "x", 2: "t", 3: "y", 4: "grid", 5: "out", 6: "message", 7: "embeddings",
           8: "mask", 9: "negative", 10: "context", 11: "rows", 12: "guidance", 13: "text",
           14: "lengths", 15: "cut", 16: "probs", 17: "pooled", 18: "unknown", 19: "members",
-          20: "counts", 21: "codes"}
+          20: "counts", 21: "codes", 22: "labels"}
 _NAME_CODES = {name: code for code, name in _NAMES.items()}
 
 
@@ -181,6 +186,7 @@ _SCHEMAS: dict[_Kind, tuple[_Spec, ...]] = {
                           _Spec("lengths", 1, (_I32,)), _Spec("counts", 1, (_I32,))),
     _Kind.POOL_RESPONSE: (_Spec("out", 4, _FLOATS), _Spec("codes", 1, (_I32,)),
                           _Spec("message", 1, (_U8,)), _Spec("lengths", 1, (_I32,))),
+    _Kind.LABEL_CONTEXT: (_Spec("labels", 1, (_I64,)),),
 }
 
 
@@ -222,6 +228,19 @@ class Context:
     embeddings: np.ndarray
     mask: np.ndarray
     negative: np.ndarray
+    id: bytes = b""
+
+
+@dataclass(frozen=True, eq=False)
+class LabelContext:
+    """A generation's label conditioning, sent once to each expert replica (version 4):
+    ``labels`` (N,) int64 class labels, each in ``0..MAX_CLASS``. ``id`` is the SHA-256 of the
+    message's bytes after its fixed header, as a :class:`Context`'s (its descriptor names
+    ``labels``, so no label context has a text context's id); velocity and integrate calls
+    name its rows as they name a text context's."""
+
+    request_id: int
+    labels: np.ndarray
     id: bytes = b""
 
 
@@ -300,7 +319,7 @@ class MemberError:
     message: str
 
 
-Request = (VelocityRequest | IntegrateRequest | Context | TextVelocityRequest
+Request = (VelocityRequest | IntegrateRequest | Context | LabelContext | TextVelocityRequest
            | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest
            | PoolVelocityRequest)
 
@@ -382,13 +401,16 @@ def _id_tensor(context: bytes) -> np.ndarray:
     return np.frombuffer(context, _U8)
 
 
-def encode_text_request(request: Context | TextVelocityRequest | TextIntegrateRequest
-                        | EncodeRequest | DecodeRequest | RouteRequest) -> bytes:
-    """The body of a version 2 request (:class:`Context`'s ``id`` is not sent: the receiver
+def encode_text_request(request: Context | LabelContext | TextVelocityRequest
+                        | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest
+                        ) -> bytes:
+    """The body of a version 2 or 4 request (a context's ``id`` is not sent: the receiver
     computes it, :func:`context_id`)."""
     if isinstance(request, Context):
         return _encode(_Kind.CONTEXT, request.request_id, 0,
                        (request.embeddings, request.mask, request.negative))
+    if isinstance(request, LabelContext):
+        return _encode(_Kind.LABEL_CONTEXT, request.request_id, 0, (request.labels,))
     if isinstance(request, TextVelocityRequest):
         return _encode(_Kind.TEXT_VELOCITY, request.request_id, 0,
                        (request.x, request.t, _id_tensor(request.context), request.rows,
@@ -428,8 +450,8 @@ def encode_pool_request(request: PoolVelocityRequest) -> bytes:
 
 
 def context_id(body: bytes | bytearray | memoryview) -> bytes:
-    """The id of an encoded :class:`Context`: SHA-256 of its bytes after the fixed header
-    (descriptors and tensors; the request id is left out)."""
+    """The id of an encoded :class:`Context` or :class:`LabelContext`: SHA-256 of its bytes
+    after the fixed header (descriptors and tensors; the request id is left out)."""
     return hashlib.sha256(_byte_view(body)[_FIXED.size:]).digest()
 
 
@@ -600,6 +622,8 @@ def decode_request(body: bytes | bytearray | memoryview, limits: Limits) -> Requ
         tensors = _read_tensors(view, kind)
         if kind is _Kind.CONTEXT:
             return _check_context(request_id, param, tensors, limits, context_id(view))
+        if kind is _Kind.LABEL_CONTEXT:
+            return _check_label_context(request_id, param, tensors, limits, context_id(view))
         if kind is _Kind.ENCODE:
             return _check_encode(request_id, param, tensors, limits)
         return _CHECKS[kind](request_id, param, tensors, limits)
@@ -743,9 +767,9 @@ def _read_fixed(view: memoryview) -> tuple[int, int, int, int, int]:
     magic, version, kind, flags, count, request_id, param = _FIXED.unpack_from(view)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version not in (VERSION, VERSION_TEXT, VERSION_POOL):
+    if version not in (VERSION, VERSION_TEXT, VERSION_POOL, VERSION_LABELS):
         raise ProtocolError(f"unsupported protocol version {version}; this build speaks "
-                            f"{VERSION}, {VERSION_TEXT} and {VERSION_POOL}")
+                            f"{VERSION}, {VERSION_TEXT}, {VERSION_POOL} and {VERSION_LABELS}")
     return kind, flags, count, request_id, param
 
 
@@ -883,7 +907,7 @@ def _check_velocity(request_id: int, param: int, tensors: list[np.ndarray],
     _check_param_zero(param, _Kind.VELOCITY)
     _check_batch(x, {"t": t, "y": y}, limits)
     _check_times("t", t)
-    _check_labels(y, limits)
+    check_labels(y, limits)
     _check_image(x, limits)
     return VelocityRequest(request_id, x, t, y)
 
@@ -893,7 +917,7 @@ def _check_integrate(request_id: int, param: int, tensors: list[np.ndarray],
     x, y, grid = tensors
     _check_batch(x, {"y": y}, limits)
     solver = _check_grid(param, grid, limits)
-    _check_labels(y, limits)
+    check_labels(y, limits)
     _check_image(x, limits)
     return IntegrateRequest(request_id, x, y, grid, solver)
 
@@ -937,6 +961,19 @@ def _check_context(request_id: int, param: int, tensors: list[np.ndarray], limit
     if not (np.isfinite(embeddings).all() and np.isfinite(negative).all()):
         raise ProtocolError("a context's embeddings have non-finite values", 422)
     return Context(request_id, embeddings, mask, negative, identity)
+
+
+def _check_label_context(request_id: int, param: int, tensors: list[np.ndarray],
+                         limits: Limits, identity: bytes) -> LabelContext:
+    (labels,) = tensors
+    _check_param_zero(param, _Kind.LABEL_CONTEXT)
+    rows = labels.shape[0]
+    if not 1 <= rows <= limits.max_context_rows:
+        raise ProtocolError(f"a context holds 1 to {limits.max_context_rows} rows, got {rows}",
+                            422)
+    if not ((labels >= 0).all() and (labels <= MAX_CLASS).all()):
+        raise ProtocolError(f"'labels' must be class labels in 0..{MAX_CLASS}", 422)
+    return LabelContext(request_id, labels, identity)
 
 
 def _check_text_shape(name: str, tokens: int, width: int, limits: Limits) -> None:
@@ -1116,7 +1153,8 @@ def _check_times(name: str, times: np.ndarray) -> list[float]:
     return values
 
 
-def _check_labels(y: np.ndarray, limits: Limits) -> None:
+def check_labels(y: np.ndarray, limits: Limits) -> None:
+    """Refuse (422) labels outside ``limits.allowed_labels`` (``None``: any)."""
     if limits.allowed_labels is None:
         return
     unknown = set(y.tolist()) - limits.allowed_labels
