@@ -32,8 +32,8 @@ from ddm.deploy.limits import MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES
 from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                       StaticDiscovery)
 from ddm.runtime.local import free_port
-from ddm.serving.wire.protocol import (CONTENT_TYPE, Limits, decode_request, encode_error,
-                                       encode_response)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, LabelContext, Limits, decode_request,
+                                       encode_context_ack, encode_error, encode_response)
 from tests.integration.servers import running
 
 HOST = "127.0.0.1"
@@ -84,6 +84,9 @@ class FakeExpert:
 
         async def velocity(request: Request) -> Response:
             call = decode_request(await request.body(), Limits())
+            if isinstance(call, LabelContext):  # held, as an expert holds it
+                return Response(encode_context_ack(call.request_id, call.id),
+                                media_type=CONTENT_TYPE)
             rows = np.zeros((len(call.x), *(self.answer_shape or call.x.shape[1:])), np.float32)
             reply = (encode_error(call.request_id, 422, self.refusal) if self.refusal
                      else encode_response(call.request_id, rows))

@@ -22,8 +22,10 @@ paid at every step). It keeps ``TCP_NODELAY`` on (asyncio and uvloop set it on e
 connection), so a small request is not held back by Nagle's algorithm;
 ``tests/unit/test_expert_pool.py`` checks it.
 
-Text experts (``docs/protocol.md`` version 2) take a context, sent once per replica: a call's
-text rows are looked up in the contexts the pool has made (:class:`_Contexts`: by the SHA-256
+Experts take their conditioning as a context (``docs/protocol.md``: text, version 2; labels,
+version 4), sent once per replica. A label call's rows are rows of its expert's label context
+(:mod:`~ddm.serving.router.fleet.label_contexts`: the classes it serves); a call's text rows are
+looked up in the contexts the pool has made (:class:`_Contexts`: by the SHA-256
 of each row's embeddings, mask and negative row), a new context is made of the call's distinct
 rows where none holds them all, and the replica is sent that context before its first call
 naming it. A replica that answers ``UNKNOWN_CONTEXT`` (it evicted the context, or restarted) is
@@ -49,8 +51,8 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import (Any, Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping, TypeVar,
-                    Union)
+from typing import (Any, Awaitable, Callable, Coroutine, Hashable, Iterable, Mapping, Protocol,
+                    TypeVar)
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -60,15 +62,15 @@ from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, MAX_CONTEXT_BODY_BYT
                                MAX_CONTEXT_ROWS, MAX_EXPERT_INFO_BYTES, MAX_EXPERT_PROBE_BYTES)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.router.fleet.coalescing import Coalescer
+from ddm.serving.router.fleet.label_contexts import LabelContexts
 from ddm.serving.http.fetch import FetchError, decode_json
 from ddm.serving.router.fleet.pool_calls import PoolCalls
 from ddm.serving.http.client import HttpClient, HttpClientError, HttpReply, ReplyTooLarge
-from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
-                                       ProtocolError, RemoteExpertError, Solver,
-                                       TextIntegrateRequest, TextVelocityRequest, VelocityRequest,
-                                       context_id, decode_context_ack, decode_response,
-                                       encode_request, encode_text_request, max_error_reply_bytes,
-                                       max_reply_bytes)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, ProtocolError,
+                                       RemoteExpertError, Solver, TextIntegrateRequest,
+                                       TextVelocityRequest, context_id, decode_context_ack,
+                                       decode_response, encode_text_request,
+                                       max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.router.fleet.replicas import (EndpointSource, ExpertInfo, InvalidReport, Replica,
                                                ReplicaSet, ReplicaState, source_for)
 from ddm.deploy.router_config import Discovery, RouterConfigFile
@@ -98,38 +100,35 @@ class _IntegrateKey:
 
 
 @dataclass(frozen=True)
-class _TextKey:
-    """Text calls merge only with calls on the same context (and, integrating, the same solver
-    and grid); the key carries the context's body, to send to a replica that lacks it."""
+class _ContextKey:
+    """Calls merge only with calls on the same context (and, integrating, the same solver and
+    grid); the key carries the context's body, to send to a replica that lacks it."""
 
     context: bytes  # its id
     integrate: _IntegrateKey | None = None
     body: bytes = field(default=b"", compare=False, repr=False)
 
 
-_VELOCITY = "velocity"
-_Key = Union[str, _IntegrateKey, _TextKey]
-_Request = VelocityRequest | IntegrateRequest | TextVelocityRequest | TextIntegrateRequest
+_Request = TextVelocityRequest | TextIntegrateRequest
 #: Context ids the pool remembers a replica holds (it may have evicted them: it says so).
 MAX_KNOWN_CONTEXTS = 1024
 
 
-def _request(key: Hashable, request_id: int, inputs: tuple[np.ndarray, ...]) -> _Request:
+class _Made(Protocol):
+    """A context the pool made (of text rows, or of labels): its id and body."""
+
+    id: bytes
+    body: bytes
+
+
+def _request(key: _ContextKey, request_id: int, inputs: tuple[np.ndarray, ...]) -> _Request:
     """The protocol request for a (possibly merged) call with ``key``."""
-    if isinstance(key, _TextKey):
-        if key.integrate is None:
-            x, t, rows, guidance = inputs
-            return TextVelocityRequest(request_id, x, t, key.context, rows, guidance)
-        x, rows, guidance = inputs
-        return TextIntegrateRequest(request_id, x, key.context, rows, guidance,
-                                    np.frombuffer(key.integrate.grid, "<f4"),
-                                    key.integrate.solver)
-    if isinstance(key, _IntegrateKey):
-        x, y = inputs
-        return IntegrateRequest(request_id, x, y, np.frombuffer(key.grid, "<f4"),
-                                key.solver)
-    x, t, y = inputs
-    return VelocityRequest(request_id, x, t, y)
+    if key.integrate is None:
+        x, t, rows, guidance = inputs
+        return TextVelocityRequest(request_id, x, t, key.context, rows, guidance)
+    x, rows, guidance = inputs
+    return TextIntegrateRequest(request_id, x, key.context, rows, guidance,
+                                np.frombuffer(key.integrate.grid, "<f4"), key.integrate.solver)
 
 
 @dataclass(frozen=True, eq=False)
@@ -419,6 +418,7 @@ class ExpertPool:
         self._pooled = PoolCalls(self._post_call, self._send_context, self._ids)
         self._coalescers = {name: self._coalescer(name) for name in sources}
         self._contexts = _Contexts(settings.context_cache_bytes)
+        self._label_contexts = LabelContexts()
         #: Bytes sent to experts, by message: what the context cache saves (benchmarks).
         self.bytes_sent = {"context": 0, "call": 0}
         self._client: HttpClient | None = None
@@ -518,13 +518,13 @@ class ExpertPool:
     async def velocity(self, expert: str, x: np.ndarray, t: np.ndarray,
                        cond: Conditioning) -> np.ndarray:
         """``v(x, t, cond)`` from ``expert``: ``x`` (B, C, H, W), ``t`` (B,), ``cond`` B rows
-        of labels, or of text (guided per row by ``cond.guidance`` against ``cond.negative``)."""
-        if cond.labels is not None:
-            return await self._rows(expert, _VELOCITY, (x, t, cond.labels))
+        of labels, or of text (guided per row by ``cond.guidance`` against ``cond.negative``),
+        as rows of contexts."""
         guidance = _guidance(cond)
-        return await _joined(self._rows(expert, _TextKey(made.id, body=made.body),
+        return await _joined(self._rows(expert, _ContextKey(made.id, body=made.body),
                                         (x[part], t[part], rows, guidance[part]))
-                             for part, made, rows in self._in_contexts(cond, guidance))
+                             for part, made, rows in await self._in_contexts(expert, cond,
+                                                                             guidance))
 
     async def integrate(self, expert: str, x: np.ndarray, cond: Conditioning,
                         grid: np.ndarray, solver: str) -> np.ndarray:
@@ -535,17 +535,21 @@ class ExpertPool:
             raise ValueError(f"unknown solver {solver!r}") from None
         grid = np.ascontiguousarray(grid, dtype="<f4")
         key = _IntegrateKey(code, grid.tobytes())
-        if cond.labels is not None:
-            return await self._rows(expert, key, (x, cond.labels))
         guidance = _guidance(cond)
-        return await _joined(self._rows(expert, _TextKey(made.id, key, made.body),
+        return await _joined(self._rows(expert, _ContextKey(made.id, key, made.body),
                                         (x[part], rows, guidance[part]))
-                             for part, made, rows in self._in_contexts(cond, guidance))
+                             for part, made, rows in await self._in_contexts(expert, cond,
+                                                                             guidance))
 
-    def _in_contexts(self, cond: Conditioning, guidance: np.ndarray
-                     ) -> list[tuple[slice, _MadeContext, np.ndarray]]:
-        """A text call's rows in runs of what one context holds (:func:`context_rows`), each
-        with its context and its rows' indices in it."""
+    async def _in_contexts(self, expert: str, cond: Conditioning, guidance: np.ndarray
+                           ) -> list[tuple[slice, _Made, np.ndarray]]:
+        """A call's rows in runs of what one context holds, each with its context and its
+        rows' indices in it: a label call's in the expert's label context
+        (:mod:`~ddm.serving.router.fleet.label_contexts`: its classes, known once a replica is
+        probed), a text call's in runs of :func:`context_rows`."""
+        if cond.labels is not None:
+            info = await self._described_expert(expert, time.monotonic())
+            return list(self._label_contexts.rows_of(info.classes, cond.labels))
         per = context_rows(cond)
         if len(cond) <= per:  # every step of a DDM within its limits: no copy of the rows
             return [(slice(None), *self._contexts.rows_of(cond, guidance != 1.0))]
@@ -553,29 +557,37 @@ class ExpertPool:
         return [(part, *self._contexts.rows_of(cond.take(np.arange(len(cond))[part]),
                                                guidance[part] != 1.0)) for part in parts]
 
-    async def _rows(self, expert: str, key: _Key, inputs: tuple[np.ndarray, ...]) -> np.ndarray:
+    async def _rows(self, expert: str, key: _ContextKey,
+                    inputs: tuple[np.ndarray, ...]) -> np.ndarray:
         """Split a call into the expert's ``max_batch`` rows and submit the parts concurrently
-        to the expert's coalescer, which merges them with other generations' calls. Before any
-        replica has been probed the batch limit is unknown, and the call waits for a probe
-        (sent whole, a batch over the limit would come back 422, a 502 to the client)."""
+        to the expert's coalescer, which merges them with other generations' calls."""
         made = time.monotonic()  # the call's deadline runs from here
-        info = self.info(expert)  # an unknown expert is a ValueError here
-        invalid = self.invalid_report(expert)
-        if info is None and invalid is not None:  # nothing to wait for: it answered, wrongly
-            raise self._give_up(expert, f"every replica's report was refused: {invalid}",
-                                "its report was refused")
-        if info is None:  # no replica probed yet: its batch limit is unknown, so wait for it
-            info = await self._sets[expert].wait_described(self._settings.deadline_s)
-            if info is None:
-                raise self._give_up(expert, f"no replica was probed ready within "
-                                            f"{self._settings.deadline_s:g} s "
-                                            f"({_last_errors(self._sets[expert]) or 'none'})")
+        info = await self._described_expert(expert, made)
         coalescer = self._coalescers[expert]
         rows = inputs[0].shape[0]
         size = info.rows_per_call
         parts = [tuple(a[i:i + size] for a in inputs) for i in range(0, rows, size)]
         outs = await gather_all(*(coalescer.submit(key, part, made) for part in parts))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    async def _described_expert(self, expert: str, since: float) -> ExpertInfo:
+        """What ``expert``'s replicas say of it. Before any replica has been probed its batch
+        limit and classes are unknown, and a call waits for a probe, up to the deadline from
+        ``since`` (sent whole, a batch over the limit would come back 422, a 502 to the
+        client)."""
+        info = self.info(expert)  # an unknown expert is a ValueError here
+        invalid = self.invalid_report(expert)
+        if info is None and invalid is not None:  # nothing to wait for: it answered, wrongly
+            raise self._give_up(expert, f"every replica's report was refused: {invalid}",
+                                "its report was refused")
+        if info is None:  # no replica probed yet: its batch limit is unknown, so wait for it
+            remaining = since + self._settings.deadline_s - time.monotonic()
+            info = await self._sets[expert].wait_described(max(0.0, remaining))
+            if info is None:
+                raise self._give_up(expert, f"no replica was probed ready within "
+                                            f"{self._settings.deadline_s:g} s "
+                                            f"({_last_errors(self._sets[expert]) or 'none'})")
+        return info
 
     def _coalescer(self, expert: str) -> Coalescer:
         """Merges ``expert``'s concurrent calls; sends each request through :meth:`_call`."""
@@ -586,9 +598,9 @@ class ExpertPool:
         async def send(key: Hashable, inputs: tuple[np.ndarray, ...],
                        since: float) -> np.ndarray:
             rows.observe(inputs[0].shape[0])
-            context = key if isinstance(key, _TextKey) else None
+            assert isinstance(key, _ContextKey), "every call names a context"
             return await self._call(expert, _request(key, next(self._ids), inputs),
-                                    since + self._settings.deadline_s, context)
+                                    since + self._settings.deadline_s, key)
 
         def max_rows() -> int:
             info = replicas.info()
@@ -597,21 +609,18 @@ class ExpertPool:
         return Coalescer(send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica)
 
     async def _call(self, expert: str, request: _Request, deadline: float,
-                    context: _TextKey | None = None) -> np.ndarray:
+                    context: _ContextKey) -> np.ndarray:
         """One expert request, on the replicas :meth:`_send` picks."""
-        kind = ("velocity" if isinstance(request, (VelocityRequest, TextVelocityRequest))
-                else "integrate")
+        kind = "velocity" if isinstance(request, TextVelocityRequest) else "integrate"
         member = self._members.get(expert)
-        if member is not None and context is not None and isinstance(request,
-                                                                     TextVelocityRequest):
+        if member is not None and isinstance(request, TextVelocityRequest):
             def pooled(replica: Replica, timeout: float) -> Awaitable[np.ndarray]:
                 return self._pooled_attempt(expert, member, replica, request, timeout,
                                             context)
 
             return await self._send(expert, kind, pooled, deadline,
                                     lambda replica: self._pooled.joins(replica, member))
-        body = (encode_request(request) if context is None
-                else encode_text_request(request))  # type: ignore[arg-type]
+        body = encode_text_request(request)
 
         def attempt(replica: Replica, timeout: float) -> Awaitable[np.ndarray]:
             return self._attempt(expert, replica, body, request, timeout, context)
@@ -676,17 +685,17 @@ class ExpertPool:
         return await self._guarded(expert, replica, timeout, exchange)
 
     async def _attempt(self, expert: str, replica: Replica, body: bytes, request: _Request,
-                       timeout: float, context: _TextKey | None = None) -> np.ndarray:
-        """One exchange with one replica (two or three for a text call whose context the
-        replica lacks: sent first, or again after ``UNKNOWN_CONTEXT``)."""
+                       timeout: float, context: _ContextKey) -> np.ndarray:
+        """One exchange with one replica (two or three for a call whose context the replica
+        lacks: sent first, or again after ``UNKNOWN_CONTEXT``)."""
 
         async def exchange(ends: float) -> np.ndarray:
-            if context is not None and context.context not in replica.contexts:
+            if context.context not in replica.contexts:
                 await self._send_context(replica, context.context, context.body, ends)
             try:
                 return await self._exchange(replica, body, request, ends)
             except RemoteExpertError as error:
-                if context is None or error.code != UNKNOWN_CONTEXT:
+                if error.code != UNKNOWN_CONTEXT:
                     raise
                 replica.contexts.pop(context.context, None)  # evicted, or a restart
                 await self._send_context(replica, context.context, context.body, ends)
@@ -697,7 +706,7 @@ class ExpertPool:
 
     async def _pooled_attempt(self, expert: str, member: str, replica: Replica,
                               request: TextVelocityRequest, timeout: float,
-                              context: _TextKey) -> np.ndarray:
+                              context: _ContextKey) -> np.ndarray:
         """:meth:`_attempt` for a pool member: its rows go in its pool's request of this turn
         (:class:`~ddm.serving.router.fleet.pool_calls.PoolCalls`)."""
 
