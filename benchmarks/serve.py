@@ -62,7 +62,7 @@ from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH
                                        throughput_figures, verdict, wire_bytes)
 from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
                                      machine, recorded_path, running_fleet, say)
-from ddm.serving.router.fleet.pool import KEEP_ALIVE_S
+from ddm.serving.router.fleet.servers import KEEP_ALIVE_S
 from ddm.serving.wire.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
 from benchmarks.calls import ROUNDS as CALL_ROUNDS, measure as measure_calls

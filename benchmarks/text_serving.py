@@ -29,7 +29,8 @@ import httpx
 import numpy as np
 
 from benchmarks.fleet import HOST, BenchError, say
-from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import static_endpoints
 from ddm.serving.router.fleet.stage_clients import StagePool
 from tests.support.text_stages import PARIS_SHAPES, write_text_ddm

@@ -34,7 +34,8 @@ from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
                                        RouteRequest, TextVelocityRequest, context_id,
                                        decode_response, encode_text_request)
-from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import ExpertInfo
 from ddm.serving.router.api.server import create_router_app
 from tests.integration.servers import running, wait_ready

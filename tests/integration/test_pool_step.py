@@ -29,7 +29,8 @@ from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, Limits, PoolVeloci
                                        RemoteExpertError, TextVelocityRequest, context_id,
                                        decode_pool_response, decode_request, decode_response,
                                        encode_pool_request, encode_text_request)
-from ddm.serving.router.fleet.pool import ExpertPool, ExpertUnavailable, PoolSettings
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import ExpertUnavailable, PoolSettings
 from protocol_strategies import Target, request_bodies
 from tests.integration.servers import running, wait_ready
 from tests.support.paris_release import TinyParis

@@ -44,7 +44,8 @@ from ddm.models.loading import load_ddm
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import initial_noise
-from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.http.server import build_server
 from ddm.serving.router.fleet.remote import RemoteMixture, SamplingRequest, generate_remote
 from ddm.serving.router.fleet.replicas import static_endpoints

@@ -37,7 +37,8 @@ from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RemoteExpertError,
                                        Solver, TextIntegrateRequest, TextVelocityRequest,
                                        VelocityRequest, context_id, decode_response, encode_request,
                                        encode_text_request)
-from ddm.serving.router.fleet.pool import ExpertPool, PoolSettings
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import ExpertInfo, static_endpoints
 from ddm.serving.router.fleet.stage_clients import LocalStages, StagePool
 from tests.integration.servers import running, wait_ready

@@ -23,8 +23,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import load_checkpoint
 from ddm.models.loading import expert_velocity
-from ddm.serving.router.fleet.pool import (ExpertPool, ExpertRejected, ExpertUnavailable,
-                                           PoolSettings)
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import ExpertRejected, ExpertUnavailable, PoolSettings
 from ddm.serving.router.fleet.replicas import (ExpertInfo, ReplicaSet, ReplicaState, dns_endpoints,
                                                static_endpoints)
 from ddm.serving.http.server import build_server, send_bytes

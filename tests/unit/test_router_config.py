@@ -25,7 +25,7 @@ from ddm.deploy.router_config import (
     StaticDiscovery,
     Timeouts,
 )
-from ddm.serving.router.fleet.pool import pool_settings
+from ddm.serving.router.fleet.servers import pool_settings
 from ddm.serving.router.api.state import load_router_config
 
 TEXT = """\

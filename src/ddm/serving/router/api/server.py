@@ -91,7 +91,7 @@ from ddm.serving.http.auth import BearerAuth
 from ddm.sampling.loop import row_steps
 from ddm.serving.router.api.clients import FORWARDED_FOR, OverBudget
 from ddm.serving.router.api.info import expert_card, has_router_network, strategies
-from ddm.serving.router.fleet.pool import ExpertError
+from ddm.serving.router.fleet.servers import ExpertError
 from ddm.serving.http.server import (RETRY_AFTER_HEADER, RETRY_AFTER_S, BodyLimit, ServerControl,
                                      add_api_docs, page_headers, probe_responses, run_server)
 from ddm.serving.router.api.previews import StatePoint, latent_preview

@@ -44,7 +44,8 @@ from ddm.serving.http.auth import TokenFile
 from ddm.serving.router.api.clients import ClientBudget, ClientBusy, ClientSlots, client_key
 from ddm.serving.router.fleet.demand import DemandMeter
 from ddm.serving.router.fleet.missing import Held, MissingExperts
-from ddm.serving.router.fleet.pool import ExpertPool, PoolMetrics, pool_settings
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import PoolMetrics, discovered_sources, pool_settings
 from ddm.serving.router.api.previews import decoded_size
 from ddm.serving.router.fleet.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
 from ddm.serving.router.fleet.replicas import ExpertInfo, ExpertProblem, hash_scheme
@@ -193,9 +194,9 @@ class RouterState:
         if remote:
             token = (TokenFile(self.config.auth.expert_token) if self.config.auth is not None
                      else None)
-            self._stage_pool = StagePool.discovered({STAGES[name]: discovery
-                                                     for name, discovery in remote.items()},
-                                                    self._settings, token=token)
+            sources, members = discovered_sources({STAGES[name]: discovery
+                                                   for name, discovery in remote.items()})
+            self._stage_pool = StagePool(sources, self._settings, token=token, members=members)
             await self._stage_pool.start()
         self.stages = {name: local if name in loaded else self._stage_pool
                        for name in entries}

@@ -31,7 +31,8 @@ import numpy as np
 
 from ddm.deploy.router_config import MissingExpert, canonical_strategy
 from ddm.serving.router.fleet.demand import DemandMeter
-from ddm.serving.router.fleet.pool import ExpertPool, ExpertUnavailable
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.servers import ExpertUnavailable
 
 
 @dataclass

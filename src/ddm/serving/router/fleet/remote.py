@@ -36,7 +36,7 @@ from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Deco
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.fleet.coalescing import Coalescer
 from ddm.serving.router.fleet.missing import Held, MissingExperts
-from ddm.serving.router.fleet.pool import gather_all
+from ddm.serving.router.fleet.servers import gather_all
 
 if TYPE_CHECKING:  # the stages' modules import torch, which a label DDM's router never needs
     from ddm.serving.router.fleet.stage_clients import StageCaller

@@ -2,8 +2,9 @@
 the wire (``ddm serve stage``) or run in the router's process, behind one interface.
 
 :class:`StageCaller` is what the router's driver asks: ``encode`` once per request, ``decode``
-once at the end, ``route`` at every step. A :class:`StagePool` answers it over the wire:
-the expert pool's replica, discovery, probing, retry and failover machinery pointed at stage
+once at the end, ``route`` at every step. A :class:`StagePool` answers it over the wire
+through its own :class:`~ddm.serving.router.fleet.servers.ModelServers` (the replica, discovery,
+probing, retry and failover machinery every caller of a model server shares) pointed at stage
 servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
 :class:`LocalStages` with stages loaded in this process
 (:func:`ddm.models.stages.load_stage`), off the event loop.
@@ -12,6 +13,7 @@ servers (``docs/protocol.md`` version 2: ENCODE, DECODE, ROUTE);
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -28,8 +30,9 @@ from ddm.models.stages import Stage
 from ddm.serving.wire.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                        decode_encoded, decode_probabilities, decode_response,
                                        encode_text_request, max_error_reply_bytes, max_reply_bytes)
-from ddm.serving.router.fleet.pool import ExpertPool, gather_all
-from ddm.serving.router.fleet.replicas import Replica, report_shape, require
+from ddm.serving.http.auth import TokenFile
+from ddm.serving.router.fleet.replicas import EndpointSource, Replica, report_shape, require
+from ddm.serving.router.fleet.servers import ModelServers, PoolMetrics, PoolSettings, gather_all
 
 __all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
@@ -102,16 +105,44 @@ class StageInfo:
                    example if role == TEXT_ENCODER else None)
 
 
-class StagePool(ExpertPool):
+class StagePool:
     """Stage servers by role (sources named :data:`TEXT_ENCODER`, :data:`DECODER`,
-    :data:`ROUTER`), a :class:`StageCaller`: the expert pool's replicas, probes and retries,
-    their reports read as :class:`StageInfo`. Stage calls are not coalesced: each runs once
-    per request."""
+    :data:`ROUTER`), a :class:`StageCaller`. It owns the stage messages (split to each
+    server's ``max_batch``); its :class:`ModelServers` the replicas, probes and retries, their
+    reports read as :class:`StageInfo`. Stage calls are not coalesced: each runs once per
+    request. Use as ``async with``."""
 
-    _parse_info = staticmethod(StageInfo.from_json)
+    def __init__(self, sources: Mapping[str, EndpointSource], settings: PoolSettings,
+                 metrics: PoolMetrics | None = None, token: TokenFile | None = None,
+                 members: Mapping[str, str] | None = None) -> None:
+        """``members``: role -> its member name on pool servers, for stages served in a pool
+        (:func:`~ddm.serving.router.fleet.servers.discovered_sources` reads both from
+        ``router.yaml``'s discoveries)."""
+        self._servers = ModelServers(sources, settings, StageInfo.from_json, metrics, token,
+                                     members)
+        self._ids = itertools.count(1)
+
+    async def __aenter__(self) -> StagePool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Open the client, list every stage's replicas, and start refreshing and probing."""
+        await self._servers.start()
+
+    async def close(self) -> None:
+        await self._servers.close()
+
+    def info(self, stage: str) -> StageInfo | None:
+        """What the stage's replicas say of it in ``/v1/info``; None until one has been
+        probed ready."""
+        return self._servers.info(stage)
 
     async def encode(self, prompts: Sequence[str]) -> EncodedPrompts:
-        info = await self._described(TEXT_ENCODER)
+        info = await self._servers.described(TEXT_ENCODER)
         limits = Limits(text_width=info.text_width)
         parts = [tuple(prompts[i:i + info.max_batch])
                  for i in range(0, len(prompts), info.max_batch)]
@@ -129,7 +160,7 @@ class StagePool(ExpertPool):
         return encoded[0] if len(encoded) == 1 else EncodedPrompts.concat(encoded)
 
     async def decode(self, latents: np.ndarray) -> np.ndarray:
-        info = await self._described(DECODER)
+        info = await self._servers.described(DECODER)
         assert info.image_shape is not None, "StageInfo requires it of a decoder"
 
         async def one(x: np.ndarray) -> np.ndarray:
@@ -147,7 +178,7 @@ class StagePool(ExpertPool):
 
     async def route(self, x: np.ndarray, t: np.ndarray,
                     pooled: np.ndarray | None) -> np.ndarray:
-        info = await self._described(ROUTER)
+        info = await self._servers.described(ROUTER)
         text = np.zeros((len(x), 0), np.float32) if pooled is None else pooled
 
         async def one(rows: np.ndarray) -> np.ndarray:
@@ -165,13 +196,6 @@ class StagePool(ExpertPool):
 
         return await self._split(np.arange(x.shape[0]), info.max_batch, one)
 
-    async def _described(self, stage: str) -> StageInfo:
-        info = self.info(stage) or await self._sets[stage].wait_described(
-            self._settings.deadline_s)
-        if info is None:
-            raise self._give_up(stage, "no replica was probed ready in time")
-        return info
-
     async def _split(self, rows: np.ndarray, size: int,
                      call: Callable[[np.ndarray], Awaitable[np.ndarray]]) -> np.ndarray:
         outs = await gather_all(*(call(rows[i:i + size]) for i in range(0, len(rows), size)))
@@ -183,11 +207,11 @@ class StagePool(ExpertPool):
         body, max_reply = request(request_id)
 
         def attempt(replica: Replica, timeout: float) -> Awaitable[_T]:
-            return self._exchange_once(stage, replica, body, max_reply, timeout,
-                                       lambda reply: decode(reply, request_id))
+            return self._servers.exchange_once(stage, replica, body, max_reply, timeout,
+                                               lambda reply: decode(reply, request_id))
 
-        return await self._send(stage, stage, attempt,
-                                time.monotonic() + self._settings.deadline_s)
+        return await self._servers.send(stage, stage, attempt,
+                                        time.monotonic() + self._servers.settings.deadline_s)
 
 
 class LocalStages:
