@@ -72,8 +72,8 @@ class LocalExperts:
 
 
 def _mixture(classes=(ALL, ALL), router=_router) -> RemoteMixture:
-    return RemoteMixture(("up", "down"), classes,
-                         RouterNetwork(local_network(router)) if router is not None else None, SHAPE, 10)
+    network = RouterNetwork(local_network(router)) if router is not None else None
+    return RemoteMixture(("up", "down"), classes, network, SHAPE, 10)
 
 
 def _in_process(classes=(ALL, ALL)) -> LoadedDDM:
