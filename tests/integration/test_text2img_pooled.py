@@ -1,8 +1,9 @@
 """The shipped text-to-image DDM in one pool (issue 37): ``ddm up examples/text2img-pooled.yaml``
 runs exactly one model process (``ddm serve pool``, holding the four experts, the text encoder,
-the decoder and the router network) beside the router, and answers the same requests with the same pixels as the
-unpooled deployment (``examples/text2img.yaml``, six model processes) within 2/255: the
-pooled example serves with PyTorch the two experts the unpooled one serves with JAX."""
+the decoder and the router network) beside the router, and answers the same requests with the
+same pixels as the unpooled deployment (``examples/text2img.yaml``, six model processes) within
+2/255: the pooled example serves with PyTorch the two experts the unpooled one serves with
+JAX."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ import asyncio, itertools, json, sys
 from pathlib import Path
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import plan_local
-from ddm.serving.router.state import RouterState
+from ddm.serving.router.api.state import RouterState
 
 ports = itertools.count(47100)
 plan = plan_local(load_manifest(Path(sys.argv[1])), lambda: next(ports), next(ports),
