@@ -1,7 +1,7 @@
 """A pooled DDM on the dev cluster's real node (issue 37): ``examples/text2img-pooled.yaml``
-(the shipped text-to-image DDM, its four experts, text encoder and decoder in one pool, the
-checkpoints baked into our CPU image), reconciled by the operator (in this process, against the
-real API server) and run by the kubelet.
+(the shipped text-to-image DDM, its four experts, text encoder, decoder and router network in
+one pool, the checkpoints baked into our CPU image), reconciled by the operator (in this
+process, against the real API server) and run by the kubelet.
 
 * It becomes Ready with one Deployment for its pool (``ddm serve pool``) beside the router's
   and nothing else, and answers ``/v1/images/generations`` with a PNG.
@@ -44,7 +44,8 @@ ROUTER_RESOURCES = {"requests": {"cpu": "50m", "memory": "256Mi"},
 #: The example's own limit (2 GiB: its members need about 1.8 GB at 64 rows each), and one
 #: they exceed but in which the server's runtime still starts and refuses.
 FITS, TOO_SMALL = "2Gi", "1Gi"
-MEMBERS = ["expert-0", "expert-1", "expert-2", "expert-3", "text-encoder", "decoder"]
+MEMBERS = ["expert-0", "expert-1", "expert-2", "expert-3", "text-encoder", "decoder",
+           "router-network"]
 
 
 def _manifest(name: str, memory: str) -> dict[str, Any]:

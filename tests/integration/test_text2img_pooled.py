@@ -1,8 +1,9 @@
 """The shipped text-to-image DDM in one pool (issue 37): ``ddm up examples/text2img-pooled.yaml``
-runs exactly one model process (``ddm serve pool``, holding the four experts, the text encoder
-and the decoder) beside the router, and answers the same requests with the same pixels as the
-unpooled deployment (``examples/text2img.yaml``, six model processes) within 2/255: the
-pooled example serves with PyTorch the two experts the unpooled one serves with JAX."""
+runs exactly one model process (``ddm serve pool``, holding the four experts, the text encoder,
+the decoder and the router network) beside the router, and answers the same requests with the
+same pixels as the unpooled deployment (``examples/text2img.yaml``, six model processes) within
+2/255: the pooled example serves with PyTorch the two experts the unpooled one serves with
+JAX."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def pooled() -> Iterator[tuple[LocalPlan, Log]]:
 def test_one_model_process_beside_the_router(pooled: tuple[LocalPlan, Log]) -> None:
     info = one_pool_beside_the_router(*pooled)
     assert sorted(info["members"]) == ["decoder", "expert-0", "expert-1", "expert-2",
-                                       "expert-3", "text-encoder"]
+                                       "expert-3", "router-network", "text-encoder"]
 
 
 def test_the_same_pixels_as_the_unpooled_deployment(pooled: tuple[LocalPlan, Log]) -> None:

@@ -20,7 +20,8 @@ from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import VelocityFn, iterate
 from ddm.serving.router.fleet.remote import (RemoteMixture, RouterNetwork, SamplingRequest,
-                                             check_request, denoise, generate_remote)
+                                             check_request, denoise, generate_remote,
+                                             local_network)
 
 SHAPE = (1, 4, 4)
 LOW, HIGH = tuple(range(5)), tuple(range(5, 10))
@@ -71,8 +72,8 @@ class LocalExperts:
 
 
 def _mixture(classes=(ALL, ALL), router=_router) -> RemoteMixture:
-    return RemoteMixture(("up", "down"), classes,
-                         RouterNetwork(router) if router is not None else None, SHAPE, 10)
+    network = RouterNetwork(local_network(router)) if router is not None else None
+    return RemoteMixture(("up", "down"), classes, network, SHAPE, 10)
 
 
 def _in_process(classes=(ALL, ALL)) -> LoadedDDM:

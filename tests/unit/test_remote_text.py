@@ -16,8 +16,9 @@ from ddm.models.paris_ddm import load_paris_ddm
 from ddm.sampling.pipeline import generate_text
 from ddm.sampling.routing import parse_strategy
 from ddm.models.stages import load_stage
-from ddm.serving.router.fleet.remote import (RemoteMixture, SamplingRequest, check_request, denoise,
-                                             generate_remote)
+from ddm.serving.router.fleet.remote import (RemoteMixture, RouterNetwork, SamplingRequest,
+                                             check_request, denoise, generate_remote,
+                                             stage_route)
 from ddm.serving.router.fleet.stage_clients import LocalStages
 from tests.support.guided_experts import GuidedExperts
 from tests.support.paris_release import write_paris_release
@@ -44,9 +45,10 @@ def mixture(release, paris, tmp_path_factory) -> RemoteMixture:
     root = write_paris_stages(release, tmp_path_factory.mktemp("stages") / "ddm")
     stages = LocalStages(*(load_stage(root / role) for role in ("text_encoder", "decoder",
                                                                  "router")))
-    return RemoteMixture(paris.expert_names, ((),) * len(paris.expert_names), None,
-                         paris.latent_shape, 0, conditioning=TEXT, encoder=stages,
-                         decoder=stages, router_stage=stages, grid=TimeGrid("flow-match"))
+    return RemoteMixture(paris.expert_names, ((),) * len(paris.expert_names),
+                         RouterNetwork(stage_route(stages)), paris.latent_shape, 0,
+                         conditioning=TEXT, encoder=stages, decoder=stages,
+                         grid=TimeGrid("flow-match"))
 
 
 def _request(prompts=PROMPTS, seed=1, guidance=7.5, strategy="top2", **options):

@@ -3,13 +3,15 @@ work, at least one; the user's setting wins; a bad setting is named."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from ddm.threads import THREADS_ENV, apply_cpu_thread_policy, cpu_threads, usable_cpus
+from ddm.threads import (ARENAS_ENV, THREADS_ENV, apply_cpu_thread_policy, cap_malloc_arenas,
+                         cpu_threads, usable_cpus)
 
 
 @pytest.mark.parametrize(("affinity", "cpu_max", "expected"), [
@@ -135,3 +137,20 @@ def test_text_experts_run_at_once_give_the_same_pixels(monkeypatch):
                                            strategy="top2").images)
     assert before == {"MainThread"} and {n.split("_")[0] for n in after} == {"ddm-expert"}
     assert np.array_equal(alone, together)
+
+
+_ARENAS_CHILD = "from ddm.threads import cap_malloc_arenas; print(cap_malloc_arenas())"
+
+
+def test_a_server_caps_its_malloc_arenas_unless_the_environment_sets_them() -> None:
+    """glibc takes the cap (mallopt answers 1); a MALLOC_ARENA_MAX of the user's is kept."""
+    env = {k: v for k, v in os.environ.items() if k != ARENAS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    capped = subprocess.run([sys.executable, "-c", _ARENAS_CHILD], env=env, capture_output=True,
+                            text=True, timeout=60, check=True)
+    assert capped.stdout.strip() == "True"
+    kept = subprocess.run([sys.executable, "-c", _ARENAS_CHILD], env={**env, ARENAS_ENV: "4"},
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert kept.stdout.strip() == "False"
+    with pytest.raises(ValueError, match="arenas must be >= 1"):
+        cap_malloc_arenas(0)

@@ -61,6 +61,7 @@ from ddm.serving.model.routes import (SERVING_LOOPS, Binary, ModelState, lifespa
 from ddm.serving.model.stage import StageMember, read_stage
 from ddm.serving.wire.paths import model_paths
 from ddm.termination import fail_start
+from ddm.threads import cap_malloc_arenas
 
 __all__ = ["ROLES", "create_model_app", "load_member", "parse_members", "serve_model"]
 
@@ -227,6 +228,7 @@ def serve_model(checkpoints: Checkpoints, options: ServingOptions,
     ``stage`` and ``pool`` run. Exits with status 1, the reason in the termination-message
     file, when a member cannot be loaded, checked, warmed up or fit, or a port cannot be
     bound."""
+    cap_malloc_arenas()  # before the loops and batchers start their threads
     logging.basicConfig(level=options.log_level.upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     what = (f"pool of {', '.join(checkpoints)}" if isinstance(checkpoints, Mapping)

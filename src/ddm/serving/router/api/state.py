@@ -47,7 +47,8 @@ from ddm.serving.router.fleet.missing import Held, MissingExperts
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolMetrics, discovered_sources, pool_settings
 from ddm.serving.router.api.previews import decoded_size
-from ddm.serving.router.fleet.remote import Guard, NullConditioning, RemoteMixture, RouterNetwork
+from ddm.serving.router.fleet.remote import (Guard, NullConditioning, RemoteMixture,
+                                             RouterNetwork, local_network, stage_route)
 from ddm.serving.router.fleet.replicas import ExpertInfo, ExpertProblem, hash_scheme
 from ddm.sampling.routing import Strategy
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
@@ -164,7 +165,7 @@ class RouterState:
             if self.config.router_checkpoint is not None:
                 probs, self.network_shape, self.network_meta = await asyncio.to_thread(
                     _load_network, self.config.router_checkpoint, self.config)
-                self.network = RouterNetwork(probs)
+                self.network = RouterNetwork(local_network(probs))
             what = "a stage"
             await self._load_stages()
         except Exception as error:  # noqa: BLE001 - reported by /healthz and /readyz
@@ -206,6 +207,8 @@ class RouterState:
             self.stage_convention = loaded[CONFIG_KEYS[ROUTER]].declaration.convention
         if CONFIG_KEYS[TEXT_ENCODER] in self.stages:
             self.null = NullConditioning(self.stages[CONFIG_KEYS[TEXT_ENCODER]])
+        if CONFIG_KEYS[ROUTER] in self.stages:  # its calls merged as a label DDM's network's
+            self.network = RouterNetwork(stage_route(self.stages[CONFIG_KEYS[ROUTER]]))
 
     def example_prompt(self) -> str | None:
         """The prompt the text encoder's checkpoint declares as its example (None: none, or
@@ -389,9 +392,9 @@ def _view_of(config: RouterConfigFile, infos: Mapping[str, ExpertInfo | None],
                      or "no expert replica has answered yet; retry when /readyz is 200")
     elif config.conditioning == TEXT:
         mixture = RemoteMixture(
-            tuple(e.name for e in config.experts), ((),) * len(config.experts), None, shape, 0,
-            conditioning=TEXT, encoder=stages.get(CONFIG_KEYS[TEXT_ENCODER]),
-            decoder=stages.get(CONFIG_KEYS[DECODER]), router_stage=stages.get(CONFIG_KEYS[ROUTER]),
+            tuple(e.name for e in config.experts), ((),) * len(config.experts), network, shape,
+            0, conditioning=TEXT, encoder=stages.get(CONFIG_KEYS[TEXT_ENCODER]),
+            decoder=stages.get(CONFIG_KEYS[DECODER]),
             grid=_grid(infos, stage_convention), null=null)
     else:
         mixture = RemoteMixture(tuple(e.name for e in config.experts),

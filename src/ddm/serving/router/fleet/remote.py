@@ -4,7 +4,7 @@ the other stages in the router process or on their own servers.
 The loop decides everything (noise, time grid, routing with the label mask, guidance, solver
 steps, delegation); this driver only answers its queries: :class:`~ddm.sampling.loop.Encode`
 through the text encoder's :class:`StageCaller`, :class:`~ddm.sampling.loop.Route` through a
-label DDM's shared :class:`RouterNetwork` or a text DDM's router-network stage, expert calls
+shared :class:`RouterNetwork` (a label DDM's network, or a text DDM's router stage), expert calls
 with each call's :class:`~ddm.conditioning.Conditioning` through an :class:`ExpertCaller` (the
 :class:`~ddm.serving.router.fleet.pool.ExpertPool`), the calls of one query concurrently and the
 sub-loops of a :class:`~ddm.sampling.loop.Concurrently` side by side, and
@@ -47,7 +47,7 @@ if TYPE_CHECKING:  # the stages' modules import torch, which a label DDM's route
 
 __all__ = ["CheckedRequest", "Decoded", "ExpertCaller", "Guard", "RemoteMixture",
            "RouterNetwork", "SamplingRequest", "StageCaller", "StepEvent", "Tally",
-           "check_request", "denoise", "generate_remote"]
+           "check_request", "denoise", "generate_remote", "local_network", "stage_route"]
 
 #: Up to this many rows, the router network runs on the event loop: at batch 1 it takes about
 #: 0.15 ms, less than the two thread hops of ``asyncio.to_thread``; bigger batches go to a
@@ -70,19 +70,21 @@ class ExpertCaller(Protocol):
 
 
 class RouterNetwork:
-    """A router network in the router process, shared by a router's generations: calls that
-    concurrent generations make in the same turn of the event loop, or while a pass runs, go
-    as one forward pass (at batch 1 the network's cost is almost all per call, not per row).
-    ``probs`` takes the arrays it is called with: ``(x, t, y)`` for a label DDM's network,
-    ``(x, t)`` for a text DDM's."""
+    """A router network shared by a router's generations: calls that concurrent generations
+    make in the same turn of the event loop, or while a pass runs, go as one pass (at batch 1
+    the network's cost is almost all per call, not per row; over the wire, per request).
+    ``forward`` is awaited with the merged arrays: :func:`local_network` for a label DDM's
+    network in this process, called with ``(x, t, y)``; :func:`stage_route` for a text DDM's
+    router stage (in this process or a server's), called with ``(x, t)`` or
+    ``(x, t, pooled text)``. Calls with different numbers of arrays never merge."""
 
-    def __init__(self, probs: Callable[..., np.ndarray]) -> None:
-        self._probs = probs
+    def __init__(self, forward: Callable[..., Awaitable[np.ndarray]]) -> None:
+        self._forward_fn = forward
         self._coalescer = Coalescer(self._forward, lambda: ROUTER_MAX_ROWS, lambda: 1)
 
     async def __call__(self, *inputs: np.ndarray) -> np.ndarray:
         """``p(k | inputs)`` as (B, K) probabilities."""
-        return await self._coalescer.submit(None, inputs)
+        return await self._coalescer.submit(len(inputs), inputs)
 
     async def close(self) -> None:
         """Cancel the passes in flight and refuse new calls (the router is stopping)."""
@@ -90,9 +92,29 @@ class RouterNetwork:
 
     async def _forward(self, _key: object, inputs: tuple[np.ndarray, ...],
                        _since: float) -> np.ndarray:
+        return await self._forward_fn(*inputs)
+
+
+def local_network(probs: Callable[..., np.ndarray]) -> Callable[..., Awaitable[np.ndarray]]:
+    """A :class:`RouterNetwork`'s pass through ``probs`` in this process: on the event loop up
+    to :data:`INLINE_ROUTER_ROWS` rows, in a worker thread above."""
+
+    async def forward(*inputs: np.ndarray) -> np.ndarray:
         if inputs[0].shape[0] <= INLINE_ROUTER_ROWS:
-            return self._probs(*inputs)
-        return await asyncio.to_thread(self._probs, *inputs)
+            return probs(*inputs)
+        return await asyncio.to_thread(probs, *inputs)
+
+    return forward
+
+
+def stage_route(stages: StageCaller) -> Callable[..., Awaitable[np.ndarray]]:
+    """A :class:`RouterNetwork`'s pass through a text DDM's router stage: ``(x, t)``, or
+    ``(x, t, pooled)`` where the conditioning carries pooled text."""
+
+    async def forward(x: np.ndarray, t: np.ndarray, *pooled: np.ndarray) -> np.ndarray:
+        return await stages.route(x, t, pooled[0] if pooled else None)
+
+    return forward
 
 
 class NullConditioning:
@@ -130,7 +152,6 @@ class RemoteMixture:
     conditioning: str = LABELS
     encoder: StageCaller | None = None
     decoder: StageCaller | None = None
-    router_stage: StageCaller | None = None
     grid: TimeGrid = TimeGrid()
     null: NullConditioning | None = None
 
@@ -140,7 +161,7 @@ class RemoteMixture:
         per change of its experts' reports (``ddm.serving.router.api.state``)."""
         return Mixture(self.expert_names, self.expert_classes, self.image_shape,
                        self.num_classes,
-                       routed=self.router is not None or self.router_stage is not None,
+                       routed=self.router is not None,
                        conditioning=self.conditioning, encoder=self.encoder is not None,
                        decoder=self.decoder is not None, grid=self.grid)
 
@@ -220,11 +241,11 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
         assert mixture.decoder is not None, "the loop decodes only where a decoder exists"
         return await mixture.decoder.decode(query.latents)
     if isinstance(query, Route):
-        if mixture.conditioning == TEXT:
-            assert mixture.router_stage is not None, "check_request: learned needs a network"
-            return await mixture.router_stage.route(query.x, query.t,
-                                                    pooled_text(query.cond))
         assert mixture.router is not None, "check_request refuses learned strategies without one"
+        if mixture.conditioning == TEXT:
+            pooled = pooled_text(query.cond)
+            return await mixture.router(query.x, query.t,
+                                        *(() if pooled is None else (pooled,)))
         return await mixture.router(query.x, query.t, _labels(query.cond))
     if isinstance(query, Calls):
         return await gather_all(*(_call(mixture, caller, c, guard) for c in query.calls))

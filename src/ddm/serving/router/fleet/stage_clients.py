@@ -17,7 +17,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -26,13 +26,15 @@ from ddm.checkpoints.roles import stage_roles
 from ddm.conditioning import EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_PROMPT_BYTES, MAX_TEXT_TOKENS,
                                MAX_TEXT_WIDTH, PRECISIONS)
-from ddm.models.stages import Stage
 from ddm.serving.wire.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                        decode_encoded, decode_probabilities, decode_response,
                                        encode_text_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.router.fleet.replicas import EndpointSource, Replica, report_shape, require
 from ddm.serving.router.fleet.servers import ModelServers, PoolMetrics, PoolSettings, gather_all
+
+if TYPE_CHECKING:  # the stages' modules import torch: only a router that runs stages needs it
+    from ddm.models.stages import Stage
 
 __all__ = ["LocalStages", "StageCaller", "StageInfo", "StagePool"]
 
