@@ -78,7 +78,7 @@ def test_data_in_a_store_is_fetched_first_with_no_condition_of_its_own() -> None
     assert status["phase"] == "Fetching" and "stepsDone" not in status["jobs"]["data"]
     assert [c["type"] for c in status["conditions"]] == ["Expert-a", "Expert-b", "Router"]
     assert [j.name for j in to_create(plan, {"data": _job("Complete")})] == [
-        "expert-a", "expert-b"]
+        "expert-a", "expert-b", "router"]
 
 
 def test_a_failed_job_fails_the_training_naming_it_and_nothing_more_starts() -> None:

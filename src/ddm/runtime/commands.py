@@ -57,9 +57,9 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
         "train-all", help="run a DDMTraining's jobs (partition, experts, router) as local "
                           "processes, then write its DDMDeployment",
         description="Plan a DDMTraining as the operator would and run it here: the partition "
-                    "first (k-means only), every expert at once (torchrun --standalone, or one "
-                    "process per rank with the JAX variables, when processesPerNode > 1), then "
-                    "the router network; finally the DDMDeployment over the outputs is "
+                    "first (k-means only), then every expert and the router network at once "
+                    "(torchrun --standalone, or one process per rank with the JAX variables, "
+                    "when processesPerNode > 1); finally the DDMDeployment over the outputs is "
                     "written to OUTPUT/deployment.yaml, for ddm up. Rerun to resume: finished "
                     "jobs are skipped, unfinished ones continue from their saved state. "
                     "Ctrl-C (exit 130) or SIGTERM (exit 143) stops every process.")

@@ -173,7 +173,9 @@ def threads_per_process(processes: int) -> int:
     """This machine's cores shared equally by ``processes`` processes running at once (the
     jobs running and those starting together), at least one each: a plan's experts and
     router start together, and a job started later shares what is left."""
-    return max(1, (os.cpu_count() or 1) // max(1, processes))
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    return max(1, cores // max(1, processes))
 
 
 def _check_outputs(local: LocalTraining) -> None:

@@ -152,14 +152,11 @@ def train_router_command(experts: Path | None, data: str, train: TrainConfig, ou
             raise ValueError("--config is for a router trained without --experts (their "
                              "checkpoints give the image shape)")
         scheme, arch, order = _experts_partition(experts, partition)
-        dataset = load_dataset(data, arch["image_size"], "train")
     else:
         arch = _beside_experts(partition, model_config)
-        dataset = load_dataset(data, arch["image_size"], "train")
+    dataset = load_dataset(data, arch["image_size"], "train")
+    if experts is None:
         scheme = partition_from_spec(str(partition), dataset, seed=train.seed)
-    if dataset.images.shape[1] != arch["in_channels"]:
-        raise ValueError(f"data {data!r} has {dataset.images.shape[1]}-channel images, but the "
-                         f"experts take {arch['in_channels']} channels")
     config = RouterNetworkConfig(image_size=arch["image_size"], in_channels=arch["in_channels"],
                           num_experts=scheme.num_partitions, num_classes=arch["num_classes"],
                           use_labels=use_labels)
