@@ -68,6 +68,56 @@ def test_router_refuses_experts_of_different_partitions(tmp_path, capsys):
     assert not (tmp_path / "router").exists()
 
 
+def test_a_router_trained_beside_the_experts_is_the_one_trained_after_them(tmp_path):
+    """Given the partition and the experts' config instead of their checkpoints, the router
+    network trains the same weights into the same checkpoint (the partition and image shape
+    are the same facts); a router beside experts of another partition is refused by the check
+    the outputs pass, naming both partitions."""
+    from ddm.checkpoints.format import CheckpointError
+    from ddm.data import PartitionMismatchError
+    from ddm.training.commands import check_router_partition
+
+    experts = [tmp_path / "experts" / f"e{index}" for index in (0, 1)]
+    for index, out in enumerate(experts):
+        assert _train("expert", "--config", "smoke", "--partition", "labels:0-4,5-9",
+                      "--index", index, "--out", out) == 0
+    assert _train("router", "--experts", tmp_path / "experts", "--out", tmp_path / "after") == 0
+    assert _train("router", "--partition", "labels:0-4,5-9", "--config", "smoke",
+                  "--out", tmp_path / "beside") == 0
+    after, beside = read_meta(tmp_path / "after"), read_meta(tmp_path / "beside")
+    for field in ("kind", "architecture", "framework", "classes", "partition", "data"):
+        assert getattr(beside, field) == getattr(after, field), field
+    assert ((tmp_path / "beside" / "weights.safetensors").read_bytes()
+            == (tmp_path / "after" / "weights.safetensors").read_bytes())
+    check_router_partition(tmp_path / "beside", experts)
+
+    assert _train("router", "--partition", "labels:0-2,3-9", "--config", "smoke",
+                  "--out", tmp_path / "other") == 0
+    with pytest.raises(PartitionMismatchError) as refused:
+        check_router_partition(tmp_path / "other", experts)
+    ours = read_meta(experts[0]).partition["scheme"]["sha256"]
+    theirs = read_meta(tmp_path / "other").partition["scheme"]["sha256"]
+    assert f"router {tmp_path / 'other'} was made for partition sha256 {theirs}" in str(
+        refused.value) and f"partition sha256 {ours} is expected" in str(refused.value)
+    with pytest.raises(CheckpointError, match="parts \\[0\\] of a 2-part partition"):
+        check_router_partition(tmp_path / "beside", experts[:1])
+
+
+@pytest.mark.parametrize("argv,message", [
+    ((), "a router needs --experts DIR, or --partition and --config"),
+    (("--partition", "labels:0-4,5-9"), "a router needs --experts DIR, or --partition and "
+                                        "--config"),
+    (("--partition", "kmeans:2", "--config", "smoke"), "a router's --partition is 'file:PATH' "
+                                                       "or 'labels:GROUPS', got 'kmeans:2'"),
+    (("--partition", "labels:0-4,5-9", "--config", "huge"), "unknown UNet config"),
+])
+def test_a_router_beside_the_experts_refuses_what_it_cannot_train_on(tmp_path, capsys, argv,
+                                                                      message):
+    assert _train("router", *argv, "--out", tmp_path / "router") == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "router").exists()
+
+
 def _fit(path, seed: int, features: str = "hog") -> str:
     assert main(["partition", "fit", "--data", "digits", "--kmeans", "2", "--features", features,
                  "--image-size", "8", "--seed", str(seed), "--out", str(path)]) == 0

@@ -36,15 +36,18 @@ def _problems(spec: dict, **options) -> str:
     return "\n".join(caught.value.problems)
 
 
-def test_the_example_plans_two_experts_in_parallel_then_the_router():
+def test_the_example_plans_two_experts_and_the_router_in_parallel():
     manifest = load_training_manifest(EXAMPLE)
     plan = plan_training(manifest.spec)
     assert [job.name for job in plan.jobs] == ["expert-digits-0-4", "expert-digits-5-9",
                                                "router"]
-    assert [job.name for job in plan.ready(set())] == ["expert-digits-0-4", "expert-digits-5-9"]
-    assert [job.name for job in plan.ready({"expert-digits-0-4"})] == ["expert-digits-5-9"]
-    assert [job.name for job in plan.ready({"expert-digits-0-4", "expert-digits-5-9"})] == [
-        "router"]
+    assert [job.name for job in plan.ready(set())] == ["expert-digits-0-4", "expert-digits-5-9",
+                                                       "router"]
+    assert plan.job("router").after == ()
+    router = plan.job("router").args(Paths("/out"))
+    assert "--experts" not in router
+    assert router[router.index("--partition") + 1] == "labels:0,1,2,3,4;5,6,7,8,9"
+    assert router[router.index("--config") + 1] == "digits-small"
     torch_job = plan.job("expert-digits-0-4")
     assert torch_job.state == "experts/digits-0-4.training"
     (process,) = torch_job.node_processes(Paths("/out"))
@@ -82,6 +85,9 @@ def test_kmeans_is_fitted_once_by_a_job_the_experts_and_router_wait_for():
     router = plan.job("router").args(Paths("/out", "/data"))
     assert router[router.index("--partition") + 1] == "file:/out/partition.json"
     assert plan.job("expert-digits-0-4").after == ("partition",)
+    assert plan.job("router").after == ("partition",)  # beside the experts
+    assert [job.name for job in plan.ready({"partition"})] == [
+        "expert-digits-0-4", "expert-digits-5-9", "router"]
 
 
 def test_the_deployment_points_at_the_outputs_and_keeps_the_serving_settings():

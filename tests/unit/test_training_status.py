@@ -44,12 +44,13 @@ def test_job_state_reads_the_conditions_jobs_and_trainjobs_share() -> None:
                      ) == "Running"
 
 
-def test_experts_start_together_and_the_router_after_them() -> None:
-    assert [j.name for j in to_create(PLAN, {})] == ["expert-digits-0-4", "expert-digits-5-9"]
-    running = {"expert-digits-0-4": _job(), "expert-digits-5-9": _job("Complete")}
+def test_experts_and_the_router_start_together() -> None:
+    assert [j.name for j in to_create(PLAN, {})] == ["expert-digits-0-4", "expert-digits-5-9",
+                                                     "router"]
+    running = {"expert-digits-0-4": _job(), "expert-digits-5-9": _job("Complete"),
+               "router": _job()}
     assert to_create(PLAN, running) == ()
     done = {**running, "expert-digits-0-4": _job("Complete")}
-    assert [j.name for j in to_create(PLAN, done)] == ["router"]
     assert not finished(PLAN, done)
     assert finished(PLAN, {**done, "router": _job("Complete")})
 
@@ -63,7 +64,7 @@ def test_a_fitted_partition_runs_first_and_alone() -> None:
     status = _status({"partition": _job()}, plan=plan)
     assert status["phase"] == "Partitioning"
     assert [j.name for j in to_create(plan, {"partition": _job("Complete")})] == [
-        "expert-a", "expert-b"]
+        "expert-a", "expert-b", "router"]
 
 
 def test_data_in_a_store_is_fetched_first_with_no_condition_of_its_own() -> None:
@@ -77,7 +78,7 @@ def test_data_in_a_store_is_fetched_first_with_no_condition_of_its_own() -> None
     assert status["phase"] == "Fetching" and "stepsDone" not in status["jobs"]["data"]
     assert [c["type"] for c in status["conditions"]] == ["Expert-a", "Expert-b", "Router"]
     assert [j.name for j in to_create(plan, {"data": _job("Complete")})] == [
-        "expert-a", "expert-b"]
+        "expert-a", "expert-b", "router"]
 
 
 def test_a_failed_job_fails_the_training_naming_it_and_nothing_more_starts() -> None:

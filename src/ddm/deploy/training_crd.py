@@ -185,8 +185,8 @@ SPEC = Object(required=("output", "partition", "experts", "deployment"), propert
         description="One entry per part of the partition, in its order.",
         min_items=1, max_items=MAX_EXPERTS),
     "router": Object(
-        description="The router network's training (after the experts: it reads their "
-                    "partition); PyTorch.",
+        description="The router network's training (beside the experts: it reads the data "
+                    "and the partition); PyTorch.",
         properties={
             **TRAIN_FIELDS,
             "useLabels": Boolean(description="Whether the router also sees the label (default "

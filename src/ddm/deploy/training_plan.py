@@ -8,9 +8,11 @@ A DDMTraining is a plan of jobs whose outputs become a DDMDeployment's checkpoin
   (one CPU process, with no placement of its own);
 - ``expert-NAME``, one per expert, in parallel after the partition: ``ddm train expert`` on
   its part, writing ``experts/NAME`` (its training state in ``experts/NAME.training``);
-- ``router``: ``ddm train router`` over ``experts/``, writing ``router``. It runs after the
-  experts: ``ddm train router`` reads the partition and the image shape from the experts'
-  checkpoints (it checks they share one partition).
+- ``router``: ``ddm train router`` on the partition the experts train on, writing
+  ``router``, beside the experts (it needs only the data and the partition; the image shape
+  is the first expert's UNet config's: a DDM's experts share one). ``ddm train-all`` checks
+  the outputs share one partition before writing the DDMDeployment; the router checks it
+  again when it serves them.
 
 With a store as the output (``spec.output.uri`` s3:// or gs://), the jobs work on
 ``spec.output.volume`` exactly as above, and each expert and router job uploads its finished
@@ -206,11 +208,11 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
     jobs.extend(experts)
     router = spec.router
     jobs.append(JobPlan(
-        name=ROUTER_JOB, kind="router", framework="torch",
-        after=tuple(job.name for job in experts), output=ROUTER_DIR, steps=router.train.steps,
-        workers=router.workers, upload=upload(ROUTER_DIR)[1] if spec.uploads else None,
-        template=("train", "router", "--experts", f"{_OUTPUT}/{EXPERTS_DIR}", "--data",
-                  data_arg, *(("--partition", part_arg) if partition.fitted else ()),
+        name=ROUTER_JOB, kind="router", framework="torch", after=after, output=ROUTER_DIR,
+        steps=router.train.steps, workers=router.workers,
+        upload=upload(ROUTER_DIR)[1] if spec.uploads else None,
+        template=("train", "router", "--partition", part_arg, "--config",
+                  spec.experts[0].model, "--data", data_arg,
                   *(() if router.use_labels else ("--no-labels",)),
                   *_train_args(router.train),
                   "--device", router.workers.accelerator.declared.train_device("torch"),

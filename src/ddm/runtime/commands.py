@@ -57,25 +57,28 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
         "train-all", help="run a DDMTraining's jobs (partition, experts, router) as local "
                           "processes, then write its DDMDeployment",
         description="Plan a DDMTraining as the operator would and run it here: the partition "
-                    "first (k-means only), every expert at once (torchrun --standalone, or one "
-                    "process per rank with the JAX variables, when processesPerNode > 1), then "
-                    "the router network; finally the DDMDeployment over the outputs is "
+                    "first (k-means only), then every expert and the router network at once "
+                    "(torchrun --standalone, or one process per rank with the JAX variables, "
+                    "when processesPerNode > 1); finally the DDMDeployment over the outputs is "
                     "written to OUTPUT/deployment.yaml, for ddm up. Rerun to resume: finished "
                     "jobs are skipped, unfinished ones continue from their saved state. "
                     "Ctrl-C (exit 130) or SIGTERM (exit 143) stops every process.")
     p.add_argument("manifest", type=existing_path, help="a DDMTraining YAML file")
-    _local_options(p, "pvc://CLAIM/PATH (the output, the data) is DIR/CLAIM/PATH")
+    _local_options(p, "pvc://CLAIM/PATH (the output, the data) is DIR/CLAIM/PATH",
+                   None, "default: this machine's cores shared equally by the processes "
+                         "running at once, at least 1 each")
     p.set_defaults(handler=_train_all)
 
 
-def _local_options(p: argparse.ArgumentParser, claims: str) -> None:
-    """``--pvc-root`` (``claims``: what it maps) and ``--threads``, as both local runtimes
-    take them."""
+def _local_options(p: argparse.ArgumentParser, claims: str, threads: int | None = 1,
+                   threads_default: str = "default 1: the processes share the machine"
+                   ) -> None:
+    """``--pvc-root`` (``claims``: what it maps) and ``--threads`` (default ``threads``,
+    described by ``threads_default``), as both local runtimes take them."""
     p.add_argument("--pvc-root", type=Path, default=None, metavar="DIR",
                    help=f"stands in for the cluster's PersistentVolumeClaims: {claims}")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU threads per process (OMP_NUM_THREADS; default 1: the processes "
-                        "share the machine)")
+    p.add_argument("--threads", type=int, default=threads,
+                   help=f"CPU threads per process (OMP_NUM_THREADS; {threads_default})")
 
 
 def _up(args: argparse.Namespace) -> int:

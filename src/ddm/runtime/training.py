@@ -2,11 +2,12 @@
 
 The same YAML the operator reconciles is planned by the one training plan
 (``ddm.deploy.training_plan``) and carried out here as ``ddm up`` carries out a DDMDeployment:
-the partition first (k-means only), then every expert at once, each with its processes
-(``torchrun --standalone`` for PyTorch, one process per rank with the JAX variables for JAX,
-as :meth:`JobPlan.node_processes` decides), then the router network; finally the root index
-(``ddm_index.json``: the experts and router by role) and the DDMDeployment pointing at the
-outputs are written beside them, for ``ddm up``.
+the partition first (k-means only), then every expert and the router network at once, each
+with its processes (``torchrun --standalone`` for PyTorch, one process per rank with the JAX
+variables for JAX, as :meth:`JobPlan.node_processes` decides), their threads sharing this
+machine's cores (:func:`threads_per_process`); finally, once the outputs are checked to make
+one DDM, the root index (``ddm_index.json``: the experts and router by role) and the
+DDMDeployment pointing at the outputs are written beside them, for ``ddm up``.
 
 ``pvc://CLAIM/PATH`` (the output, MNIST) is ``PVC_ROOT/CLAIM/PATH`` here (``--pvc-root``, as
 ``ddm up`` reads it). Object stores are reached as in a pod: MNIST in a store is fetched by
@@ -22,6 +23,7 @@ changes. Ctrl-C, SIGTERM or a job that fails stops every process started.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -35,7 +37,7 @@ from ddm.checkpoints.index import write_index
 from ddm.checkpoints.local import claim_path, resolve_checkpoint
 from ddm.checkpoints.upload import read_uploaded
 from ddm.checkpoints.uri import CheckpointSource
-from ddm.deploy.training_plan import JobPlan, Paths, TrainingPlan, plan_training
+from ddm.deploy.training_plan import ROUTER_JOB, JobPlan, Paths, TrainingPlan, plan_training
 from ddm.deploy.training_spec import TrainingManifest, deployment_document
 from ddm.runtime.local import ProcessSpec, Supervisor, free_port
 
@@ -99,31 +101,37 @@ def _local(source: CheckpointSource, pvc_root: Path | None) -> Path:
 
 
 def run_training(manifest: TrainingManifest, pvc_root: Path | None = None, *,
-                 threads: int = 1, out: TextIO | None = None,
+                 threads: int | None = None, out: TextIO | None = None,
                  stop: threading.Event | None = None) -> Path:
     """Run every unfinished job, each as soon as those it waits for have finished; return the
-    DDMDeployment file written in the output root. Raises ``TrainingRunError`` when a job
-    fails (the others are stopped; a rerun resumes), ``KeyboardInterrupt`` on Ctrl-C (after
-    stopping everything); ``stop`` set: stop everything and raise ``TrainingRunError``.
-    Progress and the processes' output go to ``out`` (default: stdout)."""
+    DDMDeployment file written in the output root. ``threads``: CPU threads per process
+    (None: :func:`threads_per_process`). Raises ``TrainingRunError`` when a job fails (the
+    others are stopped; a rerun resumes) or the outputs disagree, ``KeyboardInterrupt`` on
+    Ctrl-C (after stopping everything); ``stop`` set: stop everything and raise
+    ``TrainingRunError``. Progress and the processes' output go to ``out`` (default:
+    stdout)."""
     local = place_training(manifest, pvc_root)
     stop, out = stop or threading.Event(), out or sys.stdout  # the caller's stdout, now
     plan, started_at = local.plan, time.monotonic()
     done = {job.name for job in plan.jobs if local.finished(job)}
     for name in sorted(done):
         _tell(out, f"{name}: finished before ({plan.job(name).output}), skipped")
-    env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
-           ("PYTHONUNBUFFERED", "1"))
     supervisor = Supervisor(out)
     running: dict[str, tuple[str, ...]] = {}  # job -> its processes' names
     steps: dict[str, int | None] = {}
     try:
         while len(done) < len(plan.jobs):
-            for job in plan.ready(done):
-                if job.name not in running:
-                    steps[job.name] = local.step(job)
-                    running[job.name] = _start(job, local.paths, supervisor, env, out,
-                                               steps[job.name])
+            starting = [job for job in plan.ready(done) if job.name not in running]
+            if starting:
+                busy = sum(len(processes) for processes in running.values())
+                each = threads or threads_per_process(
+                    busy + sum(job.workers.processes_per_node for job in starting))
+                env = (("OMP_NUM_THREADS", str(each)), ("MKL_NUM_THREADS", str(each)),
+                       ("PYTHONUNBUFFERED", "1"))
+            for job in starting:
+                steps[job.name] = local.step(job)
+                running[job.name] = _start(job, local.paths, supervisor, env, out,
+                                           steps[job.name])
             if stop.wait(POLL_S):  # external processes: polling them is the only signal
                 raise TrainingRunError("stopped; rerun to resume every unfinished job")
             for name, processes in list(running.items()):
@@ -150,6 +158,7 @@ def run_training(manifest: TrainingManifest, pvc_root: Path | None = None, *,
         if any(p.poll() is None for p in supervisor.processes.values()):
             _tell(out, f"stopping {len(supervisor.processes)} process(es)...")
         supervisor.stop()
+    _check_outputs(local)
     write_index(local.paths.output, *plan.members())
     path = Path(local.paths.output) / DEPLOYMENT_FILE
     path.write_text(yaml.safe_dump(deployment_document(manifest.spec,
@@ -158,6 +167,30 @@ def run_training(manifest: TrainingManifest, pvc_root: Path | None = None, *,
     _tell(out, f"all {len(plan.jobs)} jobs finished ({time.monotonic() - started_at:.0f} s); "
                f"wrote the DDMDeployment {manifest.spec.deployment.name} to {path}")
     return path
+
+
+def threads_per_process(processes: int) -> int:
+    """This machine's cores shared equally by ``processes`` processes running at once (the
+    jobs running and those starting together), at least one each: a plan's experts and
+    router start together, and a job started later shares what is left."""
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    return max(1, cores // max(1, processes))
+
+
+def _check_outputs(local: LocalTraining) -> None:
+    """Refuse outputs that do not make one DDM: the router network, trained beside the
+    experts, must have learned the partition they share (the message names both)."""
+    from ddm.checkpoints.format import CheckpointError
+    from ddm.training.commands import check_router_partition
+
+    output = Path(local.paths.output)
+    experts = [output / job.output for job in local.plan.jobs if job.kind == "expert"]
+    router = output / local.plan.job(ROUTER_JOB).output
+    try:
+        check_router_partition(router, experts)
+    except (CheckpointError, ValueError) as error:
+        raise TrainingRunError(f"the outputs do not make one DDM: {error}") from None
 
 
 def _start(job: JobPlan, paths: Paths, supervisor: Supervisor,

@@ -75,12 +75,19 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
         optimisation(p, steps=1500, batch=128, lr=2e-3)
         p.set_defaults(handler=_train_unet)
 
-    p = kinds.add_parser("router", help="train the learned router over existing experts")
-    p.add_argument("--experts", required=True, type=Path,
-                   help="directory holding the expert checkpoints (one subdirectory each)")
+    p = kinds.add_parser("router", help="train the learned router, over existing experts or "
+                                        "beside them (--partition and --config)")
+    p.add_argument("--experts", default=None, type=Path,
+                   help="directory holding the expert checkpoints (one subdirectory each), "
+                        "which give the partition and the image shape")
     p.add_argument("--no-labels", action="store_true", help="route on (x_t, t) alone")
     p.add_argument("--partition", default=None,
-                   help="'file:PATH': refuse experts whose partition's sha256 differs from it")
+                   help="without --experts: what the experts train on, 'file:PATH' or "
+                        "'labels:0-4,5-9'; with --experts: 'file:PATH', refusing experts "
+                        "whose partition's sha256 differs from it")
+    p.add_argument("--config", default=None,
+                   help="without --experts: the experts' named UNet config (their image "
+                        "side, channels and classes)")
     p.add_argument("--device", default=None)
     optimisation(p, steps=1500, batch=256, lr=2e-3)
     p.set_defaults(handler=_train_router)
@@ -192,7 +199,7 @@ def _train_router(args: argparse.Namespace) -> int:
         experts=args.experts, data=args.data, train=_train_config(args), out=args.out,
         use_labels=not args.no_labels, device=args.device,
         progress=_progress(args, args.steps, "router"), partition=args.partition,
-        save_every=args.save_every, resume=args.resume)
+        save_every=args.save_every, resume=args.resume, model_config=args.config)
     _report(path, args)
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import platform
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -15,8 +15,8 @@ from ddm.checkpoints.roles import ROUTER
 from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, check_checkpoint_output,
                                    load_checkpoint, save_checkpoint)
 from ddm.convention import to_model_space
-from ddm.data import (Dataset, check_partition_hash, classes_of, load_dataset, load_partition,
-                      partition_from_dict, partition_from_spec, partition_sha256)
+from ddm.data import (Dataset, Partition, check_partition_hash, classes_of, load_dataset,
+                      load_partition, partition_from_dict, partition_from_spec, partition_sha256)
 from ddm.data.datasets import recorded_source
 from ddm.models.config import RouterNetworkConfig, unet_config
 from ddm.objectives import NATIVE, Objective
@@ -126,45 +126,37 @@ def unet_objective(prediction: str = "velocity", schedule: str = "linear",
     return Objective(prediction, schedule, time)
 
 
-def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path,
+def train_router_command(experts: Path | None, data: str, train: TrainConfig, out: Path,
                          use_labels: bool = True, device: str | None = None,
                          progress: ProgressFn | None = None, partition: str | None = None,
-                         save_every: int = SAVE_EVERY, resume: bool = False) -> Path | None:
-    """Train a router for the experts in ``experts``, which must share one partition (the
-    sha256 of its content); ``partition`` (``file:PATH``) must then be that one too. Saved
-    into ``experts`` (``--out EXPERTS/router``), it completes that DDM: its root index
-    (``ddm.checkpoints.index``) is written, naming the experts in partition order.
+                         save_every: int = SAVE_EVERY, resume: bool = False,
+                         model_config: str | None = None) -> Path | None:
+    """Train the router network of a DDM and save it; saved into ``experts`` (``--out
+    EXPERTS/router``), it completes that DDM: its root index (``ddm.checkpoints.index``) is
+    written, naming the experts in partition order.
+
+    Either from the expert checkpoints in ``experts``, which must share one partition (the
+    sha256 of its content; ``partition``, ``file:PATH``, must then be that one too) and give
+    the image shape; or, ``experts`` None, from ``partition`` (``file:PATH`` or
+    ``labels:...``) and ``model_config``, the experts' UNet config (image side, channels and
+    classes), so that it trains beside the experts instead of after them. Both write the same
+    checkpoint.
 
     Data-parallel under torchrun as :func:`train_unet` is: rank 0 alone writes and returns
     the path."""
     from ddm.training.router import train_router
 
     check_checkpoint_output(out)
-    paths = discover(experts).get("expert", [])
-    metas = [load_checkpoint(p).meta for p in paths]
-    if not metas:
-        raise CheckpointError(f"{experts} holds no expert checkpoints")
-    if any(not m.partition for m in metas):
-        raise CheckpointError(f"the experts in {experts} do not share one partition (some "
-                              "record none); a router is trained for experts of one partition")
-    hashes = {m.name: partition_sha256(m.partition["scheme"]) for m in metas}
-    if len(set(hashes.values())) != 1:
-        named = ", ".join(f"{name}: sha256 {sha}" for name, sha in sorted(hashes.items()))
-        raise CheckpointError(f"the experts in {experts} do not share one partition ({named}); "
-                              "a router can only be trained for experts of the same partition")
-    scheme = partition_from_dict(metas[0].partition["scheme"])
-    if partition is not None:
-        method, _, path = partition.partition(":")
-        if method != "file" or not path:
-            raise ValueError(f"a router's --partition is 'file:PATH', got {partition!r}")
-        check_partition_hash(load_partition(path).sha256, scheme.sha256,
-                             f"the experts in {experts}")
-    indices = sorted(int(m.partition["index"]) for m in metas)
-    if indices != list(range(scheme.num_partitions)):
-        raise CheckpointError(f"{experts} holds experts for parts {indices} of a "
-                              f"{scheme.num_partitions}-part partition; every part needs one")
-    arch = metas[0].architecture
+    if experts is not None:
+        if model_config is not None:
+            raise ValueError("--config is for a router trained without --experts (their "
+                             "checkpoints give the image shape)")
+        scheme, arch, order = _experts_partition(experts, partition)
+    else:
+        arch = _beside_experts(partition, model_config)
     dataset = load_dataset(data, arch["image_size"], "train")
+    if experts is None:
+        scheme = partition_from_spec(str(partition), dataset, seed=train.seed)
     config = RouterNetworkConfig(image_size=arch["image_size"], in_channels=arch["in_channels"],
                           num_experts=scheme.num_partitions, num_classes=arch["num_classes"],
                           use_labels=use_labels)
@@ -172,7 +164,7 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
     with _processes("torch", device, train) as (world, target, resolved):
         resumable = Resumable(state_directory(out), every=save_every, resume=resume,
                               writer=world.writer, identity={
-            "kind": "router", "experts": str(experts), "data": data,
+            "kind": "router", "experts": experts and str(experts), "data": data,
             "partition": scheme.sha256, "network": config.to_dict(), "train": train.to_dict()})
         weights = train_router(config, train, to_model_space(dataset.images), dataset.labels,
                                ids, target, progress if world.writer else None, resumable,
@@ -185,10 +177,74 @@ def train_router_command(experts: Path, data: str, train: TrainConfig, out: Path
         partition={"scheme": scheme.to_dict()}, data=_data_record(data, dataset),
         training=_training_record(train, "router", resolved, resumable.elapsed(), world))
     saved = save_checkpoint(out, meta, weights)
-    if out.absolute().parent == experts.absolute():  # the router completes that DDM
-        order = sorted(zip(metas, paths), key=lambda pair: int(pair[0].partition["index"]))
-        write_index(experts, [path.name for _, path in order], {ROUTER: out.name})
+    if experts is not None and out.absolute().parent == experts.absolute():
+        write_index(experts, order, {ROUTER: out.name})  # the router completes that DDM
     return saved
+
+
+def _experts_partition(experts: Path, partition: str | None
+                       ) -> tuple[Partition, dict[str, Any], list[str]]:
+    """The partition the experts in ``experts`` share (``partition``, ``file:PATH``: it must
+    be that one), their architecture, and their directories' names in partition order."""
+    paths = discover(experts).get("expert", [])
+    metas = [load_checkpoint(p).meta for p in paths]
+    if not metas:
+        raise CheckpointError(f"{experts} holds no expert checkpoints")
+    scheme = shared_partition(metas, f"the experts in {experts}")
+    if partition is not None:
+        method, _, path = partition.partition(":")
+        if method != "file" or not path:
+            raise ValueError(f"a router's --partition with --experts is 'file:PATH', got "
+                             f"{partition!r}")
+        check_partition_hash(load_partition(path).sha256, scheme.sha256,
+                             f"the experts in {experts}")
+    order = sorted(zip(metas, paths), key=lambda pair: int(pair[0].partition["index"]))
+    return scheme, metas[0].architecture, [path.name for _, path in order]
+
+
+def _beside_experts(partition: str | None, model_config: str | None) -> dict[str, Any]:
+    """The architecture of the experts' UNet config ``model_config``, for a router trained
+    beside them on ``partition`` (``file:PATH`` or ``labels:...``: what they train on)."""
+    if partition is None or model_config is None:
+        raise ValueError("a router needs --experts DIR, or --partition and --config (the "
+                         "experts' UNet config) to train beside them")
+    method, _, arg = partition.partition(":")
+    if method not in ("file", "labels") or not arg:
+        raise ValueError(f"a router's --partition is 'file:PATH' or 'labels:GROUPS', got "
+                         f"{partition!r} (fit k-means once with `ddm partition fit`)")
+    return unet_config(model_config).to_dict()
+
+
+def shared_partition(metas: Sequence[CheckpointMeta], who: str) -> Partition:
+    """The one partition every expert of ``metas`` records, each part once; raises
+    ``CheckpointError`` naming ``who`` (and each expert's sha256) otherwise."""
+    if any(not m.partition for m in metas):
+        raise CheckpointError(f"{who} do not share one partition (some record none); a router "
+                              "is trained for experts of one partition")
+    hashes = {m.name: partition_sha256(m.partition["scheme"]) for m in metas}
+    if len(set(hashes.values())) != 1:
+        named = ", ".join(f"{name}: sha256 {sha}" for name, sha in sorted(hashes.items()))
+        raise CheckpointError(f"{who} do not share one partition ({named}); a router can only "
+                              "be trained for experts of the same partition")
+    scheme = partition_from_dict(metas[0].partition["scheme"])
+    indices = sorted(int(m.partition["index"]) for m in metas)
+    if indices != list(range(scheme.num_partitions)):
+        raise CheckpointError(f"{who} are experts for parts {indices} of a "
+                              f"{scheme.num_partitions}-part partition; every part needs one")
+    return scheme
+
+
+def check_router_partition(router: Path, experts: Sequence[Path]) -> None:
+    """Refuse a router network trained for another partition than the experts ``experts``
+    share (a router trained beside them read the partition itself): the message names both
+    hashes."""
+    metas = [load_checkpoint(p).meta for p in experts]
+    scheme = shared_partition(metas, "the experts " + ", ".join(str(p) for p in experts))
+    recorded = load_checkpoint(router).meta.partition or {}
+    if "scheme" not in recorded:
+        raise CheckpointError(f"router {router} records no partition")
+    check_partition_hash(scheme.sha256, partition_sha256(recorded["scheme"]),
+                         f"router {router}")
 
 
 def _data_record(source: str, dataset: Dataset) -> dict[str, Any]:
