@@ -120,14 +120,15 @@ def test_the_pooled_text2img_example_runs_one_model_process_that_serves_every_me
     members = [server.argv[i + 1].partition("=")[0] for i, arg in enumerate(server.argv)
                if arg == "--member"]
     assert members == ["expert-0", "expert-1", "expert-2", "expert-3", "text-encoder",
-                       "decoder"]
+                       "decoder", "router-network"]
     endpoint = (f"127.0.0.1:{server.port}",)
     config = plan.router_config
     assert [e.discovery for e in config.experts] == [
         StaticDiscovery(endpoint, member=f"expert-{i}") for i in range(4)]
     assert config.text_encoder.discovery == StaticDiscovery(endpoint, member="text-encoder")
     assert config.decoder.discovery == StaticDiscovery(endpoint, member="decoder")
-    assert config.router_network.checkpoint == "/fetched/opt/ddm/checkpoints/text2img/router"
+    assert config.router_network.discovery == StaticDiscovery(endpoint, member="router-network")
+    assert config.router_network.checkpoint is None  # in the pool, not in the router
     # The same DDM as the unpooled example, but for its placement.
     unpooled = load_manifest(ROOT / "examples" / "text2img.yaml").spec
     assert manifest.spec.sampling == unpooled.sampling
@@ -138,7 +139,7 @@ def test_the_pooled_text2img_example_runs_one_model_process_that_serves_every_me
 def test_the_diagram_shows_a_pool_as_one_box_naming_its_members() -> None:
     text = render_mermaid(load_manifest(POOLED_EXAMPLE).spec, "text2img-pooled")
     assert ('pool_models["pool models<br/>expert 0, expert 1, expert 2, expert 3, text '
-            'encoder, decoder<br/>1 replica on CPU"]') in text
+            'encoder, decoder, router network<br/>1 replica on CPU"]') in text
     assert "expert0" not in text and "stage_" not in text
     assert "router --> pool_models" in text
 
