@@ -153,3 +153,42 @@ def test_train_all_fetches_mnist_from_a_store_and_uploads_what_the_deployment_re
             assert read_meta(dest).kind == ("router" if name == "router" else "expert")
         assert main(["train-all", str(path)]) == 0
         assert capsys.readouterr().out.count("finished before") == 4
+
+
+TEXT2IMG_EXAMPLE = EXAMPLE.with_name("training-text2img.yaml")
+
+
+def test_train_all_trains_the_text2img_ddm_from_coloured_mnist(tmp_path, capsys):
+    """examples/training-text2img.yaml at the smoke size, two steps per trained stage and two
+    clusters, on the real MNIST files: every stage runs as its job, the experts, the router
+    network and its text prior side by side; the imported DDM loads and draws an image."""
+    from ddm.models.stages import load_text_ddm
+    from ddm.sampling.pipeline import generate_text
+    from tests.mnist_data import mnist_dir
+
+    document = yaml.safe_load(TEXT2IMG_EXAMPLE.read_text())
+    spec = document["spec"]
+    spec["data"]["uri"] = f"file://{mnist_dir()}"
+    spec["output"]["uri"] = f"file://{tmp_path}/out"
+    spec["text2img"] = {"clusters": 2, "size": "smoke",
+                        "steps": {"clip": 2, "vae": 2, "expert": 2, "router": 2}}
+    spec["deployment"]["spec"]["experts"] = [{"name": "expert-1", "framework": "jax"}]
+    path = tmp_path / "training.yaml"
+    path.write_text(yaml.safe_dump(document))
+
+    assert main(["train-all", str(path)]) == 0
+    said = capsys.readouterr().out
+    assert "router: started (1 process, 2 steps, after latents)" in said
+    assert said.index("router: started") < min(said.index(f"expert-{k}: finished")
+                                               for k in (0, 1))
+    assert "ddm-progress step 2/2" in said  # the trained stages log their progress
+    deployment = load_manifest(tmp_path / "out" / "deployment.yaml")
+    assert deployment.name == "text2img-trained"
+    assert [(e.name, e.framework, e.checkpoint.uri) for e in deployment.spec.experts] == [
+        (f"expert-{k}", framework, f"file://{tmp_path}/out/ddm/expert_{k}")
+        for k, framework in enumerate(("torch", "jax"))]
+    assert deployment.spec.router.checkpoint.uri == f"file://{tmp_path}/out/ddm/router"
+
+    ddm = load_text_ddm(tmp_path / "out" / "ddm")
+    images = generate_text(ddm, ["a red 3"], steps=2, seed=0, strategy="top1").images
+    assert images.shape == (1, 32, 32, 3)

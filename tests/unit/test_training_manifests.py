@@ -241,3 +241,25 @@ def test_with_stores_the_pods_work_on_the_volume_and_read_the_keys_as_files(
     assert checkpoint == {"uri": "s3://models/digits/router.tar.gz",
                           "storeCredentialsSecret": {"name": "digits-aws",
                                                      "key": "credentials"}}
+
+
+def test_the_text2img_training_renders_its_stages_as_jobs_and_its_trainers_as_trainjobs(
+        trainjob_schema):
+    document = yaml.safe_load(EXAMPLE.with_name("training-text2img.yaml").read_text())
+    jobs = render_training(document, CONFIG)
+    assert [(o["kind"], o["metadata"]["name"]) for o in jobs] == [
+        ("Job", f"text2img-{name}") for name in (
+            "tokenizer", "vae", "clip", "partition", "latents", "expert-0", "expert-1",
+            "expert-2", "expert-3", "router", "text-prior", "import")] + [
+        ("DDMDeployment", "text2img-trained")]
+    (container,) = jobs[5]["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:4] == ["ddm", "train", "text2img", "expert"]
+    assert {"name": "data", "mountPath": "/data", "readOnly": True} in container["volumeMounts"]
+    document["spec"]["engine"] = "kubeflow-trainer"
+    kinds = {o["metadata"]["name"]: o for o in render_training(document, CONFIG)}
+    for name in ("expert-0", "router"):
+        trainjob = kinds[f"text2img-{name}"]
+        assert trainjob["kind"] == "TrainJob"
+        trainjob_schema.validate(trainjob)
+    assert {kinds[f"text2img-{name}"]["kind"] for name in ("clip", "latents", "import")} == {
+        "Job"}

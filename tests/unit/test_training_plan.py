@@ -148,12 +148,13 @@ def test_the_deployment_points_at_the_outputs_and_keeps_the_serving_settings():
                               "storeCredentialsSecret": {"name": "keys"}}),
      "spec.data.storeCredentialsSecret.key: is required"),
     (lambda s: s.update(data={"dataset": "digits", "uri": "s3://data/mnist"}),
-     "spec.data.uri: only for dataset: mnist"),
+     "spec.data.uri: not for dataset: digits"),
     (lambda s: s.update(output={"uri": "file:///srv/ddm"}),
      "file:// is a host path, which this operator does not allow"),
     (lambda s: s.update(data={"dataset": "mnist"}), "spec.data.uri: is required"),
     (lambda s: s["deployment"]["spec"].update(experts=[{"name": "other"}]),
-     "spec.deployment.spec.experts[0].name: must name one of spec.experts"),
+     "spec.deployment.spec.experts[0].name: must name one of the experts (digits-0-4, "
+     "digits-5-9)"),
     (lambda s: s["deployment"]["spec"].update(
         experts=[{"name": "digits-0-4", "checkpoint": {"uri": "pvc://x/y"}}]),
      "spec.deployment.spec.experts[0].checkpoint: decided by the training"),
@@ -223,3 +224,130 @@ def test_an_output_in_a_store_is_uploaded_by_each_job_and_the_deployment_reads_a
         "storeCredentialsSecret": {"name": "keys", "key": "aws"}}
     assert document["spec"]["router"]["checkpoint"]["sha256"] == "ab" * 32
     parse_manifest(document)  # a DDMDeployment the operator takes
+
+
+TEXT2IMG = EXAMPLE.with_name("training-text2img.yaml")
+
+
+def _text2img() -> dict:
+    return yaml.safe_load(TEXT2IMG.read_text())
+
+
+def test_coloured_mnist_plans_the_text2img_stages_with_the_router_beside_the_experts():
+    spec = load_training_manifest(TEXT2IMG).spec
+    plan = plan_training(spec)
+    experts = [f"expert-{k}" for k in range(4)]
+    assert [job.name for job in plan.ready(set())] == ["tokenizer", "vae"]
+    assert [job.name for job in plan.ready({"tokenizer", "vae"})] == ["clip"]
+    assert [job.name for job in plan.ready({"tokenizer", "vae", "clip"})] == ["partition"]
+    before = {"tokenizer", "vae", "clip", "partition", "latents"}
+    assert [job.name for job in plan.ready(before)] == [*experts, "router", "text-prior"]
+    assert plan.job("import").after == (*experts, "router", "text-prior")
+    paths = Paths("/out", "/data")
+    for name, steps in (("clip", 2000), ("vae", 3000), ("expert-2", 3000), ("router", 1500)):
+        job = plan.job(name)
+        args = job.args(paths)
+        assert job.steps == steps and args[args.index("--steps") + 1] == str(steps)
+        assert "--resume" in args and args[args.index("--progress-log") + 1] == "15"
+        assert job.state == f"{job.output}.training"
+    expert = plan.job("expert-2").args(paths)
+    assert expert[:3] == ("train", "text2img", "expert")
+    assert expert[expert.index("--index") + 1] == "2" and "--mnist" in expert
+    partition = plan.job("partition")
+    assert partition.args(paths)[partition.args(paths).index("--clusters") + 1] == "4"
+    assert (partition.steps, partition.finished_file) == (None, "partition.json")
+    assert plan.job("import").args(paths) == (
+        "import", "text2img", "/out", "--out", "/out/ddm",
+        "--checkpoint-base", "pvc://ddm-training/text2img/ddm/")
+    assert plan.job("import").finished_file == "ddm/ddm.yaml"
+    assert plan.job("tokenizer").finished_file == "tokenizer/tokenizer.json"
+
+
+def test_the_text2img_deployment_serves_the_imported_stages():
+    document = _text2img()
+    document["spec"]["text2img"]["clusters"] = 2
+    document["spec"]["deployment"]["spec"]["experts"] = [{"name": "expert-1",
+                                                           "framework": "jax"}]
+    made = deployment_document(parse_training_manifest(document).spec)
+    deployment = parse_manifest(made).spec
+    base = "pvc://ddm-training/text2img/ddm"
+    assert deployment.conditioning == "text"
+    assert [(e.name, e.framework, e.checkpoint.uri) for e in deployment.experts] == [
+        ("expert-0", "torch", f"{base}/expert_0"), ("expert-1", "jax", f"{base}/expert_1")]
+    assert made["spec"]["textEncoder"]["checkpoint"] == {"uri": f"{base}/text_encoder"}
+    assert made["spec"]["decoder"]["checkpoint"] == {"uri": f"{base}/decoder"}
+    assert deployment.router.checkpoint.uri == f"{base}/router"
+
+
+def test_text2img_defaults_are_the_trainers():
+    from ddm.deploy.training_spec import TEXT2IMG_SIZES, TEXT2IMG_STEPS
+    from ddm.models.text2img import SIZES
+    from ddm.training.text2img.commands import CLUSTERS, DEFAULTS
+
+    assert TEXT2IMG_SIZES == tuple(SIZES)
+    assert {stage: DEFAULTS[stage].steps for stage in TEXT2IMG_STEPS} == TEXT2IMG_STEPS
+    document = _text2img()
+    document["spec"]["text2img"] = {}
+    text2img = parse_training_manifest(document).spec.text2img
+    assert (text2img.clusters, text2img.size, dict(text2img.steps)) == (
+        CLUSTERS, "small", TEXT2IMG_STEPS)
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda s: s.update(experts=[{"name": "a"}]),
+     "spec.experts: not for dataset coloured-mnist: its experts are the clusters"),
+    (lambda s: s.update(partition={"labelGroups": [[0]]}), "spec.partition: not for dataset "
+                                                           "coloured-mnist"),
+    (lambda s: s.update(router={"steps": 3}), "spec.router: not for dataset coloured-mnist"),
+    (lambda s: s["text2img"].update(size="large"),
+     "spec.text2img.size: must be one of small, smoke, got 'large'"),
+    (lambda s: s["text2img"].update(clusters=1),
+     "spec.text2img.clusters: must be an integer in 2..16, got 1"),
+    (lambda s: s["text2img"]["steps"].update(monolith=5),
+     "spec.text2img.steps: unknown fields ['monolith']"),
+    (lambda s: s["text2img"]["steps"].update(vae=0),
+     "spec.text2img.steps.vae: must be an integer in 1..10000000, got 0"),
+    (lambda s: s["text2img"].update(features="hog"),
+     "spec.text2img: unknown fields ['features']"),
+    (lambda s: s["data"].pop("uri"), "spec.data.uri: is required"),
+    (lambda s: s["deployment"]["spec"].update(experts=[{"name": "expert-4"}]),
+     "spec.deployment.spec.experts[0].name: must name one of the experts (expert-0, expert-1, "
+     "expert-2, expert-3)"),
+    (lambda s: s["deployment"]["spec"].update(decoder={"checkpoint": {"uri": "pvc://a/b"}}),
+     "spec.deployment.spec.decoder.checkpoint: decided by the training"),
+    (lambda s: s["deployment"]["spec"].update(conditioning="labels"),
+     "spec.deployment.spec.conditioning: the text-to-image DDM is conditioned on text"),
+])
+def test_a_bad_text2img_spec_is_refused_naming_the_field(change, expected):
+    spec = copy.deepcopy(_text2img()["spec"])
+    change(spec)
+    assert expected in _problems(spec)
+
+
+def test_text2img_is_only_for_coloured_mnist():
+    spec = _document()["spec"]
+    spec["text2img"] = {"size": "smoke"}
+    assert "spec.text2img: only for dataset: coloured-mnist" in _problems(spec)
+
+
+def test_coloured_mnist_in_a_store_is_fetched_first_and_every_root_stage_reads_it():
+    document = _text2img()
+    document["spec"]["data"] = {"dataset": "coloured-mnist", "uri": "s3://data/mnist.tar.gz"}
+    spec = parse_training_manifest(document).spec
+    assert (spec.data.store.uri, spec.data.volume) == ("s3://data/mnist.tar.gz", None)
+    plan = plan_training(spec)
+    assert [job.name for job in plan.ready(set())] == ["data"]
+    assert plan.job("data").args(Paths("/out")) == (
+        "fetch-data", "s3://data/mnist.tar.gz", "/out/data")
+    assert plan.job("data").finished_file == "data"
+    assert [job.name for job in plan.ready({"data"})] == ["tokenizer", "vae"]
+    for job in plan.jobs[1:-1]:
+        args = job.args(Paths("/out"))
+        assert args[args.index("--mnist") + 1] == "/out/data", job.name
+
+
+def test_a_text2img_output_in_a_store_is_refused_naming_the_field():
+    spec = _text2img()["spec"]
+    spec["output"] = {"uri": "s3://models/text2img", "volume": "pvc://work/text2img"}
+    assert any(p.startswith("spec.output.uri: not a store for dataset coloured-mnist")
+               for p in _problems(spec))

@@ -81,6 +81,22 @@ def test_data_in_a_store_is_fetched_first_with_no_condition_of_its_own() -> None
         "expert-a", "expert-b", "router"]
 
 
+def test_text2img_stages_count_their_steps_and_only_experts_and_router_get_conditions(
+        ) -> None:
+    plan = plan_training(load_training_manifest(
+        ROOT / "examples" / "training-text2img.yaml").spec)
+    status = _status({"tokenizer": _job("Complete"), "vae": _job(), "clip": _job()},
+                     {"vae": 40, "clip": 7}, plan=plan)
+    assert status["phase"] == "Training"
+    assert status["jobs"]["vae"] == {"state": "Running", "retries": 0, "stepsDone": 40,
+                                     "stepsAsked": 3000}
+    assert "stepsAsked" not in status["jobs"]["tokenizer"]
+    assert {c["type"] for c in status["conditions"]} == {
+        *(f"Expert-expert-{k}" for k in range(4)), "Router"}
+    assert status["expertsDone"] == "0/4"
+    assert status["steps"] == {"done": 47, "asked": 2000 + 3000 + 4 * 3000 + 1500}
+
+
 def test_a_failed_job_fails_the_training_naming_it_and_nothing_more_starts() -> None:
     jobs = {"expert-digits-0-4": _job("Failed", failed=7),
             "expert-digits-5-9": _job("Complete")}

@@ -59,6 +59,9 @@ from ddm.deploy.training_spec import (
     QUEUE_PATTERN,
     SAVE_EVERY,
     STORE_URI_PATTERN,
+    TEXT2IMG_CLUSTERS,
+    TEXT2IMG_SIZES,
+    TEXT2IMG_STEPS,
     VOLUME_URI_PATTERN,
 )
 
@@ -118,7 +121,7 @@ WORKER_FIELDS: dict[str, Field] = {
         "A pod affinity, passed through (the API server checks it)."),
 }
 
-SPEC = Object(required=("output", "partition", "experts", "deployment"), properties={
+SPEC = Object(required=("output", "deployment"), properties={
     "engine": String(
         description="job: a batch/v1 Job per job, on one node (torchrun --standalone inside); "
                     "kubeflow-trainer: a Kubeflow Trainer v2 TrainJob per job (torch-distributed "
@@ -131,7 +134,10 @@ SPEC = Object(required=("output", "partition", "experts", "deployment"), propert
         min_length=1, max_length=MAX_QUEUE_LENGTH, pattern=QUEUE_PATTERN),
     "data": Object(description="The images every job reads.", properties={
         "dataset": String(
-            description="digits (embedded in the image) or mnist (the four IDX files at uri).",
+            description="digits (embedded in the image), mnist (the four IDX files at uri) or "
+                        "coloured-mnist (the same files, coloured and captioned: the "
+                        "text-to-image DDM, spec.text2img, instead of partition, experts and "
+                        "router).",
             choices=DATASETS, default=DATASETS[0]),
         "uri": STORE_URI.described(
             "pvc://CLAIM/PATH (file:///PATH where host paths are allowed), or s3://BUCKET/KEY, "
@@ -148,13 +154,33 @@ SPEC = Object(required=("output", "partition", "experts", "deployment"), propert
                 "s3://BUCKET/PREFIX, gs://BUCKET/PREFIX: each expert and router job uploads "
                 "its checkpoint as PREFIX/experts/NAME.tar.gz, PREFIX/router.tar.gz, then a "
                 "marker (.tar.gz.json) with its sha256, and the DDMDeployment reads the "
-                "archives."),
+                "archives (not for dataset coloured-mnist: its DDM is imported and served "
+                "on a volume)."),
             "volume": VOLUME_URI.described(
                 "With a store in uri, and only then (required): the volume the jobs work on: "
                 "their training states (a retried job resumes from them; an emptyDir would "
                 "lose them with the pod), the partition, the fetched data, and each "
                 "checkpoint before its upload."),
             "storeCredentialsSecret": store_credentials("uri"),
+        }),
+    "text2img": Object(
+        description="The text-to-image DDM's training (dataset coloured-mnist): tokenizer, "
+                    "VAE, CLIP, partition, latents, then one expert per cluster, the router "
+                    "network and its text prior at once, and the import the DDMDeployment "
+                    "serves.",
+        properties={
+            "clusters": Integer(
+                description="k of the partition (k-means on CLIP's image embeddings): one "
+                            f"expert per cluster (default {TEXT2IMG_CLUSTERS}).",
+                minimum=2, maximum=MAX_KMEANS),
+            "size": String(description="The networks' size (smoke: tests).",
+                           choices=TEXT2IMG_SIZES, default=TEXT2IMG_SIZES[0]),
+            "steps": Object(
+                description="Steps of each trained stage (defaults: "
+                            + ", ".join(f"{k} {v}" for k, v in TEXT2IMG_STEPS.items())
+                            + ").",
+                properties={stage: Integer(minimum=1, maximum=MAX_STEPS)
+                            for stage in TEXT2IMG_STEPS}),
         }),
     "partition": Object(
         description="labelGroups: expert i learns the labels of group i; or kmeans: clusters of "

@@ -18,6 +18,12 @@ With a store as the output (``spec.output.uri`` s3:// or gs://), the jobs work o
 ``spec.output.volume`` exactly as above, and each expert and router job uploads its finished
 checkpoint (``ddm train ... --upload``, ``ddm.checkpoints.upload``).
 
+A coloured-MNIST DDMTraining (``spec.text2img``) plans the text-to-image DDM's stages instead
+(:func:`_text2img_jobs`): tokenizer, VAE, CLIP, partition, latents, then its experts, router
+network and text prior at once, and ``import`` (``ddm import text2img``), whose ``ddm/`` the
+DDMDeployment serves (after the ``data`` job when its MNIST is in a store; its output is a
+volume, never a store).
+
 Every path is relative to the output root (``spec.output``); each job's arguments name the
 root and the data through :class:`Paths`, which the place that runs it decides (mount paths in
 a pod, directories here). Every expert and router job passes ``--resume``: a rerun continues
@@ -29,8 +35,9 @@ variables for JAX, a plain process for a world of one.
 
 Interface (stable; the operator's reconcile builds on it): ``plan_training(spec) ->
 TrainingPlan``; ``TrainingPlan.jobs`` (``JobPlan``: ``name``, ``kind``, ``framework``,
-``after``, ``output``, ``state``, ``steps``, ``workers``, ``expert``, ``upload``, ``args(paths)``,
-``node_processes(...)``), ``TrainingPlan.ready(done)``; ``deployment_document(spec)``.
+``after``, ``output``, ``state``, ``finished_file``, ``steps``, ``workers``, ``expert``,
+``upload``, ``args(paths)``, ``node_processes(...)``), ``TrainingPlan.ready(done)``;
+``deployment_document(spec)``.
 """
 
 from __future__ import annotations
@@ -45,10 +52,13 @@ from ddm.deploy.training_spec import (
     PARTITION_FILE,
     ROUTER_DIR,
     STATE_SUFFIX,
+    TEXT2IMG_DDM_DIR,
     ExpertTraining,
+    Text2ImgTraining,
     TrainingSpec,
     Workers,
 )
+from ddm.deploy.imported import expert_dir
 # Re-exported: part of this module's interface since it was first committed.
 from ddm.deploy.training_spec import deployment_document as deployment_document
 from ddm.deploy.training_spec import deployment_problems as deployment_problems
@@ -96,7 +106,9 @@ class JobPlan:
     finished first; ``output``, ``state``: its checkpoint (or partition file) and its training
     state, relative to the output root (``state`` None: it saves none); ``steps``: the steps it
     trains (None: not a training); ``expert``: the expert's name (expert jobs); ``upload``:
-    the store its checkpoint is uploaded to once trained (None: it stays on the volume)."""
+    the store its checkpoint is uploaded to once trained (None: it stays on the volume);
+    ``marker``: the file of its output directory written last (empty: the output, a file or
+    a directory installed in one rename, is its own marker)."""
 
     name: str
     kind: str
@@ -108,10 +120,18 @@ class JobPlan:
     template: tuple[str, ...]
     expert: str | None = None
     upload: str | None = None
+    marker: str = "config.json"
 
     @property
     def state(self) -> str | None:
         return self.output + STATE_SUFFIX if self.steps is not None else None
+
+    @property
+    def finished_file(self) -> str:
+        """The path, relative to the output root, whose presence says the job has finished
+        (its writer writes it last): ``marker`` in the output directory, or the output itself
+        (``marker`` empty)."""
+        return f"{self.output}/{self.marker}" if self.marker else self.output
 
     @property
     def distributed(self) -> bool:
@@ -176,26 +196,29 @@ class TrainingPlan:
 
 def plan_training(spec: TrainingSpec) -> TrainingPlan:
     """The jobs of ``spec`` (validated by ``parse_training_spec``)."""
-    data = _DATA if spec.data.dataset == "mnist" else "digits"
-    data_arg = f"mnist:{data}" if spec.data.dataset == "mnist" else data
     jobs: list[JobPlan] = []
     first: tuple[str, ...] = ()
+    mnist = _DATA
     store = spec.data.store
     if store is not None:
-        data_arg = f"mnist:{_OUTPUT}/{DATA_DIR}"
+        mnist = f"{_OUTPUT}/{DATA_DIR}"
         jobs.append(JobPlan(
             name=DATA_JOB, kind="data", framework="numpy", after=(), output=DATA_DIR,
-            steps=None, workers=Workers(),
-            template=("fetch-data", store.uri, f"{_OUTPUT}/{DATA_DIR}",
+            steps=None, workers=Workers(), marker="",
+            template=("fetch-data", store.uri, mnist,
                       *((_CREDENTIALS_FLAG, _DATA_CREDENTIALS)
                         if spec.data.store_credentials else ()))))
         first = (DATA_JOB,)
+    if spec.text2img is not None:
+        return TrainingPlan((*jobs, *_text2img_jobs(spec.text2img, spec.output.uri, mnist,
+                                                    first)))
+    data_arg = f"mnist:{mnist}" if spec.data.dataset == "mnist" else "digits"
     upload = _upload_args(spec)
     partition = spec.partition
     if partition.fitted:
         jobs.append(JobPlan(
             name=PARTITION_JOB, kind="partition", framework="numpy", after=first,
-            output=PARTITION_FILE, steps=None, workers=Workers(),
+            output=PARTITION_FILE, steps=None, workers=Workers(), marker="",
             template=("partition", "fit", "--data", data_arg, "--kmeans", str(partition.kmeans),
                       "--features", partition.features, "--image-size",
                       str(partition.image_size), "--seed", str(partition.seed),
@@ -248,5 +271,53 @@ def _expert_job(expert: ExpertTraining, data_arg: str, part_arg: str, after: tup
 def _train_args(train: Any) -> tuple[str, ...]:
     return ("--steps", str(train.steps), "--batch-size", str(train.batch_size),
             "--lr", repr(train.learning_rate), "--seed", str(train.seed),
-            "--save-every", str(train.save_every), "--resume", "--quiet",
-            "--progress-log", str(PROGRESS_LOG_S))
+            "--save-every", str(train.save_every), *_RESUMABLE)
+
+
+_RESUMABLE = ("--resume", "--quiet", "--progress-log", str(PROGRESS_LOG_S))
+
+
+def _text2img_jobs(text2img: Text2ImgTraining, output_uri: str, mnist: str,
+                   first: tuple[str, ...]) -> tuple[JobPlan, ...]:
+    """The text-to-image DDM's stages (``ddm train text2img``, as scripts/train_text2img.sh
+    chains them) as jobs reading MNIST in ``mnist`` once ``first`` have finished: the
+    tokenizer and the VAE at once, CLIP after the tokenizer, the partition (k-means on CLIP's
+    image embeddings) after CLIP, the latents after the partition and the VAE, then every
+    expert, the router network and its text prior at once, and last ``ddm import text2img``
+    of the root into ``ddm/``, the DDM that serves."""
+    common = ("--mnist", mnist, "--root", _OUTPUT, "--size", text2img.size)
+
+    def stage(name: str, after: tuple[str, ...], output: str, *args: str, kind: str = "stage",
+              command: str | None = None, trained: str | None = None, marker: str = "",
+              expert: str | None = None) -> JobPlan:
+        """The job ``name`` running ``ddm train text2img COMMAND`` (default: ``name``);
+        ``trained``: the stage whose steps it trains (resumable, logging its progress)."""
+        steps = text2img.steps_of(trained) if trained else None
+        return JobPlan(
+            name=name, kind=kind, framework="torch", after=after, output=output, steps=steps,
+            workers=Workers(), expert=expert, marker=marker,
+            template=("train", "text2img", command or name, *common, *args,
+                      *(("--steps", str(steps), *_RESUMABLE) if steps else ("--quiet",))))
+
+    experts = [stage(name, ("latents",), expert_dir(k), "--index", str(k), "--seed", str(k),
+                     kind="expert", command="expert", trained="expert", marker="config.json",
+                     expert=name)
+               for k, name in enumerate(f"expert-{k}" for k in range(text2img.clusters))]
+    return (
+        stage("tokenizer", first, "tokenizer", marker="tokenizer.json"),
+        stage("vae", first, "vae", trained="vae", marker="config.json"),
+        stage("clip", ("tokenizer",), "clip", trained="clip", marker="config.json"),
+        stage(PARTITION_JOB, ("clip",), PARTITION_FILE, "--clusters", str(text2img.clusters),
+              kind="partition"),
+        stage("latents", (PARTITION_JOB, "vae"), "latents.safetensors"),
+        *experts,
+        stage(ROUTER_JOB, ("latents",), ROUTER_DIR, kind="router", trained="router",
+              marker="config.json"),
+        stage("text-prior", ("latents",), "text_prior.json"),
+        JobPlan(name="import", kind="stage", framework="torch",
+                after=(*(job.name for job in experts), ROUTER_JOB, "text-prior"),
+                output=TEXT2IMG_DDM_DIR, steps=None, workers=Workers(), marker="ddm.yaml",
+                template=("import", "text2img", _OUTPUT, "--out",
+                          f"{_OUTPUT}/{TEXT2IMG_DDM_DIR}", "--checkpoint-base",
+                          f"{output_uri.rstrip('/')}/{TEXT2IMG_DDM_DIR}/")),
+    )

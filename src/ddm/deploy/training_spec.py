@@ -31,6 +31,8 @@ from ddm.checkpoints.uri import (
 )
 from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.fields import FieldReader
+from ddm.deploy.imported import DECODER_DIR, TEXT_ENCODER_DIR, expert_dir
+from ddm.deploy.imported import ROUTER_DIR as IMPORTED_ROUTER_DIR
 from ddm.deploy.limits import FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
 from ddm.deploy.pod_options import (
     IMAGE_PATTERN,
@@ -66,8 +68,17 @@ API_VERSION = f"{GROUP}/{VERSION}"
 #: has; ``kubeflow-trainer``: a Kubeflow Trainer v2 TrainJob (many nodes; Kueue may queue it).
 #: The first of these choices (and of the two below) is the default.
 ENGINES = ("job", "kubeflow-trainer")
-#: ``digits``: embedded in the package; ``mnist``: the four IDX files on a volume or in a store.
-DATASETS = ("digits", "mnist")
+#: ``digits``: embedded in the package; ``mnist``: the four IDX files on a volume or in a store;
+#: ``coloured-mnist``: the same files, coloured and captioned (``ddm.data.colored_mnist``), from
+#: which the text-to-image DDM is trained (:class:`Text2ImgTraining`).
+DATASETS = ("digits", "mnist", "coloured-mnist")
+TEXT2IMG_DATASET = "coloured-mnist"
+#: The text-to-image networks' sizes (``ddm.models.text2img.SIZES``; a test pins them equal).
+TEXT2IMG_SIZES = ("small", "smoke")
+#: ``ddm train text2img``'s default steps per trained stage (its home: the trainer reads them
+#: here, ``ddm.training.text2img.commands.DEFAULTS``), and clusters of its partition.
+TEXT2IMG_STEPS = {"clip": 2000, "vae": 3000, "expert": 3000, "router": 1500}
+TEXT2IMG_CLUSTERS = 4
 #: What ``ddm partition fit`` clusters (``ddm.data.features``).
 FEATURES = ("hog", "pixels")
 #: Where the data and the outputs may live: a claim, or a host path (local runs, dev clusters);
@@ -105,6 +116,9 @@ EXPERTS_DIR = "experts"
 ROUTER_DIR = "router"
 #: Where the data job puts MNIST fetched from a store (``spec.data.uri`` s3:// or gs://).
 DATA_DIR = "data"
+#: The text-to-image DDM's training writes its stages at the root (as
+#: scripts/train_text2img.sh does), and the DDM that serves (``ddm import text2img``) here.
+TEXT2IMG_DDM_DIR = "ddm"
 #: Where a trainer writing OUT keeps its training state (``ddm.training.resume``).
 STATE_SUFFIX = ".training"
 
@@ -184,9 +198,24 @@ class ExpertTraining:
 class RouterTraining:
     """The router network: p(part | x_t, t[, label]) over the experts' parts."""
 
-    train: TrainSettings
+    train: TrainSettings = TrainSettings(ROUTER_DEFAULTS["steps"], ROUTER_DEFAULTS["batchSize"],
+                                         ROUTER_DEFAULTS["learningRate"])
     workers: Workers = Workers()
     use_labels: bool = True
+
+
+@dataclass(frozen=True)
+class Text2ImgTraining:
+    """The text-to-image DDM of coloured MNIST: ``clusters``, the partition's k (k-means on
+    the CLIP image embeddings it trains), one expert per cluster; ``size``, the networks'
+    size; ``steps``, (stage, steps) of each trained stage (clip, vae, expert, router)."""
+
+    clusters: int = TEXT2IMG_CLUSTERS
+    size: str = TEXT2IMG_SIZES[0]
+    steps: tuple[tuple[str, int], ...] = tuple(TEXT2IMG_STEPS.items())
+
+    def steps_of(self, stage: str) -> int:
+        return dict(self.steps)[stage]
 
 
 @dataclass(frozen=True)
@@ -205,7 +234,9 @@ class TrainingSpec:
     LocalQueue its jobs are submitted to (None: not queued). ``output``: where the
     checkpoints end up, a volume or a store; with a store, ``state`` is the volume the jobs
     work on (training states, the partition, fetched data, checkpoints before upload) and
-    ``output_credentials`` the store's credentials file (None: the cloud's chain)."""
+    ``output_credentials`` the store's credentials file (None: the cloud's chain).
+    ``text2img``: the text-to-image DDM's training (``dataset: coloured-mnist``; its experts
+    are its clusters, so ``partition`` and ``experts`` are then empty)."""
 
     engine: str
     data: DataSource
@@ -218,6 +249,7 @@ class TrainingSpec:
     queue: str | None = None
     state: CheckpointSource | None = None
     output_credentials: SecretKey | None = None
+    text2img: Text2ImgTraining | None = None
 
     @property
     def work(self) -> CheckpointSource:
@@ -244,13 +276,33 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
                           hint="an image reference such as registry.example.com/ddm:1.0")
     data = _data(reader.child("data"), allow_host_paths)
     output, state, output_credentials = _output(reader.child("output"), allow_host_paths)
-    partition = _partition(reader.child("partition"))
-    raw_experts = reader.items("experts")
-    if not 1 <= len(raw_experts) <= MAX_EXPERTS:
-        reader.problem("experts", f"must list 1..{MAX_EXPERTS} experts, got {len(raw_experts)}")
-    experts = tuple(e for i, item in enumerate(raw_experts)
-                    if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), i)))
-    router = _router(reader.child("router"))
+    text2img, raw_experts = None, []
+    if data.dataset == TEXT2IMG_DATASET:
+        text2img = _text2img(reader.child("text2img"))
+        if output is not None and output.scheme in BUCKET_SCHEMES:
+            reader.problem("output.uri", f"not a store for dataset {TEXT2IMG_DATASET}: its "
+                                         "DDM is imported (ddm import text2img) on a volume "
+                                         "and served from there; give pvc://CLAIM/PATH")
+        for key in ("partition", "experts", "router"):
+            if reader.has(key):
+                reader.value(key)
+                reader.problem(key, f"not for dataset {TEXT2IMG_DATASET}: its experts are the "
+                                    "clusters of spec.text2img.clusters, each trained alone, "
+                                    "and its router is trained beside them")
+        partition, experts = PartitionSpec(), ()
+        router = RouterTraining()  # the text2img router stage's settings are its own
+    else:
+        if reader.has("text2img"):
+            reader.value("text2img")
+            reader.problem("text2img", f"only for dataset: {TEXT2IMG_DATASET}")
+        partition = _partition(reader.child("partition"))
+        raw_experts = reader.items("experts")
+        if not 1 <= len(raw_experts) <= MAX_EXPERTS:
+            reader.problem("experts",
+                           f"must list 1..{MAX_EXPERTS} experts, got {len(raw_experts)}")
+        experts = tuple(e for i, item in enumerate(raw_experts)
+                        if (e := _expert(FieldReader(item, f"spec.experts[{i}]", problems), i)))
+        router = _router(reader.child("router"))
     deployment = _deployment(reader.child("deployment"))
     queue = reader.string("queue", None, pattern=QUEUE_PATTERN, max_length=MAX_QUEUE_LENGTH,
                           hint="a Kueue LocalQueue's name")
@@ -258,9 +310,10 @@ def parse_training_spec(raw: Any, *, allow_host_paths: bool = False) -> Training
     spec = TrainingSpec(engine=engine, data=data, output=output,  # type: ignore[arg-type]
                         partition=partition, experts=experts, router=router,
                         deployment=deployment, image=image, queue=queue, state=state,
-                        output_credentials=output_credentials)
+                        output_credentials=output_credentials, text2img=text2img)
     if not problems:
-        problems.extend(_semantic_problems(spec, len(raw_experts)))
+        problems.extend(deployment_problems(spec) if text2img else
+                        _semantic_problems(spec, len(raw_experts)))
     if problems:
         raise SpecError(problems)
     return spec
@@ -326,10 +379,10 @@ def _output(reader: FieldReader, allow_host_paths: bool
 def _data(reader: FieldReader, allow_host_paths: bool) -> DataSource:
     dataset = reader.string("dataset", DATASETS[0], choices=DATASETS) or DATASETS[0]
     source = None
-    if dataset == "mnist":
+    if dataset != "digits":
         source = _volume(reader, "uri", allow_host_paths, stores=True)
     elif reader.has("uri"):
-        reader.problem("uri", "only for dataset: mnist (the digits are in the image)")
+        reader.problem("uri", "not for dataset: digits (they are in the image)")
     credentials = _store_credentials(reader, source, "spec.data.uri")
     reader.done()
     store = source is not None and source.scheme in BUCKET_SCHEMES
@@ -432,6 +485,22 @@ def _boolean(reader: FieldReader, key: str, default: bool) -> bool:
     return value
 
 
+def _text2img(reader: FieldReader) -> Text2ImgTraining:
+    """``clusters``, ``size`` and ``steps`` (per trained stage; the trainer's defaults)."""
+    steps_reader = reader.child("steps")
+    steps = tuple((stage, steps_reader.integer(stage, default, 1, MAX_STEPS) or default)
+                  for stage, default in TEXT2IMG_STEPS.items())
+    steps_reader.done()
+    text2img = Text2ImgTraining(
+        clusters=reader.integer("clusters", TEXT2IMG_CLUSTERS, 2, MAX_KMEANS)
+        or TEXT2IMG_CLUSTERS,
+        size=reader.string("size", TEXT2IMG_SIZES[0], choices=TEXT2IMG_SIZES)
+        or TEXT2IMG_SIZES[0],
+        steps=steps)
+    reader.done()
+    return text2img
+
+
 def _deployment(reader: FieldReader) -> DeploymentTemplate:
     name = reader.string("name", None, pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH,
                          hint="a DNS-1035 label: a lower-case letter, then letters, digits "
@@ -486,8 +555,19 @@ def _placement_problems(engine: str, path: str, framework: str, workers: Workers
 
 
 #: What the outputs decide in the DDMDeployment: an expert entry in spec.deployment.spec may
-#: not give these.
+#: not give these (a text-to-image expert's framework is a serving choice: both load it).
 DECIDED_EXPERT_FIELDS = ("checkpoint", "framework", "classes")
+TEXT2IMG_DECIDED_EXPERT_FIELDS = ("checkpoint",)
+#: The text-to-image stages besides the experts whose checkpoints the outputs decide, by
+#: their DDMDeployment field, and their directories in the imported DDM.
+TEXT2IMG_STAGES = {"textEncoder": TEXT_ENCODER_DIR, "decoder": DECODER_DIR}
+
+
+def expert_names(spec: TrainingSpec) -> tuple[str, ...]:
+    """The experts of the DDMDeployment the outputs make, in partition order."""
+    if spec.text2img:
+        return tuple(f"expert-{k}" for k in range(spec.text2img.clusters))
+    return tuple(e.name for e in spec.experts)
 
 
 def output_checkpoint(spec: TrainingSpec, relative: str, output_uri: str | None = None,
@@ -508,9 +588,10 @@ def output_checkpoint(spec: TrainingSpec, relative: str, output_uri: str | None 
 def deployment_document(spec: TrainingSpec, output_uri: str | None = None,
                         sha256s: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The DDMDeployment to create once every job has finished: ``spec.deployment.spec`` with
-    each expert's checkpoint, framework and classes (label groups), and the router network's
-    checkpoint (:func:`output_checkpoint`; ``sha256s``: the uploaded archives' by output,
-    ``experts/NAME`` and ``router``)."""
+    each expert's checkpoint (and, of our UNets, framework and classes, the label groups),
+    the router network's checkpoint and, for the text-to-image DDM, its text encoder's and
+    decoder's in its imported DDM (:func:`output_checkpoint`; ``sha256s``: the uploaded
+    archives' by output, ``experts/NAME`` and ``router``)."""
     sha256s = sha256s or {}
 
     def checkpoint(relative: str) -> dict[str, Any]:
@@ -519,16 +600,26 @@ def deployment_document(spec: TrainingSpec, output_uri: str | None = None,
     template = copy.deepcopy(dict(spec.deployment.spec))
     given = {e.get("name"): e for e in template.get("experts") or []
              if isinstance(e, Mapping)}
-    experts = []
-    for expert in spec.experts:
-        entry = {"name": expert.name, **dict(given.get(expert.name, {})),
-                 "framework": expert.framework,
-                 "checkpoint": checkpoint(f"{EXPERTS_DIR}/{expert.name}")}
-        if spec.partition.label_groups:
-            entry["classes"] = list(spec.partition.label_groups[expert.index])
-        experts.append(entry)
     router = dict(template.get("router") or {})
-    router["checkpoint"] = checkpoint(ROUTER_DIR)
+    if spec.text2img:
+        experts = [{"name": name, "framework": FRAMEWORKS[0], **dict(given.get(name, {})),
+                    "checkpoint": checkpoint(f"{TEXT2IMG_DDM_DIR}/{expert_dir(k)}")}
+                   for k, name in enumerate(expert_names(spec))]
+        stages = {key: {**dict(template.get(key) or {}),
+                        "checkpoint": checkpoint(f"{TEXT2IMG_DDM_DIR}/{directory}")}
+                  for key, directory in TEXT2IMG_STAGES.items()}
+        router["checkpoint"] = checkpoint(f"{TEXT2IMG_DDM_DIR}/{IMPORTED_ROUTER_DIR}")
+        template.update(conditioning="text", **stages)
+    else:
+        experts = []
+        for expert in spec.experts:
+            entry = {"name": expert.name, **dict(given.get(expert.name, {})),
+                     "framework": expert.framework,
+                     "checkpoint": checkpoint(f"{EXPERTS_DIR}/{expert.name}")}
+            if spec.partition.label_groups:
+                entry["classes"] = list(spec.partition.label_groups[expert.index])
+            experts.append(entry)
+        router["checkpoint"] = checkpoint(ROUTER_DIR)
     return {"apiVersion": DEPLOYMENT_API_VERSION, "kind": DEPLOYMENT_KIND,
             "metadata": {"name": spec.deployment.name},
             "spec": {**template, "experts": experts, "router": router}}
@@ -538,17 +629,23 @@ def deployment_problems(spec: TrainingSpec) -> list[str]:
     """Why the DDMDeployment the outputs make would be refused, with paths under
     ``spec.deployment.spec``."""
     found = []
-    names = {e.name for e in spec.experts}
+    names = expert_names(spec)
+    decided = TEXT2IMG_DECIDED_EXPERT_FIELDS if spec.text2img else DECIDED_EXPERT_FIELDS
     for i, entry in enumerate(spec.deployment.spec.get("experts") or []):
         path = f"spec.deployment.spec.experts[{i}]"
         if not isinstance(entry, Mapping) or entry.get("name") not in names:
-            found.append(f"{path}.name: must name one of spec.experts ({', '.join(sorted(names))})")
+            found.append(f"{path}.name: must name one of the experts ({', '.join(names)})")
             continue
         found.extend(f"{path}.{key}: decided by the training (its output)"
-                     for key in DECIDED_EXPERT_FIELDS if key in entry)
-    if "checkpoint" in (spec.deployment.spec.get("router") or {}):
-        found.append("spec.deployment.spec.router.checkpoint: decided by the training (its "
-                     "output)")
+                     for key in decided if key in entry)
+    stages = ("router", *TEXT2IMG_STAGES) if spec.text2img else ("router",)
+    for stage in stages:
+        if "checkpoint" in (spec.deployment.spec.get(stage) or {}):
+            found.append(f"spec.deployment.spec.{stage}.checkpoint: decided by the training "
+                         "(its output)")
+    if spec.text2img and spec.deployment.spec.get("conditioning", "text") != "text":
+        found.append("spec.deployment.spec.conditioning: the text-to-image DDM is conditioned "
+                     "on text")
     if found:
         return found
     try:

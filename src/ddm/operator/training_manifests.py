@@ -11,8 +11,8 @@ TrainJobs (the two engines are two renderers of one plan, ``ddm.deploy.training_
   process per pod: a JAX job's processes are pods, each with its share of the devices), with
   ``trainer.numNodes``, ``numProcPerNode`` (torch) and ``resourcesPerNode``; the node
   selector, tolerations, volumes and security settings go in a runtime patch of the runtime's
-  ``node`` job and container. The partition and the data fetch, one CPU process each, are
-  Jobs under either engine.
+  ``node`` job and container. The partition, the data fetch and any other stage of one CPU
+  process are Jobs under either engine.
 
 Every pod is placed as serving places it (``ddm.operator.placement``: the accelerator's
 resource, taint toleration and node selector), runs as the restricted Pod Security profile
@@ -64,6 +64,8 @@ RUNTIME_PATCH_MANAGER = "ddm.dev/operator"
 TRAINING_LABEL = "ddm.dev/training"
 JOB_LABEL = "ddm.dev/job"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: The kinds of job a TrainJob runs under kubeflow-trainer (data-parallel trainers).
+TRAINJOB_KINDS = ("expert", "router")
 #: Pod failures a job survives; each retry resumes the state the failed pod saved.
 BACKOFF_LIMIT = 6
 JAX_COORDINATOR = "127.0.0.1:29500"
@@ -79,10 +81,11 @@ def job_name(training: str, job: JobPlan) -> str:
 
 def build_training_jobs(spec: TrainingSpec, plan: TrainingPlan, meta: Mapping[str, Any],
                         config: OperatorConfig) -> list[dict[str, Any]]:
-    """Every job of ``plan`` in plan order: a Job, or a TrainJob under kubeflow-trainer
-    (the partition and the data fetch, one CPU process each, are always Jobs)."""
+    """Every job of ``plan`` in plan order: a Job, or under kubeflow-trainer a TrainJob for
+    the experts and the router (the partition, the data fetch and the text-to-image DDM's
+    other stages, one CPU process each, are Jobs)."""
     return [build_trainjob(spec, job, meta, config)
-            if spec.engine == "kubeflow-trainer" and job.steps is not None
+            if spec.engine == "kubeflow-trainer" and job.kind in TRAINJOB_KINDS
             else build_job(spec, job, meta, config) for job in plan.jobs]
 
 

@@ -85,7 +85,7 @@ def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | N
                     logged.get(job.name, (earlier.get(job.name) or {}).get("stepsDone", 0)))
             entry.update(stepsDone=min(int(done), job.steps), stepsAsked=job.steps)
         report[job.name] = entry
-        if job.steps is not None:  # a condition per training: the experts and the router
+        if job.kind in ("expert", "router"):
             kind = f"Expert-{job.expert}" if job.kind == "expert" else "Router"
             conditions.append(_condition(before, kind, state == SUCCEEDED, generation, now,
                                          (state, _progress_message(entry))))

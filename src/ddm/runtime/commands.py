@@ -59,7 +59,8 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
         description="Plan a DDMTraining as the operator would and run it here: the partition "
                     "first (k-means only), then every expert and the router network at once "
                     "(torchrun --standalone, or one process per rank with the JAX variables, "
-                    "when processesPerNode > 1); finally the DDMDeployment over the outputs is "
+                    "when processesPerNode > 1); a coloured-mnist training runs the "
+                    "text-to-image DDM's stages. Finally the DDMDeployment over the outputs is "
                     "written to OUTPUT/deployment.yaml, for ddm up. Rerun to resume: finished "
                     "jobs are skipped, unfinished ones continue from their saved state. "
                     "Ctrl-C (exit 130) or SIGTERM (exit 143) stops every process.")

@@ -61,13 +61,10 @@ class LocalTraining:
     paths: Paths
 
     def finished(self, job: JobPlan) -> bool:
-        """Whether ``job``'s output exists: a checkpoint's config.json (written last) and,
-        with ``upload``, the record of its complete upload; the partition file; the fetched
-        data's directory (installed in one rename)."""
+        """Whether ``job``'s output exists (:attr:`JobPlan.finished_file`, written last) and,
+        with ``upload``, the record of its complete upload."""
         output = Path(self.paths.output) / job.output
-        if job.state is None:
-            return output.is_dir() if job.kind == "data" else output.is_file()
-        return (output / "config.json").is_file() and (
+        return (Path(self.paths.output) / job.finished_file).exists() and (
             job.upload is None or read_uploaded(output) is not None)
 
     def sha256s(self) -> dict[str, str]:
@@ -158,8 +155,9 @@ def run_training(manifest: TrainingManifest, pvc_root: Path | None = None, *,
         if any(p.poll() is None for p in supervisor.processes.values()):
             _tell(out, f"stopping {len(supervisor.processes)} process(es)...")
         supervisor.stop()
-    _check_outputs(local)
-    write_index(local.paths.output, *plan.members())
+    if manifest.spec.text2img is None:  # the text2img import checks and indexes its DDM
+        _check_outputs(local)
+        write_index(local.paths.output, *plan.members())
     path = Path(local.paths.output) / DEPLOYMENT_FILE
     path.write_text(yaml.safe_dump(deployment_document(manifest.spec,
                                                        sha256s=local.sha256s()),

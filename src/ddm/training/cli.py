@@ -39,9 +39,7 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
                             "OUT.training/ every STEPS steps")
         p.add_argument("--resume", action="store_true",
                        help="continue from the state saved in OUT.training/")
-        p.add_argument("--progress-log", type=float, default=None, metavar="SECONDS",
-                       help="print 'ddm-progress step DONE/TOTAL' on stderr at most every "
-                            "SECONDS and at the end (a supervisor reads it from the logs)")
+        _progress_log_option(p)
         p.add_argument("--upload", metavar="URI",
                        help="s3://BUCKET/KEY or gs://BUCKET/KEY: once trained, upload the "
                             "checkpoint there as KEY.tar.gz, then its marker KEY.tar.gz.json "
@@ -115,6 +113,8 @@ def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--size", default="small", help="network sizes: small, or smoke (tests)")
     p.add_argument("--data-seed", type=int, default=0, help="seed of colours and captions")
     p.add_argument("--index", type=int, default=None, help="expert: which cluster it learns")
+    p.add_argument("--clusters", type=int, default=None,
+                   help="partition: k, the clusters of k-means, one expert each (default 4)")
     p.add_argument("--steps", type=int, default=None, help="default: the stage's own")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
@@ -123,7 +123,15 @@ def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
                    help="save the training state to ROOT/COMPONENT.training/ every STEPS steps")
     p.add_argument("--resume", action="store_true", help="continue a saved training state")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _progress_log_option(p)
     p.set_defaults(handler=_train_text2img)
+
+
+def _progress_log_option(p: argparse.ArgumentParser) -> None:
+    """``--progress-log SECONDS``, which :func:`_progress` reads."""
+    p.add_argument("--progress-log", type=float, default=None, metavar="SECONDS",
+                   help="print 'ddm-progress step DONE/TOTAL' on stderr at most every "
+                        "SECONDS and at the end (a supervisor reads it from the logs)")
 
 
 def _train_text2img(args: argparse.Namespace) -> int:
@@ -134,7 +142,9 @@ def _train_text2img(args: argparse.Namespace) -> int:
                                        "learning_rate": args.lr, "seed": args.seed})
     with torch_world("cpu") as (world, _):  # the stages train on the CPU
         run = StageRun(root=args.root, mnist=args.mnist, size=args.size, train=train,
-                       data_seed=args.data_seed, index=args.index, save_every=args.save_every,
+                       data_seed=args.data_seed, index=args.index,
+                       **({"clusters": args.clusters} if args.clusters is not None else {}),
+                       save_every=args.save_every,
                        resume=args.resume, world=world,
                        progress=None if args.stage == "tokenizer" or not world.writer else
                        _progress(args, train.steps, f"text2img {args.stage}"))

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from ddm.data.colored_mnist import EXAMPLE_PROMPT, ColoredDigits, load_colored_mnist
 from ddm.deploy.imported import expert_dir
+from ddm.deploy.training_spec import TEXT2IMG_CLUSTERS, TEXT2IMG_STEPS
 from ddm.models.text2img import expert_convention, expert_kwargs, router_convention, sizes
 from ddm.training.config import TrainConfig
 from ddm.training.distributed import SINGLE, World
@@ -19,18 +20,21 @@ from ddm.training.text2img import layout
 #: ``progress(step, loss)``, as ``ddm.training.torch_loop.ProgressFn`` (not imported: torch).
 ProgressFn = Callable[[int, float], None]
 
-#: Default optimisation per training stage (``--steps`` etc. override them).
+#: Default optimisation per training stage (``--steps`` etc. override them); the steps are
+#: the ones a DDMTraining's ``spec.text2img.steps`` defaults to.
 DEFAULTS = {
-    "clip": TrainConfig(steps=2000, batch_size=128, learning_rate=1e-3),
-    "vae": TrainConfig(steps=3000, batch_size=32, learning_rate=1e-3),
-    "expert": TrainConfig(steps=3000, batch_size=128, learning_rate=5e-4),
-    "monolith": TrainConfig(steps=4 * 3000, batch_size=128, learning_rate=5e-4),
-    "router": TrainConfig(steps=1500, batch_size=256, learning_rate=1e-3),
+    "clip": TrainConfig(steps=TEXT2IMG_STEPS["clip"], batch_size=128, learning_rate=1e-3),
+    "vae": TrainConfig(steps=TEXT2IMG_STEPS["vae"], batch_size=32, learning_rate=1e-3),
+    "expert": TrainConfig(steps=TEXT2IMG_STEPS["expert"], batch_size=128, learning_rate=5e-4),
+    "monolith": TrainConfig(steps=TEXT2IMG_CLUSTERS * TEXT2IMG_STEPS["expert"],
+                            batch_size=128, learning_rate=5e-4),
+    "router": TrainConfig(steps=TEXT2IMG_STEPS["router"], batch_size=256, learning_rate=1e-3),
 }
 #: The stages that train data-parallel when started by torchrun; the others run alone.
 DATA_PARALLEL_STAGES = ("expert", "router", "monolith")
-#: Clusters of the partition (experts), and the times the router's accuracy is reported at.
-CLUSTERS = 4
+#: Clusters of the partition (experts) unless ``--clusters`` says, and the times the router's
+#: accuracy is reported at.
+CLUSTERS = TEXT2IMG_CLUSTERS
 ROUTER_REPORT_TIMES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
@@ -38,7 +42,8 @@ ROUTER_REPORT_TIMES = (0.0, 0.25, 0.5, 0.75, 1.0)
 class StageRun:
     """What every stage is given: the DDM root, the MNIST IDX directory, the network size,
     the colouring seed of the data, how to train and save, and this process's world
-    (``ddm.training.distributed``: rank 0 alone saves)."""
+    (``ddm.training.distributed``: rank 0 alone saves); ``clusters``: the partition stage's
+    k (the later stages read it from the partition)."""
 
     root: Path
     mnist: Path
@@ -46,6 +51,7 @@ class StageRun:
     train: TrainConfig
     data_seed: int = 0
     index: int | None = None
+    clusters: int = CLUSTERS
     save_every: int = 250
     resume: bool = False
     progress: ProgressFn | None = None
@@ -144,7 +150,7 @@ def partition_stage(run: StageRun) -> Path:
     clip = load_clip(run.root)
     data = run.data()
     content = fit_embedding_partition(
-        image_embeddings(clip, data.images), data, CLUSTERS, run.train.seed,
+        image_embeddings(clip, data.images), data, run.clusters, run.train.seed,
         file_sha256(run.root / layout.CLIP / "model.safetensors"))
     return save_partition_file(run.root / layout.PARTITION, content)
 
@@ -191,8 +197,10 @@ def expert_stage(run: StageRun) -> Path | None:
     from ddm.training.text2img.flow import train_flow
 
     data, sha = _latent_set(run.root)
-    if run.index is None or not 0 <= run.index < CLUSTERS:
-        raise ValueError(f"an expert needs --index between 0 and {CLUSTERS - 1}")
+    clusters = _clusters(run.root)
+    if run.index is None or not 0 <= run.index < clusters:
+        raise ValueError(f"an expert needs --index between 0 and {clusters - 1} (the "
+                         f"partition's {clusters} clusters)")
     name = expert_dir(run.index)
     resumable = run.resumable(name, partition_sha256=sha, index=run.index)
     model = train_flow(data, np.flatnonzero(data.clusters == run.index), sizes(run.size),
@@ -251,7 +259,8 @@ def router_stage(run: StageRun) -> Path | None:
 
     data, sha = _latent_set(run.root)
     resumable = run.resumable(layout.ROUTER, partition_sha256=sha)
-    router = train_latent_router(data, CLUSTERS, sizes(run.size), run.train, resumable,
+    router = train_latent_router(data, _clusters(run.root), sizes(run.size), run.train,
+                                 resumable,
                                  run.progress, run.world)
     if not run.world.writer:
         return None
@@ -285,7 +294,8 @@ def text_prior_stage(run: StageRun) -> Path:
     pooled = np.concatenate([pooled_text(encoder(list(captions[i:i + 256])))
                              for i in range(0, len(captions), 256)])
     projection = load_clip(run.root).text_projection.weight.numpy()
-    prior, nll = fit_text_prior(projection, pooled, index, data.clusters, CLUSTERS)
+    prior, nll = fit_text_prior(projection, pooled, index, data.clusters,
+                                _clusters(run.root))
     out = run.root / TEXT_PRIOR_FILE
     with atomic_path(out) as tmp:
         tmp.write_text(json.dumps({
@@ -310,6 +320,13 @@ def _latent_set(root: Path) -> tuple[Any, str]:
     with safe_open(str(path), "np") as f:
         sha = f.metadata()["partition_sha256"]
     return LatentSet.load(path), sha
+
+
+def _clusters(root: Path) -> int:
+    """The number of clusters of the partition in ``root`` (the partition stage's k)."""
+    from ddm.training.text2img.partition import read_embedding_partition
+
+    return len(read_embedding_partition(root / layout.PARTITION)["centroids"])
 
 
 def _declared(run: StageRun, resumable: Resumable, convention: dict[str, Any],
