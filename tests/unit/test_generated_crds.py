@@ -35,7 +35,8 @@ class Resource:
     """A custom resource's declared ``spec``, the parser of its spec (``parse(raw,
     allow_host_paths=...)``), and a spec the parser takes to which each case sets one field:
     ``minimal``, with ``readers``: what a field under a path needs beside it to be read (a
-    DDMTraining reads data.uri for mnist only, and kmeans only without labelGroups)."""
+    DDMTraining reads data.uri for mnist only, kmeans only without labelGroups, and text2img
+    only for coloured-mnist)."""
 
     spec: Object
     parse: Callable[..., Any]
@@ -61,6 +62,8 @@ RESOURCES = {
         minimal={"output": {"uri": "pvc://out"}, "partition": {"labelGroups": [[0]]},
                  "experts": [{"name": "e"}], "deployment": {"name": "d"}},
         readers={("data", "uri"): {"data": {"dataset": "mnist"}},
+                 ("text2img",): {"data": {"dataset": "coloured-mnist",
+                                          "uri": "pvc://datasets/mnist"}},
                  ("partition", "kmeans"): {"partition": {"kmeans": {"clusters": 1,
                                                                     "imageSize": 8}}}}),
 }

@@ -254,7 +254,8 @@ def test_the_text2img_training_renders_its_stages_as_jobs_and_its_trainers_as_tr
         ("DDMDeployment", "text2img-trained")]
     (container,) = jobs[5]["spec"]["template"]["spec"]["containers"]
     assert container["command"][:4] == ["ddm", "train", "text2img", "expert"]
-    assert {"name": "data", "mountPath": "/data", "readOnly": True} in container["volumeMounts"]
+    assert {"name": "data", "mountPath": "/data", "readOnly": True, "subPath": "mnist"} in \
+        container["volumeMounts"]
     document["spec"]["engine"] = "kubeflow-trainer"
     kinds = {o["metadata"]["name"]: o for o in render_training(document, CONFIG)}
     for name in ("expert-0", "router"):
