@@ -349,5 +349,4 @@ def test_coloured_mnist_in_a_store_is_fetched_first_and_every_root_stage_reads_i
 def test_a_text2img_output_in_a_store_is_refused_naming_the_field():
     spec = _text2img()["spec"]
     spec["output"] = {"uri": "s3://models/text2img", "volume": "pvc://work/text2img"}
-    assert any(p.startswith("spec.output.uri: not a store for dataset coloured-mnist")
-               for p in _problems(spec))
+    assert "spec.output.uri: not a store for dataset coloured-mnist" in _problems(spec)
