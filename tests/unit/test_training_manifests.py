@@ -264,3 +264,17 @@ def test_the_text2img_training_renders_its_stages_as_jobs_and_its_trainers_as_tr
         trainjob_schema.validate(trainjob)
     assert {kinds[f"text2img-{name}"]["kind"] for name in ("clip", "latents", "import")} == {
         "Job"}
+
+
+def test_coloured_mnist_in_a_store_is_fetched_by_a_first_job_that_the_stages_read():
+    document = yaml.safe_load(EXAMPLE.with_name("training-text2img.yaml").read_text())
+    document["spec"]["data"] = {"dataset": "coloured-mnist", "uri": "gs://datasets/mnist",
+                                "storeCredentialsSecret": {"name": "text2img-gcs",
+                                                           "key": "key.json"}}
+    jobs = render_training(document, CONFIG)
+    (fetch,) = jobs[0]["spec"]["template"]["spec"]["containers"]
+    assert fetch["command"] == ["ddm", "fetch-data", "gs://datasets/mnist", "/output/data",
+                                "--store-credentials-file", "/credentials/data"]
+    (tokenizer,) = jobs[1]["spec"]["template"]["spec"]["containers"]
+    assert tokenizer["command"][tokenizer["command"].index("--mnist") + 1] == "/output/data"
+    assert not any(m["name"] == "data" for m in tokenizer["volumeMounts"])
