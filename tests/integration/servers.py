@@ -41,16 +41,22 @@ def running(app, limits: ConnectionLimits = ConnectionLimits(), loops: int = 1) 
         sock.close()
 
 
-def wait_ready(base: str) -> None:
-    deadline = time.monotonic() + READY_DEADLINE_S
+def wait_ready(base: str, deadline_s: float = READY_DEADLINE_S,
+               fail_when_unhealthy: bool = False) -> None:
+    """Wait until ``base``'s ``/readyz`` is 200; with ``fail_when_unhealthy``, fail at once
+    when ``/healthz`` says loading failed instead of waiting out the deadline."""
+    deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         try:
             if httpx.get(f"{base}/readyz").status_code == 200:
                 return
+            if fail_when_unhealthy:
+                health = httpx.get(f"{base}/healthz")
+                assert health.status_code == 200, health.text
         except httpx.TransportError:
             pass  # not listening yet
         time.sleep(0.05)
-    raise AssertionError(f"{base} not ready after {READY_DEADLINE_S} s: "
+    raise AssertionError(f"{base} not ready after {deadline_s} s: "
                          f"{httpx.get(f'{base}/readyz').text}")
 
 

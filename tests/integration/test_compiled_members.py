@@ -11,7 +11,6 @@ the batch made dynamic)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -55,19 +54,9 @@ def pools(members) -> Iterator[dict[str, str]]:
             running(create_model_app(members, ServingOptions(max_batch=MAX_BATCH,
                                                               compile="default"))) as compiled:
         wait_ready(eager)
-        _compiled_ready(compiled)
+        # It compiles every bucket before it is ready: minutes on a loaded CPU.
+        wait_ready(compiled, COMPILE_DEADLINE_S, fail_when_unhealthy=True)
         yield {"none": eager, "default": compiled}
-
-
-def _compiled_ready(base: str) -> None:
-    """Wait until ``base``'s ``/readyz`` is 200 (it compiles every bucket first: minutes on
-    a loaded CPU), failing at once when ``/healthz`` says loading failed."""
-    deadline = time.monotonic() + COMPILE_DEADLINE_S
-    while httpx.get(f"{base}/readyz").status_code != 200:
-        health = httpx.get(f"{base}/healthz")
-        assert health.status_code == 200, health.text
-        assert time.monotonic() < deadline, "still compiling after COMPILE_DEADLINE_S"
-        time.sleep(0.5)
 
 
 def _post(base: str, member: str, body: bytes) -> bytes:
