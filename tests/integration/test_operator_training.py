@@ -66,6 +66,11 @@ class Trainings:
                                              f"{TRAINING_LABEL}={name},{JOB_LABEL}={job}")
                 if not p["metadata"].get("deletionTimestamp")]
 
+    def policies(self, name: str) -> dict[str, dict[str, Any]]:
+        """The training's NetworkPolicies by name."""
+        return {p["metadata"]["name"]: p for p in self.cluster.list(
+            "NetworkPolicy", self.ns, f"{TRAINING_LABEL}={name}")}
+
     def deployment(self, name: str) -> dict[str, Any] | None:
         try:
             return self.cluster.custom.get_namespaced_custom_object(
@@ -108,7 +113,8 @@ def _one_bound_pod(t: Trainings, name: str, job: str, but: set[str] = frozenset(
 def trainings(kube_client: Any, dev_cluster: Any, kube_namespace: str) -> Any:
     install_crd(kube_client)  # the DDMDeployment the outputs make
     install_crd(kube_client, crd_file=TRAINING_CRD_FILE)
-    config = OperatorConfig.from_env({"DDM_ALLOW_HOST_PATHS": HOST_ROOT})
+    config = OperatorConfig.from_env({"DDM_ALLOW_HOST_PATHS": HOST_ROOT,
+                                      "DDM_NETWORK_POLICY": "true"})
     with operator_in_thread(dev_cluster.kubeconfig, config, (kube_namespace,)):
         yield Trainings(Cluster(kube_client), kube_namespace)
 
@@ -121,7 +127,10 @@ def test_a_training_runs_its_jobs_in_order_retries_one_and_makes_its_deployment(
     t.wait("digits", lambda s: s.get("phase") == "Training", "phase Training")
     jobs = wait_for(lambda: (j := t.jobs("digits")) and set(j) == EXPERT_JOBS and j,
                     DEADLINE_S, "the two experts' Jobs")
-    for job in jobs.values():
+    # each job's pods confined by a NetworkPolicy of its name, made before it
+    policies = t.policies("digits")
+    assert set(policies) == {job["metadata"]["name"] for job in jobs.values()}
+    for job in [*jobs.values(), *policies.values()]:
         (ref,) = job["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["uid"], ref["controller"]) == ("DDMTraining", uid, True)
     status = t.status("digits")
@@ -149,6 +158,7 @@ def test_a_training_runs_its_jobs_in_order_retries_one_and_makes_its_deployment(
         _kubelet_ran(cluster, pod, "Succeeded")
     t.wait("digits", lambda s: s.get("expertsDone") == "2/2", "both experts done")
     router = _one_bound_pod(t, "digits", "router")
+    assert "digits-router" in t.policies("digits")
     assert t.status("digits")["jobs"]["router"]["state"] == "Running"
     _kubelet_ran(cluster, router, "Succeeded")
     status = t.wait("digits", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
@@ -164,7 +174,8 @@ def test_a_training_runs_its_jobs_in_order_retries_one_and_makes_its_deployment(
     assert {"Created", "Succeeded"} <= reasons, reasons
     # deleting the training deletes its jobs (the garbage collector), not the DDMDeployment
     cluster.custom.delete_namespaced_custom_object(GROUP, VERSION, t.ns, PLURAL, "digits")
-    wait_for(lambda: not t.jobs("digits"), DEADLINE_S, "the jobs to go with the training")
+    wait_for(lambda: not t.jobs("digits") and not t.policies("digits"), DEADLINE_S,
+             "the jobs and their NetworkPolicies to go with the training")
     assert t.deployment("digits-trained") is not None
 
 
@@ -176,7 +187,7 @@ def test_an_invalid_training_fails_naming_the_field_and_creates_nothing(
     t.create(document)
     status = t.wait("outside", lambda s: s.get("phase") == "Failed", "phase Failed")
     assert "spec.output.uri" in status["message"], status
-    assert not t.jobs("outside")
+    assert not t.jobs("outside") and not t.policies("outside")
     bad = copy.deepcopy(_example(HOST_ROOT + "b"))
     bad["metadata"]["name"] = "uneven"
     bad["spec"]["experts"][0]["batchSize"] = 127  # not shared evenly by its 2 processes

@@ -1,6 +1,6 @@
 """checkov (PyPI, offline: ``--skip-download``) on the rendered chart and on the manifests the
-operator builds for the shipped examples: a DDMDeployment's children, a DDMTraining's jobs (as
-``ddm render`` prints them, under the engine the example names).
+operator builds for the shipped examples: a DDMDeployment's children, a DDMTraining's jobs and
+their NetworkPolicies (as ``ddm render`` prints them, under the engine the example names).
 
 Every failure must be accepted in docs/reliability.md's "checkov" table (check, resources as a
 glob over checkov's ``Kind.namespace.name``, reason), and every accepted row must still match a
@@ -82,7 +82,7 @@ def _write_objects(directory: Path) -> None:
     for example in examples_of(TRAINING_KIND):
         jobs = render_training(yaml.safe_load(example.read_text()), CONFIG, namespace=NAMESPACE)
         (directory / f"training-{example.stem}.yaml").write_text(yaml.safe_dump_all(
-            [job for job in jobs if job["kind"] == "Job"]))
+            [job for job in jobs if job["kind"] in ("Job", "NetworkPolicy")]))
 
 
 def test_checkov_finds_nothing_but_the_accepted_failures(tmp_path: Path) -> None:

@@ -181,7 +181,7 @@ def test_ddm_render_dispatches_on_the_kind(tmp_path):
     document = _document("job")
     document["spec"]["output"]["uri"] = "pvc://ddm-training/a$(HOME)b"
     path.write_text(yaml.safe_dump(document))
-    text = render_file(path, {})
+    text = render_file(path, {"DDM_NETWORK_POLICY": "false"})
     assert text.startswith("# The jobs the operator runs for")
     objects = list(yaml.safe_load_all(text))
     assert [o["kind"] for o in objects] == ["Job", "Job", "Job", "DDMDeployment"]

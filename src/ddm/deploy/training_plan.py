@@ -36,8 +36,8 @@ variables for JAX, a plain process for a world of one.
 Interface (stable; the operator's reconcile builds on it): ``plan_training(spec) ->
 TrainingPlan``; ``TrainingPlan.jobs`` (``JobPlan``: ``name``, ``kind``, ``framework``,
 ``after``, ``output``, ``state``, ``finished_file``, ``steps``, ``workers``, ``expert``,
-``upload``, ``args(paths)``, ``node_processes(...)``), ``TrainingPlan.ready(done)``;
-``deployment_document(spec)``.
+``upload``, ``reaches_store``, ``args(paths)``, ``node_processes(...)``),
+``TrainingPlan.ready(done)``; ``deployment_document(spec)``.
 """
 
 from __future__ import annotations
@@ -132,6 +132,12 @@ class JobPlan:
         (its writer writes it last): ``marker`` in the output directory, or the output itself
         (``marker`` empty)."""
         return f"{self.output}/{self.marker}" if self.marker else self.output
+
+    @property
+    def reaches_store(self) -> bool:
+        """Whether its processes reach an object store: the data job fetches the data, a job
+        with ``upload`` uploads its checkpoint (the others read and write the volume alone)."""
+        return self.kind == DATA_JOB or self.upload is not None
 
     @property
     def distributed(self) -> bool:

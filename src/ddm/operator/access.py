@@ -222,8 +222,16 @@ def _metadata(name: str, meta: Mapping[str, Any], labels: dict[str, str]) -> dic
 def _network_policy(name: str, meta: Mapping[str, Any], pods: dict[str, str], *,
                     ingress: list[dict[str, Any]] | None, egress: list[dict[str, Any]] | None
                     ) -> dict[str, Any]:
-    """A policy on ``pods``; None: the direction is not restricted, []: nothing is allowed."""
-    owner = meta["name"]
+    """A policy of the DDMDeployment ``meta`` on ``pods`` (see :func:`network_policy`)."""
+    return network_policy(name, meta, names.labels(meta["name"], "network-policy"), pods,
+                          ingress=ingress, egress=egress)
+
+
+def network_policy(name: str, meta: Mapping[str, Any], labels: dict[str, str],
+                   pods: dict[str, str], *, ingress: list[dict[str, Any]] | None,
+                   egress: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """A NetworkPolicy ``name`` (labelled ``labels``, in ``meta``'s namespace) on the pods
+    matching ``pods``; per direction None: not restricted, []: nothing is allowed."""
     spec: dict[str, Any] = {"podSelector": {"matchLabels": dict(pods)}, "policyTypes": []}
     for kind, rules in (("Ingress", ingress), ("Egress", egress)):
         if rules is not None:
@@ -232,6 +240,6 @@ def _network_policy(name: str, meta: Mapping[str, Any], pods: dict[str, str], *,
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(name, meta, names.labels(owner, "network-policy")),
+        "metadata": _metadata(name, meta, labels),
         "spec": spec,
     }

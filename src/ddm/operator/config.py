@@ -177,7 +177,8 @@ class OperatorConfig:
     switches for keyless tolerations, control-plane nodes and named nodes); ``router_auth``
     puts every router behind a bearer token, even when its spec asks for none;
     ``network_policy`` gives each DDMDeployment NetworkPolicies that let only its router
-    reach its experts (and removes them when turned off); ``fetch_allow_networks``: the
+    reach its experts (and removes them when turned off), and each DDMTraining's job one
+    (``training_manifests.build_network_policy``); ``fetch_allow_networks``: the
     non-public
     networks (CIDRs) checkpoint fetchers may reach (the cluster's private stores; the
     fetcher's ``--allow-network``): an admin's choice, never a tenant's, so not in the CRD;

@@ -26,7 +26,7 @@ from ddm.deploy.training_spec import parse_training_manifest
 from ddm.operator import names
 from ddm.operator.children import checked_spec, desired_children
 from ddm.operator.config import OperatorConfig
-from ddm.operator.training_manifests import build_deployment, build_training_jobs
+from ddm.operator.training_manifests import build_deployment, build_training_objects
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 PLACEHOLDER_TOKEN = "random-when-the-operator-creates-it"
@@ -52,12 +52,14 @@ def render_objects(document: Any, config: OperatorConfig, *, namespace: str | No
 def render_training(document: Any, config: OperatorConfig, *, namespace: str | None = None
                     ) -> list[dict[str, Any]]:
     """The jobs of one DDMTraining ``document`` in plan order (Jobs, or TrainJobs under
-    kubeflow-trainer), then the DDMDeployment created once they have all finished.
-    ``SpecError`` when the spec is invalid."""
+    kubeflow-trainer), each after its NetworkPolicy (with the ``network_policy`` setting),
+    then the DDMDeployment created once they have all finished. ``SpecError`` when the spec
+    is invalid."""
     manifest = parse_training_manifest(document, allow_host_paths=True)
     meta = {"name": manifest.name,
             "namespace": namespace or manifest.namespace or DEFAULT_NAMESPACE}
-    return [*build_training_jobs(manifest.spec, plan_training(manifest.spec), meta, config),
+    objects = build_training_objects(manifest.spec, plan_training(manifest.spec), meta, config)
+    return [*(made for job in objects.values() for made in job),
             build_deployment(manifest.spec, meta)]
 
 
@@ -67,8 +69,8 @@ def render_file(path: Path, env: Mapping[str, str], namespace: str | None = None
     config = OperatorConfig.from_env({**CHART_DEFAULTS, **env})
     if isinstance(document, Mapping) and document.get("kind") == TRAINING_KIND:
         header = (f"# The jobs the operator runs for {path}, in order (each after those its "
-                  "job waits for),\n# then the DDMDeployment it creates when they have all "
-                  "finished.\n")
+                  "job waits for,\n# and after its NetworkPolicy), then the DDMDeployment it "
+                  "creates when they have all\n# finished.\n")
         return header + yaml.safe_dump_all(render_training(document, config,
                                                            namespace=namespace),
                                            sort_keys=False)

@@ -20,6 +20,17 @@ asks, mounts the output root read-write at ``/output`` (with a store as the outp
 working volume ``spec.output.volume``) and the data read-only at ``/data``, and the stores'
 credentials files (``storeCredentialsSecret``s) read-only at ``/credentials``.
 A failed pod is retried (``backoffLimit``); the job's ``--resume`` continues its saved state.
+
+With the operator's ``network_policy`` setting each job's pods are confined by a NetworkPolicy
+of the same name (:func:`build_network_policy`), made just before the job: no ingress, but
+from the job's other pods where it runs several (a multi-node TrainJob: the runtime's
+rendezvous and collectives, any port; a Job's processes share one pod and talk over its
+loopback); egress to the cluster DNS, to those pods, and, for a job that fetches the data or
+uploads a checkpoint (``JobPlan.reaches_store``), to the stores as the DDMDeployment's stager
+reaches them (``access.store_egress``: ``fetch_allow_networks``; with
+``fetch_cloud_identity`` the clouds' identity endpoints, ``access.identity_egress``). Never the
+API server: the jobs never call it (no ServiceAccount token in a Job's pod; JAX's cluster
+detection is off, ``ddm.training.distributed.jax_world``).
 ``meta`` needs ``name`` and ``namespace``; the handlers add ownerReferences.
 """
 
@@ -39,7 +50,8 @@ from ddm.deploy.training_plan import (
 )
 from ddm.deploy.training_spec import TrainingSpec, Workers
 from ddm.operator import names
-from ddm.operator.config import OperatorConfig
+from ddm.operator.access import dns_egress, identity_egress, network_policy, store_egress
+from ddm.operator.config import FETCH_ALLOW_NETWORKS_ENV, OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
     TERMINATION_MESSAGE,
@@ -84,9 +96,42 @@ def build_training_jobs(spec: TrainingSpec, plan: TrainingPlan, meta: Mapping[st
     """Every job of ``plan`` in plan order: a Job, or under kubeflow-trainer a TrainJob for
     the experts and the router (the partition, the data fetch and the text-to-image DDM's
     other stages, one CPU process each, are Jobs)."""
-    return [build_trainjob(spec, job, meta, config)
-            if spec.engine == "kubeflow-trainer" and job.kind in TRAINJOB_KINDS
+    return [build_trainjob(spec, job, meta, config) if _trainjob(spec, job)
             else build_job(spec, job, meta, config) for job in plan.jobs]
+
+
+def job_pods(spec: TrainingSpec, job: JobPlan) -> int:
+    """How many pods run ``job``: a TrainJob's ``numNodes`` (a JAX job's processes are pods
+    under Trainer's jax-distributed runtime, which runs one process per pod), else one (a
+    Job's processes share its pod)."""
+    return job.workers.nodes * _pods_per_node(job) if _trainjob(spec, job) else 1
+
+
+def build_network_policy(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
+                         config: OperatorConfig) -> dict[str, Any]:
+    """The NetworkPolicy confining ``job``'s pods (see the module's docstring), named as the
+    job. Its peers, where it has several pods, are those pods alone, on any port: the
+    rendezvous (torchrun's, JAX's coordinator) and the collectives (gloo, NCCL) pick theirs."""
+    pods = {TRAINING_LABEL: meta["name"], JOB_LABEL: job.name}
+    peers = [{"podSelector": {"matchLabels": dict(pods)}}] if job_pods(spec, job) > 1 else []
+    stores = ([store_egress(config.fetch_allow_networks),
+               *([identity_egress()] if config.fetch_cloud_identity else [])]
+              if job.reaches_store else [])
+    return network_policy(
+        job_name(meta["name"], job), meta, _labels(meta, job, "network-policy"), pods,
+        ingress=[{"from": peers}] if peers else [],
+        egress=[dns_egress(config), *([{"to": copy.deepcopy(peers)}] if peers else []),
+                *stores])
+
+
+def build_training_objects(spec: TrainingSpec, plan: TrainingPlan, meta: Mapping[str, Any],
+                           config: OperatorConfig) -> dict[str, list[dict[str, Any]]]:
+    """Plan job name -> what the operator creates for it, in order: its NetworkPolicy when
+    ``config.network_policy`` is on (so that no pod of it runs unconfined), then the job."""
+    jobs = build_training_jobs(spec, plan, meta, config)
+    return {job.name: [*([build_network_policy(spec, job, meta, config)]
+                         if config.network_policy else []), manifest]
+            for job, manifest in zip(plan.jobs, jobs)}
 
 
 def build_deployment(spec: TrainingSpec, meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -111,7 +156,7 @@ def build_job(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
         "image": _image(spec, workers, config),
         "imagePullPolicy": config.image_pull_policy,
         "command": list(process.argv),
-        "env": _env(dict(process.env)),
+        "env": _env({**dict(process.env), **_store_env(job, config)}),
         "resources": _resources(workers.pod, _shares(place.limits, len(processes))),
         "volumeMounts": copy.deepcopy(mounts),
         **TERMINATION_MESSAGE,
@@ -120,7 +165,7 @@ def build_job(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
     pod = _pod_spec(containers[0], workers.pod, volumes, [],
                     node_selector=place.node_selector, tolerations=place.tolerations)
     pod.update(restartPolicy="Never", containers=[_literal_command(c) for c in containers])
-    labels = _labels(spec, meta, job)
+    labels = _job_labels(spec, meta, job)
     return {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": job_name(meta["name"], job), "namespace": meta["namespace"],
@@ -138,17 +183,15 @@ def build_trainjob(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
     args = job.args(PATHS)
     torch = job.framework == "torch"
     volumes, mounts = _volumes(spec)
-    # Trainer's jax-distributed runtime runs one process per pod: P processes a node are P pods
-    # with a P-th of its devices each (as the Job engine gives P containers).
-    per_pod = 1 if torch else workers.processes_per_node
+    per_node = _pods_per_node(job)
     trainer: dict[str, Any] = {
         "image": _image(spec, workers, config),
         "command": (["torchrun", "-m", "ddm", *args] if torch else ["ddm", *args]),
-        "env": _env({}),
-        "numNodes": workers.nodes * per_pod,
+        "env": _env(_store_env(job, config)),
+        "numNodes": job_pods(spec, job),
         **({"numProcPerNode": workers.processes_per_node} if torch else {}),
     }
-    resources = _resources(workers.pod, _shares(place.limits, per_pod))
+    resources = _resources(workers.pod, _shares(place.limits, per_node))
     if resources:
         trainer["resourcesPerNode"] = resources
     trainer = _literal_command(trainer)
@@ -159,7 +202,7 @@ def build_trainjob(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
         "containers": [{"name": RUNTIME_NODE, "volumeMounts": copy.deepcopy(mounts),
                         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT)}],
     }
-    labels = _labels(spec, meta, job)
+    labels = _job_labels(spec, meta, job)
     return {
         "apiVersion": TRAINER_API_VERSION, "kind": TRAINJOB_KIND,
         "metadata": {"name": job_name(meta["name"], job), "namespace": meta["namespace"],
@@ -185,9 +228,27 @@ def _shares(limits: Mapping[str, str], processes: int) -> dict[str, str]:
     return {resource: str(int(count) // processes) for resource, count in limits.items()}
 
 
-def _labels(spec: TrainingSpec, meta: Mapping[str, Any], job: JobPlan) -> dict[str, str]:
-    labels = {names.MANAGED_BY_LABEL: names.MANAGED_BY, TRAINING_LABEL: meta["name"],
-              JOB_LABEL: job.name, names.COMPONENT_LABEL: f"training-{job.kind}"}
+def _pods_per_node(job: JobPlan) -> int:
+    """A TrainJob's pods on each node: one for PyTorch (torchrun starts its processes);
+    Trainer's jax-distributed runtime runs one process per pod, so P processes a node are P
+    pods with a P-th of its devices each (as the Job engine gives P containers)."""
+    return 1 if job.framework == "torch" else job.workers.processes_per_node
+
+
+def _trainjob(spec: TrainingSpec, job: JobPlan) -> bool:
+    """Whether ``job`` runs as a TrainJob (else as a Job)."""
+    return spec.engine == "kubeflow-trainer" and job.kind in TRAINJOB_KINDS
+
+
+def _labels(meta: Mapping[str, Any], job: JobPlan, component: str) -> dict[str, str]:
+    """The labels of every object made for ``job`` (``component``: what it is)."""
+    return {names.MANAGED_BY_LABEL: names.MANAGED_BY, TRAINING_LABEL: meta["name"],
+            JOB_LABEL: job.name, names.COMPONENT_LABEL: component}
+
+
+def _job_labels(spec: TrainingSpec, meta: Mapping[str, Any], job: JobPlan) -> dict[str, str]:
+    """The job's and its pods' labels: with the Kueue queue it is submitted to."""
+    labels = _labels(meta, job, f"training-{job.kind}")
     if spec.queue:
         labels[QUEUE_LABEL] = spec.queue
     return labels
@@ -196,6 +257,15 @@ def _labels(spec: TrainingSpec, meta: Mapping[str, Any], job: JobPlan) -> dict[s
 def _image(spec: TrainingSpec, workers: Workers, config: OperatorConfig) -> str:
     return (workers.pod.image or spec.image
             or config.images.for_family(placement(workers.accelerator).image_family))
+
+
+def _store_env(job: JobPlan, config: OperatorConfig) -> dict[str, str]:
+    """For a job that reaches a store, the private networks the admin allows fetchers
+    (``fetch_allow_networks``), in the variable the fetcher and the upload read: the same
+    networks its NetworkPolicy admits."""
+    if not job.reaches_store or not config.fetch_allow_networks:
+        return {}
+    return {FETCH_ALLOW_NETWORKS_ENV: ",".join(config.fetch_allow_networks)}
 
 
 def _env(extra: Mapping[str, str]) -> list[dict[str, str]]:

@@ -7,7 +7,14 @@ partition first, then every expert and the router network's job), read the steps
 job's rank-0 process last logged, create the DDMDeployment once every job has succeeded, and
 write the status (``training_status.training_status``) when it changed.
 
-The jobs are owned by the DDMTraining (controller ownerReferences): deleting it deletes them.
+With the ``network_policy`` setting each job's NetworkPolicy
+(``training_manifests.build_network_policy``) is created just before it, and a job whose policy
+cannot be created (or whose name another's policy holds) is not run: its pods would not be
+confined. A policy, like its job, is made once and never changed; one made before the setting
+was turned off stays until the DDMTraining goes.
+
+The jobs and policies are owned by the DDMTraining (controller ownerReferences): deleting it
+deletes them.
 The checkpoints stay on the output volume, and the DDMDeployment, created without an owner
 reference (``training_manifests.build_deployment``), outlives it: it serves what was trained.
 Its readiness is its own (``kubectl get ddmdeployment``); the training names it in
@@ -43,7 +50,7 @@ from ddm.operator.training_manifests import (
     JOB_LABEL,
     TRAINING_LABEL,
     build_deployment,
-    build_training_jobs,
+    build_training_objects,
 )
 from ddm.operator.training_status import RUNNING, finished, job_state, to_create, training_status
 from ddm.progress import last_progress
@@ -99,11 +106,12 @@ class TrainingReconciler:
         plan = plan_training(spec)
         jobs = self._jobs(spec, namespace, meta)
         errors: list[str] = []
-        manifests = dict(zip((job.name for job in plan.jobs),
-                             build_training_jobs(spec, plan, meta, self._config)))
+        objects = build_training_objects(spec, plan, meta, self._config)
         for job in to_create(plan, jobs):
-            manifest = _owned(manifests[job.name], body)
+            *policies, manifest = (_owned(made, body) for made in objects[job.name])
             try:
+                for policy in policies:
+                    self._create_policy(policy, meta["uid"])
                 jobs[job.name] = self._kube.create_object(manifest)
             except KubeError as error:
                 errors.append(error.args[0])
@@ -186,6 +194,27 @@ class TrainingReconciler:
             return None
         found = last_progress(text)
         return found[0] if found else None
+
+    def _create_policy(self, policy: dict[str, Any], uid: str) -> None:
+        """Create a job's NetworkPolicy unless an earlier run did (its job's create failed);
+        a ``KubeError`` when it could not be, or its name is another's."""
+        meta = policy["metadata"]
+        try:
+            self._kube.create(policy)
+        except KubeError as error:
+            if error.status != 409:
+                raise
+            there = self._kube.get("NetworkPolicy", meta["namespace"], meta["name"])
+            if there is None:
+                raise KubeError(409, f"NetworkPolicy {meta['name']} was deleted while it was "
+                                     "being created; it is created on the next run") from None
+            if not _controlled_by(there, uid):
+                raise KubeError(409, f"NetworkPolicy {meta['name']} exists and was not made "
+                                     "by this training, so its job is not run (its pods would "
+                                     "not be confined); delete or rename it") from None
+            return
+        log.info("%s/%s: created NetworkPolicy %s", meta["namespace"],
+                 meta["labels"][TRAINING_LABEL], meta["name"])
 
     def _create_deployment(self, spec: TrainingSpec, body: Mapping[str, Any],
                            errors: list[str]) -> str | None:
