@@ -13,7 +13,7 @@ product's: eight experts, the router network, the text encoder and the decoder.
   H200 is at least 8 images/s at 32 concurrent prompts and a p50 under 250 ms at 1.
 
 ``alone`` is the imported ddm.yaml as ``ddm up`` runs it; ``pooled`` the same DDM with every
-component in one pool (:func:`pooled_manifest`); ``in_process`` ``load_text_ddm`` +
+component in one pool (:func:`pooled_manifest`); ``in_process`` ``load_ddm`` +
 ``generate_text`` in a fresh process (``benchmarks.pools``' child), eager. ``--compile
 none,reduce-overhead`` measures each served deployment once per ``torch.compile`` mode (the
 spec's ``compile``: the pool's, or every expert's when alone), keyed ``pooled`` for ``none``

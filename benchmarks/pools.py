@@ -5,7 +5,7 @@ DDM (checkpoints/text2img) served three ways:
   runs it: four experts, the text encoder and the decoder, then the router);
 - ``pooled``: one pool of everything (``examples/text2img-pooled.yaml``: one ``ddm serve pool``
   process beside the router);
-- ``in_process``: ``load_text_ddm`` + ``generate_text`` in one fresh process, each level's
+- ``in_process``: ``load_ddm`` + ``generate_text`` in one fresh process, each level's
   prompts as one batch.
 
 At each concurrency (1, 8 and 32 prompts) the served deployments get that many clients, each
@@ -198,10 +198,10 @@ _CHILD = """
 import json, resource, sys, time
 from ddm.threads import apply_cpu_thread_policy
 apply_cpu_thread_policy()
-from ddm.models.stages import load_text_ddm
+from ddm.models.ddm import load_ddm
 from ddm.sampling.pipeline import generate_text
 asked = json.loads(sys.argv[1])
-ddm = load_text_ddm(asked["checkpoints"], dtype=asked["dtype"], device=asked["device"])
+ddm = load_ddm(asked["checkpoints"], dtype=asked["dtype"], device=asked["device"])
 options = {k: asked[k] for k in ("steps", "strategy", "guidance_scale")}
 generate_text(ddm, [asked["prompts"][0]], seed=0, **options)
 levels = {}

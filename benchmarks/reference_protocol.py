@@ -38,7 +38,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ddm.checkpoints.format import load_checkpoint
-from ddm.models.loading import LoadedDDM, ModelFn, expert_velocity
+from ddm.conditioning import Conditioning
+from ddm.models.ddm import DDM
+from ddm.models.loading import ModelFn, expert_velocity
+from ddm.models.stages import ConditionedVelocity
 
 ROUTE = "/velocity"
 _TIMEOUT_S = 60.0
@@ -95,12 +98,13 @@ def create_reference_app(checkpoint_dir: str | os.PathLike, backend: str = "nati
     return app
 
 
-def npz_velocity(endpoint: str) -> ModelFn:
-    """``v(x, t, y)`` from the reference server at ``host:port``, one new connection per call."""
+def npz_velocity(endpoint: str) -> ConditionedVelocity:
+    """``v(x, t, cond)`` from the reference server at ``host:port`` (it takes the rows'
+    labels), one new connection per call."""
     host, _, port = endpoint.rpartition(":")
 
-    def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        body = encode_npz(x=x, t=t, y=y)
+    def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
+        body = encode_npz(x=x, t=t, y=cond.labels)
         connection = http.client.HTTPConnection(host, int(port), timeout=_TIMEOUT_S)
         try:
             connection.request("POST", ROUTE, body=body,
@@ -117,15 +121,13 @@ def npz_velocity(endpoint: str) -> ModelFn:
     return velocity
 
 
-def reference_ddm(ddm: LoadedDDM, endpoints: Sequence[str]) -> LoadedDDM:
+def reference_ddm(ddm: DDM, endpoints: Sequence[str]) -> DDM:
     """``ddm`` with expert ``k``'s velocity fetched from ``endpoints[k]`` (``host:port``) over
     the reference protocol; the router network stays in this process, as in the reference
     demo."""
     if len(endpoints) != len(ddm.experts):
         raise ValueError(f"{len(endpoints)} reference endpoints for {len(ddm.experts)} experts")
-    experts = tuple(dataclasses.replace(e, velocity=npz_velocity(endpoint))
-                    for e, endpoint in zip(ddm.experts, endpoints))
-    return dataclasses.replace(ddm, experts=experts)
+    return dataclasses.replace(ddm, experts=tuple(npz_velocity(e) for e in endpoints))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

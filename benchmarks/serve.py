@@ -55,7 +55,8 @@ import numpy as np
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT
 from ddm.checkpoints.discovery import shipped_checkpoints
-from ddm.models.loading import LoadedDDM, load_ddm
+from ddm.conditioning import Conditioning
+from ddm.models.ddm import DDM, load_ddm
 from ddm.sampling.pipeline import generate
 from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH,
                                        WIRE_RATIO, images_per_s, rate, speedup, summary_lines,
@@ -142,9 +143,9 @@ def run_bench(settings: BenchSettings, log: TextIO = sys.stderr) -> dict[str, An
     ddm = load_ddm(checkpoints)
     manifest = load_manifest(MANIFEST)
     served = [tuple(e.classes) for e in manifest.spec.experts]
-    if served != [tuple(e.classes) for e in ddm.experts]:
+    if served != list(ddm.expert_classes):
         raise BenchError(f"{MANIFEST} serves experts of classes {served}, the in-process DDM "
-                         f"has {[tuple(e.classes) for e in ddm.experts]}")
+                         f"has {list(ddm.expert_classes)}")
     servers: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ddm-bench-") as workdir, _one_torch_thread():
         try:
@@ -180,7 +181,7 @@ def client_session() -> aiohttp.ClientSession:
 # ------------------------------------------------------------------------------- measuring
 
 
-async def _measure(settings: BenchSettings, ddm: LoadedDDM, fleet: Fleet,
+async def _measure(settings: BenchSettings, ddm: DDM, fleet: Fleet,
                    log: TextIO) -> dict[str, Any]:
     """Every figure, one after the other. In-process sampling blocks this event loop on
     purpose: nothing else of the benchmark runs meanwhile."""
@@ -209,7 +210,7 @@ async def _measure(settings: BenchSettings, ddm: LoadedDDM, fleet: Fleet,
             "quality": quality}
 
 
-async def _throughput(settings: BenchSettings, ddm: LoadedDDM, session: aiohttp.ClientSession,
+async def _throughput(settings: BenchSettings, ddm: DDM, session: aiohttp.ClientSession,
                       fleet: Fleet) -> dict[str, Any]:
     """In-process, distributed and (at batch 1) reference generations, alternated within each
     repetition so that the machine's drifting load hits all of them alike."""
@@ -252,20 +253,21 @@ async def _throughput(settings: BenchSettings, ddm: LoadedDDM, session: aiohttp.
     return {"runs": runs, "checks": checks, "cpu_seconds_batch_1": cpu}
 
 
-async def _call_latency(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: Fleet,
+async def _call_latency(ddm: DDM, session: aiohttp.ClientSession, fleet: Fleet,
                         calls: int) -> dict[str, Any]:
     """Median ms of one batch-1 velocity of the first expert: the model alone in this
     process, our protocol on a keep-alive connection, the reference protocol; and of a
     ``GET /healthz`` of that expert (HTTP and FastAPI with no model: the transport's floor)."""
-    expert = ddm.experts[0]
-    x = np.random.default_rng(0).standard_normal((1, *ddm.image_shape), np.float32)
-    t, y = np.full(1, 0.5, np.float32), np.full(1, min(expert.classes), np.int64)
+    velocity = ddm.experts[0]
+    x = np.random.default_rng(0).standard_normal((1, *ddm.latent_shape), np.float32)
+    t, y = np.full(1, 0.5, np.float32), np.full(1, min(ddm.expert_classes[0]), np.int64)
+    cond = Conditioning.from_labels(y)
     endpoint = f"http://{HOST}:{fleet.batched.experts[0].port}"
     body = encode_request(VelocityRequest(1, x, t, y))
     reference = npz_velocity(fleet.reference[0])
 
     async def model() -> None:
-        expert.velocity(x, t, y)
+        velocity(x, t, cond)
 
     async def ours() -> None:
         async with session.post(f"{endpoint}/v1/velocity", data=body,
@@ -273,7 +275,7 @@ async def _call_latency(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: F
             decode_response(await response.read(), 1, x.shape)
 
     async def theirs() -> None:
-        reference(x, t, y)
+        reference(x, t, cond)
 
     async def floor() -> None:
         async with session.get(f"{endpoint}/healthz") as response:
@@ -288,10 +290,10 @@ async def _call_latency(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: F
             await call()
             runs.append(time.perf_counter() - started)
         medians[f"{name}_ms"] = round(statistics.median(runs[10:]) * 1e3, 3)
-    return {"expert": expert.name, "calls": calls, **medians}
+    return {"expert": ddm.expert_names[0], "calls": calls, **medians}
 
 
-async def _concurrency(settings: BenchSettings, ddm: LoadedDDM,
+async def _concurrency(settings: BenchSettings, ddm: DDM,
                        session: aiohttp.ClientSession, fleet: Fleet) -> dict[str, Any]:
     """64 single-image generations at once through each router; 64 single-row velocity
     calls at once straight to each expert, with the model alone for scale."""
@@ -311,21 +313,21 @@ async def _concurrency(settings: BenchSettings, ddm: LoadedDDM,
     router.update(verdict(router["speedup"], BATCHING_SPEEDUP, at_least=True))
 
     experts = {}
-    for index, expert in enumerate(ddm.experts):
-        label = min(expert.classes)
+    for index, (expert_name, velocity) in enumerate(zip(ddm.expert_names, ddm.experts)):
+        label = min(ddm.expert_classes[index])
         figure: dict[str, Any] = {"requests": CONCURRENT, "rows_per_request": 1,
                                   "rounds": settings.rounds}
         for name, plan in (("batched", fleet.batched), ("unbatched", fleet.unbatched)):
             endpoint = f"{HOST}:{plan.experts[index].port}"
-            seconds = await _velocity_rounds(session, endpoint, ddm.image_shape, label,
+            seconds = await _velocity_rounds(session, endpoint, ddm.latent_shape, label,
                                              settings.rounds)
             figure[name] = {"seconds": round(seconds, 4),
                             "evaluations_per_s": round(settings.rounds * CONCURRENT / seconds, 1)}
         figure["speedup"] = round(figure["batched"]["evaluations_per_s"]
                                   / figure["unbatched"]["evaluations_per_s"], 3)
-        figure["model_only"] = _model_scaling(expert.velocity, ddm.image_shape, label)
+        figure["model_only"] = _model_scaling(velocity, ddm.latent_shape, label)
         figure.update(verdict(figure["speedup"], BATCHING_SPEEDUP, at_least=True))
-        experts[expert.name] = figure
+        experts[expert_name] = figure
     return {"router": router, "expert": experts}
 
 
@@ -357,12 +359,12 @@ def _model_scaling(velocity: Callable[..., np.ndarray], shape: tuple[int, int, i
     times = {}
     for batch in (1, CONCURRENT):
         x = np.random.default_rng(0).standard_normal((batch, *shape), np.float32)
-        t, y = np.full(batch, 0.5, np.float32), np.full(batch, label, np.int64)
-        velocity(x, t, y)
+        t, cond = np.full(batch, 0.5, np.float32), Conditioning.from_labels(np.full(batch, label))
+        velocity(x, t, cond)
         runs = []
         for _ in range(5):
             started = time.perf_counter()
-            velocity(x, t, y)
+            velocity(x, t, cond)
             runs.append(time.perf_counter() - started)
         times[batch] = statistics.median(runs)
     return {"ms_batch_1": round(times[1] * 1e3, 3),
@@ -370,15 +372,15 @@ def _model_scaling(velocity: Callable[..., np.ndarray], shape: tuple[int, int, i
             "batching_ceiling": round(CONCURRENT * times[1] / times[CONCURRENT], 2)}
 
 
-async def _wire(ddm: LoadedDDM, session: aiohttp.ClientSession, fleet: Fleet) -> dict[str, Any]:
+async def _wire(ddm: DDM, session: aiohttp.ClientSession, fleet: Fleet) -> dict[str, Any]:
     """Body bytes of one step's request and reply against the raw tensors; the HTTP headers
     of a real exchange; and the reference protocol's compressed bodies, for comparison."""
     figure: dict[str, Any] = {}
     for batch in (1, BIG_BATCH):
-        sizes = wire_bytes(ddm.image_shape, batch)
+        sizes = wire_bytes(ddm.latent_shape, batch)
         figure[f"batch_{batch}"] = {**sizes,
                                     **verdict(sizes["ratio"], WIRE_RATIO, at_least=False)}
-    figure["http_headers"] = await _header_bytes(session, fleet, ddm.image_shape)
+    figure["http_headers"] = await _header_bytes(session, fleet, ddm.latent_shape)
     worst = max(figure[f"batch_{b}"]["ratio"] for b in (1, BIG_BATCH))
     figure.update(verdict(worst, WIRE_RATIO, at_least=False))
     figure["value_is"] = "the worse of the batch-1 and batch-64 body ratios"
@@ -455,7 +457,7 @@ def _big_labels() -> list[int]:
     return [i % 10 for i in range(BIG_BATCH)]
 
 
-def _sample_here(ddm: LoadedDDM, labels: Sequence[int], steps: int,
+def _sample_here(ddm: DDM, labels: Sequence[int], steps: int,
                  seed: int) -> tuple[float, np.ndarray]:
     """(seconds, uint8 images) of ``generate`` in this process: in-process sampling, or for
     :func:`reference_ddm` the reference router loop, whose experts are remote."""

@@ -2,7 +2,7 @@
 steps, top-2 with guidance, from the shipped DDM (checkpoints/text2img) served by ``ddm up
 examples/text2img.yaml`` (its text encoder and decoder as servers of their own, two PyTorch
 and two JAX experts, the router), timed from the client's POST to its answer; and the same
-models run in this process (``load_text_ddm`` + ``generate_text``) for the same prompts and
+models run in this process (``load_ddm`` + ``generate_text``) for the same prompts and
 seeds. Target: served under one second; the ratio says what serving adds.
 
 Rounds alternate served and in-process, after one warm-up of each (JIT, first allocations), so
@@ -20,7 +20,7 @@ from typing import Any, TextIO
 import httpx
 
 from benchmarks.fleet import BenchError, say
-from ddm.models.stages import load_text_ddm
+from ddm.models.ddm import load_ddm
 from ddm.sampling.pipeline import generate_text
 from tests.support.local_runtime import ddm_up
 
@@ -36,7 +36,7 @@ PROMPTS = ("a thick red seven", "the number 3 in blue", "a thin green two",
 
 def text2img_latency(rounds: int, log: TextIO = sys.stderr) -> dict[str, Any]:
     """Served and in-process seconds per one-prompt generation, ``rounds`` of each."""
-    ddm = load_text_ddm(CHECKPOINTS)
+    ddm = load_ddm(CHECKPOINTS)
 
     def in_process(i: int) -> float:
         started = time.perf_counter()

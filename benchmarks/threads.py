@@ -38,9 +38,9 @@ import sys, time
 from ddm.threads import apply_cpu_thread_policy
 chosen = apply_cpu_thread_policy()
 import torch
-from ddm.models.stages import load_text_ddm
+from ddm.models.ddm import load_ddm
 from ddm.sampling.pipeline import generate_text
-ddm = load_text_ddm(sys.argv[1], backends=("torch",))
+ddm = load_ddm(sys.argv[1], backends=("torch",))
 generate_text(ddm, ["a red seven"], seed=0)
 prompts = ["a thick red seven", "a thin blue three", "a green five", "an orange eight"]
 prompts = [prompts[i % 4] for i in range(int(sys.argv[2]))]

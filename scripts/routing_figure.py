@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from ddm.conditioning import Conditioning
 from ddm.convention import to_uint8
-from ddm.models.loading import load_ddm
+from ddm.models.ddm import load_ddm
 from ddm.sampling.loop import Tally
 from ddm.sampling.pipeline import sampling_request, steps_of
 
@@ -37,17 +38,17 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("docs/routing.png"))
     args = parser.parse_args()
 
-    ddm = load_ddm(args.checkpoints, backend="torch")
+    ddm = load_ddm(args.checkpoints, backends=("torch",))
     probabilities: list[np.ndarray] = []  # (B, K) per router query, in order
 
-    def recording_router(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
-        p = np.asarray(ddm.router(x, t, y))
+    def recording_router(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
+        p = np.asarray(ddm.router(x, t, cond))
         probabilities.append(p)
         return p
 
     labels = list(range(ddm.num_classes))
     request = sampling_request(labels, args.steps, args.seed, args.strategy)
-    names = tuple(e.name for e in ddm.experts)
+    names = ddm.expert_names
     tally, frames = Tally(names, labels), []
     for event in steps_of(dataclasses.replace(ddm, router=recording_router), request):
         tally.add(event)

@@ -7,7 +7,7 @@ text encoder, the decoder and the router network ``separate``: the operator (in 
 against the real API server) gives each a Deployment and a Service of its own, and the kubelet
 runs them, the two experts and the router from the CPU image. The router answers
 ``POST /v1/images/generations`` with an RGB PNG equal, within 2/255, to what the in-process
-sampler (``load_text_ddm`` + ``generate_text``) and Paris's published sampler
+sampler (``load_ddm`` + ``generate_text``) and Paris's published sampler
 (tests/support/paris_reference.py) make from the same initial latents: with the router network
 on a server of its own, the router must still walk FlowMatchEulerDiscrete's time grid.
 
@@ -38,7 +38,7 @@ from podwatch import new_namespace
 from waiting import wait_for
 
 from ddm.cli import main
-from ddm.models.stages import load_text_ddm
+from ddm.models.ddm import load_ddm
 from ddm.operator.config import Images, OperatorConfig
 from ddm.operator.policy import AllowLists
 from ddm.sampling.pipeline import generate_text
@@ -198,7 +198,7 @@ def test_the_router_draws_the_in_process_samplers_image(
     image = np.asarray(png).astype(int)
 
     with torch.random.fork_rng():
-        local = generate_text(load_text_ddm(out), [PROMPT], steps=STEPS, strategy="top2",
+        local = generate_text(load_ddm(out), [PROMPT], steps=STEPS, strategy="top2",
                               guidance_scale=GUIDANCE, latents=latents.numpy())
     expected = reference.generate(PROMPT, routing="top2", cfg_scale=GUIDANCE,
                                   num_steps=STEPS, latents=latents)

@@ -90,7 +90,7 @@ def test_the_loader_converts_the_epsilon_expert_for_every_driver():
     """``load_ddm`` (what ``ddm sample``, the expert server's torch/JAX backends and the
     evaluation use) applies the conversion: the heterogeneous DDM draws digits 0-4 from its
     epsilon expert, read by the classifier as well as the bare wrapper above reads them."""
-    from ddm.models.loading import load_ddm
+    from ddm.models.ddm import load_ddm
     from ddm.sampling.pipeline import generate
 
     labels = np.repeat(np.arange(5), 20)

@@ -35,12 +35,13 @@ import torch
 import uvicorn
 from PIL import Image
 
+from ddm.conditioning import Conditioning
 from ddm.checkpoints.format import CheckpointMeta, save_checkpoint
 from ddm.models.config import UNET_CONFIGS, RouterNetworkConfig, UNetConfig
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
-from ddm.models.loading import load_ddm
+from ddm.models.ddm import load_ddm
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import initial_noise
@@ -112,7 +113,7 @@ def test_generation_equals_in_process_sampling(ddms, routers, ddm, strategy, sol
         "labels": labels, "steps": 6, "seed": 5, "strategy": strategy, "solver": solver})
     assert reply.status_code == 200, reply.text
     body = reply.json()
-    local = generate(load_ddm(ddms[ddm], backend="torch"), labels, 6, seed=5,
+    local = generate(load_ddm(ddms[ddm], backends=("torch",)), labels, 6, seed=5,
                      strategy=strategy, solver=solver)
     images = np.stack([_image(png) for png in body["images"]])
     assert np.abs(images.astype(int) - local.images).max() <= 1
@@ -139,7 +140,7 @@ def test_delegation_over_http_equals_per_step_sampling(ddms, experts, solver):
             return await generate_remote(mixture, pool, request)
 
     per_step, delegated = asyncio.run(sample(0)), asyncio.run(sample(4))
-    ddm = load_ddm(ddms["split"], backend="torch")
+    ddm = load_ddm(ddms["split"], backends=("torch",))
     local = generate(ddm, labels, 10, seed=2, strategy="oracle", solver=solver)
     assert np.abs(per_step.images.astype(int) - local.images).max() <= 1
     np.testing.assert_array_equal(delegated.state, per_step.state)
@@ -167,8 +168,9 @@ def test_stream_frames_carry_the_router_networks_probabilities(ddms, routers):
     """Each step's p(k | x_t, t, y): the first from the router network at the request's noise,
     and every step run by the expert top1 picks from them."""
     steps = _stream(routers["shared"], label=7, steps=4, seed=3, strategy="top1")[:-1]
-    network = load_ddm(ddms["shared"], backend="torch").router
-    first = network(initial_noise(1, SHAPE, 3), np.zeros(1, np.float32), np.array([7]))
+    network = load_ddm(ddms["shared"], backends=("torch",)).router
+    first = network(initial_noise(1, SHAPE, 3), np.zeros(1, np.float32),
+                    Conditioning.from_labels([7]))
     np.testing.assert_allclose(steps[0][1]["probs"], first[0], atol=1e-4)
     for _, data in steps:
         assert sum(data["probs"]) == pytest.approx(1, abs=1e-3)

@@ -25,7 +25,7 @@ import pytest
 from PIL import Image
 
 from ddm.deploy.limits import MAX_PROMPT_BYTES
-from ddm.models.stages import load_text_ddm
+from ddm.models.ddm import load_ddm
 from ddm.sampling.pipeline import generate_text
 from ddm.serving.router.api.requests import STREAM_EVENT_SCHEMA
 
@@ -144,7 +144,7 @@ def served(tmp_path_factory) -> Iterator[tuple[str, Path]]:
 
 @pytest.fixture(scope="module")
 def in_process(served):
-    return load_text_ddm(served[1])
+    return load_ddm(served[1])
 
 
 def _png(encoded: str) -> np.ndarray:
@@ -191,8 +191,8 @@ def test_a_router_with_a_text_prior_routes_served_as_in_process(tmp_path):
         remote = httpx.post(f"{apart}/v1/generate", json=body, timeout=GENERATION_S)
     assert remote.status_code == 200, remote.text
     settings = {"steps": 3, "seed": 2, "strategy": "top2"}
-    local = generate_text(load_text_ddm(stages), prompts, **settings)
-    alone = generate_text(load_text_ddm(stages, text_prior=False), prompts, **settings)
+    local = generate_text(load_ddm(stages), prompts, **settings)
+    alone = generate_text(load_ddm(stages, text_prior=False), prompts, **settings)
     images = np.stack([_png(image) for image in remote.json()["images"]])
     assert np.abs(images.astype(int) - local.images).max() <= 1
     assert remote.json()["routing"] == local.usage.step_masks(3).tolist()

@@ -25,7 +25,7 @@ from PIL import Image
 from ddm.checkpoints.format import CheckpointMeta, read_meta, save_checkpoint
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.models.config import UNET_CONFIGS, RouterNetworkConfig
-from ddm.models.loading import LoadedDDM, load_ddm
+from ddm.models.ddm import DDM, load_ddm
 from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
@@ -76,8 +76,8 @@ def routers(ddm_dirs: dict[str, Path]) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def in_process(ddm_dirs: dict[str, Path]) -> dict[str, LoadedDDM]:
-    return {name: load_ddm(root, backend="torch") for name, root in ddm_dirs.items()}
+def in_process(ddm_dirs: dict[str, Path]) -> dict[str, DDM]:
+    return {name: load_ddm(root, backends=("torch",)) for name, root in ddm_dirs.items()}
 
 
 CASES = [(ddm, strategy, batch, solver)

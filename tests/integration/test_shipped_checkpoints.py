@@ -14,7 +14,7 @@ from ddm.evaluation.commands import evaluate_images
 from ddm.evaluation.report import expert_parity
 from ddm.checkpoints.discovery import default_checkpoints, discover
 from ddm.deploy.spec import load_manifest
-from ddm.models.loading import load_ddm
+from ddm.models.ddm import load_ddm
 from ddm.runtime.local import DEFAULT_MANIFEST, resolve_checkpoint
 from ddm.sampling.pipeline import generate
 

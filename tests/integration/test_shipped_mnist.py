@@ -17,7 +17,7 @@ from ddm.data import partition_sha256
 from ddm.data.partition_file import read_partition_file
 from ddm.evaluation.classifier import load_classifier
 from ddm.evaluation.report import expert_parity
-from ddm.models.loading import load_ddm
+from ddm.models.ddm import load_ddm
 from ddm.sampling.pipeline import generate
 
 MNIST = Path(__file__).resolve().parents[2] / "checkpoints" / "mnist"

@@ -27,7 +27,8 @@ import pytest
 
 from ddm.conditioning import Conditioning
 from ddm.deploy.limits import MAX_CONTEXT_ROWS
-from ddm.models.stages import load_stage, load_text_ddm
+from ddm.models.ddm import load_ddm
+from ddm.models.stages import load_stage
 from ddm.models.text_prior import pooled_text
 from ddm import termination
 from ddm.serving.http.server import build_server
@@ -522,7 +523,7 @@ def test_a_cancelled_call_keeps_its_stage_until_its_thread_is_done(root):
 
 def test_a_served_router_weighs_in_its_text_prior_as_the_ddm_does_in_process(tmp_path):
     root = with_prior(write_text_ddm(tmp_path / "ddm"), hand_prior())
-    ddm = load_text_ddm(root)
+    ddm = load_ddm(root)
     cond = ddm.encode(["a red car", "", "a photo"])
     in_process = ddm.router(X, T, cond)
     router = load_stage(root / "router")

@@ -9,7 +9,7 @@ import asyncio
 import numpy as np
 
 from ddm.conditioning import Conditioning
-from ddm.models.stages import TextDDM
+from ddm.models.ddm import DDM
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
 
@@ -17,7 +17,7 @@ from ddm.sampling.solvers import iterate
 class GuidedExperts:
     """``ddm``'s experts by name, each guided per row as its ``Conditioning`` says."""
 
-    def __init__(self, ddm: TextDDM) -> None:
+    def __init__(self, ddm: DDM) -> None:
         self._velocities = {name: guided(expert, ddm.null)
                             for name, expert in zip(ddm.expert_names, ddm.experts)}
 

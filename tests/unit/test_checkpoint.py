@@ -226,7 +226,11 @@ def test_configs_reject_bad_values():
 def test_a_ddm_is_its_experts_and_router_only(tmp_path, smoke_checkpoint):
     """What ``load_ddm`` assembles (and what ``ddm report --cache`` fingerprints): a classifier
     or monolith beside the experts is not part of the DDM; a second router is refused."""
-    from ddm.models.loading import ddm_members
+    from ddm.models.ddm import ddm_layout
+
+    def ddm_members(root):
+        layout = ddm_layout(root)
+        return list(layout.experts), layout.router
 
     path, model = smoke_checkpoint
     assert ddm_members(path) == ([path], None)  # one model alone

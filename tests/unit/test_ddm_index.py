@@ -17,7 +17,8 @@ from ddm.checkpoints.importers import Component, write_import
 from ddm.checkpoints.index import INDEX_FILE, index_document, read_index, write_index
 from ddm.deploy.training_plan import plan_training
 from ddm.deploy.training_spec import load_training_manifest
-from ddm.models.loading import ddm_members, load_ddm
+from ddm.conditioning import Conditioning
+from ddm.models.ddm import ddm_layout, load_ddm
 from ddm.models.stages import expert_directories, stage_directory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,13 +46,14 @@ def test_a_label_ddm_loads_the_members_its_index_names(tmp_path):
     with pytest.raises(CheckpointError, match="trained for 2 experts"):
         load_ddm(root)
     write_index(root, ["a", "b"], {"router": "net"})
-    assert ddm_members(root) == ([root / "a", root / "b"], root / "net")
+    layout = ddm_layout(root)
+    assert (layout.experts, layout.router) == ((root / "a", root / "b"), root / "net")
     loaded = load_ddm(root)
-    assert [e.classes for e in loaded.experts] == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
-    x = np.zeros((1, 1, 16, 16), np.float32)
+    assert list(loaded.expert_classes) == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
+    x, cond = np.zeros((1, 1, 16, 16), np.float32), Conditioning.from_labels([7])
     np.testing.assert_array_equal(
-        loaded.experts[1].velocity(x, np.full(1, .5, np.float32), np.array([7])),
-        load_ddm(DIGITS).experts[1].velocity(x, np.full(1, .5, np.float32), np.array([7])))
+        loaded.experts[1](x, np.full(1, .5, np.float32), cond),
+        load_ddm(DIGITS).experts[1](x, np.full(1, .5, np.float32), cond))
 
 
 def test_text_experts_are_read_from_the_index_else_by_todays_names(tmp_path):

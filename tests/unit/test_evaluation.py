@@ -280,13 +280,11 @@ def test_report_rows_have_spreads_over_seeds_and_the_floor_first(tmp_path: Path)
 
 def test_oracle_is_reported_only_where_each_label_has_one_expert() -> None:
     from ddm.evaluation.report import STRATEGIES, agreement_steps, strategies_for
-    from ddm.models.loading import LoadedDDM, LoadedExpert
+    from ddm.models.ddm import DDM
 
-    def ddm(*classes: tuple[int, ...]) -> LoadedDDM:
-        experts = tuple(LoadedExpert(name=f"e{i}", classes=c, velocity=None)
-                        for i, c in enumerate(classes))
-        return LoadedDDM(experts=experts, router=None, image_shape=(1, 8, 8), num_classes=4,
-                         is_mixture=True, source=Path("."))
+    def ddm(*classes: tuple[int, ...]) -> DDM:
+        return DDM(expert_names=tuple(f"e{i}" for i in range(len(classes))),
+                   experts=(), expert_classes=classes, latent_shape=(1, 8, 8), num_classes=4)
 
     assert strategies_for(ddm((0, 1), (2, 3))) == STRATEGIES
     assert "oracle" not in strategies_for(ddm((0, 1, 2, 3), (0, 1, 2, 3)))  # k-means

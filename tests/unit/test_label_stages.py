@@ -18,7 +18,7 @@ from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, ModelSpec, 
                                     save_checkpoint)
 from ddm.conditioning import Conditioning
 from ddm.models.jax_export import export_program
-from ddm.models.loading import load_ddm
+from ddm.models.ddm import load_ddm
 from ddm.models.stages import load_stage
 from tests.support.tiny_flax import build as build_mlp
 
@@ -39,7 +39,7 @@ def test_a_label_expert_is_a_stage_whose_velocity_takes_labels():
     assert (declared.classes, declared.num_classes, declared.cluster) == ((0, 1, 2, 3, 4), 10, 0)
     assert stage.dtype == "float32"  # as stored
     x, t, y = inputs()
-    reference = load_ddm(DIGITS).experts[0].velocity(x, t, y)
+    reference = load_ddm(DIGITS).experts[0](x, t, Conditioning.from_labels(y))
     np.testing.assert_array_equal(stage.forward(x, t, Conditioning.from_labels(y)), reference)
     with pytest.raises(ValueError, match="conditioned on labels, not text embeddings"):
         stage.forward(x, t, Conditioning(embeddings=np.zeros((3, 4, 8), np.float32)))
@@ -59,7 +59,8 @@ def test_the_label_router_network_is_a_router_stage():
     assert (stage.declaration.role, stage.declaration.family) == ("router", "label-router")
     assert (stage.clusters, stage.declaration.latent_shape) == (2, SHAPE)
     x, t, y = inputs(2)
-    np.testing.assert_array_equal(stage.forward(x, t, y), load_ddm(DIGITS).router(x, t, y))
+    np.testing.assert_array_equal(stage.forward(x, t, y),
+                                  load_ddm(DIGITS).router(x, t, Conditioning.from_labels(y)))
 
 
 def test_an_exported_jax_program_loads_behind_the_stage_interface(tmp_path):

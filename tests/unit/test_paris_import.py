@@ -247,10 +247,10 @@ def test_the_command_names_a_broken_release(release: Path, tmp_path: Path,
 
 def test_the_imported_ddm_generates_what_the_reference_sampler_does(release: Path,
                                                                     imported: Path) -> None:
-    """Loaded from DST by the stage loaders (``load_text_ddm``: every config.json's
+    """Loaded from DST by the stage loaders (``load_ddm``: every config.json's
     ``_ddm``, weights' sha256 checked), the import generates what Paris's published sampler
     (tests/support/paris_reference.py) generates from the release, within 2/255."""
-    from ddm.models.stages import load_text_ddm
+    from ddm.models.ddm import load_ddm
     from ddm.sampling.pipeline import generate_text
     from tests.support.paris_reference import ParisReference
 
@@ -258,7 +258,7 @@ def test_the_imported_ddm_generates_what_the_reference_sampler_does(release: Pat
     prompt, seed, steps = "a photo of a red car on the beach", 5, 4
     expected = reference.generate(prompt, routing="top2", cfg_scale=7.5, num_steps=steps,
                                   seed=seed)
-    ddm = load_text_ddm(imported)
+    ddm = load_ddm(imported)
     result = generate_text(ddm, [prompt], steps=steps, seed=seed, strategy="top2",
                            guidance_scale=7.5, latents=reference.initial_latents(seed).numpy())
     difference = np.abs(result.images[0].astype(int) - expected.image.astype(int))

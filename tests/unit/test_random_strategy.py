@@ -2,14 +2,13 @@
 those serving the label, keyed on (seed, image index, t); never accepted by anything served."""
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ddm.deploy.limits import EVALUATION_STRATEGIES, STRATEGY_PATTERN
 from ddm.deploy.router_config import RouterConfigFile
-from ddm.models.loading import LoadedDDM, LoadedExpert
+from ddm.models.ddm import DDM
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import Strategy, parse_strategy, random_weights
 
@@ -17,15 +16,17 @@ SHAPE = (1, 4, 4)
 
 
 def _expert(name, value, classes):
-    def velocity(x, t, y):
+    def velocity(x, t, cond):
+        y = cond.labels
         assert not classes or set(y.tolist()) <= set(classes), f"{name} was sent labels {y}"
         return np.full_like(x, value)
-    return LoadedExpert(name=name, classes=classes, velocity=velocity)
+    return velocity
 
 
 # Three experts and no router network: "c" serves only label 1.
-DDM = LoadedDDM(experts=(_expert("a", 1.0, ()), _expert("b", 2.0, ()), _expert("c", 3.0, (1,))),
-                router=None, image_shape=SHAPE, num_classes=2, is_mixture=True, source=Path("."))
+MIXTURE = DDM(expert_names=("a", "b", "c"),
+              experts=(_expert("a", 1.0, ()), _expert("b", 2.0, ()), _expert("c", 3.0, (1,))),
+              expert_classes=((), (), (1,)), latent_shape=SHAPE, num_classes=2)
 
 
 def _choices(generation) -> np.ndarray:
@@ -49,7 +50,7 @@ def test_only_the_evaluation_parses_random():
 
 def test_random_draws_per_sample_and_step_among_the_servable_experts():
     labels = [0] * 200 + [1] * 200
-    choices = _choices(generate(DDM, labels, steps=6, seed=4, strategy="random"))
+    choices = _choices(generate(MIXTURE, labels, steps=6, seed=4, strategy="random"))
     label0, label1 = choices[:200], choices[200:]
     assert set(np.unique(label0)) == {0, 1}  # c never sees label 0
     assert set(np.unique(label1)) == {0, 1, 2}
@@ -60,13 +61,13 @@ def test_random_draws_per_sample_and_step_among_the_servable_experts():
 
 
 def test_random_depends_on_seed_and_image_index_not_on_the_batch():
-    whole = generate(DDM, [0, 1, 1, 0], steps=5, seed=9, strategy="random")
-    alone = generate(DDM, [1], steps=5, seed=9, strategy="random", first_index=2)
+    whole = generate(MIXTURE, [0, 1, 1, 0], steps=5, seed=9, strategy="random")
+    alone = generate(MIXTURE, [1], steps=5, seed=9, strategy="random", first_index=2)
     np.testing.assert_array_equal(_choices(whole)[2], _choices(alone)[0])
     np.testing.assert_array_equal(whole.state[2], alone.state[0])
-    again = generate(DDM, [0, 1, 1, 0], steps=5, seed=9, strategy="random")
+    again = generate(MIXTURE, [0, 1, 1, 0], steps=5, seed=9, strategy="random")
     np.testing.assert_array_equal(_choices(whole), _choices(again))
-    other = generate(DDM, [0, 1, 1, 0], steps=5, seed=10, strategy="random")
+    other = generate(MIXTURE, [0, 1, 1, 0], steps=5, seed=10, strategy="random")
     assert not np.array_equal(_choices(whole), _choices(other))
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ddm.models.loading import LoadedDDM, LoadedExpert
+from ddm.models.ddm import DDM
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import VelocityFn, iterate
@@ -76,11 +75,13 @@ def _mixture(classes=(ALL, ALL), router=_router) -> RemoteMixture:
     return RemoteMixture(("up", "down"), classes, network, SHAPE, 10)
 
 
-def _in_process(classes=(ALL, ALL)) -> LoadedDDM:
-    experts = tuple(LoadedExpert(name, c, VELOCITIES[name])
-                    for name, c in zip(VELOCITIES, classes))
-    return LoadedDDM(experts=experts, router=_router, image_shape=SHAPE, num_classes=10,
-                     is_mixture=True, source=Path("."))
+def _in_process(classes=(ALL, ALL)) -> DDM:
+    return DDM(expert_names=tuple(VELOCITIES),
+               experts=tuple(lambda x, t, cond, v=v: v(x, t, cond.labels)
+                             for v in VELOCITIES.values()),
+               expert_classes=tuple(classes),
+               router=lambda x, t, cond: _router(x, t, cond.labels), latent_shape=SHAPE,
+               num_classes=10)
 
 
 def _request(strategy="top1", steps=12, solver="euler", delegate=0, labels=LABELS, seed=3):

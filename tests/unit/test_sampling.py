@@ -1,13 +1,12 @@
 """Steppers, routing strategies and the sampling loop in-process, against closed-form answers."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ddm.convention import (data_from_velocity, interpolate, noise_from_velocity, sample_path,
                             time_grid, to_model_space, to_uint8)
-from ddm.models.loading import LoadedDDM, LoadedExpert
+from ddm.models.ddm import DDM
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import (Strategy, class_owners, mixture_weights, oracle_probs,
                                   parse_strategy, routing_weights, servable_labels)
@@ -140,16 +139,20 @@ def test_label_mask_keeps_only_experts_trained_on_the_label():
 
 
 def _constant_expert(name, value, classes, calls):
-    def velocity(x, t, y):
+    def velocity(x, t, cond):
+        y = cond.labels
         assert not classes or set(y.tolist()) <= set(classes), f"{name} was sent labels {y}"
         calls.append(len(x))
         return np.full_like(x, value)
-    return LoadedExpert(name=name, classes=classes, velocity=velocity)
+    return name, classes, velocity
 
 
 def _ddm(experts, router=None):
-    return LoadedDDM(experts=tuple(experts), router=router, image_shape=SHAPE, num_classes=2,
-                     is_mixture=True, source=Path("."))
+    names, classes, velocities = zip(*experts)
+    return DDM(expert_names=names, experts=velocities, expert_classes=classes,
+               router=None if router is None else (
+                   lambda x, t, cond: router(x, t, cond.labels)),
+               latent_shape=SHAPE, num_classes=2)
 
 
 def _fixed_router(x, t, y):

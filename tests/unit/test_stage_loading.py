@@ -16,7 +16,8 @@ import torch
 from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import Conditioning
 from ddm.deploy.limits import MAX_TEXT_TOKENS
-from ddm.models.stages import load_stage, load_text_ddm
+from ddm.models.ddm import load_ddm
+from ddm.models.stages import load_stage
 from ddm.sampling.pipeline import generate_text
 from tests.support.paris_release import TinyParis, write_paris_release
 from tests.support.text_stages import LATENT_SHAPE, write_paris_stages, write_text_ddm
@@ -114,12 +115,12 @@ def test_decoder_maps_latents_to_rgb_images(text_ddm):
 
 def test_a_directory_of_stages_samples_in_process(text_ddm, paris_stages):
     for root, side in ((text_ddm, 32), (paris_stages, 16)):
-        ddm = load_text_ddm(root)
+        ddm = load_ddm(root)
         result = generate_text(ddm, ["a red car"], steps=2, seed=0, guidance_scale=3.0,
                                strategy="top1")
         assert result.images is not None and result.images.shape == (1, side, side, 3)
-    assert load_text_ddm(paris_stages).grid.kind == "flow-match"
-    assert load_text_ddm(text_ddm).grid.kind == "uniform"
+    assert load_ddm(paris_stages).grid.kind == "flow-match"
+    assert load_ddm(text_ddm).grid.kind == "uniform"
 
 
 def _edit(directory, **changes):

@@ -1,5 +1,5 @@
 """The text2img training's directory, imported (`ddm import text2img`), runs in this process as
-a TextDDM with each expert on PyTorch or JAX: the JAX expert equals the PyTorch one within
+a DDM with each expert on PyTorch or JAX: the JAX expert equals the PyTorch one within
 1e-4, the import writes stage checkpoints that declare themselves and a ddm.yaml whose experts
 alternate frameworks, and the whole pipeline turns prompts into RGB images."""
 
@@ -18,7 +18,8 @@ import yaml
 from ddm.checkpoints.format import CheckpointError
 from ddm.deploy.spec import load_manifest
 from ddm.models.flax_pixart import load_flax_expert
-from ddm.models.stages import load_stage, load_text_ddm
+from ddm.models.ddm import load_ddm
+from ddm.models.stages import load_stage
 from ddm.data.colored_mnist import EXAMPLE_PROMPT
 from ddm.models.text2img_import import import_text2img
 from ddm.models.trained_on import TrainedOn
@@ -163,8 +164,8 @@ def test_the_import_refuses_an_existing_target_and_names_a_missing_stage(
 
 def test_the_ddm_turns_prompts_into_rgb_images_with_experts_on_both_frameworks(
         imported: Path) -> None:
-    mixed = load_text_ddm(imported, backends=("torch", "jax"))
-    plain = load_text_ddm(imported)
+    mixed = load_ddm(imported, backends=("torch", "jax"))
+    plain = load_ddm(imported)
     assert mixed.expert_names == ("expert_0", "expert_1", "expert_2", "expert_3")
     assert mixed.latent_shape == (4, 8, 8) and mixed.router is not None
     prompts = ["a thick red seven", "the number 3 in blue", ""]
@@ -177,7 +178,7 @@ def test_the_ddm_turns_prompts_into_rgb_images_with_experts_on_both_frameworks(
 
 
 def test_the_monolith_loads_as_a_one_expert_ddm(imported: Path) -> None:
-    monolith = load_text_ddm(imported, experts=("monolith",))
+    monolith = load_ddm(imported, experts=("monolith",))
     assert monolith.expert_names == ("monolith",) and monolith.router is None
     images = generate_text(monolith, ["a 4"], steps=2, seed=0, strategy="top1").images
     assert images.shape == (1, 32, 32, 3)

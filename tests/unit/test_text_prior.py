@@ -12,7 +12,8 @@ import pytest
 
 from ddm.checkpoints.format import CheckpointError
 from ddm.conditioning import Conditioning
-from ddm.models.stages import load_stage, load_text_ddm
+from ddm.models.ddm import load_ddm
+from ddm.models.stages import load_stage
 from ddm.models.text_prior import TextPrior, pooled_text
 from ddm.training.text2img.prior import fit_text_prior
 from tests.support.text_stages import (LATENT_SHAPE, SMOKE, hand_prior, with_prior,
@@ -68,7 +69,7 @@ def test_the_pooled_vector_is_clips_end_of_text_state_and_an_empty_prompt_has_no
 
 
 def test_an_empty_prompt_routes_as_the_network_alone(root):
-    with_the_prior, alone = load_text_ddm(root), load_text_ddm(root, text_prior=False)
+    with_the_prior, alone = load_ddm(root), load_ddm(root, text_prior=False)
     empty = with_the_prior.encode(["", ""])
     np.testing.assert_array_equal(with_the_prior.router(X[:2], T[:2], empty),
                                   alone.router(X[:2], T[:2], empty))
@@ -78,7 +79,7 @@ def test_an_empty_prompt_routes_as_the_network_alone(root):
 
 
 def test_the_ddm_routes_its_prompts_through_the_prior(root):
-    ddm = load_text_ddm(root)
+    ddm = load_ddm(root)
     cond = ddm.encode(["a red car", "a photo", ""])
     router = load_stage(root / "router")
     np.testing.assert_array_equal(ddm.router(X, T, cond),
@@ -117,7 +118,7 @@ def test_a_prior_must_fit_the_network_and_the_text_encoder(tmp_path):
     root = with_prior(write_text_ddm(tmp_path / "wide"), wide)
     with pytest.raises(CheckpointError, match=f"takes text of width {WIDTH + 1}, the text "
                                               f"encoder makes {WIDTH}"):
-        load_text_ddm(root)
+        load_ddm(root)
 
 
 def test_only_a_router_declares_a_prior(tmp_path):

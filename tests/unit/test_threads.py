@@ -115,7 +115,7 @@ def _sample_both_ways(monkeypatch, generate):
 
 def test_experts_run_at_once_give_the_same_pixels(monkeypatch):
     from ddm.checkpoints.discovery import shipped_checkpoints
-    from ddm.models.loading import load_ddm
+    from ddm.models.ddm import load_ddm
     from ddm.sampling.pipeline import generate
 
     ddm = load_ddm(shipped_checkpoints("digits"))
@@ -127,10 +127,10 @@ def test_experts_run_at_once_give_the_same_pixels(monkeypatch):
 
 def test_text_experts_run_at_once_give_the_same_pixels(monkeypatch):
     from ddm.checkpoints.discovery import shipped_checkpoints
-    from ddm.models.stages import load_text_ddm
+    from ddm.models.ddm import load_ddm
     from ddm.sampling.pipeline import generate_text
 
-    ddm = load_text_ddm(shipped_checkpoints("text2img"), backends=("torch",))
+    ddm = load_ddm(shipped_checkpoints("text2img"), backends=("torch",))
     prompts = ["a thick red seven", "a thin blue three", "a green five", "an orange eight"]
     alone, together, before, after = _sample_both_ways(
         monkeypatch, lambda: generate_text(ddm, prompts, steps=4, seed=0,

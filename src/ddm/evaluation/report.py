@@ -28,7 +28,8 @@ from ddm.deploy.limits import DEFAULT_SOLVER
 from ddm.evaluation.scoring import METRICS, SEEDS, Judge, cluster_agreement, summarise
 from ddm.fileio import atomic_path, check_output
 from ddm.checkpoints.discovery import default_checkpoints, discover
-from ddm.models.loading import LoadedDDM, expert_velocity, load_ddm
+from ddm.models.ddm import DDM, load_ddm
+from ddm.models.loading import expert_velocity
 from ddm.progress import JobProgress
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import routes_by_label
@@ -57,7 +58,7 @@ class Row:
 
 
 def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
-                 solver: str, compare: Sequence[tuple[Path, LoadedDDM]],
+                 solver: str, compare: Sequence[tuple[Path, DDM]],
                  cache: RunCache) -> list[Row]:
     """Real-vs-real floor, the monoliths (most trained first), the DDM per strategy, then
     each DDM of ``compare`` at top-1 (e.g. the same partition with experts of other
@@ -91,10 +92,10 @@ def quality_rows(checkpoints: Path, judge: Judge, n_per_label: int, steps: int,
     return rows
 
 
-def strategies_for(ddm: LoadedDDM) -> tuple[str, ...]:
+def strategies_for(ddm: DDM) -> tuple[str, ...]:
     """:data:`STRATEGIES` less ``oracle`` where a label is not owned by exactly one expert
     (a k-means partition: every expert learns every digit, and only the image decides)."""
-    by_label = routes_by_label([e.classes for e in ddm.experts], ddm.num_classes)
+    by_label = routes_by_label(ddm.expert_classes, ddm.num_classes)
     return STRATEGIES if by_label else STRATEGIES[1:]
 
 
@@ -317,7 +318,7 @@ def _accuracy_summary(judge: Judge, labels: np.ndarray) -> dict[str, Any]:
     return {"mean": float(spread.mean()), "std": float(spread.std(ddof=1)), "values": values}
 
 
-def _sampled_row(ddm: LoadedDDM, model: str, strategy: str, judge: Judge, labels: np.ndarray,
+def _sampled_row(ddm: DDM, model: str, strategy: str, judge: Judge, labels: np.ndarray,
                  steps: int, solver: str, cache: RunCache,
                  partition: Partition | None = None) -> Row:
     """``partition`` (top-1 only): also measure the router's agreement with it."""
@@ -342,7 +343,7 @@ def _sampled_row(ddm: LoadedDDM, model: str, strategy: str, judge: Judge, labels
                scored["cpu_seconds"] / len(SEEDS), agreement=agreement)
 
 
-def _sample(ddm: LoadedDDM, labels: np.ndarray, steps: int, seed: int, routing: str,
+def _sample(ddm: DDM, labels: np.ndarray, steps: int, seed: int, routing: str,
             solver: str) -> SampledRun:
     started = time.process_time()
     out = generate(ddm, labels, steps, seed, routing, solver)

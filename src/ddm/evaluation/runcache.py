@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from ddm.fileio import atomic_path
-from ddm.models.loading import LoadedDDM, ddm_members
+from ddm.models.ddm import DDM
 from ddm.progress import JobProgress
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,9 @@ class SampledRun:
     cpu_seconds: float       # CPU time the sampling took when it ran
 
 
-def model_fingerprint(ddm: LoadedDDM) -> str:
+def model_fingerprint(ddm: DDM) -> str:
     """sha256 over the configs of the checkpoints ``ddm`` was assembled from."""
-    experts, router = ddm_members(ddm.source)
-    return configs_fingerprint([*experts, *([router] if router else [])])
+    return configs_fingerprint(list(ddm.paths))
 
 
 def configs_fingerprint(checkpoints: list[Path]) -> str:
@@ -70,7 +69,7 @@ class RunCache:
         if self._progress is not None:
             self._progress.plan(runs * samples)
 
-    def run(self, ddm: LoadedDDM, strategy: str, solver: str, steps: int, seed: int,
+    def run(self, ddm: DDM, strategy: str, solver: str, steps: int, seed: int,
             labels: np.ndarray, sample: Callable[[], SampledRun]) -> SampledRun:
         """The stored run for these settings, else ``sample()``, stored before returning."""
         what = f"{ddm.source.name} {strategy} seed {seed}"
@@ -91,7 +90,7 @@ class RunCache:
         return fresh
 
     @staticmethod
-    def _key(ddm: LoadedDDM, strategy: str, solver: str, steps: int, seed: int,
+    def _key(ddm: DDM, strategy: str, solver: str, steps: int, seed: int,
              labels: np.ndarray) -> str:
         settings = {"models": model_fingerprint(ddm), "strategy": strategy, "solver": solver,
                     "steps": steps, "seed": seed,

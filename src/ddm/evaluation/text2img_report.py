@@ -32,7 +32,8 @@ from ddm.evaluation.scoring import SEEDS, Judge, matched_subsets
 from ddm.evaluation.text2img_judges import ClipJudge, grey, ink_colours, ink_mass
 from ddm.fileio import atomic_path, check_output
 from ddm.models.paris_loading import read_component_config
-from ddm.models.stages import DDM_KEY, TextDDM, load_text_ddm
+from ddm.models.ddm import DDM, load_ddm
+from ddm.models.stages import DDM_KEY
 from ddm.models.text_prior import TEXT_PRIOR_KEY
 from ddm.models.text2img import DEFAULT_GUIDANCE, DEFAULT_STRATEGY
 from ddm.progress import JobProgress
@@ -138,7 +139,7 @@ class Config:
     """One sampled row: the DDM, its name, strategy and guidance; ``prior``: whether its router
     weighs in its text prior (the routing's name says so)."""
 
-    ddm: TextDDM
+    ddm: DDM
     model: str
     strategy: str
     guidance: float
@@ -283,19 +284,19 @@ def quality_rows(root: Path, judges: Judges, steps: int, backends: Sequence[str]
     guidance, with the router network alone and (where the router declares one) with its text
     prior; then the monolith (where ``root/monolith`` exists) at the default guidance."""
     prompts = Prompts.make()
-    alone = load_text_ddm(root, backends=backends, text_prior=False)
+    alone = load_ddm(root, backends=backends, text_prior=False)
     name = f"DDM ({len(alone.expert_names)} experts)"
     variants = [(alone, False)]
     if (root / "router").is_dir() and read_component_config(root / "router").get(
             DDM_KEY, {}).get(TEXT_PRIOR_KEY) is not None:
-        variants.append((load_text_ddm(root, backends=backends), True))
+        variants.append((load_ddm(root, backends=backends), True))
     configs = []
     for ddm, prior in variants:
         configs += [Config(ddm, name, DEFAULT_STRATEGY, g, prior) for g in SWEEP]
         configs += [Config(ddm, name, r, DEFAULT_GUIDANCE, prior) for r in ROUTINGS
                     if r != DEFAULT_STRATEGY and not (prior and r == "random")]
     if (root / "monolith").is_dir():
-        configs.append(Config(load_text_ddm(root, experts=("monolith",)),
+        configs.append(Config(load_ddm(root, experts=("monolith",)),
                               monolith_name(root / "monolith"), SINGLE_MODEL,
                               DEFAULT_GUIDANCE))
     return [real_row(judges, prompts), *sampled_rows(configs, judges, prompts, steps, store,

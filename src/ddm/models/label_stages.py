@@ -38,7 +38,8 @@ class LabelNetwork:
     """A loaded format-1 checkpoint, what :func:`ddm.models.stages.load_stage` makes a
     :class:`~ddm.models.stages.Stage` of: its role and family, the shape it makes or routes
     (C, H, W), its partition index (``cluster``), labels and label space, the dtype its
-    weights run in, its NumPy callable, and a router's number of experts (``clusters``)."""
+    weights run in, its NumPy callable, its name, and a router's number of experts
+    (``clusters``)."""
 
     role: str
     family: str
@@ -48,10 +49,11 @@ class LabelNetwork:
     num_classes: int
     dtype: str
     forward: Callable[..., np.ndarray]
+    name: str
     clusters: int | None = None
 
 
-def load_label_network(path: Path, dtype: str | None = None, device: str = "cpu",
+def load_label_network(path: Path, dtype: str | None = None, device: str | None = "cpu",
                        backend: str | None = None) -> LabelNetwork:
     """The format-1 checkpoint at ``path``: an expert's ``forward(x, t, cond) -> v`` reads
     ``cond.labels`` (B,) int64; a router's ``forward(x, t, labels) -> probabilities (B, K)``.
@@ -79,7 +81,8 @@ def load_label_network(path: Path, dtype: str | None = None, device: str = "cpu"
         return LabelNetwork(ROUTER, ROUTER_FAMILY,
                             (config.in_channels, config.image_size, config.image_size), None,
                             meta.classes, num_classes_of(meta), stored,
-                            router_probabilities(ckpt, device), clusters=config.num_experts)
+                            router_probabilities(ckpt, device), meta.name,
+                            clusters=config.num_experts)
     velocity = expert_velocity(ckpt, backend, device)
 
     def forward(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
@@ -90,7 +93,7 @@ def load_label_network(path: Path, dtype: str | None = None, device: str = "cpu"
     index = (meta.partition or {}).get("index")
     return LabelNetwork(EXPERT, EXPERT_FAMILIES[meta.model.kind], expert_image_shape(meta),
                         index if isinstance(index, int) else None, meta.classes,
-                        num_classes_of(meta), stored, forward)
+                        num_classes_of(meta), stored, forward, meta.name)
 
 
 def _stored_precision(path: Path) -> str:

@@ -1,4 +1,4 @@
-"""A Paris release directory -> a :class:`~ddm.models.stages.TextDDM`, in this process.
+"""A Paris release directory -> a :class:`~ddm.models.ddm.DDM`, in this process.
 
 A release's components declare nothing themselves (no ``_ddm`` block: ``ddm import`` writes
 one), so each is loaded as the release's layout says: ``expert_K/`` (K = 0..N-1, the router
@@ -17,9 +17,9 @@ from pathlib import Path
 
 from ddm.checkpoints.declared import DECODER, EXPERT, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import CheckpointError
-from ddm.models.stages import (ClipTextEncoder, Stage, StageDeclaration, TextDDM,
-                               assemble_text_ddm, check_library_depth, expert_directories,
-                               load_declared, precision_name)
+from ddm.models.ddm import DDM, assemble_ddm
+from ddm.models.stages import (ClipTextEncoder, Stage, StageDeclaration, check_library_depth,
+                               expert_directories, load_declared, precision_name)
 
 #: Paris's networks' convention (diffusers' ``FlowMatchEulerDiscreteScheduler(1000)``), as a
 #: stage checkpoint's ``_ddm.convention`` names it.
@@ -30,12 +30,12 @@ PARIS_CONVENTION = "flow-match-1000"
 RELEASE_COMPONENTS = ("router", "vae", "text_encoder", "tokenizer")
 
 
-def load_paris_ddm(release: str | Path, device: str = "cpu") -> TextDDM:
+def load_paris_ddm(release: str | Path, device: str = "cpu") -> DDM:
     """Load every stage of the Paris release at ``release`` on ``device``; weights keep
     their dtype. Raises a ``CheckpointError`` naming a missing component or a stage whose
     shapes disagree with the experts'."""
     root = Path(release)
-    return assemble_text_ddm(root, *load_release_stages(root, device))
+    return assemble_ddm(root, *load_release_stages(root, device))
 
 
 def load_release_stages(root: Path, device: str = "cpu"

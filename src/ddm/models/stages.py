@@ -2,8 +2,9 @@
 component directory (after diffusers' ``model_index.json``): the text encoder (transformers'
 tokenizer + CLIPTextModel), the experts and router network, the decoder (diffusers'
 AutoencoderKL). :func:`load_stage` loads one directory by the role and family its config.json
-declares under ``"_ddm"``; :func:`load_text_ddm` bundles a root of them as a :class:`TextDDM`
-for the in-process driver (:mod:`ddm.sampling.pipeline`). Each stage is a NumPy callable in our
+declares under ``"_ddm"`` (a format-1 label checkpoint by its own fields:
+:mod:`ddm.models.label_stages`); :func:`ddm.models.ddm.load_ddm` bundles a root of them as one
+DDM for the in-process driver (:mod:`ddm.sampling.pipeline`). Each stage is a NumPy callable in our
 convention (conversions at its edge), so it can move to a server.
 
 Weights keep the dtype they were saved in unless a precision is asked for; every stage answers
@@ -31,17 +32,16 @@ from safetensors import safe_open
 from ddm.checkpoints.declared import DDM_KEY, DECODER, EXPERT, ROLES, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.index import read_index
 from ddm.checkpoints.format import FORMAT_KEY, CheckpointError, check_sha256, one_safetensors
-from ddm.conditioning import Conditioning
+from ddm.conditioning import LABELS, TEXT, Conditioning
 from ddm.deploy import limits
 from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR, expert_dir
 from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
-from ddm.convention import (FlowMatchNetwork, NetworkConvention, ScaledTimeNetwork, TimeGrid,
-                            network_convention)
+from ddm.convention import NetworkConvention, ScaledTimeNetwork, network_convention
 from ddm.models.label_stages import LabelNetwork, load_label_network
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
                                       read_component_config, weight_file)
 from ddm.models.trained_on import TRAINED_ON_KEY, TrainedOn
-from ddm.models.text_prior import TEXT_PRIOR_KEY, TextPrior, pooled_text
+from ddm.models.text_prior import TEXT_PRIOR_KEY, TextPrior
 from ddm.models.torch_io import model_input
 
 #: ``forward(x (B, C, H, W) f32, t (B,) f32 ours, cond) -> v (B, C, H, W) f32``: an expert's
@@ -177,27 +177,6 @@ class VaeDecoder:
 
 
 @dataclass(frozen=True)
-class TextDDM:
-    """A text-conditioned latent DDM's stages: experts (unguided velocities, the router
-    network's output order), the router network (None: one expert), text encoder (None:
-    embeddings come precomputed), decoder (None: latents out), the null conditioning the
-    unguided half of classifier-free guidance uses (one row, made once at load), the state's
-    ``latent_shape`` (C, S, S), the time grid and the release's defaults."""
-
-    expert_names: tuple[str, ...]
-    experts: tuple[ConditionedVelocity, ...]
-    router: ConditionedRouter | None
-    encode: Callable[[Sequence[str]], Conditioning] | None
-    decode: Callable[[np.ndarray], np.ndarray] | None
-    null: Conditioning
-    latent_shape: tuple[int, int, int]
-    grid: TimeGrid
-    guidance_scale: float
-    steps: int
-    strategy: str
-
-
-@dataclass(frozen=True)
 class StageDeclaration:
     """A component's ``_ddm`` block, checked; sizes the library config determines are filled
     in by :func:`load_stage` (``latent_shape`` (C, S, S), ``text_width`` D)."""
@@ -220,6 +199,13 @@ class StageDeclaration:
     #: label space (:mod:`ddm.models.label_stages`); ``()`` and None for text stages.
     classes: tuple[int, ...] = ()
     num_classes: int | None = None
+    #: A format-1 checkpoint's own name; None: its directory names the stage.
+    name: str | None = None
+
+    @property
+    def conditioning(self) -> str:
+        """What the stage is conditioned on: labels (a label family's) or text."""
+        return TEXT if self.num_classes is None else LABELS
 
     @classmethod
     def from_config(cls, directory: Path, config: Mapping[str, Any]) -> StageDeclaration:
@@ -324,11 +310,12 @@ class Stage:
         return self.declaration.role
 
 
-def load_stage(directory: str | Path, dtype: str | None = None, device: str = "cpu",
+def load_stage(directory: str | Path, dtype: str | None = None, device: str | None = "cpu",
                backend: str | None = None) -> Stage:
     """Load the stage checkpoint at ``directory`` by its declared role and family, its weights
-    cast to ``dtype`` (a :data:`PRECISIONS` name; None: as stored), on ``device``, on
-    ``backend`` (None: the checkpoint's own framework). A format-1 label checkpoint declares
+    cast to ``dtype`` (a :data:`PRECISIONS` name; None: as stored), on ``device`` (None: the
+    best one here for our label networks, CUDA where present; the CPU for library families),
+    on ``backend`` (None: the checkpoint's own framework). A format-1 label checkpoint declares
     its role by its ``kind`` (:mod:`ddm.models.label_stages`). Raises a ``CheckpointError``
     naming what is missing, undeclared or inconsistent."""
     path = Path(directory)
@@ -337,7 +324,7 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str = "c
     config = read_component_config(path)
     if DDM_KEY not in config and FORMAT_KEY in config:  # a format-1 label checkpoint
         return _label_stage(load_label_network(path, dtype, device, backend))
-    backend = backend or "torch"
+    backend, device = backend or "torch", device or "cpu"
     declared = StageDeclaration.from_config(path, config)
     if dtype is not None and dtype not in PRECISIONS:
         raise CheckpointError(f"unknown precision {dtype!r}; expected one of "
@@ -358,7 +345,8 @@ def _label_stage(network: LabelNetwork) -> Stage:
     converts the objective)."""
     declared = StageDeclaration(role=network.role, family=network.family, convention="ours",
                                 latent_shape=network.latent_shape, cluster=network.cluster,
-                                classes=network.classes, num_classes=network.num_classes)
+                                classes=network.classes, num_classes=network.num_classes,
+                                name=network.name)
     return Stage(declared, network.dtype, network.forward, clusters=network.clusters)
 
 
@@ -398,30 +386,6 @@ _DEPTH_FIELDS = {"pixart": ("num_layers",), "latent-router": ("depth",),
                  "autoencoder-kl": ("layers_per_block", "block_out_channels")}
 
 
-def load_text_ddm(root: str | Path, dtype: str | None = None, device: str = "cpu",
-                  backends: Sequence[str] = ("torch",),
-                  experts: Sequence[str] | None = None, text_prior: bool = True) -> TextDDM:
-    """A directory of stage checkpoints -> a :class:`TextDDM` in this process: the subfolders
-    its root index names by role (:mod:`ddm.checkpoints.index`), else ``expert_0 ..
-    expert_N-1/``, ``router/`` unless one expert, ``text_encoder/``, ``decoder/`` or ``vae/``.
-    The state shape and text width are checked across stages; experts must declare one
-    convention, which picks the time grid (FlowMatchEulerDiscrete's sigmas for flow-match).
-    Expert ``k`` runs on ``backends[k % len(backends)]`` (``("torch", "jax")`` alternates);
-    ``experts`` names other subdirectories to load as the experts (``("monolith",)``);
-    ``text_prior=False`` routes with the router network alone, ``p(k | x_t, t)``, ignoring the
-    text prior it declares (the report's comparison)."""
-    path = Path(root)
-    names = expert_directories(path) if experts is None else list(experts)
-    router, encoder, decoder = (stage_directory(path, role)
-                                for role in (ROUTER, TEXT_ENCODER, DECODER))
-    if router is None and len(names) > 1:
-        raise CheckpointError(f"{path} names no {ROUTER} for its {len(names)} experts")
-    return load_text_stages(path, names, [path / name for name in names],
-                            router if len(names) > 1 else None,
-                            encoder or path / TEXT_ENCODER_DIR, decoder, dtype, device,
-                            backends, text_prior)
-
-
 #: Where each stage lies in a DDM directory without a root index (a decoder also in vae/).
 _STAGE_DIRS = {ROUTER: (ROUTER_DIR,), TEXT_ENCODER: (TEXT_ENCODER_DIR,),
                DECODER: (DECODER_DIR, "vae")}
@@ -435,49 +399,6 @@ def stage_directory(root: Path, role: str) -> Path | None:
     if index is not None:
         return index.stage_path(role)
     return next((root / name for name in _STAGE_DIRS[role] if (root / name).is_dir()), None)
-
-
-def load_text_stages(root: Path, names: Sequence[str], experts: Sequence[Path],
-                     router: Path | None, encoder: Path, decoder: Path | None,
-                     dtype: str | None = None, device: str = "cpu",
-                     backends: Sequence[str] = ("torch",), text_prior: bool = True) -> TextDDM:
-    """A :class:`TextDDM` of stage checkpoints wherever each lies (a DDMDeployment's):
-    ``experts`` (named ``names``, in the router network's output order), ``router`` (None:
-    one expert), ``encoder`` and ``decoder`` (None: latents out). Expert ``k`` runs on
-    ``backends[k % len(backends)]``; ``root`` is the DDM's directory, whose config.json may
-    hold a release's defaults (:func:`assemble_text_ddm`)."""
-    if not backends:
-        raise CheckpointError("backends must name at least one of " + ", ".join(limits.FRAMEWORKS))
-    stages = [load_stage(path, dtype, device, backends[k % len(backends)])
-              for k, path in enumerate(experts)]
-    return assemble_text_ddm(
-        root, names, stages, None if router is None else load_stage(router, dtype, device),
-        load_stage(encoder, dtype, device),
-        None if decoder is None else load_stage(decoder, dtype, device), text_prior)
-
-
-def assemble_text_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],
-                      router: Stage | None, encoder: Stage, decoder: Stage | None,
-                      text_prior: bool = True) -> TextDDM:
-    """Loaded stages -> a :class:`TextDDM`, their shapes checked; the defaults come from
-    ``root``'s config.json where it has Paris's keys."""
-    latent_shape = check_stage_shapes(root, experts, router, encoder, decoder)
-    conventions = {network_convention(e.declaration.convention or "") for e in experts}
-    if len(conventions) != 1:
-        raise CheckpointError(f"{root}: the experts declare different conventions")
-    settings = read_component_config(root)
-    return TextDDM(
-        expert_names=tuple(names), experts=tuple(e.forward for e in experts),
-        router=(None if router is None or len(experts) == 1 else
-                (lambda x, t, cond, network=router.forward: network(
-                    x, t, pooled_text(cond) if text_prior else None))),
-        encode=encoder.forward, decode=None if decoder is None else decoder.forward,
-        null=encoder.forward([""]), latent_shape=latent_shape,
-        grid=TimeGrid("flow-match" if isinstance(conventions.pop(), FlowMatchNetwork)
-                      else "uniform"),
-        guidance_scale=float(settings.get("cfg_scale", DEFAULT_GUIDANCE)),
-        steps=int(settings.get("num_inference_steps", DEFAULT_STEPS)),
-        strategy=str(settings.get("routing", DEFAULT_ROUTING)))
 
 
 #: A DDM's sampler settings where its root config.json says nothing (Paris's port's).
@@ -507,8 +428,8 @@ def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | Non
     if router is not None:
         shapes[ROUTER_DIR] = router.declaration.latent_shape
         if router.clusters != len(experts):
-            raise CheckpointError(f"{root}: the router network has {router.clusters} clusters "
-                                  f"for {len(experts)} experts")
+            raise CheckpointError(f"{root}: the router network was trained for "
+                                  f"{router.clusters} experts, the DDM has {len(experts)}")
         prior = router.declaration.text_prior
         if prior is not None and encoder is not None and (
                 prior.text_width != encoder.declaration.text_width):

@@ -1,6 +1,6 @@
 """``ddm import text2img SRC --out DST``: the text2img training's directory (docs/text2img.md)
 -> stage checkpoints (``DST/expert_K``, ``router``, ``text_encoder`` with its tokenizer files,
-``decoder``) and ``DST/ddm.yaml``, the layout :func:`ddm.models.stages.load_text_ddm`, ``ddm
+``decoder``) and ``DST/ddm.yaml``, the layout :func:`ddm.models.ddm.load_ddm`, ``ddm
 up`` and the operator read.
 
 Each component keeps its library's config.json and its one safetensors file byte for byte
@@ -28,7 +28,8 @@ from ddm.checkpoints.release import check_release
 from ddm.deploy.imported import (TEXT_ENCODER_DIR, ImportedDDM, imported_manifest,
                                  manifest_text)
 from ddm.deploy.limits import FRAMEWORKS
-from ddm.models.stages import DDM_KEY, expert_directories, load_text_ddm
+from ddm.models.ddm import load_ddm
+from ddm.models.stages import DDM_KEY, expert_directories
 from ddm.models.text_prior import TEXT_PRIOR_FILE, TEXT_PRIOR_KEY
 from ddm.models.trained_on import PARTITION_FILE, TRAINED_ON_KEY, TrainedOn
 from ddm.models.text2img import (DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_STRATEGY,
@@ -113,7 +114,7 @@ def import_text2img(src: str | Path, out: str | Path, *, name: str = "text2img",
     write_import(target, components, manifest_text(document, header),
                  expert_directories(source))
     try:
-        load_text_ddm(target, backends=FRAMEWORKS)  # every stage loads, shapes agree
+        load_ddm(target, backends=FRAMEWORKS)  # every stage loads, shapes agree
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise

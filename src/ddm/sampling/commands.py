@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -17,16 +17,13 @@ from ddm.conditioning import TEXT
 from ddm.deploy.imported import TEXT_ENCODER_DIR
 from ddm.deploy.spec import DDMManifest, load_manifest
 from ddm.fileio import atomic_path, check_output
-from ddm.models.loading import LoadedDDM, load_ddm, load_ddm_members
+from ddm.models.ddm import DDM, DDMLayout, load_ddm, load_ddm_stages
 from ddm.progress import progress_bar
 from ddm.sampling.loop import StepEvent, check_request
-from ddm.sampling.pipeline import (generate, mixture_of, sampling_request, text_generation,
+from ddm.sampling.pipeline import (generate, generation, mixture_of, sampling_request,
                                    text_request)
 from ddm.samples import save_samples_npz, save_text_samples_npz
 from ddm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from ddm.models.stages import TextDDM
 
 
 def sample_command(source: SampleSource, strategy: str, labels: Sequence[int],
@@ -48,7 +45,7 @@ def sample_command(source: SampleSource, strategy: str, labels: Sequence[int],
         check_output(png, ".png", "--png")
     all_labels = np.repeat(np.asarray(list(labels), dtype=np.int64), n_per_label)
     request = sampling_request(all_labels, steps, seed, strategy, solver)
-    ddm = load_label_ddm(source, backend, device)
+    ddm = load_source(source, backend, device)
     check_request(mixture_of(ddm), request)  # the whole request, before any chunk runs
     parsed = request.strategy
 
@@ -112,36 +109,23 @@ def sample_source(source: Path | None) -> SampleSource:
     return SampleSource(str(source), text, None if text else SamplingParams(), root=source)
 
 
-def load_label_ddm(source: SampleSource, backend: str, device: str | None) -> LoadedDDM:
-    """A label DDM in this process: a manifest's experts and router, or a directory's."""
+def load_source(source: SampleSource, backend: str, device: str | None) -> DDM:
+    """The DDM ``source`` names, in this process: a manifest's stages (``native``: each expert
+    on its ``framework``, as served), or a directory's (``native``: each checkpoint's own
+    framework)."""
     if source.manifest is None:
-        return load_ddm(source.root or default_checkpoints(), backend=backend, device=device)
-    spec = source.manifest.spec
-    router = spec.router.checkpoint
-    return load_ddm_members([resolve_checkpoint(e.checkpoint) for e in spec.experts],
-                            None if router is None else resolve_checkpoint(router),
-                            backend, device, source.name)
-
-
-def load_text_source(source: SampleSource, backend: str, device: str) -> TextDDM:
-    """A text DDM in this process: a manifest's stages (``native``: each expert on its
-    ``framework``, as served), or a directory's (``native``: PyTorch)."""
-    from ddm.models.stages import load_text_ddm, load_text_stages
-
-    if source.manifest is None:
-        assert source.root is not None  # a text DDM is found only in a directory
-        return load_text_ddm(source.root, device=device,
-                             backends=("torch",) if backend == "native" else (backend,))
+        return load_ddm(source.root or default_checkpoints(), device=device,
+                        backends=(None if backend == "native" else backend,))
     spec = source.manifest.spec
     experts = [resolve_checkpoint(e.checkpoint) for e in spec.experts]
     stages = {role: resolve_checkpoint(stage.checkpoint) for role, stage in spec.stages.items()}
-    if PLAN_NAMES[TEXT_ENCODER] not in stages:
+    if source.text and PLAN_NAMES[TEXT_ENCODER] not in stages:
         raise ValueError(f"{source.name}: a text DDM without a text encoder takes embeddings, "
                          "not prompts")
-    return load_text_stages(
-        experts[0].parent, [e.name for e in spec.experts], experts,
-        stages.get(PLAN_NAMES[ROUTER]) if len(experts) > 1 else None,
-        stages[PLAN_NAMES[TEXT_ENCODER]], stages.get(PLAN_NAMES[DECODER]), device=device,
+    layout = DDMLayout(tuple(experts), *(stages.get(PLAN_NAMES[role])
+                                         for role in (ROUTER, TEXT_ENCODER, DECODER)))
+    return load_ddm_stages(
+        experts[0].parent, layout, device=device,
         backends=([e.framework for e in spec.experts] if backend == "native" else [backend]))
 
 
@@ -162,7 +146,7 @@ def sample_text_command(source: SampleSource, prompts: Sequence[str], *, steps: 
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     check_text_outputs(out, png)
-    ddm = load_text_source(source, backend, device or "cpu")
+    ddm = load_source(source, backend, device)
     if ddm.decode is None:
         raise ValueError(f"{root} has no decoder (decoder/ or vae/): its latents are no "
                          "images to write")
@@ -178,7 +162,7 @@ def sample_text_command(source: SampleSource, prompts: Sequence[str], *, steps: 
             def advance(event: StepEvent, done: int = chunk_index * request.steps) -> None:
                 bar.update(done + event.step - bar.n)
 
-            chunk = text_generation(ddm, replace(request, first_index=start, prompts=tuple(
+            chunk = generation(ddm, replace(request, first_index=start, prompts=tuple(
                 prompts[start:start + batch_size])), advance)
             images.append(chunk.images)
             calls.append(chunk.expert_calls)

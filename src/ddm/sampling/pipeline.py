@@ -1,6 +1,7 @@
 """The in-process driver of the sampling loop (:mod:`ddm.sampling.loop`): ``ddm sample``,
-evaluation and benchmarks generate with it, from a label DDM loaded by
-:mod:`ddm.models.loading` or a text DDM's stages (:mod:`ddm.models.paris_ddm`).
+evaluation and benchmarks generate with it, from a DDM's stages loaded by
+:func:`ddm.models.ddm.load_ddm` (label or text alike) or a Paris release's
+(:mod:`ddm.models.paris_ddm`).
 
 It answers the loop's queries by calling the models in this process: the experts of one step
 one after the other, or ``DDM_EXPERT_WORKERS`` of them at once (:func:`ddm.threads.
@@ -17,11 +18,11 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
-from ddm.conditioning import TEXT, Conditioning
+from ddm.conditioning import Conditioning
 from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STRATEGY
 from ddm.sampling_params import GUIDANCE_CUTOFF, SOLVER
-from ddm.models.loading import LoadedDDM
-from ddm.models.stages import ConditionedVelocity, TextDDM
+from ddm.models.ddm import DDM
+from ddm.models.stages import ConditionedVelocity
 from ddm.sampling.guidance import guided
 from ddm.sampling.loop import (Calls, Concurrently, Decode, Decoded, Encode, Generation,
                                Integrate, Loop, Mixture, Query, Route, SamplingRequest,
@@ -30,22 +31,14 @@ from ddm.sampling.routing import Strategy, parse_strategy
 from ddm.sampling.solvers import iterate
 from ddm.threads import expert_parallelism, set_torch_threads_here
 
-DDM = LoadedDDM | TextDDM
-
 
 def mixture_of(ddm: DDM) -> Mixture:
     """What the loop knows of ``ddm``."""
-    if isinstance(ddm, TextDDM):
-        return Mixture(expert_names=ddm.expert_names,
-                       expert_classes=((),) * len(ddm.expert_names),
-                       image_shape=ddm.latent_shape, num_classes=0,
-                       routed=ddm.router is not None, conditioning=TEXT,
-                       encoder=ddm.encode is not None, decoder=ddm.decode is not None,
-                       grid=ddm.grid)
-    return Mixture(expert_names=tuple(e.name for e in ddm.experts),
-                   expert_classes=tuple(tuple(e.classes) for e in ddm.experts),
-                   image_shape=ddm.image_shape, num_classes=ddm.num_classes,
-                   routed=ddm.router is not None)
+    return Mixture(expert_names=ddm.expert_names, expert_classes=ddm.expert_classes,
+                   image_shape=ddm.latent_shape, num_classes=ddm.num_classes,
+                   routed=ddm.router is not None, conditioning=ddm.conditioning,
+                   encoder=ddm.encode is not None, decoder=ddm.decode is not None,
+                   grid=ddm.grid)
 
 
 def sampling_request(labels: Sequence[int], steps: int, seed: int,
@@ -60,7 +53,7 @@ def sampling_request(labels: Sequence[int], steps: int, seed: int,
                            first_index=first_index)
 
 
-def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
+def generate(ddm: DDM, labels: Sequence[int], steps: int, seed: int,
              strategy: Strategy | str = DEFAULT_STRATEGY, solver: str = DEFAULT_SOLVER,
              first_index: int = 0, delegate_steps: int = 0,
              on_step: Callable[[StepEvent], None] | None = None) -> Generation:
@@ -69,26 +62,20 @@ def generate(ddm: LoadedDDM, labels: Sequence[int], steps: int, seed: int,
 
     Everything is validated before any model runs (:func:`ddm.sampling.loop.check_request`).
     """
-    request = sampling_request(labels, steps, seed, strategy, solver, first_index,
-                               delegate_steps)
-    tally = Tally(tuple(e.name for e in ddm.experts), request.labels)
-    for event in steps_of(ddm, request):
-        tally.add(event)
-        if on_step is not None:
-            on_step(event)
-    return tally.result()
+    return generation(ddm, sampling_request(labels, steps, seed, strategy, solver, first_index,
+                                            delegate_steps), on_step)
 
 
-def generate_text(ddm: TextDDM, prompts: Sequence[str] = (), *,
+def generate_text(ddm: DDM, prompts: Sequence[str] = (), *,
                   on_step: Callable[[StepEvent], None] | None = None,
                   **settings: Any) -> Generation:
     """One image per prompt (or per row of precomputed ``conditioning``) from a text DDM, the
     request's ``settings`` as :func:`text_request` takes them. ``on_step`` sees each
     :class:`StepEvent` as it comes (a progress bar)."""
-    return text_generation(ddm, text_request(ddm, prompts, **settings), on_step)
+    return generation(ddm, text_request(ddm, prompts, **settings), on_step)
 
 
-def text_request(ddm: TextDDM, prompts: Sequence[str] = (), *, steps: int | None = None,
+def text_request(ddm: DDM, prompts: Sequence[str] = (), *, steps: int | None = None,
                  seed: int = 0, strategy: Strategy | str | None = None,
                  guidance_scale: float | None = None, negative_prompt: str | None = None,
                  guidance_cutoff: float | None = None, latents: np.ndarray | None = None,
@@ -111,10 +98,10 @@ def text_request(ddm: TextDDM, prompts: Sequence[str] = (), *, steps: int | None
         output=output, first_index=first_index)
 
 
-def text_generation(ddm: TextDDM, request: SamplingRequest,
-                    on_step: Callable[[StepEvent], None] | None = None) -> Generation:
-    """Run ``request`` on the text DDM in this process (validated first)."""
-    tally = Tally(ddm.expert_names, (), state_is_image=False)
+def generation(ddm: DDM, request: SamplingRequest,
+               on_step: Callable[[StepEvent], None] | None = None) -> Generation:
+    """Run ``request`` on ``ddm`` in this process (validated first)."""
+    tally = Tally(ddm.expert_names, request.labels, state_is_image=ddm.state_is_image)
     for event in steps_of(ddm, request):
         tally.add(event)
         if on_step is not None and isinstance(event, StepEvent):
@@ -147,30 +134,27 @@ def steps_of(ddm: DDM, request: SamplingRequest) -> Iterator[StepEvent | Decoded
 
 
 class _Stages:
-    """Answers the loop's queries with ``ddm``'s models, in this process: label experts
-    take the labels, a text DDM's experts are guided against its null conditioning. ``pool``:
-    where a step's expert calls run at once (None: one after the other)."""
+    """Answers the loop's queries with ``ddm``'s models, in this process: each expert reads
+    its kind of conditioning from the rows', guided rows against the null conditioning.
+    ``pool``: where a step's expert calls run at once (None: one after the other)."""
 
     def __init__(self, ddm: DDM, pool: ThreadPoolExecutor | None = None) -> None:
         self.ddm = ddm
         self.pool = pool
-        self.velocities: tuple[ConditionedVelocity, ...] = (
-            tuple(guided(e, ddm.null) for e in ddm.experts) if isinstance(ddm, TextDDM)
-            else tuple(_labelled(e.velocity) for e in ddm.experts))
+        self.velocities: tuple[ConditionedVelocity, ...] = tuple(
+            guided(e, ddm.null) for e in ddm.experts)
 
     def answer(self, query: Query) -> Any:
         ddm = self.ddm
         if isinstance(query, Encode):
-            assert isinstance(ddm, TextDDM) and ddm.encode is not None, "checked by the loop"
+            assert ddm.encode is not None, "checked by the loop"
             return ddm.encode(query.prompts)
         if isinstance(query, Decode):
-            assert isinstance(ddm, TextDDM) and ddm.decode is not None, "checked by the loop"
+            assert ddm.decode is not None, "checked by the loop"
             return ddm.decode(query.latents)
         if isinstance(query, Route):
             assert ddm.router is not None, "check_request refuses learned strategies without one"
-            if isinstance(ddm, TextDDM):
-                return ddm.router(query.x, query.t, query.cond)
-            return ddm.router(query.x, query.t, _labels(query.cond))
+            return ddm.router(query.x, query.t, query.cond)
         if isinstance(query, Calls):
             if self.pool is not None and len(query.calls) > 1:
                 return list(self.pool.map(self._call, query.calls))
@@ -200,13 +184,3 @@ class _Stages:
             pass
         return x
 
-
-def _labelled(velocity: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
-              ) -> ConditionedVelocity:
-    """A label expert's ``v(x, t, y)`` taking the rows' :class:`Conditioning`."""
-    return lambda x, t, cond: velocity(x, t, _labels(cond))
-
-
-def _labels(cond: Conditioning) -> np.ndarray:
-    assert cond.labels is not None, "a label DDM's loop carries labels"
-    return cond.labels

@@ -121,7 +121,7 @@ class NullConditioning:
     """The empty prompt's conditioning, encoded once on first use: the unconditional half of
     the guided rows that name no negative prompt (an expert server takes guided rows with
     their unconditional embeddings, ``docs/protocol.md``), as the in-process driver's
-    ``TextDDM.null``."""
+    ``DDM.null`` (:class:`ddm.models.ddm.DDM`)."""
 
     def __init__(self, encoder: StageCaller) -> None:
         self._encoder = encoder
