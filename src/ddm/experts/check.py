@@ -4,10 +4,18 @@ An expert trained elsewhere arrives with a declaration (objective, architecture,
 nothing else verifies: a wrong one serves garbage at full speed. The checks themselves are
 in :mod:`ddm.experts.network_checks`; the expert server runs :func:`check_network` on the
 backend it is about to serve and refuses to become ready on a failure, and the command adds
-the declaration itself and torch/JAX parity (:func:`check_checkpoint`). Both load the network
-through the one function the server uses (``ddm.models.loading.expert_network``), so an
-exported program the server's strict readers refuse fails the ``load`` check with the same
-reason. A label expert's behaviour check noises held-out images of its own classes.
+the declaration itself and torch/JAX parity (:func:`check_checkpoint`). The command loads
+every expert through the one loader (:func:`ddm.models.stages.load_stage`), whose label
+families build the network with the function the label server uses
+(``ddm.models.loading.expert_network``), so an exported program the server's strict readers
+refuse fails the ``load`` check with the same reason. A label expert's behaviour check noises
+held-out images of its own classes.
+
+The objective check tests the stage's :attr:`~ddm.models.stages.Stage.prediction`, the
+network's own output, against the objective its checkpoint declares, not the velocity ``forward``
+converts it to: a wrong declaration makes the converted velocity wrong too, but only the raw
+output says which prediction the network really makes ("epsilon explains them"), and the
+conversion's schedule factors would stretch the error bounds the check is calibrated with.
 
 A text expert (a stage checkpoint: ``_ddm`` in its config.json) is checked the same way by
 :mod:`ddm.experts.text_check`, on conditioning of its own kind; :func:`check_checkpoint`
@@ -22,12 +30,14 @@ from typing import Callable
 import numpy as np
 
 from ddm.checkpoints.declared import read_declaration
-from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, read_meta
+from ddm.checkpoints.format import CheckpointError, CheckpointMeta, read_meta
+from ddm.conditioning import Conditioning
 from ddm.convention import to_model_space
 from ddm.data import Dataset, load_dataset, subset_by_classes
 from ddm.experts.network_checks import (BEHAVIOUR_IMAGES, Claim, Examples, Verdict, agreement,
                                         check_outputs, missing_frameworks, run_check)
-from ddm.models.loading import ModelFn, expert_image_shape, expert_network
+from ddm.models.loading import ModelFn, expert_image_shape
+from ddm.models.stages import Stage, load_stage
 from ddm.objectives import ObjectiveError
 
 
@@ -64,17 +74,23 @@ def check_checkpoint(directory: str | Path, backend: str = "native", device: str
     verdicts = [Verdict("objective", "PASS", f"declares {meta.objective.describe()}, which "
                                              "we convert to our velocity")]
     try:
-        ckpt = load_checkpoint(directory)
         image_shape = expert_image_shape(meta)
-        network = expert_network(ckpt, backend, device)
+        network = _network(load_stage(directory, device=device, backend=backend))
     except (CheckpointError, ObjectiveError, ValueError, ImportError, RuntimeError) as error:
         return verdicts + [Verdict("load", "FAIL", f"{type(error).__name__}: {error}")]
     verdicts.append(Verdict("load", "PASS", f"{meta.kind} {meta.name} on {backend}, images "
                                             f"{'x'.join(map(str, image_shape))}"))
     verdicts += check_network(meta, network, image_shape, behaviour_data(meta, data_source))
-    verdicts.append(run_check("parity", lambda: _parity(ckpt.meta, lambda b: expert_network(
-        ckpt, b, device), image_shape)))
+    verdicts.append(run_check("parity", lambda: _parity(meta, lambda b: _network(load_stage(
+        directory, device=device, backend=b)), image_shape)))
     return verdicts
+
+
+def _network(stage: Stage) -> ModelFn:
+    """A label expert stage's network as trained, as the checks call it: ``(x, t, y)``."""
+    raw = stage.prediction
+    assert raw is not None, "a label expert's stage has its network (expert_image_shape)"
+    return lambda x, t, y: raw(x, t, Conditioning.from_labels(y))
 
 
 def behaviour_data(meta: CheckpointMeta, source: str | None = None) -> Dataset | str:

@@ -22,8 +22,9 @@ from ddm.checkpoints.declared import EXPERT, ROUTER
 from ddm.checkpoints.format import (WEIGHTS_FILE, CheckpointError, load_checkpoint,
                                     safetensors_header)
 from ddm.conditioning import Conditioning
-from ddm.models.loading import (LOAD_BACKENDS, expert_image_shape, expert_velocity,
+from ddm.models.loading import (LOAD_BACKENDS, ModelFn, expert_image_shape, expert_network,
                                 num_classes_of, router_network_config, router_probabilities)
+from ddm.objectives import as_velocity
 
 #: Format 1's ``model.kind`` -> the family of its experts; a router checkpoint is one family.
 EXPERT_FAMILIES = {"unet": "unet", "import": "label-import", "exported": "label-program"}
@@ -38,8 +39,9 @@ class LabelNetwork:
     """A loaded format-1 checkpoint, what :func:`ddm.models.stages.load_stage` makes a
     :class:`~ddm.models.stages.Stage` of: its role and family, the shape it makes or routes
     (C, H, W), its partition index (``cluster``), labels and label space, the dtype its
-    weights run in, its NumPy callable, its name, and a router's number of experts
-    (``clusters``)."""
+    weights run in, its NumPy callable, its name, a router's number of experts
+    (``clusters``), and an expert's network as trained (:attr:`ddm.models.stages.Stage.
+    prediction`)."""
 
     role: str
     family: str
@@ -51,6 +53,7 @@ class LabelNetwork:
     forward: Callable[..., np.ndarray]
     name: str
     clusters: int | None = None
+    prediction: Callable[..., np.ndarray] | None = None
 
 
 def load_label_network(path: Path, dtype: str | None = None, device: str | None = "cpu",
@@ -83,17 +86,24 @@ def load_label_network(path: Path, dtype: str | None = None, device: str | None 
                             meta.classes, num_classes_of(meta), stored,
                             router_probabilities(ckpt, device), meta.name,
                             clusters=config.num_experts)
-    velocity = expert_velocity(ckpt, backend, device)
-
-    def forward(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
-        if cond.labels is None:
-            raise ValueError(f"{meta.name} is conditioned on labels, not text embeddings")
-        return velocity(x, t, cond.labels)
-
+    network = expert_network(ckpt, backend, device)
     index = (meta.partition or {}).get("index")
     return LabelNetwork(EXPERT, EXPERT_FAMILIES[meta.model.kind], expert_image_shape(meta),
                         index if isinstance(index, int) else None, meta.classes,
-                        num_classes_of(meta), stored, forward, meta.name)
+                        num_classes_of(meta), stored,
+                        _labelled(meta.name, as_velocity(meta.objective, network)), meta.name,
+                        prediction=_labelled(meta.name, network))
+
+
+def _labelled(name: str, run: ModelFn) -> Callable[[np.ndarray, np.ndarray, Conditioning],
+                                                   np.ndarray]:
+    """``run(x, t, y)`` reading the rows' labels from their :class:`Conditioning`."""
+    def on_labels(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
+        if cond.labels is None:
+            raise ValueError(f"{name} is conditioned on labels, not text embeddings")
+        return run(x, t, cond.labels)
+
+    return on_labels
 
 
 def _stored_precision(path: Path) -> str:

@@ -304,6 +304,11 @@ class Stage:
     #: may compile in place (``--compile``); None where there is none to compile (JAX) or
     #: the stage is not compiled (text encoder, decoder: run once per generation).
     network: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+    #: A label expert's network as trained, ``(x, t, cond) -> its own prediction`` (the
+    #: objective its checkpoint declares: epsilon, x0, ..., before ``forward`` converts it to
+    #: our velocity): what ``ddm expert check`` tests that declaration against. None for the
+    #: library families, whose declared convention ``forward`` converts exactly.
+    prediction: Callable[..., Any] | None = field(default=None, repr=False)
 
     @property
     def role(self) -> str:
@@ -347,7 +352,8 @@ def _label_stage(network: LabelNetwork) -> Stage:
                                 latent_shape=network.latent_shape, cluster=network.cluster,
                                 classes=network.classes, num_classes=network.num_classes,
                                 name=network.name)
-    return Stage(declared, network.dtype, network.forward, clusters=network.clusters)
+    return Stage(declared, network.dtype, network.forward, clusters=network.clusters,
+                 prediction=network.prediction)
 
 
 def stage_weights(path: Path, declared: StageDeclaration) -> Path:
