@@ -18,7 +18,7 @@ from ddm.checkpoints.index import INDEX_FILE, index_document, read_index, write_
 from ddm.deploy.training_plan import plan_training
 from ddm.deploy.training_spec import load_training_manifest
 from ddm.conditioning import Conditioning
-from ddm.models.ddm import ddm_layout, load_ddm
+from ddm.models.ddm import DDM, ddm_layout, load_ddm
 from ddm.models.stages import expert_directories, stage_directory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +54,23 @@ def test_a_label_ddm_loads_the_members_its_index_names(tmp_path):
     np.testing.assert_array_equal(
         loaded.experts[1](x, np.full(1, .5, np.float32), cond),
         load_ddm(DIGITS).experts[1](x, np.full(1, .5, np.float32), cond))
+
+
+def test_a_label_ddm_and_a_text_ddm_are_one_type_loaded_by_role():
+    """The experts' declarations give the conditioning kind; each stage reads its own."""
+    label, text = load_ddm(DIGITS), load_ddm(ROOT / "checkpoints" / "text2img")
+    assert type(label) is type(text) is DDM
+    assert (label.conditioning, label.num_classes, label.latent_shape) == ("labels", 10,
+                                                                          (1, 16, 16))
+    assert (label.encode, label.decode, label.null) == (None, None, None)
+    assert label.expert_names == ("expert-0-4", "expert-5-9") and label.is_mixture
+    assert label.paths == (DIGITS / "expert-0-4", DIGITS / "expert-5-9", DIGITS / "router")
+    assert (text.conditioning, text.num_classes, len(text.null)) == ("text", 0, 1)
+    assert text.encode is not None and text.decode is not None and text.router is not None
+    alone = load_ddm(DIGITS / "monolith")
+    assert (alone.expert_names, alone.router, alone.is_mixture) == (("monolith",), None, False)
+    with pytest.raises(CheckpointError, match="is a router checkpoint, not an expert"):
+        load_ddm(DIGITS / "router")
 
 
 def test_text_experts_are_read_from_the_index_else_by_todays_names(tmp_path):

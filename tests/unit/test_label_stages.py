@@ -18,6 +18,7 @@ from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, ModelSpec, 
                                     save_checkpoint)
 from ddm.conditioning import Conditioning
 from ddm.models.jax_export import export_program
+from ddm.models.loading import expert_network, expert_velocity
 from ddm.models.ddm import load_ddm
 from ddm.models.stages import load_stage
 from tests.support.tiny_flax import build as build_mlp
@@ -43,6 +44,21 @@ def test_a_label_expert_is_a_stage_whose_velocity_takes_labels():
     np.testing.assert_array_equal(stage.forward(x, t, Conditioning.from_labels(y)), reference)
     with pytest.raises(ValueError, match="conditioned on labels, not text embeddings"):
         stage.forward(x, t, Conditioning(embeddings=np.zeros((3, 4, 8), np.float32)))
+
+
+def test_a_label_expert_stage_exposes_its_own_prediction_beside_our_velocity():
+    """What ``ddm expert check`` tests the declared objective against: the epsilon expert's
+    raw output, which ``forward`` converts to our velocity."""
+    path = DIGITS.parent / "digits-heterogeneous" / "expert-0-4-epsilon"
+    stage = load_stage(path)
+    x, t, y = inputs()
+    cond = Conditioning.from_labels(y)
+    raw = stage.prediction(x, t, cond)
+    ckpt = load_checkpoint(path)
+    np.testing.assert_array_equal(raw, expert_network(ckpt)(x, t, y))
+    np.testing.assert_array_equal(stage.forward(x, t, cond), expert_velocity(ckpt)(x, t, y))
+    assert not np.allclose(stage.forward(x, t, cond), raw, atol=1e-2)
+    assert load_stage(DIGITS / "router").prediction is None
 
 
 def test_our_unet_runs_on_either_framework_behind_the_same_interface():
