@@ -162,7 +162,7 @@ def test_train_all_trains_the_text2img_ddm_from_coloured_mnist(tmp_path, capsys)
     """examples/training-text2img.yaml at the smoke size, two steps per trained stage and two
     clusters, on the real MNIST files: every stage runs as its job, the experts, the router
     network and its text prior side by side; the imported DDM loads and draws an image."""
-    from ddm.models.stages import load_text_ddm
+    from ddm.models.ddm import load_ddm
     from ddm.sampling.pipeline import generate_text
     from tests.mnist_data import mnist_dir
 
@@ -189,6 +189,6 @@ def test_train_all_trains_the_text2img_ddm_from_coloured_mnist(tmp_path, capsys)
         for k, framework in enumerate(("torch", "jax"))]
     assert deployment.spec.router.checkpoint.uri == f"file://{tmp_path}/out/ddm/router"
 
-    ddm = load_text_ddm(tmp_path / "out" / "ddm")
+    ddm = load_ddm(tmp_path / "out" / "ddm")
     images = generate_text(ddm, ["a red 3"], steps=2, seed=0, strategy="top1").images
     assert images.shape == (1, 32, 32, 3)
