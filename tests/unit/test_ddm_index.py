@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from ddm.deploy.training_spec import load_training_manifest
 from ddm.conditioning import Conditioning
 from ddm.models.ddm import DDM, ddm_layout, load_ddm
 from ddm.models.stages import expert_directories, stage_directory
+from ddm.training.text2img import layout
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "checkpoints" / "digits"
@@ -137,3 +139,75 @@ def test_train_all_plans_the_index_of_its_outputs():
     plan = plan_training(load_training_manifest(ROOT / "examples" / "training.yaml").spec)
     assert plan.members() == (["experts/digits-0-4", "experts/digits-5-9"],
                               {"router": "router"})
+
+
+def _finish(root: Path, component: str) -> None:
+    """Save ``component`` as its text2img stage does: its folder appears whole, config last."""
+    staging = root / f".{component}.partial"
+    staging.mkdir()
+    (staging / ("tokenizer.json" if component == "tokenizer" else "config.json")).write_text("{}")
+    staging.rename(root / component)
+
+
+T2I_EXPERTS = [f"expert_{k}" for k in range(4)]
+T2I_INDEX = {"ddm_index": 1, "expert": T2I_EXPERTS, "router": "router",
+             "text_encoder": "text_encoder", "decoder": "vae"}
+
+
+def test_concurrent_stages_refreshing_the_index_never_fail_and_drop_no_stage(tmp_path):
+    # The plan runs the experts, the router and the text prior at once, each refreshing the
+    # indexes when it ends: no writer fails, none deletes another's file, and the last index
+    # names every finished stage.
+    components = ["tokenizer", "vae", "text_encoder", "router", *T2I_EXPERTS]
+    start, failures = threading.Barrier(len(components)), []
+
+    def stage(component: str) -> None:
+        start.wait()
+        try:
+            _finish(tmp_path, component)
+            for _ in range(30):
+                layout.write_model_index(tmp_path)
+        except Exception as exc:  # noqa: BLE001 - every failure is the finding
+            failures.append(f"{component}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=stage, args=(c,)) for c in components]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert json.loads((tmp_path / INDEX_FILE).read_text()) == T2I_INDEX
+    assert sorted(json.loads((tmp_path / "model_index.json").read_text())) == sorted(
+        ["_class_name", "_ddm_format", *components])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_stage_finishing_while_another_writes_the_index_is_not_dropped(tmp_path, monkeypatch):
+    # Writer A scans (expert_0 alone), then expert_1 is saved and its writer refreshes the
+    # index before A writes what it scanned: A's stale write must not be the last word.
+    for component in ("tokenizer", "vae", "text_encoder", "router", "expert_0"):
+        _finish(tmp_path, component)
+    write = layout.write_index
+    calls = []
+
+    def interleaved(root, experts, stages):
+        calls.append(list(experts))
+        if len(calls) == 1:  # A has scanned; B finishes and writes before A does
+            _finish(tmp_path, "expert_1")
+            layout.write_model_index(tmp_path)
+        return write(root, experts, stages)
+
+    monkeypatch.setattr(layout, "write_index", interleaved)
+    layout.write_model_index(tmp_path)
+    assert calls[0] == ["expert_0"]
+    assert json.loads((tmp_path / INDEX_FILE).read_text())["expert"] == ["expert_0", "expert_1"]
+    assert "expert_1" in json.loads((tmp_path / "model_index.json").read_text())
+
+
+def test_an_index_failing_its_check_leaves_the_one_written_before(tmp_path):
+    (tmp_path / "a").mkdir()
+    write_index(tmp_path, ["a"], {})
+    with pytest.raises(CheckpointError, match="'missing', which is not a subfolder"):
+        write_index(tmp_path, ["a", "missing"], {})
+    assert json.loads((tmp_path / INDEX_FILE).read_text()) == {"ddm_index": 1, "expert": ["a"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", INDEX_FILE]

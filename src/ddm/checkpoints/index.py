@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 from ddm.checkpoints.declared import load_config_json
 from ddm.checkpoints.format import CheckpointError
 from ddm.checkpoints.roles import EXPERT, ROLE_REGISTRY
+from ddm.fileio import atomic_path
 
 INDEX_FILE = "ddm_index.json"
 #: The key that marks (and versions) the index.
@@ -62,6 +63,12 @@ def read_index(root: str | os.PathLike) -> DDMIndex | None:
         document = load_config_json(path)
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
+    return _checked(directory, path, document)
+
+
+def _checked(directory: Path, path: Path, document: Any) -> DDMIndex:
+    """``document`` as the index ``path`` of ``directory``, every entry checked; refused
+    naming ``path`` and the entry (read back, or before it is written)."""
     if not isinstance(document, dict) or document.get(INDEX_KEY) != INDEX_VERSION:
         raise CheckpointError(f"{path}: not a DDM index (expected an object with "
                               f"\"{INDEX_KEY}\": {INDEX_VERSION})")
@@ -94,15 +101,15 @@ def index_document(experts: Sequence[str], stages: Mapping[str, str | None]) -> 
 
 def write_index(root: str | os.PathLike, experts: Sequence[str],
                 stages: Mapping[str, str | None]) -> Path:
-    """Write ``root``'s index (:func:`index_document`) and read it back (every entry checked;
-    an index that fails is removed); the path written."""
+    """Check ``root``'s index (:func:`index_document`) as a reader would, then write it
+    atomically (``fileio.atomic_path``): a reader, or a writer beside it, sees the old index
+    or the whole new one, and nothing is written (or deleted) where a check fails. The path
+    written."""
     path = Path(root) / INDEX_FILE
-    path.write_text(json.dumps(index_document(experts, stages), indent=2) + "\n")
-    try:
-        read_index(root)
-    except CheckpointError:
-        path.unlink()
-        raise
+    document = index_document(experts, stages)
+    _checked(Path(root), path, document)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(document, indent=2) + "\n")
     return path
 
 

@@ -40,25 +40,39 @@ def finished(path: Path) -> bool:
 
 def write_model_index(root: Path) -> Path:
     """(Re)write ``root/model_index.json`` listing the finished components, experts in order,
-    and our root index (``ddm.checkpoints.index``) naming their subfolders by role."""
-    index: dict[str, object] = {"_class_name": "DDMText2ImagePipeline",
-                                "_ddm_format": "ddm-text2img/1"}
-    for role, library_class in CLASSES.items():
-        if finished(root / role):
-            index[role] = list(library_class)
+    and our root index (``ddm.checkpoints.index``) naming their subfolders by role.
+
+    The experts, the router and the text prior finish at once, each refreshing both files:
+    every write is atomic, and a writer scans the folders again after writing and writes again
+    until what it wrote is what it finds. Whichever writes last thus wrote a scan taken after
+    every other component was saved, so no finished stage is dropped, with no lock (a shared
+    volume's file locks are not to be trusted)."""
+    written = None
+    while (found := _finished_components(root)) != written:
+        _write_indexes(root, *found)
+        written = found
+    return root / MODEL_INDEX
+
+
+def _finished_components(root: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The finished roles of :data:`CLASSES` and the finished experts' folders, in order."""
     experts = sorted((p for p in root.glob("expert_*") if finished(p)),
                      key=lambda p: int(p.name.split("_")[1]))
-    for path in experts:
-        index[path.name] = list(EXPERT_CLASS)
+    return (tuple(role for role in CLASSES if finished(root / role)),
+            tuple(path.name for path in experts))
+
+
+def _write_indexes(root: Path, components: tuple[str, ...], experts: tuple[str, ...]) -> None:
+    index: dict[str, object] = {"_class_name": "DDMText2ImagePipeline",
+                                "_ddm_format": "ddm-text2img/1"}
+    index.update({role: list(CLASSES[role]) for role in components})
+    index.update({name: list(EXPERT_CLASS) for name in experts})
     with atomic_path(root / MODEL_INDEX) as tmp:
         tmp.write_text(json.dumps(index, indent=1) + "\n")
     if experts:  # and ours, naming the subfolder of each role (the decoder is vae/)
-        write_index(root, [path.name for path in experts],
-                    {role: name for role, name in ((roles.ROUTER, ROUTER),
-                                                   (roles.TEXT_ENCODER, TEXT_ENCODER),
-                                                   (roles.DECODER, VAE))
-                     if finished(root / name)})
-    return root / MODEL_INDEX
+        write_index(root, experts, {role: name for role, name in (
+            (roles.ROUTER, ROUTER), (roles.TEXT_ENCODER, TEXT_ENCODER), (roles.DECODER, VAE))
+            if name in components})
 
 
 def save_component(component: Any, root: Path, name: str,
