@@ -15,7 +15,7 @@ import pytest
 
 from ddm.checkpoints.format import CheckpointError
 from ddm.checkpoints.importers import Component, write_import
-from ddm.checkpoints.index import INDEX_FILE, index_document, read_index, write_index
+from ddm.checkpoints.index import INDEX_FILE, read_index, write_index
 from ddm.deploy.training_plan import plan_training
 from ddm.deploy.training_spec import load_training_manifest
 from ddm.conditioning import Conditioning
@@ -102,7 +102,11 @@ def test_each_stage_is_found_by_role_from_the_index_else_by_its_usual_name(tmp_p
     ({"expert": ["a", "link"]}, "entry 'expert[1]' ('link') is a symbolic link"),
     ({"expert": ["a"], "vae": "a"}, "unknown entries ['vae']; the roles are expert, "),
     ({"expert": []}, "entry 'expert' must list 1..1024 expert subfolders"),
-    ({"expert": ["a", "a"]}, "entry 'expert' names a subfolder twice"),
+    ({"expert": ["a", "a"]}, "entries 'expert[0]' and 'expert[1]' both name 'a'; each "
+                             "member has a subfolder of its own"),
+    ({"expert": ["a"], "router": "a/"}, "entries 'expert[0]' and 'router' both name 'a/'"),
+    ({"expert": ["a"], "router": "."}, "entry 'router' is '.', the DDM directory itself; it "
+                                       "must name a subfolder"),
 ])
 def test_an_index_naming_a_missing_or_escaping_subfolder_is_refused(tmp_path, entry, problem):
     root = tmp_path / "ddm"
@@ -130,9 +134,9 @@ def test_an_import_writes_the_index_of_its_components(tmp_path):
         ("clip", "aid")))
     out = write_import(tmp_path / "dst", components, "kind: DDMDeployment\n",
                        ["expert_0", "expert_1"])
-    assert json.loads((out / INDEX_FILE).read_text()) == index_document(
-        ["expert_0", "expert_1"], {"router": "router", "text_encoder": "text_encoder",
-                                   "decoder": "decoder"})
+    assert json.loads((out / INDEX_FILE).read_text()) == {
+        "ddm_index": 1, "expert": ["expert_0", "expert_1"], "router": "router",
+        "text_encoder": "text_encoder", "decoder": "decoder"}
 
 
 def test_train_all_plans_the_index_of_its_outputs():

@@ -7,8 +7,9 @@ members by role instead of guessing directory names::
 ``expert`` lists the experts in the router network's output order; every other role names one
 subfolder. A directory without an index keeps loading by today's names (the loaders' own
 guesses). An entry must be a relative path inside the DDM directory (no ``..``, not absolute,
-no link out) naming an existing directory; anything else is refused naming the file and the
-entry. Plain JSON: the plan, the fetcher and the loaders all read it without a framework.
+no link out) naming an existing subfolder (not the directory itself), each entry its own;
+anything else is refused naming the file and the entry. Plain JSON: the plan, the fetcher and
+the loaders all read it without a framework.
 """
 
 from __future__ import annotations
@@ -80,13 +81,16 @@ def _checked(directory: Path, path: Path, document: Any) -> DDMIndex:
     if not (isinstance(experts, list) and 0 < len(experts) <= MAX_INDEXED_EXPERTS):
         raise CheckpointError(f"{path}: entry {EXPERT!r} must list 1..{MAX_INDEXED_EXPERTS} "
                               f"expert subfolders, got {str(experts)[:64]}")
-    if len(set(map(str, experts))) != len(experts):
-        raise CheckpointError(f"{path}: entry {EXPERT!r} names a subfolder twice")
     stages = {role: document[role] for role in ROLE_REGISTRY
               if role != EXPERT and role in document}
+    named: dict[PurePosixPath, str] = {}  # each subfolder -> the entry that names it
     for role, name in [*((f"{EXPERT}[{k}]", e) for k, e in enumerate(experts)),
                        *stages.items()]:
         _check_entry(directory, path, role, name)
+        first = named.setdefault(PurePosixPath(name), role)
+        if first != role:
+            raise CheckpointError(f"{path}: entries {first!r} and {role!r} both name "
+                                  f"{name!r}; each member has a subfolder of its own")
     return DDMIndex(directory, tuple(experts), stages)
 
 
@@ -114,13 +118,17 @@ def write_index(root: str | os.PathLike, experts: Sequence[str],
 
 
 def _check_entry(root: Path, path: Path, role: str, name: Any) -> None:
-    """An entry is a relative POSIX path inside ``root`` to a directory, through no link."""
+    """An entry is a relative POSIX path inside ``root`` to a subfolder (not ``root``
+    itself), through no link."""
     if not isinstance(name, str) or not name:
         raise CheckpointError(f"{path}: entry {role!r} must be a subfolder name, got {name!r}")
     parts = PurePosixPath(name).parts
     if name.startswith("/") or "\\" in name or ".." in parts or Path(name).is_absolute():
         raise CheckpointError(f"{path}: entry {role!r} is {name!r}; it must be a relative "
                               "path inside the DDM directory (no '..', not absolute)")
+    if not parts:
+        raise CheckpointError(f"{path}: entry {role!r} is {name!r}, the DDM directory "
+                              "itself; it must name a subfolder")
     target = root.joinpath(*parts)
     if any(root.joinpath(*parts[:k]).is_symlink() for k in range(1, len(parts) + 1)):
         raise CheckpointError(f"{path}: entry {role!r} ({name!r}) is a symbolic link; "
