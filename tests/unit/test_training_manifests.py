@@ -14,11 +14,20 @@ import pytest
 import yaml
 
 from ddm.deploy.training_plan import JAX_COORDINATOR, JAX_NUM_PROCESSES, JAX_PROCESS_ID
-from ddm.deploy.training_plan import plan_training
+from ddm.deploy.training_plan import (
+    DATA_KIND,
+    EXPERT_KIND,
+    PARTITION_KIND,
+    ROUTER_KIND,
+    STAGE_KIND,
+    TRAINED_KINDS,
+    plan_training,
+)
 from ddm.deploy.training_spec import parse_training_manifest
 from ddm.operator.config import OperatorConfig
 from ddm.operator.render import render_file, render_training
-from ddm.operator.training_manifests import QUEUE_LABEL
+from ddm.operator.training_manifests import QUEUE_LABEL, build_training_jobs
+from ddm.operator.training_status import training_status
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "training.yaml"
@@ -278,3 +287,24 @@ def test_coloured_mnist_in_a_store_is_fetched_by_a_first_job_that_the_stages_rea
     (tokenizer,) = jobs[1]["spec"]["template"]["spec"]["containers"]
     assert tokenizer["command"][tokenizer["command"].index("--mnist") + 1] == "/output/data"
     assert not any(m["name"] == "data" for m in tokenizer["volumeMounts"])
+
+
+def test_the_trained_kinds_alone_run_as_trainjobs_and_have_a_condition_each():
+    # One set of kinds: the plan emits them, the renderer makes TrainJobs of TRAINED_KINDS
+    # and the status gives each of those a condition.
+    document = yaml.safe_load(EXAMPLE.with_name("training-text2img.yaml").read_text())
+    document["spec"]["engine"] = "kubeflow-trainer"
+    document["spec"]["data"] = {"dataset": "coloured-mnist", "uri": "gs://datasets/mnist"}
+    spec = parse_training_manifest(document, allow_host_paths=True).spec
+    plan = plan_training(spec)
+    assert {job.kind for job in plan.jobs} == {DATA_KIND, PARTITION_KIND, EXPERT_KIND,
+                                               ROUTER_KIND, STAGE_KIND}
+    trained = [job.name for job in plan.jobs if job.kind in TRAINED_KINDS]
+    assert trained == [*(f"expert-{k}" for k in range(4)), "router"]
+    rendered = build_training_jobs(spec, plan, {"name": "t", "namespace": "ns"}, CONFIG)
+    assert [job.name for job, obj in zip(plan.jobs, rendered)
+            if obj["kind"] == "TrainJob"] == trained
+    status = training_status(plan, {}, {}, {"name": "t"}, previous={},
+                             now="2026-01-01T00:00:00Z", deployment=None)
+    assert [c["type"] for c in status["conditions"]] == [
+        *(f"Expert-expert-{k}" for k in range(4)), "Router"]

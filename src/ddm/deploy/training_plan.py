@@ -66,6 +66,13 @@ from ddm.deploy.training_spec import deployment_problems as deployment_problems
 PARTITION_JOB = "partition"
 DATA_JOB = "data"
 ROUTER_JOB = "router"
+#: What a job does (``JobPlan.kind``): fetch the data, fit the partition, train an expert or
+#: the router network, or another stage of the text-to-image DDM.
+DATA_KIND, PARTITION_KIND, EXPERT_KIND, ROUTER_KIND, STAGE_KIND = (
+    "data", "partition", "expert", "router", "stage")
+#: The kinds that train a network data-parallel: a TrainJob each under kubeflow-trainer, and
+#: a condition each in the DDMTraining's status.
+TRAINED_KINDS = (EXPERT_KIND, ROUTER_KIND)
 #: The JAX job's variables (Kubeflow Trainer's jax-distributed runtime sets them; read by
 #: ``ddm.training.distributed.jax_world``).
 JAX_COORDINATOR, JAX_NUM_PROCESSES, JAX_PROCESS_ID = (
@@ -102,7 +109,8 @@ class Process:
 
 @dataclass(frozen=True)
 class JobPlan:
-    """One job. ``kind``: partition, expert or router; ``after``: the jobs that must have
+    """One job. ``kind``: one of data, partition, expert, router and stage (``*_KIND``);
+    ``after``: the jobs that must have
     finished first; ``output``, ``state``: its checkpoint (or partition file) and its training
     state, relative to the output root (``state`` None: it saves none); ``steps``: the steps it
     trains (None: not a training); ``expert``: the expert's name (expert jobs); ``upload``:
@@ -137,7 +145,7 @@ class JobPlan:
     def reaches_store(self) -> bool:
         """Whether its processes reach an object store: the data job fetches the data, a job
         with ``upload`` uploads its checkpoint (the others read and write the volume alone)."""
-        return self.kind == DATA_JOB or self.upload is not None
+        return self.kind == DATA_KIND or self.upload is not None
 
     @property
     def distributed(self) -> bool:
@@ -196,8 +204,8 @@ class TrainingPlan:
     def members(self) -> tuple[list[str], dict[str, str]]:
         """The DDM its outputs make, as its root index (``ddm.checkpoints.index``) names it:
         the experts' output subfolders in partition order, and the router network's."""
-        return ([job.output for job in self.jobs if job.kind == "expert"],
-                {ROUTER: job.output for job in self.jobs if job.kind == "router"})
+        return ([job.output for job in self.jobs if job.kind == EXPERT_KIND],
+                {ROUTER: job.output for job in self.jobs if job.kind == ROUTER_KIND})
 
 
 def plan_training(spec: TrainingSpec) -> TrainingPlan:
@@ -209,7 +217,7 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
     if store is not None:
         mnist = f"{_OUTPUT}/{DATA_DIR}"
         jobs.append(JobPlan(
-            name=DATA_JOB, kind="data", framework="numpy", after=(), output=DATA_DIR,
+            name=DATA_JOB, kind=DATA_KIND, framework="numpy", after=(), output=DATA_DIR,
             steps=None, workers=Workers(), marker="",
             template=("fetch-data", store.uri, mnist,
                       *((_CREDENTIALS_FLAG, _DATA_CREDENTIALS)
@@ -223,7 +231,7 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
     partition = spec.partition
     if partition.fitted:
         jobs.append(JobPlan(
-            name=PARTITION_JOB, kind="partition", framework="numpy", after=first,
+            name=PARTITION_JOB, kind=PARTITION_KIND, framework="numpy", after=first,
             output=PARTITION_FILE, steps=None, workers=Workers(), marker="",
             template=("partition", "fit", "--data", data_arg, "--kmeans", str(partition.kmeans),
                       "--features", partition.features, "--image-size",
@@ -237,7 +245,7 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
     jobs.extend(experts)
     router = spec.router
     jobs.append(JobPlan(
-        name=ROUTER_JOB, kind="router", framework="torch", after=after, output=ROUTER_DIR,
+        name=ROUTER_JOB, kind=ROUTER_KIND, framework="torch", after=after, output=ROUTER_DIR,
         steps=router.train.steps, workers=router.workers,
         upload=upload(ROUTER_DIR)[1] if spec.uploads else None,
         template=("train", "router", "--partition", part_arg, "--config",
@@ -265,7 +273,7 @@ def _expert_job(expert: ExpertTraining, data_arg: str, part_arg: str, after: tup
     device = expert.workers.accelerator.declared.train_device(expert.framework)
     uploaded = upload(output)
     return JobPlan(
-        name=f"expert-{expert.name}", kind="expert", framework=expert.framework, after=after,
+        name=f"expert-{expert.name}", kind=EXPERT_KIND, framework=expert.framework, after=after,
         output=output, steps=expert.train.steps, workers=expert.workers, expert=expert.name,
         upload=uploaded[1] if uploaded else None,
         template=("train", "expert", "--framework", expert.framework, "--config", expert.model,
@@ -293,7 +301,7 @@ def _text2img_jobs(text2img: Text2ImgTraining, output_uri: str, mnist: str,
     of the root into ``ddm/``, the DDM that serves."""
     common = ("--mnist", mnist, "--root", _OUTPUT, "--size", text2img.size)
 
-    def stage(name: str, after: tuple[str, ...], output: str, *args: str, kind: str = "stage",
+    def stage(name: str, after: tuple[str, ...], output: str, *args: str, kind: str = STAGE_KIND,
               command: str | None = None, trained: str | None = None, marker: str = "",
               expert: str | None = None) -> JobPlan:
         """The job ``name`` running ``ddm train text2img COMMAND`` (default: ``name``);
@@ -306,7 +314,7 @@ def _text2img_jobs(text2img: Text2ImgTraining, output_uri: str, mnist: str,
                       *(("--steps", str(steps), *_RESUMABLE) if steps else ("--quiet",))))
 
     experts = [stage(name, ("latents",), expert_dir(k), "--index", str(k), "--seed", str(k),
-                     kind="expert", command="expert", trained="expert", marker="config.json",
+                     kind=EXPERT_KIND, command="expert", trained="expert", marker="config.json",
                      expert=name)
                for k, name in enumerate(f"expert-{k}" for k in range(text2img.clusters))]
     return (
@@ -314,13 +322,13 @@ def _text2img_jobs(text2img: Text2ImgTraining, output_uri: str, mnist: str,
         stage("vae", first, "vae", trained="vae", marker="config.json"),
         stage("clip", ("tokenizer",), "clip", trained="clip", marker="config.json"),
         stage(PARTITION_JOB, ("clip",), PARTITION_FILE, "--clusters", str(text2img.clusters),
-              kind="partition"),
+              kind=PARTITION_KIND),
         stage("latents", (PARTITION_JOB, "vae"), "latents.safetensors"),
         *experts,
-        stage(ROUTER_JOB, ("latents",), ROUTER_DIR, kind="router", trained="router",
+        stage(ROUTER_JOB, ("latents",), ROUTER_DIR, kind=ROUTER_KIND, trained="router",
               marker="config.json"),
         stage("text-prior", ("latents",), "text_prior.json"),
-        JobPlan(name="import", kind="stage", framework="torch",
+        JobPlan(name="import", kind=STAGE_KIND, framework="torch",
                 after=(*(job.name for job in experts), ROUTER_JOB, "text-prior"),
                 output=TEXT2IMG_DDM_DIR, steps=None, workers=Workers(), marker="ddm.yaml",
                 template=("import", "text2img", _OUTPUT, "--out",

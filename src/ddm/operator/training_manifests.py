@@ -43,6 +43,7 @@ from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.training_plan import (
     DATA_CREDENTIALS_FILE,
     OUTPUT_CREDENTIALS_FILE,
+    TRAINED_KINDS,
     JobPlan,
     Paths,
     TrainingPlan,
@@ -76,8 +77,6 @@ RUNTIME_PATCH_MANAGER = "ddm.dev/operator"
 TRAINING_LABEL = "ddm.dev/training"
 JOB_LABEL = "ddm.dev/job"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-#: The kinds of job a TrainJob runs under kubeflow-trainer (data-parallel trainers).
-TRAINJOB_KINDS = ("expert", "router")
 #: Pod failures a job survives; each retry resumes the state the failed pod saved.
 BACKOFF_LIMIT = 6
 JAX_COORDINATOR = "127.0.0.1:29500"
@@ -237,7 +236,7 @@ def _pods_per_node(job: JobPlan) -> int:
 
 def _trainjob(spec: TrainingSpec, job: JobPlan) -> bool:
     """Whether ``job`` runs as a TrainJob (else as a Job)."""
-    return spec.engine == "kubeflow-trainer" and job.kind in TRAINJOB_KINDS
+    return spec.engine == "kubeflow-trainer" and job.kind in TRAINED_KINDS
 
 
 def _labels(meta: Mapping[str, Any], job: JobPlan, component: str) -> dict[str, str]:

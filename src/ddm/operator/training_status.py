@@ -22,7 +22,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ddm.deploy.training_plan import DATA_JOB, PARTITION_JOB, JobPlan, TrainingPlan
+from ddm.deploy.training_plan import (
+    DATA_JOB,
+    EXPERT_KIND,
+    PARTITION_JOB,
+    TRAINED_KINDS,
+    JobPlan,
+    TrainingPlan,
+)
 from ddm.operator.status import _by_type, _condition
 
 TRAINING_PHASES = ("Pending", "Fetching", "Partitioning", "Training", "Succeeded", "Failed")
@@ -85,12 +92,12 @@ def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | N
                     logged.get(job.name, (earlier.get(job.name) or {}).get("stepsDone", 0)))
             entry.update(stepsDone=min(int(done), job.steps), stepsAsked=job.steps)
         report[job.name] = entry
-        if job.kind in ("expert", "router"):
-            kind = f"Expert-{job.expert}" if job.kind == "expert" else "Router"
+        if job.kind in TRAINED_KINDS:
+            kind = f"Expert-{job.expert}" if job.kind == EXPERT_KIND else "Router"
             conditions.append(_condition(before, kind, state == SUCCEEDED, generation, now,
                                          (state, _progress_message(entry))))
     failed = [name for name in states if states[name] == FAILED]
-    experts = [job for job in plan.jobs if job.kind == "expert"]
+    experts = [job for job in plan.jobs if job.kind == EXPERT_KIND]
     trained = [job for job in plan.jobs if job.steps is not None]
     status: dict[str, Any] = {
         "phase": _phase(plan, states),

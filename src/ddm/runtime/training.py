@@ -37,7 +37,14 @@ from ddm.checkpoints.index import write_index
 from ddm.checkpoints.local import claim_path, resolve_checkpoint
 from ddm.checkpoints.upload import read_uploaded
 from ddm.checkpoints.uri import CheckpointSource
-from ddm.deploy.training_plan import ROUTER_JOB, JobPlan, Paths, TrainingPlan, plan_training
+from ddm.deploy.training_plan import (
+    EXPERT_KIND,
+    ROUTER_JOB,
+    JobPlan,
+    Paths,
+    TrainingPlan,
+    plan_training,
+)
 from ddm.deploy.training_spec import TrainingManifest, deployment_document
 from ddm.runtime.local import ProcessSpec, Supervisor, free_port
 
@@ -183,7 +190,7 @@ def _check_outputs(local: LocalTraining) -> None:
     from ddm.training.commands import check_router_partition
 
     output = Path(local.paths.output)
-    experts = [output / job.output for job in local.plan.jobs if job.kind == "expert"]
+    experts = [output / job.output for job in local.plan.jobs if job.kind == EXPERT_KIND]
     router = output / local.plan.job(ROUTER_JOB).output
     try:
         check_router_partition(router, experts)
