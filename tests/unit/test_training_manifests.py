@@ -234,8 +234,7 @@ def test_with_stores_the_pods_work_on_the_volume_and_read_the_keys_as_files(
         assert volumes["output"]["persistentVolumeClaim"] == {"claimName": "work"}
         assert volumes["store-credentials"]["projected"] == {"defaultMode": 0o400, "sources": [
             {"secret": {"name": "digits-aws", "items": [{"key": "credentials",
-                                                          "path": name}]}}
-            for name in ("data", "output")]}
+                                                          "path": "output"}]}}]}
         mounts = pod["containers"][0]["volumeMounts"]
         assert {"name": "store-credentials", "mountPath": "/credentials",
                 "readOnly": True} in mounts
@@ -308,3 +307,31 @@ def test_the_trained_kinds_alone_run_as_trainjobs_and_have_a_condition_each():
                              now="2026-01-01T00:00:00Z", deployment=None)
     assert [c["type"] for c in status["conditions"]] == [
         *(f"Expert-expert-{k}" for k in range(4)), "Router"]
+
+
+def _credentials(pod: dict) -> list[str]:
+    """The credentials files a pod's projected volume holds."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    if "store-credentials" not in volumes:
+        return []
+    return [item["path"] for source in volumes["store-credentials"]["projected"]["sources"]
+            for item in source["secret"]["items"]]
+
+
+def test_each_job_mounts_only_the_credentials_its_arguments_name():
+    jobs = render_training(_stores("job"), CONFIG)[:-1]
+    assert {job["metadata"]["name"]: _credentials(job["spec"]["template"]["spec"])
+            for job in jobs} == {"digits-data": ["data"], "digits-expert-digits-0-4": ["output"],
+                                 "digits-expert-digits-5-9": ["output"],
+                                 "digits-router": ["output"]}
+    document = yaml.safe_load(EXAMPLE.with_name("training-text2img.yaml").read_text())
+    document["spec"]["data"] = {"dataset": "coloured-mnist", "uri": "gs://datasets/mnist",
+                                "storeCredentialsSecret": {"name": "text2img-gcs",
+                                                           "key": "key.json"}}
+    (data, *stages) = render_training(document, CONFIG)[:-1]
+    assert _credentials(data["spec"]["template"]["spec"]) == ["data"]
+    for stage in stages:  # they read the copy on the volume: no key of the store
+        pod = stage["spec"]["template"]["spec"]
+        assert _credentials(pod) == []
+        assert not any(m["name"] == "store-credentials"
+                       for m in pod["containers"][0]["volumeMounts"])

@@ -36,8 +36,8 @@ variables for JAX, a plain process for a world of one.
 Interface (stable; the operator's reconcile builds on it): ``plan_training(spec) ->
 TrainingPlan``; ``TrainingPlan.jobs`` (``JobPlan``: ``name``, ``kind``, ``framework``,
 ``after``, ``output``, ``state``, ``finished_file``, ``steps``, ``workers``, ``expert``,
-``upload``, ``reaches_store``, ``args(paths)``, ``node_processes(...)``),
-``TrainingPlan.ready(done)``; ``deployment_document(spec)``.
+``upload``, ``reaches_store``, ``credentials_files``, ``args(paths)``,
+``node_processes(...)``), ``TrainingPlan.ready(done)``; ``deployment_document(spec)``.
 """
 
 from __future__ import annotations
@@ -146,6 +146,14 @@ class JobPlan:
         """Whether its processes reach an object store: the data job fetches the data, a job
         with ``upload`` uploads its checkpoint (the others read and write the volume alone)."""
         return self.kind == DATA_KIND or self.upload is not None
+
+    @property
+    def credentials_files(self) -> tuple[str, ...]:
+        """The stores' credentials files its arguments name (``DATA_CREDENTIALS_FILE``,
+        ``OUTPUT_CREDENTIALS_FILE``): the only ones its pods are given."""
+        return tuple(name for stand, name in ((_DATA_CREDENTIALS, DATA_CREDENTIALS_FILE),
+                                              (_OUTPUT_CREDENTIALS, OUTPUT_CREDENTIALS_FILE))
+                     if stand in self.template)
 
     @property
     def distributed(self) -> bool:

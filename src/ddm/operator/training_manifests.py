@@ -18,7 +18,8 @@ Every pod is placed as serving places it (``ddm.operator.placement``: the accele
 resource, taint toleration and node selector), runs as the restricted Pod Security profile
 asks, mounts the output root read-write at ``/output`` (with a store as the output, the
 working volume ``spec.output.volume``) and the data read-only at ``/data``, and the stores'
-credentials files (``storeCredentialsSecret``s) read-only at ``/credentials``.
+credentials files (``storeCredentialsSecret``s) its job's arguments name read-only at
+``/credentials`` (the data's for the data job, the output's for a job that uploads).
 A failed pod is retried (``backoffLimit``); the job's ``--resume`` continues its saved state.
 
 With the operator's ``network_policy`` setting each job's pods are confined by a NetworkPolicy
@@ -149,7 +150,7 @@ def build_job(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
     workers = job.workers
     place = placement(workers.accelerator)
     processes = job.node_processes(PATHS, coordinator=JAX_COORDINATOR)
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(spec, job)
     containers = [{
         "name": "train" if len(processes) == 1 else f"rank-{rank}",
         "image": _image(spec, workers, config),
@@ -181,7 +182,7 @@ def build_trainjob(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
     place = placement(workers.accelerator)
     args = job.args(PATHS)
     torch = job.framework == "torch"
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = _volumes(spec, job)
     per_node = _pods_per_node(job)
     trainer: dict[str, Any] = {
         "image": _image(spec, workers, config),
@@ -273,9 +274,11 @@ def _env(extra: Mapping[str, str]) -> list[dict[str, str]]:
             *({"name": key, "value": value} for key, value in extra.items())]
 
 
-def _volumes(spec: TrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(spec: TrainingSpec, job: JobPlan
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The output root (read-write), the data (read-only), the stores' credentials files
-    (read-only, owner-only) and a writable /tmp."""
+    ``job`` names (read-only, owner-only; ``JobPlan.credentials_files``) and a writable
+    /tmp."""
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     for name, source, path, read_only in (("output", spec.work, OUTPUT_DIR, False),
@@ -288,7 +291,7 @@ def _volumes(spec: TrainingSpec) -> tuple[list[dict[str, Any]], list[dict[str, A
     secrets = [{"secret": {"name": secret.name, "items": [{"key": secret.key, "path": file}]}}
                for secret, file in ((spec.data.store_credentials, DATA_CREDENTIALS_FILE),
                                     (spec.output_credentials, OUTPUT_CREDENTIALS_FILE))
-               if secret is not None]
+               if secret is not None and file in job.credentials_files]
     if secrets:
         volumes.append({"name": "store-credentials",
                         "projected": {"sources": secrets, "defaultMode": 0o400}})
