@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import urllib.parse
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
@@ -18,7 +19,13 @@ import pytest
 from ddm.checkpoints.fetch import FetchPolicy, fetch_checkpoint
 from ddm.checkpoints.destinations import parse_networks
 from ddm.checkpoints.format import CONFIG_FILE, WEIGHTS_FILE
-from ddm.checkpoints.upload import UploadError, read_uploaded, upload_checkpoint
+from ddm.checkpoints import upload
+from ddm.checkpoints.upload import (
+    ERROR_TEXT_BYTES,
+    UploadError,
+    read_uploaded,
+    upload_checkpoint,
+)
 from tests.support.s3_store import Bucket, moto_bucket
 from tests.unit.test_checkpoint_fetch_private import _Answering, _serving
 
@@ -132,7 +139,11 @@ class GoogleWrites:
     def __init__(self) -> None:
         self.grants: list[str] = []
         self.objects: dict[str, bytes] = {}  # in the order written
+        self.deleted: list[str] = []
         self.refuse = False
+        self.error_body = b""  # what a refusal says
+        self.refused = threading.Event()  # set once a refusal's answer is sent, or cut off
+        self.error_sent_whole: bool | None = None
 
 
 def _handler(stand: GoogleWrites) -> type[BaseHTTPRequestHandler]:
@@ -145,12 +156,28 @@ def _handler(stand: GoogleWrites) -> type[BaseHTTPRequestHandler]:
 
         def do_PUT(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
-            if stand.refuse or self.headers.get("Authorization") != \
+            if not self._refused():
+                stand.objects[self.path] = body
+                self._answer(200, b"")
+
+        def do_DELETE(self) -> None:
+            if not self._refused():
+                stand.deleted.append(self.path)
+                self._answer(204 if stand.objects.pop(self.path, None) is not None else 404,
+                             b"")
+
+        def _refused(self) -> bool:
+            if not stand.refuse and self.headers.get("Authorization") == \
                     f"Bearer {GoogleWrites.TOKEN}":
-                self._answer(403, b"")
-                return
-            stand.objects[self.path] = body
-            self._answer(200, b"")
+                return False
+            try:
+                self._answer(403, stand.error_body, "application/xml")
+                stand.error_sent_whole = True
+            except OSError:  # the client read what it wanted and closed
+                stand.error_sent_whole = False
+            finally:
+                stand.refused.set()
+            return True
 
     return Handler
 
@@ -182,6 +209,7 @@ def test_a_gcs_upload_puts_the_archive_then_the_marker_with_a_write_token(
     checkpoint = _copy(smoke_expert_checkpoint, tmp_path / "smoke")
     uploaded = upload_checkpoint(checkpoint, "gs://trained/run/smoke", credentials_file=key)
     assert list(stand.objects) == ["/trained/run/smoke.tar.gz", "/trained/run/smoke.tar.gz.json"]
+    assert stand.deleted == ["/trained/run/smoke.tar.gz.json"]  # the old marker, first
     assert json.loads(stand.objects["/trained/run/smoke.tar.gz.json"])["sha256"] == \
         uploaded.sha256
     assertion = urllib.parse.parse_qs(stand.grants[0])["assertion"][0]
@@ -199,3 +227,57 @@ def test_a_gcs_bucket_that_answers_403_leaves_no_marker(google, smoke_expert_che
                                           rf"credentials the file {key}"):
         upload_checkpoint(checkpoint, "gs://trained/run/smoke", credentials_file=key)
     assert stand.objects == {} and read_uploaded(checkpoint) is None
+
+
+def test_a_gcs_error_reply_is_read_only_as_far_as_its_text_needs(google,
+                                                                 smoke_expert_checkpoint,
+                                                                 tmp_path):
+    # A store answering 64 MiB to a refusal: the upload reads a few KiB for the message,
+    # then closes; the stand sees its answer cut off.
+    stand, key = google
+    stand.refuse = True
+    stand.error_body = b"<Error><Code>AccessDenied</Code></Error>" + b"x" * (64 << 20)
+    checkpoint = _copy(smoke_expert_checkpoint, tmp_path / "smoke")
+    with pytest.raises(UploadError) as caught:
+        upload_checkpoint(checkpoint, "gs://trained/run/smoke", credentials_file=key)
+    message = str(caught.value)
+    assert "refused the upload (HTTP 403)" in message
+    assert "it said: <Error><Code>AccessDenied</Code></Error>xxx" in message
+    assert len(message) < ERROR_TEXT_BYTES + 400
+    assert stand.refused.wait(30)
+    assert stand.error_sent_whole is False
+
+
+def test_a_reupload_deletes_the_old_marker_before_the_new_archive(store,
+                                                                  smoke_expert_checkpoint,
+                                                                  tmp_path, monkeypatch):
+    import botocore.session
+
+    checkpoint = _copy(smoke_expert_checkpoint, tmp_path / "smoke")
+    keys = store.credentials_file(tmp_path / "aws", store.writer)
+    uri = f"s3://{store.name}/rerun/smoke"
+    first = upload_checkpoint(checkpoint, uri, credentials_file=keys)
+    s3 = botocore.session.Session().create_client(
+        "s3", endpoint_url=store.url, region_name="us-east-1",
+        aws_access_key_id=store.reader[0], aws_secret_access_key=store.reader[1])
+    marker = "rerun/smoke.tar.gz.json"
+    assert json.loads(s3.get_object(Bucket=store.name, Key=marker)["Body"].read())[
+        "sha256"] == first.sha256
+    (checkpoint / CONFIG_FILE).write_text((checkpoint / CONFIG_FILE).read_text() + " ")
+    markers_seen = []  # at each write: the marker the store holds, if any
+    put = upload._S3Writer.put
+
+    def watched(writer, target, body, size):
+        try:
+            said = json.loads(s3.get_object(Bucket=store.name, Key=marker)["Body"].read())
+            markers_seen.append((target, said["sha256"]))
+        except s3.exceptions.NoSuchKey:
+            markers_seen.append((target, None))
+        return put(writer, target, body, size)
+
+    monkeypatch.setattr(upload._S3Writer, "put", watched)
+    second = upload_checkpoint(checkpoint, uri, credentials_file=keys)
+    assert second.sha256 != first.sha256
+    assert markers_seen == [(second.uri, None), (second.uri + ".json", None)]
+    assert json.loads(s3.get_object(Bucket=store.name, Key=marker)["Body"].read())[
+        "sha256"] == second.sha256

@@ -6,10 +6,12 @@ volume and uploads each finished checkpoint (``ddm train ... --upload URI``, ran
 - the checkpoint directory becomes one ``.tar.gz`` of its regular files at the archive's root
   (sorted, owner and times zeroed: the same files give the same bytes), which
   ``ddm fetch-checkpoint`` extracts and verifies (``ddm.checkpoints.archive``);
-- the archive goes to ``URI.tar.gz``, then its marker ``URI.tar.gz.json`` (``format``,
-  ``sha256``, ``size``), last: a marker is only ever beside a whole archive, and the
-  DDMDeployment made from the outputs pins that sha256. The same record is written beside the
-  checkpoint on the volume (``OUT.uploaded.json``): ``ddm train-all`` skips a job that has it;
+- an old marker ``URI.tar.gz.json`` is deleted first, the archive goes to ``URI.tar.gz``, then
+  its new marker (``format``, ``sha256``, ``size``), last: a marker is only ever beside the
+  whole archive it describes. ``ddm train-all``'s DDMDeployment pins that sha256 (the
+  operator's, which does not read the store, is unpinned: the archive's ``config.json`` still
+  checks the weights). The same record is written beside the checkpoint on the volume
+  (``OUT.uploaded.json``): ``ddm train-all`` skips a job that has it;
 - an archive over the fetcher's byte cap is refused before anything is sent (no DDM could
   fetch it).
 
@@ -19,7 +21,8 @@ The store is reached as the fetcher reaches it: the endpoint from ``resolve_url`
 credentials of the cloud's chain or of the store's own credentials file
 (``ddm.checkpoints.credentials``; a DDMTraining's ``storeCredentialsSecret``), never
 anonymous. S3 through botocore (PutObject; a multipart upload above ``multipart_bytes``,
-aborted on failure), GCS through google-auth and requests (a PUT to the XML API).
+aborted on failure), GCS through google-auth and requests (PUT and DELETE on the XML API, the
+replies streamed: an error's text is read up to ``ERROR_TEXT_BYTES``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import json
 import os
 import tarfile
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -67,6 +71,8 @@ GCS_WRITE_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 #: Above this, S3 gets a multipart upload of ``PART_BYTES`` parts (PutObject takes 5 GiB).
 MULTIPART_BYTES = 256 << 20
 PART_BYTES = 64 << 20
+#: Bytes of a store's error reply read for the message (the rest is never read).
+ERROR_TEXT_BYTES = 4096
 _CHUNK = 1 << 20
 
 
@@ -126,10 +132,11 @@ def upload_checkpoint(checkpoint: str | os.PathLike, uri: str, *,
             uploaded = Uploaded(target, sha256, size)
             marker = json.dumps({key: value for key, value in uploaded.record().items()
                                  if key != "uri"}, indent=1).encode()
-            put = _s3_put if source.scheme == "s3" else _gcs_put
-            put(target, archive, size, environ, networks, file, timeout_s, multipart_bytes)
-            put(target + MARKER_SUFFIX, io.BytesIO(marker), len(marker), environ, networks,
-                file, timeout_s, multipart_bytes)
+            writer = (_S3Writer if source.scheme == "s3" else _GCSWriter)(
+                target, environ, networks, file, timeout_s, multipart_bytes)
+            writer.delete(target + MARKER_SUFFIX)  # an old marker never sits by a new archive
+            writer.put(target, archive, size)
+            writer.put(target + MARKER_SUFFIX, io.BytesIO(marker), len(marker))
     except (FetchError, OSError) as exc:
         raise UploadError(f"{redact_uri(target)}: {exc}") from None
     except UploadError as exc:
@@ -165,76 +172,114 @@ def _bucket_key(uri: str) -> tuple[str, str]:
     return parts.netloc, parts.path.lstrip("/")
 
 
-def _s3_put(uri: str, body: BinaryIO, size: int, env: Mapping[str, str],
-            networks: tuple[Network, ...], file: Path | None, timeout_s: float,
-            multipart_bytes: int) -> None:
-    """PutObject (multipart above ``multipart_bytes``) with the chain's or the file's keys."""
-    import botocore.session
-    from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
+class _S3Writer:
+    """PutObject (multipart above ``multipart_bytes``) and DeleteObject (nothing to delete is
+    no error) with the chain's or the file's keys."""
 
-    check_hop(resolve_url(uri, env), networks, pinned=False)
-    try:
-        credentials, origin = s3_credentials(file)
-    except NoCredentials:
-        raise UploadError(f"{CHAINS['s3']} found no credentials; give the training's "
-                          "storeCredentialsSecret (an AWS shared credentials file)") from None
-    frozen = credentials.get_frozen_credentials()
-    endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
-    client = botocore.session.Session().create_client(
-        "s3", region_name=s3_region(env) or "us-east-1", endpoint_url=endpoint,
-        aws_access_key_id=frozen.access_key, aws_secret_access_key=frozen.secret_key,
-        aws_session_token=frozen.token,
-        config=Config(connect_timeout=timeout_s, read_timeout=timeout_s,
-                      retries={"max_attempts": 5, "mode": "standard"}))
-    bucket, key = _bucket_key(uri)
-    try:
-        if size <= multipart_bytes:
-            client.put_object(Bucket=bucket, Key=key, Body=body, ContentLength=size)
-            return
-        upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+    def __init__(self, uri: str, env: Mapping[str, str], networks: tuple[Network, ...],
+                 file: Path | None, timeout_s: float, multipart_bytes: int) -> None:
+        import botocore.session
+        from botocore.config import Config
+
+        check_hop(resolve_url(uri, env), networks, pinned=False)
         try:
-            parts = []
-            for number in range(1, -(-size // PART_BYTES) + 1):
-                data = body.read(PART_BYTES)
-                answer = client.upload_part(Bucket=bucket, Key=key, UploadId=upload,
-                                            PartNumber=number, Body=data)
-                parts.append({"PartNumber": number, "ETag": answer["ETag"]})
-            client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
-                                             MultipartUpload={"Parts": parts})
-        except BaseException:
-            client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
-            raise
-    except ClientError as exc:
-        error = exc.response.get("Error", {})
-        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        raise UploadError(f"the store refused the upload (HTTP {status} "
-                          f"{error.get('Code', '')}) with {origin}; check that this "
-                          "identity may s3:PutObject here") from None
-    except BotoCoreError as exc:
-        raise UploadError(f"the upload failed: {type(exc).__name__}") from None
+            credentials, self.origin = s3_credentials(file)
+        except NoCredentials:
+            raise UploadError(f"{CHAINS['s3']} found no credentials; give the training's "
+                              "storeCredentialsSecret (an AWS shared credentials file)"
+                              ) from None
+        frozen = credentials.get_frozen_credentials()
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or None
+        self.client = botocore.session.Session().create_client(
+            "s3", region_name=s3_region(env) or "us-east-1", endpoint_url=endpoint,
+            aws_access_key_id=frozen.access_key, aws_secret_access_key=frozen.secret_key,
+            aws_session_token=frozen.token,
+            config=Config(connect_timeout=timeout_s, read_timeout=timeout_s,
+                          retries={"max_attempts": 5, "mode": "standard"}))
+        self.multipart_bytes = multipart_bytes
+
+    def put(self, uri: str, body: BinaryIO, size: int) -> None:
+        bucket, key = _bucket_key(uri)
+        with self._refused("s3:PutObject"):
+            if size <= self.multipart_bytes:
+                self.client.put_object(Bucket=bucket, Key=key, Body=body, ContentLength=size)
+                return
+            upload = self.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+            try:
+                parts = []
+                for number in range(1, -(-size // PART_BYTES) + 1):
+                    answer = self.client.upload_part(Bucket=bucket, Key=key, UploadId=upload,
+                                                     PartNumber=number,
+                                                     Body=body.read(PART_BYTES))
+                    parts.append({"PartNumber": number, "ETag": answer["ETag"]})
+                self.client.complete_multipart_upload(Bucket=bucket, Key=key, UploadId=upload,
+                                                      MultipartUpload={"Parts": parts})
+            except BaseException:
+                self.client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload)
+                raise
+
+    def delete(self, uri: str) -> None:
+        bucket, key = _bucket_key(uri)
+        with self._refused("s3:DeleteObject"):
+            self.client.delete_object(Bucket=bucket, Key=key)
+
+    @contextmanager
+    def _refused(self, action: str) -> Iterator[None]:
+        """botocore's errors as an ``UploadError`` naming the keys' origin and ``action``."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            raise UploadError(f"the store refused the upload (HTTP {status} "
+                              f"{error.get('Code', '')}) with {self.origin}; check that this "
+                              f"identity may {action} here") from None
+        except BotoCoreError as exc:
+            raise UploadError(f"the upload failed: {type(exc).__name__}") from None
 
 
-def _gcs_put(uri: str, body: BinaryIO, size: int, env: Mapping[str, str],
-             networks: tuple[Network, ...], file: Path | None, timeout_s: float,
-             multipart_bytes: int) -> None:
-    """One PUT to the XML API with a read-write token of the chain or the key file."""
-    import requests
+class _GCSWriter:
+    """PUT and DELETE (nothing to delete is no error) on the XML API with a read-write token
+    of the chain or the key file; the same methods as :class:`_S3Writer`."""
 
-    url = resolve_url(uri, env)
-    check_hop(url, networks, pinned=False)
-    try:
-        token, origin = gcs_credentials(timeout_s, file, networks, GCS_WRITE_SCOPE)
-    except NoCredentials:
-        raise UploadError(f"{CHAINS['gs']} found no credentials; give the training's "
-                          "storeCredentialsSecret (a service-account key)") from None
-    try:
-        answer = requests.put(url, data=body, timeout=timeout_s, allow_redirects=False,
-                              headers={"Authorization": f"Bearer {token()}",
-                                       "Content-Length": str(size),
-                                       "Content-Type": "application/octet-stream"})
-    except requests.RequestException as exc:
-        raise UploadError(f"the upload failed: {type(exc).__name__}") from None
-    if answer.status_code != 200:
+    def __init__(self, uri: str, env: Mapping[str, str], networks: tuple[Network, ...],
+                 file: Path | None, timeout_s: float, multipart_bytes: int) -> None:
+        self.env, self.networks, self.timeout_s = env, networks, timeout_s
+        check_hop(resolve_url(uri, env), networks, pinned=False)
+        try:
+            self.token, self.origin = gcs_credentials(timeout_s, file, networks,
+                                                      GCS_WRITE_SCOPE)
+        except NoCredentials:
+            raise UploadError(f"{CHAINS['gs']} found no credentials; give the training's "
+                              "storeCredentialsSecret (a service-account key)") from None
+
+    def put(self, uri: str, body: BinaryIO, size: int) -> None:
+        self._send("PUT", uri, (200,), data=body, headers={
+            "Content-Length": str(size), "Content-Type": "application/octet-stream"})
+
+    def delete(self, uri: str) -> None:
+        self._send("DELETE", uri, (204, 404))
+
+    def _send(self, method: str, uri: str, ok: tuple[int, ...], **request: Any) -> None:
+        """One request, its reply streamed: at most ``ERROR_TEXT_BYTES`` of an error's body
+        are read, for the message (a store is not trusted to answer small)."""
+        import requests
+
+        url = resolve_url(uri, self.env)
+        check_hop(url, self.networks, pinned=False)
+        headers = {"Authorization": f"Bearer {self.token()}", "Accept-Encoding": "identity",
+                   **request.pop("headers", {})}
+        try:
+            with requests.request(method, url, timeout=self.timeout_s, allow_redirects=False,
+                                  stream=True, headers=headers, **request) as answer:
+                if answer.status_code in ok:
+                    return
+                said = answer.raw.read(ERROR_TEXT_BYTES, decode_content=False)
+        except requests.RequestException as exc:
+            raise UploadError(f"the upload failed: {type(exc).__name__}") from None
+        text = " ".join(said.decode("utf-8", "replace").split())
         raise UploadError(f"the store refused the upload (HTTP {answer.status_code}) with "
-                          f"{origin}; check that this identity may create objects here")
+                          f"{self.origin}; check that this identity may create and delete "
+                          f"objects here" + (f"; it said: {text}" if text else ""))
