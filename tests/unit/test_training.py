@@ -110,6 +110,10 @@ def test_a_router_trained_beside_the_experts_is_the_one_trained_after_them(tmp_p
     (("--partition", "kmeans:2", "--config", "smoke"), "a router's --partition is 'file:PATH' "
                                                        "or 'labels:GROUPS', got 'kmeans:2'"),
     (("--partition", "labels:0-4,5-9", "--config", "huge"), "unknown UNet config"),
+    (("--partition", "labels:0-4,5-9", "--config", "smoke", "--config", "smoke", "--config",
+      "digits-small"), "--config smoke (image_size 8, in_channels 1, num_classes 10) and "
+                       "--config digits-small (image_size 16, in_channels 1, num_classes 10) "
+                       "disagree: one router routes between experts of one image shape"),
 ])
 def test_a_router_beside_the_experts_refuses_what_it_cannot_train_on(tmp_path, capsys, argv,
                                                                       message):

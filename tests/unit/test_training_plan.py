@@ -59,6 +59,20 @@ def test_the_example_plans_two_experts_and_the_router_in_parallel():
     assert "--resume" in args and args[args.index("--index") + 1] == "0"
 
 
+def test_the_router_is_given_every_distinct_expert_config():
+    # Experts of several UNet configs: the router job names each once (it refuses configs
+    # whose image shape or classes disagree; the spec knows model names only).
+    document = _document()
+    document["spec"]["experts"][0]["model"] = "mnist-small"
+    document["spec"]["experts"].append({"name": "third", "model": "reference"})
+    document["spec"]["experts"][1]["model"] = "reference"
+    document["spec"]["partition"] = {"labelGroups": [[0, 1, 2], [3, 4, 5], [6, 7, 8, 9]]}
+    router = plan_training(parse_training_manifest(document).spec).job("router")
+    args = router.args(Paths("/out"))
+    assert [args[k + 1] for k, arg in enumerate(args) if arg == "--config"] == [
+        "mnist-small", "reference"]
+
+
 def test_a_jax_expert_on_one_node_is_one_process_per_rank_with_the_jax_variables():
     job = plan_training(load_training_manifest(EXAMPLE).spec).job("expert-digits-5-9")
     processes = job.node_processes(Paths("/out"), ddm=("python", "-m", "ddm"),

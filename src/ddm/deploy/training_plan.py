@@ -9,8 +9,9 @@ A DDMTraining is a plan of jobs whose outputs become a DDMDeployment's checkpoin
 - ``expert-NAME``, one per expert, in parallel after the partition: ``ddm train expert`` on
   its part, writing ``experts/NAME`` (its training state in ``experts/NAME.training``);
 - ``router``: ``ddm train router`` on the partition the experts train on, writing
-  ``router``, beside the experts (it needs only the data and the partition; the image shape
-  is the first expert's UNet config's: a DDM's experts share one). ``ddm train-all`` checks
+  ``router``, beside the experts (it needs only the data and the partition; it is given
+  every distinct UNet config of the experts, and refuses configs whose image shape or classes
+  disagree: a DDM's experts share one). ``ddm train-all`` checks
   the outputs share one partition before writing the DDMDeployment; the router checks it
   again when it serves them.
 
@@ -256,8 +257,9 @@ def plan_training(spec: TrainingSpec) -> TrainingPlan:
         name=ROUTER_JOB, kind=ROUTER_KIND, framework="torch", after=after, output=ROUTER_DIR,
         steps=router.train.steps, workers=router.workers,
         upload=upload(ROUTER_DIR)[1] if spec.uploads else None,
-        template=("train", "router", "--partition", part_arg, "--config",
-                  spec.experts[0].model, "--data", data_arg,
+        template=("train", "router", "--partition", part_arg,
+                  *(arg for model in dict.fromkeys(e.model for e in spec.experts)
+                    for arg in ("--config", model)), "--data", data_arg,
                   *(() if router.use_labels else ("--no-labels",)),
                   *_train_args(router.train),
                   "--device", router.workers.accelerator.declared.train_device("torch"),

@@ -83,9 +83,10 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
                    help="without --experts: what the experts train on, 'file:PATH' or "
                         "'labels:0-4,5-9'; with --experts: 'file:PATH', refusing experts "
                         "whose partition's sha256 differs from it")
-    p.add_argument("--config", default=None,
+    p.add_argument("--config", action="append", default=None,
                    help="without --experts: the experts' named UNet config (their image "
-                        "side, channels and classes)")
+                        "side, channels and classes); repeated, every distinct one of the "
+                        "experts', which must agree on those")
     p.add_argument("--device", default=None)
     optimisation(p, steps=1500, batch=256, lr=2e-3)
     p.set_defaults(handler=_train_router)

@@ -130,7 +130,7 @@ def train_router_command(experts: Path | None, data: str, train: TrainConfig, ou
                          use_labels: bool = True, device: str | None = None,
                          progress: ProgressFn | None = None, partition: str | None = None,
                          save_every: int = SAVE_EVERY, resume: bool = False,
-                         model_config: str | None = None) -> Path | None:
+                         model_config: Sequence[str] | None = None) -> Path | None:
     """Train the router network of a DDM and save it; saved into ``experts`` (``--out
     EXPERTS/router``), it completes that DDM: its root index (``ddm.checkpoints.index``) is
     written, naming the experts in partition order.
@@ -202,17 +202,32 @@ def _experts_partition(experts: Path, partition: str | None
     return scheme, metas[0].architecture, [path.name for _, path in order]
 
 
-def _beside_experts(partition: str | None, model_config: str | None) -> dict[str, Any]:
-    """The architecture of the experts' UNet config ``model_config``, for a router trained
-    beside them on ``partition`` (``file:PATH`` or ``labels:...``: what they train on)."""
-    if partition is None or model_config is None:
+#: What a router network shares with every expert it routes between.
+ROUTED_SHAPE = ("image_size", "in_channels", "num_classes")
+
+
+def _beside_experts(partition: str | None, model_configs: Sequence[str] | None
+                    ) -> dict[str, Any]:
+    """The architecture of the experts' UNet configs ``model_configs`` (each distinct one of
+    the experts'), for a router trained beside them on ``partition`` (``file:PATH`` or
+    ``labels:...``: what they train on). Configs whose image shape or classes disagree are
+    refused naming both: no one router serves such experts."""
+    if partition is None or not model_configs:
         raise ValueError("a router needs --experts DIR, or --partition and --config (the "
                          "experts' UNet config) to train beside them")
     method, _, arg = partition.partition(":")
     if method not in ("file", "labels") or not arg:
         raise ValueError(f"a router's --partition is 'file:PATH' or 'labels:GROUPS', got "
                          f"{partition!r} (fit k-means once with `ddm partition fit`)")
-    return unet_config(model_config).to_dict()
+    shapes = {name: ", ".join(f"{key} {unet_config(name).to_dict()[key]}"
+                              for key in ROUTED_SHAPE) for name in model_configs}
+    first, *others = model_configs
+    for other in others:
+        if shapes[other] != shapes[first]:
+            raise ValueError(f"--config {first} ({shapes[first]}) and --config {other} "
+                             f"({shapes[other]}) disagree: one router routes between experts "
+                             "of one image shape and one set of classes")
+    return unet_config(first).to_dict()
 
 
 def shared_partition(metas: Sequence[CheckpointMeta], who: str) -> Partition:
