@@ -68,10 +68,11 @@ _AWS_CREDENTIAL_VARIABLES = (
     "GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def termination_log(tmp_path_factory: pytest.TempPathFactory,
                     monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Where the CLI leaves its termination message (never the host's /dev)."""
+    """Where the CLI leaves its termination message (never the host's /dev: every failing
+    command writes one, servers and training commands alike)."""
     path = tmp_path_factory.mktemp("termination") / "message"
     monkeypatch.setenv("DDM_TERMINATION_LOG", str(path))
     return path

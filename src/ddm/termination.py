@@ -4,8 +4,9 @@ An expert whose checkpoint is corrupt, or a router whose config is wrong, will n
 ready; staying alive and unready would only hide the reason in its log. Instead the server
 writes one line to the file Kubernetes reads when a container ends (``terminationMessagePath``,
 ``/dev/termination-log`` by default; the pod's ``lastState.terminated.message``, which the
-operator reports) and exits with status 1. ``DDM_TERMINATION_LOG`` names another file (the
-local runtime gives each process its own).
+operator reports) and exits with status 1. A training command that fails leaves its error
+there too (``ddm.training.cli``), which a DDMTraining's status repeats.
+``DDM_TERMINATION_LOG`` names another file (the local runtime gives each process its own).
 """
 
 from __future__ import annotations

@@ -116,9 +116,10 @@ def test_a_router_trained_beside_the_experts_is_the_one_trained_after_them(tmp_p
                        "disagree: one router routes between experts of one image shape"),
 ])
 def test_a_router_beside_the_experts_refuses_what_it_cannot_train_on(tmp_path, capsys, argv,
-                                                                      message):
+                                                                      message, termination_log):
     assert _train("router", *argv, "--out", tmp_path / "router") == 2
     assert message in capsys.readouterr().err
+    assert message in termination_log.read_text()  # what a training job's pod shows
     assert not (tmp_path / "router").exists()
 
 

@@ -10,7 +10,13 @@ from typing import Any
 from ddm.deploy.training_plan import plan_training
 from ddm.deploy.training_spec import load_training_manifest, parse_training_spec
 from ddm.operator.training_reconcile import JOB_INDEX_LABEL, rank_zero_pod
-from ddm.operator.training_status import finished, job_state, to_create, training_status
+from ddm.operator.training_status import (
+    failure_said,
+    finished,
+    job_state,
+    to_create,
+    training_status,
+)
 from ddm.progress import last_progress, progress_line
 from ddm.training.cli import _progress
 
@@ -183,3 +189,46 @@ def test_the_trainer_logs_progress_lines_every_interval_and_at_the_end(capsys: A
     for step in (10, 20):
         every(step, 0.5)
     assert last_progress(capsys.readouterr().err) == (20, 30)
+
+
+def _pod(name: str, created: str, *, phase: str = "Failed", exit_code: int | None = 1,
+         message: str | None = None, last: bool = False) -> dict[str, Any]:
+    """A Job's pod as the API server shows it: its container ended (in ``state``, or in
+    ``lastState`` with ``last``) with ``exit_code`` and termination ``message``."""
+    ended = {"terminated": {"exitCode": exit_code, "reason": "Error",
+                            **({"message": message} if message else {})}}
+    container = {"name": "train", **({"lastState": ended, "state": {"waiting": {}}} if last
+                                     else {"state": ended})}
+    return {"metadata": {"name": name, "creationTimestamp": created},
+            "status": {"phase": phase,
+                       "containerStatuses": [] if exit_code is None else [container]}}
+
+
+def test_the_newest_failed_pod_says_why_capped_to_its_last_line() -> None:
+    long = "ValueError: " + "x" * 1000
+    pods = [_pod("a", T0, message="OSError: disk full"),
+            _pod("b", T1, message=f"Traceback (most recent call last):\n  ...\n{long}\n"),
+            _pod("c", "2026-01-01T00:02:00Z", phase="Running", exit_code=None)]
+    said = failure_said(pods)
+    assert said == long[:397] + "..."
+    assert failure_said([_pod("a", T0, message="CheckpointError: bad", last=True)]) == \
+        "CheckpointError: bad"
+    assert failure_said([_pod("a", T0)]) == "Error"  # no message: the reason
+    evicted = {"metadata": {"name": "a"}, "status": {
+        "phase": "Failed", "reason": "Evicted", "message": "The node was low on resource: "
+                                                           "memory."}}
+    assert failure_said([evicted]) == "The node was low on resource: memory."
+    assert failure_said([_pod("a", T0, phase="Running", exit_code=None)]) is None
+
+
+def test_a_failed_jobs_reason_reaches_its_condition_and_the_message() -> None:
+    jobs = {"expert-digits-0-4": _job("Failed", failed=7), "expert-digits-5-9": _job(),
+            "router": _job()}
+    said = failure_said([_pod("p", T0, message="ddm train expert: CUDA out of memory")])
+    status = training_status(PLAN, jobs, {}, META, previous={}, now=T1, deployment=None,
+                             said={"expert-digits-0-4": said})
+    assert status["message"] == ("job expert-digits-0-4 failed after 7 failed pods (each "
+                                 "retried from its saved state); it said: ddm train expert: "
+                                 "CUDA out of memory")
+    (condition,) = [c for c in status["conditions"] if c["type"] == "Expert-digits-0-4"]
+    assert condition["message"].endswith("; it said: ddm train expert: CUDA out of memory")

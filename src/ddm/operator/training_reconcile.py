@@ -4,8 +4,9 @@ Every trigger (the DDMTraining created, updated or resumed, one of its Jobs chan
 progress ticker) runs the same ``reconcile(namespace, name)``: read the DDMTraining and its
 jobs, create the jobs whose predecessors have succeeded (``training_status.to_create``: the
 partition first, then every expert and the router network's job), read the steps each running
-job's rank-0 process last logged, create the DDMDeployment once every job has succeeded, and
-write the status (``training_status.training_status``) when it changed.
+job's rank-0 process last logged (and what a failed job's pod said as it ended), create the
+DDMDeployment once every job has succeeded, and write the status
+(``training_status.training_status``) when it changed.
 
 With the ``network_policy`` setting each job's NetworkPolicy
 (``training_manifests.build_network_policy``) is created just before it, and a job whose policy
@@ -52,7 +53,15 @@ from ddm.operator.training_manifests import (
     build_deployment,
     build_training_objects,
 )
-from ddm.operator.training_status import RUNNING, finished, job_state, to_create, training_status
+from ddm.operator.training_status import (
+    FAILED,
+    RUNNING,
+    failure_said,
+    finished,
+    job_state,
+    to_create,
+    training_status,
+)
 from ddm.progress import last_progress
 
 log = logging.getLogger("ddm.operator")
@@ -121,7 +130,8 @@ class TrainingReconciler:
         deployment = (self._create_deployment(spec, body, errors) if finished(plan, jobs)
                       else None)
         status = training_status(plan, jobs, self._logged(namespace, name, plan, jobs), meta,
-                                 previous=previous, now=now_rfc3339(), deployment=deployment)
+                                 previous=previous, now=now_rfc3339(), deployment=deployment,
+                                 said=self._said(namespace, name, plan, jobs))
         if status["phase"] == "Failed" and previous.get("phase") != "Failed":
             self._event(body, "Failed", status["message"])
         elif deployment is not None:
@@ -179,10 +189,23 @@ class TrainingReconciler:
                 logged[job.name] = done
         return logged
 
-    def _job_progress(self, namespace: str, name: str, job: JobPlan) -> int | None:
-        pods = self._kube.list_labelled(
+    def _said(self, namespace: str, name: str, plan: TrainingPlan,
+              jobs: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+        """Failed job name -> what its newest failed pod said (its termination message)."""
+        said = {}
+        for job in plan.jobs:
+            if job_state(jobs.get(job.name)) == FAILED:
+                text = failure_said(self._pods(namespace, name, job))
+                if text is not None:
+                    said[job.name] = text
+        return said
+
+    def _pods(self, namespace: str, name: str, job: JobPlan) -> list[dict[str, Any]]:
+        return self._kube.list_labelled(
             "Pod", namespace, f"{TRAINING_LABEL}={name},{JOB_LABEL}={job.name}")
-        pod = rank_zero_pod(pods)
+
+    def _job_progress(self, namespace: str, name: str, job: JobPlan) -> int | None:
+        pod = rank_zero_pod(self._pods(namespace, name, job))
         if pod is None:
             return None
         container = pod["spec"]["containers"][0]["name"]

@@ -10,6 +10,9 @@ their logs last said.
   (``ddm train --progress-log``, ``ddm.progress.last_progress``), read from its pod's log by
   the reconcile; a finished job has done every step asked; a job whose pod has printed
   nothing yet keeps the count the status had (a resumed pod continues from its saved step).
+- A failed job's reason: what its newest failed pod said as it ended (its termination
+  message, :func:`failure_said`), read by the reconcile, in the job's condition and the
+  status' message.
 - The phase: Failed (a job failed), Succeeded (every job did), Fetching (the data job copies
   MNIST from its store), Partitioning (the partition job runs), Training (an expert or the
   router job runs), else Pending.
@@ -20,7 +23,7 @@ unchanged state gives an equal status and the operator writes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ddm.deploy.training_plan import (
     DATA_JOB,
@@ -30,7 +33,7 @@ from ddm.deploy.training_plan import (
     JobPlan,
     TrainingPlan,
 )
-from ddm.operator.status import _by_type, _condition
+from ddm.operator.status import _by_type, _condition, _detail
 
 TRAINING_PHASES = ("Pending", "Fetching", "Partitioning", "Training", "Succeeded", "Failed")
 ABSENT, RUNNING, SUCCEEDED, FAILED = "Absent", "Running", "Succeeded", "Failed"
@@ -53,6 +56,26 @@ def job_retries(job: Mapping[str, Any] | None) -> int:
     return int(((job or {}).get("status") or {}).get("failed") or 0)
 
 
+def failure_said(pods: Sequence[Mapping[str, Any]]) -> str | None:
+    """What the newest failed pod of a job said as it ended: the termination message of its
+    container that failed (``ddm train`` writes its error there; without one, Kubernetes
+    keeps the log's tail), else the pod's own reason (an eviction); its last line, capped as
+    a DDMDeployment's status caps what its pods say (``status._detail``). None: none said."""
+    failed = [pod for pod in pods if (pod.get("status") or {}).get("phase") == "Failed"]
+    for pod in sorted(failed, reverse=True, key=lambda p: (
+            p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"])):
+        status = pod.get("status") or {}
+        for container in status.get("containerStatuses") or []:
+            for state in (container.get("state"), container.get("lastState")):
+                ended = (state or {}).get("terminated") or {}
+                if ended.get("exitCode", 0) != 0:
+                    return _detail(ended.get("message") or ended.get("reason")
+                                   or f"exit status {ended['exitCode']}")
+        if status.get("message") or status.get("reason"):
+            return _detail(status.get("message") or status["reason"])
+    return None
+
+
 def to_create(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | None]
               ) -> tuple[JobPlan, ...]:
     """The jobs to create now: those absent whose every predecessor has succeeded; none once
@@ -71,13 +94,15 @@ def finished(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | None]) -
 
 def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | None],
                     logged: Mapping[str, int], meta: Mapping[str, Any], *,
-                    previous: Mapping[str, Any], now: str, deployment: str | None
-                    ) -> dict[str, Any]:
+                    previous: Mapping[str, Any], now: str, deployment: str | None,
+                    said: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The status: ``phase``, ``expertsDone`` (``k/n``), ``steps`` (done and asked in all),
     ``jobs`` (per job: state, steps done and asked, retries), a condition per expert
     (``Expert-NAME``) and for the router (``Router``), ``message`` (why it failed), and
     ``deployment`` (the DDMDeployment created, once it is). ``logged``: job name -> the steps
-    its last progress line reported."""
+    its last progress line reported; ``said``: failed job name -> what its failed pod said
+    (:func:`failure_said`), repeated in its condition and in ``message``."""
+    said = said or {}
     before = _by_type(previous)
     earlier = previous.get("jobs") or {}
     generation = meta.get("generation")
@@ -94,8 +119,11 @@ def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | N
         report[job.name] = entry
         if job.kind in TRAINED_KINDS:
             kind = f"Expert-{job.expert}" if job.kind == EXPERT_KIND else "Router"
+            message = _progress_message(entry)
+            if state == FAILED and job.name in said:
+                message += f"; it said: {said[job.name]}"
             conditions.append(_condition(before, kind, state == SUCCEEDED, generation, now,
-                                         (state, _progress_message(entry))))
+                                         (state, message)))
     failed = [name for name in states if states[name] == FAILED]
     experts = [job for job in plan.jobs if job.kind == EXPERT_KIND]
     trained = [job for job in plan.jobs if job.steps is not None]
@@ -108,7 +136,9 @@ def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | N
         "jobs": report,
         "conditions": conditions,
         "message": (f"job {failed[0]} failed after {report[failed[0]]['retries']} failed pods "
-                    f"(each retried from its saved state)" if failed else None),
+                    f"(each retried from its saved state)"
+                    + (f"; it said: {said[failed[0]]}" if failed[0] in said else "")
+                    if failed else None),
     }
     if deployment is not None:
         status["deployment"] = deployment

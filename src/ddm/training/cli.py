@@ -2,17 +2,40 @@
 
 ``ddm.cli`` adds them with :func:`add_train_command` and :func:`add_partition_command`.
 Importing this module is cheap (no framework, no NumPy): the trainers are imported only when a
-command runs. A bad argument is a ``ValueError`` (``ddm.cli`` reports it, exit status 2).
+command runs. A bad argument is a ``ValueError`` (``ddm.cli`` reports it, exit status 2). A
+training command that fails also leaves its error as the termination message
+(``ddm.termination``), which a DDMTraining's status repeats.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
+from typing import Callable
 
 from ddm.objective_names import PREDICTIONS, SCHEDULES
 from ddm.training.resume import SAVE_EVERY
+
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _says_why_it_failed(handler: Handler) -> Handler:
+    """``handler``, whose error is also left as the termination message (``ddm.termination``:
+    a training job's pod shows it, and the operator copies it into the DDMTraining's status),
+    then raised for ``ddm.cli`` to report as any command's."""
+    @functools.wraps(handler)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except Exception as exc:
+            from ddm.termination import write_termination_message
+
+            write_termination_message(f"{type(exc).__name__}: {exc}")
+            raise
+    return run
 
 
 def add_train_command(commands: argparse._SubParsersAction) -> None:
@@ -71,7 +94,7 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
                                 "(legacy: refitted per run)")
             p.add_argument("--index", type=int, required=True, help="which part this expert owns")
         optimisation(p, steps=1500, batch=128, lr=2e-3)
-        p.set_defaults(handler=_train_unet)
+        p.set_defaults(handler=_says_why_it_failed(_train_unet))
 
     p = kinds.add_parser("router", help="train the learned router, over existing experts or "
                                         "beside them (--partition and --config)")
@@ -89,7 +112,7 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
                         "experts', which must agree on those")
     p.add_argument("--device", default=None)
     optimisation(p, steps=1500, batch=256, lr=2e-3)
-    p.set_defaults(handler=_train_router)
+    p.set_defaults(handler=_says_why_it_failed(_train_router))
 
     p = kinds.add_parser("classifier", help="train the evaluation classifier")
     p.add_argument("--image-size", type=int, default=16)
@@ -125,7 +148,7 @@ def _add_train_text2img(kinds: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue a saved training state")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     _progress_log_option(p)
-    p.set_defaults(handler=_train_text2img)
+    p.set_defaults(handler=_says_why_it_failed(_train_text2img))
 
 
 def _progress_log_option(p: argparse.ArgumentParser) -> None:
@@ -264,7 +287,7 @@ def add_partition_command(commands: argparse._SubParsersAction) -> None:
                    help="image side the experts train at (MNIST 32: padded 28x28)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, type=Path, help="partition JSON file to write")
-    p.set_defaults(handler=_partition_fit)
+    p.set_defaults(handler=_says_why_it_failed(_partition_fit))
     p = actions.add_parser("show", help="check a partition file's hash and print its summary")
     p.add_argument("file", type=Path)
     p.set_defaults(handler=_partition_show)
