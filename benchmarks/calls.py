@@ -2,6 +2,9 @@
 for experts on both sides of the event loop's bound (``ddm.serving.batching.INLINE_MAX_S``),
 with the expert servers of several source trees side by side (e.g. main's checkout and a
 branch's), calls alternated between them so that a shared machine's load hits every tree alike.
+Every tree must speak label contexts (``docs/protocol.md`` version 4: a label call names rows
+of a context the expert holds): the calls are this tree's bodies, and an older tree's expert,
+whose ``/v1/info`` reports no ``context_cache_bytes``, is refused by name before any round.
 
 Per tree and model, one expert process (``OMP_NUM_THREADS=1``, as ``ddm up`` runs a CPU expert)
 serves, as ``ddm serve expert`` serves it (the tree's event loops and batcher): the digits
@@ -70,8 +73,9 @@ from ddm.runtime.local import REPOSITORY_ROOT, free_port
 from ddm.serving.batching import INLINE_MAX_S
 from ddm.serving.model.backends import load_backend
 from ddm.serving.http.client import HttpClient
-from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                       encode_request, max_error_reply_bytes, max_reply_bytes)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, decode_context_ack, decode_response,
+                                       max_error_reply_bytes, max_reply_bytes)
+from tests.support.label_wire import LabelCall, velocity_call
 from benchmarks.figures import CALL_ABOVE_FLOOR_MS, verdict
 from benchmarks.fleet import HOST, READY_S, checkouts
 
@@ -297,6 +301,20 @@ def _local_model(checkpoint: Path, seconds: float, how: str) -> Callable[..., np
     return velocity
 
 
+async def _hold_context(client: HttpClient, endpoint: str, tree: str, call: LabelCall
+                        ) -> None:
+    """Have the expert at ``endpoint`` (of ``tree``) hold ``call``'s label context."""
+    info = await client.get(endpoint, "/v1/info", _TIMEOUT_S, _TIMEOUT_S,
+                            max_reply_bytes=65536)
+    if "context_cache_bytes" not in json.loads(info.body):
+        raise RuntimeError(f"the expert of {tree} takes no label contexts (a tree older than "
+                           "docs/protocol.md version 4): calls compares trees that do")
+    reply = await client.post(endpoint, "/v1/velocity", call.context, CONTENT_TYPE, _TIMEOUT_S,
+                              _TIMEOUT_S, max_reply_bytes=4096,
+                              max_error_bytes=max_error_reply_bytes())
+    decode_context_ack(reply.body, 1)
+
+
 async def _round(client: HttpClient, endpoint: str, body: bytes,
                  shape: tuple[int, ...]) -> tuple[list[float], list[float]]:
     """(call seconds, floor seconds) of one round on one server."""
@@ -338,11 +356,16 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
             stack.callback(client.close)
             for endpoint, _ in servers.values():
                 await _wait_ready(client, endpoint)
+            inputs = {name: (np.random.default_rng(0).standard_normal((1, *shape), np.float32),
+                             np.full(1, 0.5, np.float32), np.full(1, label, np.int64))
+                      for name, (_, shape, label, _, _) in MODELS.items()}
+            calls = {name: velocity_call(1, *inputs[name]) for name in MODELS}
+            for (name, tree_name), (endpoint, _) in servers.items():
+                await _hold_context(client, endpoint, tree_name, calls[name])
             for round_index in range(rounds + 1):  # round 0 warms up and is dropped
-                for name, (_, shape, label, _, _) in MODELS.items():
-                    x = np.random.default_rng(0).standard_normal((1, *shape), np.float32)
-                    t, y = np.full(1, 0.5, np.float32), np.full(1, label, np.int64)
-                    body = encode_request(VelocityRequest(1, x, t, y))
+                for name, (_, shape, _, _, _) in MODELS.items():
+                    x, t, y = inputs[name]
+                    body = calls[name].call
                     for tree in trees:
                         key = (name, tree.name)
                         calls, floors = await _round(client, servers[key][0], body,

@@ -10,7 +10,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ddm.serving.wire.protocol import VelocityRequest, encode_request, encode_response
+from ddm.serving.wire.protocol import encode_response
+from tests.support.label_wire import velocity_call
 from benchmarks.reference_protocol import encode_npz
 
 BIG_BATCH = 64
@@ -80,14 +81,16 @@ def throughput_figures(measured: dict[str, Any], steps: int) -> dict[str, Any]:
 
 def wire_bytes(image_shape: tuple[int, int, int], batch: int) -> dict[str, Any]:
     """Bytes of one velocity step at ``batch`` rows: raw tensors (``x`` float32, ``t`` float32,
-    ``y`` int64 out; ``v`` float32 back), our protocol's bodies, and the reference ``.npz``
-    bodies of standard-normal ``x`` and ``v`` (what a sampler sends: noise-like values)."""
+    ``y`` int64 out; ``v`` float32 back), our protocol's bodies (the velocity call naming rows
+    of a label context, which crosses once per generation, not per step), and the reference
+    ``.npz`` bodies of standard-normal ``x`` and ``v`` (what a sampler sends: noise-like
+    values)."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, *image_shape), np.float32)
     t, y = np.full(batch, 0.5, np.float32), np.arange(batch, dtype=np.int64) % 10
     v = rng.standard_normal(x.shape, np.float32)
     raw_request, raw_reply = x.nbytes + t.nbytes + y.nbytes, v.nbytes
-    request = len(encode_request(VelocityRequest(1, x, t, y)))
+    request = len(velocity_call(1, x, t, y).call)
     reply = len(encode_response(1, v))
     npz_request, npz_reply = len(encode_npz(x=x, t=t, y=y)), len(encode_npz(v=v))
     return {"raw_request": raw_request, "raw_reply": raw_reply,

@@ -64,7 +64,8 @@ from benchmarks.figures import (ACCURACY_GAP_POINTS, BATCHING_SPEEDUP, BIG_BATCH
 from benchmarks.fleet import (CONCURRENT, HOST, BenchError, Fleet, cpu_seconds,
                                      machine, recorded_path, running_fleet, say)
 from ddm.serving.router.fleet.servers import KEEP_ALIVE_S
-from ddm.serving.wire.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.wire.protocol import CONTENT_TYPE, decode_response
+from tests.support.label_wire import LabelCall, velocity_call
 from benchmarks.reference_protocol import npz_velocity, reference_ddm
 from benchmarks.calls import ROUNDS as CALL_ROUNDS, measure as measure_calls
 from benchmarks.text2img_latency import text2img_latency, text2img_summary_lines
@@ -253,6 +254,17 @@ async def _throughput(settings: BenchSettings, ddm: DDM, session: aiohttp.Client
     return {"runs": runs, "checks": checks, "cpu_seconds_batch_1": cpu}
 
 
+async def _held(session: aiohttp.ClientSession, endpoint: str, call: LabelCall) -> bytes:
+    """``call``'s velocity body, once the expert at ``endpoint`` holds its label context (a
+    generation's labels cross once; each step sends only the call)."""
+    async with session.post(f"{endpoint}/v1/velocity", data=call.context,
+                            headers={"Content-Type": CONTENT_TYPE}) as response:
+        if response.status != 200:
+            raise BenchError(f"{endpoint} refused a label context: {response.status} "
+                             f"{(await response.read())[:200]!r}")
+    return call.call
+
+
 async def _call_latency(ddm: DDM, session: aiohttp.ClientSession, fleet: Fleet,
                         calls: int) -> dict[str, Any]:
     """Median ms of one batch-1 velocity of the first expert: the model alone in this
@@ -263,7 +275,7 @@ async def _call_latency(ddm: DDM, session: aiohttp.ClientSession, fleet: Fleet,
     t, y = np.full(1, 0.5, np.float32), np.full(1, min(ddm.expert_classes[0]), np.int64)
     cond = Conditioning.from_labels(y)
     endpoint = f"http://{HOST}:{fleet.batched.experts[0].port}"
-    body = encode_request(VelocityRequest(1, x, t, y))
+    body = await _held(session, endpoint, velocity_call(1, x, t, y))
     reference = npz_velocity(fleet.reference[0])
 
     async def model() -> None:
@@ -335,10 +347,10 @@ async def _velocity_rounds(session: aiohttp.ClientSession, endpoint: str,
                            shape: tuple[int, int, int], label: int, rounds: int) -> float:
     """Seconds for ``rounds`` rounds of 64 concurrent one-row velocity requests."""
     rng = np.random.default_rng(0)
-    bodies = [encode_request(VelocityRequest(i + 1, rng.standard_normal((1, *shape), np.float32),
-                                             np.full(1, (i + 0.5) / CONCURRENT, np.float32),
-                                             np.full(1, label, np.int64)))
-              for i in range(CONCURRENT)]
+    bodies = [await _held(session, f"http://{endpoint}", velocity_call(
+        i + 1, rng.standard_normal((1, *shape), np.float32),
+        np.full(1, (i + 0.5) / CONCURRENT, np.float32), np.full(1, label, np.int64)))
+        for i in range(CONCURRENT)]  # one context: the same label in every call
 
     async def call(i: int) -> None:
         async with session.post(f"http://{endpoint}/v1/velocity", data=bodies[i],
@@ -392,8 +404,8 @@ async def _header_bytes(session: aiohttp.ClientSession, fleet: Fleet,
     """HTTP/1.1 header bytes of one velocity exchange with the router's client, rebuilt
     from the header lines sent and received (``Name: value`` and CRLF each)."""
     endpoint = f"{HOST}:{fleet.batched.experts[0].port}"
-    body = encode_request(VelocityRequest(1, np.zeros((1, *shape), np.float32),
-                                          np.zeros(1, np.float32), np.zeros(1, np.int64)))
+    body = await _held(session, f"http://{endpoint}", velocity_call(
+        1, np.zeros((1, *shape), np.float32), np.zeros(1, np.float32), np.zeros(1, np.int64)))
     async with session.post(f"http://{endpoint}/v1/velocity", data=body,
                             headers={"Content-Type": CONTENT_TYPE}) as response:
         await response.read()

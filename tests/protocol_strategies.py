@@ -3,11 +3,11 @@
 Shared by the decoder's fuzz test (``tests/unit/test_protocol_fuzz.py``) and the expert's HTTP
 fuzz test (``tests/integration/test_api_fuzz.py``). A hostile body is one of:
 
-- a *valid* velocity or integrate request (or, for a pool, a pool velocity request naming one
-  to three members) built with the real encoder, sized for the expert
-  under test (its image shape, labels, batch and step limits) or deliberately not (batches over
-  the limit or mismatched between tensors, other image shapes, labels it does not serve, times
-  outside [0, 1], grids that are not increasing, int32 labels);
+- a *valid* velocity or integrate request naming rows of the target's label context (or, for
+  a pool, a pool velocity request naming one to three members) built with the real encoder,
+  sized for the expert under test (its image shape, labels, batch and step limits) or
+  deliberately not (batches over the limit or mismatched between tensors, other image shapes,
+  negative rows, guidance out of range, times outside [0, 1], grids that are not increasing);
 - such a request with one to three *structure-aware mutations*: a header or descriptor field
   (magic, version, kind, flags, count, id, param, name, dtype and ndim codes, dims) set to an
   edge value, a dim declaring gigabytes, a truncation, trailing or inserted bytes, a deleted
@@ -21,6 +21,7 @@ test does not trust the code it checks.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from typing import Sequence
@@ -28,11 +29,12 @@ from typing import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from ddm.serving.wire.protocol import (IntegrateRequest, LabelContext, PoolVelocityRequest, Solver,
-                                       TextVelocityRequest, VelocityRequest, encode_pool_request,
-                                       encode_request, encode_text_request)
+from ddm.serving.wire.protocol import (LabelContext, PoolVelocityRequest, Solver,
+                                       TextIntegrateRequest, TextVelocityRequest,
+                                       encode_pool_request, encode_text_request)
+from tests.support.label_wire import label_context
 
-MAGIC_AND_VERSION = b"DDMT\x01"
+MAGIC_AND_VERSION = b"DDMT\x02"
 HEADER_BYTES = 18
 ALIGNMENT = 8
 
@@ -64,6 +66,16 @@ class Target:
     labels: tuple[int, ...]
     max_batch: int
     max_steps: int
+
+    @functools.cached_property
+    def context(self) -> bytes:
+        """The body of the label context of ``labels`` that velocity and integrate requests
+        name rows of: an expert under test must hold it (post it first)."""
+        return label_context(0, np.array(self.labels))[0]
+
+    @functools.cached_property
+    def context_id(self) -> bytes:
+        return label_context(0, np.array(self.labels))[1]
 
 
 def layout(arrays: Sequence[np.ndarray]) -> tuple[list[Field], list[Region]]:
@@ -132,15 +144,22 @@ def _valid(seed: int, coherent: bool, velocity: bool, target: Target) -> Valid:
     x = rng.standard_normal((batch, *shape)).astype(np.float32)
     if not coherent and x.size and flip():
         x.flat[rng.integers(x.size)] = np.nan if flip() else np.inf
-    labels = np.array(target.labels if coherent or flip() else (-1, 10, 2**40), np.int64)
     rows = batch if coherent or flip() else int(rng.integers(0, batch + 2))
-    y = rng.choice(labels, max(batch, rows)).astype(np.int64 if flip() else np.int32)
+    size = max(batch, rows)
+    held = rng.integers(0, len(target.labels), size).astype(np.int32)
+    named = held if coherent or flip() else -held - 1  # rows of the context, or negative
+    guidance = np.ones(size, np.float32)
+    if not coherent and size and flip():
+        guidance[rng.integers(size)] = _SPECIAL_FLOATS[rng.integers(3)]  # not finite
+    context = target.context_id
+    identity = np.frombuffer(context, np.uint8)
     request_id = int(rng.integers(2**63)) * 2 + int(flip()) if flip() else \
         _IDS[rng.integers(len(_IDS))]
     if velocity:
         t = _times(rng, rows, coherent or flip())
-        request: VelocityRequest | IntegrateRequest = VelocityRequest(request_id, x, t, y[:rows])
-        arrays = (x, t, request.y)
+        request: TextVelocityRequest | TextIntegrateRequest = TextVelocityRequest(
+            request_id, x, t, context, named[:rows], guidance[:rows])
+        arrays = (x, t, identity, request.rows, request.guidance)
     else:
         steps = int(rng.integers(1, min(target.max_steps, 6) + 1) if coherent
                     else rng.integers(0, target.max_steps + 2))
@@ -150,9 +169,10 @@ def _valid(seed: int, coherent: bool, velocity: bool, target: Target) -> Valid:
             if steps >= 1 and flip():
                 grid[[0, -1]] = grid[[-1, 0]]  # not increasing
         solver = Solver.EULER if flip() else Solver.HEUN
-        request = IntegrateRequest(request_id, x, y[:batch], grid, solver)
-        arrays = (x, request.y, grid)
-    body = encode_request(request)
+        request = TextIntegrateRequest(request_id, x, context, named[:batch], guidance[:batch],
+                                       grid, solver)
+        arrays = (x, identity, request.rows, request.guidance, grid)
+    body = encode_text_request(request)
     fields, regions = layout(arrays)
     assert regions[-1].offset + regions[-1].size == len(body), "layout out of step with encoder"
     return Valid(body, tuple(fields), tuple(regions))
@@ -318,7 +338,13 @@ def request_bodies(target: Target, pool: bool = False,
     )
 
 
-def huge_header(dims: Sequence[int], kind: int = 1, ndim: int = 4) -> bytes:
+def huge_header(dims: Sequence[int], kind: int = 7, ndim: int = 4) -> bytes:
     """A velocity-request header whose ``x`` declares ``dims``, with no data behind it."""
-    fixed = struct.pack("<4sBBBBQH", b"DDMT", 1, kind, 0, 3, 1, 0)
+    fixed = struct.pack("<4sBBBBQH", b"DDMT", 2, kind, 0, 5, 1, 0)
     return fixed + struct.pack(f"<BBB{len(dims)}I", 1, 1, ndim, *dims)
+
+
+#: The descriptors after ``x`` of a one-row velocity request: ``t``, ``context``, ``rows``,
+#: ``guidance`` (name code, dtype code, ndim, dims).
+ONE_ROW_DESCRIPTORS = b"".join(struct.pack("<BBBI", *d) for d in (
+    (2, 1, 1, 1), (10, 5, 1, 32), (11, 3, 1, 1), (12, 1, 1, 1)))

@@ -38,9 +38,10 @@ from hypothesis import strategies as st
 
 from protocol_strategies import Target, request_bodies
 from ddm.runtime.local import ProcessSpec, Supervisor, free_port
-from ddm.serving.wire.protocol import (CONTENT_TYPE, IntegrateRequest, Limits, ProtocolError,
-                                       RemoteExpertError, Solver, VelocityRequest, decode_request,
-                                       decode_response, encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Limits, ProtocolError,
+                                       RemoteExpertError, Solver, TextIntegrateRequest,
+                                       TextVelocityRequest, decode_request, decode_response,
+                                       encode_text_request)
 from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                        StaticDiscovery)
 
@@ -272,10 +273,10 @@ def test_an_expert_answers_10000_hostile_bodies_as_its_decoder_decides(
         fleet: Fleet, client: httpx.Client) -> None:
     expert = fleet.experts[0]
     limits = _expert_limits(client, expert)
-    target = Target(limits.image_shape, tuple(sorted(limits.allowed_labels)), limits.max_batch,
-                    max_steps=8)
+    target = _target(limits)
     url = f"{expert.url}/v1/velocity"
     headers = {"content-type": CONTENT_TYPE}
+    assert client.post(url, content=target.context, headers=headers).status_code == 200
     baseline = expert.memory_kib("VmRSS")
     statuses: dict[int, int] = {}
 
@@ -284,7 +285,7 @@ def test_an_expert_answers_10000_hostile_bodies_as_its_decoder_decides(
     def hostile(body: bytes) -> None:
         try:  # what the expert must answer; a non-ProtocolError here is a decoder bug
             request = decode_request(body, limits)
-            expected, request_id = 200, request.request_id
+            expected, request_id = _held_rows_verdict(request, target), request.request_id
         except ProtocolError as error:
             expected, request_id = error.status, error.request_id or 0
         answer = client.post(url, content=body, headers=headers)
@@ -347,19 +348,40 @@ def test_the_router_answers_as_its_openapi_document_says(fleet: Fleet) -> None:
         _call_and_validate(operation, 100)
 
 
-def _request_messages(limits: Limits) -> st.SearchStrategy[bytes]:
-    """Velocity and integrate requests the expert accepts, from the real encoder."""
+def _target(limits: Limits) -> Target:
+    """The hostile bodies' target: the expert's shapes and labels, and grids of 8 steps."""
+    return Target(limits.image_shape, tuple(sorted(limits.allowed_labels)), limits.max_batch,
+                  max_steps=8)
+
+
+def _held_rows_verdict(request: Any, target: Target) -> int:
+    """What the expert answers a request its decoder accepted: it must hold the context the
+    request names (the target's, posted first: 412 otherwise) and the rows must be rows of it,
+    unguided (422 otherwise; every label of it is served)."""
+    if request.context != target.context_id:
+        return UNKNOWN_CONTEXT
+    if request.rows.max() >= len(target.labels) or (request.guidance != 1.0).any():
+        return 422
+    return 200
+
+
+def _request_messages(limits: Limits, target: Target) -> st.SearchStrategy[bytes]:
+    """Velocity and integrate requests the expert accepts, from the real encoder: rows of the
+    label context of every label it serves (``target.context``, posted first)."""
+    context, labels = target.context_id, len(target.labels)
 
     def message(seed: int) -> bytes:
         rng = np.random.default_rng(seed)
         batch = int(rng.integers(1, limits.max_batch + 1))
         x = rng.standard_normal((batch, *limits.image_shape)).astype(np.float32)
-        y = rng.choice(sorted(limits.allowed_labels), batch).astype(np.int64)
+        rows = rng.integers(0, labels, batch).astype(np.int32)
+        unguided = np.ones(batch, np.float32)
         if rng.integers(2):
             t = rng.uniform(0.0, 1.0, batch).astype(np.float32)
-            return encode_request(VelocityRequest(seed, x, t, y))
+            return encode_text_request(TextVelocityRequest(seed, x, t, context, rows, unguided))
         grid = np.linspace(0.0, 1.0, int(rng.integers(2, 6)), dtype=np.float32)
-        return encode_request(IntegrateRequest(seed, x, y, grid, Solver(1 + seed % 2)))
+        return encode_text_request(TextIntegrateRequest(seed, x, context, rows, unguided, grid,
+                                                        Solver(1 + seed % 2)))
 
     return st.integers(0, 2**32 - 1).map(message)
 
@@ -370,8 +392,12 @@ def test_the_expert_answers_as_its_openapi_document_says(
     # can neither serialise nor fill: told nothing, it would send random bytes as "valid" and
     # count the expert's 400 against it. So it is told what a request message is; hostile
     # bodies are the 10000-body test's.
-    schemathesis.openapi.media_type(
-        CONTENT_TYPE, _request_messages(_expert_limits(client, fleet.experts[0])))
+    limits = _expert_limits(client, fleet.experts[0])
+    target = _target(limits)
+    held = client.post(f"{fleet.experts[0].url}/v1/velocity", content=target.context,
+                       headers={"content-type": CONTENT_TYPE})
+    assert held.status_code == 200
+    schemathesis.openapi.media_type(CONTENT_TYPE, _request_messages(limits, target))
     operations = _operations(f"{fleet.experts[0].url}/openapi.json")
     assert {(o.method.upper(), o.path) for o in operations} >= {
         ("POST", "/v1/velocity"), ("GET", "/v1/info"), ("GET", "/healthz"), ("GET", "/readyz"),

@@ -16,8 +16,8 @@ from ddm.checkpoints.format import load_checkpoint
 from ddm.models.imports import ENV_ALLOW_IMPORT
 from ddm.models.loading import expert_network
 from ddm.models.torch_io import canonical_weights, export_program
-from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                       encode_request)
+from ddm.serving.wire.protocol import decode_response
+from tests.support.label_wire import post_call, velocity_call
 from tests.integration.servers import running, wait_ready
 from tests.support.tiny_dit import SMALL, build
 
@@ -122,14 +122,12 @@ def test_the_expert_server_serves_them_through_its_backend(kind, dit, tmp_path, 
         info = httpx.get(f"{base}/v1/info").json()
         assert info["image_shape"] == list(SHAPE) and info["classes"] == [5, 6, 7, 8, 9]
         x, t, y = inputs(1, 3)
-        reply = httpx.post(f"{base}/v1/velocity", headers={"Content-Type": CONTENT_TYPE},
-                           content=encode_request(VelocityRequest(4, x, t, y)))
+        reply = post_call(base, velocity_call(4, x, t, y))
         assert reply.status_code == 200, reply.content
         np.testing.assert_allclose(decode_response(reply.content, 4), direct(dit, x, t, y),
                                    atol=1e-5)
         too_many = inputs(2, 5)
-        refused = httpx.post(f"{base}/v1/velocity", headers={"Content-Type": CONTENT_TYPE},
-                             content=encode_request(VelocityRequest(5, *too_many)))
+        refused = post_call(base, velocity_call(5, *too_many))
         assert refused.status_code == 422
 
 

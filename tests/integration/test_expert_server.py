@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Awaitable, Iterator
 
 import aiohttp
 import httpx
@@ -32,9 +32,10 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.backends import Backend, BackendUnavailable, check_backend, load_backend
-from ddm.serving.wire.protocol import (CONTENT_TYPE, IntegrateRequest, RemoteExpertError, Solver,
-                                       VelocityRequest, decode_response, encode_request)
+from ddm.serving.wire.protocol import CONTENT_TYPE, RemoteExpertError, Solver, decode_response
 from ddm.termination import write_termination_message
+from tests.support.label_wire import (LabelCall, LabelVelocity, integrate_call, post_call,
+                                      send_async)
 from servers import READY_DEADLINE_S, ready_server, running, wait_ready
 from waiting import wait_for
 
@@ -47,9 +48,9 @@ def post(base: str, body: bytes) -> httpx.Response:
 
 
 def velocity_request(batch: int, seed: int, request_id: int = 1,
-                     labels: list[int] | None = None) -> VelocityRequest:
+                     labels: list[int] | None = None) -> LabelVelocity:
     rng = np.random.default_rng(seed)
-    return VelocityRequest(request_id, rng.standard_normal((batch, *SHAPE), dtype=np.float32),
+    return LabelVelocity(request_id, rng.standard_normal((batch, *SHAPE), dtype=np.float32),
                            rng.uniform(0, 1, batch).astype(np.float32),
                            np.asarray(labels if labels is not None else rng.integers(0, 5, batch)))
 
@@ -86,7 +87,7 @@ def test_velocity_over_http_equals_in_process(backend, smoke_expert_checkpoint,
     expected = expert_velocity(load_checkpoint(checkpoint), backend)(request.x, request.t,
                                                                      request.y)
     with ready_server(checkpoint, backend, device="cpu", max_batch=4) as base:  # pads 3 -> 4
-        reply = post(base, encode_request(request))
+        reply = post_call(base, request)
         info = httpx.get(f"{base}/v1/info").json()
     assert reply.status_code == 200, reply.content
     out = decode_response(reply.content, 42, expected_shape=(3, *SHAPE))
@@ -100,8 +101,7 @@ def test_velocity_over_http_equals_in_process(backend, smoke_expert_checkpoint,
 def test_integrate_equals_local_solver(torch_server, torch_velocity):
     velocity = velocity_request(batch=2, seed=1)
     grid = np.array([0.0, 0.1, 0.35, 0.7, 1.0], np.float32)
-    request = IntegrateRequest(7, velocity.x, velocity.y, grid, Solver.HEUN)
-    reply = post(torch_server, encode_request(request))
+    reply = post_call(torch_server, integrate_call(7, velocity.x, velocity.y, grid, Solver.HEUN))
     assert reply.status_code == 200, reply.content
     expected = velocity.x
     for _, expected in iterate(torch_velocity, velocity.x, velocity.y, grid, "heun"):
@@ -115,11 +115,13 @@ def test_concurrent_single_image_requests_are_batched_and_get_their_own_answers(
 
     async def send_all(base: str) -> list[bytes]:
         async with aiohttp.ClientSession() as session:
-            async def one(request: VelocityRequest) -> bytes:
-                async with session.post(f"{base}/v1/velocity", data=encode_request(request),
-                                        headers=HEADERS) as response:
-                    assert response.status == 200
-                    return await response.read()
+            async def one(request: LabelVelocity) -> bytes:
+                for body in request.call().bodies:
+                    async with session.post(f"{base}/v1/velocity", data=body,
+                                            headers=HEADERS) as response:
+                        assert response.status == 200
+                        reply = await response.read()
+                return reply
             return await asyncio.gather(*(one(r) for r in requests))
 
     # A long delay makes coalescing certain; the batch dispatches as soon as it holds 32.
@@ -139,31 +141,34 @@ def test_concurrent_single_image_requests_are_batched_and_get_their_own_answers(
 def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(torch_server,
                                                                           torch_velocity):
     good = velocity_request(batch=2, seed=3, request_id=9)
-    wrong_dtype = bytearray(encode_request(good))
+    wrong_dtype = bytearray(good.call().call)
     wrong_dtype[19] = 3  # the dtype code of 'x' (after the 18-byte header and its name code)
     # (body, status, message pattern, request id echoed: 0 where the header was unreadable)
     cases = [
         (b"", 400, "truncated header: 0 bytes", 0),
         (b"GET / HTTP/1.1\r\n\r\n garbage" * 10, 400, "magic", 0),
         (bytes(wrong_dtype), 422, "int32", 9),
-        (encode_request(VelocityRequest(9, np.zeros((1, 1, 4, 4), np.float32),
-                                        np.zeros(1, np.float32), np.zeros(1, np.int64))),
+        (LabelVelocity(9, np.zeros((1, 1, 4, 4), np.float32), np.zeros(1, np.float32),
+                       np.zeros(1, np.int64)).call(),
          422, r"this expert serves \(1, 8, 8\)", 9),
-        (encode_request(velocity_request(batch=9, seed=0, request_id=9)), 422,
+        (velocity_request(batch=9, seed=0, request_id=9).call(), 422,
          "batch of 9 exceeds the limit of 8", 9),
-        (encode_request(velocity_request(batch=2, seed=0, request_id=9, labels=[1, 7])), 422,
+        (velocity_request(batch=2, seed=0, request_id=9, labels=[1, 7]).call(), 422,
          r"labels \[7\] are not served by this expert \(serves \[0, 1, 2, 3, 4\]\)", 9),
     ]
     for body, status, message, echoed in cases:
-        reply = post(torch_server, body)
+        reply = (post_call(torch_server, body) if isinstance(body, LabelCall)
+                 else post(torch_server, body))
         assert reply.status_code == status, (message, reply.content)
         assert re.search(message, remote_error(reply, echoed).message)
-    reply = post(torch_server, encode_request(good))
+    reply = post_call(torch_server, good)
     assert reply.status_code == 200
     np.testing.assert_allclose(decode_response(reply.content, 9),
                                torch_velocity(good.x, good.t, good.y), atol=1e-5)
     metrics = httpx.get(f"{torch_server}/metrics").text
-    assert metric(metrics, 'ddm_expert_requests_total{kind="invalid",status="422"}') >= 4
+    # Labels it does not serve are refused once their context's rows are read: a velocity 422.
+    assert sum(metric(metrics, f'ddm_expert_requests_total{{kind="{kind}",status="422"}}')
+               for kind in ("invalid", "velocity")) >= 4
     assert httpx.get(f"{torch_server}/healthz").status_code == 200
 
 
@@ -183,13 +188,13 @@ def test_readyz_is_503_until_warm_up_completes(smoke_expert_checkpoint):
         assert httpx.get(f"{base}/healthz").status_code == 200
         readyz = httpx.get(f"{base}/readyz")
         assert (readyz.status_code, readyz.json()["status"]) == (503, "loading")
-        reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=5)))
+        reply = post_call(base, velocity_request(batch=1, seed=0, request_id=5))
         assert reply.status_code == 503
         assert "still loading" in remote_error(reply, 5).message
         assert httpx.get(f"{base}/v1/info").json()["ready"] is False
         release.set()
         wait_ready(base)
-        assert post(base, encode_request(velocity_request(1, 0, request_id=5))).status_code == 200
+        assert post_call(base, velocity_request(1, 0, request_id=5)).status_code == 200
 
 
 def test_a_failed_load_is_reported_by_the_probes(smoke_expert_checkpoint):
@@ -206,7 +211,7 @@ def test_a_failed_load_is_reported_by_the_probes(smoke_expert_checkpoint):
         health = httpx.get(f"{base}/healthz")
         assert health.status_code == 500 and "no such accelerator" in health.json()["error"]
         assert httpx.get(f"{base}/readyz").status_code == 503
-        reply = post(base, encode_request(velocity_request(batch=1, seed=0, request_id=3)))
+        reply = post_call(base, velocity_request(batch=1, seed=0, request_id=3))
         assert "failed to load" in remote_error(reply, 3).message
 
 
@@ -231,7 +236,7 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
     with running(app) as base:
         wait_ready(base)
         limit = httpx.get(f"{base}/v1/info").json()["max_body_bytes"]
-        over = encode_request(velocity_request(batch=1, seed=0, request_id=4)) + bytes(limit)
+        over = velocity_request(batch=1, seed=0, request_id=4).call().call + bytes(limit)
         for content in (over, iter([over[:100], over[100:]])):  # declared, then chunked
             reply = post(base, content)
             assert reply.status_code == 413
@@ -239,11 +244,14 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
 
         async def scenario() -> tuple[httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(base_url=base, timeout=60, headers=HEADERS) as client:
-                held = asyncio.create_task(client.post("/v1/velocity", content=encode_request(
-                    velocity_request(batch=5, seed=1, request_id=5))))
+                def post_async(body: bytes) -> Awaitable[httpx.Response]:
+                    return client.post("/v1/velocity", content=body)
+
+                held = asyncio.create_task(send_async(
+                    post_async, velocity_request(batch=5, seed=1, request_id=5).call()))
                 assert await asyncio.to_thread(entered.wait, 60)  # it holds the model now
-                refused = await client.post("/v1/velocity", content=encode_request(
-                    velocity_request(batch=1, seed=2, request_id=6)))
+                refused = await send_async(
+                    post_async, velocity_request(batch=1, seed=2, request_id=6).call())
                 gate.set()
                 return refused, await held
 
@@ -251,7 +259,7 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert "the limit is 1" in remote_error(refused, 0).message
         assert held.status_code == 200
-        assert post(base, encode_request(velocity_request(1, 3, request_id=7))).status_code == 200
+        assert post_call(base, velocity_request(1, 3, request_id=7)).status_code == 200
 
 
 @pytest.mark.parametrize("damage, reason", [
@@ -302,7 +310,7 @@ def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
         while (readyz := httpx.get(f"{base}/readyz")).status_code == 200:
             assert time.monotonic() < signalled + drain_s, "still ready after the drain"
         assert readyz.status_code == 503 and readyz.json() == {"status": "draining"}
-        served = post(base, encode_request(velocity_request(2, seed=0)))  # a new connection
+        served = post_call(base, velocity_request(2, seed=0))  # a new connection
         assert served.status_code == 200 and time.monotonic() - signalled < drain_s
         _, log = expert.communicate(timeout=30)
         assert time.monotonic() - signalled >= drain_s
@@ -362,16 +370,15 @@ def test_a_long_lone_batch_runs_on_its_event_loop_while_another_answers(
     try:
         wait_ready(base)
         held = velocity_request(1, seed=0)
-        held = VelocityRequest(1, held.x, np.full(1, GATED_T, np.float32), held.y)
+        held = LabelVelocity(1, held.x, np.full(1, GATED_T, np.float32), held.y)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            first = pool.submit(post, base, encode_request(held))
+            first = pool.submit(post_call, base, held)
             wait_for(lambda: (tmp_path / "thread").exists(), READY_DEADLINE_S,
                      "the held request to reach the model", interval_s=0.05)
             ran_on = (tmp_path / "thread").read_text()
             assert ran_on == "MainThread" or ran_on.startswith("ddm-loop-"), ran_on
             assert httpx.get(f"{base}/readyz", timeout=10).status_code == 200
-            other = encode_request(velocity_request(2, seed=1, request_id=2))
-            second = pool.submit(post, base, other)
+            second = pool.submit(post_call, base, velocity_request(2, seed=1, request_id=2))
             assert httpx.get(f"{base}/metrics", timeout=10).status_code == 200
             assert not first.done() and not second.done()
             (tmp_path / "go").touch()
@@ -406,7 +413,9 @@ def test_neuron_backend_without_torch_neuronx_fails_clearly(smoke_expert_checkpo
 
 def test_sequential_requests_are_not_held_by_nagle(torch_server):
     """A reply held for a delayed ACK costs 40 ms; a batch-1 step of the smoke model is ~1 ms."""
-    body = encode_request(velocity_request(batch=1, seed=0))
+    call = velocity_request(batch=1, seed=0).call()
+    assert post(torch_server, call.context).status_code == 200  # held: each call names it
+    body = call.call
 
     async def latencies() -> list[float]:
         async with aiohttp.ClientSession() as session:
@@ -437,7 +446,10 @@ def test_the_openapi_document_describes_exactly_the_served_operations(torch_serv
     assert {s for s, r in velocity["responses"].items() if r["content"] == binary} >= {
         "200", "400", "413", "422", "429", "503"}
     for method, path in SERVED:  # each documented operation is served, as documented
-        body = encode_request(velocity_request(batch=1, seed=0)) if method == "POST" else None
+        body = velocity_request(batch=1, seed=0).call() if method == "POST" else None
+        if body is not None:
+            assert post(torch_server, body.context).status_code == 200
+            body = body.call
         reply = httpx.request(method, f"{torch_server}{path}", content=body, headers=HEADERS)
         assert str(reply.status_code) in paths[path][method.lower()]["responses"], (path, reply)
         assert reply.status_code == 200, (path, reply.text)
@@ -459,8 +471,11 @@ def test_velocity_calls_run_between_the_slices_of_a_long_integration(torch_serve
     calls sent meanwhile are answered before it ends, and its result is unchanged."""
     start = velocity_request(batch=8, seed=3)
     grid = np.linspace(0, 1, 1001, dtype=np.float32)
-    integrate = encode_request(IntegrateRequest(9, start.x, start.y, grid, Solver.EULER))
-    single = encode_request(velocity_request(batch=1, seed=4, request_id=5))
+    integrate = integrate_call(9, start.x, start.y, grid, Solver.EULER)
+    single = velocity_request(batch=1, seed=4, request_id=5).call()
+    for context in (integrate.context, single.context):  # held: the calls name them
+        assert post(torch_server, context).status_code == 200
+    integrate, single = integrate.call, single.call
 
     async def scenario() -> tuple[bytes, int]:
         async with httpx.AsyncClient(headers=HEADERS, timeout=120) as client:
@@ -504,8 +519,9 @@ def test_a_batch_of_one_holding_the_model_does_not_hold_the_probes(smoke_expert_
 
         async def scenario() -> tuple[int, int]:
             async with httpx.AsyncClient(base_url=base, timeout=60, headers=HEADERS) as client:
-                held = asyncio.create_task(client.post("/v1/velocity", content=encode_request(
-                    velocity_request(batch=1, seed=0, request_id=2))))
+                held = asyncio.create_task(send_async(
+                    lambda body: client.post("/v1/velocity", content=body),
+                    velocity_request(batch=1, seed=0, request_id=2).call()))
                 assert await asyncio.to_thread(entered.wait, 60)
                 probe = await client.get("/healthz", timeout=5)
                 gate.set()
@@ -527,13 +543,13 @@ def test_with_a_metrics_port_metrics_are_there_only_and_the_api_is_not(smoke_exp
          str(ports[1]), "--log-level", "warning"], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_ready(base)
-        assert post(base, encode_request(velocity_request(1, seed=0))).status_code == 200
+        assert post_call(base, velocity_request(1, seed=0)).status_code == 200
         metrics = httpx.get(f"{scrape}/metrics")
         assert metrics.status_code == 200 and metric(metrics.text, "ddm_expert_images_total") == 1
         assert httpx.get(f"{base}/metrics").status_code == 404
         for path in ("/v1/info", "/readyz", "/openapi.json"):
             assert httpx.get(f"{scrape}{path}").status_code == 404
-        assert post(scrape, encode_request(velocity_request(1, seed=0))).status_code == 404
+        assert post_call(scrape, velocity_request(1, seed=0)).status_code == 404
     finally:
         expert.kill()
         expert.wait()
@@ -550,5 +566,5 @@ def test_a_jax_expert_with_a_small_batch_limit_starts_and_serves_it(
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()
         assert info["ready"] is True and info["max_batch"] == max_batch
-        reply = post(base, encode_request(velocity_request(batch=max_batch, seed=0)))
+        reply = post_call(base, velocity_request(batch=max_batch, seed=0))
         assert reply.status_code == 200

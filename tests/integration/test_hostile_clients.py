@@ -31,9 +31,9 @@ from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.routes import SERVING_LOOPS
 from ddm.serving.wire.protocol import (CONTENT_TYPE, RemoteExpertError, TextVelocityRequest,
-                                       VelocityRequest, decode_response, encode_request,
-                                       encode_text_request)
+                                       decode_response, encode_text_request)
 from ddm.serving.router.api.server import create_router_app
+from tests.support.label_wire import LabelCall, post_call, velocity_call
 from hostile import Attacker, check_closed_in_time, swarm
 from servers import running, wait_ready
 from tests.support.text_router import served_text_ddm
@@ -48,10 +48,10 @@ PER_KIND = {"idle": 50, "partial-line": 30, "trickled-head": 40, "slow-body": 12
 CALLS = 5
 
 
-def _velocity_body() -> bytes:
+def _velocity_call() -> LabelCall:
     rng = np.random.default_rng(0)
-    return encode_request(VelocityRequest(7, rng.standard_normal((1, 1, 8, 8), dtype=np.float32),
-                                          np.asarray([0.5], np.float32), np.asarray([1])))
+    return velocity_call(7, rng.standard_normal((1, 1, 8, 8), dtype=np.float32),
+                         np.asarray([0.5], np.float32), np.asarray([1]))
 
 
 def _timed(call: Callable[[], httpx.Response]) -> float:
@@ -96,7 +96,8 @@ def test_an_expert_serves_through_300_hostile_connections_and_closes_them(
     app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8, max_pending=16))
     with running(app, LIMITS) as base:
         wait_ready(base)
-        body = _velocity_body()
+        assert post_call(base, _velocity_call()).status_code == 200  # its context, held
+        body = _velocity_call().call
 
         def call() -> httpx.Response:
             reply = httpx.post(f"{base}/v1/velocity", content=body,
@@ -351,8 +352,9 @@ def test_an_expert_refuses_a_huge_state_from_anyone_with_a_422_naming_the_bound(
                  LIMITS) as base:
         wait_ready(base)
         x = np.full((1, 1, 8, 8), 3e38, np.float32)
-        status, message = _direct_call(base, encode_request(VelocityRequest(
-            7, x, np.asarray([0.5], np.float32), np.asarray([1]))))
+        huge = velocity_call(7, x, np.asarray([0.5], np.float32), np.asarray([1]))
+        assert _direct_call(base, huge.context) == (200, "")
+        status, message = _direct_call(base, huge.call)
         assert (status, message) == (422, HUGE_X)
         assert httpx.get(f"{base}/readyz").status_code == 200
-        assert _direct_call(base, _velocity_body()) == (200, "")
+        assert _direct_call(base, _velocity_call().call) == (200, "")

@@ -25,8 +25,8 @@ from ddm.models.config import UNetConfig
 from ddm.models.imports import ENV_ALLOW_IMPORT
 from ddm.models.jax_export import EXPORT_PLATFORMS, export_program
 from ddm.models.loading import expert_network
-from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                       encode_request)
+from ddm.serving.wire.protocol import decode_response
+from tests.support.label_wire import post_call, velocity_call
 from tests.integration.servers import running, wait_ready
 from tests.support.tiny_flax import build as build_mlp
 
@@ -224,12 +224,10 @@ def test_the_expert_server_serves_an_exported_program_over_http(exported_unet, u
         info = httpx.get(f"{base}/v1/info").json()
         assert info["image_shape"] == list(SHAPE) and info["classes"] == [0, 1, 2, 3, 4]
         x, t, y = inputs(2, 3, (0, 5))
-        reply = httpx.post(f"{base}/v1/velocity", headers={"Content-Type": CONTENT_TYPE},
-                           content=encode_request(VelocityRequest(4, x, t, y)))
+        reply = post_call(base, velocity_call(4, x, t, y))
         assert reply.status_code == 200, reply.content
         np.testing.assert_allclose(decode_response(reply.content, 4), unet(x, t, y), atol=1e-5)
-        refused = httpx.post(f"{base}/v1/velocity", headers={"Content-Type": CONTENT_TYPE},
-                             content=encode_request(VelocityRequest(5, *inputs(3, 5, (0, 5)))))
+        refused = post_call(base, velocity_call(5, *inputs(3, 5, (0, 5))))
         assert refused.status_code == 422
 
 

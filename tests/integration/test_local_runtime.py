@@ -35,8 +35,8 @@ from tests.support.processes import listening_pid
 from ddm.evaluation.commands import evaluate_images
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import LocalPlan, free_port, run_local
-from ddm.serving.wire.protocol import (CONTENT_TYPE, Limits, ProtocolError, VelocityRequest,
-                                       decode_request, encode_request)
+from ddm.serving.wire.protocol import CONTENT_TYPE, Limits, ProtocolError, decode_request
+from tests.support.label_wire import post_call, send, velocity_call
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "digits.yaml"
 STARTUP_TIMEOUT_S = 300
@@ -93,8 +93,10 @@ def test_the_router_generates_the_asked_digits(local_ddm: LocalPlan) -> None:
     assert experts == [["digits-0-4"] if y < 5 else ["digits-5-9"] for y in labels]
 
 
-_valid_request = encode_request(VelocityRequest(
-    7, np.zeros((1, 1, 16, 16), np.float32), np.full(1, 0.5, np.float32), np.zeros(1, np.int64)))
+_valid_call = velocity_call(
+    7, np.zeros((1, 1, 16, 16), np.float32), np.full(1, 0.5, np.float32), np.zeros(1, np.int64))
+#: The call's body; the test sends its label context first.
+_valid_request = _valid_call.call
 _mutations = st.one_of(
     st.binary(max_size=2048),
     st.builds(lambda cut: _valid_request[:cut], st.integers(0, len(_valid_request) - 1)),
@@ -123,6 +125,7 @@ def client() -> Iterator[httpx.Client]:
 def test_an_expert_answers_1000_malformed_bodies_with_4xx_and_keeps_serving(
         local_ddm: LocalPlan, client: httpx.Client) -> None:
     url = f"http://127.0.0.1:{local_ddm.experts[0].port}/v1/velocity"
+    assert post_call(url.removesuffix("/v1/velocity"), _valid_call).status_code == 200
 
     @HOSTILE
     @given(_mutations)
@@ -362,13 +365,14 @@ def test_with_auth_ddm_up_experts_answer_only_the_token_the_router_presents(
         velocity = {"content-type": CONTENT_TYPE}
         for expert, label in zip(plan.experts, (0, 5)):  # digits-0-4, digits-5-9
             base = f"http://127.0.0.1:{expert.port}"
-            request = encode_request(VelocityRequest(
+            call = velocity_call(
                 1, np.zeros((1, 1, 16, 16), np.float32), np.full(1, 0.5, np.float32),
-                np.full(1, label, np.int64)))
+                np.full(1, label, np.int64))
             for headers, status in (({}, 401), ({"Authorization": "Bearer guessed"}, 401),
                                     (bearer, 401), (expert_bearer, 200)):
-                answer = httpx.post(f"{base}/v1/velocity", content=request,
-                                    headers={**velocity, **headers}, timeout=30)
+                answer = send(lambda body: httpx.post(
+                    f"{base}/v1/velocity", content=body, headers={**velocity, **headers},
+                    timeout=30), call)
                 assert answer.status_code == status, (expert.name, headers, answer.text)
             assert httpx.get(f"{base}/v1/info", timeout=30).status_code == 401
             assert httpx.get(f"{base}/readyz", timeout=30).status_code == 200  # probes open

@@ -15,9 +15,10 @@ from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from ddm.serving.wire.protocol import CONTENT_TYPE, VelocityRequest, decode_response, encode_request
+from ddm.serving.wire.protocol import CONTENT_TYPE, decode_response
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
+from tests.support.label_wire import post_call, velocity_call
 from servers import SERVER_THREAD, running, wait_ready
 
 #: How long the server thread may stay runnable once its client has its reply.
@@ -58,12 +59,14 @@ def _exchange(sock: socket.socket, request: bytes, *, has_body: bool = True) -> 
 
 def test_binary_and_json_replies_leave_in_one_write_each(smoke_expert_checkpoint: Path):
     x = np.random.default_rng(0).standard_normal((1, 1, 8, 8), np.float32)
-    body = encode_request(VelocityRequest(3, x, np.array([0.5], np.float32), np.array([1])))
+    call = velocity_call(3, x, np.array([0.5], np.float32), np.array([1]))
+    body = call.call  # its label context is posted once the server is up
     velocity = (f"POST /v1/velocity HTTP/1.1\r\nHost: e\r\nContent-Type: {CONTENT_TYPE}\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body
     healthz = b"GET /healthz HTTP/1.1\r\nHost: e\r\n\r\n"
     with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8))) as base:
         wait_ready(base)
+        assert post_call(base, call).status_code == 200
         port = int(base.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port)) as sock:
             for request in (velocity, healthz):  # the first of each warms up

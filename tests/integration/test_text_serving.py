@@ -36,13 +36,13 @@ from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
                                        Solver, TextIntegrateRequest, TextVelocityRequest,
-                                       VelocityRequest, context_id, decode_response, encode_request,
-                                       encode_text_request)
+                                       context_id, decode_response, encode_text_request)
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import ExpertInfo, static_endpoints
 from ddm.serving.router.fleet.stage_clients import LocalStages, StagePool
 from tests.integration.servers import running, wait_ready
+from tests.support.label_wire import label_context
 from tests.support.text_stages import LATENT_SHAPE, hand_prior, with_prior, write_text_ddm
 
 FAST = PoolSettings(connect_s=1.0, attempt_s=10.0, deadline_s=20.0, attempts=2, backoff_s=0.05,
@@ -347,9 +347,9 @@ def test_bad_bodies_get_a_4xx_naming_the_problem(expert, cond):
         (encode_text_request(Context(1, np.zeros((1, 12, 8), np.float32),
                                      np.ones((1, 12), np.uint8), np.zeros((0, 12, 8)))), 422,
          "'embeddings' are 8 wide; this stage takes 16"),
-        (encode_request(VelocityRequest(5, X, T, np.zeros(3, np.int64))), 422,
+        (label_context(5, np.zeros(3, np.int64))[0], 422,
          "this expert stage takes Context, TextVelocityRequest, TextIntegrateRequest, not "
-         "VelocityRequest"),
+         "LabelContext"),
         (velocity(context_id(context), guidance=(60.0, 1.0, 1.0)), 422,
          r"'guidance' must be finite and in \[0, 50.0\]"),
     ]

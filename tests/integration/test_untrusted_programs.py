@@ -33,6 +33,7 @@ from ddm.cli import main
 from ddm.models.loading import expert_network
 from ddm.models.torch_io import export_program
 from tests.integration.servers import ready_server
+from tests.support.label_wire import post_call, velocity_call
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_EXPERT = ROOT / "checkpoints" / "digits" / "expert-0-4"
@@ -251,12 +252,10 @@ def test_the_untampered_export_serves_the_velocity_of_the_network_it_came_from(e
     expected = expert_network(load_checkpoint(SHIPPED_EXPERT), "torch")(x, t, y)
     np.testing.assert_allclose(expert_network(load_checkpoint(exported))(x, t, y), expected,
                                atol=1e-5)
-    from ddm.serving.wire.protocol import (CONTENT_TYPE, VelocityRequest, decode_response,
-                                           encode_request)
+    from ddm.serving.wire.protocol import decode_response
 
     with ready_server(exported, max_batch=4) as base:
-        reply = httpx.post(f"{base}/v1/velocity", headers={"Content-Type": CONTENT_TYPE},
-                           content=encode_request(VelocityRequest(4, x, t, y)))
+        reply = post_call(base, velocity_call(4, x, t, y))
         assert reply.status_code == 200, reply.content
         np.testing.assert_allclose(decode_response(reply.content, 4), expected, atol=1e-5)
 

@@ -12,16 +12,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddm.deploy.limits import MAX_STATE_MAGNITUDE
-from ddm.serving.wire.protocol import (MAX_ERROR_MESSAGE_BYTES, IntegrateRequest, Limits,
-                                       ProtocolError, RemoteExpertError, Solver, VelocityRequest,
+from ddm.serving.wire.protocol import (MAX_ERROR_MESSAGE_BYTES, LabelContext, Limits,
+                                       ProtocolError, RemoteExpertError, Solver,
+                                       TextIntegrateRequest, TextVelocityRequest, context_id,
                                        decode_request, decode_response, encode_error,
-                                       encode_request, encode_response)
+                                       encode_response, encode_text_request)
 
 # The codes of docs/protocol.md, restated so that a change to the module shows up here.
-NAME = {"x": 1, "t": 2, "y": 3, "grid": 4, "out": 5, "message": 6}
+NAME = {"x": 1, "t": 2, "grid": 4, "out": 5, "message": 6, "context": 10, "rows": 11,
+        "guidance": 12}
 DTYPE = {np.dtype(np.float32): 1, np.dtype(np.float16): 2, np.dtype(np.int32): 3,
          np.dtype(np.int64): 4, np.dtype(np.uint8): 5}
-VELOCITY, INTEGRATE, RESPONSE, ERROR = 1, 2, 3, 4
+RESPONSE, ERROR, VELOCITY, INTEGRATE = 3, 4, 7, 8
+#: The version velocity and integrate requests are sent with; replies keep version 1.
+CALLS_VERSION = 2
 LIMITS = Limits()
 
 
@@ -39,9 +43,12 @@ def tensor(name: str, array: np.ndarray) -> Tensor:
 
 
 def raw_body(kind: int, tensors: list[Tensor], *, request_id: int = 1, param: int = 0,
-             magic: bytes = b"DDMT", version: int = 1, flags: int = 0,
+             magic: bytes = b"DDMT", version: int | None = None, flags: int = 0,
              count: int | None = None) -> bytes:
-    """An independent writer of the documented layout, for bodies the encoders will not make."""
+    """An independent writer of the documented layout, for bodies the encoders will not make
+    (``version`` left out: the kind's own)."""
+    if version is None:
+        version = CALLS_VERSION if kind in (VELOCITY, INTEGRATE) else 1
     body = struct.pack("<4sBBBBQH", magic, version, kind, flags,
                        len(tensors) if count is None else count, request_id, param)
     for name, dtype, shape, _ in tensors:
@@ -53,18 +60,30 @@ def raw_body(kind: int, tensors: list[Tensor], *, request_id: int = 1, param: in
 
 X = np.linspace(-1, 1, 32, dtype=np.float32).reshape(2, 1, 4, 4)
 T = np.array([0.1, 0.9], np.float32)
-Y = np.array([1, 2], np.int64)
+#: A context id (a SHA-256: any 32 bytes), rows of it and their guidance scales.
+ID = bytes(range(32))
+ROWS = np.array([1, 0], np.int32)
+GUIDANCE = np.array([1.0, 4.5], np.float32)
 GRID = np.array([0.0, 0.25, 0.5], np.float32)
+#: Where ``velocity()``'s padding before ``x`` lies: its five descriptors end at byte 65.
+PADDING_BEFORE_X = 66
+#: ``velocity()``'s tensors after ``x``, for bodies whose ``x`` is written by hand.
+AFTER_X = [tensor("t", T), tensor("context", np.frombuffer(ID, np.uint8)), tensor("rows", ROWS),
+           tensor("guidance", GUIDANCE)]
 
 
-def velocity(x: np.ndarray = X, t: np.ndarray = T, y: np.ndarray = Y, **fields) -> bytes:
-    return raw_body(VELOCITY, [tensor("x", x), tensor("t", t), tensor("y", y)], **fields)
+def velocity(x: np.ndarray = X, t: np.ndarray = T, rows: np.ndarray = ROWS,
+             guidance: np.ndarray = GUIDANCE, **fields) -> bytes:
+    return raw_body(VELOCITY, [tensor("x", x), tensor("t", t),
+                               tensor("context", np.frombuffer(ID, np.uint8)),
+                               tensor("rows", rows), tensor("guidance", guidance)], **fields)
 
 
-def integrate(x: np.ndarray = X, y: np.ndarray = Y, grid: np.ndarray = GRID,
+def integrate(x: np.ndarray = X, rows: np.ndarray = ROWS, grid: np.ndarray = GRID,
               solver: int = 1, **fields) -> bytes:
-    return raw_body(INTEGRATE, [tensor("x", x), tensor("y", y), tensor("grid", grid)],
-                    param=solver, **fields)
+    return raw_body(INTEGRATE, [tensor("x", x), tensor("context", np.frombuffer(ID, np.uint8)),
+                                tensor("rows", rows), tensor("guidance", GUIDANCE[:len(rows)]),
+                                tensor("grid", grid)], param=solver, **fields)
 
 
 def with_byte(body: bytes, offset: int, value: int) -> bytes:
@@ -74,36 +93,40 @@ def with_byte(body: bytes, offset: int, value: int) -> bytes:
 # ------------------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("label_dtype", [np.int64, np.int32])
-def test_velocity_request_round_trips(label_dtype: type) -> None:
-    y = Y.astype(label_dtype)
-    got = decode_request(encode_request(VelocityRequest(2**64 - 1, X, T, y)), LIMITS)
-    assert isinstance(got, VelocityRequest) and got.request_id == 2**64 - 1
-    for sent, received in [(X, got.x), (T, got.t), (y, got.y)]:
+def test_velocity_request_round_trips() -> None:
+    got = decode_request(encode_text_request(
+        TextVelocityRequest(2**64 - 1, X, T, ID, ROWS, GUIDANCE)), LIMITS)
+    assert isinstance(got, TextVelocityRequest) and got.request_id == 2**64 - 1
+    assert got.context == ID
+    for sent, received in [(X, got.x), (T, got.t), (ROWS, got.rows), (GUIDANCE, got.guidance)]:
         assert received.dtype == sent.dtype and received.shape == sent.shape
         np.testing.assert_array_equal(received, sent)
 
 
 @pytest.mark.parametrize("solver", list(Solver))
 def test_integrate_request_round_trips(solver: Solver) -> None:
-    got = decode_request(encode_request(IntegrateRequest(5, X, Y, GRID, solver)), LIMITS)
-    assert isinstance(got, IntegrateRequest) and got.request_id == 5
-    assert got.solver is solver
+    got = decode_request(encode_text_request(
+        TextIntegrateRequest(5, X, ID, ROWS, GUIDANCE, GRID, solver)), LIMITS)
+    assert isinstance(got, TextIntegrateRequest) and got.request_id == 5
+    assert got.solver is solver and got.context == ID
     np.testing.assert_array_equal(got.x, X)
-    np.testing.assert_array_equal(got.y, Y)
+    np.testing.assert_array_equal(got.rows, ROWS)
     np.testing.assert_array_equal(got.grid, GRID)
 
 
 @pytest.mark.parametrize("name, code", [("euler", 1), ("heun", 2)])
 def test_a_solver_travels_as_its_documented_code(name: str, code: int) -> None:
-    body = encode_request(IntegrateRequest(5, X, Y, GRID, Solver[name.upper()]))
+    body = encode_text_request(TextIntegrateRequest(5, X, ID, ROWS, GUIDANCE, GRID,
+                                                    Solver[name.upper()]))
     assert struct.unpack_from("<H", body, 16) == (code,)  # the header's param field
 
 
 def test_encoders_cast_to_the_wire_dtypes_and_layout() -> None:
     x64 = X.astype(np.float64)[:, :, :, ::-1]  # float64 and not contiguous
-    got = decode_request(encode_request(VelocityRequest(1, x64, T.tolist(), [1, 2])), LIMITS)
-    assert (got.x.dtype, got.t.dtype, got.y.dtype) == (np.float32, np.float32, np.int64)
+    got = decode_request(encode_text_request(
+        TextVelocityRequest(1, x64, T.tolist(), ID, [1, 0], [1.0, 2.0])), LIMITS)
+    assert (got.x.dtype, got.t.dtype, got.rows.dtype, got.guidance.dtype) == (
+        np.float32, np.float32, np.int32, np.float32)
     np.testing.assert_array_equal(got.x, x64.astype(np.float32))
 
 
@@ -131,13 +154,24 @@ def test_error_text_is_cut_on_a_character_boundary() -> None:
 
 
 def test_request_bytes_match_the_documented_example() -> None:
-    x = np.array([[[[0.0, 0.5], [-1.0, 1.0]]]], np.float32)
-    body = encode_request(VelocityRequest(1, x, np.array([0.25], np.float32), np.array([3])))
+    """docs/protocol.md's example: the label context of labels 3 and 7 (its own bytes are
+    ``test_protocol_labels.py``'s), then a velocity request naming its row 0 (label 3)."""
+    context = encode_text_request(LabelContext(1, np.array([3, 7], np.int64)))
+    identity = context_id(context)
+    assert identity.hex() == ("831e7a6e944f2299c3f78e2c179fdbcf"
+                              "f98377a4870421610cbc954b33bfea17")
+    x, t = np.array([[[[0.0, 0.5], [-1.0, 1.0]]]], np.float32), np.array([0.25], np.float32)
+    rows, unguided = np.array([0], np.int32), np.array([1.0], np.float32)
+    body = encode_text_request(TextVelocityRequest(1, x, t, identity, rows, unguided))
     documented = bytes.fromhex(
-        "44444d54010100030100000000000000" "00000101040100000001000000020000"
-        "00020000000201010100000003040101" "0000000000000000000000000000003f"
-        "000080bf0000803f0000803e00000000" "0300000000000000")
-    assert body == documented == velocity(x, np.array([0.25], np.float32), np.array([3]))
+        "44444d54020700050100000000000000" "00000101040100000001000000020000"
+        "0002000000020101010000000a050120" "0000000b0301010000000c0101010000"
+        "0000000000000000000000000000003f" "000080bf0000803f0000803e00000000"
+        + identity.hex() + "00000000000000000000803f")
+    assert body == documented == raw_body(VELOCITY, [
+        tensor("x", x), tensor("t", t), tensor("context", np.frombuffer(identity, np.uint8)),
+        tensor("rows", rows), tensor("guidance", unguided)])
+    assert len(body) == 140
 
 
 def test_encoders_lay_out_each_shape_alike_whatever_came_before() -> None:
@@ -147,15 +181,17 @@ def test_encoders_lay_out_each_shape_alike_whatever_came_before() -> None:
     for request_id, out in enumerate(shapes * 2, start=5):
         assert encode_response(request_id, out) == raw_body(
             RESPONSE, [tensor("out", out)], request_id=request_id)
-    for request_id, (x, y) in enumerate([(X, Y), (X[:1], Y[:1].astype(np.int32)), (X, Y)]):
-        assert encode_request(VelocityRequest(request_id, x, T[:len(x)], y)) == velocity(
-            x, T[:len(x)], y, request_id=request_id)
+    for request_id, x in enumerate([X, X[:1], X]):
+        rows, guidance = ROWS[:len(x)], GUIDANCE[:len(x)]
+        assert encode_text_request(TextVelocityRequest(
+            request_id, x, T[:len(x)], ID, rows, guidance)) == velocity(
+            x, T[:len(x)], rows, guidance, request_id=request_id)
 
 
 def test_a_body_laid_out_like_one_decoded_before_is_still_checked_whole() -> None:
     decode_request(velocity(), LIMITS)  # its layout is now known
     with pytest.raises(ProtocolError, match="padding before 'x' is not zero"):
-        decode_request(with_byte(velocity(), 52, 1), LIMITS)
+        decode_request(with_byte(velocity(), PADDING_BEFORE_X, 1), LIMITS)
     with pytest.raises(ProtocolError, match="'x' has non-finite"):
         decode_request(velocity(x=np.where(X > 0.9, np.inf, X)), LIMITS)
     sent = decode_request(velocity(x=-X, request_id=9), LIMITS)
@@ -170,21 +206,24 @@ def test_bodies_of_many_shapes_keep_a_bounded_memo_and_decode_right() -> None:
     shapes = [(1, 1, side, side + 1) for side in range(1, 150)]
     for shape in shapes + shapes[:3]:
         x = np.full(shape, 0.5, np.float32)
-        sent = decode_request(velocity(x, T[:1], Y[:1]), LIMITS)
+        sent = decode_request(velocity(x, T[:1], ROWS[:1], GUIDANCE[:1]), LIMITS)
         assert sent.x.shape == shape and np.array_equal(sent.x, x)
     assert len(protocol._KNOWN_LAYOUTS) <= 64
 
 
 def wire_sizes(batch: int, shape: tuple[int, int, int]) -> tuple[int, int, int, int]:
-    """(request bytes, raw x + t + y bytes, response bytes, raw out bytes)."""
+    """(request bytes, raw x + t + context + rows + guidance bytes, response bytes, raw out
+    bytes)."""
     x = np.zeros((batch, *shape), np.float32)
-    t, y = np.zeros(batch, np.float32), np.zeros(batch, np.int64)
-    request = encode_request(VelocityRequest(1, x, t, y))
-    return len(request), x.nbytes + t.nbytes + y.nbytes, len(encode_response(1, x)), x.nbytes
+    t, rows, guidance = (np.zeros(batch, np.float32), np.zeros(batch, np.int32),
+                         np.ones(batch, np.float32))
+    request = encode_text_request(TextVelocityRequest(1, x, t, ID, rows, guidance))
+    raw = x.nbytes + t.nbytes + len(ID) + rows.nbytes + guidance.nbytes
+    return len(request), raw, len(encode_response(1, x)), x.nbytes
 
 
 @pytest.mark.parametrize("batch, shape, request_bytes, response_bytes", [
-    (1, (1, 16, 16), 1096, 1064), (1, (1, 32, 32), 4168, 4136), (64, (1, 16, 16), 66360, 65576)])
+    (1, (1, 16, 16), 1148, 1064), (1, (1, 32, 32), 4220, 4136), (64, (1, 16, 16), 66408, 65576)])
 def test_bytes_on_wire_match_the_documented_table(batch: int, shape: tuple[int, int, int],
                                                   request_bytes: int,
                                                   response_bytes: int) -> None:
@@ -194,9 +233,9 @@ def test_bytes_on_wire_match_the_documented_table(batch: int, shape: tuple[int, 
 def test_bytes_on_wire_ratio() -> None:
     request, raw, response, raw_out = wire_sizes(1, (1, 32, 32))
     assert request / raw <= 1.02 and response / raw_out <= 1.02
-    # 16x16 misses 1.02 (docs/protocol.md says why): 60 bytes of header and padding.
+    # 16x16 misses 1.02 (docs/protocol.md says why): 80 bytes of header and padding.
     request, raw, response, raw_out = wire_sizes(1, (1, 16, 16))
-    assert (request - raw, response - raw_out) == (60, 40)
+    assert (request - raw, response - raw_out) == (80, 40)
 
 
 # ------------------------------------------------------------------------------- zero copy
@@ -204,10 +243,10 @@ def test_bytes_on_wire_ratio() -> None:
 
 @pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview])
 def test_decoded_arrays_are_read_only_aligned_views_of_the_body(wrap: Callable) -> None:
-    body = wrap(encode_request(VelocityRequest(1, X, T, Y)))
+    body = wrap(encode_text_request(TextVelocityRequest(1, X, T, ID, ROWS, GUIDANCE)))
     request = decode_request(body, LIMITS)
     whole = np.frombuffer(body, np.uint8)
-    for array in (request.x, request.t, request.y):
+    for array in (request.x, request.t, request.rows, request.guidance):
         assert np.shares_memory(array, whole)
         assert not array.flags.writeable and array.flags.aligned
     with pytest.raises(ValueError, match="read-only"):
@@ -226,39 +265,43 @@ REQUEST_ERRORS: list[tuple[str, Callable[[], bytes], Limits, int, str]] = [
     ("short", lambda: velocity()[:10], LIMITS, 400, "truncated header: 10 bytes"),
     ("magic", lambda: velocity(magic=b"DDMX"), LIMITS, 400, "bad magic b'DDMX'"),
     ("version", lambda: velocity(version=5), LIMITS, 400, "unsupported protocol version 5"),
-    ("v1 kind as v2", lambda: velocity(version=2), LIMITS, 400,
-     "a velocity request is a version 1 message, sent as version 2"),
+    ("v2 kind as v1", lambda: velocity(version=1), LIMITS, 400,
+     "a text velocity request is a version 2 message, sent as version 1"),
     ("kind", lambda: with_byte(velocity(), 5, 99), LIMITS, 400, "unknown message kind 99"),
     ("reply", lambda: encode_response(1, X), LIMITS, 400, "a response is not expected here"),
     ("flags", lambda: velocity(flags=1), LIMITS, 400, "reserved flags must be 0"),
-    ("count", lambda: velocity(count=2), LIMITS, 400, "carries 3 tensors, got 2"),
+    ("count", lambda: velocity(count=2), LIMITS, 400, "carries 5 tensors, got 2"),
     ("descriptor cut", lambda: velocity()[:20], LIMITS, 400, "truncated header: descriptor"),
     ("dims cut", lambda: velocity()[:30], LIMITS, 400, "truncated header: dims of 'x'"),
     ("name code", lambda: with_byte(velocity(), 18, 99), LIMITS, 400,
      "unknown tensor name code 99"),
-    ("order", lambda: raw_body(VELOCITY, [tensor("x", X), tensor("y", Y), tensor("t", T)]),
-     LIMITS, 400, "tensor 1 of a velocity request must be 't', got 'y'"),
+    ("order", lambda: raw_body(VELOCITY, [tensor("x", X), tensor("rows", ROWS), tensor("t", T),
+                                          tensor("context", np.frombuffer(ID, np.uint8)),
+                                          tensor("guidance", GUIDANCE)]),
+     LIMITS, 400, "tensor 1 of a text velocity request must be 't', got 'rows'"),
     ("dtype code", lambda: with_byte(velocity(), 19, 77), LIMITS, 400, "unknown dtype code 77"),
     ("dtype", lambda: velocity(x=X.astype(np.float16)), LIMITS, 422,
      r"dtype float16 is not allowed for 'x' \(allowed: float32\)"),
-    ("label dtype", lambda: velocity(y=Y.astype(np.uint8)), LIMITS, 422,
-     "dtype uint8 is not allowed for 'y'"),
+    ("rows dtype", lambda: velocity(rows=ROWS.astype(np.uint8)), LIMITS, 422,
+     "dtype uint8 is not allowed for 'rows'"),
     ("ndim", lambda: velocity(x=X[0]), LIMITS, 422, "'x' must have 4 dimensions, got 3"),
     ("dtype, then cut", lambda: velocity(x=X.astype(np.float16))[:-1], LIMITS, 400,
-     "truncated tensor data: 'y'"),
-    ("padding", lambda: with_byte(velocity(), 52, 1), LIMITS, 400, "padding before 'x'"),
-    ("data cut", lambda: velocity()[:-1], LIMITS, 400, "truncated tensor data: 'y'"),
+     "truncated tensor data: 'guidance'"),
+    ("padding", lambda: with_byte(velocity(), PADDING_BEFORE_X, 1), LIMITS, 400,
+     "padding before 'x'"),
+    ("data cut", lambda: velocity()[:-1], LIMITS, 400, "truncated tensor data: 'guidance'"),
     ("trailing", lambda: velocity() + b"\0", LIMITS, 400, "1 trailing bytes"),
-    ("param", lambda: velocity(param=1), LIMITS, 400, "parameter field of a velocity request"),
-    ("huge dims", lambda: raw_body(VELOCITY, [(1, 1, (2**32 - 1,) * 4, b""), tensor("t", T),
-                                              tensor("y", Y)]),
+    ("param", lambda: velocity(param=1), LIMITS, 400,
+     "parameter field of a text velocity request"),
+    ("huge dims", lambda: raw_body(VELOCITY, [(1, 1, (2**32 - 1,) * 4, b""), *AFTER_X]),
      LIMITS, 400, "truncated tensor data: 'x'"),
     ("empty but huge", lambda: raw_body(VELOCITY, [(1, 1, (2**32 - 1, 2**32 - 1, 0, 0), b""),
-                                                   tensor("t", T), tensor("y", Y)]),
+                                                   *AFTER_X]),
      LIMITS, 400, r"dims \(4294967295, 4294967295, 0, 0\) describe no array"),
     ("batch mismatch", lambda: velocity(t=np.zeros(3, np.float32)), LIMITS, 400,
-     "batch mismatch: 'x' has 2 rows, 't' 3, 'y' 2"),
-    ("empty batch", lambda: velocity(X[:0], T[:0], Y[:0]), LIMITS, 422, "empty batch"),
+     "batch mismatch: 'x' has 2 rows, 't' 3, 'rows' 2, 'guidance' 2"),
+    ("empty batch", lambda: velocity(X[:0], T[:0], ROWS[:0], GUIDANCE[:0]), LIMITS, 422,
+     "empty batch"),
     ("big batch", velocity, Limits(max_batch=1), 422, "batch of 2 exceeds the limit of 1"),
     ("big body", velocity, Limits(max_body_bytes=100), 413, "exceeds the limit of 100"),
     ("image shape", velocity, Limits(image_shape=(1, 8, 8)), 422,
@@ -275,10 +318,11 @@ REQUEST_ERRORS: list[tuple[str, Callable[[], bytes], Limits, int, str]] = [
      r"'x' has values beyond \+-10000 \(MAX_STATE_MAGNITUDE\): magnitude 3e\+38"),
     ("x past the bound", lambda: velocity(x=np.where(X > 0.9, -10001.0, X).astype(np.float32)),
      LIMITS, 422, "'x' has values beyond"),
-    ("labels", velocity, Limits(allowed_labels={0, 1}), 422,
-     r"labels \[2\] are not served by this expert \(serves \[0, 1\]\)"),
     ("solver", lambda: integrate(solver=7), LIMITS, 422, "unknown solver code 7"),
-    ("integrate batch", lambda: integrate(y=Y[:1]), LIMITS, 400, "batch mismatch"),
+    ("integrate batch", lambda: raw_body(INTEGRATE, [
+        tensor("x", X), tensor("context", np.frombuffer(ID, np.uint8)), tensor("rows", ROWS[:1]),
+        tensor("guidance", GUIDANCE), tensor("grid", GRID)], param=1), LIMITS, 400,
+     "batch mismatch"),
     ("short grid", lambda: integrate(grid=GRID[:1]), LIMITS, 422, "at least 2 times, got 1"),
     ("flat grid", lambda: integrate(grid=np.array([0.0, 0.5, 0.5], np.float32)), LIMITS, 422,
      "'grid' must be strictly increasing"),
@@ -310,7 +354,8 @@ def test_errors_carry_the_request_id_once_the_header_is_read() -> None:
 
 def test_huge_declared_dims_allocate_nothing() -> None:
     body = raw_body(VELOCITY, [(1, 1, (2**32 - 1,) * 4, b""), (2, 1, (2**32 - 1,), b""),
-                               (3, 4, (2**32 - 1,), b"")])
+                               (10, 5, (32,), b""), (11, 3, (2**32 - 1,), b""),
+                               (12, 1, (2**32 - 1,), b"")])
     tracemalloc.start()
     try:
         with pytest.raises(ProtocolError, match="truncated tensor data"):
@@ -324,7 +369,7 @@ def test_huge_declared_dims_allocate_nothing() -> None:
 RESPONSE_ERRORS: list[tuple[str, Callable[[], bytes], str]] = [
     ("other id", lambda: encode_response(2, X), "reply is for request 2, expected 1"),
     ("other error id", lambda: encode_error(2, 500, "boom"), "error reply is for request 2"),
-    ("request", lambda: velocity(), "a velocity request is not expected here"),
+    ("request", lambda: velocity(), "a text velocity request is not expected here"),
     ("shape", lambda: encode_response(1, X[:1]), r"'out' has shape \(1, 1, 4, 4\)"),
     ("non-finite", lambda: raw_body(RESPONSE, [tensor("out", X / 0.0)]),
      "'out' has non-finite values"),
@@ -360,12 +405,16 @@ def test_a_non_finite_output_is_refused_as_the_requests_422(out: Callable[[], np
 
 
 @pytest.mark.parametrize("encode, message", [
-    (lambda: encode_request(VelocityRequest(1, X, T, Y.astype(np.float64))),
-     "cannot send float64 as 'y'"),
-    (lambda: encode_request(VelocityRequest(1, X[0], T, Y)), "'x' must have 4 dimensions"),
-    (lambda: encode_request(VelocityRequest(-1, X, T, Y)), "request id -1"),
+    (lambda: encode_text_request(TextVelocityRequest(1, X, T, ID, ROWS.astype(np.float64),
+                                                     GUIDANCE)),
+     "cannot send float64 as 'rows'"),
+    (lambda: encode_text_request(TextVelocityRequest(1, X[0], T, ID, ROWS, GUIDANCE)),
+     "'x' must have 4 dimensions"),
+    (lambda: encode_text_request(TextVelocityRequest(-1, X, T, ID, ROWS, GUIDANCE)),
+     "request id -1"),
     (lambda: encode_response(2**64, X), "does not fit in u64"),
-    (lambda: encode_request(IntegrateRequest(1, X, Y, GRID, 7)), "unknown solver 7"),
+    (lambda: encode_text_request(TextIntegrateRequest(1, X, ID, ROWS, GUIDANCE, GRID, 7)),
+     "unknown solver 7"),
     (lambda: encode_error(1, 70000, "x"), "error code 70000"),
 ])
 def test_encoders_refuse_what_the_layout_cannot_carry(encode: Callable[[], bytes],
@@ -385,26 +434,31 @@ def test_limits_reject_nonsense(fields: dict) -> None:
 
 
 @st.composite
-def requests(draw: st.DrawFn) -> VelocityRequest | IntegrateRequest:
+def requests(draw: st.DrawFn) -> TextVelocityRequest | TextIntegrateRequest:
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     batch, channels, height, width = (draw(st.integers(1, n)) for n in (3, 2, 5, 5))
     x = rng.standard_normal((batch, channels, height, width), dtype=np.float32)
-    y = rng.integers(0, 10, batch).astype(draw(st.sampled_from([np.int64, np.int32])))
-    request_id = draw(st.integers(0, 2**64 - 1))
+    rows = rng.integers(0, 10, batch).astype(np.int32)
+    guidance = rng.uniform(0.0, 10.0, batch).astype(np.float32)
+    context, request_id = rng.bytes(32), draw(st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
-        return VelocityRequest(request_id, x, rng.random(batch, dtype=np.float32), y)
+        return TextVelocityRequest(request_id, x, rng.random(batch, dtype=np.float32), context,
+                                   rows, guidance)
     start, stop = sorted(draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=2,
                                        max_size=2, unique=True)))
     grid = np.linspace(start, stop, draw(st.integers(2, 6)), dtype=np.float32)
-    return IntegrateRequest(request_id, x, y, grid, draw(st.sampled_from(list(Solver))))
+    return TextIntegrateRequest(request_id, x, context, rows, guidance, grid,
+                                draw(st.sampled_from(list(Solver))))
 
 
 @fuzz(150)
 @given(requests())
-def test_every_valid_request_round_trips(sent: VelocityRequest | IntegrateRequest) -> None:
-    got = decode_request(encode_request(sent), LIMITS)
+def test_every_valid_request_round_trips(sent: TextVelocityRequest | TextIntegrateRequest
+                                         ) -> None:
+    got = decode_request(encode_text_request(sent), LIMITS)
     assert type(got) is type(sent) and got.request_id == sent.request_id
-    for name in ("x", "t", "y", "grid", "solver"):
+    assert got.context == sent.context
+    for name in ("x", "t", "rows", "guidance", "grid", "solver"):
         if hasattr(sent, name):
             np.testing.assert_array_equal(getattr(got, name), getattr(sent, name))
 
@@ -440,7 +494,7 @@ def test_fuzz_random_bytes(body: bytes, limits: Limits) -> None:
 def mutated(draw: st.DrawFn) -> bytes:
     """A valid request after 1 to 4 bit flips, byte writes, truncations, insertions or cuts,
     half of them aimed at the header (random bytes already hit the magic)."""
-    body = bytearray(encode_request(draw(requests())))
+    body = bytearray(encode_text_request(draw(requests())))
     for _ in range(draw(st.integers(1, 4))):
         if not body:
             break

@@ -28,10 +28,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.strategies import SearchStrategy
 
-from protocol_strategies import HUGE_DIMS, Target, huge_header, request_bodies
-from ddm.serving.wire.protocol import (IntegrateRequest, LabelContext, Limits, PoolVelocityRequest,
-                                       ProtocolError, VelocityRequest, decode_request,
-                                       encode_pool_request, encode_request, encode_text_request)
+from protocol_strategies import (HUGE_DIMS, ONE_ROW_DESCRIPTORS, Target, huge_header,
+                                 request_bodies)
+from ddm.serving.wire.protocol import (LabelContext, Limits, PoolVelocityRequest, ProtocolError,
+                                       TextIntegrateRequest, TextVelocityRequest, decode_request,
+                                       encode_pool_request, encode_text_request)
 
 TARGET = Target(image_shape=(1, 4, 4), labels=(0, 1, 2, 3, 4), max_batch=4, max_steps=8)
 #: Small enough that the strategies' 4 KiB appends go over it (413).
@@ -54,7 +55,7 @@ def memory_bound(body_size: int) -> int:
 
 
 def decode_traced(body: bytes, limits: Limits = LIMITS
-                  ) -> tuple[VelocityRequest | IntegrateRequest | PoolVelocityRequest
+                  ) -> tuple[TextVelocityRequest | TextIntegrateRequest | PoolVelocityRequest
                              | ProtocolError, int]:
     """The decoder's outcome and the peak bytes it allocated (tracemalloc counts NumPy's
     buffers too). A first, untraced decode warms process-wide caches (``struct``'s compiled
@@ -77,14 +78,15 @@ def decode_traced(body: bytes, limits: Limits = LIMITS
     return outcome, min(peaks)
 
 
-def assert_within_limits(request: VelocityRequest | IntegrateRequest) -> None:
+def assert_within_limits(request: TextVelocityRequest | TextIntegrateRequest) -> None:
     batch = request.x.shape[0]
     assert 1 <= batch <= LIMITS.max_batch
     assert request.x.shape[1:] == LIMITS.image_shape
-    assert request.y.shape == (batch,)
-    assert set(request.y.tolist()) <= LIMITS.allowed_labels
+    assert request.rows.shape == request.guidance.shape == (batch,)
+    assert (request.rows >= 0).all() and len(request.context) == 32
+    assert ((request.guidance >= 0) & (request.guidance <= 50)).all()
     assert np.isfinite(request.x).all()
-    if isinstance(request, VelocityRequest):
+    if isinstance(request, TextVelocityRequest):
         assert request.t.shape == (batch,)
         assert ((request.t >= 0) & (request.t <= 1)).all()
     else:
@@ -130,9 +132,9 @@ def fuzzed(bodies: SearchStrategy[bytes], limits: Limits, cases: int,
 
 @pytest.mark.slow
 def test_10000_hostile_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
-    def accepted(request: VelocityRequest | IntegrateRequest, body: bytes) -> None:
+    def accepted(request: TextVelocityRequest | TextIntegrateRequest, body: bytes) -> None:
         assert_within_limits(request)
-        assert encode_request(request) == body
+        assert encode_text_request(request) == body
 
     outcomes, reasons, worst = fuzzed(request_bodies(TARGET), LIMITS, CASES, accepted)
     assert sum(outcomes.values()) >= CASES
@@ -217,9 +219,8 @@ def test_a_header_declaring_gigabytes_is_refused_without_allocating_them(
 
 
 def test_a_huge_declared_tensor_behind_its_full_header_is_refused_in_bounded_memory() -> None:
-    """All three descriptors present, ``x`` declaring 2**128 bytes: the size check is exact."""
-    body = huge_header((2**32 - 1,) * 4) + bytes([2, 1, 1]) + (1).to_bytes(4, "little") + \
-        bytes([3, 4, 1]) + (1).to_bytes(4, "little")
+    """All five descriptors present, ``x`` declaring 2**128 bytes: the size check is exact."""
+    body = huge_header((2**32 - 1,) * 4) + ONE_ROW_DESCRIPTORS
     body += bytes(-len(body) % 8)
     outcome, peak = decode_traced(body)
     assert isinstance(outcome, ProtocolError) and outcome.status == 400
@@ -229,9 +230,9 @@ def test_a_huge_declared_tensor_behind_its_full_header_is_refused_in_bounded_mem
 
 def test_empty_dims_numpy_cannot_describe_are_refused_with_400() -> None:
     """``x`` declares (2**32 - 1, 2**32 - 1, 0, 0): zero bytes of data, but not a NumPy shape."""
-    body = huge_header((2**32 - 1, 2**32 - 1, 0, 0)) + bytes([2, 1, 1]) + \
-        (1).to_bytes(4, "little") + bytes([3, 4, 1]) + (1).to_bytes(4, "little")
-    body += bytes(-len(body) % 8) + np.float32(0.5).tobytes() + bytes(4) + bytes(8)
+    body = huge_header((2**32 - 1, 2**32 - 1, 0, 0)) + ONE_ROW_DESCRIPTORS
+    body += (bytes(-len(body) % 8) + np.float32(0.5).tobytes() + bytes(4) + bytes(32)
+             + bytes(4) + bytes(4) + np.float32(1).tobytes())
     with pytest.raises(ProtocolError) as refused:
         decode_request(body, LIMITS)
     assert refused.value.status == 400, refused.value
