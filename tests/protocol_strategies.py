@@ -30,8 +30,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from ddm.serving.wire.protocol import (LabelContext, PoolVelocityRequest, Solver,
-                                       TextIntegrateRequest, TextVelocityRequest,
-                                       encode_pool_request, encode_text_request)
+                                       IntegrateRequest, VelocityRequest,
+                                       encode_pool_request, encode_request)
 from tests.support.label_wire import label_context
 
 MAGIC_AND_VERSION = b"DDMT\x02"
@@ -157,7 +157,7 @@ def _valid(seed: int, coherent: bool, velocity: bool, target: Target) -> Valid:
         _IDS[rng.integers(len(_IDS))]
     if velocity:
         t = _times(rng, rows, coherent or flip())
-        request: TextVelocityRequest | TextIntegrateRequest = TextVelocityRequest(
+        request: VelocityRequest | IntegrateRequest = VelocityRequest(
             request_id, x, t, context, named[:rows], guidance[:rows])
         arrays = (x, t, identity, request.rows, request.guidance)
     else:
@@ -169,10 +169,10 @@ def _valid(seed: int, coherent: bool, velocity: bool, target: Target) -> Valid:
             if steps >= 1 and flip():
                 grid[[0, -1]] = grid[[-1, 0]]  # not increasing
         solver = Solver.EULER if flip() else Solver.HEUN
-        request = TextIntegrateRequest(request_id, x, context, named[:batch], guidance[:batch],
+        request = IntegrateRequest(request_id, x, context, named[:batch], guidance[:batch],
                                        grid, solver)
         arrays = (x, identity, request.rows, request.guidance, grid)
-    body = encode_text_request(request)
+    body = encode_request(request)
     fields, regions = layout(arrays)
     assert regions[-1].offset + regions[-1].size == len(body), "layout out of step with encoder"
     return Valid(body, tuple(fields), tuple(regions))
@@ -208,7 +208,7 @@ def _valid_pool(seed: int, coherent: bool, target: Target) -> Valid:
         if not coherent and size and flip():
             guidance[0] = _SPECIAL_FLOATS[rng.integers(len(_SPECIAL_FLOATS))]
         rows = rng.integers(-1 if not coherent and flip() else 0, 4, size).astype(np.int32)
-        calls.append((name, TextVelocityRequest(0, x, _times(rng, size, coherent or flip()),
+        calls.append((name, VelocityRequest(0, x, _times(rng, size, coherent or flip()),
                                                 rng.bytes(32), rows, guidance)))
     request = PoolVelocityRequest(int(rng.integers(2**63)), tuple(calls))
     body = encode_pool_request(request)
@@ -240,7 +240,7 @@ def _valid_label_context(seed: int, coherent: bool, target: Target) -> Valid:
     rng = np.random.default_rng(seed)
     rows = int(rng.integers(1, 9) if coherent else rng.choice((0, 1, 300)))
     labels = rng.choice(target.labels if coherent or rng.integers(2) else _BAD_LABELS, rows)
-    body = encode_text_request(LabelContext(int(rng.integers(2**63)), labels.astype(np.int64)))
+    body = encode_request(LabelContext(int(rng.integers(2**63)), labels.astype(np.int64)))
     fields, regions = layout((labels,))
     assert regions[-1].offset + regions[-1].size == len(body), "layout out of step with encoder"
     return Valid(body, tuple(fields), tuple(regions))

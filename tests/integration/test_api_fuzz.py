@@ -39,9 +39,9 @@ from hypothesis import strategies as st
 from protocol_strategies import Target, request_bodies
 from ddm.runtime.local import ProcessSpec, Supervisor, free_port
 from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Limits, ProtocolError,
-                                       RemoteExpertError, Solver, TextIntegrateRequest,
-                                       TextVelocityRequest, decode_request, decode_response,
-                                       encode_text_request)
+                                       RemoteExpertError, Solver, IntegrateRequest,
+                                       VelocityRequest, decode_request, decode_response,
+                                       encode_request)
 from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                        StaticDiscovery)
 
@@ -378,9 +378,9 @@ def _request_messages(limits: Limits, target: Target) -> st.SearchStrategy[bytes
         unguided = np.ones(batch, np.float32)
         if rng.integers(2):
             t = rng.uniform(0.0, 1.0, batch).astype(np.float32)
-            return encode_text_request(TextVelocityRequest(seed, x, t, context, rows, unguided))
+            return encode_request(VelocityRequest(seed, x, t, context, rows, unguided))
         grid = np.linspace(0.0, 1.0, int(rng.integers(2, 6)), dtype=np.float32)
-        return encode_text_request(TextIntegrateRequest(seed, x, context, rows, unguided, grid,
+        return encode_request(IntegrateRequest(seed, x, context, rows, unguided, grid,
                                                         Solver(1 + seed % 2)))
 
     return st.integers(0, 2**32 - 1).map(message)

@@ -26,8 +26,8 @@ from ddm.serving.model.compiled import WARM_TEXT_TOKENS
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RouteRequest,
-                                       TextVelocityRequest, context_id, decode_probabilities,
-                                       decode_response, encode_text_request)
+                                       VelocityRequest, context_id, decode_probabilities,
+                                       decode_response, encode_request)
 from tests.integration.servers import running, wait_ready
 from tests.support.text_stages import write_text_ddm
 
@@ -81,14 +81,14 @@ def test_a_compiled_pool_answers_the_eager_pool_s_velocities_and_routes(pools) -
     x = rng.standard_normal((2, *info["latent_shape"])).astype(np.float32)
     t = np.array([0.3, 0.8], np.float32)
     embeddings = rng.standard_normal((2, WARM_TEXT_TOKENS, info["text_width"]))
-    context = encode_text_request(Context(
+    context = encode_request(Context(
         1, embeddings.astype(np.float32), np.ones((2, WARM_TEXT_TOKENS), np.uint8),
         np.zeros((2, WARM_TEXT_TOKENS, info["text_width"]), np.float32)))
     # One guided row and one not: three forward rows, padded to the bucket of four.
-    velocity = encode_text_request(TextVelocityRequest(
+    velocity = encode_request(VelocityRequest(
         2, x, t, context_id(context), np.array([1, 0], np.int32),
         np.array([7.5, 1.0], np.float32)))
-    route = encode_text_request(RouteRequest(3, np.concatenate([x, x[:1]]),
+    route = encode_request(RouteRequest(3, np.concatenate([x, x[:1]]),
                                              np.array([0.3, 0.8, 0.5], np.float32),
                                              np.zeros((3, 0), np.float32)))
     answers = {}

@@ -30,8 +30,8 @@ from ddm.serving.http.connections import ConnectionLimits
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.routes import SERVING_LOOPS
-from ddm.serving.wire.protocol import (CONTENT_TYPE, RemoteExpertError, TextVelocityRequest,
-                                       decode_response, encode_text_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, RemoteExpertError, VelocityRequest,
+                                       decode_response, encode_request)
 from ddm.serving.router.api.server import create_router_app
 from tests.support.label_wire import LabelCall, post_call, velocity_call
 from hostile import Attacker, check_closed_in_time, swarm
@@ -327,7 +327,7 @@ def test_huge_latents_are_the_requests_4xx_and_never_take_the_router_out(tmp_pat
               "every answer 200; a normal generation after them 200")
 
         expert = f"http://{next(iter(experts[0]['replicas']))}"
-        status, message = _direct_call(expert, encode_text_request(TextVelocityRequest(
+        status, message = _direct_call(expert, encode_request(VelocityRequest(
             7, np.full((1, 4, 8, 8), 3e38, np.float32), np.asarray([0.5], np.float32),
             bytes(32), np.zeros(1, np.int32), np.ones(1, np.float32))))
         assert (status, message) == (422, HUGE_X)

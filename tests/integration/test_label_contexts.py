@@ -21,9 +21,9 @@ from ddm.serving.model.server import create_model_app
 from ddm.serving.wire.paths import POOL_VELOCITY_PATH, model_paths
 from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, LabelContext,
                                        PoolVelocityRequest, RemoteExpertError, Solver,
-                                       TextIntegrateRequest, TextVelocityRequest, context_id,
+                                       IntegrateRequest, VelocityRequest, context_id,
                                        decode_context_ack, decode_pool_response, decode_response,
-                                       encode_pool_request, encode_text_request)
+                                       encode_pool_request, encode_request)
 from servers import ready_server, running, wait_ready
 
 SHAPE = (1, 8, 8)  # the smoke config's images
@@ -43,7 +43,7 @@ def post(base: str, body: bytes, path: str = "/v1/velocity") -> httpx.Response:
 def send_context(base: str, labels: np.ndarray = LABELS,
                  path: str = "/v1/velocity") -> bytes:
     """Send a label context; the id the expert acknowledged (the SHA-256 of its body)."""
-    body = encode_text_request(LabelContext(9, labels))
+    body = encode_request(LabelContext(9, labels))
     reply = post(base, body, path)
     assert reply.status_code == 200, reply.content
     assert decode_context_ack(reply.content, 9) == context_id(body)
@@ -70,8 +70,8 @@ def velocity(smoke_expert_checkpoint: Path):
 
 def test_velocity_on_rows_of_a_label_context_equals_in_process(server, velocity):
     context = send_context(server)
-    reply = post(server, encode_text_request(
-        TextVelocityRequest(3, X, T, context, ROWS, UNGUIDED)))
+    reply = post(server, encode_request(
+        VelocityRequest(3, X, T, context, ROWS, UNGUIDED)))
     assert reply.status_code == 200, reply.content
     np.testing.assert_allclose(decode_response(reply.content, 3, X.shape),
                                velocity(X, T, LABELS[ROWS]), atol=1e-5)
@@ -82,8 +82,8 @@ def test_velocity_on_rows_of_a_label_context_equals_in_process(server, velocity)
 def test_integrate_on_rows_of_a_label_context_equals_the_local_solver(server, velocity):
     context = send_context(server)
     grid = np.array([0.0, 0.3, 0.6, 1.0], np.float32)
-    reply = post(server, encode_text_request(
-        TextIntegrateRequest(4, X, context, ROWS, UNGUIDED, grid, Solver.HEUN)))
+    reply = post(server, encode_request(
+        IntegrateRequest(4, X, context, ROWS, UNGUIDED, grid, Solver.HEUN)))
     assert reply.status_code == 200, reply.content
     expected = X
     for _, expected in iterate(velocity, X, LABELS[ROWS], grid, "heun"):
@@ -92,20 +92,20 @@ def test_integrate_on_rows_of_a_label_context_equals_the_local_solver(server, ve
 
 
 @pytest.mark.parametrize("make, status, message", [
-    (lambda context: TextVelocityRequest(5, X, T, bytes(32), ROWS, UNGUIDED), UNKNOWN_CONTEXT,
+    (lambda context: VelocityRequest(5, X, T, bytes(32), ROWS, UNGUIDED), UNKNOWN_CONTEXT,
      "unknown context 0000000000000000: send it, then retry"),
-    (lambda context: TextVelocityRequest(5, X, T, context, ROWS,
+    (lambda context: VelocityRequest(5, X, T, context, ROWS,
                                          np.array([1, 1, 4, 1], np.float32)), 422,
      "is conditioned on labels and has no null label to guide against: send its rows with "
      "guidance 1"),
-    (lambda context: TextVelocityRequest(5, X, T, context, ROWS + 1, UNGUIDED), 422,
+    (lambda context: VelocityRequest(5, X, T, context, ROWS + 1, UNGUIDED), 422,
      "'rows' name row 3 of a context of 3"),
     (lambda context: Context(5, np.zeros((1, 2, 4), np.float32), np.ones((1, 2), np.uint8),
                              np.zeros((0, 2, 4), np.float32)), 422,
      "is conditioned on labels: send a label context, then velocity or integrate requests"),
 ])
 def test_calls_it_cannot_answer_are_refused_by_name(server, make, status, message):
-    reply = post(server, encode_text_request(make(send_context(server))))
+    reply = post(server, encode_request(make(send_context(server))))
     assert reply.status_code == status
     assert message in refusal(reply, 5).message
 
@@ -114,8 +114,8 @@ def test_labels_it_does_not_serve_are_refused_when_a_call_names_them(server):
     """A context may hold any class (the router shares one among experts); a call naming a
     class this expert does not serve is refused."""
     context = send_context(server, np.array([0, 7], np.int64))
-    reply = post(server, encode_text_request(
-        TextVelocityRequest(6, X[:2], T[:2], context, np.array([0, 1], np.int32),
+    reply = post(server, encode_request(
+        VelocityRequest(6, X[:2], T[:2], context, np.array([0, 1], np.int32),
                             UNGUIDED[:2])))
     assert reply.status_code == 422
     assert "labels [7] are not served by this expert (serves [0, 1, 2, 3, 4])" in refusal(
@@ -129,8 +129,8 @@ def test_a_pool_of_label_experts_answers_one_request_for_its_members(smoke_exper
         wait_ready(base)
         context = send_context(base, path=model_paths("a").velocity)
         request = PoolVelocityRequest(7, (
-            ("a", TextVelocityRequest(7, X, T, context, ROWS, UNGUIDED)),
-            ("b", TextVelocityRequest(7, X[:1], T[:1], context, ROWS[:1], UNGUIDED[:1]))))
+            ("a", VelocityRequest(7, X, T, context, ROWS, UNGUIDED)),
+            ("b", VelocityRequest(7, X[:1], T[:1], context, ROWS[:1], UNGUIDED[:1]))))
         reply = post(base, encode_pool_request(request), POOL_VELOCITY_PATH)
     assert reply.status_code == 200, reply.content
     a, b = decode_pool_response(reply.content, request)

@@ -20,8 +20,8 @@ import pytest
 from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES, MAX_PROMPT_BYTES, SERVER_MAX_BATCH
 from ddm.models.paris import ParisExpertConfig, ParisRouterConfig
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RemoteExpertError,
-                                       TextVelocityRequest, context_id, decode_response,
-                                       encode_text_request)
+                                       VelocityRequest, context_id, decode_response,
+                                       encode_request)
 from tests.support.paris_release import TinyParis
 from tests.support.text_router import served_text_ddm
 
@@ -124,16 +124,16 @@ def expert(served) -> str:
 def test_an_expert_refuses_what_is_over_its_declared_limits_naming_them(expert):
     rows = MAX_CONTEXT_BODY_BYTES // (2 * 4 * TOKENS * TEXT_WIDTH) + 1  # one row past the cap
     embeddings = np.zeros((rows, TOKENS, TEXT_WIDTH), np.float32)
-    over = encode_text_request(Context(1, embeddings, np.ones((rows, TOKENS), np.uint8),
+    over = encode_request(Context(1, embeddings, np.ones((rows, TOKENS), np.uint8),
                                        embeddings))
     reply = _expert_post(expert, over)
     assert reply.status_code == 413
     assert _refusal(reply).endswith(f"exceeds the limit of {MAX_CONTEXT_BODY_BYTES}")
     one = np.zeros((1, TOKENS, TEXT_WIDTH), np.float32)
-    context = encode_text_request(Context(2, one, np.ones((1, TOKENS), np.uint8), one))
+    context = encode_request(Context(2, one, np.ones((1, TOKENS), np.uint8), one))
     assert _expert_post(expert, context).status_code == 200
     batch = SERVER_MAX_BATCH + 1
-    reply = _expert_post(expert, encode_text_request(TextVelocityRequest(
+    reply = _expert_post(expert, encode_request(VelocityRequest(
         3, np.zeros((batch, *LATENT), np.float32), np.zeros(batch, np.float32),
         context_id(context), np.zeros(batch, np.int32), np.ones(batch, np.float32))))
     assert reply.status_code == 422

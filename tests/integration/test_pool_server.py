@@ -32,8 +32,8 @@ from ddm.serving.http.auth import TokenFile
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
-                                       RouteRequest, TextVelocityRequest, context_id,
-                                       decode_response, encode_text_request)
+                                       RouteRequest, VelocityRequest, context_id,
+                                       decode_response, encode_request)
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import ExpertInfo
@@ -88,16 +88,16 @@ def requests_for(name: str, info: dict) -> list[bytes]:
     if info["role"] == EXPERT:
         width = info["text_width"]
         embeddings = RNG.standard_normal((3, 5, width)).astype(np.float32)
-        context = encode_text_request(Context(1, embeddings, np.ones((3, 5), np.uint8),
+        context = encode_request(Context(1, embeddings, np.ones((3, 5), np.uint8),
                                               np.zeros_like(embeddings)))
-        return [context, encode_text_request(TextVelocityRequest(
+        return [context, encode_request(VelocityRequest(
             2, x, t, context_id(context), np.array([2, 0, 1], np.int32),
             np.array([7.5, 1.0, 3.0], np.float32)))]
     if info["role"] == "text_encoder":
-        return [encode_text_request(EncodeRequest(3, ("a red car", "a photo", "")))]
+        return [encode_request(EncodeRequest(3, ("a red car", "a photo", "")))]
     if info["role"] == "decoder":
-        return [encode_text_request(DecodeRequest(4, x))]
-    return [encode_text_request(RouteRequest(5, x, t, np.zeros((3, 0), np.float32)))]
+        return [encode_request(DecodeRequest(4, x))]
+    return [encode_request(RouteRequest(5, x, t, np.zeros((3, 0), np.float32)))]
 
 
 def test_each_member_answers_the_bytes_of_its_own_stage_server(stages, pool):
@@ -169,11 +169,11 @@ def test_rows_batch_per_member_and_never_across_members(stages):
         width = httpx.get(f"{base}/v1/members/expert-0/info").json()["text_width"]
         latent = tuple(httpx.get(f"{base}/v1/members/expert-0/info").json()["latent_shape"])
         embeddings = RNG.standard_normal((1, 5, width)).astype(np.float32)
-        context = encode_text_request(Context(1, embeddings, np.ones((1, 5), np.uint8),
+        context = encode_request(Context(1, embeddings, np.ones((1, 5), np.uint8),
                                               np.zeros((0, 5, width), np.float32)))
         for name in experts:
             assert post(base, f"/v1/members/{name}/velocity", context).status_code == 200
-        calls = [(name, encode_text_request(TextVelocityRequest(
+        calls = [(name, encode_request(VelocityRequest(
             10 + i, RNG.standard_normal((1, *latent)).astype(np.float32),
             np.array([0.5], np.float32), context_id(context), np.zeros(1, np.int32),
             np.ones(1, np.float32))))
@@ -282,7 +282,7 @@ def test_a_router_over_one_pool_gives_the_unpooled_image(stages, pool):
         assert added[("ddm_expert_requests_total", f"expert-{k}", "PoolVelocityRequest",
                       "200")] == steps
         # A member's own route took only its context: no velocity call of its own.
-        assert ("ddm_expert_requests_total", f"expert-{k}", "TextVelocityRequest",
+        assert ("ddm_expert_requests_total", f"expert-{k}", "VelocityRequest",
                 "200") not in added
     assert added[("ddm_expert_requests_total", "router-network", "RouteRequest", "200")] == steps
     with running(create_model_app(stages / "expert_0", ServingOptions(max_batch=8))) as e0, \

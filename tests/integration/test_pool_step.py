@@ -26,9 +26,9 @@ from ddm.deploy.router_config import StaticDiscovery
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, Limits, PoolVelocityRequest,
-                                       RemoteExpertError, TextVelocityRequest, context_id,
+                                       RemoteExpertError, VelocityRequest, context_id,
                                        decode_pool_response, decode_request, decode_response,
-                                       encode_pool_request, encode_text_request)
+                                       encode_pool_request, encode_request)
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import ExpertUnavailable, PoolSettings
 from protocol_strategies import Target, request_bodies
@@ -70,12 +70,12 @@ def post(base: str, path: str, body: bytes) -> httpx.Response:
 
 def context(rows: int) -> bytes:
     embeddings = RNG.standard_normal((rows, TOKENS, WIDTH)).astype(np.float32)
-    return encode_text_request(Context(1, embeddings, np.ones((rows, TOKENS), np.uint8),
+    return encode_request(Context(1, embeddings, np.ones((rows, TOKENS), np.uint8),
                                        np.zeros_like(embeddings)))
 
 
-def call(body: bytes, rows: int, guidance: float = 7.5) -> TextVelocityRequest:
-    return TextVelocityRequest(9, RNG.standard_normal((rows, *LATENT)).astype(np.float32),
+def call(body: bytes, rows: int, guidance: float = 7.5) -> VelocityRequest:
+    return VelocityRequest(9, RNG.standard_normal((rows, *LATENT)).astype(np.float32),
                                RNG.uniform(0, 1, rows).astype(np.float32), context_id(body),
                                np.arange(rows, dtype=np.int32) % 2,
                                np.full(rows, guidance, np.float32))
@@ -98,7 +98,7 @@ def test_a_pool_request_answers_each_member_s_rows_as_its_own_route(pool):
     assert reply.status_code == 200, reply.content
     outs = decode_pool_response(reply.content, request)
     for (name, part), out in zip(calls, outs):
-        own = post(pool, f"/v1/members/{name}/velocity", encode_text_request(part))
+        own = post(pool, f"/v1/members/{name}/velocity", encode_request(part))
         np.testing.assert_array_equal(out, decode_response(own.content, 9, part.x.shape))
 
 
@@ -141,7 +141,7 @@ def test_an_unknown_member_refuses_the_request_naming_it(pool):
         decode_response(reply.content, 24)
     assert pool_requests(pool)["404"] == before.get("404", 0.0) + 1
     # A member's own kind sent to the pool's route: refused, naming where it goes.
-    reply = post(pool, ROUTE, encode_text_request(call(context(1), 1)))
+    reply = post(pool, ROUTE, encode_request(call(context(1), 1)))
     assert reply.status_code == 422
     assert b"/v1/members/NAME/velocity" in reply.content
 

@@ -35,8 +35,8 @@ from ddm.serving.http.server import build_server
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
-                                       Solver, TextIntegrateRequest, TextVelocityRequest,
-                                       context_id, decode_response, encode_text_request)
+                                       Solver, IntegrateRequest, VelocityRequest,
+                                       context_id, decode_response, encode_request)
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import ExpertInfo, static_endpoints
@@ -179,7 +179,7 @@ class Restartable:
 
 
 def context_size(cond: Conditioning) -> int:
-    return len(encode_text_request(Context(0, cond.embeddings, cond.mask.astype(np.uint8),
+    return len(encode_request(Context(0, cond.embeddings, cond.mask.astype(np.uint8),
                                            cond.negative.embeddings)))
 
 
@@ -293,12 +293,12 @@ def test_replies_travel_in_the_dtype_the_expert_runs_in(root, cond, precision, c
         wait_ready(base)
         info = httpx.get(f"{base}/v1/info").json()
         v = with_pool(endpoint_of(base), lambda pool: pool.velocity("e", X, T, cond))
-        context = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+        context = encode_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
                                               cond.negative.embeddings))
         assert post(base, context).status_code == 200
-        reply = post(base, encode_text_request(TextVelocityRequest(
+        reply = post(base, encode_request(VelocityRequest(
             2, X, T, context_id(context), np.arange(3, dtype=np.int32), GUIDANCE)))
-        integrated = post(base, encode_text_request(TextIntegrateRequest(
+        integrated = post(base, encode_request(IntegrateRequest(
             3, X, context_id(context), np.arange(3, dtype=np.int32), GUIDANCE, GRID,
             Solver.EULER)))
         end = with_pool(endpoint_of(base),
@@ -328,15 +328,15 @@ def error_of(reply: httpx.Response) -> str:
 
 
 def test_bad_bodies_get_a_4xx_naming_the_problem(expert, cond):
-    context = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+    context = encode_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
                                           cond.negative.embeddings))
-    unguidable = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+    unguidable = encode_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
                                              np.zeros((0, 12, 16), np.float32)))
     for body in (context, unguidable):
         assert post(expert, body).status_code == 200
 
     def velocity(identity: bytes, rows=(0, 1, 2), guidance=GUIDANCE) -> bytes:
-        return encode_text_request(TextVelocityRequest(
+        return encode_request(VelocityRequest(
             5, X, T, identity, np.array(rows, np.int32), np.asarray(guidance, np.float32)))
 
     cases = [
@@ -344,11 +344,11 @@ def test_bad_bodies_get_a_4xx_naming_the_problem(expert, cond):
         (velocity(context_id(context), rows=(0, 1, 3)), 422,
          "'rows' name row 3 of a context of 3"),
         (velocity(context_id(unguidable)), 422, "guided rows need the context's negative rows"),
-        (encode_text_request(Context(1, np.zeros((1, 12, 8), np.float32),
+        (encode_request(Context(1, np.zeros((1, 12, 8), np.float32),
                                      np.ones((1, 12), np.uint8), np.zeros((0, 12, 8)))), 422,
          "'embeddings' are 8 wide; this stage takes 16"),
         (label_context(5, np.zeros(3, np.int64))[0], 422,
-         "this expert stage takes Context, TextVelocityRequest, TextIntegrateRequest, not "
+         "this expert stage takes VelocityRequest, IntegrateRequest, Context, not "
          "LabelContext"),
         (velocity(context_id(context), guidance=(60.0, 1.0, 1.0)), 422,
          r"'guidance' must be finite and in \[0, 50.0\]"),
@@ -360,11 +360,11 @@ def test_bad_bodies_get_a_4xx_naming_the_problem(expert, cond):
 
 
 def test_five_guided_rows_of_a_batch_of_eight_are_refused_by_their_forward_rows(expert, cond):
-    context = encode_text_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
+    context = encode_request(Context(1, cond.embeddings, cond.mask.astype(np.uint8),
                                           cond.negative.embeddings))
     post(expert, context)
     x = np.zeros((5, *LATENT_SHAPE), np.float32)
-    reply = post(expert, encode_text_request(TextVelocityRequest(
+    reply = post(expert, encode_request(VelocityRequest(
         6, x, np.zeros(5, np.float32), context_id(context), np.zeros(5, np.int32),
         np.full(5, 2.0, np.float32))))
     assert reply.status_code == 422
@@ -414,7 +414,7 @@ def test_stages_answer_over_the_wire_what_they_answer_in_process(root, stages):
 
 def test_a_stage_refuses_what_another_role_serves(stages):
     reply = post(f"http://{stages['decoder']}",
-                 encode_text_request(RouteRequest(3, X[:2], T[:2],
+                 encode_request(RouteRequest(3, X[:2], T[:2],
                                                      np.zeros((2, 0), np.float32))))
     assert reply.status_code == 422
     assert "this decoder stage takes DecodeRequest, not RouteRequest" in error_of(reply)
@@ -537,7 +537,7 @@ def test_a_served_router_weighs_in_its_text_prior_as_the_ddm_does_in_process(tmp
                         await pool.route(X, T, None))
 
         with_text, without = asyncio.run(served())
-        wrong = post(base, encode_text_request(RouteRequest(
+        wrong = post(base, encode_request(RouteRequest(
             4, X[:1], T[:1], np.ones((1, 3), np.float32))))
     local = asyncio.run(LocalStages(router=router).route(X, T, pooled_text(cond)))
     np.testing.assert_allclose(with_text, in_process, atol=1e-6)  # two route calls of <= 2

@@ -17,8 +17,8 @@ from typing import Awaitable, Callable, Protocol, TypeVar
 import httpx
 import numpy as np
 
-from ddm.serving.wire.protocol import (CONTENT_TYPE, LabelContext, Solver, TextIntegrateRequest,
-                                       TextVelocityRequest, context_id, encode_text_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, LabelContext, Solver, IntegrateRequest,
+                                       VelocityRequest, context_id, encode_request)
 
 
 class _Reply(Protocol):
@@ -56,7 +56,7 @@ class LabelVelocity:
 
 def label_context(request_id: int, y: np.ndarray) -> tuple[bytes, bytes]:
     """The body of a label context holding labels ``y`` (B,) and its id."""
-    body = encode_text_request(LabelContext(request_id, np.asarray(y).astype(np.int64)))
+    body = encode_request(LabelContext(request_id, np.asarray(y).astype(np.int64)))
     return body, context_id(body)
 
 
@@ -64,8 +64,8 @@ def velocity_call(request_id: int, x: np.ndarray, t: np.ndarray, y: np.ndarray) 
     """``v(x, t, y)`` for ``x`` (B, C, H, W), ``t`` (B,), labels ``y`` (B,)."""
     context, identity = label_context(request_id, y)
     rows, guidance = np.arange(len(y), dtype=np.int32), np.ones(len(y), np.float32)
-    return LabelCall(context, encode_text_request(
-        TextVelocityRequest(request_id, x, t, identity, rows, guidance)))
+    return LabelCall(context, encode_request(
+        VelocityRequest(request_id, x, t, identity, rows, guidance)))
 
 
 def integrate_call(request_id: int, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
@@ -73,8 +73,8 @@ def integrate_call(request_id: int, x: np.ndarray, y: np.ndarray, grid: np.ndarr
     """Integrate ``dx/dt = v(x, t, y)`` over ``grid`` with ``solver`` from ``x`` (B, C, H, W)."""
     context, identity = label_context(request_id, y)
     rows, guidance = np.arange(len(y), dtype=np.int32), np.ones(len(y), np.float32)
-    return LabelCall(context, encode_text_request(
-        TextIntegrateRequest(request_id, x, identity, rows, guidance, grid, solver)))
+    return LabelCall(context, encode_request(
+        IntegrateRequest(request_id, x, identity, rows, guidance, grid, solver)))
 
 
 def send(post: Callable[[bytes], R], call: LabelCall) -> R:

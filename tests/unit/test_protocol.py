@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from ddm.deploy.limits import MAX_STATE_MAGNITUDE
 from ddm.serving.wire.protocol import (MAX_ERROR_MESSAGE_BYTES, LabelContext, Limits,
                                        ProtocolError, RemoteExpertError, Solver,
-                                       TextIntegrateRequest, TextVelocityRequest, context_id,
+                                       IntegrateRequest, VelocityRequest, context_id,
                                        decode_request, decode_response, encode_error,
-                                       encode_response, encode_text_request)
+                                       encode_response, encode_request)
 
 # The codes of docs/protocol.md, restated so that a change to the module shows up here.
 NAME = {"x": 1, "t": 2, "grid": 4, "out": 5, "message": 6, "context": 10, "rows": 11,
@@ -94,9 +94,9 @@ def with_byte(body: bytes, offset: int, value: int) -> bytes:
 
 
 def test_velocity_request_round_trips() -> None:
-    got = decode_request(encode_text_request(
-        TextVelocityRequest(2**64 - 1, X, T, ID, ROWS, GUIDANCE)), LIMITS)
-    assert isinstance(got, TextVelocityRequest) and got.request_id == 2**64 - 1
+    got = decode_request(encode_request(
+        VelocityRequest(2**64 - 1, X, T, ID, ROWS, GUIDANCE)), LIMITS)
+    assert isinstance(got, VelocityRequest) and got.request_id == 2**64 - 1
     assert got.context == ID
     for sent, received in [(X, got.x), (T, got.t), (ROWS, got.rows), (GUIDANCE, got.guidance)]:
         assert received.dtype == sent.dtype and received.shape == sent.shape
@@ -105,9 +105,9 @@ def test_velocity_request_round_trips() -> None:
 
 @pytest.mark.parametrize("solver", list(Solver))
 def test_integrate_request_round_trips(solver: Solver) -> None:
-    got = decode_request(encode_text_request(
-        TextIntegrateRequest(5, X, ID, ROWS, GUIDANCE, GRID, solver)), LIMITS)
-    assert isinstance(got, TextIntegrateRequest) and got.request_id == 5
+    got = decode_request(encode_request(
+        IntegrateRequest(5, X, ID, ROWS, GUIDANCE, GRID, solver)), LIMITS)
+    assert isinstance(got, IntegrateRequest) and got.request_id == 5
     assert got.solver is solver and got.context == ID
     np.testing.assert_array_equal(got.x, X)
     np.testing.assert_array_equal(got.rows, ROWS)
@@ -116,15 +116,15 @@ def test_integrate_request_round_trips(solver: Solver) -> None:
 
 @pytest.mark.parametrize("name, code", [("euler", 1), ("heun", 2)])
 def test_a_solver_travels_as_its_documented_code(name: str, code: int) -> None:
-    body = encode_text_request(TextIntegrateRequest(5, X, ID, ROWS, GUIDANCE, GRID,
+    body = encode_request(IntegrateRequest(5, X, ID, ROWS, GUIDANCE, GRID,
                                                     Solver[name.upper()]))
     assert struct.unpack_from("<H", body, 16) == (code,)  # the header's param field
 
 
 def test_encoders_cast_to_the_wire_dtypes_and_layout() -> None:
     x64 = X.astype(np.float64)[:, :, :, ::-1]  # float64 and not contiguous
-    got = decode_request(encode_text_request(
-        TextVelocityRequest(1, x64, T.tolist(), ID, [1, 0], [1.0, 2.0])), LIMITS)
+    got = decode_request(encode_request(
+        VelocityRequest(1, x64, T.tolist(), ID, [1, 0], [1.0, 2.0])), LIMITS)
     assert (got.x.dtype, got.t.dtype, got.rows.dtype, got.guidance.dtype) == (
         np.float32, np.float32, np.int32, np.float32)
     np.testing.assert_array_equal(got.x, x64.astype(np.float32))
@@ -156,13 +156,13 @@ def test_error_text_is_cut_on_a_character_boundary() -> None:
 def test_request_bytes_match_the_documented_example() -> None:
     """docs/protocol.md's example: the label context of labels 3 and 7 (its own bytes are
     ``test_protocol_labels.py``'s), then a velocity request naming its row 0 (label 3)."""
-    context = encode_text_request(LabelContext(1, np.array([3, 7], np.int64)))
+    context = encode_request(LabelContext(1, np.array([3, 7], np.int64)))
     identity = context_id(context)
     assert identity.hex() == ("831e7a6e944f2299c3f78e2c179fdbcf"
                               "f98377a4870421610cbc954b33bfea17")
     x, t = np.array([[[[0.0, 0.5], [-1.0, 1.0]]]], np.float32), np.array([0.25], np.float32)
     rows, unguided = np.array([0], np.int32), np.array([1.0], np.float32)
-    body = encode_text_request(TextVelocityRequest(1, x, t, identity, rows, unguided))
+    body = encode_request(VelocityRequest(1, x, t, identity, rows, unguided))
     documented = bytes.fromhex(
         "44444d54020700050100000000000000" "00000101040100000001000000020000"
         "0002000000020101010000000a050120" "0000000b0301010000000c0101010000"
@@ -183,7 +183,7 @@ def test_encoders_lay_out_each_shape_alike_whatever_came_before() -> None:
             RESPONSE, [tensor("out", out)], request_id=request_id)
     for request_id, x in enumerate([X, X[:1], X]):
         rows, guidance = ROWS[:len(x)], GUIDANCE[:len(x)]
-        assert encode_text_request(TextVelocityRequest(
+        assert encode_request(VelocityRequest(
             request_id, x, T[:len(x)], ID, rows, guidance)) == velocity(
             x, T[:len(x)], rows, guidance, request_id=request_id)
 
@@ -217,7 +217,7 @@ def wire_sizes(batch: int, shape: tuple[int, int, int]) -> tuple[int, int, int, 
     x = np.zeros((batch, *shape), np.float32)
     t, rows, guidance = (np.zeros(batch, np.float32), np.zeros(batch, np.int32),
                          np.ones(batch, np.float32))
-    request = encode_text_request(TextVelocityRequest(1, x, t, ID, rows, guidance))
+    request = encode_request(VelocityRequest(1, x, t, ID, rows, guidance))
     raw = x.nbytes + t.nbytes + len(ID) + rows.nbytes + guidance.nbytes
     return len(request), raw, len(encode_response(1, x)), x.nbytes
 
@@ -243,7 +243,7 @@ def test_bytes_on_wire_ratio() -> None:
 
 @pytest.mark.parametrize("wrap", [bytes, bytearray, memoryview])
 def test_decoded_arrays_are_read_only_aligned_views_of_the_body(wrap: Callable) -> None:
-    body = wrap(encode_text_request(TextVelocityRequest(1, X, T, ID, ROWS, GUIDANCE)))
+    body = wrap(encode_request(VelocityRequest(1, X, T, ID, ROWS, GUIDANCE)))
     request = decode_request(body, LIMITS)
     whole = np.frombuffer(body, np.uint8)
     for array in (request.x, request.t, request.rows, request.guidance):
@@ -266,8 +266,16 @@ REQUEST_ERRORS: list[tuple[str, Callable[[], bytes], Limits, int, str]] = [
     ("magic", lambda: velocity(magic=b"DDMX"), LIMITS, 400, "bad magic b'DDMX'"),
     ("version", lambda: velocity(version=5), LIMITS, 400, "unsupported protocol version 5"),
     ("v2 kind as v1", lambda: velocity(version=1), LIMITS, 400,
-     "a text velocity request is a version 2 message, sent as version 1"),
+     "a velocity request is a version 2 message, sent as version 1"),
     ("kind", lambda: with_byte(velocity(), 5, 99), LIMITS, 400, "unknown message kind 99"),
+    # Version 1's label-only requests are gone; their codes are unknown, never reused.
+    ("label velocity", lambda: raw_body(1, [tensor("x", X), tensor("t", T), (3, 4, (2,),
+                                                                            bytes(16))]),
+     LIMITS, 400, "unknown message kind 1"),
+    ("label integrate", lambda: with_byte(integrate(), 5, 2), LIMITS, 400,
+     "unknown message kind 2"),
+    ("label tensor", lambda: with_byte(velocity(), 44, 3), LIMITS, 400,
+     "unknown tensor name code 3"),
     ("reply", lambda: encode_response(1, X), LIMITS, 400, "a response is not expected here"),
     ("flags", lambda: velocity(flags=1), LIMITS, 400, "reserved flags must be 0"),
     ("count", lambda: velocity(count=2), LIMITS, 400, "carries 5 tensors, got 2"),
@@ -278,7 +286,7 @@ REQUEST_ERRORS: list[tuple[str, Callable[[], bytes], Limits, int, str]] = [
     ("order", lambda: raw_body(VELOCITY, [tensor("x", X), tensor("rows", ROWS), tensor("t", T),
                                           tensor("context", np.frombuffer(ID, np.uint8)),
                                           tensor("guidance", GUIDANCE)]),
-     LIMITS, 400, "tensor 1 of a text velocity request must be 't', got 'rows'"),
+     LIMITS, 400, "tensor 1 of a velocity request must be 't', got 'rows'"),
     ("dtype code", lambda: with_byte(velocity(), 19, 77), LIMITS, 400, "unknown dtype code 77"),
     ("dtype", lambda: velocity(x=X.astype(np.float16)), LIMITS, 422,
      r"dtype float16 is not allowed for 'x' \(allowed: float32\)"),
@@ -292,7 +300,7 @@ REQUEST_ERRORS: list[tuple[str, Callable[[], bytes], Limits, int, str]] = [
     ("data cut", lambda: velocity()[:-1], LIMITS, 400, "truncated tensor data: 'guidance'"),
     ("trailing", lambda: velocity() + b"\0", LIMITS, 400, "1 trailing bytes"),
     ("param", lambda: velocity(param=1), LIMITS, 400,
-     "parameter field of a text velocity request"),
+     "parameter field of a velocity request"),
     ("huge dims", lambda: raw_body(VELOCITY, [(1, 1, (2**32 - 1,) * 4, b""), *AFTER_X]),
      LIMITS, 400, "truncated tensor data: 'x'"),
     ("empty but huge", lambda: raw_body(VELOCITY, [(1, 1, (2**32 - 1, 2**32 - 1, 0, 0), b""),
@@ -369,7 +377,7 @@ def test_huge_declared_dims_allocate_nothing() -> None:
 RESPONSE_ERRORS: list[tuple[str, Callable[[], bytes], str]] = [
     ("other id", lambda: encode_response(2, X), "reply is for request 2, expected 1"),
     ("other error id", lambda: encode_error(2, 500, "boom"), "error reply is for request 2"),
-    ("request", lambda: velocity(), "a text velocity request is not expected here"),
+    ("request", lambda: velocity(), "a velocity request is not expected here"),
     ("shape", lambda: encode_response(1, X[:1]), r"'out' has shape \(1, 1, 4, 4\)"),
     ("non-finite", lambda: raw_body(RESPONSE, [tensor("out", X / 0.0)]),
      "'out' has non-finite values"),
@@ -405,15 +413,15 @@ def test_a_non_finite_output_is_refused_as_the_requests_422(out: Callable[[], np
 
 
 @pytest.mark.parametrize("encode, message", [
-    (lambda: encode_text_request(TextVelocityRequest(1, X, T, ID, ROWS.astype(np.float64),
+    (lambda: encode_request(VelocityRequest(1, X, T, ID, ROWS.astype(np.float64),
                                                      GUIDANCE)),
      "cannot send float64 as 'rows'"),
-    (lambda: encode_text_request(TextVelocityRequest(1, X[0], T, ID, ROWS, GUIDANCE)),
+    (lambda: encode_request(VelocityRequest(1, X[0], T, ID, ROWS, GUIDANCE)),
      "'x' must have 4 dimensions"),
-    (lambda: encode_text_request(TextVelocityRequest(-1, X, T, ID, ROWS, GUIDANCE)),
+    (lambda: encode_request(VelocityRequest(-1, X, T, ID, ROWS, GUIDANCE)),
      "request id -1"),
     (lambda: encode_response(2**64, X), "does not fit in u64"),
-    (lambda: encode_text_request(TextIntegrateRequest(1, X, ID, ROWS, GUIDANCE, GRID, 7)),
+    (lambda: encode_request(IntegrateRequest(1, X, ID, ROWS, GUIDANCE, GRID, 7)),
      "unknown solver 7"),
     (lambda: encode_error(1, 70000, "x"), "error code 70000"),
 ])
@@ -434,7 +442,7 @@ def test_limits_reject_nonsense(fields: dict) -> None:
 
 
 @st.composite
-def requests(draw: st.DrawFn) -> TextVelocityRequest | TextIntegrateRequest:
+def requests(draw: st.DrawFn) -> VelocityRequest | IntegrateRequest:
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     batch, channels, height, width = (draw(st.integers(1, n)) for n in (3, 2, 5, 5))
     x = rng.standard_normal((batch, channels, height, width), dtype=np.float32)
@@ -442,20 +450,20 @@ def requests(draw: st.DrawFn) -> TextVelocityRequest | TextIntegrateRequest:
     guidance = rng.uniform(0.0, 10.0, batch).astype(np.float32)
     context, request_id = rng.bytes(32), draw(st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
-        return TextVelocityRequest(request_id, x, rng.random(batch, dtype=np.float32), context,
+        return VelocityRequest(request_id, x, rng.random(batch, dtype=np.float32), context,
                                    rows, guidance)
     start, stop = sorted(draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0]), min_size=2,
                                        max_size=2, unique=True)))
     grid = np.linspace(start, stop, draw(st.integers(2, 6)), dtype=np.float32)
-    return TextIntegrateRequest(request_id, x, context, rows, guidance, grid,
+    return IntegrateRequest(request_id, x, context, rows, guidance, grid,
                                 draw(st.sampled_from(list(Solver))))
 
 
 @fuzz(150)
 @given(requests())
-def test_every_valid_request_round_trips(sent: TextVelocityRequest | TextIntegrateRequest
+def test_every_valid_request_round_trips(sent: VelocityRequest | IntegrateRequest
                                          ) -> None:
-    got = decode_request(encode_text_request(sent), LIMITS)
+    got = decode_request(encode_request(sent), LIMITS)
     assert type(got) is type(sent) and got.request_id == sent.request_id
     assert got.context == sent.context
     for name in ("x", "t", "rows", "guidance", "grid", "solver"):
@@ -494,7 +502,7 @@ def test_fuzz_random_bytes(body: bytes, limits: Limits) -> None:
 def mutated(draw: st.DrawFn) -> bytes:
     """A valid request after 1 to 4 bit flips, byte writes, truncations, insertions or cuts,
     half of them aimed at the header (random bytes already hit the magic)."""
-    body = bytearray(encode_text_request(draw(requests())))
+    body = bytearray(encode_request(draw(requests())))
     for _ in range(draw(st.integers(1, 4))):
         if not body:
             break

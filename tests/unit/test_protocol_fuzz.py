@@ -31,8 +31,8 @@ from hypothesis.strategies import SearchStrategy
 from protocol_strategies import (HUGE_DIMS, ONE_ROW_DESCRIPTORS, Target, huge_header,
                                  request_bodies)
 from ddm.serving.wire.protocol import (LabelContext, Limits, PoolVelocityRequest, ProtocolError,
-                                       TextIntegrateRequest, TextVelocityRequest, decode_request,
-                                       encode_pool_request, encode_text_request)
+                                       IntegrateRequest, VelocityRequest, decode_request,
+                                       encode_pool_request, encode_request)
 
 TARGET = Target(image_shape=(1, 4, 4), labels=(0, 1, 2, 3, 4), max_batch=4, max_steps=8)
 #: Small enough that the strategies' 4 KiB appends go over it (413).
@@ -55,7 +55,7 @@ def memory_bound(body_size: int) -> int:
 
 
 def decode_traced(body: bytes, limits: Limits = LIMITS
-                  ) -> tuple[TextVelocityRequest | TextIntegrateRequest | PoolVelocityRequest
+                  ) -> tuple[VelocityRequest | IntegrateRequest | PoolVelocityRequest
                              | ProtocolError, int]:
     """The decoder's outcome and the peak bytes it allocated (tracemalloc counts NumPy's
     buffers too). A first, untraced decode warms process-wide caches (``struct``'s compiled
@@ -78,7 +78,7 @@ def decode_traced(body: bytes, limits: Limits = LIMITS
     return outcome, min(peaks)
 
 
-def assert_within_limits(request: TextVelocityRequest | TextIntegrateRequest) -> None:
+def assert_within_limits(request: VelocityRequest | IntegrateRequest) -> None:
     batch = request.x.shape[0]
     assert 1 <= batch <= LIMITS.max_batch
     assert request.x.shape[1:] == LIMITS.image_shape
@@ -86,7 +86,7 @@ def assert_within_limits(request: TextVelocityRequest | TextIntegrateRequest) ->
     assert (request.rows >= 0).all() and len(request.context) == 32
     assert ((request.guidance >= 0) & (request.guidance <= 50)).all()
     assert np.isfinite(request.x).all()
-    if isinstance(request, TextVelocityRequest):
+    if isinstance(request, VelocityRequest):
         assert request.t.shape == (batch,)
         assert ((request.t >= 0) & (request.t <= 1)).all()
     else:
@@ -132,9 +132,9 @@ def fuzzed(bodies: SearchStrategy[bytes], limits: Limits, cases: int,
 
 @pytest.mark.slow
 def test_10000_hostile_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
-    def accepted(request: TextVelocityRequest | TextIntegrateRequest, body: bytes) -> None:
+    def accepted(request: VelocityRequest | IntegrateRequest, body: bytes) -> None:
         assert_within_limits(request)
-        assert encode_text_request(request) == body
+        assert encode_request(request) == body
 
     outcomes, reasons, worst = fuzzed(request_bodies(TARGET), LIMITS, CASES, accepted)
     assert sum(outcomes.values()) >= CASES
@@ -194,7 +194,7 @@ def test_hostile_label_contexts_get_a_context_or_a_protocol_error_in_bounded_mem
         assert isinstance(request, LabelContext), request
         assert 1 <= request.labels.shape[0] <= LIMITS.max_context_rows
         assert ((request.labels >= 0) & (request.labels <= 999)).all()
-        assert encode_text_request(request) == body
+        assert encode_request(request) == body
         assert request.id == hashlib.sha256(body[18:]).digest()
 
     outcomes, reasons, worst = fuzzed(request_bodies(TARGET, label_contexts=True), LIMITS,

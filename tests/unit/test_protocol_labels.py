@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from ddm.serving.wire.protocol import (Context, LabelContext, Limits, ProtocolError, context_id,
-                                       decode_request, encode_text_request)
+                                       decode_request, encode_request)
 
 LABELS = np.array([3, 7, 3], np.int64)
 
 
 def label_context(request_id: int = 1, labels: np.ndarray = LABELS) -> bytes:
-    return encode_text_request(LabelContext(request_id, labels))
+    return encode_request(LabelContext(request_id, labels))
 
 
 def test_a_label_context_round_trips_and_is_named_by_its_content():
@@ -43,7 +43,7 @@ def test_the_label_context_example_of_the_docs_byte_for_byte():
 
 def test_a_label_context_never_has_a_text_contexts_id():
     """Both are named by their bytes after the fixed header; the descriptors differ."""
-    text = encode_text_request(Context(1, np.zeros((1, 1, 1), np.float32),
+    text = encode_request(Context(1, np.zeros((1, 1, 1), np.float32),
                                        np.ones((1, 1), np.uint8), np.zeros((0, 1, 1),
                                                                            np.float32)))
     assert context_id(text) != context_id(label_context(labels=np.zeros(1, np.int64)))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ddm.serving.wire.protocol import (MemberError, Limits, PoolVelocityRequest, ProtocolError,
-                                       RemoteExpertError, TextVelocityRequest, decode_pool_response,
+                                       RemoteExpertError, VelocityRequest, decode_pool_response,
                                        decode_request, encode_error, encode_pool_request,
                                        encode_pool_response, max_pool_reply_bytes)
 
@@ -19,14 +19,14 @@ SHAPE = (4, 2, 2)
 LIMITS = Limits(image_shape=SHAPE, max_batch=8, max_members=3)
 
 
-def call(rows: int, context: int = 1, guidance: float = 1.0) -> TextVelocityRequest:
-    return TextVelocityRequest(5, RNG.standard_normal((rows, *SHAPE)).astype(np.float32),
+def call(rows: int, context: int = 1, guidance: float = 1.0) -> VelocityRequest:
+    return VelocityRequest(5, RNG.standard_normal((rows, *SHAPE)).astype(np.float32),
                                np.linspace(0, 1, rows, dtype=np.float32), bytes([context]) * 32,
                                np.arange(rows, dtype=np.int32),
                                np.full(rows, guidance, np.float32))
 
 
-def pool(*calls: tuple[str, TextVelocityRequest]) -> PoolVelocityRequest:
+def pool(*calls: tuple[str, VelocityRequest]) -> PoolVelocityRequest:
     return PoolVelocityRequest(5, tuple(calls))
 
 
@@ -110,15 +110,15 @@ def patched(body: bytes, tail: np.ndarray) -> bytes:
      "member 1's name is not valid UTF-8"),
     (lambda: encode_pool_request(pool(("e0", call(2, guidance=51.0)))), LIMITS, 422,
      "'guidance' must be finite and in"),
-    (lambda: encode_pool_request(pool(("e0", TextVelocityRequest(
+    (lambda: encode_pool_request(pool(("e0", VelocityRequest(
         5, np.zeros((1, 4, 3, 3), np.float32), np.zeros(1, np.float32), bytes(32),
         np.zeros(1, np.int32), np.ones(1, np.float32))))), LIMITS, 422,
      r"'x' images are \(4, 3, 3\)"),
-    (lambda: encode_pool_request(pool(("e0", TextVelocityRequest(
+    (lambda: encode_pool_request(pool(("e0", VelocityRequest(
         5, np.zeros((1, *SHAPE), np.float32), np.full(1, 2.0, np.float32), bytes(32),
         np.zeros(1, np.int32), np.ones(1, np.float32))))), LIMITS, 422,
      r"'t' must be finite and in \[0, 1\]"),
-    (lambda: encode_pool_request(pool(("e0", TextVelocityRequest(
+    (lambda: encode_pool_request(pool(("e0", VelocityRequest(
         5, np.zeros((1, *SHAPE), np.float32), np.zeros(1, np.float32), bytes(32),
         np.full(1, -1, np.int32), np.ones(1, np.float32))))), LIMITS, 422,
      "'rows' must be non-negative"),

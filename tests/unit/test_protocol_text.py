@@ -14,11 +14,11 @@ import pytest
 from ddm.conditioning import Conditioning, EncodedPrompts
 from ddm.serving.wire.protocol import (UNKNOWN_CONTEXT, Context, DecodeRequest, EncodeRequest,
                                        Limits, ProtocolError, RemoteExpertError, RouteRequest,
-                                       Solver, TextIntegrateRequest, TextVelocityRequest,
+                                       Solver, IntegrateRequest, VelocityRequest,
                                        context_id, decode_context_ack, decode_encoded,
                                        decode_probabilities, decode_request, decode_response,
                                        encode_context_ack, encode_encoded, encode_error,
-                                       encode_probabilities, encode_response, encode_text_request)
+                                       encode_probabilities, encode_response, encode_request)
 
 RNG = np.random.default_rng(0)
 EMBEDDINGS = RNG.standard_normal((2, 3, 4)).astype(np.float32)
@@ -28,7 +28,7 @@ LIMITS = Limits(image_shape=(4, 2, 2), text_width=4)
 
 
 def context(request_id: int = 1, negative: np.ndarray | None = None) -> bytes:
-    return encode_text_request(Context(request_id, EMBEDDINGS, MASK,
+    return encode_request(Context(request_id, EMBEDDINGS, MASK,
                                        np.zeros_like(EMBEDDINGS) if negative is None
                                        else negative))
 
@@ -48,7 +48,7 @@ def test_a_context_round_trips_and_its_id_is_the_sha256_after_the_fixed_header()
 
 def test_the_context_example_of_the_docs_byte_for_byte():
     """docs/protocol.md's CONTEXT example: one row of two tokens of width 2, no negative."""
-    body = encode_text_request(Context(1, np.array([[[1.0, -1.0], [0.5, 2.0]]], np.float32),
+    body = encode_request(Context(1, np.array([[[1.0, -1.0], [0.5, 2.0]]], np.float32),
                                        np.array([[1, 0]], np.uint8),
                                        np.zeros((0, 2, 2), np.float32)))
     assert body.hex() == (
@@ -67,24 +67,24 @@ def test_text_velocity_integrate_encode_decode_and_route_round_trip():
     t = np.array([0.25, 0.5], np.float32)
     ident = bytes(range(32))
     rows, guidance = np.array([1, 0], np.int32), np.array([7.5, 1.0], np.float32)
-    velocity = decode_request(encode_text_request(
-        TextVelocityRequest(3, X, t, ident, rows, guidance)), LIMITS)
-    assert isinstance(velocity, TextVelocityRequest) and velocity.context == ident
+    velocity = decode_request(encode_request(
+        VelocityRequest(3, X, t, ident, rows, guidance)), LIMITS)
+    assert isinstance(velocity, VelocityRequest) and velocity.context == ident
     np.testing.assert_array_equal(velocity.guidance, guidance)
     grid = np.linspace(0, 1, 5, dtype=np.float32)
-    integrate = decode_request(encode_text_request(
-        TextIntegrateRequest(4, X, ident, rows, guidance, grid, Solver.HEUN)), LIMITS)
-    assert isinstance(integrate, TextIntegrateRequest) and integrate.solver is Solver.HEUN
-    encode = decode_request(encode_text_request(EncodeRequest(5, ("a cat", "", "café"))),
+    integrate = decode_request(encode_request(
+        IntegrateRequest(4, X, ident, rows, guidance, grid, Solver.HEUN)), LIMITS)
+    assert isinstance(integrate, IntegrateRequest) and integrate.solver is Solver.HEUN
+    encode = decode_request(encode_request(EncodeRequest(5, ("a cat", "", "café"))),
                             LIMITS)
     assert isinstance(encode, EncodeRequest) and encode.prompts == ("a cat", "", "café")
-    decode = decode_request(encode_text_request(DecodeRequest(6, X)), LIMITS)
+    decode = decode_request(encode_request(DecodeRequest(6, X)), LIMITS)
     assert isinstance(decode, DecodeRequest) and decode.x.shape == X.shape
     pooled = np.array([[0.5, -1.0, 2.0], [0.0, 0.0, 0.0]], np.float32)
-    route = decode_request(encode_text_request(RouteRequest(7, X, t, pooled)), LIMITS)
+    route = decode_request(encode_request(RouteRequest(7, X, t, pooled)), LIMITS)
     assert isinstance(route, RouteRequest) and route.t.tolist() == [0.25, 0.5]
     np.testing.assert_array_equal(route.pooled, pooled)
-    unpooled = decode_request(encode_text_request(
+    unpooled = decode_request(encode_request(
         RouteRequest(8, X, t, np.zeros((2, 0), np.float32))), LIMITS)
     assert isinstance(unpooled, RouteRequest) and unpooled.pooled.shape == (2, 0)
 
@@ -129,27 +129,27 @@ def with_u32(body: bytes, offset: int, value: int) -> bytes:
     (lambda: context(), Limits(max_text_tokens=2), 422, "has 3 tokens per row; the limit is 2"),
     (lambda: context(negative=np.zeros((1, 3, 4), np.float32)), LIMITS, 422,
      r"'negative' has shape \(1, 3, 4\)"),
-    (lambda: encode_text_request(Context(1, EMBEDDINGS, MASK * 2, EMBEDDINGS)), LIMITS, 422,
+    (lambda: encode_request(Context(1, EMBEDDINGS, MASK * 2, EMBEDDINGS)), LIMITS, 422,
      "'mask' holds values other than 0 and 1"),
-    (lambda: encode_text_request(Context(1, EMBEDDINGS * np.inf, MASK, EMBEDDINGS)), LIMITS,
+    (lambda: encode_request(Context(1, EMBEDDINGS * np.inf, MASK, EMBEDDINGS)), LIMITS,
      422, "non-finite"),
-    (lambda: encode_text_request(TextVelocityRequest(
+    (lambda: encode_request(VelocityRequest(
         1, X, np.zeros(2, np.float32), bytes(32), np.array([0, -1], np.int32),
         np.ones(2, np.float32))), LIMITS, 422, "'rows' must be non-negative"),
-    (lambda: encode_text_request(TextVelocityRequest(
+    (lambda: encode_request(VelocityRequest(
         1, X, np.zeros(2, np.float32), bytes(32), np.zeros(2, np.int32),
         np.array([1.0, 51.0], np.float32))), LIMITS, 422, r"'guidance' must be finite and in"),
-    (lambda: encode_text_request(TextVelocityRequest(
+    (lambda: encode_request(VelocityRequest(
         1, X, np.zeros(2, np.float32), bytes(32), np.zeros(3, np.int32),
         np.ones(2, np.float32))), LIMITS, 400, "batch mismatch: 'x' has 2 rows"),
-    (lambda: encode_text_request(EncodeRequest(1, ("x" * 10,))), Limits(max_prompt_bytes=4),
+    (lambda: encode_request(EncodeRequest(1, ("x" * 10,))), Limits(max_prompt_bytes=4),
      422, "prompt 0 is 10 bytes; the limit is 4"),
-    (lambda: encode_text_request(EncodeRequest(1, ("a",) * 3)), Limits(max_prompts=2), 422,
+    (lambda: encode_request(EncodeRequest(1, ("a",) * 3)), Limits(max_prompts=2), 422,
      "1 to 2 prompts, got 3"),
     # 'lengths' (the second tensor's one dim at offset 26) claims more bytes than 'text' has.
-    (lambda: with_u32(encode_text_request(EncodeRequest(1, ("ab",))), 21, 3), LIMITS, 400,
+    (lambda: with_u32(encode_request(EncodeRequest(1, ("ab",))), 21, 3), LIMITS, 400,
      "truncated|'lengths' must be non-negative and sum"),
-    (lambda: encode_text_request(DecodeRequest(1, np.zeros((1, 4, 3, 3), np.float32))), LIMITS,
+    (lambda: encode_request(DecodeRequest(1, np.zeros((1, 4, 3, 3), np.float32))), LIMITS,
      422, r"'x' images are \(4, 3, 3\), this expert serves \(4, 2, 2\)"),
     (lambda: context()[:4] + bytes([1]) + context()[5:], LIMITS, 400,
      "a context is a version 2 message, sent as version 1"),
@@ -161,7 +161,7 @@ def test_bad_version_2_bodies_are_refused_by_name(make_body, limits, status, mes
 
 
 def test_invalid_utf8_prompts_are_refused():
-    body = encode_text_request(EncodeRequest(1, ("ab",)))
+    body = encode_request(EncodeRequest(1, ("ab",)))
     bad = body.replace(b"ab", b"\xff\xfe")
     with pytest.raises(ProtocolError, match="prompt 0 is not valid UTF-8"):
         decode_request(bad, LIMITS)

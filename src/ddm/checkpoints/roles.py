@@ -47,7 +47,7 @@ EXPERT, ROUTER, TEXT_ENCODER, DECODER = "expert", "router", "text_encoder", "dec
 #: Declaring one more is adding it here.
 ROLE_REGISTRY: dict[str, StageRole] = {
     EXPERT: StageRole(EXPERT, "a velocity (an expert of the mixture)",
-                      ("velocity", "integrate", "context", "text_velocity", "text_integrate")),
+                      ("velocity", "integrate", "context")),
     TEXT_ENCODER: StageRole(TEXT_ENCODER, "prompts -> text embeddings", ("encode",),
                             ("text_width",), "textEncoder", "spec", "text-encoder"),
     DECODER: StageRole(DECODER, "latents -> images", ("decode",),

@@ -2,8 +2,8 @@
 served from :class:`~ddm.serving.model.backends.Backend`) behind the binary protocol
 (``docs/protocol.md``), conditioned on labels: a generation's LABEL_CONTEXT (version 4, held
 in the member's :class:`~ddm.serving.model.contexts.ContextCache` and acknowledged with its
-id), then TEXT_VELOCITY and TEXT_INTEGRATE calls (and a pool's POOL_VELOCITY) naming its rows,
-as a text expert takes them; version 1's VELOCITY and INTEGRATE carry the labels themselves.
+id), then VELOCITY and INTEGRATE calls (and a pool's POOL_VELOCITY) naming its rows, as a text
+expert takes them.
 Our UNets have no null label, so classifier-free guidance has nothing to guide against: a row
 with a guidance scale other than 1 is refused (422).
 
@@ -40,18 +40,14 @@ from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.routes import Handling, answer_or_error
 from ddm.serving.wire.protocol import (IntegrateRequest, LabelContext, Limits, ProtocolError,
-                                       TextIntegrateRequest, TextVelocityRequest, VelocityRequest,
-                                       check_labels, decode_request, encode_context_ack,
-                                       encode_response)
+                                       VelocityRequest, check_labels, decode_request,
+                                       encode_context_ack, encode_response)
 
 __all__ = ["LabelExpert"]
 
 _VELOCITY = "velocity"
-#: Calls on rows: their labels sent along (version 1), or named in a label context.
-_Calls = VelocityRequest | IntegrateRequest | TextVelocityRequest | TextIntegrateRequest
 #: What a label expert answers.
-_TAKES = (LabelContext, VelocityRequest, IntegrateRequest, TextVelocityRequest,
-          TextIntegrateRequest)
+_TAKES = (LabelContext, VelocityRequest, IntegrateRequest)
 
 
 @dataclass(frozen=True)
@@ -127,8 +123,7 @@ class LabelExpert(Member):
             if isinstance(message, LabelContext):
                 handling.kind = "context"
             else:
-                handling.kind = ("velocity" if isinstance(message, (VelocityRequest,
-                                                                    TextVelocityRequest))
+                handling.kind = ("velocity" if isinstance(message, VelocityRequest)
                                  else "integrate")
                 handling.rows = message.x.shape[0]
             if self.backend is None:
@@ -140,13 +135,13 @@ class LabelExpert(Member):
 
         return await answer_or_error(self, handle)
 
-    async def velocity(self, message: TextVelocityRequest) -> np.ndarray:
+    async def velocity(self, message: VelocityRequest) -> np.ndarray:
         """The velocity of ``message``'s rows of a label context (B, C, H, W) float32, run in
         the batcher with other requests' rows: for its own route and a pool's alike."""
         return await self.batcher.submit(_VELOCITY, (message.x, message.t,
                                                      self._labels(message)))
 
-    def _labels(self, message: TextVelocityRequest | TextIntegrateRequest) -> np.ndarray:
+    def _labels(self, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
         """The labels of ``message``'s rows: rows of a label context this expert holds
         (412 otherwise), unguided, of classes it serves (422 otherwise)."""
         context = self.contexts.get(message.context, LABELS)
@@ -160,14 +155,12 @@ class LabelExpert(Member):
         check_labels(labels, self.limits)
         return labels
 
-    async def _run(self, message: _Calls) -> np.ndarray:
+    async def _run(self, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
         """A velocity request as one batcher job; an integration as one job per slice of its
         grid (:func:`~ddm.serving.batching.grid_slices`)."""
-        if isinstance(message, TextVelocityRequest):
-            return await self.velocity(message)
         if isinstance(message, VelocityRequest):
-            return await self.batcher.submit(_VELOCITY, (message.x, message.t, message.y))
-        labels = message.y if isinstance(message, IntegrateRequest) else self._labels(message)
+            return await self.velocity(message)
+        labels = self._labels(message)
         solver, x = message.solver.name.lower(), message.x
         for piece in grid_slices(message.grid):
             x = await self.batcher.submit(_Integrate(solver, piece.tobytes()), (x, labels))
@@ -206,5 +199,5 @@ def _max_body_bytes(limits: Limits) -> int:
     """Twice the largest valid request, so that a batch just over ``max_batch`` is refused
     with a message about the batch rather than about the body."""
     assert limits.image_shape is not None
-    per_image = math.prod(limits.image_shape) * 4 + 4 + 8  # x float32, t float32, y int64
+    per_image = math.prod(limits.image_shape) * 4 + 4 + 8  # x, t float32, rows, guidance
     return 2 * (limits.max_batch * per_image + (limits.max_steps + 1) * 4) + 4096

@@ -24,7 +24,7 @@ from typing import Any, Hashable
 from ddm.serving.batching import Batcher
 from ddm.serving.model import metrics as expert_metrics
 from ddm.serving.model.options import Hooks, ServingOptions
-from ddm.serving.wire.protocol import Limits, ProtocolError, TextVelocityRequest
+from ddm.serving.wire.protocol import Limits, ProtocolError, VelocityRequest
 
 __all__ = ["INFO_FIELDS", "Member"]
 
@@ -95,7 +95,7 @@ class Member(ABC):
         sends it its rows)."""
         return False
 
-    async def velocity(self, message: TextVelocityRequest) -> Any:
+    async def velocity(self, message: VelocityRequest) -> Any:
         """The velocity (B, C, H, W) of ``message``'s rows of a context, run in this member's
         batcher with other requests' rows, for its own route and a pool's alike; a member
         that is not an expert refuses it (422)."""

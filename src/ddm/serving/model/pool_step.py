@@ -33,7 +33,7 @@ from ddm.serving.model.routes import Binary, Handling, answer_or_error, refusal
 from ddm.serving.wire.paths import POOL_VELOCITY_PATH, model_paths
 from ddm.serving.wire.protocol import (MAX_MEMBER_NAME_BYTES, CONTEXT_ID_BYTES, Limits,
                                        MemberError, PoolVelocityRequest, ProtocolError,
-                                       TextVelocityRequest, decode_request, encode_pool_response)
+                                       VelocityRequest, decode_request, encode_pool_response)
 
 __all__ = ["PoolStep", "pool_step_routes"]
 
@@ -133,7 +133,7 @@ async def answer_pool_step(step: PoolStep, body: bytes) -> tuple[int, bytes]:
 
 
 async def _member(server: Member, name: str,
-                  call: TextVelocityRequest) -> np.ndarray | MemberError:
+                  call: VelocityRequest) -> np.ndarray | MemberError:
     """One member's part: its velocity, or the error its own route would have answered."""
     result: np.ndarray | MemberError
     if not server.takes_velocity:

@@ -214,9 +214,9 @@ _VELOCITY_OPERATION = {
     "summary": "Velocity or integration",
     "operationId": "velocity_v1_velocity_post",
     "description": "A request in the binary protocol of docs/protocol.md "
-                   "(application/x-ddm-tensor): version 1's velocity or integrate request to a "
-                   "label expert, version 2's context, text velocity or integrate, encode, "
-                   "decode or route request to a text DDM's servers; the kind is in the body "
+                   "(application/x-ddm-tensor): a context (text, or version 4's labels), a "
+                   "velocity or integrate request naming its rows, an encode, decode or route "
+                   "request to a DDM's stages; the kind is in the body "
                    "(a server refuses the kinds it does not serve, 422). Every answer "
                    "is a message of that protocol: a response (200) or an error message whose "
                    "code is the HTTP status and which echoes the request id.",

@@ -4,7 +4,7 @@ text encoder, decoder or router network, loaded by :func:`ddm.models.stages.load
 expert (:mod:`ddm.serving.model.routes`, ``docs/protocol.md`` version 2):
 
 * expert: CONTEXT (stored in a :class:`~ddm.serving.model.contexts.ContextCache`, acknowledged
-  with its id), TEXT_VELOCITY and TEXT_INTEGRATE. Classifier-free guidance runs here
+  with its id), VELOCITY and INTEGRATE. Classifier-free guidance runs here
   (:func:`ddm.sampling.guidance.guided`): each guided row and its unconditional twin (the
   context's negative row: the empty prompt's embeddings unless a negative prompt replaced
   them; the router sends them with the context, so an expert needs no text encoder) go through
@@ -52,16 +52,11 @@ from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.routes import Handling, answer_or_error
 from ddm.serving.wire.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequest, EncodeRequest,
                                        IntegrateRequest, Limits, ProtocolError, Request,
-                                       RouteRequest, TextIntegrateRequest, TextVelocityRequest,
-                                       VelocityRequest, decode_request, encode_context_ack,
-                                       encode_encoded, encode_probabilities, encode_response)
+                                       RouteRequest, VelocityRequest, decode_request,
+                                       encode_context_ack, encode_encoded, encode_probabilities,
+                                       encode_response)
 
 __all__ = ["StageMember", "read_stage"]
-
-#: Requests that carry label rows: a label expert's (serving/model/label.py); a stage member's
-#: conditioning comes by context id.
-_LABEL_REQUESTS = (VelocityRequest, IntegrateRequest)
-
 
 def _serves(role: str) -> str:
     """What a ``role`` stage's ``/v1/velocity`` answers (``/v1/info`` ``serves``): its first
@@ -70,9 +65,8 @@ def _serves(role: str) -> str:
 
 
 def _takes(role: str) -> tuple[type, ...]:
-    """The requests a ``role`` stage answers: its declared queries, label rows aside."""
-    return tuple(kind for kind in (QUERIES[query] for query in ROLE_REGISTRY[role].queries)
-                 if kind not in _LABEL_REQUESTS)
+    """The requests a ``role`` stage answers: its declared queries."""
+    return tuple(QUERIES[query] for query in ROLE_REGISTRY[role].queries)
 #: Tokens per row of the expert's warm-up call (any length runs; the context decides).
 _WARM_TOKENS = 8
 
@@ -192,9 +186,9 @@ class StageMember(Member):
         if isinstance(message, RouteRequest):
             return encode_probabilities(request_id, await batcher.submit(
                 "route", (message.x, message.t, self._pooled(message))))
-        if isinstance(message, TextVelocityRequest):
+        if isinstance(message, VelocityRequest):
             return encode_response(request_id, await self.velocity(message))
-        assert isinstance(message, TextIntegrateRequest)
+        assert isinstance(message, IntegrateRequest)
         embeddings, negative, cost = self._context_rows(message)
         tokens = embeddings.shape[1]
         solver, x = message.solver.name.lower(), message.x
@@ -207,7 +201,7 @@ class StageMember(Member):
     def takes_velocity(self) -> bool:
         return self.declared.role == EXPERT
 
-    async def velocity(self, message: TextVelocityRequest) -> np.ndarray:
+    async def velocity(self, message: VelocityRequest) -> np.ndarray:
         """The guided velocity of ``message``'s rows (B, C, H, W) in the stage's wire dtype,
         run in the expert's batcher with other requests' rows: for its own route and a
         pool's (:mod:`ddm.serving.model.pool_step`) alike."""
@@ -216,7 +210,7 @@ class StageMember(Member):
             message.x, message.t, embeddings, negative, message.guidance), cost)
         return self._wire(out)
 
-    def _context_rows(self, message: TextVelocityRequest | TextIntegrateRequest
+    def _context_rows(self, message: VelocityRequest | IntegrateRequest
                       ) -> tuple[np.ndarray, np.ndarray, int]:
         """The rows' embeddings and negative rows (float32; a row without guidance gets its
         own embeddings as a placeholder that is never run), and the forward rows the call

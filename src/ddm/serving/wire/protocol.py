@@ -6,15 +6,16 @@ NumPy views without copies, and are checked strictly so that a server can answer
 with a precise 4xx before touching a model. This module is the one place that knows the layout;
 ``docs/protocol.md`` describes it byte by byte, with its codes and HTTP statuses.
 
-Version 1 carries label experts' calls; version 2 adds the kinds a text-conditioned latent DDM
-needs, in the same framing: a generation's CONTEXT (its text embeddings, sent once per expert
-replica and named by the SHA-256 of its bytes), TEXT_VELOCITY / TEXT_INTEGRATE (rows of a
-context, a guidance scale per row), and the stages' ENCODE, DECODE and ROUTE. Replies may carry
-bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire). Version 3 adds a pool's
-POOL_VELOCITY: the text velocity calls of a step to several members of one pool server in one
-body, answered by one POOL_RESPONSE holding each member's output or error. Version 4 adds
-LABEL_CONTEXT: a generation's class labels as a context, named by id like a text one, so that a
-label expert answers the same TEXT_VELOCITY / TEXT_INTEGRATE / POOL_VELOCITY calls.
+Version 1 is the replies (RESPONSE, ERROR); its label-only requests (kinds 1 and 2) are gone:
+their codes are unknown kinds now. Version 2 carries a generation's CONTEXT (its text
+embeddings, sent once per expert replica and named by the SHA-256 of its bytes), VELOCITY /
+INTEGRATE (rows of a context, a guidance scale per row), and the stages' ENCODE, DECODE and
+ROUTE. Replies may carry bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire).
+Version 3 adds a pool's POOL_VELOCITY: the velocity calls of a step to several members of one
+pool server in one body, answered by one POOL_RESPONSE holding each member's output or error.
+Version 4 adds LABEL_CONTEXT: a generation's class labels as a context, named by id like a
+text one, so that every expert, label or text, answers the same VELOCITY / INTEGRATE /
+POOL_VELOCITY calls.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_CONTEXT_BODY_BYTES, MAX
 #: HTTP ``Content-Type`` of every body in this format.
 CONTENT_TYPE = "application/x-ddm-tensor"
 MAGIC = b"DDMT"
-#: Label messages are version 1 (unchanged); the text DDM's kinds are version 2, a pool's
-#: version 3, a label context version 4.
+#: Replies are version 1; contexts, calls and the stages' kinds version 2, a pool's version 3, a
+#: label context version 4.
 VERSION, VERSION_TEXT, VERSION_POOL, VERSION_LABELS = 1, 2, 3, 4
 #: The error code (and HTTP status) of a text call naming a context the expert does not hold
 #: (never sent, or evicted, or the replica restarted): the caller sends the context, retries.
@@ -98,14 +99,13 @@ Solver = IntEnum("Solver", [name.upper() for name in SOLVERS])
 
 
 class _Kind(IntEnum):
-    VELOCITY = 1
-    INTEGRATE = 2
+    # 1 and 2 were version 1's label-only velocity and integrate requests: never reuse them.
     RESPONSE = 3
     ERROR = 4
     CONTEXT = 5
     CONTEXT_ACK = 6
-    TEXT_VELOCITY = 7
-    TEXT_INTEGRATE = 8
+    VELOCITY = 7
+    INTEGRATE = 8
     ENCODE = 9
     ENCODED = 10
     DECODE = 11
@@ -120,20 +120,17 @@ class _Kind(IntEnum):
 _KIND_NAMES = {_Kind.VELOCITY: "a velocity request", _Kind.INTEGRATE: "an integrate request",
                _Kind.RESPONSE: "a response", _Kind.ERROR: "an error reply",
                _Kind.CONTEXT: "a context", _Kind.CONTEXT_ACK: "a context acknowledgement",
-               _Kind.TEXT_VELOCITY: "a text velocity request",
-               _Kind.TEXT_INTEGRATE: "a text integrate request",
                _Kind.ENCODE: "an encode request", _Kind.ENCODED: "an encode reply",
                _Kind.DECODE: "a decode request", _Kind.ROUTE: "a route request",
                _Kind.PROBABILITIES: "a route reply",
                _Kind.POOL_VELOCITY: "a pool velocity request",
                _Kind.POOL_RESPONSE: "a pool response",
                _Kind.LABEL_CONTEXT: "a label context"}
-_REQUESTS = (_Kind.VELOCITY, _Kind.INTEGRATE, _Kind.CONTEXT, _Kind.TEXT_VELOCITY,
-             _Kind.TEXT_INTEGRATE, _Kind.ENCODE, _Kind.DECODE, _Kind.ROUTE,
-             _Kind.POOL_VELOCITY, _Kind.LABEL_CONTEXT)
+_REQUESTS = (_Kind.CONTEXT, _Kind.VELOCITY, _Kind.INTEGRATE, _Kind.ENCODE, _Kind.DECODE,
+             _Kind.ROUTE, _Kind.POOL_VELOCITY, _Kind.LABEL_CONTEXT)
 _REPLIES = (_Kind.RESPONSE, _Kind.ERROR)
 _KIND_CODES = {kind.value: kind for kind in _Kind}
-#: The version each kind is sent with: the label kinds and the replies keep version 1.
+#: The version each kind is sent with: the replies keep version 1.
 _VERSIONS = {kind: VERSION if kind <= _Kind.ERROR else
              VERSION_TEXT if kind <= _Kind.PROBABILITIES else
              VERSION_POOL if kind <= _Kind.POOL_RESPONSE else VERSION_LABELS for kind in _Kind}
@@ -144,7 +141,8 @@ _DTYPES = {1: _F32, 2: _F16, 3: _I32, 4: _I64, 5: _U8, 6: _BF16}
 _DTYPE_CODES = {dtype: code for code, dtype in _DTYPES.items()}
 #: Wire dtypes of floating tensors a model produces, by precision name.
 WIRE_DTYPES = {"float32": _F32, "float16": _F16, "bfloat16": _BF16}
-_NAMES = {1: "x", 2: "t", 3: "y", 4: "grid", 5: "out", 6: "message", 7: "embeddings",
+# 3 was version 1's label tensor "y": never reuse it.
+_NAMES = {1: "x", 2: "t", 4: "grid", 5: "out", 6: "message", 7: "embeddings",
           8: "mask", 9: "negative", 10: "context", 11: "rows", 12: "guidance", 13: "text",
           14: "lengths", 15: "cut", 16: "probs", 17: "pooled", 18: "unknown", 19: "members",
           20: "counts", 21: "codes", 22: "labels"}
@@ -167,14 +165,12 @@ _TEXT_ROWS = (_Spec("context", 1, (_U8,)), _Spec("rows", 1, (_I32,)),
 _EMBEDDINGS, _MASK = _Spec("embeddings", 3, _FLOATS), _Spec("mask", 2, (_U8,))
 # Each kind carries exactly these tensors, in this order.
 _SCHEMAS: dict[_Kind, tuple[_Spec, ...]] = {
-    _Kind.VELOCITY: (_X, _T, _Spec("y", 1, (_I64, _I32))),
-    _Kind.INTEGRATE: (_X, _Spec("y", 1, (_I64, _I32)), _GRID),
     _Kind.RESPONSE: (_Spec("out", 4, _FLOATS),),
     _Kind.ERROR: (_Spec("message", 1, (_U8,)),),
     _Kind.CONTEXT: (_EMBEDDINGS, _MASK, _Spec("negative", 3, _FLOATS)),
     _Kind.CONTEXT_ACK: (_Spec("context", 1, (_U8,)),),
-    _Kind.TEXT_VELOCITY: (_X, _T, *_TEXT_ROWS),
-    _Kind.TEXT_INTEGRATE: (_X, *_TEXT_ROWS, _GRID),
+    _Kind.VELOCITY: (_X, _T, *_TEXT_ROWS),
+    _Kind.INTEGRATE: (_X, *_TEXT_ROWS, _GRID),
     _Kind.ENCODE: (_Spec("text", 1, (_U8,)), _Spec("lengths", 1, (_I32,))),
     _Kind.ENCODED: (_EMBEDDINGS, _MASK, _Spec("cut", 1, (_I32,)),
                     _Spec("unknown", 2, (_I32,))),
@@ -188,30 +184,6 @@ _SCHEMAS: dict[_Kind, tuple[_Spec, ...]] = {
                           _Spec("message", 1, (_U8,)), _Spec("lengths", 1, (_I32,))),
     _Kind.LABEL_CONTEXT: (_Spec("labels", 1, (_I64,)),),
 }
-
-
-@dataclass(frozen=True, eq=False)
-class VelocityRequest:
-    """Ask for ``v(x, t, y)``: ``x`` (B, C, H, W) float32, ``t`` (B,) float32 in [0, 1],
-    ``y`` (B,) int64 or int32 class labels. Decoded arrays are read-only views of the body."""
-
-    request_id: int
-    x: np.ndarray
-    t: np.ndarray
-    y: np.ndarray
-
-
-@dataclass(frozen=True, eq=False)
-class IntegrateRequest:
-    """Ask the expert to integrate ``dx/dt = v(x, t, y)`` from ``grid[0]`` to ``grid[-1]``
-    visiting every time of ``grid`` (S + 1,) float32 with ``solver``; ``x`` is the state at
-    ``grid[0]``. Sending the grid, not a step count, keeps the expert on the router's times."""
-
-    request_id: int
-    x: np.ndarray
-    y: np.ndarray
-    grid: np.ndarray
-    solver: Solver
 
 
 @dataclass(frozen=True, eq=False)
@@ -245,10 +217,11 @@ class LabelContext:
 
 
 @dataclass(frozen=True, eq=False)
-class TextVelocityRequest:
+class VelocityRequest:
     """Ask for the guided ``v(x, t, c)`` (version 2): ``x`` (B, C, H, W) float32, ``t`` (B,)
-    float32, the conditioning of row ``i`` being row ``rows[i]`` (int32) of the context named
-    ``context`` (32 bytes), guided with scale ``guidance[i]`` (float32; 1: unguided)."""
+    float32 in [0, 1], the conditioning of row ``i`` being row ``rows[i]`` (int32) of the
+    context (text or labels) named ``context`` (32 bytes), guided with scale ``guidance[i]``
+    (float32; 1: unguided). Decoded arrays are read-only views of the body."""
 
     request_id: int
     x: np.ndarray
@@ -259,8 +232,11 @@ class TextVelocityRequest:
 
 
 @dataclass(frozen=True, eq=False)
-class TextIntegrateRequest:
-    """:class:`IntegrateRequest` for a text expert: the rows of a context, guided per row."""
+class IntegrateRequest:
+    """Ask the expert to integrate ``dx/dt = v(x, t, c)`` from ``grid[0]`` to ``grid[-1]``
+    visiting every time of ``grid`` (S + 1,) float32 with ``solver``; ``x`` is the state at
+    ``grid[0]``, its rows conditioned and guided as a :class:`VelocityRequest`'s. Sending the
+    grid, not a step count, keeps the expert on the router's times."""
 
     request_id: int
     x: np.ndarray
@@ -303,11 +279,11 @@ class RouteRequest:
 class PoolVelocityRequest:
     """The text velocity calls of one step to several members of one pool server, in one
     body (version 3): ``calls`` pairs each member's name (at most once) with its rows, a
-    :class:`TextVelocityRequest` carrying this request's id. Decoded, each call's arrays are
+    :class:`VelocityRequest` carrying this request's id. Decoded, each call's arrays are
     read-only views of the body's; members' rows follow one another in ``calls``' order."""
 
     request_id: int
-    calls: tuple[tuple[str, TextVelocityRequest], ...]
+    calls: tuple[tuple[str, VelocityRequest], ...]
 
 
 @dataclass(frozen=True)
@@ -319,14 +295,12 @@ class MemberError:
     message: str
 
 
-Request = (VelocityRequest | IntegrateRequest | Context | LabelContext | TextVelocityRequest
-           | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest
-           | PoolVelocityRequest)
+Request = (Context | LabelContext | VelocityRequest | IntegrateRequest | EncodeRequest
+           | DecodeRequest | RouteRequest | PoolVelocityRequest)
 
 #: The request each query name stands for (a role's ``queries`` in ddm.checkpoints.roles).
 QUERIES: dict[str, type] = {
     "velocity": VelocityRequest, "integrate": IntegrateRequest, "context": Context,
-    "text_velocity": TextVelocityRequest, "text_integrate": TextIntegrateRequest,
     "encode": EncodeRequest, "decode": DecodeRequest, "route": RouteRequest}
 
 
@@ -376,18 +350,6 @@ class Limits:
 # ---------------------------------------------------------------------------------- encoding
 
 
-def encode_request(request: VelocityRequest | IntegrateRequest) -> bytes:
-    """The body for a request. Other dtypes are cast to the wire dtype (float32 images and
-    times, int64 labels) where NumPy's ``same_kind`` rule allows; values are the server's to
-    check."""
-    if isinstance(request, VelocityRequest):
-        return _encode(_Kind.VELOCITY, request.request_id, 0, (request.x, request.t, request.y))
-    if isinstance(request, IntegrateRequest):
-        return _encode(_Kind.INTEGRATE, request.request_id, _solver(request.solver),
-                       (request.x, request.y, request.grid))
-    raise TypeError(f"not a request: {type(request).__name__}")
-
-
 def _solver(solver: int) -> Solver:
     try:
         return Solver(solver)
@@ -401,22 +363,23 @@ def _id_tensor(context: bytes) -> np.ndarray:
     return np.frombuffer(context, _U8)
 
 
-def encode_text_request(request: Context | LabelContext | TextVelocityRequest
-                        | TextIntegrateRequest | EncodeRequest | DecodeRequest | RouteRequest
-                        ) -> bytes:
-    """The body of a version 2 or 4 request (a context's ``id`` is not sent: the receiver
-    computes it, :func:`context_id`)."""
+def encode_request(request: Context | LabelContext | VelocityRequest | IntegrateRequest
+                   | EncodeRequest | DecodeRequest | RouteRequest) -> bytes:
+    """The body of a request other than a pool's (a context's ``id`` is not sent: the receiver
+    computes it, :func:`context_id`). Other dtypes are cast to the wire dtype (float32 images
+    and times, int32 rows) where NumPy's ``same_kind`` rule allows; values are the server's to
+    check."""
     if isinstance(request, Context):
         return _encode(_Kind.CONTEXT, request.request_id, 0,
                        (request.embeddings, request.mask, request.negative))
     if isinstance(request, LabelContext):
         return _encode(_Kind.LABEL_CONTEXT, request.request_id, 0, (request.labels,))
-    if isinstance(request, TextVelocityRequest):
-        return _encode(_Kind.TEXT_VELOCITY, request.request_id, 0,
+    if isinstance(request, VelocityRequest):
+        return _encode(_Kind.VELOCITY, request.request_id, 0,
                        (request.x, request.t, _id_tensor(request.context), request.rows,
                         request.guidance))
-    if isinstance(request, TextIntegrateRequest):
-        return _encode(_Kind.TEXT_INTEGRATE, request.request_id, _solver(request.solver),
+    if isinstance(request, IntegrateRequest):
+        return _encode(_Kind.INTEGRATE, request.request_id, _solver(request.solver),
                        (request.x, _id_tensor(request.context), request.rows, request.guidance,
                         request.grid))
     if isinstance(request, EncodeRequest):
@@ -429,7 +392,7 @@ def encode_text_request(request: Context | LabelContext | TextVelocityRequest
     if isinstance(request, RouteRequest):
         return _encode(_Kind.ROUTE, request.request_id, 0,
                        (request.x, request.t, request.pooled))
-    raise TypeError(f"not a version 2 request: {type(request).__name__}")
+    raise TypeError(f"not a request: {type(request).__name__}")
 
 
 def encode_pool_request(request: PoolVelocityRequest) -> bytes:
@@ -901,27 +864,6 @@ def _read_layout(view: memoryview, kind: _Kind) -> _Layout:
     return _Layout(tuple(placed), tuple(padding))
 
 
-def _check_velocity(request_id: int, param: int, tensors: list[np.ndarray],
-                    limits: Limits) -> VelocityRequest:
-    x, t, y = tensors
-    _check_param_zero(param, _Kind.VELOCITY)
-    _check_batch(x, {"t": t, "y": y}, limits)
-    _check_times("t", t)
-    check_labels(y, limits)
-    _check_image(x, limits)
-    return VelocityRequest(request_id, x, t, y)
-
-
-def _check_integrate(request_id: int, param: int, tensors: list[np.ndarray],
-                     limits: Limits) -> IntegrateRequest:
-    x, y, grid = tensors
-    _check_batch(x, {"y": y}, limits)
-    solver = _check_grid(param, grid, limits)
-    check_labels(y, limits)
-    _check_image(x, limits)
-    return IntegrateRequest(request_id, x, y, grid, solver)
-
-
 def _check_grid(param: int, grid: np.ndarray, limits: Limits) -> Solver:
     """The solver ``param`` names; the grid's size and times checked."""
     try:
@@ -1004,25 +946,25 @@ def _check_rows_guidance(rows: np.ndarray, guidance: np.ndarray) -> None:
         raise ProtocolError(f"'guidance' must be finite and in [0, {MAX_GUIDANCE_SCALE}]", 422)
 
 
-def _check_text_velocity(request_id: int, param: int, tensors: list[np.ndarray],
-                         limits: Limits) -> TextVelocityRequest:
+def _check_velocity(request_id: int, param: int, tensors: list[np.ndarray],
+                    limits: Limits) -> VelocityRequest:
     x, t, context, rows, guidance = tensors
-    _check_param_zero(param, _Kind.TEXT_VELOCITY)
+    _check_param_zero(param, _Kind.VELOCITY)
     _check_batch(x, {"t": t, "rows": rows, "guidance": guidance}, limits)
     _check_times("t", t)
     identity = _check_text_rows(context, rows, guidance)
     _check_image(x, limits)
-    return TextVelocityRequest(request_id, x, t, identity, rows, guidance)
+    return VelocityRequest(request_id, x, t, identity, rows, guidance)
 
 
-def _check_text_integrate(request_id: int, param: int, tensors: list[np.ndarray],
-                          limits: Limits) -> TextIntegrateRequest:
+def _check_integrate(request_id: int, param: int, tensors: list[np.ndarray],
+                     limits: Limits) -> IntegrateRequest:
     x, context, rows, guidance, grid = tensors
     _check_batch(x, {"rows": rows, "guidance": guidance}, limits)
     solver = _check_grid(param, grid, limits)
     identity = _check_text_rows(context, rows, guidance)
     _check_image(x, limits)
-    return TextIntegrateRequest(request_id, x, identity, rows, guidance, grid, solver)
+    return IntegrateRequest(request_id, x, identity, rows, guidance, grid, solver)
 
 
 def _check_encode(request_id: int, param: int, tensors: list[np.ndarray],
@@ -1109,9 +1051,9 @@ def _check_pool_velocity(request_id: int, param: int, tensors: list[np.ndarray],
             raise ProtocolError(f"member {name!r} has no rows", 422)
         part = slice(start, start + size)
         start += size
-        calls.append((name, TextVelocityRequest(request_id, x[part], t[part],
-                                                contexts[index].tobytes(), rows[part],
-                                                guidance[part])))
+        calls.append((name, VelocityRequest(request_id, x[part], t[part],
+                                            contexts[index].tobytes(), rows[part],
+                                            guidance[part])))
     return PoolVelocityRequest(request_id, tuple(calls))
 
 
@@ -1164,8 +1106,7 @@ def check_labels(y: np.ndarray, limits: Limits) -> None:
 
 
 _CHECKS = {_Kind.VELOCITY: _check_velocity, _Kind.INTEGRATE: _check_integrate,
-           _Kind.TEXT_VELOCITY: _check_text_velocity,
-           _Kind.TEXT_INTEGRATE: _check_text_integrate, _Kind.DECODE: _check_decode,
+           _Kind.DECODE: _check_decode,
            _Kind.ROUTE: _check_route, _Kind.POOL_VELOCITY: _check_pool_velocity}
 
 

@@ -21,7 +21,7 @@ from typing import Mapping
 import numpy as np
 
 from ddm.deploy.limits import MAX_CONTEXT_ROWS
-from ddm.serving.wire.protocol import LabelContext, context_id, encode_text_request
+from ddm.serving.wire.protocol import LabelContext, context_id, encode_request
 
 __all__ = ["LabelContexts", "MadeLabelContext"]
 
@@ -70,7 +70,7 @@ class LabelContexts:
     def _context(self, held: tuple[int, ...]) -> MadeLabelContext:
         made = self._made.get(held)
         if made is None:
-            body = encode_text_request(LabelContext(0, np.array(held, np.int64)))
+            body = encode_request(LabelContext(0, np.array(held, np.int64)))
             made = MadeLabelContext(context_id(body), body,
                                     {label: row for row, label in enumerate(held)})
             self._made[held] = made

@@ -36,10 +36,9 @@ from ddm.serving.router.fleet.pool_calls import PoolCalls
 from ddm.serving.router.fleet.replicas import EndpointSource, ExpertInfo, Replica
 from ddm.serving.router.fleet.servers import (ModelServers, PoolMetrics, PoolSettings,
                                               discovered_sources, gather_all)
-from ddm.serving.wire.protocol import (UNKNOWN_CONTEXT, Context, ProtocolError,
-                                       RemoteExpertError, Solver, TextIntegrateRequest,
-                                       TextVelocityRequest, context_id, decode_context_ack,
-                                       decode_response, encode_text_request,
+from ddm.serving.wire.protocol import (UNKNOWN_CONTEXT, Context, IntegrateRequest, ProtocolError,
+                                       RemoteExpertError, Solver, VelocityRequest, context_id,
+                                       decode_context_ack, decode_response, encode_request,
                                        max_error_reply_bytes, max_reply_bytes)
 
 
@@ -62,7 +61,7 @@ class _ContextKey:
     body: bytes = field(default=b"", compare=False, repr=False)
 
 
-_Request = TextVelocityRequest | TextIntegrateRequest
+_Request = VelocityRequest | IntegrateRequest
 #: Context ids the pool remembers a replica holds (it may have evicted them: it says so).
 MAX_KNOWN_CONTEXTS = 1024
 
@@ -78,9 +77,9 @@ def _request(key: _ContextKey, request_id: int, inputs: tuple[np.ndarray, ...]) 
     """The protocol request for a (possibly merged) call with ``key``."""
     if key.integrate is None:
         x, t, rows, guidance = inputs
-        return TextVelocityRequest(request_id, x, t, key.context, rows, guidance)
+        return VelocityRequest(request_id, x, t, key.context, rows, guidance)
     x, rows, guidance = inputs
-    return TextIntegrateRequest(request_id, x, key.context, rows, guidance,
+    return IntegrateRequest(request_id, x, key.context, rows, guidance,
                                 np.frombuffer(key.integrate.grid, "<f4"), key.integrate.solver)
 
 
@@ -159,7 +158,7 @@ def _made_of(cond: Conditioning, keys: list[bytes], base: _MadeContext | None) -
         rows[_row_digest(cond, i, False)] = offset + position
         if cond.negative is not None:
             rows[_row_digest(cond, i, True)] = offset + position
-    body = encode_text_request(Context(0, embeddings, mask, negative))
+    body = encode_request(Context(0, embeddings, mask, negative))
     return _MadeContext(context_id(body), body, embeddings, mask, negative, rows)
 
 
@@ -398,16 +397,16 @@ class ExpertPool:
         """One expert request, on the replicas :meth:`ModelServers.send` picks. A pool
         member's velocity calls go to its pool in one request per step
         (:mod:`ddm.serving.router.fleet.pool_calls`)."""
-        kind = "velocity" if isinstance(request, TextVelocityRequest) else "integrate"
+        kind = "velocity" if isinstance(request, VelocityRequest) else "integrate"
         member = self._servers.members.get(expert)
-        if member is not None and isinstance(request, TextVelocityRequest):
+        if member is not None and isinstance(request, VelocityRequest):
             def pooled(replica: Replica, timeout: float) -> Awaitable[np.ndarray]:
                 return self._pooled_attempt(expert, member, replica, request, timeout,
                                             context)
 
             return await self._servers.send(expert, kind, pooled, deadline,
                                             lambda replica: self._pooled.joins(replica, member))
-        body = encode_text_request(request)
+        body = encode_request(request)
 
         def attempt(replica: Replica, timeout: float) -> Awaitable[np.ndarray]:
             return self._attempt(expert, replica, body, request, timeout, context)
@@ -435,7 +434,7 @@ class ExpertPool:
         return out.astype(np.float32, copy=False)  # an expert may answer in (b)float16
 
     async def _pooled_attempt(self, expert: str, member: str, replica: Replica,
-                              request: TextVelocityRequest, timeout: float,
+                              request: VelocityRequest, timeout: float,
                               context: _ContextKey) -> np.ndarray:
         """:meth:`_attempt` for a pool member: its rows go in its pool's request of this turn
         (:class:`~ddm.serving.router.fleet.pool_calls.PoolCalls`)."""

@@ -27,7 +27,7 @@ import numpy as np
 
 from ddm.serving.wire.paths import POOL_VELOCITY_PATH
 from ddm.serving.wire.protocol import (UNKNOWN_CONTEXT, PoolVelocityRequest, RemoteExpertError,
-                                       TextVelocityRequest, decode_pool_response,
+                                       VelocityRequest, decode_pool_response,
                                        encode_pool_request, max_pool_reply_bytes)
 from ddm.serving.router.fleet.replicas import Replica
 
@@ -46,7 +46,7 @@ class _Part:
 
     replica: Replica
     member: str
-    request: TextVelocityRequest
+    request: VelocityRequest
     context: bytes  # the context's body; its id is the request's
     ends: float
     future: asyncio.Future[np.ndarray]
@@ -67,7 +67,7 @@ class PoolCalls:
         parts = self._open.get(replica.endpoint)
         return parts is not None and all(p.member != member for p in parts)
 
-    async def velocity(self, replica: Replica, member: str, request: TextVelocityRequest,
+    async def velocity(self, replica: Replica, member: str, request: VelocityRequest,
                        context: bytes, ends: float) -> np.ndarray:
         """``member``'s answer to ``request`` from ``replica``'s pool server, within
         ``ends`` (``time.monotonic()``); raises what the exchange raises."""

@@ -28,7 +28,7 @@ from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_PROMPT_BYTES, MAX_TEX
                                MAX_TEXT_WIDTH, PRECISIONS)
 from ddm.serving.wire.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                        decode_encoded, decode_probabilities, decode_response,
-                                       encode_text_request, max_error_reply_bytes, max_reply_bytes)
+                                       encode_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.router.fleet.replicas import EndpointSource, Replica, report_shape, require
 from ddm.serving.router.fleet.servers import ModelServers, PoolMetrics, PoolSettings, gather_all
@@ -151,7 +151,7 @@ class StagePool:
 
         async def one(part: tuple[str, ...]) -> EncodedPrompts:
             def request(request_id: int) -> tuple[bytes, int]:
-                return (encode_text_request(EncodeRequest(request_id, part)),
+                return (encode_request(EncodeRequest(request_id, part)),
                         _max_encoded_bytes(len(part), info.text_width or MAX_TEXT_WIDTH))
 
             return await self._stage_call(
@@ -169,7 +169,7 @@ class StagePool:
             shape = (x.shape[0], *info.image_shape)
 
             def request(request_id: int) -> tuple[bytes, int]:
-                return (encode_text_request(DecodeRequest(request_id, x)),
+                return (encode_request(DecodeRequest(request_id, x)),
                         max_reply_bytes(shape))
 
             images = await self._stage_call(
@@ -187,7 +187,7 @@ class StagePool:
             part, times = x[rows], t[rows]
 
             def request(request_id: int) -> tuple[bytes, int]:
-                return (encode_text_request(RouteRequest(request_id, part, times,
+                return (encode_request(RouteRequest(request_id, part, times,
                                                          text[rows])),
                         max_reply_bytes((part.shape[0], info.clusters or 1, 1, 1)) + 64)
 
