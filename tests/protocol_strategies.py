@@ -29,9 +29,8 @@ from typing import Sequence
 import numpy as np
 from hypothesis import strategies as st
 
-from ddm.serving.wire.protocol import (LabelContext, PoolVelocityRequest, Solver,
-                                       IntegrateRequest, VelocityRequest,
-                                       encode_pool_request, encode_request)
+from ddm.serving.wire.protocol import (IntegrateRequest, LabelContext, PoolVelocityRequest, Solver,
+                                       VelocityRequest, encode_pool_request, encode_request)
 from tests.support.label_wire import label_context
 
 MAGIC_AND_VERSION = b"DDMT\x02"

@@ -38,10 +38,9 @@ from hypothesis import strategies as st
 
 from protocol_strategies import Target, request_bodies
 from ddm.runtime.local import ProcessSpec, Supervisor, free_port
-from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Limits, ProtocolError,
-                                       RemoteExpertError, Solver, IntegrateRequest,
-                                       VelocityRequest, decode_request, decode_response,
-                                       encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, IntegrateRequest, Limits,
+                                       ProtocolError, RemoteExpertError, Solver, VelocityRequest,
+                                       decode_request, decode_response, encode_request)
 from ddm.deploy.router_config import (ExpertEntry, RouterConfigFile, SamplingDefaults,
                                        StaticDiscovery)
 

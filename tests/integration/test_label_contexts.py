@@ -19,11 +19,11 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
 from ddm.serving.wire.paths import POOL_VELOCITY_PATH, model_paths
-from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, LabelContext,
-                                       PoolVelocityRequest, RemoteExpertError, Solver,
-                                       IntegrateRequest, VelocityRequest, context_id,
-                                       decode_context_ack, decode_pool_response, decode_response,
-                                       encode_pool_request, encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, Context, IntegrateRequest,
+                                       LabelContext, PoolVelocityRequest, RemoteExpertError, Solver,
+                                       VelocityRequest, context_id, decode_context_ack,
+                                       decode_pool_response, decode_response, encode_pool_request,
+                                       encode_request)
 from servers import ready_server, running, wait_ready
 
 SHAPE = (1, 8, 8)  # the smoke config's images

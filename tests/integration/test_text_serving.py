@@ -34,9 +34,9 @@ from ddm import termination
 from ddm.serving.http.server import build_server
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
-from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RemoteExpertError, RouteRequest,
-                                       Solver, IntegrateRequest, VelocityRequest,
-                                       context_id, decode_response, encode_request)
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, IntegrateRequest, RemoteExpertError,
+                                       RouteRequest, Solver, VelocityRequest, context_id,
+                                       decode_response, encode_request)
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import ExpertInfo, static_endpoints

@@ -17,7 +17,7 @@ from typing import Awaitable, Callable, Protocol, TypeVar
 import httpx
 import numpy as np
 
-from ddm.serving.wire.protocol import (CONTENT_TYPE, LabelContext, Solver, IntegrateRequest,
+from ddm.serving.wire.protocol import (CONTENT_TYPE, IntegrateRequest, LabelContext, Solver,
                                        VelocityRequest, context_id, encode_request)
 
 
@@ -62,19 +62,23 @@ def label_context(request_id: int, y: np.ndarray) -> tuple[bytes, bytes]:
 
 def velocity_call(request_id: int, x: np.ndarray, t: np.ndarray, y: np.ndarray) -> LabelCall:
     """``v(x, t, y)`` for ``x`` (B, C, H, W), ``t`` (B,), labels ``y`` (B,)."""
-    context, identity = label_context(request_id, y)
-    rows, guidance = np.arange(len(y), dtype=np.int32), np.ones(len(y), np.float32)
+    context, identity, rows, unguided = _rows_of(request_id, y)
     return LabelCall(context, encode_request(
-        VelocityRequest(request_id, x, t, identity, rows, guidance)))
+        VelocityRequest(request_id, x, t, identity, rows, unguided)))
 
 
 def integrate_call(request_id: int, x: np.ndarray, y: np.ndarray, grid: np.ndarray,
                    solver: Solver) -> LabelCall:
     """Integrate ``dx/dt = v(x, t, y)`` over ``grid`` with ``solver`` from ``x`` (B, C, H, W)."""
-    context, identity = label_context(request_id, y)
-    rows, guidance = np.arange(len(y), dtype=np.int32), np.ones(len(y), np.float32)
+    context, identity, rows, unguided = _rows_of(request_id, y)
     return LabelCall(context, encode_request(
-        IntegrateRequest(request_id, x, identity, rows, guidance, grid, solver)))
+        IntegrateRequest(request_id, x, identity, rows, unguided, grid, solver)))
+
+
+def _rows_of(request_id: int, y: np.ndarray) -> tuple[bytes, bytes, np.ndarray, np.ndarray]:
+    """The label context of ``y``, its id, and the rows naming each label once, unguided."""
+    context, identity = label_context(request_id, y)
+    return context, identity, np.arange(len(y), dtype=np.int32), np.ones(len(y), np.float32)
 
 
 def send(post: Callable[[bytes], R], call: LabelCall) -> R:
