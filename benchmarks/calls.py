@@ -359,13 +359,13 @@ async def measure(trees: list[Path], rounds: int = ROUNDS) -> dict[str, Any]:
             inputs = {name: (np.random.default_rng(0).standard_normal((1, *shape), np.float32),
                              np.full(1, 0.5, np.float32), np.full(1, label, np.int64))
                       for name, (_, shape, label, _, _) in MODELS.items()}
-            calls = {name: velocity_call(1, *inputs[name]) for name in MODELS}
+            label_calls = {name: velocity_call(1, *inputs[name]) for name in MODELS}
             for (name, tree_name), (endpoint, _) in servers.items():
-                await _hold_context(client, endpoint, tree_name, calls[name])
+                await _hold_context(client, endpoint, tree_name, label_calls[name])
             for round_index in range(rounds + 1):  # round 0 warms up and is dropped
                 for name, (_, shape, _, _, _) in MODELS.items():
                     x, t, y = inputs[name]
-                    body = calls[name].call
+                    body = label_calls[name].call
                     for tree in trees:
                         key = (name, tree.name)
                         calls, floors = await _round(client, servers[key][0], body,
