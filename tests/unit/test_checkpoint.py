@@ -4,7 +4,9 @@ import json
 import os
 import re
 import stat
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -251,3 +253,24 @@ def test_a_ddm_is_its_experts_and_router_only(tmp_path, smoke_checkpoint):
     save_checkpoint(lone / "mono", _meta(kind="monolith", name="mono", partition={}), weights)
     with pytest.raises(CheckpointError, match="holds no expert checkpoints \\(found: monolith\\)"):
         ddm_members(lone)
+
+
+def test_the_stored_precision_is_read_from_the_header_and_a_mix_is_refused(tmp_path: Path):
+    """One rule for every loader (label checkpoints and library components): the floating
+    dtype stored, None where there is none, a mix of floating dtypes refused naming the file."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    from ddm.checkpoints.format import stored_precision
+
+    cases = {"half.safetensors": {"w": np.zeros(2, np.float16), "n": np.zeros(2, np.int64)},
+             "bf16.safetensors": {"w": np.zeros(2, ml_dtypes.bfloat16)},
+             "ints.safetensors": {"n": np.zeros(2, np.int64)},
+             "mixed.safetensors": {"w": np.zeros(2, np.float32), "v": np.zeros(2, np.float16)}}
+    for name, tensors in cases.items():
+        save_file(tensors, str(tmp_path / name))
+    assert stored_precision(tmp_path / "half.safetensors") == "float16"
+    assert stored_precision(tmp_path / "bf16.safetensors") == "bfloat16"
+    assert stored_precision(tmp_path / "ints.safetensors") is None
+    with pytest.raises(CheckpointError, match=r"mixed\.safetensors mixes floating dtypes"):
+        stored_precision(tmp_path / "mixed.safetensors")

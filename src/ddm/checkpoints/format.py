@@ -403,6 +403,20 @@ def safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
         raise CheckpointError(f"{path} is not a valid safetensors file ({exc})") from None
 
 
+#: Safetensors' floating dtype codes a checkpoint may store, by our precision names.
+_FLOATING_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def stored_precision(path: Path) -> str | None:
+    """The precision name of safetensors file ``path``'s floating weights, read from its
+    header; None when it holds none; a ``CheckpointError`` naming the file when they mix."""
+    dtypes = {dtype for dtype, _ in safetensors_header(path).values()}
+    floating = {_FLOATING_DTYPES[d] for d in dtypes if d in _FLOATING_DTYPES}
+    if len(floating) > 1:
+        raise CheckpointError(f"{path} mixes floating dtypes {sorted(floating)}")
+    return floating.pop() if floating else None
+
+
 def one_safetensors(directory: Path) -> Path:
     """The one safetensors file of a library's component directory (never pickled weights)."""
     files = sorted(directory.glob("*.safetensors"))

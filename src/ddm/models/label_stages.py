@@ -20,7 +20,7 @@ import numpy as np
 
 from ddm.checkpoints.declared import EXPERT, ROUTER
 from ddm.checkpoints.format import (WEIGHTS_FILE, CheckpointError, load_checkpoint,
-                                    safetensors_header)
+                                    stored_precision)
 from ddm.conditioning import Conditioning
 from ddm.models.loading import (LOAD_BACKENDS, ModelFn, expert_image_shape, expert_network,
                                 num_classes_of, router_network_config, router_probabilities)
@@ -31,7 +31,6 @@ EXPERT_FAMILIES = {"unet": "unet", "import": "label-import", "exported": "label-
 ROUTER_FAMILY = "label-router"
 #: The roles format 1's checkpoint kinds play (a classifier only scores samples).
 _ROLES = {"expert": EXPERT, "monolith": EXPERT, "router": ROUTER}
-_PRECISIONS = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -107,9 +106,5 @@ def _labelled(name: str, run: ModelFn) -> Callable[[np.ndarray, np.ndarray, Cond
 
 
 def _stored_precision(path: Path) -> str:
-    """The precision name of a checkpoint's floating weights (float32 where it holds none)."""
-    dtypes = {dtype for dtype, _ in safetensors_header(path / WEIGHTS_FILE).values()}
-    floating = {_PRECISIONS[d] for d in dtypes if d in _PRECISIONS}
-    if len(floating) > 1:
-        raise CheckpointError(f"{path / WEIGHTS_FILE} mixes floating dtypes {sorted(floating)}")
-    return floating.pop() if floating else "float32"
+    """The precision of a checkpoint's floating weights (float32 where it holds none)."""
+    return stored_precision(path / WEIGHTS_FILE) or "float32"

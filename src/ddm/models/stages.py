@@ -27,11 +27,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from ddm.checkpoints.declared import DDM_KEY, DECODER, EXPERT, ROLES, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.index import read_index
-from ddm.checkpoints.format import FORMAT_KEY, CheckpointError, check_sha256, one_safetensors
+from ddm.checkpoints.format import (FORMAT_KEY, CheckpointError, check_sha256, one_safetensors,
+                                    stored_precision)
 from ddm.conditioning import LABELS, TEXT, Conditioning
 from ddm.deploy import limits
 from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR, expert_dir
@@ -464,21 +464,15 @@ def check_stage_shapes(root: Path, experts: Sequence[Stage], router: Stage | Non
 def stored_dtype(directory: Path) -> torch.dtype:
     """The one floating dtype of a diffusers component's safetensors weights."""
     path = one_safetensors(directory)
-    with safe_open(str(path), framework="pt") as weights:
-        dtypes = {weights.get_slice(name).get_dtype() for name in weights.keys()}
-    floating = {_SAFETENSORS_DTYPES[d] for d in dtypes if d in _SAFETENSORS_DTYPES}
-    if len(floating) != 1:
-        raise CheckpointError(f"{path} holds weights of dtypes {sorted(dtypes)}; "
-                              "expected one of F32, BF16, F16")
-    return floating.pop()
+    precision = stored_precision(path)
+    if precision is None:
+        raise CheckpointError(f"{path} holds no floating weights; expected F32, BF16 or F16")
+    return PRECISIONS[precision]
 
 
 def precision_name(dtype: torch.dtype) -> str:
     """A torch floating dtype -> its :data:`PRECISIONS` name."""
     return next(name for name, value in PRECISIONS.items() if value == dtype)
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 # Conversions at a network's edge: our (x, t, cond) in, our velocity out --------------------
