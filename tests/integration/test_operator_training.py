@@ -30,7 +30,7 @@ TRAINING_LABEL, JOB_LABEL = "ddm.dev/training", "ddm.dev/job"
 #: A bound on a hang, not a speed target (the Job controller retries a failed pod after ~10 s).
 DEADLINE_S = 90
 HOST_ROOT = "/srv/ddm/"
-EXPERT_JOBS = {"expert-digits-0-4", "expert-digits-5-9"}
+TRAINING_JOBS = {"expert-digits-0-4", "expert-digits-5-9", "router"}
 
 
 def _example(output: str) -> dict[str, Any]:
@@ -123,10 +123,11 @@ def test_a_training_runs_its_jobs_in_order_retries_one_and_makes_its_deployment(
         trainings: Trainings) -> None:
     t, cluster = trainings, trainings.cluster
     uid = t.create(_example(HOST_ROOT + "digits"))["metadata"]["uid"]
-    # the experts' jobs start together, the router's waits for them
+    # the experts' jobs and the router's start together (the router network reads the data and
+    # the partition, not the experts)
     t.wait("digits", lambda s: s.get("phase") == "Training", "phase Training")
-    jobs = wait_for(lambda: (j := t.jobs("digits")) and set(j) == EXPERT_JOBS and j,
-                    DEADLINE_S, "the two experts' Jobs")
+    jobs = wait_for(lambda: (j := t.jobs("digits")) and set(j) == TRAINING_JOBS and j,
+                    DEADLINE_S, "the experts' and the router's Jobs")
     # each job's pods confined by a NetworkPolicy of its name, made before it
     policies = t.policies("digits")
     assert set(policies) == {job["metadata"]["name"] for job in jobs.values()}
@@ -139,28 +140,29 @@ def test_a_training_runs_its_jobs_in_order_retries_one_and_makes_its_deployment(
     assert {c["type"]: c["status"] for c in status["conditions"]} == {
         "Expert-digits-0-4": "False", "Expert-digits-5-9": "False", "Router": "False"}
     # expert 0-4's pod fails: the Job controller runs a new one (it resumes the saved state);
-    # the other expert's Job and pod are left alone
-    other = _one_bound_pod(t, "digits", "expert-digits-5-9")
-    _kubelet_ran(cluster, other, "Running")
+    # the other jobs and their pods are left alone
+    others = {job: _one_bound_pod(t, "digits", job) for job in ("expert-digits-5-9", "router")}
+    for pod in others.values():
+        _kubelet_ran(cluster, pod, "Running")
     failed = _one_bound_pod(t, "digits", "expert-digits-0-4")
     _kubelet_ran(cluster, failed, "Failed", exit_code=137)
     t.wait("digits", lambda s: s["jobs"]["expert-digits-0-4"]["retries"] == 1,
            "one failed pod counted")
     retry = _one_bound_pod(t, "digits", "expert-digits-0-4", but={failed["metadata"]["name"]})
     assert "--resume" in " ".join(retry["spec"]["containers"][0]["command"])
-    assert t.jobs("digits")["expert-digits-5-9"]["metadata"]["uid"] == \
-        jobs["expert-digits-5-9"]["metadata"]["uid"]
-    assert [p["metadata"]["uid"] for p in t.pods("digits", "expert-digits-5-9")] == [
-        other["metadata"]["uid"]]
+    for job, pod in others.items():
+        assert t.jobs("digits")[job]["metadata"]["uid"] == jobs[job]["metadata"]["uid"]
+        assert [p["metadata"]["uid"] for p in t.pods("digits", job)] == [pod["metadata"]["uid"]]
     assert t.status("digits")["phase"] == "Training"
-    # both experts finish: the router's job starts, then finishes; the DDMDeployment is made
-    for pod in (retry, other):
+    # the router finishes first: the training waits for its experts
+    _kubelet_ran(cluster, others["router"], "Succeeded")
+    t.wait("digits", lambda s: s["jobs"]["router"]["state"] == "Succeeded", "router done")
+    assert t.status("digits")["phase"] == "Training"
+    assert t.deployment("digits-trained") is None
+    # both experts finish: the DDMDeployment is made
+    for pod in (retry, others["expert-digits-5-9"]):
         _kubelet_ran(cluster, pod, "Succeeded")
     t.wait("digits", lambda s: s.get("expertsDone") == "2/2", "both experts done")
-    router = _one_bound_pod(t, "digits", "router")
-    assert "digits-router" in t.policies("digits")
-    assert t.status("digits")["jobs"]["router"]["state"] == "Running"
-    _kubelet_ran(cluster, router, "Succeeded")
     status = t.wait("digits", lambda s: s.get("phase") == "Succeeded", "phase Succeeded")
     assert status["deployment"] == "digits-trained"
     assert status["steps"] == {"done": 4500, "asked": 4500}
