@@ -3,8 +3,8 @@
 examples/training.yaml (engine: job) is applied with its output on a node directory the
 operator may mount (``file://``) and small CPU requests (the node has two cores). The operator
 (in this process, against the real API server) creates the two experts' Jobs (torchrun with 2
-processes; JAX with 2 processes as 2 containers), then the router network's; the kubelet runs
-them from the CPU image. The status reports the steps the jobs log. The PyTorch expert's pod
+processes; JAX with 2 processes as 2 containers) and the router network's beside them; the kubelet
+runs them from the CPU image. The status reports the steps the jobs log. The PyTorch expert's pod
 is deleted once it has saved its state: the Job controller runs a new pod, which resumes from
 that state (its first progress line is past the saved step, never back at 0). When every job
 has succeeded the operator creates the DDMDeployment of the outputs, which becomes Ready, and
