@@ -188,14 +188,15 @@ _MEMBERS = ("e0", "expert-1", "router-network", "x" * 64)
 
 
 def _valid_pool(seed: int, coherent: bool, target: Target) -> Valid:
-    """A pool velocity request: one to three members' text velocity rows."""
+    """A pool velocity request: one to four calls of three members' text velocity rows (a
+    member may recur: one call per context), or (incoherent) more calls than rows allowed."""
     rng = np.random.default_rng(seed)
     flip = lambda: bool(rng.integers(2))  # noqa: E731 - a coin, local to this generator
-    count = int(rng.integers(1, 4))
-    names = [_MEMBERS[i] for i in (rng.permutation(3)[:count] if coherent
-                                   else rng.integers(0, len(_MEMBERS), count))]
-    sizes = [int(rng.integers(1, max(2, target.max_batch // count + 1))) if coherent
-             else int(rng.integers(0, target.max_batch + 2)) for _ in names]
+    many = not coherent and not rng.integers(4)
+    count = target.max_batch + 1 if many else int(rng.integers(1, 5))
+    names = [_MEMBERS[i] for i in rng.integers(0, 3 if coherent else len(_MEMBERS), count)]
+    sizes = [1 if many else int(rng.integers(1, max(2, target.max_batch // count + 1)))
+             if coherent else int(rng.integers(0, target.max_batch + 2)) for _ in names]
     shape = target.image_shape if coherent or flip() else tuple(
         int(d) for d in rng.integers(0, 4, 3))
     calls = []
@@ -224,8 +225,9 @@ def _valid_pool(seed: int, coherent: bool, target: Target) -> Valid:
 
 def valid_pool_requests(target: Target) -> st.SearchStrategy[Valid]:
     """A pool velocity request. Mostly what ``target`` accepts (a pool of its image shape and
-    ``max_batch`` rows in all); one time in four well formed but off (a member twice or with a
-    name too long, no rows, rows over the limit, bad times, rows or guidance)."""
+    ``max_batch`` rows in all, a member named by several calls at times); one time in four
+    well formed but off (a name too long, no rows, rows or calls over the limit, bad times,
+    rows or guidance)."""
     return _PLANS.map(lambda plan: _valid_pool(plan[0], plan[1] > 0, target))
 
 

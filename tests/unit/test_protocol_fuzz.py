@@ -145,15 +145,15 @@ def test_10000_hostile_bodies_get_a_request_or_a_protocol_error_in_bounded_memor
     assert worst[0] <= 1.0, worst
 
 
-#: A pool of three members of ``TARGET``'s image shape, at most ``max_batch`` rows in all.
+#: A pool of ``TARGET``'s image shape, at most ``max_batch`` rows (and calls) in all.
 POOL_LIMITS = Limits(max_batch=TARGET.max_batch, max_body_bytes=MAX_BODY_BYTES,
-                     image_shape=TARGET.image_shape, max_members=3)
+                     image_shape=TARGET.image_shape)
 POOL_CASES = CASES // 4
 
 
 def assert_pool_within_limits(request: PoolVelocityRequest) -> None:
     names = [name for name, _ in request.calls]
-    assert 1 <= len(names) <= POOL_LIMITS.max_members and len(set(names)) == len(names)
+    assert 1 <= len(names) <= POOL_LIMITS.max_batch
     assert all(1 <= len(name.encode()) <= 63 for name in names)
     rows = [call.x.shape[0] for _, call in request.calls]
     assert min(rows) >= 1 and sum(rows) <= POOL_LIMITS.max_batch
@@ -166,15 +166,21 @@ def assert_pool_within_limits(request: PoolVelocityRequest) -> None:
 
 @pytest.mark.slow
 def test_hostile_pool_bodies_get_a_request_or_a_protocol_error_in_bounded_memory() -> None:
-    """The same for bodies made from pool velocity requests (version 3)."""
+    """The same for bodies made from pool velocity requests (version 3): a member named by
+    several calls is accepted, more calls than ``max_batch`` refused."""
+    repeated = []
 
     def accepted(request: PoolVelocityRequest, body: bytes) -> None:
         assert isinstance(request, PoolVelocityRequest), request
         assert_pool_within_limits(request)
         assert encode_pool_request(request) == body
+        names = [name for name, _ in request.calls]
+        repeated.append(len(set(names)) < len(names))
 
     outcomes, reasons, worst = fuzzed(request_bodies(TARGET, pool=True), POOL_LIMITS,
                                       POOL_CASES, accepted)
+    assert any(repeated), "no accepted request named a member twice"
+    assert any(r.startswith("a pool velocity request carries _ to _ calls") for r in reasons)
     assert sum(outcomes.values()) >= POOL_CASES
     assert outcomes[400] >= POOL_CASES // 3 and outcomes[422] >= POOL_CASES // 20, outcomes
     assert outcomes[413] >= 5 and outcomes[200] >= POOL_CASES // 20, outcomes

@@ -1,7 +1,7 @@
-"""Protocol version 3 (docs/protocol.md): a pool velocity request carries several members'
-text velocity calls in one body and round-trips byte for byte; its reply carries each
-member's rows or error; every bad body or reply is refused with the status and a message
-naming what is wrong."""
+"""Protocol version 3 (docs/protocol.md): a pool velocity request carries several calls to
+members (a member once per context) in one body and round-trips byte for byte; its reply
+carries each call's rows or error; every bad body or reply is refused with the status and a
+message naming what is wrong."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ddm.serving.wire.protocol import (MemberError, Limits, PoolVelocityRequest,
 
 RNG = np.random.default_rng(0)
 SHAPE = (4, 2, 2)
-LIMITS = Limits(image_shape=SHAPE, max_batch=8, max_members=3)
+LIMITS = Limits(image_shape=SHAPE, max_batch=8)
 
 
 def call(rows: int, context: int = 1, guidance: float = 1.0) -> VelocityRequest:
@@ -44,6 +44,23 @@ def test_a_pool_request_round_trips_byte_for_byte_as_version_3():
         for name in ("x", "t", "rows", "guidance"):
             np.testing.assert_array_equal(getattr(got, name), getattr(sent, name))
     assert encode_pool_request(decoded) == body
+
+
+def test_a_member_may_be_called_once_per_context_in_one_request():
+    twice = pool(("expert-0", call(2, 1)), ("expert-1", call(1, 2)), ("expert-0", call(1, 3)))
+    body = encode_pool_request(twice)
+    decoded = decode_request(body, LIMITS)
+    assert isinstance(decoded, PoolVelocityRequest)
+    assert [(name, c.context[0]) for name, c in decoded.calls] == [
+        ("expert-0", 1), ("expert-1", 2), ("expert-0", 3)]
+    for (_, sent), (_, got) in zip(twice.calls, decoded.calls):
+        np.testing.assert_array_equal(got.x, sent.x)
+    assert encode_pool_request(decoded) == body
+    # Each call answers on its own: the first call to expert-0 its rows, the second its 412.
+    outs = decode_pool_response(encode_pool_response(
+        twice, [twice.calls[0][1].x, twice.calls[1][1].x, MemberError(412, "unknown")]), twice)
+    np.testing.assert_array_equal(outs[0], twice.calls[0][1].x)
+    assert isinstance(outs[2], RemoteExpertError) and outs[2].code == 412
 
 
 def test_a_reply_carries_each_member_s_rows_or_error_in_their_dtype():
@@ -90,24 +107,23 @@ def patched(body: bytes, tail: np.ndarray) -> bytes:
 
 
 @pytest.mark.parametrize("make_body, limits, status, message", [
-    (lambda: encode_pool_request(REQUEST), Limits(image_shape=SHAPE, max_members=1), 422,
-     "names 1 to 1 members, got 2"),
+    (lambda: encode_pool_request(pool(("e0", call(1)), ("e0", call(1)), ("e1", call(1)))),
+     Limits(image_shape=SHAPE, max_batch=2), 422,
+     r"carries 1 to 2 calls \(one row each at least, max_batch 2 rows in all\), got 3"),
     (lambda: encode_pool_request(REQUEST), Limits(image_shape=SHAPE, max_batch=2), 422,
      "batch of 3 exceeds the limit of 2"),
-    (lambda: encode_pool_request(pool(("e0", call(1)), ("e0", call(1)))), LIMITS, 422,
-     "member 'e0' is named twice"),
     (lambda: encode_pool_request(pool(("", call(1)), ("e1", call(1)))), LIMITS, 400,
      "'lengths' must be positive and sum to the 2 bytes of 'members'"),
     (lambda: encode_pool_request(pool(("e" * 64, call(1)))), LIMITS, 422,
      "is longer than 63 bytes"),
     (lambda: encode_pool_request(pool(("e0", call(1)), ("e1", call(0)))), LIMITS, 422,
-     "member 'e1' has no rows"),
+     r"call 1 \(member 'e1'\) has no rows"),
     (lambda: patched(encode_pool_request(REQUEST), np.array([2, 2])), LIMITS, 400,
      "'counts' must be non-negative and sum to the 3 rows of 'x'"),
     (lambda: patched(encode_pool_request(REQUEST), np.array([4, -1])), LIMITS, 400,
      "'counts' must be non-negative"),
     (lambda: encode_pool_request(REQUEST).replace(b"expert-1", b"expert-\xff"), LIMITS, 422,
-     "member 1's name is not valid UTF-8"),
+     "call 1's member name is not valid UTF-8"),
     (lambda: encode_pool_request(pool(("e0", call(2, guidance=51.0)))), LIMITS, 422,
      "'guidance' must be finite and in"),
     (lambda: encode_pool_request(pool(("e0", VelocityRequest(
@@ -136,7 +152,7 @@ def test_bad_pool_requests_are_refused_by_name(make_body, limits, status, messag
 def test_replies_that_do_not_fit_the_request_are_refused():
     outs = [c.x for _, c in REQUEST.calls]
     other = pool(("expert-0", call(2)), ("expert-1", call(2)))
-    with pytest.raises(ProtocolError, match=r"a pool response for 2 members of \(4, 4, 2, 2\)"):
+    with pytest.raises(ProtocolError, match=r"a pool response for 2 calls of \(4, 4, 2, 2\)"):
         decode_pool_response(encode_pool_response(REQUEST, outs), other)
     # An error code outside HTTP's error statuses, and a 200 that carries a message.
     for result in (MemberError(700, "?"), MemberError(200, "ok?")):

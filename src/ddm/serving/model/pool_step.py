@@ -1,17 +1,21 @@
 """A pool server's one request per step (issue 37): ``POST /v1/pool/velocity``.
 
-A router whose step needs several experts held by one pool replica sends their rows in one
-pool velocity request (``docs/protocol.md``, version 3) instead of one request per member. The
-route hands each member's part to that member's own batcher
-(:meth:`~ddm.serving.model.member.Member.velocity`), so the rows still batch per member
-across requests, never across members, and answers one reply holding each member's output or
-error: a member that does not hold the context answers its 412 in the reply while the others'
-rows come back, as their own routes would have answered. An unknown member name refuses the
-whole request (404, naming it); so does anything the body itself gets wrong (400, 413, 422).
+A router whose step needs experts held by one pool replica sends their rows in one pool
+velocity request (``docs/protocol.md``, version 3) instead of one request per member and
+generation: a call per (member, context), so the calls of concurrent generations to one
+member travel together. The route hands every call to its member's own batcher
+(:meth:`~ddm.serving.model.member.Member.velocity`) at once, so a member's calls with the
+same batch key run as one forward (with other requests' rows too), never with another
+member's, and answers one reply holding each call's output or error: a call naming a context
+its member does not hold answers its 412 in the reply while the other calls' rows come back,
+those to the same member included, as their own requests would have been answered. An
+unknown member name refuses the whole request (404, naming it); so does anything the body
+itself gets wrong (400, 413, 422).
 
 The route counts its requests in ``ddm_pool_requests`` (by route, kind and status) on the
-pool's ``/metrics``; each member counts its part in its own ``ddm_expert_requests`` (kind
-``PoolVelocityRequest``), so a member's requests and rows add up whichever route carried them.
+pool's ``/metrics``; each member counts each call to it in its own ``ddm_expert_requests``
+(kind ``PoolVelocityRequest``), so a member's requests and rows add up whichever route carried
+them.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class StepMetrics(Collector):
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
             "ddm_pool_requests", "Requests a pool answered on its own routes (one carries a "
-            "step's calls to several members), by route, message kind and HTTP status.",
+            "step's calls to its members), by route, message kind and HTTP status.",
             labels=["route", "kind", "status"])
         with self._lock:
             for (kind, status), count in sorted(self._requests.items()):
@@ -80,22 +84,22 @@ class PoolStep:
     @property
     def limits(self) -> Limits:
         """The experts' current limits summed up (they change once a member loads)."""
-        return _limits(tuple(s.limits for s in self.experts), len(self.members))
+        return _limits(tuple(s.limits for s in self.experts))
 
 
 @functools.lru_cache(maxsize=8)
-def _limits(experts: tuple[Limits, ...], members: int) -> Limits:
-    """A pool request's limits: each of the pool's ``members`` at most once (a member that is
-    not an expert answers its own 422), at most each expert's ``max_batch`` rows (each checks
-    its own part again), the latent shape they share (None where they do not: each member
-    checks its rows'), and a body of twice the largest such request."""
+def _limits(experts: tuple[Limits, ...]) -> Limits:
+    """A pool request's limits: at most the experts' ``max_batch`` rows summed up, in as
+    many calls at most (the decoder's rule; each member checks each of its calls again), the
+    latent shape they share (None where they do not: each member checks its rows'), and a
+    body of twice the largest such request."""
     shapes = {m.image_shape for m in experts}
     shape = shapes.pop() if len(shapes) == 1 else None
     rows = sum(m.max_batch for m in experts)
-    per_member = CONTEXT_ID_BYTES + 4 + 4 + MAX_MEMBER_NAME_BYTES
+    per_call = CONTEXT_ID_BYTES + 4 + 4 + MAX_MEMBER_NAME_BYTES
     body = (MAX_CONTEXT_BODY_BYTES if shape is None else
-            2 * (rows * (4 * math.prod(shape) + 4 + 4 + 4) + members * per_member) + 4096)
-    return Limits(max_batch=rows, max_body_bytes=body, image_shape=shape, max_members=members)
+            2 * rows * (4 * math.prod(shape) + 4 + 4 + 4 + per_call) + 4096)
+    return Limits(max_batch=rows, max_body_bytes=body, image_shape=shape)
 
 
 def pool_step_routes(members: Mapping[str, Member],
@@ -123,6 +127,7 @@ async def answer_pool_step(step: PoolStep, body: bytes) -> tuple[int, bytes]:
         if unknown:
             raise ProtocolError(f"unknown member {unknown[0]!r}; this pool holds "
                                 f"{', '.join(step.members)}", 404, message.request_id)
+        # All at once: a member's calls reach its batcher in this turn, to run together.
         results = await asyncio.gather(*(_member(step.members[name], name, call)
                                          for name, call in message.calls))
         handling.rows = sum(call.x.shape[0] for (_, call), result in
@@ -134,7 +139,8 @@ async def answer_pool_step(step: PoolStep, body: bytes) -> tuple[int, bytes]:
 
 async def _member(server: Member, name: str,
                   call: VelocityRequest) -> np.ndarray | MemberError:
-    """One member's part: its velocity, or the error its own route would have answered."""
+    """One call: its member's velocity, or the error the member's own route would have
+    answered."""
     result: np.ndarray | MemberError
     if not server.takes_velocity:
         result = MemberError(422, f"member {name} is a {server.facts()['role']}; a pool "

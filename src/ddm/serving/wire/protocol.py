@@ -11,8 +11,9 @@ their codes are unknown kinds now. Version 2 carries a generation's CONTEXT (its
 embeddings, sent once per expert replica and named by the SHA-256 of its bytes), VELOCITY /
 INTEGRATE (rows of a context, a guidance scale per row), and the stages' ENCODE, DECODE and
 ROUTE. Replies may carry bfloat16 (``ml_dtypes``' NumPy dtype: its raw 16 bits on the wire).
-Version 3 adds a pool's POOL_VELOCITY: the velocity calls of a step to several members of one
-pool server in one body, answered by one POOL_RESPONSE holding each member's output or error.
+Version 3 adds a pool's POOL_VELOCITY: the velocity calls of a step to the members of one pool
+server in one body (a member once per context it is called with), answered by one POOL_RESPONSE
+holding each call's output or error.
 Version 4 adds LABEL_CONTEXT: a generation's class labels as a context, named by id like a
 text one, so that every expert, label or text, answers the same VELOCITY / INTEGRATE /
 POOL_VELOCITY calls.
@@ -34,7 +35,7 @@ import numpy as np
 
 from ddm.conditioning import Conditioning, EncodedPrompts
 from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS,
-                               MAX_EXPERTS, MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS,
+                               MAX_GUIDANCE_SCALE, MAX_PROMPT_BYTES, MAX_PROMPTS,
                                MAX_STATE_MAGNITUDE, MAX_STEPS, MAX_TEXT_TOKENS, MAX_TEXT_WIDTH,
                                SOLVERS)
 
@@ -277,10 +278,11 @@ class RouteRequest:
 
 @dataclass(frozen=True, eq=False)
 class PoolVelocityRequest:
-    """The text velocity calls of one step to several members of one pool server, in one
-    body (version 3): ``calls`` pairs each member's name (at most once) with its rows, a
-    :class:`VelocityRequest` carrying this request's id. Decoded, each call's arrays are
-    read-only views of the body's; members' rows follow one another in ``calls``' order."""
+    """The velocity calls of one step to members of one pool server, in one body (version
+    3): ``calls`` pairs a member's name with its rows of one context, a
+    :class:`VelocityRequest` carrying this request's id; a member may be named by several
+    calls (concurrent generations, each with its own context). Decoded, each call's arrays are
+    read-only views of the body's; the calls' rows follow one another in ``calls``' order."""
 
     request_id: int
     calls: tuple[tuple[str, VelocityRequest], ...]
@@ -288,7 +290,7 @@ class PoolVelocityRequest:
 
 @dataclass(frozen=True)
 class MemberError:
-    """One member's part of a pool request failed: ``code`` the HTTP status its own route
+    """One call of a pool request failed: ``code`` the HTTP status its member's own route
     would have answered (412 for an unknown context, 422, 503...), ``message`` why."""
 
     code: int
@@ -314,7 +316,7 @@ class Limits:
     ints); ``None`` accepts any. ``text_width`` is the width ``D`` a context's embeddings must
     have; contexts have at most ``max_context_rows`` rows of ``max_text_tokens`` tokens, an
     encode request ``max_prompts`` prompts of ``max_prompt_bytes`` UTF-8 bytes each, a pool
-    velocity request ``max_members`` members (``max_batch`` rows in all). Left out,
+    velocity request ``max_batch`` rows in all (so at most that many calls). Left out,
     each is the most any of our servers may be set to take (a client decoding a reply accepts
     whatever a valid server sends); a server passes its own.
     """
@@ -329,11 +331,10 @@ class Limits:
     max_text_tokens: int = MAX_TEXT_TOKENS
     max_prompts: int = MAX_PROMPTS
     max_prompt_bytes: int = MAX_PROMPT_BYTES
-    max_members: int = MAX_EXPERTS
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_body_bytes", "max_steps", "max_context_rows",
-                     "max_text_tokens", "max_prompts", "max_prompt_bytes", "max_members"):
+                     "max_text_tokens", "max_prompts", "max_prompt_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Limits.{name} must be a positive integer, got {value!r}")
@@ -396,10 +397,10 @@ def encode_request(request: Context | LabelContext | VelocityRequest | Integrate
 
 
 def encode_pool_request(request: PoolVelocityRequest) -> bytes:
-    """The body of a pool velocity request (version 3): the members' rows one after the
-    other, with each member's name, row count and context id."""
+    """The body of a pool velocity request (version 3): the calls' rows one after the
+    other, with each call's member name, row count and context id."""
     if not request.calls:
-        raise ProtocolError("a pool velocity request names at least one member")
+        raise ProtocolError("a pool velocity request carries at least one call")
     names = [name.encode("utf-8") for name, _ in request.calls]
     calls = [call for _, call in request.calls]
     return _encode(_Kind.POOL_VELOCITY, request.request_id, 0, (
@@ -443,11 +444,11 @@ def encode_probabilities(request_id: int, probs: np.ndarray) -> bytes:
 
 def encode_pool_response(request: PoolVelocityRequest,
                          results: Sequence[np.ndarray | MemberError]) -> bytes:
-    """The reply to a pool velocity request: each member's output rows, in ``request.calls``'
-    order, or its error. An output that is not finite becomes that member's 422, as
-    :func:`encode_response` refuses it; outputs travel in their own dtype where every member's
-    is the same, else as float32; a failed member's rows are zeros."""
-    assert len(results) == len(request.calls), "one result per member"
+    """The reply to a pool velocity request: each call's output rows, in ``request.calls``'
+    order, or its error. An output that is not finite becomes that call's 422, as
+    :func:`encode_response` refuses it; outputs travel in their own dtype where every call's
+    is the same, else as float32; a failed call's rows are zeros."""
+    assert len(results) == len(request.calls), "one result per call"
     checked: list[np.ndarray | MemberError] = []
     for (name, call), result in zip(request.calls, results):
         if not isinstance(result, MemberError):
@@ -494,12 +495,12 @@ def max_reply_bytes(shape: tuple[int, ...]) -> int:
     return _aligned(_FIXED.size + _DESCRIPTOR.size + 4 * len(shape)) + 4 * math.prod(shape)
 
 
-def max_pool_reply_bytes(shape: tuple[int, ...], members: int) -> int:
-    """The size of the largest valid reply to a pool request of ``members`` members whose
-    ``x`` has ``shape`` (B, C, H, W): float32 rows, and an error message per member."""
+def max_pool_reply_bytes(shape: tuple[int, ...], calls: int) -> int:
+    """The size of the largest valid reply to a pool request of ``calls`` calls whose
+    ``x`` has ``shape`` (B, C, H, W): float32 rows, and an error message per call."""
     header = _FIXED.size + len(_SCHEMAS[_Kind.POOL_RESPONSE]) * _DESCRIPTOR.size + 4 * (4 + 3)
-    return (_aligned(header) + _aligned(4 * math.prod(shape)) + 2 * _aligned(4 * members)
-            + _aligned(members * MAX_ERROR_MESSAGE_BYTES))
+    return (_aligned(header) + _aligned(4 * math.prod(shape)) + 2 * _aligned(4 * calls)
+            + _aligned(calls * MAX_ERROR_MESSAGE_BYTES))
 
 
 def max_error_reply_bytes() -> int:
@@ -615,17 +616,17 @@ def decode_response(body: bytes | bytearray | memoryview, expected_request_id: i
 
 def decode_pool_response(body: bytes | bytearray | memoryview, request: PoolVelocityRequest
                          ) -> list[np.ndarray | RemoteExpertError]:
-    """A pool server's reply to ``request``: per member, in ``request.calls``' order, its
+    """A pool server's reply to ``request``: per call, in ``request.calls``' order, its
     output rows (read-only views, float32, float16 or bfloat16 as sent) or the
-    :class:`RemoteExpertError` its own route would have raised. An error reply for the whole
-    request raises :class:`RemoteExpertError`; a malformed reply (shapes other than the
-    request's, a non-finite output, codes that are not 200 or an HTTP error status)
+    :class:`RemoteExpertError` its member's own route would have raised. An error reply for
+    the whole request raises :class:`RemoteExpertError`; a malformed reply (shapes other than
+    the request's, a non-finite output, codes that are not 200 or an HTTP error status)
     :class:`ProtocolError`, as :func:`decode_response`."""
     out, codes, message, lengths = _read_reply(body, request.request_id, _Kind.POOL_RESPONSE)
     calls = [call for _, call in request.calls]
     shape = (sum(c.x.shape[0] for c in calls), *calls[0].x.shape[1:])
     if out.shape != shape or codes.shape != (len(calls),) or lengths.shape != (len(calls),):
-        raise ProtocolError(f"a pool response for {len(calls)} members of {shape} has 'out' "
+        raise ProtocolError(f"a pool response for {len(calls)} calls of {shape} has 'out' "
                             f"{out.shape}, 'codes' {codes.shape}, 'lengths' {lengths.shape}",
                             422)
     if (lengths < 0).any() or int(lengths.astype(np.int64).sum()) != message.shape[0]:
@@ -1017,8 +1018,12 @@ def _check_pool_velocity(request_id: int, param: int, tensors: list[np.ndarray],
     x, t, rows, guidance, contexts, members, lengths, counts = tensors
     _check_param_zero(param, _Kind.POOL_VELOCITY)
     count = lengths.shape[0]
+    if not 1 <= count <= limits.max_batch:  # each call has a row at least
+        raise ProtocolError(f"a pool velocity request carries 1 to {limits.max_batch} calls "
+                            f"(one row each at least, max_batch {limits.max_batch} rows in "
+                            f"all), got {count}", 422)
     if counts.shape != (count,) or contexts.shape != (count, CONTEXT_ID_BYTES):
-        raise ProtocolError(f"{count} members need {count} 'counts' and ({count}, "
+        raise ProtocolError(f"{count} calls need {count} 'counts' and ({count}, "
                             f"{CONTEXT_ID_BYTES}) 'context', got {counts.shape[0]} and "
                             f"{contexts.shape}")
     if int(lengths.astype(np.int64).sum()) != members.shape[0] or (lengths < 1).any():
@@ -1027,9 +1032,6 @@ def _check_pool_velocity(request_id: int, param: int, tensors: list[np.ndarray],
     if int(counts.astype(np.int64).sum()) != x.shape[0] or (counts < 0).any():
         raise ProtocolError(f"'counts' must be non-negative and sum to the {x.shape[0]} rows "
                             "of 'x'")
-    if not 1 <= count <= limits.max_members:
-        raise ProtocolError(f"a pool velocity request names 1 to {limits.max_members} members, "
-                            f"got {count}", 422)
     _check_batch(x, {"t": t, "rows": rows, "guidance": guidance}, limits)
     _check_times("t", t)
     _check_rows_guidance(rows, guidance)
@@ -1040,15 +1042,16 @@ def _check_pool_velocity(request_id: int, param: int, tensors: list[np.ndarray],
         try:
             name = members[start:end].tobytes().decode("utf-8")
         except UnicodeDecodeError:
-            raise ProtocolError(f"member {len(names)}'s name is not valid UTF-8", 422) from None
-        if end - start > MAX_MEMBER_NAME_BYTES or name in names:
-            raise ProtocolError(f"member {name[:MAX_MEMBER_NAME_BYTES]!r} is named twice or "
-                                f"is longer than {MAX_MEMBER_NAME_BYTES} bytes", 422)
+            raise ProtocolError(f"call {len(names)}'s member name is not valid UTF-8",
+                                422) from None
+        if end - start > MAX_MEMBER_NAME_BYTES:
+            raise ProtocolError(f"member {name[:MAX_MEMBER_NAME_BYTES]!r} is longer than "
+                                f"{MAX_MEMBER_NAME_BYTES} bytes", 422)
         names.append(name)
     calls, start = [], 0
     for index, (name, size) in enumerate(zip(names, counts.tolist())):
         if size == 0:
-            raise ProtocolError(f"member {name!r} has no rows", 422)
+            raise ProtocolError(f"call {index} (member {name!r}) has no rows", 422)
         part = slice(start, start + size)
         start += size
         calls.append((name, VelocityRequest(request_id, x[part], t[part],
