@@ -126,6 +126,30 @@ def test_only_calls_with_the_same_key_merge_oldest_key_first():
     assert [o.tolist() for o in outs] == [[11], [22], [31], [42]]
 
 
+def test_per_key_a_call_waits_only_behind_requests_of_its_own_key():
+    """A pool member's coalescer: while key 0's request is out, a key-1 call goes at once (its
+    pool gathers it with the others), a key-0 call waits and merges with the next."""
+    async def scenario():
+        expert = Expert()
+        expert.gate.clear()
+        c = Coalescer(expert.send, lambda: 64, lambda: 1, per_key=True)
+        first = asyncio.ensure_future(c.submit(0, rows(1)))
+        await turns()
+        later = [asyncio.ensure_future(c.submit(k, rows(v))) for k, v in
+                 ((1, 2), (0, 3), (2, 4), (0, 5))]
+        await turns()
+        while_busy, in_flight = list(expert.requests), c.in_flight
+        expert.gate.set()
+        outs = await asyncio.gather(first, *later)
+        return while_busy, in_flight, expert.requests, outs, c.in_flight
+
+    while_busy, in_flight, requests, outs, after = asyncio.run(scenario())
+    assert while_busy == [(0, 1), (1, 1), (2, 1)] and in_flight == 3
+    assert requests == [(0, 1), (1, 1), (2, 1), (0, 2)]
+    assert [o.tolist() for o in outs] == [[10], [21], [30], [42], [50]]
+    assert after == 0
+
+
 def test_requests_never_exceed_max_rows_and_full_calls_count_against_the_limit():
     async def scenario():
         expert = Expert()

@@ -18,6 +18,11 @@ request woke) are merged even below the limit: a call is sent after the turn tha
 
 Only calls with the same key merge: every velocity call shares one key (``t`` is per row); an
 integrate call's key holds its solver and time grid. A failed request fails every call in it.
+Made ``per_key``, the in-flight limit counts each key's requests on its own, so that a call
+waits only behind calls it could merge with. A pool member's coalescer is made so: its calls of
+different keys (each generation's context) travel together in one pool request
+(:mod:`ddm.serving.router.fleet.pool_calls`), and holding them back would only split a step's
+calls over several pool requests.
 ``send`` is told when the oldest call in a request was made (``time.monotonic()``), so that
 time spent waiting here counts against the caller's deadline.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Hashable
 
@@ -56,16 +62,18 @@ class Coalescer:
     ``max_rows()`` and ``in_flight_limit()`` are asked at every decision, so they follow the
     expert's batch limit and its number of ready replicas as these change. With
     ``max_rows() <= 1`` nothing can merge and calls go straight to ``send`` (still counted in
-    :attr:`in_flight`).
+    :attr:`in_flight`). ``per_key``: the limit holds per key (the module docstring).
     """
 
     def __init__(self, send: SendFn, max_rows: Callable[[], int],
-                 in_flight_limit: Callable[[], int]) -> None:
+                 in_flight_limit: Callable[[], int], *, per_key: bool = False) -> None:
         self._send = send
         self._max_rows = max_rows
         self._in_flight_limit = in_flight_limit
+        self._per_key = per_key
         self._waiting: list[_Call] = []
-        self._in_flight = 0
+        #: Requests in flight by key (``per_key``), else all under None.
+        self._in_flight: Counter[Hashable] = Counter()
         self._pump_scheduled = False
         self._requests: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -73,7 +81,18 @@ class Coalescer:
     @property
     def in_flight(self) -> int:
         """Requests sent and not answered yet."""
-        return self._in_flight
+        return self._in_flight.total()
+
+    def _scope(self, key: Hashable) -> Hashable:
+        """What a request of ``key`` counts against: its key's limit, or the one limit."""
+        return key if self._per_key else None
+
+    def _answered(self, key: Hashable) -> None:
+        """A request of ``key`` is no longer in flight (a key with none is forgotten)."""
+        scope = self._scope(key)
+        self._in_flight[scope] -= 1
+        if not self._in_flight[scope]:
+            del self._in_flight[scope]
 
     async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...],
                      made: float | None = None) -> np.ndarray:
@@ -83,11 +102,11 @@ class Coalescer:
         if self._closed:
             raise RuntimeError("the coalescer is closed (the router is shutting down)")
         if self._max_rows() <= 1:  # nothing can merge: at once, and still counted in flight
-            self._in_flight += 1
+            self._in_flight[self._scope(key)] += 1
             try:
                 return await self._send(key, inputs, made)
             finally:
-                self._in_flight -= 1
+                self._answered(key)
                 self._pump()
         loop = asyncio.get_running_loop()
         call = _Call(key, inputs, loop.create_future(), made)
@@ -102,15 +121,17 @@ class Coalescer:
         self._pump_scheduled = False
         while not self._closed:
             self._waiting = [c for c in self._waiting if not c.future.done()]  # callers gone
-            if not self._waiting or self._in_flight >= max(1, self._in_flight_limit()):
+            limit = max(1, self._in_flight_limit())
+            free = [c for c in self._waiting if self._in_flight[self._scope(c.key)] < limit]
+            if not free:
                 return
-            pending = [Pending(c.key, c.rows, 0.0) for c in self._waiting]
+            pending = [Pending(c.key, c.rows, 0.0) for c in free]
             decision = plan_batch(pending, max(1, self._max_rows()), 0.0, 0.0)
             assert isinstance(decision, Dispatch), "with no delay, plan_batch always dispatches"
-            calls = [self._waiting[i] for i in decision.indices]
-            taken = set(decision.indices)
-            self._waiting = [c for i, c in enumerate(self._waiting) if i not in taken]
-            self._in_flight += 1
+            calls = [free[i] for i in decision.indices]
+            taken = {id(c) for c in calls}
+            self._waiting = [c for c in self._waiting if id(c) not in taken]
+            self._in_flight[self._scope(calls[0].key)] += 1
             request = asyncio.get_running_loop().create_task(self._request(calls))
             self._requests.add(request)
             request.add_done_callback(self._requests.discard)
@@ -135,7 +156,7 @@ class Coalescer:
                     call.future.set_result(output[start:start + call.rows])
                 start += call.rows
         finally:
-            self._in_flight -= 1
+            self._answered(calls[0].key)
             self._pump()
 
     async def close(self) -> None:

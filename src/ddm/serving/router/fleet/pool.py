@@ -374,7 +374,9 @@ class ExpertPool:
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
     def _coalescer(self, expert: str) -> Coalescer:
-        """Merges ``expert``'s concurrent calls; sends each request through :meth:`_call`."""
+        """Merges ``expert``'s concurrent calls; sends each request through :meth:`_call`. A
+        pool member's in-flight limit holds per context (``per_key``): its pool gathers the
+        calls of every context into one request per step."""
         replicas = self._servers.replica_set(expert)
         per_replica = self._settings.in_flight_per_replica
         rows = self.metrics.request_rows.labels(expert)
@@ -390,7 +392,8 @@ class ExpertPool:
             info = replicas.info()
             return info.rows_per_call if info is not None and per_replica else 1
 
-        return Coalescer(send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica)
+        return Coalescer(send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica,
+                         per_key=expert in self._servers.members)
 
     async def _call(self, expert: str, request: _Request, deadline: float,
                     context: _ContextKey) -> np.ndarray:
@@ -404,8 +407,10 @@ class ExpertPool:
                 return self._pooled_attempt(expert, member, replica, request, timeout,
                                             context)
 
-            return await self._servers.send(expert, kind, pooled, deadline,
-                                            lambda replica: self._pooled.joins(replica, member))
+            def joins(replica: Replica) -> bool:
+                return self._pooled.joins(replica, member, request.x.shape[0])
+
+            return await self._servers.send(expert, kind, pooled, deadline, joins)
         body = encode_request(request)
 
         def attempt(replica: Replica, timeout: float) -> Awaitable[np.ndarray]:

@@ -6,21 +6,25 @@ endpoints) each keep their replica set, coalescer, retries and missing-expert po
 :class:`~ddm.serving.router.fleet.pool.ExpertPool`; only the last hop changes. An attempt of a text
 velocity call to a member hands its rows to :class:`PoolCalls`, which gathers the attempts made
 to one endpoint in the same turn of the event loop (the calls of one step, which the sampling
-loop makes together, and those of concurrent generations) and sends them as one pool request
-after that turn; no timer, so a lone call never waits. The contexts a member lacks on that
+loop makes together, and those of concurrent generations, a member's once per context) and
+sends them as one pool request after that turn; no timer, so a lone call never waits. A
+request stays within what the pool takes: a member's rows in it at most the ``max_batch`` its
+replica reports (so the whole at most the pool's experts' together); a call that would pass
+that opens the endpoint's next request of the turn. The contexts a member lacks on that
 replica are sent to the member's own route first (once per generation, as before), and a
-member that answers ``UNKNOWN_CONTEXT`` in the reply is sent its context again and its rows
-once more, in a request of those that did. Each attempt then gets its own member's answer:
-its rows, its error (a :class:`~ddm.serving.wire.protocol.RemoteExpertError`, judged by the pool as
-it judges a member's own reply), or the whole request's failure, so a dead pool is a transport
-failure for every member, each marked down and retried as before.
+call answered ``UNKNOWN_CONTEXT`` in the reply is sent its context again and its rows once
+more, in a request of those that were. Each attempt then gets its own call's answer: its
+rows, its error (a :class:`~ddm.serving.wire.protocol.RemoteExpertError`, judged by the pool
+as it judges a member's own reply), or the whole request's failure, so a dead pool is a
+transport failure for every member, each marked down and retried as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Iterator
 
 import numpy as np
@@ -52,6 +56,15 @@ class _Part:
     future: asyncio.Future[np.ndarray]
 
 
+@dataclass(eq=False)
+class _Open:
+    """An endpoint's pool request of this turn, still open: its parts, and each member's rows
+    in them."""
+
+    parts: list[_Part] = field(default_factory=list)
+    rows: Counter[str] = field(default_factory=Counter)
+
+
 class PoolCalls:
     """Gathers text velocity attempts to pool members into pool requests, per endpoint."""
 
@@ -59,13 +72,16 @@ class PoolCalls:
         self._post = post
         self._send_context = send_context
         self._ids = ids
-        self._open: dict[str, list[_Part]] = {}  # endpoint -> the parts of this turn
+        self._open: dict[str, _Open] = {}  # endpoint -> its request of this turn
         self._requests: set[asyncio.Task[None]] = set()
 
-    def joins(self, replica: Replica, member: str) -> bool:
-        """An attempt of ``member`` on ``replica`` would join a request of this turn."""
-        parts = self._open.get(replica.endpoint)
-        return parts is not None and all(p.member != member for p in parts)
+    def joins(self, replica: Replica, member: str, rows: int) -> bool:
+        """An attempt of ``rows`` rows to ``member`` on ``replica`` would join a request of
+        this turn: one is open there, and ``member``'s rows in it stay within the
+        ``max_batch`` the replica reports (none reported: the attempt goes alone)."""
+        opened = self._open.get(replica.endpoint)
+        limit = replica.info.max_batch if replica.info is not None else 0
+        return opened is not None and opened.rows[member] + rows <= limit
 
     async def velocity(self, replica: Replica, member: str, request: VelocityRequest,
                        context: bytes, ends: float) -> np.ndarray:
@@ -75,25 +91,28 @@ class PoolCalls:
         part = _Part(replica, member, request, context, ends, loop.create_future())
         # An attempt that timed out no longer awaits it: its failure is read here, not logged.
         part.future.add_done_callback(lambda f: f.cancelled() or f.exception())
-        if not self.joins(replica, member):  # a member twice goes in the next request
-            self._open[replica.endpoint] = []
+        rows = request.x.shape[0]
+        if not self.joins(replica, member, rows):  # the next request of this turn
+            self._open[replica.endpoint] = _Open()
             loop.call_soon(self._flush, replica.endpoint, self._open[replica.endpoint])
-        self._open[replica.endpoint].append(part)
+        opened = self._open[replica.endpoint]
+        opened.parts.append(part)
+        opened.rows[member] += rows
         remaining = ends - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
         return await asyncio.wait_for(asyncio.shield(part.future), remaining)
 
-    def _flush(self, endpoint: str, parts: list[_Part]) -> None:
-        if self._open.get(endpoint) is parts:
+    def _flush(self, endpoint: str, opened: _Open) -> None:
+        if self._open.get(endpoint) is opened:
             del self._open[endpoint]
-        task = asyncio.get_running_loop().create_task(self._exchange(parts))
+        task = asyncio.get_running_loop().create_task(self._exchange(opened.parts))
         self._requests.add(task)
         task.add_done_callback(self._requests.discard)
 
     async def _exchange(self, parts: list[_Part]) -> None:
         """One pool request for ``parts`` (a second for those whose context was unknown);
-        every part's future gets its member's answer or the request's failure."""
+        every part's future gets its own call's answer or the request's failure."""
         for resent in (False, True):
             try:
                 parts = await self._with_contexts(parts)
