@@ -1,10 +1,11 @@
 """One request per pool per step (issue 37) over real HTTP on loopback, on a pool of a tiny
 Paris DDM's two experts and its decoder: ``POST /v1/pool/velocity`` answers each member's rows
-as its own route does, a member's failure stays that member's (412, 422, a decoder named as an
-expert) while the others answer, an unknown member refuses the request naming it; the router's
-:class:`ExpertPool` sends the experts' calls of one turn as one request, re-sends a context a
-member evicted within the same call, and sees a dead pool as every member missing; hostile
-bodies get a 4xx or a reply, never a 5xx."""
+as its own route does, a member's calls of several contexts as one forward, a call's failure
+stays that call's (412, 422, a decoder named as an expert) while the others answer, an
+unknown member refuses the request naming it; the router's :class:`ExpertPool` sends the
+experts' calls of one turn as one request, concurrent generations' included, re-sends a
+context a member evicted within the same call, and sees a dead pool as every member missing;
+hostile bodies get a 4xx or a reply, never a 5xx."""
 
 from __future__ import annotations
 
@@ -26,13 +27,15 @@ from ddm.deploy.router_config import StaticDiscovery
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, Limits, PoolVelocityRequest,
-                                       RemoteExpertError, VelocityRequest, context_id,
+                                       UNKNOWN_CONTEXT, RemoteExpertError, VelocityRequest,
+                                       context_id,
                                        decode_pool_response, decode_request, decode_response,
                                        encode_pool_request, encode_request)
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import ExpertUnavailable, PoolSettings
 from protocol_strategies import Target, request_bodies
 from tests.integration.servers import running, wait_ready
+from tests.integration.test_pool_server import batches
 from tests.support.paris_release import TinyParis
 from tests.support.text_router import paris_stages
 
@@ -128,6 +131,50 @@ def test_a_member_s_failure_is_its_own_and_the_others_answer(pool):
     assert "run 10 forward rows; the limit is 8" in over.message
     assert fine.shape == (2, *LATENT)
     assert pool_requests(pool)["200"] == before.get("200", 0.0) + 2
+
+
+def test_a_member_s_calls_of_two_contexts_run_as_one_forward_each_answered_as_alone(stages,
+                                                                                    pool):
+    # The member's batches dispatch when full (2 rows) and would otherwise wait a minute: the
+    # two calls reach its batcher together, or the first would wait alone.
+    first, second = context(1), context(1)
+    expert = {"expert-0": members(stages)["expert-0"]}
+    with running(create_model_app(expert, ServingOptions(max_batch=2,
+                                                         max_delay_ms=60_000.0))) as base:
+        wait_ready(base)
+        for body in (first, second):
+            assert post(base, "/v1/members/expert-0/velocity", body).status_code == 200
+        calls = (("expert-0", call(first, 1, guidance=1.0)),
+                 ("expert-0", call(second, 1, guidance=1.0)))
+        request = PoolVelocityRequest(31, calls)
+        reply = post(base, ROUTE, encode_pool_request(request))
+        metrics = httpx.get(f"{base}/metrics").text
+    assert reply.status_code == 200, reply.content
+    assert batches(metrics, "expert-0") == (1, 2.0)
+    outs = decode_pool_response(reply.content, request)
+    assert not np.array_equal(outs[0], outs[1])
+    # Each call alone (a batch of 1 on the module's pool) gives its rows, to float32's
+    # rounding: the batch of 2 sums in another order.
+    for body in (first, second):
+        assert post(pool, "/v1/members/expert-0/velocity", body).status_code == 200
+    for (name, part), out in zip(calls, outs):
+        own = post(pool, f"/v1/members/{name}/velocity", encode_request(part))
+        np.testing.assert_allclose(out, decode_response(own.content, 9, part.x.shape),
+                                   atol=1e-5)
+
+
+def test_a_call_s_unknown_context_fails_it_alone_and_the_member_s_other_call_answers(pool):
+    held, unknown = context(1), context(1)  # the second is never sent
+    assert post(pool, "/v1/members/expert-1/velocity", held).status_code == 200
+    calls = (("expert-1", call(unknown, 1)), ("expert-1", call(held, 1)))
+    request = PoolVelocityRequest(32, calls)
+    reply = post(pool, ROUTE, encode_pool_request(request))
+    assert reply.status_code == 200, reply.content
+    missing, answered = decode_pool_response(reply.content, request)
+    assert isinstance(missing, RemoteExpertError) and missing.code == UNKNOWN_CONTEXT
+    assert "member expert-1: unknown context" in missing.message
+    own = post(pool, "/v1/members/expert-1/velocity", encode_request(calls[1][1]))
+    np.testing.assert_array_equal(answered, decode_response(own.content, 9, (1, *LATENT)))
 
 
 def test_an_unknown_member_refuses_the_request_naming_it(pool):
@@ -231,6 +278,56 @@ def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
                      rf'member="{member}",status="412"}}') == 1
         assert count(rf'ddm_expert_requests_total{{kind="Context",member="{member}",'
                      rf'status="200"}}') == 3
+
+
+def generations(count: int) -> list[Conditioning]:
+    """``count`` generations' conditioning: one prompt each, so a context each."""
+    return [Conditioning(embeddings=RNG.standard_normal((1, TOKENS, WIDTH)).astype(np.float32))
+            for _ in range(count)]
+
+
+def concurrently(base: str, experts: str, conds: list[Conditioning]
+                 ) -> tuple[list[np.ndarray], dict[str, float], list[np.ndarray]]:
+    """A router calls each of ``experts`` (``a`` is the pool's expert-0, ``b`` expert-1)
+    with every one of ``conds`` at once, then each such call alone: the outputs of both, and
+    the pool requests the first made, by status."""
+    discoveries = {e: StaticDiscovery((base.removeprefix("http://"),), f"expert-{k}")
+                   for k, e in enumerate(experts)}
+    x = RNG.standard_normal((1, *LATENT)).astype(np.float32)
+    t = np.full(1, 0.5, np.float32)
+
+    async def scenario() -> tuple[list[np.ndarray], dict[str, float], list[np.ndarray]]:
+        async with ExpertPool.discovered(discoveries, settings()) as router:
+            await probed(router, *experts)
+            before = pool_requests(base)
+            together = await asyncio.gather(*(router.velocity(e, x, t, cond)
+                                              for e in experts for cond in conds))
+            after = pool_requests(base)
+            alone = [await router.velocity(e, x, t, cond) for e in experts for cond in conds]
+        return together, {s: n - before.get(s, 0.0) for s, n in after.items()
+                          if n != before.get(s)}, alone
+
+    return asyncio.run(scenario())
+
+
+def test_concurrent_generations_calls_to_a_pool_make_one_request_per_step(pool):
+    """Three generations (each its own context) call each of two members at once: one pool
+    request carries all six calls, each answered as its own call alone (to float32's
+    rounding: a member runs the three as one batch)."""
+    together, requests, alone = concurrently(pool, "ab", generations(3))
+    assert requests == {"200": 1.0}
+    for out, own in zip(together, alone):
+        np.testing.assert_allclose(out, own, atol=1e-5)
+
+
+def test_a_member_s_rows_past_its_max_batch_go_in_the_turn_s_next_request(stages):
+    app = create_model_app({"expert-0": stages / "expert_0"}, ServingOptions(max_batch=2))
+    with running(app) as base:
+        wait_ready(base)
+        together, requests, alone = concurrently(base, "a", generations(3))
+    assert requests == {"200": 2.0}  # two rows, then the third
+    for out, own in zip(together, alone):
+        np.testing.assert_allclose(out, own, atol=1e-5)
 
 
 def test_a_dead_pool_is_every_member_missing(stages):
