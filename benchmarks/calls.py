@@ -69,9 +69,9 @@ import numpy as np
 import torch
 
 from ddm.checkpoints.format import load_checkpoint
+from ddm.models.loading import expert_velocity
 from ddm.runtime.local import REPOSITORY_ROOT, free_port
 from ddm.serving.batching import INLINE_MAX_S
-from ddm.serving.model.backends import load_backend
 from ddm.serving.http.client import HttpClient
 from ddm.serving.wire.protocol import (CONTENT_TYPE, decode_context_ack, decode_response,
                                        max_error_reply_bytes, max_reply_bytes)
@@ -119,36 +119,48 @@ _STOP_S = 30.0
 #: SERVING_LOOPS existed), with a loader that adds argv[3]
 #: seconds spent as argv[5] says on top of the real model (a bigger model, as the server sees
 #: it) and times every batch of the model; the times go to the file named by argv[4] when the
-#: server stops.
+#: server stops. The loader wraps the stage's forward (its velocity before one member served
+#: every stage: a label expert's backend).
 _SERVER = _EXTRA + """
-import json, sys, time
+import dataclasses, json, sys, time
 from ddm.serving.http.server import run_server
 try:
     from ddm.serving.model import routes
-    from ddm.serving.model.backends import load_backend
     from ddm.serving.model.options import Hooks
     from ddm.serving.model.server import create_model_app
 except ImportError:  # a tree from before the one model server (ddm.serving.model)
     from ddm.serving.expert import routes, server
-    from ddm.serving.expert.backends import load_backend
     create_model_app = None
+try:
+    from ddm.serving.model.backends import load_backend
+except ImportError:
+    try:
+        from ddm.serving.expert.backends import load_backend
+    except ImportError:  # one member for every stage: its loader loads a Stage
+        from ddm.models.stages import load_stage
+        load_backend = None
 checkpoint, port, seconds, times_file, how = (sys.argv[1], int(sys.argv[2]), float(sys.argv[3]),
                                               sys.argv[4], sys.argv[5])
 loops = getattr(routes, "SERVING_LOOPS", 1)
 times = []
 
-def loader(ckpt, backend, device, max_batch, cache, *compile_mode):  # none before --compile
-    real = load_backend(ckpt, backend, device, max_batch, cache, *compile_mode)
-
-    def velocity(x, t, y, _velocity=real.velocity):
+def timed(run):
+    def call(*args):
         started = time.perf_counter()
         if seconds:
             extra(seconds, how)
-        out = _velocity(x, t, y)
+        out = run(*args)
         times.append(time.perf_counter() - started)
         return out
 
-    real.velocity = velocity
+    return call
+
+def loader(*args):
+    if load_backend is None:
+        real = load_stage(*args)
+        return dataclasses.replace(real, forward=timed(real.forward))
+    real = load_backend(*args)  # (ckpt, backend, device, max_batch, cache[, compile mode])
+    real.velocity = timed(real.velocity)
     return real
 
 def make_app(control):
@@ -288,7 +300,7 @@ async def _wait_ready(client: HttpClient, endpoint: str) -> None:
 
 def _local_model(checkpoint: Path, seconds: float, how: str) -> Callable[..., np.ndarray]:
     """The same model in this process, made slower as its server makes it."""
-    backend = load_backend(load_checkpoint(checkpoint), "torch", None, 1, None)
+    model = expert_velocity(load_checkpoint(checkpoint), "torch")
     namespace: dict[str, Any] = {}
     exec(_EXTRA, namespace)  # noqa: S102 - this module's own source text
     extra = namespace["extra"]
@@ -296,7 +308,7 @@ def _local_model(checkpoint: Path, seconds: float, how: str) -> Callable[..., np
     def velocity(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
         if seconds:
             extra(seconds, how)
-        return backend.velocity(x, t, y)
+        return model(x, t, y)
 
     return velocity
 

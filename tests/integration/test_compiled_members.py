@@ -3,7 +3,8 @@ pool of a tiny text DDM's pixart expert, latent-router network and text encoder 
 ``default`` mode answers, over real HTTP on loopback, the velocities and routing
 probabilities of the same pool run eagerly within 1e-4 (float32; compiled kernels reorder
 sums), for a batch padded to its bucket; its ``/v1/info`` says which members run compiled
-(the text encoder stays eager). Our label UNet, compiled, gives its eager velocities too.
+(the text encoder stays eager). Our label UNet, served compiled, gives its eager velocities
+too.
 
 Compiling is slow on a shared CPU (about a minute per network and batch-size family), so
 the servers take ``max_batch`` 4: buckets 1, 2 and 4, two compiles per network (one row, then
@@ -20,8 +21,7 @@ import pytest
 
 from ddm.checkpoints.declared import PLAN_NAMES, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.format import load_checkpoint
-from ddm.models.loading import expert_image_shape
-from ddm.serving.model.backends import load_backend
+from ddm.models.loading import expert_image_shape, expert_velocity
 from ddm.serving.model.compiled import WARM_TEXT_TOKENS
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
@@ -29,6 +29,7 @@ from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RouteRequest,
                                        VelocityRequest, context_id, decode_probabilities,
                                        decode_response, encode_request)
 from tests.integration.servers import running, wait_ready
+from tests.support.label_wire import LabelVelocity, post_call
 from tests.support.text_stages import write_text_ddm
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -105,12 +106,17 @@ def test_a_compiled_pool_answers_the_eager_pool_s_velocities_and_routes(pools) -
 
 def test_our_label_unet_compiled_gives_its_eager_velocities(smoke_expert_checkpoint) -> None:
     checkpoint = load_checkpoint(smoke_expert_checkpoint)
-    eager = load_backend(checkpoint, "torch", None, MAX_BATCH)
-    compiled = load_backend(checkpoint, "torch", None, MAX_BATCH, compile_mode="default")
-    compiled.warm_up()
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((3, *expert_image_shape(checkpoint.meta))).astype(np.float32)
-    t = np.array([0.1, 0.5, 0.9], np.float32)
-    y = np.array([0, 2, 4], np.int64)
-    np.testing.assert_allclose(compiled.velocity(x, t, y), eager.velocity(x, t, y), rtol=0,
+    request = LabelVelocity(
+        5, rng.standard_normal((3, *expert_image_shape(checkpoint.meta))).astype(np.float32),
+        np.array([0.1, 0.5, 0.9], np.float32), np.array([0, 2, 4], np.int64))
+    app = create_model_app(smoke_expert_checkpoint,
+                           ServingOptions(max_batch=MAX_BATCH, compile="default"))
+    with running(app) as base:
+        wait_ready(base, COMPILE_DEADLINE_S, fail_when_unhealthy=True)
+        assert httpx.get(f"{base}/v1/info").json()["compile"] == "default"
+        reply = post_call(base, request)  # three rows, padded to the bucket of four
+    assert reply.status_code == 200, reply.content
+    eager = expert_velocity(checkpoint, "torch")(request.x, request.t, request.y)
+    np.testing.assert_allclose(decode_response(reply.content, 5), eager, rtol=0,
                                atol=TOLERANCE)

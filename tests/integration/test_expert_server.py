@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 import re
 import shutil
@@ -27,11 +28,12 @@ import numpy as np
 import pytest
 
 from ddm.checkpoints.format import load_checkpoint
+from ddm.models.backends import BackendUnavailable, check_backend
 from ddm.models.loading import expert_velocity
+from ddm.models.stages import load_stage
 from ddm.sampling.solvers import iterate
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
-from ddm.serving.model.backends import Backend, BackendUnavailable, check_backend, load_backend
 from ddm.serving.wire.protocol import CONTENT_TYPE, RemoteExpertError, Solver, decode_response
 from ddm.termination import write_termination_message
 from tests.support.label_wire import (LabelCall, LabelVelocity, integrate_call, post_call,
@@ -175,9 +177,9 @@ def test_bad_requests_get_4xx_with_a_message_and_the_server_keeps_serving(torch_
 def test_readyz_is_503_until_warm_up_completes(smoke_expert_checkpoint):
     release = threading.Event()
 
-    def slow_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
+    def slow_loader(*args):
         release.wait(timeout=30)  # hold loading here until the test has looked
-        return load_backend(ckpt, backend, device, max_batch, compile_cache, compile_mode)
+        return load_stage(*args)
 
     app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=2),
                            Hooks(loader=slow_loader))
@@ -198,7 +200,7 @@ def test_readyz_is_503_until_warm_up_completes(smoke_expert_checkpoint):
 
 
 def test_a_failed_load_is_reported_by_the_probes(smoke_expert_checkpoint):
-    def broken_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
+    def broken_loader(*args):
         raise RuntimeError("no such accelerator")
 
     app = create_model_app(smoke_expert_checkpoint, hooks=Hooks(loader=broken_loader))
@@ -220,16 +222,16 @@ def test_bodies_over_the_limit_get_413_and_requests_beyond_max_pending_429(
     """One request holds the model; with max_pending 1 the next is refused at once."""
     entered, gate = threading.Event(), threading.Event()
 
-    def gated_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
-        real = load_backend(ckpt, backend, device, max_batch, compile_cache, compile_mode)
+    def gated_loader(*args):
+        real = load_stage(*args)
 
-        def velocity(x, t, y):
+        def forward(x, t, cond):
             if x.shape[0] == 5:
                 entered.set()
                 assert gate.wait(timeout=60)
-            return real.velocity(x, t, y)
+            return real.forward(x, t, cond)
 
-        return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
+        return dataclasses.replace(real, forward=forward)
 
     app = create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8, max_pending=1),
                            Hooks(loader=gated_loader))
@@ -327,26 +329,25 @@ def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
 #: holds a request with t = GATED_T until the file argv[3]/go exists, after writing the name of
 #: the thread it runs on to argv[3]/thread.
 _GATED_EXPERT = """
-import pathlib, sys, time, threading
-from ddm.serving.model.backends import load_backend
+import dataclasses, pathlib, sys, time, threading
+from ddm.models.stages import load_stage
 from ddm.serving.model.options import Hooks
 from ddm.serving.model.routes import SERVING_LOOPS
 from ddm.serving.model.server import create_model_app
 from ddm.serving.http.server import run_server
 checkpoint, port, gate = sys.argv[1], int(sys.argv[2]), pathlib.Path(sys.argv[3])
 
-def loader(ckpt, backend, device, max_batch, cache, compile_mode):
-    real = load_backend(ckpt, backend, device, max_batch, cache, compile_mode)
+def loader(*args):
+    real = load_stage(*args)
 
-    def velocity(x, t, y, _velocity=real.velocity):
+    def forward(x, t, cond, _forward=real.forward):
         if float(t[0]) == %r:
             (gate / "thread").write_text(threading.current_thread().name)
             while not (gate / "go").exists():
                 time.sleep(0.01)
-        return _velocity(x, t, y)
+        return _forward(x, t, cond)
 
-    real.velocity = velocity
-    return real
+    return dataclasses.replace(real, forward=forward)
 
 run_server(lambda control: create_model_app(checkpoint, hooks=Hooks(
                loader=loader, start_up=control.start_up, serving_loops=SERVING_LOOPS)),
@@ -406,7 +407,7 @@ def test_neuron_backend_without_torch_neuronx_fails_clearly(smoke_expert_checkpo
     with pytest.raises(BackendUnavailable, match="backend 'neuron' needs torch_neuronx"):
         create_model_app(smoke_expert_checkpoint, ServingOptions(backend="neuron"))
     with pytest.raises(BackendUnavailable, match="pip.repos.neuron.amazonaws.com"):
-        load_backend(load_checkpoint(smoke_expert_checkpoint), "neuron", None, 4)
+        load_stage(smoke_expert_checkpoint, backend="neuron", batch_sizes=(1, 2, 4))
     with pytest.raises(ValueError, match="unknown backend 'tensorflow'"):
         check_backend("tensorflow")
 
@@ -501,16 +502,16 @@ def test_a_batch_of_one_holding_the_model_does_not_hold_the_probes(smoke_expert_
     loop answers probes while a batch-1 call is held (it once ran small batches on the loop)."""
     serving, entered, gate = threading.Event(), threading.Event(), threading.Event()
 
-    def gated_loader(ckpt, backend, device, max_batch, compile_cache, compile_mode):
-        real = load_backend(ckpt, backend, device, max_batch, compile_cache, compile_mode)
+    def gated_loader(*args):
+        real = load_stage(*args)
 
-        def velocity(x, t, y):
+        def forward(x, t, cond):
             if serving.is_set():
                 entered.set()
                 assert gate.wait(timeout=60)
-            return real.velocity(x, t, y)
+            return real.forward(x, t, cond)
 
-        return Backend(velocity, real.info(), SHAPE, (1,), False, 0)
+        return dataclasses.replace(real, forward=forward)
 
     with running(create_model_app(smoke_expert_checkpoint,
                                   hooks=Hooks(loader=gated_loader))) as base:
@@ -568,3 +569,31 @@ def test_a_jax_expert_with_a_small_batch_limit_starts_and_serves_it(
         assert info["ready"] is True and info["max_batch"] == max_batch
         reply = post_call(base, velocity_request(batch=max_batch, seed=0))
         assert reply.status_code == 200
+
+
+def test_a_network_of_fixed_batch_sizes_is_warmed_at_each_and_runs_padded_to_one(
+        smoke_expert_checkpoint, torch_velocity):
+    """An exported program, JAX or a Neuron trace runs at a few batch sizes only
+    (``Stage.batch_sizes``): the server warms every one before it is ready and pads each
+    batch up to the smallest that holds it, answering the real rows."""
+    seen = []
+
+    def fixed_sizes(*args):
+        real = load_stage(*args)
+
+        def forward(x, t, cond):
+            seen.append(x.shape[0])
+            return real.forward(x, t, cond)
+
+        return dataclasses.replace(real, forward=forward, batch_sizes=(1, 2, 4, 8))
+
+    with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8),
+                                  Hooks(loader=fixed_sizes))) as base:
+        wait_ready(base)
+        assert seen == [1, 2, 4, 8]
+        request = velocity_request(batch=3, seed=5, request_id=8)
+        reply = post_call(base, request)
+    assert reply.status_code == 200, reply.content
+    assert seen[-1] == 4
+    np.testing.assert_allclose(decode_response(reply.content, 8, (3, *SHAPE)),
+                               torch_velocity(request.x, request.t, request.y), atol=1e-5)

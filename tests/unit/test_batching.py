@@ -10,7 +10,6 @@ import time
 import numpy as np
 import pytest
 
-from ddm.serving.model.backends import Backend, BackendInfo
 from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
                                   Dispatch, Pending, Wait, batch_buckets, bucket_for,
                                   grid_slices, pad_rows, plan_batch)
@@ -83,25 +82,6 @@ def test_pad_repeats_the_last_row_and_keeps_the_originals():
     assert pad_rows((x,), 3)[0] is x
     with pytest.raises(ValueError):
         pad_rows((x,), 2)
-
-
-def test_a_compiled_backend_runs_only_its_sizes_and_returns_the_real_rows():
-    seen = []
-
-    def run(x, t, y):
-        seen.append(x.shape[0])
-        return x + t[:, None, None, None] + y[:, None, None, None]
-
-    info = BackendInfo("numpy", "test", "cpu", "test CPU")
-    backend = Backend(run, info, (1, 2, 2), batch_buckets(8),
-                      pads_to_warm_sizes=True, warm_label=3)
-    backend.warm_up()
-    assert seen == [1, 2, 4, 8]
-    x = np.arange(12, dtype=np.float32).reshape(3, 1, 2, 2)
-    t, y = np.array([0.1, 0.2, 0.3], np.float32), np.array([1, 2, 3])
-    out = backend.velocity(x, t, y)
-    assert seen[-1] == 4
-    np.testing.assert_allclose(out, x + (t + y)[:, None, None, None])
 
 
 # -- Batcher ------------------------------------------------------------------------------------

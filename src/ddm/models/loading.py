@@ -10,7 +10,7 @@ only when a backend needs them.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -18,6 +18,9 @@ from ddm.checkpoints.format import Checkpoint, CheckpointError, CheckpointMeta
 from ddm.deploy.limits import MAX_BATCH, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE
 from ddm.models.config import ConfigError, RouterNetworkConfig, UNetConfig
 from ddm.objectives import as_velocity
+
+if TYPE_CHECKING:
+    import torch
 
 #: In-process loading: ``native`` (the checkpoint's own framework) or either framework.
 LOAD_BACKENDS = ("native", "torch", "jax")
@@ -51,37 +54,17 @@ def expert_velocity(ckpt: Checkpoint, backend: str = "native",
 
 
 def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None = None,
-                   batch_sizes: Sequence[int] = (1, MAX_BATCH),
-                   compile_mode: str = "none") -> ModelFn:
+                   batch_sizes: Sequence[int] = (1, MAX_BATCH)) -> ModelFn:
     """The checkpoint's network as trained: its own inputs, its own prediction (what
     ``ddm expert check`` tests against the declared objective). Our UNet runs on either
     framework; a user's network (``ckpt.meta.model``) on its own only. An exported torch
     program is refused if one of ``batch_sizes`` (default: one row and the most any server
-    takes) would make it compute an oversized tensor; call it with those sizes only. A torch
-    network is compiled in ``compile_mode`` unless ``none`` (:func:`~ddm.models.torch_io.
-    compile_network`), for ``batch_sizes``."""
-    framework = ckpt.meta.framework if backend == "native" else backend
-    model = ckpt.meta.model
-    if model.image_shape is not None:
-        channels, height, width = model.image_shape
-        if channels > MAX_IMAGE_CHANNELS or max(height, width) > MAX_IMAGE_SIDE:
-            # The shape sizes the memory bound a program is checked against: a checkpoint
-            # must not raise its own bound.
-            raise CheckpointError(
-                f"expert {ckpt.meta.name}: model.image_shape {list(model.image_shape)} is over "
-                f"the limits ({MAX_IMAGE_CHANNELS} channels, sides of {MAX_IMAGE_SIDE})")
-    if model.kind != "unet" and framework != ckpt.meta.framework:
-        raise CheckpointError(
-            f"expert {ckpt.meta.name} is a {ckpt.meta.framework} network ({model.kind}: "
-            f"{model.factory or 'an exported program'}); only our UNet runs on either framework:"
-            f" serve it with backend {ckpt.meta.framework} or native")
+    takes) would make it compute an oversized tensor; call it with those sizes only."""
+    framework, model = network_framework(ckpt, backend), ckpt.meta.model
     if framework == "torch":
         from ddm.models import torch_io
 
-        torch_device = torch_io.select_torch_device(device)
-        module = torch_io.expert_module(ckpt, torch_device, batch_sizes)
-        if compile_mode != "none":
-            torch_io.compile_network(module, compile_mode, len(batch_sizes))
+        module, torch_device = expert_torch_module(ckpt, device, batch_sizes)
         return torch_io.velocity_fn(module, torch_device)
     if framework == "jax" and model.kind == "import":
         from ddm.models import flax_unet
@@ -110,6 +93,40 @@ def expert_network(ckpt: Checkpoint, backend: str = "native", device: str | None
 
         return on_device
     raise ValueError(f"unknown framework {framework!r}")
+
+
+def network_framework(ckpt: Checkpoint, backend: str = "native") -> str:
+    """The framework the expert checkpoint's network runs on with ``backend`` (``native``:
+    its own), refusing what cannot: a user's network on another framework than its own, or a
+    declared image shape over the limits."""
+    framework = ckpt.meta.framework if backend == "native" else backend
+    model = ckpt.meta.model
+    if model.image_shape is not None:
+        channels, height, width = model.image_shape
+        if channels > MAX_IMAGE_CHANNELS or max(height, width) > MAX_IMAGE_SIDE:
+            # The shape sizes the memory bound a program is checked against: a checkpoint
+            # must not raise its own bound.
+            raise CheckpointError(
+                f"expert {ckpt.meta.name}: model.image_shape {list(model.image_shape)} is over "
+                f"the limits ({MAX_IMAGE_CHANNELS} channels, sides of {MAX_IMAGE_SIDE})")
+    if model.kind != "unet" and framework != ckpt.meta.framework:
+        raise CheckpointError(
+            f"expert {ckpt.meta.name} is a {ckpt.meta.framework} network ({model.kind}: "
+            f"{model.factory or 'an exported program'}); only our UNet runs on either framework:"
+            f" serve it with backend {ckpt.meta.framework} or native")
+    return framework
+
+
+def expert_torch_module(ckpt: Checkpoint, device: str | None = None,
+                        batch_sizes: Sequence[int] = (1, MAX_BATCH)
+                        ) -> tuple[torch.nn.Module, torch.device]:
+    """The expert's torch module on its torch device (``torch_io.select_torch_device``), for
+    a server that compiles it in place; an exported program checked at ``batch_sizes``."""
+    from ddm.models import torch_io
+
+    network_framework(ckpt, "torch")
+    torch_device = torch_io.select_torch_device(device)
+    return torch_io.expert_module(ckpt, torch_device, batch_sizes), torch_device
 
 
 def router_network_config(ckpt: Checkpoint) -> RouterNetworkConfig:

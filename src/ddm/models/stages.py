@@ -21,7 +21,7 @@ family here.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -37,7 +37,9 @@ from ddm.deploy import limits
 from ddm.deploy.imported import DECODER_DIR, ROUTER_DIR, TEXT_ENCODER_DIR, expert_dir
 from ddm.deploy.limits import MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE, MAX_TEXT_WIDTH
 from ddm.convention import NetworkConvention, ScaledTimeNetwork, network_convention
-from ddm.models.label_stages import LabelNetwork, load_label_network
+from ddm.models.backends import Runtime, jax_runtime, torch_runtime
+from ddm.models.label_stages import (LabelHeader, LabelNetwork, load_label_network,
+                                     read_label_header)
 from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
                                       read_component_config, weight_file)
 from ddm.models.trained_on import TRAINED_ON_KEY, TrainedOn
@@ -201,6 +203,9 @@ class StageDeclaration:
     num_classes: int | None = None
     #: A format-1 checkpoint's own name; None: its directory names the stage.
     name: str | None = None
+    #: A format-1 checkpoint's framework (torch or jax: our UNet runs on either); None for
+    #: the library families, which run on the backend that loads them.
+    framework: str | None = None
 
     @property
     def conditioning(self) -> str:
@@ -309,6 +314,11 @@ class Stage:
     #: our velocity): what ``ddm expert check`` tests that declaration against. None for the
     #: library families, whose declared convention ``forward`` converts exactly.
     prediction: Callable[..., Any] | None = field(default=None, repr=False)
+    #: What runs the stage and where (``/v1/info``).
+    runtime: Runtime | None = field(default=None, compare=False)
+    #: The only batch sizes ``forward`` and ``prediction`` may be called with (a server pads
+    #: each batch up to one: an exported program, JAX, a Neuron trace); None: any.
+    batch_sizes: tuple[int, ...] | None = None
 
     @property
     def role(self) -> str:
@@ -316,19 +326,23 @@ class Stage:
 
 
 def load_stage(directory: str | Path, dtype: str | None = None, device: str | None = "cpu",
-               backend: str | None = None) -> Stage:
+               backend: str | None = None, batch_sizes: Sequence[int] | None = None,
+               compile_cache: Path | None = None) -> Stage:
     """Load the stage checkpoint at ``directory`` by its declared role and family, its weights
     cast to ``dtype`` (a :data:`PRECISIONS` name; None: as stored), on ``device`` (None: the
     best one here for our label networks, CUDA where present; the CPU for library families),
     on ``backend`` (None: the checkpoint's own framework). A format-1 label checkpoint declares
-    its role by its ``kind`` (:mod:`ddm.models.label_stages`). Raises a ``CheckpointError``
+    its role by its ``kind`` (:mod:`ddm.models.label_stages`); a server gives the
+    ``batch_sizes`` it calls it at (a network that runs at fixed sizes is built for them) and
+    the Neuron ``compile_cache`` (:mod:`ddm.models.backends`). Raises a ``CheckpointError``
     naming what is missing, undeclared or inconsistent."""
     path = Path(directory)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory")
     config = read_component_config(path)
-    if DDM_KEY not in config and FORMAT_KEY in config:  # a format-1 label checkpoint
-        return _label_stage(load_label_network(path, dtype, device, backend))
+    if _is_label_checkpoint(config):
+        return _label_stage(load_label_network(path, dtype, device, backend, batch_sizes,
+                                               compile_cache))
     backend, device = backend or "torch", device or "cpu"
     declared = StageDeclaration.from_config(path, config)
     if dtype is not None and dtype not in PRECISIONS:
@@ -342,18 +356,49 @@ def load_stage(directory: str | Path, dtype: str | None = None, device: str | No
                               f"{declared.family}")
     if declared.weights_sha256 is not None:
         check_sha256(path, stage_weights(path, declared).name, declared.weights_sha256)
-    return load_declared(path, declared, dtype, device, backend)
+    stage = load_declared(path, declared, dtype, device, backend)
+    return replace(stage, runtime=_library_runtime(backend, device))
+
+
+def read_stage_declaration(directory: Path) -> StageDeclaration:
+    """The declaration of the stage checkpoint in ``directory``, read without its weights:
+    its config.json's ``_ddm``, or a format-1 label checkpoint's own fields."""
+    config = read_component_config(directory)
+    if _is_label_checkpoint(config):
+        return _label_declaration(read_label_header(directory))
+    return StageDeclaration.from_config(directory, config)
+
+
+def _is_label_checkpoint(config: Mapping[str, Any]) -> bool:
+    return DDM_KEY not in config and FORMAT_KEY in config
+
+
+def _label_declaration(header: LabelHeader,
+                       latent_shape: tuple[int, int, int] | None = None) -> StageDeclaration:
+    """A format-1 checkpoint's declaration (convention ours: its loader converts the
+    objective)."""
+    return StageDeclaration(role=header.role, family=header.family, convention="ours",
+                            latent_shape=latent_shape or header.latent_shape,
+                            cluster=header.cluster, classes=header.classes,
+                            num_classes=header.num_classes, name=header.name,
+                            framework=header.framework)
 
 
 def _label_stage(network: LabelNetwork) -> Stage:
-    """A format-1 checkpoint's network as a :class:`Stage` (convention ours: its loader
-    converts the objective)."""
-    declared = StageDeclaration(role=network.role, family=network.family, convention="ours",
-                                latent_shape=network.latent_shape, cluster=network.cluster,
-                                classes=network.classes, num_classes=network.num_classes,
-                                name=network.name)
-    return Stage(declared, network.dtype, network.forward, clusters=network.clusters,
-                 prediction=network.prediction)
+    """A format-1 checkpoint's network as a :class:`Stage`."""
+    return Stage(_label_declaration(network.header, network.latent_shape), network.dtype,
+                 network.forward, clusters=network.clusters, network=network.network,
+                 prediction=network.prediction, runtime=network.runtime,
+                 batch_sizes=network.batch_sizes)
+
+
+def _library_runtime(backend: str, device: str) -> Runtime:
+    """What runs a library family's network: torch on ``device``, or JAX on its default."""
+    if backend == "jax":
+        import jax
+
+        return jax_runtime(jax.devices()[0])
+    return torch_runtime(torch.device(device))
 
 
 def stage_weights(path: Path, declared: StageDeclaration) -> Path:
@@ -661,8 +706,6 @@ def _with_clusters(path: Path, stage: Stage, clusters: int) -> Stage:
 def _filled(declared: StageDeclaration, latent: tuple[int, int] | None = None,
             text_width: int | None = None) -> StageDeclaration:
     """``declared`` with the sizes the library config determines."""
-    from dataclasses import replace
-
     shape = None if latent is None else (int(latent[0]), int(latent[1]), int(latent[1]))
     return replace(declared, latent_shape=shape or declared.latent_shape,
                    text_width=declared.text_width if text_width is None else int(text_width))

@@ -4,7 +4,7 @@
 built once from the command line): where the server listens, who may call it, where and how
 precisely the models run, and the limits and batching every member applies. :class:`Hooks` is
 what the running process lends its app (:class:`~ddm.serving.http.server.ServerControl`'s start-up
-thread, failure report and draining flag) and what tests replace (a backend loader, the
+thread, failure report and draining flag) and what tests replace (the stage loader, the
 cgroup root the memory check reads). Both are checked once, when they are made, so that a
 wrong flag fails before anything loads.
 """
@@ -15,19 +15,22 @@ import asyncio
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXPERT_PORT,
                                MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
                                SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING, compile_refusal)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.http.server import ServerControl
-from ddm.serving.model.backends import BackendLoader, load_backend
+from ddm.models.stages import Stage, load_stage
 
-__all__ = ["Hooks", "ServingOptions", "StartUp"]
+__all__ = ["Hooks", "ServingOptions", "StageLoader", "StartUp"]
 
 #: Runs the loading off the event loop: ``await start_up(work)`` is ``work()``'s result.
 StartUp = Callable[[Callable[[], Any]], Awaitable[Any]]
+#: ``(directory, precision, device, backend, batch_sizes, compile_cache) -> Stage``:
+#: :func:`~ddm.models.stages.load_stage`, or a replacement that serves a custom stage.
+StageLoader = Callable[[Path, str | None, str | None, str, Sequence[int], Path | None], Stage]
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class ServingOptions:
     SIGTERM), ``metrics_port`` (``/metrics`` there only), ``api_docs`` (Swagger UI at
     ``/docs``) and ``auth_token_file`` (``/v1/*`` needs its bearer token): the process's.
     ``backend``/``device``/``precision``: where the models run and in which dtype
-    (``precision`` casts stage checkpoints; label checkpoints serve float32); ``compile``:
+    (``precision`` casts stage checkpoints; label checkpoints serve as stored); ``compile``:
     ``torch.compile``'s mode for the torch networks (experts, router network; ``none``:
     eager; :mod:`ddm.serving.model.compiled`), refused on another backend.
     ``max_batch`` forward rows per model call, ``max_delay_ms`` of waiting for more,
@@ -97,7 +100,7 @@ class Hooks:
     :meth:`~ddm.serving.http.server.ServerControl.start_up`), ``on_failure(reason)`` is told when a
     member cannot load, ``draining()`` is true after SIGTERM (``/readyz`` answers 503), and
     ``serving_loops`` event loops serve the app (the batcher's rule:
-    :class:`~ddm.serving.batching.Batcher`). ``loader`` builds a label expert's backend
+    :class:`~ddm.serving.batching.Batcher`). ``loader`` loads each member's stage
     (replaceable to serve a custom one); ``cgroup_root`` is where the memory check reads the
     container's limit."""
 
@@ -105,7 +108,7 @@ class Hooks:
     on_failure: Callable[[str], None] | None = None
     draining: Callable[[], bool] | None = None
     serving_loops: int = 1
-    loader: BackendLoader = load_backend
+    loader: StageLoader = load_stage
     cgroup_root: Path = Path("/sys/fs/cgroup")
 
     @classmethod

@@ -45,12 +45,12 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp
 
-from ddm.checkpoints.declared import EXPERT, STAGE_ROLES, read_declaration
+from ddm.checkpoints.declared import EXPERT, STAGE_ROLES
 from ddm.checkpoints.format import CheckpointError
 from ddm.deploy.pools import MemberDeclaration, member_disagreements
 from ddm.deploy.router_config import MEMBER_NAME_PATTERN
+from ddm.models.stages import read_stage_declaration
 from ddm.serving.http.server import ServerControl, probe_responses, run_server
-from ddm.serving.model.label import LabelExpert
 from ddm.serving.model.member import Member
 from ddm.serving.model.memory import PoolMemory, member_bytes, memory_limit
 from ddm.serving.model.metrics import MemberMetrics
@@ -58,7 +58,7 @@ from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.pool_step import pool_step_routes
 from ddm.serving.model.routes import (SERVING_LOOPS, Binary, ModelState, lifespan_app,
                                      model_routes, readiness)
-from ddm.serving.model.stage import StageMember, read_stage
+from ddm.serving.model.stage import StageMember
 from ddm.serving.wire.paths import model_paths
 from ddm.termination import fail_start
 from ddm.threads import cap_malloc_arenas
@@ -119,20 +119,15 @@ def parse_members(specs: list[str]) -> dict[str, Path]:
 
 
 def load_member(directory: str | os.PathLike[str], options: ServingOptions, hooks: Hooks,
-                roles: tuple[str, ...] = ROLES) -> Member:
-    """The checkpoint in ``directory`` as a member, not loaded yet: a label checkpoint (an
-    expert), or a stage checkpoint whose declared role must be one of ``roles``."""
+                roles: tuple[str, ...] = ROLES) -> StageMember:
+    """The checkpoint in ``directory`` (a stage checkpoint, or a label checkpoint: an expert)
+    as a member, not loaded yet; its declared role must be one of ``roles``."""
     path = Path(directory)
-    if read_declaration(path) is None:
-        if EXPERT not in roles:
-            raise CheckpointError(f"{path} is a label checkpoint (an expert); this command "
-                                  f"serves {' or '.join(roles)}")
-        return LabelExpert(path, options, hooks.serving_loops, hooks.loader)
-    declared = read_stage(path)
+    declared = read_stage_declaration(path)
     if declared.role not in roles:
         raise CheckpointError(f"{path} is a stage of role {declared.role}; this command "
                               f"serves {' or '.join(roles)}")
-    return StageMember(path, declared, options, hooks.serving_loops)
+    return StageMember(path, declared, options, hooks.serving_loops, hooks.loader)
 
 
 def create_model_app(checkpoints: Checkpoints, options: ServingOptions = ServingOptions(),
@@ -147,7 +142,7 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
     named = dict(checkpoints) if isinstance(checkpoints, Mapping) else {"": checkpoints}
     if not named:
         raise ValueError("a pool needs at least one member")
-    members: dict[str, Member] = {}
+    members: dict[str, StageMember] = {}
     for name, directory in named.items():
         try:
             members[name] = load_member(directory, options, hooks, roles)
@@ -159,7 +154,7 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
     disagreements = member_disagreements({
         name: MemberDeclaration(m.declared.role, m.declared.latent_shape, m.declared.text_width,
                                 m.declared.convention)
-        for name, m in members.items() if isinstance(m, StageMember)})
+        for name, m in members.items()})
     if disagreements:
         raise ValueError("; ".join(disagreements))
     memory = PoolMemory({name: member_bytes(m.directory, options.precision, m.limits.max_batch)

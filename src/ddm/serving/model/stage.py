@@ -1,10 +1,12 @@
-"""A stage checkpoint as a model server's member (DESIGN-22 section 1): a text DDM's expert,
-text encoder, decoder or router network, loaded by :func:`ddm.models.stages.load_stage`
-(``--precision`` casts the weights) behind the same routes, batcher and protocol as a label
-expert (:mod:`ddm.serving.model.routes`, ``docs/protocol.md`` version 2):
+"""A stage checkpoint as a model server's member, whatever its conditioning (DESIGN-22 section
+1; issue 36): a DDM's expert (labels or text), text encoder, decoder or router network,
+loaded by :func:`ddm.models.stages.load_stage` (``--precision`` casts a text stage's
+weights) behind the model server's routes, batcher and protocol
+(:mod:`ddm.serving.model.routes`, ``docs/protocol.md``):
 
-* expert: CONTEXT (stored in a :class:`~ddm.serving.model.contexts.ContextCache`, acknowledged
-  with its id), VELOCITY and INTEGRATE. Classifier-free guidance runs here
+* expert: a context (text: CONTEXT, version 2; labels: LABEL_CONTEXT, version 4; stored in a
+  :class:`~ddm.serving.model.contexts.ContextCache`, acknowledged with its id), VELOCITY and
+  INTEGRATE naming its rows (and a pool's POOL_VELOCITY). Classifier-free guidance runs here
   (:func:`ddm.sampling.guidance.guided`): each guided row and its unconditional twin (the
   context's negative row: the empty prompt's embeddings unless a negative prompt replaced
   them; the router sends them with the context, so an expert needs no text encoder) go through
@@ -15,6 +17,16 @@ expert (:mod:`ddm.serving.model.routes`, ``docs/protocol.md`` version 2):
   structural checks of ``ddm expert check`` (:func:`ddm.experts.text_check.
   check_loaded_expert`: shapes, finiteness, determinism); a failure is a failure to load,
   which names the failed check.
+* a label expert (our UNet, a user's network, an exported program: ``ddm.models.
+  label_stages``): our UNets have no null label, so classifier-free guidance has nothing to
+  guide against: a row with a guidance scale other than 1 is refused (422), as is a label
+  outside the checkpoint's classes; its weights run as stored (``--precision`` is refused).
+  Before it warms up, it runs ``ddm expert check``'s checks of its network
+  (:func:`ddm.experts.check.check_network`: shapes, dtypes, finiteness, determinism and that
+  it predicts what its config.json declares). A network that runs at fixed batch sizes
+  (an exported program, JAX, a Neuron trace: :attr:`ddm.models.stages.Stage.batch_sizes`)
+  has each batch padded up to one (:func:`~ddm.serving.model.compiled.bucketed`) and is
+  warmed at each.
 * text_encoder: ENCODE -> embeddings, mask and the tokens truncation cut.
 * decoder: DECODE -> images (B, 3, H, W) in [-1, 1].
 * router: ROUTE (x, t and the prompts' pooled text vectors, for a router's text prior) ->
@@ -32,31 +44,32 @@ from typing import Any, Hashable
 import numpy as np
 
 from ddm.checkpoints.declared import EXPERT, ROUTER, TEXT_ENCODER
+from ddm.checkpoints.format import CheckpointError, CheckpointMeta, read_meta
 from ddm.checkpoints.roles import ROLE_REGISTRY
-from ddm.conditioning import TEXT, Conditioning, EncodedPrompts, guided_rows
+from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts, guided_rows
 from ddm.convention import CONVENTION_NAME
 from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES
+from ddm.experts.check import behaviour_data, check_network
 from ddm.experts.network_checks import require_passing
 from ddm.experts.text_check import check_loaded_expert
-from ddm.models.paris_loading import read_component_config
-from ddm.models.stages import Stage, StageDeclaration, load_stage
+from ddm.models.backends import check_backend
+from ddm.models.stages import Stage, StageDeclaration
 from ddm.models.torch_io import compile_network
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
 from ddm.serving.batching import batch_buckets, grid_slices
-from ddm.serving.model.backends import cpu_model
 from ddm.serving.model.compiled import WARM_TEXT_TOKENS, bucketed, on_compiled_thread
 from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
-from ddm.serving.model.options import ServingOptions
+from ddm.serving.model.options import ServingOptions, StageLoader
 from ddm.serving.model.routes import Handling, answer_or_error
 from ddm.serving.wire.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequest, EncodeRequest,
-                                       IntegrateRequest, Limits, ProtocolError, Request,
-                                       RouteRequest, VelocityRequest, decode_request,
-                                       encode_context_ack, encode_encoded, encode_probabilities,
-                                       encode_response)
+                                       IntegrateRequest, LabelContext, Limits, ProtocolError,
+                                       Request, RouteRequest, VelocityRequest, check_labels,
+                                       decode_request, encode_context_ack, encode_encoded,
+                                       encode_probabilities, encode_response)
 
-__all__ = ["StageMember", "read_stage"]
+__all__ = ["StageMember"]
 
 def _serves(role: str) -> str:
     """What a ``role`` stage's ``/v1/velocity`` answers (``/v1/info`` ``serves``): its first
@@ -64,48 +77,61 @@ def _serves(role: str) -> str:
     return ROLE_REGISTRY[role].queries[0]
 
 
-def _takes(role: str) -> tuple[type, ...]:
-    """The requests a ``role`` stage answers: its declared queries."""
-    return tuple(QUERIES[query] for query in ROLE_REGISTRY[role].queries)
+def _takes(declared: StageDeclaration) -> tuple[type, ...]:
+    """The requests a stage answers: its role's declared queries, a label expert's context
+    being a label context."""
+    takes = tuple(QUERIES[query] for query in ROLE_REGISTRY[declared.role].queries)
+    if declared.conditioning == LABELS:
+        return tuple(LabelContext if kind is Context else kind for kind in takes)
+    return takes
+
+
+#: How the metrics name a request's kind: an expert's calls by their query, anything else
+#: by its message type.
+_CALL_KINDS = {VelocityRequest: "velocity", IntegrateRequest: "integrate",
+               LabelContext: "context"}
 #: Tokens per row of the expert's warm-up call (any length runs; the context decides).
 _WARM_TOKENS = 8
 
 
 @dataclass(frozen=True)
 class _Velocity:
-    """Batch key of text velocity calls: rows merge when their contexts' token length does."""
+    """Batch key of velocity calls: rows merge when their contexts' token length does (None:
+    a label context's rows)."""
 
-    tokens: int
+    tokens: int | None
 
 
 @dataclass(frozen=True)
 class _Integrate:
     solver: str
     grid: bytes
-    tokens: int
-
-
-def read_stage(directory: Path) -> StageDeclaration:
-    """The declaration of the stage checkpoint in ``directory`` (its config.json's ``_ddm``)."""
-    return StageDeclaration.from_config(directory, read_component_config(directory))
+    tokens: int | None
 
 
 class StageMember(Member):
     """One stage checkpoint as a server holds it: the declaration, limits, its batcher and
-    metrics, the context cache (an expert's), the loaded stage. The declaration and limits
-    are checked here, so that a wrong flag fails before the server starts."""
+    metrics, the context cache (an expert's), the loaded stage. The declaration, the backend
+    and the limits are checked here, so that a wrong flag fails before the server starts;
+    ``loader`` loads the stage (:func:`~ddm.models.stages.load_stage`, or a test's
+    replacement)."""
 
     def __init__(self, directory: Path, declared: StageDeclaration, options: ServingOptions,
-                 serving_loops: int) -> None:
+                 serving_loops: int, loader: StageLoader) -> None:
+        check_backend(options.backend, options.device)
+        #: A label checkpoint's config.json (its facts, its network check); None for text.
+        self.meta: CheckpointMeta | None = None
+        if declared.conditioning == LABELS:
+            self.meta = _label_meta(directory, options)
         limits = Limits(max_batch=options.max_batch, max_steps=options.max_steps,
-                        image_shape=declared.latent_shape, text_width=declared.text_width)
-        limits = dataclasses.replace(limits,
-                                     max_body_bytes=_max_body_bytes(declared.role, limits))
+                        image_shape=declared.latent_shape, text_width=declared.text_width,
+                        allowed_labels=declared.classes if self.meta is not None else None)
+        limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(declared, limits))
         super().__init__(directory, limits, options, serving_loops)
         self.declared = declared
+        self.loader = loader
         self.contexts = ContextCache(options.context_cache_bytes)
         self.stage: Stage | None = None
-        self.hardware: str | None = None
 
     @property
     def ready(self) -> bool:
@@ -113,6 +139,9 @@ class StageMember(Member):
 
     @property
     def who(self) -> str:
+        """A label checkpoint by its own name, a stage by its directory."""
+        if self.declared.name is not None:
+            return f"{self.declared.role} {self.declared.name}"
         return f"{self.declared.role} stage {self.directory.name}"
 
     @property
@@ -123,13 +152,14 @@ class StageMember(Member):
         stage, declared, backend = self.stage, self.declared, self.options.backend
         if stage is not None:
             declared = stage.declaration
+        runtime = None if stage is None else stage.runtime
         latent = list(declared.latent_shape or ())
         image = (list(stage.image_shape) if stage is not None and stage.image_shape is not None
                  else latent)
-        return {"name": self.directory.name, "kind": declared.role, "role": declared.role,
-                "family": declared.family, "model": declared.family,
-                "conditioning": TEXT if declared.role == EXPERT else None,
-                "classes": [],
+        return {"name": declared.name or self.directory.name, "kind": declared.role,
+                "role": declared.role, "family": declared.family, "model": declared.family,
+                "conditioning": declared.conditioning if declared.role == EXPERT else None,
+                "classes": list(declared.classes),
                 **(declared.trained_on.info(declared.cluster)
                    if declared.trained_on is not None else {}),
                 "cluster": declared.cluster,
@@ -139,35 +169,44 @@ class StageMember(Member):
                 "wire_dtype": self.wire_dtype,
                 "precision": self.wire_dtype, "convention": CONVENTION_NAME,
                 "network_convention": declared.convention, "serves": _serves(declared.role),
-                "framework": backend, "backend": backend, "runtime": backend,
-                "device": self.options.device or "cpu", "hardware": self.hardware,
+                "framework": declared.framework or backend, "backend": backend,
+                "runtime": None if runtime is None else runtime.library,
+                "device": self.options.device if runtime is None else runtime.device,
+                "hardware": None if runtime is None else runtime.hardware,
                 "compile": None if stage is None else
                 self.options.compile if stage.network is not None else "none",
                 "context_cache_bytes": self.contexts.max_bytes if declared.role == EXPERT
-                else None}
+                else None, **({} if self.meta is None else _label_facts(self.meta))}
 
     async def answer(self, body: bytes) -> tuple[int, bytes]:
         async def handle(handling: Handling) -> bytes:
             message = decode_request(body, self.limits)
-            handling.request_id, handling.kind = message.request_id, type(message).__name__
-            takes = _takes(self.declared.role)
+            handling.request_id = message.request_id
+            handling.kind = _CALL_KINDS.get(type(message), type(message).__name__)
+            takes = _takes(self.declared)
             if not isinstance(message, takes):
-                raise ProtocolError(f"this {self.declared.role} stage takes "
-                                    f"{', '.join(t.__name__ for t in takes)}, not "
-                                    f"{handling.kind}", 422, message.request_id)
+                raise ProtocolError(self._refusal(takes, message), 422, message.request_id)
             if self.stage is None:
                 raise ProtocolError(self.not_ready(), 503, message.request_id)
             reply = await self._run(message)
-            handling.rows = (0 if isinstance(message, (Context, EncodeRequest))
+            handling.rows = (0 if isinstance(message, (Context, LabelContext, EncodeRequest))
                              else message.x.shape[0])
             return reply
 
         return await answer_or_error(self, handle)
 
+    def _refusal(self, takes: tuple[type, ...], message: Request) -> str:
+        """Why a request of a kind this stage does not take is refused."""
+        if self.declared.conditioning == LABELS:
+            return (f"{self.who} is conditioned on labels: send a label context, then velocity "
+                    "or integrate requests naming its rows")
+        return (f"this {self.declared.role} stage takes "
+                f"{', '.join(t.__name__ for t in takes)}, not {type(message).__name__}")
+
     async def _run(self, message: Request) -> bytes:
         """The reply body to a decoded, accepted request."""
         request_id, batcher = message.request_id, self.batcher
-        if isinstance(message, Context):
+        if isinstance(message, (Context, LabelContext)):
             self.contexts.put(message.id, message)
             return encode_context_ack(request_id, message.id)
         if isinstance(message, EncodeRequest):
@@ -189,12 +228,11 @@ class StageMember(Member):
         if isinstance(message, VelocityRequest):
             return encode_response(request_id, await self.velocity(message))
         assert isinstance(message, IntegrateRequest)
-        embeddings, negative, cost = self._context_rows(message)
-        tokens = embeddings.shape[1]
+        tokens, rows, cost = self._context_rows(message)
         solver, x = message.solver.name.lower(), message.x
         for piece in grid_slices(message.grid):
-            x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens),
-                                     (x, embeddings, negative, message.guidance), cost)
+            x = await batcher.submit(_Integrate(solver, piece.tobytes(), tokens), (x, *rows),
+                                     cost)
         return encode_response(request_id, self._wire(x))
 
     @property
@@ -205,13 +243,35 @@ class StageMember(Member):
         """The guided velocity of ``message``'s rows (B, C, H, W) in the stage's wire dtype,
         run in the expert's batcher with other requests' rows: for its own route and a
         pool's (:mod:`ddm.serving.model.pool_step`) alike."""
-        embeddings, negative, cost = self._context_rows(message)
-        out = await self.batcher.submit(_Velocity(embeddings.shape[1]), (
-            message.x, message.t, embeddings, negative, message.guidance), cost)
+        tokens, rows, cost = self._context_rows(message)
+        out = await self.batcher.submit(_Velocity(tokens), (message.x, message.t, *rows), cost)
         return self._wire(out)
 
     def _context_rows(self, message: VelocityRequest | IntegrateRequest
-                      ) -> tuple[np.ndarray, np.ndarray, int]:
+                      ) -> tuple[int | None, tuple[np.ndarray, ...], int]:
+        """The context's token length (None: labels), the conditioning of the message's rows
+        as the batcher carries it (:func:`_conditioning`) and the forward rows the call
+        costs."""
+        if self.declared.conditioning == LABELS:
+            return None, (self._labels(message),), message.x.shape[0]
+        embeddings, negative, cost = self._text_rows(message)
+        return embeddings.shape[1], (embeddings, negative, message.guidance), cost
+
+    def _labels(self, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
+        """The labels of ``message``'s rows: rows of a label context this expert holds
+        (412 otherwise), unguided, of classes it serves (422 otherwise)."""
+        context = self.contexts.get(message.context, LABELS)
+        context.check_rows(message.rows)
+        assert context.labels is not None
+        if (message.guidance != 1.0).any():
+            raise ProtocolError(f"{self.who} is conditioned on labels and has no null label "
+                                "to guide against: send its rows with guidance 1", 422)
+        labels = context.labels[message.rows]
+        check_labels(labels, self.limits)
+        return labels
+
+    def _text_rows(self, message: VelocityRequest | IntegrateRequest
+                   ) -> tuple[np.ndarray, np.ndarray, int]:
         """The rows' embeddings and negative rows (float32; a row without guidance gets its
         own embeddings as a placeholder that is never run), and the forward rows the call
         costs."""
@@ -269,47 +329,93 @@ class StageMember(Member):
             return np.asarray(stage.forward(*inputs), np.float32)
         velocity = guided(stage.forward, None)
         if isinstance(key, _Velocity):
-            x, t, embeddings, negative, guidance = inputs
-            return velocity(x, t, _guided(embeddings, negative, guidance))
+            x, t, *rows = inputs
+            return velocity(x, t, _conditioning(key.tokens, rows))
         assert isinstance(key, _Integrate), f"unknown batch key {key!r}"
-        x, embeddings, negative, guidance = inputs
-        for _, x in iterate(velocity, x, _guided(embeddings, negative, guidance),
+        x, *rows = inputs
+        for _, x in iterate(velocity, x, _conditioning(key.tokens, rows),
                             np.frombuffer(key.grid, np.float32), key.solver):
             pass
         return x
 
     def load_and_warm(self) -> Stage:
-        """The stage at ``--precision``, an expert checked by ``ddm expert check``'s
-        structural checks (eagerly), compiled where ``--compile`` asks and it has a torch
-        network, warmed up: at one row, or compiled at every bucket."""
+        """The stage at ``--precision``, padded to the batch sizes it runs at (if fixed), an
+        expert checked by ``ddm expert check``'s checks (eagerly), compiled where
+        ``--compile`` asks and it has a torch network, warmed up: at one row, or at every
+        batch size it runs at or is compiled for."""
         options = self.options
-        stage = load_stage(self.directory, options.precision, options.device or "cpu",
-                           options.backend)
-        if stage.declaration.role == EXPERT:
-            require_passing(check_loaded_expert(stage, self.limits.max_batch), self.who)
-        if options.compile == "none" or stage.network is None:
-            _warm_up(stage, (1,), _WARM_TOKENS)
-            return stage
         buckets = batch_buckets(self.limits.max_batch)
+        stage = self.loader(self.directory, options.precision, options.device,
+                            options.backend, buckets, options.compile_cache)
+        if stage.batch_sizes is not None:
+            stage = dataclasses.replace(
+                stage, forward=bucketed(stage.forward, stage.batch_sizes),
+                prediction=(None if stage.prediction is None
+                            else bucketed(stage.prediction, stage.batch_sizes)))
+        if stage.declaration.role == EXPERT:
+            require_passing(self._check(stage), self.who)
+        if options.compile == "none" or stage.network is None:
+            _warm_up(stage, stage.batch_sizes or (1,), _WARM_TOKENS)
+            return stage
         compile_network(stage.network, options.compile, len(buckets))
         compiled = dataclasses.replace(stage, forward=bucketed(
             on_compiled_thread(options.compile, stage.forward), buckets))
         _warm_up(compiled, buckets, WARM_TEXT_TOKENS)
         return compiled
 
+    def _check(self, expert: Stage) -> list[Any]:
+        """``ddm expert check``'s checks of a loaded expert: a label network's against what
+        its config.json declares (its objective, on held-out images where there are any), a
+        text expert's structural ones."""
+        if self.meta is None:
+            return check_loaded_expert(expert, self.limits.max_batch)
+        assert expert.prediction is not None and self.limits.image_shape is not None
+        network = expert.prediction
+
+        def on_labels(x: np.ndarray, t: np.ndarray, y: np.ndarray) -> np.ndarray:
+            return network(x, t, Conditioning.from_labels(y))
+
+        return check_network(self.meta, on_labels, self.limits.image_shape,
+                             behaviour_data(self.meta), self.limits.max_batch)
+
     def publish(self, loaded: Stage) -> None:
         declared = loaded.declaration
         limits = dataclasses.replace(self.limits, image_shape=declared.latent_shape,
                                      text_width=declared.text_width)
         self.limits = dataclasses.replace(
-            limits, max_body_bytes=_max_body_bytes(declared.role, limits))
-        device = self.options.device or "cpu"
-        self.hardware = cpu_model() if device == "cpu" else device
+            limits, max_body_bytes=_max_body_bytes(declared, limits))
         self.stage = loaded
 
 
-def _guided(embeddings: np.ndarray, negative: np.ndarray,
-            guidance: np.ndarray) -> Conditioning:
+def _label_meta(directory: Path, options: ServingOptions) -> CheckpointMeta:
+    """A label checkpoint's config.json, refusing what a model server cannot serve of it."""
+    if options.precision is not None:
+        raise CheckpointError(f"{directory} is a label checkpoint, served as stored: "
+                              "--precision is for stage checkpoints")
+    meta = read_meta(directory)
+    if meta.kind not in ("expert", "monolith"):
+        raise CheckpointError(f"{directory} is a {meta.kind} checkpoint, not a UNet to serve")
+    return meta
+
+
+def _label_facts(meta: CheckpointMeta) -> dict[str, Any]:
+    """What a label checkpoint says of itself in ``/v1/info``, where a stage's declaration
+    says otherwise: its kind and model, what it was trained on, its objective and
+    convention."""
+    return {"kind": meta.kind, "family": meta.model.kind, "model": meta.model.kind,
+            "partition": meta.partition, "data": meta.data,
+            "objective": meta.objective.to_dict(), "convention": meta.convention,
+            "network_convention": None, "cluster": None}
+
+
+def _conditioning(tokens: int | None, rows: list[np.ndarray]) -> Conditioning:
+    """A batch's rows as the batcher carries them (:meth:`StageMember._context_rows`) ->
+    their conditioning: a label context's ``[labels]`` (``tokens`` None), or a text
+    context's ``[embeddings, negative, guidance]`` (guided against the negative rows)."""
+    if tokens is None:
+        (labels,) = rows
+        return Conditioning.from_labels(labels)
+    embeddings, negative, guidance = rows
     return Conditioning(embeddings=embeddings).with_guidance(
         guidance, Conditioning(embeddings=negative))
 
@@ -325,7 +431,10 @@ def _warm_up(stage: Stage, sizes: tuple[int, ...], tokens: int) -> None:
     for size in sizes:
         x = np.zeros((size, *declared.latent_shape), np.float32)
         t = np.full((size,), 0.5, np.float32)
-        if declared.role == EXPERT:
+        if declared.role == EXPERT and declared.conditioning == LABELS:
+            stage.forward(x, t, Conditioning.from_labels(
+                np.full(size, min(declared.classes, default=0))))
+        elif declared.role == EXPERT:
             assert declared.text_width is not None
             stage.forward(x, t, Conditioning(
                 embeddings=np.zeros((size, tokens, declared.text_width), np.float32)))
@@ -335,10 +444,11 @@ def _warm_up(stage: Stage, sizes: tuple[int, ...], tokens: int) -> None:
             stage.forward(x)
 
 
-def _max_body_bytes(role: str, limits: Limits) -> int:
-    """Twice the largest valid request of the role (a context for an expert, whose cap is
-    :data:`~ddm.deploy.limits.MAX_CONTEXT_BODY_BYTES`), so that a batch just over
+def _max_body_bytes(declared: StageDeclaration, limits: Limits) -> int:
+    """Twice the largest valid request of the role (a text context for a text expert, whose
+    cap is :data:`~ddm.deploy.limits.MAX_CONTEXT_BODY_BYTES`), so that a batch just over
     ``max_batch`` is refused with a message about the batch."""
+    role = declared.role
     if role == TEXT_ENCODER:
         return 2 * limits.max_prompts * (limits.max_prompt_bytes + 4) + 4096
     shape = limits.image_shape
@@ -346,4 +456,6 @@ def _max_body_bytes(role: str, limits: Limits) -> int:
         return MAX_CONTEXT_BODY_BYTES
     per_row = 4 * math.prod(shape) + 4 + 4 + 4  # x, t, rows, guidance
     calls = 2 * (limits.max_batch * per_row + (limits.max_steps + 1) * 4) + 4096
-    return max(calls, MAX_CONTEXT_BODY_BYTES) if role == EXPERT else calls
+    if role == EXPERT and declared.conditioning == TEXT:
+        return max(calls, MAX_CONTEXT_BODY_BYTES)
+    return calls
