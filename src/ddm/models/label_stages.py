@@ -106,11 +106,11 @@ def load_label_network(path: Path, dtype: str | None = None, device: str | None 
         raise CheckpointError(f"unknown backend {backend!r}; expected one of "
                               f"{', '.join(LOAD_BACKENDS)} or neuron")
     header = read_label_header(path)
+    ckpt = load_checkpoint(path)  # the weights' checksum first: a cut file is named corrupt
     stored = _stored_precision(path)
     if dtype is not None and dtype != stored:
         raise CheckpointError(f"{path}: a label checkpoint runs in its stored dtype "
                               f"({stored}), not {dtype}")
-    ckpt = load_checkpoint(path)
     if header.role == ROUTER:
         if backend not in ("native", "torch"):
             raise CheckpointError(f"{path}: the label router network runs on torch only")
