@@ -276,15 +276,15 @@ def test_a_router_over_one_pool_gives_the_unpooled_image(stages, pool):
     added = {key: after[key] - before.get(key, 0.0) for key in after
              if after[key] != before.get(key, 0.0)}
     steps = 4  # text_config's sampling: 4 steps, top2, so both experts at every step
-    assert added[("ddm_pool_requests_total", "/v1/pool/velocity", "PoolVelocityRequest",
+    assert added[("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity",
                   "200")] == steps
     for k in range(EXPERTS):
-        assert added[("ddm_expert_requests_total", f"expert-{k}", "PoolVelocityRequest",
+        assert added[("ddm_expert_requests_total", f"expert-{k}", "pool_velocity",
                       "200")] == steps
         # A member's own route took only its context: no velocity call of its own.
-        assert ("ddm_expert_requests_total", f"expert-{k}", "VelocityRequest",
+        assert ("ddm_expert_requests_total", f"expert-{k}", "velocity",
                 "200") not in added
-    assert added[("ddm_expert_requests_total", "router-network", "RouteRequest", "200")] == steps
+    assert added[("ddm_expert_requests_total", "router-network", "route", "200")] == steps
     with running(create_model_app(stages / "expert_0", ServingOptions(max_batch=8))) as e0, \
             running(create_model_app(stages / "expert_1", ServingOptions(max_batch=8))) as e1:
         for base in (e0, e1):

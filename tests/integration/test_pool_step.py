@@ -271,12 +271,12 @@ def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
         return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", metrics, re.M))
 
     # Three steps, one request each, and one more for the third's re-sent contexts.
-    assert count(r'ddm_pool_requests_total{kind="PoolVelocityRequest",route="[^"]+",'
+    assert count(r'ddm_pool_requests_total{kind="pool_velocity",route="[^"]+",'
                  r'status="200"}') == 4
     for member in ("expert-0", "expert-1"):
-        assert count(rf'ddm_expert_requests_total{{kind="PoolVelocityRequest",'
+        assert count(rf'ddm_expert_requests_total{{kind="pool_velocity",'
                      rf'member="{member}",status="412"}}') == 1
-        assert count(rf'ddm_expert_requests_total{{kind="Context",member="{member}",'
+        assert count(rf'ddm_expert_requests_total{{kind="context",member="{member}",'
                      rf'status="200"}}') == 3
 
 

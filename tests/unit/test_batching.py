@@ -12,7 +12,7 @@ import pytest
 
 from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
                                   Dispatch, Pending, Wait, batch_buckets, bucket_for,
-                                  grid_slices, pad_rows, plan_batch)
+                                  grid_slices, plan_batch)
 from ddm.serving.http.polling import WARM_AFTER, WARM_TICK_S
 
 V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
@@ -70,18 +70,6 @@ def test_bucket_is_the_smallest_that_fits(rows, bucket):
 def test_bucket_refuses_a_batch_over_the_largest():
     with pytest.raises(ValueError, match="exceeds the largest compiled size 8"):
         bucket_for(9, batch_buckets(8))
-
-
-def test_pad_repeats_the_last_row_and_keeps_the_originals():
-    x = np.arange(12, dtype=np.float32).reshape(3, 1, 2, 2)
-    y = np.array([7, 8, 9])
-    px, py = pad_rows((x, y), 4)
-    assert px.shape == (4, 1, 2, 2) and py.tolist() == [7, 8, 9, 9]
-    np.testing.assert_array_equal(px[:3], x)
-    np.testing.assert_array_equal(px[3], x[2])
-    assert pad_rows((x,), 3)[0] is x
-    with pytest.raises(ValueError):
-        pad_rows((x,), 2)
 
 
 # -- Batcher ------------------------------------------------------------------------------------

@@ -126,13 +126,14 @@ def test_only_calls_with_the_same_key_merge_oldest_key_first():
     assert [o.tolist() for o in outs] == [[11], [22], [31], [42]]
 
 
-def test_per_key_a_call_waits_only_behind_requests_of_its_own_key():
-    """A pool member's coalescer: while key 0's request is out, a key-1 call goes at once (its
-    pool gathers it with the others), a key-0 call waits and merges with the next."""
+def test_scoped_a_call_waits_only_behind_requests_of_its_own_scope():
+    """A pool member's velocity calls are scoped by key: while key 0's request is out, a key-1
+    call goes at once (its pool gathers it with the others), a key-0 call waits and merges
+    with the next."""
     async def scenario():
         expert = Expert()
         expert.gate.clear()
-        c = Coalescer(expert.send, lambda: 64, lambda: 1, per_key=True)
+        c = Coalescer(expert.send, lambda: 64, lambda: 1, scope=lambda key: key)
         first = asyncio.ensure_future(c.submit(0, rows(1)))
         await turns()
         later = [asyncio.ensure_future(c.submit(k, rows(v))) for k, v in
@@ -253,3 +254,33 @@ def test_many_callers_stepping_in_lockstep_converge_to_few_big_requests(limit):
     assert outs == [float(i) for i in range(64)]
     assert sum(n for _, n in requests) == 64 * 20
     assert len(requests) <= 20 * limit + 2, len(requests)
+
+
+def test_a_pool_members_integrate_calls_share_the_one_limit_its_velocity_calls_do_not():
+    """Only velocity calls travel in a pool request; a delegated chunk (integrate) is a
+    request of its own to the member's route, so concurrent generations' chunks stay under
+    the member's one in-flight limit while their velocity calls are limited per context."""
+    from ddm.serving.router.fleet.pool import _ContextKey, _IntegrateKey, _pooled_scope
+    from ddm.serving.wire.protocol import Solver
+
+    grid = np.linspace(0, 1, 3, dtype=np.float32).tobytes()
+    chunk = _IntegrateKey(Solver.EULER, grid)
+
+    async def scenario(kind):
+        gate = asyncio.Event()
+
+        async def send(key, inputs, since):
+            await gate.wait()
+            return inputs[0]
+
+        c = Coalescer(send, lambda: 64, lambda: 1, scope=_pooled_scope)
+        keys = [_ContextKey(bytes([g]) * 32, kind) for g in range(3)]
+        calls = [asyncio.ensure_future(c.submit(key, rows(g))) for g, key in enumerate(keys)]
+        await turns()
+        in_flight = c.in_flight
+        gate.set()
+        await asyncio.gather(*calls)
+        return in_flight
+
+    assert asyncio.run(scenario(None)) == 3  # velocity: one per context, all at once
+    assert asyncio.run(scenario(chunk)) == 1  # integrate: the one limit

@@ -1,6 +1,6 @@
 """Format-1 checkpoint -> NumPy callables per framework: an expert's velocity (or its network's
 raw output), the label router network's probabilities. The label families
-(:mod:`ddm.models.label_stages`) and the label model server build their networks here; a whole
+(:mod:`ddm.models.label_stages`), and so the model server, build their networks here; a whole
 DDM loads through :func:`ddm.models.ddm.load_ddm`.
 
 Each UNet runs on the backend of its choice: ``native`` (the framework it was trained with),

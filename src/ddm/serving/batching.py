@@ -4,7 +4,7 @@ A router sends one small request per image per step, and a small model costs abo
 64 images as for one, so the expert answers many routers at once by running their requests as
 one batch. :class:`Batcher` holds only a queue: each request carries its own future, so
 interleaved requests get exactly their own rows back. The decisions are pure functions
-(:func:`plan_batch`, :func:`bucket_for`, :func:`pad_rows`), unit-tested without a clock.
+(:func:`plan_batch`, :func:`bucket_for`), unit-tested without a clock.
 
 Requests share a batch only when their ``key`` is equal: every velocity request has the same
 key (``t`` is per sample), and an integrate request's key is its solver and grid, so only
@@ -156,22 +156,6 @@ def bucket_for(batch: int, buckets: Sequence[int]) -> int:
         if size >= batch:
             return size
     raise ValueError(f"batch of {batch} exceeds the largest compiled size {max(buckets)}")
-
-
-def pad_rows(arrays: Sequence[np.ndarray], size: int) -> tuple[np.ndarray, ...]:
-    """Pad every array along axis 0 to ``size`` rows by repeating its last row.
-
-    Repeating a real row keeps padded labels and times valid for the model; callers slice
-    the output back to the original rows.
-    """
-    out = []
-    for array in arrays:
-        missing = size - array.shape[0]
-        if missing < 0:
-            raise ValueError(f"cannot pad {array.shape[0]} rows down to {size}")
-        widths = [(0, missing)] + [(0, 0)] * (array.ndim - 1)
-        out.append(np.pad(array, widths, mode="edge") if missing else array)
-    return tuple(out)
 
 
 @dataclass(eq=False)

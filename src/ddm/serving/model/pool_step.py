@@ -14,7 +14,7 @@ itself gets wrong (400, 413, 422).
 
 The route counts its requests in ``ddm_pool_requests`` (by route, kind and status) on the
 pool's ``/metrics``; each member counts each call to it in its own ``ddm_expert_requests``
-(kind ``PoolVelocityRequest``), so a member's requests and rows add up whichever route carried
+(kind ``pool_velocity``), so a member's requests and rows add up whichever route carried
 them.
 """
 
@@ -37,11 +37,14 @@ from ddm.serving.model.routes import Binary, Handling, answer_or_error, refusal
 from ddm.serving.wire.paths import POOL_VELOCITY_PATH, model_paths
 from ddm.serving.wire.protocol import (MAX_MEMBER_NAME_BYTES, CONTEXT_ID_BYTES, Limits,
                                        MemberError, PoolVelocityRequest, ProtocolError,
-                                       VelocityRequest, decode_request, encode_pool_response)
+                                       VelocityRequest, decode_request, encode_pool_response,
+                                       request_kind)
 
 __all__ = ["PoolStep", "pool_step_routes"]
 
 _KIND = PoolVelocityRequest.__name__
+#: How a member counts its calls carried by this route (``ddm_expert_requests``' ``kind``).
+_METRICS_KIND = "pool_velocity"
 
 
 class StepMetrics(Collector):
@@ -118,9 +121,10 @@ async def answer_pool_step(step: PoolStep, body: bytes) -> tuple[int, bytes]:
 
     async def handle(handling: Handling) -> bytes:
         message = decode_request(body, step.limits)
-        handling.request_id, handling.kind = message.request_id, type(message).__name__
+        handling.request_id, handling.kind = message.request_id, request_kind(message)
         if not isinstance(message, PoolVelocityRequest):
-            raise ProtocolError(f"{POOL_VELOCITY_PATH} takes a {_KIND}, not {handling.kind} "
+            raise ProtocolError(f"{POOL_VELOCITY_PATH} takes a {_KIND}, not "
+                                f"{type(message).__name__} "
                                 f"(a member's own requests go to "
                                 f"{model_paths('NAME').velocity})", 422, message.request_id)
         unknown = [name for name, _ in message.calls if name not in step.members]
@@ -158,5 +162,5 @@ async def _member(server: Member, name: str,
             code, message = refusal(error, call.request_id)
             result = MemberError(code, f"member {name}: {message}")
     status = result.code if isinstance(result, MemberError) else 200
-    server.metrics.observe_request(_KIND, status, call.x.shape[0])
+    server.metrics.observe_request(_METRICS_KIND, status, call.x.shape[0])
     return result

@@ -8,7 +8,7 @@ metrics. A server of one checkpoint (:func:`create_model_app` given a directory)
 the root (``/v1/velocity``, ``/v1/info``, ``/readyz``), as routers and router.yaml files
 expect of ``ddm serve expert`` and ``ddm serve stage``; a pool (given name -> directory)
 answers for each member under ``/v1/members/NAME`` (:mod:`ddm.serving.wire.paths`), with the same
-answers, and a step's calls to several of its text experts come as one request
+answers, and a step's calls to its experts (of every generation) come as one request
 (:mod:`ddm.serving.model.pool_step`); its own ``/v1/info`` lists the members and the memory
 figures, its ``/readyz`` is 200 once every member is loaded, its ``/metrics`` labels each
 member's series ``member="NAME"``.

@@ -67,7 +67,8 @@ from ddm.serving.wire.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequ
                                        IntegrateRequest, LabelContext, Limits, ProtocolError,
                                        Request, RouteRequest, VelocityRequest, check_labels,
                                        decode_request, encode_context_ack, encode_encoded,
-                                       encode_probabilities, encode_response)
+                                       encode_probabilities, encode_response,
+                                       request_kind)
 
 __all__ = ["StageMember"]
 
@@ -86,10 +87,6 @@ def _takes(declared: StageDeclaration) -> tuple[type, ...]:
     return takes
 
 
-#: How the metrics name a request's kind: an expert's calls by their query, anything else
-#: by its message type.
-_CALL_KINDS = {VelocityRequest: "velocity", IntegrateRequest: "integrate",
-               LabelContext: "context"}
 #: Tokens per row of the expert's warm-up call (any length runs; the context decides).
 _WARM_TOKENS = 8
 
@@ -182,7 +179,7 @@ class StageMember(Member):
         async def handle(handling: Handling) -> bytes:
             message = decode_request(body, self.limits)
             handling.request_id = message.request_id
-            handling.kind = _CALL_KINDS.get(type(message), type(message).__name__)
+            handling.kind = request_kind(message)
             takes = _takes(self.declared)
             if not isinstance(message, takes):
                 raise ProtocolError(self._refusal(takes, message), 422, message.request_id)
@@ -309,7 +306,7 @@ class StageMember(Member):
 
     def _wire(self, out: np.ndarray) -> np.ndarray:
         """``out`` (float32) in the dtype the stage declares for its replies."""
-        return np.asarray(out).astype(WIRE_DTYPES[self.wire_dtype or "float32"])
+        return np.asarray(out).astype(WIRE_DTYPES[self.wire_dtype or "float32"], copy=False)
 
     def execute(self, key: Hashable, inputs: tuple[Any, ...]) -> Any:
         stage = self.stage

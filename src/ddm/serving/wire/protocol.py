@@ -304,6 +304,15 @@ Request = (Context | LabelContext | VelocityRequest | IntegrateRequest | EncodeR
 QUERIES: dict[str, type] = {
     "velocity": VelocityRequest, "integrate": IntegrateRequest, "context": Context,
     "encode": EncodeRequest, "decode": DecodeRequest, "route": RouteRequest}
+#: A request's name in a model server's metrics (``kind``): the query it asks.
+_REQUEST_KINDS: dict[type, str] = {**{t: q for q, t in QUERIES.items()},
+                                   LabelContext: "context",
+                                   PoolVelocityRequest: "pool_velocity"}
+
+
+def request_kind(message: object) -> str:
+    """What ``message`` asks, as metrics name it (``velocity``, ``context``, ...)."""
+    return _REQUEST_KINDS[type(message)]
 
 
 @dataclass(frozen=True)

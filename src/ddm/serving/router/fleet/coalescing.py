@@ -18,11 +18,12 @@ request woke) are merged even below the limit: a call is sent after the turn tha
 
 Only calls with the same key merge: every velocity call shares one key (``t`` is per row); an
 integrate call's key holds its solver and time grid. A failed request fails every call in it.
-Made ``per_key``, the in-flight limit counts each key's requests on its own, so that a call
-waits only behind calls it could merge with. A pool member's coalescer is made so: its calls of
-different keys (each generation's context) travel together in one pool request
+Given a ``scope``, the in-flight limit counts each scope's requests on its own, so that a call
+waits only behind calls of its scope. A pool member's velocity calls are scoped by key: its
+calls of different keys (each generation's context) travel together in one pool request
 (:mod:`ddm.serving.router.fleet.pool_calls`), and holding them back would only split a step's
-calls over several pool requests.
+calls over several pool requests; its integrate calls, each a request of its own, share the
+one limit.
 ``send`` is told when the oldest call in a request was made (``time.monotonic()``), so that
 time spent waiting here counts against the caller's deadline.
 """
@@ -62,17 +63,19 @@ class Coalescer:
     ``max_rows()`` and ``in_flight_limit()`` are asked at every decision, so they follow the
     expert's batch limit and its number of ready replicas as these change. With
     ``max_rows() <= 1`` nothing can merge and calls go straight to ``send`` (still counted in
-    :attr:`in_flight`). ``per_key``: the limit holds per key (the module docstring).
+    :attr:`in_flight`). ``scope(key)``: what a request of ``key`` counts against (the module
+    docstring); without it, every request counts against the one limit.
     """
 
     def __init__(self, send: SendFn, max_rows: Callable[[], int],
-                 in_flight_limit: Callable[[], int], *, per_key: bool = False) -> None:
+                 in_flight_limit: Callable[[], int], *,
+                 scope: Callable[[Hashable], Hashable] | None = None) -> None:
         self._send = send
         self._max_rows = max_rows
         self._in_flight_limit = in_flight_limit
-        self._per_key = per_key
+        self._scope_of = scope
         self._waiting: list[_Call] = []
-        #: Requests in flight by key (``per_key``), else all under None.
+        #: Requests in flight by scope (all under None without one).
         self._in_flight: Counter[Hashable] = Counter()
         self._pump_scheduled = False
         self._requests: set[asyncio.Task[None]] = set()
@@ -84,8 +87,8 @@ class Coalescer:
         return self._in_flight.total()
 
     def _scope(self, key: Hashable) -> Hashable:
-        """What a request of ``key`` counts against: its key's limit, or the one limit."""
-        return key if self._per_key else None
+        """What a request of ``key`` counts against: its scope's limit, or the one limit."""
+        return None if self._scope_of is None else self._scope_of(key)
 
     def _answered(self, key: Hashable) -> None:
         """A request of ``key`` is no longer in flight (a key with none is forgotten)."""

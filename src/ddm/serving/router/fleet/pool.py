@@ -62,6 +62,15 @@ class _ContextKey:
 
 
 _Request = VelocityRequest | IntegrateRequest
+
+
+def _pooled_scope(key: Hashable) -> Hashable:
+    """What a pool member's request counts against in its coalescer: a velocity call its
+    context's own in-flight limit (one pool request carries every context's calls of a step),
+    an integrate call, a request of its own to the member's route, the one limit."""
+    assert isinstance(key, _ContextKey)
+    return key if key.integrate is None else None
+
 #: Context ids the pool remembers a replica holds (it may have evicted them: it says so).
 MAX_KNOWN_CONTEXTS = 1024
 
@@ -375,8 +384,8 @@ class ExpertPool:
 
     def _coalescer(self, expert: str) -> Coalescer:
         """Merges ``expert``'s concurrent calls; sends each request through :meth:`_call`. A
-        pool member's in-flight limit holds per context (``per_key``): its pool gathers the
-        calls of every context into one request per step."""
+        pool member's velocity calls are limited per context (:func:`_pooled_scope`): its pool
+        gathers the calls of every context into one request per step."""
         replicas = self._servers.replica_set(expert)
         per_replica = self._settings.in_flight_per_replica
         rows = self.metrics.request_rows.labels(expert)
@@ -393,7 +402,7 @@ class ExpertPool:
             return info.rows_per_call if info is not None and per_replica else 1
 
         return Coalescer(send, max_rows, lambda: max(1, replicas.ready_count()) * per_replica,
-                         per_key=expert in self._servers.members)
+                         scope=_pooled_scope if expert in self._servers.members else None)
 
     async def _call(self, expert: str, request: _Request, deadline: float,
                     context: _ContextKey) -> np.ndarray:

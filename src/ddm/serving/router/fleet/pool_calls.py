@@ -3,7 +3,7 @@
 
 Experts served by one pool server (``router.yaml`` discoveries naming a ``member`` at the same
 endpoints) each keep their replica set, coalescer, retries and missing-expert policy in
-:class:`~ddm.serving.router.fleet.pool.ExpertPool`; only the last hop changes. An attempt of a text
+:class:`~ddm.serving.router.fleet.pool.ExpertPool`; only the last hop changes. An attempt of a
 velocity call to a member hands its rows to :class:`PoolCalls`, which gathers the attempts made
 to one endpoint in the same turn of the event loop (the calls of one step, which the sampling
 loop makes together, and those of concurrent generations, a member's once per context) and
@@ -66,7 +66,7 @@ class _Open:
 
 
 class PoolCalls:
-    """Gathers text velocity attempts to pool members into pool requests, per endpoint."""
+    """Gathers velocity attempts to pool members into pool requests, per endpoint."""
 
     def __init__(self, post: Post, send_context: SendContext, ids: Iterator[int]) -> None:
         self._post = post
