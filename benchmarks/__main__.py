@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="2 steps, 1 and 2 prompts, one round: a smoke run")
     p.add_argument("--rounds", type=int, default=2,
                    help="requests per client (batches in-process) at each level")
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads of each served process (ddm up --threads; default "
+                        "1, as ddm up's); in-process sampling takes the idle cores")
     p.set_defaults(handler=_bench_pools)
 
     p = kinds.add_parser("paris-pools", help="a Paris-shaped DDM (random weights, imported as "
@@ -180,7 +183,8 @@ def _bench_pools(args: argparse.Namespace) -> int:
     from benchmarks.pools import QUICK, PoolBenchSettings, bench_pools_command
 
     try:
-        settings = QUICK if args.quick else PoolBenchSettings(rounds=args.rounds)
+        settings = QUICK if args.quick else PoolBenchSettings(rounds=args.rounds,
+                                                              threads=args.threads)
     except ValueError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2

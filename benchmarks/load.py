@@ -132,17 +132,17 @@ def _loopback(url: str) -> str:
 
 
 @contextmanager
-def local_ddm(manifest: Path, clients: int, log: TextIO, ready_s: float = READY_TIMEOUT_S
-              ) -> Iterator[tuple[str, dict[str, int]]]:
+def local_ddm(manifest: Path, clients: int, log: TextIO, ready_s: float = READY_TIMEOUT_S,
+              threads: int = 1) -> Iterator[tuple[str, dict[str, int]]]:
     """``ddm up``'s processes for ``manifest`` (every model server: experts, separate stages,
-    pools), the router allowing ``clients`` generations at once, every one ready within
-    ``ready_s`` (``ddm up``'s deadline unless a compiling server needs longer); yields the
-    router's URL and the PID of every process it started by name, and stops them all
-    after."""
+    pools), each with ``threads`` intra-op threads (``ddm up --threads``), the router allowing
+    ``clients`` generations at once, every one ready within ``ready_s`` (``ddm up``'s
+    deadline unless a compiling server needs longer); yields the router's URL and the PID of
+    every process it started by name, and stops them all after."""
     with tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
-                          HOST, config_path=config_path)
+                          HOST, threads=threads, config_path=config_path)
         router = one_client_router(plan, clients, config_path)
         supervisor = Supervisor(log)
         try:

@@ -54,13 +54,16 @@ PROMPTS = ("a thick red seven", "the number 3 in blue", "a thin green two", "a y
 @dataclass(frozen=True)
 class PoolBenchSettings:
     """Concurrent prompts per level, requests per client per level, and denoising steps
-    (None: the manifests'); ``timeout_s`` bounds one request and the in-process run."""
+    (None: the manifests'); ``timeout_s`` bounds one request and the in-process run;
+    ``threads``: each served process's intra-op threads (``ddm up --threads``, whose default
+    is 1; in-process sampling takes ``ddm.threads``' policy: the idle cores)."""
 
     concurrency: tuple[int, ...] = (1, 8, 32)
     rounds: int = 2
     steps: int | None = None
     timeout_s: float = 900.0
     prompts: tuple[str, ...] = PROMPTS
+    threads: int = 1
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not 1 <= c <= 256 for c in self.concurrency):
@@ -73,6 +76,8 @@ class PoolBenchSettings:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if not self.prompts:
             raise ValueError("prompts: give at least one")
+        if not 1 <= self.threads <= 256:
+            raise ValueError(f"threads must be in 1..256, got {self.threads}")
 
 
 
@@ -91,7 +96,8 @@ def bench_pools(settings: PoolBenchSettings, log: TextIO = sys.stderr) -> dict[s
         "deployments": {}}
     for name, manifest in DEPLOYMENTS.items():
         say(log, f"pools: {name} ({recorded_path(manifest)})")
-        with local_ddm(manifest, max(settings.concurrency), log) as (url, pids):
+        with local_ddm(manifest, max(settings.concurrency), log,
+                       threads=settings.threads) as (url, pids):
             figures = asyncio.run(served(url, pids, settings, log))
         result["deployments"][name] = {"manifest": recorded_path(manifest), **figures}
     say(log, "pools: in-process generate_text")

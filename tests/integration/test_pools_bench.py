@@ -41,7 +41,8 @@ def test_the_targets_compare_the_pool_with_in_process_sampling_at_most_concurren
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("concurrency", (), "concurrency"), ("concurrency", (0, 8), "concurrency"),
-    ("rounds", 0, "rounds"), ("steps", 0, "steps"), ("timeout_s", 0.0, "timeout_s")])
+    ("rounds", 0, "rounds"), ("steps", 0, "steps"), ("timeout_s", 0.0, "timeout_s"),
+    ("threads", 0, "threads")])
 def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
                                                    message: str) -> None:
     with pytest.raises(ValueError, match=message):
