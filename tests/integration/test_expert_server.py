@@ -597,3 +597,27 @@ def test_a_network_of_fixed_batch_sizes_is_warmed_at_each_and_runs_padded_to_one
     assert seen[-1] == 4
     np.testing.assert_allclose(decode_response(reply.content, 8, (3, *SHAPE)),
                                torch_velocity(request.x, request.t, request.y), atol=1e-5)
+
+
+@pytest.mark.parametrize(("device", "warmed"), [("cpu", [1]), ("cuda:0", [1, 8])])
+def test_an_eager_network_is_warmed_at_a_full_batch_on_an_accelerator_only(
+        smoke_expert_checkpoint, device, warmed):
+    """On an accelerator the first full batch would pay the allocator's growth and kernel
+    selection on a live request, so it is warmed there; on the CPU one row suffices. The
+    stage here runs on the CPU and says it runs on ``device``."""
+    seen = []
+
+    def on_device(*args):
+        real = load_stage(*args)
+
+        def forward(x, t, cond):
+            seen.append(x.shape[0])
+            return real.forward(x, t, cond)
+
+        return dataclasses.replace(real, forward=forward, runtime=dataclasses.replace(
+            real.runtime, device=device))
+
+    with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8),
+                                  Hooks(loader=on_device))) as base:
+        wait_ready(base)
+        assert seen == warmed

@@ -352,7 +352,10 @@ class StageMember(Member):
         if stage.declaration.role == EXPERT:
             require_passing(self._check(stage), self.who)
         if options.compile == "none" or stage.network is None:
-            _warm_up(stage, stage.batch_sizes or (1,), _WARM_TOKENS)
+            device = options.device if stage.runtime is None else stage.runtime.device
+            _warm_up(stage, stage.batch_sizes or _eager_warm_sizes(device,
+                                                                   self.limits.max_batch),
+                     _WARM_TOKENS)
             return stage
         compile_network(stage.network, options.compile, len(buckets))
         compiled = dataclasses.replace(stage, forward=bucketed(
@@ -415,6 +418,16 @@ def _conditioning(tokens: int | None, rows: list[np.ndarray]) -> Conditioning:
     embeddings, negative, guidance = rows
     return Conditioning(embeddings=embeddings).with_guidance(
         guidance, Conditioning(embeddings=negative))
+
+
+def _eager_warm_sizes(device: str | None, max_batch: int) -> tuple[int, ...]:
+    """The batch sizes an eager network on ``device`` (``cpu``, ``cpu:0``, ``cuda:0``) is
+    warmed at: on an accelerator one row and a full batch (the first full batch would pay the
+    allocator's growth and the kernels' selection, cuDNN's autotuning, on a live request), on
+    the CPU one row."""
+    if device is None or device.split(":")[0] == "cpu":
+        return (1,)
+    return tuple(sorted({1, max_batch}))
 
 
 def _warm_up(stage: Stage, sizes: tuple[int, ...], tokens: int) -> None:
