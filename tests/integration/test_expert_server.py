@@ -571,22 +571,28 @@ def test_a_jax_expert_with_a_small_batch_limit_starts_and_serves_it(
         assert reply.status_code == 200
 
 
-def test_a_network_of_fixed_batch_sizes_is_warmed_at_each_and_runs_padded_to_one(
-        smoke_expert_checkpoint, torch_velocity):
-    """An exported program, JAX or a Neuron trace runs at a few batch sizes only
-    (``Stage.batch_sizes``): the server warms every one before it is ready and pads each
-    batch up to the smallest that holds it, answering the real rows."""
-    seen = []
-
-    def fixed_sizes(*args):
+def _counting_loader(seen: list[int], changes):
+    """A stage loader: the real stage with ``changes(real)`` applied, its forward appending
+    each call's rows to ``seen``."""
+    def load(*args):
         real = load_stage(*args)
 
         def forward(x, t, cond):
             seen.append(x.shape[0])
             return real.forward(x, t, cond)
 
-        return dataclasses.replace(real, forward=forward, batch_sizes=(1, 2, 4, 8))
+        return dataclasses.replace(real, forward=forward, **changes(real))
 
+    return load
+
+
+def test_a_network_of_fixed_batch_sizes_is_warmed_at_each_and_runs_padded_to_one(
+        smoke_expert_checkpoint, torch_velocity):
+    """An exported program, JAX or a Neuron trace runs at a few batch sizes only
+    (``Stage.batch_sizes``): the server warms every one before it is ready and pads each
+    batch up to the smallest that holds it, answering the real rows."""
+    seen: list[int] = []
+    fixed_sizes = _counting_loader(seen, lambda real: {"batch_sizes": (1, 2, 4, 8)})
     with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8),
                                   Hooks(loader=fixed_sizes))) as base:
         wait_ready(base)
@@ -605,18 +611,9 @@ def test_an_eager_network_is_warmed_at_a_full_batch_on_an_accelerator_only(
     """On an accelerator the first full batch would pay the allocator's growth and kernel
     selection on a live request, so it is warmed there; on the CPU one row suffices. The
     stage here runs on the CPU and says it runs on ``device``."""
-    seen = []
-
-    def on_device(*args):
-        real = load_stage(*args)
-
-        def forward(x, t, cond):
-            seen.append(x.shape[0])
-            return real.forward(x, t, cond)
-
-        return dataclasses.replace(real, forward=forward, runtime=dataclasses.replace(
-            real.runtime, device=device))
-
+    seen: list[int] = []
+    on_device = _counting_loader(seen, lambda real: {
+        "runtime": dataclasses.replace(real.runtime, device=device)})
     with running(create_model_app(smoke_expert_checkpoint, ServingOptions(max_batch=8),
                                   Hooks(loader=on_device))) as base:
         wait_ready(base)
