@@ -34,6 +34,7 @@ from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
                                        RouteRequest, VelocityRequest, context_id,
                                        decode_response, encode_request)
+from ddm.serving.router.fleet.lockstep import Lockstep
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolSettings
 from ddm.serving.router.fleet.replicas import ExpertInfo
@@ -311,3 +312,32 @@ def test_a_pool_over_its_memory_limit_exits_1_before_loading_naming_each_member(
     assert total == sum(sizes.values()) > 1000
     assert "limit 1,000 bytes (--memory-limit-bytes)" in message
     assert "ready" not in done.stderr  # no member was loaded
+
+
+def test_a_generation_that_starts_later_steps_with_the_one_under_way(stages, pool):
+    """A second generation starting while the first is stepping joins its waves: every step
+    of the second goes in a pool request of the first (one request per step of the longer
+    generation), rather than the two alternating as two groups of one."""
+    app = create_router_app(pooled_config(stages, pool.removeprefix("http://")))
+    # Patient: nothing here is held elsewhere, so no wave should go by the timer.
+    app.state.router.lockstep = Lockstep(max_wait_s=READY_S)
+    velocity = ("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity", "200")
+    # Long enough (tiny models step in milliseconds) for the second to start well within it.
+    first_steps, second_steps = 200, 3
+    with running(app) as router:
+        wait_ready(router)
+
+        def generate(prompt: str, steps: int) -> None:
+            reply = httpx.post(f"{router}/v1/images/generations", timeout=READY_S,
+                               json={"prompt": prompt, "seed": 3, "steps": steps})
+            assert reply.status_code == 200, reply.text
+
+        before = counts(pool).get(velocity, 0.0)
+        first = threading.Thread(target=generate, args=("a red car", first_steps))
+        first.start()
+        until(lambda: counts(pool).get(velocity, 0.0) > before,
+              "the first generation's first step")
+        generate("a blue boat", second_steps)
+        first.join(READY_S)
+        assert not first.is_alive()
+    assert counts(pool)[velocity] - before == first_steps

@@ -12,6 +12,7 @@ step, and one such request per scale-down delay kept every expert awake).
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -24,6 +25,7 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.router.api.server import create_router_app
+from ddm.serving.router.fleet.lockstep import Lockstep
 from tests.integration.servers import running, wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +49,13 @@ def _config(endpoints: dict[str, str], **sampling: object) -> RouterConfigFile:
 def _states(base: str, expert: str) -> set[str]:
     info = httpx.get(f"{base}/v1/info", timeout=30).json()
     return set(next(e for e in info["experts"] if e["name"] == expert)["replicas"].values())
+
+
+def _endpoint(base: str, expert: str) -> str:
+    """The address of ``expert``'s one replica, as the router at ``base`` lists it."""
+    info = httpx.get(f"{base}/v1/info", timeout=30).json()
+    (endpoint,) = next(e for e in info["experts"] if e["name"] == expert)["replicas"]
+    return endpoint
 
 
 def _until(condition: Callable[[], bool], what: str) -> None:
@@ -128,3 +137,36 @@ def test_another_strategy_does_not_wait_for_a_missing_expert_nor_count_demand_on
     assert (demand["expert-5-9"]["rows_per_s"], demand["expert-5-9"]["waiting"],
             demand["expert-5-9"]["idle_s"]) == (0, 0, None), demand
     assert demand["expert-0-4"]["rows_per_s"] > 0, demand
+
+
+def test_a_generation_waiting_for_a_missing_expert_does_not_hold_the_others_steps(
+        routers: dict[str, str]) -> None:
+    """Generations step in lockstep (``ddm.serving.router.fleet.lockstep``); one that waits
+    for a missing expert steps out meanwhile. The router here waits for a generation's wave
+    as long as it takes, so a generation held in the wave would hold the other one too."""
+    missing = routers["missing"]
+    _until(lambda: _states(missing, "expert-5-9") == {"down"}, "expert-5-9 seen down")
+    endpoints = {name: _endpoint(missing, name) for name in ("expert-0-4", "expert-5-9")}
+    app = create_router_app(_config(endpoints))
+    app.state.router.lockstep = Lockstep(max_wait_s=600.0)
+    held: list[BaseException | httpx.Response] = []
+    with running(app) as base:
+        wait_ready(base)
+        _until(lambda: _states(base, "expert-5-9") == {"down"}, "expert-5-9 seen down")
+
+        def seven() -> None:
+            try:
+                held.append(httpx.post(f"{base}/v1/generate", json={"labels": [7]},
+                                       timeout=600))
+            except httpx.HTTPError as error:  # the router stopped under it
+                held.append(error)
+
+        waiting = threading.Thread(target=seven)
+        waiting.start()
+        _until(lambda: httpx.get(f"{base}/v1/demand", timeout=30).json()["experts"]
+               ["expert-5-9"]["waiting"] == 1, "the 7 waiting for expert-5-9")
+        served = httpx.post(f"{base}/v1/generate", json={"labels": [3]}, timeout=WAIT_S)
+        assert served.status_code == 200 and served.json()["waited_s"] == 0.0, served.text
+        assert not held  # the 7 still waits
+    waiting.join(WAIT_S)
+    assert not waiting.is_alive()

@@ -467,7 +467,8 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
         started = time.perf_counter()
         tally = Tally(mixture.expert_names, request.labels,
                       state_is_image=mixture.decoder is None)
-        guard = router.guard(request.strategy)
+        # On its own: waiting for its previews would hold the others' steps.
+        guard = router.guard(request.strategy, in_step=False)
         before: StatePoint | None = None
         async for event in denoise(mixture, router.pool, checked, guard):
             if not isinstance(event, (StepEvent, Decoded)):  # the encoder's answer

@@ -43,6 +43,7 @@ from ddm.models.loading import RouterFn
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.router.api.clients import ClientBudget, ClientBusy, ClientSlots, client_key
 from ddm.serving.router.fleet.demand import DemandMeter
+from ddm.serving.router.fleet.lockstep import Lockstep
 from ddm.serving.router.fleet.missing import Held, MissingExperts
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolMetrics, discovered_sources, pool_settings
@@ -132,6 +133,8 @@ class RouterState:
         self.demand = DemandMeter(self.names, self.registry)
         self.missing = MissingExperts(config.missing_expert, self.pool, self.demand,
                                       config.sampling.strategy)
+        #: Keeps concurrent generations in step, so that their calls merge.
+        self.lockstep = Lockstep()
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None
@@ -306,10 +309,13 @@ class RouterState:
         return tuple(ExpertProblem(name, "sent the router a report it refuses", detail)
                      for name in self.names if (detail := self.pool.invalid_report(name)))
 
-    def guard(self, strategy: Strategy) -> Guard:
-        """A new generation's guard: the missing-expert policy, its own waiting time, and
-        whether its ``strategy`` may wake missing experts."""
-        return Guard(self.missing, Held(), self.missing.wakes(strategy.name))
+    def guard(self, strategy: Strategy, in_step: bool = True) -> Guard:
+        """A new generation's guard: the missing-expert policy, its own waiting time, whether
+        its ``strategy`` may wake missing experts, and (``in_step``) its part in the
+        router's lockstep, which it steps out of while it waits for a missing expert."""
+        stepper = self.lockstep.stepper() if in_step else None
+        held = Held() if stepper is None else Held(away=stepper.away)
+        return Guard(self.missing, held, self.missing.wakes(strategy.name), stepper)
 
     def client(self, peer: str | None, forwarded_for: Iterable[bytes]) -> str:
         """Who a request from ``peer`` counts against (:func:`clients.client_key`)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -37,9 +38,11 @@ from ddm.serving.router.fleet.servers import ExpertUnavailable
 
 @dataclass
 class Held:
-    """One generation's time held waiting for missing experts, in seconds, per expert."""
+    """One generation's time held waiting for missing experts, in seconds, per expert;
+    ``away()`` is what it steps out of meanwhile (its lockstep with other generations)."""
 
     waited_s: dict[str, float] = field(default_factory=dict)
+    away: Callable[[], AbstractContextManager[None]] = nullcontext
 
     @property
     def total_s(self) -> float:
@@ -134,7 +137,8 @@ class MissingExperts:
         started = time.monotonic()
         self.demand.wait_started(expert)
         try:
-            ready = await self._pool.wait_usable(expert, deadline - started)
+            with held.away():
+                ready = await self._pool.wait_usable(expert, deadline - started)
         finally:
             ended = time.monotonic()
             self.demand.wait_ended(expert, ended - started)

@@ -35,6 +35,7 @@ from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Deco
                                SamplingRequest, StepEvent, Tally, Velocity, checked)
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.fleet.coalescing import Coalescer
+from ddm.serving.router.fleet.lockstep import Stepper
 from ddm.serving.router.fleet.missing import Held, MissingExperts
 from ddm.serving.router.fleet.servers import gather_all
 
@@ -171,11 +172,13 @@ class Guard:
     """One generation under the router's ``missing_expert`` policy: ``held`` collects the
     time it waited for missing experts; the policy's demand meter sees every step; ``wakes``:
     whether it may wake missing experts (its strategy is the DDM's own:
-    :meth:`MissingExperts.wakes`)."""
+    :meth:`MissingExperts.wakes`); ``stepper``: its part in the router's
+    :class:`~ddm.serving.router.fleet.lockstep.Lockstep` (None: it steps on its own)."""
 
     missing: MissingExperts
     held: Held
     wakes: bool
+    stepper: Stepper | None = None
 
 
 def check_request(mixture: RemoteMixture, request: SamplingRequest) -> CheckedRequest:
@@ -184,17 +187,17 @@ def check_request(mixture: RemoteMixture, request: SamplingRequest) -> CheckedRe
     return checked(mixture.mixture, request)
 
 
-
-
 async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
                   request: SamplingRequest | CheckedRequest,
                   guard: Guard | None = None) -> AsyncIterator[Event]:
     """Run the loop with remote experts, yielding the text encoder's answer (where
     the loop encodes prompts), its :class:`StepEvent` after each chunk and the
     :class:`Decoded` images (where the DDM decodes); with ``guard``, under its missing-expert
-    policy, counting each chunk's demand."""
+    policy, counting each chunk's demand, and in step with the other generations of its
+    ``stepper`` where it has one."""
     loop: Loop = loop_denoise(mixture.mixture, request)
     answer: Any = None
+    stepper = guard.stepper if guard is not None else None
     try:
         while True:
             try:
@@ -213,9 +216,23 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
                 answer = encoded.cond
                 yield encoded
             else:
+                if stepper is not None:
+                    await _in_step(stepper, item)
                 answer = await _answer(mixture, caller, item, guard)
     finally:
+        if stepper is not None:
+            stepper.leave()
         loop.close()
+
+
+async def _in_step(stepper: Stepper, query: Query) -> None:
+    """Wait for ``query``'s turn: a routing or expert query steps with the others; the
+    generation leaves them when it decodes."""
+    if isinstance(query, Decode):
+        stepper.leave()
+    elif isinstance(query, (Route, Calls)):
+        await stepper.turn(type(query).__name__, query.x.shape[0] if isinstance(query, Route)
+                           else sum(call.x.shape[0] for call in query.calls))
 
 
 async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,

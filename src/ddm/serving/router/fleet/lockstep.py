@@ -1,0 +1,162 @@
+"""Concurrent generations step together (issue 37).
+
+The router runs each generation's sampling loop in a coroutine of its own, and the coalescers
+merge the calls that concurrent generations make at the same time. Left alone, generations
+drift apart: the text encoder's batches start them in groups, and the groups then alternate,
+one group routing while another's expert calls are in flight. Every group then costs its own
+forward of each expert it uses at every step, each forward's fixed cost paid again (the
+shipped text-to-image DDM at 32 concurrent prompts ran 1.5 times the expert forwards of the
+same prompts sampled as one batch).
+
+A :class:`Lockstep` keeps its generations in step. Before each routing and each expert query
+a generation asks for its turn, and turns are given in waves: as soon as every generation
+stepping has asked (none is between its turn and its next query), every waiting generation
+of one kind of query (the kind with the most rows, so that a group out of phase joins the
+others at the next wave) gets its turn at once, and their calls, made in the same turn of the
+event loop, go as one request per expert or pool. A generation held elsewhere (a preview
+streamed to a slow client, a wait for a missing expert) does not hold the others for long:
+``max_wait_s`` after the first generation began waiting, every waiting one goes.
+
+A lone generation never waits, and a generation joins the wave only from its first routing
+or expert query on (encoding the prompts, decoding and streaming are outside it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+__all__ = ["MAX_WAIT_S", "Lockstep", "Stepper"]
+
+#: The longest a generation waits for the others of its wave: past it, the waiting ones go
+#: without a generation that is held elsewhere.
+MAX_WAIT_S = 0.02
+
+
+@dataclass(eq=False)
+class _Waiter:
+    kind: str
+    rows: int
+    future: asyncio.Future[None]
+
+
+class Lockstep:
+    """Gives the turns of the generations stepping together (the module docstring); each
+    generation takes part through its own :meth:`stepper`."""
+
+    def __init__(self, max_wait_s: float = MAX_WAIT_S) -> None:
+        if not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
+        self._max_wait_s = max_wait_s
+        self._stepping = 0
+        self._waiting: list[_Waiter] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def stepping(self) -> int:
+        """Generations stepping together now."""
+        return self._stepping
+
+    def stepper(self) -> Stepper:
+        """A new generation's part in the waves (it joins at its first turn)."""
+        return Stepper(self)
+
+    def _join(self) -> None:
+        self._stepping += 1
+
+    def _leave(self) -> None:
+        self._stepping -= 1
+        self._consider()
+
+    async def _turn(self, kind: str, rows: int) -> None:
+        waiter = _Waiter(kind, rows, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
+        self._consider()
+        if waiter.future.done():  # every other generation was waiting too
+            return
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
+                self._consider()
+            raise
+
+    def _consider(self) -> None:
+        """Give a wave its turn when every generation stepping waits; else keep a timer."""
+        if not self._waiting:
+            self._stop_timer()
+        elif len(self._waiting) >= self._stepping:
+            rows: Counter[str] = Counter()
+            for waiter in self._waiting:
+                rows[waiter.kind] += waiter.rows
+            self._release(max(rows, key=rows.__getitem__))
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self._max_wait_s,
+                                                                self._expired)
+
+    def _expired(self) -> None:
+        self._timer = None
+        self._release(None)
+
+    def _release(self, kind: str | None) -> None:
+        """Give every waiter of ``kind`` (None: every waiter) its turn."""
+        self._stop_timer()
+        going = [w for w in self._waiting if kind is None or w.kind == kind]
+        self._waiting = [w for w in self._waiting if not (kind is None or w.kind == kind)]
+        for waiter in going:
+            if not waiter.future.done():
+                waiter.future.set_result(None)
+        if self._waiting:  # passed over for another kind: they go with the next wave
+            self._timer = asyncio.get_running_loop().call_later(self._max_wait_s,
+                                                                self._expired)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class Stepper:
+    """One generation's part in a :class:`Lockstep`: it steps with the others from its first
+    :meth:`turn` until :meth:`leave`, and steps out while :meth:`away`."""
+
+    def __init__(self, lockstep: Lockstep) -> None:
+        self._lockstep = lockstep
+        self._state = "new"  # then "in", "away" (and back), "left"
+
+    async def turn(self, kind: str, rows: int) -> None:
+        """Returns when it is this generation's turn to make its ``kind`` query of ``rows``
+        rows (at once once it has left)."""
+        if self._state == "left":
+            return
+        if self._state == "new":
+            self._state = "in"
+            self._lockstep._join()
+        await self._lockstep._turn(kind, rows)
+
+    def leave(self) -> None:
+        """The generation steps no more (it decodes, or it ended): the others go on without
+        it."""
+        if self._state == "in":
+            self._lockstep._leave()
+        self._state = "left"
+
+    @contextmanager
+    def away(self) -> Iterator[None]:
+        """Steps out while inside (the generation waits for a missing expert), so that the
+        others do not wait for it."""
+        if self._state != "in":
+            yield
+            return
+        self._state = "away"
+        self._lockstep._leave()
+        try:
+            yield
+        finally:
+            if self._state == "away":
+                self._state = "in"
+                self._lockstep._join()
