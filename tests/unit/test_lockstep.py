@@ -8,10 +8,18 @@ straggler timer is the only thing that waits for it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from pathlib import Path
 
 import pytest
 
+from ddm.deploy.router_config import RouterConfigFile
+from ddm.sampling.loop import SamplingRequest
+from ddm.sampling.routing import parse_strategy
+from ddm.serving.router.api.state import RouterState
 from ddm.serving.router.fleet.lockstep import Lockstep
+
+DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
 
 #: Long enough that no wave in these tests goes by the timer unless the test waits for it.
 PATIENT_S = 30.0
@@ -177,3 +185,31 @@ def test_a_cancelled_wait_is_no_longer_waited_for():
 def test_max_wait_must_be_positive():
     with pytest.raises(ValueError, match="max_wait_s must be > 0, got 0"):
         Lockstep(max_wait_s=0)
+
+
+def test_a_router_s_generations_step_together_unless_streamed_or_delegating():
+    """Who takes part (``RouterState.guard``): a stream's previews and a delegated chunk (one
+    call for many steps) would hold every other generation's waves."""
+    config = RouterConfigFile.from_dict({
+        "experts": [{"name": "expert-0-4", "classes": [0, 1, 2, 3, 4],
+                     "discovery": {"endpoints": ["127.0.0.1:9"]}},
+                    {"name": "expert-5-9", "classes": [5, 6, 7, 8, 9],
+                     "discovery": {"endpoints": ["127.0.0.1:9"]}}],
+        "router_checkpoint": str(DIGITS / "router")})
+    request = SamplingRequest(labels=(3,), steps=4, seed=0, strategy=parse_strategy("top1"))
+
+    async def scenario() -> None:
+        router = RouterState(config)
+        one, two = router.guard(request), router.guard(request)
+        assert one.stepper is not None and two.stepper is not None
+        await asyncio.wait_for(one.stepper.turn("Route", 1), 0.5)
+        waiting = asyncio.create_task(two.stepper.turn("Route", 1))
+        await settle()
+        assert not waiting.done()  # the same lockstep: two waits for one's next query
+        one.stepper.leave()
+        await asyncio.wait_for(waiting, 0.5)
+        assert router.guard(request, streamed=True).stepper is None
+        assert router.guard(dataclasses.replace(request, delegate_steps=2)).stepper is None
+        assert router.guard(dataclasses.replace(request, delegate_steps=1)).stepper is not None
+
+    asyncio.run(scenario())

@@ -183,7 +183,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         request = sampling_request(body, tuple(body.labels), tuple(body.prompts))
         mixture, checked = _checked(router, request)
         started = time.perf_counter()
-        guard = router.guard(request.strategy)
+        guard = router.guard(request)
         encoded = _Encoding(request)
         with router.slot(_client(router, http), row_steps(request)):
             result = await _while_connected(http, generate_remote(
@@ -246,7 +246,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         encoded = _Encoding(request)
         with router.slot(_client(router, http), row_steps(request)):
             result = await _while_connected(http, generate_remote(
-                mixture, router.pool, checked, router.guard(request.strategy), encoded.add))
+                mixture, router.pool, checked, router.guard(request), encoded.add))
         return {"created": int(time.time()),
                 "data": [{"b64_json": _png(image)} for image in result.images],
                 "truncated": encoded.truncated, "warnings": encoded.warnings,
@@ -467,8 +467,7 @@ async def _events(router: RouterState, mixture: RemoteMixture, checked: CheckedR
         started = time.perf_counter()
         tally = Tally(mixture.expert_names, request.labels,
                       state_is_image=mixture.decoder is None)
-        # On its own: waiting for its previews would hold the others' steps.
-        guard = router.guard(request.strategy, in_step=False)
+        guard = router.guard(request, streamed=True)
         before: StatePoint | None = None
         async for event in denoise(mixture, router.pool, checked, guard):
             if not isinstance(event, (StepEvent, Decoded)):  # the encoder's answer

@@ -51,7 +51,7 @@ from ddm.serving.router.api.previews import decoded_size
 from ddm.serving.router.fleet.remote import (Guard, NullConditioning, RemoteMixture,
                                              RouterNetwork, local_network, stage_route)
 from ddm.serving.router.fleet.replicas import ExpertInfo, ExpertProblem, hash_scheme
-from ddm.sampling.routing import Strategy
+from ddm.sampling.loop import SamplingRequest
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
 
 if TYPE_CHECKING:  # the stages' modules import torch: loaded only where a DDM has stages
@@ -309,13 +309,16 @@ class RouterState:
         return tuple(ExpertProblem(name, "sent the router a report it refuses", detail)
                      for name in self.names if (detail := self.pool.invalid_report(name)))
 
-    def guard(self, strategy: Strategy, in_step: bool = True) -> Guard:
+    def guard(self, request: SamplingRequest, streamed: bool = False) -> Guard:
         """A new generation's guard: the missing-expert policy, its own waiting time, whether
-        its ``strategy`` may wake missing experts, and (``in_step``) its part in the
-        router's lockstep, which it steps out of while it waits for a missing expert."""
+        its strategy may wake missing experts, and its part in the router's lockstep, which it
+        steps out of while it waits for a missing expert. A ``streamed`` generation (its
+        previews would hold the others' steps) and one delegating chunks of steps (each call a
+        whole chunk) step on their own."""
+        in_step = not streamed and request.delegate_steps <= 1
         stepper = self.lockstep.stepper() if in_step else None
         held = Held() if stepper is None else Held(away=stepper.away)
-        return Guard(self.missing, held, self.missing.wakes(strategy.name), stepper)
+        return Guard(self.missing, held, self.missing.wakes(request.strategy.name), stepper)
 
     def client(self, peer: str | None, forwarded_for: Iterable[bytes]) -> str:
         """Who a request from ``peer`` counts against (:func:`clients.client_key`)."""
