@@ -13,12 +13,15 @@ a generation asks for its turn, and turns are given in waves: as soon as every g
 stepping has asked (none is between its turn and its next query), every waiting generation
 of one kind of query (the kind with the most rows, so that a group out of phase joins the
 others at the next wave) gets its turn at once, and their calls, made in the same turn of the
-event loop, go as one request per expert or pool. A generation held elsewhere (a preview
-streamed to a slow client, a wait for a missing expert) does not hold the others for long:
-``max_wait_s`` after the first generation began waiting, every waiting one goes.
+event loop, go as one request per expert or pool. A generation held elsewhere does not hold
+the others for long: ``max_wait_s`` after the first generation began waiting, every waiting
+one goes; one that waits for a missing expert steps out meanwhile (:meth:`Stepper.away`).
 
-A lone generation never waits, and a generation joins the wave only from its first routing
-or expert query on (encoding the prompts, decoding and streaming are outside it).
+A lone generation never waits, and a generation joins the waves only from its first routing
+or expert query on (encoding the prompts and decoding are outside them). Which generations
+take part is the router's choice (``RouterState.guard``: not a streamed one, whose previews
+would hold the others, nor one delegating chunks of steps). One event loop only, as the
+coalescers.
 """
 
 from __future__ import annotations
