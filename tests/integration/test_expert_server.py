@@ -27,7 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ddm.checkpoints.format import load_checkpoint
+from ddm.checkpoints.format import CheckpointError, load_checkpoint
 from ddm.models.backends import BackendUnavailable, check_backend
 from ddm.models.loading import expert_velocity
 from ddm.models.stages import load_stage
@@ -618,3 +618,16 @@ def test_an_eager_network_is_warmed_at_a_full_batch_on_an_accelerator_only(
                                   Hooks(loader=on_device))) as base:
         wait_ready(base)
         assert seen == warmed
+
+
+def test_a_label_expert_takes_its_stored_precision_only_and_refuses_another_before_start():
+    """One rule with the loader (``label_precision``): a label checkpoint runs as stored, so
+    ``--precision`` may name its stored dtype and nothing else, refused before the server
+    starts (nothing loaded yet)."""
+    checkpoint = Path(__file__).resolve().parents[2] / "checkpoints" / "digits" / "expert-0-4"
+    with pytest.raises(CheckpointError, match=r"expert-0-4: a label checkpoint runs in its "
+                                              r"stored dtype \(float32\), not bfloat16"):
+        create_model_app(checkpoint, ServingOptions(precision="bfloat16"))
+    with running(create_model_app(checkpoint, ServingOptions(precision="float32"))) as base:
+        wait_ready(base)
+        assert httpx.get(f"{base}/v1/info").json()["precision"] == "float32"

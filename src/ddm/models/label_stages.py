@@ -107,10 +107,7 @@ def load_label_network(path: Path, dtype: str | None = None, device: str | None 
                               f"{', '.join(LOAD_BACKENDS)} or neuron")
     header = read_label_header(path)
     ckpt = load_checkpoint(path)  # the weights' checksum first: a cut file is named corrupt
-    stored = _stored_precision(path)
-    if dtype is not None and dtype != stored:
-        raise CheckpointError(f"{path}: a label checkpoint runs in its stored dtype "
-                              f"({stored}), not {dtype}")
+    stored = label_precision(path, dtype)
     if header.role == ROUTER:
         if backend not in ("native", "torch"):
             raise CheckpointError(f"{path}: the label router network runs on torch only")
@@ -169,6 +166,11 @@ def _labelled(name: str, run: ModelFn) -> Callable[[np.ndarray, np.ndarray, Cond
     return on_labels
 
 
-def _stored_precision(path: Path) -> str:
-    """The precision of a checkpoint's floating weights (float32 where it holds none)."""
-    return stored_precision(path / WEIGHTS_FILE) or "float32"
+def label_precision(path: Path, dtype: str | None) -> str:
+    """The precision the label checkpoint at ``path`` runs in: the one its floating weights
+    are stored in (float32 where it holds none), which ``dtype`` may only name."""
+    stored = stored_precision(path / WEIGHTS_FILE) or "float32"
+    if dtype is not None and dtype != stored:
+        raise CheckpointError(f"{path}: a label checkpoint runs in its stored dtype "
+                              f"({stored}), not {dtype}")
+    return stored

@@ -20,7 +20,8 @@ weights) behind the model server's routes, batcher and protocol
 * a label expert (our UNet, a user's network, an exported program: ``ddm.models.
   label_stages``): our UNets have no null label, so classifier-free guidance has nothing to
   guide against: a row with a guidance scale other than 1 is refused (422), as is a label
-  outside the checkpoint's classes; its weights run as stored (``--precision`` is refused).
+  outside the checkpoint's classes; its weights run as stored (``--precision`` may only name
+  the stored dtype).
   Before it warms up, it runs ``ddm expert check``'s checks of its network
   (:func:`ddm.experts.check.check_network`: shapes, dtypes, finiteness, determinism and that
   it predicts what its config.json declares). A network that runs at fixed batch sizes
@@ -53,6 +54,7 @@ from ddm.experts.check import behaviour_data, check_network
 from ddm.experts.network_checks import require_passing
 from ddm.experts.text_check import check_loaded_expert
 from ddm.models.backends import check_backend
+from ddm.models.label_stages import label_precision
 from ddm.models.stages import Stage, StageDeclaration
 from ddm.models.torch_io import compile_network
 from ddm.sampling.guidance import guided
@@ -389,9 +391,8 @@ class StageMember(Member):
 
 def _label_meta(directory: Path, options: ServingOptions) -> CheckpointMeta:
     """A label checkpoint's config.json, refusing what a model server cannot serve of it."""
-    if options.precision is not None:
-        raise CheckpointError(f"{directory} is a label checkpoint, served as stored: "
-                              "--precision is for stage checkpoints")
+    if options.precision is not None:  # the loader's rule, checked before the server starts
+        label_precision(directory, options.precision)
     meta = read_meta(directory)
     if meta.kind not in ("expert", "monolith"):
         raise CheckpointError(f"{directory} is a {meta.kind} checkpoint, not a UNet to serve")
