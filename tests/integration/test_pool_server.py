@@ -320,7 +320,8 @@ def test_a_generation_that_starts_later_steps_with_the_one_under_way(stages, poo
     generation), rather than the two alternating as two groups of one."""
     app = create_router_app(pooled_config(stages, pool.removeprefix("http://")))
     # Patient: nothing here is held elsewhere, so no wave should go by the timer.
-    app.state.router.lockstep = Lockstep(max_wait_s=READY_S)
+    app.state.router.lockstep = Lockstep(max_wait_s=READY_S,
+                                         on_wave=app.state.router.metrics.observe_wave)
     velocity = ("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity", "200")
     # Long enough (tiny models step in milliseconds) for the second to start well within it.
     first_steps, second_steps = 200, 3
@@ -340,4 +341,14 @@ def test_a_generation_that_starts_later_steps_with_the_one_under_way(stages, poo
         generate("a blue boat", second_steps)
         first.join(READY_S)
         assert not first.is_alive()
+        metrics = httpx.get(f"{router}/metrics").text
     assert counts(pool)[velocity] - before == first_steps
+    # The router's metrics say so: waves of two generations (the second's routing and expert
+    # queries; its first routing may go alone, while the first generation is at its experts),
+    # none let go by the timer.
+    alone = float(re.search(r'^ddm_router_lockstep_wave_generations_bucket\{le="1.0"\} (\S+)$',
+                            metrics, re.M)[1])
+    waves = float(re.search(r"^ddm_router_lockstep_wave_generations_count (\S+)$", metrics,
+                            re.M)[1])
+    assert waves - alone >= 2 * second_steps - 1, metrics
+    assert 'ddm_router_lockstep_waves_total{released="timer"}' not in metrics

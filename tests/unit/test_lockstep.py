@@ -129,8 +129,11 @@ def test_the_kind_with_the_most_rows_goes_first():
 
 
 def test_a_straggler_holds_the_others_only_for_max_wait():
+    waves: list[tuple[int, bool]] = []
+
     async def scenario() -> tuple[float, bool]:
-        lockstep = Lockstep(max_wait_s=0.05)
+        lockstep = Lockstep(max_wait_s=0.05, on_wave=lambda n, by_timer: waves.append(
+            (n, by_timer)))
         a, straggler = await stepping_together(lockstep, 2)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -139,6 +142,8 @@ def test_a_straggler_holds_the_others_only_for_max_wait():
 
     waited, both_stepping = asyncio.run(scenario())
     assert waited >= 0.05 and both_stepping
+    # stepping_together's two waves (the first alone, then both), then the timer's.
+    assert waves == [(1, False), (2, False), (1, True)]
 
 
 def test_leaving_or_stepping_away_lets_the_wave_go_without_it():

@@ -97,7 +97,8 @@ class NotReady(RuntimeError):
 
 
 class RouterMetrics:
-    """HTTP requests by route and status, their latency, and generations in flight."""
+    """HTTP requests by route and status, their latency, generations in flight, and the
+    waves they step in."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("ddm_router_requests", "HTTP requests answered, by route and "
@@ -108,10 +109,24 @@ class RouterMetrics:
             buckets=(1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.in_flight = Gauge("ddm_router_generations_in_flight",
                                "Generations running now (JSON and streamed).", registry=registry)
+        self.waves = Counter(
+            "ddm_router_lockstep_waves", "Waves of concurrent generations' steps "
+            "(ddm.serving.router.fleet.lockstep), by what let them go: every generation "
+            "stepping had asked (all), or a generation held elsewhere past the wait (timer).",
+            ["released"], registry=registry)
+        self.wave_generations = Histogram(
+            "ddm_router_lockstep_wave_generations", "Generations a wave let go at once.",
+            registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.client_busy = Counter(
             "ddm_router_client_limited", "Generations refused because their client already "
             "ran limits.max_concurrent_per_client, or its budget of rows x steps "
             "(limits.client_row_steps) held too little.", registry=registry)
+
+    def observe_wave(self, generations: int, by_timer: bool) -> None:
+        """A lockstep wave let ``generations`` go (:data:`~ddm.serving.router.fleet.
+        lockstep.WaveObserver`)."""
+        self.waves.labels("timer" if by_timer else "all").inc()
+        self.wave_generations.observe(generations)
 
 
 class RouterState:
@@ -134,7 +149,7 @@ class RouterState:
         self.missing = MissingExperts(config.missing_expert, self.pool, self.demand,
                                       config.sampling.strategy)
         #: Keeps concurrent generations in step, so that their calls merge.
-        self.lockstep = Lockstep()
+        self.lockstep = Lockstep(on_wave=self.metrics.observe_wave)
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None

@@ -30,9 +30,9 @@ import asyncio
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
-__all__ = ["MAX_WAIT_S", "Lockstep", "Stepper"]
+__all__ = ["MAX_WAIT_S", "Lockstep", "Stepper", "WaveObserver"]
 
 #: The longest a generation waits for the others of its wave: past it, the waiting ones go
 #: without a generation that is held elsewhere.
@@ -46,14 +46,21 @@ class _Waiter:
     future: asyncio.Future[None]
 
 
+#: Told of each wave: how many generations it let go, and whether the timer let them
+#: (a generation was held elsewhere) rather than every generation stepping having asked.
+WaveObserver = Callable[[int, bool], None]
+
+
 class Lockstep:
     """Gives the turns of the generations stepping together (the module docstring); each
-    generation takes part through its own :meth:`stepper`."""
+    generation takes part through its own :meth:`stepper`; ``on_wave`` sees every wave."""
 
-    def __init__(self, max_wait_s: float = MAX_WAIT_S) -> None:
+    def __init__(self, max_wait_s: float = MAX_WAIT_S,
+                 on_wave: WaveObserver | None = None) -> None:
         if not max_wait_s > 0:
             raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
         self._max_wait_s = max_wait_s
+        self._on_wave = on_wave
         self._stepping = 0
         self._waiting: list[_Waiter] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -96,16 +103,16 @@ class Lockstep:
             rows: Counter[str] = Counter()
             for waiter in self._waiting:
                 rows[waiter.kind] += waiter.rows
-            self._release(max(rows, key=rows.__getitem__))
+            self._release(max(rows, key=rows.__getitem__), by_timer=False)
         elif self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self._max_wait_s,
                                                                 self._expired)
 
     def _expired(self) -> None:
         self._timer = None
-        self._release(None)
+        self._release(None, by_timer=True)
 
-    def _release(self, kind: str | None) -> None:
+    def _release(self, kind: str | None, by_timer: bool) -> None:
         """Give every waiter of ``kind`` (None: every waiter) its turn."""
         self._stop_timer()
         going = [w for w in self._waiting if kind is None or w.kind == kind]
@@ -113,6 +120,8 @@ class Lockstep:
         for waiter in going:
             if not waiter.future.done():
                 waiter.future.set_result(None)
+        if going and self._on_wave is not None:
+            self._on_wave(len(going), by_timer)
         if self._waiting:  # passed over for another kind: they go with the next wave
             self._timer = asyncio.get_running_loop().call_later(self._max_wait_s,
                                                                 self._expired)
