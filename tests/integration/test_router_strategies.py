@@ -46,15 +46,19 @@ def _config(endpoints: dict[str, str], **sampling: object) -> RouterConfigFile:
         "sampling": {"steps": 2, "strategy": "top1", **sampling}})
 
 
-def _states(base: str, expert: str) -> set[str]:
+def _replicas(base: str, expert: str) -> dict[str, str]:
+    """``expert``'s replicas (endpoint: state) as the router at ``base`` lists them."""
     info = httpx.get(f"{base}/v1/info", timeout=30).json()
-    return set(next(e for e in info["experts"] if e["name"] == expert)["replicas"].values())
+    return next(e for e in info["experts"] if e["name"] == expert)["replicas"]
+
+
+def _states(base: str, expert: str) -> set[str]:
+    return set(_replicas(base, expert).values())
 
 
 def _endpoint(base: str, expert: str) -> str:
-    """The address of ``expert``'s one replica, as the router at ``base`` lists it."""
-    info = httpx.get(f"{base}/v1/info", timeout=30).json()
-    (endpoint,) = next(e for e in info["experts"] if e["name"] == expert)["replicas"]
+    """The address of ``expert``'s one replica."""
+    (endpoint,) = _replicas(base, expert)
     return endpoint
 
 
