@@ -9,6 +9,8 @@ less those the machine's other work keeps busy (the one-minute load average), at
 lets waiting threads sleep. ``DDM_CPU_THREADS`` overrides: a count, or ``framework`` for the
 frameworks' own defaults; an ``OMP_NUM_THREADS`` the user set is respected.
 
+A model server shares its threads among its members' forwards (:class:`CpuShare`).
+
 ``DDM_EXPERT_WORKERS`` (:func:`expert_parallelism`) runs a sampling step's experts in that many
 threads sharing the same budget; off by default, as it was not measured faster.
 
@@ -22,6 +24,7 @@ import ctypes
 import math
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
 
@@ -135,3 +138,62 @@ def set_torch_threads_here(threads: int) -> None:
     per calling thread), if PyTorch is loaded."""
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
+
+
+def server_cpu_budget(env: Mapping[str, str] | None = None) -> int:
+    """A model server's intra-op threads: ``OMP_NUM_THREADS`` where set (``ddm up`` sets it,
+    a user may), else the CPUs the process may use (:func:`usable_cpus`). Not the
+    frameworks' default: a thread per core of the node, whatever the container's CPU limit."""
+    env = os.environ if env is None else env
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) > 0 else usable_cpus()
+
+
+class CpuShare:
+    """A model server's intra-op threads (``budget``), shared by its members' forwards: a
+    forward takes ``budget // busy`` of them (at least one) on the thread that runs it,
+    ``busy`` being the members with a batch queued or running. So a forward that runs alone
+    (a pool's router network between two expert steps, its text encoder, its decoder) takes
+    them all, and experts that run at once split them instead of each spinning ``budget``
+    threads on the same cores. A count is set only where it changes (PyTorch's is per calling
+    thread, as OpenMP's; setting it clears oneDNN's primitive cache); JAX's are fixed at
+    start."""
+
+    def __init__(self, budget: int,
+                 set_threads: Callable[[int], None] = set_torch_threads_here) -> None:
+        if budget < 1:
+            raise ValueError(f"a CPU budget is at least one thread, got {budget}")
+        self.budget = budget
+        self._set_threads = set_threads
+        self._busy = 0
+        self._lock = threading.Lock()
+        self._here = threading.local()  # the count last set on each thread
+
+    @classmethod
+    def for_server(cls, env: MutableMapping[str, str] | None = None) -> CpuShare:
+        """The share of this server process (:func:`server_cpu_budget`), made the process's
+        default too (threads that run no forward, those a framework starts later)."""
+        env = os.environ if env is None else env
+        budget = server_cpu_budget(env)
+        env.setdefault("OMP_NUM_THREADS", str(budget))
+        env.setdefault("MKL_NUM_THREADS", str(budget))
+        set_torch_threads_here(budget)
+        return cls(budget)
+
+    def busy(self, now: bool) -> None:
+        """A member turned busy (a batch queued or running: True) or idle (False)."""
+        with self._lock:
+            self._busy += 1 if now else -1
+            assert self._busy >= 0, "a member turned idle twice"
+
+    def threads(self) -> int:
+        """A forward's share now."""
+        return max(1, self.budget // max(1, self._busy))
+
+    def claim(self) -> int:
+        """Before a forward, on the thread that runs it: give the thread its share."""
+        threads = self.threads()
+        if getattr(self._here, "threads", None) != threads:
+            self._set_threads(threads)
+            self._here.threads = threads
+        return threads

@@ -14,6 +14,7 @@ from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, 
                                   Dispatch, Pending, Wait, batch_buckets, bucket_for,
                                   grid_slices, plan_batch)
 from ddm.serving.http.polling import WARM_AFTER, WARM_TICK_S
+from ddm.threads import CpuShare
 
 V, A, B = "velocity", ("euler", b"grid-a"), ("euler", b"grid-b")
 
@@ -511,3 +512,53 @@ def test_a_request_cancelled_before_its_batch_is_decided_is_dropped_and_the_rest
     result, cancelled = asyncio.run(scenario())
     assert cancelled and result.item() == 2
     assert [size for _, size, _ in model.threads] == [1]
+
+
+class ThreadCounts:
+    """A model that records the PyTorch intra-op threads each batch ran with; with ``gate``,
+    it holds its first call until released."""
+
+    def __init__(self, gate: bool = False) -> None:
+        self.counts: list[int] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        if not gate:
+            self.release.set()
+
+    def __call__(self, key, inputs):
+        import torch
+
+        self.counts.append(torch.get_num_threads())
+        self.started.set()
+        self.release.wait(timeout=10)
+        return inputs[0]
+
+
+def test_members_of_one_process_split_its_threads_while_both_have_work():
+    import torch
+
+    async def scenario():
+        share = CpuShare(2)
+        first, second = ThreadCounts(gate=True), ThreadCounts()
+        batchers = [Batcher(first, 8, 0, cpu=share), Batcher(second, 8, 0, cpu=share)]
+        for batcher in batchers:
+            batcher.start()
+        held = asyncio.create_task(batchers[0].submit(V, rows([1])))
+        await asyncio.to_thread(first.started.wait, 10)  # alone: both threads
+        await batchers[1].submit(V, rows([2]))  # while the first runs: one each
+        dropped = asyncio.create_task(batchers[0].submit(V, rows([3])))  # queued, then gone
+        await asyncio.sleep(0)
+        dropped.cancel()
+        first.release.set()
+        await held
+        await batchers[1].submit(V, rows([4]))  # alone again: the queue dropped the gone one
+        for batcher in batchers:
+            await batcher.close()
+        return first.counts, second.counts, share.threads()
+
+    before = torch.get_num_threads()
+    try:
+        first, second, idle = asyncio.run(scenario())
+    finally:
+        torch.set_num_threads(before)
+    assert first == [2] and second == [1, 2] and idle == 2

@@ -1,17 +1,20 @@
 """In-process commands pick their CPU threads: the cores they may use, less the machine's other
-work, at least one; the user's setting wins; a bad setting is named."""
+work, at least one; the user's setting wins; a bad setting is named. A model server shares its
+threads among its members' forwards."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
-from ddm.threads import (ARENAS_ENV, THREADS_ENV, apply_cpu_thread_policy, cap_malloc_arenas,
-                         cpu_threads, usable_cpus)
+from ddm.runtime.local import pool_threads
+from ddm.threads import (ARENAS_ENV, THREADS_ENV, CpuShare, apply_cpu_thread_policy,
+                         cap_malloc_arenas, cpu_threads, server_cpu_budget, usable_cpus)
 
 
 @pytest.mark.parametrize(("affinity", "cpu_max", "expected"), [
@@ -154,3 +157,67 @@ def test_a_server_caps_its_malloc_arenas_unless_the_environment_sets_them() -> N
     assert kept.stdout.strip() == "False"
     with pytest.raises(ValueError, match="arenas must be >= 1"):
         cap_malloc_arenas(0)
+
+
+# -- a model server's share of its threads among its members' forwards ------------------------
+
+def test_a_server_takes_the_users_thread_count_else_the_cpus_it_may_use():
+    assert server_cpu_budget({"OMP_NUM_THREADS": "3"}) == 3
+    assert server_cpu_budget({}) == server_cpu_budget({"OMP_NUM_THREADS": "0"}) == usable_cpus()
+
+
+def test_a_forward_takes_the_budget_split_among_the_busy_members():
+    share = CpuShare(4, set_threads=lambda threads: None)
+    assert share.threads() == 4      # nothing busy: a forward about to run is alone
+    share.busy(True)
+    assert share.threads() == 4      # the one busy member is the forward's own
+    share.busy(True)
+    assert share.threads() == 2
+    share.busy(True)
+    assert share.threads() == 1      # 4 // 3, whole threads
+    for _ in range(5):
+        share.busy(True)
+    assert share.threads() == 1      # at least one, however many are busy
+    with pytest.raises(ValueError, match="at least one thread"):
+        CpuShare(0)
+
+
+def test_a_thread_s_count_is_set_only_when_its_share_changes():
+    set_to: list[tuple[str, int]] = []
+    share = CpuShare(2, set_threads=lambda n: set_to.append((threading.current_thread().name,
+                                                             n)))
+    share.claim()
+    share.claim()
+    share.busy(True)
+    share.busy(True)
+    share.claim()
+    worker = threading.Thread(target=share.claim, name="other")
+    worker.start()
+    worker.join()
+    main = threading.current_thread().name
+    assert set_to == [(main, 2), (main, 1), ("other", 1)]
+
+
+def test_pytorch_s_count_is_the_claiming_thread_s_own():
+    import torch
+
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    share = CpuShare(2)
+
+    def forward() -> None:
+        share.claim()
+        seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    worker.join()
+    assert seen == [2]
+    torch.set_num_threads(before)
+
+
+def test_a_pool_process_gets_each_member_s_threads_up_to_the_machine_s_cpus():
+    assert pool_threads(1, members=7, cpus=2) == 2
+    assert pool_threads(1, members=3, cpus=16) == 3
+    assert pool_threads(2, members=3, cpus=16) == 6
+    assert pool_threads(1, members=1, cpus=16) == 1

@@ -36,7 +36,10 @@ def add_up_command(commands: argparse._SubParsersAction) -> None:
                    help="the address every process binds (default 127.0.0.1, this machine "
                         "only; 0.0.0.0 exposes them to the network, and is refused unless "
                         "the manifest's router.auth or --auth-token-file asks for a token)")
-    _local_options(p, "a checkpoint pvc://CLAIM/PATH is read from DIR/CLAIM/PATH")
+    _local_options(p, "a checkpoint pvc://CLAIM/PATH is read from DIR/CLAIM/PATH",
+                   threads_default="default 1: the processes share the machine; a pool's "
+                                   "process gets that many per member, up to the machine's "
+                                   "CPUs, and shares them among the forwards it runs at once")
     p.add_argument("--fail-fast", action="store_true",
                    help="stop everything when one process dies (default: restart it with a "
                         "back-off from 1 s doubling to 5 min, as the kubelet does)")

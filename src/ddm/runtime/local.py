@@ -61,6 +61,7 @@ from ddm.deploy.spec import DDMManifest
 from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
 from ddm.serving.http.fetch import FetchError, fetch_json
 from ddm.termination import ENV as TERMINATION_LOG_ENV
+from ddm.threads import usable_cpus
 
 #: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.
 DEFAULT_MANIFEST = REPOSITORY_ROOT / "examples" / f"{DEFAULT_DDM}.yaml"
@@ -152,8 +153,8 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
         token, expert_token = str(token_file), str(expert_token_file)
     # No progress bars: a process loading its weights draws one per component into the log
     # every process shares (transformers' and huggingface_hub's, both off by this variable).
-    env = (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)),
-           ("PYTHONUNBUFFERED", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
+    quiet = (("PYTHONUNBUFFERED", "1"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
+    env = _threads_env(threads) + quiet
     experts: list[ProcessSpec] = []
     discovery: dict[str, Discovery] = {}
     scaled = {(unit.pool, unit.name): unit for unit in plan.autoscaled}
@@ -205,7 +206,8 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
             argv = (*_ddm(), *pool.command(member_dirs, host, port, metrics_port, expert_token),
                     "--log-level", "warning")
             pools.append(ProcessSpec(f"pool-{pool.name}/{replica}", argv, port,
-                                     env + pool.env(str(cache_dir)), metrics_port))
+                                     _threads_env(pool_threads(threads, len(pool.members)))
+                                     + quiet + pool.env(str(cache_dir)), metrics_port))
             endpoints.append(f"{host}:{port}")
         pool_discovery[pool.name] = StaticDiscovery(tuple(endpoints))
     check_state_shapes(local_dirs)
@@ -222,6 +224,17 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                      Path(token) if token is not None else None,
                      Path(expert_token) if expert_token is not None else None,
                      tuple(on_demand), tuple(stages), tuple(pools))
+
+
+def pool_threads(threads: int, members: int, cpus: int | None = None) -> int:
+    """A pool process's CPU threads: ``threads`` per member, as each would have alone, up to
+    the ``cpus`` this machine gives (:func:`~ddm.threads.usable_cpus`); its forwards share
+    them (:class:`~ddm.threads.CpuShare`)."""
+    return max(1, min(threads * members, usable_cpus() if cpus is None else cpus))
+
+
+def _threads_env(threads: int) -> tuple[tuple[str, str], ...]:
+    return (("OMP_NUM_THREADS", str(threads)), ("MKL_NUM_THREADS", str(threads)))
 
 
 def _on_demand(unit: Scaled | None, name: str, replicas: int, on_demand: list[OnDemand]) -> int:

@@ -24,6 +24,7 @@ from typing import Callable, Hashable, Iterator, Protocol, Sequence
 import numpy as np
 
 from ddm.serving.http.polling import WARM_TICK_S, LastTimes, WarmTicks, first_tick_s
+from ddm.threads import CpuShare
 
 #: Runs one batch in the model thread: ``(key, inputs) -> output``; every input and the
 #: output (an array, or a tuple of arrays) have the batch on axis 0.
@@ -203,7 +204,9 @@ class Batcher:
     With one loop, the bound is a limit on the loop's unavailability, not on the model's
     speed: the two paths differ by the two wake-ups, under 1% of any batch past the bound. On
     either path a batch's report (``on_batch``: the metrics) is made after its requests
-    resume, off the path of their replies.
+    resume, off the path of their replies. With ``cpu`` (the server's
+    :class:`~ddm.threads.CpuShare`), the batcher tells it when it has work, and a batch runs
+    with its share of the process's CPU threads.
 
     Each wake-up's cost is mostly the Python that runs right after it: on a virtual machine,
     code that runs after its vCPU sat idle for milliseconds runs up to a hundred times slower
@@ -216,7 +219,7 @@ class Batcher:
 
     def __init__(self, run: RunFn, max_batch: int, max_delay_ms: float,
                  on_batch: Callable[[BatchReport], None] | None = None, *,
-                 serving_loops: int = 1) -> None:
+                 serving_loops: int = 1, cpu: CpuShare | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         if max_delay_ms < 0:
@@ -228,10 +231,12 @@ class Batcher:
         self._max_batch = max_batch
         self._max_delay = max_delay_ms / 1000.0
         self._on_batch = on_batch
-        self._lock = threading.Lock()  # guards the six fields below
+        self._cpu = cpu
+        self._lock = threading.Lock()  # guards the seven fields below
         self._queue: list[_Job] = []
         self._running: list[_Job] = []  # the batch that runs now, on the loop or the thread
         self._closed = False
+        self._has_work = False  # what ``cpu`` was last told (:meth:`_note_work`)
         self._thread_waits = False  # the model thread waits for its doorbell
         #: Each key's last batch (model seconds, rows), written by whoever ran it.
         self._took: LastTimes[Hashable] = LastTimes(KNOWN_KEYS)
@@ -276,6 +281,7 @@ class Batcher:
             if not dispatch and not self._dispatch_due:
                 self._ring()
             self._dispatch_due |= dispatch
+            self._note_work()
         if not dispatch:  # the thread's: tick near its end, if it is long and known
             if (first_tick := first_tick_s(expected)) is not None:
                 self._ticks_of(loop).due_in(first_tick)
@@ -303,6 +309,7 @@ class Batcher:
             self._closed = True
             jobs, self._queue = self._queue + self._running, []
             self._ring()
+            self._note_work()
             chains = list(self._ticks.items())
         for loop, ticks in chains:
             _on_loop(loop, ticks.stop)
@@ -328,7 +335,7 @@ class Batcher:
                 self._ring()  # a timed wait, concurrent requests or a long batch
                 return
             jobs = self._take(decision)
-        ran = _timed(self._run, jobs)
+        ran = _timed(self._run, jobs, self._cpu)
         with self._lock:
             self._finish(jobs, *ran)
         self._deliver(jobs, *ran, jobs)
@@ -357,6 +364,20 @@ class Batcher:
             return None if warm_from is None else warm_from - time.perf_counter()
         return WARM_TICK_S if waiting else None
 
+    def _drop_gone(self) -> None:
+        """Drop queued requests whose clients went away (their futures cancelled) unrun.
+        Holds ``_lock``."""
+        self._queue = [job for job in self._queue if not job.future.done()]
+        self._note_work()
+
+    def _note_work(self) -> None:
+        """Tell ``cpu`` when this batcher turns busy (a batch queued or running) or idle, so
+        that forwards elsewhere in the process take their share. Holds ``_lock``."""
+        has_work = bool(self._queue or self._running)
+        if self._cpu is not None and has_work != self._has_work:
+            self._has_work = has_work
+            self._cpu.busy(has_work)
+
     def _ring(self) -> None:
         """Wake the model thread if it waits (one token per wait). Holds ``_lock``."""
         if self._thread_waits:
@@ -364,9 +385,9 @@ class Batcher:
             self._doorbell.put(None)
 
     def _plan(self) -> Dispatch | Wait | None:
-        """plan_batch over the queue, once requests whose clients went away (their futures
-        cancelled) are dropped unrun; None for an empty queue. Holds ``_lock``."""
-        self._queue = [job for job in self._queue if not job.future.done()]
+        """plan_batch over the queue, once requests whose clients went away are dropped; None
+        for an empty queue. Holds ``_lock``."""
+        self._drop_gone()
         if not self._queue:
             return None
         return plan_batch(self._queue, self._max_batch, self._max_delay, time.perf_counter())
@@ -390,7 +411,7 @@ class Batcher:
         its requests came on (the batch's end is recorded first, so that a request its results
         lead to sees it)."""
         while (jobs := self._next_batch()) is not None:
-            ran = _timed(self._run, jobs)
+            ran = _timed(self._run, jobs, self._cpu)
             with self._lock:
                 self._finish(jobs, *ran)
             outputs, started, ended = ran
@@ -411,6 +432,7 @@ class Batcher:
         loop queued meanwhile), and one that ran is remembered as its key's time (a failed one
         is not). Holds ``_lock``."""
         self._running = []
+        self._drop_gone()
         if self._queue:
             self._ring()
         if isinstance(outputs, Exception):
@@ -458,9 +480,12 @@ class Batcher:
                                    model_seconds=ended - started))
 
 
-def _timed(run: RunFn, jobs: list[_Job]) -> tuple[list[Output] | Exception, float, float]:
-    """Run one batch: its rows per request (or the model's error), when it started and
-    ended."""
+def _timed(run: RunFn, jobs: list[_Job], cpu: CpuShare | None
+           ) -> tuple[list[Output] | Exception, float, float]:
+    """Run one batch with this thread's share of ``cpu``: its rows per request (or the
+    model's error), when it started and ended."""
+    if cpu is not None:
+        cpu.claim()
     started = time.perf_counter()
     try:
         outputs: list[Output] | Exception = _run_batch(run, jobs)

@@ -25,6 +25,7 @@ from ddm.serving.batching import Batcher
 from ddm.serving.model import metrics as expert_metrics
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.wire.protocol import Limits, ProtocolError, VelocityRequest
+from ddm.threads import CpuShare
 
 __all__ = ["INFO_FIELDS", "Member"]
 
@@ -47,7 +48,7 @@ class Member(ABC):
     ready or why it failed."""
 
     def __init__(self, directory: Path, limits: Limits, options: ServingOptions,
-                 serving_loops: int) -> None:
+                 serving_loops: int, cpu: CpuShare | None = None) -> None:
         self.directory = directory
         self.limits = limits
         self.options = options
@@ -55,7 +56,8 @@ class Member(ABC):
         self.pending = 0
         self.metrics = expert_metrics.ExpertMetrics()
         self.batcher = Batcher(self.execute, limits.max_batch, options.max_delay_ms,
-                               self.metrics.observe_batch, serving_loops=serving_loops)
+                               self.metrics.observe_batch, serving_loops=serving_loops,
+                               cpu=cpu)
         self.failure: str | None = None
 
     @property

@@ -23,6 +23,7 @@ from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXP
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.http.server import ServerControl
 from ddm.models.stages import Stage, load_stage
+from ddm.threads import CpuShare
 
 __all__ = ["Hooks", "ServingOptions", "StageLoader", "StartUp"]
 
@@ -102,7 +103,8 @@ class Hooks:
     ``serving_loops`` event loops serve the app (the batcher's rule:
     :class:`~ddm.serving.batching.Batcher`). ``loader`` loads each member's stage
     (replaceable to serve a custom one); ``cgroup_root`` is where the memory check reads the
-    container's limit."""
+    container's limit; ``cpu`` shares the process's CPU threads among the members' forwards
+    (None: each forward keeps its thread's count, as in a test's process)."""
 
     start_up: StartUp = asyncio.to_thread
     on_failure: Callable[[str], None] | None = None
@@ -110,9 +112,11 @@ class Hooks:
     serving_loops: int = 1
     loader: StageLoader = load_stage
     cgroup_root: Path = Path("/sys/fs/cgroup")
+    cpu: CpuShare | None = None
 
     @classmethod
     def of(cls, control: ServerControl, serving_loops: int) -> Hooks:
         """The hooks of a server process run by :func:`~ddm.serving.http.server.run_server`."""
         return cls(start_up=control.start_up, on_failure=control.stop,
-                   draining=lambda: control.draining, serving_loops=serving_loops)
+                   draining=lambda: control.draining, serving_loops=serving_loops,
+                   cpu=CpuShare.for_server())

@@ -127,7 +127,7 @@ def load_member(directory: str | os.PathLike[str], options: ServingOptions, hook
     if declared.role not in roles:
         raise CheckpointError(f"{path} is a stage of role {declared.role}; this command "
                               f"serves {' or '.join(roles)}")
-    return StageMember(path, declared, options, hooks.serving_loops, hooks.loader)
+    return StageMember(path, declared, options, hooks.serving_loops, hooks.loader, hooks.cpu)
 
 
 def create_model_app(checkpoints: Checkpoints, options: ServingOptions = ServingOptions(),

@@ -71,6 +71,7 @@ from ddm.serving.wire.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequ
                                        decode_request, encode_context_ack, encode_encoded,
                                        encode_probabilities, encode_response,
                                        request_kind)
+from ddm.threads import CpuShare
 
 __all__ = ["StageMember"]
 
@@ -116,7 +117,7 @@ class StageMember(Member):
     replacement)."""
 
     def __init__(self, directory: Path, declared: StageDeclaration, options: ServingOptions,
-                 serving_loops: int, loader: StageLoader) -> None:
+                 serving_loops: int, loader: StageLoader, cpu: CpuShare | None = None) -> None:
         check_backend(options.backend, options.device)
         #: A label checkpoint's config.json (its facts, its network check); None for text.
         self.meta: CheckpointMeta | None = None
@@ -126,7 +127,7 @@ class StageMember(Member):
                         image_shape=declared.latent_shape, text_width=declared.text_width,
                         allowed_labels=declared.classes if self.meta is not None else None)
         limits = dataclasses.replace(limits, max_body_bytes=_max_body_bytes(declared, limits))
-        super().__init__(directory, limits, options, serving_loops)
+        super().__init__(directory, limits, options, serving_loops, cpu)
         self.declared = declared
         self.loader = loader
         self.contexts = ContextCache(options.context_cache_bytes)
