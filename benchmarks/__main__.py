@@ -99,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2,
                    help="requests per client (batches in-process) at each level")
     p.add_argument("--threads", type=int, default=1,
-                   help="intra-op threads of each served process (ddm up --threads; default "
-                        "1, as ddm up's); in-process sampling takes the idle cores")
+                   help="ddm up --threads: intra-op threads per served process, a pool's "
+                        "per member up to the machine's CPUs (default 1, as ddm up's); "
+                        "in-process sampling takes the idle cores")
     p.set_defaults(handler=_bench_pools)
 
     p = kinds.add_parser("paris-pools", help="a Paris-shaped DDM (random weights, imported as "

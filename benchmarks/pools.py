@@ -55,8 +55,9 @@ PROMPTS = ("a thick red seven", "the number 3 in blue", "a thin green two", "a y
 class PoolBenchSettings:
     """Concurrent prompts per level, requests per client per level, and denoising steps
     (None: the manifests'); ``timeout_s`` bounds one request and the in-process run;
-    ``threads``: each served process's intra-op threads (``ddm up --threads``, whose default
-    is 1; in-process sampling takes ``ddm.threads``' policy: the idle cores)."""
+    ``threads``: ``ddm up --threads`` (default 1 per process; a pool's process gets that
+    many per member, up to the machine's CPUs); in-process sampling takes ``ddm.threads``'
+    policy: the idle cores."""
 
     concurrency: tuple[int, ...] = (1, 8, 32)
     rounds: int = 2
