@@ -221,3 +221,19 @@ def test_a_pool_process_gets_each_member_s_threads_up_to_the_machine_s_cpus():
     assert pool_threads(1, members=3, cpus=16) == 3
     assert pool_threads(2, members=3, cpus=16) == 6
     assert pool_threads(1, members=1, cpus=16) == 1
+
+
+def test_a_server_s_share_is_its_budget_and_its_process_default():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        env: dict[str, str] = {"OMP_NUM_THREADS": "3"}
+        share = CpuShare.for_server(env)
+        assert share.budget == 3 and torch.get_num_threads() == 3
+        assert env == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
+        env = {}
+        assert CpuShare.for_server(env).budget == usable_cpus()
+        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == str(usable_cpus())
+    finally:
+        torch.set_num_threads(before)
