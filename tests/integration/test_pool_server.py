@@ -107,6 +107,7 @@ def test_each_member_answers_the_bytes_of_its_own_stage_server(stages, pool):
     figures = info["pool"]
     assert set(figures["members"]) == set(MEMBERS) and figures["ready"]
     assert figures["device"] == "cpu"
+    assert figures["cpu_threads"] is None  # an app in this test's process: no share
     # No flag: the limit is this machine's cgroup's, where it sets one.
     assert (figures["limit_bytes"] is None) == (figures["limit_source"] is None)
     assert figures["total_bytes"] == sum(m["bytes"] for m in figures["members"].values())

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ddm.runtime.local import LocalPlan
+from ddm.threads import usable_cpus
 from tests.support.local_runtime import Log, ddm_up, one_pool_beside_the_router
 from tests.support.text2img_served import png_rgb
 
@@ -49,6 +50,8 @@ def test_one_model_process_beside_the_router(pooled: tuple[LocalPlan, Log]) -> N
     info = one_pool_beside_the_router(*pooled)
     assert sorted(info["members"]) == ["decoder", "expert-0", "expert-1", "expert-2",
                                        "expert-3", "router-network", "text-encoder"]
+    # ddm up's one thread per model, for seven members, up to the machine's CPUs: shared.
+    assert info["pool"]["cpu_threads"] == min(7, usable_cpus())
 
 
 def test_the_same_pixels_as_the_unpooled_deployment(pooled: tuple[LocalPlan, Log]) -> None:

@@ -61,7 +61,7 @@ from ddm.serving.model.routes import (SERVING_LOOPS, Binary, ModelState, lifespa
 from ddm.serving.model.stage import StageMember
 from ddm.serving.wire.paths import model_paths
 from ddm.termination import fail_start
-from ddm.threads import cap_malloc_arenas
+from ddm.threads import CpuShare, cap_malloc_arenas
 
 __all__ = ["ROLES", "create_model_app", "load_member", "parse_members", "serve_model"]
 
@@ -75,13 +75,15 @@ Checkpoints = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]]
 
 
 class _Pool:
-    """What a pool's own routes read: its members (name -> member) and their memory."""
+    """What a pool's own routes read: its members (name -> member), their memory and the CPU
+    threads they share (``cpu``: None in a test's process)."""
 
     def __init__(self, members: Mapping[str, Member], memory: PoolMemory,
-                 device: str | None) -> None:
+                 device: str | None, cpu: CpuShare | None) -> None:
         self.members = dict(members)
         self.memory = memory
         self.device = device or "cpu"
+        self.cpu = cpu
         self.metrics = MemberMetrics({name: m.metrics for name, m in self.members.items()})
 
     @property
@@ -94,7 +96,8 @@ class _Pool:
                      if member.failure is not None), None)
 
     def describe(self) -> dict[str, Any]:
-        return {"pool": {**self.memory.describe(), "device": self.device, "ready": self.ready},
+        return {"pool": {**self.memory.describe(), "device": self.device, "ready": self.ready,
+                         "cpu_threads": None if self.cpu is None else self.cpu.budget},
                 "members": {name: member.describe() for name, member in self.members.items()}}
 
 
@@ -177,7 +180,7 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
     binary = {model_paths(name if pooled else None).velocity: Binary(member, member.answer)
               for name, member in members.items()}
     if pooled:
-        pool = _Pool(members, memory, options.device)
+        pool = _Pool(members, memory, options.device, hooks.cpu)
         binary.update(pool_step_routes(members, pool.metrics.registry))
         state: ModelState = pool
         app = lifespan_app(f"ddm pool of {len(members)}", "A DDM's models on one device, each "
