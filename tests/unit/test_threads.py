@@ -203,17 +203,20 @@ def test_pytorch_s_count_is_the_claiming_thread_s_own():
 
     before = torch.get_num_threads()
     seen: list[int] = []
-    share = CpuShare(2)
+    share = CpuShare(3)  # neither this thread's count below nor PyTorch's default here
 
     def forward() -> None:
         share.claim()
         seen.append(torch.get_num_threads())
 
-    worker = threading.Thread(target=forward)
-    worker.start()
-    worker.join()
-    assert seen == [2]
-    torch.set_num_threads(before)
+    try:
+        torch.set_num_threads(1)
+        worker = threading.Thread(target=forward)
+        worker.start()
+        worker.join()
+        assert seen == [3] and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_pool_process_gets_each_member_s_threads_up_to_the_machine_s_cpus():
