@@ -237,6 +237,24 @@ def test_ddm_up_reports_progress_and_ends_terminated_143_on_sigterm() -> None:
     assert _running(children) == []
 
 
+def test_a_second_sigterm_while_ddm_up_stops_leaves_no_server_behind() -> None:
+    """A service manager, or `timeout` forwarding its own, may send SIGTERM again while the
+    servers stop: the stop goes on to the end."""
+    command, _, children = _ddm_up_process()
+    command.send_signal(signal.SIGTERM)
+    assert command.stdout is not None
+    said = []
+    for line in command.stdout:  # the stop has begun; no sleeping
+        said.append(line)
+        if line.startswith("stopping 5 process(es)"):
+            break
+    command.send_signal(signal.SIGTERM)
+    rest = "".join(said) + command.stdout.read()
+    assert command.wait(timeout=60) == 143, rest
+    assert "all 5 process(es) stopped" in rest, rest
+    assert _running(children) == []
+
+
 def test_ddm_up_piped_to_a_reader_that_ctrl_c_ended_first_still_stops_every_server() -> None:
     """Ctrl-C on `ddm up | tee log` ends tee too, so `ddm up` shuts down with nobody reading
     its output: saying so must not keep it from stopping its servers (they run in their own
