@@ -26,12 +26,10 @@ orphans for PID 1 to reap: ``ddm up`` waits for its servers, and the servers' ow
 from __future__ import annotations
 
 import argparse
-import contextlib
 import signal
 import sys
-import threading
 import traceback
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from ddm.checkpoints.commands import add_checkpoint_commands
 from ddm.evaluation.cli import add_eval_command, add_report_command
@@ -41,6 +39,7 @@ from ddm.operator.commands import add_operator_commands
 from ddm.runtime.commands import add_up_command
 from ddm.serving.commands import add_serve_commands
 from ddm.serving.sample_command import add_sample_command
+from ddm.termination import sigterm_handled
 from ddm.threads import apply_cpu_thread_policy
 from ddm.training.cli import add_fetch_data_command, add_partition_command, add_train_command
 
@@ -60,28 +59,15 @@ class Terminated(SystemExit):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    with _sigterm_terminates():
+    # SIGTERM raises Terminated (tests call main in-process: then the previous handler is
+    # back); servers, kopf and ``ddm up`` replace it with their own while they run.
+    with sigterm_handled(_terminate):
         try:
             parser = build_parser()
             return run(parser.parse_args(argv))
         except Terminated:  # while the commands' modules import, too, not only in a command
             print("ddm: terminated (SIGTERM)", file=sys.stderr)
             return EXIT_TERMINATED
-
-
-@contextlib.contextmanager
-def _sigterm_terminates() -> Iterator[None]:
-    """SIGTERM raises :class:`Terminated` until the block ends (then the previous handler is
-    back: tests call :func:`main` in-process). Servers, kopf and ``ddm up`` replace it with
-    their own while they run. Signals are the main thread's: elsewhere, nothing to do."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _terminate(signum: int, frame: object) -> None:

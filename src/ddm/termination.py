@@ -11,9 +11,13 @@ there too (``ddm.training.cli``), which a DDMTraining's status repeats.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
+from typing import Any, Iterator
 
 ENV = "DDM_TERMINATION_LOG"
 DEFAULT_PATH = "/dev/termination-log"
@@ -55,3 +59,17 @@ def fail_start(reason: str) -> SystemExit:
     logger.error("cannot start: %s", one_line(reason))
     write_termination_message(reason)
     return SystemExit(EXIT_STATUS)
+
+
+@contextlib.contextmanager
+def sigterm_handled(handler: Any) -> Iterator[None]:
+    """SIGTERM goes to ``handler`` (a function, or ``signal.SIG_IGN``) until the block ends,
+    then to the previous handler. Signals are the main thread's: elsewhere, nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

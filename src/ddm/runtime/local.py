@@ -30,7 +30,6 @@ A server that cannot start leaves a one-line reason in its own termination-messa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import functools
@@ -46,7 +45,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TextIO
+from typing import Callable, Sequence, TextIO
 
 from ddm.checkpoints.declared import declared_latent_shape
 from ddm.checkpoints.local import IMAGE_PREFIX as IMAGE_PREFIX
@@ -62,6 +61,7 @@ from ddm.deploy.spec import DDMManifest
 from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
 from ddm.serving.http.fetch import FetchError, fetch_json
 from ddm.termination import ENV as TERMINATION_LOG_ENV
+from ddm.termination import sigterm_handled
 from ddm.threads import usable_cpus
 
 #: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.
@@ -479,28 +479,14 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
         except KeyboardInterrupt:
             return 0
         finally:  # Ctrl-C, SIGTERM (the caller's exception), an error or a death: stop all
-            with _deaf_to_sigterm():
+            # A second SIGTERM (a service manager's, the one `timeout` forwards after the
+            # user's) would abort the stop and leave servers running; it ends on its own.
+            with sigterm_handled(signal.SIG_IGN):
                 count = len(supervisor.processes)
                 _tell(out, f"stopping {count} process(es)...")
                 killed = supervisor.stop()
                 _tell(out, f"all {count} process(es) stopped" + (
                     f" ({killed} killed after {STOP_TIMEOUT_S:g} s)" if killed else ""))
-
-
-@contextlib.contextmanager
-def _deaf_to_sigterm() -> Iterator[None]:
-    """Ignore SIGTERM while the servers stop: a second one (a service manager's, or the one
-    `timeout` forwards after the user's) would abort the stop and leave servers running, and
-    the stop ends on its own (SIGKILL after ``STOP_TIMEOUT_S``). Signals are the main
-    thread's: elsewhere, nothing to do."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _tell(out: TextIO, line: str) -> None:
