@@ -8,7 +8,8 @@ BIN := $(VENV)/bin
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install clean chart-sync generate images test-images
+.PHONY: demo test test-fast lint install clean chart-sync generate images test-images \
+	device-wheels
 
 $(DEMO_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -90,3 +91,8 @@ chart-sync:
 generate: $(DEMO_STAMP)
 	$(BIN)/python scripts/generate_crds.py
 	$(BIN)/python scripts/crd_docs.py
+
+# Before a session's GPU check (benchmarks/gpu-check.sh): what the device image lacks, as
+# wheels for its Python, into .whl/ (the run carries it).
+device-wheels: $(STAMP)
+	$(BIN)/python -m benchmarks.device_wheels

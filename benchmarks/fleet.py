@@ -176,4 +176,7 @@ def port_source() -> Callable[[], int]:
 
 
 def say(log: TextIO, message: str) -> None:
-    print(f"bench: {message}", file=log, flush=True)
+    """A progress line on ``log``, stamped with the time of day (UTC): where a run's minutes
+    went, read from its log alone."""
+    stamp = time.strftime("%H:%M:%S", time.gmtime())
+    print(f"bench: {stamp} {message}", file=log, flush=True)

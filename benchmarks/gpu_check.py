@@ -9,7 +9,10 @@ eight DiT-XL/2 experts, a DiT-B router network, CLIP ViT-L/14, SD's VAE), import
 50 steps, guidance 7.5, at 1 and 32 concurrent prompts. The figures (images/s, latency
 percentiles, GPU memory per process, the H200 targets judged) go to
 ``$OUT/gpu-check.json`` and ``nvidia-smi``'s report to ``$OUT/nvidia-smi.txt`` (``--out``
-overrides ``$OUT``); a summary line per deployment goes to stdout.
+overrides ``$OUT``); a summary line per deployment goes to stdout. The JSON is rewritten
+after each deployment (``"complete": false`` until the end), and the deployments run eager
+first, in-process next, compiled last, so that a run stopped at the device's time limit keeps
+what it measured. ``benchmarks/gpu-check.sh`` is how the device machine runs it.
 
 ``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
 at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
@@ -29,12 +32,13 @@ from typing import Any, TextIO
 from benchmarks.fleet import BenchError, say
 from benchmarks.paris_pools import ParisPoolSettings, bench_paris_pools
 from benchmarks.pools import PoolBenchSettings
+from ddm.fileio import atomic_path
 
 #: The check on the device: full size, one pool, eager and CUDA graphs, 1 and 32 prompts.
 GPU_CHECK = ParisPoolSettings(
     size="full", accelerator="nvidia", precision="bfloat16",
     deployments=("pooled", "in_process"), compile=("none", "reduce-overhead"),
-    load=PoolBenchSettings(concurrency=(1, 32), rounds=1))
+    load=PoolBenchSettings(concurrency=(1, 32), rounds=3))
 #: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts.
 QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),
@@ -82,13 +86,32 @@ def gpu_check(out: Path, quick: bool = False, log: TextIO = sys.stderr,
     smi = nvidia_smi(required=settings.accelerator == "nvidia")
     (out / "nvidia-smi.txt").write_text(smi)
     print(smi, file=report, flush=True)
+    if settings.accelerator == "nvidia":
+        require_cuda()
+    figures = out / "gpu-check.json"
     say(log, f"gpu-check: {settings.size} release on {settings.accelerator}, compile "
-             f"{', '.join(settings.compile)}; figures to {out / 'gpu-check.json'}")
-    result = bench_paris_pools(settings, log)
-    (out / "gpu-check.json").write_text(json.dumps(result, indent=2))
+             f"{', '.join(settings.compile)}; figures to {figures}")
+
+    def save(result: dict[str, Any], complete: bool) -> None:
+        # Through a rename: a run killed at its time limit leaves whole figures, never half.
+        with atomic_path(figures) as partial:
+            partial.write_text(json.dumps({**result, "complete": complete}, indent=2))
+
+    result = bench_paris_pools(settings, log, on_figures=lambda so_far: save(so_far, False))
+    save(result, True)
     for line in summary(result):
         print(line, file=report, flush=True)
     return 0
+
+
+def require_cuda() -> None:
+    """Refuse at once, before minutes go on writing a 9.7 GiB release, where PyTorch sees no
+    CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BenchError(f"PyTorch {torch.__version__} sees no CUDA device: the GPU check "
+                         "needs one (--quick checks the command on the CPU)")
 
 
 def default_out() -> Path:

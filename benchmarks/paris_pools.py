@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import yaml
 
@@ -137,9 +136,23 @@ def pooled_manifest(document: dict[str, Any], accelerator: str, max_batch: int
     return pooled
 
 
-def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr) -> dict[str, Any]:
+def measuring_order(settings: ParisPoolSettings) -> list[tuple[str, str]]:
+    """The asked deployments as (name, compile mode), in the order they are measured: the
+    eager ones, then in-process sampling, then the compiled ones, whose start-up (compiling
+    every bucket) is the longest and least certain, so that a run cut short keeps the rest."""
+    served = [name for name in ("alone", "pooled") if name in settings.deployments]
+    eager = [(name, "none") for name in served if "none" in settings.compile]
+    local = [("in_process", "none")] if "in_process" in settings.deployments else []
+    compiled = [(name, mode) for mode in settings.compile if mode != "none" for name in served]
+    return [*eager, *local, *compiled]
+
+
+def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
+                      on_figures: Callable[[dict[str, Any]], None] | None = None
+                      ) -> dict[str, Any]:
     """Write and import the release, then measure each asked deployment; the figures as a
-    JSON-ready dict."""
+    JSON-ready dict. ``on_figures`` gets the figures so far after each deployment (the GPU
+    check saves them, so that a run stopped at its time limit still reports)."""
     started = time.perf_counter()
     sizes = SIZES[settings.size]
     workdir = Path(tempfile.mkdtemp(prefix="ddm-bench-paris-"))
@@ -171,24 +184,26 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr) -> 
             "machine": machine(), "settings": {**asdict(settings), "sizes": asdict(sizes)},
             "sampling": sampling, "deployments": {}}
         load = replace(settings.load, prompts=PROMPTS)
-        for name, mode in itertools.product(("alone", "pooled"), settings.compile):
-            if name not in settings.deployments:
-                continue
-            key = deployment_key(name, mode)
-            say(log, f"paris-pools: {key}")
-            manifest = imported / f"ddm-{key}.yaml"
-            manifest.write_text(yaml.safe_dump(compiled_manifest(documents[name], mode)))
-            ready_s = READY_TIMEOUT_S if mode == "none" else COMPILED_READY_S
-            with local_ddm(manifest, max(load.concurrency), log, ready_s) as (url, pids):
-                figures = asyncio.run(served(url, pids, load, log))
-                figures["gpu_memory_mib"] = gpu_memory_mib(pids)
-            result["deployments"][key] = {"compile": mode, **figures}
-        if "in_process" in settings.deployments:
-            say(log, "paris-pools: in-process generate_text")
-            device = "cuda" if settings.accelerator == "nvidia" else "cpu"
-            result["in_process"] = in_process(load, sampling, imported, device,
-                                              settings.precision)
-        result["targets"] = targets(result)
+        for name, mode in measuring_order(settings):
+            if name == "in_process":
+                say(log, "paris-pools: in-process generate_text")
+                device = "cuda" if settings.accelerator == "nvidia" else "cpu"
+                result["in_process"] = in_process(load, sampling, imported, device,
+                                                  settings.precision)
+            else:
+                key = deployment_key(name, mode)
+                say(log, f"paris-pools: {key}")
+                manifest = imported / f"ddm-{key}.yaml"
+                manifest.write_text(yaml.safe_dump(compiled_manifest(documents[name], mode)))
+                ready_s = READY_TIMEOUT_S if mode == "none" else COMPILED_READY_S
+                with local_ddm(manifest, max(load.concurrency), log, ready_s) as (url, pids):
+                    figures = asyncio.run(served(url, pids, load, log))
+                    figures["gpu_memory_mib"] = gpu_memory_mib(pids)
+                    figures["gpu_memory_used_mib"] = gpu_memory_used_mib()
+                result["deployments"][key] = {"compile": mode, **figures}
+            result["targets"] = targets(result)
+            if on_figures is not None:
+                on_figures(result)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     result["load_average_after"] = list(os.getloadavg())
@@ -249,6 +264,24 @@ def gpu_memory_mib(pids: dict[str, int]) -> dict[str, float] | None:
         if pid.strip().isdigit() and mib.strip().isdigit():
             used[int(pid)] = float(mib)
     return {name: used[pid] for name, pid in pids.items() if pid in used}
+
+
+def gpu_memory_used_mib() -> float | None:
+    """The memory in use on the first NVIDIA GPU, in MiB, every process's together (where
+    nvidia-smi cannot map the processes of a sandboxed machine to PIDs, this still reads);
+    None without nvidia-smi."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                           "--format=csv,noheader,nounits"],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise BenchError(f"nvidia-smi failed ({done.returncode}): {done.stderr[-500:]}")
+    first = done.stdout.strip().splitlines()[:1]
+    try:
+        return float(first[0])
+    except (IndexError, ValueError):
+        raise BenchError(f"nvidia-smi printed no memory figure: {done.stdout[:200]!r}") from None
 
 
 def bench_paris_pools_command(settings: ParisPoolSettings, out: TextIO = sys.stdout,

@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 from benchmarks.paris_pools import (PLACEMENT_FIELDS, POOL, ParisPoolSettings,
-                                    bench_paris_pools_command, compiled_manifest,
-                                    pooled_manifest)
+                                    bench_paris_pools, compiled_manifest, pooled_manifest)
 from benchmarks.pools import PoolBenchSettings
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import load_manifest
@@ -91,10 +90,14 @@ def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
 def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None:
     settings = ParisPoolSettings(deployments=("pooled", "in_process"), load=PoolBenchSettings(
         concurrency=(1, 2), rounds=1, steps=2))
-    out, log = io.StringIO(), io.StringIO()
-    assert bench_paris_pools_command(settings, out=out, log=log) == 0
-    result = json.loads(out.getvalue())
+    log, snapshots = io.StringIO(), []
+    result = json.loads(json.dumps(bench_paris_pools(
+        settings, log, on_figures=lambda so_far: snapshots.append(json.loads(json.dumps(so_far))))))
     assert "imported" in log.getvalue()
+    # The figures so far after each deployment, the pool's first: what a run cut short keeps.
+    assert [(sorted(s["deployments"]), "in_process" in s) for s in snapshots] == [
+        (["pooled"], False), (["pooled"], True)]
+    assert snapshots[-1]["targets"] == result["targets"]
     assert result["sampling"] == {"steps": 2, "strategy": "top2", "guidance_scale": 7.5}
     assert result["settings"]["sizes"]["experts"] == 8
     pooled = result["deployments"]["pooled"]
