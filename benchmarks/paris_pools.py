@@ -248,18 +248,26 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
     return judged
 
 
-def gpu_memory_mib(pids: dict[str, int]) -> dict[str, float] | None:
-    """Each of ``pids``' GPU memory in MiB (nvidia-smi's compute apps); None without
-    nvidia-smi (no NVIDIA GPU here)."""
+def nvidia_smi_rows(query: str) -> list[str] | None:
+    """``nvidia-smi``'s CSV rows for ``query`` (``--query-gpu=...``, ``--query-compute-apps=...``),
+    no header or units; None without nvidia-smi (no NVIDIA GPU here)."""
     if shutil.which("nvidia-smi") is None:
         return None
-    done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
-                           "--format=csv,noheader,nounits"],
+    done = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"],
                           capture_output=True, text=True, timeout=60)
     if done.returncode != 0:
         raise BenchError(f"nvidia-smi failed ({done.returncode}): {done.stderr[-500:]}")
+    return done.stdout.strip().splitlines()
+
+
+def gpu_memory_mib(pids: dict[str, int]) -> dict[str, float] | None:
+    """Each of ``pids``' GPU memory in MiB (nvidia-smi's compute apps); None without
+    nvidia-smi."""
+    rows = nvidia_smi_rows("--query-compute-apps=pid,used_memory")
+    if rows is None:
+        return None
     used = {}
-    for line in done.stdout.splitlines():
+    for line in rows:
         pid, _, mib = line.partition(",")
         if pid.strip().isdigit() and mib.strip().isdigit():
             used[int(pid)] = float(mib)
@@ -268,20 +276,15 @@ def gpu_memory_mib(pids: dict[str, int]) -> dict[str, float] | None:
 
 def gpu_memory_used_mib() -> float | None:
     """The memory in use on the first NVIDIA GPU, in MiB, every process's together (where
-    nvidia-smi cannot map the processes of a sandboxed machine to PIDs, this still reads);
+    nvidia-smi cannot map a sandboxed machine's processes to their PIDs, this still reads);
     None without nvidia-smi."""
-    if shutil.which("nvidia-smi") is None:
+    rows = nvidia_smi_rows("--query-gpu=memory.used")
+    if rows is None:
         return None
-    done = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
-                           "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, timeout=60)
-    if done.returncode != 0:
-        raise BenchError(f"nvidia-smi failed ({done.returncode}): {done.stderr[-500:]}")
-    first = done.stdout.strip().splitlines()[:1]
     try:
-        return float(first[0])
+        return float(rows[0])
     except (IndexError, ValueError):
-        raise BenchError(f"nvidia-smi printed no memory figure: {done.stdout[:200]!r}") from None
+        raise BenchError(f"nvidia-smi printed no memory figure: {rows[:2]!r}") from None
 
 
 def bench_paris_pools_command(settings: ParisPoolSettings, out: TextIO = sys.stdout,
