@@ -91,6 +91,19 @@ def test_a_broken_label_checkpoint_is_refused_naming_its_member(ddm, tmp_path):
         create_model_app({"e0": ddm / "expert_0", "e1": tmp_path})
 
 
+def test_a_member_directory_that_is_missing_or_a_file_is_refused_as_such(ddm, tmp_path):
+    """A mistyped --member path is named for what it is, not as a checkpoint that lacks its
+    declaration (which would send the user to `ddm import`)."""
+    missing, a_file = tmp_path / "missing", tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"member e1: {re.escape(str(missing))} does not "
+                                              "exist"):
+        create_model_app({"e0": ddm / "expert_0", "e1": missing})
+    with pytest.raises(CheckpointError, match=f"member e1: {re.escape(str(a_file))} is a file, "
+                                              "not a checkpoint directory"):
+        create_model_app({"e0": ddm / "expert_0", "e1": a_file})
+
+
 @pytest.mark.parametrize("specs,problem", [
     (["e0"], "'e0' is not NAME=DIR"),
     (["E0=/x"], "the name 'E0' must match"),
