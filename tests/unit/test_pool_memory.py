@@ -1,19 +1,22 @@
 """The pool server's memory check (ddm.serving.model.memory), before anything loads:
 each member's weights read exactly from its safetensors header (cast to --precision), the
 activations of max_batch rows, the limit from the flag, or the container's cgroup; and what a
-pool refuses before loading: a label checkpoint, a bad --member."""
+pool refuses before loading: a label checkpoint, a bad --member, a --max-batch or
+--max-delay-ms beyond a deployment's bounds."""
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
 import pytest
 
 from ddm.checkpoints.format import CheckpointError
+from ddm.deploy.limits import MAX_BATCH, MAX_DELAY_MS
 from ddm.serving.model.server import create_model_app, parse_members
-from ddm.serving.model.options import Hooks
+from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.model.memory import (MemberBytes, MemoryLimit, PoolMemory,
                                             container_limit, member_bytes, memory_limit)
 from tests.support.text_stages import write_text_ddm
@@ -88,6 +91,19 @@ def test_a_broken_label_checkpoint_is_refused_naming_its_member(ddm, tmp_path):
         create_model_app({"e0": ddm / "expert_0", "e1": tmp_path})
 
 
+def test_a_member_directory_that_is_missing_or_a_file_is_refused_as_such(ddm, tmp_path):
+    """A mistyped --member path is named for what it is, not as a checkpoint that lacks its
+    declaration (which would send the user to `ddm import`)."""
+    missing, a_file = tmp_path / "missing", tmp_path / "weights.safetensors"
+    a_file.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=f"member e1: {re.escape(str(missing))} does not "
+                                              "exist"):
+        create_model_app({"e0": ddm / "expert_0", "e1": missing})
+    with pytest.raises(CheckpointError, match=f"member e1: {re.escape(str(a_file))} is a file, "
+                                              "not a checkpoint directory"):
+        create_model_app({"e0": ddm / "expert_0", "e1": a_file})
+
+
 @pytest.mark.parametrize("specs,problem", [
     (["e0"], "'e0' is not NAME=DIR"),
     (["E0=/x"], "the name 'E0' must match"),
@@ -97,3 +113,19 @@ def test_a_broken_label_checkpoint_is_refused_naming_its_member(ddm, tmp_path):
 def test_bad_members_are_refused_naming_them(specs, problem):
     with pytest.raises(ValueError, match=problem.replace("(", r"\(")):
         parse_members(specs)
+
+
+@pytest.mark.parametrize("options,problem", [
+    ({"max_batch": 0}, f"max_batch must be in 1..{MAX_BATCH}, got 0"),
+    ({"max_batch": MAX_BATCH + 1}, f"max_batch must be in 1..{MAX_BATCH}, got {MAX_BATCH + 1}"),
+    ({"max_delay_ms": -1.0}, f"max_delay_ms must be in 0..{MAX_DELAY_MS}, got -1.0"),
+    ({"max_delay_ms": float("inf")}, f"max_delay_ms must be in 0..{MAX_DELAY_MS}, got inf"),
+    ({"max_delay_ms": float("nan")}, f"max_delay_ms must be in 0..{MAX_DELAY_MS}, got nan"),
+])
+def test_batching_beyond_a_deployments_bounds_is_refused_before_loading(options, problem):
+    """A server's batch and delay are held to the spec's maxBatch and maxDelayMs: a larger
+    batch would be ready yet refused by every router (its /v1/info is out of bounds), and an
+    endless delay would hold a lone request forever."""
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        ServingOptions(**options)
+    assert ServingOptions(max_batch=MAX_BATCH, max_delay_ms=MAX_DELAY_MS).max_batch == MAX_BATCH

@@ -229,6 +229,30 @@ def test_two_members_of_one_name_are_refused() -> None:
                for p in _problems(raw))
 
 
+def test_a_text_ddms_experts_batch_a_guided_row_so_their_max_batch_is_2_or_more() -> None:
+    """A guided row runs as two forward rows (with its unconditional twin), and any request
+    may ask for guidance: at maxBatch 1 every guided generation would be refused (422)."""
+    raw = _paris(experts=2)
+    raw["pools"][0]["maxBatch"] = 1
+    assert _problems(raw) == [
+        "spec.pools[0].maxBatch: 1 cannot hold a guided row, which runs as 2 forward rows "
+        "(the row and its unconditional twin); a text DDM's experts need 2 or more"]
+    raw["pools"][0]["maxBatch"] = 2
+    parse_spec(raw)
+    # An expert of its own, likewise; a pool of stages only, or of a label DDM, may take 1.
+    raw["experts"][0] = {"name": "expert-0", "checkpoint": {"uri": "image:///e0"},
+                         "maxBatch": 1}
+    raw["pools"].append({"name": "stages", "maxBatch": 1})
+    raw["decoder"]["pool"] = "stages"
+    assert _problems(raw) == [
+        "spec.experts[0].maxBatch: 1 cannot hold a guided row, which runs as 2 forward rows "
+        "(the row and its unconditional twin); a text DDM's experts need 2 or more"]
+    label = {"sampling": {"strategy": "oracle"}, "pools": [{"name": "cpu", "maxBatch": 1}],
+             "experts": [{"name": "a", "checkpoint": {"uri": "image:///a"}, "classes": [0],
+                          "pool": "cpu"}], "numClasses": 1}
+    parse_spec(label)
+
+
 def test_a_label_ddms_experts_join_a_pool() -> None:
     """The one model server holds label checkpoints too (issue 36)."""
     raw = {"sampling": {"strategy": "oracle"},

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXPERT_PORT,
-                               MAX_CONTEXT_CACHE_BYTES, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
-                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING, compile_refusal)
+                               MAX_BATCH, MAX_CONTEXT_CACHE_BYTES, MAX_DELAY_MS, MAX_STEPS,
+                               PRECISIONS, SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS,
+                               SERVER_MAX_PENDING, compile_refusal)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.http.server import ServerControl
 from ddm.models.stages import Stage, load_stage
@@ -80,11 +81,16 @@ class ServingOptions:
         refusal = compile_refusal(self.compile, self.backend)
         if refusal is not None:
             raise ValueError(f"--{refusal}")
-        for name in ("max_batch", "max_steps", "max_pending"):
+        for name in ("max_steps", "max_pending"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.max_delay_ms >= 0:
-            raise ValueError(f"max_delay_ms must be >= 0, got {self.max_delay_ms}")
+        # A deployment's bounds (its maxBatch, maxDelayMs): a router refuses the report of a
+        # larger batch, and a request would wait out a longer delay alone.
+        if not 1 <= self.max_batch <= MAX_BATCH:
+            raise ValueError(f"max_batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
+        if not 0 <= self.max_delay_ms <= MAX_DELAY_MS:
+            raise ValueError(f"max_delay_ms must be in 0..{MAX_DELAY_MS}, got "
+                             f"{self.max_delay_ms}")
         if not 1 <= self.context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES:
             raise ValueError(f"the context cache takes 1..{MAX_CONTEXT_CACHE_BYTES} bytes, got "
                              f"{self.context_cache_bytes}")

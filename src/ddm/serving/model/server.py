@@ -126,6 +126,9 @@ def load_member(directory: str | os.PathLike[str], options: ServingOptions, hook
     """The checkpoint in ``directory`` (a stage checkpoint, or a label checkpoint: an expert)
     as a member, not loaded yet; its declared role must be one of ``roles``."""
     path = Path(directory)
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file, not a checkpoint directory" if path.exists()
+                              else f"{path} does not exist")
     declared = read_stage_declaration(path)
     if declared.role not in roles:
         raise CheckpointError(f"{path} is a stage of role {declared.role}; this command "
