@@ -234,6 +234,30 @@ def test_the_router_reaches_a_member_behind_the_pool_s_token(stages, tmp_path):
     assert info.cluster == 1 and velocity.shape == (2, *info.image_shape)
 
 
+def test_a_member_the_pool_does_not_hold_is_named_to_the_router(pool):
+    """A router.yaml naming a member the pool does not hold (a typo): the pool's 404 says which
+    it holds, and the router refuses that report at once, with the reason, instead of waiting
+    for a member that will never be ready."""
+    held = "this pool holds no member 'expert-9'; it holds " + ", ".join(MEMBERS)
+    for method, path in (("GET", "readyz"), ("GET", "info"), ("POST", "velocity")):
+        reply = httpx.request(method, f"{pool}/v1/members/expert-9/{path}", content=b"")
+        assert (reply.status_code, reply.json()) == (404, {"detail": held}), path
+    settings = PoolSettings(connect_s=2.0, attempt_s=30.0, deadline_s=READY_S,
+                            health_interval_s=0.2)
+    discovery = StaticDiscovery((pool.removeprefix("http://"),), "expert-9")
+
+    async def refused() -> str:
+        async with ExpertPool.discovered({"e": discovery}, settings) as experts:
+            deadline = time.monotonic() + READY_S
+            while experts.invalid_report("e") is None:
+                assert time.monotonic() < deadline, "the router never refused the report"
+                await asyncio.sleep(0.02)
+            return experts.invalid_report("e")
+
+    assert asyncio.run(refused()) == (f"{pool.removeprefix('http://')}: "
+                                      f"/v1/members/expert-9/readyz answered 404: {held}")
+
+
 def pooled_config(stages: Path, endpoint: str) -> RouterConfigFile:
     """router.yaml with every expert and stage a member of the pool at ``endpoint``."""
     raw = text_config(stages, {f"expert_{k}": endpoint for k in range(EXPERTS)},

@@ -59,7 +59,7 @@ from ddm.serving.model.pool_step import pool_step_routes
 from ddm.serving.model.routes import (SERVING_LOOPS, Binary, ModelState, lifespan_app,
                                      model_routes, readiness)
 from ddm.serving.model.stage import StageMember
-from ddm.serving.wire.paths import model_paths
+from ddm.serving.wire.paths import MEMBERS_PREFIX, model_paths
 from ddm.termination import fail_start
 from ddm.threads import CpuShare, cap_malloc_arenas
 
@@ -200,9 +200,18 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
 
 def _member_routes(members: Mapping[str, Member], draining: Callable[[], bool] | None,
                    app: FastAPI) -> None:
-    """Each member's ``info`` and ``readyz`` (the member's own ``velocity`` is binary)."""
+    """Each member's ``info`` and ``readyz`` (the member's own ``velocity`` is binary), and a
+    404 naming the members for any other name under ``/v1/members/`` (a router.yaml's typo)."""
     for name, member in members.items():
         _add_member_routes(app, name, member, draining)
+    held = ", ".join(members)
+
+    async def no_such_member(name: str, rest: str) -> JSONResponse:
+        return JSONResponse({"detail": f"this pool holds no member {name!r}; it holds {held}"},
+                            404)
+
+    app.add_api_route(f"{MEMBERS_PREFIX}{{name}}/{{rest:path}}", no_such_member,
+                      methods=["GET", "POST"], include_in_schema=False)
 
 
 def _add_member_routes(app: FastAPI, name: str, member: Member,

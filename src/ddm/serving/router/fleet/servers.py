@@ -436,6 +436,9 @@ class ModelServers:
             # With the token: a pool member's readyz is under /v1, which auth guards.
             ready = await self._get(replica, paths.readyz, MAX_EXPERT_PROBE_BYTES,
                                     self._authorization())
+            if ready.status == 404:  # not a model that is loading: none it serves (a typo)
+                raise InvalidReport(f"{paths.readyz} answered 404: "
+                                    f"{_detail(paths.readyz, ready.body)}")
             if ready.status != 200:
                 raise ValueError(f"{paths.readyz} answered {ready.status}")
             if replica.state is not ReplicaState.READY or replica.info is None:
@@ -505,6 +508,15 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, TimeoutError):
         return "no answer in time"
     return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+def _detail(path: str, body: bytes) -> str:
+    """What an error reply says: its JSON ``detail``, else its first 200 characters."""
+    try:
+        detail = decode_json(path, body).get("detail")
+    except (FetchError, AttributeError):
+        detail = None
+    return detail if isinstance(detail, str) else body[:200].decode("utf-8", "replace")
 
 
 def _last_errors(replicas: ReplicaSet) -> str:
