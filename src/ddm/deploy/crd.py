@@ -209,8 +209,8 @@ POD_FIELDS: dict[str, Field] = {
 MEMBER_NAME = String(min_length=1, max_length=MAX_EXPERT_NAME_LENGTH, pattern=EXPERT_NAME_PATTERN)
 POOL = MEMBER_NAME.described(
     "The pool (spec.pools[].name) that serves this component: it then has no placement, "
-    "accelerator, replicas, resources, image, nodeSelector, tolerations or affinity of its own "
-    "(text DDMs only).")
+    "accelerator, replicas, resources, image, nodeSelector, tolerations or affinity of its "
+    "own.")
 MAX_BATCH_FIELD = Integer(
     description="Largest batch the server runs at once (per pool member).",
     minimum=1, maximum=limits.MAX_BATCH)
@@ -249,7 +249,8 @@ def _scaling_rules(description: str, default: scaling.ScalingRules) -> Object:
 
 
 AUTOSCALING = Object(
-    description="The operator sets the expert's replicas from the routers' demand (replicas "
+    description="The operator sets the expert's (or pool's) replicas from the routers' "
+                "demand (replicas "
                 "is then ignored): enough replicas for target.rowsPerSecond routed rows per "
                 "second each, between minReplicas and maxReplicas, changed as behavior allows "
                 "(the HorizontalPodAutoscaler's rules). With minReplicas 0 the expert runs no "
@@ -419,8 +420,8 @@ SPEC = Object(required=("experts",), properties={
         description="Model servers that each hold several of the DDM's components on one "
                     "accelerator: one Deployment per pool, one process per replica (ddm serve "
                     "pool), which the experts, textEncoder, decoder and router.network that "
-                    "name it in their pool field join (text DDMs only; their stage "
-                    "checkpoints). A pool's members share one backend and one precision. An "
+                    "name it in their pool field join (a label DDM's experts too). A "
+                    "pool's members share one backend and one precision. An "
                     "autoscaled pool follows the sum of its member experts' demand "
                     "(docs/autoscaling.md).",
         max_items=MAX_POOLS, map_keys=("name",)),
