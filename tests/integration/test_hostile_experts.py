@@ -1,7 +1,8 @@
 """Hostile experts against a real router process (``ddm serve router``) on loopback: fake experts,
 small real HTTP servers in this process, report ``max_batch: 0`` or ``-1``, a huge image shape,
-stream a 400 MB ``/readyz`` body, refuse a request with their own text, or answer far more
-than was asked. The router stays
+stream a 400 MB ``/readyz`` body, answer it 404 with a long text of their own (no such model:
+a router.yaml's typo), refuse a request with their own text, or answer far more than was
+asked. The router stays
 within a memory bound (its peak resident memory, ``VmHWM``), answers generations needing such an
 expert with a 503 naming it (never a 500; a refusal of the request's values, the expert's 422,
 is the client's 422), keeps serving the others, repeats none of the
@@ -67,6 +68,7 @@ class FakeExpert:
 
     info: dict[str, Any]
     readyz_bytes: int = 0  # > 0: /readyz streams that many bytes (no Content-Length)
+    not_found: str | None = None  # /readyz answers a 404 with this detail
     refusal: str | None = None  # /v1/velocity answers a 422 with this text
     answer_shape: tuple[int, int, int] | None = None  # /v1/velocity answers rows of this shape
     streamed: int = 0  # bytes of huge /readyz bodies generated so far
@@ -74,6 +76,8 @@ class FakeExpert:
 
     def app(self) -> Starlette:
         async def readyz(request: Request) -> Response:
+            if self.not_found is not None:
+                return JSONResponse({"detail": self.not_found}, 404)
             if not self.readyz_bytes:
                 return JSONResponse({"status": "ready"})
             return StreamingResponse(self._huge(request, self.readyz_bytes),
@@ -192,7 +196,9 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
              "huge-shape": FakeExpert(_info(3, image_shape=[1, 100_000, 100_000])),
              "huge-readyz": FakeExpert(_info(4)),
              "rude": FakeExpert(_info(5), refusal=MARKER),
-             "bloated": FakeExpert(_info(6), answer_shape=(1, 512, 512))}
+             "bloated": FakeExpert(_info(6), answer_shape=(1, 512, 512)),
+             # It serves no such model (a 404): refused at once, its text cut in the log.
+             "absent": FakeExpert(_info(7), not_found=f"{MARKER}\nforged log line" + "x" * 5000)}
     with _router(tmp_path, fakes) as router:
         _wait_for("ready", lambda: httpx.get(f"{router.url}/readyz").status_code == 200)
         assert router.generate(0).status_code == 200  # warm: a generation end to end
@@ -203,7 +209,7 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
                   lambda: _replica_states(router)["huge-readyz"] == ["down"])
         _wait_for("done streaming", lambda: fakes["huge-readyz"].streams_ended > 0)
 
-        for name in ("zero-batch", "negative-batch", "huge-shape", "huge-readyz"):
+        for name in ("zero-batch", "negative-batch", "huge-shape", "huge-readyz", "absent"):
             _refused(router, name)
         rude = router.generate(5)
         assert rude.status_code == 422 and rude.json() == {"expert": "rude", "detail": REFUSED}
@@ -212,7 +218,8 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
         readyz = httpx.get(f"{router.url}/readyz")
         assert readyz.status_code == 200 and readyz.json() == {
             "status": "degraded",
-            "missing_experts": ["zero-batch", "negative-batch", "huge-shape", "huge-readyz"]}
+            "missing_experts": ["zero-batch", "negative-batch", "huge-shape", "huge-readyz",
+                                "absent"]}
         bloated = router.generate(6)  # a reply 4096 times what was asked, refused unread
         assert bloated.status_code == 503 and bloated.json() == {
             "expert": "bloated", "detail": "expert bloated: unavailable: no replica gave a "
@@ -239,8 +246,10 @@ def test_hostile_reports_are_503s_naming_the_expert_within_a_memory_bound(tmp_pa
                       ("huge-shape", "image_shape must be (C, H, W)"),
                       ("huge-readyz", f"/readyz sent a body over the {MAX_EXPERT_PROBE_BYTES} "
                                       "bytes the router reads"),
-                      ("rude", MARKER), ("bloated", "this request can be answered with")):
+                      ("rude", MARKER), ("bloated", "this request can be answered with"),
+                      ("absent", f"/readyz answered 404: {MARKER}?forged log line" + "x" * 10)):
         assert f"expert {name}" in log and why in log, (name, log[-3000:])
+    assert "\nforged log line" not in log and "x" * 200 not in log  # one line, cut
     assert "Traceback" not in log, log[-3000:]  # a 500 logs one (access lines are not logged)
 
 

@@ -250,13 +250,13 @@ def _scaling_rules(description: str, default: scaling.ScalingRules) -> Object:
 
 AUTOSCALING = Object(
     description="The operator sets the expert's (or pool's) replicas from the routers' "
-                "demand (replicas "
-                "is then ignored): enough replicas for target.rowsPerSecond routed rows per "
-                "second each, between minReplicas and maxReplicas, changed as behavior allows "
-                "(the HorizontalPodAutoscaler's rules). With minReplicas 0 the expert runs no "
-                "pod while idle and is started when a step needs it; set router.missingExpert "
-                "to wait or reroute. One expert of the DDM at least must keep a replica (the "
-                "router needs a ready expert to serve at all). docs/autoscaling.md.",
+                "demand (replicas is then ignored): enough replicas for target.rowsPerSecond "
+                "routed rows per second each, between minReplicas and maxReplicas, changed as "
+                "behavior allows (the HorizontalPodAutoscaler's rules). With minReplicas 0 the "
+                "expert runs no pod while idle and is started when a step needs it; set "
+                "router.missingExpert to wait or reroute. One expert of the DDM at least must "
+                "keep a replica (the router needs a ready expert to serve at all). "
+                "docs/autoscaling.md.",
     required=("minReplicas", "maxReplicas"), properties={
         "minReplicas": Integer(minimum=0, maximum=limits.MAX_REPLICAS),
         "maxReplicas": Integer(minimum=1, maximum=limits.MAX_REPLICAS),

@@ -511,12 +511,14 @@ def _describe(error: BaseException) -> str:
 
 
 def _detail(path: str, body: bytes) -> str:
-    """What an error reply says: its JSON ``detail``, else its first 200 characters."""
+    """What a peer's error reply says (its JSON ``detail``, else its body), cut to 200
+    characters, anything unprintable made ``?``: it goes into logs and errors."""
     try:
         detail = decode_json(path, body).get("detail")
     except (FetchError, AttributeError):
         detail = None
-    return detail if isinstance(detail, str) else body[:200].decode("utf-8", "replace")
+    text = detail if isinstance(detail, str) else body[:200].decode("utf-8", "replace")
+    return "".join(c if c.isprintable() else "?" for c in text[:200])
 
 
 def _last_errors(replicas: ReplicaSet) -> str:
