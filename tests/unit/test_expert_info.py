@@ -65,6 +65,10 @@ def test_the_largest_valid_report_is_accepted():
                           "for labels)"),
     ({"wire_dtype": "int8"}, "wire_dtype must be one of float32, bfloat16, float16"),
     ({"cluster": 16}, "cluster must be an integer in 0..15 or null, got 16"),
+    # A guided row of a text expert runs as 2 forward rows: a batch of 1 holds none.
+    ({"conditioning": "text", "text_width": 768, "classes": [], "max_batch": 1},
+     "max_batch must be at least 2 for a text expert (a guided row runs as 2 forward rows), "
+     "got 1"),
 ])
 def test_a_report_out_of_bounds_or_of_the_wrong_type_is_refused_naming_the_field(changes, named):
     with pytest.raises(InvalidReport) as refused:

@@ -93,6 +93,13 @@ SERVER_MAX_PENDING = 256
 #: An expert server's images per model call (the spec's ``maxBatch``) and its batching wait.
 MAX_BATCH = 4096
 MAX_DELAY_MS = 10_000
+#: The longest batching wait a model server takes (``--max-delay-ms``): a deployment's is at
+#: most MAX_DELAY_MS; tests batch across requests with longer ones, and a wait past the
+#: thread timers' limit would fail in the batching thread.
+MAX_SERVER_DELAY_MS = 3_600_000
+#: Forward rows per guided row of a text expert (the row and its unconditional twin): any
+#: request may ask for guidance, so a text expert's ``max_batch`` must hold this many.
+GUIDED_FORWARD_ROWS = 2
 MAX_ACCELERATOR_COUNT = 32
 #: The largest tensor an exported torch program may compute at a batch (``ddm.models.
 #: torch_program.check_memory``, on fake tensors before it runs): this multiple of the batch's

@@ -42,6 +42,7 @@ from ddm.deploy.limits import (
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
     FRAMEWORKS,
+    GUIDED_FORWARD_ROWS,
     MAX_ACCELERATOR_COUNT,
     MAX_BATCH,
     MAX_CLASS,
@@ -653,14 +654,15 @@ def _conditioning_problems(spec: DDMSpec) -> list[str]:
     found = [f"spec.experts[{i}].classes: only for conditioning: labels (a text DDM's experts "
              "own clusters of images, not labels)"
              for i, expert in enumerate(spec.experts) if expert.classes]
-    # Any request may ask for guidance, and a guided row runs as two forward rows.
-    batching = [*(f"spec.experts[{i}]" for i, e in enumerate(spec.experts)
-                  if e.pool is None and e.max_batch == 1),
-                *(f"spec.pools[{j}]" for j, p in enumerate(spec.pools) if p.max_batch == 1
-                  and any(e.pool == p.name for e in spec.experts))]
-    found.extend(f"{path}.maxBatch: 1 cannot hold a guided row, which runs as 2 forward rows "
-                 "(the row and its unconditional twin); a text DDM's experts need 2 or more"
-                 for path in batching)
+    # Any request may ask for guidance, and a guided row runs as GUIDED_FORWARD_ROWS rows.
+    batching = [*((f"spec.experts[{i}]", e.max_batch) for i, e in enumerate(spec.experts)
+                  if e.pool is None),
+                *((f"spec.pools[{j}]", p.max_batch) for j, p in enumerate(spec.pools)
+                  if any(e.pool == p.name for e in spec.experts))]
+    found.extend(f"{path}.maxBatch: {rows} cannot hold a guided row, which runs as "
+                 f"{GUIDED_FORWARD_ROWS} forward rows (the row and its unconditional twin); a "
+                 f"text DDM's experts need {GUIDED_FORWARD_ROWS} or more"
+                 for path, rows in batching if rows is not None and rows < GUIDED_FORWARD_ROWS)
     if spec.text_encoder is None:
         found.append("spec.textEncoder: conditioning: text needs the text encoder that turns "
                      "prompts into the experts' embeddings")

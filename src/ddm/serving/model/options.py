@@ -12,15 +12,14 @@ wrong flag fails before anything loads.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXPERT_PORT,
-                               MAX_BATCH, MAX_CONTEXT_CACHE_BYTES, MAX_STEPS,
-                               PRECISIONS, SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS,
+                               MAX_BATCH, MAX_CONTEXT_CACHE_BYTES, MAX_SERVER_DELAY_MS,
+                               MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS,
                                SERVER_MAX_PENDING, compile_refusal)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.http.server import ServerControl
@@ -89,9 +88,8 @@ class ServingOptions:
         # batch, so such a server would be ready yet unused.
         if not 1 <= self.max_batch <= MAX_BATCH:
             raise ValueError(f"max_batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
-        # An endless delay would hold a lone request forever.
-        if not (math.isfinite(self.max_delay_ms) and self.max_delay_ms >= 0):
-            raise ValueError(f"max_delay_ms must be a finite number >= 0, got "
+        if not 0 <= self.max_delay_ms <= MAX_SERVER_DELAY_MS:
+            raise ValueError(f"max_delay_ms must be in 0..{MAX_SERVER_DELAY_MS}, got "
                              f"{self.max_delay_ms}")
         if not 1 <= self.context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES:
             raise ValueError(f"the context cache takes 1..{MAX_CONTEXT_CACHE_BYTES} bytes, got "

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from ddm.conditioning import LABELS, TEXT
-from ddm.deploy.limits import (MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH, MAX_EXPERT_TEXT,
-                               MAX_EXPERTS, MAX_IMAGE_CHANNELS, MAX_IMAGE_SIDE,
-                               MAX_NUM_CLASSES, MAX_TEXT_WIDTH, PRECISIONS)
+from ddm.deploy.limits import (GUIDED_FORWARD_ROWS, MAX_BATCH, MAX_CLASS, MAX_EXPERT_INFO_DEPTH,
+                               MAX_EXPERT_TEXT, MAX_EXPERTS, MAX_IMAGE_CHANNELS,
+                               MAX_IMAGE_SIDE, MAX_NUM_CLASSES, MAX_TEXT_WIDTH, PRECISIONS)
 from ddm.data.partition import partition_sha256
 from ddm.deploy.router_config import Discovery, DnsDiscovery
 from ddm.serving.wire.paths import ModelPaths, model_paths
@@ -141,8 +141,9 @@ class ExpertInfo:
     @property
     def rows_per_call(self) -> int:
         """Rows a call may carry: a text expert runs each guided row twice, so half its
-        ``max_batch`` (every row may be guided)."""
-        return max(1, self.max_batch // 2) if self.conditioning == TEXT else self.max_batch
+        ``max_batch`` (every row may be guided; :meth:`from_json` refuses less than a row)."""
+        return (max(1, self.max_batch // GUIDED_FORWARD_ROWS) if self.conditioning == TEXT
+                else self.max_batch)
 
     #: The sha256 of the partition's scheme (:func:`hash_scheme`), hashed once when made
     #: (``dataclasses.replace`` carries it over): the router compares it at every ``/readyz``
@@ -181,6 +182,9 @@ class ExpertInfo:
         conditioning = raw.get("conditioning", LABELS)
         require(conditioning in (LABELS, TEXT), f"conditioning must be {LABELS!r} or "
                                                 f"{TEXT!r}, got {_shown(conditioning)}")
+        require(conditioning == LABELS or max_batch >= GUIDED_FORWARD_ROWS,
+                f"max_batch must be at least {GUIDED_FORWARD_ROWS} for a text expert (a guided "
+                f"row runs as {GUIDED_FORWARD_ROWS} forward rows), got {max_batch}")
         text_width = raw.get("text_width")
         require(text_width is None if conditioning == LABELS else (
             type(text_width) is int and 1 <= text_width <= MAX_TEXT_WIDTH),
