@@ -242,6 +242,13 @@ def test_a_member_the_pool_does_not_hold_is_named_to_the_router(pool):
     for method, path in (("GET", "readyz"), ("GET", "info"), ("POST", "velocity")):
         reply = httpx.request(method, f"{pool}/v1/members/expert-9/{path}", content=b"")
         assert (reply.status_code, reply.json()) == (404, {"detail": held}), path
+    # A member it holds: a route it lacks, or one of its routes with the other method.
+    for method, path, status, detail in (
+            ("GET", "bogus", 404, "member 'expert-0' has no route 'bogus'; it has velocity, "
+                                  "info, readyz"),
+            ("POST", "readyz", 405, "use GET"), ("GET", "velocity", 405, "use POST")):
+        reply = httpx.request(method, f"{pool}/v1/members/expert-0/{path}", content=b"")
+        assert (reply.status_code, reply.json()["detail"]) == (status, detail), path
     settings = PoolSettings(connect_s=2.0, attempt_s=30.0, deadline_s=READY_S,
                             health_interval_s=0.2)
     discovery = StaticDiscovery((pool.removeprefix("http://"),), "expert-9")

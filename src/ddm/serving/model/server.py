@@ -205,12 +205,19 @@ def _member_routes(members: Mapping[str, Member], draining: Callable[[], bool] |
     for name, member in members.items():
         _add_member_routes(app, name, member, draining)
     held = ", ".join(members)
+    served = {"velocity": "POST", "info": "GET", "readyz": "GET"}
 
-    async def no_such_member(name: str, rest: str) -> JSONResponse:
-        return JSONResponse({"detail": f"this pool holds no member {name!r}; it holds {held}"},
-                            404)
+    async def no_such_route(name: str, rest: str) -> JSONResponse:
+        if name not in members:
+            return JSONResponse(
+                {"detail": f"this pool holds no member {name!r}; it holds {held}"}, 404)
+        if rest in served:  # a held member's route, asked with the other method
+            return JSONResponse({"detail": f"use {served[rest]}"}, 405,
+                                {"allow": served[rest]})
+        return JSONResponse({"detail": f"member {name!r} has no route {rest!r}; it has "
+                                       f"{', '.join(served)}"}, 404)
 
-    app.add_api_route(f"{MEMBERS_PREFIX}{{name}}/{{rest:path}}", no_such_member,
+    app.add_api_route(f"{MEMBERS_PREFIX}{{name}}/{{rest:path}}", no_such_route,
                       methods=["GET", "POST"], include_in_schema=False)
 
 
