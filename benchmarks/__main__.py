@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="check the command on the CPU: the small release, 2 steps, 1 and 2 "
                         "prompts")
+    p.add_argument("--part", choices=("all", "eager", "compiled"), default="all",
+                   help="eager: the pool eager and in-process sampling; compiled: the pool "
+                        "under reduce-overhead (each fits one device call); default all")
     p.set_defaults(handler=_gpu_check)
 
     p = kinds.add_parser("grouped", help="the shipped text2img experts as one grouped forward "
@@ -147,9 +150,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _gpu_check(args: argparse.Namespace) -> int:
     from benchmarks.fleet import BenchError
     from benchmarks.gpu_check import default_out, gpu_check
+    from ddm.termination import sigterm_handled
+
+    def stop(signum: int, frame: object) -> None:
+        # Unwinds through the running deployment, which stops the servers it started.
+        raise SystemExit(128 + signum)
 
     try:
-        return gpu_check(args.out or default_out(), quick=args.quick)
+        with sigterm_handled(stop):
+            return gpu_check(args.out or default_out(), quick=args.quick, part=args.part)
     except BenchError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 1

@@ -18,6 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 NAMES = ROOT / "benchmarks" / "device-wheels.txt"
+#: What the device image already holds (what the carried wheels may require without carrying).
+IMAGE = ROOT / "benchmarks" / "device-image-packages.txt"
 WHEELS = ROOT / ".whl"
 #: The device machine's Python and platforms (the device tool's README).
 PYTHON_VERSION = "3.12"
@@ -28,7 +30,8 @@ TRAVEL_LIMIT_BYTES = 64 * 2**20
 
 
 def wanted(text: str) -> list[str]:
-    """The package names of a device-wheels.txt (one per line; ``#`` starts a comment)."""
+    """The package names of a device-wheels.txt or device-image-packages.txt (one per line;
+    ``#`` starts a comment)."""
     return [line.split("#", 1)[0].strip() for line in text.splitlines()
             if line.split("#", 1)[0].strip()]
 

@@ -1,43 +1,52 @@
 #!/usr/bin/env bash
-# Issue 37's GPU check as the lent device machine runs it (docs/paris.md, "Paris on one GPU"):
+# Issue 37's GPU check as the lent device machine runs it (docs/paris.md, "Paris on one GPU").
+# Here, first: `make device-wheels` (what the device image lacks, as wheels in .whl/). There,
+# two calls, the second on the machine the first left warm:
 #
-#   make device-wheels                      # here, first: what the device image lacks, in .whl/
-#   run(command="bash benchmarks/gpu-check.sh", carry=[".whl"], timeout_s=580)
+#   run(command="DDM_GPU_CHECK_S=380 bash benchmarks/gpu-check.sh --part eager",
+#       carry=[".whl"], timeout_s=420)
+#   run(command="DDM_GPU_CHECK_S=<what is left> bash benchmarks/gpu-check.sh --part compiled",
+#       carry=[".whl"], timeout_s=<that + 40>)
 #
 # It installs the carried wheels beside the image's own packages (its PyTorch, transformers,
 # JAX...), checks that every module the check loads imports, then runs
-# `python -m benchmarks gpu-check` with this checkout's sources. $OUT receives gpu-check.json
-# (rewritten after each deployment), nvidia-smi.txt and log.txt; without $OUT, out/gpu-check.
-# Arguments go to gpu-check: `--quick` runs the same thing small on the CPU. PYTHON,
-# DDM_DEVICE_WHEELS and DDM_DEVICE_SITE override the interpreter, the wheels' folder (.whl/)
-# and where they are installed.
+# `python -m benchmarks gpu-check` with this checkout's sources, stopped (its servers too) after
+# DDM_GPU_CHECK_S seconds (default 540), before the device kills everything. $OUT receives
+# gpu-check.json (rewritten after each deployment), nvidia-smi.txt and log.txt; without $OUT,
+# out/gpu-check. Arguments go to gpu-check. On any machine, with this checkout's venv and no
+# wheels: `PYTHON=.venv/bin/python DDM_DEVICE_WHEELS= bash benchmarks/gpu-check.sh --quick`.
+# PYTHON, DDM_DEVICE_WHEELS (empty: none) and DDM_DEVICE_SITE override the interpreter, the
+# wheels' folder (.whl/) and where they are installed.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=${OUT:-$root/out/gpu-check}
 python=${PYTHON:-python3}
-wheelhouse=${DDM_DEVICE_WHEELS:-$root/.whl}
+wheelhouse=${DDM_DEVICE_WHEELS-$root/.whl}
 site=${DDM_DEVICE_SITE:-/tmp/ddm-device-site}
-mkdir -p "$out"
-exec > >(tee "$out/log.txt") 2>&1
+deadline=${DDM_GPU_CHECK_S:-540}
 
-shopt -s nullglob
-wheels=("$wheelhouse"/*.whl)
-if ((${#wheels[@]})); then
-  echo "gpu-check.sh: installing ${#wheels[@]} carried wheels into $site"
-  "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$site" "${wheels[@]}"
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# Absolute paths: ddm up's servers and the in-process child start in other directories.
-export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-# JAX is on the device image; should anything start its CUDA backend, it must not take 75% of
-# the GPU before PyTorch's servers load.
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+check() {
+  shopt -s nullglob
+  local wheels=()
+  [[ -n $wheelhouse ]] && wheels=("$wheelhouse"/*.whl)
+  if ((${#wheels[@]})); then
+    echo "gpu-check.sh: installing ${#wheels[@]} carried wheels into $site"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "${wheels[@]}"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    echo "gpu-check.sh: pip check (for the record: the image's own packages may disagree too)"
+    "$python" -m pip check || true
+  fi
+  # Absolute paths: ddm up's servers and the in-process child start in other directories.
+  export PYTHONPATH="$root/src:$root${PYTHONPATH:+:$PYTHONPATH}"
+  export PYTHONUNBUFFERED=1
+  # JAX is on the device image; should anything start its CUDA backend, it must not take 75%
+  # of the GPU before PyTorch's servers load.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
-# Seconds, not minutes of device time, to learn that a package is missing.
-"$python" - <<'EOF'
+  # Seconds, not minutes of device time, to learn that a package is missing.
+  "$python" - <<'EOF'
 import importlib, sys
 
 modules = ("torch", "diffusers", "transformers", "tokenizers", "safetensors", "fastapi",
@@ -59,5 +68,16 @@ print(f"gpu-check.sh: Python {sys.version.split()[0]}, PyTorch {torch.__version_
       f"CUDA {torch.cuda.is_available()}", flush=True)
 EOF
 
-cd "$root"
-"$python" -m benchmarks gpu-check --out "$out" "$@"
+  cd "$root"
+  local status=0
+  # SIGTERM at the deadline: gpu-check stops the servers it started, then exits 124 here.
+  timeout -s TERM -k 30 "$deadline" "$python" -m benchmarks gpu-check --out "$out" "$@" \
+    || status=$?
+  if ((status == 124)); then
+    echo "gpu-check.sh: stopped at its deadline of $deadline s (DDM_GPU_CHECK_S): $out/gpu-check.json holds what was measured (\"complete\": false)"
+  fi
+  return "$status"
+}
+
+mkdir -p "$out"
+check "$@" 2>&1 | tee "$out/log.txt"

@@ -1,5 +1,6 @@
 """``python -m benchmarks gpu-check``: issue 37's GPU check as one command, for a session that
-is lent an NVIDIA device (it should finish within 10 minutes on an H200).
+is lent an NVIDIA device; ``benchmarks/gpu-check.sh`` is how the device machine runs it, in
+two parts (``--part eager``, then ``--part compiled``) that each end within one call.
 
 It prints ``nvidia-smi``, then runs ``paris-pools`` (:mod:`benchmarks.paris_pools`) on a
 full-size Paris release with random weights (``tests/support/paris_release.py``'s ``full``:
@@ -7,12 +8,12 @@ eight DiT-XL/2 experts, a DiT-B router network, CLIP ViT-L/14, SD's VAE), import
 ``ddm import paris`` in bf16: every component in one pool on the GPU, eager and with
 ``torch.compile``'s CUDA graphs (``reduce-overhead``), against in-process sampling, top-2,
 50 steps, guidance 7.5, at 1 and 32 concurrent prompts. The figures (images/s, latency
-percentiles, GPU memory per process, the H200 targets judged) go to
+percentiles, GPU memory per process and in all, the H200 targets judged) go to
 ``$OUT/gpu-check.json`` and ``nvidia-smi``'s report to ``$OUT/nvidia-smi.txt`` (``--out``
 overrides ``$OUT``); a summary line per deployment goes to stdout. The JSON is rewritten
 after each deployment (``"complete": false`` until the end), and the deployments run eager
-first, in-process next, compiled last, so that a run stopped at the device's time limit keeps
-what it measured. ``benchmarks/gpu-check.sh`` is how the device machine runs it.
+first, in-process next, compiled last, so that a run stopped at its deadline (SIGTERM, on
+which it stops the servers it started) keeps what it measured.
 
 ``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
 at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
@@ -26,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -44,6 +46,10 @@ QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),
     compile=("none", "reduce-overhead"), max_batch=8,
     load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2))
+#: ``--part``: what each part measures of the settings (all of it, or one call's share).
+PARTS = {"all": {},
+         "eager": {"deployments": ("pooled", "in_process"), "compile": ("none",)},
+         "compiled": {"deployments": ("pooled",), "compile": ("reduce-overhead",)}}
 
 
 def nvidia_smi(required: bool) -> str:
@@ -69,7 +75,8 @@ def summary(result: dict[str, Any]) -> list[str]:
         levels = ", ".join(f"{level} prompts {f['images_per_s']:.2f} images/s "
                            f"p50 {f['latency_s']['p50']:.3f} s"
                            for level, f in figures["levels"].items())
-        gpu = figures.get("gpu_memory_mib") or figures.get("cuda_peak_mib")
+        gpu = (figures.get("gpu_memory_mib") or figures.get("gpu_memory_used_mib")
+               or figures.get("cuda_peak_mib"))
         lines.append(f"{name}: {levels}" + (f"; GPU MiB {gpu}" if gpu else ""))
     for name, target in result.get("targets", {}).items():
         lines.append(f"target {name}: {target['value']} {target['comparison']} "
@@ -77,11 +84,14 @@ def summary(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def gpu_check(out: Path, quick: bool = False, log: TextIO = sys.stderr,
+def gpu_check(out: Path, quick: bool = False, part: str = "all", log: TextIO = sys.stderr,
               report: TextIO = sys.stdout) -> int:
-    """Run the check, write ``out``/gpu-check.json and ``out``/nvidia-smi.txt, print the
-    summary; 0 once the figures are written (targets met or not: the JSON says)."""
-    settings = QUICK_CHECK if quick else GPU_CHECK
+    """Run the check (its ``part``: :data:`PARTS`), write ``out``/gpu-check.json and
+    ``out``/nvidia-smi.txt, print the summary; 0 once the figures are written (targets met or
+    not: the JSON says)."""
+    if part not in PARTS:
+        raise BenchError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
+    settings = replace(QUICK_CHECK if quick else GPU_CHECK, **PARTS[part])
     out.mkdir(parents=True, exist_ok=True)
     smi = nvidia_smi(required=settings.accelerator == "nvidia")
     (out / "nvidia-smi.txt").write_text(smi)

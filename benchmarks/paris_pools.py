@@ -198,8 +198,7 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                 ready_s = READY_TIMEOUT_S if mode == "none" else COMPILED_READY_S
                 with local_ddm(manifest, max(load.concurrency), log, ready_s) as (url, pids):
                     figures = asyncio.run(served(url, pids, load, log))
-                    figures["gpu_memory_mib"] = gpu_memory_mib(pids)
-                    figures["gpu_memory_used_mib"] = gpu_memory_used_mib()
+                    figures.update(gpu_memory(pids))
                 result["deployments"][key] = {"compile": mode, **figures}
             result["targets"] = targets(result)
             if on_figures is not None:
@@ -258,6 +257,18 @@ def nvidia_smi_rows(query: str) -> list[str] | None:
     if done.returncode != 0:
         raise BenchError(f"nvidia-smi failed ({done.returncode}): {done.stderr[-500:]}")
     return done.stdout.strip().splitlines()
+
+
+def gpu_memory(pids: dict[str, int]) -> dict[str, Any]:
+    """The GPU memory of ``pids`` (``gpu_memory_mib``) and of the whole GPU
+    (``gpu_memory_used_mib``), each None without nvidia-smi; a failed reading is recorded
+    (``gpu_memory_error``), not raised, so the deployment's other figures are kept."""
+    try:
+        return {"gpu_memory_mib": gpu_memory_mib(pids),
+                "gpu_memory_used_mib": gpu_memory_used_mib()}
+    except (BenchError, OSError, subprocess.SubprocessError) as error:
+        return {"gpu_memory_mib": None, "gpu_memory_used_mib": None,
+                "gpu_memory_error": str(error)}
 
 
 def gpu_memory_mib(pids: dict[str, int]) -> dict[str, float] | None:

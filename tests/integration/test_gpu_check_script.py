@@ -2,44 +2,67 @@
 wheels it carries (``benchmarks.device_wheels``) and the order ``paris-pools`` measures in.
 
 A device session has 15 minutes in all, so the script must fail in seconds, with the reason,
-where it cannot run, and a run cut short must keep what it measured. These tests run the real
-script on this machine, which has no NVIDIA GPU.
+where it cannot run; a run stopped at its deadline must keep what it measured and leave no
+server behind; and what it carries must need nothing the device's image lacks. These tests
+run the real script on this machine, which has no NVIDIA GPU.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+import zipfile
+from dataclasses import replace
+from importlib.metadata import requires
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
-from benchmarks.device_wheels import NAMES, pinned, wanted
+from benchmarks.device_wheels import IMAGE, NAMES, pinned, wanted
+from benchmarks.fleet import BenchError
+from benchmarks.gpu_check import GPU_CHECK, PARTS, gpu_check
 from benchmarks.paris_pools import ParisPoolSettings, measuring_order
 from ddm.runtime.local import REPOSITORY_ROOT
 
 SCRIPT = REPOSITORY_ROOT / "benchmarks" / "gpu-check.sh"
+#: The device's Python: what a carried package's requirement markers are read against.
+DEVICE_PYTHON = {"python_version": "3.12", "python_full_version": "3.12.3",
+                 "sys_platform": "linux", "platform_system": "Linux",
+                 "platform_machine": "x86_64", "implementation_name": "cpython",
+                 "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+WAIT_S = 300.0
 
 no_nvidia = pytest.mark.skipif(shutil.which("nvidia-smi") is not None,
                                reason="this machine has an NVIDIA GPU: the check would run")
 
 
-def run_script(tmp_path: Path, *args: str, wheels: Path | None = None,
-               pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """The script run from ``tmp_path`` (not the repository), its $OUT under it, with
-    ``wheels`` as its carried wheels (none by default) and ``pythonpath`` as the image's own
-    extra packages."""
-    wheelhouse = wheels or tmp_path / "no-wheels"
-    wheelhouse.mkdir(exist_ok=True)
+def script_env(tmp_path: Path, wheels: Path | None = None,
+               pythonpath: Path | None = None) -> dict[str, str]:
+    """The script's environment: $OUT under ``tmp_path``, this venv's Python, ``wheels`` as its
+    carried wheels (none by default), ``pythonpath`` as the image's own extra packages, and
+    temporary files (the release, the servers' paths) under ``tmp_path``."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable,
-           "DDM_DEVICE_WHEELS": str(wheelhouse), "DDM_DEVICE_SITE": str(tmp_path / "site")}
+           "DDM_DEVICE_WHEELS": str(wheels or ""), "DDM_DEVICE_SITE": str(tmp_path / "site"),
+           "TMPDIR": str(tmp_path / "tmp")}
     env.pop("PYTHONPATH", None)
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return env
+
+
+def run_script(tmp_path: Path, *args: str, **env: Path) -> subprocess.CompletedProcess[str]:
+    """The script run from ``tmp_path`` (not the repository) to its end."""
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=tmp_path,
+                          env=script_env(tmp_path, **env), capture_output=True, text=True,
+                          timeout=WAIT_S)
 
 
 @no_nvidia
@@ -68,46 +91,98 @@ def test_a_missing_package_is_named_before_any_measuring(tmp_path: Path) -> None
 def test_carried_wheels_are_installed_and_come_first(tmp_path: Path) -> None:
     wheels = tmp_path / "wheels"
     wheels.mkdir()
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                            "--no-build-isolation", "--wheel-dir", str(wheels),
-                            str(marker_project(tmp_path))],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
+    write_wheel(wheels / "ddm_device_marker-1.0-py3-none-any.whl", "ddm_device_marker",
+                "ddm_device_marker.py")
     done = run_script(tmp_path, "--help", wheels=wheels)
     assert done.returncode == 0, done.stdout
     assert "installing 1 carried wheels" in done.stdout
     assert (tmp_path / "site" / "ddm_device_marker.py").is_file()
-    assert "usage:" in done.stdout and "--quick" in done.stdout  # gpu-check's own help
+    assert "usage:" in done.stdout and "--part" in done.stdout  # gpu-check's own help
 
 
-def marker_project(tmp_path: Path) -> Path:
-    project = tmp_path / "marker"
-    project.mkdir()
-    (project / "ddm_device_marker.py").write_text("")
-    (project / "pyproject.toml").write_text(
-        '[build-system]\nrequires = ["setuptools"]\nbuild-backend = "setuptools.build_meta"\n'
-        '[project]\nname = "ddm-device-marker"\nversion = "1.0"\n'
-        '[tool.setuptools]\npy-modules = ["ddm_device_marker"]\n')
-    return project
+def write_wheel(path: Path, name: str, module: str) -> None:
+    """A wheel of one empty module, as PEP 427 lays it out."""
+    info = f"{name}-1.0.dist-info"
+    files = {module: "", f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\n"
+                                             "Version: 1.0\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = "".join(f"{file},,\n" for file in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as wheel:
+        for file, text in {**files, f"{info}/RECORD": record}.items():
+            wheel.writestr(file, text)
+
+
+def test_a_check_stopped_by_sigterm_stops_its_servers(tmp_path: Path) -> None:
+    """What the script's deadline sends (``timeout -s TERM``): the deployment under way is
+    stopped, every server with it, and the run exits by the signal."""
+    log_path = tmp_path / "log"
+    with log_path.open("w") as sink:
+        check = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks", "gpu-check", "--quick", "--part", "eager",
+             "--out", str(tmp_path / "out")], cwd=REPOSITORY_ROOT, stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**script_env(tmp_path), "PYTHONPATH": str(REPOSITORY_ROOT / "src")})
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while "pool-all/0 is ready" not in log_path.read_text():
+            assert check.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the pool never started"
+            time.sleep(0.1)
+        servers = processes_naming(tmp_path / "tmp")
+        assert servers, "no server runs from the release under the test's TMPDIR"
+        check.send_signal(signal.SIGTERM)
+        assert check.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        if check.poll() is None:
+            check.kill()
+    assert processes_naming(tmp_path / "tmp") == [], log_path.read_text()[-3000:]
+    assert "all 2 process(es) stopped" in log_path.read_text()  # the pool and the router
+
+
+def processes_naming(path: Path) -> list[int]:
+    """The PIDs of the processes whose command line names ``path``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(path).encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue  # ended meanwhile
+    return found
 
 
 def test_the_device_wheels_are_pinned_to_what_the_tests_ran_with() -> None:
     names = wanted(NAMES.read_text())
     assert {"diffusers", "fastapi", "uvicorn", "httptools", "pydantic-core"} <= set(names)
-    pins = pinned(names)
-    assert [pin.split("==")[0] for pin in pins] == names
     import pydantic_core
 
-    assert f"pydantic-core=={pydantic_core.__version__}" in pins  # the one pydantic needs
+    assert f"pydantic-core=={pydantic_core.__version__}" in pinned(names)  # what pydantic needs
     with pytest.raises(SystemExit, match="not installed here: no-such-package"):
         pinned(["fastapi", "no-such-package"])
+
+
+def test_every_carried_package_needs_only_what_is_carried_or_on_the_image() -> None:
+    """A carried wheel's requirement on neither list would be an ImportError on the device, a
+    machine start lost: carry it too (benchmarks/device-wheels.txt)."""
+    carried = {canonicalize_name(name) for name in wanted(NAMES.read_text())}
+    image = {canonicalize_name(name) for name in wanted(IMAGE.read_text())}
+    assert {"torch", "transformers", "numpy"} <= image
+    missing = {}
+    for name in carried:
+        for line in requires(name) or ():
+            needed = Requirement(line)
+            if needed.marker is None or needed.marker.evaluate(DEVICE_PYTHON):
+                if canonicalize_name(needed.name) not in carried | image:
+                    missing.setdefault(name, []).append(str(needed))
+    assert missing == {}
 
 
 def test_comments_and_blank_lines_name_no_wheel() -> None:
     assert wanted("# a comment\n\nfastapi  # the servers\n  uvicorn\n") == ["fastapi", "uvicorn"]
 
 
-def test_compiled_deployments_are_measured_last() -> None:
+def test_each_part_fits_a_call_and_compiled_deployments_are_measured_last() -> None:
     settings = ParisPoolSettings(deployments=("alone", "pooled", "in_process"),
                                  compile=("reduce-overhead", "none"))
     assert measuring_order(settings) == [
@@ -116,3 +191,10 @@ def test_compiled_deployments_are_measured_last() -> None:
     only_compiled = ParisPoolSettings(deployments=("pooled", "in_process"),
                                       compile=("default",))
     assert measuring_order(only_compiled) == [("in_process", "none"), ("pooled", "default")]
+    parts = {part: measuring_order(replace(GPU_CHECK, **PARTS[part])) for part in PARTS}
+    assert parts == {"all": [("pooled", "none"), ("in_process", "none"),
+                             ("pooled", "reduce-overhead")],
+                     "eager": [("pooled", "none"), ("in_process", "none")],
+                     "compiled": [("pooled", "reduce-overhead")]}
+    with pytest.raises(BenchError, match="part must be one of all, eager, compiled"):
+        gpu_check(Path("unused"), part="some", log=io.StringIO(), report=io.StringIO())
