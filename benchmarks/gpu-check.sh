@@ -74,7 +74,12 @@ EOF
   timeout -s TERM -k 30 "$deadline" "$python" -m benchmarks gpu-check --out "$out" "$@" \
     || status=$?
   if ((status == 124)); then
-    echo "gpu-check.sh: stopped at its deadline of $deadline s (DDM_GPU_CHECK_S): $out/gpu-check.json holds what was measured (\"complete\": false)"
+    echo -n "gpu-check.sh: stopped at its deadline of $deadline s (DDM_GPU_CHECK_S): "
+    if [[ -f $out/gpu-check.json ]]; then
+      echo "$out/gpu-check.json holds what was measured (\"complete\": false)"
+    else
+      echo "no deployment was measured yet"
+    fi
   fi
   return "$status"
 }
