@@ -23,6 +23,7 @@ import dataclasses
 import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -41,6 +42,7 @@ from benchmarks.loopback import one_client_router
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import (READY_TIMEOUT_S, REPOSITORY_ROOT, Supervisor, free_port,
                                plan_local)
+from ddm.termination import sigterm_handled
 from tests.support.processes import listening_pid
 
 HOST = "127.0.0.1"
@@ -156,8 +158,9 @@ def local_ddm(manifest: Path, clients: int, log: TextIO, ready_s: float = READY_
             exited = supervisor.first_exit()
             if exited is not None:
                 raise LoadTestError(f"{exited[0]} exited with status {exited[1]} during the run")
-        finally:
-            supervisor.stop()
+        finally:  # as ddm up's stop: a second SIGTERM must not abort it and leave servers
+            with sigterm_handled(signal.SIG_IGN):
+                supervisor.stop()
 
 
 def memory_mib(pid: int, field: str) -> float | None:
