@@ -212,7 +212,9 @@ POOL = MEMBER_NAME.described(
     "accelerator, replicas, resources, image, nodeSelector, tolerations or affinity of its "
     "own.")
 MAX_BATCH_FIELD = Integer(
-    description="Largest batch the server runs at once (per pool member).",
+    description="Largest batch the server runs at once (per pool member); a text DDM's "
+                f"experts need {limits.GUIDED_FORWARD_ROWS} or more (a guided row runs as "
+                f"{limits.GUIDED_FORWARD_ROWS} forward rows).",
     minimum=1, maximum=limits.MAX_BATCH)
 MAX_DELAY_FIELD = Integer(description="How long the server waits to fill a batch.",
                           minimum=0, maximum=limits.MAX_DELAY_MS)
