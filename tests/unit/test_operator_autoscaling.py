@@ -21,11 +21,17 @@ SPEC = parse_spec({
 })
 
 
+def _rolled_out(replicas: int, ready: int) -> dict:
+    """A Deployment as the API server shows it once its pods run its current template."""
+    return {"metadata": {"generation": 2}, "spec": {"replicas": replicas},
+            "status": {"observedGeneration": 2, "replicas": replicas,
+                       "updatedReplicas": replicas, "readyReplicas": ready}}
+
+
 def _deployments(rare_desired: int, rare_ready: int) -> dict:
-    return {"digits-expert-hot": {"spec": {"replicas": 2}, "status": {"readyReplicas": 2}},
-            "digits-expert-rare": {"spec": {"replicas": rare_desired},
-                                   "status": {"readyReplicas": rare_ready}},
-            "digits-router": {"spec": {"replicas": 1}, "status": {"readyReplicas": 1}}}
+    return {"digits-expert-hot": _rolled_out(2, 2),
+            "digits-expert-rare": _rolled_out(rare_desired, rare_ready),
+            "digits-router": _rolled_out(1, 1)}
 
 
 def test_an_autoscaled_experts_deployment_leaves_replicas_to_the_scaler() -> None:

@@ -270,3 +270,75 @@ def test_a_pooled_expert_is_as_ready_as_its_pools_deployment_and_says_why_not() 
         "digits-expert-b": {"status": {"readyReplicas": 1}},
         "digits-router": {"status": {"readyReplicas": 1}}}, previous={}, now="T1")
     assert ready["phase"] == "Ready"
+
+
+# ------------------------------------------------------------ an update rolling out
+
+def _deployment(generation: int, seen: int, *, replicas: int, running: int, updated: int,
+                ready: int) -> dict:
+    """A Deployment as the API server shows it: at spec ``generation``, the controller having
+    seen ``seen``; ``running`` pods of which ``updated`` run the current template."""
+    return {"metadata": {"generation": generation}, "spec": {"replicas": replicas},
+            "status": {"observedGeneration": seen, "replicas": running,
+                       "updatedReplicas": updated, "readyReplicas": ready}}
+
+
+def _settled() -> dict:
+    return {"digits-expert-low": _deployment(2, 2, replicas=1, running=1, updated=1, ready=1),
+            "digits-expert-high": _deployment(1, 1, replicas=2, running=2, updated=2, ready=2),
+            "digits-router": _deployment(1, 1, replicas=2, running=2, updated=2, ready=2)}
+
+
+def test_a_ddm_is_not_ready_until_its_update_runs_on_every_replica() -> None:
+    """Its old replicas still answer, but Ready means the spec as written is what serves:
+    ``kubectl wait --for=condition=Ready`` after an apply must not return on the old model."""
+    assert ready_status(SPEC, META, deployments=_settled(), previous={},
+                        now="T1")["phase"] == "Ready"
+    unseen = {**_settled(), "digits-expert-low": _deployment(
+        3, 2, replicas=1, running=1, updated=1, ready=1)}
+    status = ready_status(SPEC, META, deployments=unseen, previous={}, now="T1")
+    assert status["phase"] == "Progressing" and status["expertsReady"] == "1/2"
+    assert _conditions(status)["ExpertsReady"]["message"] == (
+        "waiting for low (1/1 ready, update not yet observed)")
+    # The controller made the new pod first (a CPU server surges) and no node can take it.
+    surging = {**_settled(), "digits-expert-low": _deployment(
+        3, 3, replicas=1, running=2, updated=1, ready=1)}
+    new_pod = _pod("digits-expert-low-new", "low", phase="Pending", conditions=[{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}])
+    old_pod = _pod("digits-expert-low-old", "low", phase="Running")
+    status = ready_status(SPEC, META, deployments=surging, previous={}, now="T1",
+                          pods=[old_pod, new_pod])
+    conditions = _conditions(status)
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == (
+        "False", "ExpertsNotReady")
+    assert conditions["ExpertsReady"]["message"] == (
+        "expert low: 1/1 ready, 1 old replica left: pod digits-expert-low-new cannot be "
+        "scheduled: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu.")
+    assert status["experts"][0]["reason"] == "Unschedulable"
+    # Replacing instead (a server on an accelerator): the old pod went first.
+    replacing = {**_settled(), "digits-expert-low": _deployment(
+        3, 3, replicas=1, running=0, updated=0, ready=0)}
+    assert _conditions(ready_status(SPEC, META, deployments=replacing, previous={},
+                                    now="T1"))["ExpertsReady"]["message"] == (
+        "waiting for low (0/1 ready, 0/1 updated)")
+
+
+def test_the_router_and_a_pool_say_how_far_their_update_got() -> None:
+    spec = parse_spec({
+        "sampling": {"strategy": "oracle"},
+        "pools": [{"name": "gpu", "accelerator": {"type": "nvidia"}}],
+        "experts": [{"name": "a", "checkpoint": {"uri": "image:///a"}, "classes": [0, 1, 2, 3, 4],
+                     "pool": "gpu"},
+                    {"name": "b", "checkpoint": {"uri": "image:///b"},
+                     "classes": [5, 6, 7, 8, 9],
+                     "pool": "gpu"}]})
+    rolling = {"digits-pool-gpu": _deployment(4, 4, replicas=1, running=1, updated=0, ready=1),
+               "digits-router": _deployment(2, 2, replicas=1, running=2, updated=1, ready=1)}
+    conditions = _conditions(ready_status(spec, META, deployments=rolling, previous={},
+                                          now="T1"))
+    assert conditions["PoolsReady"]["message"] == "pool gpu: 1/1 ready, 0/1 updated"
+    assert conditions["RouterReady"]["message"] == (
+        "1/1 router replicas ready, 1 old replica left")
+    assert conditions["ExpertsReady"]["message"] == (
+        "waiting for a (1/1 ready, 0/1 updated), b (1/1 ready, 0/1 updated)")

@@ -8,7 +8,8 @@ and ``StagesReady`` for a DDM with stages in pods of their own (text encoder, de
 network placed ``separate``), each reported under ``stages`` as experts are, and
 ``PoolsReady`` for a DDM with pools (``spec.pools``), each reported under ``pools``; a pooled
 expert is as ready as its pool.
-An expert (or pool) is ready when every replica it asks for (at least one) is ready; an
+An expert (or pool) is ready when every replica it asks for (at least one) is ready and
+runs its current spec (an update still rolling out holds it back, with how far it got); an
 autoscaled one asks for what the scaler last set on its Deployment (``ddm.operator.scaler``),
 and is ready at zero too. When one is not,
 its pods say why (``pod_trouble``): a container that keeps failing (with its exit status and
@@ -140,27 +141,42 @@ def stager_trouble(owner: str, pods: Sequence[Mapping[str, Any]]) -> Trouble | N
 @dataclass(frozen=True)
 class Replicas:
     """``desired`` from the spec (an autoscaled expert's: from its Deployment, ``scaled``),
-    ``ready`` from the Deployment's status (0 when absent)."""
+    ``ready`` from the Deployment's status (0 when absent); ``updating``: how far the
+    Deployment is from running its current pod template on every replica
+    (:func:`update_pending`), None once it does."""
 
     desired: int
     ready: int
     scaled: bool = False
+    updating: str | None = None
 
     @property
     def complete(self) -> bool:
-        return (self.scaled or self.desired >= 1) and self.ready >= self.desired
+        return ((self.scaled or self.desired >= 1) and self.ready >= self.desired
+                and self.updating is None)
+
+    def describe(self) -> str:
+        """``ready/desired ready``, and the update under way if one is."""
+        return f"{self.ready}/{self.desired} ready" + (f", {self.updating}" if self.updating
+                                                       else "")
+
+
+def deployment_replicas(desired: int, deployment: Mapping[str, Any] | None,
+                        scaled: bool = False) -> Replicas:
+    """A server's replicas: ``desired`` against what its live Deployment (None: none yet)
+    reports."""
+    return Replicas(desired, ready_replicas(deployment), scaled, update_pending(deployment))
 
 
 def server_replicas(server: ExpertSpec | PoolSpec, deployment: Mapping[str, Any] | None
                     ) -> Replicas:
     """An expert's or a pool's replicas: fixed by its spec, or, autoscaled, as its Deployment
     has them (its ``minReplicas`` until the Deployment exists)."""
-    ready = ready_replicas(deployment)
     if server.autoscaling is None:
-        return Replicas(server.replicas, ready)
+        return deployment_replicas(server.replicas, deployment)
     desired = (server.autoscaling.min_replicas if deployment is None
                else int(deployment["spec"].get("replicas", 1)))
-    return Replicas(desired, ready, scaled=True)
+    return deployment_replicas(desired, deployment, scaled=True)
 
 
 def ready_replicas(deployment: Mapping[str, Any] | None) -> int:
@@ -168,6 +184,29 @@ def ready_replicas(deployment: Mapping[str, Any] | None) -> int:
     if deployment is None:
         return 0
     return int((deployment.get("status") or {}).get("readyReplicas") or 0)
+
+
+def update_pending(deployment: Mapping[str, Any] | None) -> str | None:
+    """Why a live Deployment is not yet running its current pod template on every replica,
+    in a few words; None when it is (or does not exist). ``kubectl rollout status``'s test:
+    the controller has seen the latest spec, every replica was made from the current
+    template, and no replica of an older one is left. Its old replicas may still serve: a
+    DDM is ready only once its spec runs everywhere, not while an update is stuck (a new
+    pod no node can take, or one that cannot load its checkpoint)."""
+    if deployment is None:
+        return None
+    status = deployment.get("status") or {}
+    if int(deployment.get("metadata", {}).get("generation") or 0) > int(
+            status.get("observedGeneration") or 0):
+        return "update not yet observed"
+    wanted = (deployment.get("spec") or {}).get("replicas")
+    updated = int(status.get("updatedReplicas") or 0)
+    if wanted is not None and updated < int(wanted):
+        return f"{updated}/{wanted} updated"
+    old = int(status.get("replicas") or 0) - updated
+    if old > 0:
+        return f"{old} old replica{'s' if old > 1 else ''} left"
+    return None
 
 
 def now_rfc3339() -> str:
@@ -203,10 +242,11 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     experts = {e.name: server_replicas(e, deployments.get(names.expert_name(owner, e.name)))
                if e.pool is None else pooled[pool_key(e.pool)] for e in spec.experts}
     separate = {role: stage for role, stage in spec.stages.items() if stage.separate}
-    stages = {stage_key(role): Replicas(stage.replicas, ready_replicas(
-        deployments.get(names.stage_name(owner, role)))) for role, stage in separate.items()}
-    router = Replicas(spec.router.replicas,
-                      ready_replicas(deployments.get(names.router_name(owner))))
+    stages = {stage_key(role): deployment_replicas(
+        stage.replicas, deployments.get(names.stage_name(owner, role)))
+        for role, stage in separate.items()}
+    router = deployment_replicas(spec.router.replicas,
+                                 deployments.get(names.router_name(owner)))
     grouped = pods_by_owner(owner, pods)
     grouped.update({e.name: grouped.get(pool_key(e.pool), []) for e in spec.experts if e.pool})
     troubles = {name: pod_trouble(grouped.get(name, [])) for name, r in
@@ -222,7 +262,7 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
                 checkpoint.scheme in FETCHED_SCHEMES) for checkpoint in checkpoints[name]):
             troubles[name] = stager
     # A pool's trouble is told once, naming the pool and its experts, not once per member.
-    failing = [f"expert {e.name}: {experts[e.name].ready}/{experts[e.name].desired} ready: "
+    failing = [f"expert {e.name}: {experts[e.name].describe()}: "
                f"{troubles[e.name].message}" for e in spec.experts
                if e.pool is None and troubles.get(e.name)]
     for name in pools:
@@ -230,7 +270,7 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         if held and troubles.get(pool_key(name)):
             line = _replicas_line(pooled[pool_key(name)], troubles[pool_key(name)])
             failing.append(f"pool {name} (experts {', '.join(held)}): {line}")
-    waiting = [f"{name} ({r.ready}/{r.desired} ready)" for name, r in experts.items()
+    waiting = [f"{name} ({r.describe()})" for name, r in experts.items()
                if not r.complete and not troubles.get(name)]
     ready_count = sum(r.complete for r in experts.values())
     old = _by_type(previous)
@@ -245,6 +285,7 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
         old, "RouterReady", router.complete, generation, now,
         ("RouterReady" if router.complete else "RouterNotReady",
          f"{router.ready}/{router.desired} router replicas ready"
+         + (f", {router.updating}" if router.updating else "")
          + (f": {router_trouble.message}" if router_trouble else "")))
     stage_conditions = [_servers_condition(old, "Stages", "stage(s)", {
         key.removeprefix("stage/"): (r, troubles.get(key)) for key, r in stages.items()},
@@ -300,9 +341,9 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
 
 
 def _replicas_line(replicas: Replicas, trouble: Trouble | None) -> str:
-    """``ready/desired ready``, and why not where the pods say."""
-    return (f"{replicas.ready}/{replicas.desired} ready"
-            + (f": {trouble.message}" if trouble else ""))
+    """``ready/desired ready`` (and the update under way), and why not where the pods
+    say."""
+    return replicas.describe() + (f": {trouble.message}" if trouble else "")
 
 
 def _servers_condition(old: Mapping[str, Mapping[str, Any]], kind: str, what: str,
