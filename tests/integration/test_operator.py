@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -379,7 +380,7 @@ def test_the_status_follows_the_pods_readiness(cluster: Cluster, kube_namespace:
     _deploy(cluster, ns, "ready", spec)
     pods = _bound_pods(cluster, ns, f"{OWNER_LABEL}=ready", 5)  # 4 expert pods, 1 router pod
     for index, pod in enumerate(pods):
-        _mark_ready(cluster, pod, f"10.244.1.{index + 10}")
+        _mark_ready(cluster, pod, f"198.18.1.{index + 10}")
 
     def ready() -> dict | None:
         status = cluster.ddm(ns, "ready").get("status") or {}
@@ -397,6 +398,89 @@ def test_the_status_follows_the_pods_readiness(cluster: Cluster, kube_namespace:
     assert {a["ip"] for s in endpoints for a in s.get("addresses", [])} == b_ips
 
 
+def _one_gpu_node(cluster: Cluster, name: str) -> dict[str, str]:
+    """A node of one GPU for one test: tainted so that only the pods that tolerate its own
+    taint go there, and labelled for them to pick it. Returns the toleration and selector
+    such a pod needs."""
+    from ddm_devcluster.nodes import FakeNode, build_node
+
+    mark = {"key": "ddm.dev/test-node", "value": name, "effect": "NoSchedule"}
+    node = build_node(FakeNode(name=name, capacity={
+        "cpu": "16", "memory": "64Gi", "pods": "110", "nvidia.com/gpu": "1"},
+        labels={"ddm.dev/test-node": name},
+        taints=({"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}, mark)),
+        kubelet_version="v1.20.0", now=datetime.now(timezone.utc))
+    created = cluster._json(cluster.core.create_node(node, _preload_content=False))
+    # The API server's admission taints a new node not-ready; no kubelet is here to lift it.
+    taints = [t for t in created["spec"]["taints"]
+              if t["key"] != "node.kubernetes.io/not-ready"]
+    cluster.core.patch_node(name, {"spec": {"taints": taints}})
+    return mark
+
+
+@pytest.mark.usefixtures("operator")
+def test_a_pool_on_its_nodes_only_gpu_is_updated_without_a_second_gpu(
+        cluster: Cluster, kube_namespace: str) -> None:
+    """The cluster has no GPU to spare (a DDM on as few GPUs as its weights need): an update
+    of the pool must not wait for one, as a new pod made beside the old one would. The old
+    pod is asked to go first; once it is gone the new one takes the GPU; the DDM is not Ready
+    between the two, and Ready again on its new spec."""
+    ns, node = kube_namespace, f"gpu-{kube_namespace}"
+    mark = _one_gpu_node(cluster, node)
+    try:
+        spec = {"sampling": {"strategy": "oracle"}, "pools": [{
+            "name": "gpu", "accelerator": {"type": "nvidia"}, "maxBatch": 8,
+            "nodeSelector": {"ddm.dev/test-node": node},
+            "tolerations": [{**mark, "operator": "Equal"}]}],
+            "experts": [_expert("a", [0, 1, 2, 3, 4], pool="gpu"),
+                        _expert("b", [5, 6, 7, 8, 9], pool="gpu")]}
+        cluster.create_ddm(ns, "one", spec)
+        (old,) = _bound_pods(cluster, ns, "ddm.dev/pool=gpu", 1)
+        assert old["spec"]["nodeName"] == node
+        (router,) = _bound_pods(cluster, ns, "app.kubernetes.io/component=router", 1)
+        _mark_ready(cluster, old, "198.18.3.10")
+        _mark_ready(cluster, router, "198.18.3.11")
+
+        def phase() -> str | None:
+            return (cluster.ddm(ns, "one").get("status") or {}).get("phase")
+        wait_for(lambda: phase() == "Ready", OPERATOR_DEADLINE_S, "phase Ready")
+
+        spec["pools"][0]["maxBatch"] = 16
+        cluster.patch_ddm_spec(ns, "one", spec)
+
+        def old_pod_going() -> dict | None:
+            pod = cluster.get("Pod", ns, old["metadata"]["name"])
+            return pod if pod and pod["metadata"].get("deletionTimestamp") else None
+        wait_for(old_pod_going, OPERATOR_DEADLINE_S, "the old pool pod asked to go first",
+                 lambda: str([(p["metadata"]["name"], p["status"].get("conditions"))
+                              for p in cluster.list("Pod", ns, "ddm.dev/pool=gpu")]))
+
+        def pools_condition() -> dict:
+            status = cluster.ddm(ns, "one").get("status") or {}
+            return next((c for c in status.get("conditions", []) if c["type"] == "PoolsReady"),
+                        {})
+        # The new pod waits for the GPU the old one holds until it has gone.
+        wait_for(lambda: (c := pools_condition()).get("status") == "False" and c[
+            "message"].startswith("pool gpu: 0/1 ready"), OPERATOR_DEADLINE_S,
+            "PoolsReady False while the old pod goes", pools_condition)
+        assert phase() != "Ready"
+
+        # What the kubelet does once the old container has stopped: the pod object goes.
+        cluster.core.delete_namespaced_pod(old["metadata"]["name"], ns, grace_period_seconds=0)
+        new = wait_for(lambda: [p for p in _bound_pods(cluster, ns, "ddm.dev/pool=gpu", 1)
+                                if p["metadata"]["name"] != old["metadata"]["name"]],
+                       OPERATOR_DEADLINE_S, "the new pool pod on the GPU")[0]
+        assert new["spec"]["nodeName"] == node
+        command = new["spec"]["containers"][0]["command"]
+        assert command[command.index("--max-batch") + 1] == "16"
+        _mark_ready(cluster, new, "198.18.3.12")
+        wait_for(lambda: phase() == "Ready" and pools_condition().get("status") == "True",
+                 OPERATOR_DEADLINE_S, "Ready on the new spec")
+        assert cluster.ddm(ns, "one")["status"]["observedGeneration"] == 2
+    finally:
+        cluster.core.delete_node(node, _preload_content=False)
+
+
 SHA_MISMATCH = ("checkpoint /models/expert-a: weights.safetensors has sha256 9f2c..., "
                 "config.json records 41d0...: sha256 mismatch")
 
@@ -406,7 +490,7 @@ def _crash_loop(cluster: Cluster, pod: dict, message: str, restarts: int) -> Non
     its termination-message file, and is being restarted with a back-off."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     status = {
-        "phase": "Running", "podIP": "10.244.2.10", "podIPs": [{"ip": "10.244.2.10"}],
+        "phase": "Running", "podIP": "198.18.2.10", "podIPs": [{"ip": "198.18.2.10"}],
         "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
                        {"type": "Ready", "status": "False", "lastTransitionTime": now,
                         "reason": "ContainersNotReady"}],

@@ -28,6 +28,7 @@ from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
     build_children,
     build_expert_deployment,
+    build_pool_deployment,
     with_spec_hash,
 )
 from ddm.deploy.spec import parse_spec
@@ -130,6 +131,25 @@ def test_tpu_chips(framework: str, device: str) -> None:
                                    "effect": "NoSchedule"}]
     assert container["image"] == "reg/ddm-tpu:1"
     assert _flag(container["command"], "--device") == device
+
+
+@pytest.mark.parametrize("accelerator, surge, unavailable", [
+    ({"type": "nvidia"}, 0, 1), ({"type": "neuron", "unit": "core", "count": 2}, 0, 1),
+    ({"type": "tpu", "count": 4}, 0, 1), ({"type": "cpu"}, 1, 0)])
+def test_a_server_on_a_device_is_updated_old_pod_first(accelerator: dict, surge: int,
+                                                       unavailable: int) -> None:
+    """Kubernetes' default would make the new pod first, which waits forever for a device
+    the old pod holds; on the CPU the new replica is ready before an old one goes."""
+    spec = parse_spec(_spec(_expert("e", accelerator=accelerator)))
+    deployments = [build_expert_deployment(spec.experts[0], META, CONFIG)]
+    if accelerator["type"] != "neuron":  # pools serve with torch or jax, not neuronx
+        pooled = parse_spec({**_spec(_expert("e", pool="p")),
+                             "pools": [{"name": "p", "accelerator": accelerator}]})
+        deployments.append(build_pool_deployment(pooled, pooled.pools[0], META, CONFIG))
+    for deployment in deployments:
+        assert deployment["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])

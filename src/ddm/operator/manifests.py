@@ -274,7 +274,22 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
                          node_selector=place.node_selector, tolerations=place.tolerations)
     return _deployment(name, meta, replicas, labels, selector, pod_spec,
                        {**names.SCRAPE_ANNOTATIONS,
-                        **_checkpoint_annotation(*(c.source for c in checkpoints))})
+                        **_checkpoint_annotation(*(c.source for c in checkpoints))},
+                       strategy=update_strategy(place.limits))
+
+
+def update_strategy(device_limits: Mapping[str, str]) -> dict[str, Any]:
+    """How a model server's Deployment replaces its pods when its spec changes.
+
+    A pod that holds a device (``device_limits``) is replaced one at a time, the old pod
+    first: a new one made beside it (Kubernetes' default surge) would wait for a device
+    that a DDM on as few accelerators as its weights need never has spare, and the update
+    would never happen. Meanwhile the router treats the missing replicas by the DDM's
+    missing-expert policy. A CPU pod surges: the new replica is ready before an old one
+    goes, so no capacity is lost."""
+    surge, unavailable = (0, 1) if device_limits else (1, 0)
+    return {"type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
 
 
 def _mount_token(token: RouterAuth, volume: str, directory: str,
@@ -578,7 +593,8 @@ def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
 def _deployment(name: str, meta: Mapping[str, Any], replicas: int | None,
                 labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
-                pod_annotations: dict[str, str] | None = None) -> dict[str, Any]:
+                pod_annotations: dict[str, str] | None = None,
+                strategy: dict[str, Any] | None = None) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
     if pod_annotations:
         template_meta["annotations"] = pod_annotations
@@ -588,6 +604,7 @@ def _deployment(name: str, meta: Mapping[str, Any], replicas: int | None,
         "metadata": _metadata(name, meta, labels),
         "spec": {
             **({"replicas": replicas} if replicas is not None else {}),
+            **({"strategy": strategy} if strategy is not None else {}),
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector},
             "template": {"metadata": template_meta, "spec": pod},
