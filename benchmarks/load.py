@@ -40,7 +40,7 @@ from benchmarks.fleet import recorded_path
 from benchmarks.loopback import one_client_router
 
 from ddm.deploy.spec import load_manifest
-from ddm.runtime.local import (READY_TIMEOUT_S, REPOSITORY_ROOT, Supervisor, free_port,
+from ddm.runtime.local import (REPOSITORY_ROOT, Supervisor, free_port,
                                plan_local)
 from ddm.termination import sigterm_handled
 from tests.support.processes import listening_pid
@@ -134,13 +134,13 @@ def _loopback(url: str) -> str:
 
 
 @contextmanager
-def local_ddm(manifest: Path, clients: int, log: TextIO, ready_s: float = READY_TIMEOUT_S,
-              threads: int = 1) -> Iterator[tuple[str, dict[str, int]]]:
+def local_ddm(manifest: Path, clients: int, log: TextIO, threads: int = 1
+              ) -> Iterator[tuple[str, dict[str, int]]]:
     """``ddm up``'s processes for ``manifest`` (every model server: experts, separate stages,
     pools), each with ``threads`` intra-op threads (``ddm up --threads``), the router allowing
-    ``clients`` generations at once, every one ready within ``ready_s`` (``ddm up``'s
-    deadline unless a compiling server needs longer); yields the router's URL and the PID of
-    every process it started by name, and stops them all after."""
+    ``clients`` generations at once, each ready within its plan's budget, as ``ddm up``'s;
+    yields the router's URL and the PID of every process it started by name, and stops them
+    all after."""
     with tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
@@ -150,9 +150,8 @@ def local_ddm(manifest: Path, clients: int, log: TextIO, ready_s: float = READY_
         try:
             print(f"load: starting {len(plan.servers)} model servers and the router", file=log,
                   flush=True)
-            deadline = time.monotonic() + ready_s
-            supervisor.start_ready(plan.servers, HOST, deadline)
-            supervisor.start_ready([router], HOST, deadline)
+            supervisor.start_ready(plan.servers, HOST)
+            supervisor.start_ready([router], HOST)
             yield plan.url, {name: process.pid
                              for name, process in supervisor.processes.items()}
             exited = supervisor.first_exit()

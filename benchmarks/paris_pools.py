@@ -41,7 +41,7 @@ from typing import Any, Callable, TextIO
 import yaml
 
 from benchmarks.fleet import BenchError, machine, say
-from benchmarks.load import READY_TIMEOUT_S, local_ddm
+from benchmarks.load import local_ddm
 from benchmarks.pools import PoolBenchSettings, in_process, served
 from ddm.deploy.limits import COMPILE_MODES
 from ddm.models.paris import ParisExpertConfig, ParisRouterConfig
@@ -62,9 +62,6 @@ PLACEMENT_FIELDS = ("accelerator", "replicas", "resources", "nodeSelector", "tol
                     "affinity", "image", "maxBatch", "maxDelayMs", "autoscaling", "placement")
 #: The issue's targets for a full-size pool on one H200.
 H200_IMAGES_PER_S, H200_P50_S = 8.0, 0.25
-#: How long a compiled deployment's servers may take to be ready: every batch bucket compiles
-#: first (the nvidia accelerator's start-up budget in a pod is 600 s).
-COMPILED_READY_S = 1200.0
 PROMPTS = ("a photo of a red car on the beach", "a cat on the beach at sunset",
            "a photo of the sunset", "a red cat")
 
@@ -195,8 +192,7 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                 say(log, f"paris-pools: {key}")
                 manifest = imported / f"ddm-{key}.yaml"
                 manifest.write_text(yaml.safe_dump(compiled_manifest(documents[name], mode)))
-                ready_s = READY_TIMEOUT_S if mode == "none" else COMPILED_READY_S
-                with local_ddm(manifest, max(load.concurrency), log, ready_s) as (url, pids):
+                with local_ddm(manifest, max(load.concurrency), log) as (url, pids):
                     figures = asyncio.run(served(url, pids, load, log))
                     figures.update(gpu_memory(pids))
                 result["deployments"][key] = {"compile": mode, **figures}

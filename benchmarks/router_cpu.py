@@ -22,7 +22,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import httpx
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT, Supervisor, plan_local
-from benchmarks.fleet import HOST, READY_S, checkouts, port_source, cpu_seconds, say
+from benchmarks.fleet import HOST, checkouts, port_source, cpu_seconds, say
 
 MANIFEST = REPOSITORY_ROOT / "examples" / "mnist.yaml"
 REQUESTS = 10
@@ -63,9 +62,8 @@ def measure(trees: list[Path], log: Any = sys.stderr) -> dict[str, Any]:
         supervisor = Supervisor(log)
         try:
             say(log, f"starting {len(plan.experts)} experts and {len(routers)} routers")
-            deadline = time.monotonic() + READY_S
-            supervisor.start_ready(list(plan.experts), HOST, deadline)
-            supervisor.start_ready(list(routers.values()), HOST, deadline)
+            supervisor.start_ready(list(plan.experts), HOST)
+            supervisor.start_ready(list(routers.values()), HOST)
             figures = _rounds({tree: (spec.port, supervisor.processes[spec.name].pid)
                                for tree, spec in routers.items()}, log)
         finally:

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from ddm.deploy.limits import batch_buckets
 from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
-                                  Dispatch, Pending, Wait, batch_buckets, bucket_for,
-                                  grid_slices, plan_batch)
+                                  Dispatch, Pending, Wait, bucket_for, grid_slices, plan_batch)
 from ddm.serving.http.polling import WARM_AFTER, WARM_TICK_S
 from ddm.threads import CpuShare
 

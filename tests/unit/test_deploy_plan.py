@@ -17,7 +17,7 @@ import yaml
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy import limits
 from ddm.deploy.accelerators import ACCELERATORS
-from ddm.deploy.plan import plan_deployment
+from ddm.deploy.plan import COMPILE_READY_S, MEMBER_READY_S, plan_deployment
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.deploy.spec import DDMManifest, load_manifest, parse_manifest
 from ddm.operator.config import Images, OperatorConfig
@@ -269,3 +269,58 @@ def test_ddm_up_hands_its_router_options_to_the_router_command() -> None:
     assert (served.command, served.api_docs, served.deadline_s) == ("serve", True, 5.0)
     plain = build_parser().parse_args(list(with_router_options(plan).router.argv[3:]))
     assert (plain.api_docs, plain.deadline_s) == (False, None)
+
+
+def _startup_budgets(manifest: DDMManifest) -> dict[str, int]:
+    """What the operator gives each server to become ready: its start-up probe's period times
+    its failures, by ddm up's name for the server (``pool-NAME``, a stage's role, ...)."""
+    budgets = {}
+    for child in build_children(manifest.spec, {"name": manifest.name, "namespace": "ml",
+                                                "uid": "1"},
+                                CONFIG):
+        labels = child["metadata"]["labels"]
+        component = labels.get("app.kubernetes.io/component")
+        if child["kind"] != "Deployment" or component == "stager":
+            continue
+        name = {"pool": f"pool-{labels.get(POOL_LABEL)}", "stage": labels.get(STAGE_LABEL),
+                "router": "router"}.get(component, labels.get("ddm.dev/expert"))
+        (container,) = child["spec"]["template"]["spec"]["containers"]
+        probe = container["startupProbe"]
+        budgets[name] = probe["periodSeconds"] * probe["failureThreshold"]
+    return budgets
+
+
+@pytest.mark.parametrize("manifest", MANIFESTS)
+def test_the_operator_and_ddm_up_give_each_server_the_same_time_to_become_ready(
+        manifest: DDMManifest) -> None:
+    plan = plan_local(manifest, itertools.count(20000).__next__, 8080,
+                      locate=lambda s: Path("/fetched"),
+                      token_file=Path("/run/ddm-up/router-token"),
+                      expert_token_file=Path("/run/ddm-up/expert-token"))
+    local = {process.name.split("/")[0]: process.ready_s
+             for process in (*plan.servers, plan.router)}
+    assert local == _startup_budgets(manifest)
+
+
+def _pooled_text2img(**pool: Any) -> DDMManifest:
+    document = yaml.safe_load((ROOT / "examples" / "text2img-pooled.yaml").read_text())
+    document["spec"]["pools"][0].update(pool)
+    return parse_manifest(document)
+
+
+def test_a_server_has_time_for_each_member_and_each_batch_size_it_compiles() -> None:
+    """A pool loads its members one after the other, and compiles every batch size of each
+    compiled one before it is ready: the time it may take grows with both, where a fixed
+    budget had ``ddm up`` give up on (and a pod's probe restart) a start merely long."""
+    cpu, nvidia = ACCELERATORS["cpu"].startup_budget_s, ACCELERATORS["nvidia"].startup_budget_s
+    eager = plan_deployment(_pooled_text2img().spec)
+    (pool,) = eager.pools
+    assert len(pool.members) == 7  # four experts, text encoder, decoder, router network
+    assert pool.ready_s == cpu + 6 * MEMBER_READY_S
+    on_gpu = _pooled_text2img(compile="reduce-overhead", maxBatch=16,
+                              accelerator={"type": "nvidia"}, resources={})
+    # The experts and the router network compile, at batch sizes 1, 2, 4, 8 and 16; the text
+    # encoder and decoder run once per generation, eagerly.
+    budget = nvidia + 6 * MEMBER_READY_S + 5 * 5 * COMPILE_READY_S
+    assert plan_deployment(on_gpu.spec).pools[0].ready_s == budget
+    assert _startup_budgets(on_gpu)["pool-models"] == budget

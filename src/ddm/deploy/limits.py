@@ -139,7 +139,7 @@ EXPERT_BACKENDS = ("torch", "jax", "neuron")
 #: ``torch.compile``'s modes a model server may run its torch networks in (``--compile``, the
 #: spec's ``compile``); ``none`` runs them eagerly. ``reduce-overhead`` adds CUDA graphs (on a
 #: GPU), ``max-autotune`` searches kernels as well (long compiles). Compiled, a server pads
-#: each batch to a bucket (``ddm.serving.batching.batch_buckets``) and warms every bucket
+#: each batch to a bucket (:func:`batch_buckets`) and warms every bucket
 #: before it is ready.
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 #: The only backend ``torch.compile`` applies to; the others compile their own way, always.
@@ -176,3 +176,19 @@ MAX_CONTEXT_CACHE_BYTES = 64 * 1024 * 1024 * 1024
 #: cap, not ``MAX_CONTEXT_ROWS``, binds past 141 guided rows: a larger context gets 413 naming
 #: it; the router makes none, sending a call of more rows in several contexts).
 MAX_CONTEXT_BODY_BYTES = 64 * 1024 * 1024
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes to compile for: powers of two below ``max_batch``, then ``max_batch``.
+
+    Compiled backends (JAX, Neuron) need one program per batch size; padding to these few
+    sizes wastes at most half a batch and bounds compilation to ``log2(max_batch) + 1``.
+    """
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be positive, got {max_batch}")
+    sizes = []
+    size = 1
+    while size < max_batch:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, max_batch)

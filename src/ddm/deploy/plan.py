@@ -24,7 +24,7 @@ from ddm.checkpoints.declared import CONFIG_KEYS, PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.accelerators import HOST, accelerator_type
 from ddm.deploy.autoscaler import Scaled
-from ddm.deploy.limits import ROUTER_MAX_STEPS
+from ddm.deploy.limits import ROUTER_MAX_STEPS, SERVER_MAX_BATCH, batch_buckets
 from ddm.deploy.pod_options import parse_quantity
 from ddm.deploy.router_config import (
     Auth,
@@ -55,6 +55,8 @@ class ExpertPlan:
     args: tuple[str, ...]
     autoscaling: Autoscaling | None = None
     pool: str | None = None
+    #: How long its server may take to become ready (:func:`ready_budget_s`).
+    ready_s: int = 0
 
     def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -90,6 +92,8 @@ class StagePlan:
     precision: str | None
     args: tuple[str, ...]
     pool: str | None = None
+    #: How long its own server may take to become ready (:func:`ready_budget_s`).
+    ready_s: int = 0
 
     @property
     def in_router(self) -> bool:
@@ -137,6 +141,8 @@ class PoolPlan:
     device: str | None
     args: tuple[str, ...]
     autoscaling: Autoscaling | None = None
+    #: How long its server may take to become ready (:func:`ready_budget_s`).
+    ready_s: int = 0
 
     def command(self, member_dirs: Mapping[str, str], host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -151,6 +157,37 @@ class PoolPlan:
 
     def env(self, cache_dir: str) -> tuple[tuple[str, str], ...]:
         return accelerator_env(self.accelerator, cache_dir)
+
+
+#: What a server may take to become ready for each member it holds beyond the first (whose
+#: load, checks and warm-up its accelerator's start-up budget covers): a pool loads them one
+#: after the other. About ten times the slowest measured (docs/benchmarks.md: the full-size
+#: Paris release pooled on the CPU).
+MEMBER_READY_S = 120
+#: ... and for each batch size ``torch.compile`` compiles one member for (``compile`` set: every
+#: bucket of ``maxBatch``, before it is ready). About three times the slowest measured
+#: (docs/benchmarks.md, "Compiled against eager on the CPU"). Members of one architecture share
+#: their compiled code, so a pool of like experts takes less; a plan does not know their
+#: architectures and counts each.
+COMPILE_READY_S = 120
+#: The stages a pool compiles with its experts (the text encoder and decoder run eagerly).
+COMPILED_STAGES = (PLAN_NAMES[ROUTER],)
+
+
+def ready_budget_s(accelerator: str, members: int = 1, compiled: int = 0,
+                   max_batch: int | None = None) -> int:
+    """How long a server on ``accelerator`` holding ``members`` models, ``compiled`` of them
+    under ``torch.compile`` at every bucket of ``max_batch`` (None: the server's default), may
+    take to become ready before it is taken for hung: the operator's start-up probe and
+    ``ddm up``'s wait, so that a pool, or a compiling server, is not restarted, or given up
+    on, half way through a start that is merely long."""
+    buckets = len(batch_buckets(max_batch or SERVER_MAX_BATCH))
+    return (accelerator_type(accelerator).startup_budget_s + (members - 1) * MEMBER_READY_S
+            + compiled * buckets * COMPILE_READY_S)
+
+
+def _compiles(server: ExpertSpec | PoolSpec) -> bool:
+    return server.compile not in (None, "none")
 
 
 def accelerator_env(accelerator: str, cache_dir: str) -> tuple[tuple[str, str], ...]:
@@ -175,6 +212,8 @@ class RouterPlan:
     auth: bool = False
     missing_expert: MissingExpert = MissingExpert()
     conditioning: str = "labels"
+    #: How long it may take to become ready, with the stages it loads itself.
+    ready_s: int = 0
 
     @staticmethod
     def command(config_file: str, host: str, port: int, metrics_port: int) -> tuple[str, ...]:
@@ -264,7 +303,9 @@ def plan_deployment(spec: DDMSpec) -> DeploymentPlan:
         limits=RouterLimits(max_steps=max(ROUTER_MAX_STEPS, sampling.steps),
                             context_cache_bytes=spec.router.context_cache_bytes),
         auth=spec.router.auth is not None, missing_expert=spec.router.missing_expert,
-        conditioning=spec.conditioning)
+        conditioning=spec.conditioning,
+        ready_s=ready_budget_s(HOST, 1 + sum(stage.in_router
+                                             for stage in spec.stages.values())))
     return DeploymentPlan(experts=tuple(plan_expert(e) for e in spec.experts), router=router,
                           stages=tuple(plan_stage(role, stage)
                                        for role, stage in spec.stages.items()),
@@ -280,10 +321,14 @@ def plan_pool(spec: DDMSpec, pool: PoolSpec) -> PoolPlan:
     precision = next((m.precision for m in members.values()), None)
     backend, device = pool.accelerator.declared.backends[framework]
     args = _server_args(backend, device, precision) + _batching_args(pool) + _memory_args(pool)
+    compiled = sum(isinstance(m, ExpertSpec) or name in COMPILED_STAGES
+                   for name, m in members.items()) if _compiles(pool) else 0
     return PoolPlan(name=pool.name,
                     members=tuple((name, m.checkpoint) for name, m in members.items()),
                     replicas=pool.replicas, accelerator=pool.accelerator.type, backend=backend,
-                    device=device, args=tuple(args), autoscaling=pool.autoscaling)
+                    device=device, args=tuple(args), autoscaling=pool.autoscaling,
+                    ready_s=ready_budget_s(pool.accelerator.type, len(members), compiled,
+                                           pool.max_batch))
 
 
 def _memory_args(pool: PoolSpec) -> list[str]:
@@ -304,7 +349,7 @@ def plan_stage(role: str, stage: StageSpec) -> StagePlan:
                      replicas=stage.replicas, accelerator=stage.accelerator.type,
                      backend=backend, device=device, precision=stage.precision,
                      args=tuple(_server_args(backend, device, stage.precision)),
-                     pool=stage.pool)
+                     pool=stage.pool, ready_s=ready_budget_s(stage.accelerator.type))
 
 
 def _server_args(backend: str, device: str | None, precision: str | None) -> list[str]:
@@ -319,7 +364,10 @@ def plan_expert(expert: ExpertSpec) -> ExpertPlan:
     return ExpertPlan(name=expert.name, classes=expert.classes, replicas=expert.replicas,
                       checkpoint=expert.checkpoint, accelerator=expert.accelerator.type,
                       backend=backend, device=device, args=tuple(args),
-                      autoscaling=expert.autoscaling, pool=expert.pool)
+                      autoscaling=expert.autoscaling, pool=expert.pool,
+                      ready_s=ready_budget_s(expert.accelerator.type,
+                                             compiled=int(_compiles(expert)),
+                                             max_batch=expert.max_batch))
 
 
 def _batching_args(server: ExpertSpec | PoolSpec) -> list[str]:

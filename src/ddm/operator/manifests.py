@@ -40,7 +40,7 @@ from ddm.checkpoints.uri import (
     CheckpointSource,
     checkpoint_mount,
 )
-from ddm.deploy.accelerators import DEFAULT_STARTUP_BUDGET_S, Accelerator
+from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert, plan_pool, plan_stage
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, Discovery, DnsDiscovery, RouterConfigFile
@@ -146,7 +146,7 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
     return _model_server(
         names.expert_name(owner, expert.name), "expert", meta, config, replicas,
         names.labels(owner, "expert", expert.name), names.selector(owner, "expert", expert.name),
-        accelerator=expert.accelerator, pod=expert.pod,
+        accelerator=expert.accelerator, pod=expert.pod, ready_s=planned.ready_s,
         checkpoints=[_Checkpoint(expert.checkpoint, expert.fetch, expert_key(expert.name),
                                  EXPERT_CHECKPOINT_DIR)],
         command=lambda paths, token_file: planned.command(
@@ -163,7 +163,7 @@ def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
     return _model_server(
         names.stage_name(owner, role), "stage", meta, config, stage.replicas,
         names.labels(owner, "stage", stage=role), names.selector(owner, "stage", stage=role),
-        accelerator=stage.accelerator, pod=stage.pod,
+        accelerator=stage.accelerator, pod=stage.pod, ready_s=planned.ready_s,
         checkpoints=[_Checkpoint(stage.checkpoint, stage.fetch, _stage_key(role),
                                  STAGE_CHECKPOINT_DIR)],
         command=lambda paths, token_file: planned.command(
@@ -188,7 +188,8 @@ def build_pool_deployment(spec: DDMSpec, pool: PoolSpec, meta: Mapping[str, Any]
         None if pool.autoscaling is not None else pool.replicas,  # autoscaled: the scaler's
         names.labels(owner, "pool", pool=pool.name),
         names.selector(owner, "pool", pool=pool.name),
-        accelerator=pool.accelerator, pod=pool.pod, checkpoints=checkpoints,
+        accelerator=pool.accelerator, pod=pool.pod, ready_s=planned.ready_s,
+        checkpoints=checkpoints,
         command=lambda paths, token_file: planned.command(
             dict(zip(members, paths)), "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT,
             token_file), token=token)
@@ -230,12 +231,13 @@ class _Checkpoint:
 def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
                   config: OperatorConfig, replicas: int | None, labels: dict[str, str],
                   selector: dict[str, str], *, accelerator: Accelerator, pod: PodOptions,
-                  checkpoints: list[_Checkpoint],
+                  ready_s: int, checkpoints: list[_Checkpoint],
                   command: Callable[[list[str], str | None], tuple[str, ...]],
                   token: RouterAuth | None
                   ) -> dict[str, Any]:
     """The Deployment of a model server (an expert, a stage or a pool): one pod per replica on
-    its accelerator, ready once loaded (``replicas`` None: left to the scaler);
+    its accelerator, ready once loaded, given ``ready_s`` to get there (``replicas`` None:
+    left to the scaler);
     ``command(checkpoint_dirs, token_file)``: its arguments, given where each of
     ``checkpoints`` is in the pod."""
     place = placement(accelerator)
@@ -264,7 +266,7 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
         "env": scratch_env,
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + [m for mount in models for m in mount.mounts],
-        **_probes(accelerator.declared.startup_budget_s),
+        **_probes(ready_s),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
@@ -394,7 +396,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         "env": env,
         **({"resources": resources} if resources else {}),
         "volumeMounts": mounts + [m for mount in checkpoints for m in mount.mounts],
-        **_probes(DEFAULT_STARTUP_BUDGET_S),
+        **_probes(plan_deployment(spec).router.ready_s),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }

@@ -53,6 +53,7 @@ from ddm.checkpoints.local import REPOSITORY_ROOT as REPOSITORY_ROOT
 from ddm.checkpoints.local import resolve_checkpoint as resolve_checkpoint
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.checkpoints.uri import CheckpointSource
+from ddm.deploy.accelerators import DEFAULT_STARTUP_BUDGET_S
 from ddm.deploy.autoscaler import Scaled
 from ddm.deploy.limits import MAX_EXPERT_PROBE_BYTES, PORTS, ROUTER_PORT
 from ddm.deploy.plan import RouterPlan, plan_deployment
@@ -66,7 +67,6 @@ from ddm.threads import usable_cpus
 
 #: What ``ddm up`` (``make demo``) runs when given no manifest: the default DDM.
 DEFAULT_MANIFEST = REPOSITORY_ROOT / "examples" / f"{DEFAULT_DDM}.yaml"
-READY_TIMEOUT_S = 300.0
 #: Each readiness poll's deadline.
 READY_POLL_S = 2.0
 STOP_TIMEOUT_S = 10.0
@@ -81,13 +81,16 @@ class LocalRunError(RuntimeError):
 @dataclass(frozen=True)
 class ProcessSpec:
     """One process to start: ``name`` labels its log lines, ``port`` is where it listens,
-    ``metrics_port`` where it serves ``/metrics`` (alone, as in a pod)."""
+    ``metrics_port`` where it serves ``/metrics`` (alone, as in a pod); ``ready_s``: how long
+    it may take to become ready (a server's plan says: ``ddm.deploy.plan.ready_budget_s``,
+    the budget the operator gives its pods)."""
 
     name: str
     argv: tuple[str, ...]
     port: int
     env: tuple[tuple[str, str], ...] = ()
     metrics_port: int | None = None
+    ready_s: float = DEFAULT_STARTUP_BUDGET_S
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,8 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                                              expert_token),
                     "--log-level", "warning")
             experts.append(ProcessSpec(f"{expert.name}/{replica}", argv, port,
-                                       env + expert.env(str(cache_dir)), metrics_port))
+                                       env + expert.env(str(cache_dir)), metrics_port,
+                                       expert.ready_s))
             endpoints.append(f"{host}:{port}")
         discovery[expert.name] = StaticDiscovery(tuple(endpoints))
     stages: list[ProcessSpec] = []
@@ -192,7 +196,8 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                                             expert_token),
                     "--log-level", "warning")
             stages.append(ProcessSpec(f"{stage.role}/{replica}", argv, port,
-                                      env + stage.env(str(cache_dir)), metrics_port))
+                                      env + stage.env(str(cache_dir)), metrics_port,
+                                      stage.ready_s))
             endpoints.append(f"{host}:{port}")
         stage_places[stage.role] = StaticDiscovery(tuple(endpoints))
     pools: list[ProcessSpec] = []
@@ -208,14 +213,16 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
                     "--log-level", "warning")
             pools.append(ProcessSpec(f"pool-{pool.name}/{replica}", argv, port,
                                      _threads_env(pool_threads(threads, len(pool.members)))
-                                     + quiet + pool.env(str(cache_dir)), metrics_port))
+                                     + quiet + pool.env(str(cache_dir)), metrics_port,
+                                     pool.ready_s))
             endpoints.append(f"{host}:{port}")
         pool_discovery[pool.name] = StaticDiscovery(tuple(endpoints))
     check_state_shapes(local_dirs)
     metrics_port = new_port()
     router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
                                                                 router_port, metrics_port),
-                                    "--log-level", "warning"), router_port, env, metrics_port)
+                                    "--log-level", "warning"), router_port, env, metrics_port,
+                         plan.router.ready_s)
     auth = (Auth(token_file=token, expert_token_file=expert_token)
             if token is not None and expert_token is not None else None)
     return LocalPlan(tuple(experts), router,
@@ -336,10 +343,10 @@ class Supervisor:
                 self.out.write(f"[{name}] {line}")
                 self.out.flush()
 
-    def start_ready(self, specs: Sequence[ProcessSpec], host: str, deadline: float) -> None:
-        """Start every process (they load in parallel), then wait until each is ready; says
-        when each starts and when it becomes ready (loading a model takes a while), in the
-        order they become ready."""
+    def start_ready(self, specs: Sequence[ProcessSpec], host: str) -> None:
+        """Start every process (they load in parallel), then wait until each is ready, each
+        for at most its ``ready_s``; says when each starts and when it becomes ready (loading
+        a model takes a while), in the order they become ready."""
         for spec in specs:
             self.start(spec)
             self._say(f"started {spec.name} (pid {self.processes[spec.name].pid}, "
@@ -350,9 +357,11 @@ class Supervisor:
                 waiting.remove(spec)
                 seconds = time.monotonic() - self.started_at[spec.name]
                 self._say(f"{spec.name} is ready ({seconds:.1f} s)")
-            if waiting and time.monotonic() >= deadline:
-                raise LocalRunError(f"{', '.join(spec.name for spec in waiting)} not ready "
-                                    f"within {READY_TIMEOUT_S:.0f} s")
+            late = [spec for spec in waiting
+                    if time.monotonic() - self.started_at[spec.name] >= spec.ready_s]
+            if late:
+                raise LocalRunError("; ".join(f"{spec.name} not ready within "
+                                              f"{spec.ready_s:.0f} s" for spec in late))
             if waiting:
                 time.sleep(0.2)  # external processes: polling their probes is the only signal
 
@@ -455,11 +464,10 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
         plan = with_router_options(plan, deadline_s, api_docs)
         supervisor = Supervisor(out, termination_dir=Path(workdir))
         try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
             scaler = _scaler(plan, supervisor, host, out)
             supervisor.start_ready([*(p for p in plan.servers if p.name not in scaler.names)],
-                                   host, deadline)
-            supervisor.start_ready([plan.router], host, deadline)
+                                   host)
+            supervisor.start_ready([plan.router], host)
             counts = ", ".join(f"{len(processes)} {kind} process(es)" for kind, processes in
                                (("expert", plan.experts), ("stage", plan.stages),
                                 ("pool", plan.pools)) if processes)
@@ -586,7 +594,9 @@ def _scaler(plan: LocalPlan, supervisor: Supervisor, host: str, out: TextIO) -> 
                   start=lambda name: supervisor.start(specs[name]), stop=supervisor.stop_one,
                   running=supervisor.running,
                   ready=lambda name: supervisor.running(name) and answers_ready(
-                      host, specs[name].port), out=out, start_timeout_s=READY_TIMEOUT_S)
+                      host, specs[name].port), out=out,
+                  start_timeout_s=max((specs[name].ready_s for unit in plan.on_demand
+                                       for name in unit.processes), default=0.0))
 
 
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,

@@ -135,22 +135,6 @@ def grid_slices(grid: np.ndarray) -> Iterator[np.ndarray]:
         yield grid[start:start + INTEGRATE_SLICE_STEPS + 1]
 
 
-def batch_buckets(max_batch: int) -> tuple[int, ...]:
-    """Batch sizes to compile for: powers of two below ``max_batch``, then ``max_batch``.
-
-    Compiled backends (JAX, Neuron) need one program per batch size; padding to these few
-    sizes wastes at most half a batch and bounds compilation to ``log2(max_batch) + 1``.
-    """
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be positive, got {max_batch}")
-    sizes = []
-    size = 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return (*sizes, max_batch)
-
-
 def bucket_for(batch: int, buckets: Sequence[int]) -> int:
     """The smallest bucket that holds ``batch`` rows."""
     for size in sorted(buckets):

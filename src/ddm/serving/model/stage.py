@@ -49,7 +49,7 @@ from ddm.checkpoints.format import CheckpointError, CheckpointMeta, read_meta
 from ddm.checkpoints.roles import ROLE_REGISTRY
 from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts, guided_rows
 from ddm.convention import CONVENTION_NAME
-from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES
+from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES, batch_buckets
 from ddm.experts.check import behaviour_data, check_network
 from ddm.experts.network_checks import require_passing
 from ddm.experts.text_check import check_loaded_expert
@@ -59,7 +59,7 @@ from ddm.models.stages import Stage, StageDeclaration
 from ddm.models.torch_io import compile_network
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
-from ddm.serving.batching import batch_buckets, grid_slices
+from ddm.serving.batching import grid_slices
 from ddm.serving.model.compiled import WARM_TEXT_TOKENS, bucketed, on_compiled_thread
 from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
