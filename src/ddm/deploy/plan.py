@@ -53,10 +53,10 @@ class ExpertPlan:
     backend: str
     device: str | None
     args: tuple[str, ...]
+    #: How long its server may take to become ready (:func:`ready_budget_s`).
+    ready_s: int
     autoscaling: Autoscaling | None = None
     pool: str | None = None
-    #: How long its server may take to become ready (:func:`ready_budget_s`).
-    ready_s: int = 0
 
     def command(self, checkpoint_dir: str, host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -91,9 +91,9 @@ class StagePlan:
     device: str | None
     precision: str | None
     args: tuple[str, ...]
-    pool: str | None = None
     #: How long its own server may take to become ready (:func:`ready_budget_s`).
-    ready_s: int = 0
+    ready_s: int
+    pool: str | None = None
 
     @property
     def in_router(self) -> bool:
@@ -140,9 +140,9 @@ class PoolPlan:
     backend: str
     device: str | None
     args: tuple[str, ...]
-    autoscaling: Autoscaling | None = None
     #: How long its server may take to become ready (:func:`ready_budget_s`).
-    ready_s: int = 0
+    ready_s: int
+    autoscaling: Autoscaling | None = None
 
     def command(self, member_dirs: Mapping[str, str], host: str, port: int, metrics_port: int,
                 token_file: str | None = None) -> tuple[str, ...]:
@@ -209,11 +209,11 @@ class RouterPlan:
     num_classes: int
     sampling: SamplingDefaults
     limits: RouterLimits
+    #: How long it may take to become ready, with the stages it loads itself.
+    ready_s: int
     auth: bool = False
     missing_expert: MissingExpert = MissingExpert()
     conditioning: str = "labels"
-    #: How long it may take to become ready, with the stages it loads itself.
-    ready_s: int = 0
 
     @staticmethod
     def command(config_file: str, host: str, port: int, metrics_port: int) -> tuple[str, ...]:
