@@ -418,6 +418,17 @@ def _one_gpu_node(cluster: Cluster, name: str) -> dict[str, str]:
     return mark
 
 
+def _statuses_since(cluster: Cluster, namespace: str, name: str, resource_version: str
+                    ) -> list[dict]:
+    """Every status DDMDeployment ``name`` was written with after ``resource_version``, in
+    order (a watch from there, ended by its timeout)."""
+    response = cluster.custom.list_namespaced_custom_object(
+        GROUP, VERSION, namespace, PLURAL, watch=True, resource_version=resource_version,
+        field_selector=f"metadata.name={name}", timeout_seconds=2, _preload_content=False)
+    events = [json.loads(line) for line in response.read().decode().splitlines() if line]
+    return [e["object"].get("status") or {} for e in events if e["type"] == "MODIFIED"]
+
+
 @pytest.mark.usefixtures("operator")
 def test_a_pool_on_its_nodes_only_gpu_is_updated_without_a_second_gpu(
         cluster: Cluster, kube_namespace: str) -> None:
@@ -445,6 +456,7 @@ def test_a_pool_on_its_nodes_only_gpu_is_updated_without_a_second_gpu(
             return (cluster.ddm(ns, "one").get("status") or {}).get("phase")
         wait_for(lambda: phase() == "Ready", OPERATOR_DEADLINE_S, "phase Ready")
 
+        before = cluster.ddm(ns, "one")["metadata"]["resourceVersion"]
         spec["pools"][0]["maxBatch"] = 16
         cluster.patch_ddm_spec(ns, "one", spec)
 
@@ -464,6 +476,12 @@ def test_a_pool_on_its_nodes_only_gpu_is_updated_without_a_second_gpu(
             "message"].startswith("pool gpu: 0/1 ready"), OPERATOR_DEADLINE_S,
             "PoolsReady False while the old pod goes", pools_condition)
         assert phase() != "Ready"
+        # No status written since the change said the new spec was ready while it was not
+        # (the run that applied it once reported the Deployment as it was before).
+        written = _statuses_since(cluster, ns, "one", before)
+        assert any(s.get("observedGeneration") == 2 for s in written), written
+        assert not [s for s in written if s.get("observedGeneration") == 2
+                    and s.get("phase") == "Ready"], written
 
         # What the kubelet does once the old container has stopped: the pod object goes.
         cluster.core.delete_namespaced_pod(old["metadata"]["name"], ns, grace_period_seconds=0)

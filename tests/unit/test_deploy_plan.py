@@ -324,3 +324,15 @@ def test_a_server_has_time_for_each_member_and_each_batch_size_it_compiles() -> 
     budget = nvidia + 6 * MEMBER_READY_S + 5 * 5 * COMPILE_READY_S
     assert plan_deployment(on_gpu.spec).pools[0].ready_s == budget
     assert _startup_budgets(on_gpu)["pool-models"] == budget
+
+
+def test_a_cold_start_counts_as_demand_for_as_long_as_the_server_may_take() -> None:
+    """Both scalers keep what they started from zero while it starts (its scale-down delay
+    runs from when it can serve): for its own ready budget, a compiling pool's included, not
+    a fixed ten minutes that would stop it half way through compiling."""
+    manifest = _pooled_text2img(compile="default", maxBatch=16, autoscaling={
+        "minReplicas": 1, "maxReplicas": 3, "target": {"rowsPerSecond": 10}})
+    plan = plan_deployment(manifest.spec)
+    (unit,) = plan.autoscaled
+    cpu = ACCELERATORS["cpu"].startup_budget_s
+    assert unit.pool and unit.ready_s == cpu + 6 * MEMBER_READY_S + 5 * 5 * COMPILE_READY_S

@@ -31,6 +31,7 @@ from ddm.operator.manifests import (
     build_pool_deployment,
     with_spec_hash,
 )
+from ddm.deploy.limits import PULL_S
 from ddm.deploy.spec import parse_spec
 from ddm.deploy.router_config import DnsDiscovery, RouterConfigFile
 
@@ -133,13 +134,16 @@ def test_tpu_chips(framework: str, device: str) -> None:
     assert _flag(container["command"], "--device") == device
 
 
-@pytest.mark.parametrize("accelerator, surge, unavailable", [
-    ({"type": "nvidia"}, 0, 1), ({"type": "neuron", "unit": "core", "count": 2}, 0, 1),
-    ({"type": "tpu", "count": 4}, 0, 1), ({"type": "cpu"}, 1, 0)])
-def test_a_server_on_a_device_is_updated_old_pod_first(accelerator: dict, surge: int,
-                                                       unavailable: int) -> None:
+@pytest.mark.parametrize("accelerator, strategy", [
+    ({"type": "nvidia"}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({"type": "neuron", "unit": "core", "count": 2}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({"type": "tpu", "count": 4}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({"type": "cpu"}, None)])
+def test_a_server_on_a_device_is_updated_old_pod_first(accelerator: dict,
+                                                       strategy: dict | None) -> None:
     """Kubernetes' default would make the new pod first, which waits forever for a device
-    the old pod holds; on the CPU the new replica is ready before an old one goes."""
+    the old pod holds; on the CPU the default (the new replica ready before an old one goes)
+    stays."""
     spec = parse_spec(_spec(_expert("e", accelerator=accelerator)))
     deployments = [build_expert_deployment(spec.experts[0], META, CONFIG)]
     if accelerator["type"] != "neuron":  # pools serve with torch or jax, not neuronx
@@ -147,9 +151,13 @@ def test_a_server_on_a_device_is_updated_old_pod_first(accelerator: dict, surge:
                              "pools": [{"name": "p", "accelerator": accelerator}]})
         deployments.append(build_pool_deployment(pooled, pooled.pools[0], META, CONFIG))
     for deployment in deployments:
-        assert deployment["spec"]["strategy"] == {
-            "type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+        assert deployment["spec"].get("strategy") == (
+            strategy and {"type": "RollingUpdate", "rollingUpdate": strategy})
+        # A start may take its whole budget before Kubernetes calls the rollout stalled.
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        probe = container["startupProbe"]
+        assert deployment["spec"]["progressDeadlineSeconds"] == (
+            PULL_S + probe["periodSeconds"] * probe["failureThreshold"])
 
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])

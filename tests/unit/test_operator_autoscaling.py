@@ -54,6 +54,24 @@ def test_an_expert_scaling_up_is_waited_for() -> None:
     assert conditions["ExpertsReady"]["message"] == "waiting for rare (0/1 ready)"
 
 
+def test_the_scalers_change_of_the_count_alone_does_not_flap_ready() -> None:
+    """A scale-down the Deployment controller has not yet seen is no update: Ready stays
+    True (it moves only when ready falls short of desired); a scale-up waits for the
+    replicas, not for an update."""
+    down = {**_deployments(1, 1), "digits-expert-rare": {
+        "metadata": {"generation": 3}, "spec": {"replicas": 1},
+        "status": {"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2,
+                   "readyReplicas": 2}}}
+    assert ready_status(SPEC, META, deployments=down, previous={}, now="T")["phase"] == "Ready"
+    up = {**_deployments(1, 1), "digits-expert-rare": {
+        "metadata": {"generation": 3}, "spec": {"replicas": 3},
+        "status": {"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2,
+                   "readyReplicas": 2}}}
+    conditions = {c["type"]: c for c in ready_status(SPEC, META, deployments=up, previous={},
+                                                     now="T")["conditions"]}
+    assert conditions["ExpertsReady"]["message"] == "waiting for rare (2/3 ready)"
+
+
 def test_the_reconciles_status_leaves_the_scalers_demand_to_the_scaler() -> None:
     """The reconcile's merge patch has no ``demand``, so the scaler's newest stays; and a
     status that differs only in the scaler's part is not rewritten."""

@@ -52,11 +52,14 @@ class Demand:
 class Scaled:
     """What one scaler decision sets the replicas of: an expert's servers (``experts`` is its
     own name) or, ``pool``, a pool's, which serve every member expert in ``experts`` in one
-    process each. Its ``rules`` are the expert's or the pool's ``autoscaling``."""
+    process each. Its ``rules`` are the expert's or the pool's ``autoscaling``; ``ready_s``:
+    how long one of its servers may take to become ready once started (its plan's), for
+    which a cold start of it counts as in demand."""
 
     name: str
     experts: tuple[str, ...]
     rules: Autoscaling
+    ready_s: float
     pool: bool = False
 
     @property

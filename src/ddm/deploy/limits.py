@@ -136,6 +136,10 @@ MAX_EXPERT_PROBE_BYTES = 16 * 1024
 #: ``ddm.deploy.accelerators``). (In-process loading adds ``native``, the checkpoint's own
 #: framework: ``ddm.models.loading.LOAD_BACKENDS``.)
 EXPERT_BACKENDS = ("torch", "jax", "neuron")
+#: How long a model server's pod may take to pull its image and fetch its weights before the
+#: server starts (then its plan's ready budget runs): how long the operator's scaler counts a
+#: cold start as demand, and what a Deployment's progress deadline allows beyond that budget.
+PULL_S = 600
 #: ``torch.compile``'s modes a model server may run its torch networks in (``--compile``, the
 #: spec's ``compile``); ``none`` runs them eagerly. ``reduce-overhead`` adds CUDA graphs (on a
 #: GPU), ``max-autotune`` searches kernels as well (long compiles). Compiled, a server pads

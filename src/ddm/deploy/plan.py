@@ -168,7 +168,8 @@ MEMBER_READY_S = 120
 #: bucket of ``maxBatch``, before it is ready). About three times the slowest measured
 #: (docs/benchmarks.md, "Compiled against eager on the CPU"). Members of one architecture share
 #: their compiled code, so a pool of like experts takes less; a plan does not know their
-#: architectures and counts each.
+#: architectures and counts each. (JAX and Neuron servers compile their batch sizes within
+#: their accelerator's budget, as they always have: Neuron's is the longer one.)
 COMPILE_READY_S = 120
 #: The stages a pool compiles with its experts (the text encoder and decoder run eagerly).
 COMPILED_STAGES = (PLAN_NAMES[ROUTER],)
@@ -247,10 +248,10 @@ class DeploymentPlan:
     def autoscaled(self) -> tuple[Scaled, ...]:
         """What follows the routers' demand: each expert with servers of its own and
         ``autoscaling``, then each pool with it (by the sum of its experts' demand)."""
-        return (*(Scaled(e.name, (e.name,), e.autoscaling) for e in self.unpooled_experts
-                  if e.autoscaling is not None),
+        return (*(Scaled(e.name, (e.name,), e.autoscaling, e.ready_s)
+                  for e in self.unpooled_experts if e.autoscaling is not None),
                 *(Scaled(p.name, tuple(e.name for e in self.experts if e.pool == p.name),
-                         p.autoscaling, pool=True)
+                         p.autoscaling, p.ready_s, pool=True)
                   for p in self.pools if p.autoscaling is not None))
 
     def router_config(self, discovery: Mapping[str, Discovery], checkpoint_dir: str | None,

@@ -41,6 +41,7 @@ from ddm.checkpoints.uri import (
     checkpoint_mount,
 )
 from ddm.deploy.accelerators import Accelerator
+from ddm.deploy.limits import PULL_S
 from ddm.deploy.plan import RouterPlan, plan_deployment, plan_expert, plan_pool, plan_stage
 from ddm.deploy.pod_options import PodOptions
 from ddm.deploy.router_config import Auth, Discovery, DnsDiscovery, RouterConfigFile
@@ -274,24 +275,28 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
                          volumes + [v for mount in models for v in mount.volumes],
                          [c for mount in models for c in mount.init_containers],
                          node_selector=place.node_selector, tolerations=place.tolerations)
-    return _deployment(name, meta, replicas, labels, selector, pod_spec,
-                       {**names.SCRAPE_ANNOTATIONS,
-                        **_checkpoint_annotation(*(c.source for c in checkpoints))},
-                       strategy=update_strategy(place.limits))
+    deployment = _deployment(name, meta, replicas, labels, selector, pod_spec,
+                             {**names.SCRAPE_ANNOTATIONS,
+                              **_checkpoint_annotation(*(c.source for c in checkpoints))},
+                             strategy=update_strategy(place.limits))
+    # A replica may take its ready budget to start: not "no progress" (Kubernetes' 600 s).
+    deployment["spec"]["progressDeadlineSeconds"] = PULL_S + ready_s
+    return deployment
 
 
-def update_strategy(device_limits: Mapping[str, str]) -> dict[str, Any]:
-    """How a model server's Deployment replaces its pods when its spec changes.
+def update_strategy(device_limits: Mapping[str, str]) -> dict[str, Any] | None:
+    """How a model server's Deployment replaces its pods when its spec changes (None:
+    Kubernetes' default).
 
     A pod that holds a device (``device_limits``) is replaced one at a time, the old pod
-    first: a new one made beside it (Kubernetes' default surge) would wait for a device
-    that a DDM on as few accelerators as its weights need never has spare, and the update
-    would never happen. Meanwhile the router treats the missing replicas by the DDM's
-    missing-expert policy. A CPU pod surges: the new replica is ready before an old one
-    goes, so no capacity is lost."""
-    surge, unavailable = (0, 1) if device_limits else (1, 0)
-    return {"type": "RollingUpdate",
-            "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+    first: a new one made beside it (the default's surge) would wait for a device that a DDM
+    on as few accelerators as its weights need never has spare, and the update would never
+    happen. Meanwhile the router treats the missing replicas by the DDM's missing-expert
+    policy. A CPU pod keeps the default (a quarter of the replicas more, a quarter fewer,
+    rounded: one new replica ready before an old one goes, for one or two)."""
+    if not device_limits:
+        return None
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
 def _mount_token(token: RouterAuth, volume: str, directory: str,
@@ -556,7 +561,8 @@ def _probes(startup_budget_s: int) -> dict[str, Any]:
                 "timeoutSeconds": 5, "failureThreshold": failures}
 
     return {
-        "startupProbe": get("/readyz", _PROBE_PERIOD_S, startup_budget_s // _PROBE_PERIOD_S),
+        "startupProbe": get("/readyz", _PROBE_PERIOD_S,
+                            -(-startup_budget_s // _PROBE_PERIOD_S)),  # rounded up
         "readinessProbe": get("/readyz", 5, 2),
         "livenessProbe": get("/healthz", _PROBE_PERIOD_S, 3),
     }

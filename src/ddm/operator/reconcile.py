@@ -194,7 +194,10 @@ class Reconciler:
         for error in errors:
             log.warning("%s/%s: %s", namespace, name, error)
         failure = errors[0] if errors else None
-        deployments = {n: obj for (kind, n), obj in live.items() if kind == "Deployment"}
+        # As written: a Deployment this run changed is reported by the API server's answer
+        # (a generation its controller has not seen), not as the rolled-out one it replaced.
+        deployments = {n: obj for (_, n), obj in self._observed.owned(
+            namespace, name, ("Deployment",)).items()}
         pods = list(self._observed.owned(namespace, name, ("Pod",)).values())
         self._report(body, ready_status(
             spec, meta, deployments=deployments, previous=previous, now=now_rfc3339(),

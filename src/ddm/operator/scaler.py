@@ -18,7 +18,8 @@ replica until the scaler's first pass, woken by the reconcile that created it. W
 readable router the scaler changes nothing (no demand known is not zero demand).
 
 What the scaler started from zero counts as in demand until one of its replicas is ready
-(for at most ``COLD_START_LIMIT_S``), as ``ddm up``'s scaler does: its scale-down delay runs
+(for at most ``PULL_S`` and its server's ready budget), as ``ddm up``'s scaler does: its
+scale-down delay runs
 from when it can serve. Otherwise, under ``reroute``, a cold start longer than the delay was
 ended, unready, one delay after the rerouted steps that had started it.
 """
@@ -36,6 +37,7 @@ from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import DDMSpec, SpecError, parse_spec
 from ddm.operator import names
 from ddm.deploy.autoscaler import Demand, History, Scaled, decide
+from ddm.deploy.limits import PULL_S
 from ddm.operator.demand import DemandRates, RouterReading, scrape
 from ddm.operator.kube import Kube, KubeError
 
@@ -47,10 +49,6 @@ FIELD_MANAGER = "ddm-autoscaler"
 #: ``status.demand`` is rewritten at most this often unless a replica count or a waiting
 #: count changed (each write is an API call and a watch event).
 STATUS_INTERVAL_S = 15.0
-#: How long an expert or pool started from zero counts as in demand while none of its replicas is
-#: ready: image pulls and weight downloads included, but a replica that never gets ready is
-#: not kept forever.
-COLD_START_LIMIT_S = 600.0
 
 Scrape = Callable[[str, Collection[str]], "RouterReading | None"]
 
@@ -178,7 +176,7 @@ class Scaler:
             history = History.start(now) if ready > 0 else History()
         if ready > 0 or current == 0:
             tracked.starting.pop(key, None)
-        elif now - tracked.starting.get(key, float("-inf")) < COLD_START_LIMIT_S:
+        elif now - tracked.starting.get(key, float("-inf")) < PULL_S + unit.ready_s:
             demand = replace(demand, active=True)  # still starting: its delay waits for it
         wanted, tracked.histories[key] = decide(unit.rules, current, demand, history, now)
         if current == 0 and wanted > 0:

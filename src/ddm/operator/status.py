@@ -188,22 +188,22 @@ def ready_replicas(deployment: Mapping[str, Any] | None) -> int:
 
 def update_pending(deployment: Mapping[str, Any] | None) -> str | None:
     """Why a live Deployment is not yet running its current pod template on every replica,
-    in a few words; None when it is (or does not exist). ``kubectl rollout status``'s test:
-    the controller has seen the latest spec, every replica was made from the current
-    template, and no replica of an older one is left. Its old replicas may still serve: a
-    DDM is ready only once its spec runs everywhere, not while an update is stuck (a new
-    pod no node can take, or one that cannot load its checkpoint)."""
+    in a few words; None when it is (or does not exist). Its old replicas may still serve,
+    but a DDM is ready only once its spec runs everywhere, not while an update is stuck (a
+    new pod no node can take, or one that cannot load its checkpoint). Pending: a change its
+    controller has not seen while the replica count is as it was (a change of the count alone,
+    the scaler's, is followed by ready against desired), or replicas of an older template
+    still running. A replica that is gone and not yet replaced counts against ready."""
     if deployment is None:
         return None
     status = deployment.get("status") or {}
-    if int(deployment.get("metadata", {}).get("generation") or 0) > int(
-            status.get("observedGeneration") or 0):
-        return "update not yet observed"
+    running = int(status.get("replicas") or 0)
     wanted = (deployment.get("spec") or {}).get("replicas")
-    updated = int(status.get("updatedReplicas") or 0)
-    if wanted is not None and updated < int(wanted):
-        return f"{updated}/{wanted} updated"
-    old = int(status.get("replicas") or 0) - updated
+    unseen = int(deployment.get("metadata", {}).get("generation") or 0) > int(
+        status.get("observedGeneration") or 0)
+    if unseen and (wanted is None or int(wanted) == running):
+        return "update not yet observed"
+    old = running - int(status.get("updatedReplicas") or 0)
     if old > 0:
         return f"{old} old replica{'s' if old > 1 else ''} left"
     return None

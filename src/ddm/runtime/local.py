@@ -594,9 +594,7 @@ def _scaler(plan: LocalPlan, supervisor: Supervisor, host: str, out: TextIO) -> 
                   start=lambda name: supervisor.start(specs[name]), stop=supervisor.stop_one,
                   running=supervisor.running,
                   ready=lambda name: supervisor.running(name) and answers_ready(
-                      host, specs[name].port), out=out,
-                  start_timeout_s=max((specs[name].ready_s for unit in plan.on_demand
-                                       for name in unit.processes), default=0.0))
+                      host, specs[name].port), out=out)
 
 
 def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,

@@ -65,17 +65,17 @@ class Scaler:
     ``POLL_INTERVAL_S`` (:meth:`tick` is called from the supervisor's loop); ``start``,
     ``stop``, ``running`` and ``ready`` act on one process by name. Counts ``cold_starts`` and
     says when a started expert is ready, so that its cold start shows in the log. An expert
-    still starting counts as in demand, for at most ``start_timeout_s``."""
+    still starting counts as in demand, for at most its server's ready budget
+    (``Scaled.ready_s``)."""
 
     def __init__(self, experts: tuple[OnDemand, ...], poller: DemandPoller,
                  start: Callable[[str], None], stop: Callable[[str], None],
                  running: Callable[[str], bool], ready: Callable[[str], bool],
-                 out: TextIO, start_timeout_s: float) -> None:
+                 out: TextIO) -> None:
         self._experts = experts
         self._poller = poller
         self._start, self._stop, self._running, self._ready = start, stop, running, ready
         self._out = out
-        self._start_timeout_s = start_timeout_s
         self._next_poll = 0.0
         self._last_read = float("-inf")  # the first reading counts any demand as recent
         self._histories: dict[str, History] = {}  # by Scaled.key
@@ -104,7 +104,7 @@ class Scaler:
             if len(members) < len(read):
                 continue
             seen = expert.scaled.demand(members)
-            if now - self._warming.get(key, float("-inf")) < self._start_timeout_s:
+            if now - self._warming.get(key, float("-inf")) < expert.scaled.ready_s:
                 # still starting: its delay counts once it can serve, or a cold start longer
                 # than the delay (a rerouted step's demand) would stop it before it ever did
                 seen = replace(seen, active=True)
