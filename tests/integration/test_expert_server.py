@@ -620,6 +620,20 @@ def test_an_eager_network_is_warmed_at_a_full_batch_on_an_accelerator_only(
         assert seen == warmed
 
 
+def test_a_compiled_network_is_warmed_at_every_bucket_twice_where_cuda_graphs_record(
+        smoke_expert_checkpoint):
+    """Compiled, every batch size compiles before the server is ready; under
+    ``reduce-overhead`` CUDA graph trees record a shape at its second call, so each size runs
+    twice: no graph is recorded during a live request."""
+    seen: list[int] = []
+    counting = _counting_loader(seen, lambda real: {})
+    options = ServingOptions(max_batch=4, compile="reduce-overhead")
+    with running(create_model_app(smoke_expert_checkpoint, options,
+                                  Hooks(loader=counting))) as base:
+        wait_ready(base, deadline_s=600)
+        assert seen == [1, 2, 4, 1, 2, 4]
+
+
 def test_a_label_expert_takes_its_stored_precision_only_and_refuses_another_before_start():
     """One rule with the loader (``label_precision``): a label checkpoint runs as stored, so
     ``--precision`` may name its stored dtype and nothing else, refused before the server

@@ -60,7 +60,8 @@ from ddm.models.torch_io import compile_network
 from ddm.sampling.guidance import guided
 from ddm.sampling.solvers import iterate
 from ddm.serving.batching import grid_slices
-from ddm.serving.model.compiled import WARM_TEXT_TOKENS, bucketed, on_compiled_thread
+from ddm.serving.model.compiled import (CUDA_GRAPHS, WARM_TEXT_TOKENS, bucketed,
+                                        on_compiled_thread)
 from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions, StageLoader
@@ -363,7 +364,10 @@ class StageMember(Member):
         compile_network(stage.network, options.compile, len(buckets))
         compiled = dataclasses.replace(stage, forward=bucketed(
             on_compiled_thread(options.compile, stage.forward), buckets))
-        _warm_up(compiled, buckets, WARM_TEXT_TOKENS)
+        # CUDA graph trees record a shape at its second call (the first warms the allocator):
+        # twice, so that no graph is recorded during live requests.
+        for _ in range(2 if options.compile == CUDA_GRAPHS else 1):
+            _warm_up(compiled, buckets, WARM_TEXT_TOKENS)
         return compiled
 
     def _check(self, expert: Stage) -> list[Any]:
