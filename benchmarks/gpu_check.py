@@ -75,12 +75,12 @@ def summary(result: dict[str, Any]) -> list[str]:
         levels = ", ".join(f"{level} prompts {f['images_per_s']:.2f} images/s "
                            f"p50 {f['latency_s']['p50']:.3f} s"
                            for level, f in figures["levels"].items())
-        gpu = (figures.get("gpu_memory_mib") or figures.get("gpu_memory_used_mib")
-               or figures.get("cuda_peak_mib"))
-        lines.append(f"{name}: {levels}" + (f"; GPU MiB {gpu}" if gpu else ""))
+        gpu = figures.get("gpu_memory_used_mib")  # the whole GPU's, read alike for each
+        lines.append(f"{name}: {levels}" + (f"; GPU MiB in use {gpu}" if gpu else ""))
     for name, target in result.get("targets", {}).items():
+        verdict = {True: "met", False: "not met", None: "not judged (a figure is missing)"}
         lines.append(f"target {name}: {target['value']} {target['comparison']} "
-                     f"{target['target']}: {'met' if target['met'] else 'not met'}")
+                     f"{target['target']}: {verdict[target['met']]}")
     return lines
 
 

@@ -217,6 +217,7 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
     compile mode: the target's name then ends in ``-MODE``): the pool against in-process
     sampling (memory within 1.3x, images/s at least 0.9x at the highest concurrency) and, for
     a full-size pool on a GPU, the H200 figures (images/s at 32 prompts, p50 at 1)."""
+    from benchmarks.pools import MEMORY_RATIO, ratio_target
     from benchmarks.pools import targets as pool_targets
 
     judged: dict[str, Any] = {}
@@ -230,6 +231,10 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
         if local:
             found.update(pool_targets({**result, "deployments": {"pooled": pooled},
                                        "settings": result["settings"]["load"]}))
+            if "gpu_memory_used_mib" in local:  # on a GPU: its memory, each alone on it
+                found["gpu_memory_pooled_to_in_process"] = ratio_target(
+                    pooled.get("gpu_memory_used_mib"), local["gpu_memory_used_mib"],
+                    MEMORY_RATIO, "<=")
         if full and "32" in pooled["levels"]:
             images = pooled["levels"]["32"]["images_per_s"]
             found["h200_images_per_s_at_32"] = {"value": images, "target": H200_IMAGES_PER_S,

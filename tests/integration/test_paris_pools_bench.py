@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 from benchmarks.paris_pools import (PLACEMENT_FIELDS, POOL, ParisPoolSettings,
-                                    bench_paris_pools, compiled_manifest, pooled_manifest)
+                                    bench_paris_pools, compiled_manifest, pooled_manifest,
+                                    targets)
 from benchmarks.pools import PoolBenchSettings
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import load_manifest
@@ -35,6 +36,27 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert main(["import", "paris", str(release), "--out", str(root / "out"),
                  "--accelerator", "nvidia", "--precision", "bfloat16"]) == 0
     return root / "out"
+
+
+def test_on_a_gpu_the_pool_and_in_process_are_compared_by_the_gpu_memory_each_used() -> None:
+    """Host RSS says nothing of a GPU's memory: a full-size run on one judges the pool's
+    memory in use on the GPU against in-process sampling's, each read alone on it, and the
+    H200 figures; the host-memory ratio stays, as measured."""
+    level = {"images_per_s": 9.0, "latency_s": {"p50": 0.2}}
+    result = {
+        "settings": {"size": "full", "compile": ["none"],
+                     "load": {"concurrency": [1, 32]}},
+        "deployments": {"pooled": {"total_mib": {"lifetime_peak": 30_000.0},
+                                   "gpu_memory_used_mib": 26_000.0,
+                                   "levels": {"1": level, "32": level}}},
+        "in_process": {"peak_rss_mib": 25_000.0, "gpu_memory_used_mib": 20_000.0,
+                       "levels": {"1": {"images_per_s": 6.0}, "32": {"images_per_s": 10.0}}}}
+    judged = targets(result)
+    assert judged["gpu_memory_pooled_to_in_process"] == {
+        "value": 1.3, "target": 1.3, "comparison": "<=", "met": True}
+    assert judged["memory_pooled_to_in_process"]["value"] == 1.2
+    assert judged["h200_images_per_s_at_32"]["met"]
+    assert judged["h200_p50_s_at_1"]["met"]
 
 
 def test_the_pooled_manifest_puts_every_component_in_one_pool(imported: Path,

@@ -39,6 +39,20 @@ def test_the_targets_compare_the_pool_with_in_process_sampling_at_most_concurren
     assert not missed["images_per_s_pooled_to_in_process"]["met"]
 
 
+def test_without_a_kernel_kept_peak_the_sampled_one_is_judged_or_none() -> None:
+    """gVisor's /proc keeps no VmHWM: the pool's sampled peaks stand in; with neither, the
+    memory target is reported unjudged rather than the run failing after its figures."""
+    figures = _figures(pool_mib=650, pool_rate=9, local_mib=500, local_rate=10)
+    figures["deployments"]["pooled"]["total_mib"] = {"lifetime_peak": None,
+                                                     "sampled_peak": 600.0}
+    assert targets(figures)["memory_pooled_to_in_process"] == {
+        "value": 1.2, "target": 1.3, "comparison": "<=", "met": True}
+    figures["deployments"]["pooled"]["total_mib"] = {"lifetime_peak": None,
+                                                     "sampled_peak": None}
+    assert targets(figures)["memory_pooled_to_in_process"] == {
+        "value": None, "target": 1.3, "comparison": "<=", "met": None}
+
+
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("concurrency", (), "concurrency"), ("concurrency", (0, 8), "concurrency"),
     ("rounds", 0, "rounds"), ("steps", 0, "steps"), ("timeout_s", 0.0, "timeout_s"),
