@@ -13,7 +13,9 @@ percentiles, GPU memory per process and in all, the H200 targets judged) go to
 overrides ``$OUT``); a summary line per deployment goes to stdout. The JSON is rewritten
 after each deployment (``"complete": false`` until the end), and the deployments run eager
 first, in-process next, compiled last, so that a run stopped at its deadline (SIGTERM, on
-which it stops the servers it started) keeps what it measured.
+which it stops the servers it started) keeps what it measured. The imported release is kept
+under ``out/gpu-check-release`` (ignored by git), so that the second part, on the machine the
+first left warm, starts measuring at once.
 
 ``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
 at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
@@ -36,11 +38,14 @@ from benchmarks.paris_pools import ParisPoolSettings, bench_paris_pools
 from benchmarks.pools import PoolBenchSettings
 from ddm.fileio import atomic_path
 
+#: Where the check keeps the imported full-size release between its two parts: ignored by
+#: git, so that the device machine keeps it between two calls while it stays warm.
+KEPT_RELEASE = Path("out") / "gpu-check-release"
 #: The check on the device: full size, one pool, eager and CUDA graphs, 1 and 32 prompts.
 GPU_CHECK = ParisPoolSettings(
     size="full", accelerator="nvidia", precision="bfloat16",
     deployments=("pooled", "in_process"), compile=("none", "reduce-overhead"),
-    load=PoolBenchSettings(concurrency=(1, 32), rounds=3))
+    load=PoolBenchSettings(concurrency=(1, 32), rounds=3), keep_release=KEPT_RELEASE)
 #: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts.
 QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),

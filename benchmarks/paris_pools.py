@@ -78,6 +78,9 @@ class ParisPoolSettings:
     max_batch: int = 64
     compile: tuple[str, ...] = ("none",)
     load: PoolBenchSettings = PoolBenchSettings(concurrency=(1, 8, 32), rounds=1)
+    #: Where the imported release is kept for the next run to reuse (None: a temporary
+    #: directory, removed after).
+    keep_release: Path | None = None
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -96,6 +99,8 @@ class ParisPoolSettings:
                              f"got {', '.join(self.compile) or 'none'}")
 
 
+#: The file that marks a release's import as whole (in the imported directory).
+IMPORTED = ".imported"
 #: ``--quick``: the small release, 2 steps, 1 and 2 prompts, one round.
 QUICK = ParisPoolSettings(load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2))
 
@@ -154,20 +159,7 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
     sizes = SIZES[settings.size]
     workdir = Path(tempfile.mkdtemp(prefix="ddm-bench-paris-"))
     try:
-        say(log, f"paris-pools: writing a {settings.size} release with random weights")
-        dtype = "bfloat16" if settings.precision == "bfloat16" else "float32"
-        release = _write_release(workdir / "release", sizes, dtype)
-        imported = workdir / "imported"
-        done = subprocess.run(
-            [sys.executable, "-m", "ddm", "import", "paris", str(release), "--out",
-             str(imported), "--accelerator", settings.accelerator,
-             *(("--precision", settings.precision) if settings.precision else ())],
-            capture_output=True, text=True)
-        say(log, f"paris-pools: {done.stdout.strip()}")
-        if done.returncode != 0:
-            raise BenchError(f"ddm import paris failed ({done.returncode}): "
-                             f"{done.stderr[-2000:]}")
-        shutil.rmtree(release)  # the import copied it: keep one copy on disk
+        imported = imported_release(settings, workdir, log)
         document = yaml.safe_load((imported / "ddm.yaml").read_text())
         # On loopback without the import's bearer token, as examples/text2img.yaml runs.
         document["spec"]["router"].pop("auth", None)
@@ -178,7 +170,9 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                     "strategy": document["spec"]["sampling"]["strategy"],
                     "guidance_scale": document["spec"]["sampling"]["guidanceScale"]}
         result: dict[str, Any] = {
-            "machine": machine(), "settings": {**asdict(settings), "sizes": asdict(sizes)},
+            "machine": machine(), "settings": {
+                **asdict(settings), "sizes": asdict(sizes),
+                "keep_release": settings.keep_release and str(settings.keep_release)},
             "sampling": sampling, "deployments": {}}
         load = replace(settings.load, prompts=PROMPTS)
         for name, mode in measuring_order(settings):
@@ -204,6 +198,38 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
     result["load_average_after"] = list(os.getloadavg())
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
+
+
+def imported_release(settings: ParisPoolSettings, workdir: Path, log: TextIO) -> Path:
+    """A release of ``settings.size`` with random weights, imported with ``ddm import paris``
+    for the settings' accelerator and precision: under ``workdir``, or, with
+    ``keep_release``, there, reused when an earlier run left one (the GPU check's second part
+    runs on the machine its first part warmed, minutes saved). An import cut short (the run
+    killed at its deadline) is never taken: only one marked whole (:data:`IMPORTED`), made
+    again otherwise (its manifest names its checkpoints by their absolute paths, so it is
+    made where it stays)."""
+    dtype = "bfloat16" if settings.precision == "bfloat16" else "float32"
+    name = f"paris-{settings.size}-{dtype}-{settings.accelerator}-{settings.precision or 'stored'}"
+    imported = (settings.keep_release or workdir) / name
+    if (imported / IMPORTED).is_file():
+        say(log, f"paris-pools: reusing the release imported at {imported}")
+        return imported
+    say(log, f"paris-pools: writing a {settings.size} release with random weights")
+    release = _write_release(workdir / "release", SIZES[settings.size], dtype)
+    shutil.rmtree(imported, ignore_errors=True)  # an import cut short
+    imported.parent.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "ddm", "import", "paris", str(release), "--out", str(imported),
+         "--accelerator", settings.accelerator,
+         *(("--precision", settings.precision) if settings.precision else ())],
+        capture_output=True, text=True)
+    say(log, f"paris-pools: {done.stdout.strip()}")
+    if done.returncode != 0:
+        raise BenchError(f"ddm import paris failed ({done.returncode}): "
+                         f"{done.stderr[-2000:]}")
+    shutil.rmtree(release)  # the import copied it: keep one copy on disk
+    (imported / IMPORTED).write_text("ddm import paris finished\n")
+    return imported
 
 
 def _write_release(root: Path, sizes: TinyParis, dtype: str) -> Path:

@@ -13,14 +13,15 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import yaml
 
-from benchmarks.paris_pools import (PLACEMENT_FIELDS, POOL, ParisPoolSettings,
-                                    bench_paris_pools, compiled_manifest, pooled_manifest,
-                                    targets)
+from benchmarks.paris_pools import (IMPORTED, PLACEMENT_FIELDS, POOL, ParisPoolSettings,
+                                    bench_paris_pools, compiled_manifest, imported_release,
+                                    pooled_manifest, targets)
 from benchmarks.pools import PoolBenchSettings
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import load_manifest
@@ -57,6 +58,28 @@ def test_on_a_gpu_the_pool_and_in_process_are_compared_by_the_gpu_memory_each_us
     assert judged["memory_pooled_to_in_process"]["value"] == 1.2
     assert judged["h200_images_per_s_at_32"]["met"]
     assert judged["h200_p50_s_at_1"]["met"]
+
+
+def test_a_kept_release_is_imported_once_and_never_taken_half_made(tmp_path: Path) -> None:
+    """The GPU check's second part reuses the release its first part imported; an import cut
+    short (the run killed at its deadline) is made again."""
+    settings = ParisPoolSettings(size="small", keep_release=tmp_path / "kept")
+    log = io.StringIO()
+    first = imported_release(settings, tmp_path / "work-1", log)
+    assert first.parent == tmp_path / "kept" and (first / "ddm.yaml").is_file()
+    assert "writing a small release" in log.getvalue()
+    stamp = (first / "ddm.yaml").stat().st_mtime_ns
+    log = io.StringIO()
+    assert imported_release(settings, tmp_path / "work-2", log) == first
+    assert "reusing the release imported at" in log.getvalue()
+    assert (first / "ddm.yaml").stat().st_mtime_ns == stamp
+    # A run killed while importing: a directory with some of the files, never marked whole.
+    shutil.rmtree(first)
+    first.mkdir()
+    (first / "ddm.yaml").write_text("cut short")
+    again = imported_release(settings, tmp_path / "work-3", io.StringIO())
+    assert again == first and (again / IMPORTED).is_file()
+    assert "cut short" not in (again / "ddm.yaml").read_text()
 
 
 def test_the_pooled_manifest_puts_every_component_in_one_pool(imported: Path,
