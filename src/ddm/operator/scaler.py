@@ -19,9 +19,9 @@ readable router the scaler changes nothing (no demand known is not zero demand).
 
 What the scaler started from zero counts as in demand until one of its replicas is ready
 (for at most ``PULL_S`` and its server's ready budget), as ``ddm up``'s scaler does: its
-scale-down delay runs
-from when it can serve. Otherwise, under ``reroute``, a cold start longer than the delay was
-ended, unready, one delay after the rerouted steps that had started it.
+scale-down delay runs from when it can serve. Otherwise, under ``reroute``, a cold start
+longer than the delay was ended, unready, one delay after the rerouted steps that had started
+it.
 """
 
 from __future__ import annotations
