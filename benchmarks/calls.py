@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from ddm.checkpoints.format import load_checkpoint
+from ddm.deploy.accelerators import DEFAULT_STARTUP_BUDGET_S
 from ddm.models.loading import expert_velocity
 from ddm.runtime.local import REPOSITORY_ROOT, free_port
 from ddm.serving.batching import INLINE_MAX_S
@@ -77,7 +78,7 @@ from ddm.serving.wire.protocol import (CONTENT_TYPE, decode_context_ack, decode_
                                        max_error_reply_bytes, max_reply_bytes)
 from tests.support.label_wire import LabelCall, velocity_call
 from benchmarks.figures import CALL_ABOVE_FLOOR_MS, verdict
-from benchmarks.fleet import HOST, READY_S, checkouts
+from benchmarks.fleet import HOST, checkouts
 
 CALLS = 5
 ROUNDS = 40
@@ -285,7 +286,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 
 async def _wait_ready(client: HttpClient, endpoint: str) -> None:
-    deadline = time.monotonic() + READY_S
+    deadline = time.monotonic() + DEFAULT_STARTUP_BUDGET_S  # one eager server's
     while time.monotonic() < deadline:
         try:
             reply = await client.get(endpoint, "/readyz", _TIMEOUT_S, _TIMEOUT_S,
@@ -295,7 +296,7 @@ async def _wait_ready(client: HttpClient, endpoint: str) -> None:
         except (OSError, TimeoutError):
             pass
         await asyncio.sleep(0.2)
-    raise RuntimeError(f"{endpoint} did not become ready in {READY_S} s")
+    raise RuntimeError(f"{endpoint} did not become ready in {DEFAULT_STARTUP_BUDGET_S} s")
 
 
 def _local_model(checkpoint: Path, seconds: float, how: str) -> Callable[..., np.ndarray]:
