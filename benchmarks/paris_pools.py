@@ -210,7 +210,7 @@ def imported_release(settings: ParisPoolSettings, workdir: Path, log: TextIO) ->
     made where it stays)."""
     dtype = "bfloat16" if settings.precision == "bfloat16" else "float32"
     name = f"paris-{settings.size}-{dtype}-{settings.accelerator}-{settings.precision or 'stored'}"
-    imported = (settings.keep_release or workdir) / name
+    imported = ((settings.keep_release or workdir) / name).absolute()  # its manifest's paths
     if (imported / IMPORTED).is_file():
         say(log, f"paris-pools: reusing the release imported at {imported}")
         return imported
