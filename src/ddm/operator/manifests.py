@@ -275,13 +275,12 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
                          volumes + [v for mount in models for v in mount.volumes],
                          [c for mount in models for c in mount.init_containers],
                          node_selector=place.node_selector, tolerations=place.tolerations)
-    deployment = _deployment(name, meta, replicas, labels, selector, pod_spec,
-                             {**names.SCRAPE_ANNOTATIONS,
-                              **_checkpoint_annotation(*(c.source for c in checkpoints))},
-                             strategy=update_strategy(place.limits))
     # A replica may take its ready budget to start: not "no progress" (Kubernetes' 600 s).
-    deployment["spec"]["progressDeadlineSeconds"] = PULL_S + ready_s
-    return deployment
+    return _deployment(name, meta, replicas, labels, selector, pod_spec,
+                       {**names.SCRAPE_ANNOTATIONS,
+                        **_checkpoint_annotation(*(c.source for c in checkpoints))},
+                       strategy=update_strategy(place.limits),
+                       progress_deadline_s=PULL_S + ready_s)
 
 
 def update_strategy(device_limits: Mapping[str, str]) -> dict[str, Any] | None:
@@ -602,7 +601,8 @@ def _deployment(name: str, meta: Mapping[str, Any], replicas: int | None,
                 labels: dict[str, str],
                 selector: dict[str, str], pod: dict[str, Any],
                 pod_annotations: dict[str, str] | None = None,
-                strategy: dict[str, Any] | None = None) -> dict[str, Any]:
+                strategy: dict[str, Any] | None = None,
+                progress_deadline_s: int | None = None) -> dict[str, Any]:
     template_meta: dict[str, Any] = {"labels": dict(labels)}
     if pod_annotations:
         template_meta["annotations"] = pod_annotations
@@ -613,6 +613,8 @@ def _deployment(name: str, meta: Mapping[str, Any], replicas: int | None,
         "spec": {
             **({"replicas": replicas} if replicas is not None else {}),
             **({"strategy": strategy} if strategy is not None else {}),
+            **({"progressDeadlineSeconds": progress_deadline_s}
+               if progress_deadline_s is not None else {}),
             "revisionHistoryLimit": 3,
             "selector": {"matchLabels": selector},
             "template": {"metadata": template_meta, "spec": pod},
