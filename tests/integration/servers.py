@@ -24,9 +24,15 @@ SERVER_THREAD = "test-server-"
 @contextmanager
 def running(app, limits: ConnectionLimits = ConnectionLimits(), loops: int = 1) -> Iterator[str]:
     """Serve ``app`` on a free loopback port within ``limits`` on ``loops`` event loops; yields
-    the base URL, stops the server after."""
+    the base URL, stops the server after.
+
+    The socket listens before the URL is handed out: a client may connect at once (the kernel
+    queues the connection until the server's loop, still starting in its thread, accepts it)
+    instead of being refused while uvicorn starts up, as it was when the server itself began
+    to listen. Whether the app is *ready* is still for :func:`wait_ready` to say."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
+    sock.listen()
     port = sock.getsockname()[1]
     server = build_server(app, "127.0.0.1", port, log_level="warning", limits=limits,
                           loops=loops)

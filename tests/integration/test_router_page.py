@@ -88,8 +88,7 @@ def _ddm(manifest: str, auth: Auth | None = None) -> Iterator[str]:
         config: RouterConfigFile = plan.router_config(
             discovery, str(resolve_checkpoint(plan.router.checkpoint)), auth=auth)
         router = stack.enter_context(running(create_router_app(config)))
-        if auth is None:
-            wait_ready(router)
+        wait_ready(router)  # the probes stay open when auth is on
         yield router
 
 
