@@ -134,9 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="check the command on the CPU: the small release, 2 steps, 1 and 2 "
                         "prompts")
-    p.add_argument("--part", choices=("all", "eager", "compiled"), default="all",
+    p.add_argument("--part", choices=("all", "eager", "compiled", "pool"), default="all",
                    help="eager: the pool eager and in-process sampling; compiled: the pool "
-                        "under reduce-overhead (each fits one device call); default all")
+                        "under reduce-overhead (each fits one device call); pool: the eager "
+                        "pool alone; default all")
     p.set_defaults(handler=_gpu_check)
 
     p = kinds.add_parser("grouped", help="the shipped text2img experts as one grouped forward "

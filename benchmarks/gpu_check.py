@@ -51,10 +51,12 @@ QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),
     compile=("none", "reduce-overhead"), max_batch=8,
     load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2))
-#: ``--part``: what each part measures of the settings (all of it, or one call's share).
+#: ``--part``: what each part measures of the settings (all of it, or one call's share;
+#: ``pool``, the eager pool alone, is what a lease with under five minutes left still fits).
 PARTS = {"all": {},
          "eager": {"deployments": ("pooled", "in_process"), "compile": ("none",)},
-         "compiled": {"deployments": ("pooled",), "compile": ("reduce-overhead",)}}
+         "compiled": {"deployments": ("pooled",), "compile": ("reduce-overhead",)},
+         "pool": {"deployments": ("pooled",), "compile": ("none",)}}
 
 
 def nvidia_smi(required: bool) -> str:

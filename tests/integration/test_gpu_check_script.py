@@ -197,6 +197,7 @@ def test_each_part_fits_a_call_and_compiled_deployments_are_measured_last() -> N
     assert parts == {"all": [("pooled", "none"), ("in_process", "none"),
                              ("pooled", "reduce-overhead")],
                      "eager": [("pooled", "none"), ("in_process", "none")],
-                     "compiled": [("pooled", "reduce-overhead")]}
-    with pytest.raises(BenchError, match="part must be one of all, eager, compiled"):
+                     "compiled": [("pooled", "reduce-overhead")],
+                     "pool": [("pooled", "none")]}
+    with pytest.raises(BenchError, match="part must be one of all, eager, compiled, pool"):
         gpu_check(Path("unused"), part="some", log=io.StringIO(), report=io.StringIO())
