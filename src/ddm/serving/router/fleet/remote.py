@@ -21,6 +21,7 @@ that concurrent generations make at the same time (:mod:`ddm.serving.router.flee
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Generator, Protocol
@@ -130,12 +131,16 @@ class NullConditioning:
         self._made: asyncio.Future[Conditioning] | None = None
 
     async def rows(self, n: int) -> Conditioning:
-        """``n`` rows of it."""
+        """``n`` rows of it (read-only)."""
         if self._made is None or (self._made.done() and (self._made.cancelled()
                                                          or self._made.exception())):
             self._made = asyncio.ensure_future(self._encode())
         null = await asyncio.shield(self._made)
-        return null.take(np.zeros(n, np.int64))
+        # Read-only views of its one row: every guided call of every step takes them.
+        return dataclasses.replace(null, **{
+            name: np.broadcast_to(value, (n, *value.shape[1:]))
+            for name in ("embeddings", "mask", "pooled", "keys")
+            if (value := getattr(null, name)) is not None})
 
     async def _encode(self) -> Conditioning:
         return (await self._encoder.encode([""])).cond.keyed()
