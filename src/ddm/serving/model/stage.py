@@ -176,7 +176,8 @@ class StageMember(Member):
                 "hardware": None if runtime is None else runtime.hardware,
                 "compile": None if stage is None else
                 self.options.compile if stage.network is not None else "none",
-                "context_cache_bytes": self.contexts.max_bytes if declared.role == EXPERT
+                # Its budget (a pool's experts hold one cache of theirs together).
+                "context_cache_bytes": self.options.context_cache_bytes if declared.role == EXPERT
                 else None, **({} if self.meta is None else _label_facts(self.meta))}
 
     async def answer(self, body: bytes) -> tuple[int, bytes]:
