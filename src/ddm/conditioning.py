@@ -98,12 +98,16 @@ class Conditioning:
         return int(rows.shape[0])
 
     def take(self, rows: Sequence[int] | np.ndarray) -> Conditioning:
-        """The conditioning of ``rows`` (indices, repeats allowed), every field aligned."""
+        """The conditioning of ``rows`` (indices, repeats allowed), every field aligned. A
+        read-only field (a keyed conditioning's rows: :meth:`keyed`) taken whole, every row
+        in order, is shared rather than copied: nobody may write to it."""
         index = np.asarray(rows, dtype=np.int64).reshape(-1)
         if index.size and not (index.min() >= -len(self) and index.max() < len(self)):
             raise IndexError(f"rows {index.tolist()} outside a conditioning of {len(self)}")
-        return replace(self, **{name: getattr(self, name)[index] for name in _ROW_FIELDS
-                                if getattr(self, name) is not None},
+        whole = index.size == len(self) and bool((index == np.arange(len(self))).all())
+        return replace(self, **{name: value if whole and not value.flags.writeable
+                                else value[index] for name in _ROW_FIELDS
+                                if (value := getattr(self, name)) is not None},
                        negative=None if self.negative is None else self.negative.take(index))
 
     def with_guidance(self, scale: np.ndarray | float,
@@ -122,10 +126,21 @@ class Conditioning:
 
     def keyed(self) -> Conditioning:
         """These text rows with their content keys, and their negative rows' (:func:`row_keys`;
-        kept as they are where made already)."""
+        kept as they are where made already), as read-only views: the keys name the rows'
+        content, which must not change under them (and :meth:`take` shares them)."""
         negative = None if self.negative is None else self.negative.keyed()
         keys = row_keys(self) if self.keys is None else self.keys
-        return replace(self, keys=keys, negative=negative)
+        return replace(self, negative=negative, **{
+            name: _read_only(value) for name, value in (
+                ("embeddings", self.embeddings), ("mask", self.mask), ("pooled", self.pooled),
+                ("keys", keys)) if value is not None})
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A view of ``array`` that cannot be written to."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def row_keys(cond: Conditioning) -> np.ndarray:

@@ -95,6 +95,11 @@ def test_row_keys_name_rows_by_content_and_ride_through_take_and_guidance():
     masked = dataclasses.replace(cond, mask=np.array([[1, 1, 0]] * 3))
     assert not (row_keys(masked) == keyed.keys).all(axis=1).any()
     assert concat([keyed.take([0]), cond.take([1])]).keys is None  # made again where needed
+    assert not keyed.embeddings.flags.writeable and cond.embeddings.flags.writeable
+    whole = keyed.take([0, 1, 2])  # keyed rows taken whole are shared, others copied
+    assert whole.embeddings is keyed.embeddings and whole.negative.keys is keyed.negative.keys
+    assert not np.shares_memory(keyed.take([1, 0, 2]).embeddings, keyed.embeddings)
+    assert not np.shares_memory(cond.take([0, 1, 2]).embeddings, cond.embeddings)
     assert (concat([keyed.take([0]), keyed.take([1])]).keys == keyed.keys[:2]).all()
 
 
