@@ -13,6 +13,7 @@ Pure NumPy: the sampling loop, the servers and every model family share it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -22,7 +23,9 @@ import numpy as np
 LABELS, TEXT = "labels", "text"
 
 #: Fields that hold one entry per row (the others describe the whole batch).
-_ROW_FIELDS = ("labels", "embeddings", "mask", "pooled", "guidance")
+_ROW_FIELDS = ("labels", "embeddings", "mask", "pooled", "guidance", "keys")
+#: Bytes of a row's content key, a SHA-256 (:func:`row_keys`).
+ROW_KEY_BYTES = 32
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,7 +38,10 @@ class Conditioning:
     * ``pooled`` (B, P) float32: a pooled text vector, for models that take one;
     * ``guidance`` (B,) float32: classifier-free guidance scale per row (None, or 1: unguided);
     * ``negative``: ``B`` rows of embeddings that replace the null conditioning as the
-      unconditional half of guided rows (a negative prompt); None: the model's null one.
+      unconditional half of guided rows (a negative prompt); None: the model's null one;
+    * ``keys`` (B, 32) uint8: each text row's content key (:func:`row_keys`), made once
+      by :meth:`keyed` where a caller names rows by their content at every step (the router's
+      contexts), so that a step hashes no embeddings; None: not made.
     """
 
     labels: np.ndarray | None = None
@@ -44,6 +50,7 @@ class Conditioning:
     pooled: np.ndarray | None = None
     guidance: np.ndarray | None = None
     negative: Conditioning | None = None
+    keys: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if (self.labels is None) == (self.embeddings is None):
@@ -52,8 +59,9 @@ class Conditioning:
         if self.labels is not None:
             _check(self.labels.ndim == 1, f"labels must have shape (B,), got "
                                           f"{self.labels.shape}")
-            _check(self.mask is None and self.pooled is None and self.negative is None,
-                   "label conditioning takes no mask, pooled vector or negative prompt")
+            _check(self.mask is None and self.pooled is None and self.negative is None
+                   and self.keys is None,
+                   "label conditioning takes no mask, pooled vector, negative prompt or keys")
         else:
             assert self.embeddings is not None
             _check(self.embeddings.ndim == 3, f"text embeddings must have shape (B, L, D), got "
@@ -90,12 +98,16 @@ class Conditioning:
         return int(rows.shape[0])
 
     def take(self, rows: Sequence[int] | np.ndarray) -> Conditioning:
-        """The conditioning of ``rows`` (indices, repeats allowed), every field aligned."""
+        """The conditioning of ``rows`` (indices, repeats allowed), every field aligned. A
+        read-only field (a keyed conditioning's rows: :meth:`keyed`) taken whole, every row
+        in order, is shared rather than copied: nobody may write to it."""
         index = np.asarray(rows, dtype=np.int64).reshape(-1)
         if index.size and not (index.min() >= -len(self) and index.max() < len(self)):
             raise IndexError(f"rows {index.tolist()} outside a conditioning of {len(self)}")
-        return replace(self, **{name: getattr(self, name)[index] for name in _ROW_FIELDS
-                                if getattr(self, name) is not None},
+        whole = index.size == len(self) and bool((index == np.arange(len(self))).all())
+        return replace(self, **{name: value if whole and not value.flags.writeable
+                                else value[index] for name in _ROW_FIELDS
+                                if (value := getattr(self, name)) is not None},
                        negative=None if self.negative is None else self.negative.take(index))
 
     def with_guidance(self, scale: np.ndarray | float,
@@ -111,6 +123,46 @@ class Conditioning:
     def unguided(self) -> Conditioning:
         """The same rows without guidance: what a network's forward pass sees."""
         return replace(self, guidance=None, negative=None)
+
+    def keyed(self) -> Conditioning:
+        """These text rows with their content keys, and their negative rows' (:func:`row_keys`;
+        kept as they are where made already), as read-only views: the keys name the rows'
+        content, which must not change under them (and :meth:`take` shares them)."""
+        negative = None if self.negative is None else self.negative.keyed()
+        keys = row_keys(self) if self.keys is None else self.keys
+        return replace(self, negative=negative, **{
+            name: _read_only(value) for name, value in (
+                ("embeddings", self.embeddings), ("mask", self.mask), ("pooled", self.pooled),
+                ("keys", keys)) if value is not None})
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """A view of ``array`` that cannot be written to."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
+def row_keys(cond: Conditioning) -> np.ndarray:
+    """Each text row's content key (B, 32) uint8: the SHA-256 of its embeddings (their
+    shape and float32 bytes) and its mask (uint8; none: every token counts). Two rows with
+    the same key condition a network alike; the one home of that rule (``cond.keys`` where
+    :meth:`Conditioning.keyed` made them)."""
+    if cond.keys is not None:
+        return cond.keys
+    if cond.embeddings is None:
+        raise ValueError("only text rows have content keys")
+    shape = str(cond.embeddings.shape[1:]).encode()
+    embeddings = np.ascontiguousarray(cond.embeddings, np.float32)
+    masks = (np.ones(embeddings.shape[:2], np.uint8) if cond.mask is None
+             else np.ascontiguousarray(cond.mask, np.uint8))
+    keys = np.empty((len(embeddings), ROW_KEY_BYTES), np.uint8)
+    for row in range(len(embeddings)):
+        digest = hashlib.sha256(shape)
+        digest.update(embeddings[row])
+        digest.update(masks[row])
+        keys[row] = np.frombuffer(digest.digest(), np.uint8)
+    return keys
 
 
 def guided_rows(guidance: np.ndarray | None, rows: int, has_negative: bool,
@@ -144,6 +196,8 @@ def concat(parts: Sequence[Conditioning]) -> Conditioning:
         present = [getattr(p, name) is not None for p in parts]
         if not any(present):
             continue
+        if not all(present) and name == "keys":
+            continue  # made for some parts only: made again where needed
         if not all(present) and name not in ("mask", "guidance"):
             raise ValueError(f"cannot concatenate conditionings with and without {name}")
         joined[name] = np.concatenate([_field_or_neutral(p, name) for p in parts])

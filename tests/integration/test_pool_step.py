@@ -105,11 +105,20 @@ def test_a_pool_request_answers_each_member_s_rows_as_its_own_route(pool):
         np.testing.assert_array_equal(out, decode_response(own.content, 9, part.x.shape))
 
 
+def test_a_context_sent_to_one_expert_serves_every_expert_of_the_pool(pool):
+    held = context(1)  # sent to expert-1 only: the pool's experts share one cache
+    assert post(pool, "/v1/members/expert-1/velocity", held).status_code == 200
+    request = PoolVelocityRequest(24, (("expert-0", call(held, 1)),))
+    (out,) = decode_pool_response(post(pool, ROUTE, encode_pool_request(request)).content,
+                                  request)
+    assert not isinstance(out, RemoteExpertError) and np.isfinite(out).all()
+
+
 def test_a_member_s_failure_is_its_own_and_the_others_answer(pool):
-    held = context(1)  # sent to expert-0 only: expert-1 does not hold it
+    held, never = context(1), context(1)  # the second sent to nobody
     assert post(pool, "/v1/members/expert-0/velocity", held).status_code == 200
     before = pool_requests(pool)
-    request = PoolVelocityRequest(22, (("expert-0", call(held, 1)), ("expert-1", call(held, 1)),
+    request = PoolVelocityRequest(22, (("expert-0", call(held, 1)), ("expert-1", call(never, 1)),
                                        ("decoder", call(held, 1))))
     reply = post(pool, ROUTE, encode_pool_request(request))
     assert reply.status_code == 200
@@ -240,7 +249,8 @@ async def probed(pool: ExpertPool, *experts: str) -> None:
 
 
 def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
-    # Each member's cache holds one context of one unguided row: a second evicts the first.
+    # Each member's budget is one context of one unguided row, and the pool's experts share
+    # theirs: a third context evicts the first.
     one = TOKENS * WIDTH * 4
     with running(create_model_app({k: v for k, v in members(stages).items() if k != "decoder"},
                                   ServingOptions(max_batch=8, context_cache_bytes=one))) as base:
@@ -249,35 +259,36 @@ def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
                        for k, e in enumerate("ab")}
         x = RNG.standard_normal((1, *LATENT)).astype(np.float32)
         t = np.full(1, 0.5, np.float32)
-        first, second = (Conditioning(embeddings=RNG.standard_normal(
-            (1, TOKENS, WIDTH)).astype(np.float32)) for _ in range(2))
+        first, second, third = (Conditioning(embeddings=RNG.standard_normal(
+            (1, TOKENS, WIDTH)).astype(np.float32)) for _ in range(3))
 
         async def scenario() -> list[list[np.ndarray]]:
             async with ExpertPool.discovered(discoveries, settings()) as router:
                 await probed(router, "a", "b")
                 outs = []
-                for cond in (first, second, first):  # the third: both members evicted it
+                for cond in (first, second, third, first):  # the last: evicted
                     outs.append(await asyncio.gather(router.velocity("a", x, t, cond),
                                                      router.velocity("b", x, t, cond)))
                 return outs
 
         outs = asyncio.run(scenario())
         metrics = httpx.get(f"{base}/metrics").text
-    for before, again in zip(outs[0], outs[2]):
+    for before, again in zip(outs[0], outs[3]):
         np.testing.assert_array_equal(before, again)
     assert not np.array_equal(outs[0][0], outs[0][1])  # two experts, two answers
 
     def count(pattern: str) -> float:
         return sum(float(v) for v in re.findall(rf"^{pattern} (\S+)$", metrics, re.M))
 
-    # Three steps, one request each, and one more for the third's re-sent contexts.
+    # Four steps, one request each, and one more for the last's re-sent contexts; each
+    # context sent to the pool once, the evicted one again to each member that asked.
     assert count(r'ddm_pool_requests_total{kind="pool_velocity",route="[^"]+",'
-                 r'status="200"}') == 4
+                 r'status="200"}') == 5
     for member in ("expert-0", "expert-1"):
         assert count(rf'ddm_expert_requests_total{{kind="pool_velocity",'
                      rf'member="{member}",status="412"}}') == 1
-        assert count(rf'ddm_expert_requests_total{{kind="context",member="{member}",'
-                     rf'status="200"}}') == 3
+    assert count(r'ddm_expert_requests_total{kind="context",member="[^"]+",'
+                 r'status="200"}') == 3 + 2
 
 
 def generations(count: int) -> list[Conditioning]:

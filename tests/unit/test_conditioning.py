@@ -10,7 +10,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts, concat, guided_rows
+from ddm.conditioning import (LABELS, TEXT, Conditioning, EncodedPrompts, concat, guided_rows,
+                              row_keys)
 from ddm.convention import TimeGrid, flow_match_sigma_grid
 from ddm.sampling.guidance import guided
 from ddm.sampling.loop import (Calls, Decode, Decoded, Encode, Mixture, Route, SamplingRequest,
@@ -80,6 +81,26 @@ def test_a_missing_mask_or_guidance_is_filled_with_its_neutral_value():
     joined = concat([bare, masked])
     assert joined.mask.tolist() == [[1, 1, 1], [1, 1, 0]]
     assert joined.guidance.tolist() == [1.0, 7.5]
+
+
+def test_row_keys_name_rows_by_content_and_ride_through_take_and_guidance():
+    cond = text([1.0, 2.0, 1.0], negative=text([0.0, 0.0, 5.0]))
+    keyed = cond.keyed()
+    assert (keyed.keys == row_keys(cond)).all() and keyed.keys.shape == (3, 32)
+    assert (keyed.keys[0] == keyed.keys[2]).all() and not (keyed.keys[0] == keyed.keys[1]).all()
+    assert (keyed.negative.keys == row_keys(cond.negative)).all()
+    taken = keyed.take([2, 1]).with_guidance(2.0, keyed.negative.take([2, 1]))
+    assert (taken.keys == row_keys(cond.take([2, 1]))).all()
+    assert (taken.negative.keys == row_keys(cond.negative.take([2, 1]))).all()
+    masked = dataclasses.replace(cond, mask=np.array([[1, 1, 0]] * 3))
+    assert not (row_keys(masked) == keyed.keys).all(axis=1).any()
+    assert concat([keyed.take([0]), cond.take([1])]).keys is None  # made again where needed
+    assert not keyed.embeddings.flags.writeable and cond.embeddings.flags.writeable
+    whole = keyed.take([0, 1, 2])  # keyed rows taken whole are shared, others copied
+    assert whole.embeddings is keyed.embeddings and whole.negative.keys is keyed.negative.keys
+    assert not np.shares_memory(keyed.take([1, 0, 2]).embeddings, keyed.embeddings)
+    assert not np.shares_memory(cond.take([0, 1, 2]).embeddings, cond.embeddings)
+    assert (concat([keyed.take([0]), keyed.take([1])]).keys == keyed.keys[:2]).all()
 
 
 def test_bad_conditioning_is_refused_by_name():

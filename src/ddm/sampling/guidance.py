@@ -34,8 +34,11 @@ def guided(forward: ConditionedVelocity, null: Conditioning | None) -> Condition
                                           "the conditioning"))
         if not rows.size:
             return forward(x, t, plain)
-        unconditional = (cond.negative.take(rows) if cond.negative is not None
-                         else null.take(np.zeros(rows.size, np.int64)))
+        if cond.negative is None:
+            unconditional = null.take(np.zeros(rows.size, np.int64))
+        else:  # every row guided (the usual step): concat copies them, so no take first
+            unconditional = (cond.negative if rows.size == len(cond)
+                             else cond.negative.take(rows))
         both = forward(np.concatenate([x, x[rows]]), np.concatenate([t, t[rows]]),
                        concat([plain, unconditional]))
         v = np.array(both[:len(x)], dtype=np.float32)

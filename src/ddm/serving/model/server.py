@@ -51,6 +51,7 @@ from ddm.deploy.pools import MemberDeclaration, member_disagreements
 from ddm.deploy.router_config import MEMBER_NAME_PATTERN
 from ddm.models.stages import read_stage_declaration
 from ddm.serving.http.server import ServerControl, probe_responses, run_server
+from ddm.serving.model.contexts import ContextCache
 from ddm.serving.model.member import Member
 from ddm.serving.model.memory import PoolMemory, member_bytes, memory_limit
 from ddm.serving.model.metrics import MemberMetrics
@@ -136,6 +137,20 @@ def load_member(directory: str | os.PathLike[str], options: ServingOptions, hook
     return StageMember(path, declared, options, hooks.serving_loops, hooks.loader, hooks.cpu)
 
 
+def _share_contexts(members: Mapping[str, StageMember]) -> None:
+    """One context cache for a pool's experts, of their budgets together: a generation's
+    context (2 x 77 x 768 floats a prompt, for Paris) is sent to the pool once, not once per
+    expert its steps call, and held once (the router's pool sends it so:
+    :class:`~ddm.serving.router.fleet.pool_calls.PoolCalls`). Contexts are content-addressed
+    and the experts agree on their text width (:func:`member_disagreements`), so any expert
+    may take any context held."""
+    experts = [m for m in members.values() if m.takes_velocity]
+    if len(experts) > 1:
+        shared = ContextCache(sum(m.contexts.max_bytes for m in experts))
+        for member in experts:
+            member.contexts = shared
+
+
 def create_model_app(checkpoints: Checkpoints, options: ServingOptions = ServingOptions(),
                      hooks: Hooks = Hooks(), roles: tuple[str, ...] = ROLES) -> ASGIApp:
     """An ASGI app serving ``checkpoints`` on one device: one directory at the root, or a
@@ -163,6 +178,8 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
         for name, m in members.items()})
     if disagreements:
         raise ValueError("; ".join(disagreements))
+    if pooled:
+        _share_contexts(members)
     memory = PoolMemory({name: member_bytes(m.directory, options.precision, m.limits.max_batch)
                          for name, m in members.items()},
                         memory_limit(options.memory_limit_bytes, options.device,

@@ -62,7 +62,7 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.batching import grid_slices
 from ddm.serving.model.compiled import (CUDA_GRAPHS, WARM_TEXT_TOKENS, bucketed,
                                         on_compiled_thread)
-from ddm.serving.model.contexts import ContextCache
+from ddm.serving.model.contexts import ContextCache, StoredContext
 from ddm.serving.model.member import Member
 from ddm.serving.model.options import ServingOptions, StageLoader
 from ddm.serving.model.routes import Handling, answer_or_error
@@ -176,7 +176,8 @@ class StageMember(Member):
                 "hardware": None if runtime is None else runtime.hardware,
                 "compile": None if stage is None else
                 self.options.compile if stage.network is not None else "none",
-                "context_cache_bytes": self.contexts.max_bytes if declared.role == EXPERT
+                # Its budget (a pool's experts hold one cache of theirs together).
+                "context_cache_bytes": self.options.context_cache_bytes if declared.role == EXPERT
                 else None, **({} if self.meta is None else _label_facts(self.meta))}
 
     async def answer(self, body: bytes) -> tuple[int, bytes]:
@@ -255,8 +256,12 @@ class StageMember(Member):
         costs."""
         if self.declared.conditioning == LABELS:
             return None, (self._labels(message),), message.x.shape[0]
-        embeddings, negative, cost = self._text_rows(message)
-        return embeddings.shape[1], (embeddings, negative, message.guidance), cost
+        context, cost = self._text_rows(message)
+        assert context.embeddings is not None
+        # By reference: the batch gathers its rows of 77 x 768 floats once (_conditioning).
+        held = np.empty(len(message.rows), object)
+        held[:] = [context] * len(message.rows)
+        return context.embeddings.shape[1], (held, message.rows, message.guidance), cost
 
     def _labels(self, message: VelocityRequest | IntegrateRequest) -> np.ndarray:
         """The labels of ``message``'s rows: rows of a label context this expert holds
@@ -272,10 +277,9 @@ class StageMember(Member):
         return labels
 
     def _text_rows(self, message: VelocityRequest | IntegrateRequest
-                   ) -> tuple[np.ndarray, np.ndarray, int]:
-        """The rows' embeddings and negative rows (float32; a row without guidance gets its
-        own embeddings as a placeholder that is never run), and the forward rows the call
-        costs."""
+                   ) -> tuple[StoredContext, int]:
+        """The text context holding the rows (checked: 412 where not held, 422 for rows it
+        lacks or guided rows without negative rows) and the forward rows the call costs."""
         context = self.contexts.get(message.context, TEXT)
         context.check_rows(message.rows)
         assert context.embeddings is not None and context.negative is not None
@@ -289,10 +293,7 @@ class StageMember(Member):
             raise ProtocolError(f"{message.x.shape[0]} rows, {int(guided_mask.sum())} of them "
                                 f"guided, run {cost} forward rows; the limit is "
                                 f"{self.limits.max_batch}", 422)
-        embeddings = np.asarray(context.embeddings[message.rows], np.float32)
-        negative = (np.asarray(context.negative[message.rows], np.float32)
-                    if context.negative.shape[0] else embeddings)
-        return embeddings, negative, cost
+        return context, cost
 
     def _pooled(self, message: RouteRequest) -> np.ndarray:
         """The request's pooled text rows as the router takes them: (B, D) for a router with
@@ -417,13 +418,34 @@ def _label_facts(meta: CheckpointMeta) -> dict[str, Any]:
 def _conditioning(tokens: int | None, rows: list[np.ndarray]) -> Conditioning:
     """A batch's rows as the batcher carries them (:meth:`StageMember._context_rows`) ->
     their conditioning: a label context's ``[labels]`` (``tokens`` None), or a text
-    context's ``[embeddings, negative, guidance]`` (guided against the negative rows)."""
+    context's ``[contexts, rows, guidance]`` (each row's stored context and its index there)
+    gathered once, guided against the negative rows (a row without guidance gets its own
+    embeddings as a placeholder that is never run)."""
     if tokens is None:
         (labels,) = rows
         return Conditioning.from_labels(labels)
-    embeddings, negative, guidance = rows
-    return Conditioning(embeddings=embeddings).with_guidance(
-        guidance, Conditioning(embeddings=negative))
+    held, index, guidance = rows
+    return Conditioning(embeddings=_gathered(held, index, False)).with_guidance(
+        guidance, Conditioning(embeddings=_gathered(held, index, True)))
+
+
+def _gathered(held: np.ndarray, index: np.ndarray, negative: bool) -> np.ndarray:
+    """(B, L, D) float32: row ``index[i]`` of context ``held[i]``'s embeddings, or its
+    ``negative`` rows (a context without any: its embeddings, placeholders never run),
+    gathered in one copy per run of rows of one context (a call's rows are one run)."""
+    out = np.empty((len(index), *held[0].embeddings.shape[1:]), np.float32)
+    start = 0
+    for stop in range(1, len(held) + 1):
+        if stop == len(held) or held[stop] is not held[start]:
+            context = held[start]
+            source = (context.negative if negative and context.negative.shape[0]
+                      else context.embeddings)
+            if source.dtype == np.float32:  # its rows are checked in range (check_rows)
+                np.take(source, index[start:stop], axis=0, out=out[start:stop], mode="clip")
+            else:
+                out[start:stop] = source[index[start:stop]]
+            start = stop
+    return out
 
 
 def _eager_warm_sizes(device: str | None, max_batch: int) -> tuple[int, ...]:

@@ -26,7 +26,7 @@ from typing import Awaitable, Hashable, Iterable, Mapping, Protocol
 
 import numpy as np
 
-from ddm.conditioning import Conditioning, guided_rows
+from ddm.conditioning import Conditioning, guided_rows, row_keys
 from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES, MAX_CONTEXT_ROWS
 from ddm.deploy.router_config import Discovery, RouterConfigFile
 from ddm.serving.http.auth import TokenFile
@@ -121,7 +121,7 @@ class _Contexts:
     def rows_of(self, cond: Conditioning, guided: np.ndarray) -> tuple[_MadeContext, np.ndarray]:
         """A context holding every row of ``cond`` (text; ``guided`` rows with their negative
         rows), and each row's index in it."""
-        keys = [_row_digest(cond, i, bool(guided[i])) for i in range(len(cond))]
+        keys = _row_digests(cond, guided)
         for made in reversed(self._made.values()):
             if all(k in made.rows for k in keys):
                 self._made.move_to_end(made.id)
@@ -163,10 +163,13 @@ def _made_of(cond: Conditioning, keys: list[bytes], base: _MadeContext | None) -
         negative = np.zeros((0, *embeddings.shape[1:]), np.float32)
     rows = dict(base.rows) if base is not None else {}
     offset = 0 if base is None else base.embeddings.shape[0]
+    plain = _row_digests(cond, np.zeros(len(cond), bool))
+    with_negative = (_row_digests(cond, np.ones(len(cond), bool)) if cond.negative is not None
+                     else None)
     for position, i in enumerate(new):
-        rows[_row_digest(cond, i, False)] = offset + position
-        if cond.negative is not None:
-            rows[_row_digest(cond, i, True)] = offset + position
+        rows[plain[i]] = offset + position
+        if with_negative is not None:
+            rows[with_negative[i]] = offset + position
     body = encode_request(Context(0, embeddings, mask, negative))
     return _MadeContext(context_id(body), body, embeddings, mask, negative, rows)
 
@@ -178,20 +181,17 @@ def _with_placeholder_negative(made: _MadeContext) -> _MadeContext:
                         {k: i for k, i in made.rows.items()})
 
 
-def _row_digest(cond: Conditioning, row: int, with_negative: bool) -> bytes:
-    """SHA-256 of row ``row``'s embeddings (shape and bytes) and mask, and of its negative row
-    ``with_negative``."""
-    assert cond.embeddings is not None
-    digest = hashlib.sha256(str(cond.embeddings.shape[1:]).encode())
-    digest.update(np.ascontiguousarray(cond.embeddings[row], np.float32).tobytes())
-    mask = (np.ones(cond.embeddings.shape[1], np.uint8) if cond.mask is None
-            else np.asarray(cond.mask[row], np.uint8))
-    digest.update(mask.tobytes())
-    if with_negative:
-        assert cond.negative is not None and cond.negative.embeddings is not None
-        digest.update(b"negative")
-        digest.update(np.ascontiguousarray(cond.negative.embeddings[row], np.float32).tobytes())
-    return digest.digest()
+def _row_digests(cond: Conditioning, guided: np.ndarray) -> list[bytes]:
+    """Each row's digest: its content key (:func:`~ddm.conditioning.row_keys`: its
+    embeddings and mask; made once per generation where ``cond`` is keyed), and for a
+    ``guided`` row that key with its negative row's."""
+    plain = [key.tobytes() for key in row_keys(cond)]
+    if not guided.any():
+        return plain
+    assert cond.negative is not None
+    negative = row_keys(cond.negative)
+    return [hashlib.sha256(plain[i] + b"negative" + negative[i].tobytes()).digest()
+            if guided[i] else plain[i] for i in range(len(cond))]
 
 
 def context_rows(cond: Conditioning) -> int:

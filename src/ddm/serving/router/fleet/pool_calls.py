@@ -115,7 +115,7 @@ class PoolCalls:
         every part's future gets its own call's answer or the request's failure."""
         for resent in (False, True):
             try:
-                parts = await self._with_contexts(parts)
+                parts = await self._with_contexts(parts, per_member=resent)
                 results = await self._request(parts) if parts else []
             except Exception as error:  # noqa: BLE001 - every part of the request fails alike
                 for part in parts:
@@ -142,14 +142,17 @@ class PoolCalls:
                 return
             parts = again
 
-    async def _with_contexts(self, parts: list[_Part]) -> list[_Part]:
-        """Send each member's replica the context it lacks (to the member's own route, all at
-        once); the parts whose member now holds it. A part whose context could not be sent
-        fails with that failure, as its own call would."""
+    async def _with_contexts(self, parts: list[_Part], per_member: bool) -> list[_Part]:
+        """Send the contexts the pool lacks, each once (to one of its members' own routes:
+        the pool's experts share one cache), or with ``per_member`` (a retry after
+        ``UNKNOWN_CONTEXT``: a pool that shares none) to each member lacking it, all at once;
+        the parts whose member now holds it. A part whose context could not be sent fails
+        with that failure, as its own call would."""
         lacking: dict[tuple[int, bytes], list[_Part]] = {}
         for part in parts:
             if part.request.context not in part.replica.contexts:
-                lacking.setdefault((id(part.replica), part.request.context), []).append(part)
+                holder = part.replica if per_member else part.replica.contexts
+                lacking.setdefault((id(holder), part.request.context), []).append(part)
         sent = await asyncio.gather(*(self._send_context(p[0].replica, p[0].request.context,
                                                          p[0].context, p[0].ends)
                                       for p in lacking.values()), return_exceptions=True)

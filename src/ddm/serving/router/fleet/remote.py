@@ -21,6 +21,7 @@ that concurrent generations make at the same time (:mod:`ddm.serving.router.flee
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Generator, Protocol
@@ -122,19 +123,27 @@ class NullConditioning:
     """The empty prompt's conditioning, encoded once on first use: the unconditional half of
     the guided rows that name no negative prompt (an expert server takes guided rows with
     their unconditional embeddings, ``docs/protocol.md``), as the in-process driver's
-    ``DDM.null`` (:class:`ddm.models.ddm.DDM`)."""
+    ``DDM.null`` (:class:`ddm.models.ddm.DDM`); keyed (:meth:`Conditioning.keyed`), as the
+    generations' own rows, so that the expert pool hashes it once."""
 
     def __init__(self, encoder: StageCaller) -> None:
         self._encoder = encoder
-        self._made: asyncio.Future[EncodedPrompts] | None = None
+        self._made: asyncio.Future[Conditioning] | None = None
 
     async def rows(self, n: int) -> Conditioning:
-        """``n`` rows of it."""
+        """``n`` rows of it (read-only)."""
         if self._made is None or (self._made.done() and (self._made.cancelled()
                                                          or self._made.exception())):
-            self._made = asyncio.ensure_future(self._encoder.encode([""]))
-        null = (await asyncio.shield(self._made)).cond
-        return null.take(np.zeros(n, np.int64))
+            self._made = asyncio.ensure_future(self._encode())
+        null = await asyncio.shield(self._made)
+        # Read-only views of its one row: every guided call of every step takes them.
+        return dataclasses.replace(null, **{
+            name: np.broadcast_to(value, (n, *value.shape[1:]))
+            for name in ("embeddings", "mask", "pooled", "keys")
+            if (value := getattr(null, name)) is not None})
+
+    async def _encode(self) -> Conditioning:
+        return (await self._encoder.encode([""])).cond.keyed()
 
 
 @dataclass(frozen=True)
@@ -213,7 +222,8 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
             elif isinstance(item, Encode):
                 assert mixture.encoder is not None, "check_request refuses prompts without one"
                 encoded = await mixture.encoder.encode(item.prompts)
-                answer = encoded.cond
+                # Keyed once: the expert pool names each step's rows by their content.
+                answer = encoded.cond.keyed()
                 yield encoded
             else:
                 if stepper is not None:

@@ -287,7 +287,8 @@ class Replica:
     info: ExpertInfo | None = None  # from /v1/info, fetched each time it becomes ready
     invalid: str | None = None  # why its last answer to a probe was refused (InvalidReport)
     #: Ids of the text contexts sent to it, oldest first (the pool bounds it; the replica may
-    #: have evicted some: it answers UNKNOWN_CONTEXT and the pool sends it again).
+    #: have evicted some: it answers UNKNOWN_CONTEXT and the pool sends it again). The pool
+    #: members of one server share theirs, as the server shares one cache among its experts.
     contexts: OrderedDict[bytes, None] = dataclasses.field(default_factory=OrderedDict)
 
     @property
@@ -301,8 +302,12 @@ class ReplicaSet:
     root's)."""
 
     def __init__(self, backoff_s: float, max_backoff_s: float, health_interval_s: float,
-                 paths: ModelPaths = _ROOT_PATHS) -> None:
+                 paths: ModelPaths = _ROOT_PATHS,
+                 contexts: Callable[[str], OrderedDict[bytes, None]] | None = None) -> None:
+        """``contexts``: a new replica's :attr:`Replica.contexts` by endpoint (None: its
+        own)."""
         self._paths = paths
+        self._contexts = contexts
         self._backoff_s = backoff_s
         self._max_backoff_s = max_backoff_s
         self._health_interval_s = health_interval_s
@@ -322,9 +327,13 @@ class ReplicaSet:
     def update(self, endpoints: Sequence[str]) -> None:
         """Take the endpoints a source listed; known ones keep their state."""
         known = {r.endpoint: r for r in self._replicas}
-        self._replicas = [known.get(e) or Replica(e, self._paths)
-                          for e in dict.fromkeys(endpoints)]
+        self._replicas = [known.get(e) or self._replica(e) for e in dict.fromkeys(endpoints)]
         self._sync()
+
+    def _replica(self, endpoint: str) -> Replica:
+        if self._contexts is None:
+            return Replica(endpoint, self._paths)
+        return Replica(endpoint, self._paths, contexts=self._contexts(endpoint))
 
     def choose(self, avoid: Replica | None = None,
                prefer: Callable[[Replica], bool] | None = None) -> Replica | None:

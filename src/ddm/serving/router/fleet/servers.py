@@ -42,6 +42,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, TypeVar
 
@@ -219,12 +221,24 @@ class ModelServers:
         self.metrics = metrics or PoolMetrics(CollectorRegistry())
         self.members = dict(members or {})
         self._parse_info = parse_info
+        #: What each pool server holds of the contexts sent to its members (one cache for
+        #: all its experts: :func:`ddm.serving.model.server.create_model_app`), while a
+        #: member's replica at that endpoint is listed: pods come and go at new addresses.
+        self._pool_contexts: weakref.WeakValueDictionary[str, OrderedDict[bytes, None]] = (
+            weakref.WeakValueDictionary())
         self._sets = {name: ReplicaSet(settings.backoff_s, settings.max_backoff_s,
                                        settings.health_interval_s,
-                                       model_paths(self.members.get(name)))
+                                       model_paths(self.members.get(name)),
+                                       self._held_by_pool if name in self.members else None)
                       for name in sources}
         self._client: HttpClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _held_by_pool(self, endpoint: str) -> OrderedDict[bytes, None]:
+        held = self._pool_contexts.get(endpoint)
+        if held is None:
+            held = self._pool_contexts[endpoint] = OrderedDict()
+        return held
 
     async def start(self) -> None:
         """Open the client, list every server's replicas, and start refreshing and probing."""
