@@ -84,11 +84,33 @@ def summary(result: dict[str, Any]) -> list[str]:
                            for level, f in figures["levels"].items())
         gpu = figures.get("gpu_memory_used_mib")  # the whole GPU's, read alike for each
         lines.append(f"{name}: {levels}" + (f"; GPU MiB in use {gpu}" if gpu else ""))
+        lines.extend(f"  {name} at {level} prompts: {where}"
+                     for level, f in figures["levels"].items() if (where := time_went(f)))
     for name, target in result.get("targets", {}).items():
         verdict = {True: "met", False: "not met", None: "not judged (a figure is missing)"}
         lines.append(f"target {name}: {target['value']} {target['comparison']} "
                      f"{target['target']}: {verdict[target['met']]}")
     return lines
+
+
+def time_went(level: dict[str, Any]) -> str:
+    """Where a served level's time went, in words: its servers' seconds in their models
+    per second of wall time, the rows of an expert's batch on average, the GPU's utilisation
+    (:mod:`benchmarks.model_time`); empty where the level has none of these."""
+    said = []
+    servers = level.get("model_time", {}).values()
+    if servers:
+        said.append(f"model time {sum(s['busy'] for s in servers):.2f} s per s")
+        experts = [m for s in servers for name, m in s["members"].items()
+                   if name.startswith("expert")]
+        batches = sum(m["batches"] for m in experts)
+        if batches:
+            rows = sum(m["batches"] * m["rows_per_batch"] for m in experts)
+            said.append(f"{batches} expert batches of {rows / batches:.1f} rows")
+    percent = level.get("gpu_utilisation", {}).get("percent")
+    if percent is not None:
+        said.append(f"GPU busy {percent}%")
+    return ", ".join(said)
 
 
 def gpu_check(out: Path, quick: bool = False, part: str = "all", log: TextIO = sys.stderr,

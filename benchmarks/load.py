@@ -95,7 +95,7 @@ def run_load(settings: LoadSettings, router: str | None = None, manifest: Path =
         result["router_url"] = _loopback(router)
         result.update(asyncio.run(_measure(settings, result["router_url"], log)))
     else:
-        with local_ddm(manifest, settings.clients, log) as (url, _):
+        with local_ddm(manifest, settings.clients, log) as (url, _, _):
             result["router_url"] = url
             result["manifest"] = recorded_path(manifest)
             result.update(asyncio.run(_measure(settings, url, log)))
@@ -135,12 +135,12 @@ def _loopback(url: str) -> str:
 
 @contextmanager
 def local_ddm(manifest: Path, clients: int, log: TextIO, threads: int = 1
-              ) -> Iterator[tuple[str, dict[str, int]]]:
+              ) -> Iterator[tuple[str, dict[str, int], dict[str, str]]]:
     """``ddm up``'s processes for ``manifest`` (every model server: experts, separate stages,
     pools), each with ``threads`` intra-op threads (``ddm up --threads``), the router allowing
     ``clients`` generations at once, each ready within its plan's budget, as ``ddm up``'s;
-    yields the router's URL and the PID of every process it started by name, and stops them
-    all after."""
+    yields the router's URL, the PID of every process it started by name and each model
+    server's ``/metrics`` URL by name, and stops them all after."""
     with tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
@@ -152,8 +152,10 @@ def local_ddm(manifest: Path, clients: int, log: TextIO, threads: int = 1
                   flush=True)
             supervisor.start_ready(plan.servers, HOST)
             supervisor.start_ready([router], HOST)
-            yield plan.url, {name: process.pid
-                             for name, process in supervisor.processes.items()}
+            yield (plan.url, {name: process.pid
+                              for name, process in supervisor.processes.items()},
+                   {server.name: f"http://{HOST}:{server.metrics_port}/metrics"
+                    for server in plan.servers if server.metrics_port is not None})
             exited = supervisor.first_exit()
             if exited is not None:
                 raise LoadTestError(f"{exited[0]} exited with status {exited[1]} during the run")

@@ -186,8 +186,8 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                 say(log, f"paris-pools: {key}")
                 manifest = imported / f"ddm-{key}.yaml"
                 manifest.write_text(yaml.safe_dump(compiled_manifest(documents[name], mode)))
-                with local_ddm(manifest, max(load.concurrency), log) as (url, pids):
-                    figures = asyncio.run(served(url, pids, load, log))
+                with local_ddm(manifest, max(load.concurrency), log) as (url, pids, metrics):
+                    figures = asyncio.run(served(url, pids, load, log, metrics))
                     figures.update(gpu_memory(pids))
                 result["deployments"][key] = {"compile": mode, **figures}
             result["targets"] = targets(result)

@@ -36,6 +36,7 @@ import aiohttp
 from benchmarks.figures import percentiles
 from benchmarks.fleet import BenchError, machine, recorded_path, say
 from benchmarks.load import local_ddm, memory_mib, sample_rss
+from benchmarks.model_time import gpu_utilisation, level_model_time, scrape
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT
 
@@ -98,8 +99,8 @@ def bench_pools(settings: PoolBenchSettings, log: TextIO = sys.stderr) -> dict[s
     for name, manifest in DEPLOYMENTS.items():
         say(log, f"pools: {name} ({recorded_path(manifest)})")
         with local_ddm(manifest, max(settings.concurrency), log,
-                       threads=settings.threads) as (url, pids):
-            figures = asyncio.run(served(url, pids, settings, log))
+                       threads=settings.threads) as (url, pids, metrics):
+            figures = asyncio.run(served(url, pids, settings, log, metrics))
         result["deployments"][name] = {"manifest": recorded_path(manifest), **figures}
     say(log, "pools: in-process generate_text")
     result["in_process"] = in_process(settings, result["sampling"], CHECKPOINTS)
@@ -140,24 +141,32 @@ def ratio_target(value: float | None, against: float | None, target: float,
 
 
 async def served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
-                 log: TextIO) -> dict[str, Any]:
-    """Every level against the router at ``url``, then each process's memory."""
+                 log: TextIO, metrics: dict[str, str] | None = None) -> dict[str, Any]:
+    """Every level against the router at ``url``, then each process's memory; with the
+    model servers' ``metrics`` URLs (by name), where each level's time went
+    (:mod:`benchmarks.model_time`)."""
     peaks: dict[str, float] = {}
     sampler = asyncio.create_task(sample_rss(dict(pids), peaks))
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
-    connector = aiohttp.TCPConnector(limit=max(settings.concurrency))
+    connector = aiohttp.TCPConnector(limit=max(settings.concurrency) + len(metrics or ()))
     levels: dict[str, Any] = {}
     try:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             await _generate(session, url, 0, settings)  # warm-up: first allocations
             for concurrency in settings.concurrency:
                 say(log, f"pools: {concurrency} concurrent prompts")
-                started = time.perf_counter()
-                latencies = await asyncio.gather(*(
-                    _client(session, url, client, concurrency, settings)
-                    for client in range(concurrency)))
-                levels[str(concurrency)] = _level(
-                    time.perf_counter() - started, [s for one in latencies for s in one])
+                before = await scrape(session, metrics or {})
+                async with gpu_utilisation() as gpu:
+                    started = time.perf_counter()
+                    latencies = await asyncio.gather(*(
+                        _client(session, url, client, concurrency, settings)
+                        for client in range(concurrency)))
+                    elapsed = time.perf_counter() - started
+                level = _level(elapsed, [s for one in latencies for s in one])
+                if metrics:
+                    level["model_time"] = level_model_time(
+                        before, await scrape(session, metrics), elapsed)
+                levels[str(concurrency)] = {**level, "gpu_utilisation": gpu}
     finally:
         sampler.cancel()
     processes = {name: {"pid": pid, "lifetime_peak_mib": memory_mib(pid, "VmHWM"),

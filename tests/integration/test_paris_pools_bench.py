@@ -4,8 +4,9 @@ imported Paris release, its settings, and one quick run end to end.
 The quick run writes a Paris-shaped release (eight experts, the router network, the text
 encoder and the decoder; random weights), imports it with ``ddm import paris``, serves it as
 one pool and samples it in-process at 2 steps and 1 and 2 prompts; it checks the JSON's shape,
-that one pool process served every member, and that every process it started is gone after,
-not the figures themselves, which depend on the machine.
+that one pool process served every member (and ran the batches one image needs), and that
+every process it started is gone after, not the figures themselves, which depend on the
+machine.
 """
 
 from __future__ import annotations
@@ -155,6 +156,20 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     for figures in (pooled, result["in_process"]):
         assert {concurrency: level["images"] for concurrency, level in
                 figures["levels"].items()} == {"1": 1, "2": 2}
+    # Where one image's time went: the pool ran what a top-2 guided image of 2 steps needs.
+    one = pooled["levels"]["1"]
+    assert one["gpu_utilisation"] == {"percent": None, "samples": 0}
+    (pool,) = one["model_time"].values()
+    members = pool["members"]
+    experts = {name: m for name, m in members.items() if name.startswith("expert-")}
+    assert {name: (m["batches"], m["rows_per_batch"]) for name, m in members.items()
+            if name not in experts} == {"text-encoder": (1, 1.0), "router-network": (2, 1.0),
+                                        "decoder": (1, 1.0)}
+    assert len(experts) in (2, 3, 4)  # two a step, the same two or others at the next
+    assert sum(m["batches"] for m in experts.values()) == 4
+    assert {m["rows_per_batch"] for m in experts.values()} == {2.0}  # each guided row twice
+    assert 0 < pool["model_s"] == pytest.approx(sum(m["model_s"] for m in members.values()),
+                                                abs=0.01)
     assert set(result["targets"]) == {"memory_pooled_to_in_process",
                                       "images_per_s_pooled_to_in_process"}
     assert all(isinstance(t["met"], bool) for t in result["targets"].values())
