@@ -2,7 +2,7 @@
 
 Each test drives :class:`~ddm.serving.router.fleet.lockstep.Lockstep` with generations played
 by coroutines that record when they got each turn; "time" is the event loop's, and the
-straggler timer is the only thing that waits for it.
+timers (for a straggler, for a call in flight) are the only things that wait for it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from pathlib import Path
+from typing import Any, Callable, Coroutine, TypeVar
 
 import pytest
+import uvloop
 
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.sampling.loop import SamplingRequest
@@ -19,8 +21,28 @@ from ddm.sampling.routing import parse_strategy
 from ddm.serving.router.api.state import RouterState
 from ddm.serving.router.fleet.lockstep import Lockstep
 
+T = TypeVar("T")
 DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
 
+@pytest.fixture(params=[asyncio.new_event_loop, uvloop.new_event_loop],
+                ids=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Callable[[Coroutine[Any, Any, T]], T]:
+    """Runs a scenario on a fresh loop of each kind: the router's is uvloop's (whose timer
+    handles differ from asyncio's)."""
+
+    def run_on_loop(scenario: Coroutine[Any, Any, T]) -> T:
+        loop = request.param()
+        try:
+            return loop.run_until_complete(scenario)
+        finally:
+            loop.close()
+
+    return run_on_loop
+
+
+#: uvloop's clock counts milliseconds: a timer may fire a rounding error early by the loop's
+#: own time.
+CLOCK_S = 0.001
 #: Long enough that no wave in these tests goes by the timer unless the test waits for it.
 PATIENT_S = 30.0
 
@@ -42,7 +64,7 @@ async def stepping_together(lockstep: Lockstep, n: int) -> list:
     return steppers
 
 
-def test_a_lone_generation_never_waits():
+def test_a_lone_generation_never_waits(run):
     async def scenario() -> None:
         lockstep = Lockstep(max_wait_s=PATIENT_S)
         stepper = lockstep.stepper()
@@ -53,10 +75,10 @@ def test_a_lone_generation_never_waits():
         stepper.leave()
         assert lockstep.stepping == 0
 
-    asyncio.run(scenario())
+    run(scenario())
 
 
-def test_a_wave_goes_once_every_generation_stepping_waits():
+def test_a_wave_goes_once_every_generation_stepping_waits(run):
     async def scenario() -> list[str]:
         lockstep = Lockstep(max_wait_s=PATIENT_S)
         a, b = await stepping_together(lockstep, 2)
@@ -75,10 +97,10 @@ def test_a_wave_goes_once_every_generation_stepping_waits():
         await asyncio.gather(*waiting)
         return got
 
-    assert sorted(asyncio.run(scenario())) == ["a", "b", "c"]
+    assert sorted(run(scenario())) == ["a", "b", "c"]
 
 
-def test_a_group_out_of_phase_joins_the_others_at_the_next_wave():
+def test_a_group_out_of_phase_joins_the_others_at_the_next_wave(run):
     """Two generations want to route while one wants its experts: the routing (more rows) goes
     first, and then the three ask their experts in one wave."""
     async def scenario() -> list[list[str]]:
@@ -101,12 +123,12 @@ def test_a_group_out_of_phase_joins_the_others_at_the_next_wave():
         await asyncio.gather(*tasks)
         return waves
 
-    first, second = asyncio.run(scenario())
+    first, second = run(scenario())
     assert sorted(first) == ["a:Route", "b:Route"]
     assert sorted(second) == ["a:Calls", "b:Calls", "c:Calls"]
 
 
-def test_the_kind_with_the_most_rows_goes_first():
+def test_the_kind_with_the_most_rows_goes_first(run):
     async def scenario() -> list[str]:
         lockstep = Lockstep(max_wait_s=PATIENT_S)
         a, b = await stepping_together(lockstep, 2)
@@ -125,28 +147,86 @@ def test_the_kind_with_the_most_rows_goes_first():
         await asyncio.gather(*tasks, return_exceptions=True)
         return order
 
-    assert asyncio.run(scenario()) == ["b"]
+    assert run(scenario()) == ["b"]
 
 
-def test_a_straggler_holds_the_others_only_for_max_wait():
+def test_a_straggler_holds_the_others_only_for_max_wait(run):
     waves: list[tuple[int, bool]] = []
 
     async def scenario() -> tuple[float, bool]:
-        lockstep = Lockstep(max_wait_s=0.05, on_wave=lambda n, by_timer: waves.append(
-            (n, by_timer)))
+        lockstep = Lockstep(max_wait_s=0.05, max_flight_wait_s=PATIENT_S,
+                            on_wave=lambda n, by_timer: waves.append((n, by_timer)))
         a, straggler = await stepping_together(lockstep, 2)
+        straggler.landed()  # its answer is in, and it never asks again
         loop = asyncio.get_running_loop()
         started = loop.time()
-        await asyncio.wait_for(a.turn("Calls", 1), PATIENT_S)  # the straggler never asks
+        await asyncio.wait_for(a.turn("Calls", 1), PATIENT_S)
         return loop.time() - started, lockstep.stepping == 2
 
-    waited, both_stepping = asyncio.run(scenario())
-    assert waited >= 0.05 and both_stepping
+    waited, both_stepping = run(scenario())
+    assert 0.05 - CLOCK_S <= waited < PATIENT_S and both_stepping
     # stepping_together's two waves (the first alone, then both), then the timer's.
     assert waves == [(1, False), (2, False), (1, True)]
 
 
-def test_leaving_or_stepping_away_lets_the_wave_go_without_it():
+def test_a_generation_in_flight_is_waited_for_past_max_wait(run):
+    """A group out of phase merges with the others by waiting out their call: here b's
+    answer takes ten times max_wait_s, and a's routing still goes with b's."""
+    waves: list[tuple[int, bool]] = []
+
+    async def scenario() -> None:
+        lockstep = Lockstep(max_wait_s=0.01, max_flight_wait_s=PATIENT_S,
+                            on_wave=lambda n, by_timer: waves.append((n, by_timer)))
+        a, b = await stepping_together(lockstep, 2)
+        a.landed()
+        a_routes = asyncio.create_task(a.turn("Route", 1))
+        await asyncio.sleep(0.1)  # b's call is still in flight
+        assert not a_routes.done()
+        b.landed()
+        await asyncio.wait_for(b.turn("Route", 1), 0.5)
+        await asyncio.wait_for(a_routes, 0.5)
+
+    run(scenario())
+    assert waves == [(1, False), (2, False), (2, False)]
+
+
+def test_a_call_in_flight_holds_the_others_only_for_max_flight_wait(run):
+    waves: list[tuple[int, bool]] = []
+
+    async def scenario() -> float:
+        lockstep = Lockstep(max_wait_s=0.01, max_flight_wait_s=0.1,
+                            on_wave=lambda n, by_timer: waves.append((n, by_timer)))
+        a, _ = await stepping_together(lockstep, 2)  # the other's answer never lands
+        a.landed()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(a.turn("Calls", 1), PATIENT_S)
+        return loop.time() - started
+
+    assert 0.1 - CLOCK_S <= run(scenario()) < PATIENT_S
+    assert waves == [(1, False), (2, False), (1, True)]
+
+
+def test_an_answer_landing_shortens_the_wait_to_max_wait(run):
+    """Once every other generation's answer is in, the waiting ones wait only max_wait_s
+    more: a generation that then holds elsewhere is a straggler."""
+    async def scenario() -> float:
+        lockstep = Lockstep(max_wait_s=0.05, max_flight_wait_s=PATIENT_S)
+        a, b = await stepping_together(lockstep, 2)
+        a.landed()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        a_calls = asyncio.create_task(a.turn("Calls", 1))
+        await asyncio.sleep(0.2)  # past max_wait_s, b still in flight: a waits
+        assert not a_calls.done()
+        b.landed()  # and b never asks
+        await asyncio.wait_for(a_calls, PATIENT_S)
+        return loop.time() - started
+
+    assert 0.25 - CLOCK_S <= run(scenario()) < 1.0
+
+
+def test_leaving_or_stepping_away_lets_the_wave_go_without_it(run):
     async def scenario() -> None:
         lockstep = Lockstep(max_wait_s=PATIENT_S)
         a, b, c = await stepping_together(lockstep, 3)
@@ -166,10 +246,10 @@ def test_leaving_or_stepping_away_lets_the_wave_go_without_it():
         a.leave()
         assert lockstep.stepping == 0
 
-    asyncio.run(scenario())
+    run(scenario())
 
 
-def test_a_cancelled_wait_is_no_longer_waited_for():
+def test_a_cancelled_wait_is_no_longer_waited_for(run):
     async def scenario() -> None:
         lockstep = Lockstep(max_wait_s=PATIENT_S)
         a, b, c = await stepping_together(lockstep, 3)
@@ -184,15 +264,17 @@ def test_a_cancelled_wait_is_no_longer_waited_for():
         await asyncio.wait_for(c.turn("Calls", 1), 0.5)
         await asyncio.wait_for(b_turn, 0.5)
 
-    asyncio.run(scenario())
+    run(scenario())
 
 
 def test_max_wait_must_be_positive():
     with pytest.raises(ValueError, match="max_wait_s must be > 0, got 0"):
         Lockstep(max_wait_s=0)
+    with pytest.raises(ValueError, match="max_flight_wait_s must be > 0, got -1"):
+        Lockstep(max_flight_wait_s=-1)
 
 
-def test_a_router_s_generations_step_together_unless_streamed_or_delegating():
+def test_a_router_s_generations_step_together_unless_streamed_or_delegating(run):
     """Who takes part (``RouterState.guard``): a stream's previews and a delegated chunk (one
     call for many steps) would hold every other generation's waves."""
     config = RouterConfigFile.from_dict({
@@ -217,4 +299,4 @@ def test_a_router_s_generations_step_together_unless_streamed_or_delegating():
         assert router.guard(dataclasses.replace(request, delegate_steps=2)).stepper is None
         assert router.guard(dataclasses.replace(request, delegate_steps=1)).stepper is not None
 
-    asyncio.run(scenario())
+    run(scenario())

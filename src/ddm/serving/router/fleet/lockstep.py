@@ -13,9 +13,16 @@ a generation asks for its turn, and turns are given in waves: as soon as every g
 stepping has asked (none is between its turn and its next query), every waiting generation
 of one kind of query (the kind with the most rows, so that a group out of phase joins the
 others at the next wave) gets its turn at once, and their calls, made in the same turn of the
-event loop, go as one request per expert or pool. A generation held elsewhere does not hold
-the others for long: ``max_wait_s`` after the first generation began waiting, every waiting
-one goes; one that waits for a missing expert steps out meanwhile (:meth:`Stepper.away`).
+event loop, go as one request per expert or pool. From its turn until its query's answer
+lands (:meth:`Stepper.landed`) a generation is in flight, and the waiting ones wait for it:
+it asks again as soon as its answer is in, and a group out of phase merges with the others
+only by waiting out one of their calls (a model call at a high load takes far longer than a
+straggler's timer, so groups released by that timer alternated for good). That wait is
+bounded too (``max_flight_wait_s``, after the first generation began waiting). A
+generation held elsewhere (its answer landed, its next query not asked) does not hold the
+others for long: ``max_wait_s`` after the first generation began waiting (or after the last
+answer landed, if later), every waiting one goes; one that waits for a missing expert steps
+out meanwhile (:meth:`Stepper.away`).
 
 A lone generation never waits, and a generation joins the waves only from its first routing
 or expert query on (encoding the prompts and decoding are outside them). Which generations
@@ -32,11 +39,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-__all__ = ["MAX_WAIT_S", "Lockstep", "Stepper", "WaveObserver"]
+__all__ = ["MAX_FLIGHT_WAIT_S", "MAX_WAIT_S", "Lockstep", "Stepper", "WaveObserver"]
 
 #: The longest a generation waits for the others of its wave: past it, the waiting ones go
 #: without a generation that is held elsewhere.
 MAX_WAIT_S = 0.02
+#: The longest the waiting generations wait where every other one stepping is in flight: a
+#: call far slower than a step (a slow replica, a retry) holds the others no longer.
+MAX_FLIGHT_WAIT_S = 1.0
 
 
 @dataclass(eq=False)
@@ -56,14 +66,25 @@ class Lockstep:
     generation takes part through its own :meth:`stepper`; ``on_wave`` sees every wave."""
 
     def __init__(self, max_wait_s: float = MAX_WAIT_S,
-                 on_wave: WaveObserver | None = None) -> None:
-        if not max_wait_s > 0:
-            raise ValueError(f"max_wait_s must be > 0, got {max_wait_s}")
+                 on_wave: WaveObserver | None = None,
+                 max_flight_wait_s: float = MAX_FLIGHT_WAIT_S) -> None:
+        for name, value in (("max_wait_s", max_wait_s),
+                            ("max_flight_wait_s", max_flight_wait_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self._max_wait_s = max_wait_s
+        self._max_flight_wait_s = max(max_flight_wait_s, max_wait_s)
         self._on_wave = on_wave
         self._stepping = 0
+        self._flying = 0  # of those stepping, how many have a query in flight
         self._waiting: list[_Waiter] = []
-        self._timer: asyncio.TimerHandle | None = None
+        #: When the first of the waiting generations began waiting (the loop's time).
+        self._since = 0.0
+        #: When a query's answer last landed: the generation is then held elsewhere.
+        self._landed = 0.0
+        #: The timer, and when it lets the waiting ones go (uvloop's handles do not say).
+        self._timer: asyncio.Handle | None = None
+        self._deadline = 0.0
 
     @property
     def stepping(self) -> int:
@@ -81,8 +102,17 @@ class Lockstep:
         self._stepping -= 1
         self._consider()
 
+    def _flight(self, change: int) -> None:
+        self._flying += change
+        if change < 0:
+            self._landed = asyncio.get_running_loop().time()
+        self._consider()
+
     async def _turn(self, kind: str, rows: int) -> None:
-        waiter = _Waiter(kind, rows, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(kind, rows, loop.create_future())
+        if not self._waiting:
+            self._since = loop.time()
         self._waiting.append(waiter)
         self._consider()
         if waiter.future.done():  # every other generation was waiting too
@@ -96,7 +126,9 @@ class Lockstep:
             raise
 
     def _consider(self) -> None:
-        """Give a wave its turn when every generation stepping waits; else keep a timer."""
+        """Give a wave its turn when every generation stepping waits; else keep a timer: the
+        longer one while every other generation is in flight, the shorter one (from when
+        the last answer landed, at the earliest) while one is held elsewhere."""
         if not self._waiting:
             self._stop_timer()
         elif len(self._waiting) >= self._stepping:
@@ -104,9 +136,15 @@ class Lockstep:
             for waiter in self._waiting:
                 rows[waiter.kind] += waiter.rows
             self._release(max(rows, key=rows.__getitem__), by_timer=False)
-        elif self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self._max_wait_s,
-                                                                self._expired)
+        else:
+            if len(self._waiting) + self._flying >= self._stepping:
+                deadline = self._since + self._max_flight_wait_s
+            else:  # one is held elsewhere: since they began waiting, or since it landed
+                deadline = max(self._since, self._landed) + self._max_wait_s
+            if self._timer is None or self._deadline != deadline:
+                self._stop_timer()
+                self._deadline = deadline
+                self._timer = asyncio.get_running_loop().call_at(deadline, self._expired)
 
     def _expired(self) -> None:
         self._timer = None
@@ -123,8 +161,8 @@ class Lockstep:
         if going and self._on_wave is not None:
             self._on_wave(len(going), by_timer)
         if self._waiting:  # passed over for another kind: they go with the next wave
-            self._timer = asyncio.get_running_loop().call_later(self._max_wait_s,
-                                                                self._expired)
+            self._since = asyncio.get_running_loop().time()
+            self._consider()
 
     def _stop_timer(self) -> None:
         if self._timer is not None:
@@ -139,20 +177,33 @@ class Stepper:
     def __init__(self, lockstep: Lockstep) -> None:
         self._lockstep = lockstep
         self._state = "new"  # then "in", "away" (and back), "left"
+        self._flying = False
 
     async def turn(self, kind: str, rows: int) -> None:
         """Returns when it is this generation's turn to make its ``kind`` query of ``rows``
-        rows (at once once it has left)."""
+        rows (at once once it has left); its query is then in flight until :meth:`landed`."""
         if self._state == "left":
             return
+        self.landed()
         if self._state == "new":
             self._state = "in"
             self._lockstep._join()
         await self._lockstep._turn(kind, rows)
+        if self._state == "in":
+            self._flying = True
+            self._lockstep._flight(+1)
+
+    def landed(self) -> None:
+        """Its query's answer (or failure) is in: the others wait for it no longer than for
+        a generation held elsewhere."""
+        if self._flying:
+            self._flying = False
+            self._lockstep._flight(-1)
 
     def leave(self) -> None:
         """The generation steps no more (it decodes, or it ended): the others go on without
         it."""
+        self.landed()
         if self._state == "in":
             self._lockstep._leave()
         self._state = "left"
@@ -164,6 +215,7 @@ class Stepper:
         if self._state != "in":
             yield
             return
+        self.landed()
         self._state = "away"
         self._lockstep._leave()
         try:

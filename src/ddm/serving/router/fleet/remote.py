@@ -228,7 +228,11 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
             else:
                 if stepper is not None:
                     await _in_step(stepper, item)
-                answer = await _answer(mixture, caller, item, guard)
+                try:
+                    answer = await _answer(mixture, caller, item, guard)
+                finally:
+                    if stepper is not None:
+                        stepper.landed()
     finally:
         if stepper is not None:
             stepper.leave()
