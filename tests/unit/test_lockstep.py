@@ -171,13 +171,15 @@ def test_a_straggler_holds_the_others_only_for_max_wait(run):
 
 def test_a_generation_in_flight_is_waited_for_past_max_wait(run):
     """A group out of phase merges with the others by waiting out their call: here b's
-    answer takes ten times max_wait_s, and a's routing still goes with b's."""
+    answer takes ten times max_wait_s (and less than a's own call took), and a's routing
+    still goes with b's."""
     waves: list[tuple[int, bool]] = []
 
     async def scenario() -> None:
         lockstep = Lockstep(max_wait_s=0.01, max_flight_wait_s=PATIENT_S,
                             on_wave=lambda n, by_timer: waves.append((n, by_timer)))
         a, b = await stepping_together(lockstep, 2)
+        await asyncio.sleep(0.3)  # a's call
         a.landed()
         a_routes = asyncio.create_task(a.turn("Route", 1))
         await asyncio.sleep(0.1)  # b's call is still in flight
@@ -197,6 +199,7 @@ def test_a_call_in_flight_holds_the_others_only_for_max_flight_wait(run):
         lockstep = Lockstep(max_wait_s=0.01, max_flight_wait_s=0.1,
                             on_wave=lambda n, by_timer: waves.append((n, by_timer)))
         a, _ = await stepping_together(lockstep, 2)  # the other's answer never lands
+        await asyncio.sleep(0.3)  # a's call took longer than max_flight_wait_s
         a.landed()
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -207,12 +210,34 @@ def test_a_call_in_flight_holds_the_others_only_for_max_flight_wait(run):
     assert waves == [(1, False), (2, False), (1, True)]
 
 
+def test_a_generation_waits_for_one_in_flight_no_longer_than_its_own_call_took(run):
+    """Generations of a fast expert are not held to a slow one's pace: a, whose call took
+    0.1 s, waits 0.1 s for b, whose call never ends here."""
+    waves: list[tuple[int, bool]] = []
+
+    async def scenario() -> float:
+        lockstep = Lockstep(max_wait_s=0.01, max_flight_wait_s=PATIENT_S,
+                            on_wave=lambda n, by_timer: waves.append((n, by_timer)))
+        a, _ = await stepping_together(lockstep, 2)
+        await asyncio.sleep(0.1)
+        a.landed()
+        assert a.last_flight_s >= 0.1 - CLOCK_S
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await asyncio.wait_for(a.turn("Route", 1), PATIENT_S)
+        return loop.time() - started
+
+    assert 0.1 - 2 * CLOCK_S <= run(scenario()) < 1.0
+    assert waves == [(1, False), (2, False), (1, True)]
+
+
 def test_an_answer_landing_shortens_the_wait_to_max_wait(run):
     """Once every other generation's answer is in, the waiting ones wait only max_wait_s
     more: a generation that then holds elsewhere is a straggler."""
     async def scenario() -> float:
         lockstep = Lockstep(max_wait_s=0.05, max_flight_wait_s=PATIENT_S)
         a, b = await stepping_together(lockstep, 2)
+        await asyncio.sleep(0.5)  # a's call: it would wait that long for b's
         a.landed()
         loop = asyncio.get_running_loop()
         started = loop.time()

@@ -17,8 +17,10 @@ event loop, go as one request per expert or pool. From its turn until its query'
 lands (:meth:`Stepper.landed`) a generation is in flight, and the waiting ones wait for it:
 it asks again as soon as its answer is in, and a group out of phase merges with the others
 only by waiting out one of their calls (a model call at a high load takes far longer than a
-straggler's timer, so groups released by that timer alternated for good). That wait is
-bounded too (``max_flight_wait_s``, after the first generation began waiting). A
+straggler's timer, so groups released by that timer alternated for good). The waiting ones
+wait for it as long as their own last call took at most (a group out of phase is at most a
+call ahead of them; generations of a fast expert are not held to a slow one's pace: each
+waits at most as long again as it steps), and never past ``max_flight_wait_s``. A
 generation held elsewhere (its answer landed, its next query not asked) does not hold the
 others for long: ``max_wait_s`` after the first generation began waiting (or after the last
 answer landed, if later), every waiting one goes; one that waits for a missing expert steps
@@ -44,8 +46,8 @@ __all__ = ["MAX_FLIGHT_WAIT_S", "MAX_WAIT_S", "Lockstep", "Stepper", "WaveObserv
 #: The longest a generation waits for the others of its wave: past it, the waiting ones go
 #: without a generation that is held elsewhere.
 MAX_WAIT_S = 0.02
-#: The longest the waiting generations wait where every other one stepping is in flight: a
-#: call far slower than a step (a slow replica, a retry) holds the others no longer.
+#: The longest the waiting generations wait where every other one stepping is in flight,
+#: however long their own calls take.
 MAX_FLIGHT_WAIT_S = 1.0
 
 
@@ -54,6 +56,8 @@ class _Waiter:
     kind: str
     rows: int
     future: asyncio.Future[None]
+    #: How long its generation's last query was in flight: how long it waits for others'.
+    patience_s: float
 
 
 #: Told of each wave: how many generations it let go, and whether the timer let them
@@ -108,9 +112,9 @@ class Lockstep:
             self._landed = asyncio.get_running_loop().time()
         self._consider()
 
-    async def _turn(self, kind: str, rows: int) -> None:
+    async def _turn(self, kind: str, rows: int, patience_s: float) -> None:
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(kind, rows, loop.create_future())
+        waiter = _Waiter(kind, rows, loop.create_future(), patience_s)
         if not self._waiting:
             self._since = loop.time()
         self._waiting.append(waiter)
@@ -126,9 +130,10 @@ class Lockstep:
             raise
 
     def _consider(self) -> None:
-        """Give a wave its turn when every generation stepping waits; else keep a timer: the
-        longer one while every other generation is in flight, the shorter one (from when
-        the last answer landed, at the earliest) while one is held elsewhere."""
+        """Give a wave its turn when every generation stepping waits; else keep a timer: while
+        every other generation is in flight, as long as the waiting ones' own last calls
+        took (bounded), and while one is held elsewhere, the straggler's (from when the last
+        answer landed, at the earliest)."""
         if not self._waiting:
             self._stop_timer()
         elif len(self._waiting) >= self._stepping:
@@ -138,7 +143,9 @@ class Lockstep:
             self._release(max(rows, key=rows.__getitem__), by_timer=False)
         else:
             if len(self._waiting) + self._flying >= self._stepping:
-                deadline = self._since + self._max_flight_wait_s
+                patience = max(waiter.patience_s for waiter in self._waiting)
+                deadline = self._since + min(max(patience, self._max_wait_s),
+                                             self._max_flight_wait_s)
             else:  # one is held elsewhere: since they began waiting, or since it landed
                 deadline = max(self._since, self._landed) + self._max_wait_s
             if self._timer is None or self._deadline != deadline:
@@ -178,6 +185,9 @@ class Stepper:
         self._lockstep = lockstep
         self._state = "new"  # then "in", "away" (and back), "left"
         self._flying = False
+        self._took_off = 0.0  # when its query in flight got its turn (the loop's time)
+        #: How long its last query was in flight, in seconds.
+        self.last_flight_s = 0.0
 
     async def turn(self, kind: str, rows: int) -> None:
         """Returns when it is this generation's turn to make its ``kind`` query of ``rows``
@@ -188,9 +198,10 @@ class Stepper:
         if self._state == "new":
             self._state = "in"
             self._lockstep._join()
-        await self._lockstep._turn(kind, rows)
+        await self._lockstep._turn(kind, rows, self.last_flight_s)
         if self._state == "in":
             self._flying = True
+            self._took_off = asyncio.get_running_loop().time()
             self._lockstep._flight(+1)
 
     def landed(self) -> None:
@@ -198,6 +209,7 @@ class Stepper:
         a generation held elsewhere."""
         if self._flying:
             self._flying = False
+            self.last_flight_s = asyncio.get_running_loop().time() - self._took_off
             self._lockstep._flight(-1)
 
     def leave(self) -> None:
