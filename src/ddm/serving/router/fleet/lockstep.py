@@ -82,6 +82,7 @@ class Lockstep:
         self._stepping = 0
         self._flying = 0  # of those stepping, how many have a query in flight
         self._waiting: list[_Waiter] = []
+        self._patience_s = 0.0  # the longest of the waiting ones' patience
         #: When the first of the waiting generations began waiting (the loop's time).
         self._since = 0.0
         #: When a query's answer last landed: the generation is then held elsewhere.
@@ -118,6 +119,7 @@ class Lockstep:
         if not self._waiting:
             self._since = loop.time()
         self._waiting.append(waiter)
+        self._patience_s = max(self._patience_s, patience_s)
         self._consider()
         if waiter.future.done():  # every other generation was waiting too
             return
@@ -126,6 +128,7 @@ class Lockstep:
         except asyncio.CancelledError:
             if waiter in self._waiting:
                 self._waiting.remove(waiter)
+                self._patience_s = max((w.patience_s for w in self._waiting), default=0.0)
                 self._consider()
             raise
 
@@ -143,8 +146,7 @@ class Lockstep:
             self._release(max(rows, key=rows.__getitem__), by_timer=False)
         else:
             if len(self._waiting) + self._flying >= self._stepping:
-                patience = max(waiter.patience_s for waiter in self._waiting)
-                deadline = self._since + min(max(patience, self._max_wait_s),
+                deadline = self._since + min(max(self._patience_s, self._max_wait_s),
                                              self._max_flight_wait_s)
             else:  # one is held elsewhere: since they began waiting, or since it landed
                 deadline = max(self._since, self._landed) + self._max_wait_s
@@ -162,6 +164,7 @@ class Lockstep:
         self._stop_timer()
         going = [w for w in self._waiting if kind is None or w.kind == kind]
         self._waiting = [w for w in self._waiting if not (kind is None or w.kind == kind)]
+        self._patience_s = max((w.patience_s for w in self._waiting), default=0.0)
         for waiter in going:
             if not waiter.future.done():
                 waiter.future.set_result(None)
