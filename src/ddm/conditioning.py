@@ -100,15 +100,19 @@ class Conditioning:
     def take(self, rows: Sequence[int] | np.ndarray) -> Conditioning:
         """The conditioning of ``rows`` (indices, repeats allowed), every field aligned. A
         read-only field (a keyed conditioning's rows: :meth:`keyed`) taken whole, every row
-        in order, is shared rather than copied: nobody may write to it."""
+        in order, is shared rather than copied: nobody may write to it; where every field is
+        so shared, the result is this very conditioning (a routed step's usual call)."""
         index = np.asarray(rows, dtype=np.int64).reshape(-1)
         if index.size and not (index.min() >= -len(self) and index.max() < len(self)):
             raise IndexError(f"rows {index.tolist()} outside a conditioning of {len(self)}")
         whole = index.size == len(self) and bool((index == np.arange(len(self))).all())
-        return replace(self, **{name: value if whole and not value.flags.writeable
-                                else value[index] for name in _ROW_FIELDS
-                                if (value := getattr(self, name)) is not None},
-                       negative=None if self.negative is None else self.negative.take(index))
+        taken = {name: value if whole and not value.flags.writeable else value[index]
+                 for name in _ROW_FIELDS if (value := getattr(self, name)) is not None}
+        negative = None if self.negative is None else self.negative.take(index)
+        if negative is self.negative and all(value is getattr(self, name)
+                                              for name, value in taken.items()):
+            return self
+        return replace(self, **taken, negative=negative)
 
     def with_guidance(self, scale: np.ndarray | float,
                       negative: Conditioning | None = None) -> Conditioning:
@@ -117,7 +121,8 @@ class Conditioning:
         if self.kind != TEXT:
             raise ValueError("classifier-free guidance needs text conditioning; label experts "
                              "have no unconditional input")
-        guidance = np.broadcast_to(np.asarray(scale, np.float32), (len(self),)).copy()
+        # Read-only, as a keyed conditioning's rows: a whole take shares them (:meth:`take`).
+        guidance = _read_only(np.broadcast_to(np.asarray(scale, np.float32), (len(self),)).copy())
         return replace(self, guidance=guidance, negative=negative)
 
     def unguided(self) -> Conditioning:

@@ -103,6 +103,20 @@ def test_row_keys_name_rows_by_content_and_ride_through_take_and_guidance():
     assert (concat([keyed.take([0]), keyed.take([1])]).keys == keyed.keys[:2]).all()
 
 
+def test_guided_keyed_rows_taken_whole_are_the_conditioning_itself():
+    keyed = text([1.0, 2.0]).keyed()
+    with_scales = keyed.with_guidance(np.array([2.0, 3.0]), text([0.0, 0.0]).keyed())
+    assert not with_scales.guidance.flags.writeable  # nobody writes a row's scale
+    assert with_scales.take([0, 1]) is with_scales  # nothing to copy: no new object
+    assert with_scales.take(np.arange(2)) is with_scales
+    reordered = with_scales.take([1, 0])
+    assert reordered is not with_scales and reordered.guidance.tolist() == [3.0, 2.0]
+    assert reordered.negative.embeddings[:, 0, 0].tolist() == [0.0, 0.0]
+    unkeyed = text([1.0, 2.0]).with_guidance(2.0)
+    assert unkeyed.take([0, 1]) is not unkeyed  # its writable rows are copied
+    assert not np.shares_memory(unkeyed.take([0, 1]).embeddings, unkeyed.embeddings)
+
+
 def test_bad_conditioning_is_refused_by_name():
     with pytest.raises(ValueError, match="exactly one"):
         Conditioning()
@@ -345,7 +359,7 @@ def test_an_encoders_answer_names_the_words_it_ignored_once_per_prompt():
         EncodedPrompts(joined.cond, joined.tokens_cut, np.zeros(2, np.int64))
 
 
-def test_guided_rows_need_negative_rows_one_rule_for_every_driver() -> None:
+def test_with_scalesneed_negative_rows_one_rule_for_every_driver() -> None:
     """Which rows are guided, and the refusal of guided rows without negative rows, is one
     function: the in-process guidance (here), the router's pools and the expert servers
     (tests/integration/test_text_serving.py) call it."""
