@@ -14,6 +14,7 @@ Pure NumPy: the sampling loop, the servers and every model family share it.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -187,7 +188,8 @@ def guided_rows(guidance: np.ndarray | None, rows: int, has_negative: bool,
 def concat(parts: Sequence[Conditioning]) -> Conditioning:
     """The rows of ``parts`` one after the other; all must be of one kind and carry the same
     fields (texts of one length and width). A missing mask or guidance means its neutral value
-    (every token counts, scale 1), so it is filled in where other parts have one."""
+    (every token counts, scale 1), so it is filled in where other parts have one. Rows that
+    follow each other in one array already are shared, not copied (:func:`_joined`)."""
     if not parts:
         raise ValueError("nothing to concatenate")
     if len({p.kind for p in parts}) != 1:
@@ -205,13 +207,35 @@ def concat(parts: Sequence[Conditioning]) -> Conditioning:
             continue  # made for some parts only: made again where needed
         if not all(present) and name not in ("mask", "guidance"):
             raise ValueError(f"cannot concatenate conditionings with and without {name}")
-        joined[name] = np.concatenate([_field_or_neutral(p, name) for p in parts])
+        joined[name] = _joined([_field_or_neutral(p, name) for p in parts])
     negatives = [p.negative is not None for p in parts]
     if any(negatives) and not all(negatives):
         raise ValueError("cannot concatenate rows with and without a negative conditioning")
     negative = concat([p.negative for p in parts if p.negative is not None]) if any(
         negatives) else None
     return Conditioning(**joined, negative=negative)
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """``arrays``' rows one after the other: where they are consecutive rows of one array
+    already (a batch gathered into one buffer, its rows then their negative rows), a view of
+    those rows, else a copy."""
+    base, shape = arrays[0].base, arrays[0].shape[1:]
+    row_items = math.prod(shape)
+    if not (isinstance(base, np.ndarray) and base.flags.c_contiguous and row_items
+            and base.size % row_items == 0
+            and all(a.base is base and a.dtype == base.dtype and a.shape[1:] == shape
+                    and a.flags.c_contiguous for a in arrays)):
+        return np.concatenate(arrays)
+    rows = base.reshape(-1, *shape)
+    origin, row_bytes = rows.__array_interface__["data"][0], rows.strides[0]
+    first, within = divmod(arrays[0].__array_interface__["data"][0] - origin, row_bytes)
+    end = first
+    for array in arrays:
+        if within or array.__array_interface__["data"][0] != origin + end * row_bytes:
+            return np.concatenate(arrays)
+        end += len(array)
+    return rows[first:end]
 
 
 @dataclass(frozen=True, eq=False)

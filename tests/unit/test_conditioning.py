@@ -83,6 +83,20 @@ def test_a_missing_mask_or_guidance_is_filled_with_its_neutral_value():
     assert joined.guidance.tolist() == [1.0, 7.5]
 
 
+def test_concat_shares_rows_that_already_follow_each_other_in_one_array():
+    rows = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)
+    first, second = Conditioning(embeddings=rows[:2]), Conditioning(embeddings=rows[2:])
+    joined = concat([first, second])
+    assert np.shares_memory(joined.embeddings, rows) and joined.embeddings.shape == (4, 3, 2)
+    assert (joined.embeddings == rows).all()
+    for parts, order in (([second, first], [2, 3, 0, 1]),  # out of order
+                         ([Conditioning(embeddings=rows[:1]), second], [0, 2, 3]),  # a gap
+                         ([first, Conditioning(embeddings=rows[2:].copy())], [0, 1, 2, 3])):
+        copied = concat(parts)
+        assert not np.shares_memory(copied.embeddings, rows)
+        assert (copied.embeddings == rows[order]).all()
+
+
 def test_row_keys_name_rows_by_content_and_ride_through_take_and_guidance():
     cond = text([1.0, 2.0, 1.0], negative=text([0.0, 0.0, 5.0]))
     keyed = cond.keyed()
