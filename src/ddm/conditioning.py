@@ -14,6 +14,7 @@ Pure NumPy: the sampling loop, the servers and every model family share it.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -100,15 +101,19 @@ class Conditioning:
     def take(self, rows: Sequence[int] | np.ndarray) -> Conditioning:
         """The conditioning of ``rows`` (indices, repeats allowed), every field aligned. A
         read-only field (a keyed conditioning's rows: :meth:`keyed`) taken whole, every row
-        in order, is shared rather than copied: nobody may write to it."""
+        in order, is shared rather than copied: nobody may write to it; where every field is
+        so shared, the result is this very conditioning (a routed step's usual call)."""
         index = np.asarray(rows, dtype=np.int64).reshape(-1)
         if index.size and not (index.min() >= -len(self) and index.max() < len(self)):
             raise IndexError(f"rows {index.tolist()} outside a conditioning of {len(self)}")
         whole = index.size == len(self) and bool((index == np.arange(len(self))).all())
-        return replace(self, **{name: value if whole and not value.flags.writeable
-                                else value[index] for name in _ROW_FIELDS
-                                if (value := getattr(self, name)) is not None},
-                       negative=None if self.negative is None else self.negative.take(index))
+        taken = {name: value if whole and not value.flags.writeable else value[index]
+                 for name in _ROW_FIELDS if (value := getattr(self, name)) is not None}
+        negative = None if self.negative is None else self.negative.take(index)
+        if negative is self.negative and all(value is getattr(self, name)
+                                              for name, value in taken.items()):
+            return self
+        return replace(self, **taken, negative=negative)
 
     def with_guidance(self, scale: np.ndarray | float,
                       negative: Conditioning | None = None) -> Conditioning:
@@ -117,7 +122,8 @@ class Conditioning:
         if self.kind != TEXT:
             raise ValueError("classifier-free guidance needs text conditioning; label experts "
                              "have no unconditional input")
-        guidance = np.broadcast_to(np.asarray(scale, np.float32), (len(self),)).copy()
+        # Read-only, as a keyed conditioning's rows: a whole take shares them (:meth:`take`).
+        guidance = _read_only(np.broadcast_to(np.asarray(scale, np.float32), (len(self),)).copy())
         return replace(self, guidance=guidance, negative=negative)
 
     def unguided(self) -> Conditioning:
@@ -182,7 +188,8 @@ def guided_rows(guidance: np.ndarray | None, rows: int, has_negative: bool,
 def concat(parts: Sequence[Conditioning]) -> Conditioning:
     """The rows of ``parts`` one after the other; all must be of one kind and carry the same
     fields (texts of one length and width). A missing mask or guidance means its neutral value
-    (every token counts, scale 1), so it is filled in where other parts have one."""
+    (every token counts, scale 1), so it is filled in where other parts have one. Rows that
+    follow each other in one array already are shared, not copied (:func:`_joined`)."""
     if not parts:
         raise ValueError("nothing to concatenate")
     if len({p.kind for p in parts}) != 1:
@@ -200,13 +207,35 @@ def concat(parts: Sequence[Conditioning]) -> Conditioning:
             continue  # made for some parts only: made again where needed
         if not all(present) and name not in ("mask", "guidance"):
             raise ValueError(f"cannot concatenate conditionings with and without {name}")
-        joined[name] = np.concatenate([_field_or_neutral(p, name) for p in parts])
+        joined[name] = _joined([_field_or_neutral(p, name) for p in parts])
     negatives = [p.negative is not None for p in parts]
     if any(negatives) and not all(negatives):
         raise ValueError("cannot concatenate rows with and without a negative conditioning")
     negative = concat([p.negative for p in parts if p.negative is not None]) if any(
         negatives) else None
     return Conditioning(**joined, negative=negative)
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """``arrays``' rows one after the other: where they are consecutive rows of one array
+    already (a batch gathered into one buffer, its rows then their negative rows), a view of
+    those rows, else a copy."""
+    base, shape = arrays[0].base, arrays[0].shape[1:]
+    row_items = math.prod(shape)
+    if not (isinstance(base, np.ndarray) and base.flags.c_contiguous and row_items
+            and base.size % row_items == 0
+            and all(a.base is base and a.dtype == base.dtype and a.shape[1:] == shape
+                    and a.flags.c_contiguous for a in arrays)):
+        return np.concatenate(arrays)
+    rows = base.reshape(-1, *shape)
+    origin, row_bytes = rows.__array_interface__["data"][0], rows.strides[0]
+    first, within = divmod(arrays[0].__array_interface__["data"][0] - origin, row_bytes)
+    end = first
+    for array in arrays:
+        if within or array.__array_interface__["data"][0] != origin + end * row_bytes:
+            return np.concatenate(arrays)
+        end += len(array)
+    return rows[first:end]
 
 
 @dataclass(frozen=True, eq=False)

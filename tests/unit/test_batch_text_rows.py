@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ddm.conditioning import concat
 from ddm.serving.model.contexts import StoredContext
 from ddm.serving.model.stage import _conditioning
 
@@ -42,6 +43,11 @@ def test_a_batch_of_calls_on_several_contexts_gets_each_rows_own_embeddings() ->
         third.negative[1]]).astype(np.float32))
     # An unguided row's negative is a placeholder never run: its own embeddings.
     np.testing.assert_array_equal(cond.negative.embeddings[2], second.embeddings[1])
+    # Guidance's forward of the rows and then their negative rows copies neither again.
+    both = concat([cond.unguided(), cond.negative])
+    assert np.shares_memory(both.embeddings, cond.embeddings)
+    np.testing.assert_array_equal(both.embeddings[:5], expected)
+    np.testing.assert_array_equal(both.embeddings[5:], cond.negative.embeddings)
     # The batch owns its rows: writing to them leaves the stored contexts as they were.
     cond.embeddings[:] = 0
     assert first.embeddings[2].any() and third.embeddings[1].any()

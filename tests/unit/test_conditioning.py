@@ -83,6 +83,20 @@ def test_a_missing_mask_or_guidance_is_filled_with_its_neutral_value():
     assert joined.guidance.tolist() == [1.0, 7.5]
 
 
+def test_concat_shares_rows_that_already_follow_each_other_in_one_array():
+    rows = np.arange(4 * 3 * 2, dtype=np.float32).reshape(4, 3, 2)
+    first, second = Conditioning(embeddings=rows[:2]), Conditioning(embeddings=rows[2:])
+    joined = concat([first, second])
+    assert np.shares_memory(joined.embeddings, rows) and joined.embeddings.shape == (4, 3, 2)
+    assert (joined.embeddings == rows).all()
+    for parts, order in (([second, first], [2, 3, 0, 1]),  # out of order
+                         ([Conditioning(embeddings=rows[:1]), second], [0, 2, 3]),  # a gap
+                         ([first, Conditioning(embeddings=rows[2:].copy())], [0, 1, 2, 3])):
+        copied = concat(parts)
+        assert not np.shares_memory(copied.embeddings, rows)
+        assert (copied.embeddings == rows[order]).all()
+
+
 def test_row_keys_name_rows_by_content_and_ride_through_take_and_guidance():
     cond = text([1.0, 2.0, 1.0], negative=text([0.0, 0.0, 5.0]))
     keyed = cond.keyed()
@@ -101,6 +115,20 @@ def test_row_keys_name_rows_by_content_and_ride_through_take_and_guidance():
     assert not np.shares_memory(keyed.take([1, 0, 2]).embeddings, keyed.embeddings)
     assert not np.shares_memory(cond.take([0, 1, 2]).embeddings, cond.embeddings)
     assert (concat([keyed.take([0]), keyed.take([1])]).keys == keyed.keys[:2]).all()
+
+
+def test_guided_keyed_rows_taken_whole_are_the_conditioning_itself():
+    keyed = text([1.0, 2.0]).keyed()
+    with_scales = keyed.with_guidance(np.array([2.0, 3.0]), text([0.0, 0.0]).keyed())
+    assert not with_scales.guidance.flags.writeable  # nobody writes a row's scale
+    assert with_scales.take([0, 1]) is with_scales  # nothing to copy: no new object
+    assert with_scales.take(np.arange(2)) is with_scales
+    reordered = with_scales.take([1, 0])
+    assert reordered is not with_scales and reordered.guidance.tolist() == [3.0, 2.0]
+    assert reordered.negative.embeddings[:, 0, 0].tolist() == [0.0, 0.0]
+    unkeyed = text([1.0, 2.0]).with_guidance(2.0)
+    assert unkeyed.take([0, 1]) is not unkeyed  # its writable rows are copied
+    assert not np.shares_memory(unkeyed.take([0, 1]).embeddings, unkeyed.embeddings)
 
 
 def test_bad_conditioning_is_refused_by_name():
@@ -345,7 +373,7 @@ def test_an_encoders_answer_names_the_words_it_ignored_once_per_prompt():
         EncodedPrompts(joined.cond, joined.tokens_cut, np.zeros(2, np.int64))
 
 
-def test_guided_rows_need_negative_rows_one_rule_for_every_driver() -> None:
+def test_with_scalesneed_negative_rows_one_rule_for_every_driver() -> None:
     """Which rows are guided, and the refusal of guided rows without negative rows, is one
     function: the in-process guidance (here), the router's pools and the expert servers
     (tests/integration/test_text_serving.py) call it."""

@@ -10,15 +10,15 @@ import asyncio
 import numpy as np
 import pytest
 
-from ddm.conditioning import TEXT, EncodedPrompts
+from ddm.conditioning import TEXT, Conditioning, EncodedPrompts
 from ddm.convention import TimeGrid
 from ddm.models.paris_ddm import load_paris_ddm
 from ddm.sampling.pipeline import generate_text
 from ddm.sampling.routing import parse_strategy
 from ddm.models.stages import load_stage
-from ddm.serving.router.fleet.remote import (RemoteMixture, RouterNetwork, SamplingRequest,
-                                             check_request, denoise, generate_remote,
-                                             stage_route)
+from ddm.serving.router.fleet.remote import (NullConditioning, RemoteMixture, RouterNetwork,
+                                             SamplingRequest, check_request, denoise,
+                                             generate_remote, stage_route)
 from ddm.serving.router.fleet.stage_clients import LocalStages
 from tests.support.guided_experts import GuidedExperts
 from tests.support.paris_release import write_paris_release
@@ -121,3 +121,23 @@ def test_requests_a_text_ddm_cannot_serve_are_refused_before_any_model_runs(mixt
             (_request(latents=np.zeros((2, 4, 8, 8), np.float64)), "latents must be float32")]:
         with pytest.raises(ValueError, match=problem.replace("[", r"\[").replace("]", r"\]")):
             check_request(mixture, request)
+
+
+def test_the_empty_prompts_rows_are_encoded_once_and_made_once_per_count():
+    class Encoder:
+        prompts: list[tuple[str, ...]] = []
+
+        async def encode(self, prompts):
+            self.prompts.append(tuple(prompts))
+            embeddings = np.full((1, 2, 3), 4.0, np.float32)
+            return EncodedPrompts(Conditioning(embeddings=embeddings), np.zeros(1, np.int64))
+
+    async def scenario():
+        null = NullConditioning(Encoder())
+        return await null.rows(3), await null.rows(3), await null.rows(1)
+
+    three, again, one = asyncio.run(scenario())
+    assert Encoder.prompts == [("",)]
+    assert again is three and len(one) == 1
+    assert three.embeddings.shape == (3, 2, 3) and (three.embeddings == 4.0).all()
+    assert not three.embeddings.flags.writeable and three.keys.shape == (3, 32)

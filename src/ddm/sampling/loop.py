@@ -572,8 +572,8 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
     answered = np.zeros((n, k), bool)
     v_k: dict[int, np.ndarray] = {}
     while True:
-        calls = [(e, rows) for e in range(k)
-                 if (rows := np.flatnonzero((weights[:, e] > 0) & ~answered[:, e])).size]
+        asked = (weights > 0) & ~answered
+        calls = [(int(e), np.flatnonzero(asked[:, e])) for e in np.flatnonzero(asked.any(axis=0))]
         if not calls:  # the answered experts cover the rerouted rows
             break
         outs = yield Calls(tuple(Velocity(e, x[rows], t[rows], cond.take(rows),

@@ -420,20 +420,25 @@ def _conditioning(tokens: int | None, rows: list[np.ndarray]) -> Conditioning:
     their conditioning: a label context's ``[labels]`` (``tokens`` None), or a text
     context's ``[contexts, rows, guidance]`` (each row's stored context and its index there)
     gathered once, guided against the negative rows (a row without guidance gets its own
-    embeddings as a placeholder that is never run)."""
+    embeddings as a placeholder that is never run). The negative rows follow the rows in one
+    buffer, so that guidance's one forward of both (:func:`ddm.sampling.guidance.guided`)
+    copies none of them again (:func:`ddm.conditioning.concat`)."""
     if tokens is None:
         (labels,) = rows
         return Conditioning.from_labels(labels)
     held, index, guidance = rows
-    return Conditioning(embeddings=_gathered(held, index, False)).with_guidance(
-        guidance, Conditioning(embeddings=_gathered(held, index, True)))
+    both = np.empty((2 * len(index), *held[0].embeddings.shape[1:]), np.float32)
+    plain, negative = both[:len(index)], both[len(index):]
+    _gather(held, index, False, plain)
+    _gather(held, index, True, negative)
+    return Conditioning(embeddings=plain).with_guidance(guidance,
+                                                        Conditioning(embeddings=negative))
 
 
-def _gathered(held: np.ndarray, index: np.ndarray, negative: bool) -> np.ndarray:
-    """(B, L, D) float32: row ``index[i]`` of context ``held[i]``'s embeddings, or its
-    ``negative`` rows (a context without any: its embeddings, placeholders never run),
-    gathered in one copy per run of rows of one context (a call's rows are one run)."""
-    out = np.empty((len(index), *held[0].embeddings.shape[1:]), np.float32)
+def _gather(held: np.ndarray, index: np.ndarray, negative: bool, out: np.ndarray) -> None:
+    """Row ``index[i]`` of context ``held[i]``'s embeddings, or of its ``negative`` rows (a
+    context without any: its embeddings, placeholders never run), into ``out[i]`` (float32),
+    in one copy per run of rows of one context (a call's rows are one run)."""
     start = 0
     for stop in range(1, len(held) + 1):
         if stop == len(held) or held[stop] is not held[start]:
@@ -445,7 +450,6 @@ def _gathered(held: np.ndarray, index: np.ndarray, negative: bool) -> np.ndarray
             else:
                 out[start:stop] = source[index[start:stop]]
             start = stop
-    return out
 
 
 def _eager_warm_sizes(device: str | None, max_batch: int) -> tuple[int, ...]:

@@ -129,6 +129,8 @@ class NullConditioning:
     def __init__(self, encoder: StageCaller) -> None:
         self._encoder = encoder
         self._made: asyncio.Future[Conditioning] | None = None
+        #: Its rows by count, made once per count: every guided call of every step takes them.
+        self._rows: dict[int, Conditioning] = {}
 
     async def rows(self, n: int) -> Conditioning:
         """``n`` rows of it (read-only)."""
@@ -136,11 +138,14 @@ class NullConditioning:
                                                          or self._made.exception())):
             self._made = asyncio.ensure_future(self._encode())
         null = await asyncio.shield(self._made)
-        # Read-only views of its one row: every guided call of every step takes them.
-        return dataclasses.replace(null, **{
-            name: np.broadcast_to(value, (n, *value.shape[1:]))
-            for name in ("embeddings", "mask", "pooled", "keys")
-            if (value := getattr(null, name)) is not None})
+        rows = self._rows.get(n)
+        if rows is None:
+            # Read-only views of its one row.
+            rows = self._rows[n] = dataclasses.replace(null, **{
+                name: np.broadcast_to(value, (n, *value.shape[1:]))
+                for name in ("embeddings", "mask", "pooled", "keys")
+                if (value := getattr(null, name)) is not None})
+        return rows
 
     async def _encode(self) -> Conditioning:
         return (await self._encoder.encode([""])).cond.keyed()
