@@ -327,6 +327,37 @@ def test_a_router_over_one_pool_gives_the_unpooled_image(stages, pool):
     assert pooled == unpooled
 
 
+def test_with_calls_ahead_a_steps_velocities_go_beside_its_routing(stages, pool, monkeypatch):
+    """DDM_CALLS_AHEAD=on (what ``auto`` chooses where the router network runs on an
+    accelerator; this pool runs on the CPU): from the second step on, each step's calls to
+    both experts go to the pool beside its routing, still one pool request per step; the
+    router counts them used, and the image is the one made without them."""
+    request = {"prompt": "a red car", "seed": 7, "response_format": "b64_json"}
+    steps = 4  # text_config's sampling: 4 steps, top2, so both experts at every step
+
+    def image() -> tuple[bytes, str]:
+        config = pooled_config(stages, pool.removeprefix("http://"))
+        with running(create_router_app(config)) as router:
+            wait_ready(router)
+            reply = httpx.post(f"{router}/v1/images/generations", json=request,
+                               timeout=READY_S)
+            assert reply.status_code == 200, reply.text
+            return (base64.b64decode(reply.json()["data"][0]["b64_json"]),
+                    httpx.get(f"{router}/metrics").text)
+
+    monkeypatch.setenv("DDM_CALLS_AHEAD", "off")
+    without, _ = image()
+    monkeypatch.setenv("DDM_CALLS_AHEAD", "on")
+    before = counts(pool)
+    with_ahead, metrics = image()
+    added = {key: value - before.get(key, 0.0) for key, value in counts(pool).items()}
+    assert with_ahead == without
+    assert added[("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity",
+                  "200")] == steps
+    assert 'ddm_router_calls_ahead_total{outcome="used"} 6.0' in metrics  # 2 experts, 3 steps
+    assert 'outcome="unused"' not in metrics
+
+
 def test_a_pool_over_its_memory_limit_exits_1_before_loading_naming_each_member(stages,
                                                                               tmp_path):
     log = tmp_path / "termination-log"

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from ddm.checkpoints.roles import ROLE_REGISTRY, StageRole, stage_roles
+from ddm.deploy.limits import MAX_EXPERT_TEXT
 from ddm.deploy.pools import STAGE_FIELDS
 from ddm.deploy.router_config import RouterConfigFile
 from ddm.serving.router.fleet.replicas import InvalidReport
@@ -39,6 +40,14 @@ def test_each_stage_report_needs_what_its_role_declares(role: StageRole) -> None
         assert (list(value) if isinstance(value, tuple) else value) == FIELDS[name]
         with pytest.raises(InvalidReport, match=name):
             StageInfo.from_json({k: v for k, v in _report(role).items() if k != name})
+
+
+def test_a_stage_report_says_its_device_as_a_short_string_or_nothing() -> None:
+    router = ROLE_REGISTRY["router"]
+    assert StageInfo.from_json({**_report(router), "device": "cuda:0"}).device == "cuda:0"
+    assert StageInfo.from_json(_report(router)).device is None
+    assert StageInfo.from_json({**_report(router), "device": ["cuda"]}).device is None
+    assert len(StageInfo.from_json({**_report(router), "device": "x" * 10**6}).device) == MAX_EXPERT_TEXT
 
 
 def test_a_role_declared_in_a_test_is_checked_by_its_declaration(

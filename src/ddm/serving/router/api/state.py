@@ -49,7 +49,8 @@ from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolMetrics, discovered_sources, pool_settings
 from ddm.serving.router.api.previews import decoded_size
 from ddm.serving.router.fleet.remote import (Guard, NullConditioning, RemoteMixture,
-                                             RouterNetwork, local_network, stage_route)
+                                             RouterNetwork, calls_ahead, calls_ahead_choice,
+                                             local_network, stage_route)
 from ddm.serving.router.fleet.replicas import ExpertInfo, ExpertProblem, hash_scheme
 from ddm.sampling.loop import SamplingRequest
 from ddm.deploy.router_config import RouterConfigFile, StageEntry
@@ -117,6 +118,12 @@ class RouterMetrics:
         self.wave_generations = Histogram(
             "ddm_router_lockstep_wave_generations", "Generations a wave let go at once.",
             registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.calls_ahead = Counter(
+            "ddm_router_calls_ahead", "Expert calls started beside a served router network's "
+            "routing, as the previous step's selection would make them "
+            "(ddm.serving.router.fleet.remote), by whether the step then asked for them "
+            "(used) or routing changed and they were cancelled (unused).", ["outcome"],
+            registry=registry)
         self.client_busy = Counter(
             "ddm_router_client_limited", "Generations refused because their client already "
             "ran limits.max_concurrent_per_client, or its budget of rows x steps "
@@ -127,6 +134,13 @@ class RouterMetrics:
         lockstep.WaveObserver`)."""
         self.waves.labels("timer" if by_timer else "all").inc()
         self.wave_generations.observe(generations)
+
+    def observe_ahead(self, used: int, unused: int) -> None:
+        """A step's calls started ahead: how many it asked for, how many it did not."""
+        if used:
+            self.calls_ahead.labels("used").inc(used)
+        if unused:
+            self.calls_ahead.labels("unused").inc(unused)
 
 
 class RouterState:
@@ -150,6 +164,8 @@ class RouterState:
                                       config.sampling.strategy)
         #: Keeps concurrent generations in step, so that their calls merge.
         self.lockstep = Lockstep(on_wave=self.metrics.observe_wave)
+        #: Whether steps' calls go beside a served router network's pass (DDM_CALLS_AHEAD).
+        self._calls_ahead_choice = calls_ahead_choice(os.environ)
         self.network: RouterNetwork | None = None
         self.network_shape: tuple[int, int, int] | None = None
         self.network_meta: CheckpointMeta | None = None
@@ -226,7 +242,16 @@ class RouterState:
         if CONFIG_KEYS[TEXT_ENCODER] in self.stages:
             self.null = NullConditioning(self.stages[CONFIG_KEYS[TEXT_ENCODER]])
         if CONFIG_KEYS[ROUTER] in self.stages:  # its calls merged as a label DDM's network's
-            self.network = RouterNetwork(stage_route(self.stages[CONFIG_KEYS[ROUTER]]))
+            self.network = RouterNetwork(stage_route(self.stages[CONFIG_KEYS[ROUTER]]),
+                                         self._calls_ahead
+                                         if CONFIG_KEYS[ROUTER] not in loaded else
+                                         lambda: False)
+
+    def _calls_ahead(self) -> bool:
+        """Whether a step's calls go beside the served router network's pass
+        (:func:`~ddm.serving.router.fleet.remote.calls_ahead`)."""
+        info = self._stage_pool.info(ROUTER) if self._stage_pool is not None else None
+        return calls_ahead(self._calls_ahead_choice, None if info is None else info.device)
 
     def example_prompt(self) -> str | None:
         """The prompt the text encoder's checkpoint declares as its example (None: none, or
@@ -333,7 +358,8 @@ class RouterState:
         in_step = not streamed and request.delegate_steps <= 1
         stepper = self.lockstep.stepper() if in_step else None
         held = Held() if stepper is None else Held(away=stepper.away)
-        return Guard(self.missing, held, self.missing.wakes(request.strategy.name), stepper)
+        return Guard(self.missing, held, self.missing.wakes(request.strategy.name), stepper,
+                     self.metrics.observe_ahead)
 
     def client(self, peer: str | None, forwarded_for: Iterable[bytes]) -> str:
         """Who a request from ``peer`` counts against (:func:`clients.client_key`)."""

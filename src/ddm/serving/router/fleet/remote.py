@@ -16,6 +16,20 @@ the router and one served on its own implement the same
 Everything a generation accumulates lives in the generation's own coroutine and loop: concurrent
 generations share only the caller and the :class:`RouterNetwork`, which both merge the calls
 that concurrent generations make at the same time (:mod:`ddm.serving.router.fleet.coalescing`).
+
+**Calls ahead.** Where the router network is served (a round trip of its own), a step would
+cost two round trips one after the other: routing, then the experts. The loop's
+:class:`~ddm.sampling.loop.Route` carries the calls it expects next (the previous evaluation's
+selection at this state), and the driver starts them beside the routing; the loop then asks
+for the very same call objects wherever routing kept their rows, and those are answered by
+the calls already under way (:class:`_Ahead`). A call the loop does not ask for is cancelled
+(its rows were computed for nothing: the cost of a switch of routing). Each call is still made
+once, with its own inputs, so no value changes; only when the calls go. Under the lockstep, a
+step whose calls went ahead is one flight, from its routing's turn until its velocities land.
+Whether calls go ahead is :data:`CALLS_AHEAD_ENV`'s choice (:func:`calls_ahead`): by default
+only where the router network's server runs on an accelerator, which runs the two passes one
+after the other while the hosts' work overlaps; on a CPU the router network's forward and the
+experts' compete for the same cores, and a step was not measured faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,7 +38,8 @@ import asyncio
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Generator, Protocol
+from typing import (TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Generator, Mapping,
+                    Protocol)
 
 import numpy as np
 
@@ -57,6 +72,28 @@ __all__ = ["CheckedRequest", "Decoded", "ExpertCaller", "Guard", "RemoteMixture"
 INLINE_ROUTER_ROWS = 8
 #: The most rows one forward pass of the router network takes when merging calls.
 ROUTER_MAX_ROWS = 256
+#: The router's choice of calls ahead (module docstring), one of :data:`CALLS_AHEAD_CHOICES`.
+CALLS_AHEAD_ENV = "DDM_CALLS_AHEAD"
+#: ``auto`` (the default): where the served router network's device is not a CPU.
+CALLS_AHEAD_CHOICES = ("auto", "on", "off")
+
+
+def calls_ahead_choice(env: Mapping[str, str]) -> str:
+    """:data:`CALLS_AHEAD_ENV`'s value in ``env`` (``auto`` where unset), or a ``ValueError``
+    naming the choices."""
+    choice = env.get(CALLS_AHEAD_ENV, "").strip().lower() or "auto"
+    if choice not in CALLS_AHEAD_CHOICES:
+        raise ValueError(f"{CALLS_AHEAD_ENV}={env[CALLS_AHEAD_ENV]!r}: give one of "
+                         f"{', '.join(CALLS_AHEAD_CHOICES)}")
+    return choice
+
+
+def calls_ahead(choice: str, device: str | None) -> bool:
+    """Whether a step's expected calls go beside a served router network's pass, by
+    ``choice`` and the device its server reports (None: not said, or not probed yet)."""
+    if choice == "auto":
+        return device is not None and not device.lower().startswith("cpu")
+    return choice == "on"
 
 
 class ExpertCaller(Protocol):
@@ -80,8 +117,12 @@ class RouterNetwork:
     router stage (in this process or a server's), called with ``(x, t)`` or
     ``(x, t, pooled text)``. Calls with different numbers of arrays never merge."""
 
-    def __init__(self, forward: Callable[..., Awaitable[np.ndarray]]) -> None:
+    def __init__(self, forward: Callable[..., Awaitable[np.ndarray]],
+                 calls_ahead: Callable[[], bool] = lambda: False) -> None:
+        """``calls_ahead``: asked at each routing, whether the driver starts the calls the
+        loop expects beside the pass (the module docstring)."""
         self._forward_fn = forward
+        self.calls_ahead = calls_ahead
         self._coalescer = Coalescer(self._forward, lambda: ROUTER_MAX_ROWS, lambda: 1)
 
     async def __call__(self, *inputs: np.ndarray) -> np.ndarray:
@@ -193,6 +234,9 @@ class Guard:
     held: Held
     wakes: bool
     stepper: Stepper | None = None
+    #: Told after each routing that started calls ahead: how many the loop asked for, how
+    #: many it did not.
+    on_ahead: Callable[[int, int], None] | None = None
 
 
 def check_request(mixture: RemoteMixture, request: SamplingRequest) -> CheckedRequest:
@@ -212,6 +256,7 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
     loop: Loop = loop_denoise(mixture.mixture, request)
     answer: Any = None
     stepper = guard.stepper if guard is not None else None
+    ahead = _Ahead(guard.on_ahead if guard is not None else None)
     try:
         while True:
             try:
@@ -231,14 +276,17 @@ async def denoise(mixture: RemoteMixture, caller: ExpertCaller,
                 answer = encoded.cond.keyed()
                 yield encoded
             else:
-                if stepper is not None:
+                # Calls after a routing that started calls ahead are that routing's flight.
+                went_ahead = isinstance(item, Calls) and ahead.started
+                if stepper is not None and not went_ahead:
                     await _in_step(stepper, item)
                 try:
-                    answer = await _answer(mixture, caller, item, guard)
+                    answer = await _answer(mixture, caller, item, guard, ahead)
                 finally:
-                    if stepper is not None:
+                    if stepper is not None and not ahead.started:
                         stepper.landed()
     finally:
+        ahead.cancel()
         if stepper is not None:
             stepper.leave()
         loop.close()
@@ -272,19 +320,23 @@ async def generate_remote(mixture: RemoteMixture, caller: ExpertCaller,
 
 
 async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
-                  guard: Guard | None) -> Any:
+                  guard: Guard | None, ahead: _Ahead) -> Any:
+    if isinstance(query, Calls):
+        return await gather_all(*(ahead.take(c) or _call(mixture, caller, c, guard)
+                                  for c in ahead.asked(query.calls)))
+    ahead.cancel()  # any other query: the loop asked for none of them
     if isinstance(query, Decode):
         assert mixture.decoder is not None, "the loop decodes only where a decoder exists"
         return await mixture.decoder.decode(query.latents)
     if isinstance(query, Route):
         assert mixture.router is not None, "check_request refuses learned strategies without one"
+        if query.expect and mixture.router.calls_ahead():
+            ahead.start(query.expect, lambda c: _call(mixture, caller, c, guard))
         if mixture.conditioning == TEXT:
             pooled = pooled_text(query.cond)
             return await mixture.router(query.x, query.t,
                                         *(() if pooled is None else (pooled,)))
         return await mixture.router(query.x, query.t, _labels(query.cond))
-    if isinstance(query, Calls):
-        return await gather_all(*(_call(mixture, caller, c, guard) for c in query.calls))
     assert isinstance(query, Concurrently), f"unknown query {query!r}"
     return await gather_all(*(_finish(mixture, caller, part, guard) for part in query.parts))
 
@@ -319,9 +371,62 @@ async def _finish(mixture: RemoteMixture, caller: ExpertCaller,
                   part: Generator[Query, Any, Any], guard: Guard | None) -> Any:
     """Run a sub-loop to its end; its return value."""
     answer: Any = None
-    while True:
-        try:
-            query = part.send(answer)
-        except StopIteration as done:
-            return done.value
-        answer = await _answer(mixture, caller, query, guard)
+    ahead = _Ahead(guard.on_ahead if guard is not None else None)
+    try:
+        while True:
+            try:
+                query = part.send(answer)
+            except StopIteration as done:
+                return done.value
+            answer = await _answer(mixture, caller, query, guard, ahead)
+    finally:
+        ahead.cancel()
+
+
+class _Ahead:
+    """The expert calls one loop's driver started with a routing (``Route.expect``), by the
+    call objects' identity, until the loop's next query asks for them or does not."""
+
+    def __init__(self, observe: Callable[[int, int], None] | None) -> None:
+        self._calls: dict[int, tuple[Velocity, asyncio.Future[Any]]] = {}
+        self._observe = observe
+
+    @property
+    def started(self) -> bool:
+        """Calls went ahead and the loop has not asked its next query yet."""
+        return bool(self._calls)
+
+    def start(self, calls: tuple[Velocity, ...],
+              run: Callable[[Velocity], Awaitable[Any]]) -> None:
+        """Start ``calls`` now (each runs as the loop's own call of it would)."""
+        for call in calls:
+            future = asyncio.ensure_future(run(call))
+            # A call not asked for is cancelled; its failure, if any, is read here.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._calls[id(call)] = (call, future)
+
+    def asked(self, calls: tuple[Velocity | Integrate, ...]
+              ) -> tuple[Velocity | Integrate, ...]:
+        """``calls``, the loop's next query: those of the started calls it does not ask for
+        are cancelled, and the counts told."""
+        if self._calls:
+            wanted = {id(c) for c in calls}
+            unused = [key for key, (call, _) in self._calls.items() if key not in wanted]
+            for key in unused:
+                self._calls.pop(key)[1].cancel()
+            if self._observe is not None:
+                self._observe(len(self._calls), len(unused))
+        return calls
+
+    def take(self, call: Velocity | Integrate) -> asyncio.Future[Any] | None:
+        """The started call that is ``call`` (None: it was not started)."""
+        found = self._calls.get(id(call))
+        if found is None or found[0] is not call:
+            return None
+        del self._calls[id(call)]
+        return found[1]
+
+    def cancel(self) -> None:
+        """Cancel the started calls not taken (the loop asked for none of them, or ended)."""
+        if self._calls:
+            self.asked(())

@@ -30,7 +30,8 @@ from ddm.serving.wire.protocol import (DecodeRequest, EncodeRequest, Limits, Rou
                                        decode_encoded, decode_probabilities, decode_response,
                                        encode_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.http.auth import TokenFile
-from ddm.serving.router.fleet.replicas import EndpointSource, Replica, report_shape, require
+from ddm.serving.router.fleet.replicas import (EndpointSource, Replica, report_shape, require,
+                                               short_text)
 from ddm.serving.router.fleet.servers import ModelServers, PoolMetrics, PoolSettings, gather_all
 
 if TYPE_CHECKING:  # the stages' modules import torch: only a router that runs stages needs it
@@ -69,6 +70,8 @@ class StageInfo:
     clusters: int | None = None
     #: A text encoder's example prompt, if its checkpoint declares one.
     example_prompt: str | None = None
+    #: The device it says it runs on (``cpu``, ``cuda:0``...; None: not said).
+    device: str | None = None
 
     @classmethod
     def from_json(cls, raw: Any) -> StageInfo:
@@ -104,7 +107,7 @@ class StageInfo:
         return cls(role, max_batch, wire_dtype, latent, image,
                    width if "text_width" in reports else None,
                    clusters if "clusters" in reports else None,
-                   example if role == TEXT_ENCODER else None)
+                   example if role == TEXT_ENCODER else None, short_text(raw.get("device")))
 
 
 class StagePool:

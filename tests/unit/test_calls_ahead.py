@@ -1,0 +1,153 @@
+"""Calls ahead: each routing carries the expert calls the loop expects next (the previous
+evaluation's selection at this state), the loop asks for those very objects where routing
+keeps their rows, and the router's driver starts them beside a served router network's pass,
+changing no value (``ddm.sampling.loop``, ``ddm.serving.router.fleet.remote``)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from ddm.sampling.loop import Calls, Mixture, Route, SamplingRequest, StepEvent, denoise
+from ddm.sampling.routing import parse_strategy
+from ddm.serving.router.fleet.remote import (CALLS_AHEAD_ENV, RemoteMixture, RouterNetwork,
+                                             calls_ahead, calls_ahead_choice, generate_remote,
+                                             local_network)
+from tests.unit.test_remote_sampling import ALL, SHAPE, LocalExperts, _request, _router
+
+
+def _drive(probs_per_routing: list[list[list[float]]]) -> list[tuple[Route, Calls]]:
+    """The loop over three experts of constant velocity, two rows, answered with the given
+    probabilities at each routing; each routing and the expert query that followed it."""
+    mixture = Mixture(("a", "b", "c"), ((), (), ()), (1, 2, 2), 10, routed=True)
+    request = SamplingRequest(labels=(4, 5), steps=len(probs_per_routing), seed=0,
+                              strategy=parse_strategy("top1"))
+    loop, answer, pairs, route = denoise(mixture, request), None, [], None
+    while True:
+        try:
+            query = loop.send(answer)
+        except StopIteration:
+            return pairs
+        if isinstance(query, StepEvent):
+            answer = None
+        elif isinstance(query, Route):
+            route, answer = query, np.array(probs_per_routing[len(pairs)], np.float32)
+        else:
+            assert isinstance(query, Calls) and route is not None
+            pairs.append((route, query))
+            answer = [np.full_like(c.x, 1.0 + c.expert) for c in query.calls]
+
+
+def test_a_routing_expects_the_calls_of_the_selection_before_it() -> None:
+    pairs = _drive([[[0.9, 0.1, 0.0], [0.1, 0.9, 0.0]],    # row 0 -> a, row 1 -> b
+                    [[0.9, 0.1, 0.0], [0.1, 0.9, 0.0]],    # the same
+                    [[0.9, 0.1, 0.0], [0.1, 0.0, 0.9]]])   # row 1 moves to c
+    (first, _), (second, kept), (third, moved) = pairs
+    assert first.expect == ()  # nothing is known before the first routing
+    assert [(c.expert, c.x.shape[0]) for c in second.expect] == [(0, 1), (1, 1)]
+    # Routing kept both experts' rows: the loop asks for the very objects it expected.
+    assert len(kept.calls) == 2
+    assert all(asked is expected for asked, expected in zip(kept.calls, second.expect))
+    # Row 1 moved from b to c: a's call is the one expected, c's is new, b's is not asked.
+    assert [c.expert for c in third.expect] == [0, 1]
+    assert moved.calls[0] is third.expect[0]
+    assert moved.calls[1].expert == 2 and all(moved.calls[1] is not c for c in third.expect)
+    # Each expected call holds exactly the inputs a call made after the routing would.
+    np.testing.assert_array_equal(second.expect[1].x, second.x[[1]])
+    np.testing.assert_array_equal(second.expect[1].t, second.t[[1]])
+
+
+class _ServedNetwork(RouterNetwork):
+    """The test's router network as a served one would be: a pass that lets the event loop
+    run a while; it counts the routings asked and answered."""
+
+    def __init__(self, ahead: bool) -> None:
+        super().__init__(self._pass, calls_ahead=lambda: ahead)
+        self.asked = self.answered = 0
+
+    async def __call__(self, *inputs: np.ndarray) -> np.ndarray:
+        self.asked += 1
+        try:
+            return await super().__call__(*inputs)
+        finally:
+            self.answered += 1
+
+    async def _pass(self, x, t, y):
+        for _ in range(20):
+            await asyncio.sleep(0)
+        return _router(x, t, y)
+
+
+class _Traced(LocalExperts):
+    """``LocalExperts`` noting, as each velocity call arrives, whether a routing was under
+    way, and counting the calls cancelled."""
+
+    def __init__(self, network: _ServedNetwork) -> None:
+        super().__init__({"up": ALL, "down": ALL})
+        self.network = network
+        self.during_routing: list[bool] = []
+        self.cancelled = 0
+
+    async def velocity(self, expert, x, t, cond):
+        self.during_routing.append(self.network.asked > self.network.answered)
+        try:
+            return await super().velocity(expert, x, t, cond)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def _generate(request: SamplingRequest, ahead: bool):
+    network = _ServedNetwork(ahead)
+    caller = _Traced(network)
+    mixture = RemoteMixture(("up", "down"), (ALL, ALL), network, SHAPE, 10)
+    return asyncio.run(generate_remote(mixture, caller, request)), caller
+
+
+@pytest.mark.parametrize("strategy", ["top1", "top2"])
+def test_calls_ahead_go_beside_the_routing_and_change_no_value(strategy):
+    request = _request(strategy, steps=10, solver="heun")
+    plain_caller = LocalExperts({"up": ALL, "down": ALL})
+    plain = asyncio.run(generate_remote(
+        RemoteMixture(("up", "down"), (ALL, ALL), RouterNetwork(local_network(_router)),
+                      SHAPE, 10), plain_caller, request))
+    ahead, caller = _generate(request, ahead=True)
+    np.testing.assert_array_equal(ahead.state, plain.state)
+    np.testing.assert_array_equal(ahead.round_trips, plain.round_trips)
+    routings = 10 * 2  # heun: two evaluations per step, each routed
+    if strategy == "top2":  # both experts at every evaluation: every call from the second
+        # routing on went during its routing, and the loop asked for each
+        assert caller.during_routing == [False] * 2 + [True] * 2 * (routings - 1)
+        assert caller.cancelled == 0 and len(caller.requests) == len(plain_caller.requests)
+    else:  # top-1 here switches experts: a switch's call goes after its routing
+        assert caller.during_routing.count(True) >= routings // 2
+        assert len(caller.requests) >= len(plain_caller.requests)
+
+
+def test_without_calls_ahead_no_call_goes_during_a_routing():
+    plain, caller = _generate(_request("top2", steps=4), ahead=False)
+    assert caller.during_routing == [False] * 2 * 4 and caller.cancelled == 0
+    ahead, _ = _generate(_request("top2", steps=4), ahead=True)
+    np.testing.assert_array_equal(plain.state, ahead.state)
+
+
+@pytest.mark.parametrize("value,choice", [(None, "auto"), ("", "auto"), ("on", "on"),
+                                          (" OFF ", "off"), ("auto", "auto")])
+def test_the_calls_ahead_choice_reads_the_environment(value, choice):
+    env = {} if value is None else {CALLS_AHEAD_ENV: value}
+    assert calls_ahead_choice(env) == choice
+
+
+def test_a_bad_calls_ahead_choice_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"DDM_CALLS_AHEAD='yes': give one of auto, on, off"):
+        calls_ahead_choice({CALLS_AHEAD_ENV: "yes"})
+
+
+@pytest.mark.parametrize("choice,device,expected", [
+    ("auto", "cuda:0", True), ("auto", "neuron", True), ("auto", "cpu", False),
+    ("auto", None, False), ("on", "cpu", True), ("on", None, True), ("off", "cuda:0", False)])
+def test_auto_sends_calls_ahead_where_the_router_network_runs_on_an_accelerator(choice, device,
+                                                                                expected):
+    assert calls_ahead(choice, device) is expected
