@@ -45,12 +45,13 @@ KEPT_RELEASE = Path("out") / "gpu-check-release"
 GPU_CHECK = ParisPoolSettings(
     size="full", accelerator="nvidia", precision="bfloat16",
     deployments=("pooled", "in_process"), compile=("none", "reduce-overhead"),
-    load=PoolBenchSettings(concurrency=(1, 32), rounds=3), keep_release=KEPT_RELEASE)
+    load=PoolBenchSettings(concurrency=(1, 32), rounds=3), keep_release=KEPT_RELEASE,
+    compare_calls_ahead=True)
 #: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts.
 QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),
     compile=("none", "reduce-overhead"), max_batch=8,
-    load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2))
+    load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2), compare_calls_ahead=True)
 #: ``--part``: what each part measures of the settings (all of it, or one call's share;
 #: ``pool``, the eager pool alone, is what a lease with under five minutes left still fits).
 PARTS = {"all": {},
@@ -79,18 +80,32 @@ def summary(result: dict[str, Any]) -> list[str]:
     measured = {**result["deployments"], **({"in_process": result["in_process"]}
                                             if "in_process" in result else {})}
     for name, figures in measured.items():
-        levels = ", ".join(f"{level} prompts {f['images_per_s']:.2f} images/s "
-                           f"p50 {f['latency_s']['p50']:.3f} s"
-                           for level, f in figures["levels"].items())
         gpu = figures.get("gpu_memory_used_mib")  # the whole GPU's, read alike for each
-        lines.append(f"{name}: {levels}" + (f"; GPU MiB in use {gpu}" if gpu else ""))
+        lines.append(f"{name}: {_levels(figures)}" + (f"; GPU MiB in use {gpu}" if gpu else ""))
         lines.extend(f"  {name} at {level} prompts: {where}"
                      for level, f in figures["levels"].items() if (where := time_went(f)))
+        for other in ("calls_ahead_on", "calls_ahead_off"):
+            if other in figures:
+                lines.append(f"{name} through a router with {other}: "
+                             f"{_levels(figures[other])}")
+                lines.extend(f"  {name} with {other} at {level} prompts: {where}"
+                             for level, f in figures[other]["levels"].items()
+                             if (where := time_went(f)))
+        if "calls_ahead" in figures:
+            lines.append(f"  {name} calls ahead by router: " + "; ".join(
+                f"{router} {counts['used']} used, {counts['unused']} unused"
+                for router, counts in figures["calls_ahead"].items()))
     for name, target in result.get("targets", {}).items():
         verdict = {True: "met", False: "not met", None: "not judged (a figure is missing)"}
         lines.append(f"target {name}: {target['value']} {target['comparison']} "
                      f"{target['target']}: {verdict[target['met']]}")
     return lines
+
+
+def _levels(figures: dict[str, Any]) -> str:
+    return ", ".join(f"{level} prompts {f['images_per_s']:.2f} images/s "
+                     f"p50 {f['latency_s']['p50']:.3f} s"
+                     for level, f in figures["levels"].items())
 
 
 def time_went(level: dict[str, Any]) -> str:

@@ -30,14 +30,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, Iterator, Mapping, NamedTuple, TextIO
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from benchmarks.figures import percentiles
 from benchmarks.fleet import recorded_path
-from benchmarks.loopback import one_client_router
+from benchmarks.loopback import another_router, one_client_router
 
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import (REPOSITORY_ROOT, Supervisor, free_port,
@@ -95,7 +95,7 @@ def run_load(settings: LoadSettings, router: str | None = None, manifest: Path =
         result["router_url"] = _loopback(router)
         result.update(asyncio.run(_measure(settings, result["router_url"], log)))
     else:
-        with local_ddm(manifest, settings.clients, log) as (url, _, _):
+        with local_ddm(manifest, settings.clients, log) as (url, *_):
             result["router_url"] = url
             result["manifest"] = recorded_path(manifest)
             result.update(asyncio.run(_measure(settings, url, log)))
@@ -133,29 +133,55 @@ def _loopback(url: str) -> str:
     return url.rstrip("/")
 
 
+class LocalDDM(NamedTuple):
+    """What :func:`local_ddm` started: the router's URL, every process's PID by name, each
+    model server's ``/metrics`` URL by name, and the other routers' (``also``) URLs and their
+    ``/metrics`` URLs by name, the first router's too (as ``router``)."""
+
+    url: str
+    pids: dict[str, int]
+    metrics: dict[str, str]
+    routers: dict[str, tuple[str, str]]
+
+
 @contextmanager
-def local_ddm(manifest: Path, clients: int, log: TextIO, threads: int = 1
-              ) -> Iterator[tuple[str, dict[str, int], dict[str, str]]]:
+def local_ddm(manifest: Path, clients: int, log: TextIO, threads: int = 1,
+              also: Mapping[str, Mapping[str, str]] | None = None) -> Iterator[LocalDDM]:
     """``ddm up``'s processes for ``manifest`` (every model server: experts, separate stages,
     pools), each with ``threads`` intra-op threads (``ddm up --threads``), the router allowing
-    ``clients`` generations at once, each ready within its plan's budget, as ``ddm up``'s;
-    yields the router's URL, the PID of every process it started by name and each model
-    server's ``/metrics`` URL by name, and stops them all after."""
+    ``clients`` generations at once, each ready within its plan's budget, as ``ddm up``'s; with
+    ``also`` (name -> environment), more routers over the same servers, each with that
+    environment added. Yields a :class:`LocalDDM`, and stops them all after."""
     with tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
         config_path = Path(workdir) / "router.yaml"
         plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
                           HOST, threads=threads, config_path=config_path)
         router = one_client_router(plan, clients, config_path)
+        taken = {p for s in (*plan.servers, router) for p in (s.port, s.metrics_port)}
+
+        def new_port() -> int:  # one no process of the plan was handed
+            port = free_port(HOST)
+            while port in taken:
+                port = free_port(HOST)
+            taken.add(port)
+            return port
+
+        routers = [router, *(another_router(router, name, new_port(), new_port(),
+                                            tuple(env.items()))
+                             for name, env in (also or {}).items())]
         supervisor = Supervisor(log)
         try:
-            print(f"load: starting {len(plan.servers)} model servers and the router", file=log,
-                  flush=True)
+            print(f"load: starting {len(plan.servers)} model servers and "
+                  f"{len(routers)} router(s)", file=log, flush=True)
             supervisor.start_ready(plan.servers, HOST)
-            supervisor.start_ready([router], HOST)
-            yield (plan.url, {name: process.pid
-                              for name, process in supervisor.processes.items()},
-                   {server.name: f"http://{HOST}:{server.metrics_port}/metrics"
-                    for server in plan.servers if server.metrics_port is not None})
+            supervisor.start_ready(routers, HOST)
+            yield LocalDDM(plan.url, {name: process.pid
+                                      for name, process in supervisor.processes.items()},
+                           {server.name: f"http://{HOST}:{server.metrics_port}/metrics"
+                            for server in plan.servers if server.metrics_port is not None},
+                           {r.name: (f"http://{HOST}:{r.port}",
+                                     f"http://{HOST}:{r.metrics_port}/metrics")
+                            for r in routers})
             exited = supervisor.first_exit()
             if exited is not None:
                 raise LoadTestError(f"{exited[0]} exited with status {exited[1]} during the run")

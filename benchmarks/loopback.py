@@ -19,3 +19,18 @@ def one_client_router(plan: LocalPlan, concurrent: int, config_path: Path) -> Pr
     return dataclasses.replace(plan.router, argv=(
         *plan.router.argv, "--max-concurrent", str(concurrent),
         "--max-concurrent-per-client", str(concurrent)))
+
+
+def another_router(router: ProcessSpec, name: str, port: int, metrics_port: int,
+                   env: tuple[tuple[str, str], ...]) -> ProcessSpec:
+    """``router`` again as process ``name``, on ``port`` and ``metrics_port``, with ``env``
+    added: a second router over the same model servers, to compare router settings on one
+    deployment (its model servers start once)."""
+    flags = {"--port": str(port), "--metrics-port": str(metrics_port)}
+    argv = list(router.argv)
+    for flag, value in flags.items():
+        if flag not in argv:
+            raise ValueError(f"the router's command has no {flag}: {' '.join(argv)}")
+        argv[argv.index(flag) + 1] = value
+    return dataclasses.replace(router, name=name, argv=tuple(argv), port=port,
+                               metrics_port=metrics_port, env=(*router.env, *env))

@@ -63,6 +63,22 @@ def model_times(exposition: str) -> dict[str, ModelTime]:
             for member, c in found.items()}
 
 
+#: The router's count of the calls it started beside a served router network's pass.
+CALLS_AHEAD = "ddm_router_calls_ahead"
+
+
+def calls_ahead(exposition: str) -> dict[str, int]:
+    """A router's ``/metrics`` text -> its calls ahead so far by outcome (``used``,
+    ``unused``; zero where it started none)."""
+    counts = {"used": 0, "unused": 0}
+    for family in text_string_to_metric_families(exposition):
+        if family.name == CALLS_AHEAD:
+            for sample in family.samples:
+                if sample.name == f"{CALLS_AHEAD}_total":
+                    counts[sample.labels["outcome"]] = int(sample.value)
+    return counts
+
+
 async def scrape(session: aiohttp.ClientSession,
                  metrics: dict[str, str]) -> dict[str, dict[str, ModelTime]]:
     """Every server's counts, by server name then member, from its ``/metrics`` URL."""

@@ -21,6 +21,13 @@ and ``pooled-MODE`` for the others (:func:`deployment_key`). The sampling settin
 release's (50 Euler steps, top-2, guidance 7.5) unless ``--steps`` says otherwise. Memory is
 every process's lifetime peak RSS and, on NVIDIA, each process's GPU memory from nvidia-smi,
 read while the deployment is still up.
+
+``compare_calls_ahead`` measures the pooled deployments through two routers over the same
+pool: the default one (``DDM_CALLS_AHEAD`` unset: ``auto``, calls ahead on an accelerator,
+none on the CPU), then one set to the other choice (keyed ``calls_ahead_off`` on an
+accelerator, ``calls_ahead_on`` on the CPU), each router's calls ahead counted
+(``calls_ahead``: used and unused, by router), so that one start of the pool answers whether
+calls ahead help there (``ddm.serving.router.fleet.remote``).
 """
 
 from __future__ import annotations
@@ -38,11 +45,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+import httpx
 import yaml
 
 from benchmarks.fleet import BenchError, machine, say
 from benchmarks.load import local_ddm
+from benchmarks.model_time import calls_ahead
 from benchmarks.pools import PoolBenchSettings, in_process, served
+from ddm.serving.router.fleet.remote import CALLS_AHEAD_ENV
 from ddm.deploy.limits import COMPILE_MODES
 from ddm.models.paris import ParisExpertConfig, ParisRouterConfig
 from tests.support.paris_release import FULL_PARIS, TinyParis, write_paris_release
@@ -81,6 +91,14 @@ class ParisPoolSettings:
     #: Where the imported release is kept for the next run to reuse (None: a temporary
     #: directory, removed after).
     keep_release: Path | None = None
+    #: Also measure the pooled deployments through a router making the other choice of
+    #: calls ahead (module docstring).
+    compare_calls_ahead: bool = False
+
+    @property
+    def other_calls_ahead(self) -> str:
+        """The choice the second router makes: the opposite of ``auto``'s here."""
+        return "on" if self.accelerator == "cpu" else "off"
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -186,9 +204,21 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                 say(log, f"paris-pools: {key}")
                 manifest = imported / f"ddm-{key}.yaml"
                 manifest.write_text(yaml.safe_dump(compiled_manifest(documents[name], mode)))
-                with local_ddm(manifest, max(load.concurrency), log) as (url, pids, metrics):
-                    figures = asyncio.run(served(url, pids, load, log, metrics))
-                    figures.update(gpu_memory(pids))
+                other = f"calls_ahead_{settings.other_calls_ahead}"
+                also = ({other: {CALLS_AHEAD_ENV: settings.other_calls_ahead}}
+                        if settings.compare_calls_ahead and name == "pooled" else {})
+                with local_ddm(manifest, max(load.concurrency), log, also=also) as ddm:
+                    figures = asyncio.run(served(ddm.url, ddm.pids, load, log,
+                                                 ddm.metrics))
+                    figures.update(gpu_memory(ddm.pids))
+                    if also:
+                        say(log, f"paris-pools: {key} through a router with {other}")
+                        figures[other] = asyncio.run(served(ddm.routers[other][0],
+                                                            ddm.pids, load, log,
+                                                            ddm.metrics))
+                        figures["calls_ahead"] = {
+                            router: calls_ahead(httpx.get(metrics_url, timeout=60).text)
+                            for router, (_, metrics_url) in ddm.routers.items()}
                 result["deployments"][key] = {"compile": mode, **figures}
             result["targets"] = targets(result)
             if on_figures is not None:

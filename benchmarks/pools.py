@@ -99,7 +99,7 @@ def bench_pools(settings: PoolBenchSettings, log: TextIO = sys.stderr) -> dict[s
     for name, manifest in DEPLOYMENTS.items():
         say(log, f"pools: {name} ({recorded_path(manifest)})")
         with local_ddm(manifest, max(settings.concurrency), log,
-                       threads=settings.threads) as (url, pids, metrics):
+                       threads=settings.threads) as (url, pids, metrics, _):
             figures = asyncio.run(served(url, pids, settings, log, metrics))
         result["deployments"][name] = {"manifest": recorded_path(manifest), **figures}
     say(log, "pools: in-process generate_text")

@@ -135,7 +135,7 @@ def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
 @pytest.mark.slow
 def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None:
     settings = ParisPoolSettings(deployments=("pooled", "in_process"), load=PoolBenchSettings(
-        concurrency=(1, 2), rounds=1, steps=2))
+        concurrency=(1, 2), rounds=1, steps=2), compare_calls_ahead=True)
     log, snapshots = io.StringIO(), []
     result = json.loads(json.dumps(bench_paris_pools(
         settings, log, on_figures=lambda so_far: snapshots.append(json.loads(json.dumps(so_far))))))
@@ -147,13 +147,14 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     assert result["sampling"] == {"steps": 2, "strategy": "top2", "guidance_scale": 7.5}
     assert result["settings"]["sizes"]["experts"] == 8
     pooled = result["deployments"]["pooled"]
-    assert set(pooled["processes"]) == {f"pool-{POOL}/0", "router"}
+    # A second router over the same pool, with calls ahead (auto sends none on the CPU).
+    assert set(pooled["processes"]) == {f"pool-{POOL}/0", "router", "calls_ahead_on"}
     assert pooled["gpu_memory_mib"] is None  # no NVIDIA GPU on this machine
     for process in pooled["processes"].values():
         assert 20 < process["lifetime_peak_mib"] < 4096
         with pytest.raises(ProcessLookupError):  # stopped
             os.kill(process["pid"], 0)
-    for figures in (pooled, result["in_process"]):
+    for figures in (pooled, pooled["calls_ahead_on"], result["in_process"]):
         assert {concurrency: level["images"] for concurrency, level in
                 figures["levels"].items()} == {"1": 1, "2": 2}
     # Where one image's time went: the pool ran what a top-2 guided image of 2 steps needs.
@@ -170,6 +171,11 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     assert {m["rows_per_batch"] for m in experts.values()} == {2.0}  # each guided row twice
     assert 0 < pool["model_s"] == pytest.approx(sum(m["model_s"] for m in members.values()),
                                                 abs=0.01)
+    # Each generation's second step went ahead through the second router, none through the
+    # first: its warm-up's, the one at 1 prompt and the two at 2.
+    ahead = pooled["calls_ahead"]
+    assert ahead["router"] == {"used": 0, "unused": 0}
+    assert ahead["calls_ahead_on"]["used"] + ahead["calls_ahead_on"]["unused"] == 2 * 4
     assert set(result["targets"]) == {"memory_pooled_to_in_process",
                                       "images_per_s_pooled_to_in_process"}
     assert all(isinstance(t["met"], bool) for t in result["targets"].values())

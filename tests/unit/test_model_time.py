@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import time_went
-from benchmarks.model_time import ModelTime, gpu_utilisation, level_model_time, model_times
+from benchmarks.gpu_check import summary, time_went
+from benchmarks.model_time import (ModelTime, calls_ahead, gpu_utilisation, level_model_time,
+                                   model_times)
 
 #: A pool's exposition as prometheus_client writes it (buckets cut short: only the
 #: counts and sums are read), two members, one of which ran nothing yet.
@@ -127,3 +128,38 @@ def test_the_gpu_checks_summary_says_where_a_levels_time_went() -> None:
     assert time_went(level) == ("model time 0.75 s per s, 5 expert batches of 12.0 rows, "
                                 "GPU busy 61.5%")
     assert time_went({"images_per_s": 3.0}) == ""  # in-process levels have none
+
+
+ROUTER_TEXT = """\
+# HELP ddm_router_calls_ahead_total Expert calls started beside a routing.
+# TYPE ddm_router_calls_ahead_total counter
+ddm_router_calls_ahead_total{outcome="used"} 58.0
+ddm_router_calls_ahead_total{outcome="unused"} 2.0
+# HELP ddm_router_calls_ahead_created Expert calls started beside a routing.
+# TYPE ddm_router_calls_ahead_created gauge
+ddm_router_calls_ahead_created{outcome="used"} 1.7e+09
+"""
+
+
+def test_a_routers_calls_ahead_are_read_by_outcome() -> None:
+    assert calls_ahead(ROUTER_TEXT) == {"used": 58, "unused": 2}
+    # A router that started none has no samples yet (a labelled counter's children).
+    assert calls_ahead(POOL_TEXT) == {"used": 0, "unused": 0}
+
+
+def test_the_gpu_checks_summary_compares_the_routers_over_one_pool() -> None:
+    def level(images_per_s: float, p50: float) -> dict:
+        return {"images_per_s": images_per_s, "latency_s": {"p50": p50}}
+
+    result = {"deployments": {"pooled-reduce-overhead": {
+        "levels": {"1": level(1.5, 0.66), "32": level(3.0, 10.0)},
+        "calls_ahead_off": {"levels": {"1": level(1.0, 1.0), "32": level(2.5, 12.0)}},
+        "calls_ahead": {"router": {"used": 98, "unused": 2},
+                        "calls_ahead_off": {"used": 0, "unused": 0}}}}}
+    assert summary(result) == [
+        "pooled-reduce-overhead: 1 prompts 1.50 images/s p50 0.660 s, 32 prompts 3.00 "
+        "images/s p50 10.000 s",
+        "pooled-reduce-overhead through a router with calls_ahead_off: 1 prompts 1.00 "
+        "images/s p50 1.000 s, 32 prompts 2.50 images/s p50 12.000 s",
+        "  pooled-reduce-overhead calls ahead by router: router 98 used, 2 unused; "
+        "calls_ahead_off 0 used, 0 unused"]
