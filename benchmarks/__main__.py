@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", default="none",
                    help="torch.compile modes to serve in, each measured (comma-separated: "
                         "none, default, reduce-overhead, max-autotune)")
+    p.add_argument("--compare-calls-ahead", action="store_true",
+                   help="measure the pooled deployments again through a second router over "
+                        "the same pool with the other choice of DDM_CALLS_AHEAD")
     p.add_argument("--quick", action="store_true",
                    help="small release, 2 steps, 1 and 2 prompts: a smoke run")
     p.set_defaults(handler=_bench_paris_pools)
@@ -177,6 +180,7 @@ def _bench_paris_pools(args: argparse.Namespace) -> int:
             compile=modes,
             load=PoolBenchSettings(concurrency=_levels(args.concurrency), rounds=args.rounds,
                                    steps=args.steps))
+        settings = replace(settings, compare_calls_ahead=args.compare_calls_ahead)
     except ValueError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2

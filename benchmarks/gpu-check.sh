@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 37's GPU check as the lent device machine runs it (docs/paris.md, "Paris on one GPU").
 # Here, first: `make device-wheels` (what the device image lacks, as wheels in .whl/). There,
-# one call (on an H200 the whole check took 554 s of it, 2026-11-30: docs/benchmarks.md):
+# two calls on one warm machine (it keeps the imported release between them; the whole check,
+# each pooled deployment through two routers, no longer fits one 600 s call: docs/paris.md):
 #
-#   run(command="DDM_GPU_CHECK_S=530 bash benchmarks/gpu-check.sh --part all",
+#   run(command="DDM_GPU_CHECK_S=530 bash benchmarks/gpu-check.sh --part compiled",
 #       carry=[".whl"], timeout_s=600)
-#
-# or, where a call's limit is shorter, `--part eager` then `--part compiled` on the machine the
-# first left warm (it keeps the imported release between them).
+#   run(command="DDM_GPU_CHECK_S=530 bash benchmarks/gpu-check.sh --part eager",
+#       carry=[".whl"], timeout_s=600)      # or --part pool: the eager pool alone
 #
 # It installs the carried wheels beside the image's own packages (its PyTorch, transformers,
 # JAX...), checks that every module the check loads imports, then runs
