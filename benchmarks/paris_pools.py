@@ -27,7 +27,10 @@ pool: the default one (``DDM_CALLS_AHEAD`` unset: ``auto``, calls ahead on an ac
 none on the CPU), then one set to the other choice (keyed ``calls_ahead_off`` on an
 accelerator, ``calls_ahead_on`` on the CPU), each router's calls ahead counted
 (``calls_ahead``: used and unused, by router), so that one start of the pool answers whether
-calls ahead help there (``ddm.serving.router.fleet.remote``).
+calls ahead help there (``ddm.serving.router.fleet.remote``). The default router is measured
+first; each router's figures count the model servers and that router alone. A
+``DDM_CALLS_AHEAD`` in this process's environment reaches the default router too (the JSON's
+``calls_ahead`` counts say what each did).
 """
 
 from __future__ import annotations
@@ -208,14 +211,16 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                 also = ({other: {CALLS_AHEAD_ENV: settings.other_calls_ahead}}
                         if settings.compare_calls_ahead and name == "pooled" else {})
                 with local_ddm(manifest, max(load.concurrency), log, also=also) as ddm:
-                    figures = asyncio.run(served(ddm.url, ddm.pids, load, log,
-                                                 ddm.metrics))
-                    figures.update(gpu_memory(ddm.pids))
+                    # Each router's figures count the model servers and that router alone.
+                    pids = {name: pid for name, pid in ddm.pids.items() if name not in also}
+                    figures = asyncio.run(served(ddm.url, pids, load, log, ddm.metrics))
+                    figures.update(gpu_memory(pids))
                     if also:
                         say(log, f"paris-pools: {key} through a router with {other}")
-                        figures[other] = asyncio.run(served(ddm.routers[other][0],
-                                                            ddm.pids, load, log,
-                                                            ddm.metrics))
+                        others = {name: pid for name, pid in ddm.pids.items()
+                                  if name not in ("router", *also) or name == other}
+                        figures[other] = asyncio.run(served(ddm.routers[other][0], others,
+                                                            load, log, ddm.metrics))
                         figures["calls_ahead"] = {
                             router: calls_ahead(httpx.get(metrics_url, timeout=60).text)
                             for router, (_, metrics_url) in ddm.routers.items()}

@@ -147,8 +147,10 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     assert result["sampling"] == {"steps": 2, "strategy": "top2", "guidance_scale": 7.5}
     assert result["settings"]["sizes"]["experts"] == 8
     pooled = result["deployments"]["pooled"]
-    # A second router over the same pool, with calls ahead (auto sends none on the CPU).
-    assert set(pooled["processes"]) == {f"pool-{POOL}/0", "router", "calls_ahead_on"}
+    # A second router over the same pool, with calls ahead (auto sends none on the CPU), its
+    # figures counting the pool and itself, as the first router's the pool and the first.
+    assert set(pooled["processes"]) == {f"pool-{POOL}/0", "router"}
+    assert set(pooled["calls_ahead_on"]["processes"]) == {f"pool-{POOL}/0", "calls_ahead_on"}
     assert pooled["gpu_memory_mib"] is None  # no NVIDIA GPU on this machine
     for process in pooled["processes"].values():
         assert 20 < process["lifetime_peak_mib"] < 4096

@@ -10,7 +10,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from ddm.sampling.loop import Calls, Mixture, Route, SamplingRequest, StepEvent, denoise
+from ddm.sampling.loop import Calls, Mixture, Route, Routed, SamplingRequest, StepEvent, denoise
 from ddm.sampling.routing import parse_strategy
 from ddm.serving.router.fleet.remote import (CALLS_AHEAD_ENV, RemoteMixture, RouterNetwork,
                                              calls_ahead, calls_ahead_choice, generate_remote,
@@ -18,22 +18,25 @@ from ddm.serving.router.fleet.remote import (CALLS_AHEAD_ENV, RemoteMixture, Rou
 from tests.unit.test_remote_sampling import ALL, SHAPE, LocalExperts, _request, _router
 
 
-def _drive(probs_per_routing: list[list[list[float]]]) -> list[tuple[Route, Calls]]:
+def _drive(probs_per_routing: list[list[list[float]]], ahead: bool = False
+           ) -> tuple[list[tuple[Route, Calls]], np.ndarray]:
     """The loop over three experts of constant velocity, two rows, answered with the given
-    probabilities at each routing; each routing and the expert query that followed it."""
+    probabilities at each routing (as a driver that started the expected calls, ``ahead``);
+    each routing and the expert query that followed it, and the final state."""
     mixture = Mixture(("a", "b", "c"), ((), (), ()), (1, 2, 2), 10, routed=True)
     request = SamplingRequest(labels=(4, 5), steps=len(probs_per_routing), seed=0,
                               strategy=parse_strategy("top1"))
-    loop, answer, pairs, route = denoise(mixture, request), None, [], None
+    loop, answer, pairs, route, x = denoise(mixture, request), None, [], None, None
     while True:
         try:
             query = loop.send(answer)
         except StopIteration:
-            return pairs
+            return pairs, x
         if isinstance(query, StepEvent):
-            answer = None
+            answer, x = None, query.x
         elif isinstance(query, Route):
-            route, answer = query, np.array(probs_per_routing[len(pairs)], np.float32)
+            probs = np.array(probs_per_routing[len(pairs)], np.float32)
+            route, answer = query, Routed(probs, ahead=True) if ahead else probs
         else:
             assert isinstance(query, Calls) and route is not None
             pairs.append((route, query))
@@ -41,9 +44,9 @@ def _drive(probs_per_routing: list[list[list[float]]]) -> list[tuple[Route, Call
 
 
 def test_a_routing_expects_the_calls_of_the_selection_before_it() -> None:
-    pairs = _drive([[[0.9, 0.1, 0.0], [0.1, 0.9, 0.0]],    # row 0 -> a, row 1 -> b
-                    [[0.9, 0.1, 0.0], [0.1, 0.9, 0.0]],    # the same
-                    [[0.9, 0.1, 0.0], [0.1, 0.0, 0.9]]])   # row 1 moves to c
+    pairs, _ = _drive([[[0.9, 0.1, 0.0], [0.1, 0.9, 0.0]],    # row 0 -> a, row 1 -> b
+                       [[0.9, 0.1, 0.0], [0.1, 0.9, 0.0]],    # the same
+                       [[0.9, 0.1, 0.0], [0.1, 0.0, 0.9]]])   # row 1 moves to c
     (first, _), (second, kept), (third, moved) = pairs
     assert first.expect == ()  # nothing is known before the first routing
     assert [(c.expert, c.x.shape[0]) for c in second.expect] == [(0, 1), (1, 1)]
@@ -57,6 +60,25 @@ def test_a_routing_expects_the_calls_of_the_selection_before_it() -> None:
     # Each expected call holds exactly the inputs a call made after the routing would.
     np.testing.assert_array_equal(second.expect[1].x, second.x[[1]])
     np.testing.assert_array_equal(second.expect[1].t, second.t[[1]])
+
+
+#: Both rows on expert a, then row 1 moves to b.
+BOTH_ON_A = [[0.9, 0.1, 0.0], [0.9, 0.1, 0.0]]
+ONE_MOVES = [[0.9, 0.1, 0.0], [0.1, 0.9, 0.0]]
+
+
+def test_where_the_calls_went_ahead_a_call_routing_keeps_in_part_is_asked_too() -> None:
+    pairs, x = _drive([BOTH_ON_A, BOTH_ON_A, ONE_MOVES], ahead=True)
+    (_, _), (_, _), (third, moved) = pairs
+    # The expected call for a (both rows) is asked, though only row 0 stays on a; b gets a
+    # call of row 1 alone, and a's row 1 is not used.
+    (a_call,) = third.expect
+    assert moved.calls[0] is a_call and a_call.x.shape[0] == 2
+    assert moved.calls[1].expert == 1 and moved.calls[1].x.shape[0] == 1
+    # Without the calls ahead, a's call would be a new one of row 0 alone: the same state.
+    plain_pairs, plain_x = _drive([BOTH_ON_A, BOTH_ON_A, ONE_MOVES])
+    assert [(c.expert, c.x.shape[0]) for c in plain_pairs[2][1].calls] == [(0, 1), (1, 1)]
+    np.testing.assert_array_equal(x, plain_x)
 
 
 class _ServedNetwork(RouterNetwork):
@@ -121,9 +143,12 @@ def test_calls_ahead_go_beside_the_routing_and_change_no_value(strategy):
         # routing on went during its routing, and the loop asked for each
         assert caller.during_routing == [False] * 2 + [True] * 2 * (routings - 1)
         assert caller.cancelled == 0 and len(caller.requests) == len(plain_caller.requests)
-    else:  # top-1 here switches experts: a switch's call goes after its routing
+    else:  # top-1 here switches experts: a switch's rows go in a call after its routing
         assert caller.during_routing.count(True) >= routings // 2
-        assert len(caller.requests) >= len(plain_caller.requests)
+        # A switch costs the row that moved, computed for nothing, never a whole call again.
+        rows_ahead = sum(len(labels) for _, _, labels in caller.requests)
+        rows_plain = sum(len(labels) for _, _, labels in plain_caller.requests)
+        assert rows_plain <= rows_ahead <= rows_plain + int(plain.usage.switches().sum())
 
 
 def test_without_calls_ahead_no_call_goes_during_a_routing():

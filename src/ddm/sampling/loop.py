@@ -32,11 +32,15 @@ so guiding inside each expert and mixing equals mixing and guiding.
 shipped text-to-image DDM's top-2 selection changed 0-3 times in 30 steps per image), so each
 :class:`Route` after a generation's first evaluation carries ``expect``: the velocity calls
 the previous evaluation's selection would make at this state. A driver whose routing is a
-round trip of its own may start them at once, beside the routing. Where routing keeps an
-expert's rows, the loop then asks for that very :class:`Velocity` object (the driver matches
-by identity and answers with the call it started); other calls are new objects, and a call
-expected but not asked is not used. So starting them early changes no value, only when the
-calls are made.
+round trip of its own may start them at once, beside the routing, and then answers the
+routing with :class:`Routed` (``ahead``). Where routing keeps an expert's rows, the loop asks
+for that very :class:`Velocity` object (the driver matches by identity and answers with the
+call it started); where the calls went ahead, an expected call whose rows routing keeps in
+part is asked too (its other rows' answers are not used) and only the expert's new rows go in
+a call of their own, so that one row's switch in a generation of many does not repeat the
+expert's whole call. A call expected but not asked is not used. Each row's velocity is its
+expert's at that row's inputs whichever call carries it, so no value changes, only when and
+in which call the rows are computed.
 
 **Missing experts.** A driver may answer a :class:`Velocity` asked with ``fallback`` by
 :class:`Missing` (the router's ``reroute`` policy, when the expert has no ready replica): the
@@ -162,6 +166,15 @@ class Route:
     t: np.ndarray
     cond: Conditioning
     expect: tuple[Velocity, ...] = ()
+
+
+@dataclass(frozen=True)
+class Routed:
+    """An answer to a :class:`Route`: the probabilities ``(B, K)``, and whether the driver
+    started the expected calls (``ahead``); a bare array answers with none started."""
+
+    probs: np.ndarray
+    ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -482,8 +495,8 @@ def _chunk(mixture: Mixture, request: SamplingRequest, x: np.ndarray, cond: Cond
     probs = np.zeros((n, k), np.float32)
     groups: list[tuple[int, np.ndarray]] = []
     if request.delegate_steps > 1:
-        probs, weights = yield from _weights(mixture, request.strategy, x, _times(n, grid[0]),
-                                             cond, keys)
+        probs, weights, _ = yield from _weights(mixture, request.strategy, x,
+                                                _times(n, grid[0]), cond, keys)
         delegated = (weights > 0).sum(axis=1) == 1
         groups = [(e, rows) for e in range(k)
                   if (rows := np.flatnonzero(delegated & (weights[:, e] > 0))).size]
@@ -592,23 +605,29 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
     available = np.ones(k, bool)
     expected = ({} if selected is None else
                 {e: (rows, call) for e, rows, call in
-                 _velocity_calls(selected, x, t, cond, reroutable & available, {})})
-    probs, wanted = yield from _weights(mixture, strategy, x, t, cond, keys,
-                                        tuple(call for _, call in expected.values()))
+                 _velocity_calls(selected, x, t, cond, reroutable & available, {}, False)})
+    probs, wanted, ahead = yield from _weights(mixture, strategy, x, t, cond, keys,
+                                               tuple(call for _, call in expected.values()))
     servable = _servable(mixture, cond)
     weights, rerouted = wanted, np.zeros(n, bool)
     answered = np.zeros((n, k), bool)
     v_k: dict[int, np.ndarray] = {}
     while True:
-        calls = _velocity_calls((weights > 0) & ~answered, x, t, cond,
-                                reroutable & available, expected)
+        needed = (weights > 0) & ~answered
+        calls = _velocity_calls(needed, x, t, cond, reroutable & available, expected, ahead)
         if not calls:  # the answered experts cover the rerouted rows
             break
         outs = yield Calls(tuple(call for _, _, call in calls))
         missing = [e for (e, _, _), out in zip(calls, outs) if isinstance(out, Missing)]
         for (e, rows, _), out in zip(calls, outs):
             if not isinstance(out, Missing):
-                v_k.setdefault(e, np.zeros_like(x, dtype=np.float32))[rows] = out
+                v_e = v_k.setdefault(e, np.zeros_like(x, dtype=np.float32))
+                keep = needed[rows, e]  # an expected call may carry rows no longer routed here
+                if keep.all():
+                    v_e[rows] = out
+                else:
+                    rows = rows[keep]
+                    v_e[rows] = out[keep]
                 answered[rows, e] = True
         if not missing:
             break
@@ -623,46 +642,60 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
     return _Mixed(v, weights > 0, wanted, rerouted, probs)
 
 
-def _velocity_calls(asked: np.ndarray, x: np.ndarray, t: np.ndarray, cond: Conditioning,
+def _velocity_calls(needed: np.ndarray, x: np.ndarray, t: np.ndarray, cond: Conditioning,
                     fallback: np.ndarray,
-                    expected: dict[int, tuple[np.ndarray, Velocity]]
+                    expected: dict[int, tuple[np.ndarray, Velocity]], ahead: bool
                     ) -> list[tuple[int, np.ndarray, Velocity]]:
-    """The calls for ``asked`` (B, K) as ``(expert, rows, call)``, one per expert with rows
-    (``fallback`` (K,): which may answer :class:`Missing`); a call ``expected`` for the same
-    expert, rows and fallback is that very object."""
+    """The calls for the rows ``needed`` (B, K) as ``(expert, rows, call)``, one per expert
+    with rows (``fallback`` (K,): which may answer :class:`Missing`), ``rows`` those the call
+    carries. A call ``expected`` for the same expert and fallback is asked (and taken out of
+    ``expected``: asked once) where it carries exactly the rows needed, or, where the calls
+    went ahead (``ahead``), some of them; the expert's other needed rows then go in a new
+    call."""
     calls = []
-    for e in np.flatnonzero(asked.any(axis=0)).tolist():
-        rows = np.flatnonzero(asked[:, e])
+    for e in np.flatnonzero(needed.any(axis=0)).tolist():
+        rows = np.flatnonzero(needed[:, e])
         known = expected.get(e)
-        if (known is not None and known[1].fallback == bool(fallback[e])
-                and np.array_equal(known[0], rows)):
-            calls.append((e, rows, known[1]))
-        else:
-            calls.append((e, rows, Velocity(e, x[rows], t[rows], cond.take(rows),
-                                            fallback=bool(fallback[e]))))
+        if known is not None and known[1].fallback == bool(fallback[e]):
+            known_rows, call = known
+            if np.array_equal(known_rows, rows):
+                del expected[e]
+                calls.append((e, rows, call))
+                continue
+            if ahead and needed[known_rows, e].any():
+                del expected[e]
+                calls.append((e, known_rows, call))
+                rows = np.setdiff1d(rows, known_rows, assume_unique=True)
+                if not rows.size:
+                    continue
+        calls.append((e, rows, Velocity(e, x[rows], t[rows], cond.take(rows),
+                                        fallback=bool(fallback[e]))))
     return calls
 
 
 def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
              cond: Conditioning, keys: np.ndarray, expect: tuple[Velocity, ...] = ()
-             ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray]]:
+             ) -> Generator[Query, Any, tuple[np.ndarray, np.ndarray, bool]]:
     """Per-sample routing probabilities and mixture weights, both (B, K), among the experts
     that serve each sample (by label where the partition is by label; a text DDM's experts
-    serve every row); ``keys`` (B, 2) are the samples' ``(seed, image index)``; ``expect``
-    rides on the :class:`Route` (the calls expected next)."""
+    serve every row), and whether the expected calls went ahead; ``keys`` (B, 2) are the
+    samples' ``(seed, image index)``; ``expect`` rides on the :class:`Route` (the calls
+    expected next)."""
     if strategy.kind == "oracle":  # check_request allows it for label DDMs only
         assert cond.labels is not None, "the oracle routes by label"
         probs = oracle_probs(cond.labels, mixture.expert_classes)
-        return probs, routing_weights(probs, strategy)
+        return probs, routing_weights(probs, strategy), False
     servable = _servable(mixture, cond)
     if strategy.kind == "random":
         uniform = servable / servable.sum(axis=1, keepdims=True)
-        return uniform.astype(np.float32), random_weights(keys, t, servable)
+        return uniform.astype(np.float32), random_weights(keys, t, servable), False
     if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
         ones = np.ones((len(cond), 1), np.float32)
-        return ones, ones
-    probs = yield Route(x, t, cond, expect)
-    return np.asarray(probs, np.float32), mixture_weights(probs, servable, strategy)
+        return ones, ones, False
+    answer = yield Route(x, t, cond, expect)
+    routed = answer if isinstance(answer, Routed) else Routed(answer)
+    probs = np.asarray(routed.probs, np.float32)
+    return probs, mixture_weights(probs, servable, strategy), routed.ahead
 
 
 def _servable(mixture: Mixture, cond: Conditioning) -> np.ndarray:

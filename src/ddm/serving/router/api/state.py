@@ -122,7 +122,8 @@ class RouterMetrics:
             "ddm_router_calls_ahead", "Expert calls started beside a served router network's "
             "routing, as the previous step's selection would make them "
             "(ddm.serving.router.fleet.remote), by whether the step then asked for them "
-            "(used) or routing changed and they were cancelled (unused).", ["outcome"],
+            "(used) or not (unused: routing moved all their rows, or the generation ended).",
+            ["outcome"],
             registry=registry)
         self.client_busy = Counter(
             "ddm_router_client_limited", "Generations refused because their client already "

@@ -21,11 +21,13 @@ that concurrent generations make at the same time (:mod:`ddm.serving.router.flee
 cost two round trips one after the other: routing, then the experts. The loop's
 :class:`~ddm.sampling.loop.Route` carries the calls it expects next (the previous evaluation's
 selection at this state), and the driver starts them beside the routing; the loop then asks
-for the very same call objects wherever routing kept their rows, and those are answered by
-the calls already under way (:class:`_Ahead`). A call the loop does not ask for is cancelled
-(its rows were computed for nothing: the cost of a switch of routing). Each call is still made
-once, with its own inputs, so no value changes; only when the calls go. Under the lockstep, a
-step whose calls went ahead is one flight, from its routing's turn until its velocities land.
+for the very same call objects wherever routing kept their rows, all or some (the expert's
+new rows go in a call of their own), and those are answered by the calls already under way
+(:class:`_Ahead`). A call the loop does not ask for is cancelled, and the rows of an asked one
+that routing moved elsewhere are not used (computed for nothing: the cost of a switch). Each
+row's velocity is still its expert's at its own inputs, so no value changes; only when and in
+which call rows go. Under the lockstep, a step whose calls went ahead is one flight, from its
+routing's turn until its velocities land.
 Whether calls go ahead is :data:`CALLS_AHEAD_ENV`'s choice (:func:`calls_ahead`): by default
 only where the router network's server runs on an accelerator, which runs the two passes one
 after the other while the hosts' work overlaps; on a CPU the router network's forward and the
@@ -48,7 +50,7 @@ from ddm.convention import TimeGrid
 from ddm.models.text_prior import pooled_text
 from ddm.sampling.loop import (Calls, CheckedRequest, Concurrently, Decode, Decoded, Encode,
                                Generation, Integrate, Loop, Missing, Mixture, Query, Route,
-                               SamplingRequest, StepEvent, Tally, Velocity, checked)
+                               Routed, SamplingRequest, StepEvent, Tally, Velocity, checked)
 from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.fleet.coalescing import Coalescer
 from ddm.serving.router.fleet.lockstep import Stepper
@@ -330,13 +332,16 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
         return await mixture.decoder.decode(query.latents)
     if isinstance(query, Route):
         assert mixture.router is not None, "check_request refuses learned strategies without one"
-        if query.expect and mixture.router.calls_ahead():
+        went_ahead = bool(query.expect) and mixture.router.calls_ahead()
+        if went_ahead:
             ahead.start(query.expect, lambda c: _call(mixture, caller, c, guard))
         if mixture.conditioning == TEXT:
             pooled = pooled_text(query.cond)
-            return await mixture.router(query.x, query.t,
-                                        *(() if pooled is None else (pooled,)))
-        return await mixture.router(query.x, query.t, _labels(query.cond))
+            probs = await mixture.router(query.x, query.t,
+                                         *(() if pooled is None else (pooled,)))
+        else:
+            probs = await mixture.router(query.x, query.t, _labels(query.cond))
+        return Routed(probs, ahead=True) if went_ahead else probs
     assert isinstance(query, Concurrently), f"unknown query {query!r}"
     return await gather_all(*(_finish(mixture, caller, part, guard) for part in query.parts))
 
