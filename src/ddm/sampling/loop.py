@@ -603,7 +603,7 @@ def _mixture_velocity(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np
     n, k = len(cond), len(mixture.expert_names)
     reroutable = strategy.kind != "random"  # the evaluation baseline is never served
     available = np.ones(k, bool)
-    expected = ({} if selected is None else
+    expected = ({} if selected is None or not _routes(mixture, strategy) else
                 {e: (rows, call) for e, rows, call in
                  _velocity_calls(selected, x, t, cond, reroutable & available, {}, False)})
     probs, wanted, ahead = yield from _weights(mixture, strategy, x, t, cond, keys,
@@ -689,13 +689,19 @@ def _weights(mixture: Mixture, strategy: Strategy, x: np.ndarray, t: np.ndarray,
     if strategy.kind == "random":
         uniform = servable / servable.sum(axis=1, keepdims=True)
         return uniform.astype(np.float32), random_weights(keys, t, servable), False
-    if len(mixture.expert_names) == 1:  # every strategy gives the one expert all the weight
+    if not _routes(mixture, strategy):  # one expert: every strategy gives it all the weight
         ones = np.ones((len(cond), 1), np.float32)
         return ones, ones, False
     answer = yield Route(x, t, cond, expect)
     routed = answer if isinstance(answer, Routed) else Routed(answer)
-    probs = np.asarray(routed.probs, np.float32)
-    return probs, mixture_weights(probs, servable, strategy), routed.ahead
+    return (np.asarray(routed.probs, np.float32),
+            mixture_weights(routed.probs, servable, strategy), routed.ahead)
+
+
+def _routes(mixture: Mixture, strategy: Strategy) -> bool:
+    """Whether ``strategy`` asks the router network (:func:`_weights` yields a :class:`Route`):
+    the oracle routes by label, the random baseline draws, one expert takes every row."""
+    return strategy.kind not in ("oracle", "random") and len(mixture.expert_names) > 1
 
 
 def _servable(mixture: Mixture, cond: Conditioning) -> np.ndarray:
