@@ -218,7 +218,7 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                     if also:
                         say(log, f"paris-pools: {key} through a router with {other}")
                         others = {name: pid for name, pid in ddm.pids.items()
-                                  if name not in ("router", *also) or name == other}
+                                  if name != "router"}
                         figures[other] = asyncio.run(served(ddm.routers[other][0], others,
                                                             load, log, ddm.metrics))
                         figures["calls_ahead"] = {
