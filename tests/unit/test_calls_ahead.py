@@ -6,15 +6,23 @@ changing no value (``ddm.sampling.loop``, ``ddm.serving.router.fleet.remote``)."
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
+from ddm.deploy.router_config import MissingExpert
 from ddm.sampling.loop import Calls, Mixture, Route, Routed, SamplingRequest, StepEvent, denoise
 from ddm.sampling.routing import parse_strategy
-from ddm.serving.router.fleet.remote import (CALLS_AHEAD_ENV, RemoteMixture, RouterNetwork,
-                                             calls_ahead, calls_ahead_choice, generate_remote,
-                                             local_network)
+from ddm.serving.router.fleet.demand import DemandMeter
+from ddm.serving.router.fleet.missing import Held, MissingExperts
+from ddm.serving.router.fleet.pool import ExpertPool
+from ddm.serving.router.fleet.remote import (CALLS_AHEAD_ENV, Guard, RemoteMixture,
+                                             RouterNetwork, calls_ahead, calls_ahead_choice,
+                                             generate_remote, local_network)
+from ddm.serving.router.fleet.servers import PoolSettings
 from tests.unit.test_remote_sampling import ALL, SHAPE, LocalExperts, _request, _router
 
 
@@ -176,3 +184,60 @@ def test_a_bad_calls_ahead_choice_is_refused_naming_the_choices():
 def test_auto_sends_calls_ahead_where_the_router_network_runs_on_an_accelerator(choice, device,
                                                                                 expected):
     assert calls_ahead(choice, device) is expected
+
+
+class _Listed:
+    """An expert's replicas as a source that can be emptied (the expert scaled to zero)."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoints = [endpoint]
+
+    async def __call__(self) -> list[str]:
+        return list(self.endpoints)
+
+
+def test_no_call_goes_ahead_to_an_expert_without_a_ready_replica():
+    """``down`` serves the first step and is scaled to zero right after; routing then prefers
+    ``up``. Under ``wait``, a call ahead to ``down`` would wait for it (and wake it) though
+    the step never asks for it: none goes, nothing waits, and only ``up`` has demand."""
+    # Replicas that accept connections and never answer: not probed yet, so usable until
+    # their source lists them no more.
+    listener = socket.create_server(("127.0.0.1", 0))
+    endpoint = f"127.0.0.1:{listener.getsockname()[1]}"
+    sources = {"up": _Listed(endpoint), "down": _Listed(endpoint)}
+    routings: list[str] = []
+
+    async def route(x, t, y):
+        routings.append("down" if not routings else "up")
+        return np.tile([0.1, 0.9] if routings[-1] == "down" else [0.9, 0.1],
+                       (len(x), 1)).astype(np.float32)
+
+    class ScaledAfterItsStep(LocalExperts):
+        async def velocity(self, expert, x, t, cond):
+            if expert == "down":
+                sources["down"].endpoints.clear()
+                await pool.refresh()
+            return await super().velocity(expert, x, t, cond)
+
+    async def generate():
+        nonlocal pool
+        settings = PoolSettings(attempt_s=60.0, health_interval_s=60.0, refresh_s=60.0)
+        async with ExpertPool(sources, settings) as pool:
+            missing = MissingExperts(MissingExpert("wait", 30.0), pool,
+                                     DemandMeter(("up", "down"), CollectorRegistry()), "top1")
+            held = Held()
+            network = RouterNetwork(route, calls_ahead=lambda: True)
+            mixture = RemoteMixture(("up", "down"), (ALL, ALL), network, SHAPE, 10)
+            caller = ScaledAfterItsStep({"up": ALL, "down": ALL})
+            await generate_remote(mixture, caller, _request("top1", steps=4, labels=(3,)),
+                                  Guard(missing, held, wakes=True))
+            return caller.requests, held, missing.demand.window
+
+    pool: ExpertPool
+    try:
+        requests, held, window = asyncio.run(generate())
+    finally:
+        listener.close()
+    assert [expert for _, expert, _ in requests] == ["down", "up", "up", "up"]
+    assert held.waited_s == {}  # nothing waited for down
+    assert window.summary(time.monotonic())["down"].waited_s_per_s == 0.0

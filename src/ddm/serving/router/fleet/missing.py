@@ -63,6 +63,10 @@ class MissingExperts:
         """Whether a generation with ``strategy`` may wake experts: the DDM's own only."""
         return canonical_strategy(strategy) == self._strategy
 
+    def usable(self, expert: str) -> bool:
+        """Whether ``expert`` has a replica ready now (it is not missing)."""
+        return self._pool.usable(expert)
+
     def routed(self, rows: np.ndarray, weight: np.ndarray, wakes: bool) -> None:
         """Count one step's rows ``(K,)`` and weight ``(K,)`` per expert as demand; a
         generation that may not wake experts leaves none on a missing one."""

@@ -27,7 +27,8 @@ new rows go in a call of their own), and those are answered by the calls already
 that routing moved elsewhere are not used (computed for nothing: the cost of a switch). Each
 row's velocity is still its expert's at its own inputs, so no value changes; only when and in
 which call rows go. Under the lockstep, a step whose calls went ahead is one flight, from its
-routing's turn until its velocities land.
+routing's turn until its velocities land. Only calls to experts with a ready replica go
+ahead: the missing-expert policy (wait, wake, reroute) runs for an expert the step asks for.
 Whether calls go ahead is :data:`CALLS_AHEAD_ENV`'s choice (:func:`calls_ahead`): by default
 only where the router network's server runs on an accelerator, which runs the two passes one
 after the other while the hosts' work overlaps; on a CPU the router network's forward and the
@@ -332,9 +333,10 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
         return await mixture.decoder.decode(query.latents)
     if isinstance(query, Route):
         assert mixture.router is not None, "check_request refuses learned strategies without one"
-        went_ahead = bool(query.expect) and mixture.router.calls_ahead()
+        early = _startable(mixture, query.expect, guard) if mixture.router.calls_ahead() else ()
+        went_ahead = bool(early)
         if went_ahead:
-            ahead.start(query.expect, lambda c: _call(mixture, caller, c, guard))
+            ahead.start(early, lambda c: _call(mixture, caller, c, guard))
         if mixture.conditioning == TEXT:
             pooled = pooled_text(query.cond)
             probs = await mixture.router(query.x, query.t,
@@ -344,6 +346,18 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
         return Routed(probs, ahead=True) if went_ahead else probs
     assert isinstance(query, Concurrently), f"unknown query {query!r}"
     return await gather_all(*(_finish(mixture, caller, part, guard) for part in query.parts))
+
+
+def _startable(mixture: RemoteMixture, expect: tuple[Velocity, ...],
+               guard: Guard | None) -> tuple[Velocity, ...]:
+    """The expected calls to start beside a routing: those to experts with a ready replica.
+    A call to a missing expert would run the missing-expert policy (wait, wake it, count a
+    reroute) before routing says whether the step wants that expert at all; the loop's own
+    call does, if it does."""
+    if guard is None:
+        return expect
+    return tuple(call for call in expect
+                 if guard.missing.usable(mixture.expert_names[call.expert]))
 
 
 async def _call(mixture: RemoteMixture, caller: ExpertCaller, call: Velocity | Integrate,
