@@ -2,12 +2,15 @@
 # Issue 37's GPU check as the lent device machine runs it (docs/paris.md, "Paris on one GPU").
 # Here, first: `make device-wheels` (what the device image lacks, as wheels in .whl/). There,
 # two calls on one warm machine (it keeps the imported release between them; the whole check,
-# each pooled deployment through two routers, no longer fits one 600 s call: docs/paris.md):
+# each pooled deployment through two routers, no longer fits one 600 s call), within a
+# session's 900 s of device time, the machine's start included (docs/paris.md):
 #
-#   run(command="DDM_GPU_CHECK_S=530 bash benchmarks/gpu-check.sh --part compiled",
-#       carry=[".whl"], timeout_s=600)
-#   run(command="DDM_GPU_CHECK_S=530 bash benchmarks/gpu-check.sh --part eager",
-#       carry=[".whl"], timeout_s=600)      # or --part pool: the eager pool alone
+#   run(command="DDM_GPU_CHECK_S=450 bash benchmarks/gpu-check.sh --part compiled",
+#       carry=[".whl"], timeout_s=480)
+#   # at once (a machine idle for 30 s goes back, the imported release with it); L is
+#   # status's budget_left_s:
+#   run(command="DDM_GPU_CHECK_S=<L - 60> bash benchmarks/gpu-check.sh --part eager",
+#       carry=[".whl"], timeout_s=<L - 30>)  # --part pool (the eager pool alone) under 240 s
 #
 # It installs the carried wheels beside the image's own packages (its PyTorch, transformers,
 # JAX...), checks that every module the check loads imports, then runs
