@@ -110,8 +110,9 @@ def _levels(figures: dict[str, Any]) -> str:
 
 def time_went(level: dict[str, Any]) -> str:
     """Where a served level's time went, in words: its servers' seconds in their models
-    per second of wall time, the rows of an expert's batch on average, the GPU's utilisation
-    (:mod:`benchmarks.model_time`); empty where the level has none of these."""
+    per second of wall time, the rows of an expert's batch on average, the router's mean
+    round trip by what it called, the GPU's utilisation (:mod:`benchmarks.model_time`);
+    empty where the level has none of these."""
     said = []
     servers = level.get("model_time", {}).values()
     if servers:
@@ -122,6 +123,10 @@ def time_went(level: dict[str, Any]) -> str:
         if batches:
             rows = sum(m["batches"] * m["rows_per_batch"] for m in experts)
             said.append(f"{batches} expert batches of {rows / batches:.1f} rows")
+    trips = level.get("round_trips", {})
+    if trips:
+        said.append("round trips " + ", ".join(f"{key} {t['mean_ms']:.1f} ms x{t['calls']}"
+                                                for key, t in trips.items()))
     percent = level.get("gpu_utilisation", {}).get("percent")
     if percent is not None:
         said.append(f"GPU busy {percent}%")

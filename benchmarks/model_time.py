@@ -1,4 +1,5 @@
-"""Where a served level's time went: each model server's time in its model, and the GPU's.
+"""Where a served level's time went: each model server's time in its model, the router's round
+trips, and the GPU's.
 
 A deployment slower than in-process sampling loses its time either in its model calls (small
 batches, a slow forward, preparing each batch's inputs) or around them (the router, HTTP,
@@ -6,8 +7,11 @@ waiting for each other). Each model server counts, per member, its batches, thei
 their seconds in the model (``ddm_expert_batch_images``, ``ddm_expert_model_seconds`` on its
 ``/metrics``: the time of the batch's whole run, inputs moved to the device and outputs back
 included); read before and after a level, their differences say how busy each server was and
-how many rows its batches held. On an NVIDIA machine ``nvidia-smi`` samples how busy the GPU
-was meanwhile (the share of each sample period in which a kernel ran).
+how many rows its batches held. The router times each call it makes to a model server, sent
+to answered (``ddm_router_expert_call_seconds``, ``ddm_router_stage_call_seconds``): a round
+trip longer than the model's time for it is spent in HTTP, coding and queues. On an NVIDIA
+machine ``nvidia-smi`` samples how busy the GPU was meanwhile (the share of each sample
+period in which a kernel ran).
 """
 
 from __future__ import annotations
@@ -63,6 +67,55 @@ def model_times(exposition: str) -> dict[str, ModelTime]:
             for member, c in found.items()}
 
 
+#: The router's round-trip histograms, by what they time: its calls to experts (by kind) and
+#: to its served stages (by stage).
+ROUND_TRIPS = {"ddm_router_expert_call_seconds": "expert",
+               "ddm_router_stage_call_seconds": "stage"}
+
+
+@dataclass(frozen=True)
+class RoundTrips:
+    """A router's successful calls of one kind so far and their seconds, sent to answered."""
+
+    calls: int = 0
+    seconds: float = 0.0
+
+    def since(self, earlier: RoundTrips) -> RoundTrips:
+        return RoundTrips(self.calls - earlier.calls, self.seconds - earlier.seconds)
+
+
+def round_trips(exposition: str) -> dict[str, RoundTrips]:
+    """A router's ``/metrics`` text -> its calls so far by what they called: ``expert
+    velocity`` (every expert's together; a pool request carrying several counts once per
+    member call it carried), ``expert integrate``, and each served stage (``stage router``,
+    ``stage text_encoder``, ``stage decoder``)."""
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(exposition):
+        subject = ROUND_TRIPS.get(family.name)
+        if subject is None:
+            continue
+        for sample in family.samples:
+            counts = found.setdefault(f"{subject} {sample.labels['kind']}", {})
+            if sample.name == f"{family.name}_count":
+                counts["calls"] = counts.get("calls", 0.0) + sample.value
+            elif sample.name == f"{family.name}_sum":
+                counts["seconds"] = counts.get("seconds", 0.0) + sample.value
+    return {key: RoundTrips(int(c.get("calls", 0)), float(c.get("seconds", 0.0)))
+            for key, c in found.items()}
+
+
+def level_round_trips(before: dict[str, RoundTrips], after: dict[str, RoundTrips]
+                      ) -> dict[str, Any]:
+    """A level's calls of each kind that the router made, and their mean round trip."""
+    level = {}
+    for key, counts in sorted(after.items()):
+        spent = counts.since(before.get(key, RoundTrips()))
+        if spent.calls:
+            level[key] = {"calls": spent.calls,
+                          "mean_ms": round(spent.seconds / spent.calls * 1000, 3)}
+    return level
+
+
 #: The router's count of the calls it started beside a served router network's pass.
 CALLS_AHEAD = "ddm_router_calls_ahead"
 
@@ -79,19 +132,20 @@ def calls_ahead(exposition: str) -> dict[str, int]:
     return counts
 
 
+async def exposition(session: aiohttp.ClientSession, url: str) -> str:
+    """The ``/metrics`` text at ``url``."""
+    async with session.get(url) as answer:
+        text = await answer.text()
+        if answer.status != 200:
+            raise BenchError(f"{url} answered {answer.status}: {text[:200]}")
+        return text
+
+
 async def scrape(session: aiohttp.ClientSession,
                  metrics: dict[str, str]) -> dict[str, dict[str, ModelTime]]:
     """Every server's counts, by server name then member, from its ``/metrics`` URL."""
-
-    async def one(url: str) -> dict[str, ModelTime]:
-        async with session.get(url) as answer:
-            text = await answer.text()
-            if answer.status != 200:
-                raise BenchError(f"{url} answered {answer.status}: {text[:200]}")
-            return model_times(text)
-
-    read = await asyncio.gather(*(one(url) for url in metrics.values()))
-    return dict(zip(metrics, read))
+    read = await asyncio.gather(*(exposition(session, url) for url in metrics.values()))
+    return {name: model_times(text) for name, text in zip(metrics, read)}
 
 
 def level_model_time(before: dict[str, dict[str, ModelTime]],

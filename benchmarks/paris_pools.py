@@ -213,14 +213,16 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                 with local_ddm(manifest, max(load.concurrency), log, also=also) as ddm:
                     # Each router's figures count the model servers and that router alone.
                     pids = {name: pid for name, pid in ddm.pids.items() if name not in also}
-                    figures = asyncio.run(served(ddm.url, pids, load, log, ddm.metrics))
+                    figures = asyncio.run(served(ddm.url, pids, load, log, ddm.metrics,
+                                                 ddm.routers["router"][1]))
                     figures.update(gpu_memory(pids))
                     if also:
                         say(log, f"paris-pools: {key} through a router with {other}")
                         others = {name: pid for name, pid in ddm.pids.items()
                                   if name != "router"}
-                        figures[other] = asyncio.run(served(ddm.routers[other][0], others,
-                                                            load, log, ddm.metrics))
+                        url, metrics_url = ddm.routers[other]
+                        figures[other] = asyncio.run(served(url, others, load, log,
+                                                            ddm.metrics, metrics_url))
                         figures["calls_ahead"] = {
                             router: calls_ahead(httpx.get(metrics_url, timeout=60).text)
                             for router, (_, metrics_url) in ddm.routers.items()}

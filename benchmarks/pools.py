@@ -36,7 +36,8 @@ import aiohttp
 from benchmarks.figures import percentiles
 from benchmarks.fleet import BenchError, machine, recorded_path, say
 from benchmarks.load import local_ddm, memory_mib, sample_rss
-from benchmarks.model_time import gpu_utilisation, level_model_time, scrape
+from benchmarks.model_time import (exposition, gpu_utilisation, level_model_time,
+                                   level_round_trips, round_trips, scrape)
 from ddm.deploy.spec import load_manifest
 from ddm.runtime.local import REPOSITORY_ROOT
 
@@ -99,8 +100,9 @@ def bench_pools(settings: PoolBenchSettings, log: TextIO = sys.stderr) -> dict[s
     for name, manifest in DEPLOYMENTS.items():
         say(log, f"pools: {name} ({recorded_path(manifest)})")
         with local_ddm(manifest, max(settings.concurrency), log,
-                       threads=settings.threads) as (url, pids, metrics, _):
-            figures = asyncio.run(served(url, pids, settings, log, metrics))
+                       threads=settings.threads) as ddm:
+            figures = asyncio.run(served(ddm.url, ddm.pids, settings, log, ddm.metrics,
+                                         ddm.routers["router"][1]))
         result["deployments"][name] = {"manifest": recorded_path(manifest), **figures}
     say(log, "pools: in-process generate_text")
     result["in_process"] = in_process(settings, result["sampling"], CHECKPOINTS)
@@ -141,10 +143,11 @@ def ratio_target(value: float | None, against: float | None, target: float,
 
 
 async def served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
-                 log: TextIO, metrics: dict[str, str] | None = None) -> dict[str, Any]:
+                 log: TextIO, metrics: dict[str, str] | None = None,
+                 router_metrics: str | None = None) -> dict[str, Any]:
     """Every level against the router at ``url``, then each process's memory; with the
-    model servers' ``metrics`` URLs (by name), where each level's time went
-    (:mod:`benchmarks.model_time`)."""
+    model servers' ``metrics`` URLs (by name), where each level's time went, and with the
+    router's, its round trips (:mod:`benchmarks.model_time`)."""
     peaks: dict[str, float] = {}
     sampler = asyncio.create_task(sample_rss(dict(pids), peaks))
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
@@ -156,6 +159,8 @@ async def served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
             for concurrency in settings.concurrency:
                 say(log, f"pools: {concurrency} concurrent prompts")
                 before = await scrape(session, metrics or {})
+                trips = (round_trips(await exposition(session, router_metrics))
+                         if router_metrics else {})
                 async with gpu_utilisation() as gpu:
                     started = time.perf_counter()
                     latencies = await asyncio.gather(*(
@@ -166,6 +171,9 @@ async def served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
                 if metrics:
                     level["model_time"] = level_model_time(
                         before, await scrape(session, metrics), elapsed)
+                if router_metrics:
+                    level["round_trips"] = level_round_trips(
+                        trips, round_trips(await exposition(session, router_metrics)))
                 levels[str(concurrency)] = {**level, "gpu_utilisation": gpu}
     finally:
         sampler.cancel()

@@ -173,6 +173,12 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     assert {m["rows_per_batch"] for m in experts.values()} == {2.0}  # each guided row twice
     assert 0 < pool["model_s"] == pytest.approx(sum(m["model_s"] for m in members.values()),
                                                 abs=0.01)
+    # The router's round trips at 1 prompt: two expert calls and a routing per step, one
+    # decoding (the empty prompt's encoding is the router's once, at its warm-up).
+    trips = one["round_trips"]
+    assert {key: t["calls"] for key, t in trips.items()} == {
+        "expert velocity": 4, "stage router": 2, "stage text_encoder": 1, "stage decoder": 1}
+    assert all(t["mean_ms"] > 0 for t in trips.values())
     # Each generation's second step went ahead through the second router, none through the
     # first: its warm-up's, the one at 1 prompt and the two at 2.
     ahead = pooled["calls_ahead"]

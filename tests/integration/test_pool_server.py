@@ -24,6 +24,7 @@ from typing import Iterator
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from ddm.checkpoints.declared import EXPERT, PLAN_NAMES
 from ddm.conditioning import Conditioning
@@ -356,6 +357,12 @@ def test_with_calls_ahead_a_steps_velocities_go_beside_its_routing(stages, pool,
                   "200")] == steps
     assert 'ddm_router_calls_ahead_total{outcome="used"} 6.0' in metrics  # 2 experts, 3 steps
     assert 'outcome="unused"' not in metrics
+    # The served stages' round trips are timed like the experts': the prompt and guidance's
+    # empty prompt encoded, a routing per step, one decoding.
+    stage_calls = {s.labels["stage"]: s.value for f in text_string_to_metric_families(metrics)
+                   if f.name == "ddm_router_stage_call_seconds" for s in f.samples
+                   if s.name.endswith("_count")}
+    assert stage_calls == {"text_encoder": 2, "router": steps, "decoder": 1}
 
 
 def test_a_pool_over_its_memory_limit_exits_1_before_loading_naming_each_member(stages,

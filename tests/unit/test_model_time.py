@@ -12,8 +12,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu_check import summary, time_went
-from benchmarks.model_time import (ModelTime, calls_ahead, gpu_utilisation, level_model_time,
-                                   model_times)
+from prometheus_client import CollectorRegistry, generate_latest
+
+from benchmarks.model_time import (ModelTime, RoundTrips, calls_ahead, gpu_utilisation,
+                                   level_model_time, level_round_trips, model_times,
+                                   round_trips)
+from ddm.serving.router.fleet.servers import PoolMetrics
 
 #: A pool's exposition as prometheus_client writes it (buckets cut short: only the
 #: counts and sums are read), two members, one of which ran nothing yet.
@@ -128,6 +132,41 @@ def test_the_gpu_checks_summary_says_where_a_levels_time_went() -> None:
     assert time_went(level) == ("model time 0.75 s per s, 5 expert batches of 12.0 rows, "
                                 "GPU busy 61.5%")
     assert time_went({"images_per_s": 3.0}) == ""  # in-process levels have none
+    level["round_trips"] = {"expert velocity": {"calls": 40, "mean_ms": 6.25},
+                            "stage router": {"calls": 20, "mean_ms": 3.0}}
+    assert time_went(level) == ("model time 0.75 s per s, 5 expert batches of 12.0 rows, "
+                                "round trips expert velocity 6.2 ms x40, stage router 3.0 ms "
+                                "x20, GPU busy 61.5%")
+
+
+def _router_exposition(velocity_s: list[float], route_s: list[float]) -> str:
+    """A router's ``/metrics`` after those expert and router-network round trips, written by
+    the router's own metrics (two experts share the velocity calls)."""
+    registry = CollectorRegistry()
+    experts, stages = PoolMetrics(registry), PoolMetrics(registry, subject="stage")
+    for index, seconds in enumerate(velocity_s):
+        experts.seconds.labels(f"expert-{index % 2}", "velocity").observe(seconds)
+    for seconds in route_s:
+        stages.seconds.labels("router", "router").observe(seconds)
+    stages.seconds.labels("decoder", "decoder").observe(0.5)
+    return generate_latest(registry).decode()
+
+
+def test_a_routers_round_trips_are_read_by_what_they_called() -> None:
+    read = round_trips(_router_exposition([0.004, 0.006, 0.002], [0.003]))
+    assert read.keys() == {"expert velocity", "stage router", "stage decoder"}
+    assert read["expert velocity"].calls == 3
+    assert read["expert velocity"].seconds == pytest.approx(0.012)
+    assert read["stage router"] == RoundTrips(1, 0.003)
+    assert round_trips(POOL_TEXT) == {}  # a model server makes none
+
+
+def test_a_levels_round_trips_are_those_it_made_and_their_mean() -> None:
+    before = round_trips(_router_exposition([0.004], [0.003]))
+    after = round_trips(_router_exposition([0.004, 0.006, 0.002], [0.003, 0.005]))
+    assert level_round_trips(before, after) == {
+        "expert velocity": {"calls": 2, "mean_ms": 4.0},
+        "stage router": {"calls": 1, "mean_ms": 5.0}}  # the decoder made no call meanwhile
 
 
 ROUTER_TEXT = """\

@@ -232,7 +232,9 @@ class RouterState:
                      else None)
             sources, members = discovered_sources({STAGES[name]: discovery
                                                    for name, discovery in remote.items()})
-            self._stage_pool = StagePool(sources, self._settings, token=token, members=members)
+            self._stage_pool = StagePool(sources, self._settings,
+                                         PoolMetrics(self.registry, subject="stage"),
+                                         token=token, members=members)
             await self._stage_pool.start()
         self.stages = {name: local if name in loaded else self._stage_pool
                        for name in entries}

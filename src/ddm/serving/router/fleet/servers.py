@@ -175,30 +175,37 @@ def pool_settings(config: RouterConfigFile, deadline_s: float | None = None) -> 
 
 
 class PoolMetrics:
-    """Expert calls (one per attempt) by expert, kind and outcome; retries, failovers, and
-    calls given up as unavailable."""
+    """Calls to model servers (one per attempt) by server name, kind and outcome; retries,
+    failovers, and calls given up as unavailable. ``subject`` names the servers in the
+    families' names and their label: ``expert`` (``ddm_router_expert_calls``, by ``expert``)
+    or ``stage`` (a text DDM's served text encoder, decoder and router network:
+    ``ddm_router_stage_calls``, by ``stage``)."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, subject: str = "expert") -> None:
+        if subject not in ("expert", "stage"):
+            raise ValueError(f"PoolMetrics' subject is expert or stage, got {subject!r}")
+        who = subject.capitalize()
         self.attempts = Counter(
-            "ddm_router_expert_calls", "Expert requests sent, by expert, kind (velocity, "
-            "integrate) and outcome (ok, rejected, failed).", ["expert", "kind", "outcome"],
-            registry=registry)
+            f"ddm_router_{subject}_calls", f"{who} requests sent, by {subject}, kind "
+            f"(velocity, integrate, a stage's own) and outcome (ok, rejected, failed).",
+            [subject, "kind", "outcome"], registry=registry)
         self.seconds = Histogram(
-            "ddm_router_expert_call_seconds", "Round-trip time of successful expert requests.",
-            ["expert", "kind"], registry=registry,
+            f"ddm_router_{subject}_call_seconds",
+            f"Round-trip time of successful {subject} requests.", [subject, "kind"],
+            registry=registry,
             buckets=(2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0))
         self.request_rows = Histogram(
-            "ddm_router_expert_request_rows", "Rows per expert request (one per request, not per "
-            "attempt), after merging the calls of concurrent generations.", ["expert"],
-            registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-        self.retries = Counter("ddm_router_expert_retries",
-                               "Attempts after a failed attempt, by expert.", ["expert"],
+            f"ddm_router_{subject}_request_rows", f"Rows per {subject} request (one per "
+            f"request, not per attempt), after merging the calls of concurrent generations.",
+            [subject], registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.retries = Counter(f"ddm_router_{subject}_retries",
+                               f"Attempts after a failed attempt, by {subject}.", [subject],
                                registry=registry)
-        self.failovers = Counter("ddm_router_expert_failovers",
+        self.failovers = Counter(f"ddm_router_{subject}_failovers",
                                  "Retries sent to another replica than the failed one.",
-                                 ["expert"], registry=registry)
-        self.unavailable = Counter("ddm_router_expert_unavailable",
-                                   "Calls given up: no replica answered in time.", ["expert"],
+                                 [subject], registry=registry)
+        self.unavailable = Counter(f"ddm_router_{subject}_unavailable",
+                                   "Calls given up: no replica answered in time.", [subject],
                                    registry=registry)
 
 # ----------------------------------------------------------------------------- servers
