@@ -42,12 +42,14 @@ test: lint
 	if [ -n "$$missing" ]; then echo "[make test] installing $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		--no-install-recommends $$missing; fi
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests/unit
+	$(BIN)/python -m pytest --ignore=tests/unit
 
 # Everything that needs no cluster and no image build, and not the slow tests (full-size Paris,
 # load tests, JAX exports, long fuzzing): the quick lane for a change that does not touch the
 # cluster, the chart's rendering on a real node or the images, a test file per worker process
-# on every core (pytest-xdist). `make test` stays what CI runs, in one process.
+# on every core (pytest-xdist). `make test` stays what CI runs: the unit tests a file per
+# worker on two cores, then every other test in one process (they start servers of their own).
 FAST := not cluster and not e2e and not image and not slow
 test-fast: lint
 	$(BIN)/python -m pytest -m "$(FAST)" -n auto --dist loadfile
