@@ -363,6 +363,10 @@ def test_with_calls_ahead_a_steps_velocities_go_beside_its_routing(stages, pool,
                    if f.name == "ddm_router_stage_call_seconds" for s in f.samples
                    if s.name.endswith("_count")}
     assert stage_calls == {"text_encoder": 2, "router": steps, "decoder": 1}
+    stage_rows = {s.labels["stage"]: s.value for f in text_string_to_metric_families(metrics)
+                  if f.name == "ddm_router_stage_request_rows" for s in f.samples
+                  if s.name.endswith("_sum")}
+    assert stage_rows == {"text_encoder": 2, "router": steps, "decoder": 1}  # a row each
 
 
 def test_a_pool_over_its_memory_limit_exits_1_before_loading_naming_each_member(stages,

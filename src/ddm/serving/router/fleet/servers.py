@@ -194,10 +194,12 @@ class PoolMetrics:
             f"Round-trip time of successful {subject} requests.", [subject, "kind"],
             registry=registry,
             buckets=(2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0, 5.0))
+        merged = (", after merging the calls of concurrent generations" if subject == "expert"
+                  else "")
         self.request_rows = Histogram(
             f"ddm_router_{subject}_request_rows", f"Rows per {subject} request (one per "
-            f"request, not per attempt), after merging the calls of concurrent generations.",
-            [subject], registry=registry, buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+            f"request, not per attempt){merged}.", [subject], registry=registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.retries = Counter(f"ddm_router_{subject}_retries",
                                f"Attempts after a failed attempt, by {subject}.", [subject],
                                registry=registry)

@@ -158,7 +158,7 @@ class StagePool:
                         _max_encoded_bytes(len(part), info.text_width or MAX_TEXT_WIDTH))
 
             return await self._stage_call(
-                TEXT_ENCODER, request,
+                TEXT_ENCODER, len(part), request,
                 lambda body, rid: decode_encoded(body, rid, len(part), limits))
 
         encoded = await gather_all(*(one(part) for part in parts))
@@ -176,7 +176,7 @@ class StagePool:
                         max_reply_bytes(shape))
 
             images = await self._stage_call(
-                DECODER, request, lambda body, rid: decode_response(body, rid, shape))
+                DECODER, len(x), request, lambda body, rid: decode_response(body, rid, shape))
             return images.astype(np.float32)
 
         return await self._split(latents, info.max_batch, one)
@@ -195,7 +195,7 @@ class StagePool:
                         max_reply_bytes((part.shape[0], info.clusters or 1, 1, 1)) + 64)
 
             return await self._stage_call(
-                ROUTER, request,
+                ROUTER, len(part), request,
                 lambda body, rid: decode_probabilities(body, rid, part.shape[0],
                                                        info.clusters))
 
@@ -206,8 +206,10 @@ class StagePool:
         outs = await gather_all(*(call(rows[i:i + size]) for i in range(0, len(rows), size)))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
-    async def _stage_call(self, stage: str, request: Callable[[int], tuple[bytes, int]],
+    async def _stage_call(self, stage: str, rows: int,
+                          request: Callable[[int], tuple[bytes, int]],
                           decode: Callable[[bytes, int], _T]) -> _T:
+        self._servers.metrics.request_rows.labels(stage).observe(rows)
         request_id = next(self._ids)
         body, max_reply = request(request_id)
 
