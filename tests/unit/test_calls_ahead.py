@@ -199,7 +199,7 @@ class _Listed:
 def test_no_call_goes_ahead_to_an_expert_without_a_ready_replica():
     """``down`` serves the first step and is scaled to zero right after; routing then prefers
     ``up``. Under ``wait``, a call ahead to ``down`` would wait for it (and wake it) though
-    the step never asks for it: none goes, nothing waits, and only ``up`` has demand."""
+    the step never asks for it: none goes, and nothing waits for ``down``."""
     # Replicas that accept connections and never answer: not probed yet, so usable until
     # their source lists them no more.
     listener = socket.create_server(("127.0.0.1", 0))
@@ -213,14 +213,17 @@ def test_no_call_goes_ahead_to_an_expert_without_a_ready_replica():
                        (len(x), 1)).astype(np.float32)
 
     class ScaledAfterItsStep(LocalExperts):
+        def __init__(self, pool: ExpertPool) -> None:
+            super().__init__({"up": ALL, "down": ALL})
+            self.pool = pool
+
         async def velocity(self, expert, x, t, cond):
             if expert == "down":
                 sources["down"].endpoints.clear()
-                await pool.refresh()
+                await self.pool.refresh()
             return await super().velocity(expert, x, t, cond)
 
     async def generate():
-        nonlocal pool
         settings = PoolSettings(attempt_s=60.0, health_interval_s=60.0, refresh_s=60.0)
         async with ExpertPool(sources, settings) as pool:
             missing = MissingExperts(MissingExpert("wait", 30.0), pool,
@@ -228,12 +231,11 @@ def test_no_call_goes_ahead_to_an_expert_without_a_ready_replica():
             held = Held()
             network = RouterNetwork(route, calls_ahead=lambda: True)
             mixture = RemoteMixture(("up", "down"), (ALL, ALL), network, SHAPE, 10)
-            caller = ScaledAfterItsStep({"up": ALL, "down": ALL})
+            caller = ScaledAfterItsStep(pool)
             await generate_remote(mixture, caller, _request("top1", steps=4, labels=(3,)),
                                   Guard(missing, held, wakes=True))
             return caller.requests, held, missing.demand.window
 
-    pool: ExpertPool
     try:
         requests, held, window = asyncio.run(generate())
     finally:
