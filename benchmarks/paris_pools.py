@@ -23,9 +23,10 @@ every process's lifetime peak RSS and, on NVIDIA, each process's GPU memory from
 read while the deployment is still up.
 
 ``compare_calls_ahead`` measures the pooled deployments through two routers over the same
-pool: the default one (``DDM_CALLS_AHEAD`` unset: ``auto``, calls ahead on an accelerator,
-none on the CPU), then one set to the other choice (keyed ``calls_ahead_off`` on an
-accelerator, ``calls_ahead_on`` on the CPU), each router's calls ahead counted
+pool: the default one (``DDM_CALLS_AHEAD`` unset: ``auto``, calls ahead for a lone image on
+an accelerator, none on the CPU), then one set to the choice ``auto`` makes for none of the
+levels there (keyed ``calls_ahead_off`` on an accelerator, ``calls_ahead_on`` on the CPU),
+each router's calls ahead counted
 (``calls_ahead``: used and unused, by router), so that one start of the pool answers whether
 calls ahead help there (``ddm.serving.router.fleet.remote``). The default router is measured
 first; each router's figures count the model servers and that router alone. A
@@ -100,7 +101,8 @@ class ParisPoolSettings:
 
     @property
     def other_calls_ahead(self) -> str:
-        """The choice the second router makes: the opposite of ``auto``'s here."""
+        """The choice the second router makes: ``off`` on an accelerator (where ``auto`` sends
+        calls ahead at one prompt), ``on`` on the CPU (where it sends none)."""
         return "on" if self.accelerator == "cpu" else "off"
 
     def __post_init__(self) -> None:

@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from ddm.deploy.router_config import MissingExpert
+from ddm.deploy.router_config import MissingExpert, RouterConfigFile
 from ddm.sampling.loop import Calls, Mixture, Route, Routed, SamplingRequest, StepEvent, denoise
 from ddm.sampling.routing import parse_strategy
+from ddm.serving.router.api.state import RouterState
 from ddm.serving.router.fleet.demand import DemandMeter
 from ddm.serving.router.fleet.missing import Held, MissingExperts
 from ddm.serving.router.fleet.pool import ExpertPool
@@ -93,8 +95,8 @@ class _ServedNetwork(RouterNetwork):
     """The test's router network as a served one would be: a pass that lets the event loop
     run a while; it counts the routings asked and answered."""
 
-    def __init__(self, ahead: bool) -> None:
-        super().__init__(self._pass, calls_ahead=lambda: ahead)
+    def __init__(self, ahead: Callable[[int], bool]) -> None:
+        super().__init__(self._pass, calls_ahead=ahead)
         self.asked = self.answered = 0
 
     async def __call__(self, *inputs: np.ndarray) -> np.ndarray:
@@ -129,8 +131,8 @@ class _Traced(LocalExperts):
             raise
 
 
-def _generate(request: SamplingRequest, ahead: bool):
-    network = _ServedNetwork(ahead)
+def _generate(request: SamplingRequest, ahead: bool | Callable[[int], bool]):
+    network = _ServedNetwork(ahead if callable(ahead) else lambda rows: ahead)
     caller = _Traced(network)
     mixture = RemoteMixture(("up", "down"), (ALL, ALL), network, SHAPE, 10)
     return asyncio.run(generate_remote(mixture, caller, request)), caller
@@ -178,12 +180,43 @@ def test_a_bad_calls_ahead_choice_is_refused_naming_the_choices():
         calls_ahead_choice({CALLS_AHEAD_ENV: "yes"})
 
 
-@pytest.mark.parametrize("choice,device,expected", [
-    ("auto", "cuda:0", True), ("auto", "neuron", True), ("auto", "cpu", False),
-    ("auto", None, False), ("on", "cpu", True), ("on", None, True), ("off", "cuda:0", False)])
-def test_auto_sends_calls_ahead_where_the_router_network_runs_on_an_accelerator(choice, device,
-                                                                                expected):
-    assert calls_ahead(choice, device) is expected
+@pytest.mark.parametrize("choice,device,alone,expected", [
+    ("auto", "cuda:0", True, True), ("auto", "neuron", True, True), ("auto", "cpu", True, False),
+    ("auto", None, True, False), ("auto", "cuda:0", False, False), ("on", "cpu", False, True),
+    ("on", None, True, True), ("off", "cuda:0", True, False)])
+def test_auto_sends_calls_ahead_for_a_lone_image_where_the_router_network_runs_on_an_accelerator(
+        choice, device, alone, expected):
+    assert calls_ahead(choice, device, alone) is expected
+
+
+def test_the_choice_is_asked_with_each_routing_s_images():
+    """A step of two images asks with 2 (``auto`` says no: not a lone image), and then no call
+    goes during its routing."""
+    asked: list[int] = []
+
+    def lone_image(rows: int) -> bool:
+        asked.append(rows)
+        return rows == 1
+
+    two, caller = _generate(_request("top2", steps=4, labels=(3, 4)), ahead=lone_image)
+    assert asked == [2] * 4 and caller.during_routing == [False] * 2 * 4
+    one, caller = _generate(_request("top2", steps=4, labels=(3,)), ahead=lone_image)
+    assert asked[4:] == [1] * 4 and caller.during_routing == [False] * 2 + [True] * 2 * 3
+
+
+def test_a_router_is_alone_with_one_image_and_no_other_generation_in_flight():
+    """What ``auto`` asks of the router (``RouterState.alone``), from its own slots."""
+    router = RouterState(RouterConfigFile.from_dict({
+        "experts": [{"name": "all", "classes": list(range(10)),
+                     "discovery": {"endpoints": ["127.0.0.1:9"]}}],
+        "sampling": {"strategy": "oracle"}}))
+    assert router.alone(1) and not router.alone(2)
+    router.take_slot("a", 10)
+    assert router.alone(1) and not router.alone(2)  # its own slot is the one in flight
+    router.take_slot("b", 10)
+    assert not router.alone(1)
+    router.release_slot("b")
+    assert router.alone(1)
 
 
 class _Listed:
@@ -229,7 +262,7 @@ def test_no_call_goes_ahead_to_an_expert_without_a_ready_replica():
             missing = MissingExperts(MissingExpert("wait", 30.0), pool,
                                      DemandMeter(("up", "down"), CollectorRegistry()), "top1")
             held = Held()
-            network = RouterNetwork(route, calls_ahead=lambda: True)
+            network = RouterNetwork(route, calls_ahead=lambda rows: True)
             mixture = RemoteMixture(("up", "down"), (ALL, ALL), network, SHAPE, 10)
             caller = ScaledAfterItsStep(pool)
             await generate_remote(mixture, caller, _request("top1", steps=4, labels=(3,)),

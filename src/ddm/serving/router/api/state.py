@@ -248,13 +248,19 @@ class RouterState:
             self.network = RouterNetwork(stage_route(self.stages[CONFIG_KEYS[ROUTER]]),
                                          self._calls_ahead
                                          if CONFIG_KEYS[ROUTER] not in loaded else
-                                         lambda: False)
+                                         lambda rows: False)
 
-    def _calls_ahead(self) -> bool:
-        """Whether a step's calls go beside the served router network's pass
-        (:func:`~ddm.serving.router.fleet.remote.calls_ahead`)."""
+    def _calls_ahead(self, rows: int) -> bool:
+        """Whether the calls of a step of ``rows`` images go beside the served router network's
+        pass (:func:`~ddm.serving.router.fleet.remote.calls_ahead`)."""
         info = self._stage_pool.info(ROUTER) if self._stage_pool is not None else None
-        return calls_ahead(self._calls_ahead_choice, None if info is None else info.device)
+        return calls_ahead(self._calls_ahead_choice, None if info is None else info.device,
+                           self.alone(rows))
+
+    def alone(self, rows: int) -> bool:
+        """Whether a step of ``rows`` images is all this router generates: one image, no other
+        generation in flight."""
+        return rows == 1 and self._in_flight <= 1
 
     def example_prompt(self) -> str | None:
         """The prompt the text encoder's checkpoint declares as its example (None: none, or

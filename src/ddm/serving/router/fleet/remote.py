@@ -30,9 +30,12 @@ which call rows go. Under the lockstep, a step whose calls went ahead is one fli
 routing's turn until its velocities land. Only calls to experts with a ready replica go
 ahead: the missing-expert policy (wait, wake, reroute) runs for an expert the step asks for.
 Whether calls go ahead is :data:`CALLS_AHEAD_ENV`'s choice (:func:`calls_ahead`): by default
-only where the router network's server runs on an accelerator, which runs the two passes one
-after the other while the hosts' work overlaps; on a CPU the router network's forward and the
-experts' compete for the same cores, and a step was not measured faster (docs/benchmarks.md).
+only for a lone image (the router generating one image, no other) where the router network's
+server runs on an accelerator, which runs the two passes one after the other while the hosts'
+work overlaps. On a CPU the router network's forward and the experts' compete for the same
+cores, and a step was not measured faster; with more images a step's calls go as two batches
+per expert wherever any row switched (the calls ahead, then the switched rows), and on an H200
+32 concurrent prompts made fewer images/s with calls ahead than without (docs/paris.md).
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ INLINE_ROUTER_ROWS = 8
 ROUTER_MAX_ROWS = 256
 #: The router's choice of calls ahead (module docstring), one of :data:`CALLS_AHEAD_CHOICES`.
 CALLS_AHEAD_ENV = "DDM_CALLS_AHEAD"
-#: ``auto`` (the default): where the served router network's device is not a CPU.
+#: ``auto`` (the default): for a lone image, where the served router network's device is not
+#: a CPU; ``on``: always; ``off``: never.
 CALLS_AHEAD_CHOICES = ("auto", "on", "off")
 
 
@@ -91,11 +95,12 @@ def calls_ahead_choice(env: Mapping[str, str]) -> str:
     return choice
 
 
-def calls_ahead(choice: str, device: str | None) -> bool:
+def calls_ahead(choice: str, device: str | None, alone: bool) -> bool:
     """Whether a step's expected calls go beside a served router network's pass, by
-    ``choice`` and the device its server reports (None: not said, or not probed yet)."""
+    ``choice``, the device its server reports (None: not said, or not probed yet) and whether
+    the step is the router's only image (``alone``: one generation in flight, of one image)."""
     if choice == "auto":
-        return device is not None and not device.lower().startswith("cpu")
+        return alone and device is not None and not device.lower().startswith("cpu")
     return choice == "on"
 
 
@@ -121,9 +126,9 @@ class RouterNetwork:
     ``(x, t, pooled text)``. Calls with different numbers of arrays never merge."""
 
     def __init__(self, forward: Callable[..., Awaitable[np.ndarray]],
-                 calls_ahead: Callable[[], bool] = lambda: False) -> None:
-        """``calls_ahead``: asked at each routing, whether the driver starts the calls the
-        loop expects beside the pass (the module docstring)."""
+                 calls_ahead: Callable[[int], bool] = lambda rows: False) -> None:
+        """``calls_ahead``: asked at each routing with its rows (images), whether the driver
+        starts the calls the loop expects beside the pass (the module docstring)."""
         self._forward_fn = forward
         self.calls_ahead = calls_ahead
         self._coalescer = Coalescer(self._forward, lambda: ROUTER_MAX_ROWS, lambda: 1)
@@ -333,7 +338,8 @@ async def _answer(mixture: RemoteMixture, caller: ExpertCaller, query: Query,
         return await mixture.decoder.decode(query.latents)
     if isinstance(query, Route):
         assert mixture.router is not None, "check_request refuses learned strategies without one"
-        early = _startable(mixture, query.expect, guard) if mixture.router.calls_ahead() else ()
+        early = (_startable(mixture, query.expect, guard)
+                 if mixture.router.calls_ahead(query.x.shape[0]) else ())
         went_ahead = bool(early)
         if went_ahead:
             ahead.start(early, lambda c: _call(mixture, caller, c, guard))
