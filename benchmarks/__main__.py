@@ -137,10 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="check the command on the CPU: the small release, 2 steps, 1 and 2 "
                         "prompts")
-    p.add_argument("--part", choices=("all", "eager", "compiled", "pool"), default="all",
+    p.add_argument("--part", choices=("all", "eager", "compiled", "pool", "forwards"),
+                   default="all",
                    help="eager: the pool eager and in-process sampling; compiled: the pool "
                         "under reduce-overhead (each fits one device call); pool: the eager "
-                        "pool alone; default all")
+                        "pool alone; forwards: one expert's forwards outside any server "
+                        "(benchmarks/forwards.py); default all")
     p.set_defaults(handler=_gpu_check)
 
     p = kinds.add_parser("grouped", help="the shipped text2img experts as one grouped forward "
@@ -148,6 +150,18 @@ def build_parser() -> argparse.ArgumentParser:
                                          "member at 1, 8 and 32 rows each (JSON)")
     p.add_argument("--repeats", type=int, default=30, help="timed calls per way and level")
     p.set_defaults(handler=_bench_grouped)
+
+    p = kinds.add_parser("forwards", help="a Paris expert's forward at each batch size (eager, "
+                                          "CUDA graph, the pool's path) and two experts as "
+                                          "one grouped forward, on one device (JSON)")
+    p.add_argument("--size", default="small", help="small or full (default small)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--precision", default="float32", help="float32, bfloat16 or float16")
+    p.add_argument("--compile", default="none", help="the pool path's torch.compile mode "
+                                                     "(default none)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,48,64", help="rows of each level")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls per figure")
+    p.set_defaults(handler=_bench_forwards)
     return parser
 
 
@@ -215,6 +229,19 @@ def _bench_grouped(args: argparse.Namespace) -> int:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2
     return bench_grouped_command(settings)
+
+
+def _bench_forwards(args: argparse.Namespace) -> int:
+    from benchmarks.forwards import ForwardSettings, bench_forwards_command
+
+    try:
+        settings = ForwardSettings(size=args.size, device=args.device,
+                                   precision=args.precision, compile=args.compile,
+                                   rows=_levels(args.rows), repeats=args.repeats)
+    except ValueError as error:
+        print(f"benchmarks: error: {error}", file=sys.stderr)
+        return 2
+    return bench_forwards_command(settings)
 
 
 def _bench_threads(args: argparse.Namespace) -> int:

@@ -12,6 +12,9 @@
 #   run(command="DDM_GPU_CHECK_S=<L - 60> bash benchmarks/gpu-check.sh --part eager",
 #       carry=[".whl"], timeout_s=<L - 30>)  # --part pool (the eager pool alone) under 240 s
 #
+# `--part forwards` measures one full-size expert's forwards instead (benchmarks/forwards.py,
+# into $OUT/forwards.json): what the next session runs first (docs/paris.md).
+#
 # It installs the carried wheels beside the image's own packages (its PyTorch, transformers,
 # JAX...), checks that every module the check loads imports, then runs
 # `python -m benchmarks gpu-check` with this checkout's sources, stopped (its servers too) after

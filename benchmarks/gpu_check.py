@@ -17,9 +17,14 @@ which it stops the servers it started) keeps what it measured. The imported rele
 under ``out/gpu-check-release`` (ignored by git), so that the second part, on the machine the
 first left warm, starts measuring at once.
 
+``--part forwards`` measures instead one full-size expert's forwards outside any server
+(:mod:`benchmarks.forwards`: each batch size eager, as a CUDA graph and through the pool's
+compiled path, and two experts as one grouped forward) into ``$OUT/forwards.json``: where a
+pooled step's time goes inside the forwards.
+
 ``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
 at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
-CPU).
+CPU); with ``--part forwards``, the small expert on the CPU at 1 and 2 rows.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from benchmarks.fleet import BenchError, say
+from benchmarks.forwards import ForwardSettings, bench_forwards
 from benchmarks.paris_pools import ParisPoolSettings, bench_paris_pools
 from benchmarks.pools import PoolBenchSettings
 from ddm.fileio import atomic_path
@@ -58,6 +64,14 @@ PARTS = {"all": {},
          "eager": {"deployments": ("pooled", "in_process"), "compile": ("none",)},
          "compiled": {"deployments": ("pooled",), "compile": ("reduce-overhead",)},
          "pool": {"deployments": ("pooled",), "compile": ("none",)}}
+#: The part that measures one expert's forwards instead (:mod:`benchmarks.forwards`).
+FORWARDS_PART = "forwards"
+#: ``--part forwards`` on the device: one full-size expert in bf16, the pool's compiled path
+#: under CUDA graphs; ``--quick``: the small expert on the CPU at 1 and 2 rows.
+GPU_FORWARDS = ForwardSettings(size="full", device="cuda", precision="bfloat16",
+                               compile="reduce-overhead")
+QUICK_FORWARDS = ForwardSettings(compile="reduce-overhead", rows=(1, 2), grouped_rows=(2,),
+                                 repeats=2)
 
 
 def nvidia_smi(required: bool) -> str:
@@ -138,29 +152,67 @@ def gpu_check(out: Path, quick: bool = False, part: str = "all", log: TextIO = s
     """Run the check (its ``part``: :data:`PARTS`), write ``out``/gpu-check.json and
     ``out``/nvidia-smi.txt, print the summary; 0 once the figures are written (targets met or
     not: the JSON says)."""
-    if part not in PARTS:
-        raise BenchError(f"part must be one of {', '.join(PARTS)}, got {part!r}")
-    settings = replace(QUICK_CHECK if quick else GPU_CHECK, **PARTS[part])
+    if part not in (*PARTS, FORWARDS_PART):
+        raise BenchError(f"part must be one of {', '.join((*PARTS, FORWARDS_PART))}, got "
+                         f"{part!r}")
+    settings = replace(QUICK_CHECK if quick else GPU_CHECK, **PARTS.get(part, {}))
     out.mkdir(parents=True, exist_ok=True)
     smi = nvidia_smi(required=settings.accelerator == "nvidia")
     (out / "nvidia-smi.txt").write_text(smi)
     print(smi, file=report, flush=True)
     if settings.accelerator == "nvidia":
         require_cuda()
+    if part == FORWARDS_PART:
+        forwards = bench_forwards(QUICK_FORWARDS if quick else GPU_FORWARDS, log)
+        _write(out / "forwards.json", forwards)
+        for line in forwards_summary(forwards):
+            print(line, file=report, flush=True)
+        return 0
     figures = out / "gpu-check.json"
     say(log, f"gpu-check: {settings.size} release on {settings.accelerator}, compile "
              f"{', '.join(settings.compile)}; figures to {figures}")
 
     def save(result: dict[str, Any], complete: bool) -> None:
-        # Through a rename: a run killed at its time limit leaves whole figures, never half.
-        with atomic_path(figures) as partial:
-            partial.write_text(json.dumps({**result, "complete": complete}, indent=2))
+        _write(figures, {**result, "complete": complete})
 
     result = bench_paris_pools(settings, log, on_figures=lambda so_far: save(so_far, False))
     save(result, True)
     for line in summary(result):
         print(line, file=report, flush=True)
     return 0
+
+
+def _write(path: Path, figures: dict[str, Any]) -> None:
+    """``figures`` as JSON at ``path``, through a rename: a run killed at its time limit
+    leaves whole figures, never half."""
+    with atomic_path(path) as partial:
+        partial.write_text(json.dumps(figures, indent=2))
+
+
+def forwards_summary(figures: dict[str, Any]) -> list[str]:
+    """``--part forwards``' figures in lines: per batch size each way's milliseconds (and
+    the CUDA graph's TFLOP/s), then the grouped comparisons."""
+    served = {level["rows"]: level for level in figures["served"]}
+    lines = [f"forwards: {figures['gflop_per_row']} GFLOP a row, {figures['settings']['precision']}"
+             f" on {figures.get('gpu', figures['settings']['device'])}"]
+    for level in figures["levels"]:
+        ways = [*_timings(level), *(f"served {way}"
+                                    for way in _timings(served.get(level["rows"], {})))]
+        rate = level.get("graph_tflop_per_s", level.get("eager_tflop_per_s"))
+        lines.append(f"  {level['rows']} rows: {', '.join(ways)}; {rate} TFLOP/s")
+    for level in figures["grouped"]:
+        lines.append(f"  grouped, {level['rows_per_expert']} rows per expert: "
+                     f"{', '.join(_timings(level))}"
+                     f"; largest difference {level['max_abs_difference']:.2g}")
+    return lines
+
+
+def _timings(level: dict[str, Any]) -> list[str]:
+    """A level's ``WAY_ms`` figures as "way N ms", and any ``WAY_error`` (a CUDA graph that
+    could not be captured) as "way: error"."""
+    return [f"{key.removesuffix('_ms').replace('_', ' ')} {value} ms" if key.endswith("_ms")
+            else f"{key.removesuffix('_error').replace('_', ' ')}: {value}"
+            for key, value in level.items() if key.endswith(("_ms", "_error"))]
 
 
 def require_cuda() -> None:

@@ -10,6 +10,7 @@ run the real script on this machine, which has no NVIDIA GPU.
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ from packaging.utils import canonicalize_name
 
 from benchmarks.device_wheels import IMAGE, NAMES, pinned, wanted
 from benchmarks.fleet import BenchError
-from benchmarks.gpu_check import GPU_CHECK, PARTS, gpu_check
+from benchmarks.gpu_check import FORWARDS_PART, GPU_CHECK, PARTS, gpu_check
 from benchmarks.paris_pools import ParisPoolSettings, measuring_order
 from ddm.runtime.local import REPOSITORY_ROOT
 
@@ -98,7 +99,27 @@ def test_carried_wheels_are_installed_and_come_first(tmp_path: Path) -> None:
     assert "installing 1 carried wheels" in done.stdout
     assert (tmp_path / "site" / "ddm_device_marker.py").is_file()
     assert "usage:" in done.stdout  # gpu-check's own help, offering every part
-    assert f"--part {{{','.join(PARTS)}}}" in done.stdout
+    assert f"--part {{{','.join((*PARTS, FORWARDS_PART))}}}" in done.stdout
+
+
+def test_the_forwards_part_measures_each_way_and_says_so(tmp_path: Path) -> None:
+    """``--part forwards`` through the script as the device runs it (here the small expert on
+    the CPU): every level has each way's time, the pool's path eager and compiled, and the
+    grouped forward gives the experts' outputs."""
+    done = run_script(tmp_path, "--quick", "--part", "forwards")
+    assert done.returncode == 0, done.stdout[-3000:]
+    figures = json.loads((tmp_path / "out" / "forwards.json").read_text())
+    assert [level["rows"] for level in figures["levels"]] == [1, 2]
+    for level, served in zip(figures["levels"], figures["served"]):
+        assert level["eager_ms"] > 0 and level["eager_tflop_per_s"] > 0
+        assert served["rows"] == level["rows"]
+        assert served["none_ms"] > 0 and served["reduce-overhead_ms"] > 0
+    (grouped,) = figures["grouped"]
+    assert grouped["rows_per_expert"] == 2 and grouped["max_abs_difference"] < 1e-5
+    assert grouped["one_after_the_other_ms"] > 0 and grouped["grouped_ms"] > 0
+    assert "  2 rows: eager " in done.stdout and "served reduce-overhead" in done.stdout
+    assert "  grouped, 2 rows per expert: one after the other " in done.stdout
+    assert not (tmp_path / "out" / "gpu-check.json").exists()  # no deployment was measured
 
 
 def write_wheel(path: Path, name: str, module: str) -> None:
@@ -200,5 +221,6 @@ def test_each_part_fits_a_call_and_compiled_deployments_are_measured_last() -> N
                      "eager": [("pooled", "none"), ("in_process", "none")],
                      "compiled": [("pooled", "reduce-overhead")],
                      "pool": [("pooled", "none")]}
-    with pytest.raises(BenchError, match="part must be one of all, eager, compiled, pool"):
+    with pytest.raises(BenchError,
+                       match="part must be one of all, eager, compiled, pool, forwards"):
         gpu_check(Path("unused"), part="some", log=io.StringIO(), report=io.StringIO())

@@ -1,0 +1,302 @@
+"""``python -m benchmarks forwards``: a Paris expert's forward at each batch size on one
+device, and a step's two experts as one grouped forward (issue 37).
+
+The third H200 run put the pooled step in the forwards (docs/benchmarks.md, "Full size on one
+H200"): at 32 prompts a compiled DiT-XL/2 cost about 2 ms a row in the pool, a fifth of the
+GPU's bf16 matrix rate, and at one prompt each 2-row batch took 6-8 ms of the pool's model time
+with the GPU busy 36-43% of the step. This measures those forwards outside any server, on
+random weights of the release's shapes (``paris_pools.SIZES``), each figure the median of
+``repeats`` synchronised calls after warm-up:
+
+- ``eager``: the network on device tensors; ``graph``: the same network replayed from a CUDA
+  graph captured at that batch size (CUDA only: no launch left on the host), so that eager -
+  graph is the launches and graph / rows the per-row cost, padding's cost included;
+- ``served``: the pool's own path from NumPy rows to NumPy velocities
+  (``ddm.models.stages.paris_expert_velocity``; under ``compile`` the server's
+  ``compile_network``, ``bucketed`` and ``on_compiled_thread``, each batch padded to its
+  bucket), so that served - graph is the host's work around a forward;
+- ``grouped``: two experts' rows in one forward (stacked parameters, ``torch.vmap`` of
+  ``functional_call``, eager and, on CUDA, graph-replayed) against their two forwards one
+  after the other, with the largest difference between the two ways' outputs. Both ways run
+  ``nn.MultiheadAttention``'s composite path (``torch.backends.mha``'s fast path off): its
+  fused kernel has no batching rule, and ``vmap`` would run it once per expert.
+
+TFLOP/s per level count the expert's matrix products (:func:`expert_flop_per_row`: 289 GFLOP a
+row at full size, the issue's figure) times the rows; ``torch.utils.flop_counter`` misses
+``nn.MultiheadAttention``'s fused path, most of the network.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, TextIO
+
+from benchmarks.fleet import machine, say
+from ddm.deploy.limits import COMPILE_MODES, batch_buckets
+from ddm.threads import apply_cpu_thread_policy
+
+#: CLIP's tokens per prompt: what a Paris expert's text rows carry.
+TEXT_TOKENS = 77
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """What to measure: the expert's size (``paris_pools.SIZES``), where, in which precision,
+    the compile mode of the served path, the rows of each level and of the grouped levels,
+    and the timed calls per figure."""
+
+    size: str = "small"
+    device: str = "cpu"
+    precision: str = "float32"
+    compile: str = "none"
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
+    grouped_rows: tuple[int, ...] = (2, 16)
+    repeats: int = 20
+
+    def __post_init__(self) -> None:
+        from benchmarks.paris_pools import SIZES
+
+        if self.size not in SIZES:
+            raise ValueError(f"size must be one of {', '.join(SIZES)}, got {self.size!r}")
+        if self.precision not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"precision must be float32, bfloat16 or float16, got "
+                             f"{self.precision!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
+                             f"{self.compile!r}")
+        if (not self.rows or min(self.rows) < 1 or min(self.grouped_rows, default=1) < 1
+                or self.repeats < 1):
+            raise ValueError("ForwardSettings needs rows >= 1 and repeats >= 1")
+
+
+def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr) -> dict[str, Any]:
+    """The figures (the module docstring), as JSON-ready values."""
+    threads = apply_cpu_thread_policy()
+    import torch
+
+    from benchmarks.paris_pools import SIZES
+    from ddm.models.paris import ParisExpert
+
+    device = torch.device(settings.device)
+    dtype = getattr(torch, settings.precision)
+    config = SIZES[settings.size].expert
+    text_width = SIZES[settings.size].text_width
+    torch.manual_seed(0)
+    experts = [_random(ParisExpert(**{**config.to_dict(), "text_embed_dim": text_width}),
+                       device, dtype) for _ in range(2)]
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    figures: dict[str, Any] = {"machine": machine(), "policy_threads": threads,
+                               "settings": asdict(settings), "config": config.to_dict(),
+                               "parameters": sum(p.numel() for p in experts[0].parameters())}
+    if cuda:
+        figures["gpu"] = torch.cuda.get_device_name(device)
+
+    def inputs(rows: int, generator: torch.Generator) -> tuple[Any, Any, Any]:
+        return (torch.randn((rows, config.in_channels, config.input_size, config.input_size),
+                            generator=generator).to(device, dtype),
+                (torch.rand(rows, generator=generator) * 1000).to(device),
+                torch.randn((rows, TEXT_TOKENS, text_width), generator=generator
+                            ).to(device, dtype))
+
+    generator = torch.Generator().manual_seed(1)
+    flops_per_row = expert_flop_per_row(config, TEXT_TOKENS, text_width)
+    figures["gflop_per_row"] = round(flops_per_row / 1e9, 2)
+    say(log, f"forwards: {figures['parameters']:,} parameters, {figures['gflop_per_row']} "
+             f"GFLOP a row, {settings.precision} on {device}")
+
+    def rate(rows: int, ms: float) -> float:
+        return round(flops_per_row * rows / (ms / 1000) / 1e12, 2)
+
+    levels = []
+    for rows in settings.rows:
+        x, timestep, text = inputs(rows, generator)
+        level: dict[str, Any] = {"rows": rows}
+        with torch.inference_mode():
+            level["eager_ms"] = _median_ms(lambda: experts[0](x, timestep, text),
+                                           settings.repeats, sync)
+            if cuda:
+                _graph_ms(level, "graph", lambda: experts[0](x, timestep, text),
+                          settings.repeats, sync)
+        for way in ("eager", "graph"):
+            if f"{way}_ms" in level:
+                level[f"{way}_tflop_per_s"] = rate(rows, level[f"{way}_ms"])
+        say(log, f"forwards: {level}")
+        levels.append(level)
+    figures["levels"] = levels
+    figures["grouped"] = [_grouped(experts, rows, inputs(rows * 2, generator), settings,
+                                   sync, cuda, log) for rows in settings.grouped_rows]
+    figures["served"] = _served(experts[0], settings, config, text_width, sync, log)
+    figures["machine"]["load_average_after"] = list(__import__("os").getloadavg())
+    return figures
+
+
+def expert_flop_per_row(config: Any, text_tokens: int, text_width: int) -> int:
+    """Floating-point operations (two per multiply-add) of one row through a Paris expert's
+    matrix products: per block self-attention (q, k, v, out, scores and values over the
+    patches), cross-attention to the text tokens, the MLP; the patch embedding, the text
+    projection and the final layer (the time embedding is per row and negligible)."""
+    patches = (config.input_size // config.patch_size) ** 2
+    width, hidden = config.hidden_size, int(config.hidden_size * config.mlp_ratio)
+    self_attention = 4 * patches * width**2 + 2 * patches**2 * width
+    cross_attention = (2 * patches * width**2 + 2 * text_tokens * width**2
+                       + 2 * patches * text_tokens * width)
+    mlp = 2 * patches * width * hidden
+    patch_values = config.patch_size**2
+    ends = (patches * width * patch_values * config.in_channels + text_tokens * text_width * width
+            + patches * width * patch_values * config.out_channels)
+    return 2 * (config.depth * (self_attention + cross_attention + mlp) + ends)
+
+
+def _random(network: Any, device: Any, dtype: Any) -> Any:
+    """``network`` with every parameter drawn at a small scale (the constructor leaves the
+    tables zero, which a timing would not mind but a difference between two ways would
+    hide), on ``device`` in ``dtype``, for inference."""
+    import torch
+
+    with torch.no_grad():
+        for parameter in network.parameters():
+            parameter.normal_(std=0.02)
+    return network.to(device, dtype).eval()
+
+
+def _median_ms(call: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
+    """Milliseconds of one synchronised call: the median of ``repeats`` after two warm-ups."""
+    for _ in range(2):
+        call()
+    sync()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        sync()
+        times.append((time.perf_counter() - started) * 1000)
+    return round(statistics.median(times), 3)
+
+
+def _graph_ms(level: dict[str, Any], way: str, call: Callable[[], Any], repeats: int,
+              sync: Callable[[], None]) -> None:
+    """``level[way_ms]``: ``call`` replayed from a CUDA graph; or ``level[way_error]``, why
+    it could not be captured (a kernel that synchronises with the host, say)."""
+    try:
+        level[f"{way}_ms"] = _median_ms(_graphed(call), repeats, sync)
+    except RuntimeError as error:
+        level[f"{way}_error"] = f"{type(error).__name__}: {error}"[:500]
+
+
+def _graphed(call: Callable[[], Any]) -> Callable[[], Any]:
+    """``call`` (on fixed device tensors) captured in a CUDA graph, as its replay (PyTorch's
+    recipe: warmed up on a side stream, then captured)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def _grouped(experts: list[Any], rows: int, stacked_inputs: tuple[Any, Any, Any],
+             settings: ForwardSettings, sync: Callable[[], None], cuda: bool,
+             log: TextIO) -> dict[str, Any]:
+    """Two experts on ``rows`` rows each: one after the other, and as one grouped forward."""
+    import torch
+    from torch.func import functional_call, stack_module_state
+
+    params, buffers = stack_module_state(experts)
+    skeleton = copy.deepcopy(experts[0]).to("meta")
+
+    def one(p: Any, b: Any, x: Any, timestep: Any, text: Any) -> Any:
+        return functional_call(skeleton, (p, b), (x, timestep, text))
+
+    grouped = torch.vmap(one)
+    x, timestep, text = (part.reshape(2, rows, *part.shape[1:]) for part in stacked_inputs)
+
+    def one_after_the_other() -> Any:
+        return torch.stack([expert(x[k], timestep[k], text[k])
+                            for k, expert in enumerate(experts)])
+
+    def together() -> Any:
+        return grouped(params, buffers, x, timestep, text)
+
+    level: dict[str, Any] = {"rows_per_expert": rows}
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        _compare_grouped(level, one_after_the_other, together, settings.repeats, sync, cuda)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+    say(log, f"forwards: grouped {level}")
+    return level
+
+
+def _compare_grouped(level: dict[str, Any], one_after_the_other: Callable[[], Any],
+                     together: Callable[[], Any], repeats: int, sync: Callable[[], None],
+                     cuda: bool) -> None:
+    import torch
+
+    with torch.inference_mode():
+        level["max_abs_difference"] = float((one_after_the_other() - together())
+                                            .float().abs().max())
+        level["one_after_the_other_ms"] = _median_ms(one_after_the_other, repeats, sync)
+        level["grouped_ms"] = _median_ms(together, repeats, sync)
+        if cuda:
+            _graph_ms(level, "one_after_the_other_graph", one_after_the_other, repeats, sync)
+            _graph_ms(level, "grouped_graph", together, repeats, sync)
+
+
+def _served(expert: Any, settings: ForwardSettings, config: Any, text_width: int,
+            sync: Callable[[], None], log: TextIO) -> list[dict[str, Any]]:
+    """The pool's path from NumPy rows to NumPy velocities at each level's rows, eager, then
+    (where ``compile`` is not ``none``) compiled as the server compiles it, padded to its
+    buckets and warmed twice (a CUDA graph is recorded at a shape's second call)."""
+    import numpy as np
+
+    from ddm.conditioning import Conditioning
+    from ddm.convention import network_convention
+    from ddm.models.paris_ddm import PARIS_CONVENTION
+    from ddm.models.stages import paris_expert_velocity
+    from ddm.models.torch_io import compile_network
+    from ddm.serving.model.compiled import CUDA_GRAPHS, bucketed, on_compiled_thread
+
+    velocity = paris_expert_velocity(expert, network_convention(PARIS_CONVENTION))
+    generator = np.random.default_rng(2)
+    calls = [(generator.standard_normal((rows, config.in_channels, config.input_size,
+                                         config.input_size), np.float32),
+              generator.uniform(0.05, 0.95, rows).astype(np.float32),
+              Conditioning(embeddings=generator.standard_normal(
+                  (rows, TEXT_TOKENS, text_width), np.float32)))
+             for rows in settings.rows]
+    levels: list[dict[str, Any]] = [{"rows": rows} for rows in settings.rows]
+    for level, args in zip(levels, calls):  # eager: before compiling changes the network
+        level["none_ms"] = _median_ms(lambda: velocity(*args), settings.repeats, sync)
+    if settings.compile != "none":
+        buckets = batch_buckets(max(settings.rows))
+        compile_network(expert, settings.compile, len(buckets))
+        compiled = bucketed(on_compiled_thread(settings.compile, velocity), buckets)
+        for level, args in zip(levels, calls):
+            for _ in range(2 if settings.compile == CUDA_GRAPHS else 1):  # as the server warms
+                compiled(*args)
+            level[f"{settings.compile}_ms"] = _median_ms(lambda: compiled(*args),
+                                                         settings.repeats, sync)
+    for level in levels:
+        say(log, f"forwards: served {level}")
+    return levels
+
+
+def bench_forwards_command(settings: ForwardSettings, out: TextIO = sys.stdout,
+                           log: TextIO = sys.stderr) -> int:
+    """``python -m benchmarks forwards``: the figures as JSON on ``out``, progress on
+    ``log``."""
+    print(json.dumps(bench_forwards(settings, log), indent=2), file=out)
+    return 0

@@ -1,0 +1,52 @@
+"""``python -m benchmarks forwards``' arithmetic (issue 37): the TFLOP/s it reports rest on
+its count of a Paris expert's floating-point operations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks.forwards import ForwardSettings, expert_flop_per_row
+from ddm.models.paris import ParisExpert, ParisExpertConfig
+
+
+def test_a_full_size_expert_row_is_the_issue_s_289_gflop():
+    """DiT-XL/2's 118.6 GMACs at 256 px (its paper) plus the cross-attention to CLIP's 77
+    tokens: the figure issue 37's ceiling is computed from."""
+    assert round(expert_flop_per_row(ParisExpertConfig(), 77, 768) / 1e9) == 289
+
+
+def test_the_count_agrees_with_pytorch_s_counter_on_what_it_sees():
+    """PyTorch's counter, on a small expert through nn.MultiheadAttention's composite path,
+    sees every matrix product but the attention's own (scaled_dot_product_attention on the
+    CPU), and counts the time embedding the count leaves out: those written here by hand."""
+    config = ParisExpertConfig(input_size=8, hidden_size=32, depth=2, num_heads=4,
+                               text_embed_dim=24)
+    rows, tokens, patches, width = 3, 77, 16, 32
+    network = ParisExpert(**config.to_dict()).eval()
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.inference_mode(), FlopCounterMode(display=False) as counter:
+            network(torch.randn(rows, 4, 8, 8), torch.rand(rows) * 1000,
+                    torch.randn(rows, tokens, 24))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+    counted = counter.get_flop_counts()
+    # Scores and values, self-attention over the patches and cross-attention to the tokens.
+    attention = config.depth * 2 * 2 * (patches * patches + patches * tokens) * width
+    time_embedding = sum(sum(counted[module].values())
+                         for module in ("ParisExpert.time_embed", "ParisExpert.t_block"))
+    seen = counter.get_total_flops() - time_embedding
+    assert seen / rows + attention == expert_flop_per_row(config, tokens, 24)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("size", "huge", "size must be one of small, full"),
+    ("precision", "int8", "precision must be float32, bfloat16 or float16"),
+    ("compile", "fast", "compile must be one of none, default"),
+    ("rows", (), "needs rows >= 1"), ("repeats", 0, "needs rows >= 1 and repeats >= 1")])
+def test_bad_settings_are_refused_naming_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        ForwardSettings(**{field: value})
