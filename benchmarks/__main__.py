@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--compile", default="none", help="the pool path's torch.compile mode "
                                                      "(default none)")
-    p.add_argument("--rows", default="1,2,4,8,16,32,48,64", help="rows of each level")
+    p.add_argument("--rows", default="1,2,4,8,16,24,32,40,48,64", help="rows of each level")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per figure")
     p.set_defaults(handler=_bench_forwards)
     return parser

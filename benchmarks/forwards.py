@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, TextIO
 
 from benchmarks.fleet import machine, say
-from ddm.deploy.limits import COMPILE_MODES, batch_buckets
+from ddm.deploy.limits import COMPILE_MODES, compile_buckets
 from ddm.threads import apply_cpu_thread_policy
 
 #: CLIP's tokens per prompt: what a Paris expert's text rows carry.
@@ -54,7 +55,7 @@ class ForwardSettings:
     device: str = "cpu"
     precision: str = "float32"
     compile: str = "none"
-    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
+    rows: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64)
     grouped_rows: tuple[int, ...] = (2, 16)
     repeats: int = 20
 
@@ -87,8 +88,9 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr) -> dict[
     config = SIZES[settings.size].expert
     text_width = SIZES[settings.size].text_width
     torch.manual_seed(0)
-    experts = [_random(ParisExpert(**{**config.to_dict(), "text_embed_dim": text_width}),
-                       device, dtype) for _ in range(2)]
+    with device:  # built where they run: a full-size expert's initialisation is slow on a CPU
+        experts = [_random(ParisExpert(**{**config.to_dict(), "text_embed_dim": text_width}),
+                           dtype) for _ in range(2)]
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     figures: dict[str, Any] = {"machine": machine(), "policy_threads": threads,
@@ -132,7 +134,7 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr) -> dict[
     figures["grouped"] = [_grouped(experts, rows, inputs(rows * 2, generator), settings,
                                    sync, cuda, log) for rows in settings.grouped_rows]
     figures["served"] = _served(experts[0], settings, config, text_width, sync, log)
-    figures["machine"]["load_average_after"] = list(__import__("os").getloadavg())
+    figures["machine"]["load_average_after"] = list(os.getloadavg())
     return figures
 
 
@@ -153,16 +155,16 @@ def expert_flop_per_row(config: Any, text_tokens: int, text_width: int) -> int:
     return 2 * (config.depth * (self_attention + cross_attention + mlp) + ends)
 
 
-def _random(network: Any, device: Any, dtype: Any) -> Any:
+def _random(network: Any, dtype: Any) -> Any:
     """``network`` with every parameter drawn at a small scale (the constructor leaves the
     tables zero, which a timing would not mind but a difference between two ways would
-    hide), on ``device`` in ``dtype``, for inference."""
+    hide), in ``dtype``, for inference."""
     import torch
 
     with torch.no_grad():
         for parameter in network.parameters():
             parameter.normal_(std=0.02)
-    return network.to(device, dtype).eval()
+    return network.to(dtype).eval()
 
 
 def _median_ms(call: Callable[[], Any], repeats: int, sync: Callable[[], None]) -> float:
@@ -281,7 +283,7 @@ def _served(expert: Any, settings: ForwardSettings, config: Any, text_width: int
     for level, args in zip(levels, calls):  # eager: before compiling changes the network
         level["none_ms"] = _median_ms(lambda: velocity(*args), settings.repeats, sync)
     if settings.compile != "none":
-        buckets = batch_buckets(max(settings.rows))
+        buckets = compile_buckets(max(settings.rows))
         compile_network(expert, settings.compile, len(buckets))
         compiled = bucketed(on_compiled_thread(settings.compile, velocity), buckets)
         for level, args in zip(levels, calls):

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from ddm.deploy.limits import batch_buckets
+from ddm.deploy.limits import batch_buckets, compile_buckets
 from ddm.serving.batching import (INLINE_MAX_S, INTEGRATE_SLICE_STEPS, Batcher, BatcherClosed,
                                   Dispatch, Pending, Wait, bucket_for, grid_slices, plan_batch)
 from ddm.serving.http.polling import WARM_AFTER, WARM_TICK_S
@@ -61,6 +61,18 @@ def test_buckets_are_powers_of_two_then_max_batch():
     assert batch_buckets(1) == (1,)
     with pytest.raises(ValueError):
         batch_buckets(0)
+
+
+def test_compiled_networks_add_the_halfway_sizes_from_eight_rows():
+    """A torch.compile'd network serves every size with one compiled code, so it pads less:
+    the H200's expert batches of 33-48 rows run at 48, not 64."""
+    assert compile_buckets(64) == (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    assert compile_buckets(48) == (1, 2, 4, 8, 12, 16, 24, 32, 48)
+    assert compile_buckets(40) == (1, 2, 4, 8, 12, 16, 24, 32, 40)
+    assert compile_buckets(8) == (1, 2, 4, 8) and compile_buckets(1) == (1,)
+    assert bucket_for(33, compile_buckets(64)) == 48 and bucket_for(49, compile_buckets(64)) == 64
+    with pytest.raises(ValueError):
+        compile_buckets(0)
 
 
 @pytest.mark.parametrize("rows, bucket", [(1, 1), (3, 4), (4, 4), (17, 32), (33, 48), (48, 48)])

@@ -319,9 +319,9 @@ def test_a_server_has_time_for_each_member_and_each_batch_size_it_compiles() -> 
     assert pool.ready_s == cpu + 6 * MEMBER_READY_S
     on_gpu = _pooled_text2img(compile="reduce-overhead", maxBatch=16,
                               accelerator={"type": "nvidia"}, resources={})
-    # The experts and the router network compile, at batch sizes 1, 2, 4, 8 and 16; the text
-    # encoder and decoder run once per generation, eagerly.
-    budget = nvidia + 6 * MEMBER_READY_S + 5 * 5 * COMPILE_READY_S
+    # The experts and the router network compile, at batch sizes 1, 2, 4, 8, 12 and 16; the
+    # text encoder and decoder run once per generation, eagerly.
+    budget = nvidia + 6 * MEMBER_READY_S + 5 * 6 * COMPILE_READY_S
     assert plan_deployment(on_gpu.spec).pools[0].ready_s == budget
     assert _startup_budgets(on_gpu)["pool-models"] == budget
 
@@ -335,4 +335,4 @@ def test_a_cold_start_counts_as_demand_for_as_long_as_the_server_may_take() -> N
     plan = plan_deployment(manifest.spec)
     (unit,) = plan.autoscaled
     cpu = ACCELERATORS["cpu"].startup_budget_s
-    assert unit.pool and unit.ready_s == cpu + 6 * MEMBER_READY_S + 5 * 5 * COMPILE_READY_S
+    assert unit.pool and unit.ready_s == cpu + 6 * MEMBER_READY_S + 5 * 6 * COMPILE_READY_S

@@ -221,9 +221,10 @@ MAX_DELAY_FIELD = Integer(description="How long the server waits to fill a batch
 COMPILE_FIELD = String(
     description="torch backend only: run the torch networks (experts, router network) under "
                 "torch.compile in this mode (reduce-overhead adds CUDA graphs on a GPU; "
-                "max-autotune searches kernels, long compiles); each batch is padded to a "
-                "power of two up to maxBatch and every size compiles before the server is "
-                "ready, so allow for it in the start-up time. Unset: none (eager).",
+                "max-autotune searches kernels, long compiles); each batch is padded to the "
+                "next of a few sizes up to maxBatch (powers of two and, from 8, their halfway "
+                "points: 12, 24, 48...) and every size is compiled and warmed before the "
+                "server is ready, so allow for it in the start-up time. Unset: none (eager).",
     choices=limits.COMPILE_MODES)
 
 # -- An expert's autoscaling (``ddm.deploy.autoscaling``) ---------------------------------------

@@ -196,3 +196,18 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
         sizes.append(size)
         size *= 2
     return (*sizes, max_batch)
+
+
+def compile_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes a ``torch.compile``d network runs at: :func:`batch_buckets`' and, from 8
+    rows on, the halfway point between two powers of two (12, 24, 48, 96...).
+
+    Unlike a JAX or Neuron program, its compiled code serves every size (dynamo makes the
+    batch dynamic at its second size), so a size costs a CUDA graph recorded at start, not a
+    compile, while padding costs a forward's rows at every call: from 8 rows on a batch is
+    padded by less than a third, not by up to a half (on an H200 a pool's expert batches of
+    33-60 rows ran padded to 64: docs/paris.md).
+    """
+    powers = batch_buckets(max_batch)
+    halfway = (power * 3 // 2 for power in powers if power >= 8)
+    return tuple(sorted({*powers, *(size for size in halfway if size < max_batch)}))

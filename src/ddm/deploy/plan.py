@@ -24,7 +24,7 @@ from ddm.checkpoints.declared import CONFIG_KEYS, PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import CheckpointSource
 from ddm.deploy.accelerators import HOST, accelerator_type
 from ddm.deploy.autoscaler import Scaled
-from ddm.deploy.limits import ROUTER_MAX_STEPS, SERVER_MAX_BATCH, batch_buckets
+from ddm.deploy.limits import ROUTER_MAX_STEPS, SERVER_MAX_BATCH, compile_buckets
 from ddm.deploy.pod_options import parse_quantity
 from ddm.deploy.router_config import (
     Auth,
@@ -164,12 +164,12 @@ class PoolPlan:
 #: after the other. About ten times the slowest measured (docs/benchmarks.md: the full-size
 #: Paris release pooled on the CPU).
 MEMBER_READY_S = 120
-#: ... and for each batch size ``torch.compile`` compiles one member for (``compile`` set: every
-#: bucket of ``maxBatch``, before it is ready). About three times the slowest measured
-#: (docs/benchmarks.md, "Compiled against eager on the CPU"). Members of one architecture share
-#: their compiled code, so a pool of like experts takes less; a plan does not know their
-#: architectures and counts each. (JAX and Neuron servers compile their batch sizes within
-#: their accelerator's budget, as they always have: Neuron's is the longer one.)
+#: ... and for each batch size ``torch.compile`` compiles one member for (``compile`` set:
+#: every size of ``compile_buckets(maxBatch)``, before it is ready). About three times the
+#: slowest measured (docs/benchmarks.md, "Compiled against eager on the CPU"). Members of one
+#: architecture share their compiled code, so a pool of like experts takes less; a plan does
+#: not know their architectures and counts each. (JAX and Neuron servers compile their batch
+#: sizes within their accelerator's budget, as they always have: Neuron's is the longer one.)
 COMPILE_READY_S = 120
 #: The stages a pool compiles with its experts (the text encoder and decoder run eagerly).
 COMPILED_STAGES = (PLAN_NAMES[ROUTER],)
@@ -182,7 +182,7 @@ def ready_budget_s(accelerator: str, members: int = 1, compiled: int = 0,
     take to become ready before it is taken for hung: the operator's start-up probe and
     ``ddm up``'s wait, so that a pool, or a compiling server, is not restarted, or given up
     on, half way through a start that is merely long."""
-    buckets = len(batch_buckets(max_batch or SERVER_MAX_BATCH))
+    buckets = len(compile_buckets(max_batch or SERVER_MAX_BATCH))
     return (accelerator_type(accelerator).startup_budget_s + (members - 1) * MEMBER_READY_S
             + compiled * buckets * COMPILE_READY_S)
 

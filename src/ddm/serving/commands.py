@@ -104,8 +104,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=COMPILE_MODES, default=None,
                    help="torch backend: run the experts' and router network's torch networks "
                         "under torch.compile in this mode (reduce-overhead: with CUDA graphs), "
-                        "each batch padded to a power of two up to --max-batch, every size "
-                        "compiled before /readyz is 200 (default none: eager)")
+                        "each batch padded to the next of a few sizes up to --max-batch (powers "
+                        "of two and, from 8, their halfway points), every size compiled before "
+                        "/readyz is 200 (default none: eager)")
     # Defaults left to the servers (one place), and shown by their /v1/info.
     p.add_argument("--max-batch", type=int,
                    help="rows per model call (a guided row counts twice); more get 422")

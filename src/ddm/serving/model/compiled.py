@@ -2,7 +2,7 @@
 
 A compiled network runs at a few batch sizes only, so that each compiles once and, in
 ``reduce-overhead`` mode, its CUDA graph (recorded for one static shape) is replayed: every
-call is padded to the smallest bucket of :func:`~ddm.deploy.limits.batch_buckets` that
+call is padded to the smallest bucket of :func:`~ddm.deploy.limits.compile_buckets` that
 holds its rows (repeating the last row, so padded rows stay valid inputs) and its output
 sliced back (:func:`bucketed`), and the member runs every bucket once while it warms up,
 before ``/readyz`` says ready. Rows are independent in every network we serve, so padding

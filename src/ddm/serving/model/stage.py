@@ -49,7 +49,7 @@ from ddm.checkpoints.format import CheckpointError, CheckpointMeta, read_meta
 from ddm.checkpoints.roles import ROLE_REGISTRY
 from ddm.conditioning import LABELS, TEXT, Conditioning, EncodedPrompts, guided_rows
 from ddm.convention import CONVENTION_NAME
-from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES, batch_buckets
+from ddm.deploy.limits import MAX_CONTEXT_BODY_BYTES, batch_buckets, compile_buckets
 from ddm.experts.check import behaviour_data, check_network
 from ddm.experts.network_checks import require_passing
 from ddm.experts.text_check import check_loaded_expert
@@ -346,9 +346,9 @@ class StageMember(Member):
         ``--compile`` asks and it has a torch network, warmed up: at one row, or at every
         batch size it runs at or is compiled for."""
         options = self.options
-        buckets = batch_buckets(self.limits.max_batch)
         stage = self.loader(self.directory, options.precision, options.device,
-                            options.backend, buckets, options.compile_cache)
+                            options.backend, batch_buckets(self.limits.max_batch),
+                            options.compile_cache)
         if stage.batch_sizes is not None:
             stage = dataclasses.replace(
                 stage, forward=bucketed(stage.forward, stage.batch_sizes),
@@ -362,6 +362,7 @@ class StageMember(Member):
                                                                    self.limits.max_batch),
                      _WARM_TOKENS)
             return stage
+        buckets = compile_buckets(self.limits.max_batch)
         compile_network(stage.network, options.compile, len(buckets))
         compiled = dataclasses.replace(stage, forward=bucketed(
             on_compiled_thread(options.compile, stage.forward), buckets))
