@@ -75,8 +75,13 @@ class ForwardSettings:
             raise ValueError("ForwardSettings needs rows >= 1 and repeats >= 1")
 
 
-def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr) -> dict[str, Any]:
-    """The figures (the module docstring), as JSON-ready values."""
+def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr,
+                   on_figures: Callable[[dict[str, Any]], None] | None = None
+                   ) -> dict[str, Any]:
+    """The figures (the module docstring), as JSON-ready values; ``on_figures`` sees them so
+    far after each part (a run stopped at its deadline keeps what it measured: the compile of
+    the pool's path comes last)."""
+    said = on_figures or (lambda figures: None)
     threads = apply_cpu_thread_policy()
     import torch
 
@@ -131,8 +136,10 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr) -> dict[
         say(log, f"forwards: {level}")
         levels.append(level)
     figures["levels"] = levels
+    said(figures)
     figures["grouped"] = [_grouped(experts, rows, inputs(rows * 2, generator), settings,
                                    sync, cuda, log) for rows in settings.grouped_rows]
+    said(figures)
     figures["served"] = _served(experts[0], settings, config, text_width, sync, log)
     figures["machine"]["load_average_after"] = list(os.getloadavg())
     return figures

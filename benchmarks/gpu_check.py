@@ -19,8 +19,9 @@ first left warm, starts measuring at once.
 
 ``--part forwards`` measures instead one full-size expert's forwards outside any server
 (:mod:`benchmarks.forwards`: each batch size eager, as a CUDA graph and through the pool's
-compiled path, and two experts as one grouped forward) into ``$OUT/forwards.json``: where a
-pooled step's time goes inside the forwards.
+compiled path, and two experts as one grouped forward) into ``$OUT/forwards.json``
+(rewritten after each part, ``"complete": false`` until the end): where a pooled step's time
+goes inside the forwards.
 
 ``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
 at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
@@ -163,8 +164,10 @@ def gpu_check(out: Path, quick: bool = False, part: str = "all", log: TextIO = s
     if settings.accelerator == "nvidia":
         require_cuda()
     if part == FORWARDS_PART:
-        forwards = bench_forwards(QUICK_FORWARDS if quick else GPU_FORWARDS, log)
-        _write(out / "forwards.json", forwards)
+        path = out / "forwards.json"
+        forwards = bench_forwards(QUICK_FORWARDS if quick else GPU_FORWARDS, log,
+                                  lambda so_far: _write(path, {**so_far, "complete": False}))
+        _write(path, {**forwards, "complete": True})
         for line in forwards_summary(forwards):
             print(line, file=report, flush=True)
         return 0

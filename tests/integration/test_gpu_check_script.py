@@ -109,6 +109,7 @@ def test_the_forwards_part_measures_each_way_and_says_so(tmp_path: Path) -> None
     done = run_script(tmp_path, "--quick", "--part", "forwards")
     assert done.returncode == 0, done.stdout[-3000:]
     figures = json.loads((tmp_path / "out" / "forwards.json").read_text())
+    assert figures["complete"] is True
     assert [level["rows"] for level in figures["levels"]] == [1, 2]
     for level, served in zip(figures["levels"], figures["served"]):
         assert level["eager_ms"] > 0 and level["eager_tflop_per_s"] > 0

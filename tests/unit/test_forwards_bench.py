@@ -3,11 +3,13 @@ its count of a Paris expert's floating-point operations."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.forwards import ForwardSettings, expert_flop_per_row
+from benchmarks.forwards import ForwardSettings, bench_forwards, expert_flop_per_row
 from ddm.models.paris import ParisExpert, ParisExpertConfig
 
 
@@ -50,3 +52,14 @@ def test_the_count_agrees_with_pytorch_s_counter_on_what_it_sees():
 def test_bad_settings_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         ForwardSettings(**{field: value})
+
+
+def test_the_figures_so_far_are_handed_out_after_each_part():
+    """What the GPU check writes before the pool's path compiles (the least certain part of a
+    device session's time): the levels, then the grouped comparisons."""
+    parts: list[list[str]] = []
+    figures = bench_forwards(ForwardSettings(rows=(1,), grouped_rows=(1,), repeats=1),
+                             io.StringIO(), lambda so_far: parts.append(sorted(
+                                 key for key in ("levels", "grouped", "served") if key in so_far)))
+    assert parts == [["levels"], ["grouped", "levels"]]
+    assert [level["rows"] for level in figures["served"]] == [1]
