@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, TextIO
 
 from benchmarks.fleet import machine, say
-from ddm.deploy.limits import COMPILE_MODES, compile_buckets
+from ddm.deploy.limits import COMPILE_MODES, PRECISIONS, compile_buckets
 from ddm.threads import apply_cpu_thread_policy
 
 #: CLIP's tokens per prompt: what a Paris expert's text rows carry.
@@ -64,8 +64,8 @@ class ForwardSettings:
 
         if self.size not in SIZES:
             raise ValueError(f"size must be one of {', '.join(SIZES)}, got {self.size!r}")
-        if self.precision not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"precision must be float32, bfloat16 or float16, got "
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
                              f"{self.precision!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
