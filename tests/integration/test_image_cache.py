@@ -1,9 +1,11 @@
 """The image cache does not grow with every rebuild: what a rebuild supersedes (the old image,
-its archive) is pruned once a grace period is over, and nothing still named is touched.
-Real buildah on a cache of its own, with tiny images committed from scratch."""
+its archive) is pruned once a grace period is over, and nothing still named is touched; the
+earlier stages of a Dockerfile stay cached however old they are. Real buildah on a cache of its
+own, with tiny images committed and built from scratch."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -18,8 +20,9 @@ pytestmark = pytest.mark.image
 NAME = "localhost/ddm-test/tiny:1"
 
 
-def _commit(cache: Path, version: int) -> str:
-    """A two-kilobyte image named ``NAME`` (taking the name from any earlier one); its id."""
+def _commit(cache: Path, version: int, *, created: float | None = None) -> str:
+    """A two-kilobyte image named ``NAME`` (taking the name from any earlier one), made at
+    ``created`` (default: now); its id."""
     env = images._buildah_env(cache)
 
     def buildah(*args: str) -> str:
@@ -28,7 +31,8 @@ def _commit(cache: Path, version: int) -> str:
 
     container = buildah("from", "scratch")
     buildah("config", "--label", f"version={version}", container)
-    built = buildah("commit", "-q", container, NAME)
+    stamp = () if created is None else ("--timestamp", str(int(created)))
+    built = buildah("commit", "-q", *stamp, container, NAME)
     buildah("rm", container)
     return built
 
@@ -38,6 +42,15 @@ def _ids(cache: Path) -> set[str]:
     listing = subprocess.run(["buildah", "images", "-a", "-q", "--no-trunc"], env=env,
                              capture_output=True, text=True, check=True).stdout
     return {line.strip().removeprefix("sha256:") for line in listing.splitlines() if line}
+
+
+def _nameless(cache: Path) -> set[str]:
+    """The images no name points at (intermediate layers left out)."""
+    env = images._buildah_env(cache)
+    listing = subprocess.run(["buildah", "images", "--json", "--no-trunc"], env=env,
+                             capture_output=True, text=True, check=True).stdout
+    return {i["id"].removeprefix("sha256:") for i in json.loads(listing or "[]")
+            if not i.get("names")}
 
 
 @pytest.fixture
@@ -78,3 +91,59 @@ def test_an_archive_handed_out_again_is_kept_for_another_grace_period(cache: Pat
     os.utime(archive, (two_hours_ago, two_hours_ago))
     images.prune_superseded(cache, log.append)
     assert not archive.exists()
+
+
+def test_an_old_image_superseded_now_is_kept_for_the_grace_from_then(cache: Path):
+    """An image made long ago loses its name only now (a build that reused it from the cache,
+    then a rebuild): another checkout may still be using it, so its hour starts now."""
+    log: list[str] = []
+    old = _commit(cache, 1, created=time.time() - 7200)
+    new = _commit(cache, 2)
+    images.prune_superseded(cache, log.append)
+    assert {old, new} <= _ids(cache)
+    images.prune_superseded(cache, log.append, grace_s=0)
+    assert old not in _ids(cache) and new in _ids(cache)
+
+
+DOCKERFILE = """\
+FROM scratch AS deps
+COPY deps.txt /deps.txt
+
+FROM scratch AS runtime
+COPY --from=deps /deps.txt /deps.txt
+COPY src.txt /src.txt
+"""
+
+
+def test_an_earlier_stage_stays_cached_when_the_image_it_made_is_superseded(cache: Path,
+                                                                            tmp_path: Path):
+    """The ``deps`` stage of images/cpu/Dockerfile installs PyTorch and JAX: a change under
+    ``src/`` rebuilds the image, and pruning what it superseded must leave the stage cached."""
+    context = tmp_path / "context"
+    context.mkdir()
+    (context / "Dockerfile").write_text(DOCKERFILE)
+    (context / "deps.txt").write_text("the dependencies")
+    log: list[str] = []
+
+    def build(source: str) -> str:
+        (context / "src.txt").write_text(source)
+        return images.build_stages(context / "Dockerfile", context, NAME, family="tiny",
+                                   cache=cache, log=log.append)
+
+    first = build("version 1")
+    deps = images.image_id(images.stage_name("tiny", "deps"), cache)
+    second = build("version 2")
+    images.prune_superseded(cache, log.append, grace_s=0)
+    assert first not in _ids(cache) and second in _ids(cache)
+    third = build("version 3")
+    assert images.image_id(images.stage_name("tiny", "deps"), cache) == deps  # from the cache
+    # and the whole build used it: no nameless stage image of its own beside what it superseded
+    assert _nameless(cache) == {second} and third in _ids(cache)
+
+
+def test_a_dockerfile_names_its_earlier_stages():
+    assert images.dockerfile_stages(DOCKERFILE) == ["deps"]
+    assert images.dockerfile_stages((images.repository_root() / images.CPU.dockerfile)
+                                    .read_text()) == ["deps", "builder"]
+    with pytest.raises(images.ImageError, match=r"stage 1 \(FROM scratch\) has no name"):
+        images.dockerfile_stages("FROM scratch\nCOPY a /a\nFROM scratch AS runtime\n")

@@ -77,6 +77,8 @@ CHART_IMAGES = (OPERATOR, CPU)
 #: A superseded image (its name now points at a newer build) and its archive are deleted
 #: once this old: a build from another checkout sharing the cache may still be importing it.
 SUPERSEDED_GRACE_S = 3600.0
+#: Where the Dockerfiles' earlier stages are named (:func:`build_stages`).
+STAGES = "localhost/ddm-dev/stages"
 
 
 def cache_dir() -> Path:
@@ -238,7 +240,6 @@ def build_project_image(image: ProjectImage, *, repo: Path | None = None,
     repo = repo or repository_root()
     ensure_apt_packages(APT_PACKAGES, log=log)
     ensure_base(cache, log)
-    env = _buildah_env(cache)
     pip_conf_text, local_dirs = build_pip_config(host_pip_settings(),
                                                  wheelhouse=image.wheelhouse)
     pip_conf = cache / f"pip-{image.family}.conf"
@@ -248,38 +249,92 @@ def build_project_image(image: ProjectImage, *, repo: Path | None = None,
     started = time.monotonic()
     log(f"building {image.name} from {image.dockerfile} (cold: 8 to 10 minutes; "
         "a change under src/: 2 to 3)")
-    with tempfile.TemporaryDirectory(dir=cache / "tmp") as work:
-        iidfile = Path(work) / "iid"
-        _run(["buildah", "bud", "--layers", "--pull=never", "--network", "host",
-              "-f", str(repo / image.dockerfile), "--build-arg", f"VERSION={VERSION}",
-              "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
-              *(a for v in volumes for a in ("-v", v)), "-t", image.name,
-              "--iidfile", str(iidfile), str(repo)], log, env=env)
-        built = iidfile.read_text().strip().removeprefix("sha256:")
+    built = build_stages(repo / image.dockerfile, repo, image.name, family=image.family,
+                         cache=cache, log=log,
+                         args=["--network", "host", "--build-arg", f"VERSION={VERSION}",
+                               "--build-arg", f"PYTHON_IMAGE={BASE_IMAGE}",
+                               *(a for v in volumes for a in ("-v", v))])
     log(f"built {image.name} ({built[:12]}) in {time.monotonic() - started:.0f} s")
     prune_superseded(cache, log)
     return built
 
 
+def dockerfile_stages(dockerfile: str) -> list[str]:
+    """The names of a Dockerfile's stages (``FROM image AS name``) before its last, in order;
+    an unnamed one there is refused, since its cache could not be kept (:func:`build_stages`)."""
+    froms = [line.split() for line in dockerfile.splitlines()
+             if line.split()[:1] and line.split()[0].upper() == "FROM"]
+    stages = []
+    for number, words in enumerate(froms[:-1], 1):
+        words = [w for w in words if not w.startswith("--")]  # --platform=...
+        if len(words) != 4 or words[2].upper() != "AS":
+            raise ImageError(f"stage {number} ({' '.join(words)}) has no name: write "
+                             "`FROM image AS name` so that its cached layers can be kept")
+        stages.append(words[3])
+    return stages
+
+
+def stage_name(family: str, stage: str) -> str:
+    """The name an earlier stage's image is kept under in the cache."""
+    return f"{STAGES}/{family}-{stage}:{VERSION}"
+
+
+def build_stages(dockerfile: Path, context: Path, name: str, *, family: str, cache: Path,
+                 log: Log, args: Sequence[str] = ()) -> str:
+    """``buildah bud --layers`` of ``dockerfile``, each earlier stage first on its own and
+    named (:func:`stage_name`), then the whole file as ``name``; returns the id built.
+
+    buildah leaves the last image of an earlier stage nameless (the ``deps`` stage that
+    installs PyTorch and JAX), so :func:`prune_superseded` would remove it and, with it, the
+    cached layers of every step before it: the next build would install them again. Named, it
+    stays until a change to the stage (``pyproject.toml``) supersedes it. The whole build
+    then finds each stage in the cache."""
+    env = _buildah_env(cache)
+    bud = ["buildah", "bud", "--layers", "--pull=never", *args, "-f", str(dockerfile)]
+    for stage in dockerfile_stages(dockerfile.read_text()):
+        _run([*bud, "--target", stage, "-t", stage_name(family, stage), str(context)], log,
+             env=env)
+    with tempfile.TemporaryDirectory(dir=cache / "tmp") as work:
+        iidfile = Path(work) / "iid"
+        _run([*bud, "-t", name, "--iidfile", str(iidfile), str(context)], log, env=env)
+        return iidfile.read_text().strip().removeprefix("sha256:")
+
+
 def prune_superseded(cache: Path, log: Log, *, grace_s: float = SUPERSEDED_GRACE_S) -> None:
-    """Delete what earlier builds left behind, once older than ``grace_s``: images no name
+    """Delete what earlier builds left behind, once superseded for ``grace_s``: images no name
     points at any more (a rebuild took their name; buildah removes their now unused
     intermediate layers with them) and the archives of images no name points at (unused:
     :func:`oci_archive` refreshes an archive's time whenever it hands it out). Without this
-    every change under ``src/`` leaves a 0.6 GB archive (CUDA: 3.4 GB) and a layer behind."""
+    every change under ``src/`` leaves a 0.6 GB archive (CUDA: 3.4 GB) and a layer behind.
+
+    An image's time counts from the first prune that found it nameless (kept in
+    ``superseded.json`` in the cache), not from its creation: a build that finds an image in
+    the cache reuses it as old as it is, and it may lose its name years after it was made."""
     env = _buildah_env(cache)
     listing = _run(["buildah", "images", "--json", "--no-trunc"], log, env=env, quiet=True)
     images = json.loads(listing or "null") or []
-    cutoff = time.time() - grace_s
+    now = time.time()
+    cutoff = now - grace_s
     named = {i["id"].removeprefix("sha256:") for i in images if i.get("names")}
-    superseded = [i["id"] for i in images if not i.get("names") and i["created"] <= cutoff]
+    record = cache / "superseded.json"
+    try:
+        seen = json.loads(record.read_text())
+    except (OSError, ValueError):  # none yet, or cut short: every nameless image starts now
+        seen = {}
+    seen = {i["id"]: float(seen.get(i["id"], now)) for i in images if not i.get("names")}
     removed = 0
-    for old in superseded:  # one at a time: one that cannot go must not keep the others
+    for old in [i for i, since in seen.items() if since <= cutoff]:
+        # one at a time: one that cannot go must not keep the others
         result = subprocess.run(["buildah", "rmi", old], env=env, capture_output=True, text=True)
-        removed += result.returncode == 0
-        if result.returncode != 0:
+        if result.returncode == 0:
+            removed += 1
+            del seen[old]
+        else:
             log(f"kept superseded image {old.removeprefix('sha256:')[:12]}: "
                 f"{result.stderr.strip()}")
+    partial = record.with_name(f"{record.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(seen, indent=1))
+    partial.replace(record)
     freed = 0
     for archive in (cache / "archives").glob("*.oci.tar"):
         image = archive.name.removesuffix(".oci.tar")
