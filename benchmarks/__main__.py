@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-calls-ahead", action="store_true",
                    help="measure the pooled deployments again through a second router over "
                         "the same pool with the other choice of DDM_CALLS_AHEAD")
+    p.add_argument("--lockstep-groups", default="",
+                   help="measure the pooled deployments again through a router per number "
+                        "of lockstep groups given (DDM_LOCKSTEP_GROUPS; comma-separated, "
+                        "from 2)")
     p.add_argument("--quick", action="store_true",
                    help="small release, 2 steps, 1 and 2 prompts: a smoke run")
     p.set_defaults(handler=_bench_paris_pools)
@@ -194,18 +198,19 @@ def _bench_paris_pools(args: argparse.Namespace) -> int:
             compile=modes,
             load=PoolBenchSettings(concurrency=_levels(args.concurrency), rounds=args.rounds,
                                    steps=args.steps))
-        settings = replace(settings, compare_calls_ahead=args.compare_calls_ahead)
+        settings = replace(settings, compare_calls_ahead=args.compare_calls_ahead,
+                           lockstep_groups=_levels(args.lockstep_groups, "lockstep-groups"))
     except ValueError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2
     return bench_paris_pools_command(settings)
 
 
-def _levels(text: str) -> tuple[int, ...]:
+def _levels(text: str, option: str = "concurrency") -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise ValueError(f"concurrency: give comma-separated integers, got {text!r}") from None
+        raise ValueError(f"{option}: give comma-separated integers, got {text!r}") from None
 
 
 def _bench_pools(args: argparse.Namespace) -> int:
@@ -237,7 +242,7 @@ def _bench_forwards(args: argparse.Namespace) -> int:
     try:
         settings = ForwardSettings(size=args.size, device=args.device,
                                    precision=args.precision, compile=args.compile,
-                                   rows=_levels(args.rows), repeats=args.repeats)
+                                   rows=_levels(args.rows, "rows"), repeats=args.repeats)
     except ValueError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2

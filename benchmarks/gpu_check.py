@@ -53,12 +53,12 @@ GPU_CHECK = ParisPoolSettings(
     size="full", accelerator="nvidia", precision="bfloat16",
     deployments=("pooled", "in_process"), compile=("none", "reduce-overhead"),
     load=PoolBenchSettings(concurrency=(1, 32), rounds=3), keep_release=KEPT_RELEASE,
-    compare_calls_ahead=True)
+    lockstep_groups=(2,))
 #: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts.
 QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),
     compile=("none", "reduce-overhead"), max_batch=8,
-    load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2), compare_calls_ahead=True)
+    load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2), lockstep_groups=(2,))
 #: ``--part``: what each part measures of the settings (all of it, or one call's share;
 #: ``pool``, the eager pool alone, is what a lease with under five minutes left still fits).
 PARTS = {"all": {},
@@ -99,13 +99,12 @@ def summary(result: dict[str, Any]) -> list[str]:
         lines.append(f"{name}: {_levels(figures)}" + (f"; GPU MiB in use {gpu}" if gpu else ""))
         lines.extend(f"  {name} at {level} prompts: {where}"
                      for level, f in figures["levels"].items() if (where := time_went(f)))
-        for other in ("calls_ahead_on", "calls_ahead_off"):
-            if other in figures:
-                lines.append(f"{name} through a router with {other}: "
-                             f"{_levels(figures[other])}")
-                lines.extend(f"  {name} with {other} at {level} prompts: {where}"
-                             for level, f in figures[other]["levels"].items()
-                             if (where := time_went(f)))
+        for other in (key for key, value in figures.items()
+                      if isinstance(value, dict) and "levels" in value):
+            lines.append(f"{name} through a router with {other}: {_levels(figures[other])}")
+            lines.extend(f"  {name} with {other} at {level} prompts: {where}"
+                         for level, f in figures[other]["levels"].items()
+                         if (where := time_went(f)))
         if "calls_ahead" in figures:
             lines.append(f"  {name} calls ahead by router: " + "; ".join(
                 f"{router} {counts['used']} used, {counts['unused']} unused"

@@ -31,7 +31,9 @@ each router's calls ahead counted
 calls ahead help there (``ddm.serving.router.fleet.remote``). The default router is measured
 first; each router's figures count the model servers and that router alone. A
 ``DDM_CALLS_AHEAD`` in this process's environment reaches the default router too (the JSON's
-``calls_ahead`` counts say what each did).
+``calls_ahead`` counts say what each did). ``lockstep_groups`` (say ``(2,)``) adds a router
+per number of groups its lockstep keeps (``DDM_LOCKSTEP_GROUPS``, keyed ``lockstep_groups_2``:
+``ddm.serving.router.fleet.lockstep``), measured the same way after the others.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from benchmarks.fleet import BenchError, machine, say
 from benchmarks.load import local_ddm
 from benchmarks.model_time import calls_ahead
 from benchmarks.pools import PoolBenchSettings, in_process, served
+from ddm.serving.router.fleet.lockstep import LOCKSTEP_GROUPS_ENV, MAX_GROUPS
 from ddm.serving.router.fleet.remote import CALLS_AHEAD_ENV
 from ddm.deploy.limits import COMPILE_MODES
 from ddm.models.paris import ParisExpertConfig, ParisRouterConfig
@@ -98,12 +101,23 @@ class ParisPoolSettings:
     #: Also measure the pooled deployments through a router making the other choice of
     #: calls ahead (module docstring).
     compare_calls_ahead: bool = False
+    #: Also measure the pooled deployments through a router whose lockstep keeps each of
+    #: these numbers of groups (module docstring).
+    lockstep_groups: tuple[int, ...] = ()
 
     @property
     def other_calls_ahead(self) -> str:
         """The choice the second router makes: ``off`` on an accelerator (where ``auto`` sends
         calls ahead at one prompt), ``on`` on the CPU (where it sends none)."""
         return "on" if self.accelerator == "cpu" else "off"
+
+    def other_routers(self) -> dict[str, dict[str, str]]:
+        """The routers measured after the default one over a pooled deployment's servers,
+        by the key of their figures: each one's environment."""
+        others = ({f"calls_ahead_{self.other_calls_ahead}": {
+            CALLS_AHEAD_ENV: self.other_calls_ahead}} if self.compare_calls_ahead else {})
+        return {**others, **{f"lockstep_groups_{n}": {LOCKSTEP_GROUPS_ENV: str(n)}
+                             for n in self.lockstep_groups}}
 
     def __post_init__(self) -> None:
         if self.size not in SIZES:
@@ -120,6 +134,10 @@ class ParisPoolSettings:
         if unknown or not self.compile or len(set(self.compile)) != len(self.compile):
             raise ValueError(f"compile: give some of {', '.join(COMPILE_MODES)}, each once, "
                              f"got {', '.join(self.compile) or 'none'}")
+        if len(set(self.lockstep_groups)) != len(self.lockstep_groups) or not all(
+                2 <= n <= MAX_GROUPS for n in self.lockstep_groups):
+            raise ValueError(f"lockstep_groups: give numbers from 2 to {MAX_GROUPS}, each "
+                             f"once (1 is the default router's), got {self.lockstep_groups}")
 
 
 #: The file that marks a release's import as whole (in the imported directory).
@@ -209,22 +227,22 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                 say(log, f"paris-pools: {key}")
                 manifest = imported / f"ddm-{key}.yaml"
                 manifest.write_text(yaml.safe_dump(compiled_manifest(documents[name], mode)))
-                other = f"calls_ahead_{settings.other_calls_ahead}"
-                also = ({other: {CALLS_AHEAD_ENV: settings.other_calls_ahead}}
-                        if settings.compare_calls_ahead and name == "pooled" else {})
+                also = settings.other_routers() if name == "pooled" else {}
                 with local_ddm(manifest, max(load.concurrency), log, also=also) as ddm:
                     # Each router's figures count the model servers and that router alone.
-                    pids = {name: pid for name, pid in ddm.pids.items() if name not in also}
+                    pids = {process: pid for process, pid in ddm.pids.items()
+                            if process not in also}
                     figures = asyncio.run(served(ddm.url, pids, load, log, ddm.metrics,
                                                  ddm.routers["router"][1]))
                     figures.update(gpu_memory(pids))
-                    if also:
+                    for other in also:
                         say(log, f"paris-pools: {key} through a router with {other}")
-                        others = {name: pid for name, pid in ddm.pids.items()
-                                  if name != "router"}
+                        others = {process: pid for process, pid in ddm.pids.items()
+                                  if process not in ("router", *also) or process == other}
                         url, metrics_url = ddm.routers[other]
                         figures[other] = asyncio.run(served(url, others, load, log,
                                                             ddm.metrics, metrics_url))
+                    if also:
                         figures["calls_ahead"] = {
                             router: calls_ahead(httpx.get(metrics_url, timeout=60).text)
                             for router, (_, metrics_url) in ddm.routers.items()}

@@ -125,7 +125,8 @@ def test_a_compiled_manifest_compiles_each_server_once(imported: Path, tmp_path:
     ("size", "huge", "size"), ("accelerator", "neuron", "accelerator"),
     ("deployments", ("pooled", "remote"), "deployments"), ("deployments", (), "deployments"),
     ("max_batch", 0, "max_batch"), ("compile", ("fast",), "compile"), ("compile", (), "compile"),
-    ("compile", ("none", "none"), "compile")])
+    ("compile", ("none", "none"), "compile"), ("lockstep_groups", (1,), "lockstep_groups"),
+    ("lockstep_groups", (2, 2), "lockstep_groups"), ("lockstep_groups", (9,), "lockstep_groups")])
 def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
                                                    message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -135,7 +136,7 @@ def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
 @pytest.mark.slow
 def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None:
     settings = ParisPoolSettings(deployments=("pooled", "in_process"), load=PoolBenchSettings(
-        concurrency=(1, 2), rounds=1, steps=2), compare_calls_ahead=True)
+        concurrency=(1, 2), rounds=1, steps=2), compare_calls_ahead=True, lockstep_groups=(2,))
     log, snapshots = io.StringIO(), []
     result = json.loads(json.dumps(bench_paris_pools(
         settings, log, on_figures=lambda so_far: snapshots.append(json.loads(json.dumps(so_far))))))
@@ -151,12 +152,16 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     # figures counting the pool and itself, as the first router's the pool and the first.
     assert set(pooled["processes"]) == {f"pool-{POOL}/0", "router"}
     assert set(pooled["calls_ahead_on"]["processes"]) == {f"pool-{POOL}/0", "calls_ahead_on"}
+    # and a third whose lockstep keeps two groups (DDM_LOCKSTEP_GROUPS=2)
+    assert set(pooled["lockstep_groups_2"]["processes"]) == {f"pool-{POOL}/0",
+                                                             "lockstep_groups_2"}
     assert pooled["gpu_memory_mib"] is None  # no NVIDIA GPU on this machine
     for process in pooled["processes"].values():
         assert 20 < process["lifetime_peak_mib"] < 4096
         with pytest.raises(ProcessLookupError):  # stopped
             os.kill(process["pid"], 0)
-    for figures in (pooled, pooled["calls_ahead_on"], result["in_process"]):
+    for figures in (pooled, pooled["calls_ahead_on"], pooled["lockstep_groups_2"],
+                    result["in_process"]):
         assert {concurrency: level["images"] for concurrency, level in
                 figures["levels"].items()} == {"1": 1, "2": 2}
     # Where one image's time went: the pool ran what a top-2 guided image of 2 steps needs.
@@ -182,7 +187,7 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     # Each generation's second step went ahead through the second router, none through the
     # first: its warm-up's, the one at 1 prompt and the two at 2.
     ahead = pooled["calls_ahead"]
-    assert ahead["router"] == {"used": 0, "unused": 0}
+    assert ahead["router"] == ahead["lockstep_groups_2"] == {"used": 0, "unused": 0}
     assert ahead["calls_ahead_on"]["used"] + ahead["calls_ahead_on"]["unused"] == 2 * 4
     assert set(result["targets"]) == {"memory_pooled_to_in_process",
                                       "images_per_s_pooled_to_in_process"}

@@ -426,3 +426,43 @@ def test_a_generation_that_starts_later_steps_with_the_one_under_way(stages, poo
                             re.M)[1])
     assert waves - alone >= 2 * second_steps - 1, metrics
     assert 'ddm_router_lockstep_waves_total{released="timer"}' not in metrics
+
+
+def test_in_two_lockstep_groups_a_later_generation_steps_apart_and_changes_no_pixel(
+        stages, pool, monkeypatch):
+    """DDM_LOCKSTEP_GROUPS=2: a second generation starting while the first is stepping joins
+    the other group, so that its steps go in pool requests of their own (one per step of
+    each), where one group would merge them (the test above); each image is the one a router
+    of one group makes."""
+    velocity = ("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity", "200")
+    first_steps, second_steps = 200, 3
+
+    def generations(groups: int) -> tuple[list[bytes], float]:
+        monkeypatch.setenv("DDM_LOCKSTEP_GROUPS", str(groups))
+        app = create_router_app(pooled_config(stages, pool.removeprefix("http://")))
+        assert app.state.router.lockstep.groups == (0,) * groups
+        images: dict[str, bytes] = {}
+        with running(app) as router:
+            wait_ready(router)
+
+            def generate(prompt: str, steps: int) -> None:
+                reply = httpx.post(f"{router}/v1/images/generations", timeout=READY_S,
+                                   json={"prompt": prompt, "seed": 3, "steps": steps,
+                                         "response_format": "b64_json"})
+                assert reply.status_code == 200, reply.text
+                images[prompt] = base64.b64decode(reply.json()["data"][0]["b64_json"])
+
+            before = counts(pool).get(velocity, 0.0)
+            first = threading.Thread(target=generate, args=("a red car", first_steps))
+            first.start()
+            until(lambda: counts(pool).get(velocity, 0.0) > before,
+                  "the first generation's first step")
+            generate("a blue boat", second_steps)
+            first.join(READY_S)
+            assert not first.is_alive()
+        return [images["a red car"], images["a blue boat"]], counts(pool)[velocity] - before
+
+    two_groups, requests = generations(2)
+    assert requests == first_steps + second_steps
+    one_group, _ = generations(1)
+    assert two_groups == one_group

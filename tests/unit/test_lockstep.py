@@ -19,7 +19,7 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.sampling.loop import SamplingRequest
 from ddm.sampling.routing import parse_strategy
 from ddm.serving.router.api.state import RouterState
-from ddm.serving.router.fleet.lockstep import Lockstep
+from ddm.serving.router.fleet.lockstep import LOCKSTEP_GROUPS_ENV, Lockstep, lockstep_groups
 
 T = TypeVar("T")
 DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
@@ -297,6 +297,60 @@ def test_max_wait_must_be_positive():
         Lockstep(max_wait_s=0)
     with pytest.raises(ValueError, match="max_flight_wait_s must be > 0, got -1"):
         Lockstep(max_flight_wait_s=-1)
+
+
+def test_generations_join_the_group_with_the_fewest_stepping_and_step_apart(run):
+    """Two groups: a, c and e step in the first, b and d in the second (each joins the group
+    with the fewest stepping at its first turn); a group's wave goes once its own generations
+    ask, while the other group's call is still in flight: one group's calls can run while
+    the other routes."""
+
+    async def scenario() -> None:
+        waves: list[int] = []
+        lockstep = Lockstep(max_wait_s=PATIENT_S, max_flight_wait_s=PATIENT_S, groups=2,
+                            on_wave=lambda n, by_timer: waves.append(n))
+        steppers = dict(zip("abcde", (lockstep.stepper() for _ in range(5))))
+        assert lockstep.groups == (0, 0)
+        first = {}
+        for name, stepper in steppers.items():
+            first[name] = asyncio.create_task(stepper.turn("Route", 1))
+            await settle()
+        assert lockstep.groups == (3, 2) and lockstep.stepping == 5
+        # a and b, each alone in its group when it joined, went at once and are in flight;
+        # c and e wait for a, d for b.
+        assert [name for name, task in first.items() if task.done()] == ["a", "b"]
+        assert waves == [1, 1]
+
+        # b's answer lands and it asks again: its group's wave goes with d, a still in flight.
+        b_again = asyncio.create_task(steppers["b"].turn("Route", 1))
+        await settle()
+        assert b_again.done() and first["d"].done()
+        assert not first["c"].done() and not first["e"].done()
+        assert waves == [1, 1, 2]
+
+        # a's lands: the first group's wave.
+        a_again = asyncio.create_task(steppers["a"].turn("Route", 1))
+        await settle()
+        assert a_again.done() and first["c"].done() and first["e"].done()
+        assert waves == [1, 1, 2, 3]
+        for stepper in steppers.values():
+            stepper.leave()
+        assert lockstep.groups == (0, 0)
+
+    run(scenario())
+
+
+def test_groups_must_be_a_whole_number_in_range():
+    for bad in (0, 9, 1.5, True):
+        with pytest.raises(ValueError, match=rf"groups must be a whole number from 1 to 8, "
+                                             rf"got {bad!r}"):
+            Lockstep(groups=bad)
+    assert lockstep_groups({}) == 1
+    assert lockstep_groups({LOCKSTEP_GROUPS_ENV: " 2 "}) == 2
+    for bad in ("0", "two", "9", "-1"):
+        with pytest.raises(ValueError, match=rf"DDM_LOCKSTEP_GROUPS='{bad}': give a whole "
+                                             r"number of groups from 1 to 8"):
+            lockstep_groups({LOCKSTEP_GROUPS_ENV: bad})
 
 
 def test_a_router_s_generations_step_together_unless_streamed_or_delegating(run):

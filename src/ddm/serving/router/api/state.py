@@ -43,7 +43,7 @@ from ddm.models.loading import RouterFn
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.router.api.clients import ClientBudget, ClientBusy, ClientSlots, client_key
 from ddm.serving.router.fleet.demand import DemandMeter
-from ddm.serving.router.fleet.lockstep import Lockstep
+from ddm.serving.router.fleet.lockstep import Lockstep, lockstep_groups
 from ddm.serving.router.fleet.missing import Held, MissingExperts
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolMetrics, discovered_sources, pool_settings
@@ -163,8 +163,10 @@ class RouterState:
         self.demand = DemandMeter(self.names, self.registry)
         self.missing = MissingExperts(config.missing_expert, self.pool, self.demand,
                                       config.sampling.strategy)
-        #: Keeps concurrent generations in step, so that their calls merge.
-        self.lockstep = Lockstep(on_wave=self.metrics.observe_wave)
+        #: Keeps concurrent generations in step, so that their calls merge, in as many
+        #: groups as DDM_LOCKSTEP_GROUPS says.
+        self.lockstep = Lockstep(on_wave=self.metrics.observe_wave,
+                                 groups=lockstep_groups(os.environ))
         #: Whether steps' calls go beside a served router network's pass (DDM_CALLS_AHEAD).
         self._calls_ahead_choice = calls_ahead_choice(os.environ)
         self.network: RouterNetwork | None = None

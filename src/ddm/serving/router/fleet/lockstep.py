@@ -27,10 +27,20 @@ answer landed, if later), every waiting one goes; one that waits for a missing e
 out meanwhile (:meth:`Stepper.away`).
 
 A lone generation never waits, and a generation joins the waves only from its first routing
-or expert query on (encoding the prompts and decoding are outside them). Which generations
-take part is the router's choice (``RouterState.guard``: not a streamed one, whose previews
-would hold the others, nor one delegating chunks of steps). One event loop only, as the
-coalescers.
+or expert query on (encoding the prompts and decoding are outside them).
+
+**Groups.** One lockstep's waves leave an accelerator idle between them: while the router
+routes and steps, no call is on the device (on an H200 at 32 concurrent prompts the GPU was
+busy 64-71% of the time: docs/paris.md). A lockstep of ``groups`` > 1 (the router's
+``DDM_LOCKSTEP_GROUPS``, :func:`lockstep_groups`) keeps that many groups stepping apart, each
+in waves of its own, so that one group's calls can run while another routes; a generation
+joins the group with the fewest stepping at its first turn, so that the groups stay even. Each
+group's forwards are smaller, and each pays its forwards' fixed cost; one group is the
+default (on a CPU the router's work and the model's share the same cores).
+
+Which generations take part is the router's choice (``RouterState.guard``: not a streamed
+one, whose previews would hold the others, nor one delegating chunks of steps). One event loop
+only, as the coalescers.
 """
 
 from __future__ import annotations
@@ -39,9 +49,10 @@ import asyncio
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
-__all__ = ["MAX_FLIGHT_WAIT_S", "MAX_WAIT_S", "Lockstep", "Stepper", "WaveObserver"]
+__all__ = ["LOCKSTEP_GROUPS_ENV", "MAX_FLIGHT_WAIT_S", "MAX_GROUPS", "MAX_WAIT_S", "Lockstep",
+           "Stepper", "WaveObserver", "lockstep_groups"]
 
 #: The longest a generation waits for the others of its wave: past it, the waiting ones go
 #: without a generation that is held elsewhere.
@@ -49,6 +60,20 @@ MAX_WAIT_S = 0.02
 #: The longest the waiting generations wait where every other one stepping is in flight,
 #: however long their own calls take.
 MAX_FLIGHT_WAIT_S = 1.0
+#: The router's environment variable that sets its lockstep's groups (module docstring).
+LOCKSTEP_GROUPS_ENV = "DDM_LOCKSTEP_GROUPS"
+#: The most groups a lockstep keeps: beyond a few, each group's batches only get smaller.
+MAX_GROUPS = 8
+
+
+def lockstep_groups(env: Mapping[str, str]) -> int:
+    """:data:`LOCKSTEP_GROUPS_ENV`'s value in ``env`` (1 where unset), or a ``ValueError``
+    naming the range."""
+    text = env.get(LOCKSTEP_GROUPS_ENV, "").strip() or "1"
+    if not (text.isdigit() and 1 <= int(text) <= MAX_GROUPS):
+        raise ValueError(f"{LOCKSTEP_GROUPS_ENV}={env[LOCKSTEP_GROUPS_ENV]!r}: give a whole "
+                         f"number of groups from 1 to {MAX_GROUPS}")
+    return int(text)
 
 
 @dataclass(eq=False)
@@ -66,20 +91,53 @@ WaveObserver = Callable[[int, bool], None]
 
 
 class Lockstep:
-    """Gives the turns of the generations stepping together (the module docstring); each
-    generation takes part through its own :meth:`stepper`; ``on_wave`` sees every wave."""
+    """Gives the turns of the generations stepping together (the module docstring), in
+    ``groups`` groups stepping apart; each generation takes part through its own
+    :meth:`stepper`; ``on_wave`` sees every group's every wave."""
 
     def __init__(self, max_wait_s: float = MAX_WAIT_S,
                  on_wave: WaveObserver | None = None,
-                 max_flight_wait_s: float = MAX_FLIGHT_WAIT_S) -> None:
+                 max_flight_wait_s: float = MAX_FLIGHT_WAIT_S, groups: int = 1) -> None:
         for name, value in (("max_wait_s", max_wait_s),
                             ("max_flight_wait_s", max_flight_wait_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if isinstance(groups, bool) or not isinstance(groups, int) or \
+                not 1 <= groups <= MAX_GROUPS:
+            raise ValueError(f"groups must be a whole number from 1 to {MAX_GROUPS}, "
+                             f"got {groups!r}")
+        self._groups = tuple(_Group(max_wait_s, max(max_flight_wait_s, max_wait_s), on_wave)
+                             for _ in range(groups))
+
+    @property
+    def stepping(self) -> int:
+        """Generations stepping together now, in every group."""
+        return sum(group.stepping for group in self._groups)
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """How many generations step in each group now."""
+        return tuple(group.stepping for group in self._groups)
+
+    def stepper(self) -> Stepper:
+        """A new generation's part in the waves (it joins a group at its first turn)."""
+        return Stepper(self)
+
+    def _group(self) -> _Group:
+        """The group a generation joins: the one with the fewest stepping (the first of
+        those)."""
+        return min(self._groups, key=lambda group: group.stepping)
+
+
+class _Group:
+    """One group's waves (the module docstring)."""
+
+    def __init__(self, max_wait_s: float, max_flight_wait_s: float,
+                 on_wave: WaveObserver | None) -> None:
         self._max_wait_s = max_wait_s
-        self._max_flight_wait_s = max(max_flight_wait_s, max_wait_s)
+        self._max_flight_wait_s = max_flight_wait_s
         self._on_wave = on_wave
-        self._stepping = 0
+        self.stepping = 0
         self._flying = 0  # of those stepping, how many have a query in flight
         self._waiting: list[_Waiter] = []
         self._patience_s = 0.0  # the longest of the waiting ones' patience
@@ -91,20 +149,11 @@ class Lockstep:
         self._timer: asyncio.Handle | None = None
         self._deadline = 0.0
 
-    @property
-    def stepping(self) -> int:
-        """Generations stepping together now."""
-        return self._stepping
-
-    def stepper(self) -> Stepper:
-        """A new generation's part in the waves (it joins at its first turn)."""
-        return Stepper(self)
-
     def _join(self) -> None:
-        self._stepping += 1
+        self.stepping += 1
 
     def _leave(self) -> None:
-        self._stepping -= 1
+        self.stepping -= 1
         self._consider()
 
     def _flight(self, change: int) -> None:
@@ -139,13 +188,13 @@ class Lockstep:
         answer landed, at the earliest)."""
         if not self._waiting:
             self._stop_timer()
-        elif len(self._waiting) >= self._stepping:
+        elif len(self._waiting) >= self.stepping:
             rows: Counter[str] = Counter()
             for waiter in self._waiting:
                 rows[waiter.kind] += waiter.rows
             self._release(max(rows, key=rows.__getitem__), by_timer=False)
         else:
-            if len(self._waiting) + self._flying >= self._stepping:
+            if len(self._waiting) + self._flying >= self.stepping:
                 deadline = self._since + min(max(self._patience_s, self._max_wait_s),
                                              self._max_flight_wait_s)
             else:  # one is held elsewhere: since they began waiting, or since it landed
@@ -186,6 +235,7 @@ class Stepper:
 
     def __init__(self, lockstep: Lockstep) -> None:
         self._lockstep = lockstep
+        self._group: _Group | None = None  # joined at its first turn
         self._state = "new"  # then "in", "away" (and back), "left"
         self._flying = False
         self._took_off = 0.0  # when its query in flight got its turn (the loop's time)
@@ -200,12 +250,14 @@ class Stepper:
         self.landed()
         if self._state == "new":
             self._state = "in"
-            self._lockstep._join()
-        await self._lockstep._turn(kind, rows, self.last_flight_s)
+            self._group = self._lockstep._group()
+            self._group._join()
+        assert self._group is not None
+        await self._group._turn(kind, rows, self.last_flight_s)
         if self._state == "in":
             self._flying = True
             self._took_off = asyncio.get_running_loop().time()
-            self._lockstep._flight(+1)
+            self._group._flight(+1)
 
     def landed(self) -> None:
         """Its query's answer (or failure) is in: the others wait for it no longer than for
@@ -213,14 +265,14 @@ class Stepper:
         if self._flying:
             self._flying = False
             self.last_flight_s = asyncio.get_running_loop().time() - self._took_off
-            self._lockstep._flight(-1)
+            self._group._flight(-1)
 
     def leave(self) -> None:
         """The generation steps no more (it decodes, or it ended): the others go on without
         it."""
         self.landed()
         if self._state == "in":
-            self._lockstep._leave()
+            self._group._leave()
         self._state = "left"
 
     @contextmanager
@@ -232,10 +284,10 @@ class Stepper:
             return
         self.landed()
         self._state = "away"
-        self._lockstep._leave()
+        self._group._leave()
         try:
             yield
         finally:
             if self._state == "away":
                 self._state = "in"
-                self._lockstep._join()
+                self._group._join()
