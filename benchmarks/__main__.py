@@ -107,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = kinds.add_parser("paris-pools", help="a Paris-shaped DDM (random weights, imported as "
                                              "a release) alone, in one pool and in-process: "
                                              "RSS, GPU memory and images/s (JSON)")
-    p.add_argument("--size", choices=("small", "full"), default="small",
-                   help="small: Paris's shapes in tiny networks (CPU); full: the published "
-                        "sizes (a GPU machine)")
+    p.add_argument("--size", choices=("micro", "small", "full"), default="small",
+                   help="small: Paris's shapes in tiny networks (CPU); micro: in networks "
+                        "too small to matter (a step's cost besides its models); full: the "
+                        "published sizes (a GPU machine)")
     p.add_argument("--accelerator", choices=("cpu", "nvidia"), default="cpu")
     p.add_argument("--precision", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--deployments", default="alone,pooled,in_process",

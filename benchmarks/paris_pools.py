@@ -7,6 +7,8 @@ product's: eight experts, the router network, the text encoder and the decoder.
 
 - ``--size small`` (any machine): eight small DiT experts with Paris's shapes (4x32x32
   latents, CLIP's 77 x 768 text, 256 px images) at tiny widths, on the CPU;
+- ``--size micro``: the same shapes in networks too small to matter, so that a step's time is
+  what it costs besides its models (the router's, the protocol's and the pool's own work);
 - ``--size full --accelerator nvidia --precision bfloat16`` (a GPU machine): the published
   sizes (eight DiT-XL/2 experts, a DiT-B router network, CLIP ViT-L/14's text encoder, SD's
   VAE; 9.7 GiB in bf16) in one pool on one GPU: the issue's GPU check, whose target on an
@@ -70,7 +72,14 @@ SMALL_PARIS = TinyParis(
     expert=ParisExpertConfig(input_size=32, hidden_size=64, depth=2, num_heads=4),
     router=ParisRouterConfig(input_size=32, hidden_size=64, depth=2, num_heads=4),
     vae_channels=(8, 16, 16, 16))
-SIZES = {"small": SMALL_PARIS, "full": FULL_PARIS}
+#: Paris's shapes in networks too small to matter (width 16, depth 1, patch 8): what a step
+#: costs besides its models, the router's, the protocol's and the pool's own work.
+MICRO_PARIS = TinyParis(
+    experts=8, text_width=768,
+    expert=ParisExpertConfig(input_size=32, patch_size=8, hidden_size=16, depth=1, num_heads=2),
+    router=ParisRouterConfig(input_size=32, patch_size=8, hidden_size=16, depth=1, num_heads=2),
+    text_layers=1, text_heads=2, text_intermediate=16, vae_channels=(8, 8, 8, 8), vae_layers=1)
+SIZES = {"micro": MICRO_PARIS, "small": SMALL_PARIS, "full": FULL_PARIS}
 DEPLOYMENTS = ("alone", "pooled", "in_process")
 #: The pool every component joins in the pooled variant.
 POOL = "all"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.paris_pools import (IMPORTED, PLACEMENT_FIELDS, POOL, ParisPoolSettings,
+from benchmarks.paris_pools import (IMPORTED, PLACEMENT_FIELDS, POOL, SIZES, ParisPoolSettings,
                                     bench_paris_pools, compiled_manifest, imported_release,
                                     pooled_manifest, targets)
 from benchmarks.pools import PoolBenchSettings
@@ -131,6 +131,15 @@ def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
                                                    message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ParisPoolSettings(**{field: value})
+
+
+def test_every_size_has_paris_shapes() -> None:
+    """Eight experts on 4x32x32 latents, CLIP's 768-wide text, eight clusters and 256 px
+    images (three 2x up-samplings of the latents) at every size: only the widths differ."""
+    for name, sizes in SIZES.items():
+        assert (sizes.experts, sizes.text_width, sizes.expert.input_size,
+                sizes.expert.in_channels, sizes.router.input_size, sizes.router.num_clusters,
+                len(sizes.vae_channels)) == (8, 768, 32, 4, 32, 8, 4), name
 
 
 @pytest.mark.slow
