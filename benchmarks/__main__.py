@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = kinds.add_parser("forwards", help="a Paris expert's forward at each batch size (eager, "
                                           "CUDA graph, the pool's path) and two experts as "
                                           "one grouped forward, on one device (JSON)")
-    p.add_argument("--size", default="small", help="small or full (default small)")
+    p.add_argument("--size", default="small", help="micro, small or full (default small)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--precision", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--compile", default="none", help="the pool path's torch.compile mode "

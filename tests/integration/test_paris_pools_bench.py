@@ -23,6 +23,7 @@ import yaml
 from benchmarks.paris_pools import (IMPORTED, PLACEMENT_FIELDS, POOL, SIZES, ParisPoolSettings,
                                     bench_paris_pools, compiled_manifest, imported_release,
                                     pooled_manifest, targets)
+from benchmarks.__main__ import build_parser
 from benchmarks.pools import PoolBenchSettings
 from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import load_manifest
@@ -140,6 +141,8 @@ def test_every_size_has_paris_shapes() -> None:
         assert (sizes.experts, sizes.text_width, sizes.expert.input_size,
                 sizes.expert.in_channels, sizes.router.input_size, sizes.router.num_clusters,
                 len(sizes.vae_channels)) == (8, 768, 32, 4, 32, 8, 4), name
+        # the command offers it (its parser names the sizes without importing torch)
+        assert build_parser().parse_args(["paris-pools", "--size", name]).size == name
 
 
 @pytest.mark.slow

@@ -396,27 +396,11 @@ def test_a_generation_that_starts_later_steps_with_the_one_under_way(stages, poo
     # Patient: nothing here is held elsewhere, so no wave should go by the timer.
     app.state.router.lockstep = Lockstep(max_wait_s=READY_S,
                                          on_wave=app.state.router.metrics.observe_wave)
-    velocity = ("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity", "200")
-    # Long enough (tiny models step in milliseconds) for the second to start well within it.
-    first_steps, second_steps = 200, 3
     with running(app) as router:
         wait_ready(router)
-
-        def generate(prompt: str, steps: int) -> None:
-            reply = httpx.post(f"{router}/v1/images/generations", timeout=READY_S,
-                               json={"prompt": prompt, "seed": 3, "steps": steps})
-            assert reply.status_code == 200, reply.text
-
-        before = counts(pool).get(velocity, 0.0)
-        first = threading.Thread(target=generate, args=("a red car", first_steps))
-        first.start()
-        until(lambda: counts(pool).get(velocity, 0.0) > before,
-              "the first generation's first step")
-        generate("a blue boat", second_steps)
-        first.join(READY_S)
-        assert not first.is_alive()
+        _, requests = _a_second_generation_under_way(router, pool)
         metrics = httpx.get(f"{router}/metrics").text
-    assert counts(pool)[velocity] - before == first_steps
+    assert requests == FIRST_STEPS
     # The router's metrics say so: waves of two generations (the second's routing and expert
     # queries; its first routing may go alone, while the first generation is at its experts),
     # none let go by the timer.
@@ -424,7 +408,7 @@ def test_a_generation_that_starts_later_steps_with_the_one_under_way(stages, poo
                             metrics, re.M)[1])
     waves = float(re.search(r"^ddm_router_lockstep_wave_generations_count (\S+)$", metrics,
                             re.M)[1])
-    assert waves - alone >= 2 * second_steps - 1, metrics
+    assert waves - alone >= 2 * SECOND_STEPS - 1, metrics
     assert 'ddm_router_lockstep_waves_total{released="timer"}' not in metrics
 
 
@@ -434,35 +418,44 @@ def test_in_two_lockstep_groups_a_later_generation_steps_apart_and_changes_no_pi
     the other group, so that its steps go in pool requests of their own (one per step of
     each), where one group would merge them (the test above); each image is the one a router
     of one group makes."""
-    velocity = ("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity", "200")
-    first_steps, second_steps = 200, 3
 
-    def generations(groups: int) -> tuple[list[bytes], float]:
+    def generations(groups: int) -> tuple[dict[str, bytes], float]:
         monkeypatch.setenv("DDM_LOCKSTEP_GROUPS", str(groups))
         app = create_router_app(pooled_config(stages, pool.removeprefix("http://")))
         assert app.state.router.lockstep.groups == (0,) * groups
-        images: dict[str, bytes] = {}
         with running(app) as router:
             wait_ready(router)
-
-            def generate(prompt: str, steps: int) -> None:
-                reply = httpx.post(f"{router}/v1/images/generations", timeout=READY_S,
-                                   json={"prompt": prompt, "seed": 3, "steps": steps,
-                                         "response_format": "b64_json"})
-                assert reply.status_code == 200, reply.text
-                images[prompt] = base64.b64decode(reply.json()["data"][0]["b64_json"])
-
-            before = counts(pool).get(velocity, 0.0)
-            first = threading.Thread(target=generate, args=("a red car", first_steps))
-            first.start()
-            until(lambda: counts(pool).get(velocity, 0.0) > before,
-                  "the first generation's first step")
-            generate("a blue boat", second_steps)
-            first.join(READY_S)
-            assert not first.is_alive()
-        return [images["a red car"], images["a blue boat"]], counts(pool)[velocity] - before
+            return _a_second_generation_under_way(router, pool)
 
     two_groups, requests = generations(2)
-    assert requests == first_steps + second_steps
+    assert requests == FIRST_STEPS + SECOND_STEPS
     one_group, _ = generations(1)
     assert two_groups == one_group
+
+
+#: Long enough (tiny models step in milliseconds) for the second to start well within it.
+FIRST_STEPS, SECOND_STEPS = 200, 3
+
+
+def _a_second_generation_under_way(router: str, pool: str) -> tuple[dict[str, bytes], float]:
+    """"a red car" in :data:`FIRST_STEPS` steps and, once its first step reached ``pool``, "a
+    blue boat" in :data:`SECOND_STEPS`, through ``router``: their images by prompt, and the
+    pool velocity requests they made."""
+    velocity = ("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity", "200")
+    images: dict[str, bytes] = {}
+
+    def generate(prompt: str, steps: int) -> None:
+        reply = httpx.post(f"{router}/v1/images/generations", timeout=READY_S,
+                           json={"prompt": prompt, "seed": 3, "steps": steps,
+                                 "response_format": "b64_json"})
+        assert reply.status_code == 200, reply.text
+        images[prompt] = base64.b64decode(reply.json()["data"][0]["b64_json"])
+
+    before = counts(pool).get(velocity, 0.0)
+    first = threading.Thread(target=generate, args=("a red car", FIRST_STEPS))
+    first.start()
+    until(lambda: counts(pool).get(velocity, 0.0) > before, "the first generation's first step")
+    generate("a blue boat", SECOND_STEPS)
+    first.join(READY_S)
+    assert not first.is_alive()
+    return images, counts(pool)[velocity] - before

@@ -45,7 +45,7 @@ def test_the_count_agrees_with_pytorch_s_counter_on_what_it_sees():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("size", "huge", "size must be one of small, full"),
+    ("size", "huge", "size must be one of micro, small, full"),
     ("precision", "int8", "precision must be one of float32, bfloat16, float16"),
     ("compile", "fast", "compile must be one of none, default"),
     ("rows", (), "needs rows >= 1"), ("repeats", 0, "needs rows >= 1 and repeats >= 1")])
