@@ -105,6 +105,17 @@ def test_an_old_image_superseded_now_is_kept_for_the_grace_from_then(cache: Path
     assert old not in _ids(cache) and new in _ids(cache)
 
 
+def test_a_record_that_is_not_the_prunes_own_counts_every_image_from_now(cache: Path):
+    log: list[str] = []
+    old = _commit(cache, 1, created=time.time() - 7200)
+    _commit(cache, 2)
+    for garbage in ('{"sha256:%s": 0' % old, "[0]", '{"sha256:%s": "long ago"}' % old):
+        (cache / "superseded.json").write_text(garbage)
+        images.prune_superseded(cache, log.append)
+        assert old in _ids(cache)
+    assert json.loads((cache / "superseded.json").read_text())  # its own again
+
+
 DOCKERFILE = """\
 FROM scratch AS deps
 COPY deps.txt /deps.txt

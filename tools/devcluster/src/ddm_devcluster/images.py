@@ -317,11 +317,8 @@ def prune_superseded(cache: Path, log: Log, *, grace_s: float = SUPERSEDED_GRACE
     cutoff = now - grace_s
     named = {i["id"].removeprefix("sha256:") for i in images if i.get("names")}
     record = cache / "superseded.json"
-    try:
-        seen = json.loads(record.read_text())
-    except (OSError, ValueError):  # none yet, or cut short: every nameless image starts now
-        seen = {}
-    seen = {i["id"]: float(seen.get(i["id"], now)) for i in images if not i.get("names")}
+    known = _first_seen(record)
+    seen = {i["id"]: known.get(i["id"], now) for i in images if not i.get("names")}
     removed = 0
     for old in [i for i, since in seen.items() if since <= cutoff]:
         # one at a time: one that cannot go must not keep the others
@@ -344,6 +341,19 @@ def prune_superseded(cache: Path, log: Log, *, grace_s: float = SUPERSEDED_GRACE
     if removed or freed:
         log(f"pruned {removed} superseded images and {freed / 1e9:.1f} GB of archives "
             f"unused for {grace_s / 3600:g} h")
+
+
+def _first_seen(record: Path) -> dict[str, float]:
+    """:func:`prune_superseded`'s record: when it first found each image nameless. None yet,
+    or one cut short or not its own: every nameless image counts from now."""
+    try:
+        data = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {image: float(since) for image, since in data.items()
+            if isinstance(since, (int, float)) and not isinstance(since, bool)}
 
 
 def oci_archive(name: str, cache: Path, log: Log, source: str | None = None) -> Path:
