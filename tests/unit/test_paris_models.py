@@ -191,3 +191,66 @@ def test_weights_keep_their_dtype_unless_one_is_asked_for(expert_dir):
     assert {p.dtype for p in load_paris_expert(expert_dir).parameters()} == {torch.bfloat16}
     as_float = load_paris_expert(expert_dir, dtype=torch.float32)
     assert {p.dtype for p in as_float.parameters()} == {torch.float32}
+
+
+def _pytorch_attention(ours: torch.nn.Module, width: int, heads: int) -> torch.nn.Module:
+    """``nn.MultiheadAttention`` holding ``ours``' weights: the port's module."""
+    theirs = torch.nn.MultiheadAttention(width, heads, batch_first=True).eval()
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    return theirs
+
+
+def test_attention_is_pytorch_s_multihead_attention_on_the_same_weights():
+    """Self- and cross-attention as nn.MultiheadAttention computes them (fast path and
+    composite path both), from the same initialisation for the same seed."""
+    from ddm.models.paris import Attention
+
+    width, heads = 48, 4
+    torch.manual_seed(3)
+    ours = Attention(width, heads).eval()
+    torch.manual_seed(3)
+    theirs = torch.nn.MultiheadAttention(width, heads, batch_first=True).eval()
+    for name, value in theirs.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], value, rtol=0, atol=0)
+    with torch.no_grad():  # random biases: PyTorch's initialisation leaves them zero
+        for parameter in ours.parameters():
+            parameter.normal_(std=0.2)
+    theirs = _pytorch_attention(ours, width, heads)
+    x, text = torch.randn(3, 16, width), torch.randn(3, 7, width)
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    try:
+        for fast in (True, False):
+            torch.backends.mha.set_fastpath_enabled(fast)
+            with torch.inference_mode():
+                torch.testing.assert_close(ours(x), theirs(x, x, x, need_weights=False)[0],
+                                           rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(ours(x, text),
+                                           theirs(x, text, text, need_weights=False)[0],
+                                           rtol=1e-5, atol=1e-5)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+
+
+def test_an_expert_block_is_pixart_s_block_on_the_port_s_modules():
+    """The block against PixArt-alpha's formula written out on nn.MultiheadAttention and
+    nn.LayerNorm: modulated self-attention and MLP under gates, plain cross-attention."""
+    from ddm.models.paris import ExpertBlock
+
+    width, heads = 48, 4
+    torch.manual_seed(4)
+    block = ExpertBlock(width, heads, 4.0).eval()
+    with torch.no_grad():
+        for parameter in block.parameters():
+            parameter.normal_(std=0.2)
+    attn = _pytorch_attention(block.attn, width, heads)
+    cross = _pytorch_attention(block.cross_attn, width, heads)
+    norm = torch.nn.LayerNorm(width, elementwise_affine=False)
+    x, time, text = torch.randn(2, 16, width), torch.randn(2, 6, width), torch.randn(2, 5, width)
+    shift1, scale1, gate1, shift2, scale2, gate2 = (block.scale_shift_table[None] + time
+                                                    ).chunk(6, dim=1)
+    with torch.inference_mode():
+        h = norm(x) * (1 + scale1) + shift1
+        expected = x + gate1 * attn(h, h, h, need_weights=False)[0]
+        expected = expected + cross(expected, text, text, need_weights=False)[0]
+        expected = expected + gate2 * block.mlp(norm(expected) * (1 + scale2) + shift2)
+        torch.testing.assert_close(block(x, time, text), expected, rtol=1e-4, atol=1e-4)

@@ -82,6 +82,45 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(features.to(self.mlp[0].weight.dtype))
 
 
+class Attention(nn.Module):
+    """Multi-head attention with ``nn.MultiheadAttention``'s parameters and initialisation
+    (``in_proj_weight`` (3D, D) packing q, k and v, ``in_proj_bias``, ``out_proj``: the port's
+    names, so a release loads unchanged), computed batch-first: one packed projection,
+    ``scaled_dot_product_attention`` on the heads as strided views, one copy back. PyTorch's
+    module works sequence-first and copies q, k, v and its output between the two layouts: five
+    copies a block and a fifth of an expert's GPU time at 64 rows (docs/benchmarks.md,
+    "kernels")."""
+
+    def __init__(self, hidden_size: int, num_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * hidden_size, hidden_size))
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * hidden_size))
+        self.out_proj = nn.Linear(hidden_size, hidden_size)
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        nn.init.zeros_(self.in_proj_bias)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` (B, N, D) attending to itself, or to ``context`` (B, L, D) -> (B, N, D)."""
+        batch, tokens, width = x.shape
+        if context is None:
+            q, k, v = self._heads(F.linear(x, self.in_proj_weight, self.in_proj_bias), 3)
+        else:
+            weight_q, weight_kv = self.in_proj_weight.split((width, 2 * width))
+            bias_q, bias_kv = self.in_proj_bias.split((width, 2 * width))
+            (q,) = self._heads(F.linear(x, weight_q, bias_q), 1)
+            k, v = self._heads(F.linear(context, weight_kv, bias_kv), 2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, tokens, width))
+
+    def _heads(self, projected: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+        """(B, N, parts * D) -> ``parts`` views (B, heads, N, D / heads), none copied."""
+        batch, tokens, width = projected.shape
+        return projected.view(batch, tokens, parts, self.num_heads,
+                              width // (parts * self.num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 class ExpertBlock(nn.Module):
     """Self-attention, cross-attention to the text tokens, MLP; adaLN-single modulation
     (one shared projection of time, plus a learned per-block table), as in PixArt-alpha."""
@@ -89,8 +128,8 @@ class ExpertBlock(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float) -> None:
         super().__init__()
         self.scale_shift_table = nn.Parameter(torch.zeros(6, hidden_size))
-        self.attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
-        self.cross_attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.attn = Attention(hidden_size, num_heads)
+        self.cross_attn = Attention(hidden_size, num_heads)
         self.mlp = _mlp(hidden_size, mlp_ratio)
 
     def forward(self, x: torch.Tensor, time_modulation: torch.Tensor,
@@ -98,10 +137,9 @@ class ExpertBlock(nn.Module):
         """``x`` (B, N, D), ``time_modulation`` (B, 6, D), ``text`` (B, L, D) -> (B, N, D)."""
         shift1, scale1, gate1, shift2, scale2, gate2 = (
             self.scale_shift_table[None] + time_modulation).chunk(6, dim=1)
-        h = _modulate(x, shift1, scale1)
-        x = x + gate1 * self.attn(h, h, h, need_weights=False)[0]
-        x = x + self.cross_attn(x, text, text, need_weights=False)[0]
-        return x + gate2 * self.mlp(_modulate(x, shift2, scale2))
+        x = torch.addcmul(x, gate1, self.attn(_modulate(x, shift1, scale1)))
+        x = x + self.cross_attn(x, text)
+        return torch.addcmul(x, gate2, self.mlp(_modulate(x, shift2, scale2)))
 
 
 class ExpertFinalLayer(nn.Module):
@@ -155,16 +193,15 @@ class RouterBlock(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float) -> None:
         super().__init__()
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
-        self.attn = nn.MultiheadAttention(hidden_size, num_heads, batch_first=True)
+        self.attn = Attention(hidden_size, num_heads)
         self.mlp = _mlp(hidden_size, mlp_ratio)
 
     def forward(self, x: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
         """``x`` (B, N, D), ``time`` (B, D) -> (B, N, D)."""
         modulation = self.adaLN_modulation(time).reshape(x.shape[0], 6, x.shape[-1])
         shift1, scale1, gate1, shift2, scale2, gate2 = modulation.chunk(6, dim=1)
-        h = _modulate(x, shift1, scale1)
-        x = x + gate1 * self.attn(h, h, h, need_weights=False)[0]
-        return x + gate2 * self.mlp(_modulate(x, shift2, scale2))
+        x = torch.addcmul(x, gate1, self.attn(_modulate(x, shift1, scale1)))
+        return torch.addcmul(x, gate2, self.mlp(_modulate(x, shift2, scale2)))
 
 
 class ParisRouter(nn.Module):
@@ -204,8 +241,9 @@ def _mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
 
 
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Parameter-free layer norm over the width, then ``* (1 + scale) + shift``."""
-    return F.layer_norm(x, (x.shape[-1],)) * (1 + scale) + shift
+    """Parameter-free layer norm over the width, then ``* (1 + scale) + shift`` (one kernel
+    for the two)."""
+    return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],)), 1 + scale)
 
 
 def _unpatchify(patches: torch.Tensor, patch: int, channels: int) -> torch.Tensor:
