@@ -142,12 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="check the command on the CPU: the small release, 2 steps, 1 and 2 "
                         "prompts")
-    p.add_argument("--part", choices=("all", "eager", "compiled", "pool", "forwards"),
+    p.add_argument("--part", choices=("all", "eager", "compiled", "pool", "forwards", "kernels"),
                    default="all",
                    help="eager: the pool eager and in-process sampling; compiled: the pool "
                         "under reduce-overhead (each fits one device call); pool: the eager "
-                        "pool alone; forwards: one expert's forwards outside any server "
-                        "(benchmarks/forwards.py); default all")
+                        "pool alone; forwards: one expert's forwards outside any server, "
+                        "kernels: where its time goes (benchmarks/forwards.py); default all")
     p.set_defaults(handler=_gpu_check)
 
     p = kinds.add_parser("grouped", help="the shipped text2img experts as one grouped forward "
@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "(default none)")
     p.add_argument("--rows", default="1,2,4,8,16,24,32,40,48,64", help="rows of each level")
     p.add_argument("--repeats", type=int, default=20, help="timed calls per figure")
+    p.add_argument("--parts", default="levels,grouped,served",
+                   help="what to measure: some of levels, kernels, grouped, served (default "
+                        "levels,grouped,served)")
+    p.add_argument("--kernel-rows", default="2,64", help="rows of each kernel breakdown")
     p.set_defaults(handler=_bench_forwards)
     return parser
 
@@ -243,7 +247,9 @@ def _bench_forwards(args: argparse.Namespace) -> int:
     try:
         settings = ForwardSettings(size=args.size, device=args.device,
                                    precision=args.precision, compile=args.compile,
-                                   rows=_levels(args.rows, "rows"), repeats=args.repeats)
+                                   rows=_levels(args.rows, "rows"), repeats=args.repeats,
+                                   parts=tuple(part for part in args.parts.split(",") if part),
+                                   kernel_rows=_levels(args.kernel_rows, "kernel-rows"))
     except ValueError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2

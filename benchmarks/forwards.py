@@ -15,15 +15,17 @@ random weights of the release's shapes (``paris_pools.SIZES``), each figure the 
   (``ddm.models.stages.paris_expert_velocity``; under ``compile`` the server's
   ``compile_network``, ``bucketed`` and ``on_compiled_thread``, each batch padded to its
   bucket), so that served - graph is the host's work around a forward;
+- ``kernels`` (asked for by name: ``parts``): at each of ``kernel_rows`` where an eager
+  forward's time goes by PyTorch's profiler (device kernels by kind: matrix products,
+  attention, normalisation, convolution, the rest; the heaviest by name), and the forward's
+  milliseconds under each attention kernel ``scaled_dot_product_attention`` offers, so that
+  a kernel's share is measured before a model is rewritten for it;
 - ``grouped``: two experts' rows in one forward (stacked parameters, ``torch.vmap`` of
   ``functional_call``, eager and, on CUDA, graph-replayed) against their two forwards one
-  after the other, with the largest difference between the two ways' outputs. Both ways run
-  ``nn.MultiheadAttention``'s composite path (``torch.backends.mha``'s fast path off): its
-  fused kernel has no batching rule, and ``vmap`` would run it once per expert.
+  after the other, with the largest difference between the two ways' outputs.
 
 TFLOP/s per level count the expert's matrix products (:func:`expert_flop_per_row`: 289 GFLOP a
-row at full size, the issue's figure) times the rows; ``torch.utils.flop_counter`` misses
-``nn.MultiheadAttention``'s fused path, most of the network.
+row at full size, the issue's figure) times the rows.
 """
 
 from __future__ import annotations
@@ -43,13 +45,30 @@ from ddm.threads import apply_cpu_thread_policy
 
 #: CLIP's tokens per prompt: what a Paris expert's text rows carry.
 TEXT_TOKENS = 77
+#: What :func:`bench_forwards` can measure (the module docstring), in the order it runs them.
+FORWARD_PARTS = ("levels", "kernels", "grouped", "served")
+#: The parts measured unless others are asked for (``kernels`` is its own device check).
+DEFAULT_PARTS = ("levels", "grouped", "served")
+#: ``scaled_dot_product_attention``'s kernels (``torch.nn.attention.SDPBackend``' names) that
+#: the ``kernels`` part times the forward under, one at a time.
+ATTENTION_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
+#: How the ``kernels`` part sorts a kernel or operator by its name (the first kind whose
+#: fragments one matches; the rest are "other": elementwise work, copies, reductions).
+KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+                ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "addmm", "aten::mm", "bmm",
+                            "matmul")),
+                ("convolution", ("conv",)),
+                ("normalisation", ("norm",)))
+#: The heaviest kernels the ``kernels`` part names, per level.
+HEAVIEST_KERNELS = 12
 
 
 @dataclass(frozen=True)
 class ForwardSettings:
     """What to measure: the expert's size (``paris_pools.SIZES``), where, in which precision,
-    the compile mode of the served path, the rows of each level and of the grouped levels,
-    and the timed calls per figure."""
+    the compile mode of the served path, the rows of each level, of the grouped levels and
+    of the kernel breakdowns, the timed calls per figure and the parts measured
+    (:data:`FORWARD_PARTS`)."""
 
     size: str = "small"
     device: str = "cpu"
@@ -57,7 +76,9 @@ class ForwardSettings:
     compile: str = "none"
     rows: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 40, 48, 64)
     grouped_rows: tuple[int, ...] = (2, 16)
+    kernel_rows: tuple[int, ...] = (2, 64)
     repeats: int = 20
+    parts: tuple[str, ...] = DEFAULT_PARTS
 
     def __post_init__(self) -> None:
         from benchmarks.paris_pools import SIZES
@@ -70,9 +91,13 @@ class ForwardSettings:
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got "
                              f"{self.compile!r}")
-        if (not self.rows or min(self.rows) < 1 or min(self.grouped_rows, default=1) < 1
+        if (not self.rows or min((*self.rows, *self.grouped_rows, *self.kernel_rows)) < 1
                 or self.repeats < 1):
             raise ValueError("ForwardSettings needs rows >= 1 and repeats >= 1")
+        unknown = [part for part in self.parts if part not in FORWARD_PARTS]
+        if unknown or not self.parts:
+            raise ValueError(f"parts must be some of {', '.join(FORWARD_PARTS)}, got "
+                             f"{', '.join(self.parts) or 'none'}")
 
 
 def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr,
@@ -120,29 +145,46 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr,
     def rate(rows: int, ms: float) -> float:
         return round(flops_per_row * rows / (ms / 1000) / 1e12, 2)
 
+    if "levels" in settings.parts:
+        figures["levels"] = _levels(experts[0], settings, inputs, generator, sync, rate, log)
+        said(figures)
+    if "kernels" in settings.parts:
+        figures["kernels"] = [_kernels(experts[0], rows, inputs(rows, generator), settings,
+                                       sync, cuda, log) for rows in settings.kernel_rows]
+        said(figures)
+    if "grouped" in settings.parts:
+        figures["grouped"] = [_grouped(experts, rows, inputs(rows * 2, generator), settings,
+                                       sync, cuda, log) for rows in settings.grouped_rows]
+        said(figures)
+    if "served" in settings.parts:
+        figures["served"] = _served(experts[0], settings, config, text_width, sync, log)
+    figures["machine"]["load_average_after"] = list(os.getloadavg())
+    return figures
+
+
+def _levels(expert: Any, settings: ForwardSettings, inputs: Callable[..., Any],
+            generator: Any, sync: Callable[[], None], rate: Callable[[int, float], float],
+            log: TextIO) -> list[dict[str, Any]]:
+    """Each level's rows eager and (on CUDA) replayed from a CUDA graph."""
+    import torch
+
+    cuda = settings.device == "cuda"
     levels = []
     for rows in settings.rows:
         x, timestep, text = inputs(rows, generator)
         level: dict[str, Any] = {"rows": rows}
         with torch.inference_mode():
-            level["eager_ms"] = _median_ms(lambda: experts[0](x, timestep, text),
+            level["eager_ms"] = _median_ms(lambda: expert(x, timestep, text),
                                            settings.repeats, sync)
             if cuda:
-                _graph_ms(level, "graph", lambda: experts[0](x, timestep, text),
+                _graph_ms(level, "graph", lambda: expert(x, timestep, text),
                           settings.repeats, sync)
         for way in ("eager", "graph"):
             if f"{way}_ms" in level:
                 level[f"{way}_tflop_per_s"] = rate(rows, level[f"{way}_ms"])
         say(log, f"forwards: {level}")
         levels.append(level)
-    figures["levels"] = levels
-    said(figures)
-    figures["grouped"] = [_grouped(experts, rows, inputs(rows * 2, generator), settings,
-                                   sync, cuda, log) for rows in settings.grouped_rows]
-    said(figures)
-    figures["served"] = _served(experts[0], settings, config, text_width, sync, log)
-    figures["machine"]["load_average_after"] = list(os.getloadavg())
-    return figures
+    return levels
 
 
 def expert_flop_per_row(config: Any, text_tokens: int, text_width: int) -> int:
@@ -215,6 +257,71 @@ def _graphed(call: Callable[[], Any]) -> Callable[[], Any]:
     return graph.replay
 
 
+def _kernels(expert: Any, rows: int, args: tuple[Any, Any, Any], settings: ForwardSettings,
+             sync: Callable[[], None], cuda: bool, log: TextIO) -> dict[str, Any]:
+    """``expert``'s eager forward on ``rows`` rows: the profiler's breakdown, then its
+    milliseconds under PyTorch's choice of attention kernel and under each of
+    :data:`ATTENTION_BACKENDS` alone (``WAY_error`` where that kernel refuses the shapes)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call() -> Any:
+        return expert(*args)
+
+    level: dict[str, Any] = {"rows": rows}
+    with torch.inference_mode():
+        level["profile"] = _profile(call, settings.repeats, sync, cuda)
+        level["attention_default_ms"] = _median_ms(call, settings.repeats, sync)
+        for backend in ATTENTION_BACKENDS:
+            way = f"attention_{backend.lower()}"
+            try:
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    level[f"{way}_ms"] = _median_ms(call, settings.repeats, sync)
+            except RuntimeError as error:
+                level[f"{way}_error"] = f"{type(error).__name__}: {error}"[:300]
+    say(log, f"forwards: kernels {level}")
+    return level
+
+
+def _profile(call: Callable[[], Any], calls: int, sync: Callable[[], None],
+             cuda: bool) -> dict[str, Any]:
+    """Where ``calls`` calls' time goes by PyTorch's profiler: on CUDA the device kernels, on
+    a CPU the operators' own time; per call the total, each kind's share
+    (:data:`KERNEL_KINDS`) and the heaviest by name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    sync()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as profiler:
+        for _ in range(calls):
+            call()
+        sync()
+    where = DeviceType.CUDA if cuda else DeviceType.CPU
+    timed = [(event.key, event.count,
+              event.self_device_time_total if cuda else event.self_cpu_time_total)
+             for event in profiler.key_averages() if event.device_type == where]
+    total = sum(us for _, _, us in timed) or 1
+    shares: dict[str, float] = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for name, _, us in timed:
+        shares[kernel_kind(name)] += us / total
+    heaviest = sorted(timed, key=lambda kernel: -kernel[2])[:HEAVIEST_KERNELS]
+    return {"timed": "device kernels" if cuda else "operators' own CPU time",
+            "ms_per_call": round(total / calls / 1000, 3),
+            "shares": {kind: round(share, 4) for kind, share in shares.items()},
+            "heaviest": [{"name": name[:200], "per_call": round(count / calls, 2),
+                          "us_per_call": round(us / calls, 1), "kind": kernel_kind(name)}
+                         for name, count, us in heaviest]}
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a kernel or operator by its name (:data:`KERNEL_KINDS`), else "other"."""
+    lowered = name.lower()
+    return next((kind for kind, fragments in KERNEL_KINDS
+                 if any(fragment in lowered for fragment in fragments)), "other")
+
+
 def _grouped(experts: list[Any], rows: int, stacked_inputs: tuple[Any, Any, Any],
              settings: ForwardSettings, sync: Callable[[], None], cuda: bool,
              log: TextIO) -> dict[str, Any]:
@@ -239,12 +346,7 @@ def _grouped(experts: list[Any], rows: int, stacked_inputs: tuple[Any, Any, Any]
         return grouped(params, buffers, x, timestep, text)
 
     level: dict[str, Any] = {"rows_per_expert": rows}
-    fast_path = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        _compare_grouped(level, one_after_the_other, together, settings.repeats, sync, cuda)
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fast_path)
+    _compare_grouped(level, one_after_the_other, together, settings.repeats, sync, cuda)
     say(log, f"forwards: grouped {level}")
     return level
 

@@ -21,11 +21,15 @@ first left warm, starts measuring at once.
 (:mod:`benchmarks.forwards`: each batch size eager, as a CUDA graph and through the pool's
 compiled path, and two experts as one grouped forward) into ``$OUT/forwards.json``
 (rewritten after each part, ``"complete": false`` until the end): where a pooled step's time
-goes inside the forwards.
+goes inside the forwards. ``--part kernels`` measures the same expert's levels (eager and as
+CUDA graphs) and its kernels (:mod:`benchmarks.forwards`' ``kernels`` part: where an eager
+forward's device time goes, and its time under each attention kernel) into
+``$OUT/kernels.json``: a minute of device time.
 
 ``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
 at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
-CPU); with ``--part forwards``, the small expert on the CPU at 1 and 2 rows.
+CPU); with ``--part forwards``, the small expert on the CPU at 1 and 2 rows (``kernels``: at
+2 rows).
 """
 
 from __future__ import annotations
@@ -73,6 +77,13 @@ GPU_FORWARDS = ForwardSettings(size="full", device="cuda", precision="bfloat16",
                                compile="reduce-overhead")
 QUICK_FORWARDS = ForwardSettings(compile="reduce-overhead", rows=(1, 2), grouped_rows=(2,),
                                  repeats=2)
+#: The part that measures the expert's kernels instead, and each part's settings, full size
+#: on the device and ``--quick``.
+KERNELS_PART = "kernels"
+FORWARD_CHECKS = {FORWARDS_PART: (GPU_FORWARDS, QUICK_FORWARDS),
+                  KERNELS_PART: (replace(GPU_FORWARDS, parts=("levels", "kernels")),
+                                 replace(QUICK_FORWARDS, parts=("levels", "kernels"),
+                                         kernel_rows=(2,)))}
 
 
 def nvidia_smi(required: bool) -> str:
@@ -152,8 +163,8 @@ def gpu_check(out: Path, quick: bool = False, part: str = "all", log: TextIO = s
     """Run the check (its ``part``: :data:`PARTS`), write ``out``/gpu-check.json and
     ``out``/nvidia-smi.txt, print the summary; 0 once the figures are written (targets met or
     not: the JSON says)."""
-    if part not in (*PARTS, FORWARDS_PART):
-        raise BenchError(f"part must be one of {', '.join((*PARTS, FORWARDS_PART))}, got "
+    if part not in (*PARTS, *FORWARD_CHECKS):
+        raise BenchError(f"part must be one of {', '.join((*PARTS, *FORWARD_CHECKS))}, got "
                          f"{part!r}")
     settings = replace(QUICK_CHECK if quick else GPU_CHECK, **PARTS.get(part, {}))
     out.mkdir(parents=True, exist_ok=True)
@@ -162,9 +173,10 @@ def gpu_check(out: Path, quick: bool = False, part: str = "all", log: TextIO = s
     print(smi, file=report, flush=True)
     if settings.accelerator == "nvidia":
         require_cuda()
-    if part == FORWARDS_PART:
-        path = out / "forwards.json"
-        forwards = bench_forwards(QUICK_FORWARDS if quick else GPU_FORWARDS, log,
+    if part in FORWARD_CHECKS:
+        path = out / f"{part}.json"
+        on_device, on_cpu = FORWARD_CHECKS[part]
+        forwards = bench_forwards(on_cpu if quick else on_device, log,
                                   lambda so_far: _write(path, {**so_far, "complete": False}))
         _write(path, {**forwards, "complete": True})
         for line in forwards_summary(forwards):
@@ -192,17 +204,26 @@ def _write(path: Path, figures: dict[str, Any]) -> None:
 
 
 def forwards_summary(figures: dict[str, Any]) -> list[str]:
-    """``--part forwards``' figures in lines: per batch size each way's milliseconds (and
-    the CUDA graph's TFLOP/s), then the grouped comparisons."""
-    served = {level["rows"]: level for level in figures["served"]}
+    """``--part forwards``' or ``kernels``' figures in lines: per batch size each way's
+    milliseconds (and the CUDA graph's TFLOP/s), the kernels' shares and each attention
+    kernel's milliseconds, then the grouped comparisons."""
+    served = {level["rows"]: level for level in figures.get("served", [])}
     lines = [f"forwards: {figures['gflop_per_row']} GFLOP a row, {figures['settings']['precision']}"
              f" on {figures.get('gpu', figures['settings']['device'])}"]
-    for level in figures["levels"]:
+    for level in figures.get("levels", []):
         ways = [*_timings(level), *(f"served {way}"
                                     for way in _timings(served.get(level["rows"], {})))]
         rate = level.get("graph_tflop_per_s", level.get("eager_tflop_per_s"))
         lines.append(f"  {level['rows']} rows: {', '.join(ways)}; {rate} TFLOP/s")
-    for level in figures["grouped"]:
+    for level in figures.get("kernels", []):
+        profile = level["profile"]
+        shares = ", ".join(f"{kind} {share:.0%}" for kind, share in profile["shares"].items())
+        lines.append(f"  kernels at {level['rows']} rows: {profile['ms_per_call']} ms of "
+                     f"{profile['timed']} a forward: {shares}")
+        lines.extend(f"    {kernel['us_per_call']} us x{kernel['per_call']} {kernel['kind']}: "
+                     f"{kernel['name'][:110]}" for kernel in profile["heaviest"][:6])
+        lines.append(f"    attention ways: {', '.join(_timings(level))}")
+    for level in figures.get("grouped", []):
         lines.append(f"  grouped, {level['rows_per_expert']} rows per expert: "
                      f"{', '.join(_timings(level))}"
                      f"; largest difference {level['max_abs_difference']:.2g}")

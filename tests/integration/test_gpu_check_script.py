@@ -28,7 +28,7 @@ from packaging.utils import canonicalize_name
 
 from benchmarks.device_wheels import IMAGE, NAMES, pinned, wanted
 from benchmarks.fleet import BenchError
-from benchmarks.gpu_check import FORWARDS_PART, GPU_CHECK, PARTS, gpu_check
+from benchmarks.gpu_check import FORWARD_CHECKS, GPU_CHECK, PARTS, gpu_check
 from benchmarks.paris_pools import ParisPoolSettings, measuring_order
 from ddm.runtime.local import REPOSITORY_ROOT
 
@@ -99,7 +99,7 @@ def test_carried_wheels_are_installed_and_come_first(tmp_path: Path) -> None:
     assert "installing 1 carried wheels" in done.stdout
     assert (tmp_path / "site" / "ddm_device_marker.py").is_file()
     assert "usage:" in done.stdout  # gpu-check's own help, offering every part
-    assert f"--part {{{','.join((*PARTS, FORWARDS_PART))}}}" in done.stdout
+    assert f"--part {{{','.join((*PARTS, *FORWARD_CHECKS))}}}" in done.stdout
 
 
 def test_the_forwards_part_measures_each_way_and_says_so(tmp_path: Path) -> None:
@@ -121,6 +121,29 @@ def test_the_forwards_part_measures_each_way_and_says_so(tmp_path: Path) -> None
     assert "  2 rows: eager " in done.stdout and "served reduce-overhead" in done.stdout
     assert "  grouped, 2 rows per expert: one after the other " in done.stdout
     assert not (tmp_path / "out" / "gpu-check.json").exists()  # no deployment was measured
+
+
+def test_the_kernels_part_says_where_a_forward_s_time_goes(tmp_path: Path) -> None:
+    """``--part kernels`` through the script (the small expert on the CPU, whose profiler
+    times operators, not kernels): the levels, then at 2 rows the shares of each kind adding
+    up to the whole, the heaviest named with their kind, and the forward under each attention
+    kernel, timed or refused by name."""
+    done = run_script(tmp_path, "--quick", "--part", "kernels")
+    assert done.returncode == 0, done.stdout[-3000:]
+    figures = json.loads((tmp_path / "out" / "kernels.json").read_text())
+    assert figures["complete"] is True and "grouped" not in figures and "served" not in figures
+    assert [level["rows"] for level in figures["levels"]] == [1, 2]
+    (kernels,) = figures["kernels"]
+    profile = kernels["profile"]
+    assert kernels["rows"] == 2 and profile["timed"] == "operators' own CPU time"
+    assert sum(profile["shares"].values()) == pytest.approx(1, abs=1e-3)
+    assert profile["shares"]["matmul"] > 0.1 and profile["shares"]["attention"] > 0
+    assert {"aten::addmm", "aten::native_layer_norm"} <= {k["name"] for k in profile["heaviest"]}
+    assert all(k["us_per_call"] > 0 and k["per_call"] > 0 for k in profile["heaviest"])
+    assert kernels["attention_default_ms"] > 0 and kernels["attention_math_ms"] > 0
+    # The CPU has no cuDNN: that kernel refuses the call, and the figures say so.
+    assert "No viable backend" in kernels["attention_cudnn_attention_error"]
+    assert "  kernels at 2 rows: " in done.stdout and "attention default " in done.stdout
 
 
 def write_wheel(path: Path, name: str, module: str) -> None:
@@ -223,5 +246,6 @@ def test_each_part_fits_a_call_and_compiled_deployments_are_measured_last() -> N
                      "compiled": [("pooled", "reduce-overhead")],
                      "pool": [("pooled", "none")]}
     with pytest.raises(BenchError,
-                       match="part must be one of all, eager, compiled, pool, forwards"):
+                       match="part must be one of all, eager, compiled, pool, forwards, "
+                             "kernels"):
         gpu_check(Path("unused"), part="some", log=io.StringIO(), report=io.StringIO())

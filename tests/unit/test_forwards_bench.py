@@ -48,10 +48,36 @@ def test_the_count_agrees_with_pytorch_s_counter_on_what_it_sees():
     ("size", "huge", "size must be one of micro, small, full"),
     ("precision", "int8", "precision must be one of float32, bfloat16, float16"),
     ("compile", "fast", "compile must be one of none, default"),
-    ("rows", (), "needs rows >= 1"), ("repeats", 0, "needs rows >= 1 and repeats >= 1")])
+    ("rows", (), "needs rows >= 1"), ("repeats", 0, "needs rows >= 1 and repeats >= 1"),
+    ("kernel_rows", (0,), "needs rows >= 1"),
+    ("parts", ("levels", "speed"), "parts must be some of levels, kernels, grouped, served, "
+                                   "got levels, speed"),
+    ("parts", (), "parts must be some of .*got none")])
 def test_bad_settings_are_refused_naming_the_field(field, value, message):
     with pytest.raises(ValueError, match=message):
         ForwardSettings(**{field: value})
+
+
+@pytest.mark.parametrize("name,kind", [
+    ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_bias_TNN", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<96, 128>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+    ("void at::native::vectorized_layer_norm_kernel<c10::BFloat16, float, false>", "normalisation"),
+    ("void cudnn::engines_precompiled::nhwcToNchwKernel<__nv_bfloat16>", "other"),
+    ("aten::mkldnn_convolution", "convolution"), ("aten::addmm", "matmul"),
+    ("void at::native::elementwise_kernel<128, 4, addcmul_cuda_kernel>", "other")])
+def test_kernels_are_sorted_by_the_names_the_h200_run_gave(name, kind):
+    from benchmarks.forwards import kernel_kind
+
+    assert kernel_kind(name) == kind
+
+
+def test_only_the_parts_asked_for_are_measured():
+    figures = bench_forwards(ForwardSettings(rows=(1,), kernel_rows=(1,), repeats=1,
+                                             parts=("kernels",)), io.StringIO())
+    assert "levels" not in figures and "grouped" not in figures and "served" not in figures
+    assert [level["rows"] for level in figures["kernels"]] == [1]
 
 
 def test_the_figures_so_far_are_handed_out_after_each_part():
