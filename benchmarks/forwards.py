@@ -19,7 +19,10 @@ random weights of the release's shapes (``paris_pools.SIZES``), each figure the 
   forward's time goes by PyTorch's profiler (device kernels by kind: matrix products,
   attention, normalisation, convolution, the rest; the heaviest by name), and the forward's
   milliseconds under each attention kernel ``scaled_dot_product_attention`` offers, so that
-  a kernel's share is measured before a model is rewritten for it;
+  a kernel's share is measured before a model is rewritten for it; where ``compile`` is not
+  ``none``, the same breakdown of the forward under ``torch.compile``'s inductor without CUDA
+  graphs (:data:`KERNEL_COMPILE_MODE`: the profiler then sees each of its kernels), to say
+  what its fusions leave;
 - ``grouped``: two experts' rows in one forward (stacked parameters, ``torch.vmap`` of
   ``functional_call``, eager and, on CUDA, graph-replayed) against their two forwards one
   after the other, with the largest difference between the two ways' outputs.
@@ -61,6 +64,9 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax"))
                 ("normalisation", ("norm",)))
 #: The heaviest kernels the ``kernels`` part names, per level.
 HEAVIEST_KERNELS = 12
+#: The ``torch.compile`` mode whose kernels the ``kernels`` part profiles: inductor's fusions
+#: without ``reduce-overhead``'s CUDA graphs, which would hide them from the profiler.
+KERNEL_COMPILE_MODE = "default"
 
 
 @dataclass(frozen=True)
@@ -149,8 +155,12 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr,
         figures["levels"] = _levels(experts[0], settings, inputs, generator, sync, rate, log)
         said(figures)
     if "kernels" in settings.parts:
-        figures["kernels"] = [_kernels(experts[0], rows, inputs(rows, generator), settings,
-                                       sync, cuda, log) for rows in settings.kernel_rows]
+        calls = [inputs(rows, generator) for rows in settings.kernel_rows]
+        figures["kernels"] = [_kernels(experts[0], rows, args, settings, sync, cuda, log)
+                              for rows, args in zip(settings.kernel_rows, calls)]
+        said(figures)
+        if settings.compile != "none":
+            _compiled_kernels(experts[0], figures["kernels"], calls, settings, sync, cuda, log)
         said(figures)
     if "grouped" in settings.parts:
         figures["grouped"] = [_grouped(experts, rows, inputs(rows * 2, generator), settings,
@@ -281,6 +291,24 @@ def _kernels(expert: Any, rows: int, args: tuple[Any, Any, Any], settings: Forwa
                 level[f"{way}_error"] = f"{type(error).__name__}: {error}"[:300]
     say(log, f"forwards: kernels {level}")
     return level
+
+
+def _compiled_kernels(expert: Any, levels: list[dict[str, Any]], calls: list[Any],
+                      settings: ForwardSettings, sync: Callable[[], None], cuda: bool,
+                      log: TextIO) -> None:
+    """Each kernel level's forward compiled (:data:`KERNEL_COMPILE_MODE`; as in the server, a
+    second shape makes the batch dynamic): its milliseconds and its profile, into the level.
+    ``expert`` itself stays eager (``torch.compile`` wraps it)."""
+    import torch
+
+    compiled = torch.compile(expert, mode=KERNEL_COMPILE_MODE)
+    with torch.inference_mode():
+        for level, args in zip(levels, calls):
+            level["compiled_ms"] = _median_ms(lambda: compiled(*args), settings.repeats, sync)
+            level["compiled_profile"] = _profile(lambda: compiled(*args), settings.repeats,
+                                                 sync, cuda)
+            say(log, f"forwards: compiled kernels at {level['rows']} rows "
+                     f"{level['compiled_profile']}")
 
 
 def _profile(call: Callable[[], Any], calls: int, sync: Callable[[], None],

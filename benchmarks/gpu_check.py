@@ -216,13 +216,18 @@ def forwards_summary(figures: dict[str, Any]) -> list[str]:
         rate = level.get("graph_tflop_per_s", level.get("eager_tflop_per_s"))
         lines.append(f"  {level['rows']} rows: {', '.join(ways)}; {rate} TFLOP/s")
     for level in figures.get("kernels", []):
-        profile = level["profile"]
-        shares = ", ".join(f"{kind} {share:.0%}" for kind, share in profile["shares"].items())
-        lines.append(f"  kernels at {level['rows']} rows: {profile['ms_per_call']} ms of "
-                     f"{profile['timed']} a forward: {shares}")
-        lines.extend(f"    {kernel['us_per_call']} us x{kernel['per_call']} {kernel['kind']}: "
-                     f"{kernel['name'][:110]}" for kernel in profile["heaviest"][:6])
-        lines.append(f"    attention ways: {', '.join(_timings(level))}")
+        for way in ("profile", "compiled_profile"):
+            if way not in level:
+                continue
+            profile = level[way]
+            shares = ", ".join(f"{kind} {share:.0%}" for kind, share in profile["shares"].items())
+            lines.append(f"  {'compiled ' if way != 'profile' else ''}kernels at {level['rows']} "
+                         f"rows: {profile['ms_per_call']} ms of {profile['timed']} a forward: "
+                         f"{shares}")
+            lines.extend(f"    {kernel['us_per_call']} us x{kernel['per_call']} "
+                         f"{kernel['kind']}: {kernel['name'][:110]}"
+                         for kernel in profile["heaviest"][:6])
+        lines.append(f"    ways: {', '.join(_timings(level))}")
     for level in figures.get("grouped", []):
         lines.append(f"  grouped, {level['rows_per_expert']} rows per expert: "
                      f"{', '.join(_timings(level))}"

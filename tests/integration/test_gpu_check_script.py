@@ -126,8 +126,8 @@ def test_the_forwards_part_measures_each_way_and_says_so(tmp_path: Path) -> None
 def test_the_kernels_part_says_where_a_forward_s_time_goes(tmp_path: Path) -> None:
     """``--part kernels`` through the script (the small expert on the CPU, whose profiler
     times operators, not kernels): the levels, then at 2 rows the shares of each kind adding
-    up to the whole, the heaviest named with their kind, and the forward under each attention
-    kernel, timed or refused by name."""
+    up to the whole, the heaviest named with their kind, the forward under each attention
+    kernel, timed or refused by name, and the compiled forward's breakdown."""
     done = run_script(tmp_path, "--quick", "--part", "kernels")
     assert done.returncode == 0, done.stdout[-3000:]
     figures = json.loads((tmp_path / "out" / "kernels.json").read_text())
@@ -143,7 +143,11 @@ def test_the_kernels_part_says_where_a_forward_s_time_goes(tmp_path: Path) -> No
     assert kernels["attention_default_ms"] > 0 and kernels["attention_math_ms"] > 0
     # The CPU has no cuDNN: that kernel refuses the call, and the figures say so.
     assert "No viable backend" in kernels["attention_cudnn_attention_error"]
+    # The same forward compiled (inductor without CUDA graphs), timed and broken down alike.
+    assert kernels["compiled_ms"] > 0
+    assert sum(kernels["compiled_profile"]["shares"].values()) == pytest.approx(1, abs=1e-3)
     assert "  kernels at 2 rows: " in done.stdout and "attention default " in done.stdout
+    assert "  compiled kernels at 2 rows: " in done.stdout
 
 
 def write_wheel(path: Path, name: str, module: str) -> None:

@@ -87,9 +87,8 @@ class Attention(nn.Module):
     (``in_proj_weight`` (3D, D) packing q, k and v, ``in_proj_bias``, ``out_proj``: the port's
     names, so a release loads unchanged), computed batch-first: one packed projection,
     ``scaled_dot_product_attention`` on the heads as strided views, one copy back. PyTorch's
-    module works sequence-first and copies q, k, v and its output between the two layouts: five
-    copies a block and a fifth of an expert's GPU time at 64 rows (docs/benchmarks.md,
-    "kernels")."""
+    module works sequence-first and copies q, k, v and its output between the two layouts, five
+    copies a block over the whole activations (docs/benchmarks.md, ``forwards``)."""
 
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
