@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lockstep-groups", default="",
                    help="measure the pooled deployments again through a router per number "
                         "of lockstep groups given (DDM_LOCKSTEP_GROUPS; comma-separated, "
-                        "from 2)")
+                        "from 1)")
     p.add_argument("--quick", action="store_true",
                    help="small release, 2 steps, 1 and 2 prompts: a smoke run")
     p.set_defaults(handler=_bench_paris_pools)

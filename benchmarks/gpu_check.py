@@ -52,13 +52,16 @@ from ddm.fileio import atomic_path
 #: Where the check keeps the imported full-size release between its two parts: ignored by
 #: git, so that the device machine keeps it between two calls while it stays warm.
 KEPT_RELEASE = Path("out") / "gpu-check-release"
-#: The check on the device: full size, one pool, eager and CUDA graphs, 1 and 32 prompts.
+#: The check on the device: full size, one pool, eager and CUDA graphs, 1 and 32 prompts, each
+#: pooled deployment also through a router of one lockstep group (the default router's
+#: ``auto`` keeps two where the experts report a GPU).
 GPU_CHECK = ParisPoolSettings(
     size="full", accelerator="nvidia", precision="bfloat16",
     deployments=("pooled", "in_process"), compile=("none", "reduce-overhead"),
     load=PoolBenchSettings(concurrency=(1, 32), rounds=3), keep_release=KEPT_RELEASE,
-    lockstep_groups=(2,))
-#: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts.
+    lockstep_groups=(1,))
+#: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts (the
+#: second router keeps two lockstep groups: ``auto`` keeps one on a CPU).
 QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),
     compile=("none", "reduce-overhead"), max_batch=8,

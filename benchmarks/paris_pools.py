@@ -33,9 +33,10 @@ each router's calls ahead counted
 calls ahead help there (``ddm.serving.router.fleet.remote``). The default router is measured
 first; each router's figures count the model servers and that router alone. A
 ``DDM_CALLS_AHEAD`` in this process's environment reaches the default router too (the JSON's
-``calls_ahead`` counts say what each did). ``lockstep_groups`` (say ``(2,)``) adds a router
-per number of groups its lockstep keeps (``DDM_LOCKSTEP_GROUPS``, keyed ``lockstep_groups_2``:
-``ddm.serving.router.fleet.lockstep``), measured the same way after the others.
+``calls_ahead`` counts say what each did). ``lockstep_groups`` (say ``(1,)``) adds a router
+per number of groups its lockstep keeps (``DDM_LOCKSTEP_GROUPS``, keyed ``lockstep_groups_1``:
+``ddm.serving.router.fleet.lockstep``; the default router's ``auto`` keeps two on an
+accelerator, one on the CPU), measured the same way after the others.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ class ParisPoolSettings:
             raise ValueError(f"compile: give some of {', '.join(COMPILE_MODES)}, each once, "
                              f"got {', '.join(self.compile) or 'none'}")
         if len(set(self.lockstep_groups)) != len(self.lockstep_groups) or not all(
-                2 <= n <= MAX_GROUPS for n in self.lockstep_groups):
-            raise ValueError(f"lockstep_groups: give numbers from 2 to {MAX_GROUPS}, each "
-                             f"once (1 is the default router's), got {self.lockstep_groups}")
+                1 <= n <= MAX_GROUPS for n in self.lockstep_groups):
+            raise ValueError(f"lockstep_groups: give numbers from 1 to {MAX_GROUPS}, each "
+                             f"once, got {self.lockstep_groups}")
 
 
 #: The file that marks a release's import as whole (in the imported directory).

@@ -126,7 +126,7 @@ def test_a_compiled_manifest_compiles_each_server_once(imported: Path, tmp_path:
     ("size", "huge", "size"), ("accelerator", "neuron", "accelerator"),
     ("deployments", ("pooled", "remote"), "deployments"), ("deployments", (), "deployments"),
     ("max_batch", 0, "max_batch"), ("compile", ("fast",), "compile"), ("compile", (), "compile"),
-    ("compile", ("none", "none"), "compile"), ("lockstep_groups", (1,), "lockstep_groups"),
+    ("compile", ("none", "none"), "compile"), ("lockstep_groups", (0,), "lockstep_groups"),
     ("lockstep_groups", (2, 2), "lockstep_groups"), ("lockstep_groups", (9,), "lockstep_groups")])
 def test_settings_out_of_range_are_refused_by_name(field: str, value: object,
                                                    message: str) -> None:

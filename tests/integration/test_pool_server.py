@@ -416,21 +416,26 @@ def test_in_two_lockstep_groups_a_later_generation_steps_apart_and_changes_no_pi
         stages, pool, monkeypatch):
     """DDM_LOCKSTEP_GROUPS=2: a second generation starting while the first is stepping joins
     the other group, so that its steps go in pool requests of their own (one per step of
-    each), where one group would merge them (the test above); each image is the one a router
-    of one group makes."""
+    each), where one group would merge them (the test above), and so would auto on a CPU;
+    each image is the one a router of one group makes."""
 
-    def generations(groups: int) -> tuple[dict[str, bytes], float]:
-        monkeypatch.setenv("DDM_LOCKSTEP_GROUPS", str(groups))
+    def generations(groups: str, kept: int) -> tuple[dict[str, bytes], float]:
+        monkeypatch.setenv("DDM_LOCKSTEP_GROUPS", groups)
         app = create_router_app(pooled_config(stages, pool.removeprefix("http://")))
-        assert app.state.router.lockstep.groups == (0,) * groups
+        assert app.state.router.lockstep.groups == (0,) * kept
         with running(app) as router:
             wait_ready(router)
             return _a_second_generation_under_way(router, pool)
 
-    two_groups, requests = generations(2)
+    two_groups, requests = generations("2", kept=2)
     assert requests == FIRST_STEPS + SECOND_STEPS
-    one_group, _ = generations(1)
+    one_group, _ = generations("1", kept=1)
     assert two_groups == one_group
+    # auto, the default, keeps two groups but opens the second only where an expert reports
+    # an accelerator: this pool's run on the CPU, so the second generation merges.
+    by_default, requests = generations("auto", kept=2)
+    assert requests == FIRST_STEPS
+    assert by_default == one_group
 
 
 #: Long enough (tiny models step in milliseconds) for the second to start well within it.

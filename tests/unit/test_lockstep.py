@@ -19,7 +19,8 @@ from ddm.deploy.router_config import RouterConfigFile
 from ddm.sampling.loop import SamplingRequest
 from ddm.sampling.routing import parse_strategy
 from ddm.serving.router.api.state import RouterState
-from ddm.serving.router.fleet.lockstep import LOCKSTEP_GROUPS_ENV, Lockstep, lockstep_groups
+from ddm.serving.router.fleet.lockstep import (LOCKSTEP_GROUPS_ENV, Lockstep, auto_groups,
+                                               lockstep_groups)
 
 T = TypeVar("T")
 DIGITS = Path(__file__).resolve().parents[2] / "checkpoints" / "digits"
@@ -345,12 +346,54 @@ def test_groups_must_be_a_whole_number_in_range():
         with pytest.raises(ValueError, match=rf"groups must be a whole number from 1 to 8, "
                                              rf"got {bad!r}"):
             Lockstep(groups=bad)
-    assert lockstep_groups({}) == 1
     assert lockstep_groups({LOCKSTEP_GROUPS_ENV: " 2 "}) == 2
+    assert lockstep_groups({LOCKSTEP_GROUPS_ENV: "1"}) == 1
+    # Unset, empty or auto: the router picks by its experts' devices.
+    assert lockstep_groups({}) is lockstep_groups({LOCKSTEP_GROUPS_ENV: " "}) is None
+    assert lockstep_groups({LOCKSTEP_GROUPS_ENV: "Auto"}) is None
     for bad in ("0", "two", "9", "-1"):
-        with pytest.raises(ValueError, match=rf"DDM_LOCKSTEP_GROUPS='{bad}': give a whole "
-                                             r"number of groups from 1 to 8"):
+        with pytest.raises(ValueError, match=rf"DDM_LOCKSTEP_GROUPS='{bad}': give auto or a "
+                                             r"whole number of groups from 1 to 8"):
             lockstep_groups({LOCKSTEP_GROUPS_ENV: bad})
+
+
+@pytest.mark.parametrize("devices, groups", [
+    (["cuda:0"], 2), (["cpu", "cuda:0"], 2), (["xla:0"], 2), (["neuron"], 2),
+    (["cpu", "CPU"], 1), ([None], 1), ([], 1)])
+def test_auto_keeps_two_groups_where_an_expert_reports_an_accelerator(devices, groups):
+    assert auto_groups(devices) == groups
+
+
+def test_new_generations_join_only_the_open_groups(run):
+    """``open_groups`` is asked at each generation's first turn: while it says one, every
+    generation joins the first group (their calls merge); once it says two, the next joins the
+    second, the emptier, and those already stepping stay where they are."""
+
+    async def scenario() -> None:
+        open_now = [1]
+        lockstep = Lockstep(max_wait_s=PATIENT_S, max_flight_wait_s=PATIENT_S, groups=2,
+                            open_groups=lambda: open_now[0])
+        steppers = [lockstep.stepper() for _ in range(4)]
+        turns = []
+        for stepper in steppers[:2]:
+            turns.append(asyncio.create_task(stepper.turn("Route", 1)))
+            await settle()
+        assert lockstep.groups == (2, 0)
+        open_now[0] = 2
+        for stepper in steppers[2:]:
+            turns.append(asyncio.create_task(stepper.turn("Route", 1)))
+            await settle()
+        assert lockstep.groups == (2, 2)
+        open_now[0] = 5  # more than it keeps: all of them
+        late = lockstep.stepper()
+        turns.append(asyncio.create_task(late.turn("Route", 1)))
+        await settle()
+        assert lockstep.groups == (3, 2)
+        for stepper in (*steppers, late):
+            stepper.leave()
+        await asyncio.gather(*turns)
+
+    run(scenario())
 
 
 def test_a_router_s_generations_step_together_unless_streamed_or_delegating(run):

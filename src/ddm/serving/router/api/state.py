@@ -43,7 +43,8 @@ from ddm.models.loading import RouterFn
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.router.api.clients import ClientBudget, ClientBusy, ClientSlots, client_key
 from ddm.serving.router.fleet.demand import DemandMeter
-from ddm.serving.router.fleet.lockstep import Lockstep, lockstep_groups
+from ddm.serving.router.fleet.lockstep import (ACCELERATOR_GROUPS, Lockstep, auto_groups,
+                                               lockstep_groups)
 from ddm.serving.router.fleet.missing import Held, MissingExperts
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolMetrics, discovered_sources, pool_settings
@@ -164,9 +165,11 @@ class RouterState:
         self.missing = MissingExperts(config.missing_expert, self.pool, self.demand,
                                       config.sampling.strategy)
         #: Keeps concurrent generations in step, so that their calls merge, in as many
-        #: groups as DDM_LOCKSTEP_GROUPS says.
+        #: groups as DDM_LOCKSTEP_GROUPS says (``auto``: :meth:`_auto_lockstep_groups`).
+        groups = lockstep_groups(os.environ)
         self.lockstep = Lockstep(on_wave=self.metrics.observe_wave,
-                                 groups=lockstep_groups(os.environ))
+                                 groups=groups or ACCELERATOR_GROUPS,
+                                 open_groups=None if groups else self._auto_lockstep_groups)
         #: Whether steps' calls go beside a served router network's pass (DDM_CALLS_AHEAD).
         self._calls_ahead_choice = calls_ahead_choice(os.environ)
         self.network: RouterNetwork | None = None
@@ -258,6 +261,12 @@ class RouterState:
         info = self._stage_pool.info(ROUTER) if self._stage_pool is not None else None
         return calls_ahead(self._calls_ahead_choice, None if info is None else info.device,
                            self.alone(rows))
+
+    def _auto_lockstep_groups(self) -> int:
+        """``auto``'s lockstep groups for a generation joining now, by the devices the experts'
+        replicas report (:func:`~ddm.serving.router.fleet.lockstep.auto_groups`)."""
+        infos = (self.pool.info(name) for name in self.names)
+        return auto_groups(info.about.device for info in infos if info is not None)
 
     def alone(self, rows: int) -> bool:
         """Whether a step of ``rows`` images is all this router generates: one image, no other

@@ -59,6 +59,7 @@ from ddm.sampling.loop import denoise as loop_denoise
 from ddm.serving.router.fleet.coalescing import Coalescer
 from ddm.serving.router.fleet.lockstep import Stepper
 from ddm.serving.router.fleet.missing import Held, MissingExperts
+from ddm.serving.router.fleet.replicas import on_accelerator
 from ddm.serving.router.fleet.servers import gather_all
 
 if TYPE_CHECKING:  # the stages' modules import torch, which a label DDM's router never needs
@@ -100,7 +101,7 @@ def calls_ahead(choice: str, device: str | None, alone: bool) -> bool:
     ``choice``, the device its server reports (None: not said, or not probed yet) and whether
     the step is the router's only image (``alone``: one generation in flight, of one image)."""
     if choice == "auto":
-        return alone and device is not None and not device.lower().startswith("cpu")
+        return alone and on_accelerator(device)
     return choice == "on"
 
 

@@ -84,8 +84,10 @@ _UNHASHED = ""  # ExpertInfo.scheme_sha256 before it is computed
 @dataclass(frozen=True)
 class ExpertAbout:
     """What an expert says runs it and what it learned from, for people (the router's
-    ``/v1/info`` and web page), never for routing: each a short string or None where not said
-    (``hardware``: the processor's model name; ``data``: the training set's name)."""
+    ``/v1/info`` and web page), never for routing (``device`` says only how many lockstep
+    groups ``auto`` keeps: ``ddm.serving.router.fleet.lockstep``): each a short string or
+    None where not said (``hardware``: the processor's model name; ``data``: the training
+    set's name)."""
 
     framework: str | None = None
     runtime: str | None = None
@@ -105,6 +107,12 @@ class ExpertAbout:
                    data=short_text(data.get("name")),
                    images=images if isinstance(images, int) and not isinstance(images, bool)
                    and images >= 0 else None, summary=short_text(raw.get("summary")))
+
+
+def on_accelerator(device: str | None) -> bool:
+    """Whether a server's reported ``device`` (``cuda:0``, ``xla:0``, ``cpu``...) is an
+    accelerator; not where it said none."""
+    return device is not None and not device.lower().startswith("cpu")
 
 
 def short_text(value: Any) -> str | None:
