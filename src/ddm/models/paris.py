@@ -174,7 +174,10 @@ class ParisExpert(nn.Module):
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor,
                 text: torch.Tensor) -> torch.Tensor:
         batch, width = latents.shape[0], self.config.hidden_size
-        x = self.patch_embed(latents).flatten(2).transpose(1, 2) + self.pos_embed
+        # Token-major in memory, once: the sum keeps the convolution's channel-major layout,
+        # and every block's layer norms and projections would copy it back (three copies a
+        # block over the whole activations: docs/benchmarks.md, ``forwards``).
+        x = (self.patch_embed(latents).flatten(2).transpose(1, 2) + self.pos_embed).contiguous()
         time = self.time_embed(timestep)
         time_modulation = self.t_block(time).reshape(batch, 6, width)
         text = self.text_proj(text)
