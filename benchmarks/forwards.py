@@ -25,7 +25,8 @@ random weights of the release's shapes (``paris_pools.SIZES``), each figure the 
   what its fusions leave;
 - ``grouped``: two experts' rows in one forward (stacked parameters, ``torch.vmap`` of
   ``functional_call``, eager and, on CUDA, graph-replayed) against their two forwards one
-  after the other, with the largest difference between the two ways' outputs.
+  after the other, with the largest difference between the two ways' outputs and the
+  grouped forward's profile (as ``kernels``').
 
 TFLOP/s per level count the expert's matrix products (:func:`expert_flop_per_row`: 289 GFLOP a
 row at full size, the issue's figure) times the rows.
@@ -64,6 +65,9 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax"))
                 ("normalisation", ("norm",)))
 #: The heaviest kernels the ``kernels`` part names, per level.
 HEAVIEST_KERNELS = 12
+#: The grouped forwards the ``grouped`` part profiles, per level (each over 600 ms on the
+#: H200).
+GROUPED_PROFILED_CALLS = 3
 #: The ``torch.compile`` mode whose kernels the ``kernels`` part profiles: inductor's fusions
 #: without ``reduce-overhead``'s CUDA graphs, which would hide them from the profiler.
 KERNEL_COMPILE_MODE = "default"
@@ -389,6 +393,9 @@ def _compare_grouped(level: dict[str, Any], one_after_the_other: Callable[[], An
                                             .float().abs().max())
         level["one_after_the_other_ms"] = _median_ms(one_after_the_other, repeats, sync)
         level["grouped_ms"] = _median_ms(together, repeats, sync)
+        # Where the grouped forward's time goes: on the H200 it took over 600 ms at 2 rows
+        # per expert as at 16, replayed too (docs/benchmarks.md, ``forwards``).
+        level["grouped_profile"] = _profile(together, GROUPED_PROFILED_CALLS, sync, cuda)
         if cuda:
             _graph_ms(level, "one_after_the_other_graph", one_after_the_other, repeats, sync)
             _graph_ms(level, "grouped_graph", together, repeats, sync)

@@ -118,6 +118,7 @@ def test_the_forwards_part_measures_each_way_and_says_so(tmp_path: Path) -> None
     (grouped,) = figures["grouped"]
     assert grouped["rows_per_expert"] == 2 and grouped["max_abs_difference"] < 1e-5
     assert grouped["one_after_the_other_ms"] > 0 and grouped["grouped_ms"] > 0
+    assert grouped["grouped_profile"]["shares"]["matmul"] > 0
     assert "  2 rows: eager " in done.stdout and "served reduce-overhead" in done.stdout
     assert "  grouped, 2 rows per expert: one after the other " in done.stdout
     assert not (tmp_path / "out" / "gpu-check.json").exists()  # no deployment was measured
