@@ -23,10 +23,10 @@ random weights of the release's shapes (``paris_pools.SIZES``), each figure the 
   ``none``, the same breakdown of the forward under ``torch.compile``'s inductor without CUDA
   graphs (:data:`KERNEL_COMPILE_MODE`: the profiler then sees each of its kernels), to say
   what its fusions leave;
-- ``grouped``: two experts' rows in one forward (stacked parameters, ``torch.vmap`` of
-  ``functional_call``, eager and, on CUDA, graph-replayed) against their two forwards one
-  after the other, with the largest difference between the two ways' outputs and the
-  grouped forward's profile (as ``kernels``').
+- ``grouped``: two experts' rows in one forward (:func:`stacked_forward`: each projection a
+  batched matrix product over stacked weights, eager and, on CUDA, graph-replayed) against
+  their two forwards one after the other, with the largest difference between the two ways'
+  outputs and the grouped forward's profile (as ``kernels``').
 
 TFLOP/s per level count the expert's matrix products (:func:`expert_flop_per_row`: 289 GFLOP a
 row at full size, the issue's figure) times the rows.
@@ -34,7 +34,6 @@ row at full size, the issue's figure) times the rows.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -65,8 +64,7 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax"))
                 ("normalisation", ("norm",)))
 #: The heaviest kernels the ``kernels`` part names, per level.
 HEAVIEST_KERNELS = 12
-#: The grouped forwards the ``grouped`` part profiles, per level (each over 600 ms on the
-#: H200).
+#: The grouped forwards the ``grouped`` part profiles, per level.
 GROUPED_PROFILED_CALLS = 3
 #: The ``torch.compile`` mode whose kernels the ``kernels`` part profiles: inductor's fusions
 #: without ``reduce-overhead``'s CUDA graphs, which would hide them from the profiler.
@@ -357,17 +355,11 @@ def kernel_kind(name: str) -> str:
 def _grouped(experts: list[Any], rows: int, stacked_inputs: tuple[Any, Any, Any],
              settings: ForwardSettings, sync: Callable[[], None], cuda: bool,
              log: TextIO) -> dict[str, Any]:
-    """Two experts on ``rows`` rows each: one after the other, and as one grouped forward."""
+    """Two experts on ``rows`` rows each: one after the other, and as one grouped forward
+    (:func:`stacked_forward`)."""
     import torch
-    from torch.func import functional_call, stack_module_state
 
-    params, buffers = stack_module_state(experts)
-    skeleton = copy.deepcopy(experts[0]).to("meta")
-
-    def one(p: Any, b: Any, x: Any, timestep: Any, text: Any) -> Any:
-        return functional_call(skeleton, (p, b), (x, timestep, text))
-
-    grouped = torch.vmap(one)
+    together_forward = stacked_forward(experts)
     x, timestep, text = (part.reshape(2, rows, *part.shape[1:]) for part in stacked_inputs)
 
     def one_after_the_other() -> Any:
@@ -375,12 +367,97 @@ def _grouped(experts: list[Any], rows: int, stacked_inputs: tuple[Any, Any, Any]
                             for k, expert in enumerate(experts)])
 
     def together() -> Any:
-        return grouped(params, buffers, x, timestep, text)
+        return together_forward(x, timestep, text)
 
     level: dict[str, Any] = {"rows_per_expert": rows}
     _compare_grouped(level, one_after_the_other, together, settings.repeats, sync, cuda)
     say(log, f"forwards: grouped {level}")
     return level
+
+
+def stacked_forward(experts: list[Any]) -> Callable[[Any, Any, Any], Any]:
+    """Same-architecture Paris experts as one forward: ``(latents (K, R, C, S, S), timestep
+    (K, R), text (K, R, L, E))`` -> (K, R, C, S, S), expert k on its own R rows. Each
+    projection is one batched matrix product over the experts' stacked weights; attention,
+    norms and elementwise work run over all K x R rows at once (attention is per row). What a
+    pool's grouped forward of a step's experts would run, measured before it is built (the
+    ``grouped`` part checks it against the experts one by one); ``torch.vmap`` of the experts'
+    forward, measured so before, took over 600 ms on an H200 whatever the rows."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers.models.embeddings import get_timestep_embedding
+
+    # The model's own layer norm modulation and patch layout, so that only the stacking is
+    # this function's.
+    from ddm.models.paris import FREQUENCY_EMBEDDING_SIZE, _modulate, _unpatchify
+
+    config = experts[0].config
+    names = [name for name, _ in experts[0].named_parameters()]
+    weights = {name: torch.stack([dict(expert.named_parameters())[name] for expert in experts])
+               for name in names}
+    width, heads, patch = config.hidden_size, config.num_heads, config.patch_size
+    side = config.input_size // patch
+    tokens = side * side
+
+    def linear(x: Any, name: str, part: slice = slice(None)) -> Any:
+        """``x`` (K, M, in) through each expert's ``name`` projection (``part`` of its
+        outputs) -> (K, M, out)."""
+        weight, bias = weights[f"{name}.weight"][:, part], weights[f"{name}.bias"][:, part]
+        return torch.baddbmm(bias[:, None], x, weight.transpose(1, 2))
+
+    def attention(h: Any, context: Any | None, name: str) -> Any:
+        """(K, R, N, D) attending to itself or to ``context`` (K, R, L, D) -> (K, R, N, D)."""
+        k_experts, rows = h.shape[:2]
+        weight, bias = weights[f"{name}.in_proj_weight"], weights[f"{name}.in_proj_bias"]
+
+        def project(x: Any, part: slice) -> Any:
+            flat = x.reshape(k_experts, -1, width)
+            return torch.baddbmm(bias[:, None, part], flat, weight[:, part].transpose(1, 2))
+
+        def split(projected: Any, length: int, parts: int) -> Any:
+            return projected.view(k_experts * rows, length, parts, heads,
+                                  width // heads).permute(2, 0, 3, 1, 4).unbind(0)
+
+        if context is None:
+            q, k, v = split(project(h, slice(None)), tokens, 3)
+        else:
+            (q,) = split(project(h, slice(0, width)), tokens, 1)
+            k, v = split(project(context, slice(width, None)), context.shape[2], 2)
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        out = linear(out.reshape(k_experts, rows * tokens, width), f"{name}.out_proj")
+        return out.view(h.shape)
+
+    def forward(latents: Any, timestep: Any, text: Any) -> Any:
+        k_experts, rows, channels = latents.shape[:3]
+        patches = latents.reshape(k_experts, rows, channels, side, patch, side, patch).permute(
+            0, 1, 3, 5, 2, 4, 6).reshape(k_experts, rows * tokens, channels * patch * patch)
+        embed = weights["patch_embed.weight"].reshape(k_experts, width, -1)
+        x = torch.baddbmm(weights["patch_embed.bias"][:, None], patches, embed.transpose(1, 2))
+        x = x.view(k_experts, rows, tokens, width) + weights["pos_embed"][:, None, 0]
+        features = get_timestep_embedding(timestep.reshape(-1), FREQUENCY_EMBEDDING_SIZE,
+                                          flip_sin_to_cos=True, downscale_freq_shift=0)
+        features = features.to(x.dtype).view(k_experts, rows, -1)
+        time = linear(F.silu(linear(features, "time_embed.mlp.0")), "time_embed.mlp.2")
+        modulation = linear(F.silu(time), "t_block.1").view(k_experts, rows, 6, width)
+        text = linear(text.reshape(k_experts, -1, text.shape[-1]), "text_proj").view(
+            k_experts, rows, -1, width)
+        for layer in range(config.depth):
+            name = f"layers.{layer}"
+            shift1, scale1, gate1, shift2, scale2, gate2 = (
+                weights[f"{name}.scale_shift_table"][:, None] + modulation).chunk(6, dim=2)
+            x = torch.addcmul(x, gate1, attention(_modulate(x, shift1, scale1), None,
+                                                  f"{name}.attn"))
+            x = x + attention(x, text, f"{name}.cross_attn")
+            hidden = F.gelu(linear(_modulate(x, shift2, scale2).view(k_experts, -1, width),
+                                   f"{name}.mlp.0"), approximate="tanh")
+            x = torch.addcmul(x, gate2, linear(hidden, f"{name}.mlp.2").view(x.shape))
+        shift, scale = (weights["final_layer.scale_shift_table"][:, None]
+                        + time[:, :, None]).chunk(2, dim=2)
+        out = linear(_modulate(x, shift, scale).view(k_experts, -1, width), "final_layer.linear")
+        images = _unpatchify(out.view(k_experts * rows, tokens, -1), patch, config.out_channels)
+        return images.view(k_experts, rows, *images.shape[1:])
+
+    return forward
 
 
 def _compare_grouped(level: dict[str, Any], one_after_the_other: Callable[[], Any],
@@ -393,8 +470,6 @@ def _compare_grouped(level: dict[str, Any], one_after_the_other: Callable[[], An
                                             .float().abs().max())
         level["one_after_the_other_ms"] = _median_ms(one_after_the_other, repeats, sync)
         level["grouped_ms"] = _median_ms(together, repeats, sync)
-        # Where the grouped forward's time goes: on the H200 it took over 600 ms at 2 rows
-        # per expert as at 16, replayed too (docs/benchmarks.md, ``forwards``).
         level["grouped_profile"] = _profile(together, GROUPED_PROFILED_CALLS, sync, cuda)
         if cuda:
             _graph_ms(level, "one_after_the_other_graph", one_after_the_other, repeats, sync)
