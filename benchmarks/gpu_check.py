@@ -22,9 +22,10 @@ first left warm, starts measuring at once.
 compiled path, and two experts as one grouped forward) into ``$OUT/forwards.json``
 (rewritten after each part, ``"complete": false`` until the end): where a pooled step's time
 goes inside the forwards. ``--part kernels`` measures the same expert's levels (eager and as
-CUDA graphs) and its kernels (:mod:`benchmarks.forwards`' ``kernels`` part: where an eager
-forward's device time goes, and its time under each attention kernel) into
-``$OUT/kernels.json``: a minute of device time.
+CUDA graphs), its kernels (:mod:`benchmarks.forwards`' ``kernels`` part: where an eager and a
+compiled forward's device time goes, and its time under each attention kernel) and the
+grouped forward, not the pool's path, into ``$OUT/kernels.json``: a few minutes of device
+time.
 
 ``--quick`` checks the command itself on any machine: the small release on the CPU, 2 steps
 at 1 and 2 prompts, both compile modes (``reduce-overhead`` compiles without CUDA graphs on a
@@ -84,8 +85,8 @@ QUICK_FORWARDS = ForwardSettings(compile="reduce-overhead", rows=(1, 2), grouped
 #: on the device and ``--quick``.
 KERNELS_PART = "kernels"
 FORWARD_CHECKS = {FORWARDS_PART: (GPU_FORWARDS, QUICK_FORWARDS),
-                  KERNELS_PART: (replace(GPU_FORWARDS, parts=("levels", "kernels")),
-                                 replace(QUICK_FORWARDS, parts=("levels", "kernels"),
+                  KERNELS_PART: (replace(GPU_FORWARDS, parts=("levels", "kernels", "grouped")),
+                                 replace(QUICK_FORWARDS, parts=("levels", "kernels", "grouped"),
                                          kernel_rows=(2,)))}
 
 

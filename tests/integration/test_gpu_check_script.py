@@ -128,11 +128,13 @@ def test_the_kernels_part_says_where_a_forward_s_time_goes(tmp_path: Path) -> No
     """``--part kernels`` through the script (the small expert on the CPU, whose profiler
     times operators, not kernels): the levels, then at 2 rows the shares of each kind adding
     up to the whole, the heaviest named with their kind, the forward under each attention
-    kernel, timed or refused by name, and the compiled forward's breakdown."""
+    kernel, timed or refused by name, and the compiled forward's breakdown; then the grouped
+    forward, not the pool's path."""
     done = run_script(tmp_path, "--quick", "--part", "kernels")
     assert done.returncode == 0, done.stdout[-3000:]
     figures = json.loads((tmp_path / "out" / "kernels.json").read_text())
-    assert figures["complete"] is True and "grouped" not in figures and "served" not in figures
+    assert figures["complete"] is True and "served" not in figures
+    assert [level["rows_per_expert"] for level in figures["grouped"]] == [2]
     assert [level["rows"] for level in figures["levels"]] == [1, 2]
     (kernels,) = figures["kernels"]
     profile = kernels["profile"]
