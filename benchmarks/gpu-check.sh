@@ -13,7 +13,8 @@
 #       carry=[".whl"], timeout_s=<L - 30>)  # --part pool (the eager pool alone) under 240 s
 #
 # `--part forwards` measures one full-size expert's forwards instead (benchmarks/forwards.py,
-# into $OUT/forwards.json): what the next session runs first (docs/paris.md).
+# into $OUT/forwards.json), `--part kernels` its levels, kernels (eager and compiled) and the
+# grouped forward (into $OUT/kernels.json): what the next session runs first (docs/paris.md).
 #
 # It installs the carried wheels beside the image's own packages (its PyTorch, transformers,
 # JAX...), checks that every module the check loads imports, then runs
