@@ -381,8 +381,8 @@ def stacked_forward(experts: list[Any]) -> Callable[[Any, Any, Any], Any]:
     projection is one batched matrix product over the experts' stacked weights; attention,
     norms and elementwise work run over all K x R rows at once (attention is per row). What a
     pool's grouped forward of a step's experts would run, measured before it is built (the
-    ``grouped`` part checks it against the experts one by one); ``torch.vmap`` of the experts'
-    forward, measured so before, took over 600 ms on an H200 whatever the rows."""
+    ``grouped`` part checks it against the experts one by one), where ``torch.vmap`` of the
+    experts' forward was measured far slower (docs/benchmarks.md, ``forwards``)."""
     import torch
     import torch.nn.functional as F
     from diffusers.models.embeddings import get_timestep_embedding
@@ -392,17 +392,15 @@ def stacked_forward(experts: list[Any]) -> Callable[[Any, Any, Any], Any]:
     from ddm.models.paris import FREQUENCY_EMBEDDING_SIZE, _modulate, _unpatchify
 
     config = experts[0].config
-    names = [name for name, _ in experts[0].named_parameters()]
-    weights = {name: torch.stack([dict(expert.named_parameters())[name] for expert in experts])
-               for name in names}
+    each = [dict(expert.named_parameters()) for expert in experts]
+    weights = {name: torch.stack([parameters[name] for parameters in each]) for name in each[0]}
     width, heads, patch = config.hidden_size, config.num_heads, config.patch_size
     side = config.input_size // patch
     tokens = side * side
 
-    def linear(x: Any, name: str, part: slice = slice(None)) -> Any:
-        """``x`` (K, M, in) through each expert's ``name`` projection (``part`` of its
-        outputs) -> (K, M, out)."""
-        weight, bias = weights[f"{name}.weight"][:, part], weights[f"{name}.bias"][:, part]
+    def linear(x: Any, name: str) -> Any:
+        """``x`` (K, M, in) through each expert's ``name`` projection -> (K, M, out)."""
+        weight, bias = weights[f"{name}.weight"], weights[f"{name}.bias"]
         return torch.baddbmm(bias[:, None], x, weight.transpose(1, 2))
 
     def attention(h: Any, context: Any | None, name: str) -> Any:
