@@ -23,10 +23,12 @@ random weights of the release's shapes (``paris_pools.SIZES``), each figure the 
   ``none``, the same breakdown of the forward under ``torch.compile``'s inductor without CUDA
   graphs (:data:`KERNEL_COMPILE_MODE`: the profiler then sees each of its kernels), to say
   what its fusions leave;
-- ``grouped``: two experts' rows in one forward (:func:`stacked_forward`: each projection a
-  batched matrix product over stacked weights, eager and, on CUDA, graph-replayed) against
-  their two forwards one after the other, with the largest difference between the two ways'
-  outputs and the grouped forward's profile (as ``kernels``').
+- ``grouped``: two experts' rows in one forward of their group
+  (:class:`~ddm.models.paris.ParisExpertGroup`: each projection one grouped matrix product
+  over the experts' stacked weights; eager and, on CUDA, graph-replayed) against their two
+  forwards one after the other, with the largest difference between the two ways' outputs and
+  the grouped forward's profile (as ``kernels``'); where the group cannot run (CUDA in
+  float32, say), why.
 
 TFLOP/s per level count the expert's matrix products (:func:`expert_flop_per_row`: 289 GFLOP a
 row at full size, the issue's figure) times the rows.
@@ -59,7 +61,7 @@ ATTENTION_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION
 #: fragments one matches; the rest are "other": elementwise work, copies, reductions).
 KERNEL_KINDS = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
                 ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "addmm", "aten::mm", "bmm",
-                            "matmul")),
+                            "grouped_mm", "matmul")),
                 ("convolution", ("conv",)),
                 ("normalisation", ("norm",)))
 #: The heaviest kernels the ``kernels`` part names, per level.
@@ -119,7 +121,7 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr,
     import torch
 
     from benchmarks.paris_pools import SIZES
-    from ddm.models.paris import ParisExpert
+    from ddm.models.paris import ParisExpert, ParisExpertGroup, grouped_forward_unsupported
 
     device = torch.device(settings.device)
     dtype = getattr(torch, settings.precision)
@@ -129,6 +131,10 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr,
     with device:  # built where they run: a full-size expert's initialisation is slow on a CPU
         experts = [_random(ParisExpert(**{**config.to_dict(), "text_embed_dim": text_width}),
                            dtype) for _ in range(2)]
+    # Before any part runs: the group moves the experts' weights into its stacked tensors
+    # (each expert's are views of them), and a compiled forward holds their addresses.
+    unsupported = grouped_forward_unsupported(experts[0].config, dtype, device)
+    group = ParisExpertGroup(experts) if unsupported is None else None
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     figures: dict[str, Any] = {"machine": machine(), "policy_threads": threads,
@@ -164,9 +170,12 @@ def bench_forwards(settings: ForwardSettings, log: TextIO = sys.stderr,
         if settings.compile != "none":
             _compiled_kernels(experts[0], figures["kernels"], calls, settings, sync, cuda, log)
         said(figures)
-    if "grouped" in settings.parts:
-        figures["grouped"] = [_grouped(experts, rows, inputs(rows * 2, generator), settings,
-                                       sync, cuda, log) for rows in settings.grouped_rows]
+    if "grouped" in settings.parts and group is None:
+        figures["grouped"] = {"unsupported": unsupported}
+    elif "grouped" in settings.parts:
+        figures["grouped"] = [_grouped(group, experts, rows, inputs(rows * 2, generator),
+                                       settings, sync, cuda, log)
+                              for rows in settings.grouped_rows]
         said(figures)
     if "served" in settings.parts:
         figures["served"] = _served(experts[0], settings, config, text_width, sync, log)
@@ -352,110 +361,28 @@ def kernel_kind(name: str) -> str:
                  if any(fragment in lowered for fragment in fragments)), "other")
 
 
-def _grouped(experts: list[Any], rows: int, stacked_inputs: tuple[Any, Any, Any],
+def _grouped(group: Any, experts: list[Any], rows: int, inputs: tuple[Any, Any, Any],
              settings: ForwardSettings, sync: Callable[[], None], cuda: bool,
              log: TextIO) -> dict[str, Any]:
-    """Two experts on ``rows`` rows each: one after the other, and as one grouped forward
-    (:func:`stacked_forward`)."""
+    """Two experts on ``rows`` rows each: one after the other, and as one forward of their
+    group (:class:`~ddm.models.paris.ParisExpertGroup`)."""
     import torch
 
-    together_forward = stacked_forward(experts)
-    x, timestep, text = (part.reshape(2, rows, *part.shape[1:]) for part in stacked_inputs)
+    x, timestep, text = inputs
+    members = torch.arange(len(experts), device=x.device).repeat_interleave(rows)
 
     def one_after_the_other() -> Any:
-        return torch.stack([expert(x[k], timestep[k], text[k])
-                            for k, expert in enumerate(experts)])
+        return torch.cat([expert(x[k * rows:(k + 1) * rows], timestep[k * rows:(k + 1) * rows],
+                                 text[k * rows:(k + 1) * rows])
+                          for k, expert in enumerate(experts)])
 
     def together() -> Any:
-        return together_forward(x, timestep, text)
+        return group(x, timestep, text, members)
 
     level: dict[str, Any] = {"rows_per_expert": rows}
     _compare_grouped(level, one_after_the_other, together, settings.repeats, sync, cuda)
     say(log, f"forwards: grouped {level}")
     return level
-
-
-def stacked_forward(experts: list[Any]) -> Callable[[Any, Any, Any], Any]:
-    """Same-architecture Paris experts as one forward: ``(latents (K, R, C, S, S), timestep
-    (K, R), text (K, R, L, E))`` -> (K, R, C, S, S), expert k on its own R rows. Each
-    projection is one batched matrix product over the experts' stacked weights; attention,
-    norms and elementwise work run over all K x R rows at once (attention is per row). What a
-    pool's grouped forward of a step's experts would run, measured before it is built (the
-    ``grouped`` part checks it against the experts one by one), where ``torch.vmap`` of the
-    experts' forward was measured far slower (docs/benchmarks.md, ``forwards``)."""
-    import torch
-    import torch.nn.functional as F
-    from diffusers.models.embeddings import get_timestep_embedding
-
-    # The model's own layer norm modulation and patch layout, so that only the stacking is
-    # this function's.
-    from ddm.models.paris import FREQUENCY_EMBEDDING_SIZE, _modulate, _unpatchify
-
-    config = experts[0].config
-    each = [dict(expert.named_parameters()) for expert in experts]
-    weights = {name: torch.stack([parameters[name] for parameters in each]) for name in each[0]}
-    width, heads, patch = config.hidden_size, config.num_heads, config.patch_size
-    side = config.input_size // patch
-    tokens = side * side
-
-    def linear(x: Any, name: str) -> Any:
-        """``x`` (K, M, in) through each expert's ``name`` projection -> (K, M, out)."""
-        weight, bias = weights[f"{name}.weight"], weights[f"{name}.bias"]
-        return torch.baddbmm(bias[:, None], x, weight.transpose(1, 2))
-
-    def attention(h: Any, context: Any | None, name: str) -> Any:
-        """(K, R, N, D) attending to itself or to ``context`` (K, R, L, D) -> (K, R, N, D)."""
-        k_experts, rows = h.shape[:2]
-        weight, bias = weights[f"{name}.in_proj_weight"], weights[f"{name}.in_proj_bias"]
-
-        def project(x: Any, part: slice) -> Any:
-            flat = x.reshape(k_experts, -1, width)
-            return torch.baddbmm(bias[:, None, part], flat, weight[:, part].transpose(1, 2))
-
-        def split(projected: Any, length: int, parts: int) -> Any:
-            return projected.view(k_experts * rows, length, parts, heads,
-                                  width // heads).permute(2, 0, 3, 1, 4).unbind(0)
-
-        if context is None:
-            q, k, v = split(project(h, slice(None)), tokens, 3)
-        else:
-            (q,) = split(project(h, slice(0, width)), tokens, 1)
-            k, v = split(project(context, slice(width, None)), context.shape[2], 2)
-        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
-        out = linear(out.reshape(k_experts, rows * tokens, width), f"{name}.out_proj")
-        return out.view(h.shape)
-
-    def forward(latents: Any, timestep: Any, text: Any) -> Any:
-        k_experts, rows, channels = latents.shape[:3]
-        patches = latents.reshape(k_experts, rows, channels, side, patch, side, patch).permute(
-            0, 1, 3, 5, 2, 4, 6).reshape(k_experts, rows * tokens, channels * patch * patch)
-        embed = weights["patch_embed.weight"].reshape(k_experts, width, -1)
-        x = torch.baddbmm(weights["patch_embed.bias"][:, None], patches, embed.transpose(1, 2))
-        x = x.view(k_experts, rows, tokens, width) + weights["pos_embed"][:, None, 0]
-        features = get_timestep_embedding(timestep.reshape(-1), FREQUENCY_EMBEDDING_SIZE,
-                                          flip_sin_to_cos=True, downscale_freq_shift=0)
-        features = features.to(x.dtype).view(k_experts, rows, -1)
-        time = linear(F.silu(linear(features, "time_embed.mlp.0")), "time_embed.mlp.2")
-        modulation = linear(F.silu(time), "t_block.1").view(k_experts, rows, 6, width)
-        text = linear(text.reshape(k_experts, -1, text.shape[-1]), "text_proj").view(
-            k_experts, rows, -1, width)
-        for layer in range(config.depth):
-            name = f"layers.{layer}"
-            shift1, scale1, gate1, shift2, scale2, gate2 = (
-                weights[f"{name}.scale_shift_table"][:, None] + modulation).chunk(6, dim=2)
-            x = torch.addcmul(x, gate1, attention(_modulate(x, shift1, scale1), None,
-                                                  f"{name}.attn"))
-            x = x + attention(x, text, f"{name}.cross_attn")
-            hidden = F.gelu(linear(_modulate(x, shift2, scale2).view(k_experts, -1, width),
-                                   f"{name}.mlp.0"), approximate="tanh")
-            x = torch.addcmul(x, gate2, linear(hidden, f"{name}.mlp.2").view(x.shape))
-        shift, scale = (weights["final_layer.scale_shift_table"][:, None]
-                        + time[:, :, None]).chunk(2, dim=2)
-        out = linear(_modulate(x, shift, scale).view(k_experts, -1, width), "final_layer.linear")
-        images = _unpatchify(out.view(k_experts * rows, tokens, -1), patch, config.out_channels)
-        return images.view(k_experts, rows, *images.shape[1:])
-
-    return forward
 
 
 def _compare_grouped(level: dict[str, Any], one_after_the_other: Callable[[], Any],

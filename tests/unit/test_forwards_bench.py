@@ -89,27 +89,3 @@ def test_the_figures_so_far_are_handed_out_after_each_part():
                                  key for key in ("levels", "grouped", "served") if key in so_far)))
     assert parts == [["levels"], ["grouped", "levels"]]
     assert [level["rows"] for level in figures["served"]] == [1]
-
-
-def test_the_stacked_forward_is_each_expert_on_its_own_rows():
-    """Three experts with different weights, two rows each: the grouped forward gives every
-    expert's own output for its own rows (a mix-up of weights or rows would not)."""
-    from benchmarks.forwards import stacked_forward
-
-    config = ParisExpertConfig(input_size=8, hidden_size=32, depth=2, num_heads=4,
-                               text_embed_dim=24)
-    torch.manual_seed(5)
-    experts = [ParisExpert(**config.to_dict()).eval() for _ in range(3)]
-    with torch.no_grad():
-        for expert in experts:
-            for parameter in expert.parameters():
-                parameter.normal_(std=0.1)
-    latents, timestep = torch.randn(3, 2, 4, 8, 8), torch.rand(3, 2) * 1000
-    text = torch.randn(3, 2, 77, 24)
-    with torch.inference_mode():
-        grouped = stacked_forward(experts)(latents, timestep, text)
-        alone = [expert(latents[k], timestep[k], text[k]) for k, expert in enumerate(experts)]
-    assert grouped.shape == (3, 2, 4, 8, 8)
-    for k in range(3):
-        torch.testing.assert_close(grouped[k], alone[k], rtol=1e-5, atol=1e-5)
-    assert (alone[0] - alone[1]).abs().max() > 0.1  # the experts differ

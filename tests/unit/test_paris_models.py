@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ddm.checkpoints.format import CheckpointError
-from ddm.models.paris import ParisExpert, ParisExpertConfig, ParisRouter, ParisRouterConfig
+from ddm.models.paris import (ParisExpert, ParisExpertConfig, ParisExpertGroup, ParisRouter,
+                              ParisRouterConfig, grouped_forward_unsupported)
 from ddm.models.paris_loading import (infer_expert_config, infer_router_config,
                                       load_paris_expert, load_paris_router)
 from tests.support.paris_release import TinyParis, write_paris_release
@@ -271,3 +272,82 @@ def test_an_expert_copies_its_activations_once_not_in_every_block():
         network(*args)
     copied = [event.input_shapes[0] for event in profiler.events() if event.name == "aten::clone"]
     assert copied.count([2, 16, 32]) == 1, copied
+
+
+GROUP_CONFIG = ParisExpertConfig(input_size=8, hidden_size=32, depth=2, num_heads=4,
+                                 text_embed_dim=24)
+
+
+def _distinct_experts(count: int, seed: int) -> list[ParisExpert]:
+    """``count`` small experts whose every weight differs (a zero-initialised table or gate
+    would hide a mix-up of experts)."""
+    torch.manual_seed(seed)
+    experts = [ParisExpert(**GROUP_CONFIG.to_dict()).eval() for _ in range(count)]
+    with torch.no_grad():
+        for expert in experts:
+            for parameter in expert.parameters():
+                parameter.normal_(std=0.2)
+    return experts
+
+
+def test_a_group_runs_each_row_through_its_own_expert_in_any_order():
+    """Eight experts, top-2 style: rows of three of them interleaved, five experts with no
+    row. Each row comes back as its own expert alone computes it (a mix-up of weights, rows
+    or the order back would not)."""
+    experts = _distinct_experts(8, seed=5)
+    members = torch.tensor([6, 1, 6, 3, 1, 6, 1])
+    latents, timestep = torch.randn(7, 4, 8, 8), torch.rand(7) * 1000
+    text = torch.randn(7, 77, 24)
+    with torch.inference_mode():
+        alone = torch.cat([experts[int(k)](latents[[row]], timestep[[row]], text[[row]])
+                           for row, k in enumerate(members)])
+        grouped = ParisExpertGroup(experts)(latents, timestep, text, members)
+    torch.testing.assert_close(grouped, alone, rtol=1e-5, atol=1e-5)
+    assert (alone[0] - experts[1](latents[:1], timestep[:1], text[:1])).abs().max() > 0.1
+
+
+def test_a_group_holds_no_second_copy_and_each_expert_still_runs_alone():
+    experts = _distinct_experts(2, seed=6)
+    latents, timestep, text = torch.randn(2, 4, 8, 8), torch.rand(2) * 1000, torch.randn(
+        2, 77, 24)
+    with torch.inference_mode():
+        before = experts[1](latents, timestep, text)
+        group = ParisExpertGroup(experts)
+        after = experts[1](latents, timestep, text)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    stacked = group.stacked("layers.1.mlp.0.weight")
+    assert stacked.shape == (2, 128, 32)
+    weight = experts[1].layers[1].mlp[0].weight
+    assert weight.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()
+    assert weight.data_ptr() == stacked[1].data_ptr()
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda experts: experts.append(ParisExpert(**{**GROUP_CONFIG.to_dict(), "depth": 3})),
+     "expert 2 cannot join the group: its architecture"),
+    (lambda experts: experts.append(ParisExpert(**GROUP_CONFIG.to_dict()).double()),
+     "expert 2 cannot join the group: it runs in torch.float64"),
+    (lambda experts: experts.clear(), "a group needs at least one expert")])
+def test_experts_that_cannot_share_a_forward_are_refused_by_index(change, named):
+    experts = _distinct_experts(2, seed=7)
+    change(experts)
+    with pytest.raises(ValueError, match=named):
+        ParisExpertGroup(experts)
+
+
+def test_the_grouped_forward_says_where_it_cannot_run():
+    """``F.grouped_mm``'s own limits, as the group checks them before a pool relies on it."""
+    cpu = torch.device("cpu")
+    assert grouped_forward_unsupported(GROUP_CONFIG, torch.float32, cpu) is None
+    assert grouped_forward_unsupported(GROUP_CONFIG, torch.bfloat16, cpu) is None
+    odd = ParisExpertConfig(input_size=8, hidden_size=36, depth=1, num_heads=4,
+                            text_embed_dim=24)
+    assert "hidden_size (36) in torch.bfloat16 is not a multiple of 16 bytes" in (
+        grouped_forward_unsupported(odd, torch.bfloat16, cpu))
+    assert "on CUDA take bfloat16" in grouped_forward_unsupported(
+        GROUP_CONFIG, torch.float32, torch.device("cuda"))
+    assert "not meta" in grouped_forward_unsupported(GROUP_CONFIG, torch.float32,
+                                                     torch.device("meta"))
+    assert "compiled grouped matrix product takes bfloat16" in grouped_forward_unsupported(
+        GROUP_CONFIG, torch.float32, cpu, compiled=True)
+    assert grouped_forward_unsupported(GROUP_CONFIG, torch.bfloat16, cpu, compiled=True) is None

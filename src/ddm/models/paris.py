@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -102,22 +103,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` (B, N, D) attending to itself, or to ``context`` (B, L, D) -> (B, N, D)."""
-        batch, tokens, width = x.shape
+        heads, width = self.num_heads, x.shape[-1]
         if context is None:
-            q, k, v = self._heads(F.linear(x, self.in_proj_weight, self.in_proj_bias), 3)
+            q, k, v = _heads(F.linear(x, self.in_proj_weight, self.in_proj_bias), 3, heads)
         else:
             weight_q, weight_kv = self.in_proj_weight.split((width, 2 * width))
             bias_q, bias_kv = self.in_proj_bias.split((width, 2 * width))
-            (q,) = self._heads(F.linear(x, weight_q, bias_q), 1)
-            k, v = self._heads(F.linear(context, weight_kv, bias_kv), 2)
-        out = F.scaled_dot_product_attention(q, k, v)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, tokens, width))
-
-    def _heads(self, projected: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
-        """(B, N, parts * D) -> ``parts`` views (B, heads, N, D / heads), none copied."""
-        batch, tokens, width = projected.shape
-        return projected.view(batch, tokens, parts, self.num_heads,
-                              width // (parts * self.num_heads)).permute(2, 0, 3, 1, 4).unbind(0)
+            (q,) = _heads(F.linear(x, weight_q, bias_q), 1, heads)
+            k, v = _heads(F.linear(context, weight_kv, bias_kv), 2, heads)
+        return self.out_proj(_attend(q, k, v))
 
 
 class ExpertBlock(nn.Module):
@@ -189,6 +183,143 @@ class ParisExpert(nn.Module):
         return _unpatchify(patches, self.config.patch_size, self.config.out_channels)
 
 
+class ParisExpertGroup(nn.Module):
+    """Same-architecture Paris experts as one forward over rows of any of them:
+    ``(latents (B, C, S, S), timestep (B,), text (B, L, E), experts (B,))`` -> each row
+    through expert ``experts[row]`` (an index into the group), as that expert alone computes
+    it. Each projection is one ``F.grouped_mm`` over the experts' stacked weights, taking
+    each expert's rows as one group (a group may be empty: top-2 of eight experts runs only
+    the two a step picked, no padding); attention, norms and the elementwise work run over all
+    rows at once. One forward's kernels instead of one per expert: what a batch of a few rows
+    is bound by on an accelerator (docs/benchmarks.md, ``forwards``).
+
+    The experts' parameters move into the stacked tensors: each expert's parameters become
+    views of its slice, so the group holds no second copy and each expert still runs alone.
+    Build the group before any expert is compiled into CUDA graphs (which hold parameters'
+    addresses)."""
+
+    def __init__(self, experts: Sequence[ParisExpert]) -> None:
+        super().__init__()
+        if not experts:
+            raise ValueError("a group needs at least one expert")
+        first = next(experts[0].parameters())
+        for index, expert in enumerate(experts):
+            reason = grouped_forward_unsupported(expert.config, first.dtype, first.device)
+            parameter = next(expert.parameters())
+            if expert.config != experts[0].config:
+                reason = f"its architecture {expert.config} is not {experts[0].config}"
+            elif (parameter.dtype, parameter.device) != (first.dtype, first.device):
+                reason = (f"it runs in {parameter.dtype} on {parameter.device}, expert 0 in "
+                          f"{first.dtype} on {first.device}")
+            if reason is not None:
+                raise ValueError(f"expert {index} cannot join the group: {reason}")
+        self.config = experts[0].config
+        self.group_size = len(experts)
+        # Plain tensors even where the group is built in inference mode: the experts' own
+        # parameters become views of them, and may run with autograd later.
+        with torch.inference_mode(False), torch.no_grad():
+            for name, _ in experts[0].named_parameters():
+                each = [expert.get_parameter(name) for expert in experts]
+                stacked = torch.stack(each)
+                for parameter, view in zip(each, stacked.unbind(0)):
+                    parameter.data = view
+                self.register_buffer(_buffer_name(name), stacked, persistent=False)
+
+    def stacked(self, name: str) -> torch.Tensor:
+        """The experts' parameter ``name`` (as named in :class:`ParisExpert`), stacked (K, ...)."""
+        return self.get_buffer(_buffer_name(name))
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        # Each expert's rows next to each other (the order grouped_mm's groups take), once
+        # for the whole forward; the output goes back to the caller's order at the end.
+        experts, order = torch.sort(experts, stable=True)
+        latents, timestep, text = latents[order], timestep[order], text[order]
+        rows = torch.zeros(self.group_size, dtype=torch.int32, device=experts.device).scatter_add_(
+            0, experts, torch.ones_like(experts, dtype=torch.int32))
+        ends = rows.cumsum(0, dtype=torch.int32)
+        batch, width, patch = latents.shape[0], config.hidden_size, config.patch_size
+
+        def linear(x: torch.Tensor, name: str, weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+            """``x`` (B, N, in), row b through its expert's projection ``name`` -> (B, N,
+            out)."""
+            weight = self.stacked(f"{name}.weight") if weight is None else weight
+            bias = self.stacked(f"{name}.bias") if bias is None else bias
+            tokens = x.shape[1]
+            out = F.grouped_mm(x.reshape(batch * tokens, -1), weight.transpose(1, 2),
+                               offs=ends * tokens)
+            return out.view(batch, tokens, -1).add_(bias[experts][:, None])
+
+        def attention(x: torch.Tensor, context: torch.Tensor | None,
+                      name: str) -> torch.Tensor:
+            weight, bias = self.stacked(f"{name}.in_proj_weight"), self.stacked(
+                f"{name}.in_proj_bias")
+            if context is None:
+                q, k, v = _heads(linear(x, name, weight, bias), 3, config.num_heads)
+            else:
+                (q,) = _heads(linear(x, name, weight[:, :width], bias[:, :width]), 1,
+                              config.num_heads)
+                k, v = _heads(linear(context, name, weight[:, width:], bias[:, width:]), 2,
+                              config.num_heads)
+            return linear(_attend(q, k, v), f"{name}.out_proj")
+
+        patches = _patchify(latents, patch)
+        embed = self.stacked("patch_embed.weight").flatten(2)
+        x = (linear(patches, "patch_embed", embed)
+             + self.stacked("pos_embed")[experts, 0])
+        features = get_timestep_embedding(timestep, FREQUENCY_EMBEDDING_SIZE,
+                                          flip_sin_to_cos=True, downscale_freq_shift=0)
+        time = linear(F.silu(linear(features.to(x.dtype)[:, None], "time_embed.mlp.0")),
+                      "time_embed.mlp.2")
+        time_modulation = linear(F.silu(time), "t_block.1").view(batch, 6, width)
+        text = linear(text, "text_proj")
+        for index in range(config.depth):
+            name = f"layers.{index}"
+            shift1, scale1, gate1, shift2, scale2, gate2 = (
+                self.stacked(f"{name}.scale_shift_table")[experts]
+                + time_modulation).chunk(6, dim=1)
+            x = torch.addcmul(x, gate1, attention(_modulate(x, shift1, scale1), None,
+                                                  f"{name}.attn"))
+            x = x + attention(x, text, f"{name}.cross_attn")
+            hidden = F.gelu(linear(_modulate(x, shift2, scale2), f"{name}.mlp.0"),
+                            approximate="tanh")
+            x = torch.addcmul(x, gate2, linear(hidden, f"{name}.mlp.2"))
+        shift, scale = (self.stacked("final_layer.scale_shift_table")[experts]
+                        + time).chunk(2, dim=1)
+        patches = linear(_modulate(x, shift, scale), "final_layer.linear")
+        out = _unpatchify(patches, patch, config.out_channels)
+        return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def grouped_forward_unsupported(config: ParisExpertConfig, dtype: torch.dtype,
+                                device: torch.device, compiled: bool = False) -> str | None:
+    """Why experts of ``config`` in ``dtype`` on ``device`` cannot run as a
+    :class:`ParisExpertGroup` (``compiled``: under ``torch.compile``), or None.
+    ``F.grouped_mm`` takes bfloat16 on CUDA from compute capability 8.0 and under
+    ``torch.compile`` (any floating dtype in an eager forward on a CPU), and every row of its
+    operands 16-byte aligned."""
+    if compiled and dtype != torch.bfloat16:
+        return f"a compiled grouped matrix product takes bfloat16, not {dtype}"
+    if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return f"grouped matrix products on CUDA take bfloat16, not {dtype}"
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            return "grouped matrix products on CUDA need compute capability 8.0 or newer"
+    elif device.type != "cpu":
+        return f"grouped matrix products run on CUDA and the CPU, not {device.type}"
+    size = torch.empty((), dtype=dtype).element_size()
+    widths = {"hidden_size": config.hidden_size, "text_embed_dim": config.text_embed_dim,
+              "MLP width": int(config.hidden_size * config.mlp_ratio),
+              "patch values": config.in_channels * config.patch_size ** 2,
+              "output patch values": config.out_channels * config.patch_size ** 2}
+    for what, value in widths.items():
+        if value * size % 16:
+            return f"its {what} ({value}) in {dtype} is not a multiple of 16 bytes"
+    return None
+
+
 class RouterBlock(nn.Module):
     """Self-attention and MLP under adaLN-Zero modulation from the time embedding (DiT)."""
 
@@ -242,10 +373,36 @@ def _mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
                          nn.Linear(inner, hidden_size))
 
 
+def _heads(projected: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """(B, N, parts * D) -> ``parts`` views (B, heads, N, D / heads), none copied."""
+    batch, tokens, width = projected.shape
+    return projected.view(batch, tokens, parts, heads,
+                          width // (parts * heads)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Heads (B, heads, N, D / heads) -> attention's output (B, N, D), copied back once."""
+    batch, heads, tokens, depth = q.shape
+    out = F.scaled_dot_product_attention(q, k, v)
+    return out.transpose(1, 2).reshape(batch, tokens, heads * depth)
+
+
 def _modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Parameter-free layer norm over the width, then ``* (1 + scale) + shift`` (one kernel
     for the two)."""
     return torch.addcmul(shift, F.layer_norm(x, (x.shape[-1],)), 1 + scale)
+
+
+def _patchify(latents: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, tokens, C * patch * patch), each token's values ``(c, p, q)`` in
+    a patch-embedding convolution's weight order."""
+    batch, channels, height, width = latents.shape
+    x = latents.reshape(batch, channels, height // patch, patch, width // patch, patch)
+    return x.permute(0, 2, 4, 1, 3, 5).reshape(batch, -1, channels * patch * patch)
+
+
+def _buffer_name(parameter: str) -> str:
+    return parameter.replace(".", "__")
 
 
 def _unpatchify(patches: torch.Tensor, patch: int, channels: int) -> torch.Tensor:
