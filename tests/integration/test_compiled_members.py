@@ -4,7 +4,7 @@ pool of a tiny text DDM's pixart expert, latent-router network and text encoder 
 probabilities of the same pool run eagerly within 1e-4 (float32; compiled kernels reorder
 sums), for a batch padded to its bucket; its ``/v1/info`` says which members run compiled
 (the text encoder stays eager). Our label UNet, served compiled, gives its eager velocities
-too.
+too, and a compiled group of two Paris experts (``--grouped-forward on``) each expert's.
 
 Compiling is slow on a shared CPU (about a minute per network and batch-size family), so
 the servers take ``max_batch`` 4: buckets 1, 2 and 4, two compiles per network (one row, then
@@ -25,11 +25,14 @@ from ddm.models.loading import expert_image_shape, expert_velocity
 from ddm.serving.model.compiled import WARM_TEXT_TOKENS
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
-from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, RouteRequest,
-                                       VelocityRequest, context_id, decode_probabilities,
-                                       decode_response, encode_request)
+from ddm.serving.wire.paths import POOL_VELOCITY_PATH
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, PoolVelocityRequest,
+                                       RouteRequest, VelocityRequest, context_id,
+                                       decode_pool_response, decode_probabilities,
+                                       decode_response, encode_pool_request, encode_request)
 from tests.integration.servers import running, wait_ready
 from tests.support.label_wire import LabelVelocity, post_call
+from tests.support.text_router import paris_stages
 from tests.support.text_stages import write_text_ddm
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
@@ -39,6 +42,8 @@ MAX_BATCH = 4
 COMPILE_DEADLINE_S = 1800.0
 #: Compiled against eager, float32: the largest difference allowed.
 TOLERANCE = 1e-4
+#: The same in bfloat16 (8 bits of mantissa; outputs of about 1).
+BFLOAT16_TOLERANCE = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +125,43 @@ def test_our_label_unet_compiled_gives_its_eager_velocities(smoke_expert_checkpo
     eager = expert_velocity(checkpoint, "torch")(request.x, request.t, request.y)
     np.testing.assert_allclose(decode_response(reply.content, 5), eager, rtol=0,
                                atol=TOLERANCE)
+
+
+def test_a_compiled_group_of_paris_experts_gives_each_expert_s_eager_velocity(
+        tmp_path_factory) -> None:
+    """--grouped-forward on under --compile default (bfloat16: what a compiled grouped matrix
+    product takes): a step's pool request, a row for each expert, runs through the group's
+    compiled forward and gives each row its own expert's eager velocity, to bfloat16's
+    rounding."""
+    stages = paris_stages(tmp_path_factory.mktemp("paris"))
+    experts = {f"expert-{k}": stages / f"expert_{k}" for k in range(2)}
+    common = {"max_batch": 2, "precision": "bfloat16"}
+    with running(create_model_app(experts, ServingOptions(**common, grouped_forward="off"))
+                 ) as eager, \
+            running(create_model_app(experts, ServingOptions(
+                **common, compile="default", grouped_forward="on"))) as grouped:
+        wait_ready(eager)
+        wait_ready(grouped, COMPILE_DEADLINE_S, fail_when_unhealthy=True)
+        (group,) = httpx.get(f"{grouped}/v1/info").json()["pool"]["groups"]
+        assert (group["grouped_up_to_rows"], group["failure"]) == (2, None)
+        info = httpx.get(f"{eager}/v1/members/expert-0/info").json()
+        rng = np.random.default_rng(2)
+        embeddings = rng.standard_normal((1, WARM_TEXT_TOKENS, info["text_width"]))
+        context = encode_request(Context(
+            1, embeddings.astype(np.float32), np.ones((1, WARM_TEXT_TOKENS), np.uint8),
+            np.zeros((0, WARM_TEXT_TOKENS, info["text_width"]), np.float32)))
+        request = PoolVelocityRequest(2, tuple((name, VelocityRequest(
+            2, rng.standard_normal((1, *info["latent_shape"])).astype(np.float32),
+            np.array([0.4], np.float32), context_id(context), np.zeros(1, np.int32),
+            np.ones(1, np.float32))) for name in experts))
+        for name in experts:
+            _post(eager, name, context)
+            _post(grouped, name, context)
+        own = [decode_response(_post(eager, name, encode_request(call)), 2)
+               for name, call in request.calls]
+        reply = httpx.post(f"{grouped}{POOL_VELOCITY_PATH}", content=encode_pool_request(request),
+                           headers={"content-type": CONTENT_TYPE}, timeout=600.0)
+        assert reply.status_code == 200, reply.content
+    for alone, together in zip(own, decode_pool_response(reply.content, request)):
+        np.testing.assert_allclose(together, alone, rtol=0, atol=BFLOAT16_TOLERANCE)
+    assert np.abs(own[0] - own[1]).max() > 10 * BFLOAT16_TOLERANCE

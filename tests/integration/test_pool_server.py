@@ -5,7 +5,8 @@ their memory; ``/readyz`` is 200 once every member is loaded; rows batch per mem
 across members; a router whose router.yaml points every expert and stage at the pool
 (``member:``) gives the unpooled deployment's image, with one pool request per step; a pool
 over its memory limit exits 1 before loading anything, naming each member's bytes, the sum and
-the limit."""
+the limit; with ``--grouped-forward on`` the two experts' rows run as one grouped forward,
+each row still its own expert's."""
 
 from __future__ import annotations
 
@@ -30,11 +31,14 @@ from ddm.checkpoints.declared import EXPERT, PLAN_NAMES
 from ddm.conditioning import Conditioning
 from ddm.deploy.router_config import RouterConfigFile, StaticDiscovery
 from ddm.serving.http.auth import TokenFile
-from ddm.serving.model.server import create_model_app
+from ddm.serving.model.grouped import preload
+from ddm.serving.model.server import create_model_app, load_member
 from ddm.serving.model.options import Hooks, ServingOptions
+from ddm.serving.wire.paths import POOL_VELOCITY_PATH
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
-                                       RouteRequest, VelocityRequest, context_id,
-                                       decode_response, encode_request)
+                                       PoolVelocityRequest, RouteRequest, VelocityRequest,
+                                       context_id, decode_pool_response, decode_response,
+                                       encode_pool_request, encode_request)
 from ddm.serving.router.fleet.lockstep import Lockstep
 from ddm.serving.router.fleet.pool import ExpertPool
 from ddm.serving.router.fleet.servers import PoolSettings
@@ -109,6 +113,7 @@ def test_each_member_answers_the_bytes_of_its_own_stage_server(stages, pool):
     assert set(figures["members"]) == set(MEMBERS) and figures["ready"]
     assert figures["device"] == "cpu"
     assert figures["cpu_threads"] is None  # an app in this test's process: no share
+    assert figures["groups"] == []  # grouped forwards are auto: on an accelerator only
     # No flag: the limit is this machine's cgroup's, where it sets one.
     assert (figures["limit_bytes"] is None) == (figures["limit_source"] is None)
     assert figures["total_bytes"] == sum(m["bytes"] for m in figures["members"].values())
@@ -464,3 +469,123 @@ def _a_second_generation_under_way(router: str, pool: str) -> tuple[dict[str, by
     first.join(READY_S)
     assert not first.is_alive()
     return images, counts(pool)[velocity] - before
+
+
+def test_grouped_on_a_step_s_rows_run_as_one_batch_each_its_own_expert_s(stages):
+    """--grouped-forward on: one pool request with two rows for each expert (a step) runs as
+    one batch of the group (each member's metrics hold its two rows and the same model
+    time), and each row's velocity is its own expert's (to float32's rounding)."""
+    experts = {name: stages / MEMBERS[name] for name in ("expert-0", "expert-1")}
+    with running(create_model_app(experts, ServingOptions(max_batch=4,
+                                                          grouped_forward="on"))) as base:
+        wait_ready(base)
+        info = httpx.get(f"{base}/v1/info").json()
+        (group,) = info["pool"]["groups"]
+        assert (group["members"], group["mode"], group["grouped_up_to_rows"],
+                group["failure"]) == (["expert-0", "expert-1"], "on", 4, None)
+        member = info["members"]["expert-0"]
+        width, latent = member["text_width"], tuple(member["latent_shape"])
+        context = encode_request(Context(
+            1, RNG.standard_normal((2, 5, width)).astype(np.float32),
+            np.ones((2, 5), np.uint8), RNG.standard_normal((2, 5, width)).astype(np.float32)))
+        for name in experts:
+            assert post(base, f"/v1/members/{name}/velocity", context).status_code == 200
+        calls = tuple((name, VelocityRequest(
+            30, RNG.standard_normal((2, *latent)).astype(np.float32),
+            np.array([0.3, 0.7], np.float32), context_id(context),
+            np.array([1, 0], np.int32), np.ones(2, np.float32))) for name in experts)
+        request = PoolVelocityRequest(30, calls)
+        reply = post(base, POOL_VELOCITY_PATH, encode_pool_request(request))
+        assert reply.status_code == 200, reply.content
+        metrics = httpx.get(f"{base}/metrics").text
+    together = decode_pool_response(reply.content, request)
+    for name in experts:
+        assert batches(metrics, name) == (1, 2.0)
+    seconds = {float(re.search(rf'^ddm_expert_model_seconds_sum{{member="{name}"}} (\S+)$',
+                               metrics, re.M)[1]) for name in experts}
+    assert len(seconds) == 1  # one batch's time, in both members' metrics
+    with running(create_model_app(experts, ServingOptions(max_batch=4,
+                                                          grouped_forward="off"))) as alone:
+        wait_ready(alone)
+        assert httpx.get(f"{alone}/v1/info").json()["pool"]["groups"] == []
+        for (name, call), velocity in zip(calls, together):
+            post(alone, f"/v1/members/{name}/velocity", context)
+            own = post(alone, f"/v1/members/{name}/velocity", encode_request(call)).content
+            np.testing.assert_allclose(velocity, decode_response(own, 30, (2, *latent)),
+                                       atol=1e-4)
+    assert np.abs(together[0] - together[1]).max() > 1e-3  # the experts differ
+
+
+def test_a_router_over_a_grouped_pool_gives_the_ungrouped_image(stages, pool):
+    """A top-2 step's rows of both experts, guided, go through one grouped forward: the
+    image is the ungrouped pool's within float32's rounding (2/255 at most), one pool
+    request per step as before."""
+    request = {"prompt": "a red car", "seed": 7, "response_format": "b64_json"}
+
+    def pixels(endpoint: str) -> np.ndarray:
+        with running(create_router_app(pooled_config(stages, endpoint))) as router:
+            wait_ready(router)
+            reply = httpx.post(f"{router}/v1/images/generations", json=request,
+                               timeout=READY_S)
+            assert reply.status_code == 200, reply.text
+        png = base64.b64decode(reply.json()["data"][0]["b64_json"])
+        from PIL import Image
+        import io
+        return np.asarray(Image.open(io.BytesIO(png)), np.int16)
+
+    options = ServingOptions(max_batch=8, grouped_forward="on")
+    with running(create_model_app(members_of(stages), options)) as grouped:
+        wait_ready(grouped)
+        before = counts(grouped)
+        image = pixels(grouped.removeprefix("http://"))
+        velocity = ("ddm_pool_requests_total", "/v1/pool/velocity", "pool_velocity", "200")
+        assert counts(grouped)[velocity] - before.get(velocity, 0.0) == 4  # text_config: 4
+    assert np.abs(image - pixels(pool.removeprefix("http://"))).max() <= 2
+
+
+def test_a_group_runs_a_batch_over_its_grouped_share_member_by_member(stages):
+    """Where ``auto`` measured the grouped forward faster only up to some rows of one member,
+    a larger batch runs member by member inside the group: every way gives each expert's own
+    velocities."""
+    options = ServingOptions(max_batch=16, grouped_forward="on")
+    members = {name: load_member(stages / MEMBERS[name], options, Hooks())
+               for name in ("expert-0", "expert-1")}
+    (group,) = asyncio.run(preload(members, options, Hooks()))
+    for member in members.values():
+        member.publish(member.load_and_warm())
+        member.batcher.start()
+    group.start()
+    width, latent = 32, members["expert-0"].limits.image_shape
+    embeddings = RNG.standard_normal((3, 7, width)).astype(np.float32)
+    context = Context(1, embeddings, np.ones((3, 7), np.uint8),
+                      RNG.standard_normal((3, 7, width)).astype(np.float32))
+    identity = context_id(encode_request(context))
+    for member in members.values():
+        member.contexts.put(identity, context)
+    calls = [(name, VelocityRequest(
+        20 + i, RNG.standard_normal((3, *latent)).astype(np.float32),
+        RNG.uniform(0.1, 0.9, 3).astype(np.float32), identity,
+        np.array([2, 0, 1], np.int32), np.array([7.5, 1.0, 3.0], np.float32)))
+        for i, name in enumerate(members)]
+
+    def velocities(through_group: bool) -> list[np.ndarray]:
+        for member in members.values():
+            member.group = group if through_group else None
+
+        async def both() -> list[np.ndarray]:
+            return await asyncio.gather(*(members[name].velocity(call) for name, call in calls))
+
+        return asyncio.run(both())
+
+    group.batcher.start()
+    grouped = velocities(through_group=True)
+    group.up_to_rows = 4  # each member's share: 3 rows, two of them guided: 5 forward rows
+    member_by_member = velocities(through_group=True)
+    alone = velocities(through_group=False)
+    for one, two, own in zip(grouped, member_by_member, alone):
+        np.testing.assert_allclose(one, own, atol=1e-4)
+        np.testing.assert_array_equal(two, own)
+    assert np.abs(alone[0] - alone[1]).max() > 1e-3  # the experts differ
+    for member in members.values():
+        asyncio.run(member.close())
+    asyncio.run(group.close())

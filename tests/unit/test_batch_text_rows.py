@@ -7,7 +7,7 @@ import numpy as np
 
 from ddm.conditioning import concat
 from ddm.serving.model.contexts import StoredContext
-from ddm.serving.model.stage import _conditioning
+from ddm.serving.model.stage import batch_conditioning
 
 TOKENS, WIDTH = 3, 4
 
@@ -30,7 +30,7 @@ def test_a_batch_of_calls_on_several_contexts_gets_each_rows_own_embeddings() ->
     index = np.array([2, 0, 1, 1, 1], np.int32)
     guidance = np.array([7.5, 7.5, 1.0, 2.0, 2.0], np.float32)
 
-    cond = _conditioning(TOKENS, [held, index, guidance])
+    cond = batch_conditioning(TOKENS, [held, index, guidance])
 
     expected = np.stack([first.embeddings[2], first.embeddings[0], second.embeddings[1],
                          third.embeddings[1], third.embeddings[1]]).astype(np.float32)

@@ -131,6 +131,29 @@ def test_concurrent_requests_get_their_own_rows_in_one_batch():
         np.testing.assert_array_equal(result, 2 * rows(value)[0])
 
 
+def test_a_batch_s_report_says_whose_each_request_was_and_its_rows():
+    """A batcher shared by several models (a pool's group of experts) splits each batch's
+    report by the requests' tags."""
+    async def scenario():
+        model, reports = GatedModel(), []
+        batcher = Batcher(model, max_batch=64, max_delay_ms=0, on_batch=reports.append)
+        batcher.start()
+        first = asyncio.create_task(batcher.submit(V, rows([0]), tag="a"))
+        await asyncio.to_thread(model.started.wait, 10)
+        later = [asyncio.create_task(batcher.submit(V, rows(v), cost=len(v) + 1, tag=tag))
+                 for v, tag in (([1, 2], "b"), ([3], "a"), ([4], None))]
+        await asyncio.sleep(0)
+        model.release.set()
+        await asyncio.gather(first, *later)
+        await batcher.close()
+        return reports
+
+    first, second = asyncio.run(scenario())
+    assert (first.tags, first.costs) == (("a",), (1,))
+    assert (second.tags, second.costs, second.images) == (("b", "a", None), (3, 2, 2), 7)
+    assert len(second.queue_delays) == 3
+
+
 def test_different_keys_run_in_separate_batches():
     async def scenario():
         model = GatedModel()

@@ -103,6 +103,13 @@ def test_the_serving_options_refuse_an_unknown_mode_and_another_backend() -> Non
     assert ServingOptions(backend="jax", compile="none").compile == "none"
 
 
+def test_the_serving_options_refuse_an_unknown_grouped_forward_mode() -> None:
+    with pytest.raises(ValueError, match=r"--grouped-forward must be one of auto, on, off, "
+                                         r"got 'always'"):
+        ServingOptions(grouped_forward="always")
+    assert ServingOptions().grouped_forward == "auto"
+
+
 def test_a_compiled_call_runs_at_its_bucket_and_answers_its_own_rows() -> None:
     seen = []
 

@@ -146,6 +146,10 @@ PULL_S = 600
 #: each batch to a bucket (:func:`batch_buckets`) and warms every bucket
 #: before it is ready.
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
+#: Whether a pool runs its same-architecture experts' rows as one grouped forward
+#: (``--grouped-forward``; :mod:`ddm.serving.model.grouped`): ``auto`` where it measured
+#: faster at start, for the batch sizes it measured faster at; ``on`` always; ``off`` never.
+GROUPED_FORWARD_MODES = ("auto", "on", "off")
 #: The only backend ``torch.compile`` applies to; the others compile their own way, always.
 COMPILING_BACKEND = "torch"
 _OWN_COMPILERS = {"jax": "XLA compiles every batch bucket at start",

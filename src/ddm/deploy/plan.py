@@ -168,8 +168,10 @@ MEMBER_READY_S = 120
 #: every size of ``compile_buckets(maxBatch)``, before it is ready). About three times the
 #: slowest measured (docs/benchmarks.md, "Compiled against eager on the CPU"). Members of one
 #: architecture share their compiled code, so a pool of like experts takes less; a plan does
-#: not know their architectures and counts each. (JAX and Neuron servers compile their batch
-#: sizes within their accelerator's budget, as they always have: Neuron's is the longer one.)
+#: not know their architectures and counts each (which also covers the one grouped forward
+#: like Paris experts compile: :mod:`ddm.serving.model.grouped`). (JAX and Neuron servers
+#: compile their batch sizes within their accelerator's budget, as they always have:
+#: Neuron's is the longer one.)
 COMPILE_READY_S = 120
 #: The stages a pool compiles with its experts (the text encoder and decoder run eagerly).
 COMPILED_STAGES = (PLAN_NAMES[ROUTER],)

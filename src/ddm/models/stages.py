@@ -522,17 +522,21 @@ def precision_name(dtype: torch.dtype) -> str:
 
 # Conversions at a network's edge: our (x, t, cond) in, our velocity out --------------------
 
-def network_velocity(run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-                     like: torch.Tensor, convention: NetworkConvention) -> ConditionedVelocity:
-    """An expert network ``run(x, timestep, embeddings) -> output`` (tensors in the weights'
-    dtype and device, timestep float32) as our unguided velocity."""
+def network_velocity(run: Callable[..., torch.Tensor], like: torch.Tensor,
+                     convention: NetworkConvention) -> ConditionedVelocity:
+    """An expert network ``run(x, timestep, embeddings, *per_row) -> output`` (tensors in the
+    weights' dtype and device, timestep float32; further per-row integer arrays, such as a
+    grouped forward's expert of each row, as int64 on the device) as our unguided velocity
+    ``(x, t, cond, *per_row)``."""
 
     @torch.no_grad()
-    def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning) -> np.ndarray:
+    def velocity(x: np.ndarray, t: np.ndarray, cond: Conditioning,
+                 *per_row: np.ndarray) -> np.ndarray:
         if cond.embeddings is None:
             raise ValueError("a text expert is conditioned on text embeddings, not labels")
         output = run(_tensor(x, like), _tensor(convention.timestep(t), like, torch.float32),
-                     _tensor(cond.embeddings, like))
+                     _tensor(cond.embeddings, like),
+                     *(_tensor(array, like, torch.int64) for array in per_row))
         return np.asarray(convention.velocity(output.float().cpu().numpy()), np.float32)
 
     return velocity

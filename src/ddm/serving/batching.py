@@ -92,11 +92,15 @@ class Wait:
 
 @dataclass(frozen=True)
 class BatchReport:
-    """One model call, for metrics: ``queue_delays`` in seconds, one per request."""
+    """One model call, for metrics: ``queue_delays`` in seconds, one per request, and each
+    request's ``tags`` and ``costs`` (its rows), so that a batcher shared by several models
+    can report each one's part."""
 
     images: int
     queue_delays: tuple[float, ...]
     model_seconds: float
+    tags: tuple[Hashable, ...] = ()
+    costs: tuple[int, ...] = ()
 
 
 def plan_batch(queue: Sequence[Queued], max_batch: int, max_delay: float,
@@ -153,6 +157,8 @@ class _Job:
     loop: asyncio.AbstractEventLoop
     #: Rows the model runs for it (a guided row runs twice): what counts against max_batch.
     cost: int
+    #: Whose request it is, for the batch's report (:class:`BatchReport`).
+    tag: Hashable = None
 
     @property
     def size(self) -> int:
@@ -241,9 +247,10 @@ class Batcher:
             self._thread.start()
 
     async def submit(self, key: Hashable, inputs: tuple[np.ndarray, ...],
-                     cost: int | None = None) -> Output:
+                     cost: int | None = None, tag: Hashable = None) -> Output:
         """Queue one request (arrays with its rows on axis 0) and await its rows of output;
-        ``cost`` is the rows the model runs for it (default: its rows), which batches count."""
+        ``cost`` is the rows the model runs for it (default: its rows), which batches count;
+        ``tag`` says whose it is in the batch's report."""
         if self._thread is None or self._closed:
             raise BatcherClosed("the batcher is not running")
         size = inputs[0].shape[0] if cost is None else cost
@@ -251,7 +258,7 @@ class Batcher:
             raise ValueError(f"a request must have 1..{self._max_batch} rows, got {size}")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Output] = loop.create_future()
-        job = _Job(key, inputs, time.perf_counter(), future, loop, size)
+        job = _Job(key, inputs, time.perf_counter(), future, loop, size, tag)
         with self._lock:
             if self._closed:  # by another loop since the check above: nobody would fail it
                 raise BatcherClosed("the batcher is not running")
@@ -461,7 +468,9 @@ class Batcher:
         assert self._on_batch is not None
         self._on_batch(BatchReport(images=sum(job.cost for job in jobs),
                                    queue_delays=tuple(started - job.arrived for job in jobs),
-                                   model_seconds=ended - started))
+                                   model_seconds=ended - started,
+                                   tags=tuple(job.tag for job in jobs),
+                                   costs=tuple(job.cost for job in jobs)))
 
 
 def _timed(run: RunFn, jobs: list[_Job], cpu: CpuShare | None

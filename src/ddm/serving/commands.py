@@ -15,7 +15,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ddm.deploy.limits import COMPILE_MODES, EXPERT_BACKENDS, EXPERT_PORT, PRECISIONS, ROUTER_PORT
+from ddm.deploy.limits import (COMPILE_MODES, EXPERT_BACKENDS, EXPERT_PORT, GROUPED_FORWARD_MODES,
+                               PRECISIONS, ROUTER_PORT)
 
 if TYPE_CHECKING:
     from ddm.serving.model.options import ServingOptions
@@ -54,6 +55,9 @@ def add_serve_commands(commands: argparse._SubParsersAction) -> None:
                    help="a member: its name in the plan (an expert's, text-encoder, decoder, "
                         "router-network) and its checkpoint directory: a label checkpoint or "
                         "a stage checkpoint (repeatable)")
+    p.add_argument("--grouped-forward", choices=GROUPED_FORWARD_MODES, default=None,
+                   help="run the rows of same-architecture experts (Paris's) as one forward: "
+                        "auto (default) where it measured faster at start, on, or off")
     _add_model_flags(p)
     _add_common(p)
     p.set_defaults(handler=_serve_pool)
@@ -180,7 +184,7 @@ def _serve_pool(args: argparse.Namespace) -> int:
         members = parse_members(args.member)
     except ValueError as error:
         raise fail_start(f"ddm serve pool: {error}") from None
-    serve_model(members, _options(args))
+    serve_model(members, _options(args, "grouped_forward"))
     return 0
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from ddm.deploy.limits import (DEFAULT_CONTEXT_CACHE_BYTES, EXPERT_BACKENDS, EXPERT_PORT,
-                               MAX_BATCH, MAX_CONTEXT_CACHE_BYTES, MAX_SERVER_DELAY_MS,
-                               MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH, SERVER_MAX_DELAY_MS,
-                               SERVER_MAX_PENDING, compile_refusal)
+                               GROUPED_FORWARD_MODES, MAX_BATCH, MAX_CONTEXT_CACHE_BYTES,
+                               MAX_SERVER_DELAY_MS, MAX_STEPS, PRECISIONS, SERVER_MAX_BATCH,
+                               SERVER_MAX_DELAY_MS, SERVER_MAX_PENDING, compile_refusal)
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.http.server import ServerControl
 from ddm.models.stages import Stage, load_stage
@@ -45,7 +45,9 @@ class ServingOptions:
     ``backend``/``device``/``precision``: where the models run and in which dtype
     (``precision`` casts stage checkpoints; label checkpoints serve as stored); ``compile``:
     ``torch.compile``'s mode for the torch networks (experts, router network; ``none``:
-    eager; :mod:`ddm.serving.model.compiled`), refused on another backend.
+    eager; :mod:`ddm.serving.model.compiled`), refused on another backend;
+    ``grouped_forward``: whether a pool's same-architecture experts run as one forward
+    (:data:`~ddm.deploy.limits.GROUPED_FORWARD_MODES`, :mod:`ddm.serving.model.grouped`).
     ``max_batch`` forward rows per model call, ``max_delay_ms`` of waiting for more,
     ``max_steps`` grid intervals per integrate request, ``max_pending`` requests admitted per
     member, ``context_cache_bytes`` of a text expert's contexts, ``compile_cache`` (Neuron's
@@ -63,6 +65,7 @@ class ServingOptions:
     device: str | None = None
     precision: str | None = None
     compile: str = "none"
+    grouped_forward: str = "auto"
     max_batch: int = SERVER_MAX_BATCH
     max_delay_ms: float = SERVER_MAX_DELAY_MS
     max_steps: int = MAX_STEPS
@@ -78,6 +81,9 @@ class ServingOptions:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; expected one of "
                              f"{', '.join(PRECISIONS)}")
+        if self.grouped_forward not in GROUPED_FORWARD_MODES:
+            raise ValueError(f"--grouped-forward must be one of "
+                             f"{', '.join(GROUPED_FORWARD_MODES)}, got {self.grouped_forward!r}")
         refusal = compile_refusal(self.compile, self.backend)
         if refusal is not None:
             raise ValueError(f"--{refusal}")

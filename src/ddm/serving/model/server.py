@@ -52,6 +52,7 @@ from ddm.deploy.router_config import MEMBER_NAME_PATTERN
 from ddm.models.stages import read_stage_declaration
 from ddm.serving.http.server import ServerControl, probe_responses, run_server
 from ddm.serving.model.contexts import ContextCache
+from ddm.serving.model.grouped import ExpertGroup, preload
 from ddm.serving.model.member import Member
 from ddm.serving.model.memory import PoolMemory, member_bytes, memory_limit
 from ddm.serving.model.metrics import MemberMetrics
@@ -86,10 +87,13 @@ class _Pool:
         self.device = device or "cpu"
         self.cpu = cpu
         self.metrics = MemberMetrics({name: m.metrics for name, m in self.members.items()})
+        #: Its experts' groups (:mod:`ddm.serving.model.grouped`), and whether they started.
+        self.groups: list[ExpertGroup] = []
+        self.grouped = False
 
     @property
     def ready(self) -> bool:
-        return all(member.ready for member in self.members.values())
+        return self.grouped and all(member.ready for member in self.members.values())
 
     @property
     def failure(self) -> str | None:
@@ -98,7 +102,8 @@ class _Pool:
 
     def describe(self) -> dict[str, Any]:
         return {"pool": {**self.memory.describe(), "device": self.device, "ready": self.ready,
-                         "cpu_threads": None if self.cpu is None else self.cpu.budget},
+                         "cpu_threads": None if self.cpu is None else self.cpu.budget,
+                         "groups": [group.describe() for group in self.groups]},
                 "members": {name: member.describe() for name, member in self.members.items()}}
 
 
@@ -187,20 +192,29 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
     if not memory.fits:
         raise ValueError(memory.refusal())
 
+    pool = _Pool(members, memory, options.device, hooks.cpu) if pooled else None
+
     async def load() -> None:
+        if pool is not None:
+            pool.groups = await preload(members, options, hooks)
         for member in members.values():
             await member.load(hooks)
             if member.failure is not None:
                 return
+        if pool is not None:
+            for group in pool.groups:
+                await _start_group(group, hooks)
+            pool.grouped = True
 
     async def close() -> None:
         for member in members.values():
             await member.close()
+        for group in [] if pool is None else pool.groups:
+            await group.close()
 
     binary = {model_paths(name if pooled else None).velocity: Binary(member, member.answer)
               for name, member in members.items()}
-    if pooled:
-        pool = _Pool(members, memory, options.device, hooks.cpu)
+    if pool is not None:
         binary.update(pool_step_routes(members, pool.metrics.registry))
         state: ModelState = pool
         app = lifespan_app(f"ddm pool of {len(members)}", "A DDM's models on one device, each "
@@ -213,6 +227,25 @@ def create_model_app(checkpoints: Checkpoints, options: ServingOptions = Serving
                            "docs/protocol.md.", load, close)
     return model_routes(app, state, binary, api_docs=options.api_docs, draining=hooks.draining,
                         auth_token_file=options.auth_token_file)
+
+
+async def _start_group(group: ExpertGroup, hooks: Hooks) -> None:
+    """Compile, warm and measure ``group``; once active, its members' velocity calls go
+    through it. One that cannot start leaves its members serving alone, as without it."""
+    try:
+        await hooks.start_up(group.start)
+    except Exception as error:  # noqa: BLE001 - the members serve on alone
+        logger.exception("the grouped forward of %s cannot start; they run alone",
+                         ", ".join(group.names))
+        group.failure = f"{type(error).__name__}: {error}"
+        return
+    if group.active:
+        group.batcher.start()
+        for member in group.members.values():
+            member.group = group
+    logger.info("members %s: %s", ", ".join(group.names),
+                f"one grouped forward up to {group.up_to_rows} rows of one member"
+                if group.active else "grouped forward not faster; they run alone")
 
 
 def _member_routes(members: Mapping[str, Member], draining: Callable[[], bool] | None,

@@ -40,7 +40,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Hashable
+from typing import Any, Hashable, Protocol
 
 import numpy as np
 
@@ -74,7 +74,7 @@ from ddm.serving.wire.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequ
                                        request_kind)
 from ddm.threads import CpuShare
 
-__all__ = ["StageMember"]
+__all__ = ["StageMember", "VelocityKey", "batch_conditioning"]
 
 def _serves(role: str) -> str:
     """What a ``role`` stage's ``/v1/velocity`` answers (``/v1/info`` ``serves``): its first
@@ -96,11 +96,19 @@ _WARM_TOKENS = 8
 
 
 @dataclass(frozen=True)
-class _Velocity:
+class VelocityKey:
     """Batch key of velocity calls: rows merge when their contexts' token length does (None:
     a label context's rows)."""
 
     tokens: int | None
+
+
+class VelocityGroup(Protocol):
+    """What runs an expert's velocity calls in place of its own batcher: a pool's group of
+    experts that share a forward (:class:`ddm.serving.model.grouped.ExpertGroup`)."""
+
+    async def submit(self, member: StageMember, key: VelocityKey,
+                     inputs: tuple[np.ndarray, ...], cost: int) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,11 @@ class StageMember(Member):
         self.loader = loader
         self.contexts = ContextCache(options.context_cache_bytes)
         self.stage: Stage | None = None
+        #: Loaded and checked ahead of warming by a pool forming a group (:mod:`ddm.serving.
+        #: model.grouped`); the warm-up takes it.
+        self.preloaded: Stage | None = None
+        #: The group whose batcher runs this expert's velocity calls, once it is active.
+        self.group: VelocityGroup | None = None
 
     @property
     def ready(self) -> bool:
@@ -246,19 +259,21 @@ class StageMember(Member):
         run in the expert's batcher with other requests' rows: for its own route and a
         pool's (:mod:`ddm.serving.model.pool_step`) alike."""
         tokens, rows, cost = self._context_rows(message)
-        out = await self.batcher.submit(_Velocity(tokens), (message.x, message.t, *rows), cost)
+        inputs, group = (message.x, message.t, *rows), self.group
+        out = await (self.batcher.submit(VelocityKey(tokens), inputs, cost) if group is None
+                     else group.submit(self, VelocityKey(tokens), inputs, cost))
         return self._wire(out)
 
     def _context_rows(self, message: VelocityRequest | IntegrateRequest
                       ) -> tuple[int | None, tuple[np.ndarray, ...], int]:
         """The context's token length (None: labels), the conditioning of the message's rows
-        as the batcher carries it (:func:`_conditioning`) and the forward rows the call
+        as the batcher carries it (:func:`batch_conditioning`) and the forward rows the call
         costs."""
         if self.declared.conditioning == LABELS:
             return None, (self._labels(message),), message.x.shape[0]
         context, cost = self._text_rows(message)
         assert context.embeddings is not None
-        # By reference: the batch gathers its rows of 77 x 768 floats once (_conditioning).
+        # By reference: the batch gathers its rows of 77 x 768 floats once (batch_conditioning).
         held = np.empty(len(message.rows), object)
         held[:] = [context] * len(message.rows)
         return context.embeddings.shape[1], (held, message.rows, message.guidance), cost
@@ -330,32 +345,22 @@ class StageMember(Member):
         if key in ("decode", "route"):
             return np.asarray(stage.forward(*inputs), np.float32)
         velocity = guided(stage.forward, None)
-        if isinstance(key, _Velocity):
+        if isinstance(key, VelocityKey):
             x, t, *rows = inputs
-            return velocity(x, t, _conditioning(key.tokens, rows))
+            return velocity(x, t, batch_conditioning(key.tokens, rows))
         assert isinstance(key, _Integrate), f"unknown batch key {key!r}"
         x, *rows = inputs
-        for _, x in iterate(velocity, x, _conditioning(key.tokens, rows),
+        for _, x in iterate(velocity, x, batch_conditioning(key.tokens, rows),
                             np.frombuffer(key.grid, np.float32), key.solver):
             pass
         return x
 
     def load_and_warm(self) -> Stage:
-        """The stage at ``--precision``, padded to the batch sizes it runs at (if fixed), an
-        expert checked by ``ddm expert check``'s checks (eagerly), compiled where
+        """The stage (:meth:`load_checked`, unless a pool preloaded it) compiled where
         ``--compile`` asks and it has a torch network, warmed up: at one row, or at every
         batch size it runs at or is compiled for."""
+        stage, self.preloaded = self.preloaded or self.load_checked(), None
         options = self.options
-        stage = self.loader(self.directory, options.precision, options.device,
-                            options.backend, batch_buckets(self.limits.max_batch),
-                            options.compile_cache)
-        if stage.batch_sizes is not None:
-            stage = dataclasses.replace(
-                stage, forward=bucketed(stage.forward, stage.batch_sizes),
-                prediction=(None if stage.prediction is None
-                            else bucketed(stage.prediction, stage.batch_sizes)))
-        if stage.declaration.role == EXPERT:
-            require_passing(self._check(stage), self.who)
         if options.compile == "none" or stage.network is None:
             device = options.device if stage.runtime is None else stage.runtime.device
             _warm_up(stage, stage.batch_sizes or _eager_warm_sizes(device,
@@ -371,6 +376,22 @@ class StageMember(Member):
         for _ in range(2 if options.compile == CUDA_GRAPHS else 1):
             _warm_up(compiled, buckets, WARM_TEXT_TOKENS)
         return compiled
+
+    def load_checked(self) -> Stage:
+        """The stage at ``--precision``, padded to the batch sizes it runs at (if fixed), an
+        expert checked by ``ddm expert check``'s checks (eagerly)."""
+        options = self.options
+        stage = self.loader(self.directory, options.precision, options.device,
+                            options.backend, batch_buckets(self.limits.max_batch),
+                            options.compile_cache)
+        if stage.batch_sizes is not None:
+            stage = dataclasses.replace(
+                stage, forward=bucketed(stage.forward, stage.batch_sizes),
+                prediction=(None if stage.prediction is None
+                            else bucketed(stage.prediction, stage.batch_sizes)))
+        if stage.declaration.role == EXPERT:
+            require_passing(self._check(stage), self.who)
+        return stage
 
     def _check(self, expert: Stage) -> list[Any]:
         """``ddm expert check``'s checks of a loaded expert: a label network's against what
@@ -416,7 +437,7 @@ def _label_facts(meta: CheckpointMeta) -> dict[str, Any]:
             "network_convention": None, "cluster": None}
 
 
-def _conditioning(tokens: int | None, rows: list[np.ndarray]) -> Conditioning:
+def batch_conditioning(tokens: int | None, rows: list[np.ndarray]) -> Conditioning:
     """A batch's rows as the batcher carries them (:meth:`StageMember._context_rows`) ->
     their conditioning: a label context's ``[labels]`` (``tokens`` None), or a text
     context's ``[contexts, rows, guidance]`` (each row's stored context and its index there)
