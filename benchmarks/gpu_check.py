@@ -120,6 +120,13 @@ def summary(result: dict[str, Any]) -> list[str]:
             lines.extend(f"  {name} with {other} at {level} prompts: {where}"
                          for level, f in figures[other]["levels"].items()
                          if (where := time_went(f)))
+        for server, groups in figures.get("groups", {}).items():
+            lines.extend(f"  {name} {server}: {', '.join(group['members'])} " + (
+                f"grouped up to {group['grouped_up_to_rows']} rows of one member"
+                if group["grouped_up_to_rows"] else "not grouped") + "; measured " + ", ".join(
+                f"{m['rows_per_member']} rows each {m['grouped_ms']} ms grouped, "
+                f"{m['member_by_member_ms']} ms member by member"
+                for m in group["calibration"]) for group in groups)
         if "calls_ahead" in figures:
             lines.append(f"  {name} calls ahead by router: " + "; ".join(
                 f"{router} {counts['used']} used, {counts['unused']} unused"
@@ -232,7 +239,11 @@ def forwards_summary(figures: dict[str, Any]) -> list[str]:
                          f"{kernel['kind']}: {kernel['name'][:110]}"
                          for kernel in profile["heaviest"][:6])
         lines.append(f"    ways: {', '.join(_timings(level))}")
-    for level in figures.get("grouped", []):
+    grouped = figures.get("grouped", [])
+    if isinstance(grouped, dict):  # the group cannot run there, and says why
+        lines.append(f"  grouped: {grouped['unsupported']}")
+        grouped = []
+    for level in grouped:
         lines.append(f"  grouped, {level['rows_per_expert']} rows per expert: "
                      f"{', '.join(_timings(level))}"
                      f"; largest difference {level['max_abs_difference']:.2g}")

@@ -135,13 +135,15 @@ def _loopback(url: str) -> str:
 
 class LocalDDM(NamedTuple):
     """What :func:`local_ddm` started: the router's URL, every process's PID by name, each
-    model server's ``/metrics`` URL by name, and the other routers' (``also``) URLs and their
-    ``/metrics`` URLs by name, the first router's too (as ``router``)."""
+    model server's ``/metrics`` URL by name, the other routers' (``also``) URLs and their
+    ``/metrics`` URLs by name, the first router's too (as ``router``), and each model
+    server's base URL by name."""
 
     url: str
     pids: dict[str, int]
     metrics: dict[str, str]
     routers: dict[str, tuple[str, str]]
+    servers: dict[str, str]
 
 
 @contextmanager
@@ -181,7 +183,9 @@ def local_ddm(manifest: Path, clients: int, log: TextIO, threads: int = 1,
                             for server in plan.servers if server.metrics_port is not None},
                            {r.name: (f"http://{HOST}:{r.port}",
                                      f"http://{HOST}:{r.metrics_port}/metrics")
-                            for r in routers})
+                            for r in routers},
+                           {server.name: f"http://{HOST}:{server.port}"
+                            for server in plan.servers})
             exited = supervisor.first_exit()
             if exited is not None:
                 raise LoadTestError(f"{exited[0]} exited with status {exited[1]} during the run")

@@ -245,6 +245,7 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
                     figures = asyncio.run(served(ddm.url, pids, load, log, ddm.metrics,
                                                  ddm.routers["router"][1]))
                     figures.update(gpu_memory(pids))
+                    figures["groups"] = grouped_forwards(ddm.servers)
                     for other in also:
                         say(log, f"paris-pools: {key} through a router with {other}")
                         others = {process: pid for process, pid in ddm.pids.items()
@@ -265,6 +266,18 @@ def bench_paris_pools(settings: ParisPoolSettings, log: TextIO = sys.stderr,
     result["load_average_after"] = list(os.getloadavg())
     result["seconds"] = round(time.perf_counter() - started, 1)
     return result
+
+
+def grouped_forwards(servers: dict[str, str]) -> dict[str, Any]:
+    """Each pool's groups of experts sharing a forward, as its ``/v1/info`` says (members,
+    the rows up to which a batch runs grouped, what ``auto`` measured): server name ->
+    groups, for the servers that are pools."""
+    found = {}
+    for name, base in servers.items():
+        info = httpx.get(f"{base}/v1/info", timeout=60).json()
+        if "pool" in info:
+            found[name] = info["pool"]["groups"]
+    return found
 
 
 def imported_release(settings: ParisPoolSettings, workdir: Path, log: TextIO) -> Path:
