@@ -121,12 +121,7 @@ def summary(result: dict[str, Any]) -> list[str]:
                          for level, f in figures[other]["levels"].items()
                          if (where := time_went(f)))
         for server, groups in figures.get("groups", {}).items():
-            lines.extend(f"  {name} {server}: {', '.join(group['members'])} " + (
-                f"grouped up to {group['grouped_up_to_rows']} rows of one member"
-                if group["grouped_up_to_rows"] else "not grouped") + "; measured " + ", ".join(
-                f"{m['rows_per_member']} rows each {m['grouped_ms']} ms grouped, "
-                f"{m['member_by_member_ms']} ms member by member"
-                for m in group["calibration"]) for group in groups)
+            lines.extend(_group_line(f"{name} {server}", group) for group in groups)
         if "calls_ahead" in figures:
             lines.append(f"  {name} calls ahead by router: " + "; ".join(
                 f"{router} {counts['used']} used, {counts['unused']} unused"
@@ -136,6 +131,19 @@ def summary(result: dict[str, Any]) -> list[str]:
         lines.append(f"target {name}: {target['value']} {target['comparison']} "
                      f"{target['target']}: {verdict[target['met']]}")
     return lines
+
+
+def _group_line(where: str, group: dict[str, Any]) -> str:
+    """A pool's group of experts sharing a forward: up to which rows it groups, or why not,
+    and what ``auto`` measured."""
+    said = (f"grouped up to {group['grouped_up_to_rows']} rows of one member"
+            if group["grouped_up_to_rows"] else
+            f"not grouped ({group['failure']})" if group["failure"] else "not grouped")
+    measured = ", ".join(f"{m['rows_per_member']} rows each {m['grouped_ms']} ms grouped, "
+                         f"{m['member_by_member_ms']} ms member by member"
+                         for m in group["calibration"])
+    return (f"  {where}: {', '.join(group['members'])} {said}"
+            + (f"; measured {measured}" if measured else ""))
 
 
 def _levels(figures: dict[str, Any]) -> str:

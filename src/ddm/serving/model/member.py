@@ -2,7 +2,8 @@
 
 A member (a label expert, a text expert, a text encoder, a decoder, a router network) owns
 its limits, its admission count, its metrics and its batcher (rows batch per member, across
-requests, never with another member's); the routes (:mod:`ddm.serving.model.routes`) read
+requests, never with another member's, except a pool's experts that share a grouped
+forward: :mod:`ddm.serving.model.grouped`); the routes (:mod:`ddm.serving.model.routes`) read
 those, and call :meth:`Member.answer` with each body. Its weights load in the app's lifespan
 through :meth:`Member.load`, the same for every role: off the event loop, checked and warmed
 up by the member's own :meth:`Member.load_and_warm`, the batcher started before the model is

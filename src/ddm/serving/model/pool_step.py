@@ -6,7 +6,8 @@ generation: a call per (member, context), so the calls of concurrent generations
 member travel together. The route hands every call to its member's own batcher
 (:meth:`~ddm.serving.model.member.Member.velocity`) at once, so a member's calls with the
 same batch key run as one forward (with other requests' rows too), never with another
-member's, and answers one reply holding each call's output or error: a call naming a context
+member's (unless the two share a grouped forward: :mod:`ddm.serving.model.grouped`, where a
+step's rows of both run as one), and answers one reply holding each call's output or error: a call naming a context
 its member does not hold answers its 412 in the reply while the other calls' rows come back,
 those to the same member included, as their own requests would have been answered. An
 unknown member name refuses the whole request (404, naming it); so does anything the body

@@ -4,7 +4,9 @@ expert``, ``ddm serve stage``, ``ddm serve pool``; issues 36 and 37).
 Each member (a label expert, a text expert, a text encoder, a decoder or a router network) is
 a :class:`~ddm.serving.model.member.Member` of its own: its batcher (rows batch per member,
 across requests, never with another member's), context cache, limits, admission count and
-metrics. A server of one checkpoint (:func:`create_model_app` given a directory) answers at
+metrics; a pool's like Paris experts may share one grouped forward and its batcher instead
+(:mod:`ddm.serving.model.grouped`: ``--grouped-forward``), formed before they warm up and
+started after, before ``/readyz`` says ready. A server of one checkpoint (:func:`create_model_app` given a directory) answers at
 the root (``/v1/velocity``, ``/v1/info``, ``/readyz``), as routers and router.yaml files
 expect of ``ddm serve expert`` and ``ddm serve stage``; a pool (given name -> directory)
 answers for each member under ``/v1/members/NAME`` (:mod:`ddm.serving.wire.paths`), with the same
