@@ -1,13 +1,45 @@
-"""A pool's grouped forward's choices (:mod:`ddm.serving.model.grouped`), as pure rules: up to
-which share of one member ``auto`` groups a batch, and how a batch run member by member is
-cut into forwards that fit ``--max-batch``."""
+"""A pool's grouped forward's choices (:mod:`ddm.serving.model.grouped`), as pure rules: the
+spec's ``groupedForward`` carried to the pool server, up to which share of one member
+``auto`` groups a batch, and how a batch run member by member is cut into forwards that fit
+``--max-batch``."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import pytest
 
+from ddm.deploy.plan import plan_deployment
+from ddm.deploy.spec import SpecError, parse_spec
 from ddm.serving.model.grouped import forward_chunks, grouped_up_to
+
+
+def _pooled(**pool: Any) -> dict[str, Any]:
+    """Two text experts in one nvidia pool with ``pool``'s fields."""
+    def checkpoint(name: str) -> dict[str, Any]:
+        return {"uri": f"image:///opt/ddm/checkpoints/{name}"}
+
+    return {"conditioning": "text",
+            "pools": [{"name": "gpu", "accelerator": {"type": "nvidia"}, **pool}],
+            "textEncoder": {"checkpoint": checkpoint("clip")},
+            "router": {"checkpoint": checkpoint("router")},
+            "experts": [{"name": f"expert-{k}", "checkpoint": checkpoint(f"e{k}"),
+                         "pool": "gpu"} for k in range(2)]}
+
+
+def test_a_pool_passes_its_grouped_forward_mode_to_its_server() -> None:
+    (pool,) = plan_deployment(parse_spec(_pooled(groupedForward="off"))).pools
+    assert pool.args[pool.args.index("--grouped-forward") + 1] == "off"
+    # Unset: no flag, the server's default (auto).
+    assert "--grouped-forward" not in plan_deployment(parse_spec(_pooled())).pools[0].args
+
+
+def test_an_unknown_grouped_forward_mode_is_refused_by_its_field() -> None:
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_pooled(groupedForward="always"))
+    (problem,) = caught.value.problems
+    assert problem.startswith("spec.pools[0].groupedForward") and "auto, on, off" in problem
 
 
 @pytest.mark.parametrize("measured, up_to", [

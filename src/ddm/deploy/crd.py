@@ -391,6 +391,13 @@ POOL_ITEM = Object(required=("name",), properties={
     "maxBatch": MAX_BATCH_FIELD,
     "maxDelayMs": MAX_DELAY_FIELD,
     "compile": COMPILE_FIELD,
+    "groupedForward": String(
+        description="Whether the pool's Paris experts of one architecture run a step's rows "
+                    "of all of them as one forward (each projection one grouped matrix "
+                    "product over their stacked weights): auto groups on an accelerator up "
+                    "to the rows it measured faster at start, and not on a CPU; on always; "
+                    "off never. Unset: auto.",
+        choices=limits.GROUPED_FORWARD_MODES),
     **POD_FIELDS,
     "autoscaling": AUTOSCALING,
 })

@@ -323,7 +323,9 @@ def plan_pool(spec: DDMSpec, pool: PoolSpec) -> PoolPlan:
                      "torch")
     precision = next((m.precision for m in members.values()), None)
     backend, device = pool.accelerator.declared.backends[framework]
-    args = _server_args(backend, device, precision) + _batching_args(pool) + _memory_args(pool)
+    args = (_server_args(backend, device, precision) + _batching_args(pool)
+            + _memory_args(pool)
+            + (["--grouped-forward", pool.grouped_forward] if pool.grouped_forward else []))
     compiled = sum(isinstance(m, ExpertSpec) or name in COMPILED_STAGES
                    for name, m in members.items()) if _compiles(pool) else 0
     return PoolPlan(name=pool.name,

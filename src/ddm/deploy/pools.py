@@ -24,7 +24,9 @@ class PoolSpec:
     (``pool: NAME``) and carry no placement of their own. ``max_batch``/``max_delay_ms``
     apply to each member's batcher, ``compile`` (``torch.compile``'s mode) to each member's
     torch network (None: the server's own defaults); ``autoscaling``: its replicas follow
-    the sum of its member experts' demand (None: ``replicas`` fixed)."""
+    the sum of its member experts' demand (None: ``replicas`` fixed); ``grouped_forward``:
+    whether its like Paris experts share one forward (``ddm serve pool --grouped-forward``;
+    None: the server's default, ``auto``)."""
 
     name: str
     accelerator: Accelerator
@@ -34,6 +36,7 @@ class PoolSpec:
     pod: PodOptions = PodOptions()
     autoscaling: Autoscaling | None = None
     compile: str | None = None
+    grouped_forward: str | None = None
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from ddm.deploy.limits import (
     DEFAULT_CONTEXT_CACHE_BYTES,
     DEFAULT_MISSING_EXPERT_POLICY,
     FRAMEWORKS,
+    GROUPED_FORWARD_MODES,
     GUIDED_FORWARD_ROWS,
     MAX_ACCELERATOR_COUNT,
     MAX_BATCH,
@@ -575,7 +576,9 @@ def _pool(reader: FieldReader) -> PoolSpec | None:
                     replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
                     max_batch=_max_batch(reader), max_delay_ms=_max_delay_ms(reader),
                     pod=parse_pod_options(reader), autoscaling=_autoscaling(reader),
-                    compile=_compile(reader))
+                    compile=_compile(reader),
+                    grouped_forward=reader.string("groupedForward", None,
+                                                  choices=GROUPED_FORWARD_MODES))
     if accelerator_ok:
         _node_label_conflicts(reader, accelerator, pool.pod)
     reader.done()

@@ -2,14 +2,14 @@
 
 A router whose step needs experts held by one pool replica sends their rows in one pool
 velocity request (``docs/protocol.md``, version 3) instead of one request per member and
-generation: a call per (member, context), so the calls of concurrent generations to one
-member travel together. The route hands every call to its member's own batcher
-(:meth:`~ddm.serving.model.member.Member.velocity`) at once, so a member's calls with the
-same batch key run as one forward (with other requests' rows too), never with another
-member's (unless the two share a grouped forward: :mod:`ddm.serving.model.grouped`, where a
-step's rows of both run as one), and answers one reply holding each call's output or error: a call naming a context
-its member does not hold answers its 412 in the reply while the other calls' rows come back,
-those to the same member included, as their own requests would have been answered. An
+generation: a call per (member, context), so the calls of concurrent generations to one member
+travel together. The route hands every call to its member's own batcher
+(:meth:`~ddm.serving.model.member.Member.velocity`) at once, so a member's calls with the same
+batch key run as one forward (with other requests' rows too), never with another member's
+(unless the two share a grouped forward: :mod:`ddm.serving.model.grouped`, where a step's rows
+of both run as one), and answers one reply holding each call's output or error: a call naming a
+context its member does not hold answers its 412 in the reply while the other calls' rows come
+back, those to the same member included, as their own requests would have been answered. An
 unknown member name refuses the whole request (404, naming it); so does anything the body
 itself gets wrong (400, 413, 422).
 

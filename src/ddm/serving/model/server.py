@@ -1,19 +1,19 @@
 """The model server: one process holding N models by role on one device (``ddm serve
 expert``, ``ddm serve stage``, ``ddm serve pool``; issues 36 and 37).
 
-Each member (a label expert, a text expert, a text encoder, a decoder or a router network) is
-a :class:`~ddm.serving.model.member.Member` of its own: its batcher (rows batch per member,
+Each member (a label expert, a text expert, a text encoder, a decoder or a router network) is a
+:class:`~ddm.serving.model.member.Member` of its own: its batcher (rows batch per member,
 across requests, never with another member's), context cache, limits, admission count and
 metrics; a pool's like Paris experts may share one grouped forward and its batcher instead
 (:mod:`ddm.serving.model.grouped`: ``--grouped-forward``), formed before they warm up and
-started after, before ``/readyz`` says ready. A server of one checkpoint (:func:`create_model_app` given a directory) answers at
-the root (``/v1/velocity``, ``/v1/info``, ``/readyz``), as routers and router.yaml files
-expect of ``ddm serve expert`` and ``ddm serve stage``; a pool (given name -> directory)
-answers for each member under ``/v1/members/NAME`` (:mod:`ddm.serving.wire.paths`), with the same
-answers, and a step's calls to its experts (of every generation) come as one request
-(:mod:`ddm.serving.model.pool_step`); its own ``/v1/info`` lists the members and the memory
-figures, its ``/readyz`` is 200 once every member is loaded, its ``/metrics`` labels each
-member's series ``member="NAME"``.
+started after, before ``/readyz`` says ready. A server of one checkpoint
+(:func:`create_model_app` given a directory) answers at the root (``/v1/velocity``,
+``/v1/info``, ``/readyz``), as routers and router.yaml files expect of ``ddm serve expert`` and
+``ddm serve stage``; a pool (given name -> directory) answers for each member under
+``/v1/members/NAME`` (:mod:`ddm.serving.wire.paths`), with the same answers, and a step's calls
+to its experts (of every generation) come as one request (:mod:`ddm.serving.model.pool_step`);
+its own ``/v1/info`` lists the members and the memory figures, its ``/readyz`` is 200 once
+every member is loaded, its ``/metrics`` labels each member's series ``member="NAME"``.
 
 The lifespan starts loading the members one after the other in a worker thread and returns at
 once, so that the server answers probes while a backend compiles (minutes on Neuron):
