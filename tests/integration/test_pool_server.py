@@ -33,6 +33,7 @@ from ddm.deploy.router_config import RouterConfigFile, StaticDiscovery
 from ddm.serving.http.auth import TokenFile
 from ddm.serving.model.grouped import preload
 from ddm.serving.model.server import create_model_app, load_member
+from ddm.serving.model.stage import VelocityKey
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.wire.paths import POOL_VELOCITY_PATH
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, DecodeRequest, EncodeRequest,
@@ -471,10 +472,10 @@ def _a_second_generation_under_way(router: str, pool: str) -> tuple[dict[str, by
     return images, counts(pool)[velocity] - before
 
 
-def test_grouped_on_a_step_s_rows_run_as_one_batch_each_its_own_expert_s(stages):
-    """--grouped-forward on: one pool request with two rows for each expert (a step) runs as
-    one batch of the group (each member's metrics hold its two rows and the same model
-    time), and each row's velocity is its own expert's (to float32's rounding)."""
+def test_grouped_on_a_step_s_rows_each_get_their_own_expert_s_velocity(stages):
+    """--grouped-forward on: a pool request with two rows for each expert (a step) goes
+    through the group, whose /v1/info says so; each row's velocity is its own expert's (to
+    float32's rounding), and each member's metrics count its own rows."""
     experts = {name: stages / MEMBERS[name] for name in ("expert-0", "expert-1")}
     with running(create_model_app(experts, ServingOptions(max_batch=4,
                                                           grouped_forward="on"))) as base:
@@ -499,11 +500,8 @@ def test_grouped_on_a_step_s_rows_run_as_one_batch_each_its_own_expert_s(stages)
         assert reply.status_code == 200, reply.content
         metrics = httpx.get(f"{base}/metrics").text
     together = decode_pool_response(reply.content, request)
-    for name in experts:
-        assert batches(metrics, name) == (1, 2.0)
-    seconds = {float(re.search(rf'^ddm_expert_model_seconds_sum{{member="{name}"}} (\S+)$',
-                               metrics, re.M)[1]) for name in experts}
-    assert len(seconds) == 1  # one batch's time, in both members' metrics
+    for name in experts:  # the group's batches, in each member's metrics with its own rows
+        assert batches(metrics, name)[1] == 2.0
     with running(create_model_app(experts, ServingOptions(max_batch=4,
                                                           grouped_forward="off"))) as alone:
         wait_ready(alone)
@@ -543,10 +541,11 @@ def test_a_router_over_a_grouped_pool_gives_the_ungrouped_image(stages, pool):
     assert np.abs(image - pixels(pool.removeprefix("http://"))).max() <= 2
 
 
-def test_a_group_runs_a_batch_over_its_grouped_share_member_by_member(stages):
-    """Where ``auto`` measured the grouped forward faster only up to some rows of one member,
-    a larger batch runs member by member inside the group: every way gives each expert's own
-    velocities."""
+def test_a_group_runs_a_batch_grouped_or_member_by_member_each_row_its_own_expert_s(stages):
+    """One batch of a group holding both experts' rows, guided and not: within its grouped
+    share it is one forward of the group's network (a hook counts it), over it one forward
+    per member; either way each row gets its own expert's velocity, as the expert's own
+    batcher answers it."""
     options = ServingOptions(max_batch=16, grouped_forward="on")
     members = {name: load_member(stages / MEMBERS[name], options, Hooks())
                for name in ("expert-0", "expert-1")}
@@ -555,37 +554,39 @@ def test_a_group_runs_a_batch_over_its_grouped_share_member_by_member(stages):
         member.publish(member.load_and_warm())
         member.batcher.start()
     group.start()
+    assert group.up_to_rows == 16
     width, latent = 32, members["expert-0"].limits.image_shape
-    embeddings = RNG.standard_normal((3, 7, width)).astype(np.float32)
-    context = Context(1, embeddings, np.ones((3, 7), np.uint8),
+    context = Context(1, RNG.standard_normal((3, 7, width)).astype(np.float32),
+                      np.ones((3, 7), np.uint8),
                       RNG.standard_normal((3, 7, width)).astype(np.float32))
     identity = context_id(encode_request(context))
     for member in members.values():
         member.contexts.put(identity, context)
-    calls = [(name, VelocityRequest(
-        20 + i, RNG.standard_normal((3, *latent)).astype(np.float32),
-        RNG.uniform(0.1, 0.9, 3).astype(np.float32), identity,
-        np.array([2, 0, 1], np.int32), np.array([7.5, 1.0, 3.0], np.float32)))
-        for i, name in enumerate(members)]
+    calls = [VelocityRequest(20 + k, RNG.standard_normal((3, *latent)).astype(np.float32),
+                             RNG.uniform(0.1, 0.9, 3).astype(np.float32), identity,
+                             np.array([2, 0, 1], np.int32),
+                             np.array([7.5, 1.0, 3.0], np.float32)) for k in range(2)]
 
-    def velocities(through_group: bool) -> list[np.ndarray]:
-        for member in members.values():
-            member.group = group if through_group else None
+    async def own() -> list[np.ndarray]:  # each expert's own batcher
+        return await asyncio.gather(*(member.velocity(call)
+                                      for member, call in zip(members.values(), calls)))
 
-        async def both() -> list[np.ndarray]:
-            return await asyncio.gather(*(members[name].velocity(call) for name, call in calls))
-
-        return asyncio.run(both())
-
-    group.batcher.start()
-    grouped = velocities(through_group=True)
-    group.up_to_rows = 4  # each member's share: 3 rows, two of them guided: 5 forward rows
-    member_by_member = velocities(through_group=True)
-    alone = velocities(through_group=False)
-    for one, two, own in zip(grouped, member_by_member, alone):
-        np.testing.assert_allclose(one, own, atol=1e-4)
-        np.testing.assert_array_equal(two, own)
+    alone = asyncio.run(own())
+    held = np.empty(6, object)
+    held[:] = [members["expert-0"].contexts.get(identity, "text")] * 6
+    batch = (np.concatenate([c.x for c in calls]), np.concatenate([c.t for c in calls]), held,
+             np.concatenate([c.rows for c in calls]),
+             np.concatenate([c.guidance for c in calls]), np.repeat([0, 1], 3))
+    forwards = []
+    group.network.register_forward_hook(lambda *_: forwards.append(1))
+    grouped = group.execute(VelocityKey(7), batch)
+    assert len(forwards) == 1  # both experts' 10 forward rows in one
+    group.up_to_rows = 4  # each member's share is 5 forward rows (two of its rows guided)
+    member_by_member = group.execute(VelocityKey(7), batch)
+    assert len(forwards) == 1  # the members' own networks ran
+    for k, velocity in enumerate(alone):
+        np.testing.assert_allclose(grouped[3 * k:3 * (k + 1)], velocity, atol=1e-4)
+        np.testing.assert_array_equal(member_by_member[3 * k:3 * (k + 1)], velocity)
     assert np.abs(alone[0] - alone[1]).max() > 1e-3  # the experts differ
     for member in members.values():
         asyncio.run(member.close())
-    asyncio.run(group.close())
