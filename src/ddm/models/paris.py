@@ -25,6 +25,9 @@ from ddm.models.config import ConfigError
 
 #: Width of the sinusoidal time features both networks embed (fixed in the port).
 FREQUENCY_EMBEDDING_SIZE = 256
+#: PyTorch's grouped matrix product: ``F.grouped_mm`` in recent releases, the same operator
+#: as ``torch._grouped_mm`` in those before (a device image's PyTorch may be older).
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 @dataclass(frozen=True)
@@ -248,8 +251,8 @@ class ParisExpertGroup(nn.Module):
             weight = self.stacked(f"{name}.weight") if weight is None else weight
             bias = self.stacked(f"{name}.bias") if bias is None else bias
             tokens = x.shape[1]
-            out = F.grouped_mm(x.reshape(batch * tokens, -1), weight.transpose(1, 2),
-                               offs=ends * tokens)
+            out = _grouped_mm(x.reshape(batch * tokens, -1), weight.transpose(1, 2),
+                              offs=ends * tokens)
             return out.view(batch, tokens, -1).add_(bias[experts][:, None])
 
         def attention(x: torch.Tensor, context: torch.Tensor | None,
