@@ -237,11 +237,17 @@ def _form(candidates: Mapping[str, StageMember], options: ServingOptions,
                    stage.declaration.convention)
             alike.setdefault(key, {})[name] = member
     groups = []
-    for same in alike.values():
+    for (_, _, device, _), same in alike.items():
         if len(same) > 1:
             networks: Sequence[Any] = [m.preloaded.network for m in same.values()
                                        if m.preloaded is not None]
             groups.append(ExpertGroup(same, ParisExpertGroup(networks), options, hooks))
+            if device.type == "cuda":
+                import torch
+
+                # The experts' own weights, stacked away, back to the device (the caching
+                # allocator would hold them, as much again as the group's weights).
+                torch.cuda.empty_cache()
     return groups
 
 
