@@ -210,7 +210,8 @@ async def preload(members: Mapping[str, StageMember], options: ServingOptions,
     fails to load forms no group (its own load reports why)."""
     candidates = {name: member for name, member in members.items()
                   if member.takes_velocity and member.declared.family == GROUPED_FAMILY}
-    if options.grouped_forward == "off" or options.backend != "torch" or len(candidates) < 2:
+    if (options.grouped_forward == "off" or options.backend != "torch" or len(candidates) < 2
+            or _auto_on_a_cpu(options)):
         return []
     for member in candidates.values():
         try:
@@ -218,6 +219,16 @@ async def preload(members: Mapping[str, StageMember], options: ServingOptions,
         except Exception:  # noqa: BLE001 - its own load, next, reports the failure
             return []
     return await hooks.start_up(lambda: _form(candidates, options, hooks))
+
+
+def _auto_on_a_cpu(options: ServingOptions) -> bool:
+    """``auto`` on a server whose torch device is the CPU (``--device`` cpu, or none given and
+    no CUDA): no group, known before anything loads, so that such a pool loads as it would
+    without groups."""
+    from ddm.models.torch_io import select_torch_device
+
+    return (options.grouped_forward == "auto" and options.device in (None, "cpu")
+            and select_torch_device(options.device).type == "cpu")
 
 
 def _form(candidates: Mapping[str, StageMember], options: ServingOptions,
