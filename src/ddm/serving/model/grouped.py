@@ -16,9 +16,9 @@ rows, 1, 2, 4... rows each, after warm-up, the median of :data:`CALIBRATION_CALL
 batches grouped up to the largest share at which the grouped forward was faster at every
 share so far (:func:`grouped_up_to`; none: the members keep their own batchers, as without a
 group); on a CPU, where a forward of a few rows is not bound by launches and the grouped one
-measured no faster (within noise: docs/benchmarks.md, ``forwards``), it forms no group. ``on`` groups every
-batch, on any device; ``off`` forms no group. The figures are in the pool's ``/v1/info``
-(``pool.groups``).
+measured no faster (within noise: docs/benchmarks.md, ``forwards``), it forms no group.
+``on`` groups every batch, on any device; ``off`` forms no group. The figures are in the
+pool's ``/v1/info`` (``pool.groups``).
 
 The group forms before its members warm up or compile (:func:`preload`), since a compiled
 forward's CUDA graphs hold the parameters' addresses; the group's own forward is compiled and
