@@ -65,6 +65,9 @@ class ExpertGroup:
         self.network = network
         self.options = options
         first = next(iter(self.members.values()))
+        assert first.preloaded is not None, "a group forms from its members' loaded stages"
+        #: What the members share: latent shape, text width, convention.
+        self.declaration = first.preloaded.declaration
         #: Forward rows of one model call (``--max-batch``): of the grouped forward, and of
         #: each member's forward in a batch run member by member.
         self.max_batch = first.limits.max_batch
@@ -122,11 +125,9 @@ class ExpertGroup:
         """Compile (as the members are) and warm the grouped forward, then choose
         :attr:`up_to_rows` by the mode (``auto``: measured); in a start-up worker, after
         every member is warm."""
-        first = next(iter(self.members.values()))
-        assert first.stage is not None
-        declared = first.stage.declaration
         like = next(self.network.buffers())
-        forward = network_velocity(self.network, like, network_convention(declared.convention))
+        forward = network_velocity(self.network, like,
+                                   network_convention(self.declaration.convention))
         mode = self.options.compile
         if mode != "none":
             from ddm.models.torch_io import compile_network
@@ -172,9 +173,7 @@ class ExpertGroup:
     def _rows(self, size: int, per_member: int
               ) -> tuple[np.ndarray, np.ndarray, Conditioning, np.ndarray]:
         """``size`` rows of Paris's shapes, ``per_member`` of each member in turn, seeded."""
-        first = next(iter(self.members.values()))
-        assert first.stage is not None
-        declared = first.stage.declaration
+        declared = self.declaration
         assert declared.latent_shape is not None and declared.text_width is not None
         generator = np.random.default_rng(0)
         x = generator.standard_normal((size, *declared.latent_shape), np.float32)
