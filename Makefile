@@ -37,19 +37,19 @@ demo: $(DEMO_STAMP)
 NODE_APT := containerd runc containernetworking-plugins iptables iproute2 util-linux buildah \
 	debootstrap gcc libc6-dev chromium chromium-driver
 test: lint
-	@missing=$$(for p in $(NODE_APT); do dpkg-query -W -f='$${db:Status-Status}' $$p 2>/dev/null \
-		| grep -q '^installed$$' || echo $$p; done); \
-	if [ -n "$$missing" ]; then echo "[make test] installing $$missing"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		--no-install-recommends $$missing; fi
+	$(BIN)/ddm-dev-cluster packages $(NODE_APT)
+	$(BIN)/ddm-dev-cluster build
+	$(BIN)/ddm-dev-cluster images --no-import
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests/unit
-	$(BIN)/python -m pytest --ignore=tests/unit
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --ignore=tests/unit
 
 # Everything that needs no cluster and no image build, and not the slow tests (full-size Paris,
 # load tests, JAX exports, long fuzzing): the quick lane for a change that does not touch the
 # cluster, the chart's rendering on a real node or the images, a test file per worker process
-# on every core (pytest-xdist). `make test` stays what CI runs: the unit tests a file per
-# worker on two cores, then every other test in one process (they start servers of their own).
+# on every core (pytest-xdist). `make test` stays what CI runs: apt's packages and the one-off
+# builds first (their progress shown), then the unit tests a file per worker on two cores, then
+# every other test on two workers: a file per worker, except that one worker runs every test of
+# the dev cluster, the real node and the images, in order (tests/conftest.py, CLUSTER_GROUP).
 FAST := not cluster and not e2e and not image and not slow
 test-fast: lint
 	$(BIN)/python -m pytest -m "$(FAST)" -n auto --dist loadfile

@@ -139,10 +139,20 @@ SLOW_MODULES = {
 }
 
 
+#: The xdist group (``--dist loadgroup``) of every test that uses a dev cluster, the real node
+#: or buildah's image cache: one worker runs them all, in order, so that two clusters never run
+#: side by side (the e2e package's is stopped before the integration tests' starts) and two
+#: image builds never share the cache at once.
+CLUSTER_GROUP = "dev-cluster"
+_MACHINE_WIDE = ("cluster", "e2e", "image")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """``cluster``: the test uses a dev cluster; ``e2e``: it is one of tests/e2e (the real node
     and the images); ``slow``: its module is one of :data:`SLOW_MODULES`. ``make test-fast``
-    leaves the three out."""
+    leaves the three out. Each test's xdist group is :data:`CLUSTER_GROUP` where it uses
+    something of the whole machine, else its file (whose module fixtures are then made once)."""
     for item in items:
         if any(name in getattr(item, "fixturenames", ()) for name in CLUSTER_FIXTURES):
             item.add_marker(pytest.mark.cluster)
@@ -151,6 +161,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.path.is_relative_to(TESTS) and (
                 item.path.relative_to(TESTS).as_posix() in SLOW_MODULES):
             item.add_marker(pytest.mark.slow)
+        machine_wide = any(item.get_closest_marker(name) for name in _MACHINE_WIDE)
+        item.add_marker(pytest.mark.xdist_group(CLUSTER_GROUP if machine_wide
+                                                else item.nodeid.partition("::")[0]))
 
 
 #: The logs a failed test on a dev cluster reports (those of the real node, when it has one).

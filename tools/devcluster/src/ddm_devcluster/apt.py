@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 Log = Callable[[str], None]  # where progress lines go
 DEB_SRC_FILE = Path("/etc/apt/sources.list.d/ddm-deb-src.sources")
 _APT_ENV = {"DEBIAN_FRONTEND": "noninteractive"}
+#: The locks apt and dpkg take (fcntl locks on these files): another apt or dpkg holding one
+#: (unattended-upgrades on a fresh machine, a second build) is waited for, not failed on.
+APT_LOCKS = (Path("/var/lib/dpkg/lock-frontend"), Path("/var/lib/dpkg/lock"),
+             Path("/var/lib/apt/lists/lock"), Path("/var/cache/apt/archives/lock"))
+#: How long an apt command waits for those locks before it gives up.
+LOCK_WAIT_S = 900.0
+#: apt-get's own wait for dpkg's lock (`apt-get update` cannot wait for its lists' lock, which
+#: :func:`wait_for_apt_locks` waits for first).
+_APT_WAITS = ("-o", f"DPkg::Lock::Timeout={LOCK_WAIT_S:.0f}")
 
 
 class AptError(RuntimeError):
@@ -18,10 +30,49 @@ class AptError(RuntimeError):
 
 
 def _run(cmd: Sequence[str], log: Log) -> None:
+    """Run an ``apt-get`` command once apt's locks are free (and with apt-get waiting for
+    dpkg's itself, should another process take it in between)."""
+    wait_for_apt_locks(log)
+    cmd = [cmd[0], *_APT_WAITS, *cmd[1:]]
     log("$ " + " ".join(cmd))
-    result = subprocess.run(list(cmd), env={**os.environ, **_APT_ENV})
+    result = subprocess.run(cmd, env={**os.environ, **_APT_ENV})
     if result.returncode != 0:
         raise AptError(f"command failed ({result.returncode}): {' '.join(cmd)}")
+
+
+def _held(lock: Path) -> bool:
+    """Whether another process holds ``lock`` (taking it for a moment to find out; a lock file
+    that is missing or that we may not open is nobody's)."""
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno in (errno.EACCES, errno.EAGAIN):
+            return True
+        raise
+    finally:
+        os.close(fd)  # releases it
+    return False
+
+
+def wait_for_apt_locks(log: Log, *, locks: Sequence[Path] = APT_LOCKS,
+                       timeout_s: float = LOCK_WAIT_S, poll_s: float = 1.0) -> None:
+    """Return once no other process holds any of apt's and dpkg's ``locks``; AptError naming
+    the lock still held after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    waiting_for = None
+    while held := next((lock for lock in locks if _held(lock)), None):
+        if time.monotonic() >= deadline:
+            raise AptError(f"{held} is still held by another apt or dpkg after "
+                           f"{timeout_s:.0f} s; wait for it to finish (or stop it), then run "
+                           "this again")
+        if held != waiting_for:
+            log(f"waiting for {held}: another apt or dpkg holds it")
+            waiting_for = held
+        time.sleep(poll_s)
 
 
 def missing_apt_packages(packages: Sequence[str]) -> list[str]:

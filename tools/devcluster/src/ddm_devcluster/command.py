@@ -1,4 +1,5 @@
-"""`ddm-dev-cluster {build,up,down,status}`: argument parsing only; the work is in `cluster`."""
+"""`ddm-dev-cluster {build,up,images,down,status,packages}`: argument parsing only; the work is in
+`cluster`, `images` and `apt`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ddm_devcluster import images
-from ddm_devcluster.apt import AptError
+from ddm_devcluster.apt import AptError, ensure_apt_packages
 from ddm_devcluster.build import BuildError, ensure_binaries, log_stderr
 from ddm_devcluster.cluster import down, node_layout, status, up
 from ddm_devcluster.processes import StartupError
@@ -27,6 +28,8 @@ def build_parser(prog: str = "ddm-dev-cluster") -> argparse.ArgumentParser:
                    "into the node"),
         ("down", "stop the cluster and remove the real node's namespaces"),
         ("status", "print the state of the control plane as JSON"),
+        ("packages", "install those of the named Debian packages that are missing (as root), "
+                     "waiting for apt's and dpkg's locks"),
     ):
         action = sub.add_parser(name, help=helptext)
         if name == "images":
@@ -35,7 +38,9 @@ def build_parser(prog: str = "ddm-dev-cluster") -> argparse.ArgumentParser:
                                      "images")
             action.add_argument("--no-import", action="store_true",
                                 help="only build; do not import into a running node")
-        if name != "build":
+        if name == "packages":
+            action.add_argument("names", nargs="+", metavar="PACKAGE")
+        if name not in ("build", "packages"):
             action.add_argument("--dir", type=Path, default=None, help="state directory")
         if name == "up":
             action.add_argument("--timeout", type=float, default=180.0, help="seconds to wait")
@@ -85,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           log=log_stderr)
         elif args.action == "down":
             down(args.dir, purge=args.purge)
+        elif args.action == "packages":
+            ensure_apt_packages(args.names, log=log_stderr)
         else:
             found = status(args.dir)
             print(
