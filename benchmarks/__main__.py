@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the pooled deployments again through a router per number "
                         "of lockstep groups given (DDM_LOCKSTEP_GROUPS; comma-separated, "
                         "from 1)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="sample each served process with py-spy at every level: the share "
+                        "of the time its interpreter was busy, and where (benchmarks/"
+                        "host_profile.py)")
     p.add_argument("--quick", action="store_true",
                    help="small release, 2 steps, 1 and 2 prompts: a smoke run")
     p.set_defaults(handler=_bench_paris_pools)
@@ -204,7 +208,8 @@ def _bench_paris_pools(args: argparse.Namespace) -> int:
             load=PoolBenchSettings(concurrency=_levels(args.concurrency), rounds=args.rounds,
                                    steps=args.steps))
         settings = replace(settings, compare_calls_ahead=args.compare_calls_ahead,
-                           lockstep_groups=_levels(args.lockstep_groups, "lockstep-groups"))
+                           lockstep_groups=_levels(args.lockstep_groups, "lockstep-groups"),
+                           load=replace(settings.load, host_profile=args.host_profile))
     except ValueError as error:
         print(f"benchmarks: error: {error}", file=sys.stderr)
         return 2

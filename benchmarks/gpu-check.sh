@@ -43,6 +43,7 @@ check() {
     "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$site" "${wheels[@]}"
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+    export PATH="$site/bin:$PATH"  # py-spy (benchmarks/host_profile.py)
     echo "gpu-check.sh: pip check (for the record: the image's own packages may disagree too)"
     "$python" -m pip check || true
   fi

@@ -59,14 +59,15 @@ KEPT_RELEASE = Path("out") / "gpu-check-release"
 GPU_CHECK = ParisPoolSettings(
     size="full", accelerator="nvidia", precision="bfloat16",
     deployments=("pooled", "in_process"), compile=("none", "reduce-overhead"),
-    load=PoolBenchSettings(concurrency=(1, 32), rounds=3), keep_release=KEPT_RELEASE,
-    lockstep_groups=(1,))
+    load=PoolBenchSettings(concurrency=(1, 32), rounds=3, host_profile=True),
+    keep_release=KEPT_RELEASE, lockstep_groups=(1,))
 #: ``--quick``: the same command on the CPU at the small size, 2 steps, 1 and 2 prompts (the
 #: second router keeps two lockstep groups: ``auto`` keeps one on a CPU).
 QUICK_CHECK = ParisPoolSettings(
     size="small", accelerator="cpu", deployments=("pooled", "in_process"),
     compile=("none", "reduce-overhead"), max_batch=8,
-    load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2), lockstep_groups=(2,))
+    load=PoolBenchSettings(concurrency=(1, 2), rounds=1, steps=2, host_profile=True),
+    lockstep_groups=(2,))
 #: ``--part``: what each part measures of the settings (all of it, or one call's share;
 #: ``pool``, the eager pool alone, is what a lease with under five minutes left still fits).
 PARTS = {"all": {},
@@ -174,7 +175,19 @@ def time_went(level: dict[str, Any]) -> str:
     percent = level.get("gpu_utilisation", {}).get("percent")
     if percent is not None:
         said.append(f"GPU busy {percent}%")
+    profiles = level.get("host_profile", {})
+    if profiles:
+        said.append("interpreter busy " + ", ".join(
+            f"{process} {_interpreter(profile)}" for process, profile in profiles.items()))
     return ", ".join(said)
+
+
+def _interpreter(profile: dict[str, Any]) -> str:
+    """A process's host profile in words: how busy its interpreter was, and in what most."""
+    if "error" in profile:
+        return f"not sampled ({profile['error']})"
+    top = ", ".join(f"{frame} {share:.0%}" for frame, share in profile["self"][:3])
+    return f"{profile['gil_share']:.0%}" + (f" (most in {top})" if top else "")
 
 
 def gpu_check(out: Path, quick: bool = False, part: str = "all", log: TextIO = sys.stderr,

@@ -22,11 +22,13 @@ figure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,6 +37,7 @@ import aiohttp
 
 from benchmarks.figures import percentiles
 from benchmarks.fleet import BenchError, machine, recorded_path, say
+from benchmarks.host_profile import host_profile
 from benchmarks.load import local_ddm, memory_mib, sample_rss
 from benchmarks.model_time import (exposition, gpu_utilisation, level_model_time,
                                    level_round_trips, round_trips, scrape)
@@ -59,7 +62,8 @@ class PoolBenchSettings:
     (None: the manifests'); ``timeout_s`` bounds one request and the in-process run;
     ``threads``: ``ddm up --threads`` (default 1 per process; a pool's process gets that
     many per member, up to the machine's CPUs); in-process sampling takes ``ddm.threads``'
-    policy: the idle cores."""
+    policy: the idle cores. ``host_profile``: each level's processes sampled with py-spy
+    (:mod:`benchmarks.host_profile`)."""
 
     concurrency: tuple[int, ...] = (1, 8, 32)
     rounds: int = 2
@@ -67,6 +71,7 @@ class PoolBenchSettings:
     timeout_s: float = 900.0
     prompts: tuple[str, ...] = PROMPTS
     threads: int = 1
+    host_profile: bool = False
 
     def __post_init__(self) -> None:
         if not self.concurrency or any(not 1 <= c <= 256 for c in self.concurrency):
@@ -161,13 +166,15 @@ async def served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
                 before = await scrape(session, metrics or {})
                 trips = (round_trips(await exposition(session, router_metrics))
                          if router_metrics else {})
-                async with gpu_utilisation() as gpu:
+                async with gpu_utilisation() as gpu, _profiled(pids, settings) as host:
                     started = time.perf_counter()
                     latencies = await asyncio.gather(*(
                         _client(session, url, client, concurrency, settings)
                         for client in range(concurrency)))
                     elapsed = time.perf_counter() - started
                 level = _level(elapsed, [s for one in latencies for s in one])
+                if settings.host_profile:
+                    level["host_profile"] = host
                 if metrics:
                     level["model_time"] = level_model_time(
                         before, await scrape(session, metrics), elapsed)
@@ -185,6 +192,11 @@ async def served(url: str, pids: dict[str, int], settings: PoolBenchSettings,
                           "sampled_peak": _sum(p["sampled_peak_mib"]
                                                for p in processes.values())},
             "levels": levels}
+
+
+def _profiled(pids: dict[str, int], settings: PoolBenchSettings
+              ) -> AbstractAsyncContextManager[dict[str, Any]]:
+    return host_profile(pids) if settings.host_profile else contextlib.nullcontext({})
 
 
 async def _client(session: aiohttp.ClientSession, url: str, client: int, concurrency: int,

@@ -148,7 +148,8 @@ def test_every_size_has_paris_shapes() -> None:
 @pytest.mark.slow
 def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None:
     settings = ParisPoolSettings(deployments=("pooled", "in_process"), load=PoolBenchSettings(
-        concurrency=(1, 2), rounds=1, steps=2), compare_calls_ahead=True, lockstep_groups=(2,))
+        concurrency=(1, 2), rounds=1, steps=2, host_profile=True), compare_calls_ahead=True,
+        lockstep_groups=(2,))
     log, snapshots = io.StringIO(), []
     result = json.loads(json.dumps(bench_paris_pools(
         settings, log, on_figures=lambda so_far: snapshots.append(json.loads(json.dumps(so_far))))))
@@ -196,6 +197,15 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     assert {key: t["calls"] for key, t in trips.items()} == {
         "expert velocity": 4, "stage router": 2, "stage text_encoder": 1, "stage decoder": 1}
     assert all(t["mean_ms"] > 0 for t in trips.values())
+    # Each process sampled by py-spy while the level ran: how busy its interpreter was, and
+    # in what (the pool answering over HTTP, the router driving the sampling loop).
+    profiles = one["host_profile"]
+    assert set(profiles) == {f"pool-{POOL}/0", "router"}
+    for process, profile in profiles.items():
+        assert 0 < profile["gil_samples"], (process, profile)
+        assert 0 < profile["gil_share"] <= 1.2, (process, profile)  # the rate is a target
+        frames = [frame for frame, _ in profile["self"] + profile["inclusive"]]
+        assert any("(ddm/serving/" in frame for frame in frames), (process, frames)
     # Each generation's second step went ahead through the second router, none through the
     # first: its warm-up's, the one at 1 prompt and the two at 2.
     ahead = pooled["calls_ahead"]
