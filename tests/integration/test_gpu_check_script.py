@@ -9,6 +9,8 @@ run the real script on this machine, which has no NVIDIA GPU.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import io
 import json
 import os
@@ -26,7 +28,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from benchmarks.device_wheels import IMAGE, NAMES, pinned, wanted
+from benchmarks.device_wheels import IMAGE, NAMES, pinned, strip_executables, wanted
 from benchmarks.fleet import BenchError
 from benchmarks.gpu_check import FORWARD_CHECKS, GPU_CHECK, PARTS, gpu_check
 from benchmarks.paris_pools import ParisPoolSettings, measuring_order
@@ -231,6 +233,52 @@ def test_every_carried_package_needs_only_what_is_carried_or_on_the_image() -> N
                 if canonicalize_name(needed.name) not in carried | image:
                     missing.setdefault(name, []).append(str(needed))
     assert missing == {}
+
+
+_HELLO = "#include <stdio.h>\nint main(void) { puts(\"hello\"); return 0; }\n"
+
+
+@pytest.mark.skipif(not (shutil.which("gcc") and shutil.which("strip")),
+                    reason="needs gcc and strip (make test installs them)")
+def test_a_wheels_executable_is_stripped_and_the_wheel_still_installs(tmp_path: Path) -> None:
+    source = tmp_path / "hello.c"
+    source.write_text(_HELLO)
+    binary = tmp_path / "hello"
+    subprocess.run(["gcc", "-g", "-O0", "-o", str(binary), str(source)], check=True)
+    built = binary.read_bytes()
+    wheel = tmp_path / "hello-1.0-py3-none-any.whl"
+    script = "hello-1.0.data/scripts/hello"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        executable = zipfile.ZipInfo(script)
+        executable.external_attr = 0o100755 << 16
+        archive.writestr(executable, built)
+        archive.writestr("hello-1.0.dist-info/METADATA",
+                         "Metadata-Version: 2.1\nName: hello\nVersion: 1.0\n")
+        archive.writestr("hello-1.0.dist-info/WHEEL",
+                         "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                         "Tag: py3-none-any\n")
+        archive.writestr("hello-1.0.dist-info/RECORD",
+                         f"{script},sha256=unchecked,{len(built)}\n"
+                         "hello-1.0.dist-info/RECORD,,\n")
+    before = wheel.stat().st_size
+
+    assert strip_executables(wheel) == [script]
+
+    assert wheel.stat().st_size < before
+    with zipfile.ZipFile(wheel) as archive:
+        stripped = archive.read(script)
+        record = archive.read("hello-1.0.dist-info/RECORD").decode()
+    assert len(stripped) < len(built)
+    digest = base64.urlsafe_b64encode(hashlib.sha256(stripped).digest()).rstrip(b"=").decode()
+    assert record == f"{script},sha256={digest},{len(stripped)}\nhello-1.0.dist-info/RECORD,,\n"
+    assert strip_executables(wheel) == [script]  # stripping again changes nothing
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read(script) == stripped
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--target", str(site), str(wheel)], check=True)
+    ran = subprocess.run([str(site / "bin" / "hello")], capture_output=True, text=True)
+    assert (ran.returncode, ran.stdout) == (0, "hello\n")
 
 
 def test_comments_and_blank_lines_name_no_wheel() -> None:
