@@ -5,7 +5,8 @@ the GPU busy 36-43% of a 19.4 ms step), and whether that time is Python holding 
 interpreter (the router's loop, the pool's HTTP handling, the batchers' staging) or waiting
 (on the GPU, on the network, on another thread) decides what to cut. So each process of a level
 is sampled with py-spy (a sampling profiler that reads another process's stacks: no change to
-the servers), counting only the samples of threads that hold the GIL: their share of the
+the servers, which it never pauses: ``--nonblocking``, so that the level's figures stay what
+they would be), counting only the samples of threads that hold the GIL: their share of the
 level's samples is how busy the interpreter was, and the frames they were in are where.
 
 py-spy is a dev dependency (and a device wheel): where it is missing, or may not read another
@@ -66,7 +67,7 @@ async def host_profile(pids: dict[str, int]) -> AsyncIterator[dict[str, Any]]:
                 output = Path(directory) / f"{pid}.txt"
                 recorder = await asyncio.create_subprocess_exec(
                     executable, "record", "--pid", str(pid), "--rate", str(RATE_HZ), "--gil",
-                    "--function", "--format", "raw", "--output", str(output),
+                    "--nonblocking", "--function", "--format", "raw", "--output", str(output),
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
                 recorders[name] = (output, recorder)
                 said[name] = await _sampling(recorder)
@@ -122,7 +123,8 @@ async def _stopped(recorder: asyncio.subprocess.Process, output: Path, seconds: 
 
 def summarise(raw: str, seconds: float, rate_hz: int = RATE_HZ) -> dict[str, Any]:
     """py-spy's raw output (``frame;frame;... count`` per line, outermost frame first) as the
-    GIL's share of the samples a process could have given in ``seconds``, and the functions
+    GIL's share of the samples a process could have given in ``seconds`` (a little over 1 may
+    be: py-spy samples a little past the level's ends), and the functions
     most often running (``self``) and on the stack (``inclusive``, below :data:`OUTER_SHARE`)
     when it was held, each with its share of those samples."""
     own: Counter[str] = Counter()

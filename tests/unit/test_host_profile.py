@@ -85,8 +85,9 @@ def test_a_process_spinning_in_python_is_sampled_busy_in_its_function() -> None:
     assert "error" not in figures, figures
     assert figures["seconds"] >= 0.5
     assert figures["gil_samples"] > 0
-    # it held the GIL throughout (py-spy itself may get fewer turns on a loaded machine)
-    assert 0.2 < figures["gil_share"] <= 1.2, figures
+    # it held the GIL throughout: about 1 (py-spy may get fewer turns on a loaded machine, and
+    # samples a little past the level's ends, a tenth of a second here)
+    assert 0.2 < figures["gil_share"] <= 1.5, figures
     assert figures["self"][0][0] == "spin (<string>)", figures
 
 
