@@ -39,17 +39,16 @@ NODE_APT := containerd runc containernetworking-plugins iptables iproute2 util-l
 test: lint
 	$(BIN)/ddm-dev-cluster packages $(NODE_APT)
 	$(BIN)/ddm-dev-cluster build
-	$(BIN)/ddm-dev-cluster images --no-import
-	$(BIN)/python -m pytest -n 2 --dist loadfile tests/unit
-	$(BIN)/python -m pytest -n 2 --dist loadgroup --ignore=tests/unit
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder
 
 # Everything that needs no cluster and no image build, and not the slow tests (full-size Paris,
 # load tests, JAX exports, long fuzzing): the quick lane for a change that does not touch the
 # cluster, the chart's rendering on a real node or the images, a test file per worker process
-# on every core (pytest-xdist). `make test` stays what CI runs: apt's packages and the one-off
-# builds first (their progress shown), then the unit tests a file per worker on two cores, then
-# every other test on two workers: a file per worker, except that one worker runs every test of
-# the dev cluster, the real node and the images, in order (tests/conftest.py, CLUSTER_GROUP).
+# on every core (pytest-xdist). `make test` stays what CI runs: apt's packages and the
+# Kubernetes build first (its progress shown), then every test on two workers, a file at a time,
+# except that one worker runs every test of the dev cluster, the real node and the images in
+# order, from the first (tests/conftest.py, CLUSTER_GROUP; tests/e2e is collected first, and
+# --no-loadscope-reorder keeps that order), while the other takes the rest file by file.
 FAST := not cluster and not e2e and not image and not slow
 test-fast: lint
 	$(BIN)/python -m pytest -m "$(FAST)" -n auto --dist loadfile
