@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -197,16 +198,20 @@ def test_a_quick_pooled_run_gives_every_figure_and_stops_its_processes() -> None
     assert {key: t["calls"] for key, t in trips.items()} == {
         "expert velocity": 4, "stage router": 2, "stage text_encoder": 1, "stage decoder": 1}
     assert all(t["mean_ms"] > 0 for t in trips.values())
-    # Each process sampled by py-spy while the level ran: how busy its interpreter was, and
-    # in what (the pool answering over HTTP, the router driving the sampling loop).
-    profiles = one["host_profile"]
-    assert set(profiles) == {f"pool-{POOL}/0", "router"}
-    for process, profile in profiles.items():
-        assert 0 < profile["gil_samples"], (process, profile)
-        # at most about 1: py-spy samples a little past the level's ends
-        assert 0 < profile["gil_share"] <= 1.5, (process, profile)
-        frames = [frame for frame, _ in profile["self"] + profile["inclusive"]]
-        assert any("(ddm/serving/" in frame for frame in frames), (process, frames)
+    # Each process sampled by py-spy while each level ran: how busy its interpreter was, and
+    # in what. A level of 2 steps is a few tenths of a second, a few dozen samples at most, so
+    # what they caught is chance (tests/unit/test_host_profile.py samples a known process).
+    for level in pooled["levels"].values():
+        profiles = level["host_profile"]
+        assert set(profiles) == {f"pool-{POOL}/0", "router"}
+        for process, profile in profiles.items():
+            assert "error" not in profile, (process, profile)
+            # the whole level sampled (both figures rounded to the millisecond)
+            assert profile["seconds"] >= level["elapsed_s"] - 0.002, (process, profile)
+            # at most about 1: py-spy samples a little past the level's ends
+            assert 0 <= profile["gil_share"] <= 1.5, (process, profile)
+            assert all(re.fullmatch(r".+ \(.+\)", frame) and 0 < share <= 1
+                       for frame, share in profile["self"] + profile["inclusive"]), profile
     # Each generation's second step went ahead through the second router, none through the
     # first: its warm-up's, the one at 1 prompt and the two at 2.
     ahead = pooled["calls_ahead"]
