@@ -124,9 +124,9 @@ async def _stopped(recorder: asyncio.subprocess.Process, output: Path, seconds: 
 def summarise(raw: str, seconds: float, rate_hz: int = RATE_HZ) -> dict[str, Any]:
     """py-spy's raw output (``frame;frame;... count`` per line, outermost frame first) as the
     GIL's share of the samples a process could have given in ``seconds`` (a little over 1 may
-    be: py-spy samples a little past the level's ends), and the functions
-    most often running (``self``) and on the stack (``inclusive``, below :data:`OUTER_SHARE`)
-    when it was held, each with its share of those samples."""
+    be: py-spy samples a little past the level's ends), and the functions most often running
+    (``self``) and on the stack (``inclusive``, below :data:`OUTER_SHARE`) when it was held,
+    each with its share of those samples."""
     own: Counter[str] = Counter()
     within: Counter[str] = Counter()
     held = 0
