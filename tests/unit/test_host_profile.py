@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -99,7 +100,9 @@ def test_a_process_py_spy_cannot_read_is_recorded_not_raised() -> None:
         return figures
 
     (said,) = asyncio.run(level()).values()
-    assert said["error"].startswith("py-spy sampled nothing (exit 1): Error: "), said
+    # The status is py-spy's 1, or 255 where another waiter in the process reaped it first
+    # (asyncio then says it cannot know); what py-spy said is the error either way.
+    assert re.match(r"py-spy sampled nothing \(exit \d+\): Error: ", said["error"]), said
 
 
 def test_the_summary_says_how_busy_each_interpreter_was() -> None:
