@@ -1,11 +1,18 @@
 """The ports ``ddm up`` gives its servers never come from the kernel's ephemeral range, whose
 ports outgoing connections take: one chosen there, free a moment ago, could be a probe's local
-port by the time its server binds it (the router then failed with "Address already in use")."""
+port by the time its server binds it (the router then failed with "Address already in use").
+Nor can anything else take one between its draw and its server's start: ``ddm up`` holds it
+bound meanwhile and hands the socket over (a router's port, held for the minutes its experts
+took to load, was taken by another test's server and the router failed)."""
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import re
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +20,9 @@ import pytest
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.cli import main
 from ddm.deploy.spec import load_manifest
-from ddm.runtime.local import DEFAULT_MANIFEST, LocalRunError, free_port, plan_local
+from ddm.runtime.local import (DEFAULT_MANIFEST, HeldPorts, LocalRunError, ProcessSpec,
+                               Supervisor, free_port, plan_local)
+from ddm.serving.http.handoff import ENV, HandoffError, handed_socket
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -105,3 +114,79 @@ def test_a_host_beyond_this_machine_needs_a_token_before_anything_starts(capsys)
     assert err.startswith(f"ddm: error: --host 0.0.0.0 exposes {DEFAULT_DDM}'s API beyond this "
                           "machine, and its spec asks for no token: turn authentication on "
                           "(add auth: {} under spec.router in the manifest"), err
+
+
+def _cannot_bind(port: int) -> bool:
+    """Whether a server binding ``port`` as uvicorn does (``SO_REUSEADDR``) is refused."""
+    with socket.socket() as rival:
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            rival.bind(("127.0.0.1", port))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+        return False
+
+
+#: A real server (``run_server``, as every ``ddm serve`` runs) answering ``/readyz``.
+TINY_SERVER = """
+import sys
+from ddm.serving.http.server import run_server
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+run_server(lambda control: app, "127.0.0.1", int(sys.argv[1]), "warning",
+           metrics_port=int(sys.argv[2]))
+"""
+
+
+def test_a_held_port_is_nobody_else_s_until_its_server_listens_on_the_socket_handed_over(
+        ) -> None:
+    held = HeldPorts("127.0.0.1")
+    try:
+        port, metrics_port = held.draw(), held.draw()
+        router_port = free_port()
+        held.hold_router_port(router_port)
+        assert all(_cannot_bind(p) for p in (port, metrics_port, router_port))
+        supervisor = Supervisor(io.StringIO(), held=held)
+        spec = ProcessSpec("tiny", (sys.executable, "-c", TINY_SERVER, str(port),
+                                    str(metrics_port)), port,
+                           (("PYTHONPATH", os.pathsep.join(sys.path)),), metrics_port)
+        try:
+            # The server cannot bind its ports by number (it holds them itself, alone): ready
+            # only on the sockets it was handed.
+            supervisor.start_ready([spec], "127.0.0.1")
+            assert held.hand_over(port, metrics_port) == []
+            assert _cannot_bind(port) and _cannot_bind(router_port)
+        finally:
+            supervisor.stop()
+        assert not _cannot_bind(port)  # the server's to the end, then free
+    finally:
+        held.close()
+    assert not _cannot_bind(router_port)
+
+
+def test_a_handoff_names_each_wrong_descriptor() -> None:
+    with socket.socket() as one, socket.socket() as other:
+        one.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        wanted = other.getsockname()[1]
+        found = handed_socket(wanted, {ENV: f"{one.fileno()}, {other.fileno()}"})
+        assert found is not None and found.fileno() == other.fileno()
+        assert not found.get_inheritable()
+        found.detach()
+        assert one.getsockname()  # another port's socket is left open
+        assert handed_socket(wanted, {ENV: str(one.fileno())}) is None
+        assert handed_socket(wanted, {}) is None
+    unused = os.open(os.devnull, os.O_RDONLY)
+    try:
+        for value, problem in (("3x", "'3x' is not a file descriptor number"),
+                               (str(unused), f"descriptor {unused} is not a socket")):
+            with pytest.raises(HandoffError, match=re.escape(problem)):
+                handed_socket(1, {ENV: value})
+    finally:
+        os.close(unused)

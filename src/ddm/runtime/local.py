@@ -4,7 +4,8 @@ needed.
 The same YAML a user would ``kubectl apply`` is planned by the one deployment plan
 (``ddm.deploy.plan``, which the operator uses too), placed here by :func:`plan_local`, then
 supervised (:func:`run_local`): every expert replica becomes a ``ddm serve expert`` process on
-a free loopback port, the router a ``ddm serve router`` process whose config lists those
+a free loopback port (held from when it is drawn until the process takes it over:
+:class:`HeldPorts`), the router a ``ddm serve router`` process whose config lists those
 endpoints. A stage placed ``separate`` (a text encoder, decoder or router network) becomes
 ``ddm serve stage`` processes the router reaches the same way; one placed ``router`` is loaded
 by the router from its local directory. A pool (``spec.pools``) becomes one ``ddm serve pool``
@@ -30,6 +31,7 @@ A server that cannot start leaves a one-line reason in its own termination-messa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -61,6 +63,8 @@ from ddm.deploy.router_config import Auth, Discovery, RouterConfigFile, StaticDi
 from ddm.deploy.spec import DDMManifest
 from ddm.runtime.scaling import DemandPoller, OnDemand, Scaler
 from ddm.serving.http.fetch import FetchError, fetch_json
+from ddm.serving.http.handoff import ENV as HANDOFF_ENV
+from ddm.serving.http.handoff import handoff_env
 from ddm.termination import ENV as TERMINATION_LOG_ENV
 from ddm.termination import sigterm_handled
 from ddm.threads import usable_cpus
@@ -296,43 +300,120 @@ _PORT_TRIES = 100
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port of ``host`` free a moment ago, outside the kernel's ephemeral range."""
+    with _free_socket(host) as sock:
+        return sock.getsockname()[1]
+
+
+def _free_socket(host: str) -> socket.socket:
+    """A socket bound to a free port of ``host`` outside the kernel's ephemeral range, without
+    ``SO_REUSEADDR``: while it is open nothing else can bind that port, not even a server that
+    sets it (as uvicorn does)."""
     for _ in range(_PORT_TRIES):
         port = PORT_RANGE.start + secrets.randbelow(len(PORT_RANGE))
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    continue
-                raise _unusable_host(host, exc) from None
-            return port
+        sock = socket.socket()
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                continue
+            raise _unusable_host(host, exc) from None
+        return sock
     raise LocalRunError(f"no free port of {host} in {PORT_RANGE.start}..{PORT_RANGE.stop - 1} "
                         f"after {_PORT_TRIES} tries")
+
+
+class HeldPorts:
+    """The ports of one run's servers, each kept bound (not listening) here from when it is
+    drawn until its server's process starts and takes the socket over
+    (:mod:`ddm.serving.http.handoff`): the router starts minutes after its port was chosen,
+    once every expert has loaded, and a port merely free when drawn could be taken meanwhile.
+    A process restarted later binds its port again by number, as a container would."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._held: dict[int, socket.socket] = {}
+
+    def draw(self) -> int:
+        """A free port of the host, held from now on."""
+        sock = _free_socket(self.host)
+        port = sock.getsockname()[1]
+        self._held[port] = sock
+        return port
+
+    def hold_router_port(self, port: int) -> None:
+        """Hold ``port`` for the router, or fail, before any server starts, unless the router
+        could listen on it: the router starts last, and a port the kernel picks (0) would
+        never be seen ready there. A port taken or not ours is the port's fault; anything
+        else, the host's (as in :func:`free_port`)."""
+        if port not in PORTS:
+            raise ValueError(f"--port must be in {PORTS.start}..{PORTS.stop - 1}, got {port}")
+        # Alone on the port if possible; else as the router would bind it (uvicorn sets
+        # SO_REUSEADDR), which a previous run's connections in TIME_WAIT do not refuse.
+        for reuse in (False, True):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, int(reuse))
+            try:
+                sock.bind((self.host, port))
+            except OSError as exc:
+                sock.close()
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    raise _unusable_host(self.host, exc) from None
+                if reuse or exc.errno != errno.EADDRINUSE:
+                    raise LocalRunError(f"the router cannot listen on {self.host}:{port} "
+                                        f"({exc.strerror or exc}): stop what holds the port, "
+                                        "or choose another --port") from None
+                continue
+            self._held[port] = sock
+            return
+
+    def hand_over(self, *ports: int | None) -> list[socket.socket]:
+        """The held sockets of ``ports``, no longer held here (the caller closes them)."""
+        return [self._held.pop(port) for port in ports if port in self._held]
+
+    def close(self) -> None:
+        """Let go of every port still held."""
+        for sock in self._held.values():
+            sock.close()
+        self._held.clear()
 
 
 class Supervisor:
     """Starts processes, relays their output with a name prefix, and stops them all.
 
     With ``termination_dir``, each process gets its own termination-message file there, and
-    :meth:`exit_reason` reads why one that exited could not start."""
+    :meth:`exit_reason` reads why one that exited could not start. With ``held``, a process
+    is handed the sockets held for its ports when it starts."""
 
-    def __init__(self, out: TextIO, termination_dir: Path | None = None) -> None:
+    def __init__(self, out: TextIO, termination_dir: Path | None = None,
+                 held: HeldPorts | None = None) -> None:
         self.out = out
         self.termination_dir = termination_dir
+        self.held = held
         self.processes: dict[str, subprocess.Popen] = {}
         self.specs: dict[str, ProcessSpec] = {}
         self.started_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def start(self, spec: ProcessSpec) -> None:
-        """Start ``spec`` (again, when it ran before: its old termination message goes)."""
+        """Start ``spec`` (again, when it ran before: its old termination message goes), handed
+        the sockets held for its ports (the first time)."""
         env = os.environ | dict(spec.env)
+        env.pop(HANDOFF_ENV, None)  # none of ours to pass on
         if self.termination_dir is not None:
             self._termination_file(spec.name).unlink(missing_ok=True)
             env[TERMINATION_LOG_ENV] = str(self._termination_file(spec.name))
-        process = subprocess.Popen(spec.argv, env=env,
-                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
+        handed = (self.held.hand_over(spec.port, spec.metrics_port)
+                  if self.held is not None else [])
+        if handed:
+            env.update([handoff_env(handed)])
+        try:
+            process = subprocess.Popen(spec.argv, env=env, pass_fds=[s.fileno() for s in handed],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, start_new_session=True)
+        finally:
+            for sock in handed:  # the process holds them now (or nobody: it did not start)
+                sock.close()
         self.processes[spec.name], self.specs[spec.name] = process, spec
         self.started_at[spec.name] = time.monotonic()
         threading.Thread(target=self._relay, args=(spec.name, process), daemon=True).start()
@@ -445,10 +526,11 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
     which only the router presents. ``api_docs``: the router serves Swagger UI
     at ``/docs``."""
     check_exposure(manifest, host, auth_token_file is not None)
-    check_router_port(host, router_port)
-    with tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
+    held = HeldPorts(host)
+    with contextlib.closing(held), tempfile.TemporaryDirectory(prefix="ddm-up-") as workdir:
+        held.hold_router_port(router_port)
         config_path = Path(workdir) / "router.yaml"
-        plan = plan_local(manifest, lambda: free_port(host), router_port, host,
+        plan = plan_local(manifest, held.draw, router_port, host,
                           locate=functools.partial(resolve_checkpoint, image_root=image_root,
                                                    pvc_root=pvc_root),
                           threads=threads, config_path=config_path,
@@ -462,7 +544,7 @@ def run_local(manifest: DDMManifest, router_port: int = ROUTER_PORT, host: str =
         if plan.expert_token_file is not None:
             write_token(plan.expert_token_file)
         plan = with_router_options(plan, deadline_s, api_docs)
-        supervisor = Supervisor(out, termination_dir=Path(workdir))
+        supervisor = Supervisor(out, termination_dir=Path(workdir), held=held)
         try:
             scaler = _scaler(plan, supervisor, host, out)
             supervisor.start_ready([*(p for p in plan.servers if p.name not in scaler.names)],
@@ -525,25 +607,6 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: it may resolve to anything
         return False
-
-
-def check_router_port(host: str, port: int) -> None:
-    """Fail unless the router can listen on ``host:port``, before any server starts: the router
-    starts last, once every expert has loaded (minutes for a large DDM), and a port the kernel
-    picks (0) would never be seen ready there. A port taken or not ours is the port's fault;
-    anything else, the host's (as in :func:`free_port`)."""
-    if port not in PORTS:
-        raise ValueError(f"--port must be in {PORTS.start}..{PORTS.stop - 1}, got {port}")
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the router's (uvicorn)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                raise _unusable_host(host, exc) from None
-            raise LocalRunError(f"the router cannot listen on {host}:{port} "
-                                f"({exc.strerror or exc}): stop what holds the port, or choose "
-                                "another --port") from None
 
 
 def _unusable_host(host: str, exc: OSError) -> LocalRunError:

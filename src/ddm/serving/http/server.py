@@ -62,6 +62,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.config import LOGGING_CONFIG
 
 from ddm.serving.http.connections import ConnectionLimits, protocol_factory
+from ddm.serving.http.handoff import HandoffError, handed_socket
 from ddm.termination import fail_start
 
 #: Seconds a client told 429 or 503 should wait before trying again.
@@ -377,9 +378,16 @@ def run_server(make_app: Callable[[ServerControl], ASGIApp], host: str, port: in
 
 def _bound(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port``, as uvicorn binds one (listening once the server
-    starts), before the app starts; or, when the port cannot be had, the start's failure
-    naming it (uvicorn would only log it and exit 3, leaving no reason where Kubernetes and
-    ``ddm up`` look)."""
+    starts), before the app starts: the one this process was handed for that port
+    (:mod:`~ddm.serving.http.handoff`, ``ddm up``), or a new one; or, when the port cannot be
+    had, the start's failure naming it (uvicorn would only log it and exit 3, leaving no
+    reason where Kubernetes and ``ddm up`` look)."""
+    try:
+        handed = handed_socket(port)
+    except HandoffError as error:
+        raise fail_start(str(error)) from None
+    if handed is not None:
+        return handed
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
