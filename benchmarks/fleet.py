@@ -5,6 +5,7 @@ stopped after."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -17,8 +18,8 @@ from typing import Any, Callable, Iterator, TextIO
 
 from ddm.deploy.spec import DDMManifest
 from ddm.deploy.plan import plan_expert
-from ddm.runtime.local import (REPOSITORY_ROOT, LocalPlan, ProcessSpec, Supervisor, free_port,
-                               plan_local, resolve_checkpoint)
+from ddm.runtime.local import (REPOSITORY_ROOT, HeldPorts, LocalPlan, ProcessSpec, Supervisor,
+                               free_port, plan_local, resolve_checkpoint)
 from benchmarks.figures import BIG_BATCH
 from benchmarks.loopback import one_client_router
 
@@ -79,28 +80,30 @@ def running_fleet(manifest: DDMManifest, workdir: Path, log: TextIO,
            servers: list[dict[str, Any]]) -> Iterator[Fleet]:
     """Start every process (experts first, as ``ddm up`` does), yield, then stop them all and
     record each one's pid, port and exit status in ``servers``."""
-    ports = port_source()
-    batched = _plan(manifest, BIG_BATCH, workdir, "batched", ports)
-    unbatched = _plan(manifest, 1, workdir, "unbatched", ports)
-    references, endpoints = _reference_specs(manifest, batched.experts[0].env, ports)
-    experts = [*batched.experts, *unbatched.experts, *references]
-    routers = [batched.router, unbatched.router]
-    supervisor = Supervisor(log)
-    try:
-        say(log, f"starting {len(experts)} expert processes and {len(routers)} routers")
-        supervisor.start_ready(experts, HOST)
-        supervisor.start_ready(routers, HOST)
-        pids = tuple(supervisor.processes[spec.name].pid
-                     for spec in (*batched.experts, batched.router))
-        yield Fleet(batched, unbatched, endpoints, pids)
-    finally:
-        say(log, "stopping the servers")
-        supervisor.stop()
-        for spec in [*experts, *routers]:
-            process = supervisor.processes.get(spec.name)
-            if process is not None:
-                servers.append({"name": spec.name, "port": spec.port, "pid": process.pid,
-                                "exit_code": process.returncode})
+    # As ddm up: no port of its servers is taken while they load.
+    with contextlib.closing(HeldPorts(HOST)) as held:
+        batched = _plan(manifest, BIG_BATCH, workdir, "batched", held.draw)
+        unbatched = _plan(manifest, 1, workdir, "unbatched", held.draw)
+        # The reference servers bind their own ports (they take no socket handed over).
+        references, endpoints = _reference_specs(manifest, batched.experts[0].env, port_source())
+        experts = [*batched.experts, *unbatched.experts, *references]
+        routers = [batched.router, unbatched.router]
+        supervisor = Supervisor(log, held=held)
+        try:
+            say(log, f"starting {len(experts)} expert processes and {len(routers)} routers")
+            supervisor.start_ready(experts, HOST)
+            supervisor.start_ready(routers, HOST)
+            pids = tuple(supervisor.processes[spec.name].pid
+                         for spec in (*batched.experts, batched.router))
+            yield Fleet(batched, unbatched, endpoints, pids)
+        finally:
+            say(log, "stopping the servers")
+            supervisor.stop()
+            for spec in [*experts, *routers]:
+                process = supervisor.processes.get(spec.name)
+                if process is not None:
+                    servers.append({"name": spec.name, "port": spec.port, "pid": process.pid,
+                                    "exit_code": process.returncode})
 
 
 def _plan(manifest: DDMManifest, max_batch: int, workdir: Path, tag: str,

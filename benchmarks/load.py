@@ -27,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,7 @@ from benchmarks.fleet import recorded_path
 from benchmarks.loopback import another_router, one_client_router
 
 from ddm.deploy.spec import load_manifest
-from ddm.runtime.local import (REPOSITORY_ROOT, Supervisor, free_port,
-                               plan_local)
+from ddm.runtime.local import REPOSITORY_ROOT, HeldPorts, Supervisor, plan_local
 from ddm.termination import sigterm_handled
 from tests.support.processes import listening_pid
 
@@ -154,24 +154,16 @@ def local_ddm(manifest: Path, clients: int, log: TextIO, threads: int = 1,
     ``clients`` generations at once, each ready within its plan's budget, as ``ddm up``'s; with
     ``also`` (name -> environment), more routers over the same servers, each with that
     environment added. Yields a :class:`LocalDDM`, and stops them all after."""
-    with tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
+    held = HeldPorts(HOST)  # as ddm up: no port taken while the servers load
+    with contextlib.closing(held), tempfile.TemporaryDirectory(prefix="ddm-load-") as workdir:
         config_path = Path(workdir) / "router.yaml"
-        plan = plan_local(load_manifest(manifest), lambda: free_port(HOST), free_port(HOST),
-                          HOST, threads=threads, config_path=config_path)
+        plan = plan_local(load_manifest(manifest), held.draw, held.draw(), HOST,
+                          threads=threads, config_path=config_path)
         router = one_client_router(plan, clients, config_path)
-        taken = {p for s in (*plan.servers, router) for p in (s.port, s.metrics_port)}
-
-        def new_port() -> int:  # one no process of the plan was handed
-            port = free_port(HOST)
-            while port in taken:
-                port = free_port(HOST)
-            taken.add(port)
-            return port
-
-        routers = [router, *(another_router(router, name, new_port(), new_port(),
+        routers = [router, *(another_router(router, name, held.draw(), held.draw(),
                                             tuple(env.items()))
                              for name, env in (also or {}).items())]
-        supervisor = Supervisor(log)
+        supervisor = Supervisor(log, held=held)
         try:
             print(f"load: starting {len(plan.servers)} model servers and "
                   f"{len(routers)} router(s)", file=log, flush=True)

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol_strategies import Target, request_bodies
-from ddm.runtime.local import ProcessSpec, Supervisor, free_port
+from ddm.runtime.local import HeldPorts, ProcessSpec, Supervisor
 from ddm.serving.wire.protocol import (CONTENT_TYPE, UNKNOWN_CONTEXT, IntegrateRequest, Limits,
                                        ProtocolError, RemoteExpertError, Solver, VelocityRequest,
                                        decode_request, decode_response, encode_request)
@@ -105,23 +105,24 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     root = tmp_path_factory.mktemp("fuzz-ddm")
     checkpoints, router_checkpoint = _write_ddm(root)
     ddm = (sys.executable, "-m", "ddm")
+    held = HeldPorts(HOST)  # as ddm up: the router's port is not taken while experts load
     experts = [ProcessSpec(f"e{i}", (*ddm, "serve", "expert", "--checkpoint", str(path),
                                      "--host", HOST, "--port", str(port), "--max-batch",
                                      str(MAX_LABELS), "--log-level", "warning"), port, ENV)
-               for i, (path, port) in enumerate((p, free_port()) for p in checkpoints)]
+               for i, (path, port) in enumerate((p, held.draw()) for p in checkpoints)]
     config = RouterConfigFile(
         experts=tuple(ExpertEntry(f"e{i}", StaticDiscovery((f"{HOST}:{spec.port}",)), classes)
                       for i, (spec, classes) in enumerate(zip(experts, GROUPS))),
         num_classes=10, sampling=SamplingDefaults(2, "euler", "oracle"),
         router_checkpoint=str(router_checkpoint))
     (root / "router.yaml").write_text(config.to_yaml())
-    port = free_port()
+    port = held.draw()
     router = ProcessSpec("router", (*ddm, "serve", "router", "--config", str(root / "router.yaml"),
                                     "--host", HOST, "--port", str(port), "--max-batch",
                                     str(MAX_LABELS), "--max-steps", str(MAX_STEPS),
                                     "--log-level", "warning"), port, ENV)
     log = io.StringIO()
-    supervisor = Supervisor(log)
+    supervisor = Supervisor(log, held=held)
     try:
         supervisor.start_ready(experts, HOST)
         supervisor.start_ready([router], HOST)
@@ -132,6 +133,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield Fleet(server(router), tuple(map(server, experts)))
     finally:
         supervisor.stop()
+        held.close()
     assert all(p.returncode in (0, -15) for p in supervisor.processes.values()), log.getvalue()
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.cli import EXIT_INTERRUPTED, main
+from ddm.runtime.local import free_port
 from tests.support import distributed_gradients
 from tests.support.bars_mnist import write_bars_mnist
 
@@ -57,9 +57,7 @@ def jax_processes(*argv: str, processes: int = 2) -> list[tuple[int, str]]:
     """``ARGV`` started ``processes`` times with ``JAX_COORDINATOR_ADDRESS``,
     ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` (as Kubeflow Trainer sets them): each
     process's exit status and output, in rank order."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{sock.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     started = [subprocess.Popen(
         [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env={**_env(), "JAX_COORDINATOR_ADDRESS": address,

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from ddm.checkpoints.format import load_checkpoint, read_meta, save_checkpoint
 from ddm.cli import main
 from ddm.data import Dataset
 from ddm.experts.check import behaviour_data
+from ddm.runtime.local import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "checkpoints"
@@ -155,9 +155,7 @@ def test_the_expert_server_exits_1_on_a_misdeclared_expert_and_says_why(tmp_path
     """The operator shows the termination message in the DDM's status."""
     checkpoint = declared_as_velocity(tmp_path)
     log = tmp_path / "termination-log"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     expert = subprocess.Popen(
         [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint", str(checkpoint),
          "--port", str(port), "--log-level", "error"],

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from ddm.sampling.solvers import iterate
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import Hooks, ServingOptions
 from ddm.serving.wire.protocol import CONTENT_TYPE, RemoteExpertError, Solver, decode_response
+from ddm.runtime.local import free_port
 from ddm.termination import write_termination_message
 from tests.support.label_wire import (LabelCall, LabelVelocity, integrate_call, post_call,
                                       send_async)
@@ -280,9 +280,7 @@ def test_an_expert_that_cannot_load_exits_1_and_says_why(smoke_expert_checkpoint
     else:
         (checkpoint / "config.json").write_text("{not json")
     log = tmp_path / "termination-log"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     expert = subprocess.Popen(
         [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint", str(checkpoint),
          "--port", str(port), "--log-level", "error"],
@@ -297,9 +295,7 @@ def test_on_sigterm_the_expert_drains_then_stops(smoke_expert_checkpoint):
     """Not ready but still serving (new connections included) for --drain-s, then gone;
     its log tells its life once, though it serves on two event loops."""
     drain_s = 5.0  # long enough that a loaded machine still answers within it
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     expert = subprocess.Popen(
         [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint",
@@ -361,9 +357,7 @@ def test_a_long_lone_batch_runs_on_its_event_loop_while_another_answers(
     """An expert serves on two event loops: a lone request runs on the loop it came on
     however long its model takes (no hand-off to the model thread and back), and meanwhile
     the other loop answers probes and queues other clients' requests; SIGTERM stops both."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     expert = subprocess.Popen(
         [sys.executable, "-c", _GATED_EXPERT % GATED_T, str(smoke_expert_checkpoint), str(port),
@@ -532,11 +526,7 @@ def test_a_batch_of_one_holding_the_model_does_not_hold_the_probes(smoke_expert_
 
 
 def test_with_a_metrics_port_metrics_are_there_only_and_the_api_is_not(smoke_expert_checkpoint):
-    ports = []
-    for _ in range(2):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+    ports = [free_port(), free_port()]
     base, scrape = (f"http://127.0.0.1:{port}" for port in ports)
     expert = subprocess.Popen(
         [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint",

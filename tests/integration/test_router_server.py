@@ -42,6 +42,7 @@ from ddm.models.router_net import RouterNet
 from ddm.models.torch_io import canonical_weights
 from ddm.models.torch_unet import UNet
 from ddm.models.ddm import load_ddm
+from ddm.runtime.local import free_port
 from ddm.sampling.pipeline import generate
 from ddm.sampling.routing import parse_strategy
 from ddm.sampling.solvers import initial_noise
@@ -499,7 +500,7 @@ def test_one_client_cannot_take_the_router_and_a_forwarded_client_is_its_own(ddm
 
 
 def test_a_router_with_no_expert_ready_is_not_ready_and_says_so(ddms):
-    dead = {name: {"endpoints": [f"127.0.0.1:{_free_port()}"]} for name in ("e0", "e1")}
+    dead = {name: {"endpoints": [f"127.0.0.1:{free_port()}"]} for name in ("e0", "e1")}
     config = _config(dead, [LOW, HIGH], None, strategy="oracle")
     with _servers({"router": create_router_app(config)}) as endpoints:
         readyz = httpx.get(f"http://{endpoints['router']}/readyz")
@@ -529,7 +530,7 @@ def test_a_draining_router_is_not_ready(ddms, experts):
 def replicated(ddms, experts, tmp_path_factory) -> Iterator[dict]:
     """Two subprocess replicas of e0, and a subprocess router started by ``serve_router``."""
     directory = tmp_path_factory.mktemp("router")
-    ports = [_free_port() for _ in range(3)]
+    ports = [free_port() for _ in range(3)]
     config = _config({"e0": {"endpoints": [f"127.0.0.1:{p}" for p in ports[:2]]},
                       "e1": {"endpoints": [experts["e1"]]}}, [LOW, HIGH], "router",
                      strategy="oracle", timeouts={"connect_s": 1.0, "request_s": 2.0})
@@ -737,7 +738,7 @@ def test_a_router_that_cannot_start_exits_1_and_says_why(ddms, experts, tmp_path
             log = tmp_path / f"{name}.termination-log"
             router = subprocess.Popen(
                 [sys.executable, "-c", SERVE, "serve", "router", "--config",
-                 str(tmp_path / f"{name}.yaml"), "--port", str(_free_port()),
+                 str(tmp_path / f"{name}.yaml"), "--port", str(free_port()),
                  "--log-level", "error", *flags],
                 env={**os.environ, "OMP_NUM_THREADS": "1", "DDM_TERMINATION_LOG": str(log)})
             assert router.wait(timeout=WAIT_S) == 1, name
@@ -932,10 +933,6 @@ def _port(endpoint: str) -> int:
     return int(endpoint.rpartition(":")[2])
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager

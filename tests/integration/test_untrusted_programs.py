@@ -14,7 +14,6 @@ import io
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from ddm.checkpoints.format import (CheckpointError, CheckpointMeta, ModelSpec, 
 from ddm.cli import main
 from ddm.models.loading import expert_network
 from ddm.models.torch_io import export_program
+from ddm.runtime.local import free_port
 from tests.integration.servers import ready_server
 from tests.support.label_wire import post_call, velocity_call
 
@@ -143,9 +143,7 @@ def test_ddm_serve_expert_never_becomes_ready_on_a_pickled_weight(exported, tmp_
     marker = tmp_path / "ran"
     hostile = tampered(exported, tmp_path / "hostile", pickled_weight(marker))
     log = tmp_path / "termination-log"
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "ddm.cli", "serve", "expert", "--checkpoint", str(hostile),
          "--port", str(port), "--backend", "torch", "--log-level", "error"],

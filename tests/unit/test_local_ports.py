@@ -20,8 +20,9 @@ import pytest
 from ddm.checkpoints.shipped import DEFAULT_DDM
 from ddm.cli import main
 from ddm.deploy.spec import load_manifest
-from ddm.runtime.local import (DEFAULT_MANIFEST, HeldPorts, LocalRunError, ProcessSpec,
-                               Supervisor, free_port, plan_local)
+from ddm.runtime.local import (DEFAULT_MANIFEST, PORT_RANGE, HeldPorts, LocalRunError,
+                               ProcessSpec, Supervisor, free_port, plan_local)
+from ddm_devcluster.processes import free_ports
 from ddm.serving.http.handoff import ENV, HandoffError, handed_socket
 
 
@@ -190,3 +191,12 @@ def test_a_handoff_names_each_wrong_descriptor() -> None:
                 handed_socket(1, {ENV: value})
     finally:
         os.close(unused)
+
+
+def test_the_dev_cluster_draws_its_ports_apart_from_ddm_up_and_the_kernel() -> None:
+    """The dev cluster's components bind their ports seconds after the draw (the scheduler
+    once the API server is up), while tests beside it start servers of their own."""
+    low, high = _ephemeral_range()
+    ports = free_ports(40)
+    assert len(set(ports)) == 40
+    assert all(not low <= port <= high and port not in PORT_RANGE for port in ports), ports

@@ -328,7 +328,9 @@ class HeldPorts:
     drawn until its server's process starts and takes the socket over
     (:mod:`ddm.serving.http.handoff`): the router starts minutes after its port was chosen,
     once every expert has loaded, and a port merely free when drawn could be taken meanwhile.
-    A process restarted later binds its port again by number, as a container would."""
+    A process restarted later binds its port again by number, as a container would. Only for
+    servers that take a handed socket over (every ``ddm serve``): any other could not bind
+    the port it inherited."""
 
     def __init__(self, host: str) -> None:
         self.host = host

@@ -10,6 +10,7 @@ never killed.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -23,15 +24,30 @@ from pathlib import Path
 _STARTED: dict[int, subprocess.Popen[bytes]] = {}
 
 
+#: Where :func:`free_ports` draws: below the kernel's ephemeral range (whose ports every outgoing
+#: connection takes: one free a moment ago could be a connection's by the time the component
+#: that was given it binds it, seconds later) and below the range ``ddm up`` draws its servers'
+#: ports from (20000-32767), so that tests running beside the cluster never draw its ports.
+PORT_RANGE = range(10000, 20000)
+
+
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
-    sockets = []
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago, from
+    :data:`PORT_RANGE`."""
+    sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
+        for _ in range(100 * count):
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
+            try:
+                sock.bind(("127.0.0.1", random.choice(PORT_RANGE)))  # held: no port twice
+            except OSError:
+                sock.close()
+                continue
             sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
+            if len(sockets) == count:
+                return [s.getsockname()[1] for s in sockets]
+        raise StartupError(f"no {count} free ports in {PORT_RANGE.start}..{PORT_RANGE.stop - 1} "
+                           f"after {100 * count} tries")
     finally:
         for sock in sockets:
             sock.close()
