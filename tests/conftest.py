@@ -19,6 +19,7 @@ the tails of its real node's logs.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +77,29 @@ def termination_log(tmp_path_factory: pytest.TempPathFactory,
     path = tmp_path_factory.mktemp("termination") / "message"
     monkeypatch.setenv("DDM_TERMINATION_LOG", str(path))
     return path
+
+
+#: What ``ddm.threads.apply_cpu_thread_policy`` sets for the whole process.
+_THREAD_POLICY_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY", "XLA_FLAGS")
+
+
+@pytest.fixture(autouse=True)
+def cpu_thread_policy_undone() -> Iterator[None]:
+    """A test that runs the CLI in-process (``main([...])``) sets the CPU thread policy for the
+    whole worker (variables and torch's pool, chosen from the machine's load at that moment);
+    undone after it, so that no later test depends on which ran before it, or on the load
+    then."""
+    saved = {name: os.environ.get(name) for name in _THREAD_POLICY_VARIABLES}
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if torch is not None and threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture
