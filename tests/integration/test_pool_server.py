@@ -446,9 +446,12 @@ def test_in_two_lockstep_groups_a_later_generation_steps_apart_and_changes_no_pi
     one_group, _, _ = generations("1", kept=1)
     assert two_groups == one_group
     # auto, the default, keeps two groups but opens the second only where an expert reports
-    # an accelerator: this pool's run on the CPU, so the second generation merges.
-    by_default, requests, _ = generations("auto", kept=2)
-    assert requests == FIRST_STEPS
+    # an accelerator: this pool's run on the CPU, so the second generation joins the first's
+    # waves (not every one of them: its default wait lets a wave go without a generation
+    # held up on a loaded machine, which the test above rules out with a patient lockstep).
+    by_default, requests, shared_waves = generations("auto", kept=2)
+    assert shared_waves > 0
+    assert FIRST_STEPS <= requests < FIRST_STEPS + SECOND_STEPS
     assert by_default == one_group
 
 
