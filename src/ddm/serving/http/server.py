@@ -387,6 +387,10 @@ def _bound(host: str, port: int) -> socket.socket:
     except HandoffError as error:
         raise fail_start(str(error)) from None
     if handed is not None:
+        # Held alone until now; from here flagged as a socket this function binds, since its
+        # connections inherit the flag: without it, those in TIME_WAIT after this process
+        # ends keep a restarted server off the port for a minute.
+        handed.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         return handed
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
