@@ -19,6 +19,7 @@ shared machine it moves every figure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -27,7 +28,6 @@ import signal
 import sys
 import tempfile
 import time
-import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path

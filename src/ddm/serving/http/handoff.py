@@ -1,4 +1,4 @@
-"""Listening sockets handed to a server by the process that started it.
+"""Bound sockets handed to a server by the process that started it.
 
 ``ddm up`` draws its servers' ports when it plans the run, long before some of them bind:
 the router starts only once every expert has loaded (minutes for a large DDM). A port free when
