@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
+from pathlib import Path
 
 import pytest
+from waiting import wait_for
 
-from ddm.runtime.local import LocalRunError, ProcessSpec, Supervisor, free_port
+from ddm.runtime.local import (Backoff, LocalRunError, ProcessSpec, Supervisor, _supervise,
+                               free_port)
 
 #: A server that never becomes ready: it listens nowhere.
 NEVER_READY = (sys.executable, "-c", "import time; time.sleep(600)")
@@ -25,3 +29,46 @@ def test_each_server_is_waited_for_as_long_as_its_own_budget() -> None:
         assert supervisor.running("pool-all/0")  # still within its budget when a-0 was late
     finally:
         supervisor.stop()
+
+
+def test_a_dead_process_started_again_on_demand_is_not_restarted_a_second_time() -> None:
+    """An on-demand expert that died is due for a restart after its back-off; a generation
+    needing it meanwhile has the scaler start it at once. The restart then found it running
+    and started a second process over it, and the first outlived ``ddm up`` (an expert of
+    the scale-to-zero benchmark, still serving an hour later)."""
+    log = io.StringIO()
+    supervisor = Supervisor(log)
+    spec = ProcessSpec("expert-a/0", NEVER_READY, free_port())
+    started: list[int] = []
+    stop = threading.Event()
+
+    def scale() -> None:  # the scaler: a generation needs it as soon as it is seen dead
+        if "restarting it in" in log.getvalue() and not supervisor.running(spec.name):
+            supervisor.start(spec)
+            started.append(supervisor.processes[spec.name].pid)
+
+    supervisor.start(spec)
+    started.append(supervisor.processes[spec.name].pid)
+    supervisor.processes[spec.name].kill()
+    supervising = threading.Thread(target=_supervise, args=(
+        supervisor, stop, log, Backoff(first_s=0.5), scale))
+    supervising.start()
+    try:
+        wait_for(lambda: "started again on demand; no restart needed" in log.getvalue(), 60,
+                 "the supervisor finding it started again", interval_s=0.05)
+    finally:
+        stop.set()
+        supervising.join()
+        supervisor.stop()
+    assert len(started) == 2 and "restarted expert-a/0" not in log.getvalue(), log.getvalue()
+    assert all(not Path(f"/proc/{pid}").exists() or _zombie(pid) for pid in started)
+    with pytest.raises(LocalRunError, match="expert-a/0 is running already"):
+        try:
+            supervisor.start(spec)
+            supervisor.start(spec)
+        finally:
+            supervisor.stop()
+
+
+def _zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"

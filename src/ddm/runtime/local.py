@@ -399,7 +399,10 @@ class Supervisor:
 
     def start(self, spec: ProcessSpec) -> None:
         """Start ``spec`` (again, when it ran before: its old termination message goes), handed
-        the sockets held for its ports (the first time)."""
+        the sockets held for its ports (the first time). Never while it runs: the first would
+        be left running, unsupervised, after ``ddm up`` ended."""
+        if self.running(spec.name):
+            raise LocalRunError(f"{spec.name} is running already; it is not started twice")
         env = os.environ | dict(spec.env)
         env.pop(HANDOFF_ENV, None)  # none of ours to pass on
         if self.termination_dir is not None:
@@ -690,6 +693,10 @@ def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
         for name, when in list(due.items()):
             if name not in supervisor.processes:  # scaled to zero meanwhile
                 del due[name]
+            elif supervisor.running(name):  # a generation needed it: the scaler started it
+                del due[name]
+                print(f"{name} was started again on demand; no restart needed", file=out,
+                      flush=True)
             elif when <= now:
                 del due[name]
                 supervisor.start(supervisor.specs[name])
