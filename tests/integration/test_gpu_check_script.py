@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -28,7 +29,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from benchmarks.device_wheels import IMAGE, NAMES, pinned, strip_executables, wanted
+from benchmarks.device_wheels import IMAGE, LEFT_OUT, NAMES, pinned, slim, wanted
 from benchmarks.fleet import BenchError
 from benchmarks.gpu_check import FORWARD_CHECKS, GPU_CHECK, PARTS, gpu_check
 from benchmarks.paris_pools import ParisPoolSettings, measuring_order
@@ -262,7 +263,7 @@ def test_a_wheels_executable_is_stripped_and_the_wheel_still_installs(tmp_path: 
                          "hello-1.0.dist-info/RECORD,,\n")
     before = wheel.stat().st_size
 
-    assert strip_executables(wheel) == [script]
+    assert slim(wheel) == [script]
 
     assert wheel.stat().st_size < before
     with zipfile.ZipFile(wheel) as archive:
@@ -271,7 +272,7 @@ def test_a_wheels_executable_is_stripped_and_the_wheel_still_installs(tmp_path: 
     assert len(stripped) < len(built)
     digest = base64.urlsafe_b64encode(hashlib.sha256(stripped).digest()).rstrip(b"=").decode()
     assert record == f"{script},sha256={digest},{len(stripped)}\nhello-1.0.dist-info/RECORD,,\n"
-    assert strip_executables(wheel) == [script]  # stripping again changes nothing
+    assert slim(wheel) == []  # stripping again changes nothing
     with zipfile.ZipFile(wheel) as archive:
         assert archive.read(script) == stripped
     site = tmp_path / "site"
@@ -279,6 +280,46 @@ def test_a_wheels_executable_is_stripped_and_the_wheel_still_installs(tmp_path: 
                     "--target", str(site), str(wheel)], check=True)
     ran = subprocess.run([str(site / "bin" / "hello")], capture_output=True, text=True)
     assert (ran.returncode, ran.stdout) == (0, "hello\n")
+
+
+def test_a_wheels_left_out_folders_are_gone_from_it_and_from_its_record(
+        tmp_path: Path) -> None:
+    wheel = tmp_path / "kit-1.0-py3-none-any.whl"
+    write_wheel(wheel, "kit", "kit/__init__.py")
+    with zipfile.ZipFile(wheel, "a") as archive:
+        archive.writestr("kit/extras/big.py", "raise ImportError('left out')\n" * 1000)
+        archive.writestr("kit/extras_kept.py", "")  # a prefix of a name is not its folder
+    assert slim(wheel, ("kit/extras/",)) == ["kit/extras/big.py"]
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        record = archive.read("kit-1.0.dist-info/RECORD").decode()
+    assert "kit/extras/big.py" not in names and "kit/extras_kept.py" in names
+    assert "kit/extras/" not in record and "kit/__init__.py,," in record
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--target", str(site), str(wheel)], check=True)
+    assert (site / "kit" / "__init__.py").is_file() and not (site / "kit" / "extras").exists()
+
+
+def test_the_check_runs_without_what_its_wheels_leave_out(tmp_path: Path) -> None:
+    """Each carried package as the device installs it, without its ``LEFT_OUT`` folders,
+    ahead of this venv's: the pool part loads and serves every member of the release."""
+    slimmed = tmp_path / "slimmed"
+    for package, folders in LEFT_OUT.items():
+        installed = Path(importlib.import_module(package).__file__).parent
+        left_out = {Path(folder).name for folder in folders}
+        shutil.copytree(installed, slimmed / package, ignore=lambda directory, names: [
+            name for name in names
+            if Path(directory) == installed and name in left_out])
+        assert not any((slimmed / package / name).exists() for name in left_out)
+    done = run_script(tmp_path, "--quick", "--part", "pool", pythonpath=slimmed)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert str(slimmed / "diffusers") in subprocess.run(
+        [sys.executable, "-c", "import diffusers; print(diffusers.__file__)"],
+        env={**os.environ, "PYTHONPATH": str(slimmed)}, capture_output=True, text=True,
+        check=True).stdout
+    figures = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert figures["complete"] is True
 
 
 def test_comments_and_blank_lines_name_no_wheel() -> None:
