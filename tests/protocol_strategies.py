@@ -65,6 +65,11 @@ class Target:
     labels: tuple[int, ...]
     max_batch: int
     max_steps: int
+    #: A pool's members that pool requests name, and the ids of text contexts of four rows
+    #: they hold (post them first), named by well-formed calls: so that those reach the
+    #: members' batchers rather than stopping at an unknown context.
+    pool_members: tuple[str, ...] = ("e0", "expert-1", "router-network")
+    pool_contexts: tuple[bytes, ...] = ()
 
     @functools.cached_property
     def context(self) -> bytes:
@@ -184,7 +189,8 @@ def valid_requests(target: Target) -> st.SearchStrategy[Valid]:
 
 
 #: Member names a pool request draws from; the last is longer than any the wire takes.
-_MEMBERS = ("e0", "expert-1", "router-network", "x" * 64)
+#: A member's name one byte over the protocol's limit.
+_LONG_NAME = "x" * 64
 
 
 def _valid_pool(seed: int, coherent: bool, target: Target) -> Valid:
@@ -194,7 +200,9 @@ def _valid_pool(seed: int, coherent: bool, target: Target) -> Valid:
     flip = lambda: bool(rng.integers(2))  # noqa: E731 - a coin, local to this generator
     many = not coherent and not rng.integers(4)
     count = target.max_batch + 1 if many else int(rng.integers(1, 5))
-    names = [_MEMBERS[i] for i in rng.integers(0, 3 if coherent else len(_MEMBERS), count)]
+    members = (*target.pool_members, _LONG_NAME)
+    names = [members[i] for i in rng.integers(0, len(members) - 1 if coherent else len(members),
+                                              count)]
     sizes = [1 if many else int(rng.integers(1, max(2, target.max_batch // count + 1)))
              if coherent else int(rng.integers(0, target.max_batch + 2)) for _ in names]
     shape = target.image_shape if coherent or flip() else tuple(
@@ -208,8 +216,10 @@ def _valid_pool(seed: int, coherent: bool, target: Target) -> Valid:
         if not coherent and size and flip():
             guidance[0] = _SPECIAL_FLOATS[rng.integers(len(_SPECIAL_FLOATS))]
         rows = rng.integers(-1 if not coherent and flip() else 0, 4, size).astype(np.int32)
-        calls.append((name, VelocityRequest(0, x, _times(rng, size, coherent or flip()),
-                                                rng.bytes(32), rows, guidance)))
+        times, context = _times(rng, size, coherent or flip()), rng.bytes(32)
+        if coherent and target.pool_contexts:
+            context = target.pool_contexts[int(rng.integers(len(target.pool_contexts)))]
+        calls.append((name, VelocityRequest(0, x, times, context, rows, guidance)))
     request = PoolVelocityRequest(int(rng.integers(2**63)), tuple(calls))
     body = encode_pool_request(request)
     encoded = [name.encode() for name in names]

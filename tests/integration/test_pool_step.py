@@ -24,9 +24,12 @@ import pytest
 
 from ddm.conditioning import Conditioning
 from ddm.deploy.router_config import StaticDiscovery
+from ddm.serving.model.contexts import ENTRY_BYTES
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.model.server import create_model_app
-from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, Limits, PoolVelocityRequest,
+from ddm.runtime.local import REPOSITORY_ROOT
+from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, LabelContext, Limits,
+                                       PoolVelocityRequest,
                                        UNKNOWN_CONTEXT, RemoteExpertError, VelocityRequest,
                                        context_id,
                                        decode_pool_response, decode_request, decode_response,
@@ -142,6 +145,37 @@ def test_a_member_s_failure_is_its_own_and_the_others_answer(pool):
     assert pool_requests(pool)["200"] == before.get("200", 0.0) + 2
 
 
+def test_a_label_member_s_share_over_its_batch_limit_is_its_own_422():
+    """A pool's limit on a request is the sum of its members' (16 here); one member's share of
+    it over that member's own 8 is refused as its own route refuses it, not a 500."""
+    digits = REPOSITORY_ROOT / "checkpoints" / "digits"
+    experts = {name: digits / name for name in ("expert-0-4", "expert-5-9")}
+    with running(create_model_app(experts, ServingOptions(max_batch=8))) as base:
+        wait_ready(base)
+        labels = encode_request(LabelContext(1, np.arange(5, dtype=np.int64)))
+        assert post(base, "/v1/members/expert-0-4/velocity", labels).status_code == 200
+
+        def velocity(rows: int) -> VelocityRequest:
+            return VelocityRequest(7, np.zeros((rows, 1, 16, 16), np.float32),
+                                   np.full(rows, 0.5, np.float32), context_id(labels),
+                                   np.zeros(rows, np.int32), np.ones(rows, np.float32))
+
+        request = PoolVelocityRequest(7, (("expert-0-4", velocity(9)),))
+        reply = post(base, ROUTE, encode_pool_request(request))
+        own = post(base, "/v1/members/expert-0-4/velocity", encode_request(velocity(9)))
+        request_8 = PoolVelocityRequest(8, (("expert-0-4", velocity(8)),))
+        (fine,) = decode_pool_response(
+            post(base, ROUTE, encode_pool_request(request_8)).content, request_8)
+        metrics = httpx.get(f"{base}/metrics").text
+    assert reply.status_code == 200
+    (over,) = decode_pool_response(reply.content, request)
+    assert isinstance(over, RemoteExpertError) and over.code == 422
+    assert over.message == "member expert-0-4: batch of 9 exceeds the limit of 8"
+    assert own.status_code == 422 and b"batch of 9 exceeds the limit of 8" in own.content
+    assert fine.shape == (8, 1, 16, 16)
+    assert 'status="500"' not in metrics
+
+
 def test_a_member_s_calls_of_two_contexts_run_as_one_forward_each_answered_as_alone(stages,
                                                                                     pool):
     # The member's batches dispatch when full (2 rows) and would otherwise wait a minute: the
@@ -207,7 +241,13 @@ def test_hostile_pool_bodies_get_a_4xx_or_a_reply_and_leave_the_pool_serving(poo
     """Bodies built from pool requests sized for this pool, then mutated (the decoder's fuzz
     strategies): each is answered 200 with a pool response, or a 4xx error reply echoing its
     id; never a 5xx, and the pool still answers its members afterwards."""
-    target = Target(image_shape=LATENT, labels=(), max_batch=16, max_steps=1)
+    held = context(4)  # the rows well-formed calls name
+    for name in ("expert-0", "expert-1"):
+        assert post(pool, f"/v1/members/{name}/velocity", held).status_code == 200
+    target = Target(image_shape=LATENT, labels=(), max_batch=16, max_steps=1,
+                    pool_members=("expert-0", "expert-1", "expert-7"),  # one unknown
+                    pool_contexts=(context_id(held),))
+    answered: Counter[int] = Counter()  # the calls of 200 replies, by their own status
     statuses: Counter[int] = Counter()
 
     with httpx.Client(timeout=READY_S) as client:
@@ -223,7 +263,10 @@ def test_hostile_pool_bodies_get_a_4xx_or_a_reply_and_leave_the_pool_serving(poo
             if answer.status_code == 200:
                 request = decode_request(body, Limits(image_shape=LATENT))
                 assert isinstance(request, PoolVelocityRequest)
-                decode_pool_response(answer.content, request)
+                for out in decode_pool_response(answer.content, request):
+                    # A call's own failure too is the caller's mistake, never the pool's.
+                    assert not isinstance(out, RemoteExpertError) or out.code < 500, out
+                    answered[out.code if isinstance(out, RemoteExpertError) else 200] += 1
             else:
                 with pytest.raises(RemoteExpertError) as refused:
                     decode_response(answer.content, int.from_bytes(body[8:16], "little")
@@ -233,6 +276,8 @@ def test_hostile_pool_bodies_get_a_4xx_or_a_reply_and_leave_the_pool_serving(poo
 
         hostile()
     assert statuses[200] and statuses[404] and statuses[400] and statuses[422], statuses
+    # Calls reached the members' forwards, and their refusals: not only unknown contexts.
+    assert answered[200] and answered[422] and answered[UNKNOWN_CONTEXT], answered
     assert httpx.get(f"{pool}/readyz").status_code == 200
 
 
@@ -251,7 +296,7 @@ async def probed(pool: ExpertPool, *experts: str) -> None:
 def test_the_router_re_sends_a_context_a_member_evicted_within_the_call(stages):
     # Each member's budget is one context of one unguided row, and the pool's experts share
     # theirs: a third context evicts the first.
-    one = TOKENS * WIDTH * 4
+    one = TOKENS * WIDTH * 4 + ENTRY_BYTES
     with running(create_model_app({k: v for k, v in members(stages).items() if k != "decoder"},
                                   ServingOptions(max_batch=8, context_cache_bytes=one))) as base:
         wait_ready(base)

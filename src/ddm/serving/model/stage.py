@@ -68,9 +68,9 @@ from ddm.serving.model.options import ServingOptions, StageLoader
 from ddm.serving.model.routes import Handling, answer_or_error
 from ddm.serving.wire.protocol import (QUERIES, WIRE_DTYPES, Context, DecodeRequest, EncodeRequest,
                                        IntegrateRequest, LabelContext, Limits, ProtocolError,
-                                       Request, RouteRequest, VelocityRequest, check_labels,
-                                       decode_request, encode_context_ack, encode_encoded,
-                                       encode_probabilities, encode_response,
+                                       Request, RouteRequest, VelocityRequest, check_batch_size,
+                                       check_labels, decode_request, encode_context_ack,
+                                       encode_encoded, encode_probabilities, encode_response,
                                        request_kind)
 from ddm.threads import CpuShare
 
@@ -270,6 +270,7 @@ class StageMember(Member):
         as the batcher carries it (:func:`batch_conditioning`) and the forward rows the call
         costs."""
         if self.declared.conditioning == LABELS:
+            check_batch_size(message.x.shape[0], self.limits.max_batch)
             return None, (self._labels(message),), message.x.shape[0]
         context, cost = self._text_rows(message)
         assert context.embeddings is not None

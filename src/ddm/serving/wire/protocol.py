@@ -1081,8 +1081,14 @@ def _check_batch(x: np.ndarray, others: dict[str, np.ndarray], limits: Limits) -
         raise ProtocolError(f"batch mismatch: 'x' has {batch} rows, {sizes}")
     if batch == 0:
         raise ProtocolError("empty batch", 422)
-    if batch > limits.max_batch:
-        raise ProtocolError(f"batch of {batch} exceeds the limit of {limits.max_batch}", 422)
+    check_batch_size(batch, limits.max_batch)
+
+
+def check_batch_size(batch: int, max_batch: int) -> None:
+    """Refuse (422) a batch of more rows than ``max_batch``: a message's own, or a member's
+    share of a pool request, whose limit is the pool's sum."""
+    if batch > max_batch:
+        raise ProtocolError(f"batch of {batch} exceeds the limit of {max_batch}", 422)
 
 
 def _check_image(x: np.ndarray, limits: Limits) -> None:
