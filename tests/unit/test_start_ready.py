@@ -72,3 +72,37 @@ def test_a_dead_process_started_again_on_demand_is_not_restarted_a_second_time()
 
 def _zombie(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+
+
+#: A process that writes a byte that is not UTF-8, a line with no end, then more than a pipe
+#: holds (about 400 KB), and exits: only once everything it wrote was read.
+NOISY = (sys.executable, "-c",
+         "import sys; out = sys.stdout.buffer; out.write(b'bad \\xff byte\\n');"
+         "out.write(b'z' * 100_000 + b'\\n');"
+         "[out.write(b'line %d\\n' % k) for k in range(40_000)]; out.write(b'done\\n')")
+
+
+class _GoneReader(io.StringIO):
+    """``ddm up | head`` after head exited: every write fails."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+@pytest.mark.parametrize("out", [io.StringIO(), _GoneReader()], ids=["read", "nobody-reads"])
+def test_whatever_a_process_writes_is_drained_so_it_never_blocks(out: io.StringIO) -> None:
+    supervisor = Supervisor(out)
+    supervisor.start(ProcessSpec("expert-a/0", NOISY, free_port()))
+    try:
+        assert supervisor.processes["expert-a/0"].wait(timeout=120) == 0
+    finally:
+        supervisor.stop()
+    if not isinstance(out, _GoneReader):
+        wait_for(lambda: out.getvalue().endswith("[expert-a/0] done\n"), 60,
+                 "the relay reaching the end of the output", interval_s=0.05)
+        lines = out.getvalue().splitlines()
+        assert lines[0] == "[expert-a/0] bad \ufffd byte"
+        # The line of 100,000 characters in two pieces, each behind the process's name.
+        assert lines[1] == "[expert-a/0] " + "z" * 65_536
+        assert lines[2] == "[expert-a/0] " + "z" * (100_000 - 65_536)
+        assert len(lines) == 40_004

@@ -76,6 +76,9 @@ READY_POLL_S = 2.0
 STOP_TIMEOUT_S = 10.0
 #: How often the supervisor looks for processes that died or are due to restart.
 SUPERVISE_INTERVAL_S = 0.2
+#: The longest piece of a process's output relayed as one line: one that never ends is
+#: relayed in pieces, not held whole.
+RELAY_LINE_CHARS = 64 * 1024
 
 
 class LocalRunError(RuntimeError):
@@ -415,7 +418,8 @@ class Supervisor:
         try:
             process = subprocess.Popen(spec.argv, env=env, pass_fds=[s.fileno() for s in handed],
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                       text=True, start_new_session=True)
+                                       encoding="utf-8", errors="replace",
+                                       start_new_session=True)
         finally:
             for sock in handed:  # the process holds them now (or nobody: it did not start)
                 sock.close()
@@ -424,10 +428,14 @@ class Supervisor:
         threading.Thread(target=self._relay, args=(spec.name, process), daemon=True).start()
 
     def _relay(self, name: str, process: subprocess.Popen) -> None:
-        for line in process.stdout:
+        """Relay the process's output until it closes, each line behind the process's name,
+        whatever it writes (bytes that are not UTF-8 replaced, a line without end cut into
+        pieces) and whether or not anyone still reads ``out``: an output not drained blocks
+        the process at its next write."""
+        for piece in iter(lambda: process.stdout.readline(RELAY_LINE_CHARS), ""):
+            line = piece.removesuffix("\n")
             with self._lock:
-                self.out.write(f"[{name}] {line}")
-                self.out.flush()
+                _tell(self.out, f"[{name}] {line}")
 
     def start_ready(self, specs: Sequence[ProcessSpec], host: str) -> None:
         """Start every process (they load in parallel), then wait until each is ready, each
