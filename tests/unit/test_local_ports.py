@@ -182,21 +182,45 @@ def test_a_handoff_names_each_wrong_descriptor() -> None:
         one.bind(("127.0.0.1", 0))
         other.bind(("127.0.0.1", 0))
         wanted = other.getsockname()[1]
-        found = handed_socket(wanted, {ENV: f"{one.fileno()}, {other.fileno()}"})
+        found = handed_socket("127.0.0.1", wanted, {ENV: f"{one.fileno()}, {other.fileno()}"})
         assert found is not None and found.fileno() == other.fileno()
         assert not found.get_inheritable()
         found.detach()
         assert one.getsockname()  # another port's socket is left open
-        assert handed_socket(wanted, {ENV: str(one.fileno())}) is None
-        assert handed_socket(wanted, {}) is None
+        assert handed_socket("127.0.0.1", wanted, {ENV: str(one.fileno())}) is None
+        assert handed_socket("localhost", wanted, {}) is None
     unused = os.open(os.devnull, os.O_RDONLY)
     try:
         for value, problem in (("3x", "'3x' is not a file descriptor number"),
+                               ("\u00b2", "'\u00b2' is not a file descriptor number"),  # a digit
+                               # 2**32: an int wrapping to descriptor 0, standard input
+                               ("4294967296", "'4294967296' is not a file descriptor number"),
                                (str(unused), f"descriptor {unused} is not a socket")):
             with pytest.raises(HandoffError, match=re.escape(problem)):
-                handed_socket(1, {ENV: value})
+                handed_socket("127.0.0.1", 1, {ENV: value})
     finally:
         os.close(unused)
+
+
+def test_a_socket_handed_for_another_address_is_refused_and_left_open() -> None:
+    with socket.socket() as anywhere:
+        anywhere.bind(("0.0.0.0", 0))
+        port = anywhere.getsockname()[1]
+        handed = {ENV: str(anywhere.fileno())}
+        with pytest.raises(HandoffError, match=re.escape(
+                f"descriptor {anywhere.fileno()} is bound to 0.0.0.0 port {port}, not to "
+                "127.0.0.1")):
+            handed_socket("127.0.0.1", port, handed)
+        assert anywhere.getsockname()[1] == port  # still open
+        found = handed_socket("0.0.0.0", port, handed)
+        assert found is not None and found.fileno() == anywhere.fileno()
+        found.detach()
+    with socket.socket() as loopback:
+        loopback.bind(("127.0.0.1", 0))
+        port = loopback.getsockname()[1]
+        found = handed_socket("localhost", port, {ENV: str(loopback.fileno())})  # its name
+        assert found is not None
+        found.detach()
 
 
 def test_the_dev_cluster_draws_its_ports_apart_from_ddm_up_and_the_kernel() -> None:

@@ -31,12 +31,15 @@ def handoff_env(sockets: Iterable[socket.socket]) -> tuple[str, str]:
     return ENV, ",".join(str(sock.fileno()) for sock in sockets)
 
 
-def handed_socket(port: int, environ: Mapping[str, str] = os.environ) -> socket.socket | None:
+def handed_socket(host: str, port: int,
+                  environ: Mapping[str, str] = os.environ) -> socket.socket | None:
     """The socket this process was handed bound to ``port`` (no longer inherited by its own
-    children), or None when it was handed none; the others stay open for their own ports."""
+    children), or None when it was handed none; the others stay open for their own ports.
+    One bound to ``port`` on an address other than ``host``'s is refused: serving it would
+    listen where the server was not asked to."""
     value = environ.get(ENV, "").strip()
     for item in filter(None, (part.strip() for part in value.split(","))):
-        if not item.isdigit():
+        if not (item.isascii() and item.isdigit()) or int(item) > _LARGEST_FD:
             raise HandoffError(f"{ENV}={value!r}: {item!r} is not a file descriptor number")
         fd = int(item)
         try:
@@ -54,6 +57,22 @@ def handed_socket(port: int, environ: Mapping[str, str] = os.environ) -> socket.
                 bound[1] != port:
             sock.detach()  # another port's (or not ours to judge): left open as it was
             continue
+        if bound[0] not in _addresses(host):
+            sock.detach()
+            raise HandoffError(f"{ENV}={value!r}: descriptor {fd} is bound to {bound[0]} port "
+                               f"{port}, not to {host}")
         sock.set_inheritable(False)
         return sock
     return None
+
+
+#: The largest descriptor number a process can hold (a C int's).
+_LARGEST_FD = 2**31 - 1
+
+
+def _addresses(host: str) -> set[str]:
+    """The addresses ``host`` names (itself, where it is one)."""
+    try:
+        return {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (socket.gaierror, UnicodeError):
+        return {host}

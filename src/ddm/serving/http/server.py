@@ -383,7 +383,7 @@ def _bound(host: str, port: int) -> socket.socket:
     had, the start's failure naming it (uvicorn would only log it and exit 3, leaving no
     reason where Kubernetes and ``ddm up`` look)."""
     try:
-        handed = handed_socket(port)
+        handed = handed_socket(host, port)
     except HandoffError as error:
         raise fail_start(str(error)) from None
     if handed is not None:
