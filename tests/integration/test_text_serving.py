@@ -32,6 +32,7 @@ from ddm.models.stages import load_stage
 from ddm.models.text_prior import pooled_text
 from ddm import termination
 from ddm.serving.http.server import build_server
+from ddm.serving.model.contexts import ENTRY_BYTES
 from ddm.serving.model.server import create_model_app
 from ddm.serving.model.options import ServingOptions
 from ddm.serving.wire.protocol import (CONTENT_TYPE, Context, IntegrateRequest, RemoteExpertError,
@@ -186,7 +187,8 @@ def context_size(cond: Conditioning) -> int:
 def test_a_context_evicted_by_another_is_sent_again_transparently(root, cond, encoder):
     other = encoder.forward(["a green bird", "a red bird", "a cat at sunset"]).with_guidance(
         GUIDANCE, cond.negative)
-    one_context = cond.embeddings.nbytes * 2  # its embeddings and negative rows, float32
+    # Its embeddings and negative rows, float32, and what holding it costs besides.
+    one_context = cond.embeddings.nbytes * 2 + ENTRY_BYTES
     replica = Restartable(root / "expert_0", context_cache_bytes=one_context)
     replica.start()
     try:
