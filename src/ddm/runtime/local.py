@@ -172,19 +172,13 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
     on_demand: list[OnDemand] = []
     for expert in plan.unpooled_experts:
         checkpoint = str(locate(expert.checkpoint))
-        endpoints = []
         processes = _on_demand(scaled.get((False, expert.name)), expert.name, expert.replicas,
                                on_demand)
-        for replica in range(processes):
-            port, metrics_port = new_port(), new_port()
-            argv = (*_ddm(), *expert.command(checkpoint, host, port, metrics_port,
-                                             expert_token),
-                    "--log-level", "warning")
-            experts.append(ProcessSpec(f"{expert.name}/{replica}", argv, port,
-                                       env + expert.env(str(cache_dir)), metrics_port,
-                                       expert.ready_s))
-            endpoints.append(f"{host}:{port}")
-        discovery[expert.name] = StaticDiscovery(tuple(endpoints))
+        replicas, discovery[expert.name] = _replicas(
+            expert.name, processes, host, new_port, env + expert.env(str(cache_dir)),
+            expert.ready_s, lambda port, metrics: expert.command(
+                checkpoint, host, port, metrics, expert_token))
+        experts.extend(replicas)
     stages: list[ProcessSpec] = []
     stage_places: dict[str, str | Discovery] = {}
     local_dirs = {f"expert {e.name}": locate(e.checkpoint) for e in plan.experts}
@@ -196,40 +190,29 @@ def plan_local(manifest: DDMManifest, ports: Callable[[], int], router_port: int
             continue
         if not stage.separate:  # pooled
             continue
-        endpoints = []
-        for replica in range(stage.replicas):
-            port, metrics_port = new_port(), new_port()
-            argv = (*_ddm(), *stage.command(str(checkpoint), host, port, metrics_port,
-                                            expert_token),
-                    "--log-level", "warning")
-            stages.append(ProcessSpec(f"{stage.role}/{replica}", argv, port,
-                                      env + stage.env(str(cache_dir)), metrics_port,
-                                      stage.ready_s))
-            endpoints.append(f"{host}:{port}")
-        stage_places[stage.role] = StaticDiscovery(tuple(endpoints))
+        replicas, stage_places[stage.role] = _replicas(
+            stage.role, stage.replicas, host, new_port, env + stage.env(str(cache_dir)),
+            stage.ready_s, lambda port, metrics: stage.command(
+                str(checkpoint), host, port, metrics, expert_token))
+        stages.extend(replicas)
     pools: list[ProcessSpec] = []
     pool_discovery: dict[str, Discovery] = {}
     for pool in plan.pools:
         member_dirs = {name: str(locate(checkpoint)) for name, checkpoint in pool.members}
-        endpoints = []
         processes = _on_demand(scaled.get((True, pool.name)), f"pool-{pool.name}",
                                pool.replicas, on_demand)
-        for replica in range(processes):
-            port, metrics_port = new_port(), new_port()
-            argv = (*_ddm(), *pool.command(member_dirs, host, port, metrics_port, expert_token),
-                    "--log-level", "warning")
-            pools.append(ProcessSpec(f"pool-{pool.name}/{replica}", argv, port,
-                                     _threads_env(pool_threads(threads, len(pool.members)))
-                                     + quiet + pool.env(str(cache_dir)), metrics_port,
-                                     pool.ready_s))
-            endpoints.append(f"{host}:{port}")
-        pool_discovery[pool.name] = StaticDiscovery(tuple(endpoints))
+        pool_env = (_threads_env(pool_threads(threads, len(pool.members))) + quiet
+                    + pool.env(str(cache_dir)))
+        replicas, pool_discovery[pool.name] = _replicas(
+            f"pool-{pool.name}", processes, host, new_port, pool_env, pool.ready_s,
+            lambda port, metrics: pool.command(
+                member_dirs, host, port, metrics, expert_token))
+        pools.extend(replicas)
     check_state_shapes(local_dirs)
     metrics_port = new_port()
-    router = ProcessSpec("router", (*_ddm(), *RouterPlan.command(str(config_path), host,
-                                                                router_port, metrics_port),
-                                    "--log-level", "warning"), router_port, env, metrics_port,
-                         plan.router.ready_s)
+    router = ProcessSpec("router", _quiet(RouterPlan.command(str(config_path), host,
+                                                              router_port, metrics_port)),
+                         router_port, env, metrics_port, plan.router.ready_s)
     auth = (Auth(token_file=token, expert_token_file=expert_token)
             if token is not None and expert_token is not None else None)
     return LocalPlan(tuple(experts), router,
@@ -714,6 +697,25 @@ def _supervise(supervisor: Supervisor, stop: threading.Event, out: TextIO,
 
 def _ddm() -> Sequence[str]:
     return (sys.executable, "-m", "ddm")
+
+
+def _quiet(command: Sequence[str]) -> tuple[str, ...]:
+    """``ddm COMMAND`` logging warnings and errors only: every process shares one output."""
+    return (*_ddm(), *command, "--log-level", "warning")
+
+
+def _replicas(name: str, count: int, host: str, new_port: Callable[[], int],
+              env: tuple[tuple[str, str], ...], ready_s: float,
+              command: Callable[[int, int], Sequence[str]]
+              ) -> tuple[list[ProcessSpec], StaticDiscovery]:
+    """``count`` processes of one server, ``NAME/0`` on, each on ports of its own (``command``
+    of its port and metrics port), and where the router finds them."""
+    specs = []
+    for replica in range(count):
+        port, metrics_port = new_port(), new_port()
+        specs.append(ProcessSpec(f"{name}/{replica}", _quiet(command(port, metrics_port)), port,
+                                 env, metrics_port, ready_s))
+    return specs, StaticDiscovery(tuple(f"{host}:{spec.port}" for spec in specs))
 
 
 def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
