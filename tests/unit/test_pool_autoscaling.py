@@ -144,6 +144,15 @@ def test_ddm_up_runs_a_pool_at_zero_on_demand_and_the_others_at_once(tmp_path: P
     assert [d.label for d in plan.on_demand] == ["expert-0", "pool rare"]
 
 
+def test_a_pool_the_operator_may_scale_to_zero_needs_a_policy_that_starts_it() -> None:
+    raw = _raw({"autoscaling": SCALING})
+    del raw["router"]["missingExpert"]
+    assert _problems(raw) == [
+        "spec.pools[0].autoscaling.minReplicas: 0 needs spec.router.missingExpert.policy "
+        "wait or reroute: under fail (the default) a generation that needs it while it is at "
+        "zero fails, and nothing starts it"]
+
+
 def test_a_cpu_pools_memory_limit_is_what_its_members_must_fit_in() -> None:
     raw = _raw({"resources": {"limits": {"memory": "512Mi"}}})
     (pool,) = plan_deployment(parse_spec(raw)).pools

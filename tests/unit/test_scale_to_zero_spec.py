@@ -39,8 +39,11 @@ def test_by_default_a_missing_expert_fails_and_scaling_is_fixed() -> None:
     assert spec.experts[0].autoscaling is None
 
 
+WAIT = {"missingExpert": {"policy": "wait"}}
+
+
 def test_the_scale_down_delay_defaults_to_five_minutes_and_behavior_to_hpas() -> None:
-    spec = parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1}))
+    spec = parse_spec(_spec(WAIT, {"minReplicas": 0, "maxReplicas": 1}))
     assert spec.experts[0].autoscaling == Autoscaling(
         0, 1, 300, target_rows_per_s=64,
         scale_up=ScalingRules(0, "Max", (ScalePolicy("Percent", 100, 15),
@@ -96,8 +99,25 @@ def test_an_external_scaler_is_named_and_the_operator_leaves_it_the_replicas() -
     spec = parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 4,
                                          "scaler": "external"}))
     assert spec.experts[0].autoscaling.scaler == "external"
-    assert parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1})
+    assert parse_spec(_spec(WAIT, {"minReplicas": 0, "maxReplicas": 1})
                       ).experts[0].autoscaling.scaler == "operator"
+
+
+@pytest.mark.parametrize("policy", ["wait", "reroute"])
+def test_an_expert_the_operator_may_scale_to_zero_needs_a_policy_that_starts_it(
+        policy: str) -> None:
+    """Under fail nothing waits for an expert at zero nor reroutes its rows, and those are
+    what start it: a generation needing it failed (after the call's deadline), every time."""
+    zero = {"minReplicas": 0, "maxReplicas": 1}
+    with pytest.raises(SpecError) as caught:
+        parse_spec(_spec(None, zero))
+    assert caught.value.problems == (
+        "spec.experts[0].autoscaling.minReplicas: 0 needs spec.router.missingExpert.policy "
+        "wait or reroute: under fail (the default) a generation that needs it while it is at "
+        "zero fails, and nothing starts it",)
+    assert parse_spec(_spec({"missingExpert": {"policy": policy}}, zero))
+    assert parse_spec(_spec(None, {**zero, "minReplicas": 1}))  # never at zero
+    assert parse_spec(_spec(None, {**zero, "scaler": "external"}))  # its own signals
     with pytest.raises(SpecError) as caught:
         parse_spec(_spec(autoscaling={"minReplicas": 0, "maxReplicas": 1, "scaler": "hpa"}))
     assert ("spec.experts[0].autoscaling.scaler: must be one of operator, external, got 'hpa'"
@@ -105,7 +125,7 @@ def test_an_external_scaler_is_named_and_the_operator_leaves_it_the_replicas() -
 
 
 def test_one_expert_must_keep_a_replica() -> None:
-    raw = _spec(autoscaling={"minReplicas": 0, "maxReplicas": 1})
+    raw = _spec(WAIT, {"minReplicas": 0, "maxReplicas": 1})
     raw["experts"][1]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
     with pytest.raises(SpecError) as caught:
         parse_spec(raw)

@@ -38,7 +38,8 @@ MAX_POLICY_VALUE = 10_000
 POLICY_TYPES = ("Pods", "Percent")
 #: Who sets the replicas: the operator's own scaler, or something else (an HPA on external
 #: metrics, KEDA) that the operator then leaves them to.
-SCALERS = ("operator", "external")
+OPERATOR_SCALER = "operator"
+SCALERS = (OPERATOR_SCALER, "external")
 SELECT_POLICIES = ("Max", "Min", "Disabled")
 
 
@@ -84,7 +85,7 @@ class Autoscaling:
     target_rows_per_s: int = DEFAULT_TARGET_ROWS_PER_S
     scale_up: ScalingRules = DEFAULT_SCALE_UP
     scale_down: ScalingRules = DEFAULT_SCALE_DOWN
-    scaler: str = "operator"
+    scaler: str = OPERATOR_SCALER
 
 
 def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
@@ -96,7 +97,7 @@ def parse_autoscaling(reader: FieldReader) -> Autoscaling | None:
     target = reader.child("target")
     rows = target.integer("rowsPerSecond", DEFAULT_TARGET_ROWS_PER_S, 1, MAX_TARGET_ROWS_PER_S)
     target.done()
-    scaler = reader.string("scaler", "operator", choices=SCALERS) or "operator"
+    scaler = reader.string("scaler", OPERATOR_SCALER, choices=SCALERS) or OPERATOR_SCALER
     behavior = reader.child("behavior")
     up = _rules(behavior.child("scaleUp"), DEFAULT_SCALE_UP)
     down = _rules(behavior.child("scaleDown"), DEFAULT_SCALE_DOWN)

@@ -34,7 +34,8 @@ from ddm.deploy.accelerators import (
     unit_names,
     with_defaults,
 )
-from ddm.deploy.autoscaling import Autoscaling, fleet_problems, parse_autoscaling
+from ddm.deploy.autoscaling import (OPERATOR_SCALER, Autoscaling, fleet_problems,
+                                    parse_autoscaling)
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.limits import (
     COMPILE_MODES,
@@ -474,6 +475,26 @@ def _missing_expert(reader: FieldReader) -> MissingExpert:
     return MissingExpert(policy, float(wait_s or MISSING_EXPERT_WAIT_S))
 
 
+def _scale_to_zero_problems(spec: DDMSpec) -> list[str]:
+    """An expert or pool the operator's scaler may leave at zero needs a policy that waits for
+    it or reroutes: a waiting or rerouted generation is what starts it, and under ``fail`` a
+    generation that needs it fails without either, so it never starts. (An external scaler
+    starts it on signals of its own.)"""
+    if spec.router.missing_expert.policy != DEFAULT_MISSING_EXPERT_POLICY:
+        return []
+    scaled = [(f"spec.experts[{i}]", e.autoscaling) for i, e in enumerate(spec.experts)
+              if e.pool is None]
+    scaled += [(f"spec.pools[{i}]", p.autoscaling) for i, p in enumerate(spec.pools)]
+    at_zero = [path for path, rules in scaled if rules is not None and
+               rules.min_replicas == 0 and rules.scaler == OPERATOR_SCALER]
+    others = " or ".join(p for p in MISSING_EXPERT_POLICIES
+                         if p != DEFAULT_MISSING_EXPERT_POLICY)
+    return [f"{path}.autoscaling.minReplicas: 0 needs spec.router.missingExpert.policy "
+            f"{others}: under {DEFAULT_MISSING_EXPERT_POLICY} (the default) a generation "
+            "that needs it while it is at zero fails, and nothing starts it"
+            for path in at_zero]
+
+
 def _accelerator(reader: FieldReader) -> Accelerator:
     accelerator = Accelerator(
         type=reader.string("type", HOST, choices=tuple(ACCELERATORS)) or HOST,
@@ -593,6 +614,7 @@ def _semantic_problems(spec: DDMSpec) -> list[str]:
     found.extend(fleet_problems([e.autoscaling if e.pool is None else
                                  pools[e.pool].autoscaling if e.pool in pools else None
                                  for e in spec.experts]))
+    found.extend(_scale_to_zero_problems(spec))
     names = [e.name for e in spec.experts]
     for name in sorted({n for n in names if names.count(n) > 1}):
         found.append(f"spec.experts: the name {name!r} is used more than once")

@@ -37,6 +37,7 @@ from ddm.deploy.plan import plan_deployment
 from ddm.deploy.spec import DDMSpec, SpecError, parse_spec
 from ddm.operator import names
 from ddm.deploy.autoscaler import Demand, History, Scaled, decide
+from ddm.deploy.autoscaling import OPERATOR_SCALER
 from ddm.deploy.limits import PULL_S
 from ddm.operator.demand import DemandRates, RouterReading, scrape
 from ddm.operator.kube import Kube, KubeError
@@ -67,7 +68,7 @@ class _Tracked:
 
 def operator_scaled(spec: DDMSpec) -> tuple[Scaled, ...]:
     """The experts and pools of ``spec`` this scaler scales, with their settings."""
-    return tuple(s for s in plan_deployment(spec).autoscaled if s.rules.scaler == "operator")
+    return tuple(s for s in plan_deployment(spec).autoscaled if s.rules.scaler == OPERATOR_SCALER)
 
 
 class Scaler:
