@@ -17,8 +17,8 @@ import netpolicy
 import pytest
 from podsecurity import violations
 
-from ddm.checkpoints.fetch import ENV_URI, FetchError, FetchPolicy, fetch_checkpoint
-from ddm.operator import fetcher, names
+from ddm.checkpoints.fetch import FetchError, FetchPolicy, fetch_checkpoint
+from ddm.operator import names
 from ddm.operator.fetcher import build_checkpoint_secrets
 from ddm.checkpoints.destinations import METADATA_ADDRESSES, REFUSED, parse_networks
 from ddm.operator.access import build_token_secrets
@@ -267,8 +267,7 @@ def test_no_stager_without_a_fetched_checkpoint() -> None:
 SIGNED = "https://store.example/m.tar.gz?X-Amz-Signature=c2VjcmV0&X-Amz-Credential=AKIA"
 
 
-def test_the_fetchers_constants_are_the_fetchers() -> None:
-    assert fetcher.ENV_URI == ENV_URI
+def test_the_operator_caps_fetches_as_the_fetcher_does() -> None:
     assert OperatorConfig().fetch_max_bytes == FetchPolicy().max_bytes
 
 

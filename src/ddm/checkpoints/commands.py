@@ -86,27 +86,28 @@ def fetch_from_args(args: argparse.Namespace, contents: Contents | None) -> int:
     """Run a fetch of ``contents`` (None: a checkpoint) as :func:`add_fetch_options`'s
     options say, from ``args.uri`` to ``args.dest``."""
     from ddm.checkpoints.destinations import parse_networks
-    from ddm.checkpoints.fetch import (ENV_ALLOW_NETWORKS, ENV_HEADERS_FILE, ENV_MAX_BYTES,
-                                       ENV_SHA256, ENV_URI, FetchError, FetchPolicy,
-                                       fetch_checkpoint, read_headers_file)
-    from ddm.checkpoints.uri import redact_uri
+    from ddm.checkpoints.fetch import (FetchError, FetchPolicy, fetch_checkpoint,
+                                       read_headers_file)
+    from ddm.checkpoints.uri import (CHECKPOINT_SHA256_ENV, CHECKPOINT_URI_ENV,
+                                     FETCH_ALLOW_NETWORKS_ENV, FETCH_HEADERS_FILE_ENV,
+                                     FETCH_MAX_BYTES_ENV, redact_uri)
 
     try:
-        uri = args.uri or os.environ.get(ENV_URI)
+        uri = args.uri or os.environ.get(CHECKPOINT_URI_ENV)
         if not uri:
-            raise ValueError(f"give the checkpoint URI as an argument or in ${ENV_URI}")
+            raise ValueError(f"give the checkpoint URI as an argument or in ${CHECKPOINT_URI_ENV}")
         if args.deadline is not None and not args.deadline > 0:
             raise ValueError(f"--deadline must be a positive number of seconds, "
                              f"got {args.deadline:g}")
         networks = (args.allow_network if args.allow_network is not None
-                    else os.environ.get(ENV_ALLOW_NETWORKS, "").split(","))
+                    else os.environ.get(FETCH_ALLOW_NETWORKS_ENV, "").split(","))
         try:
             policy = FetchPolicy(allowed_networks=parse_networks(networks),
                                  allowed_hosts=tuple(args.allow_host))
         except ValueError as exc:
             raise ValueError(f"--allow-network: {exc}") from None
         max_bytes = (args.max_bytes if args.max_bytes is not None
-                     else os.environ.get(ENV_MAX_BYTES))
+                     else os.environ.get(FETCH_MAX_BYTES_ENV))
         if max_bytes is not None:
             if not str(max_bytes).isdigit() or int(max_bytes) <= 0:
                 raise ValueError(f"--max-bytes must be a positive number of bytes, "
@@ -114,9 +115,9 @@ def fetch_from_args(args: argparse.Namespace, contents: Contents | None) -> int:
             policy = dataclasses.replace(policy, max_bytes=int(max_bytes))
         if args.deadline is not None:
             policy = dataclasses.replace(policy, deadline_s=args.deadline)
-        headers_file = args.headers_file or os.environ.get(ENV_HEADERS_FILE)
+        headers_file = args.headers_file or os.environ.get(FETCH_HEADERS_FILE_ENV)
         dest = fetch_checkpoint(uri, args.dest, policy,
-                                sha256=args.sha256 or os.environ.get(ENV_SHA256) or None,
+                                sha256=args.sha256 or os.environ.get(CHECKPOINT_SHA256_ENV) or None,
                                 headers=read_headers_file(headers_file) if headers_file else None,
                                 credentials_file=args.store_credentials_file,
                                 contents=contents)

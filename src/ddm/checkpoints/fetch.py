@@ -94,12 +94,6 @@ from ddm.checkpoints.verify import verify_checkpoint
 __all__ = ["CHECKPOINT", "Contents", "FetchError", "FetchPolicy", "fetch_checkpoint",
            "parse_sha256", "read_headers_file", "resolve_url"]
 
-#: Environment the init container may be given instead of arguments (from a Secret).
-ENV_URI = "DDM_CHECKPOINT_URI"
-ENV_SHA256 = "DDM_CHECKPOINT_SHA256"
-ENV_HEADERS_FILE = "DDM_FETCH_HEADERS_FILE"
-ENV_ALLOW_NETWORKS = "DDM_FETCH_ALLOW_NETWORKS"
-ENV_MAX_BYTES = "DDM_FETCH_MAX_BYTES"
 #: Staging directories start with this; a later run removes those an interrupted run left.
 STAGING_PREFIX = ".ddm-fetch-"
 _HEADER_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")

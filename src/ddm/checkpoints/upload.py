@@ -50,9 +50,10 @@ from ddm.checkpoints.credentials import (
 )
 from ddm.checkpoints.destinations import Network, parse_networks
 from ddm.checkpoints.download import FetchError, check_hop
-from ddm.checkpoints.fetch import ENV_ALLOW_NETWORKS, resolve_url
+from ddm.checkpoints.fetch import resolve_url
 from ddm.checkpoints.uri import (
     BUCKET_SCHEMES,
+    FETCH_ALLOW_NETWORKS_ENV,
     FETCH_MAX_BYTES,
     archive_uri,
     parse_checkpoint,
@@ -121,7 +122,7 @@ def upload_checkpoint(checkpoint: str | os.PathLike, uri: str, *,
                           f"{' or '.join(f'{s}://BUCKET/PREFIX' for s in BUCKET_SCHEMES)}")
     target = archive_uri(uri)
     try:
-        networks = parse_networks(environ.get(ENV_ALLOW_NETWORKS, "").split(","))
+        networks = parse_networks(environ.get(FETCH_ALLOW_NETWORKS_ENV, "").split(","))
         file = None if credentials_file is None else Path(credentials_file)
         directory = Path(checkpoint)
         with tempfile.TemporaryFile(dir=directory.parent) as archive:

@@ -43,6 +43,15 @@ FETCHED_SCHEMES = (*REMOTE_SCHEMES, SECRET_SCHEME)
 #: The fetcher's default byte cap (downloaded and extracted together); an admin may lower it
 #: (``--max-bytes``, the operator's ``DDM_FETCH_MAX_BYTES``).
 FETCH_MAX_BYTES = 16 << 30
+#: The environment ``ddm fetch-checkpoint`` reads in place of its arguments: the URI (from a
+#: Secret, so a pre-signed URL stays out of the pod's spec), the pin, the store's headers file,
+#: and the networks and byte cap an admin allowed (the operator has the last two in its own
+#: environment under the same names, from the chart, and passes them on to its fetch steps).
+CHECKPOINT_URI_ENV = "DDM_CHECKPOINT_URI"
+CHECKPOINT_SHA256_ENV = "DDM_CHECKPOINT_SHA256"
+FETCH_HEADERS_FILE_ENV = "DDM_FETCH_HEADERS_FILE"
+FETCH_ALLOW_NETWORKS_ENV = "DDM_FETCH_ALLOW_NETWORKS"
+FETCH_MAX_BYTES_ENV = "DDM_FETCH_MAX_BYTES"
 #: The CLI command the init container runs (``ddm fetch-checkpoint URI DEST``).
 FETCH_COMMAND = ("ddm", "fetch-checkpoint")
 #: The command of the DDM's checkpoint stager (``ddm serve-checkpoints ROOT``) and its port.

@@ -13,18 +13,14 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Mapping
 
 from ddm.checkpoints.destinations import parse_networks
-from ddm.checkpoints.uri import FETCH_MAX_BYTES
+from ddm.checkpoints.uri import FETCH_ALLOW_NETWORKS_ENV, FETCH_MAX_BYTES, FETCH_MAX_BYTES_ENV
 from ddm.deploy.accelerators import ACCELERATORS, HOST
 from ddm.operator import policy
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
-#: The operator's variable listing the networks fetchers may reach (comma-separated CIDRs).
-FETCH_ALLOW_NETWORKS_ENV = "DDM_FETCH_ALLOW_NETWORKS"
 #: The operator's switch letting checkpoint stagers reach the clouds' identity endpoints (the
 #: node's metadata service, EKS Pod Identity's agent), for the SDKs' credential chains.
 FETCH_CLOUD_IDENTITY_ENV = "DDM_FETCH_CLOUD_IDENTITY"
-#: The operator's variable capping each fetched checkpoint, in bytes (downloaded and extracted).
-FETCH_MAX_BYTES_ENV = "DDM_FETCH_MAX_BYTES"
 #: The operator's variables selecting the cluster DNS's pods (JSON label selectors): the one
 #: place the serving pods and the stager may send name lookups to.
 DNS_NAMESPACE_SELECTOR_ENV = "DDM_DNS_NAMESPACE_SELECTOR"

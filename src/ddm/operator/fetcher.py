@@ -26,6 +26,7 @@ from typing import Any, Mapping
 from ddm.checkpoints.declared import PLAN_NAMES, ROUTER
 from ddm.checkpoints.uri import (
     ARCHIVE_SUFFIXES,
+    CHECKPOINT_URI_ENV,
     FETCH_COMMAND,
     FETCHED_SCHEMES,
     SECRET_SCHEME,
@@ -37,11 +38,6 @@ from ddm.checkpoints.uri import (
 from ddm.deploy.spec import DDMSpec, FetchOptions
 from ddm.operator import names
 
-# ``ddm.checkpoints.fetch`` declares this; it imports NumPy (through the checkpoint format),
-# which the operator must not, so it is repeated here and a unit test
-# (tests/unit/test_manifests.py) keeps them equal.
-#: The variable the fetcher reads its URI from (``fetch.ENV_URI``).
-ENV_URI = "DDM_CHECKPOINT_URI"
 #: A fetch step's CPU and memory: ``ddm fetch-checkpoint`` streams to disk and checks a
 #: checkpoint in constant memory (about 40 MiB resident; tests/unit/test_checkpoint_fetch.py
 #: bounds it at 128 MiB with 256 MiB of weights).
@@ -152,7 +148,7 @@ def fetch_step(checkpoint: CheckpointSource, options: FetchOptions, *,
     held = ({"name": checkpoint.location, "key": checkpoint.path}
             if checkpoint.scheme == SECRET_SCHEME
             else {"name": checkpoint_secret(meta, key, checkpoint.uri), "key": URI_KEY})
-    uri_env = {"name": ENV_URI, "valueFrom": {"secretKeyRef": held}}
+    uri_env = {"name": CHECKPOINT_URI_ENV, "valueFrom": {"secretKeyRef": held}}
     step = {**base, "name": f"fetch-{key}", "command": [*command, dest],
             "env": [*base.get("env", []), uri_env], "volumeMounts": mounts,
             "resources": fetch_resources(max_bytes)}

@@ -40,7 +40,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from ddm.checkpoints.uri import CheckpointSource
+from ddm.checkpoints.uri import FETCH_ALLOW_NETWORKS_ENV, CheckpointSource
 from ddm.deploy.training_plan import (
     DATA_CREDENTIALS_FILE,
     OUTPUT_CREDENTIALS_FILE,
@@ -53,7 +53,7 @@ from ddm.deploy.training_plan import (
 from ddm.deploy.training_spec import TrainingSpec, Workers
 from ddm.operator import names
 from ddm.operator.access import dns_egress, identity_egress, network_policy, store_egress
-from ddm.operator.config import FETCH_ALLOW_NETWORKS_ENV, OperatorConfig
+from ddm.operator.config import OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
     TERMINATION_MESSAGE,
