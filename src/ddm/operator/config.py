@@ -18,6 +18,15 @@ from ddm.deploy.accelerators import ACCELERATORS, HOST
 from ddm.operator import policy
 
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+#: The operator's variable setting the imagePullPolicy of the containers it creates.
+IMAGE_PULL_POLICY_ENV = "DDM_IMAGE_PULL_POLICY"
+#: The operator's variable naming the cluster's DNS domain (``cluster_domain``).
+CLUSTER_DOMAIN_ENV = "DDM_CLUSTER_DOMAIN"
+#: The operator's switch putting every router behind a bearer token (``router_auth``).
+ROUTER_AUTH_ENV = "DDM_ROUTER_AUTH"
+#: The operator's switch giving DDMDeployments and DDMTrainings' jobs NetworkPolicies
+#: (``network_policy``).
+NETWORK_POLICY_ENV = "DDM_NETWORK_POLICY"
 #: The operator's switch letting checkpoint stagers reach the clouds' identity endpoints (the
 #: node's metadata service, EKS Pod Identity's agent), for the SDKs' credential chains.
 FETCH_CLOUD_IDENTITY_ENV = "DDM_FETCH_CLOUD_IDENTITY"
@@ -246,10 +255,10 @@ class OperatorConfig:
         kube-system's ``k8s-app: kube-dns``)."""
         base = cls()
         return cls(images=Images.from_env(env, _default_tag()),
-                   image_pull_policy=env.get("DDM_IMAGE_PULL_POLICY") or base.image_pull_policy,
-                   cluster_domain=env.get("DDM_CLUSTER_DOMAIN") or base.cluster_domain,
-                   router_auth=_flag(env, "DDM_ROUTER_AUTH", base.router_auth),
-                   network_policy=_flag(env, "DDM_NETWORK_POLICY", base.network_policy),
+                   image_pull_policy=env.get(IMAGE_PULL_POLICY_ENV) or base.image_pull_policy,
+                   cluster_domain=env.get(CLUSTER_DOMAIN_ENV) or base.cluster_domain,
+                   router_auth=_flag(env, ROUTER_AUTH_ENV, base.router_auth),
+                   network_policy=_flag(env, NETWORK_POLICY_ENV, base.network_policy),
                    fetch_allow_networks=_list(env, FETCH_ALLOW_NETWORKS_ENV),
                    fetch_cloud_identity=_flag(env, FETCH_CLOUD_IDENTITY_ENV,
                                               base.fetch_cloud_identity),

@@ -25,14 +25,14 @@ from ddm.deploy.training_spec import KIND as TRAINING_KIND
 from ddm.deploy.training_spec import parse_training_manifest
 from ddm.operator import names
 from ddm.operator.children import checked_spec, desired_children
-from ddm.operator.config import OperatorConfig
+from ddm.operator.config import NETWORK_POLICY_ENV, ROUTER_AUTH_ENV, OperatorConfig
 from ddm.operator.training_manifests import build_deployment, build_training_objects
 
 PLACEHOLDER_UID = "00000000-0000-0000-0000-000000000000"
 PLACEHOLDER_TOKEN = "random-when-the-operator-creates-it"
 #: The chart's defaults (values.yaml ``routerAuth.enabled``, ``networkPolicy.enabled``) for the
 #: settings whose bare default differs; tests/unit/test_render.py keeps them equal.
-CHART_DEFAULTS = {"DDM_ROUTER_AUTH": "true", "DDM_NETWORK_POLICY": "true"}
+CHART_DEFAULTS = {ROUTER_AUTH_ENV: "true", NETWORK_POLICY_ENV: "true"}
 DEFAULT_NAMESPACE = "default"
 
 
