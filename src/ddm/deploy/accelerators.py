@@ -109,6 +109,9 @@ class AcceleratorType:
         return f"{self.name} cannot run framework {framework}: {why}"
 
 
+#: Where the neuron backend keeps the modules torch-neuronx traced (``ddm.models.backends``);
+#: the operator points it into the Neuron compile cache's volume.
+NEURON_CACHE_ENV = "DDM_NEURON_CACHE"
 #: Every accelerator type by name, in the order the CRD's ``accelerator.type`` enum lists them.
 #: Declaring one more is adding it here (``ACCELERATORS[name] = AcceleratorType(...)``).
 ACCELERATORS: dict[str, AcceleratorType] = {
@@ -121,7 +124,7 @@ ACCELERATORS: dict[str, AcceleratorType] = {
         taint="aws.amazon.com/neuron", startup_budget_s=1800,
         train_devices=MappingProxyType({"torch": "xla"}),  # torch-xla trains; neuronx serves
         cache=CompileCache("/var/cache/neuron", "neuron-cache",
-                           (("DDM_NEURON_CACHE", "{dir}/traced"),
+                           ((NEURON_CACHE_ENV, "{dir}/traced"),
                             ("NEURON_CC_FLAGS", "--cache_dir={dir}/compiler"))),
         backend_note="the neuron backend is torch-neuronx, use framework torch"),
     "nvidia": AcceleratorType(

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ddm.checkpoints.format import CONFIG_FILE, Checkpoint, CheckpointError
+from ddm.deploy.accelerators import NEURON_CACHE_ENV
 from ddm.deploy.limits import EXPERT_BACKENDS
 from ddm.models.loading import ModelFn, expert_image_shape
 
@@ -125,7 +126,7 @@ def neuron_network(ckpt: Checkpoint, batch_sizes: Sequence[int],
             raise CheckpointError(
                 f"expert {meta.name} is a {meta.framework} {meta.model.kind} network; the "
                 "neuron backend traces our UNet or a torch module by import path")
-    cache = compile_cache or Path(os.environ.get("DDM_NEURON_CACHE",
+    cache = compile_cache or Path(os.environ.get(NEURON_CACHE_ENV,
                                                  Path.home() / ".cache" / "ddm" / "neuron"))
     cache.mkdir(parents=True, exist_ok=True)
     model, image_shape = expert_module(ckpt), expert_image_shape(meta)
