@@ -28,6 +28,9 @@ from ddm.deploy.limits import DEFAULT_SCALE_DOWN_DELAY_S, MAX_REPLICAS, MAX_SCAL
 #: generations waiting now for the expert to have a replica.
 ROWS_METRIC = "ddm_router_expert_rows"
 WAITING_METRIC = "ddm_router_expert_generations_waiting"
+#: The window demand rates are averaged over, in seconds: the router's ``/v1/demand`` and the
+#: operator's rates from successive readings of those series alike.
+DEMAND_WINDOW_S = 30.0
 #: Rows per second one replica is sized for, unless ``target.rowsPerSecond`` says otherwise.
 DEFAULT_TARGET_ROWS_PER_S = 64
 MAX_TARGET_ROWS_PER_S = 1_000_000

@@ -10,7 +10,7 @@ A router is a peer: its answer has a deadline (``SCRAPE_TIMEOUT_S``) and a size 
 experts the caller asks about are kept, as finite, non-negative numbers; anything else makes
 that router's answer unreadable (None), which counts as no reading from it.
 
-:class:`DemandRates` turns successive readings into rows per second over ``RATE_WINDOW_S``, as
+:class:`DemandRates` turns successive readings into rows per second over ``DEMAND_WINDOW_S``, as
 Prometheus's ``rate()`` does: per router pod, counter increases (a counter that went down
 restarted: its whole value is new), the first reading of a pod only a baseline.
 """
@@ -27,14 +27,12 @@ from typing import Collection, Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddm.deploy.autoscaling import ROWS_METRIC, WAITING_METRIC
+from ddm.deploy.autoscaling import DEMAND_WINDOW_S, ROWS_METRIC, WAITING_METRIC
 from ddm.deploy.autoscaler import Demand
 
 #: Deadline for one router's ``/metrics``, and the most of it read.
 SCRAPE_TIMEOUT_S = 2.0
 MAX_METRICS_BYTES = 2 * 1024 * 1024
-#: Rates are averaged over this window (the router's own ``/v1/demand`` uses 30 s as well).
-RATE_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -101,7 +99,7 @@ class DemandRates:
     """Rows per second per expert over the last ``window_s``, from readings of many router
     pods (keyed by the pod's uid), taken at the caller's times (monotonic seconds)."""
 
-    window_s: float = RATE_WINDOW_S
+    window_s: float = DEMAND_WINDOW_S
     _last: dict[str, RouterReading] = field(default_factory=dict)
     _increases: deque[tuple[float, str, float]] = field(default_factory=deque)
     _since: float | None = None

@@ -23,10 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from ddm.deploy.autoscaling import ROWS_METRIC, WAITING_METRIC
+from ddm.deploy.autoscaling import DEMAND_WINDOW_S, ROWS_METRIC, WAITING_METRIC
 
-#: The window ``/v1/demand`` reports rates over.
-DEMAND_WINDOW_S = 30.0
 #: Columns of a bucket: rows routed, their weight, rows rerouted away, seconds waited.
 _ROWS, _WEIGHT, _REROUTED, _WAITED = range(4)
 
