@@ -234,9 +234,12 @@ SPEC = Object(required=("output", "deployment"), properties={
 })
 
 # -- The status the operator writes (``ddm.operator.training_status``) -------------------------
+#: What ``status.phase`` says, in the order a training goes through them
+#: (``ddm.operator.training_status`` decides it).
+TRAINING_PHASES = ("Pending", "Fetching", "Partitioning", "Training", "Succeeded", "Failed")
 EXPERTS_DONE = "experts whose job has finished / experts"
 STATUS = Object(preserve_unknown=True, properties={
-    "phase": String(),
+    "phase": String(choices=TRAINING_PHASES),
     "expertsDone": String(description=EXPERTS_DONE),
     "observedGeneration": Integer(format="int64"),
     "conditions": Array(Object(preserve_unknown=True)),

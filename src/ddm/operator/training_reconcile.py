@@ -55,6 +55,7 @@ from ddm.operator.training_manifests import (
 )
 from ddm.operator.training_status import (
     FAILED,
+    FAILED_PHASE,
     RUNNING,
     failure_said,
     finished,
@@ -109,7 +110,7 @@ class TrainingReconciler:
             spec = self._checked_spec(body.get("spec"), name)
         except SpecError as error:
             self._write(namespace, name, previous, {
-                "phase": "Failed", "observedGeneration": meta.get("generation"),
+                "phase": FAILED_PHASE, "observedGeneration": meta.get("generation"),
                 "message": "invalid spec: " + "; ".join(error.problems)})
             return TrainingOutcome(spec_error=error)
         plan = plan_training(spec)
@@ -132,7 +133,7 @@ class TrainingReconciler:
         status = training_status(plan, jobs, self._logged(namespace, name, plan, jobs), meta,
                                  previous=previous, now=now_rfc3339(), deployment=deployment,
                                  said=self._said(namespace, name, plan, jobs))
-        if status["phase"] == "Failed" and previous.get("phase") != "Failed":
+        if status["phase"] == FAILED_PHASE and previous.get("phase") != FAILED_PHASE:
             self._event(body, "Failed", status["message"])
         elif deployment is not None:
             self._event(body, "Succeeded", f"every job succeeded; DDMDeployment {deployment} "
@@ -141,7 +142,7 @@ class TrainingReconciler:
         for error in errors:
             log.warning("%s/%s: %s", namespace, name, error)
         return TrainingOutcome(failure=errors[0] if errors else None,
-                               active=status["phase"] != "Failed" and deployment is None)
+                               active=status["phase"] != FAILED_PHASE and deployment is None)
 
     def _checked_spec(self, raw: Any, name: str) -> TrainingSpec:
         """The spec, with file:// volumes only where the operator's settings allow them, and

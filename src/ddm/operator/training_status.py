@@ -33,9 +33,12 @@ from ddm.deploy.training_plan import (
     JobPlan,
     TrainingPlan,
 )
+from ddm.deploy.training_crd import TRAINING_PHASES
 from ddm.operator.status import _by_type, _condition, _detail
 
-TRAINING_PHASES = ("Pending", "Fetching", "Partitioning", "Training", "Succeeded", "Failed")
+#: The training's phases by name (the CRD's ``status.phase`` allows only these).
+(PENDING_PHASE, FETCHING_PHASE, PARTITIONING_PHASE, TRAINING_PHASE, SUCCEEDED_PHASE,
+ FAILED_PHASE) = TRAINING_PHASES
 ABSENT, RUNNING, SUCCEEDED, FAILED = "Absent", "Running", "Succeeded", "Failed"
 #: The job conditions Job and TrainJob share (a JobSet's too): ``Complete`` and ``Failed``.
 _FINISHED = {"Complete": SUCCEEDED, "Failed": FAILED}
@@ -152,13 +155,13 @@ def _progress_message(entry: Mapping[str, Any]) -> str:
 
 def _phase(plan: TrainingPlan, states: Mapping[str, str]) -> str:
     if FAILED in states.values():
-        return "Failed"
+        return FAILED_PHASE
     if all(state == SUCCEEDED for state in states.values()):
-        return "Succeeded"
+        return SUCCEEDED_PHASE
     if states.get(DATA_JOB) == RUNNING:
-        return "Fetching"
+        return FETCHING_PHASE
     if states.get(PARTITION_JOB) == RUNNING:
-        return "Partitioning"
+        return PARTITIONING_PHASE
     if any(state != ABSENT for state in states.values()):
-        return "Training"
-    return "Pending"
+        return TRAINING_PHASE
+    return PENDING_PHASE
