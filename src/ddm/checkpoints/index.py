@@ -42,10 +42,6 @@ class DDMIndex:
     experts: tuple[str, ...]
     stages: Mapping[str, str]
 
-    def expert_paths(self) -> list[Path]:
-        """The experts' directories, in order."""
-        return [self.root / name for name in self.experts]
-
     def stage_path(self, role: str) -> Path | None:
         """The directory of ``role`` (a :data:`~ddm.checkpoints.roles.ROLE_REGISTRY` name
         besides ``expert``), None where the DDM has none."""
