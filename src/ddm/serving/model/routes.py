@@ -30,15 +30,12 @@ from ddm.serving.http.server import (RETRY_AFTER_HEADER, BodyTooLarge, ClientDis
                                      add_api_docs, probe_responses, read_body, retry_after,
                                      send_bytes, send_json)
 from ddm.serving.batching import BatcherClosed
-from ddm.serving.wire.paths import model_paths
 from ddm.serving.wire.protocol import CONTENT_TYPE, Limits, ProtocolError, encode_error
 
 logger = logging.getLogger(__name__)
 
 #: ``body -> (HTTP status, reply body)``: every failure is an error reply, never an exception.
 Answer = Callable[[bytes], Awaitable[tuple[int, bytes]]]
-
-VELOCITY_PATH = model_paths().velocity
 
 #: Event loops a model server (an expert's or a stage's) serves on (:mod:`ddm.serving.http.server`):
 #: with a second one answering probes and other clients, a lone request's batch runs on the
