@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 #: A whole report of every field a stage may report, each valid for any role.
 FIELDS: dict[str, Any] = {"text_width": 8, "latent_shape": [4, 8, 8],
                           "image_shape": [3, 32, 32], "clusters": 2}
-#: Not shipped: declared here only, to show that a role is one declaration.
-SAFETY_CHECKER = StageRole("safety_checker", "images -> whether each is safe", ("check",),
-                           ("image_shape",), "safetyChecker", "spec", "safety-checker")
+#: Not shipped (images -> whether each is safe): declared here only, to show that a role is
+#: one declaration.
+SAFETY_CHECKER = StageRole("safety_checker", ("check",), ("image_shape",), "safetyChecker",
+                           "spec", "safety-checker")
 
 
 def _report(role: StageRole) -> dict[str, Any]:

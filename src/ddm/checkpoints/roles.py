@@ -2,13 +2,13 @@
 (``_ddm.role``), with everything that differs between roles, so that a new stage (a safety
 checker after the decoder) is a declaration here plus its model code.
 
-Each role says what its network computes, the wire messages (``docs/protocol.md``) its server
-answers, what its ``/v1/info`` must report (the shapes the router checks against the other
-stages': ``text_width``, ``latent_shape``, ``image_shape``, ``clusters``), and, for a stage
-besides the experts, where it is in a DDMDeployment (``spec.textEncoder``), its name in the
-plan and the objects it makes (``text-encoder``, a DNS label) and its key in router.yaml
-(``text_encoder``). Plain data (no NumPy, no ML framework): the spec, the plan, the operator,
-the router and the servers read it.
+Each role declares the wire messages (``docs/protocol.md``) its server answers (a comment
+says what its network computes), what its ``/v1/info`` must report (the shapes the router
+checks against the other stages': ``text_width``, ``latent_shape``, ``image_shape``,
+``clusters``), and, for a stage besides the experts, where it is in a DDMDeployment
+(``spec.textEncoder``), its name in the plan and the objects it makes (``text-encoder``, a
+DNS label) and its key in router.yaml (``text_encoder``). Plain data (no NumPy, no ML
+framework): the spec, the plan, the operator, the router and the servers read it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ class StageRole:
     for the experts (``spec.experts``); ``plan_name``: its name in the plan."""
 
     name: str
-    computes: str
     queries: tuple[str, ...]
     reports: tuple[str, ...] = ()
     spec_key: str | None = None
@@ -46,15 +45,17 @@ EXPERT, ROUTER, TEXT_ENCODER, DECODER = "expert", "router", "text_encoder", "dec
 #: Every role: the experts, then the other stages in the order a DDM's plan lists them.
 #: Declaring one more is adding it here.
 ROLE_REGISTRY: dict[str, StageRole] = {
-    EXPERT: StageRole(EXPERT, "a velocity (an expert of the mixture)",
-                      ("velocity", "integrate", "context")),
-    TEXT_ENCODER: StageRole(TEXT_ENCODER, "prompts -> text embeddings", ("encode",),
-                            ("text_width",), "textEncoder", "spec", "text-encoder"),
-    DECODER: StageRole(DECODER, "latents -> images", ("decode",),
-                       ("latent_shape", "image_shape"), "decoder", "spec", "decoder"),
-    ROUTER: StageRole(ROUTER, "the experts' weights for a state (the router network)",
-                      ("route",), ("latent_shape", "clusters"), "network", "spec.router",
-                      "router-network"),
+    # a velocity (an expert of the mixture)
+    EXPERT: StageRole(EXPERT, ("velocity", "integrate", "context")),
+    # prompts -> text embeddings
+    TEXT_ENCODER: StageRole(TEXT_ENCODER, ("encode",), ("text_width",), "textEncoder", "spec",
+                            "text-encoder"),
+    # latents -> images
+    DECODER: StageRole(DECODER, ("decode",), ("latent_shape", "image_shape"), "decoder",
+                       "spec", "decoder"),
+    # the experts' weights for a state (the router network)
+    ROUTER: StageRole(ROUTER, ("route",), ("latent_shape", "clusters"), "network",
+                      "spec.router", "router-network"),
 }
 
 
