@@ -317,7 +317,7 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
     sha256 = reader.string("sha256", None, pattern=SHA256_PATTERN,
                            hint="64 hexadecimal digits, optionally 'sha256:' first")
     credentials, store_credentials = (
-        _secret_key(reader.child(field)) if reader.has(field) else None
+        read_secret_key(reader.child(field)) if reader.has(field) else None
         for field in ("credentialsSecret", "storeCredentialsSecret"))
     fetch = FetchOptions(sha256=sha256.lower().removeprefix("sha256:") if sha256 else None,
                          credentials=credentials, store_credentials=store_credentials)
@@ -327,7 +327,7 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
     if uri_from is not None:
         if uri is not None:
             reader.problem("uriFrom", "give uri or uriFrom, not both")
-        held = (_secret_key(uri_from.child("secretKeyRef")) if uri_from.has("secretKeyRef")
+        held = (read_secret_key(uri_from.child("secretKeyRef")) if uri_from.has("secretKeyRef")
                 else None)
         if not uri_from.has("secretKeyRef"):
             uri_from.problem("secretKeyRef", "is required")
@@ -368,7 +368,9 @@ def _checkpoint(reader: FieldReader, allow_host_paths: bool
     return checkpoint, fetch
 
 
-def _secret_key(reader: FieldReader) -> SecretKey | None:
+def read_secret_key(reader: FieldReader) -> SecretKey | None:
+    """A reference to one key of a Secret (``name`` and ``key``, both required), or None with
+    the problems recorded on ``reader``."""
     name = reader.string("name", None, pattern=SECRET_NAME_PATTERN,
                          max_length=MAX_SECRET_NAME_LENGTH,
                          hint="a Secret name: lower-case letters, digits, '-' and '.'")
@@ -438,7 +440,7 @@ def _stage(reader: FieldReader, allow_host_paths: bool,
             if reader.has(key):
                 reader.problem(key, "only for placement: separate (placement: router loads "
                                     "the stage inside the router's pods, on their CPU)")
-    accelerator, accelerator_ok = _placed_accelerator(reader, "torch")
+    accelerator, accelerator_ok = read_accelerator(reader, "torch")
     stage = StageSpec(
         checkpoint=checkpoint,  # type: ignore[arg-type]  # dropped below when None
         placement=placement, accelerator=accelerator,
@@ -446,12 +448,12 @@ def _stage(reader: FieldReader, allow_host_paths: bool,
         precision=reader.string("precision", None, choices=PRECISIONS),
         pod=parse_pod_options(reader), fetch=fetch, pool=pool)
     if accelerator_ok:
-        _node_label_conflicts(reader, accelerator, stage.pod)
+        report_node_label_conflicts(reader, accelerator, stage.pod)
     reader.done()
     return stage if checkpoint else None
 
 
-def _placed_accelerator(reader: FieldReader, framework: str) -> tuple[Accelerator, bool]:
+def read_accelerator(reader: FieldReader, framework: str) -> tuple[Accelerator, bool]:
     """The ``accelerator`` field with its defaults, and whether it passed its checks."""
     accelerator = with_defaults(_accelerator(reader.child("accelerator")))
     accelerator_problems = accelerator.problems(framework)
@@ -460,8 +462,10 @@ def _placed_accelerator(reader: FieldReader, framework: str) -> tuple[Accelerato
     return accelerator, not accelerator_problems
 
 
-def _node_label_conflicts(reader: FieldReader, accelerator: Accelerator,
-                          pod: PodOptions) -> None:
+def report_node_label_conflicts(reader: FieldReader, accelerator: Accelerator,
+                                pod: PodOptions) -> None:
+    """A problem on ``reader`` for each label of the pod's ``nodeSelector`` that clashes with
+    what ``accelerator`` selects."""
     for key, message in node_label_conflicts(accelerator, pod.node_selector or {}):
         reader.problem(f"nodeSelector[{key!r}]", message)
 
@@ -517,7 +521,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         reader.problem("name", "is required")
     framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
     pool = _pool_name(reader)
-    accelerator, accelerator_ok = _placed_accelerator(reader, framework)
+    accelerator, accelerator_ok = read_accelerator(reader, framework)
     checkpoint, fetch = None, FetchOptions()
     if reader.has("checkpoint"):
         checkpoint, fetch = _checkpoint(reader.child("checkpoint"), allow_host_paths)
@@ -546,7 +550,7 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
         compile=_compile(reader),
     )
     if accelerator_ok:
-        _node_label_conflicts(reader, accelerator, expert.pod)
+        report_node_label_conflicts(reader, accelerator, expert.pod)
     reader.done()
     return expert if name and checkpoint else None
 
@@ -592,7 +596,7 @@ def _pool(reader: FieldReader) -> PoolSpec | None:
     if not reader.has("name"):
         reader.problem("name", "is required")
     # Which frameworks the accelerator must run is the members' question (pool_problems).
-    accelerator, accelerator_ok = _placed_accelerator(reader, "torch")
+    accelerator, accelerator_ok = read_accelerator(reader, "torch")
     pool = PoolSpec(name=name or "", accelerator=accelerator,
                     replicas=reader.integer("replicas", 1, 1, MAX_REPLICAS) or 1,
                     max_batch=_max_batch(reader), max_delay_ms=_max_delay_ms(reader),
@@ -601,7 +605,7 @@ def _pool(reader: FieldReader) -> PoolSpec | None:
                     grouped_forward=reader.string("groupedForward", None,
                                                   choices=GROUPED_FORWARD_MODES))
     if accelerator_ok:
-        _node_label_conflicts(reader, accelerator, pool.pod)
+        report_node_label_conflicts(reader, accelerator, pool.pod)
     reader.done()
     return pool if name else None
 

@@ -53,11 +53,11 @@ from ddm.deploy.spec import (
     Manifest,
     SecretKey,
     SpecError,
-    _node_label_conflicts,
-    _placed_accelerator,
-    _secret_key,
     parse_manifest,
+    read_accelerator,
     read_identity,
+    read_secret_key,
+    report_node_label_conflicts,
 )
 from ddm.deploy.strict_yaml import load_yaml
 
@@ -351,7 +351,7 @@ def _store_credentials(reader: FieldReader, source: CheckpointSource | None, whe
     if source is not None and source.scheme not in BUCKET_SCHEMES:
         reader.problem("storeCredentialsSecret", f"only for a store: {where} is not s3:// "
                                                  "or gs://")
-    return _secret_key(reader.child("storeCredentialsSecret"))
+    return read_secret_key(reader.child("storeCredentialsSecret"))
 
 
 def _output(reader: FieldReader, allow_host_paths: bool
@@ -435,10 +435,10 @@ def _train(reader: FieldReader, defaults: Mapping[str, Any]) -> TrainSettings:
 def _workers(reader: FieldReader, framework: str) -> Workers:
     """``accelerator`` (as a DDMDeployment's), ``nodes``, ``processesPerNode`` and the pod
     settings; PyTorch on GPUs defaults to a process per GPU, anything else to one."""
-    accelerator, accelerator_ok = _placed_accelerator(reader, framework)
+    accelerator, accelerator_ok = read_accelerator(reader, framework)
     pod = parse_pod_options(reader)
     if accelerator_ok:
-        _node_label_conflicts(reader, accelerator, pod)
+        report_node_label_conflicts(reader, accelerator, pod)
     # torchrun: one process per GPU; a JAX process drives all its node's devices.
     per_device = framework == "torch" and accelerator.type == "nvidia"
     return Workers(accelerator=accelerator,

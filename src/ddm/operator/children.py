@@ -38,11 +38,11 @@ def desired_children(spec: DDMSpec, owner: Mapping[str, Any], config: OperatorCo
     meta = owner["metadata"]
     secrets = [*build_token_secrets(spec, meta, config, new_token),
                *build_checkpoint_secrets(spec, meta)]
-    applied = [with_spec_hash(_owned(m, owner)) for m in build_children(spec, meta, config)]
-    return [_owned(m, owner) for m in secrets] + applied
+    applied = [with_spec_hash(with_owner(m, owner)) for m in build_children(spec, meta, config)]
+    return [with_owner(m, owner) for m in secrets] + applied
 
 
-def _owned(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
+def with_owner(manifest: dict[str, Any], owner: Mapping[str, Any]) -> dict[str, Any]:
     """``manifest`` with ``owner`` as its controller (what ``kopf.append_owner_reference``
     writes: the garbage collector deletes it with ``owner``, foreground deletion waits)."""
     meta = owner["metadata"]

@@ -257,7 +257,7 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
                         for n, value in cache.environment(cache.directory)]
         volumes.append({"name": cache.volume, "emptyDir": {}})
         mounts.append({"name": cache.volume, "mountPath": cache.directory})
-    resources = _resources(pod, place.limits)
+    resources = container_resources(pod, place.limits)
     container = {
         "name": container_name,
         "image": image,
@@ -271,10 +271,10 @@ def _model_server(name: str, container_name: str, meta: Mapping[str, Any],
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    pod_spec = _pod_spec(container, pod,
-                         volumes + [v for mount in models for v in mount.volumes],
-                         [c for mount in models for c in mount.init_containers],
-                         node_selector=place.node_selector, tolerations=place.tolerations)
+    pod_spec = build_pod_spec(container, pod,
+                              volumes + [v for mount in models for v in mount.volumes],
+                              [c for mount in models for c in mount.init_containers],
+                              node_selector=place.node_selector, tolerations=place.tolerations)
     # A replica may take its ready budget to start: not "no progress" (Kubernetes' 600 s).
     return _deployment(name, meta, replicas, labels, selector, pod_spec,
                        {**names.SCRAPE_ANNOTATIONS,
@@ -386,7 +386,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     if token is not None and experts_token is not None:
         _mount_token(token, "router-token", ROUTER_TOKEN_DIR, volumes, mounts)
         _mount_token(experts_token, "expert-token", EXPERT_TOKEN_DIR, volumes, mounts)
-    resources = (_resources(router.pod, {}) if router.pod.resources
+    resources = (container_resources(router.pod, {}) if router.pod.resources
                  else copy.deepcopy(ROUTER_RESOURCES))
     container = {
         "name": "router",
@@ -404,10 +404,10 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     }
-    pod = _pod_spec(container, router.pod,
-                    volumes + [v for mount in checkpoints for v in mount.volumes],
-                    [c for mount in checkpoints for c in mount.init_containers],
-                    node_selector={}, tolerations=[])
+    pod = build_pod_spec(container, router.pod,
+                         volumes + [v for mount in checkpoints for v in mount.volumes],
+                         [c for mount in checkpoints for c in mount.init_containers],
+                         node_selector={}, tolerations=[])
     config_text = build_router_config(spec, meta, config).to_yaml()
     pod_annotations = {**names.SCRAPE_ANNOTATIONS,
                        names.CONFIG_HASH_ANNOTATION: names.digest(config_text),
@@ -478,8 +478,8 @@ def build_stager_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
     server = serve_step(STAGE_DIR, {**base, "volumeMounts": [
         *base["volumeMounts"], {"name": "stage", "mountPath": STAGE_DIR, "readOnly": True}]},
         staged_bytes)
-    pod = _pod_spec(server, PodOptions(), volumes, init_containers, node_selector={},
-                    tolerations=[])
+    pod = build_pod_spec(server, PodOptions(), volumes, init_containers, node_selector={},
+                         tolerations=[])
     digests = {names.CHECKPOINT_HASH_ANNOTATION: names.digest(",".join(
         staged_key(key, checkpoint) for key, checkpoint, _ in steps))}
     return _deployment(names.stager_name(owner), meta, 1, names.labels(owner, "stager"),
@@ -538,7 +538,7 @@ def _checkpoint_annotation(*checkpoints: CheckpointSource) -> dict[str, str]:
     return {names.CHECKPOINT_HASH_ANNOTATION: names.digest(",".join(uris))}
 
 
-def _resources(pod: PodOptions, accelerator_limits: dict[str, str]) -> dict[str, Any]:
+def container_resources(pod: PodOptions, accelerator_limits: dict[str, str]) -> dict[str, Any]:
     """The user's resources with the accelerator's limits added (requests follow limits).
 
     Quantities become strings (``cpu: 2`` -> ``"2"``): server-side apply wants strings.
@@ -567,21 +567,21 @@ def _probes(startup_budget_s: int) -> dict[str, Any]:
     }
 
 
-def _pod_spec(container: dict[str, Any], options: PodOptions, volumes: list[dict[str, Any]],
-              init_containers: list[dict[str, Any]], *, node_selector: dict[str, str],
-              tolerations: list[dict[str, str]]) -> dict[str, Any]:
+def build_pod_spec(container: dict[str, Any], options: PodOptions, volumes: list[dict[str, Any]],
+                   init_containers: list[dict[str, Any]], *, node_selector: dict[str, str],
+                   tolerations: list[dict[str, str]]) -> dict[str, Any]:
     """The pod: the user's placement passes through (the spec's checks leave no clash with the
     accelerator's selectors). Every ``$`` in a command is doubled: Kubernetes would expand
     ``$(VAR)`` in a URI or path, and nothing the operator passes is meant to be expanded."""
     selector = {**(options.node_selector or {}), **node_selector}
     extra = [dict(t) for t in options.tolerations if dict(t) not in tolerations]
-    init_containers = [_literal_command(c) for c in init_containers]
+    init_containers = [literal_command(c) for c in init_containers]
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,  # servers never call the Kubernetes API
         "enableServiceLinks": False,
         "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
         **({"initContainers": init_containers} if init_containers else {}),
-        "containers": [_literal_command(container)],
+        "containers": [literal_command(container)],
         "volumes": volumes,
     }
     if selector:
@@ -593,7 +593,9 @@ def _pod_spec(container: dict[str, Any], options: PodOptions, volumes: list[dict
     return pod
 
 
-def _literal_command(container: dict[str, Any]) -> dict[str, Any]:
+def literal_command(container: dict[str, Any]) -> dict[str, Any]:
+    """``container`` with every ``$`` in its command doubled, so that Kubernetes expands no
+    ``$(VAR)`` in it."""
     return {**container, "command": [arg.replace("$", "$$") for arg in container["command"]]}
 
 

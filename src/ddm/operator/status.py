@@ -66,7 +66,7 @@ def pod_trouble(pods: Sequence[Mapping[str, Any]]) -> Trouble | None:
             if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
                 reason = condition.get("reason") or "Unschedulable"
                 return Trouble(reason, f"pod {pod['metadata']['name']} cannot be scheduled: "
-                                       f"{_detail(condition.get('message') or reason)}")
+                                       f"{capped_last_line(condition.get('message') or reason)}")
     return None
 
 
@@ -83,14 +83,14 @@ def _container_trouble(container: Mapping[str, Any], what: str) -> Trouble | Non
     reason = waiting.get("reason") or failed.get("reason") or "Error"
     if not ended:  # never ran: the image, or the container's configuration
         return Trouble(reason, f"{what} {name}: {reason}: "
-                               f"{_detail(waiting.get('message') or 'no message')}")
-    said = _detail(ended.get("message") or ended.get("reason") or "no message")
+                               f"{capped_last_line(waiting.get('message') or 'no message')}")
+    said = capped_last_line(ended.get("message") or ended.get("reason") or "no message")
     times = "time" if restarts == 1 else "times"
     return Trouble(reason, f"{what} {name} restarted {restarts} {times}; last exit "
                            f"{ended.get('exitCode', '?')}: {said}")
 
 
-def _detail(text: str) -> str:
+def capped_last_line(text: str) -> str:
     """The last non-empty line of ``text``, cut to ``MAX_DETAIL`` characters."""
     lines = [line.strip() for line in str(text).splitlines() if line.strip()]
     last = lines[-1] if lines else ""
@@ -273,15 +273,15 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     waiting = [f"{name} ({r.describe()})" for name, r in experts.items()
                if not r.complete and not troubles.get(name)]
     ready_count = sum(r.complete for r in experts.values())
-    old = _by_type(previous)
-    experts_ready = _condition(
+    old = conditions_by_type(previous)
+    experts_ready = build_condition(
         old, "ExpertsReady", ready_count == len(experts), generation, now,
         ("AllExpertsReady", f"{ready_count}/{len(experts)} experts ready")
         if ready_count == len(experts) else
         ("ExpertsNotReady", "; ".join(failing + ([f"waiting for {', '.join(waiting)}"]
                                                  if waiting else []))))
     router_trouble = troubles.get(None)
-    router_ready = _condition(
+    router_ready = build_condition(
         old, "RouterReady", router.complete, generation, now,
         ("RouterReady" if router.complete else "RouterNotReady",
          f"{router.ready}/{router.desired} router replicas ready"
@@ -293,15 +293,16 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     pool_conditions = [_servers_condition(old, "Pools", "pool(s)", {
         f"pool {name}": (pooled[pool_key(name)], troubles.get(pool_key(name))) for name in pools},
         generation, now)] if pools else []
-    spec_valid = _condition(old, "SpecValid", True, generation, now, ("Valid", "spec is valid"))
+    spec_valid = build_condition(old, "SpecValid", True, generation, now,
+                                 ("Valid", "spec is valid"))
     if failure:
-        ready = _condition(old, "Ready", False, generation, now, ("ApplyFailed", failure))
+        ready = build_condition(old, "Ready", False, generation, now, ("ApplyFailed", failure))
     else:
-        ready = _condition(old, "Ready", router.complete and ready_count == len(experts)
-                           and all(r.complete for r in [*stages.values(), *pooled.values()]),
-                           generation, now,
-                           _ready_reason(experts_ready, router_ready, len(experts),
-                                         *stage_conditions, *pool_conditions))
+        ready = build_condition(old, "Ready", router.complete and ready_count == len(experts)
+                                and all(r.complete for r in [*stages.values(), *pooled.values()]),
+                                generation, now,
+                                _ready_reason(experts_ready, router_ready, len(experts),
+                                              *stage_conditions, *pool_conditions))
     any_ready = router.ready > 0 or any(r.ready > 0 for r in [*experts.values(),
                                                               *stages.values(),
                                                               *pooled.values()])
@@ -353,11 +354,12 @@ def _servers_condition(old: Mapping[str, Mapping[str, Any]], kind: str, what: st
     message gives them: their replicas and their pods' trouble) ready, or which are not and
     why."""
     if all(r.complete for r, _ in servers.values()):
-        return _condition(old, f"{kind}Ready", True, generation, now,
-                          (f"All{kind}Ready", f"{len(servers)} {what} ready"))
-    return _condition(old, f"{kind}Ready", False, generation, now, (f"{kind}NotReady", "; ".join(
-        f"{name}: {_replicas_line(r, trouble)}" for name, (r, trouble) in servers.items()
-        if not r.complete)))
+        return build_condition(old, f"{kind}Ready", True, generation, now,
+                               (f"All{kind}Ready", f"{len(servers)} {what} ready"))
+    return build_condition(old, f"{kind}Ready", False, generation, now,
+                           (f"{kind}NotReady", "; ".join(
+                               f"{name}: {_replicas_line(r, trouble)}"
+                               for name, (r, trouble) in servers.items() if not r.complete)))
 
 
 def _why(trouble: Trouble | None) -> dict[str, str]:
@@ -368,7 +370,7 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
                    now: str) -> dict[str, Any]:
     """The status of an invalid spec: the children (left as they were) keep their fields."""
     generation = meta.get("generation")
-    old = _by_type(previous)
+    old = conditions_by_type(previous)
     message = "; ".join(error.problems)
     kept = [old[t] for t in ("ExpertsReady", "RouterReady", "StagesReady", "PoolsReady")
             if t in old]
@@ -379,8 +381,8 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
         "observedGeneration": generation,
         "phase": "Invalid",
         "conditions": [
-            _condition(old, "Ready", False, generation, now, ("SpecInvalid", message)),
-            _condition(old, "SpecValid", False, generation, now, ("Invalid", message)),
+            build_condition(old, "Ready", False, generation, now, ("SpecInvalid", message)),
+            build_condition(old, "SpecValid", False, generation, now, ("Invalid", message)),
             *kept,
         ],
     }
@@ -394,12 +396,13 @@ def _ready_reason(experts: Mapping[str, Any], router: Mapping[str, Any], count: 
     return "Ready", f"the router and {count} experts are ready"
 
 
-def _by_type(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+def conditions_by_type(status: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """``status``'s conditions by their ``type`` (the ``previous`` of :func:`build_condition`)."""
     return {c.get("type"): c for c in status.get("conditions") or [] if isinstance(c, Mapping)}
 
 
-def _condition(previous: Mapping[str, Mapping[str, Any]], kind: str, ok: bool,
-               generation: int | None, now: str, why: tuple[str, str]) -> dict[str, Any]:
+def build_condition(previous: Mapping[str, Mapping[str, Any]], kind: str, ok: bool,
+                    generation: int | None, now: str, why: tuple[str, str]) -> dict[str, Any]:
     """One condition; keeps the previous ``lastTransitionTime`` when the status is unchanged."""
     status = "True" if ok else "False"
     before = previous.get(kind) or {}

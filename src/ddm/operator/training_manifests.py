@@ -57,9 +57,9 @@ from ddm.operator.config import OperatorConfig
 from ddm.operator.manifests import (
     CONTAINER_SECURITY_CONTEXT,
     TERMINATION_MESSAGE,
-    _literal_command,
-    _pod_spec,
-    _resources,
+    build_pod_spec,
+    container_resources,
+    literal_command,
 )
 from ddm.operator.placement import placement
 
@@ -157,14 +157,14 @@ def build_job(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
         "imagePullPolicy": config.image_pull_policy,
         "command": list(process.argv),
         "env": _env({**dict(process.env), **_store_env(job, config)}),
-        "resources": _resources(workers.pod, _shares(place.limits, len(processes))),
+        "resources": container_resources(workers.pod, _shares(place.limits, len(processes))),
         "volumeMounts": copy.deepcopy(mounts),
         **TERMINATION_MESSAGE,
         "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT),
     } for rank, process in enumerate(processes)]
-    pod = _pod_spec(containers[0], workers.pod, volumes, [],
-                    node_selector=place.node_selector, tolerations=place.tolerations)
-    pod.update(restartPolicy="Never", containers=[_literal_command(c) for c in containers])
+    pod = build_pod_spec(containers[0], workers.pod, volumes, [],
+                         node_selector=place.node_selector, tolerations=place.tolerations)
+    pod.update(restartPolicy="Never", containers=[literal_command(c) for c in containers])
     labels = _job_labels(spec, meta, job)
     return {
         "apiVersion": "batch/v1", "kind": "Job",
@@ -191,12 +191,12 @@ def build_trainjob(spec: TrainingSpec, job: JobPlan, meta: Mapping[str, Any],
         "numNodes": job_pods(spec, job),
         **({"numProcPerNode": workers.processes_per_node} if torch else {}),
     }
-    resources = _resources(workers.pod, _shares(place.limits, per_node))
+    resources = container_resources(workers.pod, _shares(place.limits, per_node))
     if resources:
         trainer["resourcesPerNode"] = resources
-    trainer = _literal_command(trainer)
-    pod = _pod_spec(trainer, workers.pod, volumes, [], node_selector=place.node_selector,
-                    tolerations=place.tolerations)
+    trainer = literal_command(trainer)
+    pod = build_pod_spec(trainer, workers.pod, volumes, [], node_selector=place.node_selector,
+                         tolerations=place.tolerations)
     pod_patch = {
         **{key: pod[key] for key in PATCHED_POD_FIELDS if key in pod},
         "containers": [{"name": RUNTIME_NODE, "volumeMounts": copy.deepcopy(mounts),

@@ -42,7 +42,7 @@ from ddm.deploy.spec import SpecError
 from ddm.deploy.training_plan import JobPlan, TrainingPlan, plan_training
 from ddm.deploy.training_spec import PLURAL, TrainingSpec, parse_training_spec
 from ddm.operator import names
-from ddm.operator.children import _owned
+from ddm.operator.children import with_owner
 from ddm.operator.config import OperatorConfig
 from ddm.operator.kube import Kube, KubeError
 from ddm.operator.policy import host_path_allowed, name_allowed
@@ -118,7 +118,7 @@ class TrainingReconciler:
         errors: list[str] = []
         objects = build_training_objects(spec, plan, meta, self._config)
         for job in to_create(plan, jobs):
-            *policies, manifest = (_owned(made, body) for made in objects[job.name])
+            *policies, manifest = (with_owner(made, body) for made in objects[job.name])
             try:
                 for policy in policies:
                     self._create_policy(policy, meta["uid"])

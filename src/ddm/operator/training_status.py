@@ -34,7 +34,7 @@ from ddm.deploy.training_plan import (
     TrainingPlan,
 )
 from ddm.deploy.training_crd import TRAINING_PHASES
-from ddm.operator.status import _by_type, _condition, _detail
+from ddm.operator.status import build_condition, capped_last_line, conditions_by_type
 
 #: The training's phases by name (the CRD's ``status.phase`` allows only these).
 (PENDING_PHASE, FETCHING_PHASE, PARTITIONING_PHASE, TRAINING_PHASE, SUCCEEDED_PHASE,
@@ -63,7 +63,8 @@ def failure_said(pods: Sequence[Mapping[str, Any]]) -> str | None:
     """What the newest failed pod of a job said as it ended: the termination message of its
     container that failed (``ddm train`` writes its error there; without one, Kubernetes
     keeps the log's tail), else the pod's own reason (an eviction); its last line, capped as
-    a DDMDeployment's status caps what its pods say (``status._detail``). None: none said."""
+    a DDMDeployment's status caps what its pods say (``status.capped_last_line``). None: none
+    said."""
     failed = [pod for pod in pods if (pod.get("status") or {}).get("phase") == "Failed"]
     for pod in sorted(failed, reverse=True, key=lambda p: (
             p["metadata"].get("creationTimestamp") or "", p["metadata"]["name"])):
@@ -72,10 +73,10 @@ def failure_said(pods: Sequence[Mapping[str, Any]]) -> str | None:
             for state in (container.get("state"), container.get("lastState")):
                 ended = (state or {}).get("terminated") or {}
                 if ended.get("exitCode", 0) != 0:
-                    return _detail(ended.get("message") or ended.get("reason")
-                                   or f"exit status {ended['exitCode']}")
+                    return capped_last_line(ended.get("message") or ended.get("reason")
+                                            or f"exit status {ended['exitCode']}")
         if status.get("message") or status.get("reason"):
-            return _detail(status.get("message") or status["reason"])
+            return capped_last_line(status.get("message") or status["reason"])
     return None
 
 
@@ -106,7 +107,7 @@ def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | N
     its last progress line reported; ``said``: failed job name -> what its failed pod said
     (:func:`failure_said`), repeated in its condition and in ``message``."""
     said = said or {}
-    before = _by_type(previous)
+    before = conditions_by_type(previous)
     earlier = previous.get("jobs") or {}
     generation = meta.get("generation")
     states = {job.name: job_state(jobs.get(job.name)) for job in plan.jobs}
@@ -125,8 +126,8 @@ def training_status(plan: TrainingPlan, jobs: Mapping[str, Mapping[str, Any] | N
             message = _progress_message(entry)
             if state == FAILED and job.name in said:
                 message += f"; it said: {said[job.name]}"
-            conditions.append(_condition(before, kind, state == SUCCEEDED, generation, now,
-                                         (state, message)))
+            conditions.append(build_condition(before, kind, state == SUCCEEDED, generation, now,
+                                              (state, message)))
     failed = [name for name in states if states[name] == FAILED]
     experts = [job for job in plan.jobs if job.kind == EXPERT_KIND]
     trained = [job for job in plan.jobs if job.steps is not None]
