@@ -110,8 +110,8 @@ def expert_parallelism(env: Mapping[str, str] | None = None) -> tuple[int, int]:
     return workers, max(1, threads // workers)
 
 
-#: The malloc arenas a server keeps (glibc's default: eight per core). Two, measured on the
-#: text2img pool (docs/benchmarks.md, ``pools``): its peak RSS 568 -> 539 MiB at 32 prompts.
+#: The malloc arenas a server keeps (glibc's default: eight per core). Two: fewer arenas lower
+#: the text2img pool's peak RSS (docs/benchmarks.md, ``pools``).
 SERVER_MALLOC_ARENAS = 2
 _M_ARENA_MAX = -8  # glibc's malloc.h
 ARENAS_ENV = "MALLOC_ARENA_MAX"

@@ -83,8 +83,8 @@ MAX_CLASS = MAX_NUM_CLASSES - 1
 #: A model server's defaults (``ddm serve expert``, ``ddm serve stage``; a DDMDeployment's
 #: ``maxBatch`` and ``maxDelayMs`` override the first two): images per model call; no waiting
 #: for more requests (those arriving while the model is busy already form the next batch, and a
-#: router stepping alone would pay the whole delay at every step: measured +1 ms or more per
-#: batch-1 step at 1 ms, with no clear throughput gain); requests admitted at once, queued or
+#: router stepping alone would pay the whole delay at every step, with no clear throughput
+#: gain: docs/benchmarks.md, ``calls``); requests admitted at once, queued or
 #: running (four full batches of one-row requests from routers stepping concurrently, and at
 #: most that many bodies buffered).
 SERVER_MAX_BATCH = 64

@@ -175,8 +175,8 @@ class Batcher:
 
     - **On the event loop the request came on**, for a lone request on an idle batcher (no
       batch runs, nothing else queued): a router stepping its images through an expert nobody
-      else calls. The call pays no thread wake-up: each costs 0.1-0.3 ms on a virtual machine
-      whose other vCPU sat idle while the model ran (``docs/bench/history.md``). Meanwhile that
+      else calls. The call pays no thread wake-up, which is slow on a virtual machine whose
+      other vCPU sat idle while the model ran (docs/benchmarks.md, ``calls``). Meanwhile that
       loop answers nothing else. With another loop serving (``serving_loops`` > 1), the other
       answers probes, scrapes and other clients, so any lone batch runs here whatever its
       time; with one loop, only a batch expected to take at most :data:`INLINE_MAX_S` (its

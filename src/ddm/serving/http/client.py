@@ -2,14 +2,13 @@
 the GETs that probe the experts (``/readyz``, ``/v1/info``).
 
 The router sends a request to an expert at every denoising step, so the client's own cost is
-paid per step. aiohttp's client spent about 1.0-1.2 ms of CPU per batch-1 velocity call here
-(headers objects, cookie and redirect handling, payload writers, response objects), a plain
-asyncio protocol with httptools' C parser 0.6-0.7 ms, and 0.35-0.5 ms less wall time per call
-(alternated rounds on loopback against the same expert). This client does only what an expert
-call needs: ``POST`` a body with a fixed header block, read a response with ``Content-Length``
-or chunked encoding, keep the connection for the next call. The probes use it too, rather
-than a second client stack in the router (aiohttp's, which they used to): the same caps,
-deadlines and connections, and one less dependency in the router's image.
+paid per step, and a general client's machinery (headers objects, cookie and redirect handling,
+payload writers, response objects) costs more CPU and wall time per call than a plain asyncio
+protocol with httptools' C parser (docs/benchmarks.md, ``router``). This client does only what
+an expert call needs: ``POST`` a body with a fixed header block, read a response with
+``Content-Length`` or chunked encoding, keep the connection for the next call. The probes use
+it too, rather than a second client stack in the router (aiohttp's, which they used to): the
+same caps, deadlines and connections, and one less dependency in the router's image.
 
 An expert is a peer, not a trusted part of the router: a reply's headers are capped at
 :data:`MAX_REPLY_HEAD_BYTES` and its body at what the request implies (the caller's

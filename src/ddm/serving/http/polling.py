@@ -1,20 +1,19 @@
 """Hybrid polling: an event loop that awaits something long whose time it can expect keeps its
 vCPU warm over the last fifth of the wait, so that what runs when the wait ends runs warm.
 
-On a virtual machine, Python run right after its vCPU sat idle for milliseconds runs up to a
-hundred times slower than warm (``python -m benchmarks calls``: ``cold_code``), so an event
-loop that sleeps through an expert's 60 ms model run pays tenths of a millisecond for the few
-lines that deliver its result. Linux polls NVMe completions the same way: sleep through most of
+On a virtual machine, Python run right after its vCPU sat idle for milliseconds runs far slower
+than warm (``python -m benchmarks calls``: ``cold_code``; docs/benchmarks.md, ``calls``), so an
+event loop that sleeps through an expert's model run pays for the few lines that deliver its
+result many times over. Linux polls NVMe completions the same way: sleep through most of
 the expected time, then poll. Two waits use it, each with :func:`first_tick_s`,
 :class:`WarmTicks` and :class:`LastTimes`: an expert's loop awaiting a batch on its model
 thread (:class:`ddm.serving.batching.Batcher`), and the router's loop awaiting an expert's
 reply (:class:`ddm.serving.http.client.HttpClient`).
 
-A tick is a timer callback that does nothing but decide the next one; on this 2-vCPU VM it costs
-58-74 us of CPU, wake-up included: ticking every millisecond over a wait's last fifth costs
-about 1% of a core while such waits run, and nothing while the loop has nothing to await. A
-wait that runs far past its expected time (an expert queueing other calls) ticks until it
-ends: at most 6-7% of a core meanwhile."""
+A tick is a timer callback that does nothing but decide the next one, so it is cheap; ticking
+only over a wait's last fifth keeps the cost a small share of a core while such waits run, and
+nothing while the loop has nothing to await. A wait that runs far past its expected time (an
+expert queueing other calls) ticks until it ends (the figures: docs/benchmarks.md, ``calls``)."""
 
 from __future__ import annotations
 
@@ -25,10 +24,8 @@ from typing import Callable, Generic, Hashable, TypeVar
 WARM_AFTER = 0.8
 WARM_TICK_S = 0.001
 #: Waits expected to be shorter do not tick: a vCPU idle for a few milliseconds comes back
-#: nearly warm (``cold_code``: 2-17 us after 1-5 ms idle, 32-67 us after 20-60 ms), and a tick
-#: can take the core from the very work awaited when both share a machine (in two of three
-#: alternated pairs, the client's ticks on calls of 2-4 ms slowed the expert's model on the
-#: same VM by 0.13-0.30 ms; ``docs/bench/history.md``).
+#: nearly warm, and a tick can take the core from the very work awaited when both share a
+#: machine (``cold_code`` and the client's ticks on short calls: docs/benchmarks.md, ``calls``).
 WARM_MIN_S = 0.02
 
 Key = TypeVar("Key", bound=Hashable)

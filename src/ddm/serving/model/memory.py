@@ -48,9 +48,9 @@ __all__ = ["LIVE_TENSORS", "MemberBytes", "MemoryLimit", "PoolMemory", "containe
 
 #: Activation tensors of one row's width alive at once in a forward without autograd: a
 #: block's input, its output, the residual stream and an intermediate, and the copies the
-#: stage makes of its input and output (float32 NumPy in and out). Checked once against the
-#: RSS growth of a batch of 32 rows (docs/stages.md): a CLIP text encoder at 77 x 768 grew
-#: 65.6 MiB, 1.1x the bound at 4 (57.8 MiB); at 6 none of the measured members exceeds it.
+#: stage makes of its input and output (float32 NumPy in and out). Six, not four: checked
+#: against the RSS growth of a batch of 32 rows, a CLIP text encoder outgrew the bound at four
+#: (docs/stages.md).
 LIVE_TENSORS = 6
 #: Bytes per value of each safetensors dtype (its header's names).
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,

@@ -1,9 +1,9 @@
 """Prometheus metrics of one expert server, counted in plain Python and exposed at a scrape.
 
 Every request is counted on an event loop, on the request's critical path. prometheus_client's
-``labels(...).inc()`` and ``Histogram.observe`` take a lock and walk objects per call: 0.12 ms
-per batch-1 velocity call here, with the caches cold after the model ran (a fifth of the
-call's whole cost beyond the model and the HTTP floor). The counts are therefore kept in dicts
+``labels(...).inc()`` and ``Histogram.observe`` take a lock and walk objects per call, a sizeable
+share of a batch-1 call's cost beyond the model with the caches cold after the model ran
+(docs/benchmarks.md, ``calls``). The counts are therefore kept in dicts
 and lists under one plain lock (an expert serves on two event loops: :mod:`ddm.serving.http.server`)
 and turned into metric families when ``/metrics`` is scraped (:class:`_Collector`); the
 exposition is prometheus_client's.

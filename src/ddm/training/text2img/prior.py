@@ -2,11 +2,11 @@
 captions: a softmax regression of each caption's cluster (its image's k-means cluster) on the
 caption's CLIP joint-space text embedding.
 
-Why fitted, not CLIP's zero-shot against the centroids: on the training captions the
-zero-shot's negative log-likelihood of the clusters is 0.59 nats at CLIP's logit scale (0.41 at
-the best scale, 10), the fitted regression's 0.23 (the captions' own conditional entropy is
-0.21); the zero-shot sends "a thin eight" and "a thin five" to the cluster of ones (thin
-strokes), which the regression does not. Measured here, 2026-11-25 (docs/text2img.md).
+Why fitted, not CLIP's zero-shot against the centroids: on the training captions the fitted
+regression's likelihood of the clusters is far better than the zero-shot's at any logit scale,
+near the captions' own conditional entropy; the zero-shot sends "a thin eight" and "a thin
+five" to the cluster of ones (thin strokes), which the regression does not (the figures:
+docs/text2img.md).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from ddm.deploy.limits import MAX_IMAGE_SIDE
 from ddm.samples import save_samples_npz
 from ddm.serving.http.fetch import fetch_json
 
-#: Per request; a CPU router makes 64 images of 40 steps in a few seconds.
+#: Per request: far above a full batch's time on a CPU router (docs/benchmarks.md, ``load``).
 TIMEOUT_S = 600.0
 #: The router's ``/v1/info``: its limits, defaults and experts (each with its partition, cut
 #: to the router's own bounds); the digits router's is 3 KB.

@@ -3,8 +3,9 @@
 The router steps every generation in its own coroutine, so 64 concurrent single-image
 generations make 64 one-row calls to an expert at each step. The expert's batcher
 (:mod:`ddm.serving.batching`) merges them again into one model call, but each still costs a
-whole HTTP exchange: encoding, a request on both sides, decoding, a future, around 1 ms of CPU on
-the router and on the expert, more than a batched row of the model itself costs on a CPU.
+whole HTTP exchange: encoding, a request on both sides, decoding, a future, on the router and
+on the expert, more than a batched row of the model itself costs on a CPU (docs/benchmarks.md,
+``router``).
 
 A :class:`Coalescer` (one per expert) sends a call at once while fewer than
 ``in_flight_limit()`` requests to its expert are outstanding; otherwise the call waits, and when

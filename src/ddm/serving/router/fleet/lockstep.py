@@ -30,15 +30,15 @@ A lone generation never waits, and a generation joins the waves only from its fi
 or expert query on (encoding the prompts and decoding are outside them).
 
 **Groups.** One lockstep's waves leave an accelerator idle between them: while the router
-routes and steps, no call is on the device (on an H200 at 32 concurrent prompts the GPU was
-busy 64-71% of the time: docs/paris.md). A lockstep of ``groups`` > 1 (the router's
+routes and steps, no call is on the device (docs/paris.md: the GPU's busy share at 32
+concurrent prompts on an H200). A lockstep of ``groups`` > 1 (the router's
 ``DDM_LOCKSTEP_GROUPS``, :func:`lockstep_groups`) keeps that many groups stepping apart, each
 in waves of its own, so that one group's calls can run while another routes; a generation
 joins the group with the fewest stepping at its first turn, so that the groups stay even. Each
 group's forwards are smaller, and each pays its forwards' fixed cost. By default (``auto``)
 the router keeps :data:`ACCELERATOR_GROUPS` where its experts report an accelerator (on an
-H200 two groups made 1.17x the images/s of one at 32 prompts, the GPU busy 73% of the time
-instead of 59%: docs/paris.md) and one elsewhere (on a CPU the router's work and the model's
+H200 two groups kept the GPU busier and made more images/s than one: docs/paris.md) and one
+elsewhere (on a CPU the router's work and the model's
 share the same cores); ``open_groups`` says how many of its groups new generations join.
 
 Which generations take part is the router's choice (``RouterState.guard``: not a streamed

@@ -73,9 +73,10 @@ __all__ = ["CheckedRequest", "Decoded", "ExpertCaller", "Guard", "RemoteMixture"
            "RouterNetwork", "SamplingRequest", "StageCaller", "StepEvent", "Tally",
            "check_request", "denoise", "generate_remote", "local_network", "stage_route"]
 
-#: Up to this many rows, the router network runs on the event loop: at batch 1 it takes about
-#: 0.15 ms, less than the two thread hops of ``asyncio.to_thread``; bigger batches go to a
-#: thread, so that the loop keeps serving other generations meanwhile.
+#: Up to this many rows, the router network runs on the event loop: a small batch's pass
+#: costs less than the two thread hops of ``asyncio.to_thread`` (docs/benchmarks.md,
+#: ``router``); bigger batches go to a thread, so that the loop keeps serving other
+#: generations meanwhile.
 INLINE_ROUTER_ROWS = 8
 #: The most rows one forward pass of the router network takes when merging calls.
 ROUTER_MAX_ROWS = 256
