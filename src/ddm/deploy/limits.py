@@ -45,8 +45,6 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 #: float32's 3.4e38 that a network's sums and squares of it stay finite: a state of 3e38
 #: made every expert answer infinities (issue 35).
 MAX_STATE_MAGNITUDE = 1e4
-#: The router's per-request defaults (``router.yaml`` ``limits:``); a DDM's own default step
-#: count raises ``ROUTER_MAX_STEPS`` for its router (``ddm.deploy.plan``).
 #: What the router does with a step routed to an expert that has no ready replica
 #: (``ddm.serving.router.fleet.missing``): 503 (``fail``), hold the generation until one is ready,
 #: within ``MISSING_EXPERT_WAIT_S`` (``wait``), or use the best available experts (``reroute``).
@@ -57,6 +55,8 @@ MAX_MISSING_EXPERT_WAIT_S = 3600.0
 #: An expert with ``autoscaling`` waits this long without demand before scaling down.
 DEFAULT_SCALE_DOWN_DELAY_S = 300
 MAX_SCALE_DOWN_DELAY_S = 86400
+#: The router's per-request defaults (``router.yaml`` ``limits:``); a DDM's own default step
+#: count raises ``ROUTER_MAX_STEPS`` for its router (``ddm.deploy.plan``).
 ROUTER_MAX_BATCH = 64
 ROUTER_MAX_STEPS = 200
 ROUTER_MAX_CONCURRENT = 16
