@@ -24,7 +24,7 @@ from ddm.checkpoints.format import load_checkpoint, read_meta
 from ddm.evaluation.commands import load_judge, score_runs
 from ddm.evaluation.runcache import RunCache, SampledRun
 from ddm.data.partition import Partition, partition_from_dict
-from ddm.deploy.limits import DEFAULT_SOLVER
+from ddm.sampling_params import DEFAULT_SOLVER
 from ddm.evaluation.scoring import METRICS, SEEDS, Judge, cluster_agreement, summarise
 from ddm.fileio import atomic_path, check_output
 from ddm.checkpoints.discovery import default_checkpoints, discover

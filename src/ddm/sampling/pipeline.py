@@ -19,8 +19,7 @@ from typing import Any, Callable, Generator, Iterator, Sequence
 import numpy as np
 
 from ddm.conditioning import Conditioning
-from ddm.deploy.limits import DEFAULT_SOLVER, DEFAULT_STRATEGY
-from ddm.sampling_params import GUIDANCE_CUTOFF, SOLVER
+from ddm.sampling_params import DEFAULT_SOLVER, DEFAULT_STRATEGY, GUIDANCE_CUTOFF, SOLVER
 from ddm.models.ddm import DDM
 from ddm.models.stages import ConditionedVelocity
 from ddm.sampling.guidance import guided

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ddm.deploy.limits import EVALUATION_STRATEGIES, STRATEGY_HINT, STRATEGY_PATTERN
+from ddm.sampling_params import EVALUATION_STRATEGIES, STRATEGY_HINT, STRATEGY_PATTERN
 
 _PATTERN = re.compile(STRATEGY_PATTERN)
 MASK_64 = 2 ** 64 - 1  # NumPy's seed sequences take non-negative integers

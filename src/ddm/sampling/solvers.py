@@ -15,9 +15,9 @@ from typing import Any, Callable, Generator, Iterator, Protocol
 
 import numpy as np
 
+from ddm import sampling_params
 from ddm.convention import time_grid
-from ddm.deploy import limits
-from ddm.deploy.limits import DEFAULT_SOLVER
+from ddm.sampling_params import DEFAULT_SOLVER
 
 
 class VelocityFn(Protocol):
@@ -74,10 +74,10 @@ class Solver:
     evaluations: int
 
 
-#: The solvers by the names ``ddm.deploy.limits.SOLVERS`` gives them, in its order (the one list
-#: of their names, for the layers that import no NumPy, the wire protocol and the CRD).
-SOLVERS: dict[str, Solver] = dict(zip(limits.SOLVERS, (Solver(euler, 1), Solver(heun, 2)),
-                                      strict=True))
+#: The solvers by the names ``ddm.sampling_params.SOLVERS`` gives them, in its order (the one
+#: list of their names, for the layers that import no NumPy, the wire protocol and the CRD).
+SOLVERS: dict[str, Solver] = dict(zip(sampling_params.SOLVERS,
+                                      (Solver(euler, 1), Solver(heun, 2)), strict=True))
 
 
 def solver_named(name: str) -> Solver:
