@@ -24,6 +24,7 @@ import yaml
 
 from ddm.checkpoints.declared import CONFIG_KEYS, STAGE_ROLES
 from ddm.checkpoints.destinations import Network, parse_networks
+from ddm.deploy.endpoints import split_endpoint
 from ddm.deploy.limits import (
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
@@ -147,26 +148,11 @@ class DnsDiscovery:
         _check_member(self.member)
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` -> ``(host, port)``. An IPv6 address is written in brackets, as in a URL
-    (``[::1]:8000``, RFC 3986: the form a ``Host`` header needs too), and comes out without
-    them; without brackets it is refused, since ``::1:8000`` is an IPv6 address of its own.
-    ValueError naming the endpoint when it is not ``host:port``."""
-    host, _, port = endpoint.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise ValueError(f"{endpoint!r}: an IPv6 address needs brackets, as in [::1]:8000")
-    if not host or not port.isdigit():
-        raise ValueError(f"{endpoint!r} is not host:port")
-    return host, int(port)
-
-
 @dataclass(frozen=True)
 class StaticDiscovery:
     """A fixed list of ``host:port`` replicas (the local runtime's processes); an IPv6 address
-    in brackets (:func:`split_endpoint`). With ``member``, the replicas are pool servers and
-    this is their member of that name."""
+    in brackets (:func:`ddm.deploy.endpoints.split_endpoint`). With ``member``, the replicas are
+    pool servers and this is their member of that name."""
 
     endpoints: tuple[str, ...]
     member: str | None = None

@@ -19,7 +19,7 @@ the whole exchange has one deadline, so a reply trickled a byte at a time ends i
 ``TimeoutError``.
 
 Connections are kept per ``host:port`` (an IPv6 address in brackets, as the ``Host`` header
-names it: :func:`~ddm.deploy.router_config.split_endpoint`) and used by one request at a time
+names it: :func:`~ddm.deploy.endpoints.split_endpoint`) and used by one request at a time
 (no pipelining): a request takes an idle connection or opens one (``TCP_NODELAY``, which
 asyncio and uvloop set on every TCP connection, so a small request is not held back by Nagle's
 algorithm). A connection
@@ -47,7 +47,7 @@ from typing import cast
 
 import httptools
 
-from ddm.deploy.router_config import split_endpoint
+from ddm.deploy.endpoints import split_endpoint
 from ddm.serving.http.polling import LastTimes, WarmTicks, first_tick_s
 
 #: Status line and headers of a reply: an expert's are a few dozen bytes.
