@@ -8,6 +8,9 @@ source) recorded for provenance. One module reads and writes it, so the two cann
 A text DDM's samples file (``ddm sample --prompt``) holds ``prompts`` (N,) str in place of
 ``labels``, RGB ``images`` ``(N, H, W, 3)``, and its guidance settings too; ``ddm eval``, which
 scores digits against their labels, refuses it by name.
+
+The PNGs ``ddm sample`` writes beside or instead of it (in-process or from a router) are
+written here too, so the two drivers write the same files.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ddm.fileio import atomic_path
+from ddm.fileio import atomic_path, check_output
+from ddm.imaging import grid, png_bytes
 
 _REQUIRED_KEYS = ("images", "labels")
 _OPTIONAL_KEYS = ("expert_calls",)
@@ -127,3 +131,43 @@ def _save(path: str | os.PathLike, arrays: dict[str, np.ndarray],
         with open(tmp, "wb") as f:
             np.savez_compressed(f, **arrays)
     return Path(path)
+
+
+def check_text_outputs(out: Path, png: Path | None) -> None:
+    """A text DDM's ``--out`` (.npz or .png) and ``--png``, checked before anything runs."""
+    if out.suffix not in (".npz", ".png"):
+        raise ValueError(f"--out must end with .npz (samples) or .png (images), got {out}")
+    check_output(out, out.suffix, "--out")
+    if png is not None:
+        check_output(png, ".png", "--png")
+
+
+def write_text_samples(out: Path, png: Path | None, images: np.ndarray,
+                       prompts: Sequence[str], calls: np.ndarray,
+                       settings: dict[str, Any]) -> dict[str, Any]:
+    """Write a text DDM's images: ``out`` (.npz samples or .png) and ``png``; ``ddm sample``'s
+    summary. A ``negative_prompt`` of None is left out of the file."""
+    for path in (out, png):
+        if path is not None and path.suffix == ".png":
+            write_images_png(path, images)
+    if out.suffix == ".npz":
+        save_text_samples_npz(out, images, prompts, calls,
+                              {k: v for k, v in settings.items() if v is not None})
+    return {"out": str(out), "n": len(prompts), "strategy": settings["strategy"],
+            "steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
+            "mean_expert_calls": float(calls.mean())}
+
+
+def write_images_png(path: Path, images: np.ndarray) -> None:
+    """RGB ``images`` (N, H, W, 3) as one PNG at their own size (the router's pixels): the
+    image itself when N is 1, else a row of them."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(png_bytes(images[0] if len(images) == 1
+                                  else grid(images, columns=len(images))))
+
+
+def write_png_grid(path: Path, images: np.ndarray, columns: int) -> None:
+    """Digits ``images`` (N, H, W) uint8 as one PNG grid, ``columns`` a row, at twice their
+    size."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(png_bytes(grid(images, columns), scale=2))

@@ -16,13 +16,14 @@ from ddm.checkpoints.local import resolve_checkpoint
 from ddm.conditioning import TEXT
 from ddm.deploy.imported import TEXT_ENCODER_DIR
 from ddm.deploy.spec import DDMManifest, load_manifest
-from ddm.fileio import atomic_path, check_output
+from ddm.fileio import check_output
 from ddm.models.ddm import DDM, DDMLayout, load_ddm, load_ddm_stages
 from ddm.progress import progress_bar
 from ddm.sampling.loop import StepEvent, check_request
 from ddm.sampling.pipeline import (generate, generation, mixture_of, sampling_request,
                                    text_request)
-from ddm.samples import save_samples_npz, save_text_samples_npz
+from ddm.samples import (check_text_outputs, save_samples_npz, write_png_grid,
+                         write_text_samples)
 from ddm.sampling_params import SamplingParams
 
 
@@ -171,45 +172,3 @@ def sample_text_command(source: SampleSource, prompts: Sequence[str], *, steps: 
         {"strategy": request.strategy.name, "steps": request.steps, "solver": request.solver,
          "seed": seed, "source": str(root), "guidance_scale": request.guidance_scale,
          "guidance_cutoff": request.guidance_cutoff, "negative_prompt": negative_prompt})
-
-
-def check_text_outputs(out: Path, png: Path | None) -> None:
-    """A text DDM's ``--out`` (.npz or .png) and ``--png``, checked before anything runs."""
-    if out.suffix not in (".npz", ".png"):
-        raise ValueError(f"--out must end with .npz (samples) or .png (images), got {out}")
-    check_output(out, out.suffix, "--out")
-    if png is not None:
-        check_output(png, ".png", "--png")
-
-
-def write_text_samples(out: Path, png: Path | None, images: np.ndarray,
-                       prompts: Sequence[str], calls: np.ndarray,
-                       settings: dict[str, Any]) -> dict[str, Any]:
-    """Write a text DDM's images: ``out`` (.npz samples or .png) and ``png``; ``ddm sample``'s
-    summary. A ``negative_prompt`` of None is left out of the file."""
-    for path in (out, png):
-        if path is not None and path.suffix == ".png":
-            write_images_png(path, images)
-    if out.suffix == ".npz":
-        save_text_samples_npz(out, images, prompts, calls,
-                              {k: v for k, v in settings.items() if v is not None})
-    return {"out": str(out), "n": len(prompts), "strategy": settings["strategy"],
-            "steps": settings["steps"], "guidance_scale": settings["guidance_scale"],
-            "mean_expert_calls": float(calls.mean())}
-
-
-def write_images_png(path: Path, images: np.ndarray) -> None:
-    """RGB ``images`` (N, H, W, 3) as one PNG at their own size (the router's pixels): the
-    image itself when N is 1, else a row of them."""
-    from ddm.imaging import grid, png_bytes
-
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(png_bytes(images[0] if len(images) == 1
-                                  else grid(images, columns=len(images))))
-
-
-def write_png_grid(path: Path, images: np.ndarray, columns: int) -> None:
-    from ddm.imaging import grid, png_bytes
-
-    with atomic_path(path) as tmp:
-        tmp.write_bytes(png_bytes(grid(images, columns), scale=2))

@@ -27,9 +27,8 @@ import numpy as np
 
 from ddm.fileio import check_output
 from ddm.progress import progress_bar
-from ddm.sampling.commands import check_text_outputs, write_png_grid, write_text_samples
 from ddm.deploy.limits import MAX_IMAGE_SIDE
-from ddm.samples import save_samples_npz
+from ddm.samples import check_text_outputs, save_samples_npz, write_png_grid, write_text_samples
 from ddm.serving.http.fetch import fetch_json
 
 #: Per request: far above a full batch's time on a CPU router (docs/benchmarks.md, ``load``).
