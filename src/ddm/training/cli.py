@@ -13,10 +13,13 @@ import argparse
 import functools
 import json
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ddm.objective_names import PREDICTIONS, SCHEDULES
 from ddm.training.resume import SAVE_EVERY
+
+if TYPE_CHECKING:  # imported where a command runs, so that this module stays cheap
+    from ddm.training.config import TrainConfig
 
 
 Handler = Callable[[argparse.Namespace], int]
@@ -176,7 +179,8 @@ def _train_text2img(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(args: argparse.Namespace, total: int, what: str):
+def _progress(args: argparse.Namespace, total: int,
+              what: str) -> Callable[[int, float], None] | None:
     """A training step callback driving a progress bar (none with --quiet, or when stderr is
     not a terminal) and, with ``--progress-log SECONDS``, printing a progress line on stderr
     at most every SECONDS (and at the last step) for a supervisor to read from the logs."""
@@ -204,7 +208,7 @@ def _progress(args: argparse.Namespace, total: int, what: str):
     return update
 
 
-def _train_config(args: argparse.Namespace):
+def _train_config(args: argparse.Namespace) -> TrainConfig:
     from ddm.training.config import TrainConfig
 
     optimiser = {"batch_size": args.batch_size, "learning_rate": args.lr} if hasattr(

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ddm.convention import TIME_EMBEDDING_SCALE, sample_path
+from ddm.convention import TIME_EMBEDDING_SCALE, PathSample, sample_path
 from ddm.models.text2img import Text2ImgSizes, expert_kwargs
 from ddm.training.config import TrainConfig
 from ddm.training.distributed import SINGLE, World
@@ -55,7 +55,8 @@ class LatentSet:
         return cls(**load_file(str(path)))
 
 
-def _batch(data: LatentSet, rows: np.ndarray, train: TrainConfig, step: int, world: World):
+def _batch(data: LatentSet, rows: np.ndarray, train: TrainConfig, step: int,
+           world: World) -> tuple[np.ndarray, PathSample]:
     """Step ``step``'s global batch from ``(seed, step)``; ``world``'s rank keeps its slice."""
     rng = np.random.default_rng([train.seed, step])
     picked = rows[rng.integers(0, len(rows), train.batch_size)]

@@ -11,6 +11,7 @@ import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from http.client import HTTPResponse
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ class Api:
     token: str
     ca_file: Path
 
-    def _open(self, method: str, path: str, body: Any, content_type: str, timeout_s: float):
+    def _open(self, method: str, path: str, body: Any, content_type: str,
+              timeout_s: float) -> HTTPResponse:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.server + path, data=data, method=method)
         request.add_header("Authorization", f"Bearer {self.token}")
