@@ -61,7 +61,7 @@ def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component]) ->
     for name in sorted({n for n in names if names.count(n) > 1}):
         found.append(f"spec.pools: the name {name!r} is used more than once")
     by_name = {p.name: p for p in pools}
-    first: dict[str, tuple[Component, str]] = {}  # pool -> its first member and backend
+    served: dict[str, list[tuple[Component, str]]] = {}  # pool -> its members and backends
     for component in components:
         if component.pool is None:
             continue
@@ -69,12 +69,13 @@ def pool_problems(pools: Sequence[PoolSpec], components: Sequence[Component]) ->
         problem, backend = ((f"pool: no pool named {component.pool!r} in spec.pools (there are: "
                              f"{', '.join(map(repr, by_name)) or 'none'})", None)
                             if pool is None else _member_problem(component, pool))
-        if problem is None and backend is not None:
-            problem = _agreement_problem(component, backend, first.setdefault(
-                component.pool, (component, backend)))
         if problem is not None:
             found.append(f"{component.path}.{problem}")
+        elif backend is not None:
+            served.setdefault(component.pool, []).append((component, backend))
     for i, pool in enumerate(pools):
+        found.extend(f"spec.pools[{i}]: pool {pool.name!r} {problem}"
+                     for problem in _agreement_problems(served.get(pool.name, [])))
         named = [c.name for c in components if c.pool == pool.name]
         if not named:
             found.append(f"spec.pools[{i}]: pool {pool.name!r} has no members (name it in an "
@@ -156,18 +157,32 @@ def _member_problem(component: Component, pool: PoolSpec) -> tuple[str | None, s
     return None, backend
 
 
-def _agreement_problem(component: Component, backend: str, first: tuple[Component, str]
-                       ) -> str | None:
-    """What keeps ``component`` (served with ``backend``) from sharing one process with its
-    pool's ``first`` member: one backend and one precision per pool server."""
-    other, other_backend = first
-    if other_backend != backend:
-        why = ("a text encoder, decoder or router network runs on torch only"
-               if component.stage or other.stage else "give every member the same framework")
-        return (f"pool: pool {component.pool!r} cannot hold it: its members run on one "
-                f"backend, {other_backend} for {other.path} but {backend} here ({why})")
-    if other.precision != component.precision:
-        return (f"precision: pool {component.pool!r} casts every member to one precision: "
-                f"{other.precision or 'as stored'} for {other.path} but "
-                f"{component.precision or 'as stored'} here")
-    return None
+def _agreement_problems(members: Sequence[tuple[Component, str]]) -> list[str]:
+    """What keeps a pool's ``members`` (each with the backend that would serve it) from one
+    process: one backend and one precision per pool server. Each side is named with the
+    fields that put it there, the fewest first (most often the one to change)."""
+    backends = _sides({backend: [f"{c.path}{'' if c.stage else '.framework'}"
+                                 for c, b in members if b == backend]
+                       for backend in dict.fromkeys(b for _, b in members)})
+    if backends:
+        stages = any(c.stage for c, _ in members)
+        return [f"runs its members on one backend, but {backends} (give every member the same "
+                "framework" + ("; a text encoder, decoder or router network runs on torch "
+                               "only)" if stages else ")")]
+    precisions = _sides({precision or "as stored": [
+        f"{c.path}.precision" if c.precision else c.path for c, _ in members
+        if c.precision == precision] for precision in dict.fromkeys(c.precision
+                                                                    for c, _ in members)})
+    if precisions:
+        return [f"casts every member to one precision, but {precisions} (give every member "
+                "the same precision)"]
+    return []
+
+
+def _sides(groups: dict[str, list[str]]) -> str | None:
+    """``value for path, path; other for path`` for two or more groups, the smallest first;
+    None for one."""
+    if len(groups) < 2:
+        return None
+    ordered = sorted(groups.items(), key=lambda group: len(group[1]))
+    return "; ".join(f"{value} for {', '.join(paths)}" for value, paths in ordered)
