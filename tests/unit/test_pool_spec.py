@@ -168,6 +168,24 @@ def test_a_pooled_stage_carries_no_placement_of_its_own(stage: str, key: str,
                for p in _problems(raw)), _problems(raw)
 
 
+def test_a_pooled_stage_s_placement_is_to_be_left_out_a_pool_has_none() -> None:
+    raw = _paris(experts=2)
+    raw["textEncoder"]["placement"] = "separate"
+    assert _problems(raw) == [
+        "spec.textEncoder.placement: the component is in pool 'gpu', which places it "
+        "(spec.pools): leave it out: the pool's server serves it"]
+    raw["textEncoder"].pop("placement")
+    raw["pools"][0]["placement"] = "separate"  # what the advice must not have been
+    assert _problems(raw) == ["spec.pools[0]: unknown fields ['placement']"]
+
+
+def test_a_pool_name_that_cannot_be_one_says_what_one_is() -> None:
+    raw = _paris(experts=2)
+    raw["experts"][0]["pool"] = "Models_1"
+    assert ("spec.experts[0].pool: 'Models_1' is not valid: a pool's name, a DNS-1123 label: "
+            "lower-case letters, digits and '-'") in _problems(raw)
+
+
 def test_an_unknown_pool_is_named() -> None:
     raw = _paris(experts=2)
     raw["experts"][0]["pool"] = "gpus"

@@ -564,12 +564,16 @@ POOL_PLACED_FIELDS = ("placement", "accelerator", "replicas", "resources", "imag
 def _pool_name(reader: FieldReader) -> str | None:
     """A component's ``pool``, refusing every field its pool decides instead."""
     pool = reader.string("pool", None, pattern=EXPERT_NAME_PATTERN,
-                         max_length=MAX_EXPERT_NAME_LENGTH, hint="the name of one of spec.pools")
+                         max_length=MAX_EXPERT_NAME_LENGTH,
+                         hint="a pool's name, a DNS-1123 label: lower-case letters, digits and "
+                              "'-'")
     if pool is not None:
         for key in POOL_PLACED_FIELDS:
             if reader.has(key):
+                where = ("leave it out: the pool's server serves it" if key == "placement" else
+                         f"give {key} there, not here")
                 reader.problem(key, f"the component is in pool {pool!r}, which places it "
-                                    f"(spec.pools): give {key} there, not here")
+                                    f"(spec.pools): {where}")
     return pool
 
 
