@@ -130,7 +130,8 @@ def test_a_pool_over_its_memory_limit_says_why_in_the_ddms_status(api: dict[str,
     assert pool["readyReplicas"] == 0 and pool["reason"] in ("CrashLoopBackOff", "Error")
     assert "last exit 1: pool of expert-0, " in pool["message"], pool
     assert ("the pool's members do not fit: sum " in pool["message"]
-            and " bytes > limit 1,073,741,824 bytes (--memory-limit-bytes)" in pool["message"])
+            and " bytes > limit 1,073,741,824 bytes (--memory-limit-bytes: the pool's "
+                "resources.limits.memory)" in pool["message"])
     conditions = _conditions(status)
     assert conditions["PoolsReady"]["status"] == "False"
     assert conditions["PoolsReady"]["message"].startswith("pool models: 0/1 ready: ")

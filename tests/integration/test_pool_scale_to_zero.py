@@ -104,5 +104,6 @@ def test_a_pool_over_its_memory_limit_stops_ddm_up_saying_why(tmp_path: Path) ->
     assert done.returncode == 1, said
     assert "pool-models/0 exited with status 1 before it was ready: pool of expert-0" in said
     assert ("the pool's members do not fit: sum " in said
-            and " bytes > limit 1,073,741,824 bytes (--memory-limit-bytes); expert-0 " in said)
+            and " bytes > limit 1,073,741,824 bytes (--memory-limit-bytes: the pool's "
+                "resources.limits.memory); " in said and "; expert-0 " in said)
     assert "all 1 process(es) stopped" in said

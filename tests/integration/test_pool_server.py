@@ -390,7 +390,8 @@ def test_a_pool_over_its_memory_limit_exits_1_before_loading_naming_each_member(
              for name in MEMBERS}
     total = int(re.search(r"sum ([\d,]+) bytes", message).group(1).replace(",", ""))
     assert total == sum(sizes.values()) > 1000
-    assert "limit 1,000 bytes (--memory-limit-bytes)" in message
+    assert ("limit 1,000 bytes (--memory-limit-bytes: the pool's resources.limits.memory)"
+            in message)
     assert "ready" not in done.stderr  # no member was loaded
 
 

@@ -54,8 +54,10 @@ def test_the_refusal_names_each_member_the_sum_and_the_limit():
     assert not memory.fits and memory.total == 2000
     assert memory.refusal() == (
         "the pool's members do not fit: sum 2,000 bytes > limit 1,500 bytes "
-        "(--memory-limit-bytes); expert-0 1,200 bytes (1,000 of weights + 200 of activations "
-        "for 8 rows); decoder 800 bytes (500 of weights + 300 of activations for 8 rows)")
+        "(--memory-limit-bytes); 500 of the sum are activations, which the pool's maxBatch "
+        "bounds: lower it or raise the limit; expert-0 1,200 bytes (1,000 of weights + 200 of "
+        "activations for 8 rows); decoder 800 bytes (500 of weights + 300 of activations for 8 "
+        "rows)")
     assert PoolMemory(memory.members, None).fits
 
 
@@ -73,7 +75,8 @@ def test_the_container_limit_is_cgroup_v2_s_or_v1_s(tmp_path, files, limit):
     found = container_limit(tmp_path)
     assert (None if found is None else found.bytes) == limit
     assert memory_limit(None, "cpu", tmp_path) == found
-    assert memory_limit(123, "cpu", tmp_path) == MemoryLimit(123, "--memory-limit-bytes")
+    assert memory_limit(123, "cpu", tmp_path) == MemoryLimit(
+        123, "--memory-limit-bytes: the pool's resources.limits.memory")
 
 
 def test_a_pool_over_the_container_limit_is_refused_before_loading(ddm, tmp_path):

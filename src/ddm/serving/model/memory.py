@@ -58,6 +58,8 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2"
                 "BOOL": 1}
 _FLOATS = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 _PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Where a limit given as ``--memory-limit-bytes`` comes from (a CPU pool's, set by the plan).
+MEMORY_LIMIT_FLAG_SOURCE = "--memory-limit-bytes: the pool's resources.limits.memory"
 #: The safetensors format's own cap on its JSON header.
 _MAX_HEADER_BYTES = 100_000_000
 #: A cgroup v1 limit at or above this is "no limit" (the kernel writes 2**63 rounded down to
@@ -116,8 +118,11 @@ class PoolMemory:
         assert self.limit is not None, "a pool without a limit always fits"
         each = "; ".join(f"{name} {m.total:,} bytes ({m.weights:,} of weights + {m.activations:,} "
                          f"of activations for {m.rows} rows)" for name, m in self.members.items())
+        activations = sum(m.activations for m in self.members.values())
         return (f"the pool's members do not fit: sum {self.total:,} bytes > limit "
-                f"{self.limit.bytes:,} bytes ({self.limit.source}); {each}")
+                f"{self.limit.bytes:,} bytes ({self.limit.source}); {activations:,} of the sum "
+                f"are activations, which the pool's maxBatch bounds: lower it or raise the "
+                f"limit; {each}")
 
 
 def member_bytes(directory: Path, precision: str | None, rows: int) -> MemberBytes:
@@ -158,7 +163,7 @@ def memory_limit(flag: int | None, device: str | None,
     """The pool's limit: ``flag`` (``--memory-limit-bytes``), else CUDA's free memory on a
     CUDA ``device``, else the container's limit (:func:`container_limit`), else None."""
     if flag is not None:
-        return MemoryLimit(flag, "--memory-limit-bytes")
+        return MemoryLimit(flag, MEMORY_LIMIT_FLAG_SOURCE)
     if device is not None and device.startswith("cuda"):
         import torch
 
