@@ -147,6 +147,13 @@ INVALID = {
     "unknown field": (
         lambda s: s["experts"][0].update(gpus=1),
         "spec.experts[0]: unknown fields ['gpus']"),
+    "a misspelt field, with the one it resembles": (
+        lambda s: s["experts"][0].update(maxBatchSize=8, framwork="jax"),
+        "spec.experts[0]: unknown fields ['framwork', 'maxBatchSize'] (did you mean "
+        "'framework' for 'framwork', 'maxBatch' for 'maxBatchSize'?)"),
+    "a key that is not a string (YAML's 1:)": (
+        lambda s: s["experts"][0].update({1: 2, "a": 3}),
+        "spec.experts[0]: unknown fields [1, 'a']"),
     "missing checkpoint": (
         lambda s: s["experts"][0].pop("checkpoint"),
         "spec.experts[0].checkpoint: is required"),

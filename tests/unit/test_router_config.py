@@ -69,6 +69,7 @@ def test_defaults() -> None:
     (lambda t: t.replace("strategy: top1", "strategy: best"), "sampling.strategy 'best'"),
     (lambda t: t.replace("port: 8000", "port: 0"), "discovery.port must be in 1..65535"),
     (lambda t: t.replace("port: 8000", "prt: 8000"), "unknown keys ['prt']"),
+    (lambda t: t.replace("port: 8000", "port: 8000, 1: 2, x: 3"), "unknown keys [1, 'x']"),
     (lambda t: t.replace('"127.0.0.1:8001"', '"127.0.0.1"'), "'127.0.0.1' is not host:port"),
     (lambda t: t.replace('"[::1]:8002"', '"::1:8002"'),
      "'::1:8002': an IPv6 address needs brackets, as in [::1]:8000"),

@@ -6,6 +6,7 @@ Used by ``spec``: each problem reads like ``spec.experts[1].replicas: must be an
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any, Mapping
 
@@ -91,6 +92,11 @@ class FieldReader:
         return FieldReader(self.value(key), f"{self.path}.{key}", self.problems)
 
     def done(self) -> None:
-        unknown = sorted(set(self.raw) - self.seen)
+        """Record the keys nobody asked for, each with the field it most resembles."""
+        unknown = sorted((key for key in self.raw if key not in self.seen), key=str)
         if unknown:
-            self.problems.append(f"{self.path}: unknown fields {unknown}")
+            fields = sorted(self.seen - set(self.raw))
+            guesses = [f"{match[0]!r} for {key!r}" for key in unknown
+                       if (match := difflib.get_close_matches(str(key), fields, n=1))]
+            self.problems.append(f"{self.path}: unknown fields {unknown}" +
+                                 (f" (did you mean {', '.join(guesses)}?)" if guesses else ""))

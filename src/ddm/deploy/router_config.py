@@ -71,7 +71,7 @@ def _strict(cls: type, raw: Any, where: str) -> dict[str, Any]:
     _check(isinstance(raw, Mapping), f"{where} must be a mapping, got {raw!r}")
     fields = dataclasses.fields(cls)
     known = [f.name for f in fields]
-    unknown = sorted(set(raw) - set(known))
+    unknown = sorted(set(raw) - set(known), key=str)  # YAML keys need not be strings
     _check(not unknown, f"{where} has unknown keys {unknown}; known keys: {known}")
     missing = [f.name for f in fields if f.name not in raw
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
