@@ -233,4 +233,4 @@ def test_an_autoscaled_pool_at_zero_is_ready() -> None:
 
 def test_the_diagram_shows_an_autoscaled_pools_range() -> None:
     text = render_mermaid(parse_spec(_raw({"autoscaling": SCALING})), "t2i")
-    assert "pool rare<br/>expert 2, expert 3<br/>0 to 2 replicas (autoscaled) on CPU" in text
+    assert "pool rare<br/>expert-2, expert-3<br/>0 to 2 replicas (autoscaled) on CPU" in text

@@ -119,12 +119,12 @@ def test_bad_members_are_refused_naming_them(specs, problem):
 
 
 @pytest.mark.parametrize("options,problem", [
-    ({"max_batch": 0}, f"max_batch must be in 1..{MAX_BATCH}, got 0"),
-    ({"max_batch": MAX_BATCH + 1}, f"max_batch must be in 1..{MAX_BATCH}, got {MAX_BATCH + 1}"),
-    ({"max_delay_ms": -1.0}, "max_delay_ms must be in 0..3600000, got -1.0"),
-    ({"max_delay_ms": 1e13}, "max_delay_ms must be in 0..3600000, got 10000000000000.0"),
-    ({"max_delay_ms": float("inf")}, "max_delay_ms must be in 0..3600000, got inf"),
-    ({"max_delay_ms": float("nan")}, "max_delay_ms must be in 0..3600000, got nan"),
+    ({"max_batch": 0}, f"--max-batch must be in 1..{MAX_BATCH}, got 0"),
+    ({"max_batch": MAX_BATCH + 1}, f"--max-batch must be in 1..{MAX_BATCH}, got {MAX_BATCH + 1}"),
+    ({"max_delay_ms": -1.0}, "--max-delay-ms must be in 0..3600000, got -1.0"),
+    ({"max_delay_ms": 1e13}, "--max-delay-ms must be in 0..3600000, got 10000000000000.0"),
+    ({"max_delay_ms": float("inf")}, "--max-delay-ms must be in 0..3600000, got inf"),
+    ({"max_delay_ms": float("nan")}, "--max-delay-ms must be in 0..3600000, got nan"),
 ])
 def test_batching_no_router_could_use_is_refused_before_loading(options, problem):
     """A batch over a deployment's maxBatch would be ready yet refused by every router (its

@@ -138,7 +138,7 @@ def test_the_pooled_text2img_example_runs_one_model_process_that_serves_every_me
 
 def test_the_diagram_shows_a_pool_as_one_box_naming_its_members() -> None:
     text = render_mermaid(load_manifest(POOLED_EXAMPLE).spec, "text2img-pooled")
-    assert ('pool_models["pool models<br/>expert 0, expert 1, expert 2, expert 3, text '
+    assert ('pool_models["pool models<br/>expert-0, expert-1, expert-2, expert-3, text '
             'encoder, decoder, router network<br/>1 replica on CPU"]') in text
     assert "expert0" not in text and "stage_" not in text
     assert "router --> pool_models" in text

@@ -71,7 +71,8 @@ def _stage_label(role: str, stage: StageSpec) -> str:
 def _pool_label(spec: DDMSpec, pool: PoolSpec) -> str:
     devices = pool.accelerator.describe()
     where = "on CPU" if devices == "cpu" else f"with {devices} each"
-    members = ", ".join(name.replace("-", " ") for name in spec.members(pool.name))
+    members = ", ".join(name if isinstance(member, ExpertSpec) else name.replace("-", " ")
+                        for name, member in spec.members(pool.name).items())
     count = _count(pool.replicas, pool.autoscaling)
     return f"pool {pool.name}<br/>{members}<br/>{count} {where}"
 

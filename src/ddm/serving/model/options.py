@@ -87,19 +87,21 @@ class ServingOptions:
         refusal = compile_refusal(self.compile, self.backend)
         if refusal is not None:
             raise ValueError(f"--{refusal}")
+        # Named by their flags (ddm serve's), where a user sets them.
         for name in ("max_steps", "max_pending"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(self, name)}")
         # A deployment's bound (its maxBatch): every router refuses the report of a larger
         # batch, so such a server would be ready yet unused.
         if not 1 <= self.max_batch <= MAX_BATCH:
-            raise ValueError(f"max_batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
+            raise ValueError(f"--max-batch must be in 1..{MAX_BATCH}, got {self.max_batch}")
         if not 0 <= self.max_delay_ms <= MAX_SERVER_DELAY_MS:
-            raise ValueError(f"max_delay_ms must be in 0..{MAX_SERVER_DELAY_MS}, got "
+            raise ValueError(f"--max-delay-ms must be in 0..{MAX_SERVER_DELAY_MS}, got "
                              f"{self.max_delay_ms}")
         if not 1 <= self.context_cache_bytes <= MAX_CONTEXT_CACHE_BYTES:
-            raise ValueError(f"the context cache takes 1..{MAX_CONTEXT_CACHE_BYTES} bytes, got "
-                             f"{self.context_cache_bytes}")
+            raise ValueError(f"--context-cache-bytes must be in 1..{MAX_CONTEXT_CACHE_BYTES}, "
+                             f"got {self.context_cache_bytes}")
         if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
             raise ValueError(f"--memory-limit-bytes must be >= 1, got "
                              f"{self.memory_limit_bytes}")
