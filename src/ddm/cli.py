@@ -40,6 +40,7 @@ from ddm.runtime.commands import add_up_command
 from ddm.serving.commands import add_serve_commands
 from ddm.serving.sample_command import add_sample_command
 from ddm.termination import sigterm_handled
+from ddm.progress import quiet_library_bars
 from ddm.threads import apply_cpu_thread_policy
 from ddm.training.cli import add_fetch_data_command, add_partition_command, add_train_command
 
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if getattr(args, "computes_in_process", False):
             apply_cpu_thread_policy()
+        if getattr(args, "quiet", False) or not sys.stderr.isatty():
+            quiet_library_bars()  # as ours: none with --quiet, none in logs and pipes
         return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("ddm: interrupted", file=sys.stderr)

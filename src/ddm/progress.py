@@ -4,6 +4,7 @@ and stdout keeps only the command's result."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Callable
@@ -19,6 +20,20 @@ def progress_bar(total: int | None, what: str, unit: str, quiet: bool = False) -
 
     return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, dynamic_ncols=True,
                 leave=False, disable=True if quiet else None)  # None: off unless a TTY
+
+
+def quiet_library_bars() -> None:
+    """Turn off the bars the model libraries draw as they load (huggingface_hub's, which
+    transformers' follow): unlike ours, they draw into logs and pipes too."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when they are first imported
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 class JobProgress:

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +30,7 @@ GENERATION_S = 120.0  # a few steps of tiny models on two busy cores
 REQUEST = {"seed": 3, "steps": 4, "strategy": "top2", "guidance_scale": 7.5}
 FLAGS = ("--seed", "3", "--steps", "4", "--strategy", "top2", "--guidance-scale", "7.5")
 LABEL_DDM = Path(__file__).parents[2] / "checkpoints" / "digits"
+TEXT2IMG = Path(__file__).parents[2] / "examples" / "text2img.yaml"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -144,3 +148,17 @@ def test_guidance_out_of_range_is_refused_naming_the_flag_and_its_range(served, 
 def test_a_text_ddm_writes_only_npz_or_png(served, tmp_path, capsys):
     code, err = _sample(capsys, served[1], "--prompt", "a", "--out", tmp_path / "s.jpg")
     assert code == 2 and "--out must end with .npz (samples) or .png (images)" in err
+
+
+def test_into_a_pipe_it_draws_no_bar_not_even_the_model_libraries(tmp_path):
+    """The README's promise: bars on a terminal's stderr only. transformers draws its own as
+    it loads a text encoder, into a pipe too, unless told not to."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "ddm", "sample", str(TEXT2IMG), "--prompt", "a red seven",
+         "--steps", "2", "--out", str(tmp_path / "seven.png")],
+        capture_output=True, text=True, env=env, timeout=GENERATION_S)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "seven.png").is_file()
+    assert done.stderr == ""  # stdout has the result; nothing else was said
