@@ -313,6 +313,21 @@ def test_the_openai_image_api_refuses_a_label_ddm_naming_why(routers):
     assert reply.status_code == 422, reply.text
     assert reply.json()["error"]["message"] == ("this DDM is conditioned on labels; it takes "
                                                 "no prompts")
+    assert reply.json()["error"]["param"] == "prompt"  # the field by its name in this API
+
+
+def test_a_refusal_after_the_schema_names_the_field_as_each_route_calls_it(routers):
+    base = routers["split"]
+    for path, body, param in (("/v1/generate", {"labels": [1], "prompts": ["a red car"]},
+                               "prompts"),
+                              ("/v1/generate", {"labels": [3, 12]}, "labels"),
+                              ("/v1/generate", {"labels": [1], "guidance_scale": 7.5},
+                               "guidance_scale")):
+        reply = httpx.post(f"{base}{path}", json=body)
+        assert (reply.status_code, reply.json()["param"]) == (422, param), reply.text
+    for query, param in (("label=11", "label"), ("label=1&prompt=a+red+car", "prompt")):
+        reply = httpx.get(f"{base}/v1/generate/stream?{query}")
+        assert (reply.status_code, reply.json()["param"]) == (422, param), reply.text
 
 
 def test_bad_stream_queries_get_a_4xx_before_streaming(routers):

@@ -264,15 +264,24 @@ Loop = Generator[Query | StepEvent | Decoded, Any, None]
 # ------------------------------------------------------------------------------- validation
 
 
+class RequestRefused(ValueError):
+    """What a DDM cannot do for a request, and the request field at fault (``param``, a
+    :class:`SamplingRequest` field's name), which an API names to its client."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def check_labels(labels: Sequence[int], num_classes: int) -> np.ndarray:
     """``labels`` as ``(N,)`` int64, or a ``ValueError`` naming those outside the classes."""
     values = [int(v) for v in labels]  # Python integers: 2**64 is outside, not an overflow
     if not values:
-        raise ValueError("no labels given")
+        raise RequestRefused("no labels given", "labels")
     outside = sorted({v for v in values if not 0 <= v < num_classes})
     if outside:
-        raise ValueError(f"labels {outside} are outside the model's classes "
-                         f"0..{num_classes - 1}")
+        raise RequestRefused(f"labels {outside} are outside the model's classes "
+                             f"0..{num_classes - 1}", "labels")
     return np.asarray(values, dtype=np.int64)
 
 
@@ -287,15 +296,17 @@ def check_request(mixture: Mixture, request: SamplingRequest,
     problems = sampling_problems({name: _plain(getattr(request, name)) for name in
                                   ("steps", "solver", "guidance_scale", "guidance_cutoff")})
     if problems:
-        raise ValueError("; ".join(f"{name} {message}" for name, message in problems))
+        raise RequestRefused("; ".join(f"{name} {message}" for name, message in problems),
+                             problems[0][0])
     if request.steps > max_steps:
-        raise ValueError(f"steps must be an integer in [{STEPS.minimum:g}, {max_steps}], got "
-                         f"{request.steps!r}")
+        raise RequestRefused(f"steps must be an integer in [{STEPS.minimum:g}, {max_steps}], "
+                             f"got {request.steps!r}", "steps")
     if not _is_int(request.delegate_steps) or request.delegate_steps < 0:
-        raise ValueError(f"delegate_steps must be an integer >= 0, got "
-                         f"{request.delegate_steps!r}")
+        raise RequestRefused(f"delegate_steps must be an integer >= 0, got "
+                             f"{request.delegate_steps!r}", "delegate_steps")
     if request.output not in OUTPUTS:
-        raise ValueError(f"output must be one of {', '.join(OUTPUTS)}, got {request.output!r}")
+        raise RequestRefused(f"output must be one of {', '.join(OUTPUTS)}, got "
+                             f"{request.output!r}", "output")
     if mixture.conditioning == TEXT:
         rows = _check_text(mixture, request)
         y = np.zeros(0, np.int64)
@@ -313,11 +324,13 @@ def _check_labelled(mixture: Mixture, request: SamplingRequest) -> np.ndarray:
                                      ("negative_prompt", request.negative_prompt is not None))
             if given]
     if text:
-        raise ValueError(f"this DDM is conditioned on labels; it takes no {', '.join(text)}")
+        raise RequestRefused(f"this DDM is conditioned on labels; it takes no "
+                             f"{', '.join(text)}", text[0])
     if request.guidance_scale != 1.0:
-        raise ValueError(f"guidance_scale must be 1 for a label DDM (got "
-                         f"{request.guidance_scale!r}): classifier-free guidance needs experts "
-                         "with an unconditional input, as a text DDM's")
+        raise RequestRefused(f"guidance_scale must be 1 for a label DDM (got "
+                             f"{request.guidance_scale!r}): classifier-free guidance needs "
+                             "experts with an unconditional input, as a text DDM's",
+                             "guidance_scale")
     y = check_labels(request.labels, mixture.num_classes)
     if request.strategy.kind == "oracle":
         oracle_probs(y, mixture.expert_classes)  # every label owned by exactly one expert
@@ -325,46 +338,50 @@ def _check_labelled(mixture: Mixture, request: SamplingRequest) -> np.ndarray:
     _check_routable(mixture, request.strategy)
     uncovered = sorted({int(v) for v in y[~mixture.servable[y].any(axis=1)]})
     if uncovered:
-        raise ValueError(f"labels {uncovered} are served by no expert "
-                         f"(experts serve {_coverage(mixture)})")
+        raise RequestRefused(f"labels {uncovered} are served by no expert "
+                             f"(experts serve {_coverage(mixture)})", "labels")
     return y
 
 
 def _check_text(mixture: Mixture, request: SamplingRequest) -> int:
     """A text DDM's request: prompts or precomputed text conditioning; its number of rows."""
     if request.labels:
-        raise ValueError("this DDM is conditioned on text: send prompts, not labels")
+        raise RequestRefused("this DDM is conditioned on text: send prompts, not labels",
+                             "labels")
     if request.strategy.kind == "oracle":
-        raise ValueError("the oracle strategy routes by label, and this DDM is conditioned on "
-                         "text (its experts are not split by label); use a learned strategy "
-                         "such as top2")
+        raise RequestRefused("the oracle strategy routes by label, and this DDM is conditioned "
+                             "on text (its experts are not split by label); use a learned "
+                             "strategy such as top2", "strategy")
     if bool(request.prompts) == (request.conditioning is not None):
-        raise ValueError("give either prompts or precomputed conditioning, exactly one")
+        raise RequestRefused("give either prompts or precomputed conditioning, exactly one",
+                             "prompts")
     if request.conditioning is None:
         if not mixture.encoder:
-            raise ValueError("this DDM has no text encoder: send precomputed embeddings")
+            raise RequestRefused("this DDM has no text encoder: send precomputed embeddings",
+                                 "prompts")
         strings = [request.negative_prompt] if request.negative_prompt is not None else []
         if not all(isinstance(p, str) for p in [*request.prompts, *strings]):
-            raise ValueError("prompts and the negative prompt must be strings")
+            raise RequestRefused("prompts and the negative prompt must be strings", "prompts")
         rows = len(request.prompts)
     else:
         if request.conditioning.kind != TEXT:
-            raise ValueError("this DDM is conditioned on text; the conditioning given holds "
-                             "labels")
+            raise RequestRefused("this DDM is conditioned on text; the conditioning given "
+                                 "holds labels", "conditioning")
         if request.negative_prompt is not None:
-            raise ValueError("a negative prompt goes with prompts; with precomputed "
-                             "conditioning, give its embeddings as conditioning.negative")
+            raise RequestRefused("a negative prompt goes with prompts; with precomputed "
+                                 "conditioning, give its embeddings as conditioning.negative",
+                                 "negative_prompt")
         rows = len(request.conditioning)
     if rows < 1:
-        raise ValueError("no prompts given")
+        raise RequestRefused("no prompts given", "prompts")
     _check_routable(mixture, request.strategy)
     return rows
 
 
 def _check_routable(mixture: Mixture, strategy: Strategy) -> None:
     if len(mixture.expert_names) > 1 and not mixture.routed and strategy.kind != "random":
-        raise ValueError(f"strategy {strategy.name} needs the router network, and "
-                         "this DDM has none; use the oracle strategy")
+        raise RequestRefused(f"strategy {strategy.name} needs the router network, and "
+                             "this DDM has none; use the oracle strategy", "strategy")
 
 
 def _check_latents(mixture: Mixture, latents: np.ndarray | None, rows: int) -> None:
@@ -375,13 +392,15 @@ def _check_latents(mixture: Mixture, latents: np.ndarray | None, rows: int) -> N
             or latents.shape != expected):
         got = (f"{latents.dtype} {latents.shape}" if isinstance(latents, np.ndarray)
                else type(latents).__name__)
-        raise ValueError(f"latents must be float32 of shape {expected}, got {got}")
+        raise RequestRefused(f"latents must be float32 of shape {expected}, got {got}",
+                             "latents")
     if not np.isfinite(latents).all():
-        raise ValueError("latents hold NaN or infinity")
+        raise RequestRefused("latents hold NaN or infinity", "latents")
     largest = float(np.abs(latents).max(initial=0.0))
     if largest > MAX_STATE_MAGNITUDE:
-        raise ValueError(f"latents must lie within +-{MAX_STATE_MAGNITUDE:g} "
-                         f"(MAX_STATE_MAGNITUDE), got a value of magnitude {largest:.3g}")
+        raise RequestRefused(f"latents must lie within +-{MAX_STATE_MAGNITUDE:g} "
+                             f"(MAX_STATE_MAGNITUDE), got a value of magnitude {largest:.3g}",
+                             "latents")
 
 
 # ------------------------------------------------------------------------------- the loop

@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import (Annotated, Any, AsyncGenerator, AsyncIterator, Awaitable, Callable,
-                    Sequence, TypeVar)
+                    Mapping, Sequence, TypeVar)
 
 import numpy as np
 from fastapi import FastAPI, HTTPException, Query, Request
@@ -98,7 +98,7 @@ from ddm.serving.router.api.previews import StatePoint, latent_preview
 from ddm.serving.router.fleet.remote import (CheckedRequest, Decoded, RemoteMixture,
                                              SamplingRequest, StepEvent, Tally, check_request,
                                              denoise, generate_remote)
-from ddm.sampling.loop import encoded_texts
+from ddm.sampling.loop import RequestRefused, encoded_texts
 from ddm.deploy.router_config import Auth, RouterConfigFile
 from ddm.serving.router.api.openai_compat import (NO_IMAGE_EDITS, OpenAIError, OpenAIErrors,
                                                   models_list)
@@ -209,7 +209,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
             http: Request) -> StreamingResponse:
         request = sampling_request(query, () if query.label is None else (query.label,),
                                    () if query.prompt is None else (query.prompt,))
-        mixture, checked = _checked(router, request)
+        mixture, checked = _checked(router, request, {"labels": "label", "prompts": "prompt"})
         client = _client(router, http)
         router.take_slot(client, row_steps(request))
         events = _events(router, mixture, checked, client)
@@ -237,7 +237,7 @@ def create_router_app(config: RouterConfigFile, deadline_s: float | None = None,
         except ValueError as error:
             raise _FieldRefused("latents", str(error)) from None
         request = sampling_request(body, prompts=(body.prompt,) * body.n, latents=latents)
-        mixture, checked = _checked(router, request)
+        mixture, checked = _checked(router, request, {"prompts": "prompt"})
         if body.size is not None:
             own = _image_size(mixture, await router.decoded_size(mixture.image_shape))
             if own is not None and body.size != own:
@@ -442,14 +442,18 @@ def _image_size(mixture: RemoteMixture, decoded: tuple[int, int] | None) -> str 
     return f"{decoded[1]}x{decoded[0]}"
 
 
-def _checked(router: RouterState, request: SamplingRequest
+def _checked(router: RouterState, request: SamplingRequest, fields: Mapping[str, str] = {}
              ) -> tuple[RemoteMixture, CheckedRequest]:
-    """The mixture to generate with, and ``request`` checked against it (a 422 if refused)."""
+    """The mixture to generate with, and ``request`` checked against it (a 422 if refused,
+    naming the field at fault: as the route calls it, ``fields``, where its name is not the
+    request's)."""
     mixture = router.mixture()
     if mixture.conditioning == TEXT and mixture.decoder is None:
         raise HTTPException(422, "this DDM has no decoder: it makes latents, not images")
     try:
         return mixture, check_request(mixture, request)
+    except RequestRefused as error:
+        raise _FieldRefused(fields.get(error.param, error.param), str(error)) from None
     except ValueError as error:
         raise HTTPException(422, str(error)) from None
 
