@@ -8,6 +8,8 @@ and the deployment plan (``ddm.deploy.limits``) and the checkpoint format share 
 #: The frameworks an expert is trained in (a checkpoint's ``framework``, a stage's, an exported
 #: program's).
 FRAMEWORKS = ("torch", "jax")
+#: What an expert or stage is in where its spec says nothing.
+DEFAULT_FRAMEWORK = FRAMEWORKS[0]
 
 PREDICTIONS = ("velocity", "epsilon", "sample", "v_prediction")
 SCHEDULES = ("linear", "rectified-flow", "vp-linear", "vp-cosine")

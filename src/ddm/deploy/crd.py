@@ -172,7 +172,7 @@ RESOURCES = Object(
     properties={"limits": QUANTITIES, "requests": QUANTITIES})
 LABEL_VALUE = String(max_length=MAX_LABEL_VALUE_LENGTH, pattern=LABEL_VALUE_PATTERN)
 #: The pod fields every placed component passes through (``ddm.deploy.pod_options``).
-FRAMEWORK = String(choices=limits.FRAMEWORKS, default=limits.FRAMEWORKS[0])
+FRAMEWORK = String(choices=limits.FRAMEWORKS, default=limits.DEFAULT_FRAMEWORK)
 POD_FIELDS: dict[str, Field] = {
     "image": String(
         description="Overrides the operator's default image (a plain image reference): one of "

@@ -8,6 +8,7 @@ Plain constants only: no NumPy, no ML framework (the operator and the CLI import
 
 from __future__ import annotations
 
+from ddm.objective_names import DEFAULT_FRAMEWORK as DEFAULT_FRAMEWORK
 from ddm.objective_names import FRAMEWORKS as FRAMEWORKS
 # The sampling parameters' bounds and defaults are declared in ddm.sampling_params.
 from ddm.sampling_params import DEFAULT_SOLVER as DEFAULT_SOLVER

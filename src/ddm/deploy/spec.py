@@ -41,6 +41,7 @@ from ddm.deploy.limits import (
     COMPILE_MODES,
     CONDITIONINGS,
     DEFAULT_CONTEXT_CACHE_BYTES,
+    DEFAULT_FRAMEWORK,
     DEFAULT_MISSING_EXPERT_POLICY,
     FRAMEWORKS,
     GROUPED_FORWARD_MODES,
@@ -513,13 +514,20 @@ def _accelerator(reader: FieldReader) -> Accelerator:
     return accelerator
 
 
-def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
+def read_unit_name(reader: FieldReader) -> str | None:
+    """The required ``name`` of an expert or a pool: a DNS-1123 label, as the names of the
+    Kubernetes objects made for it end in it."""
     name = reader.string("name", None, pattern=EXPERT_NAME_PATTERN,
-                         max_length=MAX_EXPERT_NAME_LENGTH,
-                         hint="a DNS-1123 label: lower-case letters, digits and '-'")
+                         max_length=MAX_EXPERT_NAME_LENGTH, hint=DNS_LABEL_HINT)
     if not reader.has("name"):
         reader.problem("name", "is required")
-    framework = reader.string("framework", "torch", choices=FRAMEWORKS) or "torch"
+    return name
+
+
+def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
+    name = read_unit_name(reader)
+    framework = (reader.string("framework", DEFAULT_FRAMEWORK, choices=FRAMEWORKS)
+                 or DEFAULT_FRAMEWORK)
     pool = _pool_name(reader)
     accelerator, accelerator_ok = read_accelerator(reader, framework)
     checkpoint, fetch = None, FetchOptions()
@@ -555,6 +563,8 @@ def _expert(reader: FieldReader, allow_host_paths: bool) -> ExpertSpec | None:
     return expert if name and checkpoint else None
 
 
+#: What an expert's or pool's name must be (``EXPERT_NAME_PATTERN``), in words.
+DNS_LABEL_HINT = "a DNS-1123 label: lower-case letters, digits and '-'"
 #: What a pool decides for its members: a component that names a pool gives none of these.
 POOL_PLACED_FIELDS = ("placement", "accelerator", "replicas", "resources", "image",
                       "nodeSelector", "tolerations", "affinity", "maxBatch", "maxDelayMs",
@@ -564,9 +574,7 @@ POOL_PLACED_FIELDS = ("placement", "accelerator", "replicas", "resources", "imag
 def _pool_name(reader: FieldReader) -> str | None:
     """A component's ``pool``, refusing every field its pool decides instead."""
     pool = reader.string("pool", None, pattern=EXPERT_NAME_PATTERN,
-                         max_length=MAX_EXPERT_NAME_LENGTH,
-                         hint="a pool's name, a DNS-1123 label: lower-case letters, digits and "
-                              "'-'")
+                         max_length=MAX_EXPERT_NAME_LENGTH, hint=f"a pool's name, {DNS_LABEL_HINT}")
     if pool is not None:
         for key in POOL_PLACED_FIELDS:
             if reader.has(key):
@@ -594,11 +602,7 @@ def _autoscaling(reader: FieldReader) -> Autoscaling | None:
 
 
 def _pool(reader: FieldReader) -> PoolSpec | None:
-    name = reader.string("name", None, pattern=EXPERT_NAME_PATTERN,
-                         max_length=MAX_EXPERT_NAME_LENGTH,
-                         hint="a DNS-1123 label: lower-case letters, digits and '-'")
-    if not reader.has("name"):
-        reader.problem("name", "is required")
+    name = read_unit_name(reader)
     # Which frameworks the accelerator must run is the members' question (pool_problems).
     accelerator, accelerator_ok = read_accelerator(reader, "torch")
     pool = PoolSpec(name=name or "", accelerator=accelerator,

@@ -33,7 +33,7 @@ from ddm.deploy.accelerators import Accelerator
 from ddm.deploy.fields import FieldReader
 from ddm.deploy.imported import DECODER_DIR, TEXT_ENCODER_DIR, expert_dir
 from ddm.deploy.imported import ROUTER_DIR as IMPORTED_ROUTER_DIR
-from ddm.deploy.limits import FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
+from ddm.deploy.limits import DEFAULT_FRAMEWORK, FRAMEWORKS, MAX_CLASS, MAX_EXPERTS
 from ddm.deploy.pod_options import (
     IMAGE_PATTERN,
     MAX_IMAGE_LENGTH,
@@ -46,7 +46,6 @@ from ddm.deploy.spec import KIND as DEPLOYMENT_KIND
 from ddm.deploy.spec import (
     EXPERT_NAME_PATTERN,
     GROUP,
-    MAX_EXPERT_NAME_LENGTH,
     MAX_NAME_LENGTH,
     NAME_PATTERN,
     VERSION,
@@ -57,6 +56,7 @@ from ddm.deploy.spec import (
     read_accelerator,
     read_identity,
     read_secret_key,
+    read_unit_name,
     report_node_label_conflicts,
 )
 from ddm.deploy.strict_yaml import load_yaml
@@ -450,12 +450,9 @@ def _workers(reader: FieldReader, framework: str) -> Workers:
 
 
 def _expert(reader: FieldReader, index: int) -> ExpertTraining | None:
-    name = reader.string("name", None, pattern=EXPERT_NAME_PATTERN,
-                         max_length=MAX_EXPERT_NAME_LENGTH,
-                         hint="a DNS-1123 label: lower-case letters, digits and '-'")
-    if not reader.has("name"):
-        reader.problem("name", "is required")
-    framework = reader.string("framework", FRAMEWORKS[0], choices=FRAMEWORKS) or FRAMEWORKS[0]
+    name = read_unit_name(reader)
+    framework = (reader.string("framework", DEFAULT_FRAMEWORK, choices=FRAMEWORKS)
+                 or DEFAULT_FRAMEWORK)
     expert = ExpertTraining(
         name=name or "", framework=framework,
         model=reader.string("model", DEFAULT_MODEL_CONFIG, pattern=MODEL_CONFIG_PATTERN,
@@ -602,7 +599,7 @@ def deployment_document(spec: TrainingSpec, output_uri: str | None = None,
              if isinstance(e, Mapping)}
     router = dict(template.get("router") or {})
     if spec.text2img:
-        experts = [{"name": name, "framework": FRAMEWORKS[0], **dict(given.get(name, {})),
+        experts = [{"name": name, "framework": DEFAULT_FRAMEWORK, **dict(given.get(name, {})),
                     "checkpoint": checkpoint(f"{TEXT2IMG_DDM_DIR}/{expert_dir(k)}")}
                    for k, name in enumerate(expert_names(spec))]
         stages = {key: {**dict(template.get(key) or {}),
