@@ -51,7 +51,7 @@ from ddm.deploy.training_spec import (
     MAX_PROCESSES_PER_NODE,
     MAX_QUEUE_LENGTH,
     MAX_SEED,
-    MAX_STEPS,
+    MAX_TRAIN_STEPS,
     MIN_IMAGE_SIZE,
     MIN_LEARNING_RATE,
     MODEL_CONFIG_PATTERN,
@@ -89,7 +89,7 @@ SEED = Integer(minimum=0, maximum=MAX_SEED)
 # -- One job's optimisation and where it runs (``TrainSettings``, ``Workers``) -----------------
 #: What the experts' and the router's jobs both take.
 TRAIN_FIELDS: dict[str, Field] = {
-    "steps": Integer(minimum=1, maximum=MAX_STEPS),
+    "steps": Integer(minimum=1, maximum=MAX_TRAIN_STEPS),
     "batchSize": Integer(description="The global batch, shared by every process of the job.",
                          minimum=1, maximum=MAX_BATCH_SIZE),
     "learningRate": Number(description="The peak learning rate.", minimum=MIN_LEARNING_RATE,
@@ -97,7 +97,7 @@ TRAIN_FIELDS: dict[str, Field] = {
     "seed": SEED,
     "saveEvery": Integer(
         description=f"Steps between two saves of the training state (default {SAVE_EVERY}).",
-        minimum=1, maximum=MAX_STEPS),
+        minimum=1, maximum=MAX_TRAIN_STEPS),
 }
 #: The pod fields of a DDMDeployment's component, without its operator's allow-lists (a
 #: DDMTraining's jobs are not held to them).
@@ -179,7 +179,7 @@ SPEC = Object(required=("output", "deployment"), properties={
                 description="Steps of each trained stage (defaults: "
                             + ", ".join(f"{k} {v}" for k, v in TEXT2IMG_STEPS.items())
                             + ").",
-                properties={stage: Integer(minimum=1, maximum=MAX_STEPS)
+                properties={stage: Integer(minimum=1, maximum=MAX_TRAIN_STEPS)
                             for stage in TEXT2IMG_STEPS}),
         }),
     "partition": Object(

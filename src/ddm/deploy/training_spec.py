@@ -97,7 +97,7 @@ QUEUE_PATTERN = EXPERT_NAME_PATTERN
 MAX_QUEUE_LENGTH = MAX_LABEL_VALUE_LENGTH
 MAX_NODES = 64
 MAX_PROCESSES_PER_NODE = 64
-MAX_STEPS = 10_000_000
+MAX_TRAIN_STEPS = 10_000_000
 MAX_BATCH_SIZE = 1 << 16
 MAX_SEED = 2**31 - 1
 MAX_KMEANS = MAX_EXPERTS
@@ -423,13 +423,13 @@ def _partition(reader: FieldReader) -> PartitionSpec:
 
 def _train(reader: FieldReader, defaults: Mapping[str, Any]) -> TrainSettings:
     return TrainSettings(
-        steps=reader.integer("steps", defaults["steps"], 1, MAX_STEPS) or 1,
+        steps=reader.integer("steps", defaults["steps"], 1, MAX_TRAIN_STEPS) or 1,
         batch_size=reader.integer("batchSize", defaults["batchSize"], 1, MAX_BATCH_SIZE) or 1,
         learning_rate=reader.number("learningRate", defaults["learningRate"],
                                     MIN_LEARNING_RATE, MAX_LEARNING_RATE)
         or defaults["learningRate"],
         seed=reader.integer("seed", 0, 0, MAX_SEED) or 0,
-        save_every=reader.integer("saveEvery", SAVE_EVERY, 1, MAX_STEPS) or SAVE_EVERY)
+        save_every=reader.integer("saveEvery", SAVE_EVERY, 1, MAX_TRAIN_STEPS) or SAVE_EVERY)
 
 
 def _workers(reader: FieldReader, framework: str) -> Workers:
@@ -485,7 +485,7 @@ def _boolean(reader: FieldReader, key: str, default: bool) -> bool:
 def _text2img(reader: FieldReader) -> Text2ImgTraining:
     """``clusters``, ``size`` and ``steps`` (per trained stage; the trainer's defaults)."""
     steps_reader = reader.child("steps")
-    steps = tuple((stage, steps_reader.integer(stage, default, 1, MAX_STEPS) or default)
+    steps = tuple((stage, steps_reader.integer(stage, default, 1, MAX_TRAIN_STEPS) or default)
                   for stage, default in TEXT2IMG_STEPS.items())
     steps_reader.done()
     text2img = Text2ImgTraining(
