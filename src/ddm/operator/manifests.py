@@ -151,7 +151,8 @@ def build_expert_deployment(expert: ExpertSpec, meta: Mapping[str, Any], config:
         checkpoints=[_Checkpoint(expert.checkpoint, expert.fetch, expert_key(expert.name),
                                  EXPERT_CHECKPOINT_DIR)],
         command=lambda paths, token_file: planned.command(
-            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file), token=token)
+            paths[0], names.POD_HOST, names.EXPERT_PORT, names.METRICS_PORT, token_file),
+        token=token)
 
 
 def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
@@ -168,7 +169,8 @@ def build_stage_deployment(role: str, stage: StageSpec, meta: Mapping[str, Any],
         checkpoints=[_Checkpoint(stage.checkpoint, stage.fetch, _stage_key(role),
                                  STAGE_CHECKPOINT_DIR)],
         command=lambda paths, token_file: planned.command(
-            paths[0], "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT, token_file), token=token)
+            paths[0], names.POD_HOST, names.EXPERT_PORT, names.METRICS_PORT, token_file),
+        token=token)
 
 
 def build_pool_deployment(spec: DDMSpec, pool: PoolSpec, meta: Mapping[str, Any],
@@ -192,7 +194,7 @@ def build_pool_deployment(spec: DDMSpec, pool: PoolSpec, meta: Mapping[str, Any]
         accelerator=pool.accelerator, pod=pool.pod, ready_s=planned.ready_s,
         checkpoints=checkpoints,
         command=lambda paths, token_file: planned.command(
-            dict(zip(members, paths)), "0.0.0.0", names.EXPERT_PORT, names.METRICS_PORT,
+            dict(zip(members, paths)), names.POD_HOST, names.EXPERT_PORT, names.METRICS_PORT,
             token_file), token=token)
 
 
@@ -393,7 +395,7 @@ def build_router_deployment(spec: DDMSpec, meta: Mapping[str, Any], config: Oper
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
         "command": ["ddm", *RouterPlan.command(f"{ROUTER_CONFIG_DIR}/{ROUTER_CONFIG_FILE}",
-                                               "0.0.0.0", names.ROUTER_PORT,
+                                               names.POD_HOST, names.ROUTER_PORT,
                                                names.METRICS_PORT),
                     "--drain-s", str(DRAIN_S)],
         "ports": _ports(names.ROUTER_PORT),

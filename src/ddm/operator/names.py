@@ -59,6 +59,8 @@ POD_RESOURCE = ("v1", "pods")
 CHILD_RESOURCES = (("apps", "v1", "deployments"), ("v1", "services"), ("v1", "configmaps"),
                    ("networking.k8s.io", "v1", "networkpolicies"), POD_RESOURCE)
 
+#: Where a pod's servers listen: every address of the pod's own network namespace.
+POD_HOST = "0.0.0.0"
 #: Annotations that point annotation-based Prometheus discovery at ``METRICS_PORT``.
 SCRAPE_ANNOTATIONS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORT),
                       "prometheus.io/path": "/metrics"}
