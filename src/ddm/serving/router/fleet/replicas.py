@@ -175,9 +175,7 @@ class ExpertInfo:
         require(all(0 <= c <= MAX_CLASS for c in classes) and len(set(classes)) == len(classes),
                 f"classes must be distinct integers in 0..{MAX_CLASS}, got "
                 f"{_shown(raw['classes'])}")
-        max_batch = raw.get("max_batch")
-        require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
-                f"max_batch must be an integer in 1..{MAX_BATCH}, got {_shown(max_batch)}")
+        max_batch = report_max_batch(raw)
         partition = raw.get("partition")
         require(partition is None or isinstance(partition, Mapping),
                 f"partition must be an object or null, got {_shown(partition)}")
@@ -198,9 +196,7 @@ class ExpertInfo:
             type(text_width) is int and 1 <= text_width <= MAX_TEXT_WIDTH),
             f"text_width must be an integer in 1..{MAX_TEXT_WIDTH} for a text expert (null "
             f"for labels), got {_shown(text_width)}")
-        wire_dtype = raw.get("wire_dtype", "float32")
-        require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)},"
-                                          f" got {_shown(wire_dtype)}")
+        wire_dtype = report_wire_dtype(raw, "float32")
         cluster = raw.get("cluster")
         require(cluster is None or (type(cluster) is int and 0 <= cluster < MAX_EXPERTS),
                 f"cluster must be an integer in 0..{MAX_EXPERTS - 1} or null, got "
@@ -231,6 +227,24 @@ def report_shape(raw: Mapping[str, Any], field: str) -> tuple[int, int, int]:
             f"{field} must be (C, H, W) with C in 1..{MAX_IMAGE_CHANNELS} and H, W in "
             f"1..{MAX_IMAGE_SIDE}, got {_shown(raw[field])}")
     return shape[0], shape[1], shape[2]
+
+
+def report_max_batch(raw: Mapping[str, Any]) -> int:
+    """A report's ``max_batch`` within a deployment's bound (what sizes the router's batches
+    to it), else :class:`InvalidReport` naming it."""
+    max_batch = raw.get("max_batch")
+    require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
+            f"max_batch must be an integer in 1..{MAX_BATCH}, got {_shown(max_batch)}")
+    return max_batch
+
+
+def report_wire_dtype(raw: Mapping[str, Any], default: str | None = None) -> str:
+    """A report's ``wire_dtype`` (``default`` where it says none; None: it must say), else
+    :class:`InvalidReport` naming it."""
+    wire_dtype = raw.get("wire_dtype", default)
+    require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}, "
+                                      f"got {_shown(wire_dtype)}")
+    return wire_dtype
 
 
 def require(ok: bool, problem: str) -> None:

@@ -24,13 +24,14 @@ import numpy as np
 from ddm.checkpoints.declared import DECODER, ROUTER, TEXT_ENCODER
 from ddm.checkpoints.roles import stage_roles
 from ddm.conditioning import EncodedPrompts
-from ddm.deploy.limits import (MAX_BATCH, MAX_EXPERTS, MAX_PROMPT_BYTES, MAX_TEXT_TOKENS,
-                               MAX_TEXT_WIDTH, PRECISIONS)
+from ddm.deploy.limits import (MAX_EXPERTS, MAX_PROMPT_BYTES, MAX_TEXT_TOKENS,
+                               MAX_TEXT_WIDTH)
 from ddm.serving.wire.protocol import (DecodeRequest, EncodeRequest, Limits, RouteRequest,
                                        decode_encoded, decode_probabilities, decode_response,
                                        encode_request, max_error_reply_bytes, max_reply_bytes)
 from ddm.serving.http.auth import TokenFile
-from ddm.serving.router.fleet.replicas import (EndpointSource, Replica, report_shape, require,
+from ddm.serving.router.fleet.replicas import (EndpointSource, Replica, report_max_batch,
+                                               report_shape, report_wire_dtype, require,
                                                short_text)
 from ddm.serving.router.fleet.servers import ModelServers, PoolMetrics, PoolSettings, gather_all
 
@@ -81,11 +82,7 @@ class StageInfo:
         require(role in roles,
                 f"role must be one of {', '.join(roles)}, got {str(role)[:64]!r}")
         reports = roles[role].reports  # what this role's report must carry (its registry's)
-        max_batch = raw.get("max_batch")
-        require(type(max_batch) is int and 1 <= max_batch <= MAX_BATCH,
-                f"max_batch must be an integer in 1..{MAX_BATCH}")
-        wire_dtype = raw.get("wire_dtype")
-        require(wire_dtype in PRECISIONS, f"wire_dtype must be one of {', '.join(PRECISIONS)}")
+        max_batch, wire_dtype = report_max_batch(raw), report_wire_dtype(raw)
         width = raw.get("text_width")
         require("text_width" not in reports
                 or (type(width) is int and 1 <= width <= MAX_TEXT_WIDTH),
