@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ddm.checkpoints.format import CheckpointError, CheckpointMeta, load_checkpoint, save_checkpoint
-from ddm.models.config import ConfigError
+from ddm.models.config import ConfigError, config_from_dict
 from ddm.models.torch_io import canonical_weights, load_canonical
 
 BATCH_SIZE = 64
@@ -57,15 +57,7 @@ class ClassifierConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ClassifierConfig":
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"ClassifierConfig must be a mapping, got {type(d).__name__}")
-        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(f"ClassifierConfig has unknown keys: {', '.join(unknown)}")
-        try:
-            return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
-        except TypeError as exc:
-            raise ConfigError(f"ClassifierConfig: {exc}") from None
+        return config_from_dict(cls, d)
 
 
 class ClassifierNet(nn.Module):

@@ -71,7 +71,7 @@ class UNetConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "UNetConfig":
-        return _from_dict(cls, d)
+        return config_from_dict(cls, d)
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class RouterNetworkConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RouterNetworkConfig":
-        return _from_dict(cls, d)
+        return config_from_dict(cls, d)
 
 
 #: Named UNet sizes. ``digits-small`` is the shipped CPU demo; ``mnist-small`` the MNIST DDM's
@@ -141,11 +141,14 @@ def unet_config(name: str) -> UNetConfig:
             f"unknown UNet config {name!r}; known: {', '.join(sorted(UNET_CONFIGS))}") from None
 
 
-def _from_dict(cls: type, d: Mapping[str, Any]) -> Any:
+def config_from_dict(cls: type, d: Mapping[str, Any]) -> Any:
+    """Config dataclass ``cls`` from ``d`` (parsed JSON, its lists as tuples): a
+    :class:`ConfigError` naming what is wrong, never a ``TypeError``, where ``d`` is not an
+    object, holds a key ``cls`` does not know or lacks one it needs."""
     if not isinstance(d, Mapping):
         raise ConfigError(f"{cls.__name__} must be a mapping, got {type(d).__name__}")
     known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
+    unknown = sorted(map(str, set(d) - known))
     if unknown:
         raise ConfigError(f"{cls.__name__} has unknown keys: {', '.join(unknown)}")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ddm.models.config import ConfigError
+from ddm.models.config import ConfigError, config_from_dict
 
 #: The EMA's warm-up: update ``t`` (0-based) averages with decay
 #: ``min(ema_decay, (1 + t) / (EMA_WARMUP + t))`` (TensorFlow's ExponentialMovingAverage with
@@ -70,8 +70,4 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"TrainConfig has unknown keys: {', '.join(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
