@@ -30,6 +30,9 @@ from ddm.operator import names
 from ddm.deploy.crd import PHASES as PHASES
 from ddm.deploy.spec import DDMSpec, ExpertSpec, PoolSpec, SpecError
 
+#: The phases by name (the conditions' types and reasons are other strings).
+PENDING_PHASE, PROGRESSING_PHASE, READY_PHASE, FAILED_PHASE, INVALID_PHASE = PHASES
+
 #: A container waiting for one of these will not start by itself.
 FAILING_WAITING_REASONS = frozenset({
     "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -306,8 +309,8 @@ def ready_status(spec: DDMSpec, meta: Mapping[str, Any], *,
     any_ready = router.ready > 0 or any(r.ready > 0 for r in [*experts.values(),
                                                               *stages.values(),
                                                               *pooled.values()])
-    phase = ("Failed" if failure else "Ready" if ready["status"] == "True" else
-             "Progressing" if any_ready else "Pending")
+    phase = (FAILED_PHASE if failure else READY_PHASE if ready["status"] == "True" else
+             PROGRESSING_PHASE if any_ready else PENDING_PHASE)
     return {
         "observedGeneration": generation,
         "phase": phase,
@@ -379,7 +382,7 @@ def invalid_status(error: SpecError, meta: Mapping[str, Any], *, previous: Mappi
                                                         "experts", "stages", "pools",
                                                         "routerTokenSecret", "tokenSecrets")},
         "observedGeneration": generation,
-        "phase": "Invalid",
+        "phase": INVALID_PHASE,
         "conditions": [
             build_condition(old, "Ready", False, generation, now, ("SpecInvalid", message)),
             build_condition(old, "SpecValid", False, generation, now, ("Invalid", message)),
