@@ -183,9 +183,18 @@ def _bad_json(release: Path) -> str:
     return f"{path} is not valid JSON"
 
 
+def _sampler_settings_out_of_bounds(release: Path) -> str:
+    path = release / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "num_inference_steps": 10**9, "routing": "best"}))
+    return (f"{path}: num_inference_steps must be an integer in [1, 1000], got 1000000000; "
+            "routing ")
+
+
 @pytest.mark.parametrize("breakage", [_rename_tensor, _gap_in_experts, _pickled_text_encoder,
                                       _vae_of_other_latents, _no_router, _config_disagrees,
-                                      _corrupt_weights, _bad_json])
+                                      _corrupt_weights, _bad_json,
+                                      _sampler_settings_out_of_bounds])
 def test_a_broken_release_is_refused_by_name_and_leaves_nothing(
         release: Path, tmp_path: Path, breakage) -> None:
     broken = tmp_path / "release"

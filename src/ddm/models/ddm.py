@@ -27,7 +27,7 @@ from ddm.models.paris_loading import read_component_config
 from ddm.models.stages import (DEFAULT_GUIDANCE, DEFAULT_ROUTING, DEFAULT_STEPS,
                                ConditionedRouter, ConditionedVelocity, Stage,
                                check_stage_shapes, expert_directories, load_stage,
-                               stage_directory)
+                               release_sampling, stage_directory)
 from ddm.models.text_prior import pooled_text
 
 
@@ -185,10 +185,7 @@ def assemble_ddm(root: Path, names: Sequence[str], experts: Sequence[Stage],
         num_classes=num_classes, conditioning=conditioning,
         grid=TimeGrid("flow-match" if isinstance(conventions.pop(), FlowMatchNetwork)
                       else "uniform"),
-        guidance_scale=float(settings.get("cfg_scale", DEFAULT_GUIDANCE)),
-        steps=int(settings.get("num_inference_steps", DEFAULT_STEPS)),
-        strategy=str(settings.get("routing", DEFAULT_ROUTING)),
-        source=root, paths=tuple(paths))
+        **release_sampling(root, settings), source=root, paths=tuple(paths))
 
 
 def _routing(router: Stage, text_prior: bool) -> ConditionedRouter:

@@ -40,12 +40,7 @@ from ddm.models.paris_loading import (
     weight_file,
     weight_shapes,
 )
-from ddm.models.stages import (
-    DEFAULT_GUIDANCE,
-    DEFAULT_ROUTING,
-    DEFAULT_STEPS,
-    check_stage_shapes,
-)
+from ddm.models.stages import check_stage_shapes, release_sampling
 
 #: The files transformers builds a tokenizer from: ``tokenizer.json`` where present (alone),
 #: else a BPE vocabulary and its merges; with its settings beside either. The import carries
@@ -104,11 +99,8 @@ def read_paris_release(root: Path) -> tuple[ImportedDDM, tuple[Component, ...]]:
         {"role": DECODER, "family": "autoencoder-kl", "latent_shape": latent_shape},
         one_safetensors(root / "vae")))
     settings = read_component_config(root)
-    ddm = ImportedDDM(
-        experts=len(names), conditioning="text",
-        steps=int(settings.get("num_inference_steps", DEFAULT_STEPS)),
-        strategy=str(settings.get("routing", DEFAULT_ROUTING)),
-        guidance_scale=float(settings.get("cfg_scale", DEFAULT_GUIDANCE)))
+    ddm = ImportedDDM(experts=len(names), conditioning="text",
+                      **release_sampling(root, settings))
     return ddm, tuple(components)
 
 

@@ -45,6 +45,7 @@ from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
 from ddm.models.trained_on import TRAINED_ON_KEY, TrainedOn
 from ddm.models.text_prior import TEXT_PRIOR_KEY, TextPrior
 from ddm.models.torch_io import model_input
+from ddm.sampling_params import sampling_problems
 
 #: ``forward(x (B, C, H, W) f32, t (B,) f32 ours, cond) -> v (B, C, H, W) f32``: an expert's
 #: unguided velocity in our convention (guidance wraps it: :mod:`ddm.sampling.guidance`).
@@ -454,6 +455,29 @@ def stage_directory(root: Path, role: str) -> Path | None:
 
 #: A DDM's sampler settings where its root config.json says nothing (Paris's port's).
 DEFAULT_GUIDANCE, DEFAULT_STEPS, DEFAULT_ROUTING = 7.5, 50, "top2"
+#: Where a release's root config.json gives them (the names of Paris's port).
+_RELEASE_SETTINGS = {"guidance_scale": ("cfg_scale", DEFAULT_GUIDANCE),
+                     "steps": ("num_inference_steps", DEFAULT_STEPS),
+                     "strategy": ("routing", DEFAULT_ROUTING)}
+
+
+def release_sampling(root: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``guidance_scale``, ``steps`` and ``strategy`` a release's root config.json
+    (``settings``) gives, its port's defaults where it gives none; a :class:`CheckpointError`
+    naming the file and the key where one is outside its declaration's bounds (a checkpoint
+    is a peer's: its numbers size every generation that takes its defaults)."""
+    values = {name: settings.get(key, default)
+              for name, (key, default) in _RELEASE_SETTINGS.items()}
+    if isinstance(values["steps"], float) and values["steps"].is_integer():
+        values["steps"] = int(values["steps"])  # JSON's 50.0
+    if isinstance(values["guidance_scale"], int) and not isinstance(values["guidance_scale"],
+                                                                     bool):
+        values["guidance_scale"] = float(values["guidance_scale"])
+    problems = sampling_problems(values)
+    if problems:
+        raise CheckpointError(f"{root}/config.json: " + "; ".join(
+            f"{_RELEASE_SETTINGS[name][0]} {message}" for name, message in problems))
+    return values
 _EXPERT_DIR = re.compile(r"expert_(\d+)")
 
 
