@@ -45,7 +45,7 @@ from ddm.models.paris_loading import (load_paris_expert, load_paris_router,
 from ddm.models.trained_on import TRAINED_ON_KEY, TrainedOn
 from ddm.models.text_prior import TEXT_PRIOR_KEY, TextPrior
 from ddm.models.torch_io import model_input
-from ddm.sampling_params import sampling_problems
+from ddm.sampling_params import SamplingError, SamplingParams
 
 #: ``forward(x (B, C, H, W) f32, t (B,) f32 ours, cond) -> v (B, C, H, W) f32``: an expert's
 #: unguided velocity in our convention (guidance wraps it: :mod:`ddm.sampling.guidance`).
@@ -463,21 +463,21 @@ _RELEASE_SETTINGS = {"guidance_scale": ("cfg_scale", DEFAULT_GUIDANCE),
 
 def release_sampling(root: Path, settings: Mapping[str, Any]) -> dict[str, Any]:
     """The ``guidance_scale``, ``steps`` and ``strategy`` a release's root config.json
-    (``settings``) gives, its port's defaults where it gives none; a :class:`CheckpointError`
-    naming the file and the key where one is outside its declaration's bounds (a checkpoint
-    is a peer's: its numbers size every generation that takes its defaults)."""
+    (``settings``) gives, its port's defaults where it gives none, as :class:`SamplingParams`
+    takes them; a :class:`CheckpointError` naming the file and the key where one is outside
+    its declaration's bounds (a checkpoint is a peer's: its numbers size every generation that
+    takes its defaults)."""
     values = {name: settings.get(key, default)
               for name, (key, default) in _RELEASE_SETTINGS.items()}
     if isinstance(values["steps"], float) and values["steps"].is_integer():
         values["steps"] = int(values["steps"])  # JSON's 50.0
-    if isinstance(values["guidance_scale"], int) and not isinstance(values["guidance_scale"],
-                                                                     bool):
-        values["guidance_scale"] = float(values["guidance_scale"])
-    problems = sampling_problems(values)
-    if problems:
+    try:
+        params = SamplingParams(**values)
+    except SamplingError as error:
         raise CheckpointError(f"{root}/config.json: " + "; ".join(
-            f"{_RELEASE_SETTINGS[name][0]} {message}" for name, message in problems))
-    return values
+            f"{_RELEASE_SETTINGS[name][0]} {message}" for name, message in error.problems)
+        ) from None
+    return {name: getattr(params, name) for name in _RELEASE_SETTINGS}
 _EXPERT_DIR = re.compile(r"expert_(\d+)")
 
 
